@@ -1,0 +1,179 @@
+"""KVCache: a layout plus the per-layer key and value tensors of one sequence.
+
+    K[layer]: [kv_heads, tokens, k_channels]      V[layer]: [kv_heads, tokens, v_channels]
+
+``start_position`` is the absolute position of the first token (0 for a chunk prefilled alone);
+stored keys carry RoPE at ``start_position + t`` when ``layout.rope.keys_rotated``.
+
+Conversions to and from transformers' ``DynamicCache`` share storage with the source tensors
+where the shapes allow (a batch-of-one cache is viewed, not copied).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kdn.errors import InvalidLayout
+from kdn.layout import KVLayout
+
+LayerKV = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass
+class KVCache:
+    """Keys and values of one sequence, layer by layer, in the shapes ``layout`` declares."""
+
+    layout: KVLayout
+    layers: list[LayerKV]
+    start_position: int = 0
+
+    def __post_init__(self) -> None:
+        self.layers = list(self.layers)
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise InvalidLayout unless every tensor matches the layout."""
+        if len(self.layers) != self.layout.num_layers:
+            raise InvalidLayout(
+                f"cache has {len(self.layers)} layers, layout declares {self.layout.num_layers}"
+            )
+        if self.start_position < 0:
+            raise InvalidLayout(f"start_position must be >= 0, got {self.start_position}")
+        tokens = None
+        for i, ((k, v), lay) in enumerate(zip(self.layers, self.layout.layers)):
+            want_k = (lay.kv_heads, k.shape[1] if k.dim() == 3 else -1, lay.k_channels)
+            want_v = (lay.kv_heads, k.shape[1] if k.dim() == 3 else -1, lay.v_channels)
+            if k.dim() != 3 or tuple(k.shape) != want_k:
+                raise InvalidLayout(f"layer {i}: K has shape {tuple(k.shape)}, expected {want_k}")
+            if v.dim() != 3 or tuple(v.shape) != want_v:
+                raise InvalidLayout(f"layer {i}: V has shape {tuple(v.shape)}, expected {want_v}")
+            if tokens is None:
+                tokens = k.shape[1]
+            elif k.shape[1] != tokens:
+                raise InvalidLayout(f"layer {i} holds {k.shape[1]} tokens, layer 0 holds {tokens}")
+            if k.dtype != self.layout.dtype.torch or v.dtype != self.layout.dtype.torch:
+                raise InvalidLayout(
+                    f"layer {i}: dtype {k.dtype}/{v.dtype}, layout declares {self.layout.dtype.value}"
+                )
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.layers[0][0].shape[1])
+
+    @property
+    def device(self) -> torch.device:
+        return self.layers[0][0].device
+
+    @property
+    def nbytes(self) -> int:
+        return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in self.layers)
+
+    def __len__(self) -> int:
+        return self.num_tokens
+
+    # -- slicing and concatenation -------------------------------------------------------------
+
+    def slice(self, start: int, stop: int | None = None) -> KVCache:
+        """Tokens [start, stop) as views (no copy); positions follow the slice."""
+        n = self.num_tokens
+        stop = n if stop is None else stop
+        if not 0 <= start <= stop <= n:
+            raise InvalidLayout(f"token range [{start}, {stop}) outside a cache of {n} tokens")
+        return KVCache(
+            self.layout,
+            [(k[:, start:stop], v[:, start:stop]) for k, v in self.layers],
+            self.start_position + start,
+        )
+
+    def __getitem__(self, item: slice) -> KVCache:
+        if not isinstance(item, slice) or item.step not in (None, 1):
+            raise TypeError("KVCache supports contiguous token slices only, e.g. kv[10:20]")
+        start, stop, _ = item.indices(self.num_tokens)
+        return self.slice(start, max(start, stop))
+
+    @staticmethod
+    def concat(parts: Sequence[KVCache]) -> KVCache:
+        """Join caches along tokens; all must share one layout. Positions follow the first part."""
+        if not parts:
+            raise InvalidLayout("concat needs at least one cache")
+        layout = parts[0].layout
+        for p in parts[1:]:
+            if p.layout.fingerprint != layout.fingerprint:
+                raise InvalidLayout("concat of caches with different layouts")
+        if len(parts) == 1:
+            return parts[0]
+        layers = [
+            (
+                torch.cat([p.layers[i][0] for p in parts], dim=1),
+                torch.cat([p.layers[i][1] for p in parts], dim=1),
+            )
+            for i in range(layout.num_layers)
+        ]
+        return KVCache(layout, layers, parts[0].start_position)
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> KVCache:
+        return KVCache(
+            self.layout,
+            [(k.to(device, non_blocking=non_blocking), v.to(device, non_blocking=non_blocking))
+             for k, v in self.layers],
+            self.start_position,
+        )
+
+    def equal(self, other: KVCache) -> bool:
+        """Bit-exact equality of layout, positions and every tensor."""
+        return (
+            self.layout.fingerprint == other.layout.fingerprint
+            and self.start_position == other.start_position
+            and all(
+                torch.equal(a, c) and torch.equal(b, d)
+                for (a, b), (c, d) in zip(self.layers, other.layers)
+            )
+        )
+
+    # -- transformers ---------------------------------------------------------------------------
+
+    @classmethod
+    def from_transformers(
+        cls, cache: Any, layout: KVLayout, *, batch_index: int = 0, start_position: int = 0
+    ) -> KVCache:
+        """View one sequence of a transformers cache (DynamicCache or legacy tuples) as KVCache.
+
+        Tensors are views of the cache's own storage; call ``.clone()``-ing code paths (or the
+        codec) before the engine mutates the cache if the data must outlive it.
+        """
+        layers: list[LayerKV] = []
+        for k, v in _iter_transformers_layers(cache):
+            # k: [batch, kv_heads, tokens, k_channels]
+            if k.dim() != 4:
+                raise InvalidLayout(f"transformers cache tensors must be 4-D, got {tuple(k.shape)}")
+            layers.append((k[batch_index], v[batch_index]))
+        return cls(layout, layers, start_position)
+
+    def to_transformers(self) -> Any:
+        """A transformers DynamicCache holding batch-of-one views of these tensors (no copy)."""
+        from transformers import DynamicCache
+        from transformers.cache_utils import DynamicLayer
+
+        cache = DynamicCache()
+        cache.layers = []
+        for k, v in self.layers:
+            layer = DynamicLayer()
+            k4, v4 = k.unsqueeze(0), v.unsqueeze(0)  # [1, kv_heads, tokens, channels]
+            layer.lazy_initialization(k4, v4)
+            layer.keys, layer.values = k4, v4
+            cache.layers.append(layer)
+        return cache
+
+
+def _iter_transformers_layers(cache: Any) -> list[LayerKV]:
+    if hasattr(cache, "layers") and cache.layers and hasattr(cache.layers[0], "keys"):
+        return [(layer.keys, layer.values) for layer in cache.layers]
+    if hasattr(cache, "key_cache"):  # older transformers
+        return list(zip(cache.key_cache, cache.value_cache))
+    if isinstance(cache, (tuple, list)):
+        return [(kv[0], kv[1]) for kv in cache]
+    raise InvalidLayout(f"unsupported transformers cache type {type(cache).__name__}")

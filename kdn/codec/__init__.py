@@ -1,0 +1,166 @@
+"""Encode KV caches into kdn containers and back. Pure functions; one serde path.
+
+    blob = encode(kv, mode="lossless")                 # bytes: header + frames
+    kv2  = decode(blob)                                # KVCache (checksums verified)
+
+    parts = encode_parts(kv, mode, level)              # header bytes + list of frame bytes
+    dec = StreamDecoder(parts.header)                  # streaming: one frame at a time
+    for i, frame in enumerate(parts.frames):
+        for layer, k, v in dec.decode_frame(i, frame): ...
+
+Frames hold ``layers_per_frame`` consecutive layers and decode independently. Per-layer work
+runs on a small thread pool (torch ops and zstd release the GIL).
+"""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from kdn.cache import KVCache
+from kdn.codec.format import (
+    Container,
+    Header,
+    LayerRecord,
+    build_frame,
+    build_header,
+    build_record,
+    check_frame,
+    layout_to_proto,
+    parse_container,
+    parse_header,
+)
+from kdn.codec.modes import LayerSpec, Mode, get_mode, mode_names
+from kdn.errors import Corrupt, InvalidArgument
+from kdn.layout import KVLayout
+from kdn.v1 import kdn_pb2 as pb
+
+__all__ = [
+    "Container",
+    "EncodedParts",
+    "Header",
+    "StreamDecoder",
+    "decode",
+    "encode",
+    "encode_parts",
+    "mode_names",
+    "parse_container",
+    "parse_header",
+]
+
+_POOL: ThreadPoolExecutor | None = None
+
+
+def _pool() -> ThreadPoolExecutor:
+    global _POOL
+    if _POOL is None:
+        _POOL = ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2),
+                                   thread_name_prefix="kdn-codec")
+    return _POOL
+
+
+@dataclass(frozen=True)
+class EncodedParts:
+    """An encoded cache as the container header plus its frames, ready to stream."""
+
+    header: bytes
+    frames: list[bytes]
+
+    def to_bytes(self) -> bytes:
+        return b"".join([self.header, *self.frames])
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.header) + sum(len(f) for f in self.frames)
+
+
+def _spec(kv_layout: KVLayout, layer: int, tokens: int) -> LayerSpec:
+    return LayerSpec(layer, kv_layout.num_layers, kv_layout.layers[layer], tokens, kv_layout.dtype)
+
+
+def encode_parts(
+    kv: KVCache, mode: str = "lossless", level: str = "", *, layers_per_frame: int = 1
+) -> EncodedParts:
+    """Encode ``kv`` into a container header and frames of ``layers_per_frame`` layers each."""
+    codec = get_mode(mode)
+    codec.check_level(level)
+    if layers_per_frame <= 0:
+        raise InvalidArgument(f"layers_per_frame must be > 0, got {layers_per_frame}")
+    kv.validate()
+    layout, tokens = kv.layout, kv.num_tokens
+    spans = [
+        (first, min(layers_per_frame, layout.num_layers - first))
+        for first in range(0, layout.num_layers, layers_per_frame)
+    ]
+    entry = pb.EntryHeader(
+        layout=layout_to_proto(layout),
+        codec=pb.Codec(mode=mode, level=level, params=codec.params(level)),
+        tokens=tokens,
+        start_position=kv.start_position,
+        frames=[pb.FrameSpan(first_layer=f, num_layers=n) for f, n in spans],
+        layout_fingerprint=layout.fingerprint,
+    )
+    header_bytes = build_header(entry)
+    checksum = parse_header(header_bytes).checksum
+
+    def one(layer: int) -> bytes:
+        k, v = kv.layers[layer]
+        body = codec.encode_layer(k, v, _spec(layout, layer, tokens), level)
+        return build_record(layout.layers[layer], tokens, body)
+
+    records = list(_pool().map(one, range(layout.num_layers)))
+    frames = [
+        build_frame(checksum, i, first, records[first : first + n])
+        for i, (first, n) in enumerate(spans)
+    ]
+    return EncodedParts(header_bytes, frames)
+
+
+def encode(kv: KVCache, mode: str = "lossless", level: str = "", *, layers_per_frame: int = 1
+           ) -> bytes:
+    """Encode ``kv`` into one self-describing container."""
+    return encode_parts(kv, mode, level, layers_per_frame=layers_per_frame).to_bytes()
+
+
+class StreamDecoder:
+    """Decodes the frames of one container as they arrive, in any order, independently."""
+
+    def __init__(self, header: bytes | memoryview | Header,
+                 device: torch.device | str | None = None) -> None:
+        self.header = header if isinstance(header, Header) else parse_header(header)
+        self.device = torch.device(device or "cpu")
+        self.mode: Mode = get_mode(self.header.mode)
+        self.level = self.mode.check_level(self.header.entry.codec.level)
+
+    @property
+    def num_frames(self) -> int:
+        return len(self.header.entry.frames)
+
+    def decode_record(self, rec: LayerRecord) -> tuple[torch.Tensor, torch.Tensor]:
+        spec = _spec(self.header.layout, rec.layer, rec.tokens)
+        k, v = self.mode.decode_layer(rec.body, spec, self.level, self.device)
+        if tuple(k.shape) != spec.k_shape or tuple(v.shape) != spec.v_shape:
+            raise Corrupt(f"layer {rec.layer}: mode {self.mode.name} decoded wrong shapes")
+        return k, v
+
+    def decode_frame(
+        self, index: int, frame: bytes | memoryview
+    ) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+        """Verify frame ``index`` and decode its layers: [(layer, K, V), ...]."""
+        recs = check_frame(self.header, index, frame)
+        return [(r.layer, *self.decode_record(r)) for r in recs]
+
+    def empty_cache(self) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+        return [None] * self.header.layout.num_layers
+
+
+def decode(buf: bytes | memoryview, *, device: torch.device | str | None = None) -> KVCache:
+    """Verify and decode a whole container into a KVCache (layers decoded in parallel)."""
+    container = parse_container(buf, verify=False)  # frames are checked just below
+    dec = StreamDecoder(container.header, device)
+    recs = [r for i, f in enumerate(container.frames) for r in check_frame(dec.header, i, f)]
+    layers = list(_pool().map(dec.decode_record, recs))
+    return KVCache(dec.header.layout, layers, int(container.header.entry.start_position))

@@ -1,0 +1,301 @@
+"""The container format of an encoded KV cache: a checksummed header, then independent frames.
+
+    container header  = b"KDNC" | u16 version | u16 flags | u32 n | EntryHeader proto (n bytes)
+                        | u64 xxh3_64 of all the bytes before it
+    frame             = prefix | payload
+    prefix (16 bytes) = b"KF" | u16 frame index | u16 first layer | u16 layer count
+                        | u32 payload length | u32 checksum (low 32 bits of xxh3_64 over the first
+                          12 prefix bytes + payload, seeded with the header checksum)
+    payload           = one record per layer of the frame:
+                        u16 kv_heads | u32 tokens | u16 k_channels | u16 v_channels
+                        | u32 body length | body (mode-specific bytes)
+
+The header checksum seeds every frame checksum, so a frame from another entry, a frame moved to
+another position, or a flipped bit anywhere is detected. Layer records declare their shapes, so
+a receiver (the server included) checks shapes against the layout without decoding tensors.
+
+This module knows nothing about how a mode turns tensors into bodies; see ``kdn.codec.modes``.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import xxhash
+
+from kdn.errors import Corrupt, InvalidArgument, InvalidLayout, Truncated
+from kdn.layout import DType, KVLayout, LayerLayout, RopeSpec
+from kdn.v1 import kdn_pb2 as pb
+
+MAGIC = b"KDNC"
+FRAME_MAGIC = b"KF"
+VERSION = 1
+_HEAD = struct.Struct("<4sHHI")  # magic, version, flags, header length
+_HEAD_SUM = struct.Struct("<Q")
+_FRAME = struct.Struct("<2sHHHIL")  # magic, index, first layer, layer count, payload len, sum
+_RECORD = struct.Struct("<HIHHI")  # kv_heads, tokens, k_channels, v_channels, body len
+FRAME_PREFIX_BYTES = _FRAME.size
+RECORD_BYTES = _RECORD.size
+MAX_HEADER_BYTES = 1 << 20
+
+
+# ------------------------------------------------------------------ layout <-> proto
+
+
+def layout_to_proto(layout: KVLayout) -> pb.Layout:
+    msg = pb.Layout(
+        model_fingerprint=layout.model_fingerprint,
+        model_name=layout.model_name,
+        dtype=layout.dtype.value,
+        head_dim=layout.head_dim,
+        rope=pb.RopeSpec(
+            theta=layout.rope.theta,
+            rotary_dim=layout.rope.rotary_dim,
+            scaling=layout.rope.scaling,
+            keys_rotated=layout.rope.keys_rotated,
+        ),
+    )
+    for lay in layout.layers:
+        msg.layers.append(
+            pb.LayerLayout(
+                kv_heads=lay.kv_heads,
+                k_channels=lay.k_channels,
+                v_channels=lay.v_channels,
+                k_kept=list(lay.k_kept or ()),
+                v_kept=list(lay.v_kept or ()),
+                has_k_kept=lay.k_kept is not None,
+                has_v_kept=lay.v_kept is not None,
+            )
+        )
+    return msg
+
+
+def layout_from_proto(msg: pb.Layout) -> KVLayout:
+    return KVLayout(
+        model_fingerprint=msg.model_fingerprint,
+        model_name=msg.model_name,
+        dtype=DType.of(msg.dtype),
+        head_dim=msg.head_dim,
+        rope=RopeSpec(
+            theta=msg.rope.theta or 10000.0,
+            rotary_dim=msg.rope.rotary_dim,
+            scaling=msg.rope.scaling,
+            keys_rotated=msg.rope.keys_rotated,
+        ),
+        layers=tuple(
+            LayerLayout(
+                kv_heads=lay.kv_heads,
+                k_channels=lay.k_channels,
+                v_channels=lay.v_channels,
+                k_kept=tuple(lay.k_kept) if lay.has_k_kept else None,
+                v_kept=tuple(lay.v_kept) if lay.has_v_kept else None,
+            )
+            for lay in msg.layers
+        ),
+    )
+
+
+# ------------------------------------------------------------------ header
+
+
+@dataclass(frozen=True)
+class Header:
+    """A parsed, checksum-verified container header."""
+
+    raw: bytes
+    """The container header's bytes exactly as stored (magic through checksum)."""
+    entry: pb.EntryHeader
+    layout: KVLayout
+    checksum: int
+
+    @property
+    def tokens(self) -> int:
+        return int(self.entry.tokens)
+
+    @property
+    def mode(self) -> str:
+        return self.entry.codec.mode
+
+    @property
+    def spans(self) -> list[tuple[int, int]]:
+        return [(f.first_layer, f.num_layers) for f in self.entry.frames]
+
+
+def build_header(entry: pb.EntryHeader) -> bytes:
+    body = entry.SerializeToString(deterministic=True)
+    head = _HEAD.pack(MAGIC, VERSION, 0, len(body)) + body
+    return head + _HEAD_SUM.pack(xxhash.xxh3_64_intdigest(head))
+
+
+def header_size(buf: bytes | memoryview) -> int:
+    """Bytes the container header occupies, from its fixed prefix (raises if truncated)."""
+    if len(buf) < _HEAD.size:
+        raise Truncated(f"container header truncated: {len(buf)} bytes < {_HEAD.size}")
+    magic, version, _flags, n = _HEAD.unpack_from(buf, 0)
+    if magic != MAGIC:
+        raise Corrupt(f"bad magic {bytes(magic)!r}; not a kdn container")
+    if version != VERSION:
+        raise InvalidArgument(f"unsupported container version {version} (this kdn reads {VERSION})")
+    if n > MAX_HEADER_BYTES:
+        raise Corrupt(f"container header declares {n} bytes (limit {MAX_HEADER_BYTES})")
+    return _HEAD.size + n + _HEAD_SUM.size
+
+
+def parse_header(buf: bytes | memoryview) -> Header:
+    """Verify and decode the container header at the start of ``buf``."""
+    size = header_size(buf)
+    if len(buf) < size:
+        raise Truncated(f"container header truncated: {len(buf)} bytes < {size}")
+    raw = bytes(buf[:size])
+    (want,) = _HEAD_SUM.unpack_from(raw, size - _HEAD_SUM.size)
+    got = xxhash.xxh3_64_intdigest(raw[: size - _HEAD_SUM.size])
+    if got != want:
+        raise Corrupt("container header checksum mismatch")
+    entry = pb.EntryHeader()
+    try:
+        entry.ParseFromString(raw[_HEAD.size : size - _HEAD_SUM.size])
+    except Exception as exc:  # protobuf raises DecodeError, a bare Exception subclass
+        raise Corrupt(f"container header does not parse: {exc}") from exc
+    layout = layout_from_proto(entry.layout)
+    if entry.layout_fingerprint != layout.fingerprint:
+        raise InvalidLayout("container header layout fingerprint does not match its layout")
+    _check_spans(entry, layout)
+    return Header(raw=raw, entry=entry, layout=layout, checksum=want)
+
+
+def _check_spans(entry: pb.EntryHeader, layout: KVLayout) -> None:
+    nxt = 0
+    for i, f in enumerate(entry.frames):
+        if f.first_layer != nxt or f.num_layers == 0:
+            raise InvalidLayout(
+                f"frame {i} covers layers [{f.first_layer}, {f.first_layer + f.num_layers}); "
+                f"expected to start at layer {nxt} with at least one layer"
+            )
+        nxt += f.num_layers
+    if nxt != layout.num_layers:
+        raise InvalidLayout(f"frames cover {nxt} layers, layout has {layout.num_layers}")
+
+
+# ------------------------------------------------------------------ frames
+
+
+def _frame_sum(seed: int, prefix12: bytes | memoryview, payload: bytes | memoryview) -> int:
+    h = xxhash.xxh3_64(seed=seed)
+    h.update(prefix12)
+    h.update(payload)
+    return h.intdigest() & 0xFFFFFFFF
+
+
+def build_frame(header_checksum: int, index: int, first_layer: int, records: list[bytes]) -> bytes:
+    """One frame from per-layer records (see ``build_record``)."""
+    payload = b"".join(records)
+    pre = struct.pack("<2sHHHI", FRAME_MAGIC, index, first_layer, len(records), len(payload))
+    return pre + struct.pack("<L", _frame_sum(header_checksum, pre, payload)) + payload
+
+
+def build_record(lay: LayerLayout, tokens: int, body: bytes) -> bytes:
+    return _RECORD.pack(lay.kv_heads, tokens, lay.k_channels, lay.v_channels, len(body)) + body
+
+
+def frame_length(buf: bytes | memoryview, offset: int = 0) -> int:
+    """Total bytes of the frame starting at ``offset`` (prefix + payload), from its prefix."""
+    if len(buf) - offset < _FRAME.size:
+        raise Truncated(f"frame prefix truncated at offset {offset}")
+    magic, _i, _f, _n, length, _s = _FRAME.unpack_from(buf, offset)
+    if magic != FRAME_MAGIC:
+        raise Corrupt(f"bad frame magic at offset {offset}")
+    return _FRAME.size + length
+
+
+@dataclass(frozen=True)
+class LayerRecord:
+    layer: int
+    tokens: int
+    body: memoryview
+
+
+def check_frame(header: Header, index: int, frame: bytes | memoryview) -> list[LayerRecord]:
+    """Verify one frame against its header (checksum, position, shapes); return its records.
+
+    Cheap: no tensor is decoded. Raises Corrupt/Truncated for damaged bytes and InvalidLayout
+    for records whose shapes do not match the declared layout.
+    """
+    mv = memoryview(frame)
+    if index >= len(header.entry.frames):
+        raise InvalidLayout(f"frame {index} beyond the {len(header.entry.frames)} declared")
+    if len(mv) < _FRAME.size:
+        raise Truncated(f"frame {index} truncated: {len(mv)} bytes")
+    magic, idx, first, count, length, want = _FRAME.unpack_from(mv, 0)
+    if magic != FRAME_MAGIC:
+        raise Corrupt(f"frame {index}: bad magic")
+    if len(mv) != _FRAME.size + length:
+        raise Truncated(f"frame {index}: {len(mv) - _FRAME.size} payload bytes, declared {length}")
+    payload = mv[_FRAME.size :]
+    if _frame_sum(header.checksum, mv[:12], payload) != want:
+        raise Corrupt(f"frame {index}: checksum mismatch")
+    span = header.entry.frames[index]
+    if (idx, first, count) != (index, span.first_layer, span.num_layers):
+        raise Corrupt(
+            f"frame {index}: declares index {idx} layers [{first}, {first + count}), "
+            f"header expects layers [{span.first_layer}, {span.first_layer + span.num_layers})"
+        )
+    out: list[LayerRecord] = []
+    off = 0
+    for j in range(count):
+        layer = first + j
+        if len(payload) - off < _RECORD.size:
+            raise Truncated(f"frame {index}: record for layer {layer} truncated")
+        heads, tokens, kc, vc, blen = _RECORD.unpack_from(payload, off)
+        lay = header.layout.layers[layer]
+        if (heads, tokens, kc, vc) != (lay.kv_heads, header.tokens, lay.k_channels, lay.v_channels):
+            raise InvalidLayout(
+                f"layer {layer}: frame declares heads={heads} tokens={tokens} k={kc} v={vc}, "
+                f"layout expects heads={lay.kv_heads} tokens={header.tokens} "
+                f"k={lay.k_channels} v={lay.v_channels}"
+            )
+        off += _RECORD.size
+        if len(payload) - off < blen:
+            raise Truncated(f"frame {index}: body of layer {layer} truncated")
+        out.append(LayerRecord(layer, tokens, payload[off : off + blen]))
+        off += blen
+    if off != len(payload):
+        raise Corrupt(f"frame {index}: {len(payload) - off} trailing bytes after its records")
+    return out
+
+
+def split_frames(buf: bytes | memoryview, offset: int) -> Iterator[memoryview]:
+    """Yield each frame of a container as a zero-copy view, starting at ``offset``."""
+    mv = memoryview(buf)
+    while offset < len(mv):
+        n = frame_length(mv, offset)
+        if offset + n > len(mv):
+            raise Truncated(f"frame at offset {offset} needs {n} bytes, {len(mv) - offset} remain")
+        yield mv[offset : offset + n]
+        offset += n
+
+
+@dataclass(frozen=True)
+class Container:
+    """A parsed container: its header and zero-copy views of its frames."""
+
+    header: Header
+    frames: list[memoryview]
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.header.raw) + sum(len(f) for f in self.frames)
+
+
+def parse_container(buf: bytes | memoryview, *, verify: bool = True) -> Container:
+    """Split a stored entry into header and frames; with ``verify`` check every frame too."""
+    header = parse_header(buf)
+    frames = list(split_frames(buf, len(header.raw)))
+    if len(frames) != len(header.entry.frames):
+        raise Truncated(f"container holds {len(frames)} frames, header declares "
+                        f"{len(header.entry.frames)}")
+    if verify:
+        for i, f in enumerate(frames):
+            check_frame(header, i, f)
+    return Container(header, frames)

@@ -1,0 +1,133 @@
+"""Codec modes: how one layer's K and V tensors become bytes and back.
+
+A mode is a pure transform registered by name. The container (``kdn.codec.format``) frames its
+output; the mode only sees one layer at a time:
+
+    encode_layer(k, v, spec, level) -> body      k: [kv_heads, tokens, k_channels]
+    decode_layer(body, spec, level, device) -> (k, v)
+
+Modes must handle any per-layer shape (pruned layouts), check that a body has exactly the size
+its shapes imply, and raise ``Corrupt`` rather than return wrong tensors.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from typing import ClassVar
+
+import numpy as np
+import torch
+
+from kdn.errors import Corrupt, InvalidArgument
+from kdn.layout import DType, LayerLayout
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """What a mode knows about the layer it codes."""
+
+    index: int
+    num_layers: int
+    layout: LayerLayout
+    tokens: int
+    dtype: DType
+
+    @property
+    def k_shape(self) -> tuple[int, int, int]:
+        return (self.layout.kv_heads, self.tokens, self.layout.k_channels)
+
+    @property
+    def v_shape(self) -> tuple[int, int, int]:
+        return (self.layout.kv_heads, self.tokens, self.layout.v_channels)
+
+
+class Mode(abc.ABC):
+    """Base of every codec mode. Subclasses set ``name`` and ``levels`` and register."""
+
+    name: ClassVar[str]
+    levels: ClassVar[tuple[str, ...]] = ("",)
+    lossless: ClassVar[bool] = False
+
+    def check_level(self, level: str) -> str:
+        if level not in self.levels:
+            raise InvalidArgument(
+                f"codec mode {self.name!r} has no level {level!r}; levels: {list(self.levels)}"
+            )
+        return level
+
+    def params(self, level: str) -> dict[str, str]:
+        """Parameters recorded in the header (informational; decode relies on the level)."""
+        return {}
+
+    @abc.abstractmethod
+    def encode_layer(self, k: torch.Tensor, v: torch.Tensor, spec: LayerSpec, level: str) -> bytes:
+        ...
+
+    @abc.abstractmethod
+    def decode_layer(
+        self, body: memoryview, spec: LayerSpec, level: str, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        ...
+
+
+_MODES: dict[str, Mode] = {}
+
+
+def register(mode: Mode) -> Mode:
+    _MODES[mode.name] = mode
+    return mode
+
+
+def get_mode(name: str) -> Mode:
+    _load_builtin()
+    try:
+        return _MODES[name]
+    except KeyError:
+        raise InvalidArgument(
+            f"unknown codec mode {name!r}; known modes: {sorted(_MODES)}"
+        ) from None
+
+
+def mode_names() -> list[str]:
+    _load_builtin()
+    return sorted(_MODES)
+
+
+def _load_builtin() -> None:
+    if not _MODES:
+        import importlib
+        import pkgutil
+
+        for info in pkgutil.iter_modules(__path__):
+            importlib.import_module(f"{__name__}.{info.name}")
+
+
+# ------------------------------------------------------------------ helpers shared by modes
+
+_INT_VIEW = {2: np.int16, 4: np.int32}
+
+
+def tensor_bytes(t: torch.Tensor) -> bytes:
+    """Raw little-endian element bytes of ``t`` (any float dtype, bf16 included)."""
+    t = t.detach().contiguous().cpu()
+    return t.view(_int_dtype(t.dtype)).numpy().tobytes()
+
+
+def tensor_from_bytes(
+    buf: bytes | memoryview, dtype: torch.dtype, shape: tuple[int, ...], device: torch.device
+) -> torch.Tensor:
+    """Owned tensor of ``shape`` from exactly the right number of raw bytes."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    n = int(np.prod(shape))
+    if len(buf) != n * itemsize:
+        raise Corrupt(f"expected {n * itemsize} bytes for {shape} {dtype}, got {len(buf)}")
+    arr = np.frombuffer(buf, dtype=_INT_VIEW[itemsize]).copy()
+    out = torch.from_numpy(arr).view(dtype).reshape(shape)
+    return out if device.type == "cpu" else out.to(device)
+
+
+def _int_dtype(dtype: torch.dtype) -> torch.dtype:
+    return {torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float32: torch.int32}[
+        dtype
+    ]

@@ -1,0 +1,32 @@
+"""``raw``: the tensors' own bytes, K then V. The reference mode and the cheapest to serve."""
+
+from __future__ import annotations
+
+import torch
+
+from kdn.codec.modes import LayerSpec, Mode, register, tensor_bytes, tensor_from_bytes
+from kdn.errors import Corrupt
+
+
+class Raw(Mode):
+    name = "raw"
+    lossless = True
+
+    def encode_layer(self, k: torch.Tensor, v: torch.Tensor, spec: LayerSpec, level: str) -> bytes:
+        return tensor_bytes(k) + tensor_bytes(v)
+
+    def decode_layer(
+        self, body: memoryview, spec: LayerSpec, level: str, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        dt = spec.dtype.torch
+        nk = spec.layout.k_numel(spec.tokens) * spec.dtype.itemsize
+        nv = spec.layout.v_numel(spec.tokens) * spec.dtype.itemsize
+        if len(body) != nk + nv:
+            raise Corrupt(f"layer {spec.index}: raw body has {len(body)} bytes, expected {nk + nv}")
+        return (
+            tensor_from_bytes(body[:nk], dt, spec.k_shape, device),
+            tensor_from_bytes(body[nk:], dt, spec.v_shape, device),
+        )
+
+
+register(Raw())

@@ -1,0 +1,110 @@
+"""Content keys: deterministic hashes naming cached KV, equal in every process and machine.
+
+Three forms, all BLAKE2b-256 over a domain tag, the namespace, the layout fingerprint (which
+covers the model fingerprint) and the token ids as little-endian int32:
+
+* ``chunk_key``: position-free key of a knowledge chunk that may be placed anywhere in a prompt
+  (the cache was prefilled with the chunk alone, from position 0).
+* ``prefix_keys``: chained keys over fixed-size token chunks, for prefix reuse. Key i covers
+  tokens [0, (i+1) * chunk_tokens): it hashes key i-1 and chunk i's tokens, so a hit on key i
+  implies the whole prefix matches.
+* ``text_chunk_key``: tokenize with the model's tokenizer, then ``chunk_key``.
+
+Python's built-in ``hash()`` is never used: it is salted per process.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from kdn.errors import InvalidArgument
+from kdn.layout import KVLayout
+
+KEY_BYTES = 32
+DEFAULT_NAMESPACE = "default"
+DEFAULT_PREFIX_CHUNK = 256
+_NAMESPACE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-]{0,63}$")
+
+TokenIds = Sequence[int] | torch.Tensor
+
+
+def check_namespace(namespace: str) -> str:
+    if not isinstance(namespace, str) or not _NAMESPACE_RE.match(namespace):
+        raise InvalidArgument(
+            f"namespace {namespace!r} is malformed: 1-64 chars of letters, digits, '.', '_', '-'"
+        )
+    return namespace
+
+
+def check_key(key: bytes) -> bytes:
+    if not isinstance(key, (bytes, bytearray)) or len(key) != KEY_BYTES:
+        size = len(key) if isinstance(key, (bytes, bytearray)) else type(key).__name__
+        raise InvalidArgument(f"key must be {KEY_BYTES} bytes (a kdn.keys digest), got {size}")
+    return bytes(key)
+
+
+def _token_bytes(token_ids: TokenIds) -> bytes:
+    t = token_ids if isinstance(token_ids, torch.Tensor) else torch.tensor(list(token_ids))
+    t = t.reshape(-1)
+    if t.numel() and (t.min() < 0 or t.max() >= 2**31):
+        raise InvalidArgument("token ids must be in [0, 2**31)")
+    return t.to(torch.int32).cpu().numpy().astype("<i4").tobytes()
+
+
+def _h(*parts: bytes) -> bytes:
+    h = hashlib.blake2b(digest_size=KEY_BYTES)
+    for p in parts:
+        h.update(len(p).to_bytes(8, "little"))
+        h.update(p)
+    return h.digest()
+
+
+def chunk_key(token_ids: TokenIds, layout: KVLayout, namespace: str = DEFAULT_NAMESPACE) -> bytes:
+    """Position-free key of a chunk's KV (prefilled alone, from position 0)."""
+    check_namespace(namespace)
+    return _h(
+        b"kdn/chunk/v1",
+        namespace.encode(),
+        layout.model_fingerprint.encode(),
+        layout.fingerprint.encode(),
+        _token_bytes(token_ids),
+    )
+
+
+def prefix_keys(
+    token_ids: TokenIds,
+    layout: KVLayout,
+    namespace: str = DEFAULT_NAMESPACE,
+    chunk_tokens: int = DEFAULT_PREFIX_CHUNK,
+) -> list[bytes]:
+    """Chained keys of each full ``chunk_tokens`` block of the prefix; a partial tail has none."""
+    check_namespace(namespace)
+    if chunk_tokens <= 0:
+        raise InvalidArgument(f"chunk_tokens must be > 0, got {chunk_tokens}")
+    raw = _token_bytes(token_ids)
+    step = chunk_tokens * 4
+    prev = _h(
+        b"kdn/prefix/v1",
+        namespace.encode(),
+        layout.model_fingerprint.encode(),
+        layout.fingerprint.encode(),
+        chunk_tokens.to_bytes(4, "little"),
+    )
+    out: list[bytes] = []
+    for i in range(len(raw) // step):
+        prev = _h(b"kdn/prefix-link/v1", prev, raw[i * step : (i + 1) * step])
+        out.append(prev)
+    return out
+
+
+def text_chunk_key(
+    text: str, tokenizer: Any, layout: KVLayout, namespace: str = DEFAULT_NAMESPACE
+) -> bytes:
+    """Key of a text chunk: tokenized without special tokens, then ``chunk_key``."""
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    return chunk_key(ids, layout, namespace)

@@ -1,0 +1,311 @@
+"""KVLayout: the one description of a KV cache's shape, used everywhere in kdn.
+
+A layout says, for one model, what each layer's cached keys and values look like:
+
+    K[layer]: [kv_heads, tokens, k_channels]      V[layer]: [kv_heads, tokens, v_channels]
+
+Layers may differ from each other, and K may differ from V: layouts of structurally pruned models
+(KVPruner) are first-class. ``k_kept``/``v_kept`` record which channels of the model's original
+head dimension a layer kept (``None`` means all of them, in order).
+
+Positional facts (``RopeSpec``) say how keys were rotated, so the blender can re-position them.
+The start position of a particular cache's first token is a property of that cache
+(``KVCache.start_position``), not of the layout: the same layout serves chunks at any position.
+
+A layout is frozen and hashable; ``fingerprint`` is a stable content hash (same value in every
+process and on every machine) that keys and stored entries carry.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kdn.errors import InvalidLayout
+
+
+class DType(enum.Enum):
+    """Element types a cache may hold."""
+
+    FLOAT16 = "float16"
+    BFLOAT16 = "bfloat16"
+    FLOAT32 = "float32"
+
+    @property
+    def torch(self) -> torch.dtype:
+        return _TORCH_DTYPES[self]
+
+    @property
+    def itemsize(self) -> int:
+        return 4 if self is DType.FLOAT32 else 2
+
+    @classmethod
+    def of(cls, dtype: torch.dtype | str | DType) -> DType:
+        if isinstance(dtype, DType):
+            return dtype
+        if isinstance(dtype, torch.dtype):
+            for k, v in _TORCH_DTYPES.items():
+                if v == dtype:
+                    return k
+            raise InvalidLayout(f"unsupported dtype {dtype}; kdn stores float16, bfloat16, float32")
+        try:
+            return cls(str(dtype).removeprefix("torch."))
+        except ValueError:
+            raise InvalidLayout(
+                f"unsupported dtype {dtype!r}; kdn stores float16, bfloat16, float32"
+            ) from None
+
+
+_TORCH_DTYPES = {
+    DType.FLOAT16: torch.float16,
+    DType.BFLOAT16: torch.bfloat16,
+    DType.FLOAT32: torch.float32,
+}
+
+
+@dataclass(frozen=True)
+class RopeSpec:
+    """What is needed to re-rotate stored keys to another position."""
+
+    theta: float = 10000.0
+    """Base of the rotary frequencies."""
+    rotary_dim: int = 0
+    """Channels of the original head that rotate (the first ``rotary_dim``; 0 = no RoPE)."""
+    scaling: str = ""
+    """Canonical JSON of the model's rope scaling parameters beyond theta ("" = none)."""
+    keys_rotated: bool = True
+    """Whether stored keys already carry RoPE at their positions (transformers caches do)."""
+
+    def __post_init__(self) -> None:
+        if self.theta <= 0:
+            raise InvalidLayout(f"rope theta must be > 0, got {self.theta}")
+        if self.rotary_dim < 0 or self.rotary_dim % 2:
+            raise InvalidLayout(f"rope rotary_dim must be even and >= 0, got {self.rotary_dim}")
+
+
+@dataclass(frozen=True)
+class LayerLayout:
+    """One layer's K and V shapes."""
+
+    kv_heads: int
+    k_channels: int
+    v_channels: int
+    k_kept: tuple[int, ...] | None = None
+    """Original channel indices kept for K (per head, ascending); None = all, in order."""
+    v_kept: tuple[int, ...] | None = None
+    """Original channel indices kept for V; None = all, in order."""
+
+    def __post_init__(self) -> None:
+        for name in ("kv_heads", "k_channels", "v_channels"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise InvalidLayout(f"{name} must be a positive int, got {value!r}")
+        for name, kept, n in (
+            ("k_kept", self.k_kept, self.k_channels),
+            ("v_kept", self.v_kept, self.v_channels),
+        ):
+            if kept is None:
+                continue
+            if len(kept) != n:
+                raise InvalidLayout(f"{name} lists {len(kept)} channels but the layer has {n}")
+            if any(b <= a for a, b in zip(kept, kept[1:])) or (kept and kept[0] < 0):
+                raise InvalidLayout(f"{name} must be strictly ascending non-negative indices")
+
+    def k_numel(self, tokens: int) -> int:
+        return self.kv_heads * tokens * self.k_channels
+
+    def v_numel(self, tokens: int) -> int:
+        return self.kv_heads * tokens * self.v_channels
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Shape of a model's KV cache, layer by layer."""
+
+    model_fingerprint: str
+    """Stable id of the model (config and weights identity) the cache belongs to."""
+    layers: tuple[LayerLayout, ...]
+    dtype: DType = DType.FLOAT16
+    head_dim: int = 0
+    """Original (unpruned) head dimension; kept-channel indices refer to it."""
+    rope: RopeSpec = field(default_factory=RopeSpec)
+    model_name: str = ""
+    """Human-readable model name; informational, not part of the fingerprint."""
+
+    def __post_init__(self) -> None:
+        if not self.model_fingerprint:
+            raise InvalidLayout("model_fingerprint must not be empty")
+        if not self.layers:
+            raise InvalidLayout("a layout needs at least one layer")
+        object.__setattr__(self, "layers", tuple(self.layers))
+        object.__setattr__(self, "dtype", DType.of(self.dtype))
+        if self.head_dim < 0:
+            raise InvalidLayout(f"head_dim must be >= 0, got {self.head_dim}")
+        for i, layer in enumerate(self.layers):
+            for kept in (layer.k_kept, layer.v_kept):
+                if kept and self.head_dim and kept[-1] >= self.head_dim:
+                    raise InvalidLayout(
+                        f"layer {i}: kept channel {kept[-1]} >= head_dim {self.head_dim}"
+                    )
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def is_uniform(self) -> bool:
+        return all(layer == self.layers[0] for layer in self.layers)
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Uncompressed bytes one token's K and V occupy across all layers."""
+        per = sum(lay.kv_heads * (lay.k_channels + lay.v_channels) for lay in self.layers)
+        return per * self.dtype.itemsize
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain-data form (JSON-safe) used by the fingerprint and by serializers."""
+        return {
+            "model_fingerprint": self.model_fingerprint,
+            "model_name": self.model_name,
+            "dtype": self.dtype.value,
+            "head_dim": self.head_dim,
+            "rope": {
+                "theta": self.rope.theta,
+                "rotary_dim": self.rope.rotary_dim,
+                "scaling": self.rope.scaling,
+                "keys_rotated": self.rope.keys_rotated,
+            },
+            "layers": [
+                {
+                    "kv_heads": lay.kv_heads,
+                    "k_channels": lay.k_channels,
+                    "v_channels": lay.v_channels,
+                    "k_kept": list(lay.k_kept) if lay.k_kept is not None else None,
+                    "v_kept": list(lay.v_kept) if lay.v_kept is not None else None,
+                }
+                for lay in self.layers
+            ],
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> KVLayout:
+        try:
+            rope = d.get("rope", {})
+            return cls(
+                model_fingerprint=str(d["model_fingerprint"]),
+                model_name=str(d.get("model_name", "")),
+                dtype=DType.of(d.get("dtype", "float16")),
+                head_dim=int(d.get("head_dim", 0)),
+                rope=RopeSpec(
+                    theta=float(rope.get("theta", 10000.0)),
+                    rotary_dim=int(rope.get("rotary_dim", 0)),
+                    scaling=str(rope.get("scaling", "")),
+                    keys_rotated=bool(rope.get("keys_rotated", True)),
+                ),
+                layers=tuple(
+                    LayerLayout(
+                        kv_heads=int(lay["kv_heads"]),
+                        k_channels=int(lay["k_channels"]),
+                        v_channels=int(lay["v_channels"]),
+                        k_kept=tuple(int(c) for c in lay["k_kept"])
+                        if lay.get("k_kept") is not None
+                        else None,
+                        v_kept=tuple(int(c) for c in lay["v_kept"])
+                        if lay.get("v_kept") is not None
+                        else None,
+                    )
+                    for lay in d["layers"]
+                ),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise InvalidLayout(f"malformed layout description: {exc}") from exc
+
+    @property
+    def fingerprint(self) -> str:
+        """Stable hex digest of everything that determines how the cache's bytes are read."""
+        d = self.to_dict()
+        d.pop("model_name")
+        return _digest(d)
+
+    @classmethod
+    def from_config(
+        cls,
+        config: Any,
+        *,
+        dtype: torch.dtype | str | DType = torch.float16,
+        weights_id: str = "",
+    ) -> KVLayout:
+        """Layout of an ordinary (or kdn-pruned) transformers decoder config.
+
+        ``weights_id`` distinguishes checkpoints that share a config (e.g. fine-tunes). It is not
+        derived from ``_name_or_path``: a local path differs between machines, and the same
+        model must give the same fingerprint everywhere.
+        """
+        cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
+        n_layers = int(cfg.num_hidden_layers)
+        n_heads = int(cfg.num_attention_heads)
+        kv_heads = int(getattr(cfg, "num_key_value_heads", None) or n_heads)
+        head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // n_heads)
+        rope_params = dict(getattr(cfg, "rope_parameters", None) or {})
+        theta = float(rope_params.pop("rope_theta", getattr(cfg, "rope_theta", 10000.0)))
+        rope_type = rope_params.get("rope_type", "default")
+        partial = float(
+            rope_params.pop("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", 1.0))
+        )
+        scaling = "" if rope_type == "default" and len(rope_params) <= 1 else _canon(rope_params)
+        rotary_dim = int(head_dim * partial) // 2 * 2
+        pruned = getattr(cfg, "kdn_pruned", None)  # written by kdn.prune: per-layer kept channels
+        layers: list[LayerLayout] = []
+        for i in range(n_layers):
+            if pruned is not None:
+                k_kept = tuple(int(c) for c in pruned["k_kept"][i])
+                v_kept = tuple(int(c) for c in pruned["v_kept"][i])
+                layers.append(LayerLayout(kv_heads, len(k_kept), len(v_kept), k_kept, v_kept))
+            else:
+                layers.append(LayerLayout(kv_heads, head_dim, head_dim))
+        name = str(getattr(cfg, "_name_or_path", "") or getattr(cfg, "model_type", ""))
+        return cls(
+            model_fingerprint=model_fingerprint(config, weights_id=weights_id),
+            model_name=name,
+            layers=tuple(layers),
+            dtype=DType.of(dtype),
+            head_dim=head_dim,
+            rope=RopeSpec(theta=theta, rotary_dim=rotary_dim, scaling=scaling),
+        )
+
+
+_VOLATILE_CONFIG_KEYS = {
+    "_name_or_path",
+    "transformers_version",
+    "torch_dtype",
+    "dtype",
+    "_attn_implementation",
+    "_attn_implementation_autoset",
+    "attn_implementation",
+    "use_cache",
+    "output_attentions",
+    "output_hidden_states",
+    "return_dict",
+    "architectures",
+    "_commit_hash",
+}
+
+
+def model_fingerprint(config: Any, *, weights_id: str = "") -> str:
+    """Stable digest of a model config's architecture fields plus a weights identity."""
+    d = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+    d = {k: v for k, v in d.items() if k not in _VOLATILE_CONFIG_KEYS}
+    return _digest({"config": d, "weights": weights_id})
+
+
+def _canon(obj: Any) -> str:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str)
+
+
+def _digest(obj: Any) -> str:
+    return hashlib.blake2b(_canon(obj).encode(), digest_size=16).hexdigest()

@@ -1,0 +1,277 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Durability(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DURABILITY_DEFAULT: _ClassVar[Durability]
+    DURABILITY_MEMORY: _ClassVar[Durability]
+    DURABILITY_DISK: _ClassVar[Durability]
+    DURABILITY_SHARED: _ClassVar[Durability]
+DURABILITY_DEFAULT: Durability
+DURABILITY_MEMORY: Durability
+DURABILITY_DISK: Durability
+DURABILITY_SHARED: Durability
+
+class RopeSpec(_message.Message):
+    __slots__ = ("theta", "rotary_dim", "scaling", "keys_rotated")
+    THETA_FIELD_NUMBER: _ClassVar[int]
+    ROTARY_DIM_FIELD_NUMBER: _ClassVar[int]
+    SCALING_FIELD_NUMBER: _ClassVar[int]
+    KEYS_ROTATED_FIELD_NUMBER: _ClassVar[int]
+    theta: float
+    rotary_dim: int
+    scaling: str
+    keys_rotated: bool
+    def __init__(self, theta: _Optional[float] = ..., rotary_dim: _Optional[int] = ..., scaling: _Optional[str] = ..., keys_rotated: _Optional[bool] = ...) -> None: ...
+
+class LayerLayout(_message.Message):
+    __slots__ = ("kv_heads", "k_channels", "v_channels", "k_kept", "v_kept", "has_k_kept", "has_v_kept")
+    KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    K_CHANNELS_FIELD_NUMBER: _ClassVar[int]
+    V_CHANNELS_FIELD_NUMBER: _ClassVar[int]
+    K_KEPT_FIELD_NUMBER: _ClassVar[int]
+    V_KEPT_FIELD_NUMBER: _ClassVar[int]
+    HAS_K_KEPT_FIELD_NUMBER: _ClassVar[int]
+    HAS_V_KEPT_FIELD_NUMBER: _ClassVar[int]
+    kv_heads: int
+    k_channels: int
+    v_channels: int
+    k_kept: _containers.RepeatedScalarFieldContainer[int]
+    v_kept: _containers.RepeatedScalarFieldContainer[int]
+    has_k_kept: bool
+    has_v_kept: bool
+    def __init__(self, kv_heads: _Optional[int] = ..., k_channels: _Optional[int] = ..., v_channels: _Optional[int] = ..., k_kept: _Optional[_Iterable[int]] = ..., v_kept: _Optional[_Iterable[int]] = ..., has_k_kept: _Optional[bool] = ..., has_v_kept: _Optional[bool] = ...) -> None: ...
+
+class Layout(_message.Message):
+    __slots__ = ("model_fingerprint", "model_name", "dtype", "head_dim", "rope", "layers")
+    MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    ROPE_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    model_fingerprint: str
+    model_name: str
+    dtype: str
+    head_dim: int
+    rope: RopeSpec
+    layers: _containers.RepeatedCompositeFieldContainer[LayerLayout]
+    def __init__(self, model_fingerprint: _Optional[str] = ..., model_name: _Optional[str] = ..., dtype: _Optional[str] = ..., head_dim: _Optional[int] = ..., rope: _Optional[_Union[RopeSpec, _Mapping]] = ..., layers: _Optional[_Iterable[_Union[LayerLayout, _Mapping]]] = ...) -> None: ...
+
+class Codec(_message.Message):
+    __slots__ = ("mode", "level", "params")
+    class ParamsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    LEVEL_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_FIELD_NUMBER: _ClassVar[int]
+    mode: str
+    level: str
+    params: _containers.ScalarMap[str, str]
+    def __init__(self, mode: _Optional[str] = ..., level: _Optional[str] = ..., params: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class FrameSpan(_message.Message):
+    __slots__ = ("first_layer", "num_layers")
+    FIRST_LAYER_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    first_layer: int
+    num_layers: int
+    def __init__(self, first_layer: _Optional[int] = ..., num_layers: _Optional[int] = ...) -> None: ...
+
+class EntryHeader(_message.Message):
+    __slots__ = ("layout", "codec", "tokens", "start_position", "frames", "layout_fingerprint")
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    START_POSITION_FIELD_NUMBER: _ClassVar[int]
+    FRAMES_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    layout: Layout
+    codec: Codec
+    tokens: int
+    start_position: int
+    frames: _containers.RepeatedCompositeFieldContainer[FrameSpan]
+    layout_fingerprint: str
+    def __init__(self, layout: _Optional[_Union[Layout, _Mapping]] = ..., codec: _Optional[_Union[Codec, _Mapping]] = ..., tokens: _Optional[int] = ..., start_position: _Optional[int] = ..., frames: _Optional[_Iterable[_Union[FrameSpan, _Mapping]]] = ..., layout_fingerprint: _Optional[str] = ...) -> None: ...
+
+class StoreOptions(_message.Message):
+    __slots__ = ("ttl_seconds", "pin", "durability")
+    TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PIN_FIELD_NUMBER: _ClassVar[int]
+    DURABILITY_FIELD_NUMBER: _ClassVar[int]
+    ttl_seconds: int
+    pin: bool
+    durability: Durability
+    def __init__(self, ttl_seconds: _Optional[int] = ..., pin: _Optional[bool] = ..., durability: _Optional[_Union[Durability, str]] = ...) -> None: ...
+
+class StoreHeader(_message.Message):
+    __slots__ = ("namespace", "key", "container_header", "layout_fingerprint", "total_bytes", "options")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    CONTAINER_HEADER_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    OPTIONS_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    key: bytes
+    container_header: bytes
+    layout_fingerprint: str
+    total_bytes: int
+    options: StoreOptions
+    def __init__(self, namespace: _Optional[str] = ..., key: _Optional[bytes] = ..., container_header: _Optional[bytes] = ..., layout_fingerprint: _Optional[str] = ..., total_bytes: _Optional[int] = ..., options: _Optional[_Union[StoreOptions, _Mapping]] = ...) -> None: ...
+
+class Frame(_message.Message):
+    __slots__ = ("index", "data")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    data: bytes
+    def __init__(self, index: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class StoreRequest(_message.Message):
+    __slots__ = ("header", "frame")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    FRAME_FIELD_NUMBER: _ClassVar[int]
+    header: StoreHeader
+    frame: Frame
+    def __init__(self, header: _Optional[_Union[StoreHeader, _Mapping]] = ..., frame: _Optional[_Union[Frame, _Mapping]] = ...) -> None: ...
+
+class StoreResponse(_message.Message):
+    __slots__ = ("stored_bytes", "tier", "replaced")
+    STORED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    REPLACED_FIELD_NUMBER: _ClassVar[int]
+    stored_bytes: int
+    tier: str
+    replaced: bool
+    def __init__(self, stored_bytes: _Optional[int] = ..., tier: _Optional[str] = ..., replaced: _Optional[bool] = ...) -> None: ...
+
+class RetrieveRequest(_message.Message):
+    __slots__ = ("namespace", "key", "expect_layout_fingerprint", "first_layer", "last_layer")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    EXPECT_LAYOUT_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    FIRST_LAYER_FIELD_NUMBER: _ClassVar[int]
+    LAST_LAYER_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    key: bytes
+    expect_layout_fingerprint: str
+    first_layer: int
+    last_layer: int
+    def __init__(self, namespace: _Optional[str] = ..., key: _Optional[bytes] = ..., expect_layout_fingerprint: _Optional[str] = ..., first_layer: _Optional[int] = ..., last_layer: _Optional[int] = ...) -> None: ...
+
+class RetrieveHeader(_message.Message):
+    __slots__ = ("container_header", "total_bytes", "tier", "frame_count")
+    CONTAINER_HEADER_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    FRAME_COUNT_FIELD_NUMBER: _ClassVar[int]
+    container_header: bytes
+    total_bytes: int
+    tier: str
+    frame_count: int
+    def __init__(self, container_header: _Optional[bytes] = ..., total_bytes: _Optional[int] = ..., tier: _Optional[str] = ..., frame_count: _Optional[int] = ...) -> None: ...
+
+class RetrieveResponse(_message.Message):
+    __slots__ = ("header", "frame")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    FRAME_FIELD_NUMBER: _ClassVar[int]
+    header: RetrieveHeader
+    frame: Frame
+    def __init__(self, header: _Optional[_Union[RetrieveHeader, _Mapping]] = ..., frame: _Optional[_Union[Frame, _Mapping]] = ...) -> None: ...
+
+class LookupRequest(_message.Message):
+    __slots__ = ("namespace", "keys", "prefix_chain")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CHAIN_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    prefix_chain: bool
+    def __init__(self, namespace: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., prefix_chain: _Optional[bool] = ...) -> None: ...
+
+class KeyInfo(_message.Message):
+    __slots__ = ("present", "tier", "size_bytes")
+    PRESENT_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    present: bool
+    tier: str
+    size_bytes: int
+    def __init__(self, present: _Optional[bool] = ..., tier: _Optional[str] = ..., size_bytes: _Optional[int] = ...) -> None: ...
+
+class LookupResponse(_message.Message):
+    __slots__ = ("infos", "prefix_hits")
+    INFOS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_HITS_FIELD_NUMBER: _ClassVar[int]
+    infos: _containers.RepeatedCompositeFieldContainer[KeyInfo]
+    prefix_hits: int
+    def __init__(self, infos: _Optional[_Iterable[_Union[KeyInfo, _Mapping]]] = ..., prefix_hits: _Optional[int] = ...) -> None: ...
+
+class DeleteRequest(_message.Message):
+    __slots__ = ("namespace", "keys")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, namespace: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class DeleteResponse(_message.Message):
+    __slots__ = ("deleted",)
+    DELETED_FIELD_NUMBER: _ClassVar[int]
+    deleted: int
+    def __init__(self, deleted: _Optional[int] = ...) -> None: ...
+
+class StatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class TierStats(_message.Message):
+    __slots__ = ("name", "entries", "bytes", "capacity_bytes", "hits", "misses", "evictions", "corrupt", "healthy")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    MISSES_FIELD_NUMBER: _ClassVar[int]
+    EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    CORRUPT_FIELD_NUMBER: _ClassVar[int]
+    HEALTHY_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    entries: int
+    bytes: int
+    capacity_bytes: int
+    hits: int
+    misses: int
+    evictions: int
+    corrupt: int
+    healthy: bool
+    def __init__(self, name: _Optional[str] = ..., entries: _Optional[int] = ..., bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., corrupt: _Optional[int] = ..., healthy: _Optional[bool] = ...) -> None: ...
+
+class StatsResponse(_message.Message):
+    __slots__ = ("tiers", "counters", "version")
+    class CountersEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    COUNTERS_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
+    counters: _containers.ScalarMap[str, int]
+    version: str
+    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., counters: _Optional[_Mapping[str, int]] = ..., version: _Optional[str] = ...) -> None: ...
