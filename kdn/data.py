@@ -145,6 +145,7 @@ def _write_atomic(target: Path, payload: bytes) -> None:
             fh.write(payload)
             fh.flush()
             os.fsync(fh.fileno())
+        os.chmod(tmp_name, 0o644)  # mkstemp makes it private; the cache is shared data
         os.replace(tmp_name, target)
     except BaseException:
         Path(tmp_name).unlink(missing_ok=True)

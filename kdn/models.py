@@ -100,10 +100,11 @@ def _clean_config(config: PretrainedConfig) -> PretrainedConfig:
 
 def _convert_gguf(gguf: Path, out_dir: Path) -> None:
     """Dequantise ``gguf`` and save it as a float32 safetensors transformers folder."""
+    folder, name = str(gguf.parent), gguf.name
     source = AutoModelForCausalLM.from_pretrained(
-        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+        folder, gguf_file=name, dtype=torch.float32, local_files_only=True
     )
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
     model = AutoModelForCausalLM.from_config(_clean_config(source.config), dtype=torch.float32)
     missing, unexpected = model.load_state_dict(source.state_dict(), strict=False)
     missing = [k for k in missing if k != "lm_head.weight" or not model.config.tie_word_embeddings]

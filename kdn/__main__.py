@@ -1,0 +1,5 @@
+import sys
+
+from kdn.cli.main import main
+
+sys.exit(main())

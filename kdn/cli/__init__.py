@@ -1,0 +1,1 @@
+"""The ``kdn`` command line."""

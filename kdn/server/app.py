@@ -1,0 +1,147 @@
+"""Building and running a kdn server.
+
+    server = await start_server(config)   # listening; server.port is the bound port
+    await server.wait()                   # until stop() (or a signal in ``serve``)
+    await server.stop()                   # in-flight RPCs get config.shutdown_grace_s, then tiers close
+
+``serve(config)`` is what ``kdn serve`` runs: start, install SIGINT/SIGTERM handlers, wait, stop.
+``ServerThread`` runs a server on its own event loop in a background thread (tests, benchmarks).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import threading
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from kdn.server.config import ServerConfig
+from kdn.server.service import KDNServicer, verify_entry
+from kdn.store.base import Tier
+from kdn.store.lmdb import LmdbTier
+from kdn.store.ram import RamTier
+from kdn.store.tiered import TieredStore
+from kdn.v1 import kdn_pb2_grpc as pb_grpc
+
+log = logging.getLogger("kdn.server")
+SERVICE_NAME = "kdn.v1.KDN"
+
+
+def build_store(config: ServerConfig) -> TieredStore:
+    tiers: list[Tier] = [RamTier(config.ram_bytes)]
+    if config.disk_bytes:
+        tiers.append(LmdbTier(config.data_dir / "lmdb", capacity_bytes=config.disk_bytes))
+    return TieredStore(tiers, verify=verify_entry)
+
+
+def grpc_options(config: ServerConfig) -> list[tuple[str, int]]:
+    return [
+        ("grpc.max_receive_message_length", config.max_message_bytes),
+        ("grpc.max_send_message_length", config.max_message_bytes),
+    ]
+
+
+@dataclass
+class Server:
+    config: ServerConfig
+    grpc_server: grpc.aio.Server
+    store: TieredStore
+    servicer: KDNServicer
+    health: health.aio.HealthServicer
+    port: int
+    _stopped: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def address(self) -> str:
+        return f"{self.config.host}:{self.port}"
+
+    async def wait(self) -> None:
+        await self._stopped.wait()
+
+    async def stop(self, grace: float | None = None) -> None:
+        if self._stopped.is_set():
+            return
+        await self.health.enter_graceful_shutdown()
+        await self.grpc_server.stop(self.config.shutdown_grace_s if grace is None else grace)
+        await asyncio.to_thread(self.store.close)
+        self._stopped.set()
+        log.info("kdn server on %s stopped", self.address)
+
+
+async def start_server(config: ServerConfig, store: TieredStore | None = None) -> Server:
+    store = store or build_store(config)
+    server = grpc.aio.server(options=grpc_options(config))
+    servicer = KDNServicer(config, store)
+    pb_grpc.add_KDNServicer_to_server(servicer, server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    port = server.add_insecure_port(config.address)
+    if port == 0:
+        raise OSError(f"can not listen on {config.address}")
+    await server.start()
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    log.info("kdn server listening on %s:%d (tiers: %s)", config.host, port,
+             ", ".join(t.name for t in store.tiers))
+    return Server(config, server, store, servicer, health_servicer, port)
+
+
+async def serve(config: ServerConfig) -> None:
+    server = await start_server(config)
+    print(f"kdn serving on {server.address} (data in {config.data_dir})", flush=True)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, lambda: asyncio.ensure_future(server.stop()))
+    await server.wait()
+
+
+class ServerThread:
+    """A server on its own event loop in a daemon thread; ``with ServerThread(cfg) as s:``."""
+
+    def __init__(self, config: ServerConfig, store: TieredStore | None = None) -> None:
+        self.config = config
+        self._store = store
+        self._loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self.server: Server | None = None
+        self._thread = threading.Thread(target=self._run, name="kdn-server", daemon=True)
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        try:
+            self.server = self._loop.run_until_complete(start_server(self.config, self._store))
+        except BaseException as exc:  # reported to the starting thread
+            self._error = exc
+            self._ready.set()
+            return
+        self._ready.set()
+        self._loop.run_until_complete(self.server.wait())
+
+    def start(self) -> ServerThread:
+        self._thread.start()
+        self._ready.wait()
+        if self._error is not None:
+            raise self._error
+        return self
+
+    @property
+    def address(self) -> str:
+        assert self.server is not None
+        return self.server.address
+
+    def stop(self, grace: float | None = None) -> None:
+        if self.server is not None and self._thread.is_alive():
+            fut = asyncio.run_coroutine_threadsafe(self.server.stop(grace), self._loop)
+            fut.result(timeout=60)
+        self._thread.join(timeout=60)
+
+    def __enter__(self) -> ServerThread:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,217 @@
+"""The gRPC servicer: thin handlers that validate, then call the store.
+
+The server never decodes tensors. A Store stream is checked as it arrives: the container header
+(checksum, layout, known codec, declared size), then every frame (checksum, position, per-layer
+shapes against the layout). Only a complete, valid entry is written, in one ``put``; a stream
+that fails, is cancelled or ends early writes nothing, so what was stored before stays intact.
+
+Errors are ``KDNError`` kinds; ``_rpc`` maps them to status codes in one place.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+import grpc
+
+from kdn.codec.format import Header, check_frame, parse_container, parse_header, split_frames
+from kdn.codec.modes import get_mode
+from kdn.errors import Corrupt, InvalidArgument, KDNError, LayoutMismatch, NotFound, TooLarge, grpc_code
+from kdn.keys import check_key, check_namespace
+from kdn.server.config import ServerConfig
+from kdn.store.tiered import TieredStore
+from kdn.v1 import kdn_pb2 as pb
+from kdn.v1 import kdn_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+def store_key(namespace: str, key: bytes) -> bytes:
+    """The key an entry has inside the tiers: b"<namespace>/<hex key>"."""
+    return check_namespace(namespace).encode() + b"/" + check_key(key).hex().encode()
+
+
+def verify_entry(value: bytes) -> None:
+    """Full check of a stored entry (header and every frame checksum); raises Corrupt."""
+    parse_container(value, verify=True)
+
+
+def _rpc(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
+    @functools.wraps(fn)
+    async def wrapper(self: KDNServicer, request: Any, context: grpc.aio.ServicerContext) -> T:
+        try:
+            return await fn(self, request, context)
+        except KDNError as exc:
+            self.count(f"{fn.__name__}.{grpc_code(exc).name}")
+            await context.abort(grpc_code(exc), str(exc))
+            raise  # unreachable: abort raises
+
+    return wrapper
+
+
+class KDNServicer(pb_grpc.KDNServicer):
+    def __init__(self, config: ServerConfig, store: TieredStore) -> None:
+        self.config = config
+        self.store = store
+        self.counters: dict[str, int] = {}
+        self.started = time.time()
+
+    def count(self, name: str, n: int = 1) -> None:
+        self.counters[name] = self.counters.get(name, 0) + n
+
+    # -- Store ----------------------------------------------------------------------------------
+
+    def _check_header(self, msg: pb.StoreHeader) -> tuple[bytes, Header]:
+        skey = store_key(msg.namespace or "default", msg.key)
+        if msg.total_bytes > self.config.max_entry_bytes:
+            raise TooLarge(f"entry of {msg.total_bytes} bytes exceeds max_entry_bytes "
+                           f"{self.config.max_entry_bytes}")
+        header = parse_header(msg.container_header)
+        if len(header.raw) != len(msg.container_header):
+            raise InvalidArgument("container_header has trailing bytes after its checksum")
+        get_mode(header.mode).check_level(header.entry.codec.level)
+        if msg.layout_fingerprint and msg.layout_fingerprint != header.layout.fingerprint:
+            raise InvalidArgument(
+                f"layout_fingerprint {msg.layout_fingerprint} does not match the container's "
+                f"layout {header.layout.fingerprint}"
+            )
+        allowed = self.config.allowed_models
+        if allowed and header.layout.model_fingerprint not in allowed:
+            raise LayoutMismatch(
+                f"model {header.layout.model_fingerprint} ({header.layout.model_name or '?'}) "
+                "is not served here; allowed_models lists "
+                + ", ".join(allowed)
+            )
+        return skey, header
+
+    @_rpc
+    async def Store(self, request_iterator: AsyncIterator[pb.StoreRequest],
+                    context: grpc.aio.ServicerContext) -> pb.StoreResponse:
+        try:
+            return await self._store(request_iterator)
+        except Corrupt as exc:  # damaged bytes from a client are a bad request, not data loss
+            raise InvalidArgument(f"corrupt input: {exc}") from exc
+
+    async def _store(self, request_iterator: AsyncIterator[pb.StoreRequest]) -> pb.StoreResponse:
+        it = request_iterator.__aiter__()
+        try:
+            first = await it.__anext__()
+        except StopAsyncIteration:
+            raise InvalidArgument("empty Store stream: expected a header first") from None
+        if first.WhichOneof("part") != "header":
+            raise InvalidArgument("Store stream must start with a header")
+        skey, header = self._check_header(first.header)
+        parts = [header.raw]
+        total = len(header.raw)
+        n_frames = len(header.entry.frames)
+        index = 0
+        async for msg in it:
+            if msg.WhichOneof("part") != "frame":
+                raise InvalidArgument("Store stream carries a second header")
+            if msg.frame.index != index:
+                raise InvalidArgument(f"frame {msg.frame.index} arrived, expected frame {index}")
+            total += len(msg.frame.data)
+            if total > self.config.max_entry_bytes:
+                raise TooLarge(f"entry exceeds max_entry_bytes {self.config.max_entry_bytes}")
+            check_frame(header, index, msg.frame.data)
+            parts.append(msg.frame.data)
+            index += 1
+        if index != n_frames:
+            raise InvalidArgument(
+                f"Store stream ended after {index} of {n_frames} frames; nothing was stored"
+            )
+        value = b"".join(parts)
+        opts = first.header.options
+        replaced = await asyncio.to_thread(self.store.lookup, [skey])
+        tier = await asyncio.to_thread(
+            self.store.put, skey, value, ttl_s=float(opts.ttl_seconds) or None, pin=opts.pin
+        )
+        self.count("store.ok")
+        self.count("bytes_in", len(value))
+        return pb.StoreResponse(stored_bytes=len(value), tier=tier, replaced=replaced[0].present)
+
+    # -- Retrieve -------------------------------------------------------------------------------
+
+    async def Retrieve(self, request: pb.RetrieveRequest,
+                       context: grpc.aio.ServicerContext) -> AsyncIterator[pb.RetrieveResponse]:
+        try:
+            skey = store_key(request.namespace or "default", request.key)
+            hit = await asyncio.to_thread(self.store.get, skey)
+            if hit is None:
+                self.count("retrieve.miss")
+                raise NotFound(f"no entry for key {request.key.hex()} in {request.namespace!r}")
+            header = parse_header(hit.value)
+            want = request.expect_layout_fingerprint
+            if want and want != header.layout.fingerprint:
+                raise LayoutMismatch(
+                    f"entry has layout {header.layout.fingerprint}, caller expects {want}"
+                )
+            frames = list(split_frames(hit.value, len(header.raw)))
+            first, last = request.first_layer, request.last_layer or header.layout.num_layers
+            sel = [
+                (i, f) for i, (f, span) in enumerate(zip(frames, header.entry.frames))
+                if span.first_layer < last and span.first_layer + span.num_layers > first
+            ]
+        except KDNError as exc:
+            self.count(f"Retrieve.{grpc_code(exc).name}")
+            await context.abort(grpc_code(exc), str(exc))
+            return
+        yield pb.RetrieveResponse(header=pb.RetrieveHeader(
+            container_header=header.raw, total_bytes=len(hit.value), tier=hit.tier,
+            frame_count=len(frames),
+        ))
+        for i, frame in sel:
+            yield pb.RetrieveResponse(frame=pb.Frame(index=i, data=bytes(frame)))
+        self.count("retrieve.hit")
+        self.count("bytes_out", len(hit.value))
+
+    # -- Lookup / Delete / Stats ----------------------------------------------------------------
+
+    @_rpc
+    async def Lookup(self, request: pb.LookupRequest,
+                     context: grpc.aio.ServicerContext) -> pb.LookupResponse:
+        ns = request.namespace or "default"
+        skeys = [store_key(ns, k) for k in request.keys]
+        found = await asyncio.to_thread(self.store.lookup, skeys)
+        resp = pb.LookupResponse(
+            infos=[pb.KeyInfo(present=p.present, tier=p.tier, size_bytes=p.size) for p in found]
+        )
+        if request.prefix_chain:
+            hits = 0
+            for p in found:
+                if not p.present:
+                    break
+                hits += 1
+            resp.prefix_hits = hits
+        return resp
+
+    @_rpc
+    async def Delete(self, request: pb.DeleteRequest,
+                     context: grpc.aio.ServicerContext) -> pb.DeleteResponse:
+        ns = request.namespace or "default"
+        skeys = [store_key(ns, k) for k in request.keys]
+        deleted = await asyncio.to_thread(lambda: sum(self.store.delete(k) for k in skeys))
+        return pb.DeleteResponse(deleted=deleted)
+
+    @_rpc
+    async def Stats(self, request: pb.StatsRequest,
+                    context: grpc.aio.ServicerContext) -> pb.StatsResponse:
+        from kdn import __version__
+
+        tiers = await asyncio.to_thread(self.store.stats)
+        return pb.StatsResponse(
+            tiers=[
+                pb.TierStats(name=t.name, entries=t.entries, bytes=t.bytes,
+                             capacity_bytes=t.capacity_bytes, hits=t.hits, misses=t.misses,
+                             evictions=t.evictions, corrupt=t.corrupt, healthy=t.healthy)
+                for t in tiers
+            ],
+            counters=self.counters,
+            version=__version__,
+        )

@@ -1,0 +1,105 @@
+"""The tier contract: a small byte interface every storage tier implements.
+
+Lifecycle: the hierarchy (``kdn.store.tiered``) builds each tier from config, calls the five
+core methods (and their batched forms) from worker threads, and calls ``close`` once at shutdown.
+A tier stores opaque bytes under bytes keys and nothing else: promotion, demotion, which entries
+are protected from eviction (pins) and write policy are the hierarchy's business, never a tier's.
+
+Required: ``contains``, ``get``, ``put``, ``delete``, ``close``.
+Optional (defaults loop over the core methods; tiers override them when they can batch):
+``contains_many``, ``get_many``, ``put_many``, ``delete_many``, ``size_of``, ``keys``, ``stats``.
+
+A miss is ``None``. A tier that can not be reached raises ``TierUnavailable``.
+"""
+
+from __future__ import annotations
+
+import abc
+import threading
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+
+
+@dataclass
+class TierCounters:
+    """Monotonic counters a tier keeps; read through ``Tier.stats``."""
+
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+    corrupt: int = 0
+    errors: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add(self, name: str, n: int = 1) -> None:
+        with self.lock:
+            setattr(self, name, getattr(self, name) + n)
+
+
+@dataclass(frozen=True)
+class TierStats:
+    name: str
+    entries: int
+    bytes: int
+    capacity_bytes: int
+    hits: int
+    misses: int
+    evictions: int
+    corrupt: int = 0
+    healthy: bool = True
+
+
+class Tier(abc.ABC):
+    """Opaque bytes under bytes keys."""
+
+    name: str = "tier"
+
+    def __init__(self) -> None:
+        self.counters = TierCounters()
+
+    @abc.abstractmethod
+    def contains(self, key: bytes) -> bool: ...
+
+    @abc.abstractmethod
+    def get(self, key: bytes) -> bytes | None: ...
+
+    @abc.abstractmethod
+    def put(self, key: bytes, value: bytes, *, ttl_s: float | None = None) -> None: ...
+
+    @abc.abstractmethod
+    def delete(self, key: bytes) -> bool: ...
+
+    @abc.abstractmethod
+    def close(self) -> None: ...
+
+    # -- batched and optional forms -------------------------------------------------------------
+
+    def contains_many(self, keys: list[bytes]) -> list[bool]:
+        return [self.contains(k) for k in keys]
+
+    def get_many(self, keys: list[bytes]) -> list[bytes | None]:
+        return [self.get(k) for k in keys]
+
+    def put_many(self, items: Iterable[tuple[bytes, bytes]], *, ttl_s: float | None = None) -> None:
+        for k, v in items:
+            self.put(k, v, ttl_s=ttl_s)
+
+    def delete_many(self, keys: list[bytes]) -> int:
+        return sum(self.delete(k) for k in keys)
+
+    def size_of(self, key: bytes) -> int | None:
+        """Stored size of ``key`` in bytes, or None when absent."""
+        v = self.get(key)
+        return None if v is None else len(v)
+
+    def keys(self, prefix: bytes = b"") -> Iterator[bytes]:
+        """Keys starting with ``prefix`` (admin listing; may be slow)."""
+        return iter(())
+
+    def healthy(self) -> bool:
+        return True
+
+    def stats(self) -> TierStats:
+        c = self.counters
+        return TierStats(self.name, 0, 0, 0, c.hits, c.misses, c.evictions, c.corrupt,
+                         self.healthy())

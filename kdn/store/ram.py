@@ -1,0 +1,132 @@
+"""RAM tier: a byte-bounded LRU map, safe under concurrent use, O(1) get and put.
+
+Values are immutable ``bytes`` and are returned as stored (no copy). When a put would exceed
+``capacity_bytes`` the least recently used entries are removed; the hierarchy decides which
+entries may not be removed (``protected``, e.g. pins) and what happens to removed ones
+(``on_evict``, e.g. demotion to disk). Entries larger than the whole budget are refused.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+
+from kdn.errors import TooLarge
+from kdn.store.base import Tier, TierStats
+
+
+class RamTier(Tier):
+    name = "ram"
+
+    def __init__(
+        self,
+        capacity_bytes: int,
+        *,
+        protected: Callable[[bytes], bool] | None = None,
+        on_evict: Callable[[bytes, bytes], None] | None = None,
+    ) -> None:
+        super().__init__()
+        if capacity_bytes <= 0:
+            raise ValueError(f"capacity_bytes must be > 0, got {capacity_bytes}")
+        self.capacity_bytes = capacity_bytes
+        self.protected = protected or (lambda key: False)
+        self.on_evict = on_evict
+        self._data: OrderedDict[bytes, tuple[bytes, float]] = OrderedDict()  # key -> (value, expiry)
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    def _expired(self, key: bytes, expiry: float) -> bool:
+        if expiry and expiry <= time.monotonic():
+            self._remove(key)
+            return True
+        return False
+
+    def _remove(self, key: bytes) -> bytes | None:
+        item = self._data.pop(key, None)
+        if item is None:
+            return None
+        self._bytes -= len(item[0])
+        return item[0]
+
+    def contains(self, key: bytes) -> bool:
+        with self._lock:
+            item = self._data.get(key)
+            return item is not None and not self._expired(key, item[1])
+
+    def get(self, key: bytes) -> bytes | None:
+        with self._lock:
+            item = self._data.get(key)
+            if item is None or self._expired(key, item[1]):
+                self.counters.misses += 1
+                return None
+            self._data.move_to_end(key)
+            self.counters.hits += 1
+            return item[0]
+
+    def size_of(self, key: bytes) -> int | None:
+        with self._lock:
+            item = self._data.get(key)
+            return None if item is None or self._expired(key, item[1]) else len(item[0])
+
+    def put(self, key: bytes, value: bytes, *, ttl_s: float | None = None) -> None:
+        value = bytes(value)
+        if len(value) > self.capacity_bytes:
+            raise TooLarge(f"entry of {len(value)} bytes exceeds the RAM tier's "
+                           f"{self.capacity_bytes}-byte budget")
+        expiry = time.monotonic() + ttl_s if ttl_s else 0.0
+        evicted: list[tuple[bytes, bytes]] = []
+        with self._lock:
+            self._remove(key)
+            self._data[key] = (value, expiry)
+            self._bytes += len(value)
+            if self._bytes > self.capacity_bytes:
+                evicted = self._evict_locked(keep=key)
+        for k, v in evicted:
+            if self.on_evict is not None:
+                self.on_evict(k, v)
+
+    def _evict_locked(self, keep: bytes) -> list[tuple[bytes, bytes]]:
+        out: list[tuple[bytes, bytes]] = []
+        skipped: list[bytes] = []
+        while self._bytes > self.capacity_bytes and self._data:
+            key = next(iter(self._data))
+            if key == keep or self.protected(key):
+                self._data.move_to_end(key)
+                skipped.append(key)
+                if len(skipped) > len(self._data):
+                    break  # everything left is protected
+                continue
+            value = self._remove(key)
+            assert value is not None
+            out.append((key, value))
+            self.counters.evictions += 1
+        if self._bytes > self.capacity_bytes:
+            # Only protected entries remain: refuse the newcomer rather than break a pin.
+            self._remove(keep)
+            raise TooLarge("RAM tier is full of pinned entries; unpin or raise ram budget")
+        return out
+
+    def delete(self, key: bytes) -> bool:
+        with self._lock:
+            return self._remove(key) is not None
+
+    def keys(self, prefix: bytes = b"") -> Iterator[bytes]:
+        with self._lock:
+            snapshot = list(self._data)
+        return (k for k in snapshot if k.startswith(prefix))
+
+    def close(self) -> None:
+        with self._lock:
+            self._data.clear()
+            self._bytes = 0
+
+    @property
+    def used_bytes(self) -> int:
+        return self._bytes
+
+    def stats(self) -> TierStats:
+        c = self.counters
+        return TierStats(self.name, len(self._data), self._bytes, self.capacity_bytes,
+                         c.hits, c.misses, c.evictions, c.corrupt)

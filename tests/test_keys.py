@@ -1,0 +1,82 @@
+"""Content keys: deterministic, namespace- and layout-scoped, stable across processes."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from kdn import keys
+from kdn.errors import InvalidArgument
+from tests.helpers import pruned_layout, uniform_layout
+
+
+def test_chunk_key_properties() -> None:
+    lay = uniform_layout()
+    ids = list(range(100, 164))
+    k = keys.chunk_key(ids, lay)
+    assert len(k) == 32
+    assert k == keys.chunk_key(torch.tensor(ids), lay)
+    assert k != keys.chunk_key(ids[:-1], lay)
+    assert k != keys.chunk_key(ids, lay, namespace="tenant-a")
+    assert k != keys.chunk_key(ids, pruned_layout())
+    assert k != keys.chunk_key(ids, uniform_layout(model="other"))
+
+
+def test_prefix_chain() -> None:
+    lay = uniform_layout()
+    ids = list(range(1000))
+    chain = keys.prefix_keys(ids, lay, chunk_tokens=256)
+    assert len(chain) == 3  # the 232-token tail has no key
+    assert keys.prefix_keys(ids[:700], lay, chunk_tokens=256) == chain[:2]
+    changed = ids.copy()
+    changed[10] = 7
+    other = keys.prefix_keys(changed, lay, chunk_tokens=256)
+    assert all(a != b for a, b in zip(chain, other))  # a change early breaks every later link
+    changed = ids.copy()
+    changed[600] = 7
+    assert keys.prefix_keys(changed, lay, chunk_tokens=256)[:2] == chain[:2]
+    assert chain[0] != keys.chunk_key(ids[:256], lay)
+
+
+def test_text_key_uses_tokenizer() -> None:
+    class Tok:
+        def __call__(self, text: str, add_special_tokens: bool = False) -> dict:
+            return {"input_ids": [ord(c) for c in text]}
+
+    lay = uniform_layout()
+    assert keys.text_chunk_key("abc", Tok(), lay) == keys.chunk_key([97, 98, 99], lay)
+
+
+@pytest.mark.parametrize("ns", ["", "a b", "x" * 65, "../etc", "-lead"])
+def test_bad_namespace(ns: str) -> None:
+    with pytest.raises(InvalidArgument, match="namespace"):
+        keys.chunk_key([1], uniform_layout(), namespace=ns)
+
+
+def test_bad_tokens_and_keys() -> None:
+    with pytest.raises(InvalidArgument):
+        keys.chunk_key([-1], uniform_layout())
+    with pytest.raises(InvalidArgument, match="32 bytes"):
+        keys.check_key(b"short")
+
+
+def test_same_key_in_processes_with_different_hash_seeds() -> None:
+    code = (
+        "from kdn import keys; from tests.helpers import pruned_layout;"
+        "l = pruned_layout();"
+        "print(keys.chunk_key(list(range(50)), l, 'ns').hex(),"
+        " keys.prefix_keys(list(range(600)), l)[-1].hex())"
+    )
+    outs = set()
+    for seed in ("0", "12345", "random"):
+        env = dict(os.environ, PYTHONHASHSEED=seed)
+        outs.add(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                                text=True, check=True).stdout.strip())
+    lay = pruned_layout()
+    here = (keys.chunk_key(list(range(50)), lay, "ns").hex() + " "
+            + keys.prefix_keys(list(range(600)), lay)[-1].hex())
+    assert outs == {here}

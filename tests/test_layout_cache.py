@@ -1,0 +1,124 @@
+"""KVLayout and KVCache: construction, validation, fingerprints, transformers conversion."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from kdn.cache import KVCache
+from kdn.errors import InvalidLayout
+from kdn.layout import DType, KVLayout, LayerLayout
+from tests.helpers import pruned_layout, random_kv, uniform_layout
+
+
+def tiny_config(**kw: object) -> LlamaConfig:
+    base = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                rope_theta=50000.0)
+    base.update(kw)
+    return LlamaConfig(**base)
+
+
+def test_from_config_reads_gqa_and_rope() -> None:
+    lay = KVLayout.from_config(tiny_config())
+    assert lay.num_layers == 3
+    assert all(x.kv_heads == 2 and x.k_channels == 16 and x.v_channels == 16 for x in lay.layers)
+    assert lay.head_dim == 16 and lay.rope.rotary_dim == 16 and lay.rope.theta == 50000.0
+    assert lay.bytes_per_token == 3 * 2 * (16 + 16) * 2
+
+
+def test_fingerprint_depends_on_what_matters() -> None:
+    a = KVLayout.from_config(tiny_config())
+    assert a.fingerprint == KVLayout.from_config(tiny_config()).fingerprint
+    assert a.fingerprint != KVLayout.from_config(tiny_config(num_hidden_layers=4)).fingerprint
+    assert a.fingerprint != KVLayout.from_config(tiny_config(), dtype=torch.bfloat16).fingerprint
+    assert a.fingerprint != KVLayout.from_config(tiny_config(), weights_id="ft-1").fingerprint
+    assert a.fingerprint != KVLayout.from_config(tiny_config(rope_theta=1e4)).fingerprint
+
+
+def test_fingerprint_is_stable_across_processes() -> None:
+    code = ("from tests.helpers import pruned_layout; print(pruned_layout().fingerprint)")
+    outs = {
+        subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                       env=dict(os.environ, PYTHONHASHSEED=seed)).stdout.strip()
+        for seed in ("1", "2")
+    }
+    assert outs == {pruned_layout().fingerprint}
+
+
+def test_pruned_layout_from_config_extension() -> None:
+    cfg = tiny_config()
+    cfg.kdn_pruned = {"k_kept": [[0, 1, 4, 5], list(range(16)), [2, 3]],
+                      "v_kept": [list(range(8)), [1], list(range(16))]}
+    lay = KVLayout.from_config(cfg)
+    assert [x.k_channels for x in lay.layers] == [4, 16, 2]
+    assert [x.v_channels for x in lay.layers] == [8, 1, 16]
+    assert lay.layers[0].k_kept == (0, 1, 4, 5)
+
+
+@pytest.mark.parametrize("bad", [
+    dict(kv_heads=0, k_channels=4, v_channels=4),
+    dict(kv_heads=1, k_channels=4, v_channels=4, k_kept=(0, 1, 2)),
+    dict(kv_heads=1, k_channels=2, v_channels=4, k_kept=(1, 0)),
+])
+def test_layer_layout_rejects_nonsense(bad: dict) -> None:
+    with pytest.raises(InvalidLayout):
+        LayerLayout(**bad)
+
+
+def test_kept_channels_must_fit_head_dim() -> None:
+    with pytest.raises(InvalidLayout, match="head_dim"):
+        KVLayout("m", (LayerLayout(1, 2, 2, (0, 20), None),), head_dim=16)
+
+
+def test_roundtrip_dict() -> None:
+    lay = pruned_layout(DType.BFLOAT16)
+    assert KVLayout.from_dict(lay.to_dict()) == lay
+
+
+def test_cache_validates_shapes_and_dtype() -> None:
+    lay = uniform_layout(layers=2)
+    good = random_kv(lay, 5)
+    with pytest.raises(InvalidLayout, match="layer 1"):
+        KVCache(lay, [good.layers[0], (good.layers[1][0][:, :, :8], good.layers[1][1])])
+    with pytest.raises(InvalidLayout, match="tokens"):
+        KVCache(lay, [good.layers[0], (good.layers[1][0][:, :3], good.layers[1][1][:, :3])])
+    with pytest.raises(InvalidLayout, match="dtype"):
+        KVCache(lay, [(k.float(), v.float()) for k, v in good.layers])
+    with pytest.raises(InvalidLayout, match="layers"):
+        KVCache(lay, good.layers[:1])
+
+
+def test_slice_and_concat() -> None:
+    kv = random_kv(pruned_layout(), 20, start=7)
+    a, b = kv[:12], kv.slice(12)
+    assert a.num_tokens == 12 and b.num_tokens == 8 and b.start_position == 19
+    assert a.layers[0][0].data_ptr() == kv.layers[0][0].data_ptr()  # a view, not a copy
+    assert KVCache.concat([a, b]).equal(kv)
+    with pytest.raises(InvalidLayout):
+        kv.slice(5, 30)
+    with pytest.raises(InvalidLayout, match="different layouts"):
+        KVCache.concat([a, random_kv(uniform_layout(), 3)])
+
+
+def test_transformers_roundtrip_shares_storage_and_continues_generation() -> None:
+    torch.manual_seed(0)
+    cfg = tiny_config()
+    model = LlamaForCausalLM(cfg).eval()
+    layout = KVLayout.from_config(cfg, dtype=torch.float32)
+    ids = torch.randint(0, 128, (1, 12))
+    with torch.no_grad():
+        out = model(ids, use_cache=True)
+        kv = KVCache.from_transformers(out.past_key_values, layout)
+        assert kv.num_tokens == 12
+        assert kv.layers[0][0].data_ptr() == out.past_key_values.layers[0].keys.data_ptr()
+        full = model(torch.cat([ids, torch.tensor([[5, 6]])], 1)).logits[0, -2:]
+        cont = model(torch.tensor([[5, 6]]), past_key_values=kv.to_transformers()).logits[0]
+    torch.testing.assert_close(cont, full, rtol=1e-4, atol=1e-4)
+    back = kv.to_transformers()
+    assert back.layers[1].keys.data_ptr() == kv.layers[1][0].data_ptr()

