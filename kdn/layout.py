@@ -28,6 +28,8 @@ import torch
 
 from kdn.errors import InvalidLayout
 
+TorchDType = torch.dtype
+
 
 class DType(enum.Enum):
     """Element types a cache may hold."""
@@ -37,7 +39,7 @@ class DType(enum.Enum):
     FLOAT32 = "float32"
 
     @property
-    def torch(self) -> torch.dtype:
+    def torch(self) -> TorchDType:
         return _TORCH_DTYPES[self]
 
     @property
@@ -45,10 +47,10 @@ class DType(enum.Enum):
         return 4 if self is DType.FLOAT32 else 2
 
     @classmethod
-    def of(cls, dtype: torch.dtype | str | DType) -> DType:
+    def of(cls, dtype: TorchDType | str | DType) -> DType:
         if isinstance(dtype, DType):
             return dtype
-        if isinstance(dtype, torch.dtype):
+        if isinstance(dtype, TorchDType):
             for k, v in _TORCH_DTYPES.items():
                 if v == dtype:
                     return k

@@ -21,7 +21,15 @@ import grpc
 
 from kdn.codec.format import Header, check_frame, parse_container, parse_header, split_frames
 from kdn.codec.modes import get_mode
-from kdn.errors import Corrupt, InvalidArgument, KDNError, LayoutMismatch, NotFound, TooLarge, grpc_code
+from kdn.errors import (
+    Corrupt,
+    InvalidArgument,
+    KDNError,
+    LayoutMismatch,
+    NotFound,
+    TooLarge,
+    grpc_code,
+)
 from kdn.keys import check_key, check_namespace
 from kdn.server.config import ServerConfig
 from kdn.store.tiered import TieredStore

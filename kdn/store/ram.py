@@ -33,7 +33,8 @@ class RamTier(Tier):
         self.capacity_bytes = capacity_bytes
         self.protected = protected or (lambda key: False)
         self.on_evict = on_evict
-        self._data: OrderedDict[bytes, tuple[bytes, float]] = OrderedDict()  # key -> (value, expiry)
+        # key -> (value, expiry on the monotonic clock; 0 = none)
+        self._data: OrderedDict[bytes, tuple[bytes, float]] = OrderedDict()
         self._bytes = 0
         self._lock = threading.Lock()
 

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Create .venv (Python 3.11+) and install kdn into it: scripts/bootstrap.sh [EXTRAS]
+# torch is installed first as the CPU build pinned below (override: KDN_TORCH_SPEC), so that
+# kdn's own "torch>=2.4" is already satisfied and nothing pulls a multi-GB CUDA build.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+extras="${1:-}"
+py="${PYTHON:-}"
+if [ -z "$py" ]; then
+  for cand in python3.11 python3.12 python3.13 python3; do
+    if command -v "$cand" >/dev/null 2>&1; then py="$cand"; break; fi
+  done
+fi
+[ -x .venv/bin/python ] || "$py" -m venv .venv
+pip=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
+if ! .venv/bin/python -c "import torch" >/dev/null 2>&1; then
+  "${pip[@]}" "${KDN_TORCH_SPEC:-torch==2.13.0}"
+fi
+if [ -n "$extras" ]; then "${pip[@]}" -e ".[$extras]"; else "${pip[@]}" -e .; fi

@@ -1,0 +1,141 @@
+"""Config loading (file, KDN_* env, flags) and the ``kdn`` command line against a real process."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from kdn import keys
+from kdn.client import Client
+from kdn.errors import ConfigError
+from kdn.server.config import load_config, parse_size
+from tests.helpers import pruned_layout, random_kv
+
+
+def test_precedence_file_env_flags(tmp_path: Path) -> None:
+    f = tmp_path / "kdn.yaml"
+    f.write_text("port: 6000\nram_bytes: 2GiB\ndata_dir: /tmp/x\n")
+    cfg = load_config(f, env={"KDN_PORT": "7000", "KDN_DISK_BYTES": "3GB", "HOME": "/"},
+                      flags={"data_dir": str(tmp_path), "port": None})
+    assert cfg.port == 7000
+    assert cfg.ram_bytes == 2 << 30 and cfg.disk_bytes == 3 * 10**9
+    assert cfg.data_dir == tmp_path
+    assert load_config(env={}, flags={"port": "1234"}).port == 1234
+
+
+@pytest.mark.parametrize("source,match", [
+    ({"env": {"KDN_PORT": "http"}}, "port: invalid value 'http' (from $KDN_PORT)"),
+    ({"env": {"KDN_PORT": "70000"}}, "port: must be in 0..65535"),
+    ({"flags": {"ram_bytes": "lots"}}, "ram_bytes: invalid value 'lots' (from --ram-bytes)"),
+    ({"flags": {"log_level": "LOUD"}}, "log_level"),
+    ({"flags": {"redis_url": "localhost:6379"}}, "redis_url"),
+])
+def test_bad_settings_are_named(source: dict, match: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(env=source.get("env", {}), flags=source.get("flags"))
+    assert match in str(info.value)
+
+
+def test_bad_file(tmp_path: Path) -> None:
+    f = tmp_path / "kdn.yaml"
+    f.write_text("prot: 1\n")
+    with pytest.raises(ConfigError, match="prot: unknown setting"):
+        load_config(f, env={})
+    f.write_text("port: [1, 2\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(f, env={})
+    with pytest.raises(ConfigError, match="config file"):
+        load_config(tmp_path / "missing.yaml", env={})
+
+
+def test_parse_size() -> None:
+    assert parse_size("512MiB") == 512 << 20
+    assert parse_size("1.5GiB") == int(1.5 * (1 << 30))
+    assert parse_size(42) == 42
+    with pytest.raises(ValueError):
+        parse_size("12 parsecs")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _wait_serving(address: str, proc: subprocess.Popen, timeout: float = 60) -> None:
+    deadline = time.time() + timeout
+    with Client(address, timeout_s=2) as c:
+        while time.time() < deadline:
+            if proc.poll() is not None:
+                raise AssertionError(f"server exited: {proc.stderr.read() if proc.stderr else ''}")
+            try:
+                if c.health() == "SERVING":
+                    return
+            except Exception:
+                time.sleep(0.1)
+    raise AssertionError("server never became healthy")
+
+
+def _serve(tmp_path: Path, port: int, *extra: str) -> subprocess.Popen:
+    env = dict(os.environ, KDN_RAM_BYTES="64MiB")
+    return subprocess.Popen(
+        [sys.executable, "-m", "kdn", "serve", "--port", str(port),
+         "--data-dir", str(tmp_path / "data"), *extra],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+
+
+def test_kdn_serve_process_graceful_shutdown_and_restart(tmp_path: Path) -> None:
+    port = _free_port()
+    address = f"127.0.0.1:{port}"
+    proc = _serve(tmp_path, port)
+    lay = pruned_layout()
+    kv = random_kv(lay, 24)
+    key = keys.chunk_key([1, 2, 3], lay)
+    try:
+        _wait_serving(address, proc)
+        with Client(address) as c:
+            c.store(key, kv)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    finally:
+        proc.kill()
+    proc = _serve(tmp_path, port)
+    try:
+        _wait_serving(address, proc)
+        with Client(address) as c:
+            back = c.retrieve(key, layout=lay)
+            assert back is not None and back.equal(kv)
+        out = subprocess.run([sys.executable, "-m", "kdn", "admin", "--address", address,
+                              "--json", "stats"], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0 and '"disk"' in out.stdout
+        out = subprocess.run([sys.executable, "-m", "kdn", "admin", "--address", address,
+                              "lookup", key.hex()], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0 and "present" in out.stdout
+    finally:
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(30) == 0
+
+
+def test_kdn_serve_rejects_bad_config(tmp_path: Path) -> None:
+    out = subprocess.run([sys.executable, "-m", "kdn", "serve", "--port", "-5"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2
+    assert "port" in out.stderr
+    out = subprocess.run([sys.executable, "-m", "kdn", "serve"], capture_output=True, text=True,
+                         timeout=60, env=dict(os.environ, KDN_RAM_BYTES="huge"))
+    assert out.returncode == 2 and "ram_bytes" in out.stderr and "KDN_RAM_BYTES" in out.stderr
+
+
+def test_admin_against_nothing_fails_cleanly() -> None:
+    out = subprocess.run([sys.executable, "-m", "kdn", "admin", "--address",
+                          f"127.0.0.1:{_free_port()}", "--timeout", "2", "health"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1 and "UNAVAILABLE" in out.stderr
