@@ -167,7 +167,12 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     cache_dir: Path | None = None,
 ) -> ModelAndTokenizer:
-    """(model, tokenizer) for ``"smollm2-135m"`` or a local transformers folder; memoised."""
+    """(model, tokenizer) for ``"smollm2-135m"`` or a local transformers folder; memoised.
+
+    ``cache_dir`` is the kdn cache root (default ``$KDN_CACHE_DIR`` or ``~/.cache/kdn``); the
+    converted model lives in ``<root>/models/smollm2-135m``. The process memo is keyed on
+    ``(name_or_path, dtype)`` only, so the first call's ``cache_dir`` wins for that key.
+    """
     key = (name_or_path, dtype)
     with _MEMO_LOCK:
         if key not in _MEMO:

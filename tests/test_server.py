@@ -308,3 +308,41 @@ def test_disk_tier_survives_restart(tmp_path: Path) -> None:
         assert hit is not None and hit.tier == "disk"
         assert c.retrieve(key).equal(kv)  # type: ignore[union-attr]
         assert c.fetch(key).tier == "ram"  # type: ignore[union-attr]  # promoted
+
+
+def test_client_retries_unavailable_then_succeeds(tmp_path: Path) -> None:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg = ServerConfig(port=port, data_dir=tmp_path / "d", disk_bytes=0)
+    starter = threading.Timer(0.5, lambda: holder.append(ServerThread(cfg).start()))
+    holder: list[ServerThread] = []
+    from kdn.client import Retry
+
+    lay = uniform_layout()
+    with Client(f"127.0.0.1:{port}", retry=Retry(retries=8, base_s=0.2, cap_s=0.5)) as c:
+        starter.start()
+        try:
+            assert c.lookup([keys.chunk_key([1], lay)]).infos[0].present is False
+        finally:
+            starter.join()
+            for st in holder:
+                st.stop()
+
+
+def test_client_gives_up_after_bounded_retries(tmp_path: Path) -> None:
+    import socket
+
+    from kdn.client import Retry
+    from kdn.errors import Unavailable
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    t = time.time()
+    with Client(f"127.0.0.1:{port}", retry=Retry(retries=2, base_s=0.05)) as c:
+        with pytest.raises(Unavailable):
+            c.lookup([b"k" * 32])
+    assert time.time() - t < 10

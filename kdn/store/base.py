@@ -7,9 +7,16 @@ are protected from eviction (pins) and write policy are the hierarchy's business
 
 Required: ``contains``, ``get``, ``put``, ``delete``, ``close``.
 Optional (defaults loop over the core methods; tiers override them when they can batch):
-``contains_many``, ``get_many``, ``put_many``, ``delete_many``, ``size_of``, ``keys``, ``stats``.
+``contains_many``, ``get_many``, ``put_many``, ``delete_many``, ``size_of``, ``size_many``,
+``ttl_remaining``, ``keys``, ``healthy``, ``stats``.
 
-A miss is ``None``. A tier that can not be reached raises ``TierUnavailable``.
+``put(key, value, ttl_s=...)`` replaces any earlier value atomically: a reader sees the old
+value or the new one, never a mix. When ``put`` returns, the entry is as durable as the tier
+can make it (a disk tier: committed to disk). ``ttl_s`` (seconds, None = no expiry) is honoured
+by every tier: an expired entry is a miss.
+
+A miss is ``None``. A tier that can not be reached raises ``TierUnavailable``; one that can not
+hold an entry raises ``TooLarge``. Tiers never raise other exception types on purpose.
 """
 
 from __future__ import annotations
@@ -92,11 +99,19 @@ class Tier(abc.ABC):
         v = self.get(key)
         return None if v is None else len(v)
 
+    def size_many(self, keys: list[bytes]) -> list[int | None]:
+        return [self.size_of(k) for k in keys]
+
+    def ttl_remaining(self, key: bytes) -> float | None:
+        """Seconds until ``key`` expires; None when it has no expiry (or is absent)."""
+        return None
+
     def keys(self, prefix: bytes = b"") -> Iterator[bytes]:
         """Keys starting with ``prefix`` (admin listing; may be slow)."""
         return iter(())
 
     def healthy(self) -> bool:
+        """Whether the tier answers right now (a remote tier probes its server)."""
         return True
 
     def stats(self) -> TierStats:

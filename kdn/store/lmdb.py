@@ -1,15 +1,36 @@
-"""LMDB disk tier: entries in one memory-mapped B+tree file under the data directory.
+"""LMDB disk tier: entries, their metadata and their access order in one memory-mapped file.
 
-Everything the tier knows lives in the LMDB file itself (no in-memory index), so a restarted
-server serves what it held. Each put is one committed write transaction: after ``put`` returns
-the entry survives a crash (LMDB's copy-on-write commit), and a write interrupted by SIGKILL
-leaves no partial entry. The map grows on demand, up to ``max_map_bytes``.
+Everything the tier knows lives in the LMDB environment itself (no in-memory index), so a
+restarted server serves what it held, with its byte accounting and access order. Four named
+databases, all updated in the same write transaction:
+
+    entries  key -> value bytes
+    meta     key -> (size u64, expiry f64 unix seconds or 0, stamp u64)
+    lru      stamp (u64 big-endian) + key -> b""   oldest access first
+    info     b"used" -> u64, the sum of len(key) + len(value) over all entries
+
+Crash safety: each ``put``/``put_many``/``delete`` is one committed write transaction (LMDB's
+copy-on-write B+tree with ``sync``/``metasync``): once it returns the entry survives SIGKILL or
+power loss, and a transaction interrupted by SIGKILL leaves no trace, so no partial entry is
+ever readable.
+
+Byte budget: a put that would push ``used`` over ``capacity_bytes`` evicts the entries with the
+oldest access stamps in the same transaction, skipping keys the hierarchy marks ``protected``
+(pins). Access stamps are approximate LRU: a ``get`` records the key in memory and the stamps
+are written with the next write transaction (and at ``close``), so reads never pay for a write.
+
+Map growth: the map starts small and doubles up to ``max_map_bytes`` on ``MapFullError``;
+resizing needs every transaction of this process closed, so transactions share a
+readers-writer lock that ``_grow`` takes exclusively.
 """
 
 from __future__ import annotations
 
+import struct
 import threading
-from collections.abc import Iterable, Iterator
+import time
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import lmdb
@@ -18,93 +39,310 @@ from kdn.errors import TierUnavailable, TooLarge
 from kdn.store.base import Tier, TierStats
 
 _MIN_MAP = 64 << 20
+_START_MAP = 256 << 20
+_META = struct.Struct("<QdQ")  # size, expiry (unix s, 0 = none), stamp
+_STAMP = struct.Struct(">Q")
+_USED = b"used"
+_MAX_TOUCHED = 1 << 16
+
+
+class _RWLock:
+    """Many readers or one writer; a waiting writer blocks new readers (no starvation)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._readers = 0
+        self._writer = False
+        self._waiting = 0
+
+    @contextmanager
+    def shared(self) -> Iterator[None]:
+        with self._cond:
+            while self._writer or self._waiting:
+                self._cond.wait()
+            self._readers += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._readers -= 1
+                if not self._readers:
+                    self._cond.notify_all()
+
+    @contextmanager
+    def exclusive(self) -> Iterator[None]:
+        with self._cond:
+            self._waiting += 1
+            while self._writer or self._readers:
+                self._cond.wait()
+            self._waiting -= 1
+            self._writer = True
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._writer = False
+                self._cond.notify_all()
 
 
 class LmdbTier(Tier):
     name = "disk"
 
-    def __init__(self, path: Path | str, *, capacity_bytes: int, sync: bool = True) -> None:
+    def __init__(
+        self,
+        path: Path | str,
+        *,
+        capacity_bytes: int,
+        sync: bool = True,
+        max_map_bytes: int | None = None,
+        protected: Callable[[bytes], bool] | None = None,
+    ) -> None:
         super().__init__()
+        if capacity_bytes <= 0:
+            raise ValueError(f"capacity_bytes must be > 0, got {capacity_bytes}")
         self.path = Path(path)
         self.path.mkdir(parents=True, exist_ok=True)
         self.capacity_bytes = capacity_bytes
-        self.max_map_bytes = max(_MIN_MAP, int(capacity_bytes * 1.5) + _MIN_MAP)
-        self._grow_lock = threading.Lock()
+        self.max_map_bytes = max_map_bytes or (2 * capacity_bytes + _MIN_MAP)
+        self.protected = protected or (lambda key: False)
+        self._rw = _RWLock()
+        self._touch_lock = threading.Lock()
+        self._touched: dict[bytes, None] = {}
         try:
             self.env = lmdb.open(
-                str(self.path), map_size=min(self.max_map_bytes, 1 << 30), subdir=True,
-                max_dbs=4, sync=sync, metasync=sync, readahead=False, max_readers=256,
+                str(self.path), map_size=min(self.max_map_bytes, _START_MAP), subdir=True,
+                max_dbs=4, sync=sync, metasync=sync, readahead=False, max_readers=512,
             )
+            self.entries = self.env.open_db(b"entries")
+            self.meta = self.env.open_db(b"meta")
+            self.lru = self.env.open_db(b"lru")
+            self.info = self.env.open_db(b"info")
         except lmdb.Error as exc:
             raise TierUnavailable(f"can not open LMDB at {self.path}: {exc}") from exc
-        self.db = self.env.open_db(b"entries")
+        with self.env.begin(db=self.lru) as txn:
+            cur = txn.cursor()
+            self._stamp = _STAMP.unpack(cur.key()[:8])[0] if cur.last() else 0
+        self._stamp_lock = threading.Lock()
+        self._closed = False
+
+    # -- helpers --------------------------------------------------------------------------------
+
+    def _next_stamp(self) -> int:
+        with self._stamp_lock:
+            self._stamp += 1
+            return self._stamp
+
+    @staticmethod
+    def _live(meta: bytes | None, now: float) -> tuple[int, float, int] | None:
+        if meta is None:
+            return None
+        size, expiry, stamp = _META.unpack(meta)
+        if expiry and expiry <= now:
+            return None
+        return size, expiry, stamp
+
+    @contextmanager
+    def _read(self) -> Iterator[lmdb.Transaction]:
+        if self._closed:
+            raise TierUnavailable("disk tier is closed")
+        with self._rw.shared(), self.env.begin() as txn:
+            yield txn
+
+    # -- reads ----------------------------------------------------------------------------------
 
     def contains(self, key: bytes) -> bool:
-        with self.env.begin(db=self.db, buffers=True) as txn:
-            return txn.get(key) is not None
+        with self._read() as txn:
+            return self._live(txn.get(key, db=self.meta), time.time()) is not None
+
+    def contains_many(self, keys: list[bytes]) -> list[bool]:
+        now = time.time()
+        with self._read() as txn:
+            return [self._live(txn.get(k, db=self.meta), now) is not None for k in keys]
 
     def get(self, key: bytes) -> bytes | None:
-        with self.env.begin(db=self.db) as txn:
-            value = txn.get(key)
-        self.counters.add("misses" if value is None else "hits")
-        return value
+        return self.get_many([key])[0]
 
     def get_many(self, keys: list[bytes]) -> list[bytes | None]:
-        with self.env.begin(db=self.db) as txn:
-            return [txn.get(k) for k in keys]
+        now = time.time()
+        out: list[bytes | None] = []
+        expired: list[bytes] = []
+        with self._read() as txn:
+            for k in keys:
+                meta = txn.get(k, db=self.meta)
+                if self._live(meta, now) is None:
+                    if meta is not None:
+                        expired.append(k)
+                    out.append(None)
+                    continue
+                out.append(txn.get(k, db=self.entries))
+        hits = [k for k, v in zip(keys, out) if v is not None]
+        if hits:
+            with self._touch_lock:
+                if len(self._touched) < _MAX_TOUCHED:
+                    for k in hits:
+                        self._touched[k] = None
+        self.counters.add("hits", len(hits))
+        self.counters.add("misses", len(keys) - len(hits))
+        if expired:
+            self.delete_many(expired)
+        return out
 
     def size_of(self, key: bytes) -> int | None:
-        with self.env.begin(db=self.db, buffers=True) as txn:
-            value = txn.get(key)
-            return None if value is None else len(value)
+        return self.size_many([key])[0]
+
+    def size_many(self, keys: list[bytes]) -> list[int | None]:
+        now = time.time()
+        with self._read() as txn:
+            lives = [self._live(txn.get(k, db=self.meta), now) for k in keys]
+        return [None if m is None else m[0] for m in lives]
+
+    def ttl_remaining(self, key: bytes) -> float | None:
+        now = time.time()
+        with self._read() as txn:
+            m = self._live(txn.get(key, db=self.meta), now)
+        return None if m is None or not m[1] else max(0.0, m[1] - now)
+
+    def keys(self, prefix: bytes = b"") -> Iterator[bytes]:
+        out = []
+        now = time.time()
+        with self._read() as txn:
+            cur = txn.cursor(db=self.meta)
+            if cur.set_range(prefix):
+                for k, m in cur:
+                    if not k.startswith(prefix):
+                        break
+                    if self._live(m, now) is not None:
+                        out.append(k)
+        return iter(out)
+
+    # -- writes ---------------------------------------------------------------------------------
 
     def put(self, key: bytes, value: bytes, *, ttl_s: float | None = None) -> None:
         self.put_many([(key, value)], ttl_s=ttl_s)
 
     def put_many(self, items: Iterable[tuple[bytes, bytes]], *, ttl_s: float | None = None) -> None:
         batch = list(items)
-        need = sum(len(v) for _, v in batch)
+        need = sum(len(k) + len(v) for k, v in batch)
         if need > self.capacity_bytes:
             raise TooLarge(f"{need} bytes exceed the disk tier's {self.capacity_bytes}-byte budget")
+        expiry = time.time() + ttl_s if ttl_s else 0.0
+        self._write(lambda txn: self._put_txn(txn, batch, expiry), need)
+
+    def delete(self, key: bytes) -> bool:
+        return self.delete_many([key]) > 0
+
+    def delete_many(self, keys: list[bytes]) -> int:
+        return self._write(lambda txn: sum(self._remove(txn, k) for k in keys), 0)
+
+    def flush_access(self) -> None:
+        """Write the access stamps recorded by reads since the last write transaction."""
+        self._write(lambda txn: None, 0)
+
+    def _write(self, body: Callable[[lmdb.Transaction], int | None], need: int) -> int:
+        if self._closed:
+            raise TierUnavailable("disk tier is closed")
         while True:
             try:
-                with self.env.begin(db=self.db, write=True) as txn:
-                    for k, v in batch:
-                        txn.put(k, v)
-                return
+                with self._rw.shared(), self.env.begin(write=True) as txn:
+                    self._apply_touches(txn)
+                    return body(txn) or 0
             except lmdb.MapFullError:
                 self._grow(need)
+            except lmdb.Error as exc:
+                raise TierUnavailable(f"disk tier write failed: {exc}") from exc
+
+    def _apply_touches(self, txn: lmdb.Transaction) -> None:
+        with self._touch_lock:
+            touched, self._touched = self._touched, {}
+        for k in touched:
+            meta = txn.get(k, db=self.meta)
+            if meta is None:
+                continue
+            size, expiry, stamp = _META.unpack(meta)
+            new = self._next_stamp()
+            txn.delete(_STAMP.pack(stamp) + k, db=self.lru)
+            txn.put(_STAMP.pack(new) + k, b"", db=self.lru)
+            txn.put(k, _META.pack(size, expiry, new), db=self.meta)
+
+    def _used(self, txn: lmdb.Transaction) -> int:
+        raw = txn.get(_USED, db=self.info)
+        return 0 if raw is None else int.from_bytes(raw, "little")
+
+    def _remove(self, txn: lmdb.Transaction, key: bytes) -> int:
+        """Delete ``key`` in ``txn``; 1 if it was there. Keeps ``used`` exact."""
+        meta = txn.get(key, db=self.meta)
+        if meta is None:
+            return 0
+        size, _, stamp = _META.unpack(meta)
+        txn.delete(key, db=self.meta)
+        txn.delete(key, db=self.entries)
+        txn.delete(_STAMP.pack(stamp) + key, db=self.lru)
+        txn.put(_USED, (self._used(txn) - size).to_bytes(8, "little"), db=self.info)
+        return 1
+
+    def _put_txn(self, txn: lmdb.Transaction, batch: list[tuple[bytes, bytes]],
+                 expiry: float) -> None:
+        for k, v in batch:
+            self._remove(txn, k)
+            stamp = self._next_stamp()
+            txn.put(k, v, db=self.entries)
+            txn.put(k, _META.pack(len(k) + len(v), expiry, stamp), db=self.meta)
+            txn.put(_STAMP.pack(stamp) + k, b"", db=self.lru)
+            used = self._used(txn) + len(k) + len(v)
+            txn.put(_USED, used.to_bytes(8, "little"), db=self.info)
+        if self._used(txn) > self.capacity_bytes:
+            self._evict(txn, keep={k for k, _ in batch})
+
+    def _evict(self, txn: lmdb.Transaction, keep: set[bytes]) -> None:
+        """Remove the oldest-stamped unprotected entries until ``used`` fits the budget."""
+        used = self._used(txn)
+        victims: list[bytes] = []
+        cur = txn.cursor(db=self.lru)
+        for lk in cur.iternext(keys=True, values=False):
+            if used <= self.capacity_bytes:
+                break
+            key = bytes(lk[8:])
+            if key in keep or self.protected(key):
+                continue
+            meta = txn.get(key, db=self.meta)
+            if meta is not None:
+                used -= _META.unpack(meta)[0]
+                victims.append(key)
+        if used > self.capacity_bytes:
+            raise TooLarge(f"disk tier is full of pinned entries ({used} of "
+                           f"{self.capacity_bytes} bytes); unpin or raise disk_bytes")
+        for key in victims:
+            self._remove(txn, key)
+        self.counters.add("evictions", len(victims))
 
     def _grow(self, need: int) -> None:
-        with self._grow_lock:
+        with self._rw.exclusive():
             size = self.env.info()["map_size"]
             new = min(self.max_map_bytes, max(size * 2, size + 2 * need))
             if new <= size:
                 raise TooLarge(f"disk tier map is at its {self.max_map_bytes}-byte maximum")
             self.env.set_mapsize(new)
 
-    def delete(self, key: bytes) -> bool:
-        with self.env.begin(db=self.db, write=True) as txn:
-            return bool(txn.delete(key))
+    # -- admin ----------------------------------------------------------------------------------
 
-    def keys(self, prefix: bytes = b"") -> Iterator[bytes]:
-        with self.env.begin(db=self.db) as txn:
-            cur = txn.cursor()
-            out = []
-            if cur.set_range(prefix):
-                for k in cur.iternext(keys=True, values=False):
-                    if not k.startswith(prefix):
-                        break
-                    out.append(k)
-        return iter(out)
+    @property
+    def map_size(self) -> int:
+        return int(self.env.info()["map_size"])
 
     def close(self) -> None:
-        self.env.close()
+        if self._closed:
+            return
+        try:
+            self.flush_access()
+        finally:
+            self._closed = True
+            with self._rw.exclusive():
+                self.env.close()
 
     def stats(self) -> TierStats:
-        with self.env.begin(db=self.db) as txn:
-            st = txn.stat(self.db)
-        used = (st["leaf_pages"] + st["branch_pages"] + st["overflow_pages"]) * st["psize"]
+        with self._read() as txn:
+            entries = txn.stat(self.meta)["entries"]
+            used = self._used(txn)
         c = self.counters
-        return TierStats(self.name, st["entries"], used, self.capacity_bytes, c.hits, c.misses,
+        return TierStats(self.name, entries, used, self.capacity_bytes, c.hits, c.misses,
                          c.evictions, c.corrupt)

@@ -3,7 +3,8 @@
 Values are immutable ``bytes`` and are returned as stored (no copy). When a put would exceed
 ``capacity_bytes`` the least recently used entries are removed; the hierarchy decides which
 entries may not be removed (``protected``, e.g. pins) and what happens to removed ones
-(``on_evict``, e.g. demotion to disk). Entries larger than the whole budget are refused.
+(``on_evict(key, value, ttl_s)``, e.g. demotion to disk; called outside the lock, with the
+seconds the entry had left or None). Entries larger than the whole budget are refused.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ class RamTier(Tier):
         capacity_bytes: int,
         *,
         protected: Callable[[bytes], bool] | None = None,
-        on_evict: Callable[[bytes, bytes], None] | None = None,
+        on_evict: Callable[[bytes, bytes, float | None], None] | None = None,
     ) -> None:
         super().__init__()
         if capacity_bytes <= 0:
@@ -71,25 +72,35 @@ class RamTier(Tier):
             item = self._data.get(key)
             return None if item is None or self._expired(key, item[1]) else len(item[0])
 
+    def ttl_remaining(self, key: bytes) -> float | None:
+        with self._lock:
+            item = self._data.get(key)
+            if item is None or self._expired(key, item[1]) or not item[1]:
+                return None
+            return max(0.0, item[1] - time.monotonic())
+
     def put(self, key: bytes, value: bytes, *, ttl_s: float | None = None) -> None:
         value = bytes(value)
         if len(value) > self.capacity_bytes:
             raise TooLarge(f"entry of {len(value)} bytes exceeds the RAM tier's "
                            f"{self.capacity_bytes}-byte budget")
         expiry = time.monotonic() + ttl_s if ttl_s else 0.0
-        evicted: list[tuple[bytes, bytes]] = []
+        evicted: list[tuple[bytes, bytes, float]] = []
         with self._lock:
             self._remove(key)
             self._data[key] = (value, expiry)
             self._bytes += len(value)
             if self._bytes > self.capacity_bytes:
                 evicted = self._evict_locked(keep=key)
-        for k, v in evicted:
-            if self.on_evict is not None:
-                self.on_evict(k, v)
+        if self.on_evict is not None:
+            now = time.monotonic()
+            for k, v, exp in evicted:
+                if exp and exp <= now:
+                    continue
+                self.on_evict(k, v, exp - now if exp else None)
 
-    def _evict_locked(self, keep: bytes) -> list[tuple[bytes, bytes]]:
-        out: list[tuple[bytes, bytes]] = []
+    def _evict_locked(self, keep: bytes) -> list[tuple[bytes, bytes, float]]:
+        out: list[tuple[bytes, bytes, float]] = []
         skipped: list[bytes] = []
         while self._bytes > self.capacity_bytes and self._data:
             key = next(iter(self._data))
@@ -99,9 +110,10 @@ class RamTier(Tier):
                 if len(skipped) > len(self._data):
                     break  # everything left is protected
                 continue
+            expiry = self._data[key][1]
             value = self._remove(key)
             assert value is not None
-            out.append((key, value))
+            out.append((key, value, expiry))
             self.counters.evictions += 1
         if self._bytes > self.capacity_bytes:
             # Only protected entries remain: refuse the newcomer rather than break a pin.

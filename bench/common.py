@@ -1,0 +1,68 @@
+"""Shared plumbing for benchmarks: timing, a printed table, JSON results with machine facts."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def machine() -> dict[str, Any]:
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cpus": os.cpu_count(),
+        "platform": platform.platform(),
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+    }
+
+
+def timed(fn: Callable[[], object], repeat: int, warmup: int = 1) -> list[float]:
+    """Wall seconds of ``repeat`` calls of ``fn`` after ``warmup`` untimed calls."""
+    for _ in range(warmup):
+        fn()
+    out = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t)
+    return out
+
+
+def percentile(xs: Sequence[float], q: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, max(0, round(q / 100 * (len(s) - 1))))]
+
+
+def median(xs: Sequence[float]) -> float:
+    return statistics.median(xs)
+
+
+def print_table(rows: list[dict[str, Any]], cols: list[str]) -> None:
+    def fmt(v: Any) -> str:
+        if isinstance(v, float):
+            return f"{v:.4g}"
+        return str(v)
+
+    cells = [[fmt(r.get(c, "")) for c in cols] for r in rows]
+    widths = [max(len(c), *(len(x[i]) for x in cells)) for i, c in enumerate(cols)]
+    print("  ".join(c.rjust(w) for c, w in zip(cols, widths)))
+    for x in cells:
+        print("  ".join(v.rjust(w) for v, w in zip(x, widths)))
+
+
+def write_json(path: Path | str, name: str, rows: list[dict[str, Any]], **extra: Any) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    doc = {"benchmark": name, "machine": machine(), "when": time.strftime("%Y-%m-%dT%H:%M:%SZ",
+                                                                          time.gmtime()),
+           **extra, "rows": rows}
+    path.write_text(json.dumps(doc, indent=2) + "\n")
+    print(f"wrote {path}")

@@ -1,0 +1,393 @@
+"""Redis tier: standalone Redis or Redis Cluster, shared by every kdn server that points at it.
+
+Key scheme (``T`` is the hash tag of the kdn key: the key itself, or its xxh3-128 hex digest
+when it holds ``{`` or ``}``; one tag puts all of an entry's keys in one cluster slot):
+
+    kdn:{T}:m            manifest = 40-byte header + the value's first part
+    kdn:{T}:<ver>:<i>    part i >= 1 of the value written as version <ver> (16 hex chars)
+
+Header: magic ``KDNM``, format 1, ``ver`` (8 random bytes), part count, total length, part size.
+A value no larger than ``part_bytes`` is one key: the manifest holds it whole.
+
+Writes are made visible atomically. ``put`` writes parts 1.. under a fresh ``ver`` with a
+provisional expiry (``PENDING_TTL_S``), then one Lua script checks that every part still
+exists, sets the manifest and gives the parts the entry's final TTL (or none). A reader that
+fetched manifest ``ver`` reads exactly that version's parts, so two writers racing on one key
+leave one complete version (the last commit); the loser's parts and the replaced version's
+parts expire after ``GRACE_S`` so readers mid-way through them can finish. A writer killed
+before its commit leaves only parts that expire by themselves. A reader that finds a part
+missing re-reads the manifest: a new version means retry; the same version means the part was
+evicted by Redis (``maxmemory``), and the entry is dropped and reported as a miss.
+
+Transport: a connection pool (``BlockingConnectionPool`` standalone, per-node pools in a
+cluster), commands retried ``retries`` times with exponential backoff and jitter on connection
+and timeout errors only; every redis-py error leaves as ``TierUnavailable`` (or ``TooLarge`` when
+Redis is out of memory), so the hierarchy can mark the tier down and carry on.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from collections.abc import Iterable, Iterator
+from typing import Any
+from urllib.parse import urlparse
+
+import redis
+import xxhash
+from redis.backoff import ExponentialWithJitterBackoff
+from redis.cluster import ClusterNode, RedisCluster
+from redis.retry import Retry
+
+from kdn.errors import KDNError, TierUnavailable, TooLarge
+from kdn.store.base import Tier, TierStats
+
+_HDR = struct.Struct("<4sB3x8sIQQ4x")  # magic, format, ver, parts, total, part_bytes
+HEADER_BYTES = _HDR.size
+_MAGIC = b"KDNM"
+PENDING_TTL_S = 600
+GRACE_S = 10
+_READ_ATTEMPTS = 4
+
+# KEYS: manifest, parts...; ARGV: manifest bytes, ttl ms (0 = none), header length.
+# Returns the replaced manifest's header (or false), or an error when a part is gone.
+_COMMIT = """
+for i = 2, #KEYS do
+  if redis.call('EXISTS', KEYS[i]) == 0 then
+    return redis.error_reply('KDNPART part ' .. (i - 1) .. ' expired before commit')
+  end
+end
+local old = false
+if redis.call('EXISTS', KEYS[1]) == 1 then
+  old = redis.call('GETRANGE', KEYS[1], 0, tonumber(ARGV[3]) - 1)
+end
+local ttl = tonumber(ARGV[2])
+if ttl > 0 then
+  redis.call('SET', KEYS[1], ARGV[1], 'PX', ttl)
+else
+  redis.call('SET', KEYS[1], ARGV[1])
+end
+for i = 2, #KEYS do
+  if ttl > 0 then redis.call('PEXPIRE', KEYS[i], ttl) else redis.call('PERSIST', KEYS[i]) end
+end
+return old
+"""
+
+# KEYS: manifest; ARGV: header length, expected ver ('' = any). Deletes; returns old header.
+_DELETE = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return false end
+local old = redis.call('GETRANGE', KEYS[1], 0, tonumber(ARGV[1]) - 1)
+if ARGV[2] ~= '' and string.sub(old, 9, 16) ~= ARGV[2] then return false end
+redis.call('DEL', KEYS[1])
+return old
+"""
+
+
+def _hash_tag(key: bytes) -> bytes:
+    if b"{" in key or b"}" in key:
+        return xxhash.xxh3_128_hexdigest(key).encode()
+    return key
+
+
+class _Header:
+    __slots__ = ("ver", "parts", "total", "part_bytes")
+
+    def __init__(self, ver: bytes, parts: int, total: int, part_bytes: int) -> None:
+        self.ver, self.parts, self.total, self.part_bytes = ver, parts, total, part_bytes
+
+    def pack(self) -> bytes:
+        return _HDR.pack(_MAGIC, 1, self.ver, self.parts, self.total, self.part_bytes)
+
+    @classmethod
+    def parse(cls, raw: bytes | memoryview) -> _Header | None:
+        if len(raw) < HEADER_BYTES:
+            return None
+        magic, fmt, ver, parts, total, part_bytes = _HDR.unpack_from(raw)
+        if magic != _MAGIC or fmt != 1 or parts < 1 or part_bytes < 1:
+            return None
+        return cls(ver, parts, total, part_bytes)
+
+
+_DOWN = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError,
+         redis.exceptions.ClusterDownError, redis.exceptions.BusyLoadingError,
+         redis.exceptions.TryAgainError, redis.exceptions.MaxConnectionsError)
+
+
+def _wrap(exc: BaseException) -> KDNError:
+    """TierUnavailable when Redis can not be reached, TooLarge when full, else KDNError."""
+    if isinstance(exc, _DOWN):
+        return TierUnavailable(f"redis: {type(exc).__name__}: {exc}")
+    if isinstance(exc, redis.exceptions.ResponseError) and str(exc).startswith("OOM"):
+        return TooLarge(f"redis is out of memory: {exc}")
+    return KDNError(f"redis: {type(exc).__name__}: {exc}")
+
+
+class RedisTier(Tier):
+    name = "redis"
+
+    def __init__(
+        self,
+        urls: str | list[str],
+        *,
+        cluster: bool = False,
+        part_bytes: int = 8 << 20,
+        timeout_s: float = 1.0,
+        retries: int = 2,
+        max_connections: int = 32,
+        capacity_bytes: int = 0,
+        prefix: bytes = b"kdn:",
+    ) -> None:
+        super().__init__()
+        if part_bytes < 1024:
+            raise ValueError(f"part_bytes must be >= 1024, got {part_bytes}")
+        self.urls = [urls] if isinstance(urls, str) else list(urls)
+        self.cluster = cluster
+        self.part_bytes = part_bytes
+        self.capacity_bytes = capacity_bytes
+        self.prefix = prefix
+        retry = Retry(ExponentialWithJitterBackoff(base=0.02, cap=0.5), retries)
+        common: dict[str, Any] = dict(socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+                                      retry=retry, health_check_interval=0)
+        self.client: redis.Redis | RedisCluster
+        if cluster:
+            nodes = []
+            for u in self.urls:
+                p = urlparse(u)
+                nodes.append(ClusterNode(p.hostname or "127.0.0.1", p.port or 6379))
+            self.client = RedisCluster(startup_nodes=nodes, max_connections=max_connections,
+                                       cluster_error_retry_attempts=max(1, retries), **common)
+        else:
+            if len(self.urls) != 1:
+                raise ValueError("a standalone Redis tier takes exactly one URL")
+            pool = redis.BlockingConnectionPool.from_url(
+                self.urls[0], max_connections=max_connections, timeout=timeout_s, **common)
+            self.client = redis.Redis(connection_pool=pool)
+        self._commit = self.client.register_script(_COMMIT)
+        self._delete = self.client.register_script(_DELETE)
+        if capacity_bytes:
+            self._apply_budget()
+
+    # -- keys -----------------------------------------------------------------------------------
+
+    def _manifest_key(self, key: bytes) -> bytes:
+        return self.prefix + b"{" + _hash_tag(key) + b"}:m"
+
+    def _part_key(self, key: bytes, ver: bytes, i: int) -> bytes:
+        return self.prefix + b"{" + _hash_tag(key) + b"}:" + ver.hex().encode() + b":%d" % i
+
+    def _part_keys(self, key: bytes, h: _Header) -> list[bytes]:
+        return [self._part_key(key, h.ver, i) for i in range(1, h.parts)]
+
+    def _call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except redis.exceptions.RedisError as exc:
+            raise _wrap(exc) from exc
+
+    def _apply_budget(self) -> None:
+        """Give Redis the byte budget (per node in a cluster) and an LRU policy over all keys."""
+        kw: dict[str, Any] = {"target_nodes": RedisCluster.PRIMARIES} if self.cluster else {}
+        self._call(self.client.config_set, "maxmemory", str(self.capacity_bytes), **kw)
+        self._call(self.client.config_set, "maxmemory-policy", "allkeys-lru", **kw)
+
+    # -- reads ----------------------------------------------------------------------------------
+
+    def contains(self, key: bytes) -> bool:
+        return bool(self._call(self.client.exists, self._manifest_key(key)))
+
+    def contains_many(self, keys: list[bytes]) -> list[bool]:
+        pipe = self.client.pipeline(transaction=False)
+        for k in keys:
+            pipe.exists(self._manifest_key(k))
+        return [bool(x) for x in self._call(pipe.execute)]
+
+    def size_of(self, key: bytes) -> int | None:
+        return self.size_many([key])[0]
+
+    def size_many(self, keys: list[bytes]) -> list[int | None]:
+        pipe = self.client.pipeline(transaction=False)
+        for k in keys:
+            pipe.getrange(self._manifest_key(k), 0, HEADER_BYTES - 1)
+        out: list[int | None] = []
+        for raw in self._call(pipe.execute):
+            h = _Header.parse(raw) if raw else None
+            out.append(None if h is None else h.total)
+        return out
+
+    def ttl_remaining(self, key: bytes) -> float | None:
+        ms = self._call(self.client.pttl, self._manifest_key(key))
+        return None if ms is None or ms < 0 else ms / 1000.0
+
+    def get(self, key: bytes) -> bytes | None:
+        mkey = self._manifest_key(key)
+        for _ in range(_READ_ATTEMPTS):
+            manifest = self._call(self.client.get, mkey)
+            value = self._assemble(key, manifest)
+            if value is not _RETRY:
+                break
+        else:
+            value = None
+        self.counters.add("misses" if value is None else "hits")
+        return value  # type: ignore[return-value]
+
+    def get_many(self, keys: list[bytes]) -> list[bytes | None]:
+        pipe = self.client.pipeline(transaction=False)
+        for k in keys:
+            pipe.get(self._manifest_key(k))
+        manifests = self._call(pipe.execute)
+        out: list[bytes | None] = []
+        for k, m in zip(keys, manifests):
+            v = self._assemble(k, m)
+            if v is _RETRY:
+                out.append(self.get(k))
+                continue
+            self.counters.add("misses" if v is None else "hits")
+            out.append(v)  # type: ignore[arg-type]
+        return out
+
+    def _assemble(self, key: bytes, manifest: bytes | None) -> bytes | None | object:
+        """The value a manifest describes, None for a miss, or _RETRY when it was replaced."""
+        if manifest is None:
+            return None
+        h = _Header.parse(manifest)
+        if h is None:
+            self._drop_damaged(key, None, "unreadable manifest")
+            return None
+        first = memoryview(manifest)[HEADER_BYTES:]
+        if h.parts == 1:
+            if len(first) != h.total:
+                self._drop_damaged(key, h, "manifest length mismatch")
+                return None
+            return bytes(first)
+        pkeys = self._part_keys(key, h)
+        parts = self._call(self.client.execute_command, "MGET", *pkeys)
+        if any(p is None for p in parts):
+            now = self._call(self.client.getrange, self._manifest_key(key), 0, HEADER_BYTES - 1)
+            cur = _Header.parse(now) if now else None
+            if cur is not None and cur.ver != h.ver:
+                return _RETRY
+            if cur is not None:
+                self._drop_damaged(key, h, "a part was evicted")
+            return None
+        value = b"".join([first, *parts])
+        if len(value) != h.total:
+            self._drop_damaged(key, h, "parts do not add up to the manifest's length")
+            return None
+        return value
+
+    def _drop_damaged(self, key: bytes, h: _Header | None, why: str) -> None:
+        self.counters.add("corrupt")
+        ver = h.ver if h is not None else b""
+        old = self._call(self._delete, keys=[self._manifest_key(key)],
+                         args=[HEADER_BYTES, ver])
+        self._expire_parts(key, old, 0)
+
+    def keys(self, prefix: bytes = b"") -> Iterator[bytes]:
+        pattern = self.prefix + b"{" + _glob_escape(prefix) + b"*}:m"
+        start = len(self.prefix) + 1
+        found = self._call(lambda: list(self.client.scan_iter(match=pattern, count=1000)))
+        return iter(sorted(k[start:-3] for k in found))
+
+    # -- writes ---------------------------------------------------------------------------------
+
+    def put(self, key: bytes, value: bytes, *, ttl_s: float | None = None) -> None:
+        total = len(value)
+        n = max(1, -(-total // self.part_bytes))
+        h = _Header(os.urandom(8), n, total, self.part_bytes)
+        view = memoryview(value)
+        pkeys = self._part_keys(key, h)
+        if pkeys:
+            pipe = self.client.pipeline(transaction=False)
+            for i, pk in enumerate(pkeys, start=1):
+                pipe.set(pk, view[i * self.part_bytes:(i + 1) * self.part_bytes],
+                         ex=PENDING_TTL_S + int(ttl_s or 0))
+            self._call(pipe.execute)
+        manifest = h.pack() + view[:self.part_bytes]
+        ttl_ms = int(ttl_s * 1000) if ttl_s else 0
+        old = self._call(self._commit, keys=[self._manifest_key(key), *pkeys],
+                         args=[manifest, ttl_ms, HEADER_BYTES])
+        self._expire_parts(key, old, GRACE_S)
+
+    def put_many(self, items: Iterable[tuple[bytes, bytes]], *, ttl_s: float | None = None) -> None:
+        small: list[tuple[bytes, bytes]] = []
+        for k, v in items:
+            if len(v) > self.part_bytes or self.cluster:
+                self.put(k, v, ttl_s=ttl_s)
+            else:
+                small.append((k, v))
+        if not small:
+            return
+        ttl_ms = int(ttl_s * 1000) if ttl_s else 0
+        pipe = self.client.pipeline(transaction=False)
+        for k, v in small:
+            manifest = _Header(os.urandom(8), 1, len(v), self.part_bytes).pack() + v
+            self._commit(keys=[self._manifest_key(k)], args=[manifest, ttl_ms, HEADER_BYTES],
+                         client=pipe)
+        olds = self._call(pipe.execute)
+        for (k, _), old in zip(small, olds):
+            self._expire_parts(k, old, GRACE_S)
+
+    def _expire_parts(self, key: bytes, old_header: bytes | None, after_s: int) -> None:
+        """Let the parts of a replaced or deleted version go (after ``after_s``, or now)."""
+        h = _Header.parse(old_header) if old_header else None
+        if h is None or h.parts == 1:
+            return
+        pipe = self.client.pipeline(transaction=False)
+        for pk in self._part_keys(key, h):
+            if after_s:
+                pipe.expire(pk, after_s)
+            else:
+                pipe.unlink(pk)
+        self._call(pipe.execute)
+
+    def delete(self, key: bytes) -> bool:
+        old = self._call(self._delete, keys=[self._manifest_key(key)], args=[HEADER_BYTES, ""])
+        self._expire_parts(key, old, 0)
+        return bool(old)
+
+    # -- admin ----------------------------------------------------------------------------------
+
+    def healthy(self) -> bool:
+        try:
+            if isinstance(self.client, RedisCluster):
+                return bool(self.client.ping(target_nodes=RedisCluster.PRIMARIES))
+            return bool(self.client.ping())
+        except (redis.exceptions.RedisError, OSError):
+            return False
+
+    def stats(self) -> TierStats:
+        c = self.counters
+        try:
+            if isinstance(self.client, RedisCluster):
+                sizes = self.client.dbsize(target_nodes=RedisCluster.PRIMARIES)
+                entries = int(sum(sizes.values())) if isinstance(sizes, dict) else int(sizes)
+                mem = self.client.info("memory", target_nodes=RedisCluster.PRIMARIES)
+                used = sum(int(v["used_memory"]) for v in mem.values()) \
+                    if isinstance(mem, dict) and "used_memory" not in mem \
+                    else int(mem["used_memory"])
+            else:
+                entries = int(self.client.dbsize())
+                used = int(self.client.info("memory")["used_memory"])
+            healthy = True
+        except redis.exceptions.RedisError:
+            entries, used, healthy = 0, 0, False
+        return TierStats(self.name, entries, used, self.capacity_bytes, c.hits, c.misses,
+                         c.evictions, c.corrupt, healthy)
+
+    def close(self) -> None:
+        try:
+            self.client.close()
+        except redis.exceptions.RedisError:
+            pass
+
+
+_RETRY = object()
+
+
+def _glob_escape(raw: bytes) -> bytes:
+    out = bytearray()
+    for b in raw:
+        if b in b"*?[]\\":
+            out += b"\\"
+        out.append(b)
+    return bytes(out)
