@@ -26,9 +26,10 @@ import torch
 
 from kdn import codec
 from kdn.cache import KVCache
+from kdn.client.stream import LayerStream, StreamTimings
 from kdn.codec import EncodedParts, StreamDecoder
 from kdn.codec.format import parse_header
-from kdn.errors import InvalidArgument, NotFound, from_grpc
+from kdn.errors import NotFound, from_grpc
 from kdn.keys import DEFAULT_NAMESPACE, check_key, check_namespace
 from kdn.layout import KVLayout
 from kdn.v1 import kdn_pb2 as pb
@@ -172,30 +173,37 @@ class Client:
         except NotFound:
             return None
 
-    def retrieve(self, key: bytes, *, namespace: str | None = None,
-                 layout: KVLayout | None = None,
-                 device: torch.device | str | None = None) -> KVCache | None:
-        """Retrieve and decode ``key``; frames are decoded as they arrive. None on a miss."""
-        req = self._retrieve_request(key, namespace, layout)
+    def retrieve_stream(self, key: bytes, *, namespace: str | None = None,
+                        layout: KVLayout | None = None,
+                        device: torch.device | str | None = None,
+                        first_layer: int = 0, last_layer: int = 0) -> LayerStream | None:
+        """Start retrieving ``key``; layers become usable one by one (``wait_for_layer``).
 
-        def run() -> KVCache:
-            stream = self._stub.Retrieve(req, timeout=self.timeout_s)
-            first = next(stream)
+        None on a miss. The header arrives before this returns; frames keep arriving and are
+        decoded on worker threads while the caller works on earlier layers.
+        """
+        req = self._retrieve_request(key, namespace, layout)
+        req.first_layer, req.last_layer = first_layer, last_layer
+
+        def run() -> LayerStream:
+            timings = StreamTimings(started=time.perf_counter())
+            call = self._stub.Retrieve(req, timeout=self.timeout_s)
+            first = next(call)
+            timings.header = time.perf_counter()
             dec = StreamDecoder(first.header.container_header, device)
-            layers = dec.empty_cache()
-            for msg in stream:
-                for layer, k, v in dec.decode_frame(msg.frame.index, msg.frame.data):
-                    layers[layer] = (k, v)
-            missing = [i for i, lay in enumerate(layers) if lay is None]
-            if missing:
-                raise InvalidArgument(f"retrieve stream ended without layers {missing}")
-            return KVCache(dec.header.layout, layers,  # type: ignore[arg-type]
-                           int(dec.header.entry.start_position))
+            return LayerStream(dec, call, first.header.tier, call.cancel, timings)
 
         try:
             return self._call(run)
         except NotFound:
             return None
+
+    def retrieve(self, key: bytes, *, namespace: str | None = None,
+                 layout: KVLayout | None = None,
+                 device: torch.device | str | None = None) -> KVCache | None:
+        """Retrieve and decode ``key`` (frames decoded as they arrive). None on a miss."""
+        stream = self.retrieve_stream(key, namespace=namespace, layout=layout, device=device)
+        return None if stream is None else stream.result()
 
     def _retrieve_request(self, key: bytes, namespace: str | None,
                           layout: KVLayout | None) -> pb.RetrieveRequest:

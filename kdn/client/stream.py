@@ -1,0 +1,141 @@
+"""Layer-by-layer reception of one Retrieve stream.
+
+Lifecycle: ``Client.retrieve_stream`` issues the RPC, reads the header message itself (so a miss
+is known at once), then hands the rest of the stream to a ``LayerStream``. A reader thread pulls
+frames off the wire and submits each to the codec's worker pool; every decoded layer sets its
+own event. Callers use layer i as soon as it is ready:
+
+    stream = client.retrieve_stream(key)
+    for i in range(stream.layout.num_layers):
+        k, v = stream.wait_for_layer(i)        # blocks only until layer i is decoded
+    kv = stream.result()                       # the whole KVCache
+
+An error anywhere (wire, checksum, decode) is raised from every pending and later wait.
+``cancel()`` cancels the RPC so the server stops sending.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import torch
+
+from kdn.cache import KVCache
+from kdn.codec import StreamDecoder
+from kdn.errors import InvalidArgument, KDNError, from_grpc
+from kdn.layout import KVLayout
+
+LayerKV = tuple[torch.Tensor, torch.Tensor]
+_POOL: ThreadPoolExecutor | None = None
+
+
+def pool() -> ThreadPoolExecutor:
+    """Frame decoders shared by all streams of the process (zstd and torch release the GIL)."""
+    global _POOL
+    if _POOL is None:
+        _POOL = ThreadPoolExecutor(max(2, os.cpu_count() or 2), thread_name_prefix="kdn-recv")
+    return _POOL
+
+
+@dataclass
+class StreamTimings:
+    """Wall-clock marks (perf_counter seconds) of one retrieve, for TTFT breakdowns."""
+
+    started: float = 0.0
+    header: float = 0.0
+    first_layer: float = 0.0
+    last_frame_received: float = 0.0
+    done: float = 0.0
+    bytes_received: int = 0
+    layer_ready: dict[int, float] = field(default_factory=dict)
+
+
+class LayerStream:
+    def __init__(self, decoder: StreamDecoder, frames: Iterator[Any], tier: str,
+                 cancel: Callable[[], object], timings: StreamTimings) -> None:
+        self.decoder = decoder
+        self.tier = tier
+        self.timings = timings
+        n = decoder.header.layout.num_layers
+        self._layers: list[LayerKV | None] = [None] * n
+        self._ready = [threading.Event() for _ in range(n)]
+        self._error: BaseException | None = None
+        self._cancel = cancel
+        self._lock = threading.Lock()
+        self._pending: list[Future[None]] = []
+        self._reader = threading.Thread(target=self._read, args=(frames,), daemon=True,
+                                        name="kdn-retrieve")
+        self._reader.start()
+
+    @property
+    def layout(self) -> KVLayout:
+        return self.decoder.header.layout
+
+    @property
+    def num_tokens(self) -> int:
+        return self.decoder.header.tokens
+
+    def _fail(self, exc: BaseException) -> None:
+        with self._lock:
+            if self._error is None:
+                self._error = exc
+        for ev in self._ready:
+            ev.set()
+
+    def _decode(self, index: int, data: bytes) -> None:
+        try:
+            for layer, k, v in self.decoder.decode_frame(index, data):
+                self._layers[layer] = (k, v)
+                self.timings.layer_ready[layer] = time.perf_counter()
+                if layer == 0:
+                    self.timings.first_layer = self.timings.layer_ready[0]
+                self._ready[layer].set()
+        except BaseException as exc:  # reported to waiters
+            self._fail(exc)
+
+    def _read(self, frames: Iterator[Any]) -> None:
+        try:
+            for msg in frames:
+                data = msg.frame.data
+                self.timings.bytes_received += len(data)
+                self._pending.append(pool().submit(self._decode, msg.frame.index, data))
+            self.timings.last_frame_received = time.perf_counter()
+            for fut in self._pending:
+                fut.result()
+            missing = [i for i, lay in enumerate(self._layers) if lay is None]
+            if missing and self._error is None:
+                self._fail(InvalidArgument(f"retrieve stream ended without layers {missing}"))
+            self.timings.done = time.perf_counter()
+        except grpc.RpcError as err:
+            self._fail(from_grpc(err))
+        except BaseException as exc:
+            self._fail(exc)
+
+    def wait_for_layer(self, i: int, timeout: float | None = None) -> LayerKV:
+        """Layer i's (K, V) once decoded; raises the stream's error if it failed."""
+        if not self._ready[i].wait(timeout):
+            raise TimeoutError(f"layer {i} not ready after {timeout} s")
+        layer = self._layers[i]
+        if layer is None:
+            assert self._error is not None
+            raise self._error
+        return layer
+
+    def is_ready(self, i: int) -> bool:
+        return self._ready[i].is_set() and self._layers[i] is not None
+
+    def result(self, timeout: float | None = None) -> KVCache:
+        layers = [self.wait_for_layer(i, timeout) for i in range(len(self._layers))]
+        self._reader.join(timeout)
+        return KVCache(self.layout, layers, int(self.decoder.header.entry.start_position))
+
+    def cancel(self) -> None:
+        self._cancel()
+        self._fail(KDNError("retrieve cancelled"))

@@ -1,0 +1,50 @@
+"""Layer-by-layer delivery: layers become usable while later frames are still on the wire."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kdn import keys
+from kdn.client import Client
+from kdn.errors import KDNError
+from kdn.server import ServerConfig, ServerThread
+from tests.helpers import random_kv, uniform_layout
+
+
+def test_layer_zero_usable_before_last_frame_arrives(tmp_path: Path) -> None:
+    cfg = ServerConfig(port=0, data_dir=tmp_path, disk_bytes=0, ram_bytes=1 << 30)
+    lay = uniform_layout(layers=48, heads=4, dim=64)
+    kv = random_kv(lay, tokens=1024)  # 1 MiB per layer frame, 48 frames
+    key = keys.chunk_key([7], lay)
+    with ServerThread(cfg) as st, Client(st.address) as c:
+        c.store(key, kv, mode="raw")
+        stream = c.retrieve_stream(key, layout=lay)
+        assert stream is not None
+        k0, v0 = stream.wait_for_layer(0)
+        assert k0.equal(kv.layers[0][0]) and v0.equal(kv.layers[0][1])
+        back = stream.result(timeout=60)
+        t = stream.timings
+        assert t.layer_ready[0] < t.last_frame_received, (
+            "layer 0 was only ready after the whole entry had arrived"
+        )
+        assert back.equal(kv)
+        assert t.bytes_received > kv.nbytes
+
+
+def test_layer_window_and_errors(tmp_path: Path) -> None:
+    cfg = ServerConfig(port=0, data_dir=tmp_path, disk_bytes=0)
+    lay = uniform_layout(layers=6)
+    kv = random_kv(lay, tokens=8)
+    key = keys.chunk_key([8], lay)
+    with ServerThread(cfg) as st, Client(st.address) as c:
+        c.store(key, kv, mode="lossless", layers_per_frame=2)
+        stream = c.retrieve_stream(key, first_layer=2, last_layer=4)
+        assert stream is not None
+        for i in (2, 3):
+            k, v = stream.wait_for_layer(i, timeout=30)
+            assert k.equal(kv.layers[i][0])
+        with pytest.raises(KDNError, match="without layers"):
+            stream.wait_for_layer(0, timeout=30)
+        assert c.retrieve_stream(keys.chunk_key([9], lay)) is None
