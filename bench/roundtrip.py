@@ -94,6 +94,41 @@ def raw_client(port: int) -> tuple[Any, Any, grpc.Channel]:
     return ch.stream_unary("/raw.Raw/Put"), ch.unary_stream("/raw.Raw/Get"), ch
 
 
+def measure(client: Client, put: Any, get: Any, layout: KVLayout, tokens: int,
+            repeat: int) -> list[dict[str, Any]]:
+    """Rows for one context length: kdn store/fetch/retrieve next to raw put/get."""
+    kv = random_cache(layout, tokens)
+    parts = codec.encode_parts(kv, "raw")
+    key = keys.chunk_key(list(range(tokens)), layout)
+    msgs = [key, parts.header, *parts.frames]
+    nbytes = kv.nbytes
+
+    def raw_get() -> None:
+        got = list(get(key))
+        assert sum(map(len, got)) >= nbytes
+
+    raw_put_gbs = nbytes / median(timed(lambda: put(iter(msgs)), repeat)) / 1e9
+    raw_get_gbs = nbytes / median(timed(raw_get, repeat)) / 1e9
+    t_put = timed(lambda: client.store(key, kv, mode="raw"), repeat)
+    t_put_enc = timed(lambda: client.store(key, parts), repeat)
+    t_fetch = timed(lambda: client.fetch(key), repeat)
+    t_get = timed(lambda: client.retrieve(key, layout=layout), repeat)
+    back = client.retrieve(key, layout=layout)
+    assert back is not None and back.equal(kv)
+    rows = []
+    for op, ts, base in (
+        ("store", t_put, raw_put_gbs),
+        ("store-preencoded", t_put_enc, raw_put_gbs),
+        ("fetch", t_fetch, raw_get_gbs),
+        ("retrieve", t_get, raw_get_gbs),
+    ):
+        gbs = nbytes / median(ts) / 1e9
+        rows.append({"op": op, "tokens": tokens, "mib": round(nbytes / 2**20, 1),
+                     "kdn_gb_s": gbs, "raw_grpc_gb_s": base, "ratio_vs_raw": gbs / base,
+                     "kdn_ms": median(ts) * 1e3})
+    return rows
+
+
 def run(tokens_list: list[int], repeat: int, out: Path) -> list[dict[str, Any]]:
     layout = smollm2_like_layout()
     raw = RawServer()
@@ -104,39 +139,7 @@ def run(tokens_list: list[int], repeat: int, out: Path) -> list[dict[str, Any]]:
                            max_message_bytes=256 << 20, max_entry_bytes=4 << 30)
         with ServerThread(cfg) as st, Client(st.address, max_message_bytes=256 << 20) as client:
             for tokens in tokens_list:
-                kv = random_cache(layout, tokens)
-                parts = codec.encode_parts(kv, "raw")
-                key = keys.chunk_key(list(range(tokens)), layout)
-                msgs = [key, parts.header, *parts.frames]
-                nbytes = kv.nbytes
-
-                def raw_put(msgs: list[bytes] = msgs) -> None:
-                    put(iter(msgs))
-
-                def raw_get(key: bytes = key) -> None:
-                    got = list(get(key))
-                    assert sum(map(len, got)) >= nbytes
-
-                t_raw_put = timed(raw_put, repeat)
-                t_raw_get = timed(raw_get, repeat)
-                t_put = timed(lambda: client.store(key, kv, mode="raw"), repeat)
-                t_put_enc = timed(lambda: client.store(key, parts), repeat)
-                t_fetch = timed(lambda: client.fetch(key), repeat)
-                t_get = timed(lambda: client.retrieve(key, layout=layout), repeat)
-                back = client.retrieve(key, layout=layout)
-                assert back is not None and back.equal(kv)
-                raw_put_gbs, raw_get_gbs = nbytes / median(t_raw_put) / 1e9, \
-                    nbytes / median(t_raw_get) / 1e9
-                for op, ts, base in (
-                    ("store", t_put, raw_put_gbs),
-                    ("store-preencoded", t_put_enc, raw_put_gbs),
-                    ("fetch", t_fetch, raw_get_gbs),
-                    ("retrieve", t_get, raw_get_gbs),
-                ):
-                    gbs = nbytes / median(ts) / 1e9
-                    rows.append({"op": op, "tokens": tokens, "mib": round(nbytes / 2**20, 1),
-                                 "kdn_gb_s": gbs, "raw_grpc_gb_s": base,
-                                 "ratio_vs_raw": gbs / base, "kdn_ms": median(ts) * 1e3})
+                rows += measure(client, put, get, layout, tokens, repeat)
     ch.close()
     raw.stop()
     print_table(rows, ["op", "tokens", "mib", "kdn_gb_s", "raw_grpc_gb_s", "ratio_vs_raw",

@@ -2,10 +2,15 @@
 
     server = await start_server(config)   # listening; server.port is the bound port
     await server.wait()                   # until stop() (or a signal in ``serve``)
-    await server.stop()                   # in-flight RPCs get config.shutdown_grace_s, then tiers close
+    await server.stop()                   # in-flight RPCs get shutdown_grace_s; store closes
 
 ``serve(config)`` is what ``kdn serve`` runs: start, install SIGINT/SIGTERM handlers, wait, stop.
 ``ServerThread`` runs a server on its own event loop in a background thread (tests, benchmarks).
+
+Health (the standard gRPC health service): ``""`` is SERVING while the local tiers (RAM, disk)
+work; ``kdn.v1.KDN`` is SERVING while every tier works and NOT_SERVING while the store is
+degraded (e.g. Redis down: the server still serves from RAM and disk). Load balancers should
+watch ``""``; ``kdn.v1.KDN`` and the Stats RPC (``healthy`` per tier, ``store.degraded``) say why.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from kdn.server.service import KDNServicer, verify_entry
 from kdn.store.base import Tier
 from kdn.store.lmdb import LmdbTier
 from kdn.store.ram import RamTier
+from kdn.store.redis import RedisTier
 from kdn.store.tiered import TieredStore
 from kdn.v1 import kdn_pb2_grpc as pb_grpc
 
@@ -31,11 +37,43 @@ log = logging.getLogger("kdn.server")
 SERVICE_NAME = "kdn.v1.KDN"
 
 
+HEALTH_POLL_S = 0.25
+
+
 def build_store(config: ServerConfig) -> TieredStore:
-    tiers: list[Tier] = [RamTier(config.ram_bytes)]
+    """The tier hierarchy the config describes, in ``tier_order``."""
+    tiers: dict[str, Tier] = {"ram": RamTier(config.ram_bytes)}
     if config.disk_bytes:
-        tiers.append(LmdbTier(config.data_dir / "lmdb", capacity_bytes=config.disk_bytes))
-    return TieredStore(tiers, verify=verify_entry)
+        tiers["disk"] = LmdbTier(config.data_dir / "lmdb", capacity_bytes=config.disk_bytes)
+    if config.redis_url:
+        tiers["redis"] = RedisTier(
+            config.redis_urls, cluster=config.redis_cluster, part_bytes=config.redis_part_bytes,
+            timeout_s=config.redis_timeout_s, retries=config.redis_retries,
+            max_connections=config.redis_max_connections, capacity_bytes=config.redis_bytes,
+        )
+    return TieredStore(
+        [tiers[name] for name in config.tier_order if name in tiers],
+        verify=verify_entry, demote=config.demote_on_evict, write_policy=config.write_policy,
+        queue_entries=config.write_queue_entries, queue_bytes=config.write_queue_bytes,
+        default_ttl_s=config.default_ttl_s, flush_timeout_s=max(config.shutdown_grace_s, 1.0),
+    )
+
+
+async def _watch_health(store: TieredStore, servicer: health.aio.HealthServicer) -> None:
+    """Mirror the store's tier health into the gRPC health service (see the module docstring)."""
+    serving, not_serving = health_pb2.HealthCheckResponse.SERVING, \
+        health_pb2.HealthCheckResponse.NOT_SERVING
+    last: tuple[bool, bool] | None = None
+    while True:
+        state = (store.local_ok, store.degraded)
+        if state != last:
+            await servicer.set("", serving if state[0] else not_serving)
+            await servicer.set(SERVICE_NAME, not_serving if state[1] else serving)
+            if last is not None:
+                log.warning("store health: local tiers %s, %s", "ok" if state[0] else "DOWN",
+                            "degraded" if state[1] else "all tiers up")
+            last = state
+        await asyncio.sleep(HEALTH_POLL_S)
 
 
 def grpc_options(config: ServerConfig) -> list[tuple[str, int]]:
@@ -53,6 +91,7 @@ class Server:
     servicer: KDNServicer
     health: health.aio.HealthServicer
     port: int
+    health_task: asyncio.Task[None] | None = None
     _stopped: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
@@ -65,6 +104,8 @@ class Server:
     async def stop(self, grace: float | None = None) -> None:
         if self._stopped.is_set():
             return
+        if self.health_task is not None:
+            self.health_task.cancel()
         await self.health.enter_graceful_shutdown()
         await self.grpc_server.stop(self.config.shutdown_grace_s if grace is None else grace)
         await asyncio.to_thread(self.store.close)
@@ -85,9 +126,10 @@ async def start_server(config: ServerConfig, store: TieredStore | None = None) -
     await server.start()
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    task = asyncio.ensure_future(_watch_health(store, health_servicer))
     log.info("kdn server listening on %s:%d (tiers: %s)", config.host, port,
              ", ".join(t.name for t in store.tiers))
-    return Server(config, server, store, servicer, health_servicer, port)
+    return Server(config, server, store, servicer, health_servicer, port, task)
 
 
 async def serve(config: ServerConfig) -> None:

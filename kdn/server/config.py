@@ -18,6 +18,9 @@ from typing import Any
 import yaml
 
 from kdn.errors import ConfigError
+from kdn.store.tiered import WritePolicy
+
+TIER_NAMES = ("ram", "redis", "disk")
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "k": 2**10, "m": 2**20,
@@ -51,7 +54,33 @@ class ServerConfig:
     disk_bytes: int = 16 << 30
     """Byte budget of the LMDB disk tier (0 = no disk tier)."""
     redis_url: str = ""
-    """Redis URL for the shared tier (redis://host:port/db); empty = no Redis tier."""
+    """Redis URL for the shared tier (redis://host:port/db); empty = no Redis tier. With
+    redis_cluster, comma-separated URLs of cluster nodes to discover the cluster from."""
+    redis_cluster: bool = False
+    """redis_url points at a Redis Cluster (shared by several kdn servers) instead of one server."""
+    redis_bytes: int = 0
+    """Memory budget set on Redis (maxmemory per node, allkeys-lru); 0 = keep Redis's own."""
+    redis_part_bytes: int = 8 << 20
+    """Largest single Redis value; bigger entries are split into parts of this size."""
+    redis_timeout_s: float = 1.0
+    """Connect and read timeout of one Redis command attempt, in seconds."""
+    redis_retries: int = 2
+    """Retries of a Redis command on connection or timeout errors (exponential backoff)."""
+    redis_max_connections: int = 32
+    """Connection pool size (per node in a cluster)."""
+    tier_order: tuple[str, ...] = TIER_NAMES
+    """Read order of the tiers, ram first (e.g. ram,disk,redis); unconfigured tiers are skipped."""
+    write_policy: WritePolicy = WritePolicy.WRITE_THROUGH
+    """write-through: Store returns once every lower tier has the entry; write-behind: once RAM
+    has it (lower tiers written by a background queue, flushed at shutdown)."""
+    write_queue_entries: int = 1024
+    """Most pending writes per lower tier (write-behind, and retries while a tier is down)."""
+    write_queue_bytes: int = 256 << 20
+    """Most bytes of pending writes per lower tier; a full queue falls back to direct writes."""
+    default_ttl_s: float = 0.0
+    """Expiry of entries stored without a TTL, in seconds (0 = never)."""
+    demote_on_evict: bool = True
+    """Write entries evicted from RAM to the next tier down instead of dropping them."""
     max_message_bytes: int = 64 << 20
     """Largest single gRPC message accepted or sent."""
     max_entry_bytes: int = 1 << 30
@@ -82,15 +111,57 @@ class ServerConfig:
             raise ConfigError(f"shutdown_grace_s: must be >= 0, got {self.shutdown_grace_s}")
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
             raise ConfigError(f"log_level: unknown level {self.log_level!r}")
-        if self.redis_url and not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
-            raise ConfigError(f"redis_url: expected redis://host:port, got {self.redis_url!r}")
+        for url in self.redis_urls:
+            if not url.startswith(("redis://", "rediss://", "unix://")):
+                raise ConfigError(f"redis_url: expected redis://host:port, got {url!r}")
+        if len(self.redis_urls) > 1 and not self.redis_cluster:
+            raise ConfigError("redis_url: several URLs need redis_cluster: true")
+        if self.redis_cluster and not self.redis_url:
+            raise ConfigError("redis_cluster: set, but redis_url names no cluster node")
+        if self.redis_bytes < 0:
+            raise ConfigError(f"redis_bytes: must be >= 0, got {self.redis_bytes}")
+        if not 1 << 10 <= self.redis_part_bytes <= 512 << 20:
+            raise ConfigError(
+                f"redis_part_bytes: must be in 1KiB..512MiB, got {self.redis_part_bytes}")
+        if self.redis_timeout_s <= 0:
+            raise ConfigError(f"redis_timeout_s: must be > 0, got {self.redis_timeout_s}")
+        if not 0 <= self.redis_retries <= 10:
+            raise ConfigError(f"redis_retries: must be in 0..10, got {self.redis_retries}")
+        if self.redis_max_connections < 1:
+            raise ConfigError(
+                f"redis_max_connections: must be >= 1, got {self.redis_max_connections}")
+        order = self.tier_order
+        unknown = [t for t in order if t not in TIER_NAMES]
+        if unknown or len(set(order)) != len(order) or not order or order[0] != "ram":
+            raise ConfigError(f"tier_order: expected distinct names of {TIER_NAMES} with ram "
+                              f"first, got {order!r}")
+        for name, on in (("redis", bool(self.redis_url)), ("disk", self.disk_bytes > 0)):
+            if on and name not in order:
+                raise ConfigError(f"tier_order: the {name} tier is configured but not listed")
+        if not isinstance(self.write_policy, WritePolicy):
+            raise ConfigError(f"write_policy: expected one of {[p.value for p in WritePolicy]}, "
+                              f"got {self.write_policy!r}")
+        if self.write_queue_entries < 1:
+            raise ConfigError(
+                f"write_queue_entries: must be >= 1, got {self.write_queue_entries}")
+        if self.write_queue_bytes < 1:
+            raise ConfigError(f"write_queue_bytes: must be >= 1, got {self.write_queue_bytes}")
+        if self.default_ttl_s < 0:
+            raise ConfigError(f"default_ttl_s: must be >= 0, got {self.default_ttl_s}")
+
+    @property
+    def redis_urls(self) -> list[str]:
+        return [u.strip() for u in self.redis_url.split(",") if u.strip()]
 
     @property
     def address(self) -> str:
         return f"{self.host}:{self.port}"
 
 
-_SIZE_FIELDS = {"ram_bytes", "disk_bytes", "max_message_bytes", "max_entry_bytes"}
+_SIZE_FIELDS = {"ram_bytes", "disk_bytes", "max_message_bytes", "max_entry_bytes",
+                "redis_bytes", "redis_part_bytes", "write_queue_bytes"}
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off", ""}
 
 
 def _coerce(name: str, value: Any, source: str) -> Any:
@@ -98,6 +169,18 @@ def _coerce(name: str, value: Any, source: str) -> Any:
     try:
         if name in _SIZE_FIELDS:
             return parse_size(value)
+        if kind in ("bool", bool):
+            if isinstance(value, bool):
+                return value
+            text = str(value).strip().lower()
+            if text not in _TRUE | _FALSE:
+                raise ValueError("expected true or false")
+            return text in _TRUE
+        if kind in ("WritePolicy", WritePolicy):
+            try:
+                return WritePolicy(str(value).strip().lower())
+            except ValueError:
+                raise ValueError(f"expected one of {[p.value for p in WritePolicy]}") from None
         if kind in ("int", int):
             if isinstance(value, bool):
                 raise ValueError("not an integer")
@@ -106,7 +189,7 @@ def _coerce(name: str, value: Any, source: str) -> Any:
             return float(value)
         if kind in ("Path", Path):
             return Path(os.path.expanduser(str(value)))
-        if name == "allowed_models":
+        if str(kind).startswith("tuple"):
             items = value if isinstance(value, (list, tuple)) else str(value).split(",")
             return tuple(str(v).strip() for v in items if str(v).strip())
         return str(value)
@@ -162,5 +245,7 @@ def describe() -> list[tuple[str, str, str]]:
     import inspect
 
     src = inspect.getsource(ServerConfig)
-    docs = dict(re.findall(r"\n    (\w+): [^\n]*\n    \"\"\"(.*?)\"\"\"", src))
-    return [(f.name, str(f.default), docs.get(f.name, "")) for f in dataclasses.fields(ServerConfig)]
+    docs = {name: " ".join(doc.split()) for name, doc in
+            re.findall(r"\n    (\w+): [^\n]*\n    \"\"\"(.*?)\"\"\"", src, re.S)}
+    return [(f.name, str(f.default), docs.get(f.name, ""))
+            for f in dataclasses.fields(ServerConfig)]
