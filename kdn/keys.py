@@ -108,3 +108,12 @@ def text_chunk_key(
     """Key of a text chunk: tokenized without special tokens, then ``chunk_key``."""
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     return chunk_key(ids, layout, namespace)
+
+
+def variant_key(key: bytes, encoding: str) -> bytes:
+    """Key of one stored encoding of an entry. ``lossless`` is the entry's own key, so a plain
+    ``Client.store(key, kv)`` is found; other encodings (``kdn-l2``, ``int8``) get derived keys."""
+    check_key(key)
+    if encoding == "lossless":
+        return key
+    return _h(b"kdn/variant/v1", key, encoding.encode())

@@ -1,0 +1,93 @@
+"""The loading controller (CacheGen's idea): per request, fetch which encoding, or recompute?
+
+Inputs, all measured: link bandwidth (bytes/s of recent retrieves), per-encoding decode speed
+(fp16-equivalent bytes/s), the model's prefill speed (tokens/s), and the stored size of each
+encoding of the requested context (from one batched Lookup). For each available encoding the
+time to usable KV is ``size / bandwidth + kv_bytes / decode_speed``; recomputing costs
+``tokens / prefill_speed``. The cheapest wins. Every decision is logged and counted; a request
+may force a choice (``override``).
+
+Speeds start from conservative priors and follow observations as exponentially weighted means,
+so the controller adapts when the link or the machine changes.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import Counter
+from dataclasses import dataclass, field
+
+log = logging.getLogger(__name__)
+
+RECOMPUTE = "recompute"
+
+
+def encoding_name(mode: str, level: str = "") -> str:
+    return f"{mode}-{level}" if level else mode
+
+
+@dataclass(frozen=True)
+class Decision:
+    choice: str
+    """An encoding name (e.g. ``lossless``, ``kdn-l2``) or ``recompute``."""
+    estimates_s: dict[str, float]
+    reason: str
+
+
+@dataclass
+class LoadingController:
+    bandwidth_b_s: float = 0.5e9
+    """Prior link bandwidth (bytes/s) until retrieves are observed."""
+    prefill_tok_s: float = 500.0
+    """Prior prefill speed (tokens/s) until prefills are observed."""
+    decode_b_s: dict[str, float] = field(default_factory=dict)
+    """Per-encoding decode speed (fp16-equivalent bytes/s); 1 GB/s until observed."""
+    alpha: float = 0.3
+    """Weight of a new observation in the running means."""
+    counts: Counter[str] = field(default_factory=Counter)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def _ewma(self, old: float, new: float) -> float:
+        return (1 - self.alpha) * old + self.alpha * new
+
+    def observe_transfer(self, nbytes: int, seconds: float) -> None:
+        if nbytes > 0 and seconds > 0:
+            with self._lock:
+                self.bandwidth_b_s = self._ewma(self.bandwidth_b_s, nbytes / seconds)
+
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        if tokens > 0 and seconds > 0:
+            with self._lock:
+                self.prefill_tok_s = self._ewma(self.prefill_tok_s, tokens / seconds)
+
+    def observe_decode(self, encoding: str, kv_bytes: int, seconds: float) -> None:
+        if kv_bytes > 0 and seconds > 0:
+            with self._lock:
+                old = self.decode_b_s.get(encoding, kv_bytes / seconds)
+                self.decode_b_s[encoding] = self._ewma(old, kv_bytes / seconds)
+
+    def estimate(self, encoding: str, stored_bytes: int, kv_bytes: int) -> float:
+        return stored_bytes / self.bandwidth_b_s + kv_bytes / self.decode_b_s.get(encoding, 1e9)
+
+    def choose(self, tokens: int, kv_bytes: int, stored: dict[str, int],
+               override: str | None = None) -> Decision:
+        """Pick for ``tokens`` tokens whose KV is ``kv_bytes`` bytes; ``stored`` maps each
+        available encoding to its stored size (a missing encoding is simply absent)."""
+        est = {enc: self.estimate(enc, size, kv_bytes) for enc, size in stored.items()}
+        est[RECOMPUTE] = tokens / self.prefill_tok_s if tokens else 0.0
+        if override is not None:
+            if override != RECOMPUTE and override not in stored:
+                choice, reason = RECOMPUTE, f"override {override!r} not stored; recomputing"
+            else:
+                choice, reason = override, "override"
+        elif not stored:
+            choice, reason = RECOMPUTE, "nothing stored"
+        else:
+            choice = min(est, key=lambda k: est[k])
+            reason = "fastest estimate"
+        with self._lock:
+            self.counts[choice] += 1
+        log.info("controller: %d tokens -> %s (%s; estimates %s)", tokens, choice, reason,
+                 {k: round(v, 4) for k, v in est.items()})
+        return Decision(choice, est, reason)
