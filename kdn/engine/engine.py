@@ -140,7 +140,7 @@ class KDNEngine:
         return chain, decision.choice, best_hits if decision.choice != RECOMPUTE else 0
 
     def _fetch(self, chain: list[bytes], encoding: str, hits: int) -> list[LayerStream]:
-        streams = []
+        streams: list[LayerStream] = []
         for k in chain[:hits]:
             s = self.client.retrieve_stream(keys.variant_key(k, encoding),
                                             namespace=self.config.namespace, layout=self.layout)
@@ -163,17 +163,16 @@ class KDNEngine:
         from transformers import DynamicCache
         from transformers.cache_utils import DynamicLayer
 
+        layers = [DynamicLayer() for _ in range(len(self.layers))]
         cache = DynamicCache()
-        cache.layers = []
-        for _ in range(len(self.layers)):
-            cache.layers.append(DynamicLayer())
+        cache.layers = list(layers)
         filled = [False] * len(self.layers)
 
         def fill(i: int) -> None:
             if not filled[i]:
                 k, v = self._layer_kv(streams, i)
-                cache.layers[i].lazy_initialization(k, v)
-                cache.layers[i].keys, cache.layers[i].values = k, v
+                layers[i].lazy_initialization(k, v)
+                layers[i].keys, layers[i].values = k, v
                 filled[i] = True
 
         fill(0)  # the mask and positions are sized from layer 0's length

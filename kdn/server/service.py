@@ -32,7 +32,7 @@ from kdn.errors import (
 )
 from kdn.keys import check_key, check_namespace
 from kdn.server.config import ServerConfig
-from kdn.store.tiered import TieredStore
+from kdn.store.tiered import Durability, TieredStore
 from kdn.v1 import kdn_pb2 as pb
 from kdn.v1 import kdn_pb2_grpc as pb_grpc
 
@@ -138,7 +138,8 @@ class KDNServicer(pb_grpc.KDNServicer):
         opts = first.header.options
         replaced = await asyncio.to_thread(self.store.lookup, [skey])
         tier = await asyncio.to_thread(
-            self.store.put, skey, value, ttl_s=float(opts.ttl_seconds) or None, pin=opts.pin
+            self.store.put, skey, value, ttl_s=float(opts.ttl_seconds) or None, pin=opts.pin,
+            durability=Durability(opts.durability),
         )
         self.count("store.ok")
         self.count("bytes_in", len(value))
@@ -213,6 +214,10 @@ class KDNServicer(pb_grpc.KDNServicer):
         from kdn import __version__
 
         tiers = await asyncio.to_thread(self.store.stats)
+        counters = dict(self.counters)
+        counters.update({f"store.{k}": v for k, v in self.store.counters.items()})
+        counters.update({f"store.{k}.queued": v for k, v in self.store.queue_depth().items()})
+        counters["store.degraded"] = int(self.store.degraded)
         return pb.StatsResponse(
             tiers=[
                 pb.TierStats(name=t.name, entries=t.entries, bytes=t.bytes,
@@ -220,6 +225,6 @@ class KDNServicer(pb_grpc.KDNServicer):
                              evictions=t.evictions, corrupt=t.corrupt, healthy=t.healthy)
                 for t in tiers
             ],
-            counters=self.counters,
+            counters=counters,
             version=__version__,
         )

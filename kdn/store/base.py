@@ -15,6 +15,10 @@ value or the new one, never a mix. When ``put`` returns, the entry is as durable
 can make it (a disk tier: committed to disk). ``ttl_s`` (seconds, None = no expiry) is honoured
 by every tier: an expired entry is a miss.
 
+Hook set by the hierarchy: ``protected(key)``; a tier that evicts on its own (a byte budget)
+never evicts a key for which it answers true (pins). ``remote`` marks a tier on another
+machine (shared by several servers); the server stays healthy while only remote tiers are down.
+
 A miss is ``None``. A tier that can not be reached raises ``TierUnavailable``; one that can not
 hold an entry raises ``TooLarge``. Tiers never raise other exception types on purpose.
 """
@@ -23,7 +27,7 @@ from __future__ import annotations
 
 import abc
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 
@@ -56,13 +60,19 @@ class TierStats:
     healthy: bool = True
 
 
+def _never(key: bytes) -> bool:
+    return False
+
+
 class Tier(abc.ABC):
     """Opaque bytes under bytes keys."""
 
     name: str = "tier"
+    remote: bool = False
 
     def __init__(self) -> None:
         self.counters = TierCounters()
+        self.protected: Callable[[bytes], bool] = _never
 
     @abc.abstractmethod
     def contains(self, key: bytes) -> bool: ...

@@ -5,7 +5,7 @@ restarted server serves what it held, with its byte accounting and access order.
 databases, all updated in the same write transaction:
 
     entries  key -> value bytes
-    meta     key -> (size u64, expiry f64 unix seconds or 0, stamp u64)
+    meta     key -> (value size u64, expiry f64 unix seconds or 0, stamp u64)
     lru      stamp (u64 big-endian) + key -> b""   oldest access first
     info     b"used" -> u64, the sum of len(key) + len(value) over all entries
 
@@ -32,6 +32,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import cast
 
 import lmdb
 
@@ -40,7 +41,7 @@ from kdn.store.base import Tier, TierStats
 
 _MIN_MAP = 64 << 20
 _START_MAP = 256 << 20
-_META = struct.Struct("<QdQ")  # size, expiry (unix s, 0 = none), stamp
+_META = struct.Struct("<QdQ")  # value size, expiry (unix s, 0 = none), stamp
 _STAMP = struct.Struct(">Q")
 _USED = b"used"
 _MAX_TOUCHED = 1 << 16
@@ -95,6 +96,7 @@ class LmdbTier(Tier):
         capacity_bytes: int,
         sync: bool = True,
         max_map_bytes: int | None = None,
+        initial_map_bytes: int = _START_MAP,
         protected: Callable[[bytes], bool] | None = None,
     ) -> None:
         super().__init__()
@@ -104,13 +106,14 @@ class LmdbTier(Tier):
         self.path.mkdir(parents=True, exist_ok=True)
         self.capacity_bytes = capacity_bytes
         self.max_map_bytes = max_map_bytes or (2 * capacity_bytes + _MIN_MAP)
-        self.protected = protected or (lambda key: False)
+        if protected is not None:
+            self.protected = protected
         self._rw = _RWLock()
         self._touch_lock = threading.Lock()
         self._touched: dict[bytes, None] = {}
         try:
             self.env = lmdb.open(
-                str(self.path), map_size=min(self.max_map_bytes, _START_MAP), subdir=True,
+                str(self.path), map_size=min(self.max_map_bytes, initial_map_bytes), subdir=True,
                 max_dbs=4, sync=sync, metasync=sync, readahead=False, max_readers=512,
             )
             self.entries = self.env.open_db(b"entries")
@@ -133,7 +136,7 @@ class LmdbTier(Tier):
             return self._stamp
 
     @staticmethod
-    def _live(meta: bytes | None, now: float) -> tuple[int, float, int] | None:
+    def _live(meta: bytes | memoryview | None, now: float) -> tuple[int, float, int] | None:
         if meta is None:
             return None
         size, expiry, stamp = _META.unpack(meta)
@@ -174,7 +177,7 @@ class LmdbTier(Tier):
                         expired.append(k)
                     out.append(None)
                     continue
-                out.append(txn.get(k, db=self.entries))
+                out.append(cast(bytes, txn.get(k, db=self.entries)))
         hits = [k for k, v in zip(keys, out) if v is not None]
         if hits:
             with self._touch_lock:
@@ -209,10 +212,11 @@ class LmdbTier(Tier):
             cur = txn.cursor(db=self.meta)
             if cur.set_range(prefix):
                 for k, m in cur:
-                    if not k.startswith(prefix):
+                    key = bytes(k)
+                    if not key.startswith(prefix):
                         break
                     if self._live(m, now) is not None:
-                        out.append(k)
+                        out.append(key)
         return iter(out)
 
     # -- writes ---------------------------------------------------------------------------------
@@ -277,7 +281,7 @@ class LmdbTier(Tier):
         txn.delete(key, db=self.meta)
         txn.delete(key, db=self.entries)
         txn.delete(_STAMP.pack(stamp) + key, db=self.lru)
-        txn.put(_USED, (self._used(txn) - size).to_bytes(8, "little"), db=self.info)
+        txn.put(_USED, (self._used(txn) - len(key) - size).to_bytes(8, "little"), db=self.info)
         return 1
 
     def _put_txn(self, txn: lmdb.Transaction, batch: list[tuple[bytes, bytes]],
@@ -286,7 +290,7 @@ class LmdbTier(Tier):
             self._remove(txn, k)
             stamp = self._next_stamp()
             txn.put(k, v, db=self.entries)
-            txn.put(k, _META.pack(len(k) + len(v), expiry, stamp), db=self.meta)
+            txn.put(k, _META.pack(len(v), expiry, stamp), db=self.meta)
             txn.put(_STAMP.pack(stamp) + k, b"", db=self.lru)
             used = self._used(txn) + len(k) + len(v)
             txn.put(_USED, used.to_bytes(8, "little"), db=self.info)
@@ -306,7 +310,7 @@ class LmdbTier(Tier):
                 continue
             meta = txn.get(key, db=self.meta)
             if meta is not None:
-                used -= _META.unpack(meta)[0]
+                used -= len(key) + _META.unpack(meta)[0]
                 victims.append(key)
         if used > self.capacity_bytes:
             raise TooLarge(f"disk tier is full of pinned entries ({used} of "

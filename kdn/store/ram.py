@@ -32,7 +32,8 @@ class RamTier(Tier):
         if capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes must be > 0, got {capacity_bytes}")
         self.capacity_bytes = capacity_bytes
-        self.protected = protected or (lambda key: False)
+        if protected is not None:
+            self.protected = protected
         self.on_evict = on_evict
         # key -> (value, expiry on the monotonic clock; 0 = none)
         self._data: OrderedDict[bytes, tuple[bytes, float]] = OrderedDict()

@@ -110,20 +110,23 @@ class _Header:
 
 _DOWN = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError,
          redis.exceptions.ClusterDownError, redis.exceptions.BusyLoadingError,
-         redis.exceptions.TryAgainError, redis.exceptions.MaxConnectionsError)
+         redis.exceptions.TryAgainError, redis.exceptions.MaxConnectionsError,
+         redis.exceptions.MasterDownError, redis.exceptions.SlotNotCoveredError,
+         redis.exceptions.ReadOnlyError, redis.exceptions.ClusterError)
 
 
 def _wrap(exc: BaseException) -> KDNError:
     """TierUnavailable when Redis can not be reached, TooLarge when full, else KDNError."""
     if isinstance(exc, _DOWN):
         return TierUnavailable(f"redis: {type(exc).__name__}: {exc}")
-    if isinstance(exc, redis.exceptions.ResponseError) and str(exc).startswith("OOM"):
+    if isinstance(exc, redis.exceptions.OutOfMemoryError) or str(exc).startswith("OOM"):
         return TooLarge(f"redis is out of memory: {exc}")
     return KDNError(f"redis: {type(exc).__name__}: {exc}")
 
 
 class RedisTier(Tier):
     name = "redis"
+    remote = True
 
     def __init__(
         self,
