@@ -48,3 +48,42 @@ def test_layer_window_and_errors(tmp_path: Path) -> None:
         with pytest.raises(KDNError, match="without layers"):
             stream.wait_for_layer(0, timeout=30)
         assert c.retrieve_stream(keys.chunk_key([9], lay)) is None
+
+
+def test_cancel_and_deadline_stop_server_work(tmp_path: Path) -> None:
+    import time
+
+    from kdn.errors import DeadlineExceeded
+
+    cfg = ServerConfig(port=0, data_dir=tmp_path, disk_bytes=0, ram_bytes=1 << 30)
+    lay = uniform_layout(layers=64, heads=4, dim=64)
+    kv = random_kv(lay, tokens=1024)  # 64 frames of 1 MiB
+    key = keys.chunk_key([5], lay)
+    with ServerThread(cfg) as st, Client(st.address) as c:
+        c.store(key, kv, mode="raw")
+
+        def counters() -> dict[str, int]:
+            return dict(c.stats().counters)
+
+        stream = c.retrieve_stream(key)
+        assert stream is not None
+        stream.wait_for_layer(0, timeout=30)
+        stream.cancel()
+        deadline = time.time() + 10
+        while counters().get("retrieve.cancelled", 0) < 1 and time.time() < deadline:
+            time.sleep(0.05)
+        sent = counters().get("retrieve.frames_sent", 0)
+        assert counters()["retrieve.cancelled"] == 1
+        assert sent < 64, f"server sent all {sent} frames of a cancelled stream"
+        time.sleep(0.3)
+        assert counters().get("retrieve.frames_sent", 0) == sent  # and it stays stopped
+
+        with Client(st.address, timeout_s=0.05) as hurried:
+            stream = hurried.retrieve_stream(key)
+            with pytest.raises(DeadlineExceeded):
+                assert stream is not None
+                stream.result(timeout=30)
+        deadline = time.time() + 10
+        while counters().get("retrieve.cancelled", 0) < 2 and time.time() < deadline:
+            time.sleep(0.05)
+        assert counters()["retrieve.cancelled"] == 2

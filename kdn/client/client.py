@@ -190,8 +190,11 @@ class Client:
             call = self._stub.Retrieve(req, timeout=self.timeout_s)
             first = next(call)
             timings.header = time.perf_counter()
-            dec = StreamDecoder(first.header.container_header, device)
-            return LayerStream(dec, call, first.header.tier, call.cancel, timings)
+            target = torch.device(device or "cpu")
+            # CUDA targets: decode on the CPU, LayerStream stages pinned non-blocking copies.
+            dec = StreamDecoder(first.header.container_header,
+                                "cpu" if target.type == "cuda" else target)
+            return LayerStream(dec, call, first.header.tier, call.cancel, timings, target)
 
         try:
             return self._call(run)

@@ -10,6 +10,10 @@ own event. Callers use layer i as soon as it is ready:
         k, v = stream.wait_for_layer(i)        # blocks only until layer i is decoded
     kv = stream.result()                       # the whole KVCache
 
+On CUDA, frames are decoded on the CPU, staged in pinned host memory and copied with
+non-blocking transfers on a side stream; ``wait_for_layer`` makes the caller's current stream
+wait for that layer's copy event instead of blocking the host.
+
 An error anywhere (wire, checksum, decode) is raised from every pending and later wait.
 ``cancel()`` cancels the RPC so the server stops sending.
 """
@@ -59,8 +63,13 @@ class StreamTimings:
 
 class LayerStream:
     def __init__(self, decoder: StreamDecoder, frames: Iterator[Any], tier: str,
-                 cancel: Callable[[], object], timings: StreamTimings) -> None:
+                 cancel: Callable[[], object], timings: StreamTimings,
+                 device: torch.device | str | None = None) -> None:
         self.decoder = decoder
+        self.device = torch.device(device or decoder.device)
+        self._copy_stream = (torch.cuda.Stream(self.device) if self.device.type == "cuda"
+                             else None)
+        self._events: dict[int, Any] = {}
         self.tier = tier
         self.timings = timings
         n = decoder.header.layout.num_layers
@@ -92,13 +101,25 @@ class LayerStream:
     def _decode(self, index: int, data: bytes) -> None:
         try:
             for layer, k, v in self.decoder.decode_frame(index, data):
-                self._layers[layer] = (k, v)
+                self._layers[layer] = self._place(layer, k, v)
                 self.timings.layer_ready[layer] = time.perf_counter()
                 if layer == 0:
                     self.timings.first_layer = self.timings.layer_ready[0]
                 self._ready[layer].set()
         except BaseException as exc:  # reported to waiters
             self._fail(exc)
+
+    def _place(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> LayerKV:
+        if self._copy_stream is None:
+            return (k, v) if k.device == self.device else (k.to(self.device), v.to(self.device))
+        with torch.cuda.stream(self._copy_stream):
+            kp, vp = k.pin_memory(), v.pin_memory()
+            kg = kp.to(self.device, non_blocking=True)
+            vg = vp.to(self.device, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self._copy_stream)
+        self._events[layer] = (event, kp, vp)  # pinned buffers live until the copy is awaited
+        return kg, vg
 
     def _read(self, frames: Iterator[Any]) -> None:
         try:
@@ -126,6 +147,9 @@ class LayerStream:
         if layer is None:
             assert self._error is not None
             raise self._error
+        staged = self._events.get(i)
+        if staged is not None:
+            torch.cuda.current_stream(self.device).wait_event(staged[0])
         return layer
 
     def is_ready(self, i: int) -> bool:

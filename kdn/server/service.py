@@ -175,10 +175,20 @@ class KDNServicer(pb_grpc.KDNServicer):
             container_header=header.raw, total_bytes=len(hit.value), tier=hit.tier,
             frame_count=len(frames),
         ))
-        for i, frame in sel:
-            yield pb.RetrieveResponse(frame=pb.Frame(index=i, data=bytes(frame)))
+        sent = 0
+        try:
+            for i, frame in sel:
+                # Each yield waits for flow control: a slow or cancelled client stops the
+                # sending here instead of the server buffering the whole entry.
+                yield pb.RetrieveResponse(frame=pb.Frame(index=i, data=bytes(frame)))
+                sent += len(frame)
+                self.count("retrieve.frames_sent")
+        except (asyncio.CancelledError, GeneratorExit):
+            self.count("retrieve.cancelled")
+            raise
+        finally:
+            self.count("bytes_out", sent)
         self.count("retrieve.hit")
-        self.count("bytes_out", len(hit.value))
 
     # -- Lookup / Delete / Stats ----------------------------------------------------------------
 
