@@ -250,16 +250,23 @@ class KDNEngine:
     def _store_blocks(self, ids: list[int], snapshot: list[tuple[torch.Tensor, torch.Tensor]],
                       first_block: int) -> None:
         c = self.config.chunk_tokens
-        chain = keys.prefix_keys(ids, self.layout, self.config.namespace, c)
+        ns = self.config.namespace
+        chain = keys.prefix_keys(ids, self.layout, ns, c)
+        todo = [(b, mode, level, keys.variant_key(chain[b], encoding_name(mode, level)))
+                for b in range(first_block, len(chain)) for mode, level in self.config.encodings]
+        try:
+            present = self.client.lookup([t[3] for t in todo], namespace=ns).infos
+        except Exception as exc:  # storing back is best effort; generation goes on
+            log.warning("store-back lookup failed: %s", exc)
+            return
         dt = self.layout.dtype.torch
-        for b in range(first_block, len(chain)):
+        for (b, mode, level, key), info in zip(todo, present):
+            if info.present:
+                continue
             layers = [(k[0, :, b * c : (b + 1) * c].to(dt), v[0, :, b * c : (b + 1) * c].to(dt))
                       for k, v in snapshot]
             kv = KVCache(self.layout, layers, start_position=b * c)
-            for mode, level in self.config.encodings:
-                key = keys.variant_key(chain[b], encoding_name(mode, level))
-                try:
-                    self.client.store(key, kv, mode=mode, level=level,
-                                      namespace=self.config.namespace)
-                except Exception as exc:  # storing back is best effort; generation goes on
-                    log.warning("store-back of block %d (%s) failed: %s", b, mode, exc)
+            try:
+                self.client.store(key, kv, mode=mode, level=level, namespace=ns)
+            except Exception as exc:  # storing back is best effort; generation goes on
+                log.warning("store-back of block %d (%s) failed: %s", b, mode, exc)
