@@ -20,12 +20,14 @@ import logging
 import signal
 import threading
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from kdn.server.config import ServerConfig
 from kdn.server.service import KDNServicer, verify_entry
+from kdn.server.wire import serialize_passthrough
 from kdn.store.base import Tier
 from kdn.store.lmdb import LmdbTier
 from kdn.store.ram import RamTier
@@ -38,6 +40,23 @@ SERVICE_NAME = "kdn.v1.KDN"
 
 
 HEALTH_POLL_S = 0.25
+
+
+class _FastRetrieve:
+    """Registers the generated handler table, with Retrieve's serializer accepting the
+    pre-encoded frame messages of ``kdn.server.wire`` (the table stays the generated one)."""
+
+    def __init__(self, server: grpc.aio.Server) -> None:
+        self.server = server
+
+    def add_generic_rpc_handlers(self, handlers: object) -> None:
+        pass  # registered below, once the table is patched
+
+    def add_registered_method_handlers(self, name: str, table: dict[str, Any]) -> None:
+        table = dict(table)
+        table["Retrieve"] = table["Retrieve"]._replace(response_serializer=serialize_passthrough)
+        self.server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, table),))
+        self.server.add_registered_method_handlers(name, table)
 
 
 def build_store(config: ServerConfig) -> TieredStore:
@@ -117,7 +136,7 @@ async def start_server(config: ServerConfig, store: TieredStore | None = None) -
     store = store or build_store(config)
     server = grpc.aio.server(options=grpc_options(config))
     servicer = KDNServicer(config, store)
-    pb_grpc.add_KDNServicer_to_server(servicer, server)
+    pb_grpc.add_KDNServicer_to_server(servicer, _FastRetrieve(server))
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     port = server.add_insecure_port(config.address)

@@ -32,6 +32,7 @@ from kdn.errors import (
 )
 from kdn.keys import check_key, check_namespace
 from kdn.server.config import ServerConfig
+from kdn.server.wire import retrieve_frame_message
 from kdn.store.tiered import Durability, TieredStore
 from kdn.v1 import kdn_pb2 as pb
 from kdn.v1 import kdn_pb2_grpc as pb_grpc
@@ -180,7 +181,7 @@ class KDNServicer(pb_grpc.KDNServicer):
             for i, frame in sel:
                 # Each yield waits for flow control: a slow or cancelled client stops the
                 # sending here instead of the server buffering the whole entry.
-                yield pb.RetrieveResponse(frame=pb.Frame(index=i, data=bytes(frame)))
+                yield retrieve_frame_message(i, frame)  # type: ignore[misc]
                 sent += len(frame)
                 self.count("retrieve.frames_sent")
         except (asyncio.CancelledError, GeneratorExit):
