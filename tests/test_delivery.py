@@ -87,3 +87,43 @@ def test_cancel_and_deadline_stop_server_work(tmp_path: Path) -> None:
         while counters().get("retrieve.cancelled", 0) < 2 and time.time() < deadline:
             time.sleep(0.05)
         assert counters()["retrieve.cancelled"] == 2
+
+
+def test_concurrent_streams_share_the_server(tmp_path: Path) -> None:
+    """Four clients retrieving a large entry at once progress together: no stream finishes
+    before every other stream is well under way (the server interleaves their frames)."""
+    import threading
+    import time
+
+    cfg = ServerConfig(port=0, data_dir=tmp_path, disk_bytes=0, ram_bytes=1 << 30)
+    lay = uniform_layout(layers=48, heads=4, dim=64)
+    kv = random_kv(lay, tokens=1024)
+    key = keys.chunk_key([6], lay)
+    n = 4
+    progress: list[list[float]] = [[] for _ in range(n)]
+    barrier = threading.Barrier(n)
+    with ServerThread(cfg) as st:
+        with Client(st.address) as c:
+            c.store(key, kv, mode="raw")
+
+        def run(w: int) -> None:
+            with Client(st.address) as c:
+                barrier.wait()
+                stream = c.retrieve_stream(key)
+                assert stream is not None
+                for i in range(lay.num_layers):
+                    stream.wait_for_layer(i, timeout=60)
+                    progress[w].append(time.perf_counter())
+
+        threads = [threading.Thread(target=run, args=(w,)) for w in range(n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+    first_done = min(p[-1] for p in progress)
+    for p in progress:
+        assert len(p) == lay.num_layers
+        reached = sum(1 for x in p if x <= first_done)
+        assert reached >= lay.num_layers // 4, (
+            f"a stream had only {reached}/{lay.num_layers} layers when another finished"
+        )
