@@ -48,6 +48,22 @@ class TooLarge(KDNError):
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
+class RateLimited(TooLarge):
+    """A tenant exceeded its request rate."""
+
+
+class Unauthenticated(KDNError):
+    """The call carries no valid credentials."""
+
+    code = grpc.StatusCode.UNAUTHENTICATED
+
+
+class PermissionDenied(KDNError):
+    """The caller is known but may not do this (e.g. an admin RPC without the admin role)."""
+
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+
 class NotFound(KDNError):
     """Raised only where absence is an error (e.g. admin inspect); lookups return None."""
 
@@ -86,6 +102,8 @@ _BY_CODE: dict[grpc.StatusCode, type[KDNError]] = {
     grpc.StatusCode.NOT_FOUND: NotFound,
     grpc.StatusCode.UNAVAILABLE: Unavailable,
     grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
+    grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
+    grpc.StatusCode.PERMISSION_DENIED: PermissionDenied,
 }
 
 

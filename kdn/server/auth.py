@@ -1,0 +1,220 @@
+"""Tenants, API keys, roles, rate limits and byte quotas.
+
+Lifecycle: the server loads an ``AuthConfig`` (YAML, see ``load_auth``) at start-up; the
+request interceptor (``kdn.server.observe``) calls ``Authenticator.identify`` with each call's
+metadata and ``admit`` for its rate limit, then publishes the ``Principal`` in a context
+variable for the handlers (``current_principal``). Handlers scope every key with the principal's
+tenant (``scoped_namespace``), so one tenant can not name another tenant's entries, even knowing
+the key hash. Admin RPCs require ``Role.ADMIN``.
+
+With auth disabled every caller is the anonymous admin of the unscoped key space.
+
+API keys are compared by SHA-256 digest in constant time; the file may hold either the key
+itself or ``sha256:<hex>`` so plaintext keys need not live on the server.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import enum
+import hashlib
+import hmac
+import re
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from kdn.errors import ConfigError, PermissionDenied, RateLimited, TooLarge, Unauthenticated
+
+_TENANT_RE = re.compile(r"^[a-z0-9][a-z0-9_\-]{0,31}$")
+API_KEY_HEADER = "x-kdn-api-key"
+
+
+class Role(enum.Enum):
+    TENANT = "tenant"
+    ADMIN = "admin"
+
+
+@dataclass(frozen=True)
+class Principal:
+    tenant: str
+    """Tenant name; "" = the unscoped key space (auth disabled)."""
+    role: Role
+
+    @property
+    def is_admin(self) -> bool:
+        return self.role is Role.ADMIN
+
+
+ANONYMOUS = Principal("", Role.ADMIN)
+current_principal: contextvars.ContextVar[Principal] = contextvars.ContextVar(
+    "kdn_principal", default=ANONYMOUS)
+
+
+def scoped_namespace(namespace: str, principal: Principal | None = None) -> str:
+    """The namespace as stored: ``<tenant>:<namespace>`` for a tenant, unchanged otherwise."""
+    p = principal or current_principal.get()
+    return f"{p.tenant}:{namespace}" if p.tenant else namespace
+
+
+def require_admin() -> Principal:
+    p = current_principal.get()
+    if not p.is_admin:
+        raise PermissionDenied(f"tenant {p.tenant!r} is not an admin")
+    return p
+
+
+@dataclass(frozen=True)
+class TenantPolicy:
+    """Limits for one tenant (0 = unlimited)."""
+
+    rate_rps: float = 0.0
+    """Sustained requests per second (token bucket refill rate)."""
+    burst: int = 0
+    """Bucket size; defaults to max(1, 2 * rate_rps)."""
+    quota_bytes: int = 0
+    """Total stored bytes the tenant may hold."""
+
+
+@dataclass(frozen=True)
+class AuthConfig:
+    enabled: bool = False
+    keys: Mapping[str, tuple[str, Role]] = field(default_factory=dict)
+    """sha256 hex of an API key -> (tenant, role)."""
+    policies: Mapping[str, TenantPolicy] = field(default_factory=dict)
+
+
+def digest(api_key: str) -> str:
+    return hashlib.sha256(api_key.encode()).hexdigest()
+
+
+def load_auth(path: Path | str) -> AuthConfig:
+    """Read a tenants file::
+
+        tenants:
+          team-a: {api_keys: ["secret-a"], rate_rps: 50, quota_bytes: 10GiB}
+          ops:    {api_keys: ["sha256:9f86d0..."], role: admin}
+    """
+    from kdn.server.config import parse_size
+
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except OSError as exc:
+        raise ConfigError(f"auth file {path}: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"auth file {path}: not valid YAML: {exc}") from None
+    tenants = raw.get("tenants") if isinstance(raw, dict) else None
+    if not isinstance(tenants, dict) or not tenants:
+        raise ConfigError(f"auth file {path}: expected a 'tenants' mapping")
+    keys: dict[str, tuple[str, Role]] = {}
+    policies: dict[str, TenantPolicy] = {}
+    for name, spec in tenants.items():
+        where = f"auth file {path}: tenant {name!r}"
+        if not isinstance(name, str) or not _TENANT_RE.match(name):
+            raise ConfigError(f"{where}: name must match {_TENANT_RE.pattern}")
+        if not isinstance(spec, dict):
+            raise ConfigError(f"{where}: expected a mapping")
+        unknown = set(spec) - {"api_keys", "role", "rate_rps", "burst", "quota_bytes"}
+        if unknown:
+            raise ConfigError(f"{where}: unknown settings {sorted(unknown)}")
+        try:
+            role = Role(spec.get("role", "tenant"))
+        except ValueError:
+            raise ConfigError(f"{where}: role must be 'tenant' or 'admin'") from None
+        api_keys = spec.get("api_keys")
+        if not isinstance(api_keys, list) or not api_keys:
+            raise ConfigError(f"{where}: api_keys must be a non-empty list")
+        for k in api_keys:
+            k = str(k)
+            d = k.removeprefix("sha256:") if k.startswith("sha256:") else digest(k)
+            if len(d) != 64 or d in keys:
+                raise ConfigError(f"{where}: malformed or duplicate api key")
+            keys[d] = (name, role)
+        try:
+            policies[name] = TenantPolicy(
+                rate_rps=float(spec.get("rate_rps", 0)), burst=int(spec.get("burst", 0)),
+                quota_bytes=parse_size(spec.get("quota_bytes", 0)))
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"{where}: {exc}") from None
+    return AuthConfig(enabled=True, keys=keys, policies=policies)
+
+
+class _Bucket:
+    def __init__(self, rate: float, burst: int) -> None:
+        self.rate, self.capacity = rate, float(burst or max(1.0, 2 * rate))
+        self.tokens, self.stamp = self.capacity, time.monotonic()
+
+    def take(self, n: float = 1.0) -> bool:
+        now = time.monotonic()
+        self.tokens = min(self.capacity, self.tokens + (now - self.stamp) * self.rate)
+        self.stamp = now
+        if self.tokens >= n:
+            self.tokens -= n
+            return True
+        return False
+
+
+class Authenticator:
+    def __init__(self, config: AuthConfig) -> None:
+        self.config = config
+        self._buckets = {t: _Bucket(p.rate_rps, p.burst) for t, p in config.policies.items()
+                         if p.rate_rps > 0}
+        self._usage: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def enabled(self) -> bool:
+        return self.config.enabled
+
+    def identify(self, metadata: Sequence[tuple[str, Any]] | None) -> Principal:
+        if not self.config.enabled:
+            return ANONYMOUS
+        supplied = None
+        for k, v in metadata or ():
+            if k == API_KEY_HEADER:
+                supplied = v.decode() if isinstance(v, bytes) else str(v)
+            elif k == "authorization" and str(v).lower().startswith("bearer "):
+                supplied = str(v)[7:]
+        if not supplied:
+            raise Unauthenticated(f"missing API key (metadata {API_KEY_HEADER!r})")
+        d = digest(supplied)
+        for known, (tenant, role) in self.config.keys.items():
+            if hmac.compare_digest(known, d):
+                return Principal(tenant, role)
+        raise Unauthenticated("unknown API key")
+
+    def admit(self, principal: Principal) -> None:
+        bucket = self._buckets.get(principal.tenant)
+        if bucket is not None:
+            with self._lock:
+                ok = bucket.take()
+            if not ok:
+                raise RateLimited(f"tenant {principal.tenant!r} exceeded "
+                                  f"{bucket.rate:g} requests/s")
+
+    # -- byte quotas ----------------------------------------------------------------------------
+
+    def set_usage(self, tenant: str, nbytes: int) -> None:
+        with self._lock:
+            self._usage[tenant] = nbytes
+
+    def usage(self, tenant: str) -> int:
+        return self._usage.get(tenant, 0)
+
+    def charge(self, principal: Principal, delta: int) -> None:
+        """Add ``delta`` stored bytes to the tenant; refuse growth past its quota."""
+        if not principal.tenant:
+            return
+        policy = self.config.policies.get(principal.tenant)
+        with self._lock:
+            now = self._usage.get(principal.tenant, 0)
+            if delta > 0 and policy and policy.quota_bytes and now + delta > policy.quota_bytes:
+                raise TooLarge(f"tenant {principal.tenant!r} quota of {policy.quota_bytes} "
+                               f"bytes exceeded ({now} stored, {delta} more requested)")
+            self._usage[principal.tenant] = max(0, now + delta)

@@ -1,0 +1,203 @@
+"""Per-request plumbing: authentication, rate limits, request ids, access logs and metrics.
+
+Lifecycle: ``start_server`` builds one ``Metrics`` (its own Prometheus registry, served over
+HTTP when ``metrics_port`` is set) and one ``RequestInterceptor``. For every RPC the interceptor
+wraps the handler: it identifies the caller (``Authenticator.identify``), applies the tenant's
+rate limit, publishes the principal in ``kdn.server.auth.current_principal`` for the handler,
+then times the call and records its status code, and writes one structured (JSON) access-log
+line carrying the request id the client sent in ``x-request-id`` (or a fresh one), which is
+also returned in the trailing metadata.
+
+The standard health service stays open without credentials, so probes need no API key.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterable
+from typing import Any
+
+import grpc
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from kdn.errors import KDNError, grpc_code
+from kdn.server.auth import Authenticator, current_principal
+
+access_log = logging.getLogger("kdn.access")
+REQUEST_ID_HEADER = "x-request-id"
+OPEN_SERVICES = ("grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection")
+_LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5,
+                    10, 30)
+
+
+class _SourceCollector(Collector):
+    """Reads tier stats, queue depths and servicer counters at scrape time."""
+
+    def __init__(self, sources: Callable[[], dict[str, Any]]) -> None:
+        self.sources = sources
+
+    def collect(self) -> Iterable[Any]:
+        src = self.sources()
+        per_tier = {
+            "hits": CounterMetricFamily("kdn_tier_hits", "Reads served by a tier", labels=["tier"]),
+            "misses": CounterMetricFamily("kdn_tier_misses", "Reads a tier missed",
+                                          labels=["tier"]),
+            "evictions": CounterMetricFamily("kdn_tier_evictions", "Entries evicted",
+                                             labels=["tier"]),
+            "corrupt": CounterMetricFamily("kdn_tier_corrupt", "Corrupt entries found and removed",
+                                           labels=["tier"]),
+        }
+        entries = GaugeMetricFamily("kdn_tier_entries", "Entries held", labels=["tier"])
+        nbytes = GaugeMetricFamily("kdn_tier_bytes", "Bytes held", labels=["tier"])
+        healthy = GaugeMetricFamily("kdn_tier_healthy", "1 when the tier is reachable",
+                                    labels=["tier"])
+        for t in src.get("tiers", []):
+            for name, fam in per_tier.items():
+                fam.add_metric([t.name], float(getattr(t, name)))
+            entries.add_metric([t.name], float(t.entries))
+            nbytes.add_metric([t.name], float(t.bytes))
+            healthy.add_metric([t.name], 1.0 if t.healthy else 0.0)
+        yield from per_tier.values()
+        yield from (entries, nbytes, healthy)
+        queues = GaugeMetricFamily("kdn_queue_depth", "Items waiting in a queue", labels=["queue"])
+        for name, depth in src.get("queues", {}).items():
+            queues.add_metric([name], float(depth))
+        yield queues
+        events = CounterMetricFamily("kdn_events", "Server event counters", labels=["event"])
+        for name, n in src.get("counters", {}).items():
+            events.add_metric([name], float(n))
+        yield events
+
+
+class Metrics:
+    def __init__(self, sources: Callable[[], dict[str, Any]]) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter("kdn_requests", "RPCs by method and status code",
+                                ["rpc", "code"], registry=self.registry)
+        self.latency = Histogram("kdn_request_seconds", "RPC latency", ["rpc"],
+                                 buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.blend_ratio = Histogram("kdn_blend_recompute_ratio",
+                                     "Fraction of cached tokens a blend recomputed",
+                                     buckets=(0.01, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0),
+                                     registry=self.registry)
+        self.registry.register(_SourceCollector(sources))
+        self._http: Any = None
+
+    def serve_http(self, host: str, port: int) -> int:
+        """Expose /metrics; returns the bound port."""
+        from prometheus_client import start_http_server
+
+        server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        self._http = server
+        return int(server.server_port)
+
+    def close(self) -> None:
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
+            self._http = None
+
+
+class RequestInterceptor(grpc.aio.ServerInterceptor):
+    def __init__(self, auth: Authenticator, metrics: Metrics | None = None) -> None:
+        self.auth = auth
+        self.metrics = metrics
+
+    async def intercept_service(self, continuation: Callable[..., Any],
+                                details: grpc.HandlerCallDetails) -> Any:
+        handler = await continuation(details)
+        if handler is None:
+            return None
+        method = details.method  # "/kdn.v1.KDN/Store"
+        service, _, rpc = method.lstrip("/").partition("/")
+        open_call = service in OPEN_SERVICES
+        md = details.invocation_metadata or ()  # type: ignore[attr-defined]
+        if handler.unary_unary:
+            return handler._replace(unary_unary=self._unary(handler.unary_unary, rpc, md,
+                                                            open_call))
+        if handler.stream_unary:
+            return handler._replace(stream_unary=self._unary(handler.stream_unary, rpc, md,
+                                                             open_call))
+        if handler.unary_stream:
+            return handler._replace(unary_stream=self._stream(handler.unary_stream, rpc, md,
+                                                              open_call))
+        if handler.stream_stream:
+            return handler._replace(stream_stream=self._stream(handler.stream_stream, rpc, md,
+                                                               open_call))
+        return handler
+
+    async def _enter(self, context: grpc.aio.ServicerContext, md: Any, open_call: bool
+                     ) -> tuple[str, str]:
+        rid = next((str(v) for k, v in md if k == REQUEST_ID_HEADER), "") or uuid.uuid4().hex
+        context.set_trailing_metadata(((REQUEST_ID_HEADER, rid),))
+        if open_call:
+            return rid, ""
+        try:
+            principal = self.auth.identify(md)
+            self.auth.admit(principal)
+        except KDNError as exc:
+            await context.abort(grpc_code(exc), str(exc))
+        current_principal.set(principal)
+        return rid, principal.tenant
+
+    def _done(self, rpc: str, rid: str, tenant: str, t0: float, code: str,
+              context: grpc.aio.ServicerContext) -> None:
+        seconds = time.perf_counter() - t0
+        if self.metrics is not None:
+            self.metrics.requests.labels(rpc, code).inc()
+            self.metrics.latency.labels(rpc).observe(seconds)
+        if access_log.isEnabledFor(logging.INFO):
+            access_log.info(json.dumps({
+                "rpc": rpc, "code": code, "ms": round(seconds * 1e3, 3), "request_id": rid,
+                "tenant": tenant, "peer": context.peer(),
+            }))
+
+    @staticmethod
+    def _code(context: grpc.aio.ServicerContext, exc: BaseException | None) -> str:
+        code = context.code() if hasattr(context, "code") else None
+        if isinstance(code, grpc.StatusCode):
+            return code.name
+        if exc is None:
+            return "OK"
+        if isinstance(exc, (asyncio.CancelledError, GeneratorExit)):
+            return "CANCELLED"
+        return "UNKNOWN"
+
+    def _unary(self, fn: Callable[..., Any], rpc: str, md: Any, open_call: bool
+               ) -> Callable[..., Any]:
+        async def wrapper(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            t0 = time.perf_counter()
+            rid, tenant = await self._enter(context, md, open_call)
+            exc: BaseException | None = None
+            try:
+                return await fn(request, context)
+            except BaseException as e:
+                exc = e
+                raise
+            finally:
+                self._done(rpc, rid, tenant, t0, self._code(context, exc), context)
+
+        return wrapper
+
+    def _stream(self, fn: Callable[..., Any], rpc: str, md: Any, open_call: bool
+                ) -> Callable[..., Any]:
+        async def wrapper(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            t0 = time.perf_counter()
+            rid, tenant = await self._enter(context, md, open_call)
+            exc: BaseException | None = None
+            try:
+                async for item in fn(request, context):
+                    yield item
+            except BaseException as e:
+                exc = e
+                raise
+            finally:
+                self._done(rpc, rid, tenant, t0, self._code(context, exc), context)
+
+        return wrapper
