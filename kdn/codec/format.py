@@ -39,6 +39,9 @@ _RECORD = struct.Struct("<HIHHI")  # kv_heads, tokens, k_channels, v_channels, b
 FRAME_PREFIX_BYTES = _FRAME.size
 RECORD_BYTES = _RECORD.size
 MAX_HEADER_BYTES = 1 << 20
+MAX_LAYER_BYTES = 4 << 30
+"""Largest decoded layer (K + V) a container may declare: a bound on what a decoder allocates
+for hostile input (a 128k-token layer of a 70B model is ~0.5 GiB)."""
 
 
 # ------------------------------------------------------------------ layout <-> proto
@@ -159,6 +162,11 @@ def parse_header(buf: bytes | memoryview) -> Header:
     except Exception as exc:  # protobuf raises DecodeError, a bare Exception subclass
         raise Corrupt(f"container header does not parse: {exc}") from exc
     layout = layout_from_proto(entry.layout)
+    for i, lay in enumerate(layout.layers):
+        declared = lay.kv_heads * entry.tokens * (lay.k_channels + lay.v_channels)
+        if declared * layout.dtype.itemsize > MAX_LAYER_BYTES:
+            raise InvalidLayout(f"layer {i} declares {declared} elements for {entry.tokens} "
+                                f"tokens, over the {MAX_LAYER_BYTES}-byte layer limit")
     if entry.layout_fingerprint != layout.fingerprint:
         raise InvalidLayout("container header layout fingerprint does not match its layout")
     _check_spans(entry, layout)

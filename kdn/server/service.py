@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from kdn.codec.format import Header, check_frame, parse_container, parse_header, split_frames
 from kdn.codec.modes import get_mode
@@ -55,7 +56,10 @@ def _rpc(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
     @functools.wraps(fn)
     async def wrapper(self: KDNServicer, request: Any, context: grpc.aio.ServicerContext) -> T:
         try:
-            return await fn(self, request, context)
+            try:
+                return await fn(self, request, context)
+            except DecodeError as exc:  # a streamed request message that is not protobuf
+                raise InvalidArgument(f"malformed request message: {exc}") from exc
         except KDNError as exc:
             self.count(f"{fn.__name__}.{grpc_code(exc).name}")
             await context.abort(grpc_code(exc), str(exc))
