@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -32,6 +33,7 @@ from kdn.codec.format import parse_header
 from kdn.errors import NotFound, from_grpc
 from kdn.keys import DEFAULT_NAMESPACE, check_key, check_namespace
 from kdn.layout import KVLayout
+from kdn.metadata import API_KEY_HEADER, REQUEST_ID_HEADER
 from kdn.v1 import kdn_pb2 as pb
 from kdn.v1 import kdn_pb2_grpc as pb_grpc
 
@@ -80,6 +82,21 @@ class Fetched:
     tier: str
 
 
+@dataclass(frozen=True)
+class TLSOptions:
+    """TLS for the channel: trust ``ca`` (PEM); present ``cert``/``key`` for mutual TLS."""
+
+    ca: bytes | None = None
+    cert: bytes | None = None
+    key: bytes | None = None
+    server_name: str = ""
+    """Expected name in the server certificate when it differs from the address host."""
+
+    def credentials(self) -> grpc.ChannelCredentials:
+        return grpc.ssl_channel_credentials(root_certificates=self.ca, private_key=self.key,
+                                            certificate_chain=self.cert)
+
+
 class Client:
     def __init__(
         self,
@@ -89,16 +106,32 @@ class Client:
         retry: Retry | None = None,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE,
         namespace: str = DEFAULT_NAMESPACE,
+        api_key: str | None = None,
+        tls: TLSOptions | None = None,
     ) -> None:
         self.address = address
         self.timeout_s = timeout_s
         self.retry = retry or Retry()
         self.namespace = check_namespace(namespace)
-        self._channel = grpc.insecure_channel(address, options=[
+        options: list[tuple[str, int | str]] = [
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),
-        ])
+        ]
+        if tls is None:
+            self._channel = grpc.insecure_channel(address, options=options)
+        else:
+            if tls.server_name:
+                options.append(("grpc.ssl_target_name_override", tls.server_name))
+            self._channel = grpc.secure_channel(address, tls.credentials(), options=options)
+        self._auth: tuple[tuple[str, str], ...] = (
+            ((API_KEY_HEADER, api_key),) if api_key else ())
+        self.last_request_id = ""
         self._stub = pb_grpc.KDNStub(self._channel)
+
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        """Per-call metadata: the API key and a fresh request id (kept in last_request_id)."""
+        self.last_request_id = uuid.uuid4().hex[:16]
+        return (*self._auth, (REQUEST_ID_HEADER, self.last_request_id))
 
     # -- plumbing -------------------------------------------------------------------------------
 
@@ -153,7 +186,8 @@ class Client:
             for i, frame in enumerate(parts.frames):
                 yield pb.StoreRequest(frame=pb.Frame(index=i, data=frame))
 
-        return self._call(lambda: self._stub.Store(requests(), timeout=self.timeout_s))
+        return self._call(lambda: self._stub.Store(requests(), timeout=self.timeout_s,
+                                                         metadata=self.metadata()))
 
     # -- retrieve -------------------------------------------------------------------------------
 
@@ -163,7 +197,7 @@ class Client:
         req = self._retrieve_request(key, namespace, layout)
 
         def run() -> Fetched:
-            stream = self._stub.Retrieve(req, timeout=self.timeout_s)
+            stream = self._stub.Retrieve(req, timeout=self.timeout_s, metadata=self.metadata())
             first = next(stream)
             frames = [bytes(m.frame.data) for m in stream]
             return Fetched(EncodedParts(first.header.container_header, frames), first.header.tier)
@@ -187,7 +221,7 @@ class Client:
 
         def run() -> LayerStream:
             timings = StreamTimings(started=time.perf_counter())
-            call = self._stub.Retrieve(req, timeout=self.timeout_s)
+            call = self._stub.Retrieve(req, timeout=self.timeout_s, metadata=self.metadata())
             first = next(call)
             timings.header = time.perf_counter()
             target = torch.device(device or "cpu")
@@ -221,7 +255,8 @@ class Client:
                prefix_chain: bool = False) -> LookupResult:
         req = pb.LookupRequest(namespace=self._ns(namespace), keys=[check_key(k) for k in keys],
                                prefix_chain=prefix_chain)
-        resp = self._call(lambda: self._stub.Lookup(req, timeout=self.timeout_s))
+        resp = self._call(lambda: self._stub.Lookup(req, timeout=self.timeout_s,
+                                                             metadata=self.metadata()))
         infos = [KeyInfo(i.present, i.tier, i.size_bytes) for i in resp.infos]
         return LookupResult(infos, resp.prefix_hits)
 
@@ -231,10 +266,12 @@ class Client:
     def delete(self, key: bytes | Sequence[bytes], *, namespace: str | None = None) -> int:
         keys = [key] if isinstance(key, (bytes, bytearray)) else list(key)
         req = pb.DeleteRequest(namespace=self._ns(namespace), keys=[check_key(k) for k in keys])
-        return int(self._call(lambda: self._stub.Delete(req, timeout=self.timeout_s)).deleted)
+        return int(self._call(lambda: self._stub.Delete(req, timeout=self.timeout_s,
+                                                             metadata=self.metadata())).deleted)
 
     def stats(self) -> pb.StatsResponse:
-        return self._call(lambda: self._stub.Stats(pb.StatsRequest(), timeout=self.timeout_s))
+        return self._call(lambda: self._stub.Stats(pb.StatsRequest(), timeout=self.timeout_s,
+                                                 metadata=self.metadata()))
 
     def health(self, service: str = "") -> str:
         """The standard gRPC health status name (SERVING, NOT_SERVING, ...)."""

@@ -30,9 +30,9 @@ from typing import Any
 import yaml
 
 from kdn.errors import ConfigError, PermissionDenied, RateLimited, TooLarge, Unauthenticated
+from kdn.metadata import API_KEY_HEADER
 
 _TENANT_RE = re.compile(r"^[a-z0-9][a-z0-9_\-]{0,31}$")
-API_KEY_HEADER = "x-kdn-api-key"
 
 
 class Role(enum.Enum):

@@ -27,10 +27,10 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from kdn.errors import KDNError, grpc_code
+from kdn.metadata import REQUEST_ID_HEADER
 from kdn.server.auth import Authenticator, current_principal
 
 access_log = logging.getLogger("kdn.access")
-REQUEST_ID_HEADER = "x-request-id"
 OPEN_SERVICES = ("grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection")
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5,
                     10, 30)

@@ -1,0 +1,6 @@
+"""gRPC metadata keys shared by clients and servers."""
+
+API_KEY_HEADER = "x-kdn-api-key"
+"""Carries the caller's API key (``authorization: Bearer <key>`` is accepted too)."""
+REQUEST_ID_HEADER = "x-request-id"
+"""Carries a request id from client to server logs; the server echoes it in trailers."""
