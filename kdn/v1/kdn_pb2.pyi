@@ -259,8 +259,20 @@ class TierStats(_message.Message):
     healthy: bool
     def __init__(self, name: _Optional[str] = ..., entries: _Optional[int] = ..., bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., corrupt: _Optional[int] = ..., healthy: _Optional[bool] = ...) -> None: ...
 
+class TenantStats(_message.Message):
+    __slots__ = ("tenant", "entries", "bytes", "quota_bytes")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    QUOTA_BYTES_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    entries: int
+    bytes: int
+    quota_bytes: int
+    def __init__(self, tenant: _Optional[str] = ..., entries: _Optional[int] = ..., bytes: _Optional[int] = ..., quota_bytes: _Optional[int] = ...) -> None: ...
+
 class StatsResponse(_message.Message):
-    __slots__ = ("tiers", "counters", "version")
+    __slots__ = ("tiers", "counters", "version", "tenants", "health")
     class CountersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -271,7 +283,175 @@ class StatsResponse(_message.Message):
     TIERS_FIELD_NUMBER: _ClassVar[int]
     COUNTERS_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    TENANTS_FIELD_NUMBER: _ClassVar[int]
+    HEALTH_FIELD_NUMBER: _ClassVar[int]
     tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
     counters: _containers.ScalarMap[str, int]
     version: str
-    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., counters: _Optional[_Mapping[str, int]] = ..., version: _Optional[str] = ...) -> None: ...
+    tenants: _containers.RepeatedCompositeFieldContainer[TenantStats]
+    health: str
+    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., counters: _Optional[_Mapping[str, int]] = ..., version: _Optional[str] = ..., tenants: _Optional[_Iterable[_Union[TenantStats, _Mapping]]] = ..., health: _Optional[str] = ...) -> None: ...
+
+class EntryInfo(_message.Message):
+    __slots__ = ("namespace", "key", "tenant", "model_fingerprint", "model_name", "layout_fingerprint", "num_layers", "dtype", "codec_mode", "codec_level", "tokens", "size_bytes", "tiers", "pinned", "age_seconds", "layout")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    CODEC_MODE_FIELD_NUMBER: _ClassVar[int]
+    CODEC_LEVEL_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    PINNED_FIELD_NUMBER: _ClassVar[int]
+    AGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    key: bytes
+    tenant: str
+    model_fingerprint: str
+    model_name: str
+    layout_fingerprint: str
+    num_layers: int
+    dtype: str
+    codec_mode: str
+    codec_level: str
+    tokens: int
+    size_bytes: int
+    tiers: _containers.RepeatedScalarFieldContainer[str]
+    pinned: bool
+    age_seconds: float
+    layout: Layout
+    def __init__(self, namespace: _Optional[str] = ..., key: _Optional[bytes] = ..., tenant: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., model_name: _Optional[str] = ..., layout_fingerprint: _Optional[str] = ..., num_layers: _Optional[int] = ..., dtype: _Optional[str] = ..., codec_mode: _Optional[str] = ..., codec_level: _Optional[str] = ..., tokens: _Optional[int] = ..., size_bytes: _Optional[int] = ..., tiers: _Optional[_Iterable[str]] = ..., pinned: _Optional[bool] = ..., age_seconds: _Optional[float] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ...) -> None: ...
+
+class ListRequest(_message.Message):
+    __slots__ = ("namespace", "key_prefix", "model_fingerprint", "limit", "page_token", "tenant")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    KEY_PREFIX_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    key_prefix: bytes
+    model_fingerprint: str
+    limit: int
+    page_token: bytes
+    tenant: str
+    def __init__(self, namespace: _Optional[str] = ..., key_prefix: _Optional[bytes] = ..., model_fingerprint: _Optional[str] = ..., limit: _Optional[int] = ..., page_token: _Optional[bytes] = ..., tenant: _Optional[str] = ...) -> None: ...
+
+class ListResponse(_message.Message):
+    __slots__ = ("entries", "next_page_token")
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    entries: _containers.RepeatedCompositeFieldContainer[EntryInfo]
+    next_page_token: bytes
+    def __init__(self, entries: _Optional[_Iterable[_Union[EntryInfo, _Mapping]]] = ..., next_page_token: _Optional[bytes] = ...) -> None: ...
+
+class InspectRequest(_message.Message):
+    __slots__ = ("namespace", "key")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    key: bytes
+    def __init__(self, namespace: _Optional[str] = ..., key: _Optional[bytes] = ...) -> None: ...
+
+class KeysRequest(_message.Message):
+    __slots__ = ("namespace", "keys", "tier")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    tier: str
+    def __init__(self, namespace: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., tier: _Optional[str] = ...) -> None: ...
+
+class CountResponse(_message.Message):
+    __slots__ = ("count",)
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    count: int
+    def __init__(self, count: _Optional[int] = ...) -> None: ...
+
+class VerifyRequest(_message.Message):
+    __slots__ = ("dry_run",)
+    DRY_RUN_FIELD_NUMBER: _ClassVar[int]
+    dry_run: bool
+    def __init__(self, dry_run: _Optional[bool] = ...) -> None: ...
+
+class VerifyProgress(_message.Message):
+    __slots__ = ("tier", "scanned", "total", "corrupt", "removed", "corrupt_keys", "done")
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    SCANNED_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_FIELD_NUMBER: _ClassVar[int]
+    CORRUPT_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    CORRUPT_KEYS_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    tier: str
+    scanned: int
+    total: int
+    corrupt: int
+    removed: int
+    corrupt_keys: _containers.RepeatedScalarFieldContainer[str]
+    done: bool
+    def __init__(self, tier: _Optional[str] = ..., scanned: _Optional[int] = ..., total: _Optional[int] = ..., corrupt: _Optional[int] = ..., removed: _Optional[int] = ..., corrupt_keys: _Optional[_Iterable[str]] = ..., done: _Optional[bool] = ...) -> None: ...
+
+class ExportRequest(_message.Message):
+    __slots__ = ("namespace", "key_prefix", "after")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    KEY_PREFIX_FIELD_NUMBER: _ClassVar[int]
+    AFTER_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    key_prefix: bytes
+    after: bytes
+    def __init__(self, namespace: _Optional[str] = ..., key_prefix: _Optional[bytes] = ..., after: _Optional[bytes] = ...) -> None: ...
+
+class ExportItem(_message.Message):
+    __slots__ = ("namespace", "key", "value", "cursor", "total")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    CURSOR_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    key: bytes
+    value: bytes
+    cursor: bytes
+    total: int
+    def __init__(self, namespace: _Optional[str] = ..., key: _Optional[bytes] = ..., value: _Optional[bytes] = ..., cursor: _Optional[bytes] = ..., total: _Optional[int] = ...) -> None: ...
+
+class ImportItem(_message.Message):
+    __slots__ = ("namespace", "key", "value")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    key: bytes
+    value: bytes
+    def __init__(self, namespace: _Optional[str] = ..., key: _Optional[bytes] = ..., value: _Optional[bytes] = ...) -> None: ...
+
+class ImportResponse(_message.Message):
+    __slots__ = ("imported", "skipped", "rejected")
+    IMPORTED_FIELD_NUMBER: _ClassVar[int]
+    SKIPPED_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_FIELD_NUMBER: _ClassVar[int]
+    imported: int
+    skipped: int
+    rejected: int
+    def __init__(self, imported: _Optional[int] = ..., skipped: _Optional[int] = ..., rejected: _Optional[int] = ...) -> None: ...
+
+class GcRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GcResponse(_message.Message):
+    __slots__ = ("removed", "freed_bytes")
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    FREED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    removed: int
+    freed_bytes: int
+    def __init__(self, removed: _Optional[int] = ..., freed_bytes: _Optional[int] = ...) -> None: ...

@@ -267,3 +267,419 @@ class KDN:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class KDNAdminStub:
+    """Missing associated documentation comment in .proto file."""
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.List = channel.unary_unary(
+                '/kdn.v1.KDNAdmin/List',
+                request_serializer=kdn_dot_v1_dot_kdn__pb2.ListRequest.SerializeToString,
+                response_deserializer=kdn_dot_v1_dot_kdn__pb2.ListResponse.FromString,
+                _registered_method=True)
+        self.Inspect = channel.unary_unary(
+                '/kdn.v1.KDNAdmin/Inspect',
+                request_serializer=kdn_dot_v1_dot_kdn__pb2.InspectRequest.SerializeToString,
+                response_deserializer=kdn_dot_v1_dot_kdn__pb2.EntryInfo.FromString,
+                _registered_method=True)
+        self.Evict = channel.unary_unary(
+                '/kdn.v1.KDNAdmin/Evict',
+                request_serializer=kdn_dot_v1_dot_kdn__pb2.KeysRequest.SerializeToString,
+                response_deserializer=kdn_dot_v1_dot_kdn__pb2.CountResponse.FromString,
+                _registered_method=True)
+        self.Pin = channel.unary_unary(
+                '/kdn.v1.KDNAdmin/Pin',
+                request_serializer=kdn_dot_v1_dot_kdn__pb2.KeysRequest.SerializeToString,
+                response_deserializer=kdn_dot_v1_dot_kdn__pb2.CountResponse.FromString,
+                _registered_method=True)
+        self.Unpin = channel.unary_unary(
+                '/kdn.v1.KDNAdmin/Unpin',
+                request_serializer=kdn_dot_v1_dot_kdn__pb2.KeysRequest.SerializeToString,
+                response_deserializer=kdn_dot_v1_dot_kdn__pb2.CountResponse.FromString,
+                _registered_method=True)
+        self.Verify = channel.unary_stream(
+                '/kdn.v1.KDNAdmin/Verify',
+                request_serializer=kdn_dot_v1_dot_kdn__pb2.VerifyRequest.SerializeToString,
+                response_deserializer=kdn_dot_v1_dot_kdn__pb2.VerifyProgress.FromString,
+                _registered_method=True)
+        self.Export = channel.unary_stream(
+                '/kdn.v1.KDNAdmin/Export',
+                request_serializer=kdn_dot_v1_dot_kdn__pb2.ExportRequest.SerializeToString,
+                response_deserializer=kdn_dot_v1_dot_kdn__pb2.ExportItem.FromString,
+                _registered_method=True)
+        self.Import = channel.stream_unary(
+                '/kdn.v1.KDNAdmin/Import',
+                request_serializer=kdn_dot_v1_dot_kdn__pb2.ImportItem.SerializeToString,
+                response_deserializer=kdn_dot_v1_dot_kdn__pb2.ImportResponse.FromString,
+                _registered_method=True)
+        self.Gc = channel.unary_unary(
+                '/kdn.v1.KDNAdmin/Gc',
+                request_serializer=kdn_dot_v1_dot_kdn__pb2.GcRequest.SerializeToString,
+                response_deserializer=kdn_dot_v1_dot_kdn__pb2.GcResponse.FromString,
+                _registered_method=True)
+
+
+class KDNAdminServicer:
+    """Missing associated documentation comment in .proto file."""
+
+    def List(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Inspect(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Evict(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Pin(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Unpin(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Verify(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Export(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Import(self, request_iterator, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Gc(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_KDNAdminServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'List': grpc.unary_unary_rpc_method_handler(
+                    servicer.List,
+                    request_deserializer=kdn_dot_v1_dot_kdn__pb2.ListRequest.FromString,
+                    response_serializer=kdn_dot_v1_dot_kdn__pb2.ListResponse.SerializeToString,
+            ),
+            'Inspect': grpc.unary_unary_rpc_method_handler(
+                    servicer.Inspect,
+                    request_deserializer=kdn_dot_v1_dot_kdn__pb2.InspectRequest.FromString,
+                    response_serializer=kdn_dot_v1_dot_kdn__pb2.EntryInfo.SerializeToString,
+            ),
+            'Evict': grpc.unary_unary_rpc_method_handler(
+                    servicer.Evict,
+                    request_deserializer=kdn_dot_v1_dot_kdn__pb2.KeysRequest.FromString,
+                    response_serializer=kdn_dot_v1_dot_kdn__pb2.CountResponse.SerializeToString,
+            ),
+            'Pin': grpc.unary_unary_rpc_method_handler(
+                    servicer.Pin,
+                    request_deserializer=kdn_dot_v1_dot_kdn__pb2.KeysRequest.FromString,
+                    response_serializer=kdn_dot_v1_dot_kdn__pb2.CountResponse.SerializeToString,
+            ),
+            'Unpin': grpc.unary_unary_rpc_method_handler(
+                    servicer.Unpin,
+                    request_deserializer=kdn_dot_v1_dot_kdn__pb2.KeysRequest.FromString,
+                    response_serializer=kdn_dot_v1_dot_kdn__pb2.CountResponse.SerializeToString,
+            ),
+            'Verify': grpc.unary_stream_rpc_method_handler(
+                    servicer.Verify,
+                    request_deserializer=kdn_dot_v1_dot_kdn__pb2.VerifyRequest.FromString,
+                    response_serializer=kdn_dot_v1_dot_kdn__pb2.VerifyProgress.SerializeToString,
+            ),
+            'Export': grpc.unary_stream_rpc_method_handler(
+                    servicer.Export,
+                    request_deserializer=kdn_dot_v1_dot_kdn__pb2.ExportRequest.FromString,
+                    response_serializer=kdn_dot_v1_dot_kdn__pb2.ExportItem.SerializeToString,
+            ),
+            'Import': grpc.stream_unary_rpc_method_handler(
+                    servicer.Import,
+                    request_deserializer=kdn_dot_v1_dot_kdn__pb2.ImportItem.FromString,
+                    response_serializer=kdn_dot_v1_dot_kdn__pb2.ImportResponse.SerializeToString,
+            ),
+            'Gc': grpc.unary_unary_rpc_method_handler(
+                    servicer.Gc,
+                    request_deserializer=kdn_dot_v1_dot_kdn__pb2.GcRequest.FromString,
+                    response_serializer=kdn_dot_v1_dot_kdn__pb2.GcResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'kdn.v1.KDNAdmin', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('kdn.v1.KDNAdmin', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class KDNAdmin:
+    """Missing associated documentation comment in .proto file."""
+
+    @staticmethod
+    def List(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kdn.v1.KDNAdmin/List',
+            kdn_dot_v1_dot_kdn__pb2.ListRequest.SerializeToString,
+            kdn_dot_v1_dot_kdn__pb2.ListResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Inspect(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kdn.v1.KDNAdmin/Inspect',
+            kdn_dot_v1_dot_kdn__pb2.InspectRequest.SerializeToString,
+            kdn_dot_v1_dot_kdn__pb2.EntryInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Evict(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kdn.v1.KDNAdmin/Evict',
+            kdn_dot_v1_dot_kdn__pb2.KeysRequest.SerializeToString,
+            kdn_dot_v1_dot_kdn__pb2.CountResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Pin(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kdn.v1.KDNAdmin/Pin',
+            kdn_dot_v1_dot_kdn__pb2.KeysRequest.SerializeToString,
+            kdn_dot_v1_dot_kdn__pb2.CountResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Unpin(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kdn.v1.KDNAdmin/Unpin',
+            kdn_dot_v1_dot_kdn__pb2.KeysRequest.SerializeToString,
+            kdn_dot_v1_dot_kdn__pb2.CountResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Verify(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kdn.v1.KDNAdmin/Verify',
+            kdn_dot_v1_dot_kdn__pb2.VerifyRequest.SerializeToString,
+            kdn_dot_v1_dot_kdn__pb2.VerifyProgress.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Export(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kdn.v1.KDNAdmin/Export',
+            kdn_dot_v1_dot_kdn__pb2.ExportRequest.SerializeToString,
+            kdn_dot_v1_dot_kdn__pb2.ExportItem.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Import(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/kdn.v1.KDNAdmin/Import',
+            kdn_dot_v1_dot_kdn__pb2.ImportItem.SerializeToString,
+            kdn_dot_v1_dot_kdn__pb2.ImportResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Gc(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kdn.v1.KDNAdmin/Gc',
+            kdn_dot_v1_dot_kdn__pb2.GcRequest.SerializeToString,
+            kdn_dot_v1_dot_kdn__pb2.GcResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
