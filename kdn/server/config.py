@@ -87,6 +87,8 @@ class ServerConfig:
     """Largest stored entry (header plus frames)."""
     allowed_models: tuple[str, ...] = ()
     """Model fingerprints this server accepts (empty = any)."""
+    model: str = ""
+    """Model the Blend RPC runs ("smollm2-135m" or a transformers folder); empty = no Blend."""
     shutdown_grace_s: float = 10.0
     """Seconds in-flight RPCs get to finish on shutdown."""
     log_level: str = "INFO"

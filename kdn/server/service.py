@@ -32,6 +32,7 @@ from kdn.errors import (
     grpc_code,
 )
 from kdn.keys import check_key, check_namespace
+from kdn.server.blend_rpc import BlendMixin
 from kdn.server.config import ServerConfig
 from kdn.server.wire import retrieve_frame_message
 from kdn.store.tiered import Durability, TieredStore
@@ -68,7 +69,7 @@ def _rpc(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
     return wrapper
 
 
-class KDNServicer(pb_grpc.KDNServicer):
+class KDNServicer(BlendMixin, pb_grpc.KDNServicer):
     def __init__(self, config: ServerConfig, store: TieredStore) -> None:
         self.config = config
         self.store = store

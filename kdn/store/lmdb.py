@@ -32,7 +32,6 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import cast
 
 import lmdb
 
@@ -51,24 +50,22 @@ class _RWLock:
     """Many readers or one writer; a waiting writer blocks new readers (no starvation)."""
 
     def __init__(self) -> None:
-        self._cond = threading.Condition()
+        self._cond = threading.Condition(threading.Lock())
         self._readers = 0
         self._writer = False
         self._waiting = 0
 
-    @contextmanager
-    def shared(self) -> Iterator[None]:
+    def acquire_shared(self) -> None:
         with self._cond:
             while self._writer or self._waiting:
                 self._cond.wait()
             self._readers += 1
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._readers -= 1
-                if not self._readers:
-                    self._cond.notify_all()
+
+    def release_shared(self) -> None:
+        with self._cond:
+            self._readers -= 1
+            if not self._readers and self._waiting:
+                self._cond.notify_all()
 
     @contextmanager
     def exclusive(self) -> Iterator[None]:
@@ -146,16 +143,38 @@ class LmdbTier(Tier):
 
     @contextmanager
     def _read(self) -> Iterator[lmdb.Transaction]:
+        self._check_open()
+        self._rw.acquire_shared()
+        try:
+            with self.env.begin() as txn:
+                yield txn
+        finally:
+            self._rw.release_shared()
+
+    def _check_open(self) -> None:
         if self._closed:
             raise TierUnavailable("disk tier is closed")
-        with self._rw.shared(), self.env.begin() as txn:
-            yield txn
 
-    # -- reads ----------------------------------------------------------------------------------
+    # -- reads (hot paths: no generator context managers) ---------------------------------------
+
+    def _meta(self, key: bytes) -> tuple[int, float] | None:
+        """(value size, expiry) of a live entry, or None."""
+        self._check_open()
+        self._rw.acquire_shared()
+        try:
+            with self.env.begin(db=self.meta, buffers=True) as txn:
+                raw = txn.get(key)
+                if raw is None:
+                    return None
+                size, expiry, _ = _META.unpack(raw)
+        finally:
+            self._rw.release_shared()
+        if expiry and expiry <= time.time():
+            return None
+        return size, expiry
 
     def contains(self, key: bytes) -> bool:
-        with self._read() as txn:
-            return self._live(txn.get(key, db=self.meta), time.time()) is not None
+        return self._meta(key) is not None
 
     def contains_many(self, keys: list[bytes]) -> list[bool]:
         now = time.time()
@@ -163,35 +182,38 @@ class LmdbTier(Tier):
             return [self._live(txn.get(k, db=self.meta), now) is not None for k in keys]
 
     def get(self, key: bytes) -> bytes | None:
-        return self.get_many([key])[0]
+        self._check_open()
+        expired = False
+        value: bytes | None = None
+        self._rw.acquire_shared()
+        try:
+            with self.env.begin(db=self.meta, buffers=True) as txn:
+                raw = txn.get(key)
+                if raw is not None:
+                    expiry = _META.unpack(raw)[1]
+                    if expiry and expiry <= time.time():
+                        expired = True
+                    else:
+                        buf = txn.get(key, db=self.entries)
+                        value = None if buf is None else bytes(buf)
+        finally:
+            self._rw.release_shared()
+        if value is None:
+            self.counters.add("misses")
+            if expired:
+                self.delete(key)
+            return None
+        self.counters.add("hits")
+        if len(self._touched) < _MAX_TOUCHED:
+            self._touched[key] = None  # dict assignment is atomic under the GIL
+        return value
 
     def get_many(self, keys: list[bytes]) -> list[bytes | None]:
-        now = time.time()
-        out: list[bytes | None] = []
-        expired: list[bytes] = []
-        with self._read() as txn:
-            for k in keys:
-                meta = txn.get(k, db=self.meta)
-                if self._live(meta, now) is None:
-                    if meta is not None:
-                        expired.append(k)
-                    out.append(None)
-                    continue
-                out.append(cast(bytes, txn.get(k, db=self.entries)))
-        hits = [k for k, v in zip(keys, out) if v is not None]
-        if hits:
-            with self._touch_lock:
-                if len(self._touched) < _MAX_TOUCHED:
-                    for k in hits:
-                        self._touched[k] = None
-        self.counters.add("hits", len(hits))
-        self.counters.add("misses", len(keys) - len(hits))
-        if expired:
-            self.delete_many(expired)
-        return out
+        return [self.get(k) for k in keys]
 
     def size_of(self, key: bytes) -> int | None:
-        return self.size_many([key])[0]
+        m = self._meta(key)
+        return None if m is None else m[0]
 
     def size_many(self, keys: list[bytes]) -> list[int | None]:
         now = time.time()
@@ -200,10 +222,8 @@ class LmdbTier(Tier):
         return [None if m is None else m[0] for m in lives]
 
     def ttl_remaining(self, key: bytes) -> float | None:
-        now = time.time()
-        with self._read() as txn:
-            m = self._live(txn.get(key, db=self.meta), now)
-        return None if m is None or not m[1] else max(0.0, m[1] - now)
+        m = self._meta(key)
+        return None if m is None or not m[1] else max(0.0, m[1] - time.time())
 
     def keys(self, prefix: bytes = b"") -> Iterator[bytes]:
         out = []
@@ -243,21 +263,25 @@ class LmdbTier(Tier):
         self._write(lambda txn: None, 0)
 
     def _write(self, body: Callable[[lmdb.Transaction], int | None], need: int) -> int:
-        if self._closed:
-            raise TierUnavailable("disk tier is closed")
+        self._check_open()
         while True:
+            self._rw.acquire_shared()
             try:
-                with self._rw.shared(), self.env.begin(write=True) as txn:
+                with self.env.begin(write=True) as txn:
                     self._apply_touches(txn)
                     return body(txn) or 0
             except lmdb.MapFullError:
-                self._grow(need)
+                pass
             except lmdb.Error as exc:
                 raise TierUnavailable(f"disk tier write failed: {exc}") from exc
+            finally:
+                self._rw.release_shared()
+            self._grow(need)
 
     def _apply_touches(self, txn: lmdb.Transaction) -> None:
         with self._touch_lock:
             touched, self._touched = self._touched, {}
+        touched = dict(touched)  # a reader may still be adding to the old dict
         for k in touched:
             meta = txn.get(k, db=self.meta)
             if meta is None:

@@ -35,61 +35,64 @@ class RamTier(Tier):
         if protected is not None:
             self.protected = protected
         self.on_evict = on_evict
-        # key -> (value, expiry on the monotonic clock; 0 = none)
-        self._data: OrderedDict[bytes, tuple[bytes, float]] = OrderedDict()
+        self._data: OrderedDict[bytes, bytes] = OrderedDict()  # LRU order, oldest first
+        self._expiry: dict[bytes, float] = {}  # only entries with a TTL; monotonic deadline
         self._bytes = 0
         self._lock = threading.Lock()
 
-    def _expired(self, key: bytes, expiry: float) -> bool:
-        if expiry and expiry <= time.monotonic():
-            self._remove(key)
-            return True
-        return False
+    def _live(self, key: bytes) -> bool:
+        """Whether ``key`` is held and unexpired (removing it when expired); caller locks."""
+        if key not in self._data:
+            return False
+        if self._expiry:
+            exp = self._expiry.get(key)
+            if exp is not None and exp <= time.monotonic():
+                self._remove(key)
+                return False
+        return True
 
     def _remove(self, key: bytes) -> bytes | None:
-        item = self._data.pop(key, None)
-        if item is None:
+        value = self._data.pop(key, None)
+        if value is None:
             return None
-        self._bytes -= len(item[0])
-        return item[0]
+        self._expiry.pop(key, None)
+        self._bytes -= len(value)
+        return value
 
     def contains(self, key: bytes) -> bool:
         with self._lock:
-            item = self._data.get(key)
-            return item is not None and not self._expired(key, item[1])
+            return self._live(key)
 
     def get(self, key: bytes) -> bytes | None:
         with self._lock:
-            item = self._data.get(key)
-            if item is None or self._expired(key, item[1]):
+            if not self._live(key):
                 self.counters.misses += 1
                 return None
             self._data.move_to_end(key)
             self.counters.hits += 1
-            return item[0]
+            return self._data[key]
 
     def size_of(self, key: bytes) -> int | None:
         with self._lock:
-            item = self._data.get(key)
-            return None if item is None or self._expired(key, item[1]) else len(item[0])
+            return len(self._data[key]) if self._live(key) else None
 
     def ttl_remaining(self, key: bytes) -> float | None:
         with self._lock:
-            item = self._data.get(key)
-            if item is None or self._expired(key, item[1]) or not item[1]:
+            if not self._live(key) or key not in self._expiry:
                 return None
-            return max(0.0, item[1] - time.monotonic())
+            return max(0.0, self._expiry[key] - time.monotonic())
 
     def put(self, key: bytes, value: bytes, *, ttl_s: float | None = None) -> None:
         value = bytes(value)
         if len(value) > self.capacity_bytes:
             raise TooLarge(f"entry of {len(value)} bytes exceeds the RAM tier's "
                            f"{self.capacity_bytes}-byte budget")
-        expiry = time.monotonic() + ttl_s if ttl_s else 0.0
         evicted: list[tuple[bytes, bytes, float]] = []
         with self._lock:
             self._remove(key)
-            self._data[key] = (value, expiry)
+            self._data[key] = value
+            if ttl_s:
+                self._expiry[key] = time.monotonic() + ttl_s
             self._bytes += len(value)
             if self._bytes > self.capacity_bytes:
                 evicted = self._evict_locked(keep=key)
@@ -111,7 +114,7 @@ class RamTier(Tier):
                 if len(skipped) > len(self._data):
                     break  # everything left is protected
                 continue
-            expiry = self._data[key][1]
+            expiry = self._expiry.get(key, 0.0)
             value = self._remove(key)
             assert value is not None
             out.append((key, value, expiry))
@@ -134,6 +137,7 @@ class RamTier(Tier):
     def close(self) -> None:
         with self._lock:
             self._data.clear()
+            self._expiry.clear()
             self._bytes = 0
 
     @property

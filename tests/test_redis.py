@@ -1,0 +1,198 @@
+"""The Redis tier against real redis-server processes: the parts+manifest scheme under crashes
+and eviction, two kdn servers sharing one Redis Cluster, and Redis killed and restarted under a
+running kdn server (degraded health, queued writes, reconnect, nothing acknowledged lost)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from kdn import keys
+from kdn.cache import KVCache
+from kdn.client import Client
+from kdn.errors import Unavailable
+from kdn.server import ServerConfig, ServerThread
+from kdn.server.service import store_key
+from kdn.store.redis import PENDING_TTL_S, RedisTier
+from kdn.store.tiered import WritePolicy
+from kdn.v1 import kdn_pb2 as pb
+from tests.helpers import random_kv, uniform_layout
+from tests.redis_servers import (  # noqa: F401
+    RedisCluster3,
+    RedisServer,
+    redis_cluster_fixture,
+    redis_server_fixture,
+)
+
+pytestmark = pytest.mark.redis
+LAYOUT = uniform_layout(layers=4, heads=2, dim=16)
+
+
+def _eventually(cond: Callable[[], bool], timeout: float = 10.0) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(0.05)
+    return cond()
+
+
+def _entries(n: int, start: int = 0, tokens: int = 64) -> dict[bytes, KVCache]:
+    return {keys.chunk_key([i, 7], LAYOUT): random_kv(LAYOUT, tokens, seed=i)
+            for i in range(start, start + n)}
+
+
+# -- parts + manifest ---------------------------------------------------------------------------
+
+
+def test_uncommitted_parts_are_invisible_and_expire(redis_server: RedisServer) -> None:
+    tier = RedisTier(redis_server.url, part_bytes=1024)
+    old = b"o" * 5000
+    tier.put(b"k", old)
+    # A writer that died after writing its parts, before the commit: parts of a new version.
+    r = redis_server.client()
+    ghost = tier._part_key(b"k", b"\x01" * 8, 1)
+    r.set(ghost, b"n" * 1024, ex=PENDING_TTL_S)
+    assert tier.get(b"k") == old
+    assert 0 < r.ttl(ghost) <= PENDING_TTL_S
+    # Committed parts carry the entry's TTL (none here) and replaced versions expire.
+    committed = [k for k in r.keys(b"kdn:{k}:*") if not k.endswith(b":m") and k != ghost]
+    assert committed and all(r.ttl(k) == -1 for k in committed)
+    tier.put(b"k", b"z" * 3000)
+    assert all(0 < r.ttl(k) <= 10 for k in committed)  # grace for readers mid-way
+    tier.close()
+
+
+def test_evicted_part_is_a_miss_and_cleans_up(redis_server: RedisServer) -> None:
+    tier = RedisTier(redis_server.url, part_bytes=1024)
+    tier.put(b"k", b"x" * 4000, ttl_s=100)
+    r = redis_server.client()
+    parts = [k for k in r.keys(b"kdn:{k}:*") if not k.endswith(b":m")]
+    assert len(parts) == 3 and all(0 < r.ttl(k) <= 100 for k in parts)
+    r.delete(parts[1])  # what maxmemory eviction does to one part
+    assert tier.get(b"k") is None
+    assert r.keys(b"kdn:{k}:*") == [] and tier.stats().corrupt == 1
+    tier.close()
+
+
+def test_redis_corrupt_value_served_from_disk(redis_server: RedisServer, tmp_path: Path) -> None:
+    cfg = ServerConfig(port=0, data_dir=tmp_path / "d", redis_url=redis_server.url,
+                       redis_part_bytes=4096, shutdown_grace_s=2)
+    (key, kv), = _entries(1).items()
+    with ServerThread(cfg) as st, Client(st.address) as c:
+        c.store(key, kv)
+        store = st.server.store  # type: ignore[union-attr]
+        skey = store_key("default", key)
+        r = redis_server.client()
+        mkey = b"kdn:{" + skey + b"}:m"
+        raw = bytearray(r.get(mkey))  # type: ignore[arg-type]
+        raw[-5] ^= 0xFF
+        r.set(mkey, bytes(raw))
+        store.tiers[0].delete(skey)
+        hit = store.get(skey)  # redis copy fails its checksum; the disk copy is served
+        assert hit is not None and hit.tier == "disk"
+        assert not r.exists(mkey)
+        assert store.counters["corrupt"] == 1
+        assert c.retrieve(key).equal(kv)  # type: ignore[union-attr]
+
+
+# -- Redis Cluster: two kdn servers share it --------------------------------------------------
+
+
+def test_two_servers_share_a_cluster(redis_cluster: RedisCluster3, tmp_path: Path) -> None:
+    url = ",".join(redis_cluster.urls)
+    common = dict(port=0, redis_url=url, redis_cluster=True, redis_part_bytes=8192,
+                  disk_bytes=0, shutdown_grace_s=2)
+    a_cfg = ServerConfig(data_dir=tmp_path / "a", **common)  # type: ignore[arg-type]
+    b_cfg = ServerConfig(data_dir=tmp_path / "b", **common)  # type: ignore[arg-type]
+    entries = _entries(24)
+    with ServerThread(a_cfg) as a, ServerThread(b_cfg) as b, \
+            Client(a.address) as ca, Client(b.address) as cb:
+        for key, kv in entries.items():
+            ca.store(key, kv, durability=pb.DURABILITY_SHARED)
+        assert all(i.present and i.tier == "redis" for i in cb.lookup(list(entries)).infos)
+        for key, kv in entries.items():
+            hit = cb.fetch(key)
+            assert hit is not None and hit.tier == "redis"
+            assert cb.retrieve(key).equal(kv)  # type: ignore[union-attr]
+        assert cb.delete(next(iter(entries))) == 1
+        assert ca.lookup([next(iter(entries))]).infos[0].tier == "ram"  # A's own RAM copy
+    per_node = [n.client().dbsize() for n in redis_cluster.nodes]
+    assert all(n > 0 for n in per_node), per_node  # keys spread over all three masters
+
+
+# -- Redis stopped mid-run -------------------------------------------------------------------
+
+
+def test_redis_killed_and_restarted(redis_server: RedisServer, tmp_path: Path) -> None:
+    cfg = ServerConfig(port=0, data_dir=tmp_path / "d", redis_url=redis_server.url,
+                       redis_part_bytes=8192, redis_timeout_s=0.5, shutdown_grace_s=2)
+    before, during = _entries(10), _entries(10, start=100)
+    with ServerThread(cfg) as st, Client(st.address, timeout_s=10) as c:
+        store = st.server.store  # type: ignore[union-attr]
+        for key, kv in before.items():
+            c.store(key, kv)
+        assert c.health("kdn.v1.KDN") == "SERVING"
+
+        redis_server.kill()
+        assert _eventually(lambda: c.health("kdn.v1.KDN") == "NOT_SERVING")
+        assert c.health() == "SERVING"  # RAM and disk still work
+        for key, kv in during.items():
+            t0 = time.monotonic()
+            c.store(key, kv)
+            assert time.monotonic() - t0 < 2.0  # never held for the down tier
+        for key, kv in {**before, **during}.items():
+            assert c.retrieve(key).equal(kv)  # type: ignore[union-attr]
+        st_ = c.stats()
+        assert st_.counters["store.degraded"] == 1
+        assert st_.counters["store.redis.write_retried"] >= len(during)
+        assert not next(t for t in st_.tiers if t.name == "redis").healthy
+        with pytest.raises(Unavailable):
+            c.store(keys.chunk_key([1, 2, 3], LAYOUT), random_kv(LAYOUT, 8),
+                    durability=pb.DURABILITY_SHARED)
+
+        redis_server.start()  # same port, AOF (appendfsync always) brings the data back
+        assert _eventually(lambda: c.health("kdn.v1.KDN") == "SERVING")
+        assert store.flush(10)  # the writes queued while Redis was down land now
+
+    # A second server with only RAM + Redis sees every entry: nothing acknowledged was lost.
+    cfg_b = ServerConfig(port=0, data_dir=tmp_path / "b", redis_url=redis_server.url,
+                         disk_bytes=0, redis_part_bytes=8192, shutdown_grace_s=2)
+    with ServerThread(cfg_b) as st, Client(st.address) as c:
+        for key, kv in {**before, **during}.items():
+            hit = c.fetch(key)
+            assert hit is not None and hit.tier == "redis"
+            assert c.retrieve(key).equal(kv)  # type: ignore[union-attr]
+
+
+def test_redis_restart_keeps_shared_entries(redis_server: RedisServer, tmp_path: Path) -> None:
+    cfg = ServerConfig(port=0, data_dir=tmp_path / "d", redis_url=redis_server.url,
+                       disk_bytes=0, write_policy=WritePolicy.WRITE_BEHIND,
+                       redis_part_bytes=8192, shutdown_grace_s=2)
+    entries = _entries(8, start=300)
+    with ServerThread(cfg) as st, Client(st.address) as c:
+        for key, kv in entries.items():
+            c.store(key, kv, durability=pb.DURABILITY_SHARED)
+    redis_server.kill()
+    redis_server.start()
+    with ServerThread(cfg) as st, Client(st.address) as c:
+        for key, kv in entries.items():
+            assert c.retrieve(key).equal(kv)  # type: ignore[union-attr]
+
+
+def test_durability_shared_fails_fast_when_redis_is_down(tmp_path: Path) -> None:
+    with RedisServer(tmp_path) as r:
+        url = r.url
+    cfg = ServerConfig(port=0, data_dir=tmp_path / "d", redis_url=url, redis_timeout_s=0.3,
+                       shutdown_grace_s=2)
+    with ServerThread(cfg) as st, Client(st.address, timeout_s=5) as c:
+        (key, kv), = _entries(1).items()
+        t0 = time.monotonic()
+        with pytest.raises(Unavailable):
+            c.store(key, kv, durability=pb.DURABILITY_SHARED)
+        c.store(key, kv)  # the default durability still succeeds (RAM + disk)
+        assert time.monotonic() - t0 < 3
+        assert c.retrieve(key).equal(kv)  # type: ignore[union-attr]

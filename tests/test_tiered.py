@@ -1,0 +1,255 @@
+"""The hierarchy's policies on RAM + LMDB: promotion, write-through / write-behind, durability,
+demotion, pins, TTL, byte budgets, corruption handling; plus the same through a real server."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import xxhash
+
+from kdn import keys
+from kdn.client import Client
+from kdn.errors import Corrupt, InvalidArgument
+from kdn.server import ServerConfig, ServerThread
+from kdn.server.service import store_key
+from kdn.store.lmdb import LmdbTier
+from kdn.store.ram import RamTier
+from kdn.store.tiered import Durability, TieredStore, WritePolicy
+from kdn.v1 import kdn_pb2 as pb
+from tests.helpers import random_kv, uniform_layout
+
+
+def entry(n: int, seed: int = 0) -> bytes:
+    """A self-checking value: xxh64 of the payload, then the payload."""
+    payload = os.urandom(n) if seed == 0 else bytes([seed % 256]) * n
+    return xxhash.xxh64_digest(payload) + payload
+
+
+def check(value: bytes) -> None:
+    if len(value) < 8 or xxhash.xxh64_digest(value[8:]) != value[:8]:
+        raise Corrupt("checksum mismatch")
+
+
+def damage(value: bytes) -> bytes:
+    return value[:20] + bytes([value[20] ^ 0xFF]) + value[21:]
+
+
+def _eventually(cond: Callable[[], bool], timeout: float = 5.0) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(0.02)
+    return cond()
+
+
+@pytest.fixture
+def make(tmp_path: Path) -> Iterator[Callable[..., TieredStore]]:
+    made: list[TieredStore] = []
+
+    def build(ram: int = 1 << 20, disk: int = 8 << 20, **kw: object) -> TieredStore:
+        store = TieredStore([RamTier(ram), LmdbTier(tmp_path / "lmdb", capacity_bytes=disk)],
+                            verify=check, **kw)  # type: ignore[arg-type]
+        made.append(store)
+        return store
+
+    yield build
+    for s in made:
+        s.close()
+
+
+def test_write_through_and_promotion_keeps_ttl(make: Callable[..., TieredStore]) -> None:
+    store = make()
+    ram, disk = store.tiers
+    v = entry(1000)
+    assert store.put(b"k", v, ttl_s=60) == "ram"
+    assert disk.get(b"k") == v  # write-through: on disk before put returned
+    ram.delete(b"k")
+    hit = store.get(b"k")
+    assert hit is not None and hit.tier == "disk" and hit.value == v
+    assert ram.get(b"k") == v  # promoted
+    ttl = ram.ttl_remaining(b"k")
+    assert ttl is not None and 50 < ttl <= 60
+    assert store.get(b"k").tier == "ram"  # type: ignore[union-attr]
+    assert store.counters["promotions"] == 1
+
+
+def test_write_behind_serves_pending_and_flushes_on_close(tmp_path: Path) -> None:
+    ram = RamTier(64 << 10)  # small: most entries leave RAM while still queued
+    store = TieredStore([ram, LmdbTier(tmp_path / "l", capacity_bytes=64 << 20)], verify=check,
+                        write_policy=WritePolicy.WRITE_BEHIND, queue_entries=10_000,
+                        queue_bytes=64 << 20)
+    values = {b"wb/%d" % i: entry(5000) for i in range(200)}
+    for k, v in values.items():
+        store.put(k, v)
+    for k, v in values.items():  # queued or on disk: always readable
+        hit = store.get(k)
+        assert hit is not None and hit.value == v
+    store.close()  # graceful shutdown flushes the queue
+    disk = LmdbTier(tmp_path / "l", capacity_bytes=64 << 20)
+    try:
+        assert all(disk.get(k) == v for k, v in values.items())
+    finally:
+        disk.close()
+
+
+def test_durability_disk_under_write_behind(make: Callable[..., TieredStore]) -> None:
+    store = make(write_policy=WritePolicy.WRITE_BEHIND)
+    disk = store.tiers[1]
+    v = entry(2000)
+    store.put(b"d", v, durability=Durability.DISK)
+    assert disk.get(b"d") == v  # on disk when put returned, not merely queued
+    with pytest.raises(InvalidArgument, match="SHARED needs a redis tier"):
+        store.put(b"s", v, durability=Durability.SHARED)
+
+
+def test_memory_durability_under_write_through_is_queued(make: Callable[..., TieredStore]) -> None:
+    store = make()
+    v = entry(100)
+    store.put(b"m", v, durability=Durability.MEMORY)
+    assert store.flush(5)
+    assert store.tiers[1].get(b"m") == v
+
+
+def test_ram_eviction_demotes_instead_of_dropping(make: Callable[..., TieredStore]) -> None:
+    store = make(ram=40_000)
+    ram, disk = store.tiers
+    only_ram = {b"r/%d" % i: entry(9000) for i in range(4)}
+    for k, v in only_ram.items():
+        ram.put(k, v)  # behind the hierarchy's back: only RAM holds these
+    for i in range(6):
+        store.put(b"new/%d" % i, entry(9000))
+    assert store.flush(5)
+    assert store.counters["demotions"] >= 4
+    for k, v in only_ram.items():
+        assert not ram.contains(k) and disk.get(k) == v
+
+
+def test_no_demotion_when_disabled(make: Callable[..., TieredStore]) -> None:
+    store = make(ram=40_000, demote=False)
+    ram, disk = store.tiers
+    ram.put(b"gone", entry(9000))
+    for i in range(6):
+        store.put(b"new/%d" % i, entry(9000))
+    assert store.get(b"gone") is None and not disk.contains(b"gone")
+
+
+def test_pinned_entries_are_never_evicted(make: Callable[..., TieredStore]) -> None:
+    store = make(ram=60_000, disk=60_000)
+    ram, disk = store.tiers
+    pinned = entry(10_000)
+    store.put(b"pin", pinned, pin=True)
+    for i in range(30):
+        store.put(b"f/%d" % i, entry(10_000))
+    assert ram.get(b"pin") == pinned and disk.get(b"pin") == pinned
+    assert ram.stats().evictions > 0 and disk.stats().evictions > 0
+    store.unpin(b"pin")
+    for i in range(30, 40):
+        store.put(b"f/%d" % i, entry(10_000))
+    assert not ram.contains(b"pin") and not disk.contains(b"pin")
+
+
+def test_ttl_per_entry_and_default(make: Callable[..., TieredStore]) -> None:
+    store = make(default_ttl_s=30)
+    store.put(b"t", entry(100), ttl_s=0.3)
+    store.put(b"d", entry(100))
+    assert store.get(b"t") is not None
+    assert _eventually(lambda: store.get(b"t") is None)
+    assert not store.lookup([b"t"])[0].present
+    ttl = store.tiers[1].ttl_remaining(b"d")
+    assert ttl is not None and 20 < ttl <= 30
+
+
+def test_disk_budget_is_approximate_lru(make: Callable[..., TieredStore]) -> None:
+    store = make(ram=20_000, disk=100_000)
+    disk = store.tiers[1]
+    store.put(b"hot", entry(10_000))
+    for i in range(20):
+        store.put(b"c/%d" % i, entry(10_000))
+        disk.get(b"hot")  # reads refresh its access stamp
+    st = disk.stats()
+    assert st.bytes <= 100_000 and st.evictions >= 10
+    assert disk.contains(b"hot")
+    assert not disk.contains(b"c/0")
+
+
+def test_corrupt_lower_copy_is_removed_and_never_served(make: Callable[..., TieredStore]) -> None:
+    store = make()
+    ram, disk = store.tiers
+    good = entry(3000)
+    disk.put(b"bad", damage(good))
+    assert store.get(b"bad") is None
+    assert not disk.contains(b"bad")
+    assert store.counters["corrupt"] == 1 and disk.stats().corrupt == 1
+
+
+def test_corrupt_ram_copy_falls_back_to_good_disk_copy(make: Callable[..., TieredStore]) -> None:
+    store = make()
+    ram, disk = store.tiers
+    good = entry(3000)
+    store.put(b"k", good)
+    ram.put(b"k", damage(good))  # bit rot in RAM
+    hit = store.get(b"k")
+    assert hit is not None and hit.value == good and hit.tier == "disk"
+    assert ram.get(b"k") == good  # repaired by promotion
+    assert store.counters["corrupt"] == 1
+
+
+def test_lookup_and_delete(make: Callable[..., TieredStore]) -> None:
+    store = make()
+    store.put(b"a", entry(10))
+    store.tiers[0].delete(b"a")
+    store.put(b"b", entry(20))
+    got = store.lookup([b"a", b"b", b"c"])
+    assert [(p.present, p.tier, p.size) for p in got] == [
+        (True, "disk", 18), (True, "ram", 28), (False, "", 0)]
+    assert store.delete(b"a") and not store.delete(b"c")
+    assert store.get(b"a") is None
+
+
+# -- through the server ------------------------------------------------------------------------
+
+
+def test_server_durability_and_corrupt_disk_entry(tmp_path: Path) -> None:
+    cfg = ServerConfig(port=0, data_dir=tmp_path / "d", ram_bytes=64 << 20, disk_bytes=64 << 20,
+                       write_policy=WritePolicy.WRITE_BEHIND, shutdown_grace_s=2)
+    lay = uniform_layout()
+    kv = random_kv(lay, 16)
+    key = keys.chunk_key([9, 9], lay)
+    with ServerThread(cfg) as st, Client(st.address) as c:
+        c.store(key, kv, durability=pb.DURABILITY_DISK)
+        store = st.server.store  # type: ignore[union-attr]
+        skey = store_key("default", key)
+        disk = store.tiers[1]
+        assert disk.contains(skey)
+        value = disk.get(skey)
+        assert value is not None
+        store.tiers[0].delete(skey)
+        disk.put(skey, damage(value))
+        assert c.retrieve(key) is None  # a damaged entry is a miss, never served
+        assert c.stats().counters["store.corrupt"] == 1
+        with pytest.raises(InvalidArgument, match="SHARED needs a redis tier"):
+            c.store(key, kv, durability=pb.DURABILITY_SHARED)
+
+
+def test_write_behind_flushes_on_server_stop(tmp_path: Path) -> None:
+    cfg = ServerConfig(port=0, data_dir=tmp_path / "d", ram_bytes=64 << 20, disk_bytes=64 << 20,
+                       write_policy=WritePolicy.WRITE_BEHIND, shutdown_grace_s=2)
+    lay = uniform_layout()
+    stored = {}
+    with ServerThread(cfg) as st, Client(st.address) as c:
+        for i in range(20):
+            key = keys.chunk_key([i], lay)
+            kv = random_kv(lay, 8, seed=i)
+            c.store(key, kv)
+            stored[key] = kv
+    cfg2 = ServerConfig(port=0, data_dir=tmp_path / "d", ram_bytes=64 << 20,
+                        disk_bytes=64 << 20)
+    with ServerThread(cfg2) as st, Client(st.address) as c:
+        for key, kv in stored.items():
+            back = c.retrieve(key)
+            assert back is not None and back.equal(kv)
