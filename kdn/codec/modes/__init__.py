@@ -72,6 +72,7 @@ class Mode(abc.ABC):
 
 
 _MODES: dict[str, Mode] = {}
+_LOADED = False
 
 
 def register(mode: Mode) -> Mode:
@@ -95,12 +96,15 @@ def mode_names() -> list[str]:
 
 
 def _load_builtin() -> None:
-    if not _MODES:
+    # a flag, not ``if not _MODES``: importing one mode module directly registers it first
+    global _LOADED
+    if not _LOADED:
         import importlib
         import pkgutil
 
         for info in pkgutil.iter_modules(__path__):
             importlib.import_module(f"{__name__}.{info.name}")
+        _LOADED = True
 
 
 # ------------------------------------------------------------------ helpers shared by modes
@@ -131,3 +135,29 @@ def _int_dtype(dtype: torch.dtype) -> torch.dtype:
     return {torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float32: torch.int32}[
         dtype
     ]
+
+
+_SECTION_LEN = np.dtype("<u4")
+
+
+def pack_sections(sections: list[bytes]) -> bytes:
+    """A body of several byte sections: u32 lengths (one per section), then the sections."""
+    lens = np.array([len(s) for s in sections], dtype=_SECTION_LEN).tobytes()
+    return lens + b"".join(sections)
+
+
+def unpack_sections(body: bytes | memoryview, count: int, where: str) -> list[memoryview]:
+    """Split a ``pack_sections`` body of exactly ``count`` sections; raise Corrupt otherwise."""
+    mv = memoryview(body)
+    head = 4 * count
+    if len(mv) < head:
+        raise Corrupt(f"{where}: body of {len(mv)} bytes is shorter than its section table")
+    lens = np.frombuffer(mv[:head], dtype=_SECTION_LEN).astype(np.int64)
+    if head + int(lens.sum()) != len(mv):
+        raise Corrupt(f"{where}: sections of {int(lens.sum())} bytes in a body of {len(mv)}")
+    out: list[memoryview] = []
+    off = head
+    for n in lens.tolist():
+        out.append(mv[off : off + n])
+        off += n
+    return out

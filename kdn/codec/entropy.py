@@ -1,0 +1,113 @@
+"""Entropy coding of integer symbol streams: one static model per stream, range coded.
+
+A caller hands over a matrix of small integers, one row per stream (for the KV modes: one row
+per (head, channel) of one layer's K or V, the row running over tokens). Each row gets its own
+frequency table, stored compactly, and all rows are range coded (``constriction``) one after
+another into one word stream:
+
+    sym: [streams, n] int32    ->    blob = u32 table_len | zstd(tables) | range-coded words
+
+    tables (before zstd) = lo: [streams] int16 | width: [streams] uint16 | counts: uint8 per
+                           symbol of every row's [lo, lo + width) range
+
+Counts are the row histogram rescaled so its largest bin is 255 (any occurring symbol keeps a
+count >= 1). Encoder and decoder build the identical model from those bytes. Rows of width 1
+(a constant) cost no payload bits at all.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import constriction
+import numpy as np
+import zstandard
+
+from kdn.errors import Corrupt
+
+_U32 = struct.Struct("<I")
+_Categorical = constriction.stream.model.Categorical
+MAX_WIDTH = 1 << 15
+_ZSTD_LEVEL = 9
+
+
+def _tables(sym: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(lo [streams] int64, width [streams] int64, counts [sum(width)] uint8) of each row."""
+    lo = sym.min(axis=1).astype(np.int64)
+    width = sym.max(axis=1).astype(np.int64) - lo + 1
+    starts = np.concatenate([[0], np.cumsum(width)[:-1]])
+    flat = (sym - lo[:, None] + starts[:, None]).ravel()
+    counts = np.bincount(flat, minlength=int(width.sum()))
+    # rescale per row so its largest count is 255; an occurring symbol keeps >= 1
+    row_max = np.repeat(np.maximum.reduceat(counts, starts), width)
+    scaled = np.where(counts > 0, np.maximum(1, (counts * 255 + row_max - 1) // row_max), 0)
+    return lo, width, scaled.astype(np.uint8)
+
+
+def encode_streams(sym: np.ndarray) -> bytes:
+    """Code every row of ``sym`` ([streams, n] integers within int16) with its own model."""
+    # sym: [streams, n]
+    sym = np.ascontiguousarray(sym, dtype=np.int32)
+    if sym.ndim != 2 or sym.shape[0] == 0:
+        raise ValueError(f"encode_streams needs a non-empty [streams, n] matrix, got {sym.shape}")
+    if sym.shape[1] == 0:
+        return _U32.pack(0)
+    lo, width, counts = _tables(sym)
+    if lo.min() < -(1 << 15) or (lo + width).max() > (1 << 15) or width.max() > MAX_WIDTH:
+        raise ValueError("symbols outside int16 range")
+    tables = lo.astype("<i2").tobytes() + width.astype("<u2").tobytes() + counts.tobytes()
+    packed = zstandard.ZstdCompressor(level=_ZSTD_LEVEL).compress(tables)
+    enc = constriction.stream.queue.RangeEncoder()
+    off = 0
+    for row, lo_r, w in zip(sym, lo.tolist(), width.tolist()):
+        if w > 1:
+            probs = counts[off : off + w].astype(np.float32)
+            enc.encode(row - np.int32(lo_r), _Categorical(probs, perfect=False))
+        off += w
+    words = enc.get_compressed()
+    return _U32.pack(len(packed)) + packed + words.astype("<u4").tobytes()
+
+
+def decode_streams(buf: bytes | memoryview, streams: int, n: int) -> np.ndarray:
+    """Inverse of ``encode_streams``: the [streams, n] int32 matrix."""
+    mv = memoryview(buf)
+    if len(mv) < 4:
+        raise Corrupt("entropy blob truncated")
+    (tlen,) = _U32.unpack_from(mv, 0)
+    if n == 0:
+        if tlen or len(mv) != 4:
+            raise Corrupt("entropy blob of an empty stream set is not empty")
+        return np.zeros((streams, 0), dtype=np.int32)
+    if 4 + tlen > len(mv) or (len(mv) - 4 - tlen) % 4:
+        raise Corrupt("entropy blob sections do not add up")
+    try:
+        tables = zstandard.ZstdDecompressor().decompress(
+            mv[4 : 4 + tlen], max_output_size=streams * (4 + MAX_WIDTH)
+        )
+    except zstandard.ZstdError as exc:
+        raise Corrupt(f"entropy tables do not decode: {exc}") from exc
+    if len(tables) < 4 * streams:
+        raise Corrupt("entropy tables truncated")
+    lo = np.frombuffer(tables, dtype="<i2", count=streams).astype(np.int32)
+    width = np.frombuffer(tables, dtype="<u2", count=streams, offset=2 * streams).astype(np.int64)
+    counts = np.frombuffer(tables, dtype=np.uint8, offset=4 * streams)
+    if (width == 0).any() or int(width.sum()) != len(counts):
+        raise Corrupt("entropy tables are inconsistent")
+    words = np.frombuffer(mv[4 + tlen :], dtype="<u4").astype(np.uint32)
+    out = np.zeros((streams, n), dtype=np.int32)
+    try:
+        dec = constriction.stream.queue.RangeDecoder(words)
+        off = 0
+        for i, w in enumerate(width.tolist()):
+            if w > 1:
+                probs = counts[off : off + w].astype(np.float32)
+                if not probs.any():
+                    raise Corrupt("entropy table row has no mass")
+                out[i] = dec.decode(_Categorical(probs, perfect=False), n)
+            off += w
+        if not dec.maybe_exhausted():
+            raise Corrupt("entropy payload has words left over after its symbols")
+    except (ValueError, RuntimeError, AssertionError) as exc:
+        raise Corrupt(f"entropy payload does not decode: {exc}") from exc
+    out += lo[:, None]
+    return out

@@ -1,0 +1,63 @@
+"""``int8``: per-token int8, the simple baseline (8.25 bits per element at 64 channels).
+
+For each (head, token) of K and of V: scale = max |x| over channels / 127 (float16), symbols =
+round(x / scale) as int8. No entropy coding.
+
+    body = sections(K scales f16 [heads, tokens] | K int8 [heads, tokens, k_ch]
+                    | V scales | V int8)
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from kdn.codec.modes import LayerSpec, Mode, pack_sections, register, unpack_sections
+from kdn.codec.quant import from_numpy, to_numpy
+from kdn.errors import Corrupt
+
+
+def _encode(x: torch.Tensor) -> list[bytes]:
+    # x: [heads, tokens, ch]
+    x = x.float()
+    scale = (x.abs().amax(dim=2, keepdim=True) / 127.0).half()  # [heads, tokens, 1]
+    safe = torch.where(scale > 0, scale.float(), 1.0)  # an all-zero row codes as zeros
+    q = torch.round(x / safe).clamp(-127, 127).to(torch.int8)
+    return [to_numpy(scale).tobytes(), to_numpy(q).tobytes()]
+
+
+def _decode(
+    scales: memoryview, data: memoryview, shape: tuple[int, int, int], dtype: torch.dtype,
+    device: torch.device, where: str,
+) -> torch.Tensor:
+    heads, tokens, ch = shape
+    if len(scales) != 2 * heads * tokens or len(data) != heads * tokens * ch:
+        raise Corrupt(f"{where}: int8 sections have the wrong sizes for {shape}")
+    s = from_numpy(np.frombuffer(scales, dtype=np.float16).reshape(heads, tokens, 1), device)
+    q = from_numpy(np.frombuffer(data, dtype=np.int8).reshape(shape), device)
+    top = torch.finfo(dtype).max
+    return (q.float() * s.float()).clamp(-top, top).to(dtype)
+
+
+class Int8(Mode):
+    name = "int8"
+
+    def params(self, level: str) -> dict[str, str]:
+        return {"scale": "absmax per (head, token)", "bits": "8"}
+
+    def encode_layer(self, k: torch.Tensor, v: torch.Tensor, spec: LayerSpec, level: str) -> bytes:
+        return pack_sections(_encode(k) + _encode(v))
+
+    def decode_layer(
+        self, body: memoryview, spec: LayerSpec, level: str, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        where = f"layer {spec.index}"
+        ks, kq, vs, vq = unpack_sections(body, 4, where)
+        dt = spec.dtype.torch
+        return (
+            _decode(ks, kq, spec.k_shape, dt, device, where),
+            _decode(vs, vq, spec.v_shape, dt, device, where),
+        )
+
+
+register(Int8())

@@ -1,0 +1,195 @@
+"""Codec round trips for every mode and level, and detection of every corruption.
+
+Random caches cover uniform, pruned (per-layer K/V channel counts) and odd shapes in every
+dtype; a real SmolLM2 cache (``-m model``) covers real value distributions. Corruption tests
+flip every bit of small containers, truncate at every length and swap frames.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kdn.cache import KVCache
+from kdn.codec import StreamDecoder, decode, encode, encode_parts, mode_names
+from kdn.codec.entropy import decode_streams, encode_streams
+from kdn.codec.modes import get_mode
+from kdn.codec.modes.cachegen import PARAMS as CACHEGEN
+from kdn.codec.modes.kdn import LEVELS as KDN_LEVELS
+from kdn.errors import Corrupt, InvalidArgument, KDNError
+from kdn.layout import DType, KVLayout, LayerLayout
+from tests.helpers import pruned_layout, random_kv, uniform_layout
+
+
+def all_codecs() -> list[tuple[str, str]]:
+    return [(m, lv) for m in mode_names() for lv in get_mode(m).levels]
+
+
+def odd_layout(dtype: DType = DType.FLOAT16) -> KVLayout:
+    """Layers of 1 head and 1 channel up to 3 heads: shapes no real model has."""
+    layers = (LayerLayout(1, 1, 3), LayerLayout(3, 7, 1), LayerLayout(2, 64, 5))
+    return KVLayout("odd-model", layers, dtype=dtype, head_dim=64)
+
+
+def error_bound(mode: str, level: str, x: torch.Tensor, layer: int, num_layers: int,
+                is_key: bool) -> torch.Tensor:
+    """Largest |x - decoded| each element of x [heads, tokens, ch] may show: half a step."""
+    x = x.float()
+    if mode == "int8":
+        half = x.abs().amax(dim=2, keepdim=True) / 127 / 2
+    elif mode == "cachegen":
+        ck, cv = CACHEGEN.levels(layer)
+        half = x.abs().amax(dim=(0, 2), keepdim=True) / (ck if is_key else cv) / 2
+    else:
+        lv = KDN_LEVELS[level]
+        k_step, v_step = lv.steps(layer, num_layers)
+        half = x.pow(2).mean(dim=(0, 2), keepdim=True).sqrt() * (k_step if is_key else v_step) / 2
+        half[:, : lv.sink_tokens] = 0.0
+    # + 3% for stored scales (float16, or kdn's 2**(1/32) log grid) + the dtype's own rounding
+    return half * 1.03 + x.abs() * 2.0**-7 + 1e-6
+
+
+def check_round_trip(kv: KVCache, mode: str, level: str) -> KVCache:
+    blob = encode(kv, mode, level, layers_per_frame=2)
+    out = decode(blob)
+    assert out.layout.fingerprint == kv.layout.fingerprint
+    assert out.start_position == kv.start_position and out.num_tokens == kv.num_tokens
+    if get_mode(mode).lossless:
+        assert out.equal(kv)
+        return out
+    n = kv.layout.num_layers
+    for i, ((k, v), (k2, v2)) in enumerate(zip(kv.layers, out.layers)):
+        assert k2.dtype == k.dtype and k2.shape == k.shape and v2.shape == v.shape
+        for x, x2, is_key in ((k, k2, True), (v, v2, False)):
+            err = (x.float() - x2.float()).abs()
+            assert (err <= error_bound(mode, level, x, i, n, is_key)).all(), (i, is_key)
+    return out
+
+
+@pytest.mark.parametrize("mode,level", all_codecs())
+@pytest.mark.parametrize("make", [uniform_layout, pruned_layout, odd_layout])
+@pytest.mark.parametrize("dtype", [DType.FLOAT16, DType.BFLOAT16, DType.FLOAT32])
+def test_round_trip_random(mode: str, level: str, make, dtype: DType) -> None:  # noqa: ANN001
+    kv = random_kv(make(dtype=dtype), tokens=37, seed=3, start=5)
+    check_round_trip(kv, mode, level)
+
+
+@pytest.mark.parametrize("mode,level", all_codecs())
+@pytest.mark.parametrize("tokens", [1, 2, 300])
+def test_round_trip_token_counts(mode: str, level: str, tokens: int) -> None:
+    check_round_trip(random_kv(pruned_layout(), tokens=tokens, seed=tokens), mode, level)
+
+
+@pytest.mark.parametrize("mode,level", all_codecs())
+def test_constant_and_extreme_values(mode: str, level: str) -> None:
+    layout = uniform_layout(layers=2, heads=2, dim=8)
+    zeros = torch.zeros(2, 9, 8, dtype=torch.float16)
+    big = torch.full((2, 9, 8), 60000.0, dtype=torch.float16)
+    big[0, ::2] = -60000.0
+    kv = KVCache(layout, [(zeros, zeros.clone()), (big, big.clone())])
+    out = decode(encode(kv, mode, level))
+    assert torch.equal(out.layers[0][0], zeros)
+    assert torch.isfinite(out.layers[1][0].float()).all()
+    if not get_mode(mode).lossless:
+        err = (big.float() - out.layers[1][0].float()).abs()
+        assert (err <= error_bound(mode, level, big, 1, 2, True)).all()
+
+
+def test_kdn_keeps_sink_token_exact() -> None:
+    kv = random_kv(uniform_layout(), tokens=20, seed=1)
+    out = decode(encode(kv, "kdn", "tiny"))
+    for (k, v), (k2, v2) in zip(kv.layers, out.layers):
+        assert torch.equal(k[:, :1], k2[:, :1]) and torch.equal(v[:, :1], v2[:, :1])
+
+
+def test_levels_order_size() -> None:
+    kv = random_kv(uniform_layout(dim=64), tokens=256, seed=2)
+    sizes = [len(encode(kv, "kdn", lv)) for lv in get_mode("kdn").levels]
+    assert sizes == sorted(sizes, reverse=True)
+
+
+def test_unknown_mode_and_level() -> None:
+    kv = random_kv(uniform_layout(), tokens=4)
+    with pytest.raises(InvalidArgument):
+        encode(kv, "nope")
+    with pytest.raises(InvalidArgument):
+        encode(kv, "kdn", "nope")
+
+
+def test_entropy_streams_round_trip() -> None:
+    g = torch.Generator().manual_seed(0)
+    sym = (torch.randn(7, 500, generator=g) * torch.tensor([0, 1, 3, 10, 100, 1000, 5000.0])
+           .reshape(7, 1)).round().int().numpy()
+    sym[0] = 42  # constant row
+    blob = encode_streams(sym)
+    assert (decode_streams(blob, 7, 500) == sym).all()
+    with pytest.raises(Corrupt):  # trailing words (truncation is the frame checksum's job)
+        decode_streams(blob + bytes(8), 7, 500)
+
+
+# ------------------------------------------------------------------ corruption
+
+
+def small_kv() -> KVCache:
+    layout = KVLayout("tiny", (LayerLayout(1, 4, 3), LayerLayout(1, 2, 4), LayerLayout(1, 3, 2)),
+                      head_dim=4)
+    return random_kv(layout, tokens=5, seed=7)
+
+
+@pytest.mark.parametrize("mode,level", all_codecs())
+@pytest.mark.parametrize("layers_per_frame", [1, 2])
+def test_every_bit_flip_detected(mode: str, level: str, layers_per_frame: int) -> None:
+    blob = bytearray(encode(small_kv(), mode, level, layers_per_frame=layers_per_frame))
+    for bit in range(len(blob) * 8):
+        blob[bit // 8] ^= 1 << (bit % 8)
+        with pytest.raises(KDNError):
+            decode(bytes(blob))
+        blob[bit // 8] ^= 1 << (bit % 8)
+    decode(bytes(blob))  # restored intact
+
+
+@pytest.mark.parametrize("mode,level", all_codecs())
+def test_every_truncation_detected(mode: str, level: str) -> None:
+    blob = encode(small_kv(), mode, level)
+    for n in range(len(blob)):
+        with pytest.raises(KDNError):
+            decode(blob[:n])
+
+
+@pytest.mark.parametrize("mode,level", [("lossless", ""), ("cachegen", ""), ("kdn", "default")])
+def test_swapped_and_foreign_frames_detected(mode: str, level: str) -> None:
+    kv = small_kv()
+    parts = encode_parts(kv, mode, level)
+    f = parts.frames
+    swapped = b"".join([parts.header, f[1], f[0], f[2]])
+    with pytest.raises(Corrupt):
+        decode(swapped)
+    dec = StreamDecoder(parts.header)
+    with pytest.raises(Corrupt):
+        dec.decode_frame(0, f[1])
+    other = encode_parts(random_kv(kv.layout, tokens=6, seed=8), mode, level)
+    with pytest.raises(Corrupt):  # same layout and layer, another entry's frame
+        dec.decode_frame(1, other.frames[1])
+    for i, frame in enumerate(f):  # and the genuine frames decode one by one
+        ((layer, k, _v),) = dec.decode_frame(i, frame)
+        assert layer == i and k.shape == kv.layers[i][0].shape
+
+
+# ------------------------------------------------------------------ real model
+
+
+@pytest.fixture(scope="module")
+def real_kv() -> KVCache:
+    from kdn.codec.quality import prefill
+    from kdn.data import english_token_ids
+    from kdn.models import load_model
+
+    model, tok = load_model("smollm2-135m")
+    layout = KVLayout.from_config(model.config, dtype=torch.float16)
+    return prefill(model, english_token_ids(96, tok), layout)
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("mode,level", all_codecs())
+def test_round_trip_real_model(real_kv: KVCache, mode: str, level: str) -> None:
+    check_round_trip(real_kv, mode, level)
