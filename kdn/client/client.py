@@ -249,6 +249,13 @@ class Client:
             expect_layout_fingerprint=layout.fingerprint if layout is not None else "",
         )
 
+    def blend(self, pieces: Sequence[Any], **options: Any) -> KVCache:
+        """Blended KV of ``pieces`` (``kdn.client.blend.RemotePiece``) computed by the server;
+        options as ``kdn.client.blend.blend_stream``."""
+        from kdn.client.blend import blend_stream
+
+        return blend_stream(self, pieces, **options).result()
+
     # -- lookup / delete / stats ----------------------------------------------------------------
 
     def lookup(self, keys: Sequence[bytes], *, namespace: str | None = None,

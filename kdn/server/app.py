@@ -20,12 +20,16 @@ import logging
 import signal
 import threading
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from kdn.server.admin import AdminServicer
+from kdn.server.auth import AuthConfig, Authenticator, load_auth
 from kdn.server.config import ServerConfig
+from kdn.server.observe import Metrics, RequestInterceptor
 from kdn.server.service import KDNServicer, verify_entry
 from kdn.server.wire import serialize_passthrough
 from kdn.store.base import Tier
@@ -111,6 +115,9 @@ class Server:
     health: health.aio.HealthServicer
     port: int
     health_task: asyncio.Task[None] | None = None
+    metrics: Metrics | None = None
+    metrics_port: int = -1
+    admin: AdminServicer | None = None
     _stopped: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
@@ -128,27 +135,65 @@ class Server:
         await self.health.enter_graceful_shutdown()
         await self.grpc_server.stop(self.config.shutdown_grace_s if grace is None else grace)
         await asyncio.to_thread(self.store.close)
+        if self.metrics is not None:
+            self.metrics.close()
         self._stopped.set()
         log.info("kdn server on %s stopped", self.address)
 
 
+def _credentials(config: ServerConfig) -> grpc.ServerCredentials | None:
+    if not config.tls_cert:
+        return None
+    ca = Path(config.tls_client_ca).read_bytes() if config.tls_client_ca else None
+    return grpc.ssl_server_credentials(
+        [(Path(config.tls_key).read_bytes(), Path(config.tls_cert).read_bytes())],
+        root_certificates=ca, require_client_auth=ca is not None)
+
+
+def _tenant_usage(store: TieredStore, auth: Authenticator) -> None:
+    """Seed byte-quota accounting from what the tiers already hold (restarts keep quotas)."""
+    for tenant, policy in auth.config.policies.items():
+        if policy.quota_bytes:
+            keys = store.keys(f"{tenant}:".encode())
+            auth.set_usage(tenant, sum(p.size for p in store.lookup(keys)))
+
+
 async def start_server(config: ServerConfig, store: TieredStore | None = None) -> Server:
     store = store or build_store(config)
-    server = grpc.aio.server(options=grpc_options(config))
-    servicer = KDNServicer(config, store)
+    auth = Authenticator(load_auth(config.auth_file) if config.auth_file else AuthConfig())
+    await asyncio.to_thread(_tenant_usage, store, auth)
+    servicer = KDNServicer(config, store, auth)
+    admin = AdminServicer(store, auth)
+    metrics = Metrics(lambda: {
+        "tiers": store.stats(), "queues": store.queue_depth(),
+        "counters": {**servicer.counters, **admin.counters,
+                     **{f"store.{k}": v for k, v in store.counters.items()}},
+    })
+    server = grpc.aio.server(options=grpc_options(config),
+                             interceptors=[RequestInterceptor(auth, metrics)])
     pb_grpc.add_KDNServicer_to_server(servicer, _FastRetrieve(server))
+    pb_grpc.add_KDNAdminServicer_to_server(admin, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    port = server.add_insecure_port(config.address)
+    creds = _credentials(config)
+    port = (server.add_secure_port(config.address, creds) if creds is not None
+            else server.add_insecure_port(config.address))
     if port == 0:
         raise OSError(f"can not listen on {config.address}")
     await server.start()
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     task = asyncio.ensure_future(_watch_health(store, health_servicer))
-    log.info("kdn server listening on %s:%d (tiers: %s)", config.host, port,
-             ", ".join(t.name for t in store.tiers))
-    return Server(config, server, store, servicer, health_servicer, port, task)
+    metrics_port = -1
+    if config.metrics_port >= 0:
+        metrics_port = metrics.serve_http(config.metrics_host, config.metrics_port)
+    log.info("kdn server listening on %s:%d (tiers: %s; tls: %s; auth: %s; metrics: %s)",
+             config.host, port, ", ".join(t.name for t in store.tiers),
+             "mutual" if config.tls_client_ca else ("on" if creds else "off"),
+             "on" if auth.enabled else "off",
+             f"{config.metrics_host}:{metrics_port}" if metrics_port >= 0 else "off")
+    return Server(config, server, store, servicer, health_servicer, port, task, metrics,
+                  metrics_port, admin)
 
 
 async def serve(config: ServerConfig) -> None:

@@ -89,6 +89,18 @@ class ServerConfig:
     """Model fingerprints this server accepts (empty = any)."""
     model: str = ""
     """Model the Blend RPC runs ("smollm2-135m" or a transformers folder); empty = no Blend."""
+    auth_file: str = ""
+    """YAML file of tenants and API keys (see kdn/server/auth.py); empty = no authentication."""
+    tls_cert: str = ""
+    """PEM certificate chain of the server; with tls_key, the server speaks TLS only."""
+    tls_key: str = ""
+    """PEM private key of the server certificate."""
+    tls_client_ca: str = ""
+    """PEM CA bundle; when set, clients must present a certificate it signed (mutual TLS)."""
+    metrics_host: str = "127.0.0.1"
+    """Address of the Prometheus /metrics HTTP endpoint."""
+    metrics_port: int = -1
+    """Port of the /metrics endpoint (-1 = off, 0 = any free port)."""
     shutdown_grace_s: float = 10.0
     """Seconds in-flight RPCs get to finish on shutdown."""
     log_level: str = "INFO"
@@ -111,6 +123,16 @@ class ServerConfig:
             raise ConfigError(f"max_entry_bytes: must be > 0, got {self.max_entry_bytes}")
         if self.shutdown_grace_s < 0:
             raise ConfigError(f"shutdown_grace_s: must be >= 0, got {self.shutdown_grace_s}")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ConfigError("tls_cert/tls_key: set both (or neither)")
+        if self.tls_client_ca and not self.tls_cert:
+            raise ConfigError("tls_client_ca: mutual TLS needs tls_cert and tls_key too")
+        for name in ("auth_file", "tls_cert", "tls_key", "tls_client_ca"):
+            path = getattr(self, name)
+            if path and not Path(path).is_file():
+                raise ConfigError(f"{name}: no such file {path!r}")
+        if not -1 <= self.metrics_port <= 65535:
+            raise ConfigError(f"metrics_port: must be in -1..65535, got {self.metrics_port}")
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
             raise ConfigError(f"log_level: unknown level {self.log_level!r}")
         for url in self.redis_urls:

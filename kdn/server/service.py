@@ -32,6 +32,7 @@ from kdn.errors import (
     grpc_code,
 )
 from kdn.keys import check_key, check_namespace
+from kdn.server.auth import AuthConfig, Authenticator, current_principal, scoped_namespace
 from kdn.server.blend_rpc import BlendMixin
 from kdn.server.config import ServerConfig
 from kdn.server.wire import retrieve_frame_message
@@ -44,8 +45,17 @@ T = TypeVar("T")
 
 
 def store_key(namespace: str, key: bytes) -> bytes:
-    """The key an entry has inside the tiers: b"<namespace>/<hex key>"."""
-    return check_namespace(namespace).encode() + b"/" + check_key(key).hex().encode()
+    """The key an entry has inside the tiers: b"<namespace>/<hex key>", where the namespace is
+    scoped to the calling tenant (``<tenant>:<namespace>``) when authentication is on."""
+    ns = scoped_namespace(check_namespace(namespace))
+    return ns.encode() + b"/" + check_key(key).hex().encode()
+
+
+def split_store_key(skey: bytes) -> tuple[str, str, bytes]:
+    """(tenant, namespace, key) of a tier key made by ``store_key``."""
+    ns, _, hexkey = skey.decode().rpartition("/")
+    tenant, _, namespace = ns.rpartition(":")
+    return tenant, namespace, bytes.fromhex(hexkey)
 
 
 def verify_entry(value: bytes) -> None:
@@ -70,9 +80,11 @@ def _rpc(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
 
 
 class KDNServicer(BlendMixin, pb_grpc.KDNServicer):
-    def __init__(self, config: ServerConfig, store: TieredStore) -> None:
+    def __init__(self, config: ServerConfig, store: TieredStore,
+                 auth: Authenticator | None = None) -> None:
         self.config = config
         self.store = store
+        self.auth = auth or Authenticator(AuthConfig())
         self.counters: dict[str, int] = {}
         self.started = time.time()
 
@@ -143,6 +155,8 @@ class KDNServicer(BlendMixin, pb_grpc.KDNServicer):
         value = b"".join(parts)
         opts = first.header.options
         replaced = await asyncio.to_thread(self.store.lookup, [skey])
+        principal = current_principal.get()
+        self.auth.charge(principal, len(value) - replaced[0].size)
         tier = await asyncio.to_thread(
             self.store.put, skey, value, ttl_s=float(opts.ttl_seconds) or None, pin=opts.pin,
             durability=Durability(opts.durability),
@@ -221,7 +235,9 @@ class KDNServicer(BlendMixin, pb_grpc.KDNServicer):
                      context: grpc.aio.ServicerContext) -> pb.DeleteResponse:
         ns = request.namespace or "default"
         skeys = [store_key(ns, k) for k in request.keys]
+        sizes = await asyncio.to_thread(self.store.lookup, skeys)
         deleted = await asyncio.to_thread(lambda: sum(self.store.delete(k) for k in skeys))
+        self.auth.charge(current_principal.get(), -sum(p.size for p in sizes if p.present))
         return pb.DeleteResponse(deleted=deleted)
 
     @_rpc
@@ -243,4 +259,24 @@ class KDNServicer(BlendMixin, pb_grpc.KDNServicer):
             ],
             counters=counters,
             version=__version__,
+            tenants=await asyncio.to_thread(self._tenant_stats),
+            health="degraded" if self.store.degraded else "serving",
         )
+
+    def _tenant_stats(self) -> list[pb.TenantStats]:
+        """Entries and bytes per tenant: the caller's own, or every tenant for an admin."""
+        p = current_principal.get()
+        if not self.auth.enabled:
+            return []
+        prefix = f"{p.tenant}:".encode() if p.tenant and not p.is_admin else b""
+        keys = self.store.keys(prefix)
+        sizes = self.store.lookup(keys)
+        out: dict[str, pb.TenantStats] = {}
+        for k, pr in zip(keys, sizes):
+            tenant = split_store_key(k)[0]
+            policy = self.auth.config.policies.get(tenant)
+            ts = out.setdefault(tenant, pb.TenantStats(
+                tenant=tenant, quota_bytes=policy.quota_bytes if policy else 0))
+            ts.entries += 1
+            ts.bytes += pr.size
+        return list(out.values())

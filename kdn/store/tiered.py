@@ -570,6 +570,19 @@ class TieredStore:
         return all(q.wait_empty(max(0.0, end - time.monotonic()))
                    for q in self._queues.values())
 
+    def keys(self, prefix: bytes = b"") -> list[bytes]:
+        """Sorted keys starting with ``prefix`` held by any reachable tier (admin listing)."""
+        found: set[bytes] = set()
+        for t in self.tiers:
+            if self._up[t.name]:
+                got = self._try(t, lambda t=t: list(t.keys(prefix)))
+                found.update(got if isinstance(got, list) else ())
+        return sorted(found)
+
+    def where(self, key: bytes) -> list[Tier]:
+        """The reachable tiers holding ``key``, in read order (no promotion, no stats)."""
+        return [t for t in self.tiers if self._up[t.name] and self._try(t, t.contains, key)]
+
     def queue_depth(self) -> dict[str, int]:
         return {name: len(q.pending) for name, q in self._queues.items()}
 

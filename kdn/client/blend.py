@@ -1,0 +1,74 @@
+"""Client side of the Blend RPC: ask a server that hosts the model to compose chunks and text.
+
+    stream = blend_stream(client, [RemotePiece(text=system),
+                                   RemotePiece(ids=c1_ids, key=chunk_key(c1_ids, layout)),
+                                   RemotePiece(ids=question_ids)], ratio=0.15, store=True)
+    kv = stream.result()      # the blended KVCache; stream.tier is "blend" when computed now,
+                              # or the tier a stored combination was read from
+
+The answer is a Retrieve stream, so layers arrive and decode one by one (``LayerStream``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from kdn.client.stream import LayerStream, StreamTimings
+from kdn.codec import StreamDecoder
+from kdn.layout import KVLayout
+from kdn.v1 import kdn_pb2 as pb
+
+if TYPE_CHECKING:
+    from kdn.client.client import Client
+
+
+@dataclass(frozen=True)
+class RemotePiece:
+    """A run of prompt tokens: a stored chunk (``key`` and its ``ids``) or text (ids or text)."""
+
+    ids: Sequence[int] = field(default_factory=tuple)
+    key: bytes = b""
+    text: str = ""
+
+
+def blend_request(pieces: Sequence[RemotePiece], *, namespace: str, ratio: float | None,
+                  select_layer: int, head_tokens: int, per_chunk: bool, store: bool, mode: str,
+                  level: str, layout: KVLayout | None) -> pb.BlendRequest:
+    req = pb.BlendRequest(
+        namespace=namespace, select_layer=select_layer, head_tokens=head_tokens,
+        per_chunk=per_chunk, store=store, mode=mode, level=level,
+        expect_layout_fingerprint=layout.fingerprint if layout is not None else "",
+        pieces=[pb.BlendPiece(chunk_key=p.key, token_ids=[int(t) for t in p.ids], text=p.text)
+                for p in pieces],
+    )
+    if ratio is not None:
+        req.ratio = ratio
+    return req
+
+
+def blend_stream(client: Client, pieces: Sequence[RemotePiece], *, ratio: float | None = None,
+                 select_layer: int = 0, head_tokens: int = 0, per_chunk: bool = False,
+                 store: bool = False, mode: str = "", level: str = "",
+                 namespace: str | None = None, layout: KVLayout | None = None,
+                 device: torch.device | str | None = None) -> LayerStream:
+    """Start a Blend; the blended KV arrives layer by layer (see the module docstring)."""
+    req = blend_request(pieces, namespace=client._ns(namespace), ratio=ratio,
+                        select_layer=select_layer, head_tokens=head_tokens, per_chunk=per_chunk,
+                        store=store, mode=mode, level=level, layout=layout)
+
+    def run() -> LayerStream:
+        timings = StreamTimings(started=time.perf_counter())
+        call = client._stub.Blend(req, timeout=client.timeout_s)
+        first = next(call)
+        timings.header = time.perf_counter()
+        target = torch.device(device or "cpu")
+        dec = StreamDecoder(first.header.container_header,
+                            "cpu" if target.type == "cuda" else target)
+        return LayerStream(dec, call, first.header.tier, call.cancel, timings, target)
+
+    return client._call(run)

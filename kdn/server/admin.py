@@ -1,0 +1,276 @@
+"""The operator service (``kdn.v1.KDNAdmin``): list, inspect, evict, pin, verify, export, gc...
+
+Scoping follows the caller (``kdn.server.auth``): a tenant lists, inspects, exports and imports
+only its own entries; the admin role sees every tenant and alone may evict, pin, unpin, verify
+and collect garbage. Handlers are thin: the hierarchy (``TieredStore``) does the work, tiers are
+read directly where an operation must not promote (listing, verifying, exporting).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import grpc
+
+from kdn.codec.format import layout_to_proto, parse_container, parse_header
+from kdn.errors import Corrupt, InvalidArgument, KDNError, NotFound, PermissionDenied
+from kdn.keys import check_namespace
+from kdn.server.auth import Authenticator, current_principal, require_admin
+from kdn.server.service import _rpc, split_store_key, store_key
+from kdn.store.base import Tier
+from kdn.store.tiered import TieredStore
+from kdn.v1 import kdn_pb2 as pb
+from kdn.v1 import kdn_pb2_grpc as pb_grpc
+
+LIST_LIMIT = 1000
+VERIFY_REPORT_EVERY = 256
+
+
+class AdminServicer(pb_grpc.KDNAdminServicer):
+    def __init__(self, store: TieredStore, auth: Authenticator) -> None:
+        self.store = store
+        self.auth = auth
+        self.counters: dict[str, int] = {}
+
+    def count(self, name: str, n: int = 1) -> None:
+        self.counters[name] = self.counters.get(name, 0) + n
+
+    # -- scoping --------------------------------------------------------------------------------
+
+    def _prefix(self, namespace: str, tenant: str = "") -> bytes:
+        """Tier-key prefix of what the caller may see, narrowed to ``namespace``/``tenant``."""
+        p = current_principal.get()
+        if tenant and not p.is_admin and tenant != p.tenant:
+            raise PermissionDenied("only admins list other tenants")
+        if p.tenant and not p.is_admin or (p.is_admin and tenant):
+            scope = (tenant or p.tenant) + ":"
+            return (scope + check_namespace(namespace) + "/" if namespace else scope).encode()
+        return (check_namespace(namespace) + "/").encode() if namespace else b""
+
+    def _visible(self, prefix: bytes, key_prefix: bytes) -> list[bytes]:
+        keys = self.store.keys(prefix)
+        if key_prefix:
+            hp = key_prefix.hex()
+            keys = [k for k in keys if split_store_key(k)[2].hex().startswith(hp)]
+        return keys
+
+    def _read(self, skey: bytes) -> tuple[bytes, list[str]] | None:
+        """The entry's bytes from the fastest tier holding it (no promotion) and tier names."""
+        tiers = self.store.where(skey)
+        for t in tiers:
+            try:
+                value = t.get(skey)
+            except KDNError:
+                continue
+            if value is not None:
+                return value, [x.name for x in tiers]
+        return None
+
+    def _info(self, skey: bytes, with_layout: bool = False) -> pb.EntryInfo | None:
+        got = self._read(skey)
+        if got is None:
+            return None
+        value, tiers = got
+        tenant, namespace, key = split_store_key(skey)
+        info = pb.EntryInfo(namespace=namespace, key=key, tenant=tenant, size_bytes=len(value),
+                            tiers=tiers, pinned=self.store.is_pinned(skey), age_seconds=-1.0)
+        try:
+            h = parse_header(value)
+        except KDNError:
+            info.codec_mode = "<corrupt header>"
+            return info
+        info.model_fingerprint = h.layout.model_fingerprint
+        info.model_name = h.layout.model_name
+        info.layout_fingerprint = h.layout.fingerprint
+        info.num_layers = h.layout.num_layers
+        info.dtype = h.layout.dtype.value
+        info.codec_mode = h.entry.codec.mode
+        info.codec_level = h.entry.codec.level
+        info.tokens = h.tokens
+        if with_layout:
+            info.layout.CopyFrom(layout_to_proto(h.layout))
+        return info
+
+    # -- RPCs -----------------------------------------------------------------------------------
+
+    @_rpc
+    async def List(self, request: pb.ListRequest,
+                   context: grpc.aio.ServicerContext) -> pb.ListResponse:
+        prefix = self._prefix(request.namespace, request.tenant)
+        limit = request.limit or LIST_LIMIT
+
+        def run() -> pb.ListResponse:
+            resp = pb.ListResponse()
+            last = b""
+            for k in self._visible(prefix, request.key_prefix):
+                if request.page_token and k <= request.page_token:
+                    continue
+                info = self._info(k)
+                if info is None:
+                    continue
+                if request.model_fingerprint and not info.model_fingerprint.startswith(
+                        request.model_fingerprint):
+                    continue
+                if len(resp.entries) == limit:
+                    resp.next_page_token = last
+                    break
+                resp.entries.append(info)
+                last = k
+            return resp
+
+        return await asyncio.to_thread(run)
+
+    @_rpc
+    async def Inspect(self, request: pb.InspectRequest,
+                      context: grpc.aio.ServicerContext) -> pb.EntryInfo:
+        skey = store_key(request.namespace or "default", request.key)
+        info = await asyncio.to_thread(self._info, skey, True)
+        if info is None:
+            raise NotFound(f"no entry {request.key.hex()} in {request.namespace or 'default'!r}")
+        return info
+
+    def _admin_keys(self, request: pb.KeysRequest) -> list[bytes]:
+        require_admin()
+        return [store_key(request.namespace or "default", k) for k in request.keys]
+
+    @_rpc
+    async def Evict(self, request: pb.KeysRequest,
+                    context: grpc.aio.ServicerContext) -> pb.CountResponse:
+        skeys = self._admin_keys(request)
+        name = request.tier or "ram"
+        tier = next((t for t in self.store.tiers if t.name == name), None)
+        if tier is None:
+            raise InvalidArgument(f"no tier named {name!r}; tiers: "
+                                  f"{[t.name for t in self.store.tiers]}")
+        if any(self.store.is_pinned(k) for k in skeys):
+            raise InvalidArgument("pinned entries can not be evicted; unpin them first")
+        n = await asyncio.to_thread(lambda: sum(bool(tier.delete(k)) for k in skeys))
+        return pb.CountResponse(count=n)
+
+    @_rpc
+    async def Pin(self, request: pb.KeysRequest,
+                  context: grpc.aio.ServicerContext) -> pb.CountResponse:
+        skeys = self._admin_keys(request)
+        present = await asyncio.to_thread(self.store.lookup, skeys)
+        for k, p in zip(skeys, present):
+            if p.present:
+                self.store.pin(k)
+        return pb.CountResponse(count=sum(p.present for p in present))
+
+    @_rpc
+    async def Unpin(self, request: pb.KeysRequest,
+                    context: grpc.aio.ServicerContext) -> pb.CountResponse:
+        skeys = self._admin_keys(request)
+        n = sum(self.store.is_pinned(k) for k in skeys)
+        for k in skeys:
+            self.store.unpin(k)
+        return pb.CountResponse(count=n)
+
+    async def Verify(self, request: pb.VerifyRequest,
+                     context: grpc.aio.ServicerContext) -> AsyncIterator[pb.VerifyProgress]:
+        try:
+            require_admin()
+        except KDNError as exc:
+            await context.abort(exc.code, str(exc))
+        for tier in self.store.tiers:
+            keys = await asyncio.to_thread(_all_keys, tier)
+            prog = pb.VerifyProgress(tier=tier.name, total=len(keys))
+            for i, k in enumerate(keys):
+                bad = await asyncio.to_thread(self._verify_one, tier, k, request.dry_run)
+                prog.scanned = i + 1
+                if bad:
+                    prog.corrupt += 1
+                    prog.removed += 0 if request.dry_run else 1
+                    prog.corrupt_keys.append(k.decode(errors="replace"))
+                if (i + 1) % VERIFY_REPORT_EVERY == 0:
+                    yield prog
+                    del prog.corrupt_keys[:]
+            prog.done = True
+            yield prog
+
+    def _verify_one(self, tier: Tier, key: bytes, dry_run: bool) -> bool:
+        try:
+            value = tier.get(key)
+        except KDNError:
+            return False
+        if value is None:
+            return False
+        try:
+            parse_container(value, verify=True)
+            return False
+        except KDNError:
+            tier.counters.add("corrupt")
+            self.count("verify.corrupt")
+            if not dry_run:
+                tier.delete(key)
+            return True
+
+    async def Export(self, request: pb.ExportRequest,
+                     context: grpc.aio.ServicerContext) -> AsyncIterator[pb.ExportItem]:
+        try:
+            prefix = self._prefix(request.namespace)
+            keys = await asyncio.to_thread(self._visible, prefix, request.key_prefix)
+        except KDNError as exc:
+            await context.abort(exc.code, str(exc))
+            return
+        keys = [k for k in keys if not request.after or k > request.after]
+        for i, k in enumerate(keys):
+            got = await asyncio.to_thread(self._read, k)
+            if got is None:
+                continue
+            try:
+                parse_container(got[0], verify=True)
+            except Corrupt:
+                self.count("export.skipped_corrupt")
+                continue
+            _, namespace, key = split_store_key(k)
+            yield pb.ExportItem(namespace=namespace, key=key, value=got[0], cursor=k,
+                                total=len(keys) if i == 0 else 0)
+
+    @_rpc
+    async def Import(self, request_iterator: AsyncIterator[pb.ImportItem],
+                     context: grpc.aio.ServicerContext) -> pb.ImportResponse:
+        resp = pb.ImportResponse()
+        principal = current_principal.get()
+        async for item in request_iterator:
+            skey = store_key(item.namespace or "default", item.key)
+            try:
+                parse_container(item.value, verify=True)
+            except KDNError:
+                resp.rejected += 1
+                continue
+            existing = await asyncio.to_thread(self._read, skey)
+            if existing is not None and existing[0] == item.value:
+                resp.skipped += 1
+                continue
+            self.auth.charge(principal, len(item.value) - (len(existing[0]) if existing else 0))
+            await asyncio.to_thread(self.store.put, skey, item.value)
+            resp.imported += 1
+        return resp
+
+    @_rpc
+    async def Gc(self, request: pb.GcRequest,
+                 context: grpc.aio.ServicerContext) -> pb.GcResponse:
+        require_admin()
+
+        def run() -> pb.GcResponse:
+            resp = pb.GcResponse()
+            for tier in self.store.tiers:
+                for k in list(tier.keys(b"")):
+                    try:
+                        left = tier.ttl_remaining(k)
+                        size = tier.size_of(k)
+                        expired = size is None or (left is not None and left <= 0)
+                        if expired and tier.delete(k):
+                            resp.removed += 1
+                            resp.freed_bytes += size or 0
+                    except KDNError:
+                        continue
+            return resp
+
+        return await asyncio.to_thread(run)
+
+
+def _all_keys(tier: Tier) -> list[bytes]:
+    return list(tier.keys(b""))

@@ -1,0 +1,308 @@
+"""Operator surface against real servers: tenants and API keys, roles, rate limits, quotas, TLS
+and mutual TLS, Prometheus metrics, request ids, and the admin CLI end to end."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from kdn import keys
+from kdn.cli.main import main as cli
+from kdn.client import Client
+from kdn.client.admin import AdminClient, read_records
+from kdn.client.client import TLSOptions
+from kdn.errors import NotFound, PermissionDenied, TooLarge, Unauthenticated, Unavailable
+from kdn.server import ServerConfig, ServerThread
+from tests.helpers import random_kv, uniform_layout
+
+LAY = uniform_layout()
+TENANTS = """
+tenants:
+  team-a: {api_keys: ["key-a"]}
+  team-b: {api_keys: ["key-b"]}
+  ops: {api_keys: ["sha256:%s"], role: admin}
+  slow: {api_keys: ["key-slow"], rate_rps: 1, burst: 2}
+  small: {api_keys: ["key-small"], quota_bytes: 30KiB}
+"""
+
+
+@pytest.fixture
+def secured(tmp_path: Path) -> Iterator[ServerThread]:
+    from kdn.server.auth import digest
+
+    auth = tmp_path / "tenants.yaml"
+    auth.write_text(TENANTS % digest("key-ops"))
+    cfg = ServerConfig(port=0, data_dir=tmp_path / "d", auth_file=str(auth), metrics_port=0)
+    with ServerThread(cfg) as st:
+        yield st
+
+
+def test_unauthenticated_calls_are_rejected(secured: ServerThread) -> None:
+    key = keys.chunk_key([1], LAY)
+    for api_key in (None, "wrong"):
+        with Client(secured.address, api_key=api_key, retry=None) as c:
+            with pytest.raises(Unauthenticated):
+                c.lookup([key])
+            with pytest.raises(Unauthenticated):
+                c.store(key, random_kv(LAY, 4))
+            with pytest.raises(Unauthenticated):
+                c.retrieve(key)
+            assert c.health() == "SERVING"  # probes need no key
+
+
+def test_tenants_can_not_reach_each_other(secured: ServerThread) -> None:
+    key = keys.chunk_key([7, 7], LAY)
+    kv_a, kv_b = random_kv(LAY, 8, seed=1), random_kv(LAY, 8, seed=2)
+    with AdminClient(secured.address, api_key="key-a") as a, \
+            AdminClient(secured.address, api_key="key-b") as b:
+        a.store(key, kv_a)
+        # team-b knows the key hash, and still sees nothing of team-a's
+        assert b.retrieve(key) is None
+        assert not b.lookup([key]).infos[0].present
+        assert b.delete(key) == 0
+        with pytest.raises(NotFound):
+            b.inspect(key)
+        assert list(b.ls()) == []
+        with pytest.raises(PermissionDenied):
+            list(b.ls(tenant="team-a"))
+        # the same key hash in team-b's space is a different entry
+        b.store(key, kv_b)
+        assert a.retrieve(key).equal(kv_a)  # type: ignore[union-attr]
+        assert b.retrieve(key).equal(kv_b)  # type: ignore[union-attr]
+        assert [e.tenant for e in a.ls()] == ["team-a"]
+        # admin RPCs need the admin role
+        for call in (lambda: b.evict([key]), lambda: b.pin([key]), lambda: b.unpin([key]),
+                     lambda: list(b.verify()), lambda: b.gc()):
+            with pytest.raises(PermissionDenied):
+                call()
+        export = Path(secured.config.data_dir) / "b.kdnx"
+        assert b.export_to(export) == 1
+        assert [r.value for r in read_records(export)[0]] == [
+            b.fetch(key).parts.to_bytes()]  # type: ignore[union-attr]
+    with AdminClient(secured.address, api_key="key-ops") as ops:
+        assert sorted(e.tenant for e in ops.ls()) == ["team-a", "team-b"]
+        assert [e.tenant for e in ops.ls(tenant="team-b")] == ["team-b"]
+        assert ops.pin([key]) == 0  # the admin's own (unscoped) space has no such key
+        st = ops.stats()
+        assert {t.tenant: t.entries for t in st.tenants} == {"team-a": 1, "team-b": 1}
+
+
+def test_rate_limit_and_quota(secured: ServerThread) -> None:
+    with Client(secured.address, api_key="key-slow", retry=None) as c:
+        outcomes = []
+        for _ in range(6):
+            try:
+                c.lookup([keys.chunk_key([1], LAY)])
+                outcomes.append("ok")
+            except TooLarge as exc:
+                assert "requests/s" in str(exc)
+                outcomes.append("limited")
+        assert outcomes[:2] == ["ok", "ok"] and "limited" in outcomes
+    with Client(secured.address, api_key="key-small") as c:
+        k1, k2 = keys.chunk_key([1], LAY), keys.chunk_key([2], LAY)
+        c.store(k1, random_kv(LAY, 32), mode="raw")  # ~16 KiB
+        with pytest.raises(TooLarge, match="quota"):
+            c.store(k2, random_kv(LAY, 32), mode="raw")
+        assert c.retrieve(k2) is None
+        c.delete(k1)
+        c.store(k2, random_kv(LAY, 32), mode="raw")  # room again
+
+
+def test_metrics_and_request_ids(secured: ServerThread, caplog: pytest.LogCaptureFixture
+                                 ) -> None:
+    key = keys.chunk_key([3], LAY)
+    with caplog.at_level(logging.INFO, logger="kdn.access"):
+        with Client(secured.address, api_key="key-a") as c:
+            c.store(key, random_kv(LAY, 4))
+            rid = c.last_request_id
+            assert c.retrieve(key) is not None
+    lines = [json.loads(r.getMessage()) for r in caplog.records if r.name == "kdn.access"]
+    store_line = next(x for x in lines if x["request_id"] == rid)
+    assert store_line["rpc"] == "Store" and store_line["code"] == "OK"
+    assert store_line["tenant"] == "team-a"
+    assert secured.server is not None
+    url = f"http://127.0.0.1:{secured.server.metrics_port}/metrics"
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    assert 'kdn_requests_total{code="OK",rpc="Store"}' in text
+    assert 'kdn_request_seconds_bucket{le="0.005",rpc="Retrieve"}' in text
+    assert 'kdn_tier_hits_total{tier="ram"}' in text
+    assert 'kdn_queue_depth' in text and 'kdn_events_total{event="store.ok"}' in text
+
+
+# ---------------------------------------------------------------- TLS
+
+
+def _certs(tmp: Path) -> dict[str, Path]:
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    now = datetime.datetime.now(datetime.UTC)
+
+    def make(name: str, issuer: tuple | None, ca: bool, san: bool) -> tuple:
+        key = ec.generate_private_key(ec.SECP256R1())
+        subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
+        b = (x509.CertificateBuilder().subject_name(subject)
+             .issuer_name(issuer[0].subject if issuer else subject)
+             .public_key(key.public_key()).serial_number(x509.random_serial_number())
+             .not_valid_before(now - datetime.timedelta(days=1))
+             .not_valid_after(now + datetime.timedelta(days=2))
+             .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
+        if san:
+            import ipaddress
+
+            b = b.add_extension(x509.SubjectAlternativeName(
+                [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+                critical=False)
+        cert = b.sign(issuer[1] if issuer else key, hashes.SHA256())
+        return cert, key
+
+    ca = make("kdn-test-ca", None, True, False)
+    server = make("localhost", ca, False, True)
+    client = make("engine-1", ca, False, False)
+    out = {}
+    for name, (cert, key) in {"ca": ca, "server": server, "client": client}.items():
+        out[f"{name}.crt"] = tmp / f"{name}.crt"
+        out[f"{name}.crt"].write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+        out[f"{name}.key"] = tmp / f"{name}.key"
+        out[f"{name}.key"].write_bytes(key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption()))
+    return out
+
+
+def test_tls_and_mutual_tls(tmp_path: Path) -> None:
+    c = _certs(tmp_path)
+    key = keys.chunk_key([5], LAY)
+    kv = random_kv(LAY, 4)
+    tls = ServerConfig(port=0, data_dir=tmp_path / "d1", disk_bytes=0,
+                       tls_cert=str(c["server.crt"]), tls_key=str(c["server.key"]))
+    with ServerThread(tls) as st:
+        with Client(st.address, tls=TLSOptions(ca=c["ca.crt"].read_bytes())) as ok:
+            ok.store(key, kv)
+            assert ok.retrieve(key).equal(kv)  # type: ignore[union-attr]
+        with Client(st.address, timeout_s=3, retry=None) as plain:
+            with pytest.raises(Unavailable):
+                plain.lookup([key])
+    mtls = ServerConfig(port=0, data_dir=tmp_path / "d2", disk_bytes=0,
+                        tls_cert=str(c["server.crt"]), tls_key=str(c["server.key"]),
+                        tls_client_ca=str(c["ca.crt"]))
+    with ServerThread(mtls) as st:
+        anon = TLSOptions(ca=c["ca.crt"].read_bytes())
+        with Client(st.address, tls=anon, timeout_s=3, retry=None) as no_cert:
+            with pytest.raises(Unavailable):
+                no_cert.lookup([key])
+        mine = TLSOptions(ca=c["ca.crt"].read_bytes(), cert=c["client.crt"].read_bytes(),
+                          key=c["client.key"].read_bytes())
+        with Client(st.address, tls=mine) as ok:
+            ok.store(key, kv)
+            assert ok.retrieve(key).equal(kv)  # type: ignore[union-attr]
+
+
+def test_bad_security_settings_are_named(tmp_path: Path) -> None:
+    from kdn.errors import ConfigError
+    from kdn.server.auth import load_auth
+
+    with pytest.raises(ConfigError, match="tls_cert/tls_key"):
+        ServerConfig(tls_cert=__file__)
+    with pytest.raises(ConfigError, match="auth_file: no such file"):
+        ServerConfig(auth_file=str(tmp_path / "nope.yaml"))
+    bad = tmp_path / "t.yaml"
+    bad.write_text("tenants:\n  Team A: {api_keys: [x]}\n")
+    with pytest.raises(ConfigError, match="name must match"):
+        load_auth(bad)
+    bad.write_text("tenants:\n  a: {api_keys: [x], role: god}\n")
+    with pytest.raises(ConfigError, match="role"):
+        load_auth(bad)
+
+
+# ---------------------------------------------------------------- admin CLI
+
+
+def _run(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
+    code = cli(["admin", *args])
+    return code, capsys.readouterr().out
+
+
+def test_admin_cli_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    src_cfg = ServerConfig(port=0, data_dir=tmp_path / "src", ram_bytes=64 << 20)
+    dst_cfg = ServerConfig(port=0, data_dir=tmp_path / "dst")
+    kvs = {keys.chunk_key([i], LAY): random_kv(LAY, 16, seed=i) for i in range(6)}
+    with ServerThread(src_cfg) as src, ServerThread(dst_cfg) as dst:
+        with Client(src.address) as c:
+            for k, kv in kvs.items():
+                c.store(k, kv, namespace="kb")
+        a = ["--address", src.address]
+        code, out = _run(capsys, *a, "--json", "ls", "--namespace", "kb")
+        rows = json.loads(out)
+        assert code == 0 and len(rows) == 6 and {r["tiers"] for r in rows} == {"ram,disk"}
+        first = sorted(kvs)[0].hex()
+        code, out = _run(capsys, *a, "--json", "ls", "--prefix", first[:6])
+        assert [r["key"] for r in json.loads(out)] == [first]
+        code, out = _run(capsys, *a, "--json", "inspect", first, "--namespace", "kb")
+        info = json.loads(out)
+        assert code == 0 and int(info["tokens"]) == 16 and len(info["layout"]["layers"]) == 4
+        assert _run(capsys, *a, "pin", first, "--namespace", "kb")[0] == 0
+        code, out = _run(capsys, *a, "--json", "ls", "--namespace", "kb")
+        assert next(r for r in json.loads(out) if r["key"] == first)["pinned"] is True
+        assert _run(capsys, *a, "evict", first, "--namespace", "kb")[0] == 1  # pinned: refused
+        assert _run(capsys, *a, "unpin", first, "--namespace", "kb")[0] == 0
+        code, out = _run(capsys, *a, "--json", "evict", first, "--namespace", "kb")
+        assert code == 0 and json.loads(out) == {"evicted": 1}
+        code, out = _run(capsys, *a, "--json", "inspect", first, "--namespace", "kb")
+        assert json.loads(out)["tiers"] == ["disk"]
+        # export, interrupted (torn tail), resumed, imported twice
+        export = tmp_path / "kb.kdnx"
+        assert _run(capsys, *a, "export", str(export), "--namespace", "kb")[0] == 0
+        full = export.read_bytes()
+        export.write_bytes(full[: len(full) * 2 // 3])  # an export cut off mid-record
+        code, out = _run(capsys, *a, "--json", "export", str(export), "--namespace", "kb")
+        assert code == 0 and json.loads(out)["entries"] == 6
+        assert export.read_bytes() == full
+        b = ["--address", dst.address]
+        code, out = _run(capsys, *b, "--json", "import", str(export))
+        assert code == 0 and json.loads(out)["imported"] == "6"
+        code, out = _run(capsys, *b, "--json", "import", str(export))
+        assert json.loads(out)["skipped"] == "6"
+        with Client(dst.address) as d:
+            for k, kv in kvs.items():
+                assert d.retrieve(k, namespace="kb").equal(kv)  # type: ignore[union-attr]
+        # verify finds a corrupted disk copy and removes it
+        assert src.server is not None
+        disk = next(t for t in src.server.store.tiers if t.name == "disk")
+        victim = sorted(disk.keys(b"kb/"))[1]
+        bad = bytearray(disk.get(victim) or b"")
+        bad[len(bad) // 2] ^= 0xFF
+        disk.put(victim, bytes(bad))
+        code, out = _run(capsys, *a, "--json", "verify")
+        report = json.loads(out)
+        assert code == 1 and report["disk"]["corrupt"] == 1 and report["disk"]["removed"] == 1
+        assert _run(capsys, *a, "verify")[0] == 0
+        code, out = _run(capsys, *a, "--json", "gc")
+        assert code == 0 and "removed" in json.loads(out)
+        code, out = _run(capsys, *a, "delete", first, "--namespace", "kb")
+        assert code == 0 and _run(capsys, *a, "delete", first, "--namespace", "kb")[0] == 1
+        assert _run(capsys, *a, "inspect", "zz")[0] == 2
+        assert _run(capsys, *a, "stats")[0] == 0
+
+
+def test_grpc_status_for_wrong_role_is_permission_denied(secured: ServerThread) -> None:
+    with grpc.insecure_channel(secured.address) as ch:
+        from kdn.v1 import kdn_pb2 as pb
+        from kdn.v1 import kdn_pb2_grpc as pb_grpc
+
+        stub = pb_grpc.KDNAdminStub(ch)
+        with pytest.raises(grpc.RpcError) as info:
+            stub.Gc(pb.GcRequest(), metadata=(("x-kdn-api-key", "key-a"),), timeout=10)
+        assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        with pytest.raises(grpc.RpcError) as info:
+            stub.Gc(pb.GcRequest(), timeout=10)
+        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
