@@ -1,0 +1,79 @@
+"""Render committed benchmark results into README.md, so the README quotes the latest numbers.
+
+    python -m bench.report            # rewrite the tables between <!-- bench:NAME --> markers
+
+Each ``bench/results/NAME.json`` becomes markdown tables (one per ``section`` when rows carry
+one) between ``<!-- bench:NAME -->`` and ``<!-- /bench:NAME -->`` in README.md.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+SKIP = {"section", "rss_samples", "corrupt_keys", "bit_exact", "bytes", "raw_p50_ms",
+        "raw_p99_ms"}
+
+
+def fmt(v: Any) -> str:
+    if isinstance(v, float):
+        if v != v:
+            return "–"
+        return f"{v:.4g}" if abs(v) < 1e4 else f"{v:.0f}"
+    if isinstance(v, (list, dict)):
+        return json.dumps(v)[:40]
+    return str(v)
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    cols: list[str] = []
+    for r in rows:
+        cols += [c for c in r if c not in cols and c not in SKIP]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(fmt(r.get(c, "")) for c in cols) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def render(doc: dict[str, Any]) -> str:
+    rows = doc.get("rows", [])
+    parts = []
+    sections: dict[str, list[dict[str, Any]]] = {}
+    for r in rows:
+        sections.setdefault(str(r.get("section", "")), []).append(r)
+    for name, sec in sections.items():
+        if name:
+            parts.append(f"*{name}*\n")
+        parts.append(table(sec) + "\n")
+    for key in ("lookup", "gateway"):
+        if isinstance(doc.get(key), list) and doc[key]:
+            parts.append(f"*{key}*\n")
+            parts.append(table(doc[key]) + "\n")
+    scalars = {k: v for k, v in doc.items() if isinstance(v, (int, float, str, bool))
+               and k not in ("benchmark", "when", "pid")}
+    if scalars:
+        parts.append("Run facts: " + ", ".join(f"`{k}`={fmt(v)}" for k, v in scalars.items())
+                     + f" (measured {doc.get('when', '?')}).\n")
+    return "\n".join(parts)
+
+
+def main() -> int:
+    readme = ROOT / "README.md"
+    text = readme.read_text()
+    for path in sorted((ROOT / "bench" / "results").glob("*.json")):
+        name = path.stem
+        pat = re.compile(rf"(<!-- bench:{name} -->\n)(.*?)(<!-- /bench:{name} -->)", re.S)
+        if not pat.search(text):
+            continue
+        body = render(json.loads(path.read_text()))
+        text = pat.sub(lambda m, body=body: m.group(1) + body + m.group(3), text)
+        print(f"README: {name}")
+    readme.write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
