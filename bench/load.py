@@ -137,6 +137,16 @@ def gateway_overhead(address: str, clients_list: list[int], requests: int
     tier = RamTier(64 << 20)
     tier.put(b"k", blob)
     tier_s = median(timed(lambda: tier.get(b"k"), 200))
+    # transport alone: a bare gRPC service streaming the same bytes (context for the overhead)
+    from bench.roundtrip import RawServer, raw_client
+
+    raw = RawServer()
+    raw_put, raw_get, raw_ch = raw_client(raw.port)
+    stored = codec.encode_parts(kv, "raw")
+    raw_put(iter([key, stored.header, *stored.frames]))
+    raw_s = median(timed(lambda: list(raw_get(key)), 200))
+    raw_ch.close()
+    raw.stop()
     rows = []
     with Client(address) as c:
         c.store(key, kv, mode="raw", pin=True)
@@ -158,7 +168,8 @@ def gateway_overhead(address: str, clients_list: list[int], requests: int
         rows.append({"clients": n, "entry_bytes": len(blob), "requests": len(lat),
                      "retrieve_p50_ms": percentile(lat, 50) * 1e3,
                      "retrieve_p99_ms": percentile(lat, 99) * 1e3,
-                     "tier_read_ms": tier_s * 1e3,
+                     "tier_read_ms": tier_s * 1e3, "raw_grpc_p50_ms": raw_s * 1e3,
+                     "beyond_raw_grpc_p50_ms": (percentile(lat, 50) - raw_s) * 1e3,
                      "overhead_p50_ms": (percentile(lat, 50) - tier_s) * 1e3,
                      "overhead_p99_ms": (percentile(lat, 99) - tier_s) * 1e3})
         print(rows[-1], flush=True)
@@ -203,7 +214,8 @@ def main(argv: list[str] | None = None) -> None:
              "p99_ms": percentile(v, 99) * 1e3} for op, v in lat.items() if v]
     print_table(rows, ["rpc", "requests", "p50_ms", "p99_ms"])
     print_table(gw, ["clients", "requests", "retrieve_p50_ms", "retrieve_p99_ms", "tier_read_ms",
-                     "overhead_p50_ms", "overhead_p99_ms"])
+                     "overhead_p50_ms", "overhead_p99_ms", "raw_grpc_p50_ms",
+                     "beyond_raw_grpc_p50_ms"])
     print(f"errors={errors} rss_growth_pct={growth:.2f} "
           f"rss_after_warmup_mib={warm[0] / 2**20:.1f}->{warm[-1] / 2**20:.1f}")
     write_json(ns.out, "load", rows, clients=ns.clients, duration_s=seconds, errors=errors,
