@@ -240,6 +240,36 @@ def concurrency_rows(model: Any, tok: Any, workdir: Path, clients_list: list[int
     return rows
 
 
+def agreement_rows(model: Any, tok: Any, workdir: Path, tokens: int, new_tokens: int,
+                   encodings: tuple[tuple[str, str], ...]) -> list[dict[str, Any]]:
+    """Greedy tokens generated from each retrieved encoding vs from a full prefill."""
+    from kdn.delivery import encoding_name
+
+    ids = [int(t) for t in english_token_ids(tokens + QUESTION_TOKENS, tok)]
+    st = server_on(RamTier(8 << 30), workdir)
+    rows = []
+    try:
+        with Client(st.address, max_message_bytes=256 << 20) as client:
+            eng = KDNEngine(model, tok, client, EngineConfig(chunk_tokens=CHUNK,
+                                                             encodings=encodings))
+            ref = eng.generate(ids, max_new_tokens=new_tokens, force="recompute")
+            if ref.store_thread is not None:
+                ref.store_thread.join()
+            for mode, level in encodings:
+                name = encoding_name(mode, level)
+                got = eng.generate(ids, max_new_tokens=new_tokens, force=name)
+                same = sum(a == b for a, b in zip(got.token_ids, ref.token_ids))
+                rows.append({"section": "agreement", "encoding": name, "tokens": tokens,
+                             "new_tokens": len(ref.token_ids),
+                             "token_agreement": same / max(1, len(ref.token_ids)),
+                             "identical": got.token_ids == ref.token_ids,
+                             "reused_tokens": got.timings.reused_tokens})
+                print(rows[-1], flush=True)
+    finally:
+        st.stop()
+    return rows
+
+
 def plot(rows: list[dict[str, Any]], path: Path) -> None:
     import matplotlib
 
@@ -267,9 +297,21 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", type=Path, default=Path("bench/results/delivery.json"))
     ap.add_argument("--no-redis", action="store_true", help="skip the Redis paths")
+    ap.add_argument("--only", choices=["agreement"],
+                    help="run one section and merge it into the existing --out file")
     ns = ap.parse_args(argv)
     model, tok = load_model("smollm2-135m")
     kdn_level = best_kdn_level()
+    encodings = (("lossless", ""),) + ((kdn_level,) if kdn_level else ())
+    if ns.only == "agreement":
+        import json
+
+        with tempfile.TemporaryDirectory() as tmp:
+            new = agreement_rows(model, tok, Path(tmp), 512, 32, encodings)
+        doc = json.loads(ns.out.read_text())
+        doc["rows"] = [r for r in doc["rows"] if r.get("section") != "agreement"] + new
+        ns.out.write_text(json.dumps(doc, indent=2) + "\n")
+        return
     sizes = [512] if ns.quick else [512, 2048, 4096]
     tiers = ["ram"] if ns.quick else ["ram", "redis", "lmdb"]
     if ns.no_redis:
@@ -292,6 +334,7 @@ def main(argv: list[str] | None = None) -> None:
             rows += ttft_rows(model, tok, sizes, paths, workdir, redis_url, kdn_level)
             rows += concurrency_rows(model, tok, workdir, [1, 8] if ns.quick else [1, 8, 64],
                                      2.0 if ns.quick else 6.0)
+            rows += agreement_rows(model, tok, workdir, 512, 8 if ns.quick else 32, encodings)
         finally:
             if redis_srv is not None:
                 redis_srv.kill()
