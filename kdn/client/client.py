@@ -36,6 +36,7 @@ from kdn.layout import KVLayout
 from kdn.metadata import API_KEY_HEADER, REQUEST_ID_HEADER
 from kdn.v1 import kdn_pb2 as pb
 from kdn.v1 import kdn_pb2_grpc as pb_grpc
+from kdn.wire import frame_message, serialize_passthrough
 
 T = TypeVar("T")
 DEFAULT_MAX_MESSAGE = 64 << 20
@@ -127,6 +128,10 @@ class Client:
             ((API_KEY_HEADER, api_key),) if api_key else ())
         self.last_request_id = ""
         self._stub = pb_grpc.KDNStub(self._channel)
+        # Store sends hand-encoded frame messages (kdn.wire): one copy of each frame, not three
+        self._store_call = self._channel.stream_unary(
+            "/kdn.v1.KDN/Store", request_serializer=serialize_passthrough,
+            response_deserializer=pb.StoreResponse.FromString)
 
     def metadata(self) -> tuple[tuple[str, str], ...]:
         """Per-call metadata: the API key and a fresh request id (kept in last_request_id)."""
@@ -181,12 +186,12 @@ class Client:
             options=pb.StoreOptions(ttl_seconds=ttl_s, pin=pin, durability=durability),  # type: ignore[arg-type]
         )
 
-        def requests() -> Iterator[pb.StoreRequest]:
+        def requests() -> Iterator[pb.StoreRequest | bytes]:
             yield pb.StoreRequest(header=hdr)
             for i, frame in enumerate(parts.frames):
-                yield pb.StoreRequest(frame=pb.Frame(index=i, data=frame))
+                yield frame_message(i, frame)
 
-        return self._call(lambda: self._stub.Store(requests(), timeout=self.timeout_s,
+        return self._call(lambda: self._store_call(requests(), timeout=self.timeout_s,
                                                          metadata=self.metadata()))
 
     # -- retrieve -------------------------------------------------------------------------------

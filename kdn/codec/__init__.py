@@ -22,16 +22,17 @@ import torch
 
 from kdn.cache import KVCache
 from kdn.codec.format import (
+    Buffer,
     Container,
     Header,
     LayerRecord,
     build_frame,
     build_header,
-    build_record,
     check_frame,
     layout_to_proto,
     parse_container,
     parse_header,
+    record_parts,
 )
 from kdn.codec.modes import LayerSpec, Mode, get_mode, mode_names
 from kdn.errors import Corrupt, InvalidArgument
@@ -106,10 +107,10 @@ def encode_parts(
     header_bytes = build_header(entry)
     checksum = parse_header(header_bytes).checksum
 
-    def one(layer: int) -> bytes:
+    def one(layer: int) -> list[Buffer]:
         k, v = kv.layers[layer]
         body = codec.encode_layer(k, v, _spec(layout, layer, tokens), level)
-        return build_record(layout.layers[layer], tokens, body)
+        return record_parts(layout.layers[layer], tokens, body)
 
     records = list(_pool().map(one, range(layout.num_layers)))
     frames = [

@@ -196,15 +196,32 @@ def _frame_sum(seed: int, prefix12: bytes | memoryview, payload: bytes | memoryv
     return h.intdigest() & 0xFFFFFFFF
 
 
-def build_frame(header_checksum: int, index: int, first_layer: int, records: list[bytes]) -> bytes:
-    """One frame from per-layer records (see ``build_record``)."""
-    payload = b"".join(records)
-    pre = struct.pack("<2sHHHI", FRAME_MAGIC, index, first_layer, len(records), len(payload))
-    return pre + struct.pack("<L", _frame_sum(header_checksum, pre, payload)) + payload
+Buffer = bytes | memoryview
 
 
-def build_record(lay: LayerLayout, tokens: int, body: bytes) -> bytes:
-    return _RECORD.pack(lay.kv_heads, tokens, lay.k_channels, lay.v_channels, len(body)) + body
+def build_frame(header_checksum: int, index: int, first_layer: int,
+                records: list[list[Buffer]] | list[bytes]) -> bytes:
+    """One frame from per-layer records (each the parts ``record_parts`` gives, or the bytes
+    ``build_record`` gives). The frame's bytes are assembled with a single copy."""
+    parts: list[Buffer] = []
+    for rec in records:
+        parts.extend(rec if isinstance(rec, list) else [rec])
+    length = sum(len(p) for p in parts)
+    pre = struct.pack("<2sHHHI", FRAME_MAGIC, index, first_layer, len(records), length)
+    h = xxhash.xxh3_64(seed=header_checksum)
+    h.update(pre)
+    for p in parts:
+        h.update(p)
+    return b"".join([pre, struct.pack("<L", h.intdigest() & 0xFFFFFFFF), *parts])
+
+
+def record_parts(lay: LayerLayout, tokens: int, body: Buffer) -> list[Buffer]:
+    """A layer record as [shape prefix, body] (no copy of the body)."""
+    return [_RECORD.pack(lay.kv_heads, tokens, lay.k_channels, lay.v_channels, len(body)), body]
+
+
+def build_record(lay: LayerLayout, tokens: int, body: Buffer) -> bytes:
+    return b"".join(record_parts(lay, tokens, body))
 
 
 def frame_length(buf: bytes | memoryview, offset: int = 0) -> int:

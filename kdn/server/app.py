@@ -31,13 +31,13 @@ from kdn.server.auth import AuthConfig, Authenticator, load_auth
 from kdn.server.config import ServerConfig
 from kdn.server.observe import Metrics, RequestInterceptor
 from kdn.server.service import KDNServicer, verify_entry
-from kdn.server.wire import serialize_passthrough
 from kdn.store.base import Tier
 from kdn.store.lmdb import LmdbTier
 from kdn.store.ram import RamTier
 from kdn.store.redis import RedisTier
 from kdn.store.tiered import TieredStore
 from kdn.v1 import kdn_pb2_grpc as pb_grpc
+from kdn.wire import serialize_passthrough
 
 log = logging.getLogger("kdn.server")
 SERVICE_NAME = "kdn.v1.KDN"

@@ -35,10 +35,10 @@ from kdn.keys import check_key, check_namespace
 from kdn.server.auth import AuthConfig, Authenticator, current_principal, scoped_namespace
 from kdn.server.blend_rpc import BlendMixin
 from kdn.server.config import ServerConfig
-from kdn.server.wire import retrieve_frame_message
 from kdn.store.tiered import Durability, TieredStore
 from kdn.v1 import kdn_pb2 as pb
 from kdn.v1 import kdn_pb2_grpc as pb_grpc
+from kdn.wire import frame_message
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -200,7 +200,7 @@ class KDNServicer(BlendMixin, pb_grpc.KDNServicer):
             for i, frame in sel:
                 # Each yield waits for flow control: a slow or cancelled client stops the
                 # sending here instead of the server buffering the whole entry.
-                yield retrieve_frame_message(i, frame)  # type: ignore[misc]
+                yield frame_message(i, frame)  # type: ignore[misc]
                 sent += len(frame)
                 self.count("retrieve.frames_sent")
         except (asyncio.CancelledError, GeneratorExit):

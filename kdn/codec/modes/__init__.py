@@ -112,6 +112,13 @@ def _load_builtin() -> None:
 _INT_VIEW = {2: np.int16, 4: np.int32}
 
 
+def tensor_view(t: torch.Tensor) -> memoryview:
+    """Zero-copy view of ``t``'s element bytes when it is a contiguous CPU tensor (one copy
+    otherwise). The view keeps the tensor's storage alive; join or copy it before mutating."""
+    t = t.detach().contiguous().cpu()
+    return memoryview(t.view(_int_dtype(t.dtype)).numpy()).cast("B")  # type: ignore[arg-type]
+
+
 def tensor_bytes(t: torch.Tensor) -> bytes:
     """Raw little-endian element bytes of ``t`` (any float dtype, bf16 included)."""
     t = t.detach().contiguous().cpu()
