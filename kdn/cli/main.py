@@ -254,6 +254,8 @@ def build_parser() -> argparse.ArgumentParser:
     imp.add_argument("file")
     asub.add_parser("gc", help="remove expired entries")
     admin.set_defaults(func=_admin)
+    from kdn.rag.cli import register as register_rag
+    register_rag(sub)
     return ap
 
 

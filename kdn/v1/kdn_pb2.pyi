@@ -455,3 +455,37 @@ class GcResponse(_message.Message):
     removed: int
     freed_bytes: int
     def __init__(self, removed: _Optional[int] = ..., freed_bytes: _Optional[int] = ...) -> None: ...
+
+class BlendPiece(_message.Message):
+    __slots__ = ("chunk_key", "token_ids", "text")
+    CHUNK_KEY_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    chunk_key: bytes
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    text: str
+    def __init__(self, chunk_key: _Optional[bytes] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ...) -> None: ...
+
+class BlendRequest(_message.Message):
+    __slots__ = ("namespace", "pieces", "ratio", "select_layer", "head_tokens", "per_chunk", "store", "mode", "level", "expect_layout_fingerprint")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    PIECES_FIELD_NUMBER: _ClassVar[int]
+    RATIO_FIELD_NUMBER: _ClassVar[int]
+    SELECT_LAYER_FIELD_NUMBER: _ClassVar[int]
+    HEAD_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PER_CHUNK_FIELD_NUMBER: _ClassVar[int]
+    STORE_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    LEVEL_FIELD_NUMBER: _ClassVar[int]
+    EXPECT_LAYOUT_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    pieces: _containers.RepeatedCompositeFieldContainer[BlendPiece]
+    ratio: float
+    select_layer: int
+    head_tokens: int
+    per_chunk: bool
+    store: bool
+    mode: str
+    level: str
+    expect_layout_fingerprint: str
+    def __init__(self, namespace: _Optional[str] = ..., pieces: _Optional[_Iterable[_Union[BlendPiece, _Mapping]]] = ..., ratio: _Optional[float] = ..., select_layer: _Optional[int] = ..., head_tokens: _Optional[int] = ..., per_chunk: _Optional[bool] = ..., store: _Optional[bool] = ..., mode: _Optional[str] = ..., level: _Optional[str] = ..., expect_layout_fingerprint: _Optional[str] = ...) -> None: ...

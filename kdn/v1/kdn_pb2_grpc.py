@@ -59,6 +59,11 @@ class KDNStub:
                 request_serializer=kdn_dot_v1_dot_kdn__pb2.StatsRequest.SerializeToString,
                 response_deserializer=kdn_dot_v1_dot_kdn__pb2.StatsResponse.FromString,
                 _registered_method=True)
+        self.Blend = channel.unary_stream(
+                '/kdn.v1.KDN/Blend',
+                request_serializer=kdn_dot_v1_dot_kdn__pb2.BlendRequest.SerializeToString,
+                response_deserializer=kdn_dot_v1_dot_kdn__pb2.RetrieveResponse.FromString,
+                _registered_method=True)
 
 
 class KDNServicer:
@@ -94,6 +99,14 @@ class KDNServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Blend(self, request, context):
+        """Compose stored chunks (computed alone) and text into one prompt's KV on a server that hosts
+        the model (kdn.blend); answered like Retrieve: a header, then the frames in layer order.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KDNServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -121,6 +134,11 @@ def add_KDNServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=kdn_dot_v1_dot_kdn__pb2.StatsRequest.FromString,
                     response_serializer=kdn_dot_v1_dot_kdn__pb2.StatsResponse.SerializeToString,
+            ),
+            'Blend': grpc.unary_stream_rpc_method_handler(
+                    servicer.Blend,
+                    request_deserializer=kdn_dot_v1_dot_kdn__pb2.BlendRequest.FromString,
+                    response_serializer=kdn_dot_v1_dot_kdn__pb2.RetrieveResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -258,6 +276,33 @@ class KDN:
             '/kdn.v1.KDN/Stats',
             kdn_dot_v1_dot_kdn__pb2.StatsRequest.SerializeToString,
             kdn_dot_v1_dot_kdn__pb2.StatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Blend(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kdn.v1.KDN/Blend',
+            kdn_dot_v1_dot_kdn__pb2.BlendRequest.SerializeToString,
+            kdn_dot_v1_dot_kdn__pb2.RetrieveResponse.FromString,
             options,
             channel_credentials,
             insecure,

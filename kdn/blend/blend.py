@@ -1,0 +1,303 @@
+"""Compose the KV caches of chunks computed alone into the KV cache of a whole prompt.
+
+A prompt is a list of ``Piece``s in order: cached chunks (token ids plus their KV, computed
+alone from position 0, as a resident ``KVCache`` or a ``LayerStream`` still arriving) and
+uncached text (system prompt, question: ids only). ``blend`` returns the KV of the whole
+prompt, as close to a full prefill as the recompute budget allows, and the next-token logits.
+
+Lifecycle of ``blend(model, pieces, config)``:
+
+1. positions: piece j starts where piece j-1 ended; a chunk's stored keys are re-rotated by
+   that offset (``rope.reposition``), exactly as if computed there.
+2. layers ``< select_layer``: every token is computed (plain causal prefill); the chunks' stored
+   K/V for those layers are not needed.
+3. layer ``select_layer``: fresh K/V of every token; cached tokens are scored by how far their
+   fresh K/V deviate from the stored (re-positioned) ones, and the top ``ratio`` of them
+   (plus each chunk's first ``head_tokens`` if asked) are selected.
+4. layers ``>= select_layer``: only the selected tokens and the uncached text (and always the
+   prompt's last token) are computed; their fresh K/V replace the stored ones, and they attend
+   over the whole context (stored K/V for everything else) with a causal mask.
+5. the last token's hidden state gives the logits of the first generated token.
+
+Pipelining: stored K/V of layer i are requested (``wait_for_layer(i)``) right before layer i
+needs them, so later layers keep arriving and decoding while earlier layers compute.
+
+``ratio=1`` reproduces a full prefill (within float tolerance); ``ratio=0`` (with no head
+tokens) skips selection and equals concatenating the re-positioned chunks and prefilling only
+the uncached text on top.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from kdn.blend import layer as blk
+from kdn.blend.rope import RopePlan, reposition, rope_plan
+from kdn.blend.select import deviation, select_tokens
+from kdn.cache import KVCache, LayerKV
+from kdn.engine.engine import decoder_layers, model_layout
+from kdn.errors import InvalidArgument, InvalidLayout, LayoutMismatch
+from kdn.layout import DType, KVLayout
+
+
+class LayerSource(Protocol):
+    """Per-layer K/V of one chunk (``kdn.client.stream.LayerStream`` is one)."""
+
+    @property
+    def layout(self) -> KVLayout: ...
+
+    def wait_for_layer(self, i: int, timeout: float | None = None) -> LayerKV: ...
+
+
+class Resident:
+    """A ``KVCache`` already in memory, as a ``LayerSource``."""
+
+    def __init__(self, kv: KVCache) -> None:
+        self.kv = kv
+
+    @property
+    def num_tokens(self) -> int:
+        return self.kv.num_tokens
+
+    @property
+    def layout(self) -> KVLayout:
+        return self.kv.layout
+
+    def wait_for_layer(self, i: int, timeout: float | None = None) -> LayerKV:
+        return self.kv.layers[i]
+
+
+@dataclass
+class Piece:
+    """A run of prompt tokens: a cached chunk (``kv`` set) or uncached text (``kv`` None)."""
+
+    ids: list[int]
+    kv: KVCache | LayerSource | None = None
+    start_position: int = 0
+    """Position the stored keys were rotated at (0 for a chunk prefilled alone)."""
+
+    def __post_init__(self) -> None:
+        self.ids = [int(t) for t in self.ids]
+        if not self.ids:
+            raise InvalidArgument("a piece needs at least one token")
+        if self.kv is None:
+            return
+        if isinstance(self.kv, KVCache):
+            self.start_position = self.kv.start_position
+            self.kv = Resident(self.kv)
+        header = getattr(getattr(self.kv, "decoder", None), "header", None)
+        if header is not None:  # a LayerStream: tokens and position come with its header
+            self.start_position = int(header.entry.start_position)
+        tokens = getattr(self.kv, "num_tokens", None)
+        if tokens is not None and tokens != len(self.ids):
+            raise InvalidLayout(f"chunk has {len(self.ids)} ids but its KV holds {tokens} tokens")
+
+    @property
+    def source(self) -> LayerSource | None:
+        return Resident(self.kv) if isinstance(self.kv, KVCache) else self.kv
+
+
+@dataclass(frozen=True)
+class BlendConfig:
+    """How much to recompute, and how to choose it."""
+
+    ratio: float = 0.15
+    """Fraction of cached tokens recomputed through the layers from ``select_layer`` on."""
+    select_layer: int = 1
+    """Layer whose K/V deviation selects the tokens; all tokens are computed before it."""
+    head_tokens: int = 0
+    """Always recompute each chunk's first this many tokens (they count against the budget)."""
+    per_chunk: bool = False
+    """Split the budget between chunks by size instead of taking the global top deviations."""
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.ratio <= 1.0:
+            raise InvalidArgument(f"ratio must be in [0, 1], got {self.ratio}")
+        if self.select_layer < 1:
+            raise InvalidArgument(f"select_layer must be >= 1, got {self.select_layer}")
+        if self.head_tokens < 0:
+            raise InvalidArgument(f"head_tokens must be >= 0, got {self.head_tokens}")
+
+    @property
+    def selects(self) -> bool:
+        return self.ratio > 0 or self.head_tokens > 0
+
+
+@dataclass
+class BlendTimings:
+    wait_s: float = 0.0
+    """Time spent getting chunk layers: waiting for ones not yet decoded, and re-positioning."""
+    total_s: float = 0.0
+    recomputed_tokens: int = 0
+    """Cached tokens recomputed (not counting the uncached text)."""
+    cached_tokens: int = 0
+
+
+@dataclass
+class BlendResult:
+    kv: KVCache
+    """The whole prompt's KV, positions 0..tokens-1."""
+    logits: torch.Tensor
+    """[vocab] next-token logits after the prompt's last token."""
+    recomputed: torch.Tensor
+    """Positions of the cached tokens that were recomputed (sorted)."""
+    timings: BlendTimings = field(default_factory=BlendTimings)
+
+
+@dataclass(frozen=True)
+class _Model:
+    """The parts of a transformers causal LM the blender drives."""
+
+    embed: Any
+    layers: Any
+    norm: Any
+    lm_head: Any
+    rotary: Any
+    heads: int
+    dtype: torch.dtype
+
+    @classmethod
+    def of(cls, model: Any) -> _Model:
+        inner = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+        cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") \
+            else model.config
+        return cls(inner.embed_tokens, decoder_layers(model), inner.norm,
+                   model.get_output_embeddings(), inner.rotary_emb,
+                   int(cfg.num_attention_heads), next(model.parameters()).dtype)
+
+
+def _layout(model: Any, sources: list[LayerSource]) -> KVLayout:
+    if not sources:
+        return model_layout(model, DType.of(next(model.parameters()).dtype))
+    layout = sources[0].layout
+    for s in sources[1:]:
+        if s.layout.fingerprint != layout.fingerprint:
+            raise LayoutMismatch("chunks to blend have different layouts")
+    return layout
+
+
+@torch.no_grad()
+def blend(model: Any, pieces: list[Piece], config: BlendConfig | None = None) -> BlendResult:
+    """KV cache and next-token logits of the prompt ``pieces`` (see the module docstring)."""
+    cfg = config or BlendConfig()
+    t0 = time.perf_counter()
+    m = _Model.of(model)
+    if not pieces:
+        raise InvalidArgument("nothing to blend")
+    sources = [p.source for p in pieces if p.source is not None]
+    layout = _layout(model, [s for s in sources if s is not None])
+    n_layers = layout.num_layers
+    if len(m.layers) != n_layers:
+        raise LayoutMismatch(f"model has {len(m.layers)} layers, the chunks' layout {n_layers}")
+    if cfg.selects and cfg.select_layer >= n_layers:
+        raise InvalidArgument(f"select_layer {cfg.select_layer} >= {n_layers} layers")
+
+    # -- positions ------------------------------------------------------------------------------
+    ids = torch.tensor([t for p in pieces for t in p.ids])  # [n]
+    n = int(ids.numel())
+    cached = torch.zeros(n, dtype=torch.bool)
+    spans: list[tuple[int, int]] = []  # each chunk's [start, stop) among cached tokens
+    offsets: list[int] = []
+    pos, seen = 0, 0
+    for p in pieces:
+        if p.source is not None:
+            cached[pos : pos + len(p.ids)] = True
+            spans.append((seen, seen + len(p.ids)))
+            seen += len(p.ids)
+        offsets.append(pos)
+        pos += len(p.ids)
+    cached_pos = cached.nonzero().flatten()  # [cached]
+    always = (~cached).clone()
+    always[-1] = True  # the last token's hidden state gives the logits
+
+    h = m.embed(ids.to(m.embed.weight.device))  # [n, hidden]
+    positions = torch.arange(n, device=h.device)
+    cos, sin = m.rotary(h[None], positions[None])  # [1, n, rotary_dim]
+    cos, sin = cos[0], sin[0]
+    freqs = m.rotary.inv_freq.detach().to("cpu", torch.float64)
+    rotary_dim = int(cos.shape[-1])
+    plans = [rope_plan(lay.k_kept, lay.k_channels, rotary_dim) for lay in layout.layers]
+    shapes = [blk.LayerShape(m.heads, lay.kv_heads, lay.k_channels, lay.v_channels)
+              for lay in layout.layers]
+
+    timings = BlendTimings(cached_tokens=int(cached_pos.numel()))
+    rows: torch.Tensor | None = None if cfg.selects else always.nonzero().flatten()
+    if rows is not None:
+        h = h[rows]
+    recomputed = torch.empty(0, dtype=torch.long)
+    out_layers: list[LayerKV] = []
+
+    def stored(i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer i's K/V for all n tokens: stored chunks re-positioned, zeros for text."""
+        tw = time.perf_counter()
+        ks, vs = [], []
+        lay = layout.layers[i]
+        for p, off in zip(pieces, offsets):
+            src = p.source
+            if src is None:
+                ks.append(torch.zeros(lay.kv_heads, len(p.ids), lay.k_channels, dtype=m.dtype))
+                vs.append(torch.zeros(lay.kv_heads, len(p.ids), lay.v_channels, dtype=m.dtype))
+                continue
+            k, v = src.wait_for_layer(i)
+            k, v = k.to(h.device, m.dtype), v.to(h.device, m.dtype)
+            ks.append(reposition(k, off - p.start_position, freqs, plans[i]))
+            vs.append(v)
+        timings.wait_s += time.perf_counter() - tw
+        # k: [kv_heads, n, k_ch], v: [kv_heads, n, v_ch]
+        return torch.cat(ks, dim=1).to(h.device), torch.cat(vs, dim=1).to(h.device)
+
+    for i, layer in enumerate(m.layers):
+        if rows is None and i < cfg.select_layer:  # plain prefill of every token
+            q, k, v = blk.project_qkv(layer, h, shapes[i], cos, sin, plans[i])
+            h = blk.finish(layer, h, blk.attend(layer, q, k, v, None))
+            out_layers.append((k, v))
+            continue
+        k_all, v_all = stored(i)
+        if rows is None:  # the selection layer: h still covers every token
+            q, k, v = blk.project_qkv(layer, h, shapes[i], cos, sin, plans[i])
+            scores = deviation(k[:, cached_pos], k_all[:, cached_pos],
+                               v[:, cached_pos], v_all[:, cached_pos])
+            chosen = select_tokens(scores, spans, cfg.ratio, per_chunk=cfg.per_chunk,
+                                   head_tokens=cfg.head_tokens)
+            recomputed = cached_pos[chosen]
+            keep = always.clone()
+            keep[recomputed] = True
+            rows = keep.nonzero().flatten()
+            q, k, v, h = q[:, rows], k[:, rows], v[:, rows], h[rows]
+        else:
+            q, k, v = blk.project_qkv(layer, h, shapes[i], cos[rows], sin[rows], plans[i])
+        k_all[:, rows], v_all[:, rows] = k, v
+        q_pos = None if rows.numel() == n else rows  # every row: plain causal attention
+        h = blk.finish(layer, h, blk.attend(layer, q, k_all, v_all, q_pos))
+        out_layers.append((k_all, v_all))
+
+    logits = m.lm_head(m.norm(h[-1:]))[0]  # [vocab]
+    dt = layout.dtype.torch
+    kv = KVCache(layout, [(k.to(dt), v.to(dt)) for k, v in out_layers], 0)
+    timings.recomputed_tokens = int(recomputed.numel())
+    timings.total_s = time.perf_counter() - t0
+    return BlendResult(kv, logits, recomputed, timings)
+
+
+def concat_positions(chunks: list[KVCache], plans: list[RopePlan] | None = None,
+                     freqs: torch.Tensor | None = None, start: int = 0) -> KVCache:
+    """Chunks placed one after another from ``start``, keys re-rotated (no recompute)."""
+    layout = chunks[0].layout
+    if freqs is None:
+        from kdn.blend.rope import inv_freq
+
+        freqs = inv_freq(layout.rope)
+    if plans is None:
+        plans = [rope_plan(lay.k_kept, lay.k_channels, layout.rope.rotary_dim)
+                 for lay in layout.layers]
+    placed, pos = [], start
+    for c in chunks:
+        delta = pos - c.start_position
+        layers = [(reposition(k, delta, freqs, plans[i]), v) for i, (k, v) in enumerate(c.layers)]
+        placed.append(KVCache(layout, layers, pos))
+        pos += c.num_tokens
+    return KVCache.concat(placed)

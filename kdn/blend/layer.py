@@ -1,0 +1,83 @@
+"""One decoder layer of a Llama-family transformers model, for a subset of query tokens.
+
+The blender runs each layer for some rows (tokens) only, with attention over the whole
+context. These functions drive the model's own modules: ``input_layernorm``,
+``self_attn.{q,k,v,o}_proj`` (biases included, as in qwen2), ``self_attn.{q,k}_norm`` when
+present (qwen3), ``post_attention_layernorm`` and ``mlp``. Nothing here is a copy of a model
+family's code; shapes come from the layout (per-layer K/V channels of pruned models) and the
+tensors. Without a batch dimension throughout:
+
+    h: [rows, hidden]  q: [heads, rows, k_ch]  k: [kv_heads, rows, k_ch]  v: [kv_heads, rows, v_ch]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from kdn.blend.rope import RopePlan, apply_rope
+from kdn.errors import InvalidLayout
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    """Head counts and channel widths of one layer's attention."""
+
+    heads: int
+    kv_heads: int
+    k_channels: int
+    v_channels: int
+
+
+def project_qkv(layer: Any, h: torch.Tensor, shape: LayerShape, cos: torch.Tensor,
+                sin: torch.Tensor, plan: RopePlan
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Normed, projected and rotated q, k, v of rows ``h`` [rows, hidden].
+
+    cos, sin: [rows, rotary_dim] for the rows' absolute positions.
+    """
+    attn = layer.self_attn
+    x = layer.input_layernorm(h)
+    rows = x.shape[0]
+    q = attn.q_proj(x)
+    if q.shape[-1] != shape.heads * shape.k_channels:
+        raise InvalidLayout(f"q_proj gives {q.shape[-1]} channels, the layout implies "
+                            f"{shape.heads} heads x {shape.k_channels}")
+    q = q.view(rows, shape.heads, shape.k_channels)  # [rows, heads, k_ch]
+    k = attn.k_proj(x).view(rows, shape.kv_heads, shape.k_channels)
+    v = attn.v_proj(x).view(rows, shape.kv_heads, shape.v_channels)
+    if getattr(attn, "q_norm", None) is not None:
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # heads first
+    return apply_rope(q, cos, sin, plan), apply_rope(k, cos, sin, plan), v
+
+
+def attend(layer: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+           q_positions: torch.Tensor | None) -> torch.Tensor:
+    """Causal attention of queries at ``q_positions`` [rows] over keys at 0..ctx-1.
+
+    q: [heads, rows, k_ch]; k: [kv_heads, ctx, k_ch]; v: [kv_heads, ctx, v_ch]. None as
+    positions means the rows are exactly 0..ctx-1 (plain causal prefill). Returns the
+    ``o_proj`` input, [rows, heads * v_ch].
+    """
+    groups = q.shape[0] // k.shape[0]
+    k = k.repeat_interleave(groups, dim=0)  # [heads, ctx, k_ch]
+    v = v.repeat_interleave(groups, dim=0)
+    scale = float(layer.self_attn.scaling)
+    if q_positions is None:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    else:
+        ctx = torch.arange(k.shape[1], device=q.device)
+        mask = q_positions[:, None] >= ctx[None, :]  # [rows, ctx]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    # out: [heads, rows, v_ch] -> [rows, heads * v_ch]
+    return out.transpose(0, 1).reshape(q.shape[1], -1)
+
+
+def finish(layer: Any, h: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+    """Residual stream after the layer: attention output projection, then the MLP block."""
+    h = h + layer.self_attn.o_proj(attn_out)
+    return h + layer.mlp(layer.post_attention_layernorm(h))

@@ -1,0 +1,171 @@
+"""A RAG corpus: documents read from a folder or a JSONL file, split into token-sized chunks.
+
+Lifecycle:
+
+1. ``load_corpus(path)`` reads the documents: every ``.txt``/``.md``/``.markdown``/``.rst``
+   file under a folder (hidden files and folders skipped; the document id is the path
+   relative to the folder, with ``/``), or every line of a ``.jsonl`` file (``{"id": ..,
+   "text": ..}``; ``id`` defaults to ``<line number>``, ``title`` is prepended when present).
+2. ``chunk_document(doc, tokenizer, target, limit)`` packs the document's paragraphs (blank-line
+   separated) into chunks of about ``target`` tokens. A paragraph longer than ``target`` is
+   split into sentences, a sentence longer than ``limit`` into token windows. A chunk closes
+   when the next unit would take it past ``target``, so a chunk passes ``limit`` tokens only
+   by the few tokens that joining its units adds.
+3. Each ``Chunk`` carries its text (ending in a blank line, so the next prompt piece starts on
+   a fresh paragraph) and the token ids of that text tokenized alone: the ids the chunk's KV is
+   prefilled from, and hashed into its key.
+
+A document's ``sha256`` covers its text only; the ingest manifest compares it to find
+unchanged documents.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from kdn.errors import InvalidArgument
+
+TEXT_SUFFIXES = (".txt", ".md", ".markdown", ".rst")
+CHUNK_END = "\n\n"
+_PARAGRAPH_RE = re.compile(r"\n[ \t]*\n+")
+_SENTENCE_RE = re.compile(r"(?:(?<=[.!?])|(?<=[.!?][\"')\]]))\s+(?=[\"'(\[]?[A-Z0-9])")
+
+
+class Tokenizer(Protocol):
+    """The part of a Hugging Face tokenizer the RAG code uses."""
+
+    def __call__(self, text: str, *, add_special_tokens: bool = ...) -> Any: ...
+
+    def decode(self, ids: list[int], /, *, skip_special_tokens: bool = ...) -> Any: ...
+
+
+@dataclass(frozen=True)
+class Document:
+    id: str
+    """Stable name: path relative to the corpus folder, or the JSONL ``id``."""
+    text: str
+
+    @property
+    def sha256(self) -> str:
+        return hashlib.sha256(self.text.encode("utf-8")).hexdigest()
+
+
+@dataclass(frozen=True)
+class Chunk:
+    doc_id: str
+    index: int
+    """Position of the chunk in its document."""
+    text: str
+    ids: tuple[int, ...]
+    """Token ids of ``text`` tokenized alone (no special tokens)."""
+
+    @property
+    def tokens(self) -> int:
+        return len(self.ids)
+
+
+def load_corpus(path: Path | str) -> list[Document]:
+    """The documents of a folder of text/markdown files or of a JSONL file, sorted by id."""
+    root = Path(path)
+    if root.is_dir():
+        docs = []
+        for f in sorted(root.rglob("*")):
+            rel = f.relative_to(root)
+            if any(part.startswith(".") for part in rel.parts):
+                continue
+            if f.is_file() and f.suffix.lower() in TEXT_SUFFIXES:
+                docs.append(Document(rel.as_posix(), f.read_text(encoding="utf-8")))
+        return docs
+    if root.is_file() and root.suffix.lower() in (".jsonl", ".ndjson"):
+        return _load_jsonl(root)
+    if root.is_file() and root.suffix.lower() in TEXT_SUFFIXES:
+        return [Document(root.name, root.read_text(encoding="utf-8"))]
+    raise InvalidArgument(f"{root}: expected a folder, a .jsonl file or a text file")
+
+
+def _load_jsonl(path: Path) -> list[Document]:
+    docs: dict[str, Document] = {}
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise InvalidArgument(f"{path}:{n}: not JSON: {exc}") from None
+        if not isinstance(row, dict) or not isinstance(row.get("text"), str):
+            raise InvalidArgument(f"{path}:{n}: expected an object with a string 'text'")
+        doc_id = str(row.get("id", n))
+        if doc_id in docs:
+            raise InvalidArgument(f"{path}:{n}: duplicate id {doc_id!r}")
+        title = row.get("title")
+        text = f"{title}\n\n{row['text']}" if isinstance(title, str) and title else row["text"]
+        docs[doc_id] = Document(doc_id, text)
+    return sorted(docs.values(), key=lambda d: d.id)
+
+
+def paragraphs(text: str) -> list[str]:
+    """Blank-line separated paragraphs, whitespace-trimmed, empty ones dropped."""
+    return [p.strip() for p in _PARAGRAPH_RE.split(text.replace("\r\n", "\n")) if p.strip()]
+
+
+def sentences(paragraph: str) -> list[str]:
+    """Sentences of a paragraph (split after ``.!?`` before a capital, digit or quote)."""
+    return [s.strip() for s in _SENTENCE_RE.split(paragraph) if s.strip()]
+
+
+def chunk_ids(tokenizer: Tokenizer, text: str) -> list[int]:
+    """Token ids of a chunk's text tokenized alone: what its KV is prefilled from."""
+    return _ids(tokenizer, text)
+
+
+def _ids(tokenizer: Tokenizer, text: str) -> list[int]:
+    return [int(t) for t in tokenizer(text, add_special_tokens=False)["input_ids"]]
+
+
+def _units(text: str, tokenizer: Tokenizer, target: int, limit: int) -> list[tuple[str, int, str]]:
+    """(text, tokens, separator before it) of each packing unit, in order."""
+    out: list[tuple[str, int, str]] = []
+    for para in paragraphs(text):
+        n = len(_ids(tokenizer, para))
+        if n <= target:
+            out.append((para, n, "\n\n"))
+            continue
+        for j, sent in enumerate(sentences(para)):
+            sep = "\n\n" if j == 0 else " "
+            ids = _ids(tokenizer, sent)
+            if len(ids) <= limit:
+                out.append((sent, len(ids), sep))
+                continue
+            for w in range(0, len(ids), target):  # a run-on "sentence": token windows
+                piece = tokenizer.decode(ids[w : w + target], skip_special_tokens=True)
+                out.append((piece, len(ids[w : w + target]), sep if w == 0 else " "))
+    return out
+
+
+def chunk_document(doc: Document, tokenizer: Tokenizer, target_tokens: int = 256,
+                   max_tokens: int | None = None) -> list[Chunk]:
+    """Split ``doc`` on paragraph, then sentence boundaries into chunks of ~``target_tokens``."""
+    limit = max_tokens if max_tokens is not None else target_tokens + target_tokens // 2
+    if target_tokens < 8 or limit < target_tokens:
+        raise InvalidArgument(f"need 8 <= target_tokens <= max_tokens, got {target_tokens}, "
+                              f"{limit}")
+    texts: list[str] = []
+    cur, cur_tokens = "", 0
+    for unit, n, sep in _units(doc.text, tokenizer, target_tokens, limit):
+        if cur and cur_tokens + n > target_tokens:
+            texts.append(cur)
+            cur, cur_tokens = "", 0
+        cur = unit if not cur else cur + sep + unit
+        cur_tokens += n + (1 if cur_tokens else 0)
+    if cur:
+        texts.append(cur)
+    chunks: list[Chunk] = []
+    for text in texts:
+        chunks.append(Chunk(doc.id, len(chunks), text + CHUNK_END,
+                            tuple(_ids(tokenizer, text + CHUNK_END))))
+    return chunks

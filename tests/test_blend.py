@@ -1,0 +1,350 @@
+"""The blender on tiny random Llama-family models (llama, qwen2 with biases, qwen3 with q/k
+norms, a KVPruner-style pruned llama): re-positioning is exact, ratio 1 is a full prefill,
+ratio 0 is plain concatenation, and streamed chunks blend like resident ones."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+
+from kdn.blend import BlendConfig, Piece, blend, concat_positions
+from kdn.blend.rope import inv_freq, reposition, rope_plan
+from kdn.blend.select import select_tokens
+from kdn.cache import KVCache
+from kdn.client import Client
+from kdn.engine.engine import model_layout
+from kdn.errors import InvalidArgument, InvalidLayout
+from kdn.layout import DType, KVLayout, LayerLayout, RopeSpec
+
+TOL = dict(atol=2e-5, rtol=1e-4)
+
+
+def tiny(family: str, seed: int = 0) -> Any:
+    import transformers as tf
+
+    common = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                  max_position_embeddings=256, rope_theta=10000.0, initializer_range=0.2)
+    cfg = {
+        "llama": lambda: tf.LlamaConfig(**common),
+        "qwen2": lambda: tf.Qwen2Config(**common),
+        "qwen3": lambda: tf.Qwen3Config(**common),
+        "mistral": lambda: tf.MistralConfig(**common),
+    }[family]()
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = tf.AutoModelForCausalLM.from_config(cfg).eval()
+    if family == "qwen2":  # random biases, so the test shows they are applied
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                torch.nn.init.normal_(proj.bias, std=0.5)
+    if family == "qwen3":
+        for layer in model.model.layers:
+            torch.nn.init.normal_(layer.self_attn.q_norm.weight, 1.0, 0.3)
+            torch.nn.init.normal_(layer.self_attn.k_norm.weight, 1.0, 0.3)
+    return model
+
+
+def ids(n: int, seed: int) -> list[int]:
+    return torch.randint(3, 96, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@torch.no_grad()
+def prefill(model: Any, tokens: list[int], layout: KVLayout, past: KVCache | None = None
+            ) -> tuple[KVCache, torch.Tensor]:
+    """Transformers' own forward: (KV of everything, last-token logits)."""
+    cache = past.to_transformers() if past is not None else None
+    out = model(torch.tensor([tokens]), past_key_values=cache, use_cache=True)
+    kv = KVCache.from_transformers(out.past_key_values, layout)
+    return KVCache(layout, [(k.clone(), v.clone()) for k, v in kv.layers]), out.logits[0, -1]
+
+
+def prompt(model: Any, layout: KVLayout, sizes: tuple[int, ...] = (9, 23, 17, 30, 6)
+           ) -> tuple[list[Piece], list[int], list[KVCache]]:
+    """text, chunk, chunk, chunk, text; each chunk's KV prefilled alone from position 0."""
+    parts = [ids(n, seed=i) for i, n in enumerate(sizes)]
+    chunks = [prefill(model, p, layout)[0] for p in parts[1:-1]]
+    pieces = [Piece(parts[0])] + [Piece(p, kv) for p, kv in zip(parts[1:-1], chunks)] + [
+        Piece(parts[-1])]
+    return pieces, [t for p in parts for t in p], chunks
+
+
+def assert_kv_close(a: KVCache, b: KVCache, **tol: float) -> None:
+    for i, ((ka, va), (kb, vb)) in enumerate(zip(a.layers, b.layers)):
+        torch.testing.assert_close(ka, kb, **(tol or TOL), msg=lambda m, i=i: f"K{i}: {m}")
+        torch.testing.assert_close(va, vb, **(tol or TOL), msg=lambda m, i=i: f"V{i}: {m}")
+
+
+# -- re-positioning -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_reposition_matches_keys_computed_at_that_position(family: str) -> None:
+    model = tiny(family)
+    layout = model_layout(model, DType.FLOAT32)
+    chunk = ids(20, seed=5)
+    at0, _ = prefill(model, chunk, layout)
+    delta = 137
+    with torch.no_grad():
+        out = model(torch.tensor([chunk]), position_ids=torch.arange(delta, delta + 20)[None],
+                    use_cache=True)
+    there = KVCache.from_transformers(out.past_key_values, layout)
+    freqs = model.model.rotary_emb.inv_freq
+    for (k0, v0), (kd, vd) in zip(at0.layers, there.layers):
+        plan = rope_plan(None, k0.shape[-1], layout.rope.rotary_dim)
+        torch.testing.assert_close(reposition(k0, delta, freqs, plan), kd, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(v0, vd, atol=1e-4, rtol=1e-4)
+    # moving back undoes it
+    plan = rope_plan(None, 16, 16)
+    k = there.layers[2][0]
+    torch.testing.assert_close(reposition(reposition(k, -delta, freqs, plan), delta, freqs, plan),
+                               k, atol=1e-5, rtol=1e-5)
+
+
+def test_reposition_pruned_channels_equals_full_then_gather() -> None:
+    spec = RopeSpec(theta=10000.0, rotary_dim=16)
+    freqs = inv_freq(spec)
+    full = torch.randn(2, 11, 16, dtype=torch.float64)
+    kept = (0, 3, 5, 8, 11, 13)  # pairs (0,8), (3,11), (5,13)
+    moved_full = reposition(full, 40, freqs, rope_plan(None, 16, 16))
+    moved_kept = reposition(full[..., list(kept)], 40, freqs, rope_plan(kept, 6, 16))
+    torch.testing.assert_close(moved_kept, moved_full[..., list(kept)])
+    # a channel beyond rotary_dim passes through; a lone rotary channel is refused
+    partial = rope_plan((0, 4, 12), 3, 8)
+    x = torch.randn(1, 3, 3)
+    assert torch.equal(reposition(x, 9, inv_freq(RopeSpec(rotary_dim=8)), partial)[..., 2],
+                       x[..., 2])
+    with pytest.raises(InvalidLayout):
+        rope_plan((0, 3), 2, 16)
+
+
+def test_concat_positions_places_chunks() -> None:
+    layout = KVLayout("m", (LayerLayout(1, 4, 2),), dtype=DType.FLOAT32, head_dim=4,
+                      rope=RopeSpec(theta=100.0, rotary_dim=4))
+    a = KVCache(layout, [(torch.randn(1, 3, 4), torch.randn(1, 3, 2))])
+    b = KVCache(layout, [(torch.randn(1, 5, 4), torch.randn(1, 5, 2))])
+    out = concat_positions([a, b], start=2)
+    assert out.num_tokens == 8 and out.start_position == 2
+    plan = rope_plan(None, 4, 4)
+    freqs = inv_freq(layout.rope)
+    torch.testing.assert_close(out.layers[0][0][:, 3:], reposition(b.layers[0][0], 5, freqs,
+                                                                    plan))
+
+
+# -- selection ------------------------------------------------------------------------------
+
+
+def test_select_tokens_budgets() -> None:
+    scores = torch.tensor([0.0, 9, 1, 8, 2, 7, 3, 6, 4, 5])
+    spans = [(0, 4), (4, 10)]
+    assert select_tokens(scores, spans, 0.3).tolist() == [1, 3, 5]
+    assert select_tokens(scores, spans, 0.3, head_tokens=1).tolist() == [0, 1, 4]
+    assert select_tokens(scores, spans, 0.5, per_chunk=True).tolist() == [1, 3, 5, 7, 9]
+    assert select_tokens(scores, spans, 0.0).tolist() == []
+    assert select_tokens(scores, spans, 1.0).tolist() == list(range(10))
+
+
+def test_config_checks() -> None:
+    with pytest.raises(InvalidArgument):
+        BlendConfig(ratio=1.5)
+    with pytest.raises(InvalidArgument):
+        BlendConfig(select_layer=0)
+
+
+# -- exactness on tiny models -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral"])
+def test_ratio_one_is_full_prefill(family: str) -> None:
+    model = tiny(family)
+    layout = model_layout(model, DType.FLOAT32)
+    pieces, all_ids, _ = prompt(model, layout)
+    full, logits = prefill(model, all_ids, layout)
+    got = blend(model, pieces, BlendConfig(ratio=1.0))
+    assert got.timings.recomputed_tokens == got.timings.cached_tokens == 70
+    assert_kv_close(got.kv, full)
+    torch.testing.assert_close(got.logits, logits, **TOL)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_ratio_zero_is_concatenation(family: str) -> None:
+    model = tiny(family)
+    layout = model_layout(model, DType.FLOAT32)
+    pieces, all_ids, chunks = prompt(model, layout)
+    head, tail = pieces[0].ids, pieces[-1].ids
+    sys_kv, _ = prefill(model, head, layout)
+    placed = concat_positions(chunks, freqs=model.model.rotary_emb.inv_freq, start=len(head))
+    concat = KVCache.concat([sys_kv, placed])
+    ref, logits = prefill(model, tail, layout, past=concat)
+    got = blend(model, pieces, BlendConfig(ratio=0.0))
+    assert got.timings.recomputed_tokens == 0
+    assert_kv_close(got.kv, ref)
+    torch.testing.assert_close(got.logits, logits, **TOL)
+    # recomputing more gets closer to the full prefill
+    full, _ = prefill(model, all_ids, layout)
+
+    def err(ratio: float) -> float:
+        kv = blend(model, pieces, BlendConfig(ratio=ratio)).kv
+        return sum(float((a[1] - b[1]).norm()) for a, b in zip(kv.layers, full.layers))
+
+    assert err(0.6) < err(0.0)
+
+
+def test_blend_is_deterministic_and_counts_budget() -> None:
+    model = tiny("llama")
+    layout = model_layout(model, DType.FLOAT32)
+    pieces, _, _ = prompt(model, layout)
+    a = blend(model, pieces, BlendConfig(ratio=0.2, head_tokens=2))
+    b = blend(model, pieces, BlendConfig(ratio=0.2, head_tokens=2))
+    assert torch.equal(a.recomputed, b.recomputed) and a.kv.equal(b.kv)
+    assert a.timings.recomputed_tokens == 14  # round(0.2 * 70)
+    for start in (9, 32, 49):  # each chunk's first two tokens
+        assert {start, start + 1} <= set(a.recomputed.tolist())
+
+
+# -- pruned layout ------------------------------------------------------------------------------
+
+
+def pruned_pair(seed: int = 1) -> tuple[Any, Any, list[tuple[int, ...]], list[tuple[int, ...]]]:
+    """(reference full model with pruned channels zeroed, pruned model, k_kept, v_kept)."""
+    ref = tiny("llama", seed)
+    hd, heads, kvh = 16, 4, 2
+    k_kept = [tuple(range(16)), (0, 2, 3, 8, 10, 11), (1, 4, 5, 6, 9, 12, 13, 14), (7, 15)]
+    v_kept = [tuple(range(16)), (1, 2, 5, 9, 14), tuple(range(4, 16)), (0, 3)]
+    pruned = copy.deepcopy(ref)
+    for i, (rl, pl) in enumerate(zip(ref.model.layers, pruned.model.layers)):
+        kk, vk = list(k_kept[i]), list(v_kept[i])
+        q_rows = [h * hd + c for h in range(heads) for c in kk]
+        k_rows = [h * hd + c for h in range(kvh) for c in kk]
+        v_rows = [h * hd + c for h in range(kvh) for c in vk]
+        o_cols = [h * hd + c for h in range(heads) for c in vk]
+        with torch.no_grad():
+            for name, keep in (("q_proj", q_rows), ("k_proj", k_rows), ("v_proj", v_rows)):
+                w = getattr(rl.self_attn, name).weight
+                drop = torch.ones(w.shape[0], dtype=torch.bool)
+                drop[keep] = False
+                w[drop] = 0.0
+                lin = torch.nn.Linear(w.shape[1], len(keep), bias=False)
+                lin.weight.copy_(w[keep])
+                setattr(pl.self_attn, name, lin)
+            o = torch.nn.Linear(len(o_cols), 64, bias=False)
+            o.weight.copy_(rl.self_attn.o_proj.weight[:, o_cols])
+            pl.self_attn.o_proj = o
+    pruned.config.kdn_pruned = {"k_kept": [list(k) for k in k_kept],
+                                "v_kept": [list(v) for v in v_kept]}
+    return ref, pruned, k_kept, v_kept
+
+
+def test_pruned_model_blends_exactly() -> None:
+    ref, pruned, k_kept, v_kept = pruned_pair()
+    layout = model_layout(pruned, DType.FLOAT32)
+    assert [lay.k_channels for lay in layout.layers] == [16, 6, 8, 2]
+    full_layout = model_layout(ref, DType.FLOAT32)
+
+    def gather(kv: KVCache) -> KVCache:  # full-width KV of the zeroed model -> pruned layout
+        return KVCache(layout, [(k[..., list(kk)].contiguous(), v[..., list(vk)].contiguous())
+                                for (k, v), kk, vk in zip(kv.layers, k_kept, v_kept)])
+
+    parts = [ids(n, seed=10 + i) for i, n in enumerate((5, 21, 14, 8))]
+    chunks = [gather(prefill(ref, p, full_layout)[0]) for p in parts[1:3]]
+    pieces = [Piece(parts[0]), Piece(parts[1], chunks[0]), Piece(parts[2], chunks[1]),
+              Piece(parts[3])]
+    full, logits = prefill(ref, [t for p in parts for t in p], full_layout)
+    got = blend(pruned, pieces, BlendConfig(ratio=1.0))
+    assert_kv_close(got.kv, gather(full))
+    torch.testing.assert_close(got.logits, logits, **TOL)
+    zero = blend(pruned, pieces, BlendConfig(ratio=0.0))
+    placed = concat_positions(chunks, freqs=ref.model.rotary_emb.inv_freq, start=5)
+    for i, (k, _) in enumerate(zero.kv.layers):
+        torch.testing.assert_close(k[:, 5:40], placed.layers[i][0], **TOL)
+
+
+# -- streamed chunks ----------------------------------------------------------------------------
+
+
+def test_streamed_chunks_blend_like_resident(client: Client) -> None:
+    model = tiny("qwen2")
+    layout = model_layout(model, DType.FLOAT32)
+    pieces, _, chunks = prompt(model, layout)
+    want = blend(model, pieces, BlendConfig(ratio=0.3))
+    streamed = []
+    for j, p in enumerate(pieces):
+        if p.kv is None:
+            streamed.append(p)
+            continue
+        key = bytes([j]) * 32
+        client.store(key, chunks[j - 1], mode="lossless")
+        stream = client.retrieve_stream(key, layout=layout)
+        assert stream is not None
+        streamed.append(Piece(p.ids, stream))
+    got = blend(model, streamed, BlendConfig(ratio=0.3))
+    assert got.kv.equal(want.kv)
+    assert torch.equal(got.logits, want.logits)
+
+
+# -- Blend RPC ----------------------------------------------------------------------------------
+
+
+def test_blend_rpc_composes_stores_and_hits(server_config: Any) -> None:
+    from kdn.client.blend import RemotePiece, blend_stream
+    from kdn.errors import LayoutMismatch, NotFound
+    from kdn.keys import chunk_key
+    from kdn.server import ServerThread
+
+    model = tiny("llama")
+    layout = model_layout(model, DType.FLOAT32)
+    pieces, _, chunks = prompt(model, layout)
+    want = blend(model, pieces, BlendConfig(ratio=0.3))
+    with ServerThread(server_config) as st, Client(st.address, timeout_s=30) as c:
+        remote = [RemotePiece(ids=p.ids) for p in pieces]
+        with pytest.raises(LayoutMismatch):  # no model hosted yet
+            c.blend(remote)
+        assert st.server is not None
+        st.server.servicer.blend_model = (model, None)
+        for j, kv in enumerate(chunks, start=1):
+            key = chunk_key(pieces[j].ids, layout)
+            remote[j] = RemotePiece(ids=pieces[j].ids, key=key)
+            if j == 1:
+                with pytest.raises(NotFound):
+                    c.blend(remote)
+            c.store(key, kv)
+        got = blend_stream(c, remote, ratio=0.3, store=True)
+        assert got.tier == "blend"
+        assert got.result().equal(want.kv)
+        again = blend_stream(c, remote, ratio=0.3, store=True)
+        assert again.tier == "ram" and again.result().equal(want.kv)
+        other = c.blend(remote, ratio=1.0)
+        assert not other.equal(want.kv)
+        bad = list(remote)
+        bad[1] = RemotePiece(ids=pieces[2].ids[:23], key=remote[1].key)
+        with pytest.raises(InvalidArgument):
+            c.blend(bad)
+        counters = c.stats().counters
+        assert counters["blend.hit"] == 1 and counters["blend.computed"] == 2
+
+
+# -- continuation -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_continuation_matches_transformers(family: str) -> None:
+    from kdn.blend.decode import Continuation, greedy
+
+    model = tiny(family)
+    layout = model_layout(model, DType.FLOAT32)
+    prompt_ids, more = ids(40, seed=1), ids(5, seed=2)
+    kv, logits = prefill(model, prompt_ids, layout)
+    with torch.no_grad():
+        ref = model(torch.tensor([more]), past_key_values=kv.to_transformers()).logits[0]
+    got = Continuation(model, kv, room=8).forward(more)
+    torch.testing.assert_close(got, ref, **TOL)
+    want, cache = [int(logits.argmax())], kv.to_transformers()
+    with torch.no_grad():
+        for _ in range(5):
+            o = model(torch.tensor([[want[-1]]]), past_key_values=cache, use_cache=True)
+            cache = o.past_key_values
+            want.append(int(o.logits[0, -1].argmax()))
+    assert greedy(model, kv, logits, 6, set()) == want

@@ -1,0 +1,363 @@
+"""kdn.rag on a tiny random Llama, a character tokenizer and a bag-of-words embedder, against a
+real in-process kdn server: chunking, idempotent and resumable ingest, exact invalidation of a
+changed or deleted document's entries, asking (with evicted chunks), and the drop-in API."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from kdn.client import Client
+from kdn.errors import InvalidArgument
+from kdn.rag import Document, KnowledgeBase, RagConfig, RagEngine, chunk_document, load_corpus
+from kdn.rag.corpus import CHUNK_END, paragraphs, sentences
+from kdn.rag.index import EMBEDDINGS, MANIFEST, VectorIndex
+from kdn.rag.pipeline import greedy
+
+VOCAB = 128
+
+
+class CharTokenizer:
+    """One token per ASCII character (others become '?'); id 0 is EOS."""
+
+    eos_token_id = 0
+
+    def __call__(self, text: str, *, add_special_tokens: bool = False) -> dict[str, list[int]]:
+        return {"input_ids": [ord(c) if 0 < ord(c) < VOCAB else ord("?") for c in text]}
+
+    def decode(self, ids: list[int], /, *, skip_special_tokens: bool = False) -> str:
+        return "".join(chr(i) for i in ids if i)
+
+
+class WordEmbedder:
+    """Hashed bag of words, unit norm: texts sharing words are similar."""
+
+    dim = 64
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def embed(self, texts: list[str]) -> torch.Tensor:
+        self.calls += 1
+        out = torch.zeros(len(texts), self.dim)
+        for i, t in enumerate(texts):
+            for w in re.findall(r"[a-z]+", t.lower()):
+                h = int.from_bytes(hashlib.blake2b(w.encode(), digest_size=4).digest(), "little")
+                out[i, h % self.dim] += 1.0
+        return torch.nn.functional.normalize(out + 1e-6, dim=1)
+
+
+def tiny_llama() -> Any:
+    import transformers as tf
+
+    cfg = tf.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96,
+                         num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=16, max_position_embeddings=2048, rope_theta=10000.0)
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    return tf.AutoModelForCausalLM.from_config(cfg).eval()
+
+
+class Counted:
+    """Counts forward calls of a model (a forward pre-hook; the model itself is untouched)."""
+
+    def __init__(self, model: Any) -> None:
+        self.calls = 0
+        self.fail_after: int | None = None
+        model.register_forward_pre_hook(self._hook)
+
+    def _hook(self, *_: Any) -> None:
+        if self.fail_after is not None and self.calls >= self.fail_after:
+            raise RuntimeError("simulated crash")
+        self.calls += 1
+
+
+@pytest.fixture(scope="module")
+def model() -> Any:
+    return tiny_llama()
+
+
+@pytest.fixture
+def counted(model: Any) -> Iterator[Counted]:
+    c = Counted(model)
+    yield c
+    model._forward_pre_hooks.clear()
+
+
+CONFIG = RagConfig(target_tokens=64, max_tokens=96, max_new_tokens=4, top_k=2)
+
+
+def make_kb(model: Any, client: Client, state: Path, config: RagConfig = CONFIG,
+            embedder: WordEmbedder | None = None) -> KnowledgeBase:
+    return KnowledgeBase(RagEngine(model, CharTokenizer(), client, config), state,
+                         embedder or WordEmbedder())
+
+
+def corpus(root: Path) -> Path:
+    docs = root / "docs"
+    (docs / "sub").mkdir(parents=True)
+    (docs / "cats.md").write_text(
+        "Cats purr when content. Cats sleep most of the day.\n\n"
+        "A cat has whiskers that sense the air. Kittens are young cats.\n\n"
+        "Lions are big cats living in prides on the savanna.")
+    (docs / "sub" / "rivers.txt").write_text(
+        "The Nile is a long river in Africa. It flows north into the sea.\n\n"
+        "The Amazon river carries the most water of any river on earth.")
+    (docs / "shared.md").write_text("Shared paragraph about nothing in particular at all.")
+    (docs / "copy.md").write_text("Shared paragraph about nothing in particular at all.")
+    (docs / ".hidden.md").write_text("never read")
+    (docs / "image.png").write_bytes(b"\x89PNG")
+    return docs
+
+
+def stored(client: Client, kb: KnowledgeBase, keys: list[str] | set[str]) -> dict[str, bool]:
+    keys = sorted(keys)
+    infos = client.lookup([bytes.fromhex(k) for k in keys], namespace="rag").infos
+    return {k: i.present for k, i in zip(keys, infos)}
+
+
+def doc_keys(kb: KnowledgeBase, doc_id: str) -> list[str]:
+    return [c.key for c in kb.manifest.documents[doc_id].chunks]
+
+
+# -- corpus ---------------------------------------------------------------------------------
+
+
+def test_chunking_packs_paragraphs_and_splits_long_ones() -> None:
+    tok = CharTokenizer()
+    para = " ".join(f"Sentence number {i} is here." for i in range(12))  # ~330 chars
+    text = "Short one.\n\nShort two.\n\n" + para + "\n\n" + "x" * 200
+    chunks = chunk_document(Document("d", text), tok, target_tokens=64, max_tokens=96)
+    assert chunks[0].text == "Short one.\n\nShort two.\n\nSentence number 0 is here." + CHUNK_END
+    assert all(c.tokens <= 96 + 2 for c in chunks), [c.tokens for c in chunks]
+    assert all(c.text.endswith(CHUNK_END) for c in chunks)
+    assert [c.index for c in chunks] == list(range(len(chunks)))
+    assert all(list(c.ids) == tok(c.text)["input_ids"] for c in chunks)
+    # every sentence of the long paragraph lands whole in one chunk
+    for s in sentences(para):
+        assert sum(s in c.text for c in chunks) == 1, s
+    # the run-on 200-character "sentence" is cut into windows, nothing lost
+    assert "".join(c.text for c in chunks).count("x") == 200
+    assert paragraphs("a\n\n\n b \n  \nc") == ["a", "b", "c"]
+    assert sentences('He said "Go." Then left. 3 more.') == ['He said "Go."', "Then left.",
+                                                            "3 more."]
+    with pytest.raises(InvalidArgument):
+        chunk_document(Document("d", "x"), tok, target_tokens=64, max_tokens=32)
+
+
+def test_load_corpus_folder_and_jsonl(tmp_path: Path) -> None:
+    docs = corpus(tmp_path)
+    (docs / ".kdn-rag").mkdir()
+    (docs / ".kdn-rag" / "manifest.md").write_text("state, not corpus")
+    assert [d.id for d in load_corpus(docs)] == ["cats.md", "copy.md", "shared.md",
+                                                 "sub/rivers.txt"]
+    jl = tmp_path / "c.jsonl"
+    jl.write_text(json.dumps({"id": "a", "title": "T", "text": "body"}) + "\n\n"
+                  + json.dumps({"text": "second"}) + "\n")
+    got = load_corpus(jl)
+    assert [(d.id, d.text) for d in got] == [("3", "second"), ("a", "T\n\nbody")]
+    jl.write_text(json.dumps({"id": "a", "text": "x"}) + "\n" + json.dumps({"id": "a",
+                                                                           "text": "y"}))
+    with pytest.raises(InvalidArgument, match="duplicate"):
+        load_corpus(jl)
+    with pytest.raises(InvalidArgument):
+        load_corpus(tmp_path / "missing")
+
+
+def test_vector_index_round_trip(tmp_path: Path) -> None:
+    idx = VectorIndex()
+    v = torch.nn.functional.normalize(torch.randn(5, 8), dim=1)
+    idx.add([f"k{i}" for i in range(5)], v)
+    idx.add(["k1"], v[4:5])  # replace
+    assert idx.search(v[4], 2)[0][0] in ("k1", "k4")
+    idx.retain(["k0", "k1", "k4"])
+    idx.save(tmp_path)
+    back = VectorIndex.load(tmp_path)
+    assert back.keys == ["k0", "k1", "k4"] and back.dim == 8
+    assert [k for k, _ in back.search(v[0], 1)] == ["k0"]
+    assert b"pickle" not in (tmp_path / EMBEDDINGS).read_bytes()[:200]
+
+
+# -- ingest ---------------------------------------------------------------------------------
+
+
+def test_ingest_then_reingest_computes_nothing(model: Any, counted: Counted, client: Client,
+                                               tmp_path: Path) -> None:
+    docs = corpus(tmp_path)
+    state = tmp_path / "state"
+    emb = WordEmbedder()
+    kb = make_kb(model, client, state, embedder=emb)
+    rep = kb.ingest(docs)
+    n_keys = len(kb.manifest.keys())
+    assert rep.documents == 4 and rep.changed == 4 and rep.chunks >= 6
+    assert rep.computed == n_keys == counted.calls  # copy.md's chunk is shared.md's: one prefill
+    assert rep.computed_tokens > 0 and rep.stored_bytes > 0 and rep.tokens >= rep.computed_tokens
+    assert all(stored(client, kb, kb.manifest.keys()).values())
+    assert (state / MANIFEST).exists() and (state / EMBEDDINGS).exists()
+    assert len(kb.index) == n_keys
+    assert "4 documents" in rep.summary()
+
+    # again, same process and a fresh one (state reloaded from disk): no model call at all
+    for again in (kb, make_kb(model, client, state, embedder=emb)):
+        emb_calls = emb.calls
+        rep2 = again.ingest(docs)
+        assert counted.calls == n_keys, "re-ingest of an unchanged corpus called the model"
+        assert emb.calls == emb_calls, "re-ingest re-embedded unchanged chunks"
+        assert (rep2.unchanged, rep2.changed, rep2.computed, rep2.deleted) == (4, 0, 0, 0)
+        assert rep2.chunks == rep.chunks and rep2.stored_bytes == rep.stored_bytes
+
+
+def test_update_and_delete_invalidate_exactly_their_chunks(model: Any, counted: Counted,
+                                                          client: Client, tmp_path: Path) -> None:
+    docs = corpus(tmp_path)
+    kb = make_kb(model, client, tmp_path / "state")
+    kb.ingest(docs)
+    cats_before = doc_keys(kb, "cats.md")
+    rivers = doc_keys(kb, "sub/rivers.txt")
+    shared = doc_keys(kb, "shared.md")
+    assert shared == doc_keys(kb, "copy.md")
+    assert len(cats_before) >= 2
+
+    # change only the last paragraph of cats.md: its first chunk survives, the rest are replaced
+    text = (docs / "cats.md").read_text()
+    (docs / "cats.md").write_text(text.replace("Lions are big cats", "Tigers are big cats"))
+    calls = counted.calls
+    rep = kb.ingest(docs)
+    cats_after = doc_keys(kb, "cats.md")
+    gone = set(cats_before) - set(cats_after)
+    new = set(cats_after) - set(cats_before)
+    assert gone and new and cats_before[0] == cats_after[0]
+    assert counted.calls - calls == len(new) == rep.computed
+    assert rep.reused == len(cats_after) - len(new) and rep.deleted == len(gone)
+    assert rep.changed == 1 and rep.unchanged == 3
+    assert not any(stored(client, kb, gone).values())
+    assert all(stored(client, kb, set(cats_after) | set(rivers) | set(shared)).values())
+
+    # delete a file: exactly its chunks go; a chunk another document shares stays
+    (docs / "sub" / "rivers.txt").unlink()
+    (docs / "copy.md").unlink()
+    rep = kb.ingest(docs)
+    assert rep.removed == 2 and rep.deleted == len(rivers)
+    assert not any(stored(client, kb, rivers).values())
+    assert all(stored(client, kb, shared).values())
+    assert "sub/rivers.txt" not in kb.manifest.documents
+    assert set(kb.index.keys) == kb.manifest.keys()
+
+    # rm through the API
+    assert kb.remove(["shared.md"]) == len(shared)
+    assert not any(stored(client, kb, shared).values())
+
+
+def test_interrupted_ingest_resumes_without_recomputing(model: Any, counted: Counted,
+                                                        client: Client, tmp_path: Path) -> None:
+    docs = corpus(tmp_path)
+    state = tmp_path / "state"
+    counted.fail_after = 3
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        make_kb(model, client, state).ingest(docs)
+    assert counted.calls == 3
+    counted.fail_after = None
+    kb = make_kb(model, client, state)
+    rep = kb.ingest(docs)
+    total = len(kb.manifest.keys())
+    assert rep.reused >= 3 and rep.computed == total - 3 == counted.calls - 3
+    assert all(stored(client, kb, kb.manifest.keys()).values())
+
+
+def test_settings_changes(model: Any, counted: Counted, client: Client, tmp_path: Path) -> None:
+    docs = corpus(tmp_path)
+    state = tmp_path / "state"
+    make_kb(model, client, state).ingest(docs)
+    other_ns = RagConfig(target_tokens=64, max_tokens=96, namespace="other")
+    with pytest.raises(InvalidArgument, match="another model or namespace"):
+        make_kb(model, client, state, other_ns).ingest(docs)
+    # a new codec mode re-encodes every chunk
+    calls = counted.calls
+    kb = make_kb(model, client, state, RagConfig(target_tokens=64, max_tokens=96, mode="int8"))
+    rep = kb.ingest(docs)
+    assert rep.computed == len(kb.manifest.keys()) == counted.calls - calls
+    info = client.lookup([bytes.fromhex(next(iter(kb.manifest.keys())))], namespace="rag")
+    assert info.infos[0].present
+
+
+# -- asking ---------------------------------------------------------------------------------
+
+
+def test_ask_retrieves_blends_and_refills_evicted_chunks(model: Any, counted: Counted,
+                                                         client: Client, tmp_path: Path) -> None:
+    kb = make_kb(model, client, tmp_path / "state")
+    kb.ingest(corpus(tmp_path))
+    ans = kb.ask("Which river flows north in Africa, the Nile?")
+    assert ans.sources[0].doc_id == "sub/rivers.txt" and len(ans.sources) == 2
+    assert ans.sources[0].score >= ans.sources[1].score
+    t = ans.timings
+    assert t.missing_chunks == 0 and t.ttft_s > 0 and t.blend_s > 0 and t.retrieval_s > 0
+    assert t.ttft_s >= t.retrieval_s + t.blend_s
+    assert 1 <= len(ans.token_ids) <= CONFIG.max_new_tokens
+    assert t.cached_tokens == sum(len(s.text) for s in ans.sources)
+
+    # an entry kdn lost is computed on the request path and stored back afterwards
+    key = bytes.fromhex(ans.sources[0].key)
+    client.delete(key, namespace="rag")
+    calls = counted.calls
+    again = kb.ask("Which river flows north in Africa, the Nile?")
+    assert again.timings.missing_chunks == 1 and counted.calls > calls
+    assert client.contains(key, namespace="rag")
+    assert again.token_ids == ans.token_ids  # lossless: the same KV either way
+
+
+def test_drop_in_answer_matches_full_prefill_at_ratio_one(model: Any, client: Client) -> None:
+    cfg = RagConfig(blend_ratio=1.0, max_new_tokens=6)
+    engine = RagEngine(model, CharTokenizer(), client, cfg)
+    chunks = ["Alpha beta gamma.\n\n", "Delta epsilon zeta eta.\n\n", "Theta iota.\n\n"]
+    assert engine.ensure(chunks) == 3
+    assert engine.ensure(chunks) == 0
+    ans = engine.answer("What comes after gamma?", chunks)
+    assert ans.timings.missing_chunks == 0 and ans.timings.fetch_s > 0
+    assert [s.text for s in ans.sources] == chunks
+    # reference: the whole prompt prefilled by transformers, greedy decoding
+    tok = CharTokenizer()
+    prompt = engine.head + "".join(chunks) + engine.tail.replace("{question}",
+                                                                 "What comes after gamma?")
+    with torch.inference_mode():
+        out = model(torch.tensor([tok(prompt)["input_ids"]]), use_cache=True)
+    from kdn.cache import KVCache
+
+    kv = KVCache.from_transformers(out.past_key_values, engine.layout)
+    ref = greedy(model, kv, out.logits[0, -1], 6, engine.stop)
+    assert ans.token_ids == ref
+    with pytest.raises(InvalidArgument):
+        engine.answer("q", [])
+
+
+def test_config_validation() -> None:
+    with pytest.raises(InvalidArgument):
+        RagConfig(top_k=0)
+    with pytest.raises(InvalidArgument):
+        RagConfig(head="x")
+    with pytest.raises(InvalidArgument):
+        RagConfig(head="x", tail="no placeholder")
+    with pytest.raises(InvalidArgument):
+        RagConfig(blend_ratio=2.0)
+    with pytest.raises(InvalidArgument):
+        RagConfig(namespace="bad ns")
+
+
+def test_cli_parses_rag_commands() -> None:
+    from kdn.cli.main import build_parser
+
+    ns = build_parser().parse_args(["rag", "--state", "s", "ingest", "docs", "--mode", "kdn",
+                                    "--level", "l2", "--chunk-tokens", "128"])
+    assert (ns.cmd, ns.cmd_rag, ns.corpus, ns.mode, ns.level, ns.chunk_tokens) == (
+        "rag", "ingest", "docs", "kdn", "l2", 128)
+    ns = build_parser().parse_args(["rag", "ask", "why?", "-k", "3"])
+    assert (ns.question, ns.k) == ("why?", 3)
+    ns = build_parser().parse_args(["rag", "rm", "a.md", "b.md"])
+    assert ns.docs == ["a.md", "b.md"]
