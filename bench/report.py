@@ -32,7 +32,8 @@ def fmt(v: Any) -> str:
 def table(rows: list[dict[str, Any]]) -> str:
     cols: list[str] = []
     for r in rows:
-        cols += [c for c in r if c not in cols and c not in SKIP]
+        cols += [c for c, v in r.items() if c not in cols and c not in SKIP
+                 and not isinstance(v, (list, dict))]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(fmt(r.get(c, "")) for c in cols) + " |" for r in rows]
     return "\n".join(lines)
