@@ -11,15 +11,13 @@ The answer is a Retrieve stream, so layers arrive and decode one by one (``Layer
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
-from kdn.client.stream import LayerStream, StreamTimings
-from kdn.codec import StreamDecoder
+from kdn.client.stream import LayerStream
 from kdn.layout import KVLayout
 from kdn.v1 import kdn_pb2 as pb
 
@@ -61,14 +59,4 @@ def blend_stream(client: Client, pieces: Sequence[RemotePiece], *, ratio: float 
                         select_layer=select_layer, head_tokens=head_tokens, per_chunk=per_chunk,
                         store=store, mode=mode, level=level, layout=layout)
 
-    def run() -> LayerStream:
-        timings = StreamTimings(started=time.perf_counter())
-        call = client._stub.Blend(req, timeout=client.timeout_s)
-        first = next(call)
-        timings.header = time.perf_counter()
-        target = torch.device(device or "cpu")
-        dec = StreamDecoder(first.header.container_header,
-                            "cpu" if target.type == "cuda" else target)
-        return LayerStream(dec, call, first.header.tier, call.cancel, timings, target)
-
-    return client._call(run)
+    return client.layer_stream(client._stub.Blend, req, device)

@@ -224,9 +224,19 @@ class Client:
         req = self._retrieve_request(key, namespace, layout)
         req.first_layer, req.last_layer = first_layer, last_layer
 
+        try:
+            return self.layer_stream(self._stub.Retrieve, req, device)
+        except NotFound:
+            return None
+
+    def layer_stream(self, start: Callable[..., Any], request: Any,
+                     device: torch.device | str | None = None) -> LayerStream:
+        """Issue a server-streaming call that answers a header then frames (Retrieve, Blend)
+        and hand its frames to a LayerStream, once the header has arrived."""
+
         def run() -> LayerStream:
             timings = StreamTimings(started=time.perf_counter())
-            call = self._stub.Retrieve(req, timeout=self.timeout_s, metadata=self.metadata())
+            call = start(request, timeout=self.timeout_s, metadata=self.metadata())
             first = next(call)
             timings.header = time.perf_counter()
             target = torch.device(device or "cpu")
@@ -235,10 +245,7 @@ class Client:
                                 "cpu" if target.type == "cuda" else target)
             return LayerStream(dec, call, first.header.tier, call.cancel, timings, target)
 
-        try:
-            return self._call(run)
-        except NotFound:
-            return None
+        return self._call(run)
 
     def retrieve(self, key: bytes, *, namespace: str | None = None,
                  layout: KVLayout | None = None,
