@@ -66,3 +66,19 @@ def write_json(path: Path | str, name: str, rows: list[dict[str, Any]], **extra:
            **extra, "rows": rows}
     path.write_text(json.dumps(doc, indent=2) + "\n")
     print(f"wrote {path}")
+
+
+def figure(width: float = 7.0, height: float = 4.5) -> tuple[Any, Any]:
+    """A headless matplotlib figure and axes (Agg backend; nothing needs a display)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt.subplots(figsize=(width, height))
+
+
+def save_figure(fig: Any, path: Path) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from bench.common import median, percentile, print_table, timed, write_json
+from bench.common import figure, median, percentile, print_table, save_figure, timed, write_json
 from bench.roundtrip import RawServer, raw_client
 from kdn import keys
 from kdn.client import Client
@@ -271,12 +271,7 @@ def agreement_rows(model: Any, tok: Any, workdir: Path, tokens: int, new_tokens:
 
 
 def plot(rows: list[dict[str, Any]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = figure(7, 4.5)
     ttft = [r for r in rows if r["section"] == "ttft"]
     for p in sorted({r["path"] for r in ttft}):
         pts = sorted((r["tokens"], r["ttft_s"]) for r in ttft if r["path"] == p)
@@ -287,9 +282,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     ax.set_yscale("log")
     ax.set_title("SmolLM2-135M TTFT: full prefill vs kdn hits (CPU, loopback)")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    print(f"wrote {path}")
+    save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> None:

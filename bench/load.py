@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from bench.common import median, percentile, print_table, timed, write_json
+from bench.common import figure, median, percentile, print_table, save_figure, timed, write_json
 from kdn import codec, keys
 from kdn.cache import KVCache
 from kdn.client import Client
@@ -177,19 +177,12 @@ def gateway_overhead(address: str, clients_list: list[int], requests: int
 
 
 def plot(rss: list[tuple[float, int]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 3.5))
+    fig, ax = figure(7, 3.5)
     ax.plot([t for t, _ in rss], [b / 2**20 for _, b in rss])
     ax.set_xlabel("seconds")
     ax.set_ylabel("server RSS (MiB)")
     ax.set_title("kdn server RSS under 64-client mixed load (RAM budget 64 MiB)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    print(f"wrote {path}")
+    save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> None:

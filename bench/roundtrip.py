@@ -23,7 +23,7 @@ from typing import Any
 import grpc
 import torch
 
-from bench.common import median, print_table, timed, write_json
+from bench.common import figure, median, print_table, save_figure, timed, write_json
 from kdn import codec, keys
 from kdn.cache import KVCache
 from kdn.client import Client
@@ -151,14 +151,9 @@ def run(tokens_list: list[int], repeat: int, out: Path) -> list[dict[str, Any]]:
 
 
 def plot(rows: list[dict[str, Any]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     ops = sorted({r["op"] for r in rows}, key=[r["op"] for r in rows].index)
     toks = sorted({r["tokens"] for r in rows})
-    fig, ax = plt.subplots(figsize=(8, 4))
+    fig, ax = figure(8, 4)
     width = 0.8 / (len(toks) * 2)
     for j, t in enumerate(toks):
         sel = [next(r for r in rows if r["op"] == op and r["tokens"] == t) for op in ops]
@@ -170,9 +165,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     ax.set_ylabel("GB/s (fp16 KV bytes)")
     ax.set_title("kdn vs raw gRPC streaming, loopback")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    print(f"wrote {path}")
+    save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> None:
