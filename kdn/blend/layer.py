@@ -56,25 +56,39 @@ def project_qkv(layer: Any, h: torch.Tensor, shape: LayerShape, cos: torch.Tenso
 
 
 def attend(layer: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-           q_positions: torch.Tensor | None) -> torch.Tensor:
+           q_positions: torch.Tensor | None, groups: int = 4) -> torch.Tensor:
     """Causal attention of queries at ``q_positions`` [rows] over keys at 0..ctx-1.
 
-    q: [heads, rows, k_ch]; k: [kv_heads, ctx, k_ch]; v: [kv_heads, ctx, v_ch]. None as
-    positions means the rows are exactly 0..ctx-1 (plain causal prefill). Returns the
-    ``o_proj`` input, [rows, heads * v_ch].
+    q: [heads, rows, k_ch]; k: [kv_heads, ctx, k_ch]; v: [kv_heads, ctx, v_ch]; positions
+    sorted ascending. None as positions means the rows are exactly 0..ctx-1 (plain causal
+    prefill). Returns the ``o_proj`` input, [rows, heads * v_ch].
+
+    Rows at sorted positions are attended in ``groups`` runs of about equal size, each over
+    the keys up to its last row's position only: with rows spread over the context that skips
+    about half of the masked-out work, as a causal kernel does. Inputs are 4-D so SDPA takes
+    its fused CPU/CUDA kernels (3-D inputs with a mask fall back to the unfused path).
     """
-    groups = q.shape[0] // k.shape[0]
-    k = k.repeat_interleave(groups, dim=0)  # [heads, ctx, k_ch]
-    v = v.repeat_interleave(groups, dim=0)
+    rep = q.shape[0] // k.shape[0]
+    k = k.repeat_interleave(rep, dim=0)[None]  # [1, heads, ctx, k_ch]
+    v = v.repeat_interleave(rep, dim=0)[None]
     scale = float(layer.self_attn.scaling)
     if q_positions is None:
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
-    else:
-        ctx = torch.arange(k.shape[1], device=q.device)
-        mask = q_positions[:, None] >= ctx[None, :]  # [rows, ctx]
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
-    # out: [heads, rows, v_ch] -> [rows, heads * v_ch]
-    return out.transpose(0, 1).reshape(q.shape[1], -1)
+        out = F.scaled_dot_product_attention(q[None], k, v, is_causal=True, scale=scale)[0]
+        return out.transpose(0, 1).reshape(q.shape[1], -1)
+    rows = int(q_positions.numel())
+    ctx = torch.arange(k.shape[2], device=q.device)
+    outs = []
+    for part in torch.arange(rows, device=q.device).tensor_split(max(1, min(groups, rows))):
+        if part.numel() == 0:
+            continue
+        pos = q_positions[part]  # sorted: the last row sees the most keys
+        end = int(pos[-1]) + 1
+        mask = pos[:, None] >= ctx[None, :end]  # [part, end]
+        outs.append(F.scaled_dot_product_attention(
+            q[None, :, part], k[:, :, :end], v[:, :, :end], attn_mask=mask[None, None],
+            scale=scale)[0])
+    out = torch.cat(outs, dim=1)  # [heads, rows, v_ch]
+    return out.transpose(0, 1).reshape(rows, -1)
 
 
 def finish(layer: Any, h: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
