@@ -152,6 +152,8 @@ def test_config_checks() -> None:
         BlendConfig(ratio=1.5)
     with pytest.raises(InvalidArgument):
         BlendConfig(select_layer=0)
+    with pytest.raises(InvalidArgument, match="query_share"):
+        BlendConfig(query_share=-0.1)
 
 
 # -- exactness on tiny models -----------------------------------------------------------------
@@ -203,6 +205,36 @@ def test_blend_is_deterministic_and_counts_budget() -> None:
     assert a.timings.recomputed_tokens == 14  # round(0.2 * 70)
     for start in (9, 32, 49):  # each chunk's first two tokens
         assert {start, start + 1} <= set(a.recomputed.tolist())
+
+
+@pytest.mark.parametrize("share", [1.0, 0.5])
+def test_question_selection_exact_at_the_ends_and_picks_attended_tokens(share: float) -> None:
+    model = tiny("qwen3")
+    layout = model_layout(model, DType.FLOAT32)
+    pieces, all_ids, _ = prompt(model, layout)
+    full, logits = prefill(model, all_ids, layout)
+    got = blend(model, pieces, BlendConfig(ratio=1.0, query_share=share))
+    assert_kv_close(got.kv, full)
+    torch.testing.assert_close(got.logits, logits, **TOL)
+    naive = blend(model, pieces, BlendConfig(ratio=0.0))
+    assert blend(model, pieces, BlendConfig(ratio=0.0, query_share=share)).kv.equal(naive.kv)
+    from kdn.blend.blend import question_attention
+
+    r = blend(model, pieces, BlendConfig(ratio=0.1, query_share=share))
+    assert r.timings.recomputed_tokens == 7  # round(0.1 * 70)
+    # layer 0's K/V do not depend on context: stored (re-positioned) ones equal the full
+    # prefill's, so recomputing from layer 0 only for the picked rows loses nothing there
+    for a, b in zip(r.kv.layers[0], full.layers[0]):
+        torch.testing.assert_close(a, b, **TOL)
+
+    def err(kv: KVCache) -> float:
+        return sum(float((a[1] - b[1]).norm()) for a, b in zip(kv.layers, full.layers))
+
+    assert err(r.kv) < err(naive.kv)
+    weights = question_attention(model.model.layers[0], torch.randn(4, 3, 16),
+                                 full.layers[0][0], torch.tensor([60, 61, 84]))
+    assert weights.sum().item() == pytest.approx(1.0)
+    assert weights[85:].abs().sum().item() == 0.0  # causal: nothing after the last query
 
 
 # -- pruned layout ------------------------------------------------------------------------------

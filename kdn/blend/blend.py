@@ -113,12 +113,19 @@ class BlendConfig:
     """Always recompute each chunk's first this many tokens (they count against the budget)."""
     per_chunk: bool = False
     """Split the budget between chunks by size instead of taking the global top deviations."""
+    query_share: float = 0.0
+    """Fraction of the budget given to the cached tokens the question (the uncached text after
+    the last chunk) attends to most, summed over layers in a first pass that recomputes
+    nothing (naive concatenation); the rest goes by deviation. 1 selects by the question
+    alone, before layer 0, and skips the full layers below ``select_layer``."""
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.ratio <= 1.0:
             raise InvalidArgument(f"ratio must be in [0, 1], got {self.ratio}")
         if self.select_layer < 1:
             raise InvalidArgument(f"select_layer must be >= 1, got {self.select_layer}")
+        if not 0.0 <= self.query_share <= 1.0:
+            raise InvalidArgument(f"query_share must be in [0, 1], got {self.query_share}")
         if self.head_tokens < 0:
             raise InvalidArgument(f"head_tokens must be >= 0, got {self.head_tokens}")
 
@@ -225,11 +232,9 @@ def blend(model: Any, pieces: list[Piece], config: BlendConfig | None = None) ->
               for lay in layout.layers]
 
     timings = BlendTimings(cached_tokens=int(cached_pos.numel()))
-    rows: torch.Tensor | None = None if cfg.selects else always.nonzero().flatten()
-    if rows is not None:
-        h = h[rows]
-    recomputed = torch.empty(0, dtype=torch.long)
-    out_layers: list[LayerKV] = []
+    question = torch.zeros(n, dtype=torch.bool)  # uncached tokens after the last chunk
+    question[int(cached_pos[-1]) + 1 if cached_pos.numel() else 0 :] = True
+    question[-1] = True
 
     def stored(i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer i's K/V for all n tokens: stored chunks re-positioned, zeros for text."""
@@ -250,23 +255,61 @@ def blend(model: Any, pieces: list[Piece], config: BlendConfig | None = None) ->
         # k: [kv_heads, n, k_ch], v: [kv_heads, n, v_ch]
         return torch.cat(ks, dim=1).to(h.device), torch.cat(vs, dim=1).to(h.device)
 
+    def text_pass(rows: torch.Tensor, placed: list[tuple[torch.Tensor, torch.Tensor]]
+                  ) -> torch.Tensor:
+        """Naive concatenation: only ``rows`` computed, over the re-positioned stored K/V of
+        every layer (appended to ``placed``). Returns the question's summed attention over
+        all layers [n]."""
+        attention = torch.zeros(n)
+        x = h[rows]
+        on_question = question[rows]
+        for i, layer in enumerate(m.layers):
+            k_all, v_all = stored(i)
+            q, k, v = blk.project_qkv(layer, x, shapes[i], cos[rows], sin[rows], plans[i])
+            k_all[:, rows], v_all[:, rows] = k, v
+            if i + 1 < n_layers:  # the last layer's queries are not worth their cost
+                attention += question_attention(layer, q[:, on_question], k_all,
+                                                rows[on_question])
+            x = blk.finish(layer, x, blk.attend(layer, q, k_all, v_all, rows))
+            placed.append((k_all, v_all))
+        return attention
+
+    fixed = always.nonzero().flatten()
+    placed: list[tuple[torch.Tensor, torch.Tensor]] = []
+    recomputed = torch.empty(0, dtype=torch.long)
+    rows: torch.Tensor | None = None
+    scores: torch.Tensor | None = None
+    if cfg.selects and cfg.query_share > 0:  # the question's attention needs a first pass
+        scores = text_pass(fixed, placed)[cached_pos]
+    if not cfg.selects:
+        rows = fixed
+    elif cfg.query_share >= 1:  # selection known before layer 0
+        assert scores is not None
+        chosen = select_tokens(scores, spans, cfg.ratio, per_chunk=cfg.per_chunk,
+                               head_tokens=cfg.head_tokens)
+        recomputed = cached_pos[chosen]
+        rows = _union(always, recomputed)
+    if rows is not None:
+        h = h[rows]
+    out_layers: list[LayerKV] = []
+
     for i, layer in enumerate(m.layers):
         if rows is None and i < cfg.select_layer:  # plain prefill of every token
             q, k, v = blk.project_qkv(layer, h, shapes[i], cos, sin, plans[i])
             h = blk.finish(layer, h, blk.attend(layer, q, k, v, None))
             out_layers.append((k, v))
             continue
-        k_all, v_all = stored(i)
+        k_all, v_all = placed[i] if placed else stored(i)
         if rows is None:  # the selection layer: h still covers every token
             q, k, v = blk.project_qkv(layer, h, shapes[i], cos, sin, plans[i])
-            scores = deviation(k[:, cached_pos], k_all[:, cached_pos],
-                               v[:, cached_pos], v_all[:, cached_pos])
-            chosen = select_tokens(scores, spans, cfg.ratio, per_chunk=cfg.per_chunk,
+            dev = deviation(k[:, cached_pos], k_all[:, cached_pos],
+                            v[:, cached_pos], v_all[:, cached_pos])
+            if scores is not None:
+                dev = mix(dev, scores, cfg.query_share, cfg.ratio)
+            chosen = select_tokens(dev, spans, cfg.ratio, per_chunk=cfg.per_chunk,
                                    head_tokens=cfg.head_tokens)
             recomputed = cached_pos[chosen]
-            keep = always.clone()
-            keep[recomputed] = True
-            rows = keep.nonzero().flatten()
+            rows = _union(always, recomputed)
             q, k, v, h = q[:, rows], k[:, rows], v[:, rows], h[rows]
         else:
             q, k, v = blk.project_qkv(layer, h, shapes[i], cos[rows], sin[rows], plans[i])
@@ -281,6 +324,40 @@ def blend(model: Any, pieces: list[Piece], config: BlendConfig | None = None) ->
     timings.recomputed_tokens = int(recomputed.numel())
     timings.total_s = time.perf_counter() - t0
     return BlendResult(kv, logits, recomputed, timings)
+
+
+def _union(always: torch.Tensor, extra: torch.Tensor) -> torch.Tensor:
+    """Sorted positions of the tokens in the ``always`` mask or listed in ``extra``."""
+    keep = always.clone()
+    keep[extra] = True
+    return keep.nonzero().flatten()
+
+
+def question_attention(layer: Any, q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor
+                       ) -> torch.Tensor:
+    """[ctx] mean attention probability the question rows give each key (causal).
+
+    q: [heads, rows, k_ch] at positions ``q_pos``; k: [kv_heads, ctx, k_ch].
+    """
+    rep = q.shape[0] // k.shape[0]
+    kk = k.repeat_interleave(rep, dim=0)
+    logits = (q @ kk.transpose(1, 2)).float() * float(layer.self_attn.scaling)  # [h, rows, ctx]
+    ctx = torch.arange(k.shape[1], device=q.device)
+    logits.masked_fill_(~(q_pos[:, None] >= ctx[None, :])[None], float("-inf"))
+    return logits.softmax(-1).mean(dim=(0, 1)).cpu()
+
+
+def mix(deviation_scores: torch.Tensor, query_scores: torch.Tensor, share: float,
+        ratio: float) -> torch.Tensor:
+    """Scores whose top ``ratio`` holds the top ``share`` of it by question attention and the
+    rest by deviation: query-picked tokens are lifted above every deviation score."""
+    n = int(deviation_scores.numel())
+    take = round(share * ratio * n)
+    out = deviation_scores.float().clone()
+    if take > 0:
+        top = torch.topk(query_scores, min(take, n)).indices
+        out[top] = float(out.max()) + 1.0 + query_scores[top]
+    return out
 
 
 def concat_positions(chunks: list[KVCache], plans: list[RopePlan] | None = None,
