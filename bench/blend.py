@@ -21,7 +21,11 @@ Methods, all in one run on the same model (SDPA attention for every method):
   (run on the first ``--prefix-cases`` cases only: its quality equals full prefill by
   construction, so only its cost is of interest);
 * ``naive-concat``: re-positioned chunk KV concatenated, only the uncached text computed;
-* ``blend``: ``kdn.blend`` at each ratio in ``--ratios``.
+* ``blend``: ``kdn.blend`` at each ratio in ``--ratios`` with kdn's default selection
+  (``selection`` ``question``: the cached tokens the question attends to most in a
+  no-recompute first pass, ``--query-share 1``), and at each ratio in ``--deviation-ratios``
+  with CacheBlend's selection alone (``selection`` ``deviation``: largest K/V deviation at
+  ``--select-layer``), so the two are compared in the same run.
 
 Per method: ``ttft_s`` (mean prompt-to-first-token wall seconds), ``ttft_vs_full`` (mean
 per-case ratio to that case's full prefill), ``ttft_cpu_s``/``cpu_vs_full`` (the same in process
@@ -228,18 +232,22 @@ def prefix_only(model: Any, ids: list[int], prefix: KVCache, layout: KVLayout) -
     return Outcome(wall, KVCache.from_transformers(o.past_key_values, layout), logits, cpu)
 
 
-def blended(model: Any, pieces: list[Piece], ratio: float, cfg: BlendConfig) -> Outcome:
+def blended(model: Any, pieces: list[Piece], ratio: float, cfg: BlendConfig,
+            query_share: float | None = None) -> Outcome:
     clock = Clock()
+    share = cfg.query_share if query_share is None else query_share
     r = blend(model, pieces, BlendConfig(ratio=ratio, select_layer=cfg.select_layer,
-                                         head_tokens=cfg.head_tokens, per_chunk=cfg.per_chunk))
+                                         head_tokens=cfg.head_tokens, per_chunk=cfg.per_chunk,
+                                         query_share=share))
     int(r.logits.argmax())
     wall, cpu = clock.stop()
     return Outcome(wall, r.kv, r.logits, cpu)
 
 
 def run_methods(model: Any, tok: Any, ids: list[int], pieces: list[Piece], layout: KVLayout,
-                ratios: list[float], cfg: BlendConfig, prefix_tokens: int, answer: list[int],
-                stop: set[int]) -> dict[str, dict[str, Any]]:
+                ratios: list[float], deviation_ratios: list[float], cfg: BlendConfig,
+                prefix_tokens: int, answer: list[int], stop: set[int]
+                ) -> dict[str, dict[str, Any]]:
     """Every method on one prompt: {name: {ttft, nll, agree, text}}."""
     full = full_prefill(model, ids, layout)
     outcomes = {"full-prefill": full}
@@ -248,6 +256,8 @@ def run_methods(model: Any, tok: Any, ids: list[int], pieces: list[Piece], layou
     outcomes["naive-concat"] = blended(model, pieces, 0.0, cfg)
     for r in ratios:
         outcomes[f"blend@{r}"] = blended(model, pieces, r, cfg)
+    for r in deviation_ratios:
+        outcomes[f"blend@{r}/deviation"] = blended(model, pieces, r, cfg, query_share=0.0)
     results: dict[str, dict[str, Any]] = {}
     full_gen: list[int] = []
     ref = torch.log_softmax(full.logits.float(), -1)
@@ -264,10 +274,12 @@ def run_methods(model: Any, tok: Any, ids: list[int], pieces: list[Piece], layou
 # -- driver ---------------------------------------------------------------------------------
 
 
-def summarize(per: dict[str, list[dict[str, float]]]) -> list[dict[str, Any]]:
+def summarize(per: dict[str, list[dict[str, float]]], selection: str = "question"
+              ) -> list[dict[str, Any]]:
     rows = []
     full = {c["case"]: c for c in per["full-prefill"]}
     for name, cases in per.items():
+        name, _, sel = name.partition("/")
         method, _, ratio = name.partition("@")
         n = len(cases)
         nll = sum(c["nll"] for c in cases) / n
@@ -275,6 +287,7 @@ def summarize(per: dict[str, list[dict[str, float]]]) -> list[dict[str, Any]]:
         rows.append({
             "method": method,
             "ratio": float(ratio) if ratio else (0.0 if method == "naive-concat" else 1.0),
+            "selection": (sel or selection) if method == "blend" else "",
             "cases": n,
             "ttft_s": sum(c["ttft"] for c in cases) / n,
             "ttft_vs_full": sum(c["ttft"] / full[c["case"]]["ttft"] for c in cases) / n,
@@ -296,17 +309,21 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    blends = sorted((r for r in rows if r["method"] == "blend"), key=lambda r: r["ratio"])
     ref = {r["method"]: r for r in rows if r["method"] != "blend"}
+    selections = sorted({r["selection"] for r in rows if r["method"] == "blend"})
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
     for ax, key, label in zip(axes, ("answer_nll", "f1", "agreement_with_full"),
                               ("answer NLL (lower is better)", "F1", "agreement with full")):
-        xs = [0.0] + [r["ratio"] for r in blends] + [1.0]
-        ys = [ref["naive-concat"][key]] + [r[key] for r in blends] + [ref["full-prefill"][key]]
-        ax.plot(xs, ys, "o-", label="blend (0 = naive concat, 1 = full)")
+        for sel, style in zip(selections, ("o-", "s--", "^:")):
+            blends = sorted((r for r in rows if r["method"] == "blend" and r["selection"] == sel),
+                            key=lambda r: r["ratio"])
+            xs = [0.0] + [r["ratio"] for r in blends] + [1.0]
+            ys = [ref["naive-concat"][key]] + [r[key] for r in blends] + [
+                ref["full-prefill"][key]]
+            ax.plot(xs, ys, style, label=f"blend, {sel} selection")
         ax.axhline(ref["full-prefill"][key], color="g", ls="--", label="full prefill")
         ax.axhline(ref["naive-concat"][key], color="r", ls=":", label="naive concat")
-        ax.set_xlabel("recompute ratio")
+        ax.set_xlabel("recompute ratio (0 = naive concat, 1 = full prefill)")
         ax.set_title(label)
     axes[0].legend(fontsize=8)
     fig.suptitle("kdn.blend on SmolLM2-135M, SQuAD RAG prompts")
@@ -324,6 +341,10 @@ def main() -> None:
     ap.add_argument("--min-chunk", type=int, default=448)
     ap.add_argument("--max-chunk", type=int, default=640)
     ap.add_argument("--ratios", default="0.05,0.1,0.15,0.2,0.3")
+    ap.add_argument("--deviation-ratios", default="0.15",
+                    help="ratios also run with deviation-only selection ('' for none)")
+    ap.add_argument("--query-share", type=float, default=1.0,
+                    help="kdn.blend query_share of the --ratios rows")
     ap.add_argument("--select-layer", type=int, default=1)
     ap.add_argument("--head-tokens", type=int, default=0)
     ap.add_argument("--per-chunk", action="store_true")
@@ -335,8 +356,10 @@ def main() -> None:
     args = ap.parse_args()
     n_cases = 5 if args.quick else args.cases
     ratios = [float(r) for r in args.ratios.split(",")]
+    deviation_ratios = [float(r) for r in args.deviation_ratios.split(",") if r.strip()]
     cfg = BlendConfig(select_layer=args.select_layer, head_tokens=args.head_tokens,
-                      per_chunk=args.per_chunk)
+                      per_chunk=args.per_chunk, query_share=args.query_share)
+    selection = {0.0: "deviation", 1.0: "question"}.get(cfg.query_share, "mixed")
 
     torch.set_num_threads(args.threads)
     model, tok = load_model("smollm2-135m")
@@ -369,11 +392,11 @@ def main() -> None:
         prompt_tokens.append(len(ids))
         with_prefix = len(head) + len(chunks[case.chunks[0]].ids) if ci < args.prefix_cases \
             else 0
-        for name, res in run_methods(model, tok, ids, pieces, layout, ratios, cfg, with_prefix,
-                                     answer, stop).items():
+        for name, res in run_methods(model, tok, ids, pieces, layout, ratios, deviation_ratios,
+                                     cfg, with_prefix, answer, stop).items():
             per.setdefault(name, []).append({"case": ci, "f1": f1(res.pop("text"),
                                                                    case.answers), **res})
-        rows = summarize(per)
+        rows = summarize(per, selection)
         print(f"case {ci + 1}/{n_cases}: {len(ids)} tokens, gold slot {case.gold_slot}, "
               f"{time.perf_counter() - tc:.0f} s; full {per['full-prefill'][-1]['ttft']:.1f} s "
               f"f1 {per['full-prefill'][-1]['f1']:.2f}", flush=True)
@@ -381,9 +404,9 @@ def main() -> None:
                    config=_config(args, n_cases, chunks, prompt_tokens, cfg), per_case=per)
         if (ci + 1) % 5 == 0 or ci + 1 == n_cases:
             plot(rows, args.out.with_suffix(".png"))
-    cols = ["method", "ratio", "cases", "ttft_s", "ttft_vs_full", "ttft_cpu_s", "cpu_vs_full",
-            "answer_nll", "nll_gap",
-            "nll_gap_pct", "first_token_kl", "f1", "agreement_with_full"]
+    cols = ["method", "ratio", "selection", "cases", "ttft_s", "ttft_vs_full", "ttft_cpu_s",
+            "cpu_vs_full", "answer_nll", "nll_gap", "nll_gap_pct", "first_token_kl", "f1",
+            "agreement_with_full"]
     print_table(rows, cols)
 
 
@@ -396,7 +419,8 @@ def _config(args: argparse.Namespace, n_cases: int, chunks: list[Chunk], prompt_
         "prompt_tokens_mean": sum(prompt_tokens) / len(prompt_tokens),
         "prefix_only_cases": min(args.prefix_cases, n_cases),
         "select_layer": cfg.select_layer, "head_tokens": cfg.head_tokens,
-        "per_chunk": cfg.per_chunk, "max_new_tokens": MAX_NEW, "seed": args.seed,
+        "per_chunk": cfg.per_chunk, "query_share": cfg.query_share,
+        "max_new_tokens": MAX_NEW, "seed": args.seed,
         "torch_threads": args.threads,
     }
 

@@ -330,6 +330,7 @@ def test_blend_rpc_composes_stores_and_hits(server_config: Any) -> None:
     layout = model_layout(model, DType.FLOAT32)
     pieces, _, chunks = prompt(model, layout)
     want = blend(model, pieces, BlendConfig(ratio=0.3))
+    want_share = BlendConfig().query_share
     with ServerThread(server_config) as st, Client(st.address, timeout_s=30) as c:
         remote = [RemotePiece(ids=p.ids) for p in pieces]
         with pytest.raises(LayoutMismatch):  # no model hosted yet
@@ -350,12 +351,17 @@ def test_blend_rpc_composes_stores_and_hits(server_config: Any) -> None:
         assert again.tier == "ram" and again.result().equal(want.kv)
         other = c.blend(remote, ratio=1.0)
         assert not other.equal(want.kv)
+        # the selection rule travels and is part of the stored combination's key
+        shared = blend(model, pieces, BlendConfig(ratio=0.3, query_share=1.0 - want_share))
+        got = blend_stream(c, remote, ratio=0.3, store=True, query_share=1.0 - want_share)
+        assert got.tier == "blend" and got.result().equal(shared.kv)
+        assert not torch.equal(shared.recomputed, want.recomputed)
         bad = list(remote)
         bad[1] = RemotePiece(ids=pieces[2].ids[:23], key=remote[1].key)
         with pytest.raises(InvalidArgument):
             c.blend(bad)
         counters = c.stats().counters
-        assert counters["blend.hit"] == 1 and counters["blend.computed"] == 2
+        assert counters["blend.hit"] == 1 and counters["blend.computed"] == 3
 
 
 # -- continuation -------------------------------------------------------------------------------

@@ -24,11 +24,11 @@ def combination_key(pieces: Sequence[tuple[bytes, Sequence[int]]], layout_finger
         h.update(len(b).to_bytes(8, "little"))
         h.update(b)
 
-    part(b"kdn/blend/v1")
+    part(b"kdn/blend/v2")
     part(check_namespace(namespace).encode())
     part(layout_fingerprint.encode())
-    part(struct.pack("<dI?I", config.ratio, config.select_layer, config.per_chunk,
-                     config.head_tokens))
+    part(struct.pack("<dI?Id", config.ratio, config.select_layer, config.per_chunk,
+                     config.head_tokens, config.query_share))
     part(encoding.encode())
     for key, ids in pieces:
         part(b"chunk" if key else b"text")

@@ -36,7 +36,8 @@ class RemotePiece:
 
 def blend_request(pieces: Sequence[RemotePiece], *, namespace: str, ratio: float | None,
                   select_layer: int, head_tokens: int, per_chunk: bool, store: bool, mode: str,
-                  level: str, layout: KVLayout | None) -> pb.BlendRequest:
+                  level: str, layout: KVLayout | None, query_share: float | None = None
+                  ) -> pb.BlendRequest:
     req = pb.BlendRequest(
         namespace=namespace, select_layer=select_layer, head_tokens=head_tokens,
         per_chunk=per_chunk, store=store, mode=mode, level=level,
@@ -46,6 +47,8 @@ def blend_request(pieces: Sequence[RemotePiece], *, namespace: str, ratio: float
     )
     if ratio is not None:
         req.ratio = ratio
+    if query_share is not None:
+        req.query_share = query_share
     return req
 
 
@@ -53,10 +56,12 @@ def blend_stream(client: Client, pieces: Sequence[RemotePiece], *, ratio: float 
                  select_layer: int = 0, head_tokens: int = 0, per_chunk: bool = False,
                  store: bool = False, mode: str = "", level: str = "",
                  namespace: str | None = None, layout: KVLayout | None = None,
-                 device: torch.device | str | None = None) -> LayerStream:
+                 device: torch.device | str | None = None, query_share: float | None = None
+                 ) -> LayerStream:
     """Start a Blend; the blended KV arrives layer by layer (see the module docstring)."""
     req = blend_request(pieces, namespace=client._ns(namespace), ratio=ratio,
                         select_layer=select_layer, head_tokens=head_tokens, per_chunk=per_chunk,
-                        store=store, mode=mode, level=level, layout=layout)
+                        store=store, mode=mode, level=level, layout=layout,
+                        query_share=query_share)
 
     return client.layer_stream(client._stub.Blend, req, device)

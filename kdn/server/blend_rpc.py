@@ -107,9 +107,13 @@ class BlendMixin:
         if not request.pieces:
             raise InvalidArgument("Blend needs at least one piece")
         model, tok = self._blend_model()
-        cfg = BlendConfig(ratio=request.ratio if request.HasField("ratio") else 0.15,
-                          select_layer=request.select_layer or 1,
-                          head_tokens=request.head_tokens, per_chunk=request.per_chunk)
+        default = BlendConfig()
+        cfg = BlendConfig(
+            ratio=request.ratio if request.HasField("ratio") else default.ratio,
+            select_layer=request.select_layer or default.select_layer,
+            head_tokens=request.head_tokens, per_chunk=request.per_chunk,
+            query_share=(request.query_share if request.HasField("query_share")
+                         else default.query_share))
         mode = request.mode or "lossless"
         codec.get_mode(mode).check_level(request.level)
         from kdn.server.service import store_key

@@ -467,7 +467,7 @@ class BlendPiece(_message.Message):
     def __init__(self, chunk_key: _Optional[bytes] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ...) -> None: ...
 
 class BlendRequest(_message.Message):
-    __slots__ = ("namespace", "pieces", "ratio", "select_layer", "head_tokens", "per_chunk", "store", "mode", "level", "expect_layout_fingerprint")
+    __slots__ = ("namespace", "pieces", "ratio", "select_layer", "head_tokens", "per_chunk", "store", "mode", "level", "expect_layout_fingerprint", "query_share")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     PIECES_FIELD_NUMBER: _ClassVar[int]
     RATIO_FIELD_NUMBER: _ClassVar[int]
@@ -478,6 +478,7 @@ class BlendRequest(_message.Message):
     MODE_FIELD_NUMBER: _ClassVar[int]
     LEVEL_FIELD_NUMBER: _ClassVar[int]
     EXPECT_LAYOUT_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    QUERY_SHARE_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     pieces: _containers.RepeatedCompositeFieldContainer[BlendPiece]
     ratio: float
@@ -488,4 +489,5 @@ class BlendRequest(_message.Message):
     mode: str
     level: str
     expect_layout_fingerprint: str
-    def __init__(self, namespace: _Optional[str] = ..., pieces: _Optional[_Iterable[_Union[BlendPiece, _Mapping]]] = ..., ratio: _Optional[float] = ..., select_layer: _Optional[int] = ..., head_tokens: _Optional[int] = ..., per_chunk: _Optional[bool] = ..., store: _Optional[bool] = ..., mode: _Optional[str] = ..., level: _Optional[str] = ..., expect_layout_fingerprint: _Optional[str] = ...) -> None: ...
+    query_share: float
+    def __init__(self, namespace: _Optional[str] = ..., pieces: _Optional[_Iterable[_Union[BlendPiece, _Mapping]]] = ..., ratio: _Optional[float] = ..., select_layer: _Optional[int] = ..., head_tokens: _Optional[int] = ..., per_chunk: _Optional[bool] = ..., store: _Optional[bool] = ..., mode: _Optional[str] = ..., level: _Optional[str] = ..., expect_layout_fingerprint: _Optional[str] = ..., query_share: _Optional[float] = ...) -> None: ...
