@@ -420,6 +420,7 @@ def _config(args: argparse.Namespace, n_cases: int, chunks: list[Chunk], prompt_
         "prefix_only_cases": min(args.prefix_cases, n_cases),
         "select_layer": cfg.select_layer, "head_tokens": cfg.head_tokens,
         "per_chunk": cfg.per_chunk, "query_share": cfg.query_share,
+        "attention_from": cfg.attention_from,
         "max_new_tokens": MAX_NEW, "seed": args.seed,
         "torch_threads": args.threads,
     }

@@ -27,8 +27,8 @@ def combination_key(pieces: Sequence[tuple[bytes, Sequence[int]]], layout_finger
     part(b"kdn/blend/v2")
     part(check_namespace(namespace).encode())
     part(layout_fingerprint.encode())
-    part(struct.pack("<dI?Id", config.ratio, config.select_layer, config.per_chunk,
-                     config.head_tokens, config.query_share))
+    part(struct.pack("<dI?IdI", config.ratio, config.select_layer, config.per_chunk,
+                     config.head_tokens, config.query_share, config.attention_from))
     part(encoding.encode())
     for key, ids in pieces:
         part(b"chunk" if key else b"text")
