@@ -348,6 +348,9 @@ def test_config_validation() -> None:
         RagConfig(blend_ratio=2.0)
     with pytest.raises(InvalidArgument):
         RagConfig(namespace="bad ns")
+    with pytest.raises(InvalidArgument, match="query_share"):
+        RagConfig(query_share=1.5)
+    assert RagConfig(query_share=0.0).blend_config().query_share == 0.0
 
 
 def test_cli_parses_rag_commands() -> None:
@@ -358,6 +361,10 @@ def test_cli_parses_rag_commands() -> None:
     assert (ns.cmd, ns.cmd_rag, ns.corpus, ns.mode, ns.level, ns.chunk_tokens) == (
         "rag", "ingest", "docs", "kdn", "l2", 128)
     ns = build_parser().parse_args(["rag", "ask", "why?", "-k", "3"])
-    assert (ns.question, ns.k) == ("why?", 3)
+    assert (ns.question, ns.k, ns.selection) == ("why?", 3, None)
+    ns = build_parser().parse_args(["rag", "ask", "why?", "--selection", "deviation"])
+    assert ns.selection == "deviation"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["rag", "ask", "why?", "--selection", "random"])
     ns = build_parser().parse_args(["rag", "rm", "a.md", "b.md"])
     assert ns.docs == ["a.md", "b.md"]

@@ -45,6 +45,8 @@ def _engine(ns: argparse.Namespace) -> Any:
         opts["max_new_tokens"] = ns.max_new_tokens
     if getattr(ns, "ratio", None) is not None:
         opts["blend_ratio"] = ns.ratio
+    if getattr(ns, "selection", None):
+        opts["query_share"] = {"question": 1.0, "deviation": 0.0}[ns.selection]
     from kdn.models import load_model
 
     model, tok = load_model(ns.model)
@@ -141,6 +143,9 @@ def register(sub: Any) -> None:
     ask.add_argument("-k", "--k", type=int, default=0, help="chunks to retrieve (default 4)")
     ask.add_argument("--max-new-tokens", type=int, default=0)
     ask.add_argument("--ratio", type=float, default=None, help="blend recompute ratio")
+    ask.add_argument("--selection", choices=["question", "deviation"], default=None,
+                     help="which cached tokens the blend recomputes: those the question "
+                          "attends to (default) or those whose K/V deviate most (CacheBlend)")
     ask.set_defaults(rag_func=_ask)
 
     rm = rsub.add_parser("rm", help="forget documents and delete their chunks' entries")

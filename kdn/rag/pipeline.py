@@ -79,7 +79,10 @@ class RagConfig:
     blend_ratio: float = 0.15
     """Fraction of cached chunk tokens the blender recomputes."""
     select_layer: int = 1
-    """Layer whose K/V deviation picks the recomputed tokens."""
+    """Layer whose K/V deviation picks the recomputed tokens (when ``query_share`` < 1)."""
+    query_share: float = 1.0
+    """Share of the recompute budget picked by the question's attention (``kdn.blend``'s
+    default rule); 0 selects by K/V deviation alone (CacheBlend)."""
     max_new_tokens: int = 32
     head: str | None = None
     """Prompt text before the chunks; None: the tokenizer's chat template (or a plain one)."""
@@ -101,7 +104,11 @@ class RagConfig:
             raise InvalidArgument("set both head and tail, or neither")
         if self.tail is not None and "{question}" not in self.tail:
             raise InvalidArgument("tail must contain {question}")
-        BlendConfig(ratio=self.blend_ratio, select_layer=self.select_layer)  # validates
+        self.blend_config()  # validates
+
+    def blend_config(self) -> BlendConfig:
+        return BlendConfig(ratio=self.blend_ratio, select_layer=self.select_layer,
+                           query_share=self.query_share)
 
 
 @dataclass
@@ -315,8 +322,7 @@ class RagEngine:
         tail_ids = chunk_ids(self.tokenizer, self.tail.replace("{question}", question))
         pieces = [Piece(self.head_ids)] + [Piece(i, s) for i, s in zip(ids, sources)] + [
             Piece(tail_ids)]
-        result = blend(self.model, pieces, BlendConfig(ratio=cfg.blend_ratio,
-                                                       select_layer=cfg.select_layer))
+        result = blend(self.model, pieces, cfg.blend_config())
         int(result.logits.argmax())
         t.fetch_s += result.timings.wait_s
         t.blend_s = result.timings.total_s - result.timings.wait_s
