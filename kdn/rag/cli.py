@@ -144,8 +144,9 @@ def register(sub: Any) -> None:
     ask.add_argument("--max-new-tokens", type=int, default=0)
     ask.add_argument("--ratio", type=float, default=None, help="blend recompute ratio")
     ask.add_argument("--selection", choices=["question", "deviation"], default=None,
-                     help="which cached tokens the blend recomputes: those the question "
-                          "attends to (default) or those whose K/V deviate most (CacheBlend)")
+                     help="which cached tokens the blend recomputes: those whose K/V "
+                          "deviate most (CacheBlend, the default here) or those the question "
+                          "attends to (better answers, a first pass more)")
     ask.set_defaults(rag_func=_ask)
 
     rm = rsub.add_parser("rm", help="forget documents and delete their chunks' entries")
