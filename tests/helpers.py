@@ -1,6 +1,9 @@
-"""Shared builders for tests: layouts (uniform, GQA-like, pruned) and random caches."""
+"""Shared builders for tests: layouts (uniform, GQA-like, pruned), random caches, polling."""
 
 from __future__ import annotations
+
+import time
+from collections.abc import Callable
 
 import torch
 
@@ -36,3 +39,13 @@ def random_kv(layout: KVLayout, tokens: int = 32, seed: int = 0, start: int = 0)
         for lay in layout.layers
     ]
     return KVCache(layout, layers, start)
+
+
+def eventually(cond: Callable[[], bool], timeout: float = 5.0, interval: float = 0.02) -> bool:
+    """Poll ``cond`` until it holds or ``timeout`` seconds pass; its last answer."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(interval)
+    return cond()

@@ -19,7 +19,7 @@ from kdn.server.service import store_key
 from kdn.store.redis import PENDING_TTL_S, RedisTier
 from kdn.store.tiered import WritePolicy
 from kdn.v1 import kdn_pb2 as pb
-from tests.helpers import random_kv, uniform_layout
+from tests.helpers import eventually, random_kv, uniform_layout
 from tests.redis_servers import (  # noqa: F401
     RedisCluster3,
     RedisServer,
@@ -32,12 +32,7 @@ LAYOUT = uniform_layout(layers=4, heads=2, dim=16)
 
 
 def _eventually(cond: Callable[[], bool], timeout: float = 10.0) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if cond():
-            return True
-        time.sleep(0.05)
-    return cond()
+    return eventually(cond, timeout, interval=0.05)
 
 
 def _entries(n: int, start: int = 0, tokens: int = 64) -> dict[bytes, KVCache]:

@@ -4,7 +4,6 @@ demotion, pins, TTL, byte budgets, corruption handling; plus the same through a 
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -20,7 +19,7 @@ from kdn.store.lmdb import LmdbTier
 from kdn.store.ram import RamTier
 from kdn.store.tiered import Durability, TieredStore, WritePolicy
 from kdn.v1 import kdn_pb2 as pb
-from tests.helpers import random_kv, uniform_layout
+from tests.helpers import eventually, random_kv, uniform_layout
 
 
 def entry(n: int, seed: int = 0) -> bytes:
@@ -36,15 +35,6 @@ def check(value: bytes) -> None:
 
 def damage(value: bytes) -> bytes:
     return value[:20] + bytes([value[20] ^ 0xFF]) + value[21:]
-
-
-def _eventually(cond: Callable[[], bool], timeout: float = 5.0) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if cond():
-            return True
-        time.sleep(0.02)
-    return cond()
 
 
 @pytest.fixture
@@ -158,7 +148,7 @@ def test_ttl_per_entry_and_default(make: Callable[..., TieredStore]) -> None:
     store.put(b"t", entry(100), ttl_s=0.3)
     store.put(b"d", entry(100))
     assert store.get(b"t") is not None
-    assert _eventually(lambda: store.get(b"t") is None)
+    assert eventually(lambda: store.get(b"t") is None)
     assert not store.lookup([b"t"])[0].present
     ttl = store.tiers[1].ttl_remaining(b"d")
     assert ttl is not None and 20 < ttl <= 30

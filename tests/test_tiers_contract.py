@@ -8,7 +8,7 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -17,6 +17,7 @@ from kdn.store.base import Tier, TierStats
 from kdn.store.lmdb import LmdbTier
 from kdn.store.ram import RamTier
 from kdn.store.redis import RedisTier
+from tests.helpers import eventually
 from tests.redis_servers import RedisCluster3, RedisServer, redis_cluster_fixture  # noqa: F401
 
 PART = 1024
@@ -47,15 +48,6 @@ def tier(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Tier]:
         t = RedisTier(c.urls, cluster=True, part_bytes=PART, prefix=prefix)
     yield t
     t.close()
-
-
-def _eventually(cond: Callable[[], bool], timeout: float = 5.0) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if cond():
-            return True
-        time.sleep(0.02)
-    return cond()
 
 
 def test_miss_is_none(tier: Tier) -> None:
@@ -107,7 +99,7 @@ def test_ttl(tier: Tier) -> None:
     assert tier.get(b"short") is not None
     remaining = tier.ttl_remaining(b"long")
     assert remaining is not None and 50 < remaining <= 60
-    assert _eventually(lambda: tier.get(b"short") is None, timeout=5)
+    assert eventually(lambda: tier.get(b"short") is None, timeout=5)
     assert not tier.contains(b"short") and tier.size_of(b"short") is None
     assert tier.get(b"long") == b"x" * 10
 
