@@ -55,7 +55,7 @@ from typing import Any
 
 import torch
 
-from bench.common import print_table, write_json
+from bench.common import figure, print_table, save_figure, write_json
 from kdn.blend import BlendConfig, Piece, blend
 from kdn.blend.decode import Continuation, greedy
 from kdn.cache import KVCache
@@ -304,14 +304,9 @@ def summarize(per: dict[str, list[dict[str, float]]], selection: str = "question
 
 
 def plot(rows: list[dict[str, Any]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     ref = {r["method"]: r for r in rows if r["method"] != "blend"}
     selections = sorted({r["selection"] for r in rows if r["method"] == "blend"})
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    fig, axes = figure(13, 3.8, ncols=3)
     for ax, key, label in zip(axes, ("answer_nll", "f1", "agreement_with_full"),
                               ("answer NLL (lower is better)", "F1", "agreement with full")):
         for sel, style in zip(selections, ("o-", "s--", "^:")):
@@ -327,9 +322,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
         ax.set_title(label)
     axes[0].legend(fontsize=8)
     fig.suptitle("kdn.blend on SmolLM2-135M, SQuAD RAG prompts")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    print(f"wrote {path}")
+    save_figure(fig, path)
 
 
 def main() -> None:

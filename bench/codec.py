@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from bench.common import print_table, write_json
+from bench.common import figure, print_table, save_figure, write_json
 from kdn.cache import KVCache
 from kdn.codec import decode, encode
 from kdn.codec.modes import get_mode
@@ -112,13 +112,9 @@ def targets(rows: list[Row]) -> list[dict[str, Any]]:
 
 
 def plot(rows: list[Row], path: Path, title: str) -> None:
-    import matplotlib
+    fig, axes = figure(12, 4.8, ncols=2)
     import matplotlib.ticker
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.8))
     for ax, key, label in ((axes[0], "delta_ppl_pct", "ΔPPL (%)"), (axes[1], "kl", "mean KL")):
         for family, marker in (("kdn-", "o"), ("cachegen", "s"), ("int8", "^"),
                                ("lossless", "D")):
@@ -141,9 +137,7 @@ def plot(rows: list[Row], path: Path, title: str) -> None:
         ax.grid(True, alpha=0.3)
         ax.legend()
     fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, dpi=120)
 
 
 def main(argv: list[str] | None = None) -> None:

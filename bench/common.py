@@ -68,17 +68,21 @@ def write_json(path: Path | str, name: str, rows: list[dict[str, Any]], **extra:
     print(f"wrote {path}")
 
 
-def figure(width: float = 7.0, height: float = 4.5) -> tuple[Any, Any]:
-    """A headless matplotlib figure and axes (Agg backend; nothing needs a display)."""
+def figure(width: float = 7.0, height: float = 4.5, ncols: int = 1) -> tuple[Any, Any]:
+    """A headless matplotlib figure and its axes, ``ncols`` side by side (Agg backend; nothing
+    needs a display)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    return plt.subplots(figsize=(width, height))
+    return plt.subplots(1, ncols, figsize=(width, height))
 
 
-def save_figure(fig: Any, path: Path) -> None:
+def save_figure(fig: Any, path: Path, dpi: int = 110) -> None:
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
     print(f"wrote {path}")

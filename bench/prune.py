@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from bench.common import print_table, write_json
+from bench.common import figure, print_table, save_figure, write_json
 from kdn.cache import KVCache
 from kdn.codec import decode, encode
 from kdn.codec.modes import get_mode
@@ -275,12 +275,7 @@ def _load_checkpoint(path: Path, settings: dict[str, Any]) -> dict[str, Any]:
 
 def plot(path: Path, rows: list[dict[str, Any]], per_ratio: list[dict[str, Any]],
          base_ppl: float, fp16_bpt: int) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 5))
+    fig, ax = figure(8, 5)
     colors = {"uniform": "tab:gray", "ppl-based": "tab:blue", "rank-based": "tab:orange"}
     markers = {"l1": "o", "l2": "s", "taylor": "^"}
     offsets = {"l1": -0.03, "l2": 0.0, "taylor": 0.03}
@@ -308,9 +303,7 @@ def plot(path: Path, rows: list[dict[str, Any]], per_ratio: list[dict[str, Any]]
     ax.set_ylabel("perplexity on held-out text")
     ax.set_title("KVPruner one-shot: perplexity vs KV bytes per token")
     ax.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    print(f"wrote {path}")
+    save_figure(fig, path, dpi=120)
 
 
 if __name__ == "__main__":

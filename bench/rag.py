@@ -53,7 +53,7 @@ from typing import Any
 import torch
 
 from bench.blend import HEAD, MAX_NEW, TAIL, Outcome, agreement, f1, full_prefill, prefix_only
-from bench.common import print_table, write_json
+from bench.common import figure, print_table, save_figure, write_json
 from kdn.client import Client
 from kdn.data import load_squad_dev
 from kdn.rag import Document, KnowledgeBase, RagConfig, RagEngine
@@ -187,14 +187,9 @@ def summarize(cases: list[dict[str, Any]], ingest: dict[str, Any]) -> list[dict[
 
 
 def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     names = [r["method"] for r in rows]
     colors = ["tab:gray", "tab:blue", "tab:green"]
-    fig, axes = plt.subplots(1, 4, figsize=(15, 3.6))
+    fig, axes = figure(15, 3.6, ncols=4)
     panels = [("ttft_s", "time to first token (s)"), ("compute_s", "compute s / request"),
               ("f1", "answer F1"), ("ingest_s_per_1k_tokens", "inject knowledge: s / 1k tokens")]
     for ax, (key, label) in zip(axes, panels):
@@ -204,9 +199,7 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
         ax.set_title(label, fontsize=10)
         ax.tick_params(axis="x", labelsize=8)
     fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    print(f"wrote {path}")
+    save_figure(fig, path)
 
 
 def main() -> None:
