@@ -168,7 +168,6 @@ def main(argv: list[str] | None = None) -> None:
                torch_threads=torch.get_num_threads(), targets=goals)
     png = args.png or args.out.with_suffix(".png")
     plot(rows, png, f"SmolLM2-135M KV codecs: {ctx}-token context, {n_eval} eval tokens")
-    print(f"wrote {png}")
 
 
 if __name__ == "__main__":
