@@ -44,6 +44,7 @@ prefill. Teacher forcing and greedy decoding run on
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import random
 import re
 import string
@@ -233,12 +234,10 @@ def prefix_only(model: Any, ids: list[int], prefix: KVCache, layout: KVLayout) -
 
 
 def blended(model: Any, pieces: list[Piece], ratio: float, cfg: BlendConfig,
-            query_share: float | None = None) -> Outcome:
+            **change: float) -> Outcome:
+    """kdn.blend at ``ratio`` with ``cfg``'s other settings, less the ones in ``change``."""
     clock = Clock()
-    share = cfg.query_share if query_share is None else query_share
-    r = blend(model, pieces, BlendConfig(ratio=ratio, select_layer=cfg.select_layer,
-                                         head_tokens=cfg.head_tokens, per_chunk=cfg.per_chunk,
-                                         query_share=share))
+    r = blend(model, pieces, dataclasses.replace(cfg, ratio=ratio, **change))
     int(r.logits.argmax())
     wall, cpu = clock.stop()
     return Outcome(wall, r.kv, r.logits, cpu)
@@ -246,7 +245,8 @@ def blended(model: Any, pieces: list[Piece], ratio: float, cfg: BlendConfig,
 
 def run_methods(model: Any, tok: Any, ids: list[int], pieces: list[Piece], layout: KVLayout,
                 ratios: list[float], deviation_ratios: list[float], cfg: BlendConfig,
-                prefix_tokens: int, answer: list[int], stop: set[int]
+                prefix_tokens: int, answer: list[int], stop: set[int],
+                corrected: tuple[list[float], float, float] = ([], 0.0, 0.0)
                 ) -> dict[str, dict[str, Any]]:
     """Every method on one prompt: {name: {ttft, nll, agree, text}}."""
     full = full_prefill(model, ids, layout)
@@ -258,6 +258,9 @@ def run_methods(model: Any, tok: Any, ids: list[int], pieces: list[Piece], layou
         outcomes[f"blend@{r}"] = blended(model, pieces, r, cfg)
     for r in deviation_ratios:
         outcomes[f"blend@{r}/deviation"] = blended(model, pieces, r, cfg, query_share=0.0)
+    for r in corrected[0]:
+        outcomes[f"blend@{r}/corrected"] = blended(model, pieces, r, cfg, correct_k=corrected[1],
+                                                   correct_v=corrected[2])
     results: dict[str, dict[str, Any]] = {}
     full_gen: list[int] = []
     ref = torch.log_softmax(full.logits.float(), -1)
@@ -336,6 +339,11 @@ def main() -> None:
     ap.add_argument("--ratios", default="0.05,0.1,0.15,0.2,0.3")
     ap.add_argument("--deviation-ratios", default="0.15",
                     help="ratios also run with deviation-only selection ('' for none)")
+    ap.add_argument("--corrected-ratios", default="",
+                    help="ratios also run with the stale-token correction (selection "
+                         "'corrected': --correct-k/--correct-v on top of the --ratios rule)")
+    ap.add_argument("--correct-k", type=float, default=0.3)
+    ap.add_argument("--correct-v", type=float, default=1.0)
     ap.add_argument("--query-share", type=float, default=1.0,
                     help="kdn.blend query_share of the --ratios rows")
     ap.add_argument("--select-layer", type=int, default=1)
@@ -350,6 +358,8 @@ def main() -> None:
     n_cases = 5 if args.quick else args.cases
     ratios = [float(r) for r in args.ratios.split(",")]
     deviation_ratios = [float(r) for r in args.deviation_ratios.split(",") if r.strip()]
+    corrected = ([float(r) for r in args.corrected_ratios.split(",") if r.strip()],
+                 args.correct_k, args.correct_v)
     cfg = BlendConfig(select_layer=args.select_layer, head_tokens=args.head_tokens,
                       per_chunk=args.per_chunk, query_share=args.query_share)
     selection = {0.0: "deviation", 1.0: "question"}.get(cfg.query_share, "mixed")
@@ -386,7 +396,7 @@ def main() -> None:
         with_prefix = len(head) + len(chunks[case.chunks[0]].ids) if ci < args.prefix_cases \
             else 0
         for name, res in run_methods(model, tok, ids, pieces, layout, ratios, deviation_ratios,
-                                     cfg, with_prefix, answer, stop).items():
+                                     cfg, with_prefix, answer, stop, corrected).items():
             per.setdefault(name, []).append({"case": ci, "f1": f1(res.pop("text"),
                                                                    case.answers), **res})
         rows = summarize(per, selection)
@@ -414,6 +424,8 @@ def _config(args: argparse.Namespace, n_cases: int, chunks: list[Chunk], prompt_
         "select_layer": cfg.select_layer, "head_tokens": cfg.head_tokens,
         "per_chunk": cfg.per_chunk, "query_share": cfg.query_share,
         "attention_from": cfg.attention_from,
+        "corrected_ratios": args.corrected_ratios, "correct_k": args.correct_k,
+        "correct_v": args.correct_v,
         "max_new_tokens": MAX_NEW, "seed": args.seed,
         "torch_threads": args.threads,
     }

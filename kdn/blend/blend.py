@@ -49,7 +49,7 @@ from typing import Any, Protocol
 import torch
 
 from kdn.blend import layer as blk
-from kdn.blend.rope import RopePlan, reposition, rope_plan
+from kdn.blend.rope import RopePlan, apply_rope, reposition, rope_plan
 from kdn.blend.select import deviation, select_tokens
 from kdn.cache import KVCache, LayerKV
 from kdn.engine.engine import decoder_layers, model_layout
@@ -134,6 +134,15 @@ class BlendConfig:
     attention_from: int = 3
     """First layer whose question attention counts (the first layers attend by position more
     than by content: counting from layer 3 picked better tokens than from layer 0 on SQuAD)."""
+    correct_k: float = 0.0
+    """Stale-token correction of keys: in each layer after selection, every chunk's tokens
+    that keep their stored K are shifted by this fraction of the mean change (taken before
+    RoPE) that recomputation made to the keys of the chunk's recomputed tokens. A shift
+    shared by a chunk moves the attention the chunk as a whole receives, the part of the
+    context a chunk computed alone gets most wrong; the ranking inside the chunk is kept."""
+    correct_v: float = 0.0
+    """The same for values (no RoPE): stale values move by this fraction of the chunk's mean
+    value change."""
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.ratio <= 1.0:
@@ -144,6 +153,9 @@ class BlendConfig:
             raise InvalidArgument(f"query_share must be in [0, 1], got {self.query_share}")
         if self.attention_from < 0:
             raise InvalidArgument(f"attention_from must be >= 0, got {self.attention_from}")
+        for name in ("correct_k", "correct_v"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise InvalidArgument(f"{name} must be in [0, 1], got {getattr(self, name)}")
         if self.head_tokens < 0:
             raise InvalidArgument(f"head_tokens must be >= 0, got {self.head_tokens}")
 
@@ -236,6 +248,7 @@ def blend(model: Any, pieces: list[Piece], config: BlendConfig | None = None) ->
         offsets.append(pos)
         pos += len(p.ids)
     cached_pos = cached.nonzero().flatten()  # [cached]
+    chunk_positions = [cached_pos[a:b] for a, b in spans]
     always = (~cached).clone()
     always[-1] = True  # the last token's hidden state gives the logits
 
@@ -335,6 +348,8 @@ def blend(model: Any, pieces: list[Piece], config: BlendConfig | None = None) ->
             q, k, v, h = q[:, rows], k[:, rows], v[:, rows], h[rows]
         else:
             q, k, v = blk.project_qkv(layer, h, shapes[i], cos[rows], sin[rows], plans[i])
+        if (cfg.correct_k or cfg.correct_v) and rows.numel() < n:
+            correct_stale(cfg, k_all, v_all, k, v, rows, chunk_positions, cos, sin, plans[i])
         k_all[:, rows], v_all[:, rows] = k, v
         q_pos = None if rows.numel() == n else rows  # every row: plain causal attention
         h = blk.finish(layer, h, blk.attend(layer, q, k_all, v_all, q_pos))
@@ -346,6 +361,33 @@ def blend(model: Any, pieces: list[Piece], config: BlendConfig | None = None) ->
     timings.recomputed_tokens = int(recomputed.numel())
     timings.total_s = time.perf_counter() - t0
     return BlendResult(kv, logits, recomputed, timings)
+
+
+def correct_stale(cfg: BlendConfig, k_all: torch.Tensor, v_all: torch.Tensor,
+                  k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor,
+                  chunks: list[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
+                  plan: RopePlan) -> None:
+    """Shift the stored K/V of every chunk's tokens outside ``rows`` by a fraction of the mean
+    change recomputation made to the chunk's tokens in ``rows`` (its first token, the sink of
+    a chunk computed alone, left out of the mean). Must run before the fresh ``k``/``v``
+    ([kv_heads, rows, ch]) overwrite ``k_all``/``v_all`` [kv_heads, n, ch]."""
+    fresh_mask = torch.zeros(k_all.shape[1], dtype=torch.bool)
+    fresh_mask[rows] = True
+    row_of = torch.full((k_all.shape[1],), -1, dtype=torch.long)
+    row_of[rows] = torch.arange(rows.numel())
+    for pos in chunks:
+        fresh = pos[1:][fresh_mask[pos[1:]]]
+        stale = pos[~fresh_mask[pos]]
+        if fresh.numel() < 2 or stale.numel() == 0:
+            continue
+        r = row_of[fresh]
+        if cfg.correct_v:
+            dv = (v[:, r] - v_all[:, fresh]).mean(dim=1, keepdim=True)  # [kv_heads, 1, v_ch]
+            v_all[:, stale] += cfg.correct_v * dv
+        if cfg.correct_k:  # undo each fresh token's rotation, average, rotate to each stale one
+            dk = apply_rope(k[:, r] - k_all[:, fresh], cos[fresh], -sin[fresh], plan)
+            shift = dk.mean(dim=1, keepdim=True).expand(-1, stale.numel(), -1)
+            k_all[:, stale] += cfg.correct_k * apply_rope(shift, cos[stale], sin[stale], plan)
 
 
 def _union(always: torch.Tensor, extra: torch.Tensor) -> torch.Tensor:
