@@ -154,6 +154,46 @@ def test_config_checks() -> None:
         BlendConfig(select_layer=0)
     with pytest.raises(InvalidArgument, match="query_share"):
         BlendConfig(query_share=-0.1)
+    with pytest.raises(InvalidArgument, match="correct_k"):
+        BlendConfig(correct_k=1.5)
+    with pytest.raises(InvalidArgument, match="correct_v"):
+        BlendConfig(correct_v=-0.5)
+
+
+def test_correct_stale_shifts_by_the_mean_change_before_rope() -> None:
+    """A pre-RoPE key change shared by a chunk's recomputed tokens moves its stale keys by that
+    change rotated to each stale position; values move by their mean change; the chunk's
+    first token does not count in the mean, and nothing outside the chunks moves."""
+    from kdn.blend.blend import correct_stale
+    from kdn.blend.rope import apply_rope, cos_sin
+
+    heads, n, ch = 2, 12, 8
+    freqs = inv_freq(RopeSpec(theta=10000.0, rotary_dim=ch))
+    cos, sin = (t.float() for t in cos_sin(torch.arange(n), freqs))
+    plan = rope_plan(None, ch, ch)
+    g = torch.Generator().manual_seed(0)
+    k_all, v_all = torch.randn(heads, n, ch, generator=g), torch.randn(heads, n, ch, generator=g)
+    chunk = torch.arange(2, 10)  # positions 0, 1, 10, 11 are text
+    rows = torch.tensor([2, 4, 5, 7, 11])  # 2 is the chunk's first token: not in the mean
+    d = torch.randn(heads, 1, ch, generator=g)  # pre-RoPE change shared by 4, 5, 7
+    k = k_all[:, rows] + apply_rope(d.expand(-1, 5, -1), cos[rows], sin[rows], plan)
+    k[:, 0] += 100.0  # the first token's change must be ignored
+    dv = torch.randn(heads, 3, ch, generator=g)  # value changes of 4, 5, 7
+    v = v_all[:, rows].clone()
+    v[:, 1:4] += dv
+    v[:, 0] -= 100.0
+    before_k, before_v = k_all.clone(), v_all.clone()
+    cfg = BlendConfig(correct_k=0.5, correct_v=1.0)
+    correct_stale(cfg, k_all, v_all, k, v, rows, [chunk], cos, sin, plan)
+    stale = torch.tensor([3, 6, 8, 9])
+    want_k = before_k[:, stale] + 0.5 * apply_rope(d.expand(-1, 4, -1), cos[stale], sin[stale],
+                                                   plan)
+    torch.testing.assert_close(k_all[:, stale], want_k, **TOL)
+    torch.testing.assert_close(v_all[:, stale], before_v[:, stale] + dv.mean(1, keepdim=True),
+                               **TOL)
+    untouched = torch.tensor([0, 1, 2, 4, 5, 7, 10, 11])
+    assert torch.equal(k_all[:, untouched], before_k[:, untouched])
+    assert torch.equal(v_all[:, untouched], before_v[:, untouched])
 
 
 # -- exactness on tiny models -----------------------------------------------------------------
@@ -205,6 +245,28 @@ def test_blend_is_deterministic_and_counts_budget() -> None:
     assert a.timings.recomputed_tokens == 14  # round(0.2 * 70)
     for start in (9, 32, 49):  # each chunk's first two tokens
         assert {start, start + 1} <= set(a.recomputed.tolist())
+
+
+@pytest.mark.parametrize("share", [1.0, 0.0])
+def test_correction_keeps_the_ends_exact_and_moves_stale_kv(share: float) -> None:
+    model = tiny("llama")
+    layout = model_layout(model, DType.FLOAT32)
+    pieces, all_ids, _ = prompt(model, layout)
+    full, logits = prefill(model, all_ids, layout)
+    on = dict(correct_k=1.0, correct_v=1.0, query_share=share)
+    got = blend(model, pieces, BlendConfig(ratio=1.0, **on))  # nothing stale: nothing moves
+    assert_kv_close(got.kv, full)
+    torch.testing.assert_close(got.logits, logits, **TOL)
+    naive = blend(model, pieces, BlendConfig(ratio=0.0))  # nothing fresh: no change to take
+    assert blend(model, pieces, BlendConfig(ratio=0.0, **on)).kv.equal(naive.kv)
+    plain = blend(model, pieces, BlendConfig(ratio=0.3, query_share=share))
+    fixed = blend(model, pieces, BlendConfig(ratio=0.3, **on))
+    assert torch.equal(plain.recomputed, fixed.recomputed)
+    stale = torch.ones(85, dtype=torch.bool)
+    stale[plain.recomputed] = False
+    stale[:9] = stale[79:] = False  # text
+    last = len(layout.layers) - 1
+    assert not torch.equal(plain.kv.layers[last][1][:, stale], fixed.kv.layers[last][1][:, stale])
 
 
 @pytest.mark.parametrize("share", [1.0, 0.5])

@@ -139,7 +139,9 @@ class BlendConfig:
     that keep their stored K are shifted by this fraction of the mean change (taken before
     RoPE) that recomputation made to the keys of the chunk's recomputed tokens. A shift
     shared by a chunk moves the attention the chunk as a whole receives, the part of the
-    context a chunk computed alone gets most wrong; the ranking inside the chunk is kept."""
+    context a chunk computed alone gets most wrong; the ranking inside the chunk is kept.
+    Off by default: on 30 SQuAD cases (K 0.3, V 1.0) it cut first-token KL to a third but
+    left answer NLL unchanged, for ~0.02x of a prefill (README, blend_corrected)."""
     correct_v: float = 0.0
     """The same for values (no RoPE): stale values move by this fraction of the chunk's mean
     value change."""
