@@ -24,6 +24,9 @@ Lifecycle of ``blend(model, pieces, config)``:
    through the remaining layers; their fresh K/V replace the stored ones and they attend over
    the whole context (stored K/V for everything else) with a causal mask. Text before the
    first chunk is final after the first pass and is not computed again.
+   Optionally (``correct_k``/``correct_v``, off by default) each chunk's tokens that keep
+   their stored K/V are shifted, per layer, by a fraction of the mean change recomputation
+   made to the chunk's recomputed tokens (``correct_stale``).
 4. the last token's hidden state gives the logits of the first generated token.
 
 On SmolLM2-135M with SQuAD RAG prompts (``bench.blend``) the question rule recovers much more
