@@ -72,6 +72,13 @@ def prompt(model: Any, layout: KVLayout, sizes: tuple[int, ...] = (9, 23, 17, 30
     return pieces, [t for p in parts for t in p], chunks
 
 
+def assert_ratio_one_is_full(model: Any, pieces: list[Piece], full: KVCache,
+                             logits: torch.Tensor, **config: Any) -> None:
+    got = blend(model, pieces, BlendConfig(ratio=1.0, **config))
+    assert_kv_close(got.kv, full)
+    torch.testing.assert_close(got.logits, logits, **TOL)
+
+
 def assert_kv_close(a: KVCache, b: KVCache, **tol: float) -> None:
     for i, ((ka, va), (kb, vb)) in enumerate(zip(a.layers, b.layers)):
         torch.testing.assert_close(ka, kb, **(tol or TOL), msg=lambda m, i=i: f"K{i}: {m}")
@@ -254,9 +261,7 @@ def test_correction_keeps_the_ends_exact_and_moves_stale_kv(share: float) -> Non
     pieces, all_ids, _ = prompt(model, layout)
     full, logits = prefill(model, all_ids, layout)
     on = dict(correct_k=1.0, correct_v=1.0, query_share=share)
-    got = blend(model, pieces, BlendConfig(ratio=1.0, **on))  # nothing stale: nothing moves
-    assert_kv_close(got.kv, full)
-    torch.testing.assert_close(got.logits, logits, **TOL)
+    assert_ratio_one_is_full(model, pieces, full, logits, **on)  # nothing stale: nothing moves
     naive = blend(model, pieces, BlendConfig(ratio=0.0))  # nothing fresh: no change to take
     assert blend(model, pieces, BlendConfig(ratio=0.0, **on)).kv.equal(naive.kv)
     plain = blend(model, pieces, BlendConfig(ratio=0.3, query_share=share))
@@ -275,9 +280,7 @@ def test_question_selection_exact_at_the_ends_and_picks_attended_tokens(share: f
     layout = model_layout(model, DType.FLOAT32)
     pieces, all_ids, _ = prompt(model, layout)
     full, logits = prefill(model, all_ids, layout)
-    got = blend(model, pieces, BlendConfig(ratio=1.0, query_share=share))
-    assert_kv_close(got.kv, full)
-    torch.testing.assert_close(got.logits, logits, **TOL)
+    assert_ratio_one_is_full(model, pieces, full, logits, query_share=share)
     naive = blend(model, pieces, BlendConfig(ratio=0.0))
     assert blend(model, pieces, BlendConfig(ratio=0.0, query_share=share)).kv.equal(naive.kv)
     from kdn.blend.blend import question_attention
