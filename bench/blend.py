@@ -39,12 +39,16 @@ finer signal than F1 when the small model rarely answers right), and both NLL ga
 prefill. Teacher forcing and greedy decoding run on
 ``kdn.blend.decode`` (same code for every method). Results are written after every case
 (``complete`` false until the end), plus a PNG of quality against recompute ratio.
+``nll_gap_pct_lo``/``nll_gap_pct_hi`` bound the NLL gap's 95% interval over the case sample
+(paired per-case differences): how far the gap could move on another draw of questions.
+``--summarize FILE`` recomputes a saved result's rows from its per-case data without running.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import random
 import re
 import string
@@ -277,6 +281,22 @@ def run_methods(model: Any, tok: Any, ids: list[int], pieces: list[Piece], layou
 # -- driver ---------------------------------------------------------------------------------
 
 
+def gap_interval(nll: list[float], ref: list[float], z: float = 1.96) -> tuple[float, float]:
+    """Normal-approximation interval (default 95%) of the mean NLL gap in percent of the mean
+    reference NLL, from the per-case paired differences: the cases are a sample of questions,
+    and the same case runs under every method, so the pairing removes the case-to-case spread
+    of the NLL itself."""
+    n = len(nll)
+    if n != len(ref) or n == 0:
+        raise ValueError(f"need the same non-zero number of cases, got {n} and {len(ref)}")
+    diffs = [a - b for a, b in zip(nll, ref)]
+    mean = sum(diffs) / n
+    sd = (sum((d - mean) ** 2 for d in diffs) / (n - 1)) ** 0.5 if n > 1 else 0.0
+    half = z * sd / n ** 0.5
+    base = sum(ref) / n
+    return 100 * (mean - half) / base, 100 * (mean + half) / base
+
+
 def summarize(per: dict[str, list[dict[str, float]]], selection: str = "question"
               ) -> list[dict[str, Any]]:
     rows = []
@@ -287,6 +307,7 @@ def summarize(per: dict[str, list[dict[str, float]]], selection: str = "question
         n = len(cases)
         nll = sum(c["nll"] for c in cases) / n
         ref_nll = sum(full[c["case"]]["nll"] for c in cases) / n
+        lo, hi = gap_interval([c["nll"] for c in cases], [full[c["case"]]["nll"] for c in cases])
         rows.append({
             "method": method,
             "ratio": float(ratio) if ratio else (0.0 if method == "naive-concat" else 1.0),
@@ -299,6 +320,8 @@ def summarize(per: dict[str, list[dict[str, float]]], selection: str = "question
             "answer_nll": nll,
             "nll_gap": nll - ref_nll,
             "nll_gap_pct": 100 * (nll - ref_nll) / ref_nll,
+            "nll_gap_pct_lo": lo,
+            "nll_gap_pct_hi": hi,
             "first_token_kl": sum(c["kl"] for c in cases) / n,
             "f1": sum(c["f1"] for c in cases) / n,
             "agreement_with_full": sum(c["agree"] for c in cases) / n,
@@ -354,7 +377,13 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads (1 keeps timings steadier on a shared CPU)")
     ap.add_argument("--out", type=Path, default=Path("bench/results/blend.json"))
+    ap.add_argument("--summarize", type=Path, metavar="FILE",
+                    help="run nothing: recompute the rows and PNG of a saved result from its "
+                         "per-case data (e.g. after a change to the summary), in place")
     args = ap.parse_args()
+    if args.summarize:
+        resummarize(args.summarize)
+        return
     n_cases = 5 if args.quick else args.cases
     ratios = [float(r) for r in args.ratios.split(",")]
     deviation_ratios = [float(r) for r in args.deviation_ratios.split(",") if r.strip()]
@@ -407,10 +436,27 @@ def main() -> None:
                    config=_config(args, n_cases, chunks, prompt_tokens, cfg), per_case=per)
         if (ci + 1) % 5 == 0 or ci + 1 == n_cases:
             plot(rows, args.out.with_suffix(".png"))
-    cols = ["method", "ratio", "selection", "cases", "ttft_s", "ttft_vs_full", "ttft_cpu_s",
-            "cpu_vs_full", "answer_nll", "nll_gap", "nll_gap_pct", "first_token_kl", "f1",
-            "agreement_with_full"]
-    print_table(rows, cols)
+    print_table(rows, COLUMNS)
+
+
+COLUMNS = ["method", "ratio", "selection", "cases", "ttft_s", "ttft_vs_full", "ttft_cpu_s",
+           "cpu_vs_full", "answer_nll", "nll_gap", "nll_gap_pct", "nll_gap_pct_lo",
+           "nll_gap_pct_hi", "first_token_kl", "f1", "agreement_with_full"]
+
+
+def resummarize(path: Path) -> None:
+    """Rewrite ``path``'s rows (and its PNG, when complete) from its ``per_case`` data; the
+    measurement's time, machine and config are kept."""
+    doc = json.loads(path.read_text())
+    if "per_case" not in doc:
+        raise SystemExit(f"{path} holds no per_case data to summarize")
+    share = float(doc.get("config", {}).get("query_share", 1.0))
+    doc["rows"] = summarize(doc["per_case"], {0.0: "deviation", 1.0: "question"}.get(share,
+                                                                                    "mixed"))
+    path.write_text(json.dumps(doc, indent=2) + "\n")
+    if doc.get("complete"):
+        plot(doc["rows"], path.with_suffix(".png"))
+    print_table(doc["rows"], COLUMNS)
 
 
 def _config(args: argparse.Namespace, n_cases: int, chunks: list[Chunk], prompt_tokens: list[int],
