@@ -391,7 +391,7 @@ def main() -> None:
                  args.correct_k, args.correct_v)
     cfg = BlendConfig(select_layer=args.select_layer, head_tokens=args.head_tokens,
                       per_chunk=args.per_chunk, query_share=args.query_share)
-    selection = {0.0: "deviation", 1.0: "question"}.get(cfg.query_share, "mixed")
+    selection = selection_name(cfg.query_share)
 
     torch.set_num_threads(args.threads)
     model, tok = load_model("smollm2-135m")
@@ -444,6 +444,10 @@ COLUMNS = ["method", "ratio", "selection", "cases", "ttft_s", "ttft_vs_full", "t
            "nll_gap_pct_hi", "first_token_kl", "f1", "agreement_with_full"]
 
 
+def selection_name(query_share: float) -> str:
+    return {0.0: "deviation", 1.0: "question"}.get(query_share, "mixed")
+
+
 def resummarize(path: Path) -> None:
     """Rewrite ``path``'s rows (and its PNG, when complete) from its ``per_case`` data; the
     measurement's time, machine and config are kept."""
@@ -451,8 +455,7 @@ def resummarize(path: Path) -> None:
     if "per_case" not in doc:
         raise SystemExit(f"{path} holds no per_case data to summarize")
     share = float(doc.get("config", {}).get("query_share", 1.0))
-    doc["rows"] = summarize(doc["per_case"], {0.0: "deviation", 1.0: "question"}.get(share,
-                                                                                    "mixed"))
+    doc["rows"] = summarize(doc["per_case"], selection_name(share))
     path.write_text(json.dumps(doc, indent=2) + "\n")
     if doc.get("complete"):
         plot(doc["rows"], path.with_suffix(".png"))
