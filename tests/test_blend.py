@@ -72,11 +72,17 @@ def prompt(model: Any, layout: KVLayout, sizes: tuple[int, ...] = (9, 23, 17, 30
     return pieces, [t for p in parts for t in p], chunks
 
 
-def assert_ratio_one_is_full(model: Any, pieces: list[Piece], full: KVCache,
-                             logits: torch.Tensor, **config: Any) -> None:
+def assert_exact_at_the_ends(model: Any, pieces: list[Piece], all_ids: list[int],
+                             layout: KVLayout, **config: Any) -> tuple[KVCache, KVCache]:
+    """With ``config``, ratio 1 reproduces a full prefill and ratio 0 plain concatenation;
+    returns (full prefill's KV, plain concatenation's KV)."""
+    full, logits = prefill(model, all_ids, layout)
     got = blend(model, pieces, BlendConfig(ratio=1.0, **config))
     assert_kv_close(got.kv, full)
     torch.testing.assert_close(got.logits, logits, **TOL)
+    naive = blend(model, pieces, BlendConfig(ratio=0.0))
+    assert blend(model, pieces, BlendConfig(ratio=0.0, **config)).kv.equal(naive.kv)
+    return full, naive.kv
 
 
 def assert_kv_close(a: KVCache, b: KVCache, **tol: float) -> None:
@@ -259,11 +265,9 @@ def test_correction_keeps_the_ends_exact_and_moves_stale_kv(share: float) -> Non
     model = tiny("llama")
     layout = model_layout(model, DType.FLOAT32)
     pieces, all_ids, _ = prompt(model, layout)
-    full, logits = prefill(model, all_ids, layout)
     on = dict(correct_k=1.0, correct_v=1.0, query_share=share)
-    assert_ratio_one_is_full(model, pieces, full, logits, **on)  # nothing stale: nothing moves
-    naive = blend(model, pieces, BlendConfig(ratio=0.0))  # nothing fresh: no change to take
-    assert blend(model, pieces, BlendConfig(ratio=0.0, **on)).kv.equal(naive.kv)
+    # ratio 1: nothing stale, nothing moves; ratio 0: nothing fresh, no change to take
+    assert_exact_at_the_ends(model, pieces, all_ids, layout, **on)
     plain = blend(model, pieces, BlendConfig(ratio=0.3, query_share=share))
     fixed = blend(model, pieces, BlendConfig(ratio=0.3, **on))
     assert torch.equal(plain.recomputed, fixed.recomputed)
@@ -279,10 +283,7 @@ def test_question_selection_exact_at_the_ends_and_picks_attended_tokens(share: f
     model = tiny("qwen3")
     layout = model_layout(model, DType.FLOAT32)
     pieces, all_ids, _ = prompt(model, layout)
-    full, logits = prefill(model, all_ids, layout)
-    assert_ratio_one_is_full(model, pieces, full, logits, query_share=share)
-    naive = blend(model, pieces, BlendConfig(ratio=0.0))
-    assert blend(model, pieces, BlendConfig(ratio=0.0, query_share=share)).kv.equal(naive.kv)
+    full, naive = assert_exact_at_the_ends(model, pieces, all_ids, layout, query_share=share)
     from kdn.blend.blend import question_attention
 
     r = blend(model, pieces, BlendConfig(ratio=0.1, query_share=share))
@@ -295,7 +296,7 @@ def test_question_selection_exact_at_the_ends_and_picks_attended_tokens(share: f
     def err(kv: KVCache) -> float:
         return sum(float((a[1] - b[1]).norm()) for a, b in zip(kv.layers, full.layers))
 
-    assert err(r.kv) < err(naive.kv)
+    assert err(r.kv) < err(naive)
     weights = question_attention(model.model.layers[0], torch.randn(4, 3, 16),
                                  full.layers[0][0], torch.tensor([60, 61, 84]))
     assert weights.sum().item() == pytest.approx(1.0)
