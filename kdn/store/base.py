@@ -15,9 +15,18 @@ value or the new one, never a mix. When ``put`` returns, the entry is as durable
 can make it (a disk tier: committed to disk). ``ttl_s`` (seconds, None = no expiry) is honoured
 by every tier: an expired entry is a miss.
 
-Hook set by the hierarchy: ``protected(key)``; a tier that evicts on its own (a byte budget)
-never evicts a key for which it answers true (pins). ``remote`` marks a tier on another
-machine (shared by several servers); the server stays healthy while only remote tiers are down.
+Traits: each tier class says what it is, and the hierarchy chooses by these, never by name.
+
+    durable             an acknowledged entry survives a restart of this server (on disk)
+    remote              the tier is on another machine, shared by several servers; the server
+                        stays healthy while only remote tiers are down
+    reports_evictions   the tier evicts on its own byte budget and hands each evicted entry to
+                        ``on_evict`` (so the hierarchy can demote it)
+
+Hooks set by the hierarchy after construction: ``protected(key)``: a tier that evicts on its own
+never evicts a key for which it answers true (pins); ``on_evict(key, value, ttl_s)``: called by
+a tier that ``reports_evictions`` for each entry it evicted, outside its locks, with the seconds
+the entry had left (None = no expiry).
 
 A miss is ``None``. A tier that can not be reached raises ``TierUnavailable``; one that can not
 hold an entry raises ``TooLarge``. Tiers never raise other exception types on purpose.
@@ -29,6 +38,9 @@ import abc
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import ClassVar
+
+from kdn.options import Durability
 
 
 @dataclass
@@ -64,15 +76,31 @@ def _never(key: bytes) -> bool:
     return False
 
 
+EvictHook = Callable[[bytes, bytes, float | None], None]
+"""``on_evict(key, value, ttl_s)``: an entry a tier evicted, with its remaining seconds or None."""
+
+
 class Tier(abc.ABC):
     """Opaque bytes under bytes keys."""
 
-    name: str = "tier"
-    remote: bool = False
+    name: ClassVar[str] = "tier"
+    durable: ClassVar[bool] = False
+    remote: ClassVar[bool] = False
+    reports_evictions: ClassVar[bool] = False
 
     def __init__(self) -> None:
         self.counters = TierCounters()
         self.protected: Callable[[bytes], bool] = _never
+        self.on_evict: EvictHook | None = None
+
+    def satisfies(self, durability: Durability) -> bool:
+        """Whether an entry this tier acknowledged is where ``durability`` asks: DISK needs a
+        ``durable`` tier, SHARED a ``remote`` one; DEFAULT and MEMORY are met by every tier."""
+        if durability is Durability.DISK:
+            return self.durable
+        if durability is Durability.SHARED:
+            return self.remote
+        return True
 
     @abc.abstractmethod
     def contains(self, key: bytes) -> bool: ...

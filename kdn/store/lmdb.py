@@ -85,6 +85,7 @@ class _RWLock:
 
 class LmdbTier(Tier):
     name = "disk"
+    durable = True
 
     def __init__(
         self,

@@ -15,18 +15,19 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator
 
 from kdn.errors import TooLarge
-from kdn.store.base import Tier, TierStats
+from kdn.store.base import EvictHook, Tier, TierStats
 
 
 class RamTier(Tier):
     name = "ram"
+    reports_evictions = True
 
     def __init__(
         self,
         capacity_bytes: int,
         *,
         protected: Callable[[bytes], bool] | None = None,
-        on_evict: Callable[[bytes, bytes, float | None], None] | None = None,
+        on_evict: EvictHook | None = None,
     ) -> None:
         super().__init__()
         if capacity_bytes <= 0:

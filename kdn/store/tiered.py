@@ -1,38 +1,37 @@
 """The hierarchy: the one place that owns promotion, demotion, eviction policy and write policy.
 
 Lifecycle: ``TieredStore(tiers, ...)`` is built once by the server from config (``tiers`` in
-read order, RAM first); RPC handlers call ``get``/``put``/``lookup``/``delete`` from worker
-threads; ``close`` runs once at graceful shutdown, after in-flight RPCs finish: it flushes every
-write-behind queue (bounded by ``flush_timeout_s``), then closes the tiers.
+read order, RAM first). It builds the tiers' health marks (``kdn.store.health``), one write
+queue per lower tier (``kdn.store.queue``), then starts the health probe. RPC handlers call
+``get``/``put``/``lookup``/``delete`` from worker threads; ``close`` runs once at graceful
+shutdown, after in-flight RPCs finish: it flushes every write queue (bounded by
+``flush_timeout_s``), stops the probe, then closes the tiers.
 
-Reads go through the tiers in order. Every value about to be returned is checked with
-``verify``: one that fails is removed from that tier, counted (``corrupt``) and treated as a
-miss there, so another tier's good copy is served instead, and a damaged value never is. A hit
-below the first tier is promoted: into the first tier (RAM) at once, into other tiers above it
-through their write queues, keeping the entry's remaining TTL.
+Reads go through the tiers in order, skipping tiers that are down. Every value about to be
+returned is checked with ``verify``: one that fails is removed from that tier, counted
+(``corrupt``) and treated as a miss there, so another tier's good copy is served instead, and a
+damaged value never is. A value still in a tier's write queue is served as if the tier held it
+(a pending delete hides what the tier holds). A hit below the first tier is promoted: into the
+first tier (RAM) at once, into other tiers above it through their write queues, keeping the
+entry's remaining TTL.
 
 Writes always go to the first tier, then to each lower tier either synchronously or through
-that tier's write queue (one bounded queue and one writer thread per lower tier, holding the
-newest pending value per key; pending values are served by reads, so a queued entry is never
-invisible). Which lower tiers are written synchronously:
+that tier's write queue. Which lower tiers are written synchronously:
 
     write-through  every lower tier, unless the request asks for MEMORY durability
-    write-behind   none, except the tier the request's durability names
-    durability     DISK: the disk tier; SHARED: the redis tier; the call fails (nothing is
-                   acknowledged) when that tier is missing, down or refuses the entry
+    write-behind   none, except the tier the request's durability needs
+    durability     DISK: a ``durable`` tier; SHARED: a ``remote`` one (``Tier.satisfies``); the
+                   call fails (nothing is acknowledged) when that tier is missing, down or
+                   refuses the entry
 
 A full queue falls back to a synchronous write. A write (or delete) for a tier that is down is
-queued and retried by the writer thread once the tier is back, or dropped with a counter
+queued and retried by the queue's writer once the tier is back, or dropped with a counter
 (``<tier>.write_dropped``) when the queue is full: clients are never held for a down tier.
 
-Availability: a tier that raises ``TierUnavailable`` is marked down and skipped by reads and
-writes until a probe thread (``healthy()`` every ``probe_interval_s``) sees it answer again.
-``degraded`` is true while any tier is down.
-
 Eviction: tiers evict on their own budget (RAM: LRU; disk: approximate LRU) but skip keys
-for which ``protected`` (wired here to the pin set) answers true. RAM evictions are demoted to
-the first lower tier that does not hold the entry (through its queue) when ``demote`` is set.
-Pins live in this process's memory.
+for which ``protected`` (wired here to the pin set) answers true. Evictions from a tier that
+``reports_evictions`` are demoted to the first lower tier that does not hold the entry (through
+its queue) when ``demote`` is set. Pins live in this process's memory.
 
 Key-level ordering: synchronous lower-tier writes, deletes and queue flushes of one key hold
 that key's stripe lock, so an older queued value never lands over a newer one.
@@ -45,18 +44,26 @@ import enum
 import logging
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import xxhash
 
 from kdn.errors import Corrupt, InvalidArgument, KDNError, TierUnavailable, Unavailable
-from kdn.store.base import Tier, TierStats
-from kdn.store.ram import RamTier
+from kdn.options import Durability
+from kdn.store.base import EvictHook, Tier, TierStats
+from kdn.store.health import Fault, TierHealth
+from kdn.store.queue import PendingWrite, WriteQueue
+
+__all__ = ["Durability", "Hit", "Presence", "TieredStore", "WritePolicy"]
 
 log = logging.getLogger(__name__)
 _STRIPES = 64
+
+# What the error calls the tier a durability level needs when the server has none (the tier
+# itself is found by its traits, ``Tier.satisfies``).
+_NEEDED_TIER = {Durability.DISK: "disk", Durability.SHARED: "redis"}
 
 
 class WritePolicy(enum.StrEnum):
@@ -64,18 +71,6 @@ class WritePolicy(enum.StrEnum):
 
     WRITE_THROUGH = "write-through"
     WRITE_BEHIND = "write-behind"
-
-
-class Durability(enum.IntEnum):
-    """Where an entry must be before ``put`` returns; the values mirror ``kdn.v1.Durability``."""
-
-    DEFAULT = 0
-    MEMORY = 1
-    DISK = 2
-    SHARED = 3
-
-
-_DURABLE_TIER = {Durability.DISK: "disk", Durability.SHARED: "redis"}
 
 
 @dataclass(frozen=True)
@@ -89,133 +84,6 @@ class Presence:
     present: bool
     tier: str = ""
     size: int = 0
-
-
-@dataclass(frozen=True)
-class _Item:
-    """A pending write: ``value`` None is a pending delete; ``expiry`` monotonic, 0 = none."""
-
-    value: bytes | None
-    expiry: float = 0.0
-
-    def expired(self, now: float) -> bool:
-        return bool(self.expiry) and self.expiry <= now
-
-    def ttl(self, now: float) -> float | None:
-        return max(0.001, self.expiry - now) if self.expiry else None
-
-    @property
-    def nbytes(self) -> int:
-        return len(self.value) if self.value is not None else 0
-
-
-class _WriteQueue:
-    """Pending writes for one lower tier: newest item per key, FIFO, bounded, one writer thread."""
-
-    def __init__(self, store: TieredStore, tier: Tier, max_entries: int, max_bytes: int) -> None:
-        self.store = store
-        self.tier = tier
-        self.max_entries = max_entries
-        self.max_bytes = max_bytes
-        self.pending: OrderedDict[bytes, _Item] = OrderedDict()
-        self.bytes = 0
-        self.cond = threading.Condition()
-        self.closing = False
-        self.deadline = 0.0
-        self.thread = threading.Thread(target=self._run, name=f"kdn-write-{tier.name}",
-                                       daemon=True)
-        self.thread.start()
-
-    def peek(self, key: bytes) -> _Item | None:
-        with self.cond:
-            return self.pending.get(key)
-
-    def offer(self, key: bytes, item: _Item) -> bool:
-        """Queue ``item`` for ``key`` (replacing an older one); False when the queue is full."""
-        with self.cond:
-            old = self.pending.get(key)
-            if old is None and (len(self.pending) >= self.max_entries
-                                or self.bytes + item.nbytes > self.max_bytes):
-                return False
-            if old is not None:
-                self.bytes -= old.nbytes
-            self.pending[key] = item
-            self.bytes += item.nbytes
-            self.cond.notify_all()
-            return True
-
-    def discard(self, key: bytes) -> _Item | None:
-        with self.cond:
-            item = self.pending.pop(key, None)
-            if item is not None:
-                self.bytes -= item.nbytes
-                self.cond.notify_all()
-            return item
-
-    def _pop_if(self, key: bytes, item: _Item) -> None:
-        with self.cond:
-            if self.pending.get(key) is item:
-                del self.pending[key]
-                self.bytes -= item.nbytes
-                self.cond.notify_all()
-
-    def _next(self) -> bytes | None:
-        """The oldest pending key once the tier is up; None when closed and drained."""
-        with self.cond:
-            while True:
-                up = self.store.is_up(self.tier.name)
-                if self.pending and up:
-                    return next(iter(self.pending))
-                if self.closing and (not self.pending or time.monotonic() >= self.deadline):
-                    return None
-                self.cond.wait(timeout=0.2)
-
-    def _run(self) -> None:
-        while (key := self._next()) is not None:
-            with self.store.stripe(key):
-                item = self.peek(key)
-                if item is None:
-                    continue
-                if item.expired(time.monotonic()):
-                    self._pop_if(key, item)
-                    continue
-                try:
-                    if item.value is None:
-                        self.tier.delete(key)
-                    else:
-                        self.tier.put(key, item.value, ttl_s=item.ttl(time.monotonic()))
-                except TierUnavailable as exc:
-                    self.store.mark_down(self.tier.name, exc)
-                    self.store.count(f"{self.tier.name}.write_retried")
-                    continue  # stays first in line; retried once the tier is up
-                except KDNError as exc:
-                    log.warning("queued write of %r to %s dropped: %s", key, self.tier.name, exc)
-                    self.store.count(f"{self.tier.name}.write_dropped")
-                self._pop_if(key, item)
-        with self.cond:
-            if self.pending:
-                log.error("%d queued writes to %s dropped at shutdown (tier down)",
-                          len(self.pending), self.tier.name)
-                self.store.count(f"{self.tier.name}.write_dropped", len(self.pending))
-                self.pending.clear()
-                self.bytes = 0
-            self.cond.notify_all()
-
-    def wait_empty(self, timeout: float) -> bool:
-        end = time.monotonic() + timeout
-        with self.cond:
-            while self.pending:
-                left = end - time.monotonic()
-                if left <= 0:
-                    return False
-                self.cond.wait(timeout=min(left, 0.2))
-            return True
-
-    def close(self, deadline: float) -> None:
-        with self.cond:
-            self.closing = True
-            self.deadline = deadline
-            self.cond.notify_all()
 
 
 class TieredStore:
@@ -243,23 +111,20 @@ class TieredStore:
         self.default_ttl_s = default_ttl_s
         self.probe_interval_s = probe_interval_s
         self.flush_timeout_s = flush_timeout_s
-        self._by_name = {t.name: t for t in tiers}
         self._pins: set[bytes] = set()
         self._lock = threading.Lock()
         self._stripes = [threading.Lock() for _ in range(_STRIPES)]
-        self._up = {t.name: True for t in tiers}
         self.counters: dict[str, int] = {}
         self._closing = False
+        self._health = TierHealth(tiers, count=self.count, on_up=self._tier_back)
         for tier in tiers:
             tier.protected = self.is_pinned
-            if isinstance(tier, RamTier) and demote:
+            if demote and tier.reports_evictions:
                 tier.on_evict = self._demote_from(tier)
-        self._queues = {t.name: _WriteQueue(self, t, queue_entries, queue_bytes)
+        self._queues = {t.name: WriteQueue(t, self._health, stripe=self.stripe, count=self.count,
+                                           max_entries=queue_entries, max_bytes=queue_bytes)
                         for t in tiers[1:]}
-        self._stop = threading.Event()
-        self._monitor = threading.Thread(target=self._probe_loop, name="kdn-tier-probe",
-                                         daemon=True)
-        self._monitor.start()
+        self._health.start(probe_interval_s)
 
     # -- bookkeeping ----------------------------------------------------------------------------
 
@@ -274,53 +139,34 @@ class TieredStore:
     def stripe(self, key: bytes) -> threading.Lock:
         return self._stripes[xxhash.xxh64_intdigest(key) % _STRIPES]
 
-    # -- availability ---------------------------------------------------------------------------
+    # -- availability (kept by ``TierHealth``) --------------------------------------------------
 
     def is_up(self, name: str) -> bool:
-        return self._up[name]
+        return self._health.is_up(name)
 
     def mark_down(self, name: str, exc: BaseException | str | None = None) -> None:
-        if self._up[name]:
-            self._up[name] = False
-            self.count(f"{name}.down")
-            log.warning("tier %s is down (%s); serving from the others", name, exc)
-
-    def _mark_up(self, name: str) -> None:
-        if not self._up[name]:
-            self._up[name] = True
-            log.info("tier %s is back", name)
-            q = self._queues.get(name)
-            if q is not None:
-                with q.cond:
-                    q.cond.notify_all()
-
-    def _probe_loop(self) -> None:
-        while not self._stop.wait(self.probe_interval_s):
-            self.probe()
+        self._health.mark_down(name, exc)
 
     def probe(self) -> None:
         """Ask every tier whether it answers and update the up/down marks."""
-        for tier in self.tiers:
-            try:
-                ok = tier.healthy()
-            except KDNError:
-                ok = False
-            if ok:
-                self._mark_up(tier.name)
-            else:
-                self.mark_down(tier.name, "health probe failed")
+        self._health.probe()
 
     def health(self) -> dict[str, bool]:
-        return dict(self._up)
+        return self._health.marks()
 
     @property
     def degraded(self) -> bool:
-        return not all(self._up.values())
+        return self._health.degraded
 
     @property
     def local_ok(self) -> bool:
         """Whether every tier on this machine (all but the shared ones) is up."""
-        return all(up for t, up in zip(self.tiers, self._up.values()) if not t.remote)
+        return self._health.local_ok
+
+    def _tier_back(self, name: str) -> None:
+        q = self._queues.get(name)
+        if q is not None:
+            q.wake()
 
     # -- pins -----------------------------------------------------------------------------------
 
@@ -338,6 +184,7 @@ class TieredStore:
     # -- reads ----------------------------------------------------------------------------------
 
     def get(self, key: bytes) -> Hit | None:
+        guard = self._health.guard
         for i, tier in enumerate(self.tiers):
             q = self._queues.get(tier.name)
             item = q.peek(key) if q is not None else None
@@ -349,21 +196,14 @@ class TieredStore:
                     continue
                 self._promote(i, key, item.value, item.ttl(now))
                 return Hit(item.value, tier.name)
-            if not self._up[tier.name]:
+            if not self.is_up(tier.name):
                 continue
-            try:
-                value = tier.get(key)
-            except TierUnavailable as exc:
-                self.mark_down(tier.name, exc)
-                continue
-            except KDNError as exc:
-                log.warning("tier %s failed on get: %s", tier.name, exc)
-                continue
+            value = guard(tier, partial(tier.get, key), "get")
             if value is None or not self._verified(tier, key, value):
                 continue
             if i > 0:
-                ttl = self._try(tier, tier.ttl_remaining, key)
-                self._promote(i, key, value, ttl if isinstance(ttl, float) else None)
+                ttl = guard(tier, partial(tier.ttl_remaining, key), "ttl_remaining")
+                self._promote(i, key, value, ttl)
             return Hit(value, tier.name)
         return None
 
@@ -384,7 +224,7 @@ class TieredStore:
                     if item is not None and item.value is value:
                         q.discard(key)
             else:
-                self._try(tier, tier.delete, key)
+                self._health.guard(tier, partial(tier.delete, key), "delete")
             return False
 
     def _promote(self, i: int, key: bytes, value: bytes, ttl: float | None) -> None:
@@ -392,11 +232,11 @@ class TieredStore:
             return
         self.count("promotions")
         head = self.tiers[0]
-        self._try(head, head.put, key, value, ttl_s=ttl)
+        self._health.guard(head, partial(head.put, key, value, ttl_s=ttl), "put")
         expiry = time.monotonic() + ttl if ttl else 0.0
         for upper in self.tiers[1:i]:
-            if self._up[upper.name]:
-                self._queues[upper.name].offer(key, _Item(value, expiry))
+            if self.is_up(upper.name):
+                self._queues[upper.name].offer(key, PendingWrite(value, expiry))
 
     def lookup(self, keys: list[bytes]) -> list[Presence]:
         out = [Presence(False)] * len(keys)
@@ -414,9 +254,10 @@ class TieredStore:
                 elif item.value is not None and not item.expired(now):
                     out[i] = Presence(True, tier.name, len(item.value))
             sizes: list[int | None] = [None] * len(ask)
-            if ask and self._up[tier.name]:
-                got = self._try(tier, tier.size_many, [keys[i] for i in ask])
-                if isinstance(got, list):
+            if ask and self.is_up(tier.name):
+                got = self._health.guard(tier, partial(tier.size_many, [keys[i] for i in ask]),
+                                         "size_many")
+                if got is not None:
                     sizes = got
             todo = [i for i in todo if not out[i].present]
             for i, size in zip(ask, sizes):
@@ -437,10 +278,12 @@ class TieredStore:
         if self._closing:
             raise Unavailable("the store is shutting down")
         durability = Durability(durability)
-        required = _DURABLE_TIER.get(durability)
-        if required is not None and required not in self._by_name:
-            raise InvalidArgument(f"durability {durability.name} needs a {required} tier; "
-                                  "this server has none")
+        # The first tier that meets the durability; for DEFAULT and MEMORY that is the first
+        # tier, so no lower tier is required.
+        required = next((t for t in self.tiers if t.satisfies(durability)), None)
+        if required is None:
+            raise InvalidArgument(f"durability {durability.name} needs a "
+                                  f"{_NEEDED_TIER[durability]} tier; this server has none")
         ttl = ttl_s or self.default_ttl_s or None
         expiry = time.monotonic() + ttl if ttl else 0.0
         if pin:
@@ -457,8 +300,7 @@ class TieredStore:
         with self.stripe(key):
             for tier in self.tiers[1:]:
                 took = self._write_lower(tier, key, value, ttl, expiry,
-                                         sync_all or tier.name == required,
-                                         tier.name == required)
+                                         sync_all or tier is required, tier is required)
                 if took and not first:
                     first = tier.name
         if not first:
@@ -467,41 +309,33 @@ class TieredStore:
 
     def _write_lower(self, tier: Tier, key: bytes, value: bytes, ttl: float | None,
                      expiry: float, sync: bool, required: bool) -> bool:
-        """Write to one lower tier (caller holds the key's stripe); True if written now."""
+        """Write to one lower tier (caller holds the key's stripe); True if written now.
+
+        A ``required`` write that fails raises (after marking the tier down if it is); the
+        others fall back to the tier's queue, or are dropped and counted.
+        """
         q = self._queues[tier.name]
-        if sync and self._up[tier.name]:
-            try:
-                tier.put(key, value, ttl_s=ttl)
-                q.discard(key)
-                return True
-            except TierUnavailable as exc:
-                self.mark_down(tier.name, exc)
-                if required:
-                    raise
-            except KDNError as exc:
-                if required:
-                    raise
-                log.warning("write of %r to %s failed: %s", key, tier.name, exc)
+        write = partial(tier.put, key, value, ttl_s=ttl)
+        what = f"write of {key!r}"
+        if sync and self.is_up(tier.name):
+            fault = self._health.attempt(tier, write, what, reraise=required)
+            if fault is Fault.FAILED:
                 self.count(f"{tier.name}.write_failed")
-                q.discard(key)  # an older queued value must not land after this one failed
-                return False
+            if fault is not Fault.DOWN:
+                q.discard(key)  # written, or failed: an older queued value must not land now
+                return fault is None
         elif required:
             raise TierUnavailable(f"the {tier.name} tier is down; can not acknowledge the entry "
                                   "there")
-        if q.offer(key, _Item(value, expiry)):
-            if not self._up[tier.name]:
+        if q.offer(key, PendingWrite(value, expiry)):
+            if not self.is_up(tier.name):
                 self.count(f"{tier.name}.write_retried")
             return False
-        if self._up[tier.name]:
+        if self.is_up(tier.name):
             self.count(f"{tier.name}.write_sync_fallback")
-            try:
-                tier.put(key, value, ttl_s=ttl)
+            if self._health.attempt(tier, write, what) is None:
                 q.discard(key)
                 return True
-            except TierUnavailable as exc:
-                self.mark_down(tier.name, exc)
-            except KDNError as exc:
-                log.warning("write of %r to %s failed: %s", key, tier.name, exc)
         self.count(f"{tier.name}.write_dropped")
         q.discard(key)
         return False
@@ -509,41 +343,35 @@ class TieredStore:
     def delete(self, key: bytes) -> bool:
         self.unpin(key)
         head = self.tiers[0]
-        found = bool(self._try(head, head.delete, key))
+        found = bool(self._health.guard(head, partial(head.delete, key), "delete"))
         with self.stripe(key):
             for tier in self.tiers[1:]:
                 q = self._queues[tier.name]
                 pending = q.discard(key)
                 found = found or (pending is not None and pending.value is not None)
-                if self._up[tier.name]:
-                    try:
-                        found = bool(tier.delete(key)) or found
+                if self.is_up(tier.name):
+                    got = self._health.attempt(tier, partial(tier.delete, key),
+                                               f"delete of {key!r}")
+                    if got is not Fault.DOWN:
+                        found = (got is not Fault.FAILED and bool(got)) or found
                         continue
-                    except TierUnavailable as exc:
-                        self.mark_down(tier.name, exc)
-                    except KDNError as exc:
-                        log.warning("delete of %r in %s failed: %s", key, tier.name, exc)
-                        continue
-                if not q.offer(key, _Item(None)):
+                if not q.offer(key, PendingWrite(None)):
                     self.count(f"{tier.name}.delete_dropped")
         return found
 
-    def _demote_from(self, tier: Tier) -> Callable[[bytes, bytes, float | None], None]:
+    def _demote_from(self, tier: Tier) -> EvictHook:
         below = self.tiers[self.tiers.index(tier) + 1:]
 
         def demote(key: bytes, value: bytes, ttl: float | None) -> None:
             expiry = time.monotonic() + ttl if ttl else 0.0
             with self.stripe(key):
                 for lower in below:
-                    if not self._up[lower.name]:
+                    if not self.is_up(lower.name):
                         continue
                     q = self._queues[lower.name]
-                    item = q.peek(key)
-                    if item is not None:
-                        if item.value is None:
-                            return  # deleted meanwhile
-                        return  # already on its way down
-                    if self._try(lower, lower.contains, key) is True:
+                    if q.peek(key) is not None:
+                        return  # already on its way down, or deleted meanwhile
+                    if self._health.guard(lower, partial(lower.contains, key), "contains"):
                         return
                     self.count("demotions")
                     if self._write_lower(lower, key, value, ttl, expiry, False, False) \
@@ -551,16 +379,6 @@ class TieredStore:
                         return
 
         return demote
-
-    def _try(self, tier: Tier, fn: Callable[..., object], *args: object,
-             **kwargs: object) -> object:
-        try:
-            return fn(*args, **kwargs)
-        except TierUnavailable as exc:
-            self.mark_down(tier.name, exc)
-        except KDNError as exc:
-            log.warning("tier %s: %s failed: %s", tier.name, getattr(fn, "__name__", fn), exc)
-        return None
 
     # -- admin ----------------------------------------------------------------------------------
 
@@ -572,31 +390,33 @@ class TieredStore:
 
     def keys(self, prefix: bytes = b"") -> list[bytes]:
         """Sorted keys starting with ``prefix`` held by any reachable tier (admin listing)."""
+
+        def listed(tier: Tier) -> list[bytes]:
+            return list(tier.keys(prefix))
+
         found: set[bytes] = set()
         for t in self.tiers:
-            if self._up[t.name]:
-                got = self._try(t, lambda t=t: list(t.keys(prefix)))
-                found.update(got if isinstance(got, list) else ())
+            if self.is_up(t.name):
+                found.update(self._health.guard(t, partial(listed, t), "keys") or ())
         return sorted(found)
 
     def where(self, key: bytes) -> list[Tier]:
         """The reachable tiers holding ``key``, in read order (no promotion, no stats)."""
-        return [t for t in self.tiers if self._up[t.name] and self._try(t, t.contains, key)]
+        return [t for t in self.tiers
+                if self.is_up(t.name) and self._health.guard(t, partial(t.contains, key),
+                                                             "contains")]
 
     def queue_depth(self) -> dict[str, int]:
-        return {name: len(q.pending) for name, q in self._queues.items()}
+        return {name: len(q) for name, q in self._queues.items()}
 
     def stats(self) -> list[TierStats]:
         out = []
         for t in self.tiers:
-            st: TierStats | None = None
-            if self._up[t.name]:
-                got = self._try(t, t.stats)
-                st = got if isinstance(got, TierStats) else None
+            st = self._health.guard(t, t.stats, "stats") if self.is_up(t.name) else None
             if st is None:
                 c = t.counters
                 st = TierStats(t.name, 0, 0, 0, c.hits, c.misses, c.evictions, c.corrupt, False)
-            out.append(dataclasses.replace(st, healthy=st.healthy and self._up[t.name]))
+            out.append(dataclasses.replace(st, healthy=st.healthy and self.is_up(t.name)))
         return out
 
     def close(self) -> None:
@@ -614,8 +434,7 @@ class TieredStore:
         for q in self._queues.values():
             # A writer drains everything while its tier is up (a large backlog is written in
             # full); it gives up only on a tier that stays down past the deadline.
-            q.thread.join()
-        self._stop.set()
-        self._monitor.join(timeout=5)
+            q.join()
+        self._health.stop()
         for tier in self.tiers:
-            self._try(tier, tier.close)
+            self._health.guard(tier, tier.close, "close")

@@ -1,0 +1,136 @@
+"""Tier availability: the up/down mark of every tier, the probe that lifts it, guarded tier calls.
+
+Lifecycle: the hierarchy (``kdn.store.tiered.TieredStore``) builds one ``TierHealth`` over its
+tiers, then its write queues, then calls ``start``; ``stop`` runs once at shutdown, after the
+write queues have drained. Every tier starts up.
+
+A tier that raises ``TierUnavailable`` is marked down (``mark_down``; counted as
+``<tier>.down``) and skipped by reads and writes until the probe thread, which asks every tier
+``healthy()`` each ``probe_interval_s``, sees it answer again; ``on_up(name)`` then tells the
+hierarchy (which wakes that tier's write queue). ``degraded`` is true while any tier is down;
+``local_ok`` while every tier on this machine (all but the ``remote`` ones) is up.
+
+Calls into a tier go through ``attempt`` (or ``guard``, for callers to whom a failed call is a
+miss): ``TierUnavailable`` marks the tier down, any other ``KDNError`` is logged, and the caller
+gets a ``Fault`` (or None) instead of an exception, so one failing tier never fails a request
+that others can serve. With ``reraise`` (a write the client must see acknowledged) the tier is
+still marked down, and the error goes on to the caller.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+from collections.abc import Callable
+from typing import TypeVar
+
+from kdn.errors import KDNError, TierUnavailable
+from kdn.store.base import Tier
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+Count = Callable[[str, int], None]
+"""``count(name, n)``: add ``n`` to the hierarchy's counter ``name``."""
+
+
+class Fault(enum.Enum):
+    """Why a call made through ``TierHealth.attempt`` returned no result."""
+
+    DOWN = "down"  # the tier raised TierUnavailable and is now marked down
+    FAILED = "failed"  # the tier raised another KDNError, which was logged
+
+
+class TierHealth:
+    """Up/down marks for a fixed list of tiers, and the thread that probes the down ones."""
+
+    def __init__(self, tiers: list[Tier], *, count: Count,
+                 on_up: Callable[[str], None]) -> None:
+        self.tiers = tiers
+        self._count = count
+        self._on_up = on_up
+        self._up = {t.name: True for t in tiers}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # -- marks ----------------------------------------------------------------------------------
+
+    def is_up(self, name: str) -> bool:
+        return self._up[name]
+
+    def mark_down(self, name: str, exc: BaseException | str | None = None) -> None:
+        if self._up[name]:
+            self._up[name] = False
+            self._count(f"{name}.down", 1)
+            log.warning("tier %s is down (%s); serving from the others", name, exc)
+
+    def mark_up(self, name: str) -> None:
+        if not self._up[name]:
+            self._up[name] = True
+            log.info("tier %s is back", name)
+            self._on_up(name)
+
+    def marks(self) -> dict[str, bool]:
+        """A copy of the marks: tier name -> up."""
+        return dict(self._up)
+
+    @property
+    def degraded(self) -> bool:
+        return not all(self._up.values())
+
+    @property
+    def local_ok(self) -> bool:
+        """Whether every tier on this machine (all but the remote ones) is up."""
+        return all(self._up[t.name] for t in self.tiers if not t.remote)
+
+    # -- probing --------------------------------------------------------------------------------
+
+    def probe(self) -> None:
+        """Ask every tier whether it answers and update the up/down marks."""
+        for tier in self.tiers:
+            try:
+                ok = tier.healthy()
+            except KDNError:
+                ok = False
+            if ok:
+                self.mark_up(tier.name)
+            else:
+                self.mark_down(tier.name, "health probe failed")
+
+    def start(self, interval_s: float) -> None:
+        """Start the probe thread: ``probe`` every ``interval_s`` seconds until ``stop``."""
+        self._thread = threading.Thread(target=self._loop, args=(interval_s,),
+                                        name="kdn-tier-probe", daemon=True)
+        self._thread.start()
+
+    def _loop(self, interval_s: float) -> None:
+        while not self._stop.wait(interval_s):
+            self.probe()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+    # -- guarded calls --------------------------------------------------------------------------
+
+    def attempt(self, tier: Tier, fn: Callable[[], T], what: str, *,
+                reraise: bool = False) -> T | Fault:
+        """``fn()``, or the ``Fault`` that kept it from returning (see the module docstring)."""
+        try:
+            return fn()
+        except TierUnavailable as exc:
+            self.mark_down(tier.name, exc)
+            if reraise:
+                raise
+            return Fault.DOWN
+        except KDNError as exc:
+            if reraise:
+                raise
+            log.warning("tier %s: %s failed: %s", tier.name, what, exc)
+            return Fault.FAILED
+
+    def guard(self, tier: Tier, fn: Callable[[], T], what: str) -> T | None:
+        """``fn()``, or None when it failed (a miss, to the caller)."""
+        got = self.attempt(tier, fn, what)
+        return None if isinstance(got, Fault) else got
