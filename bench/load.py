@@ -32,6 +32,7 @@ from kdn import codec, keys
 from kdn.cache import KVCache
 from kdn.client import Client
 from kdn.layout import KVLayout, LayerLayout
+from kdn.options import StoreOptions
 from kdn.store.ram import RamTier
 
 LAYOUT = KVLayout("load-model", tuple(LayerLayout(4, 64, 64) for _ in range(8)), head_dim=64)
@@ -149,7 +150,7 @@ def gateway_overhead(address: str, clients_list: list[int], requests: int
     raw.stop()
     rows = []
     with Client(address) as c:
-        c.store(key, kv, mode="raw", pin=True)
+        c.store(key, kv, mode="raw", options=StoreOptions(pin=True))
     for n in clients_list:
         lat: list[float] = []
         lock = threading.Lock()

@@ -2,15 +2,47 @@
 
 Stores the KV caches a model computed for a text, keyed by a hash of that text, and gives them
 back to engines so they skip the prefill. See README.md for the architecture.
+
+The names below are imported on first use (PEP 562), so ``import kdn.layout``, ``kdn.codec``,
+``kdn.keys`` or ``kdn.errors`` loads neither grpc nor the client.
 """
 
-from kdn import keys
-from kdn.cache import KVCache
-from kdn.client import AsyncClient, Client, Retry
-from kdn.errors import KDNError
-from kdn.layout import DType, KVLayout, LayerLayout, RopeSpec
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kdn import keys
+    from kdn.cache import KVCache
+    from kdn.client import AsyncClient, Client, Retry
+    from kdn.errors import KDNError
+    from kdn.layout import DType, KVLayout, LayerLayout, RopeSpec
+    from kdn.options import Durability, StoreOptions
 
 __version__ = "0.1.0"
 
-__all__ = ["AsyncClient", "Client", "DType", "KDNError", "KVCache", "KVLayout", "LayerLayout",
-           "Retry", "RopeSpec", "__version__", "keys"]
+_HOME = {
+    "AsyncClient": "kdn.client", "Client": "kdn.client", "Retry": "kdn.client",
+    "KVCache": "kdn.cache", "KDNError": "kdn.errors", "DType": "kdn.layout",
+    "KVLayout": "kdn.layout", "LayerLayout": "kdn.layout", "RopeSpec": "kdn.layout",
+    "Durability": "kdn.options", "StoreOptions": "kdn.options",
+}
+
+__all__ = ["AsyncClient", "Client", "DType", "Durability", "KDNError", "KVCache", "KVLayout",
+           "LayerLayout", "Retry", "RopeSpec", "StoreOptions", "__version__", "keys"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "keys":
+        return importlib.import_module("kdn.keys")
+    home = _HOME.get(name)
+    if home is None:
+        raise AttributeError(f"module 'kdn' has no attribute {name!r}")
+    value = getattr(importlib.import_module(home), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -10,6 +10,10 @@ covers the model fingerprint) and the token ids as little-endian int32:
   implies the whole prefix matches.
 * ``text_chunk_key``: tokenize with the model's tokenizer, then ``chunk_key``.
 
+Inside the server's tiers an entry lives under ``store_key(tenant, namespace, key)``:
+``b"<tenant>:<namespace>/<hex key>"``, or ``b"<namespace>/<hex key>"`` for the unscoped key
+space (tenant ""); ``split_store_key`` reverses it.
+
 Python's built-in ``hash()`` is never used: it is salted per process.
 """
 
@@ -112,8 +116,27 @@ def text_chunk_key(
 
 def variant_key(key: bytes, encoding: str) -> bytes:
     """Key of one stored encoding of an entry. ``lossless`` is the entry's own key, so a plain
-    ``Client.store(key, kv)`` is found; other encodings (``kdn-l2``, ``int8``) get derived keys."""
+    ``Client.store(key, kv)`` is found; other encodings (``kdn.delivery.encoding_name``, e.g.
+    ``kdn-default``, ``int8``) get derived keys."""
     check_key(key)
     if encoding == "lossless":
         return key
     return _h(b"kdn/variant/v1", key, encoding.encode())
+
+
+def store_key(tenant: str, namespace: str, key: bytes) -> bytes:
+    """The key an entry has inside the tiers: ``b"<tenant>:<namespace>/<hex key>"``, or
+    ``b"<namespace>/<hex key>"`` when ``tenant`` is "" (the unscoped key space)."""
+    ns = check_namespace(namespace)
+    if tenant:
+        if ":" in tenant or "/" in tenant:
+            raise InvalidArgument(f"tenant {tenant!r} is malformed: ':' and '/' separate key parts")
+        ns = f"{tenant}:{ns}"
+    return ns.encode() + b"/" + check_key(key).hex().encode()
+
+
+def split_store_key(skey: bytes) -> tuple[str, str, bytes]:
+    """(tenant, namespace, key) of a tier key made by ``store_key``; tenant "" when unscoped."""
+    ns, _, hexkey = skey.decode().rpartition("/")
+    tenant, _, namespace = ns.rpartition(":")
+    return tenant, namespace, bytes.fromhex(hexkey)

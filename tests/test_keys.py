@@ -64,6 +64,20 @@ def test_bad_tokens_and_keys() -> None:
         keys.check_key(b"short")
 
 
+def test_store_key_format_and_split() -> None:
+    key = bytes(range(32))
+    assert keys.store_key("", "default", key) == b"default/" + key.hex().encode()
+    assert keys.store_key("team-a", "docs", key) == b"team-a:docs/" + key.hex().encode()
+    assert keys.split_store_key(keys.store_key("team-a", "docs", key)) == ("team-a", "docs", key)
+    assert keys.split_store_key(keys.store_key("", "docs", key)) == ("", "docs", key)
+    with pytest.raises(InvalidArgument, match="tenant"):
+        keys.store_key("a:b", "docs", key)
+    with pytest.raises(InvalidArgument, match="namespace"):
+        keys.store_key("team-a", "a/b", key)
+    with pytest.raises(InvalidArgument, match="32 bytes"):
+        keys.store_key("team-a", "docs", b"short")
+
+
 def test_same_key_in_processes_with_different_hash_seeds() -> None:
     code = (
         "from kdn import keys; from tests.helpers import pruned_layout;"

@@ -14,11 +14,10 @@ from kdn import keys
 from kdn.cache import KVCache
 from kdn.client import Client
 from kdn.errors import Unavailable
+from kdn.options import Durability, StoreOptions
 from kdn.server import ServerConfig, ServerThread
-from kdn.server.service import store_key
 from kdn.store.redis import PENDING_TTL_S, RedisTier
 from kdn.store.tiered import WritePolicy
-from kdn.v1 import kdn_pb2 as pb
 from tests.helpers import eventually, random_kv, uniform_layout
 from tests.redis_servers import (  # noqa: F401
     RedisCluster3,
@@ -80,7 +79,7 @@ def test_redis_corrupt_value_served_from_disk(redis_server: RedisServer, tmp_pat
     with ServerThread(cfg) as st, Client(st.address) as c:
         c.store(key, kv)
         store = st.server.store  # type: ignore[union-attr]
-        skey = store_key("default", key)
+        skey = keys.store_key("", "default", key)
         r = redis_server.client()
         mkey = b"kdn:{" + skey + b"}:m"
         raw = bytearray(r.get(mkey))  # type: ignore[arg-type]
@@ -107,7 +106,7 @@ def test_two_servers_share_a_cluster(redis_cluster: RedisCluster3, tmp_path: Pat
     with ServerThread(a_cfg) as a, ServerThread(b_cfg) as b, \
             Client(a.address) as ca, Client(b.address) as cb:
         for key, kv in entries.items():
-            ca.store(key, kv, durability=pb.DURABILITY_SHARED)
+            ca.store(key, kv, options=StoreOptions(durability=Durability.SHARED))
         assert all(i.present and i.tier == "redis" for i in cb.lookup(list(entries)).infos)
         for key, kv in entries.items():
             hit = cb.fetch(key)
@@ -147,7 +146,7 @@ def test_redis_killed_and_restarted(redis_server: RedisServer, tmp_path: Path) -
         assert not next(t for t in st_.tiers if t.name == "redis").healthy
         with pytest.raises(Unavailable):
             c.store(keys.chunk_key([1, 2, 3], LAYOUT), random_kv(LAYOUT, 8),
-                    durability=pb.DURABILITY_SHARED)
+                    options=StoreOptions(durability=Durability.SHARED))
 
         redis_server.start()  # same port, AOF (appendfsync always) brings the data back
         assert _eventually(lambda: c.health("kdn.v1.KDN") == "SERVING")
@@ -170,7 +169,7 @@ def test_redis_restart_keeps_shared_entries(redis_server: RedisServer, tmp_path:
     entries = _entries(8, start=300)
     with ServerThread(cfg) as st, Client(st.address) as c:
         for key, kv in entries.items():
-            c.store(key, kv, durability=pb.DURABILITY_SHARED)
+            c.store(key, kv, options=StoreOptions(durability=Durability.SHARED))
     redis_server.kill()
     redis_server.start()
     with ServerThread(cfg) as st, Client(st.address) as c:
@@ -187,7 +186,7 @@ def test_durability_shared_fails_fast_when_redis_is_down(tmp_path: Path) -> None
         (key, kv), = _entries(1).items()
         t0 = time.monotonic()
         with pytest.raises(Unavailable):
-            c.store(key, kv, durability=pb.DURABILITY_SHARED)
+            c.store(key, kv, options=StoreOptions(durability=Durability.SHARED))
         c.store(key, kv)  # the default durability still succeeds (RAM + disk)
         assert time.monotonic() - t0 < 3
         assert c.retrieve(key).equal(kv)  # type: ignore[union-attr]

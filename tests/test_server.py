@@ -18,6 +18,7 @@ from kdn.client import AsyncClient, Client
 from kdn.codec.format import build_frame, build_header, build_record, parse_header
 from kdn.errors import InvalidArgument, LayoutMismatch, TooLarge
 from kdn.layout import DType, LayerLayout
+from kdn.options import Durability, StoreOptions
 from kdn.server import ServerConfig, ServerThread
 from kdn.v1 import kdn_pb2 as pb
 from kdn.v1 import kdn_pb2_grpc as pb_grpc
@@ -97,6 +98,38 @@ def test_shared_client_across_threads_and_asyncio(client: Client) -> None:
 
     got = asyncio.run(main())
     assert all(g is not None and g.equal(kv) for g, kv in zip(got, kvs.values()))
+
+
+def test_request_ids_per_call_and_per_thread(client: Client) -> None:
+    key = keys.chunk_key([7], uniform_layout())
+    assert client.last_request_id == ""
+    client.lookup([key], request_id="main-1")
+    assert client.last_request_id == "main-1"
+
+    def other(i: int) -> tuple[str, str]:
+        before = client.last_request_id
+        client.contains(key, request_id=f"worker-{i}")
+        return before, client.last_request_id
+
+    with ThreadPoolExecutor(4) as pool:
+        seen = list(pool.map(other, range(8)))
+    assert all(before in ("", *(f"worker-{i}" for i in range(8))) for before, _ in seen)
+    assert [after for _, after in seen] == [f"worker-{i}" for i in range(8)]
+    assert client.last_request_id == "main-1"  # no other thread's id leaks in
+    client.delete(key)
+    assert client.last_request_id not in ("", "main-1")  # a fresh id per call
+
+
+def test_store_options(client: Client) -> None:
+    lay = uniform_layout()
+    key = keys.chunk_key([8], lay)
+    kv = random_kv(lay, 4)
+    client.store(key, kv, options=StoreOptions(ttl_s=60, pin=True))
+    assert client.retrieve(key).equal(kv)  # type: ignore[union-attr]
+    assert StoreOptions(durability=2).durability is Durability.DISK  # type: ignore[arg-type]
+    for bad in ({"ttl_s": -1}, {"ttl_s": 1.5}, {"pin": 1}, {"durability": 9}):
+        with pytest.raises(InvalidArgument):
+            StoreOptions(**bad)  # type: ignore[arg-type]
 
 
 # ---------------------------------------------------------------- bad input
@@ -209,8 +242,9 @@ def test_layout_for_another_model(tmp_path: Path, client: Client,
                                   stored: tuple[bytes, KVCache]) -> None:
     key, kv = stored
     other = uniform_layout(model="another-model")
-    with pytest.raises(LayoutMismatch, match="caller expects"):
+    with pytest.raises(LayoutMismatch, match="^FAILED_PRECONDITION: .*caller expects") as info:
         client.retrieve(key, layout=other)
+    assert info.value.status == "FAILED_PRECONDITION"
     # a server restricted to one model refuses caches of another
     cfg = ServerConfig(port=0, data_dir=tmp_path / "d2", disk_bytes=0,
                        allowed_models=(kv.layout.model_fingerprint,))

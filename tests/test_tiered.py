@@ -13,12 +13,11 @@ import xxhash
 from kdn import keys
 from kdn.client import Client
 from kdn.errors import Corrupt, InvalidArgument
+from kdn.options import StoreOptions
 from kdn.server import ServerConfig, ServerThread
-from kdn.server.service import store_key
 from kdn.store.lmdb import LmdbTier
 from kdn.store.ram import RamTier
 from kdn.store.tiered import Durability, TieredStore, WritePolicy
-from kdn.v1 import kdn_pb2 as pb
 from tests.helpers import eventually, random_kv, uniform_layout
 
 
@@ -211,9 +210,9 @@ def test_server_durability_and_corrupt_disk_entry(tmp_path: Path) -> None:
     kv = random_kv(lay, 16)
     key = keys.chunk_key([9, 9], lay)
     with ServerThread(cfg) as st, Client(st.address) as c:
-        c.store(key, kv, durability=pb.DURABILITY_DISK)
+        c.store(key, kv, options=StoreOptions(durability=Durability.DISK))
         store = st.server.store  # type: ignore[union-attr]
-        skey = store_key("default", key)
+        skey = keys.store_key("", "default", key)
         disk = store.tiers[1]
         assert disk.contains(skey)
         value = disk.get(skey)
@@ -223,7 +222,7 @@ def test_server_durability_and_corrupt_disk_entry(tmp_path: Path) -> None:
         assert c.retrieve(key) is None  # a damaged entry is a miss, never served
         assert c.stats().counters["store.corrupt"] == 1
         with pytest.raises(InvalidArgument, match="SHARED needs a redis tier"):
-            c.store(key, kv, durability=pb.DURABILITY_SHARED)
+            c.store(key, kv, options=StoreOptions(durability=Durability.SHARED))
 
 
 def test_write_behind_flushes_on_server_stop(tmp_path: Path) -> None:

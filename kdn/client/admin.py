@@ -25,7 +25,8 @@ import grpc
 import xxhash
 
 from kdn.client.client import Client
-from kdn.errors import Corrupt, from_grpc
+from kdn.errors import Corrupt
+from kdn.status import from_grpc
 from kdn.v1 import kdn_pb2 as pb
 from kdn.v1 import kdn_pb2_grpc as pb_grpc
 
@@ -79,59 +80,72 @@ def read_records(path: Path) -> tuple[list[Record], int]:
 
 
 class AdminClient(Client):
-    """``Client`` plus the operator RPCs, over the same channel and metadata."""
+    """``Client`` plus the operator RPCs, over the same channel and metadata.
+
+    Every method takes ``request_id`` like ``Client``'s; a method that makes several RPCs
+    (paged ``ls``, batched ``import_from``) sends the same id with each.
+    """
 
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
         self._admin = pb_grpc.KDNAdminStub(self._channel)
 
     def ls(self, namespace: str = "", key_prefix: bytes = b"", model: str = "",
-             tenant: str = "", limit: int = 0) -> Iterator[pb.EntryInfo]:
+           tenant: str = "", limit: int = 0, *,
+           request_id: str | None = None) -> Iterator[pb.EntryInfo]:
         token = b""
+        md = self.metadata(request_id)
         while True:
             req = pb.ListRequest(namespace=namespace, key_prefix=key_prefix,
                                  model_fingerprint=model, tenant=tenant, limit=limit,
                                  page_token=token)
             resp = self._call(functools.partial(self._admin.List, req, timeout=self.timeout_s,
-                                                metadata=self.metadata()))
+                                                metadata=md))
             yield from resp.entries
             token = resp.next_page_token
             if not token:
                 return
 
-    def inspect(self, key: bytes, namespace: str = "default") -> pb.EntryInfo:
+    def inspect(self, key: bytes, namespace: str = "default", *,
+                request_id: str | None = None) -> pb.EntryInfo:
         req = pb.InspectRequest(namespace=namespace, key=key)
-        return self._call(lambda: self._admin.Inspect(req, timeout=self.timeout_s,
-                                                      metadata=self.metadata()))
+        md = self.metadata(request_id)
+        return self._call(lambda: self._admin.Inspect(req, timeout=self.timeout_s, metadata=md))
 
     def _keys(self, rpc: Callable[..., pb.CountResponse], keys: list[bytes], namespace: str,
-              tier: str = "") -> int:
+              tier: str, request_id: str | None) -> int:
         req = pb.KeysRequest(namespace=namespace, keys=keys, tier=tier)
-        return int(self._call(lambda: rpc(req, timeout=self.timeout_s,
-                                          metadata=self.metadata())).count)
+        md = self.metadata(request_id)
+        return int(self._call(lambda: rpc(req, timeout=self.timeout_s, metadata=md)).count)
 
-    def evict(self, keys: list[bytes], namespace: str = "default", tier: str = "") -> int:
-        return self._keys(self._admin.Evict, keys, namespace, tier)
+    def evict(self, keys: list[bytes], namespace: str = "default", tier: str = "", *,
+              request_id: str | None = None) -> int:
+        return self._keys(self._admin.Evict, keys, namespace, tier, request_id)
 
-    def pin(self, keys: list[bytes], namespace: str = "default") -> int:
-        return self._keys(self._admin.Pin, keys, namespace)
+    def pin(self, keys: list[bytes], namespace: str = "default", *,
+            request_id: str | None = None) -> int:
+        return self._keys(self._admin.Pin, keys, namespace, "", request_id)
 
-    def unpin(self, keys: list[bytes], namespace: str = "default") -> int:
-        return self._keys(self._admin.Unpin, keys, namespace)
+    def unpin(self, keys: list[bytes], namespace: str = "default", *,
+              request_id: str | None = None) -> int:
+        return self._keys(self._admin.Unpin, keys, namespace, "", request_id)
 
-    def verify(self, dry_run: bool = False) -> Iterator[pb.VerifyProgress]:
+    def verify(self, dry_run: bool = False, *,
+               request_id: str | None = None) -> Iterator[pb.VerifyProgress]:
+        md = self.metadata(request_id)
         return iter(self._call(lambda: list(self._admin.Verify(
-            pb.VerifyRequest(dry_run=dry_run), timeout=self.timeout_s,
-            metadata=self.metadata()))))
+            pb.VerifyRequest(dry_run=dry_run), timeout=self.timeout_s, metadata=md))))
 
-    def gc(self) -> pb.GcResponse:
+    def gc(self, *, request_id: str | None = None) -> pb.GcResponse:
+        md = self.metadata(request_id)
         return self._call(lambda: self._admin.Gc(pb.GcRequest(), timeout=self.timeout_s,
-                                                 metadata=self.metadata()))
+                                                 metadata=md))
 
     # -- export / import ------------------------------------------------------------------------
 
     def export_to(self, path: Path, namespace: str = "", key_prefix: bytes = b"",
-                  progress: Callable[[int, int], None] | None = None) -> int:
+                  progress: Callable[[int, int], None] | None = None, *,
+                  request_id: str | None = None) -> int:
         """Export (or resume exporting) into ``path``; returns the records in the file."""
         path = Path(path)
         after = b""
@@ -145,7 +159,7 @@ class AdminClient(Client):
         else:
             path.write_bytes(MAGIC)
         req = pb.ExportRequest(namespace=namespace, key_prefix=key_prefix, after=after)
-        stream = self._admin.Export(req, timeout=None, metadata=self.metadata())
+        stream = self._admin.Export(req, timeout=None, metadata=self.metadata(request_id))
         total = 0
         with open(path, "ab") as f:
             try:
@@ -161,9 +175,10 @@ class AdminClient(Client):
         return done
 
     def import_from(self, path: Path, progress: Callable[[int, int], None] | None = None,
-                    batch: int = 64) -> pb.ImportResponse:
+                    batch: int = 64, *, request_id: str | None = None) -> pb.ImportResponse:
         records, _ = read_records(Path(path))
         total = pb.ImportResponse()
+        md = self.metadata(request_id)
         for start in range(0, len(records), batch):
             chunk = records[start : start + batch]
             items = [pb.ImportItem(namespace=r.namespace, key=r.key, value=r.value)
@@ -172,7 +187,7 @@ class AdminClient(Client):
             def send(items: list[pb.ImportItem] = items) -> pb.ImportResponse:
                 # a fresh iterator per attempt, so a retried call sends every item again
                 return self._admin.Import(iter(items), timeout=self.timeout_s,  # type: ignore[no-any-return]
-                                          metadata=self.metadata())
+                                          metadata=md)
 
             resp = self._call(send)
             total.imported += resp.imported

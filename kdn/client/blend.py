@@ -1,28 +1,23 @@
 """Client side of the Blend RPC: ask a server that hosts the model to compose chunks and text.
 
-    stream = blend_stream(client, [RemotePiece(text=system),
-                                   RemotePiece(ids=c1_ids, key=chunk_key(c1_ids, layout)),
-                                   RemotePiece(ids=question_ids)], ratio=0.15, store=True)
+    stream = client.blend_stream([RemotePiece(text=system),
+                                  RemotePiece(ids=c1_ids, key=chunk_key(c1_ids, layout)),
+                                  RemotePiece(ids=question_ids)], ratio=0.15, store=True)
     kv = stream.result()      # the blended KVCache; stream.tier is "blend" when computed now,
                               # or the tier a stored combination was read from
 
 The answer is a Retrieve stream, so layers arrive and decode one by one (``LayerStream``).
+This module holds the request side (``RemotePiece``, ``blend_request``); ``Client.blend_stream``
+and ``Client.blend`` issue the call.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-import torch
-
-from kdn.client.stream import LayerStream
 from kdn.layout import KVLayout
 from kdn.v1 import kdn_pb2 as pb
-
-if TYPE_CHECKING:
-    from kdn.client.client import Client
 
 
 @dataclass(frozen=True)
@@ -50,18 +45,3 @@ def blend_request(pieces: Sequence[RemotePiece], *, namespace: str, ratio: float
     if query_share is not None:
         req.query_share = query_share
     return req
-
-
-def blend_stream(client: Client, pieces: Sequence[RemotePiece], *, ratio: float | None = None,
-                 select_layer: int = 0, head_tokens: int = 0, per_chunk: bool = False,
-                 store: bool = False, mode: str = "", level: str = "",
-                 namespace: str | None = None, layout: KVLayout | None = None,
-                 device: torch.device | str | None = None, query_share: float | None = None
-                 ) -> LayerStream:
-    """Start a Blend; the blended KV arrives layer by layer (see the module docstring)."""
-    req = blend_request(pieces, namespace=client._ns(namespace), ratio=ratio,
-                        select_layer=select_layer, head_tokens=head_tokens, per_chunk=per_chunk,
-                        store=store, mode=mode, level=level, layout=layout,
-                        query_share=query_share)
-
-    return client.layer_stream(client._stub.Blend, req, device)

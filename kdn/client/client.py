@@ -5,17 +5,23 @@
     kv = client.retrieve(key, layout=layout)        # KVCache, or None on a miss
     client.lookup(keys, prefix_chain=True)          # which exist, where, how big
     client.delete(key)
+    client.blend_stream(pieces, ratio=0.15)         # server-side blend (kdn.client.blend)
 
 One gRPC channel is created per Client and reused by every call and thread. Every call has a
 deadline (``timeout_s``). Calls that fail with UNAVAILABLE are retried with exponential backoff
 (``Retry``); nothing else is retried. From asyncio code use ``AsyncClient(client)``, which runs
 the same methods on worker threads: there is one copy of the logic.
+
+Every RPC method takes ``request_id`` (sent as ``x-request-id``, logged by the server; a fresh
+one when None, the same for all retries of the call). ``last_request_id`` is the id of the
+calling thread's latest call, so threads sharing a Client never see each other's ids.
 """
 
 from __future__ import annotations
 
 import asyncio
 import random
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
@@ -27,13 +33,16 @@ import torch
 
 from kdn import codec
 from kdn.cache import KVCache
+from kdn.client.blend import RemotePiece, blend_request
 from kdn.client.stream import LayerStream, StreamTimings
 from kdn.codec import EncodedParts, StreamDecoder
 from kdn.codec.format import parse_header
-from kdn.errors import NotFound, from_grpc
+from kdn.errors import NotFound
 from kdn.keys import DEFAULT_NAMESPACE, check_key, check_namespace
 from kdn.layout import KVLayout
 from kdn.metadata import API_KEY_HEADER, REQUEST_ID_HEADER
+from kdn.options import StoreOptions
+from kdn.status import from_grpc
 from kdn.v1 import kdn_pb2 as pb
 from kdn.v1 import kdn_pb2_grpc as pb_grpc
 from kdn.wire import frame_message, serialize_passthrough
@@ -126,17 +135,24 @@ class Client:
             self._channel = grpc.secure_channel(address, tls.credentials(), options=options)
         self._auth: tuple[tuple[str, str], ...] = (
             ((API_KEY_HEADER, api_key),) if api_key else ())
-        self.last_request_id = ""
+        self._local = threading.local()
         self._stub = pb_grpc.KDNStub(self._channel)
         # Store sends hand-encoded frame messages (kdn.wire): one copy of each frame, not three
         self._store_call = self._channel.stream_unary(
             "/kdn.v1.KDN/Store", request_serializer=serialize_passthrough,
             response_deserializer=pb.StoreResponse.FromString)
 
-    def metadata(self) -> tuple[tuple[str, str], ...]:
-        """Per-call metadata: the API key and a fresh request id (kept in last_request_id)."""
-        self.last_request_id = uuid.uuid4().hex[:16]
-        return (*self._auth, (REQUEST_ID_HEADER, self.last_request_id))
+    @property
+    def last_request_id(self) -> str:
+        """The request id of this thread's latest call ("" before its first)."""
+        return str(getattr(self._local, "request_id", ""))
+
+    def metadata(self, request_id: str | None = None) -> tuple[tuple[str, str], ...]:
+        """Metadata of one call: the API key and ``request_id`` (a fresh one when None), which
+        becomes this thread's ``last_request_id``."""
+        rid = request_id or uuid.uuid4().hex[:16]
+        self._local.request_id = rid
+        return (*self._auth, (REQUEST_ID_HEADER, rid))
 
     # -- plumbing -------------------------------------------------------------------------------
 
@@ -168,13 +184,14 @@ class Client:
         mode: str = "lossless",
         level: str = "",
         namespace: str | None = None,
-        ttl_s: int = 0,
-        pin: bool = False,
-        durability: int = pb.DURABILITY_DEFAULT,
+        options: StoreOptions | None = None,
         layers_per_frame: int = 1,
+        request_id: str | None = None,
     ) -> pb.StoreResponse:
-        """Store ``kv`` (encoded here with ``mode``/``level`` unless already encoded)."""
+        """Store ``kv`` (encoded here with ``mode``/``level`` unless already encoded); TTL, pin
+        and durability come from ``options`` (defaults: ``StoreOptions()``)."""
         check_key(key)
+        opts = options or StoreOptions()
         parts = (
             kv if isinstance(kv, EncodedParts)
             else codec.encode_parts(kv, mode, level, layers_per_frame=layers_per_frame)
@@ -183,8 +200,10 @@ class Client:
         hdr = pb.StoreHeader(
             namespace=self._ns(namespace), key=key, container_header=parts.header,
             layout_fingerprint=header.layout.fingerprint, total_bytes=parts.nbytes,
-            options=pb.StoreOptions(ttl_seconds=ttl_s, pin=pin, durability=durability),  # type: ignore[arg-type]
+            options=pb.StoreOptions(ttl_seconds=opts.ttl_s, pin=opts.pin,
+                                    durability=int(opts.durability)),  # type: ignore[arg-type]
         )
+        md = self.metadata(request_id)
 
         def requests() -> Iterator[pb.StoreRequest | bytes]:
             yield pb.StoreRequest(header=hdr)
@@ -192,17 +211,18 @@ class Client:
                 yield frame_message(i, frame)
 
         return self._call(lambda: self._store_call(requests(), timeout=self.timeout_s,
-                                                         metadata=self.metadata()))
+                                                   metadata=md))
 
     # -- retrieve -------------------------------------------------------------------------------
 
     def fetch(self, key: bytes, *, namespace: str | None = None,
-              layout: KVLayout | None = None) -> Fetched | None:
+              layout: KVLayout | None = None, request_id: str | None = None) -> Fetched | None:
         """The stored container of ``key`` (header + frames, undecoded), or None on a miss."""
         req = self._retrieve_request(key, namespace, layout)
+        md = self.metadata(request_id)
 
         def run() -> Fetched:
-            stream = self._stub.Retrieve(req, timeout=self.timeout_s, metadata=self.metadata())
+            stream = self._stub.Retrieve(req, timeout=self.timeout_s, metadata=md)
             first = next(stream)
             frames = [bytes(m.frame.data) for m in stream]
             return Fetched(EncodedParts(first.header.container_header, frames), first.header.tier)
@@ -215,7 +235,8 @@ class Client:
     def retrieve_stream(self, key: bytes, *, namespace: str | None = None,
                         layout: KVLayout | None = None,
                         device: torch.device | str | None = None,
-                        first_layer: int = 0, last_layer: int = 0) -> LayerStream | None:
+                        first_layer: int = 0, last_layer: int = 0,
+                        request_id: str | None = None) -> LayerStream | None:
         """Start retrieving ``key``; layers become usable one by one (``wait_for_layer``).
 
         None on a miss. The header arrives before this returns; frames keep arriving and are
@@ -225,18 +246,20 @@ class Client:
         req.first_layer, req.last_layer = first_layer, last_layer
 
         try:
-            return self.layer_stream(self._stub.Retrieve, req, device)
+            return self.layer_stream(self._stub.Retrieve, req, device, request_id)
         except NotFound:
             return None
 
     def layer_stream(self, start: Callable[..., Any], request: Any,
-                     device: torch.device | str | None = None) -> LayerStream:
+                     device: torch.device | str | None = None,
+                     request_id: str | None = None) -> LayerStream:
         """Issue a server-streaming call that answers a header then frames (Retrieve, Blend)
         and hand its frames to a LayerStream, once the header has arrived."""
+        md = self.metadata(request_id)
 
         def run() -> LayerStream:
             timings = StreamTimings(started=time.perf_counter())
-            call = start(request, timeout=self.timeout_s, metadata=self.metadata())
+            call = start(request, timeout=self.timeout_s, metadata=md)
             first = next(call)
             timings.header = time.perf_counter()
             target = torch.device(device or "cpu")
@@ -249,9 +272,11 @@ class Client:
 
     def retrieve(self, key: bytes, *, namespace: str | None = None,
                  layout: KVLayout | None = None,
-                 device: torch.device | str | None = None) -> KVCache | None:
+                 device: torch.device | str | None = None,
+                 request_id: str | None = None) -> KVCache | None:
         """Retrieve and decode ``key`` (frames decoded as they arrive). None on a miss."""
-        stream = self.retrieve_stream(key, namespace=namespace, layout=layout, device=device)
+        stream = self.retrieve_stream(key, namespace=namespace, layout=layout, device=device,
+                                      request_id=request_id)
         return None if stream is None else stream.result()
 
     def _retrieve_request(self, key: bytes, namespace: str | None,
@@ -261,36 +286,55 @@ class Client:
             expect_layout_fingerprint=layout.fingerprint if layout is not None else "",
         )
 
-    def blend(self, pieces: Sequence[Any], **options: Any) -> KVCache:
-        """Blended KV of ``pieces`` (``kdn.client.blend.RemotePiece``) computed by the server;
-        options as ``kdn.client.blend.blend_stream``."""
-        from kdn.client.blend import blend_stream
+    # -- blend ----------------------------------------------------------------------------------
 
-        return blend_stream(self, pieces, **options).result()
+    def blend_stream(self, pieces: Sequence[RemotePiece], *, ratio: float | None = None,
+                     select_layer: int = 0, head_tokens: int = 0, per_chunk: bool = False,
+                     store: bool = False, mode: str = "", level: str = "",
+                     namespace: str | None = None, layout: KVLayout | None = None,
+                     device: torch.device | str | None = None,
+                     query_share: float | None = None,
+                     request_id: str | None = None) -> LayerStream:
+        """Start a Blend of ``pieces`` on the server (see ``kdn.client.blend``); the blended KV
+        arrives layer by layer. ``stream.tier`` is "blend" when computed now, or the tier a
+        stored combination (``store=True``) was read from."""
+        req = blend_request(pieces, namespace=self._ns(namespace), ratio=ratio,
+                            select_layer=select_layer, head_tokens=head_tokens,
+                            per_chunk=per_chunk, store=store, mode=mode, level=level,
+                            layout=layout, query_share=query_share)
+        return self.layer_stream(self._stub.Blend, req, device, request_id)
+
+    def blend(self, pieces: Sequence[RemotePiece], **options: Any) -> KVCache:
+        """Blended KV of ``pieces`` computed by the server; options as ``blend_stream``."""
+        return self.blend_stream(pieces, **options).result()
 
     # -- lookup / delete / stats ----------------------------------------------------------------
 
     def lookup(self, keys: Sequence[bytes], *, namespace: str | None = None,
-               prefix_chain: bool = False) -> LookupResult:
+               prefix_chain: bool = False, request_id: str | None = None) -> LookupResult:
         req = pb.LookupRequest(namespace=self._ns(namespace), keys=[check_key(k) for k in keys],
                                prefix_chain=prefix_chain)
-        resp = self._call(lambda: self._stub.Lookup(req, timeout=self.timeout_s,
-                                                             metadata=self.metadata()))
+        md = self.metadata(request_id)
+        resp = self._call(lambda: self._stub.Lookup(req, timeout=self.timeout_s, metadata=md))
         infos = [KeyInfo(i.present, i.tier, i.size_bytes) for i in resp.infos]
         return LookupResult(infos, resp.prefix_hits)
 
-    def contains(self, key: bytes, *, namespace: str | None = None) -> bool:
-        return self.lookup([key], namespace=namespace).infos[0].present
+    def contains(self, key: bytes, *, namespace: str | None = None,
+                 request_id: str | None = None) -> bool:
+        return self.lookup([key], namespace=namespace, request_id=request_id).infos[0].present
 
-    def delete(self, key: bytes | Sequence[bytes], *, namespace: str | None = None) -> int:
+    def delete(self, key: bytes | Sequence[bytes], *, namespace: str | None = None,
+               request_id: str | None = None) -> int:
         keys = [key] if isinstance(key, (bytes, bytearray)) else list(key)
         req = pb.DeleteRequest(namespace=self._ns(namespace), keys=[check_key(k) for k in keys])
+        md = self.metadata(request_id)
         return int(self._call(lambda: self._stub.Delete(req, timeout=self.timeout_s,
-                                                             metadata=self.metadata())).deleted)
+                                                        metadata=md)).deleted)
 
-    def stats(self) -> pb.StatsResponse:
+    def stats(self, *, request_id: str | None = None) -> pb.StatsResponse:
+        md = self.metadata(request_id)
         return self._call(lambda: self._stub.Stats(pb.StatsRequest(), timeout=self.timeout_s,
-                                                 metadata=self.metadata()))
+                                                   metadata=md))
 
     def health(self, service: str = "") -> str:
         """The standard gRPC health status name (SERVING, NOT_SERVING, ...)."""
@@ -305,7 +349,8 @@ class Client:
 class AsyncClient:
     """asyncio face of a Client: ``await AsyncClient(client).retrieve(key)``.
 
-    Each method runs the Client's method on a worker thread, so the logic exists once.
+    Each method runs the Client's method on a worker thread, so the logic exists once. The
+    worker thread's ``last_request_id`` is not the caller's: pass ``request_id`` to correlate.
     """
 
     def __init__(self, client: Client | str) -> None:

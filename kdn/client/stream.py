@@ -33,8 +33,9 @@ import torch
 
 from kdn.cache import KVCache
 from kdn.codec import StreamDecoder
-from kdn.errors import InvalidArgument, KDNError, from_grpc
+from kdn.errors import InvalidArgument, KDNError
 from kdn.layout import KVLayout
+from kdn.status import from_grpc
 
 LayerKV = tuple[torch.Tensor, torch.Tensor]
 _POOL: ThreadPoolExecutor | None = None

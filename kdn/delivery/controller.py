@@ -30,7 +30,8 @@ def encoding_name(mode: str, level: str = "") -> str:
 @dataclass(frozen=True)
 class Decision:
     choice: str
-    """An encoding name (e.g. ``lossless``, ``kdn-l2``) or ``recompute``."""
+    """An encoding name (``encoding_name(mode, level)``, e.g. ``lossless``, ``kdn-default``) or
+    ``recompute``."""
     estimates_s: dict[str, float]
     reason: str
 

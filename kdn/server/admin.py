@@ -15,9 +15,10 @@ import grpc
 
 from kdn.codec.format import layout_to_proto, parse_container, parse_header
 from kdn.errors import Corrupt, InvalidArgument, KDNError, NotFound, PermissionDenied
-from kdn.keys import check_namespace
+from kdn.keys import check_namespace, split_store_key, store_key
 from kdn.server.auth import Authenticator, current_principal, require_admin
-from kdn.server.service import _rpc, split_store_key, store_key
+from kdn.server.service import _rpc
+from kdn.status import grpc_code
 from kdn.store.base import Tier
 from kdn.store.tiered import TieredStore
 from kdn.v1 import kdn_pb2 as pb
@@ -124,15 +125,16 @@ class AdminServicer(pb_grpc.KDNAdminServicer):
     @_rpc
     async def Inspect(self, request: pb.InspectRequest,
                       context: grpc.aio.ServicerContext) -> pb.EntryInfo:
-        skey = store_key(request.namespace or "default", request.key)
+        skey = store_key(current_principal.get().tenant, request.namespace or "default",
+                         request.key)
         info = await asyncio.to_thread(self._info, skey, True)
         if info is None:
             raise NotFound(f"no entry {request.key.hex()} in {request.namespace or 'default'!r}")
         return info
 
     def _admin_keys(self, request: pb.KeysRequest) -> list[bytes]:
-        require_admin()
-        return [store_key(request.namespace or "default", k) for k in request.keys]
+        tenant, ns = require_admin().tenant, request.namespace or "default"
+        return [store_key(tenant, ns, k) for k in request.keys]
 
     @_rpc
     async def Evict(self, request: pb.KeysRequest,
@@ -172,7 +174,7 @@ class AdminServicer(pb_grpc.KDNAdminServicer):
         try:
             require_admin()
         except KDNError as exc:
-            await context.abort(exc.code, str(exc))
+            await context.abort(grpc_code(exc), str(exc))
         for tier in self.store.tiers:
             keys = await asyncio.to_thread(_all_keys, tier)
             prog = pb.VerifyProgress(tier=tier.name, total=len(keys))
@@ -212,7 +214,7 @@ class AdminServicer(pb_grpc.KDNAdminServicer):
             prefix = self._prefix(request.namespace)
             keys = await asyncio.to_thread(self._visible, prefix, request.key_prefix)
         except KDNError as exc:
-            await context.abort(exc.code, str(exc))
+            await context.abort(grpc_code(exc), str(exc))
             return
         keys = [k for k in keys if not request.after or k > request.after]
         for i, k in enumerate(keys):
@@ -234,7 +236,7 @@ class AdminServicer(pb_grpc.KDNAdminServicer):
         resp = pb.ImportResponse()
         principal = current_principal.get()
         async for item in request_iterator:
-            skey = store_key(item.namespace or "default", item.key)
+            skey = store_key(principal.tenant, item.namespace or "default", item.key)
             try:
                 parse_container(item.value, verify=True)
             except KDNError:

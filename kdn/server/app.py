@@ -28,6 +28,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from kdn.server.admin import AdminServicer
 from kdn.server.auth import AuthConfig, Authenticator, load_auth
+from kdn.server.blend_rpc import Blender
 from kdn.server.config import ServerConfig
 from kdn.server.observe import Metrics, RequestInterceptor
 from kdn.server.service import KDNServicer, verify_entry
@@ -48,7 +49,7 @@ HEALTH_POLL_S = 0.25
 
 class _FastRetrieve:
     """Registers the generated handler table, with Retrieve's serializer accepting the
-    pre-encoded frame messages of ``kdn.server.wire`` (the table stays the generated one)."""
+    pre-encoded frame messages of ``kdn.wire`` (the table stays the generated one)."""
 
     def __init__(self, server: grpc.aio.Server) -> None:
         self.server = server
@@ -158,11 +159,14 @@ def _tenant_usage(store: TieredStore, auth: Authenticator) -> None:
             auth.set_usage(tenant, sum(p.size for p in store.lookup(keys)))
 
 
-async def start_server(config: ServerConfig, store: TieredStore | None = None) -> Server:
+async def start_server(config: ServerConfig, store: TieredStore | None = None,
+                       blender: Blender | None = None) -> Server:
+    """Start listening; ``blender`` (the model side of the Blend RPC) makes it blend."""
     store = store or build_store(config)
     auth = Authenticator(load_auth(config.auth_file) if config.auth_file else AuthConfig())
     await asyncio.to_thread(_tenant_usage, store, auth)
     servicer = KDNServicer(config, store, auth)
+    servicer.blender = blender
     admin = AdminServicer(store, auth)
     metrics = Metrics(lambda: {
         "tiers": store.stats(), "queues": store.queue_depth(),
@@ -196,8 +200,8 @@ async def start_server(config: ServerConfig, store: TieredStore | None = None) -
                   metrics_port, admin)
 
 
-async def serve(config: ServerConfig) -> None:
-    server = await start_server(config)
+async def serve(config: ServerConfig, blender: Blender | None = None) -> None:
+    server = await start_server(config, blender=blender)
     print(f"kdn serving on {server.address} (data in {config.data_dir})", flush=True)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -3,9 +3,10 @@
 Lifecycle: the server loads an ``AuthConfig`` (YAML, see ``load_auth``) at start-up; the
 request interceptor (``kdn.server.observe``) calls ``Authenticator.identify`` with each call's
 metadata and ``admit`` for its rate limit, then publishes the ``Principal`` in a context
-variable for the handlers (``current_principal``). Handlers scope every key with the principal's
-tenant (``scoped_namespace``), so one tenant can not name another tenant's entries, even knowing
-the key hash. Admin RPCs require ``Role.ADMIN``.
+variable for the handlers (``current_principal``). Handlers name every entry with the principal's
+tenant (``kdn.keys.store_key(current_principal.get().tenant, namespace, key)``), so one tenant
+can not name another tenant's entries, even knowing the key hash. Admin RPCs require
+``Role.ADMIN``.
 
 With auth disabled every caller is the anonymous admin of the unscoped key space.
 
@@ -54,12 +55,6 @@ class Principal:
 ANONYMOUS = Principal("", Role.ADMIN)
 current_principal: contextvars.ContextVar[Principal] = contextvars.ContextVar(
     "kdn_principal", default=ANONYMOUS)
-
-
-def scoped_namespace(namespace: str, principal: Principal | None = None) -> str:
-    """The namespace as stored: ``<tenant>:<namespace>`` for a tenant, unchanged otherwise."""
-    p = principal or current_principal.get()
-    return f"{p.tenant}:{namespace}" if p.tenant else namespace
 
 
 def require_admin() -> Principal:

@@ -26,9 +26,10 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from kdn.errors import KDNError, grpc_code
+from kdn.errors import KDNError
 from kdn.metadata import REQUEST_ID_HEADER
 from kdn.server.auth import Authenticator, current_principal
+from kdn.status import grpc_code
 
 access_log = logging.getLogger("kdn.access")
 OPEN_SERVICES = ("grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection")

@@ -22,40 +22,20 @@ from google.protobuf.message import DecodeError
 
 from kdn.codec.format import Header, check_frame, parse_container, parse_header, split_frames
 from kdn.codec.modes import get_mode
-from kdn.errors import (
-    Corrupt,
-    InvalidArgument,
-    KDNError,
-    LayoutMismatch,
-    NotFound,
-    TooLarge,
-    grpc_code,
-)
-from kdn.keys import check_key, check_namespace
-from kdn.server.auth import AuthConfig, Authenticator, current_principal, scoped_namespace
+from kdn.errors import Corrupt, InvalidArgument, KDNError, LayoutMismatch, NotFound, TooLarge
+from kdn.keys import split_store_key, store_key
+from kdn.options import Durability
+from kdn.server.auth import AuthConfig, Authenticator, current_principal
 from kdn.server.blend_rpc import BlendMixin
 from kdn.server.config import ServerConfig
-from kdn.store.tiered import Durability, TieredStore
+from kdn.status import grpc_code
+from kdn.store.tiered import TieredStore
 from kdn.v1 import kdn_pb2 as pb
 from kdn.v1 import kdn_pb2_grpc as pb_grpc
 from kdn.wire import frame_message
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-
-
-def store_key(namespace: str, key: bytes) -> bytes:
-    """The key an entry has inside the tiers: b"<namespace>/<hex key>", where the namespace is
-    scoped to the calling tenant (``<tenant>:<namespace>``) when authentication is on."""
-    ns = scoped_namespace(check_namespace(namespace))
-    return ns.encode() + b"/" + check_key(key).hex().encode()
-
-
-def split_store_key(skey: bytes) -> tuple[str, str, bytes]:
-    """(tenant, namespace, key) of a tier key made by ``store_key``."""
-    ns, _, hexkey = skey.decode().rpartition("/")
-    tenant, _, namespace = ns.rpartition(":")
-    return tenant, namespace, bytes.fromhex(hexkey)
 
 
 def verify_entry(value: bytes) -> None:
@@ -93,8 +73,8 @@ class KDNServicer(BlendMixin, pb_grpc.KDNServicer):
 
     # -- Store ----------------------------------------------------------------------------------
 
-    def _check_header(self, msg: pb.StoreHeader) -> tuple[bytes, Header]:
-        skey = store_key(msg.namespace or "default", msg.key)
+    def _check_header(self, tenant: str, msg: pb.StoreHeader) -> tuple[bytes, Header]:
+        skey = store_key(tenant, msg.namespace or "default", msg.key)
         if msg.total_bytes > self.config.max_entry_bytes:
             raise TooLarge(f"entry of {msg.total_bytes} bytes exceeds max_entry_bytes "
                            f"{self.config.max_entry_bytes}")
@@ -132,7 +112,8 @@ class KDNServicer(BlendMixin, pb_grpc.KDNServicer):
             raise InvalidArgument("empty Store stream: expected a header first") from None
         if first.WhichOneof("part") != "header":
             raise InvalidArgument("Store stream must start with a header")
-        skey, header = self._check_header(first.header)
+        principal = current_principal.get()
+        skey, header = self._check_header(principal.tenant, first.header)
         parts = [header.raw]
         total = len(header.raw)
         n_frames = len(header.entry.frames)
@@ -155,7 +136,6 @@ class KDNServicer(BlendMixin, pb_grpc.KDNServicer):
         value = b"".join(parts)
         opts = first.header.options
         replaced = await asyncio.to_thread(self.store.lookup, [skey])
-        principal = current_principal.get()
         self.auth.charge(principal, len(value) - replaced[0].size)
         tier = await asyncio.to_thread(
             self.store.put, skey, value, ttl_s=float(opts.ttl_seconds) or None, pin=opts.pin,
@@ -170,7 +150,8 @@ class KDNServicer(BlendMixin, pb_grpc.KDNServicer):
     async def Retrieve(self, request: pb.RetrieveRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb.RetrieveResponse]:
         try:
-            skey = store_key(request.namespace or "default", request.key)
+            skey = store_key(current_principal.get().tenant, request.namespace or "default",
+                             request.key)
             hit = await asyncio.to_thread(self.store.get, skey)
             if hit is None:
                 self.count("retrieve.miss")
@@ -215,8 +196,8 @@ class KDNServicer(BlendMixin, pb_grpc.KDNServicer):
     @_rpc
     async def Lookup(self, request: pb.LookupRequest,
                      context: grpc.aio.ServicerContext) -> pb.LookupResponse:
-        ns = request.namespace or "default"
-        skeys = [store_key(ns, k) for k in request.keys]
+        tenant, ns = current_principal.get().tenant, request.namespace or "default"
+        skeys = [store_key(tenant, ns, k) for k in request.keys]
         found = await asyncio.to_thread(self.store.lookup, skeys)
         resp = pb.LookupResponse(
             infos=[pb.KeyInfo(present=p.present, tier=p.tier, size_bytes=p.size) for p in found]
@@ -233,11 +214,11 @@ class KDNServicer(BlendMixin, pb_grpc.KDNServicer):
     @_rpc
     async def Delete(self, request: pb.DeleteRequest,
                      context: grpc.aio.ServicerContext) -> pb.DeleteResponse:
-        ns = request.namespace or "default"
-        skeys = [store_key(ns, k) for k in request.keys]
+        principal, ns = current_principal.get(), request.namespace or "default"
+        skeys = [store_key(principal.tenant, ns, k) for k in request.keys]
         sizes = await asyncio.to_thread(self.store.lookup, skeys)
         deleted = await asyncio.to_thread(lambda: sum(self.store.delete(k) for k in skeys))
-        self.auth.charge(current_principal.get(), -sum(p.size for p in sizes if p.present))
+        self.auth.charge(principal, -sum(p.size for p in sizes if p.present))
         return pb.DeleteResponse(deleted=deleted)
 
     @_rpc

@@ -1,0 +1,54 @@
+"""Per-request options of ``Client.store``, as plain Python types (no protobuf, no grpc).
+
+The client turns a ``StoreOptions`` into the wire's ``kdn.v1.StoreOptions``; the server hands
+``Durability`` to the tier hierarchy (``kdn.store.tiered.TieredStore.put``).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from kdn.errors import InvalidArgument
+
+_MAX_TTL_S = 2**64 - 1  # the wire field is a uint64
+
+
+class Durability(enum.IntEnum):
+    """Where an entry must be before a store returns; the values mirror ``kdn.v1.Durability``."""
+
+    DEFAULT = 0
+    """The server's write policy decides."""
+    MEMORY = 1
+    """Acknowledged once in RAM."""
+    DISK = 2
+    """Acknowledged once on the disk tier (the call fails when the server has none)."""
+    SHARED = 3
+    """Acknowledged once in the shared tier (Redis; the call fails when it is unreachable)."""
+
+
+@dataclass(frozen=True)
+class StoreOptions:
+    """How the server keeps one stored entry."""
+
+    ttl_s: int = 0
+    """Seconds until the entry expires; 0 = the server's ``default_ttl_s`` (0 there: never)."""
+    pin: bool = False
+    """Never evict the entry while it is pinned."""
+    durability: Durability = Durability.DEFAULT
+    """Where the entry must be before the store is acknowledged."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.ttl_s, bool) or not isinstance(self.ttl_s, int):
+            raise InvalidArgument(f"ttl_s must be a whole number of seconds, got {self.ttl_s!r}")
+        if not 0 <= self.ttl_s <= _MAX_TTL_S:
+            raise InvalidArgument(f"ttl_s must be in [0, 2**64), got {self.ttl_s}")
+        if not isinstance(self.pin, bool):
+            raise InvalidArgument(f"pin must be a bool, got {self.pin!r}")
+        try:
+            durability = Durability(self.durability)
+        except ValueError:
+            raise InvalidArgument(
+                f"durability must be one of {[d.name for d in Durability]}, got {self.durability!r}"
+            ) from None
+        object.__setattr__(self, "durability", durability)

@@ -1,0 +1,53 @@
+"""The one mapping between kdn's error tree and gRPC status codes, for server and client.
+
+The server answers a ``KDNError`` with ``grpc_code(exc)`` (anything else is INTERNAL); the
+client turns a failed RPC back into the kind of its code with ``from_grpc(err)``, keeping the
+status name in the message. ``kdn.errors`` itself imports no grpc.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+from kdn.errors import (
+    Corrupt,
+    DeadlineExceeded,
+    InvalidArgument,
+    KDNError,
+    LayoutMismatch,
+    NotFound,
+    PermissionDenied,
+    Status,
+    TooLarge,
+    Unauthenticated,
+    Unavailable,
+)
+
+_BY_CODE: dict[grpc.StatusCode, type[KDNError]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument,
+    grpc.StatusCode.DATA_LOSS: Corrupt,
+    grpc.StatusCode.FAILED_PRECONDITION: LayoutMismatch,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: TooLarge,
+    grpc.StatusCode.NOT_FOUND: NotFound,
+    grpc.StatusCode.UNAVAILABLE: Unavailable,
+    grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
+    grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
+    grpc.StatusCode.PERMISSION_DENIED: PermissionDenied,
+}
+
+
+def grpc_code(exc: BaseException) -> grpc.StatusCode:
+    """The status code a server answers for ``exc``."""
+    if isinstance(exc, KDNError):
+        return grpc.StatusCode[exc.status.value]
+    return grpc.StatusCode.INTERNAL
+
+
+def from_grpc(err: grpc.RpcError) -> KDNError:
+    """The kdn error a client raises for a failed RPC."""
+    code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
+    details = err.details() if hasattr(err, "details") else str(err)
+    kind = _BY_CODE.get(code, KDNError)
+    out = kind(f"{code.name}: {details}")
+    out.status = Status.__members__.get(code.name, Status.UNKNOWN)
+    return out
