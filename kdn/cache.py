@@ -5,8 +5,8 @@
 ``start_position`` is the absolute position of the first token (0 for a chunk prefilled alone);
 stored keys carry RoPE at ``start_position + t`` when ``layout.rope.keys_rotated``.
 
-Conversions to and from transformers' ``DynamicCache`` share storage with the source tensors
-where the shapes allow (a batch-of-one cache is viewed, not copied).
+Conversions to and from transformers caches live in the adapter (``kdn.hf.to_transformers``,
+``kdn.hf.from_transformers``): this module knows nothing of any model library.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ from __future__ import annotations
 import builtins
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -135,47 +134,3 @@ class KVCache:
                 for (a, b), (c, d) in zip(self.layers, other.layers)
             )
         )
-
-    # -- transformers ---------------------------------------------------------------------------
-
-    @classmethod
-    def from_transformers(
-        cls, cache: Any, layout: KVLayout, *, batch_index: int = 0, start_position: int = 0
-    ) -> KVCache:
-        """View one sequence of a transformers cache (DynamicCache or legacy tuples) as KVCache.
-
-        Tensors are views of the cache's own storage; call ``.clone()``-ing code paths (or the
-        codec) before the engine mutates the cache if the data must outlive it.
-        """
-        layers: list[LayerKV] = []
-        for k, v in _iter_transformers_layers(cache):
-            # k: [batch, kv_heads, tokens, k_channels]
-            if k.dim() != 4:
-                raise InvalidLayout(f"transformers cache tensors must be 4-D, got {tuple(k.shape)}")
-            layers.append((k[batch_index], v[batch_index]))
-        return cls(layout, layers, start_position)
-
-    def to_transformers(self) -> Any:
-        """A transformers DynamicCache holding batch-of-one views of these tensors (no copy)."""
-        from transformers import DynamicCache
-        from transformers.cache_utils import DynamicLayer
-
-        cache = DynamicCache()
-        cache.layers = []
-        for k, v in self.layers:
-            layer = DynamicLayer()
-            k4, v4 = k.unsqueeze(0), v.unsqueeze(0)  # [1, kv_heads, tokens, channels]
-            layer.lazy_initialization(k4, v4)
-            layer.keys, layer.values = k4, v4
-            cache.layers.append(layer)
-        return cache
-
-
-def _iter_transformers_layers(cache: Any) -> list[LayerKV]:
-    if hasattr(cache, "layers") and cache.layers and hasattr(cache.layers[0], "keys"):
-        return [(layer.keys, layer.values) for layer in cache.layers]
-    if hasattr(cache, "key_cache"):  # older transformers
-        return list(zip(cache.key_cache, cache.value_cache))
-    if isinstance(cache, (tuple, list)):
-        return [(kv[0], kv[1]) for kv in cache]
-    raise InvalidLayout(f"unsupported transformers cache type {type(cache).__name__}")

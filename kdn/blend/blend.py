@@ -55,9 +55,9 @@ from kdn.blend import layer as blk
 from kdn.blend.rope import RopePlan, apply_rope, reposition, rope_plan
 from kdn.blend.select import deviation, select_tokens
 from kdn.cache import KVCache, LayerKV
-from kdn.engine.engine import decoder_layers, model_layout
 from kdn.errors import InvalidArgument, InvalidLayout, LayoutMismatch
-from kdn.layout import DType, KVLayout
+from kdn.hf import ModelParts, model_layout
+from kdn.layout import KVLayout
 
 
 class LayerSource(Protocol):
@@ -108,6 +108,8 @@ class Piece:
         header = getattr(getattr(self.kv, "decoder", None), "header", None)
         if header is not None:  # a LayerStream: tokens and position come with its header
             self.start_position = int(header.entry.start_position)
+        elif isinstance(position := getattr(self.kv, "start_position", None), int):
+            self.start_position = position  # a connector (kdn.blend.chunks) says it
         tokens = getattr(self.kv, "num_tokens", None)
         if tokens is not None and tokens != len(self.ids):
             raise InvalidLayout(f"chunk has {len(self.ids)} ids but its KV holds {tokens} tokens")
@@ -190,31 +192,9 @@ class BlendResult:
     timings: BlendTimings = field(default_factory=BlendTimings)
 
 
-@dataclass(frozen=True)
-class _Model:
-    """The parts of a transformers causal LM the blender drives."""
-
-    embed: Any
-    layers: Any
-    norm: Any
-    lm_head: Any
-    rotary: Any
-    heads: int
-    dtype: torch.dtype
-
-    @classmethod
-    def of(cls, model: Any) -> _Model:
-        inner = model.get_decoder() if hasattr(model, "get_decoder") else model.model
-        cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") \
-            else model.config
-        return cls(inner.embed_tokens, decoder_layers(model), inner.norm,
-                   model.get_output_embeddings(), inner.rotary_emb,
-                   int(cfg.num_attention_heads), next(model.parameters()).dtype)
-
-
 def _layout(model: Any, sources: list[LayerSource]) -> KVLayout:
     if not sources:
-        return model_layout(model, DType.of(next(model.parameters()).dtype))
+        return model_layout(model)
     layout = sources[0].layout
     for s in sources[1:]:
         if s.layout.fingerprint != layout.fingerprint:
@@ -227,7 +207,7 @@ def blend(model: Any, pieces: list[Piece], config: BlendConfig | None = None) ->
     """KV cache and next-token logits of the prompt ``pieces`` (see the module docstring)."""
     cfg = config or BlendConfig()
     t0 = time.perf_counter()
-    m = _Model.of(model)
+    m = ModelParts.of(model)
     if not pieces:
         raise InvalidArgument("nothing to blend")
     sources = [p.source for p in pieces if p.source is not None]
@@ -360,7 +340,7 @@ def blend(model: Any, pieces: list[Piece], config: BlendConfig | None = None) ->
         h = blk.finish(layer, h, blk.attend(layer, q, k_all, v_all, q_pos))
         out_layers.append((k_all, v_all))
 
-    logits = m.lm_head(m.norm(h[-1:]))[0]  # [vocab]
+    logits = m.logits(h[-1:])[0]  # [vocab]
     dt = layout.dtype.torch
     kv = KVCache(layout, [(k.to(dt), v.to(dt)) for k, v in out_layers], 0)
     timings.recomputed_tokens = int(recomputed.numel())

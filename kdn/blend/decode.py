@@ -7,7 +7,10 @@ token), a step costs only the new token's work, and it runs pruned layouts too.
 
     cont = Continuation(model, result.kv, room=16)
     logits = cont.forward(answer_ids)          # [tokens, vocab], teacher-forced
-    tokens = greedy(model, result.kv, result.logits, max_new=16, stop={eos})
+    tokens = kdn.hf.greedy(Continuation(model, result.kv, room=16), result.logits, 16, {eos})
+
+``Continuation`` is a ``kdn.hf.Decoder``: the package's one greedy loop (``kdn.hf.greedy``)
+drives it.
 """
 
 from __future__ import annotations
@@ -17,16 +20,16 @@ from typing import Any
 import torch
 
 from kdn.blend import layer as blk
-from kdn.blend.blend import _Model
 from kdn.blend.rope import rope_plan
 from kdn.cache import KVCache
+from kdn.hf import ModelParts
 
 
 class Continuation:
     """A prompt's KV in buffers with ``room`` free token slots, extended by ``forward``."""
 
     def __init__(self, model: Any, kv: KVCache, room: int) -> None:
-        self.m = _Model.of(model)
+        self.m = ModelParts.of(model)
         layout = kv.layout
         self.length = kv.num_tokens
         if kv.start_position != 0:
@@ -61,14 +64,4 @@ class Continuation:
             out = blk.attend(layer, q, self.k[i][:, :stop], self.v[i][:, :stop], positions)
             h = blk.finish(layer, h, out)
         self.length = stop
-        return self.m.lm_head(self.m.norm(h))  # type: ignore[no-any-return]
-
-
-def greedy(model: Any, kv: KVCache, first_logits: torch.Tensor, max_new: int,
-           stop: set[int]) -> list[int]:
-    """Greedy tokens after a prompt whose KV is ``kv`` and next-token logits ``first_logits``."""
-    out = [int(first_logits.argmax())]
-    cont = Continuation(model, kv, room=max_new)
-    while len(out) < max_new and out[-1] not in stop:
-        out.append(int(cont.forward([out[-1]])[-1].argmax()))
-    return out
+        return self.m.logits(h)

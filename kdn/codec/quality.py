@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from kdn import hf
 from kdn.cache import KVCache
 from kdn.layout import DType, KVLayout
 
@@ -55,15 +56,6 @@ class Reference:
     """Wall time of the model's prefill of the context (fastest of the runs)."""
 
 
-@torch.inference_mode()
-def prefill(model: Any, ids: torch.Tensor, layout: KVLayout) -> KVCache:
-    """Cache of ``ids`` ([tokens]) in ``layout.dtype``."""
-    out = model(input_ids=ids.reshape(1, -1), use_cache=True, logits_to_keep=1)
-    kv32 = KVCache.from_transformers(out.past_key_values, _as_f32(layout))
-    dt = layout.dtype.torch
-    return KVCache(layout, [(k.to(dt).clone(), v.to(dt).clone()) for k, v in kv32.layers])
-
-
 def _as_f32(layout: KVLayout) -> KVLayout:
     return dataclasses.replace(layout, dtype=DType.FLOAT32)
 
@@ -71,7 +63,7 @@ def _as_f32(layout: KVLayout) -> KVLayout:
 @torch.inference_mode()
 def _logp(model: Any, kv: KVCache, inputs: torch.Tensor) -> torch.Tensor:
     f32 = KVCache(_as_f32(kv.layout), [(k.float(), v.float()) for k, v in kv.layers])
-    out = model(input_ids=inputs.reshape(1, -1), past_key_values=f32.to_transformers(),
+    out = model(input_ids=inputs.reshape(1, -1), past_key_values=hf.to_transformers(f32),
                 use_cache=True)
     return torch.log_softmax(out.logits[0].float(), dim=-1)  # [eval_tokens, vocab]
 
@@ -100,7 +92,7 @@ def prepare(
     kv = None
     for _ in range(max(1, prefill_runs)):
         t0 = time.perf_counter()
-        kv = prefill(model, ctx, layout)
+        kv = hf.prefill(model, ctx, layout)[0]
         times.append(time.perf_counter() - t0)
     assert kv is not None
     logp = _logp(model, kv, eval_ids[:-1])

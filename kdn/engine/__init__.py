@@ -1,5 +1,7 @@
-"""Engine integration: transformers models that reuse KV from kdn."""
+"""Engine integration: the connector protocol and KDNEngine, a transformers model reusing KV
+from kdn through it."""
 
-from kdn.engine.engine import EngineConfig, Generation, KDNEngine, Timings, decoder_layers
+from kdn.engine.connector import KVConnector
+from kdn.engine.engine import EngineConfig, Generation, KDNEngine, Timings
 
-__all__ = ["EngineConfig", "Generation", "KDNEngine", "Timings", "decoder_layers"]
+__all__ = ["EngineConfig", "Generation", "KDNEngine", "KVConnector", "Timings"]

@@ -1,18 +1,20 @@
-"""transformers integration: reuse cached prefixes from kdn, prefill only what is missing.
+"""KDNEngine: a transformers model that reuses cached prefixes from kdn and prefills only what
+is missing. It implements the connector protocol (``kdn.engine.connector.KVConnector``) and
+drives itself through it, as an engine wrapping kdn would.
 
 Lifecycle of ``KDNEngine.generate(prompt)``:
 
 1. tokenize; chain keys over the prompt's full ``chunk_tokens`` blocks (``keys.prefix_keys``),
    keeping at least one token to compute so the model yields next-token logits;
-2. one batched Lookup for every block and every stored encoding; the leading run of present
-   blocks is the reusable prefix;
-3. the loading controller picks an encoding or recompute (measured bandwidth, decode speed,
-   prefill speed; overridable per request);
-4. every block's Retrieve stream starts at once; the model's forward waits per layer
-   (a pre-hook on each decoder layer), so layer i computes while later layers still arrive;
-5. prefill the rest on top of that cache -> first token (TTFT ends here);
-6. store the newly computed blocks back on a background thread (after the first token), then
-   greedy-decode the remaining tokens.
+2. ``start_load``: one batched Lookup for every block and every stored encoding (the leading
+   run of present blocks is the reusable prefix, what ``matched_tokens`` reports); the loading
+   controller picks an encoding or recompute (measured bandwidth, decode speed, prefill speed;
+   overridable per request); every block's Retrieve stream starts at once;
+3. the model's forward over the rest of the prompt runs on a ``kdn.hf.LayerwiseCache`` that
+   calls ``wait_for_layer(i)`` right before decoder layer i, so layer i computes while later
+   layers still arrive -> first token (TTFT ends here);
+4. ``save_layer(i, ...)`` for every layer: the newly computed blocks are stored back on a
+   background thread (``wait_for_save`` joins it), then ``kdn.hf.greedy`` decodes the rest.
 
 Each stored block holds only its own ``chunk_tokens`` tokens (start position i * chunk_tokens)
 under its chained key, so storage stays linear in prompt length.
@@ -20,20 +22,23 @@ under its chained key, so storage stays linear in prompt length.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from kdn import keys
-from kdn.cache import KVCache
+from kdn.cache import KVCache, LayerKV
 from kdn.client import Client
 from kdn.client.stream import LayerStream
 from kdn.delivery import RECOMPUTE, LoadingController, encoding_name
+from kdn.engine.connector import KVConnector
+from kdn.hf import CacheDecoder, LayerwiseCache, cache_layers, greedy, model_layout
 from kdn.layout import DType, KVLayout
 
 log = logging.getLogger(__name__)
@@ -83,18 +88,9 @@ class Generation:
     store_thread: threading.Thread | None = field(default=None, repr=False)
 
 
-def decoder_layers(model: Any) -> torch.nn.ModuleList:
-    """The decoder blocks of a Llama-family transformers model."""
-    inner = model.get_decoder() if hasattr(model, "get_decoder") else model.model
-    return inner.layers  # type: ignore[no-any-return]
+class KDNEngine(KVConnector):
+    """Greedy generation with prefix reuse (module docstring); one request at a time."""
 
-
-def model_layout(model: Any, kv_dtype: DType) -> KVLayout:
-    weights_id = Path(str(getattr(model, "name_or_path", "") or "")).name
-    return KVLayout.from_config(model.config, dtype=kv_dtype, weights_id=weights_id)
-
-
-class KDNEngine:
     def __init__(self, model: Any, tokenizer: Any, client: Client,
                  config: EngineConfig | None = None,
                  controller: LoadingController | None = None) -> None:
@@ -103,82 +99,107 @@ class KDNEngine:
         self.client = client
         self.config = config or EngineConfig()
         self.controller = controller or LoadingController()
-        self.layout = model_layout(model, self.config.kv_dtype)
-        self.model_dtype = next(model.parameters()).dtype
-        self.layers = decoder_layers(model)
+        self._layout = model_layout(model, self.config.kv_dtype)
+        self._request = threading.Lock()
+        self._begin([])
 
-    # -- reuse ----------------------------------------------------------------------------------
+    @property
+    def layout(self) -> KVLayout:
+        return self._layout
 
-    def _plan(self, ids: list[int], force: str | None, t: Timings
-              ) -> tuple[list[bytes], str, int]:
-        """(chain keys, chosen encoding or recompute, number of reusable blocks)."""
+    def _begin(self, ids: list[int]) -> None:
+        """Forget the previous request's state."""
+        self._ids = ids
+        self._timings = Timings()
+        self._streams: list[LayerStream] = []
+        self._loaded_blocks = 0
+        self._saved: dict[int, LayerKV] = {}
+        self._store_thread: threading.Thread | None = None
+
+    # -- the connector protocol -----------------------------------------------------------------
+
+    def _chain(self, ids: Sequence[int]) -> list[bytes]:
+        """Chain keys of the blocks that may be reused (one token is always left to compute)."""
         c = self.config.chunk_tokens
         usable = (len(ids) - 1) // c
-        chain = keys.prefix_keys(ids[: usable * c], self.layout, self.config.namespace, c)
-        if not chain or force == RECOMPUTE:
-            return chain, RECOMPUTE, 0
-        t0 = time.perf_counter()
+        return keys.prefix_keys(list(ids[: usable * c]), self.layout, self.config.namespace, c)
+
+    def _present(self, chain: list[bytes]) -> tuple[int, dict[str, int]]:
+        """(leading blocks present in the best encoding, stored bytes of those blocks by
+        encoding name, for each encoding holding all of them): one batched Lookup."""
         names = [encoding_name(m, lv) for m, lv in self.config.encodings]
         probe = [keys.variant_key(k, n) for n in names for k in chain]
         infos = self.client.lookup(probe, namespace=self.config.namespace).infos
+        rows = {name: infos[j * len(chain) : (j + 1) * len(chain)]
+                for j, name in enumerate(names)}
+        hits = {name: next((i for i, info in enumerate(row) if not info.present), len(row))
+                for name, row in rows.items()}
+        best = max(hits.values(), default=0)
+        stored = {name: sum(info.size_bytes for info in rows[name][:best])
+                  for name in names if best and hits[name] == best}
+        return best, stored
+
+    def matched_tokens(self, token_ids: Sequence[int]) -> int:
+        chain = self._chain(token_ids)
+        return self._present(chain)[0] * self.config.chunk_tokens if chain else 0
+
+    def start_load(self, token_ids: Sequence[int], *, force: str | None = None) -> int:
+        """Begin loading the reusable prefix; ``force`` (an encoding name or ``recompute``)
+        overrides the loading controller for this request."""
+        t = self._timings
+        c = self.config.chunk_tokens
+        chain = self._chain(token_ids)
+        t.decision = RECOMPUTE
+        if not chain or force == RECOMPUTE:
+            return 0
+        t0 = time.perf_counter()
+        hits, stored = self._present(chain)
         t.lookup_s = time.perf_counter() - t0
-        stored: dict[str, int] = {}
-        best_hits = 0
-        hits_by_name: dict[str, int] = {}
-        for j, name in enumerate(names):
-            row = infos[j * len(chain) : (j + 1) * len(chain)]
-            hits = next((i for i, info in enumerate(row) if not info.present), len(row))
-            hits_by_name[name] = hits
-            best_hits = max(best_hits, hits)
-        for j, name in enumerate(names):
-            if hits_by_name[name] == best_hits and best_hits:
-                row = infos[j * len(chain) : j * len(chain) + best_hits]
-                stored[name] = sum(info.size_bytes for info in row)
-        tokens = best_hits * c
+        tokens = hits * c
         decision = self.controller.choose(tokens, tokens * self.layout.bytes_per_token, stored,
                                           override=force)
-        return chain, decision.choice, best_hits if decision.choice != RECOMPUTE else 0
-
-    def _fetch(self, chain: list[bytes], encoding: str, hits: int) -> list[LayerStream]:
-        streams: list[LayerStream] = []
+        if decision.choice == RECOMPUTE or not hits:
+            return 0
         for k in chain[:hits]:
-            s = self.client.retrieve_stream(keys.variant_key(k, encoding),
+            s = self.client.retrieve_stream(keys.variant_key(k, decision.choice),
                                             namespace=self.config.namespace, layout=self.layout)
             if s is None:  # evicted between lookup and retrieve
-                for other in streams:
-                    other.cancel()
-                return []
-            streams.append(s)
-        return streams
+                self.finish()
+                return 0
+            self._streams.append(s)
+        t.decision = decision.choice
+        self._loaded_blocks = hits
+        return tokens
 
-    def _layer_kv(self, streams: list[LayerStream], i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        parts = [s.wait_for_layer(i) for s in streams]
-        k = torch.cat([p[0] for p in parts], dim=1) if len(parts) > 1 else parts[0][0]
-        v = torch.cat([p[1] for p in parts], dim=1) if len(parts) > 1 else parts[0][1]
-        # k: [kv_heads, tokens, k_channels] -> [1, kv_heads, tokens, k_channels]
-        return k.to(self.model_dtype).unsqueeze(0), v.to(self.model_dtype).unsqueeze(0)
+    def wait_for_layer(self, i: int, timeout: float | None = None) -> LayerKV:
+        parts = [s.wait_for_layer(i, timeout) for s in self._streams]
+        if len(parts) == 1:
+            return parts[0]
+        # k: [kv_heads, tokens, k_channels], blocks joined along tokens
+        return (torch.cat([p[0] for p in parts], dim=1), torch.cat([p[1] for p in parts], dim=1))
 
-    def _pipelined_cache(self, streams: list[LayerStream]) -> tuple[Any, list[Any]]:
-        """A DynamicCache whose layer i is filled just before decoder layer i runs."""
-        from transformers import DynamicCache
-        from transformers.cache_utils import DynamicLayer
+    def save_layer(self, i: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Layer i of the prompt's KV, [kv_heads, tokens, channels]; once every layer is in,
+        the blocks kdn lacks are stored on a background thread."""
+        c = self.config.chunk_tokens
+        if not self.config.store_back or len(self._ids) // c <= self._loaded_blocks:
+            return
+        self._saved[i] = (k, v)
+        if len(self._saved) == self.layout.num_layers:
+            snapshot = [self._saved[j] for j in range(self.layout.num_layers)]
+            self._store_thread = threading.Thread(
+                target=self._store_blocks, args=(self._ids, snapshot, self._loaded_blocks),
+                daemon=True, name="kdn-store-back")
+            self._store_thread.start()
 
-        layers = [DynamicLayer() for _ in range(len(self.layers))]
-        cache = DynamicCache()
-        cache.layers = list(layers)
-        filled = [False] * len(self.layers)
+    def wait_for_save(self, timeout: float | None = None) -> None:
+        if self._store_thread is not None:
+            self._store_thread.join(timeout)
 
-        def fill(i: int) -> None:
-            if not filled[i]:
-                k, v = self._layer_kv(streams, i)
-                layers[i].lazy_initialization(k, v)
-                layers[i].keys, layers[i].values = k, v
-                filled[i] = True
-
-        fill(0)  # the mask and positions are sized from layer 0's length
-        hooks = [layer.register_forward_pre_hook(lambda m, a, i=i: fill(i))
-                 for i, layer in enumerate(self.layers)]
-        return cache, hooks
+    def finish(self) -> None:
+        for s in self._streams:
+            s.cancel()
+        self._streams = []
 
     # -- generate -------------------------------------------------------------------------------
 
@@ -191,45 +212,31 @@ class KDNEngine:
                if isinstance(prompt, str) else list(prompt))
         if not ids:
             raise ValueError("empty prompt")
-        t = Timings()
-        start = time.perf_counter()
-        chain, choice, hits = self._plan(ids, force, t)
-        streams = self._fetch(chain, choice, hits) if hits else []
-        if not streams:
-            hits = 0
-        t.decision = choice if hits else RECOMPUTE
-        c = self.config.chunk_tokens
-        reused = hits * c
-        cache: Any = None
-        hooks: list[Any] = []
-        if hits:
-            tb = time.perf_counter()
-            cache, hooks = self._pipelined_cache(streams)
-            t.cache_build_s = time.perf_counter() - tb
-        tc = time.perf_counter()
-        try:
-            out = self.model(torch.tensor([ids[reused:]]), past_key_values=cache, use_cache=True)
-        finally:
-            for h in hooks:
-                h.remove()
-        first = int(out.logits[0, -1].argmax())
-        t.first_token_compute_s = time.perf_counter() - tc
-        t.ttft_s = time.perf_counter() - start
-        t.reused_tokens, t.computed_tokens = reused, len(ids) - reused
-        self._observe(streams, choice, reused, t)
-        cache = out.past_key_values
-        snapshot = [(layer.keys, layer.values) for layer in cache.layers]
-        store_thread = None
-        if self.config.store_back and len(ids) // c > hits:
-            store_thread = threading.Thread(
-                target=self._store_blocks, args=(ids, snapshot, hits), daemon=True)
-            store_thread.start()
-        new = [first]
-        eos = self.tokenizer.eos_token_id
-        while len(new) < max_new_tokens and new[-1] != eos:
-            out = self.model(torch.tensor([[new[-1]]]), past_key_values=cache, use_cache=True)
-            cache = out.past_key_values
-            new.append(int(out.logits[0, -1].argmax()))
+        with self._request:
+            self._begin(ids)
+            t = self._timings
+            start = time.perf_counter()
+            reused = self.start_load(ids, force=force)
+            streams = list(self._streams)
+            with contextlib.ExitStack() as hooks:
+                cache = None
+                if reused:
+                    tb = time.perf_counter()
+                    cache = hooks.enter_context(LayerwiseCache(self.model, self.wait_for_layer))
+                    t.cache_build_s = time.perf_counter() - tb
+                tc = time.perf_counter()
+                decoder = CacheDecoder(self.model, cache)
+                logits = decoder.forward(ids[reused:])[-1]
+            t.first_token_compute_s = time.perf_counter() - tc
+            t.ttft_s = time.perf_counter() - start
+            t.reused_tokens, t.computed_tokens = reused, len(ids) - reused
+            self._observe(streams, t.decision, reused, t)
+            for i, (k, v) in enumerate(cache_layers(decoder.cache)):
+                self.save_layer(i, k[0], v[0])  # [1, kv_heads, tokens, ch] -> batch row 0
+            store_thread = self._store_thread
+            eos = self.tokenizer.eos_token_id
+            new = greedy(decoder, logits, max_new_tokens, set() if eos is None else {int(eos)})
+            self._streams = []
         text = self.tokenizer.decode(new, skip_special_tokens=True)
         return Generation(text, new, t, store_thread)
 
@@ -247,8 +254,7 @@ class KDNEngine:
         else:
             self.controller.observe_prefill(t.computed_tokens, t.first_token_compute_s)
 
-    def _store_blocks(self, ids: list[int], snapshot: list[tuple[torch.Tensor, torch.Tensor]],
-                      first_block: int) -> None:
+    def _store_blocks(self, ids: list[int], snapshot: list[LayerKV], first_block: int) -> None:
         c = self.config.chunk_tokens
         ns = self.config.namespace
         chain = keys.prefix_keys(ids, self.layout, ns, c)
@@ -263,7 +269,7 @@ class KDNEngine:
         for (b, mode, level, key), info in zip(todo, present):
             if info.present:
                 continue
-            layers = [(k[0, :, b * c : (b + 1) * c].to(dt), v[0, :, b * c : (b + 1) * c].to(dt))
+            layers = [(k[:, b * c : (b + 1) * c].to(dt), v[:, b * c : (b + 1) * c].to(dt))
                       for k, v in snapshot]
             kv = KVCache(self.layout, layers, start_position=b * c)
             try:

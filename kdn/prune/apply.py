@@ -42,6 +42,7 @@ import torch
 from torch import nn
 
 from kdn.errors import InvalidArgument, InvalidLayout
+from kdn.hf import decoder_layers
 from kdn.prune.importance import ChannelScores, Geometry, attention_modules
 
 PRUNED_KEY = "kdn_pruned"
@@ -247,8 +248,6 @@ def prune_model(model: Any, plan: PrunePlan) -> Any:
                               f"model has {geo.layers} x {geo.head_dim}")
     if getattr(model.config, PRUNED_KEY, None) is not None:
         raise InvalidArgument("model is already pruned; prune the original model")
-    from kdn.engine.engine import decoder_layers
-
     for layer, kk, vk in zip(decoder_layers(model), plan.k_kept, plan.v_kept):
         attn: Any = layer.self_attn
         layer.self_attn = PrunedAttention(attn, kk, vk, geo.head_dim)

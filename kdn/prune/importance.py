@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from kdn.errors import InvalidArgument
+from kdn.hf import decoder_layers
 
 
 class Importance(enum.Enum):
@@ -81,8 +82,6 @@ class ChannelScores:
 
 def attention_modules(model: Any) -> list[Any]:
     """``self_attn`` of every decoder block, in order."""
-    from kdn.engine.engine import decoder_layers
-
     return [layer.self_attn for layer in decoder_layers(model)]
 
 

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from kdn.hf import ModelParts, decoder_layers
 from kdn.prune.allocate import removal_counts
 from kdn.prune.apply import _rows, kept_from_scores
 from kdn.prune.importance import ChannelScores, Geometry, attention_modules
@@ -41,8 +42,6 @@ class TailRunner:
     """Runs a model from any decoder block onwards on fixed calibration ids."""
 
     def __init__(self, model: Any, calib_ids: torch.Tensor) -> None:
-        from kdn.engine.engine import decoder_layers
-
         self.model = model
         self.layers = list(decoder_layers(model))
         self.ids = calib_ids.reshape(-1, calib_ids.shape[-1]).to(model.device)
@@ -73,9 +72,7 @@ class TailRunner:
             else:
                 out = self.layers[i](**{**kw, "hidden_states": h})
             h = out[0] if isinstance(out, tuple) else out
-        inner = self.model.get_decoder() if hasattr(self.model, "get_decoder") \
-            else self.model.model
-        logits = self.model.get_output_embeddings()(inner.norm(h)).float()
+        logits = ModelParts.of(self.model).logits(h).float()
         loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
                                self.ids[:, 1:].reshape(-1))
         return math.exp(float(loss))

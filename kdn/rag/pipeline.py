@@ -45,14 +45,13 @@ from typing import Any
 
 import torch
 
+from kdn import hf
 from kdn.blend import BlendConfig, Piece, blend
+from kdn.blend.chunks import ChunkConnector
 from kdn.cache import KVCache
 from kdn.client import Client
-from kdn.client.stream import LayerStream
-from kdn.engine.engine import model_layout
 from kdn.errors import InvalidArgument
 from kdn.keys import check_namespace, chunk_key
-from kdn.layout import DType, KVLayout
 from kdn.rag.corpus import Chunk, Document, Tokenizer, chunk_document, chunk_ids, load_corpus
 from kdn.rag.index import ChunkEntry, DocEntry, Embedder, Manifest, Settings, VectorIndex
 
@@ -155,7 +154,8 @@ class Prepared:
 
     kv: KVCache
     logits: torch.Tensor
-    missing: list[tuple[bytes, KVCache]]
+    missing: list[ChunkConnector]
+    """Chunks kdn did not hold, computed for this prompt; stored by ``RagEngine.finish``."""
     timings: AskTimings
 
 
@@ -227,29 +227,6 @@ def stop_ids(tokenizer: Any) -> set[int]:
     return out
 
 
-@torch.inference_mode()
-def prefill(model: Any, ids: Sequence[int], layout: KVLayout) -> KVCache:
-    """KV of ``ids`` prefilled alone from position 0."""
-    device = next(model.parameters()).device
-    out = model(torch.tensor([list(ids)], device=device), use_cache=True, logits_to_keep=1)
-    kv = KVCache.from_transformers(out.past_key_values, layout)
-    return KVCache(layout, [(k.contiguous(), v.contiguous()) for k, v in kv.layers])
-
-
-@torch.inference_mode()
-def greedy(model: Any, kv: KVCache, logits: torch.Tensor, max_new_tokens: int,
-           stop: set[int]) -> list[int]:
-    """Greedy continuation after a prompt's KV and its next-token ``logits`` (stop included)."""
-    device = next(model.parameters()).device
-    cache = kv.to_transformers()
-    out = [int(logits.argmax())]
-    while len(out) < max_new_tokens and out[-1] not in stop:
-        o = model(torch.tensor([[out[-1]]], device=device), past_key_values=cache, use_cache=True)
-        cache = o.past_key_values
-        out.append(int(o.logits[0, -1].argmax()))
-    return out
-
-
 class RagEngine:
     """Answer a question over given chunk texts with their KV from kdn (module docstring)."""
 
@@ -259,7 +236,7 @@ class RagEngine:
         self.tokenizer = tokenizer
         self.client = client
         self.config = config or RagConfig()
-        self.layout = model_layout(model, DType.of(next(model.parameters()).dtype))
+        self.layout = hf.model_layout(model)
         if self.config.head is not None and self.config.tail is not None:
             self.head, self.tail = self.config.head, self.config.tail
         else:
@@ -273,7 +250,13 @@ class RagEngine:
         return chunk_key(ids, self.layout, self.config.namespace)
 
     def prefill(self, ids: Sequence[int]) -> KVCache:
-        return prefill(self.model, ids, self.layout)
+        """KV of a chunk prefilled alone from position 0."""
+        return hf.prefill(self.model, ids, self.layout)[0]
+
+    def connector(self) -> ChunkConnector:
+        cfg = self.config
+        return ChunkConnector(self.client, self.layout, cfg.namespace, mode=cfg.mode,
+                              level=cfg.level)
 
     def store(self, key: bytes, kv: KVCache) -> int:
         """Store a chunk's KV; the bytes kdn holds for it."""
@@ -308,21 +291,19 @@ class RagEngine:
         t = AskTimings()
         t0 = time.perf_counter()
         ids = [chunk_ids(self.tokenizer, c) for c in chunks]
-        keys = [self.key(i) for i in ids]
-        sources: list[LayerStream | KVCache | None] = [
-            self.client.retrieve_stream(k, namespace=cfg.namespace, layout=self.layout)
-            for k in keys]
+        chunks_kv = [self.connector() for _ in ids]
+        loaded = [c.start_load(i) for c, i in zip(chunks_kv, ids)]
         t.fetch_s = time.perf_counter() - t0
-        missing: list[tuple[bytes, KVCache]] = []
+        missing: list[ChunkConnector] = []
         tp = time.perf_counter()
-        for j, src in enumerate(sources):
-            if src is None:
-                kv = self.prefill(ids[j])
-                sources[j] = kv
-                missing.append((keys[j], kv))
+        for c, i, n in zip(chunks_kv, ids, loaded):
+            if not n:
+                for layer, (k, v) in enumerate(self.prefill(i).layers):
+                    c.save_layer(layer, k, v)
+                missing.append(c)
         t.prefill_missing_s = time.perf_counter() - tp
         tail_ids = chunk_ids(self.tokenizer, self.tail.replace("{question}", question))
-        pieces = [Piece(self.head_ids)] + [Piece(i, s) for i, s in zip(ids, sources)] + [
+        pieces = [Piece(self.head_ids)] + [Piece(i, c) for i, c in zip(ids, chunks_kv)] + [
             Piece(tail_ids)]
         result = blend(self.model, pieces, cfg.blend_config())
         int(result.logits.argmax())
@@ -340,12 +321,13 @@ class RagEngine:
         """Decode the answer from a prepared prompt, then store the chunks that were missing."""
         t = prepared.timings
         tg = time.perf_counter()
-        out = greedy(self.model, prepared.kv, prepared.logits,
-                     max_new_tokens or self.config.max_new_tokens, self.stop)
+        decoder = hf.CacheDecoder(self.model, hf.to_transformers(prepared.kv))
+        out = hf.greedy(decoder, prepared.logits, max_new_tokens or self.config.max_new_tokens,
+                        self.stop)
         t.generate_s = time.perf_counter() - tg
         ts = time.perf_counter()
-        for key, kv in prepared.missing:
-            self.store(key, kv)
+        for chunk in prepared.missing:
+            chunk.wait_for_save()
         t.store_s = time.perf_counter() - ts
         text = self.tokenizer.decode([x for x in out if x not in self.stop],
                                      skip_special_tokens=True).strip()

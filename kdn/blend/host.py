@@ -1,0 +1,160 @@
+"""The model side of the Blend RPC: a server that hosts a model composes stored chunks and text.
+
+The storage server imports no model code. It is handed an object with this module's
+``ModelBlender`` shape (``kdn.server.blend_rpc.Blender``) by whoever builds it (``kdn serve
+--model``, or a test), and does the I/O around it: reading chunk entries (tenant-scoped),
+looking up and storing combinations, streaming the answer.
+
+Lifecycle of one Blend request on the model side:
+
+1. ``plan(request, read_chunk)``, on a worker thread: the model is loaded on first use
+   (``kdn.models.load_model``, memoised); text pieces are tokenized (or taken as ids); each
+   chunk piece's stored entry is read through ``read_chunk`` and its ids must hash to its key
+   (``kdn.keys.chunk_key`` under the chunk's stored layout), so the KV and the ids agree; the
+   chunks must belong to this model. With ``request.store`` the plan names the combination's
+   content key (``kdn.blend.key.combination_key``), which the server looks up before running.
+2. ``job.run()``: ``kdn.blend.blend`` runs, decoding each chunk's layer from the stored frames
+   right before the blend loop needs it; one blend runs at a time per blender (the model is
+   shared); the result is encoded (``mode``/``level``, default lossless).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from kdn import codec
+from kdn.blend.blend import BlendConfig, Piece, blend
+from kdn.blend.key import combination_key
+from kdn.cache import LayerKV
+from kdn.codec.format import Header, check_frame, parse_header, split_frames
+from kdn.errors import InvalidArgument, LayoutMismatch, NotFound
+from kdn.hf import model_layout
+from kdn.keys import check_key, check_namespace, chunk_key
+from kdn.layout import DType, KVLayout
+from kdn.v1 import kdn_pb2 as pb
+
+
+class StoredChunk:
+    """A stored entry as a blend ``LayerSource``: frame f is decoded when a layer in it is asked."""
+
+    def __init__(self, value: bytes) -> None:
+        self.header: Header = parse_header(value)
+        self.frames = list(split_frames(value, len(self.header.raw)))
+        self.decoder = codec.StreamDecoder(self.header)
+        self._frame_of = {span.first_layer + j: f for f, span in
+                          enumerate(self.header.entry.frames) for j in range(span.num_layers)}
+        self._layers: dict[int, LayerKV] = {}
+
+    @property
+    def layout(self) -> KVLayout:
+        return self.header.layout
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.header.entry.tokens)
+
+    def wait_for_layer(self, i: int, timeout: float | None = None) -> LayerKV:
+        if i not in self._layers:
+            f = self._frame_of[i]
+            check_frame(self.header, f, self.frames[f])
+            for layer, k, v in self.decoder.decode_frame(f, self.frames[f]):
+                self._layers[layer] = (k, v)
+        return self._layers[i]
+
+
+@dataclass
+class BlendJob:
+    """A planned blend: ``combination_key`` (b"" unless the request asked to store it) and
+    ``run()``, which computes and encodes the blended KV."""
+
+    blender: ModelBlender
+    model: Any
+    pieces: list[Piece]
+    config: BlendConfig
+    mode: str
+    level: str
+    combination_key: bytes = b""
+
+    def run(self) -> codec.EncodedParts:
+        with self.blender.lock:
+            result = blend(self.model, self.pieces, self.config)
+        return codec.encode_parts(result.kv, self.mode, self.level)
+
+
+class ModelBlender:
+    """Blends with ``model``/``tokenizer``, or with the model ``name`` loaded on first use."""
+
+    def __init__(self, model: Any = None, tokenizer: Any = None, *, name: str = "") -> None:
+        if model is None and not name:
+            raise InvalidArgument("a ModelBlender needs a model or a model name")
+        self._loaded: tuple[Any, Any] | None = (model, tokenizer) if model is not None else None
+        self.name = name
+        self.lock = threading.Lock()
+
+    def model(self) -> tuple[Any, Any]:
+        """(model, tokenizer), loading the named model on first use."""
+        if self._loaded is None:
+            from kdn.models import load_model
+
+            self._loaded = load_model(self.name)
+        return self._loaded
+
+    def plan(self, request: pb.BlendRequest,
+             read_chunk: Callable[[bytes], bytes | None]) -> BlendJob:
+        """Check and resolve ``request``'s pieces (``read_chunk(key)``: the stored entry of a
+        chunk key in the request's namespace, or None); runs on a worker thread."""
+        ns = check_namespace(request.namespace or "default")
+        if not request.pieces:
+            raise InvalidArgument("Blend needs at least one piece")
+        model, tok = self.model()
+        default = BlendConfig()
+        cfg = BlendConfig(
+            ratio=request.ratio if request.HasField("ratio") else default.ratio,
+            select_layer=request.select_layer or default.select_layer,
+            head_tokens=request.head_tokens, per_chunk=request.per_chunk,
+            query_share=(request.query_share if request.HasField("query_share")
+                         else default.query_share))
+        mode = request.mode or "lossless"
+        codec.get_mode(mode).check_level(request.level)
+        fingerprint = model_layout(model, DType.FLOAT32).model_fingerprint
+        pieces: list[Piece] = []
+        named: list[tuple[bytes, list[int]]] = []
+        layout: KVLayout | None = None
+        for j, p in enumerate(request.pieces):
+            ids = list(p.token_ids)
+            if not ids and p.text:
+                if tok is None:
+                    raise InvalidArgument(f"piece {j}: text given but this server has no tokenizer")
+                ids = tok(p.text, add_special_tokens=False)["input_ids"]
+            if not ids:
+                raise InvalidArgument(f"piece {j} has neither token_ids nor text")
+            if not p.chunk_key:
+                pieces.append(Piece(ids))
+                named.append((b"", ids))
+                continue
+            value = read_chunk(check_key(p.chunk_key))
+            if value is None:
+                raise NotFound(f"piece {j}: no chunk {p.chunk_key.hex()} in {ns!r}")
+            src = StoredChunk(value)
+            if src.layout.model_fingerprint != fingerprint:
+                raise LayoutMismatch(f"piece {j}: chunk belongs to model "
+                                     f"{src.layout.model_fingerprint}, this server runs "
+                                     f"{fingerprint}")
+            if chunk_key(ids, src.layout, ns) != p.chunk_key:
+                raise InvalidArgument(f"piece {j}: token_ids do not match chunk_key")
+            layout = layout or src.layout
+            pieces.append(Piece(ids, src))
+            named.append((bytes(p.chunk_key), ids))
+        layout = layout or model_layout(model, DType.FLOAT32)
+        want = request.expect_layout_fingerprint
+        if want and want != layout.fingerprint:
+            raise LayoutMismatch(f"blend result has layout {layout.fingerprint}, caller expects "
+                                 f"{want}")
+        job = BlendJob(self, model, pieces, cfg, mode, request.level)
+        if request.store:
+            encoding = mode if not request.level else f"{mode}-{request.level}"
+            job.combination_key = combination_key(named, layout.fingerprint, cfg, ns, encoding)
+        return job

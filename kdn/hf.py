@@ -1,0 +1,228 @@
+"""The one transformers adapter: everything kdn needs to know about a transformers causal LM.
+
+Model side only (the storage side never imports it). The engine, the blender, RAG, the codec's
+quality check and the pruner reach a model through these functions and nowhere else:
+
+* what the model is: ``model_layout`` (its ``KVLayout``, pruned layouts included),
+  ``decoder_layers``, ``ModelParts`` (embedding, decoder blocks, final norm, LM head, rotary);
+* its caches: ``to_transformers`` / ``from_transformers`` convert between a ``KVCache`` and a
+  transformers ``DynamicCache`` (views, no copy), and ``LayerwiseCache`` fills a cache layer by
+  layer right before each decoder layer runs, so layer i computes while later layers arrive.
+  One builder (``_new_cache``/``_set_layer``) makes every cache;
+* running it: ``prefill`` (KV of a token run computed alone, and its next-token logits),
+  ``CacheDecoder`` (a transformers cache extended by the model's forward) and ``greedy``, the
+  one greedy decoding loop of the package; it drives any ``Decoder`` (``CacheDecoder``, or the
+  blender's preallocated ``kdn.blend.decode.Continuation``).
+
+Shapes: a kdn layer is ``k: [kv_heads, tokens, k_channels]``; transformers caches hold
+``[batch, kv_heads, tokens, channels]``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from kdn.cache import KVCache, LayerKV
+from kdn.errors import InvalidLayout
+from kdn.layout import DType, KVLayout
+
+# -- what the model is -------------------------------------------------------------------------
+
+
+def _inner(model: Any) -> Any:
+    return model.get_decoder() if hasattr(model, "get_decoder") else model.model
+
+
+def decoder_layers(model: Any) -> torch.nn.ModuleList:
+    """The decoder blocks of a Llama-family transformers model."""
+    return _inner(model).layers  # type: ignore[no-any-return]
+
+
+def model_dtype(model: Any) -> torch.dtype:
+    return next(model.parameters()).dtype  # type: ignore[no-any-return]
+
+
+def model_device(model: Any) -> torch.device:
+    return next(model.parameters()).device  # type: ignore[no-any-return]
+
+
+def model_layout(model: Any, kv_dtype: DType | None = None) -> KVLayout:
+    """The layout of the KV ``model`` computes, stored as ``kv_dtype`` (default: the model's)."""
+    weights_id = Path(str(getattr(model, "name_or_path", "") or "")).name
+    dtype = kv_dtype if kv_dtype is not None else DType.of(model_dtype(model))
+    return KVLayout.from_config(model.config, dtype=dtype, weights_id=weights_id)
+
+
+@dataclass(frozen=True)
+class ModelParts:
+    """The modules of a transformers causal LM that kdn drives one by one."""
+
+    embed: Any
+    layers: Any
+    norm: Any
+    lm_head: Any
+    rotary: Any
+    heads: int
+    dtype: torch.dtype
+
+    @classmethod
+    def of(cls, model: Any) -> ModelParts:
+        inner = _inner(model)
+        cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") \
+            else model.config
+        return cls(inner.embed_tokens, inner.layers, inner.norm, model.get_output_embeddings(),
+                   inner.rotary_emb, int(cfg.num_attention_heads), model_dtype(model))
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Next-token logits of hidden states ``h`` [rows, hidden] -> [rows, vocab]."""
+        return self.lm_head(self.norm(h))  # type: ignore[no-any-return]
+
+
+# -- caches ------------------------------------------------------------------------------------
+
+
+def _new_cache(num_layers: int) -> tuple[Any, list[Any]]:
+    """An empty DynamicCache of ``num_layers`` layers and those layers (the only builder)."""
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
+
+    cache = DynamicCache()
+    cache.layers = [DynamicLayer() for _ in range(num_layers)]
+    return cache, list(cache.layers)
+
+
+def _set_layer(layer: Any, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Fill one cache layer with k, v: [1, kv_heads, tokens, channels] (kept as views)."""
+    layer.lazy_initialization(k, v)
+    layer.keys, layer.values = k, v
+
+
+def to_transformers(kv: KVCache) -> Any:
+    """A transformers DynamicCache holding batch-of-one views of ``kv``'s tensors (no copy)."""
+    cache, layers = _new_cache(len(kv.layers))
+    for layer, (k, v) in zip(layers, kv.layers):
+        _set_layer(layer, k.unsqueeze(0), v.unsqueeze(0))  # [1, kv_heads, tokens, channels]
+    return cache
+
+
+def cache_layers(cache: Any) -> list[LayerKV]:
+    """Per-layer (K, V) of a transformers cache (DynamicCache, older caches, legacy tuples)."""
+    if hasattr(cache, "layers") and cache.layers and hasattr(cache.layers[0], "keys"):
+        return [(layer.keys, layer.values) for layer in cache.layers]
+    if hasattr(cache, "key_cache"):  # older transformers
+        return list(zip(cache.key_cache, cache.value_cache))
+    if isinstance(cache, (tuple, list)):
+        return [(kv[0], kv[1]) for kv in cache]
+    raise InvalidLayout(f"unsupported transformers cache type {type(cache).__name__}")
+
+
+def from_transformers(cache: Any, layout: KVLayout, *, batch_index: int = 0,
+                      start_position: int = 0) -> KVCache:
+    """View one sequence of a transformers cache as a KVCache (no copy: the tensors share the
+    cache's storage, so copy them before the engine mutates the cache if they must outlive it).
+    """
+    layers: list[LayerKV] = []
+    for k, v in cache_layers(cache):
+        # k: [batch, kv_heads, tokens, k_channels]
+        if k.dim() != 4:
+            raise InvalidLayout(f"transformers cache tensors must be 4-D, got {tuple(k.shape)}")
+        layers.append((k[batch_index], v[batch_index]))
+    return KVCache(layout, layers, start_position)
+
+
+class LayerwiseCache:
+    """A DynamicCache whose layer i is filled from ``fill(i)`` just before decoder layer i runs.
+
+        with LayerwiseCache(model, connector.wait_for_layer) as cache:
+            logits = CacheDecoder(model, cache).forward(rest_of_prompt)
+
+    ``fill(i)`` returns layer i's (K, V) as ``[kv_heads, tokens, channels]`` in any dtype and on
+    any device; they are converted to the model's. Layer 0 is filled on entry (transformers
+    sizes the mask and positions from it); the others by forward pre-hooks, removed on exit.
+    """
+
+    def __init__(self, model: Any, fill: Callable[[int], LayerKV]) -> None:
+        self.fill = fill
+        self.blocks = decoder_layers(model)
+        self.dtype, self.device = model_dtype(model), model_device(model)
+        self.cache, self._layers = _new_cache(len(self.blocks))
+        self._filled = [False] * len(self.blocks)
+        self._hooks: list[Any] = []
+
+    def _fill(self, i: int) -> None:
+        if not self._filled[i]:
+            k, v = self.fill(i)
+            # k: [kv_heads, tokens, k_channels] -> [1, kv_heads, tokens, k_channels]
+            _set_layer(self._layers[i], k.to(self.device, self.dtype).unsqueeze(0),
+                       v.to(self.device, self.dtype).unsqueeze(0))
+            self._filled[i] = True
+
+    def __enter__(self) -> Any:
+        self._fill(0)
+        self._hooks = [block.register_forward_pre_hook(lambda m, a, i=i: self._fill(i))
+                       for i, block in enumerate(self.blocks)]
+        return self.cache
+
+    def __exit__(self, *exc: object) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+
+# -- running the model -------------------------------------------------------------------------
+
+
+def _ids(ids: Sequence[int] | torch.Tensor, device: torch.device) -> torch.Tensor:
+    t = ids if isinstance(ids, torch.Tensor) else torch.tensor([int(i) for i in ids])
+    return t.reshape(1, -1).to(device)  # [1, tokens]
+
+
+@torch.inference_mode()
+def prefill(model: Any, ids: Sequence[int] | torch.Tensor, layout: KVLayout
+            ) -> tuple[KVCache, torch.Tensor]:
+    """KV of ``ids`` computed alone from position 0, in ``layout.dtype``, and the next-token
+    logits after the last id ([vocab])."""
+    out = model(_ids(ids, model_device(model)), use_cache=True, logits_to_keep=1)
+    dt = layout.dtype.torch
+    layers = [(k[0].to(dt).contiguous(), v[0].to(dt).contiguous())
+              for k, v in cache_layers(out.past_key_values)]
+    return KVCache(layout, layers), out.logits[0, -1]
+
+
+class Decoder(Protocol):
+    """Something that runs tokens after everything it has seen (a cache it extends)."""
+
+    def forward(self, ids: list[int]) -> torch.Tensor:
+        """[len(ids), vocab] logits of ``ids`` run after everything so far."""
+        ...
+
+
+class CacheDecoder:
+    """A transformers cache (``None``: empty) extended by the model's own forward."""
+
+    def __init__(self, model: Any, cache: Any = None) -> None:
+        self.model = model
+        self.cache = cache
+        self.device = model_device(model)
+
+    @torch.no_grad()
+    def forward(self, ids: list[int]) -> torch.Tensor:
+        out = self.model(_ids(ids, self.device), past_key_values=self.cache, use_cache=True)
+        self.cache = out.past_key_values
+        return out.logits[0]  # type: ignore[no-any-return]
+
+
+@torch.no_grad()
+def greedy(decoder: Decoder, first_logits: torch.Tensor, max_new: int,
+           stop: set[int] | frozenset[int] = frozenset()) -> list[int]:
+    """Greedy tokens after a prompt: the first from ``first_logits`` ([vocab]), then one
+    ``decoder`` step per token until ``max_new`` tokens or a token in ``stop`` (kept)."""
+    out = [int(first_logits.argmax())]
+    while len(out) < max_new and out[-1] not in stop:
+        out.append(int(decoder.forward([out[-1]])[-1].argmax()))
+    return out
