@@ -1,0 +1,111 @@
+"""The connector protocol (kdn.engine.connector) as an engine wrapping kdn would drive it:
+KDNEngine for prefixes, ChunkConnector for blend chunks, and the transformers adapter's
+layer-by-layer cache. Tiny random Llama on a real gRPC server."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kdn import hf
+from kdn.blend import BlendConfig, Piece, blend
+from kdn.blend.chunks import ChunkConnector
+from kdn.client import Client
+from kdn.engine import EngineConfig, KDNEngine, KVConnector
+from kdn.errors import InvalidArgument
+from kdn.layout import DType
+from tests.test_blend import ids, tiny
+from tests.test_rag import CharTokenizer
+
+
+def _retrieves(client: Client) -> int:
+    counters = client.stats().counters
+    return int(counters.get("retrieve.hit", 0) + counters.get("retrieve.frames_sent", 0))
+
+
+def test_engine_follows_the_connector_lifecycle(client: Client) -> None:
+    model = tiny("llama")
+    engine = KDNEngine(model, CharTokenizer(), client, EngineConfig(chunk_tokens=16))
+    assert isinstance(engine, KVConnector)
+    prompt = ids(70, seed=3)
+    assert engine.matched_tokens(prompt) == 0
+    first = engine.generate(prompt, max_new_tokens=4, force="recompute")
+    engine.wait_for_save(30)
+    assert first.store_thread is not None and not first.store_thread.is_alive()
+    # 70 tokens: blocks of 16, one token always computed -> 4 reusable blocks
+    assert engine.matched_tokens(prompt) == 64
+    assert engine.matched_tokens(prompt[:40]) == 32  # only the blocks the prompt covers
+    before = _retrieves(client)
+    assert engine.matched_tokens(prompt) == 64  # a lookup: nothing fetched
+    assert _retrieves(client) == before
+
+    assert engine.start_load(prompt) == 64
+    full, _ = hf.prefill(model, prompt, engine.layout)
+    for i in range(engine.layout.num_layers):
+        k, v = engine.wait_for_layer(i, timeout=30)
+        assert torch.equal(k, full.layers[i][0][:, :64]) and torch.equal(v, full.layers[i][1][:, :64])
+    engine.finish()
+    assert engine.start_load(prompt, force="recompute") == 0
+
+    hit = engine.generate(prompt, max_new_tokens=4)
+    assert hit.timings.reused_tokens == 64 and hit.timings.decision == "lossless"
+    assert hit.token_ids == first.token_ids
+
+
+def test_layerwise_cache_fills_each_layer_right_before_it_runs() -> None:
+    model = tiny("llama")
+    layout = hf.model_layout(model)
+    prompt = ids(30, seed=4)
+    kv, _ = hf.prefill(model, prompt[:20], layout)
+    asked: list[int] = []
+
+    def fill(i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        asked.append(i)
+        return kv.layers[i][0].half(), kv.layers[i][1].half()  # converted back to the model's
+
+    with hf.LayerwiseCache(model, fill) as cache:
+        assert asked == [0]
+        logits = hf.CacheDecoder(model, cache).forward(prompt[20:])
+    assert asked == list(range(layout.num_layers))
+    half = [(k.half().float(), v.half().float()) for k, v in kv.layers]
+    ref = hf.CacheDecoder(model, hf.to_transformers(type(kv)(layout, half)))
+    torch.testing.assert_close(logits, ref.forward(prompt[20:]))
+    assert not model.model.layers[1]._forward_pre_hooks  # hooks removed on exit
+
+
+def test_chunk_connector_loads_saves_and_blends(client: Client) -> None:
+    model = tiny("llama")
+    layout = hf.model_layout(model, DType.FLOAT32)
+    chunk, head, question = ids(24, seed=5), ids(5, seed=6), ids(7, seed=7)
+    computed, _ = hf.prefill(model, chunk, layout)
+
+    miss = ChunkConnector(client, layout, "conn")
+    assert miss.matched_tokens(chunk) == 0 and miss.start_load(chunk) == 0
+    with pytest.raises(InvalidArgument, match="neither loaded nor saved"):
+        miss.wait_for_layer(0)
+    for i, (k, v) in enumerate(computed.layers):
+        miss.save_layer(i, k, v)
+    assert miss.matched_tokens(chunk) == 0  # saving waits for wait_for_save
+    want = blend(model, [Piece(head), Piece(chunk, miss), Piece(question)], BlendConfig())
+    miss.wait_for_save()
+    assert miss.stored_bytes > 0
+
+    hit = ChunkConnector(client, layout, "conn")
+    assert hit.matched_tokens(chunk) == len(chunk) and hit.start_load(chunk) == len(chunk)
+    got = blend(model, [Piece(head), Piece(chunk, hit), Piece(question)], BlendConfig())
+    assert got.kv.equal(want.kv) and torch.equal(got.logits, want.logits)
+    other_ns = ChunkConnector(client, layout, "elsewhere")
+    assert other_ns.matched_tokens(chunk) == 0
+
+
+def test_one_greedy_loop_drives_every_decoder() -> None:
+    from kdn.blend.decode import Continuation
+
+    model = tiny("qwen3")
+    layout = hf.model_layout(model)
+    kv, logits = hf.prefill(model, ids(20, seed=8), layout)
+    a = hf.greedy(hf.CacheDecoder(model, hf.to_transformers(kv)), logits, 6)
+    b = hf.greedy(Continuation(model, kv, room=6), logits, 6)
+    assert a == b and len(a) == 6
+    stopped = hf.greedy(Continuation(model, kv, room=6), logits, 6, {a[2]})
+    assert stopped == a[: a.index(a[2]) + 1]  # the stop token is kept, nothing after it
