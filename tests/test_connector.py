@@ -43,7 +43,8 @@ def test_engine_follows_the_connector_lifecycle(client: Client) -> None:
     full, _ = hf.prefill(model, prompt, engine.layout)
     for i in range(engine.layout.num_layers):
         k, v = engine.wait_for_layer(i, timeout=30)
-        assert torch.equal(k, full.layers[i][0][:, :64]) and torch.equal(v, full.layers[i][1][:, :64])
+        want_k, want_v = full.layers[i]
+        assert torch.equal(k, want_k[:, :64]) and torch.equal(v, want_v[:, :64])
     engine.finish()
     assert engine.start_load(prompt, force="recompute") == 0
 
