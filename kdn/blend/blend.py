@@ -29,9 +29,8 @@ Lifecycle of ``blend(model, pieces, config)``:
    made to the chunk's recomputed tokens (``correct_stale``).
 4. the last token's hidden state gives the logits of the first generated token.
 
-On SmolLM2-135M with SQuAD RAG prompts (``bench.blend``) the question rule recovers much more
-of the answer likelihood than deviation at the same budget: deviation at layer 1 mostly picks
-tokens whose K/V moved, not the ones the answer reads.
+The question rule is the default because it recomputes the tokens the answer reads, where
+deviation picks the tokens whose K/V moved (the README's blend section has the comparison).
 
 Pipelining: stored K/V of layer i are requested (``wait_for_layer(i)``) right before layer i
 needs them, so later layers keep arriving and decoding while earlier layers compute.
@@ -145,8 +144,7 @@ class BlendConfig:
     RoPE) that recomputation made to the keys of the chunk's recomputed tokens. A shift
     shared by a chunk moves the attention the chunk as a whole receives, the part of the
     context a chunk computed alone gets most wrong; the ranking inside the chunk is kept.
-    Off by default: on 30 SQuAD cases (K 0.3, V 1.0) it cut first-token KL to a third but
-    left answer NLL unchanged, for ~0.02x of a prefill (README, blend_corrected)."""
+    Off by default: it lowers first-token KL but not answer NLL (README, blend section)."""
     correct_v: float = 0.0
     """The same for values (no RoPE): stale values move by this fraction of the chunk's mean
     value change."""

@@ -28,8 +28,13 @@ def _serve(ns: argparse.Namespace) -> int:
         return 2
     logging.basicConfig(level=config.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    blender = None
+    if config.model:  # the model side of the Blend RPC; the model loads on the first Blend
+        from kdn.blend.host import ModelBlender
+
+        blender = ModelBlender(name=config.model)
     try:
-        asyncio.run(serve(config))
+        asyncio.run(serve(config, blender))
     except OSError as exc:
         print(f"kdn serve: {exc}", file=sys.stderr)
         return 1

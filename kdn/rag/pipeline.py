@@ -82,8 +82,8 @@ class RagConfig:
     query_share: float = 0.0
     """Share of the recompute budget picked by the question's attention (1: ``kdn.blend``'s
     default rule); 0 selects by K/V deviation alone (CacheBlend). RAG defaults to 0: with
-    short chunks the question rule's first pass is a larger share of the work (bench.rag,
-    4 x ~200-token chunks: TTFT 0.345x of in-context vs 0.328x, answer NLL 4.05 vs 4.22)."""
+    short chunks the question rule's first pass is a larger share of the work (README, rag
+    section)."""
     max_new_tokens: int = 32
     head: str | None = None
     """Prompt text before the chunks; None: the tokenizer's chat template (or a plain one)."""
@@ -157,6 +157,8 @@ class Prepared:
     missing: list[ChunkConnector]
     """Chunks kdn did not hold, computed for this prompt; stored by ``RagEngine.finish``."""
     timings: AskTimings
+    first_token: int = -1
+    """The first generated token (known when TTFT is taken)."""
 
 
 @dataclass
@@ -165,6 +167,8 @@ class Answer:
     token_ids: list[int]
     sources: list[Source]
     timings: AskTimings
+    first_token: int = -1
+    """The first generated token (known when TTFT is taken)."""
 
 
 @dataclass
@@ -306,7 +310,7 @@ class RagEngine:
         pieces = [Piece(self.head_ids)] + [Piece(i, c) for i, c in zip(ids, chunks_kv)] + [
             Piece(tail_ids)]
         result = blend(self.model, pieces, cfg.blend_config())
-        int(result.logits.argmax())
+        first = int(result.logits.argmax())  # the first token is known (a sync on a GPU)
         t.fetch_s += result.timings.wait_s
         t.blend_s = result.timings.total_s - result.timings.wait_s
         t.ttft_s = time.perf_counter() - t0
@@ -314,7 +318,7 @@ class RagEngine:
         t.cached_tokens = result.timings.cached_tokens
         t.recomputed_tokens = result.timings.recomputed_tokens
         t.missing_chunks = len(missing)
-        return Prepared(result.kv, result.logits, missing, t)
+        return Prepared(result.kv, result.logits, missing, t, first)
 
     def finish(self, prepared: Prepared, sources: list[Source],
                max_new_tokens: int | None = None) -> Answer:

@@ -27,6 +27,7 @@ Redis is out of memory), so the hierarchy can mark the tier down and carry on.
 
 from __future__ import annotations
 
+import logging
 import os
 import struct
 from collections.abc import Iterable, Iterator
@@ -41,6 +42,8 @@ from redis.retry import Retry
 
 from kdn.errors import KDNError, TierUnavailable, TooLarge
 from kdn.store.base import Tier, TierStats
+
+log = logging.getLogger(__name__)
 
 _HDR = struct.Struct("<4sB3x8sIQQ4x")  # magic, format, ver, parts, total, part_bytes
 HEADER_BYTES = _HDR.size
@@ -279,6 +282,7 @@ class RedisTier(Tier):
         return value
 
     def _drop_damaged(self, key: bytes, h: _Header | None, why: str) -> None:
+        log.warning("redis entry %r is damaged (%s); dropped", key, why)
         self.counters.add("corrupt")
         ver = h.ver if h is not None else b""
         old = self._call(self._delete, keys=[self._manifest_key(key)],

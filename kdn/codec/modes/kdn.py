@@ -20,10 +20,8 @@ sixth of the layers, measure KL on the real model): keys of the layers at 50-83%
 3-5x more sensitive than the rest; values were 10-50x less sensitive than keys everywhere,
 hence value steps ~3x key steps. Levels are data (``KdnLevel``); the header names the level.
 
-Tried and rejected on SmolLM2-135M (same entropy coder, equal-size comparisons):
-Hadamard rotation of each head (more bits at equal KL: an entropy-coded uniform quantizer gains
-nothing from Gaussianised data, rotation only helps clipped fixed-range quantizers), per-channel
-key scales (KIVI), per-head scales, per-channel mean removal, and CacheGen's max-abs scale.
+One scale per token and per K/V (log-RMS streams): an entropy-coded uniform quantizer gains
+nothing from rotations or finer scales (the README's codec section lists what was compared).
 
     body = sections(sink K | sink V | log-RMS streams [2, n] | symbols [heads*(k_ch+v_ch), n])
            with n = tokens - sink tokens
