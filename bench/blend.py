@@ -61,11 +61,12 @@ from typing import Any
 import torch
 
 from bench.common import figure, print_table, save_figure, write_json
+from kdn import hf
 from kdn.blend import BlendConfig, Piece, blend
-from kdn.blend.decode import Continuation, greedy
+from kdn.blend.decode import Continuation
 from kdn.cache import KVCache
 from kdn.data import load_squad_dev
-from kdn.engine.engine import model_layout
+from kdn.hf import model_layout
 from kdn.layout import DType, KVLayout
 from kdn.models import load_model
 
@@ -212,7 +213,8 @@ def continue_from(model: Any, out: Outcome, answer: list[int], stop: set[int]
         lp = torch.log_softmax(Continuation(model, out.kv, len(answer)).forward(answer[:-1])
                                .float(), -1)
         nll += [-float(lp[i, t]) for i, t in enumerate(answer[1:])]
-    return sum(nll) / len(nll), greedy(model, out.kv, out.logits, MAX_NEW, stop)
+    return sum(nll) / len(nll), hf.greedy(Continuation(model, out.kv, MAX_NEW), out.logits,
+                                          MAX_NEW, stop)
 
 
 @torch.inference_mode()
@@ -222,19 +224,19 @@ def full_prefill(model: Any, ids: list[int], layout: KVLayout) -> Outcome:
     logits = o.logits[0, -1]
     int(logits.argmax())
     wall, cpu = clock.stop()
-    return Outcome(wall, KVCache.from_transformers(o.past_key_values, layout), logits, cpu)
+    return Outcome(wall, hf.from_transformers(o.past_key_values, layout), logits, cpu)
 
 
 @torch.inference_mode()
 def prefix_only(model: Any, ids: list[int], prefix: KVCache, layout: KVLayout) -> Outcome:
     n = prefix.num_tokens
     clock = Clock()
-    o = model(torch.tensor([ids[n:]]), past_key_values=prefix.to_transformers(), use_cache=True,
+    o = model(torch.tensor([ids[n:]]), past_key_values=hf.to_transformers(prefix), use_cache=True,
               logits_to_keep=1)
     logits = o.logits[0, -1]
     int(logits.argmax())
     wall, cpu = clock.stop()
-    return Outcome(wall, KVCache.from_transformers(o.past_key_values, layout), logits, cpu)
+    return Outcome(wall, hf.from_transformers(o.past_key_values, layout), logits, cpu)
 
 
 def blended(model: Any, pieces: list[Piece], ratio: float, cfg: BlendConfig,
@@ -415,7 +417,7 @@ def main() -> None:
             if c not in chunk_kv:
                 with torch.inference_mode():
                     o = model(torch.tensor([chunks[c].ids]), use_cache=True, logits_to_keep=1)
-                chunk_kv[c] = KVCache.from_transformers(o.past_key_values, layout)
+                chunk_kv[c] = hf.from_transformers(o.past_key_values, layout)
         tail = tok(TAIL.format(q=case.question), add_special_tokens=False)["input_ids"]
         answer = tok(case.answers[0], add_special_tokens=False)["input_ids"]
         pieces = [Piece(head)] + [Piece(chunks[c].ids, chunk_kv[c]) for c in case.chunks] + [

@@ -29,7 +29,7 @@ import torch
 
 from bench.common import figure, median, percentile, print_table, save_figure, timed, write_json
 from bench.roundtrip import RawServer, raw_client
-from kdn import keys
+from kdn import hf, keys
 from kdn.client import Client
 from kdn.codec.modes import get_mode, mode_names
 from kdn.data import english_token_ids
@@ -76,9 +76,8 @@ def prefill_blocks(model: Any, ids: list[int], encodings: tuple[tuple[str, str],
     """Full prefill once (timed: the full-prefill TTFT) and every block of its KV encoded in
     every encoding, ready to store into any server: {encoding: [(chain key, parts), ...]}."""
     from kdn import codec
-    from kdn.cache import KVCache
     from kdn.delivery import encoding_name
-    from kdn.engine.engine import model_layout
+    from kdn.hf import model_layout
     from kdn.layout import DType
 
     layout = model_layout(model, DType.FLOAT32)
@@ -87,7 +86,7 @@ def prefill_blocks(model: Any, ids: list[int], encodings: tuple[tuple[str, str],
         out = model(torch.tensor([ids]), use_cache=True, logits_to_keep=1)
         int(out.logits[0, -1].argmax())
     full_s = time.perf_counter() - t0
-    kv = KVCache.from_transformers(out.past_key_values, layout)
+    kv = hf.from_transformers(out.past_key_values, layout)
     chain = keys.prefix_keys(ids, layout, chunk_tokens=CHUNK)
     blocks: dict[str, list[tuple[bytes, Any]]] = {}
     for mode, level in encodings:
@@ -150,15 +149,14 @@ def ttft_rows(model: Any, tok: Any, sizes: list[int], paths: list[str], workdir:
 def throughput_rows(model: Any, tok: Any, workdir: Path, tokens: int,
                     repeat: int) -> list[dict[str, Any]]:
     """kdn retrieve of a real stored entry vs raw gRPC streaming of the same bytes."""
-    from kdn.cache import KVCache
-    from kdn.engine.engine import model_layout
+    from kdn.hf import model_layout
     from kdn.layout import DType
 
     layout = model_layout(model, DType.FLOAT32)
     ids = english_token_ids(tokens, tok).unsqueeze(0)
     with torch.no_grad():
         out = model(ids, use_cache=True)
-    kv = KVCache.from_transformers(out.past_key_values, layout)
+    kv = hf.from_transformers(out.past_key_values, layout)
     key = keys.chunk_key(ids[0], layout)
     raw = RawServer()
     put, get, ch = raw_client(raw.port)
@@ -192,15 +190,14 @@ def throughput_rows(model: Any, tok: Any, workdir: Path, tokens: int,
 
 def concurrency_rows(model: Any, tok: Any, workdir: Path, clients_list: list[int],
                      seconds: float) -> list[dict[str, Any]]:
-    from kdn.cache import KVCache
-    from kdn.engine.engine import model_layout
+    from kdn.hf import model_layout
     from kdn.layout import DType
 
     layout = model_layout(model, DType.FLOAT32)
     ids = english_token_ids(CHUNK * 4, tok).unsqueeze(0)
     with torch.no_grad():
         out = model(ids, use_cache=True)
-    kv = KVCache.from_transformers(out.past_key_values, layout)
+    kv = hf.from_transformers(out.past_key_values, layout)
     st = server_on(RamTier(8 << 30), workdir)
     rows = []
     try:

@@ -38,7 +38,7 @@ from kdn.codec import decode, encode
 from kdn.codec.modes import get_mode
 from kdn.codec.quality import evaluate, prepare
 from kdn.data import english_text_span, english_token_ids
-from kdn.engine.engine import model_layout
+from kdn.hf import model_layout
 from kdn.layout import DType
 from kdn.models import load_model, perplexity
 from kdn.prune import (

@@ -54,11 +54,11 @@ import torch
 
 from bench.blend import HEAD, MAX_NEW, TAIL, Outcome, agreement, f1, full_prefill, prefix_only
 from bench.common import figure, print_table, save_figure, write_json
+from kdn import hf
 from kdn.client import Client
 from kdn.data import load_squad_dev
 from kdn.rag import Document, KnowledgeBase, RagConfig, RagEngine
 from kdn.rag.corpus import chunk_ids
-from kdn.rag.pipeline import greedy
 
 METHODS = ("in-context", "prefix-only", "kdn-blend")
 
@@ -112,7 +112,7 @@ def answer_nll(model: Any, out: Outcome, answer: list[int]) -> float:
     """Mean per-token NLL of ``answer`` teacher-forced after a prompt's KV and logits."""
     nll = [-float(torch.log_softmax(out.logits.float(), -1)[answer[0]])]
     if len(answer) > 1:
-        o = model(torch.tensor([answer[:-1]]), past_key_values=out.kv.to_transformers())
+        o = model(torch.tensor([answer[:-1]]), past_key_values=hf.to_transformers(out.kv))
         lp = torch.log_softmax(o.logits[0].float(), -1)
         nll += [-float(lp[i, t]) for i, t in enumerate(answer[1:])]
     return sum(nll) / len(nll)
@@ -133,7 +133,8 @@ def run_case(kb: KnowledgeBase, question: str, answers: tuple[str, ...]) -> dict
 
     def finish(name: str, out: Outcome, prompt_compute_s: float, cpu0: float) -> None:
         tg = time.perf_counter()
-        gen = greedy(model, out.kv, out.logits, MAX_NEW, engine.stop)
+        gen = hf.greedy(hf.CacheDecoder(model, hf.to_transformers(out.kv)), out.logits,
+                        MAX_NEW, engine.stop)
         gen_s = time.perf_counter() - tg
         cpu = time.process_time() - cpu0
         text = tok.decode([t for t in gen if t not in engine.stop], skip_special_tokens=True)

@@ -10,13 +10,14 @@ from typing import Any
 import pytest
 import torch
 
+from kdn import hf
 from kdn.blend import BlendConfig, Piece, blend, concat_positions
 from kdn.blend.rope import inv_freq, reposition, rope_plan
 from kdn.blend.select import select_tokens
 from kdn.cache import KVCache
 from kdn.client import Client
-from kdn.engine.engine import model_layout
 from kdn.errors import InvalidArgument, InvalidLayout
+from kdn.hf import model_layout
 from kdn.layout import DType, KVLayout, LayerLayout, RopeSpec
 
 TOL = dict(atol=2e-5, rtol=1e-4)
@@ -56,9 +57,9 @@ def ids(n: int, seed: int) -> list[int]:
 def prefill(model: Any, tokens: list[int], layout: KVLayout, past: KVCache | None = None
             ) -> tuple[KVCache, torch.Tensor]:
     """Transformers' own forward: (KV of everything, last-token logits)."""
-    cache = past.to_transformers() if past is not None else None
+    cache = hf.to_transformers(past) if past is not None else None
     out = model(torch.tensor([tokens]), past_key_values=cache, use_cache=True)
-    kv = KVCache.from_transformers(out.past_key_values, layout)
+    kv = hf.from_transformers(out.past_key_values, layout)
     return KVCache(layout, [(k.clone(), v.clone()) for k, v in kv.layers]), out.logits[0, -1]
 
 
@@ -104,7 +105,7 @@ def test_reposition_matches_keys_computed_at_that_position(family: str) -> None:
     with torch.no_grad():
         out = model(torch.tensor([chunk]), position_ids=torch.arange(delta, delta + 20)[None],
                     use_cache=True)
-    there = KVCache.from_transformers(out.past_key_values, layout)
+    there = hf.from_transformers(out.past_key_values, layout)
     freqs = model.model.rotary_emb.inv_freq
     for (k0, v0), (kd, vd) in zip(at0.layers, there.layers):
         plan = rope_plan(None, k0.shape[-1], layout.rope.rotary_dim)
@@ -387,7 +388,8 @@ def test_streamed_chunks_blend_like_resident(client: Client) -> None:
 
 
 def test_blend_rpc_composes_stores_and_hits(server_config: Any) -> None:
-    from kdn.client.blend import RemotePiece, blend_stream
+    from kdn.blend.host import ModelBlender
+    from kdn.client.blend import RemotePiece
     from kdn.errors import LayoutMismatch, NotFound
     from kdn.keys import chunk_key
     from kdn.server import ServerThread
@@ -402,7 +404,7 @@ def test_blend_rpc_composes_stores_and_hits(server_config: Any) -> None:
         with pytest.raises(LayoutMismatch):  # no model hosted yet
             c.blend(remote)
         assert st.server is not None
-        st.server.servicer.blend_model = (model, None)
+        st.server.servicer.blender = ModelBlender(model, None)
         for j, kv in enumerate(chunks, start=1):
             key = chunk_key(pieces[j].ids, layout)
             remote[j] = RemotePiece(ids=pieces[j].ids, key=key)
@@ -410,16 +412,16 @@ def test_blend_rpc_composes_stores_and_hits(server_config: Any) -> None:
                 with pytest.raises(NotFound):
                     c.blend(remote)
             c.store(key, kv)
-        got = blend_stream(c, remote, ratio=0.3, store=True)
+        got = c.blend_stream(remote, ratio=0.3, store=True)
         assert got.tier == "blend"
         assert got.result().equal(want.kv)
-        again = blend_stream(c, remote, ratio=0.3, store=True)
+        again = c.blend_stream(remote, ratio=0.3, store=True)
         assert again.tier == "ram" and again.result().equal(want.kv)
         other = c.blend(remote, ratio=1.0)
         assert not other.equal(want.kv)
         # the selection rule travels and is part of the stored combination's key
         shared = blend(model, pieces, BlendConfig(ratio=0.3, query_share=1.0 - want_share))
-        got = blend_stream(c, remote, ratio=0.3, store=True, query_share=1.0 - want_share)
+        got = c.blend_stream(remote, ratio=0.3, store=True, query_share=1.0 - want_share)
         assert got.tier == "blend" and got.result().equal(shared.kv)
         assert not torch.equal(shared.recomputed, want.recomputed)
         bad = list(remote)
@@ -435,20 +437,20 @@ def test_blend_rpc_composes_stores_and_hits(server_config: Any) -> None:
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_continuation_matches_transformers(family: str) -> None:
-    from kdn.blend.decode import Continuation, greedy
+    from kdn.blend.decode import Continuation
 
     model = tiny(family)
     layout = model_layout(model, DType.FLOAT32)
     prompt_ids, more = ids(40, seed=1), ids(5, seed=2)
     kv, logits = prefill(model, prompt_ids, layout)
     with torch.no_grad():
-        ref = model(torch.tensor([more]), past_key_values=kv.to_transformers()).logits[0]
+        ref = model(torch.tensor([more]), past_key_values=hf.to_transformers(kv)).logits[0]
     got = Continuation(model, kv, room=8).forward(more)
     torch.testing.assert_close(got, ref, **TOL)
-    want, cache = [int(logits.argmax())], kv.to_transformers()
+    want, cache = [int(logits.argmax())], hf.to_transformers(kv)
     with torch.no_grad():
         for _ in range(5):
             o = model(torch.tensor([[want[-1]]]), past_key_values=cache, use_cache=True)
             cache = o.past_key_values
             want.append(int(o.logits[0, -1].argmax()))
-    assert greedy(model, kv, logits, 6, set()) == want
+    assert hf.greedy(Continuation(model, kv, room=6), logits, 6) == want

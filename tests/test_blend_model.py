@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kdn import hf
 from kdn.blend import BlendConfig, Piece, blend
-from kdn.cache import KVCache
 from kdn.data import load_squad_dev
-from kdn.engine.engine import model_layout
+from kdn.hf import model_layout
 from kdn.layout import DType
 
 pytestmark = pytest.mark.model
@@ -32,12 +32,12 @@ def test_smollm2_blend_quality(smol: tuple) -> None:
               for p in paras[:3]]
     tail = tok(f"Question: {paras[1].qas[0].question}<|im_end|>\n<|im_start|>assistant\n",
                add_special_tokens=False)["input_ids"]
-    kvs = [KVCache.from_transformers(model(torch.tensor([c]), use_cache=True).past_key_values,
+    kvs = [hf.from_transformers(model(torch.tensor([c]), use_cache=True).past_key_values,
                                      layout) for c in chunks]
     pieces = [Piece(head)] + [Piece(c, kv) for c, kv in zip(chunks, kvs)] + [Piece(tail)]
     ids = [t for p in pieces for t in p.ids]
     out = model(torch.tensor([ids]), use_cache=True)
-    full = KVCache.from_transformers(out.past_key_values, layout)
+    full = hf.from_transformers(out.past_key_values, layout)
     ref = torch.log_softmax(out.logits[0, -1], -1)
 
     exact = blend(model, pieces, BlendConfig(ratio=1.0))

@@ -180,13 +180,13 @@ def test_swapped_and_foreign_frames_detected(mode: str, level: str) -> None:
 
 @pytest.fixture(scope="module")
 def real_kv() -> KVCache:
-    from kdn.codec.quality import prefill
     from kdn.data import english_token_ids
+    from kdn.hf import prefill
     from kdn.models import load_model
 
     model, tok = load_model("smollm2-135m")
     layout = KVLayout.from_config(model.config, dtype=torch.float16)
-    return prefill(model, english_token_ids(96, tok), layout)
+    return prefill(model, english_token_ids(96, tok), layout)[0]
 
 
 @pytest.mark.model

@@ -10,6 +10,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from kdn import hf
 from kdn.cache import KVCache
 from kdn.errors import InvalidLayout
 from kdn.layout import DType, KVLayout, LayerLayout
@@ -114,11 +115,11 @@ def test_transformers_roundtrip_shares_storage_and_continues_generation() -> Non
     ids = torch.randint(0, 128, (1, 12))
     with torch.no_grad():
         out = model(ids, use_cache=True)
-        kv = KVCache.from_transformers(out.past_key_values, layout)
+        kv = hf.from_transformers(out.past_key_values, layout)
         assert kv.num_tokens == 12
         assert kv.layers[0][0].data_ptr() == out.past_key_values.layers[0].keys.data_ptr()
         full = model(torch.cat([ids, torch.tensor([[5, 6]])], 1)).logits[0, -2:]
-        cont = model(torch.tensor([[5, 6]]), past_key_values=kv.to_transformers()).logits[0]
+        cont = model(torch.tensor([[5, 6]]), past_key_values=hf.to_transformers(kv)).logits[0]
     torch.testing.assert_close(cont, full, rtol=1e-4, atol=1e-4)
-    back = kv.to_transformers()
+    back = hf.to_transformers(kv)
     assert back.layers[1].keys.data_ptr() == kv.layers[1][0].data_ptr()

@@ -12,11 +12,12 @@ from typing import Any
 import pytest
 import torch
 
+from kdn import hf
 from kdn.cache import KVCache
 from kdn.client import Client
 from kdn.codec import decode, encode
-from kdn.engine.engine import model_layout
 from kdn.errors import InvalidArgument, InvalidLayout
+from kdn.hf import model_layout
 from kdn.layout import DType, KVLayout
 from kdn.prune import (
     Allocation,
@@ -127,8 +128,8 @@ def test_pruned_equals_zeroed_unpruned(family: str) -> None:
         b = pruned(x[None], use_cache=True)
     torch.testing.assert_close(b.logits, a.logits, **TOL)
     layout = model_layout(pruned, DType.FLOAT32)
-    kv_ref = KVCache.from_transformers(a.past_key_values, model_layout(ref, DType.FLOAT32))
-    kv = KVCache.from_transformers(b.past_key_values, layout)
+    kv_ref = hf.from_transformers(a.past_key_values, model_layout(ref, DType.FLOAT32))
+    kv = hf.from_transformers(b.past_key_values, layout)
     for (kr, vr), (k, v), kk, vk in zip(kv_ref.layers, kv.layers, plan.k_kept, plan.v_kept):
         torch.testing.assert_close(k, kr[..., list(kk)], **TOL)
         torch.testing.assert_close(v, vr[..., list(vk)], **TOL)
@@ -227,7 +228,7 @@ def _pruned_kv(dtype: DType = DType.FLOAT16, tokens: int = 48) -> tuple[Any, KVC
     layout = model_layout(model, DType.FLOAT32)
     with torch.no_grad():
         out = model(ids(tokens, 6)[None], use_cache=True)
-    kv = KVCache.from_transformers(out.past_key_values, layout)
+    kv = hf.from_transformers(out.past_key_values, layout)
     target = model_layout(model, dtype)
     return model, KVCache(target, [(k.to(dtype.torch).clone(), v.to(dtype.torch).clone())
                                    for k, v in kv.layers])
@@ -272,7 +273,7 @@ def test_blend_on_pruned_model_equals_prefill() -> None:
     def prefill(tokens: list[int]) -> tuple[KVCache, torch.Tensor]:
         with torch.no_grad():
             out = model(torch.tensor([tokens]), use_cache=True)
-        kv = KVCache.from_transformers(out.past_key_values, layout)
+        kv = hf.from_transformers(out.past_key_values, layout)
         return KVCache(layout, [(k.clone(), v.clone()) for k, v in kv.layers]), out.logits[0, -1]
 
     chunks = [prefill(p)[0] for p in parts[1:3]]

@@ -9,10 +9,11 @@ import copy
 import pytest
 import torch
 
+from kdn import hf
 from kdn.cache import KVCache
 from kdn.client import Client
 from kdn.codec import decode, encode
-from kdn.engine.engine import model_layout
+from kdn.hf import model_layout
 from kdn.layout import DType
 from kdn.models import load_model
 from kdn.prune import Geometry, PruneConfig, channel_scores, make_plan, prune_model
@@ -42,7 +43,7 @@ def test_smollm2_pruned_exact_and_through_server(client: Client) -> None:
     layout = model_layout(pruned, DType.FLOAT16)
     assert layout.bytes_per_token * 5 == full.bytes_per_token * 4  # exactly 20% fewer bytes
     assert len({lay.k_kept for lay in layout.layers}) > 1  # channels chosen per layer
-    kv32 = KVCache.from_transformers(b.past_key_values, model_layout(pruned, DType.FLOAT32))
+    kv32 = hf.from_transformers(b.past_key_values, model_layout(pruned, DType.FLOAT32))
     kv = KVCache(layout, [(k.half(), v.half()) for k, v in kv32.layers])
     assert [k.shape[-1] for k, _ in kv.layers] == [len(c) for c in plan.k_kept]
     client.store(b"\x07" * 32, kv, mode="kdn", level="default")

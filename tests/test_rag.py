@@ -14,12 +14,12 @@ from typing import Any
 import pytest
 import torch
 
+from kdn import hf
 from kdn.client import Client
 from kdn.errors import InvalidArgument
 from kdn.rag import Document, KnowledgeBase, RagConfig, RagEngine, chunk_document, load_corpus
 from kdn.rag.corpus import CHUNK_END, paragraphs, sentences
 from kdn.rag.index import EMBEDDINGS, MANIFEST, VectorIndex
-from kdn.rag.pipeline import greedy
 
 VOCAB = 128
 
@@ -328,10 +328,9 @@ def test_drop_in_answer_matches_full_prefill_at_ratio_one(model: Any, client: Cl
                                                                  "What comes after gamma?")
     with torch.inference_mode():
         out = model(torch.tensor([tok(prompt)["input_ids"]]), use_cache=True)
-    from kdn.cache import KVCache
-
-    kv = KVCache.from_transformers(out.past_key_values, engine.layout)
-    ref = greedy(model, kv, out.logits[0, -1], 6, engine.stop)
+    kv = hf.from_transformers(out.past_key_values, engine.layout)
+    ref = hf.greedy(hf.CacheDecoder(model, hf.to_transformers(kv)), out.logits[0, -1], 6,
+                    engine.stop)
     assert ans.token_ids == ref
     with pytest.raises(InvalidArgument):
         engine.answer("q", [])

@@ -11,12 +11,11 @@ from typing import Any
 import pytest
 import torch
 
-from kdn.cache import KVCache
+from kdn import hf
 from kdn.cli.main import main
 from kdn.client import Client
 from kdn.rag import RagConfig, RagEngine
 from kdn.rag.corpus import chunk_ids
-from kdn.rag.pipeline import greedy
 from kdn.server import ServerThread
 
 pytestmark = pytest.mark.model
@@ -89,6 +88,7 @@ def test_drop_in_answer_exact_at_ratio_one(smol: Any, client: Client) -> None:
         tok, engine.tail.replace("{question}", question))
     with torch.inference_mode():
         out = model(torch.tensor([ids]), use_cache=True, logits_to_keep=1)
-    kv = KVCache.from_transformers(out.past_key_values, engine.layout)
-    assert greedy(model, kv, out.logits[0, -1], 6, engine.stop) == ans.token_ids
+    kv = hf.from_transformers(out.past_key_values, engine.layout)
+    decoder = hf.CacheDecoder(model, hf.to_transformers(kv))
+    assert hf.greedy(decoder, out.logits[0, -1], 6, engine.stop) == ans.token_ids
     assert ans.text  # (a 135M model: its answer quality is not what this test checks)
