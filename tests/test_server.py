@@ -172,53 +172,60 @@ def _expect(code: grpc.StatusCode, match: str, fn: object, *args: object) -> Non
     assert match in info.value.details()
 
 
+def _store_refused(server: ServerThread, hdr: pb.StoreHeader, frames: list[bytes],
+                   match: str) -> None:
+    """A Store of ``frames`` under ``hdr`` fails with INVALID_ARGUMENT naming ``match``."""
+    _expect(grpc.StatusCode.INVALID_ARGUMENT, match, _send, _stub(server), hdr, frames)
+
+
+def _other_parts(stored: tuple[bytes, KVCache], seed: int) -> codec.EncodedParts:
+    """Another 10-token cache of the stored entry's layout, raw-encoded."""
+    return codec.encode_parts(random_kv(stored[1].layout, 10, seed=seed), "raw")
+
+
 def test_frames_with_wrong_shapes(server: ServerThread, client: Client,
                                   stored: tuple[bytes, KVCache]) -> None:
-    key, kv = stored
-    parts = codec.encode_parts(random_kv(kv.layout, 10, seed=1), "raw")
+    parts = _other_parts(stored, seed=1)
     header = parse_header(parts.header)
     wrong = LayerLayout(2, 8, 16)  # the layout says 16 key channels
     rec = build_record(wrong, 10, b"\0" * (2 * 10 * (8 + 16) * 2))
     frames = list(parts.frames)
     frames[1] = build_frame(header.checksum, 1, 1, [rec])
-    hdr = pb.StoreHeader(key=key, container_header=parts.header)
-    _expect(grpc.StatusCode.INVALID_ARGUMENT, "layer 1", _send, _stub(server), hdr, frames)
+    hdr = pb.StoreHeader(key=stored[0], container_header=parts.header)
+    _store_refused(server, hdr, frames, "layer 1")
     _intact(client, stored)
 
 
 def test_truncated_stream_stores_nothing(server: ServerThread, client: Client,
                                          stored: tuple[bytes, KVCache]) -> None:
-    key, kv = stored
-    parts = codec.encode_parts(random_kv(kv.layout, 10, seed=2), "raw")
-    hdr = pb.StoreHeader(key=key, container_header=parts.header)
-    _expect(grpc.StatusCode.INVALID_ARGUMENT, "ended after 2 of 4 frames", _send, _stub(server),
-            hdr, parts.frames[:2])
+    parts = _other_parts(stored, seed=2)
+    hdr = pb.StoreHeader(key=stored[0], container_header=parts.header)
+    _store_refused(server, hdr, parts.frames[:2], "ended after 2 of 4 frames")
     # a frame cut short
     frames = list(parts.frames)
     frames[3] = frames[3][:-5]
-    _expect(grpc.StatusCode.INVALID_ARGUMENT, "frame 3", _send, _stub(server), hdr, frames)
+    _store_refused(server, hdr, frames, "frame 3")
     _intact(client, stored)
 
 
 def test_corrupted_frame_is_rejected(server: ServerThread, client: Client,
                                      stored: tuple[bytes, KVCache]) -> None:
-    key, kv = stored
-    parts = codec.encode_parts(random_kv(kv.layout, 10, seed=2), "raw")
+    parts = _other_parts(stored, seed=2)
     frames = list(parts.frames)
     flipped = bytearray(frames[2])
     flipped[40] ^= 0x10
     frames[2] = bytes(flipped)
-    hdr = pb.StoreHeader(key=key, container_header=parts.header)
-    _expect(grpc.StatusCode.INVALID_ARGUMENT, "checksum", _send, _stub(server), hdr, frames)
+    hdr = pb.StoreHeader(key=stored[0], container_header=parts.header)
+    _store_refused(server, hdr, frames, "checksum")
     swapped = [parts.frames[1], parts.frames[0], *parts.frames[2:]]
-    _expect(grpc.StatusCode.INVALID_ARGUMENT, "frame 0", _send, _stub(server), hdr, swapped)
+    _store_refused(server, hdr, swapped, "frame 0")
     _intact(client, stored)
 
 
 def test_cancelled_stream_stores_nothing(server: ServerThread, client: Client,
                                          stored: tuple[bytes, KVCache]) -> None:
-    key, kv = stored
-    parts = codec.encode_parts(random_kv(kv.layout, 10, seed=3), "raw")
+    key = stored[0]
+    parts = _other_parts(stored, seed=3)
     gate = threading.Event()
 
     def reqs() -> Iterator[pb.StoreRequest]:
@@ -257,11 +264,10 @@ def test_layout_for_another_model(tmp_path: Path, client: Client,
 
 def test_header_layout_fingerprint_must_match(server: ServerThread, client: Client,
                                               stored: tuple[bytes, KVCache]) -> None:
-    key, kv = stored
-    parts = codec.encode_parts(random_kv(kv.layout, 10, seed=2), "raw")
-    hdr = pb.StoreHeader(key=key, container_header=parts.header, layout_fingerprint="0" * 32)
-    _expect(grpc.StatusCode.INVALID_ARGUMENT, "does not match", _send, _stub(server), hdr,
-            parts.frames)
+    parts = _other_parts(stored, seed=2)
+    hdr = pb.StoreHeader(key=stored[0], container_header=parts.header,
+                         layout_fingerprint="0" * 32)
+    _store_refused(server, hdr, parts.frames, "does not match")
     _intact(client, stored)
 
 
@@ -284,14 +290,12 @@ def test_oversize_message_and_entry(tmp_path: Path) -> None:
 
 def test_unknown_codec(server: ServerThread, client: Client,
                        stored: tuple[bytes, KVCache]) -> None:
-    key, kv = stored
-    parts = codec.encode_parts(random_kv(kv.layout, 10, seed=2), "raw")
+    parts = _other_parts(stored, seed=2)
     entry = parse_header(parts.header).entry
     entry.codec.mode = "zip-of-dreams"
     bad_header = build_header(entry)
-    hdr = pb.StoreHeader(key=key, container_header=bad_header)
-    _expect(grpc.StatusCode.INVALID_ARGUMENT, "unknown codec mode", _send, _stub(server), hdr,
-            parts.frames)
+    hdr = pb.StoreHeader(key=stored[0], container_header=bad_header)
+    _store_refused(server, hdr, parts.frames, "unknown codec mode")
     _intact(client, stored)
 
 
@@ -300,8 +304,7 @@ def test_empty_or_malformed_key(server: ServerThread, client: Client,
                                 stored: tuple[bytes, KVCache], bad_key: bytes) -> None:
     parts = codec.encode_parts(stored[1], "raw")
     hdr = pb.StoreHeader(key=bad_key, container_header=parts.header)
-    _expect(grpc.StatusCode.INVALID_ARGUMENT, "key must be 32 bytes", _send, _stub(server), hdr,
-            parts.frames)
+    _store_refused(server, hdr, parts.frames, "key must be 32 bytes")
     with pytest.raises(InvalidArgument):
         client.retrieve(bad_key)
     _expect(grpc.StatusCode.INVALID_ARGUMENT, "namespace", _stub(server).Lookup,

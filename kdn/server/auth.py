@@ -28,8 +28,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from kdn.errors import ConfigError, PermissionDenied, RateLimited, TooLarge, Unauthenticated
 from kdn.metadata import API_KEY_HEADER
 
@@ -95,15 +93,10 @@ def load_auth(path: Path | str) -> AuthConfig:
           team-a: {api_keys: ["secret-a"], rate_rps: 50, quota_bytes: 10GiB}
           ops:    {api_keys: ["sha256:9f86d0..."], role: admin}
     """
-    from kdn.server.config import parse_size
+    from kdn.server.config import load_yaml_file, parse_size
 
     path = Path(path)
-    try:
-        raw = yaml.safe_load(path.read_text()) or {}
-    except OSError as exc:
-        raise ConfigError(f"auth file {path}: {exc.strerror}") from None
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"auth file {path}: not valid YAML: {exc}") from None
+    raw = load_yaml_file(path, "auth file")
     tenants = raw.get("tenants") if isinstance(raw, dict) else None
     if not isinstance(tenants, dict) or not tenants:
         raise ConfigError(f"auth file {path}: expected a 'tenants' mapping")

@@ -39,6 +39,16 @@ def parse_size(value: object) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
+def load_yaml_file(path: Path, what: str) -> Any:
+    """The parsed YAML in ``path`` ({} when empty); a ConfigError names it as ``{what} {path}``."""
+    try:
+        return yaml.safe_load(path.read_text()) or {}
+    except OSError as exc:
+        raise ConfigError(f"{what} {path}: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{what} {path}: not valid YAML: {exc}") from None
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     """Everything ``kdn serve`` needs. Field docstrings are shown by ``kdn serve --help``."""
@@ -231,12 +241,7 @@ def load_config(
     values: dict[str, Any] = {}
     if file is not None:
         path = Path(file)
-        try:
-            raw = yaml.safe_load(path.read_text()) or {}
-        except OSError as exc:
-            raise ConfigError(f"config file {path}: {exc.strerror}") from None
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"config file {path}: not valid YAML: {exc}") from None
+        raw = load_yaml_file(path, "config file")
         if not isinstance(raw, dict):
             raise ConfigError(f"config file {path}: expected a mapping of settings")
         for k, v in raw.items():

@@ -14,6 +14,7 @@ The standard health service stays open without credentials, so probes need no AP
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -170,35 +171,35 @@ class RequestInterceptor(grpc.aio.ServerInterceptor):
             return "CANCELLED"
         return "UNKNOWN"
 
+    @contextlib.asynccontextmanager
+    async def _observed(self, context: grpc.aio.ServicerContext, rpc: str, md: Any,
+                        open_call: bool) -> AsyncIterator[None]:
+        """Admit the caller (a refused one is aborted and not recorded), then time the call
+        and record its outcome, also when it raises or is cancelled."""
+        t0 = time.perf_counter()
+        rid, tenant = await self._enter(context, md, open_call)
+        exc: BaseException | None = None
+        try:
+            yield
+        except BaseException as e:
+            exc = e
+            raise
+        finally:
+            self._done(rpc, rid, tenant, t0, self._code(context, exc), context)
+
     def _unary(self, fn: Callable[..., Any], rpc: str, md: Any, open_call: bool
                ) -> Callable[..., Any]:
         async def wrapper(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            t0 = time.perf_counter()
-            rid, tenant = await self._enter(context, md, open_call)
-            exc: BaseException | None = None
-            try:
+            async with self._observed(context, rpc, md, open_call):
                 return await fn(request, context)
-            except BaseException as e:
-                exc = e
-                raise
-            finally:
-                self._done(rpc, rid, tenant, t0, self._code(context, exc), context)
 
         return wrapper
 
     def _stream(self, fn: Callable[..., Any], rpc: str, md: Any, open_call: bool
                 ) -> Callable[..., Any]:
         async def wrapper(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-            t0 = time.perf_counter()
-            rid, tenant = await self._enter(context, md, open_call)
-            exc: BaseException | None = None
-            try:
+            async with self._observed(context, rpc, md, open_call):
                 async for item in fn(request, context):
                     yield item
-            except BaseException as e:
-                exc = e
-                raise
-            finally:
-                self._done(rpc, rid, tenant, t0, self._code(context, exc), context)
 
         return wrapper
