@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -66,6 +67,16 @@ def write_json(path: Path | str, name: str, rows: list[dict[str, Any]], **extra:
            **extra, "rows": rows}
     path.write_text(json.dumps(doc, indent=2) + "\n")
     print(f"wrote {path}")
+
+
+def arg_parser(doc: str | None, name: str, quick_help: str | None = None
+               ) -> argparse.ArgumentParser:
+    """The options every benchmark takes: ``--quick`` for a smoke run and ``--out`` for its JSON
+    results (``bench/results/<name>.json``); ``doc``, the module docstring, is the help text."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help=quick_help)
+    ap.add_argument("--out", type=Path, default=Path(f"bench/results/{name}.json"))
+    return ap
 
 
 def figure(width: float = 7.0, height: float = 4.5, ncols: int = 1) -> tuple[Any, Any]:

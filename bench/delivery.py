@@ -17,7 +17,6 @@ Rows (one JSON list, ``section`` tells them apart):
 
 from __future__ import annotations
 
-import argparse
 import tempfile
 import threading
 import time
@@ -27,7 +26,16 @@ from typing import Any
 
 import torch
 
-from bench.common import figure, median, percentile, print_table, save_figure, timed, write_json
+from bench.common import (
+    arg_parser,
+    figure,
+    median,
+    percentile,
+    print_table,
+    save_figure,
+    timed,
+    write_json,
+)
 from bench.roundtrip import RawServer, raw_client
 from kdn import hf, keys
 from kdn.client import Client
@@ -283,9 +291,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--out", type=Path, default=Path("bench/results/delivery.json"))
+    ap = arg_parser(__doc__, "delivery")
     ap.add_argument("--no-redis", action="store_true", help="skip the Redis paths")
     ap.add_argument("--only", choices=["agreement"],
                     help="run one section and merge it into the existing --out file")

@@ -12,7 +12,6 @@ bytes, like the baseline.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import tempfile
 import threading
@@ -23,7 +22,7 @@ from typing import Any
 import grpc
 import torch
 
-from bench.common import figure, median, print_table, save_figure, timed, write_json
+from bench.common import arg_parser, figure, median, print_table, save_figure, timed, write_json
 from kdn import codec, keys
 from kdn.cache import KVCache
 from kdn.client import Client
@@ -169,10 +168,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="one small size, few repeats")
-    ap.add_argument("--out", type=Path, default=Path("bench/results/roundtrip.json"))
-    ns = ap.parse_args(argv)
+    ns = arg_parser(__doc__, "roundtrip", "one small size, few repeats").parse_args(argv)
     run([512] if ns.quick else [512, 2048, 4096], 3 if ns.quick else 7, ns.out)
 
 
