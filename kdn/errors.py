@@ -33,84 +33,71 @@ class Status(enum.StrEnum):
 
 
 class KDNError(Exception):
-    """Root of every error kdn raises on purpose."""
+    """Root of every error kdn raises on purpose.
+
+    A kind names its status in its class line, ``class NotFound(KDNError,
+    status=Status.NOT_FOUND)``; a kind that names none has its parent's.
+    """
 
     status: Status = Status.INTERNAL
 
+    def __init_subclass__(cls, status: Status | None = None, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        if status is not None:
+            cls.status = status
 
-class InvalidArgument(KDNError):
+
+class InvalidArgument(KDNError, status=Status.INVALID_ARGUMENT):
     """The request itself is malformed: bad key, bad shape, unknown codec, truncated stream."""
-
-    status = Status.INVALID_ARGUMENT
 
 
 class InvalidLayout(InvalidArgument):
     """A layout is inconsistent, or tensors do not match the layout they claim."""
 
 
-class Corrupt(KDNError):
+class Corrupt(KDNError, status=Status.DATA_LOSS):
     """Stored or transmitted bytes fail their checksum or structural checks."""
-
-    status = Status.DATA_LOSS
 
 
 class Truncated(Corrupt):
     """Bytes end before the structure they describe does."""
 
 
-class LayoutMismatch(KDNError):
+class LayoutMismatch(KDNError, status=Status.FAILED_PRECONDITION):
     """The data belongs to another model or layout than the caller expects."""
 
-    status = Status.FAILED_PRECONDITION
 
-
-class TooLarge(KDNError):
+class TooLarge(KDNError, status=Status.RESOURCE_EXHAUSTED):
     """A message, entry or declared size exceeds a configured limit."""
-
-    status = Status.RESOURCE_EXHAUSTED
 
 
 class RateLimited(TooLarge):
     """A tenant exceeded its request rate."""
 
 
-class Unauthenticated(KDNError):
+class Unauthenticated(KDNError, status=Status.UNAUTHENTICATED):
     """The call carries no valid credentials."""
 
-    status = Status.UNAUTHENTICATED
 
-
-class PermissionDenied(KDNError):
+class PermissionDenied(KDNError, status=Status.PERMISSION_DENIED):
     """The caller is known but may not do this (e.g. an admin RPC without the admin role)."""
 
-    status = Status.PERMISSION_DENIED
 
-
-class NotFound(KDNError):
+class NotFound(KDNError, status=Status.NOT_FOUND):
     """Raised only where absence is an error (e.g. admin inspect); lookups return None."""
 
-    status = Status.NOT_FOUND
 
-
-class TierUnavailable(KDNError):
+class TierUnavailable(KDNError, status=Status.UNAVAILABLE):
     """A storage tier (Redis, disk) can not be reached right now."""
 
-    status = Status.UNAVAILABLE
 
-
-class Unavailable(KDNError):
+class Unavailable(KDNError, status=Status.UNAVAILABLE):
     """The service can not be reached or is shutting down."""
 
-    status = Status.UNAVAILABLE
 
-
-class DeadlineExceeded(KDNError):
+class DeadlineExceeded(KDNError, status=Status.DEADLINE_EXCEEDED):
     """The call did not finish before its deadline."""
 
-    status = Status.DEADLINE_EXCEEDED
 
-
-class ConfigError(KDNError, ValueError):
+class ConfigError(KDNError, ValueError, status=Status.INVALID_ARGUMENT):
     """A configuration value is invalid; the message names the setting."""
-
-    status = Status.INVALID_ARGUMENT

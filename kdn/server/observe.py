@@ -120,18 +120,11 @@ class RequestInterceptor(grpc.aio.ServerInterceptor):
         service, _, rpc = method.lstrip("/").partition("/")
         open_call = service in OPEN_SERVICES
         md = details.invocation_metadata or ()  # type: ignore[attr-defined]
-        if handler.unary_unary:
-            return handler._replace(unary_unary=self._unary(handler.unary_unary, rpc, md,
-                                                            open_call))
-        if handler.stream_unary:
-            return handler._replace(stream_unary=self._unary(handler.stream_unary, rpc, md,
-                                                             open_call))
-        if handler.unary_stream:
-            return handler._replace(unary_stream=self._stream(handler.unary_stream, rpc, md,
-                                                              open_call))
-        if handler.stream_stream:
-            return handler._replace(stream_stream=self._stream(handler.stream_stream, rpc, md,
-                                                               open_call))
+        for kind, wrap in (("unary_unary", self._unary), ("stream_unary", self._unary),
+                           ("unary_stream", self._stream), ("stream_stream", self._stream)):
+            fn = getattr(handler, kind)
+            if fn:
+                return handler._replace(**{kind: wrap(fn, rpc, md, open_call)})
         return handler
 
     async def _enter(self, context: grpc.aio.ServicerContext, md: Any, open_call: bool
