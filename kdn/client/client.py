@@ -34,6 +34,7 @@ import torch
 from kdn import codec
 from kdn.cache import KVCache
 from kdn.client.blend import RemotePiece, blend_request
+from kdn.client.dataplane import DataPlane, Fetched, TooBig
 from kdn.client.stream import LayerStream, StreamTimings
 from kdn.codec import EncodedParts, StreamDecoder
 from kdn.codec.format import parse_header
@@ -85,14 +86,6 @@ class LookupResult:
 
 
 @dataclass(frozen=True)
-class Fetched:
-    """A retrieved entry as its container header plus frames (not decoded)."""
-
-    parts: EncodedParts
-    tier: str
-
-
-@dataclass(frozen=True)
 class TLSOptions:
     """TLS for the channel: trust ``ca`` (PEM); present ``cert``/``key`` for mutual TLS."""
 
@@ -118,6 +111,7 @@ class Client:
         namespace: str = DEFAULT_NAMESPACE,
         api_key: str | None = None,
         tls: TLSOptions | None = None,
+        shm_bytes: int = 0,
     ) -> None:
         self.address = address
         self.timeout_s = timeout_s
@@ -141,6 +135,8 @@ class Client:
         self._store_call = self._channel.stream_unary(
             "/kdn.v1.KDN/Store", request_serializer=serialize_passthrough,
             response_deserializer=pb.StoreResponse.FromString)
+        self.dataplane = DataPlane(self._stub, self._call, self.metadata, timeout_s, shm_bytes,
+                                   max_message_bytes)
 
     @property
     def last_request_id(self) -> str:
@@ -163,6 +159,7 @@ class Client:
             raise from_grpc(err) from None
 
     def close(self) -> None:
+        self.dataplane.close()
         self._channel.close()
 
     def __enter__(self) -> Client:
@@ -191,17 +188,18 @@ class Client:
         """Store ``kv`` (encoded here with ``mode``/``level`` unless already encoded); TTL, pin
         and durability come from ``options`` (defaults: ``StoreOptions()``)."""
         check_key(key)
-        opts = options or StoreOptions()
-        parts = (
-            kv if isinstance(kv, EncodedParts)
-            else codec.encode_parts(kv, mode, level, layers_per_frame=layers_per_frame)
-        )
+        parts = _encoded(kv, mode, level, layers_per_frame)
+        opts = _wire_options(options)
+        if self.dataplane.attached:  # same host: the bytes go through the shared segment
+            done = self.dataplane.put_many(self._ns(namespace), [(key, parts, opts)],
+                                           request_id)[0]
+            if not isinstance(done, TooBig):
+                return done
         header = parse_header(parts.header)
         hdr = pb.StoreHeader(
             namespace=self._ns(namespace), key=key, container_header=parts.header,
             layout_fingerprint=header.layout.fingerprint, total_bytes=parts.nbytes,
-            options=pb.StoreOptions(ttl_seconds=opts.ttl_s, pin=opts.pin,
-                                    durability=int(opts.durability)),  # type: ignore[arg-type]
+            options=opts,
         )
         md = self.metadata(request_id)
 
@@ -219,6 +217,11 @@ class Client:
               layout: KVLayout | None = None, request_id: str | None = None) -> Fetched | None:
         """The stored container of ``key`` (header + frames, undecoded), or None on a miss."""
         req = self._retrieve_request(key, namespace, layout)
+        if self.dataplane.attached:
+            got = self.dataplane.get_many(req.namespace, [req.key],
+                                          req.expect_layout_fingerprint, request_id)[0]
+            if not isinstance(got, TooBig):
+                return got
         md = self.metadata(request_id)
 
         def run() -> Fetched:
@@ -244,6 +247,14 @@ class Client:
         """
         req = self._retrieve_request(key, namespace, layout)
         req.first_layer, req.last_layer = first_layer, last_layer
+        if self.dataplane.attached and not (first_layer or last_layer):
+            started = time.perf_counter()
+            got = self.dataplane.get_many(req.namespace, [req.key],
+                                          req.expect_layout_fingerprint, request_id)[0]
+            if got is None:
+                return None
+            if not isinstance(got, TooBig):
+                return _stream_of(got, device, StreamTimings(started=started))
 
         try:
             return self.layer_stream(self._stub.Retrieve, req, device, request_id)
@@ -262,10 +273,7 @@ class Client:
             call = start(request, timeout=self.timeout_s, metadata=md)
             first = next(call)
             timings.header = time.perf_counter()
-            target = torch.device(device or "cpu")
-            # CUDA targets: decode on the CPU, LayerStream stages pinned non-blocking copies.
-            dec = StreamDecoder(first.header.container_header,
-                                "cpu" if target.type == "cuda" else target)
+            dec, target = _decoder(first.header.container_header, device)
             return LayerStream(dec, call, first.header.tier, call.cancel, timings, target)
 
         return self._call(run)
@@ -278,6 +286,41 @@ class Client:
         stream = self.retrieve_stream(key, namespace=namespace, layout=layout, device=device,
                                       request_id=request_id)
         return None if stream is None else stream.result()
+
+    # -- many entries per call ------------------------------------------------------------------
+
+    def fetch_many(self, keys: Sequence[bytes], *, namespace: str | None = None,
+                   layout: KVLayout | None = None,
+                   request_id: str | None = None) -> list[Fetched | None]:
+        """Stored containers of ``keys`` (None for a miss) in as few calls as fit: through the
+        shared segment on the server's host, else inline, many entries per message."""
+        ns = self._ns(namespace)
+        ks = [check_key(k) for k in keys]
+        got = self.dataplane.get_many(ns, ks, layout.fingerprint if layout else "", request_id)
+        return [self.fetch(k, namespace=ns, layout=layout, request_id=request_id)
+                if isinstance(g, TooBig) else g for k, g in zip(ks, got)]
+
+    def retrieve_many(self, keys: Sequence[bytes], *, namespace: str | None = None,
+                      layout: KVLayout | None = None, device: torch.device | str | None = None,
+                      request_id: str | None = None) -> list[KVCache | None]:
+        """``fetch_many``, decoded (frame checksums verified) on ``device``."""
+        return [None if f is None else _stream_of(f, device, StreamTimings()).result()
+                for f in self.fetch_many(keys, namespace=namespace, layout=layout,
+                                         request_id=request_id)]
+
+    def store_many(self, items: Sequence[tuple[bytes, KVCache | EncodedParts]], *,
+                   mode: str = "lossless", level: str = "", namespace: str | None = None,
+                   options: StoreOptions | None = None, layers_per_frame: int = 1,
+                   request_id: str | None = None) -> list[pb.StoreResponse]:
+        """Store many entries in as few calls as fit (see ``fetch_many``). Each call's items
+        are all checked before any is stored: a bad item raises and stores none of them."""
+        ns = self._ns(namespace)
+        opts = _wire_options(options)
+        enc = [(check_key(k), _encoded(kv, mode, level, layers_per_frame), opts)
+               for k, kv in items]
+        done = self.dataplane.put_many(ns, enc, request_id)
+        return [self.store(k, parts, namespace=ns, options=options, request_id=request_id)
+                if isinstance(r, TooBig) else r for (k, parts, _), r in zip(enc, done)]
 
     def _retrieve_request(self, key: bytes, namespace: str | None,
                           layout: KVLayout | None) -> pb.RetrieveRequest:
@@ -344,6 +387,49 @@ class Client:
         resp = self._call(lambda: stub.Check(health_pb2.HealthCheckRequest(service=service),
                                              timeout=self.timeout_s))
         return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+
+
+def _encoded(kv: KVCache | EncodedParts, mode: str, level: str,
+             layers_per_frame: int) -> EncodedParts:
+    if isinstance(kv, EncodedParts):
+        return kv
+    return codec.encode_parts(kv, mode, level, layers_per_frame=layers_per_frame)
+
+
+def _wire_options(options: StoreOptions | None) -> pb.StoreOptions:
+    opts = options or StoreOptions()
+    return pb.StoreOptions(ttl_seconds=opts.ttl_s, pin=opts.pin,
+                           durability=int(opts.durability))  # type: ignore[arg-type]
+
+
+def _decoder(header: bytes | memoryview, device: torch.device | str | None
+             ) -> tuple[StreamDecoder, torch.device]:
+    """The decoder of an entry for ``device`` (CUDA targets decode on the CPU; LayerStream
+    stages pinned non-blocking copies), and the target device."""
+    target = torch.device(device or "cpu")
+    return StreamDecoder(header, "cpu" if target.type == "cuda" else target), target
+
+
+@dataclass(frozen=True)
+class _Frame:
+    index: int
+    data: bytes | memoryview
+
+
+@dataclass(frozen=True)
+class _FrameMessage:
+    """The shape of a Retrieve frame message, for entries that came another way."""
+
+    frame: _Frame
+
+
+def _stream_of(got: Fetched, device: torch.device | str | None,
+               timings: StreamTimings) -> LayerStream:
+    """A LayerStream over an entry already in memory (decoded on the worker pool)."""
+    timings.header = time.perf_counter()
+    dec, target = _decoder(got.parts.header, device)
+    frames = iter([_FrameMessage(_Frame(i, f)) for i, f in enumerate(got.parts.frames)])
+    return LayerStream(dec, frames, got.tier, lambda: None, timings, target)
 
 
 class AsyncClient:

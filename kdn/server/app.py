@@ -135,6 +135,7 @@ class Server:
             self.health_task.cancel()
         await self.health.enter_graceful_shutdown()
         await self.grpc_server.stop(self.config.shutdown_grace_s if grace is None else grace)
+        self.servicer.segments.close()
         await asyncio.to_thread(self.store.close)
         if self.metrics is not None:
             self.metrics.close()

@@ -25,7 +25,8 @@ from kdn.codec.modes import get_mode
 from kdn.errors import Corrupt, InvalidArgument, KDNError, LayoutMismatch, NotFound, TooLarge
 from kdn.keys import split_store_key, store_key
 from kdn.options import Durability
-from kdn.server.auth import AuthConfig, Authenticator, current_principal
+from kdn.server.auth import AuthConfig, Authenticator, Principal, current_principal
+from kdn.server.batch import BatchMixin, Segments
 from kdn.server.blend_rpc import BlendMixin
 from kdn.server.config import ServerConfig
 from kdn.status import grpc_code
@@ -59,7 +60,7 @@ def _rpc(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
     return wrapper
 
 
-class KDNServicer(BlendMixin, pb_grpc.KDNServicer):
+class KDNServicer(BatchMixin, BlendMixin, pb_grpc.KDNServicer):
     def __init__(self, config: ServerConfig, store: TieredStore,
                  auth: Authenticator | None = None) -> None:
         self.config = config
@@ -67,6 +68,7 @@ class KDNServicer(BlendMixin, pb_grpc.KDNServicer):
         self.auth = auth or Authenticator(AuthConfig())
         self.counters: dict[str, int] = {}
         self.started = time.time()
+        self.segments = Segments()
 
     def count(self, name: str, n: int = 1) -> None:
         self.counters[name] = self.counters.get(name, 0) + n
@@ -134,13 +136,16 @@ class KDNServicer(BlendMixin, pb_grpc.KDNServicer):
                 f"Store stream ended after {index} of {n_frames} frames; nothing was stored"
             )
         value = b"".join(parts)
-        opts = first.header.options
-        replaced = await asyncio.to_thread(self.store.lookup, [skey])
+        return await asyncio.to_thread(self._commit, principal, skey, value,
+                                       first.header.options)
+
+    def _commit(self, principal: Principal, skey: bytes, value: bytes,
+                opts: pb.StoreOptions) -> pb.StoreResponse:
+        """Charge the tenant and put a checked entry (a worker thread; Store and PutMany)."""
+        replaced = self.store.lookup([skey])
         self.auth.charge(principal, len(value) - replaced[0].size)
-        tier = await asyncio.to_thread(
-            self.store.put, skey, value, ttl_s=float(opts.ttl_seconds) or None, pin=opts.pin,
-            durability=Durability(opts.durability),
-        )
+        tier = self.store.put(skey, value, ttl_s=float(opts.ttl_seconds) or None, pin=opts.pin,
+                              durability=Durability(opts.durability))
         self.count("store.ok")
         self.count("bytes_in", len(value))
         return pb.StoreResponse(stored_bytes=len(value), tier=tier, replaced=replaced[0].present)

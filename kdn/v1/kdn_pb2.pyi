@@ -292,6 +292,106 @@ class StatsResponse(_message.Message):
     health: str
     def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., counters: _Optional[_Mapping[str, int]] = ..., version: _Optional[str] = ..., tenants: _Optional[_Iterable[_Union[TenantStats, _Mapping]]] = ..., health: _Optional[str] = ...) -> None: ...
 
+class AttachRequest(_message.Message):
+    __slots__ = ("pid", "fd", "size", "nonce")
+    PID_FIELD_NUMBER: _ClassVar[int]
+    FD_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    NONCE_FIELD_NUMBER: _ClassVar[int]
+    pid: int
+    fd: int
+    size: int
+    nonce: bytes
+    def __init__(self, pid: _Optional[int] = ..., fd: _Optional[int] = ..., size: _Optional[int] = ..., nonce: _Optional[bytes] = ...) -> None: ...
+
+class AttachResponse(_message.Message):
+    __slots__ = ("segment_id",)
+    SEGMENT_ID_FIELD_NUMBER: _ClassVar[int]
+    segment_id: str
+    def __init__(self, segment_id: _Optional[str] = ...) -> None: ...
+
+class DetachRequest(_message.Message):
+    __slots__ = ("segment_id",)
+    SEGMENT_ID_FIELD_NUMBER: _ClassVar[int]
+    segment_id: str
+    def __init__(self, segment_id: _Optional[str] = ...) -> None: ...
+
+class DetachResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class Region(_message.Message):
+    __slots__ = ("offset", "length")
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    offset: int
+    length: int
+    def __init__(self, offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
+
+class GetManyRequest(_message.Message):
+    __slots__ = ("namespace", "keys", "segment_id", "region", "expect_layout_fingerprint")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_ID_FIELD_NUMBER: _ClassVar[int]
+    REGION_FIELD_NUMBER: _ClassVar[int]
+    EXPECT_LAYOUT_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    segment_id: str
+    region: Region
+    expect_layout_fingerprint: str
+    def __init__(self, namespace: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., segment_id: _Optional[str] = ..., region: _Optional[_Union[Region, _Mapping]] = ..., expect_layout_fingerprint: _Optional[str] = ...) -> None: ...
+
+class EntryRef(_message.Message):
+    __slots__ = ("present", "tier", "length", "written", "offset", "data")
+    PRESENT_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    present: bool
+    tier: str
+    length: int
+    written: bool
+    offset: int
+    data: bytes
+    def __init__(self, present: _Optional[bool] = ..., tier: _Optional[str] = ..., length: _Optional[int] = ..., written: _Optional[bool] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class GetManyResponse(_message.Message):
+    __slots__ = ("entries",)
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    entries: _containers.RepeatedCompositeFieldContainer[EntryRef]
+    def __init__(self, entries: _Optional[_Iterable[_Union[EntryRef, _Mapping]]] = ...) -> None: ...
+
+class PutItem(_message.Message):
+    __slots__ = ("key", "region", "data", "options")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    REGION_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    OPTIONS_FIELD_NUMBER: _ClassVar[int]
+    key: bytes
+    region: Region
+    data: bytes
+    options: StoreOptions
+    def __init__(self, key: _Optional[bytes] = ..., region: _Optional[_Union[Region, _Mapping]] = ..., data: _Optional[bytes] = ..., options: _Optional[_Union[StoreOptions, _Mapping]] = ...) -> None: ...
+
+class PutManyRequest(_message.Message):
+    __slots__ = ("namespace", "segment_id", "items")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_ID_FIELD_NUMBER: _ClassVar[int]
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    segment_id: str
+    items: _containers.RepeatedCompositeFieldContainer[PutItem]
+    def __init__(self, namespace: _Optional[str] = ..., segment_id: _Optional[str] = ..., items: _Optional[_Iterable[_Union[PutItem, _Mapping]]] = ...) -> None: ...
+
+class PutManyResponse(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[StoreResponse]
+    def __init__(self, results: _Optional[_Iterable[_Union[StoreResponse, _Mapping]]] = ...) -> None: ...
+
 class EntryInfo(_message.Message):
     __slots__ = ("namespace", "key", "tenant", "model_fingerprint", "model_name", "layout_fingerprint", "num_layers", "dtype", "codec_mode", "codec_level", "tokens", "size_bytes", "tiers", "pinned", "age_seconds", "layout")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]

@@ -64,6 +64,26 @@ class KDNStub:
                 request_serializer=kdn_dot_v1_dot_kdn__pb2.BlendRequest.SerializeToString,
                 response_deserializer=kdn_dot_v1_dot_kdn__pb2.RetrieveResponse.FromString,
                 _registered_method=True)
+        self.GetMany = channel.unary_unary(
+                '/kdn.v1.KDN/GetMany',
+                request_serializer=kdn_dot_v1_dot_kdn__pb2.GetManyRequest.SerializeToString,
+                response_deserializer=kdn_dot_v1_dot_kdn__pb2.GetManyResponse.FromString,
+                _registered_method=True)
+        self.PutMany = channel.unary_unary(
+                '/kdn.v1.KDN/PutMany',
+                request_serializer=kdn_dot_v1_dot_kdn__pb2.PutManyRequest.SerializeToString,
+                response_deserializer=kdn_dot_v1_dot_kdn__pb2.PutManyResponse.FromString,
+                _registered_method=True)
+        self.Attach = channel.unary_unary(
+                '/kdn.v1.KDN/Attach',
+                request_serializer=kdn_dot_v1_dot_kdn__pb2.AttachRequest.SerializeToString,
+                response_deserializer=kdn_dot_v1_dot_kdn__pb2.AttachResponse.FromString,
+                _registered_method=True)
+        self.Detach = channel.unary_unary(
+                '/kdn.v1.KDN/Detach',
+                request_serializer=kdn_dot_v1_dot_kdn__pb2.DetachRequest.SerializeToString,
+                response_deserializer=kdn_dot_v1_dot_kdn__pb2.DetachResponse.FromString,
+                _registered_method=True)
 
 
 class KDNServicer:
@@ -107,6 +127,33 @@ class KDNServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetMany(self, request, context):
+        """Many entries in one call: every item is checked before any is stored (an invalid item
+        stores nothing); a missing key is present=false.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PutMany(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Attach(self, request, context):
+        """Register / release a same-host shared-memory segment for GetMany / PutMany.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Detach(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KDNServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -139,6 +186,26 @@ def add_KDNServicer_to_server(servicer, server):
                     servicer.Blend,
                     request_deserializer=kdn_dot_v1_dot_kdn__pb2.BlendRequest.FromString,
                     response_serializer=kdn_dot_v1_dot_kdn__pb2.RetrieveResponse.SerializeToString,
+            ),
+            'GetMany': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetMany,
+                    request_deserializer=kdn_dot_v1_dot_kdn__pb2.GetManyRequest.FromString,
+                    response_serializer=kdn_dot_v1_dot_kdn__pb2.GetManyResponse.SerializeToString,
+            ),
+            'PutMany': grpc.unary_unary_rpc_method_handler(
+                    servicer.PutMany,
+                    request_deserializer=kdn_dot_v1_dot_kdn__pb2.PutManyRequest.FromString,
+                    response_serializer=kdn_dot_v1_dot_kdn__pb2.PutManyResponse.SerializeToString,
+            ),
+            'Attach': grpc.unary_unary_rpc_method_handler(
+                    servicer.Attach,
+                    request_deserializer=kdn_dot_v1_dot_kdn__pb2.AttachRequest.FromString,
+                    response_serializer=kdn_dot_v1_dot_kdn__pb2.AttachResponse.SerializeToString,
+            ),
+            'Detach': grpc.unary_unary_rpc_method_handler(
+                    servicer.Detach,
+                    request_deserializer=kdn_dot_v1_dot_kdn__pb2.DetachRequest.FromString,
+                    response_serializer=kdn_dot_v1_dot_kdn__pb2.DetachResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -303,6 +370,114 @@ class KDN:
             '/kdn.v1.KDN/Blend',
             kdn_dot_v1_dot_kdn__pb2.BlendRequest.SerializeToString,
             kdn_dot_v1_dot_kdn__pb2.RetrieveResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetMany(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kdn.v1.KDN/GetMany',
+            kdn_dot_v1_dot_kdn__pb2.GetManyRequest.SerializeToString,
+            kdn_dot_v1_dot_kdn__pb2.GetManyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PutMany(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kdn.v1.KDN/PutMany',
+            kdn_dot_v1_dot_kdn__pb2.PutManyRequest.SerializeToString,
+            kdn_dot_v1_dot_kdn__pb2.PutManyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Attach(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kdn.v1.KDN/Attach',
+            kdn_dot_v1_dot_kdn__pb2.AttachRequest.SerializeToString,
+            kdn_dot_v1_dot_kdn__pb2.AttachResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Detach(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kdn.v1.KDN/Detach',
+            kdn_dot_v1_dot_kdn__pb2.DetachRequest.SerializeToString,
+            kdn_dot_v1_dot_kdn__pb2.DetachResponse.FromString,
             options,
             channel_credentials,
             insecure,

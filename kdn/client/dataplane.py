@@ -1,0 +1,234 @@
+"""Many entries per call: GetMany / PutMany, through a shared segment or inline.
+
+``Client`` owns one ``DataPlane``. With ``shm_bytes`` set, the first call creates a
+``kdn.client.shm.SharedSegment`` and attaches it (``Attach``); if the server can not map it
+(another host, another container, no permission) the plane falls back to inline messages for
+good and says so once in the log. Inline batches stay below the message limit; what does not
+fit in one answer comes in the next. Entries larger than a batch can carry are reported as
+``TOO_BIG`` so the client streams them (Retrieve / Store).
+
+Reads through the segment hand out owned views (``SharedSegment.owned``): the region is reused
+only once the caller dropped every view of it. Stores copy the encoded entries into one region,
+call PutMany, and give the region back when the call returns (the server copied them out).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from kdn.codec import EncodedParts
+from kdn.codec.format import parse_container
+from kdn.errors import KDNError
+from kdn.v1 import kdn_pb2 as pb
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+INLINE_SLACK = 1 << 20
+"""Bytes kept free of entries in an inline message (protobuf framing, the other fields)."""
+
+
+@dataclass(frozen=True)
+class Fetched:
+    """A retrieved entry as its container header plus frames (not decoded)."""
+
+    parts: EncodedParts
+    tier: str
+
+
+class TooBig:
+    """Marks an entry a batch can not carry (larger than the segment or a message)."""
+
+
+TOO_BIG = TooBig()
+
+
+def _fetched(buf: bytes | memoryview, tier: str) -> Fetched:
+    """Header and frame views of one container (checked when decoded)."""
+    c = parse_container(buf, verify=False)
+    return Fetched(EncodedParts(c.header.raw, list(c.frames)), tier)  # type: ignore[arg-type]
+
+
+class DataPlane:
+    def __init__(self, stub: Any, call: Callable[[Callable[[], Any]], Any],
+                 metadata: Callable[[str | None], Any], timeout_s: float, shm_bytes: int,
+                 max_message_bytes: int) -> None:
+        self._stub = stub
+        self._call = call
+        self._metadata = metadata
+        self.timeout_s = timeout_s
+        self.shm_bytes = shm_bytes
+        self.inline_budget = max(1, max_message_bytes - INLINE_SLACK)
+        self._lock = threading.Lock()
+        self._segment: Any = None
+        self._segment_id = ""
+        self._tried = shm_bytes <= 0
+
+    # -- the segment ----------------------------------------------------------------------------
+
+    def segment(self) -> tuple[Any, str]:
+        """(segment, id) once attached; (None, "") when the plane runs inline."""
+        if self._tried:
+            return self._segment, self._segment_id
+        with self._lock:
+            if not self._tried:
+                self._attach()
+                self._tried = True
+        return self._segment, self._segment_id
+
+    def _attach(self) -> None:
+        from kdn.client.shm import SharedSegment
+
+        try:
+            seg = SharedSegment(self.shm_bytes)
+        except (OSError, ValueError, AttributeError) as exc:  # no memfd on this platform
+            log.info("kdn: no shared segment (%s); batches go inline", exc)
+            return
+        req = pb.AttachRequest(pid=seg.pid, fd=seg.fd, size=seg.size, nonce=seg.nonce)
+        md = self._metadata(None)
+        try:
+            resp = self._call(lambda: self._stub.Attach(req, timeout=self.timeout_s,
+                                                        metadata=md))
+        except KDNError as exc:
+            log.info("kdn: the server can not map this client's memory (%s); using gRPC", exc)
+            seg.close()
+            return
+        self._segment, self._segment_id = seg, resp.segment_id
+
+    @property
+    def attached(self) -> bool:
+        return self.segment()[0] is not None
+
+    def close(self) -> None:
+        seg, seg_id = self._segment, self._segment_id
+        self._segment, self._segment_id, self._tried = None, "", True
+        if seg is None:
+            return
+        try:
+            md = self._metadata(None)
+            self._call(lambda: self._stub.Detach(pb.DetachRequest(segment_id=seg_id),
+                                                 timeout=self.timeout_s, metadata=md))
+        except KDNError:
+            pass  # the server unmaps it at shutdown anyway
+        seg.close()
+
+    # -- reads ----------------------------------------------------------------------------------
+
+    def get_many(self, namespace: str, keys: Sequence[bytes], layout_fingerprint: str,
+                 request_id: str | None) -> list[Fetched | TooBig | None]:
+        """One entry per key: Fetched, None (a miss), or TOO_BIG (stream it instead)."""
+        out: list[Fetched | TooBig | None] = [None] * len(keys)
+        todo = list(range(len(keys)))
+        seg, seg_id = self.segment()
+        while todo:
+            region = pb.Region(length=self.inline_budget)
+            block: tuple[int, int] | None = None
+            if seg is not None:
+                block = seg.regions.alloc_largest(seg.size)
+                if block is None:  # every region is still being read: stream the rest
+                    for i in todo:
+                        out[i] = TOO_BIG
+                    return out
+                region = pb.Region(offset=block[0], length=block[1])
+            req = pb.GetManyRequest(namespace=namespace, keys=[keys[i] for i in todo],
+                                    segment_id=seg_id if seg is not None else "",
+                                    region=region, expect_layout_fingerprint=layout_fingerprint)
+            try:
+                resp = self._get(req, request_id)
+            except BaseException:
+                if seg is not None and block is not None:
+                    seg.regions.free(*block)
+                raise
+            used = block[0] if block is not None else 0
+            again: list[int] = []
+            for i, ref in zip(todo, resp.entries):
+                if not ref.present:
+                    continue
+                if not ref.written:
+                    again.append(i)
+                    continue
+                if seg is not None:
+                    out[i] = _fetched(seg.owned(ref.offset, ref.length), ref.tier)
+                    used = max(used, ref.offset + ref.length)
+                else:
+                    out[i] = _fetched(ref.data, ref.tier)
+            if seg is not None and block is not None:
+                tail = (used + 63) // 64 * 64
+                seg.regions.free(tail, block[0] + block[1] - tail)
+            if again and len(again) == len(todo):  # not even the first one fitted
+                out[again[0]] = TOO_BIG
+                again = again[1:]
+            todo = again
+        return out
+
+    def _get(self, req: pb.GetManyRequest, request_id: str | None) -> pb.GetManyResponse:
+        md = self._metadata(request_id)
+        return self._call(  # type: ignore[no-any-return]
+            lambda: self._stub.GetMany(req, timeout=self.timeout_s, metadata=md))
+
+    # -- writes ---------------------------------------------------------------------------------
+
+    def put_many(self, namespace: str, items: Sequence[tuple[bytes, EncodedParts,
+                                                             pb.StoreOptions]],
+                 request_id: str | None) -> list[pb.StoreResponse | TooBig]:
+        """Store every item (each checked by the server before any is stored, per call);
+        TOO_BIG for items no batch can carry."""
+        out: list[pb.StoreResponse | TooBig] = [TOO_BIG] * len(items)
+        seg, seg_id = self.segment()
+        limit = seg.size // 2 if seg is not None else self.inline_budget
+        batch: list[int] = []
+        size = 0
+        for i, (_, parts, _) in enumerate(items):
+            n = parts.nbytes
+            if n > limit:
+                continue
+            if batch and size + n > limit:
+                self._put_batch(namespace, items, batch, out, request_id)
+                batch, size = [], 0
+            batch.append(i)
+            size += (n + 63) // 64 * 64
+        if batch:
+            self._put_batch(namespace, items, batch, out, request_id)
+        return out
+
+    def _put_batch(self, namespace: str,
+                   items: Sequence[tuple[bytes, EncodedParts, pb.StoreOptions]],
+                   batch: list[int], out: list[pb.StoreResponse | TooBig],
+                   request_id: str | None) -> None:
+        seg, seg_id = self.segment()
+        req = pb.PutManyRequest(namespace=namespace, segment_id=seg_id if seg else "")
+        block: tuple[int, int] | None = None
+        if seg is not None:
+            total = sum((items[i][1].nbytes + 63) // 64 * 64 for i in batch)
+            start = seg.regions.alloc(total)
+            if start is None:  # the segment is busy with reads: send these inline
+                seg = None
+                req.segment_id = ""
+            else:
+                block = (start, total)
+        at = block[0] if block is not None else 0
+        for i in batch:
+            key, parts, opts = items[i]
+            item = req.items.add(key=key, options=opts)
+            if seg is not None:
+                pos = at
+                for piece in (parts.header, *parts.frames):
+                    seg.write(pos, piece)
+                    pos += len(piece)
+                item.region.offset, item.region.length = at, parts.nbytes
+                at += (parts.nbytes + 63) // 64 * 64
+            else:
+                item.data = parts.to_bytes()
+        md = self._metadata(request_id)
+        try:
+            resp = self._call(lambda: self._stub.PutMany(req, timeout=self.timeout_s,
+                                                         metadata=md))
+        finally:
+            if seg is not None and block is not None:
+                seg.regions.free(*block)
+        for i, r in zip(batch, resp.results):
+            out[i] = r

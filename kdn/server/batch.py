@@ -1,0 +1,295 @@
+"""Batches and the same-host data plane: GetMany, PutMany, Attach, Detach.
+
+gRPC stays the control plane; the bytes of many entries move in one call, either inline in the
+messages (any client) or through a shared-memory segment of a client on this host, so that only
+descriptors (offset, length) cross gRPC and each entry costs one memory copy on the server.
+
+Lifecycle of a segment: the client creates a sealed memfd (``F_SEAL_SHRINK``: it can not
+shrink, so the server's mapping never faults), writes 16 random bytes at its start, and calls
+``Attach(pid, fd, size, nonce)``. The server opens ``/proc/<pid>/fd/<fd>``, checks the seals,
+the size and the nonce, maps it, and returns a random ``segment_id`` bound to the calling
+tenant. ``GetMany``/``PutMany`` name the segment and a region in it; ``Detach`` (or server
+shutdown) unmaps it. A server that can not open the segment (another host, another container,
+no permission) answers FAILED_PRECONDITION and the client keeps using gRPC.
+
+Tenancy: a segment is looked up by (tenant, segment_id); another tenant's id is NOT_FOUND. The
+server writes a tenant's entries only into that tenant's segments and reads stores only from
+them, so no descriptor can make it copy one tenant's bytes to another.
+
+Safety against the client: stores are copied out of the segment first and checked on the copy
+(header and frame checksums, layout, codec, size), so bytes changed during the call can not slip
+past the checks; reads copy immutable stored values into the client's region, and the client
+checks frame checksums when it decodes. An invalid PutMany item stores nothing of the batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import hmac
+import mmap
+import os
+import secrets
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import grpc
+import numpy as np
+
+from kdn.codec.format import Header, header_size, parse_container, parse_header
+from kdn.errors import (
+    Corrupt,
+    InvalidArgument,
+    KDNError,
+    LayoutMismatch,
+    NotFound,
+    Status,
+    TooLarge,
+)
+from kdn.keys import store_key
+from kdn.server.auth import Principal, current_principal
+from kdn.status import grpc_code
+from kdn.v1 import kdn_pb2 as pb
+
+if TYPE_CHECKING:
+    from kdn.server.config import ServerConfig
+    from kdn.store.tiered import TieredStore
+
+NONCE_BYTES = 16
+ALIGN = 64
+MAX_SEGMENTS_PER_TENANT = 16
+MAX_SEGMENT_BYTES = 64 << 30
+INLINE_BUDGET = 48 << 20
+"""Bytes of entries one inline GetMany answer carries at most (the rest: written=false)."""
+
+
+class SegmentUnavailable(KDNError):
+    """The server can not map the client's segment (another host, no permission, bad seals)."""
+
+    status = Status.FAILED_PRECONDITION
+
+
+@dataclass
+class Segment:
+    tenant: str
+    size: int
+    view: mmap.mmap
+    array: np.ndarray[Any, Any]
+    """The whole segment as uint8, for copies that release the GIL."""
+
+
+def _copy(dst: np.ndarray[Any, Any], src: bytes | memoryview) -> None:
+    """memcpy ``src`` into ``dst`` (numpy releases the GIL for plain byte copies)."""
+    np.copyto(dst, np.frombuffer(src, dtype=np.uint8))
+
+
+class Segments:
+    """Mapped client segments by id, each bound to the tenant that attached it."""
+
+    def __init__(self) -> None:
+        self._by_id: dict[str, Segment] = {}
+        self._lock = threading.Lock()
+
+    def attach(self, tenant: str, pid: int, fd: int, size: int, nonce: bytes) -> str:
+        if len(nonce) != NONCE_BYTES:
+            raise InvalidArgument(f"nonce must be {NONCE_BYTES} bytes, got {len(nonce)}")
+        if not NONCE_BYTES < size <= MAX_SEGMENT_BYTES:
+            raise InvalidArgument(f"segment size {size} outside ({NONCE_BYTES}, "
+                                  f"{MAX_SEGMENT_BYTES}]")
+        with self._lock:
+            mine = sum(1 for s in self._by_id.values() if s.tenant == tenant)
+        if mine >= MAX_SEGMENTS_PER_TENANT:
+            raise TooLarge(f"tenant holds {mine} attached segments (at most "
+                           f"{MAX_SEGMENTS_PER_TENANT}); detach one first")
+        try:
+            handle = os.open(f"/proc/{int(pid)}/fd/{int(fd)}", os.O_RDWR | os.O_CLOEXEC)
+        except OSError as exc:
+            raise SegmentUnavailable(f"can not open the client's segment: {exc.strerror}") \
+                from None
+        try:
+            seals = fcntl.fcntl(handle, fcntl.F_GET_SEALS)
+            if not seals & fcntl.F_SEAL_SHRINK:
+                raise SegmentUnavailable("the segment is not sealed against shrinking "
+                                         "(F_SEAL_SHRINK)")
+            if os.fstat(handle).st_size != size:
+                raise SegmentUnavailable(f"the segment has {os.fstat(handle).st_size} bytes, "
+                                         f"the request says {size}")
+            view = mmap.mmap(handle, size)
+        except OSError as exc:
+            raise SegmentUnavailable(f"can not map the client's segment: {exc.strerror}") \
+                from None
+        finally:
+            os.close(handle)
+        if not hmac.compare_digest(view[:NONCE_BYTES], nonce):
+            view.close()
+            raise SegmentUnavailable("the segment's nonce differs: not the client's segment")
+        seg_id = secrets.token_hex(16)
+        with self._lock:
+            self._by_id[seg_id] = Segment(tenant, size, view,
+                                          np.frombuffer(view, dtype=np.uint8))
+        return seg_id
+
+    def get(self, tenant: str, seg_id: str) -> Segment:
+        with self._lock:
+            seg = self._by_id.get(seg_id)
+        if seg is None or seg.tenant != tenant:
+            raise NotFound(f"no attached segment {seg_id!r}")
+        return seg
+
+    def detach(self, tenant: str, seg_id: str) -> None:
+        self.get(tenant, seg_id)
+        with self._lock:
+            seg = self._by_id.pop(seg_id, None)
+        if seg is not None:
+            self._unmap(seg)
+
+    @staticmethod
+    def _unmap(seg: Segment) -> None:
+        del seg.array
+        try:
+            seg.view.close()
+        except BufferError:  # a copy still holds a view: the mapping goes with it
+            pass
+
+    def close(self) -> None:
+        with self._lock:
+            segs, self._by_id = list(self._by_id.values()), {}
+        for seg in segs:
+            self._unmap(seg)
+
+    def __len__(self) -> int:
+        return len(self._by_id)
+
+
+def _aligned(n: int) -> int:
+    """Entries written into a segment start at multiples of ``ALIGN`` bytes."""
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def _region(seg: Segment, region: pb.Region) -> tuple[int, int]:
+    start, length = int(region.offset), int(region.length)
+    if start < NONCE_BYTES or start + length > seg.size:
+        raise InvalidArgument(f"region [{start}, {start + length}) outside the segment's "
+                              f"[{NONCE_BYTES}, {seg.size})")
+    return start, start + length
+
+
+class BatchMixin:
+    """GetMany, PutMany, Attach and Detach for ``KDNServicer`` (which provides ``config``,
+    ``store``, ``count``, ``_check_header`` and ``_commit``)."""
+
+    if TYPE_CHECKING:
+        config: ServerConfig
+        store: TieredStore
+
+        def count(self, name: str, n: int = 1) -> None: ...
+
+        def _check_header(self, tenant: str, msg: pb.StoreHeader) -> tuple[bytes, Header]: ...
+
+        def _commit(self, principal: Principal, skey: bytes, value: bytes,
+                    opts: pb.StoreOptions) -> pb.StoreResponse: ...
+
+    segments: Segments
+
+    async def _answer(self, name: str, context: grpc.aio.ServicerContext,
+                      fn: Callable[[Principal], Any]) -> Any:
+        """Run ``fn(caller)`` on a worker thread; a KDNError aborts with its status."""
+        principal = current_principal.get()
+        try:
+            return await asyncio.to_thread(fn, principal)
+        except KDNError as exc:
+            self.count(f"{name}.{grpc_code(exc).name}")
+            await context.abort(grpc_code(exc), str(exc))
+            raise  # unreachable: abort raises
+
+    async def Attach(self, request: pb.AttachRequest,
+                     context: grpc.aio.ServicerContext) -> pb.AttachResponse:
+        def run(p: Principal) -> pb.AttachResponse:
+            seg_id = self.segments.attach(p.tenant, request.pid, request.fd, request.size,
+                                          request.nonce)
+            self.count("shm.attached")
+            return pb.AttachResponse(segment_id=seg_id)
+
+        return await self._answer("Attach", context, run)  # type: ignore[no-any-return]
+
+    async def Detach(self, request: pb.DetachRequest,
+                     context: grpc.aio.ServicerContext) -> pb.DetachResponse:
+        def run(p: Principal) -> pb.DetachResponse:
+            self.segments.detach(p.tenant, request.segment_id)
+            return pb.DetachResponse()
+
+        return await self._answer("Detach", context, run)  # type: ignore[no-any-return]
+
+    async def GetMany(self, request: pb.GetManyRequest,
+                      context: grpc.aio.ServicerContext) -> pb.GetManyResponse:
+        return await self._answer(  # type: ignore[no-any-return]
+            "GetMany", context, lambda p: self._get_many(p, request))
+
+    def _get_many(self, p: Principal, request: pb.GetManyRequest) -> pb.GetManyResponse:
+        ns = request.namespace or "default"
+        skeys = [store_key(p.tenant, ns, k) for k in request.keys]
+        seg = self.segments.get(p.tenant, request.segment_id) if request.segment_id else None
+        if seg is not None:
+            cursor, end = _region(seg, request.region)
+        else:  # inline: as much as the caller's messages may carry, within the server's budget
+            cursor, end = 0, min(INLINE_BUDGET, request.region.length or INLINE_BUDGET)
+        out = pb.GetManyResponse()
+        want = request.expect_layout_fingerprint
+        sent = 0
+        for skey in skeys:
+            ref = out.entries.add()
+            hit = self.store.get(skey)
+            if hit is None:
+                self.count("getmany.miss")
+                continue
+            value = hit.value
+            if want and want != parse_header(value).layout.fingerprint:
+                raise LayoutMismatch(f"entry {skey.decode()} has layout "
+                                     f"{parse_header(value).layout.fingerprint}, caller "
+                                     f"expects {want}")
+            ref.present, ref.tier, ref.length = True, hit.tier, len(value)
+            if cursor + len(value) > end:
+                continue  # no room: the client asks again with a region of ref.length
+            if seg is not None:
+                _copy(seg.array[cursor : cursor + len(value)], value)
+                ref.offset = cursor
+            else:
+                ref.data = value
+            ref.written = True
+            cursor = _aligned(cursor + len(value))
+            sent += len(value)
+            self.count("getmany.hit")
+        self.count("bytes_out", sent)
+        return out
+
+    async def PutMany(self, request: pb.PutManyRequest,
+                      context: grpc.aio.ServicerContext) -> pb.PutManyResponse:
+        return await self._answer(  # type: ignore[no-any-return]
+            "PutMany", context, lambda p: self._put_many(p, request))
+
+    def _put_many(self, p: Principal, request: pb.PutManyRequest) -> pb.PutManyResponse:
+        seg = self.segments.get(p.tenant, request.segment_id) if request.segment_id else None
+        checked: list[tuple[bytes, bytes]] = []
+        for j, item in enumerate(request.items):
+            if seg is not None:
+                start, stop = _region(seg, item.region)
+                value = seg.view[start:stop]  # a copy: later changes by the client can not
+            else:  # slip past the checks below
+                value = bytes(item.data)
+            try:
+                hdr = pb.StoreHeader(namespace=request.namespace, key=item.key,
+                                     container_header=value[: header_size(value)],
+                                     total_bytes=len(value))
+                skey, _ = self._check_header(p.tenant, hdr)
+                parse_container(value, verify=True)
+            except Corrupt as exc:
+                raise InvalidArgument(f"item {j}: corrupt input: {exc}") from exc
+            except KDNError as exc:
+                raise type(exc)(f"item {j}: {exc}") from exc
+            checked.append((skey, value))
+        out = pb.PutManyResponse()
+        for (skey, value), item in zip(checked, request.items):
+            out.results.append(self._commit(p, skey, value, item.options))
+        return out

@@ -1,0 +1,244 @@
+"""Batches and the same-host data plane (kdn.server.batch, kdn.client.dataplane, kdn.client.shm)
+against a real server on loopback: round trips through the shared segment and inline, the
+fallbacks, hostile descriptors and segments, tenancy, and reads racing overwrites."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import secrets
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from kdn import codec
+from kdn.cache import KVCache
+from kdn.client import Client
+from kdn.client.shm import RegionAllocator, SharedSegment
+from kdn.errors import InvalidArgument, NotFound
+from kdn.server import ServerConfig, ServerThread
+from kdn.v1 import kdn_pb2 as pb
+from kdn.v1 import kdn_pb2_grpc as pb_grpc
+from tests.helpers import pruned_layout, random_kv, uniform_layout
+
+LAYOUT = uniform_layout()
+
+
+def _key(i: int) -> bytes:
+    return i.to_bytes(4, "little") * 8
+
+
+@pytest.fixture
+def shm_client(server: ServerThread) -> Iterator[Client]:
+    c = Client(server.address, timeout_s=30, shm_bytes=8 << 20)
+    yield c
+    c.close()
+
+
+def test_region_allocator_reuses_and_merges() -> None:
+    regions = RegionAllocator(16, 1024)
+    a, b, c = regions.alloc(100), regions.alloc(100), regions.alloc(100)
+    assert (a, b, c) == (64, 192, 320)  # 64-byte aligned, after the nonce
+    regions.free(b, 100)
+    assert regions.alloc(200) == 448  # b's hole is too small
+    regions.free(a, 100)
+    regions.free(c, 100)
+    assert regions.alloc(380) == 64  # a, b and c merged back into one range
+    assert regions.alloc_largest(10_000) == (448 + 256, 1024 - 448 - 256)
+    assert regions.alloc(1) is None
+
+
+def test_store_and_retrieve_through_the_segment(shm_client: Client) -> None:
+    kv = random_kv(LAYOUT, 40, seed=1)
+    shm_client.store(_key(1), kv, mode="raw")
+    assert shm_client.dataplane.attached
+    assert shm_client.retrieve(_key(1), layout=LAYOUT).equal(kv)  # type: ignore[union-attr]
+    stream = shm_client.retrieve_stream(_key(1))
+    assert stream is not None and stream.tier == "ram"
+    assert torch_equal(stream.wait_for_layer(2), kv.layers[2])
+    got = shm_client.fetch(_key(1))
+    assert got is not None and codec.decode(got.parts.to_bytes()).equal(kv)
+    assert shm_client.retrieve(_key(2)) is None and shm_client.fetch(_key(2)) is None
+    counters = shm_client.stats().counters
+    assert counters["getmany.hit"] >= 3 and counters.get("retrieve.hit", 0) == 0
+    seg = shm_client.dataplane.segment()[0]
+    del stream, got
+    assert seg.regions.free_bytes() == seg.size - 64  # every region given back
+
+
+def torch_equal(a: tuple, b: tuple) -> bool:
+    return bool((a[0] == b[0]).all() and (a[1] == b[1]).all())
+
+
+@pytest.mark.parametrize("shm", [8 << 20, 0], ids=["segment", "inline"])
+def test_many_entries_per_call(server: ServerThread, shm: int) -> None:
+    with Client(server.address, timeout_s=30, shm_bytes=shm) as c:
+        items = [(_key(i), random_kv(pruned_layout(), 16 + i, seed=i)) for i in range(24)]
+        results = c.store_many(items, mode="lossless")
+        assert [r.stored_bytes > 0 for r in results] == [True] * 24
+        keys = [k for k, _ in items] + [_key(999)]
+        got = c.retrieve_many(keys, layout=pruned_layout())
+        assert got[-1] is None
+        assert all(g is not None and g.equal(kv) for g, (_, kv) in zip(got, items))
+        assert c.dataplane.attached == bool(shm)
+        counters = c.stats().counters
+        assert counters["getmany.hit"] == 24 and counters["getmany.miss"] == 1
+
+
+def test_entries_larger_than_the_segment_stream_instead(server: ServerThread) -> None:
+    with Client(server.address, timeout_s=30, shm_bytes=64 << 10) as c:
+        small, big = random_kv(LAYOUT, 8, seed=2), random_kv(LAYOUT, 400, seed=3)
+        assert codec.encode_parts(big, "raw").nbytes > 64 << 10
+        c.store_many([(_key(3), small), (_key(4), big)], mode="raw")
+        assert c.dataplane.attached
+        got = c.retrieve_many([_key(3), _key(4)])
+        assert got[0].equal(small) and got[1].equal(big)  # type: ignore[union-attr]
+        many = [(_key(100 + i), random_kv(LAYOUT, 40, seed=i)) for i in range(12)]
+        c.store_many(many, mode="raw")  # more than the segment holds at once: several calls
+        assert all(g.equal(kv) for g, (_, kv) in  # type: ignore[union-attr]
+                   zip(c.retrieve_many([k for k, _ in many]), many))
+        assert c.stats().counters["retrieve.hit"] >= 1  # the big one came by stream
+
+
+def _stub(server: ServerThread) -> tuple[grpc.Channel, pb_grpc.KDNStub]:
+    ch = grpc.insecure_channel(server.address)
+    return ch, pb_grpc.KDNStub(ch)
+
+
+def test_attach_refuses_what_is_not_the_clients_sealed_segment(server: ServerThread) -> None:
+    seg = SharedSegment(1 << 20)
+    ch, stub = _stub(server)
+    good = pb.AttachRequest(pid=os.getpid(), fd=seg.fd, size=seg.size, nonce=seg.nonce)
+    cases = {
+        "nonce differs": pb.AttachRequest(pid=os.getpid(), fd=seg.fd, size=seg.size,
+                                          nonce=secrets.token_bytes(16)),
+        "has 1048576 bytes": pb.AttachRequest(pid=os.getpid(), fd=seg.fd, size=4096,
+                                              nonce=seg.nonce),
+        "can not open": pb.AttachRequest(pid=os.getpid(), fd=9999, size=seg.size,
+                                         nonce=seg.nonce),
+    }
+    for match, req in cases.items():
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Attach(req)
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert match in (err.value.details() or "")
+    unsealed = os.memfd_create("kdn-test", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    os.ftruncate(unsealed, 1 << 20)
+    os.pwrite(unsealed, seg.nonce, 0)
+    with pytest.raises(grpc.RpcError, match="not sealed"):
+        stub.Attach(pb.AttachRequest(pid=os.getpid(), fd=unsealed, size=1 << 20,
+                                     nonce=seg.nonce))
+    assert fcntl.fcntl(seg.fd, fcntl.F_GET_SEALS) & fcntl.F_SEAL_SHRINK
+    seg_id = stub.Attach(good).segment_id
+    # descriptors outside the segment, or into the nonce, are refused
+    for offset, length in ((0, 100), (seg.size - 10, 100), (1 << 40, 1)):
+        with pytest.raises(grpc.RpcError) as err:
+            stub.GetMany(pb.GetManyRequest(keys=[_key(1)], segment_id=seg_id,
+                                           region=pb.Region(offset=offset, length=length)))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    stub.Detach(pb.DetachRequest(segment_id=seg_id))
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Detach(pb.DetachRequest(segment_id=seg_id))
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    ch.close()
+    os.close(unsealed)
+    seg.close()
+
+
+def test_a_bad_item_stores_nothing_of_its_batch(shm_client: Client) -> None:
+    old = random_kv(LAYOUT, 10, seed=5)
+    shm_client.store(_key(5), old)
+    seg, seg_id = shm_client.dataplane.segment()
+    good = codec.encode_parts(random_kv(LAYOUT, 10, seed=6), "raw").to_bytes()
+    bad = bytearray(codec.encode_parts(random_kv(LAYOUT, 10, seed=7), "raw").to_bytes())
+    bad[-3] ^= 0xFF  # a flipped byte in the last frame
+    seg.write(4096, good)
+    seg.write(65536, bytes(bad))
+    req = pb.PutManyRequest(segment_id=seg_id, items=[
+        pb.PutItem(key=_key(6), region=pb.Region(offset=4096, length=len(good))),
+        pb.PutItem(key=_key(5), region=pb.Region(offset=65536, length=len(bad)))])
+    ch, stub = _stub_of(shm_client)
+    with pytest.raises(grpc.RpcError) as err:
+        stub.PutMany(req)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "item 1" in (err.value.details() or "")
+    assert shm_client.fetch(_key(6)) is None
+    assert shm_client.retrieve(_key(5)).equal(old)  # type: ignore[union-attr]
+    with pytest.raises(InvalidArgument, match="key must be 32 bytes"):
+        shm_client.store_many([(b"short", old)])
+    ch.close()
+
+
+def _stub_of(client: Client) -> tuple[grpc.Channel, pb_grpc.KDNStub]:
+    ch = grpc.insecure_channel(client.address)
+    return ch, pb_grpc.KDNStub(ch)
+
+
+def test_segments_and_entries_stay_with_their_tenant(tmp_path: Path) -> None:
+    auth = tmp_path / "tenants.yaml"
+    auth.write_text("tenants:\n  a: {api_keys: [key-a]}\n  b: {api_keys: [key-b]}\n")
+    cfg = ServerConfig(port=0, data_dir=tmp_path / "d", auth_file=str(auth))
+    with ServerThread(cfg) as st, \
+            Client(st.address, api_key="key-a", shm_bytes=4 << 20) as a, \
+            Client(st.address, api_key="key-b", shm_bytes=4 << 20) as b:
+        kv = random_kv(LAYOUT, 12, seed=8)
+        a.store_many([(_key(8), kv)])
+        assert a.dataplane.attached and b.dataplane.attached
+        assert b.fetch_many([_key(8)]) == [None]  # b's key space has no such entry
+        assert a.retrieve_many([_key(8)])[0].equal(kv)  # type: ignore[union-attr]
+        a_id = a.dataplane.segment()[1]
+        ch = grpc.insecure_channel(st.address)
+        stub = pb_grpc.KDNStub(ch)
+        md = (("x-kdn-api-key", "key-b"),)
+        with pytest.raises(grpc.RpcError) as err:  # b names a's segment
+            stub.GetMany(pb.GetManyRequest(keys=[_key(8)], segment_id=a_id,
+                                           region=pb.Region(offset=64, length=4096)),
+                         metadata=md)
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND
+        with pytest.raises(NotFound):
+            b.dataplane._call(lambda: stub.Detach(pb.DetachRequest(segment_id=a_id),
+                                                  metadata=md))
+        ch.close()
+
+
+def test_reads_racing_overwrites_and_evictions_return_whole_entries(server: ServerThread
+                                                                     ) -> None:
+    versions = [random_kv(LAYOUT, 24, seed=s) for s in range(3)]
+    seen: list[int] = []
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    with Client(server.address, timeout_s=30) as writer, \
+            Client(server.address, timeout_s=30, shm_bytes=1 << 20) as reader:
+        writer.store(_key(9), versions[0], mode="raw")
+
+        def churn() -> None:
+            i = 0
+            while not stop.is_set():
+                i += 1
+                if i % 7 == 0:
+                    writer.delete(_key(9))
+                else:
+                    writer.store(_key(9), versions[i % 3], mode="raw")
+
+        t = threading.Thread(target=churn)
+        t.start()
+        try:
+            for _ in range(1500):
+                got: KVCache | None = reader.retrieve(_key(9), layout=LAYOUT)
+                if got is None:
+                    seen.append(-1)
+                    continue
+                match = [j for j, v in enumerate(versions) if got.equal(v)]
+                if len(match) != 1:
+                    errors.append(AssertionError("a read mixed versions"))
+                    break
+                seen.append(match[0])
+        finally:
+            stop.set()
+            t.join()
+    assert not errors
+    assert len(set(seen)) >= 3  # the race really happened: several versions and misses seen
