@@ -18,7 +18,7 @@ from kdn import codec
 from kdn.cache import KVCache
 from kdn.client import Client
 from kdn.client.shm import RegionAllocator, SharedSegment
-from kdn.errors import InvalidArgument, NotFound
+from kdn.errors import InvalidArgument, NotFound, TooLarge
 from kdn.server import ServerConfig, ServerThread
 from kdn.v1 import kdn_pb2 as pb
 from kdn.v1 import kdn_pb2_grpc as pb_grpc
@@ -242,3 +242,18 @@ def test_reads_racing_overwrites_and_evictions_return_whole_entries(server: Serv
             t.join()
     assert not errors
     assert len(set(seen)) >= 3  # the race really happened: several versions and misses seen
+
+
+def test_limits_through_the_segment(tmp_path: Path) -> None:
+    """Message limits are gRPC's and do not apply to the segment; max_entry_bytes does."""
+    cfg = ServerConfig(port=0, data_dir=tmp_path / "d", disk_bytes=0,
+                       max_message_bytes=64 << 10, max_entry_bytes=1 << 20)
+    lay = uniform_layout(layers=2, heads=4, dim=64)
+    with ServerThread(cfg) as st, Client(st.address, shm_bytes=8 << 20) as c:
+        big = random_kv(lay, 200)  # 200 KiB per frame > 64 KiB per message
+        c.store(_key(10), big, mode="raw")
+        assert c.dataplane.attached and c.retrieve(_key(10)).equal(big)  # type: ignore[union-attr]
+        huge = random_kv(uniform_layout(layers=40, heads=4, dim=64), 60)  # ~2.4 MiB entry
+        with pytest.raises(TooLarge, match="max_entry_bytes"):
+            c.store(_key(11), huge, mode="raw")
+        assert c.fetch(_key(11)) is None

@@ -119,7 +119,7 @@ def test_metrics_and_request_ids(secured: ServerThread, caplog: pytest.LogCaptur
                                  ) -> None:
     key = keys.chunk_key([3], LAY)
     with caplog.at_level(logging.INFO, logger="kdn.access"):
-        with Client(secured.address, api_key="key-a") as c:
+        with Client(secured.address, api_key="key-a", shm_bytes=0) as c:  # the Store RPC
             c.store(key, random_kv(LAY, 4))
             rid = c.last_request_id
             assert c.retrieve(key) is not None

@@ -50,6 +50,8 @@ from kdn.wire import frame_message, serialize_passthrough
 
 T = TypeVar("T")
 DEFAULT_MAX_MESSAGE = 64 << 20
+DEFAULT_SHM_BYTES = 256 << 20
+"""Size of the shared segment a client on the server's host uses by default."""
 
 
 @dataclass(frozen=True)
@@ -111,7 +113,7 @@ class Client:
         namespace: str = DEFAULT_NAMESPACE,
         api_key: str | None = None,
         tls: TLSOptions | None = None,
-        shm_bytes: int = 0,
+        shm_bytes: int | None = None,
     ) -> None:
         self.address = address
         self.timeout_s = timeout_s
@@ -135,6 +137,8 @@ class Client:
         self._store_call = self._channel.stream_unary(
             "/kdn.v1.KDN/Store", request_serializer=serialize_passthrough,
             response_deserializer=pb.StoreResponse.FromString)
+        if shm_bytes is None:
+            shm_bytes = DEFAULT_SHM_BYTES if same_host(address) else 0
         self.dataplane = DataPlane(self._stub, self._call, self.metadata, timeout_s, shm_bytes,
                                    max_message_bytes)
 
@@ -387,6 +391,15 @@ class Client:
         resp = self._call(lambda: stub.Check(health_pb2.HealthCheckRequest(service=service),
                                              timeout=self.timeout_s))
         return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+
+
+def same_host(address: str) -> bool:
+    """Whether ``address`` names this machine (loopback or a unix socket)."""
+    if address.startswith(("unix:", "unix-abstract:")):
+        return True
+    host = address.rsplit(":", 1)[0] if ":" in address else address
+    host = host.strip("[]").lower()
+    return host in ("localhost", "::1", "ip6-localhost") or host.startswith("127.")
 
 
 def _encoded(kv: KVCache | EncodedParts, mode: str, level: str,
