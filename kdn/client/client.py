@@ -35,10 +35,12 @@ from kdn import codec
 from kdn.cache import KVCache
 from kdn.client.blend import RemotePiece, blend_request
 from kdn.client.dataplane import DataPlane, Fetched, TooBig
+from kdn.client.local import TIER as LOCAL_TIER
+from kdn.client.local import LocalTier
 from kdn.client.stream import LayerStream, StreamTimings
 from kdn.codec import EncodedParts, StreamDecoder
-from kdn.codec.format import parse_header
-from kdn.errors import NotFound
+from kdn.codec.format import parse_container, parse_header
+from kdn.errors import LayoutMismatch, NotFound
 from kdn.keys import DEFAULT_NAMESPACE, check_key, check_namespace
 from kdn.layout import KVLayout
 from kdn.metadata import API_KEY_HEADER, REQUEST_ID_HEADER
@@ -114,6 +116,7 @@ class Client:
         api_key: str | None = None,
         tls: TLSOptions | None = None,
         shm_bytes: int | None = None,
+        local_bytes: int = 0,
     ) -> None:
         self.address = address
         self.timeout_s = timeout_s
@@ -139,6 +142,8 @@ class Client:
             response_deserializer=pb.StoreResponse.FromString)
         if shm_bytes is None:
             shm_bytes = DEFAULT_SHM_BYTES if same_host(address) else 0
+        self.local = LocalTier(local_bytes) if local_bytes else None
+        """The in-process tier (``kdn.client.local``), when ``local_bytes`` is set."""
         self.dataplane = DataPlane(self._stub, self._call, self.metadata, timeout_s, shm_bytes,
                                    max_message_bytes)
 
@@ -198,6 +203,7 @@ class Client:
             done = self.dataplane.put_many(self._ns(namespace), [(key, parts, opts)],
                                            request_id)[0]
             if not isinstance(done, TooBig):
+                self._remember(self._ns(namespace), key, parts)
                 return done
         header = parse_header(parts.header)
         hdr = pb.StoreHeader(
@@ -212,8 +218,19 @@ class Client:
             for i, frame in enumerate(parts.frames):
                 yield frame_message(i, frame)
 
-        return self._call(lambda: self._store_call(requests(), timeout=self.timeout_s,
+        resp = self._call(lambda: self._store_call(requests(), timeout=self.timeout_s,
                                                    metadata=md))
+        self._remember(hdr.namespace, key, parts)
+        return resp
+
+    def _remember(self, namespace: str, key: bytes, parts: EncodedParts) -> None:
+        """Keep a copy in the in-process tier (when there is one)."""
+        if self.local is not None:
+            self.local.put(namespace, key, parts)
+
+    def _in_process(self, namespace: str, key: bytes) -> Fetched | None:
+        parts = self.local.get(namespace, key) if self.local is not None else None
+        return None if parts is None else Fetched(parts, LOCAL_TIER)
 
     # -- retrieve -------------------------------------------------------------------------------
 
@@ -221,10 +238,15 @@ class Client:
               layout: KVLayout | None = None, request_id: str | None = None) -> Fetched | None:
         """The stored container of ``key`` (header + frames, undecoded), or None on a miss."""
         req = self._retrieve_request(key, namespace, layout)
+        local = self._in_process(req.namespace, req.key)
+        if local is not None:
+            return _checked_layout(local, layout)
         if self.dataplane.attached:
             got = self.dataplane.get_many(req.namespace, [req.key],
                                           req.expect_layout_fingerprint, request_id)[0]
             if not isinstance(got, TooBig):
+                if got is not None:
+                    self._remember(req.namespace, req.key, got.parts)
                 return got
         md = self.metadata(request_id)
 
@@ -232,7 +254,9 @@ class Client:
             stream = self._stub.Retrieve(req, timeout=self.timeout_s, metadata=md)
             first = next(stream)
             frames = [bytes(m.frame.data) for m in stream]
-            return Fetched(EncodedParts(first.header.container_header, frames), first.header.tier)
+            got = Fetched(EncodedParts(first.header.container_header, frames), first.header.tier)
+            self._remember(req.namespace, req.key, got.parts)
+            return got
 
         try:
             return self._call(run)
@@ -251,14 +275,29 @@ class Client:
         """
         req = self._retrieve_request(key, namespace, layout)
         req.first_layer, req.last_layer = first_layer, last_layer
-        if self.dataplane.attached and not (first_layer or last_layer):
+        whole = not (first_layer or last_layer)
+        if whole and self.local is not None:
+            local = self._in_process(req.namespace, req.key)
+            if local is not None:
+                return _stream_of(_checked_layout(local, layout), device,
+                                  StreamTimings(started=time.perf_counter()))
+        if self.dataplane.attached and whole:
             started = time.perf_counter()
             got = self.dataplane.get_many(req.namespace, [req.key],
                                           req.expect_layout_fingerprint, request_id)[0]
             if got is None:
                 return None
             if not isinstance(got, TooBig):
+                self._remember(req.namespace, req.key, got.parts)
                 return _stream_of(got, device, StreamTimings(started=started))
+        if whole and self.local is not None:  # keep what the stream brings
+            local_tier, ns, k = self.local, req.namespace, req.key
+            remember = lambda parts: local_tier.put(ns, k, parts)  # noqa: E731
+            try:
+                return self.layer_stream(self._stub.Retrieve, req, device, request_id,
+                                         on_complete=remember)
+            except NotFound:
+                return None
 
         try:
             return self.layer_stream(self._stub.Retrieve, req, device, request_id)
@@ -267,9 +306,12 @@ class Client:
 
     def layer_stream(self, start: Callable[..., Any], request: Any,
                      device: torch.device | str | None = None,
-                     request_id: str | None = None) -> LayerStream:
+                     request_id: str | None = None,
+                     on_complete: Callable[[EncodedParts], object] | None = None
+                     ) -> LayerStream:
         """Issue a server-streaming call that answers a header then frames (Retrieve, Blend)
-        and hand its frames to a LayerStream, once the header has arrived."""
+        and hand its frames to a LayerStream, once the header has arrived. ``on_complete``
+        gets the whole entry once its last frame has arrived."""
         md = self.metadata(request_id)
 
         def run() -> LayerStream:
@@ -278,7 +320,9 @@ class Client:
             first = next(call)
             timings.header = time.perf_counter()
             dec, target = _decoder(first.header.container_header, device)
-            return LayerStream(dec, call, first.header.tier, call.cancel, timings, target)
+            frames = call if on_complete is None else _tee(
+                call, first.header.container_header, on_complete)
+            return LayerStream(dec, frames, first.header.tier, call.cancel, timings, target)
 
         return self._call(run)
 
@@ -300,9 +344,42 @@ class Client:
         shared segment on the server's host, else inline, many entries per message."""
         ns = self._ns(namespace)
         ks = [check_key(k) for k in keys]
-        got = self.dataplane.get_many(ns, ks, layout.fingerprint if layout else "", request_id)
+        got = self._entries(ns, ks, layout, request_id)
         return [self.fetch(k, namespace=ns, layout=layout, request_id=request_id)
                 if isinstance(g, TooBig) else g for k, g in zip(ks, got)]
+
+    def _entries(self, ns: str, keys: list[bytes], layout: KVLayout | None,
+                 request_id: str | None) -> list[Fetched | TooBig | None]:
+        """In-process hits, then one batch (GetMany) for the rest, which is remembered."""
+        out: list[Fetched | TooBig | None] = [
+            _checked_layout(f, layout) if (f := self._in_process(ns, k)) else None for k in keys]
+        ask = [j for j, f in enumerate(out) if f is None]
+        if ask:
+            got = self.dataplane.get_many(ns, [keys[j] for j in ask],
+                                          layout.fingerprint if layout else "", request_id)
+            for j, g in zip(ask, got):
+                out[j] = g
+                if isinstance(g, Fetched):
+                    self._remember(ns, keys[j], g.parts)
+        return out
+
+    def retrieve_streams(self, keys: Sequence[bytes], *, namespace: str | None = None,
+                         layout: KVLayout | None = None,
+                         device: torch.device | str | None = None,
+                         request_id: str | None = None) -> list[LayerStream | None]:
+        """``retrieve_stream`` of many keys at once (None for a miss): one GetMany through the
+        shared segment on the server's host, else one Retrieve stream per key, all started
+        before this returns."""
+        if not self.dataplane.attached:
+            return [self.retrieve_stream(k, namespace=namespace, layout=layout, device=device,
+                                         request_id=request_id) for k in keys]
+        started = time.perf_counter()
+        ns = self._ns(namespace)
+        got = self._entries(ns, [check_key(k) for k in keys], layout, request_id)
+        return [self.retrieve_stream(k, namespace=ns, layout=layout, device=device,
+                                     request_id=request_id) if isinstance(g, TooBig)
+                else None if g is None else _stream_of(g, device, StreamTimings(started=started))
+                for k, g in zip(keys, got)]
 
     def retrieve_many(self, keys: Sequence[bytes], *, namespace: str | None = None,
                       layout: KVLayout | None = None, device: torch.device | str | None = None,
@@ -323,6 +400,9 @@ class Client:
         enc = [(check_key(k), _encoded(kv, mode, level, layers_per_frame), opts)
                for k, kv in items]
         done = self.dataplane.put_many(ns, enc, request_id)
+        for (k, parts, _), r in zip(enc, done):
+            if not isinstance(r, TooBig):
+                self._remember(ns, k, parts)
         return [self.store(k, parts, namespace=ns, options=options, request_id=request_id)
                 if isinstance(r, TooBig) else r for (k, parts, _), r in zip(enc, done)]
 
@@ -359,12 +439,23 @@ class Client:
 
     def lookup(self, keys: Sequence[bytes], *, namespace: str | None = None,
                prefix_chain: bool = False, request_id: str | None = None) -> LookupResult:
-        req = pb.LookupRequest(namespace=self._ns(namespace), keys=[check_key(k) for k in keys],
-                               prefix_chain=prefix_chain)
-        md = self.metadata(request_id)
-        resp = self._call(lambda: self._stub.Lookup(req, timeout=self.timeout_s, metadata=md))
-        infos = [KeyInfo(i.present, i.tier, i.size_bytes) for i in resp.infos]
-        return LookupResult(infos, resp.prefix_hits)
+        """Which ``keys`` are stored, where (``inproc`` for the in-process tier) and how big;
+        with ``prefix_chain`` also how many leading keys are present."""
+        ns = self._ns(namespace)
+        ks = [check_key(k) for k in keys]
+        sizes = [self.local.contains(ns, k) if self.local is not None else None for k in ks]
+        infos = [KeyInfo(True, LOCAL_TIER, s) if s is not None else None for s in sizes]
+        ask = [k for k, info in zip(ks, infos) if info is None]
+        if ask or not ks:
+            req = pb.LookupRequest(namespace=ns, keys=ask, prefix_chain=prefix_chain)
+            md = self.metadata(request_id)
+            resp = self._call(lambda: self._stub.Lookup(req, timeout=self.timeout_s,
+                                                        metadata=md))
+            remote = iter(resp.infos)
+            infos = [info or _key_info(next(remote)) for info in infos]
+        done = [i for i in infos if i is not None]
+        hits = next((j for j, i in enumerate(done) if not i.present), len(done))
+        return LookupResult(done, hits if prefix_chain else 0)
 
     def contains(self, key: bytes, *, namespace: str | None = None,
                  request_id: str | None = None) -> bool:
@@ -374,6 +465,9 @@ class Client:
                request_id: str | None = None) -> int:
         keys = [key] if isinstance(key, (bytes, bytearray)) else list(key)
         req = pb.DeleteRequest(namespace=self._ns(namespace), keys=[check_key(k) for k in keys])
+        if self.local is not None:
+            for k in req.keys:
+                self.local.discard(req.namespace, k)
         md = self.metadata(request_id)
         return int(self._call(lambda: self._stub.Delete(req, timeout=self.timeout_s,
                                                         metadata=md)).deleted)
@@ -400,6 +494,30 @@ def same_host(address: str) -> bool:
     host = address.rsplit(":", 1)[0] if ":" in address else address
     host = host.strip("[]").lower()
     return host in ("localhost", "::1", "ip6-localhost") or host.startswith("127.")
+
+
+def _key_info(info: pb.KeyInfo) -> KeyInfo:
+    return KeyInfo(info.present, info.tier, info.size_bytes)
+
+
+def _checked_layout(got: Fetched, layout: KVLayout | None) -> Fetched:
+    """``got`` when its layout is the one the caller expects (as the server checks)."""
+    if layout is not None:
+        have = parse_header(got.parts.header).layout.fingerprint
+        if have != layout.fingerprint:
+            raise LayoutMismatch(f"entry has layout {have}, caller expects {layout.fingerprint}")
+    return got
+
+
+def _tee(call: Iterator[Any], header: bytes, on_complete: Callable[[EncodedParts], object]
+         ) -> Iterator[Any]:
+    """The messages of ``call``, handing the whole entry to ``on_complete`` after the last."""
+    data: list[bytes] = []
+    for msg in call:
+        data.append(bytes(msg.frame.data))
+        yield msg
+    whole = parse_container(b"".join([header, *data]), verify=False)
+    on_complete(EncodedParts(whole.header.raw, list(whole.frames)))  # type: ignore[arg-type]
 
 
 def _encoded(kv: KVCache | EncodedParts, mode: str, level: str,

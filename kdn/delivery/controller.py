@@ -68,14 +68,20 @@ class LoadingController:
                 old = self.decode_b_s.get(encoding, kv_bytes / seconds)
                 self.decode_b_s[encoding] = self._ewma(old, kv_bytes / seconds)
 
-    def estimate(self, encoding: str, stored_bytes: int, kv_bytes: int) -> float:
-        return stored_bytes / self.bandwidth_b_s + kv_bytes / self.decode_b_s.get(encoding, 1e9)
+    def estimate(self, encoding: str, stored_bytes: int, kv_bytes: int,
+                 local: bool = False) -> float:
+        """Seconds to usable KV: transfer (none for an entry in the engine's own process) plus
+        decode."""
+        transfer = 0.0 if local else stored_bytes / self.bandwidth_b_s
+        return transfer + kv_bytes / self.decode_b_s.get(encoding, 1e9)
 
     def choose(self, tokens: int, kv_bytes: int, stored: dict[str, int],
-               override: str | None = None) -> Decision:
+               override: str | None = None, local: frozenset[str] = frozenset()) -> Decision:
         """Pick for ``tokens`` tokens whose KV is ``kv_bytes`` bytes; ``stored`` maps each
-        available encoding to its stored size (a missing encoding is simply absent)."""
-        est = {enc: self.estimate(enc, size, kv_bytes) for enc, size in stored.items()}
+        available encoding to its stored size (a missing encoding is simply absent); ``local``
+        names the encodings the in-process tier holds."""
+        est = {enc: self.estimate(enc, size, kv_bytes, enc in local)
+               for enc, size in stored.items()}
         est[RECOMPUTE] = tokens / self.prefill_tok_s if tokens else 0.0
         if override is not None:
             if override != RECOMPUTE and override not in stored:

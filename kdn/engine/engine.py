@@ -35,6 +35,7 @@ import torch
 from kdn import keys
 from kdn.cache import KVCache, LayerKV
 from kdn.client import Client
+from kdn.client.local import TIER as LOCAL_TIER
 from kdn.client.stream import LayerStream
 from kdn.delivery import RECOMPUTE, LoadingController, encoding_name
 from kdn.engine.connector import KVConnector
@@ -78,6 +79,8 @@ class Timings:
     reused_tokens: int = 0
     computed_tokens: int = 0
     decision: str = RECOMPUTE
+    local_blocks: int = 0
+    """Blocks read from the client's in-process tier (no transfer)."""
 
 
 @dataclass
@@ -124,9 +127,10 @@ class KDNEngine(KVConnector):
         usable = (len(ids) - 1) // c
         return keys.prefix_keys(list(ids[: usable * c]), self.layout, self.config.namespace, c)
 
-    def _present(self, chain: list[bytes]) -> tuple[int, dict[str, int]]:
+    def _present(self, chain: list[bytes]) -> tuple[int, dict[str, int], frozenset[str]]:
         """(leading blocks present in the best encoding, stored bytes of those blocks by
-        encoding name, for each encoding holding all of them): one batched Lookup."""
+        encoding name for each encoding holding all of them, the encodings whose blocks are
+        all in the client's in-process tier): one batched Lookup."""
         names = [encoding_name(m, lv) for m, lv in self.config.encodings]
         probe = [keys.variant_key(k, n) for n in names for k in chain]
         infos = self.client.lookup(probe, namespace=self.config.namespace).infos
@@ -137,7 +141,9 @@ class KDNEngine(KVConnector):
         best = max(hits.values(), default=0)
         stored = {name: sum(info.size_bytes for info in rows[name][:best])
                   for name in names if best and hits[name] == best}
-        return best, stored
+        local = frozenset(name for name in stored
+                          if all(info.tier == LOCAL_TIER for info in rows[name][:best]))
+        return best, stored, local
 
     def matched_tokens(self, token_ids: Sequence[int]) -> int:
         chain = self._chain(token_ids)
@@ -153,20 +159,20 @@ class KDNEngine(KVConnector):
         if not chain or force == RECOMPUTE:
             return 0
         t0 = time.perf_counter()
-        hits, stored = self._present(chain)
+        hits, stored, local = self._present(chain)
         t.lookup_s = time.perf_counter() - t0
         tokens = hits * c
         decision = self.controller.choose(tokens, tokens * self.layout.bytes_per_token, stored,
-                                          override=force)
+                                          override=force, local=local)
         if decision.choice == RECOMPUTE or not hits:
             return 0
-        for k in chain[:hits]:
-            s = self.client.retrieve_stream(keys.variant_key(k, decision.choice),
-                                            namespace=self.config.namespace, layout=self.layout)
-            if s is None:  # evicted between lookup and retrieve
-                self.finish()
-                return 0
-            self._streams.append(s)
+        streams = self.client.retrieve_streams(
+            [keys.variant_key(k, decision.choice) for k in chain[:hits]],
+            namespace=self.config.namespace, layout=self.layout)
+        self._streams = [s for s in streams if s is not None]
+        if len(self._streams) < hits:  # evicted between lookup and retrieve
+            self.finish()
+            return 0
         t.decision = decision.choice
         self._loaded_blocks = hits
         return tokens
@@ -241,14 +247,19 @@ class KDNEngine(KVConnector):
         return Generation(text, new, t, store_thread)
 
     def _observe(self, streams: list[LayerStream], choice: str, reused: int, t: Timings) -> None:
+        t.local_blocks = sum(s.tier == LOCAL_TIER for s in streams)
+        remote = [s for s in streams if s.tier != LOCAL_TIER]
+        if remote:  # the link's bandwidth, from what crossed it
+            start = min(s.timings.started for s in remote)
+            last = max(s.timings.last_frame_received for s in remote)
+            nbytes = sum(s.timings.bytes_received for s in remote)
+            self.controller.observe_transfer(nbytes, max(0.0, last - start))
         if streams:
             start = min(s.timings.started for s in streams)
             last = max(s.timings.last_frame_received for s in streams)
             ready = max(max(s.timings.layer_ready.values()) for s in streams)
-            nbytes = sum(s.timings.bytes_received for s in streams)
             t.transfer_s = max(0.0, last - start)
             t.decode_s = max(0.0, ready - last)
-            self.controller.observe_transfer(nbytes, t.transfer_s)
             kv_bytes = reused * self.layout.bytes_per_token
             self.controller.observe_decode(choice, kv_bytes, max(t.decode_s, 1e-4))
         else:

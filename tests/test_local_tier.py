@@ -1,0 +1,109 @@
+"""The in-process tier (kdn.client.local): an LRU in front of the server, same keys, checksums
+checked on every use, visible to lookup, the engine's timings and the loading controller."""
+
+from __future__ import annotations
+
+import pytest
+
+from kdn import codec
+from kdn.client import Client
+from kdn.client.local import LocalTier
+from kdn.delivery import LoadingController
+from kdn.engine import EngineConfig, KDNEngine
+from kdn.errors import Corrupt, LayoutMismatch
+from kdn.server import ServerThread
+from tests.helpers import pruned_layout, random_kv, uniform_layout
+from tests.test_blend import ids, tiny
+from tests.test_rag import CharTokenizer
+
+LAYOUT = uniform_layout()
+
+
+def _key(i: int) -> bytes:
+    return i.to_bytes(4, "little") * 8
+
+
+def test_lru_by_bytes() -> None:
+    parts = [codec.encode_parts(random_kv(LAYOUT, 20, seed=i), "raw") for i in range(4)]
+    size = parts[0].nbytes
+    tier = LocalTier(3 * size)
+    for i in range(3):
+        tier.put("ns", _key(i), parts[i])
+    assert tier.get("ns", _key(0)) is not None  # 0 is now the most recent
+    tier.put("ns", _key(3), parts[3])  # over budget: 1, the least recent, goes
+    assert tier.contains("ns", _key(1)) is None and tier.stats.evictions == 1
+    assert tier.contains("other", _key(0)) is None  # namespaces are apart
+    got = tier.get("ns", _key(3))
+    assert got is not None and codec.decode(got.to_bytes()).equal(random_kv(LAYOUT, 20, seed=3))
+    tier.discard("ns", _key(3))
+    assert tier.get("ns", _key(3)) is None
+    assert (tier.stats.hits, tier.stats.misses, tier.stats.entries) == (2, 1, 2)
+    tier.put("ns", _key(9), codec.encode_parts(random_kv(LAYOUT, 200, seed=9), "raw"))
+    assert tier.contains("ns", _key(9)) is None  # larger than the whole tier: not kept
+
+
+def _served(client: Client) -> int:
+    c = client.stats().counters
+    return int(c.get("getmany.hit", 0) + c.get("retrieve.hit", 0))
+
+
+@pytest.mark.parametrize("shm", [None, 0], ids=["segment", "stream"])
+def test_hits_cost_no_call_to_the_server(server: ServerThread, shm: int | None) -> None:
+    with Client(server.address, shm_bytes=shm, local_bytes=8 << 20) as c, \
+            Client(server.address) as other:
+        kv = random_kv(pruned_layout(), 30, seed=1)
+        other.store(_key(1), kv)
+        before = _served(c)
+        assert c.retrieve(_key(1), layout=pruned_layout()).equal(kv)  # type: ignore[union-attr]
+        assert _served(c) == before + 1  # the first read went to the server and filled L1
+        info = c.lookup([_key(1), _key(2)]).infos
+        assert (info[0].tier, info[1].present) == ("inproc", False)
+        for _ in range(3):
+            stream = c.retrieve_stream(_key(1))
+            assert stream is not None and stream.tier == "inproc"
+            assert stream.result().equal(kv)
+        assert c.fetch_many([_key(1)])[0].tier == "inproc"  # type: ignore[union-attr]
+        assert _served(c) == before + 1
+        with pytest.raises(LayoutMismatch):
+            c.retrieve(_key(1), layout=LAYOUT)
+        mine = random_kv(LAYOUT, 12, seed=2)
+        c.store(_key(3), mine)  # filled on store
+        assert c.lookup([_key(3)]).infos[0].tier == "inproc"
+        c.delete(_key(3))
+        assert c.retrieve(_key(3)) is None
+
+
+def test_damaged_local_bytes_are_never_decoded(server: ServerThread) -> None:
+    with Client(server.address, local_bytes=8 << 20) as c:
+        kv = random_kv(LAYOUT, 16, seed=4)
+        c.store(_key(4), kv, mode="raw")
+        assert c.local is not None
+        buf = c.local._entries[("default", _key(4))]
+        buf[-2] ^= 0xFF
+        with pytest.raises(Corrupt):
+            c.retrieve(_key(4))
+
+
+def test_engine_reads_blocks_from_its_process_and_the_controller_knows(
+        server: ServerThread) -> None:
+    controller = LoadingController(bandwidth_b_s=1.0)  # a link so slow only L1 can win
+    model = tiny("llama")
+    import tempfile
+    from pathlib import Path
+
+    from kdn.server import ServerConfig
+
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = ServerConfig(port=0, data_dir=Path(tmp) / "d", ram_bytes=64 << 20,
+                           disk_bytes=0)
+        with ServerThread(cfg) as st, Client(st.address, local_bytes=64 << 20) as c:
+            engine = KDNEngine(model, CharTokenizer(), c, EngineConfig(chunk_tokens=16),
+                               controller)
+            prompt = ids(70, seed=5)
+            first = engine.generate(prompt, max_new_tokens=3)
+            engine.wait_for_save(30)
+            again = engine.generate(prompt, max_new_tokens=3)
+            assert again.timings.decision == "lossless" and again.timings.local_blocks == 4
+            assert again.token_ids == first.token_ids
+            assert controller.estimate("lossless", 10**9, 10**6, local=True) < \
+                controller.estimate("lossless", 10**9, 10**6)
