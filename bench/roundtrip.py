@@ -1,13 +1,21 @@
-"""Store + retrieve throughput of uncompressed KV through kdn vs raw gRPC streaming.
+"""Every data-plane path of kdn next to the limit it is compared with, measured in one run.
 
     python -m bench.roundtrip [--quick] --out bench/results/roundtrip.json
 
-Both sides run in this process on 127.0.0.1 with the same gRPC options and stream the same bytes
-in messages of the same size (one message per layer frame). The raw baseline is a bare gRPC
-service whose Put keeps the joined bytes in a dict and whose Get streams them back: transport
-only. kdn adds encoding (raw mode), header/frame checksums and shape checks, the tier put, and on
-retrieve the frame split plus (for ``retrieve``) building per-layer tensors; ``fetch`` stops at
-bytes, like the baseline.
+Uncompressed (``raw``) SmolLM2-shaped fp16 KV, RAM tier, loopback, server and client in this
+process. One row per (op, path, size): ``bytes``, ``seconds`` (median), ``gb_s``, and ``limit``
++ ``ratio_to_limit`` naming the limit row it is compared with:
+
+    memcpy       numpy copy of the same bytes between warm buffers (the same-host limit)
+    raw-grpc     a bare gRPC service streaming the same frames (transport only; put/get)
+    h2d-pinned   pinned host -> device copy (GPU hosts only)
+    grpc-1       kdn over one gRPC stream (a client on another host): limit raw-grpc
+    shm          kdn through the client's shared segment (same host): limit memcpy
+    inproc       kdn from the client's in-process tier: limit memcpy
+    batch-shm / batch-inline   64 entries of ~1 MiB in one call: limit memcpy / raw-grpc
+
+``store`` sends a pre-encoded entry, ``fetch`` returns the undecoded container, ``retrieve``
+returns CPU tensors (checksums verified). The stream path keeps one message per layer frame.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import numpy as np
 import torch
 
 from bench.common import arg_parser, figure, median, print_table, save_figure, timed, write_json
@@ -93,38 +102,95 @@ def raw_client(port: int) -> tuple[Any, Any, grpc.Channel]:
     return ch.stream_unary("/raw.Raw/Put"), ch.unary_stream("/raw.Raw/Get"), ch
 
 
-def measure(client: Client, put: Any, get: Any, layout: KVLayout, tokens: int,
+def _row(op: str, path: str, tokens: int, nbytes: int, ts: list[float], limit: str,
+         limits: dict[tuple[str, int], float]) -> dict[str, Any]:
+    sec = median(ts)
+    gbs = nbytes / sec / 1e9
+    base = limits.get((limit, tokens), 0.0)
+    return {"op": op, "path": path, "tokens": tokens, "bytes": nbytes, "seconds": sec,
+            "gb_s": gbs, "limit": limit, "ratio_to_limit": gbs / base if base else None}
+
+
+def memcpy_s(nbytes: int, repeat: int) -> list[float]:
+    src = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
+    dst = np.empty_like(src)
+    return timed(lambda: np.copyto(dst, src), repeat)
+
+
+def h2d_s(nbytes: int, repeat: int) -> list[float] | None:
+    if not torch.cuda.is_available():
+        return None
+    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+
+    def copy() -> None:
+        dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize()
+
+    return timed(copy, repeat)
+
+
+def measure(clients: dict[str, Client], put: Any, get: Any, layout: KVLayout, tokens: int,
             repeat: int) -> list[dict[str, Any]]:
-    """Rows for one context length: kdn store/fetch/retrieve next to raw put/get."""
+    """Rows for one context length: limits first, then every kdn path."""
     kv = random_cache(layout, tokens)
     parts = codec.encode_parts(kv, "raw")
     key = keys.chunk_key(list(range(tokens)), layout)
     msgs = [key, parts.header, *parts.frames]
-    nbytes = kv.nbytes
+    nbytes = parts.nbytes
 
     def raw_get() -> None:
         got = list(get(key))
-        assert sum(map(len, got)) >= nbytes
+        assert sum(map(len, got)) >= kv.nbytes
 
-    raw_put_gbs = nbytes / median(timed(lambda: put(iter(msgs)), repeat)) / 1e9
-    raw_get_gbs = nbytes / median(timed(raw_get, repeat)) / 1e9
-    t_put = timed(lambda: client.store(key, kv, mode="raw"), repeat)
-    t_put_enc = timed(lambda: client.store(key, parts), repeat)
-    t_fetch = timed(lambda: client.fetch(key), repeat)
-    t_get = timed(lambda: client.retrieve(key, layout=layout), repeat)
-    back = client.retrieve(key, layout=layout)
-    assert back is not None and back.equal(kv)
+    limits: dict[tuple[str, int], float] = {}
     rows = []
-    for op, ts, base in (
-        ("store", t_put, raw_put_gbs),
-        ("store-preencoded", t_put_enc, raw_put_gbs),
-        ("fetch", t_fetch, raw_get_gbs),
-        ("retrieve", t_get, raw_get_gbs),
-    ):
-        gbs = nbytes / median(ts) / 1e9
-        rows.append({"op": op, "tokens": tokens, "mib": round(nbytes / 2**20, 1),
-                     "kdn_gb_s": gbs, "raw_grpc_gb_s": base, "ratio_vs_raw": gbs / base,
-                     "kdn_ms": median(ts) * 1e3})
+    for op, path, ts in (("copy", "memcpy", memcpy_s(nbytes, repeat)),
+                         ("put", "raw-grpc", timed(lambda: put(iter(msgs)), repeat)),
+                         ("get", "raw-grpc", timed(raw_get, repeat)),
+                         ("copy", "h2d-pinned", h2d_s(nbytes, repeat))):
+        if ts is None:
+            continue
+        row = _row(op, path, tokens, nbytes, ts, "", limits)
+        limits[(path if op == "copy" else f"{path}-{op}", tokens)] = row["gb_s"]
+        rows.append(row)
+    limits[("raw-grpc", tokens)] = max(limits[("raw-grpc-put", tokens)],
+                                       limits[("raw-grpc-get", tokens)])
+    for path, client in clients.items():
+        limit = "raw-grpc" if path == "grpc-1" else "memcpy"
+        client.store(key, parts)
+        if path == "inproc":  # reads only: the tier is filled by the store above
+            ops = [("fetch", lambda c=client: c.fetch(key)),
+                   ("retrieve", lambda c=client: c.retrieve(key, layout=layout))]
+        else:
+            ops = [("store", lambda c=client: c.store(key, parts)),
+                   ("fetch", lambda c=client: c.fetch(key)),
+                   ("retrieve", lambda c=client: c.retrieve(key, layout=layout))]
+        for op, fn in ops:
+            rows.append(_row(op, path, tokens, nbytes, timed(fn, repeat), limit, limits))
+        back = client.retrieve(key, layout=layout)
+        assert back is not None and back.equal(kv), path
+    return rows
+
+
+def batch_rows(clients: dict[str, Client], layout: KVLayout, repeat: int,
+               limits: dict[tuple[str, int], float]) -> list[dict[str, Any]]:
+    """64 entries of ~1 MiB each, stored and fetched in one call per path."""
+    tokens = 64 * 2**20 // (layout.bytes_per_token * 64)
+    items = [(keys.chunk_key([i, 1], layout), codec.encode_parts(
+        random_cache(layout, tokens), "raw")) for i in range(64)]
+    nbytes = sum(p.nbytes for _, p in items)
+    ks = [k for k, _ in items]
+    rows = []
+    for path, client, limit in (("batch-shm", clients["shm"], "memcpy"),
+                                ("batch-inline", clients["grpc-1"], "raw-grpc")):
+        rows.append(_row("store", path, tokens * 64, nbytes,
+                         timed(lambda c=client: c.store_many(items), repeat), limit, limits))
+        rows.append(_row("fetch", path, tokens * 64, nbytes,
+                         timed(lambda c=client: c.fetch_many(ks), repeat), limit, limits))
+    loop = clients["grpc-1"]
+    rows.append(_row("fetch", "loop-grpc-1", tokens * 64, nbytes,
+                     timed(lambda: [loop.fetch(k) for k in ks], repeat), "raw-grpc", limits))
     return rows
 
 
@@ -133,43 +199,70 @@ def run(tokens_list: list[int], repeat: int, out: Path) -> list[dict[str, Any]]:
     raw = RawServer()
     put, get, ch = raw_client(raw.port)
     rows: list[dict[str, Any]] = []
+    big = 512 << 20
     with tempfile.TemporaryDirectory() as tmp:
-        cfg = ServerConfig(port=0, data_dir=Path(tmp), ram_bytes=4 << 30, disk_bytes=0,
-                           max_message_bytes=256 << 20, max_entry_bytes=4 << 30)
-        with ServerThread(cfg) as st, Client(st.address, max_message_bytes=256 << 20) as client:
+        cfg = ServerConfig(port=0, data_dir=Path(tmp), ram_bytes=8 << 30, disk_bytes=0,
+                           max_message_bytes=big, max_entry_bytes=4 << 30)
+        with ServerThread(cfg) as st:
+            clients = {
+                "grpc-1": Client(st.address, max_message_bytes=big, shm_bytes=0),
+                "shm": Client(st.address, max_message_bytes=big, shm_bytes=1 << 30),
+                "inproc": Client(st.address, max_message_bytes=big, shm_bytes=0,
+                                 local_bytes=2 << 30),
+            }
             for tokens in tokens_list:
-                rows += measure(client, put, get, layout, tokens, repeat)
+                rows += measure(clients, put, get, layout, tokens, repeat)
+            limits = {(r["path"], r["tokens"]): r["gb_s"] for r in rows if r["op"] == "copy"}
+            limits.update({("raw-grpc", r["tokens"]): max(
+                x["gb_s"] for x in rows if x["path"] == "raw-grpc" and x["tokens"] == r["tokens"])
+                for r in rows if r["path"] == "raw-grpc"})
+            batch = batch_rows(clients, layout, repeat, {})
+            n = batch[0]["tokens"]
+            memcpy = memcpy_s(batch[0]["bytes"], repeat)
+            limits[("memcpy", n)] = batch[0]["bytes"] / median(memcpy) / 1e9
+            limits[("raw-grpc", n)] = max(v for (p, _), v in limits.items() if p == "raw-grpc")
+            for r in batch:
+                base = limits.get((r["limit"], n))
+                r["ratio_to_limit"] = r["gb_s"] / base if base else None
+            rows += batch
+            for c in clients.values():
+                c.close()
     ch.close()
     raw.stop()
-    print_table(rows, ["op", "tokens", "mib", "kdn_gb_s", "raw_grpc_gb_s", "ratio_vs_raw",
-                       "kdn_ms"])
+    print_table(rows, ["op", "path", "tokens", "bytes", "gb_s", "limit", "ratio_to_limit"])
     write_json(out, "roundtrip", rows, repeat=repeat, layout="30 layers x 3 heads x 64 fp16",
-               message="one gRPC message per layer frame on both sides")
+               message="one gRPC message per layer frame on the stream paths",
+               server="in this process (ServerThread), RAM tier only")
     plot(rows, out.with_suffix(".png"))
     return rows
 
 
 def plot(rows: list[dict[str, Any]], path: Path) -> None:
-    ops = sorted({r["op"] for r in rows}, key=[r["op"] for r in rows].index)
-    toks = sorted({r["tokens"] for r in rows})
-    fig, ax = figure(8, 4)
-    width = 0.8 / (len(toks) * 2)
-    for j, t in enumerate(toks):
-        sel = [next(r for r in rows if r["op"] == op and r["tokens"] == t) for op in ops]
-        xs = [i + (2 * j) * width for i in range(len(ops))]
-        ax.bar(xs, [r["kdn_gb_s"] for r in sel], width, label=f"kdn {t} tok")
-        ax.bar([x + width for x in xs], [r["raw_grpc_gb_s"] for r in sel], width,
-               label=f"raw gRPC {t} tok", alpha=0.5)
-    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(ops))], ops)
-    ax.set_ylabel("GB/s (fp16 KV bytes)")
-    ax.set_title("kdn vs raw gRPC streaming, loopback")
-    ax.legend(fontsize=7)
+    sel = [r for r in rows if r["op"] in ("fetch", "retrieve", "store") and
+           not r["path"].startswith(("batch", "loop"))]
+    toks = sorted({r["tokens"] for r in sel})
+    series = sorted({(r["op"], r["path"]) for r in sel})
+    fig, ax = figure(9, 4.5)
+    width = 0.8 / len(series)
+    for j, (op, p) in enumerate(series):
+        ys = [next((r["gb_s"] for r in sel if r["tokens"] == t and r["op"] == op
+                    and r["path"] == p), 0) for t in toks]
+        ax.bar([i + j * width for i in range(len(toks))], ys, width, label=f"{op} {p}")
+    for lim, style in (("memcpy", "--"), ("raw-grpc", ":")):
+        ys = [max((r["gb_s"] for r in rows if r["path"] == lim and r["tokens"] == t),
+                  default=0) for t in toks]
+        ax.plot([i + 0.4 for i in range(len(toks))], ys, style, color="k", label=lim)
+    ax.set_xticks([i + 0.4 for i in range(len(toks))], [f"{t} tok" for t in toks])
+    ax.set_ylabel("GB/s")
+    ax.set_yscale("log")
+    ax.set_title("kdn data-plane paths vs memcpy and raw gRPC (loopback, RAM tier)")
+    ax.legend(fontsize=6, ncol=3)
     save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> None:
     ns = arg_parser(__doc__, "roundtrip", "one small size, few repeats").parse_args(argv)
-    run([512] if ns.quick else [512, 2048, 4096], 3 if ns.quick else 7, ns.out)
+    run([512, 2048] if ns.quick else [512, 2048, 8192], 3 if ns.quick else 7, ns.out)
 
 
 if __name__ == "__main__":

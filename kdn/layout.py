@@ -19,6 +19,7 @@ process and on every machine) that keys and stored entries carry.
 from __future__ import annotations
 
 import enum
+import functools
 import hashlib
 import json
 from dataclasses import dataclass, field
@@ -227,9 +228,10 @@ class KVLayout:
         except (KeyError, TypeError, ValueError) as exc:
             raise InvalidLayout(f"malformed layout description: {exc}") from exc
 
-    @property
+    @functools.cached_property
     def fingerprint(self) -> str:
-        """Stable hex digest of everything that determines how the cache's bytes are read."""
+        """Stable hex digest of everything that determines how the cache's bytes are read
+        (computed once per layout object)."""
         d = self.to_dict()
         d.pop("model_name")
         return _digest(d)

@@ -20,6 +20,7 @@ This module knows nothing about how a mode turns tensors into bodies; see ``kdn.
 from __future__ import annotations
 
 import struct
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -100,6 +101,26 @@ def layout_from_proto(msg: pb.Layout) -> KVLayout:
     )
 
 
+_LAYOUTS: dict[bytes, KVLayout] = {}
+_LAYOUTS_MAX = 256
+_LAYOUTS_LOCK = threading.Lock()
+
+
+def _layout_of(msg: pb.Layout) -> KVLayout:
+    """``layout_from_proto``, memoised on the message's bytes: every entry of a model carries
+    the same layout, and building one (and its fingerprint) costs more than the rest of a
+    header parse. Layouts are immutable, so sharing them is safe."""
+    key = msg.SerializeToString(deterministic=True)
+    layout = _LAYOUTS.get(key)
+    if layout is None:
+        layout = layout_from_proto(msg)
+        with _LAYOUTS_LOCK:
+            if len(_LAYOUTS) >= _LAYOUTS_MAX:
+                _LAYOUTS.pop(next(iter(_LAYOUTS)))
+            _LAYOUTS[key] = layout
+    return layout
+
+
 # ------------------------------------------------------------------ header
 
 
@@ -161,7 +182,7 @@ def parse_header(buf: bytes | memoryview) -> Header:
         entry.ParseFromString(raw[_HEAD.size : size - _HEAD_SUM.size])
     except Exception as exc:  # protobuf raises DecodeError, a bare Exception subclass
         raise Corrupt(f"container header does not parse: {exc}") from exc
-    layout = layout_from_proto(entry.layout)
+    layout = _layout_of(entry.layout)
     for i, lay in enumerate(layout.layers):
         declared = lay.kv_heads * entry.tokens * (lay.k_channels + lay.v_channels)
         if declared * layout.dtype.itemsize > MAX_LAYER_BYTES:
