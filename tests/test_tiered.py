@@ -17,7 +17,7 @@ from kdn.options import StoreOptions
 from kdn.server import ServerConfig, ServerThread
 from kdn.store.lmdb import LmdbTier
 from kdn.store.ram import RamTier
-from kdn.store.tiered import Durability, TieredStore, WritePolicy
+from kdn.store.tiered import Durability, Hit, TieredStore, WritePolicy
 from tests.helpers import eventually, random_kv, uniform_layout
 
 
@@ -186,6 +186,29 @@ def test_corrupt_ram_copy_falls_back_to_good_disk_copy(make: Callable[..., Tiere
     assert hit is not None and hit.value == good and hit.tier == "disk"
     assert ram.get(b"k") == good  # repaired by promotion
     assert store.counters["corrupt"] == 1
+
+
+def test_a_ram_value_is_hashed_once_and_a_new_write_is_checked_again(tmp_path: Path) -> None:
+    checked: list[bytes] = []
+
+    def counting(value: bytes) -> None:
+        checked.append(value)
+        check(value)
+
+    ram, disk = RamTier(1 << 20), LmdbTier(tmp_path / "l", capacity_bytes=8 << 20)
+    store = TieredStore([ram, disk], verify=counting)
+    try:
+        good = entry(3000)
+        store.put(b"k", good)
+        for _ in range(3):
+            assert store.get(b"k") == Hit(good, "ram")
+        assert len(checked) == 1  # the same immutable value: checked on its first read only
+        ram.put(b"k", damage(good))  # a new value under the key: a new stamp
+        hit = store.get(b"k")
+        assert hit is not None and hit.value == good and hit.tier == "disk"
+        assert store.counters["corrupt"] == 1 and len(checked) == 3
+    finally:
+        store.close()
 
 
 def test_lookup_and_delete(make: Callable[..., TieredStore]) -> None:

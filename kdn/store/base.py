@@ -132,6 +132,13 @@ class Tier(abc.ABC):
     def delete_many(self, keys: list[bytes]) -> int:
         return sum(self.delete(k) for k in keys)
 
+    def get_stamped(self, key: bytes) -> tuple[bytes, int] | None:
+        """The value and the stamp of the write that stored it: a tier whose values can not
+        change in place (they live in this process) gives every write a new stamp > 0, so the
+        hierarchy checks a value once, not on every read; 0 means "check it every time"."""
+        value = self.get(key)
+        return None if value is None else (value, 0)
+
     def size_of(self, key: bytes) -> int | None:
         """Stored size of ``key`` in bytes, or None when absent."""
         v = self.get(key)

@@ -9,6 +9,7 @@ seconds the entry had left or None). Entries larger than the whole budget are re
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections import OrderedDict
@@ -40,6 +41,8 @@ class RamTier(Tier):
         self._expiry: dict[bytes, float] = {}  # only entries with a TTL; monotonic deadline
         self._bytes = 0
         self._lock = threading.Lock()
+        self._stamps: dict[bytes, int] = {}  # key -> number of the put that stored its value
+        self._next_stamp = itertools.count(1)
 
     def _live(self, key: bytes) -> bool:
         """Whether ``key`` is held and unexpired (removing it when expired); caller locks."""
@@ -57,6 +60,7 @@ class RamTier(Tier):
         if value is None:
             return None
         self._expiry.pop(key, None)
+        self._stamps.pop(key, None)
         self._bytes -= len(value)
         return value
 
@@ -65,13 +69,18 @@ class RamTier(Tier):
             return self._live(key)
 
     def get(self, key: bytes) -> bytes | None:
+        got = self.get_stamped(key)
+        return None if got is None else got[0]
+
+    def get_stamped(self, key: bytes) -> tuple[bytes, int] | None:
+        """Values are immutable bytes held in this process: a put's stamp names its value."""
         with self._lock:
             if not self._live(key):
                 self.counters.misses += 1
                 return None
             self._data.move_to_end(key)
             self.counters.hits += 1
-            return self._data[key]
+            return self._data[key], self._stamps[key]
 
     def size_of(self, key: bytes) -> int | None:
         with self._lock:
@@ -92,6 +101,7 @@ class RamTier(Tier):
         with self._lock:
             self._remove(key)
             self._data[key] = value
+            self._stamps[key] = next(self._next_stamp)
             if ttl_s:
                 self._expiry[key] = time.monotonic() + ttl_s
             self._bytes += len(value)

@@ -10,7 +10,10 @@ shutdown, after in-flight RPCs finish: it flushes every write queue (bounded by
 Reads go through the tiers in order, skipping tiers that are down. Every value about to be
 returned is checked with ``verify``: one that fails is removed from that tier, counted
 (``corrupt``) and treated as a miss there, so another tier's good copy is served instead, and a
-damaged value never is. A value still in a tier's write queue is served as if the tier held it
+damaged value never is. A tier whose values live in this process and can not change in place
+(RAM: immutable bytes) stamps every write (``Tier.get_stamped``); a value is checked on its
+first read and its later reads are not hashed again, until a write gives the key a new stamp.
+A value still in a tier's write queue is served as if the tier held it
 (a pending delete hides what the tier holds). A hit below the first tier is promoted: into the
 first tier (RAM) at once, into other tiers above it through their write queues, keeping the
 entry's remaining TTL.
@@ -60,6 +63,8 @@ __all__ = ["Durability", "Hit", "Presence", "TieredStore", "WritePolicy"]
 
 log = logging.getLogger(__name__)
 _STRIPES = 64
+_CHECKED_MAX = 1 << 20
+"""Stamps of checked values remembered at most (then forgotten at once and re-learnt)."""
 
 # What the error calls the tier a durability level needs when the server has none (the tier
 # itself is found by its traits, ``Tier.satisfies``).
@@ -112,6 +117,7 @@ class TieredStore:
         self.probe_interval_s = probe_interval_s
         self.flush_timeout_s = flush_timeout_s
         self._pins: set[bytes] = set()
+        self._checked: dict[tuple[str, bytes], int] = {}  # (tier, key) -> stamp checked
         self._lock = threading.Lock()
         self._stripes = [threading.Lock() for _ in range(_STRIPES)]
         self.counters: dict[str, int] = {}
@@ -198,9 +204,17 @@ class TieredStore:
                 return Hit(item.value, tier.name)
             if not self.is_up(tier.name):
                 continue
-            value = guard(tier, partial(tier.get, key), "get")
-            if value is None or not self._verified(tier, key, value):
+            got = guard(tier, partial(tier.get_stamped, key), "get")
+            if got is None:
                 continue
+            value, stamp = got
+            if not (stamp and self._checked.get((tier.name, key)) == stamp):
+                if not self._verified(tier, key, value):
+                    continue
+                if stamp:  # this very value was checked: its later reads are not re-hashed
+                    if len(self._checked) >= _CHECKED_MAX:
+                        self._checked.clear()
+                    self._checked[(tier.name, key)] = stamp
             if i > 0:
                 ttl = guard(tier, partial(tier.ttl_remaining, key), "ttl_remaining")
                 self._promote(i, key, value, ttl)
