@@ -6,17 +6,47 @@ Retrieve, so both sides write their protobuf encoding directly. ``StoreRequest``
 ``RetrieveResponse`` both carry ``Frame frame = 2`` in their oneof, so one encoding serves both:
 field 2 holding Frame{1: index (varint), 2: data (bytes)}. The server's Retrieve and the
 client's Store use ``serialize_passthrough``, which sends such bytes as they are.
-``tests/test_wire.py`` checks that the generated classes parse them to the same messages.
+
+The receiving sides read them back without the generated classes too: ``parse_frame_message``
+turns a message of exactly that form into a ``FrameMessage`` whose ``frame.data`` is a view of
+the received bytes (the generated parser copies the frame in, and every read of ``data`` copies
+it out again). ``retrieve_response`` and ``store_request`` are the deserializers of the client's
+Retrieve and the server's Store: a frame message that way, anything else (headers, or frames
+encoded by another protobuf library in another valid form) by the generated class.
+``tests/test_wire.py`` checks that the generated classes agree with both directions.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
+
+from kdn.v1 import kdn_pb2 as pb
 
 _LEN = 2  # protobuf wire type for length-delimited fields
 _FRAME_FIELD_TAG = bytes([(2 << 3) | _LEN])  # StoreRequest.frame = RetrieveResponse.frame = 2
 _FRAME_INDEX_TAG = bytes([(1 << 3) | 0])  # Frame.index = 1, varint
 _FRAME_DATA_TAG = bytes([(2 << 3) | _LEN])  # Frame.data = 2
+_UINT32_MAX = (1 << 32) - 1
+
+
+@dataclass(frozen=True, slots=True)
+class Frame:
+    """The fields of a ``Frame`` message; ``data`` may be a view of the received message."""
+
+    index: int
+    data: bytes | memoryview
+
+
+@dataclass(frozen=True, slots=True)
+class FrameMessage:
+    """A ``RetrieveResponse`` or ``StoreRequest`` carrying a frame, read as those messages are
+    read (``msg.WhichOneof("part")``, ``msg.frame.index``, ``msg.frame.data``)."""
+
+    frame: Frame
+
+    def WhichOneof(self, group: str) -> str:  # noqa: N802 - the generated classes' name
+        return "frame"
 
 
 def varint(n: int) -> bytes:
@@ -38,6 +68,57 @@ def frame_message(index: int, data: bytes | memoryview) -> bytes:
         len(data))
     inner_len = len(inner_head) + len(data)
     return b"".join((_FRAME_FIELD_TAG, varint(inner_len), inner_head, data))
+
+
+def _varint_at(buf: memoryview, pos: int) -> tuple[int, int]:
+    """(value, position after it) of the varint at ``pos``; (-1, pos) when it is cut off or
+    longer than a uint64."""
+    value = shift = 0
+    while pos < len(buf) and shift < 64:
+        b = buf[pos]
+        value |= (b & 0x7F) << shift
+        pos += 1
+        if b < 0x80:
+            return value, pos
+        shift += 7
+    return -1, pos
+
+
+def parse_frame_message(buf: bytes) -> FrameMessage | None:
+    """The frame of a serialized ``RetrieveResponse``/``StoreRequest`` holding only a frame
+    (optional index, then data: the form ``frame_message`` writes), its data a zero-copy view
+    of ``buf``; None for any other message."""
+    mv = memoryview(buf)
+    if not mv or mv[0] != _FRAME_FIELD_TAG[0]:
+        return None
+    inner, pos = _varint_at(mv, 1)
+    if inner < 0 or pos + inner != len(mv):
+        return None
+    index = 0
+    if pos < len(mv) and mv[pos] == _FRAME_INDEX_TAG[0]:
+        index, pos = _varint_at(mv, pos + 1)
+        if not 0 <= index <= _UINT32_MAX:
+            return None
+    if pos == len(mv):  # proto3 leaves out empty data
+        return FrameMessage(Frame(index, b""))
+    if mv[pos] != _FRAME_DATA_TAG[0]:
+        return None
+    size, pos = _varint_at(mv, pos + 1)
+    if size < 0 or pos + size != len(mv):
+        return None
+    return FrameMessage(Frame(index, mv[pos:]))
+
+
+def retrieve_response(buf: bytes) -> FrameMessage | pb.RetrieveResponse:
+    """Deserializer of Retrieve answers: frames without a copy, headers by the generated class."""
+    msg = parse_frame_message(buf)
+    return pb.RetrieveResponse.FromString(buf) if msg is None else msg
+
+
+def store_request(buf: bytes) -> FrameMessage | pb.StoreRequest:
+    """Deserializer of Store requests: frames without a copy, headers by the generated class."""
+    msg = parse_frame_message(buf)
+    return pb.StoreRequest.FromString(buf) if msg is None else msg
 
 
 def serialize_passthrough(message: Any) -> bytes:

@@ -11,7 +11,15 @@ import pytest
 import torch
 
 from kdn.cache import KVCache
-from kdn.codec import StreamDecoder, decode, encode, encode_parts, mode_names
+from kdn.codec import (
+    FRAME_TARGET_BYTES,
+    StreamDecoder,
+    decode,
+    encode,
+    encode_parts,
+    mode_names,
+    parse_header,
+)
 from kdn.codec.entropy import decode_streams, encode_streams
 from kdn.codec.modes import get_mode
 from kdn.codec.modes.cachegen import PARAMS as CACHEGEN
@@ -114,6 +122,23 @@ def test_unknown_mode_and_level() -> None:
         encode(kv, "nope")
     with pytest.raises(InvalidArgument):
         encode(kv, "kdn", "nope")
+
+
+def test_frames_sized_for_the_wire() -> None:
+    """layers_per_frame=0 fills frames to FRAME_TARGET_BYTES with consecutive layers (a layer
+    that large travels alone); explicit counts are kept; a negative count is refused."""
+    small = random_kv(uniform_layout(layers=10, heads=4, dim=64), tokens=64)  # 64 KiB layers
+    parts = encode_parts(small, "raw", layers_per_frame=0)
+    assert parse_header(parts.header).spans == [(0, 4), (4, 4), (8, 2)]
+    assert all(len(f) >= FRAME_TARGET_BYTES for f in parts.frames[:-1])
+    assert decode(parts.to_bytes()).equal(small)
+    big = random_kv(uniform_layout(layers=3, heads=4, dim=64), tokens=256)  # 256 KiB layers
+    assert parse_header(encode_parts(big, "raw", layers_per_frame=0).header).spans == [
+        (0, 1), (1, 1), (2, 1)]
+    assert len(encode_parts(small, "raw", layers_per_frame=3).frames) == 4
+    assert len(encode_parts(small, "lossless", layers_per_frame=0).frames) <= 3
+    with pytest.raises(InvalidArgument):
+        encode_parts(small, "raw", layers_per_frame=-1)
 
 
 def test_entropy_streams_round_trip() -> None:

@@ -48,7 +48,7 @@ from kdn.options import StoreOptions
 from kdn.status import from_grpc
 from kdn.v1 import kdn_pb2 as pb
 from kdn.v1 import kdn_pb2_grpc as pb_grpc
-from kdn.wire import frame_message, serialize_passthrough
+from kdn.wire import Frame, FrameMessage, frame_message, retrieve_response, serialize_passthrough
 
 T = TypeVar("T")
 DEFAULT_MAX_MESSAGE = 64 << 20
@@ -140,6 +140,10 @@ class Client:
         self._store_call = self._channel.stream_unary(
             "/kdn.v1.KDN/Store", request_serializer=serialize_passthrough,
             response_deserializer=pb.StoreResponse.FromString)
+        # Retrieve reads frames as views of the received messages (kdn.wire), not copies
+        self._retrieve_call = self._channel.unary_stream(
+            "/kdn.v1.KDN/Retrieve", request_serializer=pb.RetrieveRequest.SerializeToString,
+            response_deserializer=retrieve_response)
         if shm_bytes is None:
             shm_bytes = DEFAULT_SHM_BYTES if same_host(address) else 0
         self.local = LocalTier(local_bytes) if local_bytes else None
@@ -191,11 +195,12 @@ class Client:
         level: str = "",
         namespace: str | None = None,
         options: StoreOptions | None = None,
-        layers_per_frame: int = 1,
+        layers_per_frame: int = 0,
         request_id: str | None = None,
     ) -> pb.StoreResponse:
         """Store ``kv`` (encoded here with ``mode``/``level`` unless already encoded); TTL, pin
-        and durability come from ``options`` (defaults: ``StoreOptions()``)."""
+        and durability come from ``options`` (defaults: ``StoreOptions()``). Frames hold
+        ``layers_per_frame`` layers, or with 0 enough to fill ``codec.FRAME_TARGET_BYTES``."""
         check_key(key)
         parts = _encoded(kv, mode, level, layers_per_frame)
         opts = _wire_options(options)
@@ -251,10 +256,11 @@ class Client:
         md = self.metadata(request_id)
 
         def run() -> Fetched:
-            stream = self._stub.Retrieve(req, timeout=self.timeout_s, metadata=md)
+            stream = self._retrieve_call(req, timeout=self.timeout_s, metadata=md)
             first = next(stream)
-            frames = [bytes(m.frame.data) for m in stream]
-            got = Fetched(EncodedParts(first.header.container_header, frames), first.header.tier)
+            frames = [m.frame.data for m in stream]
+            got = Fetched(EncodedParts(first.header.container_header, frames),  # type: ignore[arg-type]
+                          first.header.tier)
             self._remember(req.namespace, req.key, got.parts)
             return got
 
@@ -294,13 +300,13 @@ class Client:
             local_tier, ns, k = self.local, req.namespace, req.key
             remember = lambda parts: local_tier.put(ns, k, parts)  # noqa: E731
             try:
-                return self.layer_stream(self._stub.Retrieve, req, device, request_id,
+                return self.layer_stream(self._retrieve_call, req, device, request_id,
                                          on_complete=remember)
             except NotFound:
                 return None
 
         try:
-            return self.layer_stream(self._stub.Retrieve, req, device, request_id)
+            return self.layer_stream(self._retrieve_call, req, device, request_id)
         except NotFound:
             return None
 
@@ -391,7 +397,7 @@ class Client:
 
     def store_many(self, items: Sequence[tuple[bytes, KVCache | EncodedParts]], *,
                    mode: str = "lossless", level: str = "", namespace: str | None = None,
-                   options: StoreOptions | None = None, layers_per_frame: int = 1,
+                   options: StoreOptions | None = None, layers_per_frame: int = 0,
                    request_id: str | None = None) -> list[pb.StoreResponse]:
         """Store many entries in as few calls as fit (see ``fetch_many``). Each call's items
         are all checked before any is stored: a bad item raises and stores none of them."""
@@ -541,25 +547,12 @@ def _decoder(header: bytes | memoryview, device: torch.device | str | None
     return StreamDecoder(header, "cpu" if target.type == "cuda" else target), target
 
 
-@dataclass(frozen=True)
-class _Frame:
-    index: int
-    data: bytes | memoryview
-
-
-@dataclass(frozen=True)
-class _FrameMessage:
-    """The shape of a Retrieve frame message, for entries that came another way."""
-
-    frame: _Frame
-
-
 def _stream_of(got: Fetched, device: torch.device | str | None,
                timings: StreamTimings) -> LayerStream:
     """A LayerStream over an entry already in memory (decoded on the worker pool)."""
     timings.header = time.perf_counter()
     dec, target = _decoder(got.parts.header, device)
-    frames = iter([_FrameMessage(_Frame(i, f)) for i, f in enumerate(got.parts.frames)])
+    frames = iter([FrameMessage(Frame(i, f)) for i, f in enumerate(got.parts.frames)])
     return LayerStream(dec, frames, got.tier, lambda: None, timings, target)
 
 

@@ -8,8 +8,9 @@
     for i, frame in enumerate(parts.frames):
         for layer, k, v in dec.decode_frame(i, frame): ...
 
-Frames hold ``layers_per_frame`` consecutive layers and decode independently. Per-layer work
-runs on a small thread pool (torch ops and zstd release the GIL).
+Frames hold ``layers_per_frame`` consecutive layers (0: enough to fill ``FRAME_TARGET_BYTES``, so
+small layers do not each pay a wire message) and decode independently. Per-layer work runs on
+a small thread pool (torch ops and zstd release the GIL).
 """
 
 from __future__ import annotations
@@ -53,6 +54,9 @@ __all__ = [
 ]
 
 _POOL: ThreadPoolExecutor | None = None
+FRAME_TARGET_BYTES = 256 << 10
+"""With ``layers_per_frame=0`` a frame takes consecutive layers until it holds this many bytes
+(so a layer this large is a frame of its own)."""
 
 
 def _pool() -> ThreadPoolExecutor:
@@ -82,20 +86,43 @@ def _spec(kv_layout: KVLayout, layer: int, tokens: int) -> LayerSpec:
     return LayerSpec(layer, kv_layout.num_layers, kv_layout.layers[layer], tokens, kv_layout.dtype)
 
 
+def frame_spans(layer_bytes: list[int], layers_per_frame: int) -> list[tuple[int, int]]:
+    """(first layer, layer count) of each frame for layers of ``layer_bytes`` encoded bytes:
+    ``layers_per_frame`` layers each, or with 0 consecutive layers until a frame holds
+    ``FRAME_TARGET_BYTES``."""
+    n = len(layer_bytes)
+    if layers_per_frame:
+        return [(first, min(layers_per_frame, n - first))
+                for first in range(0, n, layers_per_frame)]
+    spans: list[tuple[int, int]] = []
+    first, size = 0, 0
+    for layer, nbytes in enumerate(layer_bytes):
+        size += nbytes
+        if size >= FRAME_TARGET_BYTES or layer == n - 1:
+            spans.append((first, layer + 1 - first))
+            first, size = layer + 1, 0
+    return spans
+
+
 def encode_parts(
     kv: KVCache, mode: str = "lossless", level: str = "", *, layers_per_frame: int = 1
 ) -> EncodedParts:
-    """Encode ``kv`` into a container header and frames of ``layers_per_frame`` layers each."""
+    """Encode ``kv`` into a container header and frames of ``layers_per_frame`` layers each
+    (0: sized by ``FRAME_TARGET_BYTES``, see ``frame_spans``)."""
     codec = get_mode(mode)
     codec.check_level(level)
-    if layers_per_frame <= 0:
-        raise InvalidArgument(f"layers_per_frame must be > 0, got {layers_per_frame}")
+    if layers_per_frame < 0:
+        raise InvalidArgument(f"layers_per_frame must be >= 0, got {layers_per_frame}")
     kv.validate()
     layout, tokens = kv.layout, kv.num_tokens
-    spans = [
-        (first, min(layers_per_frame, layout.num_layers - first))
-        for first in range(0, layout.num_layers, layers_per_frame)
-    ]
+
+    def one(layer: int) -> list[Buffer]:
+        k, v = kv.layers[layer]
+        body = codec.encode_layer(k, v, _spec(layout, layer, tokens), level)
+        return record_parts(layout.layers[layer], tokens, body)
+
+    records = list(_pool().map(one, range(layout.num_layers)))
+    spans = frame_spans([sum(len(p) for p in rec) for rec in records], layers_per_frame)
     entry = pb.EntryHeader(
         layout=layout_to_proto(layout),
         codec=pb.Codec(mode=mode, level=level, params=codec.params(level)),
@@ -106,13 +133,6 @@ def encode_parts(
     )
     header_bytes = build_header(entry)
     checksum = parse_header(header_bytes).checksum
-
-    def one(layer: int) -> list[Buffer]:
-        k, v = kv.layers[layer]
-        body = codec.encode_layer(k, v, _spec(layout, layer, tokens), level)
-        return record_parts(layout.layers[layer], tokens, body)
-
-    records = list(_pool().map(one, range(layout.num_layers)))
     frames = [
         build_frame(checksum, i, first, records[first : first + n])
         for i, (first, n) in enumerate(spans)

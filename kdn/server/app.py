@@ -38,7 +38,7 @@ from kdn.store.ram import RamTier
 from kdn.store.redis import RedisTier
 from kdn.store.tiered import TieredStore
 from kdn.v1 import kdn_pb2_grpc as pb_grpc
-from kdn.wire import serialize_passthrough
+from kdn.wire import serialize_passthrough, store_request
 
 log = logging.getLogger("kdn.server")
 SERVICE_NAME = "kdn.v1.KDN"
@@ -47,9 +47,10 @@ SERVICE_NAME = "kdn.v1.KDN"
 HEALTH_POLL_S = 0.25
 
 
-class _FastRetrieve:
-    """Registers the generated handler table, with Retrieve's serializer accepting the
-    pre-encoded frame messages of ``kdn.wire`` (the table stays the generated one)."""
+class _FastFrames:
+    """Registers the generated handler table with the frame codecs of ``kdn.wire``: Retrieve's
+    serializer accepts pre-encoded frame messages and Store's deserializer reads frames without
+    copying them (the table stays the generated one)."""
 
     def __init__(self, server: grpc.aio.Server) -> None:
         self.server = server
@@ -60,6 +61,7 @@ class _FastRetrieve:
     def add_registered_method_handlers(self, name: str, table: dict[str, Any]) -> None:
         table = dict(table)
         table["Retrieve"] = table["Retrieve"]._replace(response_serializer=serialize_passthrough)
+        table["Store"] = table["Store"]._replace(request_deserializer=store_request)
         self.server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, table),))
         self.server.add_registered_method_handlers(name, table)
 
@@ -176,7 +178,7 @@ async def start_server(config: ServerConfig, store: TieredStore | None = None,
     })
     server = grpc.aio.server(options=grpc_options(config),
                              interceptors=[RequestInterceptor(auth, metrics)])
-    pb_grpc.add_KDNServicer_to_server(servicer, _FastRetrieve(server))
+    pb_grpc.add_KDNServicer_to_server(servicer, _FastFrames(server))
     pb_grpc.add_KDNAdminServicer_to_server(admin, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

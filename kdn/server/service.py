@@ -33,7 +33,7 @@ from kdn.status import grpc_code
 from kdn.store.tiered import TieredStore
 from kdn.v1 import kdn_pb2 as pb
 from kdn.v1 import kdn_pb2_grpc as pb_grpc
-from kdn.wire import frame_message
+from kdn.wire import FrameMessage, frame_message
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -99,24 +99,25 @@ class KDNServicer(BatchMixin, BlendMixin, pb_grpc.KDNServicer):
         return skey, header
 
     @_rpc
-    async def Store(self, request_iterator: AsyncIterator[pb.StoreRequest],
+    async def Store(self, request_iterator: AsyncIterator[pb.StoreRequest | FrameMessage],
                     context: grpc.aio.ServicerContext) -> pb.StoreResponse:
         try:
             return await self._store(request_iterator)
         except Corrupt as exc:  # damaged bytes from a client are a bad request, not data loss
             raise InvalidArgument(f"corrupt input: {exc}") from exc
 
-    async def _store(self, request_iterator: AsyncIterator[pb.StoreRequest]) -> pb.StoreResponse:
+    async def _store(self, request_iterator: AsyncIterator[pb.StoreRequest | FrameMessage]
+                     ) -> pb.StoreResponse:
         it = request_iterator.__aiter__()
         try:
             first = await it.__anext__()
         except StopAsyncIteration:
             raise InvalidArgument("empty Store stream: expected a header first") from None
-        if first.WhichOneof("part") != "header":
+        if isinstance(first, FrameMessage) or first.WhichOneof("part") != "header":
             raise InvalidArgument("Store stream must start with a header")
         principal = current_principal.get()
         skey, header = self._check_header(principal.tenant, first.header)
-        parts = [header.raw]
+        parts: list[bytes | memoryview] = [header.raw]
         total = len(header.raw)
         n_frames = len(header.entry.frames)
         index = 0
@@ -125,11 +126,12 @@ class KDNServicer(BatchMixin, BlendMixin, pb_grpc.KDNServicer):
                 raise InvalidArgument("Store stream carries a second header")
             if msg.frame.index != index:
                 raise InvalidArgument(f"frame {msg.frame.index} arrived, expected frame {index}")
-            total += len(msg.frame.data)
+            data = msg.frame.data  # once: each read of a generated message's bytes copies them
+            total += len(data)
             if total > self.config.max_entry_bytes:
                 raise TooLarge(f"entry exceeds max_entry_bytes {self.config.max_entry_bytes}")
-            check_frame(header, index, msg.frame.data)
-            parts.append(msg.frame.data)
+            check_frame(header, index, data)
+            parts.append(data)
             index += 1
         if index != n_frames:
             raise InvalidArgument(
