@@ -518,9 +518,9 @@ def _checked_layout(got: Fetched, layout: KVLayout | None) -> Fetched:
 def _tee(call: Iterator[Any], header: bytes, on_complete: Callable[[EncodedParts], object]
          ) -> Iterator[Any]:
     """The messages of ``call``, handing the whole entry to ``on_complete`` after the last."""
-    data: list[bytes] = []
+    data: list[bytes | memoryview] = []
     for msg in call:
-        data.append(bytes(msg.frame.data))
+        data.append(msg.frame.data)  # a view of the message: the join below is the one copy
         yield msg
     whole = parse_container(b"".join([header, *data]), verify=False)
     on_complete(EncodedParts(whole.header.raw, list(whole.frames)))  # type: ignore[arg-type]
