@@ -257,3 +257,16 @@ def test_limits_through_the_segment(tmp_path: Path) -> None:
         with pytest.raises(TooLarge, match="max_entry_bytes"):
             c.store(_key(11), huge, mode="raw")
         assert c.fetch(_key(11)) is None
+
+
+def test_same_host_addresses_and_a_server_that_is_not_there_yet(tmp_path: Path) -> None:
+    from kdn.client import Retry
+    from kdn.client.client import same_host
+    from kdn.errors import Unavailable
+
+    assert all(same_host(a) for a in ("127.0.0.1:5", "localhost:5", "[::1]:5", "unix:/x.sock"))
+    assert not any(same_host(a) for a in ("10.0.0.7:5", "kdn.example:5", "[2001:db8::1]:5"))
+    with Client("127.0.0.1:1", timeout_s=1, retry=Retry(retries=0)) as c:
+        with pytest.raises(Unavailable):
+            c.store(_key(12), random_kv(LAYOUT, 4))
+        assert not c.dataplane._tried  # asks again once the server answers

@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 
 from kdn.codec import EncodedParts
 from kdn.codec.format import parse_container
-from kdn.errors import KDNError
+from kdn.errors import DeadlineExceeded, KDNError, Unavailable
 from kdn.v1 import kdn_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -76,7 +76,7 @@ class DataPlane:
             return self._segment, self._segment_id
         with self._lock:
             if not self._tried:
-                self._attach()
+                self._attach()  # a server that can not be reached now raises: ask again later
                 self._tried = True
         return self._segment, self._segment_id
 
@@ -93,7 +93,10 @@ class DataPlane:
         try:
             resp = self._call(lambda: self._stub.Attach(req, timeout=self.timeout_s,
                                                         metadata=md))
-        except KDNError as exc:
+        except (Unavailable, DeadlineExceeded):
+            seg.close()
+            raise
+        except KDNError as exc:  # another host or container, no permission, an older server
             log.info("kdn: the server can not map this client's memory (%s); using gRPC", exc)
             seg.close()
             return
