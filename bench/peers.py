@@ -1,0 +1,907 @@
+"""kdn next to its peers: LMCache's standalone server and Mooncake Store, same workloads, one run.
+
+    python -m bench.peers [--quick] [--out bench/results/peers.json]
+        [--peer-lib-path DIR[:DIR...]]             # libibverbs & co. for Mooncake (see below)
+        [--kdn-client-opts "shm_bytes=0"] [--kdn-client-opts ""]   # one kdn column per flag
+        [--kdn-server-args "--write-policy write-behind"] [--systems lmcache,mooncake,kdn]
+
+Not part of CI and not imported by tests: a program a person runs on one machine. Every system
+runs on 127.0.0.1 with RAM only, as its own server process(es) next to this driving process,
+which holds each system's client; the systems take turns within each run (the order rotates per
+run) so that all of them see the same machine. Workloads (Llama-3-8B-shaped fp16 KV, random:
+32 layers x 8 KV heads x 128 channels, 128 KiB per token):
+
+- put / get of one entry at 1, 16 and 256 MiB (``count`` distinct keys per run, one call each;
+  GB/s = bytes / summed call time, checks and releases between calls untimed);
+- 64 x 1 MiB batch put / batch get (each system's batch call where it has one, else a loop);
+- 4 KiB get latency (one layer, one token) over 2000 gets.
+
+Each row is the best of 3 runs (``gb_s``) with the median (``median_gb_s``) and every run's
+figure (``runs``); ``p50_ms``/``p99_ms`` are per-call latencies over all runs. ``memcpy`` rows
+(one single-threaded copy of the same bytes, ``np.copyto``) are the machine's limit for one
+copy.
+
+How each system is driven:
+
+- **LMCache 0.5.6**: ``python -m lmcache.v1.server 127.0.0.1 PORT cpu`` and its remote
+  connector (``LMCServerConnector``, the ``lm://`` backend) with its own ``LocalCPUBackend``
+  allocating the received objects. Its put only sends, so a put run ends with one ``exists``
+  round trip (the server handles a connection's commands in order). It has no batch call
+  (``support_batched_put/get`` are False): batches are a loop, as its storage manager does.
+- **Mooncake Store 0.3.13** (TCP): ``mooncake_master`` + a storage process
+  (``mooncake_client``, 3 GB segment) and ``MooncakeDistributedStore`` here with no segment of
+  its own, so bytes cross to the storage process. Two APIs: ``put``/``get`` (bytes) and
+  ``put_from``/``get_into`` with registered buffers; batches ``put_batch``/``get_batch`` and
+  ``batch_put_from``/``batch_get_into``. Its transfer listeners bind every interface on random
+  ports (not configurable); every peer address used here is 127.0.0.1.
+- **kdn**: ``python -m kdn serve`` (RAM tier only) and ``kdn.client.Client`` with pre-encoded
+  ``raw`` parts: ``store``, ``fetch`` (undecoded container; through the shared segment these
+  are views of the segment, not yet copied into the caller's memory, unlike the peers' gets)
+  and ``retrieve`` (decoded into tensors, the like of LMCache's get and Mooncake's get_into);
+  batches through ``store_many``/``fetch_many`` when the client has them, else a loop of single
+  calls. ``--kdn-client-opts`` (repeatable, ``k=v,k=v``) are ``Client`` keyword arguments, one
+  kdn column per flag (e.g. ``shm_bytes=0`` for the gRPC stream only, ``""`` for defaults).
+
+Installing the peers (a scratch venv, never the project's .venv; commands used on this machine,
+Python 3.11, CPU torch 2.13):
+
+    python3.11 -m venv /work/peers-venv && P=/work/peers-venv/bin/pip
+    $P install torch==2.13.0 && $P install -e . matplotlib        # kdn itself, CPU torch
+    $P install --no-deps lmcache==0.5.6 mooncake-transfer-engine-non-cuda==0.3.13
+    $P install --no-deps cachetools numba llvmlite py-cpuinfo aiohttp aiohappyeyeballs \\
+        aiosignal attrs frozenlist multidict propcache yarl msgspec pyzmq blake3 aiofile \\
+        aiofiles caio nvtx sortedcontainers requests urllib3 idna charset-normalizer certifi \\
+        psutil cryptography cffi pycparser
+    $P install --no-deps nvidia-cuda-runtime-cu12   # Mooncake's store.so links libcudart.so.12
+    L=/work/peers-libs && mkdir -p $L && cd $L && apt-get update && \\
+        apt-get download libibverbs1 libnl-3-200 libnl-route-3-200 && \\
+        for f in *.deb; do dpkg -x "$f" root; done       # libibverbs, needed even for TCP
+    cd /work/main && /work/peers-venv/bin/python -m bench.peers \\
+        --peer-lib-path $L/root/usr/lib/x86_64-linux-gnu:$L/root/lib/x86_64-linux-gnu \\
+        --kdn-client-opts shm_bytes=0 --kdn-client-opts ""
+
+``--peer-lib-path`` (and the libcudart folder of nvidia-cuda-runtime-cu12, found by itself)
+go onto ``LD_LIBRARY_PATH`` by re-executing this program once. ``LMCACHE_TRACK_USAGE=false``
+is set here (LMCache reports usage by default). Run from the repository root, never from
+inside LMCache's package folder (its ``logging.py`` shadows the standard library's). A system
+that is not installed or does not start is skipped with a line saying why.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import os
+import shlex
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from bench.common import (
+    arg_parser,
+    figure,
+    median,
+    percentile,
+    print_table,
+    save_figure,
+    timed,
+    write_json,
+)
+from kdn import codec, keys
+from kdn.cache import KVCache
+from kdn.client import Client
+from kdn.layout import KVLayout, LayerLayout
+
+MIB = 1 << 20
+LAYERS, KV_HEADS, HEAD_DIM = 32, 8, 128  # Llama-3-8B
+HIDDEN = KV_HEADS * HEAD_DIM
+TOKEN_BYTES = 2 * LAYERS * HIDDEN * 2  # K and V of every layer, fp16: 128 KiB
+LAYER_TOKEN_BYTES = 2 * HIDDEN * 2  # K and V of one layer and token: 4 KiB
+MODEL = "llama-3-8b-shape"
+HOST = "127.0.0.1"
+
+
+def payload(size: int, seed: int = 0) -> torch.Tensor:
+    """Random fp16 KV of ``size`` bytes in LMCache's KV_2LTD order; whole tokens of all 32 layers
+    from 128 KiB up, else tokens of one layer."""
+    layers = LAYERS if size >= TOKEN_BYTES else 1
+    tokens = size // (TOKEN_BYTES if layers == LAYERS else LAYER_TOKEN_BYTES)
+    assert tokens * 2 * layers * HIDDEN * 2 == size, size
+    g = torch.Generator().manual_seed(seed)
+    # kv: [2 (K, V), layers, tokens, kv_heads * head_dim]
+    return torch.randn(2, layers, tokens, HIDDEN, generator=g).half()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return int(s.getsockname()[1])
+
+
+def wait_until(ready: Callable[[], bool], what: str, proc: subprocess.Popen[bytes] | None = None,
+               timeout_s: float = 60.0) -> None:
+    """Poll ``ready`` (a real probe, not a sleep) until it holds; fail if ``proc`` exits."""
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with {proc.returncode}")
+        try:
+            if ready():
+                return
+        except Exception:
+            pass
+        time.sleep(0.05)
+    raise RuntimeError(f"{what} not ready after {timeout_s:.0f} s")
+
+
+def port_open(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(0.5)
+        return s.connect_ex((HOST, port)) == 0
+
+
+@contextmanager
+def process(cmd: list[str], log: Path, env: dict[str, str] | None = None
+            ) -> Iterator[subprocess.Popen[bytes]]:
+    """A server process logging to ``log``, stopped (terminate, then kill) on exit."""
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+# -- what every system offers -------------------------------------------------------------------
+
+
+@dataclass
+class Route:
+    """One way to put entries and read them back. Single routes: ``put(i)`` stores entry i and
+    each of ``gets`` reads entry i; batch routes: ``put(n)`` stores entries 0..n-1 in one batch
+    and each get returns all n. ``flush`` waits until every put landed, ``check`` says whether
+    a result holds the payload, ``release`` frees it, ``clear`` drops what the route stored."""
+
+    put_api: str
+    put: Callable[[int], object]
+    gets: dict[str, Callable[[int], Any]]
+    check: Callable[[Any], bool]
+    release: Callable[[Any], None] = lambda got: None
+    flush: Callable[[], None] = lambda: None
+    clear: Callable[[], None] = lambda: None
+
+
+class System:
+    """A store under test: ``load`` readies ``count`` entries of one payload, ``routes`` and
+    ``batch_routes`` are the routes that move them, ``close`` stops what it started."""
+
+    name = ""
+
+    def load(self, kv: torch.Tensor, count: int) -> None:
+        raise NotImplementedError
+
+    def routes(self) -> list[Route]:
+        raise NotImplementedError
+
+    def batch_routes(self) -> list[Route]:
+        return []
+
+    def unload(self) -> None:
+        """Drop what ``load`` prepared."""
+
+    def close(self) -> None:
+        """Stop servers and clients."""
+
+
+# -- LMCache ------------------------------------------------------------------------------------
+
+
+def lmcache_server(stack: ExitStack, tmp: Path) -> int:
+    """Start ``python -m lmcache.v1.server`` (its RAM backend); its port once it accepts."""
+    import lmcache.v1.server  # noqa: F401  (installed? else this system is skipped)
+
+    port = free_port()
+    srv = stack.enter_context(process(
+        [sys.executable, "-m", "lmcache.v1.server", HOST, str(port), "cpu"],
+        tmp / "lmcache-server.log"))
+    wait_until(lambda: port_open(port), "lmcache server", srv)
+    return port
+
+
+class LMCache(System):
+    """LMCache's remote connector (``lm://``) to its standalone server, as shipped: neither
+    side sets TCP_NODELAY."""
+
+    name = "lmcache"
+
+    def __init__(self, port: int) -> None:
+        from lmcache.utils import CacheEngineKey
+        from lmcache.v1.config import LMCacheEngineConfig
+        from lmcache.v1.memory_management import MemoryFormat
+        from lmcache.v1.metadata import LMCacheMetadata
+        from lmcache.v1.storage_backend.connector.lm_connector import LMCServerConnector
+        from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend
+
+        self._key, self._fmt = CacheEngineKey, MemoryFormat.KV_2LTD
+        cfg = LMCacheEngineConfig.from_defaults(chunk_size=256, local_cpu=False,
+                                                max_local_cpu_size=2.0)
+        md = LMCacheMetadata(model_name=MODEL, world_size=1, local_world_size=1, worker_id=0,
+                             local_worker_id=0, kv_dtype=torch.float16,
+                             kv_shape=(LAYERS, 2, 256, KV_HEADS, HEAD_DIM))
+        self.backend = LocalCPUBackend(cfg, md)
+        self.loop = asyncio.new_event_loop()
+        self.conn = LMCServerConnector(HOST, port, self.loop, self.backend)
+        self.objs: list[Any] = []
+
+    def load(self, kv: torch.Tensor, count: int) -> None:
+        self.kv, self.count = kv, count
+        obj = self.backend.allocate(kv.shape, kv.dtype, self._fmt)
+        obj.tensor.copy_(kv)
+        self.objs = [obj]
+        base = kv.numel() * 1000
+        self.keys = [self._key(MODEL, 1, 0, base + i, torch.float16) for i in range(count)]
+
+    def unload(self) -> None:
+        for o in self.objs:
+            o.ref_count_down()
+        self.objs = []
+
+    def _run(self, coro: Any) -> Any:
+        return self.loop.run_until_complete(coro)
+
+    def _put(self, i: int) -> None:
+        self._run(self.conn.put(self.keys[i], self.objs[0]))
+
+    def _get(self, i: int) -> Any:
+        got = self._run(self.conn.get(self.keys[i]))
+        if got is None:
+            raise RuntimeError(f"lmcache: miss on {self.keys[i].to_string()}")
+        return got
+
+    def _flush(self) -> None:
+        if not self._run(self.conn.exists(self.keys[self.count - 1])):
+            raise RuntimeError("lmcache: last put not stored")
+
+    def _putn(self, n: int) -> None:
+        if self.conn.support_batched_put():
+            self._run(self.conn.batched_put(self.keys[:n], self.objs * n))
+        else:
+            for i in range(n):
+                self._put(i)
+
+    def _getn(self, n: int) -> list[Any]:
+        if self.conn.support_batched_get():
+            return list(self._run(self.conn.batched_get(self.keys[:n])))
+        return [self._get(i) for i in range(n)]
+
+    def _check(self, got: Any) -> bool:
+        return bool(torch.equal(got.tensor, self.kv))
+
+    @staticmethod
+    def _release(got: Any) -> None:
+        got.ref_count_down()
+
+    def _release_all(self, gots: list[Any]) -> None:
+        for g in gots:
+            self._release(g)
+
+    def routes(self) -> list[Route]:
+        return [Route("connector put", self._put, {"connector get": self._get}, self._check,
+                      self._release, self._flush)]
+
+    def batch_routes(self) -> list[Route]:
+        batched = self.conn.support_batched_put() and self.conn.support_batched_get()
+        return [Route("batched_put" if batched else "connector put (loop)", self._putn,
+                      {"batched_get" if batched else "connector get (loop)": self._getn},
+                      lambda gots: all(self._check(g) for g in gots), self._release_all,
+                      self._flush)]
+
+    def close(self) -> None:
+        self.unload()
+        self._run(self.conn.close())
+        self.loop.close()
+
+
+# -- Mooncake Store -----------------------------------------------------------------------------
+
+
+class Mooncake(System):
+    name = "mooncake"
+
+    def __init__(self, stack: ExitStack, tmp: Path) -> None:
+        from mooncake.store import MooncakeDistributedStore
+
+        spec = importlib.util.find_spec("mooncake")
+        assert spec is not None and spec.submodule_search_locations
+        bins = Path(list(spec.submodule_search_locations)[0])
+        rpc = free_port()
+        master = stack.enter_context(process(
+            [str(bins / "mooncake_master"), f"--rpc_address={HOST}", f"--rpc_port={rpc}",
+             "--enable_http_metadata_server=false", f"--metrics_host={HOST}",
+             f"--metrics_port={free_port()}"], tmp / "mooncake-master.log"))
+        wait_until(lambda: port_open(rpc), "mooncake_master", master)
+        storage = stack.enter_context(process(
+            [str(bins / "mooncake_client"), f"--host={HOST}", f"--port={free_port()}",
+             "--global_segment_size=3 GB", "--metadata_server=P2PHANDSHAKE",
+             f"--master_server_address={HOST}:{rpc}", "--protocol=tcp"],
+            tmp / "mooncake-storage.log"))
+        self.store = MooncakeDistributedStore()
+        rc = self.store.setup({"local_hostname": HOST, "metadata_server": "P2PHANDSHAKE",
+                               "global_segment_size": 0, "local_buffer_size": 1 << 30,
+                               "protocol": "tcp", "master_server_addr": f"{HOST}:{rpc}"})
+        if rc != 0:
+            raise RuntimeError(f"MooncakeDistributedStore.setup returned {rc}")
+        stack.callback(self.store.close)
+        probe = np.zeros(64, np.uint8)
+        # ready once the storage process has mounted its segment: a put finds room
+        wait_until(lambda: self.store.put("kdn-bench-probe", probe) == 0,
+                   "mooncake storage process", storage)
+        self.store.remove("kdn-bench-probe", True)
+        self.registered: list[np.ndarray] = []
+
+    def load(self, kv: torch.Tensor, count: int) -> None:
+        self.size, self.count = kv.numel() * 2, count
+        self.flat = kv.view(-1).view(torch.uint8).numpy()  # the bytes API reads it
+        self.expected = self.flat.tobytes()
+        # registered buffers: one source slot and one destination slot per entry
+        self.src = np.tile(self.flat, count)
+        self.dst = np.zeros_like(self.src)
+        for a in (self.src, self.dst):
+            if self.store.register_buffer(a.ctypes.data, a.nbytes) != 0:
+                raise RuntimeError("mooncake: register_buffer failed")
+            self.registered.append(a)
+        self.keys = [f"{MODEL}-{self.size}-{i}" for i in range(count)]
+
+    def unload(self) -> None:
+        for a in self.registered:
+            self.store.unregister_buffer(a.ctypes.data)
+        self.registered = []
+
+    def _ok(self, rc: int, what: str) -> None:
+        if rc != 0:
+            raise RuntimeError(f"mooncake {what} returned {rc}")
+
+    def _clear(self) -> None:
+        self.store.remove_all(True)
+
+    def _ptr(self, a: np.ndarray, i: int) -> int:
+        return int(a.ctypes.data) + i * self.size
+
+    def _get_into(self, i: int) -> np.ndarray:
+        n = self.store.get_into(self.keys[i], self._ptr(self.dst, i), self.size)
+        if n != self.size:
+            raise RuntimeError(f"mooncake get_into returned {n}")
+        return self.dst[i * self.size:(i + 1) * self.size]
+
+    def _batch_get_into(self, n: int) -> list[np.ndarray]:
+        got = self.store.batch_get_into(self.keys[:n], [self._ptr(self.dst, i) for i in range(n)],
+                                        [self.size] * n)
+        if any(x != self.size for x in got):
+            raise RuntimeError(f"mooncake batch_get_into returned {got[:4]}...")
+        return [self.dst[i * self.size:(i + 1) * self.size] for i in range(n)]
+
+    def _check(self, got: Any) -> bool:
+        return bytes(got) == self.expected
+
+    def routes(self) -> list[Route]:
+        s = self.store
+        return [
+            Route("put", lambda i: self._ok(s.put(self.keys[i], self.flat), "put"),
+                  {"get": lambda i: s.get(self.keys[i])}, self._check, clear=self._clear),
+            Route("put_from", lambda i: self._ok(
+                s.put_from(self.keys[i], self._ptr(self.src, i), self.size), "put_from"),
+                {"get_into": self._get_into}, self._check, clear=self._clear),
+        ]
+
+    def batch_routes(self) -> list[Route]:
+        s = self.store
+
+        def put_batch(n: int) -> None:
+            self._ok(s.put_batch(self.keys[:n], [self.flat] * n), "put_batch")
+
+        def batch_put_from(n: int) -> None:
+            rcs = s.batch_put_from(self.keys[:n], [self._ptr(self.src, i) for i in range(n)],
+                                   [self.size] * n)
+            if any(rcs):
+                raise RuntimeError(f"mooncake batch_put_from returned {rcs[:4]}...")
+
+        def check(gots: list[Any]) -> bool:
+            return all(self._check(g) for g in gots)
+
+        return [
+            Route("put_batch", put_batch, {"get_batch": lambda n: s.get_batch(self.keys[:n])},
+                  check, clear=self._clear),
+            Route("batch_put_from", batch_put_from, {"batch_get_into": self._batch_get_into},
+                  check, clear=self._clear),
+        ]
+
+    def close(self) -> None:
+        self.unload()
+
+
+# -- kdn ----------------------------------------------------------------------------------------
+
+
+def parse_opts(text: str) -> dict[str, Any]:
+    """``"shm_bytes=0,local_bytes=268435456"`` as Client keyword arguments."""
+    out: dict[str, Any] = {}
+    for item in filter(None, (x.strip() for x in text.split(","))):
+        k, _, v = item.partition("=")
+        val: Any = v
+        if v.lower() in ("true", "false", "none"):
+            val = {"true": True, "false": False, "none": None}[v.lower()]
+        else:
+            for cast in (int, float):
+                try:
+                    val = cast(v)
+                    break
+                except ValueError:
+                    pass
+        out[k.strip()] = val
+    return out
+
+
+@contextmanager
+def kdn_server(tmp: Path, extra: list[str]) -> Iterator[str]:
+    port = free_port()
+    data = tmp / f"kdn-{port}"
+    data.mkdir()
+    with process([sys.executable, "-m", "kdn", "serve", "--host", HOST, "--port", str(port),
+                  "--data-dir", str(data), "--ram-bytes", "6GiB", "--disk-bytes", "0",
+                  "--max-message-bytes", str(256 * MIB), "--max-entry-bytes", str(1 << 30),
+                  "--log-level", "WARNING", *extra], tmp / f"kdn-server-{port}.log") as proc:
+        address = f"{HOST}:{port}"
+        with Client(address, timeout_s=2) as probe:
+            wait_until(lambda: probe.health() == "SERVING", "kdn server", proc)
+        yield address
+
+
+def llama_layout(layers: int) -> KVLayout:
+    return KVLayout(MODEL, tuple(LayerLayout(KV_HEADS, HEAD_DIM, HEAD_DIM)
+                                 for _ in range(layers)), head_dim=HEAD_DIM)
+
+
+class Kdn(System):
+    """kdn through ``kdn.client.Client(**opts)``; single calls, and the batch calls where the
+    client has them (``store_many``/``fetch_many``), else a loop of single calls."""
+
+    def __init__(self, address: str, opts: dict[str, Any], tag: int,
+                 layers_per_frame: int) -> None:
+        label = ",".join(f"{k}={v}" for k, v in opts.items())
+        self.name = f"kdn[{label}]" if label else "kdn"
+        self.tag, self.layers_per_frame = tag, layers_per_frame
+        self.client = Client(address, max_message_bytes=256 * MIB, **opts)
+
+    def load(self, kv: torch.Tensor, count: int) -> None:
+        _, layers, tokens, _ = kv.shape
+        self.layout = llama_layout(layers)
+        # K, V per layer: [kv_heads, tokens, head_dim], from kv[0 or 1, layer]: [tokens, hidden]
+        def head_major(t: torch.Tensor) -> torch.Tensor:
+            return t.view(tokens, KV_HEADS, HEAD_DIM).transpose(0, 1).contiguous()
+
+        self.kv = KVCache(self.layout, [(head_major(kv[0, layer]), head_major(kv[1, layer]))
+                                        for layer in range(layers)])
+        self.parts = codec.encode_parts(self.kv, "raw", layers_per_frame=self.layers_per_frame)
+        self.frames = b"".join(self.parts.frames)
+        self.keys = [keys.chunk_key([self.tag, kv.numel(), i], self.layout)
+                     for i in range(count)]
+
+    # the four small functions a faster client path slots into
+    def put_one(self, i: int) -> None:
+        self.client.store(self.keys[i], self.parts)
+
+    def get_one(self, i: int) -> Any:
+        return self.client.fetch(self.keys[i], layout=self.layout)
+
+    def put_batch(self, n: int) -> None:
+        if hasattr(self.client, "store_many"):
+            self.client.store_many([(k, self.parts) for k in self.keys[:n]])
+        else:
+            for i in range(n):
+                self.put_one(i)
+
+    def get_batch(self, n: int) -> list[Any]:
+        if hasattr(self.client, "fetch_many"):
+            return list(self.client.fetch_many(self.keys[:n], layout=self.layout))
+        return [self.get_one(i) for i in range(n)]
+
+    def retrieve_one(self, i: int) -> Any:
+        return self.client.retrieve(self.keys[i], layout=self.layout)
+
+    def _check(self, got: Any) -> bool:
+        if isinstance(got, KVCache):
+            return got.equal(self.kv)
+        return (got is not None and bytes(got.parts.header) == self.parts.header
+                and b"".join(bytes(f) for f in got.parts.frames) == self.frames)
+
+    def _clear(self) -> None:
+        self.client.delete(self.keys)
+
+    def routes(self) -> list[Route]:
+        return [Route("store", self.put_one, {"fetch": self.get_one,
+                                              "retrieve": self.retrieve_one},
+                      self._check, clear=self._clear)]
+
+    def batch_routes(self) -> list[Route]:
+        put = "store_many" if hasattr(self.client, "store_many") else "store (loop)"
+        get = "fetch_many" if hasattr(self.client, "fetch_many") else "fetch (loop)"
+        gets: dict[str, Callable[[int], Any]] = {get: self.get_batch}
+        if hasattr(self.client, "retrieve_many"):
+            gets["retrieve_many"] = lambda n: self.client.retrieve_many(self.keys[:n],
+                                                                        layout=self.layout)
+        return [Route(put, self.put_batch, gets,
+                      lambda gots: all(self._check(g) for g in gots), clear=self._clear)]
+
+    def close(self) -> None:
+        self.client.close()
+
+
+# -- measuring ----------------------------------------------------------------------------------
+
+
+@dataclass
+class Series:
+    """What one (system, api, op, size) measured over the runs."""
+
+    system: str
+    api: str
+    op: str
+    size: int
+    count: int
+    gbs: list[float] = field(default_factory=list)
+    lat: list[float] = field(default_factory=list)
+
+    def row(self) -> dict[str, Any]:
+        return {"system": self.system, "api": self.api, "op": self.op,
+                "size_mib": self.size / MIB, "count": self.count,
+                "gb_s": max(self.gbs) if self.gbs else None,
+                "median_gb_s": median(self.gbs) if self.gbs else None,
+                "p50_ms": percentile(self.lat, 50) * 1e3, "p99_ms": percentile(self.lat, 99) * 1e3,
+                "runs": [round(x, 4) for x in self.gbs]}
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.series: dict[tuple[str, str, str, int], Series] = {}
+
+    def get(self, system: str, api: str, op: str, size: int, count: int) -> Series:
+        k = (system, api, op, size)
+        if k not in self.series:
+            self.series[k] = Series(system, api, op, size, count)
+        return self.series[k]
+
+
+def call_each(fn: Callable[[int], Any], count: int, check: Callable[[Any], bool],
+              release: Callable[[Any], None], what: str) -> list[float]:
+    """Seconds of ``fn(i)`` for each entry; results are checked and released between calls,
+    outside the timed part."""
+    lat = []
+    for i in range(count):
+        t = time.perf_counter()
+        got = fn(i)
+        lat.append(time.perf_counter() - t)
+        if not check(got):
+            raise RuntimeError(f"{what}: entry {i} came back different")
+        release(got)
+        del got
+    return lat
+
+
+def one_run(system: System, rec: Recorder, size: int, count: int) -> None:
+    """Put then read back ``count`` entries through every path of ``system``."""
+    for p in system.routes():
+        lat = call_each(p.put, count, lambda _: True, lambda _: None, f"{system.name} put")
+        t = time.perf_counter()
+        p.flush()
+        s = rec.get(system.name, p.put_api, "put", size, count)
+        s.gbs.append(size * count / (sum(lat) + time.perf_counter() - t) / 1e9)
+        s.lat += lat
+        for api, get in p.gets.items():
+            lat = call_each(get, count, p.check, p.release, f"{system.name} {api}")
+            s = rec.get(system.name, api, "get", size, count)
+            s.gbs.append(size * count / sum(lat) / 1e9)
+            s.lat += lat
+        p.clear()
+
+
+def batch_run(system: System, rec: Recorder, size: int, count: int) -> None:
+    for p in system.batch_routes():
+        t = time.perf_counter()
+        p.put(count)
+        p.flush()
+        dt = time.perf_counter() - t
+        s = rec.get(system.name, p.put_api, "batch_put", size, count)
+        s.gbs.append(size * count / dt / 1e9)
+        s.lat.append(dt)
+        for api, get in p.gets.items():
+            t = time.perf_counter()
+            gots = get(count)
+            dt = time.perf_counter() - t
+            if not p.check(gots):
+                raise RuntimeError(f"{system.name} {api}: a batch entry came back different")
+            p.release(gots)
+            del gots
+            s = rec.get(system.name, api, "batch_get", size, count)
+            s.gbs.append(size * count / dt / 1e9)
+            s.lat.append(dt)
+        p.clear()
+
+
+def latency_run(system: System, rec: Recorder, gets: int) -> None:
+    """``gets`` reads of one 4 KiB entry per get api, after 50 untimed ones."""
+    size = 4096
+    for p in system.routes():
+        p.put(0)
+        p.flush()
+        for api, get in p.gets.items():
+            call_each(lambda _: get(0), 50, p.check, p.release,  # noqa: B023
+                      f"{system.name} {api} 4 KiB")
+            lat = []
+            for _ in range(gets):
+                t = time.perf_counter()
+                got = get(0)
+                lat.append(time.perf_counter() - t)
+                p.release(got)
+                del got
+            s = rec.get(system.name, api, "get_4k", size, gets)
+            s.lat += lat
+        p.clear()
+
+
+def rotate(xs: list[System], r: int) -> list[System]:
+    return xs[r % len(xs):] + xs[:r % len(xs)] if xs else xs
+
+
+def guarded(systems: list[System], failed: dict[str, str], fn: Callable[[System], None]) -> None:
+    for s in systems:
+        if s.name in failed:
+            continue
+        try:
+            fn(s)
+        except Exception as err:  # one system's failure must not lose the others' numbers
+            failed[s.name] = f"{type(err).__name__}: {err}"
+            print(f"!! {s.name} failed: {failed[s.name]}", flush=True)
+
+
+def copy_seconds(kv: torch.Tensor, repeat: int) -> list[float]:
+    """The limit: one single-threaded copy of the same bytes into a preallocated buffer."""
+    src = kv.view(-1).view(torch.uint8).numpy()
+    dst = np.empty_like(src)
+    return timed(lambda: np.copyto(dst, src), repeat)
+
+
+def measure(systems: list[System], sizes: list[tuple[int, int]], batch: int, gets: int,
+            runs: int, failed: dict[str, str]) -> list[dict[str, Any]]:
+    rec = Recorder()
+    for size, count in sizes:
+        kv = payload(size, seed=size)
+        ser = rec.get("memcpy", "np.copyto", "copy", size, 1)
+        ser.lat = copy_seconds(kv, 10)
+        ser.gbs = [size / x / 1e9 for x in ser.lat]
+        guarded(systems, failed, lambda s: s.load(kv, count))  # noqa: B023
+        for r in range(runs):
+            guarded(rotate(systems, r), failed,
+                    lambda s: one_run(s, rec, size, count))  # noqa: B023
+            print(f"{size // MIB} MiB run {r + 1}/{runs} done", flush=True)
+        guarded(systems, failed, lambda s: s.unload())
+    kv = payload(MIB, seed=1)
+    guarded(systems, failed, lambda s: s.load(kv, batch))
+    for r in range(runs):
+        guarded(rotate(systems, r), failed, lambda s: batch_run(s, rec, MIB, batch))
+        print(f"batch run {r + 1}/{runs} done", flush=True)
+    guarded(systems, failed, lambda s: s.unload())
+    kv = payload(4096, seed=2)
+    guarded(systems, failed, lambda s: s.load(kv, 1))
+    guarded(systems, failed, lambda s: latency_run(s, rec, gets))
+    guarded(systems, failed, lambda s: s.unload())
+    return [x.row() for x in rec.series.values()]
+
+
+# -- report -------------------------------------------------------------------------------------
+
+
+def summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per kdn system and workload: its best api next to the best peer's (ratio > 1: kdn ahead;
+    for get_4k the ratio is best peer p50 / kdn p50)."""
+    out = []
+    work = sorted({(r["op"], r["size_mib"]) for r in rows if r["system"] != "memcpy"})
+    kdns = sorted({r["system"] for r in rows if r["system"].startswith("kdn")})
+    for op, mib in work:
+        sel = [r for r in rows if r["op"] == op and r["size_mib"] == mib]
+        peers = [r for r in sel if not r["system"].startswith("kdn")]
+        for k in kdns:
+            mine = [r for r in sel if r["system"] == k]
+            if not mine or not peers:
+                continue
+            if op == "get_4k":
+                a = min(mine, key=lambda r: r["p50_ms"])
+                b = min(peers, key=lambda r: r["p50_ms"])
+                ratio = b["p50_ms"] / a["p50_ms"]
+                mine_v, peer_v = a["p50_ms"], b["p50_ms"]
+            else:
+                a = max(mine, key=lambda r: r["gb_s"])
+                b = max(peers, key=lambda r: r["gb_s"])
+                ratio = a["gb_s"] / b["gb_s"]
+                mine_v, peer_v = a["gb_s"], b["gb_s"]
+            out.append({"kdn": k, "op": op, "size_mib": mib, "kdn_api": a["api"],
+                        "kdn_value": mine_v, "best_peer": f"{b['system']} {b['api']}",
+                        "peer_value": peer_v, "kdn_vs_best_peer": ratio})
+    return out
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> None:
+    fig, (ax, ax2) = figure(13, 5, ncols=2)
+    work = [(op, mib) for op in ("put", "get", "batch_put", "batch_get")
+            for mib in sorted({r["size_mib"] for r in rows if r["op"] == op})]
+    systems = list(dict.fromkeys(r["system"] for r in rows if r["op"] != "copy"))
+    width = 0.8 / max(1, len(systems))
+    for j, sysname in enumerate(systems):
+        best = []
+        for op, mib in work:
+            sel = [r["gb_s"] for r in rows if r["system"] == sysname and r["op"] == op
+                   and r["size_mib"] == mib]
+            best.append(max(sel) if sel else 0.0)
+        ax.bar([i + j * width for i in range(len(work))], best, width, label=sysname)
+    counts = {(r["op"], r["size_mib"]): r["count"] for r in rows}
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(work))],
+                  [f"{op}\n{mib:g} MiB" + (f" x{counts[op, mib]}" if op.startswith("batch")
+                                           else "") for op, mib in work], fontsize=7)
+    ax.set_ylabel("GB/s of fp16 KV (each system's best api)")
+    ax.set_title("put / get throughput, loopback, RAM only")
+    ax.legend(fontsize=7)
+    lat = [r for r in rows if r["op"] == "get_4k"]
+    names = [f"{r['system']}\n{r['api']}" for r in lat]
+    ax2.bar(range(len(lat)), [r["p50_ms"] for r in lat], 0.4, label="p50")
+    ax2.bar([i + 0.4 for i in range(len(lat))], [r["p99_ms"] for r in lat], 0.4, label="p99")
+    ax2.set_xticks([i + 0.2 for i in range(len(lat))], names, fontsize=6, rotation=30)
+    ax2.set_yscale("log")
+    ax2.set_ylabel("ms (log scale)")
+    ax2.set_title("4 KiB get latency")
+    ax2.legend(fontsize=7)
+    save_figure(fig, path)
+
+
+# -- main ---------------------------------------------------------------------------------------
+
+
+def library_path(extra: str) -> str:
+    """LD_LIBRARY_PATH with ``extra`` and nvidia-cuda-runtime-cu12's libcudart folder."""
+    dirs = [d for d in extra.split(":") if d]
+    spec = importlib.util.find_spec("nvidia")
+    for root in (spec.submodule_search_locations or []) if spec else []:
+        lib = Path(root) / "cuda_runtime" / "lib"
+        if lib.is_dir():
+            dirs.append(str(lib))
+    have = os.environ.get("LD_LIBRARY_PATH", "")
+    return ":".join([d for d in dirs if d not in have.split(":")] + ([have] if have else []))
+
+
+def busy_seconds() -> tuple[float, float]:
+    """(CPU seconds all processes of the machine used, those this process and its reaped
+    children used) so far: their growth over a run says how much else ran meanwhile."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    idle = fields[3] + fields[4]  # idle + iowait
+    t = os.times()
+    return ((sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK"),
+            t.user + t.system + t.children_user + t.children_system)
+
+
+def wait_quiet(limit_s: float, cores: float = 0.15, window_s: float = 10.0) -> None:
+    """On a shared machine: wait (at most ``limit_s``) for a ``window_s`` in which the rest of
+    the machine used under ``cores`` CPUs."""
+    deadline = time.time() + limit_s
+    while time.time() < deadline:
+        a = busy_seconds()
+        time.sleep(window_s)
+        b = busy_seconds()
+        used = ((b[0] - a[0]) - (b[1] - a[1])) / window_s
+        if used < cores:
+            return
+        print(f"waiting for a quiet machine: others use {used:.2f} cores", flush=True)
+    print(f"no quiet {window_s:.0f} s within {limit_s:.0f} s: measuring anyway", flush=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = arg_parser(__doc__, "peers", "1 and 16 MiB, 16 x 1 MiB batch, 200 gets, 2 runs")
+    ap.add_argument("--peer-lib-path", default="",
+                    help="folders with libibverbs.so.1 & co. for Mooncake (colon-separated)")
+    ap.add_argument("--kdn-client-opts", action="append", default=None,
+                    help="Client keyword arguments k=v,k=v; repeat for several kdn columns")
+    ap.add_argument("--kdn-server-args", default="", help="extra `kdn serve` flags")
+    ap.add_argument("--kdn-layers-per-frame", type=int, default=1)
+    ap.add_argument("--systems", default="lmcache,mooncake,kdn")
+    ap.add_argument("--runs", type=int, default=None)
+    ap.add_argument("--wait-quiet", type=float, default=0.0, metavar="SECONDS",
+                    help="first wait up to SECONDS for other processes to go quiet")
+    args = sys.argv[1:] if argv is None else argv
+    ns = ap.parse_args(args)
+    os.environ["LMCACHE_TRACK_USAGE"] = "false"
+    lib = library_path(ns.peer_lib_path)
+    if lib != os.environ.get("LD_LIBRARY_PATH", "") and "KDN_PEERS_REEXEC" not in os.environ:
+        # the dynamic loader reads LD_LIBRARY_PATH at start only: start again with it
+        env = {**os.environ, "LD_LIBRARY_PATH": lib, "KDN_PEERS_REEXEC": "1"}
+        os.execve(sys.executable, [sys.executable, "-m", "bench.peers", *args], env)
+    quick = ns.quick
+    sizes = [(MIB, 8), (16 * MIB, 2)] if quick else [(MIB, 64), (16 * MIB, 8), (256 * MIB, 2)]
+    batch, gets = (16, 200) if quick else (64, 2000)
+    runs = ns.runs or (2 if quick else 3)
+    wanted = set(ns.systems.split(","))
+    failed: dict[str, str] = {}
+    skipped: dict[str, str] = {}
+    if ns.wait_quiet > 0:
+        wait_quiet(ns.wait_quiet)
+    busy_before, t_before = busy_seconds(), time.time()
+    with tempfile.TemporaryDirectory(prefix="kdn-peers-") as tmpdir, ExitStack() as stack:
+        tmp = Path(tmpdir)
+        systems: list[System] = []
+        starts: list[tuple[str, Callable[[], list[System]]]] = [
+            ("lmcache", lambda: [LMCache(lmcache_server(stack, tmp))]),
+            ("mooncake", lambda: [Mooncake(stack, tmp)])]
+        for name, start in starts:
+            if name not in wanted:
+                continue
+            try:
+                for system in start():
+                    stack.callback(system.close)
+                    systems.append(system)
+                    print(f"{system.name}: started", flush=True)
+            except Exception as err:
+                skipped[name] = f"{type(err).__name__}: {err}".splitlines()[0]
+                print(f"-- {name} skipped: {skipped[name]}", flush=True)
+        if "kdn" in wanted:
+            address = stack.enter_context(kdn_server(tmp, shlex.split(ns.kdn_server_args)))
+            for tag, text in enumerate(ns.kdn_client_opts or [""]):
+                k = Kdn(address, parse_opts(text), tag, ns.kdn_layers_per_frame)
+                stack.callback(k.close)
+                systems.append(k)
+                print(f"{k.name}: started", flush=True)
+        rows = measure(systems, sizes, batch, gets, runs, failed)
+        for name, why in failed.items():
+            skipped[name] = f"failed during the run: {why}"
+    busy_after = busy_seconds()  # after the servers were stopped and reaped
+    others_s = (busy_after[0] - busy_before[0]) - (busy_after[1] - busy_before[1])
+    wall_s = time.time() - t_before
+    cols = ["system", "api", "op", "size_mib", "count", "gb_s", "median_gb_s", "p50_ms",
+            "p99_ms"]
+    print_table([{k: ("" if v is None else v) for k, v in r.items()} for r in rows], cols)
+    summ = summary(rows)
+    if summ:
+        print()
+        print_table(summ, ["kdn", "op", "size_mib", "kdn_api", "kdn_value", "best_peer",
+                           "peer_value", "kdn_vs_best_peer"])
+    for name, why in skipped.items():
+        print(f"-- {name} skipped: {why}")
+    print(f"wall {wall_s:.0f} s; other processes on this machine used {others_s:.0f} CPU-s "
+          f"meanwhile ({others_s / wall_s:.2f} cores on average)")
+    write_json(ns.out, "peers", rows, runs=runs, summary=summ, skipped=skipped,
+               kdn_client_opts=ns.kdn_client_opts or [""], kdn_server_args=ns.kdn_server_args,
+               kdn_layers_per_frame=ns.kdn_layers_per_frame,
+               wall_s=wall_s, other_processes_cpu_s=others_s,
+               payload="Llama-3-8B-shaped fp16 KV (32 layers x 8 KV heads x 128), random; "
+                       "4 KiB = one layer, one token",
+               note="loopback, RAM only, systems take turns in each run; gb_s best of runs; "
+                    "get_4k p50/p99 over all gets; summary ratio > 1 means kdn ahead; kdn fetch "
+                    "through the shared segment returns views of the segment (no copy into the "
+                    "caller's memory), retrieve decodes into tensors")
+    plot(rows, ns.out.with_suffix(".png"))
+
+
+if __name__ == "__main__":
+    main()
