@@ -43,6 +43,14 @@ def grpc_code(exc: BaseException) -> grpc.StatusCode:
     return grpc.StatusCode.INTERNAL
 
 
+def error_of(status: str, message: str) -> KDNError:
+    """The kdn error for a status name (e.g. from the fast path) and its message."""
+    code = grpc.StatusCode.__members__.get(status, grpc.StatusCode.UNKNOWN)
+    out = _BY_CODE.get(code, KDNError)(f"{code.name}: {message}")
+    out.status = Status.__members__.get(code.name, Status.UNKNOWN)
+    return out
+
+
 def from_grpc(err: grpc.RpcError) -> KDNError:
     """The kdn error a client raises for a failed RPC."""
     code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN

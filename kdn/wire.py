@@ -18,6 +18,8 @@ encoded by another protobuf library in another valid form) by the generated clas
 
 from __future__ import annotations
 
+import socket
+import struct
 from dataclasses import dataclass
 from typing import Any
 
@@ -126,3 +128,21 @@ def serialize_passthrough(message: Any) -> bytes:
     if isinstance(message, bytes):
         return message
     return message.SerializeToString()  # type: ignore[no-any-return]
+
+
+# -- the same-host fast path (kdn.server.fastpath) --------------------------------------------
+
+FAST_HEAD = struct.Struct("<IB")
+"""Request: u32 body length, u8 op; response: u32 body length, u8 ok (1) / error (0)."""
+FAST_GET_MANY, FAST_PUT_MANY = 1, 2
+
+
+def read_exact(conn: socket.socket, n: int) -> bytes | None:
+    """``n`` bytes from ``conn``, or None when it closed first."""
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = conn.recv(n - len(buf))
+        if not chunk:
+            return None
+        buf += chunk
+    return bytes(buf)

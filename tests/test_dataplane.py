@@ -270,3 +270,40 @@ def test_same_host_addresses_and_a_server_that_is_not_there_yet(tmp_path: Path) 
         with pytest.raises(Unavailable):
             c.store(_key(12), random_kv(LAYOUT, 4))
         assert not c.dataplane._tried  # asks again once the server answers
+
+
+def test_the_fast_path_serves_same_host_batches_and_refuses_strangers(server: ServerThread
+                                                                      ) -> None:
+    import socket
+
+    from kdn.wire import FAST_GET_MANY, FAST_HEAD, read_exact
+
+    with Client(server.address, shm_bytes=4 << 20) as c:
+        kv = random_kv(LAYOUT, 12, seed=13)
+        c.store(_key(13), kv)
+        assert c.retrieve(_key(13)).equal(kv)  # type: ignore[union-attr]
+        counters = c.stats().counters
+        assert counters["fast.PutMany"] >= 1 and counters["fast.GetMany"] >= 1
+        assert server.server is not None and server.server.fast_path is not None
+        name = server.server.fast_path.name
+
+        def ask(op: int, body: bytes) -> tuple[int, bytes]:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                s.connect("\0" + name)
+                s.sendall(FAST_HEAD.pack(len(body), op) + body)
+                head = read_exact(s, FAST_HEAD.size)
+                assert head is not None
+                n, ok = FAST_HEAD.unpack(head)
+                return ok, read_exact(s, n) or b""
+
+        no_segment = pb.GetManyRequest(keys=[_key(13)]).SerializeToString()
+        forged = pb.GetManyRequest(keys=[_key(13)], segment_id="0" * 32).SerializeToString()
+        for op, body, status in ((FAST_GET_MANY, no_segment, "NOT_FOUND"),
+                                 (FAST_GET_MANY, forged, "NOT_FOUND"),
+                                 (FAST_GET_MANY, b"\xff\xff\xff", "INVALID_ARGUMENT"),
+                                 (9, no_segment, "INVALID_ARGUMENT")):
+            ok, out = ask(op, body)
+            assert ok == 0 and out.startswith(status.encode())
+        server.server.fast_path.close()  # the path goes away: calls fall back to gRPC
+        assert c.retrieve(_key(13)).equal(kv)  # type: ignore[union-attr]
+        assert c.stats().counters["getmany.hit"] >= 2

@@ -15,6 +15,7 @@ call PutMany, and give the region back when the call returns (the server copied 
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -23,7 +24,9 @@ from typing import Any, TypeVar
 from kdn.codec import EncodedParts
 from kdn.codec.format import parse_container
 from kdn.errors import DeadlineExceeded, KDNError, Unavailable
+from kdn.status import error_of
 from kdn.v1 import kdn_pb2 as pb
+from kdn.wire import FAST_GET_MANY, FAST_HEAD, FAST_PUT_MANY, read_exact
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -67,6 +70,9 @@ class DataPlane:
         self._segment: Any = None
         self._segment_id = ""
         self._tried = shm_bytes <= 0
+        self._fast_path = ""
+        self._conns = threading.local()
+        self._all_conns: list[socket.socket] = []
 
     # -- the segment ----------------------------------------------------------------------------
 
@@ -101,6 +107,7 @@ class DataPlane:
             seg.close()
             return
         self._segment, self._segment_id = seg, resp.segment_id
+        self._fast_path = resp.fast_path
 
     @property
     def attached(self) -> bool:
@@ -109,6 +116,10 @@ class DataPlane:
     def close(self) -> None:
         seg, seg_id = self._segment, self._segment_id
         self._segment, self._segment_id, self._tried = None, "", True
+        self._fast_path = ""
+        for conn in self._all_conns:
+            conn.close()
+        self._all_conns = []
         if seg is None:
             return
         try:
@@ -169,9 +180,54 @@ class DataPlane:
         return out
 
     def _get(self, req: pb.GetManyRequest, request_id: str | None) -> pb.GetManyResponse:
+        if req.segment_id and self._fast_path:
+            out = self._fast(FAST_GET_MANY, req)
+            if out is not None:
+                return pb.GetManyResponse.FromString(out)
         md = self._metadata(request_id)
         return self._call(  # type: ignore[no-any-return]
             lambda: self._stub.GetMany(req, timeout=self.timeout_s, metadata=md))
+
+    def _put(self, req: pb.PutManyRequest, request_id: str | None) -> pb.PutManyResponse:
+        if req.segment_id and self._fast_path:
+            out = self._fast(FAST_PUT_MANY, req)
+            if out is not None:
+                return pb.PutManyResponse.FromString(out)
+        md = self._metadata(request_id)
+        return self._call(  # type: ignore[no-any-return]
+            lambda: self._stub.PutMany(req, timeout=self.timeout_s, metadata=md))
+
+    def _fast(self, op: int, req: pb.GetManyRequest | pb.PutManyRequest) -> bytes | None:
+        """One call on this thread's fast-path connection (``kdn.server.fastpath``); None when
+        the path is gone (the call then goes by gRPC, and so do later ones)."""
+        conn: socket.socket | None = getattr(self._conns, "conn", None)
+        try:
+            if conn is None:
+                conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                conn.settimeout(self.timeout_s)
+                conn.connect("\0" + self._fast_path)
+                self._conns.conn = conn
+                self._all_conns.append(conn)
+            body = req.SerializeToString()
+            conn.sendall(FAST_HEAD.pack(len(body), op) + body)
+            head = read_exact(conn, FAST_HEAD.size)
+            if head is None:
+                raise OSError("the fast path closed the connection")
+            n, ok = FAST_HEAD.unpack(head)
+            out = read_exact(conn, n)
+            if out is None:
+                raise OSError("the fast path closed the connection")
+        except OSError as exc:
+            log.info("kdn: fast path unusable (%s); using gRPC", exc)
+            self._fast_path = ""
+            if conn is not None:
+                conn.close()
+            self._conns.conn = None
+            return None
+        if not ok:
+            name, _, message = out.decode("utf-8", "replace").partition("\0")
+            raise error_of(name, message)
+        return out
 
     # -- writes ---------------------------------------------------------------------------------
 
@@ -226,10 +282,8 @@ class DataPlane:
                 at += (parts.nbytes + 63) // 64 * 64
             else:
                 item.data = parts.to_bytes()
-        md = self._metadata(request_id)
         try:
-            resp = self._call(lambda: self._stub.PutMany(req, timeout=self.timeout_s,
-                                                         metadata=md))
+            resp = self._put(req, request_id)
         finally:
             if seg is not None and block is not None:
                 seg.regions.free(*block)

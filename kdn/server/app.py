@@ -30,6 +30,7 @@ from kdn.server.admin import AdminServicer
 from kdn.server.auth import AuthConfig, Authenticator, load_auth
 from kdn.server.blend_rpc import Blender
 from kdn.server.config import ServerConfig
+from kdn.server.fastpath import FastPath
 from kdn.server.observe import Metrics, RequestInterceptor
 from kdn.server.service import KDNServicer, verify_entry
 from kdn.store.base import Tier
@@ -121,6 +122,7 @@ class Server:
     metrics: Metrics | None = None
     metrics_port: int = -1
     admin: AdminServicer | None = None
+    fast_path: FastPath | None = None
     _stopped: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
@@ -137,6 +139,8 @@ class Server:
             self.health_task.cancel()
         await self.health.enter_graceful_shutdown()
         await self.grpc_server.stop(self.config.shutdown_grace_s if grace is None else grace)
+        if self.fast_path is not None:
+            self.fast_path.close()
         self.servicer.segments.close()
         await asyncio.to_thread(self.store.close)
         if self.metrics is not None:
@@ -188,6 +192,8 @@ async def start_server(config: ServerConfig, store: TieredStore | None = None,
     if port == 0:
         raise OSError(f"can not listen on {config.address}")
     await server.start()
+    fast_path = FastPath(servicer)  # same-host GetMany / PutMany without gRPC
+    servicer.fast_path_name = fast_path.name
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     task = asyncio.ensure_future(_watch_health(store, health_servicer))
@@ -200,7 +206,7 @@ async def start_server(config: ServerConfig, store: TieredStore | None = None,
              "on" if auth.enabled else "off",
              f"{config.metrics_host}:{metrics_port}" if metrics_port >= 0 else "off")
     return Server(config, server, store, servicer, health_servicer, port, task, metrics,
-                  metrics_port, admin)
+                  metrics_port, admin, fast_path)
 
 
 async def serve(config: ServerConfig, blender: Blender | None = None) -> None:

@@ -73,7 +73,8 @@ class SegmentUnavailable(KDNError):
 
 @dataclass
 class Segment:
-    tenant: str
+    principal: Principal
+    """Who attached it: calls naming the segment act as this caller."""
     size: int
     view: mmap.mmap
     array: np.ndarray[Any, Any]
@@ -92,14 +93,15 @@ class Segments:
         self._by_id: dict[str, Segment] = {}
         self._lock = threading.Lock()
 
-    def attach(self, tenant: str, pid: int, fd: int, size: int, nonce: bytes) -> str:
+    def attach(self, principal: Principal, pid: int, fd: int, size: int, nonce: bytes) -> str:
+        tenant = principal.tenant
         if len(nonce) != NONCE_BYTES:
             raise InvalidArgument(f"nonce must be {NONCE_BYTES} bytes, got {len(nonce)}")
         if not NONCE_BYTES < size <= MAX_SEGMENT_BYTES:
             raise InvalidArgument(f"segment size {size} outside ({NONCE_BYTES}, "
                                   f"{MAX_SEGMENT_BYTES}]")
         with self._lock:
-            mine = sum(1 for s in self._by_id.values() if s.tenant == tenant)
+            mine = sum(1 for s in self._by_id.values() if s.principal.tenant == tenant)
         if mine >= MAX_SEGMENTS_PER_TENANT:
             raise TooLarge(f"tenant holds {mine} attached segments (at most "
                            f"{MAX_SEGMENTS_PER_TENANT}); detach one first")
@@ -127,16 +129,24 @@ class Segments:
             raise SegmentUnavailable("the segment's nonce differs: not the client's segment")
         seg_id = secrets.token_hex(16)
         with self._lock:
-            self._by_id[seg_id] = Segment(tenant, size, view,
+            self._by_id[seg_id] = Segment(principal, size, view,
                                           np.frombuffer(view, dtype=np.uint8))
         return seg_id
 
     def get(self, tenant: str, seg_id: str) -> Segment:
         with self._lock:
             seg = self._by_id.get(seg_id)
-        if seg is None or seg.tenant != tenant:
+        if seg is None or seg.principal.tenant != tenant:
             raise NotFound(f"no attached segment {seg_id!r}")
         return seg
+
+    def owner(self, seg_id: str) -> Principal:
+        """The caller that attached ``seg_id`` (the fast path acts as it)."""
+        with self._lock:
+            seg = self._by_id.get(seg_id)
+        if seg is None:
+            raise NotFound(f"no attached segment {seg_id!r}")
+        return seg.principal
 
     def detach(self, tenant: str, seg_id: str) -> None:
         self.get(tenant, seg_id)
@@ -192,6 +202,8 @@ class BatchMixin:
                     opts: pb.StoreOptions) -> pb.StoreResponse: ...
 
     segments: Segments
+    fast_path_name: str = ""
+    """The socket of the same-host fast path (``kdn.server.fastpath``); "" = none."""
 
     async def _answer(self, name: str, context: grpc.aio.ServicerContext,
                       fn: Callable[[Principal], Any]) -> Any:
@@ -207,10 +219,10 @@ class BatchMixin:
     async def Attach(self, request: pb.AttachRequest,
                      context: grpc.aio.ServicerContext) -> pb.AttachResponse:
         def run(p: Principal) -> pb.AttachResponse:
-            seg_id = self.segments.attach(p.tenant, request.pid, request.fd, request.size,
+            seg_id = self.segments.attach(p, request.pid, request.fd, request.size,
                                           request.nonce)
             self.count("shm.attached")
-            return pb.AttachResponse(segment_id=seg_id)
+            return pb.AttachResponse(segment_id=seg_id, fast_path=self.fast_path_name)
 
         return await self._answer("Attach", context, run)  # type: ignore[no-any-return]
 

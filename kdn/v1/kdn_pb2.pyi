@@ -305,10 +305,12 @@ class AttachRequest(_message.Message):
     def __init__(self, pid: _Optional[int] = ..., fd: _Optional[int] = ..., size: _Optional[int] = ..., nonce: _Optional[bytes] = ...) -> None: ...
 
 class AttachResponse(_message.Message):
-    __slots__ = ("segment_id",)
+    __slots__ = ("segment_id", "fast_path")
     SEGMENT_ID_FIELD_NUMBER: _ClassVar[int]
+    FAST_PATH_FIELD_NUMBER: _ClassVar[int]
     segment_id: str
-    def __init__(self, segment_id: _Optional[str] = ...) -> None: ...
+    fast_path: str
+    def __init__(self, segment_id: _Optional[str] = ..., fast_path: _Optional[str] = ...) -> None: ...
 
 class DetachRequest(_message.Message):
     __slots__ = ("segment_id",)
