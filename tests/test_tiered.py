@@ -265,3 +265,15 @@ def test_write_behind_flushes_on_server_stop(tmp_path: Path) -> None:
         for key, kv in stored.items():
             back = c.retrieve(key)
             assert back is not None and back.equal(kv)
+
+
+def test_ram_keeps_a_read_only_byte_view_and_copies_anything_else() -> None:
+    ram = RamTier(1 << 20)
+    backing = bytearray(entry(100))
+    view = memoryview(bytes(backing))  # read-only
+    ram.put(b"v", view)
+    assert ram.get(b"v") is view  # kept as it is: no copy
+    ram.put(b"w", memoryview(backing))  # writable: the caller could change it later
+    got = ram.get(b"w")
+    backing[10] ^= 0xFF
+    assert isinstance(got, bytes) and got != bytes(backing)

@@ -227,7 +227,7 @@ class AdminServicer(pb_grpc.KDNAdminServicer):
                 self.count("export.skipped_corrupt")
                 continue
             _, namespace, key = split_store_key(k)
-            yield pb.ExportItem(namespace=namespace, key=key, value=got[0], cursor=k,
+            yield pb.ExportItem(namespace=namespace, key=key, value=bytes(got[0]), cursor=k,
                                 total=len(keys) if i == 0 else 0)
 
     @_rpc

@@ -198,7 +198,7 @@ class BatchMixin:
 
         def _check_header(self, tenant: str, msg: pb.StoreHeader) -> tuple[bytes, Header]: ...
 
-        def _commit(self, principal: Principal, skey: bytes, value: bytes,
+        def _commit(self, principal: Principal, skey: bytes, value: bytes | memoryview,
                     opts: pb.StoreOptions) -> pb.StoreResponse: ...
 
     segments: Segments
@@ -268,7 +268,7 @@ class BatchMixin:
                 _copy(seg.array[cursor : cursor + len(value)], value)
                 ref.offset = cursor
             else:
-                ref.data = value
+                ref.data = bytes(value)  # no copy when the tier holds bytes
             ref.written = True
             cursor = _aligned(cursor + len(value))
             sent += len(value)
@@ -283,16 +283,18 @@ class BatchMixin:
 
     def _put_many(self, p: Principal, request: pb.PutManyRequest) -> pb.PutManyResponse:
         seg = self.segments.get(p.tenant, request.segment_id) if request.segment_id else None
-        checked: list[tuple[bytes, bytes]] = []
+        checked: list[tuple[bytes, bytes | memoryview]] = []
         for j, item in enumerate(request.items):
-            if seg is not None:
-                start, stop = _region(seg, item.region)
-                value = seg.view[start:stop]  # a copy: later changes by the client can not
-            else:  # slip past the checks below
+            if seg is not None:  # a copy: later changes by the client can not slip past the
+                start, stop = _region(seg, item.region)  # checks below
+                own = np.empty(stop - start, dtype=np.uint8)  # (numpy: huge pages, no GIL)
+                np.copyto(own, seg.array[start:stop])
+                value: bytes | memoryview = memoryview(own).toreadonly()  # type: ignore[arg-type]
+            else:
                 value = bytes(item.data)
             try:
                 hdr = pb.StoreHeader(namespace=request.namespace, key=item.key,
-                                     container_header=value[: header_size(value)],
+                                     container_header=bytes(value[: header_size(value)]),
                                      total_bytes=len(value))
                 skey, _ = self._check_header(p.tenant, hdr)
                 parse_container(value, verify=True)

@@ -141,12 +141,14 @@ class KDNServicer(BatchMixin, BlendMixin, pb_grpc.KDNServicer):
         return await asyncio.to_thread(self._commit, principal, skey, value,
                                        first.header.options)
 
-    def _commit(self, principal: Principal, skey: bytes, value: bytes,
+    def _commit(self, principal: Principal, skey: bytes, value: bytes | memoryview,
                 opts: pb.StoreOptions) -> pb.StoreResponse:
         """Charge the tenant and put a checked entry (a worker thread; Store and PutMany)."""
         replaced = self.store.lookup([skey])
         self.auth.charge(principal, len(value) - replaced[0].size)
-        tier = self.store.put(skey, value, ttl_s=float(opts.ttl_seconds) or None, pin=opts.pin,
+        # a read-only byte view (PutMany) is stored as it is: tiers read any byte buffer
+        tier = self.store.put(skey, value, ttl_s=float(opts.ttl_seconds) or None,  # type: ignore[arg-type]
+                              pin=opts.pin,
                               durability=Durability(opts.durability))
         self.count("store.ok")
         self.count("bytes_in", len(value))

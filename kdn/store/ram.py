@@ -93,7 +93,9 @@ class RamTier(Tier):
             return max(0.0, self._expiry[key] - time.monotonic())
 
     def put(self, key: bytes, value: bytes, *, ttl_s: float | None = None) -> None:
-        value = bytes(value)
+        if not (isinstance(value, bytes) or isinstance(value, memoryview) and value.readonly
+                and value.contiguous and value.format == "B"):
+            value = bytes(value)  # a read-only byte view is kept as it is (no copy)
         if len(value) > self.capacity_bytes:
             raise TooLarge(f"entry of {len(value)} bytes exceeds the RAM tier's "
                            f"{self.capacity_bytes}-byte budget")
