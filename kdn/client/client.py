@@ -52,7 +52,7 @@ from kdn.wire import Frame, FrameMessage, frame_message, retrieve_response, seri
 
 T = TypeVar("T")
 DEFAULT_MAX_MESSAGE = 64 << 20
-DEFAULT_SHM_BYTES = 256 << 20
+DEFAULT_SHM_BYTES = 1 << 30
 """Size of the shared segment a client on the server's host uses by default."""
 
 
