@@ -180,22 +180,23 @@ class DataPlane:
         return out
 
     def _get(self, req: pb.GetManyRequest, request_id: str | None) -> pb.GetManyResponse:
-        if req.segment_id and self._fast_path:
-            out = self._fast(FAST_GET_MANY, req)
-            if out is not None:
-                return pb.GetManyResponse.FromString(out)
-        md = self._metadata(request_id)
-        return self._call(  # type: ignore[no-any-return]
-            lambda: self._stub.GetMany(req, timeout=self.timeout_s, metadata=md))
+        return self._many(FAST_GET_MANY, req, self._stub.GetMany, pb.GetManyResponse,
+                          request_id)
 
     def _put(self, req: pb.PutManyRequest, request_id: str | None) -> pb.PutManyResponse:
+        return self._many(FAST_PUT_MANY, req, self._stub.PutMany, pb.PutManyResponse,
+                          request_id)
+
+    def _many(self, op: int, req: Any, rpc: Callable[..., Any], answer: type[T],
+              request_id: str | None) -> T:
+        """One GetMany / PutMany: on the fast path when there is one, else by gRPC."""
         if req.segment_id and self._fast_path:
-            out = self._fast(FAST_PUT_MANY, req)
+            out = self._fast(op, req)
             if out is not None:
-                return pb.PutManyResponse.FromString(out)
+                return answer.FromString(out)  # type: ignore[attr-defined, no-any-return]
         md = self._metadata(request_id)
         return self._call(  # type: ignore[no-any-return]
-            lambda: self._stub.PutMany(req, timeout=self.timeout_s, metadata=md))
+            lambda: rpc(req, timeout=self.timeout_s, metadata=md))
 
     def _fast(self, op: int, req: pb.GetManyRequest | pb.PutManyRequest) -> bytes | None:
         """One call on this thread's fast-path connection (``kdn.server.fastpath``); None when
