@@ -57,7 +57,7 @@ def test_cancel_and_deadline_stop_server_work(tmp_path: Path) -> None:
 
     cfg = ServerConfig(port=0, data_dir=tmp_path, disk_bytes=0, ram_bytes=1 << 30)
     lay = uniform_layout(layers=64, heads=4, dim=64)
-    kv = random_kv(lay, tokens=1024)  # 64 frames of 1 MiB
+    kv = random_kv(lay, tokens=4096)  # 64 frames of 4 MiB: longer to send than the deadline
     key = keys.chunk_key([5], lay)
     with ServerThread(cfg) as st, Client(st.address, shm_bytes=0) as c:
         c.store(key, kv, mode="raw")
