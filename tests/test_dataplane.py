@@ -307,3 +307,20 @@ def test_the_fast_path_serves_same_host_batches_and_refuses_strangers(server: Se
         server.server.fast_path.close()  # the path goes away: calls fall back to gRPC
         assert c.retrieve(_key(13)).equal(kv)  # type: ignore[union-attr]
         assert c.stats().counters["getmany.hit"] >= 2
+
+
+def test_fetch_falls_back_to_the_stream_when_the_server_sends_small_messages(
+        tmp_path: Path) -> None:
+    cfg = ServerConfig(port=0, data_dir=tmp_path / "d", disk_bytes=0,
+                       max_message_bytes=64 << 10)
+    lay = uniform_layout(layers=8, heads=2, dim=64)
+    with ServerThread(cfg) as st, Client(st.address, shm_bytes=0) as c:
+        kv = random_kv(lay, 64)  # ~128 KiB: more than one 64 KiB message, frames of 16 KiB
+        c.store(_key(14), kv, mode="raw", layers_per_frame=1)
+        got = c.fetch(_key(14))
+        assert got is not None and codec.decode(got.parts.to_bytes()).equal(kv)
+        assert not c.dataplane._inline_ok  # later fetches go straight to the stream
+        small = random_kv(lay, 2)
+        c.store(_key(15), small, mode="raw")
+        got = c.fetch(_key(15))
+        assert got is not None and codec.decode(got.parts.to_bytes()).equal(small)

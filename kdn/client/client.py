@@ -241,18 +241,13 @@ class Client:
 
     def fetch(self, key: bytes, *, namespace: str | None = None,
               layout: KVLayout | None = None, request_id: str | None = None) -> Fetched | None:
-        """The stored container of ``key`` (header + frames, undecoded), or None on a miss."""
+        """The stored container of ``key`` (header + frames, undecoded), or None on a miss:
+        one GetMany (through the segment on the server's host, else inline in one message),
+        or a Retrieve stream for an entry too large for either."""
         req = self._retrieve_request(key, namespace, layout)
-        local = self._in_process(req.namespace, req.key)
-        if local is not None:
-            return _checked_layout(local, layout)
-        if self.dataplane.attached:
-            got = self.dataplane.get_many(req.namespace, [req.key],
-                                          req.expect_layout_fingerprint, request_id)[0]
-            if not isinstance(got, TooBig):
-                if got is not None:
-                    self._remember(req.namespace, req.key, got.parts)
-                return got
+        got = self._entries(req.namespace, [req.key], layout, request_id)[0]
+        if not isinstance(got, TooBig):
+            return got
         md = self.metadata(request_id)
 
         def run() -> Fetched:

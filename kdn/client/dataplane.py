@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 
 from kdn.codec import EncodedParts
 from kdn.codec.format import parse_container
-from kdn.errors import DeadlineExceeded, KDNError, Unavailable
+from kdn.errors import DeadlineExceeded, KDNError, RateLimited, TooLarge, Unavailable
 from kdn.status import error_of
 from kdn.v1 import kdn_pb2 as pb
 from kdn.wire import FAST_GET_MANY, FAST_HEAD, FAST_PUT_MANY, read_exact
@@ -71,6 +71,7 @@ class DataPlane:
         self._segment_id = ""
         self._tried = shm_bytes <= 0
         self._fast_path = ""
+        self._inline_ok = True
         self._conns = threading.local()
         self._all_conns: list[socket.socket] = []
 
@@ -138,6 +139,8 @@ class DataPlane:
         out: list[Fetched | TooBig | None] = [None] * len(keys)
         todo = list(range(len(keys)))
         seg, seg_id = self.segment()
+        if seg is None and not self._inline_ok:
+            return [TOO_BIG] * len(keys)
         while todo:
             region = pb.Region(length=self.inline_budget)
             block: tuple[int, int] | None = None
@@ -153,6 +156,15 @@ class DataPlane:
                                     region=region, expect_layout_fingerprint=layout_fingerprint)
             try:
                 resp = self._get(req, request_id)
+            except TooLarge as exc:
+                if seg is not None and block is not None:
+                    seg.regions.free(*block)
+                if seg is not None or isinstance(exc, RateLimited):
+                    raise
+                self._inline_ok = False  # the server's messages are smaller: stream instead
+                for i in todo:
+                    out[i] = TOO_BIG
+                return out
             except BaseException:
                 if seg is not None and block is not None:
                     seg.regions.free(*block)
