@@ -33,6 +33,9 @@ T = TypeVar("T")
 
 INLINE_SLACK = 1 << 20
 """Bytes kept free of entries in an inline message (protobuf framing, the other fields)."""
+INLINE_BYTES = 4 << 20
+"""Entry bytes per inline message at most: larger messages cost more per byte in gRPC (one
+big buffer to build, copy and fault in) than a stream of frames, so larger entries stream."""
 
 
 @dataclass(frozen=True)
@@ -65,7 +68,7 @@ class DataPlane:
         self._metadata = metadata
         self.timeout_s = timeout_s
         self.shm_bytes = shm_bytes
-        self.inline_budget = max(1, max_message_bytes - INLINE_SLACK)
+        self.inline_budget = max(1, min(INLINE_BYTES, max_message_bytes - INLINE_SLACK))
         self._lock = threading.Lock()
         self._segment: Any = None
         self._segment_id = ""
