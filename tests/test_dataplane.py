@@ -324,3 +324,58 @@ def test_fetch_falls_back_to_the_stream_when_the_server_sends_small_messages(
         c.store(_key(15), small, mode="raw")
         got = c.fetch(_key(15))
         assert got is not None and codec.decode(got.parts.to_bytes()).equal(small)
+
+
+def test_sizes_are_checked_before_anything_is_copied_out_of_a_segment(server: ServerThread
+                                                                      ) -> None:
+    seg = SharedSegment(7 << 29)  # 3.5 GiB of address space, untouched (sparse)
+    ch, stub = _stub(server)
+    seg_id = stub.Attach(pb.AttachRequest(pid=os.getpid(), fd=seg.fd, size=seg.size,
+                                          nonce=seg.nonce)).segment_id
+    gib = 1 << 30
+    for items, match in (
+            ([pb.PutItem(key=_key(16), region=pb.Region(offset=64, length=gib + 1))],
+             "max_entry_bytes"),
+            ([pb.PutItem(key=_key(16 + i), region=pb.Region(offset=64 + i * gib, length=gib))
+              for i in range(3)], "at most")):
+        with pytest.raises(grpc.RpcError) as err:
+            stub.PutMany(pb.PutManyRequest(segment_id=seg_id, items=items))
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert match in (err.value.details() or "")
+    ch.close()
+    seg.close()
+
+
+def test_an_entry_larger_than_the_first_region_comes_in_a_second_call(server: ServerThread
+                                                                      ) -> None:
+    from kdn.client.dataplane import FIRST_REGION
+
+    lay = uniform_layout(layers=2, heads=8, dim=64)
+    with Client(server.address, shm_bytes=FIRST_REGION * 3) as c:
+        big = random_kv(lay, FIRST_REGION // (2 * 8 * 64 * 2 * 2) + 512)  # > FIRST_REGION
+        c.store(_key(20), big, mode="raw")
+        before = c.stats().counters
+        assert c.retrieve(_key(20)).equal(big)  # type: ignore[union-attr]
+        after = c.stats().counters
+        assert after["getmany.hit"] == before["getmany.hit"] + 1
+        assert after.get("retrieve.hit", 0) == before.get("retrieve.hit", 0)  # no stream
+
+
+def test_segments_of_clients_that_went_away_are_detached(server: ServerThread) -> None:
+    import subprocess
+    import sys
+
+    code = ("import os, sys; from kdn.client import Client; from tests.helpers import "
+            "random_kv, uniform_layout\n"
+            f"c = Client({server.address!r}, shm_bytes=1 << 20)\n"
+            "c.store(bytes(32), random_kv(uniform_layout(), 4))\n"
+            "assert c.dataplane.attached\n"
+            "os._exit(0)  # no close, no Detach\n")
+    root = Path(__file__).resolve().parents[1]
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=root, timeout=120)
+    assert server.server is not None
+    segments = server.server.servicer.segments
+    assert len(segments) == 1  # still mapped: nobody told the server
+    with Client(server.address, shm_bytes=1 << 20) as c:
+        c.store(_key(21), random_kv(LAYOUT, 4))  # attaching reaps the dead client's segment
+        assert c.dataplane.attached and len(segments) == 1

@@ -33,6 +33,12 @@ T = TypeVar("T")
 
 INLINE_SLACK = 1 << 20
 """Bytes kept free of entries in an inline message (protobuf framing, the other fields)."""
+FIRST_REGION = 64 << 20
+"""Bytes a GetMany may fill at most before sizes are known: the rest of the segment stays free
+for other threads; an entry larger than this comes in a second call, into a region of its
+exact size."""
+BATCH_BYTES = 1 << 30
+"""Bytes of entries one PutMany through the segment carries at most (server limit: 2 GiB)."""
 INLINE_BYTES = 4 << 20
 """Entry bytes per inline message at most: larger messages cost more per byte in gRPC (one
 big buffer to build, copy and fault in) than a stream of frames, so larger entries stream."""
@@ -144,11 +150,12 @@ class DataPlane:
         seg, seg_id = self.segment()
         if seg is None and not self._inline_ok:
             return [TOO_BIG] * len(keys)
+        need = FIRST_REGION  # what the next call's region should hold (sizes learnt so far)
         while todo:
             region = pb.Region(length=self.inline_budget)
             block: tuple[int, int] | None = None
             if seg is not None:
-                block = seg.regions.alloc_largest(seg.size)
+                block = seg.regions.alloc_largest(need)
                 if block is None:  # every region is still being read: stream the rest
                     for i in todo:
                         out[i] = TOO_BIG
@@ -174,11 +181,13 @@ class DataPlane:
                 raise
             used = block[0] if block is not None else 0
             again: list[int] = []
+            sizes: list[int] = []
             for i, ref in zip(todo, resp.entries):
                 if not ref.present:
                     continue
                 if not ref.written:
                     again.append(i)
+                    sizes.append(ref.length)
                     continue
                 if seg is not None:
                     out[i] = _fetched(seg.owned(ref.offset, ref.length), ref.tier)
@@ -188,9 +197,12 @@ class DataPlane:
             if seg is not None and block is not None:
                 tail = (used + 63) // 64 * 64
                 seg.regions.free(tail, block[0] + block[1] - tail)
-            if again and len(again) == len(todo):  # not even the first one fitted
-                out[again[0]] = TOO_BIG
-                again = again[1:]
+            capped = block is not None and block[1] >= need and block[1] < sizes[0] \
+                if again else False  # our own cap was too small: ask again with the sizes
+            if again and len(again) == len(todo) and not capped:
+                out[again[0]] = TOO_BIG  # no room for it (message or segment): stream it
+                again, sizes = again[1:], sizes[1:]
+            need = max(sizes, default=FIRST_REGION)
             todo = again
         return out
 
@@ -254,7 +266,7 @@ class DataPlane:
         TOO_BIG for items no batch can carry."""
         out: list[pb.StoreResponse | TooBig] = [TOO_BIG] * len(items)
         seg, seg_id = self.segment()
-        limit = seg.size // 2 if seg is not None else self.inline_budget
+        limit = min(seg.size // 2, BATCH_BYTES) if seg is not None else self.inline_budget
         batch: list[int] = []
         size = 0
         for i, (_, parts, _) in enumerate(items):

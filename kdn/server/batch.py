@@ -59,10 +59,13 @@ if TYPE_CHECKING:
 
 NONCE_BYTES = 16
 ALIGN = 64
-MAX_SEGMENTS_PER_TENANT = 16
+MAX_SEGMENTS_PER_TENANT = 256
 MAX_SEGMENT_BYTES = 64 << 30
 INLINE_BUDGET = 48 << 20
 """Bytes of entries one inline GetMany answer carries at most (the rest: written=false)."""
+MAX_BATCH_BYTES = 2 << 30
+"""Bytes one PutMany may ask the server to copy out of a segment (all items are held until
+every one is checked)."""
 
 
 class SegmentUnavailable(KDNError):
@@ -75,6 +78,9 @@ class SegmentUnavailable(KDNError):
 class Segment:
     principal: Principal
     """Who attached it: calls naming the segment act as this caller."""
+    source: tuple[str, int]
+    """(``/proc/<pid>/fd/<fd>``, inode) it was opened from: gone or another file once the
+    client closed it or exited, and then the segment is detached (``Segments.reap``)."""
     size: int
     view: mmap.mmap
     array: np.ndarray[Any, Any]
@@ -100,13 +106,15 @@ class Segments:
         if not NONCE_BYTES < size <= MAX_SEGMENT_BYTES:
             raise InvalidArgument(f"segment size {size} outside ({NONCE_BYTES}, "
                                   f"{MAX_SEGMENT_BYTES}]")
+        self.reap()
         with self._lock:
             mine = sum(1 for s in self._by_id.values() if s.principal.tenant == tenant)
         if mine >= MAX_SEGMENTS_PER_TENANT:
             raise TooLarge(f"tenant holds {mine} attached segments (at most "
                            f"{MAX_SEGMENTS_PER_TENANT}); detach one first")
+        path = f"/proc/{int(pid)}/fd/{int(fd)}"
         try:
-            handle = os.open(f"/proc/{int(pid)}/fd/{int(fd)}", os.O_RDWR | os.O_CLOEXEC)
+            handle = os.open(path, os.O_RDWR | os.O_CLOEXEC)
         except OSError as exc:
             raise SegmentUnavailable(f"can not open the client's segment: {exc.strerror}") \
                 from None
@@ -115,6 +123,7 @@ class Segments:
             if not seals & fcntl.F_SEAL_SHRINK:
                 raise SegmentUnavailable("the segment is not sealed against shrinking "
                                          "(F_SEAL_SHRINK)")
+            inode = os.fstat(handle).st_ino
             if os.fstat(handle).st_size != size:
                 raise SegmentUnavailable(f"the segment has {os.fstat(handle).st_size} bytes, "
                                          f"the request says {size}")
@@ -129,9 +138,28 @@ class Segments:
             raise SegmentUnavailable("the segment's nonce differs: not the client's segment")
         seg_id = secrets.token_hex(16)
         with self._lock:
-            self._by_id[seg_id] = Segment(principal, size, view,
+            self._by_id[seg_id] = Segment(principal, (path, inode), size, view,
                                           np.frombuffer(view, dtype=np.uint8))
         return seg_id
+
+    def reap(self) -> int:
+        """Detach the segments whose client exited or closed them without Detach; how many."""
+        with self._lock:
+            segs = list(self._by_id.items())
+        gone = []
+        for seg_id, seg in segs:
+            path, inode = seg.source
+            try:
+                alive = os.stat(path).st_ino == inode
+            except OSError:
+                alive = False
+            if not alive:
+                gone.append(seg_id)
+        with self._lock:
+            dropped = [s for s in (self._by_id.pop(i, None) for i in gone) if s is not None]
+        for seg in dropped:
+            self._unmap(seg)
+        return len(dropped)
 
     def get(self, tenant: str, seg_id: str) -> Segment:
         with self._lock:
@@ -257,9 +285,9 @@ class BatchMixin:
                 self.count("getmany.miss")
                 continue
             value = hit.value
-            if want and want != parse_header(value).layout.fingerprint:
-                raise LayoutMismatch(f"entry {skey.decode()} has layout "
-                                     f"{parse_header(value).layout.fingerprint}, caller "
+            have = parse_header(value).layout.fingerprint if want else ""
+            if have != want:
+                raise LayoutMismatch(f"entry {skey.decode()} has layout {have}, caller "
                                      f"expects {want}")
             ref.present, ref.tier, ref.length = True, hit.tier, len(value)
             if cursor + len(value) > end:
@@ -283,6 +311,14 @@ class BatchMixin:
 
     def _put_many(self, p: Principal, request: pb.PutManyRequest) -> pb.PutManyResponse:
         seg = self.segments.get(p.tenant, request.segment_id) if request.segment_id else None
+        if seg is not None:  # sizes first: nothing is copied for a batch that is refused
+            for j, item in enumerate(request.items):
+                if item.region.length > self.config.max_entry_bytes:
+                    raise TooLarge(f"item {j}: entry of {item.region.length} bytes exceeds "
+                                   f"max_entry_bytes {self.config.max_entry_bytes}")
+            total = sum(item.region.length for item in request.items)
+            if total > MAX_BATCH_BYTES:
+                raise TooLarge(f"PutMany of {total} bytes; at most {MAX_BATCH_BYTES} per call")
         checked: list[tuple[bytes, bytes | memoryview]] = []
         for j, item in enumerate(request.items):
             if seg is not None:  # a copy: later changes by the client can not slip past the
