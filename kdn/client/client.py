@@ -20,6 +20,7 @@ calling thread's latest call, so threads sharing a Client never see each other's
 from __future__ import annotations
 
 import asyncio
+import functools
 import random
 import threading
 import time
@@ -233,9 +234,11 @@ class Client:
         if self.local is not None:
             self.local.put(namespace, key, parts)
 
-    def _in_process(self, namespace: str, key: bytes) -> Fetched | None:
+    def _in_process(self, namespace: str, key: bytes, layout: KVLayout | None
+                    ) -> Fetched | None:
+        """The in-process tier's copy of the entry (its layout checked), or None."""
         parts = self.local.get(namespace, key) if self.local is not None else None
-        return None if parts is None else Fetched(parts, LOCAL_TIER)
+        return None if parts is None else _checked_layout(Fetched(parts, LOCAL_TIER), layout)
 
     # -- retrieve -------------------------------------------------------------------------------
 
@@ -277,31 +280,20 @@ class Client:
         req = self._retrieve_request(key, namespace, layout)
         req.first_layer, req.last_layer = first_layer, last_layer
         whole = not (first_layer or last_layer)
-        if whole and self.local is not None:
-            local = self._in_process(req.namespace, req.key)
-            if local is not None:
-                return _stream_of(_checked_layout(local, layout), device,
-                                  StreamTimings(started=time.perf_counter()))
-        if self.dataplane.attached and whole:
+        if whole:  # the in-process tier, then the shared segment (same host)
             started = time.perf_counter()
-            got = self.dataplane.get_many(req.namespace, [req.key],
-                                          req.expect_layout_fingerprint, request_id)[0]
-            if got is None:
-                return None
-            if not isinstance(got, TooBig):
-                self._remember(req.namespace, req.key, got.parts)
+            got = (self._entries(req.namespace, [req.key], layout, request_id)[0]
+                   if self.dataplane.attached else
+                   self._in_process(req.namespace, req.key, layout))
+            if isinstance(got, Fetched):
                 return _stream_of(got, device, StreamTimings(started=started))
-        if whole and self.local is not None:  # keep what the stream brings
-            local_tier, ns, k = self.local, req.namespace, req.key
-            remember = lambda parts: local_tier.put(ns, k, parts)  # noqa: E731
-            try:
-                return self.layer_stream(self._retrieve_call, req, device, request_id,
-                                         on_complete=remember)
-            except NotFound:
+            if got is None and self.dataplane.attached:
                 return None
-
+        keep = (functools.partial(self._remember, req.namespace, req.key)
+                if whole and self.local is not None else None)  # what the stream brings
         try:
-            return self.layer_stream(self._retrieve_call, req, device, request_id)
+            return self.layer_stream(self._retrieve_call, req, device, request_id,
+                                     on_complete=keep)
         except NotFound:
             return None
 
@@ -352,8 +344,7 @@ class Client:
     def _entries(self, ns: str, keys: list[bytes], layout: KVLayout | None,
                  request_id: str | None) -> list[Fetched | TooBig | None]:
         """In-process hits, then one batch (GetMany) for the rest, which is remembered."""
-        out: list[Fetched | TooBig | None] = [
-            _checked_layout(f, layout) if (f := self._in_process(ns, k)) else None for k in keys]
+        out: list[Fetched | TooBig | None] = [self._in_process(ns, k, layout) for k in keys]
         ask = [j for j, f in enumerate(out) if f is None]
         if ask:
             got = self.dataplane.get_many(ns, [keys[j] for j in ask],
