@@ -21,7 +21,8 @@ from kdn.codec import (
     parse_header,
 )
 from kdn.codec.entropy import decode_streams, encode_streams
-from kdn.codec.modes import get_mode
+from kdn.codec.format import copy_checked
+from kdn.codec.modes import get_mode, tensor_borrowed
 from kdn.codec.modes.cachegen import PARAMS as CACHEGEN
 from kdn.codec.modes.kdn import LEVELS as KDN_LEVELS
 from kdn.errors import Corrupt, InvalidArgument, KDNError
@@ -218,3 +219,81 @@ def real_kv() -> KVCache:
 @pytest.mark.parametrize("mode,level", all_codecs())
 def test_round_trip_real_model(real_kv: KVCache, mode: str, level: str) -> None:
     check_round_trip(real_kv, mode, level)
+
+
+# ------------------------------------------------------------------ checked copies, views
+
+
+@pytest.mark.parametrize("layers_per_frame", [1, 2])
+def test_copy_checked_copies_and_finds_every_damage(layers_per_frame: int) -> None:
+    blob = bytearray(encode(small_kv(), "raw", layers_per_frame=layers_per_frame))
+    out = bytearray(len(blob))
+    copy_checked(memoryview(out), bytes(blob))
+    assert out == blob
+    for i in range(len(blob)):  # a flipped byte anywhere: header, frame prefix, record, body
+        blob[i] ^= 0x40
+        with pytest.raises(KDNError):
+            copy_checked(memoryview(bytearray(len(blob))), bytes(blob))
+        blob[i] ^= 0x40
+    for n in (10, len(blob) - 1):
+        with pytest.raises(KDNError):
+            copy_checked(memoryview(bytearray(n)), bytes(blob[:n]))
+    with pytest.raises(KDNError):  # bytes after the last frame
+        copy_checked(memoryview(bytearray(len(blob) + 3)), bytes(blob) + b"abc")
+    with pytest.raises(InvalidArgument):
+        copy_checked(memoryview(bytearray(5)), bytes(blob))
+
+
+def test_copy_checked_hashes_in_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    import kdn.codec.format as fmt
+
+    monkeypatch.setattr(fmt, "COPY_CHUNK", 7)  # many chunks per frame, one frame per layer
+    kv = random_kv(uniform_layout(), 9, seed=2)
+    blob = encode(kv, "raw")
+    out = bytearray(len(blob))
+    fmt.copy_checked(memoryview(out), blob)
+    assert decode(bytes(out)).equal(kv)
+    bad = bytearray(blob)
+    bad[-1] ^= 1
+    with pytest.raises(Corrupt):
+        fmt.copy_checked(memoryview(bytearray(len(bad))), bytes(bad))
+
+
+def test_borrowed_tensors_view_writable_aligned_bytes_only() -> None:
+    buf = bytearray(66)
+    view = tensor_borrowed(memoryview(buf)[2:66], torch.float16, (2, 16))
+    assert view is not None
+    view.fill_(1.0)
+    assert buf[2:4] == torch.tensor([1.0], dtype=torch.float16).view(torch.int16).numpy().tobytes()
+    assert tensor_borrowed(memoryview(buf)[1:65], torch.float16, (2, 16)) is None  # misaligned
+    assert tensor_borrowed(memoryview(bytes(64)), torch.float16, (2, 16)) is None  # read-only
+    assert tensor_borrowed(memoryview(buf)[2:64], torch.float16, (2, 16)) is None  # wrong size
+
+
+def test_a_decoder_that_borrows_decodes_the_same_and_still_checks() -> None:
+    kv = random_kv(uniform_layout(), 12, seed=4)
+    parts = encode_parts(kv, "raw")
+    frames = [bytearray(f) for f in parts.frames]
+    dec = StreamDecoder(parts.header, borrow=True)
+    layers = [x for i, f in enumerate(frames) for x in dec.decode_frame(i, memoryview(f))]
+    assert KVCache(kv.layout, [(k, v) for _, k, v in layers]).equal(kv)
+    frames[0][-1] ^= 1
+    with pytest.raises(Corrupt):
+        dec.decode_frame(0, memoryview(frames[0]))
+    trusting = StreamDecoder(parts.header, borrow=True, checked=True)  # sums skipped, not shapes
+    trusting.decode_frame(0, memoryview(frames[0]))
+    with pytest.raises(KDNError):
+        trusting.decode_frame(0, memoryview(frames[0])[:-1])
+
+
+def test_a_decoder_that_does_not_borrow_copies() -> None:
+    kv = random_kv(uniform_layout(), 12, seed=6)
+    parts = encode_parts(kv, "raw")
+    frames = [bytearray(f) for f in parts.frames]
+    dec = StreamDecoder(parts.header)
+    layers = {i: (k, v) for j, f in enumerate(frames) for i, k, v in dec.decode_frame(j, f)}
+    for k, v in layers.values():
+        k.zero_()
+        v.zero_()
+    assert [bytes(f) for f in frames] == parts.frames  # the caller's buffers are untouched
+    assert decode(parts.to_bytes()).equal(kv)

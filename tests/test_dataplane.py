@@ -12,13 +12,16 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
+import numpy as np
 import pytest
+import torch
 
 from kdn import codec
 from kdn.cache import KVCache
 from kdn.client import Client
 from kdn.client.shm import RegionAllocator, SharedSegment
 from kdn.errors import InvalidArgument, NotFound, TooLarge
+from kdn.options import Durability, StoreOptions
 from kdn.server import ServerConfig, ServerThread
 from kdn.v1 import kdn_pb2 as pb
 from kdn.v1 import kdn_pb2_grpc as pb_grpc
@@ -379,3 +382,59 @@ def test_segments_of_clients_that_went_away_are_detached(server: ServerThread) -
     with Client(server.address, shm_bytes=1 << 20) as c:
         c.store(_key(21), random_kv(LAYOUT, 4))  # attaching reaps the dead client's segment
         assert c.dataplane.attached and len(segments) == 1
+
+
+def _in_segment(t: torch.Tensor, seg: SharedSegment) -> bool:
+    base = seg.array.ctypes.data
+    return base <= t.data_ptr() < base + seg.size
+
+
+def test_reads_through_the_segment_are_checked_by_the_server_and_viewed_in_place(
+        shm_client: Client) -> None:
+    kv = random_kv(LAYOUT, 40, seed=3)
+    shm_client.store(_key(20), kv, mode="raw")
+    seg = shm_client.dataplane.segment()[0]
+    got = shm_client.fetch(_key(20))
+    assert got is not None and got.owned and got.checked  # the server hashed what it wrote
+    frame0 = np.frombuffer(got.parts.frames[0], dtype=np.uint8)
+    assert frame0.ctypes.data % 64 == 0  # first frame aligned: raw bodies can be viewed
+    del got, frame0
+    back = shm_client.retrieve(_key(20), layout=LAYOUT)
+    assert back is not None and back.equal(kv)
+    assert all(_in_segment(k, seg) and _in_segment(v, seg) for k, v in back.layers)  # no copy
+    back.layers[0][0].zero_()  # the caller's own bytes: the next read is not affected
+    again = shm_client.retrieve(_key(20), layout=LAYOUT)
+    assert again is not None and again.equal(kv)
+    assert seg.regions.free_bytes() < seg.size - 64  # the regions live while the tensors do
+    del back, again
+    assert seg.regions.free_bytes() == seg.size - 64
+    lossless = random_kv(LAYOUT, 40, seed=4)  # a mode that decodes: fresh tensors
+    shm_client.store(_key(21), lossless, mode="lossless")
+    dec = shm_client.retrieve(_key(21), layout=LAYOUT)
+    assert dec is not None and dec.equal(lossless)
+    assert not any(_in_segment(k, seg) for k, _ in dec.layers)
+
+
+def test_damage_to_a_checked_value_in_server_memory_is_caught_by_the_segment_copy(
+        server: ServerThread, shm_client: Client) -> None:
+    kv = random_kv(LAYOUT, 40, seed=5)
+    shm_client.store(_key(22), kv, mode="raw", options=StoreOptions(durability=Durability.DISK))
+    assert shm_client.retrieve(_key(22), layout=LAYOUT) is not None  # RAM copy checked once
+    assert server.server is not None
+    store = server.server.store
+    ram = next(t for t in store.tiers if t.name == "ram")
+    skey = next(k for k in ram._data if k.endswith(_key(22).hex().encode()))  # noqa: SLF001
+    bad = bytearray(ram._data[skey])  # noqa: SLF001
+    bad[-100] ^= 0x10  # a flipped bit in a value already checked (same stamp: not re-hashed)
+    ram._data[skey] = bytes(bad)  # noqa: SLF001
+    back = shm_client.retrieve(_key(22), layout=LAYOUT)
+    assert back is not None and back.equal(kv)  # the disk copy, checked on the second read
+    counters = shm_client.stats().counters
+    assert counters["getmany.corrupt"] == 1
+    assert any("corrupt" in name and n for name, n in counters.items() if name != "getmany.corrupt")
+    assert shm_client.retrieve(_key(22), layout=LAYOUT).equal(kv)  # type: ignore[union-attr]
+    ram._data[skey] = bytes(bad)  # noqa: SLF001  # and with no sound copy left anywhere:
+    for tier in store.tiers:
+        if tier.name != "ram":
+            tier.delete(skey)
+    assert shm_client.retrieve(_key(22), layout=LAYOUT) is None  # a miss, not damaged tensors

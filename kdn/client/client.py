@@ -525,21 +525,26 @@ def _wire_options(options: StoreOptions | None) -> pb.StoreOptions:
                            durability=int(opts.durability))  # type: ignore[arg-type]
 
 
-def _decoder(header: bytes | memoryview, device: torch.device | str | None
-             ) -> tuple[StreamDecoder, torch.device]:
+def _decoder(header: bytes | memoryview, device: torch.device | str | None,
+             got: Fetched | None = None) -> tuple[StreamDecoder, torch.device]:
     """The decoder of an entry for ``device`` (CUDA targets decode on the CPU; LayerStream
-    stages pinned non-blocking copies), and the target device."""
+    stages pinned non-blocking copies), and the target device. An entry read through the
+    segment (``got``) is decoded in place and, when the server checked it there, not hashed
+    again."""
     target = torch.device(device or "cpu")
-    return StreamDecoder(header, "cpu" if target.type == "cuda" else target), target
+    return StreamDecoder(header, "cpu" if target.type == "cuda" else target,
+                         borrow=got is not None and got.owned,
+                         checked=got is not None and got.checked), target
 
 
 def _stream_of(got: Fetched, device: torch.device | str | None,
                timings: StreamTimings) -> LayerStream:
     """A LayerStream over an entry already in memory (decoded on the worker pool)."""
     timings.header = time.perf_counter()
-    dec, target = _decoder(got.parts.header, device)
+    dec, target = _decoder(got.parts.header, device, got)
     frames = iter([FrameMessage(Frame(i, f)) for i, f in enumerate(got.parts.frames)])
-    return LayerStream(dec, frames, got.tier, lambda: None, timings, target)
+    return LayerStream(dec, frames, got.tier, lambda: None, timings, target,
+                       inline=dec.borrows)
 
 
 class AsyncClient:

@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 
 from kdn.codec import EncodedParts
 from kdn.codec.format import parse_container
-from kdn.errors import DeadlineExceeded, KDNError, RateLimited, TooLarge, Unavailable
+from kdn.errors import Corrupt, DeadlineExceeded, KDNError, RateLimited, TooLarge, Unavailable
 from kdn.status import error_of
 from kdn.v1 import kdn_pb2 as pb
 from kdn.wire import FAST_GET_MANY, FAST_HEAD, FAST_PUT_MANY, read_exact
@@ -50,6 +50,12 @@ class Fetched:
 
     parts: EncodedParts
     tier: str
+    owned: bool = False
+    """The frames are views of a region of this client's segment that nothing else holds: the
+    decoded tensors may view them in place (``StreamDecoder(borrow=True)``)."""
+    checked: bool = False
+    """The server verified every checksum on these very bytes after writing them into the
+    segment (``EntryRef.verified``): decoding need not hash them again."""
 
 
 class TooBig:
@@ -59,10 +65,12 @@ class TooBig:
 TOO_BIG = TooBig()
 
 
-def _fetched(buf: bytes | memoryview, tier: str) -> Fetched:
+def _fetched(buf: bytes | memoryview, tier: str, owned: bool = False,
+             checked: bool = False) -> Fetched:
     """Header and frame views of one container (checked when decoded)."""
     c = parse_container(buf, verify=False)
-    return Fetched(EncodedParts(c.header.raw, list(c.frames)), tier)  # type: ignore[arg-type]
+    return Fetched(EncodedParts(c.header.raw, list(c.frames)), tier,  # type: ignore[arg-type]
+                   owned, checked)
 
 
 class DataPlane:
@@ -189,20 +197,24 @@ class DataPlane:
                     again.append(i)
                     sizes.append(ref.length)
                     continue
-                if seg is not None:
-                    out[i] = _fetched(seg.owned(ref.offset, ref.length), ref.tier)
-                    used = max(used, ref.offset + ref.length)
+                if seg is not None and block is not None:
+                    if ref.offset < used or ref.offset + ref.length > block[0] + block[1]:
+                        raise Corrupt(f"GetMany placed an entry at [{ref.offset}, "
+                                      f"{ref.offset + ref.length}), outside the free part "
+                                      f"[{used}, {block[0] + block[1]}) of its region")
+                    out[i] = _fetched(seg.owned(ref.offset, ref.length, used), ref.tier, True,
+                                      ref.verified)
+                    used = (ref.offset + ref.length + 63) // 64 * 64
                 else:
                     out[i] = _fetched(ref.data, ref.tier)
             if seg is not None and block is not None:
-                tail = (used + 63) // 64 * 64
-                seg.regions.free(tail, block[0] + block[1] - tail)
+                seg.regions.free(used, block[0] + block[1] - used)
             capped = block is not None and block[1] >= need and block[1] < sizes[0] \
                 if again else False  # our own cap was too small: ask again with the sizes
             if again and len(again) == len(todo) and not capped:
                 out[again[0]] = TOO_BIG  # no room for it (message or segment): stream it
                 again, sizes = again[1:], sizes[1:]
-            need = max(sizes, default=FIRST_REGION)
+            need = max(sizes, default=FIRST_REGION - 64) + 64  # room to align its frames
             todo = again
         return out
 

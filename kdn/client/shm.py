@@ -120,10 +120,15 @@ class SharedSegment:
         """Copy ``data`` into the segment at ``offset`` (numpy: the GIL is released)."""
         np.copyto(self.array[offset : offset + len(data)], np.frombuffer(data, dtype=np.uint8))
 
-    def owned(self, offset: int, n: int) -> memoryview:
-        """A view of [offset, offset + n) that frees that range once no view of it is left."""
+    def owned(self, offset: int, n: int, start: int | None = None) -> memoryview:
+        """A view of [offset, offset + n) that frees [start, offset + n) (``start``: an
+        aligned offset at or before ``offset``; default ``offset``) once no view of it is
+        left."""
+        start = offset if start is None else start
+        if start % ALIGN or not start <= offset:
+            raise ValueError(f"region start {start} unaligned or after the view at {offset}")
         owner = self.array[offset : offset + n]
-        weakref.finalize(owner, self.regions.free, offset, n)
+        weakref.finalize(owner, self.regions.free, start, offset + n - start)
         return memoryview(owner)  # type: ignore[arg-type]
 
     def close(self) -> None:

@@ -65,7 +65,9 @@ class StreamTimings:
 class LayerStream:
     def __init__(self, decoder: StreamDecoder, frames: Iterator[Any], tier: str,
                  cancel: Callable[[], object], timings: StreamTimings,
-                 device: torch.device | str | None = None) -> None:
+                 device: torch.device | str | None = None, *, inline: bool = False) -> None:
+        """``inline``: the frames are in memory and decode cheaply (borrowed raw bodies: only
+        checksums to verify): decode them here, before returning, instead of on threads."""
         self.decoder = decoder
         self.device = torch.device(device or decoder.device)
         self._copy_stream = (torch.cuda.Stream(self.device) if self.device.type == "cuda"
@@ -80,9 +82,13 @@ class LayerStream:
         self._cancel = cancel
         self._lock = threading.Lock()
         self._pending: list[Future[None]] = []
-        self._reader = threading.Thread(target=self._read, args=(frames,), daemon=True,
-                                        name="kdn-retrieve")
-        self._reader.start()
+        self._reader: threading.Thread | None = None
+        if inline:
+            self._read(frames, inline=True)
+        else:
+            self._reader = threading.Thread(target=self._read, args=(frames,), daemon=True,
+                                            name="kdn-retrieve")
+            self._reader.start()
 
     @property
     def layout(self) -> KVLayout:
@@ -122,12 +128,15 @@ class LayerStream:
         self._events[layer] = (event, kp, vp)  # pinned buffers live until the copy is awaited
         return kg, vg
 
-    def _read(self, frames: Iterator[Any]) -> None:
+    def _read(self, frames: Iterator[Any], inline: bool = False) -> None:
         try:
             for msg in frames:
                 data = msg.frame.data
                 self.timings.bytes_received += len(data)
-                self._pending.append(pool().submit(self._decode, msg.frame.index, data))
+                if inline:
+                    self._decode(msg.frame.index, data)
+                else:
+                    self._pending.append(pool().submit(self._decode, msg.frame.index, data))
             self.timings.last_frame_received = time.perf_counter()
             for fut in self._pending:
                 fut.result()
@@ -158,7 +167,8 @@ class LayerStream:
 
     def result(self, timeout: float | None = None) -> KVCache:
         layers = [self.wait_for_layer(i, timeout) for i in range(len(self._layers))]
-        self._reader.join(timeout)
+        if self._reader is not None:
+            self._reader.join(timeout)
         return KVCache(self.layout, layers, int(self.decoder.header.entry.start_position))
 
     def cancel(self) -> None:

@@ -15,10 +15,13 @@ a small thread pool (torch ops and zstd release the GIL).
 
 from __future__ import annotations
 
+import itertools
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
+import numpy as np
 import torch
 
 from kdn.cache import KVCache
@@ -150,11 +153,34 @@ class StreamDecoder:
     """Decodes the frames of one container as they arrive, in any order, independently."""
 
     def __init__(self, header: bytes | memoryview | Header,
-                 device: torch.device | str | None = None) -> None:
+                 device: torch.device | str | None = None, *, borrow: bool = False,
+                 checked: bool = False) -> None:
+        """``borrow``: the frames are writable buffers the caller hands over for good (a region
+        of its shared segment); CPU tensors may then view them instead of copying.
+        ``checked``: their checksums were verified on these very bytes already (by the server
+        that wrote them into the segment); frames are still checked for structure."""
+        self.checked = checked
         self.header = header if isinstance(header, Header) else parse_header(header)
         self.device = torch.device(device or "cpu")
+        self.borrow = borrow and self.device.type == "cpu"
         self.mode: Mode = get_mode(self.header.mode)
         self.level = self.mode.check_level(self.header.entry.codec.level)
+        self._arena: np.ndarray[Any, Any] | None = None
+        self._offsets: list[int] = []
+        if self.mode.borrows and not self.borrow and self.device.type == "cpu":
+            # verbatim bodies are copied once, into one buffer for the whole entry (numpy
+            # asks for huge pages from 4 MiB on: far fewer page faults than one per tensor)
+            lay, t, size = self.header.layout, self.header.tokens, self.header.layout.dtype.itemsize
+            ends = list(itertools.accumulate(
+                (lay.layers[i].k_numel(t) + lay.layers[i].v_numel(t)) * size
+                for i in range(lay.num_layers)))
+            self._offsets = [0, *ends]
+            self._arena = np.empty(ends[-1] if ends else 0, dtype=np.uint8)
+
+    @property
+    def borrows(self) -> bool:
+        """Whether decoding is a view plus checksums (borrowed bodies of a verbatim mode)."""
+        return self.borrow and self.mode.borrows
 
     @property
     def num_frames(self) -> int:
@@ -162,7 +188,18 @@ class StreamDecoder:
 
     def decode_record(self, rec: LayerRecord) -> tuple[torch.Tensor, torch.Tensor]:
         spec = _spec(self.header.layout, rec.layer, rec.tokens)
-        k, v = self.mode.decode_layer(rec.body, spec, self.level, self.device)
+        body = rec.body
+        if self._arena is not None:
+            lo, hi = self._offsets[rec.layer], self._offsets[rec.layer + 1]
+            if len(body) != hi - lo:
+                raise Corrupt(f"layer {rec.layer}: {len(body)} body bytes, expected {hi - lo}")
+            place = self._arena[lo:hi]
+            np.copyto(place, np.frombuffer(body, dtype=np.uint8))
+            body = memoryview(place)  # type: ignore[arg-type]
+        kv = self.mode.borrow_layer(body, spec) if self.borrow or self._arena is not None \
+            else None
+        k, v = kv if kv is not None else self.mode.decode_layer(rec.body, spec, self.level,
+                                                                 self.device)
         if tuple(k.shape) != spec.k_shape or tuple(v.shape) != spec.v_shape:
             raise Corrupt(f"layer {rec.layer}: mode {self.mode.name} decoded wrong shapes")
         return k, v
@@ -171,7 +208,7 @@ class StreamDecoder:
         self, index: int, frame: bytes | memoryview
     ) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
         """Verify frame ``index`` and decode its layers: [(layer, K, V), ...]."""
-        recs = check_frame(self.header, index, frame)
+        recs = check_frame(self.header, index, frame, checksum=not self.checked)
         return [(r.layer, *self.decode_record(r)) for r in recs]
 
     def empty_cache(self) -> list[tuple[torch.Tensor, torch.Tensor] | None]:

@@ -262,11 +262,14 @@ class LayerRecord:
     body: memoryview
 
 
-def check_frame(header: Header, index: int, frame: bytes | memoryview) -> list[LayerRecord]:
+def check_frame(header: Header, index: int, frame: bytes | memoryview, *,
+                digest: int | None = None, checksum: bool = True) -> list[LayerRecord]:
     """Verify one frame against its header (checksum, position, shapes); return its records.
 
     Cheap: no tensor is decoded. Raises Corrupt/Truncated for damaged bytes and InvalidLayout
-    for records whose shapes do not match the declared layout.
+    for records whose shapes do not match the declared layout. ``digest``: the frame's sum,
+    already computed over these bytes (``copy_checked``); ``checksum=False`` skips the sum
+    (bytes the server checked in place, see ``EntryRef.verified``).
     """
     mv = memoryview(frame)
     if index >= len(header.entry.frames):
@@ -279,8 +282,10 @@ def check_frame(header: Header, index: int, frame: bytes | memoryview) -> list[L
     if len(mv) != _FRAME.size + length:
         raise Truncated(f"frame {index}: {len(mv) - _FRAME.size} payload bytes, declared {length}")
     payload = mv[_FRAME.size :]
-    if _frame_sum(header.checksum, mv[:12], payload) != want:
-        raise Corrupt(f"frame {index}: checksum mismatch")
+    if checksum:
+        got = _frame_sum(header.checksum, mv[:12], payload) if digest is None else digest
+        if got != want:
+            raise Corrupt(f"frame {index}: checksum mismatch")
     span = header.entry.frames[index]
     if (idx, first, count) != (index, span.first_layer, span.num_layers):
         raise Corrupt(
@@ -320,6 +325,40 @@ def split_frames(buf: bytes | memoryview, offset: int) -> Iterator[memoryview]:
             raise Truncated(f"frame at offset {offset} needs {n} bytes, {len(mv) - offset} remain")
         yield mv[offset : offset + n]
         offset += n
+
+
+COPY_CHUNK = 256 << 10
+"""Bytes ``copy_checked`` copies at a time: each chunk is hashed while it is still in cache."""
+
+
+def copy_checked(dst: memoryview, value: bytes | memoryview) -> None:
+    """Copy the container ``value`` into ``dst`` (same length) and verify the copy: header
+    checksum, every frame's checksum and records, hashed chunk by chunk right after each chunk
+    is written (one pass over memory instead of a copy then a hash). Raises Corrupt/Truncated;
+    ``dst`` then holds unchecked bytes."""
+    src, out = memoryview(value).cast("B"), memoryview(dst).cast("B")
+    if len(out) != len(src):
+        raise InvalidArgument(f"copy of {len(src)} bytes into {len(out)}")
+    head = header_size(src)
+    out[:head] = src[:head]
+    header = parse_header(out[:head])
+    off = head
+    for i in range(len(header.entry.frames)):
+        n = frame_length(src, off)
+        end = off + n
+        if end > len(src):
+            raise Truncated(f"frame {i} needs {n} bytes, {len(src) - off} remain")
+        out[off : off + _FRAME.size] = src[off : off + _FRAME.size]
+        h = xxhash.xxh3_64(seed=header.checksum)
+        h.update(out[off : off + 12])
+        for at in range(off + _FRAME.size, end, COPY_CHUNK):
+            stop = min(at + COPY_CHUNK, end)
+            out[at:stop] = src[at:stop]
+            h.update(out[at:stop])
+        check_frame(header, i, out[off:end], digest=h.intdigest() & 0xFFFFFFFF)
+        off = end
+    if off != len(src):
+        raise Corrupt(f"{len(src) - off} trailing bytes after the last frame")
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import fcntl
 import hmac
+import logging
 import mmap
 import os
 import secrets
@@ -38,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 import numpy as np
 
-from kdn.codec.format import Header, header_size, parse_container, parse_header
+from kdn.codec.format import Header, copy_checked, header_size, parse_container, parse_header
 from kdn.errors import (
     Corrupt,
     InvalidArgument,
@@ -55,7 +56,9 @@ from kdn.v1 import kdn_pb2 as pb
 
 if TYPE_CHECKING:
     from kdn.server.config import ServerConfig
-    from kdn.store.tiered import TieredStore
+    from kdn.store.tiered import Hit, TieredStore
+
+log = logging.getLogger(__name__)
 
 NONCE_BYTES = 16
 ALIGN = 64
@@ -206,6 +209,15 @@ def _aligned(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
+def _frames_aligned(cursor: int, value: bytes | memoryview, end: int) -> int:
+    """Where in [cursor, end) to write ``value`` so that its first frame starts at a multiple
+    of ``ALIGN`` (the client's tensors can then view raw bodies in place); ``cursor`` itself
+    when the shift does not fit."""
+    head = header_size(value)
+    at = _aligned(cursor + head) - head
+    return at if at + len(value) <= end else cursor
+
+
 def _region(seg: Segment, region: pb.Region) -> tuple[int, int]:
     start, length = int(region.offset), int(region.length)
     if start < NONCE_BYTES or start + length > seg.size:
@@ -289,11 +301,17 @@ class BatchMixin:
             if have != want:
                 raise LayoutMismatch(f"entry {skey.decode()} has layout {have}, caller "
                                      f"expects {want}")
+            if seg is not None and cursor + len(value) <= end:
+                hit = self._checked_copy(seg, skey, hit, cursor, end)
+                if hit is None:
+                    continue
+                ref.verified = True
+                value = hit.value
             ref.present, ref.tier, ref.length = True, hit.tier, len(value)
             if cursor + len(value) > end:
                 continue  # no room: the client asks again with a region of ref.length
             if seg is not None:
-                _copy(seg.array[cursor : cursor + len(value)], value)
+                cursor = _frames_aligned(cursor, value, end)  # where _checked_copy wrote it
                 ref.offset = cursor
             else:
                 ref.data = bytes(value)  # no copy when the tier holds bytes
@@ -303,6 +321,30 @@ class BatchMixin:
             self.count("getmany.hit")
         self.count("bytes_out", sent)
         return out
+
+    def _checked_copy(self, seg: Segment, skey: bytes, hit: Hit, cursor: int, end: int
+                      ) -> Hit | None:
+        """Copy ``hit`` into the segment where ``_get_many`` places it, checking every
+        checksum on the written bytes (``copy_checked``). A copy that fails the check makes the
+        store hash the key's values again on a second read (a damaged tier copy is dropped
+        there); None when that read finds nothing sound either (answered as a miss)."""
+        for attempt in (0, 1):
+            value = hit.value
+            at = _frames_aligned(cursor, value, end)
+            try:
+                copy_checked(memoryview(seg.array[at : at + len(value)]),  # type: ignore[arg-type]
+                             value)
+                return hit
+            except Corrupt as exc:
+                log.error("entry %r failed its check in a segment copy: %s", skey, exc)
+                self.count("getmany.corrupt")
+                self.store.distrust(skey)
+                again = self.store.get(skey) if attempt == 0 else None
+                if again is None or cursor + len(again.value) > end or \
+                        parse_header(again.value).layout != parse_header(value).layout:
+                    return None
+                hit = again
+        return None
 
     async def PutMany(self, request: pb.PutManyRequest,
                       context: grpc.aio.ServicerContext) -> pb.PutManyResponse:

@@ -221,6 +221,13 @@ class TieredStore:
             return Hit(value, tier.name)
         return None
 
+    def distrust(self, key: bytes) -> None:
+        """Forget that ``key``'s values were checked: its next read hashes them again (and a
+        copy that fails is removed from its tier). For readers that found damage later."""
+        with self._lock:
+            for tier in self.tiers:
+                self._checked.pop((tier.name, key), None)
+
     def _verified(self, tier: Tier, key: bytes, value: bytes, queued: bool = False) -> bool:
         if self.verify is None:
             return True

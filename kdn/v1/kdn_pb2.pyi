@@ -345,20 +345,22 @@ class GetManyRequest(_message.Message):
     def __init__(self, namespace: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., segment_id: _Optional[str] = ..., region: _Optional[_Union[Region, _Mapping]] = ..., expect_layout_fingerprint: _Optional[str] = ...) -> None: ...
 
 class EntryRef(_message.Message):
-    __slots__ = ("present", "tier", "length", "written", "offset", "data")
+    __slots__ = ("present", "tier", "length", "written", "offset", "data", "verified")
     PRESENT_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
     WRITTEN_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    VERIFIED_FIELD_NUMBER: _ClassVar[int]
     present: bool
     tier: str
     length: int
     written: bool
     offset: int
     data: bytes
-    def __init__(self, present: _Optional[bool] = ..., tier: _Optional[str] = ..., length: _Optional[int] = ..., written: _Optional[bool] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+    verified: bool
+    def __init__(self, present: _Optional[bool] = ..., tier: _Optional[str] = ..., length: _Optional[int] = ..., written: _Optional[bool] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., verified: _Optional[bool] = ...) -> None: ...
 
 class GetManyResponse(_message.Message):
     __slots__ = ("entries",)

@@ -13,6 +13,7 @@ its shapes imply, and raise ``Corrupt`` rather than return wrong tensors.
 from __future__ import annotations
 
 import abc
+import math
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -48,6 +49,8 @@ class Mode(abc.ABC):
     name: ClassVar[str]
     levels: ClassVar[tuple[str, ...]] = ("",)
     lossless: ClassVar[bool] = False
+    borrows: ClassVar[bool] = False
+    """Whether ``borrow_layer`` views bodies in place (the mode stores tensors verbatim)."""
 
     def check_level(self, level: str) -> str:
         if level not in self.levels:
@@ -69,6 +72,13 @@ class Mode(abc.ABC):
         self, body: memoryview, spec: LayerSpec, level: str, device: torch.device
     ) -> tuple[torch.Tensor, torch.Tensor]:
         ...
+
+    def borrow_layer(self, body: memoryview, spec: LayerSpec
+                     ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """CPU tensors that view ``body``'s bytes in place (no copy), for modes that store
+        the tensors verbatim; None where the mode must decode (or ``body`` is misaligned).
+        Only for bodies the caller owns alone and keeps unchanged while the tensors live."""
+        return None
 
 
 _MODES: dict[str, Mode] = {}
@@ -136,6 +146,19 @@ def tensor_from_bytes(
     arr = np.frombuffer(buf, dtype=_INT_VIEW[itemsize]).copy()
     out = torch.from_numpy(arr).view(dtype).reshape(shape)
     return out if device.type == "cpu" else out.to(device)
+
+
+def tensor_borrowed(buf: memoryview, dtype: torch.dtype, shape: tuple[int, ...]
+                    ) -> torch.Tensor | None:
+    """A CPU tensor of ``shape`` viewing ``buf`` (writable, exactly the right size) in place;
+    None when ``buf`` is read-only or not aligned to the element size."""
+    itemsize = dtype.itemsize
+    if buf.readonly or len(buf) != math.prod(shape) * itemsize:
+        return None
+    arr = np.frombuffer(buf, dtype=np.uint8)
+    if arr.ctypes.data % itemsize:
+        return None
+    return torch.from_numpy(arr.view(_INT_VIEW[itemsize])).view(dtype).reshape(shape)
 
 
 def _int_dtype(dtype: torch.dtype) -> torch.dtype:
