@@ -10,6 +10,7 @@ process. One row per (op, path, size): ``bytes``, ``seconds`` (median), ``gb_s``
     raw-grpc     a bare gRPC service streaming the same frames (transport only; put/get)
     h2d-pinned   pinned host -> device copy (GPU hosts only)
     grpc-1       kdn over one gRPC stream (a client on another host): limit raw-grpc
+    grpc-4       the same over 4 streams of layer groups, each on its own connection
     shm          kdn through the client's shared segment (same host): limit memcpy
     inproc       kdn from the client's in-process tier: limit memcpy
     batch-shm / batch-inline   64 entries of ~1 MiB in one call: limit memcpy / raw-grpc
@@ -38,6 +39,8 @@ from kdn.client import Client
 from kdn.layout import KVLayout, LayerLayout
 from kdn.server import ServerConfig, ServerThread
 
+STREAMS = 4
+"""Streams of the ``grpc-N`` rows (layer groups read side by side, ``kdn.client.parallel``)."""
 OPTS = [("grpc.max_receive_message_length", 256 << 20),
         ("grpc.max_send_message_length", 256 << 20)]
 
@@ -157,11 +160,13 @@ def measure(clients: dict[str, Client], put: Any, get: Any, layout: KVLayout, to
     limits[("raw-grpc", tokens)] = max(limits[("raw-grpc-put", tokens)],
                                        limits[("raw-grpc-get", tokens)])
     for path, client in clients.items():
-        limit = "raw-grpc" if path == "grpc-1" else "memcpy"
+        limit = "raw-grpc" if path.startswith("grpc") else "memcpy"
         client.store(key, parts)
-        if path == "inproc":  # reads only: the tier is filled by the store above
-            ops = [("fetch", lambda c=client: c.fetch(key)),
-                   ("retrieve", lambda c=client: c.retrieve(key, layout=layout))]
+        if path == "inproc" or path.startswith("grpc-") and path != "grpc-1":
+            # reads only: the tier is filled by the store above; grpc-N stores like grpc-1
+            ops = [("retrieve", lambda c=client: c.retrieve(key, layout=layout))]
+            if path == "inproc":
+                ops.insert(0, ("fetch", lambda c=client: c.fetch(key)))
         else:
             ops = [("store", lambda c=client: c.store(key, parts)),
                    ("fetch", lambda c=client: c.fetch(key)),
@@ -206,6 +211,8 @@ def run(tokens_list: list[int], repeat: int, out: Path) -> list[dict[str, Any]]:
         with ServerThread(cfg) as st:
             clients = {
                 "grpc-1": Client(st.address, max_message_bytes=big, shm_bytes=0),
+                f"grpc-{STREAMS}": Client(st.address, max_message_bytes=big, shm_bytes=0,
+                                          streams=STREAMS),
                 "shm": Client(st.address, max_message_bytes=big, shm_bytes=1 << 30),
                 "inproc": Client(st.address, max_message_bytes=big, shm_bytes=0,
                                  local_bytes=2 << 30),

@@ -38,6 +38,7 @@ from kdn.client.blend import RemotePiece, blend_request
 from kdn.client.dataplane import DataPlane, Fetched, TooBig
 from kdn.client.local import TIER as LOCAL_TIER
 from kdn.client.local import LocalTier
+from kdn.client.parallel import layer_groups, merged
 from kdn.client.stream import LayerStream, StreamTimings
 from kdn.codec import EncodedParts, StreamDecoder
 from kdn.codec.format import parse_container, parse_header
@@ -54,6 +55,7 @@ from kdn.wire import Frame, FrameMessage, frame_message, retrieve_response, seri
 T = TypeVar("T")
 DEFAULT_MAX_MESSAGE = 64 << 20
 DEFAULT_SHM_BYTES = 1 << 30
+DEFAULT_STREAMS = 1
 """Size of the shared segment a client on the server's host uses by default."""
 
 
@@ -118,8 +120,12 @@ class Client:
         tls: TLSOptions | None = None,
         shm_bytes: int | None = None,
         local_bytes: int = 0,
+        streams: int = DEFAULT_STREAMS,
     ) -> None:
         self.address = address
+        self.streams = max(1, streams)
+        """gRPC streams one retrieve reads side by side, in layer groups, when the entry comes
+        over gRPC and the caller gave its layout (``kdn.client.parallel``)."""
         self.timeout_s = timeout_s
         self.retry = retry or Retry()
         self.namespace = check_namespace(namespace)
@@ -127,12 +133,12 @@ class Client:
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),
         ]
-        if tls is None:
-            self._channel = grpc.insecure_channel(address, options=options)
-        else:
-            if tls.server_name:
-                options.append(("grpc.ssl_target_name_override", tls.server_name))
-            self._channel = grpc.secure_channel(address, tls.credentials(), options=options)
+        if tls is not None and tls.server_name:
+            options.append(("grpc.ssl_target_name_override", tls.server_name))
+        self._tls = tls
+        self._options = options
+        self._channel = self._new_channel()
+        self._group_calls: list[Any] = []  # Retrieve on channels of their own (parallel reads)
         self._auth: tuple[tuple[str, str], ...] = (
             ((API_KEY_HEADER, api_key),) if api_key else ())
         self._local = threading.local()
@@ -149,8 +155,29 @@ class Client:
             shm_bytes = DEFAULT_SHM_BYTES if same_host(address) else 0
         self.local = LocalTier(local_bytes) if local_bytes else None
         """The in-process tier (``kdn.client.local``), when ``local_bytes`` is set."""
+        self._lock = threading.Lock()
+        self._extra_channels: list[grpc.Channel] = []
         self.dataplane = DataPlane(self._stub, self._call, self.metadata, timeout_s, shm_bytes,
                                    max_message_bytes)
+
+    def _new_channel(self, *extra: tuple[str, int | str]) -> grpc.Channel:
+        options = [*self._options, *extra]
+        if self._tls is None:
+            return grpc.insecure_channel(self.address, options=options)
+        return grpc.secure_channel(self.address, self._tls.credentials(), options=options)
+
+    def _retrieve_calls(self, n: int) -> list[Any]:
+        """``n`` Retrieve callables, each on a channel with its own connection (the first is
+        the client's own channel)."""
+        with self._lock:
+            while len(self._group_calls) < n - 1:
+                ch = self._new_channel(("grpc.use_local_subchannel_pool", 1))
+                self._extra_channels.append(ch)
+                self._group_calls.append(ch.unary_stream(
+                    "/kdn.v1.KDN/Retrieve",
+                    request_serializer=pb.RetrieveRequest.SerializeToString,
+                    response_deserializer=retrieve_response))
+            return [self._retrieve_call, *self._group_calls[: n - 1]]
 
     @property
     def last_request_id(self) -> str:
@@ -174,7 +201,8 @@ class Client:
 
     def close(self) -> None:
         self.dataplane.close()
-        self._channel.close()
+        for ch in (self._channel, *self._extra_channels):
+            ch.close()
 
     def __enter__(self) -> Client:
         return self
@@ -292,10 +320,57 @@ class Client:
         keep = (functools.partial(self._remember, req.namespace, req.key)
                 if whole and self.local is not None else None)  # what the stream brings
         try:
+            if whole and layout is not None and self.streams > 1 and layout.num_layers > 1:
+                stream = self._grouped_stream(req, layout, device, request_id, keep)
+                if stream is not None:
+                    return stream
             return self.layer_stream(self._retrieve_call, req, device, request_id,
                                      on_complete=keep)
         except NotFound:
             return None
+
+    def _grouped_stream(self, req: pb.RetrieveRequest, layout: KVLayout,
+                        device: torch.device | str | None, request_id: str | None,
+                        on_complete: Callable[[EncodedParts], object] | None
+                        ) -> LayerStream | None:
+        """One retrieve over ``self.streams`` streams of layer groups (``kdn.client.parallel``);
+        None when their headers differ (an overwrite came between them: read it again over one
+        stream)."""
+        groups = layer_groups(layout.num_layers, self.streams)
+        md = self.metadata(request_id)
+
+        def run() -> LayerStream | None:
+            timings = StreamTimings(started=time.perf_counter())
+            calls = []
+            for start, (first, last) in zip(self._retrieve_calls(len(groups)), groups):
+                part = pb.RetrieveRequest()
+                part.CopyFrom(req)
+                part.first_layer, part.last_layer = first, last
+                calls.append(start(part, timeout=self.timeout_s, metadata=md))
+
+            def cancel() -> None:
+                for call in calls:
+                    call.cancel()
+
+            try:
+                firsts = [next(call) for call in calls]
+            except BaseException:
+                cancel()
+                raise
+            header = firsts[0].header.container_header
+            version = (header, firsts[0].header.entry_digest)
+            if any((f.header.container_header, f.header.entry_digest) != version
+                   for f in firsts[1:]):
+                cancel()
+                return None
+            timings.header = time.perf_counter()
+            dec, target = _decoder(header, device)
+            frames = merged(calls)
+            if on_complete is not None:
+                frames = _tee(frames, header, on_complete)
+            return LayerStream(dec, frames, firsts[0].header.tier, cancel, timings, target)
+
+        return self._call(run)
 
     def layer_stream(self, start: Callable[..., Any], request: Any,
                      device: torch.device | str | None = None,
@@ -504,11 +579,11 @@ def _checked_layout(got: Fetched, layout: KVLayout | None) -> Fetched:
 def _tee(call: Iterator[Any], header: bytes, on_complete: Callable[[EncodedParts], object]
          ) -> Iterator[Any]:
     """The messages of ``call``, handing the whole entry to ``on_complete`` after the last."""
-    data: list[bytes | memoryview] = []
+    data: dict[int, bytes | memoryview] = {}
     for msg in call:
-        data.append(msg.frame.data)  # a view of the message: the join below is the one copy
+        data[msg.frame.index] = msg.frame.data  # a view of the message: the join is the copy
         yield msg
-    whole = parse_container(b"".join([header, *data]), verify=False)
+    whole = parse_container(b"".join([header, *(data[i] for i in sorted(data))]), verify=False)
     on_complete(EncodedParts(whole.header.raw, list(whole.frames)))  # type: ignore[arg-type]
 
 

@@ -5,9 +5,11 @@ Retrieve streams (``RetrieveRequest.first_layer`` / ``last_layer``) and hands th
 of them, as they arrive, to one ``LayerStream``. Each stream has its own channel (its own TCP
 connection and HTTP/2 flow-control window), so one slow window does not hold the others back.
 
-The N headers must be byte-identical: an entry overwritten between the calls would otherwise
-mix two versions (each frame would then fail its checksum against the other header). When
-they differ, the caller reads again over one stream. A frame that two groups share (frames of
+The N answers must name one stored version: an entry overwritten between the calls would
+otherwise mix two versions, and two versions of one layout and length have the same container
+header (frame checksums are seeded by it, so they would all pass). Each answer carries the
+header and ``entry_digest`` (a hash of every frame's prefix, checksums included); when they
+differ the caller reads again over one stream. A frame that two groups share (frames of
 several layers straddling a boundary) is passed on once.
 """
 

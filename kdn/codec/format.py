@@ -327,6 +327,16 @@ def split_frames(buf: bytes | memoryview, offset: int) -> Iterator[memoryview]:
         offset += n
 
 
+def entry_digest(frames: list[memoryview]) -> int:
+    """xxh3-64 over the prefixes of ``frames`` (each names its index, layers, length and
+    checksum): two stored versions with the same header differ here unless every frame's
+    checksum collides."""
+    h = xxhash.xxh3_64()
+    for f in frames:
+        h.update(f[: _FRAME.size])
+    return h.intdigest()
+
+
 COPY_CHUNK = 256 << 10
 """Bytes ``copy_checked`` copies at a time: each chunk is hashed while it is still in cache."""
 

@@ -363,19 +363,19 @@ class BatchMixin:
                 raise TooLarge(f"PutMany of {total} bytes; at most {MAX_BATCH_BYTES} per call")
         checked: list[tuple[bytes, bytes | memoryview]] = []
         for j, item in enumerate(request.items):
-            if seg is not None:  # a copy: later changes by the client can not slip past the
-                start, stop = _region(seg, item.region)  # checks below
-                own = np.empty(stop - start, dtype=np.uint8)  # (numpy: huge pages, no GIL)
-                np.copyto(own, seg.array[start:stop])
-                value: bytes | memoryview = memoryview(own).toreadonly()  # type: ignore[arg-type]
-            else:
-                value = bytes(item.data)
             try:
+                if seg is not None:  # a copy, checked as it is made (one pass): later changes
+                    start, stop = _region(seg, item.region)  # by the client can not slip past
+                    own = np.empty(stop - start, dtype=np.uint8)  # (numpy: huge pages)
+                    copy_checked(memoryview(own), memoryview(seg.array[start:stop]))  # type: ignore[arg-type]
+                    value: bytes | memoryview = memoryview(own).toreadonly()  # type: ignore[arg-type]
+                else:
+                    value = bytes(item.data)
+                    parse_container(value, verify=True)
                 hdr = pb.StoreHeader(namespace=request.namespace, key=item.key,
                                      container_header=bytes(value[: header_size(value)]),
                                      total_bytes=len(value))
                 skey, _ = self._check_header(p.tenant, hdr)
-                parse_container(value, verify=True)
             except Corrupt as exc:
                 raise InvalidArgument(f"item {j}: corrupt input: {exc}") from exc
             except KDNError as exc:

@@ -20,7 +20,14 @@ from typing import Any, TypeVar
 import grpc
 from google.protobuf.message import DecodeError
 
-from kdn.codec.format import Header, check_frame, parse_container, parse_header, split_frames
+from kdn.codec.format import (
+    Header,
+    check_frame,
+    entry_digest,
+    parse_container,
+    parse_header,
+    split_frames,
+)
 from kdn.codec.modes import get_mode
 from kdn.errors import Corrupt, InvalidArgument, KDNError, LayoutMismatch, NotFound, TooLarge
 from kdn.keys import split_store_key, store_key
@@ -183,7 +190,7 @@ class KDNServicer(BatchMixin, BlendMixin, pb_grpc.KDNServicer):
             return
         yield pb.RetrieveResponse(header=pb.RetrieveHeader(
             container_header=header.raw, total_bytes=len(hit.value), tier=hit.tier,
-            frame_count=len(frames),
+            frame_count=len(frames), entry_digest=entry_digest(frames),
         ))
         sent = 0
         try:

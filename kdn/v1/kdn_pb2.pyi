@@ -172,16 +172,18 @@ class RetrieveRequest(_message.Message):
     def __init__(self, namespace: _Optional[str] = ..., key: _Optional[bytes] = ..., expect_layout_fingerprint: _Optional[str] = ..., first_layer: _Optional[int] = ..., last_layer: _Optional[int] = ...) -> None: ...
 
 class RetrieveHeader(_message.Message):
-    __slots__ = ("container_header", "total_bytes", "tier", "frame_count")
+    __slots__ = ("container_header", "total_bytes", "tier", "frame_count", "entry_digest")
     CONTAINER_HEADER_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
     FRAME_COUNT_FIELD_NUMBER: _ClassVar[int]
+    ENTRY_DIGEST_FIELD_NUMBER: _ClassVar[int]
     container_header: bytes
     total_bytes: int
     tier: str
     frame_count: int
-    def __init__(self, container_header: _Optional[bytes] = ..., total_bytes: _Optional[int] = ..., tier: _Optional[str] = ..., frame_count: _Optional[int] = ...) -> None: ...
+    entry_digest: int
+    def __init__(self, container_header: _Optional[bytes] = ..., total_bytes: _Optional[int] = ..., tier: _Optional[str] = ..., frame_count: _Optional[int] = ..., entry_digest: _Optional[int] = ...) -> None: ...
 
 class RetrieveResponse(_message.Message):
     __slots__ = ("header", "frame")

@@ -152,13 +152,10 @@ def tensor_borrowed(buf: memoryview, dtype: torch.dtype, shape: tuple[int, ...]
                     ) -> torch.Tensor | None:
     """A CPU tensor of ``shape`` viewing ``buf`` (writable, exactly the right size) in place;
     None when ``buf`` is read-only or not aligned to the element size."""
-    itemsize = dtype.itemsize
-    if buf.readonly or len(buf) != math.prod(shape) * itemsize:
+    if buf.readonly or not len(buf) or len(buf) != math.prod(shape) * dtype.itemsize:
         return None
-    arr = np.frombuffer(buf, dtype=np.uint8)
-    if arr.ctypes.data % itemsize:
-        return None
-    return torch.from_numpy(arr.view(_INT_VIEW[itemsize])).view(dtype).reshape(shape)
+    t = torch.frombuffer(buf, dtype=dtype)
+    return None if t.data_ptr() % dtype.itemsize else t.view(shape)
 
 
 def _int_dtype(dtype: torch.dtype) -> torch.dtype:

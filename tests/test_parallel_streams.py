@@ -1,0 +1,87 @@
+"""One retrieve over several gRPC streams of layer groups (kdn.client.parallel), against a real
+server on loopback: whole entries back, frames shared by two groups, misses, the in-process tier
+filled from them, and an overwrite between the streams' headers."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from kdn.client import Client
+from kdn.client.parallel import layer_groups
+from kdn.server import ServerThread
+from kdn.v1 import kdn_pb2 as pb
+from tests.helpers import pruned_layout, random_kv, uniform_layout
+
+
+def _key(i: int) -> bytes:
+    return bytes([i]) * 32
+
+
+def test_layer_groups_cover_every_layer_once() -> None:
+    assert layer_groups(30, 4) == [(0, 8), (8, 15), (15, 22), (22, 30)]
+    assert layer_groups(3, 8) == [(0, 1), (1, 2), (2, 3)]
+    assert layer_groups(5, 1) == [(0, 5)]
+    for n in range(1, 12):
+        groups = layer_groups(7, n)
+        assert [i for a, b in groups for i in range(a, b)] == list(range(7))
+
+
+@pytest.mark.parametrize("streams,layers_per_frame", [(3, 1), (4, 3), (2, 0)])
+def test_a_retrieve_over_several_streams_returns_the_whole_entry(
+        server: ServerThread, streams: int, layers_per_frame: int) -> None:
+    lay = pruned_layout()
+    kv = random_kv(lay, 33, seed=streams)
+    with Client(server.address, shm_bytes=0, streams=streams) as c:
+        c.store(_key(1), kv, mode="raw", layers_per_frame=layers_per_frame)
+        back = c.retrieve(_key(1), layout=lay)
+        assert back is not None and back.equal(kv)
+        stream = c.retrieve_stream(_key(1), layout=lay)
+        assert stream is not None and stream.tier == "ram"
+        assert stream.result().equal(kv)
+        assert c.retrieve(_key(2), layout=lay) is None  # a miss on every stream
+        lossless = random_kv(lay, 9, seed=7)
+        c.store(_key(3), lossless, mode="lossless", layers_per_frame=layers_per_frame)
+        assert c.retrieve(_key(3), layout=lay).equal(lossless)  # type: ignore[union-attr]
+        counters = c.stats().counters
+        assert counters["retrieve.hit"] >= 3 * min(streams, lay.num_layers)
+
+
+def test_the_in_process_tier_keeps_what_several_streams_brought(server: ServerThread) -> None:
+    lay = uniform_layout(layers=6)
+    kv = random_kv(lay, 20, seed=3)
+    with Client(server.address, shm_bytes=0, streams=3, local_bytes=1 << 20) as c:
+        c.store(_key(4), kv, mode="raw", layers_per_frame=1)
+        assert c.local is not None
+        c.local.discard(c.namespace, _key(4))
+        assert c.retrieve(_key(4), layout=lay).equal(kv)  # type: ignore[union-attr]
+        got = c.local.get(c.namespace, _key(4))
+        assert got is not None  # whole, frames in order
+        stream = c.retrieve_stream(_key(4), layout=lay)
+        assert stream is not None and stream.tier == "inproc" and stream.result().equal(kv)
+
+
+def test_an_overwrite_between_the_streams_reads_one_version(server: ServerThread,
+                                                             monkeypatch: Any) -> None:
+    lay = uniform_layout(layers=4)
+    old, new = random_kv(lay, 16, seed=1), random_kv(lay, 16, seed=2)
+    with Client(server.address, shm_bytes=0, streams=2) as c:
+        c.store(_key(5), old, mode="raw", layers_per_frame=1)
+        c.store(_key(6), new, mode="raw", layers_per_frame=1)
+        real = c._retrieve_calls
+
+        def racing(n: int) -> list[Any]:
+            first, *rest = real(n)
+
+            def overwritten(req: pb.RetrieveRequest, **kw: Any) -> Any:
+                other = pb.RetrieveRequest()
+                other.CopyFrom(req)
+                other.key = _key(6)  # what a store landing between the calls would serve
+                return rest[0](other, **kw)
+
+            return [first, overwritten]
+
+        monkeypatch.setattr(c, "_retrieve_calls", racing)
+        back = c.retrieve(_key(5), layout=lay)
+        assert back is not None and back.equal(old)  # read again over one stream, not mixed
