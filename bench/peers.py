@@ -825,7 +825,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--kdn-client-opts", action="append", default=None,
                     help="Client keyword arguments k=v,k=v; repeat for several kdn columns")
     ap.add_argument("--kdn-server-args", default="", help="extra `kdn serve` flags")
-    ap.add_argument("--kdn-layers-per-frame", type=int, default=1)
+    ap.add_argument("--kdn-layers-per-frame", type=int, default=0,
+                    help="layers per frame of the stored entries "
+                         "(0: frames of ~256 KiB, as Client.store makes them)")
     ap.add_argument("--systems", default="lmcache,mooncake,kdn")
     ap.add_argument("--runs", type=int, default=None)
     ap.add_argument("--wait-quiet", type=float, default=0.0, metavar="SECONDS",
