@@ -13,6 +13,7 @@ import torch
 from kdn.cache import KVCache
 from kdn.codec import (
     FRAME_TARGET_BYTES,
+    EncodedParts,
     StreamDecoder,
     decode,
     encode,
@@ -21,7 +22,7 @@ from kdn.codec import (
     parse_header,
 )
 from kdn.codec.entropy import decode_streams, encode_streams
-from kdn.codec.format import copy_checked
+from kdn.codec.format import copy_checked, seal
 from kdn.codec.modes import get_mode, tensor_borrowed
 from kdn.codec.modes.cachegen import PARAMS as CACHEGEN
 from kdn.codec.modes.kdn import LEVELS as KDN_LEVELS
@@ -297,3 +298,51 @@ def test_a_decoder_that_does_not_borrow_copies() -> None:
         v.zero_()
     assert [bytes(f) for f in frames] == parts.frames  # the caller's buffers are untouched
     assert decode(parts.to_bytes()).equal(kv)
+
+
+# ------------------------------------------------------------------ entry binding (version 2)
+
+
+def _same_shape_pair() -> tuple[EncodedParts, EncodedParts]:
+    lay = uniform_layout(layers=4)
+    return (encode_parts(random_kv(lay, 6, seed=1), "raw", layers_per_frame=1),
+            encode_parts(random_kv(lay, 6, seed=2), "raw", layers_per_frame=1))
+
+
+def test_frames_of_another_entry_are_refused_even_with_the_same_layout() -> None:
+    a, b = _same_shape_pair()
+    assert parse_header(a.header).version == 2 and a.header != b.header
+    spliced = [a.frames[0], b.frames[1], a.frames[2], b.frames[3]]
+    with pytest.raises(Corrupt, match="does not belong to this entry"):
+        decode(b"".join([a.header, *spliced]))
+    dec = StreamDecoder(a.header)  # a reader checking frame by frame as layers stream in
+    dec.decode_frame(0, a.frames[0])
+    with pytest.raises(Corrupt, match="frame 1 does not belong"):
+        dec.decode_frame(1, b.frames[1])
+    with pytest.raises(Corrupt):  # sums unchecked (server-verified bytes): still bound
+        StreamDecoder(a.header, checked=True).decode_frame(1, b.frames[1])
+
+
+def test_version_1_entries_stay_readable_and_seal_rewrites_them_bound() -> None:
+    a, b = _same_shape_pair()
+    entry = parse_header(a.header).entry
+    h1, frames1 = seal(entry, list(a.frames), version=1)
+    assert parse_header(h1).version == 1
+    kv = decode(b"".join([h1, *frames1]))
+    assert kv.equal(decode(a.to_bytes()))
+    # version 1 binds frames to a header, not to an entry: the same splice passes there
+    _, other1 = seal(parse_header(b.header).entry, list(b.frames), version=1)
+    mixed = decode(b"".join([h1, frames1[0], other1[1], *frames1[2:]]))
+    assert not mixed.equal(kv)
+    h2, frames2 = seal(parse_header(h1).entry, frames1)  # migrated to version 2
+    assert h2 == a.header and frames2 == a.frames
+    with pytest.raises(Corrupt):
+        decode(b"".join([h2, frames2[0], b.frames[1], *frames2[2:]]))
+
+
+def test_an_unknown_container_version_is_named() -> None:
+    a, _ = _same_shape_pair()
+    head = bytearray(a.header)
+    head[4] = 9  # version field
+    with pytest.raises(InvalidArgument, match="unsupported container version 9"):
+        decode(bytes(head) + b"".join(a.frames))

@@ -15,7 +15,7 @@ import pytest
 from kdn import codec, keys
 from kdn.cache import KVCache
 from kdn.client import AsyncClient, Client
-from kdn.codec.format import build_frame, build_header, build_record, parse_header
+from kdn.codec.format import build_header, build_record, frame_with_sum, parse_header
 from kdn.errors import InvalidArgument, LayoutMismatch, TooLarge
 from kdn.layout import DType, LayerLayout
 from kdn.options import Durability, StoreOptions
@@ -190,8 +190,11 @@ def test_frames_with_wrong_shapes(server: ServerThread, client: Client,
     wrong = LayerLayout(2, 8, 16)  # the layout says 16 key channels
     rec = build_record(wrong, 10, b"\0" * (2 * 10 * (8 + 16) * 2))
     frames = list(parts.frames)
-    frames[1] = build_frame(header.checksum, 1, 1, [rec])
-    hdr = pb.StoreHeader(key=stored[0], container_header=parts.header)
+    frames[1], full = frame_with_sum(header.frame_seed, 1, 1, [rec])
+    entry = pb.EntryHeader()
+    entry.CopyFrom(header.entry)
+    entry.frames[1].checksum = full  # sealed as its own: only the shapes are wrong
+    hdr = pb.StoreHeader(key=stored[0], container_header=build_header(entry))
     _store_refused(server, hdr, frames, "layer 1")
     _intact(client, stored)
 

@@ -26,13 +26,14 @@ import torch
 
 from kdn.cache import KVCache
 from kdn.codec.format import (
+    FRAME_SEED,
     Buffer,
     Container,
     Header,
     LayerRecord,
-    build_frame,
     build_header,
     check_frame,
+    frame_with_sum,
     layout_to_proto,
     parse_container,
     parse_header,
@@ -126,21 +127,18 @@ def encode_parts(
 
     records = list(_pool().map(one, range(layout.num_layers)))
     spans = frame_spans([sum(len(p) for p in rec) for rec in records], layers_per_frame)
+    built = [frame_with_sum(FRAME_SEED, i, first, records[first : first + n])
+             for i, (first, n) in enumerate(spans)]
     entry = pb.EntryHeader(
         layout=layout_to_proto(layout),
         codec=pb.Codec(mode=mode, level=level, params=codec.params(level)),
         tokens=tokens,
         start_position=kv.start_position,
-        frames=[pb.FrameSpan(first_layer=f, num_layers=n) for f, n in spans],
+        frames=[pb.FrameSpan(first_layer=f, num_layers=n, checksum=full)
+                for (f, n), (_, full) in zip(spans, built)],
         layout_fingerprint=layout.fingerprint,
     )
-    header_bytes = build_header(entry)
-    checksum = parse_header(header_bytes).checksum
-    frames = [
-        build_frame(checksum, i, first, records[first : first + n])
-        for i, (first, n) in enumerate(spans)
-    ]
-    return EncodedParts(header_bytes, frames)
+    return EncodedParts(build_header(entry), [frame for frame, _ in built])
 
 
 def encode(kv: KVCache, mode: str = "lossless", level: str = "", *, layers_per_frame: int = 1

@@ -4,15 +4,29 @@
                         | u64 xxh3_64 of all the bytes before it
     frame             = prefix | payload
     prefix (16 bytes) = b"KF" | u16 frame index | u16 first layer | u16 layer count
-                        | u32 payload length | u32 checksum (low 32 bits of xxh3_64 over the first
-                          12 prefix bytes + payload, seeded with the header checksum)
+                        | u32 payload length | u32 checksum (low 32 bits of the frame sum)
+    frame sum         = xxh3_64 over the first 12 prefix bytes + payload, seeded (see below)
     payload           = one record per layer of the frame:
                         u16 kv_heads | u32 tokens | u16 k_channels | u16 v_channels
                         | u32 body length | body (mode-specific bytes)
 
-The header checksum seeds every frame checksum, so a frame from another entry, a frame moved to
-another position, or a flipped bit anywhere is detected. Layer records declare their shapes, so
-a receiver (the server included) checks shapes against the layout without decoding tensors.
+What each checksum covers:
+
+- The header checksum covers every header byte: layout, codec, token count, the frame spans and
+  (version 2) every frame's full 64-bit sum.
+- Version 2 (written now): frame sums are seeded with a constant and the header lists each
+  frame's full sum (``FrameSpan.checksum``). A frame is accepted only where its own sum, the
+  prefix's low 32 bits and the header's entry for its index all agree: a flipped bit, a frame
+  moved to another position, and a frame of another entry (even one of the same layout and
+  length, whose header is otherwise byte-identical) are all detected, on store, on every read,
+  by a reader that checks frame by frame as layers stream in, and by ``kdn admin verify``.
+- Version 1 (still read): frame sums are seeded with the header checksum and the header lists
+  none, so a frame is bound to its position and to a header, not to an entry: two entries of
+  one layout and length share a header, and their frames can be exchanged unnoticed. Rewrite
+  such entries (``kdn admin`` export and import, or store them again) to get the binding.
+
+Layer records declare their shapes, so a receiver (the server included) checks shapes against
+the layout without decoding tensors.
 
 This module knows nothing about how a mode turns tensors into bodies; see ``kdn.codec.modes``.
 """
@@ -32,7 +46,11 @@ from kdn.v1 import kdn_pb2 as pb
 
 MAGIC = b"KDNC"
 FRAME_MAGIC = b"KF"
-VERSION = 1
+VERSION = 2
+"""The version written. Readers take ``READABLE`` ones."""
+READABLE = (1, 2)
+FRAME_SEED = 0x6B646E32_66726D31
+"""Seed of every version-2 frame sum (the header lists the sums: the binding is there)."""
 _HEAD = struct.Struct("<4sHHI")  # magic, version, flags, header length
 _HEAD_SUM = struct.Struct("<Q")
 _FRAME = struct.Struct("<2sHHHIL")  # magic, index, first layer, layer count, payload len, sum
@@ -133,6 +151,12 @@ class Header:
     entry: pb.EntryHeader
     layout: KVLayout
     checksum: int
+    version: int = VERSION
+
+    @property
+    def frame_seed(self) -> int:
+        """The seed of this container's frame sums (module docstring)."""
+        return FRAME_SEED if self.version >= 2 else self.checksum
 
     @property
     def tokens(self) -> int:
@@ -147,9 +171,12 @@ class Header:
         return [(f.first_layer, f.num_layers) for f in self.entry.frames]
 
 
-def build_header(entry: pb.EntryHeader) -> bytes:
+def build_header(entry: pb.EntryHeader, version: int = VERSION) -> bytes:
+    """The container header of ``entry`` (version 2: its spans carry the frame sums)."""
+    if version not in READABLE:
+        raise InvalidArgument(f"unknown container version {version}")
     body = entry.SerializeToString(deterministic=True)
-    head = _HEAD.pack(MAGIC, VERSION, 0, len(body)) + body
+    head = _HEAD.pack(MAGIC, version, 0, len(body)) + body
     return head + _HEAD_SUM.pack(xxhash.xxh3_64_intdigest(head))
 
 
@@ -160,8 +187,9 @@ def header_size(buf: bytes | memoryview) -> int:
     magic, version, _flags, n = _HEAD.unpack_from(buf, 0)
     if magic != MAGIC:
         raise Corrupt(f"bad magic {bytes(magic)!r}; not a kdn container")
-    if version != VERSION:
-        raise InvalidArgument(f"unsupported container version {version} (this kdn reads {VERSION})")
+    if version not in READABLE:
+        raise InvalidArgument(f"unsupported container version {version} (this kdn reads "
+                              f"{', '.join(map(str, READABLE))})")
     if n > MAX_HEADER_BYTES:
         raise Corrupt(f"container header declares {n} bytes (limit {MAX_HEADER_BYTES})")
     return _HEAD.size + n + _HEAD_SUM.size
@@ -191,7 +219,8 @@ def parse_header(buf: bytes | memoryview) -> Header:
     if entry.layout_fingerprint != layout.fingerprint:
         raise InvalidLayout("container header layout fingerprint does not match its layout")
     _check_spans(entry, layout)
-    return Header(raw=raw, entry=entry, layout=layout, checksum=want)
+    version = _HEAD.unpack_from(raw, 0)[1]
+    return Header(raw=raw, entry=entry, layout=layout, checksum=want, version=version)
 
 
 def _check_spans(entry: pb.EntryHeader, layout: KVLayout) -> None:
@@ -211,29 +240,58 @@ def _check_spans(entry: pb.EntryHeader, layout: KVLayout) -> None:
 
 
 def _frame_sum(seed: int, prefix12: bytes | memoryview, payload: bytes | memoryview) -> int:
+    """The full 64-bit sum of a frame (its prefix holds the low 32 bits)."""
     h = xxhash.xxh3_64(seed=seed)
     h.update(prefix12)
     h.update(payload)
-    return h.intdigest() & 0xFFFFFFFF
+    return h.intdigest()
 
 
 Buffer = bytes | memoryview
 
 
-def build_frame(header_checksum: int, index: int, first_layer: int,
-                records: list[list[Buffer]] | list[bytes]) -> bytes:
+def frame_with_sum(seed: int, index: int, first_layer: int,
+                   records: list[list[Buffer]] | list[bytes]) -> tuple[bytes, int]:
     """One frame from per-layer records (each the parts ``record_parts`` gives, or the bytes
-    ``build_record`` gives). The frame's bytes are assembled with a single copy."""
+    ``build_record`` gives), and its full sum (for a version-2 header's span). The frame's
+    bytes are assembled with a single copy."""
     parts: list[Buffer] = []
     for rec in records:
         parts.extend(rec if isinstance(rec, list) else [rec])
     length = sum(len(p) for p in parts)
     pre = struct.pack("<2sHHHI", FRAME_MAGIC, index, first_layer, len(records), length)
-    h = xxhash.xxh3_64(seed=header_checksum)
+    h = xxhash.xxh3_64(seed=seed)
     h.update(pre)
     for p in parts:
         h.update(p)
-    return b"".join([pre, struct.pack("<L", h.intdigest() & 0xFFFFFFFF), *parts])
+    full = h.intdigest()
+    return b"".join([pre, struct.pack("<L", full & 0xFFFFFFFF), *parts]), full
+
+
+def build_frame(seed: int, index: int, first_layer: int,
+                records: list[list[Buffer]] | list[bytes]) -> bytes:
+    """``frame_with_sum`` without the sum (``seed``: ``Header.frame_seed``)."""
+    return frame_with_sum(seed, index, first_layer, records)[0]
+
+
+def seal(entry: pb.EntryHeader, frames: list[bytes], version: int = VERSION
+         ) -> tuple[bytes, list[bytes]]:
+    """A header and frames whose checksums all agree, from ``entry`` and frames whose sums may
+    be stale (their first 12 prefix bytes and payloads are kept as they are). For migrations
+    (``version`` 1 entries rewritten as 2), tests and fuzzers that must reach the checks behind
+    the checksums; a store accepts the result only if everything else is right too."""
+    entry = pb.EntryHeader.FromString(entry.SerializeToString())
+    for span in entry.frames:
+        span.checksum = 0
+    header = build_header(entry, version)
+    seed = parse_header(header).frame_seed if version < 2 else FRAME_SEED
+    out = []
+    for i, frame in enumerate(frames):
+        full = _frame_sum(seed, frame[:12], frame[_FRAME.size :])
+        out.append(frame[:12] + struct.pack("<L", full & 0xFFFFFFFF) + frame[_FRAME.size :])
+        if version >= 2 and i < len(entry.frames):
+            entry.frames[i].checksum = full
+    return (build_header(entry, version) if version >= 2 else header), out
 
 
 def record_parts(lay: LayerLayout, tokens: int, body: Buffer) -> list[Buffer]:
@@ -267,8 +325,8 @@ def check_frame(header: Header, index: int, frame: bytes | memoryview, *,
     """Verify one frame against its header (checksum, position, shapes); return its records.
 
     Cheap: no tensor is decoded. Raises Corrupt/Truncated for damaged bytes and InvalidLayout
-    for records whose shapes do not match the declared layout. ``digest``: the frame's sum,
-    already computed over these bytes (``copy_checked``); ``checksum=False`` skips the sum
+    for records whose shapes do not match the declared layout. ``digest``: the frame's full
+    sum, already computed over these bytes (``copy_checked``); ``checksum=False`` skips the sum
     (bytes the server checked in place, see ``EntryRef.verified``).
     """
     mv = memoryview(frame)
@@ -282,11 +340,14 @@ def check_frame(header: Header, index: int, frame: bytes | memoryview, *,
     if len(mv) != _FRAME.size + length:
         raise Truncated(f"frame {index}: {len(mv) - _FRAME.size} payload bytes, declared {length}")
     payload = mv[_FRAME.size :]
-    if checksum:
-        got = _frame_sum(header.checksum, mv[:12], payload) if digest is None else digest
-        if got != want:
-            raise Corrupt(f"frame {index}: checksum mismatch")
     span = header.entry.frames[index]
+    if header.version >= 2 and want != span.checksum & 0xFFFFFFFF:
+        raise Corrupt(f"frame {index} does not belong to this entry: its checksum is not the "
+                      f"one the header lists for frame {index}")
+    if checksum:
+        got = _frame_sum(header.frame_seed, mv[:12], payload) if digest is None else digest
+        if got & 0xFFFFFFFF != want or header.version >= 2 and got != span.checksum:
+            raise Corrupt(f"frame {index}: checksum mismatch")
     if (idx, first, count) != (index, span.first_layer, span.num_layers):
         raise Corrupt(
             f"frame {index}: declares index {idx} layers [{first}, {first + count}), "
@@ -359,13 +420,13 @@ def copy_checked(dst: memoryview, value: bytes | memoryview) -> None:
         if end > len(src):
             raise Truncated(f"frame {i} needs {n} bytes, {len(src) - off} remain")
         out[off : off + _FRAME.size] = src[off : off + _FRAME.size]
-        h = xxhash.xxh3_64(seed=header.checksum)
+        h = xxhash.xxh3_64(seed=header.frame_seed)
         h.update(out[off : off + 12])
         for at in range(off + _FRAME.size, end, COPY_CHUNK):
             stop = min(at + COPY_CHUNK, end)
             out[at:stop] = src[at:stop]
             h.update(out[at:stop])
-        check_frame(header, i, out[off:end], digest=h.intdigest() & 0xFFFFFFFF)
+        check_frame(header, i, out[off:end], digest=h.intdigest())
         off = end
     if off != len(src):
         raise Corrupt(f"{len(src) - off} trailing bytes after the last frame")

@@ -82,12 +82,14 @@ class Codec(_message.Message):
     def __init__(self, mode: _Optional[str] = ..., level: _Optional[str] = ..., params: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class FrameSpan(_message.Message):
-    __slots__ = ("first_layer", "num_layers")
+    __slots__ = ("first_layer", "num_layers", "checksum")
     FIRST_LAYER_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     first_layer: int
     num_layers: int
-    def __init__(self, first_layer: _Optional[int] = ..., num_layers: _Optional[int] = ...) -> None: ...
+    checksum: int
+    def __init__(self, first_layer: _Optional[int] = ..., num_layers: _Optional[int] = ..., checksum: _Optional[int] = ...) -> None: ...
 
 class EntryHeader(_message.Message):
     __slots__ = ("layout", "codec", "tokens", "start_position", "frames", "layout_fingerprint")
