@@ -438,3 +438,19 @@ def test_damage_to_a_checked_value_in_server_memory_is_caught_by_the_segment_cop
         if tier.name != "ram":
             tier.delete(skey)
     assert shm_client.retrieve(_key(22), layout=LAYOUT) is None  # a miss, not damaged tensors
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_retrieve_into_cuda_through_a_registered_segment(shm_client: Client) -> None:
+    kv = random_kv(LAYOUT, 40, seed=8)
+    shm_client.store(_key(23), kv, mode="raw")
+    back = shm_client.retrieve(_key(23), layout=LAYOUT, device="cuda")
+    assert back is not None and all(k.is_cuda for k, _ in back.layers)
+    assert back.to("cpu").equal(kv)
+    seg = shm_client.dataplane.segment()[0]
+    assert seg.register_with_cuda()  # registered on the first CUDA read: views are pinned
+    got = shm_client.fetch(_key(23))
+    assert got is not None
+    view = torch.frombuffer(got.parts.frames[0], dtype=torch.uint8)
+    assert view.is_pinned()

@@ -314,7 +314,8 @@ class Client:
                    if self.dataplane.attached else
                    self._in_process(req.namespace, req.key, layout))
             if isinstance(got, Fetched):
-                return _stream_of(got, device, StreamTimings(started=started))
+                return _stream_of(got, device, StreamTimings(started=started),
+                                  self.dataplane.segment()[0])
             if got is None and self.dataplane.attached:
                 return None
         keep = (functools.partial(self._remember, req.namespace, req.key)
@@ -445,14 +446,16 @@ class Client:
         got = self._entries(ns, [check_key(k) for k in keys], layout, request_id)
         return [self.retrieve_stream(k, namespace=ns, layout=layout, device=device,
                                      request_id=request_id) if isinstance(g, TooBig)
-                else None if g is None else _stream_of(g, device, StreamTimings(started=started))
+                else None if g is None else _stream_of(g, device, StreamTimings(started=started),
+                                                         self.dataplane.segment()[0])
                 for k, g in zip(keys, got)]
 
     def retrieve_many(self, keys: Sequence[bytes], *, namespace: str | None = None,
                       layout: KVLayout | None = None, device: torch.device | str | None = None,
                       request_id: str | None = None) -> list[KVCache | None]:
         """``fetch_many``, decoded (frame checksums verified) on ``device``."""
-        return [None if f is None else _stream_of(f, device, StreamTimings()).result()
+        seg = self.dataplane.segment()[0]
+        return [None if f is None else _stream_of(f, device, StreamTimings(), seg).result()
                 for f in self.fetch_many(keys, namespace=namespace, layout=layout,
                                          request_id=request_id)]
 
@@ -613,10 +616,13 @@ def _decoder(header: bytes | memoryview, device: torch.device | str | None,
 
 
 def _stream_of(got: Fetched, device: torch.device | str | None,
-               timings: StreamTimings) -> LayerStream:
-    """A LayerStream over an entry already in memory (decoded on the worker pool)."""
+               timings: StreamTimings, segment: Any = None) -> LayerStream:
+    """A LayerStream over an entry already in memory (decoded on the worker pool). An entry in
+    ``segment`` bound for a GPU registers the segment with CUDA first (pinned views)."""
     timings.header = time.perf_counter()
     dec, target = _decoder(got.parts.header, device, got)
+    if got.owned and target.type == "cuda" and segment is not None:
+        segment.register_with_cuda()
     frames = iter([FrameMessage(Frame(i, f)) for i, f in enumerate(got.parts.frames)])
     return LayerStream(dec, frames, got.tier, lambda: None, timings, target,
                        inline=dec.borrows)

@@ -111,6 +111,7 @@ class SharedSegment:
         self.map[:NONCE_BYTES] = self.nonce
         self.array: np.ndarray[Any, Any] = np.frombuffer(self.map, dtype=np.uint8)
         self.regions = RegionAllocator(NONCE_BYTES, size)
+        self._cuda_registered: bool | None = None
 
     @property
     def pid(self) -> int:
@@ -131,7 +132,27 @@ class SharedSegment:
         weakref.finalize(owner, self.regions.free, start, offset + n - start)
         return memoryview(owner)  # type: ignore[arg-type]
 
+    def register_with_cuda(self) -> bool:
+        """Page-lock the segment for CUDA (``cudaHostRegister``), once: tensors that view it
+        are then pinned, and copies from them to the GPU run at the pinned rate with no staging
+        copy. False where CUDA is not available or refuses."""
+        if self._cuda_registered is None:
+            self._cuda_registered = False
+            try:
+                import torch
+
+                if torch.cuda.is_available():
+                    err = torch.cuda.cudart().cudaHostRegister(self.array.ctypes.data, self.size, 0)
+                    self._cuda_registered = int(err) == 0
+            except (ImportError, RuntimeError, AttributeError):
+                pass
+        return self._cuda_registered
+
     def close(self) -> None:
+        if self._cuda_registered:
+            import torch
+
+            torch.cuda.cudart().cudaHostUnregister(self.array.ctypes.data)
         del self.array
         try:
             self.map.close()

@@ -119,8 +119,9 @@ class LayerStream:
     def _place(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> LayerKV:
         if self._copy_stream is None:
             return (k, v) if k.device == self.device else (k.to(self.device), v.to(self.device))
-        with torch.cuda.stream(self._copy_stream):
-            kp, vp = k.pin_memory(), v.pin_memory()
+        with torch.cuda.stream(self._copy_stream):  # views of a registered segment: pinned
+            kp = k if k.is_pinned() else k.pin_memory()
+            vp = v if v.is_pinned() else v.pin_memory()
             kg = kp.to(self.device, non_blocking=True)
             vg = vp.to(self.device, non_blocking=True)
             event = torch.cuda.Event()
