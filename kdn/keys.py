@@ -9,6 +9,13 @@ covers the model fingerprint) and the token ids as little-endian int32:
   tokens [0, (i+1) * chunk_tokens): it hashes key i-1 and chunk i's tokens, so a hit on key i
   implies the whole prefix matches.
 * ``text_chunk_key``: tokenize with the model's tokenizer, then ``chunk_key``.
+* ``page_key``: one page of an engine's paged cache, named by the engine's own page hash
+  (e.g. SGLang's HiCache keys) plus the layout and the page size.
+
+Each also takes what engines key on beyond tokens and model: an ``adapter`` id (LoRA), the
+``tp`` shard (rank, size) (``page_key`` also ``pp``) and a ``salt`` (vLLM's ``cache_salt``).
+Any of them changes the key; left at their defaults the keys are exactly what they were
+before these options existed.
 
 Inside the server's tiers an entry lives under ``store_key(tenant, namespace, key)``:
 ``b"<tenant>:<namespace>/<hex key>"``, or ``b"<namespace>/<hex key>"`` for the unscoped key
@@ -68,8 +75,46 @@ def _h(*parts: bytes) -> bytes:
     return h.digest()
 
 
-def chunk_key(token_ids: TokenIds, layout: KVLayout, namespace: str = DEFAULT_NAMESPACE) -> bytes:
-    """Position-free key of a chunk's KV (prefilled alone, from position 0)."""
+Shard = tuple[int, int]
+"""(rank, size) of one tensor- or pipeline-parallel shard; (0, 1) is the whole model."""
+
+
+def _shard_bytes(name: str, shard: Shard | None) -> bytes:
+    if shard is None:
+        return b""
+    try:
+        rank, size = (int(x) for x in shard)
+    except (TypeError, ValueError):
+        raise InvalidArgument(f"{name} must be (rank, size), got {shard!r}") from None
+    if size < 1 or not 0 <= rank < size:
+        raise InvalidArgument(f"{name} must be (rank, size) with 0 <= rank < size, got {shard!r}")
+    return b"" if size == 1 else rank.to_bytes(4, "little") + size.to_bytes(4, "little")
+
+
+def _scope(adapter: str = "", tp: Shard | None = None, salt: str | bytes = b"",
+           pp: Shard | None = None) -> tuple[bytes, ...]:
+    """What an engine keys on beyond tokens and layout, as extra hash parts: none at all for
+    the defaults (so keys made without them are what they always were), else one part.
+
+    ``adapter``: the LoRA (or other) adapter the KV was computed with. ``tp``/``pp``: the
+    tensor-/pipeline-parallel shard holding it ((0, 1) is the whole model: the same bytes as no
+    shard). ``salt``: an opaque per-request or per-user value (vLLM's ``cache_salt``) that keeps
+    caches apart even inside one namespace."""
+    if not isinstance(adapter, str):
+        raise InvalidArgument(f"adapter must be a str, got {type(adapter).__name__}")
+    if not isinstance(salt, (str, bytes)):
+        raise InvalidArgument(f"salt must be str or bytes, got {type(salt).__name__}")
+    salt_b = salt.encode() if isinstance(salt, str) else bytes(salt)
+    tp_b, pp_b = _shard_bytes("tp", tp), _shard_bytes("pp", pp)
+    if not (adapter or tp_b or pp_b or salt_b):
+        return ()
+    return (_h(b"kdn/scope/v1", adapter.encode(), tp_b, pp_b, salt_b),)
+
+
+def chunk_key(token_ids: TokenIds, layout: KVLayout, namespace: str = DEFAULT_NAMESPACE, *,
+              adapter: str = "", tp: Shard | None = None, salt: str | bytes = b"") -> bytes:
+    """Position-free key of a chunk's KV (prefilled alone, from position 0). ``adapter``,
+    ``tp`` and ``salt`` scope it to an engine's adapter, shard and salt (see ``_scope``)."""
     check_namespace(namespace)
     return _h(
         b"kdn/chunk/v1",
@@ -77,6 +122,7 @@ def chunk_key(token_ids: TokenIds, layout: KVLayout, namespace: str = DEFAULT_NA
         layout.model_fingerprint.encode(),
         layout.fingerprint.encode(),
         _token_bytes(token_ids),
+        *_scope(adapter, tp, salt),
     )
 
 
@@ -85,8 +131,13 @@ def prefix_keys(
     layout: KVLayout,
     namespace: str = DEFAULT_NAMESPACE,
     chunk_tokens: int = DEFAULT_PREFIX_CHUNK,
+    *,
+    adapter: str = "",
+    tp: Shard | None = None,
+    salt: str | bytes = b"",
 ) -> list[bytes]:
-    """Chained keys of each full ``chunk_tokens`` block of the prefix; a partial tail has none."""
+    """Chained keys of each full ``chunk_tokens`` block of the prefix; a partial tail has none.
+    ``adapter``/``tp``/``salt`` enter the chain's root, so they change every link."""
     check_namespace(namespace)
     if chunk_tokens <= 0:
         raise InvalidArgument(f"chunk_tokens must be > 0, got {chunk_tokens}")
@@ -98,6 +149,7 @@ def prefix_keys(
         layout.model_fingerprint.encode(),
         layout.fingerprint.encode(),
         chunk_tokens.to_bytes(4, "little"),
+        *_scope(adapter, tp, salt),
     )
     out: list[bytes] = []
     for i in range(len(raw) // step):
@@ -107,11 +159,36 @@ def prefix_keys(
 
 
 def text_chunk_key(
-    text: str, tokenizer: Any, layout: KVLayout, namespace: str = DEFAULT_NAMESPACE
+    text: str, tokenizer: Any, layout: KVLayout, namespace: str = DEFAULT_NAMESPACE, *,
+    adapter: str = "", tp: Shard | None = None, salt: str | bytes = b""
 ) -> bytes:
     """Key of a text chunk: tokenized without special tokens, then ``chunk_key``."""
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    return chunk_key(ids, layout, namespace)
+    return chunk_key(ids, layout, namespace, adapter=adapter, tp=tp, salt=salt)
+
+
+def page_key(page_hash: str | bytes, layout: KVLayout, namespace: str = DEFAULT_NAMESPACE, *,
+             page_tokens: int, adapter: str = "", tp: Shard | None = None,
+             pp: Shard | None = None, salt: str | bytes = b"") -> bytes:
+    """Key of one page of an engine's paged KV cache, named by the engine's own page hash
+    (SGLang's HiCache keys: a hash of the page's tokens chained over the pages before it).
+    The hash says nothing of the model, so the layout (model, shape, dtype), ``page_tokens``
+    and the engine's adapter, TP/PP shard and salt are hashed with it."""
+    check_namespace(namespace)
+    if page_tokens <= 0:
+        raise InvalidArgument(f"page_tokens must be > 0, got {page_tokens}")
+    raw = page_hash.encode() if isinstance(page_hash, str) else bytes(page_hash)
+    if not raw:
+        raise InvalidArgument("page_hash must not be empty")
+    return _h(
+        b"kdn/page/v1",
+        namespace.encode(),
+        layout.model_fingerprint.encode(),
+        layout.fingerprint.encode(),
+        page_tokens.to_bytes(4, "little"),
+        raw,
+        *_scope(adapter, tp, salt, pp),
+    )
 
 
 def variant_key(key: bytes, encoding: str) -> bytes:
