@@ -605,12 +605,15 @@ def _wire_options(options: StoreOptions | None) -> pb.StoreOptions:
 
 def _decoder(header: bytes | memoryview, device: torch.device | str | None,
              got: Fetched | None = None) -> tuple[StreamDecoder, torch.device]:
-    """The decoder of an entry for ``device`` (CUDA targets decode on the CPU; LayerStream
-    stages pinned non-blocking copies), and the target device. An entry read through the
-    segment (``got``) is decoded in place and, when the server checked it there, not hashed
-    again."""
+    """The decoder of an entry for ``device``, and the target device. For a CUDA target,
+    compressed modes decode on the GPU (their small encoded bytes are what crosses); ``raw``
+    decodes on the CPU into views and LayerStream stages non-blocking copies (pinned: the
+    segment is registered with CUDA). An entry read through the segment (``got``) is decoded
+    in place and, when the server checked it there, not hashed again."""
     target = torch.device(device or "cpu")
-    return StreamDecoder(header, "cpu" if target.type == "cuda" else target,
+    parsed = parse_header(header)
+    on_host = target.type == "cuda" and parsed.mode == "raw"
+    return StreamDecoder(parsed, "cpu" if on_host else target,
                          borrow=got is not None and got.owned,
                          checked=got is not None and got.checked), target
 

@@ -117,7 +117,7 @@ class LayerStream:
             self._fail(exc)
 
     def _place(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> LayerKV:
-        if self._copy_stream is None:
+        if self._copy_stream is None or k.device == self.device:  # decoded where it is used
             return (k, v) if k.device == self.device else (k.to(self.device), v.to(self.device))
         with torch.cuda.stream(self._copy_stream):  # views of a registered segment: pinned
             kp = k if k.is_pinned() else k.pin_memory()

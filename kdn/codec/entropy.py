@@ -18,11 +18,13 @@ count >= 1). Encoder and decoder build the identical model from those bytes. Row
 from __future__ import annotations
 
 import struct
+from typing import Any
 
 import constriction
 import numpy as np
 import zstandard
 
+from kdn.codec import rans
 from kdn.errors import Corrupt
 
 _U32 = struct.Struct("<I")
@@ -44,6 +46,11 @@ def _tables(sym: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return lo, width, scaled.astype(np.uint8)
 
 
+RANS_MARK = 0xFFFFFFFF
+"""First word of a format-2 blob (parallel rANS, ``kdn.codec.rans``); a format-1 blob starts
+with its table length instead, which is never this large."""
+
+
 def encode_streams(sym: np.ndarray) -> bytes:
     """Code every row of ``sym`` ([streams, n] integers within int16) with its own model."""
     # sym: [streams, n]
@@ -57,6 +64,14 @@ def encode_streams(sym: np.ndarray) -> bytes:
         raise ValueError("symbols outside int16 range")
     tables = lo.astype("<i2").tobytes() + width.astype("<u2").tobytes() + counts.tobytes()
     packed = zstandard.ZstdCompressor(level=_ZSTD_LEVEL).compress(tables)
+    body = rans.encode(sym, lo, width, counts)
+    return _U32.pack(RANS_MARK) + _U32.pack(len(packed)) + packed + body
+
+
+def _range_coded(sym: np.ndarray, lo: np.ndarray, width: np.ndarray, counts: np.ndarray
+                 ) -> bytes:
+    """The words of the format-1 range coder (one sequential stream; kept for tests that
+    check old entries still decode)."""
     enc = constriction.stream.queue.RangeEncoder()
     off = 0
     for row, lo_r, w in zip(sym, lo.tolist(), width.tolist()):
@@ -64,12 +79,13 @@ def encode_streams(sym: np.ndarray) -> bytes:
             probs = counts[off : off + w].astype(np.float32)
             enc.encode(row - np.int32(lo_r), _Categorical(probs, perfect=False))
         off += w
-    words = enc.get_compressed()
-    return _U32.pack(len(packed)) + packed + words.astype("<u4").tobytes()
+    return enc.get_compressed().astype("<u4").tobytes()  # type: ignore[no-any-return]
 
 
-def decode_streams(buf: bytes | memoryview, streams: int, n: int) -> np.ndarray:
-    """Inverse of ``encode_streams``: the [streams, n] int32 matrix."""
+def parse_tables(buf: bytes | memoryview, streams: int, n: int
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, memoryview | None]:
+    """(lo, width, counts, rANS section) of a blob; the section is None for a format-1 blob
+    (whose range-coded words follow the tables) and for n == 0."""
     mv = memoryview(buf)
     if len(mv) < 4:
         raise Corrupt("entropy blob truncated")
@@ -77,8 +93,15 @@ def decode_streams(buf: bytes | memoryview, streams: int, n: int) -> np.ndarray:
     if n == 0:
         if tlen or len(mv) != 4:
             raise Corrupt("entropy blob of an empty stream set is not empty")
-        return np.zeros((streams, 0), dtype=np.int32)
-    if 4 + tlen > len(mv) or (len(mv) - 4 - tlen) % 4:
+        empty = np.zeros(streams, dtype=np.int32)
+        return empty, np.ones(streams, dtype=np.int64), np.zeros(0, np.uint8), None
+    parallel = tlen == RANS_MARK
+    if parallel:
+        mv = mv[4:]
+        if len(mv) < 4:
+            raise Corrupt("entropy blob truncated")
+        (tlen,) = _U32.unpack_from(mv, 0)
+    if 4 + tlen > len(mv) or not parallel and (len(mv) - 4 - tlen) % 4:
         raise Corrupt("entropy blob sections do not add up")
     try:
         tables = zstandard.ZstdDecompressor().decompress(
@@ -93,6 +116,18 @@ def decode_streams(buf: bytes | memoryview, streams: int, n: int) -> np.ndarray:
     counts = np.frombuffer(tables, dtype=np.uint8, offset=4 * streams)
     if (width == 0).any() or int(width.sum()) != len(counts):
         raise Corrupt("entropy tables are inconsistent")
+    return lo, width, counts, mv[4 + tlen :] if parallel else None
+
+
+def decode_streams(buf: bytes | memoryview, streams: int, n: int) -> np.ndarray:
+    """Inverse of ``encode_streams``: the [streams, n] int32 matrix (either format)."""
+    lo, width, counts, section = parse_tables(buf, streams, n)
+    if n == 0:
+        return np.zeros((streams, 0), dtype=np.int32)
+    if section is not None:
+        return rans.decode(section, lo, width, counts, streams, n)
+    mv = memoryview(buf)
+    (tlen,) = _U32.unpack_from(mv, 0)
     words = np.frombuffer(mv[4 + tlen :], dtype="<u4").astype(np.uint32)
     out = np.zeros((streams, n), dtype=np.int32)
     try:
@@ -111,3 +146,28 @@ def decode_streams(buf: bytes | memoryview, streams: int, n: int) -> np.ndarray:
         raise Corrupt(f"entropy payload does not decode: {exc}") from exc
     out += lo[:, None]
     return out
+
+
+_GPU_DECODE: list[Any] = []
+
+
+def symbols(buf: bytes | memoryview, streams: int, n: int, device: Any) -> Any:
+    """``decode_streams`` as an int32 torch tensor on ``device``: decoded on the GPU itself
+    when ``device`` is CUDA and the blob is format 2 (``kdn.codec.gpu``, Triton), else on the
+    CPU and copied there."""
+    import torch
+
+    device = torch.device(device)
+    if device.type == "cuda":
+        if not _GPU_DECODE:
+            try:
+                from kdn.codec.gpu import decode_on
+                _GPU_DECODE.append(decode_on)
+            except ImportError:  # no triton: the CPU decodes
+                _GPU_DECODE.append(None)
+        gpu_decode = _GPU_DECODE[0]
+        if gpu_decode is not None and parse_tables(buf, streams, n)[3] is not None:
+            return gpu_decode(buf, streams, n, device)
+    out = torch.from_numpy(decode_streams(buf, streams, n))
+    return out if device.type == "cpu" else out.to(device)
+

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kdn.codec.entropy import decode_streams, encode_streams
+from kdn.codec.entropy import encode_streams, symbols
 from kdn.codec.modes import LayerSpec, Mode, pack_sections, register, unpack_sections
 from kdn.codec.quant import dequantize, from_numpy, quantize, to_numpy, token_absmax
 from kdn.errors import Corrupt, InvalidArgument
@@ -104,8 +104,7 @@ class CacheGen(Mode):
         k_raw, v_raw, blob = unpack_sections(body, 3, where)
         heads, tokens = spec.layout.kv_heads, spec.tokens
         k_rows = heads * spec.layout.k_channels
-        sym = from_numpy(decode_streams(blob, k_rows + heads * spec.layout.v_channels, tokens),
-                         device)
+        sym = symbols(blob, k_rows + heads * spec.layout.v_channels, tokens, device)
         dt = spec.dtype.torch
         k = dequantize(sym[:k_rows], _step(k_raw, tokens, ck, device, where), heads, dt)
         v = dequantize(sym[k_rows:], _step(v_raw, tokens, cv, device, where), heads, dt)

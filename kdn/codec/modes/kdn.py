@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from kdn.codec.entropy import decode_streams, encode_streams
+from kdn.codec.entropy import encode_streams, symbols
 from kdn.codec.modes import (
     LayerSpec,
     Mode,
@@ -45,7 +45,6 @@ from kdn.codec.modes import (
 )
 from kdn.codec.quant import (
     dequantize,
-    from_numpy,
     log_scale_symbols,
     quantize,
     scale_from_symbols,
@@ -142,8 +141,8 @@ class Kdn(Mode):
         k_sink_raw, v_sink_raw, scale_blob, blob = unpack_sections(body, 4, where)
         k_sink = tensor_from_bytes(k_sink_raw, dt, (heads, s, kc), device)
         v_sink = tensor_from_bytes(v_sink_raw, dt, (heads, s, vc), device)
-        q = from_numpy(decode_streams(scale_blob, 2, n), device)
-        sym = from_numpy(decode_streams(blob, heads * (kc + vc), n), device)
+        q = symbols(scale_blob, 2, n, device)
+        sym = symbols(blob, heads * (kc + vc), n, device)
         if q.numel() and q.abs().max() > 4000:
             raise Corrupt(f"{where}: scale symbols out of range")
         scale = scale_from_symbols(q)  # [2, n]
