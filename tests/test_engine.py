@@ -78,3 +78,18 @@ def test_controller_prefers_recompute_on_a_slow_link(smol: tuple, tmp_path: Path
         assert again.timings.decision == "recompute" and again.timings.reused_tokens == 0
         forced = eng.generate(ids, max_new_tokens=1, force="lossless")
         assert forced.timings.reused_tokens == 192
+
+
+def test_the_controller_learns_decode_speed_per_device() -> None:
+    gpu = LoadingController(bandwidth_b_s=1.25e9, prefill_tok_s=3e4, device="cuda")
+    cpu = LoadingController(bandwidth_b_s=1.25e9, prefill_tok_s=500, device="cpu")
+    kv_bytes, stored = 1 << 30, {"raw": 1 << 30, "kdn-default": (1 << 30) // 7}
+    for c in (gpu, cpu):  # the same observations of both devices reach both controllers
+        c.observe_decode("kdn-default", kv_bytes, 0.02, device="cuda")  # ~50 GB/s on a GPU
+        c.observe_decode("kdn-default", kv_bytes, 3.0, device="cpu")  # ~0.35 GB/s on a CPU
+        c.observe_decode("raw", kv_bytes, 0.001, device="cuda")
+        c.observe_decode("raw", kv_bytes, 0.001, device="cpu")
+    assert gpu.decode_speed("kdn-default") > 100 * cpu.decode_speed("kdn-default")
+    # over a 10 Gbit/s link the GPU host fetches the compressed bytes, the CPU host raw ones
+    assert gpu.choose(8192, kv_bytes, stored).choice == "kdn-default"
+    assert cpu.choose(8192, kv_bytes, stored).choice == "raw"

@@ -1,10 +1,10 @@
 """The loading controller (CacheGen's idea): per request, fetch which encoding, or recompute?
 
-Inputs, all measured: link bandwidth (bytes/s of recent retrieves), per-encoding decode speed
-(fp16-equivalent bytes/s), the model's prefill speed (tokens/s), and the stored size of each
-encoding of the requested context (from one batched Lookup). For each available encoding the
-time to usable KV is ``size / bandwidth + kv_bytes / decode_speed``; recomputing costs
-``tokens / prefill_speed``. The cheapest wins. Every decision is logged and counted; a request
+Inputs, all measured: link bandwidth (bytes/s of recent retrieves), decode speed per encoding
+and device (fp16-equivalent bytes/s), the model's prefill speed (tokens/s), and the stored
+size of each encoding of the requested context (from one batched Lookup). For each available
+encoding the time to usable KV is ``size / bandwidth + kv_bytes / decode_speed``; recomputing
+costs ``tokens / prefill_speed``. The cheapest wins. Every decision is logged and counted; a request
 may force a choice (``override``).
 
 Speeds start from conservative priors and follow observations as exponentially weighted means,
@@ -43,7 +43,11 @@ class LoadingController:
     prefill_tok_s: float = 500.0
     """Prior prefill speed (tokens/s) until prefills are observed."""
     decode_b_s: dict[str, float] = field(default_factory=dict)
-    """Per-encoding decode speed (fp16-equivalent bytes/s); 1 GB/s until observed."""
+    """Decode speed (fp16-equivalent bytes/s) per ``"<encoding>@<device>"``: a GPU decodes
+    the compressed modes far faster than a CPU, so what wins on one host loses on another;
+    1 GB/s until observed."""
+    device: str = "cpu"
+    """Where the engine decodes (its model's device type): the key's default device."""
     alpha: float = 0.3
     """Weight of a new observation in the running means."""
     counts: Counter[str] = field(default_factory=Counter)
@@ -62,18 +66,27 @@ class LoadingController:
             with self._lock:
                 self.prefill_tok_s = self._ewma(self.prefill_tok_s, tokens / seconds)
 
-    def observe_decode(self, encoding: str, kv_bytes: int, seconds: float) -> None:
+    def _key(self, encoding: str, device: str | None) -> str:
+        return f"{encoding}@{device or self.device}"
+
+    def observe_decode(self, encoding: str, kv_bytes: int, seconds: float,
+                       device: str | None = None) -> None:
         if kv_bytes > 0 and seconds > 0:
+            key = self._key(encoding, device)
             with self._lock:
-                old = self.decode_b_s.get(encoding, kv_bytes / seconds)
-                self.decode_b_s[encoding] = self._ewma(old, kv_bytes / seconds)
+                old = self.decode_b_s.get(key, kv_bytes / seconds)
+                self.decode_b_s[key] = self._ewma(old, kv_bytes / seconds)
+
+    def decode_speed(self, encoding: str, device: str | None = None) -> float:
+        """Learnt decode speed of ``encoding`` on ``device`` (bytes/s; 1 GB/s until seen)."""
+        return self.decode_b_s.get(self._key(encoding, device), 1e9)
 
     def estimate(self, encoding: str, stored_bytes: int, kv_bytes: int,
                  local: bool = False) -> float:
         """Seconds to usable KV: transfer (none for an entry in the engine's own process) plus
-        decode."""
+        decode on this controller's device."""
         transfer = 0.0 if local else stored_bytes / self.bandwidth_b_s
-        return transfer + kv_bytes / self.decode_b_s.get(encoding, 1e9)
+        return transfer + kv_bytes / self.decode_speed(encoding)
 
     def choose(self, tokens: int, kv_bytes: int, stored: dict[str, int],
                override: str | None = None, local: frozenset[str] = frozenset()) -> Decision:

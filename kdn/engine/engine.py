@@ -39,7 +39,7 @@ from kdn.client.local import TIER as LOCAL_TIER
 from kdn.client.stream import LayerStream
 from kdn.delivery import RECOMPUTE, LoadingController, encoding_name
 from kdn.engine.connector import KVConnector
-from kdn.hf import CacheDecoder, LayerwiseCache, cache_layers, greedy, model_layout
+from kdn.hf import CacheDecoder, LayerwiseCache, cache_layers, greedy, model_device, model_layout
 from kdn.layout import DType, KVLayout
 
 log = logging.getLogger(__name__)
@@ -102,6 +102,7 @@ class KDNEngine(KVConnector):
         self.client = client
         self.config = config or EngineConfig()
         self.controller = controller or LoadingController()
+        self.controller.device = model_device(model).type  # decode speeds are per device
         self._layout = model_layout(model, self.config.kv_dtype)
         self._request = threading.Lock()
         self._begin([])
