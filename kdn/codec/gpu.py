@@ -117,7 +117,7 @@ def decode_on(blob: bytes | memoryview, rows_n: int, n: int, device: torch.devic
         raise Corrupt("rANS word counts do not match the words stored")
     freq, cum = rans.normalize(width, counts)
     starts = np.concatenate([[0], np.cumsum(width)[:-1]]).astype(np.int64)
-    lut = rans.lookup(width, cum)
+    lut = rans.lookup(width, cum, freq)
     begin = blks * block
     per_stream = {
         "length": np.minimum(block, n - begin), "base": rows * n + begin,

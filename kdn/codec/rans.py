@@ -47,29 +47,51 @@ near 1% at 2-3 bits per symbol, and an 8k-token layer still has thousands of str
 _U32 = struct.Struct("<II")
 
 
+@numba.njit(cache=True, nogil=True)
+def _normalize(width: np.ndarray, counts: np.ndarray, freq: np.ndarray, cum: np.ndarray
+               ) -> int:
+    """Fill ``freq``/``cum`` (see ``normalize``); returns the first row with no mass, or -1."""
+    b = 0
+    for r in range(width.shape[0]):
+        w = width[r]
+        total = 0
+        nnz = 0
+        top = b
+        for i in range(b, b + w):
+            c = counts[i]
+            total += c
+            if c > 0:
+                nnz += 1
+            if c > counts[top]:
+                top = i
+        if total == 0:
+            if w > 1:
+                return r
+            total = 1
+        spare = M - nnz
+        used = 0
+        for i in range(b, b + w):
+            c = counts[i]
+            f = 1 + c * spare // total if c > 0 else 0
+            freq[i] = f
+            used += f
+        freq[top] += M - used
+        run = 0
+        for i in range(b, b + w):
+            cum[i] = run
+            run += freq[i]
+        b += w
+    return -1
+
+
 def normalize(width: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(freq, cum) per table bin (flattened like ``counts``): each row's nonzero counts scaled
-    to sum exactly ``M``, each at least 1 (the row's largest bin takes the rounding)."""
-    width = width.astype(np.int64)
-    counts = counts.astype(np.int64)
-    starts = np.concatenate([[0], np.cumsum(width)[:-1]]).astype(np.int64)
-    row = np.repeat(np.arange(len(width)), width)
-    total = np.add.reduceat(counts, starts) if len(counts) else np.zeros(0, np.int64)
-    nnz = np.add.reduceat((counts > 0).astype(np.int64), starts) if len(counts) else total
-    if (total[width > 1] == 0).any():
+    to sum exactly ``M``, each at least 1 (the row's first largest bin takes the rounding)."""
+    freq = np.empty(len(counts), dtype=np.int64)
+    cum = np.empty(len(counts), dtype=np.int64)
+    if _normalize(width.astype(np.int64), counts.astype(np.int64), freq, cum) >= 0:
         raise Corrupt("entropy table row has no mass")
-    spare = M - nnz  # > 0: widths are at most 2**15
-    with np.errstate(divide="ignore", invalid="ignore"):
-        share = np.where(counts > 0, 1 + counts * spare[row] // np.maximum(total[row], 1), 0)
-    short = M - np.add.reduceat(share, starts) if len(share) else share
-    biggest = starts + np.array([int(np.argmax(counts[s : s + w])) for s, w in
-                                 zip(starts.tolist(), width.tolist())], dtype=np.int64)
-    share[biggest] += short
-    cum = share.copy()
-    # cum = exclusive prefix sum within each row
-    run = np.cumsum(share) - share
-    cum = run - np.repeat(run[starts], width)
-    return share.astype(np.int64), cum.astype(np.int64)
+    return freq, cum
 
 
 LUT_BITS = 8
@@ -77,18 +99,26 @@ LUT_BITS = 8
 bin with a short forward scan (most buckets hold one bin)."""
 
 
-def lookup(width: np.ndarray, cum: np.ndarray) -> np.ndarray:
+@numba.njit(cache=True, nogil=True)
+def _lookup(width: np.ndarray, cum: np.ndarray, freq: np.ndarray, lut: np.ndarray) -> None:
+    b = 0
+    buckets = 1 << LUT_BITS
+    for r in range(width.shape[0]):
+        a = b
+        for k in range(buckets):
+            slot = k << (PREC - LUT_BITS)
+            while a < b + width[r] - 1 and cum[a] + freq[a] <= slot:
+                a += 1
+            lut[r * buckets + k] = a
+        b += width[r]
+
+
+def lookup(width: np.ndarray, cum: np.ndarray, freq: np.ndarray) -> np.ndarray:
     """[rows * 2**LUT_BITS] int64: for each row and bucket, the bin holding the bucket's first
     slot (absolute bin index into the flattened tables)."""
-    width = width.astype(np.int64)
-    rows = len(width)
-    starts = np.concatenate([[0], np.cumsum(width)[:-1]]).astype(np.int64)
-    row = np.repeat(np.arange(rows, dtype=np.int64), width)
-    keys = row * (M + 1) + cum
-    q = (np.arange(rows, dtype=np.int64)[:, None] * (M + 1)
-         + (np.arange(1 << LUT_BITS, dtype=np.int64) << (PREC - LUT_BITS))[None, :])
-    idx = np.searchsorted(keys, q.ravel(), side="right") - 1
-    return np.maximum(idx, np.repeat(starts, 1 << LUT_BITS))
+    lut = np.empty(len(width) << LUT_BITS, dtype=np.int64)
+    _lookup(width.astype(np.int64), cum, freq, lut)
+    return lut
 
 
 def plan(width: np.ndarray, n: int, block: int = BLOCK) -> tuple[np.ndarray, np.ndarray]:
@@ -246,7 +276,8 @@ def decode(mv: memoryview, lo: np.ndarray, width: np.ndarray, counts: np.ndarray
     out = np.repeat(lo.astype(np.int32)[:, None], n, axis=1)  # width-1 rows: constant
     bad = np.zeros(max(groups, 1), dtype=np.int8)
     _decode_groups(states, gwords, goff, words.astype(np.uint16), rows, blks, n, block, GROUP,
-                   starts, lookup(width, cum), freq, cum, lo.astype(np.int64),
+                   starts, lookup(width, cum, freq).astype(np.int32), freq.astype(np.int32),
+                   cum.astype(np.int32), lo.astype(np.int64),
                    out.reshape(-1), bad)
     if bad.any():
         raise Corrupt(f"rANS group {int(np.flatnonzero(bad)[0])} does not decode")
