@@ -1,0 +1,267 @@
+"""kdn as SGLang's L3 (HiCache) storage next to SGLang's own ``HiCacheFile``, one run.
+
+    python -m bench.sglang [--quick] --out bench/results/sglang.json
+
+Needs the ``sglang`` extra (``scripts/bootstrap.sh sglang``). Both backends are made by SGLang's
+``StorageBackendFactory`` (kdn through its ``dynamic`` path) and move the same pages between
+a host KV pool and storage: SmolLM2-135M-shaped fp16 pages (30 layers x 3 KV heads x 64
+channels, 64 tokens: 1.47 MB a page), random values, 128 pages a call (SGLang's
+``STORAGE_BATCH_SIZE``). Rows:
+
+    get   kdn ``batch_get_v1`` of the pages into the host pool by index, against HiCacheFile's
+          read of the same pages into the same pool (its ``batch_get_v2`` of the KV pool: the
+          per-page read + copy SGLang does for it); ``ratio_vs_file`` = kdn GB/s / file GB/s
+    set   ``batch_set_v1`` against HiCacheFile's write of the same pages (new keys each time)
+
+kdn rows per codec mode: ``lossless`` (the default; ``bit_identical`` checks every page read
+back), ``raw`` and ``int8``; ``stored_vs_fp16`` is the bytes kdn holds per page over the page's
+fp16 bytes. The kdn server runs in this process (``ServerThread``), RAM tier only, the client
+on its shared segment; HiCacheFile writes to a temporary folder and reads it back from the page
+cache (warm, like kdn's RAM tier). Throughput counts page bytes (fp16) moved per second.
+
+``HostPool`` is the smallest real tensor pool with the page layouts of SGLang's
+``MHATokenToKVPoolHost`` (its module can not be imported on a CPU-only host: SGLang's config
+package imports torchvision, whose PyPI wheel needs CUDA torch): the same ``kv_buffer`` shapes
+and the same ``get_data_page``/``get_dummy_flat_data_page``/``set_from_flat_data_page``
+contract, which is all either backend touches. The tests use it too.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench.common import arg_parser, figure, median, print_table, save_figure, timed, write_json
+from kdn.server import ServerConfig, ServerThread
+
+LAYERS, HEADS, HEAD_DIM, PAGE = 30, 3, 64, 64
+BATCH = 128
+MODES = ("lossless", "raw", "int8")
+
+
+class HostPool:
+    """A host KV pool with SGLang's MHA page layouts (``MHATokenToKVPoolHost``'s contract).
+
+    ``kv_buffer``:  layer_first        [2, layers, size, heads, head_dim]
+                    page_first         [2, size, layers, heads, head_dim]
+                    page_first_direct  [2, pages, layers, page_size, heads, head_dim]
+    A flat data page lists the page's elements in the buffer's own order."""
+
+    def __init__(self, layout: str, pages: int, *, layers: int = LAYERS, heads: int = HEADS,
+                 head_dim: int = HEAD_DIM, page_size: int = PAGE,
+                 dtype: torch.dtype = torch.float16, seed: int | None = None) -> None:
+        self.layout = layout
+        self.layer_num, self.head_num, self.head_dim, self.v_head_dim = (
+            layers, heads, head_dim, head_dim)
+        self.page_size, self.page_num, self.size = page_size, pages, pages * page_size
+        self.dtype, self.device = dtype, "cpu"
+        dims = {"layer_first": (2, layers, self.size, heads, head_dim),
+                "page_first": (2, self.size, layers, heads, head_dim),
+                "page_first_direct": (2, pages, layers, page_size, heads, head_dim)}[layout]
+        if seed is None:
+            self.kv_buffer = torch.zeros(dims, dtype=dtype)
+        else:
+            g = torch.Generator().manual_seed(seed)
+            self.kv_buffer = torch.randn(dims, generator=g).to(dtype)
+
+    def _page(self, index: int) -> torch.Tensor:
+        if self.layout == "layer_first":
+            return self.kv_buffer[:, :, index : index + self.page_size]
+        if self.layout == "page_first":
+            return self.kv_buffer[:, index : index + self.page_size]
+        return self.kv_buffer[:, index // self.page_size : index // self.page_size + 1]
+
+    def get_data_page(self, index: int, flat: bool = True) -> torch.Tensor:
+        page = self._page(index)
+        return page.flatten() if flat else page
+
+    def get_dummy_flat_data_page(self) -> torch.Tensor:
+        return torch.zeros(2 * self.layer_num * self.page_size * self.head_num * self.head_dim,
+                           dtype=self.dtype)
+
+    def set_from_flat_data_page(self, index: int, data_page: torch.Tensor) -> None:
+        dst = self._page(index)
+        dst.copy_(data_page.reshape(dst.shape))
+
+    def indices(self, pages: range | list[int]) -> torch.Tensor:
+        """Token slots of ``pages`` (page j: slots j*P .. j*P+P-1), as SGLang hands them."""
+        p = self.page_size
+        return torch.cat([torch.arange(j * p, (j + 1) * p) for j in pages]).to(torch.int64)
+
+    def kv_of(self, page: int) -> torch.Tensor:
+        """Page ``page``'s K and V in one layout-independent order: [2, layers, tokens, heads,
+        head_dim] (a copy)."""
+        x = self._page(page * self.page_size)
+        if self.layout == "page_first":
+            return x.transpose(1, 2).contiguous()
+        return x.reshape(2, self.layer_num, self.page_size, self.head_num,
+                         self.head_dim).clone()
+
+
+def storage_config(model: str = "HuggingFaceTB/SmolLM2-135M", *, tp: tuple[int, int] = (0, 1),
+                   pp: tuple[int, int] = (0, 1), page_first: bool = False,
+                   extra: dict[str, Any] | None = None) -> Any:
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
+
+    return HiCacheStorageConfig(
+        tp_rank=tp[0], tp_size=tp[1], pp_rank=pp[0], pp_size=pp[1], attn_cp_rank=0,
+        attn_cp_size=1, is_mla_model=False, enable_storage_metrics=False,
+        is_page_first_layout=page_first, model_name=model, extra_config=extra)
+
+
+def kdn_extra(address: str, **kdn: Any) -> dict[str, Any]:
+    """``--hicache-storage-backend-extra-config`` of the kdn backend."""
+    return {"backend_name": "kdn", "module_path": "kdn.integrations.sglang",
+            "class_name": "KDNHiCacheStorage", "interface_v1": 1,
+            "kdn": {"address": address, **kdn}}
+
+
+def _registered(backend: Any, pool: HostPool) -> Any:
+    """``backend`` with ``pool`` registered the way SGLang's cache controller does it."""
+    from sglang.srt.mem_cache.hicache_storage import PoolName
+
+    backend.register_mem_pool_host(pool)
+    backend.register_mem_host_pool_v2(pool, PoolName.KV)
+    return backend
+
+
+def file_backend(pool: HostPool, folder: Path, **config: Any) -> Any:
+    """SGLang's ``HiCacheFile`` in ``folder``, from its factory, ``pool`` registered."""
+    from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+
+    cfg = storage_config(page_first=pool.layout != "layer_first",
+                         extra={"file_storage_path": str(folder)}, **config)
+    return _registered(StorageBackendFactory.create_backend("file", cfg, pool), pool)
+
+
+def kdn_backend(pool: HostPool, address: str, config: dict[str, Any] | None = None,
+                **kdn: Any) -> Any:
+    """The kdn backend through SGLang's factory's ``dynamic`` path, ``pool`` registered;
+    ``kdn`` is the extra-config's ``"kdn"`` object, ``config`` more ``storage_config``."""
+    from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+
+    cfg = storage_config(page_first=pool.layout != "layer_first",
+                         extra=kdn_extra(address, **kdn), **(config or {}))
+    return _registered(StorageBackendFactory.create_backend("dynamic", cfg, pool), pool)
+
+
+def file_transfer(keys: list[str], host_indices: torch.Tensor) -> list[Any]:
+    from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
+
+    return [PoolTransfer(name=PoolName.KV, host_indices=host_indices, keys=keys)]
+
+
+def measure(pages: int, repeat: int, tmp: Path, address: str) -> list[dict[str, Any]]:
+    from sglang.srt.mem_cache.hicache_storage import PoolName
+
+    pool = HostPool("layer_first", 2 * pages, seed=0)
+    src, dst = pool.indices(range(pages)), pool.indices(range(pages, 2 * pages))
+    page_bytes = 2 * LAYERS * PAGE * HEADS * HEAD_DIM * 2
+    nbytes = pages * page_bytes
+    want = torch.stack([pool.kv_of(j) for j in range(pages)])
+    keys = [f"{j:064x}" for j in range(pages)]
+    rows: list[dict[str, Any]] = []
+    backends: dict[str, Any] = {}
+    backends["file"] = file_backend(pool, tmp / "file")
+    for mode in MODES:
+        backends[f"kdn-{mode}"] = kdn_backend(pool, address, mode=mode,
+                                              namespace=f"bench-{mode}")
+    for name, b in backends.items():
+        if name == "file":
+            def put(ks: list[str], b: Any = b) -> list[bool]:
+                return list(b.batch_set_v2(file_transfer(ks, src))[PoolName.KV])
+
+            def get(b: Any = b) -> list[bool]:
+                return list(b.batch_get_v2(file_transfer(keys, dst))[PoolName.KV])
+        else:
+            def put(ks: list[str], b: Any = b) -> list[bool]:
+                return list(b.batch_set_v1(ks, src))
+
+            def get(b: Any = b) -> list[bool]:
+                return list(b.batch_get_v1(keys, dst))
+        assert all(put(keys)), name
+        calls = iter(range(1, 1 << 30))
+
+        def put_new(put: Any = put, calls: Any = calls) -> None:
+            n = next(calls)  # new keys each call: both backends skip pages they hold
+            assert all(put([f"{n:04x}{k[4:]}" for k in keys]))
+
+        set_s = timed(put_new, repeat, warmup=0)
+        for j in range(pages, 2 * pages):
+            pool.set_from_flat_data_page(j * PAGE, pool.get_dummy_flat_data_page())
+        get_s = timed(lambda get=get: get(), repeat)
+        assert all(get()), name
+        got = torch.stack([pool.kv_of(j) for j in range(pages, 2 * pages)])
+        row: dict[str, Any] = {"backend": name, "pages": pages, "page_bytes": page_bytes}
+        if name != "file":
+            stored = b.stats().stored_bytes / b.stats().pages_written
+            row["stored_vs_fp16"] = stored / page_bytes
+            row["max_abs_err"] = float((got.float() - want.float()).abs().max())
+        row["bit_identical"] = bool(torch.equal(got.view(torch.int16), want.view(torch.int16)))
+        rows.append({**row, "op": "get", "seconds": median(get_s),
+                     "gb_s": nbytes / median(get_s) / 1e9})
+        rows.append({**row, "op": "set", "seconds": median(set_s),
+                     "gb_s": nbytes / median(set_s) / 1e9})
+    for b in backends.values():
+        if hasattr(b, "close"):
+            b.close()
+    base = {r["op"]: r["gb_s"] for r in rows if r["backend"] == "file"}
+    for r in rows:
+        r["ratio_vs_file"] = r["gb_s"] / base[r["op"]]
+    rows.sort(key=lambda r: (r["op"], r["backend"] != "file"))
+    return rows
+
+
+def run(pages: int, repeat: int, out: Path, threads: int = 1) -> list[dict[str, Any]]:
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = ServerConfig(port=0, data_dir=Path(tmp) / "kdn", ram_bytes=6 << 30, disk_bytes=0)
+        with ServerThread(cfg) as st:
+            rows = measure(pages, repeat, Path(tmp), st.address)
+    cols = ["op", "backend", "pages", "seconds", "gb_s", "ratio_vs_file", "stored_vs_fp16",
+            "bit_identical", "max_abs_err"]
+    print_table(rows, cols)
+    import sglang
+
+    write_json(out, "sglang", rows, repeat=repeat, sglang=sglang.__version__,
+               torch_threads=threads,
+               page="30 layers x 3 heads x 64 fp16, 64 tokens",
+               pool="layer_first host pool (bench.sglang.HostPool)",
+               server="in this process (ServerThread), RAM tier only, shared segment",
+               file="HiCacheFile in a temporary folder, page cache warm")
+    plot(rows, out.with_suffix(".png"))
+    return rows
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> None:
+    fig, ax = figure(7, 4)
+    ops = ["get", "set"]
+    names = list(dict.fromkeys(r["backend"] for r in rows))
+    width = 0.8 / len(names)
+    for j, name in enumerate(names):
+        ys = [next((r["gb_s"] for r in rows if r["op"] == op and r["backend"] == name), 0)
+              for op in ops]
+        ax.bar([i + j * width for i in range(len(ops))], ys, width, label=name)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(ops))],
+                  [f"batch_{op} ({rows[0]['pages']} pages)" for op in ops])
+    ax.set_ylabel("GB/s of fp16 pages")
+    ax.set_title("SGLang HiCache L3: kdn backend vs HiCacheFile")
+    ax.legend(fontsize=7)
+    save_figure(fig, path)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = arg_parser(__doc__, "sglang", "32 pages, 2 repeats")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch intra-op threads (1: SGLang's storage I/O runs on background "
+                         "threads; on this shared 2-core host, 2 threads make every large "
+                         "torch op wait for a busy core)")
+    ns = ap.parse_args(argv)
+    torch.set_num_threads(ns.threads)
+    run(32 if ns.quick else BATCH, 2 if ns.quick else 5, ns.out, ns.threads)
+
+
+if __name__ == "__main__":
+    main()

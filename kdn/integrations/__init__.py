@@ -1,0 +1,8 @@
+"""Engines' storage interfaces implemented over the kdn client, each an optional extra.
+
+* ``kdn.integrations.sglang``: SGLang's HiCache L3 storage (``KDNHiCacheStorage``); needs
+  ``sglang`` installed (``scripts/bootstrap.sh sglang``).
+
+Nothing here is imported by ``kdn`` itself: importing a module of this package is what loads
+the engine it plugs into.
+"""

@@ -1,0 +1,596 @@
+"""kdn as SGLang's L3 KV storage: ``KDNHiCacheStorage``, a HiCache storage backend.
+
+SGLang's hierarchical cache keeps KV in GPU memory (L1), a host-memory pool (L2) and a
+pluggable storage backend (L3). The backend is a key -> page store: SGLang names each page of
+``page_size`` tokens by a hash chained over the pages before it, and moves pages between its
+host pool and the backend. Load this backend with
+
+    python -m sglang.launch_server ... --enable-hierarchical-cache \\
+        --hicache-storage-backend dynamic --hicache-storage-backend-extra-config \\
+        '{"backend_name": "kdn", "module_path": "kdn.integrations.sglang",
+          "class_name": "KDNHiCacheStorage", "interface_v1": 1,
+          "kdn": {"address": "127.0.0.1:50051", "mode": "lossless"}}'
+
+(``interface_v1`` makes SGLang call the zero-copy ``batch_get_v1``/``batch_set_v1``; the
+``"kdn"`` object is ``KDNBackendConfig``.)
+
+Lifecycle, as SGLang drives it:
+
+1. ``StorageBackendFactory`` constructs the class with the ``HiCacheStorageConfig`` (model
+   name, TP/PP rank, MLA flag, the extra-config), then calls ``register_mem_pool_host(pool)``
+   with the host KV pool: from then on the page shape (layers, heads, head dim, dtype, page
+   size) is known, and with it the kdn layout and the keys.
+2. Prefetch (a background thread): ``batch_exists(keys)`` gives how many leading pages are
+   stored, then ``batch_get_v1(keys, host_indices)`` reads them into the host pool at those
+   token slots (``batch_get``/``get`` in SGLang's older, copying path).
+3. Backup (another thread): ``batch_set_v1(keys, host_indices)`` writes pages of the host pool.
+4. ``get_stats()`` (when SGLang's storage metrics are on), ``clear()``, ``close()``.
+
+Design: one kdn entry per page. SGLang asks about, reads and writes pages one key at a time
+and in any grouping (a later request may share only the first pages of an earlier batch, and
+eviction on either side drops single pages), so an entry holding a group of pages would need a
+second index from page key to group and partial reads of groups. Per-page entries keep kdn's
+own semantics (one key, one whole checked entry, a miss is a miss) and the per-call cost is
+paid per batch instead: a batch of pages is one ``lookup`` (existence), one ``fetch_many``
+(GetMany) per worker chunk, or one ``store_many`` (PutMany) per chunk, through the client's
+shared segment when the server is on the same host; chunks run on ``workers`` threads, so
+decoding one chunk overlaps the server copying the next.
+
+A page is stored as a kdn ``KVCache`` of ``page_size`` tokens (K and V ``[heads, tokens,
+head_dim]`` per layer), encoded with the configured codec mode (``lossless`` by default:
+bit-exact; ``int8`` ≈ 0.52× the bytes of fp16; ``kdn`` levels smaller still). The stored bytes
+do not depend on the host pool's memory layout (``layer_first``, ``page_first``,
+``page_first_direct`` are all read and written), so engines with different layouts share pages.
+Keys are ``kdn.keys.page_key`` over SGLang's page hash, the layout (model, layer count, heads,
+head dim, dtype), the page size, the TP and PP shard, and the configured adapter id and salt.
+
+Supported: MHA host pools (``MHATokenToKVPoolHost``: one ``kv_buffer`` holding K and V) of
+float16, bfloat16 or float32. MLA pools keep one latent vector per token (no K/V pair) and
+index pages through the DCP shard mapping: they are refused at construction, as are the v2
+calls' extra pools (Mamba, SWA, indexer: reported as absent, so SGLang falls back to its own
+computation for them).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+from sglang.srt.mem_cache.hicache_storage import (
+    HiCacheStorage,
+    HiCacheStorageConfig,
+    HiCacheStorageExtraInfo,
+    PoolName,
+    PoolTransfer,
+    PoolTransferResult,
+)
+
+from kdn import codec, keys
+from kdn.cache import KVCache
+from kdn.client.admin import AdminClient
+from kdn.client.client import TLSOptions
+from kdn.client.dataplane import Fetched
+from kdn.errors import KDNError
+from kdn.layout import DType, KVLayout, LayerLayout, model_fingerprint
+from kdn.options import StoreOptions
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+LAYOUTS = ("layer_first", "page_first", "page_first_direct")
+"""Host pool layouts whose pages this backend reads and writes."""
+MIN_CHUNK_PAGES = 8
+"""A batch is split into at most ``workers`` chunks of at least this many pages."""
+
+
+@dataclass(frozen=True)
+class KDNBackendConfig:
+    """The ``"kdn"`` object of ``--hicache-storage-backend-extra-config``."""
+
+    address: str = "127.0.0.1:50051"
+    """The kdn server (host:port, or unix:PATH)."""
+    namespace: str = "sglang"
+    """kdn namespace of the pages."""
+    mode: str = "lossless"
+    """Codec mode of each page: ``lossless`` (bit-exact), ``raw``, ``int8``, ``kdn``..."""
+    level: str = ""
+    """Codec level (``kdn`` mode: ``default``, ``high``, ``small``...; "" = the mode's own)."""
+    api_key: str = ""
+    """API key of the kdn tenant; "" reads ``$KDN_API_KEY`` (none when unset)."""
+    tls_ca: str = ""
+    """PEM file of the CA to trust; set to use TLS. ``tls_cert``/``tls_key``: mutual TLS."""
+    tls_cert: str = ""
+    tls_key: str = ""
+    adapter: str = ""
+    """Id of the LoRA adapter the engine serves with (part of every key)."""
+    salt: str = ""
+    """Opaque salt in every key: engines with different salts never share pages."""
+    weights_id: str = ""
+    """Checkpoint identity (e.g. a revision hash) when ``model_name`` alone is ambiguous."""
+    ttl_s: int = 0
+    """Seconds a stored page lives (0: the server's default)."""
+    timeout_s: float = 30.0
+    """Deadline of each kdn call."""
+    workers: int = 4
+    """Threads a batch's chunks run on (encoding, decoding, calls)."""
+    shm_bytes: int | None = None
+    """Client's shared segment (same host); None: the client's default, 0: gRPC only."""
+    local_bytes: int = 0
+    """In-process tier of encoded pages in front of the server (0: none)."""
+
+    def __post_init__(self) -> None:
+        if self.workers < 1:
+            raise ValueError(f"kdn.workers must be >= 1, got {self.workers}")
+        if self.timeout_s <= 0:
+            raise ValueError(f"kdn.timeout_s must be > 0, got {self.timeout_s}")
+        codec.modes.get_mode(self.mode).check_level(self.level)
+        keys.check_namespace(self.namespace)
+        StoreOptions(ttl_s=self.ttl_s)
+
+    @classmethod
+    def from_extra(cls, extra: dict[str, Any] | None) -> KDNBackendConfig:
+        """The config in ``extra["kdn"]`` (defaults when absent); unknown names are errors."""
+        given = dict((extra or {}).get("kdn") or {})
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(given) - known)
+        if unknown:
+            raise ValueError(f"unknown kdn backend settings {unknown}; known: {sorted(known)}")
+        return cls(**given)
+
+    def tls(self) -> TLSOptions | None:
+        if not self.tls_ca:
+            return None
+        return TLSOptions(ca=Path(self.tls_ca).read_bytes(),
+                          cert=Path(self.tls_cert).read_bytes() if self.tls_cert else None,
+                          key=Path(self.tls_key).read_bytes() if self.tls_key else None)
+
+
+@dataclass
+class KDNStats:
+    """Counters since the backend started."""
+
+    hits: int = 0
+    """Pages asked for by a read (get, batch_get, batch_get_v1/v2) and delivered."""
+    misses: int = 0
+    """Pages asked for by a read and not stored (or not readable)."""
+    bytes_read: int = 0
+    """Page bytes delivered into the host pool or target tensors."""
+    bytes_written: int = 0
+    """Page bytes of the pages stored."""
+    stored_bytes: int = 0
+    """Encoded bytes of those pages as kdn holds them (``bytes_written`` x the codec's ratio)."""
+    pages_written: int = 0
+    pages_skipped: int = 0
+    """Pages a write found already stored (not encoded or sent again)."""
+    errors: int = 0
+    """Calls that failed (server unreachable, a page that did not decode...)."""
+
+
+@dataclass
+class _Window:
+    """What SGLang's storage metrics want since its last ``get_stats``."""
+
+    prefetch_pgs: list[int] = field(default_factory=list)
+    backup_pgs: list[int] = field(default_factory=list)
+    prefetch_bandwidth: list[float] = field(default_factory=list)
+    backup_bandwidth: list[float] = field(default_factory=list)
+
+
+class KDNHiCacheStorage(HiCacheStorage):
+    """SGLang HiCache storage over a kdn server (see the module docstring)."""
+
+    def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Any = None, *,
+                 client: AdminClient | None = None) -> None:
+        if storage_config.is_mla_model:
+            raise NotImplementedError(
+                "kdn's HiCache backend stores MHA pages; MLA host pools are not supported")
+        if storage_config.attn_cp_size > 1 or storage_config.dcp_size > 1:
+            raise NotImplementedError(
+                "kdn's HiCache backend does not support context-parallel page shards")
+        self.storage_config = storage_config
+        self.config = KDNBackendConfig.from_extra(storage_config.extra_config)
+        self.model_name = storage_config.model_name or ""
+        self.tp = (storage_config.tp_rank, storage_config.tp_size)
+        self.pp = (storage_config.pp_rank, storage_config.pp_size)
+        cfg = self.config
+        self.client: AdminClient = client or AdminClient(
+            cfg.address, timeout_s=cfg.timeout_s, namespace=cfg.namespace,
+            api_key=cfg.api_key or os.environ.get("KDN_API_KEY") or None, tls=cfg.tls(),
+            shm_bytes=cfg.shm_bytes, local_bytes=cfg.local_bytes)
+        self._own_client = client is None
+        self.options = StoreOptions(ttl_s=cfg.ttl_s)
+        self.layout: KVLayout | None = None
+        self.page_size = 0
+        self._pool: Any = None
+        self._workers = ThreadPoolExecutor(cfg.workers, thread_name_prefix="kdn-hicache")
+        self._lock = threading.Lock()
+        self._stats = KDNStats()
+        self._window = _Window()
+
+    # -- the host pool ----------------------------------------------------------------------------
+
+    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+        """Take the host KV pool: its page shape fixes the kdn layout and the keys."""
+        pool = mem_pool_host
+        if pool.layout not in LAYOUTS:
+            raise NotImplementedError(
+                f"host pool layout {pool.layout!r}: kdn reads and writes {list(LAYOUTS)}")
+        v_dim = int(getattr(pool, "v_head_dim", pool.head_dim))
+        buf = pool.kv_buffer
+        if not isinstance(buf, torch.Tensor) or buf.dim() < 5 or buf.shape[0] != 2 \
+                or v_dim != pool.head_dim:
+            raise NotImplementedError(
+                "kdn's HiCache backend needs an MHA host pool with one kv_buffer [2, ...] "
+                "(K and V of equal head dim)")
+        fp = model_fingerprint({"engine": "sglang", "model": self.model_name},
+                               weights_id=self.config.weights_id)
+        layers = tuple(LayerLayout(int(pool.head_num), int(pool.head_dim), v_dim)
+                       for _ in range(int(pool.layer_num)))
+        self.layout = KVLayout(fp, layers, dtype=DType.of(pool.dtype),
+                               head_dim=int(pool.head_dim), model_name=self.model_name)
+        self.page_size = int(pool.page_size)
+        self._pool = pool
+        self.mem_pool_host = pool
+
+    def _need_pool(self) -> Any:
+        if self._pool is None:
+            raise RuntimeError("register_mem_pool_host() first: the page shape is not known")
+        return self._pool
+
+    def _pool_page(self, index: int) -> torch.Tensor:
+        """The page at token slot ``index`` of the host pool as a view ``[2, L, H, P, D]``."""
+        pool = self._need_pool()
+        buf, p = pool.kv_buffer, self.page_size
+        if pool.layout == "layer_first":  # [2, L, size, H, D]
+            return buf[:, :, index : index + p].transpose(2, 3)
+        if pool.layout == "page_first":  # [2, size, L, H, D]
+            return buf[:, index : index + p].permute(0, 2, 3, 1, 4)
+        return buf[:, index // p].transpose(2, 3)  # page_first_direct: [2, pages, L, P, H, D]
+
+    def _flat_page(self, flat: torch.Tensor) -> torch.Tensor:
+        """A flat page in the pool's own order (``get_data_page(flat=True)``, the legacy
+        paths' values and targets) as a view ``[2, L, H, P, D]``."""
+        pool = self._need_pool()
+        lay = self._layout()
+        n, h, d, p = lay.num_layers, lay.layers[0].kv_heads, lay.head_dim, self.page_size
+        if flat.numel() != 2 * n * p * h * d:
+            raise ValueError(f"page tensor has {flat.numel()} elements, a page has "
+                             f"{2 * n * p * h * d}")
+        if pool.layout == "page_first":
+            return flat.view(2, p, n, h, d).permute(0, 2, 3, 1, 4)
+        return flat.view(2, n, p, h, d).transpose(2, 3)
+
+    def _new_flat_page(self) -> torch.Tensor:
+        lay = self._layout()
+        n, h, d = lay.num_layers, lay.layers[0].kv_heads, lay.head_dim
+        return torch.empty(2 * n * self.page_size * h * d, dtype=lay.dtype.torch)
+
+    def _layout(self) -> KVLayout:
+        self._need_pool()
+        assert self.layout is not None
+        return self.layout
+
+    # -- keys -----------------------------------------------------------------------------------
+
+    def kdn_key(self, key: str) -> bytes:
+        """The kdn key of SGLang's page ``key`` for this model, shard and page size."""
+        return keys.page_key(key, self._layout(), self.config.namespace,
+                             page_tokens=self.page_size, adapter=self.config.adapter,
+                             tp=self.tp, pp=self.pp, salt=self.config.salt)
+
+    def kdn_keys(self, keys_: Sequence[str]) -> list[bytes]:
+        return [self.kdn_key(k) for k in keys_]
+
+    # -- pages <-> entries ----------------------------------------------------------------------
+
+    def _cache(self, page: torch.Tensor) -> KVCache:
+        """A page view ``[2, L, H, P, D]`` as a KVCache of views (no copy)."""
+        return KVCache(self._layout(), [(page[0, i], page[1, i]) for i in range(page.shape[1])])
+
+    def _encode(self, page: torch.Tensor) -> codec.EncodedParts:
+        return codec.encode_parts(self._cache(page), self.config.mode, self.config.level,
+                                  layers_per_frame=0)
+
+    def _place(self, got: Fetched, page: torch.Tensor) -> None:
+        """Decode one fetched entry (checksums verified) into a page view ``[2, L, H, P, D]``."""
+        dec = codec.StreamDecoder(got.parts.header, borrow=got.owned, checked=got.checked)
+        if dec.header.tokens != self.page_size or \
+                dec.header.layout.fingerprint != self._layout().fingerprint:
+            raise KDNError(f"entry holds {dec.header.tokens} tokens of layout "
+                           f"{dec.header.layout.fingerprint}, not a page of this pool")
+        dst: list[torch.Tensor] = []
+        src: list[torch.Tensor] = []
+        for i, frame in enumerate(got.parts.frames):
+            for layer, k, v in dec.decode_frame(i, frame):
+                dst += (page[0, layer], page[1, layer])
+                src += (k, v)
+        if len(dst) != 2 * page.shape[1]:
+            raise KDNError(f"entry decodes {len(dst) // 2} layers, a page has {page.shape[1]}")
+        torch._foreach_copy_(dst, src)  # one call for every layer's K and V
+
+    def _chunks(self, n: int) -> list[range]:
+        """Spans of a batch of ``n`` pages, one per worker call."""
+        k = max(1, min(self.config.workers, n // MIN_CHUNK_PAGES))
+        step = math.ceil(n / k) if n else 1
+        return [range(i, min(n, i + step)) for i in range(0, n, step)]
+
+    def _concurrently(self, fn: Callable[[range], T], n: int) -> list[T]:
+        spans = self._chunks(n)
+        if len(spans) <= 1:
+            return [fn(s) for s in spans]
+        return list(self._workers.map(fn, spans))
+
+    def _read(self, keys_: Sequence[str], pages: Callable[[int], torch.Tensor]) -> list[bool]:
+        """Read pages ``keys_`` into the page views ``pages(j)``; per page: found and placed."""
+        if not keys_:
+            return []
+        start = time.perf_counter()
+        try:
+            kdn = self.kdn_keys(keys_)
+        except Exception:
+            logger.exception("kdn: reading %d pages failed", len(keys_))
+            self._count(errors=1, misses=len(keys_))
+            return [False] * len(keys_)
+        lay = self._layout()
+
+        def chunk(span: range) -> list[bool]:
+            try:
+                got = self.client.fetch_many([kdn[j] for j in span], layout=lay)
+            except KDNError as err:
+                logger.warning("kdn: fetching %d pages failed: %s", len(span), err)
+                self._count(errors=1)
+                return [False] * len(span)
+            out = []
+            for j, g in zip(span, got):
+                ok = False
+                if g is not None:
+                    try:
+                        self._place(g, pages(j))
+                        ok = True
+                    except Exception as err:  # a damaged entry, a wrong target: this page
+                        logger.warning("kdn: page %s not usable: %s", keys_[j], err)
+                        self._count(errors=1)
+                out.append(ok)
+            return out
+
+        done = [ok for part in self._concurrently(chunk, len(keys_)) for ok in part]
+        hits = sum(done)
+        nbytes = hits * self.page_bytes
+        self._count(hits=hits, misses=len(done) - hits, bytes_read=nbytes)
+        self._record("prefetch", len(keys_), nbytes, time.perf_counter() - start)
+        return done
+
+    def _write(self, keys_: Sequence[str], pages: Callable[[int], torch.Tensor]) -> list[bool]:
+        """Store pages ``keys_`` from the page views ``pages(j)`` (those already stored are not
+        sent again); per page: stored."""
+        if not keys_:
+            return []
+        start = time.perf_counter()
+        try:
+            kdn = self.kdn_keys(keys_)
+            present = [i.present for i in self.client.lookup(kdn).infos]
+        except Exception:
+            logger.exception("kdn: storing %d pages failed", len(keys_))
+            self._count(errors=1)
+            return [False] * len(keys_)
+        todo = [j for j, p in enumerate(present) if not p]
+
+        def chunk(span: range) -> list[tuple[int, bool]]:
+            idx = [todo[t] for t in span]
+            try:
+                enc = [self._encode(pages(j)) for j in idx]
+                self.client.store_many([(kdn[j], e) for j, e in zip(idx, enc)],
+                                       options=self.options)
+            except Exception as err:  # encode or store: no page of this chunk is stored
+                logger.warning("kdn: storing %d pages failed: %s", len(idx), err)
+                self._count(errors=1)
+                return [(j, False) for j in idx]
+            self._count(stored_bytes=sum(e.nbytes for e in enc))
+            return [(j, True) for j in idx]
+
+        done = list(present)
+        for part in self._concurrently(chunk, len(todo)):
+            for j, ok in part:
+                done[j] = ok
+        stored = sum(1 for j in todo if done[j])
+        nbytes = stored * self.page_bytes
+        self._count(pages_written=stored, pages_skipped=len(keys_) - len(todo),
+                    bytes_written=nbytes)
+        self._record("backup", len(keys_), nbytes, time.perf_counter() - start)
+        return done
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page in the host pool (K and V, every layer)."""
+        return self._layout().bytes_per_token * self.page_size
+
+    def _host_pages(self, n: int, host_indices: torch.Tensor) -> list[int] | None:
+        """First token slot of each of ``n`` pages in ``host_indices`` (None when its size is
+        not ``n`` pages)."""
+        if host_indices is None or host_indices.numel() != n * self.page_size:
+            logger.error("kdn: %s host indices for %d pages of %d tokens",
+                         None if host_indices is None else host_indices.numel(), n,
+                         self.page_size)
+            return None
+        return [int(i) for i in host_indices.reshape(-1)[:: self.page_size].tolist()]
+
+    # -- the zero-copy interface (v1) -----------------------------------------------------------
+
+    def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor,
+                     extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
+        """Read pages ``keys`` into the host pool at ``host_indices`` (page j at slots
+        ``host_indices[j * page_size:(j + 1) * page_size]``); per page: found and read."""
+        if self._pool is None:
+            logger.error("kdn: batch_get_v1 before register_mem_pool_host")
+            return [False] * len(keys)
+        starts = self._host_pages(len(keys), host_indices)
+        if starts is None:
+            return [False] * len(keys)
+        return self._read(keys, lambda j: self._pool_page(starts[j]))
+
+    def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor,
+                     extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
+        """Store the host pool's pages at ``host_indices`` under ``keys``; per page: stored."""
+        if self._pool is None:
+            logger.error("kdn: batch_set_v1 before register_mem_pool_host")
+            return [False] * len(keys)
+        starts = self._host_pages(len(keys), host_indices)
+        if starts is None:
+            return [False] * len(keys)
+        return self._write(keys, lambda j: self._pool_page(starts[j]))
+
+    # -- the pool-transfer interface (v2): the KV pool ------------------------------------------
+
+    def batch_exists_v2(self, keys: list[str], pool_transfers: list[PoolTransfer] | None = None,
+                        extra_info: HiCacheStorageExtraInfo | None = None
+                        ) -> PoolTransferResult:
+        """Longest stored prefix of KV pages. Extra pools (Mamba, SWA, ...) are not stored
+        here: a request that needs one gets no usable prefix."""
+        kv = self.batch_exists(keys)
+        needs_other = any(t.name != PoolName.KV for t in pool_transfers or [])
+        restorable = [] if needs_other else list(range(1, kv + 1))
+        return PoolTransferResult(restorable[-1] if restorable else 0,
+                                  {PoolName.KV: kv} if kv else {}, restorable)
+
+    def _transfers(self, transfers: list[PoolTransfer], io: Callable[..., list[bool]]
+                   ) -> dict[str, list[bool]]:
+        out: dict[str, list[bool]] = {}
+        for t in transfers:
+            ks = list(t.keys or [])
+            if t.name != PoolName.KV:
+                out[t.name] = [False] * len(ks)
+                continue
+            out[t.name] = io(ks, t.host_indices)
+        return out
+
+    def batch_get_v2(self, transfers: list[PoolTransfer],
+                     extra_info: HiCacheStorageExtraInfo | None = None) -> dict[str, list[bool]]:
+        """``batch_get_v1`` for the KV pool's transfer; other pools read nothing."""
+        return self._transfers(transfers, self.batch_get_v1)
+
+    def batch_set_v2(self, transfers: list[PoolTransfer],
+                     extra_info: HiCacheStorageExtraInfo | None = None) -> dict[str, list[bool]]:
+        """``batch_set_v1`` for the KV pool's transfer; other pools store nothing."""
+        return self._transfers(transfers, self.batch_set_v1)
+
+    # -- the copying interface (flat page tensors in the pool's order) --------------------------
+
+    def get(self, key: str, target_location: Any = None, target_sizes: Any = None
+            ) -> torch.Tensor | None:
+        """Page ``key`` as a flat tensor in the host pool's page order, written into
+        ``target_location`` when given; None on a miss."""
+        return self.batch_get([key], [target_location])[0]
+
+    def batch_get(self, keys: list[str], target_locations: Any = None,
+                  target_sizes: Any = None) -> list[torch.Tensor | None]:
+        if self._pool is None:
+            logger.error("kdn: batch_get before register_mem_pool_host")
+            return [None] * len(keys)
+        targets = list(target_locations or [None] * len(keys))
+        flats = [t if t is not None else self._new_flat_page() for t in targets]
+        done = self._read(keys, lambda j: self._flat_page(flats[j]))
+        return [f if ok else None for f, ok in zip(flats, done)]
+
+    def set(self, key: str, value: Any = None, target_location: Any = None,
+            target_sizes: Any = None) -> bool:
+        """Store the flat page tensor ``value`` (the host pool's page order) under ``key``."""
+        return self.batch_set([key], [value])
+
+    def batch_set(self, keys: list[str], values: Any = None, target_locations: Any = None,
+                  target_sizes: Any = None) -> bool:
+        if self._pool is None or values is None or len(values) != len(keys):
+            logger.error("kdn: batch_set needs a registered host pool and one value per key")
+            return False
+        try:
+            pages = [self._flat_page(v.reshape(-1)) for v in values]
+        except ValueError as err:
+            logger.error("kdn: batch_set: %s", err)
+            return False
+        return all(self._write(keys, lambda j: pages[j]))
+
+    # -- existence ------------------------------------------------------------------------------
+
+    def exists(self, key: str) -> bool:
+        return self.batch_exists([key]) == 1
+
+    def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None
+                     ) -> int:
+        """How many leading pages of ``keys`` are stored (one Lookup)."""
+        if not keys or self._pool is None:
+            return 0
+        try:
+            return self.client.lookup(self.kdn_keys(keys), prefix_chain=True).prefix_hits
+        except KDNError as err:
+            logger.warning("kdn: lookup of %d pages failed: %s", len(keys), err)
+            self._count(errors=1)
+            return 0
+
+    # -- housekeeping ---------------------------------------------------------------------------
+
+    def clear(self) -> bool:
+        """Delete every page of this model in the namespace (all shards, like HiCacheFile's
+        clear of its whole folder)."""
+        if self.layout is None:
+            return True
+        try:
+            found = [e.key for e in self.client.ls(
+                namespace=self.config.namespace, model=self.layout.model_fingerprint)]
+            for i in range(0, len(found), 1024):
+                self.client.delete(found[i : i + 1024])
+            return True
+        except KDNError as err:
+            logger.error("kdn: clear failed: %s", err)
+            return False
+
+    def stats(self) -> KDNStats:
+        """A copy of the counters."""
+        with self._lock:
+            return KDNStats(**asdict(self._stats))
+
+    def get_stats(self) -> Any:
+        """SGLang's ``StorageMetrics`` of the calls since the last ``get_stats`` (pages and
+        GB/s per batch), carrying the counters of ``stats()`` as attributes (``hits``,
+        ``misses``, ``bytes_read``...); ``stats()`` itself where SGLang's metrics module can
+        not be imported."""
+        with self._lock:
+            window, self._window = self._window, _Window()
+        snap = self.stats()
+        try:
+            from sglang.srt.observability.metrics_collector import StorageMetrics
+        except ImportError:
+            return snap
+        m = StorageMetrics()
+        m.prefetch_pgs.extend(window.prefetch_pgs)
+        m.backup_pgs.extend(window.backup_pgs)
+        m.prefetch_bandwidth.extend(window.prefetch_bandwidth)
+        m.backup_bandwidth.extend(window.backup_bandwidth)
+        for name, value in asdict(snap).items():
+            setattr(m, name, value)
+        return m
+
+    def close(self) -> None:
+        self._workers.shutdown(wait=True)
+        if self._own_client:
+            self.client.close()
+
+    def _count(self, **deltas: int) -> None:
+        with self._lock:
+            for name, d in deltas.items():
+                setattr(self._stats, name, getattr(self._stats, name) + d)
+
+    def _record(self, kind: str, pages: int, nbytes: int, seconds: float) -> None:
+        """One batch of ``kind`` (prefetch or backup) for SGLang's storage metrics."""
+        if not self.storage_config.enable_storage_metrics:
+            return
+        with self._lock:
+            getattr(self._window, f"{kind}_pgs").append(pages)
+            getattr(self._window, f"{kind}_bandwidth").append(nbytes / max(seconds, 1e-9) / 1e9)

@@ -1,0 +1,291 @@
+"""The kdn HiCache backend against SGLang's own code: the same calls on HiCacheFile and on kdn.
+
+Both backends come from SGLang's ``StorageBackendFactory`` (kdn through its ``dynamic`` path,
+with the extra-config an engine is launched with), get a host pool registered the way SGLang's
+cache controller does, and answer one sequence of calls: existence prefixes, pages written
+from and read back into the host pool by index (kdn: ``batch_*_v1``; HiCacheFile: its
+``batch_*_v2`` of the KV pool, the same reads and writes), the copying ``get``/``set`` paths,
+misses after a page is deleted or evicted, and ``clear``. Results must be identical, bytes
+included. The host pool is ``bench.sglang.HostPool``: SGLang's ``MHATokenToKVPoolHost`` can
+not be imported on a CPU-only host (its package imports torchvision, whose PyPI wheel needs
+CUDA torch); HostPool has the same buffers, page layouts and page methods.
+
+Skipped when sglang is not installed (``scripts/bootstrap.sh test`` installs it).
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("sglang.srt.mem_cache.hicache_storage")
+
+from sglang.srt.mem_cache.hicache_storage import (  # noqa: E402
+    HiCacheFile,
+    PoolHitPolicy,
+    PoolName,
+    PoolTransfer,
+)
+
+from bench.sglang import HostPool, file_backend, kdn_backend  # noqa: E402
+from kdn.client.admin import AdminClient  # noqa: E402
+from kdn.integrations.sglang import KDNBackendConfig, KDNHiCacheStorage  # noqa: E402
+from kdn.server import ServerThread  # noqa: E402
+
+LAYOUTS = ["layer_first", "page_first", "page_first_direct"]
+SMALL = {"layers": 3, "heads": 2, "head_dim": 16, "page_size": 4}
+KEYS = [f"{j:02d}" + "ab" * 31 for j in range(8)]  # SGLang's page keys are hex digests
+
+
+def pool_pair(layout: str, pages: int = 16) -> tuple[HostPool, HostPool]:
+    """Two pools of identical random content, one per backend."""
+    a = HostPool(layout, pages, seed=1, **SMALL)  # type: ignore[arg-type]
+    b = HostPool(layout, pages, seed=1, **SMALL)  # type: ignore[arg-type]
+    return a, b
+
+
+def kv_transfer(keys: list[str], idx: torch.Tensor) -> list[PoolTransfer]:
+    return [PoolTransfer(name=PoolName.KV, host_indices=idx, keys=keys)]
+
+
+class Pair:
+    """HiCacheFile and the kdn backend, called alike; every answer compared."""
+
+    def __init__(self, file: Any, kdn: KDNHiCacheStorage, fpool: HostPool, kpool: HostPool,
+                 folder: Path, admin: AdminClient) -> None:
+        self.file, self.kdn, self.fpool, self.kpool = file, kdn, fpool, kpool
+        self.folder, self.admin = folder, admin
+
+    def same(self, name: str, *args: Any) -> Any:
+        f = getattr(self.file, name)(*args)
+        k = getattr(self.kdn, name)(*args)
+        assert f == k, (name, f, k)
+        return k
+
+    def set_pages(self, keys: list[str], pages: list[int]) -> list[bool]:
+        f = self.file.batch_set_v2(kv_transfer(keys, self.fpool.indices(pages)))[PoolName.KV]
+        k = self.kdn.batch_set_v1(keys, self.kpool.indices(pages))
+        assert f == k
+        return k
+
+    def get_pages(self, keys: list[str], pages: list[int]) -> list[bool]:
+        f = self.file.batch_get_v2(kv_transfer(keys, self.fpool.indices(pages)))[PoolName.KV]
+        k = self.kdn.batch_get_v1(keys, self.kpool.indices(pages))
+        assert f == k
+        assert torch.equal(self.fpool.kv_buffer.view(torch.int16),
+                           self.kpool.kv_buffer.view(torch.int16))  # bytes of the pools
+        return k
+
+    def exists_prefix(self, keys: list[str]) -> int:
+        n = self.same("batch_exists", keys)
+        f = self.file.batch_exists_v2(keys)
+        k = self.kdn.batch_exists_v2(keys)
+        assert (f.kv_hit_pages, f.extra_pool_hit_pages, f.restorable_prefix_pages) == \
+            (k.kv_hit_pages, k.extra_pool_hit_pages, k.restorable_prefix_pages) and \
+            k.kv_hit_pages == n
+        for key in keys:
+            self.same("exists", key)
+        return n
+
+    def drop(self, key: str, evict: bool = False) -> None:
+        """Remove one page from both stores: HiCacheFile's file (what its LRU evictor
+        unlinks), kdn's entry (a client delete, or an operator's evict from every tier: an
+        entry evicted from RAM alone is still served from disk)."""
+        files = glob.glob(os.path.join(self.folder, f"{key}*.bin"))
+        assert len(files) == 1
+        os.remove(files[0])
+        kkey = self.kdn.kdn_key(key)
+        if evict:  # out of the RAM tier, then the disk tier (the server's tiers here)
+            ns = self.kdn.config.namespace
+            assert [self.admin.evict([kkey], ns, tier) for tier in ("ram", "disk")] == [1, 1]
+        else:
+            assert self.kdn.client.delete(kkey) == 1
+
+
+@pytest.fixture(params=LAYOUTS)
+def pair(request: pytest.FixtureRequest, server: ServerThread, tmp_path: Path
+         ) -> Iterator[Pair]:
+    fpool, kpool = pool_pair(request.param)
+    folder = tmp_path / "hicache"
+    file = file_backend(fpool, folder)
+    kdn = kdn_backend(kpool, server.address)
+    admin = AdminClient(server.address)
+    yield Pair(file, kdn, fpool, kpool, folder, admin)
+    kdn.close()
+    admin.close()
+
+
+def test_factory_loads_kdn_through_the_dynamic_path(pair: Pair) -> None:
+    assert isinstance(pair.file, HiCacheFile)
+    assert type(pair.kdn) is KDNHiCacheStorage
+    assert pair.kdn.config == KDNBackendConfig(address=pair.kdn.config.address)
+
+
+def test_same_call_sequence_as_hicache_file(pair: Pair) -> None:
+    p = pair
+    keys = KEYS[:6]
+    assert p.exists_prefix(keys) == 0
+    assert p.get_pages(keys[:2], [8, 9]) == [False, False]
+
+    # write pages 0..3 of the pool under keys 0..3; existence is a prefix count
+    assert p.set_pages(keys[:4], [0, 1, 2, 3]) == [True] * 4
+    assert p.exists_prefix(keys) == 4
+    assert p.exists_prefix(keys[1:]) == 3
+    assert p.exists_prefix([keys[5], *keys[:4]]) == 0
+    assert p.set_pages(keys[:2], [0, 1]) == [True, True]  # already stored: accepted again
+
+    # read them back into other slots: hits land byte for byte, misses leave slots alone
+    untouched = p.kpool.kv_of(12)
+    assert p.get_pages(keys, [8, 9, 10, 11, 12, 13]) == [True] * 4 + [False] * 2
+    for j in range(4):
+        assert torch.equal(p.kpool.kv_of(8 + j), p.kpool.kv_of(j))
+    assert torch.equal(p.kpool.kv_of(12), untouched)
+
+    # the copying interface: flat pages in the pool's own order
+    page4 = p.kpool.get_data_page(4 * p.kpool.page_size, flat=True)
+    assert p.same("set", keys[4], page4) is True
+    assert p.same("batch_set", [keys[5]], [p.kpool.get_data_page(5 * p.kpool.page_size)])
+    got_f = p.file.get(keys[4], p.fpool.get_dummy_flat_data_page())
+    got_k = p.kdn.get(keys[4], p.kpool.get_dummy_flat_data_page())
+    assert torch.equal(got_f, got_k) and torch.equal(got_k, page4)
+    many_f = p.file.batch_get(keys[3:6] + [KEYS[7]],
+                              [p.fpool.get_dummy_flat_data_page() for _ in range(4)])
+    many_k = p.kdn.batch_get(keys[3:6] + [KEYS[7]],
+                             [p.kpool.get_dummy_flat_data_page() for _ in range(4)])
+    assert [t is None for t in many_f] == [t is None for t in many_k] == [False] * 3 + [True]
+    assert all(torch.equal(a, b) for a, b in zip(many_f[:3], many_k[:3]))
+    assert p.exists_prefix(keys) == 6
+
+    # a deleted page and an evicted page are misses in both; the prefix stops at the first
+    p.drop(keys[1])
+    assert p.exists_prefix(keys) == 1
+    assert p.same("exists", keys[1]) is False
+    assert p.file.get(keys[1], p.fpool.get_dummy_flat_data_page()) is None
+    assert p.kdn.get(keys[1], p.kpool.get_dummy_flat_data_page()) is None
+    p.drop(keys[3], evict=True)
+    assert p.exists_prefix(keys) == 1
+    assert p.get_pages(keys, [8, 9, 10, 11, 12, 13]) == [True, False, True, False, True, True]
+    assert p.set_pages([keys[1], keys[3]], [1, 3]) == [True, True]
+    assert p.exists_prefix(keys) == 6
+
+    # clear: every page gone
+    assert p.same("clear") is True
+    assert p.exists_prefix(keys) == 0
+    assert p.get_pages(keys[:3], [8, 9, 10]) == [False] * 3
+
+
+def test_v2_extra_pools_are_not_stored(pair: Pair) -> None:
+    p = pair
+    assert p.set_pages(KEYS[:3], [0, 1, 2]) == [True] * 3
+    mamba = PoolTransfer(name=PoolName.MAMBA, keys=KEYS[2:3],
+                         hit_policy=PoolHitPolicy.TRAILING_PAGES)
+    f = p.file.batch_exists_v2(KEYS[:3], [mamba])
+    k = p.kdn.batch_exists_v2(KEYS[:3], [mamba])
+    assert (f.kv_hit_pages, f.extra_pool_hit_pages) == (k.kv_hit_pages, k.extra_pool_hit_pages)
+    assert k.kv_hit_pages == 0 and k.extra_pool_hit_pages == {PoolName.KV: 3}
+    res = p.kdn.batch_get_v2([*kv_transfer(KEYS[:3], p.kpool.indices([8, 9, 10])), mamba])
+    assert res == {PoolName.KV: [True] * 3, PoolName.MAMBA: [False]}
+
+
+@pytest.mark.parametrize("src_layout,dst_layout", [("page_first", "layer_first"),
+                                                    ("layer_first", "page_first_direct")])
+def test_pages_do_not_depend_on_the_pool_layout(server: ServerThread, src_layout: str,
+                                                dst_layout: str) -> None:
+    src = HostPool(src_layout, 8, seed=3, **SMALL)  # type: ignore[arg-type]
+    dst = HostPool(dst_layout, 8, **SMALL)  # type: ignore[arg-type]
+    a, b = kdn_backend(src, server.address), kdn_backend(dst, server.address)
+    try:
+        assert a.batch_set_v1(KEYS[:3], src.indices([0, 1, 2])) == [True] * 3
+        assert b.batch_exists(KEYS[:3]) == 3
+        assert b.batch_get_v1(KEYS[:3], dst.indices([5, 6, 7])) == [True] * 3
+        for j in range(3):
+            assert torch.equal(dst.kv_of(5 + j), src.kv_of(j))
+    finally:
+        a.close()
+        b.close()
+
+
+def test_keys_carry_model_shard_page_size_adapter_and_salt(server: ServerThread) -> None:
+    pool = HostPool("layer_first", 8, seed=4, **SMALL)  # type: ignore[arg-type]
+    base = kdn_backend(pool, server.address)
+    others = [
+        kdn_backend(pool, server.address, {"model": "other/model"}),
+        kdn_backend(pool, server.address, {"tp": (1, 2)}),
+        kdn_backend(pool, server.address, {"pp": (1, 2)}),
+        kdn_backend(pool, server.address, adapter="lora-1"),
+        kdn_backend(pool, server.address, salt="user-7"),
+        kdn_backend(HostPool("layer_first", 8, **{**SMALL, "page_size": 2}),  # type: ignore[arg-type]
+                    server.address),
+        kdn_backend(pool, server.address, namespace="other"),
+    ]
+    try:
+        mine = base.kdn_key(KEYS[0])
+        assert len({mine, *(o.kdn_key(KEYS[0]) for o in others)}) == len(others) + 1
+        assert base.batch_set_v1(KEYS[:2], pool.indices([0, 1])) == [True, True]
+        assert [o.batch_exists(KEYS[:2]) for o in others] == [0] * len(others)
+        # two TP ranks keep their own shard of one page key
+        r1 = others[1]
+        assert r1.batch_set_v1(KEYS[:1], pool.indices([3])) == [True]
+        assert base.batch_get_v1(KEYS[:1], pool.indices([6])) == [True]
+        assert r1.batch_get_v1(KEYS[:1], pool.indices([7])) == [True]
+        assert torch.equal(pool.kv_of(6), pool.kv_of(0))
+        assert torch.equal(pool.kv_of(7), pool.kv_of(3))
+    finally:
+        for b in (base, *others):
+            b.close()
+
+
+def test_int8_pages_and_stats(server: ServerThread) -> None:
+    pool = HostPool("page_first", 8, seed=5, layers=2, heads=2, head_dim=64, page_size=16)
+    b = kdn_backend(pool, server.address, mode="int8")
+    try:
+        assert b.batch_set_v1(KEYS[:2], pool.indices([0, 1])) == [True, True]
+        assert b.batch_set_v1(KEYS[:2], pool.indices([0, 1])) == [True, True]  # skipped
+        assert b.batch_get_v1(KEYS[:3], pool.indices([4, 5, 6])) == [True, True, False]
+        err = (pool.kv_of(4).float() - pool.kv_of(0).float()).abs().max().item()
+        assert 0 < err < 0.05  # int8: close, not exact
+        s = b.get_stats()  # SGLang's StorageMetrics needs torchvision here: kdn's counters
+        page = b.page_bytes
+        assert (s.hits, s.misses, s.pages_written, s.pages_skipped) == (2, 1, 2, 2)
+        assert s.bytes_read == 2 * page and s.bytes_written == 2 * page
+        assert s.stored_bytes <= 0.55 * 2 * page
+    finally:
+        b.close()
+
+
+def test_config_and_refusals(server: ServerThread) -> None:
+    pool = HostPool("layer_first", 4, **SMALL)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="unknown kdn backend settings"):
+        kdn_backend(pool, server.address, compression="max")
+    with pytest.raises(Exception, match="mode"):
+        kdn_backend(pool, server.address, mode="nope")
+    with pytest.raises(NotImplementedError, match="MLA"):
+        from bench.sglang import kdn_extra, storage_config
+
+        cfg = storage_config(extra=kdn_extra(server.address))
+        cfg.is_mla_model = True
+        KDNHiCacheStorage(cfg)
+    b = kdn_backend(pool, server.address)
+    try:  # wrong index counts fail the call's pages, they do not raise into SGLang
+        assert b.batch_get_v1(KEYS[:2], pool.indices([0])) == [False, False]
+        assert b.batch_set_v1(KEYS[:2], pool.indices([0])) == [False, False]
+    finally:
+        b.close()
+
+
+def test_server_down_is_a_miss_not_an_error(tmp_path: Path) -> None:
+    pool = HostPool("layer_first", 4, seed=6, **SMALL)  # type: ignore[arg-type]
+    b = kdn_backend(pool, "127.0.0.1:1", timeout_s=2.0)  # nothing listens there
+    try:
+        assert b.batch_exists(KEYS[:2]) == 0
+        assert b.batch_get_v1(KEYS[:2], pool.indices([0, 1])) == [False, False]
+        assert b.batch_set_v1(KEYS[:2], pool.indices([0, 1])) == [False, False]
+        assert b.stats().errors >= 3
+    finally:
+        b.close()
