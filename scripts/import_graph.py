@@ -14,7 +14,7 @@ Rules (the two sides of ARCHITECTURE.md):
 * no circles (strongly connected components of more than one module);
 * the storage side (``kdn.server``, ``kdn.store``) imports nothing of the model side or the
   client (``kdn.engine``, ``kdn.client``, ``kdn.blend``, ``kdn.rag``, ``kdn.prune``,
-  ``kdn.hf``, ``kdn.models``, ``kdn.embed``);
+  ``kdn.hf``, ``kdn.models``, ``kdn.embed``, ``kdn.integrations``);
 * one greedy decoding loop in the package: a ``while`` loop whose body takes an ``argmax``.
 """
 
@@ -31,6 +31,7 @@ PACKAGE = "kdn"
 GENERATED = ("kdn.v1",)
 STORAGE_SIDE = ("kdn.server", "kdn.store")
 MODEL_SIDE = ("kdn.engine", "kdn.client", "kdn.blend", "kdn.rag", "kdn.prune", "kdn.hf",
+              "kdn.integrations",
               "kdn.models", "kdn.embed")
 
 
