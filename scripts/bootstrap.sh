@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # Create .venv (Python 3.11+) and install kdn into it: scripts/bootstrap.sh [EXTRAS]
+# (comma-separated; `sglang` and `test` also install the pinned sglang extra, without deps)
 # torch is installed first as the CPU build pinned below (override: KDN_TORCH_SPEC), so that
 # kdn's own "torch>=2.4" is already satisfied and nothing pulls a multi-GB CUDA build.
 set -euo pipefail
@@ -16,4 +17,14 @@ pip=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
 if ! .venv/bin/python -c "import torch" >/dev/null 2>&1; then
   "${pip[@]}" "${KDN_TORCH_SPEC:-torch==2.13.0}"
 fi
+# the "sglang" extra is installed apart, without dependencies (see pyproject.toml); the test
+# mode installs it too, so the suite runs the SGLang backend's tests against SGLang itself
+sglang=0
+case ",$extras," in *,sglang,*|*,test,*) sglang=1 ;; esac
+extras="$(printf '%s' "$extras" | tr ',' '\n' | grep -vx sglang | paste -sd, - || true)"
 if [ -n "$extras" ]; then "${pip[@]}" -e ".[$extras]"; else "${pip[@]}" -e .; fi
+if [ "$sglang" = 1 ]; then
+  mapfile -t pins < <(.venv/bin/python -c 'import tomllib
+print("\n".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["sglang"]))')
+  "${pip[@]}" --no-deps "${pins[@]}"
+fi
