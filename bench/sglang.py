@@ -222,6 +222,7 @@ def run(pages: int, repeat: int, out: Path, threads: int = 1) -> list[dict[str, 
             rows = measure(pages, repeat, Path(tmp), st.address)
     cols = ["op", "backend", "pages", "seconds", "gb_s", "ratio_vs_file", "stored_vs_fp16",
             "bit_identical", "max_abs_err"]
+    rows = [{**{c: r[c] for c in cols if c in r}, **r} for r in rows]  # table order
     print_table(rows, cols)
     import sglang
 
