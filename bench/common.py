@@ -6,9 +6,12 @@ import argparse
 import json
 import os
 import platform
+import socket
 import statistics
+import subprocess
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -97,3 +100,54 @@ def save_figure(fig: Any, path: Path, dpi: int = 110) -> None:
     fig.savefig(path, dpi=dpi)
     plt.close(fig)
     print(f"wrote {path}")
+
+
+# -- server processes ------------------------------------------------------------------------
+
+HOST = "127.0.0.1"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return int(s.getsockname()[1])
+
+
+def wait_until(ready: Callable[[], bool], what: str, proc: subprocess.Popen[bytes] | None = None,
+               timeout_s: float = 60.0) -> None:
+    """Poll ``ready`` (a real probe, not a sleep) until it holds; fail if ``proc`` exits."""
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with {proc.returncode}")
+        try:
+            if ready():
+                return
+        except Exception:
+            pass
+        time.sleep(0.05)
+    raise RuntimeError(f"{what} not ready after {timeout_s:.0f} s")
+
+
+def port_open(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(0.5)
+        return s.connect_ex((HOST, port)) == 0
+
+
+@contextmanager
+def process(cmd: list[str], log: Path, env: dict[str, str] | None = None
+            ) -> Iterator[subprocess.Popen[bytes]]:
+    """A server process logging to ``log``, stopped (terminate, then kill) on exit."""
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()

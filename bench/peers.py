@@ -73,8 +73,6 @@ import asyncio
 import importlib.util
 import os
 import shlex
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -88,13 +86,18 @@ import numpy as np
 import torch
 
 from bench.common import (
+    HOST,
     arg_parser,
     figure,
+    free_port,
     median,
     percentile,
+    port_open,
     print_table,
+    process,
     save_figure,
     timed,
+    wait_until,
     write_json,
 )
 from kdn import codec, keys
@@ -108,7 +111,6 @@ HIDDEN = KV_HEADS * HEAD_DIM
 TOKEN_BYTES = 2 * LAYERS * HIDDEN * 2  # K and V of every layer, fp16: 128 KiB
 LAYER_TOKEN_BYTES = 2 * HIDDEN * 2  # K and V of one layer and token: 4 KiB
 MODEL = "llama-3-8b-shape"
-HOST = "127.0.0.1"
 
 
 def payload(size: int, seed: int = 0) -> torch.Tensor:
@@ -120,52 +122,6 @@ def payload(size: int, seed: int = 0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     # kv: [2 (K, V), layers, tokens, kv_heads * head_dim]
     return torch.randn(2, layers, tokens, HIDDEN, generator=g).half()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return int(s.getsockname()[1])
-
-
-def wait_until(ready: Callable[[], bool], what: str, proc: subprocess.Popen[bytes] | None = None,
-               timeout_s: float = 60.0) -> None:
-    """Poll ``ready`` (a real probe, not a sleep) until it holds; fail if ``proc`` exits."""
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"{what} exited with {proc.returncode}")
-        try:
-            if ready():
-                return
-        except Exception:
-            pass
-        time.sleep(0.05)
-    raise RuntimeError(f"{what} not ready after {timeout_s:.0f} s")
-
-
-def port_open(port: int) -> bool:
-    with socket.socket() as s:
-        s.settimeout(0.5)
-        return s.connect_ex((HOST, port)) == 0
-
-
-@contextmanager
-def process(cmd: list[str], log: Path, env: dict[str, str] | None = None
-            ) -> Iterator[subprocess.Popen[bytes]]:
-    """A server process logging to ``log``, stopped (terminate, then kill) on exit."""
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
-    try:
-        yield proc
-    finally:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
 
 
 # -- what every system offers -------------------------------------------------------------------

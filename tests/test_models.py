@@ -276,3 +276,29 @@ def test_embedder_prefers_paraphrase_over_unrelated() -> None:
     assert paraphrase > unrelated + 0.3, (paraphrase, unrelated)
     single = embedder.embed(["The cat sat on the mat."])
     torch.testing.assert_close(single[0], vecs[0], atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.model
+def test_sdpa_and_eager_agree_with_and_without_a_cache(
+    smollm2: tuple[PreTrainedModel, PreTrainedTokenizerBase],
+) -> None:
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    from kdn.data import english_token_ids
+
+    model, tokenizer = smollm2
+    assert model.config._attn_implementation == "sdpa"
+    eager = AutoModelForCausalLM.from_pretrained(
+        str(models.ensure_smollm2_folder()), dtype=torch.float32, attn_implementation="eager",
+        local_files_only=True).eval()
+    ids = torch.as_tensor(english_token_ids(160, tokenizer))[None, :]
+    with torch.no_grad():
+        a = model(ids).logits
+        b = eager(ids).logits
+        assert torch.allclose(a, b, atol=2e-4, rtol=1e-4)
+        ca, cb = DynamicCache(), DynamicCache()
+        model(ids[:, :100], past_key_values=ca, use_cache=True)
+        eager(ids[:, :100], past_key_values=cb, use_cache=True)
+        a = model(ids[:, 100:], past_key_values=ca, use_cache=True).logits
+        b = eager(ids[:, 100:], past_key_values=cb, use_cache=True).logits
+        assert torch.allclose(a, b, atol=2e-4, rtol=1e-4)

@@ -18,7 +18,6 @@ count >= 1). Encoder and decoder build the identical model from those bytes. Row
 from __future__ import annotations
 
 import struct
-from typing import Any
 
 import constriction
 import numpy as np
@@ -146,28 +145,3 @@ def decode_streams(buf: bytes | memoryview, streams: int, n: int) -> np.ndarray:
         raise Corrupt(f"entropy payload does not decode: {exc}") from exc
     out += lo[:, None]
     return out
-
-
-_GPU_DECODE: list[Any] = []
-
-
-def symbols(buf: bytes | memoryview, streams: int, n: int, device: Any) -> Any:
-    """``decode_streams`` as an int32 torch tensor on ``device``: decoded on the GPU itself
-    when ``device`` is CUDA and the blob is format 2 (``kdn.codec.gpu``, Triton), else on the
-    CPU and copied there."""
-    import torch
-
-    device = torch.device(device)
-    if device.type == "cuda":
-        if not _GPU_DECODE:
-            try:
-                from kdn.codec.gpu import decode_on
-                _GPU_DECODE.append(decode_on)
-            except ImportError:  # no triton: the CPU decodes
-                _GPU_DECODE.append(None)
-        gpu_decode = _GPU_DECODE[0]
-        if gpu_decode is not None and parse_tables(buf, streams, n)[3] is not None:
-            return gpu_decode(buf, streams, n, device)
-    out = torch.from_numpy(decode_streams(buf, streams, n))
-    return out if device.type == "cpu" else out.to(device)
-

@@ -51,8 +51,9 @@ class EngineConfig:
     """Tokens per prefix block (the unit of prefix reuse and of storage)."""
     namespace: str = keys.DEFAULT_NAMESPACE
     """Namespace the engine's blocks live in."""
-    kv_dtype: DType = DType.FLOAT32
-    """dtype KV is stored in; the model's own dtype keeps ``lossless`` exact."""
+    kv_dtype: DType | None = None
+    """dtype KV is stored in; None (default) = the model's own dtype, which keeps
+    ``lossless`` exact (fp16 and bf16 models store fp16 and bf16 KV)."""
     encodings: tuple[tuple[str, str], ...] = (("lossless", ""),)
     """(mode, level) pairs each new block is stored in; the controller picks among them."""
     store_back: bool = True
@@ -102,8 +103,11 @@ class KDNEngine(KVConnector):
         self.client = client
         self.config = config or EngineConfig()
         self.controller = controller or LoadingController()
-        self.controller.device = model_device(model).type  # decode speeds are per device
+        self._device = model_device(model)
+        self.controller.device = self._device.type  # decode speeds are learnt per device
         self._layout = model_layout(model, self.config.kv_dtype)
+        self._copies = (torch.cuda.Stream(self._device) if self._device.type == "cuda"
+                        else None)  # store-back's device-to-host copies, off the decode stream
         self._request = threading.Lock()
         self._begin([])
 
@@ -167,9 +171,9 @@ class KDNEngine(KVConnector):
                                           override=force, local=local)
         if decision.choice == RECOMPUTE or not hits:
             return 0
-        streams = self.client.retrieve_streams(
+        streams = self.client.retrieve_streams(  # layers land on the model's device
             [keys.variant_key(k, decision.choice) for k in chain[:hits]],
-            namespace=self.config.namespace, layout=self.layout)
+            namespace=self.config.namespace, layout=self.layout, device=self._device)
         self._streams = [s for s in streams if s is not None]
         if len(self._streams) < hits:  # evicted between lookup and retrieve
             self.finish()
@@ -191,13 +195,37 @@ class KDNEngine(KVConnector):
         c = self.config.chunk_tokens
         if not self.config.store_back or len(self._ids) // c <= self._loaded_blocks:
             return
-        self._saved[i] = (k, v)
+        self._saved[i] = self._to_host(k, v)
         if len(self._saved) == self.layout.num_layers:
             snapshot = [self._saved[j] for j in range(self.layout.num_layers)]
+            ready = None
+            if self._copies is not None:
+                ready = torch.cuda.Event()
+                ready.record(self._copies)
             self._store_thread = threading.Thread(
-                target=self._store_blocks, args=(self._ids, snapshot, self._loaded_blocks),
+                target=self._store_blocks,
+                args=(self._ids, snapshot, self._loaded_blocks, ready),
                 daemon=True, name="kdn-store-back")
             self._store_thread.start()
+
+    def _to_host(self, k: torch.Tensor, v: torch.Tensor) -> LayerKV:
+        """The layer's blocks to store, in host memory: on a GPU, non-blocking copies into
+        pinned buffers on a side stream (ordered after the compute that made them), so decode
+        goes on while they travel; the store thread waits for them."""
+        c = self.config.chunk_tokens
+        first, last = self._loaded_blocks * c, (len(self._ids) // c) * c
+        k, v = k[:, first:last], v[:, first:last]  # only the blocks kdn lacks
+        if self._copies is None:
+            return k, v
+        self._copies.wait_stream(torch.cuda.current_stream(self._device))
+        with torch.cuda.stream(self._copies):
+            out = []
+            for t in (k, v):
+                host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                host.copy_(t, non_blocking=True)
+                t.record_stream(self._copies)
+                out.append(host)
+        return out[0], out[1]
 
     def wait_for_save(self, timeout: float | None = None) -> None:
         if self._store_thread is not None:
@@ -266,8 +294,15 @@ class KDNEngine(KVConnector):
         else:
             self.controller.observe_prefill(t.computed_tokens, t.first_token_compute_s)
 
-    def _store_blocks(self, ids: list[int], snapshot: list[LayerKV], first_block: int) -> None:
+    def _store_blocks(self, ids: list[int], snapshot: list[LayerKV], first_block: int,
+                      ready: Any = None) -> None:
+        """Store blocks ``first_block..`` of ``ids``; ``snapshot`` holds their layers only
+        (token 0 of the snapshot is token ``first_block * chunk_tokens``); ``ready``: the CUDA
+        event after which the host copies are complete."""
+        if ready is not None:
+            ready.synchronize()
         c = self.config.chunk_tokens
+        base = first_block * c
         ns = self.config.namespace
         chain = keys.prefix_keys(ids, self.layout, ns, c)
         todo = [(b, mode, level, keys.variant_key(chain[b], encoding_name(mode, level)))
@@ -281,8 +316,8 @@ class KDNEngine(KVConnector):
         for (b, mode, level, key), info in zip(todo, present):
             if info.present:
                 continue
-            layers = [(k[:, b * c : (b + 1) * c].to(dt), v[:, b * c : (b + 1) * c].to(dt))
-                      for k, v in snapshot]
+            lo = b * c - base
+            layers = [(k[:, lo : lo + c].to(dt), v[:, lo : lo + c].to(dt)) for k, v in snapshot]
             kv = KVCache(self.layout, layers, start_position=b * c)
             try:
                 self.client.store(key, kv, mode=mode, level=level, namespace=ns)

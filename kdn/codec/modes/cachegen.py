@@ -27,9 +27,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kdn.codec.entropy import encode_streams, symbols
+from kdn.codec.entropy import encode_streams
 from kdn.codec.modes import LayerSpec, Mode, pack_sections, register, unpack_sections
 from kdn.codec.quant import dequantize, from_numpy, quantize, to_numpy, token_absmax
+from kdn.codec.symbols import symbols
 from kdn.errors import Corrupt, InvalidArgument
 
 
@@ -62,9 +63,14 @@ class CacheGenParams:
 PARAMS = CacheGenParams()
 
 
+F16_MAX = float(torch.finfo(torch.float16).max)
+
+
 def _quant(x: torch.Tensor, c: int) -> tuple[bytes, torch.Tensor]:
     # x: [heads, tokens, ch] -> (scale f16 bytes, symbols [heads * ch, tokens])
-    scale = token_absmax(x).half()
+    # float16 scales: values beyond its range (bf16, f32 caches) saturate instead of an
+    # infinite scale, whose step would decode the whole token as NaN
+    scale = token_absmax(x).clamp(max=F16_MAX).half()
     step = torch.where(scale > 0, scale.float(), 1.0) / c  # an all-zero token codes as zeros
     return to_numpy(scale).tobytes(), quantize(x, step, limit=c)
 
@@ -74,6 +80,8 @@ def _step(raw: memoryview, tokens: int, c: int, device: torch.device, where: str
     if len(raw) != 2 * tokens:
         raise Corrupt(f"{where}: scale section has {len(raw)} bytes for {tokens} tokens")
     scale = from_numpy(np.frombuffer(raw, dtype=np.float16), device).float()
+    if torch.isinf(scale).any():  # never written (``_quant``): it would decode as NaN
+        raise Corrupt(f"{where}: infinite scale")
     return torch.where(scale > 0, scale, 1.0) / c
 
 

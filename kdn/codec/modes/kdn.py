@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from kdn.codec.entropy import encode_streams, symbols
+from kdn.codec.entropy import encode_streams
 from kdn.codec.modes import (
     LayerSpec,
     Mode,
@@ -51,6 +51,7 @@ from kdn.codec.quant import (
     to_numpy,
     token_rms,
 )
+from kdn.codec.symbols import symbols
 from kdn.errors import Corrupt, InvalidArgument
 
 
@@ -143,11 +144,14 @@ class Kdn(Mode):
         v_sink = tensor_from_bytes(v_sink_raw, dt, (heads, s, vc), device)
         q = symbols(scale_blob, 2, n, device)
         sym = symbols(blob, heads * (kc + vc), n, device)
-        if q.numel() and q.abs().max() > 4000:
-            raise Corrupt(f"{where}: scale symbols out of range")
         scale = scale_from_symbols(q)  # [2, n]
-        k = dequantize(sym[: heads * kc], scale[0] * k_step, heads, dt)
-        v = dequantize(sym[heads * kc :], scale[1] * v_step, heads, dt)
+        k_steps, v_steps = scale[0] * k_step, scale[1] * v_step
+        # a step float32 can not hold would decode a zero symbol as NaN (inf * 0)
+        if q.numel() and (q.abs().max() > 4000 or not torch.isfinite(k_steps).all()
+                          or not torch.isfinite(v_steps).all()):
+            raise Corrupt(f"{where}: scale symbols out of range")
+        k = dequantize(sym[: heads * kc], k_steps, heads, dt)
+        v = dequantize(sym[heads * kc :], v_steps, heads, dt)
         return torch.cat([k_sink, k], dim=1), torch.cat([v_sink, v], dim=1)
 
 

@@ -1,0 +1,28 @@
+"""``bench.gpu --quick`` runs end to end on a CPU (the smoke test of the GPU benchmark's code:
+a real kdn server process, the engine, every encoding) and writes the report format."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_bench_gpu_quick_writes_its_report(tmp_path: Path) -> None:
+    out = tmp_path / "gpu.json"
+    run = subprocess.run([sys.executable, "-m", "bench.gpu", "--quick", "--out", str(out)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["device"] and report["torch"] and report["limits"]
+    rows = report["rows"]
+    assert {r["encoding"] for r in rows} == {"raw", "lossless", "int8", "kdn-default"}
+    for r in rows:
+        assert set(r) >= {"model", "tokens", "path", "encoding", "ttft_s", "prefill_s",
+                          "ratio_vs_prefill", "load_gb_s"}
+        assert r["ttft_s"] > 0 and r["prefill_s"] > 0
+        assert abs(r["ratio_vs_prefill"] - r["ttft_s"] / r["prefill_s"]) < 1e-9
+    assert (tmp_path / "gpu.png").exists()
