@@ -17,6 +17,8 @@ Each also takes what engines key on beyond tokens and model: an ``adapter`` id (
 Any of them changes the key; left at their defaults the keys are exactly what they were
 before these options existed.
 
+Namespaces, tenants and keys follow the rules of ``kdn.names`` (re-exported here).
+
 Inside the server's tiers an entry lives under ``store_key(tenant, namespace, key)``:
 ``b"<tenant>:<namespace>/<hex key>"``, or ``b"<namespace>/<hex key>"`` for the unscoped key
 space (tenant ""); ``split_store_key`` reverses it.
@@ -27,7 +29,6 @@ Python's built-in ``hash()`` is never used: it is salted per process.
 from __future__ import annotations
 
 import hashlib
-import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -35,28 +36,11 @@ import torch
 
 from kdn.errors import InvalidArgument
 from kdn.layout import KVLayout
+from kdn.names import DEFAULT_NAMESPACE, KEY_BYTES, check_key, check_namespace, check_tenant
 
-KEY_BYTES = 32
-DEFAULT_NAMESPACE = "default"
 DEFAULT_PREFIX_CHUNK = 256
-_NAMESPACE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-]{0,63}$")
 
 TokenIds = Sequence[int] | torch.Tensor
-
-
-def check_namespace(namespace: str) -> str:
-    if not isinstance(namespace, str) or not _NAMESPACE_RE.match(namespace):
-        raise InvalidArgument(
-            f"namespace {namespace!r} is malformed: 1-64 chars of letters, digits, '.', '_', '-'"
-        )
-    return namespace
-
-
-def check_key(key: bytes) -> bytes:
-    if not isinstance(key, (bytes, bytearray)) or len(key) != KEY_BYTES:
-        size = len(key) if isinstance(key, (bytes, bytearray)) else type(key).__name__
-        raise InvalidArgument(f"key must be {KEY_BYTES} bytes (a kdn.keys digest), got {size}")
-    return bytes(key)
 
 
 def _token_bytes(token_ids: TokenIds) -> bytes:
@@ -205,10 +189,8 @@ def store_key(tenant: str, namespace: str, key: bytes) -> bytes:
     """The key an entry has inside the tiers: ``b"<tenant>:<namespace>/<hex key>"``, or
     ``b"<namespace>/<hex key>"`` when ``tenant`` is "" (the unscoped key space)."""
     ns = check_namespace(namespace)
-    if tenant:
-        if ":" in tenant or "/" in tenant:
-            raise InvalidArgument(f"tenant {tenant!r} is malformed: ':' and '/' separate key parts")
-        ns = f"{tenant}:{ns}"
+    if tenant:  # neither name can hold ':' or '/', which separate the parts (kdn.names)
+        ns = f"{check_tenant(tenant)}:{ns}"
     return ns.encode() + b"/" + check_key(key).hex().encode()
 
 

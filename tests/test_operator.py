@@ -217,7 +217,7 @@ def test_bad_security_settings_are_named(tmp_path: Path) -> None:
         ServerConfig(auth_file=str(tmp_path / "nope.yaml"))
     bad = tmp_path / "t.yaml"
     bad.write_text("tenants:\n  Team A: {api_keys: [x]}\n")
-    with pytest.raises(ConfigError, match="name must match"):
+    with pytest.raises(ConfigError, match="tenant .Team A. is malformed"):
         load_auth(bad)
     bad.write_text("tenants:\n  a: {api_keys: [x], role: god}\n")
     with pytest.raises(ConfigError, match="role"):
@@ -290,7 +290,9 @@ def test_admin_cli_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]
         assert code == 0 and "removed" in json.loads(out)
         code, out = _run(capsys, *a, "delete", first, "--namespace", "kb")
         assert code == 0 and _run(capsys, *a, "delete", first, "--namespace", "kb")[0] == 1
-        assert _run(capsys, *a, "inspect", "zz")[0] == 2
+        with pytest.raises(SystemExit) as usage:  # a malformed key is a usage error (exit 2)
+            _run(capsys, *a, "inspect", "zz")
+        assert usage.value.code == 2 and "key 'zz' is malformed" in capsys.readouterr().err
         assert _run(capsys, *a, "stats")[0] == 0
 
 

@@ -71,12 +71,19 @@ def _info_row(e: Any) -> dict[str, Any]:
             "pinned": e.pinned, "age_s": round(e.age_seconds, 1)}
 
 
+def _cell(value: Any) -> str:
+    """One table cell on one line: text with control characters (a model name from a client,
+    an entry stored before names were strict) is shown escaped."""
+    text = str(value)
+    return text if text.isprintable() else ascii(text)[1:-1]
+
+
 def _table(rows: list[dict[str, Any]]) -> None:
     if not rows:
         print("(no entries)")
         return
     cols = list(rows[0])
-    cells = [[str(r[c]) for c in cols] for r in rows]
+    cells = [[_cell(r[c]) for c in cols] for r in rows]
     widths = [max(len(c), *(len(x[i]) for x in cells)) for i, c in enumerate(cols)]
     print("  ".join(c.ljust(w) for c, w in zip(cols, widths)))
     for x in cells:
@@ -202,6 +209,7 @@ def _admin(ns: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from kdn.cli.args import HEX_KEY, HEX_PREFIX, NAMESPACE, NAMESPACE_FILTER, TENANT_FILTER
     from kdn.server.config import describe
 
     ap = argparse.ArgumentParser(prog="kdn", description="kdn: a knowledge delivery network")
@@ -231,8 +239,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     def keyed(name: str, hlp: str) -> argparse.ArgumentParser:
         p = asub.add_parser(name, help=hlp)
-        p.add_argument("keys", nargs="+", help="hex keys")
-        p.add_argument("--namespace", default="default")
+        p.add_argument("keys", nargs="+", type=HEX_KEY, help="hex keys (64 hex digits each)")
+        p.add_argument("--namespace", type=NAMESPACE, default="default")
         return p
 
     keyed("lookup", "which keys exist, in which tier, how big")
@@ -241,20 +249,20 @@ def build_parser() -> argparse.ArgumentParser:
     keyed("pin", "never evict these entries")
     keyed("unpin", "allow eviction again")
     ls = asub.add_parser("ls", help="list entries (filter by namespace, model, key prefix)")
-    ls.add_argument("--namespace", default="")
+    ls.add_argument("--namespace", type=NAMESPACE_FILTER, default="")
     ls.add_argument("--model", default="", help="model fingerprint prefix")
-    ls.add_argument("--prefix", default="", help="hex key prefix")
-    ls.add_argument("--tenant", default="", help="admins: this tenant only")
+    ls.add_argument("--prefix", type=HEX_PREFIX, default="", help="hex key prefix")
+    ls.add_argument("--tenant", type=TENANT_FILTER, default="", help="admins: this tenant only")
     ls.add_argument("--limit", type=int, default=0, help="page size")
     ins = asub.add_parser("inspect", help="one entry: layout, codec, size, tiers, pin")
-    ins.add_argument("key")
-    ins.add_argument("--namespace", default="default")
+    ins.add_argument("key", type=HEX_KEY)
+    ins.add_argument("--namespace", type=NAMESPACE, default="default")
     ver = asub.add_parser("verify", help="check every entry's checksums; remove corrupt ones")
     ver.add_argument("--dry-run", action="store_true", help="report without removing")
     exp = asub.add_parser("export", help="write entries to a file (resumes an interrupted one)")
     exp.add_argument("file")
-    exp.add_argument("--namespace", default="")
-    exp.add_argument("--prefix", default="", help="hex key prefix")
+    exp.add_argument("--namespace", type=NAMESPACE_FILTER, default="")
+    exp.add_argument("--prefix", type=HEX_PREFIX, default="", help="hex key prefix")
     imp = asub.add_parser("import", help="load an export file (idempotent, verified)")
     imp.add_argument("file")
     asub.add_parser("gc", help="remove expired entries")

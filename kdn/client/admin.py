@@ -25,7 +25,8 @@ import grpc
 import xxhash
 
 from kdn.client.client import Client
-from kdn.errors import Corrupt
+from kdn.errors import Corrupt, InvalidArgument
+from kdn.names import check_key, check_key_prefix, check_namespace, check_tenant
 from kdn.status import from_grpc
 from kdn.v1 import kdn_pb2 as pb
 from kdn.v1 import kdn_pb2_grpc as pb_grpc
@@ -73,10 +74,22 @@ def read_records(path: Path) -> tuple[list[Record], int]:
             break  # a torn tail: everything before it is intact
         if xxhash.xxh3_64_intdigest(data[good:off]) != want:
             raise Corrupt(f"{path}: record at byte {good} fails its checksum")
+        try:
+            namespace = fields[0].decode()
+        except UnicodeDecodeError:
+            raise InvalidArgument(f"{path}: record at byte {good}: the namespace is not "
+                                  "UTF-8") from None
         off += _Q.size
         good = off
-        out.append(Record(fields[0].decode(), fields[1], fields[2], fields[3]))
+        out.append(Record(namespace, fields[1], fields[2], fields[3]))
     return out, good
+
+
+def _listing(namespace: str, key_prefix: bytes) -> None:
+    """Check the filters of a listing or export: "" is every namespace, b"" every key."""
+    if namespace:
+        check_namespace(namespace)
+    check_key_prefix(key_prefix)
 
 
 class AdminClient(Client):
@@ -93,6 +106,9 @@ class AdminClient(Client):
     def ls(self, namespace: str = "", key_prefix: bytes = b"", model: str = "",
            tenant: str = "", limit: int = 0, *,
            request_id: str | None = None) -> Iterator[pb.EntryInfo]:
+        _listing(namespace, key_prefix)
+        if tenant:
+            check_tenant(tenant)
         token = b""
         md = self.metadata(request_id)
         while True:
@@ -108,13 +124,14 @@ class AdminClient(Client):
 
     def inspect(self, key: bytes, namespace: str = "default", *,
                 request_id: str | None = None) -> pb.EntryInfo:
-        req = pb.InspectRequest(namespace=namespace, key=key)
+        req = pb.InspectRequest(namespace=self._ns(namespace), key=check_key(key))
         md = self.metadata(request_id)
         return self._call(lambda: self._admin.Inspect(req, timeout=self.timeout_s, metadata=md))
 
     def _keys(self, rpc: Callable[..., pb.CountResponse], keys: list[bytes], namespace: str,
               tier: str, request_id: str | None) -> int:
-        req = pb.KeysRequest(namespace=namespace, keys=keys, tier=tier)
+        req = pb.KeysRequest(namespace=self._ns(namespace), keys=[check_key(k) for k in keys],
+                             tier=tier)
         md = self.metadata(request_id)
         return int(self._call(lambda: rpc(req, timeout=self.timeout_s, metadata=md)).count)
 
@@ -147,6 +164,7 @@ class AdminClient(Client):
                   progress: Callable[[int, int], None] | None = None, *,
                   request_id: str | None = None) -> int:
         """Export (or resume exporting) into ``path``; returns the records in the file."""
+        _listing(namespace, key_prefix)
         path = Path(path)
         after = b""
         done = 0
@@ -177,6 +195,12 @@ class AdminClient(Client):
     def import_from(self, path: Path, progress: Callable[[int, int], None] | None = None,
                     batch: int = 64, *, request_id: str | None = None) -> pb.ImportResponse:
         records, _ = read_records(Path(path))
+        for i, r in enumerate(records):  # every name first: a bad record sends nothing
+            try:
+                check_namespace(r.namespace)
+                check_key(r.key)
+            except InvalidArgument as exc:
+                raise InvalidArgument(f"{path}: record {i}: {exc}") from None
         total = pb.ImportResponse()
         md = self.metadata(request_id)
         for start in range(0, len(records), batch):

@@ -113,6 +113,8 @@ def _run(ns: argparse.Namespace) -> int:
 
 def register(sub: Any) -> None:
     """Add ``rag`` with its subcommands to the ``kdn`` subparsers ``sub``."""
+    from kdn.cli.args import NAMESPACE
+
     rag = sub.add_parser("rag", help="RAG: ingest a corpus as KV, answer questions",
                          description=__doc__.split("\n")[0])
     rag.add_argument("--state", default=os.environ.get("KDN_RAG_STATE", ".kdn-rag"),
@@ -131,7 +133,7 @@ def register(sub: Any) -> None:
     ing.add_argument("--chunk-tokens", type=int, default=256, help="target tokens per chunk")
     ing.add_argument("--max-chunk-tokens", type=int, default=0,
                      help="hard limit per chunk (default 1.5x the target)")
-    ing.add_argument("--namespace", default="rag")
+    ing.add_argument("--namespace", type=NAMESPACE, default="rag")
     ing.add_argument("--mode", default="lossless", help="codec mode (lossless, kdn, int8, ...)")
     ing.add_argument("--level", default="", help="codec level of lossy modes (e.g. l2)")
     ing.add_argument("--no-prune", action="store_true",

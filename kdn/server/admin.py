@@ -15,7 +15,8 @@ import grpc
 
 from kdn.codec.format import layout_to_proto, parse_container, parse_header
 from kdn.errors import Corrupt, InvalidArgument, KDNError, NotFound, PermissionDenied
-from kdn.keys import check_namespace, split_store_key, store_key
+from kdn.keys import split_store_key, store_key
+from kdn.names import check_key_prefix, check_namespace, check_tenant, request_namespace
 from kdn.server.auth import Authenticator, current_principal, require_admin
 from kdn.server.service import _rpc
 from kdn.status import grpc_code
@@ -42,6 +43,8 @@ class AdminServicer(pb_grpc.KDNAdminServicer):
     def _prefix(self, namespace: str, tenant: str = "") -> bytes:
         """Tier-key prefix of what the caller may see, narrowed to ``namespace``/``tenant``."""
         p = current_principal.get()
+        if tenant:
+            check_tenant(tenant)
         if tenant and not p.is_admin and tenant != p.tenant:
             raise PermissionDenied("only admins list other tenants")
         if p.tenant and not p.is_admin or (p.is_admin and tenant):
@@ -51,7 +54,7 @@ class AdminServicer(pb_grpc.KDNAdminServicer):
 
     def _visible(self, prefix: bytes, key_prefix: bytes) -> list[bytes]:
         keys = self.store.keys(prefix)
-        if key_prefix:
+        if check_key_prefix(key_prefix):
             hp = key_prefix.hex()
             keys = [k for k in keys if split_store_key(k)[2].hex().startswith(hp)]
         return keys
@@ -125,15 +128,15 @@ class AdminServicer(pb_grpc.KDNAdminServicer):
     @_rpc
     async def Inspect(self, request: pb.InspectRequest,
                       context: grpc.aio.ServicerContext) -> pb.EntryInfo:
-        skey = store_key(current_principal.get().tenant, request.namespace or "default",
-                         request.key)
+        ns = request_namespace(request.namespace)
+        skey = store_key(current_principal.get().tenant, ns, request.key)
         info = await asyncio.to_thread(self._info, skey, True)
         if info is None:
-            raise NotFound(f"no entry {request.key.hex()} in {request.namespace or 'default'!r}")
+            raise NotFound(f"no entry {request.key.hex()} in {ns!r}")
         return info
 
     def _admin_keys(self, request: pb.KeysRequest) -> list[bytes]:
-        tenant, ns = require_admin().tenant, request.namespace or "default"
+        tenant, ns = require_admin().tenant, request_namespace(request.namespace)
         return [store_key(tenant, ns, k) for k in request.keys]
 
     @_rpc
@@ -236,7 +239,7 @@ class AdminServicer(pb_grpc.KDNAdminServicer):
         resp = pb.ImportResponse()
         principal = current_principal.get()
         async for item in request_iterator:
-            skey = store_key(principal.tenant, item.namespace or "default", item.key)
+            skey = store_key(principal.tenant, request_namespace(item.namespace), item.key)
             try:
                 parse_container(item.value, verify=True)
             except KDNError:

@@ -20,7 +20,6 @@ import contextvars
 import enum
 import hashlib
 import hmac
-import re
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -28,10 +27,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kdn.errors import ConfigError, PermissionDenied, RateLimited, TooLarge, Unauthenticated
+from kdn.errors import (
+    ConfigError,
+    InvalidArgument,
+    PermissionDenied,
+    RateLimited,
+    TooLarge,
+    Unauthenticated,
+)
 from kdn.metadata import API_KEY_HEADER
-
-_TENANT_RE = re.compile(r"^[a-z0-9][a-z0-9_\-]{0,31}$")
+from kdn.names import check_tenant
 
 
 class Role(enum.Enum):
@@ -104,8 +109,10 @@ def load_auth(path: Path | str) -> AuthConfig:
     policies: dict[str, TenantPolicy] = {}
     for name, spec in tenants.items():
         where = f"auth file {path}: tenant {name!r}"
-        if not isinstance(name, str) or not _TENANT_RE.match(name):
-            raise ConfigError(f"{where}: name must match {_TENANT_RE.pattern}")
+        try:
+            check_tenant(name)
+        except InvalidArgument as exc:
+            raise ConfigError(f"auth file {path}: {exc}") from None
         if not isinstance(spec, dict):
             raise ConfigError(f"{where}: expected a mapping")
         unknown = set(spec) - {"api_keys", "role", "rate_rps", "burst", "quota_bytes"}

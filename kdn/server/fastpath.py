@@ -33,6 +33,7 @@ from typing import Protocol
 from kdn.errors import InvalidArgument, KDNError, NotFound
 from kdn.server.auth import Authenticator, Principal
 from kdn.server.batch import Segments
+from kdn.server.requests import check_names
 from kdn.v1 import kdn_pb2 as pb
 from kdn.wire import FAST_GET_MANY, FAST_HEAD, FAST_PUT_MANY, read_exact
 
@@ -112,6 +113,7 @@ class FastPath:
                 else pb.PutManyRequest.FromString(body))
         except Exception as exc:  # protobuf's DecodeError
             raise InvalidArgument(f"malformed fast-path request: {exc}") from None
+        check_names(req)  # the same name rules as over gRPC (kdn.server.requests)
         if not req.segment_id:
             raise NotFound("fast-path calls must name an attached segment")
         principal = s.segments.owner(req.segment_id)

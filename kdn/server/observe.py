@@ -8,6 +8,11 @@ then times the call and records its status code, and writes one structured (JSON
 line carrying the request id the client sent in ``x-request-id`` (or a fresh one), which is
 also returned in the trailing metadata.
 
+Every method's request deserializer is wrapped (``kdn.server.requests.checked``): a request
+message that does not parse, or that holds a malformed namespace, tenant or key, is answered
+INVALID_ARGUMENT with a one-line message (after the caller is admitted), on every RPC, unary
+or streamed, before or instead of its handler.
+
 The standard health service stays open without credentials, so probes need no API key.
 """
 
@@ -30,6 +35,7 @@ from prometheus_client.registry import Collector
 from kdn.errors import KDNError
 from kdn.metadata import REQUEST_ID_HEADER
 from kdn.server.auth import Authenticator, current_principal
+from kdn.server.requests import BadRequest, checked
 from kdn.status import grpc_code
 
 access_log = logging.getLogger("kdn.access")
@@ -110,6 +116,7 @@ class RequestInterceptor(grpc.aio.ServerInterceptor):
     def __init__(self, auth: Authenticator, metrics: Metrics | None = None) -> None:
         self.auth = auth
         self.metrics = metrics
+        self._parsers: dict[str, tuple[Callable[[bytes], Any], Callable[[bytes], Any]]] = {}
 
     async def intercept_service(self, continuation: Callable[..., Any],
                                 details: grpc.HandlerCallDetails) -> Any:
@@ -120,12 +127,36 @@ class RequestInterceptor(grpc.aio.ServerInterceptor):
         service, _, rpc = method.lstrip("/").partition("/")
         open_call = service in OPEN_SERVICES
         md = details.invocation_metadata or ()  # type: ignore[attr-defined]
+        if handler.request_deserializer is not None:
+            handler = handler._replace(
+                request_deserializer=self._checked(method, rpc, handler.request_deserializer))
+        streaming = bool(handler.request_streaming)
         for kind, wrap in (("unary_unary", self._unary), ("stream_unary", self._unary),
                            ("unary_stream", self._stream), ("stream_stream", self._stream)):
             fn = getattr(handler, kind)
             if fn:
-                return handler._replace(**{kind: wrap(fn, rpc, md, open_call)})
+                return handler._replace(**{kind: wrap(fn, rpc, md, open_call, streaming)})
         return handler
+
+    def _checked(self, method: str, rpc: str, deserialize: Callable[[bytes], Any]
+                 ) -> Callable[[bytes], Any]:
+        """``deserialize`` answering malformed messages and names with a ``BadRequest``
+        (``kdn.server.requests``), made once per method."""
+        got = self._parsers.get(method)
+        if got is None or got[0] is not deserialize:
+            got = self._parsers[method] = (deserialize, checked(deserialize, rpc))
+        return got[1]
+
+    @staticmethod
+    async def _request(request: Any, context: grpc.aio.ServicerContext, streaming: bool
+                       ) -> Any:
+        """The request for the handler: a ``BadRequest`` is answered INVALID_ARGUMENT (for a
+        stream, when the handler reaches it)."""
+        if streaming:
+            return _checked_stream(request, context)
+        if isinstance(request, BadRequest):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+        return request
 
     async def _enter(self, context: grpc.aio.ServicerContext, md: Any, open_call: bool
                      ) -> tuple[str, str]:
@@ -180,19 +211,28 @@ class RequestInterceptor(grpc.aio.ServerInterceptor):
         finally:
             self._done(rpc, rid, tenant, t0, self._code(context, exc), context)
 
-    def _unary(self, fn: Callable[..., Any], rpc: str, md: Any, open_call: bool
-               ) -> Callable[..., Any]:
+    def _unary(self, fn: Callable[..., Any], rpc: str, md: Any, open_call: bool,
+               streaming: bool) -> Callable[..., Any]:
         async def wrapper(request: Any, context: grpc.aio.ServicerContext) -> Any:
             async with self._observed(context, rpc, md, open_call):
-                return await fn(request, context)
+                return await fn(await self._request(request, context, streaming), context)
 
         return wrapper
 
-    def _stream(self, fn: Callable[..., Any], rpc: str, md: Any, open_call: bool
-                ) -> Callable[..., Any]:
+    def _stream(self, fn: Callable[..., Any], rpc: str, md: Any, open_call: bool,
+                streaming: bool) -> Callable[..., Any]:
         async def wrapper(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
             async with self._observed(context, rpc, md, open_call):
-                async for item in fn(request, context):
+                async for item in fn(await self._request(request, context, streaming), context):
                     yield item
 
         return wrapper
+
+
+async def _checked_stream(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext
+                          ) -> AsyncIterator[Any]:
+    """A request stream that ends the call with INVALID_ARGUMENT at a ``BadRequest``."""
+    async for request in requests:
+        if isinstance(request, BadRequest):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+        yield request

@@ -1,0 +1,99 @@
+"""The names callers choose, one rule each: namespaces, tenants, keys (and key prefixes).
+
+Every place that accepts a name checks it here: the server (each request message is checked
+field by field before a handler sees it, ``kdn.server.requests``, and again where it builds a
+tier key, ``kdn.keys.store_key``), the clients, the CLI, the auth file and the admin import
+path. Each rule matches the WHOLE string (``re.fullmatch``): a pattern ending in ``$`` used
+with ``re.match`` also accepts a final ``"\\n"``, which made ``"default\\n"`` a namespace of its
+own.
+
+* namespace: 1-64 characters, ASCII letters, digits, ``.``, ``_``, ``-``; the first a letter or
+  digit. In a request ``""`` (protobuf's unset string) is ``"default"`` where one namespace is
+  named and "every namespace" where a listing is filtered (``request_namespace``).
+* tenant: 1-32 characters, lowercase ASCII letters, digits, ``_``, ``-``; the first a letter or
+  digit. ``""`` in a request filter means every tenant.
+* key: exactly ``KEY_BYTES`` (32) bytes, any values (a ``kdn.keys`` digest).
+* key prefix: at most ``KEY_BYTES`` bytes (a longer one can never match).
+
+Names that pass are stored, listed and looked up exactly as given: nothing is trimmed,
+case-folded or normalized.
+
+This module imports no torch: the CLI and the server's request checks use it alone.
+"""
+
+from __future__ import annotations
+
+import re
+
+from kdn.errors import InvalidArgument
+
+KEY_BYTES = 32
+DEFAULT_NAMESPACE = "default"
+NAMESPACE_PATTERN = r"[A-Za-z0-9][A-Za-z0-9._\-]{0,63}"
+TENANT_PATTERN = r"[a-z0-9][a-z0-9_\-]{0,31}"
+_NAMESPACE = re.compile(NAMESPACE_PATTERN)
+_TENANT = re.compile(TENANT_PATTERN)
+_HEX = re.compile(r"(?:[0-9a-fA-F]{2})*")
+_SHOWN = 80
+"""Characters of a refused name quoted in an error message."""
+
+
+def _shown(name: object) -> str:
+    """``name`` quoted for an error message: escaped (one line) and cut to a readable size."""
+    text = ascii(name)
+    return text if len(text) <= _SHOWN else f"{text[:_SHOWN]}..."
+
+
+def check_namespace(namespace: object) -> str:
+    """``namespace`` when it is a namespace name (see the module docstring), else
+    InvalidArgument."""
+    if not isinstance(namespace, str) or _NAMESPACE.fullmatch(namespace) is None:
+        raise InvalidArgument(
+            f"namespace {_shown(namespace)} is malformed: 1-64 characters of ASCII letters, "
+            "digits, '.', '_', '-', starting with a letter or digit")
+    return namespace
+
+
+def request_namespace(namespace: str) -> str:
+    """The namespace a request names: its field, or ``DEFAULT_NAMESPACE`` when unset ("")."""
+    return check_namespace(namespace or DEFAULT_NAMESPACE)
+
+
+def check_tenant(tenant: object) -> str:
+    """``tenant`` when it is a tenant name (see the module docstring), else InvalidArgument."""
+    if not isinstance(tenant, str) or _TENANT.fullmatch(tenant) is None:
+        raise InvalidArgument(
+            f"tenant {_shown(tenant)} is malformed: 1-32 characters of lowercase ASCII letters, "
+            "digits, '_', '-', starting with a letter or digit")
+    return tenant
+
+
+def check_key(key: object) -> bytes:
+    """``key`` as bytes when it is exactly ``KEY_BYTES`` bytes, else InvalidArgument."""
+    if not isinstance(key, (bytes, bytearray)) or len(key) != KEY_BYTES:
+        size = len(key) if isinstance(key, (bytes, bytearray)) else type(key).__name__
+        raise InvalidArgument(f"key must be {KEY_BYTES} bytes (a kdn.keys digest), got {size}")
+    return bytes(key)
+
+
+def check_key_prefix(prefix: object) -> bytes:
+    """``prefix`` as bytes when it is at most ``KEY_BYTES`` bytes, else InvalidArgument."""
+    if not isinstance(prefix, (bytes, bytearray)) or len(prefix) > KEY_BYTES:
+        size = len(prefix) if isinstance(prefix, (bytes, bytearray)) else type(prefix).__name__
+        raise InvalidArgument(f"key prefix must be at most {KEY_BYTES} bytes, got {size}")
+    return bytes(prefix)
+
+
+def parse_hex_key(text: str) -> bytes:
+    """A key written as ``2 * KEY_BYTES`` hex digits (nothing else: no spaces, no newline)."""
+    if len(text) != 2 * KEY_BYTES or _HEX.fullmatch(text) is None:
+        raise InvalidArgument(f"key {_shown(text)} is malformed: {2 * KEY_BYTES} hex digits")
+    return bytes.fromhex(text)
+
+
+def parse_hex_prefix(text: str) -> bytes:
+    """A key prefix written as hex digits, two per byte, at most ``KEY_BYTES`` bytes."""
+    if len(text) > 2 * KEY_BYTES or _HEX.fullmatch(text) is None:
+        raise InvalidArgument(f"key prefix {_shown(text)} is malformed: an even number of hex "
+                              f"digits, at most {2 * KEY_BYTES}")
+    return bytes.fromhex(text)
