@@ -4,18 +4,38 @@ crash, an untyped exception, an oversized allocation, or wrong tensors."""
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
+import torch
+import zstandard
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kdn import codec, keys
+from kdn.cache import KVCache
 from kdn.client import Client
 from kdn.codec import StreamDecoder
-from kdn.codec.format import build_header, parse_container, parse_header
-from kdn.errors import KDNError
+from kdn.codec.entropy import RANS_MARK
+from kdn.codec.format import (
+    FRAME_SEED,
+    build_frame,
+    build_header,
+    build_record,
+    check_frame,
+    layout_from_proto,
+    parse_container,
+    parse_header,
+    seal,
+)
+from kdn.codec.modes import pack_sections, unpack_sections
+from kdn.errors import Corrupt, KDNError
+from kdn.layout import DType, KVLayout, LayerLayout
+from kdn.options import Durability
 from kdn.server import ServerThread
 from kdn.v1 import kdn_pb2 as pb
 from tests.helpers import pruned_layout, random_kv
@@ -136,14 +156,173 @@ def test_lying_total_bytes_and_huge_declared_sizes(hostile_server: ServerThread)
         assert "layer limit" in (info.value.details() or "")
 
 
-def test_atheris_fuzz_target_runs_clean() -> None:
-    """A bounded run of the libFuzzer target (fuzz/fuzz_container.py) finds nothing."""
+@pytest.mark.parametrize("target,runs", [("fuzz_container.py", 20000), ("fuzz_store.py", 6000)])
+def test_atheris_fuzz_targets_run_clean(target: str, runs: int, tmp_path: Path) -> None:
+    """A bounded run of each libFuzzer target (fuzz/) finds nothing: the container decoders
+    behind resealed checksums, and the servicer's Store-stream validation."""
     import subprocess
     import sys
-    from pathlib import Path
 
-    target = Path(__file__).resolve().parents[1] / "fuzz" / "fuzz_container.py"
-    out = subprocess.run([sys.executable, str(target), "-runs=20000", "-seed=1"],
-                         capture_output=True, text=True, timeout=600)
+    path = Path(__file__).resolve().parents[1] / "fuzz" / target
+    out = subprocess.run([sys.executable, str(path), f"-runs={runs}", "-seed=1",
+                          f"-artifact_prefix={tmp_path}/"],
+                         capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "Done 20000 runs" in out.stderr
+    assert f"Done {runs} runs" in out.stderr
+
+
+# ------------------------------------------------------------------ what the fuzzers found
+
+
+def _resealed(parts: codec.EncodedParts, bodies: dict[int, bytes]) -> bytes:
+    """``parts`` (one layer per frame) with the bodies of some layers replaced, every
+    checksum recomputed: the bytes reach the mode decoders."""
+    header = parse_header(parts.header)
+    frames = []
+    for i, frame in enumerate(parts.frames):
+        rec = check_frame(header, i, frame)[0]
+        body = bodies.get(rec.layer, bytes(rec.body))
+        frames.append(build_frame(FRAME_SEED, i, rec.layer, [
+            build_record(header.layout.layers[rec.layer], header.tokens, body)]))
+    h, sealed = seal(header.entry, frames)
+    return b"".join([h, *sealed])
+
+
+def _sections(body: memoryview, count: int) -> list[bytes]:
+    return [bytes(s) for s in unpack_sections(body, count, "test")]
+
+
+def test_raw_encodes_an_empty_cache() -> None:
+    """0 tokens: ``tensor_view`` could not cast an empty tensor (TypeError from encode)."""
+    empty = random_kv(pruned_layout(), 0)
+    for mode in codec.mode_names():
+        level = codec.get_mode(mode).levels[0]
+        back = codec.decode(codec.encode(empty, mode, level))
+        assert [tuple(k.shape) for k, _ in back.layers] == \
+            [tuple(k.shape) for k, _ in empty.layers]
+
+
+def test_kdn_scale_symbols_beyond_float32_are_refused() -> None:
+    """A resealed kdn body whose log-scale symbols stay within the old |q| <= 4000 bound but
+    give steps float32 can not hold decoded to NaN (inf step x symbol 0); now Corrupt."""
+    parts = codec.encode_parts(KV, "kdn", "default", layers_per_frame=1)
+    rec = check_frame(parse_header(parts.header), 0, parts.frames[0])[0]
+    secs = _sections(rec.body, 4)
+    blob = secs[2]  # the log-RMS streams: u32 mark | u32 n | zstd(lo | width | counts) | rANS
+    assert struct.unpack_from("<I", blob)[0] == RANS_MARK
+    n = struct.unpack_from("<I", blob, 4)[0]
+    tables = bytearray(zstandard.ZstdDecompressor().decompress(blob[8 : 8 + n]))
+    struct.pack_into("<h", tables, 0, 2048)  # K scale row: symbols from 2048 up (2**128 +)
+    packed = zstandard.ZstdCompressor().compress(bytes(tables))
+    secs[2] = blob[:4] + struct.pack("<I", len(packed)) + packed + blob[8 + n :]
+    with pytest.raises(Corrupt, match="scale symbols out of range"):
+        codec.decode(_resealed(parts, {0: pack_sections(secs)}))
+
+
+def test_float16_scales_saturate_and_infinite_ones_are_refused() -> None:
+    """int8 and cachegen store float16 scales: bf16/f32 values beyond float16's range made an
+    infinite scale and decoded as NaN (the whole token for cachegen). They now saturate, and a
+    resealed body carrying an infinite scale is refused."""
+    layout = KVLayout("big", (LayerLayout(1, 4, 4),), dtype=DType.BFLOAT16, head_dim=4)
+    k, v = torch.randn(1, 3, 4).bfloat16(), torch.randn(1, 3, 4).bfloat16()
+    k[0, 1, 2], v[0, 1, 1] = 1e5, 1e7
+    kv = KVCache(layout, [(k, v)])
+    for mode, scale_sections in (("cachegen", (0, 1)), ("int8", (0, 2))):
+        parts = codec.encode_parts(kv, mode, layers_per_frame=1)
+        out = codec.decode(parts.to_bytes())
+        for x in out.layers[0]:
+            assert torch.isfinite(x.float()).all(), mode
+        assert out.layers[0][0][0, 1, 2] >= 65504  # saturated, not NaN
+        rec = check_frame(parse_header(parts.header), 0, parts.frames[0])[0]
+        secs = _sections(rec.body, 3 if mode == "cachegen" else 4)
+        for s in scale_sections:
+            bad = list(secs)
+            bad[s] = struct.pack("<e", float("inf")) + bad[s][2:]
+            with pytest.raises(Corrupt, match="infinite scale"):
+                codec.decode(_resealed(parts, {0: pack_sections(bad)}))
+
+
+def test_declared_tensors_beyond_the_entry_are_refused_before_allocating() -> None:
+    """A 5 KB raw container (checksums right) declaring 303 layers of 1 GiB each made decode()
+    allocate its 300 GiB arena up front: MemoryError, or a huge reservation. decode() now
+    refuses it from the entry's size, and a streaming reader that can not know the size
+    falls back to layer-by-layer copies, each body's size checked first."""
+    parts = codec.encode_parts(KV, "raw")
+    header = parse_header(parts.header)
+    entry = pb.EntryHeader()
+    entry.CopyFrom(header.entry)
+    for _ in range(300):
+        entry.layout.layers.add().CopyFrom(entry.layout.layers[0])
+    entry.tokens = 1 << 23  # 2 heads x 32 channels x 2 bytes: 1 GiB a layer, under the limit
+    layout = layout_from_proto(entry.layout)
+    entry.layout_fingerprint = layout.fingerprint
+    del entry.frames[:]
+    entry.frames.add(first_layer=0, num_layers=layout.num_layers)
+    frame = build_frame(FRAME_SEED, 0, 0, [build_record(lay, entry.tokens, b"\0" * 8)
+                                            for lay in layout.layers])
+    h, frames = seal(entry, [frame])
+    with pytest.raises(Corrupt, match="bytes of raw tensors in an entry of"):
+        codec.decode(b"".join([h, *frames]))
+    dec = StreamDecoder(h)  # no MemoryError: its arena is given up where it can not be had
+    with pytest.raises(Corrupt):
+        dec.decode_frame(0, frames[0])
+
+
+def _servicer() -> tuple[Any, Any, Any]:
+    """A servicer with a RAM tier only and a tenant with a quota, called without a network."""
+    from kdn.server import ServerConfig
+    from kdn.server.app import build_store
+    from kdn.server.auth import AuthConfig, Authenticator, TenantPolicy
+    from kdn.server.service import KDNServicer
+
+    cfg = ServerConfig(port=0, data_dir=Path("unused"), disk_bytes=0)
+    auth = Authenticator(AuthConfig(policies={"t": TenantPolicy(quota_bytes=1 << 20)}))
+    store = build_store(cfg)
+    return KDNServicer(cfg, store, auth), store, auth
+
+
+class _Aborted(Exception):
+    pass
+
+
+class _Context:
+    async def abort(self, code: grpc.StatusCode, details: str = "") -> None:
+        raise _Aborted(code, details)
+
+
+def test_a_durability_the_server_can_not_give_is_refused_before_charging() -> None:
+    """A durability outside the enum failed in ``Durability(...)`` after the tenant was charged
+    (ValueError: UNKNOWN, on Store and on PutMany after earlier items were stored); one the
+    server has no tier for (SHARED without Redis, DISK without a disk) failed in the put, also
+    after the charge: a quota that leaked. Both are now refused with the header."""
+    import asyncio
+
+    from kdn.server.auth import Principal, Role, current_principal
+
+    servicer, store, auth = _servicer()
+    parts = codec.encode_parts(KV, "raw")
+    key = keys.chunk_key([1], KV.layout)
+    token = current_principal.set(Principal("t", Role.TENANT))
+    try:
+        async def messages(durability: int) -> Any:
+            yield pb.StoreRequest(header=pb.StoreHeader(
+                key=key, container_header=parts.header,
+                options=pb.StoreOptions(durability=durability)))  # type: ignore[arg-type]
+            for i, f in enumerate(parts.frames):
+                yield pb.StoreRequest(frame=pb.Frame(index=i, data=f))
+
+        for durability in (7, 2**31 - 1, int(Durability.SHARED), int(Durability.DISK)):
+            with pytest.raises(_Aborted) as err:
+                asyncio.run(servicer.Store(messages(durability), _Context()))
+            assert err.value.args[0] == grpc.StatusCode.INVALID_ARGUMENT
+            assert "durability" in err.value.args[1]
+            with pytest.raises(KDNError, match="durability"):
+                servicer._put_many(Principal("t", Role.TENANT), pb.PutManyRequest(items=[
+                    pb.PutItem(key=key, data=parts.to_bytes()),
+                    pb.PutItem(key=keys.chunk_key([2], KV.layout), data=parts.to_bytes(),
+                               options=pb.StoreOptions(durability=durability)),  # type: ignore[arg-type]
+                ]))
+            assert auth.usage("t") == 0 and not store.keys(b"")
+    finally:
+        current_principal.reset(token)
+        store.close()

@@ -152,11 +152,13 @@ class StreamDecoder:
 
     def __init__(self, header: bytes | memoryview | Header,
                  device: torch.device | str | None = None, *, borrow: bool = False,
-                 checked: bool = False) -> None:
+                 checked: bool = False, stored_bytes: int | None = None) -> None:
         """``borrow``: the frames are writable buffers the caller hands over for good (a region
         of its shared segment); CPU tensors may then view them instead of copying.
         ``checked``: their checksums were verified on these very bytes already (by the server
-        that wrote them into the segment); frames are still checked for structure."""
+        that wrote them into the segment); frames are still checked for structure.
+        ``stored_bytes``: the whole entry's size, where known: a mode that stores tensors
+        verbatim can not declare more tensor bytes than that (Corrupt before any allocation)."""
         self.checked = checked
         self.header = header if isinstance(header, Header) else parse_header(header)
         self.device = torch.device(device or "cpu")
@@ -172,8 +174,15 @@ class StreamDecoder:
             ends = list(itertools.accumulate(
                 (lay.layers[i].k_numel(t) + lay.layers[i].v_numel(t)) * size
                 for i in range(lay.num_layers)))
-            self._offsets = [0, *ends]
-            self._arena = np.empty(ends[-1] if ends else 0, dtype=np.uint8)
+            total = ends[-1] if ends else 0
+            if stored_bytes is not None and total > stored_bytes:
+                raise Corrupt(f"header declares {total} bytes of {self.mode.name} tensors in "
+                              f"an entry of {stored_bytes} bytes")
+            try:
+                self._arena = np.empty(total, dtype=np.uint8)
+                self._offsets = [0, *ends]
+            except MemoryError:  # declared sizes no memory holds (checksummed, but hostile
+                pass  # or damaged): layer by layer, each body's size checked before a copy
 
     @property
     def borrows(self) -> bool:
@@ -216,7 +225,7 @@ class StreamDecoder:
 def decode(buf: bytes | memoryview, *, device: torch.device | str | None = None) -> KVCache:
     """Verify and decode a whole container into a KVCache (layers decoded in parallel)."""
     container = parse_container(buf, verify=False)  # frames are checked just below
-    dec = StreamDecoder(container.header, device)
+    dec = StreamDecoder(container.header, device, stored_bytes=len(buf))
     recs = [r for i, f in enumerate(container.frames) for r in check_frame(dec.header, i, f)]
     layers = list(_pool().map(dec.decode_record, recs))
     return KVCache(dec.header.layout, layers, int(container.header.entry.start_position))

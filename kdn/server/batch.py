@@ -374,7 +374,7 @@ class BatchMixin:
                     parse_container(value, verify=True)
                 hdr = pb.StoreHeader(namespace=request.namespace, key=item.key,
                                      container_header=bytes(value[: header_size(value)]),
-                                     total_bytes=len(value))
+                                     total_bytes=len(value), options=item.options)
                 skey, _ = self._check_header(p.tenant, hdr)
             except Corrupt as exc:
                 raise InvalidArgument(f"item {j}: corrupt input: {exc}") from exc

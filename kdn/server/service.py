@@ -84,6 +84,14 @@ class KDNServicer(BatchMixin, BlendMixin, pb_grpc.KDNServicer):
 
     def _check_header(self, tenant: str, msg: pb.StoreHeader) -> tuple[bytes, Header]:
         skey = store_key(tenant, msg.namespace or "default", msg.key)
+        # refused before anything is charged or written (a bad value used to fail in the put)
+        try:
+            durability = Durability(msg.options.durability)
+        except ValueError:
+            raise InvalidArgument(f"unknown durability {msg.options.durability}") from None
+        if not any(t.satisfies(durability) for t in self.store.tiers):
+            raise InvalidArgument(f"durability {durability.name} needs a tier this server "
+                                  "does not have")
         if msg.total_bytes > self.config.max_entry_bytes:
             raise TooLarge(f"entry of {msg.total_bytes} bytes exceeds max_entry_bytes "
                            f"{self.config.max_entry_bytes}")

@@ -126,6 +126,8 @@ def tensor_view(t: torch.Tensor) -> memoryview:
     """Zero-copy view of ``t``'s element bytes when it is a contiguous CPU tensor (one copy
     otherwise). The view keeps the tensor's storage alive; join or copy it before mutating."""
     t = t.detach().contiguous().cpu()
+    if not t.numel():  # memoryview can not cast a view with a zero in its shape
+        return memoryview(b"")
     return memoryview(t.view(_int_dtype(t.dtype)).numpy()).cast("B")  # type: ignore[arg-type]
 
 

@@ -20,7 +20,10 @@ from kdn.errors import Corrupt
 def _encode(x: torch.Tensor) -> list[bytes]:
     # x: [heads, tokens, ch]
     x = x.float()
-    scale = (x.abs().amax(dim=2, keepdim=True) / 127.0).half()  # [heads, tokens, 1]
+    # [heads, tokens, 1]; values beyond 127 x float16's range (bf16, f32) saturate instead of
+    # an infinite scale, which would decode the row as NaN
+    top = torch.finfo(torch.float16).max
+    scale = (x.abs().amax(dim=2, keepdim=True) / 127.0).clamp(max=top).half()
     safe = torch.where(scale > 0, scale.float(), 1.0)  # an all-zero row codes as zeros
     q = torch.round(x / safe).clamp(-127, 127).to(torch.int8)
     return [to_numpy(scale).tobytes(), to_numpy(q).tobytes()]
@@ -34,6 +37,8 @@ def _decode(
     if len(scales) != 2 * heads * tokens or len(data) != heads * tokens * ch:
         raise Corrupt(f"{where}: int8 sections have the wrong sizes for {shape}")
     s = from_numpy(np.frombuffer(scales, dtype=np.float16).reshape(heads, tokens, 1), device)
+    if torch.isinf(s).any():  # never written (``_encode``): it would decode as NaN
+        raise Corrupt(f"{where}: infinite scale")
     q = from_numpy(np.frombuffer(data, dtype=np.int8).reshape(shape), device)
     top = torch.finfo(dtype).max
     return (q.float() * s.float()).clamp(-top, top).to(dtype)
