@@ -160,8 +160,9 @@ class KVLayout:
     def num_layers(self) -> int:
         return len(self.layers)
 
-    @property
+    @functools.cached_property
     def is_uniform(self) -> bool:
+        """Every layer has the same shape (computed once per layout object)."""
         return all(layer == self.layers[0] for layer in self.layers)
 
     @property

@@ -214,7 +214,9 @@ class DataPlane:
             if again and len(again) == len(todo) and not capped:
                 out[again[0]] = TOO_BIG  # no room for it (message or segment): stream it
                 again, sizes = again[1:], sizes[1:]
-            need = max(sizes, default=FIRST_REGION - 64) + 64  # room to align its frames
+            # the next call: as large a region as the first (many entries still to come), or
+            # the largest entry left if that is larger (+64: room to align its frames)
+            need = max(FIRST_REGION, max(sizes, default=0) + 64)
             todo = again
         return out
 
