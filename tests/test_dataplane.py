@@ -454,3 +454,23 @@ def test_retrieve_into_cuda_through_a_registered_segment(shm_client: Client) -> 
     assert got is not None
     view = torch.frombuffer(got.parts.frames[0], dtype=torch.uint8)
     assert view.is_pinned()
+
+
+def test_a_batch_larger_than_one_region_takes_few_calls(server: ServerThread,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    from kdn.client import dataplane
+
+    monkeypatch.setattr(dataplane, "FIRST_REGION", 1 << 20)
+    lay = uniform_layout(layers=4, heads=2, dim=64)
+    kvs = [random_kv(lay, 96, seed=i) for i in range(24)]  # ~200 KB each, ~4.7 MB in all
+    with Client(server.address, timeout_s=30, shm_bytes=16 << 20) as c:
+        c.store_many([(_key(40 + i), kv) for i, kv in enumerate(kvs)], mode="raw")
+        calls = []
+        real = c.dataplane._get
+        monkeypatch.setattr(c.dataplane, "_get",
+                            lambda req, rid: calls.append(len(req.keys)) or real(req, rid))
+        got = c.retrieve_many([_key(40 + i) for i in range(24)], layout=lay)
+        assert all(g is not None and g.equal(kv) for g, kv in zip(got, kvs))
+        total = sum(kv.nbytes for kv in kvs)
+        assert len(calls) <= total // (1 << 20) + 2, calls  # ~1 MiB per call, not one call
+        assert len(calls) < len(kvs) // 3  # per entry left over
