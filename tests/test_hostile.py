@@ -268,6 +268,38 @@ def test_declared_tensors_beyond_the_entry_are_refused_before_allocating() -> No
         dec.decode_frame(0, frames[0])
 
 
+def _lying_zstd(data: bytes, declared: int) -> bytes:
+    """A zstd frame of ``data`` whose header declares ``declared`` bytes of content."""
+    z = zstandard.ZstdCompressor(write_content_size=True).compress(data)
+    fhd = z[4]
+    assert fhd & 3 == 0  # no dictionary id
+    single = fhd >> 5 & 1
+    head = 5 + (0 if single else 1) + {0: single, 1: 2, 2: 4, 3: 8}[fhd >> 6]
+    return z[:4] + bytes([0b11100000]) + struct.pack("<Q", declared) + z[head:]
+
+
+def test_zstd_frames_declaring_huge_sizes_are_refused_before_allocating() -> None:
+    """python-zstandard allocates what a frame header declares, whatever max_output_size says:
+    a resealed lossless body or entropy table declaring 2**45 bytes raised MemoryError (and one
+    declaring 16 GiB reserved it). The declared size is now checked first."""
+    parts = codec.encode_parts(KV, "lossless", layers_per_frame=1)
+    body = bytes(check_frame(parse_header(parts.header), 0, parts.frames[0])[0].body)
+    raw = zstandard.ZstdDecompressor().decompress(body)
+    assert codec.decode(_resealed(parts, {0: _lying_zstd(raw, len(raw))})).equal(KV)
+    for declared in (1 << 34, 1 << 45, 1 << 62):
+        with pytest.raises(Corrupt, match="zstd frame declares"):
+            codec.decode(_resealed(parts, {0: _lying_zstd(raw, declared)}))
+    parts = codec.encode_parts(KV, "kdn", "default", layers_per_frame=1)
+    secs = _sections(check_frame(parse_header(parts.header), 0, parts.frames[0])[0].body, 4)
+    blob = secs[3]
+    n = struct.unpack_from("<I", blob, 4)[0]
+    tables = zstandard.ZstdDecompressor().decompress(blob[8 : 8 + n])
+    lying = _lying_zstd(tables, 1 << 45)
+    secs[3] = blob[:4] + struct.pack("<I", len(lying)) + lying + blob[8 + n :]
+    with pytest.raises(Corrupt, match="zstd frame declares"):
+        codec.decode(_resealed(parts, {0: pack_sections(secs)}))
+
+
 def _servicer() -> tuple[Any, Any, Any]:
     """A servicer with a RAM tier only and a tenant with a quota, called without a network."""
     from kdn.server import ServerConfig

@@ -24,6 +24,7 @@ import numpy as np
 import zstandard
 
 from kdn.codec import rans
+from kdn.codec.zstd import decompress
 from kdn.errors import Corrupt
 
 _U32 = struct.Struct("<I")
@@ -102,12 +103,7 @@ def parse_tables(buf: bytes | memoryview, streams: int, n: int
         (tlen,) = _U32.unpack_from(mv, 0)
     if 4 + tlen > len(mv) or not parallel and (len(mv) - 4 - tlen) % 4:
         raise Corrupt("entropy blob sections do not add up")
-    try:
-        tables = zstandard.ZstdDecompressor().decompress(
-            mv[4 : 4 + tlen], max_output_size=streams * (4 + MAX_WIDTH)
-        )
-    except zstandard.ZstdError as exc:
-        raise Corrupt(f"entropy tables do not decode: {exc}") from exc
+    tables = decompress(mv[4 : 4 + tlen], streams * (4 + MAX_WIDTH), "entropy tables")
     if len(tables) < 4 * streams:
         raise Corrupt("entropy tables truncated")
     lo = np.frombuffer(tables, dtype="<i2", count=streams).astype(np.int32)

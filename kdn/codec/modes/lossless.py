@@ -11,6 +11,7 @@ import torch
 import zstandard
 
 from kdn.codec.modes import LayerSpec, Mode, register, tensor_bytes, tensor_from_bytes
+from kdn.codec.zstd import decompress
 from kdn.errors import Corrupt
 
 ZSTD_LEVEL = 3
@@ -42,10 +43,7 @@ class Lossless(Mode):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         nk = spec.layout.k_numel(spec.tokens) * spec.dtype.itemsize
         nv = spec.layout.v_numel(spec.tokens) * spec.dtype.itemsize
-        try:
-            raw = zstandard.ZstdDecompressor().decompress(body, max_output_size=nk + nv)
-        except zstandard.ZstdError as exc:
-            raise Corrupt(f"layer {spec.index}: zstd body does not decode: {exc}") from exc
+        raw = decompress(body, nk + nv, f"layer {spec.index} body")
         if len(raw) != nk + nv:
             raise Corrupt(f"layer {spec.index}: decoded {len(raw)} bytes, expected {nk + nv}")
         raw = unshuffle(raw, spec.dtype.itemsize)
