@@ -30,9 +30,9 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
-import torch
+import numpy as np
 
 from kdn.errors import InvalidArgument
 from kdn.layout import KVLayout
@@ -40,15 +40,24 @@ from kdn.names import DEFAULT_NAMESPACE, KEY_BYTES, check_key, check_namespace, 
 
 DEFAULT_PREFIX_CHUNK = 256
 
-TokenIds = Sequence[int] | torch.Tensor
+if TYPE_CHECKING:
+    import torch
+
+TokenIds: TypeAlias = "Sequence[int] | torch.Tensor"
 
 
-def _token_bytes(token_ids: TokenIds) -> bytes:
-    t = token_ids if isinstance(token_ids, torch.Tensor) else torch.tensor(list(token_ids))
-    t = t.reshape(-1)
-    if t.numel() and (t.min() < 0 or t.max() >= 2**31):
+def _token_bytes(token_ids: Sequence[int] | torch.Tensor) -> bytes:
+    """Token ids as little-endian int32 bytes (a tensor on any device, or any int sequence;
+    no torch needed for the latter)."""
+    ids: Any = token_ids
+    if hasattr(ids, "detach"):  # a torch tensor
+        ids = ids.detach().reshape(-1).cpu().numpy()
+    t = np.asarray(ids).reshape(-1)
+    if t.size and not np.issubdtype(t.dtype, np.integer):
+        raise InvalidArgument(f"token ids must be integers, got {t.dtype}")
+    if t.size and (int(t.min()) < 0 or int(t.max()) >= 2**31):
         raise InvalidArgument("token ids must be in [0, 2**31)")
-    return t.to(torch.int32).cpu().numpy().astype("<i4").tobytes()
+    return t.astype("<i4").tobytes()
 
 
 def _h(*parts: bytes) -> bytes:

@@ -22,14 +22,16 @@ import enum
 import functools
 import hashlib
 import json
+import sys
 from dataclasses import dataclass, field
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from kdn.errors import InvalidLayout
 
-TorchDType = torch.dtype
+if TYPE_CHECKING:
+    import torch
+
+    TorchDType = torch.dtype
 
 
 class DType(enum.Enum):
@@ -41,7 +43,9 @@ class DType(enum.Enum):
 
     @property
     def torch(self) -> TorchDType:
-        return _TORCH_DTYPES[self]
+        import torch  # the storage side uses layouts without torch: loaded on first need
+
+        return getattr(torch, self.value)  # type: ignore[no-any-return]
 
     @property
     def itemsize(self) -> int:
@@ -51,9 +55,10 @@ class DType(enum.Enum):
     def of(cls, dtype: TorchDType | str | DType) -> DType:
         if isinstance(dtype, DType):
             return dtype
-        if isinstance(dtype, TorchDType):
-            for k, v in _TORCH_DTYPES.items():
-                if v == dtype:
+        torch = sys.modules.get("torch")  # a torch dtype can only exist once torch is loaded
+        if torch is not None and isinstance(dtype, torch.dtype):
+            for k in cls:
+                if getattr(torch, k.value) == dtype:
                     return k
             raise InvalidLayout(f"unsupported dtype {dtype}; kdn stores float16, bfloat16, float32")
         try:
@@ -62,13 +67,6 @@ class DType(enum.Enum):
             raise InvalidLayout(
                 f"unsupported dtype {dtype!r}; kdn stores float16, bfloat16, float32"
             ) from None
-
-
-_TORCH_DTYPES = {
-    DType.FLOAT16: torch.float16,
-    DType.BFLOAT16: torch.bfloat16,
-    DType.FLOAT32: torch.float32,
-}
 
 
 @dataclass(frozen=True)
@@ -242,7 +240,7 @@ class KVLayout:
         cls,
         config: Any,
         *,
-        dtype: torch.dtype | str | DType = torch.float16,
+        dtype: torch.dtype | str | DType = DType.FLOAT16,
         weights_id: str = "",
     ) -> KVLayout:
         """Layout of an ordinary (or kdn-pruned) transformers decoder config.

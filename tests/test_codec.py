@@ -346,3 +346,15 @@ def test_an_unknown_container_version_is_named() -> None:
     head[4] = 9  # version field
     with pytest.raises(InvalidArgument, match="unsupported container version 9"):
         decode(bytes(head) + b"".join(a.frames))
+
+
+def test_the_torch_free_catalog_names_every_registered_mode_and_level() -> None:
+    from kdn.codec.catalog import LEVELS, check_codec
+
+    assert {m: get_mode(m).levels for m in mode_names()} == LEVELS
+    for mode, level in (("nope", ""), ("kdn", "l2"), ("raw", "high")):
+        with pytest.raises(InvalidArgument) as a:
+            check_codec(mode, level)
+        with pytest.raises(InvalidArgument) as b:
+            get_mode(mode).check_level(level)
+        assert str(a.value) == str(b.value)

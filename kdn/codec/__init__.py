@@ -11,40 +11,32 @@
 Frames hold ``layers_per_frame`` consecutive layers (0: enough to fill ``FRAME_TARGET_BYTES``, so
 small layers do not each pay a wire message) and decode independently. Per-layer work runs on
 a small thread pool (torch ops and zstd release the GIL).
+
+Two sides: the container format (``kdn.codec.format``: headers, frames, checksums, the server's
+validation) needs no torch and is what the storage server imports; the tensor side
+(``kdn.codec.api``: encode, decode, the modes) loads torch, and is imported on first use of one
+of its names from this package.
 """
 
 from __future__ import annotations
 
-import itertools
-import os
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
-import torch
+from kdn.codec.format import Container, EncodedParts, Header, parse_container, parse_header
 
-from kdn.cache import KVCache
-from kdn.codec.format import (
-    FRAME_SEED,
-    Buffer,
-    Container,
-    Header,
-    LayerRecord,
-    build_header,
-    check_frame,
-    frame_with_sum,
-    layout_to_proto,
-    parse_container,
-    parse_header,
-    record_parts,
-)
-from kdn.codec.modes import LayerSpec, Mode, get_mode, mode_names
-from kdn.errors import Corrupt, InvalidArgument
-from kdn.layout import KVLayout
-from kdn.v1 import kdn_pb2 as pb
+if TYPE_CHECKING:
+    from kdn.codec.api import (
+        FRAME_TARGET_BYTES,
+        StreamDecoder,
+        decode,
+        encode,
+        encode_parts,
+        frame_spans,
+        mode_names,
+    )
 
 __all__ = [
+    "FRAME_TARGET_BYTES",
     "Container",
     "EncodedParts",
     "Header",
@@ -52,180 +44,19 @@ __all__ = [
     "decode",
     "encode",
     "encode_parts",
+    "frame_spans",
     "mode_names",
     "parse_container",
     "parse_header",
 ]
 
-_POOL: ThreadPoolExecutor | None = None
-FRAME_TARGET_BYTES = 256 << 10
-"""With ``layers_per_frame=0`` a frame takes consecutive layers until it holds this many bytes
-(so a layer this large is a frame of its own)."""
+_TENSOR_SIDE = {"FRAME_TARGET_BYTES", "StreamDecoder", "decode", "encode", "encode_parts",
+                "frame_spans", "mode_names", "get_mode", "_pool", "_spec"}
 
 
-def _pool() -> ThreadPoolExecutor:
-    global _POOL
-    if _POOL is None:
-        _POOL = ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2),
-                                   thread_name_prefix="kdn-codec")
-    return _POOL
+def __getattr__(name: str) -> Any:
+    if name in _TENSOR_SIDE:
+        from kdn.codec import api
 
-
-@dataclass(frozen=True)
-class EncodedParts:
-    """An encoded cache as the container header plus its frames, ready to stream."""
-
-    header: bytes
-    frames: list[bytes]
-
-    def to_bytes(self) -> bytes:
-        return b"".join([self.header, *self.frames])
-
-    @property
-    def nbytes(self) -> int:
-        return len(self.header) + sum(len(f) for f in self.frames)
-
-
-def _spec(kv_layout: KVLayout, layer: int, tokens: int) -> LayerSpec:
-    return LayerSpec(layer, kv_layout.num_layers, kv_layout.layers[layer], tokens, kv_layout.dtype)
-
-
-def frame_spans(layer_bytes: list[int], layers_per_frame: int) -> list[tuple[int, int]]:
-    """(first layer, layer count) of each frame for layers of ``layer_bytes`` encoded bytes:
-    ``layers_per_frame`` layers each, or with 0 consecutive layers until a frame holds
-    ``FRAME_TARGET_BYTES``."""
-    n = len(layer_bytes)
-    if layers_per_frame:
-        return [(first, min(layers_per_frame, n - first))
-                for first in range(0, n, layers_per_frame)]
-    spans: list[tuple[int, int]] = []
-    first, size = 0, 0
-    for layer, nbytes in enumerate(layer_bytes):
-        size += nbytes
-        if size >= FRAME_TARGET_BYTES or layer == n - 1:
-            spans.append((first, layer + 1 - first))
-            first, size = layer + 1, 0
-    return spans
-
-
-def encode_parts(
-    kv: KVCache, mode: str = "lossless", level: str = "", *, layers_per_frame: int = 1
-) -> EncodedParts:
-    """Encode ``kv`` into a container header and frames of ``layers_per_frame`` layers each
-    (0: sized by ``FRAME_TARGET_BYTES``, see ``frame_spans``)."""
-    codec = get_mode(mode)
-    codec.check_level(level)
-    if layers_per_frame < 0:
-        raise InvalidArgument(f"layers_per_frame must be >= 0, got {layers_per_frame}")
-    kv.validate()
-    layout, tokens = kv.layout, kv.num_tokens
-
-    def one(layer: int) -> list[Buffer]:
-        k, v = kv.layers[layer]
-        body = codec.encode_layer(k, v, _spec(layout, layer, tokens), level)
-        return record_parts(layout.layers[layer], tokens, body)
-
-    records = list(_pool().map(one, range(layout.num_layers)))
-    spans = frame_spans([sum(len(p) for p in rec) for rec in records], layers_per_frame)
-    built = [frame_with_sum(FRAME_SEED, i, first, records[first : first + n])
-             for i, (first, n) in enumerate(spans)]
-    entry = pb.EntryHeader(
-        layout=layout_to_proto(layout),
-        codec=pb.Codec(mode=mode, level=level, params=codec.params(level)),
-        tokens=tokens,
-        start_position=kv.start_position,
-        frames=[pb.FrameSpan(first_layer=f, num_layers=n, checksum=full)
-                for (f, n), (_, full) in zip(spans, built)],
-        layout_fingerprint=layout.fingerprint,
-    )
-    return EncodedParts(build_header(entry), [frame for frame, _ in built])
-
-
-def encode(kv: KVCache, mode: str = "lossless", level: str = "", *, layers_per_frame: int = 1
-           ) -> bytes:
-    """Encode ``kv`` into one self-describing container."""
-    return encode_parts(kv, mode, level, layers_per_frame=layers_per_frame).to_bytes()
-
-
-class StreamDecoder:
-    """Decodes the frames of one container as they arrive, in any order, independently."""
-
-    def __init__(self, header: bytes | memoryview | Header,
-                 device: torch.device | str | None = None, *, borrow: bool = False,
-                 checked: bool = False, stored_bytes: int | None = None) -> None:
-        """``borrow``: the frames are writable buffers the caller hands over for good (a region
-        of its shared segment); CPU tensors may then view them instead of copying.
-        ``checked``: their checksums were verified on these very bytes already (by the server
-        that wrote them into the segment); frames are still checked for structure.
-        ``stored_bytes``: the whole entry's size, where known: a mode that stores tensors
-        verbatim can not declare more tensor bytes than that (Corrupt before any allocation)."""
-        self.checked = checked
-        self.header = header if isinstance(header, Header) else parse_header(header)
-        self.device = torch.device(device or "cpu")
-        self.borrow = borrow and self.device.type == "cpu"
-        self.mode: Mode = get_mode(self.header.mode)
-        self.level = self.mode.check_level(self.header.entry.codec.level)
-        self._arena: np.ndarray[Any, Any] | None = None
-        self._offsets: list[int] = []
-        if self.mode.borrows and not self.borrow and self.device.type == "cpu":
-            # verbatim bodies are copied once, into one buffer for the whole entry (numpy
-            # asks for huge pages from 4 MiB on: far fewer page faults than one per tensor)
-            lay, t, size = self.header.layout, self.header.tokens, self.header.layout.dtype.itemsize
-            ends = list(itertools.accumulate(
-                (lay.layers[i].k_numel(t) + lay.layers[i].v_numel(t)) * size
-                for i in range(lay.num_layers)))
-            total = ends[-1] if ends else 0
-            if stored_bytes is not None and total > stored_bytes:
-                raise Corrupt(f"header declares {total} bytes of {self.mode.name} tensors in "
-                              f"an entry of {stored_bytes} bytes")
-            try:
-                self._arena = np.empty(total, dtype=np.uint8)
-                self._offsets = [0, *ends]
-            except MemoryError:  # declared sizes no memory holds (checksummed, but hostile
-                pass  # or damaged): layer by layer, each body's size checked before a copy
-
-    @property
-    def borrows(self) -> bool:
-        """Whether decoding is a view plus checksums (borrowed bodies of a verbatim mode)."""
-        return self.borrow and self.mode.borrows
-
-    @property
-    def num_frames(self) -> int:
-        return len(self.header.entry.frames)
-
-    def decode_record(self, rec: LayerRecord) -> tuple[torch.Tensor, torch.Tensor]:
-        spec = _spec(self.header.layout, rec.layer, rec.tokens)
-        body = rec.body
-        if self._arena is not None:
-            lo, hi = self._offsets[rec.layer], self._offsets[rec.layer + 1]
-            if len(body) != hi - lo:
-                raise Corrupt(f"layer {rec.layer}: {len(body)} body bytes, expected {hi - lo}")
-            place = self._arena[lo:hi]
-            np.copyto(place, np.frombuffer(body, dtype=np.uint8))
-            body = memoryview(place)  # type: ignore[arg-type]
-        kv = self.mode.borrow_layer(body, spec) if self.borrow or self._arena is not None \
-            else None
-        k, v = kv if kv is not None else self.mode.decode_layer(rec.body, spec, self.level,
-                                                                 self.device)
-        if tuple(k.shape) != spec.k_shape or tuple(v.shape) != spec.v_shape:
-            raise Corrupt(f"layer {rec.layer}: mode {self.mode.name} decoded wrong shapes")
-        return k, v
-
-    def decode_frame(
-        self, index: int, frame: bytes | memoryview
-    ) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
-        """Verify frame ``index`` and decode its layers: [(layer, K, V), ...]."""
-        recs = check_frame(self.header, index, frame, checksum=not self.checked)
-        return [(r.layer, *self.decode_record(r)) for r in recs]
-
-    def empty_cache(self) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
-        return [None] * self.header.layout.num_layers
-
-
-def decode(buf: bytes | memoryview, *, device: torch.device | str | None = None) -> KVCache:
-    """Verify and decode a whole container into a KVCache (layers decoded in parallel)."""
-    container = parse_container(buf, verify=False)  # frames are checked just below
-    dec = StreamDecoder(container.header, device, stored_bytes=len(buf))
-    recs = [r for i, f in enumerate(container.frames) for r in check_frame(dec.header, i, f)]
-    layers = list(_pool().map(dec.decode_record, recs))
-    return KVCache(dec.header.layout, layers, int(container.header.entry.start_position))
+        return getattr(api, name)
+    raise AttributeError(f"module 'kdn.codec' has no attribute {name!r}")

@@ -398,6 +398,21 @@ def entry_digest(frames: list[memoryview]) -> int:
     return h.intdigest()
 
 
+@dataclass(frozen=True)
+class EncodedParts:
+    """An encoded cache as the container header plus its frames, ready to stream."""
+
+    header: bytes
+    frames: list[bytes]
+
+    def to_bytes(self) -> bytes:
+        return b"".join([self.header, *self.frames])
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.header) + sum(len(f) for f in self.frames)
+
+
 COPY_CHUNK = 256 << 10
 """Bytes ``copy_checked`` copies at a time: each chunk is hashed while it is still in cache."""
 

@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 import grpc
 from google.protobuf.message import DecodeError
 
+from kdn.codec.catalog import check_codec
 from kdn.codec.format import (
     Header,
     check_frame,
@@ -28,7 +29,6 @@ from kdn.codec.format import (
     parse_header,
     split_frames,
 )
-from kdn.codec.modes import get_mode
 from kdn.errors import Corrupt, InvalidArgument, KDNError, LayoutMismatch, NotFound, TooLarge
 from kdn.keys import split_store_key, store_key
 from kdn.options import Durability
@@ -98,7 +98,7 @@ class KDNServicer(BatchMixin, BlendMixin, pb_grpc.KDNServicer):
         header = parse_header(msg.container_header)
         if len(header.raw) != len(msg.container_header):
             raise InvalidArgument("container_header has trailing bytes after its checksum")
-        get_mode(header.mode).check_level(header.entry.codec.level)
+        check_codec(header.mode, header.entry.codec.level)
         if msg.layout_fingerprint and msg.layout_fingerprint != header.layout.fingerprint:
             raise InvalidArgument(
                 f"layout_fingerprint {msg.layout_fingerprint} does not match the container's "

@@ -1,0 +1,29 @@
+"""The codec modes and levels a stored entry may name, without loading them (no torch).
+
+The storage server checks a Store's declared codec against this table; the modes themselves
+(``kdn.codec.modes``, torch) register the same names, and ``tests/test_codec.py`` checks that
+the two agree.
+"""
+
+from __future__ import annotations
+
+from kdn.errors import InvalidArgument
+
+LEVELS: dict[str, tuple[str, ...]] = {
+    "raw": ("",),
+    "lossless": ("",),
+    "int8": ("",),
+    "cachegen": ("",),
+    "kdn": ("near-lossless", "high", "default", "small", "compact", "tiny"),
+}
+
+
+def check_codec(mode: str, level: str) -> None:
+    """Raise InvalidArgument unless ``mode`` is a known codec mode and ``level`` one of its
+    levels (the same messages as ``kdn.codec.modes.get_mode(...).check_level``)."""
+    levels = LEVELS.get(mode)
+    if levels is None:
+        raise InvalidArgument(f"unknown codec mode {mode!r}; known modes: {sorted(LEVELS)}")
+    if level not in levels:
+        raise InvalidArgument(f"codec mode {mode!r} has no level {level!r}; levels: "
+                              f"{list(levels)}")
