@@ -6,9 +6,10 @@ sees them.
 No network: each input drives ``KDNServicer.Store`` (the handler gRPC calls, its ``_rpc``
 status mapping included) on one event loop, with a RAM-tier ``TieredStore`` as the server
 builds it, a tenant with a quota, an ``allowed_models`` list and a small ``max_entry_bytes``.
-The request messages go through ``kdn.wire.store_request``, the server's deserializer, so the
-servicer gets what it gets from gRPC: hand-encoded frame messages as zero-copy views, anything
-else as generated messages (or a DecodeError).
+The request messages go through the server's deserializer (``kdn.wire.store_request`` wrapped by
+the request interceptor's ``kdn.server.requests.checked``: malformed messages and names end the
+call with INVALID_ARGUMENT), so the servicer gets what it gets from gRPC: hand-encoded frame
+messages as zero-copy views, anything else as generated messages.
 
 An input is a container of ``fuzz/reseal.py`` (every mode and level, pruned and other
 layouts, version 1 and 2), mutated and resealed or left as it is, sent as a stream that may
@@ -26,7 +27,18 @@ comes back from Retrieve byte for byte, and decodes (or is refused by a mode dec
 kdn error: the server checks structure, not bodies) to the shapes its header declares; an
 unmutated stream of a seed decodes to the seed's tensors.
 
-Measured: see the numbers at the end of this docstring.
+Measured 2026-11-23 (atheris 3.0, Python 3.11, one process on a 2-core machine shared with
+other engineers' jobs, load average 0.7-1.3, so absolute rates are low):
+
+- 10-minute run (``-max_total_time=600 -seed=11``, empty corpus, after the container run, not
+  beside it): 476,034 inputs, 792/s on average (~1,000/s in the first seconds), 641 coverage
+  edges (2,485 features), 333 corpus entries, peak RSS 1.1 GB; found nothing.
+- The suite's run (``-runs=6000 -seed=1``) takes ~10 s, start-up included.
+- Found while building it (fixed in ``KDNServicer._check_header``, with a test in
+  tests/test_hostile.py), within its first seconds: a durability outside the enum raised
+  ValueError in ``_commit`` after the tenant was charged (UNKNOWN; on PutMany after earlier
+  items were stored), and a durability the server has no tier for failed in the put, also
+  after the charge, so refused stores leaked quota. Both are refused with the header now.
 """
 
 from __future__ import annotations
@@ -46,7 +58,6 @@ import grpc
 import numpy  # noqa: F401
 import torch  # noqa: F401
 import zstandard  # noqa: F401
-from google.protobuf.message import DecodeError  # noqa: F401
 
 with atheris.instrument_imports(include=["kdn"], exclude=["kdn.codec.rans", "kdn.codec.gpu"]):
     from kdn import codec
@@ -63,6 +74,7 @@ with atheris.instrument_imports(include=["kdn"], exclude=["kdn.codec.rans", "kdn
         current_principal,
     )
     from kdn.server.config import ServerConfig
+    from kdn.server.requests import BadRequest, checked
     from kdn.server.service import KDNServicer
     from kdn.v1 import kdn_pb2 as pb
     from kdn.wire import frame_message, retrieve_response, store_request
@@ -193,9 +205,16 @@ def _stream(fdp: atheris.FuzzedDataProvider, hdr: pb.StoreHeader, frames: list[b
     return msgs + out, value
 
 
-async def _requests(msgs: list[bytes]) -> AsyncIterator[Any]:
+_PARSE = checked(store_request, "Store")  # the deserializer the request interceptor installs
+
+
+async def _requests(msgs: list[bytes], context: Context) -> AsyncIterator[Any]:
+    """The request stream as the handler gets it (``kdn.server.observe._checked_stream``)."""
     for m in msgs:
-        yield store_request(m)  # a DecodeError here reaches the handler, as from gRPC
+        request = _PARSE(m)
+        if isinstance(request, BadRequest):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+        yield request
 
 
 async def _retrieve(ns: str, key: bytes) -> bytes:
@@ -253,7 +272,8 @@ def one_input(data: bytes) -> None:
     _reset()
     before, usage = _snapshot(), AUTH.usage(TENANT)
     try:
-        resp = LOOP.run_until_complete(SERVICER.Store(_requests(msgs), Context()))
+        ctx = Context()
+        resp = LOOP.run_until_complete(SERVICER.Store(_requests(msgs, ctx), ctx))
     except Aborted as exc:
         if exc.code not in REFUSED:
             raise AssertionError(f"client input answered {exc}") from None
