@@ -160,11 +160,16 @@ def test_lying_total_bytes_and_huge_declared_sizes(hostile_server: ServerThread)
 def test_atheris_fuzz_targets_run_clean(target: str, runs: int, tmp_path: Path) -> None:
     """A bounded run of each libFuzzer target (fuzz/) finds nothing: the container decoders
     behind resealed checksums, and the servicer's Store-stream validation."""
+    import resource
     import subprocess
     import sys
 
     path = Path(__file__).resolve().parents[1] / "fuzz" / target
+    # libFuzzer's RSS limit reads the peak RSS the kernel reports, which a child inherits from
+    # this (test) process: allow the target 2 GiB on top of that
+    inherited_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024
     out = subprocess.run([sys.executable, str(path), f"-runs={runs}", "-seed=1",
+                          f"-rss_limit_mb={inherited_mb + 2048}",
                           f"-artifact_prefix={tmp_path}/"],
                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
