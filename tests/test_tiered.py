@@ -244,7 +244,7 @@ def test_server_durability_and_corrupt_disk_entry(tmp_path: Path) -> None:
         disk.put(skey, damage(value))
         assert c.retrieve(key) is None  # a damaged entry is a miss, never served
         assert c.stats().counters["store.corrupt"] == 1
-        with pytest.raises(InvalidArgument, match="SHARED needs a redis tier"):
+        with pytest.raises(InvalidArgument, match="SHARED needs a tier this server does not have"):
             c.store(key, kv, options=StoreOptions(durability=Durability.SHARED))
 
 
