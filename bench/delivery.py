@@ -176,7 +176,7 @@ def throughput_rows(model: Any, tok: Any, workdir: Path, tokens: int,
             fetched = client.fetch(key)
             assert fetched is not None
             stored = fetched.parts
-            put(iter([key, stored.header, *stored.frames]))
+            put(iter([key, stored.header, *map(bytes, stored.frames)]))  # views of the segment
             nbytes = stored.nbytes
             t_raw = timed(lambda: list(get(key)), repeat)
             t_fetch = timed(lambda: client.fetch(key), repeat)
