@@ -9,8 +9,9 @@ The names below are imported on first use (PEP 562), so ``import kdn.layout``, `
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from kdn.lazy import lazy_exports
 
 if TYPE_CHECKING:
     from kdn import keys
@@ -26,23 +27,11 @@ _HOME = {
     "AsyncClient": "kdn.client", "Client": "kdn.client", "Retry": "kdn.client",
     "KVCache": "kdn.cache", "KDNError": "kdn.errors", "DType": "kdn.layout",
     "KVLayout": "kdn.layout", "LayerLayout": "kdn.layout", "RopeSpec": "kdn.layout",
-    "Durability": "kdn.options", "StoreOptions": "kdn.options",
+    "Durability": "kdn.options", "StoreOptions": "kdn.options", "keys": "kdn.keys",
 }
 
 __all__ = ["AsyncClient", "Client", "DType", "Durability", "KDNError", "KVCache", "KVLayout",
            "LayerLayout", "Retry", "RopeSpec", "StoreOptions", "__version__", "keys"]
 
 
-def __getattr__(name: str) -> Any:
-    if name == "keys":
-        return importlib.import_module("kdn.keys")
-    home = _HOME.get(name)
-    if home is None:
-        raise AttributeError(f"module 'kdn' has no attribute {name!r}")
-    value = getattr(importlib.import_module(home), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+__getattr__, __dir__ = lazy_exports(__name__, _HOME, __all__)

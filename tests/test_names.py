@@ -231,6 +231,8 @@ def test_names_are_refused_everywhere_or_round_trip_exactly(
     event("accepted" if ns_ok and key_ok else "refused")
     if not (ns_ok and key_ok):
         for what, (fn, req) in calls.items():
+            if what == "Blend" and key == b"" and ns_ok:
+                continue  # a piece's empty chunk_key makes it a text piece: not a bad key
             code, details = _code(fn, req)
             assert code == INVALID, (what, code, details)
             assert isinstance(details, str) and "\n" not in details

@@ -243,13 +243,18 @@ def test_admin_cli_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]
         a = ["--address", src.address]
         code, out = _run(capsys, *a, "--json", "ls", "--namespace", "kb")
         rows = json.loads(out)
-        assert code == 0 and len(rows) == 6 and {r["tiers"] for r in rows} == {"ram,disk"}
+        assert code == 0 and len(rows) == 6 and all(r["tiers"] == ["ram", "disk"] for r in rows)
+        assert all(isinstance(r["size_bytes"], int) and r["tokens"] == 16 for r in rows)
+        assert all(0 <= r["age_seconds"] < 60 for r in rows)  # real ages, typed
+        # options anywhere after their command (kubectl's convention): same answer
+        code, out2 = _run(capsys, "ls", "--namespace", "kb", "-o", "json", *a)
+        assert code == 0 and [r["key"] for r in json.loads(out2)] == [r["key"] for r in rows]
         first = sorted(kvs)[0].hex()
         code, out = _run(capsys, *a, "--json", "ls", "--prefix", first[:6])
         assert [r["key"] for r in json.loads(out)] == [first]
         code, out = _run(capsys, *a, "--json", "inspect", first, "--namespace", "kb")
         info = json.loads(out)
-        assert code == 0 and int(info["tokens"]) == 16 and len(info["layout"]["layers"]) == 4
+        assert code == 0 and info["tokens"] == 16 and len(info["layout"]["layers"]) == 4
         assert _run(capsys, *a, "pin", first, "--namespace", "kb")[0] == 0
         code, out = _run(capsys, *a, "--json", "ls", "--namespace", "kb")
         assert next(r for r in json.loads(out) if r["key"] == first)["pinned"] is True
@@ -269,9 +274,9 @@ def test_admin_cli_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]
         assert export.read_bytes() == full
         b = ["--address", dst.address]
         code, out = _run(capsys, *b, "--json", "import", str(export))
-        assert code == 0 and json.loads(out)["imported"] == "6"
+        assert code == 0 and json.loads(out)["imported"] == 6
         code, out = _run(capsys, *b, "--json", "import", str(export))
-        assert json.loads(out)["skipped"] == "6"
+        assert json.loads(out)["skipped"] == 6
         with Client(dst.address) as d:
             for k, kv in kvs.items():
                 assert d.retrieve(k, namespace="kb").equal(kv)  # type: ignore[union-attr]

@@ -277,3 +277,25 @@ def test_ram_keeps_a_read_only_byte_view_and_copies_anything_else() -> None:
     got = ram.get(b"w")
     backing[10] ^= 0xFF
     assert isinstance(got, bytes) and got != bytes(backing)
+
+
+def test_write_times_are_recorded_and_old_meta_records_still_read(tmp_path: Path) -> None:
+    import struct
+    import time
+
+    disk = LmdbTier(tmp_path / "db", capacity_bytes=1 << 20)
+    ram = RamTier(1 << 20)
+    before = time.time()
+    for t in (disk, ram):
+        t.put(b"k", b"v" * 10)
+        t.put(b"old", b"w" * 10)
+        written = t.written_at(b"k")
+        assert written is not None and before <= written <= time.time()
+        assert t.written_at(b"absent") is None
+    # a meta record written before write times were kept (24 bytes) reads as "unknown"
+    with disk.env.begin(write=True) as txn:
+        size, expiry, stamp, _ = struct.unpack("<QdQd", txn.get(b"old", db=disk.meta))
+        txn.put(b"old", struct.pack("<QdQ", size, expiry, stamp), db=disk.meta)
+    assert disk.get(b"old") == b"w" * 10 and disk.written_at(b"old") is None
+    assert disk.delete(b"old") and disk.get(b"old") is None
+    disk.close()

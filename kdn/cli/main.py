@@ -1,31 +1,101 @@
-"""``kdn`` command line: ``kdn serve`` and ``kdn admin ...``.
+"""``kdn`` command line: ``kdn serve``, ``kdn admin ...`` and ``kdn rag ...``.
 
-Exit codes: 0 ok, 1 operation failed (server error, not found), 2 bad usage or bad config.
+Conventions (as kubectl's): options go anywhere after their command group (``kdn admin stats
+--json`` and ``kdn admin --json stats`` are the same), every command that prints takes
+``-o json|table`` (``--json`` is ``-o json``), JSON keeps types (counters are numbers), and
+exit codes say what happened (``EXIT_CODES``). A user's mistake is one line on stderr that says
+what to do, never a traceback. Building the parser imports neither grpc nor torch: the
+commands import what they need when they run, so ``kdn --help`` is fast.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
-import json
-import logging
+import os
 import sys
 from pathlib import Path
 from typing import Any
 
-from kdn.errors import ConfigError, KDNError
+from kdn.cli.args import add_output_options, count, model_problem, positive
+from kdn.cli.output import (
+    dump_json,
+    error,
+    fields,
+    human_age,
+    message_dict,
+    short_key,
+    table,
+)
+from kdn.errors import (
+    DeadlineExceeded,
+    KDNError,
+    NotFound,
+    PermissionDenied,
+    Unauthenticated,
+    Unavailable,
+)
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+EXIT_CODES = """\
+exit codes:
+  0  ok
+  1  the command ran and found a failure: the server is unreachable or answered an error,
+     an entry is absent, verify found corrupt entries, health is not SERVING everywhere
+  2  usage: an unknown command or option, a malformed value, a missing file, state folder
+     or model, a bad configuration"""
+DEFAULT_ADDRESS = "127.0.0.1:50051"
+
+
+class _Formatter(argparse.RawDescriptionHelpFormatter):
+    """Epilogs keep their lines (examples, exit codes); option help is wrapped."""
+
+
+def _epilog(examples: list[str]) -> str:
+    return "examples:\n" + "\n".join(f"  {e}" for e in examples) + "\n\n" + EXIT_CODES
+
+
+# ------------------------------------------------------------------------------- options
+
+
+def _admin_options(p: argparse.ArgumentParser, *, suppress: bool) -> None:
+    def default(value: Any) -> Any:
+        return argparse.SUPPRESS if suppress else value
+
+    g = p.add_argument_group("connection")
+    g.add_argument("--address", default=default(os.environ.get("KDN_ADDRESS", DEFAULT_ADDRESS)),
+                   help=f"server host:port (default: $KDN_ADDRESS or {DEFAULT_ADDRESS})")
+    g.add_argument("--timeout", type=positive, default=default(30.0),
+                   help="seconds per call (default: 30)")
+    g.add_argument("--api-key", default=default(None), help="API key (default: $KDN_API_KEY)")
+    g.add_argument("--tls-ca", default=default(None), help="PEM CA to trust (enables TLS)")
+    g.add_argument("--tls-cert", default=default(None), help="client certificate (mutual TLS)")
+    g.add_argument("--tls-key", default=default(None), help="client private key (mutual TLS)")
+    g.add_argument("--tls-server-name", default=default(None),
+                   help="expected server certificate name")
+    add_output_options(p, suppress=suppress)
+
+
+# ------------------------------------------------------------------------------- serve
 
 
 def _serve(ns: argparse.Namespace) -> int:
-    from kdn.server.app import serve
+    from kdn.errors import ConfigError
     from kdn.server.config import describe, load_config
 
     flags = {name: getattr(ns, name, None) for name, _, _ in describe()}
     try:
         config = load_config(ns.config, flags=flags)
     except ConfigError as exc:
-        print(f"kdn serve: bad configuration: {exc}", file=sys.stderr)
-        return 2
+        error("kdn serve", f"bad configuration: {exc}", "see kdn serve --help")
+        return EXIT_USAGE
+    if config.model and (why := model_problem(config.model)):
+        error("kdn serve", why)
+        return EXIT_USAGE
+    import asyncio
+    import logging
+
+    from kdn.server.app import serve
+
     logging.basicConfig(level=config.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     blender = None
@@ -36,78 +106,15 @@ def _serve(ns: argparse.Namespace) -> int:
     try:
         asyncio.run(serve(config, blender))
     except OSError as exc:
-        print(f"kdn serve: {exc}", file=sys.stderr)
-        return 1
-    return 0
+        error("kdn serve", str(exc))
+        return EXIT_FAILED
+    return EXIT_OK
 
 
-def _print(obj: Any, as_json: bool) -> None:
-    if as_json:
-        print(json.dumps(obj, indent=2, sort_keys=True))
-        return
-    if isinstance(obj, dict) and "tiers" in obj:
-        cols = ["name", "entries", "bytes", "capacity_bytes", "hits", "misses", "evictions",
-                "corrupt", "healthy"]
-        rows = [[str(t.get(c, "")) for c in cols] for t in obj["tiers"]]
-        widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
-        print("  ".join(c.ljust(w) for c, w in zip(cols, widths)))
-        for r in rows:
-            print("  ".join(v.ljust(w) for v, w in zip(r, widths)))
-        for k, v in sorted(obj.get("counters", {}).items()):
-            print(f"{k}: {v}")
-        return
-    if isinstance(obj, dict):
-        for k, v in obj.items():
-            print(f"{k}: {v}")
-        return
-    print(obj)
-
-
-def _info_row(e: Any) -> dict[str, Any]:
-    return {"namespace": e.namespace, "key": e.key.hex(), "tenant": e.tenant,
-            "model": e.model_name or e.model_fingerprint[:12], "codec": (
-                f"{e.codec_mode}-{e.codec_level}" if e.codec_level else e.codec_mode),
-            "tokens": e.tokens, "bytes": e.size_bytes, "tiers": ",".join(e.tiers),
-            "pinned": e.pinned, "age_s": round(e.age_seconds, 1)}
-
-
-def _cell(value: Any) -> str:
-    """One table cell on one line: text with control characters (a model name from a client,
-    an entry stored before names were strict) is shown escaped."""
-    text = str(value)
-    return text if text.isprintable() else ascii(text)[1:-1]
-
-
-def _table(rows: list[dict[str, Any]]) -> None:
-    if not rows:
-        print("(no entries)")
-        return
-    cols = list(rows[0])
-    cells = [[_cell(r[c]) for c in cols] for r in rows]
-    widths = [max(len(c), *(len(x[i]) for x in cells)) for i, c in enumerate(cols)]
-    print("  ".join(c.ljust(w) for c, w in zip(cols, widths)))
-    for x in cells:
-        print("  ".join(v.ljust(w) for v, w in zip(x, widths)))
-
-
-def _progress(desc: str, enabled: bool) -> Any:
-    """A tqdm bar on stderr for long operations (off with --json or when not a terminal)."""
-    from tqdm import tqdm
-
-    bar = tqdm(desc=desc, unit="entry", disable=not enabled or not sys.stderr.isatty())
-
-    def update(done: int, total: int) -> None:
-        bar.total = total
-        bar.n = done
-        bar.refresh()
-
-    update.close = bar.close  # type: ignore[attr-defined]
-    return update
+# ------------------------------------------------------------------------------- admin
 
 
 def _admin_client(ns: argparse.Namespace) -> Any:
-    import os
-
     from kdn.client.admin import AdminClient
     from kdn.client.client import TLSOptions
 
@@ -119,162 +126,345 @@ def _admin_client(ns: argparse.Namespace) -> Any:
         tls = TLSOptions(ca=read(ns.tls_ca), cert=read(ns.tls_cert), key=read(ns.tls_key),
                          server_name=ns.tls_server_name or "")
     return AdminClient(ns.address, timeout_s=ns.timeout,
-                       api_key=ns.api_key or os.environ.get("KDN_API_KEY") or None, tls=tls)
+                       api_key=ns.api_key or os.environ.get("KDN_API_KEY") or None, tls=tls,
+                       shm_bytes=0)
 
 
 def _keys(ns: argparse.Namespace) -> list[bytes]:
     return [bytes.fromhex(k) for k in ns.keys]
 
 
+def _entry(info: Any) -> dict[str, Any]:
+    """An ``EntryInfo`` as typed JSON (``age_seconds`` null when the server does not know)."""
+    d = message_dict(info)
+    d["age_seconds"] = None if info.age_seconds < 0 else round(info.age_seconds, 3)
+    return d
+
+
+def _codec(d: dict[str, Any]) -> str:
+    return f"{d['codec_mode']}-{d['codec_level']}" if d["codec_level"] else d["codec_mode"]
+
+
+def _stats(client: Any, ns: argparse.Namespace) -> int:
+    d = message_dict(client.stats())
+    if ns.output == "json":
+        dump_json(d)
+        return EXIT_OK
+    table(d["tiers"], ["name", "entries", "bytes", "capacity_bytes", "hits", "misses",
+                       "evictions", "corrupt", "healthy"], empty="(no tiers)")
+    if d["tenants"]:
+        print()
+        table(d["tenants"], ["tenant", "entries", "bytes", "quota_bytes"])
+    print()
+    fields([("version", d["version"]), ("health", d["health"]), *d["counters"].items()])
+    return EXIT_OK
+
+
+def _health(client: Any, ns: argparse.Namespace) -> int:
+    report = client.health_report()
+    if ns.output == "json":
+        dump_json(report)
+    else:
+        rows = [{"name": "(server)", "kind": "server", "status": report["server"]}]
+        rows += [{"name": n, "kind": "service", "status": s}
+                 for n, s in report["services"].items()]
+        rows += [{"name": n, "kind": "tier", "status": s} for n, s in report["tiers"].items()]
+        table(rows, ["name", "kind", "status"])
+    return EXIT_OK if report["status"] == "SERVING" else EXIT_FAILED
+
+
+def _lookup(client: Any, ns: argparse.Namespace) -> int:
+    res = client.lookup(_keys(ns), namespace=ns.namespace)
+    rows = [{"key": k, "present": i.present, "tier": i.tier or None,
+             "size_bytes": i.size_bytes if i.present else None}
+            for k, i in zip(ns.keys, res.infos)]
+    if ns.output == "json":
+        dump_json(rows)
+    else:
+        table(rows, ["key", "present", "tier", "size_bytes"])
+    return EXIT_OK if all(r["present"] for r in rows) else EXIT_FAILED
+
+
+def _counted(what: str, n: int, ns: argparse.Namespace) -> int:
+    if ns.output == "json":
+        dump_json({what: n})
+    else:
+        print(f"{what}: {n}")
+    return EXIT_OK if n else EXIT_FAILED
+
+
+def _delete(client: Any, ns: argparse.Namespace) -> int:
+    return _counted("deleted", client.delete(_keys(ns), namespace=ns.namespace), ns)
+
+
+def _evict(client: Any, ns: argparse.Namespace) -> int:
+    return _counted("evicted", client.evict(_keys(ns), ns.namespace, ns.tier), ns)
+
+
+def _pin(client: Any, ns: argparse.Namespace) -> int:
+    return _counted("pinned", client.pin(_keys(ns), ns.namespace), ns)
+
+
+def _unpin(client: Any, ns: argparse.Namespace) -> int:
+    return _counted("unpinned", client.unpin(_keys(ns), ns.namespace), ns)
+
+
+def _ls(client: Any, ns: argparse.Namespace) -> int:
+    entries = [_entry(e) for e in client.ls(ns.namespace, bytes.fromhex(ns.prefix), ns.model,
+                                            ns.tenant, ns.limit)]
+    for e in entries:
+        e.pop("layout")  # Inspect only
+    if ns.output == "json":
+        dump_json(entries)
+        return EXIT_OK
+    rows = [{"namespace": e["namespace"], "key": short_key(e["key"]), "tenant": e["tenant"],
+             "model": e["model_name"] or e["model_fingerprint"][:12], "codec": _codec(e),
+             "tokens": e["tokens"], "bytes": e["size_bytes"], "tiers": e["tiers"],
+             "pinned": e["pinned"], "age": human_age(e["age_seconds"])} for e in entries]
+    table(rows, empty="(no entries)")
+    return EXIT_OK
+
+
+def _inspect(client: Any, ns: argparse.Namespace) -> int:
+    e = _entry(client.inspect(bytes.fromhex(ns.key), ns.namespace))
+    if ns.output == "json":
+        dump_json(e)
+        return EXIT_OK
+    layers = (e["layout"] or {}).get("layers", [])
+    fields([("namespace", e["namespace"]), ("key", e["key"]), ("tenant", e["tenant"]),
+            ("model", e["model_name"]), ("model_fingerprint", e["model_fingerprint"]),
+            ("layout_fingerprint", e["layout_fingerprint"]), ("codec", _codec(e)),
+            ("dtype", e["dtype"]), ("layers", e["num_layers"]), ("tokens", e["tokens"]),
+            ("bytes", e["size_bytes"]), ("tiers", e["tiers"]), ("pinned", e["pinned"]),
+            ("age", human_age(e["age_seconds"])),
+            ("kv_heads", sorted({x["kv_heads"] for x in layers})),
+            ("k_channels", [x["k_channels"] for x in layers]),
+            ("v_channels", [x["v_channels"] for x in layers])])
+    return EXIT_OK
+
+
+def _verify(client: Any, ns: argparse.Namespace) -> int:
+    report: dict[str, dict[str, Any]] = {}
+    for p in client.verify(dry_run=ns.dry_run):
+        t = report.setdefault(p.tier, {"scanned": 0, "corrupt": 0, "removed": 0,
+                                       "corrupt_keys": []})
+        t.update(scanned=int(p.scanned), corrupt=int(p.corrupt), removed=int(p.removed))
+        t["corrupt_keys"] += list(p.corrupt_keys)
+    if ns.output == "json":
+        dump_json(report)
+    else:
+        table([{"tier": name, **{k: v for k, v in t.items() if k != "corrupt_keys"}}
+               for name, t in report.items()], ["tier", "scanned", "corrupt", "removed"],
+              empty="(no tiers)")
+        for name, t in report.items():
+            for k in t["corrupt_keys"]:
+                print(f"corrupt in {name}: {k}")
+    return EXIT_FAILED if any(t["corrupt"] for t in report.values()) else EXIT_OK
+
+
+def _progress(desc: str, ns: argparse.Namespace) -> Any:
+    """A tqdm bar on stderr, only on a terminal and for table output."""
+    from tqdm import tqdm
+
+    bar = tqdm(desc=desc, unit="entry",
+               disable=ns.output == "json" or not sys.stderr.isatty())
+
+    def update(done: int, total: int) -> None:
+        bar.total = total
+        bar.n = done
+        bar.refresh()
+
+    update.close = bar.close  # type: ignore[attr-defined]
+    return update
+
+
+def _export(client: Any, ns: argparse.Namespace) -> int:
+    bar = _progress("export", ns)
+    try:
+        n = client.export_to(Path(ns.file), ns.namespace, bytes.fromhex(ns.prefix),
+                             progress=bar)
+    finally:
+        bar.close()
+    if ns.output == "json":
+        dump_json({"file": ns.file, "entries": n})
+    else:
+        fields([("file", ns.file), ("entries", n)])
+    return EXIT_OK
+
+
+def _import(client: Any, ns: argparse.Namespace) -> int:
+    if not Path(ns.file).is_file():
+        raise FileNotFoundError(2, "no such file", ns.file)
+    bar = _progress("import", ns)
+    try:
+        resp = client.import_from(Path(ns.file), progress=bar)
+    finally:
+        bar.close()
+    d = message_dict(resp)
+    dump_json(d) if ns.output == "json" else fields(d.items())
+    return EXIT_FAILED if resp.rejected else EXIT_OK
+
+
+def _gc(client: Any, ns: argparse.Namespace) -> int:
+    d = message_dict(client.gc())
+    dump_json(d) if ns.output == "json" else fields(d.items())
+    return EXIT_OK
+
+
+ADMIN = {"stats": _stats, "health": _health, "lookup": _lookup, "delete": _delete,
+         "evict": _evict, "pin": _pin, "unpin": _unpin, "ls": _ls, "inspect": _inspect,
+         "verify": _verify, "export": _export, "import": _import, "gc": _gc}
+
+
+def _hint(exc: KDNError, ns: argparse.Namespace) -> str:
+    if isinstance(exc, Unavailable):
+        return f"is a kdn server listening on {ns.address}? (set --address or $KDN_ADDRESS)"
+    if isinstance(exc, DeadlineExceeded):
+        return "the server did not answer in time; raise --timeout"
+    if isinstance(exc, Unauthenticated):
+        return "pass --api-key or set $KDN_API_KEY"
+    if isinstance(exc, PermissionDenied):
+        return "this command needs an API key of the admin role"
+    return ""
+
+
 def _admin(ns: argparse.Namespace) -> int:
-    from google.protobuf.json_format import MessageToDict
-
-    def as_dict(msg: Any) -> dict[str, Any]:
-        return MessageToDict(msg, preserving_proto_field_name=True,
-                             always_print_fields_with_no_presence=True)
-
+    prog = f"kdn admin {ns.admin_cmd}"
     try:
         client = _admin_client(ns)
-    except OSError as exc:
-        print(f"kdn admin: {exc}", file=sys.stderr)
-        return 2
-    cmd = ns.admin_cmd
+    except OSError as exc:  # a TLS file that can not be read
+        error(prog, f"{exc.filename}: {exc.strerror}", "check the --tls-* paths")
+        return EXIT_USAGE
     try:
-        if cmd == "stats":
-            _print(as_dict(client.stats()), ns.json)
-        elif cmd == "health":
-            status = client.health()
-            _print({"status": status}, ns.json)
-            return 0 if status == "SERVING" else 1
-        elif cmd == "lookup":
-            res = client.lookup(_keys(ns), namespace=ns.namespace)
-            _print({k: vars(i) for k, i in zip(ns.keys, res.infos)}, ns.json)
-        elif cmd == "delete":
-            n = client.delete(_keys(ns), namespace=ns.namespace)
-            _print({"deleted": n}, ns.json)
-            return 0 if n else 1
-        elif cmd == "ls":
-            rows = [_info_row(e) for e in client.ls(ns.namespace or "", bytes.fromhex(ns.prefix),
-                                                    ns.model or "", ns.tenant or "", ns.limit)]
-            print(json.dumps(rows, indent=2)) if ns.json else _table(rows)
-        elif cmd == "inspect":
-            info = client.inspect(bytes.fromhex(ns.key), ns.namespace)
-            _print(as_dict(info) | {"key": ns.key}, True) if ns.json else _print(
-                _info_row(info) | {"layout_fingerprint": info.layout_fingerprint,
-                                   "layers": info.num_layers, "dtype": info.dtype,
-                                   "k_channels": [x.k_channels for x in info.layout.layers],
-                                   "v_channels": [x.v_channels for x in info.layout.layers]},
-                False)
-        elif cmd in ("evict", "pin", "unpin"):
-            fn = getattr(client, cmd)
-            n = fn(_keys(ns), ns.namespace, ns.tier) if cmd == "evict" else fn(_keys(ns),
-                                                                              ns.namespace)
-            _print({cmd + ("ed" if cmd == "evict" else "ned"): n}, ns.json)
-            return 0 if n else 1
-        elif cmd == "verify":
-            report: dict[str, Any] = {}
-            for p in client.verify(dry_run=ns.dry_run):
-                t = report.setdefault(p.tier, {"scanned": 0, "corrupt": 0, "removed": 0,
-                                               "corrupt_keys": []})
-                t.update(scanned=p.scanned, corrupt=p.corrupt, removed=p.removed)
-                t["corrupt_keys"] += list(p.corrupt_keys)
-            _print(report, ns.json)
-            return 1 if any(t["corrupt"] for t in report.values()) else 0
-        elif cmd == "export":
-            bar = _progress("export", not ns.json)
-            n = client.export_to(Path(ns.file), ns.namespace or "", bytes.fromhex(ns.prefix),
-                                 progress=bar)
-            bar.close()
-            _print({"file": ns.file, "entries": n}, ns.json)
-        elif cmd == "import":
-            bar = _progress("import", not ns.json)
-            resp = client.import_from(Path(ns.file), progress=bar)
-            bar.close()
-            _print(as_dict(resp), ns.json)
-            return 1 if resp.rejected else 0
-        elif cmd == "gc":
-            _print(as_dict(client.gc()), ns.json)
-    except ValueError as exc:
-        print(f"kdn admin {cmd}: bad argument: {exc}", file=sys.stderr)
-        return 2
-    except OSError as exc:
-        print(f"kdn admin {cmd}: {exc}", file=sys.stderr)
-        return 1
+        return int(ADMIN[ns.admin_cmd](client, ns))
+    except NotFound as exc:
+        error(prog, exc)
+        return EXIT_FAILED
     except KDNError as exc:
-        print(f"kdn admin {cmd}: {exc}", file=sys.stderr)
-        return 1
+        error(prog, exc, _hint(exc, ns))
+        return EXIT_FAILED
+    except OSError as exc:  # the export/import file
+        error(prog, f"{exc.filename}: {exc.strerror}" if exc.filename else str(exc))
+        return EXIT_USAGE
     finally:
         client.close()
-    return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
+# ------------------------------------------------------------------------------- parser
+
+
+ADMIN_EXAMPLES = [
+    "kdn admin health                      # kdn.v1.KDN and every tier; exit 1 while one is down",
+    "kdn admin stats --json",
+    "kdn admin ls --namespace kb --limit 20",
+    "kdn admin inspect KEY --namespace kb",
+    "kdn admin lookup KEY --namespace kb -o json",
+    "kdn admin verify --dry-run",
+    "kdn admin export kb.kdnx --namespace kb",
+    "kdn admin import kb.kdnx --address 10.0.0.7:50051",
+]
+SERVE_EXAMPLES = [
+    "kdn serve",
+    "kdn serve --port 50052 --data-dir /var/lib/kdn --ram-bytes 4GiB",
+    "kdn serve --redis-url redis://127.0.0.1:6379 --tier-order ram,redis,disk",
+]
+TOP_EXAMPLES = [
+    "kdn serve --ram-bytes 1GiB --disk-bytes 16GiB",
+    "kdn admin health",
+    "kdn admin stats -o json",
+    "kdn rag ingest docs/ --state .kdn-rag",
+]
+
+
+def _add_admin(sub: Any) -> None:
     from kdn.cli.args import HEX_KEY, HEX_PREFIX, NAMESPACE, NAMESPACE_FILTER, TENANT_FILTER
+
+    common = argparse.ArgumentParser(add_help=False)
+    _admin_options(common, suppress=True)
+    admin = sub.add_parser("admin", help="operate a running server", formatter_class=_Formatter,
+                           description="Operate a running kdn server (the KDNAdmin service).",
+                           epilog=_epilog(ADMIN_EXAMPLES))
+    _admin_options(admin, suppress=False)
+    asub = admin.add_subparsers(dest="admin_cmd", required=True, metavar="COMMAND")
+
+    def command(name: str, hlp: str) -> argparse.ArgumentParser:
+        return asub.add_parser(name, help=hlp, description=hlp[0].upper() + hlp[1:] + ".",
+                               parents=[common], formatter_class=_Formatter,
+                               epilog=EXIT_CODES)
+
+    command("stats", "per-tier entries, bytes, hit rates; per tenant; counters")
+    command("health", "the server, the kdn.v1.KDN service and every tier: SERVING or not")
+
+    def keyed(name: str, hlp: str) -> argparse.ArgumentParser:
+        p = command(name, hlp)
+        p.add_argument("keys", nargs="+", type=HEX_KEY, metavar="KEY",
+                       help="hex keys (64 hex digits each)")
+        p.add_argument("--namespace", type=NAMESPACE, default="default")
+        return p
+
+    keyed("lookup", "which keys exist, in which tier, how big (exit 1 if one is absent)")
+    keyed("delete", "delete entries from every tier")
+    keyed("evict", "drop entries from one tier (default ram)").add_argument(
+        "--tier", default="", help="tier name (ram, redis, disk)")
+    keyed("pin", "never evict these entries")
+    keyed("unpin", "allow eviction again")
+    ls = command("ls", "list entries (filter by namespace, model, key prefix, tenant)")
+    ls.add_argument("--namespace", type=NAMESPACE_FILTER, default="", help="default: all")
+    ls.add_argument("--model", default="",
+                    help="model name (as stored, or its last path part) or fingerprint prefix")
+    ls.add_argument("--prefix", type=HEX_PREFIX, default="", help="hex key prefix")
+    ls.add_argument("--tenant", type=TENANT_FILTER, default="", help="admins: this tenant only")
+    ls.add_argument("--limit", type=count, default=0, help="page size")
+    ins = command("inspect", "one entry: layout, codec, size, tiers, pin, age")
+    ins.add_argument("key", type=HEX_KEY, metavar="KEY")
+    ins.add_argument("--namespace", type=NAMESPACE, default="default")
+    ver = command("verify", "check every entry's checksums; remove corrupt ones (exit 1 if any)")
+    ver.add_argument("--dry-run", action="store_true", help="report without removing")
+    exp = command("export", "write entries to a file (resumes an interrupted one)")
+    exp.add_argument("file", metavar="FILE")
+    exp.add_argument("--namespace", type=NAMESPACE_FILTER, default="", help="default: all")
+    exp.add_argument("--prefix", type=HEX_PREFIX, default="", help="hex key prefix")
+    imp = command("import", "load an export file (idempotent, verified)")
+    imp.add_argument("file", metavar="FILE")
+    command("gc", "remove expired entries")
+    admin.set_defaults(func=_admin)
+
+
+def _add_serve(sub: Any) -> None:
     from kdn.server.config import describe
 
-    ap = argparse.ArgumentParser(prog="kdn", description="kdn: a knowledge delivery network")
-    sub = ap.add_subparsers(dest="cmd", required=True)
-
-    serve = sub.add_parser("serve", help="run a kdn server",
+    serve = sub.add_parser("serve", help="run a kdn server", formatter_class=_Formatter,
                            description="Run a kdn server. Settings come from --config FILE "
-                           "(YAML), then KDN_<NAME> environment variables, then flags.")
+                           "(YAML), then KDN_<NAME> environment variables, then flags.",
+                           epilog=_epilog(SERVE_EXAMPLES))
     serve.add_argument("--config", type=Path, help="YAML file of settings")
     for name, default, doc in describe():
         serve.add_argument("--" + name.replace("_", "-"), dest=name, default=None,
                            help=f"{doc} (default: {default})")
     serve.set_defaults(func=_serve)
 
-    admin = sub.add_parser("admin", help="operate a running server")
-    admin.add_argument("--address", default="127.0.0.1:50051")
-    admin.add_argument("--timeout", type=float, default=30.0)
-    admin.add_argument("--json", action="store_true", help="machine-readable output")
-    admin.add_argument("--api-key", help="API key (default: $KDN_API_KEY)")
-    admin.add_argument("--tls-ca", help="PEM CA to trust (enables TLS)")
-    admin.add_argument("--tls-cert", help="client certificate (mutual TLS)")
-    admin.add_argument("--tls-key", help="client private key (mutual TLS)")
-    admin.add_argument("--tls-server-name", help="expected server certificate name")
-    asub = admin.add_subparsers(dest="admin_cmd", required=True)
-    asub.add_parser("stats", help="per-tier entries, bytes, hit rates; per tenant; counters")
-    asub.add_parser("health", help="the standard gRPC health status")
 
-    def keyed(name: str, hlp: str) -> argparse.ArgumentParser:
-        p = asub.add_parser(name, help=hlp)
-        p.add_argument("keys", nargs="+", type=HEX_KEY, help="hex keys (64 hex digits each)")
-        p.add_argument("--namespace", type=NAMESPACE, default="default")
-        return p
+def build_parser() -> argparse.ArgumentParser:
+    from kdn.cli.rag import register as register_rag
 
-    keyed("lookup", "which keys exist, in which tier, how big")
-    keyed("delete", "delete entries from every tier")
-    keyed("evict", "drop entries from one tier (default ram)").add_argument("--tier", default="")
-    keyed("pin", "never evict these entries")
-    keyed("unpin", "allow eviction again")
-    ls = asub.add_parser("ls", help="list entries (filter by namespace, model, key prefix)")
-    ls.add_argument("--namespace", type=NAMESPACE_FILTER, default="")
-    ls.add_argument("--model", default="", help="model fingerprint prefix")
-    ls.add_argument("--prefix", type=HEX_PREFIX, default="", help="hex key prefix")
-    ls.add_argument("--tenant", type=TENANT_FILTER, default="", help="admins: this tenant only")
-    ls.add_argument("--limit", type=int, default=0, help="page size")
-    ins = asub.add_parser("inspect", help="one entry: layout, codec, size, tiers, pin")
-    ins.add_argument("key", type=HEX_KEY)
-    ins.add_argument("--namespace", type=NAMESPACE, default="default")
-    ver = asub.add_parser("verify", help="check every entry's checksums; remove corrupt ones")
-    ver.add_argument("--dry-run", action="store_true", help="report without removing")
-    exp = asub.add_parser("export", help="write entries to a file (resumes an interrupted one)")
-    exp.add_argument("file")
-    exp.add_argument("--namespace", type=NAMESPACE_FILTER, default="")
-    exp.add_argument("--prefix", type=HEX_PREFIX, default="", help="hex key prefix")
-    imp = asub.add_parser("import", help="load an export file (idempotent, verified)")
-    imp.add_argument("file")
-    asub.add_parser("gc", help="remove expired entries")
-    admin.set_defaults(func=_admin)
-    from kdn.rag.cli import register as register_rag
+    ap = argparse.ArgumentParser(
+        prog="kdn", formatter_class=_Formatter, epilog=_epilog(TOP_EXAMPLES),
+        description="kdn: a knowledge delivery network (KV caches for LLMs). Options go "
+        "anywhere after their command; `kdn COMMAND --help` lists them.")
+    sub = ap.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+    _add_serve(sub)
+    _add_admin(sub)
     register_rag(sub)
     return ap
 
 
 def main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
-    return int(ns.func(ns))
+    try:
+        return int(ns.func(ns))
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ import struct
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 import xxhash
@@ -85,6 +86,15 @@ def read_records(path: Path) -> tuple[list[Record], int]:
     return out, good
 
 
+SERVICE = "kdn.v1.KDN"  # the service whose health turns NOT_SERVING while a tier is down
+
+
+def _tier_status(tier: pb.TierStats) -> str:
+    if getattr(tier, "degraded", False):
+        return "DEGRADED"
+    return "SERVING" if tier.healthy else "NOT_SERVING"
+
+
 def _listing(namespace: str, key_prefix: bytes) -> None:
     """Check the filters of a listing or export: "" is every namespace, b"" every key."""
     if namespace:
@@ -102,6 +112,16 @@ class AdminClient(Client):
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
         self._admin = pb_grpc.KDNAdminStub(self._channel)
+
+    def health_report(self, *, request_id: str | None = None) -> dict[str, Any]:
+        """What ``kdn admin health`` prints: the server-wide and ``kdn.v1.KDN`` health statuses,
+        each tier's (from Stats: ``SERVING``, ``DEGRADED`` while part of a Redis Cluster
+        answers, ``NOT_SERVING``), and ``status``: ``SERVING`` only when every one of them is."""
+        services = {name: self.health(name) for name in ("", SERVICE)}
+        tiers = {t.name: _tier_status(t) for t in self.stats(request_id=request_id).tiers}
+        states = [*services.values(), *tiers.values()]
+        return {"status": "SERVING" if all(s == "SERVING" for s in states) else "NOT_SERVING",
+                "server": services.pop(""), "services": services, "tiers": tiers}
 
     def ls(self, namespace: str = "", key_prefix: bytes = b"", model: str = "",
            tenant: str = "", limit: int = 0, *,

@@ -7,30 +7,35 @@
     kb.ingest("docs/"); kb.ask("Who ...?")
 
 ``corpus`` loads and chunks documents, ``index`` persists the manifest and embeddings,
-``pipeline`` holds the engine and the knowledge base, ``cli`` the ``kdn rag`` commands.
+``pipeline`` holds the engine and the knowledge base (``kdn.cli.rag``: the ``kdn rag``
+commands). The
+names below load on first use, so ``kdn rag --help`` does not import torch.
 """
 
-from kdn.rag.corpus import Chunk, Document, chunk_document, load_corpus
-from kdn.rag.pipeline import (
-    Answer,
-    AskTimings,
-    IngestReport,
-    KnowledgeBase,
-    RagConfig,
-    RagEngine,
-    Source,
-)
+from __future__ import annotations
 
-__all__ = [
-    "Answer",
-    "AskTimings",
-    "Chunk",
-    "Document",
-    "IngestReport",
-    "KnowledgeBase",
-    "RagConfig",
-    "RagEngine",
-    "Source",
-    "chunk_document",
-    "load_corpus",
-]
+from typing import TYPE_CHECKING
+
+from kdn.lazy import lazy_exports
+
+if TYPE_CHECKING:
+    from kdn.rag.corpus import Chunk, Document, chunk_document, load_corpus
+    from kdn.rag.pipeline import (
+        Answer,
+        AskTimings,
+        IngestReport,
+        KnowledgeBase,
+        RagConfig,
+        RagEngine,
+        Source,
+    )
+
+_HOME = {name: "kdn.rag.pipeline" for name in (
+    "Answer", "AskTimings", "IngestReport", "KnowledgeBase", "RagConfig", "RagEngine", "Source")}
+_HOME.update({name: "kdn.rag.corpus" for name in (
+    "Chunk", "Document", "chunk_document", "load_corpus")})
+
+__all__ = ["Answer", "AskTimings", "Chunk", "Document", "IngestReport", "KnowledgeBase",
+           "RagConfig", "RagEngine", "Source", "chunk_document", "load_corpus"]
+
+__getattr__, __dir__ = lazy_exports(__name__, _HOME, __all__)

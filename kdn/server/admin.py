@@ -9,6 +9,7 @@ read directly where an operation must not promote (listing, verifying, exporting
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 
 import grpc
@@ -71,6 +72,12 @@ class AdminServicer(pb_grpc.KDNAdminServicer):
                 return value, [x.name for x in tiers]
         return None
 
+    def _age(self, skey: bytes) -> float:
+        """Seconds since the entry was written: the oldest write time a tier recorded (a copy
+        promoted to RAM keeps the disk copy's age); -1 when no tier records one (Redis)."""
+        times = [w for t in self.store.where(skey) if (w := t.written_at(skey)) is not None]
+        return max(0.0, time.time() - min(times)) if times else -1.0
+
     def _info(self, skey: bytes, with_layout: bool = False) -> pb.EntryInfo | None:
         got = self._read(skey)
         if got is None:
@@ -78,7 +85,8 @@ class AdminServicer(pb_grpc.KDNAdminServicer):
         value, tiers = got
         tenant, namespace, key = split_store_key(skey)
         info = pb.EntryInfo(namespace=namespace, key=key, tenant=tenant, size_bytes=len(value),
-                            tiers=tiers, pinned=self.store.is_pinned(skey), age_seconds=-1.0)
+                            tiers=tiers, pinned=self.store.is_pinned(skey),
+                            age_seconds=self._age(skey))
         try:
             h = parse_header(value)
         except KDNError:

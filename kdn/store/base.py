@@ -151,6 +151,10 @@ class Tier(abc.ABC):
         """Seconds until ``key`` expires; None when it has no expiry (or is absent)."""
         return None
 
+    def written_at(self, key: bytes) -> float | None:
+        """When ``key`` was written (unix seconds); None when absent or not recorded."""
+        return None
+
     def keys(self, prefix: bytes = b"") -> Iterator[bytes]:
         """Keys starting with ``prefix`` (admin listing; may be slow)."""
         return iter(())

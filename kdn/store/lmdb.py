@@ -5,7 +5,8 @@ restarted server serves what it held, with its byte accounting and access order.
 databases, all updated in the same write transaction:
 
     entries  key -> value bytes
-    meta     key -> (value size u64, expiry f64 unix seconds or 0, stamp u64)
+    meta     key -> (value size u64, expiry f64 unix seconds or 0, stamp u64, written f64 unix
+             seconds; entries from before it was kept have 24 bytes and no write time)
     lru      stamp (u64 big-endian) + key -> b""   oldest access first
     info     b"used" -> u64, the sum of len(key) + len(value) over all entries
 
@@ -40,7 +41,15 @@ from kdn.store.base import Tier, TierStats
 
 _MIN_MAP = 64 << 20
 _START_MAP = 256 << 20
-_META = struct.Struct("<QdQ")  # value size, expiry (unix s, 0 = none), stamp
+_META = struct.Struct("<QdQd")  # value size, expiry (unix s, 0 = none), stamp, written (unix s)
+_META_V1 = struct.Struct("<QdQ")  # without the write time
+
+
+def _unmeta(raw: bytes | memoryview) -> tuple[int, float, int, float]:
+    """(size, expiry, stamp, written: 0.0 when unknown) of a meta record of either length."""
+    if len(raw) == _META_V1.size:
+        return (*_META_V1.unpack(raw), 0.0)
+    return _META.unpack(raw)  # type: ignore[no-any-return]
 _STAMP = struct.Struct(">Q")
 _USED = b"used"
 _MAX_TOUCHED = 1 << 16
@@ -137,7 +146,7 @@ class LmdbTier(Tier):
     def _live(meta: bytes | memoryview | None, now: float) -> tuple[int, float, int] | None:
         if meta is None:
             return None
-        size, expiry, stamp = _META.unpack(meta)
+        size, expiry, stamp, _ = _unmeta(meta)
         if expiry and expiry <= now:
             return None
         return size, expiry, stamp
@@ -167,7 +176,7 @@ class LmdbTier(Tier):
                 raw = txn.get(key)
                 if raw is None:
                     return None
-                size, expiry, _ = _META.unpack(raw)
+                size, expiry, _, _ = _unmeta(raw)
         finally:
             self._rw.release_shared()
         if expiry and expiry <= time.time():
@@ -191,7 +200,7 @@ class LmdbTier(Tier):
             with self.env.begin(db=self.meta, buffers=True) as txn:
                 raw = txn.get(key)
                 if raw is not None:
-                    expiry = _META.unpack(raw)[1]
+                    expiry = _unmeta(raw)[1]
                     if expiry and expiry <= time.time():
                         expired = True
                     else:
@@ -221,6 +230,15 @@ class LmdbTier(Tier):
         with self._read() as txn:
             lives = [self._live(txn.get(k, db=self.meta), now) for k in keys]
         return [None if m is None else m[0] for m in lives]
+
+    def written_at(self, key: bytes) -> float | None:
+        now = time.time()
+        with self._read() as txn:
+            raw = txn.get(key, db=self.meta)
+            if raw is None or self._live(raw, now) is None:
+                return None
+            written = _unmeta(raw)[3]
+        return written or None
 
     def ttl_remaining(self, key: bytes) -> float | None:
         m = self._meta(key)
@@ -287,11 +305,11 @@ class LmdbTier(Tier):
             meta = txn.get(k, db=self.meta)
             if meta is None:
                 continue
-            size, expiry, stamp = _META.unpack(meta)
+            size, expiry, stamp, written = _unmeta(meta)
             new = self._next_stamp()
             txn.delete(_STAMP.pack(stamp) + k, db=self.lru)
             txn.put(_STAMP.pack(new) + k, b"", db=self.lru)
-            txn.put(k, _META.pack(size, expiry, new), db=self.meta)
+            txn.put(k, _META.pack(size, expiry, new, written), db=self.meta)
 
     def _used(self, txn: lmdb.Transaction) -> int:
         raw = txn.get(_USED, db=self.info)
@@ -302,7 +320,7 @@ class LmdbTier(Tier):
         meta = txn.get(key, db=self.meta)
         if meta is None:
             return 0
-        size, _, stamp = _META.unpack(meta)
+        size, _, stamp, _ = _unmeta(meta)
         txn.delete(key, db=self.meta)
         txn.delete(key, db=self.entries)
         txn.delete(_STAMP.pack(stamp) + key, db=self.lru)
@@ -311,11 +329,12 @@ class LmdbTier(Tier):
 
     def _put_txn(self, txn: lmdb.Transaction, batch: list[tuple[bytes, bytes]],
                  expiry: float) -> None:
+        now = time.time()
         for k, v in batch:
             self._remove(txn, k)
             stamp = self._next_stamp()
             txn.put(k, v, db=self.entries)
-            txn.put(k, _META.pack(len(v), expiry, stamp), db=self.meta)
+            txn.put(k, _META.pack(len(v), expiry, stamp, now), db=self.meta)
             txn.put(_STAMP.pack(stamp) + k, b"", db=self.lru)
             used = self._used(txn) + len(k) + len(v)
             txn.put(_USED, used.to_bytes(8, "little"), db=self.info)
@@ -335,7 +354,7 @@ class LmdbTier(Tier):
                 continue
             meta = txn.get(key, db=self.meta)
             if meta is not None:
-                used -= len(key) + _META.unpack(meta)[0]
+                used -= len(key) + _unmeta(meta)[0]
                 victims.append(key)
         if used > self.capacity_bytes:
             raise TooLarge(f"disk tier is full of pinned entries ({used} of "

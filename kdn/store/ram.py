@@ -38,6 +38,7 @@ class RamTier(Tier):
             self.protected = protected
         self.on_evict = on_evict
         self._data: OrderedDict[bytes, bytes] = OrderedDict()  # LRU order, oldest first
+        self._written: dict[bytes, float] = {}  # unix seconds of each entry's write
         self._expiry: dict[bytes, float] = {}  # only entries with a TTL; monotonic deadline
         self._bytes = 0
         self._lock = threading.Lock()
@@ -61,6 +62,7 @@ class RamTier(Tier):
             return None
         self._expiry.pop(key, None)
         self._stamps.pop(key, None)
+        self._written.pop(key, None)
         self._bytes -= len(value)
         return value
 
@@ -86,6 +88,10 @@ class RamTier(Tier):
         with self._lock:
             return len(self._data[key]) if self._live(key) else None
 
+    def written_at(self, key: bytes) -> float | None:
+        with self._lock:
+            return self._written.get(key) if self._live(key) else None
+
     def ttl_remaining(self, key: bytes) -> float | None:
         with self._lock:
             if not self._live(key) or key not in self._expiry:
@@ -104,6 +110,7 @@ class RamTier(Tier):
             self._remove(key)
             self._data[key] = value
             self._stamps[key] = next(self._next_stamp)
+            self._written[key] = time.time()
             if ttl_s:
                 self._expiry[key] = time.monotonic() + ttl_s
             self._bytes += len(value)
@@ -151,6 +158,7 @@ class RamTier(Tier):
         with self._lock:
             self._data.clear()
             self._expiry.clear()
+            self._written.clear()
             self._bytes = 0
 
     @property

@@ -1,0 +1,242 @@
+"""``kdn rag ingest | ask | rm``: a corpus as KV in kdn, questions answered by blending.
+
+    kdn rag ingest docs/ --state .kdn-rag          # chunk, embed, prefill, store (resumable)
+    kdn rag ask "Who wrote ...?" --state .kdn-rag  # answer, sources, timing split
+    kdn rag rm notes/old.md --state .kdn-rag       # forget documents, delete their entries
+
+The state folder (default ``$KDN_RAG_STATE`` or ``.kdn-rag``) holds the manifest and the
+embeddings; ``ask`` and ``rm`` take the chunking, namespace and codec settings from it.
+Heavy imports (torch, the model) happen inside the handlers, so ``kdn --help`` stays fast.
+Exit codes as ``kdn``: 0 ok, 1 operation failed, 2 bad usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from kdn.errors import KDNError
+
+
+class _UsageError(Exception):
+    """A mistake the user can fix (missing corpus, empty state folder, unknown model): one
+    line on stderr and exit 2."""
+
+
+def _engine(ns: argparse.Namespace) -> Any:
+    """(KnowledgeBase, Client) for the command's settings."""
+    from kdn.cli.args import model_problem
+    from kdn.rag.index import Manifest
+
+    state = Path(ns.state)
+    settings = Manifest.load(state).settings
+    if ns.cmd_rag != "ingest" and settings is None:
+        raise _UsageError(f"no corpus has been ingested into the state folder {state}; run "
+                          f"`kdn rag ingest CORPUS --state {state}` first (or pass the --state "
+                          "folder an ingest wrote)")
+    if ns.cmd_rag == "ingest":
+        from kdn.codec.catalog import check_codec
+
+        if not Path(ns.corpus).exists():
+            raise _UsageError(f"corpus {ns.corpus} does not exist; pass a folder of .txt/.md "
+                              "files or a .jsonl file of {id, text} lines")
+        if ns.mode == "kdn" and not ns.level:
+            ns.level = "default"
+        try:
+            check_codec(ns.mode, ns.level)
+        except KDNError as exc:
+            raise _UsageError(str(exc)) from None
+    if why := model_problem(ns.model):
+        raise _UsageError(why)
+    from kdn.client import Client
+    from kdn.rag.pipeline import KnowledgeBase, RagConfig, RagEngine
+
+    opts: dict[str, Any] = {}
+    if settings is not None and ns.cmd_rag != "ingest":
+        opts = dict(namespace=settings.namespace, target_tokens=settings.target_tokens,
+                    max_tokens=settings.max_tokens, mode=settings.mode, level=settings.level)
+    else:
+        opts = dict(namespace=ns.namespace, target_tokens=ns.chunk_tokens,
+                    max_tokens=ns.max_chunk_tokens or ns.chunk_tokens + ns.chunk_tokens // 2,
+                    mode=ns.mode, level=ns.level)
+    if getattr(ns, "k", None):
+        opts["top_k"] = ns.k
+    if getattr(ns, "max_new_tokens", None):
+        opts["max_new_tokens"] = ns.max_new_tokens
+    if getattr(ns, "ratio", None) is not None:
+        opts["blend_ratio"] = ns.ratio
+    if getattr(ns, "selection", None):
+        opts["query_share"] = {"question": 1.0, "deviation": 0.0}[ns.selection]
+    from kdn.models import load_model
+
+    model, tok = load_model(ns.model)
+    model.set_attn_implementation("sdpa")
+    client = Client(ns.address, timeout_s=ns.timeout,
+                    api_key=ns.api_key or os.environ.get("KDN_API_KEY"))
+    return KnowledgeBase(RagEngine(model, tok, client, RagConfig(**opts)), state), client
+
+
+def _json(ns: argparse.Namespace) -> bool:
+    return bool(ns.output == "json")
+
+
+def _ingest(ns: argparse.Namespace) -> int:
+    kb, client = _engine(ns)
+    with client:  # the bar only on a terminal: never drawn into a pipe or a log file
+        report = kb.ingest(ns.corpus, prune=not ns.no_prune,
+                           progress=not _json(ns) and sys.stderr.isatty())
+    if _json(ns):
+        print(json.dumps(asdict(report), indent=2))
+    else:
+        print(report.summary())
+        if report.tokens:
+            print(f"ingest time per 1,000 tokens computed: "
+                  f"{1000 * report.total_s / max(1, report.computed_tokens):.2f} s")
+    return 0
+
+
+def _ask(ns: argparse.Namespace) -> int:
+    kb, client = _engine(ns)
+    with client:
+        ans = kb.ask(ns.question)
+    t = ans.timings
+    if _json(ns):
+        print(json.dumps({"answer": ans.text, "sources": [asdict(s) for s in ans.sources],
+                          "timings": {**asdict(t), "compute_s": t.compute_s}}, indent=2))
+        return 0
+    print(ans.text)
+    print("\nsources:")
+    for i, s in enumerate(ans.sources, 1):
+        snippet = " ".join(s.text.split())[:90]
+        print(f"  [{i}] {s.doc_id} #{s.chunk_index} (score {s.score:.3f}): {snippet}...")
+    print(f"\ntiming: retrieval {t.retrieval_s:.3f} s, KV fetch {t.fetch_s:.3f} s, "
+          f"missing prefill {t.prefill_missing_s:.3f} s ({t.missing_chunks} chunks), "
+          f"blend {t.blend_s:.3f} s -> first token {t.ttft_s:.3f} s; generation "
+          f"{t.generate_s:.3f} s; {t.prompt_tokens} prompt tokens, {t.recomputed_tokens} of "
+          f"{t.cached_tokens} cached recomputed")
+    return 0
+
+
+def _rm(ns: argparse.Namespace) -> int:
+    kb, client = _engine(ns)
+    with client:
+        missing = [d for d in ns.docs if d not in kb.manifest.documents]
+        deleted = kb.remove(ns.docs)
+    for d in missing:
+        print(f"kdn rag rm: not in the manifest: {d}", file=sys.stderr)
+    removed = len(ns.docs) - len(missing)
+    if _json(ns):
+        print(json.dumps({"removed_documents": removed, "deleted_entries": deleted,
+                          "missing": missing}, indent=2))
+    else:
+        print(f"removed {removed} documents, deleted {deleted} entries")
+    return 1 if missing else 0
+
+
+def _run(ns: argparse.Namespace) -> int:
+    from kdn.cli.output import error
+    from kdn.errors import Unavailable
+
+    prog = f"kdn rag {ns.cmd_rag}"
+    try:
+        return int(ns.rag_func(ns))
+    except _UsageError as exc:
+        error(prog, exc)
+        return 2
+    except Unavailable as exc:
+        error(prog, exc, f"is a kdn server listening on {ns.address}? (set --address or "
+                         "$KDN_ADDRESS)")
+        return 1
+    except KDNError as exc:
+        error(prog, exc)
+        return 1
+    except OSError as exc:  # a corpus file that can not be read
+        error(prog, f"{exc.filename}: {exc.strerror}" if exc.filename else exc)
+        return 2
+
+
+def _options(p: argparse.ArgumentParser, *, suppress: bool) -> None:
+    """The options every ``rag`` command takes: on the group with their defaults, repeated on
+    each subcommand with ``suppress`` so they are read wherever they stand."""
+    from kdn.cli.args import add_output_options, positive
+
+    def default(value: Any) -> Any:
+        return argparse.SUPPRESS if suppress else value
+
+    g = p.add_argument_group("rag")
+    g.add_argument("--state", default=default(os.environ.get("KDN_RAG_STATE", ".kdn-rag")),
+                   help="state folder: manifest + embeddings (default: $KDN_RAG_STATE or "
+                   ".kdn-rag)")
+    g.add_argument("--address", default=default(os.environ.get("KDN_ADDRESS",
+                                                               "127.0.0.1:50051")),
+                   help="server host:port (default: $KDN_ADDRESS or 127.0.0.1:50051)")
+    g.add_argument("--timeout", type=positive, default=default(60.0),
+                   help="seconds per call (default: 60)")
+    g.add_argument("--api-key", default=default(None), help="API key (default: $KDN_API_KEY)")
+    g.add_argument("--model", default=default("smollm2-135m"),
+                   help="smollm2-135m (packaged) or a local transformers folder")
+    add_output_options(p, suppress=suppress)
+
+
+EXAMPLES = """examples:
+  kdn rag ingest docs/ --state .kdn-rag
+  kdn rag ingest docs.jsonl --mode kdn --level small --chunk-tokens 256
+  kdn rag ask "Who wrote the report?" --state .kdn-rag -o json
+  kdn rag rm notes/old.md --state .kdn-rag
+
+exit codes: 0 ok, 1 failure (server unreachable, a document not in the manifest), 2 usage
+(missing corpus, empty state folder, unknown model or codec level)"""
+
+
+def register(sub: Any) -> None:
+    """Add ``rag`` with its subcommands to the ``kdn`` subparsers ``sub``."""
+    from kdn.cli.args import NAMESPACE, count
+
+    common = argparse.ArgumentParser(add_help=False)
+    _options(common, suppress=True)
+    fmt = argparse.RawDescriptionHelpFormatter
+    rag = sub.add_parser("rag", help="RAG: ingest a corpus as KV, answer questions",
+                         description=__doc__.split("\n")[0], epilog=EXAMPLES,
+                         formatter_class=fmt)
+    _options(rag, suppress=False)
+    rsub = rag.add_subparsers(dest="cmd_rag", required=True, metavar="COMMAND")
+
+    def command(name: str, hlp: str) -> argparse.ArgumentParser:
+        return rsub.add_parser(name, help=hlp, description=hlp[0].upper() + hlp[1:] + ".",
+                               parents=[common], epilog=EXAMPLES, formatter_class=fmt)
+
+    ing = command("ingest", "chunk, embed, prefill and store a corpus")
+    ing.add_argument("corpus", help="folder of .txt/.md files, or a .jsonl of {id, text}")
+    ing.add_argument("--chunk-tokens", type=count, default=256, help="target tokens per chunk")
+    ing.add_argument("--max-chunk-tokens", type=count, default=0,
+                     help="hard limit per chunk (default 1.5x the target)")
+    ing.add_argument("--namespace", type=NAMESPACE, default="rag")
+    ing.add_argument("--mode", default="lossless",
+                     help="codec mode: lossless, raw, int8, cachegen, kdn (default lossless)")
+    ing.add_argument("--level", default="",
+                     help="codec level of the kdn mode: near-lossless, high, default (the "
+                     "default), small, compact, tiny")
+    ing.add_argument("--no-prune", action="store_true",
+                     help="keep documents that left the corpus")
+    ing.set_defaults(rag_func=_ingest)
+
+    ask = command("ask", "answer a question from the ingested corpus")
+    ask.add_argument("question")
+    ask.add_argument("-k", "--k", type=count, default=0, help="chunks to retrieve (default 4)")
+    ask.add_argument("--max-new-tokens", type=count, default=0)
+    ask.add_argument("--ratio", type=float, default=None, help="blend recompute ratio")
+    ask.add_argument("--selection", choices=["question", "deviation"], default=None,
+                     help="which cached tokens the blend recomputes: those whose K/V "
+                          "deviate most (CacheBlend, the default here) or those the question "
+                          "attends to (better answers, a first pass more)")
+    ask.set_defaults(rag_func=_ask)
+
+    rm = command("rm", "forget documents and delete their chunks' entries")
+    rm.add_argument("docs", nargs="+", help="document ids (paths relative to the corpus)")
+    rm.set_defaults(rag_func=_rm)
+    rag.set_defaults(func=_run)
