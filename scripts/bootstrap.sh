@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Create .venv (Python 3.11+) and install kdn into it: scripts/bootstrap.sh [EXTRAS]
 # (comma-separated; `sglang` and `test` also install the pinned sglang extra, without deps)
-# torch is installed first as the CPU build pinned below (override: KDN_TORCH_SPEC), so that
-# kdn's own "torch>=2.4" is already satisfied and nothing pulls a multi-GB CUDA build.
+# With an extra that needs torch, torch is installed first as the CPU build pinned below
+# (override: KDN_TORCH_SPEC), so that the extra's "torch>=2.4" is already satisfied and nothing
+# pulls a multi-GB CUDA build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 extras="${1:-}"
@@ -14,9 +15,14 @@ if [ -z "$py" ]; then
 fi
 [ -x .venv/bin/python ] || "$py" -m venv .venv
 pip=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
-if ! .venv/bin/python -c "import torch" >/dev/null 2>&1; then
-  "${pip[@]}" "${KDN_TORCH_SPEC:-torch==2.13.0}"
-fi
+# torch only for the extras that need it (model, bench, test): `bootstrap.sh` alone installs
+# the storage side (server, admin CLI), which imports no torch
+case ",$extras," in
+  *,model,*|*,bench,*|*,test,*)
+    if ! .venv/bin/python -c "import torch" >/dev/null 2>&1; then
+      "${pip[@]}" "${KDN_TORCH_SPEC:-torch==2.13.0}"
+    fi ;;
+esac
 # the "sglang" extra is installed apart, without dependencies (see pyproject.toml); the test
 # mode installs it too, so the suite runs the SGLang backend's tests against SGLang itself
 sglang=0

@@ -1,5 +1,19 @@
-"""Client side of kdn: ``Client`` (sync), ``AsyncClient`` (asyncio), ``Retry``."""
+"""Client side of kdn: ``Client`` (sync), ``AsyncClient`` (asyncio), ``Retry``.
 
-from kdn.client.client import AsyncClient, Client, Fetched, KeyInfo, LookupResult, Retry
+The names load on first use, so ``kdn.client.admin`` and the admin CLI import no torch: the
+tensor side (``kdn.client.stream``, ``kdn.cache``) loads on the first tensor store or read.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from kdn.lazy import lazy_exports
+
+if TYPE_CHECKING:
+    from kdn.client.client import AsyncClient, Client, Fetched, KeyInfo, LookupResult, Retry
 
 __all__ = ["AsyncClient", "Client", "Fetched", "KeyInfo", "LookupResult", "Retry"]
+
+__getattr__, __dir__ = lazy_exports(__name__, dict.fromkeys(__all__, "kdn.client.client"),
+                                    __all__)

@@ -27,20 +27,15 @@ import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
-import torch
 
 from kdn import codec
-from kdn.cache import KVCache
 from kdn.client.blend import RemotePiece, blend_request
 from kdn.client.dataplane import DataPlane, Fetched, TooBig
-from kdn.client.local import TIER as LOCAL_TIER
-from kdn.client.local import LocalTier
 from kdn.client.parallel import layer_groups, merged
-from kdn.client.stream import LayerStream, StreamTimings
-from kdn.codec import EncodedParts, StreamDecoder
+from kdn.codec import EncodedParts
 from kdn.codec.format import parse_container, parse_header
 from kdn.errors import LayoutMismatch, NotFound
 from kdn.keys import DEFAULT_NAMESPACE, check_key, check_namespace
@@ -51,6 +46,15 @@ from kdn.status import from_grpc
 from kdn.v1 import kdn_pb2 as pb
 from kdn.v1 import kdn_pb2_grpc as pb_grpc
 from kdn.wire import Frame, FrameMessage, frame_message, retrieve_response, serialize_passthrough
+
+if TYPE_CHECKING:  # the tensor side loads on first use: admin tools run without torch
+    import torch
+
+    from kdn.cache import KVCache
+    from kdn.client.stream import LayerStream, StreamTimings
+    from kdn.codec import StreamDecoder
+
+LOCAL_TIER = "inproc"  # kdn.client.local.TIER: the in-process tier's name
 
 T = TypeVar("T")
 DEFAULT_MAX_MESSAGE = 64 << 20
@@ -153,7 +157,12 @@ class Client:
             response_deserializer=retrieve_response)
         if shm_bytes is None:
             shm_bytes = DEFAULT_SHM_BYTES if same_host(address) else 0
-        self.local = LocalTier(local_bytes) if local_bytes else None
+        if local_bytes:
+            from kdn.client.local import LocalTier
+
+            self.local: Any = LocalTier(local_bytes)
+        else:
+            self.local = None
         """The in-process tier (``kdn.client.local``), when ``local_bytes`` is set."""
         self._lock = threading.Lock()
         self._extra_channels: list[grpc.Channel] = []
@@ -314,7 +323,7 @@ class Client:
                    if self.dataplane.attached else
                    self._in_process(req.namespace, req.key, layout))
             if isinstance(got, Fetched):
-                return _stream_of(got, device, StreamTimings(started=started),
+                return _stream_of(got, device, _timings(started=started),
                                   self.dataplane.segment()[0])
             if got is None and self.dataplane.attached:
                 return None
@@ -341,7 +350,7 @@ class Client:
         md = self.metadata(request_id)
 
         def run() -> LayerStream | None:
-            timings = StreamTimings(started=time.perf_counter())
+            timings = _timings(started=time.perf_counter())
             calls = []
             for start, (first, last) in zip(self._retrieve_calls(len(groups)), groups):
                 part = pb.RetrieveRequest()
@@ -369,7 +378,8 @@ class Client:
             frames = merged(calls)
             if on_complete is not None:
                 frames = _tee(frames, header, on_complete)
-            return LayerStream(dec, frames, firsts[0].header.tier, cancel, timings, target)
+            return _tensor_side().LayerStream(dec, frames, firsts[0].header.tier, cancel,
+                                              timings, target)
 
         return self._call(run)
 
@@ -384,14 +394,15 @@ class Client:
         md = self.metadata(request_id)
 
         def run() -> LayerStream:
-            timings = StreamTimings(started=time.perf_counter())
+            timings = _timings(started=time.perf_counter())
             call = start(request, timeout=self.timeout_s, metadata=md)
             first = next(call)
             timings.header = time.perf_counter()
             dec, target = _decoder(first.header.container_header, device)
             frames = call if on_complete is None else _tee(
                 call, first.header.container_header, on_complete)
-            return LayerStream(dec, frames, first.header.tier, call.cancel, timings, target)
+            return _tensor_side().LayerStream(dec, frames, first.header.tier, call.cancel,
+                                              timings, target)
 
         return self._call(run)
 
@@ -446,7 +457,7 @@ class Client:
         got = self._entries(ns, [check_key(k) for k in keys], layout, request_id)
         return [self.retrieve_stream(k, namespace=ns, layout=layout, device=device,
                                      request_id=request_id) if isinstance(g, TooBig)
-                else None if g is None else _stream_of(g, device, StreamTimings(started=started),
+                else None if g is None else _stream_of(g, device, _timings(started=started),
                                                          self.dataplane.segment()[0])
                 for k, g in zip(keys, got)]
 
@@ -455,7 +466,7 @@ class Client:
                       request_id: str | None = None) -> list[KVCache | None]:
         """``fetch_many``, decoded (frame checksums verified) on ``device``."""
         seg = self.dataplane.segment()[0]
-        return [None if f is None else _stream_of(f, device, StreamTimings(), seg).result()
+        return [None if f is None else _stream_of(f, device, _timings(), seg).result()
                 for f in self.fetch_many(keys, namespace=namespace, layout=layout,
                                          request_id=request_id)]
 
@@ -590,6 +601,17 @@ def _tee(call: Iterator[Any], header: bytes, on_complete: Callable[[EncodedParts
     on_complete(EncodedParts(whole.header.raw, list(whole.frames)))  # type: ignore[arg-type]
 
 
+def _tensor_side() -> Any:
+    """``kdn.client.stream`` (LayerStream, StreamTimings), imported on the first tensor read."""
+    from kdn.client import stream
+
+    return stream
+
+
+def _timings(**fields: float) -> StreamTimings:
+    return _tensor_side().StreamTimings(**fields)  # type: ignore[no-any-return]
+
+
 def _encoded(kv: KVCache | EncodedParts, mode: str, level: str,
              layers_per_frame: int) -> EncodedParts:
     if isinstance(kv, EncodedParts):
@@ -610,6 +632,10 @@ def _decoder(header: bytes | memoryview, device: torch.device | str | None,
     decodes on the CPU into views and LayerStream stages non-blocking copies (pinned: the
     segment is registered with CUDA). An entry read through the segment (``got``) is decoded
     in place and, when the server checked it there, not hashed again."""
+    import torch
+
+    from kdn.codec import StreamDecoder
+
     target = torch.device(device or "cpu")
     parsed = parse_header(header)
     on_host = target.type == "cuda" and parsed.mode == "raw"
@@ -627,7 +653,7 @@ def _stream_of(got: Fetched, device: torch.device | str | None,
     if got.owned and target.type == "cuda" and segment is not None:
         segment.register_with_cuda()
     frames = iter([FrameMessage(Frame(i, f)) for i, f in enumerate(got.parts.frames)])
-    return LayerStream(dec, frames, got.tier, lambda: None, timings, target,
+    return _tensor_side().LayerStream(dec, frames, got.tier, lambda: None, timings, target,
                        inline=dec.borrows)
 
 
