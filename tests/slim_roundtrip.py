@@ -56,8 +56,14 @@ def admin(*args: str) -> str:
 
 
 (row,) = json.loads(admin("ls", "--namespace", "slim", "-o", "json"))
-assert row["key"] == key.hex() and row["model_fingerprint"] == "slim" and row["tokens"] == tokens, row
+assert row["key"] == key.hex() and row["model_fingerprint"] == "slim", row
+assert row["tokens"] == tokens and row["tiers"] == ["ram", "disk"], row
 assert json.loads(admin("health", "-o", "json"))["status"] == "SERVING"
 assert json.loads(admin("stats", "-o", "json"))["counters"]["store.ok"] == 1
+# the model features say what to install, in one line, exit 2
+run = subprocess.run([kdn, "serve", "--model", "smollm2-135m"], capture_output=True, text=True,
+                     timeout=60)
+assert run.returncode == 2 and "pip install 'kdn[model]'" in run.stderr, run.stderr
+assert len(run.stderr.strip().splitlines()) == 1, run.stderr
 assert "torch" not in sys.modules
 print("ok")

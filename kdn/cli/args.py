@@ -72,6 +72,11 @@ def add_output_options(p: argparse.ArgumentParser, *, suppress: bool) -> None:
 def model_problem(name: str) -> str | None:
     """Why ``name`` can not be loaded by ``kdn.models.load_model`` (None when it can): the
     packaged model's name or a local transformers folder, never a hub id (no network)."""
+    import importlib.util
+
+    if any(importlib.util.find_spec(m) is None for m in ("torch", "transformers")):
+        return (f"model {name!r} needs torch and transformers, which this install lacks; "
+                "pip install 'kdn[model]' (the server alone needs neither)")
     if Path(name).expanduser().is_dir():
         return None
     from kdn.models import SMOLLM2_NAME

@@ -91,6 +91,7 @@ def _serve(ns: argparse.Namespace) -> int:
     if config.model and (why := model_problem(config.model)):
         error("kdn serve", why)
         return EXIT_USAGE
+
     import asyncio
     import logging
 
