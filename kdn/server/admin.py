@@ -18,8 +18,8 @@ from kdn.codec.format import layout_to_proto, parse_container, parse_header
 from kdn.errors import Corrupt, InvalidArgument, KDNError, NotFound, PermissionDenied
 from kdn.keys import split_store_key, store_key
 from kdn.names import check_key_prefix, check_namespace, check_tenant, request_namespace
-from kdn.server.auth import Authenticator, current_principal, require_admin
-from kdn.server.service import _rpc
+from kdn.server.auth import Authenticator, Principal, current_principal, require_admin
+from kdn.server.service import _rpc, delete_entry, recount_usage
 from kdn.status import grpc_code
 from kdn.store.base import Tier
 from kdn.store.tiered import TieredStore
@@ -158,7 +158,8 @@ class AdminServicer(pb_grpc.KDNAdminServicer):
                                   f"{[t.name for t in self.store.tiers]}")
         if any(self.store.is_pinned(k) for k in skeys):
             raise InvalidArgument("pinned entries can not be evicted; unpin them first")
-        n = await asyncio.to_thread(lambda: sum(bool(tier.delete(k)) for k in skeys))
+        n = await asyncio.to_thread(lambda: sum(delete_entry(self.store, self.auth, k, tier)
+                                                for k in skeys))
         return pb.CountResponse(count=n)
 
     @_rpc
@@ -241,6 +242,25 @@ class AdminServicer(pb_grpc.KDNAdminServicer):
             yield pb.ExportItem(namespace=namespace, key=key, value=bytes(got[0]), cursor=k,
                                 total=len(keys) if i == 0 else 0)
 
+    def _import_one(self, principal: Principal, skey: bytes, value: bytes) -> bool:
+        """Store one imported entry, charged like a Store (False: the same bytes are there)."""
+        with self.store.entry_lock(skey):
+            existing = self._read(skey)
+            if existing is not None and existing[0] == value:
+                return False
+            delta = len(value) - self.store.lookup([skey])[0].size
+            if delta > 0:
+                self.auth.charge(principal, delta)
+            try:
+                self.store.put(skey, value)
+            except BaseException:
+                if delta > 0:
+                    self.auth.refund(principal.tenant, delta)
+                raise
+            if delta < 0:
+                self.auth.refund(principal.tenant, -delta)
+        return True
+
     @_rpc
     async def Import(self, request_iterator: AsyncIterator[pb.ImportItem],
                      context: grpc.aio.ServicerContext) -> pb.ImportResponse:
@@ -253,13 +273,11 @@ class AdminServicer(pb_grpc.KDNAdminServicer):
             except KDNError:
                 resp.rejected += 1
                 continue
-            existing = await asyncio.to_thread(self._read, skey)
-            if existing is not None and existing[0] == item.value:
+            done = await asyncio.to_thread(self._import_one, principal, skey, item.value)
+            if done:
+                resp.imported += 1
+            else:
                 resp.skipped += 1
-                continue
-            self.auth.charge(principal, len(item.value) - (len(existing[0]) if existing else 0))
-            await asyncio.to_thread(self.store.put, skey, item.value)
-            resp.imported += 1
         return resp
 
     @_rpc
@@ -280,6 +298,7 @@ class AdminServicer(pb_grpc.KDNAdminServicer):
                             resp.freed_bytes += size or 0
                     except KDNError:
                         continue
+            recount_usage(self.store, self.auth)
             return resp
 
         return await asyncio.to_thread(run)

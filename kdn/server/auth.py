@@ -202,6 +202,12 @@ class Authenticator:
     def usage(self, tenant: str) -> int:
         return self._usage.get(tenant, 0)
 
+    def refund(self, tenant: str, nbytes: int) -> None:
+        """Give ``nbytes`` back to ``tenant`` (an entry of that size left the store)."""
+        if tenant:
+            with self._lock:
+                self._usage[tenant] = max(0, self._usage.get(tenant, 0) - nbytes)
+
     def charge(self, principal: Principal, delta: int) -> None:
         """Add ``delta`` stored bytes to the tenant; refuse growth past its quota."""
         if not principal.tenant:

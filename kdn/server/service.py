@@ -37,6 +37,7 @@ from kdn.server.batch import BatchMixin, Segments
 from kdn.server.blend_rpc import BlendMixin
 from kdn.server.config import ServerConfig
 from kdn.status import grpc_code
+from kdn.store.base import Tier
 from kdn.store.tiered import TieredStore
 from kdn.v1 import kdn_pb2 as pb
 from kdn.v1 import kdn_pb2_grpc as pb_grpc
@@ -65,6 +66,28 @@ def _rpc(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
             raise  # unreachable: abort raises
 
     return wrapper
+
+
+def delete_entry(store: TieredStore, auth: Authenticator, skey: bytes,
+                 tier: Tier | None = None) -> bool:
+    """Delete ``skey`` from every tier (or only from ``tier``) and refund its tenant when the
+    entry is gone from all tiers, once, under the entry's lock (see ``KDNServicer._commit``)."""
+    with store.entry_lock(skey):
+        before = store.lookup([skey])[0]
+        found = store.delete(skey) if tier is None else bool(tier.delete(skey))
+        if before.present and (tier is None or not store.lookup([skey])[0].present):
+            auth.refund(split_store_key(skey)[0], before.size)
+    return bool(found)
+
+
+def recount_usage(store: TieredStore, auth: Authenticator) -> None:
+    """Set every tenant's usage to the bytes its entries hold in the tiers, with no entry
+    changing meanwhile: at start-up, and after ``Gc`` (TTL expiries and capacity evictions
+    leave the store without a caller, so only a recount gives their bytes back)."""
+    with store.all_entries_locked():
+        for tenant in auth.config.policies:
+            keys = store.keys(f"{tenant}:".encode())
+            auth.set_usage(tenant, sum(p.size for p in store.lookup(keys)))
 
 
 class KDNServicer(BatchMixin, BlendMixin, pb_grpc.KDNServicer):
@@ -158,16 +181,30 @@ class KDNServicer(BatchMixin, BlendMixin, pb_grpc.KDNServicer):
 
     def _commit(self, principal: Principal, skey: bytes, value: bytes | memoryview,
                 opts: pb.StoreOptions) -> pb.StoreResponse:
-        """Charge the tenant and put a checked entry (a worker thread; Store and PutMany)."""
-        replaced = self.store.lookup([skey])
-        self.auth.charge(principal, len(value) - replaced[0].size)
-        # a read-only byte view (PutMany) is stored as it is: tiers read any byte buffer
-        tier = self.store.put(skey, value, ttl_s=float(opts.ttl_seconds) or None,  # type: ignore[arg-type]
-                              pin=opts.pin,
-                              durability=Durability(opts.durability))
+        """Charge the tenant and put a checked entry (a worker thread; Store and PutMany).
+
+        Under the entry's lock: the size it replaces is read, growth is charged (refused past
+        the quota) before the put and refunded when the put fails; shrinkage is refunded after
+        the put succeeds. Concurrent overwrites and deletes of one key thus count it once."""
+        with self.store.entry_lock(skey):
+            replaced = self.store.lookup([skey])[0]
+            delta = len(value) - replaced.size
+            if delta > 0:
+                self.auth.charge(principal, delta)
+            try:
+                # a read-only byte view (PutMany) is stored as it is: tiers read any buffer
+                tier = self.store.put(skey, value,  # type: ignore[arg-type]
+                                      ttl_s=float(opts.ttl_seconds) or None, pin=opts.pin,
+                                      durability=Durability(opts.durability))
+            except BaseException:
+                if delta > 0:
+                    self.auth.charge(principal, -delta)
+                raise
+            if delta < 0:
+                self.auth.charge(principal, delta)
         self.count("store.ok")
         self.count("bytes_in", len(value))
-        return pb.StoreResponse(stored_bytes=len(value), tier=tier, replaced=replaced[0].present)
+        return pb.StoreResponse(stored_bytes=len(value), tier=tier, replaced=replaced.present)
 
     # -- Retrieve -------------------------------------------------------------------------------
 
@@ -240,9 +277,8 @@ class KDNServicer(BatchMixin, BlendMixin, pb_grpc.KDNServicer):
                      context: grpc.aio.ServicerContext) -> pb.DeleteResponse:
         principal, ns = current_principal.get(), request.namespace or "default"
         skeys = [store_key(principal.tenant, ns, k) for k in request.keys]
-        sizes = await asyncio.to_thread(self.store.lookup, skeys)
-        deleted = await asyncio.to_thread(lambda: sum(self.store.delete(k) for k in skeys))
-        self.auth.charge(principal, -sum(p.size for p in sizes if p.present))
+        deleted = await asyncio.to_thread(lambda: sum(delete_entry(self.store, self.auth, k)
+                                                      for k in skeys))
         return pb.DeleteResponse(deleted=deleted)
 
     @_rpc

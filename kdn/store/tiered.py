@@ -47,7 +47,8 @@ import enum
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 
@@ -120,6 +121,7 @@ class TieredStore:
         self._checked: dict[tuple[str, bytes], int] = {}  # (tier, key) -> stamp checked
         self._lock = threading.Lock()
         self._stripes = [threading.Lock() for _ in range(_STRIPES)]
+        self._entry_locks = [threading.Lock() for _ in range(_STRIPES)]
         self.counters: dict[str, int] = {}
         self._closing = False
         self._health = TierHealth(tiers, count=self.count, on_up=self._tier_back)
@@ -144,6 +146,24 @@ class TieredStore:
 
     def stripe(self, key: bytes) -> threading.Lock:
         return self._stripes[xxhash.xxh64_intdigest(key) % _STRIPES]
+
+    @contextmanager
+    def all_entries_locked(self) -> Iterator[None]:
+        """Every entry lock, taken in one order: no caller changes an entry meanwhile (for a
+        recount of usage from the tiers)."""
+        for lock in self._entry_locks:
+            lock.acquire()
+        try:
+            yield
+        finally:
+            for lock in reversed(self._entry_locks):
+                lock.release()
+
+    def entry_lock(self, key: bytes) -> threading.Lock:
+        """The callers' lock of ``key`` (the servicers hold it across look up, quota charge and
+        put or delete, so that concurrent overwrites and deletes of one entry charge and refund
+        it exactly once). The store itself never takes it: it is always the outer lock."""
+        return self._entry_locks[xxhash.xxh64_intdigest(key) % _STRIPES]
 
     # -- availability (kept by ``TierHealth``) --------------------------------------------------
 
@@ -306,24 +326,50 @@ class TieredStore:
             raise InvalidArgument(f"durability {durability.name} needs a "
                                   f"{_NEEDED_TIER[durability]} tier; this server has none")
         ttl = ttl_s or self.default_ttl_s or None
-        expiry = time.monotonic() + ttl if ttl else 0.0
+        was_pinned = self.is_pinned(key)
         if pin:
             self.pin(key)
+        try:
+            return self._put(key, value, ttl, required, durability)
+        except BaseException:
+            if pin and not was_pinned:
+                self.unpin(key)
+            raise
+
+    def _put(self, key: bytes, value: bytes, ttl: float | None, required: Tier,
+             durability: Durability) -> str:
+        """``put`` after its checks. A refused write leaves no trace: the tier that must
+        acknowledge is written first (a refusal there raises before any other tier has the
+        value), and when every tier refuses, the copies queued for tiers that are down are
+        withdrawn. A previous value stays served, except where a tier that refused the new
+        value held the old one while another took the new: that tier drops its stale copy."""
+        expiry = time.monotonic() + ttl if ttl else 0.0
         head = self.tiers[0]
         first, errors = "", []
+        if required is not head:
+            with self.stripe(key):
+                self._write_lower(required, key, value, ttl, expiry, True, True)
+            first = required.name
         try:
             head.put(key, value, ttl_s=ttl)
             first = head.name
         except KDNError as exc:
             errors.append(f"{head.name}: {exc}")
+            self._health.guard(head, partial(head.delete, key), "delete")  # an older value
         sync_all = not first or (self.write_policy is WritePolicy.WRITE_THROUGH
                                  and durability is not Durability.MEMORY)
         with self.stripe(key):
             for tier in self.tiers[1:]:
-                took = self._write_lower(tier, key, value, ttl, expiry,
-                                         sync_all or tier is required, tier is required)
+                if tier is required and first:
+                    continue  # written first, above
+                took = self._write_lower(tier, key, value, ttl, expiry, sync_all, False)
                 if took and not first:
                     first = tier.name
+            if not first:  # refused everywhere: withdraw what was queued for later
+                for q in self._queues.values():
+                    item = q.peek(key)
+                    if item is not None and item.value is value:
+                        q.discard(key)
         if not first:
             raise KDNError("no tier accepted the entry: " + "; ".join(errors))
         return first

@@ -1,0 +1,148 @@
+"""Byte quotas are exact and refused writes leave nothing behind (issue 20 items 2–3), against
+real servers: a storm of concurrent stores, overwrites, deletes and evictions from many clients
+ends with each tenant's usage equal to the bytes its entries hold; a store the server refuses
+is seen by no reader, before or after a restart, and an overwrite that fails keeps the old
+value served."""
+
+from __future__ import annotations
+
+import random
+import threading
+from pathlib import Path
+
+import pytest
+
+from kdn import keys
+from kdn.client import Client
+from kdn.client.admin import AdminClient
+from kdn.errors import KDNError, TooLarge
+from kdn.options import Durability, StoreOptions
+from kdn.server import ServerConfig, ServerThread
+from kdn.server.auth import digest
+from tests.helpers import random_kv, uniform_layout
+from tests.redis_servers import RedisServer
+
+LAY = uniform_layout(layers=2, heads=2, dim=8)
+TENANTS = """
+tenants:
+  team-a: {api_keys: ["key-a"], quota_bytes: 1MiB}
+  team-b: {api_keys: ["key-b"], quota_bytes: 48KiB}
+  ops: {api_keys: ["sha256:%s"], role: admin, quota_bytes: 1MiB}
+"""
+API_KEYS = {"team-a": "key-a", "team-b": "key-b", "ops": "key-ops"}
+
+
+def _stored_bytes(server: ServerThread, tenant: str) -> int:
+    assert server.server is not None
+    store = server.server.store
+    return sum(p.size for p in store.lookup(store.keys(f"{tenant}:".encode())))
+
+
+def _usage(server: ServerThread, tenant: str) -> int:
+    assert server.server is not None
+    return server.server.servicer.auth.usage(tenant)
+
+
+def test_usage_equals_stored_bytes_after_a_storm_of_concurrent_operations(
+        tmp_path: Path) -> None:
+    auth = tmp_path / "tenants.yaml"
+    auth.write_text(TENANTS % digest("key-ops"))
+    cfg = ServerConfig(port=0, data_dir=tmp_path / "d", auth_file=str(auth),
+                       ram_bytes=256 << 10)  # small: RAM evicts (demotes to disk) as it goes
+    pool = [keys.chunk_key([i], LAY) for i in range(12)]  # few keys: many collide
+    # entries of different sizes, so an overwrite changes the usage
+    values = [random_kv(LAY, tokens, seed=tokens) for tokens in (4, 16, 40, 96)]
+    counts = {"store": 0, "refused": 0, "delete": 0, "evict": 0}
+    lock = threading.Lock()
+    errors: list[BaseException] = []
+
+    def worker(seed: int, tenant: str, server: ServerThread) -> None:
+        rnd = random.Random(seed)
+        cls = AdminClient if tenant == "ops" else Client
+        try:
+            with cls(server.address, api_key=API_KEYS[tenant], shm_bytes=0,
+                     retry=None) as c:
+                for _ in range(150):
+                    key, op = rnd.choice(pool), rnd.random()
+                    if op < 0.6:
+                        try:
+                            c.store(key, rnd.choice(values), mode="raw")
+                            what = "store"
+                        except TooLarge:
+                            what = "refused"
+                    elif op < 0.8 or tenant != "ops":
+                        c.delete(key)
+                        what = "delete"
+                    else:
+                        c.evict([key], tier=rnd.choice(["ram", "disk"]))  # type: ignore[attr-defined]
+                        what = "evict"
+                    with lock:
+                        counts[what] += 1
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    with ServerThread(cfg) as server:
+        threads = [threading.Thread(target=worker, args=(i, t, server))
+                   for i, t in enumerate(["team-a", "team-a", "team-b", "team-b", "ops",
+                                          "ops", "team-a", "team-b"])]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=300)
+        assert not errors, errors
+        assert sum(counts.values()) == 8 * 150
+        assert min(counts.values()) > 5, counts  # every kind of operation raced
+        assert server.server is not None
+        server.server.store.flush()
+        for tenant in API_KEYS:
+            assert _usage(server, tenant) == _stored_bytes(server, tenant), tenant
+        assert _stored_bytes(server, "team-b") <= 48 << 10
+    # a restart recounts from the tiers: the same numbers
+    with ServerThread(cfg) as again:
+        for tenant in API_KEYS:
+            assert _usage(again, tenant) == _stored_bytes(again, tenant)
+
+
+def test_a_refused_store_leaves_nothing_and_a_failed_overwrite_keeps_the_old_value(
+        tmp_path: Path) -> None:
+    auth = tmp_path / "tenants.yaml"
+    auth.write_text(TENANTS % digest("key-ops"))
+    old, new = random_kv(LAY, 8, seed=1), random_kv(LAY, 24, seed=2)
+    key, fresh = keys.chunk_key([1], LAY), keys.chunk_key([2], LAY)
+    shared = StoreOptions(durability=Durability.SHARED)
+    with RedisServer(tmp_path / "redis") as redis_server:
+        cfg = ServerConfig(port=0, data_dir=tmp_path / "d", auth_file=str(auth),
+                           redis_url=redis_server.url, redis_timeout_s=0.3, redis_retries=0)
+        with ServerThread(cfg) as server:
+            with Client(server.address, api_key="key-a", retry=None) as c:
+                c.store(key, old, mode="raw", options=shared)
+                used = _usage(server, "team-a")
+                assert used == _stored_bytes(server, "team-a") > 0
+                redis_server.kill()
+                for k, kv in ((key, new), (fresh, new)):
+                    with pytest.raises(KDNError):
+                        c.store(k, kv, mode="raw", options=shared)
+                # the overwrite that failed: the old value is what every reader gets
+                got = c.retrieve(key)
+                assert got is not None and got.equal(old)
+                # the refused new entry: nowhere, in no tier, in no queue
+                assert c.retrieve(fresh) is None
+                assert server.server is not None
+                store = server.server.store
+                skey = keys.store_key("team-a", "default", fresh)
+                assert not any(t.contains(skey) for t in store.tiers if t.name != "redis")
+                assert not store.lookup([skey])[0].present  # queued copies included
+                assert _usage(server, "team-a") == used
+                store.flush(timeout=2)
+            assert server.server is not None
+            data_keys = server.server.store.keys(b"team-a:")
+        # after a restart (redis still down): the old value, and no trace of the new one
+        with ServerThread(ServerConfig(port=0, data_dir=tmp_path / "d",
+                                       auth_file=str(auth))) as again:
+            with Client(again.address, api_key="key-a", retry=None) as c:
+                got = c.retrieve(key)
+                assert got is not None and got.equal(old)
+                assert c.retrieve(fresh) is None
+            assert _usage(again, "team-a") == used
+            assert again.server is not None
+            assert again.server.store.keys(b"team-a:") == data_keys
