@@ -299,3 +299,28 @@ def test_write_times_are_recorded_and_old_meta_records_still_read(tmp_path: Path
     assert disk.get(b"old") == b"w" * 10 and disk.written_at(b"old") is None
     assert disk.delete(b"old") and disk.get(b"old") is None
     disk.close()
+
+
+def test_disk_values_larger_than_one_record_are_split_and_joined(tmp_path: Path) -> None:
+    """LMDB holds at most 4 GiB - 1 per record: bigger values are split into records of
+    ``part_bytes`` (small here), read back whole, and every record goes with the entry."""
+    disk = LmdbTier(tmp_path / "db", capacity_bytes=1 << 20, part_bytes=1000)
+    big = os.urandom(4321)
+    disk.put(b"t:ns/big", big)
+    disk.put(b"t:ns/small", b"s" * 999)
+    assert disk.get(b"t:ns/big") == big and disk.size_of(b"t:ns/big") == 4321
+    assert sorted(disk.keys(b"t:")) == [b"t:ns/big", b"t:ns/small"]  # parts are not keys
+    with disk.env.begin(db=disk.entries) as txn:
+        assert sum(1 for _ in txn.cursor()) == 6  # 5 records of the big value, 1 small
+    disk.put(b"t:ns/big", b"b" * 2500)  # an overwrite with fewer parts leaves no stray part
+    assert disk.get(b"t:ns/big") == b"b" * 2500
+    with disk.env.begin(db=disk.entries) as txn:
+        assert sum(1 for _ in txn.cursor()) == 4
+    with disk.env.begin(write=True, db=disk.entries) as txn:  # a part lost on disk
+        assert txn.delete(b"t:ns/big\x00\x00\x00\x00\x02")
+    with pytest.raises(Corrupt, match="parts hold 2000 of 2500"):
+        disk.get(b"t:ns/big")
+    assert disk.delete(b"t:ns/big") and disk.get(b"t:ns/big") is None
+    with disk.env.begin(db=disk.entries) as txn:
+        assert [bytes(k) for k, _ in txn.cursor()] == [b"t:ns/small"]
+    disk.close()

@@ -37,7 +37,7 @@ from kdn.client.dataplane import DataPlane, Fetched, TooBig
 from kdn.client.parallel import layer_groups, merged
 from kdn.codec import EncodedParts
 from kdn.codec.format import parse_container, parse_header
-from kdn.errors import LayoutMismatch, NotFound
+from kdn.errors import LayoutMismatch, NotFound, TooLarge
 from kdn.keys import DEFAULT_NAMESPACE, check_key, check_namespace
 from kdn.layout import KVLayout
 from kdn.metadata import API_KEY_HEADER, REQUEST_ID_HEADER
@@ -57,7 +57,7 @@ if TYPE_CHECKING:  # the tensor side loads on first use: admin tools run without
 LOCAL_TIER = "inproc"  # kdn.client.local.TIER: the in-process tier's name
 
 T = TypeVar("T")
-DEFAULT_MAX_MESSAGE = 64 << 20
+DEFAULT_MAX_MESSAGE = 256 << 20  # the server's default: a frame (>= one layer) is one message
 DEFAULT_SHM_BYTES = 1 << 30
 DEFAULT_STREAMS = 1
 """Size of the shared segment a client on the server's host uses by default."""
@@ -127,6 +127,7 @@ class Client:
         streams: int = DEFAULT_STREAMS,
     ) -> None:
         self.address = address
+        self.max_message_bytes = max_message_bytes
         self.streams = max(1, streams)
         """gRPC streams one retrieve reads side by side, in layer groups, when the entry comes
         over gRPC and the caller gave its layout (``kdn.client.parallel``)."""
@@ -249,6 +250,7 @@ class Client:
                 self._remember(self._ns(namespace), key, parts)
                 return done
         header = parse_header(parts.header)
+        self._check_frames(parts)
         hdr = pb.StoreHeader(
             namespace=self._ns(namespace), key=key, container_header=parts.header,
             layout_fingerprint=header.layout.fingerprint, total_bytes=parts.nbytes,
@@ -265,6 +267,17 @@ class Client:
                                                    metadata=md))
         self._remember(hdr.namespace, key, parts)
         return resp
+
+    def _check_frames(self, parts: EncodedParts) -> None:
+        """Refuse, before sending anything, a frame that can not travel in one message."""
+        limit = self.max_message_bytes - 1024  # the message's own fields
+        for i, frame in enumerate(parts.frames):
+            if len(frame) > limit:
+                raise TooLarge(
+                    f"frame {i} is {len(frame)} bytes, more than one message may carry "
+                    f"({self.max_message_bytes} bytes: Client(max_message_bytes=...) and the "
+                    "server's max_message_bytes); store fewer tokens per entry (e.g. "
+                    "EngineConfig.chunk_tokens) or raise both limits")
 
     def _remember(self, namespace: str, key: bytes, parts: EncodedParts) -> None:
         """Keep a copy in the in-process tier (when there is one)."""

@@ -23,6 +23,7 @@ under its chained key, so storage stays linear in prompt length.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import threading
 import time
@@ -45,10 +46,29 @@ from kdn.layout import DType, KVLayout
 log = logging.getLogger(__name__)
 
 
+CHUNK_TOKENS = 256
+"""Tokens per block by default: fine-grained prefix reuse, and a few MiB to tens of MiB per
+entry for models from 135M to 8B parameters (SmolLM2-135M fp32: 11 MiB; Llama-3-8B fp16:
+32 MiB)."""
+MAX_CHUNK_BYTES = 64 << 20
+"""A model whose blocks of ``CHUNK_TOKENS`` would be bigger gets fewer tokens per block (a
+power of two), so that each entry streams in frames of a few layers and stays far below the
+server's ``max_entry_bytes`` guard: Llama-3-70B fp16 (320 KiB/token) gets 128."""
+
+
+def default_chunk_tokens(layout: KVLayout) -> int:
+    """``CHUNK_TOKENS``, halved until a block's KV is at most ``MAX_CHUNK_BYTES`` (>= 16)."""
+    tokens = CHUNK_TOKENS
+    while tokens > 16 and tokens * layout.bytes_per_token > MAX_CHUNK_BYTES:
+        tokens //= 2
+    return tokens
+
+
 @dataclass(frozen=True)
 class EngineConfig:
-    chunk_tokens: int = 256
-    """Tokens per prefix block (the unit of prefix reuse and of storage)."""
+    chunk_tokens: int = 0
+    """Tokens per prefix block (the unit of prefix reuse and of storage); 0 (default) = the
+    model's own: ``default_chunk_tokens`` of its KV layout."""
     namespace: str = keys.DEFAULT_NAMESPACE
     """Namespace the engine's blocks live in."""
     kv_dtype: DType | None = None
@@ -60,8 +80,9 @@ class EngineConfig:
     """Store newly computed blocks after the first token."""
 
     def __post_init__(self) -> None:
-        if self.chunk_tokens <= 0:
-            raise ValueError(f"chunk_tokens must be > 0, got {self.chunk_tokens}")
+        if self.chunk_tokens < 0:
+            raise ValueError(f"chunk_tokens must be > 0 (or 0: the model's default), got "
+                             f"{self.chunk_tokens}")
         if not self.encodings:
             raise ValueError("encodings must name at least one (mode, level)")
 
@@ -106,6 +127,9 @@ class KDNEngine(KVConnector):
         self._device = model_device(model)
         self.controller.device = self._device.type  # decode speeds are learnt per device
         self._layout = model_layout(model, self.config.kv_dtype)
+        if not self.config.chunk_tokens:
+            self.config = dataclasses.replace(self.config,
+                                              chunk_tokens=default_chunk_tokens(self._layout))
         self._copies = (torch.cuda.Stream(self._device) if self._device.type == "cuda"
                         else None)  # store-back's device-to-host copies, off the decode stream
         self._request = threading.Lock()

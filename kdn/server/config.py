@@ -91,10 +91,12 @@ class ServerConfig:
     """Expiry of entries stored without a TTL, in seconds (0 = never)."""
     demote_on_evict: bool = True
     """Write entries evicted from RAM to the next tier down instead of dropping them."""
-    max_message_bytes: int = 64 << 20
-    """Largest single gRPC message accepted or sent."""
-    max_entry_bytes: int = 1 << 30
-    """Largest stored entry (header plus frames)."""
+    max_message_bytes: int = 256 << 20
+    """Largest single gRPC message accepted or sent: one frame (one layer, or more when they are
+    small) travels in one message, and a Llama-3-8B layer of 32k fp16 tokens is 128 MiB."""
+    max_entry_bytes: int = 8 << 30
+    """Largest stored entry (header plus frames): a guard; an 8B model's 32k-token fp16 cache
+    is 4 GiB. A Store receives into one buffer of the declared size (no second copy)."""
     allowed_models: tuple[str, ...] = ()
     """Model fingerprints this server accepts (empty = any)."""
     model: str = ""

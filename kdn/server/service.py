@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import mmap
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
@@ -66,6 +67,9 @@ def _rpc(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
             raise  # unreachable: abort raises
 
     return wrapper
+
+
+_BUFFER_FROM = 64 << 20  # Store receives an entry this big or bigger into one buffer
 
 
 def delete_entry(store: TieredStore, auth: Authenticator, skey: bytes,
@@ -155,8 +159,21 @@ class KDNServicer(BatchMixin, BlendMixin, pb_grpc.KDNServicer):
             raise InvalidArgument("Store stream must start with a header")
         principal = current_principal.get()
         skey, header = self._check_header(principal.tenant, first.header)
+        declared = first.header.total_bytes
+        if declared > self.config.max_entry_bytes:
+            raise TooLarge(f"entry of {declared} bytes exceeds max_entry_bytes "
+                           f"{self.config.max_entry_bytes}")
+        # A big entry whose size is declared is received into one buffer (each frame copied
+        # in and dropped as it lands): memory stays at the entry's size, with no join at the end.
+        # (anonymous memory: pages are taken as frames land, so a size declared and never sent
+        # costs nothing)
+        whole = mmap.mmap(-1, declared) if declared >= _BUFFER_FROM else None
         parts: list[bytes | memoryview] = [header.raw]
         total = len(header.raw)
+        if whole is not None:
+            if declared < total:
+                raise InvalidArgument(f"total_bytes {declared} is smaller than the header")
+            whole[:total] = header.raw
         n_frames = len(header.entry.frames)
         index = 0
         async for msg in it:
@@ -165,17 +182,24 @@ class KDNServicer(BatchMixin, BlendMixin, pb_grpc.KDNServicer):
             if msg.frame.index != index:
                 raise InvalidArgument(f"frame {msg.frame.index} arrived, expected frame {index}")
             data = msg.frame.data  # once: each read of a generated message's bytes copies them
-            total += len(data)
+            start, total = total, total + len(data)
             if total > self.config.max_entry_bytes:
                 raise TooLarge(f"entry exceeds max_entry_bytes {self.config.max_entry_bytes}")
+            if whole is not None and total > declared:
+                raise InvalidArgument(f"frames exceed the declared total_bytes {declared}")
             check_frame(header, index, data)
-            parts.append(data)
+            if whole is None:
+                parts.append(data)
+            else:
+                whole[start:total] = data
             index += 1
         if index != n_frames:
             raise InvalidArgument(
                 f"Store stream ended after {index} of {n_frames} frames; nothing was stored"
             )
-        value = b"".join(parts)
+        if whole is not None and total != declared:
+            raise InvalidArgument(f"frames hold {total} bytes, total_bytes declared {declared}")
+        value = b"".join(parts) if whole is None else memoryview(whole).toreadonly()
         return await asyncio.to_thread(self._commit, principal, skey, value,
                                        first.header.options)
 

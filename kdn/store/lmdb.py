@@ -8,6 +8,9 @@ databases, all updated in the same write transaction:
     meta     key -> (value size u64, expiry f64 unix seconds or 0, stamp u64, written f64 unix
              seconds; entries from before it was kept have 24 bytes and no write time)
     lru      stamp (u64 big-endian) + key -> b""   oldest access first
+    entries  key -> value; a value over ``part_bytes`` (LMDB holds at most 4 GiB - 1 in one
+             record) is split: key -> part 0, key + b"\\x00" + u32 i -> part i (store keys never
+             hold NUL, so the names can not meet)
     info     b"used" -> u64, the sum of len(key) + len(value) over all entries
 
 Crash safety: each ``put``/``put_many``/``delete`` is one committed write transaction (LMDB's
@@ -36,13 +39,19 @@ from pathlib import Path
 
 import lmdb
 
-from kdn.errors import TierUnavailable, TooLarge
+from kdn.errors import Corrupt, TierUnavailable, TooLarge
 from kdn.store.base import Tier, TierStats
 
 _MIN_MAP = 64 << 20
 _START_MAP = 256 << 20
 _META = struct.Struct("<QdQd")  # value size, expiry (unix s, 0 = none), stamp, written (unix s)
 _META_V1 = struct.Struct("<QdQ")  # without the write time
+PART_BYTES = 1 << 30  # the largest record of a split value (see the module docstring)
+_PART = struct.Struct(">I")
+
+
+def _part_key(key: bytes, i: int) -> bytes:
+    return key + b"\x00" + _PART.pack(i)
 
 
 def _unmeta(raw: bytes | memoryview) -> tuple[int, float, int, float]:
@@ -105,8 +114,12 @@ class LmdbTier(Tier):
         max_map_bytes: int | None = None,
         initial_map_bytes: int = _START_MAP,
         protected: Callable[[bytes], bool] | None = None,
+        part_bytes: int = PART_BYTES,
     ) -> None:
         super().__init__()
+        if not 0 < part_bytes < 1 << 32:
+            raise ValueError(f"part_bytes must be in 1..4GiB-1, got {part_bytes}")
+        self.part_bytes = part_bytes
         if capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes must be > 0, got {capacity_bytes}")
         self.path = Path(path)
@@ -200,12 +213,11 @@ class LmdbTier(Tier):
             with self.env.begin(db=self.meta, buffers=True) as txn:
                 raw = txn.get(key)
                 if raw is not None:
-                    expiry = _unmeta(raw)[1]
+                    size, expiry, _, _ = _unmeta(raw)
                     if expiry and expiry <= time.time():
                         expired = True
                     else:
-                        buf = txn.get(key, db=self.entries)
-                        value = None if buf is None else bytes(buf)
+                        value = self._value(txn, key, size)
         finally:
             self._rw.release_shared()
         if value is None:
@@ -217,6 +229,22 @@ class LmdbTier(Tier):
         if len(self._touched) < _MAX_TOUCHED:
             self._touched[key] = None  # dict assignment is atomic under the GIL
         return value
+
+    def _value(self, txn: lmdb.Transaction, key: bytes, size: int) -> bytes | None:
+        """The stored value of ``key`` (``size`` bytes), joined from its records if split."""
+        first = txn.get(key, db=self.entries)
+        if first is None or len(first) == size:
+            return None if first is None else bytes(first)
+        out = bytearray(size)  # one copy: a split value is big
+        view, at, i = memoryview(out), 0, 0
+        part: memoryview | bytes | None = first
+        while part is not None and at + len(part) <= size:
+            view[at:at + len(part)] = part
+            at, i = at + len(part), i + 1
+            part = txn.get(_part_key(key, i), db=self.entries) if at < size else None
+        if at != size:
+            raise Corrupt(f"disk entry {key!r}: its parts hold {at} of {size} bytes")
+        return memoryview(out).toreadonly()  # type: ignore[return-value]  # a bytes-like view
 
     def get_many(self, keys: list[bytes]) -> list[bytes | None]:
         return [self.get(k) for k in keys]
@@ -323,6 +351,8 @@ class LmdbTier(Tier):
         size, _, stamp, _ = _unmeta(meta)
         txn.delete(key, db=self.meta)
         txn.delete(key, db=self.entries)
+        for i in range(1, -(-size // self.part_bytes)):  # a split value's other records
+            txn.delete(_part_key(key, i), db=self.entries)
         txn.delete(_STAMP.pack(stamp) + key, db=self.lru)
         txn.put(_USED, (self._used(txn) - len(key) - size).to_bytes(8, "little"), db=self.info)
         return 1
@@ -333,7 +363,13 @@ class LmdbTier(Tier):
         for k, v in batch:
             self._remove(txn, k)
             stamp = self._next_stamp()
-            txn.put(k, v, db=self.entries)
+            if len(v) <= self.part_bytes:
+                txn.put(k, v, db=self.entries)
+            else:
+                view = memoryview(v)
+                for i, at in enumerate(range(0, len(v), self.part_bytes)):
+                    txn.put(_part_key(k, i) if i else k, view[at:at + self.part_bytes],
+                            db=self.entries)
             txn.put(k, _META.pack(len(v), expiry, stamp, now), db=self.meta)
             txn.put(_STAMP.pack(stamp) + k, b"", db=self.lru)
             used = self._used(txn) + len(k) + len(v)
