@@ -331,13 +331,16 @@ def test_fetch_falls_back_to_the_stream_when_the_server_sends_small_messages(
 
 def test_sizes_are_checked_before_anything_is_copied_out_of_a_segment(server: ServerThread
                                                                       ) -> None:
-    seg = SharedSegment(7 << 29)  # 3.5 GiB of address space, untouched (sparse)
+    from kdn.server.batch import MAX_BATCH_BYTES
+
+    cap = server.config.max_entry_bytes
+    seg = SharedSegment(cap + (1 << 30))  # address space, untouched (sparse)
     ch, stub = _stub(server)
     seg_id = stub.Attach(pb.AttachRequest(pid=os.getpid(), fd=seg.fd, size=seg.size,
                                           nonce=seg.nonce)).segment_id
-    gib = 1 << 30
+    gib = MAX_BATCH_BYTES // 2 + 1  # three of them: past the batch limit, each under the cap
     for items, match in (
-            ([pb.PutItem(key=_key(16), region=pb.Region(offset=64, length=gib + 1))],
+            ([pb.PutItem(key=_key(16), region=pb.Region(offset=64, length=cap + 1))],
              "max_entry_bytes"),
             ([pb.PutItem(key=_key(16 + i), region=pb.Region(offset=64 + i * gib, length=gib))
               for i in range(3)], "at most")):

@@ -59,4 +59,8 @@ def __getattr__(name: str) -> Any:
         from kdn.codec import api
 
         return getattr(api, name)
+    import importlib.util
+
+    if importlib.util.find_spec(f"{__name__}.{name}") is not None:  # a submodule: as Python
+        return importlib.import_module(f"{__name__}.{name}")  # binds it once imported
     raise AttributeError(f"module 'kdn.codec' has no attribute {name!r}")

@@ -329,6 +329,38 @@ def check_frame(header: Header, index: int, frame: bytes | memoryview, *,
     sum, already computed over these bytes (``copy_checked``); ``checksum=False`` skips the sum
     (bytes the server checked in place, see ``EntryRef.verified``).
     """
+    payload, first, count = check_frame_prefix(header, index, frame, digest=digest,
+                                               checksum=checksum)
+    out: list[LayerRecord] = []
+    off = 0
+    for j in range(count):
+        layer = first + j
+        if len(payload) - off < _RECORD.size:
+            raise Truncated(f"frame {index}: record for layer {layer} truncated")
+        heads, tokens, kc, vc, blen = _RECORD.unpack_from(payload, off)
+        lay = header.layout.layers[layer]
+        if (heads, tokens, kc, vc) != (lay.kv_heads, header.tokens, lay.k_channels, lay.v_channels):
+            raise InvalidLayout(
+                f"layer {layer}: frame declares heads={heads} tokens={tokens} k={kc} v={vc}, "
+                f"layout expects heads={lay.kv_heads} tokens={header.tokens} "
+                f"k={lay.k_channels} v={lay.v_channels}"
+            )
+        off += _RECORD.size
+        if len(payload) - off < blen:
+            raise Truncated(f"frame {index}: body of layer {layer} truncated")
+        out.append(LayerRecord(layer, tokens, payload[off : off + blen]))
+        off += blen
+    if off != len(payload):
+        raise Corrupt(f"frame {index}: {len(payload) - off} trailing bytes after its records")
+    return out
+
+
+def check_frame_prefix(header: Header, index: int, frame: bytes | memoryview, *,
+                       digest: int | None = None, checksum: bool = True
+                       ) -> tuple[memoryview, int, int]:
+    """``check_frame``'s checks of the frame as a whole (magic, length, position, checksum and
+    its binding to the header): its payload, first layer and layer count. The records are
+    the caller's to check (``check_frame`` does, one by one)."""
     mv = memoryview(frame)
     if index >= len(header.entry.frames):
         raise InvalidLayout(f"frame {index} beyond the {len(header.entry.frames)} declared")
@@ -353,28 +385,7 @@ def check_frame(header: Header, index: int, frame: bytes | memoryview, *,
             f"frame {index}: declares index {idx} layers [{first}, {first + count}), "
             f"header expects layers [{span.first_layer}, {span.first_layer + span.num_layers})"
         )
-    out: list[LayerRecord] = []
-    off = 0
-    for j in range(count):
-        layer = first + j
-        if len(payload) - off < _RECORD.size:
-            raise Truncated(f"frame {index}: record for layer {layer} truncated")
-        heads, tokens, kc, vc, blen = _RECORD.unpack_from(payload, off)
-        lay = header.layout.layers[layer]
-        if (heads, tokens, kc, vc) != (lay.kv_heads, header.tokens, lay.k_channels, lay.v_channels):
-            raise InvalidLayout(
-                f"layer {layer}: frame declares heads={heads} tokens={tokens} k={kc} v={vc}, "
-                f"layout expects heads={lay.kv_heads} tokens={header.tokens} "
-                f"k={lay.k_channels} v={lay.v_channels}"
-            )
-        off += _RECORD.size
-        if len(payload) - off < blen:
-            raise Truncated(f"frame {index}: body of layer {layer} truncated")
-        out.append(LayerRecord(layer, tokens, payload[off : off + blen]))
-        off += blen
-    if off != len(payload):
-        raise Corrupt(f"frame {index}: {len(payload) - off} trailing bytes after its records")
-    return out
+    return payload, first, count
 
 
 def split_frames(buf: bytes | memoryview, offset: int) -> Iterator[memoryview]:
@@ -419,9 +430,10 @@ COPY_CHUNK = 256 << 10
 
 def copy_checked(dst: memoryview, value: bytes | memoryview) -> None:
     """Copy the container ``value`` into ``dst`` (same length) and verify the copy: header
-    checksum, every frame's checksum and records, hashed chunk by chunk right after each chunk
-    is written (one pass over memory instead of a copy then a hash). Raises Corrupt/Truncated;
-    ``dst`` then holds unchecked bytes."""
+    checksum, every frame's checksum and framing, hashed chunk by chunk right after each chunk
+    is written (one pass over memory instead of a copy then a hash). Records are not walked
+    again: a stored entry's were checked when it was stored, and its checksums bind them.
+    Raises Corrupt/Truncated; ``dst`` then holds unchecked bytes."""
     src, out = memoryview(value).cast("B"), memoryview(dst).cast("B")
     if len(out) != len(src):
         raise InvalidArgument(f"copy of {len(src)} bytes into {len(out)}")
@@ -441,7 +453,9 @@ def copy_checked(dst: memoryview, value: bytes | memoryview) -> None:
             stop = min(at + COPY_CHUNK, end)
             out[at:stop] = src[at:stop]
             h.update(out[at:stop])
-        check_frame(header, i, out[off:end], digest=h.intdigest())
+        # the checksum binds these bytes to what Store validated record by record: the frame
+        # as a whole is what is left to check here
+        check_frame_prefix(header, i, out[off:end], digest=h.intdigest())
         off = end
     if off != len(src):
         raise Corrupt(f"{len(src) - off} trailing bytes after the last frame")

@@ -80,7 +80,8 @@ from kdn.cache import KVCache
 from kdn.client.admin import AdminClient
 from kdn.client.client import TLSOptions
 from kdn.client.dataplane import Fetched
-from kdn.codec.format import FRAME_PREFIX_BYTES, RECORD_BYTES, check_frame
+from kdn.codec.catalog import check_codec
+from kdn.codec.format import RECORD_BYTES, check_frame, check_frame_prefix
 from kdn.errors import KDNError
 from kdn.layout import DType, KVLayout, LayerLayout, model_fingerprint
 from kdn.options import StoreOptions
@@ -90,6 +91,8 @@ T = TypeVar("T")
 
 LAYOUTS = ("layer_first", "page_first", "page_first_direct")
 """Host pool layouts whose pages this backend reads and writes."""
+_RECORD_DTYPE = np.dtype([("heads", "<u2"), ("tokens", "<u4"), ("k", "<u2"), ("v", "<u2"),
+                          ("body", "<u4")])  # a layer record's prefix (kdn.codec.format)
 MIN_CHUNK_PAGES = 8
 """A batch is split into at most ``workers`` chunks of at least this many pages."""
 
@@ -134,7 +137,7 @@ class KDNBackendConfig:
             raise ValueError(f"kdn.workers must be >= 1, got {self.workers}")
         if self.timeout_s <= 0:
             raise ValueError(f"kdn.timeout_s must be > 0, got {self.timeout_s}")
-        codec.modes.get_mode(self.mode).check_level(self.level)
+        check_codec(self.mode, self.level)
         keys.check_namespace(self.namespace)
         StoreOptions(ttl_s=self.ttl_s)
 
@@ -299,8 +302,12 @@ class KDNHiCacheStorage(HiCacheStorage):
         return KVCache(self._layout(), [(page[0, i], page[1, i]) for i in range(page.shape[1])])
 
     def _encode(self, page: torch.Tensor) -> codec.EncodedParts:
+        # raw: one frame per page (a page is read whole, and each frame costs a structure
+        # check and two strided copies on its way into the pool); the other modes decode a
+        # frame's layers in turn, so their frames stay small enough to decode side by side
+        whole = len(self._layout().layers) if self.config.mode == "raw" else 0
         return codec.encode_parts(self._cache(page), self.config.mode, self.config.level,
-                                  layers_per_frame=0)
+                                  layers_per_frame=whole)
 
     def _place(self, got: Fetched, page: torch.Tensor) -> None:
         """Decode one fetched entry (checksums verified) into a page view ``[2, L, H, P, D]``."""
@@ -340,14 +347,23 @@ class KDNHiCacheStorage(HiCacheStorage):
         rec = RECORD_BYTES + kb + vb
         if rec % item:  # rows would not be element-aligned (fp32 records): the general path
             return False
+        want = np.array((heads, p, first_layer.k_channels, first_layer.v_channels, kb + vb),
+                        dtype=_RECORD_DTYPE)
         views = []
         for i, frame in enumerate(got.parts.frames):
-            recs = check_frame(dec.header, i, frame, checksum=not got.checked)
-            body = np.frombuffer(frame, dtype=np.uint8)[FRAME_PREFIX_BYTES:]
-            if len(body) != rec * len(recs):
+            # the frame as a whole is checked here, its records all at once below (a page's
+            # frame holds every layer: one comparison instead of a loop over them)
+            payload, first, count = check_frame_prefix(dec.header, i, frame,
+                                                       checksum=not got.checked)
+            body = np.frombuffer(payload, dtype=np.uint8)
+            if len(body) != rec * count:
+                check_frame(dec.header, i, frame, checksum=False)  # says what is wrong
                 return False
-            rows = body.reshape(len(recs), rec)
-            views.append((recs[0].layer, len(recs), rows))
+            rows = body.reshape(count, rec)
+            if not (rows[:, :RECORD_BYTES].copy().view(_RECORD_DTYPE) == want).all():
+                check_frame(dec.header, i, frame, checksum=False)  # raises, naming the layer
+                return False
+            views.append((first, count, rows))
         int_view = {2: np.int16, 4: np.int32}[item]
         for first, count, rows in views:
             k = rows[:, RECORD_BYTES : RECORD_BYTES + kb].view(int_view)
