@@ -289,3 +289,20 @@ def test_server_down_is_a_miss_not_an_error(tmp_path: Path) -> None:
         assert b.stats().errors >= 3
     finally:
         b.close()
+
+
+def test_the_backend_configures_in_a_fresh_process() -> None:
+    """SGLang imports the backend in its own process: nothing may rely on a kdn module some
+    other import happened to load first (``codec.modes`` did)."""
+    import subprocess
+    import sys
+
+    code = ("from kdn.integrations.sglang import KDNBackendConfig\n"
+            "c = KDNBackendConfig.from_extra({'kdn': {'mode': 'kdn', 'level': 'small'}})\n"
+            "assert (c.mode, c.level) == ('kdn', 'small')\n"
+            "try:\n    KDNBackendConfig.from_extra({'kdn': {'mode': 'kdn', 'level': 'l2'}})\n"
+            "except Exception as e:\n    print(type(e).__name__, e)\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, cwd=Path(__file__).resolve().parents[1])
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "has no level 'l2'" in run.stdout
