@@ -32,7 +32,7 @@ from kdn.server.blend_rpc import Blender
 from kdn.server.config import ServerConfig
 from kdn.server.fastpath import FastPath
 from kdn.server.observe import Metrics, RequestInterceptor
-from kdn.server.service import KDNServicer, verify_entry
+from kdn.server.service import KDNServicer, recount_usage, verify_entry
 from kdn.store.base import Tier
 from kdn.store.lmdb import LmdbTier
 from kdn.store.ram import RamTier
@@ -107,7 +107,27 @@ def grpc_options(config: ServerConfig) -> list[tuple[str, int]]:
     return [
         ("grpc.max_receive_message_length", config.max_message_bytes),
         ("grpc.max_send_message_length", config.max_message_bytes),
+        ("grpc.so_reuseport", int(config.reuse_port)),
     ]
+
+
+def _listen(server: grpc.aio.Server, config: ServerConfig,
+            creds: grpc.ServerCredentials | None) -> int:
+    """Bind the port; a port another process holds is a one-line error naming it."""
+    why = (f"can not listen on {config.address}: is another process (another kdn serve?) on "
+           "that port? pick another with --port, or set reuse_port to share it on purpose")
+    try:
+        port = (server.add_secure_port(config.address, creds) if creds is not None
+                else server.add_insecure_port(config.address))
+    except RuntimeError as exc:  # grpc: "Failed to bind to address ..."
+        raise OSError(why) from exc
+    if port == 0:
+        raise OSError(why)
+    return int(port)
+
+
+REFLECTED = ("kdn.v1.KDN", "kdn.v1.KDNAdmin", "grpc.health.v1.Health")
+"""The services gRPC server reflection lists (grpcurl, Evans and Postman find them there)."""
 
 
 @dataclass
@@ -158,20 +178,12 @@ def _credentials(config: ServerConfig) -> grpc.ServerCredentials | None:
         root_certificates=ca, require_client_auth=ca is not None)
 
 
-def _tenant_usage(store: TieredStore, auth: Authenticator) -> None:
-    """Seed byte-quota accounting from what the tiers already hold (restarts keep quotas)."""
-    for tenant, policy in auth.config.policies.items():
-        if policy.quota_bytes:
-            keys = store.keys(f"{tenant}:".encode())
-            auth.set_usage(tenant, sum(p.size for p in store.lookup(keys)))
-
-
 async def start_server(config: ServerConfig, store: TieredStore | None = None,
                        blender: Blender | None = None) -> Server:
     """Start listening; ``blender`` (the model side of the Blend RPC) makes it blend."""
     store = store or build_store(config)
     auth = Authenticator(load_auth(config.auth_file) if config.auth_file else AuthConfig())
-    await asyncio.to_thread(_tenant_usage, store, auth)
+    await asyncio.to_thread(recount_usage, store, auth)
     servicer = KDNServicer(config, store, auth)
     servicer.blender = blender
     admin = AdminServicer(store, auth)
@@ -186,11 +198,11 @@ async def start_server(config: ServerConfig, store: TieredStore | None = None,
     pb_grpc.add_KDNAdminServicer_to_server(admin, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    from grpc_reflection.v1alpha import reflection
+
+    reflection.enable_server_reflection((*REFLECTED, reflection.SERVICE_NAME), server)
     creds = _credentials(config)
-    port = (server.add_secure_port(config.address, creds) if creds is not None
-            else server.add_insecure_port(config.address))
-    if port == 0:
-        raise OSError(f"can not listen on {config.address}")
+    port = _listen(server, config, creds)
     await server.start()
     fast_path = FastPath(servicer)  # same-host GetMany / PutMany without gRPC
     servicer.fast_path_name = fast_path.name

@@ -109,6 +109,9 @@ class ServerConfig:
     """PEM private key of the server certificate."""
     tls_client_ca: str = ""
     """PEM CA bundle; when set, clients must present a certificate it signed (mutual TLS)."""
+    reuse_port: bool = False
+    """Let several processes listen on the same port (SO_REUSEPORT): off, so that a second
+    server on a port another process holds fails to start instead of splitting the clients."""
     metrics_host: str = "127.0.0.1"
     """Address of the Prometheus /metrics HTTP endpoint."""
     metrics_port: int = -1

@@ -1,0 +1,68 @@
+"""Start-up truths: a port another process holds is refused (no silent SO_REUSEPORT split), and
+gRPC server reflection lets a generic client list and call the services."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import grpc
+import pytest
+from google.protobuf import descriptor_pool, message_factory
+
+from kdn import keys
+from kdn.client import Client
+from kdn.server import ServerConfig, ServerThread
+from tests.helpers import random_kv, uniform_layout
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_a_second_server_on_a_held_port_is_refused(tmp_path: Path) -> None:
+    with ServerThread(ServerConfig(port=0, data_dir=tmp_path / "a")) as first:
+        port = int(first.address.rsplit(":", 1)[1])
+        with pytest.raises(OSError, match=f"can not listen on 127.0.0.1:{port}: is another"):
+            with ServerThread(ServerConfig(port=port, data_dir=tmp_path / "b")):
+                pass
+        run = subprocess.run([sys.executable, "-m", "kdn", "serve", "--port", str(port),
+                              "--data-dir", str(tmp_path / "c")], capture_output=True,
+                             text=True, timeout=120, cwd=ROOT)
+        assert run.returncode == 1, run.stderr
+        assert f"can not listen on 127.0.0.1:{port}" in run.stderr
+        assert "Traceback" not in run.stderr
+        with Client(first.address) as c:  # the first server still answers everything
+            assert c.health() == "SERVING"
+
+
+def test_reuse_port_shares_a_port_when_asked(tmp_path: Path) -> None:
+    with ServerThread(ServerConfig(port=0, data_dir=tmp_path / "a", reuse_port=True)) as one:
+        port = int(one.address.rsplit(":", 1)[1])
+        with ServerThread(ServerConfig(port=port, data_dir=tmp_path / "b", reuse_port=True)):
+            pass
+
+
+def test_reflection_lists_and_calls_the_services(tmp_path: Path) -> None:
+    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
+        ProtoReflectionDescriptorDatabase,
+    )
+
+    lay = uniform_layout(layers=2, heads=2, dim=8)
+    key = keys.chunk_key([1, 2], lay)
+    with ServerThread(ServerConfig(port=0, data_dir=tmp_path / "d")) as server:
+        with Client(server.address) as c:
+            c.store(key, random_kv(lay, 4))
+        with grpc.insecure_channel(server.address) as ch:
+            db = ProtoReflectionDescriptorDatabase(ch)
+            services = set(db.get_services())
+            assert {"kdn.v1.KDN", "kdn.v1.KDNAdmin", "grpc.health.v1.Health"} <= services
+            # as grpcurl does: descriptors from the server, a call built from them alone
+            pool = descriptor_pool.DescriptorPool(db)
+            method = pool.FindServiceByName("kdn.v1.KDN").methods_by_name["Lookup"]
+            request_cls = message_factory.GetMessageClass(method.input_type)
+            response_cls = message_factory.GetMessageClass(method.output_type)
+            call = ch.unary_unary("/kdn.v1.KDN/Lookup",
+                                  request_serializer=lambda m: m.SerializeToString(),
+                                  response_deserializer=response_cls.FromString)
+            answer = call(request_cls(keys=[key, bytes(32)]), timeout=10)
+            assert [i.present for i in answer.infos] == [True, False]
