@@ -139,3 +139,30 @@ def test_admin_against_nothing_fails_cleanly() -> None:
                           f"127.0.0.1:{_free_port()}", "--timeout", "2", "health"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 1 and "UNAVAILABLE" in out.stderr
+
+
+def test_a_mistyped_variable_is_refused_with_the_setting_it_meant() -> None:
+    with pytest.raises(ConfigError, match=r"\$KDN_RAM_BYTS: no such setting; did you mean "
+                                          r"KDN_RAM_BYTES\?"):
+        load_config(env={"KDN_RAM_BYTS": "1GiB"})
+    with pytest.raises(ConfigError, match=r"\$KDN_WHATEVER: no such setting; `kdn serve"):
+        load_config(env={"KDN_WHATEVER": "1"})
+    # the variables of kdn's clients and scripts are not settings and pass
+    cfg = load_config(env={"KDN_ADDRESS": "10.0.0.1:1", "KDN_API_KEY": "k", "KDN_PORT": "7"})
+    assert cfg.port == 7
+
+
+def test_help_shows_values_as_one_writes_them() -> None:
+    from kdn.server.config import ServerConfig, describe, format_size
+
+    shown = {name: (default, doc) for name, default, doc in describe()}
+    assert shown["ram_bytes"][0] == "1GiB" and shown["disk_bytes"][0] == "16GiB"
+    assert shown["redis_cluster"][0] == "false" and shown["redis_url"][0] == '""'
+    assert "ram" in shown["tier_order"][0] and "(" not in shown["tier_order"][0]
+    assert all(doc for _, doc in shown.values())  # every setting documented
+    assert "api_keys" in shown["auth_file"][1] and "kdn/server" not in shown["auth_file"][1]
+    assert format_size(3 << 20) == "3MiB" and format_size(1000) == "1000"
+    for name, default, _ in describe():  # what help shows parses back to the default
+        flags = {name: default if default != '""' else ""}
+        assert getattr(load_config(env={}, flags=flags), name) == \
+            getattr(ServerConfig(), name), name

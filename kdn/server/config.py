@@ -8,6 +8,7 @@ Sizes accept plain byte counts or units: ``512MiB``, ``2GB``, ``1.5GiB``.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import os
 import re
 from collections.abc import Mapping
@@ -102,7 +103,8 @@ class ServerConfig:
     model: str = ""
     """Model the Blend RPC runs ("smollm2-135m" or a transformers folder); empty = no Blend."""
     auth_file: str = ""
-    """YAML file of tenants and API keys (see kdn/server/auth.py); empty = no authentication."""
+    """YAML file of tenants: `tenants: {NAME: {api_keys: [KEY or "sha256:HEX"], role:
+    tenant|admin, rate_rps: N, burst: N, quota_bytes: 10GiB}}`; empty = no authentication."""
     tls_cert: str = ""
     """PEM certificate chain of the server; with tls_key, the server speaks TLS only."""
     tls_key: str = ""
@@ -255,11 +257,17 @@ def load_config(
             values[k] = _coerce(k, v, str(path))
     env = os.environ if env is None else env
     for k, v in env.items():
-        if not k.startswith("KDN_"):
+        if not k.startswith("KDN_") or k in OTHER_VARIABLES:
             continue
         name = k[4:].lower()
-        if name in known:
-            values[name] = _coerce(name, v, f"${k}")
+        if name not in known:
+            import difflib
+
+            near = difflib.get_close_matches(name, sorted(known), n=1)
+            hint = f"did you mean KDN_{near[0].upper()}? " if near else ""
+            raise ConfigError(f"${k}: no such setting; {hint}`kdn serve --help` lists them "
+                              "(each is KDN_ plus its name in capitals)")
+        values[name] = _coerce(name, v, f"${k}")
     for k, v in (flags or {}).items():
         if v is None:
             continue
@@ -274,12 +282,54 @@ def load_config(
         raise ConfigError(str(exc)) from None
 
 
-def describe() -> list[tuple[str, str, str]]:
-    """(name, default, doc) of every setting, for help output."""
-    import inspect
+OTHER_VARIABLES = frozenset({
+    "KDN_ADDRESS", "KDN_API_KEY", "KDN_INSECURE",  # clients and the admin CLI
+    "KDN_RAG_STATE", "KDN_CACHE_DIR",              # kdn rag, the model cache
+    "KDN_TORCH_SPEC", "KDN_EXTRAS", "KDN_SKIP_SLIM", "KDN_PEERS_REEXEC",  # scripts, tests
+})
+"""``KDN_*`` variables that are not server settings (any other one is refused as a typo)."""
 
-    src = inspect.getsource(ServerConfig)
-    docs = {name: " ".join(doc.split()) for name, doc in
-            re.findall(r"\n    (\w+): [^\n]*\n    \"\"\"(.*?)\"\"\"", src, re.S)}
-    return [(f.name, str(f.default), docs.get(f.name, ""))
+
+def format_size(n: int) -> str:
+    """``n`` bytes the way a person writes it: ``1GiB``, ``256MiB``, ``1000`` (exact only)."""
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n and n % size == 0:
+            return f"{n // size}{unit}"
+    return str(n)
+
+
+def _shown(name: str, value: Any) -> str:
+    if name in _SIZE_FIELDS:
+        return format_size(int(value))
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, tuple):
+        return ",".join(str(v) for v in value) or '""'
+    if isinstance(value, enum.Enum):
+        return str(value.value)
+    return str(value) if value != "" else '""'
+
+
+def _field_docs() -> dict[str, str]:
+    """Each setting's docstring (the string literal under its field, the convention Sphinx
+    reads), from the class's syntax tree."""
+    import ast
+    import inspect
+    import textwrap
+
+    tree = ast.parse(textwrap.dedent(inspect.getsource(ServerConfig)))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs = {}
+    for field_node, doc_node in zip(body, body[1:]):
+        if isinstance(field_node, ast.AnnAssign) and isinstance(field_node.target, ast.Name) \
+                and isinstance(doc_node, ast.Expr) and isinstance(doc_node.value, ast.Constant) \
+                and isinstance(doc_node.value.value, str):
+            docs[field_node.target.id] = " ".join(doc_node.value.value.split())
+    return docs
+
+
+def describe() -> list[tuple[str, str, str]]:
+    """(name, default as one would write it, doc) of every setting, for help output."""
+    docs = _field_docs()
+    return [(f.name, _shown(f.name, f.default), docs.get(f.name, ""))
             for f in dataclasses.fields(ServerConfig)]
