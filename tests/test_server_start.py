@@ -66,3 +66,17 @@ def test_reflection_lists_and_calls_the_services(tmp_path: Path) -> None:
                                   response_deserializer=response_cls.FromString)
             answer = call(request_cls(keys=[key, bytes(32)]), timeout=10)
             assert [i.present for i in answer.infos] == [True, False]
+
+
+def test_health_watch_streams_through_the_interceptor(tmp_path: Path) -> None:
+    """grpc's health Watch answers with ``context.write`` (a coroutine, not an async
+    generator): the request interceptor must pass it through, not fail it as UNKNOWN."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with ServerThread(ServerConfig(port=0, data_dir=tmp_path / "d")) as server:
+        with grpc.insecure_channel(server.address) as ch:
+            stream = health_pb2_grpc.HealthStub(ch).Watch(
+                health_pb2.HealthCheckRequest(service="kdn.v1.KDN"), timeout=10)
+            first = next(stream)
+            assert first.status == health_pb2.HealthCheckResponse.SERVING
+            stream.cancel()

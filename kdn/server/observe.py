@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import json
 import logging
 import time
@@ -223,7 +224,11 @@ class RequestInterceptor(grpc.aio.ServerInterceptor):
                 streaming: bool) -> Callable[..., Any]:
         async def wrapper(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
             async with self._observed(context, rpc, md, open_call):
-                async for item in fn(await self._request(request, context, streaming), context):
+                out = fn(await self._request(request, context, streaming), context)
+                if inspect.isawaitable(out):  # a handler that answers with context.write()
+                    await out  # (grpc's own health Watch): it has written what it sends
+                    return
+                async for item in out:
                     yield item
 
         return wrapper
