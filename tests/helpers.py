@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -49,3 +50,53 @@ def eventually(cond: Callable[[], bool], timeout: float = 5.0, interval: float =
             return True
         time.sleep(interval)
     return cond()
+
+
+def make_certs(tmp: Path, clients: tuple[str, ...] = ("engine-1",),
+               client_sans: dict[str, list[str]] | None = None) -> dict[str, Path]:
+    """A throwaway CA, a server certificate for localhost/127.0.0.1 and client certificates
+    (CN = each name in ``clients``; ``client_sans``: DNS names added to a client's SAN), as
+    PEM files in ``tmp``: ``ca.crt``, ``server.crt``/``.key``, ``<name>.crt``/``.key`` (and
+    ``client.crt``/``.key`` for the first client). Keys are private (0600), as a server
+    requires of its own."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    now = datetime.datetime.now(datetime.UTC)
+
+    def make(name: str, issuer: tuple | None, ca: bool, sans: list[x509.GeneralName]
+             ) -> tuple:
+        key = ec.generate_private_key(ec.SECP256R1())
+        subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
+        b = (x509.CertificateBuilder().subject_name(subject)
+             .issuer_name(issuer[0].subject if issuer else subject)
+             .public_key(key.public_key()).serial_number(x509.random_serial_number())
+             .not_valid_before(now - datetime.timedelta(days=1))
+             .not_valid_after(now + datetime.timedelta(days=2))
+             .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
+        if sans:
+            b = b.add_extension(x509.SubjectAlternativeName(sans), critical=False)
+        return b.sign(issuer[1] if issuer else key, hashes.SHA256()), key
+
+    ca = make("kdn-test-ca", None, True, [])
+    made = {"ca": ca, "server": make("localhost", ca, False, [
+        x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))])}
+    for name in clients:
+        made[name] = make(name, ca, False, [x509.DNSName(d)
+                                            for d in (client_sans or {}).get(name, [])])
+    made["client"] = made[clients[0]]
+    out = {}
+    for name, (cert, key) in made.items():
+        out[f"{name}.crt"] = tmp / f"{name}.crt"
+        out[f"{name}.crt"].write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+        out[f"{name}.key"] = tmp / f"{name}.key"
+        out[f"{name}.key"].write_bytes(key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption()))
+        out[f"{name}.key"].chmod(0o600)
+    return out

@@ -183,6 +183,7 @@ def _stub_of(client: Client) -> tuple[grpc.Channel, pb_grpc.KDNStub]:
 def test_segments_and_entries_stay_with_their_tenant(tmp_path: Path) -> None:
     auth = tmp_path / "tenants.yaml"
     auth.write_text("tenants:\n  a: {api_keys: [key-a]}\n  b: {api_keys: [key-b]}\n")
+    auth.chmod(0o600)
     cfg = ServerConfig(port=0, data_dir=tmp_path / "d", auth_file=str(auth))
     with ServerThread(cfg) as st, \
             Client(st.address, api_key="key-a", shm_bytes=4 << 20) as a, \

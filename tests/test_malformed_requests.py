@@ -164,6 +164,7 @@ def test_callers_are_admitted_before_their_requests_are_read(tmp_path: Path) -> 
     is told to an unknown caller); with a key it is INVALID_ARGUMENT."""
     auth = tmp_path / "tenants.yaml"
     auth.write_text("tenants:\n  team-a: {api_keys: [secret-a]}\n")
+    auth.chmod(0o600)
     cfg = ServerConfig(port=0, data_dir=tmp_path / "d", disk_bytes=0, auth_file=str(auth))
     with ServerThread(cfg) as server, grpc.insecure_channel(server.address) as ch:
         lookup = ch.unary_unary("/kdn.v1.KDN/Lookup")

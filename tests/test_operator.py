@@ -3,7 +3,6 @@ and mutual TLS, Prometheus metrics, request ids, and the admin CLI end to end.""
 
 from __future__ import annotations
 
-import datetime
 import json
 import logging
 import urllib.request
@@ -20,7 +19,7 @@ from kdn.client.admin import AdminClient, read_records
 from kdn.client.client import TLSOptions
 from kdn.errors import NotFound, PermissionDenied, TooLarge, Unauthenticated, Unavailable
 from kdn.server import ServerConfig, ServerThread
-from tests.helpers import random_kv, uniform_layout
+from tests.helpers import make_certs, random_kv, uniform_layout
 
 LAY = uniform_layout()
 TENANTS = """
@@ -39,6 +38,7 @@ def secured(tmp_path: Path) -> Iterator[ServerThread]:
 
     auth = tmp_path / "tenants.yaml"
     auth.write_text(TENANTS % digest("key-ops"))
+    auth.chmod(0o600)
     cfg = ServerConfig(port=0, data_dir=tmp_path / "d", auth_file=str(auth), metrics_port=0)
     with ServerThread(cfg) as st:
         yield st
@@ -140,43 +140,7 @@ def test_metrics_and_request_ids(secured: ServerThread, caplog: pytest.LogCaptur
 
 
 def _certs(tmp: Path) -> dict[str, Path]:
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
-
-    now = datetime.datetime.now(datetime.UTC)
-
-    def make(name: str, issuer: tuple | None, ca: bool, san: bool) -> tuple:
-        key = ec.generate_private_key(ec.SECP256R1())
-        subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
-        b = (x509.CertificateBuilder().subject_name(subject)
-             .issuer_name(issuer[0].subject if issuer else subject)
-             .public_key(key.public_key()).serial_number(x509.random_serial_number())
-             .not_valid_before(now - datetime.timedelta(days=1))
-             .not_valid_after(now + datetime.timedelta(days=2))
-             .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
-        if san:
-            import ipaddress
-
-            b = b.add_extension(x509.SubjectAlternativeName(
-                [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
-                critical=False)
-        cert = b.sign(issuer[1] if issuer else key, hashes.SHA256())
-        return cert, key
-
-    ca = make("kdn-test-ca", None, True, False)
-    server = make("localhost", ca, False, True)
-    client = make("engine-1", ca, False, False)
-    out = {}
-    for name, (cert, key) in {"ca": ca, "server": server, "client": client}.items():
-        out[f"{name}.crt"] = tmp / f"{name}.crt"
-        out[f"{name}.crt"].write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-        out[f"{name}.key"] = tmp / f"{name}.key"
-        out[f"{name}.key"].write_bytes(key.private_bytes(
-            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption()))
-    return out
+    return make_certs(tmp)
 
 
 def test_tls_and_mutual_tls(tmp_path: Path) -> None:

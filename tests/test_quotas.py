@@ -47,6 +47,7 @@ def test_usage_equals_stored_bytes_after_a_storm_of_concurrent_operations(
         tmp_path: Path) -> None:
     auth = tmp_path / "tenants.yaml"
     auth.write_text(TENANTS % digest("key-ops"))
+    auth.chmod(0o600)
     cfg = ServerConfig(port=0, data_dir=tmp_path / "d", auth_file=str(auth),
                        ram_bytes=256 << 10)  # small: RAM evicts (demotes to disk) as it goes
     pool = [keys.chunk_key([i], LAY) for i in range(12)]  # few keys: many collide
@@ -107,6 +108,7 @@ def test_a_refused_store_leaves_nothing_and_a_failed_overwrite_keeps_the_old_val
         tmp_path: Path) -> None:
     auth = tmp_path / "tenants.yaml"
     auth.write_text(TENANTS % digest("key-ops"))
+    auth.chmod(0o600)
     old, new = random_kv(LAY, 8, seed=1), random_kv(LAY, 24, seed=2)
     key, fresh = keys.chunk_key([1], LAY), keys.chunk_key([2], LAY)
     shared = StoreOptions(durability=Durability.SHARED)

@@ -72,6 +72,9 @@ def _admin_options(p: argparse.ArgumentParser, *, suppress: bool) -> None:
     g.add_argument("--tls-key", default=default(None), help="client private key (mutual TLS)")
     g.add_argument("--tls-server-name", default=default(None),
                    help="expected server certificate name")
+    g.add_argument("--insecure", action="store_true", default=default(False),
+                   help="send the API key even over plaintext to a non-loopback server "
+                        "(default: $KDN_INSECURE=1, else refused)")
     add_output_options(p, suppress=suppress)
 
 
@@ -106,6 +109,9 @@ def _serve(ns: argparse.Namespace) -> int:
         blender = ModelBlender(name=config.model)
     try:
         asyncio.run(serve(config, blender))
+    except ConfigError as exc:  # found at start-up: TLS files that do not make a pair, ...
+        error("kdn serve", f"bad configuration: {exc}")
+        return EXIT_USAGE
     except OSError as exc:
         error("kdn serve", str(exc))
         return EXIT_FAILED
@@ -128,7 +134,7 @@ def _admin_client(ns: argparse.Namespace) -> Any:
                          server_name=ns.tls_server_name or "")
     return AdminClient(ns.address, timeout_s=ns.timeout,
                        api_key=ns.api_key or os.environ.get("KDN_API_KEY") or None, tls=tls,
-                       shm_bytes=0)
+                       shm_bytes=0, insecure=ns.insecure or None)
 
 
 def _keys(ns: argparse.Namespace) -> list[bytes]:
@@ -335,6 +341,9 @@ def _admin(ns: argparse.Namespace) -> int:
         client = _admin_client(ns)
     except OSError as exc:  # a TLS file that can not be read
         error(prog, f"{exc.filename}: {exc.strerror}", "check the --tls-* paths")
+        return EXIT_USAGE
+    except KDNError as exc:  # an API key that would travel in plaintext
+        error(prog, exc, "or pass --insecure")
         return EXIT_USAGE
     try:
         return int(ADMIN[ns.admin_cmd](client, ns))

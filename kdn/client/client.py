@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import os
 import random
 import threading
 import time
@@ -37,7 +38,7 @@ from kdn.client.dataplane import DataPlane, Fetched, TooBig
 from kdn.client.parallel import layer_groups, merged
 from kdn.codec import EncodedParts
 from kdn.codec.format import parse_container, parse_header
-from kdn.errors import LayoutMismatch, NotFound, TooLarge
+from kdn.errors import InvalidArgument, LayoutMismatch, NotFound, TooLarge
 from kdn.keys import DEFAULT_NAMESPACE, check_key, check_namespace
 from kdn.layout import KVLayout
 from kdn.metadata import API_KEY_HEADER, REQUEST_ID_HEADER
@@ -125,7 +126,14 @@ class Client:
         shm_bytes: int | None = None,
         local_bytes: int = 0,
         streams: int = DEFAULT_STREAMS,
+        insecure: bool | None = None,
     ) -> None:
+        if api_key and tls is None and not same_host(address) and not (
+                os.environ.get("KDN_INSECURE", "") == "1" if insecure is None else insecure):
+            raise InvalidArgument(
+                f"refusing to send an API key in plaintext to {address}: pass tls=TLSOptions("
+                "ca=...) (the server's --tls-cert), or insecure=True (KDN_INSECURE=1) on a "
+                "network you trust")
         self.address = address
         self.max_message_bytes = max_message_bytes
         self.streams = max(1, streams)

@@ -26,10 +26,11 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from kdn.errors import ConfigError
 from kdn.server.admin import AdminServicer
-from kdn.server.auth import AuthConfig, Authenticator, load_auth
+from kdn.server.auth import AuthConfig, Authenticator, Role, load_auth
 from kdn.server.blend_rpc import Blender
-from kdn.server.config import ServerConfig
+from kdn.server.config import ServerConfig, is_loopback
 from kdn.server.fastpath import FastPath
 from kdn.server.observe import Metrics, RequestInterceptor
 from kdn.server.service import KDNServicer, recount_usage, verify_entry
@@ -108,6 +109,12 @@ def grpc_options(config: ServerConfig) -> list[tuple[str, int]]:
         ("grpc.max_receive_message_length", config.max_message_bytes),
         ("grpc.max_send_message_length", config.max_message_bytes),
         ("grpc.so_reuseport", int(config.reuse_port)),
+        *([("grpc.max_connection_idle_ms", int(config.idle_timeout_s * 1000))]
+          if config.idle_timeout_s else []),
+        *([("grpc.max_connection_age_ms", int(config.max_connection_age_s * 1000)),
+           ("grpc.max_connection_age_grace_ms", 30_000)] if config.max_connection_age_s else []),
+        *([("grpc.max_allowed_incoming_connections", config.max_connections)]
+          if config.max_connections else []),
     ]
 
 
@@ -169,9 +176,35 @@ class Server:
         log.info("kdn server on %s stopped", self.address)
 
 
+def check_tls_files(config: ServerConfig) -> None:
+    """Load the certificate, its key and the client CA as a TLS library would, so that a
+    wrong pair or a damaged file stops the start with a sentence naming the file (gRPC would
+    only say that it failed to bind)."""
+    import ssl
+
+    if not config.tls_cert:
+        return
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        ctx.load_cert_chain(config.tls_cert, config.tls_key)
+    except ssl.SSLError as exc:
+        what = ("is not the private key of the certificate in tls_cert "
+                f"{config.tls_cert}" if "KEY_VALUES_MISMATCH" in str(exc) else
+                f"and tls_cert {config.tls_cert} are not a usable PEM certificate and key "
+                f"({exc.reason or exc})")
+        raise ConfigError(f"tls_key {config.tls_key} {what}") from None
+    if config.tls_client_ca:
+        try:
+            ctx.load_verify_locations(config.tls_client_ca)
+        except ssl.SSLError as exc:
+            raise ConfigError(f"tls_client_ca {config.tls_client_ca}: not a PEM CA bundle "
+                              f"({exc.reason or exc})") from None
+
+
 def _credentials(config: ServerConfig) -> grpc.ServerCredentials | None:
     if not config.tls_cert:
         return None
+    check_tls_files(config)
     ca = Path(config.tls_client_ca).read_bytes() if config.tls_client_ca else None
     return grpc.ssl_server_credentials(
         [(Path(config.tls_key).read_bytes(), Path(config.tls_cert).read_bytes())],
@@ -182,7 +215,13 @@ async def start_server(config: ServerConfig, store: TieredStore | None = None,
                        blender: Blender | None = None) -> Server:
     """Start listening; ``blender`` (the model side of the Blend RPC) makes it blend."""
     store = store or build_store(config)
-    auth = Authenticator(load_auth(config.auth_file) if config.auth_file else AuthConfig())
+    auth = Authenticator(load_auth(config.auth_file) if config.auth_file else AuthConfig(),
+                         mtls=bool(config.tls_client_ca),
+                         mtls_role=None if config.mtls_role == "none" else Role(config.mtls_role))
+    if config.insecure and config.auth_file and not config.tls_cert and \
+            not is_loopback(config.host):
+        log.warning("insecure: API keys travel in plaintext to %s:%d (auth on, TLS off); "
+                    "anyone on the network path can read them", config.host, config.port)
     await asyncio.to_thread(recount_usage, store, auth)
     servicer = KDNServicer(config, store, auth)
     servicer.blender = blender

@@ -8,7 +8,10 @@ tenant (``kdn.keys.store_key(current_principal.get().tenant, namespace, key)``),
 can not name another tenant's entries, even knowing the key hash. Admin RPCs require
 ``Role.ADMIN``.
 
-With auth disabled every caller is the anonymous admin of the unscoped key space.
+With auth disabled and no mutual TLS every caller is the anonymous admin of the unscoped key
+space (a server that only listens on loopback, or one on a trusted network). Under mutual TLS
+a client certificate can name a tenant (``subjects`` in the tenants file); one that names none
+gets the server's ``mtls_role`` (tenant by default: never admin unless configured so).
 
 API keys are compared by SHA-256 digest in constant time; the file may hold either the key
 itself or ``sha256:<hex>`` so plaintext keys need not live on the server.
@@ -85,6 +88,9 @@ class AuthConfig:
     keys: Mapping[str, tuple[str, Role]] = field(default_factory=dict)
     """sha256 hex of an API key -> (tenant, role)."""
     policies: Mapping[str, TenantPolicy] = field(default_factory=dict)
+    subjects: Mapping[str, tuple[str, Role]] = field(default_factory=dict)
+    """A client certificate's identity (its subject CN or one of its SANs) -> (tenant,
+    role): under mutual TLS these clients need no API key."""
 
 
 def digest(api_key: str) -> str:
@@ -106,6 +112,7 @@ def load_auth(path: Path | str) -> AuthConfig:
     if not isinstance(tenants, dict) or not tenants:
         raise ConfigError(f"auth file {path}: expected a 'tenants' mapping")
     keys: dict[str, tuple[str, Role]] = {}
+    subjects: dict[str, tuple[str, Role]] = {}
     policies: dict[str, TenantPolicy] = {}
     for name, spec in tenants.items():
         where = f"auth file {path}: tenant {name!r}"
@@ -115,16 +122,23 @@ def load_auth(path: Path | str) -> AuthConfig:
             raise ConfigError(f"auth file {path}: {exc}") from None
         if not isinstance(spec, dict):
             raise ConfigError(f"{where}: expected a mapping")
-        unknown = set(spec) - {"api_keys", "role", "rate_rps", "burst", "quota_bytes"}
+        unknown = set(spec) - {"api_keys", "subjects", "role", "rate_rps", "burst",
+                               "quota_bytes"}
         if unknown:
             raise ConfigError(f"{where}: unknown settings {sorted(unknown)}")
         try:
             role = Role(spec.get("role", "tenant"))
         except ValueError:
             raise ConfigError(f"{where}: role must be 'tenant' or 'admin'") from None
-        api_keys = spec.get("api_keys")
-        if not isinstance(api_keys, list) or not api_keys:
-            raise ConfigError(f"{where}: api_keys must be a non-empty list")
+        api_keys, subj = spec.get("api_keys", []), spec.get("subjects", [])
+        if not isinstance(api_keys, list) or not isinstance(subj, list) or \
+                not (api_keys or subj):
+            raise ConfigError(f"{where}: needs api_keys or subjects (client certificate "
+                              "names), as non-empty lists")
+        for name_ in subj:
+            if not isinstance(name_, str) or not name_ or name_ in subjects:
+                raise ConfigError(f"{where}: malformed or duplicate subject {name_!r}")
+            subjects[name_] = (name, role)
         for k in api_keys:
             k = str(k)
             d = k.removeprefix("sha256:") if k.startswith("sha256:") else digest(k)
@@ -137,7 +151,7 @@ def load_auth(path: Path | str) -> AuthConfig:
                 quota_bytes=parse_size(spec.get("quota_bytes", 0)))
         except (TypeError, ValueError) as exc:
             raise ConfigError(f"{where}: {exc}") from None
-    return AuthConfig(enabled=True, keys=keys, policies=policies)
+    return AuthConfig(enabled=True, keys=keys, policies=policies, subjects=subjects)
 
 
 class _Bucket:
@@ -155,9 +169,25 @@ class _Bucket:
         return False
 
 
+class AuthFailed(Unauthenticated):
+    """An authentication that failed, with why in a word (the metric's ``reason`` label)."""
+
+    def __init__(self, message: str, reason: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
 class Authenticator:
-    def __init__(self, config: AuthConfig) -> None:
+    """Who a call is: an API key (``x-kdn-api-key`` or ``authorization: Bearer``) names a
+    tenant; under mutual TLS (``mtls``), so does a client certificate whose subject CN or a SAN
+    an auth-file tenant lists (``subjects``), and a certificate nobody lists gets
+    ``mtls_role`` (None: refused; never admin unless the operator says so)."""
+
+    def __init__(self, config: AuthConfig, *, mtls: bool = False,
+                 mtls_role: Role | None = Role.TENANT) -> None:
         self.config = config
+        self.mtls = mtls
+        self.mtls_role = mtls_role
         self._buckets = {t: _Bucket(p.rate_rps, p.burst) for t, p in config.policies.items()
                          if p.rate_rps > 0}
         self._usage: dict[str, int] = {}
@@ -167,8 +197,16 @@ class Authenticator:
     def enabled(self) -> bool:
         return self.config.enabled
 
-    def identify(self, metadata: Sequence[tuple[str, Any]] | None) -> Principal:
-        if not self.config.enabled:
+    @property
+    def open(self) -> bool:
+        """No key and no certificate is asked of anyone (auth off, no mutual TLS)."""
+        return not self.config.enabled and not self.mtls
+
+    def identify(self, metadata: Sequence[tuple[str, Any]] | None,
+                 identities: Sequence[str] = ()) -> Principal:
+        """The caller of a call with ``metadata``; ``identities``: the names of its verified
+        client certificate (mutual TLS), else empty. Raises ``AuthFailed``."""
+        if self.open:
             return ANONYMOUS
         supplied = None
         for k, v in metadata or ():
@@ -176,13 +214,25 @@ class Authenticator:
                 supplied = v.decode() if isinstance(v, bytes) else str(v)
             elif k == "authorization" and str(v).lower().startswith("bearer "):
                 supplied = str(v)[7:]
-        if not supplied:
-            raise Unauthenticated(f"missing API key (metadata {API_KEY_HEADER!r})")
-        d = digest(supplied)
-        for known, (tenant, role) in self.config.keys.items():
-            if hmac.compare_digest(known, d):
-                return Principal(tenant, role)
-        raise Unauthenticated("unknown API key")
+        if supplied:
+            d = digest(supplied)
+            for known, (tenant, role) in self.config.keys.items():
+                if hmac.compare_digest(known, d):
+                    return Principal(tenant, role)
+            raise AuthFailed("unknown API key", "unknown_key")
+        if self.mtls:
+            for name in identities:
+                if name in self.config.subjects:
+                    return Principal(*self.config.subjects[name])
+            if self.config.enabled:  # a tenants file says who may enter: this one is not in it
+                raise AuthFailed("missing API key, and the client certificate ("
+                                 f"{', '.join(identities) or 'no name'}) is no tenant's",
+                                 "unknown_certificate")
+            if self.mtls_role is None:
+                raise AuthFailed("this server needs an API key besides the client "
+                                 "certificate (mtls_role: none)", "certificate_not_enough")
+            return Principal("", self.mtls_role)
+        raise AuthFailed(f"missing API key (metadata {API_KEY_HEADER!r})", "missing_key")
 
     def admit(self, principal: Principal) -> None:
         bucket = self._buckets.get(principal.tenant)

@@ -29,6 +29,19 @@ _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
 _SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 
 
+def is_loopback(host: str) -> bool:
+    """Whether listening on ``host`` keeps traffic on this machine."""
+    import ipaddress
+
+    host = host.strip("[]").lower()
+    if host in ("localhost", "ip6-localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def parse_size(value: object) -> int:
     if isinstance(value, bool):
         raise ValueError("a size, not a boolean")
@@ -111,6 +124,20 @@ class ServerConfig:
     """PEM private key of the server certificate."""
     tls_client_ca: str = ""
     """PEM CA bundle; when set, clients must present a certificate it signed (mutual TLS)."""
+    mtls_role: str = "tenant"
+    """Role of a client known only by its certificate (mutual TLS, no API key, no auth-file
+    tenant listing its certificate's subject): tenant (the unscoped key space, no admin
+    RPCs), admin, or none (an API key is required too). Never admin unless set so."""
+    insecure: bool = False
+    """Accept API keys over plaintext on a non-loopback host (auth on, TLS off). Without it such
+    a server refuses to start; with it, it warns at every start."""
+    idle_timeout_s: float = 300.0
+    """Close a client connection that carried no call for this long (0 = never)."""
+    max_connection_age_s: float = 0.0
+    """Ask clients to reconnect once a connection is this old (0 = never; calls in flight get
+    30 s more)."""
+    max_connections: int = 1024
+    """Most client connections open at once; more are refused until some close (0 = no cap)."""
     reuse_port: bool = False
     """Let several processes listen on the same port (SO_REUSEPORT): off, so that a second
     server on a port another process holds fails to start instead of splitting the clients."""
@@ -148,6 +175,23 @@ class ServerConfig:
             path = getattr(self, name)
             if path and not Path(path).is_file():
                 raise ConfigError(f"{name}: no such file {path!r}")
+        for name in ("auth_file", "tls_key"):  # secrets: API keys (or digests), private key
+            path = getattr(self, name)
+            if path and (mode := Path(path).stat().st_mode) & 0o077:
+                raise ConfigError(f"{name}: {path} can be read by other users (mode "
+                                  f"{oct(mode & 0o777)}); run chmod 600 {path}")
+        if self.mtls_role not in ("tenant", "admin", "none"):
+            raise ConfigError(f"mtls_role: expected tenant, admin or none, got {self.mtls_role!r}")
+        if self.auth_file and not self.tls_cert and not self.insecure and \
+                not is_loopback(self.host):
+            raise ConfigError(
+                f"auth_file: API keys would cross the network in plaintext on {self.host}; set "
+                "tls_cert and tls_key, or insecure: true (--insecure true) to accept that")
+        for name in ("idle_timeout_s", "max_connection_age_s"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name}: must be >= 0, got {getattr(self, name)}")
+        if self.max_connections < 0:
+            raise ConfigError(f"max_connections: must be >= 0, got {self.max_connections}")
         if not -1 <= self.metrics_port <= 65535:
             raise ConfigError(f"metrics_port: must be in -1..65535, got {self.metrics_port}")
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):

@@ -35,7 +35,7 @@ from prometheus_client.registry import Collector
 
 from kdn.errors import KDNError
 from kdn.metadata import REQUEST_ID_HEADER
-from kdn.server.auth import Authenticator, current_principal
+from kdn.server.auth import Authenticator, AuthFailed, current_principal
 from kdn.server.requests import BadRequest, checked
 from kdn.status import grpc_code
 
@@ -95,6 +95,9 @@ class Metrics:
                                      "Fraction of cached tokens a blend recomputed",
                                      buckets=(0.01, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0),
                                      registry=self.registry)
+        self.auth_failures = Counter("kdn_auth_failures", "Calls refused before their handler "
+                                     "ran: authentication failed, by reason", ["reason"],
+                                     registry=self.registry)
         self.registry.register(_SourceCollector(sources))
         self._http: Any = None
 
@@ -113,10 +116,43 @@ class Metrics:
             self._http = None
 
 
+def _identities(context: grpc.aio.ServicerContext) -> list[str]:
+    """The verified client certificate's names: its subject CN and its SANs."""
+    ctx = context.auth_context() or {}
+    return [v.decode(errors="replace") if isinstance(v, bytes) else str(v)
+            for k in ("x509_common_name", "x509_subject_alternative_name")
+            for v in ctx.get(k, ())]
+
+
+class AuditLog:
+    """Failed authentications as ``kdn.audit`` warnings: at most ``per_second`` lines a
+    second; the lines left out are counted into the next one (brute force stays visible
+    without flooding the log)."""
+
+    def __init__(self, per_second: float = 10.0) -> None:
+        self.per_second = per_second
+        self._allowance, self._stamp, self._dropped = per_second, time.monotonic(), 0
+        self._log = logging.getLogger("kdn.audit")
+
+    def log(self, reason: str, peer: str, request_id: str) -> None:
+        now = time.monotonic()
+        self._allowance = min(self.per_second,
+                              self._allowance + (now - self._stamp) * self.per_second)
+        self._stamp = now
+        if self._allowance < 1:
+            self._dropped += 1
+            return
+        self._allowance -= 1
+        dropped, self._dropped = self._dropped, 0
+        self._log.warning(json.dumps({"event": "auth_failed", "reason": reason, "peer": peer,
+                                      "request_id": request_id, "not_logged_before": dropped}))
+
+
 class RequestInterceptor(grpc.aio.ServerInterceptor):
     def __init__(self, auth: Authenticator, metrics: Metrics | None = None) -> None:
         self.auth = auth
         self.metrics = metrics
+        self.audit = AuditLog()
         self._parsers: dict[str, tuple[Callable[[bytes], Any], Callable[[bytes], Any]]] = {}
 
     async def intercept_service(self, continuation: Callable[..., Any],
@@ -166,12 +202,22 @@ class RequestInterceptor(grpc.aio.ServerInterceptor):
         if open_call:
             return rid, ""
         try:
-            principal = self.auth.identify(md)
+            principal = self.auth.identify(md, _identities(context) if self.auth.mtls else ())
+        except AuthFailed as exc:
+            self._refused(context, rid, exc.reason)
+            await context.abort(grpc_code(exc), str(exc))
+        try:
             self.auth.admit(principal)
         except KDNError as exc:
             await context.abort(grpc_code(exc), str(exc))
         current_principal.set(principal)
         return rid, principal.tenant
+
+    def _refused(self, context: grpc.aio.ServicerContext, rid: str, reason: str) -> None:
+        """Count a failed authentication and log it (rate-limited; the peer, never the key)."""
+        if self.metrics is not None:
+            self.metrics.auth_failures.labels(reason).inc()
+        self.audit.log(reason, context.peer(), rid)
 
     def _done(self, rpc: str, rid: str, tenant: str, t0: float, code: str,
               context: grpc.aio.ServicerContext) -> None:
