@@ -115,6 +115,8 @@ class KDNBackendConfig:
     """PEM file of the CA to trust; set to use TLS. ``tls_cert``/``tls_key``: mutual TLS."""
     tls_cert: str = ""
     tls_key: str = ""
+    insecure: bool = False
+    """Send the API key even in plaintext to a non-loopback server (refused otherwise)."""
     adapter: str = ""
     """Id of the LoRA adapter the engine serves with (part of every key)."""
     salt: str = ""
@@ -210,7 +212,8 @@ class KDNHiCacheStorage(HiCacheStorage):
         self.client: AdminClient = client or AdminClient(
             cfg.address, timeout_s=cfg.timeout_s, namespace=cfg.namespace,
             api_key=cfg.api_key or os.environ.get("KDN_API_KEY") or None, tls=cfg.tls(),
-            shm_bytes=cfg.shm_bytes, local_bytes=cfg.local_bytes)
+            shm_bytes=cfg.shm_bytes, local_bytes=cfg.local_bytes,
+            insecure=cfg.insecure or None)
         self._own_client = client is None
         self.options = StoreOptions(ttl_s=cfg.ttl_s)
         self.layout: KVLayout | None = None
