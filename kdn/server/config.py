@@ -92,6 +92,11 @@ class ServerConfig:
     """Retries of a Redis command on connection or timeout errors (exponential backoff)."""
     redis_max_connections: int = 32
     """Connection pool size (per node in a cluster)."""
+    redis_wait_replicas: int = 0
+    """Replicas that must hold each write into Redis before it counts as done (Redis WAIT;
+    0 = the master's acceptance is enough). A SHARED store then survives its master's loss."""
+    redis_wait_timeout_s: float = 1.0
+    """How long a write waits for those replicas before it fails (and is withdrawn)."""
     tier_order: tuple[str, ...] = TIER_NAMES
     """Read order of the tiers, ram first (e.g. ram,disk,redis); unconfigured tiers are skipped."""
     write_policy: WritePolicy = WritePolicy.WRITE_THROUGH
@@ -212,6 +217,12 @@ class ServerConfig:
             raise ConfigError(f"redis_timeout_s: must be > 0, got {self.redis_timeout_s}")
         if not 0 <= self.redis_retries <= 10:
             raise ConfigError(f"redis_retries: must be in 0..10, got {self.redis_retries}")
+        if not 0 <= self.redis_wait_replicas <= 16:
+            raise ConfigError(
+                f"redis_wait_replicas: must be in 0..16, got {self.redis_wait_replicas}")
+        if self.redis_wait_timeout_s <= 0:
+            raise ConfigError(
+                f"redis_wait_timeout_s: must be > 0, got {self.redis_wait_timeout_s}")
         if self.redis_max_connections < 1:
             raise ConfigError(
                 f"redis_max_connections: must be >= 1, got {self.redis_max_connections}")

@@ -319,7 +319,8 @@ class KDNServicer(BatchMixin, BlendMixin, pb_grpc.KDNServicer):
             tiers=[
                 pb.TierStats(name=t.name, entries=t.entries, bytes=t.bytes,
                              capacity_bytes=t.capacity_bytes, hits=t.hits, misses=t.misses,
-                             evictions=t.evictions, corrupt=t.corrupt, healthy=t.healthy)
+                             evictions=t.evictions, corrupt=t.corrupt, healthy=t.healthy,
+                             degraded=t.degraded)
                 for t in tiers
             ],
             counters=counters,

@@ -70,6 +70,8 @@ class TierStats:
     evictions: int
     corrupt: int = 0
     healthy: bool = True
+    degraded: bool = False
+    """Up, but part of it does not answer (some Redis Cluster masters)."""
 
 
 def _never(key: bytes) -> bool:
@@ -92,6 +94,9 @@ class Tier(abc.ABC):
         self.counters = TierCounters()
         self.protected: Callable[[bytes], bool] = _never
         self.on_evict: EvictHook | None = None
+        self.degraded = False
+        """Up, but part of the tier does not answer (set by ``healthy``; a Redis Cluster with
+        a master gone): keys there miss and writes there fail, the rest is served."""
 
     def satisfies(self, durability: Durability) -> bool:
         """Whether an entry this tier acknowledged is where ``durability`` asks: DISK needs a

@@ -13,7 +13,9 @@ hierarchy (which wakes that tier's write queue). ``degraded`` is true while any 
 Calls into a tier go through ``attempt`` (or ``guard``, for callers to whom a failed call is a
 miss): ``TierUnavailable`` marks the tier down, any other ``KDNError`` is logged, and the caller
 gets a ``Fault`` (or None) instead of an exception, so one failing tier never fails a request
-that others can serve. With ``reraise`` (a write the client must see acknowledged) the tier is
+that others can serve. ``PartlyUnavailable`` (a Redis Cluster slot whose master is gone) fails
+that call only: the tier stays up for its other keys, and only the probe (no master answers at
+all) marks it down. With ``reraise`` (a write the client must see acknowledged) the tier is
 still marked down, and the error goes on to the caller.
 """
 
@@ -25,7 +27,7 @@ import threading
 from collections.abc import Callable
 from typing import TypeVar
 
-from kdn.errors import KDNError, TierUnavailable
+from kdn.errors import KDNError, PartlyUnavailable, TierUnavailable
 from kdn.store.base import Tier
 
 log = logging.getLogger(__name__)
@@ -119,6 +121,12 @@ class TierHealth:
         """``fn()``, or the ``Fault`` that kept it from returning (see the module docstring)."""
         try:
             return fn()
+        except PartlyUnavailable as exc:  # this key's part of the tier: the rest serves on
+            self._count(f"{tier.name}.partly_unavailable", 1)
+            if reraise:
+                raise
+            log.debug("tier %s: %s: %s", tier.name, what, exc)
+            return Fault.FAILED
         except TierUnavailable as exc:
             self.mark_down(tier.name, exc)
             if reraise:

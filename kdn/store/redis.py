@@ -30,7 +30,7 @@ from __future__ import annotations
 import logging
 import os
 import struct
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 from urllib.parse import urlparse
 
@@ -40,7 +40,7 @@ from redis.backoff import ExponentialWithJitterBackoff
 from redis.cluster import ClusterNode, RedisCluster
 from redis.retry import Retry
 
-from kdn.errors import KDNError, TierUnavailable, TooLarge
+from kdn.errors import KDNError, PartlyUnavailable, TierUnavailable, TooLarge, Unavailable
 from kdn.store.base import Tier, TierStats
 
 log = logging.getLogger(__name__)
@@ -118,10 +118,13 @@ _DOWN = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError,
          redis.exceptions.ReadOnlyError, redis.exceptions.ClusterError)
 
 
-def _wrap(exc: BaseException) -> KDNError:
-    """TierUnavailable when Redis can not be reached, TooLarge when full, else KDNError."""
+def _wrap(exc: BaseException, cluster: bool = False) -> KDNError:
+    """TierUnavailable when Redis can not be reached (PartlyUnavailable in a cluster: one
+    slot's master; the probe decides whether the whole tier is gone), TooLarge when full, else
+    KDNError."""
     if isinstance(exc, _DOWN):
-        return TierUnavailable(f"redis: {type(exc).__name__}: {exc}")
+        down = PartlyUnavailable if cluster else TierUnavailable
+        return down(f"redis: {type(exc).__name__}: {exc}")
     if isinstance(exc, redis.exceptions.OutOfMemoryError) or str(exc).startswith("OOM"):
         return TooLarge(f"redis is out of memory: {exc}")
     return KDNError(f"redis: {type(exc).__name__}: {exc}")
@@ -142,8 +145,12 @@ class RedisTier(Tier):
         max_connections: int = 32,
         capacity_bytes: int = 0,
         prefix: bytes = b"kdn:",
+        wait_replicas: int = 0,
+        wait_timeout_s: float = 1.0,
     ) -> None:
         super().__init__()
+        self.wait_replicas = wait_replicas
+        self.wait_timeout_s = wait_timeout_s
         if part_bytes < 1024:
             raise ValueError(f"part_bytes must be >= 1024, got {part_bytes}")
         self.urls = [urls] if isinstance(urls, str) else list(urls)
@@ -152,7 +159,9 @@ class RedisTier(Tier):
         self.capacity_bytes = capacity_bytes
         self.prefix = prefix
         retry = Retry(ExponentialWithJitterBackoff(base=0.02, cap=0.5), retries)
-        common: dict[str, Any] = dict(socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+        # a WAIT may take up to wait_timeout_s: reads must not give up before it answers
+        read_s = timeout_s + (wait_timeout_s if wait_replicas else 0.0)
+        common: dict[str, Any] = dict(socket_timeout=read_s, socket_connect_timeout=timeout_s,
                                       retry=retry, health_check_interval=0)
         self.client: redis.Redis | RedisCluster
         if cluster:
@@ -172,6 +181,8 @@ class RedisTier(Tier):
         self._delete = self.client.register_script(_DELETE)
         if capacity_bytes:
             self._apply_budget()
+        if cluster:
+            self._check_coverage()
 
     # -- keys -----------------------------------------------------------------------------------
 
@@ -188,7 +199,44 @@ class RedisTier(Tier):
         try:
             return fn(*args, **kwargs)
         except redis.exceptions.RedisError as exc:
-            raise _wrap(exc) from exc
+            raise _wrap(exc, self.cluster) from exc
+
+    def _batch(self, add: Callable[[Any, bytes], Any], keys: list[bytes]) -> list[Any]:
+        """One pipelined command per key; in a cluster where a master is gone, the keys on the
+        other masters still answer (the pipeline is retried key by key, and a key whose
+        master does not answer reads as absent)."""
+        pipe = self.client.pipeline(transaction=False)
+        for k in keys:
+            add(pipe, k)
+        try:
+            return list(self._call(pipe.execute))
+        except PartlyUnavailable:
+            out = []
+            for k in keys:
+                one = self.client.pipeline(transaction=False)
+                add(one, k)
+                try:
+                    out.append(self._call(one.execute)[0])
+                except PartlyUnavailable:
+                    out.append(None)
+            return out
+
+    def _check_coverage(self) -> None:
+        """Warn when the cluster stops every key while one slot is uncovered (Redis's default
+        ``cluster-require-full-coverage yes``): kdn keeps the other slots serving only if
+        Redis does."""
+        try:
+            got = self.client.config_get("cluster-require-full-coverage",
+                                         target_nodes=RedisCluster.PRIMARIES)
+        except (redis.exceptions.RedisError, OSError):
+            return  # CONFIG may be off (managed Redis): nothing to say
+        values = got.values() if isinstance(got, dict) and "cluster-require-full-coverage" \
+            not in got else [got]
+        if any(v.get("cluster-require-full-coverage") == "yes" for v in values
+               if isinstance(v, dict)):
+            log.warning("redis cluster: cluster-require-full-coverage is yes, so one master's "
+                        "loss stops every key until its replica takes over; set it to no to "
+                        "keep the other masters' slots serving")
 
     def _apply_budget(self) -> None:
         """Give Redis the byte budget (per node in a cluster) and an LRU policy over all keys."""
@@ -202,20 +250,16 @@ class RedisTier(Tier):
         return bool(self._call(self.client.exists, self._manifest_key(key)))
 
     def contains_many(self, keys: list[bytes]) -> list[bool]:
-        pipe = self.client.pipeline(transaction=False)
-        for k in keys:
-            pipe.exists(self._manifest_key(k))
-        return [bool(x) for x in self._call(pipe.execute)]
+        return [bool(x) for x in
+                self._batch(lambda p, k: p.exists(self._manifest_key(k)), keys)]
 
     def size_of(self, key: bytes) -> int | None:
         return self.size_many([key])[0]
 
     def size_many(self, keys: list[bytes]) -> list[int | None]:
-        pipe = self.client.pipeline(transaction=False)
-        for k in keys:
-            pipe.getrange(self._manifest_key(k), 0, HEADER_BYTES - 1)
         out: list[int | None] = []
-        for raw in self._call(pipe.execute):
+        for raw in self._batch(
+                lambda p, k: p.getrange(self._manifest_key(k), 0, HEADER_BYTES - 1), keys):
             h = _Header.parse(raw) if raw else None
             out.append(None if h is None else h.total)
         return out
@@ -237,10 +281,7 @@ class RedisTier(Tier):
         return value  # type: ignore[return-value]
 
     def get_many(self, keys: list[bytes]) -> list[bytes | None]:
-        pipe = self.client.pipeline(transaction=False)
-        for k in keys:
-            pipe.get(self._manifest_key(k))
-        manifests = self._call(pipe.execute)
+        manifests = self._batch(lambda p, k: p.get(self._manifest_key(k)), keys)
         out: list[bytes | None] = []
         for k, m in zip(keys, manifests):
             v = self._assemble(k, m)
@@ -311,14 +352,41 @@ class RedisTier(Tier):
             self._call(pipe.execute)
         manifest = h.pack() + view[:self.part_bytes]
         ttl_ms = int(ttl_s * 1000) if ttl_s else 0
-        old = self._call(self._commit, keys=[self._manifest_key(key), *pkeys],
-                         args=[manifest, ttl_ms, HEADER_BYTES])
+        if self.wait_replicas:
+            old = self._commit_replicated(key, h, [self._manifest_key(key), *pkeys],
+                                          [manifest, ttl_ms, HEADER_BYTES])
+        else:
+            old = self._call(self._commit, keys=[self._manifest_key(key), *pkeys],
+                             args=[manifest, ttl_ms, HEADER_BYTES])
         self._expire_parts(key, old, GRACE_S)
+
+    def _commit_replicated(self, key: bytes, h: _Header, keys: list[bytes], args: list[Any]
+                           ) -> bytes | None:
+        """Commit, then WAIT for ``wait_replicas`` replicas, on one connection to the key's
+        master (WAIT covers that connection's writes, and with them everything the master
+        replicated before: the parts too). Too few replicas: the entry is withdrawn and the
+        write fails, so that nothing unreplicated is acknowledged."""
+        node: Any = self.client
+        if isinstance(self.client, RedisCluster):
+            node = self.client.get_redis_connection(self.client.get_node_from_key(keys[0]))
+        pipe = node.pipeline(transaction=False)
+        self._commit(keys=keys, args=args, client=pipe)
+        pipe.execute_command("WAIT", self.wait_replicas, int(self.wait_timeout_s * 1000))
+        old, acked = self._call(pipe.execute)
+        if int(acked) < self.wait_replicas:
+            try:
+                self._call(self._delete, keys=[keys[0]], args=[HEADER_BYTES, h.ver])
+                self._expire_parts(key, h.pack(), 0)
+            except KDNError:
+                pass
+            raise Unavailable(f"redis: the write reached {acked} of the {self.wait_replicas} "
+                              f"replicas asked for within {self.wait_timeout_s:g} s; withdrawn")
+        return old  # type: ignore[no-any-return]
 
     def put_many(self, items: Iterable[tuple[bytes, bytes]], *, ttl_s: float | None = None) -> None:
         small: list[tuple[bytes, bytes]] = []
         for k, v in items:
-            if len(v) > self.part_bytes or self.cluster:
+            if len(v) > self.part_bytes or self.cluster or self.wait_replicas:
                 self.put(k, v, ttl_s=ttl_s)
             else:
                 small.append((k, v))
@@ -354,32 +422,52 @@ class RedisTier(Tier):
 
     # -- admin ----------------------------------------------------------------------------------
 
+    def _primaries(self) -> tuple[int, int]:
+        """(masters that answered a PING, masters known) of the cluster. When one did not
+        answer, the client's view of the cluster is refreshed, so that a replica promoted in
+        its place is found within one probe."""
+        assert isinstance(self.client, RedisCluster)
+        nodes = self.client.get_primaries()
+        ok = 0
+        for node in nodes:
+            try:
+                ok += bool(self.client.ping(target_nodes=node))
+            except (redis.exceptions.RedisError, OSError):
+                pass
+        if ok < len(nodes):
+            try:
+                self.client.nodes_manager.initialize()
+            except (redis.exceptions.RedisError, OSError):
+                pass
+        return ok, len(nodes)
+
     def healthy(self) -> bool:
+        """Up while Redis answers; for a cluster, while any master does (``degraded`` says
+        whether some do not: their slots' keys then miss, and writes there are refused)."""
         try:
             if isinstance(self.client, RedisCluster):
-                return bool(self.client.ping(target_nodes=RedisCluster.PRIMARIES))
+                ok, known = self._primaries()
+                self.degraded = 0 < ok < known
+                return ok > 0
             return bool(self.client.ping())
         except (redis.exceptions.RedisError, OSError):
             return False
 
     def stats(self) -> TierStats:
         c = self.counters
-        try:
-            if isinstance(self.client, RedisCluster):
-                sizes = self.client.dbsize(target_nodes=RedisCluster.PRIMARIES)
-                entries = int(sum(sizes.values())) if isinstance(sizes, dict) else int(sizes)
-                mem = self.client.info("memory", target_nodes=RedisCluster.PRIMARIES)
-                used = sum(int(v["used_memory"]) for v in mem.values()) \
-                    if isinstance(mem, dict) and "used_memory" not in mem \
-                    else int(mem["used_memory"])
-            else:
-                entries = int(self.client.dbsize())
-                used = int(self.client.info("memory")["used_memory"])
-            healthy = True
-        except redis.exceptions.RedisError:
-            entries, used, healthy = 0, 0, False
+        entries = used = answered = 0
+        nodes = self.client.get_primaries() if isinstance(self.client, RedisCluster) else [None]
+        for node in nodes:  # in a cluster, what the masters that answer hold
+            kw: dict[str, Any] = {} if node is None else {"target_nodes": node}
+            try:
+                entries += int(self.client.dbsize(**kw))
+                used += int(self.client.info("memory", **kw)["used_memory"])
+                answered += 1
+            except (redis.exceptions.RedisError, OSError):
+                pass
         return TierStats(self.name, entries, used, self.capacity_bytes, c.hits, c.misses,
-                         c.evictions, c.corrupt, healthy)
+                         c.evictions, c.corrupt, answered > 0,
+                         degraded=0 < answered < len(nodes))
 
     def close(self) -> None:
         try:

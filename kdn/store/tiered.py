@@ -476,6 +476,11 @@ class TieredStore:
     def queue_depth(self) -> dict[str, int]:
         return {name: len(q) for name, q in self._queues.items()}
 
+    @property
+    def partly_degraded(self) -> list[str]:
+        """Tiers that are up but not whole (``Tier.degraded``)."""
+        return [t.name for t in self.tiers if t.degraded and self.is_up(t.name)]
+
     def stats(self) -> list[TierStats]:
         out = []
         for t in self.tiers:

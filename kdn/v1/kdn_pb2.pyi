@@ -242,7 +242,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class TierStats(_message.Message):
-    __slots__ = ("name", "entries", "bytes", "capacity_bytes", "hits", "misses", "evictions", "corrupt", "healthy")
+    __slots__ = ("name", "entries", "bytes", "capacity_bytes", "hits", "misses", "evictions", "corrupt", "healthy", "degraded")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ENTRIES_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -252,6 +252,7 @@ class TierStats(_message.Message):
     EVICTIONS_FIELD_NUMBER: _ClassVar[int]
     CORRUPT_FIELD_NUMBER: _ClassVar[int]
     HEALTHY_FIELD_NUMBER: _ClassVar[int]
+    DEGRADED_FIELD_NUMBER: _ClassVar[int]
     name: str
     entries: int
     bytes: int
@@ -261,7 +262,8 @@ class TierStats(_message.Message):
     evictions: int
     corrupt: int
     healthy: bool
-    def __init__(self, name: _Optional[str] = ..., entries: _Optional[int] = ..., bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., corrupt: _Optional[int] = ..., healthy: _Optional[bool] = ...) -> None: ...
+    degraded: bool
+    def __init__(self, name: _Optional[str] = ..., entries: _Optional[int] = ..., bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., corrupt: _Optional[int] = ..., healthy: _Optional[bool] = ..., degraded: _Optional[bool] = ...) -> None: ...
 
 class TenantStats(_message.Message):
     __slots__ = ("tenant", "entries", "bytes", "quota_bytes")
