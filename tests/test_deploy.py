@@ -14,6 +14,7 @@ import pytest
 import yaml
 
 from kdn.server.config import load_config
+from tests.test_compose import TENANTS, _seconds, interpolate
 
 ROOT = Path(__file__).resolve().parents[1]
 SINGLE = ROOT / "docker-compose.yml"
@@ -55,11 +56,15 @@ def test_cluster_file_runs_several_kdn_servers_on_a_redis_cluster() -> None:
         assert (context / build["dockerfile"]).is_file()
         assert s["depends_on"]["redis-cluster-init"]["condition"] == \
             "service_completed_successfully"
-        env = {k: str(v) for k, v in s["environment"].items()}
+        env = {k: interpolate(str(v), {"KDN_AUTH_TENANTS": TENANTS})
+               for k, v in s["environment"].items()}
         cfg = load_config(env=env)  # kdn's own loader: types, URLs, cluster flag
+        assert cfg.auth_tenants and cfg.metrics_host == "0.0.0.0"  # auth on, scrapeable
+        assert _seconds(s["stop_grace_period"]) > cfg.shutdown_grace_s
         assert cfg.redis_cluster and cfg.host == "0.0.0.0"
         assert {u.split("//")[1].split(":")[0] for u in cfg.redis_urls} == set(nodes)
-        host_ports += [str(p).split(":")[0] for p in s["ports"]]
+        host_ports += [str(p).rsplit(":", 2)[-2] for p in s["ports"]]
+        assert all(str(p).startswith("127.0.0.1:") for p in s["ports"])  # plaintext: host only
         assert str(s["ports"][0]).endswith(f":{cfg.port}")
     assert len(set(host_ports)) == len(host_ports), "two kdn servers on one host port"
     used = {v.split(":")[0] for s in services.values() for v in s.get("volumes", [])}
@@ -69,7 +74,8 @@ def test_cluster_file_runs_several_kdn_servers_on_a_redis_cluster() -> None:
 def test_single_file_settings_load() -> None:
     doc = load(SINGLE)
     (kdn,) = kdn_services(doc).values()
-    cfg = load_config(env={k: str(v) for k, v in kdn["environment"].items()})
+    cfg = load_config(env={k: interpolate(str(v), {"KDN_AUTH_TENANTS": TENANTS})
+                           for k, v in kdn["environment"].items()})
     assert not cfg.redis_cluster and list(cfg.redis_urls) == ["redis://redis:6379/0"]
     assert cfg.host == "0.0.0.0" and cfg.ram_bytes > 0
 

@@ -85,15 +85,38 @@ def test_a_client_does_not_send_a_key_in_plaintext_off_this_host(
     assert "--insecure" in run.stderr and "secret" not in run.stderr
 
 
-def test_secrets_readable_by_others_are_refused(tmp_path: Path) -> None:
+def test_secrets_readable_by_others_are_refused(tmp_path: Path,
+                                               caplog: pytest.LogCaptureFixture) -> None:
     auth = _auth_file(tmp_path, TENANTS, mode=0o644)
     with pytest.raises(ConfigError, match=rf"auth_file: {auth} can be read by other users "
                                           rf"\(mode 0o644\); run chmod 600 {auth}"):
         ServerConfig(auth_file=str(auth))
     certs = make_certs(tmp_path)
-    certs["server.key"].chmod(0o640)
+    certs["server.key"].chmod(0o604)
     with pytest.raises(ConfigError, match="tls_key: .* can be read by other users"):
         ServerConfig(tls_cert=str(certs["server.crt"]), tls_key=str(certs["server.key"]))
+    certs["server.key"].chmod(0o640)  # shared with a group (Kubernetes' fsGroup): a warning
+    with caplog.at_level(logging.WARNING, logger="kdn.server.config"):
+        ServerConfig(tls_cert=str(certs["server.crt"]), tls_key=str(certs["server.key"]))
+    assert any("can be read by its group" in r.getMessage() for r in caplog.records)
+
+
+def test_tenants_from_an_environment_variable_hold_digests_only(tmp_path: Path) -> None:
+    env = {"KDN_AUTH_TENANTS": '{team-a: {api_keys: ["sha256:' + digest("key-a") + '"]}}'}
+    from kdn.server.config import load_config
+
+    cfg = load_config(env=env, flags={"port": 0, "data_dir": str(tmp_path / "d")})
+    key = keys.chunk_key([4], LAY)
+    with ServerThread(cfg) as st:
+        with Client(st.address, api_key="key-a", retry=None) as c:
+            assert c.lookup([key]).infos[0].present is False
+        with Client(st.address, api_key="nope", retry=None) as c:
+            with pytest.raises(Unauthenticated):
+                c.lookup([key])
+    with pytest.raises(ConfigError, match="must be sha256:HEX digests"):
+        from kdn.server.auth import tenants_from_text
+
+        tenants_from_text('{team-a: {api_keys: ["key-a"]}}')
 
 
 def test_unusable_certificates_stop_the_start_naming_the_file(tmp_path: Path) -> None:

@@ -96,12 +96,11 @@ def _serve(ns: argparse.Namespace) -> int:
         return EXIT_USAGE
 
     import asyncio
-    import logging
 
     from kdn.server.app import serve
+    from kdn.server.logs import configure
 
-    logging.basicConfig(level=config.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure(config.log_level, config.log_format)
     blender = None
     if config.model:  # the model side of the Blend RPC; the model loads on the first Blend
         from kdn.blend.host import ModelBlender
@@ -175,7 +174,8 @@ def _health(client: Any, ns: argparse.Namespace) -> int:
         rows = [{"name": "(server)", "kind": "server", "status": report["server"]}]
         rows += [{"name": n, "kind": "service", "status": s}
                  for n, s in report["services"].items()]
-        rows += [{"name": n, "kind": "tier", "status": s} for n, s in report["tiers"].items()]
+        rows += [{"name": n, "kind": "tier", "status": s}
+                 for n, s in (report["tiers"] or {}).items()]
         table(rows, ["name", "kind", "status"])
     return EXIT_OK if report["status"] == "SERVING" else EXIT_FAILED
 

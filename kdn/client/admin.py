@@ -26,7 +26,7 @@ import grpc
 import xxhash
 
 from kdn.client.client import Client
-from kdn.errors import Corrupt, InvalidArgument
+from kdn.errors import Corrupt, InvalidArgument, PermissionDenied, Unauthenticated
 from kdn.names import check_key, check_key_prefix, check_namespace, check_tenant
 from kdn.status import from_grpc
 from kdn.v1 import kdn_pb2 as pb
@@ -119,8 +119,12 @@ class AdminClient(Client):
         answers, ``NOT_SERVING``), and ``status``: ``SERVING`` when every one of them is,
         ``DEGRADED`` when the others are and some tier is, else ``NOT_SERVING``."""
         services = {name: self.health(name) for name in ("", SERVICE)}
-        tiers = {t.name: _tier_status(t) for t in self.stats(request_id=request_id).tiers}
-        states = {*services.values(), *tiers.values()}
+        try:
+            tiers: dict[str, str] | None = {
+                t.name: _tier_status(t) for t in self.stats(request_id=request_id).tiers}
+        except (Unauthenticated, PermissionDenied):  # no key (a container's health check):
+            tiers = None  # kdn.v1.KDN still goes NOT_SERVING while a tier is down
+        states = {*services.values(), *(tiers or {}).values()}
         status = "SERVING" if states == {"SERVING"} else \
             "DEGRADED" if states == {"SERVING", "DEGRADED"} else "NOT_SERVING"
         return {"status": status, "server": services.pop(""), "services": services,

@@ -28,7 +28,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from kdn.errors import ConfigError
 from kdn.server.admin import AdminServicer
-from kdn.server.auth import AuthConfig, Authenticator, Role, load_auth
+from kdn.server.auth import AuthConfig, Authenticator, Role, load_auth, tenants_from_text
 from kdn.server.blend_rpc import Blender
 from kdn.server.config import ServerConfig, is_loopback
 from kdn.server.fastpath import FastPath
@@ -216,10 +216,12 @@ async def start_server(config: ServerConfig, store: TieredStore | None = None,
                        blender: Blender | None = None) -> Server:
     """Start listening; ``blender`` (the model side of the Blend RPC) makes it blend."""
     store = store or build_store(config)
-    auth = Authenticator(load_auth(config.auth_file) if config.auth_file else AuthConfig(),
+    auth = Authenticator(load_auth(config.auth_file) if config.auth_file else
+                         tenants_from_text(config.auth_tenants) if config.auth_tenants else
+                         AuthConfig(),
                          mtls=bool(config.tls_client_ca),
                          mtls_role=None if config.mtls_role == "none" else Role(config.mtls_role))
-    if config.insecure and config.auth_file and not config.tls_cert and \
+    if config.insecure and (config.auth_file or config.auth_tenants) and not config.tls_cert and \
             not is_loopback(config.host):
         log.warning("insecure: API keys travel in plaintext to %s:%d (auth on, TLS off); "
                     "anyone on the network path can read them", config.host, config.port)
@@ -231,6 +233,7 @@ async def start_server(config: ServerConfig, store: TieredStore | None = None,
         "tiers": store.stats(), "queues": store.queue_depth(),
         "counters": {**servicer.counters, **admin.counters,
                      **{f"store.{k}": v for k, v in store.counters.items()}},
+        "usage": servicer.usage,
     })
     server = grpc.aio.server(options=grpc_options(config),
                              interceptors=[RequestInterceptor(auth, metrics)])

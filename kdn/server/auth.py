@@ -104,22 +104,42 @@ def load_auth(path: Path | str) -> AuthConfig:
           team-a: {api_keys: ["secret-a"], rate_rps: 50, quota_bytes: 10GiB}
           ops:    {api_keys: ["sha256:9f86d0..."], role: admin}
     """
-    from kdn.server.config import load_yaml_file, parse_size
+    from kdn.server.config import load_yaml_file
 
     path = Path(path)
     raw = load_yaml_file(path, "auth file")
     tenants = raw.get("tenants") if isinstance(raw, dict) else None
+    return parse_tenants(tenants, f"auth file {path}")
+
+
+def tenants_from_text(text: str) -> AuthConfig:
+    """The ``auth_tenants`` setting: a tenants mapping as YAML/JSON text, keys as digests."""
+    import yaml
+
+    try:
+        tenants = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"auth_tenants: not valid YAML: {exc}") from None
+    if isinstance(tenants, dict) and "tenants" in tenants:
+        tenants = tenants["tenants"]
+    return parse_tenants(tenants, "auth_tenants", digests_only=True)
+
+
+def parse_tenants(tenants: Any, where_all: str, *, digests_only: bool = False) -> AuthConfig:
+    """An ``AuthConfig`` from a ``tenants`` mapping (``where_all`` names it in errors)."""
+    from kdn.server.config import parse_size
+
     if not isinstance(tenants, dict) or not tenants:
-        raise ConfigError(f"auth file {path}: expected a 'tenants' mapping")
+        raise ConfigError(f"{where_all}: expected a 'tenants' mapping")
     keys: dict[str, tuple[str, Role]] = {}
     subjects: dict[str, tuple[str, Role]] = {}
     policies: dict[str, TenantPolicy] = {}
     for name, spec in tenants.items():
-        where = f"auth file {path}: tenant {name!r}"
+        where = f"{where_all}: tenant {name!r}"
         try:
             check_tenant(name)
         except InvalidArgument as exc:
-            raise ConfigError(f"auth file {path}: {exc}") from None
+            raise ConfigError(f"{where_all}: {exc}") from None
         if not isinstance(spec, dict):
             raise ConfigError(f"{where}: expected a mapping")
         unknown = set(spec) - {"api_keys", "subjects", "role", "rate_rps", "burst",
@@ -141,6 +161,9 @@ def load_auth(path: Path | str) -> AuthConfig:
             subjects[name_] = (name, role)
         for k in api_keys:
             k = str(k)
+            if digests_only and not k.startswith("sha256:"):
+                raise ConfigError(f"{where}: api_keys here must be sha256:HEX digests (printf "
+                                  "%s KEY | sha256sum), never the keys themselves")
             d = k.removeprefix("sha256:") if k.startswith("sha256:") else digest(k)
             if len(d) != 64 or d in keys:
                 raise ConfigError(f"{where}: malformed or duplicate api key")

@@ -32,6 +32,7 @@ import mmap
 import os
 import secrets
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -56,6 +57,7 @@ from kdn.v1 import kdn_pb2 as pb
 
 if TYPE_CHECKING:
     from kdn.server.config import ServerConfig
+    from kdn.server.usage import Usage
     from kdn.store.tiered import Hit, TieredStore
 
 log = logging.getLogger(__name__)
@@ -239,7 +241,10 @@ class BatchMixin:
         def _check_header(self, tenant: str, msg: pb.StoreHeader) -> tuple[bytes, Header]: ...
 
         def _commit(self, principal: Principal, skey: bytes, value: bytes | memoryview,
-                    opts: pb.StoreOptions) -> pb.StoreResponse: ...
+                    opts: pb.StoreOptions, header: Header | None = None
+                    ) -> pb.StoreResponse: ...
+
+        usage: Usage
 
     segments: Segments
     fast_path_name: str = ""
@@ -292,10 +297,13 @@ class BatchMixin:
         sent = 0
         for skey in skeys:
             ref = out.entries.add()
+            started = time.perf_counter()
             hit = self.store.get(skey)
             if hit is None:
                 self.count("getmany.miss")
+                self.usage.missed(skey)
                 continue
+            self.usage.served(skey, hit.value, hit.tier, time.perf_counter() - started)
             value = hit.value
             have = parse_header(value).layout.fingerprint if want else ""
             if have != want:
@@ -361,7 +369,7 @@ class BatchMixin:
             total = sum(item.region.length for item in request.items)
             if total > MAX_BATCH_BYTES:
                 raise TooLarge(f"PutMany of {total} bytes; at most {MAX_BATCH_BYTES} per call")
-        checked: list[tuple[bytes, bytes | memoryview]] = []
+        checked: list[tuple[bytes, bytes | memoryview, Header]] = []
         for j, item in enumerate(request.items):
             try:
                 if seg is not None:  # a copy, checked as it is made (one pass): later changes
@@ -375,13 +383,13 @@ class BatchMixin:
                 hdr = pb.StoreHeader(namespace=request.namespace, key=item.key,
                                      container_header=bytes(value[: header_size(value)]),
                                      total_bytes=len(value), options=item.options)
-                skey, _ = self._check_header(p.tenant, hdr)
+                skey, header = self._check_header(p.tenant, hdr)
             except Corrupt as exc:
                 raise InvalidArgument(f"item {j}: corrupt input: {exc}") from exc
             except KDNError as exc:
                 raise type(exc)(f"item {j}: {exc}") from exc
-            checked.append((skey, value))
+            checked.append((skey, value, header))
         out = pb.PutManyResponse()
-        for (skey, value), item in zip(checked, request.items):
-            out.results.append(self._commit(p, skey, value, item.options))
+        for (skey, value, header), item in zip(checked, request.items):
+            out.results.append(self._commit(p, skey, value, item.options, header))
         return out

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import logging
 import os
 import re
 from collections.abc import Mapping
@@ -123,6 +124,10 @@ class ServerConfig:
     auth_file: str = ""
     """YAML file of tenants: `tenants: {NAME: {api_keys: [KEY or "sha256:HEX"], role:
     tenant|admin, rate_rps: N, burst: N, quota_bytes: 10GiB}}`; empty = no authentication."""
+    auth_tenants: str = ""
+    """The tenants as YAML or JSON text, in the auth file's `tenants:` format but with API keys
+    as "sha256:HEX" digests only (for an environment variable: KDN_AUTH_TENANTS; a digest is
+    no key). Instead of auth_file."""
     tls_cert: str = ""
     """PEM certificate chain of the server; with tls_key, the server speaks TLS only."""
     tls_key: str = ""
@@ -154,6 +159,9 @@ class ServerConfig:
     """Seconds in-flight RPCs get to finish on shutdown."""
     log_level: str = "INFO"
     """Python logging level name."""
+    log_format: str = "text"
+    """Log lines as text, or json: one JSON object per line (ts, level, logger, request_id,
+    and the access and audit logs' fields)."""
 
     def __post_init__(self) -> None:
         if not self.host:
@@ -182,12 +190,18 @@ class ServerConfig:
                 raise ConfigError(f"{name}: no such file {path!r}")
         for name in ("auth_file", "tls_key"):  # secrets: API keys (or digests), private key
             path = getattr(self, name)
-            if path and (mode := Path(path).stat().st_mode) & 0o077:
+            if path and (mode := Path(path).stat().st_mode) & 0o007:
                 raise ConfigError(f"{name}: {path} can be read by other users (mode "
                                   f"{oct(mode & 0o777)}); run chmod 600 {path}")
+            if path and mode & 0o070:  # a group it is shared with (Kubernetes' fsGroup)
+                logging.getLogger("kdn.server.config").warning(
+                    "%s: %s can be read by its group (mode %s); chmod 600 it unless that "
+                    "group is this server alone", name, path, oct(mode & 0o777))
+        if self.auth_file and self.auth_tenants:
+            raise ConfigError("auth_tenants: set it or auth_file, not both")
         if self.mtls_role not in ("tenant", "admin", "none"):
             raise ConfigError(f"mtls_role: expected tenant, admin or none, got {self.mtls_role!r}")
-        if self.auth_file and not self.tls_cert and not self.insecure and \
+        if (self.auth_file or self.auth_tenants) and not self.tls_cert and not self.insecure and \
                 not is_loopback(self.host):
             raise ConfigError(
                 f"auth_file: API keys would cross the network in plaintext on {self.host}; set "
@@ -199,6 +213,8 @@ class ServerConfig:
             raise ConfigError(f"max_connections: must be >= 0, got {self.max_connections}")
         if not -1 <= self.metrics_port <= 65535:
             raise ConfigError(f"metrics_port: must be in -1..65535, got {self.metrics_port}")
+        if self.log_format not in ("text", "json"):
+            raise ConfigError(f"log_format: expected text or json, got {self.log_format!r}")
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
             raise ConfigError(f"log_level: unknown level {self.log_level!r}")
         for url in self.redis_urls:
@@ -338,7 +354,7 @@ def load_config(
 
 
 OTHER_VARIABLES = frozenset({
-    "KDN_ADDRESS", "KDN_API_KEY", "KDN_INSECURE",  # clients and the admin CLI
+    "KDN_ADDRESS", "KDN_API_KEY",                  # clients and the admin CLI
     "KDN_RAG_STATE", "KDN_CACHE_DIR",              # kdn rag, the model cache
     "KDN_TORCH_SPEC", "KDN_EXTRAS", "KDN_SKIP_SLIM", "KDN_PEERS_REEXEC",  # scripts, tests
 })

@@ -35,6 +35,7 @@ from prometheus_client.registry import Collector
 
 from kdn.errors import KDNError
 from kdn.metadata import REQUEST_ID_HEADER
+from kdn.server import logs
 from kdn.server.auth import Authenticator, AuthFailed, current_principal
 from kdn.server.requests import BadRequest, checked
 from kdn.status import grpc_code
@@ -82,6 +83,9 @@ class _SourceCollector(Collector):
         for name, n in src.get("counters", {}).items():
             events.add_metric([name], float(n))
         yield events
+        usage = src.get("usage")
+        if usage is not None:  # tokens and bytes by tier, tenant, model (kdn.server.usage)
+            yield from usage.families()
 
 
 class Metrics:
@@ -199,6 +203,7 @@ class RequestInterceptor(grpc.aio.ServerInterceptor):
                      ) -> tuple[str, str]:
         rid = next((str(v) for k, v in md if k == REQUEST_ID_HEADER), "") or uuid.uuid4().hex
         context.set_trailing_metadata(((REQUEST_ID_HEADER, rid),))
+        logs.request_id.set(rid)  # on every log line this call's handler writes
         if open_call:
             return rid, ""
         try:

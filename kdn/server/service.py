@@ -37,6 +37,7 @@ from kdn.server.auth import AuthConfig, Authenticator, Principal, current_princi
 from kdn.server.batch import BatchMixin, Segments
 from kdn.server.blend_rpc import BlendMixin
 from kdn.server.config import ServerConfig
+from kdn.server.usage import Usage
 from kdn.status import grpc_code
 from kdn.store.base import Tier
 from kdn.store.tiered import TieredStore
@@ -103,6 +104,7 @@ class KDNServicer(BatchMixin, BlendMixin, pb_grpc.KDNServicer):
         self.counters: dict[str, int] = {}
         self.started = time.time()
         self.segments = Segments()
+        self.usage = Usage()  # tokens stored and served, for the metrics (kdn.server.usage)
 
     def count(self, name: str, n: int = 1) -> None:
         self.counters[name] = self.counters.get(name, 0) + n
@@ -201,10 +203,10 @@ class KDNServicer(BatchMixin, BlendMixin, pb_grpc.KDNServicer):
             raise InvalidArgument(f"frames hold {total} bytes, total_bytes declared {declared}")
         value = b"".join(parts) if whole is None else memoryview(whole).toreadonly()
         return await asyncio.to_thread(self._commit, principal, skey, value,
-                                       first.header.options)
+                                       first.header.options, header)
 
     def _commit(self, principal: Principal, skey: bytes, value: bytes | memoryview,
-                opts: pb.StoreOptions) -> pb.StoreResponse:
+                opts: pb.StoreOptions, header: Header | None = None) -> pb.StoreResponse:
         """Charge the tenant and put a checked entry (a worker thread; Store and PutMany).
 
         Under the entry's lock: the size it replaces is read, growth is charged (refused past
@@ -228,6 +230,8 @@ class KDNServicer(BatchMixin, BlendMixin, pb_grpc.KDNServicer):
                 self.auth.charge(principal, delta)
         self.count("store.ok")
         self.count("bytes_in", len(value))
+        if header is not None:
+            self.usage.stored(skey, header, len(value))
         return pb.StoreResponse(stored_bytes=len(value), tier=tier, replaced=replaced.present)
 
     # -- Retrieve -------------------------------------------------------------------------------
@@ -237,11 +241,15 @@ class KDNServicer(BatchMixin, BlendMixin, pb_grpc.KDNServicer):
         try:
             skey = store_key(current_principal.get().tenant, request.namespace or "default",
                              request.key)
+            started = time.perf_counter()
             hit = await asyncio.to_thread(self.store.get, skey)
+            read_s = time.perf_counter() - started
             if hit is None:
                 self.count("retrieve.miss")
+                self.usage.missed(skey)
                 raise NotFound(f"no entry for key {request.key.hex()} in {request.namespace!r}")
             header = parse_header(hit.value)
+            self.usage.served(skey, hit.value, hit.tier, read_s, header)
             want = request.expect_layout_fingerprint
             if want and want != header.layout.fingerprint:
                 raise LayoutMismatch(
