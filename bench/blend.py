@@ -50,10 +50,7 @@ import argparse
 import dataclasses
 import json
 import random
-import re
-import string
 import time
-from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -66,6 +63,7 @@ from kdn.blend import BlendConfig, Piece, blend
 from kdn.blend.decode import Continuation
 from kdn.cache import KVCache
 from kdn.data import load_squad_dev
+from kdn.data import squad_f1 as f1
 from kdn.hf import model_layout
 from kdn.layout import DType, KVLayout
 from kdn.models import load_model
@@ -151,25 +149,6 @@ def build_cases(texts: list[str], chunks: list[Chunk], qas: list[tuple[int, Any]
 
 
 # -- metrics --------------------------------------------------------------------------------
-
-
-def _normalize(s: str) -> list[str]:
-    s = s.lower()
-    s = "".join(ch for ch in s if ch not in set(string.punctuation))
-    s = re.sub(r"\b(a|an|the)\b", " ", s)
-    return s.split()
-
-
-def f1(pred: str, answers: tuple[str, ...]) -> float:
-    """SQuAD token F1, best over the reference answers."""
-    best = 0.0
-    for a in answers:
-        p, g = _normalize(pred), _normalize(a)
-        common = sum((Counter(p) & Counter(g)).values())
-        if common:
-            prec, rec = common / len(p), common / len(g)
-            best = max(best, 2 * prec * rec / (prec + rec))
-    return best
 
 
 def agreement(a: list[int], b: list[int]) -> float:

@@ -3,19 +3,22 @@ compression, and prefill/decode speed, against the unpruned model measured in th
 
     python -m bench.prune [--quick] [--out bench/results/prune.json] [--png PATH]
 
-1. Calibration text (SQuAD dev paragraphs from 0) and evaluation text (the paragraphs after it,
-   never seen by calibration). Unpruned perplexity on the evaluation text.
+1. Text from SQuAD dev articles that never meet (``kdn.prune.evaluate.ArticleSplit``):
+   calibration (articles 0-1), LoRA training (2-31), evaluation (40-47: 4,096 held-out
+   tokens). Unpruned perplexity on the evaluation tokens with a bootstrap 95% interval over
+   512-token windows, and answer F1 on 50 questions of the evaluation articles (greedy).
 2. Per importance (l1, l2, taylor): channel scores; per ratio: block sensitivities ΔPPL_i on the
    calibration text (tail forwards from block i). Per allocation (uniform, ppl-based,
-   rank-based): prune a copy, perplexity on the evaluation text (the shape of KVPruner's
-   Tables III and IV).
-3. Per ratio, the best combination (lowest perplexity): its KV bytes per token in fp16 and as
-   stored by kdn with every codec (``kdn.codec.quality``: ΔPPL of the decoded cache against the
-   pruned model's own fp16 cache); ``stored_bytes_per_token`` is the smallest container whose
-   ΔPPL <= 1% (the codec benchmark's quality bar).
-4. Prefill and decode tokens/s of the unpruned model and each best pruned model, interleaved.
+   rank-based): prune a copy, perplexity on the evaluation tokens (KVPruner's Tables III-IV).
+3. Per ratio, the best combination: one-shot perplexity (with interval), LoRA recovery
+   (``kdn.prune.recover``: peft, merged back; 150 steps at 20%, 300 at 50%; checkpointed in
+   ``OUT.recovery-<ratio>/``, resumable), recovered perplexity (with interval), a save and
+   reload through ``kdn.models.load_model``, answer F1, and its KV bytes per token as stored
+   by kdn with every codec (ΔPPL of the decoded cache against the recovered model's own fp16
+   cache, on evaluation-article text); ``stored_bytes_per_token`` is the smallest container
+   whose ΔPPL <= 1%. For the largest ratio: TTFT of a KDNEngine hit against its prefill.
+4. Prefill and decode tokens/s of the unpruned model and each recovered model, interleaved.
 5. Table, JSON with targets (met or not, with their numbers), PNG of perplexity vs KV bytes.
-No LoRA recovery run: one-shot results only (it does not fit this CPU budget).
 
 Each importance/ratio group is checkpointed to ``OUT.partial.json`` (with its kept channels); a
 run with the same settings resumes from it, and a finished run deletes it.
@@ -37,10 +40,10 @@ from kdn.cache import KVCache
 from kdn.codec import decode, encode
 from kdn.codec.modes import get_mode
 from kdn.codec.quality import evaluate, prepare
-from kdn.data import english_text_span, english_token_ids
+from kdn.data import english_token_ids, load_squad_dev
 from kdn.hf import model_layout
 from kdn.layout import DType
-from kdn.models import load_model, perplexity
+from kdn.models import load_model
 from kdn.prune import (
     Allocation,
     Geometry,
@@ -52,7 +55,10 @@ from kdn.prune import (
     channel_scores,
     make_plan,
     prune_model,
+    save_pruned,
 )
+from kdn.prune.evaluate import ArticleSplit, answer_f1, perplexity_ci
+from kdn.prune.recover import RecoveryConfig, recover
 
 RESULTS = Path(__file__).parent / "results"
 COLUMNS = ["ratio", "allocation", "importance", "ppl", "delta_ppl_pct", "kv_bytes_per_token"]
@@ -102,9 +108,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--importances", nargs="+", default=[i.value for i in Importance])
     ap.add_argument("--calib-tokens", type=int, default=0)
     ap.add_argument("--eval-tokens", type=int, default=0)
+    ap.add_argument("--recover-steps", type=int, nargs="+", default=[],
+                    help="LoRA steps per ratio (default 150 for 20%%, 300 for 50%%)")
+    ap.add_argument("--recover-seconds", type=float, default=1800.0)
+    ap.add_argument("--questions", type=int, default=0, help="SQuAD questions for F1 (50)")
     args = ap.parse_args(argv)
     calib_n = args.calib_tokens or (64 if args.quick else 128)
-    eval_n = args.eval_tokens or (128 if args.quick else 384)
+    eval_n = args.eval_tokens or (1024 if args.quick else 4096)
+    n_questions = args.questions or (5 if args.quick else 50)
+    steps_for = dict(zip(args.ratios, args.recover_steps)) if args.recover_steps else {
+        r: (4 if args.quick else (150 if r <= 0.2 else 300)) for r in args.ratios}
     codec_ctx, codec_eval = (128, 32) if args.quick else (256, 64)
     speed_ctx, speed_new, speed_reps = (64, 8, 1) if args.quick else (256, 16, 2)
     torch.manual_seed(0)
@@ -112,17 +125,23 @@ def main(argv: list[str] | None = None) -> None:
 
     model, tok = load_model("smollm2-135m")
     geo = Geometry.of(model)
-    span = english_text_span(calib_n, tok, 0)
-    calib = english_token_ids(calib_n, tok, 0)
-    eval_ids = english_token_ids(eval_n, tok, span.stop)
-    codec_offset = span.stop
-    base_ppl = perplexity(model, eval_ids)
+    split = ArticleSplit.default()  # calibration, training and evaluation articles: disjoint
+    calib = split.token_ids("calibration", tok, calib_n)
+    train_ids = split.token_ids("training", tok)
+    eval_ids = split.token_ids("eval", tok, eval_n)
+    # codec quality on evaluation-article text too (paragraph offset of the first one)
+    codec_offset = sum(len(a.paragraphs) for a in load_squad_dev()[:split.evaluation.start])
+    base = perplexity_ci(model, eval_ids)
+    base_ppl = base.ppl
     fp16_layout = model_layout(model, DType.FLOAT16)
     fp16_bpt = fp16_layout.bytes_per_token
-    print(f"unpruned ppl {base_ppl:.3f} on {eval_n} eval tokens; calib {calib_n} tokens "
-          f"(paragraphs 0..{span.stop}); fp16 KV {fp16_bpt} B/token")
+    print(f"unpruned ppl {base_ppl:.3f} [{base.low:.3f}, {base.high:.3f}] on {base.tokens} "
+          f"held-out tokens (articles {split.evaluation.start}-{split.evaluation.stop - 1}); "
+          f"calib {calib_n} tokens; training {train_ids.numel()} tokens; fp16 KV {fp16_bpt} "
+          "B/token")
 
-    settings = {"calib": calib_n, "eval": eval_n, "quick": args.quick}
+    settings = {"calib": calib_n, "eval": eval_n, "quick": args.quick, "split": "articles"}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     ckpt = args.out.with_suffix(".partial.json")
     done = _load_checkpoint(ckpt, settings)
     runner: TailRunner | None = None
@@ -153,7 +172,7 @@ def main(argv: list[str] | None = None) -> None:
                 cfg = PruneConfig(ratio, alloc, imp)
                 plan, block_r = make_plan(geo, scores, cfg, sens)
                 pruned = prune_model(copy.deepcopy(model), plan)
-                ppl = perplexity(pruned, eval_ids)
+                ppl = perplexity_ci(pruned, eval_ids, boot=2).ppl
                 kv_bpt = model_layout(pruned, DType.FLOAT16).bytes_per_token
                 plans[(ratio, alloc.value, imp.value)] = plan
                 rows.append({"ratio": ratio, "allocation": alloc.value,
@@ -180,16 +199,43 @@ def main(argv: list[str] | None = None) -> None:
     unpruned_codecs = compression(model, tok, codec_ctx, codec_eval, codec_offset)
     per_ratio: list[dict[str, Any]] = []
     best_models: dict[float, Any] = {}
+    qas = split.questions("eval", n_questions, seed=0)
+    base_f1 = answer_f1(model, tok, qas)
+    print(f"unpruned answer F1 {base_f1:.3f} on {n_questions} held-out questions", flush=True)
     for ratio in args.ratios:
         best = min((r for r in rows if r["ratio"] == ratio), key=lambda r: r["ppl"])
         plan = plans[(ratio, best["allocation"], best["importance"])]
         pruned = prune_model(copy.deepcopy(model), plan)
+        one_shot = perplexity_ci(pruned, eval_ids)
+        steps = steps_for[ratio]
+        ckpt_dir = args.out.with_name(f"{args.out.stem}.recovery-{ratio}")
+        rep = recover(pruned, train_ids, RecoveryConfig(steps=steps, seed=0,
+                                                        max_seconds=args.recover_seconds),
+                      folder=ckpt_dir, progress=lambda s, n, loss, r=ratio: print(
+                          f"    recovery {r:.1f}: step {s}/{n} loss {loss:.3f}",
+                          flush=True) if s % 25 == 0 else None)
+        recovered = perplexity_ci(pruned, eval_ids)
+        print(f"  {ratio:.1f} {best['allocation']}/{best['importance']}: one-shot "
+              f"{one_shot.ppl:.3f} -> recovered {recovered.ppl:.3f} [{recovered.low:.3f}, "
+              f"{recovered.high:.3f}] in {rep.steps} steps, {rep.seconds:.0f} s", flush=True)
+        reload_ok = _round_trip(pruned, tok, eval_ids)
         best_models[ratio] = pruned
         codecs = compression(pruned, tok, codec_ctx, codec_eval, codec_offset)
         ok = [c for c in codecs if c["delta_ppl_pct"] <= QUALITY_BAR_PCT]
         chosen = min(ok or codecs, key=lambda c: c["bytes_per_token"])
+        f1 = answer_f1(pruned, tok, qas)
         per_ratio.append({"ratio": ratio, "best_allocation": best["allocation"],
                           "best_importance": best["importance"], "best_ppl": best["ppl"],
+                          "one_shot_ppl": one_shot.ppl,
+                          "one_shot_ppl_ci": [one_shot.low, one_shot.high],
+                          "recovered_ppl": recovered.ppl,
+                          "recovered_ppl_ci": [recovered.low, recovered.high],
+                          "recovered_delta_ppl_pct": 100 * (recovered.ppl / base_ppl - 1),
+                          "recovery_s": rep.seconds, "recovery_steps": rep.steps,
+                          "recovery_loss_first_last": [rep.first_loss, rep.last_loss],
+                          "recovery_stopped_by": rep.stopped_by,
+                          "reloaded_through_load_model": reload_ok,
+                          "answer_f1": f1, "answer_f1_delta": f1 - base_f1,
                           "kv_bytes_per_token": best["kv_bytes_per_token"],
                           "kv_fraction_of_fp16": best["kv_bytes_per_token"] / fp16_bpt,
                           "stored_bytes_per_token": chosen["bytes_per_token"],
@@ -197,6 +243,11 @@ def main(argv: list[str] | None = None) -> None:
                           "stored_codec_delta_ppl_pct": chosen["delta_ppl_pct"],
                           "stored_fraction_of_fp16": chosen["bytes_per_token"] / fp16_bpt,
                           "codecs": codecs})
+        if ratio == max(args.ratios):
+            per_ratio[-1]["hit_vs_prefill"] = _hit_vs_prefill(
+                pruned, tok, eval_ids[:512 if args.quick else 1024],
+                ("kdn", chosen["codec"].removeprefix("kdn-"))
+                if chosen["codec"].startswith("kdn-") else (chosen["codec"], ""))
 
     speed_ids = english_token_ids(speed_ctx, tok, codec_offset)
     speeds: dict[str, list[tuple[float, float]]] = {"unpruned": []}
@@ -238,7 +289,25 @@ def main(argv: list[str] | None = None) -> None:
         "met": all(r["kv_bytes_per_token"] == round(fp16_bpt * (1 - r["ratio"])) for r in rows),
         "fp16_bytes_per_token": fp16_bpt, "kv_bytes_per_token": exact})
     for r in per_ratio:
+        bar = {0.2: 12.0, 0.5: 50.0}.get(r["ratio"])
+        if bar is not None:
+            targets.append({
+                "target": f"{int(r['ratio'] * 100)}% pruned + recovered within +{bar:g}% of "
+                          "unpruned PPL (held-out)",
+                "met": r["recovered_delta_ppl_pct"] <= bar,
+                "recovered_ppl": r["recovered_ppl"], "recovered_ppl_ci": r["recovered_ppl_ci"],
+                "unpruned_ppl": base_ppl, "unpruned_ppl_ci": [base.low, base.high],
+                "delta_ppl_pct": r["recovered_delta_ppl_pct"]})
+        targets.append({
+            "target": f"{int(r['ratio'] * 100)}%: answer F1 within 0.03 of unpruned "
+                      f"({n_questions} questions)",
+            "met": abs(r["answer_f1_delta"]) <= 0.03 or r["answer_f1_delta"] > 0,
+            "answer_f1": r["answer_f1"], "unpruned_f1": base_f1})
         if r["ratio"] == 0.5:
+            targets.append({
+                "target": "50%: recovery within 30 minutes on this machine",
+                "met": r["recovery_s"] <= 1800, "recovery_s": r["recovery_s"],
+                "steps": r["recovery_steps"]})
             targets.append({
                 "target": "50% pruning + best codec level <= 1/10 of unpruned fp16",
                 "met": r["stored_bytes_per_token"] <= fp16_bpt / 10,
@@ -250,18 +319,71 @@ def main(argv: list[str] | None = None) -> None:
 
     elapsed = time.perf_counter() - t_start
     write_json(args.out, "prune", table_rows, model="smollm2-135m", quick=args.quick,
-               calib_tokens=calib_n, calib_paragraphs=[0, span.stop], eval_tokens=eval_n,
-               eval_offset_paragraphs=span.stop, unpruned_ppl=base_ppl,
+               calib_tokens=calib_n, eval_tokens=base.tokens,
+               articles={"calibration": [split.calibration.start, split.calibration.stop],
+                         "training": [split.training.start, split.training.stop],
+                         "evaluation": [split.evaluation.start, split.evaluation.stop]},
+               training_tokens=train_ids.numel(), unpruned_ppl=base_ppl,
+               unpruned_ppl_ci=[base.low, base.high], unpruned_answer_f1=base_f1,
+               questions=n_questions,
                fp16_bytes_per_token=fp16_bpt, per_ratio=per_ratio,
                unpruned_codecs=unpruned_codecs, speed=speed_rows,
                unpruned_prefill_tok_s=unpruned_speed["prefill_tok_s"],
                unpruned_decode_tok_s=unpruned_speed["decode_tok_s"],
                codec_context_tokens=codec_ctx, codec_eval_tokens=codec_eval,
                speed_context_tokens=speed_ctx, speed_new_tokens=speed_new,
-               sensitivity_delta_ppl=sensitivities, lora_recovery="not run (CPU budget)",
+               sensitivity_delta_ppl=sensitivities,
+               lora_recovery="peft LoRA r16 on q/k/v/o/gate/up/down, merged; best combination "
+                             "of each ratio",
                torch_threads=torch.get_num_threads(), elapsed_s=elapsed, targets=targets)
     plot(args.png or args.out.with_suffix(".png"), rows, per_ratio, base_ppl, fp16_bpt)
     ckpt.unlink(missing_ok=True)
+
+
+def _round_trip(model: Any, tok: Any, ids: torch.Tensor) -> bool:
+    """Save the pruned + recovered model as a transformers folder and load it back through
+    ``kdn.models.load_model``: same layout, same logits."""
+    import tempfile
+
+    from kdn.models import clear_memo
+
+    with tempfile.TemporaryDirectory() as tmp:
+        save_pruned(model, tmp, tok)
+        back, _ = load_model(tmp)
+        with torch.inference_mode():
+            a = model(input_ids=ids[None, :64]).logits
+            b = back(input_ids=ids[None, :64]).logits
+        same_layout = model_layout(back).layers == model_layout(model).layers
+        clear_memo()
+        return bool(same_layout and torch.allclose(a, b, atol=1e-4))
+
+
+def _hit_vs_prefill(model: Any, tok: Any, ids: torch.Tensor,
+                    encoding: tuple[str, str]) -> dict[str, Any]:
+    """TTFT of the pruned model through KDNEngine: a full prefill (miss, stored back) against a
+    hit of the same prompt (KV retrieved from a local kdn server's RAM tier), each encoding."""
+    import tempfile
+
+    from kdn.client import Client
+    from kdn.engine import EngineConfig, KDNEngine
+    from kdn.server import ServerConfig, ServerThread
+
+    out: dict[str, Any] = {"prompt_tokens": int(ids.numel())}
+    with tempfile.TemporaryDirectory() as tmp, ServerThread(ServerConfig(
+            port=0, data_dir=Path(tmp), disk_bytes=0)) as st, Client(st.address) as client:
+        for mode, level in {("lossless", ""), encoding}:
+            eng = KDNEngine(model, tok, client, EngineConfig(
+                namespace=f"prune-{mode}-{level}", encodings=((mode, level),)))
+            miss = eng.generate(ids.tolist(), max_new_tokens=1)
+            if miss.store_thread is not None:
+                miss.store_thread.join()
+            hit = eng.generate(ids.tolist(), max_new_tokens=1)
+            name = f"{mode}-{level}" if level else mode
+            out[name] = {"prefill_ttft_s": miss.timings.ttft_s, "hit_ttft_s": hit.timings.ttft_s,
+                         "hit_vs_prefill": hit.timings.ttft_s / miss.timings.ttft_s,
+                         "reused_tokens": hit.timings.reused_tokens,
+                         "same_first_token": hit.token_ids[:1] == miss.token_ids[:1]}
+    return out
 
 
 def _load_checkpoint(path: Path, settings: dict[str, Any]) -> dict[str, Any]:

@@ -261,3 +261,26 @@ def english_token_ids(
     text = english_text(n_tokens, tokenizer, offset_paragraphs, cache_dir=cache_dir)
     ids = tokenizer(text, add_special_tokens=False)["input_ids"][:n_tokens]
     return torch.tensor(ids, dtype=torch.long)
+
+
+def _answer_words(s: str) -> list[str]:
+    """SQuAD's answer normalisation: lower case, no punctuation, no articles, words."""
+    import re
+    import string
+
+    s = "".join(ch for ch in s.lower() if ch not in set(string.punctuation))
+    return re.sub(r"\b(a|an|the)\b", " ", s).split()
+
+
+def squad_f1(pred: str, answers: tuple[str, ...]) -> float:
+    """SQuAD token F1 of ``pred``, the best over the reference ``answers``."""
+    from collections import Counter
+
+    best = 0.0
+    for a in answers:
+        p, g = _answer_words(pred), _answer_words(a)
+        common = sum((Counter(p) & Counter(g)).values())
+        if common:
+            prec, rec = common / len(p), common / len(g)
+            best = max(best, 2 * prec * rec / (prec + rec))
+    return best

@@ -170,10 +170,21 @@ def _publish(tmp: Path, target: Path) -> None:
 
 
 def _load_folder(folder: Path, dtype: torch.dtype) -> ModelAndTokenizer:
-    """Load a local transformers folder as an eval-mode causal LM plus its tokenizer."""
-    model = AutoModelForCausalLM.from_pretrained(
-        str(folder), dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION, local_files_only=True
-    )
+    """Load a local transformers folder as an eval-mode causal LM plus its tokenizer (a model
+    KVPruner pruned, recovered or not, with its per-layer layout: ``kdn_pruned`` in its
+    config)."""
+    import json
+
+    config = json.loads((folder / "config.json").read_text()) \
+        if (folder / "config.json").is_file() else {}
+    if "kdn_pruned" in config:
+        from kdn.prune.apply import load_pruned
+
+        model = load_pruned(folder, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(
+            str(folder), dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION,
+            local_files_only=True)
     tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
     model.eval()
     return model, tokenizer
