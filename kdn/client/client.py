@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import grpc
 
 from kdn import codec
+from kdn import tracing as _tracing
 from kdn.client.blend import RemotePiece, blend_request
 from kdn.client.dataplane import DataPlane, Fetched, TooBig
 from kdn.client.parallel import layer_groups, merged
@@ -112,6 +113,23 @@ class TLSOptions:
                                             certificate_chain=self.cert)
 
 
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _traced(name: str) -> Callable[[F], F]:
+    """A span around the method when tracing is on (``kdn.tracing``); the call's metadata
+    then carries it to the server."""
+    def wrap(fn: F) -> F:
+        @functools.wraps(fn)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if not _tracing.enabled():
+                return fn(*args, **kwargs)
+            with _tracing.span(name):
+                return fn(*args, **kwargs)
+        return call  # type: ignore[return-value]
+    return wrap
+
+
 class Client:
     def __init__(
         self,
@@ -127,7 +145,10 @@ class Client:
         local_bytes: int = 0,
         streams: int = DEFAULT_STREAMS,
         insecure: bool | None = None,
+        tracing: bool = False,
     ) -> None:
+        if tracing:  # OpenTelemetry spans per call, the trace carried to the server
+            _tracing.enable()
         if api_key and tls is None and not same_host(address) and not (
                 os.environ.get("KDN_INSECURE", "") == "1" if insecure is None else insecure):
             raise InvalidArgument(
@@ -207,7 +228,8 @@ class Client:
         becomes this thread's ``last_request_id``."""
         rid = request_id or uuid.uuid4().hex[:16]
         self._local.request_id = rid
-        return (*self._auth, (REQUEST_ID_HEADER, rid))
+        md = (*self._auth, (REQUEST_ID_HEADER, rid))
+        return tuple(_tracing.inject(list(md))) if _tracing.enabled() else md
 
     # -- plumbing -------------------------------------------------------------------------------
 
@@ -233,6 +255,7 @@ class Client:
 
     # -- store ----------------------------------------------------------------------------------
 
+    @_traced("kdn.client.store")
     def store(
         self,
         key: bytes,
@@ -300,6 +323,7 @@ class Client:
 
     # -- retrieve -------------------------------------------------------------------------------
 
+    @_traced("kdn.client.fetch")
     def fetch(self, key: bytes, *, namespace: str | None = None,
               layout: KVLayout | None = None, request_id: str | None = None) -> Fetched | None:
         """The stored container of ``key`` (header + frames, undecoded), or None on a miss:
@@ -427,6 +451,7 @@ class Client:
 
         return self._call(run)
 
+    @_traced("kdn.client.retrieve")
     def retrieve(self, key: bytes, *, namespace: str | None = None,
                  layout: KVLayout | None = None,
                  device: torch.device | str | None = None,
@@ -438,6 +463,7 @@ class Client:
 
     # -- many entries per call ------------------------------------------------------------------
 
+    @_traced("kdn.client.fetch_many")
     def fetch_many(self, keys: Sequence[bytes], *, namespace: str | None = None,
                    layout: KVLayout | None = None,
                    request_id: str | None = None) -> list[Fetched | None]:
@@ -482,6 +508,7 @@ class Client:
                                                          self.dataplane.segment()[0])
                 for k, g in zip(keys, got)]
 
+    @_traced("kdn.client.retrieve_many")
     def retrieve_many(self, keys: Sequence[bytes], *, namespace: str | None = None,
                       layout: KVLayout | None = None, device: torch.device | str | None = None,
                       request_id: str | None = None) -> list[KVCache | None]:
@@ -491,6 +518,7 @@ class Client:
                 for f in self.fetch_many(keys, namespace=namespace, layout=layout,
                                          request_id=request_id)]
 
+    @_traced("kdn.client.store_many")
     def store_many(self, items: Sequence[tuple[bytes, KVCache | EncodedParts]], *,
                    mode: str = "lossless", level: str = "", namespace: str | None = None,
                    options: StoreOptions | None = None, layers_per_frame: int = 0,
@@ -539,6 +567,7 @@ class Client:
 
     # -- lookup / delete / stats ----------------------------------------------------------------
 
+    @_traced("kdn.client.lookup")
     def lookup(self, keys: Sequence[bytes], *, namespace: str | None = None,
                prefix_chain: bool = False, request_id: str | None = None) -> LookupResult:
         """Which ``keys`` are stored, where (``inproc`` for the in-process tier) and how big;
@@ -563,6 +592,7 @@ class Client:
                  request_id: str | None = None) -> bool:
         return self.lookup([key], namespace=namespace, request_id=request_id).infos[0].present
 
+    @_traced("kdn.client.delete")
     def delete(self, key: bytes | Sequence[bytes], *, namespace: str | None = None,
                request_id: str | None = None) -> int:
         keys = [key] if isinstance(key, (bytes, bytearray)) else list(key)

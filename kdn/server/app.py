@@ -26,6 +26,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from kdn import tracing
 from kdn.errors import ConfigError
 from kdn.server.admin import AdminServicer
 from kdn.server.auth import AuthConfig, Authenticator, Role, load_auth, tenants_from_text
@@ -215,6 +216,9 @@ def _credentials(config: ServerConfig) -> grpc.ServerCredentials | None:
 async def start_server(config: ServerConfig, store: TieredStore | None = None,
                        blender: Blender | None = None) -> Server:
     """Start listening; ``blender`` (the model side of the Blend RPC) makes it blend."""
+    if config.tracing and not tracing.enable():
+        raise ConfigError("tracing: needs the opentelemetry-api package (pip install "
+                          "'kdn[tracing]')")
     store = store or build_store(config)
     auth = Authenticator(load_auth(config.auth_file) if config.auth_file else
                          tenants_from_text(config.auth_tenants) if config.auth_tenants else

@@ -159,6 +159,9 @@ class ServerConfig:
     """Seconds in-flight RPCs get to finish on shutdown."""
     log_level: str = "INFO"
     """Python logging level name."""
+    tracing: bool = False
+    """OpenTelemetry spans per RPC and per tier call, continuing the client's trace (needs the
+    opentelemetry-api package: the tracing extra; the exporter is the process's own)."""
     log_format: str = "text"
     """Log lines as text, or json: one JSON object per line (ts, level, logger, request_id,
     and the access and audit logs' fields)."""

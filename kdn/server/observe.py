@@ -33,6 +33,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from kdn import tracing
 from kdn.errors import KDNError
 from kdn.metadata import REQUEST_ID_HEADER
 from kdn.server import logs
@@ -253,15 +254,21 @@ class RequestInterceptor(grpc.aio.ServerInterceptor):
         """Admit the caller (a refused one is aborted and not recorded), then time the call
         and record its outcome, also when it raises or is cancelled."""
         t0 = time.perf_counter()
-        rid, tenant = await self._enter(context, md, open_call)
-        exc: BaseException | None = None
-        try:
-            yield
-        except BaseException as e:
-            exc = e
-            raise
-        finally:
-            self._done(rpc, rid, tenant, t0, self._code(context, exc), context)
+        with tracing.span(f"kdn.server.{rpc}", md if tracing.enabled() else None,
+                          rpc=rpc) as span:  # the client's trace continues here (if on)
+            rid, tenant = await self._enter(context, md, open_call)
+            exc: BaseException | None = None
+            try:
+                yield
+            except BaseException as e:
+                exc = e
+                raise
+            finally:
+                code = self._code(context, exc)
+                self._done(rpc, rid, tenant, t0, code, context)
+                if span is not None:
+                    span.set_attribute("kdn.code", code)
+                    span.set_attribute("kdn.tenant", tenant)
 
     def _unary(self, fn: Callable[..., Any], rpc: str, md: Any, open_call: bool,
                streaming: bool) -> Callable[..., Any]:

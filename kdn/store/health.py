@@ -27,6 +27,7 @@ import threading
 from collections.abc import Callable
 from typing import TypeVar
 
+from kdn import tracing
 from kdn.errors import KDNError, PartlyUnavailable, TierUnavailable
 from kdn.store.base import Tier
 
@@ -119,6 +120,12 @@ class TierHealth:
     def attempt(self, tier: Tier, fn: Callable[[], T], what: str, *,
                 reraise: bool = False) -> T | Fault:
         """``fn()``, or the ``Fault`` that kept it from returning (see the module docstring)."""
+        if tracing.enabled():  # a span per tier call, in the RPC's trace
+            with tracing.span(f"kdn.tier.{tier.name}.{what.split()[0]}"):
+                return self._attempt(tier, fn, what, reraise)
+        return self._attempt(tier, fn, what, reraise)
+
+    def _attempt(self, tier: Tier, fn: Callable[[], T], what: str, reraise: bool) -> T | Fault:
         try:
             return fn()
         except PartlyUnavailable as exc:  # this key's part of the tier: the rest serves on

@@ -1,0 +1,68 @@
+"""OpenTelemetry spans across Client -> server -> tiers; off by default.
+
+Turned on per process (``kdn serve --tracing true``; ``Client(tracing=True)``) when the
+``opentelemetry-api`` package is installed (the ``tracing`` extra); kdn only uses the API, so
+the exporter and sampling are the application's own ``TracerProvider`` (OTLP, Jaeger, ...),
+as OpenTelemetry intends. The client injects W3C ``traceparent`` into each call's metadata and
+opens a span per call; the server continues that trace with a span per RPC, and every tier
+call it makes (``kdn.store.health.TierHealth.attempt``) is a child span named
+``kdn.tier.<tier>.<operation>``. Off, each hook is one global lookup.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+_tracer: Any = None
+
+
+def enable() -> bool:
+    """Start making spans (False, and nothing changes, when opentelemetry is absent)."""
+    global _tracer
+    try:
+        from opentelemetry import trace
+    except ImportError:
+        return False
+    _tracer = trace.get_tracer("kdn")
+    return True
+
+
+def disable() -> None:
+    global _tracer
+    _tracer = None
+
+
+def enabled() -> bool:
+    return _tracer is not None
+
+
+@contextlib.contextmanager
+def span(name: str, metadata: Sequence[tuple[str, Any]] | None = None,
+         **attributes: Any) -> Iterator[Any]:
+    """A span named ``name`` (the current one's child, or the remote parent carried in gRPC
+    ``metadata``), or nothing when tracing is off."""
+    if _tracer is None:
+        yield None
+        return
+    ctx = None
+    if metadata is not None:
+        from opentelemetry import propagate
+
+        ctx = propagate.extract({str(k): str(v) for k, v in metadata})
+    with _tracer.start_as_current_span(name, context=ctx) as current:
+        for key, value in attributes.items():
+            current.set_attribute(f"kdn.{key}", value)
+        yield current
+
+
+def inject(metadata: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """``metadata`` plus the current trace's ``traceparent`` (unchanged when tracing is off)."""
+    if _tracer is None:
+        return metadata
+    from opentelemetry import propagate
+
+    carrier: dict[str, str] = {}
+    propagate.inject(carrier)
+    return metadata + list(carrier.items())
