@@ -1,30 +1,27 @@
-"""Secure by default (issue 24 items 1–3), against real servers and processes: no API key
-crosses a non-loopback plaintext connection unless both sides say so; secrets readable by
-others are refused; a client certificate names a tenant and is never admin by default; failed
-authentications are logged and counted; idle connections are closed and connections capped;
-unusable certificates stop the start with a sentence naming the file."""
+"""Secure by default (issue 24 item 1, and the start-up checks of item 3), against real servers
+and processes: no API key crosses a non-loopback plaintext connection unless both sides say so;
+secrets others can read are refused; certificates and keys that can not work stop the start
+with one line naming the file. (mTLS identities: test_mtls_identity.py; failed
+authentications and connection limits: test_auth_audit.py.)"""
 
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
-import grpc
 import pytest
 
 from kdn import keys
 from kdn.client import Client
-from kdn.client.admin import AdminClient
-from kdn.client.client import TLSOptions
-from kdn.errors import ConfigError, InvalidArgument, PermissionDenied, Unauthenticated
+from kdn.client.client import TLSOptions, same_host
+from kdn.errors import ConfigError, InvalidArgument, Unauthenticated
 from kdn.server import ServerConfig, ServerThread
 from kdn.server.auth import digest
-from tests.helpers import eventually, make_certs, random_kv, uniform_layout
+from tests.helpers import make_certs, uniform_layout
 
 ROOT = Path(__file__).resolve().parents[1]
 LAY = uniform_layout(layers=2, heads=2, dim=8)
@@ -74,8 +71,21 @@ def test_a_client_does_not_send_a_key_in_plaintext_off_this_host(
     Client("10.0.0.7:50051").close()  # no key: nothing to leak
     Client("127.0.0.1:50051", api_key="secret").close()  # loopback
     Client("10.0.0.7:50051", api_key="secret", tls=TLSOptions()).close()
-    monkeypatch.setenv("KDN_INSECURE", "1")
-    Client("10.0.0.7:50051", api_key="secret").close()
+    for local_looking in ("127.0.0.1.nip.io:50051", "127.evil.example:50051",
+                          "dns:///evil.example:50051", "dns://10.0.0.1/localhost:50051",
+                          "ipv4:127.0.0.1:50051,10.0.0.7:50051", "[::ffff:10.0.0.7]:50051"):
+        assert not same_host(local_looking)
+        with pytest.raises(InvalidArgument, match="refusing to send an API key"):
+            Client(local_looking, api_key="secret")
+    for local in ("localhost:1", "127.3.4.5:1", "[::1]:1", "ipv6:[::1]:1", "dns:///localhost:1",
+                  "unix:/tmp/kdn.sock", "unix-abstract:kdn"):
+        assert same_host(local), local
+    for yes in ("1", "true", "yes", "on"):
+        monkeypatch.setenv("KDN_INSECURE", yes)
+        Client("10.0.0.7:50051", api_key="secret").close()
+    monkeypatch.setenv("KDN_INSECURE", "0")
+    with pytest.raises(InvalidArgument):
+        Client("10.0.0.7:50051", api_key="secret")
     monkeypatch.delenv("KDN_INSECURE")
     run = subprocess.run([sys.executable, "-m", "kdn", "admin", "stats", "--address",
                           "10.0.0.7:50051", "--api-key", "secret"], capture_output=True,
@@ -85,20 +95,39 @@ def test_a_client_does_not_send_a_key_in_plaintext_off_this_host(
     assert "--insecure" in run.stderr and "secret" not in run.stderr
 
 
-def test_secrets_readable_by_others_are_refused(tmp_path: Path,
+def test_secrets_readable_by_others_are_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                caplog: pytest.LogCaptureFixture) -> None:
     auth = _auth_file(tmp_path, TENANTS, mode=0o644)
     with pytest.raises(ConfigError, match=rf"auth_file: {auth} can be read by other users "
                                           rf"\(mode 0o644\); run chmod 600 {auth}"):
         ServerConfig(auth_file=str(auth))
     certs = make_certs(tmp_path)
+    tls = dict(tls_cert=str(certs["server.crt"]), tls_key=str(certs["server.key"]))
     certs["server.key"].chmod(0o604)
     with pytest.raises(ConfigError, match="tls_key: .* can be read by other users"):
-        ServerConfig(tls_cert=str(certs["server.crt"]), tls_key=str(certs["server.key"]))
-    certs["server.key"].chmod(0o640)  # shared with a group (Kubernetes' fsGroup): a warning
-    with caplog.at_level(logging.WARNING, logger="kdn.server.config"):
-        ServerConfig(tls_cert=str(certs["server.crt"]), tls_key=str(certs["server.key"]))
-    assert any("can be read by its group" in r.getMessage() for r in caplog.records)
+        ServerConfig(**tls)  # type: ignore[arg-type]
+    # group-readable, and the server's own user owns it: the group serves nobody but others
+    certs["server.key"].chmod(0o640)
+    with pytest.raises(ConfigError, match=r"tls_key: .* can be read by its group \(mode 0o640\) "
+                                          r"though this server's user owns it; run chmod 600"):
+        ServerConfig(**tls)  # type: ignore[arg-type]
+    # owned by another user (root, as Kubernetes mounts secrets with an fsGroup): the group is
+    # how this server reads it, as PostgreSQL accepts a root-owned key of mode 0640
+    someone_else = os.geteuid() + 1
+    monkeypatch.setattr("kdn.server.config.os.geteuid", lambda: someone_else)
+    with caplog.at_level(logging.INFO, logger="kdn.server.config"):
+        ServerConfig(**tls)  # type: ignore[arg-type]
+    assert any("is read through its group" in r.getMessage() for r in caplog.records)
+    certs["server.key"].chmod(0o644)
+    with pytest.raises(ConfigError, match="can be read by other users"):  # others: never
+        ServerConfig(**tls)  # type: ignore[arg-type]
+    monkeypatch.undo()
+    auth.chmod(0o660)  # the real command: one line, exit 2, the fix named
+    run = subprocess.run([sys.executable, "-m", "kdn", "serve", "--port", "0", "--auth-file",
+                          str(auth), "--data-dir", str(tmp_path / "d")], capture_output=True,
+                         text=True, timeout=60, cwd=ROOT)
+    assert run.returncode == 2 and f"run chmod 600 {auth}" in run.stderr
+    assert len(run.stderr.strip().splitlines()) == 1 and "Traceback" not in run.stderr
 
 
 def test_tenants_from_an_environment_variable_hold_digests_only(tmp_path: Path) -> None:
@@ -130,141 +159,90 @@ def test_unusable_certificates_stop_the_start_naming_the_file(tmp_path: Path) ->
     assert run.returncode == 2, run.stderr
     assert f"tls_key {b['server.key']} is not the private key of the certificate" in run.stderr
     assert "Traceback" not in run.stderr and len(run.stderr.strip().splitlines()) == 1
-    garbage = tmp_path / "garbage.crt"
-    garbage.write_text("not a certificate\n")
-    with pytest.raises(ConfigError, match="not a usable PEM certificate and key"):
-        with ServerThread(ServerConfig(port=0, data_dir=tmp_path / "e", tls_cert=str(garbage),
-                                       tls_key=str(a["server.key"]))):
+
+    def start(cert: Path, key: Path, ca: Path | None = None) -> None:
+        cfg = ServerConfig(port=0, data_dir=tmp_path / "e", tls_cert=str(cert),
+                           tls_key=str(key), tls_client_ca=str(ca) if ca else "")
+        with ServerThread(cfg):
             pass
 
+    garbage = tmp_path / "garbage.pem"
+    garbage.write_text("not a certificate\n")
+    garbage.chmod(0o600)
+    with pytest.raises(ConfigError, match=f"tls_cert {garbage}: holds no PEM certificate"):
+        start(garbage, a["server.key"])
+    with pytest.raises(ConfigError, match=f"tls_key {garbage}: holds no PEM private key"):
+        start(a["server.crt"], garbage)
+    crt_as_key = tmp_path / "server-crt-as-key.pem"
+    crt_as_key.write_bytes(a["server.crt"].read_bytes())
+    crt_as_key.chmod(0o600)
+    with pytest.raises(ConfigError, match=f"tls_cert {a['server.key']}: holds no PEM certif"):
+        start(a["server.key"], crt_as_key)  # the two swapped
+    with pytest.raises(ConfigError, match=f"tls_client_ca {garbage}: holds no PEM certificate"):
+        start(a["server.crt"], a["server.key"], garbage)
+    broken = tmp_path / "broken.crt"  # the markers, but no certificate between them
+    broken.write_text("-----BEGIN CERTIFICATE-----\nAAAA\n-----END CERTIFICATE-----\n")
+    with pytest.raises(ConfigError, match="not a usable PEM certificate and key"):
+        start(broken, a["server.key"])
+    # a key with a passphrase: refused at once (no passphrase prompt on the terminal)
+    from cryptography.hazmat.primitives import serialization
 
-# ------------------------------------------------------------- mTLS identities
-
-
-def _mtls(c: dict[str, Path], name: str) -> TLSOptions:
-    return TLSOptions(ca=c["ca.crt"].read_bytes(), cert=c[f"{name}.crt"].read_bytes(),
-                      key=c[f"{name}.key"].read_bytes())
-
-
-def test_a_certificate_alone_is_never_admin_by_default(tmp_path: Path) -> None:
-    c = make_certs(tmp_path, clients=("engine-1",))
-    key, kv = keys.chunk_key([1], LAY), random_kv(LAY, 4)
-    base = dict(port=0, tls_cert=str(c["server.crt"]), tls_key=str(c["server.key"]),
-                tls_client_ca=str(c["ca.crt"]), disk_bytes=0)
-    with ServerThread(ServerConfig(data_dir=tmp_path / "d1", **base)) as st:  # type: ignore[arg-type]
-        with AdminClient(st.address, tls=_mtls(c, "engine-1"), retry=None) as cl:
-            cl.store(key, kv)  # a tenant of the unscoped key space
-            assert cl.retrieve(key).equal(kv)  # type: ignore[union-attr]
-            with pytest.raises(PermissionDenied):
-                cl.gc()  # not an admin
-    cfg = ServerConfig(data_dir=tmp_path / "d2", mtls_role="admin", **base)  # type: ignore[arg-type]
-    with ServerThread(cfg) as st, AdminClient(st.address, tls=_mtls(c, "engine-1")) as cl:
-        cl.gc()  # the operator said so
-    cfg = ServerConfig(data_dir=tmp_path / "d3", mtls_role="none", **base)  # type: ignore[arg-type]
-    with ServerThread(cfg) as st:
-        with Client(st.address, tls=_mtls(c, "engine-1"), retry=None) as cl:
-            with pytest.raises(Unauthenticated, match="needs an API key besides"):
-                cl.lookup([key])
-
-
-def test_certificate_subjects_name_tenants(tmp_path: Path) -> None:
-    c = make_certs(tmp_path, clients=("engine-a", "ops-console", "stranger"),
-                   client_sans={"engine-a": ["engine-a.internal"]})
-    auth = _auth_file(tmp_path, 'tenants:\n  team-a: {subjects: ["engine-a.internal"]}\n'
-                                '  ops: {subjects: ["ops-console"], role: admin}\n'
-                                '  team-b: {api_keys: ["key-b"]}\n')
-    cfg = ServerConfig(port=0, data_dir=tmp_path / "d", disk_bytes=0, auth_file=str(auth),
-                       tls_cert=str(c["server.crt"]), tls_key=str(c["server.key"]),
-                       tls_client_ca=str(c["ca.crt"]))
-    key, kv = keys.chunk_key([2], LAY), random_kv(LAY, 4)
-    with ServerThread(cfg) as st:
-        with Client(st.address, tls=_mtls(c, "engine-a"), retry=None) as a:  # by its SAN
-            a.store(key, kv)
-        with Client(st.address, tls=_mtls(c, "stranger"), api_key="key-b", retry=None) as b:
-            assert b.retrieve(key) is None  # team-b can not see team-a's entry
-        with AdminClient(st.address, tls=_mtls(c, "ops-console"), retry=None) as ops:  # CN
-            assert {e.tenant for e in ops.ls()} == {"team-a"}
-            ops.gc()
-        with Client(st.address, tls=_mtls(c, "stranger"), retry=None) as s:
-            with pytest.raises(Unauthenticated, match="is no tenant's"):
-                s.lookup([key])
+    pem = serialization.load_pem_private_key(a["server.key"].read_bytes(), None).private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+        serialization.BestAvailableEncryption(b"passphrase"))
+    encrypted = tmp_path / "encrypted.key"
+    encrypted.write_bytes(pem)
+    encrypted.chmod(0o600)
+    with pytest.raises(ConfigError, match=f"tls_key {encrypted}: the key is encrypted"):
+        start(a["server.crt"], encrypted)
 
 
-# ------------------------------------------------------------- audit, limits
+def _this_hosts_address() -> str | None:
+    """A non-loopback IPv4 address of this machine, if it has one."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("198.51.100.1", 9))  # no packet is sent: this only picks a route
+            addr = str(s.getsockname()[0])
+        except OSError:
+            return None
+    return None if addr.startswith("127.") or addr == "0.0.0.0" else addr
 
 
-def test_failed_authentications_are_logged_and_counted(
+def test_keys_and_plaintext_over_a_real_network_address(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A server on every interface with auth on and --insecure true: the client still refuses
+    to send its key over plaintext to the machine's network address unless told so; a peer
+    listening there (the "fake HTTP/2 peer" of issue 24) receives nothing."""
+    addr = _this_hosts_address()
+    if addr is None:
+        pytest.skip("this machine has no non-loopback address")
+    listener = socket.create_server((addr, 0))
+    listener.settimeout(0.5)
+    with pytest.raises(InvalidArgument, match="refusing to send an API key in plaintext"):
+        Client(f"{addr}:{listener.getsockname()[1]}", api_key="key-a", retry=None)
+    with pytest.raises(TimeoutError):
+        listener.accept()  # nobody even connected
+    listener.close()
     auth = _auth_file(tmp_path, TENANTS)
-    cfg = ServerConfig(port=0, data_dir=tmp_path / "d", auth_file=str(auth), metrics_port=0)
-    key = keys.chunk_key([3], LAY)
-    with caplog.at_level(logging.WARNING, logger="kdn.audit"), ServerThread(cfg) as st:
-        for api_key in ("wrong-key-123", None, "wrong-key-456"):
-            with Client(st.address, api_key=api_key, retry=None) as cl:
-                with pytest.raises(Unauthenticated):
-                    cl.lookup([key])
-        assert st.server is not None
-        text = urllib.request.urlopen(
-            f"http://127.0.0.1:{st.server.metrics_port}/metrics", timeout=10).read().decode()
-    assert 'kdn_auth_failures_total{reason="unknown_key"} 2.0' in text
-    assert 'kdn_auth_failures_total{reason="missing_key"} 1.0' in text
-    lines = [r.getMessage() for r in caplog.records if r.name == "kdn.audit"]
-    assert len(lines) == 3 and all('"event": "auth_failed"' in x and "127.0.0.1" in x
-                                   for x in lines)
-    assert not any("wrong-key" in x for x in lines)  # never the key
-
-
-def test_the_audit_log_is_rate_limited_and_says_what_it_left_out(
-        caplog: pytest.LogCaptureFixture) -> None:
-    from kdn.server.observe import AuditLog
-
-    audit = AuditLog(per_second=5)
-    with caplog.at_level(logging.WARNING, logger="kdn.audit"):
-        for _ in range(50):
-            audit.log("unknown_key", "ipv4:10.1.2.3:5555", "r")
-        time.sleep(0.5)
-        audit.log("unknown_key", "ipv4:10.1.2.3:5555", "r")
-    lines = [r.getMessage() for r in caplog.records]
-    assert 5 <= len(lines) <= 7
-    assert '"not_logged_before": 45' in lines[-1] or '"not_logged_before": 44' in lines[-1]
-
-
-def test_idle_connections_are_closed_and_connections_capped(tmp_path: Path) -> None:
-    cfg = ServerConfig(port=0, data_dir=tmp_path / "d", idle_timeout_s=1, max_connections=4)
+    cfg = ServerConfig(host="0.0.0.0", port=0, auth_file=str(auth), insecure=True,
+                       data_dir=tmp_path / "d", disk_bytes=0)
+    key = keys.chunk_key([9], LAY)
     with ServerThread(cfg) as st:
         port = int(st.address.rsplit(":", 1)[1])
-        # HTTP/2 connections that never make a call (no key needed to open one)
-        socks = []
-        for _ in range(3):
-            s = socket.create_connection(("127.0.0.1", port))
-            s.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes.fromhex("000000040000000000"))
-            socks.append(s)
+        with pytest.raises(InvalidArgument):
+            Client(f"{addr}:{port}", api_key="key-a", retry=None)
+        with Client(f"{addr}:{port}", api_key="key-a", insecure=True, retry=None) as c:
+            assert c.lookup([key]).infos[0].present is False  # both sides said so
 
-        def all_closed() -> bool:
-            for s in socks:
-                s.settimeout(0.05)
-                try:
-                    while s.recv(65536):
-                        pass
-                except (TimeoutError, BlockingIOError):
-                    return False
-            return True
 
-        assert eventually(all_closed, timeout=10, interval=0.2)
-        channels = [grpc.insecure_channel(st.address,
-                                          options=[("grpc.use_local_subchannel_pool", 1)])
-                    for _ in range(6)]
-        from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-        codes = []
-        for ch in channels:
-            try:
-                health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=3)
-                codes.append("OK")
-            except grpc.RpcError as exc:
-                codes.append(exc.code().name)
-        assert codes[:4] == ["OK"] * 4 and "UNAVAILABLE" in codes[4:], codes
-        for ch in channels:
-            ch.close()
-        for s in socks:
-            s.close()
+def test_an_open_server_on_the_network_says_so(tmp_path: Path,
+                                               caplog: pytest.LogCaptureFixture) -> None:
+    cfg = ServerConfig(host="0.0.0.0", port=0, data_dir=tmp_path / "d", disk_bytes=0)
+    with caplog.at_level(logging.WARNING, logger="kdn.server"), ServerThread(cfg):
+        pass
+    assert any("no authentication on 0.0.0.0" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="kdn.server"), \
+            ServerThread(ServerConfig(port=0, data_dir=tmp_path / "e", disk_bytes=0)):
+        pass  # loopback: nothing to say
+    assert not any("no authentication" in r.getMessage() for r in caplog.records)

@@ -149,8 +149,10 @@ class Client:
     ) -> None:
         if tracing:  # OpenTelemetry spans per call, the trace carried to the server
             _tracing.enable()
-        if api_key and tls is None and not same_host(address) and not (
-                os.environ.get("KDN_INSECURE", "") == "1" if insecure is None else insecure):
+        if insecure is None:
+            insecure = os.environ.get("KDN_INSECURE", "").strip().lower() in (
+                "1", "true", "yes", "on")
+        if api_key and tls is None and not same_host(address) and not insecure:
             raise InvalidArgument(
                 f"refusing to send an API key in plaintext to {address}: pass tls=TLSOptions("
                 "ca=...) (the server's --tls-cert), or insecure=True (KDN_INSECURE=1) on a "
@@ -620,12 +622,38 @@ class Client:
 
 
 def same_host(address: str) -> bool:
-    """Whether ``address`` names this machine (loopback or a unix socket)."""
+    """Whether the gRPC target ``address`` names only this machine: a unix socket, or
+    loopback hosts (``localhost``, 127.0.0.0/8, ::1), also behind a ``dns:``, ``ipv4:`` or
+    ``ipv6:`` scheme. A name that merely looks local (``127.0.0.1.example.com``) is not."""
+    import ipaddress
+
     if address.startswith(("unix:", "unix-abstract:")):
         return True
-    host = address.rsplit(":", 1)[0] if ":" in address else address
-    host = host.strip("[]").lower()
-    return host in ("localhost", "::1", "ip6-localhost") or host.startswith("127.")
+    target = address
+    for scheme in ("dns:", "ipv4:", "ipv6:"):
+        if target.startswith(scheme):
+            target = target[len(scheme):]
+            if target.startswith("//"):  # dns://authority/host:port
+                authority, _, target = target[2:].partition("/")
+                if authority:  # a DNS server of its own decides what "localhost" is
+                    return False
+            break
+    for part in target.split(","):  # ipv4:a:p,b:p lists several addresses
+        if part.startswith("["):
+            host = part[1:part.find("]")] if "]" in part else ""
+        elif part.count(":") == 1:
+            host = part.split(":")[0]
+        else:
+            host = part  # no port, or a bare IPv6 address
+        host = host.lower()
+        if host in ("localhost", "ip6-localhost"):
+            continue
+        try:
+            if not ipaddress.ip_address(host).is_loopback:
+                return False
+        except ValueError:
+            return False
+    return bool(target)
 
 
 def _key_info(info: pb.KeyInfo) -> KeyInfo:

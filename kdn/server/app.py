@@ -117,6 +117,10 @@ def grpc_options(config: ServerConfig) -> list[tuple[str, int]]:
            ("grpc.max_connection_age_grace_ms", 30_000)] if config.max_connection_age_s else []),
         *([("grpc.max_allowed_incoming_connections", config.max_connections)]
           if config.max_connections else []),
+        *([("grpc.server_handshake_timeout_ms", int(config.handshake_timeout_s * 1000))]
+          if config.handshake_timeout_s else []),
+        *([("grpc.max_concurrent_streams", config.max_streams_per_connection)]
+          if config.max_streams_per_connection else []),
     ]
 
 
@@ -180,15 +184,29 @@ class Server:
 
 def check_tls_files(config: ServerConfig) -> None:
     """Load the certificate, its key and the client CA as a TLS library would, so that a
-    wrong pair or a damaged file stops the start with a sentence naming the file (gRPC would
-    only say that it failed to bind)."""
+    wrong pair, an encrypted key or a damaged file stops the start with a sentence naming the
+    file (gRPC would only say that it failed to bind)."""
     import ssl
 
     if not config.tls_cert:
         return
+    files = {"tls_cert": config.tls_cert, "tls_key": config.tls_key,
+             "tls_client_ca": config.tls_client_ca}
+    for name, marker, what in (("tls_cert", b"-----BEGIN CERTIFICATE-----", "certificate"),
+                               ("tls_key", b"PRIVATE KEY-----", "private key"),
+                               ("tls_client_ca", b"-----BEGIN CERTIFICATE-----", "certificate")):
+        if files[name] and marker not in Path(files[name]).read_bytes():
+            raise ConfigError(f"{name} {files[name]}: holds no PEM {what} (-----BEGIN "
+                              f"{what.upper()}-----)")
+
+    def encrypted() -> bytes:
+        raise ConfigError(f"tls_key {config.tls_key}: the key is encrypted (it has a "
+                          "passphrase), which the server can not use; write it out without "
+                          "one (openssl pkey -in KEY -out KEY.plain) and chmod 600 it")
+
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     try:
-        ctx.load_cert_chain(config.tls_cert, config.tls_key)
+        ctx.load_cert_chain(config.tls_cert, config.tls_key, password=encrypted)
     except ssl.SSLError as exc:
         what = ("is not the private key of the certificate in tls_cert "
                 f"{config.tls_cert}" if "KEY_VALUES_MISMATCH" in str(exc) else
@@ -215,20 +233,37 @@ def _credentials(config: ServerConfig) -> grpc.ServerCredentials | None:
 
 async def start_server(config: ServerConfig, store: TieredStore | None = None,
                        blender: Blender | None = None) -> Server:
-    """Start listening; ``blender`` (the model side of the Blend RPC) makes it blend."""
+    """Start listening; ``blender`` (the model side of the Blend RPC) makes it blend. What can
+    be refused is refused before the store opens (a store opened here is closed again when the
+    start fails later, e.g. on a port another process holds)."""
     if config.tracing and not tracing.enable():
         raise ConfigError("tracing: needs the opentelemetry-api package (pip install "
                           "'kdn[tracing]')")
-    store = store or build_store(config)
+    creds = _credentials(config)
     auth = Authenticator(load_auth(config.auth_file) if config.auth_file else
                          tenants_from_text(config.auth_tenants) if config.auth_tenants else
                          AuthConfig(),
                          mtls=bool(config.tls_client_ca),
                          mtls_role=None if config.mtls_role == "none" else Role(config.mtls_role))
-    if config.insecure and (config.auth_file or config.auth_tenants) and not config.tls_cert and \
-            not is_loopback(config.host):
-        log.warning("insecure: API keys travel in plaintext to %s:%d (auth on, TLS off); "
-                    "anyone on the network path can read them", config.host, config.port)
+    if not is_loopback(config.host):
+        if auth.enabled and not config.tls_cert and config.insecure:
+            log.warning("insecure: API keys travel in plaintext to %s:%d (auth on, TLS off); "
+                        "anyone on the network path can read them", config.host, config.port)
+        elif auth.open:
+            log.warning("no authentication on %s:%d (no auth_file, no mutual TLS): whoever "
+                        "reaches the port is an admin of every entry", config.host, config.port)
+    own_store = store is None
+    store = store or build_store(config)
+    try:
+        return await _start(config, store, auth, creds, blender)
+    except BaseException:
+        if own_store:
+            await asyncio.to_thread(store.close)
+        raise
+
+
+async def _start(config: ServerConfig, store: TieredStore, auth: Authenticator,
+                 creds: grpc.ServerCredentials | None, blender: Blender | None) -> Server:
     await asyncio.to_thread(recount_usage, store, auth)
     servicer = KDNServicer(config, store, auth)
     servicer.blender = blender
@@ -248,17 +283,22 @@ async def start_server(config: ServerConfig, store: TieredStore | None = None,
     from grpc_reflection.v1alpha import reflection
 
     reflection.enable_server_reflection((*REFLECTED, reflection.SERVICE_NAME), server)
-    creds = _credentials(config)
     port = _listen(server, config, creds)
     await server.start()
     fast_path = FastPath(servicer)  # same-host GetMany / PutMany without gRPC
-    servicer.fast_path_name = fast_path.name
-    for name in ("", SERVICE_NAME):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    try:
+        servicer.fast_path_name = fast_path.name
+        for name in ("", SERVICE_NAME):
+            await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+        metrics_port = -1
+        if config.metrics_port >= 0:
+            metrics_port = metrics.serve_http(config.metrics_host, config.metrics_port)
+    except BaseException:
+        fast_path.close()
+        servicer.segments.close()
+        await server.stop(0)
+        raise
     task = asyncio.ensure_future(_watch_health(store, health_servicer))
-    metrics_port = -1
-    if config.metrics_port >= 0:
-        metrics_port = metrics.serve_http(config.metrics_host, config.metrics_port)
     log.info("kdn server listening on %s:%d (tiers: %s; tls: %s; auth: %s; metrics: %s)",
              config.host, port, ", ".join(t.name for t in store.tiers),
              "mutual" if config.tls_client_ca else ("on" if creds else "off"),

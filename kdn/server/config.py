@@ -43,6 +43,30 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def check_private(name: str, path: Path) -> None:
+    """Refuse a secret file (the auth file, the TLS private key) that others may read.
+
+    Any access for other users is refused. Access for the file's group is refused too when
+    the file belongs to the server's own user (the group then serves nobody but other users);
+    when another user owns it (root, as Kubernetes mounts secrets with an ``fsGroup``, or a
+    configuration manager), the group is how this server reads it and it is accepted, as
+    PostgreSQL accepts a root-owned key of mode 0640. The error is one line naming the file
+    and the fix.
+    """
+    st = path.stat()
+    mode = st.st_mode & 0o777
+    if mode & 0o007:
+        raise ConfigError(f"{name}: {path} can be read by other users (mode {oct(mode)}); "
+                          f"run chmod 600 {path}")
+    if mode & 0o070 and st.st_uid == os.geteuid():
+        raise ConfigError(f"{name}: {path} can be read by its group (mode {oct(mode)}) though "
+                          f"this server's user owns it; run chmod 600 {path}")
+    if mode & 0o070:
+        logging.getLogger("kdn.server.config").info(
+            "%s: %s is read through its group (mode %s, owner uid %d)", name, path, oct(mode),
+            st.st_uid)
+
+
 def parse_size(value: object) -> int:
     if isinstance(value, bool):
         raise ValueError("a size, not a boolean")
@@ -148,6 +172,12 @@ class ServerConfig:
     30 s more)."""
     max_connections: int = 1024
     """Most client connections open at once; more are refused until some close (0 = no cap)."""
+    handshake_timeout_s: float = 10.0
+    """Close a connection that has not finished its TLS handshake and HTTP/2 preface this long
+    after it opened (one that never says a word would otherwise hold a slot for 120 s)."""
+    max_streams_per_connection: int = 256
+    """Most calls in flight on one client connection (HTTP/2 concurrent streams); a client
+    past it waits for one to end (0 = gRPC's own limit)."""
     reuse_port: bool = False
     """Let several processes listen on the same port (SO_REUSEPORT): off, so that a second
     server on a port another process holds fails to start instead of splitting the clients."""
@@ -192,14 +222,8 @@ class ServerConfig:
             if path and not Path(path).is_file():
                 raise ConfigError(f"{name}: no such file {path!r}")
         for name in ("auth_file", "tls_key"):  # secrets: API keys (or digests), private key
-            path = getattr(self, name)
-            if path and (mode := Path(path).stat().st_mode) & 0o007:
-                raise ConfigError(f"{name}: {path} can be read by other users (mode "
-                                  f"{oct(mode & 0o777)}); run chmod 600 {path}")
-            if path and mode & 0o070:  # a group it is shared with (Kubernetes' fsGroup)
-                logging.getLogger("kdn.server.config").warning(
-                    "%s: %s can be read by its group (mode %s); chmod 600 it unless that "
-                    "group is this server alone", name, path, oct(mode & 0o777))
+            if getattr(self, name):
+                check_private(name, Path(getattr(self, name)))
         if self.auth_file and self.auth_tenants:
             raise ConfigError("auth_tenants: set it or auth_file, not both")
         if self.mtls_role not in ("tenant", "admin", "none"):
@@ -209,11 +233,10 @@ class ServerConfig:
             raise ConfigError(
                 f"auth_file: API keys would cross the network in plaintext on {self.host}; set "
                 "tls_cert and tls_key, or insecure: true (--insecure true) to accept that")
-        for name in ("idle_timeout_s", "max_connection_age_s"):
+        for name in ("idle_timeout_s", "max_connection_age_s", "handshake_timeout_s",
+                     "max_connections", "max_streams_per_connection"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}: must be >= 0, got {getattr(self, name)}")
-        if self.max_connections < 0:
-            raise ConfigError(f"max_connections: must be >= 0, got {self.max_connections}")
         if not -1 <= self.metrics_port <= 65535:
             raise ConfigError(f"metrics_port: must be in -1..65535, got {self.metrics_port}")
         if self.log_format not in ("text", "json"):
