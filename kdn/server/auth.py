@@ -10,8 +10,11 @@ can not name another tenant's entries, even knowing the key hash. Admin RPCs req
 
 With auth disabled and no mutual TLS every caller is the anonymous admin of the unscoped key
 space (a server that only listens on loopback, or one on a trusted network). Under mutual TLS
-a client certificate can name a tenant (``subjects`` in the tenants file); one that names none
-gets the server's ``mtls_role`` (tenant by default: never admin unless configured so).
+a client certificate can name a tenant (``subjects`` in the tenants file: its subject CN or a
+SAN, typed as ``cn:``, ``dns:``, ``uri:``, ``email:``, ``ip:`` or untyped for any of them); a
+certificate whose names point at two tenants is refused. Without a tenants file, a certificate
+gets the server's ``mtls_role`` (tenant by default: never admin unless configured so); with
+one, a certificate it does not list needs an API key.
 
 API keys are compared by SHA-256 digest in constant time; the file may hold either the key
 itself or ``sha256:<hex>`` so plaintext keys need not live on the server.
@@ -89,8 +92,33 @@ class AuthConfig:
     """sha256 hex of an API key -> (tenant, role)."""
     policies: Mapping[str, TenantPolicy] = field(default_factory=dict)
     subjects: Mapping[str, tuple[str, Role]] = field(default_factory=dict)
-    """A client certificate's identity (its subject CN or one of its SANs) -> (tenant,
-    role): under mutual TLS these clients need no API key."""
+    """A client certificate's name -> (tenant, role): under mutual TLS these clients need no
+    API key. Keys are ``kind:value`` (``SUBJECT_KINDS``) or a bare value matching any kind."""
+
+
+SUBJECT_KINDS = ("cn", "dns", "uri", "email", "ip")
+"""Kinds of certificate names: the subject's common name and the SAN types."""
+
+
+def subject_key(kind: str, value: str) -> str:
+    """The lookup form of a certificate name: DNS names ignore case, IPs are normalized."""
+    if kind == "dns":
+        value = value.lower().rstrip(".")
+    elif kind == "ip":
+        import ipaddress
+
+        value = ipaddress.ip_address(value.strip("[]")).compressed
+    return f"{kind}:{value}"
+
+
+def _subject_spec(spec: str) -> str:
+    """A ``subjects`` entry in lookup form (``ValueError`` when malformed)."""
+    kind, sep, value = spec.partition(":")
+    if sep and kind.lower() in SUBJECT_KINDS:
+        if not value:
+            raise ValueError("empty name")
+        return subject_key(kind.lower(), value)
+    return spec
 
 
 def digest(api_key: str) -> str:
@@ -156,9 +184,15 @@ def parse_tenants(tenants: Any, where_all: str, *, digests_only: bool = False) -
             raise ConfigError(f"{where}: needs api_keys or subjects (client certificate "
                               "names), as non-empty lists")
         for name_ in subj:
-            if not isinstance(name_, str) or not name_ or name_ in subjects:
-                raise ConfigError(f"{where}: malformed or duplicate subject {name_!r}")
-            subjects[name_] = (name, role)
+            try:
+                subject = _subject_spec(name_) if isinstance(name_, str) and name_ else ""
+            except ValueError:
+                subject = ""
+            if not subject or subject in subjects:
+                raise ConfigError(f"{where}: malformed or duplicate subject {name_!r} (a "
+                                  "certificate name: CN or SAN, optionally typed as "
+                                  f"{', '.join(k + ':' for k in SUBJECT_KINDS)})")
+            subjects[subject] = (name, role)
         for k in api_keys:
             k = str(k)
             if digests_only and not k.startswith("sha256:"):
@@ -203,7 +237,7 @@ class AuthFailed(Unauthenticated):
 class Authenticator:
     """Who a call is: an API key (``x-kdn-api-key`` or ``authorization: Bearer``) names a
     tenant; under mutual TLS (``mtls``), so does a client certificate whose subject CN or a SAN
-    an auth-file tenant lists (``subjects``), and a certificate nobody lists gets
+    an auth-file tenant lists (``subjects``); without a tenants file a certificate gets
     ``mtls_role`` (None: refused; never admin unless the operator says so)."""
 
     def __init__(self, config: AuthConfig, *, mtls: bool = False,
@@ -226,9 +260,10 @@ class Authenticator:
         return not self.config.enabled and not self.mtls
 
     def identify(self, metadata: Sequence[tuple[str, Any]] | None,
-                 identities: Sequence[str] = ()) -> Principal:
-        """The caller of a call with ``metadata``; ``identities``: the names of its verified
-        client certificate (mutual TLS), else empty. Raises ``AuthFailed``."""
+                 identities: Sequence[tuple[str, str]] = ()) -> Principal:
+        """The caller of a call with ``metadata``; ``identities``: the (kind, name) pairs of
+        its verified client certificate (mutual TLS; kinds in ``SUBJECT_KINDS``), else empty.
+        An API key, when sent, decides alone. Raises ``AuthFailed``."""
         if self.open:
             return ANONYMOUS
         supplied = None
@@ -244,18 +279,35 @@ class Authenticator:
                     return Principal(tenant, role)
             raise AuthFailed("unknown API key", "unknown_key")
         if self.mtls:
-            for name in identities:
-                if name in self.config.subjects:
-                    return Principal(*self.config.subjects[name])
+            found = self.by_certificate(identities)
+            if len(found) == 1:
+                return Principal(*found.pop())
+            names = ", ".join(f"{k}:{v}" for k, v in identities) or "no name"
+            if found:
+                raise AuthFailed(f"the client certificate ({names}) names several tenants "
+                                 f"({', '.join(sorted(t for t, _ in found))}); refused",
+                                 "ambiguous_certificate")
             if self.config.enabled:  # a tenants file says who may enter: this one is not in it
-                raise AuthFailed("missing API key, and the client certificate ("
-                                 f"{', '.join(identities) or 'no name'}) is no tenant's",
-                                 "unknown_certificate")
+                raise AuthFailed(f"missing API key, and the client certificate ({names}) is "
+                                 "no tenant's", "unknown_certificate")
             if self.mtls_role is None:
                 raise AuthFailed("this server needs an API key besides the client "
                                  "certificate (mtls_role: none)", "certificate_not_enough")
             return Principal("", self.mtls_role)
         raise AuthFailed(f"missing API key (metadata {API_KEY_HEADER!r})", "missing_key")
+
+    def by_certificate(self, identities: Sequence[tuple[str, str]]) -> set[tuple[str, Role]]:
+        """The (tenant, role) pairs the ``subjects`` give a certificate with these names."""
+        found = set()
+        for kind, value in identities:
+            try:
+                typed = subject_key(kind, value)
+            except ValueError:  # not an IP address after all: only its bare form can match
+                typed = value
+            for spec in (typed, value):
+                if spec in self.config.subjects:
+                    found.add(self.config.subjects[spec])
+        return found
 
     def admit(self, principal: Principal) -> None:
         bucket = self._buckets.get(principal.tenant)

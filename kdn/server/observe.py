@@ -121,12 +121,16 @@ class Metrics:
             self._http = None
 
 
-def _identities(context: grpc.aio.ServicerContext) -> list[str]:
-    """The verified client certificate's names: its subject CN and its SANs."""
+_CERT_NAMES = (("cn", "x509_common_name"), ("dns", "peer_dns"), ("uri", "peer_uri"),
+               ("email", "peer_email"), ("ip", "peer_ip"))
+
+
+def _identities(context: grpc.aio.ServicerContext) -> list[tuple[str, str]]:
+    """The verified client certificate's names as (kind, value): its subject CN and its SANs
+    by type (``kdn.server.auth.SUBJECT_KINDS``)."""
     ctx = context.auth_context() or {}
-    return [v.decode(errors="replace") if isinstance(v, bytes) else str(v)
-            for k in ("x509_common_name", "x509_subject_alternative_name")
-            for v in ctx.get(k, ())]
+    return [(kind, v.decode(errors="replace") if isinstance(v, bytes) else str(v))
+            for kind, prop in _CERT_NAMES for v in ctx.get(prop, ())]
 
 
 class AuditLog:
