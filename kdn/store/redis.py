@@ -23,6 +23,21 @@ Transport: a connection pool (``BlockingConnectionPool`` standalone, per-node po
 cluster), commands retried ``retries`` times with exponential backoff and jitter on connection
 and timeout errors only; every redis-py error leaves as ``TierUnavailable`` (or ``TooLarge`` when
 Redis is out of memory), so the hierarchy can mark the tier down and carry on.
+
+Cluster, one master out (stopped, cut off or killed): its slots' keys fail with
+``PartlyUnavailable`` (reads miss, SHARED stores are refused) and the tier stays up for the other
+masters' slots; ``healthy()`` is true while any master answers and sets ``degraded`` while some
+do not. A master that did not answer (a call timed out or was refused, or the health probe's
+PING failed) is remembered (``masters_down``), and calls for its slots then fail at once instead
+of each waiting out the socket timeout, so that a stopped master holds no server threads and no
+entry locks: one call every ``TRIAL_S`` goes through to find out whether it answers again, and
+the probe PINGs it (and refreshes the cluster map, so a replica promoted in its place takes its
+slots at once).
+
+``wait_replicas`` N: each write is committed and then ``WAIT N`` on one connection to the key's
+master; fewer replicas within ``wait_timeout_s`` withdraw the entry and fail the write (nothing
+unreplicated is acknowledged), and writes to that master then fail at once (one trial every
+``TRIAL_S``) until a write there is confirmed again.
 """
 
 from __future__ import annotations
@@ -30,7 +45,10 @@ from __future__ import annotations
 import logging
 import os
 import struct
+import threading
+import time
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any
 from urllib.parse import urlparse
 
@@ -130,6 +148,105 @@ def _wrap(exc: BaseException, cluster: bool = False) -> KDNError:
     return KDNError(f"redis: {type(exc).__name__}: {exc}")
 
 
+WATCH_S = 0.25
+"""While a cluster master is known not to answer (or, with WAIT, to lack replicas), a thread of
+the tier asks it again, and refreshes the cluster map, every ``WATCH_S`` seconds."""
+
+
+class ReplicasShort(Unavailable):
+    """A write the master took but too few replicas confirmed (``WAIT``); it was withdrawn."""
+
+
+def _unanswered(exc: BaseException) -> bool:
+    """Whether ``exc`` (a kdn error wrapping a redis-py one) says the node did not answer: a
+    refused, reset or timed-out connection (not a full client-side pool)."""
+    cause = exc.__cause__
+    return isinstance(cause, (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)) \
+        and not isinstance(cause, redis.exceptions.MaxConnectionsError)
+
+
+class _Masters:
+    """Which cluster masters (by node name, ``host:port``) do not answer, or answer but lack the
+    replicas WAIT asks for: the gate every keyed call passes (thread-safe)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._down: dict[str, float] = {}  # name -> since when it does not answer
+        self._short: dict[str, float] = {}  # name -> since when WAIT came back short
+
+    def check(self, name: str, *, write: bool) -> None:
+        """Raise at once when ``name`` does not answer, or (for a write) lacks replicas."""
+        if name in self._down:
+            raise PartlyUnavailable(f"redis: the cluster master {name} of this key's slot does "
+                                    "not answer")
+        if write and name in self._short:
+            raise ReplicasShort(f"redis: the cluster master {name} of this key's slot lacks the "
+                                "replicas to confirm a write")
+
+    def blocked(self, name: str) -> bool:
+        """Whether a read of ``name``'s slots fails at once now."""
+        return name in self._down
+
+    def mark_down(self, name: str) -> bool:
+        """Remember that ``name`` does not answer; True when that is news."""
+        with self._lock:
+            if name in self._down:
+                return False
+            self._down[name] = time.monotonic()
+        log.warning("redis cluster master %s does not answer: its slots' keys fail, the other "
+                    "masters' slots serve on", name)
+        return True
+
+    def mark_short(self, name: str) -> bool:
+        with self._lock:
+            if name in self._short:
+                return False
+            self._short[name] = time.monotonic()
+        log.warning("redis cluster master %s lacks the replicas WAIT asks for: writes to its "
+                    "slots are refused", name)
+        return True
+
+    def answered(self, name: str) -> None:
+        with self._lock:
+            back = self._down.pop(name, None) is not None
+        if back:
+            log.info("redis cluster master %s answers again", name)
+
+    def confirmed(self, name: str) -> None:
+        """``name`` has the replicas WAIT asks for (again)."""
+        with self._lock:
+            back = self._short.pop(name, None) is not None
+        if back:
+            log.info("redis cluster master %s has its replicas again", name)
+
+    def down(self) -> list[str]:
+        with self._lock:
+            return sorted(self._down)
+
+    def short(self) -> list[str]:
+        with self._lock:
+            return sorted(self._short)
+
+    def keep(self, names: set[str]) -> None:
+        """Forget the nodes that are no longer masters (a replica took over; the old master
+        came back as its replica)."""
+        with self._lock:
+            for d in (self._down, self._short):
+                for name in [n for n in d if n not in names]:
+                    del d[name]
+
+
+class _Cluster(RedisCluster):
+    """A cluster client that does not send a command again to a node that timed out (a stopped
+    or cut-off master: every try would wait out the socket timeout again, while the tier fails
+    that master's slots at once from then on); refused connections and CLUSTERDOWN are still
+    retried on a refreshed map, which is how a killed master's keys reach its promoted
+    replica."""
+
+    ERRORS_ALLOW_RETRY = tuple(e for e in RedisCluster.ERRORS_ALLOW_RETRY  # type: ignore[assignment]
+                               if e is not redis.exceptions.TimeoutError)
+
+
 class RedisTier(Tier):
     name = "redis"
     remote = True
@@ -158,18 +275,27 @@ class RedisTier(Tier):
         self.part_bytes = part_bytes
         self.capacity_bytes = capacity_bytes
         self.prefix = prefix
+        self.timeout_s = timeout_s
+        self.retries = retries
+        self.max_connections = max_connections
         retry = Retry(ExponentialWithJitterBackoff(base=0.02, cap=0.5), retries)
-        # a WAIT may take up to wait_timeout_s: reads must not give up before it answers
-        read_s = timeout_s + (wait_timeout_s if wait_replicas else 0.0)
-        common: dict[str, Any] = dict(socket_timeout=read_s, socket_connect_timeout=timeout_s,
+        # the socket timeout bounds how long a stopped master holds a call (a WAIT, which may
+        # take up to wait_timeout_s more, runs on connections of its own: _waiting_client)
+        common: dict[str, Any] = dict(socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
                                       retry=retry, health_check_interval=0)
+        self._masters = _Masters() if cluster else None
+        self._wait_clients: dict[str, redis.Redis] = {}
+        self._wait_lock = threading.Lock()
+        self._watcher: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._closed = False
         self.client: redis.Redis | RedisCluster
         if cluster:
             nodes = []
             for u in self.urls:
                 p = urlparse(u)
                 nodes.append(ClusterNode(p.hostname or "127.0.0.1", p.port or 6379))
-            self.client = RedisCluster(startup_nodes=nodes, max_connections=max_connections,
+            self.client = _Cluster(startup_nodes=nodes, max_connections=max_connections,
                                        cluster_error_retry_attempts=max(1, retries), **common)
         else:
             if len(self.urls) != 1:
@@ -201,25 +327,171 @@ class RedisTier(Tier):
         except redis.exceptions.RedisError as exc:
             raise _wrap(exc, self.cluster) from exc
 
-    def _batch(self, add: Callable[[Any, bytes], Any], keys: list[bytes]) -> list[Any]:
-        """One pipelined command per key; in a cluster where a master is gone, the keys on the
-        other masters still answer (the pipeline is retried key by key, and a key whose
-        master does not answer reads as absent)."""
-        pipe = self.client.pipeline(transaction=False)
-        for k in keys:
-            add(pipe, k)
+    def _master_of(self, key: bytes) -> str:
+        """The name (``host:port``) of the cluster master that holds ``key``'s slot, as this
+        client's map has it."""
+        assert isinstance(self.client, RedisCluster)
         try:
+            return str(self.client.get_node_from_key(self._manifest_key(key)).name)
+        except (redis.exceptions.RedisError, redis.exceptions.RedisClusterException) as exc:
+            raise PartlyUnavailable(f"redis: no master known for this key's slot: {exc}") \
+                from exc
+
+    @contextmanager
+    def _slot(self, key: bytes, *, write: bool = False) -> Iterator[None]:
+        """Around every call for ``key`` in a cluster: fail at once while its master is known
+        not to answer (or, for a write with WAIT, to lack replicas); learn from the outcome."""
+        if self._masters is None:
+            yield
+            return
+        name = self._master_of(key)
+        self._masters.check(name, write=write)
+        try:
+            yield
+        except PartlyUnavailable as exc:
+            if _unanswered(exc):
+                self._note(name, down=True)
+            raise
+        except ReplicasShort:
+            self._note(name, short=True)
+            raise
+
+    def _note(self, name: str, *, down: bool = False, short: bool = False) -> None:
+        """``name`` did not answer, or lacked replicas: remember it, and watch it."""
+        assert self._masters is not None
+        if down and self._masters.mark_down(name):
+            self.degraded = True
+        if short:
+            self._masters.mark_short(name)
+        with self._wait_lock:
+            if self._closed or (self._watcher is not None and self._watcher.is_alive()):
+                return
+            self._watcher = threading.Thread(target=self._watch, name="kdn-redis-masters",
+                                             daemon=True)
+            self._watcher.start()
+
+    def _watch(self) -> None:
+        """While some master does not answer or lacks replicas: every ``WATCH_S`` refresh the
+        cluster map (a replica promoted in a lost master's place takes its slots at once) and
+        ask those masters again (in a thread of its own, so that a stopped master's timeout
+        does not slow the refreshes); end when every one answers."""
+        assert isinstance(self.client, RedisCluster) and self._masters is not None
+        masters = self._masters
+        asking: threading.Thread | None = None
+        while not self._stop.wait(WATCH_S):
+            down = masters.down()
+            self._refresh(avoid=down[0] if down else None)
+            primaries = {n.name: n for n in self.client.get_primaries()}
+            masters.keep(set(primaries))
+            if asking is None or not asking.is_alive():
+                asking = threading.Thread(target=self._ask_again, args=(primaries,),
+                                          name="kdn-redis-ask", daemon=True)
+                asking.start()
+            with self._wait_lock:
+                if not masters.down() and not masters.short():
+                    self._watcher = None
+                    return
+
+    def _ask_again(self, primaries: dict[str, ClusterNode]) -> None:
+        """PING the masters that did not answer; ask those short of replicas how many they
+        have."""
+        assert isinstance(self.client, RedisCluster) and self._masters is not None
+        masters = self._masters
+        for name in masters.down():
+            node = primaries.get(name)
+            try:
+                if node is not None and self.client.ping(target_nodes=node):
+                    masters.answered(name)
+            except (redis.exceptions.RedisError, OSError):
+                pass
+        for name in masters.short():
+            node = primaries.get(name)
+            try:
+                if node is not None and int(self.client.info(
+                        "replication", target_nodes=node).get("connected_slaves", 0)) \
+                        >= self.wait_replicas:
+                    masters.confirmed(name)
+            except (redis.exceptions.RedisError, OSError, ValueError):
+                pass
+
+    def _refresh(self, avoid: str | None = None) -> None:
+        """Reload the cluster map, from a node other than ``avoid`` first (no error if no node
+        answers)."""
+        assert isinstance(self.client, RedisCluster)
+        manager = self.client.nodes_manager
+        try:
+            try:  # keep the pools of the node asked, ask the lost one last (redis-py >= 6)
+                manager.initialize(disconnect_startup_nodes_pools=False,
+                                   last_failed_node_name=avoid)
+            except TypeError:
+                manager.initialize()
+        except (redis.exceptions.RedisError, redis.exceptions.RedisClusterException, OSError):
+            pass
+
+    def _pipelined(self, build: Callable[[Any], Any], master: str | None = None) -> list[Any]:
+        """Run the commands ``build(pipe)`` queues in one pipeline. In a cluster they go, as a
+        plain pipeline, to ``master`` (every key they name must be in its slots): a master
+        that does not answer costs one socket timeout (redis-py's cluster pipeline tries each
+        command again, one by one) and is remembered; MOVED or ASK (a stale map after a
+        failover or resharding) refreshes the map and runs them through the cluster client,
+        which follows redirects."""
+        if self._masters is None or master is None:
+            pipe = self.client.pipeline(transaction=False)
+            build(pipe)
             return list(self._call(pipe.execute))
-        except PartlyUnavailable:
-            out = []
-            for k in keys:
-                one = self.client.pipeline(transaction=False)
-                add(one, k)
-                try:
-                    out.append(self._call(one.execute)[0])
-                except PartlyUnavailable:
-                    out.append(None)
-            return out
+        assert isinstance(self.client, RedisCluster)
+        node = self.client.get_node(node_name=master)
+        if node is None:
+            raise PartlyUnavailable(f"redis: the cluster master {master} is no longer known")
+        pipe = self.client.get_redis_connection(node).pipeline(transaction=False)
+        build(pipe)
+        try:
+            got = list(self._call(pipe.execute, raise_on_error=False))
+        except PartlyUnavailable as exc:
+            if _unanswered(exc):
+                self._note(master, down=True)
+            raise
+        if any(isinstance(g, (redis.exceptions.MovedError, redis.exceptions.AskError))
+               for g in got):
+            self._refresh()
+            cpipe = self.client.pipeline(transaction=False)
+            build(cpipe)
+            return list(self._call(cpipe.execute))
+        for g in got:
+            if isinstance(g, Exception):
+                raise _wrap(g, self.cluster) from g
+        return got
+
+    def _keyed(self, key: bytes, build: Callable[[Any], Any]) -> list[Any]:
+        """``_pipelined`` for commands on keys in ``key``'s slot (an entry's keys)."""
+        return self._pipelined(build, self._master_of(key) if self._masters else None)
+
+    def _batch(self, add: Callable[[Any, bytes], Any], keys: list[bytes]) -> list[Any]:
+        """One pipelined command per key (``add(pipe, key)``). In a cluster, one pipeline per
+        master: the keys of a master that does not answer (known, or found now) read as
+        absent, the others answer."""
+        if self._masters is None:
+            return self._pipelined(lambda pipe: [add(pipe, k) for k in keys])
+        out: list[Any] = [None] * len(keys)
+        groups: dict[str, list[int]] = {}
+        for i, k in enumerate(keys):
+            try:
+                name = self._master_of(k)
+            except PartlyUnavailable:
+                continue
+            if not self._masters.blocked(name):
+                groups.setdefault(name, []).append(i)
+        for name, idx in groups.items():
+            def build(pipe: Any, idx: list[int] = idx) -> None:
+                for i in idx:
+                    add(pipe, keys[i])
+            try:
+                got = self._pipelined(build, name)
+            except PartlyUnavailable:
+                continue
+            for i, g in zip(idx, got):
+                out[i] = g
+        return out
 
     def _check_coverage(self) -> None:
         """Warn when the cluster stops every key while one slot is uncovered (Redis's default
@@ -247,7 +519,8 @@ class RedisTier(Tier):
     # -- reads ----------------------------------------------------------------------------------
 
     def contains(self, key: bytes) -> bool:
-        return bool(self._call(self.client.exists, self._manifest_key(key)))
+        with self._slot(key):
+            return bool(self._call(self.client.exists, self._manifest_key(key)))
 
     def contains_many(self, keys: list[bytes]) -> list[bool]:
         return [bool(x) for x in
@@ -265,18 +538,20 @@ class RedisTier(Tier):
         return out
 
     def ttl_remaining(self, key: bytes) -> float | None:
-        ms = self._call(self.client.pttl, self._manifest_key(key))
+        with self._slot(key):
+            ms = self._call(self.client.pttl, self._manifest_key(key))
         return None if ms is None or ms < 0 else ms / 1000.0
 
     def get(self, key: bytes) -> bytes | None:
         mkey = self._manifest_key(key)
-        for _ in range(_READ_ATTEMPTS):
-            manifest = self._call(self.client.get, mkey)
-            value = self._assemble(key, manifest)
-            if value is not _RETRY:
-                break
-        else:
-            value = None
+        with self._slot(key):
+            for _ in range(_READ_ATTEMPTS):
+                manifest = self._call(self.client.get, mkey)
+                value = self._assemble(key, manifest)
+                if value is not _RETRY:
+                    break
+            else:
+                value = None
         self.counters.add("misses" if value is None else "hits")
         return value  # type: ignore[return-value]
 
@@ -284,7 +559,14 @@ class RedisTier(Tier):
         manifests = self._batch(lambda p, k: p.get(self._manifest_key(k)), keys)
         out: list[bytes | None] = []
         for k, m in zip(keys, manifests):
-            v = self._assemble(k, m)
+            try:
+                if m is None:
+                    v = None
+                else:
+                    with self._slot(k):
+                        v = self._assemble(k, m)
+            except PartlyUnavailable:  # its master went away since the manifests came
+                v = None
             if v is _RETRY:
                 out.append(self.get(k))
                 continue
@@ -339,17 +621,21 @@ class RedisTier(Tier):
     # -- writes ---------------------------------------------------------------------------------
 
     def put(self, key: bytes, value: bytes, *, ttl_s: float | None = None) -> None:
+        with self._slot(key, write=True):
+            self._put(key, value, ttl_s)
+
+    def _put(self, key: bytes, value: bytes, ttl_s: float | None) -> None:
         total = len(value)
         n = max(1, -(-total // self.part_bytes))
         h = _Header(os.urandom(8), n, total, self.part_bytes)
         view = memoryview(value)
         pkeys = self._part_keys(key, h)
         if pkeys:
-            pipe = self.client.pipeline(transaction=False)
-            for i, pk in enumerate(pkeys, start=1):
-                pipe.set(pk, view[i * self.part_bytes:(i + 1) * self.part_bytes],
-                         ex=PENDING_TTL_S + int(ttl_s or 0))
-            self._call(pipe.execute)
+            def parts(pipe: Any) -> None:
+                for i, pk in enumerate(pkeys, start=1):
+                    pipe.set(pk, view[i * self.part_bytes:(i + 1) * self.part_bytes],
+                             ex=PENDING_TTL_S + int(ttl_s or 0))
+            self._keyed(key, parts)
         manifest = h.pack() + view[:self.part_bytes]
         ttl_ms = int(ttl_s * 1000) if ttl_s else 0
         if self.wait_replicas:
@@ -358,6 +644,8 @@ class RedisTier(Tier):
         else:
             old = self._call(self._commit, keys=[self._manifest_key(key), *pkeys],
                              args=[manifest, ttl_ms, HEADER_BYTES])
+        if old is not None and _same_version(old, h):
+            return  # a commit sent again after a lost reply replaced itself: nothing to drop
         self._expire_parts(key, old, GRACE_S)
 
     def _commit_replicated(self, key: bytes, h: _Header, keys: list[bytes], args: list[Any]
@@ -365,23 +653,53 @@ class RedisTier(Tier):
         """Commit, then WAIT for ``wait_replicas`` replicas, on one connection to the key's
         master (WAIT covers that connection's writes, and with them everything the master
         replicated before: the parts too). Too few replicas: the entry is withdrawn and the
-        write fails, so that nothing unreplicated is acknowledged."""
-        node: Any = self.client
-        if isinstance(self.client, RedisCluster):
-            node = self.client.get_redis_connection(self.client.get_node_from_key(keys[0]))
-        pipe = node.pipeline(transaction=False)
+        write fails (``ReplicasShort``), so that nothing unreplicated is acknowledged."""
+        pipe = self._waiting_client(keys[0]).pipeline(transaction=False)
         self._commit(keys=keys, args=args, client=pipe)
         pipe.execute_command("WAIT", self.wait_replicas, int(self.wait_timeout_s * 1000))
+        # a failed call here (it bypasses the cluster client's retries) has _slot remember the
+        # master, and the tier's watcher refresh the map to find a replica promoted in its place
         old, acked = self._call(pipe.execute)
         if int(acked) < self.wait_replicas:
             try:
                 self._call(self._delete, keys=[keys[0]], args=[HEADER_BYTES, h.ver])
                 self._expire_parts(key, h.pack(), 0)
+                if old is not None and not _same_version(old, h):
+                    self._expire_parts(key, old, GRACE_S)
             except KDNError:
                 pass
-            raise Unavailable(f"redis: the write reached {acked} of the {self.wait_replicas} "
-                              f"replicas asked for within {self.wait_timeout_s:g} s; withdrawn")
+            raise ReplicasShort(f"redis: the write reached {acked} of the {self.wait_replicas} "
+                                f"replicas asked for within {self.wait_timeout_s:g} s; "
+                                "withdrawn")
         return old  # type: ignore[no-any-return]
+
+    def _waiting_client(self, manifest_key: bytes) -> redis.Redis:
+        """A client to the master of ``manifest_key``'s slot whose socket timeout leaves room
+        for a WAIT (the other calls keep the short one). Connection errors are retried,
+        timeouts not (a commit that timed out waiting is not sent again)."""
+        if isinstance(self.client, RedisCluster):
+            try:
+                node = self.client.get_node_from_key(manifest_key)
+            except (redis.exceptions.RedisError, redis.exceptions.RedisClusterException) as exc:
+                raise PartlyUnavailable(f"redis: no master known for this key's slot: {exc}") \
+                    from exc
+            name, where = str(node.name), {"host": node.host, "port": node.port}
+        else:
+            name, where = "", {}
+        with self._wait_lock:
+            got = self._wait_clients.get(name)
+            if got is None:
+                retry = Retry(ExponentialWithJitterBackoff(base=0.02, cap=0.5), self.retries,
+                              supported_errors=(redis.exceptions.ConnectionError,))
+                kw: dict[str, Any] = dict(
+                    socket_timeout=self.timeout_s + self.wait_timeout_s,
+                    socket_connect_timeout=self.timeout_s, retry=retry,
+                    health_check_interval=0, max_connections=self.max_connections,
+                    timeout=self.timeout_s)
+                pool = redis.BlockingConnectionPool(**where, **kw) if where else \
+                    redis.BlockingConnectionPool.from_url(self.urls[0], **kw)
+                got = self._wait_clients[name] = redis.Redis(connection_pool=pool)
+        return got
 
     def put_many(self, items: Iterable[tuple[bytes, bytes]], *, ttl_s: float | None = None) -> None:
         small: list[tuple[bytes, bytes]] = []
@@ -407,39 +725,57 @@ class RedisTier(Tier):
         h = _Header.parse(old_header) if old_header else None
         if h is None or h.parts == 1:
             return
-        pipe = self.client.pipeline(transaction=False)
-        for pk in self._part_keys(key, h):
-            if after_s:
-                pipe.expire(pk, after_s)
-            else:
-                pipe.unlink(pk)
-        self._call(pipe.execute)
+        pkeys = self._part_keys(key, h)
+        if after_s:
+            self._keyed(key, lambda pipe: [pipe.expire(pk, after_s) for pk in pkeys])
+        else:
+            self._keyed(key, lambda pipe: [pipe.unlink(pk) for pk in pkeys])
 
     def delete(self, key: bytes) -> bool:
-        old = self._call(self._delete, keys=[self._manifest_key(key)], args=[HEADER_BYTES, ""])
-        self._expire_parts(key, old, 0)
+        with self._slot(key):
+            old = self._call(self._delete, keys=[self._manifest_key(key)],
+                             args=[HEADER_BYTES, ""])
+            self._expire_parts(key, old, 0)
         return bool(old)
 
     # -- admin ----------------------------------------------------------------------------------
 
     def _primaries(self) -> tuple[int, int]:
-        """(masters that answered a PING, masters known) of the cluster. When one did not
-        answer, the client's view of the cluster is refreshed, so that a replica promoted in
-        its place is found within one probe."""
-        assert isinstance(self.client, RedisCluster)
-        nodes = self.client.get_primaries()
-        ok = 0
-        for node in nodes:
-            try:
-                ok += bool(self.client.ping(target_nodes=node))
-            except (redis.exceptions.RedisError, OSError):
-                pass
-        if ok < len(nodes):
-            try:
-                self.client.nodes_manager.initialize()
-            except (redis.exceptions.RedisError, OSError):
-                pass
-        return ok, len(nodes)
+        """(masters that answered a PING, masters known) of the cluster, remembering which do
+        not answer. When one did not, the client's view of the cluster is refreshed (and the
+        masters new to it asked too), so that a replica promoted in its place is found within
+        one probe."""
+        assert isinstance(self.client, RedisCluster) and self._masters is not None
+        answers: dict[str, bool] = {}
+
+        def ask(nodes: list[ClusterNode]) -> None:
+            for node in nodes:
+                if node.name in answers:
+                    continue
+                try:
+                    answers[node.name] = bool(self.client.ping(target_nodes=node))
+                except (redis.exceptions.RedisError, OSError):
+                    answers[node.name] = False
+
+        ask(self.client.get_primaries())
+        silent = [name for name, ok in answers.items() if not ok]
+        if silent:
+            self._refresh(avoid=silent[0])
+        primaries = self.client.get_primaries()
+        ask(primaries)
+        names = {n.name for n in primaries}
+        self._masters.keep(names)
+        for name, ok in answers.items():
+            if ok:
+                self._masters.answered(name)
+            elif name in names:
+                self._note(name, down=True)
+        return sum(answers[n] for n in names), len(names)
+
+    def masters_down(self) -> list[str]:
+        """The cluster masters (``host:port``) that do not answer, whose slots' keys fail now
+        (empty for a standalone Redis, or while every master answers)."""
+        return [] if self._masters is None else self._masters.down()
 
     def healthy(self) -> bool:
         """Up while Redis answers; for a cluster, while any master does (``degraded`` says
@@ -450,7 +786,7 @@ class RedisTier(Tier):
                 self.degraded = 0 < ok < known
                 return ok > 0
             return bool(self.client.ping())
-        except (redis.exceptions.RedisError, OSError):
+        except (redis.exceptions.RedisError, redis.exceptions.RedisClusterException, OSError):
             return False
 
     def stats(self) -> TierStats:
@@ -458,6 +794,9 @@ class RedisTier(Tier):
         entries = used = answered = 0
         nodes = self.client.get_primaries() if isinstance(self.client, RedisCluster) else [None]
         for node in nodes:  # in a cluster, what the masters that answer hold
+            if node is not None and self._masters is not None \
+                    and self._masters.blocked(node.name):
+                continue  # known not to answer: no call that waits out the timeout
             kw: dict[str, Any] = {} if node is None else {"target_nodes": node}
             try:
                 entries += int(self.client.dbsize(**kw))
@@ -470,10 +809,23 @@ class RedisTier(Tier):
                          degraded=0 < answered < len(nodes))
 
     def close(self) -> None:
-        try:
-            self.client.close()
-        except redis.exceptions.RedisError:
-            pass
+        with self._wait_lock:
+            self._closed = True
+            self._stop.set()
+            watcher = self._watcher
+        if watcher is not None:
+            watcher.join(timeout=5)
+        for c in [self.client, *self._wait_clients.values()]:
+            try:
+                c.close()
+            except redis.exceptions.RedisError:
+                pass
+
+
+def _same_version(header: bytes, h: _Header) -> bool:
+    """Whether ``header`` (a manifest's first bytes) names version ``h.ver``."""
+    got = _Header.parse(header)
+    return got is not None and got.ver == h.ver
 
 
 _RETRY = object()
