@@ -231,8 +231,9 @@ class ServerConfig:
         if (self.auth_file or self.auth_tenants) and not self.tls_cert and not self.insecure and \
                 not is_loopback(self.host):
             raise ConfigError(
-                f"auth_file: API keys would cross the network in plaintext on {self.host}; set "
-                "tls_cert and tls_key, or insecure: true (--insecure true) to accept that")
+                f"{'auth_file' if self.auth_file else 'auth_tenants'}: API keys would cross "
+                f"the network in plaintext on {self.host}; set tls_cert and tls_key, or "
+                "insecure: true (--insecure true, KDN_INSECURE=true) to accept that")
         for name in ("idle_timeout_s", "max_connection_age_s", "handshake_timeout_s",
                      "max_connections", "max_streams_per_connection"):
             if getattr(self, name) < 0:
