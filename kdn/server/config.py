@@ -159,9 +159,10 @@ class ServerConfig:
     tls_client_ca: str = ""
     """PEM CA bundle; when set, clients must present a certificate it signed (mutual TLS)."""
     mtls_role: str = "tenant"
-    """Role of a client known only by its certificate (mutual TLS, no API key, no auth-file
-    tenant listing its certificate's subject): tenant (the unscoped key space, no admin
-    RPCs), admin, or none (an API key is required too). Never admin unless set so."""
+    """Role under mutual TLS without a tenants file of a client that sends no API key:
+    tenant (the unscoped key space, no admin RPCs), admin, or none (refused). Never admin
+    unless set so. With a tenants file, its `subjects` (certificate CN or SAN, e.g.
+    "uri:spiffe://...") name tenants and other certificates need an API key."""
     insecure: bool = False
     """Accept API keys over plaintext on a non-loopback host (auth on, TLS off). Without it such
     a server refuses to start; with it, it warns at every start."""
