@@ -146,8 +146,9 @@ class ServerConfig:
     model: str = ""
     """Model the Blend RPC runs ("smollm2-135m" or a transformers folder); empty = no Blend."""
     auth_file: str = ""
-    """YAML file of tenants: `tenants: {NAME: {api_keys: [KEY or "sha256:HEX"], role:
-    tenant|admin, rate_rps: N, burst: N, quota_bytes: 10GiB}}`; empty = no authentication."""
+    """YAML file of tenants: `tenants: {NAME: {api_keys: [KEY or "sha256:HEX"], subjects:
+    [client certificate names: cn:|dns:|uri:|email:|ip:NAME], role: tenant|admin, rate_rps: N,
+    burst: N, quota_bytes: 10GiB}}` (mode 600); empty = no authentication."""
     auth_tenants: str = ""
     """The tenants as YAML or JSON text, in the auth file's `tenants:` format but with API keys
     as "sha256:HEX" digests only (for an environment variable: KDN_AUTH_TENANTS; a digest is
