@@ -176,6 +176,10 @@ def test_a_stopped_master_takes_out_its_slots_only(tmp_path: Path,
                 time.sleep(1.0)  # and a while after the cluster's failure mark
                 report = admin.health_report()
                 down = _redis(server).masters_down()
+                t = time.monotonic()  # a listing: the masters that answer, at once
+                listed = set(_redis(server).keys(b""))
+                listing_s = time.monotonic() - t
+                stored = load.acked(live)
             finally:
                 resumed_at = time.monotonic()
                 victim.proc.send_signal(signal.SIGCONT)
@@ -197,6 +201,8 @@ def test_a_stopped_master_takes_out_its_slots_only(tmp_path: Path,
         assert report["tiers"]["redis"] == "DEGRADED" and report["status"] == "DEGRADED"
         assert report["services"]["kdn.v1.KDN"] == "SERVING"  # not down: degraded
         assert down == [f"127.0.0.1:{victim.port}"]
+        assert listing_s < 0.5 and stored
+        assert all(keys.store_key("", "default", k) in listed for k, _ in stored)
         assert eventually(lambda: admin.health_report()["status"] == "SERVING", timeout=15)
         with Client(server.address, retry=None, timeout_s=10) as c:
             k = next(o.key for o in lost)

@@ -13,10 +13,12 @@ hierarchy (which wakes that tier's write queue). ``degraded`` is true while any 
 Calls into a tier go through ``attempt`` (or ``guard``, for callers to whom a failed call is a
 miss): ``TierUnavailable`` marks the tier down, any other ``KDNError`` is logged, and the caller
 gets a ``Fault`` (or None) instead of an exception, so one failing tier never fails a request
-that others can serve. ``PartlyUnavailable`` (a Redis Cluster slot whose master is gone) fails
-that call only: the tier stays up for its other keys, and only the probe (no master answers at
-all) marks it down. With ``reraise`` (a write the client must see acknowledged) the tier is
-still marked down, and the error goes on to the caller.
+that others can serve. ``PartlyUnavailable`` (a Redis Cluster slot whose master does not answer,
+or a write that too few replicas confirmed) fails that call only, counted as
+``<tier>.partly_unavailable``: the tier stays up for its other keys (``Tier.degraded`` says it is
+not whole), and only the probe (no master answers at all) marks it down. With ``reraise`` (a
+write the client must see acknowledged) the tier is still marked down on ``TierUnavailable``,
+and the error goes on to the caller.
 """
 
 from __future__ import annotations

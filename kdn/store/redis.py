@@ -27,17 +27,21 @@ Redis is out of memory), so the hierarchy can mark the tier down and carry on.
 Cluster, one master out (stopped, cut off or killed): its slots' keys fail with
 ``PartlyUnavailable`` (reads miss, SHARED stores are refused) and the tier stays up for the other
 masters' slots; ``healthy()`` is true while any master answers and sets ``degraded`` while some
-do not. A master that did not answer (a call timed out or was refused, or the health probe's
-PING failed) is remembered (``masters_down``), and calls for its slots then fail at once instead
-of each waiting out the socket timeout, so that a stopped master holds no server threads and no
-entry locks: one call every ``TRIAL_S`` goes through to find out whether it answers again, and
-the probe PINGs it (and refreshes the cluster map, so a replica promoted in its place takes its
-slots at once).
+do not; listings (``keys``) and ``stats`` cover the masters that answer. A master that did not
+answer (a call was refused or timed out, or the health probe's PING failed) is remembered
+(``masters_down``) and the calls for its slots then fail at once, so that a stopped master holds
+no server thread and no entry lock beyond its first socket timeout: a call is not sent again to
+a node that timed out, and an entry's or a batch's commands go as one plain pipeline per master
+(redis-py's cluster pipeline would try each command again, one by one). While a master is
+remembered, a thread of the tier refreshes the cluster map and PINGs it every ``WATCH_S``, so
+that a replica promoted in its place takes its slots at once and a master that answers again is
+used again. MOVED/ASK (a stale map) refresh the map and go through the cluster client.
 
 ``wait_replicas`` N: each write is committed and then ``WAIT N`` on one connection to the key's
-master; fewer replicas within ``wait_timeout_s`` withdraw the entry and fail the write (nothing
-unreplicated is acknowledged), and writes to that master then fail at once (one trial every
-``TRIAL_S``) until a write there is confirmed again.
+master (connections of their own, whose socket timeout adds ``wait_timeout_s``); fewer replicas
+within ``wait_timeout_s`` withdraw the entry and fail the write (``ReplicasShort``, a
+``PartlyUnavailable``), so that nothing unreplicated is acknowledged, and further writes to that
+master fail at once until it has N replicas connected again.
 """
 
 from __future__ import annotations
@@ -615,9 +619,24 @@ class RedisTier(Tier):
         self._expire_parts(key, old, 0)
 
     def keys(self, prefix: bytes = b"") -> Iterator[bytes]:
+        """The keys starting with ``prefix``; in a cluster, those of the masters that answer
+        (a master known not to answer is skipped at once, one found now after its timeout)."""
         pattern = self.prefix + b"{" + _glob_escape(prefix) + b"*}:m"
         start = len(self.prefix) + 1
-        found = self._call(lambda: list(self.client.scan_iter(match=pattern, count=1000)))
+        if not isinstance(self.client, RedisCluster) or self._masters is None:
+            found = self._call(lambda: list(self.client.scan_iter(match=pattern, count=1000)))
+            return iter(sorted(k[start:-3] for k in found))
+        found = []
+        for node in self.client.get_primaries():
+            if self._masters.blocked(node.name):
+                continue
+            client = self.client.get_redis_connection(node)
+            try:
+                found += self._call(lambda c=client: list(c.scan_iter(match=pattern, count=1000)))
+            except PartlyUnavailable as exc:
+                if not _unanswered(exc):
+                    raise
+                self._note(node.name, down=True)
         return iter(sorted(k[start:-3] for k in found))
 
     # -- writes ---------------------------------------------------------------------------------
