@@ -176,6 +176,8 @@ def test_a_stopped_master_takes_out_its_slots_only(tmp_path: Path,
                 time.sleep(1.0)  # and a while after the cluster's failure mark
                 report = admin.health_report()
                 down = _redis(server).masters_down()
+                assert server.server is not None
+                parts = server.server.store.parts_down()
                 t = time.monotonic()  # a listing: the masters that answer, at once
                 listed = set(_redis(server).keys(b""))
                 listing_s = time.monotonic() - t
@@ -200,7 +202,7 @@ def test_a_stopped_master_takes_out_its_slots_only(tmp_path: Path,
               f"{len(lost)} on its slots, refused after 1.5 s in p99 {_p(late, 0.99):.4f} s")
         assert report["tiers"]["redis"] == "DEGRADED" and report["status"] == "DEGRADED"
         assert report["services"]["kdn.v1.KDN"] == "SERVING"  # not down: degraded
-        assert down == [f"127.0.0.1:{victim.port}"]
+        assert down == [f"127.0.0.1:{victim.port}"] and parts == {"redis": down}
         assert listing_s < 0.5 and stored
         assert all(keys.store_key("", "default", k) in listed for k, _ in stored)
         assert eventually(lambda: admin.health_report()["status"] == "SERVING", timeout=15)

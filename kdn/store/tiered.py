@@ -481,6 +481,16 @@ class TieredStore:
         """Tiers that are up but not whole (``Tier.degraded``)."""
         return [t.name for t in self.tiers if t.degraded and self.is_up(t.name)]
 
+    def parts_down(self) -> dict[str, list[str]]:
+        """For each tier that is up, the parts of it that do not answer now, if any (a Redis
+        Cluster's masters, as ``host:port``; their keys miss and refuse SHARED stores)."""
+        out: dict[str, list[str]] = {}
+        for t in self.tiers:
+            down: Callable[[], list[str]] | None = getattr(t, "masters_down", None)
+            if down is not None and self.is_up(t.name) and (names := down()):
+                out[t.name] = names
+        return out
+
     def stats(self) -> list[TierStats]:
         out = []
         for t in self.tiers:
