@@ -178,10 +178,10 @@ def test_a_stopped_master_takes_out_its_slots_only(tmp_path: Path,
                 down = _redis(server).masters_down()
                 assert server.server is not None
                 parts = server.server.store.parts_down()
+                stored = load.acked(live)
                 t = time.monotonic()  # a listing: the masters that answer, at once
                 listed = set(_redis(server).keys(b""))
                 listing_s = time.monotonic() - t
-                stored = load.acked(live)
             finally:
                 resumed_at = time.monotonic()
                 victim.proc.send_signal(signal.SIGCONT)

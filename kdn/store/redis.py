@@ -385,14 +385,17 @@ class RedisTier(Tier):
         masters = self._masters
         asking: threading.Thread | None = None
         while not self._stop.wait(WATCH_S):
-            down = masters.down()
-            self._refresh(avoid=down[0] if down else None)
-            primaries = {n.name: n for n in self.client.get_primaries()}
-            masters.keep(set(primaries))
-            if asking is None or not asking.is_alive():
-                asking = threading.Thread(target=self._ask_again, args=(primaries,),
-                                          name="kdn-redis-ask", daemon=True)
-                asking.start()
+            try:
+                down = masters.down()
+                self._refresh(avoid=down[0] if down else None)
+                primaries = {n.name: n for n in self.client.get_primaries()}
+                masters.keep(set(primaries))
+                if asking is None or not asking.is_alive():
+                    asking = threading.Thread(target=self._ask_again, args=(primaries,),
+                                              name="kdn-redis-ask", daemon=True)
+                    asking.start()
+            except Exception:  # never let the watch end while a master is remembered
+                log.exception("redis cluster watch")
             with self._wait_lock:
                 if not masters.down() and not masters.short():
                     self._watcher = None
@@ -765,13 +768,18 @@ class RedisTier(Tier):
         """(masters that answered a PING, masters known) of the cluster, remembering which do
         not answer. When one did not, the client's view of the cluster is refreshed (and the
         masters new to it asked too), so that a replica promoted in its place is found within
-        one probe."""
+        one probe. A master already known not to answer is left to the tier's watcher (which
+        PINGs it every ``WATCH_S``): the probe does not wait out its timeout again."""
         assert isinstance(self.client, RedisCluster) and self._masters is not None
         answers: dict[str, bool] = {}
 
         def ask(nodes: list[ClusterNode]) -> None:
+            assert self._masters is not None
             for node in nodes:
                 if node.name in answers:
+                    continue
+                if self._masters.blocked(node.name):
+                    answers[node.name] = False
                     continue
                 try:
                     answers[node.name] = bool(self.client.ping(target_nodes=node))
