@@ -57,6 +57,19 @@ def span(name: str, metadata: Sequence[tuple[str, Any]] | None = None,
         yield current
 
 
+def current_ids() -> tuple[str, str] | None:
+    """The current span's (trace id, span id) in hex, for log lines; None when tracing is off
+    or no span is open."""
+    if _tracer is None:
+        return None
+    from opentelemetry import trace
+
+    ctx = trace.get_current_span().get_span_context()
+    if not ctx.is_valid:
+        return None
+    return f"{ctx.trace_id:032x}", f"{ctx.span_id:016x}"
+
+
 def inject(metadata: list[tuple[str, str]]) -> list[tuple[str, str]]:
     """``metadata`` plus the current trace's ``traceparent`` (unchanged when tracing is off)."""
     if _tracer is None:

@@ -1,7 +1,8 @@
-"""The token-level metrics an operator charts (tokens stored and served by tier, tenant and
-model; entries hit and missed; bytes by encoding; tier read latency), counted exactly on a
-real server through each read path (the Retrieve stream and GetMany), and the request id on
-the server's own log lines."""
+"""The token-level metrics an operator charts (tokens requested, stored and served by tier,
+tenant and model; entries hit and missed; bytes by encoding; tier read and entry check
+latency; the same-host fast path's calls), counted exactly on a real server through each read
+path (the Retrieve stream, GetMany over gRPC and over the fast path), and the request id (and,
+with tracing on, the trace) on the server's own log lines."""
 
 from __future__ import annotations
 
@@ -30,6 +31,12 @@ def _sample(text: str, name: str, **labels: str) -> float:
     raise AssertionError(f"no sample {name}{labels}")
 
 
+def _scrape(st: ServerThread) -> str:
+    assert st.server is not None
+    return urllib.request.urlopen(  # type: ignore[no-any-return]
+        f"http://127.0.0.1:{st.server.metrics_port}/metrics", timeout=10).read().decode()
+
+
 def test_tokens_and_entries_are_counted_on_every_read_path(tmp_path: Path) -> None:
     cfg = ServerConfig(port=0, data_dir=tmp_path / "d", metrics_port=0)
     a, b = keys.chunk_key([1], LAY), keys.chunk_key([2], LAY)
@@ -39,17 +46,54 @@ def test_tokens_and_entries_are_counted_on_every_read_path(tmp_path: Path) -> No
             c.store(b, random_kv(LAY, 4), mode="lossless")
             assert c.retrieve_stream(a).result() is not None  # the Retrieve stream
             assert c.retrieve(b) is not None  # GetMany
-            assert c.retrieve(keys.chunk_key([3], LAY)) is None  # a miss
-        assert st.server is not None
-        text = urllib.request.urlopen(
-            f"http://127.0.0.1:{st.server.metrics_port}/metrics", timeout=10).read().decode()
+            assert c.retrieve(keys.chunk_key([3], LAY)) is None  # a miss: never stored
+            c.delete(a)
+            assert c.retrieve(a) is None  # a miss on a key stored before: 8 tokens asked
+        text = _scrape(st)
     assert _sample(text, "kdn_tokens_stored_total", tenant="", model="model-a") == 12
     assert _sample(text, "kdn_tokens_served_total", tier="ram", model="model-a") == 12
-    assert _sample(text, "kdn_entries_requested_total", result="hit") == 2
-    assert _sample(text, "kdn_entries_requested_total", result="miss") == 1
+    assert _sample(text, "kdn_tokens_requested_total", tenant="", model="model-a") == 20
+    assert _sample(text, "kdn_entries_requested_total", model="model-a", result="hit") == 2
+    assert _sample(text, "kdn_entries_requested_total", model="model-a", result="miss") == 1
+    assert _sample(text, "kdn_entries_requested_total", model="unknown", result="miss") == 1
+    assert "kdn_tokens_requested_total{model=\"unknown\"" not in text  # its size is unknown
     assert _sample(text, "kdn_bytes_stored_total", encoding="raw") > 0
     assert _sample(text, "kdn_bytes_served_total", encoding="lossless") > 0
     assert _sample(text, "kdn_tier_read_seconds_count", tier="ram") == 2
+    assert _sample(text, "kdn_tier_read_seconds_bucket", tier="ram", le="+Inf") == 2
+    assert _sample(text, "kdn_entry_check_seconds_count", encoding="raw") == 1
+    assert _sample(text, "kdn_entry_check_seconds_count", encoding="lossless") == 1
+    assert _sample(text, "kdn_entry_check_seconds_sum", encoding="raw") > 0
+
+
+def test_the_fast_path_is_counted_and_timed(tmp_path: Path) -> None:
+    """Same-host batches bypass gRPC (no interceptor): their calls have families of their
+    own, and their tokens count like any other read."""
+    a, b = keys.chunk_key([1], LAY), keys.chunk_key([2], LAY)
+    with ServerThread(ServerConfig(port=0, data_dir=tmp_path / "d", metrics_port=0)) as st:
+        with Client(st.address) as c:  # loopback: a shared segment and the fast path
+            c.store_many([(a, random_kv(LAY, 8)), (b, random_kv(LAY, 4))], mode="raw")
+            got = c.retrieve_many([a, b, keys.chunk_key([3], LAY)])
+            assert got[0] is not None and got[1] is not None and got[2] is None
+        assert st.server is not None and st.server.servicer.counters.get("fast.GetMany")
+        text = _scrape(st)
+    assert _sample(text, "kdn_fastpath_requests_total", rpc="GetMany", code="OK") >= 1
+    assert _sample(text, "kdn_fastpath_requests_total", rpc="PutMany", code="OK") >= 1
+    assert _sample(text, "kdn_fastpath_request_seconds_count", rpc="GetMany") >= 1
+    assert _sample(text, "kdn_tokens_served_total", model="model-a") == 12
+    assert _sample(text, "kdn_tokens_requested_total", model="model-a") == 12
+    assert _sample(text, "kdn_entry_check_seconds_count", encoding="raw") == 2
+
+
+def test_model_labels_stay_bounded_and_carry_no_directories() -> None:
+    from kdn.server.usage import MAX_MODELS, Usage, model_label
+
+    assert model_label("/home/me/models/SmolLM2-135M/") == "SmolLM2-135M"
+    assert model_label("HuggingFaceTB/SmolLM2-135M") == "HuggingFaceTB/SmolLM2-135M"
+    assert len(model_label("m" * 500)) == 64
+    usage = Usage()
+    assert {usage._model(f"m{i}") for i in range(MAX_MODELS + 10)} == \
+        {f"m{i}" for i in range(MAX_MODELS)} | {"other"}
 
 
 def test_log_lines_carry_the_request_id(tmp_path: Path, caplog: pytest.LogCaptureFixture
@@ -69,3 +113,28 @@ def test_log_lines_carry_the_request_id(tmp_path: Path, caplog: pytest.LogCaptur
     line = json.loads(JsonLines().format(record))
     assert line["rpc"] == "Lookup" and line["request_id"] == "req-1234"
     assert line["logger"] == "kdn.access" and "msg" not in line  # fields merged, not quoted
+
+
+def test_json_log_lines_carry_the_trace_when_tracing_is_on(monkeypatch: pytest.MonkeyPatch
+                                                           ) -> None:
+    pytest.importorskip("opentelemetry.sdk")
+    import json
+
+    from opentelemetry.sdk.trace import TracerProvider
+
+    from kdn import tracing
+    from kdn.server.logs import JsonLines, _RequestId
+
+    # a provider of its own (the process-wide one is tests/test_tracing.py's to set)
+    monkeypatch.setattr(tracing, "_tracer", TracerProvider().get_tracer("kdn"))
+    record = logging.LogRecord("kdn.server", logging.INFO, __file__, 1, "plain", None, None)
+    with tracing.span("kdn.server.Lookup") as current:
+        _RequestId().filter(record)
+    line = json.loads(JsonLines().format(record))
+    assert line["trace_id"] == f"{current.get_span_context().trace_id:032x}"
+    assert line["span_id"] == f"{current.get_span_context().span_id:016x}"
+    assert line["msg"] == "plain"
+    monkeypatch.setattr(tracing, "_tracer", None)
+    record = logging.LogRecord("kdn.server", logging.INFO, __file__, 1, "plain", None, None)
+    _RequestId().filter(record)
+    assert "trace_id" not in json.loads(JsonLines().format(record))  # off: no trace fields

@@ -371,6 +371,7 @@ class BatchMixin:
                 raise TooLarge(f"PutMany of {total} bytes; at most {MAX_BATCH_BYTES} per call")
         checked: list[tuple[bytes, bytes | memoryview, Header]] = []
         for j, item in enumerate(request.items):
+            t0 = time.perf_counter()
             try:
                 if seg is not None:  # a copy, checked as it is made (one pass): later changes
                     start, stop = _region(seg, item.region)  # by the client can not slip past
@@ -388,6 +389,7 @@ class BatchMixin:
                 raise InvalidArgument(f"item {j}: corrupt input: {exc}") from exc
             except KDNError as exc:
                 raise type(exc)(f"item {j}: {exc}") from exc
+            self.usage.checked(header, time.perf_counter() - t0)
             checked.append((skey, value, header))
         out = pb.PutManyResponse()
         for (skey, value, header), item in zip(checked, request.items):

@@ -16,7 +16,9 @@ connect; a call is served only when its ``segment_id`` names an attached segment
 then acts as the caller that attached it (with its tenant's rate limit and quota). A segment id
 is 128 random bits handed only to the authenticated client that attached the segment, so it is
 the capability; requests without one are refused. Calls here do not pass the gRPC interceptor:
-they are counted (``fast.<rpc>``) but have no access-log line.
+they are counted (``fast.<rpc>``, and by status code and latency in
+``kdn_fastpath_requests_total`` / ``kdn_fastpath_request_seconds``, ``kdn.server.usage``) but
+have no access-log line.
 
 Lifecycle: the server starts one ``FastPath`` (a listening thread) once it listens, and closes
 it at shutdown; each connection is served by its own daemon thread.
@@ -28,7 +30,8 @@ import logging
 import secrets
 import socket
 import threading
-from typing import Protocol
+import time
+from typing import TYPE_CHECKING, Protocol
 
 from kdn.errors import InvalidArgument, KDNError, NotFound
 from kdn.server.auth import Authenticator, Principal
@@ -37,7 +40,11 @@ from kdn.server.requests import check_names
 from kdn.v1 import kdn_pb2 as pb
 from kdn.wire import FAST_GET_MANY, FAST_HEAD, FAST_PUT_MANY, read_exact
 
+if TYPE_CHECKING:
+    from kdn.server.usage import Usage
+
 log = logging.getLogger(__name__)
+_RPCS = {FAST_GET_MANY: "GetMany", FAST_PUT_MANY: "PutMany"}
 MAX_BODY = 64 << 20
 """Largest request accepted (descriptors only: entries travel in the segment)."""
 
@@ -47,6 +54,7 @@ class Handlers(Protocol):
 
     segments: Segments
     auth: Authenticator
+    usage: Usage
 
     def count(self, name: str, n: int = 1) -> None: ...
 
@@ -90,11 +98,14 @@ class FastPath:
                 body = read_exact(conn, n)
                 if body is None:
                     return
+                started, code = time.perf_counter(), "OK"
                 try:
                     out, ok = self._handle(op, body), 1
                 except KDNError as exc:
                     self.servicer.count(f"fast.{exc.status.value}")
-                    out, ok = f"{exc.status.value}\0{exc}".encode(), 0
+                    out, ok, code = f"{exc.status.value}\0{exc}".encode(), 0, exc.status.value
+                self.servicer.usage.fast_call(_RPCS.get(op, "unknown"), code,
+                                              time.perf_counter() - started)
                 conn.sendall(FAST_HEAD.pack(len(out), ok) + out)
         except (OSError, KDNError) as exc:
             log.debug("fast-path connection closed: %s", exc)

@@ -3,6 +3,9 @@ id of the call being served (the ``x-request-id`` a client sent, or the one the 
 
     configure("INFO", "json")   # {"ts": ..., "level": "INFO", "logger": "kdn.access",
                                 #  "request_id": "...", "rpc": "Retrieve", ...} per line
+
+With tracing on (``kdn.tracing``), JSON lines written inside a span also carry its
+``trace_id`` and ``span_id``, so a log line leads to its trace and back.
 """
 
 from __future__ import annotations
@@ -11,6 +14,8 @@ import contextvars
 import json
 import logging
 import time
+
+from kdn import tracing
 
 request_id: contextvars.ContextVar[str] = contextvars.ContextVar("kdn_request_id", default="")
 """The request id of the call this task or thread serves ("" outside calls)."""
@@ -21,6 +26,9 @@ FORMATS = ("text", "json")
 class _RequestId(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         record.request_id = request_id.get()
+        ids = tracing.current_ids()
+        if ids is not None:
+            record.trace_id, record.span_id = ids
         return True
 
 
@@ -35,6 +43,9 @@ class JsonLines(logging.Formatter):
             "level": record.levelname, "logger": record.name,
             "request_id": getattr(record, "request_id", ""),
         }
+        trace_id = getattr(record, "trace_id", "")
+        if trace_id:
+            out["trace_id"], out["span_id"] = trace_id, getattr(record, "span_id", "")
         msg = record.getMessage()
         fields = None
         if msg.startswith("{"):
