@@ -2,8 +2,8 @@
 settings (Docker is not available here: the same command lines, with loopback ports and
 temporary folders for the container paths): Prometheus can scrape /metrics, the healthcheck
 commands pass, auth is on (a key is needed, the admin key apart), an entry stores and comes
-back, and SIGTERM drains well inside compose's stop grace. Also: every panel of the Grafana
-dashboard queries a metric the server exports."""
+back, and SIGTERM drains well inside compose's stop grace. (The Grafana dashboard's queries
+are checked against the exported names in tests/test_dashboard.py.)"""
 
 from __future__ import annotations
 
@@ -28,11 +28,10 @@ from kdn.client.admin import AdminClient
 from kdn.errors import PermissionDenied, Unauthenticated
 from kdn.server.auth import digest
 from tests.helpers import random_kv, uniform_layout
-from tests.redis_servers import RedisServer, redis_server_binary
+from tests.redis_servers import redis_server_binary
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE = ROOT / "docker-compose.yml"
-DASHBOARD = ROOT / "deploy" / "grafana" / "dashboards" / "kdn.json"
 LAY = uniform_layout(layers=2, heads=2, dim=8)
 TENANTS = ('{engines: {api_keys: ["sha256:' + digest("engine-key") + '"]}, '
            'ops: {api_keys: ["sha256:' + digest("ops-key") + '"], role: admin}}')
@@ -69,7 +68,9 @@ def test_compose_settings_are_safe_as_written() -> None:
     assert env["KDN_METRICS_HOST"] == "0.0.0.0" and env["KDN_METRICS_PORT"] in kdn["expose"]
     assert all(str(p).startswith("127.0.0.1:") for p in kdn["ports"])  # plaintext: host only
     assert "healthcheck" in kdn and "healthcheck" in redis
-    assert _seconds(kdn["stop_grace_period"]) > float(env["KDN_SHUTDOWN_GRACE_S"]) + 5
+    # the drain (in-flight calls, KDN_SHUTDOWN_GRACE_S), then the write-behind flush (up to as
+    # long again, kdn.server.app): compose must wait longer than both before its SIGKILL
+    assert _seconds(kdn["stop_grace_period"]) > 2 * float(env["KDN_SHUTDOWN_GRACE_S"]) + 5
     assert any(v.endswith(":/data") for v in kdn["volumes"])   # LMDB
     assert any(v.endswith(":/data") for v in redis["volumes"])  # the AOF
     assert "--appendonly" in redis["command"]
@@ -79,7 +80,13 @@ def test_compose_settings_are_safe_as_written() -> None:
     targets = prom["scrape_configs"][0]["static_configs"][0]["targets"]
     assert targets == [f"kdn:{env['KDN_METRICS_PORT']}"]
     docker = (ROOT / "deploy" / "Dockerfile").read_text()
-    assert re.search(r"^USER kdn$", docker, re.M) and "torch" not in docker.split("pip")[1]
+    steps = re.sub(r"\\\n", " ", "\n".join(x for x in docker.splitlines()
+                                          if not x.lstrip().startswith("#")))
+    assert re.search(r"^USER kdn$", steps, re.M)  # not root
+    installs = re.findall(r"pip install ([^&\n]*)", steps)
+    assert [i.strip() for i in installs] == ["."], installs  # the slim install: no extras
+    assert "torch" not in steps
+    assert re.search(r"^ENV .*KDN_METRICS_HOST=0\.0\.0\.0", steps, re.M | re.S)
 
 
 def test_the_compose_pair_runs_as_written(tmp_path: Path) -> None:
@@ -153,41 +160,3 @@ def test_the_compose_pair_runs_as_written(tmp_path: Path) -> None:
         redis.kill()
         redis.wait()
 
-
-def _exported(text: str) -> set[str]:
-    names = set()
-    for line in text.splitlines():
-        if line.startswith("# TYPE "):
-            name, kind = line.split()[2:4]
-            names.add(name)
-            names |= {name + s for s in {"counter": ["_total"],
-                                         "histogram": ["_bucket", "_sum", "_count"]}.get(kind, [])}
-        elif line and not line.startswith("#"):
-            names.add(re.split(r"[{ ]", line, maxsplit=1)[0])
-    return names
-
-
-def test_every_dashboard_panel_queries_an_exported_metric(tmp_path: Path) -> None:
-    from kdn.server import ServerConfig, ServerThread
-
-    dash = json.loads(DASHBOARD.read_text())
-    exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
-    assert len(dash["panels"]) >= 10 and exprs
-    with RedisServer(tmp_path / "r") as redis_server, ServerThread(ServerConfig(
-            port=0, data_dir=tmp_path / "d", metrics_port=0, redis_url=redis_server.url)) as st:
-        key = keys.chunk_key([5], LAY)
-        with Client(st.address) as c:  # traffic, so that every labelled family has samples
-            c.store(key, random_kv(LAY, 4))
-            c.retrieve(key)
-            c.retrieve(keys.chunk_key([6], LAY))
-        with Client(st.address, api_key="x", retry=None) as c:
-            c.lookup([key])
-        assert st.server is not None
-        text = urllib.request.urlopen(
-            f"http://127.0.0.1:{st.server.metrics_port}/metrics", timeout=10).read().decode()
-    exported = _exported(text)
-    wanted = {m for e in exprs for m in re.findall(r"\bkdn_[a-z0-9_]+", e)}
-    assert wanted and wanted <= exported, sorted(wanted - exported)
-    for must in ("kdn_tokens_served_total", "kdn_entries_requested_total",
-                 "kdn_tier_read_seconds_bucket", "kdn_bytes_served_total"):
-        assert must in wanted  # the panels an operator asks for first are there
