@@ -138,3 +138,69 @@ def test_json_log_lines_carry_the_trace_when_tracing_is_on(monkeypatch: pytest.M
     record = logging.LogRecord("kdn.server", logging.INFO, __file__, 1, "plain", None, None)
     _RequestId().filter(record)
     assert "trace_id" not in json.loads(JsonLines().format(record))  # off: no trace fields
+
+
+def _client_stream(tier: str, mode: str = "raw", tokens: int = 8) -> object:
+    from types import SimpleNamespace
+
+    from kdn.v1 import kdn_pb2 as pb
+
+    entry = pb.EntryHeader(tokens=tokens, codec=pb.Codec(mode=mode, level=""))
+    header = SimpleNamespace(entry=entry, tokens=tokens)
+    timings = SimpleNamespace(started=1.0, first_layer=1.002, done=1.01, decode_s=0.004)
+    return SimpleNamespace(timings=timings, tier=tier, decoder=SimpleNamespace(header=header))
+
+
+def test_client_load_and_decode_histograms_are_off_until_enabled() -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from kdn.client import metrics
+
+    registry = CollectorRegistry()
+    metrics.record(_client_stream("ram"))  # off: nothing, nowhere
+    assert metrics.enable(registry) and metrics.enable(registry)  # twice: one set of families
+    try:
+        metrics.record(_client_stream("ram"))
+        metrics.record(_client_stream("inproc", "lossless", 4))
+        failed = _client_stream("redis")
+        failed.timings.done = 0.0  # type: ignore[attr-defined]
+        metrics.record(failed)  # never finished: not a load
+        text = generate_latest(registry).decode()
+    finally:
+        metrics.disable()
+    assert _sample(text, "kdn_client_load_seconds_count", source="ram") == 1
+    assert _sample(text, "kdn_client_load_seconds_sum", source="ram") == pytest.approx(0.01)
+    assert _sample(text, "kdn_client_first_layer_seconds_sum", source="ram") == \
+        pytest.approx(0.002)
+    assert _sample(text, "kdn_client_decode_seconds_count", encoding="lossless") == 1
+    assert _sample(text, "kdn_client_tokens_loaded_total", source="inproc") == 4
+    assert 'source="redis"' not in text
+
+
+def test_client_histograms_on_a_real_retrieve(tmp_path: Path) -> None:
+    """Once kdn.client.stream calls ``metrics.record`` (the hook): every read path."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from kdn.client import metrics
+    from kdn.client.stream import StreamTimings
+
+    if not hasattr(StreamTimings(), "decode_s"):
+        pytest.skip("kdn.client.stream does not record into kdn.client.metrics yet")
+    registry = CollectorRegistry()
+    a = keys.chunk_key([1], LAY)
+    metrics.enable(registry)
+    try:
+        with ServerThread(ServerConfig(port=0, data_dir=tmp_path / "d")) as st:
+            with Client(st.address, shm_bytes=0) as c:
+                c.store(a, random_kv(LAY, 8), mode="lossless")
+                assert c.retrieve_stream(a).result() is not None  # the Retrieve stream
+                assert c.retrieve(a) is not None  # GetMany
+            with Client(st.address) as c:  # the shared segment
+                assert c.retrieve(a) is not None
+        text = generate_latest(registry).decode()
+    finally:
+        metrics.disable()
+    assert _sample(text, "kdn_client_load_seconds_count", source="ram") == 3
+    assert _sample(text, "kdn_client_decode_seconds_count", encoding="lossless") == 3
+    assert _sample(text, "kdn_client_decode_seconds_sum", encoding="lossless") > 0
+    assert _sample(text, "kdn_client_tokens_loaded_total", source="ram") == 24

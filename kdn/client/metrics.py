@@ -1,0 +1,97 @@
+"""Client-side load and decode latency, as Prometheus histograms in the application's registry.
+
+The server never decodes a tensor (it checks containers and moves bytes: its own histograms are
+``kdn_tier_read_seconds`` and ``kdn_entry_check_seconds``); decoding happens in the process that
+uses the KV, so that is where its latency is measured. Off by default; an engine turns it on
+once and exposes the registry as it already does (``prometheus_client.start_http_server``, its
+web framework's /metrics, vLLM's own endpoint):
+
+    from kdn.client import metrics
+    metrics.enable()                        # prometheus_client's default REGISTRY, or registry=
+
+    kdn_client_load_seconds{source}         a retrieve: the call until every layer is ready
+    kdn_client_first_layer_seconds{source}  the call until layer 0 is ready (what layer-wise
+                                            attention waits for before it starts)
+    kdn_client_decode_seconds{encoding}     decoding one entry's frames (summed over frames)
+    kdn_client_tokens_loaded_total{source}  tokens of the entries loaded
+
+``source`` is where the entry came from (``inproc``, the server's ``ram``/``redis``/``disk``,
+or ``blend``); ``encoding`` is the codec's mode-level. Both are bounded sets. Each finished
+``LayerStream`` (every read path ends in one) calls ``record(stream)``; while off, that is one
+global lookup.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+LOAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
+                0.5, 1.0, 2.5, 5.0, 10.0)
+
+_lock = threading.Lock()
+_metrics: dict[str, Any] | None = None
+_registry: Any = None
+
+
+def enable(registry: Any = None) -> bool:
+    """Record into ``registry`` (default: prometheus_client's global REGISTRY) from now on.
+    Enabling again with the same registry changes nothing; False when prometheus_client is
+    not installed."""
+    global _metrics, _registry
+    try:
+        from prometheus_client import REGISTRY, Counter, Histogram
+    except ImportError:
+        return False
+    registry = REGISTRY if registry is None else registry
+    with _lock:
+        if _metrics is not None and _registry is registry:
+            return True
+        _metrics = {
+            "load": Histogram("kdn_client_load_seconds", "A retrieve, from the call until "
+                              "every layer is decoded and ready, by where the entry came from",
+                              ["source"], buckets=LOAD_BUCKETS, registry=registry),
+            "first": Histogram("kdn_client_first_layer_seconds", "A retrieve, from the call "
+                               "until layer 0 is ready", ["source"], buckets=LOAD_BUCKETS,
+                               registry=registry),
+            "decode": Histogram("kdn_client_decode_seconds", "Decoding one entry's frames "
+                                "(summed over its frames), by encoding", ["encoding"],
+                                buckets=LOAD_BUCKETS, registry=registry),
+            "tokens": Counter("kdn_client_tokens_loaded", "Tokens of the entries loaded, by "
+                              "where they came from", ["source"], registry=registry),
+        }
+        _registry = registry
+    return True
+
+
+def disable() -> None:
+    """Stop recording (the families stay registered, with what they counted)."""
+    global _metrics
+    with _lock:
+        _metrics = None
+
+
+def enabled() -> bool:
+    return _metrics is not None
+
+
+def record(stream: Any) -> None:
+    """Observe one finished ``kdn.client.stream.LayerStream`` (its ``timings``, ``tier`` and
+    header): a no-op while off, or for a stream that failed before its last layer."""
+    m = _metrics
+    if m is None:
+        return
+    t = stream.timings
+    if not t.started or not t.done:
+        return
+    source = stream.tier or "unknown"
+    m["load"].labels(source).observe(t.done - t.started)
+    if t.first_layer:
+        m["first"].labels(source).observe(t.first_layer - t.started)
+    header = stream.decoder.header
+    decode_s = getattr(t, "decode_s", None)
+    if decode_s is not None:
+        codec = header.entry.codec
+        m["decode"].labels(f"{codec.mode}-{codec.level}" if codec.level else codec.mode
+                           ).observe(decode_s)
+    m["tokens"].labels(source).inc(header.tokens)
