@@ -3,7 +3,12 @@
 Turned on per process (``kdn serve --tracing true``; ``Client(tracing=True)``) when the
 ``opentelemetry-api`` package is installed (the ``tracing`` extra); kdn only uses the API, so
 the exporter and sampling are the application's own ``TracerProvider`` (OTLP, Jaeger, ...),
-as OpenTelemetry intends. The client injects W3C ``traceparent`` into each call's metadata and
+as OpenTelemetry intends. A process with no provider of its own (``kdn serve``) gets one
+from the standard environment when it names an exporter: ``OTEL_TRACES_EXPORTER=otlp`` (with
+``opentelemetry-sdk`` and ``opentelemetry-exporter-otlp`` installed; ``OTEL_EXPORTER_OTLP_*``
+say where), or ``console``; ``OTEL_SERVICE_NAME`` defaults to ``kdn``. Running under
+``opentelemetry-instrument`` works as well (its provider is then the process's). The client
+injects W3C ``traceparent`` into each call's metadata and
 opens a span per call; the server continues that trace with a span per RPC, and every tier
 call it makes (``kdn.store.health.TierHealth.attempt``) is a child span named
 ``kdn.tier.<tier>.<operation>``. Off, each hook is one global lookup.
@@ -12,10 +17,13 @@ call it makes (``kdn.store.health.TierHealth.attempt``) is a child span named
 from __future__ import annotations
 
 import contextlib
+import logging
+import os
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 _tracer: Any = None
+log = logging.getLogger(__name__)
 
 
 def enable() -> bool:
@@ -25,8 +33,42 @@ def enable() -> bool:
         from opentelemetry import trace
     except ImportError:
         return False
+    _provider_from_env()
     _tracer = trace.get_tracer("kdn")
     return True
+
+
+def _provider_from_env() -> None:
+    """Install the SDK's TracerProvider with the exporters ``OTEL_TRACES_EXPORTER`` names
+    (comma-separated entry points of ``opentelemetry_traces_exporter``: otlp, console, ...),
+    batched, when the process has no provider yet and names one. A name that no installed
+    package provides is logged and skipped."""
+    from importlib.metadata import entry_points
+
+    from opentelemetry import trace
+
+    names = [n.strip() for n in os.environ.get("OTEL_TRACES_EXPORTER", "").split(",")
+             if n.strip() and n.strip() != "none"]
+    if not names or not isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider):
+        return
+    try:
+        from opentelemetry.sdk.resources import Resource
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor
+    except ImportError:
+        log.warning("OTEL_TRACES_EXPORTER=%s: spans need the opentelemetry-sdk package; "
+                    "none are exported", ",".join(names))
+        return
+    attributes = {} if os.environ.get("OTEL_SERVICE_NAME") else {"service.name": "kdn"}
+    provider = TracerProvider(resource=Resource.create(attributes))
+    for name in names:
+        found = list(entry_points(group="opentelemetry_traces_exporter", name=name))
+        if not found:
+            log.warning("OTEL_TRACES_EXPORTER: no exporter %r installed (otlp: pip install "
+                        "opentelemetry-exporter-otlp)", name)
+            continue
+        provider.add_span_processor(BatchSpanProcessor(found[0].load()()))
+    trace.set_tracer_provider(provider)
 
 
 def disable() -> None:

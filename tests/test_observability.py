@@ -204,3 +204,38 @@ def test_client_histograms_on_a_real_retrieve(tmp_path: Path) -> None:
     assert _sample(text, "kdn_client_decode_seconds_count", encoding="lossless") == 3
     assert _sample(text, "kdn_client_decode_seconds_sum", encoding="lossless") > 0
     assert _sample(text, "kdn_client_tokens_loaded_total", source="ram") == 24
+
+
+def test_kdn_serve_exports_spans_named_by_the_standard_environment(tmp_path: Path) -> None:
+    """``kdn serve --tracing`` has no application to configure a TracerProvider: it takes
+    the one OTEL_TRACES_EXPORTER names (console here; otlp with its exporter installed)."""
+    pytest.importorskip("opentelemetry.sdk")
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from bench.common import free_port, port_open, wait_until
+
+    port = free_port()
+    bindir = Path(sys.executable).parent
+    env = {**os.environ, "KDN_PORT": str(port), "KDN_DATA_DIR": str(tmp_path / "d"),
+           "KDN_TRACING": "true", "OTEL_TRACES_EXPORTER": "console", "HOME": str(tmp_path),
+           "PATH": f"{bindir}:{os.environ.get('PATH', '')}"}
+    out = tmp_path / "out.txt"
+    with open(out, "wb") as f:
+        server = subprocess.Popen(["kdn", "serve"], env=env, stdout=f, stderr=subprocess.STDOUT,
+                                  cwd=tmp_path)
+    try:
+        wait_until(lambda: port_open(port), "kdn", server)  # type: ignore[arg-type]
+        with Client(f"127.0.0.1:{port}", shm_bytes=0) as c:
+            c.store(keys.chunk_key([1], LAY), random_kv(LAY, 4))
+        server.send_signal(signal.SIGTERM)
+        assert server.wait(timeout=60) == 0
+    finally:
+        if server.poll() is None:
+            server.kill()
+    text = out.read_text()
+    assert '"name": "kdn.server.Store"' in text, text[-2000:]
+    assert '"name": "kdn.tier.ram.' in text
+    assert '"service.name": "kdn"' in text
