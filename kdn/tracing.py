@@ -4,13 +4,14 @@ Turned on per process (``kdn serve --tracing true``; ``Client(tracing=True)``) w
 ``opentelemetry-api`` package is installed (the ``tracing`` extra); kdn only uses the API, so
 the exporter and sampling are the application's own ``TracerProvider`` (OTLP, Jaeger, ...),
 as OpenTelemetry intends. A process with no provider of its own (``kdn serve``) gets one
-from the standard environment when it names an exporter: ``OTEL_TRACES_EXPORTER=otlp`` (with
-``opentelemetry-sdk`` and ``opentelemetry-exporter-otlp`` installed; ``OTEL_EXPORTER_OTLP_*``
-say where), or ``console``; ``OTEL_SERVICE_NAME`` defaults to ``kdn``. Running under
-``opentelemetry-instrument`` works as well (its provider is then the process's). The client
-injects W3C ``traceparent`` into each call's metadata and
-opens a span per call; the server continues that trace with a span per RPC, and every tier
-call it makes (``kdn.store.health.TierHealth.attempt``) is a child span named
+from the standard environment when it names an exporter: ``OTEL_TRACES_EXPORTER=otlp``
+(OTLP over gRPC: ``opentelemetry-sdk`` and ``opentelemetry-exporter-otlp-proto-grpc``
+installed; ``OTEL_EXPORTER_OTLP_*`` say where), ``otlp_proto_http`` (with
+``opentelemetry-exporter-otlp-proto-http``), or ``console``; ``OTEL_SERVICE_NAME`` defaults
+to ``kdn``. Running under ``opentelemetry-instrument`` works as well (its provider is then the
+process's). The client injects W3C ``traceparent`` into each call's metadata and opens a span
+per call; the server continues that trace with a span per RPC, and every tier call it makes
+(``kdn.store.health.TierHealth.attempt``) is a child span named
 ``kdn.tier.<tier>.<operation>``. Off, each hook is one global lookup.
 """
 
@@ -65,7 +66,8 @@ def _provider_from_env() -> None:
         found = list(entry_points(group="opentelemetry_traces_exporter", name=name))
         if not found:
             log.warning("OTEL_TRACES_EXPORTER: no exporter %r installed (otlp: pip install "
-                        "opentelemetry-exporter-otlp)", name)
+                        "opentelemetry-exporter-otlp-proto-grpc; otlp_proto_http: "
+                        "opentelemetry-exporter-otlp-proto-http)", name)
             continue
         provider.add_span_processor(BatchSpanProcessor(found[0].load()()))
     trace.set_tracer_provider(provider)
