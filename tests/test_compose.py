@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import redis as redis_lib
 import yaml
 
 from bench.common import free_port, port_open, wait_until
@@ -76,6 +78,9 @@ def test_compose_settings_are_safe_as_written() -> None:
     assert "--appendonly" in redis["command"]
     monitoring = {n for n, s in services.items() if "monitoring" in s.get("profiles", [])}
     assert monitoring == {"prometheus", "grafana"}
+    assert services["prometheus"]["depends_on"]["kdn"]["condition"] == "service_healthy"
+    assert all(str(p).startswith("127.0.0.1:") for n in monitoring
+               for p in services[n].get("ports", []))  # Grafana and Prometheus: host only
     prom = yaml.safe_load((ROOT / "deploy" / "prometheus.yml").read_text())
     targets = prom["scrape_configs"][0]["static_configs"][0]["targets"]
     assert targets == [f"kdn:{env['KDN_METRICS_PORT']}"]
@@ -103,6 +108,14 @@ def test_the_compose_pair_runs_as_written(tmp_path: Path) -> None:
     server: subprocess.Popen[bytes] | None = None
     try:
         wait_until(lambda: port_open(redis_port), "redis", redis)  # type: ignore[arg-type]
+        rhc = services["redis"]["healthcheck"]["test"]
+        assert rhc[:2] == ["CMD", "redis-cli"]
+        if shutil.which("redis-cli"):  # Redis' healthcheck, as compose runs it, on this port
+            ok = subprocess.run([*rhc[1:2], "-p", str(redis_port), *rhc[2:]],
+                                capture_output=True, text=True, timeout=30)
+            assert ok.returncode == 0 and ok.stdout.strip() == "PONG", ok.stderr
+        else:
+            assert redis_lib.Redis(port=redis_port).ping()  # the same PING
         kdn = services["kdn"]
         env = {k: interpolate(str(v), {"KDN_AUTH_TENANTS": TENANTS})
                for k, v in kdn["environment"].items()}
