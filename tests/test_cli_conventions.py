@@ -185,6 +185,7 @@ def test_health_reports_each_tier_and_fails_while_one_is_down(
             assert report["status"] == "SERVING"
             assert report["tiers"] == {"ram": "SERVING", "redis": "SERVING", "disk": "SERVING"}
             assert report["services"] == {"kdn.v1.KDN": "SERVING"}
+            assert report["parts_down"] == {}  # a standalone Redis has no parts
             redis_server.kill()
             from tests.helpers import eventually
 

@@ -203,6 +203,7 @@ def test_a_stopped_master_takes_out_its_slots_only(tmp_path: Path,
         assert report["tiers"]["redis"] == "DEGRADED" and report["status"] == "DEGRADED"
         assert report["services"]["kdn.v1.KDN"] == "SERVING"  # not down: degraded
         assert down == [f"127.0.0.1:{victim.port}"] and parts == {"redis": down}
+        assert report["parts_down"] == {"redis": down}  # what kdn admin health prints
         assert listing_s < 0.5 and stored
         assert all(keys.store_key("", "default", k) in listed for k, _ in stored)
         assert eventually(lambda: admin.health_report()["status"] == "SERVING", timeout=15)

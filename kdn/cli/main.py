@@ -174,9 +174,11 @@ def _health(client: Any, ns: argparse.Namespace) -> int:
         rows = [{"name": "(server)", "kind": "server", "status": report["server"]}]
         rows += [{"name": n, "kind": "service", "status": s}
                  for n, s in report["services"].items()]
-        rows += [{"name": n, "kind": "tier", "status": s}
+        down = report["parts_down"] or {}
+        rows += [{"name": n, "kind": "tier", "status": s,
+                  "not_answering": ", ".join(down.get(n, [])) or None}
                  for n, s in (report["tiers"] or {}).items()]
-        table(rows, ["name", "kind", "status"])
+        table(rows, ["name", "kind", "status", "not_answering"])
     return EXIT_OK if report["status"] == "SERVING" else EXIT_FAILED
 
 

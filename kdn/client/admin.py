@@ -116,19 +116,22 @@ class AdminClient(Client):
     def health_report(self, *, request_id: str | None = None) -> dict[str, Any]:
         """What ``kdn admin health`` prints: the server-wide and ``kdn.v1.KDN`` health statuses,
         each tier's (from Stats: ``SERVING``, ``DEGRADED`` while part of a Redis Cluster
-        answers, ``NOT_SERVING``), and ``status``: ``SERVING`` when every one of them is,
-        ``DEGRADED`` when the others are and some tier is, else ``NOT_SERVING``."""
+        answers, ``NOT_SERVING``), ``parts_down``: per degraded tier, the parts that do not
+        answer (a cluster's masters, ``host:port``), and ``status``: ``SERVING`` when every one
+        of them is, ``DEGRADED`` when the others are and some tier is, else ``NOT_SERVING``."""
         services = {name: self.health(name) for name in ("", SERVICE)}
+        parts_down: dict[str, list[str]] | None = None
         try:
-            tiers: dict[str, str] | None = {
-                t.name: _tier_status(t) for t in self.stats(request_id=request_id).tiers}
+            listed = self.stats(request_id=request_id).tiers
+            tiers: dict[str, str] | None = {t.name: _tier_status(t) for t in listed}
+            parts_down = {t.name: list(t.parts_down) for t in listed if t.parts_down}
         except (Unauthenticated, PermissionDenied):  # no key (a container's health check):
             tiers = None  # kdn.v1.KDN still goes NOT_SERVING while a tier is down
         states = {*services.values(), *(tiers or {}).values()}
         status = "SERVING" if states == {"SERVING"} else \
             "DEGRADED" if states == {"SERVING", "DEGRADED"} else "NOT_SERVING"
         return {"status": status, "server": services.pop(""), "services": services,
-                "tiers": tiers}
+                "tiers": tiers, "parts_down": parts_down}
 
     def ls(self, namespace: str = "", key_prefix: bytes = b"", model: str = "",
            tenant: str = "", limit: int = 0, *,

@@ -20,6 +20,7 @@ An error anywhere (wire, checksum, decode) is raised from every pending and late
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -32,6 +33,7 @@ import grpc
 import torch
 
 from kdn.cache import KVCache
+from kdn.client import metrics as client_metrics
 from kdn.codec import StreamDecoder
 from kdn.errors import InvalidArgument, KDNError
 from kdn.layout import KVLayout
@@ -60,6 +62,8 @@ class StreamTimings:
     done: float = 0.0
     bytes_received: int = 0
     layer_ready: dict[int, float] = field(default_factory=dict)
+    decode_s: float = 0.0
+    """Seconds spent decoding frames, summed over frames (threads overlap them)."""
 
 
 class LayerStream:
@@ -106,6 +110,7 @@ class LayerStream:
             ev.set()
 
     def _decode(self, index: int, data: bytes) -> None:
+        t0 = time.perf_counter()
         try:
             for layer, k, v in self.decoder.decode_frame(index, data):
                 self._layers[layer] = self._place(layer, k, v)
@@ -115,6 +120,10 @@ class LayerStream:
                 self._ready[layer].set()
         except BaseException as exc:  # reported to waiters
             self._fail(exc)
+        finally:
+            spent = time.perf_counter() - t0
+            with self._lock:
+                self.timings.decode_s += spent
 
     def _place(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> LayerKV:
         if self._copy_stream is None or k.device == self.device:  # decoded where it is used
@@ -149,6 +158,11 @@ class LayerStream:
             self._fail(from_grpc(err))
         except BaseException as exc:
             self._fail(exc)
+        if self._error is None:
+            try:
+                client_metrics.record(self)  # a no-op unless kdn.client.metrics is enabled
+            except Exception:  # a metric never fails a load
+                logging.getLogger("kdn.client").debug("client metrics", exc_info=True)
 
     def wait_for_layer(self, i: int, timeout: float | None = None) -> LayerKV:
         """Layer i's (K, V) once decoded; raises the stream's error if it failed."""

@@ -324,6 +324,7 @@ class KDNServicer(BatchMixin, BlendMixin, pb_grpc.KDNServicer):
         from kdn import __version__
 
         tiers = await asyncio.to_thread(self.store.stats)
+        down = self.store.parts_down()  # remembered by the tiers' watchers: no calls out
         counters = dict(self.counters)
         counters.update({f"store.{k}": v for k, v in self.store.counters.items()})
         counters.update({f"store.{k}.queued": v for k, v in self.store.queue_depth().items()})
@@ -333,13 +334,13 @@ class KDNServicer(BatchMixin, BlendMixin, pb_grpc.KDNServicer):
                 pb.TierStats(name=t.name, entries=t.entries, bytes=t.bytes,
                              capacity_bytes=t.capacity_bytes, hits=t.hits, misses=t.misses,
                              evictions=t.evictions, corrupt=t.corrupt, healthy=t.healthy,
-                             degraded=t.degraded)
+                             degraded=t.degraded, parts_down=down.get(t.name, []))
                 for t in tiers
             ],
             counters=counters,
             version=__version__,
             tenants=await asyncio.to_thread(self._tenant_stats),
-            health="degraded" if self.store.degraded else "serving",
+            health="degraded" if self.store.degraded or down else "serving",
         )
 
     def _tenant_stats(self) -> list[pb.TenantStats]:

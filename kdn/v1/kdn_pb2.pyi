@@ -242,7 +242,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class TierStats(_message.Message):
-    __slots__ = ("name", "entries", "bytes", "capacity_bytes", "hits", "misses", "evictions", "corrupt", "healthy", "degraded")
+    __slots__ = ("name", "entries", "bytes", "capacity_bytes", "hits", "misses", "evictions", "corrupt", "healthy", "degraded", "parts_down")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ENTRIES_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -253,6 +253,7 @@ class TierStats(_message.Message):
     CORRUPT_FIELD_NUMBER: _ClassVar[int]
     HEALTHY_FIELD_NUMBER: _ClassVar[int]
     DEGRADED_FIELD_NUMBER: _ClassVar[int]
+    PARTS_DOWN_FIELD_NUMBER: _ClassVar[int]
     name: str
     entries: int
     bytes: int
@@ -263,7 +264,8 @@ class TierStats(_message.Message):
     corrupt: int
     healthy: bool
     degraded: bool
-    def __init__(self, name: _Optional[str] = ..., entries: _Optional[int] = ..., bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., corrupt: _Optional[int] = ..., healthy: _Optional[bool] = ..., degraded: _Optional[bool] = ...) -> None: ...
+    parts_down: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, name: _Optional[str] = ..., entries: _Optional[int] = ..., bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., corrupt: _Optional[int] = ..., healthy: _Optional[bool] = ..., degraded: _Optional[bool] = ..., parts_down: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class TenantStats(_message.Message):
     __slots__ = ("tenant", "entries", "bytes", "quota_bytes")
