@@ -199,3 +199,18 @@ def test_health_reports_each_tier_and_fails_while_one_is_down(
             assert cli(["admin", "health", *a]) == 1
             table = capsys.readouterr().out
             assert re.search(r"redis\s+tier\s+NOT_SERVING", table), table
+
+
+def test_serve_boolean_flags_alone_mean_true() -> None:
+    """``--tracing`` alone is ``--tracing true``; ``--reuse-port false`` stays false; a value
+    that is no boolean is refused by the config loader, naming the setting."""
+    from kdn.server.config import load_config
+
+    ns = build_parser().parse_args(["serve", "--tracing", "--reuse-port", "false", "--port", "0"])
+    assert (ns.tracing, ns.reuse_port, ns.insecure) == ("true", "false", None)
+    cfg = load_config(None, flags={"tracing": ns.tracing, "reuse_port": ns.reuse_port})
+    assert cfg.tracing is True and cfg.reuse_port is False
+    from kdn.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="tracing"):
+        load_config(None, flags={"tracing": "maybe"})

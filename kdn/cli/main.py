@@ -443,16 +443,21 @@ def _add_admin(sub: Any) -> None:
 
 
 def _add_serve(sub: Any) -> None:
-    from kdn.server.config import describe
+    from dataclasses import fields
+
+    from kdn.server.config import ServerConfig, describe
 
     serve = sub.add_parser("serve", help="run a kdn server", formatter_class=_Formatter,
                            description="Run a kdn server. Settings come from --config FILE "
                            "(YAML), then KDN_<NAME> environment variables, then flags.",
                            epilog=_epilog(SERVE_EXAMPLES))
     serve.add_argument("--config", type=Path, help="YAML file of settings")
+    booleans = {f.name for f in fields(ServerConfig) if f.type in ("bool", bool)}
     for name, default, doc in describe():
+        flag = {"nargs": "?", "const": "true", "metavar": "true|false"} \
+            if name in booleans else {}  # --tracing alone means --tracing true
         serve.add_argument("--" + name.replace("_", "-"), dest=name, default=None,
-                           help=f"{doc} (default: {default})")
+                           help=f"{doc} (default: {default})", **flag)
     serve.set_defaults(func=_serve)
 
 
