@@ -1,27 +1,40 @@
-"""KVPruner benchmark on SmolLM2-135M: allocation x importance at 20% / 50% KV pruning, pruning x
-compression, and prefill/decode speed, against the unpruned model measured in the same run.
+"""KVPruner benchmark on SmolLM2-135M: allocation x importance at 20% / 50% KV pruning, LoRA
+recovery, pruning x compression, answers, and a kdn hit against a prefill, all against the
+unpruned model measured in the same run on the same held-out text.
 
     python -m bench.prune [--quick] [--out bench/results/prune.json] [--png PATH]
 
-1. Text from SQuAD dev articles that never meet (``kdn.prune.evaluate.ArticleSplit``):
-   calibration (articles 0-1), LoRA training (2-31), evaluation (40-47: 4,096 held-out
-   tokens). Unpruned perplexity on the evaluation tokens with a bootstrap 95% interval over
-   512-token windows, and answer F1 on 50 questions of the evaluation articles (greedy).
-2. Per importance (l1, l2, taylor): channel scores; per ratio: block sensitivities ΔPPL_i on the
-   calibration text (tail forwards from block i). Per allocation (uniform, ppl-based,
-   rank-based): prune a copy, perplexity on the evaluation tokens (KVPruner's Tables III-IV).
-3. Per ratio, the best combination: one-shot perplexity (with interval), LoRA recovery
-   (``kdn.prune.recover``: peft, merged back; 150 steps at 20%, 300 at 50%; checkpointed in
-   ``OUT.recovery-<ratio>/``, resumable), recovered perplexity (with interval), a save and
-   reload through ``kdn.models.load_model``, answer F1, and its KV bytes per token as stored
-   by kdn with every codec (ΔPPL of the decoded cache against the recovered model's own fp16
-   cache, on evaluation-article text); ``stored_bytes_per_token`` is the smallest container
-   whose ΔPPL <= 1%. For the largest ratio: TTFT of a KDNEngine hit against its prefill.
-4. Prefill and decode tokens/s of the unpruned model and each recovered model, interleaved.
-5. Table, JSON with targets (met or not, with their numbers), PNG of perplexity vs KV bytes.
+1. Text from SQuAD dev articles that never meet (``kdn.prune.evaluate.ArticleSplit``, checked
+   for shared 32-token runs): calibration (articles 0-1), recovery training (2-31),
+   evaluation (40-47). Perplexity on 16 windows of 512 predicted tokens spread over the eight
+   evaluation articles (8,192 tokens), with a bootstrap 95% interval over windows; each
+   pruned model's change against the unpruned one comes with a paired interval (the same
+   windows resampled for both), which says whether a difference is real.
+2. Per importance (l1, l2, taylor): channel scores; per ratio: block sensitivities ΔPPL_i on
+   the calibration text. Per allocation (uniform, ppl-based, rank-based): prune a copy,
+   perplexity on the evaluation windows (KVPruner's Tables III-IV): one row each.
+3. Per ratio, the best one-shot combination is recovered (``kdn.prune.recover``: LoRA r16 on
+   q/k/v/o/gate/up/down with peft, distilled from the unpruned model, bf16 autocast, bounded
+   by steps and 30 minutes, checkpointed in ``OUT.recovery-<ratio>/`` and resumed from
+   there); its row gets the recovered perplexity. The recovered model is saved as a
+   transformers folder and every later measurement uses the copy loaded back through
+   ``kdn.models.load_model``.
+4. Per recovered model and the unpruned one: KV bytes per token as kdn stores it, per codec
+   level, and the ΔPPL each level costs on top of that model's own fp16 KV (8 windows of
+   evaluation text: 256 context tokens, the storage block of the engine, then 128 tokens
+   predicted from the decoded cache); ``stored_bytes_per_token`` is the smallest level with
+   ΔPPL <= 1%.
+5. Answers: 50 questions of the evaluation articles, greedy, the same prompt ids for every
+   model: (a) a full prefill; (b) through kdn: the context's KV stored in kdn with the chosen
+   level (the pruned layout in its key), retrieved and blended with the question
+   (``kdn.rag.RagEngine``, 15% recompute). SQuAD F1 with paired intervals.
+6. TTFT of a ``KDNEngine`` hit (1,024 of 1,025 prompt tokens reused from a local kdn server)
+   against its full prefill, per model and stored level (median of 3, interleaved); prefill
+   and decode tokens/s.
+7. Table, JSON with targets (met or missed, with their numbers), PNG.
 
-Each importance/ratio group is checkpointed to ``OUT.partial.json`` (with its kept channels); a
-run with the same settings resumes from it, and a finished run deletes it.
+Each importance/ratio group of step 2 is checkpointed to ``OUT.partial.json``; a run with the
+same settings resumes from it, and a finished run deletes it.
 """
 
 from __future__ import annotations
@@ -29,6 +42,8 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import statistics
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -36,14 +51,13 @@ from typing import Any
 import torch
 
 from bench.common import figure, print_table, save_figure, write_json
+from kdn import hf
 from kdn.cache import KVCache
 from kdn.codec import decode, encode
 from kdn.codec.modes import get_mode
-from kdn.codec.quality import evaluate, prepare
-from kdn.data import english_token_ids, load_squad_dev
 from kdn.hf import model_layout
 from kdn.layout import DType
-from kdn.models import load_model
+from kdn.models import clear_memo, load_model
 from kdn.prune import (
     Allocation,
     Geometry,
@@ -57,12 +71,25 @@ from kdn.prune import (
     prune_model,
     save_pruned,
 )
-from kdn.prune.evaluate import ArticleSplit, answer_f1, perplexity_ci
+from kdn.prune.evaluate import (
+    QA,
+    ArticleSplit,
+    PerplexityCI,
+    answers,
+    check_disjoint,
+    f1_scores,
+    paired_change,
+    paired_f1_change,
+    perplexity_ci,
+)
 from kdn.prune.recover import RecoveryConfig, recover
 
 RESULTS = Path(__file__).parent / "results"
-COLUMNS = ["ratio", "allocation", "importance", "ppl", "delta_ppl_pct", "kv_bytes_per_token"]
+COLUMNS = ["ratio", "allocation", "importance", "ppl", "delta_ppl_pct", "recovered_ppl",
+           "recovered_delta_ppl_pct", "kv_bytes_per_token"]
 QUALITY_BAR_PCT = 1.0
+PPL_BARS = {0.2: 12.0, 0.5: 50.0}
+F1_BAR = 0.03
 
 
 def _codecs() -> list[tuple[str, str, str]]:
@@ -70,18 +97,123 @@ def _codecs() -> list[tuple[str, str, str]]:
     return out + [(f"kdn-{lv}", "kdn", lv) for lv in get_mode("kdn").levels]
 
 
-def compression(model: Any, tok: Any, ctx: int, eval_tokens: int, offset: int
-                ) -> list[dict[str, Any]]:
-    """Stored bytes per token and ΔPPL of every codec on ``model``'s own cache."""
-    ref = prepare(model, tok, ctx, eval_tokens, offset_paragraphs=offset)
+def _mode_level(codec: str) -> tuple[str, str]:
+    return ("kdn", codec.removeprefix("kdn-")) if codec.startswith("kdn-") else (codec, "")
+
+
+# -- compression ----------------------------------------------------------------------------
+
+
+@torch.inference_mode()
+def _tail_nll(model: Any, kv: KVCache, ids: torch.Tensor) -> tuple[float, int, torch.Tensor]:
+    """(summed NLL, tokens, argmax) of ``ids[1:]`` predicted from ``ids[:-1]`` run on ``kv``."""
+    f32 = [(k.float(), v.float()) for k, v in kv.layers]
+    layout = model_layout(model, DType.FLOAT32)
+    cache = hf.to_transformers(KVCache(layout, f32))
+    logits = model(input_ids=ids[None, :-1], past_key_values=cache, use_cache=True).logits[0]
+    logits = logits.float()
+    nll = torch.nn.functional.cross_entropy(logits, ids[1:], reduction="sum")
+    return float(nll), ids.numel() - 1, logits.argmax(-1)
+
+
+def compression(model: Any, windows: torch.Tensor, ctx: int) -> list[dict[str, Any]]:
+    """Per codec: stored bytes per token of each window's first ``ctx`` tokens (fp16 KV of
+    ``model``'s layout) and the ΔPPL of the rest predicted from the decoded cache against the
+    same from the fp16 cache, with a paired interval over windows."""
+    layout = model_layout(model, DType.FLOAT16)
+    kvs, ref_parts, tops = [], [], []
+    for w in windows:
+        kv, _ = hf.prefill(model, w[:ctx], layout)
+        nll, n, top = _tail_nll(model, kv, w[ctx:])
+        kvs.append(kv)
+        ref_parts.append((nll, n))
+        tops.append(top)
+    base = PerplexityCI(0, 0, 0, 0, 0, tuple(ref_parts))
     out = []
     for name, mode, level in _codecs():
-        blob = encode(ref.kv, mode, level)
-        kv = decode(blob)
-        assert isinstance(kv, KVCache)
-        q = evaluate(ref, kv)
-        out.append({"codec": name, "bytes_per_token": len(blob) / ref.kv.num_tokens,
-                    "delta_ppl_pct": q.delta_ppl_pct, "top1": q.top1})
+        size, parts, agree = 0, [], 0.0
+        for w, kv, top in zip(windows, kvs, tops):
+            blob = encode(kv, mode, level)
+            back = decode(blob)
+            assert isinstance(back, KVCache)
+            size += len(blob)
+            nll, n, argmax = _tail_nll(model, back, w[ctx:])
+            parts.append((nll, n))
+            agree += float((argmax == top).float().sum())
+        change, lo, hi = paired_change(base, PerplexityCI(0, 0, 0, 0, 0, tuple(parts)),
+                                       boot=1000)
+        out.append({"codec": name, "bytes_per_token": size / (ctx * len(kvs)),
+                    "delta_ppl_pct": change, "delta_ppl_ci": [lo, hi],
+                    "top1": agree / sum(n for _, n in ref_parts)})
+    return out
+
+
+def choose_codec(codecs: list[dict[str, Any]]) -> dict[str, Any]:
+    ok = [c for c in codecs if c["delta_ppl_pct"] <= QUALITY_BAR_PCT]
+    return min(ok or codecs, key=lambda c: c["bytes_per_token"])
+
+
+# -- answers and the engine -------------------------------------------------------------------
+
+
+def kdn_answers(model: Any, tok: Any, qas: list[QA], codec: str, namespace: str,
+                client: Any) -> tuple[list[str], dict[str, Any]]:
+    """Answers through kdn: each context's KV stored (its layout in the key), then retrieved
+    and blended with the question by ``RagEngine``."""
+    from kdn.rag import RagConfig, RagEngine
+
+    mode, level = _mode_level(codec)
+    engine = RagEngine(model, tok, client, RagConfig(namespace=namespace, mode=mode,
+                                                     level=level, max_new_tokens=24))
+    contexts = sorted({c for c, _, _ in qas})
+    stored = engine.ensure(contexts)
+    out, hits, ttft = [], 0, []
+    for context, question, _ in qas:
+        a = engine.answer(question, [context])
+        out.append(a.text)
+        hits += a.timings.missing_chunks == 0
+        ttft.append(a.timings.ttft_s)
+    return out, {"contexts_stored": stored, "answers_from_stored_kv": hits,
+                 "median_ttft_s": statistics.median(ttft), "key_layout": engine.layout.fingerprint}
+
+
+def hit_vs_prefill(models: dict[str, Any], tok: Any, ids: list[int],
+                   codecs: dict[str, str], reps: int) -> dict[str, Any]:
+    """TTFT through KDNEngine of a full prefill (miss, stored back) against a hit of the same
+    prompt (KV from a local kdn server's RAM tier), per model and codec; median of ``reps``
+    rounds, the models interleaved."""
+    from kdn.client import Client
+    from kdn.delivery import encoding_name
+    from kdn.engine import EngineConfig, KDNEngine
+    from kdn.server import ServerConfig, ServerThread
+
+    times: dict[tuple[str, str], dict[str, list[float]]] = {}
+    same: dict[tuple[str, str], bool] = {}
+    with tempfile.TemporaryDirectory() as tmp, ServerThread(ServerConfig(
+            port=0, data_dir=Path(tmp), disk_bytes=0)) as st, Client(st.address) as client:
+        for rep in range(reps):
+            for name, model in models.items():
+                for codec in dict.fromkeys(("lossless", codecs[name])):
+                    cfg = EngineConfig(namespace=f"ttft-{rep}", kv_dtype=DType.FLOAT16,
+                                       encodings=(_mode_level(codec),))
+                    eng = KDNEngine(model, tok, client, cfg)
+                    miss = eng.generate(ids, max_new_tokens=1)
+                    if miss.store_thread is not None:
+                        miss.store_thread.join()
+                    hit = eng.generate(ids, max_new_tokens=1,
+                                       force=encoding_name(*_mode_level(codec)))
+                    t = times.setdefault((name, codec), {"prefill": [], "hit": [], "reused": []})
+                    t["prefill"].append(miss.timings.ttft_s)
+                    t["hit"].append(hit.timings.ttft_s)
+                    t["reused"].append(hit.timings.reused_tokens)
+                    same[(name, codec)] = same.get((name, codec), True) and \
+                        hit.token_ids[:1] == miss.token_ids[:1]
+    out: dict[str, Any] = {"prompt_tokens": len(ids), "reps": reps}
+    for (name, codec), t in times.items():
+        p, h = statistics.median(t["prefill"]), statistics.median(t["hit"])
+        out.setdefault(name, {})[codec] = {
+            "prefill_ttft_s": p, "hit_ttft_s": h, "hit_vs_prefill": h / p,
+            "reused_tokens": min(t["reused"]), "same_first_token": same[(name, codec)]}
     return out
 
 
@@ -99,27 +231,38 @@ def speed(model: Any, ids: torch.Tensor, new_tokens: int) -> tuple[float, float]
     return ids.numel() / (t1 - t0), new_tokens / (t2 - t1)
 
 
+# -- the run ----------------------------------------------------------------------------------
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="short texts (smoke run)")
+    ap.add_argument("--quick", action="store_true", help="short texts, few steps (smoke run)")
     ap.add_argument("--out", type=Path, default=RESULTS / "prune.json")
     ap.add_argument("--png", type=Path, default=None, help="default: --out with .png")
     ap.add_argument("--ratios", type=float, nargs="+", default=[0.2, 0.5])
     ap.add_argument("--importances", nargs="+", default=[i.value for i in Importance])
     ap.add_argument("--calib-tokens", type=int, default=0)
-    ap.add_argument("--eval-tokens", type=int, default=0)
+    ap.add_argument("--eval-windows", type=int, default=0, help="evaluation windows (16)")
+    ap.add_argument("--window", type=int, default=0, help="tokens predicted per window (512)")
     ap.add_argument("--recover-steps", type=int, nargs="+", default=[],
-                    help="LoRA steps per ratio (default 150 for 20%%, 300 for 50%%)")
+                    help="LoRA steps per ratio (default 200 for 20%%, 400 for 50%%)")
     ap.add_argument("--recover-seconds", type=float, default=1800.0)
+    ap.add_argument("--distill", type=float, default=1.0,
+                    help="weight of the KL from the unpruned model in the recovery loss")
+    ap.add_argument("--qa-share", type=float, default=0.5,
+                    help="share of training paragraphs in the answering prompt's form")
+    ap.add_argument("--fp32", action="store_true", help="recover without bf16 autocast")
     ap.add_argument("--questions", type=int, default=0, help="SQuAD questions for F1 (50)")
     args = ap.parse_args(argv)
     calib_n = args.calib_tokens or (64 if args.quick else 128)
-    eval_n = args.eval_tokens or (1024 if args.quick else 4096)
-    n_questions = args.questions or (5 if args.quick else 50)
+    n_windows = args.eval_windows or (4 if args.quick else 16)
+    window = args.window or (128 if args.quick else 512)
+    n_questions = args.questions or (4 if args.quick else 50)
     steps_for = dict(zip(args.ratios, args.recover_steps)) if args.recover_steps else {
-        r: (4 if args.quick else (150 if r <= 0.2 else 300)) for r in args.ratios}
-    codec_ctx, codec_eval = (128, 32) if args.quick else (256, 64)
-    speed_ctx, speed_new, speed_reps = (64, 8, 1) if args.quick else (256, 16, 2)
+        r: (4 if args.quick else (200 if r <= 0.2 else 400)) for r in args.ratios}
+    codec_windows, codec_ctx, codec_eval = (2, 64, 32) if args.quick else (8, 256, 128)
+    speed_ctx, speed_new, reps = (64, 8, 1) if args.quick else (256, 16, 3)
+    ttft_tokens = 129 if args.quick else 1025
     torch.manual_seed(0)
     t_start = time.perf_counter()
 
@@ -127,263 +270,285 @@ def main(argv: list[str] | None = None) -> None:
     geo = Geometry.of(model)
     split = ArticleSplit.default()  # calibration, training and evaluation articles: disjoint
     calib = split.token_ids("calibration", tok, calib_n)
-    train_ids = split.token_ids("training", tok)
-    eval_ids = split.token_ids("eval", tok, eval_n)
-    # codec quality on evaluation-article text too (paragraph offset of the first one)
-    codec_offset = sum(len(a.paragraphs) for a in load_squad_dev()[:split.evaluation.start])
-    base = perplexity_ci(model, eval_ids)
+    train_ids = split.recovery_ids(tok, qa_share=args.qa_share, seed=0)
+    eval_windows = split.windows("evaluation", tok, n_windows, window)
+    codec_text = split.windows("evaluation", tok, codec_windows, codec_ctx + codec_eval)
+    eval_text = split.token_ids("evaluation", tok)
+    for name, text in (("training", train_ids), ("calibration", calib)):
+        check_disjoint(text, eval_windows)  # no 32-token run of evaluation text elsewhere
+        print(f"{name} text ({text.numel()} tokens) shares no 32-token run with the evaluation "
+              "windows", flush=True)
+    base = perplexity_ci(model, eval_windows)
     base_ppl = base.ppl
-    fp16_layout = model_layout(model, DType.FLOAT16)
-    fp16_bpt = fp16_layout.bytes_per_token
+    fp16_bpt = model_layout(model, DType.FLOAT16).bytes_per_token
     print(f"unpruned ppl {base_ppl:.3f} [{base.low:.3f}, {base.high:.3f}] on {base.tokens} "
-          f"held-out tokens (articles {split.evaluation.start}-{split.evaluation.stop - 1}); "
-          f"calib {calib_n} tokens; training {train_ids.numel()} tokens; fp16 KV {fp16_bpt} "
-          "B/token")
+          f"held-out tokens ({base.windows} windows over articles {split.evaluation.start}-"
+          f"{split.evaluation.stop - 1}); calib {calib_n} tokens; training {train_ids.numel()} "
+          f"tokens; fp16 KV {fp16_bpt} B/token", flush=True)
 
-    settings = {"calib": calib_n, "eval": eval_n, "quick": args.quick, "split": "articles"}
+    settings = {"calib": calib_n, "windows": n_windows, "window": window, "quick": args.quick,
+                "split": "articles-v2"}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     ckpt = args.out.with_suffix(".partial.json")
     done = _load_checkpoint(ckpt, settings)
     runner: TailRunner | None = None
     rows: list[dict[str, Any]] = []
     sensitivities: dict[str, dict[str, list[float]]] = {}
-    plans: dict[tuple[float, str, str], Any] = {}
+    plans: dict[tuple[float, str, str], PrunePlan] = {}
     for imp in (Importance(i) for i in args.importances):
         t0 = time.perf_counter()
         scores = None
         for ratio in args.ratios:
             group = done.get(f"{imp.value}/{ratio}")
-            if group is not None:  # measured by an interrupted earlier run with these settings
-                sensitivities.setdefault(imp.value, {})[str(ratio)] = group["sensitivity"]
-                for r in group["rows"]:
-                    rows.append(r)
-                    plans[(ratio, r["allocation"], imp.value)] = PrunePlan(
-                        geo.head_dim, tuple(map(tuple, r["k_kept"])),
-                        tuple(map(tuple, r["v_kept"])))
-                    print(f"  {imp.value:6s} {ratio:.1f} {r['allocation']:10s} "
-                          f"ppl {r['ppl']:8.3f} (checkpoint)", flush=True)
-                continue
-            runner = runner or TailRunner(model, calib)
-            scores = scores if scores is not None else channel_scores(model, imp, calib)
-            sens = block_sensitivity(model, calib, scores, ratio, runner)
-            group_rows: list[dict[str, Any]] = []
-            sensitivities.setdefault(imp.value, {})[str(ratio)] = list(sens.delta_ppl)
-            for alloc in Allocation:
-                cfg = PruneConfig(ratio, alloc, imp)
-                plan, block_r = make_plan(geo, scores, cfg, sens)
-                pruned = prune_model(copy.deepcopy(model), plan)
-                ppl = perplexity_ci(pruned, eval_ids, boot=2).ppl
-                kv_bpt = model_layout(pruned, DType.FLOAT16).bytes_per_token
-                plans[(ratio, alloc.value, imp.value)] = plan
-                rows.append({"ratio": ratio, "allocation": alloc.value,
-                             "importance": imp.value, "ppl": ppl,
-                             "delta_ppl_pct": 100 * (ppl / base_ppl - 1),
-                             "kv_bytes_per_token": kv_bpt,
-                             "block_ratios": [round(r, 4) for r in block_r],
-                             "k_channels": [len(k) for k in plan.k_kept],
-                             "v_channels": [len(v) for v in plan.v_kept],
-                             "k_kept": [list(k) for k in plan.k_kept],
-                             "v_kept": [list(v) for v in plan.v_kept]})
-                group_rows.append(rows[-1])
-                print(f"  {imp.value:6s} {ratio:.1f} {alloc.value:10s} ppl {ppl:8.3f}", flush=True)
-                del pruned
-            done[f"{imp.value}/{ratio}"] = {"sensitivity": list(sens.delta_ppl),
-                                            "rows": group_rows}
-            ckpt.write_text(json.dumps({"settings": settings, "groups": done}))
+            if group is None:
+                runner = runner or TailRunner(model, calib)
+                scores = scores if scores is not None else channel_scores(model, imp, calib)
+                sens = block_sensitivity(model, calib, scores, ratio, runner)
+                group = {"sensitivity": list(sens.delta_ppl), "rows": []}
+                for alloc in Allocation:
+                    plan, block_r = make_plan(geo, scores, PruneConfig(ratio, alloc, imp), sens)
+                    pruned = prune_model(copy.deepcopy(model), plan)
+                    res = perplexity_ci(pruned, eval_windows)
+                    change = paired_change(base, res)
+                    group["rows"].append({
+                        "ratio": ratio, "allocation": alloc.value, "importance": imp.value,
+                        "ppl": res.ppl, "ppl_ci": [res.low, res.high],
+                        "delta_ppl_pct": change[0], "delta_ppl_ci": list(change[1:]),
+                        "recovered_ppl": None, "recovered_ppl_ci": None,
+                        "recovered_delta_ppl_pct": None, "recovered_delta_ppl_ci": None,
+                        "kv_bytes_per_token": model_layout(pruned, DType.FLOAT16).bytes_per_token,
+                        "block_ratios": [round(r, 4) for r in block_r],
+                        "k_channels": [len(k) for k in plan.k_kept],
+                        "v_channels": [len(v) for v in plan.v_kept],
+                        "k_kept": [list(k) for k in plan.k_kept],
+                        "v_kept": [list(v) for v in plan.v_kept]})
+                    print(f"  {imp.value:6s} {ratio:.1f} {alloc.value:10s} ppl {res.ppl:10.3f} "
+                          f"({change[0]:+.1f}%)", flush=True)
+                    del pruned
+                done[f"{imp.value}/{ratio}"] = group
+                ckpt.write_text(json.dumps({"settings": settings, "groups": done}))
+            sensitivities.setdefault(imp.value, {})[str(ratio)] = group["sensitivity"]
+            for r in group["rows"]:
+                rows.append(r)
+                plans[(ratio, r["allocation"], imp.value)] = PrunePlan(
+                    geo.head_dim, tuple(map(tuple, r["k_kept"])), tuple(map(tuple, r["v_kept"])))
         print(f"{imp.value}: {time.perf_counter() - t0:.0f} s", flush=True)
 
-    print_table(rows, COLUMNS)
-    table_rows = [{k: v for k, v in r.items() if k not in ("k_kept", "v_kept")} for r in rows]
-
-    # -- pruning x compression, speed -----------------------------------------------------------
-    unpruned_codecs = compression(model, tok, codec_ctx, codec_eval, codec_offset)
+    # -- recovery -------------------------------------------------------------------------------
     per_ratio: list[dict[str, Any]] = []
-    best_models: dict[float, Any] = {}
-    qas = split.questions("eval", n_questions, seed=0)
-    base_f1 = answer_f1(model, tok, qas)
-    print(f"unpruned answer F1 {base_f1:.3f} on {n_questions} held-out questions", flush=True)
+    recovered: dict[str, Any] = {"unpruned": model}
+    folders = tempfile.TemporaryDirectory(prefix="kdn-prune-bench-")
     for ratio in args.ratios:
         best = min((r for r in rows if r["ratio"] == ratio), key=lambda r: r["ppl"])
         plan = plans[(ratio, best["allocation"], best["importance"])]
         pruned = prune_model(copy.deepcopy(model), plan)
-        one_shot = perplexity_ci(pruned, eval_ids)
-        steps = steps_for[ratio]
+        rcfg = RecoveryConfig(steps=steps_for[ratio], seed=0, max_seconds=args.recover_seconds,
+                              distill=args.distill, bf16=not args.fp32)
         ckpt_dir = args.out.with_name(f"{args.out.stem}.recovery-{ratio}")
-        rep = recover(pruned, train_ids, RecoveryConfig(steps=steps, seed=0,
-                                                        max_seconds=args.recover_seconds),
-                      folder=ckpt_dir, progress=lambda s, n, loss, r=ratio: print(
-                          f"    recovery {r:.1f}: step {s}/{n} loss {loss:.3f}",
-                          flush=True) if s % 25 == 0 else None)
-        recovered = perplexity_ci(pruned, eval_ids)
+        every = max(1, steps_for[ratio] // 10)
+        rep = recover(pruned, train_ids, rcfg, teacher=model if args.distill else None,
+                      folder=ckpt_dir, progress=lambda s, n, loss, t, r=ratio, e=every: print(
+                          f"    recovery {r:.1f}: step {s}/{n} loss {loss:.3f} {t:.0f} s "
+                          f"(eta {t / s * (n - s):.0f} s)", flush=True)
+                      if s % e == 0 or s == n else None)
+        folder = save_pruned(pruned, Path(folders.name) / f"pruned-{ratio}", tok)
+        back, _ = load_model(str(folder))  # everything below runs the reloaded copy
+        x = eval_windows[0, :64][None]
+        with torch.inference_mode():
+            reload_exact = bool(torch.allclose(back(input_ids=x).logits,
+                                               pruned(input_ids=x).logits, atol=1e-4))
+        reload_layout = model_layout(back).layers == model_layout(pruned).layers
+        del pruned
+        res = perplexity_ci(back, eval_windows)
+        change = paired_change(base, res)
+        best.update({"recovered_ppl": res.ppl, "recovered_ppl_ci": [res.low, res.high],
+                     "recovered_delta_ppl_pct": change[0],
+                     "recovered_delta_ppl_ci": list(change[1:])})
         print(f"  {ratio:.1f} {best['allocation']}/{best['importance']}: one-shot "
-              f"{one_shot.ppl:.3f} -> recovered {recovered.ppl:.3f} [{recovered.low:.3f}, "
-              f"{recovered.high:.3f}] in {rep.steps} steps, {rep.seconds:.0f} s", flush=True)
-        reload_ok = _round_trip(pruned, tok, eval_ids)
-        best_models[ratio] = pruned
-        codecs = compression(pruned, tok, codec_ctx, codec_eval, codec_offset)
-        ok = [c for c in codecs if c["delta_ppl_pct"] <= QUALITY_BAR_PCT]
-        chosen = min(ok or codecs, key=lambda c: c["bytes_per_token"])
-        f1 = answer_f1(pruned, tok, qas)
-        per_ratio.append({"ratio": ratio, "best_allocation": best["allocation"],
-                          "best_importance": best["importance"], "best_ppl": best["ppl"],
-                          "one_shot_ppl": one_shot.ppl,
-                          "one_shot_ppl_ci": [one_shot.low, one_shot.high],
-                          "recovered_ppl": recovered.ppl,
-                          "recovered_ppl_ci": [recovered.low, recovered.high],
-                          "recovered_delta_ppl_pct": 100 * (recovered.ppl / base_ppl - 1),
-                          "recovery_s": rep.seconds, "recovery_steps": rep.steps,
-                          "recovery_loss_first_last": [rep.first_loss, rep.last_loss],
-                          "recovery_stopped_by": rep.stopped_by,
-                          "reloaded_through_load_model": reload_ok,
-                          "answer_f1": f1, "answer_f1_delta": f1 - base_f1,
-                          "kv_bytes_per_token": best["kv_bytes_per_token"],
-                          "kv_fraction_of_fp16": best["kv_bytes_per_token"] / fp16_bpt,
-                          "stored_bytes_per_token": chosen["bytes_per_token"],
-                          "stored_codec": chosen["codec"],
-                          "stored_codec_delta_ppl_pct": chosen["delta_ppl_pct"],
-                          "stored_fraction_of_fp16": chosen["bytes_per_token"] / fp16_bpt,
-                          "codecs": codecs})
-        if ratio == max(args.ratios):
-            per_ratio[-1]["hit_vs_prefill"] = _hit_vs_prefill(
-                pruned, tok, eval_ids[:512 if args.quick else 1024],
-                ("kdn", chosen["codec"].removeprefix("kdn-"))
-                if chosen["codec"].startswith("kdn-") else (chosen["codec"], ""))
+              f"{best['ppl']:.3f} -> recovered {res.ppl:.3f} [{res.low:.3f}, {res.high:.3f}] "
+              f"({change[0]:+.1f}% [{change[1]:+.1f}, {change[2]:+.1f}]) in {rep.steps} steps, "
+              f"{rep.seconds:.0f} s", flush=True)
+        recovered[str(ratio)] = back
+        per_ratio.append({
+            "ratio": ratio, "best_allocation": best["allocation"],
+            "best_importance": best["importance"], "best_ppl": best["ppl"],
+            "one_shot_ppl": best["ppl"], "one_shot_ppl_ci": best["ppl_ci"],
+            "one_shot_delta_ppl_pct": best["delta_ppl_pct"],
+            "recovered_ppl": res.ppl, "recovered_ppl_ci": [res.low, res.high],
+            "recovered_delta_ppl_pct": change[0], "recovered_delta_ppl_ci": list(change[1:]),
+            "recovery_s": rep.seconds, "recovery_steps": rep.steps,
+            "recovery_resumed_from": rep.resumed_from, "recovery_stopped_by": rep.stopped_by,
+            "recovery_loss_first_last": [rep.first_loss, rep.last_loss],
+            "recovery_config": {k: v for k, v in vars(rcfg).items() if k != "targets"},
+            "reloaded_through_load_model": reload_exact and reload_layout,
+            "kv_bytes_per_token": best["kv_bytes_per_token"],
+            "kv_fraction_of_fp16": best["kv_bytes_per_token"] / fp16_bpt})
 
-    speed_ids = english_token_ids(speed_ctx, tok, codec_offset)
-    speeds: dict[str, list[tuple[float, float]]] = {"unpruned": []}
-    speeds.update({str(r): [] for r in args.ratios})
-    for _ in range(speed_reps):  # interleaved, best of the repeats
-        speeds["unpruned"].append(speed(model, speed_ids, speed_new))
-        for ratio, m in best_models.items():
-            speeds[str(ratio)].append(speed(m, speed_ids, speed_new))
+    print_table(rows, COLUMNS)
+
+    # -- compression on the recovered models ----------------------------------------------------
+    codecs_of: dict[str, list[dict[str, Any]]] = {}
+    chosen: dict[str, str] = {}
+    for name, m in recovered.items():
+        t0 = time.perf_counter()
+        codecs_of[name] = compression(m, codec_text, codec_ctx)
+        chosen[name] = choose_codec(codecs_of[name])["codec"]
+        print(f"  codecs {name}: {time.perf_counter() - t0:.0f} s; smallest within "
+              f"{QUALITY_BAR_PCT:g}% ΔPPL: {chosen[name]}", flush=True)
+        print_table(codecs_of[name], ["codec", "bytes_per_token", "delta_ppl_pct", "top1"])
+    for r in per_ratio:
+        c = next(x for x in codecs_of[str(r["ratio"])] if x["codec"] == chosen[str(r["ratio"])])
+        r.update({"stored_bytes_per_token": c["bytes_per_token"], "stored_codec": c["codec"],
+                  "stored_codec_delta_ppl_pct": c["delta_ppl_pct"],
+                  "stored_codec_delta_ppl_ci": c["delta_ppl_ci"],
+                  "stored_fraction_of_fp16": c["bytes_per_token"] / fp16_bpt,
+                  "codecs": codecs_of[str(r["ratio"])]})
+
+    # -- answers: full prefill, and through kdn ------------------------------------------------
+    from kdn.client import Client
+    from kdn.server import ServerConfig, ServerThread
+
+    qas = split.questions("evaluation", n_questions, seed=0)
+    f1: dict[str, dict[str, list[float]]] = {}
+    via_kdn: dict[str, dict[str, Any]] = {}
+    with tempfile.TemporaryDirectory() as tmp, ServerThread(ServerConfig(
+            port=0, data_dir=Path(tmp), disk_bytes=0)) as st, Client(st.address) as client:
+        for name, m in recovered.items():
+            t0 = time.perf_counter()
+            direct = answers(m, tok, qas)
+            through, info = kdn_answers(m, tok, qas, chosen[name], f"prune-{name}", client)
+            f1[name] = {"prefill": f1_scores(direct, qas), "kdn": f1_scores(through, qas)}
+            via_kdn[name] = {**info, "codec": chosen[name],
+                             "f1": sum(f1[name]["kdn"]) / n_questions,
+                             "agreement_with_prefill": sum(a == b for a, b in zip(
+                                 direct, through)) / n_questions}
+            print(f"  answers {name}: F1 {sum(f1[name]['prefill']) / n_questions:.3f} (prefill)"
+                  f", {via_kdn[name]['f1']:.3f} (kdn, {chosen[name]}); "
+                  f"{time.perf_counter() - t0:.0f} s", flush=True)
+    base_f1 = sum(f1["unpruned"]["prefill"]) / n_questions
+    for r in per_ratio:
+        mine = f1[str(r["ratio"])]
+        d = paired_f1_change(f1["unpruned"]["prefill"], mine["prefill"])
+        dk = paired_f1_change(f1["unpruned"]["kdn"], mine["kdn"])
+        r.update({"answer_f1": sum(mine["prefill"]) / n_questions, "answer_f1_delta": d[0],
+                  "answer_f1_delta_ci": list(d[1:]), "answer_f1_kdn": via_kdn[str(r["ratio"])],
+                  "answer_f1_kdn_delta": dk[0], "answer_f1_kdn_delta_ci": list(dk[1:])})
+
+    # -- TTFT and speed -------------------------------------------------------------------------
+    ttft_ids = eval_text[:ttft_tokens].tolist()
+    ttft = hit_vs_prefill(recovered, tok, ttft_ids, chosen, reps)
+    for name, per in ttft.items():
+        if isinstance(per, dict):
+            for codec, t in per.items():
+                print(f"  ttft {name} {codec}: prefill {t['prefill_ttft_s']:.3f} s, hit "
+                      f"{t['hit_ttft_s']:.3f} s ({t['hit_vs_prefill']:.2f}x)", flush=True)
+    speed_ids = eval_text[-speed_ctx:]
+    speeds: dict[str, list[tuple[float, float]]] = {name: [] for name in recovered}
+    for _ in range(reps):  # interleaved, best of the repeats
+        for name, m in recovered.items():
+            speeds[name].append(speed(m, speed_ids, speed_new))
     speed_rows = [{"model": name, "prefill_tok_s": max(p for p, _ in v),
                    "decode_tok_s": max(d for _, d in v)} for name, v in speeds.items()]
     for r in per_ratio:
         s = next(x for x in speed_rows if x["model"] == str(r["ratio"]))
         r["prefill_tok_s"], r["decode_tok_s"] = s["prefill_tok_s"], s["decode_tok_s"]
-    unpruned_speed = speed_rows[0]
+        r["hit_vs_prefill"] = ttft[str(r["ratio"])]
 
-    print_table([{k: v for k, v in r.items() if k != "codecs"} for r in per_ratio],
-                ["ratio", "best_allocation", "best_importance", "best_ppl",
-                 "kv_bytes_per_token", "stored_bytes_per_token", "stored_codec",
-                 "stored_codec_delta_ppl_pct", "prefill_tok_s", "decode_tok_s"])
+    print_table([{k: v for k, v in r.items() if not isinstance(v, (dict, list))}
+                 for r in per_ratio],
+                ["ratio", "best_allocation", "best_importance", "one_shot_ppl", "recovered_ppl",
+                 "recovered_delta_ppl_pct", "recovery_s", "stored_bytes_per_token",
+                 "stored_codec", "answer_f1", "answer_f1_delta"])
     print_table(speed_rows, ["model", "prefill_tok_s", "decode_tok_s"])
 
-    # -- targets --------------------------------------------------------------------------------
+    targets = _targets(args, rows, per_ratio, base, base_f1, fp16_bpt, n_questions)
+    for t in targets:
+        print(("MET     " if t["met"] else "MISSED  ") + t["target"])
+    elapsed = time.perf_counter() - t_start
+    table_rows = [{k: v for k, v in r.items() if k not in ("k_kept", "v_kept")} for r in rows]
+    write_json(args.out, "prune", table_rows, model="smollm2-135m", quick=args.quick,
+               calib_tokens=calib_n, eval_tokens=base.tokens, eval_windows=base.windows,
+               eval_window_tokens=window,
+               articles={"calibration": [split.calibration.start, split.calibration.stop],
+                         "training": [split.training.start, split.training.stop],
+                         "evaluation": [split.evaluation.start, split.evaluation.stop]},
+               training_tokens=train_ids.numel(), training_qa_share=args.qa_share,
+               unpruned_ppl=base_ppl, unpruned_ppl_ci=[base.low, base.high],
+               unpruned_answer_f1=base_f1,
+               unpruned_answer_f1_kdn=via_kdn["unpruned"], questions=n_questions,
+               fp16_bytes_per_token=fp16_bpt, per_ratio=per_ratio,
+               unpruned_codecs=codecs_of["unpruned"], unpruned_stored_codec=chosen["unpruned"],
+               unpruned_hit_vs_prefill=ttft["unpruned"], ttft_prompt_tokens=len(ttft_ids),
+               speed=speed_rows,
+               unpruned_prefill_tok_s=speed_rows[0]["prefill_tok_s"],
+               unpruned_decode_tok_s=speed_rows[0]["decode_tok_s"],
+               codec_windows=codec_windows, codec_context_tokens=codec_ctx,
+               codec_eval_tokens=codec_eval, speed_context_tokens=speed_ctx,
+               speed_new_tokens=speed_new, sensitivity_delta_ppl=sensitivities,
+               lora_recovery=f"peft LoRA r16 on q/k/v/o/gate/up/down, merged; loss "
+                             f"{1 - args.distill:g} x cross-entropy + {args.distill:g} x KL "
+                             "from the unpruned model; best one-shot combination of each ratio",
+               torch_threads=torch.get_num_threads(), elapsed_s=elapsed, targets=targets)
+    plot(args.png or args.out.with_suffix(".png"), rows, per_ratio, base, fp16_bpt,
+         codecs_of, chosen, f1, ttft)
+    ckpt.unlink(missing_ok=True)
+    clear_memo()
+    folders.cleanup()
+
+
+def _targets(args: Any, rows: list[dict[str, Any]], per_ratio: list[dict[str, Any]],
+             base: PerplexityCI, base_f1: float, fp16_bpt: int, n_questions: int
+             ) -> list[dict[str, Any]]:
     targets: list[dict[str, Any]] = []
     if 0.2 in args.ratios:
         at = {(r["allocation"], r["importance"]): r["ppl"] for r in rows if r["ratio"] == 0.2}
         ppl_based = {i: p for (a, i), p in at.items() if a == Allocation.PPL.value}
         best_imp = min(ppl_based, key=lambda i: ppl_based[i])
         targets.append({
-            "target": "20%: best ppl-based combination beats uniform with the same importance",
+            "target": "20%: best ppl-based combination beats uniform with the same importance "
+                      "(one-shot)",
             "met": ppl_based[best_imp] < at[(Allocation.UNIFORM.value, best_imp)],
             "importance": best_imp, "ppl_based": ppl_based[best_imp],
-            "uniform": at[(Allocation.UNIFORM.value, best_imp)],
-            "per_importance": {i: {"ppl_based": ppl_based[i],
-                                   "uniform": at[(Allocation.UNIFORM.value, i)]}
-                               for i in ppl_based}})
-    exact = {str(r["ratio"]): r["kv_bytes_per_token"] for r in rows}
+            "uniform": at[(Allocation.UNIFORM.value, best_imp)]})
     targets.append({
         "target": "KV bytes per token fall by the pruning ratio exactly",
         "met": all(r["kv_bytes_per_token"] == round(fp16_bpt * (1 - r["ratio"])) for r in rows),
-        "fp16_bytes_per_token": fp16_bpt, "kv_bytes_per_token": exact})
+        "fp16_bytes_per_token": fp16_bpt,
+        "kv_bytes_per_token": {str(r["ratio"]): r["kv_bytes_per_token"] for r in rows}})
     for r in per_ratio:
-        bar = {0.2: 12.0, 0.5: 50.0}.get(r["ratio"])
+        pct = int(round(r["ratio"] * 100))
+        bar = PPL_BARS.get(r["ratio"])
         if bar is not None:
             targets.append({
-                "target": f"{int(r['ratio'] * 100)}% pruned + recovered within +{bar:g}% of "
-                          "unpruned PPL (held-out)",
+                "target": f"{pct}% pruned + recovered within +{bar:g}% of unpruned PPL on "
+                          f"{base.tokens} held-out tokens",
                 "met": r["recovered_delta_ppl_pct"] <= bar,
+                "met_with_confidence": r["recovered_delta_ppl_ci"][1] <= bar,
                 "recovered_ppl": r["recovered_ppl"], "recovered_ppl_ci": r["recovered_ppl_ci"],
-                "unpruned_ppl": base_ppl, "unpruned_ppl_ci": [base.low, base.high],
-                "delta_ppl_pct": r["recovered_delta_ppl_pct"]})
+                "unpruned_ppl": base.ppl, "unpruned_ppl_ci": [base.low, base.high],
+                "delta_ppl_pct": r["recovered_delta_ppl_pct"],
+                "delta_ppl_ci": r["recovered_delta_ppl_ci"]})
         targets.append({
-            "target": f"{int(r['ratio'] * 100)}%: answer F1 within 0.03 of unpruned "
-                      f"({n_questions} questions)",
-            "met": abs(r["answer_f1_delta"]) <= 0.03 or r["answer_f1_delta"] > 0,
-            "answer_f1": r["answer_f1"], "unpruned_f1": base_f1})
+            "target": f"{pct}%: answer F1 within {F1_BAR} of unpruned ({n_questions} questions, "
+                      "same prompts, greedy)",
+            "met": r["answer_f1_delta"] >= -F1_BAR,
+            "answer_f1": r["answer_f1"], "unpruned_f1": base_f1,
+            "delta": r["answer_f1_delta"], "delta_ci": r["answer_f1_delta_ci"],
+            "through_kdn_delta": r["answer_f1_kdn_delta"]})
         if r["ratio"] == 0.5:
             targets.append({
-                "target": "50%: recovery within 30 minutes on this machine",
+                "target": "50%: recovery within 30 minutes of wall time on this machine",
                 "met": r["recovery_s"] <= 1800, "recovery_s": r["recovery_s"],
-                "steps": r["recovery_steps"]})
+                "steps": r["recovery_steps"], "stopped_by": r["recovery_stopped_by"]})
             targets.append({
-                "target": "50% pruning + best codec level <= 1/10 of unpruned fp16",
+                "target": f"50% pruning + the best codec level adding <= {QUALITY_BAR_PCT:g}% "
+                          "ΔPPL on the recovered model <= 1/10 of unpruned fp16 KV",
                 "met": r["stored_bytes_per_token"] <= fp16_bpt / 10,
                 "stored_bytes_per_token": r["stored_bytes_per_token"],
                 "limit": fp16_bpt / 10, "codec": r["stored_codec"],
-                "codec_delta_ppl_pct": r["stored_codec_delta_ppl_pct"]})
-    for t in targets:
-        print(("MET     " if t["met"] else "MISSED  ") + t["target"])
-
-    elapsed = time.perf_counter() - t_start
-    write_json(args.out, "prune", table_rows, model="smollm2-135m", quick=args.quick,
-               calib_tokens=calib_n, eval_tokens=base.tokens,
-               articles={"calibration": [split.calibration.start, split.calibration.stop],
-                         "training": [split.training.start, split.training.stop],
-                         "evaluation": [split.evaluation.start, split.evaluation.stop]},
-               training_tokens=train_ids.numel(), unpruned_ppl=base_ppl,
-               unpruned_ppl_ci=[base.low, base.high], unpruned_answer_f1=base_f1,
-               questions=n_questions,
-               fp16_bytes_per_token=fp16_bpt, per_ratio=per_ratio,
-               unpruned_codecs=unpruned_codecs, speed=speed_rows,
-               unpruned_prefill_tok_s=unpruned_speed["prefill_tok_s"],
-               unpruned_decode_tok_s=unpruned_speed["decode_tok_s"],
-               codec_context_tokens=codec_ctx, codec_eval_tokens=codec_eval,
-               speed_context_tokens=speed_ctx, speed_new_tokens=speed_new,
-               sensitivity_delta_ppl=sensitivities,
-               lora_recovery="peft LoRA r16 on q/k/v/o/gate/up/down, merged; best combination "
-                             "of each ratio",
-               torch_threads=torch.get_num_threads(), elapsed_s=elapsed, targets=targets)
-    plot(args.png or args.out.with_suffix(".png"), rows, per_ratio, base_ppl, fp16_bpt)
-    ckpt.unlink(missing_ok=True)
-
-
-def _round_trip(model: Any, tok: Any, ids: torch.Tensor) -> bool:
-    """Save the pruned + recovered model as a transformers folder and load it back through
-    ``kdn.models.load_model``: same layout, same logits."""
-    import tempfile
-
-    from kdn.models import clear_memo
-
-    with tempfile.TemporaryDirectory() as tmp:
-        save_pruned(model, tmp, tok)
-        back, _ = load_model(tmp)
-        with torch.inference_mode():
-            a = model(input_ids=ids[None, :64]).logits
-            b = back(input_ids=ids[None, :64]).logits
-        same_layout = model_layout(back).layers == model_layout(model).layers
-        clear_memo()
-        return bool(same_layout and torch.allclose(a, b, atol=1e-4))
-
-
-def _hit_vs_prefill(model: Any, tok: Any, ids: torch.Tensor,
-                    encoding: tuple[str, str]) -> dict[str, Any]:
-    """TTFT of the pruned model through KDNEngine: a full prefill (miss, stored back) against a
-    hit of the same prompt (KV retrieved from a local kdn server's RAM tier), each encoding."""
-    import tempfile
-
-    from kdn.client import Client
-    from kdn.engine import EngineConfig, KDNEngine
-    from kdn.server import ServerConfig, ServerThread
-
-    out: dict[str, Any] = {"prompt_tokens": int(ids.numel())}
-    with tempfile.TemporaryDirectory() as tmp, ServerThread(ServerConfig(
-            port=0, data_dir=Path(tmp), disk_bytes=0)) as st, Client(st.address) as client:
-        for mode, level in {("lossless", ""), encoding}:
-            eng = KDNEngine(model, tok, client, EngineConfig(
-                namespace=f"prune-{mode}-{level}", encodings=((mode, level),)))
-            miss = eng.generate(ids.tolist(), max_new_tokens=1)
-            if miss.store_thread is not None:
-                miss.store_thread.join()
-            hit = eng.generate(ids.tolist(), max_new_tokens=1)
-            name = f"{mode}-{level}" if level else mode
-            out[name] = {"prefill_ttft_s": miss.timings.ttft_s, "hit_ttft_s": hit.timings.ttft_s,
-                         "hit_vs_prefill": hit.timings.ttft_s / miss.timings.ttft_s,
-                         "reused_tokens": hit.timings.reused_tokens,
-                         "same_first_token": hit.token_ids[:1] == miss.token_ids[:1]}
-    return out
+                "codec_delta_ppl_pct": r["stored_codec_delta_ppl_pct"],
+                "codec_delta_ppl_ci": r["stored_codec_delta_ppl_ci"]})
+    return targets
 
 
 def _load_checkpoint(path: Path, settings: dict[str, Any]) -> dict[str, Any]:
@@ -396,36 +561,80 @@ def _load_checkpoint(path: Path, settings: dict[str, Any]) -> dict[str, Any]:
 
 
 def plot(path: Path, rows: list[dict[str, Any]], per_ratio: list[dict[str, Any]],
-         base_ppl: float, fp16_bpt: int) -> None:
-    fig, ax = figure(8, 5)
+         base: PerplexityCI, fp16_bpt: int, codecs_of: dict[str, list[dict[str, Any]]],
+         chosen: dict[str, str], f1: dict[str, dict[str, list[float]]],
+         ttft: dict[str, Any]) -> None:
+    fig, (ax, ax_f1, ax_t) = figure(16, 5.2, ncols=3)
     colors = {"uniform": "tab:gray", "ppl-based": "tab:blue", "rank-based": "tab:orange"}
     markers = {"l1": "o", "l2": "s", "taylor": "^"}
     offsets = {"l1": -0.03, "l2": 0.0, "taylor": 0.03}
     for r in rows:
         x = r["kv_bytes_per_token"] * (1 + offsets[r["importance"]])
-        ax.scatter(x, r["ppl"], c=colors[r["allocation"]], marker=markers[r["importance"]], s=40)
-    ax.scatter(fp16_bpt, base_ppl, c="black", marker="*", s=120, label="unpruned fp16")
+        ax.scatter(x, r["ppl"], c=colors[r["allocation"]], marker=markers[r["importance"]], s=30,
+                   alpha=0.7)
+    ax.errorbar([fp16_bpt], [base.ppl], yerr=[[base.ppl - base.low], [base.high - base.ppl]],
+                fmt="*", color="black", ms=12, label="unpruned fp16")
     for r in per_ratio:
-        est = r["best_ppl"] * (1 + r["stored_codec_delta_ppl_pct"] / 100)
+        lo, hi = r["recovered_ppl_ci"]
+        ax.errorbar([r["kv_bytes_per_token"]], [r["recovered_ppl"]],
+                    yerr=[[r["recovered_ppl"] - lo], [hi - r["recovered_ppl"]]], fmt="P",
+                    color="tab:green", ms=10)
+        ax.annotate("", (r["kv_bytes_per_token"], r["recovered_ppl"]),
+                    (r["kv_bytes_per_token"], r["one_shot_ppl"]),
+                    arrowprops={"arrowstyle": "->", "color": "tab:green", "lw": 1})
+        est = r["recovered_ppl"] * (1 + r["stored_codec_delta_ppl_pct"] / 100)
         ax.scatter(r["stored_bytes_per_token"], est, facecolors="none", edgecolors="tab:green",
                    s=90, marker="D")
         ax.annotate(f"{int(r['ratio'] * 100)}% + {r['stored_codec']}",
                     (r["stored_bytes_per_token"], est), textcoords="offset points",
                     xytext=(6, 4), fontsize=8)
+    u = next(c for c in codecs_of["unpruned"] if c["codec"] == chosen["unpruned"])
+    ax.scatter(u["bytes_per_token"], base.ppl * (1 + u["delta_ppl_pct"] / 100), marker="D",
+               facecolors="none", edgecolors="black", s=90)
+    ax.annotate(f"unpruned + {u['codec']}", (u["bytes_per_token"], base.ppl),
+                textcoords="offset points", xytext=(6, -12), fontsize=8)
     for name, c in colors.items():
-        ax.scatter([], [], c=c, label=name)
+        ax.scatter([], [], c=c, label=f"one-shot, {name}")
     for name, m in markers.items():
         ax.scatter([], [], c="white", edgecolors="black", marker=m, label=name)
+    ax.errorbar([], [], fmt="P", color="tab:green", label="best one-shot, recovered (95% CI)")
     ax.scatter([], [], facecolors="none", edgecolors="tab:green", marker="D",
-               label="best + kdn-stored (ppl x codec ΔPPL)")
+               label=f"recovered + smallest level within {QUALITY_BAR_PCT:g}% ΔPPL")
     ax.axvline(fp16_bpt / 10, color="tab:red", ls=":", lw=1, label="1/10 of fp16")
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("KV bytes per token (SmolLM2-135M, 30 layers)")
-    ax.set_ylabel("perplexity on held-out text")
-    ax.set_title("KVPruner one-shot: perplexity vs KV bytes per token")
-    ax.legend(fontsize=7, ncol=2)
-    save_figure(fig, path, dpi=120)
+    ax.set_ylabel(f"perplexity, {base.tokens} held-out tokens")
+    ax.set_title("KVPruner: perplexity vs KV bytes per token")
+    ax.legend(fontsize=6.5, ncol=2)
+
+    names = list(f1)
+    labels = ["unpruned" if n == "unpruned" else f"{int(float(n) * 100)}% pruned" for n in names]
+    for j, (path_name, color) in enumerate((("prefill", "tab:blue"), ("kdn", "tab:green"))):
+        vals = [sum(f1[n][path_name]) / len(f1[n][path_name]) for n in names]
+        ax_f1.bar([i + 0.38 * (j - 0.5) for i in range(len(names))], vals, width=0.38,
+                  color=color, label="full prefill" if path_name == "prefill"
+                  else "KV from kdn, blended")
+    ax_f1.set_xticks(range(len(names)), labels)
+    ax_f1.set_ylabel(f"SQuAD F1 ({len(f1['unpruned']['prefill'])} held-out questions)")
+    ax_f1.set_title("Answers (greedy, same prompts)")
+    ax_f1.legend(fontsize=8)
+
+    bars: list[tuple[str, float, float]] = []
+    for n in names:
+        for codec, t in ttft[n].items():
+            bars.append((f"{labels[names.index(n)]}\n{codec}", t["prefill_ttft_s"],
+                         t["hit_ttft_s"]))
+    xs = range(len(bars))
+    ax_t.bar([x - 0.2 for x in xs], [b[1] for b in bars], width=0.4, color="tab:gray",
+             label="prefill (miss)")
+    ax_t.bar([x + 0.2 for x in xs], [b[2] for b in bars], width=0.4, color="tab:green",
+             label="kdn hit")
+    ax_t.set_xticks(list(xs), [b[0] for b in bars], fontsize=7)
+    ax_t.set_ylabel(f"TTFT, s ({ttft['prompt_tokens']}-token prompt)")
+    ax_t.set_title("KDNEngine: hit vs prefill")
+    ax_t.legend(fontsize=8)
+    save_figure(fig, path, dpi=110)
 
 
 if __name__ == "__main__":

@@ -49,7 +49,7 @@ def render(doc: dict[str, Any]) -> str:
         if name:
             parts.append(f"*{name}*\n")
         parts.append(table(sec) + "\n")
-    for key in ("lookup", "gateway"):
+    for key in ("lookup", "gateway", "per_ratio", "speed"):
         if isinstance(doc.get(key), list) and doc[key]:
             parts.append(f"*{key}*\n")
             parts.append(table(doc[key]) + "\n")

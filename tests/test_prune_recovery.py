@@ -1,112 +1,268 @@
-"""KVPruner's recovery and evaluation mechanics on a tiny random Llama (the real model's
-figures are bench.prune's): LoRA lowers the loss and merges back without changing the pruned
-layout; it is deterministic for a seed and resumable; the recovered model saves as a
-transformers folder and loads back through kdn's model loader; evaluation text never meets
-training text; the perplexity interval brackets the estimate."""
+"""KVPruner's recovery and evaluation mechanics on tiny random Llamas (the real model's figures
+are bench.prune's): LoRA lowers the loss (cross-entropy or distillation from the unpruned
+model) and merges back without changing the pruned per-layer layout; it is deterministic for
+a seed, bounded by steps and time, and a resumed run equals an uninterrupted one bit for bit;
+the recovered model saves as a transformers folder and loads back through kdn's model loader;
+its KV is stored in kdn under its own layout, retrieved, blended and answered with; evaluation
+text never meets training text; intervals bracket their estimates; bad inputs are named."""
 
 from __future__ import annotations
 
 import copy
+import dataclasses
+import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 pytest.importorskip("peft")
 
-from kdn.errors import InvalidArgument  # noqa: E402
+from kdn.client import Client  # noqa: E402
+from kdn.data import SquadArticle, SquadParagraph, SquadQA  # noqa: E402
+from kdn.errors import InvalidArgument, InvalidLayout  # noqa: E402
 from kdn.hf import model_layout  # noqa: E402
 from kdn.prune import PruneConfig, kvprune, save_pruned  # noqa: E402
-from kdn.prune.evaluate import ArticleSplit, perplexity_ci  # noqa: E402
+from kdn.prune import evaluate as ev  # noqa: E402
 from kdn.prune.recover import RecoveryConfig, recover  # noqa: E402
 from tests.test_prune import ids, tiny  # noqa: E402
 
-CFG = RecoveryConfig(steps=12, batch=2, seq_len=32, rank=4, alpha=8, lr=5e-3, seed=3)
+CFG = RecoveryConfig(steps=12, batch=2, seq_len=32, rank=4, alpha=8, lr=5e-3, warmup=2,
+                     seed=3)
 
 
-def _pruned() -> torch.nn.Module:
-    return kvprune(tiny(1), ids(64), PruneConfig(0.5, "uniform", "l2")).model
+def _pruned(seed: int = 1) -> torch.nn.Module:
+    return kvprune(tiny(seed), ids(64), PruneConfig(0.5, "uniform", "l2")).model
 
 
 def _train() -> torch.Tensor:
     return torch.arange(3, 3 + 600) % 11 + 3  # a pattern LoRA can learn
 
 
+def _same(a: torch.nn.Module, b: torch.nn.Module) -> bool:
+    sa, sb = a.state_dict(), b.state_dict()
+    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def _with(**kw: Any) -> RecoveryConfig:
+    return dataclasses.replace(CFG, **kw)
+
+
+# -- recovery --------------------------------------------------------------------------------
+
+
 def test_recovery_lowers_the_loss_and_keeps_the_pruned_layout() -> None:
     model = _pruned()
     layout, before = model_layout(model), copy.deepcopy(model.state_dict())
-    report = recover(model, _train(), CFG)
-    assert report.steps == 12 and report.stopped_by == "steps"
+    seen: list[tuple[int, int]] = []
+    report = recover(model, _train(), CFG, progress=lambda s, n, loss, t: seen.append((s, n)))
+    assert report.steps == 12 and report.stopped_by == "steps" and len(report.losses) == 12
+    assert seen == [(s, 12) for s in range(1, 13)]  # progress after every step
     assert report.last_loss < report.first_loss - 0.1
-    assert model_layout(model).fingerprint == layout.fingerprint  # same per-layer channels
+    assert model_layout(model) == layout  # same per-layer kept channels
     after = model.state_dict()
     assert set(after) == set(before) and not any("lora" in k for k in after)  # merged
     assert any(not torch.equal(after[k], before[k]) for k in after)
+    assert not any(p.requires_grad for p in model.parameters()) and not model.training
 
 
-def test_recovery_is_deterministic_and_resumable(tmp_path: Path) -> None:
+def test_distillation_from_the_unpruned_model_lowers_the_kl() -> None:
+    teacher = tiny(1)
+    model = kvprune(teacher, ids(64), PruneConfig(0.5, "uniform", "l2")).model
+    report = recover(model, ids(600, 4), _with(distill=1.0, lr=1e-2), teacher=teacher)
+    assert report.last_loss < report.first_loss
+    with pytest.raises(InvalidArgument, match="needs the unpruned teacher"):
+        recover(_pruned(), _train(), _with(distill=0.5))
+
+
+def test_recovery_is_deterministic_and_a_resumed_run_equals_an_uninterrupted_one(
+        tmp_path: Path) -> None:
     base = _pruned()
     a, b = copy.deepcopy(base), copy.deepcopy(base)
-    recover(a, _train(), CFG)
-    recover(b, _train(), CFG)
-    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(),
-                                                  b.state_dict().values()))
-    c = copy.deepcopy(base)
-    first = recover(c, _train(), RecoveryConfig(**{**CFG.__dict__, "steps": 6}),
-                    folder=tmp_path / "ck")
-    assert first.steps == 6 and (tmp_path / "ck" / "adapter.safetensors").is_file()
-    d = copy.deepcopy(base)  # a new process would start from the pruned model again
-    resumed = recover(d, _train(), CFG, folder=tmp_path / "ck")
-    assert resumed.resumed_from == 6 and resumed.steps == 12 and len(resumed.losses) == 6
-    with pytest.raises(InvalidArgument, match="other settings"):
-        recover(copy.deepcopy(base), _train(), RecoveryConfig(**{**CFG.__dict__, "rank": 8}),
-                folder=tmp_path / "ck")
+    ra, rb = recover(a, _train(), CFG), recover(b, _train(), CFG)
+    assert _same(a, b) and ra.losses == rb.losses
+    ck = tmp_path / "ck"
+    c = copy.deepcopy(base)  # stopped by the time bound after its first step
+    first = recover(c, _train(), _with(max_seconds=1e-9), folder=ck)
+    assert first.stopped_by == "time" and first.steps == 1
+    assert {p.name for p in ck.iterdir()} == {"adapter.safetensors", "optimizer.safetensors",
+                                              "recovery_state.json"}
+    d = copy.deepcopy(base)  # a new process starts from the pruned model again
+    resumed = recover(d, _train(), CFG, folder=ck)
+    assert resumed.resumed_from == 1 and resumed.steps == 12 and resumed.stopped_by == "steps"
+    assert resumed.losses == ra.losses  # the history carried over, then the same steps
+    assert _same(d, a)  # adapters, AdamW moments and batches restored: bit for bit
+    e = copy.deepcopy(base)  # a finished checkpoint: nothing to train, the same model
+    again = recover(e, _train(), CFG, folder=ck)
+    assert again.resumed_from == 12 and again.seconds == resumed.seconds and _same(e, a)
 
 
-def test_a_recovered_model_round_trips_through_the_model_loader(tmp_path: Path) -> None:
-    from tokenizers import Tokenizer, models
-    from transformers import PreTrainedTokenizerFast
-
-    from kdn.models import clear_memo, load_model
-
-    model = _pruned()
-    recover(model, _train(), CFG)
-    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(
-        {f"t{i}": i for i in range(96)}, unk_token="t0")), unk_token="t0")
-    folder = save_pruned(model, tmp_path / "recovered", tok)
-    back, _ = load_model(str(folder))
-    try:
-        x = ids(40, 5)[None]
-        with torch.inference_mode():
-            assert torch.allclose(model(input_ids=x).logits, back(input_ids=x).logits,
-                                  atol=1e-4)
-        assert model_layout(back).layers == model_layout(model).layers  # kept channels
-    finally:
-        clear_memo()
+def test_a_checkpoint_of_other_settings_or_a_broken_one_is_refused(tmp_path: Path) -> None:
+    ck = tmp_path / "ck"
+    recover(_pruned(), _train(), _with(steps=2), folder=ck)
+    for other in (_with(steps=2, rank=8), _with(steps=3), _with(steps=2, seed=4)):
+        with pytest.raises(InvalidArgument, match="other settings"):
+            recover(_pruned(), _train(), other, folder=ck)
+    (ck / "optimizer.safetensors").unlink()
+    with pytest.raises(InvalidArgument, match="lacks optimizer.safetensors"):
+        recover(_pruned(), _train(), _with(steps=2), folder=ck)
+    (ck / "recovery_state.json").write_text("{not json")
+    with pytest.raises(InvalidArgument, match="not a recovery state"):
+        recover(_pruned(), _train(), _with(steps=2), folder=ck)
+    (tmp_path / "file").write_text("")
+    with pytest.raises(InvalidArgument, match="not a directory"):
+        recover(_pruned(), _train(), CFG, folder=tmp_path / "file")
 
 
-def test_bad_inputs_are_named(monkeypatch: pytest.MonkeyPatch) -> None:
-    with pytest.raises(InvalidArgument, match="article ranges overlap"):
-        ArticleSplit(range(0, 2), range(2, 10), range(8, 12))
+def test_bad_recovery_inputs_are_named(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(InvalidArgument, match="shorter than one sequence"):
         recover(_pruned(), torch.arange(3, 20), CFG)
-    with pytest.raises(InvalidArgument, match="steps must be > 0"):
-        RecoveryConfig(steps=0)
+    with pytest.raises(InvalidArgument, match="vocabulary"):
+        recover(_pruned(), torch.arange(0, 600), CFG)  # ids past the 96-token vocabulary
+    for bad in ({"steps": 0}, {"lr": 0.0}, {"distill": 1.5}, {"targets": ()}):
+        with pytest.raises(InvalidArgument):
+            RecoveryConfig(**bad)  # type: ignore[arg-type]
     monkeypatch.setitem(sys.modules, "peft", None)  # not installed
     with pytest.raises(InvalidArgument, match="needs peft"):
         recover(_pruned(), _train(), CFG)
 
 
-def test_the_default_split_keeps_evaluation_text_apart() -> None:
-    split = ArticleSplit.default()
+# -- the recovered model as a folder, and through kdn ------------------------------------------
+
+
+def _word_tokenizer() -> Any:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    inner = Tokenizer(models.WordLevel({f"t{i}": i for i in range(96)}, unk_token="t0"))
+    inner.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=inner, unk_token="t0", eos_token="t1")
+
+
+def test_a_recovered_model_round_trips_through_the_model_loader(tmp_path: Path) -> None:
+    from kdn.models import clear_memo, load_model
+
+    model = _pruned()
+    recover(model, _train(), CFG)
+    folder = save_pruned(model, tmp_path / "recovered", _word_tokenizer())
+    assert json.loads((folder / "config.json").read_text())["kdn_pruned"]["k_kept"]
+    back, tok = load_model(str(folder))
+    try:
+        x = ids(40, 5)[None]
+        with torch.inference_mode():
+            torch.testing.assert_close(back(input_ids=x).logits, model(input_ids=x).logits,
+                                       atol=1e-4, rtol=1e-4)
+        layout = model_layout(back)
+        assert layout.layers == model_layout(model).layers  # per-layer kept channels
+        assert tok("t5 t7")["input_ids"] == [5, 7]
+    finally:
+        clear_memo()
+    with pytest.raises(FileNotFoundError, match="nor a local model folder"):
+        load_model(str(tmp_path / "missing"))
+    (folder / "model.safetensors").unlink()
+    with pytest.raises(InvalidLayout, match="model.safetensors"):
+        load_model(str(folder))
+
+
+def test_a_recovered_model_is_stored_retrieved_blended_and_answered_with(
+        client: Client) -> None:
+    from kdn.keys import chunk_key
+    from kdn.rag import RagConfig, RagEngine
+    from tests.test_rag import CharTokenizer, tiny_llama
+
+    full = tiny_llama()
+    tok = CharTokenizer()
+    calib = torch.tensor(tok("the cat sat on the mat. " * 6)["input_ids"])
+    model = kvprune(full, calib, PruneConfig(0.5, "ppl-based", "taylor")).model
+    text = torch.tensor(tok("a dog ran in the park and a cat sat on the mat. " * 12)
+                        ["input_ids"])
+    recover(model, text, _with(steps=3), teacher=full)
+    doc = "The river Rhine flows through Basel and Cologne to the North Sea."
+    qa = [(doc, "Where does it flow?", ("North Sea",))]
+    engine = RagEngine(model, tok, client, RagConfig(blend_ratio=1.0, max_new_tokens=5,
+                                                     mode="kdn", level="high"))
+    assert engine.layout == model_layout(model) and engine.layout != model_layout(full)
+    key = engine.key(tok(doc)["input_ids"])
+    assert key != chunk_key(tok(doc)["input_ids"], model_layout(full), "rag")  # layout in key
+    miss = engine.answer(qa[0][1], [doc])
+    assert miss.timings.missing_chunks == 1
+    got = client.retrieve(key, namespace="rag", layout=engine.layout)
+    assert got is not None and got.layout == engine.layout  # its own layout, from kdn
+    hit = engine.answer(qa[0][1], [doc])
+    assert hit.timings.missing_chunks == 0
+    # a full recompute of the blended prompt: what a full prefill of the same ids answers
+    assert hit.text == ev.answers(model, tok, qa, max_new_tokens=5)[0]
+
+
+# -- evaluation ------------------------------------------------------------------------------
+
+
+def _articles(n: int = 6) -> list[SquadArticle]:
+    def para(a: int, p: int) -> SquadParagraph:
+        text = " ".join(f"w{a}.{p}.{i}" for i in range(60))  # no run of words repeats
+        return SquadParagraph(text, (SquadQA(f"{a}-{p}", f"what is {a}/{p}?", (f"w{a}.{p}.0",),
+                                             (0,)),))
+
+    return [SquadArticle(f"article {a}", tuple(para(a, p) for p in range(3)))
+            for a in range(n)]
+
+
+class WordIds:
+    """One token per whitespace word, ids from a shared table (no chat template)."""
+
+    def __init__(self) -> None:
+        self.table: dict[str, int] = {}
+
+    def __call__(self, text: str, *, add_special_tokens: bool = False) -> dict[str, list[int]]:
+        return {"input_ids": [self.table.setdefault(w, len(self.table)) for w in text.split()]}
+
+
+def test_the_split_keeps_evaluation_text_apart(monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(InvalidArgument, match="article ranges overlap.*share articles \\[8, 9\\]"):
+        ev.ArticleSplit(range(0, 2), range(2, 10), range(8, 12))
+    with pytest.raises(InvalidArgument, match="non-empty range"):
+        ev.ArticleSplit(range(0, 2), range(2, 2), range(8, 12))
+    split = ev.ArticleSplit.default()
     assert not set(split.evaluation) & (set(split.training) | set(split.calibration))
 
+    monkeypatch.setattr(ev, "load_squad_dev", _articles)
+    split = ev.ArticleSplit(range(0, 1), range(1, 4), range(4, 6))
+    tok = WordIds()
+    win = split.windows("evaluation", tok, 5, 20)
+    assert win.shape == (5, 21)
+    assert len(set(win[:, 0].tolist())) == 5  # spread over both articles, never overlapping
+    train = split.recovery_ids(tok, qa_share=0.5)
+    ev.check_disjoint(train, win, n=8)  # different articles: no shared run
+    with pytest.raises(InvalidArgument, match="texts overlap"):
+        ev.check_disjoint(split.token_ids("evaluation", tok), win, n=8)
+    with pytest.raises(InvalidArgument, match="beyond the 6"):
+        ev.ArticleSplit(range(0, 1), range(1, 4), range(4, 9)).articles("evaluation")
+    with pytest.raises(InvalidArgument, match="too few"):
+        split.windows("evaluation", tok, 4, 200)
+    with pytest.raises(InvalidArgument, match="unknown use"):
+        split.articles("test")
+    qas = split.questions("evaluation", 4, seed=1)
+    assert qas == split.questions("evaluation", 4, seed=1) and len(set(qas)) == 4
+    assert all(c in {p.context for a in _articles()[4:6] for p in a.paragraphs}
+               for c, _, _ in qas)
 
-def test_the_perplexity_interval_brackets_the_estimate() -> None:
+
+def test_intervals_bracket_their_estimates() -> None:
     model = tiny(2)
-    res = perplexity_ci(model, ids(600, 9), window=64, boot=300)
+    res = ev.perplexity_ci(model, ids(600, 9).reshape(10, 60), boot=300)
     assert res.windows == 10 and res.tokens == 590
     assert res.low <= res.ppl <= res.high and res.low < res.high
+    same = ev.paired_change(res, res, boot=300)
+    assert same == (0.0, 0.0, 0.0)
+    other = ev.perplexity_ci(tiny(3), ids(600, 9).reshape(10, 60), boot=300)
+    change, lo, hi = ev.paired_change(res, other, boot=300)
+    assert change == pytest.approx(100 * (other.ppl / res.ppl - 1)) and lo <= change <= hi
+    with pytest.raises(InvalidArgument, match="same windows"):
+        ev.paired_change(res, ev.perplexity_ci(model, ids(300, 9).reshape(5, 60)))
     with pytest.raises(InvalidArgument, match="two windows"):
-        perplexity_ci(model, ids(50), window=64)
+        ev.perplexity_ci(model, ids(50).reshape(1, 50))
+    d, lo, hi = ev.paired_f1_change([0.0, 1.0, 0.5, 0.0], [0.0, 0.5, 0.5, 1.0], boot=300)
+    assert d == pytest.approx(0.125) and lo <= d <= hi
+    assert ev.mean_f1(["beta", "no"], [("", "", ("the beta",)), ("", "", ("yes",))]) == 0.5

@@ -309,6 +309,8 @@ def load_pruned(folder: str | Path, *, dtype: torch.dtype = torch.float32,
     from transformers import AutoConfig, AutoModelForCausalLM
 
     folder = Path(folder)
+    if not (folder / "config.json").is_file():
+        raise InvalidLayout(f"{folder} holds no config.json: not a saved model folder")
     config = AutoConfig.from_pretrained(str(folder), local_files_only=True)
     plan_d = getattr(config, PRUNED_KEY, None)
     if plan_d is None:
@@ -322,6 +324,8 @@ def load_pruned(folder: str | Path, *, dtype: torch.dtype = torch.float32,
     files = sorted(set(json.loads(index.read_text())["weight_map"].values())) \
         if index.is_file() else ["model.safetensors"]
     for name in files:
+        if not (folder / name).is_file():
+            raise InvalidLayout(f"{folder} lacks {name}: the pruned model's weights")
         state.update(load_file(str(folder / name)))
     missing, unexpected = model.load_state_dict(state, strict=False)
     tied = bool(getattr(config, "tie_word_embeddings", False))

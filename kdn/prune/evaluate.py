@@ -1,18 +1,28 @@
 """Honest evaluation of pruned models: held-out text from SQuAD articles disjoint from the
-ones calibration and recovery saw, perplexity with a bootstrap confidence interval over
-windows, and answer F1 on SQuAD questions of the held-out articles.
+ones calibration and recovery saw, perplexity with bootstrap intervals over windows, a paired
+interval for the change against the unpruned model on the same windows, and answer F1 on
+SQuAD questions of the held-out articles.
 
-    split = ArticleSplit.default()          # calibration / training / evaluation articles
-    ids = split.token_ids("eval", tok, 4096)
-    res = perplexity_ci(model, ids)         # res.ppl, res.low, res.high over 512-token windows
-    f1 = answer_f1(model, tok, split.questions("eval", 50, seed=0))
+    split = ArticleSplit.default()                   # calibration / training / evaluation
+    windows = split.windows("evaluation", tok, 16, 256)   # 16 x 256 = 4,096 predicted tokens
+    base, ppl = perplexity_ci(unpruned, windows), perplexity_ci(pruned, windows)
+    change = paired_change(base, ppl)                # ppl / base - 1, with its interval
+    qas = split.questions("evaluation", 50, seed=0)
+    f1 = mean_f1(answers(pruned, tok, qas), qas)
+
+Windows are spread over every evaluation article (not the first article's first pages), each
+predicts ``length`` tokens from the token before it; the bootstrap resamples whole windows
+(tokens inside one are not independent). ``paired_change`` resamples the same windows for
+both models, which is what says whether a difference is real: the two models' own intervals
+overlap far more than their difference varies.
 """
 
 from __future__ import annotations
 
 import math
 import random
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -20,7 +30,10 @@ import torch
 from kdn.data import SquadArticle, load_squad_dev, squad_f1
 from kdn.errors import InvalidArgument
 
-WINDOW = 512
+USES = {"calibration": "calibration", "training": "training", "evaluation": "evaluation",
+        "eval": "evaluation"}
+QA = tuple[str, str, tuple[str, ...]]
+"""(context, question, reference answers)."""
 
 
 @dataclass(frozen=True)
@@ -32,21 +45,37 @@ class ArticleSplit:
     evaluation: range
 
     def __post_init__(self) -> None:
-        spans = [self.calibration, self.training, self.evaluation]
-        for i, a in enumerate(spans):
-            for b in spans[i + 1:]:
-                if set(a) & set(b):
-                    raise InvalidArgument(f"article ranges overlap: {a} and {b} (evaluation "
-                                          "text must never be calibrated or trained on)")
+        spans = {"calibration": self.calibration, "training": self.training,
+                 "evaluation": self.evaluation}
+        for name, span in spans.items():
+            if not isinstance(span, range) or span.step != 1 or len(span) == 0 \
+                    or span.start < 0:
+                raise InvalidArgument(f"{name} articles must be a non-empty range of article "
+                                      f"indices, got {span!r}")
+        names = list(spans)
+        for i, a in enumerate(names):
+            for b in names[i + 1:]:
+                common = set(spans[a]) & set(spans[b])
+                if common:
+                    raise InvalidArgument(
+                        f"article ranges overlap: {a} {spans[a]} and {b} {spans[b]} share "
+                        f"articles {sorted(common)} (evaluation text must never be calibrated "
+                        "or trained on)")
 
     @classmethod
     def default(cls) -> ArticleSplit:
         """Articles 0-1 calibrate, 2-31 train, 40-47 evaluate (48 articles in the dev set)."""
         return cls(range(0, 2), range(2, 32), range(40, 48))
 
+    def span(self, use: str) -> range:
+        if use not in USES:
+            raise InvalidArgument(f"unknown use {use!r}: one of calibration, training, "
+                                  "evaluation")
+        span: range = getattr(self, USES[use])
+        return span
+
     def articles(self, use: str) -> list[SquadArticle]:
-        span = {"calibration": self.calibration, "training": self.training,
-                "eval": self.evaluation, "evaluation": self.evaluation}[use]
+        span = self.span(use)
         every = load_squad_dev()
         if span.stop > len(every):
             raise InvalidArgument(f"{use} articles {span} beyond the {len(every)} there are")
@@ -62,12 +91,72 @@ class ArticleSplit:
             raise InvalidArgument(f"{use} articles hold {len(ids)} tokens, fewer than {n}")
         return torch.tensor(ids[:n] if n else ids, dtype=torch.long)
 
-    def questions(self, use: str, n: int, seed: int = 0) -> list[tuple[str, str, tuple[str,
-                                                                                       ...]]]:
+    def windows(self, use: str, tokenizer: Any, count: int, length: int) -> torch.Tensor:
+        """[count, length + 1] token windows spread over the ``use`` articles: article j gets
+        every len(articles)-th window, placed evenly through its text (one tokenization per
+        article, windows never overlap)."""
+        if count < 1 or length < 1:
+            raise InvalidArgument(f"need count >= 1 and length >= 1, got {count}, {length}")
+        arts = self.articles(use)
+        per = [count // len(arts) + (j < count % len(arts)) for j in range(len(arts))]
+        out = []
+        for art, k in zip(arts, per):
+            if not k:
+                continue
+            text = "\n\n".join(p.context for p in art.paragraphs)
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+            room = len(ids) - k * (length + 1)
+            if room < 0:
+                raise InvalidArgument(f"article {art.title!r} holds {len(ids)} tokens, too few "
+                                      f"for {k} windows of {length + 1}")
+            gap = room // k
+            for w in range(k):
+                s = w * (length + 1 + gap) + gap // 2
+                out.append(torch.tensor(ids[s:s + length + 1], dtype=torch.long))
+        return torch.stack(out)
+
+    def questions(self, use: str, n: int, seed: int = 0) -> list[QA]:
         """A seeded draw of ``n`` (context, question, answers) of the ``use`` articles."""
         every = [(p.context, q.question, q.answers) for a in self.articles(use)
                  for p in a.paragraphs for q in p.qas]
+        if n > len(every):
+            raise InvalidArgument(f"{use} articles hold {len(every)} questions, fewer than {n}")
         return random.Random(seed).sample(every, n)
+
+    def recovery_ids(self, tokenizer: Any, *, qa_share: float = 0.5, seed: int = 0
+                     ) -> torch.Tensor:
+        """Training text for LoRA recovery, from the training articles only: paragraph after
+        paragraph, a ``qa_share`` of them as the answering prompt the evaluation uses (context,
+        question, reference answer) and the rest as plain text. With a distillation loss the
+        answer tokens are inputs only: the targets are the teacher's predictions."""
+        if not 0.0 <= qa_share <= 1.0:
+            raise InvalidArgument(f"qa_share must be in [0, 1], got {qa_share}")
+        rng = random.Random(seed)
+        head, tail = _template(tokenizer)
+        end = _end_of_turn(tokenizer)
+        ids: list[int] = []
+        for art in self.articles("training"):
+            for p in art.paragraphs:
+                if p.qas and rng.random() < qa_share:
+                    qa = rng.choice(p.qas)
+                    text = (head + p.context + tail.replace("{question}", qa.question)
+                            + qa.answers[0] + end)
+                else:
+                    text = p.context + "\n\n"
+                ids += tokenizer(text, add_special_tokens=False)["input_ids"]
+        return torch.tensor(ids, dtype=torch.long)
+
+
+def check_disjoint(a: torch.Tensor, b: torch.Tensor, n: int = 32) -> None:
+    """Refuse ``b`` (1-D, or rows of windows) when it shares a run of ``n`` tokens with ``a``
+    (evaluation text that leaked into training text, or the reverse)."""
+    seq = a.reshape(-1).tolist()
+    seen = {tuple(seq[i:i + n]) for i in range(len(seq) - n + 1)}
+    for row in (b if b.dim() == 2 else b.reshape(1, -1)).tolist():
+        for i in range(len(row) - n + 1):
+            if tuple(row[i:i + n]) in seen:
+                raise InvalidArgument(f"texts overlap: a run of {n} tokens of one is in the "
+                                      "other (evaluation text must never be trained on)")
 
 
 @dataclass(frozen=True)
@@ -77,55 +166,142 @@ class PerplexityCI:
     high: float
     tokens: int
     windows: int
+    parts: tuple[tuple[float, int], ...] = field(default=(), repr=False)
+    """(summed NLL, predicted tokens) of each window, in order."""
 
 
 @torch.inference_mode()
-def window_nll(model: Any, ids: torch.Tensor, window: int = WINDOW) -> list[tuple[float, int]]:
-    """(summed NLL, predicted tokens) of each non-overlapping ``window`` of ``ids``."""
+def window_nll(model: Any, windows: torch.Tensor) -> list[tuple[float, int]]:
+    """(summed next-token NLL, predicted tokens) of each row of ``windows``; a 1-D tensor is
+    cut into rows of 257 ids (256 predicted tokens each, the last row dropped if short)."""
+    rows = _rows(windows)
     out = []
-    for start in range(0, ids.numel() - 1, window):
-        chunk = ids[start:start + window]
-        if chunk.numel() < 2:
-            break
-        logits = model(input_ids=chunk[None]).logits[0, :-1].float()
-        nll = torch.nn.functional.cross_entropy(logits, chunk[1:], reduction="sum")
-        out.append((float(nll), chunk.numel() - 1))
+    for row in rows:
+        logits = model(input_ids=row[None]).logits[0, :-1].float()
+        nll = torch.nn.functional.cross_entropy(logits, row[1:], reduction="sum")
+        out.append((float(nll), row.numel() - 1))
     return out
 
 
-def perplexity_ci(model: Any, ids: torch.Tensor, *, window: int = WINDOW, boot: int = 2000,
-                  seed: int = 0, level: float = 0.95) -> PerplexityCI:
-    """Perplexity of ``ids`` and its bootstrap interval (windows resampled with replacement)."""
-    parts = window_nll(model, ids, window)
+def _rows(windows: torch.Tensor, length: int = 256) -> torch.Tensor:
+    if windows.dim() == 2:
+        if windows.shape[1] < 2:
+            raise InvalidArgument("windows must hold at least two tokens")
+        return windows
+    ids = windows.reshape(-1)
+    n = (ids.numel() - 1) // length
+    return torch.stack([ids[i * length:i * length + length + 1] for i in range(n)]) if n \
+        else ids[None]
+
+
+def perplexity_ci(model: Any, windows: torch.Tensor, *, boot: int = 2000, seed: int = 0,
+                  level: float = 0.95) -> PerplexityCI:
+    """Perplexity over ``windows`` and its bootstrap interval (windows resampled)."""
+    return interval(window_nll(model, windows), boot=boot, seed=seed, level=level)
+
+
+def interval(parts: Sequence[tuple[float, int]], *, boot: int = 2000, seed: int = 0,
+             level: float = 0.95) -> PerplexityCI:
     if len(parts) < 2:
         raise InvalidArgument("need at least two windows for an interval")
     nll, tok = sum(p[0] for p in parts), sum(p[1] for p in parts)
+    samples = sorted(math.exp(sum(parts[i][0] for i in d) / sum(parts[i][1] for i in d))
+                     for d in _draws(len(parts), boot, seed))
+    lo, hi = _quantiles(samples, level)
+    return PerplexityCI(math.exp(nll / tok), lo, hi, tok, len(parts), tuple(parts))
+
+
+def paired_change(base: PerplexityCI, other: PerplexityCI, *, boot: int = 2000, seed: int = 0,
+                  level: float = 0.95) -> tuple[float, float, float]:
+    """(change, low, high) of ``other.ppl / base.ppl - 1`` in percent, the interval from
+    resampling the same windows for both (they must be measured on the same windows)."""
+    a, b = base.parts, other.parts
+    if len(a) != len(b) or [n for _, n in a] != [n for _, n in b] or len(a) < 2:
+        raise InvalidArgument("a paired change needs both models measured on the same windows")
+    samples = sorted(100 * (math.exp(sum(b[i][0] - a[i][0] for i in d)
+                                     / sum(a[i][1] for i in d)) - 1)
+                     for d in _draws(len(a), boot, seed))
+    lo, hi = _quantiles(samples, level)
+    change = math.exp((sum(x for x, _ in b) - sum(x for x, _ in a)) / sum(n for _, n in a))
+    return 100 * (change - 1), lo, hi
+
+
+def _draws(n: int, boot: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
-    samples = []
-    for _ in range(boot):
-        draw = [parts[rng.randrange(len(parts))] for _ in parts]
-        samples.append(math.exp(sum(d[0] for d in draw) / sum(d[1] for d in draw)))
-    samples.sort()
-    lo = samples[int((1 - level) / 2 * boot)]
-    hi = samples[min(boot - 1, int((1 + level) / 2 * boot))]
-    return PerplexityCI(math.exp(nll / tok), lo, hi, tok, len(parts))
+    return [[rng.randrange(n) for _ in range(n)] for _ in range(boot)]
 
 
-@torch.inference_mode()
-def answer(model: Any, tokenizer: Any, context: str, question: str, max_new: int = 16) -> str:
-    """The model's greedy answer (first line) to ``question`` about ``context``, asked in the
-    chat format of the packaged model (an instruction-tuned SmolLM2)."""
-    prompt = (f"<|im_start|>user\nAnswer the question from this document.\n\n{context}\n\n"
-              f"Question: {question}\nAnswer with a few words.<|im_end|>\n"
-              "<|im_start|>assistant\n")  # SmolLM2's chat format (the packaged model's)
-    ids = tokenizer(prompt, add_special_tokens=False, return_tensors="pt")["input_ids"]
-    out = model.generate(ids, max_new_tokens=max_new, do_sample=False,
-                         pad_token_id=tokenizer.eos_token_id)
-    text: str = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
-    return text.strip().split("\n")[0]
+def _quantiles(samples: list[float], level: float) -> tuple[float, float]:
+    k = len(samples)
+    return (samples[int((1 - level) / 2 * k)], samples[min(k - 1, int((1 + level) / 2 * k))])
 
 
-def answer_f1(model: Any, tokenizer: Any,
-              qas: list[tuple[str, str, tuple[str, ...]]]) -> float:
-    """Mean SQuAD F1 of ``model``'s greedy answers."""
-    return sum(squad_f1(answer(model, tokenizer, c, q), a) for c, q, a in qas) / len(qas)
+# -- answers ---------------------------------------------------------------------------------
+
+
+def _template(tokenizer: Any) -> tuple[str, str]:
+    from kdn.rag.pipeline import prompt_template
+
+    return prompt_template(tokenizer)
+
+
+def _end_of_turn(tokenizer: Any) -> str:
+    vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
+    for name in ("<|im_end|>", "<|eot_id|>"):
+        if name in vocab:
+            return name + "\n"
+    return str(getattr(tokenizer, "eos_token", "") or "") + "\n"
+
+
+def prompt_ids(tokenizer: Any, context: str, question: str) -> tuple[list[int], list[int],
+                                                                      list[int]]:
+    """(head, context, tail) ids of the answering prompt: the tokenizer's chat template around
+    the document and the question, each part tokenized alone, exactly as ``kdn.rag.RagEngine``
+    builds it, so a full prefill and a kdn blend read the same tokens."""
+    from kdn.rag.corpus import chunk_ids
+
+    head, tail = _template(tokenizer)
+    return (chunk_ids(tokenizer, head), chunk_ids(tokenizer, context),
+            chunk_ids(tokenizer, tail.replace("{question}", question)))
+
+
+def answers(model: Any, tokenizer: Any, qas: Sequence[QA], max_new_tokens: int = 24
+            ) -> list[str]:
+    """The model's greedy answers, each from a full prefill of the answering prompt."""
+    from kdn import hf
+    from kdn.rag.pipeline import stop_ids
+
+    stop = stop_ids(tokenizer)
+    out = []
+    with torch.inference_mode():
+        for context, question, _ in qas:
+            head, ctx, tail = prompt_ids(tokenizer, context, question)
+            decoder = hf.CacheDecoder(model)
+            first = decoder.forward(head + ctx + tail)[-1]
+            new = hf.greedy(decoder, first, max_new_tokens, stop)
+            out.append(tokenizer.decode([t for t in new if t not in stop],
+                                        skip_special_tokens=True).strip())
+    return out
+
+
+def f1_scores(preds: Sequence[str], qas: Sequence[QA]) -> list[float]:
+    if len(preds) != len(qas):
+        raise InvalidArgument("one answer per question")
+    return [squad_f1(p, a) for p, (_, _, a) in zip(preds, qas)]
+
+
+def mean_f1(preds: Sequence[str], qas: Sequence[QA]) -> float:
+    """Mean SQuAD F1 of ``preds`` against the questions' reference answers."""
+    scores = f1_scores(preds, qas)
+    return sum(scores) / len(scores)
+
+
+def paired_f1_change(base: Sequence[float], other: Sequence[float], *, boot: int = 2000,
+                     seed: int = 0, level: float = 0.95) -> tuple[float, float, float]:
+    """(mean F1 change, low, high): the same questions resampled for both."""
+    if len(base) != len(other) or len(base) < 2:
+        raise InvalidArgument("a paired F1 change needs the same questions for both")
+    diffs = [b - a for a, b in zip(base, other)]
+    samples = sorted(sum(diffs[i] for i in d) / len(d) for d in _draws(len(diffs), boot, seed))
+    lo, hi = _quantiles(samples, level)
+    return sum(diffs) / len(diffs), lo, hi

@@ -1,17 +1,36 @@
 """KVPruner's third step: LoRA recovery of a pruned model, merged back into its weights.
 
     from kdn.prune.recover import RecoveryConfig, recover
-    report = recover(pruned, train_ids, RecoveryConfig(steps=300, seed=0), folder=ckpt_dir)
-    save_pruned(pruned, out_folder, tokenizer)   # a normal transformers folder, per-layer layout
+    report = recover(pruned, train_ids, RecoveryConfig(steps=300, seed=0), folder=ckpt_dir,
+                     teacher=unpruned)              # teacher: optional, for distill > 0
+    save_pruned(pruned, out_folder, tokenizer)     # a normal transformers folder, per-layer layout
 
 ``peft`` adds low-rank adapters to the attention and MLP projections (the pruned attention's
-sliced projections included); a short causal-LM fine-tune on training text (never the
-evaluation text: the caller draws them from disjoint articles) recovers most of the quality
-pruning cost, and the adapters are then merged, so the model keeps its pruned shapes and kdn
-sees the same per-layer KV layout. Bounded by ``steps`` and ``max_seconds``; deterministic for
-a seed (the batches are drawn from a generator seeded with it, dropout is off); with
-``folder`` it writes the adapter weights (safetensors, through peft) and its step every
-``save_every`` steps and resumes from there (the optimizer's moments start again).
+sliced projections included); a short causal-LM fine-tune on training text recovers most of
+the quality pruning cost, and the adapters are then merged, so the model keeps its pruned
+shapes and kdn sees the same per-layer KV layout. The caller draws the training text from
+articles the evaluation never reads (``kdn.prune.evaluate.ArticleSplit``).
+
+The loss is next-token cross-entropy, mixed (``distill``) with the KL divergence from an
+unpruned ``teacher``'s next-token distribution on the same batch: the teacher says what the
+pruned model lost, token by token, a richer signal than the one right token.
+
+Lifecycle of ``recover``:
+
+1. peft wraps the model in place (``init_lora_weights``: B = 0, so the wrapped model computes
+   exactly what the pruned one did); ``torch.manual_seed(seed)`` makes the A matrices the same
+   every run; dropout is off.
+2. With ``folder`` holding a checkpoint of the same settings, the adapters, the AdamW moments
+   and the loss history are read back (safetensors + JSON) and training goes on from the step
+   it reached; a checkpoint of other settings is refused.
+3. Step s trains on windows drawn by a generator seeded with (seed, s) alone, with a short
+   warm-up then cosine decay of the learning rate over ``steps``: a resumed run computes what
+   an uninterrupted one does, bit for bit on the same machine.
+4. It stops after ``steps`` steps, or after the step that takes the training time (resumed
+   runs' included) past ``max_seconds``; the state is written every ``save_every`` steps and
+   at the end (temp files renamed into place).
+5. The adapters are merged into the weights and peft's wrappers removed: the caller's model
+   object is the recovered model, same modules, same shapes.
 """
 
 from __future__ import annotations
@@ -20,7 +39,7 @@ import json
 import math
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,21 +50,32 @@ from kdn.errors import InvalidArgument
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 STATE = "recovery_state.json"
+ADAPTER = "adapter.safetensors"
+OPTIMIZER = "optimizer.safetensors"
+FORMAT = 2
 
 
 @dataclass(frozen=True)
 class RecoveryConfig:
     steps: int = 300
-    """Optimizer steps at most."""
+    """Optimizer steps (the learning-rate schedule spans them)."""
     max_seconds: float = 1800.0
-    """Wall-clock bound: stop after the step that passes it."""
+    """Wall-clock bound on training, resumed runs' time included: stop after the step that
+    passes it (a later call with a larger bound goes on)."""
     rank: int = 16
     alpha: int = 32
     lr: float = 1e-3
+    warmup: int = 10
+    """Steps of linear learning-rate warm-up."""
     batch: int = 4
     """Sequences per step."""
     seq_len: int = 256
     """Tokens per sequence (windows drawn from the training text)."""
+    distill: float = 0.0
+    """Weight of the KL divergence from the teacher (0: cross-entropy only; 1: KL only)."""
+    bf16: bool = False
+    """Forward and backward under bfloat16 autocast (about twice as fast on CPUs with bf16
+    instructions; the weights, the adapters and the optimizer stay float32)."""
     seed: int = 0
     save_every: int = 50
     """Steps between checkpoints (with ``folder``)."""
@@ -57,20 +87,35 @@ class RecoveryConfig:
                 raise InvalidArgument(f"{name} must be > 0, got {getattr(self, name)}")
         if not self.lr > 0 or not self.max_seconds > 0:
             raise InvalidArgument("lr and max_seconds must be > 0")
+        if self.warmup < 0:
+            raise InvalidArgument(f"warmup must be >= 0, got {self.warmup}")
+        if not 0.0 <= self.distill <= 1.0:
+            raise InvalidArgument(f"distill must be in [0, 1], got {self.distill}")
+        if not self.targets:
+            raise InvalidArgument("targets must name at least one module")
+
+    def lr_at(self, step: int) -> float:
+        """Learning rate of step ``step`` (0-based): linear warm-up, then cosine decay."""
+        warm = min(1.0, (step + 1) / self.warmup) if self.warmup else 1.0
+        return self.lr * warm * 0.5 * (1 + math.cos(math.pi * step / self.steps))
 
 
 @dataclass
 class RecoveryReport:
     steps: int
+    """Steps done in all (resumed runs included)."""
     seconds: float
+    """Training wall time in all (resumed runs included)."""
     losses: list[float] = field(default_factory=list)
-    """Training loss of each step."""
+    """Training loss of every step done (resumed runs' included)."""
     resumed_from: int = 0
     stopped_by: str = "steps"
+    """``steps`` or ``time``."""
 
     @property
     def first_loss(self) -> float:
-        return self.losses[0] if self.losses else math.nan
+        head = self.losses[:10]
+        return sum(head) / len(head) if head else math.nan
 
     @property
     def last_loss(self) -> float:
@@ -78,109 +123,186 @@ class RecoveryReport:
         return sum(tail) / len(tail) if tail else math.nan
 
 
-def _batch(train_ids: torch.Tensor, cfg: RecoveryConfig, step: int) -> torch.Tensor:
+def batch_at(train_ids: torch.Tensor, cfg: RecoveryConfig, step: int) -> torch.Tensor:
     """Step ``step``'s [batch, seq_len] windows: a function of (seed, step) alone, so a resumed
     run draws what an uninterrupted one would have."""
     g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
-    starts = torch.randint(0, train_ids.numel() - cfg.seq_len, (cfg.batch,), generator=g)
+    starts = torch.randint(0, train_ids.numel() - cfg.seq_len + 1, (cfg.batch,), generator=g)
     return torch.stack([train_ids[s:s + cfg.seq_len] for s in starts.tolist()])
 
 
 def recover(model: Any, train_ids: torch.Tensor, config: RecoveryConfig | None = None, *,
-            folder: str | Path | None = None,
-            progress: Callable[[int, int, float], None] | bool = False) -> RecoveryReport:
+            teacher: Any = None, folder: str | Path | None = None,
+            progress: Callable[[int, int, float, float], None] | bool = False
+            ) -> RecoveryReport:
     """Fine-tune ``model`` (pruned, in place) with LoRA on ``train_ids`` and merge the adapters
-    back; returns what happened. ``progress``: True for a bar on stderr (only on a terminal),
-    or a callable(step, steps, loss)."""
+    back; returns what happened (module docstring). ``teacher``: the unpruned model, needed
+    when ``config.distill`` > 0. ``progress``: True for a bar on stderr (on a terminal), or a
+    callable(step, steps, loss, elapsed_seconds) called after every step."""
     try:
         from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
     except ImportError as exc:
         raise InvalidArgument("LoRA recovery needs peft: pip install 'kdn[prune]'") from exc
     cfg = config or RecoveryConfig()
     ids = train_ids.reshape(-1).to(torch.long)
-    if ids.numel() <= cfg.seq_len + 1:
+    if ids.numel() < cfg.seq_len + cfg.batch:
         raise InvalidArgument(f"training text of {ids.numel()} tokens is shorter than one "
                               f"sequence of {cfg.seq_len}")
+    vocab = int(model.config.vocab_size)
+    if int(ids.min()) < 0 or int(ids.max()) >= vocab:
+        raise InvalidArgument(f"training ids must lie in [0, {vocab}) (the model's vocabulary), "
+                              f"got [{int(ids.min())}, {int(ids.max())}]")
+    if cfg.distill > 0 and teacher is None:
+        raise InvalidArgument("distill > 0 needs the unpruned teacher model")
+    if teacher is not None and int(teacher.config.vocab_size) != vocab:
+        raise InvalidArgument("the teacher's vocabulary differs from the model's")
+    if any("lora_" in name for name, _ in model.named_parameters()):
+        raise InvalidArgument("model already holds LoRA adapters")
+    state_dir = Path(folder) if folder is not None else None
+    saved = _read_state(state_dir, cfg) if state_dir is not None else None
+
     torch.manual_seed(cfg.seed)
     lora = LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=0.0,
                       target_modules=list(cfg.targets), bias="none", task_type="CAUSAL_LM",
                       init_lora_weights=True)
-    was_training = model.training
     peft_model = get_peft_model(model, lora)
-    start = 0
-    state_dir = Path(folder) if folder is not None else None
-    if state_dir is not None and (state_dir / STATE).is_file():
-        from safetensors.torch import load_file
-
-        state = json.loads((state_dir / STATE).read_text())
-        if state.get("config") != _jsonable(cfg):
-            raise InvalidArgument(f"{state_dir} holds a recovery with other settings; "
-                                  "use another folder or the same RecoveryConfig")
-        set_peft_model_state_dict(peft_model, load_file(str(state_dir / "adapter.safetensors")))
-        start = int(state["step"])
     params = [p for p in peft_model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
-    report = RecoveryReport(steps=start, seconds=0.0, resumed_from=start)
-    bar = _bar(cfg.steps, start) if progress is True else None
-    t0 = time.perf_counter()
+    report = RecoveryReport(steps=0, seconds=0.0)
+    if saved is not None:
+        from safetensors.torch import load_file
+
+        assert state_dir is not None
+        set_peft_model_state_dict(peft_model, load_file(str(state_dir / ADAPTER)))
+        _load_optimizer(opt, params, load_file(str(state_dir / OPTIMIZER)), state_dir)
+        report.steps = report.resumed_from = int(saved["step"])
+        report.seconds = float(saved["seconds"])
+        report.losses = [float(x) for x in saved["losses"]]
+    bar = _bar(cfg.steps, report.steps) if progress is True else None
+    t0, prior = time.perf_counter(), report.seconds
+    device = next(model.parameters()).device
     peft_model.train()
-    for step in range(start, cfg.steps):
-        lr = cfg.lr * min(1.0, (step + 1) / 10) * 0.5 * (1 + math.cos(math.pi * step / cfg.steps))
-        for group in opt.param_groups:
-            group["lr"] = lr  # a short warm-up, then cosine decay
-        batch = _batch(ids, cfg, step)
-        loss = peft_model(input_ids=batch, labels=batch).loss
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        report.losses.append(float(loss.detach()))
-        report.steps = step + 1
+    try:
+        for step in range(report.steps, cfg.steps):
+            for group in opt.param_groups:
+                group["lr"] = cfg.lr_at(step)
+            batch = batch_at(ids, cfg, step)
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.bf16):
+                loss = _loss(peft_model, teacher, batch.to(device), cfg.distill)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            report.losses.append(float(loss.detach()))
+            report.steps = step + 1
+            report.seconds = prior + time.perf_counter() - t0
+            if bar is not None:
+                bar.set_postfix(loss=f"{report.losses[-1]:.3f}")
+                bar.update(1)
+            elif callable(progress):
+                progress(report.steps, cfg.steps, report.losses[-1], report.seconds)
+            if state_dir is not None and report.steps % cfg.save_every == 0:
+                _save_state(peft_model, opt, params, state_dir, cfg, report)
+            if report.seconds > cfg.max_seconds and report.steps < cfg.steps:
+                report.stopped_by = "time"
+                break
+    finally:
         if bar is not None:
-            bar.set_postfix(loss=f"{report.losses[-1]:.3f}")
-            bar.update(1)
-        elif callable(progress):
-            progress(step + 1, cfg.steps, report.losses[-1])
-        if state_dir is not None and (report.steps % cfg.save_every == 0):
-            _save_state(peft_model, state_dir, cfg, report.steps)
-        if time.perf_counter() - t0 > cfg.max_seconds:
-            report.stopped_by = "time"
-            break
-    if bar is not None:
-        bar.close()
-    report.seconds = time.perf_counter() - t0
+            bar.close()
     if state_dir is not None:
-        _save_state(peft_model, state_dir, cfg, report.steps)
+        _save_state(peft_model, opt, params, state_dir, cfg, report)
     merged = peft_model.merge_and_unload()
     if merged is not model:  # peft wraps in place: the caller's object is the merged model
         raise RuntimeError("peft did not merge into the model it was given")
-    model.train(was_training)
+    for p in model.parameters():
+        p.requires_grad_(False)
     model.eval()
     return report
 
 
-def _jsonable(cfg: RecoveryConfig) -> dict[str, Any]:
+def _loss(model: Any, teacher: Any, batch: torch.Tensor, distill: float) -> torch.Tensor:
+    """(1 - distill) * next-token cross-entropy + distill * KL(teacher || model), per token."""
+    logits = model(input_ids=batch).logits[:, :-1].float()
+    vocab = logits.shape[-1]
+    ce = torch.nn.functional.cross_entropy(logits.reshape(-1, vocab), batch[:, 1:].reshape(-1))
+    if distill <= 0:
+        return ce
+    with torch.no_grad():
+        target = teacher(input_ids=batch).logits[:, :-1].float()
+    kl = torch.nn.functional.kl_div(torch.log_softmax(logits, -1).reshape(-1, vocab),
+                                    torch.log_softmax(target, -1).reshape(-1, vocab),
+                                    log_target=True, reduction="batchmean")
+    return (1 - distill) * ce + distill * kl
+
+
+def _identity(cfg: RecoveryConfig) -> dict[str, Any]:
+    """What makes two runs the same run (a longer time budget resumes it)."""
     d = asdict(cfg)
     d["targets"] = list(cfg.targets)
-    d.pop("max_seconds")  # a longer budget (or more steps) resumes the same run
-    d.pop("steps")
+    d.pop("max_seconds")
     d.pop("save_every")
     return d
 
 
-def _save_state(peft_model: Any, folder: Path, cfg: RecoveryConfig, step: int) -> None:
+def _read_state(folder: Path, cfg: RecoveryConfig) -> dict[str, Any] | None:
+    """The checkpoint in ``folder`` (None when there is none); refused when it belongs to
+    another run or is incomplete."""
+    path = folder / STATE
+    if folder.exists() and not folder.is_dir():
+        raise InvalidArgument(f"recovery folder {folder} is not a directory")
+    if not path.is_file():
+        return None
+    try:
+        state = json.loads(path.read_text())
+    except ValueError as exc:
+        raise InvalidArgument(f"{path} is not a recovery state ({exc})") from exc
+    if state.get("format") != FORMAT:
+        raise InvalidArgument(f"{folder} holds a recovery checkpoint of another format; "
+                              "use another folder")
+    if state.get("config") != _identity(cfg):
+        raise InvalidArgument(f"{folder} holds a recovery with other settings "
+                              f"({state.get('config')}); use another folder or the same "
+                              "RecoveryConfig")
+    for name in (ADAPTER, OPTIMIZER):
+        if not (folder / name).is_file():
+            raise InvalidArgument(f"recovery checkpoint {folder} lacks {name}")
+    return dict(state)
+
+
+def _save_state(peft_model: Any, opt: torch.optim.Optimizer, params: Sequence[torch.Tensor],
+                folder: Path, cfg: RecoveryConfig, report: RecoveryReport) -> None:
     from peft import get_peft_model_state_dict
     from safetensors.torch import save_file
 
     folder.mkdir(parents=True, exist_ok=True)
-    tensors = {k: v.detach().contiguous() for k, v in get_peft_model_state_dict(
+    adapter = {k: v.detach().contiguous() for k, v in get_peft_model_state_dict(
         peft_model).items()}
-    tmp = folder / "adapter.safetensors.tmp"
-    save_file(tensors, str(tmp))
-    tmp.replace(folder / "adapter.safetensors")
-    state = folder / (STATE + ".tmp")
-    state.write_text(json.dumps({"step": step, "config": _jsonable(cfg)}))
-    state.replace(folder / STATE)
+    moments: dict[str, torch.Tensor] = {}
+    for i, p in enumerate(params):
+        for name, value in opt.state.get(p, {}).items():
+            t = value if isinstance(value, torch.Tensor) else torch.tensor(value)
+            moments[f"{i}.{name}"] = t.detach().contiguous()
+    for name, tensors in ((ADAPTER, adapter), (OPTIMIZER, moments)):
+        tmp = folder / (name + ".tmp")
+        save_file(tensors, str(tmp))
+        tmp.replace(folder / name)
+    state = {"format": FORMAT, "step": report.steps, "seconds": report.seconds,
+             "losses": report.losses, "config": _identity(cfg)}
+    tmp = folder / (STATE + ".tmp")
+    tmp.write_text(json.dumps(state))
+    tmp.replace(folder / STATE)  # last: a state file names only files already in place
+
+
+def _load_optimizer(opt: torch.optim.Optimizer, params: Sequence[torch.Tensor],
+                    moments: dict[str, torch.Tensor], folder: Path) -> None:
+    for key, value in moments.items():
+        index, _, name = key.partition(".")
+        if not index.isdigit() or int(index) >= len(params):
+            raise InvalidArgument(f"{folder / OPTIMIZER} does not match the adapters")
+        p = params[int(index)]
+        if name != "step" and value.shape != p.shape:
+            raise InvalidArgument(f"{folder / OPTIMIZER} does not match the adapters")
+        opt.state[p][name] = value.clone()
 
 
 def _bar(total: int, start: int) -> Any:
