@@ -22,7 +22,7 @@ from kdn.codec import (
     parse_header,
 )
 from kdn.codec.entropy import decode_streams, encode_streams
-from kdn.codec.format import copy_checked, seal
+from kdn.codec.format import copy_checked, header_size, seal
 from kdn.codec.modes import get_mode, tensor_borrowed
 from kdn.codec.modes.cachegen import PARAMS as CACHEGEN
 from kdn.codec.modes.kdn import LEVELS as KDN_LEVELS
@@ -173,6 +173,21 @@ def test_every_bit_flip_detected(mode: str, level: str, layers_per_frame: int) -
             decode(bytes(blob))
         blob[bit // 8] ^= 1 << (bit % 8)
     decode(bytes(blob))  # restored intact
+
+
+def test_a_memoised_header_is_still_checked_byte_for_byte() -> None:
+    """parse_header remembers headers by their exact bytes: the same bytes give the same
+    parsed header, and a header one bit away from a remembered one is still refused."""
+    blob = encode(small_kv(), "kdn", "default")
+    first = parse_header(blob)
+    assert parse_header(bytearray(blob)) is first
+    head = bytearray(blob[: header_size(blob)])
+    for bit in range(len(head) * 8):
+        head[bit // 8] ^= 1 << (bit % 8)
+        with pytest.raises(KDNError):
+            parse_header(bytes(head))
+        head[bit // 8] ^= 1 << (bit % 8)
+    assert parse_header(bytes(head)) is first
 
 
 @pytest.mark.parametrize("mode,level", all_codecs())

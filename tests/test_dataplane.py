@@ -444,6 +444,42 @@ def test_damage_to_a_checked_value_in_server_memory_is_caught_by_the_segment_cop
     assert shm_client.retrieve(_key(22), layout=LAYOUT) is None  # a miss, not damaged tensors
 
 
+def test_a_batch_copied_on_several_threads_lands_whole_and_catches_damage(
+        server: ServerThread, shm_client: Client, monkeypatch: pytest.MonkeyPatch) -> None:
+    """GetMany's parallel segment copy (forced for small batches): every entry lands at its
+    offset bit for bit, and a damaged RAM value among them is read again from disk; with no
+    sound copy left it is a miss while the others still land."""
+    from kdn.server import batch
+
+    monkeypatch.setattr(batch, "PARALLEL_COPY_BYTES", 0)
+    monkeypatch.setattr(batch, "COPY_THREADS", 2)
+    ks = [_key(60 + i) for i in range(6)]
+    kvs = [random_kv(LAYOUT, 24 + 8 * i, seed=60 + i) for i in range(6)]
+    for k, kv in zip(ks, kvs):
+        shm_client.store(k, kv, mode="raw", options=StoreOptions(durability=Durability.DISK))
+    got = shm_client.retrieve_many(ks, layout=LAYOUT)
+    assert all(g is not None and g.equal(kv) for g, kv in zip(got, kvs))
+    assert server.server is not None
+    store = server.server.store
+    ram = next(t for t in store.tiers if t.name == "ram")
+    skey = next(k for k in ram._data if k.endswith(ks[3].hex().encode()))  # noqa: SLF001
+    bad = bytearray(ram._data[skey])  # noqa: SLF001
+    bad[-100] ^= 0x10
+    ram._data[skey] = bytes(bad)  # noqa: SLF001
+    before = shm_client.stats().counters.get("getmany.corrupt", 0)
+    got = shm_client.retrieve_many(ks, layout=LAYOUT)
+    assert all(g is not None and g.equal(kv) for g, kv in zip(got, kvs))  # k3 from disk
+    assert shm_client.stats().counters["getmany.corrupt"] == before + 1
+    ram._data[skey] = bytes(bad)  # noqa: SLF001
+    for tier in store.tiers:
+        if tier.name != "ram":
+            tier.delete(skey)
+    got = shm_client.retrieve_many(ks, layout=LAYOUT)
+    assert got[3] is None
+    assert all(g is not None and g.equal(kv) for i, (g, kv) in enumerate(zip(got, kvs))
+               if i != 3)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_retrieve_into_cuda_through_a_registered_segment(shm_client: Client) -> None:

@@ -38,6 +38,7 @@ import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import numpy as np
 import xxhash
 
 from kdn.errors import Corrupt, InvalidArgument, InvalidLayout, Truncated
@@ -195,12 +196,24 @@ def header_size(buf: bytes | memoryview) -> int:
     return _HEAD.size + n + _HEAD_SUM.size
 
 
+_HEADERS: dict[bytes, Header] = {}
+_HEADERS_MAX = 4096
+_HEADERS_LOCK = threading.Lock()
+
+
 def parse_header(buf: bytes | memoryview) -> Header:
-    """Verify and decode the container header at the start of ``buf``."""
+    """Verify and decode the container header at the start of ``buf``.
+
+    Parsed headers are memoised on their exact bytes (a header is a pure function of them and
+    immutable): one entry's header is parsed several times on its way from a tier to a tensor
+    (the server's layout check and copy, the client's container split and decoder)."""
     size = header_size(buf)
     if len(buf) < size:
         raise Truncated(f"container header truncated: {len(buf)} bytes < {size}")
     raw = bytes(buf[:size])
+    known = _HEADERS.get(raw)
+    if known is not None:
+        return known
     (want,) = _HEAD_SUM.unpack_from(raw, size - _HEAD_SUM.size)
     got = xxhash.xxh3_64_intdigest(raw[: size - _HEAD_SUM.size])
     if got != want:
@@ -220,7 +233,12 @@ def parse_header(buf: bytes | memoryview) -> Header:
         raise InvalidLayout("container header layout fingerprint does not match its layout")
     _check_spans(entry, layout)
     version = _HEAD.unpack_from(raw, 0)[1]
-    return Header(raw=raw, entry=entry, layout=layout, checksum=want, version=version)
+    header = Header(raw=raw, entry=entry, layout=layout, checksum=want, version=version)
+    with _HEADERS_LOCK:
+        if len(_HEADERS) >= _HEADERS_MAX:
+            _HEADERS.pop(next(iter(_HEADERS)))
+        _HEADERS[raw] = header
+    return header
 
 
 def _check_spans(entry: pb.EntryHeader, layout: KVLayout) -> None:
@@ -437,6 +455,10 @@ def copy_checked(dst: memoryview, value: bytes | memoryview) -> None:
     src, out = memoryview(value).cast("B"), memoryview(dst).cast("B")
     if len(out) != len(src):
         raise InvalidArgument(f"copy of {len(src)} bytes into {len(out)}")
+    # numpy copies without the GIL (a memoryview assignment holds it), and xxhash hashes
+    # without it: copies of several entries run on as many cores
+    src_a = np.frombuffer(src, dtype=np.uint8)
+    out_a = np.frombuffer(out, dtype=np.uint8)
     head = header_size(src)
     out[:head] = src[:head]
     header = parse_header(out[:head])
@@ -451,7 +473,7 @@ def copy_checked(dst: memoryview, value: bytes | memoryview) -> None:
         h.update(out[off : off + 12])
         for at in range(off + _FRAME.size, end, COPY_CHUNK):
             stop = min(at + COPY_CHUNK, end)
-            out[at:stop] = src[at:stop]
+            np.copyto(out_a[at:stop], src_a[at:stop])
             h.update(out[at:stop])
         # the checksum binds these bytes to what Store validated record by record: the frame
         # as a whole is what is left to check here

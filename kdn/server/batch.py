@@ -34,6 +34,7 @@ import secrets
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -71,6 +72,25 @@ INLINE_BUDGET = 48 << 20
 MAX_BATCH_BYTES = 2 << 30
 """Bytes one PutMany may ask the server to copy out of a segment (all items are held until
 every one is checked)."""
+
+
+COPY_THREADS = max(1, min(4, (os.cpu_count() or 1) // 2))
+"""Threads a large GetMany copies on. Copies are bound by memory bandwidth, and the client
+places what it got on its own threads at the same time: half the cores at most (measured on a
+2-core host, a second copy thread made one 188 MB batch 12% faster alone and a 4-thread SGLang
+batch 10-20% slower, so there it is one)."""
+PARALLEL_COPY_BYTES = 8 << 20
+"""A GetMany into a segment copies its entries on ``COPY_THREADS`` threads from this size."""
+_pool_lock = threading.Lock()
+_pool: ThreadPoolExecutor | None = None
+
+
+def _copy_pool() -> ThreadPoolExecutor:
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(COPY_THREADS, thread_name_prefix="kdn-copy")
+        return _pool
 
 
 class SegmentUnavailable(KDNError):
@@ -295,6 +315,7 @@ class BatchMixin:
         out = pb.GetManyResponse()
         want = request.expect_layout_fingerprint
         sent = 0
+        copies: list[tuple[pb.EntryRef, bytes, Hit, int]] = []  # segment copies, placed
         for skey in skeys:
             ref = out.entries.add()
             started = time.perf_counter()
@@ -309,26 +330,66 @@ class BatchMixin:
             if have != want:
                 raise LayoutMismatch(f"entry {skey.decode()} has layout {have}, caller "
                                      f"expects {want}")
-            if seg is not None and cursor + len(value) <= end:
-                hit = self._checked_copy(seg, skey, hit, cursor, end)
-                if hit is None:
-                    continue
-                ref.verified = True
-                value = hit.value
             ref.present, ref.tier, ref.length = True, hit.tier, len(value)
             if cursor + len(value) > end:
                 continue  # no room: the client asks again with a region of ref.length
-            if seg is not None:
-                cursor = _frames_aligned(cursor, value, end)  # where _checked_copy wrote it
+            if seg is not None:  # placed now, copied below (in parallel)
+                cursor = _frames_aligned(cursor, value, end)
                 ref.offset = cursor
+                copies.append((ref, skey, hit, cursor))
             else:
                 ref.data = bytes(value)  # no copy when the tier holds bytes
-            ref.written = True
+                ref.written = True
+                self.count("getmany.hit")
             cursor = _aligned(cursor + len(value))
             sent += len(value)
-            self.count("getmany.hit")
+        if copies:
+            sent -= self._copy_all(seg, copies)
         self.count("bytes_out", sent)
         return out
+
+    def _copy_all(self, seg: Segment | None, copies: list[tuple[pb.EntryRef, bytes, Hit, int]]
+                  ) -> int:
+        """Copy each placed entry into the segment at its offset, checking every checksum on
+        the written bytes, on up to ``COPY_THREADS`` threads (numpy and xxhash run without the
+        GIL) when the batch is large; an entry that fails its check is read again
+        (``_checked_copy``) or answered as a miss. Returns the bytes not written."""
+        assert seg is not None
+        total = sum(len(hit.value) for _, _, hit, _ in copies)
+        workers = min(COPY_THREADS, len(copies)) if total >= PARALLEL_COPY_BYTES else 1
+
+        def one(item: tuple[pb.EntryRef, bytes, Hit, int]) -> BaseException | None:
+            _, _, hit, at = item
+            try:
+                copy_checked(memoryview(seg.array[at : at + len(hit.value)]),  # type: ignore[arg-type]
+                             hit.value)
+                return None
+            except Corrupt as exc:
+                return exc
+
+        if workers > 1:
+            results = list(_copy_pool().map(one, copies))
+        else:
+            results = [one(item) for item in copies]
+        lost = 0
+        for (ref, skey, hit, at), exc in zip(copies, results):
+            if exc is not None:
+                log.error("entry %r failed its check in a segment copy: %s", skey, exc)
+                self.count("getmany.corrupt")
+                self.store.distrust(skey)
+                again = self.store.get(skey)
+                # the region was sized for the first value: a second read of another length
+                # (or layout) is answered as a miss, as a second failure is
+                if again is None or len(again.value) != len(hit.value) or \
+                        parse_header(again.value).layout != parse_header(hit.value).layout or \
+                        self._checked_copy(seg, skey, again, at, at + len(hit.value)) is None:
+                    ref.present, ref.tier, ref.length, ref.offset = False, "", 0, 0
+                    lost += len(hit.value)
+                    continue
+                ref.tier = again.tier
+            ref.verified = ref.written = True
+            self.count("getmany.hit")
+        return lost
 
     def _checked_copy(self, seg: Segment, skey: bytes, hit: Hit, cursor: int, end: int
                       ) -> Hit | None:
