@@ -19,7 +19,16 @@ SKIP = {"section", "rss_samples", "corrupt_keys", "bit_exact", "bytes", "raw_p50
         "raw_p99_ms"}
 
 
+def _interval(v: Any) -> bool:
+    """A [low, high] pair (a confidence interval): shown in a cell."""
+    return isinstance(v, list) and len(v) == 2 and all(isinstance(x, (int, float)) for x in v)
+
+
 def fmt(v: Any) -> str:
+    if v is None:
+        return ""
+    if _interval(v):
+        return "[" + ", ".join(fmt(float(x)) for x in v) + "]"
     if isinstance(v, float):
         if v != v:
             return "–"
@@ -32,8 +41,10 @@ def fmt(v: Any) -> str:
 def table(rows: list[dict[str, Any]]) -> str:
     cols: list[str] = []
     for r in rows:
-        cols += [c for c, v in r.items() if c not in cols and c not in SKIP
-                 and not isinstance(v, (list, dict))]
+        cols += [c for c in r if c not in cols and c not in SKIP]
+    # a column holding any list or dict but an interval is left to the JSON
+    cols = [c for c in cols if not any(isinstance(r.get(c), (list, dict))
+                                       and not _interval(r.get(c)) for r in rows)]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(fmt(r.get(c, "")) for c in cols) + " |" for r in rows]
     return "\n".join(lines)
