@@ -87,6 +87,8 @@ def test_recovery_is_deterministic_and_a_resumed_run_equals_an_uninterrupted_one
     c = copy.deepcopy(base)  # stopped by the time bound after its first step
     first = recover(c, _train(), _with(max_seconds=1e-9), folder=ck)
     assert first.stopped_by == "time" and first.steps == 1
+    over = recover(copy.deepcopy(base), _train(), _with(max_seconds=1e-9), folder=ck)
+    assert over.steps == 1 and over.stopped_by == "time"  # resumed past its budget: no step
     assert {p.name for p in ck.iterdir()} == {"adapter.safetensors", "optimizer.safetensors",
                                               "recovery_state.json"}
     d = copy.deepcopy(base)  # a new process starts from the pruned model again

@@ -186,7 +186,10 @@ class PrunedAttention(nn.Module):
     def forward(self, hidden_states: torch.Tensor,
                 position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
                 attention_mask: torch.Tensor | None = None, past_key_values: Any = None,
-                **kwargs: Any) -> tuple[torch.Tensor, Any]:
+                cache: Any = None, **kwargs: Any) -> tuple[torch.Tensor, Any]:
+        # transformers hands the layer's cache as ``cache`` since 5.2x, ``past_key_values``
+        # before: either is the cache to extend
+        past_key_values = cache if cache is not None else past_key_values
         batch, tokens = hidden_states.shape[:-1]
         # q: [batch, heads, tokens, k_ch]; k: [batch, kv_heads, tokens, k_ch]
         q = self.q_proj(hidden_states).view(batch, tokens, self.num_heads, self.k_channels)

@@ -184,6 +184,9 @@ def recover(model: Any, train_ids: torch.Tensor, config: RecoveryConfig | None =
     peft_model.train()
     try:
         for step in range(report.steps, cfg.steps):
+            if report.seconds > cfg.max_seconds:  # checked first: a resumed run may be past it
+                report.stopped_by = "time"
+                break
             for group in opt.param_groups:
                 group["lr"] = cfg.lr_at(step)
             batch = batch_at(ids, cfg, step)
@@ -203,9 +206,6 @@ def recover(model: Any, train_ids: torch.Tensor, config: RecoveryConfig | None =
                 progress(report.steps, cfg.steps, report.losses[-1], report.seconds)
             if state_dir is not None and report.steps % cfg.save_every == 0:
                 _save_state(peft_model, opt, params, state_dir, cfg, report)
-            if report.seconds > cfg.max_seconds and report.steps < cfg.steps:
-                report.stopped_by = "time"
-                break
     finally:
         if bar is not None:
             bar.close()
