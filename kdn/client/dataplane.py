@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from kdn.codec import EncodedParts
-from kdn.codec.format import parse_container
+from kdn.codec.format import Header, parse_container
 from kdn.errors import Corrupt, DeadlineExceeded, KDNError, RateLimited, TooLarge, Unavailable
 from kdn.status import error_of
 from kdn.v1 import kdn_pb2 as pb
@@ -56,6 +56,8 @@ class Fetched:
     checked: bool = False
     """The server verified every checksum on these very bytes after writing them into the
     segment (``EntryRef.verified``): decoding need not hash them again."""
+    header: Header | None = None
+    """``parts.header`` parsed, where the reader parsed it already."""
 
 
 class TooBig:
@@ -70,7 +72,7 @@ def _fetched(buf: bytes | memoryview, tier: str, owned: bool = False,
     """Header and frame views of one container (checked when decoded)."""
     c = parse_container(buf, verify=False)
     return Fetched(EncodedParts(c.header.raw, list(c.frames)), tier,  # type: ignore[arg-type]
-                   owned, checked)
+                   owned, checked, c.header)
 
 
 class DataPlane:

@@ -196,7 +196,8 @@ def header_size(buf: bytes | memoryview) -> int:
     return _HEAD.size + n + _HEAD_SUM.size
 
 
-_HEADERS: dict[bytes, Header] = {}
+_HEADERS: dict[bytes, tuple[KVLayout, int, int]] = {}
+"""Headers already verified, by their exact bytes: (layout, checksum, version)."""
 _HEADERS_MAX = 4096
 _HEADERS_LOCK = threading.Lock()
 
@@ -204,16 +205,20 @@ _HEADERS_LOCK = threading.Lock()
 def parse_header(buf: bytes | memoryview) -> Header:
     """Verify and decode the container header at the start of ``buf``.
 
-    Parsed headers are memoised on their exact bytes (a header is a pure function of them and
-    immutable): one entry's header is parsed several times on its way from a tier to a tensor
-    (the server's layout check and copy, the client's container split and decoder)."""
+    The checks are memoised on the header's exact bytes (their outcome is a pure function of
+    them): one entry's header is parsed several times on its way from a tier to a tensor (the
+    server's layout check and copy, the client's container split and decoder). Every call still
+    returns its own ``entry`` message: a caller may change it without touching another's."""
     size = header_size(buf)
     if len(buf) < size:
         raise Truncated(f"container header truncated: {len(buf)} bytes < {size}")
     raw = bytes(buf[:size])
     known = _HEADERS.get(raw)
     if known is not None:
-        return known
+        entry = pb.EntryHeader()
+        entry.ParseFromString(raw[_HEAD.size : size - _HEAD_SUM.size])
+        return Header(raw=raw, entry=entry, layout=known[0], checksum=known[1],
+                      version=known[2])
     (want,) = _HEAD_SUM.unpack_from(raw, size - _HEAD_SUM.size)
     got = xxhash.xxh3_64_intdigest(raw[: size - _HEAD_SUM.size])
     if got != want:
@@ -233,12 +238,19 @@ def parse_header(buf: bytes | memoryview) -> Header:
         raise InvalidLayout("container header layout fingerprint does not match its layout")
     _check_spans(entry, layout)
     version = _HEAD.unpack_from(raw, 0)[1]
-    header = Header(raw=raw, entry=entry, layout=layout, checksum=want, version=version)
     with _HEADERS_LOCK:
         if len(_HEADERS) >= _HEADERS_MAX:
             _HEADERS.pop(next(iter(_HEADERS)))
-        _HEADERS[raw] = header
-    return header
+        _HEADERS[raw] = (layout, want, version)
+    return Header(raw=raw, entry=entry, layout=layout, checksum=want, version=version)
+
+
+def header_layout(buf: bytes | memoryview) -> KVLayout:
+    """The layout of the verified container header at the start of ``buf`` (``parse_header``
+    without building its entry message when these bytes were verified before)."""
+    size = header_size(buf)
+    known = _HEADERS.get(bytes(buf[:size])) if len(buf) >= size else None
+    return known[0] if known is not None else parse_header(buf).layout
 
 
 def _check_spans(entry: pb.EntryHeader, layout: KVLayout) -> None:

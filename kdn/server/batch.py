@@ -41,7 +41,14 @@ from typing import TYPE_CHECKING, Any
 import grpc
 import numpy as np
 
-from kdn.codec.format import Header, copy_checked, header_size, parse_container, parse_header
+from kdn.codec.format import (
+    Header,
+    copy_checked,
+    header_layout,
+    header_size,
+    parse_container,
+    parse_header,
+)
 from kdn.errors import (
     Corrupt,
     InvalidArgument,
@@ -326,7 +333,7 @@ class BatchMixin:
                 continue
             self.usage.served(skey, hit.value, hit.tier, time.perf_counter() - started)
             value = hit.value
-            have = parse_header(value).layout.fingerprint if want else ""
+            have = header_layout(value).fingerprint if want else ""
             if have != want:
                 raise LayoutMismatch(f"entry {skey.decode()} has layout {have}, caller "
                                      f"expects {want}")
