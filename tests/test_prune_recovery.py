@@ -88,7 +88,7 @@ def test_recovery_is_deterministic_and_a_resumed_run_equals_an_uninterrupted_one
     first = recover(c, _train(), _with(max_seconds=1e-9), folder=ck)
     assert first.stopped_by == "time" and first.steps == 1
     over = recover(copy.deepcopy(base), _train(), _with(max_seconds=1e-9), folder=ck)
-    assert over.steps == 1 and over.stopped_by == "time"  # resumed past its budget: no step
+    assert over.steps == 1 and over.stopped_by == "time"  # resumed past its bound: no step
     assert {p.name for p in ck.iterdir()} == {"adapter.safetensors", "optimizer.safetensors",
                                               "recovery_state.json"}
     d = copy.deepcopy(base)  # a new process starts from the pruned model again
@@ -99,6 +99,19 @@ def test_recovery_is_deterministic_and_a_resumed_run_equals_an_uninterrupted_one
     e = copy.deepcopy(base)  # a finished checkpoint: nothing to train, the same model
     again = recover(e, _train(), CFG, folder=ck)
     assert again.resumed_from == 12 and again.seconds == resumed.seconds and _same(e, a)
+
+
+def test_the_time_bound_is_kept_not_crossed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step that would take the training past ``max_seconds`` at the run's pace is not
+    started (with every step taking 10 s and a 25 s bound: two steps, 20 s, not three)."""
+    import types
+
+    from kdn.prune import recover as rec
+
+    clock = iter(range(0, 10_000, 10))
+    monkeypatch.setattr(rec, "time", types.SimpleNamespace(perf_counter=lambda: next(clock)))
+    report = recover(_pruned(), _train(), _with(max_seconds=25.0))
+    assert report.stopped_by == "time" and report.steps == 2 and report.seconds == 20
 
 
 def test_a_checkpoint_of_other_settings_or_a_broken_one_is_refused(tmp_path: Path) -> None:

@@ -26,9 +26,10 @@ Lifecycle of ``recover``:
 3. Step s trains on windows drawn by a generator seeded with (seed, s) alone, with a short
    warm-up then cosine decay of the learning rate over ``steps``: a resumed run computes what
    an uninterrupted one does, bit for bit on the same machine.
-4. It stops after ``steps`` steps, or after the step that takes the training time (resumed
-   runs' included) past ``max_seconds``; the state is written every ``save_every`` steps and
-   at the end (temp files renamed into place).
+4. It stops after ``steps`` steps, or before a step that would take the training time
+   (resumed runs' included) past ``max_seconds`` at this run's pace per step (a resumed run
+   already past it takes no step); the state is written every ``save_every`` steps and at the
+   end (temp files renamed into place).
 5. The adapters are merged into the weights and peft's wrappers removed: the caller's model
    object is the recovered model, same modules, same shapes.
 """
@@ -179,12 +180,15 @@ def recover(model: Any, train_ids: torch.Tensor, config: RecoveryConfig | None =
         report.seconds = float(saved["seconds"])
         report.losses = [float(x) for x in saved["losses"]]
     bar = _bar(cfg.steps, report.steps) if progress is True else None
-    t0, prior = time.perf_counter(), report.seconds
+    t0, prior, first = time.perf_counter(), report.seconds, report.steps
     device = next(model.parameters()).device
     peft_model.train()
     try:
         for step in range(report.steps, cfg.steps):
-            if report.seconds > cfg.max_seconds:  # checked first: a resumed run may be past it
+            # checked before the step (a resumed run may be past the bound already), and a step
+            # that would cross it at this run's pace is not started: the bound is kept
+            pace = (report.seconds - prior) / (step - first) if step > first else 0.0
+            if report.seconds + pace > cfg.max_seconds:
                 report.stopped_by = "time"
                 break
             for group in opt.param_groups:
