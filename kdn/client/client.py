@@ -663,7 +663,7 @@ def _key_info(info: pb.KeyInfo) -> KeyInfo:
 def _checked_layout(got: Fetched, layout: KVLayout | None) -> Fetched:
     """``got`` when its layout is the one the caller expects (as the server checks)."""
     if layout is not None:
-        have = parse_header(got.parts.header).layout.fingerprint
+        have = got.parsed().layout.fingerprint
         if have != layout.fingerprint:
             raise LayoutMismatch(f"entry has layout {have}, caller expects {layout.fingerprint}")
     return got
@@ -716,7 +716,7 @@ def _decoder(header: bytes | memoryview, device: torch.device | str | None,
     from kdn.codec import StreamDecoder
 
     target = torch.device(device or "cpu")
-    parsed = parse_header(header)
+    parsed = got.parsed() if got is not None else parse_header(header)
     on_host = target.type == "cuda" and parsed.mode == "raw"
     return StreamDecoder(parsed, "cpu" if on_host else target,
                          borrow=got is not None and got.owned,

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from kdn.codec import EncodedParts
-from kdn.codec.format import Header, parse_container
+from kdn.codec.format import Header, parse_container, parse_header
 from kdn.errors import Corrupt, DeadlineExceeded, KDNError, RateLimited, TooLarge, Unavailable
 from kdn.status import error_of
 from kdn.v1 import kdn_pb2 as pb
@@ -57,7 +57,11 @@ class Fetched:
     """The server verified every checksum on these very bytes after writing them into the
     segment (``EntryRef.verified``): decoding need not hash them again."""
     header: Header | None = None
-    """``parts.header`` parsed, where the reader parsed it already."""
+    """``parts.header`` parsed, where the reader parsed it already (``parsed()``)."""
+
+    def parsed(self) -> Header:
+        """``parts.header`` parsed (verified): the reader's parse where there is one."""
+        return self.header if self.header is not None else parse_header(self.parts.header)
 
 
 class TooBig:

@@ -360,12 +360,12 @@ class BatchMixin:
         """Copy each placed entry into the segment at its offset, checking every checksum on
         the written bytes, on up to ``COPY_THREADS`` threads (numpy and xxhash run without the
         GIL) when the batch is large; an entry that fails its check is read again
-        (``_checked_copy``) or answered as a miss. Returns the bytes not written."""
+        (``_recopy``) or answered as a miss. Returns the bytes not written."""
         assert seg is not None
         total = sum(len(hit.value) for _, _, hit, _ in copies)
         workers = min(COPY_THREADS, len(copies)) if total >= PARALLEL_COPY_BYTES else 1
 
-        def one(item: tuple[pb.EntryRef, bytes, Hit, int]) -> BaseException | None:
+        def one(item: tuple[pb.EntryRef, bytes, Hit, int]) -> Corrupt | None:
             _, _, hit, at = item
             try:
                 copy_checked(memoryview(seg.array[at : at + len(hit.value)]),  # type: ignore[arg-type]
@@ -381,15 +381,8 @@ class BatchMixin:
         lost = 0
         for (ref, skey, hit, at), exc in zip(copies, results):
             if exc is not None:
-                log.error("entry %r failed its check in a segment copy: %s", skey, exc)
-                self.count("getmany.corrupt")
-                self.store.distrust(skey)
-                again = self.store.get(skey)
-                # the region was sized for the first value: a second read of another length
-                # (or layout) is answered as a miss, as a second failure is
-                if again is None or len(again.value) != len(hit.value) or \
-                        parse_header(again.value).layout != parse_header(hit.value).layout or \
-                        self._checked_copy(seg, skey, again, at, at + len(hit.value)) is None:
+                again = self._recopy(seg, skey, hit, exc, at)
+                if again is None:
                     ref.present, ref.tier, ref.length, ref.offset = False, "", 0, 0
                     lost += len(hit.value)
                     continue
@@ -398,29 +391,29 @@ class BatchMixin:
             self.count("getmany.hit")
         return lost
 
-    def _checked_copy(self, seg: Segment, skey: bytes, hit: Hit, cursor: int, end: int
-                      ) -> Hit | None:
-        """Copy ``hit`` into the segment where ``_get_many`` places it, checking every
-        checksum on the written bytes (``copy_checked``). A copy that fails the check makes the
-        store hash the key's values again on a second read (a damaged tier copy is dropped
-        there); None when that read finds nothing sound either (answered as a miss)."""
-        for attempt in (0, 1):
-            value = hit.value
-            at = _frames_aligned(cursor, value, end)
-            try:
-                copy_checked(memoryview(seg.array[at : at + len(value)]),  # type: ignore[arg-type]
-                             value)
-                return hit
-            except Corrupt as exc:
-                log.error("entry %r failed its check in a segment copy: %s", skey, exc)
-                self.count("getmany.corrupt")
-                self.store.distrust(skey)
-                again = self.store.get(skey) if attempt == 0 else None
-                if again is None or cursor + len(again.value) > end or \
-                        parse_header(again.value).layout != parse_header(value).layout:
-                    return None
-                hit = again
-        return None
+    def _recopy(self, seg: Segment, skey: bytes, hit: Hit, exc: Corrupt, at: int
+                ) -> Hit | None:
+        """After ``hit`` failed its check in the segment copy at ``at``: the store hashes the
+        key's values again on a second read (a damaged tier copy is dropped there), and a sound
+        value of the same length and layout (the region and the later entries' offsets are
+        fixed) is copied in its place. None when there is none (answered as a miss)."""
+        self._distrust(skey, exc)
+        again = self.store.get(skey)
+        if again is None or len(again.value) != len(hit.value) or \
+                parse_header(again.value).layout != parse_header(hit.value).layout:
+            return None
+        try:
+            copy_checked(memoryview(seg.array[at : at + len(hit.value)]),  # type: ignore[arg-type]
+                         again.value)
+            return again
+        except Corrupt as second:
+            self._distrust(skey, second)
+            return None
+
+    def _distrust(self, skey: bytes, exc: Corrupt) -> None:
+        log.error("entry %r failed its check in a segment copy: %s", skey, exc)
+        self.count("getmany.corrupt")
+        self.store.distrust(skey)
 
     async def PutMany(self, request: pb.PutManyRequest,
                       context: grpc.aio.ServicerContext) -> pb.PutManyResponse:
