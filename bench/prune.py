@@ -245,7 +245,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--eval-windows", type=int, default=0, help="evaluation windows (16)")
     ap.add_argument("--window", type=int, default=0, help="tokens predicted per window (512)")
     ap.add_argument("--recover-steps", type=int, nargs="+", default=[],
-                    help="LoRA steps per ratio (default 200 for 20%%, 400 for 50%%)")
+                    help="LoRA steps per ratio (default 600 for 20%%, 950 for 50%%)")
     ap.add_argument("--recover-seconds", type=float, default=1800.0)
     ap.add_argument("--distill", type=float, default=1.0,
                     help="weight of the KL from the unpruned model in the recovery loss")
@@ -259,7 +259,7 @@ def main(argv: list[str] | None = None) -> None:
     window = args.window or (128 if args.quick else 512)
     n_questions = args.questions or (4 if args.quick else 50)
     steps_for = dict(zip(args.ratios, args.recover_steps)) if args.recover_steps else {
-        r: (4 if args.quick else (200 if r <= 0.2 else 400)) for r in args.ratios}
+        r: (4 if args.quick else (600 if r <= 0.2 else 950)) for r in args.ratios}
     codec_windows, codec_ctx, codec_eval = (2, 64, 32) if args.quick else (8, 256, 128)
     speed_ctx, speed_new, reps = (64, 8, 1) if args.quick else (256, 16, 3)
     ttft_tokens = 129 if args.quick else 1025

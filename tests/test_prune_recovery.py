@@ -26,7 +26,7 @@ from kdn.errors import InvalidArgument, InvalidLayout  # noqa: E402
 from kdn.hf import model_layout  # noqa: E402
 from kdn.prune import PruneConfig, kvprune, save_pruned  # noqa: E402
 from kdn.prune import evaluate as ev  # noqa: E402
-from kdn.prune.recover import RecoveryConfig, recover  # noqa: E402
+from kdn.prune.recover import DistillKL, RecoveryConfig, recover  # noqa: E402
 from tests.test_prune import ids, tiny  # noqa: E402
 
 CFG = RecoveryConfig(steps=12, batch=2, seq_len=32, rank=4, alpha=8, lr=5e-3, warmup=2,
@@ -75,6 +75,33 @@ def test_distillation_from_the_unpruned_model_lowers_the_kl() -> None:
     assert report.last_loss < report.first_loss
     with pytest.raises(InvalidArgument, match="needs the unpruned teacher"):
         recover(_pruned(), _train(), _with(distill=0.5))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_fused_distillation_loss_equals_the_unfused_one_and_its_gradient(
+        dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(5)
+    # 3 sequences of 70 positions: row chunks of 64 leave a remainder in each sequence
+    logits = (torch.randn(3, 70, 300, generator=g) * 4).to(dtype).requires_grad_()
+    target = (torch.randn(3, 70, 300, generator=g) * 4).to(dtype)
+    flat = logits.float().reshape(-1, 300)
+    ref = torch.nn.functional.kl_div(torch.log_softmax(flat, -1),
+                                     torch.log_softmax(target.float().reshape(-1, 300), -1),
+                                     log_target=True, reduction="batchmean")
+    (ref * 3).backward()
+    want = logits.grad.clone()  # type: ignore[union-attr]
+    logits.grad = None
+    got = DistillKL.apply(logits, target)
+    (got * 3).backward()
+    assert got.dtype == torch.float32 and abs(float(got) - float(ref)) < 1e-4 * float(ref)
+    assert logits.grad is not None and logits.grad.dtype == dtype
+    # bfloat16: the gradient is rounded when stored and again when scaled (2**-8 each)
+    tol = 1e-7 if dtype == torch.float32 else 2 ** -6 * float(want.abs().max())
+    assert float((logits.grad.float() - want.float()).abs().max()) <= tol
+    same = DistillKL.apply(logits.detach(), logits.detach())
+    assert abs(float(same)) < 1e-6  # no divergence from itself
+    with pytest.raises(InvalidArgument, match="must both be"):
+        DistillKL.apply(logits, target[:, :-1])
 
 
 def test_recovery_is_deterministic_and_a_resumed_run_equals_an_uninterrupted_one(

@@ -219,8 +219,8 @@ def register(sub: Any) -> None:
     ing.add_argument("--mode", default="lossless",
                      help="codec mode: lossless, raw, int8, cachegen, kdn (default lossless)")
     ing.add_argument("--level", default="",
-                     help="codec level of the kdn mode: near-lossless, high, default (the "
-                     "default), small, compact, tiny")
+                     help="codec level of the kdn mode: near-lossless, high, balanced, default "
+                     "(the default), small, compact, tiny")
     ing.add_argument("--no-prune", action="store_true",
                      help="keep documents that left the corpus")
     ing.set_defaults(rag_func=_ingest)

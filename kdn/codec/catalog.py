@@ -14,7 +14,7 @@ LEVELS: dict[str, tuple[str, ...]] = {
     "lossless": ("",),
     "int8": ("",),
     "cachegen": ("",),
-    "kdn": ("near-lossless", "high", "default", "small", "compact", "tiny"),
+    "kdn": ("near-lossless", "high", "balanced", "default", "small", "compact", "tiny"),
 }
 
 
