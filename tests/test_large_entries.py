@@ -17,7 +17,7 @@ from kdn.engine.engine import CHUNK_TOKENS, MAX_CHUNK_BYTES, default_chunk_token
 from kdn.errors import TooLarge
 from kdn.layout import DType, KVLayout, LayerLayout
 from kdn.server import ServerConfig, ServerThread
-from kdn.server.service import _BUFFER_FROM
+from kdn.server.buffers import MIN_BYTES as _BUFFER_FROM
 from kdn.v1 import kdn_pb2 as pb
 from kdn.v1 import kdn_pb2_grpc as pb_grpc
 from kdn.wire import frame_message
@@ -97,7 +97,7 @@ def test_a_declared_size_that_lies_is_refused_and_nothing_is_stored(tmp_path: Pa
     cfg = ServerConfig(port=0, data_dir=tmp_path / "d", max_entry_bytes=256 << 20)
     with ServerThread(cfg) as server, grpc.insecure_channel(server.address) as ch:
         stub = pb_grpc.KDNStub(ch)
-        for declared, words in ((_BUFFER_FROM + 1, "frames hold"),  # more than is sent
+        for declared, words in ((max(_BUFFER_FROM, parts.nbytes) + 1, "frames hold"),  # > sent
                                 (512 << 20, "exceeds max_entry_bytes")):  # over the guard
             with pytest.raises(grpc.RpcError) as info:
                 stub.Store(iter(_stream(parts, key, declared)), timeout=30)

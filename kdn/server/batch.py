@@ -60,6 +60,7 @@ from kdn.errors import (
 )
 from kdn.keys import store_key
 from kdn.server.auth import Principal, current_principal
+from kdn.server.buffers import MIN_BYTES, BufferPool
 from kdn.status import grpc_code
 from kdn.v1 import kdn_pb2 as pb
 
@@ -274,6 +275,7 @@ class BatchMixin:
         usage: Usage
 
     segments: Segments
+    buffers: BufferPool
     fast_path_name: str = ""
     """The socket of the same-host fast path (``kdn.server.fastpath``); "" = none."""
 
@@ -436,7 +438,8 @@ class BatchMixin:
             try:
                 if seg is not None:  # a copy, checked as it is made (one pass): later changes
                     start, stop = _region(seg, item.region)  # by the client can not slip past
-                    own = np.empty(stop - start, dtype=np.uint8)  # (numpy: huge pages)
+                    own = self.buffers.take(stop - start) if stop - start >= MIN_BYTES \
+                        else np.empty(stop - start, dtype=np.uint8)
                     copy_checked(memoryview(own), memoryview(seg.array[start:stop]))  # type: ignore[arg-type]
                     value: bytes | memoryview = memoryview(own).toreadonly()  # type: ignore[arg-type]
                 else:

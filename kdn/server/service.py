@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import mmap
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
@@ -36,6 +35,7 @@ from kdn.options import Durability
 from kdn.server.auth import AuthConfig, Authenticator, Principal, current_principal
 from kdn.server.batch import BatchMixin, Segments
 from kdn.server.blend_rpc import BlendMixin
+from kdn.server.buffers import MIN_BYTES, BufferPool
 from kdn.server.config import ServerConfig
 from kdn.server.usage import Usage
 from kdn.status import grpc_code
@@ -70,7 +70,6 @@ def _rpc(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
     return wrapper
 
 
-_BUFFER_FROM = 64 << 20  # Store receives an entry this big or bigger into one buffer
 
 
 def delete_entry(store: TieredStore, auth: Authenticator, skey: bytes,
@@ -104,6 +103,8 @@ class KDNServicer(BatchMixin, BlendMixin, pb_grpc.KDNServicer):
         self.counters: dict[str, int] = {}
         self.started = time.time()
         self.segments = Segments()
+        # receive buffers of large entries, recycled: up to a quarter of the RAM tier kept free
+        self.buffers = BufferPool(min(1 << 30, config.ram_bytes // 4))
         self.usage = Usage()  # tokens stored and served, for the metrics (kdn.server.usage)
 
     def count(self, name: str, n: int = 1) -> None:
@@ -167,13 +168,14 @@ class KDNServicer(BatchMixin, BlendMixin, pb_grpc.KDNServicer):
         if declared > self.config.max_entry_bytes:
             raise TooLarge(f"entry of {declared} bytes exceeds max_entry_bytes "
                            f"{self.config.max_entry_bytes}")
-        # A big entry whose size is declared is received into one buffer (each frame copied
+        # A large entry whose size is declared is received into one buffer (each frame copied
         # in and dropped as it lands): memory stays at the entry's size, with no join at the end.
-        # (anonymous memory: pages are taken as frames land, so a size declared and never sent
-        # costs nothing)
-        whole = mmap.mmap(-1, declared) if declared >= _BUFFER_FROM else None
-        parts: list[bytes | memoryview] = [header.raw]
+        # The buffer is recycled from entries that left (kdn.server.buffers) or new anonymous
+        # memory, whose pages are taken as frames land: a size declared and never sent costs
+        # nothing.
         total = len(header.raw)
+        whole = memoryview(self.buffers.take(declared)) if declared >= MIN_BYTES else None  # type: ignore[arg-type]
+        parts: list[bytes | memoryview] = [header.raw]
         if whole is not None:
             if declared < total:
                 raise InvalidArgument(f"total_bytes {declared} is smaller than the header")
@@ -205,7 +207,7 @@ class KDNServicer(BatchMixin, BlendMixin, pb_grpc.KDNServicer):
             )
         if whole is not None and total != declared:
             raise InvalidArgument(f"frames hold {total} bytes, total_bytes declared {declared}")
-        value = b"".join(parts) if whole is None else memoryview(whole).toreadonly()
+        value = b"".join(parts) if whole is None else whole.toreadonly()
         self.usage.checked(header, checking)
         return await asyncio.to_thread(self._commit, principal, skey, value,
                                        first.header.options, header)
@@ -327,6 +329,9 @@ class KDNServicer(BatchMixin, BlendMixin, pb_grpc.KDNServicer):
         down = self.store.parts_down()  # remembered by the tiers' watchers: no calls out
         counters = dict(self.counters)
         counters.update({f"store.{k}": v for k, v in self.store.counters.items()})
+        counters.update({"buffers.reused": self.buffers.reused,
+                         "buffers.created": self.buffers.created,
+                         "buffers.free_bytes": self.buffers.free_bytes})
         counters.update({f"store.{k}.queued": v for k, v in self.store.queue_depth().items()})
         counters["store.degraded"] = int(self.store.degraded)
         return pb.StatsResponse(

@@ -1,0 +1,98 @@
+"""Receive buffers of large entries are recycled (kdn.server.buffers): a buffer is written
+again only once no view of its previous use exists; free memory stays within its bound; through
+the server, overwrites reuse buffers and every read still returns what was stored with it."""
+
+from __future__ import annotations
+
+import gc
+
+import numpy as np
+import pytest
+
+from kdn.client import Client
+from kdn.server import ServerThread
+from kdn.server.buffers import MIN_BYTES, BufferPool
+from tests.helpers import random_kv, uniform_layout
+
+
+def test_a_buffer_comes_back_only_when_its_last_view_is_gone() -> None:
+    pool = BufferPool(keep_bytes=64 << 20)
+    a = pool.take(3 << 20)
+    a[:] = 7
+    frame = memoryview(a).toreadonly()[1 << 20: 2 << 20]  # a reader's slice, as Retrieve sends
+    del a
+    gc.collect()
+    assert pool.free_bytes == 0  # the slice keeps the buffer out of the pool
+    b = pool.take(3 << 20)
+    b[:] = 9
+    assert pool.created == 2 and pool.reused == 0
+    assert bytes(frame[:8]) == b"\x07" * 8  # the reader still sees its own bytes
+    del frame
+    gc.collect()
+    assert pool.free_bytes == 3 << 20
+    c = pool.take((3 << 20) - 100)  # close enough in size: reused
+    assert pool.reused == 1 and pool.free_bytes == 0 and len(c) == (3 << 20) - 100
+    del b, c
+
+
+def test_sizes_far_apart_do_not_share_and_free_memory_stays_bounded() -> None:
+    pool = BufferPool(keep_bytes=8 << 20)
+    for _ in range(3):
+        x = pool.take(5 << 20)
+        del x
+    assert pool.created == 1 and pool.reused == 2 and pool.free_bytes == 5 << 20
+    small = pool.take(1 << 20)  # a 5 MiB buffer is not handed out for 1 MiB
+    assert pool.created == 2
+    del small
+    assert pool.free_bytes == 6 << 20
+    big = pool.take(7 << 20)
+    del big  # 7 MiB more would pass 8 MiB: the oldest free buffers are unmapped first
+    assert pool.free_bytes <= 8 << 20
+    huge = pool.take(9 << 20)
+    del huge  # larger than the bound: not kept at all
+    assert pool.free_bytes <= 8 << 20
+    pool.clear()
+    assert pool.free_bytes == 0
+    with pytest.raises(ValueError, match="must be > 0"):
+        pool.take(0)
+
+
+def test_a_buffer_is_never_rewritten_under_a_numpy_reader() -> None:
+    pool = BufferPool(keep_bytes=64 << 20)
+    a = pool.take(2 << 20)
+    a[:] = 1
+    reader = np.frombuffer(memoryview(a).toreadonly(), dtype=np.uint8)[:16]
+    del a
+    for _ in range(5):
+        b = pool.take(2 << 20)
+        b[:] = 2
+        del b
+    assert reader.tolist() == [1] * 16
+
+
+def test_overwrites_through_the_server_reuse_buffers_and_reads_stay_whole(
+        server: ServerThread) -> None:
+    layout = uniform_layout(layers=4, heads=4, dim=64)
+    tokens = MIN_BYTES // layout.bytes_per_token + 64  # every entry above MIN_BYTES
+    kvs = [random_kv(layout, tokens, seed=s) for s in range(4)]
+    c = Client(server.address, timeout_s=30, shm_bytes=0)
+    try:
+        held = []
+        for i in range(12):
+            kv = kvs[i % len(kvs)]
+            c.store(b"k" * 32, kv, mode="raw")
+            if i % 3 == 0:  # a stream left open over an entry about to be overwritten
+                stream = c.retrieve_stream(b"k" * 32)
+                assert stream is not None
+                held.append((stream, kv))
+            back = c.retrieve(b"k" * 32, layout=layout)
+            assert back is not None and back.equal(kv)
+        for stream, kv in held:
+            for layer in range(layout.num_layers):
+                k, v = stream.wait_for_layer(layer)
+                assert np.array_equal(k.numpy(), kv.layers[layer][0].numpy())
+                assert np.array_equal(v.numpy(), kv.layers[layer][1].numpy())
+        counters = c.stats().counters
+        assert counters["buffers.reused"] >= 6 and counters["buffers.created"] <= 6
+    finally:
+        c.close()
