@@ -1,27 +1,28 @@
 """Receive buffers for large entries, recycled once nothing refers to them.
 
 A Store or PutMany of a large entry copies it into one buffer that becomes the RAM tier's value.
-Fresh anonymous memory is slow to write the first time: every 4 KiB page faults and is zeroed
-(1.2–1.9 GB/s on this project's machine, against 19 GB/s for a copy into memory already
-touched), and freeing it unmaps every page again. A cache at capacity frees about as many bytes
-as it stores (overwrites, evictions, deletes), so the buffers of entries that left are the
-obvious place for the next ones: the peers do the same with memory pools allocated up front.
+Fresh anonymous memory is slow to write the first time: every page faults and is zeroed (in
+4 KiB pages 1.2–1.9 GB/s on this project's machine; in the 2 MiB pages numpy asks for,
+12 GB/s once the kernel has them, 0.3 GB/s while it compacts memory to make them), and freeing
+it unmaps every page again. A cache at capacity frees about as many bytes as it stores
+(overwrites, evictions, deletes), so the buffers of entries that left are the obvious place for
+the next ones: the peers do the same with memory pools allocated up front.
 
     pool = BufferPool(keep_bytes=1 << 30)
     buf = pool.take(n)             # writable numpy uint8 array of exactly n bytes
     buf[:] = ...; value = memoryview(buf).toreadonly()
 
-Life of a buffer: ``take`` hands out a numpy array over a pooled or new anonymous mapping and
-watches the array with a weakref finalizer. Everything that reads the entry (the RAM tier's
-value, frames being sent, a queued write to a lower tier, a segment copy) holds a view that
-keeps the array alive, so the finalizer runs only when the last reader let go; the mapping then
-goes back to the free list (up to ``keep_bytes``; beyond that it is unmapped). A mapping is
-never written while any view of its previous use exists.
+Life of a buffer: ``take`` hands out a view of a pooled or new numpy array (``np.empty``: pages
+are taken as they are written, in huge pages where the kernel offers them) and watches the view
+with a weakref finalizer. Everything that reads the entry (the RAM tier's value, frames being
+sent, a queued write to a lower tier, a segment copy) holds a memoryview or array derived from
+that view, which keeps it alive: the finalizer runs only when the last reader let go; the array then
+goes back to the free list (up to ``keep_bytes``; beyond that it is freed). A buffer is never
+written while any view of its previous use exists.
 """
 
 from __future__ import annotations
 
-import mmap
 import threading
 import weakref
 from typing import Any
@@ -32,7 +33,7 @@ MIN_BYTES = 1 << 20
 """Smaller entries are joined from their messages as before (malloc reuses their memory)."""
 _GRAIN = 1 << 20
 _SLACK = 1.25
-"""A free mapping serves a request of at least 1/_SLACK of its size."""
+"""A free buffer serves a request of at least 1/_SLACK of its size."""
 
 
 class BufferPool:
@@ -40,50 +41,48 @@ class BufferPool:
 
     def __init__(self, keep_bytes: int) -> None:
         self.keep_bytes = max(0, keep_bytes)
-        self._free: list[mmap.mmap] = []
+        self._free: list[np.ndarray[Any, Any]] = []
         self._free_bytes = 0
         self._lock = threading.RLock()  # a finalizer can fire inside take() on this thread
         self.reused = 0
         self.created = 0
 
     def take(self, size: int) -> np.ndarray[Any, Any]:
-        """A writable uint8 array of ``size`` bytes, its memory pooled or new (lazily faulted:
-        pages are taken as they are written)."""
+        """A writable uint8 array of ``size`` bytes, its memory pooled or new."""
         if size <= 0:
             raise ValueError(f"buffer size must be > 0, got {size}")
-        mm = self._pop(size)
-        if mm is None:
-            mm = mmap.mmap(-1, -(-size // _GRAIN) * _GRAIN)
+        base = self._pop(size)
+        if base is None:
+            base = np.empty(-(-size // _GRAIN) * _GRAIN, dtype=np.uint8)
             self.created += 1
         else:
             self.reused += 1
-        arr = np.frombuffer(mm, dtype=np.uint8, count=size)
-        weakref.finalize(arr, self._give_back, mm).atexit = False
-        return arr
+        view = base[:size]
+        weakref.finalize(view, self._give_back, base).atexit = False
+        return view
 
-    def _pop(self, size: int) -> mmap.mmap | None:
+    def _pop(self, size: int) -> np.ndarray[Any, Any] | None:
         with self._lock:
             best = None
-            for i, mm in enumerate(self._free):
-                if size <= len(mm) <= size * _SLACK + _GRAIN and (
-                        best is None or len(mm) < len(self._free[best])):
+            for i, buf in enumerate(self._free):
+                if size <= len(buf) <= size * _SLACK + _GRAIN and (
+                        best is None or len(buf) < len(self._free[best])):
                     best = i
             if best is None:
                 return None
-            mm = self._free.pop(best)
-            self._free_bytes -= len(mm)
-            return mm
+            buf = self._free.pop(best)
+            self._free_bytes -= len(buf)
+            return buf
 
-    def _give_back(self, mm: mmap.mmap) -> None:
+    def _give_back(self, buf: np.ndarray[Any, Any]) -> None:
+        if len(buf) > self.keep_bytes:
+            return  # never kept: freed with its last reference
         with self._lock:
-            while self._free and self._free_bytes + len(mm) > self.keep_bytes:
+            while self._free_bytes + len(buf) > self.keep_bytes:
                 old = self._free.pop(0)  # the oldest go first: the newest match recent sizes
                 self._free_bytes -= len(old)
-                old.close()
-            if self._free_bytes + len(mm) <= self.keep_bytes:
-                self._free.append(mm)
-                self._free_bytes += len(mm)
-        # else dropped: unmapped once the array's own hold on it is released
+            self._free.append(buf)
+            self._free_bytes += len(buf)
 
     @property
     def free_bytes(self) -> int:
@@ -91,7 +90,5 @@ class BufferPool:
 
     def clear(self) -> None:
         with self._lock:
-            for mm in self._free:
-                mm.close()
             self._free.clear()
             self._free_bytes = 0
