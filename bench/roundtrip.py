@@ -17,6 +17,9 @@ process. One row per (op, path, size): ``bytes``, ``seconds`` (median), ``gb_s``
 
 ``store`` sends a pre-encoded entry, ``fetch`` returns the undecoded container, ``retrieve``
 returns CPU tensors (checksums verified). The stream path keeps one message per layer frame.
+Rows over gRPC also carry ``ratio_to_same_direction``: against the raw service's figure for the
+same direction (a store against its put, a read against its get), where ``ratio_to_limit``
+takes the better of the two.
 """
 
 from __future__ import annotations
@@ -232,11 +235,13 @@ def run(tokens_list: list[int], repeat: int, out: Path) -> list[dict[str, Any]]:
                 base = limits.get((r["limit"], n))
                 r["ratio_to_limit"] = r["gb_s"] / base if base else None
             rows += batch
+            _same_direction(rows)
             for c in clients.values():
                 c.close()
     ch.close()
     raw.stop()
-    print_table(rows, ["op", "path", "tokens", "bytes", "gb_s", "limit", "ratio_to_limit"])
+    print_table(rows, ["op", "path", "tokens", "bytes", "gb_s", "limit", "ratio_to_limit",
+                       "ratio_to_same_direction"])
     write_json(out, "roundtrip", rows, repeat=repeat, layout="30 layers x 3 heads x 64 fp16",
                message="one gRPC message per layer frame on the stream paths",
                server="in this process (ServerThread), RAM tier only")
@@ -265,6 +270,19 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     ax.set_title("kdn data-plane paths vs memcpy and raw gRPC (loopback, RAM tier)")
     ax.legend(fontsize=6, ncol=3)
     save_figure(fig, path)
+
+
+def _same_direction(rows: list[dict[str, Any]]) -> None:
+    """Each gRPC row's ratio to the raw service in its own direction (batch rows, of another
+    size, to the best raw figure of that direction)."""
+    raw = {(r["op"], r["tokens"]): r["gb_s"] for r in rows if r["path"] == "raw-grpc"}
+    for r in rows:
+        if r["limit"] != "raw-grpc":
+            continue
+        op = "put" if r["op"] == "store" else "get"
+        base = raw.get((op, r["tokens"])) or max(v for (o, _), v in raw.items() if o == op)
+        r["same_direction_limit"] = f"raw-grpc-{op}"
+        r["ratio_to_same_direction"] = r["gb_s"] / base
 
 
 def main(argv: list[str] | None = None) -> None:
