@@ -44,6 +44,7 @@ class KVCache:
         if self.start_position < 0:
             raise InvalidLayout(f"start_position must be >= 0, got {self.start_position}")
         tokens = None
+        dtype = self.layout.dtype.torch
         for i, ((k, v), lay) in enumerate(zip(self.layers, self.layout.layers)):
             want_k = (lay.kv_heads, k.shape[1] if k.dim() == 3 else -1, lay.k_channels)
             want_v = (lay.kv_heads, k.shape[1] if k.dim() == 3 else -1, lay.v_channels)
@@ -55,7 +56,7 @@ class KVCache:
                 tokens = k.shape[1]
             elif k.shape[1] != tokens:
                 raise InvalidLayout(f"layer {i} holds {k.shape[1]} tokens, layer 0 holds {tokens}")
-            if k.dtype != self.layout.dtype.torch or v.dtype != self.layout.dtype.torch:
+            if k.dtype != dtype or v.dtype != dtype:
                 raise InvalidLayout(
                     f"layer {i}: dtype {k.dtype}/{v.dtype}, "
                     f"layout declares {self.layout.dtype.value}"

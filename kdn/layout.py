@@ -34,6 +34,9 @@ if TYPE_CHECKING:
     TorchDType = torch.dtype
 
 
+_TORCH_DTYPES: dict[str, TorchDType] = {}
+
+
 class DType(enum.Enum):
     """Element types a cache may hold."""
 
@@ -43,9 +46,12 @@ class DType(enum.Enum):
 
     @property
     def torch(self) -> TorchDType:
-        import torch  # the storage side uses layouts without torch: loaded on first need
+        t = _TORCH_DTYPES.get(self.value)  # asked per tensor on every decode: looked up once
+        if t is None:
+            import torch  # the storage side uses layouts without torch: loaded on first need
 
-        return getattr(torch, self.value)  # type: ignore[no-any-return]
+            t = _TORCH_DTYPES[self.value] = getattr(torch, self.value)
+        return t
 
     @property
     def itemsize(self) -> int:
