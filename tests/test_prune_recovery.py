@@ -141,6 +141,26 @@ def test_the_time_bound_is_kept_not_crossed(monkeypatch: pytest.MonkeyPatch) -> 
     assert report.stopped_by == "time" and report.steps == 2 and report.seconds == 20
 
 
+def test_a_resumed_run_keeps_the_time_bound_from_its_first_step(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A resumed run has no pace of its own before its first step: it takes the pace of the run
+    it resumes (10 s a step), so a checkpoint at 20 s of a 25 s bound takes no step (one took
+    the 50% model of bench.prune from 1799 s to 1804 s)."""
+    import types
+
+    from kdn.prune import recover as rec
+
+    clock = iter(range(0, 10_000, 10))
+    monkeypatch.setattr(rec, "time", types.SimpleNamespace(perf_counter=lambda: next(clock)))
+    ck = tmp_path / "ck"
+    first = recover(_pruned(), _train(), _with(max_seconds=25.0), folder=ck)
+    assert first.steps == 2 and first.seconds == 20
+    again = recover(_pruned(), _train(), _with(max_seconds=25.0), folder=ck)
+    assert again.steps == 2 and again.seconds == 20 and again.stopped_by == "time"
+    longer = recover(_pruned(), _train(), _with(max_seconds=45.0), folder=ck)
+    assert longer.steps == 4 and longer.seconds == 40 and longer.stopped_by == "time"
+
+
 def test_a_checkpoint_of_other_settings_or_a_broken_one_is_refused(tmp_path: Path) -> None:
     ck = tmp_path / "ck"
     recover(_pruned(), _train(), _with(steps=2), folder=ck)

@@ -28,8 +28,8 @@ Lifecycle of ``recover``:
    an uninterrupted one does, bit for bit on the same machine.
 4. It stops after ``steps`` steps, or before a step that would take the training time
    (resumed runs' included) past ``max_seconds`` at this run's pace per step (a resumed run
-   already past it takes no step); the state is written every ``save_every`` steps and at the
-   end (temp files renamed into place).
+   judges its first step at the pace of the run it resumes); the state is written every
+   ``save_every`` steps and at the end (temp files renamed into place).
 5. The adapters are merged into the weights and peft's wrappers removed: the caller's model
    object is the recovered model, same modules, same shapes.
 """
@@ -187,7 +187,9 @@ def recover(model: Any, train_ids: torch.Tensor, config: RecoveryConfig | None =
         for step in range(report.steps, cfg.steps):
             # checked before the step (a resumed run may be past the bound already), and a step
             # that would cross it at this run's pace is not started: the bound is kept
-            pace = (report.seconds - prior) / (step - first) if step > first else 0.0
+            # (a resumed run's first step is judged at the pace of the run it resumes)
+            pace = (report.seconds - prior) / (step - first) if step > first else (
+                report.seconds / report.steps if report.steps else 0.0)
             if report.seconds + pace > cfg.max_seconds:
                 report.stopped_by = "time"
                 break
