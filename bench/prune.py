@@ -22,8 +22,8 @@ unpruned model measured in the same run on the same held-out text.
 4. Per recovered model and the unpruned one: KV bytes per token as kdn stores it, per codec
    level, and the ΔPPL each level costs on top of that model's own fp16 KV (16 windows of
    evaluation text: 256 context tokens, the storage block of the engine, then 256 tokens
-   predicted from the decoded cache: 4096 scored tokens); ``stored_bytes_per_token`` is the smallest level with
-   ΔPPL <= 1%.
+   predicted from the decoded cache: 4096 scored tokens); ``stored_bytes_per_token`` is the
+   smallest level with ΔPPL <= 1%.
 5. Answers: 50 questions of the evaluation articles, greedy, the same prompt ids for every
    model: (a) a full prefill; (b) through kdn: the context's KV stored in kdn with the chosen
    level (the pruned layout in its key), retrieved and blended with the question
