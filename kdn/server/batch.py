@@ -60,7 +60,7 @@ from kdn.errors import (
 )
 from kdn.keys import store_key
 from kdn.server.auth import Principal, current_principal
-from kdn.server.buffers import MIN_BYTES, BufferPool
+from kdn.server.buffers import BufferPool
 from kdn.status import grpc_code
 from kdn.v1 import kdn_pb2 as pb
 
@@ -438,8 +438,7 @@ class BatchMixin:
             try:
                 if seg is not None:  # a copy, checked as it is made (one pass): later changes
                     start, stop = _region(seg, item.region)  # by the client can not slip past
-                    own = self.buffers.take(stop - start) if stop - start >= MIN_BYTES \
-                        else np.empty(stop - start, dtype=np.uint8)
+                    own = self.buffers.take(stop - start)
                     copy_checked(memoryview(own), memoryview(seg.array[start:stop]))  # type: ignore[arg-type]
                     value: bytes | memoryview = memoryview(own).toreadonly()  # type: ignore[arg-type]
                 else:

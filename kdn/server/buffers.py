@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 MIN_BYTES = 1 << 20
-"""Smaller entries are joined from their messages as before (malloc reuses their memory)."""
+"""Smaller buffers are plain arrays, not pooled (malloc reuses their memory)."""
 _GRAIN = 1 << 20
 _SLACK = 1.25
 """A free buffer serves a request of at least 1/_SLACK of its size."""
@@ -48,9 +48,12 @@ class BufferPool:
         self.created = 0
 
     def take(self, size: int) -> np.ndarray[Any, Any]:
-        """A writable uint8 array of ``size`` bytes, its memory pooled or new."""
+        """A writable uint8 array of ``size`` bytes, its memory pooled or new (below
+        ``MIN_BYTES``: a plain array)."""
         if size <= 0:
             raise ValueError(f"buffer size must be > 0, got {size}")
+        if size < MIN_BYTES:
+            return np.empty(size, dtype=np.uint8)
         base = self._pop(size)
         if base is None:
             base = np.empty(-(-size // _GRAIN) * _GRAIN, dtype=np.uint8)

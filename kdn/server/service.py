@@ -70,8 +70,6 @@ def _rpc(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
     return wrapper
 
 
-
-
 def delete_entry(store: TieredStore, auth: Authenticator, skey: bytes,
                  tier: Tier | None = None) -> bool:
     """Delete ``skey`` from every tier (or only from ``tier``) and refund its tenant when the
