@@ -46,16 +46,18 @@ class KVCache:
         tokens = None
         dtype = self.layout.dtype.torch
         for i, ((k, v), lay) in enumerate(zip(self.layers, self.layout.layers)):
-            want_k = (lay.kv_heads, k.shape[1] if k.dim() == 3 else -1, lay.k_channels)
-            want_v = (lay.kv_heads, k.shape[1] if k.dim() == 3 else -1, lay.v_channels)
-            if k.dim() != 3 or tuple(k.shape) != want_k:
-                raise InvalidLayout(f"layer {i}: K has shape {tuple(k.shape)}, expected {want_k}")
-            if v.dim() != 3 or tuple(v.shape) != want_v:
-                raise InvalidLayout(f"layer {i}: V has shape {tuple(v.shape)}, expected {want_v}")
+            ks, vs = k.shape, v.shape  # torch.Size: a tuple (one call each, this runs per hit)
+            t = ks[1] if len(ks) == 3 else -1
+            if ks != (lay.kv_heads, t, lay.k_channels):
+                raise InvalidLayout(f"layer {i}: K has shape {tuple(ks)}, expected "
+                                    f"{(lay.kv_heads, t, lay.k_channels)}")
+            if vs != (lay.kv_heads, t, lay.v_channels):
+                raise InvalidLayout(f"layer {i}: V has shape {tuple(vs)}, expected "
+                                    f"{(lay.kv_heads, t, lay.v_channels)}")
             if tokens is None:
-                tokens = k.shape[1]
-            elif k.shape[1] != tokens:
-                raise InvalidLayout(f"layer {i} holds {k.shape[1]} tokens, layer 0 holds {tokens}")
+                tokens = t
+            elif t != tokens:
+                raise InvalidLayout(f"layer {i} holds {t} tokens, layer 0 holds {tokens}")
             if k.dtype != dtype or v.dtype != dtype:
                 raise InvalidLayout(
                     f"layer {i}: dtype {k.dtype}/{v.dtype}, "

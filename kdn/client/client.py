@@ -731,9 +731,14 @@ def _stream_of(got: Fetched, device: torch.device | str | None,
     dec, target = _decoder(got.parts.header, device, got)
     if got.owned and target.type == "cuda" and segment is not None:
         segment.register_with_cuda()
+    layers = dec.view_entry(got.container) if got.container is not None else None
+    if layers is not None:  # the whole entry in place at once (kdn.codec.inplace)
+        timings.bytes_received = len(got.container)  # type: ignore[arg-type]
+        return _tensor_side().LayerStream(dec, iter(()), got.tier, lambda: None, timings,
+                                          target, layers=layers)
     frames = iter([FrameMessage(Frame(i, f)) for i, f in enumerate(got.parts.frames)])
     return _tensor_side().LayerStream(dec, frames, got.tier, lambda: None, timings, target,
-                       inline=dec.borrows)
+                                      inline=dec.borrows)
 
 
 class AsyncClient:

@@ -58,6 +58,8 @@ class Fetched:
     segment (``EntryRef.verified``): decoding need not hash them again."""
     header: Header | None = None
     """``parts.header`` parsed, where the reader parsed it already (``parsed()``)."""
+    container: memoryview | None = None
+    """The whole entry (header then frames) as one view, where it is ``owned``."""
 
     def parsed(self) -> Header:
         """``parts.header`` parsed (verified): the reader's parse where there is one."""
@@ -76,7 +78,7 @@ def _fetched(buf: bytes | memoryview, tier: str, owned: bool = False,
     """Header and frame views of one container (checked when decoded)."""
     c = parse_container(buf, verify=False)
     return Fetched(EncodedParts(c.header.raw, list(c.frames)), tier,  # type: ignore[arg-type]
-                   owned, checked, c.header)
+                   owned, checked, c.header, memoryview(buf) if owned else None)
 
 
 class DataPlane:

@@ -41,6 +41,9 @@ from kdn.status import from_grpc
 
 LayerKV = tuple[torch.Tensor, torch.Tensor]
 _POOL: ThreadPoolExecutor | None = None
+_DONE = threading.Event()
+"""The readiness of a layer that was ready when its stream was made (one event, set)."""
+_DONE.set()
 
 
 def pool() -> ThreadPoolExecutor:
@@ -69,9 +72,12 @@ class StreamTimings:
 class LayerStream:
     def __init__(self, decoder: StreamDecoder, frames: Iterator[Any], tier: str,
                  cancel: Callable[[], object], timings: StreamTimings,
-                 device: torch.device | str | None = None, *, inline: bool = False) -> None:
+                 device: torch.device | str | None = None, *, inline: bool = False,
+                 layers: list[LayerKV] | None = None) -> None:
         """``inline``: the frames are in memory and decode cheaply (borrowed raw bodies: only
-        checksums to verify): decode them here, before returning, instead of on threads."""
+        checksums to verify): decode them here, before returning, instead of on threads.
+        ``layers``: every layer decoded already (``StreamDecoder.view_entry``); ``frames`` is
+        then not read."""
         self.decoder = decoder
         self.device = torch.device(device or decoder.device)
         self._copy_stream = (torch.cuda.Stream(self.device) if self.device.type == "cuda"
@@ -81,13 +87,17 @@ class LayerStream:
         self.timings = timings
         n = decoder.header.layout.num_layers
         self._layers: list[LayerKV | None] = [None] * n
-        self._ready = [threading.Event() for _ in range(n)]
+        # decoded before this returns: nothing to wait for (an error is raised by the wait)
+        self._ready = ([_DONE] * n if inline or layers is not None
+                       else [threading.Event() for _ in range(n)])
         self._error: BaseException | None = None
         self._cancel = cancel
         self._lock = threading.Lock()
         self._pending: list[Future[None]] = []
         self._reader: threading.Thread | None = None
-        if inline:
+        if layers is not None:
+            self._place_all(layers)
+        elif inline:
             self._read(frames, inline=True)
         else:
             self._reader = threading.Thread(target=self._read, args=(frames,), daemon=True,
@@ -124,6 +134,17 @@ class LayerStream:
             spent = time.perf_counter() - t0
             with self._lock:
                 self.timings.decode_s += spent
+
+    def _place_all(self, layers: list[LayerKV]) -> None:
+        now = time.perf_counter()
+        for i, (k, v) in enumerate(layers):
+            self._layers[i] = self._place(i, k, v)
+        self.timings.layer_ready = dict.fromkeys(range(len(layers)), now)
+        self.timings.first_layer = self.timings.last_frame_received = self.timings.done = now
+        try:
+            client_metrics.record(self)
+        except Exception:  # a metric never fails a load
+            logging.getLogger("kdn.client").debug("client metrics", exc_info=True)
 
     def _place(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> LayerKV:
         if self._copy_stream is None or k.device == self.device:  # decoded where it is used
@@ -181,7 +202,11 @@ class LayerStream:
         return self._ready[i].is_set() and self._layers[i] is not None
 
     def result(self, timeout: float | None = None) -> KVCache:
-        layers = [self.wait_for_layer(i, timeout) for i in range(len(self._layers))]
+        if self._reader is None and self._error is None and not self._events \
+                and None not in self._layers:  # decoded before the stream was returned
+            layers: list[LayerKV] = self._layers  # type: ignore[assignment]
+        else:
+            layers = [self.wait_for_layer(i, timeout) for i in range(len(self._layers))]
         if self._reader is not None:
             self._reader.join(timeout)
         return KVCache(self.layout, layers, int(self.decoder.header.entry.start_position))

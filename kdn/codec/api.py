@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from kdn.cache import KVCache
+from kdn.codec import inplace
 from kdn.codec.format import (
     FRAME_SEED,
     Buffer,
@@ -192,6 +193,14 @@ class StreamDecoder:
         """Verify frame ``index`` and decode its layers: [(layer, K, V), ...]."""
         recs = check_frame(self.header, index, frame, checksum=not self.checked)
         return [(r.layer, *self.decode_record(r)) for r in recs]
+
+    def view_entry(self, container: memoryview) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+        """Every layer at once as views of ``container`` (the whole entry, header then frames)
+        where the frames are borrowed and were checked in place; None when that does not apply
+        (``kdn.codec.inplace``): decode frame by frame then."""
+        if not (self.borrows and self.checked):
+            return None
+        return inplace.views(self.header, container)
 
     def empty_cache(self) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
         return [None] * self.header.layout.num_layers

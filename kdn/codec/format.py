@@ -289,13 +289,18 @@ def frame_with_sum(seed: int, index: int, first_layer: int,
     for rec in records:
         parts.extend(rec if isinstance(rec, list) else [rec])
     length = sum(len(p) for p in parts)
-    pre = struct.pack("<2sHHHI", FRAME_MAGIC, index, first_layer, len(records), length)
+    pre = frame_prefix(index, first_layer, len(records), length, 0)[:12]
     h = xxhash.xxh3_64(seed=seed)
     h.update(pre)
     for p in parts:
         h.update(p)
     full = h.intdigest()
     return b"".join([pre, struct.pack("<L", full & 0xFFFFFFFF), *parts]), full
+
+
+def frame_prefix(index: int, first_layer: int, count: int, length: int, checksum: int) -> bytes:
+    """The 16-byte prefix of a frame (``checksum``: its full sum; the low 32 bits are kept)."""
+    return _FRAME.pack(FRAME_MAGIC, index, first_layer, count, length, checksum & 0xFFFFFFFF)
 
 
 def build_frame(seed: int, index: int, first_layer: int,
@@ -324,9 +329,14 @@ def seal(entry: pb.EntryHeader, frames: list[bytes], version: int = VERSION
     return (build_header(entry, version) if version >= 2 else header), out
 
 
+def record_prefix(lay: LayerLayout, tokens: int, body_bytes: int) -> bytes:
+    """The shape prefix of a layer record whose body has ``body_bytes`` bytes."""
+    return _RECORD.pack(lay.kv_heads, tokens, lay.k_channels, lay.v_channels, body_bytes)
+
+
 def record_parts(lay: LayerLayout, tokens: int, body: Buffer) -> list[Buffer]:
     """A layer record as [shape prefix, body] (no copy of the body)."""
-    return [_RECORD.pack(lay.kv_heads, tokens, lay.k_channels, lay.v_channels, len(body)), body]
+    return [record_prefix(lay, tokens, len(body)), body]
 
 
 def build_record(lay: LayerLayout, tokens: int, body: Buffer) -> bytes:
