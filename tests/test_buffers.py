@@ -1,4 +1,4 @@
-"""Receive buffers of large entries are recycled (kdn.server.buffers): a buffer is written
+"""Receive buffers of large entries are recycled (kdn.buffers): a buffer is written
 again only once no view of its previous use exists; free memory stays within its bound; through
 the server, overwrites reuse buffers and every read still returns what was stored with it."""
 
@@ -9,9 +9,9 @@ import gc
 import numpy as np
 import pytest
 
+from kdn.buffers import MIN_BYTES, BufferPool
 from kdn.client import Client
 from kdn.server import ServerThread
-from kdn.server.buffers import MIN_BYTES, BufferPool
 from tests.helpers import random_kv, uniform_layout
 
 

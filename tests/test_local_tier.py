@@ -4,10 +4,12 @@ checked on every use, visible to lookup, the engine's timings and the loading co
 from __future__ import annotations
 
 import pytest
+import torch
 
 from kdn import codec
 from kdn.client import Client
 from kdn.client.local import LocalTier
+from kdn.codec import inplace
 from kdn.delivery import LoadingController
 from kdn.engine import EngineConfig, KDNEngine
 from kdn.errors import Corrupt, LayoutMismatch
@@ -34,7 +36,8 @@ def test_lru_by_bytes() -> None:
     assert tier.contains("ns", _key(1)) is None and tier.stats.evictions == 1
     assert tier.contains("other", _key(0)) is None  # namespaces are apart
     got = tier.get("ns", _key(3))
-    assert got is not None and codec.decode(got.to_bytes()).equal(random_kv(LAYOUT, 20, seed=3))
+    assert got is not None and codec.decode(got[0].to_bytes()).equal(random_kv(LAYOUT, 20, seed=3))
+    assert got[1].readonly and bytes(got[1]) == got[0].to_bytes()
     tier.discard("ns", _key(3))
     assert tier.get("ns", _key(3)) is None
     assert (tier.stats.hits, tier.stats.misses, tier.stats.entries) == (2, 1, 2)
@@ -82,6 +85,34 @@ def test_damaged_local_bytes_are_never_decoded(server: ServerThread) -> None:
         buf[-2] ^= 0xFF
         with pytest.raises(Corrupt):
             c.retrieve(_key(4))
+        buf[-2] ^= 0xFF
+        head = len(c.local.get("default", _key(4))[0].header)  # type: ignore[index]
+        buf[head + 16 + 2] ^= 0x01  # the first record's token count: the frame sum covers it
+        with pytest.raises(Corrupt):
+            c.retrieve(_key(4))
+
+
+def test_a_hit_is_one_checked_copy_the_caller_owns(server: ServerThread,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    lay = pruned_layout()
+    kv = random_kv(lay, 24, seed=6)
+    with Client(server.address, shm_bytes=0, local_bytes=8 << 20) as c:
+        c.store(_key(6), kv, mode="raw", layers_per_frame=2)
+        calls: list[bool] = []
+        real = inplace.copied
+
+        def spy(header, container):  # type: ignore[no-untyped-def]
+            got = real(header, container)
+            calls.append(got is not None)
+            return got
+
+        monkeypatch.setattr(inplace, "copied", spy)
+        first = c.retrieve(_key(6), layout=lay)
+        assert first is not None and first.equal(kv) and calls == [True]
+        first.layers[0][0].zero_()  # the caller's own copy: the tier's bytes are not touched
+        again = c.retrieve(_key(6), layout=lay)
+        assert again is not None and again.equal(kv) and calls == [True, True]
+        assert _served(c) == 0  # both from the process
 
 
 def test_engine_reads_blocks_from_its_process_and_the_controller_knows(
@@ -107,3 +138,30 @@ def test_engine_reads_blocks_from_its_process_and_the_controller_knows(
             assert again.token_ids == first.token_ids
             assert controller.estimate("lossless", 10**9, 10**6, local=True) < \
                 controller.estimate("lossless", 10**9, 10**6)
+
+
+@pytest.mark.parametrize("local", [64 << 20, 0], ids=["in-process", "stream"])
+def test_recycled_decode_buffers_never_change_tensors_still_held(server: ServerThread,
+                                                                 local: int) -> None:
+    """Decoded copies (in-process hits, and streamed frames decoded into one arena) live in
+    pooled buffers: a buffer serves the next decode only once no tensor views it."""
+    lay = uniform_layout(layers=4, heads=8, dim=64)  # 8 KiB a token: entries over MIN_BYTES
+    a, b = random_kv(lay, 200, seed=7), random_kv(lay, 200, seed=8)
+    with Client(server.address, shm_bytes=0, local_bytes=local) as c:
+        c.store(_key(7), a, mode="raw")
+        c.store(_key(8), b, mode="raw")
+        held = c.retrieve(_key(7), layout=lay)
+        assert held is not None
+        reused = inplace.BUFFERS.reused
+        for _ in range(5):  # each result dropped at once: its buffer serves the next
+            got = c.retrieve(_key(8), layout=lay)
+            assert got is not None and got.equal(b)
+            got.layers[0][0].fill_(0)  # what a caller does with its own tensors
+            del got
+        assert inplace.BUFFERS.reused >= reused + 4
+        assert held.equal(a)  # its buffer was never handed out again
+        k0 = held.layers[0][0][0]  # a view of a view keeps the buffer too
+        del held
+        for _ in range(3):
+            assert c.retrieve(_key(8), layout=lay).equal(b)  # type: ignore[union-attr]
+        assert torch.equal(k0, a.layers[0][0][0])

@@ -320,8 +320,9 @@ class Client:
     def _in_process(self, namespace: str, key: bytes, layout: KVLayout | None
                     ) -> Fetched | None:
         """The in-process tier's copy of the entry (its layout checked), or None."""
-        parts = self.local.get(namespace, key) if self.local is not None else None
-        return None if parts is None else _checked_layout(Fetched(parts, LOCAL_TIER), layout)
+        got = self.local.get(namespace, key) if self.local is not None else None
+        return None if got is None else _checked_layout(
+            Fetched(got[0], LOCAL_TIER, container=got[1]), layout)
 
     # -- retrieve -------------------------------------------------------------------------------
 
@@ -731,8 +732,11 @@ def _stream_of(got: Fetched, device: torch.device | str | None,
     dec, target = _decoder(got.parts.header, device, got)
     if got.owned and target.type == "cuda" and segment is not None:
         segment.register_with_cuda()
-    layers = dec.view_entry(got.container) if got.container is not None else None
-    if layers is not None:  # the whole entry in place at once (kdn.codec.inplace)
+    layers = None
+    if got.container is not None and target.type == "cpu":  # the whole entry at once
+        layers = (dec.view_entry(got.container) if got.owned  # in place (kdn.codec.inplace)
+                  else dec.copy_entry(got.container))  # or one checked copy, then views
+    if layers is not None:
         timings.bytes_received = len(got.container)  # type: ignore[arg-type]
         return _tensor_side().LayerStream(dec, iter(()), got.tier, lambda: None, timings,
                                           target, layers=layers)

@@ -59,7 +59,9 @@ class Fetched:
     header: Header | None = None
     """``parts.header`` parsed, where the reader parsed it already (``parsed()``)."""
     container: memoryview | None = None
-    """The whole entry (header then frames) as one view, where it is ``owned``."""
+    """The whole entry (header then frames) as one view, where the reader has one: the
+    segment's region when ``owned``, else memory that is not the caller's to change (the
+    in-process tier's, read-only)."""
 
     def parsed(self) -> Header:
         """``parts.header`` parsed (verified): the reader's parse where there is one."""

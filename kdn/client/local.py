@@ -60,8 +60,9 @@ class LocalTier:
         self._lock = threading.Lock()
         self.stats = LocalStats(capacity_bytes=capacity_bytes)
 
-    def get(self, namespace: str, key: bytes) -> EncodedParts | None:
-        """Header and frame views of the entry, or None; frames are checked when decoded."""
+    def get(self, namespace: str, key: bytes) -> tuple[EncodedParts, memoryview] | None:
+        """Header and frame views of the entry and a read-only view of all of it, or None;
+        frames are checked when decoded."""
         with self._lock:
             buf = self._entries.get((namespace, key))
             if buf is None:
@@ -69,8 +70,9 @@ class LocalTier:
                 return None
             self._entries.move_to_end((namespace, key))
             self.stats.hits += 1
-        c = parse_container(memoryview(buf), verify=False)  # type: ignore[arg-type]
-        return EncodedParts(c.header.raw, list(c.frames))  # type: ignore[arg-type]
+        whole = memoryview(buf).toreadonly()  # type: ignore[arg-type]
+        c = parse_container(whole, verify=False)
+        return EncodedParts(c.header.raw, list(c.frames)), whole  # type: ignore[arg-type]
 
     def contains(self, namespace: str, key: bytes) -> int | None:
         """The entry's size, or None; does not count as a use."""

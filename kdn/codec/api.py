@@ -155,7 +155,8 @@ class StreamDecoder:
                 raise Corrupt(f"header declares {total} bytes of {self.mode.name} tensors in "
                               f"an entry of {stored_bytes} bytes")
             try:
-                self._arena = np.empty(total, dtype=np.uint8)
+                self._arena = inplace.BUFFERS.take(total) if total else np.empty(0, np.uint8)
+                self._arena_view = memoryview(self._arena)  # type: ignore[arg-type]
                 self._offsets = [0, *ends]
             except MemoryError:  # declared sizes no memory holds (checksummed, but hostile
                 pass  # or damaged): layer by layer, each body's size checked before a copy
@@ -176,9 +177,9 @@ class StreamDecoder:
             lo, hi = self._offsets[rec.layer], self._offsets[rec.layer + 1]
             if len(body) != hi - lo:
                 raise Corrupt(f"layer {rec.layer}: {len(body)} body bytes, expected {hi - lo}")
-            place = self._arena[lo:hi]
-            np.copyto(place, np.frombuffer(body, dtype=np.uint8))
-            body = memoryview(place)  # type: ignore[arg-type]
+            place = self._arena_view[lo:hi]  # (keeps the pooled arena alive: kdn.buffers)
+            np.frombuffer(place, dtype=np.uint8)[:] = np.frombuffer(body, dtype=np.uint8)
+            body = place
         kv = self.mode.borrow_layer(body, spec) if self.borrow or self._arena is not None \
             else None
         k, v = kv if kv is not None else self.mode.decode_layer(rec.body, spec, self.level,
@@ -201,6 +202,16 @@ class StreamDecoder:
         if not (self.borrows and self.checked):
             return None
         return inplace.views(self.header, container)
+
+    def copy_entry(self, container: bytes | memoryview
+                   ) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+        """Every layer at once from one copy of ``container`` (the whole entry) into fresh
+        memory, every checksum verified as it is copied; None when the entry's mode or layout
+        does not allow views of the copy (``kdn.codec.inplace``): decode frame by frame then.
+        Raises Corrupt for damaged bytes."""
+        if self.device.type != "cpu" or not self.mode.borrows:
+            return None
+        return inplace.copied(self.header, container)
 
     def empty_cache(self) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
         return [None] * self.header.layout.num_layers

@@ -24,12 +24,24 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kdn.codec.format import FRAME_PREFIX_BYTES, Header, frame_prefix, record_prefix
+from kdn.buffers import BufferPool
+from kdn.codec.format import (
+    FRAME_PREFIX_BYTES,
+    Header,
+    copy_checked,
+    frame_prefix,
+    record_prefix,
+)
 
 _PLANS: dict[tuple[str, int, tuple[tuple[int, int], ...]], Plan | None] = {}
 _PLANS_MAX = 256
 _PLANS_LOCK = threading.Lock()
 _SUM = np.dtype("<u4")
+_ALIGN = 64
+BUFFERS = BufferPool(keep_bytes=256 << 20)
+"""Where decoded copies of verbatim entries live (``copied``, ``StreamDecoder``'s arena): an
+engine that loads entries, moves them into its own KV memory and drops them gets the next ones
+in memory already faulted in (``kdn.buffers``)."""
 
 
 @dataclass(frozen=True)
@@ -128,3 +140,21 @@ def views(header: Header, container: memoryview
                             offset=head)
     t = [base.as_strided(shape, stride, at) for shape, stride, at in p.tensors]
     return list(zip(t[0::2], t[1::2]))
+
+
+def copied(header: Header, container: bytes | memoryview
+           ) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+    """``views`` of a copy of ``container`` in fresh memory (frames 64-byte aligned), every
+    frame's checksum verified on the copy as it is made (``copy_checked``, one pass); None
+    where the entry has no plan. Raises Corrupt/Truncated for damaged bytes."""
+    if plan(header) is None:
+        return None
+    head = len(header.raw)
+    room = BUFFERS.take(len(container) + _ALIGN)
+    start = -(room.ctypes.data + head) % _ALIGN
+    # a slice of the memoryview keeps ``room`` (the array the pool watches) alive; a numpy
+    # slice of ``room`` would keep only the pool's base array, and the buffer would go back
+    # to the pool while the tensors still view it (kdn.buffers)
+    dst = memoryview(room)[start : start + len(container)]  # type: ignore[arg-type]
+    copy_checked(dst, container)
+    return views(header, dst)

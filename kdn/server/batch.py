@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 import numpy as np
 
+from kdn.buffers import BufferPool
 from kdn.codec.format import (
     Header,
     copy_checked,
@@ -60,7 +61,6 @@ from kdn.errors import (
 )
 from kdn.keys import store_key
 from kdn.server.auth import Principal, current_principal
-from kdn.server.buffers import BufferPool
 from kdn.status import grpc_code
 from kdn.v1 import kdn_pb2 as pb
 

@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 import grpc
 from google.protobuf.message import DecodeError
 
+from kdn.buffers import MIN_BYTES, BufferPool
 from kdn.codec.catalog import check_codec
 from kdn.codec.format import (
     Header,
@@ -35,7 +36,6 @@ from kdn.options import Durability
 from kdn.server.auth import AuthConfig, Authenticator, Principal, current_principal
 from kdn.server.batch import BatchMixin, Segments
 from kdn.server.blend_rpc import BlendMixin
-from kdn.server.buffers import MIN_BYTES, BufferPool
 from kdn.server.config import ServerConfig
 from kdn.server.usage import Usage
 from kdn.status import grpc_code
@@ -168,7 +168,7 @@ class KDNServicer(BatchMixin, BlendMixin, pb_grpc.KDNServicer):
                            f"{self.config.max_entry_bytes}")
         # A large entry whose size is declared is received into one buffer (each frame copied
         # in and dropped as it lands): memory stays at the entry's size, with no join at the end.
-        # The buffer is recycled from entries that left (kdn.server.buffers) or new anonymous
+        # The buffer is recycled from entries that left (kdn.buffers) or new anonymous
         # memory, whose pages are taken as frames land: a size declared and never sent costs
         # nothing.
         total = len(header.raw)

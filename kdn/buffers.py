@@ -1,6 +1,8 @@
-"""Receive buffers for large entries, recycled once nothing refers to them.
+"""Buffers for large entries, recycled once nothing refers to them.
 
-A Store or PutMany of a large entry copies it into one buffer that becomes the RAM tier's value.
+Two users: the server receives a large Store or PutMany into one buffer that becomes the RAM
+tier's value; the client decodes a verbatim entry it did not read in place (the in-process
+tier, a stream) into one buffer its tensors view (``kdn.codec.inplace``, ``StreamDecoder``).
 Fresh anonymous memory is slow to write the first time: every page faults and is zeroed (in
 4 KiB pages 1.2–1.9 GB/s on this project's machine; in the 2 MiB pages numpy asks for,
 12 GB/s once the kernel has them, 0.3 GB/s while it compacts memory to make them), and freeing
@@ -15,10 +17,13 @@ the next ones: the peers do the same with memory pools allocated up front.
 Life of a buffer: ``take`` hands out a view of a pooled or new numpy array (``np.empty``: pages
 are taken as they are written, in huge pages where the kernel offers them) and watches the view
 with a weakref finalizer. Everything that reads the entry (the RAM tier's value, frames being
-sent, a queued write to a lower tier, a segment copy) holds a memoryview or array derived from
+sent, a queued write to a lower tier, a segment copy; on the client, the tensors of a decoded
+entry) holds a memoryview or array derived from
 that view, which keeps it alive: the finalizer runs only when the last reader let go; the array then
 goes back to the free list (up to ``keep_bytes``; beyond that it is freed). A buffer is never
-written while any view of its previous use exists.
+written while any view of its previous use exists. Derive from the view through a memoryview
+(``memoryview(view)[a:b]``): a numpy slice of it refers to the pool's base array, not to the
+view, and does not keep the view alive.
 """
 
 from __future__ import annotations
