@@ -125,3 +125,23 @@ def test_retrieve_through_the_segment_views_the_whole_entry_at_once(
     monkeypatch.setattr(inplace, "views", lambda header, container: None)  # frame by frame
     again = shm_client.retrieve(key, layout=layout)
     assert again is not None and again.equal(kv)
+
+
+def test_staging_views_verify_every_sum_where_the_bytes_lie() -> None:
+    """The in-process tier's bytes bound for a device: read-only, viewed after every frame's
+    checksum is verified in place (no copy on the host)."""
+    layout = pruned_layout()
+    kv = random_kv(layout, 16, seed=5)
+    parts = codec.encode_parts(kv, "raw", layers_per_frame=2)
+    buf = _writable(parts)
+    header = parse_header(buf)
+    frames = list(codec.parse_container(buf, verify=False).frames)
+    got = inplace.verified_views(header, frames, buf.toreadonly())
+    assert got is not None and KVCache(layout, got).equal(kv)
+    assert inplace.views(header, buf.toreadonly()) is None  # not without saying so
+    body = len(header.raw) + 16 + 14 + 5
+    buf[body] ^= 0x01  # a body byte: the sums catch what views alone would not
+    with pytest.raises(Corrupt, match="frame 0"):
+        inplace.verified_views(header, frames, buf.toreadonly())
+    buf[body] ^= 0x01
+    assert inplace.verified_views(header, frames[:-1], buf.toreadonly()) is None

@@ -165,3 +165,21 @@ def test_recycled_decode_buffers_never_change_tensors_still_held(server: ServerT
         for _ in range(3):
             assert c.retrieve(_key(8), layout=lay).equal(b)  # type: ignore[union-attr]
         assert torch.equal(k0, a.layers[0][0][0])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_hit_bound_for_the_gpu_copies_from_the_pinned_tier(server: ServerThread,
+                                                              monkeypatch: pytest.MonkeyPatch
+                                                              ) -> None:
+    lay = pruned_layout()
+    kv = random_kv(lay, 64, seed=11)
+    with Client(server.address, shm_bytes=0, local_bytes=8 << 20) as c:
+        c.store(_key(11), kv, mode="raw")
+        copies: list[int] = []
+        real = inplace.copied
+        monkeypatch.setattr(inplace, "copied", lambda *a: copies.append(1) or real(*a))
+        back = c.retrieve(_key(11), layout=lay, device="cuda")
+        assert back is not None and all(k.is_cuda and v.is_cuda for k, v in back.layers)
+        assert back.to("cpu").equal(kv) and not copies  # no host copy: straight from the tier
+        assert _served(c) == 0

@@ -733,9 +733,13 @@ def _stream_of(got: Fetched, device: torch.device | str | None,
     if got.owned and target.type == "cuda" and segment is not None:
         segment.register_with_cuda()
     layers = None
-    if got.container is not None and target.type == "cpu":  # the whole entry at once
-        layers = (dec.view_entry(got.container) if got.owned  # in place (kdn.codec.inplace)
-                  else dec.copy_entry(got.container))  # or one checked copy, then views
+    if got.container is not None:  # the whole entry at once (kdn.codec.inplace)
+        if got.owned:  # in place: the segment region is the caller's (pinned for a GPU)
+            layers = dec.view_entry(got.container)
+        elif target.type == "cpu":  # the in-process tier's bytes: one checked copy, views
+            layers = dec.copy_entry(got.container)
+        else:  # its pinned bytes, checked where they lie, are the host-to-device copy's source
+            layers = dec.staging_views(list(got.parts.frames), got.container)  # type: ignore[arg-type]
     if layers is not None:
         timings.bytes_received = len(got.container)  # type: ignore[arg-type]
         return _tensor_side().LayerStream(dec, iter(()), got.tier, lambda: None, timings,

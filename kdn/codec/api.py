@@ -213,6 +213,16 @@ class StreamDecoder:
             return None
         return inplace.copied(self.header, container)
 
+    def staging_views(self, frames: list[memoryview], container: memoryview
+                      ) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+        """Every layer at once as views of host bytes the caller must not change (``frames``
+        and ``container``: the same entry), every checksum verified in place first: sources
+        for copies to a device (``kdn.codec.inplace.verified_views``); None when that does not
+        apply. Raises Corrupt for damaged bytes."""
+        if self.device.type != "cpu" or not self.mode.borrows:
+            return None
+        return inplace.verified_views(self.header, frames, container)
+
     def empty_cache(self) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
         return [None] * self.header.layout.num_layers
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,6 +29,7 @@ from kdn.buffers import BufferPool
 from kdn.codec.format import (
     FRAME_PREFIX_BYTES,
     Header,
+    check_frame_prefix,
     copy_checked,
     frame_prefix,
     record_prefix,
@@ -120,14 +122,15 @@ def plan(header: Header) -> Plan | None:
     return got
 
 
-def views(header: Header, container: memoryview
+def views(header: Header, container: memoryview, *, readonly: bool = False
           ) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
     """(K, V) of every layer of the entry ``container`` holds (header then frames, writable,
     checksums already verified on these bytes), viewing it in place; None where the bytes do
-    not follow the plan (module docstring)."""
+    not follow the plan (module docstring). ``readonly``: ``container`` may be read-only (the
+    tensors are then copy sources only: ``verified_views``)."""
     p = plan(header)
     head = len(header.raw)
-    if p is None or not p.frames_bytes or container.readonly or \
+    if p is None or not p.frames_bytes or container.readonly and not readonly or \
             len(container) != head + p.frames_bytes:
         return None
     arr = np.frombuffer(container, dtype=np.uint8, offset=head)
@@ -136,8 +139,10 @@ def views(header: Header, container: memoryview
     if arr.ctypes.data % p.itemsize or not np.array_equal(arr[p.positions], p.expected) \
             or not np.array_equal(arr[p.sum_positions], sums):
         return None
-    base = torch.frombuffer(container, dtype=p.dtype, count=p.frames_bytes // p.itemsize,
-                            offset=head)
+    with warnings.catch_warnings():  # read-only bytes (``readonly``): torch says it can not
+        warnings.simplefilter("ignore", UserWarning)  # protect them; nothing writes them here
+        base = torch.frombuffer(container, dtype=p.dtype, count=p.frames_bytes // p.itemsize,
+                                offset=head)
     t = [base.as_strided(shape, stride, at) for shape, stride, at in p.tensors]
     return list(zip(t[0::2], t[1::2]))
 
@@ -158,3 +163,17 @@ def copied(header: Header, container: bytes | memoryview
     dst = memoryview(room)[start : start + len(container)]  # type: ignore[arg-type]
     copy_checked(dst, container)
     return views(header, dst)
+
+
+def verified_views(header: Header, frames: list[memoryview], container: memoryview
+                   ) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+    """``views`` of bytes this process must not change (the in-process tier's pinned copy)
+    after every frame's checksum is verified where it lies (``frames``: the container's frame
+    views): the sources of copies to a device, never handed to a caller, so the one copy a hit
+    makes is the host-to-device transfer. None where the entry has no plan; raises Corrupt or
+    Truncated for damaged bytes."""
+    if plan(header) is None or len(frames) != len(header.entry.frames):
+        return None
+    for i, frame in enumerate(frames):
+        check_frame_prefix(header, i, frame)  # the frame's sum over its bytes, and its place
+    return views(header, container, readonly=True)
