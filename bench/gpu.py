@@ -8,7 +8,8 @@ attention on a GPU (fp32 on a CPU). For each model and context length, measured 
 
 - ``prefill``: the model's full prefill of the context (best of 3), the baseline;
 - per encoding (``raw``, ``lossless``, ``int8``, ``kdn-default``) and path (``shm``: a client on
-  the server's host, the default; ``grpc-1``: a remote client, gRPC only): ``ttft_s`` of a hit
+  the server's host, the default; ``inproc``: the same with an in-process tier, which the
+  store fills, so loads are hits there; ``grpc-1``: a remote client, gRPC only): ``ttft_s`` of a hit
   through ``KDNEngine`` (every block of the context stored, one token left to compute) and
   ``load_s``, the time until every layer of the context is on the model's device
   (``start_load`` + ``wait_for_layer`` of every layer, synchronised);
@@ -17,7 +18,8 @@ attention on a GPU (fp32 on a CPU). For each model and context length, measured 
 
 ``ratio_vs_prefill`` = hit TTFT / full-prefill time of the same context, same run. The kdn
 server runs as its own process (``python -m kdn serve``, RAM tier) on this host.
-``--quick`` (what CI smoke-tests on CPU) runs SmolLM2's shape at 256 tokens over ``shm`` only.
+``--quick`` (what CI smoke-tests on CPU) runs SmolLM2's shape at 256 tokens over ``shm`` and
+``inproc``.
 """
 
 from __future__ import annotations
@@ -171,6 +173,7 @@ def run(plan: dict[str, list[int]], paths: list[str], runs: int, out: Path) -> d
     limit = lim.get("h2d_pinned_gb_s", lim.get("memcpy_gb_s", 0.0))
     rows: list[dict[str, Any]] = []
     ram = "64GiB" if device.type == "cuda" else "6GiB"
+    local = (24 << 30) if device.type == "cuda" else (2 << 30)  # the in-process tier's bytes
     with tempfile.TemporaryDirectory() as tmp, kdn_server(Path(tmp), ram) as address:
         for shape, lengths in plan.items():
             model = build(shape, device)
@@ -182,6 +185,7 @@ def run(plan: dict[str, list[int]], paths: list[str], runs: int, out: Path) -> d
                 print(f"{shape}: prefill of {tokens} tokens {prefill_s * 1e3:.1f} ms", flush=True)
                 for path in paths:
                     with Client(address, shm_bytes=0 if path == "grpc-1" else None,
+                                local_bytes=local if path == "inproc" else 0,
                                 max_message_bytes=512 << 20) as client:
                         rows += measure(model, shape, tokens, client, path, device, prefill_s,
                                         limit, runs)
@@ -218,14 +222,14 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ns = arg_parser(__doc__, "gpu", "SmolLM2 shape, 256 tokens, shm path only").parse_args(argv)
+    ns = arg_parser(__doc__, "gpu", "SmolLM2 shape, 256 tokens, shm and inproc paths").parse_args(argv)
     if ns.quick:
-        plan, paths, runs = {"smollm2-135m": [256]}, ["shm"], 2
+        plan, paths, runs = {"smollm2-135m": [256]}, ["shm", "inproc"], 2
     elif torch.cuda.is_available():
         plan = {"llama3-8b": [2048, 8192, 32768], "smollm2-135m": [2048, 8192]}
-        paths, runs = ["shm", "grpc-1"], 3
+        paths, runs = ["shm", "inproc", "grpc-1"], 3
     else:
-        plan, paths, runs = {"smollm2-135m": [2048]}, ["shm", "grpc-1"], 2
+        plan, paths, runs = {"smollm2-135m": [2048]}, ["shm", "inproc", "grpc-1"], 2
     run(plan, paths, runs, ns.out)
 
 
