@@ -279,6 +279,51 @@ def test_copy_checked_hashes_in_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
         fmt.copy_checked(memoryview(bytearray(len(bad))), bytes(bad))
 
 
+@pytest.mark.parametrize("workers", [2, 3])
+def test_copy_checked_on_several_workers_copies_whole_frames_and_waits_for_all(
+        monkeypatch: pytest.MonkeyPatch, workers: int) -> None:
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    import kdn.codec.format as fmt
+
+    monkeypatch.setattr(fmt, "PARALLEL_COPY_BYTES", 1)  # every entry is large enough
+    kv = random_kv(pruned_layout(), 40, seed=4)
+    blob = encode(kv, "raw", layers_per_frame=1)
+    checked: list[tuple[str, int]] = []
+    real = fmt.check_frame_prefix
+
+    def spy(header, index, *a, **k):  # type: ignore[no-untyped-def]
+        checked.append((threading.current_thread().name, index))
+        return real(header, index, *a, **k)
+
+    monkeypatch.setattr(fmt, "check_frame_prefix", spy)
+    class Counting(ThreadPoolExecutor):
+        runs = 0
+
+        def submit(self, *a, **k):  # type: ignore[no-untyped-def]
+            Counting.runs += 1
+            return super().submit(*a, **k)
+
+    with Counting(workers, thread_name_prefix="copy") as pool:
+        out = bytearray(len(blob))
+        fmt.copy_checked(memoryview(out), blob, pool=pool, workers=workers)
+        assert bytes(out) == blob and Counting.runs == workers  # one run per worker
+        assert sorted(i for _, i in checked) == list(range(kv.layout.num_layers))
+        assert all(name.startswith("copy") for name, _ in checked)  # on the pool's threads
+        bad = bytearray(blob)
+        bad[len(bad) // 3] ^= 0x10  # in the first run: the later runs still end first
+        dst = bytearray(len(bad))
+        with pytest.raises(Corrupt):
+            fmt.copy_checked(memoryview(dst), bytes(bad), pool=pool, workers=workers)
+        assert dst[-100:] == bad[-100:]  # the last run copied before the error came out
+        bad = bytearray(blob)
+        bad[-1] ^= 0x10  # in the last run
+        with pytest.raises(Corrupt):
+            fmt.copy_checked(memoryview(bytearray(len(bad))), bytes(bad), pool=pool,
+                             workers=workers)
+
+
 def test_borrowed_tensors_view_writable_aligned_bytes_only() -> None:
     buf = bytearray(66)
     view = tensor_borrowed(memoryview(buf)[2:66], torch.float16, (2, 16))

@@ -101,8 +101,8 @@ def test_a_hit_is_one_checked_copy_the_caller_owns(server: ServerThread,
         calls: list[bool] = []
         real = inplace.copied
 
-        def spy(header, container):  # type: ignore[no-untyped-def]
-            got = real(header, container)
+        def spy(header, container, pool=None):  # type: ignore[no-untyped-def]
+            got = real(header, container, pool)
             calls.append(got is not None)
             return got
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import itertools
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
 import numpy as np
 import torch
@@ -141,11 +141,12 @@ class StreamDecoder:
         self.borrow = borrow and self.device.type == "cpu"
         self.mode: Mode = get_mode(self.header.mode)
         self.level = self.mode.check_level(self.header.entry.codec.level)
-        self._arena: np.ndarray[Any, Any] | None = None
-        self._offsets: list[int] = []
+        self._offsets: list[int] = []  # layer l's body goes to [offsets[l], offsets[l + 1])
+        self._arena: memoryview | None = None  # of the arena they go to, taken on first use
+        self._arena_lock = threading.Lock()
         if self.mode.borrows and not self.borrow and self.device.type == "cpu":
-            # verbatim bodies are copied once, into one buffer for the whole entry (numpy
-            # asks for huge pages from 4 MiB on: far fewer page faults than one per tensor)
+            # verbatim bodies are copied once, into one recycled buffer for the whole entry
+            # (kdn.buffers: fresh memory faults page by page) that every layer's tensors view
             lay, t, size = self.header.layout, self.header.tokens, self.header.layout.dtype.itemsize
             ends = list(itertools.accumulate(
                 (lay.layers[i].k_numel(t) + lay.layers[i].v_numel(t)) * size
@@ -154,12 +155,23 @@ class StreamDecoder:
             if stored_bytes is not None and total > stored_bytes:
                 raise Corrupt(f"header declares {total} bytes of {self.mode.name} tensors in "
                               f"an entry of {stored_bytes} bytes")
-            try:
-                self._arena = inplace.BUFFERS.take(total) if total else np.empty(0, np.uint8)
-                self._arena_view = memoryview(self._arena)  # type: ignore[arg-type]
-                self._offsets = [0, *ends]
-            except MemoryError:  # declared sizes no memory holds (checksummed, but hostile
-                pass  # or damaged): layer by layer, each body's size checked before a copy
+            self._offsets = [0, *ends]
+
+    def _arena_view(self) -> memoryview | None:
+        """The entry's arena, taken when the first layer is decoded into it (not before: a
+        decoder whose entry is decoded whole, ``copy_entry``, takes none); None when no memory
+        holds the declared size (checksummed, but hostile or damaged): layer by layer then,
+        each body's size checked before a copy. Slices of it keep the pooled buffer alive."""
+        if self._arena is None and self._offsets:
+            with self._arena_lock:
+                if self._arena is None and self._offsets:
+                    total = self._offsets[-1]
+                    try:
+                        buf = inplace.BUFFERS.take(total) if total else np.empty(0, np.uint8)
+                        self._arena = memoryview(buf)  # type: ignore[arg-type]
+                    except MemoryError:
+                        self._offsets = []
+        return self._arena
 
     @property
     def borrows(self) -> bool:
@@ -173,15 +185,15 @@ class StreamDecoder:
     def decode_record(self, rec: LayerRecord) -> tuple[torch.Tensor, torch.Tensor]:
         spec = _spec(self.header.layout, rec.layer, rec.tokens)
         body = rec.body
-        if self._arena is not None:
+        arena = self._arena_view()
+        if arena is not None:
             lo, hi = self._offsets[rec.layer], self._offsets[rec.layer + 1]
             if len(body) != hi - lo:
                 raise Corrupt(f"layer {rec.layer}: {len(body)} body bytes, expected {hi - lo}")
-            place = self._arena_view[lo:hi]  # (keeps the pooled arena alive: kdn.buffers)
+            place = arena[lo:hi]
             np.frombuffer(place, dtype=np.uint8)[:] = np.frombuffer(body, dtype=np.uint8)
             body = place
-        kv = self.mode.borrow_layer(body, spec) if self.borrow or self._arena is not None \
-            else None
+        kv = self.mode.borrow_layer(body, spec) if self.borrow or arena is not None else None
         k, v = kv if kv is not None else self.mode.decode_layer(rec.body, spec, self.level,
                                                                  self.device)
         if tuple(k.shape) != spec.k_shape or tuple(v.shape) != spec.v_shape:
@@ -211,7 +223,7 @@ class StreamDecoder:
         Raises Corrupt for damaged bytes."""
         if self.device.type != "cpu" or not self.mode.borrows:
             return None
-        return inplace.copied(self.header, container)
+        return inplace.copied(self.header, container, _pool())
 
     def staging_views(self, frames: list[memoryview], container: memoryview
                       ) -> list[tuple[torch.Tensor, torch.Tensor]] | None:

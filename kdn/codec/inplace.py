@@ -20,6 +20,7 @@ from __future__ import annotations
 import itertools
 import threading
 import warnings
+from concurrent.futures import Executor
 from dataclasses import dataclass
 
 import numpy as np
@@ -147,11 +148,12 @@ def views(header: Header, container: memoryview, *, readonly: bool = False
     return list(zip(t[0::2], t[1::2]))
 
 
-def copied(header: Header, container: bytes | memoryview
+def copied(header: Header, container: bytes | memoryview, pool: Executor | None = None
            ) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
     """``views`` of a copy of ``container`` in fresh memory (frames 64-byte aligned), every
-    frame's checksum verified on the copy as it is made (``copy_checked``, one pass); None
-    where the entry has no plan. Raises Corrupt/Truncated for damaged bytes."""
+    frame's checksum verified on the copy as it is made (``copy_checked``, one pass; a large
+    entry on two of ``pool``'s workers); None where the entry has no plan. Raises
+    Corrupt/Truncated for damaged bytes."""
     if plan(header) is None:
         return None
     head = len(header.raw)
@@ -161,7 +163,7 @@ def copied(header: Header, container: bytes | memoryview
     # slice of ``room`` would keep only the pool's base array, and the buffer would go back
     # to the pool while the tensors still view it (kdn.buffers)
     dst = memoryview(room)[start : start + len(container)]  # type: ignore[arg-type]
-    copy_checked(dst, container)
+    copy_checked(dst, container, pool=pool, workers=2)
     return views(header, dst)
 
 
