@@ -222,7 +222,8 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ns = arg_parser(__doc__, "gpu", "SmolLM2 shape, 256 tokens, shm and inproc paths").parse_args(argv)
+    ns = arg_parser(__doc__, "gpu", "SmolLM2 shape, 256 tokens, shm and inproc paths"
+                    ).parse_args(argv)
     if ns.quick:
         plan, paths, runs = {"smollm2-135m": [256]}, ["shm", "inproc"], 2
     elif torch.cuda.is_available():

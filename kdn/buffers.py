@@ -100,3 +100,10 @@ class BufferPool:
         with self._lock:
             self._free.clear()
             self._free_bytes = 0
+
+
+RECEIVED = BufferPool(keep_bytes=256 << 20)
+"""The client side's pool (one per process): entries a client receives whole over gRPC
+(``Client.fetch``) and the decoded copies of verbatim entries (``kdn.codec.inplace``,
+``StreamDecoder``'s arena). An engine that loads entries, moves them into its own KV memory
+and drops them gets the next ones in memory that is already faulted in."""

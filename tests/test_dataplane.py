@@ -20,7 +20,7 @@ from kdn import codec
 from kdn.cache import KVCache
 from kdn.client import Client
 from kdn.client.shm import RegionAllocator, SharedSegment
-from kdn.errors import InvalidArgument, NotFound, TooLarge
+from kdn.errors import Corrupt, InvalidArgument, NotFound, TooLarge
 from kdn.options import Durability, StoreOptions
 from kdn.server import ServerConfig, ServerThread
 from kdn.v1 import kdn_pb2 as pb
@@ -328,6 +328,34 @@ def test_fetch_falls_back_to_the_stream_when_the_server_sends_small_messages(
         c.store(_key(15), small, mode="raw")
         got = c.fetch(_key(15))
         assert got is not None and codec.decode(got.parts.to_bytes()).equal(small)
+
+
+def test_a_streamed_fetch_lands_in_one_buffer_and_checks_its_size(tmp_path: Path) -> None:
+    from kdn.client.client import _received
+    from kdn.wire import Frame, FrameMessage
+
+    cfg = ServerConfig(port=0, data_dir=tmp_path / "d", disk_bytes=0,
+                       max_message_bytes=64 << 10)
+    lay = uniform_layout(layers=8, heads=2, dim=64)
+    with ServerThread(cfg) as st, Client(st.address, shm_bytes=0) as c:
+        kv = random_kv(lay, 64, seed=3)
+        c.store(_key(16), kv, mode="raw", layers_per_frame=1)
+        got = c.fetch(_key(16))
+        assert got is not None and got.owned and not got.checked and got.container is not None
+        frames = got.parts.frames
+        assert all(np.frombuffer(f, np.uint8).base is not None for f in frames)  # views
+        assert bytes(got.container) == got.parts.to_bytes()
+        back = c.retrieve(_key(16), layout=lay)  # the stream again: decoded, sums checked
+        assert back is not None and back.equal(kv)
+        blob = codec.encode_parts(kv, "raw", layers_per_frame=1)
+        msgs = [FrameMessage(Frame(i, f)) for i, f in enumerate(blob.frames)]
+        head = pb.RetrieveHeader(container_header=blob.header, total_bytes=blob.nbytes,
+                                 tier="ram")
+        assert codec.decode(_received(head, iter(msgs)).parts.to_bytes()).equal(kv)
+        for wrong in (blob.nbytes - 1, blob.nbytes + 1, 3):  # frames that do not add up
+            head.total_bytes = wrong
+            with pytest.raises(Corrupt):
+                _received(head, iter(msgs))
 
 
 def test_sizes_are_checked_before_anything_is_copied_out_of_a_segment(server: ServerThread

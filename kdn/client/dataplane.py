@@ -75,7 +75,7 @@ class TooBig:
 TOO_BIG = TooBig()
 
 
-def _fetched(buf: bytes | memoryview, tier: str, owned: bool = False,
+def fetched_of(buf: bytes | memoryview, tier: str, owned: bool = False,
              checked: bool = False) -> Fetched:
     """Header and frame views of one container (checked when decoded)."""
     c = parse_container(buf, verify=False)
@@ -212,11 +212,11 @@ class DataPlane:
                         raise Corrupt(f"GetMany placed an entry at [{ref.offset}, "
                                       f"{ref.offset + ref.length}), outside the free part "
                                       f"[{used}, {block[0] + block[1]}) of its region")
-                    out[i] = _fetched(seg.owned(ref.offset, ref.length, used), ref.tier, True,
+                    out[i] = fetched_of(seg.owned(ref.offset, ref.length, used), ref.tier, True,
                                       ref.verified)
                     used = (ref.offset + ref.length + 63) // 64 * 64
                 else:
-                    out[i] = _fetched(ref.data, ref.tier)
+                    out[i] = fetched_of(ref.data, ref.tier)
             if seg is not None and block is not None:
                 seg.regions.free(used, block[0] + block[1] - used)
             capped = block is not None and block[1] >= need and block[1] < sizes[0] \

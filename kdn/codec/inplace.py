@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kdn.buffers import BufferPool
+from kdn.buffers import RECEIVED
 from kdn.codec.format import (
     FRAME_PREFIX_BYTES,
     Header,
@@ -41,10 +41,8 @@ _PLANS_MAX = 256
 _PLANS_LOCK = threading.Lock()
 _SUM = np.dtype("<u4")
 _ALIGN = 64
-BUFFERS = BufferPool(keep_bytes=256 << 20)
-"""Where decoded copies of verbatim entries live (``copied``, ``StreamDecoder``'s arena): an
-engine that loads entries, moves them into its own KV memory and drops them gets the next ones
-in memory already faulted in (``kdn.buffers``)."""
+BUFFERS = RECEIVED
+"""Where decoded copies of verbatim entries live (``copied``, ``StreamDecoder``'s arena)."""
 
 
 @dataclass(frozen=True)
