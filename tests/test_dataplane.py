@@ -330,7 +330,9 @@ def test_fetch_falls_back_to_the_stream_when_the_server_sends_small_messages(
         assert got is not None and codec.decode(got.parts.to_bytes()).equal(small)
 
 
-def test_a_streamed_fetch_lands_in_one_buffer_and_checks_its_size(tmp_path: Path) -> None:
+def test_a_streamed_fetch_lands_in_one_buffer_and_checks_its_size(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from kdn.buffers import RECEIVED
     from kdn.client.client import _received
     from kdn.wire import Frame, FrameMessage
 
@@ -356,6 +358,10 @@ def test_a_streamed_fetch_lands_in_one_buffer_and_checks_its_size(tmp_path: Path
             head.total_bytes = wrong
             with pytest.raises(Corrupt):
                 _received(head, iter(msgs))
+        head.total_bytes = blob.nbytes
+        monkeypatch.setattr(RECEIVED, "keep_bytes", blob.nbytes - 1)  # larger than it keeps:
+        big = _received(head, iter(msgs))  # left in its messages (no pooled buffer, no copy)
+        assert not big.owned and codec.decode(big.parts.to_bytes()).equal(kv)
 
 
 def test_sizes_are_checked_before_anything_is_copied_out_of_a_segment(server: ServerThread

@@ -666,11 +666,13 @@ def _received(head: pb.RetrieveHeader, frames: Iterator[Any]) -> Fetched:
     the last one came made the process fault in fresh memory for all of them, which cost more
     than the copy. Its frames are the caller's to view in place (``owned``), their checksums
     still to verify (not ``checked``). Raises Corrupt when the frames do not add up to the
-    header's ``total_bytes``."""
+    header's ``total_bytes``. An entry larger than the pool keeps is left in its messages."""
     header = bytes(head.container_header)
     total = int(head.total_bytes)
     if total < len(header):
         raise Corrupt(f"entry of {total} bytes can not hold its {len(header)}-byte header")
+    if total > RECEIVED.keep_bytes:  # never pooled: fresh memory either way, so no copy
+        return Fetched(EncodedParts(header, [m.frame.data for m in frames]), head.tier)
     buf = memoryview(RECEIVED.take(total))  # type: ignore[arg-type]
     buf[: len(header)] = header
     at = len(header)
