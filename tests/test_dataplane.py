@@ -333,7 +333,7 @@ def test_fetch_falls_back_to_the_stream_when_the_server_sends_small_messages(
 def test_a_streamed_fetch_lands_in_one_buffer_and_checks_its_size(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from kdn.buffers import RECEIVED
-    from kdn.client.client import _received
+    from kdn.client.dataplane import received as _received
     from kdn.wire import Frame, FrameMessage
 
     cfg = ServerConfig(port=0, data_dir=tmp_path / "d", disk_bytes=0,

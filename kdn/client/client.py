@@ -34,13 +34,12 @@ import grpc
 
 from kdn import codec
 from kdn import tracing as _tracing
-from kdn.buffers import RECEIVED
 from kdn.client.blend import RemotePiece, blend_request
-from kdn.client.dataplane import DataPlane, Fetched, TooBig, fetched_of
+from kdn.client.dataplane import DataPlane, Fetched, TooBig, received
 from kdn.client.parallel import layer_groups, merged
 from kdn.codec import EncodedParts
 from kdn.codec.format import parse_container, parse_header
-from kdn.errors import Corrupt, InvalidArgument, LayoutMismatch, NotFound, TooLarge
+from kdn.errors import InvalidArgument, LayoutMismatch, NotFound, TooLarge
 from kdn.keys import DEFAULT_NAMESPACE, check_key, check_namespace
 from kdn.layout import KVLayout
 from kdn.metadata import API_KEY_HEADER, REQUEST_ID_HEADER
@@ -342,7 +341,7 @@ class Client:
         def run() -> Fetched:
             stream = self._retrieve_call(req, timeout=self.timeout_s, metadata=md)
             first = next(stream)
-            got = _received(first.header, stream)
+            got = received(first.header, stream)
             self._remember(req.namespace, req.key, got.parts)
             return got
 
@@ -658,33 +657,6 @@ def same_host(address: str) -> bool:
 
 def _key_info(info: pb.KeyInfo) -> KeyInfo:
     return KeyInfo(info.present, info.tier, info.size_bytes)
-
-
-def _received(head: pb.RetrieveHeader, frames: Iterator[Any]) -> Fetched:
-    """A Retrieve stream's entry assembled in one recycled buffer as its frames arrive
-    (``kdn.buffers.RECEIVED``), each message dropped once copied: holding every message until
-    the last one came made the process fault in fresh memory for all of them, which cost more
-    than the copy. Its frames are the caller's to view in place (``owned``), their checksums
-    still to verify (not ``checked``). Raises Corrupt when the frames do not add up to the
-    header's ``total_bytes``. An entry larger than the pool keeps is left in its messages."""
-    header = bytes(head.container_header)
-    total = int(head.total_bytes)
-    if total < len(header):
-        raise Corrupt(f"entry of {total} bytes can not hold its {len(header)}-byte header")
-    if total > RECEIVED.keep_bytes:  # never pooled: fresh memory either way, so no copy
-        return Fetched(EncodedParts(header, [m.frame.data for m in frames]), head.tier)
-    buf = memoryview(RECEIVED.take(total))  # type: ignore[arg-type]
-    buf[: len(header)] = header
-    at = len(header)
-    for msg in frames:
-        data = msg.frame.data
-        if at + len(data) > total:
-            raise Corrupt(f"frames exceed the entry's {total} bytes")
-        buf[at : at + len(data)] = data
-        at += len(data)
-    if at != total:
-        raise Corrupt(f"stream ended after {at} of the entry's {total} bytes")
-    return fetched_of(buf, head.tier, owned=True)
 
 
 def _checked_layout(got: Fetched, layout: KVLayout | None) -> Fetched:

@@ -17,10 +17,11 @@ from __future__ import annotations
 import logging
 import socket
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from kdn.buffers import RECEIVED
 from kdn.codec import EncodedParts
 from kdn.codec.format import Header, parse_container, parse_header
 from kdn.errors import Corrupt, DeadlineExceeded, KDNError, RateLimited, TooLarge, Unavailable
@@ -75,12 +76,39 @@ class TooBig:
 TOO_BIG = TooBig()
 
 
-def fetched_of(buf: bytes | memoryview, tier: str, owned: bool = False,
+def _fetched(buf: bytes | memoryview, tier: str, owned: bool = False,
              checked: bool = False) -> Fetched:
     """Header and frame views of one container (checked when decoded)."""
     c = parse_container(buf, verify=False)
     return Fetched(EncodedParts(c.header.raw, list(c.frames)), tier,  # type: ignore[arg-type]
                    owned, checked, c.header, memoryview(buf) if owned else None)
+
+
+def received(head: pb.RetrieveHeader, frames: Iterator[Any]) -> Fetched:
+    """A Retrieve stream's entry assembled in one recycled buffer as its frames arrive
+    (``kdn.buffers.RECEIVED``), each message dropped once copied: holding every message until
+    the last one came made the process fault in fresh memory for all of them, which cost more
+    than the copy. Its frames are the caller's to view in place (``owned``), their checksums
+    still to verify (not ``checked``). Raises Corrupt when the frames do not add up to the
+    header's ``total_bytes``. An entry larger than the pool keeps is left in its messages."""
+    header = bytes(head.container_header)
+    total = int(head.total_bytes)
+    if total < len(header):
+        raise Corrupt(f"entry of {total} bytes can not hold its {len(header)}-byte header")
+    if total > RECEIVED.keep_bytes:  # never pooled: fresh memory either way, so no copy
+        return Fetched(EncodedParts(header, [m.frame.data for m in frames]), head.tier)
+    buf = memoryview(RECEIVED.take(total))  # type: ignore[arg-type]
+    buf[: len(header)] = header
+    at = len(header)
+    for msg in frames:
+        data = msg.frame.data
+        if at + len(data) > total:
+            raise Corrupt(f"frames exceed the entry's {total} bytes")
+        buf[at : at + len(data)] = data
+        at += len(data)
+    if at != total:
+        raise Corrupt(f"stream ended after {at} of the entry's {total} bytes")
+    return _fetched(buf, head.tier, owned=True)
 
 
 class DataPlane:
@@ -212,11 +240,11 @@ class DataPlane:
                         raise Corrupt(f"GetMany placed an entry at [{ref.offset}, "
                                       f"{ref.offset + ref.length}), outside the free part "
                                       f"[{used}, {block[0] + block[1]}) of its region")
-                    out[i] = fetched_of(seg.owned(ref.offset, ref.length, used), ref.tier, True,
+                    out[i] = _fetched(seg.owned(ref.offset, ref.length, used), ref.tier, True,
                                       ref.verified)
                     used = (ref.offset + ref.length + 63) // 64 * 64
                 else:
-                    out[i] = fetched_of(ref.data, ref.tier)
+                    out[i] = _fetched(ref.data, ref.tier)
             if seg is not None and block is not None:
                 seg.regions.free(used, block[0] + block[1] - used)
             capped = block is not None and block[1] >= need and block[1] < sizes[0] \
