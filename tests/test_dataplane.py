@@ -453,10 +453,17 @@ def test_reads_through_the_segment_are_checked_by_the_server_and_viewed_in_place
     assert not any(_in_segment(k, seg) for k, _ in dec.layers)
 
 
+@pytest.mark.parametrize("split", [False, True], ids=["one-run", "runs"])
 def test_damage_to_a_checked_value_in_server_memory_is_caught_by_the_segment_copy(
-        server: ServerThread, shm_client: Client) -> None:
+        server: ServerThread, shm_client: Client, monkeypatch: pytest.MonkeyPatch,
+        split: bool) -> None:
+    if split:  # every entry large enough to be copied in runs of frames (PutMany and GetMany)
+        import kdn.codec.format as fmt
+
+        monkeypatch.setattr(fmt, "PARALLEL_COPY_BYTES", 1)
     kv = random_kv(LAYOUT, 40, seed=5)
-    shm_client.store(_key(22), kv, mode="raw", options=StoreOptions(durability=Durability.DISK))
+    shm_client.store(_key(22), kv, mode="raw", options=StoreOptions(durability=Durability.DISK),
+                     layers_per_frame=1)  # frames to split
     assert shm_client.retrieve(_key(22), layout=LAYOUT) is not None  # RAM copy checked once
     assert server.server is not None
     store = server.server.store

@@ -481,7 +481,8 @@ def copy_checked(dst: memoryview, value: bytes | memoryview, *,
     is written (one pass over memory instead of a copy then a hash). Records are not walked
     again: a stored entry's were checked when it was stored, and its checksums bind them.
     With a ``pool`` and ``workers`` > 1, an entry of ``PARALLEL_COPY_BYTES`` or more is copied
-    as that many runs of whole frames at once (numpy copies and xxhash hashes without the GIL).
+    as that many runs of whole frames at once, the last on the calling thread (numpy copies and
+    xxhash hashes without the GIL).
     Raises Corrupt/Truncated once every run has ended; ``dst`` then holds unchecked bytes."""
     src, out = memoryview(value).cast("B"), memoryview(dst).cast("B")
     if len(out) != len(src):
@@ -528,9 +529,15 @@ def copy_checked(dst: memoryview, value: bytes | memoryview, *,
             runs.append(part)
             part = []
     runs.append(part)
-    futures = [pool.submit(run, r) for r in runs if r]
-    errors = [f.exception() for f in futures]  # every run ends before anything is raised
-    for err in errors:
+    runs = [r for r in runs if r]
+    futures = [pool.submit(run, r) for r in runs[:-1]]  # the last run on this thread
+    mine: BaseException | None = None
+    try:
+        run(runs[-1])
+    except BaseException as exc:  # raised once every run has ended
+        mine = exc
+    errors = [f.exception() for f in futures]
+    for err in (*errors, mine):
         if err is not None:
             raise err
 

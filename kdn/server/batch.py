@@ -361,17 +361,22 @@ class BatchMixin:
                   ) -> int:
         """Copy each placed entry into the segment at its offset, checking every checksum on
         the written bytes, on up to ``COPY_THREADS`` threads (numpy and xxhash run without the
-        GIL) when the batch is large; an entry that fails its check is read again
-        (``_recopy``) or answered as a miss. Returns the bytes not written."""
+        GIL) when the batch is large, a single large entry in runs of frames on them and this
+        thread; an entry that fails its check is read again (``_recopy``) or answered as a
+        miss. Returns the bytes not written."""
         assert seg is not None
         total = sum(len(hit.value) for _, _, hit, _ in copies)
         workers = min(COPY_THREADS, len(copies)) if total >= PARALLEL_COPY_BYTES else 1
+
+        # one large entry (what an engine waits on for a long context): its frames in runs on
+        # the copy threads and this one (copy_checked splits from its PARALLEL_COPY_BYTES)
+        split = {"pool": _copy_pool(), "workers": COPY_THREADS + 1} if len(copies) == 1 else {}
 
         def one(item: tuple[pb.EntryRef, bytes, Hit, int]) -> Corrupt | None:
             _, _, hit, at = item
             try:
                 copy_checked(memoryview(seg.array[at : at + len(hit.value)]),  # type: ignore[arg-type]
-                             hit.value)
+                             hit.value, **split)  # type: ignore[arg-type]
                 return None
             except Corrupt as exc:
                 return exc
@@ -433,13 +438,16 @@ class BatchMixin:
             if total > MAX_BATCH_BYTES:
                 raise TooLarge(f"PutMany of {total} bytes; at most {MAX_BATCH_BYTES} per call")
         checked: list[tuple[bytes, bytes | memoryview, Header]] = []
+        split = ({"pool": _copy_pool(), "workers": COPY_THREADS + 1}  # one large entry: runs
+                 if len(request.items) == 1 else {})  # of its frames on the copy threads too
         for j, item in enumerate(request.items):
             t0 = time.perf_counter()
             try:
                 if seg is not None:  # a copy, checked as it is made (one pass): later changes
                     start, stop = _region(seg, item.region)  # by the client can not slip past
                     own = self.buffers.take(stop - start)
-                    copy_checked(memoryview(own), memoryview(seg.array[start:stop]))  # type: ignore[arg-type]
+                    copy_checked(memoryview(own), memoryview(seg.array[start:stop]),  # type: ignore[arg-type]
+                                 **split)  # type: ignore[arg-type]
                     value: bytes | memoryview = memoryview(own).toreadonly()  # type: ignore[arg-type]
                 else:
                     value = bytes(item.data)
