@@ -141,8 +141,11 @@ class LayerStream:
             self._layers[i] = self._place(i, k, v)
         self.timings.layer_ready = dict.fromkeys(range(len(layers)), now)
         self.timings.first_layer = self.timings.last_frame_received = self.timings.done = now
+        self._record()
+
+    def _record(self) -> None:
         try:
-            client_metrics.record(self)
+            client_metrics.record(self)  # a no-op unless kdn.client.metrics is enabled
         except Exception:  # a metric never fails a load
             logging.getLogger("kdn.client").debug("client metrics", exc_info=True)
 
@@ -180,10 +183,7 @@ class LayerStream:
         except BaseException as exc:
             self._fail(exc)
         if self._error is None:
-            try:
-                client_metrics.record(self)  # a no-op unless kdn.client.metrics is enabled
-            except Exception:  # a metric never fails a load
-                logging.getLogger("kdn.client").debug("client metrics", exc_info=True)
+            self._record()
 
     def wait_for_layer(self, i: int, timeout: float | None = None) -> LayerKV:
         """Layer i's (K, V) once decoded; raises the stream's error if it failed."""

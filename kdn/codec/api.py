@@ -217,10 +217,10 @@ class StreamDecoder:
 
     def copy_entry(self, container: bytes | memoryview
                    ) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
-        """Every layer at once from one copy of ``container`` (the whole entry) into fresh
-        memory, every checksum verified as it is copied; None when the entry's mode or layout
-        does not allow views of the copy (``kdn.codec.inplace``): decode frame by frame then.
-        Raises Corrupt for damaged bytes."""
+        """Every layer at once from one copy of ``container`` (the whole entry) into a
+        recycled buffer, every checksum verified as it is copied; None when the entry's mode
+        or layout does not allow views of the copy (``kdn.codec.inplace``): decode frame by
+        frame then. Raises Corrupt for damaged bytes."""
         if self.device.type != "cpu" or not self.mode.borrows:
             return None
         return inplace.copied(self.header, container, _pool())

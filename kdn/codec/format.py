@@ -38,6 +38,7 @@ import threading
 from collections.abc import Iterator
 from concurrent.futures import Executor
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 import numpy as np
 import xxhash
@@ -121,9 +122,33 @@ def layout_from_proto(msg: pb.Layout) -> KVLayout:
     )
 
 
-_LAYOUTS: dict[bytes, KVLayout] = {}
-_LAYOUTS_MAX = 256
-_LAYOUTS_LOCK = threading.Lock()
+K = TypeVar("K")
+V = TypeVar("V")
+
+
+class BoundedMemo(Generic[K, V]):
+    """A memo of at most ``limit`` values, the oldest dropped first. Writes take a lock; reads
+    do not (a dict read is atomic: a racing read sees the value or a miss, and computes it)."""
+
+    def __init__(self, limit: int) -> None:
+        self._values: dict[K, V] = {}
+        self._limit = limit
+        self._lock = threading.Lock()
+
+    def get(self, key: K, default: V | None = None) -> V | None:
+        return self._values.get(key, default)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._values
+
+    def put(self, key: K, value: V) -> None:
+        with self._lock:
+            if len(self._values) >= self._limit:
+                self._values.pop(next(iter(self._values)))
+            self._values[key] = value
+
+
+_LAYOUTS: BoundedMemo[bytes, KVLayout] = BoundedMemo(256)
 
 
 def _layout_of(msg: pb.Layout) -> KVLayout:
@@ -134,10 +159,7 @@ def _layout_of(msg: pb.Layout) -> KVLayout:
     layout = _LAYOUTS.get(key)
     if layout is None:
         layout = layout_from_proto(msg)
-        with _LAYOUTS_LOCK:
-            if len(_LAYOUTS) >= _LAYOUTS_MAX:
-                _LAYOUTS.pop(next(iter(_LAYOUTS)))
-            _LAYOUTS[key] = layout
+        _LAYOUTS.put(key, layout)
     return layout
 
 
@@ -197,10 +219,8 @@ def header_size(buf: bytes | memoryview) -> int:
     return _HEAD.size + n + _HEAD_SUM.size
 
 
-_HEADERS: dict[bytes, tuple[KVLayout, int, int]] = {}
+_HEADERS: BoundedMemo[bytes, tuple[KVLayout, int, int]] = BoundedMemo(4096)
 """Headers already verified, by their exact bytes: (layout, checksum, version)."""
-_HEADERS_MAX = 4096
-_HEADERS_LOCK = threading.Lock()
 
 
 def parse_header(buf: bytes | memoryview) -> Header:
@@ -239,10 +259,7 @@ def parse_header(buf: bytes | memoryview) -> Header:
         raise InvalidLayout("container header layout fingerprint does not match its layout")
     _check_spans(entry, layout)
     version = _HEAD.unpack_from(raw, 0)[1]
-    with _HEADERS_LOCK:
-        if len(_HEADERS) >= _HEADERS_MAX:
-            _HEADERS.pop(next(iter(_HEADERS)))
-        _HEADERS[raw] = (layout, want, version)
+    _HEADERS.put(raw, (layout, want, version))
     return Header(raw=raw, entry=entry, layout=layout, checksum=want, version=version)
 
 

@@ -18,7 +18,6 @@ decodes frame by frame, which names the problem.
 from __future__ import annotations
 
 import itertools
-import threading
 import warnings
 from concurrent.futures import Executor
 from dataclasses import dataclass
@@ -29,6 +28,7 @@ import torch
 from kdn.buffers import RECEIVED
 from kdn.codec.format import (
     FRAME_PREFIX_BYTES,
+    BoundedMemo,
     Header,
     check_frame_prefix,
     copy_checked,
@@ -36,9 +36,8 @@ from kdn.codec.format import (
     record_prefix,
 )
 
-_PLANS: dict[tuple[str, int, tuple[tuple[int, int], ...]], Plan | None] = {}
-_PLANS_MAX = 256
-_PLANS_LOCK = threading.Lock()
+_PLANS: BoundedMemo[tuple[str, int, tuple[tuple[int, int], ...]], Plan | None] = \
+    BoundedMemo(256)  # None too: entries of that shape have no plan
 _SUM = np.dtype("<u4")
 _ALIGN = 64
 BUFFERS = RECEIVED
@@ -112,12 +111,9 @@ def plan(header: Header) -> Plan | None:
         return None
     key = (header.layout.fingerprint, header.tokens, tuple(header.spans))
     if key in _PLANS:
-        return _PLANS[key]
+        return _PLANS.get(key)
     got = _build(header)
-    with _PLANS_LOCK:
-        if len(_PLANS) >= _PLANS_MAX:
-            _PLANS.pop(next(iter(_PLANS)))
-        _PLANS[key] = got
+    _PLANS.put(key, got)
     return got
 
 

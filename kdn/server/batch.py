@@ -239,6 +239,13 @@ def _aligned(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
+def _split_one(entries: int) -> dict[str, Any]:
+    """``copy_checked``'s arguments for a call of ``entries`` entries: one entry (what an
+    engine waits on for a long context) is copied in runs of its frames on the copy threads and
+    the request's own (from ``PARALLEL_COPY_BYTES`` of the format); a batch splits by entry."""
+    return {"pool": _copy_pool(), "workers": COPY_THREADS + 1} if entries == 1 else {}
+
+
 def _frames_aligned(cursor: int, value: bytes | memoryview, end: int) -> int:
     """Where in [cursor, end) to write ``value`` so that its first frame starts at a multiple
     of ``ALIGN`` (the client's tensors can then view raw bodies in place); ``cursor`` itself
@@ -368,15 +375,13 @@ class BatchMixin:
         total = sum(len(hit.value) for _, _, hit, _ in copies)
         workers = min(COPY_THREADS, len(copies)) if total >= PARALLEL_COPY_BYTES else 1
 
-        # one large entry (what an engine waits on for a long context): its frames in runs on
-        # the copy threads and this one (copy_checked splits from its PARALLEL_COPY_BYTES)
-        split = {"pool": _copy_pool(), "workers": COPY_THREADS + 1} if len(copies) == 1 else {}
+        split = _split_one(len(copies))
 
         def one(item: tuple[pb.EntryRef, bytes, Hit, int]) -> Corrupt | None:
             _, _, hit, at = item
             try:
                 copy_checked(memoryview(seg.array[at : at + len(hit.value)]),  # type: ignore[arg-type]
-                             hit.value, **split)  # type: ignore[arg-type]
+                             hit.value, **split)
                 return None
             except Corrupt as exc:
                 return exc
@@ -438,8 +443,7 @@ class BatchMixin:
             if total > MAX_BATCH_BYTES:
                 raise TooLarge(f"PutMany of {total} bytes; at most {MAX_BATCH_BYTES} per call")
         checked: list[tuple[bytes, bytes | memoryview, Header]] = []
-        split = ({"pool": _copy_pool(), "workers": COPY_THREADS + 1}  # one large entry: runs
-                 if len(request.items) == 1 else {})  # of its frames on the copy threads too
+        split = _split_one(len(request.items))
         for j, item in enumerate(request.items):
             t0 = time.perf_counter()
             try:
@@ -447,7 +451,7 @@ class BatchMixin:
                     start, stop = _region(seg, item.region)  # by the client can not slip past
                     own = self.buffers.take(stop - start)
                     copy_checked(memoryview(own), memoryview(seg.array[start:stop]),  # type: ignore[arg-type]
-                                 **split)  # type: ignore[arg-type]
+                                 **split)
                     value: bytes | memoryview = memoryview(own).toreadonly()  # type: ignore[arg-type]
                 else:
                     value = bytes(item.data)
