@@ -14,7 +14,9 @@ unpruned model measured in the same run on the same held-out text.
    the calibration text. Per allocation (uniform, ppl-based, rank-based): prune a copy,
    perplexity on the evaluation windows (KVPruner's Tables III-IV): one row each.
 3. Per ratio, the best one-shot combination is recovered (``kdn.prune.recover``: LoRA r16 on
-   q/k/v/o/gate/up/down with peft, distilled from the unpruned model, bf16 autocast, bounded
+   q/k/v/o/gate/up/down with peft, distilled from the unpruned model, the positions that
+   predict reference answers of the training prompts weighed ``--answer-weight`` times the
+   rest, bf16 autocast, bounded
    by steps and 30 minutes, checkpointed in ``OUT.recovery-<ratio>/`` and resumed from
    there); its row gets the recovered perplexity. The recovered model is saved as a
    transformers folder and every later measurement uses the copy loaded back through
@@ -251,6 +253,8 @@ def main(argv: list[str] | None = None) -> None:
                     help="weight of the KL from the unpruned model in the recovery loss")
     ap.add_argument("--qa-share", type=float, default=0.5,
                     help="share of training paragraphs in the answering prompt's form")
+    ap.add_argument("--answer-weight", type=float, default=10.0,
+                    help="recovery loss weight of positions predicting answer tokens (others 1)")
     ap.add_argument("--fp32", action="store_true", help="recover without bf16 autocast")
     ap.add_argument("--questions", type=int, default=0, help="SQuAD questions for F1 (50)")
     args = ap.parse_args(argv)
@@ -271,7 +275,8 @@ def main(argv: list[str] | None = None) -> None:
     geo = Geometry.of(model)
     split = ArticleSplit.default()  # calibration, training and evaluation articles: disjoint
     calib = split.token_ids("calibration", tok, calib_n)
-    train_ids = split.recovery_ids(tok, qa_share=args.qa_share, seed=0)
+    training = split.recovery_text(tok, qa_share=args.qa_share, seed=0)
+    train_ids = training.ids
     eval_windows = split.windows("evaluation", tok, n_windows, window)
     codec_text = split.windows("evaluation", tok, codec_windows, codec_ctx + codec_eval)
     eval_text = split.token_ids("evaluation", tok)
@@ -344,10 +349,12 @@ def main(argv: list[str] | None = None) -> None:
         plan = plans[(ratio, best["allocation"], best["importance"])]
         pruned = prune_model(copy.deepcopy(model), plan)
         rcfg = RecoveryConfig(steps=steps_for[ratio], seed=0, max_seconds=args.recover_seconds,
-                              distill=args.distill, bf16=not args.fp32)
+                              distill=args.distill, bf16=not args.fp32,
+                              answer_weight=args.answer_weight)
         ckpt_dir = args.out.with_name(f"{args.out.stem}.recovery-{ratio}")
         every = max(1, steps_for[ratio] // 10)
-        rep = recover(pruned, train_ids, rcfg, teacher=model if args.distill else None,
+        rep = recover(pruned, train_ids, rcfg, answer=training.answer,
+                      teacher=model if args.distill else None,
                       folder=ckpt_dir, progress=lambda s, n, loss, t, r=ratio, e=every: print(
                           f"    recovery {r:.1f}: step {s}/{n} loss {loss:.3f} {t:.0f} s "
                           f"(eta {t / s * (n - s):.0f} s)", flush=True)
@@ -474,6 +481,7 @@ def main(argv: list[str] | None = None) -> None:
                          "training": [split.training.start, split.training.stop],
                          "evaluation": [split.evaluation.start, split.evaluation.stop]},
                training_tokens=train_ids.numel(), training_qa_share=args.qa_share,
+               training_answer_tokens=int(training.answer.sum()),
                unpruned_ppl=base_ppl, unpruned_ppl_ci=[base.low, base.high],
                unpruned_answer_f1=base_f1,
                unpruned_answer_f1_kdn=via_kdn["unpruned"], questions=n_questions,
@@ -488,7 +496,8 @@ def main(argv: list[str] | None = None) -> None:
                speed_new_tokens=speed_new, sensitivity_delta_ppl=sensitivities,
                lora_recovery=f"peft LoRA r16 on q/k/v/o/gate/up/down, merged; loss "
                              f"{1 - args.distill:g} x cross-entropy + {args.distill:g} x KL "
-                             "from the unpruned model; best one-shot combination of each ratio",
+                             f"from the unpruned model, answer positions x {args.answer_weight:g}; "
+                             "best one-shot combination of each ratio",
                torch_threads=torch.get_num_threads(), elapsed_s=elapsed, targets=targets)
     plot(args.png or args.out.with_suffix(".png"), rows, per_ratio, base, fp16_bpt,
          codecs_of, chosen, f1, ttft)

@@ -20,7 +20,7 @@ from kdn import codec
 from kdn.cache import KVCache
 from kdn.client import Client
 from kdn.client.shm import RegionAllocator, SharedSegment
-from kdn.errors import Corrupt, InvalidArgument, NotFound, TooLarge
+from kdn.errors import Corrupt, InvalidArgument, LayoutMismatch, NotFound, TooLarge
 from kdn.options import Durability, StoreOptions
 from kdn.server import ServerConfig, ServerThread
 from kdn.v1 import kdn_pb2 as pb
@@ -555,3 +555,46 @@ def test_a_batch_larger_than_one_region_takes_few_calls(server: ServerThread,
         total = sum(kv.nbytes for kv in kvs)
         assert len(calls) <= total // (1 << 20) + 2, calls  # ~1 MiB per call, not one call
         assert len(calls) < len(kvs) // 3  # per entry left over
+
+
+@pytest.mark.parametrize("tokens", [40, 9000], ids=["one-message", "stream"])
+def test_a_remote_retrieve_reads_the_entry_whole_and_catches_damage(
+        server: ServerThread, tokens: int) -> None:
+    """Without the segment, ``retrieve`` reads as ``fetch`` does (one GetMany message, or a
+    stream assembled in one recycled buffer past the 4 MiB inline budget), then decodes: the
+    tensors are the stored ones, a held result survives the buffer's next use, a mode that
+    decodes decodes, a miss is None, another layout is refused, and a value damaged in
+    server memory never comes back as tensors."""
+    kv = random_kv(LAYOUT, tokens, seed=30)
+    with Client(server.address, timeout_s=30, shm_bytes=0) as c:
+        assert not c.dataplane.attached and c.streams == 1
+        c.retrieve_stream = None  # type: ignore[method-assign,assignment]  # not the way here
+        c.store(_key(30), kv, mode="raw", layers_per_frame=1)
+        back = c.retrieve(_key(30), layout=LAYOUT)
+        assert back is not None and back.equal(kv)
+        if tokens > 4096:  # the pooled buffer: a second read reuses it, the first result holds
+            other = random_kv(LAYOUT, tokens, seed=31)
+            c.store(_key(31), other, mode="raw")
+            del back
+            again = c.retrieve(_key(31), layout=LAYOUT)
+            assert again is not None and again.equal(other)
+            held = c.retrieve(_key(30), layout=LAYOUT)
+            assert held is not None and c.retrieve(_key(31)).equal(other)  # type: ignore[union-attr]
+            assert held.equal(kv)
+        lossless = random_kv(LAYOUT, tokens, seed=32)
+        c.store(_key(32), lossless, mode="lossless")
+        assert c.retrieve(_key(32), layout=LAYOUT).equal(lossless)  # type: ignore[union-attr]
+        assert c.retrieve(_key(33), layout=LAYOUT) is None
+        with pytest.raises(LayoutMismatch):
+            c.retrieve(_key(30), layout=uniform_layout(layers=3))
+        assert server.server is not None
+        ram = next(t for t in server.server.store.tiers if t.name == "ram")
+        skey = next(k for k in ram._data if k.endswith(_key(30).hex().encode()))  # noqa: SLF001
+        bad = bytearray(ram._data[skey])  # noqa: SLF001
+        bad[-100] ^= 0x10  # a flipped bit in a value the server checked already
+        ram._data[skey] = bytes(bad)  # noqa: SLF001
+        for tier in server.server.store.tiers:
+            if tier.name != "ram":
+                tier.delete(skey)
+        with pytest.raises(Corrupt):
+            c.retrieve(_key(30), layout=LAYOUT)

@@ -104,6 +104,54 @@ def test_the_fused_distillation_loss_equals_the_unfused_one_and_its_gradient(
         DistillKL.apply(logits, target[:, :-1])
 
 
+def test_the_weighted_distillation_loss_weighs_each_position() -> None:
+    g = torch.Generator().manual_seed(6)
+    logits = (torch.randn(2, 70, 50, generator=g) * 3).requires_grad_()
+    target = torch.randn(2, 70, 50, generator=g) * 3
+    weights = torch.where(torch.rand(2, 70, generator=g) < 0.1, 10.0, 1.0)
+    per = (torch.softmax(target, -1) * (torch.log_softmax(target, -1)
+                                        - torch.log_softmax(logits, -1))).sum(-1)
+    ref = (per * weights).sum() / weights.sum()
+    ref.backward()
+    want = logits.grad.clone()  # type: ignore[union-attr]
+    logits.grad = None
+    got = DistillKL.apply(logits, target, weights)
+    got.backward()
+    assert abs(float(got) - float(ref)) < 1e-5 * float(ref)
+    assert float((logits.grad - want).abs().max()) < 1e-7  # type: ignore[operator]
+    plain = DistillKL.apply(logits.detach(), target)
+    ones = DistillKL.apply(logits.detach(), target, torch.ones(2, 70))
+    assert abs(float(plain) - float(ones)) < 1e-6 and abs(float(plain) - float(ref)) > 1e-3
+    for bad in (torch.ones(2, 69), -torch.ones(2, 70), torch.zeros(2, 70)):
+        with pytest.raises(InvalidArgument, match="weights must be"):
+            DistillKL.apply(logits, target, bad)
+
+
+def test_answer_positions_weigh_as_configured_and_need_their_mask() -> None:
+    teacher = tiny(1)
+    train = ids(600, 4)
+    mask = torch.zeros(600, dtype=torch.bool)
+    mask[::7] = True
+    runs = []
+    for weight in (1.0, 20.0):
+        model = kvprune(teacher, ids(64), PruneConfig(0.5, "uniform", "l2")).model
+        cfg = _with(distill=1.0, answer_weight=weight, steps=3)
+        runs.append((recover(model, train, cfg, answer=mask, teacher=teacher), model))
+    assert runs[0][0].losses != runs[1][0].losses  # the weights change what is trained
+    same = kvprune(teacher, ids(64), PruneConfig(0.5, "uniform", "l2")).model
+    plain = recover(same, train, _with(distill=1.0, steps=3), teacher=teacher)
+    assert plain.losses == runs[0][0].losses and _same(same, runs[0][1])  # weight 1: no change
+    with pytest.raises(InvalidArgument, match="needs the answer mask"):
+        recover(_pruned(), _train(), _with(answer_weight=5.0))
+    with pytest.raises(InvalidArgument, match="bool mask of the training text's 600"):
+        recover(_pruned(), _train(), _with(answer_weight=5.0), answer=mask[:-1])
+    with pytest.raises(InvalidArgument, match="bool mask"):
+        recover(_pruned(), _train(), _with(answer_weight=5.0), answer=mask.long())
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(InvalidArgument, match="answer_weight"):
+            _with(answer_weight=bad)
+
+
 def test_recovery_is_deterministic_and_a_resumed_run_equals_an_uninterrupted_one(
         tmp_path: Path) -> None:
     base = _pruned()
@@ -296,6 +344,17 @@ def test_the_split_keeps_evaluation_text_apart(monkeypatch: pytest.MonkeyPatch) 
     assert win.shape == (5, 21)
     assert len(set(win[:, 0].tolist())) == 5  # spread over both articles, never overlapping
     train = split.recovery_ids(tok, qa_share=0.5)
+    text = split.recovery_text(tok, qa_share=0.5)
+    assert torch.equal(text.ids, train) and text.answer.shape == train.shape
+    words = {v: k for k, v in tok.table.items()}
+    marked = [words[int(i)] for i in text.ids[text.answer]]
+    refs = [w for a in _articles()[1:4] for p in a.paragraphs for q in p.qas
+            for w in q.answers[0].split()]
+    assert marked and all(w in refs for w in marked)  # the reference answers, nothing else
+    assert 0 < int(text.answer.sum()) < train.numel() // 4
+    everything = split.recovery_text(tok, qa_share=1.0)
+    assert int(everything.answer.sum()) > int(text.answer.sum())
+    assert not split.recovery_text(tok, qa_share=0.0).answer.any()
     ev.check_disjoint(train, win, n=8)  # different articles: no shared run
     with pytest.raises(InvalidArgument, match="texts overlap"):
         ev.check_disjoint(split.token_ids("evaluation", tok), win, n=8)

@@ -457,10 +457,20 @@ class Client:
                  layout: KVLayout | None = None,
                  device: torch.device | str | None = None,
                  request_id: str | None = None) -> KVCache | None:
-        """Retrieve and decode ``key`` (frames decoded as they arrive). None on a miss."""
-        stream = self.retrieve_stream(key, namespace=namespace, layout=layout, device=device,
-                                      request_id=request_id)
-        return None if stream is None else stream.result()
+        """Retrieve and decode ``key``. None on a miss.
+
+        The whole entry is wanted before anything is used, so without the shared segment and
+        with one stream it is read as ``fetch`` reads it (one message, or a stream assembled
+        in one recycled buffer) and decoded in place: decoding layer by layer as frames
+        arrive only pays where a caller starts on early layers (``retrieve_stream``)."""
+        if self.dataplane.attached or self.streams > 1:
+            stream = self.retrieve_stream(key, namespace=namespace, layout=layout,
+                                          device=device, request_id=request_id)
+            return None if stream is None else stream.result()
+        started = time.perf_counter()
+        got = self.fetch(key, namespace=namespace, layout=layout, request_id=request_id)
+        return None if got is None else _stream_of(got, device,
+                                                   _timings(started=started)).result()
 
     # -- many entries per call ------------------------------------------------------------------
 

@@ -125,26 +125,49 @@ class ArticleSplit:
 
     def recovery_ids(self, tokenizer: Any, *, qa_share: float = 0.5, seed: int = 0
                      ) -> torch.Tensor:
+        """The ids of ``recovery_text`` alone."""
+        return self.recovery_text(tokenizer, qa_share=qa_share, seed=seed).ids
+
+    def recovery_text(self, tokenizer: Any, *, qa_share: float = 0.5, seed: int = 0
+                      ) -> RecoveryText:
         """Training text for LoRA recovery, from the training articles only: paragraph after
-        paragraph, a ``qa_share`` of them as the answering prompt the evaluation uses (context,
-        question, reference answer) and the rest as plain text. With a distillation loss the
-        answer tokens are inputs only: the targets are the teacher's predictions."""
+        paragraph, a ``qa_share`` of them as the answering prompt the evaluation uses (head,
+        context and question tail tokenized apart, as ``prompt_ids`` does, then the reference
+        answer and the end of the turn) and the rest as plain text. ``answer`` marks the answer
+        tokens, which a recovery can weigh above the rest (``RecoveryConfig.answer_weight``);
+        with a distillation loss they are inputs only: the targets are the teacher's."""
         if not 0.0 <= qa_share <= 1.0:
             raise InvalidArgument(f"qa_share must be in [0, 1], got {qa_share}")
+        from kdn.rag.corpus import chunk_ids
+
         rng = random.Random(seed)
-        head, tail = _template(tokenizer)
         end = _end_of_turn(tokenizer)
         ids: list[int] = []
+        answer: list[bool] = []
         for art in self.articles("training"):
             for p in art.paragraphs:
                 if p.qas and rng.random() < qa_share:
                     qa = rng.choice(p.qas)
-                    text = (head + p.context + tail.replace("{question}", qa.question)
-                            + qa.answers[0] + end)
+                    prompt = sum(prompt_ids(tokenizer, p.context, qa.question), [])
+                    reply = chunk_ids(tokenizer, qa.answers[0] + end)
+                    ids += prompt + reply
+                    answer += [False] * len(prompt) + [True] * len(reply)
                 else:
-                    text = p.context + "\n\n"
-                ids += tokenizer(text, add_special_tokens=False)["input_ids"]
-        return torch.tensor(ids, dtype=torch.long)
+                    text = chunk_ids(tokenizer, p.context + "\n\n")
+                    ids += text
+                    answer += [False] * len(text)
+        return RecoveryText(torch.tensor(ids, dtype=torch.long),
+                            torch.tensor(answer, dtype=torch.bool))
+
+
+@dataclass(frozen=True)
+class RecoveryText:
+    """LoRA recovery's training text: token ids, and which of them are reference answers."""
+
+    ids: torch.Tensor
+    """[n] int64."""
+    answer: torch.Tensor
+    """[n] bool: True at the tokens of a reference answer (its end of turn included)."""
 
 
 def check_disjoint(a: torch.Tensor, b: torch.Tensor, n: int = 32) -> None:

@@ -13,7 +13,10 @@ articles the evaluation never reads (``kdn.prune.evaluate.ArticleSplit``).
 
 The loss is next-token cross-entropy, mixed (``distill``) with the KL divergence from an
 unpruned ``teacher``'s next-token distribution on the same batch: the teacher says what the
-pruned model lost, token by token, a richer signal than the one right token.
+pruned model lost, token by token, a richer signal than the one right token. Positions
+that predict a reference answer's tokens can weigh more (``answer_weight``, with the mask
+``ArticleSplit.recovery_text`` returns): answering from a context is where pruned K and V
+channels cost most, and those tokens are a few in a hundred of the text.
 
 Lifecycle of ``recover``:
 
@@ -74,6 +77,10 @@ class RecoveryConfig:
     """Tokens per sequence (windows drawn from the training text)."""
     distill: float = 0.0
     """Weight of the KL divergence from the teacher (0: cross-entropy only; 1: KL only)."""
+    answer_weight: float = 1.0
+    """Loss weight of a position whose next token is marked in ``recover``'s ``answer`` mask
+    (the reference answers of the training text), against 1 for every other position: the
+    few answer tokens are where a pruned model's reading of its context shows."""
     bf16: bool = False
     """Forward and backward under bfloat16 autocast (about twice as fast on CPUs with bf16
     instructions; the weights, the adapters and the optimizer stay float32)."""
@@ -90,6 +97,8 @@ class RecoveryConfig:
             raise InvalidArgument("lr and max_seconds must be > 0")
         if self.warmup < 0:
             raise InvalidArgument(f"warmup must be >= 0, got {self.warmup}")
+        if not self.answer_weight > 0 or not math.isfinite(self.answer_weight):
+            raise InvalidArgument(f"answer_weight must be > 0, got {self.answer_weight}")
         if not 0.0 <= self.distill <= 1.0:
             raise InvalidArgument(f"distill must be in [0, 1], got {self.distill}")
         if not self.targets:
@@ -124,22 +133,33 @@ class RecoveryReport:
         return sum(tail) / len(tail) if tail else math.nan
 
 
-def batch_at(train_ids: torch.Tensor, cfg: RecoveryConfig, step: int) -> torch.Tensor:
-    """Step ``step``'s [batch, seq_len] windows: a function of (seed, step) alone, so a resumed
-    run draws what an uninterrupted one would have."""
+def batch_at(train_ids: torch.Tensor, cfg: RecoveryConfig, step: int,
+             answer: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Step ``step``'s [batch, seq_len] windows, a function of (seed, step) alone, so a resumed
+    run draws what an uninterrupted one would have; with ``answer``, the [batch, seq_len - 1]
+    loss weight of each predicted position too (``cfg.answer_weight`` where the predicted
+    token is marked, else 1)."""
     g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
-    starts = torch.randint(0, train_ids.numel() - cfg.seq_len + 1, (cfg.batch,), generator=g)
-    return torch.stack([train_ids[s:s + cfg.seq_len] for s in starts.tolist()])
+    starts = torch.randint(0, train_ids.numel() - cfg.seq_len + 1, (cfg.batch,),
+                           generator=g).tolist()
+    batch = torch.stack([train_ids[s:s + cfg.seq_len] for s in starts])
+    if answer is None:
+        return batch, None
+    marked = torch.stack([answer[s + 1:s + cfg.seq_len] for s in starts])
+    return batch, torch.where(marked, cfg.answer_weight, 1.0)
 
 
 def recover(model: Any, train_ids: torch.Tensor, config: RecoveryConfig | None = None, *,
-            teacher: Any = None, folder: str | Path | None = None,
+            answer: torch.Tensor | None = None, teacher: Any = None,
+            folder: str | Path | None = None,
             progress: Callable[[int, int, float, float], None] | bool = False
             ) -> RecoveryReport:
     """Fine-tune ``model`` (pruned, in place) with LoRA on ``train_ids`` and merge the adapters
-    back; returns what happened (module docstring). ``teacher``: the unpruned model, needed
-    when ``config.distill`` > 0. ``progress``: True for a bar on stderr (on a terminal), or a
-    callable(step, steps, loss, elapsed_seconds) called after every step."""
+    back; returns what happened (module docstring). ``answer``: a bool mask as long as
+    ``train_ids`` marking the tokens ``config.answer_weight`` weighs (needed when that is not
+    1). ``teacher``: the unpruned model, needed when ``config.distill`` > 0. ``progress``:
+    True for a bar on stderr (on a terminal), or a callable(step, steps, loss,
+    elapsed_seconds) called after every step."""
     try:
         from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
     except ImportError as exc:
@@ -153,6 +173,14 @@ def recover(model: Any, train_ids: torch.Tensor, config: RecoveryConfig | None =
     if int(ids.min()) < 0 or int(ids.max()) >= vocab:
         raise InvalidArgument(f"training ids must lie in [0, {vocab}) (the model's vocabulary), "
                               f"got [{int(ids.min())}, {int(ids.max())}]")
+    mask = None
+    if answer is not None or cfg.answer_weight != 1.0:
+        if answer is None:
+            raise InvalidArgument("answer_weight != 1 needs the answer mask of the training text")
+        mask = answer.reshape(-1)
+        if mask.dtype != torch.bool or mask.numel() != ids.numel():
+            raise InvalidArgument(f"answer must be a bool mask of the training text's "
+                                  f"{ids.numel()} tokens, got {mask.dtype} of {mask.numel()}")
     if cfg.distill > 0 and teacher is None:
         raise InvalidArgument("distill > 0 needs the unpruned teacher model")
     if teacher is not None and int(teacher.config.vocab_size) != vocab:
@@ -195,9 +223,10 @@ def recover(model: Any, train_ids: torch.Tensor, config: RecoveryConfig | None =
                 break
             for group in opt.param_groups:
                 group["lr"] = cfg.lr_at(step)
-            batch = batch_at(ids, cfg, step)
+            batch, weights = batch_at(ids, cfg, step, mask)
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.bf16):
-                loss = _loss(peft_model, teacher, batch.to(device), cfg.distill)
+                loss = _loss(peft_model, teacher, batch.to(device), cfg.distill,
+                             None if weights is None else weights.to(device))
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -226,58 +255,72 @@ def recover(model: Any, train_ids: torch.Tensor, config: RecoveryConfig | None =
     return report
 
 
-def _loss(model: Any, teacher: Any, batch: torch.Tensor, distill: float) -> torch.Tensor:
-    """(1 - distill) * next-token cross-entropy + distill * KL(teacher || model), per token."""
+def _loss(model: Any, teacher: Any, batch: torch.Tensor, distill: float,
+          weights: torch.Tensor | None = None) -> torch.Tensor:
+    """(1 - distill) * next-token cross-entropy + distill * KL(teacher || model), each the
+    mean over predicted positions (weighted by ``weights``, [batch, n - 1], when given)."""
     logits = model(input_ids=batch).logits[:, :-1]
     terms = []
     if distill < 1:
         vocab = logits.shape[-1]
         ce = torch.nn.functional.cross_entropy(logits.float().reshape(-1, vocab),
-                                               batch[:, 1:].reshape(-1))
-        terms.append((1 - distill) * ce)
+                                               batch[:, 1:].reshape(-1), reduction="none")
+        w = None if weights is None else weights.reshape(-1).float()
+        terms.append((1 - distill) * (ce.mean() if w is None else (ce * w).sum() / w.sum()))
     if distill > 0:
         with torch.no_grad():
             target = teacher(input_ids=batch).logits[:, :-1]
-        terms.append(distill * DistillKL.apply(logits, target))
+        terms.append(distill * DistillKL.apply(logits, target, weights))
     return terms[0] if len(terms) == 1 else terms[0] + terms[1]
 
 
 class DistillKL(torch.autograd.Function):
-    """Mean over positions of KL(softmax(target) || softmax(logits)), both [batch, n, vocab].
+    """Mean over positions of KL(softmax(target) || softmax(logits)), both [batch, n, vocab]
+    (weighted by ``weights`` [batch, n] when given: sum of w * KL over sum of w).
 
     The same value as ``kl_div(log_softmax(logits), log_softmax(target), log_target=True,
     reduction="batchmean")`` over the flattened positions, computed in float32 a few rows at a
-    time, with its gradient (softmax(logits) - softmax(target)) / positions written in the same
-    pass: the unfused form makes about ten passes over [positions, vocab] float32 tensors
-    (casts, two log-softmaxes, the KL, and as many backward), as long as a forward of the
-    135M model on CPU. Only ``logits`` gets a gradient.
+    time, with its gradient w * (softmax(logits) - softmax(target)) / sum(w) written in the
+    same pass: the unfused form makes about ten passes over [positions, vocab] float32
+    tensors (casts, two log-softmaxes, the KL, and as many backward), as long as a forward of
+    the 135M model on CPU. Only ``logits`` gets a gradient.
     """
 
     ROWS = 64
 
     @staticmethod
-    def forward(ctx: Any, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    def forward(ctx: Any, logits: torch.Tensor, target: torch.Tensor,
+                weights: torch.Tensor | None = None) -> torch.Tensor:
         if logits.shape != target.shape or logits.dim() != 3:
             raise InvalidArgument(f"logits {tuple(logits.shape)} and target "
                                   f"{tuple(target.shape)} must both be [batch, n, vocab]")
         batch, n, _ = logits.shape
-        positions = max(1, batch * n)
+        if weights is None:
+            scale = torch.full((batch, n), 1.0 / max(1, batch * n), device=logits.device)
+        elif tuple(weights.shape) != (batch, n) or not bool((weights >= 0).all()) \
+                or not float(weights.sum()) > 0:
+            raise InvalidArgument(f"weights must be [batch, n] = {(batch, n)}, >= 0, not all "
+                                  f"0; got {tuple(weights.shape)}")
+        else:
+            scale = weights.float() / weights.float().sum()
         grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
         total = torch.zeros((), dtype=torch.float64, device=logits.device)
         for b in range(batch):
             for i in range(0, n, DistillKL.ROWS):
-                s = torch.log_softmax(logits[b, i:i + DistillKL.ROWS].float(), -1)
-                t = torch.log_softmax(target[b, i:i + DistillKL.ROWS].float(), -1)
+                rows = slice(i, i + DistillKL.ROWS)
+                s = torch.log_softmax(logits[b, rows].float(), -1)
+                t = torch.log_softmax(target[b, rows].float(), -1)
                 p = t.exp()
-                total += (p * (t - s)).sum(dtype=torch.float64)
-                grad[b, i:i + DistillKL.ROWS] = (s.exp_() - p).div_(positions)
+                w = scale[b, rows, None]
+                total += (p * (t - s)).mul_(w).sum(dtype=torch.float64)
+                grad[b, rows] = (s.exp_() - p).mul_(w)
         ctx.save_for_backward(grad)
-        return (total / positions).to(torch.float32)
+        return total.to(torch.float32)
 
     @staticmethod
-    def backward(ctx: Any, *grad_out: torch.Tensor) -> tuple[torch.Tensor | None, None]:
+    def backward(ctx: Any, *grad_out: torch.Tensor) -> tuple[torch.Tensor | None, None, None]:
         (grad,) = ctx.saved_tensors
-        return grad * grad_out[0].to(grad.dtype), None
+        return grad * grad_out[0].to(grad.dtype), None, None
 
 
 def _identity(cfg: RecoveryConfig) -> dict[str, Any]:
@@ -286,6 +329,8 @@ def _identity(cfg: RecoveryConfig) -> dict[str, Any]:
     d["targets"] = list(cfg.targets)
     d.pop("max_seconds")
     d.pop("save_every")
+    if cfg.answer_weight == 1.0:  # checkpoints from before the setting existed still resume
+        d.pop("answer_weight")
     return d
 
 
