@@ -30,6 +30,7 @@ import torch
 
 from bench.common import figure, median, percentile, print_table, save_figure, timed, write_json
 from kdn import codec, keys
+from kdn.buffers import tune_allocator
 from kdn.cache import KVCache
 from kdn.client import Client
 from kdn.layout import KVLayout, LayerLayout
@@ -198,6 +199,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seconds", type=float, default=None)
     ns = ap.parse_args(argv)
     seconds = ns.seconds or (10.0 if ns.quick else 60.0)
+    tune_allocator()  # what kdn's Client sets, before the bare gRPC baseline: it runs with it too
     with tempfile.TemporaryDirectory() as tmp:
         proc, address = start_server(Path(tmp), "64MiB")
         try:

@@ -253,8 +253,10 @@ def main(argv: list[str] | None = None) -> None:
                     help="weight of the KL from the unpruned model in the recovery loss")
     ap.add_argument("--qa-share", type=float, default=0.5,
                     help="share of training paragraphs in the answering prompt's form")
-    ap.add_argument("--answer-weight", type=float, default=10.0,
-                    help="recovery loss weight of positions predicting answer tokens (others 1)")
+    ap.add_argument("--answer-weight", type=float, default=1.0,
+                    help="recovery loss weight of positions predicting answer tokens (others "
+                         "1; 10 moved the 20%% model's F1 on 200 questions by +0.008 and its "
+                         "PPL by +0.6 points, both within noise)")
     ap.add_argument("--fp32", action="store_true", help="recover without bf16 autocast")
     ap.add_argument("--questions", type=int, default=0, help="SQuAD questions for F1 (50)")
     args = ap.parse_args(argv)

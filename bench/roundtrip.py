@@ -37,6 +37,7 @@ import torch
 
 from bench.common import arg_parser, figure, median, print_table, save_figure, timed, write_json
 from kdn import codec, keys
+from kdn.buffers import tune_allocator
 from kdn.cache import KVCache
 from kdn.client import Client
 from kdn.layout import KVLayout, LayerLayout
@@ -204,6 +205,7 @@ def batch_rows(clients: dict[str, Client], layout: KVLayout, repeat: int,
 
 
 def run(tokens_list: list[int], repeat: int, out: Path) -> list[dict[str, Any]]:
+    tune_allocator()  # what kdn's Client sets, before the baselines: they run with it too
     layout = smollm2_like_layout()
     raw = RawServer()
     put, get, ch = raw_client(raw.port)

@@ -34,6 +34,7 @@ import grpc
 
 from kdn import codec
 from kdn import tracing as _tracing
+from kdn.buffers import tune_allocator
 from kdn.client.blend import RemotePiece, blend_request
 from kdn.client.dataplane import DataPlane, Fetched, TooBig, received
 from kdn.client.parallel import layer_groups, merged
@@ -149,6 +150,7 @@ class Client:
     ) -> None:
         if tracing:  # OpenTelemetry spans per call, the trace carried to the server
             _tracing.enable()
+        tune_allocator()  # received messages must not fault in fresh pages (kdn.buffers)
         if insecure is None:
             insecure = os.environ.get("KDN_INSECURE", "").strip().lower() in (
                 "1", "true", "yes", "on")

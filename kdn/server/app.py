@@ -27,6 +27,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from kdn import tracing
+from kdn.buffers import tune_allocator
 from kdn.errors import ConfigError
 from kdn.server.admin import AdminServicer
 from kdn.server.auth import AuthConfig, Authenticator, Role, load_auth, tenants_from_text
@@ -239,6 +240,7 @@ async def start_server(config: ServerConfig, store: TieredStore | None = None,
     if config.tracing and not tracing.enable():
         raise ConfigError("tracing: needs the opentelemetry-api package (pip install "
                           "'kdn[tracing]')")
+    tune_allocator()  # received Store messages must not fault in fresh pages (kdn.buffers)
     creds = _credentials(config)
     auth = Authenticator(load_auth(config.auth_file) if config.auth_file else
                          tenants_from_text(config.auth_tenants) if config.auth_tenants else
