@@ -573,6 +573,8 @@ def test_a_remote_retrieve_reads_the_entry_whole_and_catches_damage(
         back = c.retrieve(_key(30), layout=LAYOUT)
         assert back is not None and back.equal(kv)
         if tokens > 4096:  # the pooled buffer: a second read reuses it, the first result holds
+            ptrs = {t.untyped_storage().data_ptr() for kv_ in back.layers for t in kv_}
+            assert len(ptrs) == 1  # every layer a view of the one buffer the entry landed in
             other = random_kv(LAYOUT, tokens, seed=31)
             c.store(_key(31), other, mode="raw")
             del back

@@ -745,7 +745,8 @@ def _stream_of(got: Fetched, device: torch.device | str | None,
     layers = None
     if got.container is not None:  # the whole entry at once (kdn.codec.inplace)
         if got.owned:  # in place: the segment region is the caller's (pinned for a GPU)
-            layers = dec.view_entry(got.container)
+            layers = dec.view_entry(got.container, None if got.checked else
+                                    list(got.parts.frames))  # type: ignore[arg-type]
         elif target.type == "cpu":  # the in-process tier's bytes: one checked copy, views
             layers = dec.copy_entry(got.container)
         else:  # its pinned bytes, checked where they lie, are the host-to-device copy's source

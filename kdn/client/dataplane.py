@@ -74,6 +74,8 @@ class TooBig:
 
 
 TOO_BIG = TooBig()
+FRAME_ALIGN = 64
+"""A received entry's first frame starts at a multiple of this (``kdn.codec.inplace``)."""
 
 
 def _fetched(buf: bytes | memoryview, tier: str, owned: bool = False,
@@ -97,7 +99,9 @@ def received(head: pb.RetrieveHeader, frames: Iterator[Any]) -> Fetched:
         raise Corrupt(f"entry of {total} bytes can not hold its {len(header)}-byte header")
     if total > RECEIVED.keep_bytes:  # never pooled: fresh memory either way, so no copy
         return Fetched(EncodedParts(header, [m.frame.data for m in frames]), head.tier)
-    buf = memoryview(RECEIVED.take(total))  # type: ignore[arg-type]
+    room = RECEIVED.take(total + FRAME_ALIGN)
+    start = -(room.ctypes.data + len(header)) % FRAME_ALIGN  # frames aligned: raw bodies are
+    buf = memoryview(room)[start : start + total]  # type: ignore[arg-type]  # viewed in place
     buf[: len(header)] = header
     at = len(header)
     for msg in frames:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import itertools
 import os
 import threading
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -24,6 +25,7 @@ from kdn.codec.format import (
     LayerRecord,
     build_header,
     check_frame,
+    check_frame_prefix,
     frame_with_sum,
     layout_to_proto,
     parse_container,
@@ -207,12 +209,20 @@ class StreamDecoder:
         recs = check_frame(self.header, index, frame, checksum=not self.checked)
         return [(r.layer, *self.decode_record(r)) for r in recs]
 
-    def view_entry(self, container: memoryview) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+    def view_entry(self, container: memoryview, frames: Sequence[memoryview] | None = None
+                   ) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
         """Every layer at once as views of ``container`` (the whole entry, header then frames)
-        where the frames are borrowed and were checked in place; None when that does not apply
-        (``kdn.codec.inplace``): decode frame by frame then."""
-        if not (self.borrows and self.checked):
+        where the frames are borrowed; None when that does not apply (``kdn.codec.inplace``):
+        decode frame by frame then. Frames not checked yet (``frames``: the container's frame
+        views) are checked where they lie first, and raise Corrupt or Truncated when damaged."""
+        if not self.borrows or not self.checked and frames is None:
             return None
+        if not self.checked:
+            if inplace.plan(self.header) is None or len(frames or ()) != len(
+                    self.header.entry.frames):
+                return None
+            for i, frame in enumerate(frames or ()):
+                check_frame_prefix(self.header, i, frame)
         return inplace.views(self.header, container)
 
     def copy_entry(self, container: bytes | memoryview
