@@ -253,6 +253,8 @@ def main(argv: list[str] | None = None) -> None:
                     help="weight of the KL from the unpruned model in the recovery loss")
     ap.add_argument("--qa-share", type=float, default=0.5,
                     help="share of training paragraphs in the answering prompt's form")
+    ap.add_argument("--qa-questions", type=int, default=1,
+                    help="questions made into prompts per paragraph chosen for the prompt form")
     ap.add_argument("--answer-weight", type=float, default=1.0,
                     help="recovery loss weight of positions predicting answer tokens (others "
                          "1; 10 moved the 20%% model's F1 on 200 questions by +0.008 and its "
@@ -277,7 +279,8 @@ def main(argv: list[str] | None = None) -> None:
     geo = Geometry.of(model)
     split = ArticleSplit.default()  # calibration, training and evaluation articles: disjoint
     calib = split.token_ids("calibration", tok, calib_n)
-    training = split.recovery_text(tok, qa_share=args.qa_share, seed=0)
+    training = split.recovery_text(tok, qa_share=args.qa_share, seed=0,
+                                   questions=args.qa_questions)
     train_ids = training.ids
     eval_windows = split.windows("evaluation", tok, n_windows, window)
     codec_text = split.windows("evaluation", tok, codec_windows, codec_ctx + codec_eval)
@@ -484,6 +487,7 @@ def main(argv: list[str] | None = None) -> None:
                          "evaluation": [split.evaluation.start, split.evaluation.stop]},
                training_tokens=train_ids.numel(), training_qa_share=args.qa_share,
                training_answer_tokens=int(training.answer.sum()),
+               training_qa_questions=args.qa_questions,
                unpruned_ppl=base_ppl, unpruned_ppl_ci=[base.low, base.high],
                unpruned_answer_f1=base_f1,
                unpruned_answer_f1_kdn=via_kdn["unpruned"], questions=n_questions,

@@ -122,7 +122,9 @@ def test_metrics_and_request_ids(secured: ServerThread, caplog: pytest.LogCaptur
         with Client(secured.address, api_key="key-a", shm_bytes=0) as c:  # the Store RPC
             c.store(key, random_kv(LAY, 4))
             rid = c.last_request_id
-            assert c.retrieve(key) is not None
+            assert c.retrieve(key) is not None  # a whole entry: GetMany
+            stream = c.retrieve_stream(key)  # layer by layer: the Retrieve RPC
+            assert stream is not None and stream.result() is not None
     lines = [json.loads(r.getMessage()) for r in caplog.records if r.name == "kdn.access"]
     store_line = next(x for x in lines if x["request_id"] == rid)
     assert store_line["rpc"] == "Store" and store_line["code"] == "OK"
@@ -132,6 +134,7 @@ def test_metrics_and_request_ids(secured: ServerThread, caplog: pytest.LogCaptur
     text = urllib.request.urlopen(url, timeout=10).read().decode()
     assert 'kdn_requests_total{code="OK",rpc="Store"}' in text
     assert 'kdn_request_seconds_bucket{le="0.005",rpc="Retrieve"}' in text
+    assert 'kdn_request_seconds_bucket{le="0.005",rpc="GetMany"}' in text
     assert 'kdn_tier_hits_total{tier="ram"}' in text
     assert 'kdn_queue_depth' in text and 'kdn_events_total{event="store.ok"}' in text
 

@@ -128,16 +128,20 @@ class ArticleSplit:
         """The ids of ``recovery_text`` alone."""
         return self.recovery_text(tokenizer, qa_share=qa_share, seed=seed).ids
 
-    def recovery_text(self, tokenizer: Any, *, qa_share: float = 0.5, seed: int = 0
-                      ) -> RecoveryText:
+    def recovery_text(self, tokenizer: Any, *, qa_share: float = 0.5, seed: int = 0,
+                      questions: int = 1) -> RecoveryText:
         """Training text for LoRA recovery, from the training articles only: paragraph after
         paragraph, a ``qa_share`` of them as the answering prompt the evaluation uses (head,
         context and question tail tokenized apart, as ``prompt_ids`` does, then the reference
         answer and the end of the turn) and the rest as plain text. ``answer`` marks the answer
         tokens, which a recovery can weigh above the rest (``RecoveryConfig.answer_weight``);
-        with a distillation loss they are inputs only: the targets are the teacher's."""
+        with a distillation loss they are inputs only: the targets are the teacher's.
+        ``questions``: prompts made of a paragraph chosen for one (up to that many of its
+        questions, each prompt with the whole paragraph again)."""
         if not 0.0 <= qa_share <= 1.0:
             raise InvalidArgument(f"qa_share must be in [0, 1], got {qa_share}")
+        if questions < 1:
+            raise InvalidArgument(f"questions must be >= 1, got {questions}")
         from kdn.rag.corpus import chunk_ids
 
         rng = random.Random(seed)
@@ -147,11 +151,13 @@ class ArticleSplit:
         for art in self.articles("training"):
             for p in art.paragraphs:
                 if p.qas and rng.random() < qa_share:
-                    qa = rng.choice(p.qas)
-                    prompt = sum(prompt_ids(tokenizer, p.context, qa.question), [])
-                    reply = chunk_ids(tokenizer, qa.answers[0] + end)
-                    ids += prompt + reply
-                    answer += [False] * len(prompt) + [True] * len(reply)
+                    picked = ([rng.choice(p.qas)] if questions == 1 else
+                              rng.sample(p.qas, min(questions, len(p.qas))))
+                    for qa in picked:
+                        prompt = sum(prompt_ids(tokenizer, p.context, qa.question), [])
+                        reply = chunk_ids(tokenizer, qa.answers[0] + end)
+                        ids += prompt + reply
+                        answer += [False] * len(prompt) + [True] * len(reply)
                 else:
                     text = chunk_ids(tokenizer, p.context + "\n\n")
                     ids += text
