@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from kdn.buffers import allocator_tuned
+
 
 def machine() -> dict[str, Any]:
     return {
@@ -25,17 +27,8 @@ def machine() -> dict[str, Any]:
         "cpus": os.cpu_count(),
         "platform": platform.platform(),
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-        "malloc_tuned": _malloc_tuned(),
+        "malloc_tuned": allocator_tuned(),  # the thresholds kdn's Client sets (kdn.buffers)
     }
-
-
-def _malloc_tuned() -> bool:
-    """Whether this process runs with the allocator thresholds kdn's Client sets
-    (``kdn.buffers.tune_allocator``): the same-process baselines (raw gRPC, memcpy) then do
-    too."""
-    from kdn import buffers
-
-    return bool(buffers._tuned)  # noqa: SLF001
 
 
 def timed(fn: Callable[[], object], repeat: int, warmup: int = 1) -> list[float]:

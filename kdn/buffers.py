@@ -147,3 +147,8 @@ def tune_allocator() -> bool:
     _tuned = bool(mallopt(m_mmap_threshold, MMAP_THRESHOLD)) and bool(
         mallopt(m_trim_threshold, TRIM_THRESHOLD))
     return _tuned
+
+
+def allocator_tuned() -> bool:
+    """Whether ``tune_allocator`` set the thresholds in this process (it is not called here)."""
+    return bool(_tuned)

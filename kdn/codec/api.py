@@ -25,7 +25,6 @@ from kdn.codec.format import (
     LayerRecord,
     build_header,
     check_frame,
-    check_frame_prefix,
     frame_with_sum,
     layout_to_proto,
     parse_container,
@@ -215,15 +214,12 @@ class StreamDecoder:
         where the frames are borrowed; None when that does not apply (``kdn.codec.inplace``):
         decode frame by frame then. Frames not checked yet (``frames``: the container's frame
         views) are checked where they lie first, and raise Corrupt or Truncated when damaged."""
-        if not self.borrows or not self.checked and frames is None:
+        if not self.borrows:
             return None
-        if not self.checked:
-            if inplace.plan(self.header) is None or len(frames or ()) != len(
-                    self.header.entry.frames):
-                return None
-            for i, frame in enumerate(frames or ()):
-                check_frame_prefix(self.header, i, frame)
-        return inplace.views(self.header, container)
+        if self.checked:
+            return inplace.views(self.header, container)
+        return None if frames is None else inplace.verified_views(
+            self.header, frames, container, readonly=False)
 
     def copy_entry(self, container: bytes | memoryview
                    ) -> list[tuple[torch.Tensor, torch.Tensor]] | None:

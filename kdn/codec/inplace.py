@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import itertools
 import warnings
+from collections.abc import Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
 
@@ -161,15 +162,16 @@ def copied(header: Header, container: bytes | memoryview, pool: Executor | None 
     return views(header, dst)
 
 
-def verified_views(header: Header, frames: list[memoryview], container: memoryview
-                   ) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
-    """``views`` of bytes this process must not change (the in-process tier's pinned copy)
-    after every frame's checksum is verified where it lies (``frames``: the container's frame
-    views): the sources of copies to a device, never handed to a caller, so the one copy a hit
-    makes is the host-to-device transfer. None where the entry has no plan; raises Corrupt or
-    Truncated for damaged bytes."""
+def verified_views(header: Header, frames: Sequence[memoryview], container: memoryview, *,
+                   readonly: bool = True) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+    """``views`` after every frame's checksum is verified where it lies (``frames``: the
+    container's frame views). ``readonly``: bytes this process must not change (the in-process
+    tier's pinned copy): the sources of copies to a device, never handed to a caller, so the
+    one copy a hit makes is the host-to-device transfer; else a buffer that is the caller's
+    (a received stream's). None where the entry has no plan; raises Corrupt or Truncated for
+    damaged bytes."""
     if plan(header) is None or len(frames) != len(header.entry.frames):
         return None
     for i, frame in enumerate(frames):
         check_frame_prefix(header, i, frame)  # the frame's sum over its bytes, and its place
-    return views(header, container, readonly=True)
+    return views(header, container, readonly=readonly)

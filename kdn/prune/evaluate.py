@@ -151,6 +151,7 @@ class ArticleSplit:
         for art in self.articles("training"):
             for p in art.paragraphs:
                 if p.qas and rng.random() < qa_share:
+                    # one question draws as the committed runs' text did (same generator calls)
                     picked = ([rng.choice(p.qas)] if questions == 1 else
                               rng.sample(p.qas, min(questions, len(p.qas))))
                     for qa in picked:

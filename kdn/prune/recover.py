@@ -181,6 +181,8 @@ def recover(model: Any, train_ids: torch.Tensor, config: RecoveryConfig | None =
         if mask.dtype != torch.bool or mask.numel() != ids.numel():
             raise InvalidArgument(f"answer must be a bool mask of the training text's "
                                   f"{ids.numel()} tokens, got {mask.dtype} of {mask.numel()}")
+        if cfg.answer_weight == 1.0:
+            mask = None  # every position weighs 1: the plain mean
     if cfg.distill > 0 and teacher is None:
         raise InvalidArgument("distill > 0 needs the unpruned teacher model")
     if teacher is not None and int(teacher.config.vocab_size) != vocab:
