@@ -14,11 +14,13 @@ unpruned model measured in the same run on the same held-out text.
    the calibration text. Per allocation (uniform, ppl-based, rank-based): prune a copy,
    perplexity on the evaluation windows (KVPruner's Tables III-IV): one row each.
 3. Per ratio, the best one-shot combination is recovered (``kdn.prune.recover``: LoRA r16 on
-   q/k/v/o/gate/up/down with peft, distilled from the unpruned model, the positions that
-   predict reference answers of the training prompts weighed ``--answer-weight`` times the
-   rest, bf16 autocast, bounded
+   q/k/v/o/gate/up/down with peft, distilled from the unpruned model, bf16 autocast, bounded
    by steps and 30 minutes, checkpointed in ``OUT.recovery-<ratio>/`` and resumed from
-   there); its row gets the recovered perplexity. The recovered model is saved as a
+   there; a checkpoint of other settings or another training text is refused); its row gets
+   the recovered perplexity. What it trains on is a recipe per ratio (``--qa-share``,
+   ``--qa-questions``, ``--answer-weight``: one value for all ratios or one each): the share of
+   training paragraphs made into answering prompts, the questions per such paragraph, and the
+   loss weight of the positions that predict a reference answer. The recovered model is saved as a
    transformers folder and every later measurement uses the copy loaded back through
    ``kdn.models.load_model``.
 4. Per recovered model and the unpruned one: KV bytes per token as kdn stores it, per codec
@@ -47,6 +49,7 @@ import json
 import statistics
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -92,6 +95,30 @@ COLUMNS = ["ratio", "allocation", "importance", "ppl", "delta_ppl_pct", "recover
 QUALITY_BAR_PCT = 1.0
 PPL_BARS = {0.2: 12.0, 0.5: 50.0}
 F1_BAR = 0.03
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """What a ratio's recovery trains on: the share of training paragraphs made into answering
+    prompts, the questions per such paragraph, and the loss weight of answer positions."""
+
+    qa_share: float
+    qa_questions: int
+    answer_weight: float
+
+    @property
+    def label(self) -> str:
+        return f"qa share {self.qa_share:g}, {self.qa_questions} q, answers x{self.answer_weight:g}"
+
+
+def per_ratio_values(values: list[Any], ratios: list[float], flag: str) -> list[Any]:
+    """One value for every ratio, or one per ratio in order."""
+    if len(values) == 1:
+        return values * len(ratios)
+    if len(values) != len(ratios):
+        raise SystemExit(f"{flag}: give one value or one per ratio ({len(ratios)}), "
+                         f"got {len(values)}")
+    return values
 
 
 def _codecs() -> list[tuple[str, str, str]]:
@@ -251,14 +278,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--recover-seconds", type=float, default=1800.0)
     ap.add_argument("--distill", type=float, default=1.0,
                     help="weight of the KL from the unpruned model in the recovery loss")
-    ap.add_argument("--qa-share", type=float, default=0.5,
-                    help="share of training paragraphs in the answering prompt's form")
-    ap.add_argument("--qa-questions", type=int, default=1,
-                    help="questions made into prompts per paragraph chosen for the prompt form")
-    ap.add_argument("--answer-weight", type=float, default=1.0,
+    ap.add_argument("--qa-share", type=float, nargs="+", default=[0.5],
+                    help="share of training paragraphs in the answering prompt's form (one "
+                         "value, or one per ratio)")
+    ap.add_argument("--qa-questions", type=int, nargs="+", default=[1],
+                    help="questions made into prompts per paragraph chosen for the prompt form "
+                         "(one value, or one per ratio)")
+    ap.add_argument("--answer-weight", type=float, nargs="+", default=[1.0],
                     help="recovery loss weight of positions predicting answer tokens (others "
                          "1; 10 moved the 20%% model's F1 on 200 questions by +0.008 and its "
-                         "PPL by +0.6 points, both within noise)")
+                         "PPL by +0.6 points, both within noise; one value, or one per ratio)")
     ap.add_argument("--fp32", action="store_true", help="recover without bf16 autocast")
     ap.add_argument("--questions", type=int, default=0, help="SQuAD questions for F1 (50)")
     args = ap.parse_args(argv)
@@ -268,6 +297,10 @@ def main(argv: list[str] | None = None) -> None:
     n_questions = args.questions or (4 if args.quick else 50)
     steps_for = dict(zip(args.ratios, args.recover_steps)) if args.recover_steps else {
         r: (4 if args.quick else (600 if r <= 0.2 else 950)) for r in args.ratios}
+    recipe_of = {r: Recipe(share, questions, weight) for r, share, questions, weight in zip(
+        args.ratios, *(per_ratio_values(getattr(args, name), args.ratios, flag) for name, flag
+                       in (("qa_share", "--qa-share"), ("qa_questions", "--qa-questions"),
+                           ("answer_weight", "--answer-weight"))))}
     # codec ΔPPL is judged against a 1% bar: 4096 scored tokens (1024 gave intervals of ±0.7%)
     codec_windows, codec_ctx, codec_eval = (2, 64, 32) if args.quick else (16, 256, 256)
     speed_ctx, speed_new, reps = (64, 8, 1) if args.quick else (256, 16, 3)
@@ -279,23 +312,24 @@ def main(argv: list[str] | None = None) -> None:
     geo = Geometry.of(model)
     split = ArticleSplit.default()  # calibration, training and evaluation articles: disjoint
     calib = split.token_ids("calibration", tok, calib_n)
-    training = split.recovery_text(tok, qa_share=args.qa_share, seed=0,
-                                   questions=args.qa_questions)
-    train_ids = training.ids
+    training = {rc: split.recovery_text(tok, qa_share=rc.qa_share, seed=0,
+                                        questions=rc.qa_questions)
+                for rc in dict.fromkeys(recipe_of.values())}
     eval_windows = split.windows("evaluation", tok, n_windows, window)
     codec_text = split.windows("evaluation", tok, codec_windows, codec_ctx + codec_eval)
     eval_text = split.token_ids("evaluation", tok)
-    for name, text in (("training", train_ids), ("calibration", calib)):
-        check_disjoint(text, eval_windows)  # no 32-token run of evaluation text elsewhere
-        print(f"{name} text ({text.numel()} tokens) shares no 32-token run with the evaluation "
+    for name, ids in [*((f"training ({rc.label})", t.ids) for rc, t in training.items()),
+                      ("calibration", calib)]:
+        check_disjoint(ids, eval_windows)  # no 32-token run of evaluation text elsewhere
+        print(f"{name} text ({ids.numel()} tokens) shares no 32-token run with the evaluation "
               "windows", flush=True)
     base = perplexity_ci(model, eval_windows)
     base_ppl = base.ppl
     fp16_bpt = model_layout(model, DType.FLOAT16).bytes_per_token
     print(f"unpruned ppl {base_ppl:.3f} [{base.low:.3f}, {base.high:.3f}] on {base.tokens} "
           f"held-out tokens ({base.windows} windows over articles {split.evaluation.start}-"
-          f"{split.evaluation.stop - 1}); calib {calib_n} tokens; training {train_ids.numel()} "
-          f"tokens; fp16 KV {fp16_bpt} B/token", flush=True)
+          f"{split.evaluation.stop - 1}); calib {calib_n} tokens; fp16 KV {fp16_bpt} B/token",
+          flush=True)
 
     settings = {"calib": calib_n, "windows": n_windows, "window": window, "quick": args.quick,
                 "split": "articles-v2"}
@@ -353,12 +387,14 @@ def main(argv: list[str] | None = None) -> None:
         best = min((r for r in rows if r["ratio"] == ratio), key=lambda r: r["ppl"])
         plan = plans[(ratio, best["allocation"], best["importance"])]
         pruned = prune_model(copy.deepcopy(model), plan)
+        recipe = recipe_of[ratio]
+        text = training[recipe]
         rcfg = RecoveryConfig(steps=steps_for[ratio], seed=0, max_seconds=args.recover_seconds,
                               distill=args.distill, bf16=not args.fp32,
-                              answer_weight=args.answer_weight)
+                              answer_weight=recipe.answer_weight)
         ckpt_dir = args.out.with_name(f"{args.out.stem}.recovery-{ratio}")
         every = max(1, steps_for[ratio] // 10)
-        rep = recover(pruned, train_ids, rcfg, answer=training.answer,
+        rep = recover(pruned, text.ids, rcfg, answer=text.answer,
                       teacher=model if args.distill else None,
                       folder=ckpt_dir, progress=lambda s, n, loss, t, r=ratio, e=every: print(
                           f"    recovery {r:.1f}: step {s}/{n} loss {loss:.3f} {t:.0f} s "
@@ -393,6 +429,9 @@ def main(argv: list[str] | None = None) -> None:
             "recovery_resumed_from": rep.resumed_from, "recovery_stopped_by": rep.stopped_by,
             "recovery_loss_first_last": [rep.first_loss, rep.last_loss],
             "recovery_config": {k: v for k, v in vars(rcfg).items() if k != "targets"},
+            "recovery_text": {"qa_share": recipe.qa_share, "qa_questions": recipe.qa_questions,
+                              "tokens": text.ids.numel(),
+                              "answer_tokens": int(text.answer.sum())},
             "reloaded_through_load_model": reload_exact and reload_layout,
             "kv_bytes_per_token": best["kv_bytes_per_token"],
             "kv_fraction_of_fp16": best["kv_bytes_per_token"] / fp16_bpt})
@@ -485,9 +524,6 @@ def main(argv: list[str] | None = None) -> None:
                articles={"calibration": [split.calibration.start, split.calibration.stop],
                          "training": [split.training.start, split.training.stop],
                          "evaluation": [split.evaluation.start, split.evaluation.stop]},
-               training_tokens=train_ids.numel(), training_qa_share=args.qa_share,
-               training_answer_tokens=int(training.answer.sum()),
-               training_qa_questions=args.qa_questions,
                unpruned_ppl=base_ppl, unpruned_ppl_ci=[base.low, base.high],
                unpruned_answer_f1=base_f1,
                unpruned_answer_f1_kdn=via_kdn["unpruned"], questions=n_questions,
@@ -502,8 +538,9 @@ def main(argv: list[str] | None = None) -> None:
                speed_new_tokens=speed_new, sensitivity_delta_ppl=sensitivities,
                lora_recovery=f"peft LoRA r16 on q/k/v/o/gate/up/down, merged; loss "
                              f"{1 - args.distill:g} x cross-entropy + {args.distill:g} x KL "
-                             f"from the unpruned model, answer positions x {args.answer_weight:g}; "
-                             "best one-shot combination of each ratio",
+                             "from the unpruned model, answer positions weighed per ratio "
+                             "(per_ratio recovery_config, recovery_text); best one-shot "
+                             "combination of each ratio",
                torch_threads=torch.get_num_threads(), elapsed_s=elapsed, targets=targets)
     plot(args.png or args.out.with_suffix(".png"), rows, per_ratio, base, fp16_bpt,
          codecs_of, chosen, f1, ttft)

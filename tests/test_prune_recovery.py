@@ -215,6 +215,15 @@ def test_a_checkpoint_of_other_settings_or_a_broken_one_is_refused(tmp_path: Pat
     for other in (_with(steps=2, rank=8), _with(steps=3), _with(steps=2, seed=4)):
         with pytest.raises(InvalidArgument, match="other settings"):
             recover(_pruned(), _train(), other, folder=ck)
+    # the same settings on another text, or the same text weighed at other positions
+    weighed = _with(steps=2, answer_weight=3.0)
+    recover(_pruned(), _train(), weighed, answer=_train() == 5, folder=tmp_path / "w")
+    for text, mask, cfg, folder in ((_train().flip(0), None, _with(steps=2), ck),
+                                    (_train(), _train() == 6, weighed, tmp_path / "w")):
+        with pytest.raises(InvalidArgument, match="another text"):
+            recover(_pruned(), text, cfg, answer=mask, folder=folder)
+    assert recover(_pruned(), _train(), weighed, answer=_train() == 5,
+                   folder=tmp_path / "w").resumed_from == 2
     (ck / "optimizer.safetensors").unlink()
     with pytest.raises(InvalidArgument, match="lacks optimizer.safetensors"):
         recover(_pruned(), _train(), _with(steps=2), folder=ck)

@@ -25,7 +25,8 @@ Lifecycle of ``recover``:
    every run; dropout is off.
 2. With ``folder`` holding a checkpoint of the same settings, the adapters, the AdamW moments
    and the loss history are read back (safetensors + JSON) and training goes on from the step
-   it reached; a checkpoint of other settings is refused.
+   it reached; a checkpoint of other settings, or of another training text or answer mask
+   (a digest of both is kept with it), is refused.
 3. Step s trains on windows drawn by a generator seeded with (seed, s) alone, with a short
    warm-up then cosine decay of the learning rate over ``steps``: a resumed run computes what
    an uninterrupted one does, bit for bit on the same machine.
@@ -39,6 +40,7 @@ Lifecycle of ``recover``:
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import sys
@@ -190,7 +192,8 @@ def recover(model: Any, train_ids: torch.Tensor, config: RecoveryConfig | None =
     if any("lora_" in name for name, _ in model.named_parameters()):
         raise InvalidArgument("model already holds LoRA adapters")
     state_dir = Path(folder) if folder is not None else None
-    saved = _read_state(state_dir, cfg) if state_dir is not None else None
+    text = _text_digest(ids, mask)
+    saved = _read_state(state_dir, cfg, text) if state_dir is not None else None
 
     torch.manual_seed(cfg.seed)
     lora = LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=0.0,
@@ -242,12 +245,12 @@ def recover(model: Any, train_ids: torch.Tensor, config: RecoveryConfig | None =
             elif callable(progress):
                 progress(report.steps, cfg.steps, report.losses[-1], report.seconds)
             if state_dir is not None and report.steps % cfg.save_every == 0:
-                _save_state(peft_model, opt, params, state_dir, cfg, report)
+                _save_state(peft_model, opt, params, state_dir, cfg, text, report)
     finally:
         if bar is not None:
             bar.close()
     if state_dir is not None:
-        _save_state(peft_model, opt, params, state_dir, cfg, report)
+        _save_state(peft_model, opt, params, state_dir, cfg, text, report)
     merged = peft_model.merge_and_unload()
     if merged is not model:  # peft wraps in place: the caller's object is the merged model
         raise RuntimeError("peft did not merge into the model it was given")
@@ -336,9 +339,20 @@ def _identity(cfg: RecoveryConfig) -> dict[str, Any]:
     return d
 
 
-def _read_state(folder: Path, cfg: RecoveryConfig) -> dict[str, Any] | None:
+def _text_digest(ids: torch.Tensor, mask: torch.Tensor | None) -> str:
+    """What a checkpoint was trained on: the training ids and the answer mask that weighs them
+    (None: every position alike)."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(ids.to(torch.int64).numpy().tobytes())
+    if mask is not None:
+        h.update(b"answer")
+        h.update(mask.to(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _read_state(folder: Path, cfg: RecoveryConfig, text: str) -> dict[str, Any] | None:
     """The checkpoint in ``folder`` (None when there is none); refused when it belongs to
-    another run or is incomplete."""
+    another run (other settings, or another training text) or is incomplete."""
     path = folder / STATE
     if folder.exists() and not folder.is_dir():
         raise InvalidArgument(f"recovery folder {folder} is not a directory")
@@ -355,6 +369,9 @@ def _read_state(folder: Path, cfg: RecoveryConfig) -> dict[str, Any] | None:
         raise InvalidArgument(f"{folder} holds a recovery with other settings "
                               f"({state.get('config')}); use another folder or the same "
                               "RecoveryConfig")
+    if state.get("text") != text:
+        raise InvalidArgument(f"{folder} holds a recovery trained on another text (or another "
+                              "answer mask); use another folder or the same training text")
     for name in (ADAPTER, OPTIMIZER):
         if not (folder / name).is_file():
             raise InvalidArgument(f"recovery checkpoint {folder} lacks {name}")
@@ -362,7 +379,7 @@ def _read_state(folder: Path, cfg: RecoveryConfig) -> dict[str, Any] | None:
 
 
 def _save_state(peft_model: Any, opt: torch.optim.Optimizer, params: Sequence[torch.Tensor],
-                folder: Path, cfg: RecoveryConfig, report: RecoveryReport) -> None:
+                folder: Path, cfg: RecoveryConfig, text: str, report: RecoveryReport) -> None:
     from peft import get_peft_model_state_dict
     from safetensors.torch import save_file
 
@@ -379,7 +396,7 @@ def _save_state(peft_model: Any, opt: torch.optim.Optimizer, params: Sequence[to
         save_file(tensors, str(tmp))
         tmp.replace(folder / name)
     state = {"format": FORMAT, "step": report.steps, "seconds": report.seconds,
-             "losses": report.losses, "config": _identity(cfg)}
+             "losses": report.losses, "config": _identity(cfg), "text": text}
     tmp = folder / (STATE + ".tmp")
     tmp.write_text(json.dumps(state))
     tmp.replace(folder / STATE)  # last: a state file names only files already in place
