@@ -396,3 +396,12 @@ def test_intervals_bracket_their_estimates() -> None:
     d, lo, hi = ev.paired_f1_change([0.0, 1.0, 0.5, 0.0], [0.0, 0.5, 0.5, 1.0], boot=300)
     assert d == pytest.approx(0.125) and lo <= d <= hi
     assert ev.mean_f1(["beta", "no"], [("", "", ("the beta",)), ("", "", ("yes",))]) == 0.5
+
+
+def test_bench_prune_takes_one_recipe_value_or_one_per_ratio() -> None:
+    from bench.prune import per_ratio_values
+
+    assert per_ratio_values([5], [0.2, 0.5], "--qa-questions") == [5, 5]
+    assert per_ratio_values([5, 1], [0.2, 0.5], "--qa-questions") == [5, 1]
+    with pytest.raises(SystemExit, match="--qa-questions: give one value or one per ratio"):
+        per_ratio_values([5, 1, 2], [0.2, 0.5], "--qa-questions")
