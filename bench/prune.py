@@ -274,16 +274,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--eval-windows", type=int, default=0, help="evaluation windows (16)")
     ap.add_argument("--window", type=int, default=0, help="tokens predicted per window (512)")
     ap.add_argument("--recover-steps", type=int, nargs="+", default=[],
-                    help="LoRA steps per ratio (default 600 for 20%%, 950 for 50%%)")
+                    help="LoRA steps per ratio (default 700 up to 20%%, 950 above)")
     ap.add_argument("--recover-seconds", type=float, default=1800.0)
     ap.add_argument("--distill", type=float, default=1.0,
                     help="weight of the KL from the unpruned model in the recovery loss")
-    ap.add_argument("--qa-share", type=float, nargs="+", default=[0.5],
+    ap.add_argument("--qa-share", type=float, nargs="+", default=[],
                     help="share of training paragraphs in the answering prompt's form (one "
-                         "value, or one per ratio)")
-    ap.add_argument("--qa-questions", type=int, nargs="+", default=[1],
+                         "value, or one per ratio; default 1 up to 20%%, 0.5 above)")
+    ap.add_argument("--qa-questions", type=int, nargs="+", default=[],
                     help="questions made into prompts per paragraph chosen for the prompt form "
-                         "(one value, or one per ratio)")
+                         "(one value, or one per ratio; default 5 up to 20%%, 1 above)")
     ap.add_argument("--answer-weight", type=float, nargs="+", default=[1.0],
                     help="recovery loss weight of positions predicting answer tokens (others "
                          "1; 10 moved the 20%% model's F1 on 200 questions by +0.008 and its "
@@ -296,7 +296,10 @@ def main(argv: list[str] | None = None) -> None:
     window = args.window or (128 if args.quick else 512)
     n_questions = args.questions or (4 if args.quick else 50)
     steps_for = dict(zip(args.ratios, args.recover_steps)) if args.recover_steps else {
-        r: (4 if args.quick else (600 if r <= 0.2 else 950)) for r in args.ratios}
+        r: (4 if args.quick else (700 if r <= 0.2 else 950)) for r in args.ratios}
+    mild = [r <= 0.2 for r in args.ratios]  # the recipe measured best at each ratio (README)
+    args.qa_share = args.qa_share or [1.0 if m else 0.5 for m in mild]
+    args.qa_questions = args.qa_questions or [5 if m else 1 for m in mild]
     recipe_of = {r: Recipe(share, questions, weight) for r, share, questions, weight in zip(
         args.ratios, *(per_ratio_values(getattr(args, name), args.ratios, flag) for name, flag
                        in (("qa_share", "--qa-share"), ("qa_questions", "--qa-questions"),
