@@ -4,11 +4,12 @@ the held-out windows and answer F1 on a SQuAD draw, both paired with the unprune
     python -m bench.prune_recipes --ratio 0.2 --answer-weight 10 --qa-questions 5 --qa-share 1
 
 ``bench.prune`` runs the whole study with a recipe per ratio; this runs one recipe of its
-recovery (the ppl-based allocation with Taylor importance, 128 calibration tokens, the recovery of
-``bench.prune``: distilled, bf16, seed 0, ``--steps`` bounded by ``--max-seconds``, 30 minutes
-by default) and answers ``--questions`` questions with the recovered model and the unpruned one,
-so recipes can be compared on 200 questions without the codec and speed rows (the unpruned
-model's answers are kept in ``--out`` and reused while the draw is the same). Each run appends
+recovery (``--allocation``, ppl-based by default, with Taylor importance, 128 calibration
+tokens, the recovery of ``bench.prune``: distilled, bf16, seed 0, ``--steps`` bounded by
+``--max-seconds``, 30 minutes by default) and answers ``--questions`` questions with the
+recovered model and the unpruned one, so recipes can be compared on 200 questions without the
+codec and speed rows (the unpruned model's answers are kept in ``--out`` and reused while the
+draw is the same). Each run appends
 one row to ``--out`` (one JSON file for all recipes tried); the recovery checkpoints and resumes
 from there (``OUT.recovery-<recipe>/``).
 """
@@ -55,6 +56,10 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--ratio", type=float, default=0.2)
     ap.add_argument("--steps", type=int, default=600)
+    ap.add_argument("--allocation", default="ppl-based",
+                    choices=[a.value for a in Allocation],
+                    help="the one-shot allocation recovered (bench.prune recovers the best: "
+                         "ppl-based at 20%%, rank-based at 50%%)")
     ap.add_argument("--answer-weight", type=float, default=1.0)
     ap.add_argument("--qa-share", type=float, default=0.5)
     ap.add_argument("--qa-questions", type=int, default=1)
@@ -64,7 +69,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", type=Path, default=RESULTS / "prune_recipes.json")
     args = ap.parse_args(argv)
     recipe = (f"r{args.ratio:g}-w{args.answer_weight:g}-share{args.qa_share:g}"
-              f"-q{args.qa_questions}-s{args.steps}")
+              f"-q{args.qa_questions}-s{args.steps}"
+              + ("" if args.allocation == "ppl-based" else f"-{args.allocation}"))
     torch.manual_seed(0)
     model, tok = load_model("smollm2-135m")
     split = ArticleSplit.default()
@@ -77,7 +83,7 @@ def main(argv: list[str] | None = None) -> None:
     scores = channel_scores(model, imp, calib)
     sens = block_sensitivity(model, calib, scores, args.ratio, TailRunner(model, calib))
     plan, _ = make_plan(Geometry.of(model), scores,
-                        PruneConfig(args.ratio, Allocation("ppl-based"), imp), sens)
+                        PruneConfig(args.ratio, Allocation(args.allocation), imp), sens)
     pruned = prune_model(copy.deepcopy(model), plan)
     cfg = RecoveryConfig(steps=args.steps, seed=0, max_seconds=args.max_seconds, distill=1.0,
                          bf16=True,
@@ -102,7 +108,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{recipe}: F1 {sum(mine) / len(mine):.4f} vs unpruned {sum(theirs) / len(theirs):.4f}"
           f": {delta[0]:+.4f} [{delta[1]:+.4f}, {delta[2]:+.4f}]", flush=True)
     row: dict[str, Any] = {
-        "recipe": recipe, "ratio": args.ratio, "answer_weight": args.answer_weight,
+        "recipe": recipe, "ratio": args.ratio, "allocation": args.allocation,
+        "answer_weight": args.answer_weight,
         "qa_share": args.qa_share, "qa_questions": args.qa_questions,
         "training_tokens": training.ids.numel(), "answer_tokens": int(training.answer.sum()),
         "steps": rep.steps, "max_seconds": args.max_seconds, "recovery_s": rep.seconds,
