@@ -192,7 +192,7 @@ def recover(model: Any, train_ids: torch.Tensor, config: RecoveryConfig | None =
     if any("lora_" in name for name, _ in model.named_parameters()):
         raise InvalidArgument("model already holds LoRA adapters")
     state_dir = Path(folder) if folder is not None else None
-    text = _text_digest(ids, mask)
+    text = _text_digest(ids, mask) if state_dir is not None else ""  # names checkpoints only
     saved = _read_state(state_dir, cfg, text) if state_dir is not None else None
 
     torch.manual_seed(cfg.seed)
