@@ -143,9 +143,9 @@ def measure(clients: dict[str, Client], put: Any, get: Any, layout: KVLayout, to
             repeat: int) -> list[dict[str, Any]]:
     """Rows for one context length: limits first, then every kdn path."""
     kv = random_cache(layout, tokens)
-    parts = codec.encode_parts(kv, "raw")
+    parts = codec.encode_parts(kv, "raw", wire=True)  # as Client.store encodes a KVCache
     key = keys.chunk_key(list(range(tokens)), layout)
-    msgs = [key, parts.header, *parts.frames]
+    msgs = [key, parts.header, *(bytes(f) for f in parts.frames)]  # the raw service's bytes
     nbytes = parts.nbytes
 
     def raw_get() -> None:  # the transport alone: each message dropped once counted

@@ -63,13 +63,17 @@ def varint(n: int) -> bytes:
             return bytes(out)
 
 
+def frame_message_head(index: int, size: int) -> bytes:
+    """The bytes of ``frame_message(index, data)`` before ``data`` (``size`` bytes long)."""
+    inner_head = (_FRAME_INDEX_TAG + varint(index) if index else b"") + _FRAME_DATA_TAG + varint(
+        size)
+    return _FRAME_FIELD_TAG + varint(len(inner_head) + size) + inner_head
+
+
 def frame_message(index: int, data: bytes | memoryview) -> bytes:
     """Serialized ``RetrieveResponse(frame=Frame(index=index, data=data))``, which is also the
     serialized ``StoreRequest(frame=Frame(index=index, data=data))``."""
-    inner_head = (_FRAME_INDEX_TAG + varint(index) if index else b"") + _FRAME_DATA_TAG + varint(
-        len(data))
-    inner_len = len(inner_head) + len(data)
-    return b"".join((_FRAME_FIELD_TAG, varint(inner_len), inner_head, data))
+    return b"".join((frame_message_head(index, len(data)), data))
 
 
 def _varint_at(buf: memoryview, pos: int) -> tuple[int, int]:

@@ -592,6 +592,16 @@ def test_a_remote_retrieve_reads_the_entry_whole_and_catches_damage(
         assert server.server is not None
         ram = next(t for t in server.server.store.tiers if t.name == "ram")
         skey = next(k for k in ram._data if k.endswith(_key(30).hex().encode()))  # noqa: SLF001
+        memo = server.server.servicer.wire_memo
+        assert (skey in memo._memos) == (tokens > 4096)  # noqa: SLF001  # streamed: memoised
+        if tokens > 4096:  # a flipped bit in a message kept for the next stream
+            msgs = memo._memos[skey].messages  # noqa: SLF001
+            bad_msg = bytearray(msgs[-1])  # type: ignore[arg-type]
+            bad_msg[-100] ^= 0x10
+            msgs[-1] = bytes(bad_msg)
+            with pytest.raises(Corrupt):
+                c.retrieve(_key(30), layout=LAYOUT)
+            memo.drop(skey)
         bad = bytearray(ram._data[skey])  # noqa: SLF001
         bad[-100] ^= 0x10  # a flipped bit in a value the server checked already
         ram._data[skey] = bytes(bad)  # noqa: SLF001

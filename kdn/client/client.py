@@ -293,10 +293,12 @@ class Client:
         )
         md = self.metadata(request_id)
 
+        wire = parts.messages()  # the encoder's messages: sent as they are
+
         def requests() -> Iterator[pb.StoreRequest | bytes]:
             yield pb.StoreRequest(header=hdr)
             for i, frame in enumerate(parts.frames):
-                yield frame_message(i, frame)
+                yield wire[i] if wire is not None else frame_message(i, frame)
 
         resp = self._call(lambda: self._store_call(requests(), timeout=self.timeout_s,
                                                    metadata=md))
@@ -706,7 +708,7 @@ def _encoded(kv: KVCache | EncodedParts, mode: str, level: str,
              layers_per_frame: int) -> EncodedParts:
     if isinstance(kv, EncodedParts):
         return kv
-    return codec.encode_parts(kv, mode, level, layers_per_frame=layers_per_frame)
+    return codec.encode_parts(kv, mode, level, layers_per_frame=layers_per_frame, wire=True)
 
 
 def _wire_options(options: StoreOptions | None) -> pb.StoreOptions:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import socket
 import threading
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -74,6 +75,8 @@ class TooBig:
 
 
 TOO_BIG = TooBig()
+TOO_BIG_KEYS = 4096
+"""Keys remembered as too large for an inline GetMany (the most recent ones)."""
 FRAME_ALIGN = 64
 """A received entry's first frame starts at a multiple of this (``kdn.codec.inplace``)."""
 
@@ -132,6 +135,7 @@ class DataPlane:
         self._fast_path = ""
         self._inline_ok = True
         self._conns = threading.local()
+        self._too_big: OrderedDict[tuple[str, bytes], None] = OrderedDict()  # inline only
         self._all_conns: list[socket.socket] = []
 
     # -- the segment ----------------------------------------------------------------------------
@@ -200,6 +204,13 @@ class DataPlane:
         seg, seg_id = self.segment()
         if seg is None and not self._inline_ok:
             return [TOO_BIG] * len(keys)
+        if seg is None and self._too_big:  # streamed straight away: no call to learn it again
+            with self._lock:
+                known = [(namespace, keys[i]) in self._too_big for i in todo]
+            for i, big in zip(todo, known):
+                if big:
+                    out[i] = TOO_BIG
+            todo = [i for i, big in zip(todo, known) if not big]
         need = FIRST_REGION  # what the next call's region should hold (sizes learnt so far)
         while todo:
             region = pb.Region(length=self.inline_budget)
@@ -238,6 +249,8 @@ class DataPlane:
                 if not ref.written:
                     again.append(i)
                     sizes.append(ref.length)
+                    if seg is None and ref.length > self.inline_budget:
+                        self._remember_too_big(namespace, keys[i])
                     continue
                 if seg is not None and block is not None:
                     if ref.offset < used or ref.offset + ref.length > block[0] + block[1]:
@@ -261,6 +274,15 @@ class DataPlane:
             need = max(FIRST_REGION, max(sizes, default=0) + 64)
             todo = again
         return out
+
+    def _remember_too_big(self, namespace: str, key: bytes) -> None:
+        """``key`` is larger than one message holds: later reads stream it without asking
+        (an entry stored again smaller is then streamed too, which is only slower)."""
+        with self._lock:
+            self._too_big[(namespace, key)] = None
+            self._too_big.move_to_end((namespace, key))
+            while len(self._too_big) > TOO_BIG_KEYS:
+                self._too_big.popitem(last=False)
 
     def _get(self, req: pb.GetManyRequest, request_id: str | None) -> pb.GetManyResponse:
         return self._many(FAST_GET_MANY, req, self._stub.GetMany, pb.GetManyResponse,

@@ -10,6 +10,7 @@ import os
 import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 
 import numpy as np
 import torch
@@ -35,6 +36,7 @@ from kdn.codec.modes import LayerSpec, Mode, get_mode, mode_names
 from kdn.errors import Corrupt, InvalidArgument
 from kdn.layout import KVLayout
 from kdn.v1 import kdn_pb2 as pb
+from kdn.wire import frame_message_head
 
 __all__ = [
     "Container",
@@ -86,10 +88,13 @@ def frame_spans(layer_bytes: list[int], layers_per_frame: int) -> list[tuple[int
 
 
 def encode_parts(
-    kv: KVCache, mode: str = "lossless", level: str = "", *, layers_per_frame: int = 1
+    kv: KVCache, mode: str = "lossless", level: str = "", *, layers_per_frame: int = 1,
+    wire: bool = False,
 ) -> EncodedParts:
     """Encode ``kv`` into a container header and frames of ``layers_per_frame`` layers each
-    (0: sized by ``FRAME_TARGET_BYTES``, see ``frame_spans``)."""
+    (0: sized by ``FRAME_TARGET_BYTES``, see ``frame_spans``). ``wire``: each frame is written
+    inside its serialized Store message (``EncodedParts.wire``), which a Store stream sends as
+    it is, and the frames are read-only views of those messages instead of ``bytes``."""
     codec = get_mode(mode)
     codec.check_level(level)
     if layers_per_frame < 0:
@@ -104,7 +109,8 @@ def encode_parts(
 
     records = list(_pool().map(one, range(layout.num_layers)))
     spans = frame_spans([sum(len(p) for p in rec) for rec in records], layers_per_frame)
-    built = [frame_with_sum(FRAME_SEED, i, first, records[first : first + n])
+    built = [frame_with_sum(FRAME_SEED, i, first, records[first : first + n],
+                            lead=partial(frame_message_head, i) if wire else None)
              for i, (first, n) in enumerate(spans)]
     entry = pb.EntryHeader(
         layout=layout_to_proto(layout),
@@ -115,7 +121,9 @@ def encode_parts(
                 for (f, n), (_, full) in zip(spans, built)],
         layout_fingerprint=layout.fingerprint,
     )
-    return EncodedParts(build_header(entry), [frame for frame, _ in built])
+    frames = [frame for frame, _ in built]
+    return EncodedParts(build_header(entry), frames, wire=tuple(
+        f.obj for f in frames) if wire else ())  # type: ignore[attr-defined]
 
 
 def encode(kv: KVCache, mode: str = "lossless", level: str = "", *, layers_per_frame: int = 1

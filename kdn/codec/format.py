@@ -35,9 +35,9 @@ from __future__ import annotations
 
 import struct
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Executor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 import numpy as np
@@ -299,10 +299,13 @@ Buffer = bytes | memoryview
 
 
 def frame_with_sum(seed: int, index: int, first_layer: int,
-                   records: list[list[Buffer]] | list[bytes]) -> tuple[bytes, int]:
+                   records: list[list[Buffer]] | list[bytes], *,
+                   lead: Callable[[int], bytes] | None = None) -> tuple[bytes, int]:
     """One frame from per-layer records (each the parts ``record_parts`` gives, or the bytes
     ``build_record`` gives), and its full sum (for a version-2 header's span). The frame's
-    bytes are assembled with a single copy."""
+    bytes are assembled with a single copy. ``lead(frame_length)``: bytes written before the
+    frame in that same copy (a message's own fields, ``kdn.wire.frame_message_head``); the
+    frame is then a read-only view after them, and its ``obj`` the whole message."""
     parts: list[Buffer] = []
     for rec in records:
         parts.extend(rec if isinstance(rec, list) else [rec])
@@ -313,7 +316,9 @@ def frame_with_sum(seed: int, index: int, first_layer: int,
     for p in parts:
         h.update(p)
     full = h.intdigest()
-    return b"".join([pre, struct.pack("<L", full & 0xFFFFFFFF), *parts]), full
+    head = lead(_FRAME.size + length) if lead is not None else b""
+    out = b"".join([head, pre, struct.pack("<L", full & 0xFFFFFFFF), *parts])
+    return (memoryview(out)[len(head):] if head else out), full  # type: ignore[return-value]
 
 
 def frame_prefix(index: int, first_layer: int, count: int, length: int, checksum: int) -> bytes:
@@ -341,7 +346,8 @@ def seal(entry: pb.EntryHeader, frames: list[bytes], version: int = VERSION
     out = []
     for i, frame in enumerate(frames):
         full = _frame_sum(seed, frame[:12], frame[_FRAME.size :])
-        out.append(frame[:12] + struct.pack("<L", full & 0xFFFFFFFF) + frame[_FRAME.size :])
+        out.append(b"".join([frame[:12], struct.pack("<L", full & 0xFFFFFFFF),
+                             frame[_FRAME.size :]]))
         if version >= 2 and i < len(entry.frames):
             entry.frames[i].checksum = full
     return (build_header(entry, version) if version >= 2 else header), out
@@ -473,6 +479,17 @@ class EncodedParts:
 
     header: bytes
     frames: list[bytes]
+
+    wire: tuple[bytes, ...] = field(default=(), compare=False, repr=False)
+    """Each frame's serialized Store message, where the encoder wrote the frames inside them
+    (``encode_parts``): a stream sends these without building them (``messages``)."""
+
+    def messages(self) -> list[bytes] | None:
+        """``wire`` while every frame is still the view into its message, else None."""
+        if len(self.wire) != len(self.frames) or not all(
+                isinstance(f, memoryview) and f.obj is w for f, w in zip(self.frames, self.wire)):
+            return None
+        return list(self.wire)
 
     def to_bytes(self) -> bytes:
         return b"".join([self.header, *self.frames])

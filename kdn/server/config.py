@@ -100,6 +100,9 @@ class ServerConfig:
     """Directory holding the LMDB disk tier."""
     ram_bytes: int = 1 << 30
     """Byte budget of the RAM tier."""
+    wire_memo_bytes: int = 256 << 20
+    """Bytes of Retrieve messages kept for the RAM-tier entries read last, sent again without
+    being built (kdn.server.wire_memo); 0 = off. Memory on top of ram_bytes."""
     disk_bytes: int = 16 << 30
     """Byte budget of the LMDB disk tier (0 = no disk tier)."""
     redis_url: str = ""
@@ -207,6 +210,8 @@ class ServerConfig:
             raise ConfigError(f"ram_bytes: must be > 0, got {self.ram_bytes}")
         if self.disk_bytes < 0:
             raise ConfigError(f"disk_bytes: must be >= 0, got {self.disk_bytes}")
+        if self.wire_memo_bytes < 0:
+            raise ConfigError(f"wire_memo_bytes: must be >= 0, got {self.wire_memo_bytes}")
         if not 1024 <= self.max_message_bytes <= (2**31 - 1):
             raise ConfigError(
                 f"max_message_bytes: must be in 1KiB..2GiB-1, got {self.max_message_bytes}"
@@ -299,8 +304,8 @@ class ServerConfig:
         return f"{self.host}:{self.port}"
 
 
-_SIZE_FIELDS = {"ram_bytes", "disk_bytes", "max_message_bytes", "max_entry_bytes",
-                "redis_bytes", "redis_part_bytes", "write_queue_bytes"}
+_SIZE_FIELDS = {"ram_bytes", "wire_memo_bytes", "disk_bytes", "max_message_bytes",
+                "max_entry_bytes", "redis_bytes", "redis_part_bytes", "write_queue_bytes"}
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
 

@@ -38,12 +38,13 @@ from kdn.server.batch import BatchMixin, Segments
 from kdn.server.blend_rpc import BlendMixin
 from kdn.server.config import ServerConfig
 from kdn.server.usage import Usage
+from kdn.server.wire_memo import WireMemo
 from kdn.status import grpc_code
 from kdn.store.base import Tier
 from kdn.store.tiered import TieredStore
 from kdn.v1 import kdn_pb2 as pb
 from kdn.v1 import kdn_pb2_grpc as pb_grpc
-from kdn.wire import FrameMessage, frame_message
+from kdn.wire import FrameMessage
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -104,6 +105,7 @@ class KDNServicer(BatchMixin, BlendMixin, pb_grpc.KDNServicer):
         # receive buffers of large entries, recycled: up to a quarter of the RAM tier kept free
         self.buffers = BufferPool(min(1 << 30, config.ram_bytes // 4))
         self.usage = Usage()  # tokens stored and served, for the metrics (kdn.server.usage)
+        self.wire_memo = WireMemo(config.wire_memo_bytes)  # Retrieve's messages, kept
 
     def count(self, name: str, n: int = 1) -> None:
         self.counters[name] = self.counters.get(name, 0) + n
@@ -217,6 +219,7 @@ class KDNServicer(BatchMixin, BlendMixin, pb_grpc.KDNServicer):
         Under the entry's lock: the size it replaces is read, growth is charged (refused past
         the quota) before the put and refunded when the put fails; shrinkage is refunded after
         the put succeeds. Concurrent overwrites and deletes of one key thus count it once."""
+        self.wire_memo.drop(skey)  # the old value's messages: never sent again (a new stamp)
         with self.store.entry_lock(skey):
             replaced = self.store.lookup([skey])[0]
             delta = len(value) - replaced.size
@@ -276,10 +279,12 @@ class KDNServicer(BatchMixin, BlendMixin, pb_grpc.KDNServicer):
         ))
         sent = 0
         try:
-            for i, frame in sel:
+            memo = self.wire_memo.messages(skey, hit.stamp if hit.tier == "ram" else 0,
+                                           len(hit.value), len(frames), sel)
+            for (_, frame), msg in zip(sel, memo):
                 # Each yield waits for flow control: a slow or cancelled client stops the
                 # sending here instead of the server buffering the whole entry.
-                yield frame_message(i, frame)  # type: ignore[misc]
+                yield msg  # type: ignore[misc]
                 sent += len(frame)
                 self.count("retrieve.frames_sent")
         except (asyncio.CancelledError, GeneratorExit):
@@ -316,6 +321,8 @@ class KDNServicer(BatchMixin, BlendMixin, pb_grpc.KDNServicer):
         skeys = [store_key(principal.tenant, ns, k) for k in request.keys]
         deleted = await asyncio.to_thread(lambda: sum(delete_entry(self.store, self.auth, k)
                                                       for k in skeys))
+        for k in skeys:
+            self.wire_memo.drop(k)
         return pb.DeleteResponse(deleted=deleted)
 
     @_rpc
@@ -327,6 +334,9 @@ class KDNServicer(BatchMixin, BlendMixin, pb_grpc.KDNServicer):
         down = self.store.parts_down()  # remembered by the tiers' watchers: no calls out
         counters = dict(self.counters)
         counters.update({f"store.{k}": v for k, v in self.store.counters.items()})
+        counters.update({"wire_memo.hits": self.wire_memo.hits,
+                         "wire_memo.misses": self.wire_memo.misses,
+                         "wire_memo.bytes": self.wire_memo.used_bytes})
         counters.update({"buffers.reused": self.buffers.reused,
                          "buffers.created": self.buffers.created,
                          "buffers.free_bytes": self.buffers.free_bytes})

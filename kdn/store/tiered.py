@@ -49,7 +49,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 
 import xxhash
@@ -83,6 +83,9 @@ class WritePolicy(enum.StrEnum):
 class Hit:
     value: bytes
     tier: str
+    stamp: int = field(default=0, compare=False)
+    """The tier's stamp of this value where it keeps one (``Tier.get_stamped``: a put's
+    number, so another value of the key has another stamp); 0 for a queued value."""
 
 
 @dataclass(frozen=True)
@@ -238,7 +241,7 @@ class TieredStore:
             if i > 0:
                 ttl = guard(tier, partial(tier.ttl_remaining, key), "ttl_remaining")
                 self._promote(i, key, value, ttl)
-            return Hit(value, tier.name)
+            return Hit(value, tier.name, stamp)
         return None
 
     def distrust(self, key: bytes) -> None:
