@@ -11,12 +11,19 @@ process. One row per (op, path, size): ``bytes``, ``seconds`` (median), ``gb_s``
     h2d-pinned   pinned host -> device copy (GPU hosts only)
     grpc-1       kdn over one gRPC stream (a client on another host): limit raw-grpc
     grpc-4       the same over 4 streams of layer groups, each on its own connection
+    grpc-1-first a grpc-1 fetch of a value just stored (never read: no memoised messages)
     shm          kdn through the client's shared segment (same host): limit memcpy
     inproc       kdn from the client's in-process tier: limit memcpy
     batch-shm / batch-inline   64 entries of ~1 MiB in one call: limit memcpy / raw-grpc
 
-``store`` sends a pre-encoded entry, ``fetch`` returns the undecoded container, ``retrieve``
-returns CPU tensors (checksums verified). The stream path keeps one message per layer frame.
+``store`` sends a pre-encoded entry (encoded as ``Client.store`` encodes a KVCache: each frame
+inside its message), ``fetch`` returns the undecoded container, ``retrieve`` returns CPU
+tensors (checksums verified). The stream path keeps one message per layer frame. The gRPC
+paths of one size are timed in turns with the raw service (writes, then reads: one call of
+each per round), so a slow spell of the VM lands on them and their limit alike; the same-host
+paths one after another, as memcpy is. Reads repeat one stored value, as a cache's hot
+entries are read (the server's Retrieve then sends memoised messages: ``grpc-1-first`` is a
+read of a value just stored).
 Rows over gRPC also carry ``ratio_to_same_direction``: against the raw service's figure for the
 same direction (a store against its put, a read against its get), where ``ratio_to_limit``
 takes the better of the two.
@@ -27,7 +34,8 @@ from __future__ import annotations
 import asyncio
 import tempfile
 import threading
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -151,11 +159,43 @@ def measure(clients: dict[str, Client], put: Any, get: Any, layout: KVLayout, to
     def raw_get() -> None:  # the transport alone: each message dropped once counted
         assert sum(len(m) for m in get(key)) >= kv.nbytes
 
+    # The gRPC paths are timed in turns with the raw service (writes, then reads); the
+    # same-host paths one after another, as their memcpy limit is.
+    writes: list[tuple[str, str, Callable[[], object]]] = [
+        ("put", "raw-grpc", lambda: put(iter(msgs)))]
+    reads: list[tuple[str, str, Callable[[], object]]] = [("get", "raw-grpc", raw_get)]
+    local: list[tuple[str, str, Callable[[], object]]] = []
+    for path, client in clients.items():
+        mine = reads if path.startswith("grpc") else local
+        if path == "inproc" or path.startswith("grpc-") and path != "grpc-1":
+            # reads only: the tier is filled by the stores; grpc-N stores like grpc-1
+            if path == "inproc":
+                mine.append(("fetch", path, lambda c=client: c.fetch(key)))
+        else:
+            (writes if path.startswith("grpc") else local).append(
+                ("store", path, lambda c=client: c.store(key, parts)))
+            mine.append(("fetch", path, lambda c=client: c.fetch(key)))
+        mine.append(("retrieve", path, lambda c=client: c.retrieve(key, layout=layout)))
+    times = interleaved(writes, repeat)
+    for op, path, fn in local:  # the stores first: the inproc client's tier is filled too
+        if path == "inproc" and op == "fetch":
+            clients[path].store(key, parts)
+        times[(op, path)] = timed(fn, repeat)
+    times.update(interleaved(reads, repeat))
+    first = clients["grpc-1"]
+
+    def stored_then_fetched() -> float:  # a read of a value never read before (no memo)
+        first.store(key, parts)
+        t = time.perf_counter()
+        first.fetch(key)
+        return time.perf_counter() - t
+
+    times[("fetch", "grpc-1-first")] = [stored_then_fetched() for _ in range(repeat)]
     limits: dict[tuple[str, int], float] = {}
     rows = []
     for op, path, ts in (("copy", "memcpy", memcpy_s(nbytes, repeat)),
-                         ("put", "raw-grpc", timed(lambda: put(iter(msgs)), repeat)),
-                         ("get", "raw-grpc", timed(raw_get, repeat)),
+                         ("put", "raw-grpc", times.pop(("put", "raw-grpc"))),
+                         ("get", "raw-grpc", times.pop(("get", "raw-grpc"))),
                          ("copy", "h2d-pinned", h2d_s(nbytes, repeat))):
         if ts is None:
             continue
@@ -164,23 +204,29 @@ def measure(clients: dict[str, Client], put: Any, get: Any, layout: KVLayout, to
         rows.append(row)
     limits[("raw-grpc", tokens)] = max(limits[("raw-grpc-put", tokens)],
                                        limits[("raw-grpc-get", tokens)])
-    for path, client in clients.items():
+    for (op, path), ts in times.items():
         limit = "raw-grpc" if path.startswith("grpc") else "memcpy"
-        client.store(key, parts)
-        if path == "inproc" or path.startswith("grpc-") and path != "grpc-1":
-            # reads only: the tier is filled by the store above; grpc-N stores like grpc-1
-            ops = [("retrieve", lambda c=client: c.retrieve(key, layout=layout))]
-            if path == "inproc":
-                ops.insert(0, ("fetch", lambda c=client: c.fetch(key)))
-        else:
-            ops = [("store", lambda c=client: c.store(key, parts)),
-                   ("fetch", lambda c=client: c.fetch(key)),
-                   ("retrieve", lambda c=client: c.retrieve(key, layout=layout))]
-        for op, fn in ops:
-            rows.append(_row(op, path, tokens, nbytes, timed(fn, repeat), limit, limits))
+        rows.append(_row(op, path, tokens, nbytes, ts, limit, limits))
+    for path, client in clients.items():
         back = client.retrieve(key, layout=layout)
         assert back is not None and back.equal(kv), path
     return rows
+
+
+def interleaved(ops: list[tuple[str, str, Callable[[], object]]],
+                repeat: int) -> dict[tuple[str, str], list[float]]:
+    """Seconds of ``repeat`` calls of each op, taken in turns (one call of each per round,
+    after one untimed round): a slow spell of this shared VM then lands on every path
+    alike instead of on whichever was being measured."""
+    for _, _, fn in ops:
+        fn()
+    out: dict[tuple[str, str], list[float]] = {(op, path): [] for op, path, _ in ops}
+    for _ in range(repeat):
+        for op, path, fn in ops:
+            t = time.perf_counter()
+            fn()
+            out[(op, path)].append(time.perf_counter() - t)
+    return out
 
 
 def batch_rows(clients: dict[str, Client], layout: KVLayout, repeat: int,

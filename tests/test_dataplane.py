@@ -343,7 +343,8 @@ def test_a_streamed_fetch_lands_in_one_buffer_and_checks_its_size(
         kv = random_kv(lay, 64, seed=3)
         c.store(_key(16), kv, mode="raw", layers_per_frame=1)
         got = c.fetch(_key(16))
-        assert got is not None and got.owned and not got.checked and got.container is not None
+        # owned, and checked: each frame was hashed as it was copied in
+        assert got is not None and got.owned and got.checked and got.container is not None
         frames = got.parts.frames
         assert all(np.frombuffer(f, np.uint8).base is not None for f in frames)  # views
         assert bytes(got.container) == got.parts.to_bytes()
@@ -354,6 +355,14 @@ def test_a_streamed_fetch_lands_in_one_buffer_and_checks_its_size(
         head = pb.RetrieveHeader(container_header=blob.header, total_bytes=blob.nbytes,
                                  tier="ram")
         assert codec.decode(_received(head, iter(msgs)).parts.to_bytes()).equal(kv)
+        flipped = bytearray(blob.frames[3])
+        flipped[-5] ^= 0x04  # a damaged frame: caught as it lands
+        bad = [m if i != 3 else FrameMessage(Frame(3, bytes(flipped))) for i, m in enumerate(msgs)]
+        with pytest.raises(Corrupt, match="frame 3"):
+            _received(head, iter(bad))
+        swapped = [msgs[1], msgs[0], *msgs[2:]]  # frames out of their places
+        with pytest.raises(Corrupt):
+            _received(head, iter(swapped))
         for wrong in (blob.nbytes - 1, blob.nbytes + 1, 3):  # frames that do not add up
             head.total_bytes = wrong
             with pytest.raises(Corrupt):

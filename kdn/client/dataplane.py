@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 
 from kdn.buffers import RECEIVED
 from kdn.codec import EncodedParts
-from kdn.codec.format import Header, parse_container, parse_header
+from kdn.codec.format import Header, copy_frame_checked, parse_container, parse_header
 from kdn.errors import Corrupt, DeadlineExceeded, KDNError, RateLimited, TooLarge, Unavailable
 from kdn.status import error_of
 from kdn.v1 import kdn_pb2 as pb
@@ -93,29 +93,32 @@ def received(head: pb.RetrieveHeader, frames: Iterator[Any]) -> Fetched:
     """A Retrieve stream's entry assembled in one recycled buffer as its frames arrive
     (``kdn.buffers.RECEIVED``), each message dropped once copied: holding every message until
     the last one came made the process fault in fresh memory for all of them, which cost more
-    than the copy. Its frames are the caller's to view in place (``owned``), their checksums
-    still to verify (not ``checked``). Raises Corrupt when the frames do not add up to the
-    header's ``total_bytes``. An entry larger than the pool keeps is left in its messages."""
+    than the copy. Each frame is hashed chunk by chunk as it is copied (in cache: a pass of
+    its own over the whole entry afterwards read it from memory again) and checked as a whole,
+    so the entry comes back ``checked``, its frames the caller's to view in place (``owned``).
+    Raises Corrupt when a frame is damaged or the frames do not add up to the header's
+    ``total_bytes``. An entry larger than the pool keeps is left in its messages."""
     header = bytes(head.container_header)
     total = int(head.total_bytes)
     if total < len(header):
         raise Corrupt(f"entry of {total} bytes can not hold its {len(header)}-byte header")
     if total > RECEIVED.keep_bytes:  # never pooled: fresh memory either way, so no copy
         return Fetched(EncodedParts(header, [m.frame.data for m in frames]), head.tier)
+    parsed = parse_header(header)
     room = RECEIVED.take(total + FRAME_ALIGN)
     start = -(room.ctypes.data + len(header)) % FRAME_ALIGN  # frames aligned: raw bodies are
     buf = memoryview(room)[start : start + total]  # type: ignore[arg-type]  # viewed in place
     buf[: len(header)] = header
     at = len(header)
-    for msg in frames:
+    for i, msg in enumerate(frames):
         data = msg.frame.data
         if at + len(data) > total:
             raise Corrupt(f"frames exceed the entry's {total} bytes")
-        buf[at : at + len(data)] = data
+        copy_frame_checked(parsed, i, buf[at : at + len(data)], data)
         at += len(data)
     if at != total:
         raise Corrupt(f"stream ended after {at} of the entry's {total} bytes")
-    return _fetched(buf, head.tier, owned=True)
+    return _fetched(buf, head.tier, owned=True, checked=True)
 
 
 class DataPlane:

@@ -534,21 +534,12 @@ def copy_checked(dst: memoryview, value: bytes | memoryview, *,
         off += n
     if off != len(src):
         raise Corrupt(f"{len(src) - off} trailing bytes after the last frame")
-    src_a = np.frombuffer(src, dtype=np.uint8)
-    out_a = np.frombuffer(out, dtype=np.uint8)
 
     def run(part: list[tuple[int, int, int]]) -> None:
         for i, start, end in part:
-            out[start : start + _FRAME.size] = src[start : start + _FRAME.size]
-            h = xxhash.xxh3_64(seed=header.frame_seed)
-            h.update(out[start : start + 12])
-            for at in range(start + _FRAME.size, end, COPY_CHUNK):
-                stop = min(at + COPY_CHUNK, end)
-                np.copyto(out_a[at:stop], src_a[at:stop])
-                h.update(out[at:stop])
             # the checksum binds these bytes to what Store validated record by record: the
             # frame as a whole is what is left to check here
-            check_frame_prefix(header, i, out[start:end], digest=h.intdigest())
+            copy_frame_checked(header, i, out[start:end], src[start:end])
 
     if pool is None or workers < 2 or len(spans) < 2 or len(src) < PARALLEL_COPY_BYTES:
         run(spans)
@@ -574,6 +565,28 @@ def copy_checked(dst: memoryview, value: bytes | memoryview, *,
     for err in (*errors, mine):
         if err is not None:
             raise err
+
+
+def copy_frame_checked(header: Header, index: int, dst: memoryview,
+                       frame: bytes | memoryview) -> None:
+    """Copy frame ``index`` into ``dst`` (of its length), hashing each chunk right after it
+    is written, then check the copy as a whole (magic, position, length, checksum: see
+    ``check_frame_prefix``). Raises Corrupt/Truncated; ``dst`` then holds unchecked bytes."""
+    src, out = memoryview(frame).cast("B"), memoryview(dst).cast("B")
+    end = len(src)
+    if len(out) != end:
+        raise InvalidArgument(f"copy of a {end}-byte frame into {len(out)} bytes")
+    if end < _FRAME.size:
+        raise Truncated(f"frame {index}: {end} bytes can not hold its prefix")
+    out[: _FRAME.size] = src[: _FRAME.size]
+    h = xxhash.xxh3_64(seed=header.frame_seed)
+    h.update(out[:12])
+    src_a, out_a = np.frombuffer(src, dtype=np.uint8), np.frombuffer(out, dtype=np.uint8)
+    for at in range(_FRAME.size, end, COPY_CHUNK):
+        stop = min(at + COPY_CHUNK, end)
+        np.copyto(out_a[at:stop], src_a[at:stop])
+        h.update(out[at:stop])
+    check_frame_prefix(header, index, out, digest=h.intdigest())
 
 
 @dataclass(frozen=True)
