@@ -127,6 +127,99 @@ def store_request(buf: bytes) -> FrameMessage | pb.StoreRequest:
     return pb.StoreRequest.FromString(buf) if msg is None else msg
 
 
+# -- inline GetMany answers: entry bytes joined in once, read back as views --------------------
+
+_ENTRIES_TAG = bytes([(1 << 3) | _LEN])  # GetManyResponse.entries = 1
+_REF_DATA_FIELD = 6  # EntryRef.data
+
+
+def get_many_message(refs: list[tuple[pb.EntryRef, bytes | memoryview]]) -> bytes:
+    """Serialized ``GetManyResponse`` of ``refs``, each ref's ``data`` joined in from its pair
+    (one copy of the entries) instead of set on the message (a copy into it, and another to
+    serialize it). The refs themselves carry no data."""
+    parts: list[bytes | memoryview] = []
+    for ref, data in refs:
+        head = ref.SerializeToString()
+        tail = [bytes([(_REF_DATA_FIELD << 3) | _LEN]), varint(len(data))] if len(data) else []
+        parts += [_ENTRIES_TAG, varint(len(head) + sum(len(t) for t in tail) + len(data)), head,
+                  *tail, data]
+    return b"".join(parts)
+
+
+@dataclass(frozen=True, slots=True)
+class EntryView:
+    """The fields of an ``EntryRef`` read from a GetMany answer; ``data`` a view of it."""
+
+    present: bool
+    tier: str
+    length: int
+    written: bool
+    offset: int
+    verified: bool
+    data: bytes | memoryview
+
+
+@dataclass(frozen=True, slots=True)
+class GetManyView:
+    entries: list[EntryView]
+
+
+def _fields(mv: memoryview) -> list[tuple[int, int, int, int, int]] | None:
+    """(field number, wire type, field start, payload start, end) of each field of the
+    message in ``mv``, or None when it is not well formed."""
+    out, pos = [], 0
+    while pos < len(mv):
+        start = pos
+        key, pos = _varint_at(mv, pos)
+        if key < 0:
+            return None
+        number, kind = key >> 3, key & 7
+        body = pos
+        if kind == 0:
+            value, pos = _varint_at(mv, pos)
+            if value < 0:
+                return None
+        elif kind == _LEN:
+            size, body = _varint_at(mv, pos)
+            if size < 0 or body + size > len(mv):
+                return None
+            pos = body + size
+        elif kind in (1, 5):
+            pos += 8 if kind == 1 else 4
+            if pos > len(mv):
+                return None
+        else:
+            return None
+        out.append((number, kind, start, body, pos))
+    return out
+
+
+def get_many_response(buf: bytes) -> GetManyView | pb.GetManyResponse:
+    """Deserializer of GetMany answers: each entry's data a view of ``buf`` (the generated
+    parser copies it in, and reading ``data`` copies it out again); an answer of another form
+    (unknown fields, a repeated data field, anything malformed) goes to the generated class,
+    which reads it or raises."""
+    mv = memoryview(buf)
+    entries: list[EntryView] = []
+    for number, kind, _, body, end in _fields(mv) or [(0, 0, 0, 0, 0)]:
+        inner = _fields(mv[body:end]) if number == 1 and kind == _LEN else None
+        if inner is None:
+            return pb.GetManyResponse.FromString(buf)
+        rest: list[memoryview] = []
+        data: bytes | memoryview = b""
+        for n, k, start, at, stop in inner:
+            if not 1 <= n <= 7 or n == _REF_DATA_FIELD and (k != _LEN or len(data)):
+                return pb.GetManyResponse.FromString(buf)
+            if n == _REF_DATA_FIELD:
+                data = mv[body + at : body + stop]
+            else:
+                rest.append(mv[body + start : body + stop])
+        ref = pb.EntryRef.FromString(b"".join(rest))
+        entries.append(EntryView(ref.present, ref.tier, ref.length, ref.written, ref.offset,
+                                 ref.verified, data))
+    return GetManyView(entries)
+
+
 def serialize_passthrough(message: Any) -> bytes:
     """Serializer accepting pre-encoded bytes as well as generated messages."""
     if isinstance(message, bytes):

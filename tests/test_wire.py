@@ -6,7 +6,11 @@ import pytest
 
 from kdn.v1 import kdn_pb2 as pb
 from kdn.wire import (
+    GetManyView,
     frame_message,
+    frame_message_head,
+    get_many_message,
+    get_many_response,
     parse_frame_message,
     retrieve_response,
     store_request,
@@ -93,3 +97,80 @@ def test_parsed_frames_agree_with_the_generated_classes_on_random_bytes() -> Non
             theirs = pb.RetrieveResponse.FromString(bytes(buf))
             assert theirs.WhichOneof("part") == "frame"
             assert (ours.frame.index, ours.frame.data) == (theirs.frame.index, theirs.frame.data)
+
+
+def test_frame_message_head_is_what_comes_before_the_data() -> None:
+    for index, size in ((0, 5), (1, 300), (70000, 1 << 20)):
+        data = bytes(size)
+        assert frame_message(index, data) == frame_message_head(index, size) + data
+
+
+_REFS = [
+    (pb.EntryRef(present=True, tier="ram", length=5, written=True), b"hello"),
+    (pb.EntryRef(), b""),  # a miss
+    (pb.EntryRef(present=True, tier="disk", length=1 << 20), b""),  # no room: asked again
+    (pb.EntryRef(present=True, tier="redis", length=300, written=True, verified=True,
+                 offset=64), bytes(range(256)) + bytes(44)),
+]
+
+
+def _generated(refs: list[tuple[pb.EntryRef, bytes]]) -> pb.GetManyResponse:
+    out = pb.GetManyResponse()
+    for ref, data in refs:
+        r = out.entries.add()
+        r.CopyFrom(ref)
+        r.data = data
+    return out
+
+
+def _fields_of(ref: object) -> tuple[object, ...]:
+    return tuple(bytes(getattr(ref, f)) if f == "data" else getattr(ref, f)
+                 for f in ("present", "tier", "length", "written", "offset", "verified", "data"))
+
+
+def test_get_many_answers_match_the_generated_encoding_and_read_back_as_views() -> None:
+    ours = get_many_message([(r, memoryview(d)) for r, d in _REFS])
+    assert pb.GetManyResponse.FromString(ours) == _generated(_REFS)  # data last: same fields
+    assert get_many_message([]) == b""
+    view = get_many_response(ours)
+    assert isinstance(view, GetManyView) and len(view.entries) == len(_REFS)
+    theirs = pb.GetManyResponse.FromString(ours)
+    for got, want in zip(view.entries, theirs.entries):
+        assert _fields_of(got) == _fields_of(want)
+    assert isinstance(view.entries[3].data, memoryview)  # no copy of the entry's bytes
+    assert view.entries[3].data.obj is ours
+
+
+def test_get_many_answers_of_another_form_go_to_the_generated_class() -> None:
+    twice = bytes([0x0A, 0x06, 0x32, 0x01, 0x61, 0x32, 0x01, 0x62])  # data twice: the last
+    unknown = bytes([0x0A, 0x02, 0x58, 0x01])  # EntryRef field 11 (not one of ours)
+    for buf in (twice, b"", unknown, bytes([0x12, 0x00])):
+        got = get_many_response(buf)
+        assert not isinstance(got, GetManyView)
+        assert got == pb.GetManyResponse.FromString(buf)
+    for bad in (bytes([0x0A, 0x05, 0x08]), bytes([0x0A]), bytes([0x0B])):  # cut off, a group
+        with pytest.raises(Exception) as info:
+            get_many_response(bad)
+        assert "DecodeError" in type(info.value).__name__ or "Error" in type(info.value).__name__
+
+
+def test_get_many_views_agree_with_the_generated_class_on_random_bytes() -> None:
+    import random
+
+    rng = random.Random(23)
+    buf0 = get_many_message([(r, memoryview(d)) for r, d in _REFS])
+    agreed = 0
+    for _ in range(3000):
+        buf = bytearray(buf0)
+        for _ in range(rng.randrange(1, 4)):
+            buf[rng.randrange(len(buf))] = rng.randrange(256)
+        try:
+            theirs = pb.GetManyResponse.FromString(bytes(buf))
+        except Exception:  # noqa: BLE001 - protobuf's DecodeError: ours must refuse it too
+            with pytest.raises(Exception):  # noqa: B017
+                get_many_response(bytes(buf))
+            continue
+        ours = get_many_response(bytes(buf))
+        assert [_fields_of(e) for e in ours.entries] == [_fields_of(e) for e in theirs.entries]
+        agreed += 1
+    assert agreed > 100

@@ -48,7 +48,14 @@ from kdn.options import StoreOptions
 from kdn.status import from_grpc
 from kdn.v1 import kdn_pb2 as pb
 from kdn.v1 import kdn_pb2_grpc as pb_grpc
-from kdn.wire import Frame, FrameMessage, frame_message, retrieve_response, serialize_passthrough
+from kdn.wire import (
+    Frame,
+    FrameMessage,
+    frame_message,
+    get_many_response,
+    retrieve_response,
+    serialize_passthrough,
+)
 
 if TYPE_CHECKING:  # the tensor side loads on first use: admin tools run without torch
     import torch
@@ -189,6 +196,10 @@ class Client:
         self._retrieve_call = self._channel.unary_stream(
             "/kdn.v1.KDN/Retrieve", request_serializer=pb.RetrieveRequest.SerializeToString,
             response_deserializer=retrieve_response)
+        # inline GetMany answers: each entry's bytes a view of the received message (kdn.wire)
+        self._stub.GetMany = self._channel.unary_unary(
+            "/kdn.v1.KDN/GetMany", request_serializer=pb.GetManyRequest.SerializeToString,
+            response_deserializer=get_many_response)
         if shm_bytes is None:
             shm_bytes = DEFAULT_SHM_BYTES if same_host(address) else 0
         if local_bytes:

@@ -63,6 +63,7 @@ from kdn.keys import store_key
 from kdn.server.auth import Principal, current_principal
 from kdn.status import grpc_code
 from kdn.v1 import kdn_pb2 as pb
+from kdn.wire import get_many_message
 
 if TYPE_CHECKING:
     from kdn.server.config import ServerConfig
@@ -320,7 +321,8 @@ class BatchMixin:
         return await self._answer(  # type: ignore[no-any-return]
             "GetMany", context, lambda p: self._get_many(p, request))
 
-    def _get_many(self, p: Principal, request: pb.GetManyRequest) -> pb.GetManyResponse:
+    def _get_many(self, p: Principal, request: pb.GetManyRequest) -> pb.GetManyResponse | bytes:
+        """The answer; inline, already serialized with the entries joined in (kdn.wire)."""
         ns = request.namespace or "default"
         skeys = [store_key(p.tenant, ns, k) for k in request.keys]
         seg = self.segments.get(p.tenant, request.segment_id) if request.segment_id else None
@@ -332,6 +334,7 @@ class BatchMixin:
         want = request.expect_layout_fingerprint
         sent = 0
         copies: list[tuple[pb.EntryRef, bytes, Hit, int]] = []  # segment copies, placed
+        inline: dict[int, bytes | memoryview] = {}  # entry number -> its bytes, joined in
         for skey in skeys:
             ref = out.entries.add()
             started = time.perf_counter()
@@ -354,7 +357,7 @@ class BatchMixin:
                 ref.offset = cursor
                 copies.append((ref, skey, hit, cursor))
             else:
-                ref.data = bytes(value)  # no copy when the tier holds bytes
+                inline[len(out.entries) - 1] = value
                 ref.written = True
                 self.count("getmany.hit")
             cursor = _aligned(cursor + len(value))
@@ -362,6 +365,9 @@ class BatchMixin:
         if copies:
             sent -= self._copy_all(seg, copies)
         self.count("bytes_out", sent)
+        if seg is None:
+            return get_many_message([(ref, inline.get(i, b""))
+                                     for i, ref in enumerate(out.entries)])
         return out
 
     def _copy_all(self, seg: Segment | None, copies: list[tuple[pb.EntryRef, bytes, Hit, int]]

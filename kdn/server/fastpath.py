@@ -38,7 +38,7 @@ from kdn.server.auth import Authenticator, Principal
 from kdn.server.batch import Segments
 from kdn.server.requests import check_names
 from kdn.v1 import kdn_pb2 as pb
-from kdn.wire import FAST_GET_MANY, FAST_HEAD, FAST_PUT_MANY, read_exact
+from kdn.wire import FAST_GET_MANY, FAST_HEAD, FAST_PUT_MANY, read_exact, serialize_passthrough
 
 if TYPE_CHECKING:
     from kdn.server.usage import Usage
@@ -58,7 +58,8 @@ class Handlers(Protocol):
 
     def count(self, name: str, n: int = 1) -> None: ...
 
-    def _get_many(self, p: Principal, request: pb.GetManyRequest) -> pb.GetManyResponse: ...
+    def _get_many(self, p: Principal, request: pb.GetManyRequest
+                  ) -> pb.GetManyResponse | bytes: ...
 
     def _put_many(self, p: Principal, request: pb.PutManyRequest) -> pb.PutManyResponse: ...
 
@@ -131,7 +132,7 @@ class FastPath:
         s.auth.admit(principal)
         if isinstance(req, pb.GetManyRequest):
             s.count("fast.GetMany")
-            return s._get_many(principal, req).SerializeToString()
+            return serialize_passthrough(s._get_many(principal, req))
         s.count("fast.PutMany")
         return s._put_many(principal, req).SerializeToString()
 
