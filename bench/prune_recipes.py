@@ -66,11 +66,17 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--questions", type=int, default=200)
     ap.add_argument("--max-seconds", type=float, default=1800.0,
                     help="recovery time bound (issue 23 bounds the 50%% model's at 30 minutes)")
+    ap.add_argument("--lr", type=float, default=RecoveryConfig.lr,
+                    help="peak learning rate of the LoRA adapters")
+    ap.add_argument("--rank", type=int, default=RecoveryConfig.rank,
+                    help="LoRA rank (alpha stays twice the rank)")
     ap.add_argument("--out", type=Path, default=RESULTS / "prune_recipes.json")
     args = ap.parse_args(argv)
     recipe = (f"r{args.ratio:g}-w{args.answer_weight:g}-share{args.qa_share:g}"
               f"-q{args.qa_questions}-s{args.steps}"
-              + ("" if args.allocation == "ppl-based" else f"-{args.allocation}"))
+              + ("" if args.allocation == "ppl-based" else f"-{args.allocation}")
+              + ("" if args.lr == RecoveryConfig.lr else f"-lr{args.lr:g}")
+              + ("" if args.rank == RecoveryConfig.rank else f"-rank{args.rank}"))
     torch.manual_seed(0)
     model, tok = load_model("smollm2-135m")
     split = ArticleSplit.default()
@@ -86,7 +92,7 @@ def main(argv: list[str] | None = None) -> None:
                         PruneConfig(args.ratio, Allocation(args.allocation), imp), sens)
     pruned = prune_model(copy.deepcopy(model), plan)
     cfg = RecoveryConfig(steps=args.steps, seed=0, max_seconds=args.max_seconds, distill=1.0,
-                         bf16=True,
+                         bf16=True, lr=args.lr, rank=args.rank, alpha=2 * args.rank,
                          answer_weight=args.answer_weight)
     rep = recover(pruned, training.ids, cfg, answer=training.answer, teacher=model,
                   folder=args.out.with_name(f"{args.out.stem}.recovery-{recipe}"),
@@ -109,7 +115,7 @@ def main(argv: list[str] | None = None) -> None:
           f": {delta[0]:+.4f} [{delta[1]:+.4f}, {delta[2]:+.4f}]", flush=True)
     row: dict[str, Any] = {
         "recipe": recipe, "ratio": args.ratio, "allocation": args.allocation,
-        "answer_weight": args.answer_weight,
+        "answer_weight": args.answer_weight, "lr": args.lr, "rank": args.rank,
         "qa_share": args.qa_share, "qa_questions": args.qa_questions,
         "training_tokens": training.ids.numel(), "answer_tokens": int(training.answer.sum()),
         "steps": rep.steps, "max_seconds": args.max_seconds, "recovery_s": rep.seconds,
