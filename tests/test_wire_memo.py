@@ -6,13 +6,17 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from kdn import codec
 from kdn.client import Client
 from kdn.errors import Corrupt
-from kdn.server import ServerThread
+from kdn.server import ServerConfig, ServerThread
+from kdn.server.app import build_store
+from kdn.server.config import ConfigError
+from kdn.server.service import KDNServicer
 from kdn.server.wire_memo import WireMemo
 from kdn.wire import frame_message, parse_frame_message
 from tests.helpers import random_kv, uniform_layout
@@ -63,6 +67,19 @@ def test_memo_keeps_what_was_read_within_its_bytes_least_recent_out() -> None:
     assert [m is not None for m in part._memos[b"p"].messages] == [  # noqa: SLF001
         False, True, True, False]
     assert WireMemo(0)._memo_for(b"k", 1, 1, 1) is None  # noqa: SLF001  # off
+
+
+def test_the_memo_is_at_most_a_quarter_of_the_ram_tier(tmp_path: Path) -> None:
+    for memo, want in ((256 << 20, 2 << 20), (1 << 20, 1 << 20), (0, 0)):
+        cfg = ServerConfig(port=0, data_dir=tmp_path, ram_bytes=8 << 20, disk_bytes=0,
+                           wire_memo_bytes=memo)
+        store = build_store(cfg)
+        try:
+            assert KDNServicer(cfg, store).wire_memo.capacity_bytes == want
+        finally:
+            store.close()
+    with pytest.raises(ConfigError, match="wire_memo_bytes"):
+        ServerConfig(wire_memo_bytes=-1)
 
 
 @pytest.fixture

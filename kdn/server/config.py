@@ -102,7 +102,8 @@ class ServerConfig:
     """Byte budget of the RAM tier."""
     wire_memo_bytes: int = 256 << 20
     """Bytes of Retrieve messages kept for the RAM-tier entries read last, sent again without
-    being built (kdn.server.wire_memo); 0 = off. Memory on top of ram_bytes."""
+    being built (kdn.server.wire_memo); 0 = off. Memory on top of ram_bytes, at most a quarter
+    of it."""
     disk_bytes: int = 16 << 30
     """Byte budget of the LMDB disk tier (0 = no disk tier)."""
     redis_url: str = ""

@@ -105,7 +105,8 @@ class KDNServicer(BatchMixin, BlendMixin, pb_grpc.KDNServicer):
         # receive buffers of large entries, recycled: up to a quarter of the RAM tier kept free
         self.buffers = BufferPool(min(1 << 30, config.ram_bytes // 4))
         self.usage = Usage()  # tokens stored and served, for the metrics (kdn.server.usage)
-        self.wire_memo = WireMemo(config.wire_memo_bytes)  # Retrieve's messages, kept
+        # Retrieve's messages, kept: at most a quarter of the RAM tier on top of it
+        self.wire_memo = WireMemo(min(config.wire_memo_bytes, config.ram_bytes // 4))
 
     def count(self, name: str, n: int = 1) -> None:
         self.counters[name] = self.counters.get(name, 0) + n
