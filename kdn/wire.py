@@ -63,11 +63,16 @@ def varint(n: int) -> bytes:
             return bytes(out)
 
 
+def _field_head(tag: bytes, size: int) -> bytes:
+    """A length-delimited field's tag and length, before its ``size`` bytes."""
+    return tag + varint(size)
+
+
 def frame_message_head(index: int, size: int) -> bytes:
     """The bytes of ``frame_message(index, data)`` before ``data`` (``size`` bytes long)."""
-    inner_head = (_FRAME_INDEX_TAG + varint(index) if index else b"") + _FRAME_DATA_TAG + varint(
-        size)
-    return _FRAME_FIELD_TAG + varint(len(inner_head) + size) + inner_head
+    inner_head = (_FRAME_INDEX_TAG + varint(index) if index else b"") + _field_head(
+        _FRAME_DATA_TAG, size)
+    return _field_head(_FRAME_FIELD_TAG, len(inner_head) + size) + inner_head
 
 
 def frame_message(index: int, data: bytes | memoryview) -> bytes:
@@ -131,6 +136,7 @@ def store_request(buf: bytes) -> FrameMessage | pb.StoreRequest:
 
 _ENTRIES_TAG = bytes([(1 << 3) | _LEN])  # GetManyResponse.entries = 1
 _REF_DATA_FIELD = 6  # EntryRef.data
+_REF_DATA_TAG = bytes([(_REF_DATA_FIELD << 3) | _LEN])
 
 
 def get_many_message(refs: list[tuple[pb.EntryRef, bytes | memoryview]]) -> bytes:
@@ -140,9 +146,9 @@ def get_many_message(refs: list[tuple[pb.EntryRef, bytes | memoryview]]) -> byte
     parts: list[bytes | memoryview] = []
     for ref, data in refs:
         head = ref.SerializeToString()
-        tail = [bytes([(_REF_DATA_FIELD << 3) | _LEN]), varint(len(data))] if len(data) else []
-        parts += [_ENTRIES_TAG, varint(len(head) + sum(len(t) for t in tail) + len(data)), head,
-                  *tail, data]
+        if len(data):  # proto3 leaves out empty bytes
+            head += _field_head(_REF_DATA_TAG, len(data))
+        parts += [_field_head(_ENTRIES_TAG, len(head) + len(data)), head, data]
     return b"".join(parts)
 
 
