@@ -12,9 +12,16 @@ process. One row per (op, path, size): ``bytes``, ``seconds`` (median), ``gb_s``
     grpc-1       kdn over one gRPC stream (a client on another host): limit raw-grpc
     grpc-4       the same over 4 streams of layer groups, each on its own connection
     grpc-1-first a grpc-1 fetch of a value just stored (never read: no memoised messages)
-    shm          kdn through the client's shared segment (same host): limit memcpy
+    shm          kdn on the same host: a RAM-tier entry read before is leased from the
+                 server's read arena and viewed in place (no copy; ``kdn.server.arena``),
+                 else copied into the client's shared segment: limit memcpy
+    shm-first    a shm fetch of a value just stored (its first read: copied into the arena,
+                 checksums checked on the copy)
+    shm-copy     the same-host path with the server's arenas off (every read copied into
+                 the client's segment and checked)
     inproc       kdn from the client's in-process tier: limit memcpy
-    batch-shm / batch-inline   64 entries of ~1 MiB in one call: limit memcpy / raw-grpc
+    batch-shm / batch-shm-copy / batch-inline   64 entries of ~1 MiB in one call: limit
+                 memcpy / memcpy / raw-grpc
 
 ``store`` sends a pre-encoded entry (encoded as ``Client.store`` encodes a KVCache: each frame
 inside its message), ``fetch`` returns the undecoded container, ``retrieve`` returns CPU
@@ -32,6 +39,7 @@ takes the better of the two.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import tempfile
 import threading
 import time
@@ -182,15 +190,15 @@ def measure(clients: dict[str, Client], put: Any, get: Any, layout: KVLayout, to
             clients[path].store(key, parts)
         times[(op, path)] = timed(fn, repeat)
     times.update(interleaved(reads, repeat))
-    first = clients["grpc-1"]
-
-    def stored_then_fetched() -> float:  # a read of a value never read before (no memo)
-        first.store(key, parts)
+    def stored_then_fetched(c: Client) -> float:  # a value never read before (no memo, no
+        c.store(key, parts)  # arena copy)
         t = time.perf_counter()
-        first.fetch(key)
+        c.fetch(key)
         return time.perf_counter() - t
 
-    times[("fetch", "grpc-1-first")] = [stored_then_fetched() for _ in range(repeat)]
+    for path in ("grpc-1", "shm"):
+        times[("fetch", f"{path}-first")] = [stored_then_fetched(clients[path])
+                                             for _ in range(repeat)]
     limits: dict[tuple[str, int], float] = {}
     rows = []
     for op, path, ts in (("copy", "memcpy", memcpy_s(nbytes, repeat)),
@@ -239,6 +247,7 @@ def batch_rows(clients: dict[str, Client], layout: KVLayout, repeat: int,
     ks = [k for k, _ in items]
     rows = []
     for path, client, limit in (("batch-shm", clients["shm"], "memcpy"),
+                                ("batch-shm-copy", clients["shm-copy"], "memcpy"),
                                 ("batch-inline", clients["grpc-1"], "raw-grpc")):
         rows.append(_row("store", path, tokens * 64, nbytes,
                          timed(lambda c=client: c.store_many(items), repeat), limit, limits))
@@ -260,12 +269,15 @@ def run(tokens_list: list[int], repeat: int, out: Path) -> list[dict[str, Any]]:
     with tempfile.TemporaryDirectory() as tmp:
         cfg = ServerConfig(port=0, data_dir=Path(tmp), ram_bytes=8 << 30, disk_bytes=0,
                            max_message_bytes=big, max_entry_bytes=4 << 30)
-        with ServerThread(cfg) as st:
+        copy_cfg = dataclasses.replace(cfg, port=0, data_dir=Path(tmp) / "copy",
+                                       shm_arena_bytes=0)
+        with ServerThread(cfg) as st, ServerThread(copy_cfg) as copy_st:
             clients = {
                 "grpc-1": Client(st.address, max_message_bytes=big, shm_bytes=0),
                 f"grpc-{STREAMS}": Client(st.address, max_message_bytes=big, shm_bytes=0,
                                           streams=STREAMS),
                 "shm": Client(st.address, max_message_bytes=big, shm_bytes=1 << 30),
+                "shm-copy": Client(copy_st.address, max_message_bytes=big, shm_bytes=1 << 30),
                 "inproc": Client(st.address, max_message_bytes=big, shm_bytes=0,
                                  local_bytes=2 << 30),
             }

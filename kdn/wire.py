@@ -163,6 +163,7 @@ class EntryView:
     offset: int
     verified: bool
     data: bytes | memoryview
+    lease: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -214,7 +215,7 @@ def get_many_response(buf: bytes) -> GetManyView | pb.GetManyResponse:
         rest: list[memoryview] = []
         data: bytes | memoryview = b""
         for n, k, start, at, stop in inner:
-            if not 1 <= n <= 7 or n == _REF_DATA_FIELD and (k != _LEN or len(data)):
+            if not 1 <= n <= 8 or n == _REF_DATA_FIELD and (k != _LEN or len(data)):
                 return pb.GetManyResponse.FromString(buf)
             if n == _REF_DATA_FIELD:
                 data = mv[body + at : body + stop]
@@ -222,7 +223,7 @@ def get_many_response(buf: bytes) -> GetManyView | pb.GetManyResponse:
                 rest.append(mv[body + start : body + stop])
         ref = pb.EntryRef.FromString(b"".join(rest))
         entries.append(EntryView(ref.present, ref.tier, ref.length, ref.written, ref.offset,
-                                 ref.verified, data))
+                                 ref.verified, data, ref.lease))
     return GetManyView(entries)
 
 
@@ -238,6 +239,9 @@ def serialize_passthrough(message: Any) -> bytes:
 FAST_HEAD = struct.Struct("<IB")
 """Request: u32 body length, u8 op; response: u32 body length, u8 ok (1) / error (0)."""
 FAST_GET_MANY, FAST_PUT_MANY = 1, 2
+FAST_ARENA = 3
+"""Body: a segment id; answer: u64 arena size, with the arena's descriptor (SCM_RIGHTS)."""
+ARENA_SIZE = struct.Struct("<Q")
 
 
 def read_exact(conn: socket.socket, n: int) -> bytes | None:

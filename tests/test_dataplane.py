@@ -4,6 +4,7 @@ fallbacks, hostile descriptors and segments, tenancy, and reads racing overwrite
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import os
 import secrets
@@ -32,6 +33,16 @@ LAYOUT = uniform_layout()
 
 def _key(i: int) -> bytes:
     return i.to_bytes(4, "little") * 8
+
+
+@pytest.fixture
+def server_config(server_config: ServerConfig, request: pytest.FixtureRequest) -> ServerConfig:
+    """Marked ``no_arena``: the server keeps no read arenas, so same-host reads are copied into
+    the client's segment (the path of entries outside the RAM tier and of a full arena;
+    kdn.server.arena)."""
+    if request.node.get_closest_marker("no_arena"):
+        return dataclasses.replace(server_config, shm_arena_bytes=0)
+    return server_config
 
 
 @pytest.fixture
@@ -91,6 +102,7 @@ def test_many_entries_per_call(server: ServerThread, shm: int) -> None:
         assert counters["getmany.hit"] == 24 and counters["getmany.miss"] == 1
 
 
+@pytest.mark.no_arena
 def test_entries_larger_than_the_segment_stream_instead(server: ServerThread) -> None:
     with Client(server.address, timeout_s=30, shm_bytes=64 << 10) as c:
         small, big = random_kv(LAYOUT, 8, seed=2), random_kv(LAYOUT, 400, seed=3)
@@ -436,6 +448,7 @@ def _in_segment(t: torch.Tensor, seg: SharedSegment) -> bool:
     return base <= t.data_ptr() < base + seg.size
 
 
+@pytest.mark.no_arena
 def test_reads_through_the_segment_are_checked_by_the_server_and_viewed_in_place(
         shm_client: Client) -> None:
     kv = random_kv(LAYOUT, 40, seed=3)
@@ -463,6 +476,7 @@ def test_reads_through_the_segment_are_checked_by_the_server_and_viewed_in_place
 
 
 @pytest.mark.parametrize("split", [False, True], ids=["one-run", "runs"])
+@pytest.mark.no_arena
 def test_damage_to_a_checked_value_in_server_memory_is_caught_by_the_segment_copy(
         server: ServerThread, shm_client: Client, monkeypatch: pytest.MonkeyPatch,
         split: bool) -> None:
@@ -494,6 +508,7 @@ def test_damage_to_a_checked_value_in_server_memory_is_caught_by_the_segment_cop
     assert shm_client.retrieve(_key(22), layout=LAYOUT) is None  # a miss, not damaged tensors
 
 
+@pytest.mark.no_arena
 def test_a_batch_copied_on_several_threads_lands_whole_and_catches_damage(
         server: ServerThread, shm_client: Client, monkeypatch: pytest.MonkeyPatch) -> None:
     """GetMany's parallel segment copy (forced for small batches): every entry lands at its

@@ -15,6 +15,7 @@ call PutMany, and give the region back when the call returns (the server copied 
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import threading
 from collections import OrderedDict
@@ -28,7 +29,7 @@ from kdn.codec.format import Header, copy_frame_checked, parse_container, parse_
 from kdn.errors import Corrupt, DeadlineExceeded, KDNError, RateLimited, TooLarge, Unavailable
 from kdn.status import error_of
 from kdn.v1 import kdn_pb2 as pb
-from kdn.wire import FAST_GET_MANY, FAST_HEAD, FAST_PUT_MANY, read_exact
+from kdn.wire import ARENA_SIZE, FAST_ARENA, FAST_GET_MANY, FAST_HEAD, FAST_PUT_MANY, read_exact
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -133,6 +134,7 @@ class DataPlane:
         self.inline_budget = max(1, min(INLINE_BYTES, max_message_bytes - INLINE_SLACK))
         self._lock = threading.Lock()
         self._segment: Any = None
+        self._arena: Any = None  # kdn.client.shm.LeasedArena, where the server lends one
         self._segment_id = ""
         self._tried = shm_bytes <= 0
         self._fast_path = ""
@@ -175,6 +177,39 @@ class DataPlane:
             return
         self._segment, self._segment_id = seg, resp.segment_id
         self._fast_path = resp.fast_path
+        if self._fast_path:
+            self._arena = self._open_arena()
+
+    def _open_arena(self) -> Any:
+        """The server's read arena of this tenant (``kdn.server.arena``), handed over the fast
+        path; None where the server keeps none or it can not be mapped (reads then copy)."""
+        from kdn.client.shm import LeasedArena
+
+        body = self._segment_id.encode()
+        fds: list[int] = []
+        try:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+                conn.settimeout(self.timeout_s)
+                conn.connect("\0" + self._fast_path)
+                conn.sendall(FAST_HEAD.pack(len(body), FAST_ARENA) + body)
+                first, fds, _, _ = socket.recv_fds(conn, FAST_HEAD.size + ARENA_SIZE.size, 1)
+                head = first[: FAST_HEAD.size]
+                if len(head) < FAST_HEAD.size:
+                    head += read_exact(conn, FAST_HEAD.size - len(head)) or b""
+                n, ok = FAST_HEAD.unpack(head)
+                body_in = first[FAST_HEAD.size :]
+                body_in += read_exact(conn, n - len(body_in)) or b""
+            if not ok or len(fds) != 1 or len(body_in) != ARENA_SIZE.size:
+                log.info("kdn: no read arena from the server (%s)",
+                         body_in.decode("utf-8", "replace") if not ok else "malformed answer")
+                for fd in fds:
+                    os.close(fd)
+                return None
+            (size,) = ARENA_SIZE.unpack(body_in)
+            return LeasedArena(fds[0], size)
+        except (OSError, ValueError) as exc:
+            log.info("kdn: no read arena (%s); reads copy into the segment", exc)
+            return None
 
     @property
     def attached(self) -> bool:
@@ -183,6 +218,9 @@ class DataPlane:
     def close(self) -> None:
         seg, seg_id = self._segment, self._segment_id
         self._segment, self._segment_id, self._tried = None, "", True
+        if self._arena is not None:  # Detach gives its leases back on the server
+            self._arena.close()
+            self._arena = None
         self._fast_path = ""
         for conn in self._all_conns:
             conn.close()
@@ -228,9 +266,16 @@ class DataPlane:
             req = pb.GetManyRequest(namespace=namespace, keys=[keys[i] for i in todo],
                                     segment_id=seg_id if seg is not None else "",
                                     region=region, expect_layout_fingerprint=layout_fingerprint)
+            arena, released = self._arena if seg is not None else None, []
+            if arena is not None:
+                req.lease = True
+                released = arena.take()
+                req.release.extend(released)
             try:
                 resp = self._get(req, request_id)
             except TooLarge as exc:
+                if arena is not None:
+                    arena.give_back(released)
                 if seg is not None and block is not None:
                     seg.regions.free(*block)
                 if seg is not None or isinstance(exc, RateLimited):
@@ -240,31 +285,18 @@ class DataPlane:
                     out[i] = TOO_BIG
                 return out
             except BaseException:
+                if arena is not None:
+                    arena.give_back(released)
                 if seg is not None and block is not None:
                     seg.regions.free(*block)
                 raise
-            used = block[0] if block is not None else 0
-            again: list[int] = []
-            sizes: list[int] = []
-            for i, ref in zip(todo, resp.entries):
-                if not ref.present:
-                    continue
-                if not ref.written:
-                    again.append(i)
-                    sizes.append(ref.length)
-                    if seg is None and ref.length > self.inline_budget:
-                        self._remember_too_big(namespace, keys[i])
-                    continue
-                if seg is not None and block is not None:
-                    if ref.offset < used or ref.offset + ref.length > block[0] + block[1]:
-                        raise Corrupt(f"GetMany placed an entry at [{ref.offset}, "
-                                      f"{ref.offset + ref.length}), outside the free part "
-                                      f"[{used}, {block[0] + block[1]}) of its region")
-                    out[i] = _fetched(seg.owned(ref.offset, ref.length, used), ref.tier, True,
-                                      ref.verified)
-                    used = (ref.offset + ref.length + 63) // 64 * 64
-                else:
-                    out[i] = _fetched(ref.data, ref.tier)
+            unviewed = {ref.lease for ref in resp.entries if ref.lease}
+            try:
+                again, sizes, used = self._place(resp, todo, out, namespace, keys, seg, block,
+                                                 arena, unviewed)
+            finally:
+                if unviewed and arena is not None:  # not handed out: given back with the next
+                    arena.give_back(sorted(unviewed))
             if seg is not None and block is not None:
                 seg.regions.free(used, block[0] + block[1] - used)
             capped = block is not None and block[1] >= need and block[1] < sizes[0] \
@@ -277,6 +309,45 @@ class DataPlane:
             need = max(FIRST_REGION, max(sizes, default=0) + 64)
             todo = again
         return out
+
+    def _place(self, resp: pb.GetManyResponse, todo: list[int],
+               out: list[Fetched | TooBig | None], namespace: str, keys: Sequence[bytes],
+               seg: Any, block: tuple[int, int] | None, arena: Any, unviewed: set[int]
+               ) -> tuple[list[int], list[int], int]:
+        """Hand out one GetMany answer's entries (``out``); (entries to ask again, their sizes,
+        end of the region's used part)."""
+        used = block[0] if block is not None else 0
+        again: list[int] = []
+        sizes: list[int] = []
+        for i, ref in zip(todo, resp.entries):
+            if not ref.present:
+                continue
+            if not ref.written:
+                again.append(i)
+                sizes.append(ref.length)
+                if seg is None and ref.length > self.inline_budget:
+                    self._remember_too_big(namespace, keys[i])
+                continue
+            if ref.lease:
+                if arena is None:
+                    raise Corrupt("GetMany answered with a lease this client did not ask for")
+                try:
+                    view = arena.view(ref.lease, ref.offset, ref.length)
+                except ValueError as exc:
+                    raise Corrupt(f"GetMany: {exc}") from None
+                unviewed.discard(ref.lease)
+                out[i] = _fetched(view, ref.tier, True, ref.verified)
+            elif seg is not None and block is not None:
+                if ref.offset < used or ref.offset + ref.length > block[0] + block[1]:
+                    raise Corrupt(f"GetMany placed an entry at [{ref.offset}, "
+                                  f"{ref.offset + ref.length}), outside the free part "
+                                  f"[{used}, {block[0] + block[1]}) of its region")
+                out[i] = _fetched(seg.owned(ref.offset, ref.length, used), ref.tier, True,
+                                  ref.verified)
+                used = (ref.offset + ref.length + 63) // 64 * 64
+            else:
+                out[i] = _fetched(ref.data, ref.tier)
+        return again, sizes, used
 
     def _remember_too_big(self, namespace: str, key: bytes) -> None:
         """``key`` is larger than one message holds: later reads stream it without asking

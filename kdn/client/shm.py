@@ -21,74 +21,15 @@ import os
 import secrets
 import threading
 import weakref
+from collections import deque
 from typing import Any
 
 import numpy as np
 
+from kdn.regions import ALIGN, RegionAllocator
+
 NONCE_BYTES = 16
-ALIGN = 64
-
-
-def _align(n: int) -> int:
-    return (n + ALIGN - 1) // ALIGN * ALIGN
-
-
-class RegionAllocator:
-    """First-fit allocation of aligned byte ranges in [start, end); thread-safe."""
-
-    def __init__(self, start: int, end: int) -> None:
-        self._free: list[tuple[int, int]] = [(_align(start), end)]  # sorted (begin, end)
-        self._lock = threading.Lock()
-
-    def alloc(self, n: int) -> int | None:
-        """Offset of a free range of ``n`` bytes, or None when none is that large."""
-        need = _align(max(n, 1))
-        with self._lock:
-            for i, (b, e) in enumerate(self._free):
-                if e - b >= need:
-                    self._free[i] = (b + need, e)
-                    if b + need == e:
-                        del self._free[i]
-                    return b
-        return None
-
-    def alloc_largest(self, cap: int) -> tuple[int, int] | None:
-        """(offset, size) of the largest free range, at most ``cap`` bytes; None when full."""
-        with self._lock:
-            if not self._free:
-                return None
-            i = max(range(len(self._free)), key=lambda j: self._free[j][1] - self._free[j][0])
-            b, e = self._free[i]
-            size = min(e - b, _align(cap))
-            if size <= 0:
-                return None
-            if b + size == e:
-                del self._free[i]
-            else:
-                self._free[i] = (b + size, e)
-            return b, size
-
-    def free(self, offset: int, n: int) -> None:
-        """Give back [offset, offset + n) (any part of what was allocated, aligned)."""
-        b, e = offset, offset + _align(n)
-        if e <= b:
-            return
-        with self._lock:
-            spans = self._free
-            i = 0
-            while i < len(spans) and spans[i][0] < b:
-                i += 1
-            spans.insert(i, (b, e))
-            if i + 1 < len(spans) and spans[i][1] == spans[i + 1][0]:  # merge the right one
-                spans[i] = (spans[i][0], spans[i + 1][1])
-                del spans[i + 1]
-            if i > 0 and spans[i - 1][1] == spans[i][0]:  # and the left one
-                spans[i - 1] = (spans[i - 1][0], spans[i][1])
-                del spans[i]
-
-    def free_bytes(self) -> int:
-        with self._lock:
-            return sum(e - b for b, e in self._free)
+__all__ = ["ALIGN", "LeasedArena", "RegionAllocator", "SharedSegment"]
 
 
 class SharedSegment:
@@ -159,3 +100,124 @@ class SharedSegment:
         except BufferError:  # views still alive: the mapping goes when they do
             pass
         os.close(self.fd)
+
+
+PAGE = mmap.PAGESIZE
+F_SEAL_FUTURE_WRITE = 0x0010
+_PRESENT, _SWAPPED, _FILE_PAGE = np.uint64(1 << 63), np.uint64(1 << 62), np.uint64(1 << 61)
+
+
+class LeasedArena:
+    """The server's read arena of this client's tenant (``kdn.server.arena``), mapped
+    copy-on-write: views of leased entries are ordinary writable memory whose changes stay in
+    this process. A lease is given back once no view of its entry is left (a finalizer queues
+    it, the next GetMany carries it); before that, any page this process changed in the
+    entry's range is reset to the arena's (``MADV_DONTNEED`` on a private mapping), so that
+    the range shows the server's bytes again when it is read again or reused for another
+    entry. One entry is viewed in place by one read at a time: a read of an entry that an
+    earlier read's views still show gets a copy of the arena's bytes (read through a second,
+    shared read-only mapping), so two results never alias each other."""
+
+    def __init__(self, fd: int, size: int) -> None:
+        try:
+            seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+            if not seals & F_SEAL_FUTURE_WRITE or not seals & fcntl.F_SEAL_SHRINK:
+                raise ValueError(f"the read arena is not sealed against writes and shrinking "
+                                 f"(seals {seals:#x})")
+            st = os.fstat(fd)
+            if st.st_size != size:
+                raise ValueError(f"the read arena has {st.st_size} bytes, the server says {size}")
+            self.inode = st.st_ino
+            self.map = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE,
+                                 prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            self._pristine = mmap.mmap(fd, size, prot=mmap.PROT_READ)  # the server's bytes
+        finally:
+            os.close(fd)  # the mapping keeps the memfd
+        self.size = size
+        self.array: np.ndarray[Any, Any] = np.frombuffer(self.map, dtype=np.uint8)
+        self._first_page = self.array.ctypes.data // PAGE
+        self._source: np.ndarray[Any, Any] = np.frombuffer(self._pristine, dtype=np.uint8)
+        self._gone: deque[tuple[int, int, int]] = deque()  # (lease, offset, length): no view
+        self._live: dict[int, int] = {}  # offset -> lease of the entry viewed in place there
+        self._ready: list[int] = []  # leases whose pages are the arena's again
+        self._lock = threading.Lock()
+        try:
+            self._pagemap: int | None = os.open("/proc/self/pagemap", os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            self._pagemap = None  # every released range is then reset whole
+
+    def view(self, lease: int, offset: int, length: int) -> memoryview:
+        """The leased entry at [offset, offset + length): viewed in place, or a copy where
+        another read's views show it still."""
+        if offset + length > self.size or length <= 0:
+            raise ValueError(f"lease {lease} at [{offset}, {offset + length}) outside the "
+                             f"read arena of {self.size} bytes")
+        self._settle()  # ranges whose views went since: their pages are the arena's again
+        with self._lock:
+            shared = offset in self._live
+            if not shared:
+                self._live[offset] = lease
+        if shared:
+            room = np.empty(length + ALIGN, dtype=np.uint8)
+            at = (offset - room.ctypes.data) % ALIGN  # the arena's alignment, for the frames
+            np.copyto(room[at : at + length], self._source[offset : offset + length])
+            with self._lock:
+                self._ready.append(lease)  # nothing of this process is in its pages
+            return memoryview(room)[at : at + length]  # type: ignore[arg-type]
+        owner = self.array[offset : offset + length]
+        weakref.finalize(owner, self._gone.append, (lease, offset, length))
+        return memoryview(owner)  # type: ignore[arg-type]
+
+    def _settle(self) -> None:
+        """Reset the pages of the entries whose views are gone; their leases become ready."""
+        while True:
+            try:
+                lease, offset, length = self._gone.popleft()
+            except IndexError:
+                return
+            self._reset(offset, length)
+            with self._lock:
+                if self._live.get(offset) == lease:
+                    del self._live[offset]
+                self._ready.append(lease)
+
+    def take(self) -> list[int]:
+        """Leases to give back now: their views are gone and their pages reset."""
+        self._settle()
+        with self._lock:
+            out, self._ready = self._ready, []
+        return out
+
+    def give_back(self, leases: list[int]) -> None:
+        """``take``'s leases, when the call that carried them failed: sent with the next."""
+        with self._lock:
+            self._ready.extend(leases)
+
+    def _reset(self, offset: int, length: int) -> None:
+        """Drop this process's private copies of pages in [offset, offset + length)."""
+        first, last = offset // PAGE, (offset + length - 1) // PAGE
+        if self._pagemap is None:
+            self.map.madvise(mmap.MADV_DONTNEED, first * PAGE, (last - first + 1) * PAGE)
+            return
+        raw = os.pread(self._pagemap, 8 * (last - first + 1), 8 * (self._first_page + first))
+        entry = np.frombuffer(raw, dtype=np.uint64)
+        # a page of ours: present and not the arena's page, or swapped out (only private
+        # pages go to swap from a private mapping; the arena's own pages stay the memfd's)
+        changed = np.flatnonzero((entry & _PRESENT != 0) & (entry & _FILE_PAGE == 0)
+                                 | (entry & _SWAPPED != 0))
+        if not len(changed):
+            return
+        runs = np.split(changed, np.flatnonzero(np.diff(changed) != 1) + 1)
+        for run in runs:  # copied-on-write pages: the next read maps the arena's page again
+            self.map.madvise(mmap.MADV_DONTNEED, (first + int(run[0])) * PAGE, len(run) * PAGE)
+
+    def close(self) -> None:
+        if self._pagemap is not None:
+            os.close(self._pagemap)
+            self._pagemap = None
+        del self.array, self._source
+        for m in (self.map, self._pristine):
+            try:
+                m.close()
+            except BufferError:  # views still alive: the mapping goes when they do
+                pass

@@ -177,6 +177,7 @@ class Server:
         if self.fast_path is not None:
             self.fast_path.close()
         self.servicer.segments.close()
+        self.servicer.arenas.close()
         await asyncio.to_thread(self.store.close)
         if self.metrics is not None:
             self.metrics.close()
@@ -299,6 +300,7 @@ async def _start(config: ServerConfig, store: TieredStore, auth: Authenticator,
     except BaseException:
         fast_path.close()
         servicer.segments.close()
+        servicer.arenas.close()
         await server.stop(0)
         raise
     task = asyncio.ensure_future(_watch_health(store, health_servicer))

@@ -35,7 +35,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -60,6 +60,7 @@ from kdn.errors import (
     TooLarge,
 )
 from kdn.keys import store_key
+from kdn.server.arena import Arenas, Slot, next_lease
 from kdn.server.auth import Principal, current_principal
 from kdn.status import grpc_code
 from kdn.v1 import kdn_pb2 as pb
@@ -119,6 +120,36 @@ class Segment:
     view: mmap.mmap
     array: np.ndarray[Any, Any]
     """The whole segment as uint8, for copies that release the GIL."""
+    leases: dict[int, Slot] = field(default_factory=dict)
+    """Read-arena slots this segment's client holds, by lease number (``kdn.server.arena``)."""
+    lease_lock: threading.Lock = field(default_factory=threading.Lock)
+    detached: bool = False
+
+    def hold(self, slot: Slot) -> int:
+        """Record a lease on ``slot`` (already counted by its arena); its number. On a
+        segment detached meanwhile the lease is given back at once."""
+        n = next_lease()
+        with self.lease_lock:
+            if not self.detached:
+                self.leases[n] = slot
+                return n
+        slot.arena.release(slot)
+        return n
+
+    def release(self, numbers: Any) -> int:
+        """Give back the leases ``numbers`` of this segment (others' and unknown ones are
+        ignored: a client can only release what it holds); how many were held."""
+        with self.lease_lock:
+            slots = [s for s in (self.leases.pop(int(n), None) for n in numbers) if s]
+        for slot in slots:
+            slot.arena.release(slot)
+        return len(slots)
+
+    def release_all(self) -> None:
+        with self.lease_lock:
+            slots, self.leases, self.detached = list(self.leases.values()), {}, True
+        for slot in slots:
+            slot.arena.release(slot)
 
 
 def _copy(dst: np.ndarray[Any, Any], src: bytes | memoryview) -> None:
@@ -219,6 +250,7 @@ class Segments:
 
     @staticmethod
     def _unmap(seg: Segment) -> None:
+        seg.release_all()  # its client is gone: its arena leases with it
         del seg.array
         try:
             seg.view.close()
@@ -283,6 +315,7 @@ class BatchMixin:
         usage: Usage
 
     segments: Segments
+    arenas: Arenas
     buffers: BufferPool
     fast_path_name: str = ""
     """The socket of the same-host fast path (``kdn.server.fastpath``); "" = none."""
@@ -327,6 +360,8 @@ class BatchMixin:
         skeys = [store_key(p.tenant, ns, k) for k in request.keys]
         seg = self.segments.get(p.tenant, request.segment_id) if request.segment_id else None
         if seg is not None:
+            if request.release:
+                self.count("arena.released", seg.release(request.release))
             cursor, end = _region(seg, request.region)
         else:  # inline: as much as the caller's messages may carry, within the server's budget
             cursor, end = 0, min(INLINE_BUDGET, request.region.length or INLINE_BUDGET)
@@ -350,6 +385,9 @@ class BatchMixin:
                 raise LayoutMismatch(f"entry {skey.decode()} has layout {have}, caller "
                                      f"expects {want}")
             ref.present, ref.tier, ref.length = True, hit.tier, len(value)
+            if seg is not None and request.lease and self._leased(p, seg, ref, skey, hit):
+                sent += len(value)
+                continue
             if cursor + len(value) > end:
                 continue  # no room: the client asks again with a region of ref.length
             if seg is not None:  # placed now, copied below (in parallel)
@@ -369,6 +407,31 @@ class BatchMixin:
             return get_many_message([(ref, inline.get(i, b""))
                                      for i, ref in enumerate(out.entries)])
         return out
+
+    def _leased(self, p: Principal, seg: Segment, ref: pb.EntryRef, skey: bytes, hit: Hit
+                ) -> bool:
+        """Answer ``hit`` as a lease on its copy in the tenant's read arena (``ref`` filled
+        in); False when it goes the segment way (not a RAM-tier value, arenas off, no room, or
+        the arena copy failed its check: the segment copy then checks and re-reads it)."""
+        arena = self.arenas.get(p.tenant) if hit.tier == "ram" and hit.stamp else None
+        if arena is None:
+            return False
+        split = _split_one(1)
+
+        def fill(dst: memoryview, value: bytes | memoryview) -> None:
+            copy_checked(dst, value, **split)
+
+        try:
+            slot = arena.lease(skey, hit.value, hit.stamp, fill)
+        except Corrupt:
+            return False
+        if slot is None:
+            return False
+        ref.lease = seg.hold(slot)
+        ref.offset = slot.offset
+        ref.verified = ref.written = True
+        self.count("getmany.hit")
+        return True
 
     def _copy_all(self, seg: Segment | None, copies: list[tuple[pb.EntryRef, bytes, Hit, int]]
                   ) -> int:

@@ -104,6 +104,11 @@ class ServerConfig:
     """Bytes of Retrieve messages kept for the RAM-tier entries read last, sent again without
     being built (kdn.server.wire_memo); 0 = off. Memory on top of ram_bytes, at most a quarter
     of it."""
+    shm_arena_bytes: int = 512 << 20
+    """Bytes of each tenant's read arena: the RAM-tier entries its same-host clients read
+    last, handed to them as leased ranges of a sealed shared memfd instead of copied per read
+    (kdn.server.arena); 0 = off. Made when a tenant's client first asks; memory on top of
+    ram_bytes, at most a quarter of it."""
     disk_bytes: int = 16 << 30
     """Byte budget of the LMDB disk tier (0 = no disk tier)."""
     redis_url: str = ""
@@ -213,6 +218,8 @@ class ServerConfig:
             raise ConfigError(f"disk_bytes: must be >= 0, got {self.disk_bytes}")
         if self.wire_memo_bytes < 0:
             raise ConfigError(f"wire_memo_bytes: must be >= 0, got {self.wire_memo_bytes}")
+        if self.shm_arena_bytes < 0:
+            raise ConfigError(f"shm_arena_bytes: must be >= 0, got {self.shm_arena_bytes}")
         if not 1024 <= self.max_message_bytes <= (2**31 - 1):
             raise ConfigError(
                 f"max_message_bytes: must be in 1KiB..2GiB-1, got {self.max_message_bytes}"
@@ -305,8 +312,9 @@ class ServerConfig:
         return f"{self.host}:{self.port}"
 
 
-_SIZE_FIELDS = {"ram_bytes", "wire_memo_bytes", "disk_bytes", "max_message_bytes",
-                "max_entry_bytes", "redis_bytes", "redis_part_bytes", "write_queue_bytes"}
+_SIZE_FIELDS = {"ram_bytes", "wire_memo_bytes", "shm_arena_bytes", "disk_bytes",
+                "max_message_bytes", "max_entry_bytes", "redis_bytes", "redis_part_bytes",
+                "write_queue_bytes"}
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
 

@@ -7,9 +7,14 @@ messages, the same handlers, the same checks, but none of the per-call cost of a
 
 Wire, per call, on one connection (calls on a connection are sequential; ``kdn.wire``):
 
-    request   u32 body length | u8 op (1 GetMany, 2 PutMany) | body (the serialized request)
+    request   u32 body length | u8 op (1 GetMany, 2 PutMany, 3 Arena) | body (the serialized
+              request; for Arena the segment id)
     response  u32 body length | u8 ok (1) or error (0) | body (the serialized response, or
               "STATUS_NAME" NUL message for an error)
+
+Arena hands the caller the descriptor of its tenant's read arena (``kdn.server.arena``) as
+SCM_RIGHTS ancillary data of the response, whose body is the arena's size (u64): a unix socket
+is the one way to give a process a descriptor it may not open by path (another user's).
 
 Who may call: the socket is in Linux's abstract namespace (no file), so any local process can
 connect; a call is served only when its ``segment_id`` names an attached segment, and the call
@@ -34,17 +39,26 @@ import time
 from typing import TYPE_CHECKING, Protocol
 
 from kdn.errors import InvalidArgument, KDNError, NotFound
+from kdn.server.arena import Arenas
 from kdn.server.auth import Authenticator, Principal
 from kdn.server.batch import Segments
 from kdn.server.requests import check_names
 from kdn.v1 import kdn_pb2 as pb
-from kdn.wire import FAST_GET_MANY, FAST_HEAD, FAST_PUT_MANY, read_exact, serialize_passthrough
+from kdn.wire import (
+    ARENA_SIZE,
+    FAST_ARENA,
+    FAST_GET_MANY,
+    FAST_HEAD,
+    FAST_PUT_MANY,
+    read_exact,
+    serialize_passthrough,
+)
 
 if TYPE_CHECKING:
     from kdn.server.usage import Usage
 
 log = logging.getLogger(__name__)
-_RPCS = {FAST_GET_MANY: "GetMany", FAST_PUT_MANY: "PutMany"}
+_RPCS = {FAST_GET_MANY: "GetMany", FAST_PUT_MANY: "PutMany", FAST_ARENA: "Arena"}
 MAX_BODY = 64 << 20
 """Largest request accepted (descriptors only: entries travel in the segment)."""
 
@@ -53,6 +67,7 @@ class Handlers(Protocol):
     """What the fast path needs of the servicer (``kdn.server.service.KDNServicer``)."""
 
     segments: Segments
+    arenas: Arenas
     auth: Authenticator
     usage: Usage
 
@@ -100,20 +115,39 @@ class FastPath:
                 if body is None:
                     return
                 started, code = time.perf_counter(), "OK"
+                fds: list[int] = []
                 try:
-                    out, ok = self._handle(op, body), 1
+                    if op == FAST_ARENA:
+                        fd, size = self._arena(body)
+                        out, ok, fds = ARENA_SIZE.pack(size), 1, [fd]
+                    else:
+                        out, ok = self._handle(op, body), 1
                 except KDNError as exc:
                     self.servicer.count(f"fast.{exc.status.value}")
                     out, ok, code = f"{exc.status.value}\0{exc}".encode(), 0, exc.status.value
                 self.servicer.usage.fast_call(_RPCS.get(op, "unknown"), code,
                                               time.perf_counter() - started)
-                conn.sendall(FAST_HEAD.pack(len(out), ok) + out)
+                if fds:
+                    socket.send_fds(conn, [FAST_HEAD.pack(len(out), ok) + out], fds)
+                else:
+                    conn.sendall(FAST_HEAD.pack(len(out), ok) + out)
         except (OSError, KDNError) as exc:
             log.debug("fast-path connection closed: %s", exc)
         finally:
             with self._lock:
                 self._conns.discard(conn)
             conn.close()
+
+    def _arena(self, body: bytes) -> tuple[int, int]:
+        """(descriptor, size) of the read arena of the tenant that attached segment ``body``."""
+        s = self.servicer
+        principal = s.segments.owner(body.decode("utf-8", "replace"))
+        s.auth.admit(principal)
+        arena = s.arenas.get(principal.tenant)
+        if arena is None:
+            raise NotFound("this server keeps no read arenas (shm_arena_bytes = 0)")
+        s.count("fast.Arena")
+        return arena.fd, arena.size
 
     def _handle(self, op: int, body: bytes) -> bytes:
         s = self.servicer

@@ -33,6 +33,7 @@ from kdn.codec.format import (
 from kdn.errors import Corrupt, InvalidArgument, KDNError, LayoutMismatch, NotFound, TooLarge
 from kdn.keys import split_store_key, store_key
 from kdn.options import Durability
+from kdn.server.arena import Arenas
 from kdn.server.auth import AuthConfig, Authenticator, Principal, current_principal
 from kdn.server.batch import BatchMixin, Segments
 from kdn.server.blend_rpc import BlendMixin
@@ -102,6 +103,8 @@ class KDNServicer(BatchMixin, BlendMixin, pb_grpc.KDNServicer):
         self.counters: dict[str, int] = {}
         self.started = time.time()
         self.segments = Segments()
+        # same-host reads: each tenant's hottest RAM-tier entries, leased (kdn.server.arena)
+        self.arenas = Arenas(min(config.shm_arena_bytes, config.ram_bytes // 4))
         # receive buffers of large entries, recycled: up to a quarter of the RAM tier kept free
         self.buffers = BufferPool(min(1 << 30, config.ram_bytes // 4))
         self.usage = Usage()  # tokens stored and served, for the metrics (kdn.server.usage)
@@ -221,6 +224,7 @@ class KDNServicer(BatchMixin, BlendMixin, pb_grpc.KDNServicer):
         the quota) before the put and refunded when the put fails; shrinkage is refunded after
         the put succeeds. Concurrent overwrites and deletes of one key thus count it once."""
         self.wire_memo.drop(skey)  # the old value's messages: never sent again (a new stamp)
+        self.arenas.drop(skey)  # nor its arena copy (leases given keep it, whole)
         with self.store.entry_lock(skey):
             replaced = self.store.lookup([skey])[0]
             delta = len(value) - replaced.size
@@ -324,6 +328,7 @@ class KDNServicer(BatchMixin, BlendMixin, pb_grpc.KDNServicer):
                                                       for k in skeys))
         for k in skeys:
             self.wire_memo.drop(k)
+            self.arenas.drop(k)
         return pb.DeleteResponse(deleted=deleted)
 
     @_rpc
@@ -338,6 +343,7 @@ class KDNServicer(BatchMixin, BlendMixin, pb_grpc.KDNServicer):
         counters.update({"wire_memo.hits": self.wire_memo.hits,
                          "wire_memo.misses": self.wire_memo.misses,
                          "wire_memo.bytes": self.wire_memo.used_bytes})
+        counters.update(self.arenas.counters())
         counters.update({"buffers.reused": self.buffers.reused,
                          "buffers.created": self.buffers.created,
                          "buffers.free_bytes": self.buffers.free_bytes})

@@ -339,21 +339,25 @@ class Region(_message.Message):
     def __init__(self, offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
 
 class GetManyRequest(_message.Message):
-    __slots__ = ("namespace", "keys", "segment_id", "region", "expect_layout_fingerprint")
+    __slots__ = ("namespace", "keys", "segment_id", "region", "expect_layout_fingerprint", "lease", "release")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     SEGMENT_ID_FIELD_NUMBER: _ClassVar[int]
     REGION_FIELD_NUMBER: _ClassVar[int]
     EXPECT_LAYOUT_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    LEASE_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     segment_id: str
     region: Region
     expect_layout_fingerprint: str
-    def __init__(self, namespace: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., segment_id: _Optional[str] = ..., region: _Optional[_Union[Region, _Mapping]] = ..., expect_layout_fingerprint: _Optional[str] = ...) -> None: ...
+    lease: bool
+    release: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, namespace: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., segment_id: _Optional[str] = ..., region: _Optional[_Union[Region, _Mapping]] = ..., expect_layout_fingerprint: _Optional[str] = ..., lease: _Optional[bool] = ..., release: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class EntryRef(_message.Message):
-    __slots__ = ("present", "tier", "length", "written", "offset", "data", "verified")
+    __slots__ = ("present", "tier", "length", "written", "offset", "data", "verified", "lease")
     PRESENT_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
@@ -361,6 +365,7 @@ class EntryRef(_message.Message):
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     VERIFIED_FIELD_NUMBER: _ClassVar[int]
+    LEASE_FIELD_NUMBER: _ClassVar[int]
     present: bool
     tier: str
     length: int
@@ -368,7 +373,8 @@ class EntryRef(_message.Message):
     offset: int
     data: bytes
     verified: bool
-    def __init__(self, present: _Optional[bool] = ..., tier: _Optional[str] = ..., length: _Optional[int] = ..., written: _Optional[bool] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., verified: _Optional[bool] = ...) -> None: ...
+    lease: int
+    def __init__(self, present: _Optional[bool] = ..., tier: _Optional[str] = ..., length: _Optional[int] = ..., written: _Optional[bool] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., verified: _Optional[bool] = ..., lease: _Optional[int] = ...) -> None: ...
 
 class GetManyResponse(_message.Message):
     __slots__ = ("entries",)

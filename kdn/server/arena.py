@@ -1,0 +1,237 @@
+"""Read arenas: RAM-tier entries handed to same-host clients without copying them per read.
+
+A same-host client that attached a segment (``kdn.server.batch``) may ask GetMany to answer
+with leases (``GetManyRequest.lease``). The server then keeps a copy of each RAM-tier entry it
+answers in its tenant's ``Arena`` (a sealed memfd, one per tenant, created on first use) and
+answers with the entry's range there and a lease number instead of copying the entry into the
+client's segment. A hot entry is copied (and its checksums checked) once, when it enters the
+arena; its later reads move no bytes at all.
+
+Who sees what: the arena's descriptor is handed over the fast-path socket (SCM_RIGHTS) only to
+a caller that names an attached segment of that tenant (``kdn.server.fastpath``), so a client
+maps only its own tenant's arena, and every offset it is given is in that arena. The memfd is
+sealed against writes from anyone but the server (``F_SEAL_FUTURE_WRITE``: only the mapping the
+server made before sealing can write), against resizing, and against new seals: a client can
+map it read-only or copy-on-write, never change what other clients read.
+
+Why a read never mixes two values: an entry's range is reused only once no lease on it is
+left. A lease is held per segment (``Segment.leases``) until the client releases it
+(``GetManyRequest.release``, sent when its views are gone), or until the segment is detached
+or its process exits. A key written again or deleted drops the arena's copy from the index
+(``drop``): leases already given keep the old bytes readable, whole; new reads are answered
+from the new value (the RAM tier's stamp names the value a copy was made from). When the arena
+is full, the least recently read entries nobody holds are dropped; when all are held, the read
+falls back to a copy into the client's segment.
+
+Bounded: ``shm_arena_bytes`` per tenant that attached a segment (0 = off). This is memory on
+top of ``ram_bytes``: the arena holds a second copy of the tenant's hottest entries.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import itertools
+import mmap
+import os
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from kdn.codec.format import header_size
+from kdn.errors import Corrupt
+from kdn.regions import RegionAllocator
+
+PAGE = mmap.PAGESIZE
+F_SEAL_FUTURE_WRITE = 0x0010
+"""Linux 5.1: no new writable shared mapping and no write(2); mappings made before stay
+writable (fcntl does not name it)."""
+SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | F_SEAL_FUTURE_WRITE | fcntl.F_SEAL_SEAL
+FRAME_ALIGN = 64
+"""An entry's first frame starts at a multiple of this in the arena (tensors view raw bodies
+in place, ``kdn.codec.inplace``)."""
+
+
+def _pages(n: int) -> int:
+    return (n + PAGE - 1) // PAGE * PAGE
+
+
+@dataclass(eq=False)
+class Slot:
+    """One entry's copy in an arena: ``length`` bytes at ``offset`` (inside the slot's pages
+    [``start``, ``start`` + ``size``), which no other slot shares)."""
+
+    arena: Arena
+    skey: bytes
+    stamp: int
+    start: int
+    size: int
+    offset: int
+    length: int
+    leases: int = 0
+    indexed: bool = True
+    """Still the arena's copy for ``skey`` (False: dropped; freed at its last release)."""
+
+
+class Arena:
+    """One tenant's read arena: a sealed memfd, its allocator and index (module docstring)."""
+
+    def __init__(self, tenant: str, size: int) -> None:
+        if size < PAGE:
+            raise ValueError(f"an arena needs at least one page, got {size} bytes")
+        self.size = size // PAGE * PAGE
+        self.fd = os.memfd_create(f"kdn-arena-{tenant}"[:200],
+                                  os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.ftruncate(self.fd, self.size)
+            self._map = mmap.mmap(self.fd, self.size)  # before the seal: stays writable
+            fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, SEALS)
+        except BaseException:
+            os.close(self.fd)
+            raise
+        self.array: np.ndarray[Any, Any] = np.frombuffer(self._map, dtype=np.uint8)
+        self._regions = RegionAllocator(0, self.size)
+        self._index: OrderedDict[bytes, Slot] = OrderedDict()  # least recently read first
+        self._lock = threading.Lock()
+        self.hits = self.fills = self.full = 0
+
+    @property
+    def used_bytes(self) -> int:
+        return self.size - self._regions.free_bytes()
+
+    def lease(self, skey: bytes, value: bytes | memoryview, stamp: int,
+              fill: Callable[[memoryview, bytes | memoryview], None]) -> Slot | None:
+        """A slot holding ``value`` (the RAM tier's value of ``skey`` with ``stamp``), with
+        one more lease on it; None when the arena has no room (every entry is held). A new
+        slot is filled by ``fill(dst, value)``, which must raise Corrupt when the copy does
+        not check out (the slot is then given back and the error raised)."""
+        with self._lock:
+            slot = self._index.get(skey)
+            if slot is not None and slot.stamp == stamp:
+                slot.leases += 1
+                self._index.move_to_end(skey)
+                self.hits += 1
+                return slot
+            if slot is not None:  # another value of the key: the old copy is not read again
+                self._unindex(slot)
+            got = self._alloc(len(value) + FRAME_ALIGN)
+            if got is None:
+                self.full += 1
+                return None
+            start, size = got
+            head = header_size(value)
+            offset = start + (-(start + head)) % FRAME_ALIGN
+            slot = Slot(self, skey, stamp, start, size, offset, len(value), leases=1,
+                        indexed=False)
+        try:  # outside the lock: other reads go on while a large entry is copied
+            fill(memoryview(self.array[offset : offset + len(value)]),  # type: ignore[arg-type]
+                 value)
+        except BaseException:
+            with self._lock:
+                slot.leases = 0
+                self._regions.free(slot.start, slot.size)
+            raise
+        with self._lock:
+            self.fills += 1
+            old = self._index.get(skey)
+            if old is None or old.stamp != stamp:  # a newer value may have come meanwhile:
+                if old is not None:  # the index keeps whichever was filled last
+                    self._unindex(old)
+                slot.indexed = True
+                self._index[skey] = slot
+        return slot
+
+    def _alloc(self, n: int) -> tuple[int, int] | None:
+        """Pages for ``n`` bytes, dropping the least recently read unheld entries until they
+        fit; None when they do not. Call with the lock held."""
+        size = _pages(n)
+        if size > self.size:
+            return None
+        while (start := self._regions.alloc(size)) is None:
+            victim = next((s for s in self._index.values() if s.leases == 0), None)
+            if victim is None:
+                return None
+            self._unindex(victim)
+        return start, size
+
+    def _unindex(self, slot: Slot) -> None:
+        """Drop ``slot`` from the index; its pages are freed now or at its last release."""
+        if slot.indexed and self._index.get(slot.skey) is slot:
+            del self._index[slot.skey]
+        slot.indexed = False
+        if slot.leases == 0:
+            self._regions.free(slot.start, slot.size)
+
+    def release(self, slot: Slot) -> None:
+        with self._lock:
+            if slot.leases <= 0:
+                raise Corrupt(f"release of an arena slot of {slot.skey!r} that has no lease")
+            slot.leases -= 1
+            if slot.leases == 0 and not slot.indexed:
+                self._regions.free(slot.start, slot.size)
+
+    def drop(self, skey: bytes) -> None:
+        """``skey`` was written again or deleted: its copy is not handed out any more."""
+        with self._lock:
+            slot = self._index.get(skey)
+            if slot is not None:
+                self._unindex(slot)
+
+    def close(self) -> None:
+        del self.array
+        try:
+            self._map.close()
+        except BufferError:  # a copy still running holds a view: the mapping goes with it
+            pass
+        os.close(self.fd)
+
+
+@dataclass
+class Arenas:
+    """The read arenas of a server, one per tenant, each of ``size`` bytes (0 = none)."""
+
+    size: int
+    _by_tenant: dict[str, Arena] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def get(self, tenant: str) -> Arena | None:
+        """The tenant's arena (made on first use); None when arenas are off."""
+        if self.size <= 0:
+            return None
+        with self._lock:
+            arena = self._by_tenant.get(tenant)
+            if arena is None:
+                arena = self._by_tenant[tenant] = Arena(tenant, self.size)
+            return arena
+
+    def drop(self, skey: bytes) -> None:
+        with self._lock:
+            arenas = list(self._by_tenant.values())
+        for arena in arenas:
+            arena.drop(skey)
+
+    def counters(self) -> dict[str, int]:
+        with self._lock:
+            arenas = list(self._by_tenant.values())
+        return {"arena.tenants": len(arenas),
+                "arena.hits": sum(a.hits for a in arenas),
+                "arena.fills": sum(a.fills for a in arenas),
+                "arena.full": sum(a.full for a in arenas),
+                "arena.bytes": sum(a.used_bytes for a in arenas)}
+
+    def close(self) -> None:
+        with self._lock:
+            arenas, self._by_tenant = list(self._by_tenant.values()), {}
+        for arena in arenas:
+            arena.close()
+
+
+_lease_numbers = itertools.count(1)
+
+
+def next_lease() -> int:
+    """A lease number, unique in this server process (a segment only releases its own)."""
+    return next(_lease_numbers)
