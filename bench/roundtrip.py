@@ -17,6 +17,8 @@ process. One row per (op, path, size): ``bytes``, ``seconds`` (median), ``gb_s``
                  else copied into the client's shared segment: limit memcpy
     shm-first    a shm fetch of a value just stored (its first read: copied into the arena,
                  checksums checked on the copy)
+    shm-read     a shm retrieve, then one value read in every 4 KiB page of its tensors:
+                 limit memcpy-read (a copy, then the same reads of the copy)
     shm-copy     the same-host path with the server's arenas off (every read copied into
                  the client's segment and checked)
     inproc       kdn from the client's in-process tier: limit memcpy
@@ -61,6 +63,8 @@ from kdn.server import ServerConfig, ServerThread
 
 STREAMS = 4
 """Streams of the ``grpc-N`` rows (layer groups read side by side, ``kdn.client.parallel``)."""
+PAGE_VALUES = 2048
+"""fp16 values in a 4 KiB page."""
 OPTS = [("grpc.max_receive_message_length", 256 << 20),
         ("grpc.max_send_message_length", 256 << 20)]
 
@@ -142,6 +146,26 @@ def memcpy_s(nbytes: int, repeat: int) -> list[float]:
     return timed(lambda: np.copyto(dst, src), 3 * repeat, warmup=2)
 
 
+def read_pages(kv: KVCache) -> float:
+    """Read one value in every 4 KiB of each tensor: what a consumer's read of the tensors
+    costs at least (pages faulted in, the cache lines of every page)."""
+    return sum(float(t.view(-1)[::PAGE_VALUES].sum()) for layer in kv.layers for t in layer)
+
+
+def memcpy_read_s(nbytes: int, repeat: int) -> list[float]:
+    """A copy between warm buffers, then one value read in every 4 KiB of the copy (the
+    limit of a same-host read whose tensors are then read: ``shm-read``)."""
+    src = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
+    dst = np.empty_like(src)
+    out = torch.frombuffer(dst, dtype=torch.float16, count=nbytes // 2)
+
+    def copy_read() -> None:
+        np.copyto(dst, src)
+        float(out[::PAGE_VALUES].sum())
+
+    return timed(copy_read, 3 * repeat, warmup=2)
+
+
 def h2d_s(nbytes: int, repeat: int) -> list[float] | None:
     if not torch.cuda.is_available():
         return None
@@ -199,11 +223,15 @@ def measure(clients: dict[str, Client], put: Any, get: Any, layout: KVLayout, to
     for path in ("grpc-1", "shm"):
         times[("fetch", f"{path}-first")] = [stored_then_fetched(clients[path])
                                              for _ in range(repeat)]
+    shm = clients["shm"]
+    times[("retrieve", "shm-read")] = timed(
+        lambda: read_pages(shm.retrieve(key, layout=layout)), repeat)  # type: ignore[arg-type]
     limits: dict[tuple[str, int], float] = {}
     rows = []
     for op, path, ts in (("copy", "memcpy", memcpy_s(nbytes, repeat)),
                          ("put", "raw-grpc", times.pop(("put", "raw-grpc"))),
                          ("get", "raw-grpc", times.pop(("get", "raw-grpc"))),
+                         ("copy", "memcpy-read", memcpy_read_s(nbytes, repeat)),
                          ("copy", "h2d-pinned", h2d_s(nbytes, repeat))):
         if ts is None:
             continue
@@ -213,7 +241,8 @@ def measure(clients: dict[str, Client], put: Any, get: Any, layout: KVLayout, to
     limits[("raw-grpc", tokens)] = max(limits[("raw-grpc-put", tokens)],
                                        limits[("raw-grpc-get", tokens)])
     for (op, path), ts in times.items():
-        limit = "raw-grpc" if path.startswith("grpc") else "memcpy"
+        limit = "raw-grpc" if path.startswith("grpc") else \
+            "memcpy-read" if path == "shm-read" else "memcpy"
         rows.append(_row(op, path, tokens, nbytes, ts, limit, limits))
     for path, client in clients.items():
         back = client.retrieve(key, layout=layout)
