@@ -5,8 +5,8 @@ the held-out windows and answer F1 on a SQuAD draw, both paired with the unprune
 
 ``bench.prune`` runs the whole study with a recipe per ratio; this runs one recipe of its
 recovery (``--allocation``, ppl-based by default, with Taylor importance, 128 calibration
-tokens, the recovery of ``bench.prune``: distilled, bf16, seed 0, ``--steps`` bounded by
-``--max-seconds``, 30 minutes by default) and answers ``--questions`` questions with the
+tokens, the recovery of ``bench.prune``: distilled (``--distill``), bf16, seed 0, ``--steps``
+bounded by ``--max-seconds``, 30 minutes by default) and answers ``--questions`` questions with the
 recovered model and the unpruned one, so recipes can be compared on 200 questions without the
 codec and speed rows (the unpruned model's answers are kept in ``--out`` and reused while the
 draw is the same). Each run appends
@@ -70,13 +70,20 @@ def main(argv: list[str] | None = None) -> None:
                     help="peak learning rate of the LoRA adapters")
     ap.add_argument("--rank", type=int, default=RecoveryConfig.rank,
                     help="LoRA rank (alpha stays twice the rank)")
+    ap.add_argument("--distill", type=float, default=1.0,
+                    help="weight of the teacher's KL against cross-entropy on the training "
+                         "text and its reference answers (1: KL only)")
+    ap.add_argument("--k-share", type=float, default=0.5,
+                    help="share of the removed channels taken from K (0.5: K and V alike)")
     ap.add_argument("--out", type=Path, default=RESULTS / "prune_recipes.json")
     args = ap.parse_args(argv)
     recipe = (f"r{args.ratio:g}-w{args.answer_weight:g}-share{args.qa_share:g}"
               f"-q{args.qa_questions}-s{args.steps}"
               + ("" if args.allocation == "ppl-based" else f"-{args.allocation}")
               + ("" if args.lr == RecoveryConfig.lr else f"-lr{args.lr:g}")
-              + ("" if args.rank == RecoveryConfig.rank else f"-rank{args.rank}"))
+              + ("" if args.rank == RecoveryConfig.rank else f"-rank{args.rank}")
+              + ("" if args.k_share == 0.5 else f"-k{args.k_share:g}")
+              + ("" if args.distill == 1.0 else f"-d{args.distill:g}"))
     torch.manual_seed(0)
     model, tok = load_model("smollm2-135m")
     split = ArticleSplit.default()
@@ -89,12 +96,15 @@ def main(argv: list[str] | None = None) -> None:
     scores = channel_scores(model, imp, calib)
     sens = block_sensitivity(model, calib, scores, args.ratio, TailRunner(model, calib))
     plan, _ = make_plan(Geometry.of(model), scores,
-                        PruneConfig(args.ratio, Allocation(args.allocation), imp), sens)
+                        PruneConfig(args.ratio, Allocation(args.allocation), imp,
+                                    k_share=args.k_share), sens)
     pruned = prune_model(copy.deepcopy(model), plan)
-    cfg = RecoveryConfig(steps=args.steps, seed=0, max_seconds=args.max_seconds, distill=1.0,
+    cfg = RecoveryConfig(steps=args.steps, seed=0, max_seconds=args.max_seconds,
+                         distill=args.distill,
                          bf16=True, lr=args.lr, rank=args.rank, alpha=2 * args.rank,
                          answer_weight=args.answer_weight)
-    rep = recover(pruned, training.ids, cfg, answer=training.answer, teacher=model,
+    rep = recover(pruned, training.ids, cfg, answer=training.answer,
+                  teacher=model if args.distill else None,
                   folder=args.out.with_name(f"{args.out.stem}.recovery-{recipe}"),
                   progress=lambda s, n, loss, t: print(f"step {s}/{n} loss {loss:.3f} {t:.0f} s",
                                                        flush=True) if s % 50 == 0 else None)
@@ -116,6 +126,7 @@ def main(argv: list[str] | None = None) -> None:
     row: dict[str, Any] = {
         "recipe": recipe, "ratio": args.ratio, "allocation": args.allocation,
         "answer_weight": args.answer_weight, "lr": args.lr, "rank": args.rank,
+        "k_share": args.k_share, "distill": args.distill,
         "qa_share": args.qa_share, "qa_questions": args.qa_questions,
         "training_tokens": training.ids.numel(), "answer_tokens": int(training.answer.sum()),
         "steps": rep.steps, "max_seconds": args.max_seconds, "recovery_s": rep.seconds,

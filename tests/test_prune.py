@@ -199,6 +199,34 @@ def test_one_shot_pipeline_bytes_fall_exactly_and_layout_records_kept() -> None:
     assert layout.fingerprint != full.fingerprint
 
 
+def test_k_share_moves_the_removal_between_keys_and_values() -> None:
+    model = tiny(5)
+    calib = ids(48, 5)
+    scores = channel_scores(model, "l2")
+    sens = block_sensitivity(model, calib, scores, 0.25)
+    geo = Geometry.of(model)
+    total = 2 * HD * LAYERS
+
+    def removed(plan: PrunePlan) -> tuple[int, int]:
+        return (sum(HD - len(k) for k in plan.k_kept), sum(HD - len(v) for v in plan.v_kept))
+
+    even, _ = make_plan(geo, scores, PruneConfig(0.25, "ppl-based", "l2"), sens)
+    keys, _ = make_plan(geo, scores, PruneConfig(0.25, "ppl-based", "l2", k_share=0.75), sens)
+    assert removed(even) == (total // 8, total // 8)  # the default: K and V alike
+    assert removed(keys) == (3 * total // 16, total // 16)  # same bytes, three quarters from K
+    assert keys.kept_fraction() == pytest.approx(0.75)
+    only_v, _ = make_plan(geo, scores, PruneConfig(0.25, "uniform", "l2", k_share=0.0), sens)
+    assert removed(only_v) == (0, total // 4)
+    result = kvprune(model, calib, PruneConfig(0.25, "ppl-based", "l2", k_share=0.75))
+    layout = model_layout(result.model, DType.FLOAT16)
+    assert layout.bytes_per_token == model_layout(model, DType.FLOAT16).bytes_per_token * 3 // 4
+    for bad in (-0.1, 1.5):
+        with pytest.raises(InvalidArgument, match="k_share"):
+            PruneConfig(0.25, k_share=bad)
+    with pytest.raises(InvalidArgument, match="keep some"):
+        PruneConfig(0.6, k_share=0.9)  # K's ratio 1.08
+
+
 def test_save_load_round_trip(tmp_path: Path) -> None:
     model = prune_model(tiny(5), random_plan(5))
     folder = save_pruned(model, tmp_path / "pruned")

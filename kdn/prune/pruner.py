@@ -37,6 +37,11 @@ class PruneConfig:
     """Largest ratio one block may get; None = ``default_cap(ratio)``."""
     eps: float = 1e-6
     """ε of the PPL-based rule 1/(e^ΔPPL + ε)."""
+    k_share: float = 0.5
+    """Share of the removed K+V channels taken from K (0.5: K and V at the same ratio; more
+    prunes keys harder, whose channels are the more redundant: low-rank, rotary pairs of
+    little weight). K's ratio is 2·k_share·ratio and V's 2·(1−k_share)·ratio, per block in
+    proportion to the block's ratio."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "allocation", Allocation(self.allocation))
@@ -47,10 +52,24 @@ class PruneConfig:
             raise InvalidArgument(f"cap must be in [ratio, 1], got {self.cap}")
         if self.eps <= 0:
             raise InvalidArgument(f"eps must be > 0, got {self.eps}")
+        if not 0.0 <= self.k_share <= 1.0:
+            raise InvalidArgument(f"k_share must be in [0, 1], got {self.k_share}")
+        for name, r in (("K", self.k_ratio), ("V", self.v_ratio)):
+            if r >= 1.0:
+                raise InvalidArgument(f"k_share {self.k_share} at ratio {self.ratio} removes "
+                                      f"{r:.0%} of {name}: every block must keep some")
 
     @property
     def block_cap(self) -> float:
         return default_cap(self.ratio) if self.cap is None else self.cap
+
+    @property
+    def k_ratio(self) -> float:
+        return 2 * self.k_share * self.ratio
+
+    @property
+    def v_ratio(self) -> float:
+        return 2 * (1 - self.k_share) * self.ratio
 
 
 @dataclass
@@ -74,11 +93,18 @@ def make_plan(geo: Geometry, scores: ChannelScores, config: PruneConfig,
     ratios = block_ratios(config.allocation, config.ratio, geo.layers, deltas,
                           cap=config.block_cap, eps=config.eps)
     half = geo.head_dim // 2
-    k_pairs = removal_counts(ratios, half, round(config.ratio * geo.layers * half),
-                             max_per_block=_cap_units(config.block_cap, half))
-    v_chans = removal_counts(ratios, geo.head_dim, round(config.ratio * geo.layers * geo.head_dim),
-                             max_per_block=_cap_units(config.block_cap, geo.head_dim))
+    k_pairs = _counts(ratios, half, config.k_ratio, config, geo.layers)
+    v_chans = _counts(ratios, geo.head_dim, config.v_ratio, config, geo.layers)
     return plan_from_counts(scores, k_pairs, v_chans), ratios
+
+
+def _counts(ratios: list[float], units: int, part: float, config: PruneConfig,
+            layers: int) -> list[int]:
+    """Units of one kind (K pairs or V channels) to remove per block: round(part × layers ×
+    units) in all, spread as the block ratios are (scaled by part / ratio, caps too)."""
+    scale = part / config.ratio if config.ratio else 1.0
+    return removal_counts([r * scale for r in ratios], units, round(part * layers * units),
+                          max_per_block=_cap_units(min(1.0, config.block_cap * scale), units))
 
 
 def _cap_units(cap: float, units: int) -> int:
