@@ -235,6 +235,33 @@ def test_a_detached_client_gives_its_leases_back(tiny: ServerThread) -> None:
         assert arenas.counters()["arena.full"] == 0  # the closed client's two were freed
 
 
+def test_leases_of_a_client_that_exited_are_freed_when_the_arena_is_full(
+        tiny: ServerThread) -> None:
+    import subprocess
+    import sys
+
+    values = [random_kv(LAYOUT, 20, seed=i) for i in range(3)]
+    with Client(tiny.address, timeout_s=30) as c:
+        for i, kv in enumerate(values):
+            c.store(_key(i), kv, mode="raw")
+    code = ("import os; from kdn.client import Client; from tests.helpers import uniform_layout\n"
+            f"c = Client({tiny.address!r}, shm_bytes=1 << 20)\n"
+            "held = [c.retrieve(bytes([i, 0, 0, 0]) * 8, layout=uniform_layout()) "
+            "for i in range(2)]\n"
+            "assert all(h is not None for h in held) and c.dataplane._arena is not None\n"
+            "os._exit(0)  # holding both leases: no release, no Detach\n")
+    root = Path(__file__).resolve().parents[1]
+    arenas = tiny.server.servicer.arenas
+    with Client(tiny.address, timeout_s=30, shm_bytes=1 << 20) as d:
+        assert d.dataplane.attached  # before the other client exits (an Attach reaps too)
+        subprocess.run([sys.executable, "-c", code], check=True, cwd=root, timeout=120)
+        assert arenas.counters()["arena.fills"] == 2  # the arena is full of the dead client's
+        got = d.retrieve(_key(2), layout=LAYOUT)
+        assert got is not None and got.equal(values[2])
+        n = _counters(d)
+    assert n["arena.fills"] == 3 and n["arena.full"] == 1  # full once, then reaped, leased
+
+
 def test_reads_racing_overwrites_and_evictions_of_a_tiny_arena_return_whole_entries(
         tiny: ServerThread) -> None:
     """Thousands of reads while the key is overwritten and deleted and other keys push its

@@ -423,6 +423,8 @@ class BatchMixin:
 
         try:
             slot = arena.lease(skey, hit.value, hit.stamp, fill)
+            if slot is None and self.segments.reap():  # leases of clients that exited
+                slot = arena.lease(skey, hit.value, hit.stamp, fill)
         except Corrupt:
             return False
         if slot is None:
