@@ -9,10 +9,10 @@ import torch
 from kdn import codec
 from kdn.client import Client
 from kdn.client.local import LocalTier
-from kdn.codec import inplace
+from kdn.codec import EncodedParts, encode_parts, inplace
 from kdn.delivery import LoadingController
 from kdn.engine import EngineConfig, KDNEngine
-from kdn.errors import Corrupt, LayoutMismatch
+from kdn.errors import LayoutMismatch
 from kdn.server import ServerThread
 from tests.helpers import pruned_layout, random_kv, uniform_layout
 from tests.test_blend import ids, tiny
@@ -76,24 +76,33 @@ def test_hits_cost_no_call_to_the_server(server: ServerThread, shm: int | None) 
         assert c.retrieve(_key(3)) is None
 
 
-def test_damaged_local_bytes_are_never_decoded(server: ServerThread) -> None:
-    with Client(server.address, local_bytes=8 << 20) as c:
-        kv = random_kv(LAYOUT, 16, seed=4)
-        c.store(_key(4), kv, mode="raw")
+def test_damaged_entries_are_never_kept(server: ServerThread) -> None:
+    kv, other = random_kv(LAYOUT, 16, seed=4), random_kv(LAYOUT, 16, seed=5)
+    with Client(server.address, shm_bytes=0, local_bytes=8 << 20) as c:
         assert c.local is not None
-        buf = c.local._entries[("default", _key(4))]
-        buf[-2] ^= 0xFF
-        with pytest.raises(Corrupt):
-            c.retrieve(_key(4))
-        buf[-2] ^= 0xFF
-        head = len(c.local.get("default", _key(4))[0].header)  # type: ignore[index]
-        buf[head + 16 + 2] ^= 0x01  # the first record's token count: the frame sum covers it
-        with pytest.raises(Corrupt):
-            c.retrieve(_key(4))
+        c.store(_key(4), kv, mode="raw")  # kept: the key is in the process
+        good = encode_parts(other, "raw")
+        head = len(good.header)
+        for where in ("header", "body", "tokens"):
+            frames = [bytearray(f) for f in good.frames]
+            header = bytearray(good.header)
+            if where == "header":
+                header[head // 2] ^= 0x01
+            elif where == "body":
+                frames[-1][-2] ^= 0xFF
+            else:
+                frames[0][16 + 2] ^= 0x01  # the first record's token count: the sum covers it
+            bad = EncodedParts(bytes(header), [bytes(f) for f in frames])
+            assert c.local.put("default", _key(4), bad) is False
+            assert c.local.get("default", _key(4)) is None  # the older copy went too
+            c.local.put("default", _key(4), encode_parts(kv, "raw"))
+        assert c.local.stats.refused == 3
+        got = c.retrieve(_key(4))
+        assert got is not None and got.equal(kv)
 
 
-def test_a_hit_is_one_checked_copy_the_caller_owns(server: ServerThread,
-                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_hit_is_one_copy_the_caller_owns(server: ServerThread,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
     lay = pruned_layout()
     kv = random_kv(lay, 24, seed=6)
     with Client(server.address, shm_bytes=0, local_bytes=8 << 20) as c:
@@ -101,9 +110,9 @@ def test_a_hit_is_one_checked_copy_the_caller_owns(server: ServerThread,
         calls: list[bool] = []
         real = inplace.copied
 
-        def spy(header, container, pool=None):  # type: ignore[no-untyped-def]
-            got = real(header, container, pool)
-            calls.append(got is not None)
+        def spy(header, container, pool=None, verify=True):  # type: ignore[no-untyped-def]
+            got = real(header, container, pool, verify)
+            calls.append(got is not None and not verify)  # checked when it came in
             return got
 
         monkeypatch.setattr(inplace, "copied", spy)

@@ -337,7 +337,7 @@ class Client:
         """The in-process tier's copy of the entry (its layout checked), or None."""
         got = self.local.get(namespace, key) if self.local is not None else None
         return None if got is None else _checked_layout(
-            Fetched(got[0], LOCAL_TIER, container=got[1]), layout)
+            Fetched(got[0], LOCAL_TIER, checked=True, container=got[1]), layout)
 
     # -- retrieve -------------------------------------------------------------------------------
 
@@ -760,9 +760,9 @@ def _stream_of(got: Fetched, device: torch.device | str | None,
         if got.owned:  # in place: the segment region is the caller's (pinned for a GPU)
             layers = dec.view_entry(got.container, None if got.checked else
                                     list(got.parts.frames))  # type: ignore[arg-type]
-        elif target.type == "cpu":  # the in-process tier's bytes: one checked copy, views
+        elif target.type == "cpu":  # the in-process tier's checked bytes: one copy, views
             layers = dec.copy_entry(got.container)
-        else:  # its pinned bytes, checked where they lie, are the host-to-device copy's source
+        else:  # its pinned bytes (checked as they came in) are the host-to-device copy's source
             layers = dec.staging_views(list(got.parts.frames), got.container)  # type: ignore[arg-type]
     if layers is not None:
         timings.bytes_received = len(got.container)  # type: ignore[arg-type]

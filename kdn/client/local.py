@@ -11,15 +11,20 @@ the same key space (namespace, key) as the client's calls. Lifecycle:
 * ``delete`` drops the key here too; the least recently used entries go when the byte budget
   is exceeded.
 
-Entries are kept as the server stores them (header + frames) and decoded like any other, so the
-frame checksums are checked on every use. On a CUDA host the bytes live in pinned host memory,
-so a hit copies to the GPU at the pinned limit. kdn keys name content (a hash of the tokens and
-the layout), so an entry does not change under its key; an entry deleted on the server by
-another client stays usable here until it is evicted.
+Entries are kept as the server stores them (header + frames), checked as they are copied in
+(the header's checksum, every frame's checksum, position and length, hashed chunk by chunk as
+it is written: an entry that fails is not kept); a hit is not hashed again, as the server's RAM
+tier does not hash a value again after its first check: these are this process's own bytes,
+handed out read-only. A hit into CPU tensors is then one plain copy. On a CUDA host the bytes
+live in pinned host memory and are the source of a GPU-bound hit's host-to-device copy, with no
+pass over them first, so it can run at the pinned limit. kdn keys name content (a hash of the
+tokens and the layout), so an entry does not change under its key; an entry deleted on the
+server by another client stays usable here until it is evicted.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -28,9 +33,11 @@ import numpy as np
 import torch
 
 from kdn.codec import EncodedParts
-from kdn.codec.format import parse_container
+from kdn.codec.format import copy_frame_checked, parse_container, parse_header
+from kdn.errors import Corrupt, Truncated
 
 TIER = "inproc"
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -38,6 +45,8 @@ class LocalStats:
     hits: int = 0
     misses: int = 0
     evictions: int = 0
+    refused: int = 0
+    """Entries not kept: they failed their check as they were copied in."""
     entries: int = 0
     bytes: int = 0
     capacity_bytes: int = 0
@@ -61,8 +70,8 @@ class LocalTier:
         self.stats = LocalStats(capacity_bytes=capacity_bytes)
 
     def get(self, namespace: str, key: bytes) -> tuple[EncodedParts, memoryview] | None:
-        """Header and frame views of the entry and a read-only view of all of it, or None;
-        frames are checked when decoded."""
+        """Header and frame views of the entry and a read-only view of all of it, or None
+        (checked when it was put)."""
         with self._lock:
             buf = self._entries.get((namespace, key))
             if buf is None:
@@ -80,15 +89,31 @@ class LocalTier:
             buf = self._entries.get((namespace, key))
             return None if buf is None else int(buf.nbytes)
 
-    def put(self, namespace: str, key: bytes, parts: EncodedParts) -> None:
+    def put(self, namespace: str, key: bytes, parts: EncodedParts) -> bool:
+        """Keep a checked copy of the entry; False when it is larger than the tier or fails
+        its check (then nothing of it is kept, and an older copy under the key goes too)."""
         n = parts.nbytes
         if n > self.capacity_bytes:
-            return
+            return False
         buf = _host_buffer(n)
-        at = 0
-        for piece in (parts.header, *parts.frames):
-            buf[at : at + len(piece)] = np.frombuffer(piece, dtype=np.uint8)
-            at += len(piece)
+        out = memoryview(buf)  # type: ignore[arg-type]
+        head = len(parts.header)
+        try:
+            out[:head] = parts.header
+            header = parse_header(out[:head])
+            if len(parts.frames) != len(header.entry.frames):
+                raise Corrupt(f"{len(parts.frames)} frames, the header lists "
+                              f"{len(header.entry.frames)}")
+            at = head
+            for i, frame in enumerate(parts.frames):
+                copy_frame_checked(header, i, out[at : at + len(frame)], frame)
+                at += len(frame)
+        except (Corrupt, Truncated, ValueError) as exc:
+            log.warning("kdn: entry %r not kept in the in-process tier: %s", key, exc)
+            self.discard(namespace, key)
+            with self._lock:
+                self.stats.refused += 1
+            return False
         with self._lock:
             old = self._entries.pop((namespace, key), None)
             if old is not None:
@@ -100,6 +125,7 @@ class LocalTier:
                 self._bytes -= dropped.nbytes
                 self.stats.evictions += 1
             self.stats.entries, self.stats.bytes = len(self._entries), self._bytes
+        return True
 
     def discard(self, namespace: str, key: bytes) -> None:
         with self._lock:

@@ -232,21 +232,25 @@ class StreamDecoder:
     def copy_entry(self, container: bytes | memoryview
                    ) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
         """Every layer at once from one copy of ``container`` (the whole entry) into a
-        recycled buffer, every checksum verified as it is copied; None when the entry's mode
-        or layout does not allow views of the copy (``kdn.codec.inplace``): decode frame by
-        frame then. Raises Corrupt for damaged bytes."""
+        recycled buffer, every checksum verified as it is copied (unless ``checked``: bytes
+        verified already); None when the entry's mode or layout does not allow views of the
+        copy (``kdn.codec.inplace``): decode frame by frame then. Raises Corrupt for damaged
+        bytes."""
         if self.device.type != "cpu" or not self.mode.borrows:
             return None
-        return inplace.copied(self.header, container, _pool())
+        return inplace.copied(self.header, container, _pool(), verify=not self.checked)
 
     def staging_views(self, frames: list[memoryview], container: memoryview
                       ) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
         """Every layer at once as views of host bytes the caller must not change (``frames``
         and ``container``: the same entry), every checksum verified in place first: sources
         for copies to a device (``kdn.codec.inplace.verified_views``); None when that does not
-        apply. Raises Corrupt for damaged bytes."""
+        apply. Raises Corrupt for damaged bytes. ``checked`` bytes (verified already) are viewed
+        without hashing them again."""
         if self.device.type != "cpu" or not self.mode.borrows:
             return None
+        if self.checked:
+            return inplace.views(self.header, container, readonly=True)
         return inplace.verified_views(self.header, frames, container)
 
     def empty_cache(self) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
