@@ -8,7 +8,10 @@ fit in one answer comes in the next. Entries larger than a batch can carry are r
 ``TOO_BIG`` so the client streams them (Retrieve / Store).
 
 Reads through the segment hand out owned views (``SharedSegment.owned``): the region is reused
-only once the caller dropped every view of it. Stores copy the encoded entries into one region,
+only once the caller dropped every view of it. Where the server lends its tenant's read arena
+(``kdn.server.arena``, handed over the fast path), GetMany asks for leases: a RAM-tier entry
+then comes as a copy-on-write view of the arena (``kdn.client.shm.LeasedArena``), and the
+leases whose views are gone are given back with the next call. Stores copy the encoded entries into one region,
 call PutMany, and give the region back when the call returns (the server copied them out).
 """
 

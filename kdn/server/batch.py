@@ -18,8 +18,13 @@ them, so no descriptor can make it copy one tenant's bytes to another.
 
 Safety against the client: stores are copied out of the segment first and checked on the copy
 (header and frame checksums, layout, codec, size), so bytes changed during the call can not slip
-past the checks; reads copy immutable stored values into the client's region, and the client
-checks frame checksums when it decodes. An invalid PutMany item stores nothing of the batch.
+past the checks; reads copy immutable stored values into the client's region, checking every
+checksum on the bytes written (``EntryRef.verified``). An invalid PutMany item stores nothing
+of the batch.
+
+Reads with ``lease`` set answer RAM-tier entries from the tenant's read arena instead
+(``kdn.server.arena``): a range and a lease number, no copy per read; releases ride on later
+GetMany calls, and a segment's leases go with it when it is detached or reaped.
 """
 
 from __future__ import annotations
