@@ -11,8 +11,9 @@ Reads through the segment hand out owned views (``SharedSegment.owned``): the re
 only once the caller dropped every view of it. Where the server lends its tenant's read arena
 (``kdn.server.arena``, handed over the fast path), GetMany asks for leases: a RAM-tier entry
 then comes as a copy-on-write view of the arena (``kdn.client.shm.LeasedArena``), and the
-leases whose views are gone are given back with the next call. Stores copy the encoded entries into one region,
-call PutMany, and give the region back when the call returns (the server copied them out).
+leases whose views are gone are given back with the next call. Stores copy the encoded entries
+into one region, call PutMany, and give the region back when the call returns (the server
+copied them out).
 """
 
 from __future__ import annotations
