@@ -152,6 +152,32 @@ def test_answer_positions_weigh_as_configured_and_need_their_mask() -> None:
             _with(answer_weight=bad)
 
 
+def test_answer_cross_entropy_teaches_the_marked_tokens() -> None:
+    teacher = tiny(1)
+    train = _train()
+    mask = torch.zeros(600, dtype=torch.bool)
+    mask[::5] = True
+
+    def answer_loss(model: torch.nn.Module) -> float:
+        with torch.no_grad():
+            logits = model(input_ids=train[None]).logits[0, :-1]
+        marked = mask[1:]
+        return float(torch.nn.functional.cross_entropy(logits[marked], train[1:][marked]))
+
+    losses = []
+    for weight in (0.0, 5.0):
+        model = kvprune(teacher, ids(64), PruneConfig(0.5, "uniform", "l2")).model
+        recover(model, train, _with(distill=1.0, answer_ce=weight, steps=8), answer=mask,
+                teacher=teacher)
+        losses.append(answer_loss(model))
+    assert losses[1] < losses[0] - 0.1  # the answers' own labels, beside the teacher's KL
+    with pytest.raises(InvalidArgument, match="needs the answer mask"):
+        recover(_pruned(), _train(), _with(answer_ce=1.0))
+    for bad in (-1.0, float("nan")):
+        with pytest.raises(InvalidArgument, match="answer_ce"):
+            _with(answer_ce=bad)
+
+
 def test_recovery_is_deterministic_and_a_resumed_run_equals_an_uninterrupted_one(
         tmp_path: Path) -> None:
     base = _pruned()

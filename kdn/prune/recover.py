@@ -16,7 +16,10 @@ unpruned ``teacher``'s next-token distribution on the same batch: the teacher sa
 pruned model lost, token by token, a richer signal than the one right token. Positions
 that predict a reference answer's tokens can weigh more (``answer_weight``, with the mask
 ``ArticleSplit.recovery_text`` returns): answering from a context is where pruned K and V
-channels cost most, and those tokens are a few in a hundred of the text.
+channels cost most, and those tokens are a few in a hundred of the text. ``answer_ce`` adds a
+cross-entropy term over those positions alone to whatever the mix is: the reference answers'
+own tokens as labels, where KL alone teaches the pruned model to imitate the teacher's answers,
+wrong ones included, and leaves the rest of the text to the teacher.
 
 Lifecycle of ``recover``:
 
@@ -83,6 +86,9 @@ class RecoveryConfig:
     """Loss weight of a position whose next token is marked in ``recover``'s ``answer`` mask
     (the reference answers of the training text), against 1 for every other position: the
     few answer tokens are where a pruned model's reading of its context shows."""
+    answer_ce: float = 0.0
+    """Weight of a cross-entropy term over the positions that predict a marked answer token
+    (the mean over them), added to the loss; 0 = none (module docstring)."""
     bf16: bool = False
     """Forward and backward under bfloat16 autocast (about twice as fast on CPUs with bf16
     instructions; the weights, the adapters and the optimizer stay float32)."""
@@ -103,6 +109,8 @@ class RecoveryConfig:
             raise InvalidArgument(f"answer_weight must be > 0, got {self.answer_weight}")
         if not 0.0 <= self.distill <= 1.0:
             raise InvalidArgument(f"distill must be in [0, 1], got {self.distill}")
+        if not self.answer_ce >= 0 or not math.isfinite(self.answer_ce):
+            raise InvalidArgument(f"answer_ce must be >= 0, got {self.answer_ce}")
         if not self.targets:
             raise InvalidArgument("targets must name at least one module")
 
@@ -141,14 +149,20 @@ def batch_at(train_ids: torch.Tensor, cfg: RecoveryConfig, step: int,
     run draws what an uninterrupted one would have; with ``answer``, the [batch, seq_len - 1]
     loss weight of each predicted position too (``cfg.answer_weight`` where the predicted
     token is marked, else 1)."""
+    batch, marked = _windows(train_ids, cfg, step, answer)
+    return batch, None if marked is None else torch.where(marked, cfg.answer_weight, 1.0)
+
+
+def _windows(train_ids: torch.Tensor, cfg: RecoveryConfig, step: int,
+             answer: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``batch_at``'s windows and, with ``answer``, which predicted positions are marked."""
     g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
     starts = torch.randint(0, train_ids.numel() - cfg.seq_len + 1, (cfg.batch,),
                            generator=g).tolist()
     batch = torch.stack([train_ids[s:s + cfg.seq_len] for s in starts])
     if answer is None:
         return batch, None
-    marked = torch.stack([answer[s + 1:s + cfg.seq_len] for s in starts])
-    return batch, torch.where(marked, cfg.answer_weight, 1.0)
+    return batch, torch.stack([answer[s + 1:s + cfg.seq_len] for s in starts])
 
 
 def recover(model: Any, train_ids: torch.Tensor, config: RecoveryConfig | None = None, *,
@@ -176,14 +190,15 @@ def recover(model: Any, train_ids: torch.Tensor, config: RecoveryConfig | None =
         raise InvalidArgument(f"training ids must lie in [0, {vocab}) (the model's vocabulary), "
                               f"got [{int(ids.min())}, {int(ids.max())}]")
     mask = None
-    if answer is not None or cfg.answer_weight != 1.0:
+    if answer is not None or cfg.answer_weight != 1.0 or cfg.answer_ce:
         if answer is None:
-            raise InvalidArgument("answer_weight != 1 needs the answer mask of the training text")
+            raise InvalidArgument("answer_weight != 1 or answer_ce > 0 needs the answer mask "
+                                  "of the training text")
         mask = answer.reshape(-1)
         if mask.dtype != torch.bool or mask.numel() != ids.numel():
             raise InvalidArgument(f"answer must be a bool mask of the training text's "
                                   f"{ids.numel()} tokens, got {mask.dtype} of {mask.numel()}")
-        if cfg.answer_weight == 1.0:
+        if cfg.answer_weight == 1.0 and not cfg.answer_ce:
             mask = None  # every position weighs 1: the plain mean
     if cfg.distill > 0 and teacher is None:
         raise InvalidArgument("distill > 0 needs the unpruned teacher model")
@@ -228,10 +243,13 @@ def recover(model: Any, train_ids: torch.Tensor, config: RecoveryConfig | None =
                 break
             for group in opt.param_groups:
                 group["lr"] = cfg.lr_at(step)
-            batch, weights = batch_at(ids, cfg, step, mask)
+            batch, marked = _windows(ids, cfg, step, mask)
+            weights = None if marked is None or cfg.answer_weight == 1.0 else \
+                torch.where(marked, cfg.answer_weight, 1.0).to(device)
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.bf16):
-                loss = _loss(peft_model, teacher, batch.to(device), cfg.distill,
-                             None if weights is None else weights.to(device))
+                loss = _loss(peft_model, teacher, batch.to(device), cfg.distill, weights,
+                             marked.to(device) if cfg.answer_ce and marked is not None
+                             else None, cfg.answer_ce)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -261,11 +279,16 @@ def recover(model: Any, train_ids: torch.Tensor, config: RecoveryConfig | None =
 
 
 def _loss(model: Any, teacher: Any, batch: torch.Tensor, distill: float,
-          weights: torch.Tensor | None = None) -> torch.Tensor:
+          weights: torch.Tensor | None = None, marked: torch.Tensor | None = None,
+          answer_ce: float = 0.0) -> torch.Tensor:
     """(1 - distill) * next-token cross-entropy + distill * KL(teacher || model), each the
-    mean over predicted positions (weighted by ``weights``, [batch, n - 1], when given)."""
+    mean over predicted positions (weighted by ``weights``, [batch, n - 1], when given), plus
+    ``answer_ce`` * the cross-entropy's mean over the ``marked`` positions (when any is)."""
     logits = model(input_ids=batch).logits[:, :-1]
     terms = []
+    if answer_ce and marked is not None and bool(marked.any()):
+        terms.append(answer_ce * torch.nn.functional.cross_entropy(
+            logits[marked].float(), batch[:, 1:][marked]))
     if distill < 1:
         vocab = logits.shape[-1]
         ce = torch.nn.functional.cross_entropy(logits.float().reshape(-1, vocab),
@@ -276,7 +299,10 @@ def _loss(model: Any, teacher: Any, batch: torch.Tensor, distill: float,
         with torch.no_grad():
             target = teacher(input_ids=batch).logits[:, :-1]
         terms.append(distill * DistillKL.apply(logits, target, weights))
-    return terms[0] if len(terms) == 1 else terms[0] + terms[1]
+    total = terms[0]
+    for term in terms[1:]:
+        total = total + term
+    return total
 
 
 class DistillKL(torch.autograd.Function):
@@ -336,6 +362,8 @@ def _identity(cfg: RecoveryConfig) -> dict[str, Any]:
     d.pop("save_every")
     if cfg.answer_weight == 1.0:  # checkpoints from before the setting existed still resume
         d.pop("answer_weight")
+    if not cfg.answer_ce:
+        d.pop("answer_ce")
     return d
 
 
