@@ -73,6 +73,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--distill", type=float, default=1.0,
                     help="weight of the teacher's KL against cross-entropy on the training "
                          "text and its reference answers (1: KL only)")
+    ap.add_argument("--answer-ce", type=float, default=0.0,
+                    help="weight of a cross-entropy term over the answer positions alone "
+                         "(kdn.prune.recover: RecoveryConfig.answer_ce)")
     ap.add_argument("--k-share", type=float, default=0.5,
                     help="share of the removed channels taken from K (0.5: K and V alike)")
     ap.add_argument("--out", type=Path, default=RESULTS / "prune_recipes.json")
@@ -83,7 +86,8 @@ def main(argv: list[str] | None = None) -> None:
               + ("" if args.lr == RecoveryConfig.lr else f"-lr{args.lr:g}")
               + ("" if args.rank == RecoveryConfig.rank else f"-rank{args.rank}")
               + ("" if args.k_share == 0.5 else f"-k{args.k_share:g}")
-              + ("" if args.distill == 1.0 else f"-d{args.distill:g}"))
+              + ("" if args.distill == 1.0 else f"-d{args.distill:g}")
+              + ("" if not args.answer_ce else f"-ace{args.answer_ce:g}"))
     torch.manual_seed(0)
     model, tok = load_model("smollm2-135m")
     split = ArticleSplit.default()
@@ -102,7 +106,7 @@ def main(argv: list[str] | None = None) -> None:
     cfg = RecoveryConfig(steps=args.steps, seed=0, max_seconds=args.max_seconds,
                          distill=args.distill,
                          bf16=True, lr=args.lr, rank=args.rank, alpha=2 * args.rank,
-                         answer_weight=args.answer_weight)
+                         answer_weight=args.answer_weight, answer_ce=args.answer_ce)
     rep = recover(pruned, training.ids, cfg, answer=training.answer,
                   teacher=model if args.distill else None,
                   folder=args.out.with_name(f"{args.out.stem}.recovery-{recipe}"),
@@ -126,7 +130,7 @@ def main(argv: list[str] | None = None) -> None:
     row: dict[str, Any] = {
         "recipe": recipe, "ratio": args.ratio, "allocation": args.allocation,
         "answer_weight": args.answer_weight, "lr": args.lr, "rank": args.rank,
-        "k_share": args.k_share, "distill": args.distill,
+        "k_share": args.k_share, "distill": args.distill, "answer_ce": args.answer_ce,
         "qa_share": args.qa_share, "qa_questions": args.qa_questions,
         "training_tokens": training.ids.numel(), "answer_tokens": int(training.answer.sum()),
         "steps": rep.steps, "max_seconds": args.max_seconds, "recovery_s": rep.seconds,
