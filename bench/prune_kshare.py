@@ -64,7 +64,6 @@ def main(argv: list[str] | None = None) -> None:
                        "delta_ppl_pct"])
     write_json(args.out, "prune_kshare", rows, unpruned_ppl=base.ppl, eval_tokens=base.tokens,
                importance="taylor", torch_threads=torch.get_num_threads())
-    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":
