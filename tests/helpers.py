@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -100,3 +102,15 @@ def make_certs(tmp: Path, clients: tuple[str, ...] = ("engine-1",),
             serialization.NoEncryption()))
         out[f"{name}.key"].chmod(0o600)
     return out
+
+
+def churn(writer: Any, key: bytes, versions: Sequence[KVCache], stop: threading.Event) -> None:
+    """Store ``versions`` under ``key`` in turn with ``writer`` (a Client), deleting it every
+    seventh time, until ``stop`` is set: the writer side of the read races."""
+    i = 0
+    while not stop.is_set():
+        i += 1
+        if i % 7 == 0:
+            writer.delete(key)
+        else:
+            writer.store(key, versions[i % len(versions)], mode="raw")

@@ -23,7 +23,7 @@ from kdn.errors import Corrupt
 from kdn.server import ServerConfig, ServerThread
 from kdn.server.arena import PAGE, Arena, Arenas
 from kdn.server.config import ConfigError
-from tests.helpers import random_kv, uniform_layout
+from tests.helpers import churn, random_kv, uniform_layout
 
 LAYOUT = uniform_layout()
 
@@ -279,14 +279,6 @@ def test_reads_racing_overwrites_and_evictions_of_a_tiny_arena_return_whole_entr
         for i, kv in enumerate(fillers):
             writer.store(_key(20 + i), kv, mode="raw")
 
-        def churn() -> None:
-            i = 0
-            while not stop.is_set():
-                i += 1
-                if i % 7 == 0:
-                    writer.delete(_key(9))
-                else:
-                    writer.store(_key(9), versions[i % 3], mode="raw")
 
         def push() -> None:  # other entries through the arena: the key's copy is evicted
             i = 0
@@ -296,7 +288,8 @@ def test_reads_racing_overwrites_and_evictions_of_a_tiny_arena_return_whole_entr
                 if got is None or not got.equal(fillers[i % 3]):
                     errors.append("a filler read came back wrong")
 
-        threads = [threading.Thread(target=churn), threading.Thread(target=push)]
+        threads = [threading.Thread(target=churn, args=(writer, _key(9), versions, stop)),
+                   threading.Thread(target=push)]
         for t in threads:
             t.start()
         try:

@@ -26,7 +26,7 @@ from kdn.options import Durability, StoreOptions
 from kdn.server import ServerConfig, ServerThread
 from kdn.v1 import kdn_pb2 as pb
 from kdn.v1 import kdn_pb2_grpc as pb_grpc
-from tests.helpers import pruned_layout, random_kv, uniform_layout
+from tests.helpers import churn, pruned_layout, random_kv, uniform_layout
 
 LAYOUT = uniform_layout()
 
@@ -231,16 +231,8 @@ def test_reads_racing_overwrites_and_evictions_return_whole_entries(server: Serv
             Client(server.address, timeout_s=30, shm_bytes=1 << 20) as reader:
         writer.store(_key(9), versions[0], mode="raw")
 
-        def churn() -> None:
-            i = 0
-            while not stop.is_set():
-                i += 1
-                if i % 7 == 0:
-                    writer.delete(_key(9))
-                else:
-                    writer.store(_key(9), versions[i % 3], mode="raw")
 
-        t = threading.Thread(target=churn)
+        t = threading.Thread(target=churn, args=(writer, _key(9), versions, stop))
         t.start()
         try:
             for _ in range(1500):
