@@ -60,7 +60,8 @@ SHAPES: dict[str, dict[str, Any]] = {
                          max_position_embeddings=8192, rope_theta=100000.0,
                          tie_word_embeddings=True),
 }
-ENCODINGS = (("raw", ""), ("lossless", ""), ("int8", ""), ("kdn", "default"))
+ENCODINGS = {encoding_name(m, lv): (m, lv)  # "kdn-default" -> ("kdn", "default")
+             for m, lv in (("raw", ""), ("lossless", ""), ("int8", ""), ("kdn", "default"))}
 
 
 class _Ids:
@@ -127,79 +128,176 @@ def kdn_server(tmp: Path, ram: str) -> Iterator[str]:
         yield address
 
 
-def measure(model: Any, shape: str, tokens: int, client: Client, path: str,
-            device: torch.device, prefill_s: float, limit: float, runs: int
-            ) -> list[dict[str, Any]]:
-    rows = []
-    ids = [int(x) for x in torch.randint(1, SHAPES[shape]["vocab_size"], (tokens + 1,),
-                                         generator=torch.Generator().manual_seed(tokens))]
-    for mode, level in ENCODINGS:
-        enc = encoding_name(mode, level)
-        engine = KDNEngine(model, _Ids(), client, EngineConfig(
-            namespace=f"{shape}-{tokens}-{mode}{level}", encodings=((mode, level),)))
-        first = engine.generate(ids, max_new_tokens=1)  # computes, then stores every block
-        if first.store_thread is not None:
-            first.store_thread.join()
-        kv_bytes = tokens * engine.layout.bytes_per_token
-
-        def load(e: KDNEngine = engine, c: str = enc) -> None:
-            got = e.start_load(ids, force=c)
-            assert got == tokens, f"{c}: {got} of {tokens} tokens stored"
-            for i in range(e.layout.num_layers):
-                e.wait_for_layer(i)
-            e.finish()
-
-        load_s = best_s(load, device, runs)
-        ttfts = []
-        for _ in range(runs):
-            hit = engine.generate(ids, max_new_tokens=1, force=enc)
-            assert hit.timings.reused_tokens == tokens, enc
-            ttfts.append(hit.timings.ttft_s)
-        ttft = min(ttfts)
-        rows.append({"model": shape, "tokens": tokens, "path": path, "encoding": enc,
-                     "ttft_s": ttft, "prefill_s": prefill_s, "ratio_vs_prefill": ttft / prefill_s,
-                     "load_s": load_s, "load_gb_s": kv_bytes / load_s / 1e9,
-                     "limit_gb_s": limit, "ratio_to_limit": kv_bytes / load_s / 1e9 / limit,
-                     "kv_bytes": kv_bytes, "chunk_tokens": engine.config.chunk_tokens})
-        print(f"  {shape} {tokens} {path} {enc}: ttft {ttft * 1e3:.1f} ms "
-              f"({ttft / prefill_s:.2f}x prefill), load {kv_bytes / load_s / 1e9:.2f} GB/s",
-              flush=True)
-    return rows
+def _ids(shape: str, tokens: int) -> list[int]:
+    g = torch.Generator().manual_seed(tokens)
+    return [int(x) for x in torch.randint(1, SHAPES[shape]["vocab_size"], (tokens + 1,),
+                                          generator=g)]
 
 
-def run(plan: dict[str, list[int]], paths: list[str], runs: int, out: Path) -> dict[str, Any]:
+def _engine(model: Any, shape: str, tokens: int, enc: str, client: Client) -> KDNEngine:
+    """An engine storing ``enc`` only; the namespace is per (shape, tokens, encoding), so a
+    later path finds the blocks an earlier one stored."""
+    return KDNEngine(model, _Ids(), client, EngineConfig(namespace=f"{shape}-{tokens}-{enc}",
+                                                         encodings=(ENCODINGS[enc],)))
+
+
+def _stored(engine: KDNEngine, ids: list[int]) -> None:
+    """Every block of ``ids`` stored (a first generate computes, then stores them)."""
+    first = engine.generate(ids, max_new_tokens=1)
+    if first.store_thread is not None:
+        first.store_thread.join()
+
+
+def measure(model: Any, shape: str, tokens: int, path: str, enc: str, client: Client,
+            device: torch.device, prefill_s: float, limit: float, runs: int) -> dict[str, Any]:
+    """One hit row: TTFT through ``KDNEngine`` and the time to have every layer on the device."""
+    ids = _ids(shape, tokens)
+    engine = _engine(model, shape, tokens, enc, client)
+    _stored(engine, ids)
+    kv_bytes = tokens * engine.layout.bytes_per_token
+
+    def load() -> None:
+        got = engine.start_load(ids, force=enc)
+        assert got == tokens, f"{enc}: {got} of {tokens} tokens stored"
+        for i in range(engine.layout.num_layers):
+            engine.wait_for_layer(i)
+        engine.finish()
+
+    load_s = best_s(load, device, runs)
+    ttfts = []
+    for _ in range(runs):
+        hit = engine.generate(ids, max_new_tokens=1, force=enc)
+        assert hit.timings.reused_tokens == tokens, enc
+        ttfts.append(hit.timings.ttft_s)
+    ttft = min(ttfts)
+    print(f"  {shape} {tokens} {path} {enc}: ttft {ttft * 1e3:.1f} ms "
+          f"({ttft / prefill_s:.3f}x prefill), load {kv_bytes / load_s / 1e9:.2f} GB/s",
+          flush=True)
+    return {"model": shape, "tokens": tokens, "path": path, "encoding": enc,
+            "ttft_s": ttft, "prefill_s": prefill_s, "ratio_vs_prefill": ttft / prefill_s,
+            "load_s": load_s, "load_gb_s": kv_bytes / load_s / 1e9,
+            "limit_gb_s": limit, "ratio_to_limit": kv_bytes / load_s / 1e9 / limit,
+            "kv_bytes": kv_bytes, "chunk_tokens": engine.config.chunk_tokens}
+
+
+def measure_decode(model: Any, shape: str, tokens: int, enc: str, client: Client,
+                   device: torch.device, limit: float, runs: int) -> dict[str, Any]:
+    """A ``decode`` row: the stored blocks of the context, already in host memory, decoded
+    into tensors on ``device`` (``codec.decode``, one entry after another, synchronised);
+    ``decode_gb_s`` counts fp16-equivalent output bytes (the KV's own bytes)."""
+    from kdn import codec, keys
+
+    ids = _ids(shape, tokens)
+    engine = _engine(model, shape, tokens, enc, client)
+    _stored(engine, ids)
+    blobs = []
+    for k in engine._chain(ids):  # noqa: SLF001
+        got = client.fetch(keys.variant_key(k, enc), namespace=engine.config.namespace)
+        assert got is not None, f"{enc}: a block is missing"
+        blobs.append(bytes(got.container) if got.container is not None
+                     else got.parts.to_bytes())
+    kv_bytes = tokens * engine.layout.bytes_per_token
+    decode_s = best_s(lambda: [codec.decode(b, device=device) for b in blobs], device, runs)
+    gb_s = kv_bytes / decode_s / 1e9
+    print(f"  {shape} {tokens} decode {enc} on {device.type}: {decode_s * 1e3:.1f} ms, "
+          f"{gb_s:.2f} GB/s", flush=True)
+    return {"model": shape, "tokens": tokens, "path": "decode", "encoding": enc,
+            "decode_s": decode_s, "decode_gb_s": gb_s, "stored_bytes": sum(map(len, blobs)),
+            "limit_gb_s": limit, "ratio_to_limit": gb_s / limit, "kv_bytes": kv_bytes,
+            "chunk_tokens": engine.config.chunk_tokens}
+
+
+# (tokens, path, encoding) per model, in the order they run: what the targets need first, so a
+# run cut short by --budget-s still has them. ``decode`` rows decode an encoding's stored
+# blocks on the device (kdn.codec.gpu for the entropy-coded modes).
+GPU_PLAN: dict[str, list[tuple[int, str, str]]] = {
+    "llama3-8b": [
+        (8192, "shm", "raw"), (8192, "inproc", "raw"), (32768, "shm", "raw"),
+        (32768, "inproc", "raw"), (8192, "shm", "kdn-default"), (8192, "decode", "kdn-default"),
+        (8192, "shm", "int8"), (8192, "decode", "int8"), (2048, "shm", "raw"),
+        (2048, "inproc", "raw"), (8192, "grpc-1", "raw"), (8192, "shm", "lossless"),
+        (8192, "grpc-1", "kdn-default"), (2048, "shm", "kdn-default"), (2048, "grpc-1", "raw"),
+        (2048, "shm", "int8"), (2048, "shm", "lossless"), (8192, "decode", "lossless"),
+        (32768, "shm", "kdn-default"), (32768, "grpc-1", "raw")],
+    "smollm2-135m": [
+        (2048, "shm", "raw"), (2048, "inproc", "raw"), (8192, "shm", "raw"),
+        (8192, "inproc", "raw"), (2048, "shm", "kdn-default"), (8192, "shm", "kdn-default")],
+}
+RESERVE_S = 45.0  # of --budget-s kept for the models after the first
+
+
+def run(plan: dict[str, list[tuple[int, str, str]]], runs: int, out: Path,
+        budget_s: float = 0.0) -> dict[str, Any]:
+    """Every case of ``plan``; with ``budget_s``, cases not started by then are skipped (the
+    JSON is rewritten after each row, so a run stopped from outside keeps what it measured)."""
+    t_start = time.perf_counter()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     lim = limits(device)
     limit = lim.get("h2d_pinned_gb_s", lim.get("memcpy_gb_s", 0.0))
+    dec_limit = lim.get("d2d_gb_s", limit)
     rows: list[dict[str, Any]] = []
+    skipped: list[str] = []
     ram = "64GiB" if device.type == "cuda" else "6GiB"
-    local = (24 << 30) if device.type == "cuda" else (2 << 30)  # the in-process tier's bytes
-    with tempfile.TemporaryDirectory() as tmp, kdn_server(Path(tmp), ram) as address:
-        for shape, lengths in plan.items():
-            model = build(shape, device)
-            for tokens in lengths:
-                ids = torch.randint(1, SHAPES[shape]["vocab_size"], (1, tokens), device=device)
-                with torch.inference_mode():
-                    prefill_s = best_s(lambda m=model, x=ids: m(x, use_cache=True,
-                                                                  logits_to_keep=1), device, 3)
-                print(f"{shape}: prefill of {tokens} tokens {prefill_s * 1e3:.1f} ms", flush=True)
-                for path in paths:
-                    with Client(address, shm_bytes=0 if path == "grpc-1" else None,
-                                local_bytes=local if path == "inproc" else 0,
-                                max_message_bytes=512 << 20) as client:
-                        rows += measure(model, shape, tokens, client, path, device, prefill_s,
-                                        limit, runs)
-            del model
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-    print_table(rows, ["model", "tokens", "path", "encoding", "ttft_s", "prefill_s",
-                       "ratio_vs_prefill", "load_gb_s", "ratio_to_limit"])
+    local = (12 << 30) if device.type == "cuda" else (2 << 30)  # the in-process tier's bytes
     info = machine()
-    write_json(out, "gpu", rows, device=info["cuda"] or f"cpu ({info['cpus']} cores)",
-               torch=torch.__version__, limits=lim, attention="sdpa",
-               dtype="float16" if device.type == "cuda" else "float32",
-               torch_threads=torch.get_num_threads())
-    plot(rows, out.with_suffix(".png"))
+
+    def save() -> None:
+        write_json(out, "gpu", rows, device=info["cuda"] or f"cpu ({info['cpus']} cores)",
+                   torch=torch.__version__, limits=lim, attention="sdpa",
+                   dtype="float16" if device.type == "cuda" else "float32",
+                   torch_threads=torch.get_num_threads(), skipped=skipped,
+                   wall_s=time.perf_counter() - t_start)
+
+    clients: dict[str, Client] = {}
+    with tempfile.TemporaryDirectory() as tmp, kdn_server(Path(tmp), ram) as address:
+        try:
+            for n, (shape, cases) in enumerate(plan.items()):
+                model = build(shape, device)
+                prefills: dict[int, float] = {}
+                for tokens, path, enc in cases:
+                    left = budget_s - (time.perf_counter() - t_start)
+                    if budget_s and left < (RESERVE_S if n + 1 < len(plan) else 0.0):
+                        skipped.append(f"{shape} {tokens} {path} {enc}")
+                        continue
+                    if tokens not in prefills:
+                        ids = torch.randint(1, SHAPES[shape]["vocab_size"], (1, tokens),
+                                            device=device)
+                        with torch.inference_mode():
+                            prefills[tokens] = best_s(
+                                lambda m=model, x=ids: m(x, use_cache=True, logits_to_keep=1),
+                                device, 3)
+                        print(f"{shape}: prefill of {tokens} tokens "
+                              f"{prefills[tokens] * 1e3:.1f} ms", flush=True)
+                    key = "shm" if path == "decode" else path
+                    if key not in clients:
+                        clients[key] = Client(address, shm_bytes=0 if key == "grpc-1" else None,
+                                              local_bytes=local if key == "inproc" else 0,
+                                              max_message_bytes=512 << 20)
+                    if path == "decode":
+                        rows.append(measure_decode(model, shape, tokens, enc, clients[key],
+                                                   device, dec_limit, runs))
+                    else:
+                        rows.append(measure(model, shape, tokens, path, enc, clients[key],
+                                            device, prefills[tokens], limit, runs))
+                    save()
+                del model
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+        finally:
+            for c in clients.values():
+                c.close()
+    hits = [r for r in rows if r["path"] != "decode"]
+    decodes = [r for r in rows if r["path"] == "decode"]
+    if hits:
+        print_table(hits, ["model", "tokens", "path", "encoding", "ttft_s", "prefill_s",
+                    "ratio_vs_prefill", "load_gb_s", "ratio_to_limit"])
+    if decodes:
+        print_table(decodes, ["model", "tokens", "encoding", "decode_s", "decode_gb_s",
+                              "ratio_to_limit"])
+    if skipped:
+        print(f"skipped (past --budget-s {budget_s:.0f}): {', '.join(skipped)}")
+    save()
+    plot(hits, out.with_suffix(".png"))
     return {"rows": rows, "limits": lim}
 
 
@@ -222,16 +320,21 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ns = arg_parser(__doc__, "gpu", "SmolLM2 shape, 256 tokens, shm and inproc paths"
-                    ).parse_args(argv)
+    ap = arg_parser(__doc__, "gpu", "SmolLM2 shape, 256 tokens, shm and inproc paths")
+    ap.add_argument("--budget-s", type=float, default=0.0,
+                    help="skip the cases not started after this many seconds (0: run all)")
+    ns = ap.parse_args(argv)
     if ns.quick:
-        plan, paths, runs = {"smollm2-135m": [256]}, ["shm", "inproc"], 2
+        plan: dict[str, list[tuple[int, str, str]]] = {"smollm2-135m": [
+            (256, p, e) for p in ("shm", "inproc") for e in ENCODINGS]
+            + [(256, "decode", "kdn-default")]}
+        runs = 2
     elif torch.cuda.is_available():
-        plan = {"llama3-8b": [2048, 8192, 32768], "smollm2-135m": [2048, 8192]}
-        paths, runs = ["shm", "inproc", "grpc-1"], 3
+        plan, runs = GPU_PLAN, 3
     else:
-        plan, paths, runs = {"smollm2-135m": [2048]}, ["shm", "inproc", "grpc-1"], 2
-    run(plan, paths, runs, ns.out)
+        plan, runs = {"smollm2-135m": [(2048, p, e) for p in ("shm", "inproc", "grpc-1")
+                                       for e in ENCODINGS]}, 2
+    run(plan, runs, ns.out, ns.budget_s)
 
 
 if __name__ == "__main__":

@@ -346,3 +346,52 @@ def test_a_server_without_arenas_copies_into_the_segment(server_config: ServerCo
         assert got is not None and got.equal(kv)
         assert c.dataplane.attached and c.dataplane._arena is None
         assert _counters(c).get("arena.fills", 0) == 0
+
+
+def test_a_read_bound_for_a_gpu_views_the_servers_pages_read_only(
+        server: ServerThread, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A leased entry bound for a CUDA device is viewed through the arena's shared read-only
+    mapping (registered with CUDA where one exists: faked here), not the copy-on-write one:
+    the bytes are the server's, nothing can write them, a copy to the device reads them in
+    place, and the lease goes back when the view dies."""
+    from kdn.client.shm import LeasedArena
+
+    monkeypatch.setattr(LeasedArena, "register_with_cuda", lambda self: True)
+    kv = random_kv(LAYOUT, 40, seed=5)
+    with Client(server.address, timeout_s=30, shm_bytes=64 << 10) as c:
+        c.store(_key(1), kv, mode="raw")
+        plain = c.dataplane.get_many("default", [_key(1)], "", None)[0]
+        bound = c.dataplane.get_many("default", [_key(1)], "", None, pinned=True)[0]
+        assert plain is not None and bound is not None
+        assert not plain.container.readonly and bound.container.readonly  # type: ignore[union-attr]
+        assert bytes(bound.container) == bytes(plain.container)  # type: ignore[arg-type]
+        arena = c.dataplane._arena
+        assert arena is not None
+        base = np.frombuffer(bound.container, dtype=np.uint8)  # type: ignore[arg-type]
+        assert arena._source.ctypes.data <= base.ctypes.data < arena._source.ctypes.data \
+            + arena.size  # the shared mapping's own pages, not a copy
+        got = c.retrieve(_key(1), layout=LAYOUT)  # a CPU read still gets writable tensors
+        assert got is not None and got.equal(kv)
+        got.layers[0][0].fill_(1.0)
+        released = _counters(c).get("arena.released", 0)
+        del plain, bound, base, got
+        c.fetch_many([_key(9)])
+        assert _counters(c)["arena.released"] >= released + 2
+
+
+@pytest.mark.gpu
+def test_a_gpu_read_of_a_leased_entry_copies_from_the_registered_arena(
+        server: ServerThread) -> None:
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    kv = random_kv(LAYOUT, 40, seed=6)
+    with Client(server.address, timeout_s=30, shm_bytes=64 << 10) as c:
+        c.store(_key(1), kv, mode="raw")
+        back = c.retrieve(_key(1), layout=LAYOUT, device="cuda")
+        assert back is not None and all(k.is_cuda and v.is_cuda for k, v in back.layers)
+        assert back.to("cpu").equal(kv)
+        arena = c.dataplane._arena
+        assert arena is not None and arena.register_with_cuda()
+        assert _counters(c)["arena.fills"] >= 1

@@ -18,11 +18,26 @@ def test_bench_gpu_quick_writes_its_report(tmp_path: Path) -> None:
     assert run.returncode == 0, run.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["device"] and report["torch"] and report["limits"]
-    rows = report["rows"]
+    rows = [r for r in report["rows"] if r["path"] != "decode"]
     assert {r["encoding"] for r in rows} == {"raw", "lossless", "int8", "kdn-default"}
+    assert {r["path"] for r in rows} == {"shm", "inproc"}
+    decode = [r for r in report["rows"] if r["path"] == "decode"]
+    assert [r["encoding"] for r in decode] == ["kdn-default"]
+    assert decode[0]["decode_gb_s"] > 0 and 0 < decode[0]["stored_bytes"] < decode[0]["kv_bytes"]
+    assert report["skipped"] == []
     for r in rows:
         assert set(r) >= {"model", "tokens", "path", "encoding", "ttft_s", "prefill_s",
                           "ratio_vs_prefill", "load_gb_s"}
         assert r["ttft_s"] > 0 and r["prefill_s"] > 0
         assert abs(r["ratio_vs_prefill"] - r["ttft_s"] / r["prefill_s"]) < 1e-9
     assert (tmp_path / "gpu.png").exists()
+
+
+def test_bench_gpu_skips_what_its_budget_leaves_no_time_for(tmp_path: Path) -> None:
+    out = tmp_path / "gpu.json"
+    run = subprocess.run([sys.executable, "-m", "bench.gpu", "--quick", "--budget-s", "0.001",
+                          "--out", str(out)], cwd=ROOT, capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["rows"] == [] and len(report["skipped"]) == 9, report["skipped"]

@@ -67,11 +67,18 @@ def test_the_triton_kernel_matches_the_cpu_decoder_under_the_interpreter() -> No
     assert run.stdout.split()[-3:] == ["ok", "5", "4"], run.stdout
 
 
-@pytest.mark.gpu
-@pytest.mark.model
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_gpu_and_cpu_decode_real_kv_bit_identically() -> None:
-    pytest.importorskip("triton")
+def real_kv_entries() -> dict[str, bytes]:
+    """Entries of real SmolLM2-135M KV (2048 tokens of English, fp16) in each GPU-decodable
+    mode. ``$KDN_REAL_KV``: a folder of such entries written by ``python -m
+    tests.test_gpu_decode DIR`` on a host with the packaged model (a GPU host without it reads
+    them there: the model's weights do not travel, its KV's encoded bytes do)."""
+    folder = os.environ.get("KDN_REAL_KV")
+    if folder:
+        return {p.stem: p.read_bytes() for p in sorted(Path(folder).glob("*.kdn"))}
+    return encode_real_kv(2048)
+
+
+def encode_real_kv(tokens: int) -> dict[str, bytes]:
     from kdn import codec
     from kdn.data import english_token_ids
     from kdn.hf import prefill
@@ -80,10 +87,32 @@ def test_gpu_and_cpu_decode_real_kv_bit_identically() -> None:
 
     model, tok = load_model("smollm2-135m")
     layout = KVLayout.from_config(model.config, dtype=torch.float16)
-    kv = prefill(model, english_token_ids(2048, tok), layout)[0]
-    for mode, level in (("kdn", "default"), ("cachegen", ""), ("int8", "")):
-        parts = codec.encode_parts(kv, mode, level)
-        cpu = codec.decode(parts.to_bytes())
-        dev = codec.decode(parts.to_bytes(), device="cuda")
-        for (kc, vc), (kg, vg) in zip(cpu.layers, dev.layers):
-            assert torch.equal(kc, kg.cpu()) and torch.equal(vc, vg.cpu()), mode
+    kv = prefill(model, english_token_ids(tokens, tok), layout)[0]
+    return {f"{mode}{level}": codec.encode_parts(kv, mode, level).to_bytes()
+            for mode, level in (("kdn", "default"), ("cachegen", ""), ("int8", ""))}
+
+
+@pytest.mark.gpu
+@pytest.mark.model
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_and_cpu_decode_real_kv_bit_identically() -> None:
+    pytest.importorskip("triton")
+    from kdn import codec
+
+    entries = real_kv_entries()
+    assert sorted(entries) == ["cachegen", "int8", "kdndefault"], sorted(entries)
+    for name, blob in entries.items():
+        cpu = codec.decode(blob)
+        dev = codec.decode(blob, device="cuda")
+        assert cpu.num_tokens >= 1024, name  # a real context, not a toy
+        for (kc, vc), (kg, vg) in zip(cpu.layers, dev.layers, strict=True):
+            assert kg.is_cuda and vg.is_cuda, name
+            assert torch.equal(kc, kg.cpu()) and torch.equal(vc, vg.cpu()), name
+
+
+if __name__ == "__main__":  # write the real-KV entries for a GPU host without the model
+    out = Path(sys.argv[1])
+    out.mkdir(parents=True, exist_ok=True)
+    for name, blob in encode_real_kv(int(sys.argv[2]) if len(sys.argv) > 2 else 2048).items():
+        (out / f"{name}.kdn").write_bytes(blob)
+        print(name, len(blob))

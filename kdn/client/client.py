@@ -380,7 +380,8 @@ class Client:
         whole = not (first_layer or last_layer)
         if whole:  # the in-process tier, then the shared segment (same host)
             started = time.perf_counter()
-            got = (self._entries(req.namespace, [req.key], layout, request_id)[0]
+            got = (self._entries(req.namespace, [req.key], layout, request_id,
+                                 pinned=_cuda(device))[0]
                    if self.dataplane.attached else
                    self._in_process(req.namespace, req.key, layout))
             if isinstance(got, Fetched):
@@ -502,13 +503,16 @@ class Client:
                 if isinstance(g, TooBig) else g for k, g in zip(ks, got)]
 
     def _entries(self, ns: str, keys: list[bytes], layout: KVLayout | None,
-                 request_id: str | None) -> list[Fetched | TooBig | None]:
-        """In-process hits, then one batch (GetMany) for the rest, which is remembered."""
+                 request_id: str | None, *, pinned: bool = False
+                 ) -> list[Fetched | TooBig | None]:
+        """In-process hits, then one batch (GetMany) for the rest, which is remembered.
+        ``pinned``: bound for a CUDA device (``DataPlane.get_many``)."""
         out: list[Fetched | TooBig | None] = [self._in_process(ns, k, layout) for k in keys]
         ask = [j for j, f in enumerate(out) if f is None]
         if ask:
             got = self.dataplane.get_many(ns, [keys[j] for j in ask],
-                                          layout.fingerprint if layout else "", request_id)
+                                          layout.fingerprint if layout else "", request_id,
+                                          pinned=pinned)
             for j, g in zip(ask, got):
                 out[j] = g
                 if isinstance(g, Fetched):
@@ -527,7 +531,8 @@ class Client:
                                          request_id=request_id) for k in keys]
         started = time.perf_counter()
         ns = self._ns(namespace)
-        got = self._entries(ns, [check_key(k) for k in keys], layout, request_id)
+        got = self._entries(ns, [check_key(k) for k in keys], layout, request_id,
+                            pinned=_cuda(device))
         return [self.retrieve_stream(k, namespace=ns, layout=layout, device=device,
                                      request_id=request_id) if isinstance(g, TooBig)
                 else None if g is None else _stream_of(g, device, _timings(started=started),
@@ -747,6 +752,10 @@ def _decoder(header: bytes | memoryview, device: torch.device | str | None,
                          checked=got is not None and got.checked), target
 
 
+def _cuda(device: torch.device | str | None) -> bool:
+    return device is not None and str(device).startswith("cuda")
+
+
 def _stream_of(got: Fetched, device: torch.device | str | None,
                timings: StreamTimings, segment: Any = None) -> LayerStream:
     """A LayerStream over an entry already in memory (decoded on the worker pool). An entry in
@@ -757,7 +766,10 @@ def _stream_of(got: Fetched, device: torch.device | str | None,
         segment.register_with_cuda()
     layers = None
     if got.container is not None:  # the whole entry at once (kdn.codec.inplace)
-        if got.owned:  # in place: the segment region is the caller's (pinned for a GPU)
+        if got.owned and got.container.readonly:  # the read arena's registered pages (GPU)
+            layers = (dec.staging_views(list(got.parts.frames), got.container)  # type: ignore[arg-type]
+                      if target.type == "cuda" else dec.copy_entry(got.container))
+        elif got.owned:  # in place: the segment region is the caller's (pinned for a GPU)
             layers = dec.view_entry(got.container, None if got.checked else
                                     list(got.parts.frames))  # type: ignore[arg-type]
         elif target.type == "cpu":  # the in-process tier's checked bytes: one copy, views

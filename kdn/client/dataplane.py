@@ -242,8 +242,12 @@ class DataPlane:
     # -- reads ----------------------------------------------------------------------------------
 
     def get_many(self, namespace: str, keys: Sequence[bytes], layout_fingerprint: str,
-                 request_id: str | None) -> list[Fetched | TooBig | None]:
-        """One entry per key: Fetched, None (a miss), or TOO_BIG (stream it instead)."""
+                 request_id: str | None, *, pinned: bool = False
+                 ) -> list[Fetched | TooBig | None]:
+        """One entry per key: Fetched, None (a miss), or TOO_BIG (stream it instead).
+        ``pinned``: the entries are bound for a CUDA device: a leased entry is then viewed
+        read-only through the arena's mapping registered with CUDA (``LeasedArena.view``), so
+        the host-to-device copy reads the server's pages with no copy on the host."""
         out: list[Fetched | TooBig | None] = [None] * len(keys)
         todo = list(range(len(keys)))
         seg, seg_id = self.segment()
@@ -297,7 +301,7 @@ class DataPlane:
             unviewed = {ref.lease for ref in resp.entries if ref.lease}
             try:
                 again, sizes, used = self._place(resp, todo, out, namespace, keys, seg, block,
-                                                 arena, unviewed)
+                                                 arena, unviewed, pinned)
             finally:
                 if unviewed and arena is not None:  # not handed out: given back with the next
                     arena.give_back(sorted(unviewed))
@@ -316,8 +320,8 @@ class DataPlane:
 
     def _place(self, resp: pb.GetManyResponse, todo: list[int],
                out: list[Fetched | TooBig | None], namespace: str, keys: Sequence[bytes],
-               seg: Any, block: tuple[int, int] | None, arena: Any, unviewed: set[int]
-               ) -> tuple[list[int], list[int], int]:
+               seg: Any, block: tuple[int, int] | None, arena: Any, unviewed: set[int],
+               pinned: bool = False) -> tuple[list[int], list[int], int]:
         """Hand out one GetMany answer's entries (``out``); (entries to ask again, their sizes,
         end of the region's used part)."""
         used = block[0] if block is not None else 0
@@ -336,7 +340,7 @@ class DataPlane:
                 if arena is None:
                     raise Corrupt("GetMany answered with a lease this client did not ask for")
                 try:
-                    view = arena.view(ref.lease, ref.offset, ref.length)
+                    view = arena.view(ref.lease, ref.offset, ref.length, pinned=pinned)
                 except ValueError as exc:
                     raise Corrupt(f"GetMany: {exc}") from None
                 unviewed.discard(ref.lease)

@@ -104,6 +104,7 @@ class SharedSegment:
 
 PAGE = mmap.PAGESIZE
 F_SEAL_FUTURE_WRITE = 0x0010
+CUDA_HOST_REGISTER_READ_ONLY = 0x08  # cudaHostRegisterReadOnly
 _PRESENT, _SWAPPED, _FILE_PAGE = np.uint64(1 << 63), np.uint64(1 << 62), np.uint64(1 << 61)
 
 
@@ -141,18 +142,26 @@ class LeasedArena:
         self._live: dict[int, int] = {}  # offset -> lease of the entry viewed in place there
         self._ready: list[int] = []  # leases whose pages are the arena's again
         self._lock = threading.Lock()
+        self._cuda_registered: bool | None = None
         try:
             self._pagemap: int | None = os.open("/proc/self/pagemap", os.O_RDONLY | os.O_CLOEXEC)
         except OSError:
             self._pagemap = None  # every released range is then reset whole
 
-    def view(self, lease: int, offset: int, length: int) -> memoryview:
+    def view(self, lease: int, offset: int, length: int, *, pinned: bool = False
+             ) -> memoryview:
         """The leased entry at [offset, offset + length): viewed in place, or a copy where
-        another read's views show it still."""
+        another read's views show it still. ``pinned`` (an entry bound for a GPU): a
+        read-only view of the server's pages, page-locked for CUDA (``register_with_cuda``),
+        where CUDA takes the registration; the lease goes back when the view dies."""
         if offset + length > self.size or length <= 0:
             raise ValueError(f"lease {lease} at [{offset}, {offset + length}) outside the "
                              f"read arena of {self.size} bytes")
         self._settle()  # ranges whose views went since: their pages are the arena's again
+        if pinned and self.register_with_cuda():
+            source = self._source[offset : offset + length]
+            weakref.finalize(source, self._gone.append, (lease, offset, length))
+            return memoryview(source)  # type: ignore[arg-type]
         with self._lock:
             shared = offset in self._live
             if not shared:
@@ -167,6 +176,24 @@ class LeasedArena:
         owner = self.array[offset : offset + length]
         weakref.finalize(owner, self._gone.append, (lease, offset, length))
         return memoryview(owner)  # type: ignore[arg-type]
+
+    def register_with_cuda(self) -> bool:
+        """Page-lock the arena's read-only mapping for CUDA, once (``cudaHostRegister`` with
+        ``cudaHostRegisterReadOnly``: the pages are the server's, this process may not write
+        them): host-to-device copies from its views then run at the pinned rate. False where
+        CUDA is not available or refuses."""
+        if self._cuda_registered is None:
+            self._cuda_registered = False
+            try:
+                import torch
+
+                if torch.cuda.is_available():
+                    err = torch.cuda.cudart().cudaHostRegister(
+                        self._source.ctypes.data, self.size, CUDA_HOST_REGISTER_READ_ONLY)
+                    self._cuda_registered = int(err) == 0
+            except (ImportError, RuntimeError, AttributeError):
+                pass
+        return self._cuda_registered
 
     def _settle(self) -> None:
         """Reset the pages of the entries whose views are gone; their leases become ready."""
@@ -215,6 +242,10 @@ class LeasedArena:
         if self._pagemap is not None:
             os.close(self._pagemap)
             self._pagemap = None
+        if self._cuda_registered:
+            import torch
+
+            torch.cuda.cudart().cudaHostUnregister(self._source.ctypes.data)
         del self.array, self._source
         for m in (self.map, self._pristine):
             try:

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# kdn's checks on a CUDA host, in one go: the GPU tests (pytest -m gpu), then bench.gpu.
+#
+#   scripts/gpu-checks.sh [BENCH_BUDGET_S]        (results under $OUT, default /tmp/kdn-gpu)
+#
+# For a host whose Python lacks kdn's storage dependencies: wheels in .whl/ are installed into
+# /tmp/site first (no network needed). Real SmolLM2 KV for the GPU/CPU bit-identity test comes
+# from the packaged model, or from $KDN_REAL_KV (default .devdata/real-kv when present), written
+# on a host with the model by `python -m tests.test_gpu_decode DIR`.
+set -u
+OUT=${OUT:-/tmp/kdn-gpu}
+BUDGET=${1:-240}
+PY=${PYTHON:-python3}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+if compgen -G ".whl/*.whl" >/dev/null; then
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl || exit 1
+    export PYTHONPATH=/tmp/site:$PWD
+fi
+if [ -z "${KDN_REAL_KV:-}" ] && [ -d .devdata/real-kv ]; then
+    export KDN_REAL_KV=$PWD/.devdata/real-kv
+fi
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+$PY - <<'EOF'
+import grpc, numba, torch, transformers, triton
+print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name(0),
+      "transformers", transformers.__version__, "triton", triton.__version__,
+      "numba", numba.__version__, "grpc", grpc.__version__)
+EOF
+start=$(date +%s)
+timeout 240 $PY -m pytest -m gpu -q -p no:cacheprovider -rs --timeout 200 \
+    tests/test_gpu_decode.py tests/test_engine_devices.py tests/test_dataplane.py \
+    tests/test_local_tier.py tests/test_arena.py 2>&1 | tee "$OUT/pytest-gpu.log" | tail -40
+echo "pytest -m gpu: $(( $(date +%s) - start )) s"
+start=$(date +%s)
+timeout $(( BUDGET + 150 )) $PY -m bench.gpu --budget-s "$BUDGET" --out "$OUT/gpu.json" 2>&1 \
+    | tee "$OUT/bench-gpu.log" | grep -v "^wrote"
+echo "bench.gpu: $(( $(date +%s) - start )) s"
