@@ -18,9 +18,11 @@ if compgen -G ".whl/*.whl" >/dev/null; then
         --target /tmp/site .whl/*.whl || exit 1
     export PYTHONPATH=/tmp/site:$PWD
 fi
-if [ -z "${KDN_REAL_KV:-}" ] && [ -d .devdata/real-kv ]; then
-    export KDN_REAL_KV=$PWD/.devdata/real-kv
+REAL_KV=${KDN_REAL_KV:-}
+if [ -z "$REAL_KV" ] && [ -d .devdata/real-kv ]; then
+    REAL_KV=$PWD/.devdata/real-kv
 fi
+unset KDN_REAL_KV  # kdn serve refuses KDN_* variables it does not know
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
 $PY - <<'EOF'
 import grpc, numba, torch, transformers, triton
@@ -29,7 +31,7 @@ print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_dev
       "numba", numba.__version__, "grpc", grpc.__version__)
 EOF
 start=$(date +%s)
-timeout 240 $PY -m pytest -m gpu -q -p no:cacheprovider -rs --timeout 200 \
+KDN_REAL_KV=$REAL_KV timeout 240 $PY -m pytest -m gpu -q -p no:cacheprovider -rs --timeout 200 \
     tests/test_gpu_decode.py tests/test_engine_devices.py tests/test_dataplane.py \
     tests/test_local_tier.py tests/test_arena.py 2>&1 | tee "$OUT/pytest-gpu.log" | tail -40
 echo "pytest -m gpu: $(( $(date +%s) - start )) s"

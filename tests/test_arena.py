@@ -381,7 +381,7 @@ def test_a_read_bound_for_a_gpu_views_the_servers_pages_read_only(
 
 @pytest.mark.gpu
 def test_a_gpu_read_of_a_leased_entry_copies_from_the_registered_arena(
-        server: ServerThread) -> None:
+        server: ServerThread, monkeypatch: pytest.MonkeyPatch) -> None:
     import torch
 
     if not torch.cuda.is_available():
@@ -389,9 +389,13 @@ def test_a_gpu_read_of_a_leased_entry_copies_from_the_registered_arena(
     kv = random_kv(LAYOUT, 40, seed=6)
     with Client(server.address, timeout_s=30, shm_bytes=64 << 10) as c:
         c.store(_key(1), kv, mode="raw")
+        staged: list[int] = []
+        pin = torch.Tensor.pin_memory
+        monkeypatch.setattr(torch.Tensor, "pin_memory",
+                            lambda self, *a: staged.append(1) or pin(self, *a))
         back = c.retrieve(_key(1), layout=LAYOUT, device="cuda")
         assert back is not None and all(k.is_cuda and v.is_cuda for k, v in back.layers)
         assert back.to("cpu").equal(kv)
         arena = c.dataplane._arena
         assert arena is not None and arena.register_with_cuda()
-        assert _counters(c)["arena.fills"] >= 1
+        assert _counters(c)["arena.fills"] >= 1 and not staged  # read where the server wrote it

@@ -539,18 +539,42 @@ def test_a_batch_copied_on_several_threads_lands_whole_and_catches_damage(
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_retrieve_into_cuda_through_a_registered_segment(shm_client: Client) -> None:
+def test_retrieve_into_cuda_through_a_registered_segment(shm_client: Client,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     kv = random_kv(LAYOUT, 40, seed=8)
     shm_client.store(_key(23), kv, mode="raw")
+    staged: list[int] = []
+    real = torch.Tensor.pin_memory
+    monkeypatch.setattr(torch.Tensor, "pin_memory",
+                        lambda self, *a: staged.append(1) or real(self, *a))
     back = shm_client.retrieve(_key(23), layout=LAYOUT, device="cuda")
     assert back is not None and all(k.is_cuda for k, _ in back.layers)
     assert back.to("cpu").equal(kv)
     seg = shm_client.dataplane.segment()[0]
     assert seg.register_with_cuda()  # registered on the first CUDA read: views are pinned
-    got = shm_client.fetch(_key(23))
-    assert got is not None
-    view = torch.frombuffer(got.parts.frames[0], dtype=torch.uint8)
-    assert view.is_pinned()
+    assert not staged  # copied to the device from the segment itself, no pinned staging copy
+
+
+@pytest.mark.gpu
+@pytest.mark.no_arena  # through the segment's regions
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_context_larger_than_the_segment_reaches_the_gpu_without_streams(
+        server: ServerThread) -> None:
+    """Bound for a GPU, many entries are read in groups whose regions go back once copied:
+    ten entries of 800 KB through a 4 MiB segment, none streamed, every one whole."""
+    lay = uniform_layout(layers=4, heads=2, dim=64)
+    kvs = [random_kv(lay, 400, seed=50 + i) for i in range(10)]
+    with Client(server.address, timeout_s=30, shm_bytes=4 << 20) as c:
+        for i, kv in enumerate(kvs):
+            c.store(_key(50 + i), kv, mode="raw")
+        before = dict(c.stats().counters).get("retrieve.hit", 0)
+        streams = c.retrieve_streams([_key(50 + i) for i in range(10)], layout=lay,
+                                     device="cuda")
+        assert all(s is not None for s in streams)
+        for s, kv in zip(streams, kvs):
+            got = s.result()  # type: ignore[union-attr]
+            assert got.layers[0][0].is_cuda and got.to("cpu").equal(kv)
+        assert dict(c.stats().counters).get("retrieve.hit", 0) == before
 
 
 def test_a_batch_larger_than_one_region_takes_few_calls(server: ServerThread,

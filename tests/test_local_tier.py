@@ -188,6 +188,9 @@ def test_a_hit_bound_for_the_gpu_copies_from_the_pinned_tier(server: ServerThrea
         copies: list[int] = []
         real = inplace.copied
         monkeypatch.setattr(inplace, "copied", lambda *a: copies.append(1) or real(*a))
+        pin = torch.Tensor.pin_memory
+        monkeypatch.setattr(torch.Tensor, "pin_memory",
+                            lambda self, *a: copies.append(2) or pin(self, *a))
         back = c.retrieve(_key(11), layout=lay, device="cuda")
         assert back is not None and all(k.is_cuda and v.is_cuda for k, v in back.layers)
         assert back.to("cpu").equal(kv) and not copies  # no host copy: straight from the tier

@@ -337,7 +337,8 @@ class Client:
         """The in-process tier's copy of the entry (its layout checked), or None."""
         got = self.local.get(namespace, key) if self.local is not None else None
         return None if got is None else _checked_layout(
-            Fetched(got[0], LOCAL_TIER, checked=True, container=got[1]), layout)
+            Fetched(got[0], LOCAL_TIER, checked=True, container=got[1],
+                    pinned=self.local.pinned), layout)  # type: ignore[union-attr]
 
     # -- retrieve -------------------------------------------------------------------------------
 
@@ -531,13 +532,38 @@ class Client:
                                          request_id=request_id) for k in keys]
         started = time.perf_counter()
         ns = self._ns(namespace)
-        got = self._entries(ns, [check_key(k) for k in keys], layout, request_id,
-                            pinned=_cuda(device))
-        return [self.retrieve_stream(k, namespace=ns, layout=layout, device=device,
-                                     request_id=request_id) if isinstance(g, TooBig)
-                else None if g is None else _stream_of(g, device, _timings(started=started),
-                                                         self.dataplane.segment()[0])
-                for k, g in zip(keys, got)]
+        ks = [check_key(k) for k in keys]
+        seg = self.dataplane.segment()[0]
+        if not _cuda(device) or seg is None:
+            got = self._entries(ns, ks, layout, request_id)
+            return [self.retrieve_stream(k, namespace=ns, layout=layout, device=device,
+                                         request_id=request_id) if isinstance(g, TooBig)
+                    else None if g is None else _stream_of(g, device, _timings(started=started),
+                                                             seg)
+                    for k, g in zip(ks, got)]
+        # Bound for a GPU, the host bytes are only copy sources: read in groups that fill a
+        # quarter of the segment, and let each group's regions and leases go once its copies
+        # are done, so a context larger than the segment and the arena never falls back to
+        # streams (the first group, one entry, gives the size the others are counted by).
+        out: list[LayerStream | None] = []
+        budget, size = max(1, seg.size // 4), 0
+        while len(out) < len(ks):
+            group = ks[len(out):len(out) + (max(1, budget // size) if size else 1)]
+            got = self._entries(ns, group, layout, request_id, pinned=True)
+            streams: list[LayerStream | None] = []
+            for k, g in zip(group, got):
+                if isinstance(g, Fetched):
+                    size = max(size, len(g.container) if g.container is not None
+                               else sum(map(len, g.parts.frames)))
+                    streams.append(_stream_of(g, device, _timings(started=started), seg))
+                else:  # a miss, or too large for the segment: its own stream
+                    streams.append(None if g is None else self.retrieve_stream(
+                        k, namespace=ns, layout=layout, device=device, request_id=request_id))
+            for st in streams:
+                if st is not None:
+                    st.settle_copies()
+            out += streams
+        return out
 
     @_traced("kdn.client.retrieve_many")
     def retrieve_many(self, keys: Sequence[bytes], *, namespace: str | None = None,
@@ -762,8 +788,10 @@ def _stream_of(got: Fetched, device: torch.device | str | None,
     ``segment`` bound for a GPU registers the segment with CUDA first (pinned views)."""
     timings.header = time.perf_counter()
     dec, target = _decoder(got.parts.header, device, got)
-    if got.owned and target.type == "cuda" and segment is not None:
-        segment.register_with_cuda()
+    pinned = got.pinned
+    if got.owned and not pinned and target.type == "cuda" and segment is not None:
+        pinned = (segment.register_with_cuda()  # type: ignore[assignment]
+                  and got.container is not None and segment.holds(got.container))
     layers = None
     if got.container is not None:  # the whole entry at once (kdn.codec.inplace)
         if got.owned and got.container.readonly:  # the read arena's registered pages (GPU)
@@ -779,10 +807,10 @@ def _stream_of(got: Fetched, device: torch.device | str | None,
     if layers is not None:
         timings.bytes_received = len(got.container)  # type: ignore[arg-type]
         return _tensor_side().LayerStream(dec, iter(()), got.tier, lambda: None, timings,
-                                          target, layers=layers)
+                                          target, layers=layers, pinned=pinned)
     frames = iter([FrameMessage(Frame(i, f)) for i, f in enumerate(got.parts.frames)])
     return _tensor_side().LayerStream(dec, frames, got.tier, lambda: None, timings, target,
-                                      inline=dec.borrows)
+                                      inline=dec.borrows, pinned=pinned)
 
 
 class AsyncClient:

@@ -69,6 +69,9 @@ class Fetched:
     """The whole entry (header then frames) as one view, where the reader has one: the
     segment's region when ``owned``, else memory that is not the caller's to change (the
     in-process tier's, read-only)."""
+    pinned: bool = False
+    """The bytes are page-locked for CUDA (the read arena's registered mapping, the in-process
+    tier's pinned buffers): a copy to a GPU reads them where they lie."""
 
     def parsed(self) -> Header:
         """``parts.header`` parsed (verified): the reader's parse where there is one."""
@@ -87,11 +90,11 @@ FRAME_ALIGN = 64
 
 
 def _fetched(buf: bytes | memoryview, tier: str, owned: bool = False,
-             checked: bool = False) -> Fetched:
+             checked: bool = False, pinned: bool = False) -> Fetched:
     """Header and frame views of one container (checked when decoded)."""
     c = parse_container(buf, verify=False)
     return Fetched(EncodedParts(c.header.raw, list(c.frames)), tier,  # type: ignore[arg-type]
-                   owned, checked, c.header, memoryview(buf) if owned else None)
+                   owned, checked, c.header, memoryview(buf) if owned else None, pinned)
 
 
 def received(head: pb.RetrieveHeader, frames: Iterator[Any]) -> Fetched:
@@ -344,7 +347,7 @@ class DataPlane:
                 except ValueError as exc:
                     raise Corrupt(f"GetMany: {exc}") from None
                 unviewed.discard(ref.lease)
-                out[i] = _fetched(view, ref.tier, True, ref.verified)
+                out[i] = _fetched(view, ref.tier, True, ref.verified, pinned=view.readonly)
             elif seg is not None and block is not None:
                 if ref.offset < used or ref.offset + ref.length > block[0] + block[1]:
                     raise Corrupt(f"GetMany placed an entry at [{ref.offset}, "

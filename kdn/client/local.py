@@ -64,6 +64,8 @@ class LocalTier:
         if capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes must be > 0, got {capacity_bytes}")
         self.capacity_bytes = capacity_bytes
+        self.pinned = torch.cuda.is_available()
+        """Entries live in page-locked memory (``_host_buffer``): copies to a GPU read them."""
         self._entries: OrderedDict[tuple[str, bytes], np.ndarray] = OrderedDict()  # type: ignore[type-arg]
         self._bytes = 0
         self._lock = threading.Lock()

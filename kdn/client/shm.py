@@ -73,6 +73,12 @@ class SharedSegment:
         weakref.finalize(owner, self.regions.free, start, offset + n - start)
         return memoryview(owner)  # type: ignore[arg-type]
 
+    def holds(self, view: memoryview) -> bool:
+        """Whether ``view`` lies in this segment's memory."""
+        at = np.frombuffer(view, dtype=np.uint8).ctypes.data
+        base = self.array.ctypes.data
+        return base <= at and at + len(view) <= base + self.size
+
     def register_with_cuda(self) -> bool:
         """Page-lock the segment for CUDA (``cudaHostRegister``), once: tensors that view it
         are then pinned, and copies from them to the GPU run at the pinned rate with no staging

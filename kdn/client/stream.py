@@ -73,13 +73,18 @@ class LayerStream:
     def __init__(self, decoder: StreamDecoder, frames: Iterator[Any], tier: str,
                  cancel: Callable[[], object], timings: StreamTimings,
                  device: torch.device | str | None = None, *, inline: bool = False,
-                 layers: list[LayerKV] | None = None) -> None:
+                 layers: list[LayerKV] | None = None, pinned: bool = False) -> None:
         """``inline``: the frames are in memory and decode cheaply (borrowed raw bodies: only
         checksums to verify): decode them here, before returning, instead of on threads.
         ``layers``: every layer decoded already (``StreamDecoder.view_entry``); ``frames`` is
-        then not read."""
+        then not read. ``pinned``: host tensors decoded here are views of page-locked memory
+        (a segment or arena registered with CUDA, the pinned in-process tier), so a GPU
+        copies from them in place (``Tensor.is_pinned`` does not see registered memory)."""
         self.decoder = decoder
         self.device = torch.device(device or decoder.device)
+        if self.device.type == "cuda" and self.device.index is None:  # "cuda": the current one
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self._pinned = pinned
         self._copy_stream = (torch.cuda.Stream(self.device) if self.device.type == "cuda"
                              else None)
         self._events: dict[int, Any] = {}
@@ -153,8 +158,8 @@ class LayerStream:
         if self._copy_stream is None or k.device == self.device:  # decoded where it is used
             return (k, v) if k.device == self.device else (k.to(self.device), v.to(self.device))
         with torch.cuda.stream(self._copy_stream):  # views of a registered segment: pinned
-            kp = k if k.is_pinned() else k.pin_memory()
-            vp = v if v.is_pinned() else v.pin_memory()
+            kp = k if self._pinned or k.is_pinned() else k.pin_memory()
+            vp = v if self._pinned or v.is_pinned() else v.pin_memory()
             kg = kp.to(self.device, non_blocking=True)
             vg = vp.to(self.device, non_blocking=True)
             event = torch.cuda.Event()
@@ -184,6 +189,17 @@ class LayerStream:
             self._fail(exc)
         if self._error is None:
             self._record()
+
+    def settle_copies(self) -> None:
+        """Wait until this stream's host-to-device copies are done and let go of their host
+        sources, so that the segment regions and arena leases they view go back now rather
+        than when the stream dies (``Client.retrieve_streams`` of a long context). Frames
+        decoded on worker threads are waited for too (their bytes go when they are decoded)."""
+        if self._reader is not None:
+            self._reader.join()
+        for layer, staged in list(self._events.items()):
+            staged[0].synchronize()
+            self._events[layer] = (staged[0],)
 
     def wait_for_layer(self, i: int, timeout: float | None = None) -> LayerKV:
         """Layer i's (K, V) once decoded; raises the stream's error if it failed."""
