@@ -330,6 +330,10 @@ def main(argv: list[str] | None = None) -> None:
     ap = arg_parser(__doc__, "gpu", "SmolLM2 shape, 256 tokens, shm and inproc paths")
     ap.add_argument("--budget-s", type=float, default=0.0,
                     help="skip the cases not started after this many seconds (0: run all)")
+    ap.add_argument("--encodings", default="",
+                    help="comma-separated encodings to run (default: every one in the plan)")
+    ap.add_argument("--paths", default="",
+                    help="comma-separated paths to run (shm, inproc, grpc-1, decode; default all)")
     ns = ap.parse_args(argv)
     if ns.quick:
         plan: dict[str, list[tuple[int, str, str]]] = {"smollm2-135m": [
@@ -341,7 +345,11 @@ def main(argv: list[str] | None = None) -> None:
     else:
         plan, runs = {"smollm2-135m": [(2048, p, e) for p in ("shm", "inproc", "grpc-1")
                                        for e in ENCODINGS]}, 2
-    run(plan, runs, ns.out, ns.budget_s)
+    encs = set(filter(None, ns.encodings.split(",")))
+    paths = set(filter(None, ns.paths.split(",")))
+    plan = {m: [c for c in cases if (not encs or c[2] in encs) and (not paths or c[1] in paths)]
+            for m, cases in plan.items()}
+    run({m: cases for m, cases in plan.items() if cases}, runs, ns.out, ns.budget_s)
 
 
 if __name__ == "__main__":

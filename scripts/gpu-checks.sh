@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # kdn's checks on a CUDA host, in one go: the GPU tests (pytest -m gpu), then bench.gpu.
 #
-#   scripts/gpu-checks.sh [BENCH_BUDGET_S]        (results under $OUT, default /tmp/kdn-gpu)
+#   scripts/gpu-checks.sh [BENCH_BUDGET_S [BENCH_ARGS...]]   (results under $OUT: /tmp/kdn-gpu)
 #
 # For a host whose Python lacks kdn's storage dependencies: wheels in .whl/ are installed into
 # /tmp/site first (no network needed). Real SmolLM2 KV for the GPU/CPU bit-identity test comes
@@ -10,9 +10,10 @@
 set -u
 OUT=${OUT:-/tmp/kdn-gpu}
 BUDGET=${1:-240}
+shift || true
 PY=${PYTHON:-python3}
 mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
+export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore::FutureWarning
 if compgen -G ".whl/*.whl" >/dev/null; then
     $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target /tmp/site .whl/*.whl || exit 1
@@ -36,6 +37,6 @@ KDN_REAL_KV=$REAL_KV timeout 240 $PY -m pytest -m gpu -q -p no:cacheprovider -rs
     tests/test_local_tier.py tests/test_arena.py 2>&1 | tee "$OUT/pytest-gpu.log" | tail -40
 echo "pytest -m gpu: $(( $(date +%s) - start )) s"
 start=$(date +%s)
-timeout $(( BUDGET + 150 )) $PY -m bench.gpu --budget-s "$BUDGET" --out "$OUT/gpu.json" 2>&1 \
+timeout $(( BUDGET + 150 )) $PY -m bench.gpu --budget-s "$BUDGET" --out "$OUT/gpu.json" "$@" 2>&1 \
     | tee "$OUT/bench-gpu.log" | grep -v "^wrote"
 echo "bench.gpu: $(( $(date +%s) - start )) s"

@@ -650,3 +650,32 @@ def test_a_remote_retrieve_reads_the_entry_whole_and_catches_damage(
                 tier.delete(skey)
         with pytest.raises(Corrupt):
             c.retrieve(_key(30), layout=LAYOUT)
+
+
+def test_layers_viewing_one_span_are_copied_as_one() -> None:
+    """``one_span``: the layers of an entry viewed in place lie in one span of its bytes; a
+    copy of the span rebuilt with each layer's offset and strides gives every layer back (what
+    a GPU-bound hit does with one host-to-device copy). Tensors of other storages, dtypes or
+    spans with wide gaps are refused."""
+    from kdn.client.stream import one_span
+    from kdn.codec import encode_parts, inplace
+    from kdn.codec.format import parse_header
+
+    lay = uniform_layout(layers=5, heads=2, dim=32)
+    kv = random_kv(lay, 17, seed=3)
+    parts = encode_parts(kv, "raw")
+    got = inplace.copied(parse_header(parts.header), parts.to_bytes())
+    assert got is not None
+    flat = [t for pair in got for t in pair]
+    found = one_span(flat)
+    assert found is not None
+    span, offsets = found
+    copy = span.clone()  # stands for the device copy
+    back = [copy.as_strided(t.shape, t.stride(), at) for t, at in zip(flat, offsets)]
+    assert all(torch.equal(a, b) for a, b in zip(back, (t for p in kv.layers for t in p)))
+    assert span.numel() * span.element_size() < 1.25 * kv.nbytes
+    assert one_span([flat[0], flat[1].clone()]) is None  # another storage
+    assert one_span([flat[0], flat[1].float()]) is None  # another dtype
+    base = torch.zeros(10_000, dtype=torch.float16)
+    assert one_span([base[:10], base[-10:]]) is None  # mostly gap
+    assert one_span([]) is None

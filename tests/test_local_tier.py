@@ -195,3 +195,27 @@ def test_a_hit_bound_for_the_gpu_copies_from_the_pinned_tier(server: ServerThrea
         assert back is not None and all(k.is_cuda and v.is_cuda for k, v in back.layers)
         assert back.to("cpu").equal(kv) and not copies  # no host copy: straight from the tier
         assert _served(c) == 0
+
+
+def test_a_tier_hit_is_viewed_where_it_lies_for_a_copy_to_a_device(server: ServerThread) -> None:
+    """The tier keeps an entry's frames aligned as the decoder's plan needs, so a hit bound
+    for a GPU is viewed in place (the copy's source) instead of decoded into another buffer
+    first (which made GPU-bound tier hits run at a fraction of the pinned rate)."""
+    import numpy as np
+
+    from kdn.client.client import _decoder
+
+    lay = uniform_layout(layers=4, heads=2, dim=64)
+    with Client(server.address, shm_bytes=0, local_bytes=8 << 20) as c:
+        for i, tokens in enumerate((33, 1000, 70_000 // 64)):  # headers of several lengths
+            kv = random_kv(lay, tokens, seed=12 + i)
+            c.store(_key(20 + i), kv, mode="raw")
+            got = c._in_process("default", _key(20 + i), lay)  # noqa: SLF001
+            assert got is not None and got.container is not None
+            first_frame = np.frombuffer(got.parts.frames[0], dtype=np.uint8).ctypes.data
+            assert first_frame % 64 == 0, len(got.parts.header)
+            dec, _ = _decoder(got.parts.header, "cuda", got)
+            views = dec.staging_views(list(got.parts.frames), got.container)  # type: ignore[arg-type]
+            assert views is not None
+            assert all(torch.equal(a, b) for (a, b) in zip(
+                (t for pair in views for t in pair), (t for pair in kv.layers for t in pair)))

@@ -543,10 +543,11 @@ class Client:
                     for k, g in zip(ks, got)]
         # Bound for a GPU, the host bytes are only copy sources: read in groups that fill a
         # quarter of the segment, and let each group's regions and leases go once its copies
-        # are done, so a context larger than the segment and the arena never falls back to
-        # streams (the first group, one entry, gives the size the others are counted by).
+        # are done (the group before is settled after the next one is asked for: two in
+        # flight), so a context larger than the segment and the arena never falls back to
+        # streams. The first group, one entry, gives the size the others are counted by.
         out: list[LayerStream | None] = []
-        budget, size = max(1, seg.size // 4), 0
+        budget, size, unsettled = max(1, seg.size // 4), 0, 0
         while len(out) < len(ks):
             group = ks[len(out):len(out) + (max(1, budget // size) if size else 1)]
             got = self._entries(ns, group, layout, request_id, pinned=True)
@@ -559,11 +560,12 @@ class Client:
                 else:  # a miss, or too large for the segment: its own stream
                     streams.append(None if g is None else self.retrieve_stream(
                         k, namespace=ns, layout=layout, device=device, request_id=request_id))
-            for st in streams:
+            for st in out[unsettled:]:
                 if st is not None:
                     st.settle_copies()
+            unsettled = len(out)
             out += streams
-        return out
+        return out  # the last group's copies run on while the caller starts
 
     @_traced("kdn.client.retrieve_many")
     def retrieve_many(self, keys: Sequence[bytes], *, namespace: str | None = None,

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kdn.client.dataplane import FRAME_ALIGN
 from kdn.codec import EncodedParts
 from kdn.codec.format import copy_frame_checked, parse_container, parse_header
 from kdn.errors import Corrupt, Truncated
@@ -97,9 +98,11 @@ class LocalTier:
         n = parts.nbytes
         if n > self.capacity_bytes:
             return False
-        buf = _host_buffer(n)
-        out = memoryview(buf)  # type: ignore[arg-type]
         head = len(parts.header)
+        room = _host_buffer(n + FRAME_ALIGN)
+        start = -(room.ctypes.data + head) % FRAME_ALIGN  # frames aligned: viewed in place
+        buf = room[start : start + n]
+        out = memoryview(buf)  # type: ignore[arg-type]
         try:
             out[:head] = parts.header
             header = parse_header(out[:head])
