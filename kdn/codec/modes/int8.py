@@ -36,9 +36,10 @@ def _decode(
     heads, tokens, ch = shape
     if len(scales) != 2 * heads * tokens or len(data) != heads * tokens * ch:
         raise Corrupt(f"{where}: int8 sections have the wrong sizes for {shape}")
-    s = from_numpy(np.frombuffer(scales, dtype=np.float16).reshape(heads, tokens, 1), device)
-    if torch.isinf(s).any():  # never written (``_encode``): it would decode as NaN
-        raise Corrupt(f"{where}: infinite scale")
+    host = np.frombuffer(scales, dtype=np.float16)
+    if np.isinf(host).any():  # never written (``_encode``): it would decode as NaN. Checked
+        raise Corrupt(f"{where}: infinite scale")  # on the host: no GPU sync per layer
+    s = from_numpy(host.reshape(heads, tokens, 1), device)
     q = from_numpy(np.frombuffer(data, dtype=np.int8).reshape(shape), device)
     top = torch.finfo(dtype).max
     return (q.float() * s.float()).clamp(-top, top).to(dtype)
