@@ -145,6 +145,7 @@ class LeasedArena:
         self._first_page = self.array.ctypes.data // PAGE
         self._source: np.ndarray[Any, Any] = np.frombuffer(self._pristine, dtype=np.uint8)
         self._gone: deque[tuple[int, int, int]] = deque()  # (lease, offset, length): no view
+        self._gone_clean: deque[int] = deque()  # leases of read-only views that died
         self._live: dict[int, int] = {}  # offset -> lease of the entry viewed in place there
         self._ready: list[int] = []  # leases whose pages are the arena's again
         self._lock = threading.Lock()
@@ -164,9 +165,9 @@ class LeasedArena:
             raise ValueError(f"lease {lease} at [{offset}, {offset + length}) outside the "
                              f"read arena of {self.size} bytes")
         self._settle()  # ranges whose views went since: their pages are the arena's again
-        if pinned and self.register_with_cuda():
-            source = self._source[offset : offset + length]
-            weakref.finalize(source, self._gone.append, (lease, offset, length))
+        if pinned and self.register_with_cuda():  # nothing of this process in its pages:
+            source = self._source[offset : offset + length]  # ready as soon as it dies
+            weakref.finalize(source, self._gone_clean.append, lease)
             return memoryview(source)  # type: ignore[arg-type]
         with self._lock:
             shared = offset in self._live
@@ -203,6 +204,13 @@ class LeasedArena:
 
     def _settle(self) -> None:
         """Reset the pages of the entries whose views are gone; their leases become ready."""
+        while True:  # read-only views first: no page to reset (their finalizers append
+            try:         # without the lock: one may run while this thread holds it)
+                clean = self._gone_clean.popleft()
+            except IndexError:
+                break
+            with self._lock:
+                self._ready.append(clean)
         while True:
             try:
                 lease, offset, length = self._gone.popleft()

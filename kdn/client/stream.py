@@ -69,6 +69,21 @@ class StreamTimings:
     """Seconds spent decoding frames, summed over frames (threads overlap them)."""
 
 
+_SIDE: dict[int, Any] = {}
+_SIDE_LOCK = threading.Lock()
+
+
+def side_stream(device: torch.device) -> Any:
+    """The process's one stream for host-to-device copies of retrieved layers on ``device``
+    (copies share the copy engine anyway; a stream per retrieve made the caching allocator
+    keep a pool per stream)."""
+    with _SIDE_LOCK:
+        stream = _SIDE.get(device.index or 0)
+        if stream is None:
+            stream = _SIDE[device.index or 0] = torch.cuda.Stream(device)
+        return stream
+
+
 def one_span(tensors: list[torch.Tensor], slack: float = 0.25
              ) -> tuple[torch.Tensor, list[int]] | None:
     """The span of host memory that ``tensors`` (CPU views of one storage, one dtype) lie in,
@@ -108,8 +123,7 @@ class LayerStream:
         if self.device.type == "cuda" and self.device.index is None:  # "cuda": the current one
             self.device = torch.device("cuda", torch.cuda.current_device())
         self._pinned = pinned
-        self._copy_stream = (torch.cuda.Stream(self.device) if self.device.type == "cuda"
-                             else None)
+        self._copy_stream = side_stream(self.device) if self.device.type == "cuda" else None
         self._events: dict[int, Any] = {}
         self.tier = tier
         self.timings = timings
@@ -203,8 +217,13 @@ class LayerStream:
             return None
         host, offsets = found
         assert self._copy_stream is not None
+        # allocated on the caller's stream, which uses it: the caching allocator then reuses
+        # the block only after that stream's work on it; the copy waits for that work
+        current = torch.cuda.current_stream(self.device)
+        dev = torch.empty(host.shape, dtype=host.dtype, device=self.device)
+        self._copy_stream.wait_stream(current)
         with torch.cuda.stream(self._copy_stream):
-            dev = host.to(self.device, non_blocking=True)
+            dev.copy_(host, non_blocking=True)
             event = torch.cuda.Event()
             event.record(self._copy_stream)
         for i in range(len(layers)):
