@@ -424,3 +424,25 @@ def test_the_torch_free_catalog_names_every_registered_mode_and_level() -> None:
         with pytest.raises(InvalidArgument) as b:
             get_mode(mode).check_level(level)
         assert str(a.value) == str(b.value)
+
+
+def test_arrays_packed_for_one_device_copy_come_back_whole() -> None:
+    """``upload_many`` packed (what a GPU gets: one staging buffer, one copy): every array
+    comes back with its dtype, shape and values, whatever their sizes and alignments."""
+    import numpy as np
+
+    from kdn.codec.quant import upload_many
+
+    rng = np.random.default_rng(0)
+    arrays = {"i64": rng.integers(-9, 9, 7).astype(np.int64),
+              "u16": rng.integers(0, 60000, (3, 5)).astype(np.uint16),
+              "i8": rng.integers(-100, 100, 13).astype(np.int8),
+              "f16": rng.normal(size=(2, 3, 4)).astype(np.float16),
+              "empty": np.zeros((4, 0), dtype=np.int32),
+              "ro": np.frombuffer(b"abcdefgh", dtype=np.uint8)}
+    for pack in (False, True):
+        got = upload_many(arrays, torch.device("cpu"), pack=pack)
+        for name, a in arrays.items():
+            t = got[name]
+            assert tuple(t.shape) == a.shape and t.numpy().dtype == a.dtype, (name, pack)
+            assert np.array_equal(t.numpy(), a), (name, pack)

@@ -16,9 +16,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 
 _SCRIPT = textwrap.dedent('''
-    import os, struct
+    import functools, os, struct
     import numpy as np, torch, zstandard
-    from kdn.codec import gpu, rans
+    from kdn.codec import gpu, quant, rans
     from kdn.codec.entropy import RANS_MARK, _tables, decode_streams
     from kdn.errors import Corrupt
 
@@ -37,8 +37,10 @@ _SCRIPT = textwrap.dedent('''
         sym[0] = 5  # a constant row
         b = blob(sym, block)
         cpu = decode_streams(b, rows, n)
-        dev = gpu.decode_on(b, rows, n, torch.device("cpu")).numpy()
-        assert (cpu == sym).all() and (dev == cpu).all(), (rows, n, block)
+        for pack in (False, True):  # packed: the one staging buffer a GPU gets
+            gpu.upload_many = functools.partial(quant.upload_many, pack=pack)
+            dev = gpu.decode_on(b, rows, n, torch.device("cpu")).numpy()
+            assert (cpu == sym).all() and (dev == cpu).all(), (rows, n, block, pack)
         checked += 1
     sym = np.clip(np.round(rng.normal(0, 1.5, (12, 40))), -9, 9).astype(np.int32)
     good = bytearray(blob(sym, 8))

@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from kdn.codec import rans
+from kdn.codec.quant import from_numpy, upload_many
 from kdn.errors import Corrupt, InvalidArgument
 
 _SEARCH_STEPS = 9  # ceil(log2(2 ** (PREC - LUT_BITS) + 1)): bins a bucket can span, searched
@@ -90,10 +91,9 @@ def decode_on(blob: bytes | memoryview, rows_n: int, n: int, device: torch.devic
     lo, width, counts, section = parse_tables(blob, rows_n, n)
     if section is None:
         raise InvalidArgument("only format-2 (rANS) entropy blobs decode on the GPU")
-    out = torch.from_numpy(np.repeat(lo.astype(np.int32)[:, None], n, axis=1).reshape(-1)
-                           ).to(device)
+    filled = np.repeat(lo.astype(np.int32)[:, None], n, axis=1).reshape(-1)  # constant rows
     if n == 0:
-        return out.view(rows_n, n)
+        return torch.empty((rows_n, 0), dtype=torch.int32, device=device)
     mv = memoryview(section)
     if len(mv) < 8:
         raise Corrupt("rANS section truncated")
@@ -108,7 +108,7 @@ def decode_on(blob: bytes | memoryview, rows_n: int, n: int, device: torch.devic
     if len(mv) < need or (len(mv) - need) % 2:
         raise Corrupt("rANS section sizes do not add up")
     if streams == 0:
-        return out.view(rows_n, n)
+        return from_numpy(filled, device).view(rows_n, n)
     states = np.frombuffer(mv, dtype="<u4", count=streams, offset=8).astype(np.int64)
     gwords = np.frombuffer(mv, dtype="<u4", count=groups, offset=8 + 4 * streams
                            ).astype(np.int64)
@@ -128,7 +128,9 @@ def decode_on(blob: bytes | memoryview, rows_n: int, n: int, device: torch.devic
     host = {"states": states, "goff": np.concatenate([[0], np.cumsum(gwords)[:-1]]),
             "gwords": gwords, "words": words, "lut": lut, "cum": cum, "freq": freq,
             **per_stream}
-    dev = {k: torch.from_numpy(np.ascontiguousarray(v)).to(device) for k, v in host.items()}
+    host["out"] = filled
+    dev = upload_many(host, device)  # one staging buffer, one copy
+    out = dev["out"]
     bad = torch.zeros(groups, dtype=torch.int32, device=device)
     _decode_kernel[(groups,)](
         dev["states"], dev["length"], dev["base"], dev["first_bin"], dev["last_bin"],

@@ -69,7 +69,37 @@ def to_numpy(t: torch.Tensor) -> np.ndarray:
 
 
 def from_numpy(a: np.ndarray, device: torch.device) -> torch.Tensor:
-    if not a.flags.writeable or not a.flags.c_contiguous:
-        a = np.array(a, order="C")
-    t = torch.from_numpy(a)
-    return t if device.type == "cpu" else t.to(device)
+    """``a`` as a tensor on ``device`` (``upload_many`` of one array)."""
+    return upload_many({"a": a}, device)["a"]
+
+
+_PACK_ALIGN = 16
+
+
+def upload_many(arrays: dict[str, np.ndarray], device: torch.device,
+                pack: bool | None = None) -> dict[str, torch.Tensor]:
+    """Each array as a tensor on ``device``. On the CPU, the arrays themselves (copied only
+    where not writable or not contiguous). Packed (the default on a GPU): all of them in ONE
+    page-locked staging buffer sent with ONE non-blocking copy, each tensor a view of the
+    device copy. A pageable copy per array synchronised the stream each time: a layer's decode
+    made a dozen of them, so decodes ran one after another behind their own kernels."""
+    if not (device.type != "cpu" if pack is None else pack):
+        out = {}
+        for name, a in arrays.items():
+            if not a.flags.writeable or not a.flags.c_contiguous:
+                a = np.array(a, order="C")
+            out[name] = torch.from_numpy(a)
+        return out
+    spans, total = {}, 0
+    for name, a in arrays.items():
+        spans[name] = total
+        total += -(-a.nbytes // _PACK_ALIGN) * _PACK_ALIGN
+    staged = torch.empty(total, dtype=torch.uint8, pin_memory=device.type == "cuda")
+    flat = staged.numpy()
+    for name, a in arrays.items():
+        at = spans[name]
+        flat[at : at + a.nbytes].view(a.dtype).reshape(a.shape)[...] = a
+    dev = staged.to(device, non_blocking=True) if device.type != "cpu" else staged
+    return {name: dev[spans[name] : spans[name] + a.nbytes].view(
+                torch.from_numpy(np.empty(0, a.dtype)).dtype).reshape(a.shape)
+            for name, a in arrays.items()}

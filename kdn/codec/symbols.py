@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from kdn.codec.entropy import decode_streams, parse_tables
+from kdn.codec.quant import from_numpy
 
 _GPU_DECODE: list[Any] = []
 
@@ -26,5 +27,4 @@ def symbols(buf: bytes | memoryview, streams: int, n: int, device: Any) -> torch
         gpu_decode = _GPU_DECODE[0]
         if gpu_decode is not None and parse_tables(buf, streams, n)[3] is not None:
             return gpu_decode(buf, streams, n, device)  # type: ignore[no-any-return]
-    out = torch.from_numpy(decode_streams(buf, streams, n))
-    return out if device.type == "cpu" else out.to(device)
+    return from_numpy(decode_streams(buf, streams, n), device)

@@ -20,6 +20,7 @@ from typing import ClassVar
 import numpy as np
 import torch
 
+from kdn.codec.quant import from_numpy
 from kdn.errors import Corrupt, InvalidArgument
 from kdn.layout import DType, LayerLayout
 
@@ -145,9 +146,11 @@ def tensor_from_bytes(
     n = int(np.prod(shape))
     if len(buf) != n * itemsize:
         raise Corrupt(f"expected {n * itemsize} bytes for {shape} {dtype}, got {len(buf)}")
+    if device.type != "cpu":  # staged once in pinned memory, copied without a sync
+        return from_numpy(np.frombuffer(buf, dtype=_INT_VIEW[itemsize]), device
+                          ).view(dtype).reshape(shape)
     arr = np.frombuffer(buf, dtype=_INT_VIEW[itemsize]).copy()
-    out = torch.from_numpy(arr).view(dtype).reshape(shape)
-    return out if device.type == "cpu" else out.to(device)
+    return torch.from_numpy(arr).view(dtype).reshape(shape)
 
 
 def tensor_borrowed(buf: memoryview, dtype: torch.dtype, shape: tuple[int, ...]
