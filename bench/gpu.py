@@ -26,6 +26,7 @@ leased there between reads (the JSON's ``server`` says what it ran with).
 
 from __future__ import annotations
 
+import json
 import sys
 import tempfile
 import time
@@ -326,6 +327,38 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     save_figure(fig, path)
 
 
+def merge(sources: list[str], out: Path) -> dict[str, Any]:
+    """One report from several runs on one kind of device (``FILE[:LABEL]`` each, oldest
+    first): per (model, tokens, path, encoding), the row of the latest run that has it, naming
+    its run; every run's limits and time are kept under ``runs``."""
+    runs: dict[str, Any] = {}
+    rows: dict[tuple[Any, ...], dict[str, Any]] = {}
+    docs = []
+    for src in sources:
+        name, _, label = src.partition(":")
+        doc = json.loads(Path(name).read_text())
+        docs.append(doc)
+        tag = Path(name).stem
+        runs[tag] = {"when": doc["when"], "limits": doc["limits"], "label": label,
+                     "server": doc.get("server"), "skipped": doc.get("skipped", [])}
+        for r in doc["rows"]:
+            section = "decode on the device" if r["path"] == "decode" else "hits"
+            rows[(r["model"], r["tokens"], r["path"], r["encoding"])] = {
+                "section": section, **r, "run": tag}
+    devices = {d["device"] for d in docs}
+    if len(devices) != 1:
+        raise SystemExit(f"runs from different devices can not be merged: {sorted(devices)}")
+    merged = sorted(rows.values(), key=lambda r: (r["model"], r["tokens"], r["path"] == "decode",
+                                                  r["path"], r["encoding"]))
+    last = docs[-1]
+    write_json(out, "gpu", merged, machine=last["machine"], when=last["when"],
+               device=last["device"], torch=last["torch"],
+               limits=last["limits"], attention=last["attention"], dtype=last["dtype"],
+               server=last.get("server"), runs=runs)
+    plot([r for r in merged if r["path"] != "decode"], out.with_suffix(".png"))
+    return {"rows": merged, "runs": runs}
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = arg_parser(__doc__, "gpu", "SmolLM2 shape, 256 tokens, shm and inproc paths")
     ap.add_argument("--budget-s", type=float, default=0.0,
@@ -334,7 +367,12 @@ def main(argv: list[str] | None = None) -> None:
                     help="comma-separated encodings to run (default: every one in the plan)")
     ap.add_argument("--paths", default="",
                     help="comma-separated paths to run (shm, inproc, grpc-1, decode; default all)")
+    ap.add_argument("--merge", nargs="+", metavar="FILE[:LABEL]",
+                    help="write --out from these runs' JSON instead of measuring (oldest first)")
     ns = ap.parse_args(argv)
+    if ns.merge:
+        merge(ns.merge, ns.out)
+        return
     if ns.quick:
         plan: dict[str, list[tuple[int, str, str]]] = {"smollm2-135m": [
             (256, p, e) for p in ("shm", "inproc") for e in ENCODINGS]

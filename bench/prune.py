@@ -105,10 +105,13 @@ class Recipe:
     qa_share: float
     qa_questions: int
     answer_weight: float
+    answer_ce: float = 0.0
 
     @property
     def label(self) -> str:
-        return f"qa share {self.qa_share:g}, {self.qa_questions} q, answers x{self.answer_weight:g}"
+        return (f"qa share {self.qa_share:g}, {self.qa_questions} q, answers "
+                f"x{self.answer_weight:g}" + (f", answer CE {self.answer_ce:g}"
+                                              if self.answer_ce else ""))
 
 
 def per_ratio_values(values: list[Any], ratios: list[float], flag: str) -> list[Any]:
@@ -288,6 +291,9 @@ def main(argv: list[str] | None = None) -> None:
                     help="recovery loss weight of positions predicting answer tokens (others "
                          "1; 10 moved the 20%% model's F1 on 200 questions by +0.008 and its "
                          "PPL by +0.6 points, both within noise; one value, or one per ratio)")
+    ap.add_argument("--answer-ce", type=float, nargs="+", default=[0.0],
+                    help="weight of a cross-entropy on the reference answer tokens beside the "
+                         "teacher's KL (RecoveryConfig.answer_ce; one value, or one per ratio)")
     ap.add_argument("--fp32", action="store_true", help="recover without bf16 autocast")
     ap.add_argument("--questions", type=int, default=0, help="SQuAD questions for F1 (50)")
     args = ap.parse_args(argv)
@@ -300,10 +306,10 @@ def main(argv: list[str] | None = None) -> None:
     mild = [r <= 0.2 for r in args.ratios]  # the recipe measured best at each ratio (README)
     args.qa_share = args.qa_share or [1.0 if m else 0.5 for m in mild]
     args.qa_questions = args.qa_questions or [5 if m else 1 for m in mild]
-    recipe_of = {r: Recipe(share, questions, weight) for r, share, questions, weight in zip(
+    recipe_of = {r: Recipe(*values) for r, *values in zip(
         args.ratios, *(per_ratio_values(getattr(args, name), args.ratios, flag) for name, flag
                        in (("qa_share", "--qa-share"), ("qa_questions", "--qa-questions"),
-                           ("answer_weight", "--answer-weight"))))}
+                           ("answer_weight", "--answer-weight"), ("answer_ce", "--answer-ce"))))}
     # codec ΔPPL is judged against a 1% bar: 4096 scored tokens (1024 gave intervals of ±0.7%)
     codec_windows, codec_ctx, codec_eval = (2, 64, 32) if args.quick else (16, 256, 256)
     speed_ctx, speed_new, reps = (64, 8, 1) if args.quick else (256, 16, 3)
@@ -394,7 +400,7 @@ def main(argv: list[str] | None = None) -> None:
         text = training[recipe]
         rcfg = RecoveryConfig(steps=steps_for[ratio], seed=0, max_seconds=args.recover_seconds,
                               distill=args.distill, bf16=not args.fp32,
-                              answer_weight=recipe.answer_weight)
+                              answer_weight=recipe.answer_weight, answer_ce=recipe.answer_ce)
         ckpt_dir = args.out.with_name(f"{args.out.stem}.recovery-{ratio}")
         every = max(1, steps_for[ratio] // 10)
         rep = recover(pruned, text.ids, rcfg, answer=text.answer,

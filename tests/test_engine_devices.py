@@ -96,3 +96,31 @@ def test_store_back_after_a_partial_hit_stores_only_the_new_blocks(client: Clien
     assert again.timings.reused_tokens == 48 and again.token_ids == longer.token_ids
     full = engine.generate(ids, max_new_tokens=4, force="recompute")
     assert full.token_ids == again.token_ids
+
+
+def test_a_hit_slower_than_prefill_teaches_the_controller_to_recompute(
+        client: Client, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The controller learns a hit's cost end to end (to the first token), not from what the
+    streams report: on a GPU the copies they queue finish later (or, as faked here, the
+    retrieve itself is slow). After a hit slower than the model's prefill, it recomputes."""
+    import time
+
+    model = _model(torch.float32, "cpu")
+    engine = KDNEngine(model, _Tok(), client,
+                       EngineConfig(chunk_tokens=32, encodings=(("raw", ""),)))
+    ids = [int(x) for x in torch.randint(1, 256, (100,), generator=torch.Generator()
+                                         .manual_seed(2))]
+    first = engine.generate(ids, max_new_tokens=1)  # a prefill: its speed is learnt
+    assert first.store_thread is not None
+    first.store_thread.join(60)
+    slow_streams = client.retrieve_streams
+
+    def slow(*args: object, **kwargs: object) -> object:
+        time.sleep(0.5)  # far slower than this tiny model's prefill of 96 tokens
+        return slow_streams(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(client, "retrieve_streams", slow)
+    hit = engine.generate(ids, max_new_tokens=1, force="raw")
+    assert hit.timings.reused_tokens == 96 and hit.timings.ttft_s >= 0.5
+    again = engine.generate(ids, max_new_tokens=1)
+    assert again.timings.decision == "recompute", engine.controller.decode_b_s
