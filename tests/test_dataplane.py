@@ -679,3 +679,26 @@ def test_layers_viewing_one_span_are_copied_as_one() -> None:
     base = torch.zeros(10_000, dtype=torch.float16)
     assert one_span([base[:10], base[-10:]]) is None  # mostly gap
     assert one_span([]) is None
+
+
+def test_the_gpu_bound_batch_read_returns_every_entry_in_order(
+        server: ServerThread, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``retrieve_streams`` bound for a GPU (faked: its grouped path run into CPU tensors):
+    in-process hits and server reads mixed, groups sized by the first entry, a miss, every
+    entry back whole and in order."""
+    from kdn.client import client as client_mod
+
+    monkeypatch.setattr(client_mod, "_cuda", lambda device: True)
+    lay = uniform_layout(layers=4, heads=2, dim=64)
+    kvs = [random_kv(lay, 100 + 7 * i, seed=60 + i) for i in range(9)]
+    with Client(server.address, timeout_s=30, shm_bytes=4 << 20, local_bytes=1 << 20) as c:
+        for i, kv in enumerate(kvs):
+            c.store(_key(60 + i), kv, mode="raw")  # the tier keeps the last few (1 MiB)
+        assert c.local is not None and 0 < c.local.stats.entries < len(kvs)
+        hits = c.local.stats.hits
+        keys = [_key(60 + i) for i in range(9)] + [_key(99)]
+        streams = c.retrieve_streams(keys, layout=lay, device="cpu")
+        assert streams[-1] is None and len(streams) == 10
+        for s, kv in zip(streams, kvs):
+            assert s is not None and s.result().equal(kv)
+        assert c.local.stats.hits > hits  # some came from the tier, the rest from the server

@@ -504,11 +504,13 @@ class Client:
                 if isinstance(g, TooBig) else g for k, g in zip(ks, got)]
 
     def _entries(self, ns: str, keys: list[bytes], layout: KVLayout | None,
-                 request_id: str | None, *, pinned: bool = False
+                 request_id: str | None, *, pinned: bool = False, in_process: bool = True
                  ) -> list[Fetched | TooBig | None]:
-        """In-process hits, then one batch (GetMany) for the rest, which is remembered.
-        ``pinned``: bound for a CUDA device (``DataPlane.get_many``)."""
-        out: list[Fetched | TooBig | None] = [self._in_process(ns, k, layout) for k in keys]
+        """In-process hits (unless ``in_process`` is False: looked up already), then one batch
+        (GetMany) for the rest, which is remembered. ``pinned``: bound for a CUDA device
+        (``DataPlane.get_many``)."""
+        out: list[Fetched | TooBig | None] = [
+            self._in_process(ns, k, layout) if in_process else None for k in keys]
         ask = [j for j, f in enumerate(out) if f is None]
         if ask:
             got = self.dataplane.get_many(ns, [keys[j] for j in ask],
@@ -541,30 +543,41 @@ class Client:
                     else None if g is None else _stream_of(g, device, _timings(started=started),
                                                              seg)
                     for k, g in zip(ks, got)]
-        # Bound for a GPU, the host bytes are only copy sources: read in groups that fill a
-        # quarter of the segment, and let each group's regions and leases go once its copies
-        # are done (the group before is settled after the next one is asked for: two in
-        # flight), so a context larger than the segment and the arena never falls back to
-        # streams. The first group, one entry, gives the size the others are counted by.
-        out: list[LayerStream | None] = []
-        budget, size, unsettled = max(1, seg.size // 4), 0, 0
-        while len(out) < len(ks):
-            group = ks[len(out):len(out) + (max(1, budget // size) if size else 1)]
-            got = self._entries(ns, group, layout, request_id, pinned=True)
+        # Bound for a GPU, the host bytes are only copy sources. In-process hits hold nothing
+        # of the server's: all their copies are queued at once. The rest is read in groups
+        # that fill a quarter of the segment, and each group's regions and leases go back
+        # once its copies are done (the group before is settled after the next one is asked
+        # for: two in flight), so a context larger than the segment and the arena never falls
+        # back to streams. The first group, one entry, gives the size the others are counted by.
+        out: list[LayerStream | None] = [None] * len(ks)
+        rest = []
+        for j, k in enumerate(ks):
+            hit = self._in_process(ns, k, layout)
+            if hit is None:
+                rest.append(j)
+            else:
+                out[j] = _stream_of(hit, device, _timings(started=started), seg)
+        budget, size, done = max(1, seg.size // 4), 0, 0
+        held: list[LayerStream | None] = []
+        while done < len(rest):
+            group = rest[done:done + (max(1, budget // size) if size else 1)]
+            done += len(group)
+            got = self._entries(ns, [ks[j] for j in group], layout, request_id, pinned=True,
+                                in_process=False)
             streams: list[LayerStream | None] = []
-            for k, g in zip(group, got):
+            for j, g in zip(group, got):
                 if isinstance(g, Fetched):
                     size = max(size, len(g.container) if g.container is not None
                                else sum(map(len, g.parts.frames)))
-                    streams.append(_stream_of(g, device, _timings(started=started), seg))
-                else:  # a miss, or too large for the segment: its own stream
-                    streams.append(None if g is None else self.retrieve_stream(
-                        k, namespace=ns, layout=layout, device=device, request_id=request_id))
-            for st in out[unsettled:]:
+                    out[j] = _stream_of(g, device, _timings(started=started), seg)
+                elif g is not None:  # too large for the segment: its own stream
+                    out[j] = self.retrieve_stream(ks[j], namespace=ns, layout=layout,
+                                                  device=device, request_id=request_id)
+                streams.append(out[j])
+            for st in held:
                 if st is not None:
                     st.settle_copies()
-            unsettled = len(out)
-            out += streams
+            held = streams
         return out  # the last group's copies run on while the caller starts
 
     @_traced("kdn.client.retrieve_many")
