@@ -679,6 +679,7 @@ def test_layers_viewing_one_span_are_copied_as_one() -> None:
     base = torch.zeros(10_000, dtype=torch.float16)
     assert one_span([base[:10], base[-10:]]) is None  # mostly gap
     assert one_span([]) is None
+    assert one_span([base[:0], base[5:5]]) is None  # nothing to copy
 
 
 def test_the_gpu_bound_batch_read_returns_every_entry_in_order(
@@ -688,7 +689,7 @@ def test_the_gpu_bound_batch_read_returns_every_entry_in_order(
     entry back whole and in order."""
     from kdn.client import client as client_mod
 
-    monkeypatch.setattr(client_mod, "_cuda", lambda device: True)
+    monkeypatch.setattr(client_mod, "on_cuda", lambda device: True)
     lay = uniform_layout(layers=4, heads=2, dim=64)
     kvs = [random_kv(lay, 100 + 7 * i, seed=60 + i) for i in range(9)]
     with Client(server.address, timeout_s=30, shm_bytes=4 << 20, local_bytes=1 << 20) as c:

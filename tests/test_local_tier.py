@@ -203,7 +203,7 @@ def test_a_tier_hit_is_viewed_where_it_lies_for_a_copy_to_a_device(server: Serve
     first (which made GPU-bound tier hits run at a fraction of the pinned rate)."""
     import numpy as np
 
-    from kdn.client.client import _decoder
+    from kdn.client.landing import decoder_for
 
     lay = uniform_layout(layers=4, heads=2, dim=64)
     with Client(server.address, shm_bytes=0, local_bytes=8 << 20) as c:
@@ -214,7 +214,7 @@ def test_a_tier_hit_is_viewed_where_it_lies_for_a_copy_to_a_device(server: Serve
             assert got is not None and got.container is not None
             first_frame = np.frombuffer(got.parts.frames[0], dtype=np.uint8).ctypes.data
             assert first_frame % 64 == 0, len(got.parts.header)
-            dec, _ = _decoder(got.parts.header, "cuda", got)
+            dec, _ = decoder_for(got.parts.header, "cuda", got)
             views = dec.staging_views(list(got.parts.frames), got.container)  # type: ignore[arg-type]
             assert views is not None
             assert all(torch.equal(a, b) for (a, b) in zip(

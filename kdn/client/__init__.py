@@ -11,9 +11,11 @@ from typing import TYPE_CHECKING
 from kdn.lazy import lazy_exports
 
 if TYPE_CHECKING:
-    from kdn.client.client import AsyncClient, Client, Fetched, KeyInfo, LookupResult, Retry
+    from kdn.client.aio import AsyncClient
+    from kdn.client.client import Client, Fetched, KeyInfo, LookupResult, Retry
 
 __all__ = ["AsyncClient", "Client", "Fetched", "KeyInfo", "LookupResult", "Retry"]
 
-__getattr__, __dir__ = lazy_exports(__name__, dict.fromkeys(__all__, "kdn.client.client"),
-                                    __all__)
+__getattr__, __dir__ = lazy_exports(
+    __name__, {**dict.fromkeys(__all__, "kdn.client.client"), "AsyncClient": "kdn.client.aio"},
+    __all__)

@@ -19,7 +19,6 @@ calling thread's latest call, so threads sharing a Client never see each other's
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import os
 import random
@@ -34,9 +33,18 @@ import grpc
 
 from kdn import codec
 from kdn import tracing as _tracing
+from kdn.addresses import same_host
 from kdn.buffers import tune_allocator
 from kdn.client.blend import RemotePiece, blend_request
 from kdn.client.dataplane import DataPlane, Fetched, TooBig, received
+from kdn.client.landing import (
+    decoder_for,
+    device_streams,
+    new_timings,
+    on_cuda,
+    stream_of,
+    tensor_side,
+)
 from kdn.client.parallel import layer_groups, merged
 from kdn.codec import EncodedParts
 from kdn.codec.format import parse_container, parse_header
@@ -49,8 +57,6 @@ from kdn.status import from_grpc
 from kdn.v1 import kdn_pb2 as pb
 from kdn.v1 import kdn_pb2_grpc as pb_grpc
 from kdn.wire import (
-    Frame,
-    FrameMessage,
     frame_message,
     get_many_response,
     retrieve_response,
@@ -61,8 +67,7 @@ if TYPE_CHECKING:  # the tensor side loads on first use: admin tools run without
     import torch
 
     from kdn.cache import KVCache
-    from kdn.client.stream import LayerStream, StreamTimings
-    from kdn.codec import StreamDecoder
+    from kdn.client.stream import LayerStream
 
 LOCAL_TIER = "inproc"  # kdn.client.local.TIER: the in-process tier's name
 
@@ -382,11 +387,11 @@ class Client:
         if whole:  # the in-process tier, then the shared segment (same host)
             started = time.perf_counter()
             got = (self._entries(req.namespace, [req.key], layout, request_id,
-                                 pinned=_cuda(device))[0]
+                                 pinned=on_cuda(device))[0]
                    if self.dataplane.attached else
                    self._in_process(req.namespace, req.key, layout))
             if isinstance(got, Fetched):
-                return _stream_of(got, device, _timings(started=started),
+                return stream_of(got, device, new_timings(started=started),
                                   self.dataplane.segment()[0])
             if got is None and self.dataplane.attached:
                 return None
@@ -413,7 +418,7 @@ class Client:
         md = self.metadata(request_id)
 
         def run() -> LayerStream | None:
-            timings = _timings(started=time.perf_counter())
+            timings = new_timings(started=time.perf_counter())
             calls = []
             for start, (first, last) in zip(self._retrieve_calls(len(groups)), groups):
                 part = pb.RetrieveRequest()
@@ -437,11 +442,11 @@ class Client:
                 cancel()
                 return None
             timings.header = time.perf_counter()
-            dec, target = _decoder(header, device)
+            dec, target = decoder_for(header, device)
             frames = merged(calls)
             if on_complete is not None:
                 frames = _tee(frames, header, on_complete)
-            return _tensor_side().LayerStream(dec, frames, firsts[0].header.tier, cancel,
+            return tensor_side().LayerStream(dec, frames, firsts[0].header.tier, cancel,
                                               timings, target)
 
         return self._call(run)
@@ -457,14 +462,14 @@ class Client:
         md = self.metadata(request_id)
 
         def run() -> LayerStream:
-            timings = _timings(started=time.perf_counter())
+            timings = new_timings(started=time.perf_counter())
             call = start(request, timeout=self.timeout_s, metadata=md)
             first = next(call)
             timings.header = time.perf_counter()
-            dec, target = _decoder(first.header.container_header, device)
+            dec, target = decoder_for(first.header.container_header, device)
             frames = call if on_complete is None else _tee(
                 call, first.header.container_header, on_complete)
-            return _tensor_side().LayerStream(dec, frames, first.header.tier, call.cancel,
+            return tensor_side().LayerStream(dec, frames, first.header.tier, call.cancel,
                                               timings, target)
 
         return self._call(run)
@@ -486,8 +491,8 @@ class Client:
             return None if stream is None else stream.result()
         started = time.perf_counter()
         got = self.fetch(key, namespace=namespace, layout=layout, request_id=request_id)
-        return None if got is None else _stream_of(got, device,
-                                                   _timings(started=started)).result()
+        return None if got is None else stream_of(got, device,
+                                                   new_timings(started=started)).result()
 
     # -- many entries per call ------------------------------------------------------------------
 
@@ -536,49 +541,14 @@ class Client:
         ns = self._ns(namespace)
         ks = [check_key(k) for k in keys]
         seg = self.dataplane.segment()[0]
-        if not _cuda(device) or seg is None:
+        if not on_cuda(device) or seg is None:
             got = self._entries(ns, ks, layout, request_id)
             return [self.retrieve_stream(k, namespace=ns, layout=layout, device=device,
                                          request_id=request_id) if isinstance(g, TooBig)
-                    else None if g is None else _stream_of(g, device, _timings(started=started),
+                    else None if g is None else stream_of(g, device, new_timings(started=started),
                                                              seg)
                     for k, g in zip(ks, got)]
-        # Bound for a GPU, the host bytes are only copy sources. In-process hits hold nothing
-        # of the server's: all their copies are queued at once. The rest is read in groups
-        # that fill a quarter of the segment, and each group's regions and leases go back
-        # once its copies are done (the group before is settled after the next one is asked
-        # for: two in flight), so a context larger than the segment and the arena never falls
-        # back to streams. The first group, one entry, gives the size the others are counted by.
-        out: list[LayerStream | None] = [None] * len(ks)
-        rest = []
-        for j, k in enumerate(ks):
-            hit = self._in_process(ns, k, layout)
-            if hit is None:
-                rest.append(j)
-            else:
-                out[j] = _stream_of(hit, device, _timings(started=started), seg)
-        budget, size, done = max(1, seg.size // 4), 0, 0
-        held: list[LayerStream | None] = []
-        while done < len(rest):
-            group = rest[done:done + (max(1, budget // size) if size else 1)]
-            done += len(group)
-            got = self._entries(ns, [ks[j] for j in group], layout, request_id, pinned=True,
-                                in_process=False)
-            streams: list[LayerStream | None] = []
-            for j, g in zip(group, got):
-                if isinstance(g, Fetched):
-                    size = max(size, len(g.container) if g.container is not None
-                               else sum(map(len, g.parts.frames)))
-                    out[j] = _stream_of(g, device, _timings(started=started), seg)
-                elif g is not None:  # too large for the segment: its own stream
-                    out[j] = self.retrieve_stream(ks[j], namespace=ns, layout=layout,
-                                                  device=device, request_id=request_id)
-                streams.append(out[j])
-            for st in held:
-                if st is not None:
-                    st.settle_copies()
-            held = streams
-        return out  # the last group's copies run on while the caller starts
+        return device_streams(self, ns, ks, layout, device, request_id, seg, started)
 
     @_traced("kdn.client.retrieve_many")
     def retrieve_many(self, keys: Sequence[bytes], *, namespace: str | None = None,
@@ -586,7 +556,7 @@ class Client:
                       request_id: str | None = None) -> list[KVCache | None]:
         """``fetch_many``, decoded (frame checksums verified) on ``device``."""
         seg = self.dataplane.segment()[0]
-        return [None if f is None else _stream_of(f, device, _timings(), seg).result()
+        return [None if f is None else stream_of(f, device, new_timings(), seg).result()
                 for f in self.fetch_many(keys, namespace=namespace, layout=layout,
                                          request_id=request_id)]
 
@@ -691,41 +661,6 @@ class Client:
         return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
 
 
-def same_host(address: str) -> bool:
-    """Whether the gRPC target ``address`` names only this machine: a unix socket, or
-    loopback hosts (``localhost``, 127.0.0.0/8, ::1), also behind a ``dns:``, ``ipv4:`` or
-    ``ipv6:`` scheme. A name that merely looks local (``127.0.0.1.example.com``) is not."""
-    import ipaddress
-
-    if address.startswith(("unix:", "unix-abstract:")):
-        return True
-    target = address
-    for scheme in ("dns:", "ipv4:", "ipv6:"):
-        if target.startswith(scheme):
-            target = target[len(scheme):]
-            if target.startswith("//"):  # dns://authority/host:port
-                authority, _, target = target[2:].partition("/")
-                if authority:  # a DNS server of its own decides what "localhost" is
-                    return False
-            break
-    for part in target.split(","):  # ipv4:a:p,b:p lists several addresses
-        if part.startswith("["):
-            host = part[1:part.find("]")] if "]" in part else ""
-        elif part.count(":") == 1:
-            host = part.split(":")[0]
-        else:
-            host = part  # no port, or a bare IPv6 address
-        host = host.lower()
-        if host in ("localhost", "ip6-localhost"):
-            continue
-        try:
-            if not ipaddress.ip_address(host).is_loopback:
-                return False
-        except ValueError:
-            return False
-    return bool(target)
-
-
 def _key_info(info: pb.KeyInfo) -> KeyInfo:
     return KeyInfo(info.present, info.tier, info.size_bytes)
 
@@ -750,17 +685,6 @@ def _tee(call: Iterator[Any], header: bytes, on_complete: Callable[[EncodedParts
     on_complete(EncodedParts(whole.header.raw, list(whole.frames)))  # type: ignore[arg-type]
 
 
-def _tensor_side() -> Any:
-    """``kdn.client.stream`` (LayerStream, StreamTimings), imported on the first tensor read."""
-    from kdn.client import stream
-
-    return stream
-
-
-def _timings(**fields: float) -> StreamTimings:
-    return _tensor_side().StreamTimings(**fields)  # type: ignore[no-any-return]
-
-
 def _encoded(kv: KVCache | EncodedParts, mode: str, level: str,
              layers_per_frame: int) -> EncodedParts:
     if isinstance(kv, EncodedParts):
@@ -772,79 +696,3 @@ def _wire_options(options: StoreOptions | None) -> pb.StoreOptions:
     opts = options or StoreOptions()
     return pb.StoreOptions(ttl_seconds=opts.ttl_s, pin=opts.pin,
                            durability=int(opts.durability))  # type: ignore[arg-type]
-
-
-def _decoder(header: bytes | memoryview, device: torch.device | str | None,
-             got: Fetched | None = None) -> tuple[StreamDecoder, torch.device]:
-    """The decoder of an entry for ``device``, and the target device. For a CUDA target,
-    compressed modes decode on the GPU (their small encoded bytes are what crosses); ``raw``
-    decodes on the CPU into views and LayerStream stages non-blocking copies (pinned: the
-    segment is registered with CUDA). An entry read through the segment (``got``) is decoded
-    in place and, when the server checked it there, not hashed again."""
-    import torch
-
-    from kdn.codec import StreamDecoder
-
-    target = torch.device(device or "cpu")
-    parsed = got.parsed() if got is not None else parse_header(header)
-    on_host = target.type == "cuda" and parsed.mode == "raw"
-    return StreamDecoder(parsed, "cpu" if on_host else target,
-                         borrow=got is not None and got.owned,
-                         checked=got is not None and got.checked), target
-
-
-def _cuda(device: torch.device | str | None) -> bool:
-    return device is not None and str(device).startswith("cuda")
-
-
-def _stream_of(got: Fetched, device: torch.device | str | None,
-               timings: StreamTimings, segment: Any = None) -> LayerStream:
-    """A LayerStream over an entry already in memory (decoded on the worker pool). An entry in
-    ``segment`` bound for a GPU registers the segment with CUDA first (pinned views)."""
-    timings.header = time.perf_counter()
-    dec, target = _decoder(got.parts.header, device, got)
-    pinned = got.pinned
-    if got.owned and not pinned and target.type == "cuda" and segment is not None:
-        pinned = (segment.register_with_cuda()  # type: ignore[assignment]
-                  and got.container is not None and segment.holds(got.container))
-    layers = None
-    if got.container is not None:  # the whole entry at once (kdn.codec.inplace)
-        if got.owned and got.container.readonly:  # the read arena's registered pages (GPU)
-            layers = (dec.staging_views(list(got.parts.frames), got.container)  # type: ignore[arg-type]
-                      if target.type == "cuda" else dec.copy_entry(got.container))
-        elif got.owned:  # in place: the segment region is the caller's (pinned for a GPU)
-            layers = dec.view_entry(got.container, None if got.checked else
-                                    list(got.parts.frames))  # type: ignore[arg-type]
-        elif target.type == "cpu":  # the in-process tier's checked bytes: one copy, views
-            layers = dec.copy_entry(got.container)
-        else:  # its pinned bytes (checked as they came in) are the host-to-device copy's source
-            layers = dec.staging_views(list(got.parts.frames), got.container)  # type: ignore[arg-type]
-    if layers is not None:
-        timings.bytes_received = len(got.container)  # type: ignore[arg-type]
-        return _tensor_side().LayerStream(dec, iter(()), got.tier, lambda: None, timings,
-                                          target, layers=layers, pinned=pinned)
-    frames = iter([FrameMessage(Frame(i, f)) for i, f in enumerate(got.parts.frames)])
-    return _tensor_side().LayerStream(dec, frames, got.tier, lambda: None, timings, target,
-                                      inline=dec.borrows, pinned=pinned)
-
-
-class AsyncClient:
-    """asyncio face of a Client: ``await AsyncClient(client).retrieve(key)``.
-
-    Each method runs the Client's method on a worker thread, so the logic exists once. The
-    worker thread's ``last_request_id`` is not the caller's: pass ``request_id`` to correlate.
-    """
-
-    def __init__(self, client: Client | str) -> None:
-        self.client = client if isinstance(client, Client) else Client(client)
-
-    def __getattr__(self, name: str) -> Callable[..., Any]:
-        fn = getattr(self.client, name)
-        if not callable(fn):
-            return fn
-
-        async def call(*args: Any, **kwargs: Any) -> Any:
-            return await asyncio.to_thread(fn, *args, **kwargs)
-
-        return call
-

@@ -99,6 +99,8 @@ def one_span(tensors: list[torch.Tensor], slack: float = 0.25
     if any(t.untyped_storage().data_ptr() != storage for t in tensors):
         return None
     item = first.element_size()
+    if not any(t.numel() for t in tensors):
+        return None
     lo = min(int(t.storage_offset()) for t in tensors)
     hi = max(t.storage_offset() + sum((n - 1) * st for n, st in zip(t.shape, t.stride())) + 1
              for t in tensors if t.numel())

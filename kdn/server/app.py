@@ -27,12 +27,13 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from kdn import tracing
+from kdn.addresses import is_loopback
 from kdn.buffers import tune_allocator
 from kdn.errors import ConfigError
 from kdn.server.admin import AdminServicer
 from kdn.server.auth import AuthConfig, Authenticator, Role, load_auth, tenants_from_text
 from kdn.server.blend_rpc import Blender
-from kdn.server.config import ServerConfig, is_loopback
+from kdn.server.config import ServerConfig
 from kdn.server.fastpath import FastPath
 from kdn.server.observe import Metrics, RequestInterceptor
 from kdn.server.service import KDNServicer, recount_usage, verify_entry

@@ -19,6 +19,7 @@ from typing import Any
 
 import yaml
 
+from kdn.addresses import is_loopback
 from kdn.errors import ConfigError
 from kdn.store.tiered import WritePolicy
 
@@ -28,19 +29,6 @@ _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "k": 2**10, "m": 2**20,
           "g": 2**30}
 _SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
-
-
-def is_loopback(host: str) -> bool:
-    """Whether listening on ``host`` keeps traffic on this machine."""
-    import ipaddress
-
-    host = host.strip("[]").lower()
-    if host in ("localhost", "ip6-localhost"):
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def check_private(name: str, path: Path) -> None:

@@ -1,0 +1,45 @@
+"""Whether an address keeps traffic on this machine: the server's listening host (plaintext
+without an API key is refused elsewhere) and the client's target (same host: the shared-memory
+data plane)."""
+
+from __future__ import annotations
+
+import ipaddress
+
+
+def is_loopback(host: str) -> bool:
+    """Whether listening on ``host`` keeps traffic on this machine."""
+    host = host.strip("[]").lower()
+    if host in ("localhost", "ip6-localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def same_host(address: str) -> bool:
+    """Whether the gRPC target ``address`` names only this machine: a unix socket, or
+    loopback hosts (``localhost``, 127.0.0.0/8, ::1), also behind a ``dns:``, ``ipv4:`` or
+    ``ipv6:`` scheme. A name that merely looks local (``127.0.0.1.example.com``) is not."""
+    if address.startswith(("unix:", "unix-abstract:")):
+        return True
+    target = address
+    for scheme in ("dns:", "ipv4:", "ipv6:"):
+        if target.startswith(scheme):
+            target = target[len(scheme):]
+            if target.startswith("//"):  # dns://authority/host:port
+                authority, _, target = target[2:].partition("/")
+                if authority:  # a DNS server of its own decides what "localhost" is
+                    return False
+            break
+    for part in target.split(","):  # ipv4:a:p,b:p lists several addresses
+        if part.startswith("["):
+            host = part[1:part.find("]")] if "]" in part else ""
+        elif part.count(":") == 1:
+            host = part.split(":")[0]
+        else:
+            host = part  # no port, or a bare IPv6 address
+        if not is_loopback(host):
+            return False
+    return bool(target)
