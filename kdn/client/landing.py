@@ -15,7 +15,6 @@ from kdn.wire import Frame, FrameMessage
 if TYPE_CHECKING:  # the tensor side loads on first use: admin tools run without torch
     import torch
 
-    from kdn.client.client import Client
     from kdn.client.stream import LayerStream, StreamTimings
     from kdn.codec import StreamDecoder
     from kdn.layout import KVLayout
@@ -86,11 +85,11 @@ def stream_of(got: Fetched, device: torch.device | str | None,
                                       inline=dec.borrows, pinned=pinned)
 
 
-def device_streams(client: Client, ns: str, ks: Sequence[bytes], layout: KVLayout | None,
+def device_streams(client: Any, ns: str, ks: Sequence[bytes], layout: KVLayout | None,
                    device: torch.device | str | None, request_id: str | None, seg: Any,
                    started: float) -> list[LayerStream | None]:
-    """``Client.retrieve_streams`` of keys ``ks`` bound for a GPU (``seg``: the client's
-    shared segment). The host bytes are only copy sources. In-process hits hold nothing of
+    """``Client.retrieve_streams`` of keys ``ks`` bound for a GPU (``client``: the Client,
+    ``seg``: its shared segment). The host bytes are only copy sources. In-process hits hold nothing of
     the server's: all their copies are queued at once. The rest is read in groups that fill
     a quarter of the segment, and each group's regions and leases go back once its copies
     are done (the group before is settled after the next one is asked for: two in flight),
