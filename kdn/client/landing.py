@@ -90,11 +90,11 @@ def device_streams(client: Any, ns: str, ks: Sequence[bytes], layout: KVLayout |
                    started: float) -> list[LayerStream | None]:
     """``Client.retrieve_streams`` of keys ``ks`` bound for a GPU (``client``: the Client,
     ``seg``: its shared segment). The host bytes are only copy sources. In-process hits hold
-    nothing of the server's: all their copies are queued at once. The rest is read in groups that fill
-    a quarter of the segment, and each group's regions and leases go back once its copies
-    are done (the group before is settled after the next one is asked for: two in flight),
-    so a context larger than the segment and the arena never falls back to streams. The
-    first group, one entry, gives the size the others are counted by."""
+    nothing of the server's: all their copies are queued at once. The rest is read in groups
+    that fill a quarter of the segment, and each group's regions and leases go back once its
+    copies are done (the group before is settled after the next one is asked for: two in
+    flight), so a context larger than the segment and the arena never falls back to streams.
+    The first group, one entry, gives the size the others are counted by."""
     out: list[LayerStream | None] = [None] * len(ks)
     rest = []
     for j, k in enumerate(ks):
