@@ -114,3 +114,15 @@ def churn(writer: Any, key: bytes, versions: Sequence[KVCache], stop: threading.
             writer.delete(key)
         else:
             writer.store(key, versions[i % len(versions)], mode="raw")
+
+
+def count_staging_copies(monkeypatch: Any) -> list[int]:
+    """Record every ``Tensor.pin_memory`` call (a pinned staging copy on the way to a GPU)
+    from now on: the list grows by one per call."""
+    import torch
+
+    staged: list[int] = []
+    real = torch.Tensor.pin_memory
+    monkeypatch.setattr(torch.Tensor, "pin_memory",
+                        lambda self, *a: staged.append(1) or real(self, *a))
+    return staged

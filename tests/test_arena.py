@@ -23,7 +23,7 @@ from kdn.errors import Corrupt
 from kdn.server import ServerConfig, ServerThread
 from kdn.server.arena import PAGE, Arena, Arenas
 from kdn.server.config import ConfigError
-from tests.helpers import churn, random_kv, uniform_layout
+from tests.helpers import churn, count_staging_copies, random_kv, uniform_layout
 
 LAYOUT = uniform_layout()
 
@@ -389,10 +389,7 @@ def test_a_gpu_read_of_a_leased_entry_copies_from_the_registered_arena(
     kv = random_kv(LAYOUT, 40, seed=6)
     with Client(server.address, timeout_s=30, shm_bytes=64 << 10) as c:
         c.store(_key(1), kv, mode="raw")
-        staged: list[int] = []
-        pin = torch.Tensor.pin_memory
-        monkeypatch.setattr(torch.Tensor, "pin_memory",
-                            lambda self, *a: staged.append(1) or pin(self, *a))
+        staged = count_staging_copies(monkeypatch)
         back = c.retrieve(_key(1), layout=LAYOUT, device="cuda")
         assert back is not None and all(k.is_cuda and v.is_cuda for k, v in back.layers)
         assert back.to("cpu").equal(kv)

@@ -26,7 +26,7 @@ from kdn.options import Durability, StoreOptions
 from kdn.server import ServerConfig, ServerThread
 from kdn.v1 import kdn_pb2 as pb
 from kdn.v1 import kdn_pb2_grpc as pb_grpc
-from tests.helpers import churn, pruned_layout, random_kv, uniform_layout
+from tests.helpers import churn, count_staging_copies, pruned_layout, random_kv, uniform_layout
 
 LAYOUT = uniform_layout()
 
@@ -543,10 +543,7 @@ def test_retrieve_into_cuda_through_a_registered_segment(shm_client: Client,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     kv = random_kv(LAYOUT, 40, seed=8)
     shm_client.store(_key(23), kv, mode="raw")
-    staged: list[int] = []
-    real = torch.Tensor.pin_memory
-    monkeypatch.setattr(torch.Tensor, "pin_memory",
-                        lambda self, *a: staged.append(1) or real(self, *a))
+    staged = count_staging_copies(monkeypatch)
     back = shm_client.retrieve(_key(23), layout=LAYOUT, device="cuda")
     assert back is not None and all(k.is_cuda for k, _ in back.layers)
     assert back.to("cpu").equal(kv)
