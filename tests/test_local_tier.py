@@ -213,7 +213,11 @@ def test_a_tier_hit_is_viewed_where_it_lies_for_a_copy_to_a_device(server: Serve
             first_frame = np.frombuffer(got.parts.frames[0], dtype=np.uint8).ctypes.data
             assert first_frame % 64 == 0, len(got.parts.header)
             dec, _ = decoder_for(got.parts.header, "cuda", got)
-            views = dec.staging_views(list(got.parts.frames), got.container)  # type: ignore[arg-type]
-            assert views is not None
+            span = dec.staging_span(list(got.parts.frames), got.container)  # type: ignore[arg-type]
+            assert span is not None
+            views = span.views()
             assert all(torch.equal(a, b) for (a, b) in zip(
                 (t for pair in views for t in pair), (t for pair in kv.layers for t in pair)))
+            frames = np.frombuffer(got.container, dtype=np.uint8)[len(got.parts.header):]
+            assert span.base.data_ptr() == frames.ctypes.data  # every frame, where it lies
+            assert span.base.numel() * span.base.element_size() == frames.nbytes

@@ -67,7 +67,7 @@ def stream_of(got: Fetched, device: torch.device | str | None,
     layers = None
     if got.container is not None:  # the whole entry at once (kdn.codec.inplace)
         if got.owned and got.container.readonly:  # the read arena's registered pages (GPU)
-            layers = (dec.staging_views(list(got.parts.frames), got.container)  # type: ignore[arg-type]
+            layers = (dec.staging_span(list(got.parts.frames), got.container)  # type: ignore[arg-type]
                       if target.type == "cuda" else dec.copy_entry(got.container))
         elif got.owned:  # in place: the segment region is the caller's (pinned for a GPU)
             layers = dec.view_entry(got.container, None if got.checked else
@@ -75,7 +75,7 @@ def stream_of(got: Fetched, device: torch.device | str | None,
         elif target.type == "cpu":  # the in-process tier's checked bytes: one copy, views
             layers = dec.copy_entry(got.container)
         else:  # its pinned bytes (checked as they came in) are the host-to-device copy's source
-            layers = dec.staging_views(list(got.parts.frames), got.container)  # type: ignore[arg-type]
+            layers = dec.staging_span(list(got.parts.frames), got.container)  # type: ignore[arg-type]
     if layers is not None:
         timings.bytes_received = len(got.container)  # type: ignore[arg-type]
         return tensor_side().LayerStream(dec, iter(()), got.tier, lambda: None, timings,

@@ -35,6 +35,7 @@ import torch
 from kdn.cache import KVCache
 from kdn.client import metrics as client_metrics
 from kdn.codec import StreamDecoder
+from kdn.codec.inplace import EntryViews, Span
 from kdn.errors import InvalidArgument, KDNError
 from kdn.layout import KVLayout
 from kdn.status import from_grpc
@@ -109,24 +110,40 @@ def one_span(tensors: list[torch.Tensor], slack: float = 0.25
     return first.as_strided((hi - lo,), (1,), lo), [int(t.storage_offset()) - lo for t in tensors]
 
 
+@dataclass
+class _Copy:
+    """A host-to-device copy on the side stream: its event, the host sources that must live
+    until it is done, and, for a whole entry copied at once, the device span every layer
+    views (awaited and recorded on a stream once, not once per layer)."""
+
+    event: Any
+    sources: tuple[torch.Tensor, ...]
+    span: torch.Tensor | None = None
+    awaited_on: list[int] = field(default_factory=list)
+    """The streams (``cuda_stream`` handles) that wait for it already."""
+
+
 class LayerStream:
     def __init__(self, decoder: StreamDecoder, frames: Iterator[Any], tier: str,
                  cancel: Callable[[], object], timings: StreamTimings,
                  device: torch.device | str | None = None, *, inline: bool = False,
-                 layers: list[LayerKV] | None = None, pinned: bool = False) -> None:
+                 layers: list[LayerKV] | Span | None = None, pinned: bool = False) -> None:
         """``inline``: the frames are in memory and decode cheaply (borrowed raw bodies: only
         checksums to verify): decode them here, before returning, instead of on threads.
-        ``layers``: every layer decoded already (``StreamDecoder.view_entry``); ``frames`` is
-        then not read. ``pinned``: host tensors decoded here are views of page-locked memory
-        (a segment or arena registered with CUDA, the pinned in-process tier), so a GPU
-        copies from them in place (``Tensor.is_pinned`` does not see registered memory)."""
+        ``layers``: every layer decoded already (``StreamDecoder.view_entry``), or the span of
+        host bytes they view (``StreamDecoder.staging_span``); ``frames`` is then not read.
+        ``pinned``: host tensors decoded here are views of page-locked memory (a segment or
+        arena registered with CUDA, the pinned in-process tier), so a GPU copies from them in
+        place (``Tensor.is_pinned`` does not see registered memory)."""
         self.decoder = decoder
         self.device = torch.device(device or decoder.device)
         if self.device.type == "cuda" and self.device.index is None:  # "cuda": the current one
             self.device = torch.device("cuda", torch.cuda.current_device())
         self._pinned = pinned
         self._copy_stream = side_stream(self.device) if self.device.type == "cuda" else None
-        self._events: dict[int, Any] = {}
+        self._events: dict[int, _Copy] = {}
+        """Per layer, the copy that brings it to the device (one shared by every layer when
+        the whole entry is copied at once)."""
         self.tier = tier
         self.timings = timings
         n = decoder.header.layout.num_layers
@@ -161,7 +178,8 @@ class LayerStream:
             if self._error is None:
                 self._error = exc
         for ev in self._ready:
-            ev.set()
+            if not ev.is_set():  # most are, when a finished stream is let go (``cancel``)
+                ev.set()
 
     def _decode(self, index: int, data: bytes) -> None:
         t0 = time.perf_counter()
@@ -179,9 +197,11 @@ class LayerStream:
             with self._lock:
                 self.timings.decode_s += spent
 
-    def _place_all(self, layers: list[LayerKV]) -> None:
+    def _place_all(self, layers: list[LayerKV] | Span) -> None:
         now = time.perf_counter()
         placed = self._copy_whole(layers) if self._copy_stream is not None else None
+        if isinstance(layers, Span):  # host views only where they are what is used
+            layers = layers.views()
         for i, (k, v) in enumerate(layers):
             self._layers[i] = placed[i] if placed is not None else self._place(i, k, v)
         self.timings.layer_ready = dict.fromkeys(range(len(layers)), now)
@@ -204,20 +224,26 @@ class LayerStream:
             vg = vp.to(self.device, non_blocking=True)
             event = torch.cuda.Event()
             event.record(self._copy_stream)
-        self._events[layer] = (event, kp, vp)  # pinned buffers live until the copy is awaited
+        self._events[layer] = _Copy(event, (kp, vp))  # pinned: live until the copy is awaited
         return kg, vg
 
-    def _copy_whole(self, layers: list[LayerKV]) -> list[LayerKV] | None:
+    def _copy_whole(self, layers: list[LayerKV] | Span) -> list[LayerKV] | None:
         """Every layer to the device in ONE copy, where the host layers are views of one
         page-locked span (a whole entry viewed in place): the device layers are the same views
         of the copied span. Per-layer copies cost more in launches than in bytes (an 8k-token
         Llama-3-8B context is 2048 of them). None where that does not apply."""
         if not self._pinned:
             return None
-        found = one_span([t for kv in layers for t in kv])
-        if found is None:
-            return None
-        host, offsets = found
+        if isinstance(layers, (Span, EntryViews)):  # the span and each view's place in it
+            known = layers if isinstance(layers, Span) else layers.span
+            host, specs = known.base, known.specs
+        else:
+            flat = [t for kv in layers for t in kv]
+            found = one_span(flat)
+            if found is None:
+                return None
+            host = found[0]
+            specs = tuple((tuple(t.shape), t.stride(), at) for t, at in zip(flat, found[1]))
         assert self._copy_stream is not None
         # allocated on the caller's stream, which uses it: the caching allocator then reuses
         # the block only after that stream's work on it; the copy waits for that work
@@ -228,10 +254,10 @@ class LayerStream:
             dev.copy_(host, non_blocking=True)
             event = torch.cuda.Event()
             event.record(self._copy_stream)
-        for i in range(len(layers)):
-            self._events[i] = (event, host)  # the host span lives until the copy is awaited
-        views = [dev.as_strided(t.shape, t.stride(), at)
-                 for t, at in zip((t for kv in layers for t in kv), offsets)]
+        staged = _Copy(event, (host,), dev)  # the host span lives until the copy is awaited
+        for i in range(len(specs) // 2):
+            self._events[i] = staged
+        views = [dev.as_strided(shape, stride, at) for shape, stride, at in specs]
         return list(zip(views[0::2], views[1::2]))
 
     def _read(self, frames: Iterator[Any], inline: bool = False) -> None:
@@ -264,12 +290,16 @@ class LayerStream:
         decoded on worker threads are waited for too (their bytes go when they are decoded)."""
         if self._reader is not None:
             self._reader.join()
-        for layer, staged in list(self._events.items()):
-            staged[0].synchronize()
-            self._events[layer] = (staged[0],)
+        for staged in self._events.values():
+            staged.event.synchronize()
+            staged.sources = ()
 
-    def wait_for_layer(self, i: int, timeout: float | None = None) -> LayerKV:
-        """Layer i's (K, V) once decoded; raises the stream's error if it failed."""
+    def wait_for_layer(self, i: int, timeout: float | None = None, *,
+                       stream: Any = None) -> LayerKV:
+        """Layer i's (K, V) once decoded; raises the stream's error if it failed. On a GPU
+        the layer is ready for work queued on ``stream`` (default: the current stream; a
+        caller waiting for many streams passes it, as looking it up costs more than the
+        rest of this call)."""
         if not self._ready[i].wait(timeout):
             raise TimeoutError(f"layer {i} not ready after {timeout} s")
         layer = self._layers[i]
@@ -278,10 +308,16 @@ class LayerStream:
             raise self._error
         staged = self._events.get(i)
         if staged is not None:
-            current = torch.cuda.current_stream(self.device)
-            current.wait_event(staged[0])
-            for t in layer:  # made on the copy stream, used on this one: not reused before
-                t.record_stream(current)
+            current = stream or torch.cuda.current_stream(self.device)
+            if current.cuda_stream in staged.awaited_on:  # the whole entry's copy: once
+                return layer
+            current.wait_event(staged.event)
+            if staged.span is not None:  # one copy of the whole entry: its span is the block
+                staged.span.record_stream(current)
+                staged.awaited_on.append(current.cuda_stream)
+            else:
+                for t in layer:  # made on the copy stream, used on this one: not reused before
+                    t.record_stream(current)
         return layer
 
     def is_ready(self, i: int) -> bool:

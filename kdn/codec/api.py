@@ -240,18 +240,18 @@ class StreamDecoder:
             return None
         return inplace.copied(self.header, container, _pool(), verify=not self.checked)
 
-    def staging_views(self, frames: list[memoryview], container: memoryview
-                      ) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
-        """Every layer at once as views of host bytes the caller must not change (``frames``
-        and ``container``: the same entry), every checksum verified in place first: sources
-        for copies to a device (``kdn.codec.inplace.verified_views``); None when that does not
-        apply. Raises Corrupt for damaged bytes. ``checked`` bytes (verified already) are viewed
-        without hashing them again."""
+    def staging_span(self, frames: list[memoryview], container: memoryview
+                     ) -> inplace.Span | None:
+        """Every layer at once, as the span of host bytes the caller must not change that
+        their views would view (``frames`` and ``container``: the same entry), every checksum
+        verified in place first: the source of one copy to a device
+        (``kdn.codec.inplace.verified_span``); None when that does not apply. Raises Corrupt
+        for damaged bytes. ``checked`` bytes (verified already) are not hashed again."""
         if self.device.type != "cpu" or not self.mode.borrows:
             return None
         if self.checked:
-            return inplace.views(self.header, container, readonly=True)
-        return inplace.verified_views(self.header, frames, container)
+            return inplace.span(self.header, container, readonly=True)
+        return inplace.verified_span(self.header, frames, container)
 
     def empty_cache(self) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
         return [None] * self.header.layout.num_layers

@@ -64,6 +64,29 @@ class Plan:
     itemsize: int
 
 
+@dataclass(frozen=True)
+class Span:
+    """What every layer of an entry viewed in place views: ``base``, one flat tensor over all
+    its frames, and each K and V tensor's (shape, stride, element offset) in it, in layer
+    order. A copy of ``base`` to a device viewed with the same ``specs`` is every layer there
+    in one transfer (``kdn.client.stream``), with no host view made or walked to find it."""
+
+    base: torch.Tensor
+    specs: tuple[tuple[tuple[int, ...], tuple[int, ...], int], ...]
+
+    def views(self) -> EntryViews:
+        return EntryViews(self)
+
+
+class EntryViews(list[tuple[torch.Tensor, torch.Tensor]]):
+    """(K, V) of every layer (``views``), and the ``span`` they view."""
+
+    def __init__(self, span: Span) -> None:
+        t = [span.base.as_strided(shape, stride, at) for shape, stride, at in span.specs]
+        super().__init__(zip(t[0::2], t[1::2]))
+        self.span = span
+
+
 def _contiguous(shape: tuple[int, int, int]) -> tuple[int, int, int]:
     return (shape[1] * shape[2], shape[2], 1)
 
@@ -119,11 +142,17 @@ def plan(header: Header) -> Plan | None:
 
 
 def views(header: Header, container: memoryview, *, readonly: bool = False
-          ) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+          ) -> EntryViews | None:
     """(K, V) of every layer of the entry ``container`` holds (header then frames, writable,
     checksums already verified on these bytes), viewing it in place; None where the bytes do
     not follow the plan (module docstring). ``readonly``: ``container`` may be read-only (the
     tensors are then copy sources only: ``verified_views``)."""
+    got = span(header, container, readonly=readonly)
+    return None if got is None else got.views()
+
+
+def span(header: Header, container: memoryview, *, readonly: bool = False) -> Span | None:
+    """``views`` without making them: the span they would view (every check done)."""
     p = plan(header)
     head = len(header.raw)
     if p is None or not p.frames_bytes or container.readonly and not readonly or \
@@ -139,8 +168,7 @@ def views(header: Header, container: memoryview, *, readonly: bool = False
         warnings.simplefilter("ignore", UserWarning)  # protect them; nothing writes them here
         base = torch.frombuffer(container, dtype=p.dtype, count=p.frames_bytes // p.itemsize,
                                 offset=head)
-    t = [base.as_strided(shape, stride, at) for shape, stride, at in p.tensors]
-    return list(zip(t[0::2], t[1::2]))
+    return Span(base, p.tensors)
 
 
 def copied(header: Header, container: bytes | memoryview, pool: Executor | None = None,
@@ -168,15 +196,22 @@ def copied(header: Header, container: bytes | memoryview, pool: Executor | None 
 
 
 def verified_views(header: Header, frames: Sequence[memoryview], container: memoryview, *,
-                   readonly: bool = True) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
-    """``views`` after every frame's checksum is verified where it lies (``frames``: the
-    container's frame views). ``readonly``: bytes this process must not change (the in-process
-    tier's pinned copy): the sources of copies to a device, never handed to a caller, so the
-    one copy a hit makes is the host-to-device transfer; else a buffer that is the caller's
-    (a received stream's). None where the entry has no plan; raises Corrupt or Truncated for
-    damaged bytes."""
+                   readonly: bool = True) -> EntryViews | None:
+    """``verified_span``'s views."""
+    got = verified_span(header, frames, container, readonly=readonly)
+    return None if got is None else got.views()
+
+
+def verified_span(header: Header, frames: Sequence[memoryview], container: memoryview, *,
+                  readonly: bool = True) -> Span | None:
+    """The ``span`` of an entry after every frame's checksum is verified where it lies
+    (``frames``: the container's frame views). ``readonly``: bytes this process must not
+    change (the in-process tier's pinned copy): the sources of copies to a device, never
+    handed to a caller, so the one copy a hit makes is the host-to-device transfer; else a
+    buffer that is the caller's (a received stream's). None where the entry has no plan;
+    raises Corrupt or Truncated for damaged bytes."""
     if plan(header) is None or len(frames) != len(header.entry.frames):
         return None
     for i, frame in enumerate(frames):
         check_frame_prefix(header, i, frame)  # the frame's sum over its bytes, and its place
-    return views(header, container, readonly=readonly)
+    return span(header, container, readonly=readonly)

@@ -207,7 +207,8 @@ class KDNEngine(KVConnector):
         return tokens
 
     def wait_for_layer(self, i: int, timeout: float | None = None) -> LayerKV:
-        parts = [s.wait_for_layer(i, timeout) for s in self._streams]
+        on = torch.cuda.current_stream(self._device) if self._device.type == "cuda" else None
+        parts = [s.wait_for_layer(i, timeout, stream=on) for s in self._streams]
         if len(parts) == 1:
             return parts[0]
         # k: [kv_heads, tokens, k_channels], blocks joined along tokens
