@@ -291,9 +291,10 @@ def main(argv: list[str] | None = None) -> None:
                     help="recovery loss weight of positions predicting answer tokens (others "
                          "1; 10 moved the 20%% model's F1 on 200 questions by +0.008 and its "
                          "PPL by +0.6 points, both within noise; one value, or one per ratio)")
-    ap.add_argument("--answer-ce", type=float, nargs="+", default=[0.0],
+    ap.add_argument("--answer-ce", type=float, nargs="+", default=[],
                     help="weight of a cross-entropy on the reference answer tokens beside the "
-                         "teacher's KL (RecoveryConfig.answer_ce; one value, or one per ratio)")
+                         "teacher's KL (RecoveryConfig.answer_ce; one value, or one per ratio; "
+                         "default 0 up to 20%%, 0.025 above)")
     ap.add_argument("--fp32", action="store_true", help="recover without bf16 autocast")
     ap.add_argument("--questions", type=int, default=0, help="SQuAD questions for F1 (50)")
     args = ap.parse_args(argv)
@@ -306,6 +307,7 @@ def main(argv: list[str] | None = None) -> None:
     mild = [r <= 0.2 for r in args.ratios]  # the recipe measured best at each ratio (README)
     args.qa_share = args.qa_share or [1.0 if m else 0.5 for m in mild]
     args.qa_questions = args.qa_questions or [5 if m else 1 for m in mild]
+    args.answer_ce = args.answer_ce or [0.0 if m else 0.025 for m in mild]
     recipe_of = {r: Recipe(*values) for r, *values in zip(
         args.ratios, *(per_ratio_values(getattr(args, name), args.ratios, flag) for name, flag
                        in (("qa_share", "--qa-share"), ("qa_questions", "--qa-questions"),
