@@ -50,6 +50,64 @@ def _served(client: Client) -> int:
     return int(c.get("getmany.hit", 0) + c.get("retrieve.hit", 0))
 
 
+class _FakeCudart:
+    """``cudaHostRegister`` / ``cudaHostUnregister`` as a CUDA host would take them."""
+
+    def __init__(self) -> None:
+        self.registered: dict[int, int] = {}
+        self.calls: list[tuple[str, int, int]] = []
+
+    def cudaHostRegister(self, ptr: int, size: int, flags: int) -> int:  # noqa: N802
+        self.calls.append(("register", ptr, size))
+        self.registered[ptr] = size
+        return 0
+
+    def cudaHostUnregister(self, ptr: int) -> int:  # noqa: N802
+        self.calls.append(("unregister", ptr, self.registered.pop(ptr)))
+        return 0
+
+
+def test_pinned_entries_cost_their_size_and_are_unpinned_when_the_last_view_goes(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a CUDA host the tier's entries are page-locked for copies to the GPU: each takes
+    its own size rounded to pages (torch's pinned allocator rounded each to a power of two,
+    an entry of 32 MiB and a header taking 64 MiB, and kept every freed block pinned), and an
+    evicted entry is unpinned once nothing views it, not while a copy may still read it."""
+    import gc
+    import mmap
+
+    import numpy as np
+
+    cudart = _FakeCudart()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    parts = [codec.encode_parts(random_kv(LAYOUT, 300, seed=i), "raw") for i in range(3)]
+    size = parts[0].nbytes
+    assert size & (size - 1)  # not a power of two: rounding up would show
+    tier = LocalTier(2 * size + 1)
+    assert tier.pinned
+    tier.put("ns", _key(0), parts[0])
+    tier.put("ns", _key(1), parts[1])
+    pinned = sum(cudart.registered.values())
+    page = mmap.PAGESIZE
+    assert pinned <= 2 * (size + 64 + page)  # exact to a page, the 64 B alignment slack aside
+    got = tier.get("ns", _key(0))  # a view a copy could be reading from
+    assert got is not None
+    held = np.frombuffer(got[1], dtype=np.uint8).ctypes.data
+    ptr_of = {p: sz for p, sz in cudart.registered.items() if p <= held < p + sz}
+    assert len(ptr_of) == 1
+    tier.put("ns", _key(2), parts[2])  # over budget: 1 goes (0 was used last)
+    tier.discard("ns", _key(0))  # and 0, while its view is held
+    gc.collect()
+    unpinned = [c for c in cudart.calls if c[0] == "unregister"]
+    assert len(unpinned) == 1 and unpinned[0][1] not in ptr_of  # 1 only: 0 is still viewed
+    assert bytes(got[1]) == parts[0].to_bytes()  # and still readable
+    del got
+    gc.collect()
+    assert [c[1] for c in cudart.calls if c[0] == "unregister"][1:] == list(ptr_of)
+    assert len(cudart.registered) == 1  # entry 2 only
+
+
 @pytest.mark.parametrize("shm", [None, 0], ids=["segment", "stream"])
 def test_hits_cost_no_call_to_the_server(server: ServerThread, shm: int | None) -> None:
     with Client(server.address, shm_bytes=shm, local_bytes=8 << 20) as c, \

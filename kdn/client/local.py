@@ -16,8 +16,9 @@ Entries are kept as the server stores them (header + frames), checked as they ar
 it is written: an entry that fails is not kept); a hit is not hashed again, as the server's RAM
 tier does not hash a value again after its first check: these are this process's own bytes,
 handed out read-only. A hit into CPU tensors is then one plain copy. On a CUDA host the bytes
-live in pinned host memory and are the source of a GPU-bound hit's host-to-device copy, with no
-pass over them first, so it can run at the pinned limit. kdn keys name content (a hash of the
+live in pinned host memory (each entry its own mapping registered with CUDA, its size rounded
+to pages: the byte budget is what is pinned) and are the source of a GPU-bound hit's
+host-to-device copy, with no pass over them first, so it can run at the pinned limit. kdn keys name content (a hash of the
 tokens and the layout), so an entry does not change under its key; an entry deleted on the
 server by another client stays usable here until it is evicted.
 """
@@ -25,7 +26,9 @@ server by another client stays usable here until it is evicted.
 from __future__ import annotations
 
 import logging
+import mmap
 import threading
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -53,9 +56,35 @@ class LocalStats:
     capacity_bytes: int = 0
 
 
+def _unregister(ptr: int) -> None:
+    try:
+        torch.cuda.cudart().cudaHostUnregister(ptr)
+    except (RuntimeError, AttributeError):  # CUDA already torn down at exit
+        pass
+
+
+def _pinned(n: int) -> np.ndarray | None:  # type: ignore[type-arg]
+    """``n`` bytes of page-locked host memory that cost ``n`` bytes (rounded to pages): an
+    anonymous mapping registered with CUDA, unregistered, then unmapped, once nothing views it
+    any more (an entry evicted while a copy still reads it stays until the copy's source goes).
+    Not torch's pinned allocator: it rounds each block up to a power of two (an entry of 32 MiB
+    and a header took 64 MiB) and keeps freed blocks pinned for reuse, so a tier of N bytes held
+    up to 2N, and every entry it ever evicted. None where CUDA refuses."""
+    room = mmap.mmap(-1, max(n, 1))
+    arr = np.frombuffer(room, dtype=np.uint8, count=n)
+    ptr = arr.ctypes.data
+    if int(torch.cuda.cudart().cudaHostRegister(ptr, len(room), 0)) != 0:
+        return None
+    weakref.finalize(arr, _unregister, ptr)  # runs before the mapping's last reference goes
+    return arr
+
+
 def _host_buffer(n: int) -> np.ndarray:  # type: ignore[type-arg]
     """``n`` bytes of host memory, pinned when a CUDA device is there to copy to."""
     if torch.cuda.is_available():
+        got = _pinned(n)
+        if got is not None:
+            return got
         return torch.empty(n, dtype=torch.uint8, pin_memory=True).numpy()
     return np.empty(n, dtype=np.uint8)
 
