@@ -18,9 +18,9 @@ tier does not hash a value again after its first check: these are this process's
 handed out read-only. A hit into CPU tensors is then one plain copy. On a CUDA host the bytes
 live in pinned host memory (each entry its own mapping registered with CUDA, its size rounded
 to pages: the byte budget is what is pinned) and are the source of a GPU-bound hit's
-host-to-device copy, with no pass over them first, so it can run at the pinned limit. kdn keys name content (a hash of the
-tokens and the layout), so an entry does not change under its key; an entry deleted on the
-server by another client stays usable here until it is evicted.
+host-to-device copy, with no pass over them first, so it can run at the pinned limit. kdn keys
+name content (a hash of the tokens and the layout), so an entry does not change under its key;
+an entry deleted on the server by another client stays usable here until it is evicted.
 """
 
 from __future__ import annotations
