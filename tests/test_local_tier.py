@@ -13,6 +13,7 @@ from kdn.codec import EncodedParts, encode_parts, inplace
 from kdn.delivery import LoadingController
 from kdn.engine import EngineConfig, KDNEngine
 from kdn.errors import LayoutMismatch
+from kdn.layout import DType, KVLayout
 from kdn.server import ServerThread
 from tests.helpers import count_staging_copies, pruned_layout, random_kv, uniform_layout
 from tests.test_blend import ids, tiny
@@ -279,3 +280,93 @@ def test_a_tier_hit_is_viewed_where_it_lies_for_a_copy_to_a_device(server: Serve
             frames = np.frombuffer(got.container, dtype=np.uint8)[len(got.parts.header):]
             assert span.base.data_ptr() == frames.ctypes.data  # every frame, where it lies
             assert span.base.numel() * span.base.element_size() == frames.nbytes
+
+
+@pytest.mark.parametrize("layout", [uniform_layout(layers=5, heads=2, dim=32), pruned_layout(),
+                                    uniform_layout(dtype=DType.BFLOAT16)],
+                         ids=["uniform", "pruned", "bf16"])
+def test_a_context_held_in_process_comes_back_as_one_joined_stream(
+        server: ServerThread, layout: KVLayout) -> None:
+    """Consecutive blocks of one context, all in the in-process tier: one stream of the whole
+    context, each layer's K and V joined along tokens, equal to the blocks' own layers
+    joined; the tier's bytes are only its sources (writing the result changes nothing
+    stored). Anything else is not joined: a block missing, another mode, blocks of unequal
+    lengths."""
+    blocks = [random_kv(layout, 24, seed=40 + i, start=24 * i) for i in range(4)]
+    with Client(server.address, shm_bytes=0, local_bytes=64 << 20) as c:
+        for i, kv in enumerate(blocks):
+            c.store(_key(60 + i), kv, mode="raw")
+        keys = [_key(60 + i) for i in range(4)]
+        st = c.retrieve_joined(keys, layout=layout, device="cpu")
+        assert st is not None and st.blocks == 4 and st.num_tokens == 96
+        assert st.tier == "inproc"
+        got = st.result()
+        assert got.start_position == 0
+        for i, (k, v) in enumerate(got.layers):
+            assert torch.equal(k, torch.cat([b.layers[i][0] for b in blocks], dim=1))
+            assert torch.equal(v, torch.cat([b.layers[i][1] for b in blocks], dim=1))
+            k.fill_(0)
+            v.fill_(0)
+        again = c.retrieve_joined(keys, layout=layout, device="cpu")
+        assert again is not None
+        assert torch.equal(again.result().layers[-1][1],
+                           torch.cat([b.layers[-1][1] for b in blocks], dim=1))
+        assert c.retrieve_joined(keys + [_key(99)], layout=layout, device="cpu") is None
+        assert c.retrieve_joined([keys[0], keys[2]], layout=layout, device="cpu") is None  # a gap
+        c.store(_key(70), blocks[0], mode="lossless")
+        assert c.retrieve_joined([_key(70), keys[1]], layout=layout, device="cpu") is None
+        c.store(_key(71), random_kv(layout, 20, seed=9, start=96), mode="raw")
+        assert c.retrieve_joined(keys + [_key(71)], layout=layout, device="cpu") is None
+        assert c.retrieve_joined(keys[:1], layout=layout, device="cpu") is not None
+
+
+def test_the_engine_loads_a_context_held_in_process_as_one_stream(server: ServerThread
+                                                                  ) -> None:
+    """A hit whose blocks are all in the in-process tier loads as one joined stream: every
+    block counted as local, and the tokens generated are those of a full prefill."""
+    model = tiny("llama").to(torch.bfloat16)  # raw entries of 2-byte KV are viewed in place
+    with Client(server.address, local_bytes=64 << 20) as c:
+        engine = KDNEngine(model, CharTokenizer(), c,
+                           EngineConfig(chunk_tokens=16, encodings=(("raw", ""),)))
+        prompt = ids(70, seed=6)
+        first = engine.generate(prompt, max_new_tokens=3)
+        engine.wait_for_save(30)
+        joined = []
+        real = c.retrieve_joined
+
+        def spy(*args: object, **kwargs: object) -> object:
+            joined.append(real(*args, **kwargs))  # type: ignore[arg-type]
+            return joined[-1]
+
+        c.retrieve_joined = spy  # type: ignore[method-assign]
+        again = engine.generate(prompt, max_new_tokens=3, force="raw")
+        assert joined and joined[-1] is not None and joined[-1].blocks == 4
+        assert again.timings.reused_tokens == 64 and again.timings.local_blocks == 4
+        full = engine.generate(prompt, max_new_tokens=3, force="recompute")
+        assert again.token_ids == full.token_ids == first.token_ids
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_joined_context_lands_on_the_gpu_from_the_pinned_tier(
+        server: ServerThread, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Bound for a GPU, the joined stream copies each entry's pinned bytes once (no staging
+    copy) and joins on the device: the same tensors as the CPU join, usable on the current
+    stream once awaited, and on another stream too."""
+    lay = pruned_layout()
+    blocks = [random_kv(lay, 32, seed=50 + i, start=32 * i) for i in range(5)]
+    with Client(server.address, shm_bytes=0, local_bytes=32 << 20) as c:
+        for i, kv in enumerate(blocks):
+            c.store(_key(80 + i), kv, mode="raw")
+        keys = [_key(80 + i) for i in range(5)]
+        cpu = c.retrieve_joined(keys, layout=lay, device="cpu")
+        staged = count_staging_copies(monkeypatch)
+        gpu = c.retrieve_joined(keys, layout=lay, device="cuda")
+        assert cpu is not None and gpu is not None and not staged
+        other = torch.cuda.Stream()
+        with torch.cuda.stream(other):
+            layer0 = gpu.wait_for_layer(0)
+            assert torch.equal(layer0[0].cpu(), cpu.wait_for_layer(0)[0])
+        got = gpu.result()
+        assert all(k.is_cuda and v.is_cuda for k, v in got.layers)
+        assert got.to("cpu").equal(cpu.result())

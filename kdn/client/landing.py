@@ -85,6 +85,70 @@ def stream_of(got: Fetched, device: torch.device | str | None,
                                       inline=dec.borrows, pinned=pinned)
 
 
+def joined_stream(hits: list[Fetched], device: torch.device | str | None,
+                  timings: StreamTimings) -> LayerStream | None:
+    """In-process hits of consecutive blocks of one context (``raw``, one layout, as many
+    tokens each) as ONE LayerStream of the whole context: each layer's K and V joined along
+    tokens. The entries' bytes are the sources of the join, never handed out. Bound for a GPU:
+    one host-to-device copy per entry into one device buffer, then one strided copy per K and
+    V of each layer out of it (a per-block stream costs 64 views, a stream and a wait per
+    layer for each entry, and the join a cat per layer over every block: host work that, on a
+    slow host or a short context, took as long as the copies). Into CPU tensors: one cat per K
+    and V over views of the tier's bytes (no copy of each entry first). None where that does
+    not apply (another mode, unequal entries, bytes not pinned for a GPU)."""
+    import torch
+
+    if not hits or any(h.container is None for h in hits):
+        return None
+    spans, decoders = [], []
+    for got in hits:
+        dec, target = decoder_for(got.parts.header, device, got)
+        span = dec.staging_span(list(got.parts.frames), got.container)  # type: ignore[arg-type]
+        if span is None:
+            return None
+        spans.append(span)
+        decoders.append(dec)
+    dec = decoders[0]  # the stream's header: the first block's (its start position)
+    first, start, tokens = spans[0], dec.header.entry.start_position, dec.header.tokens
+    if any(sp.specs != first.specs or sp.base.shape != first.base.shape
+           or sp.base.dtype != first.base.dtype for sp in spans[1:]) or any(
+            d.header.entry.start_position != start + j * tokens
+            for j, d in enumerate(decoders)):  # not one run of consecutive blocks
+        return None
+    n, lb = len(spans), first.base.numel()
+    stream = tensor_side()
+    ready = None
+    if target.type == "cuda":
+        if not all(h.pinned for h in hits):
+            return None
+        if target.index is None:
+            target = torch.device("cuda", torch.cuda.current_device())
+        current, side = torch.cuda.current_stream(target), stream.side_stream(target)
+        dev = torch.empty((n, lb), dtype=first.base.dtype, device=target)
+        outs = [torch.empty((shape[0], n * shape[1], *shape[2:]), dtype=dev.dtype, device=target)
+                for shape, _, _ in first.specs]
+        side.wait_stream(current)  # the buffers are the caller's stream's: its work first
+        with torch.cuda.stream(side):
+            for j, sp in enumerate(spans):
+                dev[j].copy_(sp.base, non_blocking=True)
+            for out, (shape, stride, at) in zip(outs, first.specs):
+                src = dev.as_strided((n, *shape), (lb, *stride), at).transpose(0, 1)
+                out.view(shape[0], n, *shape[1:]).copy_(src)
+            event = torch.cuda.Event()
+            event.record(side)
+        for t in (dev, *outs):  # not reused before the side stream is done with them
+            t.record_stream(side)
+        ready = stream.Copy(event, tuple(sp.base for sp in spans))
+    else:
+        outs = [torch.cat([sp.base.as_strided(shape, stride, at) for sp in spans], dim=1)
+                for shape, stride, at in first.specs]
+    timings.header = timings.first_layer = timings.last_frame_received = time.perf_counter()
+    timings.bytes_received = sum(len(h.container or b"") for h in hits)
+    return stream.LayerStream(dec, iter(()), hits[0].tier, lambda: None, timings, target,
+                              layers=list(zip(outs[0::2], outs[1::2])), ready=ready,
+                              blocks=n, tokens=n * tokens)
+
+
 def device_streams(client: Any, ns: str, ks: Sequence[bytes], layout: KVLayout | None,
                    device: torch.device | str | None, request_id: str | None, seg: Any,
                    started: float) -> list[LayerStream | None]:

@@ -111,7 +111,7 @@ def one_span(tensors: list[torch.Tensor], slack: float = 0.25
 
 
 @dataclass
-class _Copy:
+class Copy:
     """A host-to-device copy on the side stream: its event, the host sources that must live
     until it is done, and, for a whole entry copied at once, the device span every layer
     views (awaited and recorded on a stream once, not once per layer)."""
@@ -127,25 +127,31 @@ class LayerStream:
     def __init__(self, decoder: StreamDecoder, frames: Iterator[Any], tier: str,
                  cancel: Callable[[], object], timings: StreamTimings,
                  device: torch.device | str | None = None, *, inline: bool = False,
-                 layers: list[LayerKV] | Span | None = None, pinned: bool = False) -> None:
+                 layers: list[LayerKV] | Span | None = None, pinned: bool = False,
+                 ready: Copy | None = None, blocks: int = 1, tokens: int = 0) -> None:
         """``inline``: the frames are in memory and decode cheaply (borrowed raw bodies: only
         checksums to verify): decode them here, before returning, instead of on threads.
         ``layers``: every layer decoded already (``StreamDecoder.view_entry``), or the span of
         host bytes they view (``StreamDecoder.staging_span``); ``frames`` is then not read.
         ``pinned``: host tensors decoded here are views of page-locked memory (a segment or
         arena registered with CUDA, the pinned in-process tier), so a GPU copies from them in
-        place (``Tensor.is_pinned`` does not see registered memory)."""
+        place (``Tensor.is_pinned`` does not see registered memory). ``ready``: the copy
+        that brings ``layers`` (on the device already) there, waited for before any of them is
+        used. ``blocks``: stored entries this stream holds, ``tokens`` their tokens
+        (``landing.joined_stream``: a whole context in one stream; default one entry's)."""
         self.decoder = decoder
         self.device = torch.device(device or decoder.device)
         if self.device.type == "cuda" and self.device.index is None:  # "cuda": the current one
             self.device = torch.device("cuda", torch.cuda.current_device())
         self._pinned = pinned
         self._copy_stream = side_stream(self.device) if self.device.type == "cuda" else None
-        self._events: dict[int, _Copy] = {}
+        self._events: dict[int, Copy] = {}
         """Per layer, the copy that brings it to the device (one shared by every layer when
         the whole entry is copied at once)."""
         self.tier = tier
         self.timings = timings
+        self.blocks = blocks
+        self._tokens = tokens or decoder.header.tokens
         n = decoder.header.layout.num_layers
         self._layers: list[LayerKV | None] = [None] * n
         # decoded before this returns: nothing to wait for (an error is raised by the wait)
@@ -158,6 +164,8 @@ class LayerStream:
         self._reader: threading.Thread | None = None
         if layers is not None:
             self._place_all(layers)
+            if ready is not None:
+                self._events = dict.fromkeys(range(n), ready)
         elif inline:
             self._read(frames, inline=True)
         else:
@@ -171,7 +179,7 @@ class LayerStream:
 
     @property
     def num_tokens(self) -> int:
-        return self.decoder.header.tokens
+        return self._tokens
 
     def _fail(self, exc: BaseException) -> None:
         with self._lock:
@@ -224,7 +232,7 @@ class LayerStream:
             vg = vp.to(self.device, non_blocking=True)
             event = torch.cuda.Event()
             event.record(self._copy_stream)
-        self._events[layer] = _Copy(event, (kp, vp))  # pinned: live until the copy is awaited
+        self._events[layer] = Copy(event, (kp, vp))  # pinned: live until the copy is awaited
         return kg, vg
 
     def _copy_whole(self, layers: list[LayerKV] | Span) -> list[LayerKV] | None:
@@ -254,7 +262,7 @@ class LayerStream:
             dev.copy_(host, non_blocking=True)
             event = torch.cuda.Event()
             event.record(self._copy_stream)
-        staged = _Copy(event, (host,), dev)  # the host span lives until the copy is awaited
+        staged = Copy(event, (host,), dev)  # the host span lives until the copy is awaited
         for i in range(len(specs) // 2):
             self._events[i] = staged
         views = [dev.as_strided(shape, stride, at) for shape, stride, at in specs]
@@ -334,5 +342,9 @@ class LayerStream:
         return KVCache(self.layout, layers, int(self.decoder.header.entry.start_position))
 
     def cancel(self) -> None:
+        for staged in {id(c): c for c in list(self._events.values())}.values():
+            if staged.sources:  # host bytes a queued copy still reads: not let go before it
+                staged.event.synchronize()
+                staged.sources = ()
         self._cancel()
         self._fail(KDNError("retrieve cancelled"))

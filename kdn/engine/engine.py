@@ -195,11 +195,16 @@ class KDNEngine(KVConnector):
                                           override=force, local=local)
         if decision.choice == RECOMPUTE or not hits:
             return 0
-        streams = self.client.retrieve_streams(  # layers land on the model's device
-            [keys.variant_key(k, decision.choice) for k in chain[:hits]],
-            namespace=self.config.namespace, layout=self.layout, device=self._device)
+        blocks = [keys.variant_key(k, decision.choice) for k in chain[:hits]]
+        joined = None
+        if hits > 1 and decision.choice in local:  # the whole context in one stream
+            joined = self.client.retrieve_joined(blocks, namespace=self.config.namespace,
+                                                 layout=self.layout, device=self._device)
+        streams = [joined] if joined is not None else self.client.retrieve_streams(
+            blocks, namespace=self.config.namespace, layout=self.layout,
+            device=self._device)  # layers land on the model's device
         self._streams = [s for s in streams if s is not None]
-        if len(self._streams) < hits:  # evicted between lookup and retrieve
+        if sum(s.blocks for s in self._streams) < hits:  # evicted between lookup and retrieve
             self.finish()
             return 0
         t.decision = decision.choice
@@ -302,7 +307,7 @@ class KDNEngine(KVConnector):
         return Generation(text, new, t, store_thread)
 
     def _observe(self, streams: list[LayerStream], choice: str, reused: int, t: Timings) -> None:
-        t.local_blocks = sum(s.tier == LOCAL_TIER for s in streams)
+        t.local_blocks = sum(s.blocks for s in streams if s.tier == LOCAL_TIER)
         remote = [s for s in streams if s.tier != LOCAL_TIER]
         if remote:  # the link's bandwidth, from what crossed it
             start = min(s.timings.started for s in remote)
