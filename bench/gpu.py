@@ -11,7 +11,9 @@ attention on a GPU (fp32 on a CPU). For each model and context length, measured 
   ``SLOW_S`` seconds together;
 - per encoding (``raw``, ``lossless``, ``int8``, ``kdn-default``) and path (``shm``: a client on
   the server's host, the default; ``inproc``: the same with an in-process tier, which the
-  store fills, so loads are hits there; ``grpc-1``: a remote client, gRPC only): ``ttft_s`` of a hit
+  store fills, so loads are hits there, loaded as one joined stream; ``inproc-blocks``: the
+  same hits, one stream per block joined per layer (``EngineConfig.join_in_process=False``);
+  ``grpc-1``: a remote client, gRPC only): ``ttft_s`` of a hit
   through ``KDNEngine`` (every block of the context stored, one token left to compute) and
   ``load_s``, the time until every layer of the context is on the model's device
   (``start_load`` + ``wait_for_layer`` of every layer, synchronised), and the host time of its
@@ -150,11 +152,14 @@ def _ids(shape: str, tokens: int) -> list[int]:
                                           generator=g)]
 
 
-def _engine(model: Any, shape: str, tokens: int, enc: str, client: Client) -> KDNEngine:
+def _engine(model: Any, shape: str, tokens: int, enc: str, client: Client,
+            join: bool = True) -> KDNEngine:
     """An engine storing ``enc`` only; the namespace is per (shape, tokens, encoding), so a
-    later path finds the blocks an earlier one stored."""
+    later path finds the blocks an earlier one stored. ``join``: in-process hits load as one
+    joined stream (``EngineConfig.join_in_process``)."""
     return KDNEngine(model, _Ids(), client, EngineConfig(namespace=f"{shape}-{tokens}-{enc}",
-                                                         encodings=(ENCODINGS[enc],)))
+                                                         encodings=(ENCODINGS[enc],),
+                                                         join_in_process=join))
 
 
 def _stored(engine: KDNEngine, ids: list[int]) -> None:
@@ -168,7 +173,7 @@ def measure(model: Any, shape: str, tokens: int, path: str, enc: str, client: Cl
             device: torch.device, prefill_s: float, limit: float, runs: int) -> dict[str, Any]:
     """One hit row: TTFT through ``KDNEngine`` and the time to have every layer on the device."""
     ids = _ids(shape, tokens)
-    engine = _engine(model, shape, tokens, enc, client)
+    engine = _engine(model, shape, tokens, enc, client, join=path != "inproc-blocks")
     _stored(engine, ids)
     kv_bytes = tokens * engine.layout.bytes_per_token
 
@@ -239,11 +244,13 @@ def measure_decode(model: Any, shape: str, tokens: int, enc: str, client: Client
 # blocks on the device (kdn.codec.gpu for the entropy-coded modes).
 GPU_PLAN: dict[str, list[tuple[int, str, str]]] = {
     "llama3-8b": [
-        (8192, "shm", "raw"), (8192, "inproc", "raw"), (32768, "shm", "raw"),
-        (32768, "inproc", "raw"), (8192, "shm", "kdn-default"), (8192, "decode", "kdn-default"),
-        (8192, "shm", "int8"), (8192, "decode", "int8"), (2048, "shm", "raw"),
-        (2048, "inproc", "raw"), (8192, "grpc-1", "raw"), (8192, "shm", "lossless"),
-        (8192, "grpc-1", "kdn-default"), (2048, "shm", "kdn-default"), (2048, "grpc-1", "raw"),
+        (8192, "shm", "raw"), (8192, "inproc", "raw"), (8192, "inproc-blocks", "raw"),
+        (32768, "shm", "raw"), (32768, "inproc", "raw"), (32768, "inproc-blocks", "raw"),
+        (2048, "shm", "raw"), (2048, "inproc", "raw"), (2048, "inproc-blocks", "raw"),
+        (8192, "shm", "kdn-default"), (8192, "decode", "kdn-default"),
+        (8192, "shm", "int8"), (8192, "decode", "int8"), (8192, "grpc-1", "raw"),
+        (8192, "shm", "lossless"), (8192, "grpc-1", "kdn-default"),
+        (2048, "shm", "kdn-default"), (2048, "grpc-1", "raw"),
         (2048, "shm", "int8"), (2048, "shm", "lossless"), (8192, "decode", "lossless"),
         (32768, "shm", "kdn-default"), (32768, "grpc-1", "raw")],
     "smollm2-135m": [
@@ -299,7 +306,7 @@ def run(plan: dict[str, list[tuple[int, str, str]]], runs: int, out: Path,
                                 device, 3)
                         print(f"{shape}: prefill of {tokens} tokens "
                               f"{prefills[tokens] * 1e3:.1f} ms", flush=True)
-                    key = "shm" if path == "decode" else path
+                    key = {"decode": "shm", "inproc-blocks": "inproc"}.get(path, path)
                     if key not in clients:
                         clients[key] = Client(address, shm_bytes=0 if key == "grpc-1" else None,
                                               local_bytes=local if key == "inproc" else 0,
@@ -389,7 +396,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--encodings", default="",
                     help="comma-separated encodings to run (default: every one in the plan)")
     ap.add_argument("--paths", default="",
-                    help="comma-separated paths to run (shm, inproc, grpc-1, decode; default all)")
+                    help="comma-separated paths to run (shm, inproc, inproc-blocks, grpc-1, "
+                         "decode; default all)")
     ap.add_argument("--merge", nargs="+", metavar="FILE[:LABEL]",
                     help="write --out from these runs' JSON instead of measuring (oldest first)")
     ns = ap.parse_args(argv)

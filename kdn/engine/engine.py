@@ -78,6 +78,9 @@ class EngineConfig:
     """(mode, level) pairs each new block is stored in; the controller picks among them."""
     store_back: bool = True
     """Store newly computed blocks after the first token."""
+    join_in_process: bool = True
+    """A hit whose blocks are all in the client's in-process tier loads as one joined stream
+    (``Client.retrieve_joined``); False: one stream per block, joined per layer."""
 
     def __post_init__(self) -> None:
         if self.chunk_tokens < 0:
@@ -197,7 +200,7 @@ class KDNEngine(KVConnector):
             return 0
         blocks = [keys.variant_key(k, decision.choice) for k in chain[:hits]]
         joined = None
-        if hits > 1 and decision.choice in local:  # the whole context in one stream
+        if hits > 1 and decision.choice in local and self.config.join_in_process:
             joined = self.client.retrieve_joined(blocks, namespace=self.config.namespace,
                                                  layout=self.layout, device=self._device)
         streams = [joined] if joined is not None else self.client.retrieve_streams(
