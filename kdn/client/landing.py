@@ -5,7 +5,7 @@ frame), and the grouped read of many entries bound for a GPU (``Client.retrieve_
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from kdn.client.dataplane import Fetched
@@ -17,6 +17,7 @@ if TYPE_CHECKING:  # the tensor side loads on first use: admin tools run without
 
     from kdn.client.stream import LayerStream, StreamTimings
     from kdn.codec import StreamDecoder
+    from kdn.codec.inplace import Span
     from kdn.layout import KVLayout
 
 
@@ -100,22 +101,27 @@ def joined_stream(hits: list[Fetched], device: torch.device | str | None,
 
     if not hits or any(h.container is None for h in hits):
         return None
-    spans, decoders = [], []
-    for got in hits:
-        dec, target = decoder_for(got.parts.header, device, got)
-        span = dec.staging_span(list(got.parts.frames), got.container)  # type: ignore[arg-type]
-        if span is None:
-            return None
-        spans.append(span)
-        decoders.append(dec)
-    dec = decoders[0]  # the stream's header: the first block's (its start position)
-    first, start, tokens = spans[0], dec.header.entry.start_position, dec.header.tokens
-    if any(sp.specs != first.specs or sp.base.shape != first.base.shape
-           or sp.base.dtype != first.base.dtype for sp in spans[1:]) or any(
-            d.header.entry.start_position != start + j * tokens
-            for j, d in enumerate(decoders)):  # not one run of consecutive blocks
+    dec, target = decoder_for(hits[0].parts.header, device, hits[0])
+    first = dec.staging_span(list(hits[0].parts.frames), hits[0].container)  # type: ignore[arg-type]
+    if first is None:
         return None
-    n, lb = len(spans), first.base.numel()
+    start, tokens = dec.header.entry.start_position, dec.header.tokens
+    n, lb = len(hits), first.base.numel()
+
+    def spans() -> Iterator[Span | None]:
+        """Each hit's span (the first's, then each later one's once it is checked to be
+        the next block of the same shape), or None and stop."""
+        yield first
+        for j, got in enumerate(hits[1:], 1):
+            d, _ = decoder_for(got.parts.header, device, got)
+            sp = d.staging_span(list(got.parts.frames), got.container)  # type: ignore[arg-type]
+            if sp is None or sp.specs != first.specs or sp.base.shape != first.base.shape \
+                    or sp.base.dtype != first.base.dtype \
+                    or d.header.entry.start_position != start + j * tokens:
+                yield None  # not one run of consecutive blocks of one shape
+                return
+            yield sp
+
     stream = tensor_side()
     ready = None
     if target.type == "cuda":
@@ -125,23 +131,32 @@ def joined_stream(hits: list[Fetched], device: torch.device | str | None,
             target = torch.device("cuda", torch.cuda.current_device())
         current, side = torch.cuda.current_stream(target), stream.side_stream(target)
         dev = torch.empty((n, lb), dtype=first.base.dtype, device=target)
+        side.wait_stream(current)  # the buffers are the caller's stream's: its work first
+        dev.record_stream(side)  # not reused before the side stream is done with it
+        sources = []
+        for j, sp in enumerate(spans()):  # each copy queued as soon as its entry is checked
+            if sp is None:  # the copies queued finish before their sources may go
+                side.synchronize()
+                return None
+            with torch.cuda.stream(side):
+                dev[j].copy_(sp.base, non_blocking=True)
+            sources.append(sp.base)
         outs = [torch.empty((shape[0], n * shape[1], *shape[2:]), dtype=dev.dtype, device=target)
                 for shape, _, _ in first.specs]
-        side.wait_stream(current)  # the buffers are the caller's stream's: its work first
         with torch.cuda.stream(side):
-            for j, sp in enumerate(spans):
-                dev[j].copy_(sp.base, non_blocking=True)
             for out, (shape, stride, at) in zip(outs, first.specs):
                 src = dev.as_strided((n, *shape), (lb, *stride), at).transpose(0, 1)
                 out.view(shape[0], n, *shape[1:]).copy_(src)
+                out.record_stream(side)
             event = torch.cuda.Event()
             event.record(side)
-        for t in (dev, *outs):  # not reused before the side stream is done with them
-            t.record_stream(side)
-        ready = stream.Copy(event, tuple(sp.base for sp in spans))
+        ready = stream.Copy(event, tuple(sources))
     else:
-        outs = [torch.cat([sp.base.as_strided(shape, stride, at) for sp in spans], dim=1)
-                for shape, stride, at in first.specs]
+        all_spans = list(spans())
+        if None in all_spans:
+            return None
+        outs = [torch.cat([sp.base.as_strided(shape, stride, at)  # type: ignore[union-attr]
+                           for sp in all_spans], dim=1) for shape, stride, at in first.specs]
     timings.header = timings.first_layer = timings.last_frame_received = time.perf_counter()
     timings.bytes_received = sum(len(h.container or b"") for h in hits)
     return stream.LayerStream(dec, iter(()), hits[0].tier, lambda: None, timings, target,
