@@ -7,7 +7,7 @@ them): Llama-3-8B (32 layers, 8 KV heads x 128, GQA) and SmolLM2-135M, fp16 with
 attention on a GPU (fp32 on a CPU). For each model and context length, measured in this run:
 
 - ``prefill``: the model's full prefill of the context (best of 3), the baseline;
-- every timing below is the best of 5 on a GPU (2 on a CPU), or of 2 where they take more than
+- every timing below is the best of 5 (2 with --quick), or of 2 where they take more than
   ``SLOW_S`` seconds together;
 - per encoding (``raw``, ``lossless``, ``int8``, ``kdn-default``) and path (``shm``: a client on
   the server's host, the default; ``inproc``: the same with an in-process tier, which the
@@ -82,12 +82,19 @@ class _Ids:
         return ""
 
 
-def build(shape: str, device: torch.device) -> Any:
+def model_dtype(device: torch.device, name: str = "") -> torch.dtype:
+    """``name`` (float16, bfloat16, float32), else fp16 on a GPU and fp32 on a CPU."""
+    if name:
+        return getattr(torch, name)  # type: ignore[no-any-return]
+    return torch.float16 if device.type == "cuda" else torch.float32
+
+
+def build(shape: str, device: torch.device, dtype: torch.dtype | None = None) -> Any:
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     cfg = LlamaConfig(**SHAPES[shape])
     cfg._attn_implementation = "sdpa"
-    dtype = torch.float16 if device.type == "cuda" else torch.float32
+    dtype = dtype or model_dtype(device)
     torch.manual_seed(0)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
@@ -261,7 +268,7 @@ RESERVE_S = 45.0  # of --budget-s kept for the models after the first
 
 
 def run(plan: dict[str, list[tuple[int, str, str]]], runs: int, out: Path,
-        budget_s: float = 0.0) -> dict[str, Any]:
+        budget_s: float = 0.0, dtype_name: str = "") -> dict[str, Any]:
     """Every case of ``plan``; with ``budget_s``, cases not started by then are skipped (the
     JSON is rewritten after each row, so a run stopped from outside keeps what it measured)."""
     t_start = time.perf_counter()
@@ -281,7 +288,7 @@ def run(plan: dict[str, list[tuple[int, str, str]]], runs: int, out: Path,
     def save() -> None:
         write_json(out, "gpu", rows, device=info["cuda"] or f"cpu ({info['cpus']} cores)",
                    torch=torch.__version__, limits=lim, attention="sdpa",
-                   dtype="float16" if device.type == "cuda" else "float32",
+                   dtype=str(model_dtype(device, dtype_name)).removeprefix("torch."),
                    torch_threads=torch.get_num_threads(), skipped=skipped,
                    server={"ram_bytes": ram, "shm_arena_bytes": arena},
                    wall_s=time.perf_counter() - t_start)
@@ -290,7 +297,7 @@ def run(plan: dict[str, list[tuple[int, str, str]]], runs: int, out: Path,
     with tempfile.TemporaryDirectory() as tmp, kdn_server(Path(tmp), ram, arena) as address:
         try:
             for n, (shape, cases) in enumerate(plan.items()):
-                model = build(shape, device)
+                model = build(shape, device, model_dtype(device, dtype_name))
                 prefills: dict[int, float] = {}
                 for tokens, path, enc in cases:
                     left = budget_s - (time.perf_counter() - t_start)
@@ -398,6 +405,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--paths", default="",
                     help="comma-separated paths to run (shm, inproc, inproc-blocks, grpc-1, "
                          "decode; default all)")
+    ap.add_argument("--dtype", default="", choices=["", "float16", "bfloat16", "float32"],
+                    help="the models' dtype (default fp16 on a GPU, fp32 on a CPU; `raw` "
+                         "entries of 2-byte KV are viewed in place on a CPU too)")
     ap.add_argument("--merge", nargs="+", metavar="FILE[:LABEL]",
                     help="write --out from these runs' JSON instead of measuring (oldest first)")
     ns = ap.parse_args(argv)
@@ -412,13 +422,14 @@ def main(argv: list[str] | None = None) -> None:
     elif torch.cuda.is_available():
         plan, runs = GPU_PLAN, 5
     else:
-        plan, runs = {"smollm2-135m": [(2048, p, e) for p in ("shm", "inproc", "grpc-1")
-                                       for e in ENCODINGS]}, 2
+        plan, runs = {"smollm2-135m": [(2048, p, e) for p in ("shm", "inproc", "inproc-blocks",
+                                                              "grpc-1")
+                                       for e in ENCODINGS]}, 5
     encs = set(filter(None, ns.encodings.split(",")))
     paths = set(filter(None, ns.paths.split(",")))
     plan = {m: [c for c in cases if (not encs or c[2] in encs) and (not paths or c[1] in paths)]
             for m, cases in plan.items()}
-    run({m: cases for m, cases in plan.items() if cases}, runs, ns.out, ns.budget_s)
+    run({m: cases for m, cases in plan.items() if cases}, runs, ns.out, ns.budget_s, ns.dtype)
 
 
 if __name__ == "__main__":
