@@ -40,11 +40,11 @@ from kdn.client.dataplane import DataPlane, Fetched, TooBig, received
 from kdn.client.landing import (
     decoder_for,
     device_streams,
-    joined_stream,
     new_timings,
     on_cuda,
     stream_of,
     tensor_side,
+    tier_joined,
 )
 from kdn.client.parallel import layer_groups, merged
 from kdn.codec import EncodedParts
@@ -557,16 +557,8 @@ class Client:
         """Consecutive blocks of one context, every one in the in-process tier, as one
         LayerStream of the whole context (``landing.joined_stream``); None when any is not
         there or the join does not apply (then ``retrieve_streams``)."""
-        if self.local is None or not keys:
-            return None
-        ns = self._ns(namespace)
-        ks = [check_key(k) for k in keys]
-        if any(self.local.contains(ns, k) is None for k in ks):
-            return None
-        hits = [self._in_process(ns, k, layout) for k in ks]
-        if any(h is None for h in hits):  # evicted since
-            return None
-        return joined_stream(hits, device, new_timings(started=time.perf_counter()))  # type: ignore[arg-type]
+        return tier_joined(self, self._ns(namespace), [check_key(k) for k in keys], layout,
+                           device)
 
     @_traced("kdn.client.retrieve_many")
     def retrieve_many(self, keys: Sequence[bytes], *, namespace: str | None = None,

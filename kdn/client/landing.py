@@ -164,6 +164,18 @@ def joined_stream(hits: list[Fetched], device: torch.device | str | None,
                               blocks=n, tokens=n * tokens)
 
 
+def tier_joined(client: Any, ns: str, ks: Sequence[bytes], layout: KVLayout | None,
+                device: torch.device | str | None) -> LayerStream | None:
+    """``Client.retrieve_joined``: ``joined_stream`` of keys ``ks`` when every one is in the
+    client's in-process tier, else None."""
+    if client.local is None or not ks or any(client.local.contains(ns, k) is None for k in ks):
+        return None
+    hits = [client._in_process(ns, k, layout) for k in ks]
+    if any(h is None for h in hits):  # evicted since
+        return None
+    return joined_stream(hits, device, new_timings(started=time.perf_counter()))
+
+
 def device_streams(client: Any, ns: str, ks: Sequence[bytes], layout: KVLayout | None,
                    device: torch.device | str | None, request_id: str | None, seg: Any,
                    started: float) -> list[LayerStream | None]:
