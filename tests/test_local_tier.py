@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from kdn import codec
+from kdn.cache import KVCache
 from kdn.client import Client
 from kdn.client.local import LocalTier
 from kdn.codec import EncodedParts, encode_parts, inplace
@@ -282,6 +283,15 @@ def test_a_tier_hit_is_viewed_where_it_lies_for_a_copy_to_a_device(server: Serve
             assert span.base.numel() * span.base.element_size() == frames.nbytes
 
 
+def _raw_context(c: Client, layout: KVLayout, n: int, tokens: int, first: int
+                 ) -> tuple[list[KVCache], list[bytes]]:
+    """``n`` consecutive blocks of ``tokens`` each stored ``raw`` under keys ``first``..."""
+    blocks = [random_kv(layout, tokens, seed=first + i, start=tokens * i) for i in range(n)]
+    for i, kv in enumerate(blocks):
+        c.store(_key(first + i), kv, mode="raw")
+    return blocks, [_key(first + i) for i in range(n)]
+
+
 @pytest.mark.parametrize("layout", [uniform_layout(layers=5, heads=2, dim=32), pruned_layout(),
                                     uniform_layout(dtype=DType.BFLOAT16)],
                          ids=["uniform", "pruned", "bf16"])
@@ -292,11 +302,8 @@ def test_a_context_held_in_process_comes_back_as_one_joined_stream(
     joined; the tier's bytes are only its sources (writing the result changes nothing
     stored). Anything else is not joined: a block missing, another mode, blocks of unequal
     lengths."""
-    blocks = [random_kv(layout, 24, seed=40 + i, start=24 * i) for i in range(4)]
     with Client(server.address, shm_bytes=0, local_bytes=64 << 20) as c:
-        for i, kv in enumerate(blocks):
-            c.store(_key(60 + i), kv, mode="raw")
-        keys = [_key(60 + i) for i in range(4)]
+        blocks, keys = _raw_context(c, layout, 4, 24, first=60)
         st = c.retrieve_joined(keys, layout=layout, device="cpu")
         assert st is not None and st.blocks == 4 and st.num_tokens == 96
         assert st.tier == "inproc"
@@ -354,11 +361,8 @@ def test_a_joined_context_lands_on_the_gpu_from_the_pinned_tier(
     copy) and joins on the device: the same tensors as the CPU join, usable on the current
     stream once awaited, and on another stream too."""
     lay = pruned_layout()
-    blocks = [random_kv(lay, 32, seed=50 + i, start=32 * i) for i in range(5)]
     with Client(server.address, shm_bytes=0, local_bytes=32 << 20) as c:
-        for i, kv in enumerate(blocks):
-            c.store(_key(80 + i), kv, mode="raw")
-        keys = [_key(80 + i) for i in range(5)]
+        _, keys = _raw_context(c, lay, 5, 32, first=80)
         cpu = c.retrieve_joined(keys, layout=lay, device="cpu")
         staged = count_staging_copies(monkeypatch)
         gpu = c.retrieve_joined(keys, layout=lay, device="cuda")
