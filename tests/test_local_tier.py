@@ -8,7 +8,7 @@ import torch
 
 from kdn import codec
 from kdn.cache import KVCache
-from kdn.client import Client
+from kdn.client import Client, landing
 from kdn.client.local import LocalTier
 from kdn.codec import EncodedParts, encode_parts, inplace
 from kdn.delivery import LoadingController
@@ -353,13 +353,49 @@ def test_the_engine_loads_a_context_held_in_process_as_one_stream(server: Server
         assert again.token_ids == full.token_ids == first.token_ids
 
 
+@pytest.mark.parametrize("layout", [uniform_layout(layers=7, heads=2, dim=32), pruned_layout()],
+                         ids=["uniform", "pruned"])
+def test_a_joined_load_crosses_in_layer_groups_each_in_its_own_range(
+        server: ServerThread, layout: KVLayout, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The layer groups of a joined GPU load: consecutive layers, every layer once, each
+    group's range of the entry after the last one's, and the group ranges alone, copied,
+    hold every K and V (what lies between is never read); small entries cross whole."""
+    with Client(server.address, shm_bytes=0, local_bytes=32 << 20) as c:
+        blocks, keys = _raw_context(c, layout, 1, 40, first=110)
+        got = c._in_process("default", keys[0], layout)  # noqa: SLF001
+        assert got is not None and got.container is not None
+        dec, _ = landing.decoder_for(got.parts.header, "cuda", got)
+        span = dec.staging_span(list(got.parts.frames), got.container)  # type: ignore[arg-type]
+        assert span is not None
+        size = span.base.numel() * span.base.element_size()
+        assert landing.layer_groups(span.specs, size) == [(0, layout.num_layers, 0,
+                                                           span.base.numel())]
+        monkeypatch.setattr(landing, "LAYER_GROUP_BYTES", size // 5)
+        groups = landing.layer_groups(span.specs, size)
+        assert len(groups) == min(5, layout.num_layers)
+        assert [g[0] for g in groups] == [0] + [g[1] for g in groups[:-1]]
+        assert groups[-1][1] == layout.num_layers
+        assert all(a[3] <= b[2] and a[2] < a[3] for a, b in zip(groups, groups[1:]))
+        copied = torch.zeros_like(span.base)
+        for first, end, lo, hi in groups:
+            copied[lo:hi] = span.base[lo:hi]
+            for i in range(first, end):
+                for j, t in ((2 * i, blocks[0].layers[i][0]), (2 * i + 1, blocks[0].layers[i][1])):
+                    shape, stride, at = span.specs[j]
+                    assert lo <= at and torch.equal(copied.as_strided(shape, stride, at), t)
+        shuffled = (span.specs[2], span.specs[3], span.specs[0], span.specs[1]) + span.specs[4:]
+        assert len(landing.layer_groups(shuffled, size)) == 1  # not in layer order: one group
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("group_bytes", [8 << 20, 1], ids=["whole", "groups"])
 def test_a_joined_context_lands_on_the_gpu_from_the_pinned_tier(
-        server: ServerThread, monkeypatch: pytest.MonkeyPatch) -> None:
+        server: ServerThread, monkeypatch: pytest.MonkeyPatch, group_bytes: int) -> None:
     """Bound for a GPU, the joined stream copies each entry's pinned bytes once (no staging
     copy) and joins on the device: the same tensors as the CPU join, usable on the current
-    stream once awaited, and on another stream too."""
+    stream once awaited, and on another stream too; whole entries, or in layer groups."""
+    monkeypatch.setattr(landing, "LAYER_GROUP_BYTES", group_bytes)
     lay = pruned_layout()
     with Client(server.address, shm_bytes=0, local_bytes=32 << 20) as c:
         _, keys = _raw_context(c, lay, 5, 32, first=80)

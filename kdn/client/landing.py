@@ -91,10 +91,12 @@ def joined_stream(hits: list[Fetched], device: torch.device | str | None,
     """In-process hits of consecutive blocks of one context (``raw``, one layout, as many
     tokens each) as ONE LayerStream of the whole context: each layer's K and V joined along
     tokens. The entries' bytes are the sources of the join, never handed out. Bound for a GPU:
-    one host-to-device copy per entry into one device buffer, then one strided copy per K and
-    V of each layer out of it (a per-block stream costs 64 views, a stream and a wait per
-    layer for each entry, and the join a cat per layer over every block: host work that, on a
-    slow host or a short context, took as long as the copies). Into CPU tensors: one cat per K
+    the layers cross in groups (``layer_groups``): per group, one host-to-device copy per
+    entry into one device buffer, then, on a second stream while the next group crosses, one
+    strided copy per K and V of each of its layers; a layer is ready once its group is joined
+    (a per-block stream costs 64 views, a stream and a wait per layer for each entry, and the
+    join a cat per layer over every block: host work that, on a slow host or a short context,
+    took as long as the copies). Into CPU tensors: one cat per K
     and V over views of the tier's bytes (no copy of each entry first). None where that does
     not apply (another mode, unequal entries, bytes not pinned for a GPU)."""
     import torch
@@ -123,34 +125,51 @@ def joined_stream(hits: list[Fetched], device: torch.device | str | None,
             yield sp
 
     stream = tensor_side()
-    ready = None
+    ready: list[Any] = []
     if target.type == "cuda":
         if not all(h.pinned for h in hits):
             return None
         if target.index is None:
             target = torch.device("cuda", torch.cuda.current_device())
-        current, side = torch.cuda.current_stream(target), stream.side_stream(target)
+        current = torch.cuda.current_stream(target)
+        side, join = stream.side_stream(target), stream.side_stream(target, "join")
         dev = torch.empty((n, lb), dtype=first.base.dtype, device=target)
-        side.wait_stream(current)  # the buffers are the caller's stream's: its work first
-        dev.record_stream(side)  # not reused before the side stream is done with it
-        sources = []
-        for j, sp in enumerate(spans()):  # each copy queued as soon as its entry is checked
-            if sp is None:  # the copies queued finish before their sources may go
-                side.synchronize()
-                return None
-            with torch.cuda.stream(side):
-                dev[j].copy_(sp.base, non_blocking=True)
-            sources.append(sp.base)
         outs = [torch.empty((shape[0], n * shape[1], *shape[2:]), dtype=dev.dtype, device=target)
                 for shape, _, _ in first.specs]
-        with torch.cuda.stream(side):
-            for out, (shape, stride, at) in zip(outs, first.specs):
-                src = dev.as_strided((n, *shape), (lb, *stride), at).transpose(0, 1)
-                out.view(shape[0], n, *shape[1:]).copy_(src)
-                out.record_stream(side)
-            event = torch.cuda.Event()
-            event.record(side)
-        ready = stream.Copy(event, tuple(sources))
+        side.wait_stream(current)  # the buffers are the caller's stream's: its work first
+        join.wait_stream(current)
+        dev.record_stream(side)  # not reused before the side streams are done with it
+        dev.record_stream(join)
+        sources: list[torch.Tensor] = []
+        with torch.cuda.stream(side):  # entered once: per copy it cost as much as the copy
+            for g, (first_layer, end_layer, lo, hi) in enumerate(
+                    layer_groups(first.specs, lb * first.base.element_size())):
+                into = dev[:, lo:hi]
+                if g == 0:  # each entry's copy queued as soon as the entry is checked
+                    for j, sp in enumerate(spans()):
+                        if sp is None:  # the copies queued finish before their sources go
+                            side.synchronize()
+                            return None
+                        into[j].copy_(sp.base[lo:hi], non_blocking=True)
+                        sources.append(sp.base)
+                else:
+                    for j, base in enumerate(sources):
+                        into[j].copy_(base[lo:hi], non_blocking=True)
+                landed = torch.cuda.Event()
+                landed.record(side)
+                join.wait_event(landed)  # the group joins while the next group crosses
+                with torch.cuda.stream(join):
+                    for i in range(2 * first_layer, 2 * end_layer):
+                        shape, stride, at = first.specs[i]
+                        src = dev.as_strided((n, *shape), (lb, *stride), at).transpose(0, 1)
+                        outs[i].view(shape[0], n, *shape[1:]).copy_(src)
+                        outs[i].record_stream(join)
+                    joined = torch.cuda.Event()
+                    joined.record(join)
+                ready += [stream.Copy(joined, ())] * (end_layer - first_layer)
+        held = tuple(sources)  # every group's copies read them: held until each is awaited
+        for c in {id(c): c for c in ready}.values():
+            c.sources = held
     else:
         all_spans = list(spans())
         if None in all_spans:
@@ -160,8 +179,40 @@ def joined_stream(hits: list[Fetched], device: torch.device | str | None,
     timings.header = timings.first_layer = timings.last_frame_received = time.perf_counter()
     timings.bytes_received = sum(len(h.container or b"") for h in hits)
     return stream.LayerStream(dec, iter(()), hits[0].tier, lambda: None, timings, target,
-                              layers=list(zip(outs[0::2], outs[1::2])), ready=ready,
+                              layers=list(zip(outs[0::2], outs[1::2])), ready=ready or None,
                               blocks=n, tokens=n * tokens)
+
+
+LAYER_GROUP_BYTES = 8 << 20
+"""The least bytes of one entry a layer group of a joined load copies (each group is one
+host-to-device copy per entry: more groups land the first layers sooner, for more copies; on
+an H200 host, 4 MiB copies queued one by one from Python fell behind the copy engine)."""
+MAX_LAYER_GROUPS = 8
+
+
+def layer_groups(specs: tuple[tuple[tuple[int, ...], tuple[int, ...], int], ...],
+                 entry_bytes: int) -> list[tuple[int, int, int, int]]:
+    """Consecutive layers of an entry viewed in place (``Span.specs``: K and V of each layer)
+    split into groups that each lie in their own range of the entry's elements, in layer
+    order: (first layer, end layer, lo, hi) each. One group of every layer, over the whole
+    entry, where the views do not lie in layer order."""
+    layers = len(specs) // 2
+    ends = [at + sum((d - 1) * st for d, st in zip(shape, stride)) + 1
+            for shape, stride, at in specs]
+    whole = [(0, layers, 0, max(ends, default=0))]
+    count = max(1, min(MAX_LAYER_GROUPS, layers, entry_bytes // LAYER_GROUP_BYTES))
+    if count == 1:
+        return whole
+    out, lo = [], 0
+    for g in range(count):
+        a, b = g * layers // count, (g + 1) * layers // count
+        starts = [specs[i][2] for i in range(2 * a, 2 * b)]
+        if min(starts) < lo:  # a view of this group lies before the last group's end
+            return whole
+        hi = max(ends[2 * a:2 * b])
+        out.append((a, b, min(starts), hi))
+        lo = hi
+    return out
 
 
 def tier_joined(client: Any, ns: str, ks: Sequence[bytes], layout: KVLayout | None,

@@ -70,18 +70,19 @@ class StreamTimings:
     """Seconds spent decoding frames, summed over frames (threads overlap them)."""
 
 
-_SIDE: dict[int, Any] = {}
+_SIDE: dict[tuple[int, str], Any] = {}
 _SIDE_LOCK = threading.Lock()
 
 
-def side_stream(device: torch.device) -> Any:
+def side_stream(device: torch.device, role: str = "copy") -> Any:
     """The process's one stream for host-to-device copies of retrieved layers on ``device``
     (copies share the copy engine anyway; a stream per retrieve made the caching allocator
-    keep a pool per stream)."""
+    keep a pool per stream); ``role="join"``: its one stream for the device-side copies that
+    join staged layers (``landing.joined_stream``), so they overlap the next host copies."""
     with _SIDE_LOCK:
-        stream = _SIDE.get(device.index or 0)
+        stream = _SIDE.get((device.index or 0, role))
         if stream is None:
-            stream = _SIDE[device.index or 0] = torch.cuda.Stream(device)
+            stream = _SIDE[device.index or 0, role] = torch.cuda.Stream(device)
         return stream
 
 
@@ -128,7 +129,8 @@ class LayerStream:
                  cancel: Callable[[], object], timings: StreamTimings,
                  device: torch.device | str | None = None, *, inline: bool = False,
                  layers: list[LayerKV] | Span | None = None, pinned: bool = False,
-                 ready: Copy | None = None, blocks: int = 1, tokens: int = 0) -> None:
+                 ready: Copy | list[Copy] | None = None, blocks: int = 1,
+                 tokens: int = 0) -> None:
         """``inline``: the frames are in memory and decode cheaply (borrowed raw bodies: only
         checksums to verify): decode them here, before returning, instead of on threads.
         ``layers``: every layer decoded already (``StreamDecoder.view_entry``), or the span of
@@ -137,8 +139,9 @@ class LayerStream:
         arena registered with CUDA, the pinned in-process tier), so a GPU copies from them in
         place (``Tensor.is_pinned`` does not see registered memory). ``ready``: the copy
         that brings ``layers`` (on the device already) there, waited for before any of them is
-        used. ``blocks``: stored entries this stream holds, ``tokens`` their tokens
-        (``landing.joined_stream``: a whole context in one stream; default one entry's)."""
+        used, or one per layer (layers that land in groups). ``blocks``: stored entries this
+        stream holds, ``tokens`` their tokens (``landing.joined_stream``: a whole context in
+        one stream; default one entry's)."""
         self.decoder = decoder
         self.device = torch.device(device or decoder.device)
         if self.device.type == "cuda" and self.device.index is None:  # "cuda": the current one
@@ -164,7 +167,9 @@ class LayerStream:
         self._reader: threading.Thread | None = None
         if layers is not None:
             self._place_all(layers)
-            if ready is not None:
+            if isinstance(ready, list):
+                self._events = dict(enumerate(ready))
+            elif ready is not None:
                 self._events = dict.fromkeys(range(n), ready)
         elif inline:
             self._read(frames, inline=True)
