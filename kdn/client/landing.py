@@ -4,6 +4,7 @@ frame), and the grouped read of many entries bound for a GPU (``Client.retrieve_
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
@@ -133,17 +134,16 @@ def joined_stream(hits: list[Fetched], device: torch.device | str | None,
             target = torch.device("cuda", torch.cuda.current_device())
         current = torch.cuda.current_stream(target)
         side, join = stream.side_stream(target), stream.side_stream(target, "join")
+        groups = layer_groups(first.specs, lb * first.base.element_size())
         dev = torch.empty((n, lb), dtype=first.base.dtype, device=target)
-        outs = [torch.empty((shape[0], n * shape[1], *shape[2:]), dtype=dev.dtype, device=target)
-                for shape, _, _ in first.specs]
-        side.wait_stream(current)  # the buffers are the caller's stream's: its work first
-        join.wait_stream(current)
+        side.wait_stream(current)  # the buffer is the caller's stream's: its work first
         dev.record_stream(side)  # not reused before the side streams are done with it
-        dev.record_stream(join)
         sources: list[torch.Tensor] = []
+        landed = []
+        # every group's copies queued first, then the joins: launching a group's joins
+        # between its copies and the next group's left the copy engine idle on a slow host
         with torch.cuda.stream(side):  # entered once: per copy it cost as much as the copy
-            for g, (first_layer, end_layer, lo, hi) in enumerate(
-                    layer_groups(first.specs, lb * first.base.element_size())):
+            for g, (_, _, lo, hi) in enumerate(groups):
                 into = dev[:, lo:hi]
                 if g == 0:  # each entry's copy queued as soon as the entry is checked
                     for j, sp in enumerate(spans()):
@@ -155,17 +155,24 @@ def joined_stream(hits: list[Fetched], device: torch.device | str | None,
                 else:
                     for j, base in enumerate(sources):
                         into[j].copy_(base[lo:hi], non_blocking=True)
-                landed = torch.cuda.Event()
-                landed.record(side)
-                join.wait_event(landed)  # the group joins while the next group crosses
-                with torch.cuda.stream(join):
-                    for i in range(2 * first_layer, 2 * end_layer):
-                        shape, stride, at = first.specs[i]
-                        src = dev.as_strided((n, *shape), (lb, *stride), at).transpose(0, 1)
-                        outs[i].view(shape[0], n, *shape[1:]).copy_(src)
-                        outs[i].record_stream(join)
-                    joined = torch.cuda.Event()
-                    joined.record(join)
+                landed.append(torch.cuda.Event())
+                landed[-1].record(side)
+        sizes = [math.prod(shape) * n for shape, _, _ in first.specs]
+        flat = torch.empty(sum(sizes), dtype=dev.dtype, device=target)  # every layer's K, V
+        outs = [part.view(shape[0], n * shape[1], *shape[2:]) for part, (shape, _, _)
+                in zip(flat.split(sizes), first.specs)]
+        join.wait_stream(current)  # the caller's stream's work on these blocks first
+        dev.record_stream(join)
+        flat.record_stream(join)
+        with torch.cuda.stream(join):
+            for (first_layer, end_layer, _, _), copied in zip(groups, landed):
+                join.wait_event(copied)  # the group joins while the next group crosses
+                for i in range(2 * first_layer, 2 * end_layer):
+                    shape, stride, at = first.specs[i]
+                    src = dev.as_strided((n, *shape), (lb, *stride), at).transpose(0, 1)
+                    outs[i].view(shape[0], n, *shape[1:]).copy_(src)
+                joined = torch.cuda.Event()
+                joined.record(join)
                 ready += [stream.Copy(joined, ())] * (end_layer - first_layer)
         held = tuple(sources)  # every group's copies read them: held until each is awaited
         for c in {id(c): c for c in ready}.values():
