@@ -93,8 +93,9 @@ def joined_stream(hits: list[Fetched], device: torch.device | str | None,
     tokens each) as ONE LayerStream of the whole context: each layer's K and V joined along
     tokens. The entries' bytes are the sources of the join, never handed out. Bound for a GPU:
     the layers cross in groups (``layer_groups``): per group, one host-to-device copy per
-    entry into one device buffer, then, on a second stream while the next group crosses, one
-    strided copy per K and V of each of its layers; a layer is ready once its group is joined
+    entry into one device buffer (every group's copies queued before any join), and on a
+    second stream, while the next group crosses, one strided copy per K and V of each of its
+    layers into views of one allocation; a layer is ready once its group is joined
     (a per-block stream costs 64 views, a stream and a wait per layer for each entry, and the
     join a cat per layer over every block: host work that, on a slow host or a short context,
     took as long as the copies). Into CPU tensors: one cat per K
