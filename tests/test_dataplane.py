@@ -20,6 +20,7 @@ import torch
 from kdn import codec
 from kdn.cache import KVCache
 from kdn.client import Client
+from kdn.client.dataplane import INLINE_BYTES
 from kdn.client.shm import RegionAllocator, SharedSegment
 from kdn.errors import Corrupt, InvalidArgument, LayoutMismatch, NotFound, TooLarge
 from kdn.options import Durability, StoreOptions
@@ -594,14 +595,15 @@ def test_a_batch_larger_than_one_region_takes_few_calls(server: ServerThread,
         assert len(calls) < len(kvs) // 3  # per entry left over
 
 
-@pytest.mark.parametrize("tokens", [40, 9000], ids=["one-message", "stream"])
+@pytest.mark.parametrize("streamed", [False, True], ids=["one-message", "stream"])
 def test_a_remote_retrieve_reads_the_entry_whole_and_catches_damage(
-        server: ServerThread, tokens: int) -> None:
+        server: ServerThread, streamed: bool) -> None:
     """Without the segment, ``retrieve`` reads as ``fetch`` does (one GetMany message, or a
-    stream assembled in one recycled buffer past the 4 MiB inline budget), then decodes: the
+    stream assembled in one recycled buffer past the inline budget), then decodes: the
     tensors are the stored ones, a held result survives the buffer's next use, a mode that
     decodes decodes, a miss is None, another layout is refused, and a value damaged in
     server memory never comes back as tensors."""
+    tokens = INLINE_BYTES // LAYOUT.bytes_per_token + 500 if streamed else 40
     kv = random_kv(LAYOUT, tokens, seed=30)
     with Client(server.address, timeout_s=30, shm_bytes=0) as c:
         assert not c.dataplane.attached and c.streams == 1
@@ -609,7 +611,7 @@ def test_a_remote_retrieve_reads_the_entry_whole_and_catches_damage(
         c.store(_key(30), kv, mode="raw", layers_per_frame=1)
         back = c.retrieve(_key(30), layout=LAYOUT)
         assert back is not None and back.equal(kv)
-        if tokens > 4096:  # the pooled buffer: a second read reuses it, the first result holds
+        if streamed:  # the pooled buffer: a second read reuses it, the first result holds
             ptrs = {t.untyped_storage().data_ptr() for kv_ in back.layers for t in kv_}
             assert len(ptrs) == 1  # every layer a view of the one buffer the entry landed in
             other = random_kv(LAYOUT, tokens, seed=31)
@@ -630,8 +632,8 @@ def test_a_remote_retrieve_reads_the_entry_whole_and_catches_damage(
         ram = next(t for t in server.server.store.tiers if t.name == "ram")
         skey = next(k for k in ram._data if k.endswith(_key(30).hex().encode()))  # noqa: SLF001
         memo = server.server.servicer.wire_memo
-        assert (skey in memo._memos) == (tokens > 4096)  # noqa: SLF001  # streamed: memoised
-        if tokens > 4096:  # a flipped bit in a message kept for the next stream
+        assert (skey in memo._memos) == streamed  # noqa: SLF001  # streamed: memoised
+        if streamed:  # a flipped bit in a message kept for the next stream
             msgs = memo._memos[skey].messages  # noqa: SLF001
             bad_msg = bytearray(msgs[-1])  # type: ignore[arg-type]
             bad_msg[-100] ^= 0x10

@@ -12,6 +12,7 @@ import pytest
 
 from kdn import codec
 from kdn.client import Client
+from kdn.client.dataplane import INLINE_BYTES
 from kdn.errors import Corrupt
 from kdn.server import ServerConfig, ServerThread
 from kdn.server.app import build_store
@@ -22,7 +23,7 @@ from kdn.wire import frame_message, parse_frame_message
 from tests.helpers import random_kv, uniform_layout
 
 LAYOUT = uniform_layout()
-BIG = 9000  # tokens: 4.6 MB, past one inline GetMany message (4 MiB): streamed
+BIG = INLINE_BYTES // LAYOUT.bytes_per_token + 500  # tokens past one inline message: streamed
 
 
 def _key(i: int) -> bytes:
