@@ -702,3 +702,37 @@ def test_the_gpu_bound_batch_read_returns_every_entry_in_order(
         for s, kv in zip(streams, kvs):
             assert s is not None and s.result().equal(kv)
         assert c.local.stats.hits > hits  # some came from the tier, the rest from the server
+
+
+def test_a_remote_batch_sends_small_entries_inline_and_streams_large_ones(
+        server: ServerThread, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without the segment, ``store_many`` packs entries up to ``PUT_INLINE_BYTES`` into
+    inline PutMany messages (many per message, up to the inline budget) and sends a larger one
+    as a Store stream of its own; ``fetch_many`` reads entries up to ``INLINE_BYTES`` inline.
+    Every entry comes back whole."""
+    from kdn.client import dataplane
+
+    lay = uniform_layout(layers=4, heads=2, dim=64)
+    small = [random_kv(lay, 900, seed=70 + i) for i in range(6)]  # ~1.9 MB each
+    big = random_kv(lay, dataplane.PUT_INLINE_BYTES // lay.bytes_per_token + 200, seed=79)
+    with Client(server.address, timeout_s=30, shm_bytes=0) as c:
+        assert not c.dataplane.attached
+        puts: list[int] = []
+        real_put = c.dataplane._put
+        monkeypatch.setattr(c.dataplane, "_put",
+                            lambda req, rid: puts.append(len(req.items)) or real_put(req, rid))
+        streamed: list[bytes] = []
+        real_store = c.store
+        monkeypatch.setattr(c, "store", lambda key, *a, **kw: streamed.append(key)
+                            or real_store(key, *a, **kw))
+        items = [(_key(70 + i), kv) for i, kv in enumerate(small)] + [(_key(79), big)]
+        c.store_many(items, mode="raw")
+        assert streamed == [_key(79)]  # past PUT_INLINE_BYTES: a stream of its own
+        assert sum(puts) == len(small) and len(puts) < len(small)  # several per message
+        gets: list[int] = []
+        real_get = c.dataplane._get
+        monkeypatch.setattr(c.dataplane, "_get",
+                            lambda req, rid: gets.append(len(req.keys)) or real_get(req, rid))
+        got = c.retrieve_many([k for k, _ in items], layout=lay)
+        assert all(g is not None and g.equal(kv) for g, (_, kv) in zip(got, items))
+        assert len(gets) < len(items)  # inline, many per message (the big one too: < 16 MiB)
