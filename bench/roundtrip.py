@@ -8,6 +8,8 @@ process. One row per (op, path, size): ``bytes``, ``seconds`` (median), ``gb_s``
 
     memcpy       numpy copy of the same bytes between warm buffers (the same-host limit)
     raw-grpc     a bare gRPC service streaming the same frames (transport only; put/get)
+    raw-grpc-unary  the same service moving the entry as ONE message each way; the
+                 ``raw-grpc`` limit of a size is the best of these four figures
     h2d-pinned   pinned host -> device copy (GPU hosts only)
     grpc-1       kdn over one gRPC stream (a client on another host): limit raw-grpc
     grpc-4       the same over 4 streams of layer groups, each on its own connection
@@ -33,9 +35,9 @@ each per round), so a slow spell of the VM lands on them and their limit alike; 
 paths one after another, as memcpy is. Reads repeat one stored value, as a cache's hot
 entries are read (the server's Retrieve then sends memoised messages: ``grpc-1-first`` is a
 read of a value just stored).
-Rows over gRPC also carry ``ratio_to_same_direction``: against the raw service's figure for the
-same direction (a store against its put, a read against its get), where ``ratio_to_limit``
-takes the better of the two.
+Rows over gRPC also carry ``ratio_to_same_direction``: against the raw service's best figure
+for the same direction (a store against its puts, a read against its gets), where
+``ratio_to_limit`` takes the best of all four.
 """
 
 from __future__ import annotations
@@ -87,6 +89,7 @@ class RawServer:
 
     def __init__(self) -> None:
         self.data: dict[bytes, list[bytes]] = {}
+        self.whole: dict[bytes, bytes] = {}  # the unary service's: one message per entry
         self.loop = asyncio.new_event_loop()
         self.port = 0
         ready = threading.Event()
@@ -105,11 +108,20 @@ class RawServer:
             for m in self.data[req]:
                 yield m
 
+        async def put_one(req: bytes, ctx: Any) -> bytes:  # key, then the bytes
+            self.whole[req[:32]] = req[32:]
+            return b""
+
+        async def get_one(req: bytes, ctx: Any) -> bytes:
+            return self.whole[req]
+
         async def start() -> None:
             self.server = grpc.aio.server(options=OPTS)
             handler = grpc.method_handlers_generic_handler("raw.Raw", {
                 "Put": grpc.stream_unary_rpc_method_handler(put),
                 "Get": grpc.unary_stream_rpc_method_handler(get),
+                "PutOne": grpc.unary_unary_rpc_method_handler(put_one),
+                "GetOne": grpc.unary_unary_rpc_method_handler(get_one),
             })
             self.server.add_generic_rpc_handlers((handler,))
             self.port = self.server.add_insecure_port("127.0.0.1:0")
@@ -127,6 +139,11 @@ class RawServer:
 def raw_client(port: int) -> tuple[Any, Any, grpc.Channel]:
     ch = grpc.insecure_channel(f"127.0.0.1:{port}", options=OPTS)
     return ch.stream_unary("/raw.Raw/Put"), ch.unary_stream("/raw.Raw/Get"), ch
+
+
+def raw_unary(ch: grpc.Channel) -> tuple[Any, Any]:
+    """The raw service's unary calls: a whole entry in one message each way."""
+    return ch.unary_unary("/raw.Raw/PutOne"), ch.unary_unary("/raw.Raw/GetOne")
 
 
 def _row(op: str, path: str, tokens: int, nbytes: int, ts: list[float], limit: str,
@@ -180,7 +197,7 @@ def h2d_s(nbytes: int, repeat: int) -> list[float] | None:
 
 
 def measure(clients: dict[str, Client], put: Any, get: Any, layout: KVLayout, tokens: int,
-            repeat: int) -> list[dict[str, Any]]:
+            repeat: int, unary: tuple[Any, Any]) -> list[dict[str, Any]]:
     """Rows for one context length: limits first, then every kdn path."""
     kv = random_cache(layout, tokens)
     parts = codec.encode_parts(kv, "raw", wire=True)  # as Client.store encodes a KVCache
@@ -191,11 +208,18 @@ def measure(clients: dict[str, Client], put: Any, get: Any, layout: KVLayout, to
     def raw_get() -> None:  # the transport alone: each message dropped once counted
         assert sum(len(m) for m in get(key)) >= kv.nbytes
 
+    whole = key + b"".join(msgs[1:])  # the unary service's one message
+
+    def raw_get_one() -> None:
+        assert len(unary[1](key)) >= kv.nbytes
+
     # The gRPC paths are timed in turns with the raw service (writes, then reads); the
     # same-host paths one after another, as their memcpy limit is.
     writes: list[tuple[str, str, Callable[[], object]]] = [
-        ("put", "raw-grpc", lambda: put(iter(msgs)))]
-    reads: list[tuple[str, str, Callable[[], object]]] = [("get", "raw-grpc", raw_get)]
+        ("put", "raw-grpc", lambda: put(iter(msgs))),
+        ("put", "raw-grpc-unary", lambda: unary[0](whole))]
+    reads: list[tuple[str, str, Callable[[], object]]] = [
+        ("get", "raw-grpc", raw_get), ("get", "raw-grpc-unary", raw_get_one)]
     local: list[tuple[str, str, Callable[[], object]]] = []
     for path, client in clients.items():
         mine = reads if path.startswith("grpc") else local
@@ -231,6 +255,8 @@ def measure(clients: dict[str, Client], put: Any, get: Any, layout: KVLayout, to
     for op, path, ts in (("copy", "memcpy", memcpy_s(nbytes, repeat)),
                          ("put", "raw-grpc", times.pop(("put", "raw-grpc"))),
                          ("get", "raw-grpc", times.pop(("get", "raw-grpc"))),
+                         ("put", "raw-grpc-unary", times.pop(("put", "raw-grpc-unary"))),
+                         ("get", "raw-grpc-unary", times.pop(("get", "raw-grpc-unary"))),
                          ("copy", "memcpy-read", memcpy_read_s(nbytes, repeat)),
                          ("copy", "h2d-pinned", h2d_s(nbytes, repeat))):
         if ts is None:
@@ -238,8 +264,8 @@ def measure(clients: dict[str, Client], put: Any, get: Any, layout: KVLayout, to
         row = _row(op, path, tokens, nbytes, ts, "", limits)
         limits[(path if op == "copy" else f"{path}-{op}", tokens)] = row["gb_s"]
         rows.append(row)
-    limits[("raw-grpc", tokens)] = max(limits[("raw-grpc-put", tokens)],
-                                       limits[("raw-grpc-get", tokens)])
+    limits[("raw-grpc", tokens)] = max(limits[(f"raw-grpc{form}-{op}", tokens)]
+                                       for form in ("", "-unary") for op in ("put", "get"))
     for (op, path), ts in times.items():
         limit = "raw-grpc" if path.startswith("grpc") else \
             "memcpy-read" if path == "shm-read" else "memcpy"
@@ -311,10 +337,11 @@ def run(tokens_list: list[int], repeat: int, out: Path) -> list[dict[str, Any]]:
                                  local_bytes=2 << 30),
             }
             for tokens in tokens_list:
-                rows += measure(clients, put, get, layout, tokens, repeat)
+                rows += measure(clients, put, get, layout, tokens, repeat, raw_unary(ch))
             limits = {(r["path"], r["tokens"]): r["gb_s"] for r in rows if r["op"] == "copy"}
             limits.update({("raw-grpc", r["tokens"]): max(
-                x["gb_s"] for x in rows if x["path"] == "raw-grpc" and x["tokens"] == r["tokens"])
+                x["gb_s"] for x in rows
+                if x["path"].startswith("raw-grpc") and x["tokens"] == r["tokens"])
                 for r in rows if r["path"] == "raw-grpc"})
             batch = batch_rows(clients, layout, repeat, {})
             n = batch[0]["tokens"]
@@ -365,7 +392,10 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
 def _same_direction(rows: list[dict[str, Any]]) -> None:
     """Each gRPC row's ratio to the raw service in its own direction (batch rows, of another
     size, to the best raw figure of that direction)."""
-    raw = {(r["op"], r["tokens"]): r["gb_s"] for r in rows if r["path"] == "raw-grpc"}
+    raw: dict[tuple[str, int], float] = {}
+    for r in rows:  # the better of the raw stream and the raw unary call, per direction
+        if r["path"].startswith("raw-grpc"):
+            raw[r["op"], r["tokens"]] = max(raw.get((r["op"], r["tokens"]), 0.0), r["gb_s"])
     for r in rows:
         if r["limit"] != "raw-grpc":
             continue
