@@ -98,11 +98,14 @@ FRAME_ALIGN = 64
 
 
 def _fetched(buf: bytes | memoryview, tier: str, owned: bool = False,
-             checked: bool = False, pinned: bool = False) -> Fetched:
-    """Header and frame views of one container (checked when decoded)."""
+             checked: bool = False, pinned: bool = False, whole: bool = False) -> Fetched:
+    """Header and frame views of one container (checked when decoded); ``whole``: the
+    container as one view although not the caller's (an inline answer's bytes), so that
+    decoding copies it once, checked, into a buffer its tensors view."""
     c = parse_container(buf, verify=False)
     return Fetched(EncodedParts(c.header.raw, list(c.frames)), tier,  # type: ignore[arg-type]
-                   owned, checked, c.header, memoryview(buf) if owned else None, pinned)
+                   owned, checked, c.header, memoryview(buf) if owned or whole else None,
+                   pinned)
 
 
 def received(head: pb.RetrieveHeader, frames: Iterator[Any]) -> Fetched:
@@ -365,7 +368,7 @@ class DataPlane:
                                   ref.verified)
                 used = (ref.offset + ref.length + 63) // 64 * 64
             else:
-                out[i] = _fetched(ref.data, ref.tier)
+                out[i] = _fetched(ref.data, ref.tier, whole=True)
         return again, sizes, used
 
     def _remember_too_big(self, namespace: str, key: bytes) -> None:

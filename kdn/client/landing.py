@@ -74,9 +74,9 @@ def stream_of(got: Fetched, device: torch.device | str | None,
         elif got.owned:  # in place: the segment region is the caller's (pinned for a GPU)
             layers = dec.view_entry(got.container, None if got.checked else
                                     list(got.parts.frames))  # type: ignore[arg-type]
-        elif target.type == "cpu":  # the in-process tier's checked bytes: one copy, views
-            layers = dec.copy_entry(got.container)
-        else:  # its pinned bytes (checked as they came in) are the host-to-device copy's source
+        elif target.type == "cpu":  # the in-process tier's checked bytes, an inline answer's
+            layers = dec.copy_entry(got.container)  # bytes (checked on the copy): one copy
+        elif pinned:  # the tier's pinned bytes (checked as they came in): the H2D copy's source
             layers = dec.staging_span(list(got.parts.frames), got.container)  # type: ignore[arg-type]
     if layers is not None:
         timings.bytes_received = len(got.container)  # type: ignore[arg-type]
