@@ -368,10 +368,10 @@ def test_a_joined_load_crosses_in_layer_groups_each_in_its_own_range(
         span = dec.staging_span(list(got.parts.frames), got.container)  # type: ignore[arg-type]
         assert span is not None
         size = span.base.numel() * span.base.element_size()
-        assert landing.layer_groups(span.specs, size) == [(0, layout.num_layers, 0,
+        assert landing.copy_groups(span.specs, size) == [(0, layout.num_layers, 0,
                                                            span.base.numel())]
         monkeypatch.setattr(landing, "LAYER_GROUP_BYTES", size // 5)
-        groups = landing.layer_groups(span.specs, size)
+        groups = landing.copy_groups(span.specs, size)
         assert len(groups) == min(5, layout.num_layers)
         assert [g[0] for g in groups] == [0] + [g[1] for g in groups[:-1]]
         assert groups[-1][1] == layout.num_layers
@@ -384,7 +384,7 @@ def test_a_joined_load_crosses_in_layer_groups_each_in_its_own_range(
                     shape, stride, at = span.specs[j]
                     assert lo <= at and torch.equal(copied.as_strided(shape, stride, at), t)
         shuffled = (span.specs[2], span.specs[3], span.specs[0], span.specs[1]) + span.specs[4:]
-        assert len(landing.layer_groups(shuffled, size)) == 1  # not in layer order: one group
+        assert len(landing.copy_groups(shuffled, size)) == 1  # not in layer order: one group
 
 
 @pytest.mark.gpu

@@ -10,6 +10,7 @@ from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from kdn.client.dataplane import Fetched
+from kdn.client.parallel import layer_groups
 from kdn.codec.format import parse_header
 from kdn.wire import Frame, FrameMessage
 
@@ -92,7 +93,7 @@ def joined_stream(hits: list[Fetched], device: torch.device | str | None,
     """In-process hits of consecutive blocks of one context (``raw``, one layout, as many
     tokens each) as ONE LayerStream of the whole context: each layer's K and V joined along
     tokens. The entries' bytes are the sources of the join, never handed out. Bound for a GPU:
-    the layers cross in groups (``layer_groups``): per group, one host-to-device copy per
+    the layers cross in groups (``copy_groups``): per group, one host-to-device copy per
     entry into one device buffer (every group's copies queued before any join), and on a
     second stream, while the next group crosses, one strided copy per K and V of each of its
     layers into views of one allocation; a layer is ready once its group is joined
@@ -135,7 +136,7 @@ def joined_stream(hits: list[Fetched], device: torch.device | str | None,
             target = torch.device("cuda", torch.cuda.current_device())
         current = torch.cuda.current_stream(target)
         side, join = stream.side_stream(target), stream.side_stream(target, "join")
-        groups = layer_groups(first.specs, lb * first.base.element_size())
+        groups = copy_groups(first.specs, lb * first.base.element_size())
         dev = torch.empty((n, lb), dtype=first.base.dtype, device=target)
         side.wait_stream(current)  # the buffer is the caller's stream's: its work first
         dev.record_stream(side)  # not reused before the side streams are done with it
@@ -174,10 +175,8 @@ def joined_stream(hits: list[Fetched], device: torch.device | str | None,
                     outs[i].view(shape[0], n, *shape[1:]).copy_(src)
                 joined = torch.cuda.Event()
                 joined.record(join)
-                ready += [stream.Copy(joined, ())] * (end_layer - first_layer)
-        held = tuple(sources)  # every group's copies read them: held until each is awaited
-        for c in {id(c): c for c in ready}.values():
-            c.sources = held
+                # every group's copies read every entry: each group holds them all until awaited
+                ready += [stream.Copy(joined, tuple(sources))] * (end_layer - first_layer)
     else:
         all_spans = list(spans())
         if None in all_spans:
@@ -198,28 +197,26 @@ an H200 host, 4 MiB copies queued one by one from Python fell behind the copy en
 MAX_LAYER_GROUPS = 8
 
 
-def layer_groups(specs: tuple[tuple[tuple[int, ...], tuple[int, ...], int], ...],
-                 entry_bytes: int) -> list[tuple[int, int, int, int]]:
+def copy_groups(specs: tuple[tuple[tuple[int, ...], tuple[int, ...], int], ...],
+                entry_bytes: int) -> list[tuple[int, int, int, int]]:
     """Consecutive layers of an entry viewed in place (``Span.specs``: K and V of each layer)
-    split into groups that each lie in their own range of the entry's elements, in layer
-    order: (first layer, end layer, lo, hi) each. One group of every layer, over the whole
-    entry, where the views do not lie in layer order."""
+    split into groups (``parallel.layer_groups``) that each lie in their own range of the
+    entry's elements, in layer order: (first layer, end layer, lo, hi) each. One group of
+    every layer, over the whole entry, where the views do not lie in layer order."""
     layers = len(specs) // 2
     ends = [at + sum((d - 1) * st for d, st in zip(shape, stride)) + 1
             for shape, stride, at in specs]
     whole = [(0, layers, 0, max(ends, default=0))]
-    count = max(1, min(MAX_LAYER_GROUPS, layers, entry_bytes // LAYER_GROUP_BYTES))
-    if count == 1:
+    count = min(MAX_LAYER_GROUPS, entry_bytes // LAYER_GROUP_BYTES)
+    if count < 2 or layers < 2:
         return whole
     out, lo = [], 0
-    for g in range(count):
-        a, b = g * layers // count, (g + 1) * layers // count
-        starts = [specs[i][2] for i in range(2 * a, 2 * b)]
-        if min(starts) < lo:  # a view of this group lies before the last group's end
+    for a, b in layer_groups(layers, count):
+        start = min(specs[i][2] for i in range(2 * a, 2 * b))
+        if start < lo:  # a view of this group lies before the last group's end
             return whole
-        hi = max(ends[2 * a:2 * b])
-        out.append((a, b, min(starts), hi))
-        lo = hi
+        lo = max(ends[2 * a:2 * b])
+        out.append((a, b, start, lo))
     return out
 
 
