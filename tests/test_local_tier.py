@@ -3,6 +3,7 @@ checked on every use, visible to lookup, the engine's timings and the loading co
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -78,7 +79,6 @@ def test_pinned_entries_cost_their_size_and_are_unpinned_when_the_last_view_goes
     import gc
     import mmap
 
-    import numpy as np
 
     cudart = _FakeCudart()
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -259,7 +259,6 @@ def test_a_tier_hit_is_viewed_where_it_lies_for_a_copy_to_a_device(server: Serve
     """The tier keeps an entry's frames aligned as the decoder's plan needs, so a hit bound
     for a GPU is viewed in place (the copy's source) instead of decoded into another buffer
     first (which made GPU-bound tier hits run at a fraction of the pinned rate)."""
-    import numpy as np
 
     from kdn.client.landing import decoder_for
 
@@ -325,6 +324,43 @@ def test_a_context_held_in_process_comes_back_as_one_joined_stream(
         c.store(_key(71), random_kv(layout, 20, seed=9, start=96), mode="raw")
         assert c.retrieve_joined(keys + [_key(71)], layout=layout, device="cpu") is None
         assert c.retrieve_joined(keys[:1], layout=layout, device="cpu") is not None
+
+
+def test_a_repeated_hit_derives_nothing_and_an_entry_replaced_or_gone_takes_it_along(
+        server: ServerThread) -> None:
+    """A tier hit hands out what was parsed when the entry was put, and the span a load
+    derived from it the first time (``LocalHit.memo``); an entry put again under its key
+    starts afresh (its new bytes, its own span), and one that is gone frees what was derived
+    from it (nothing else holds its bytes)."""
+    import gc
+    import weakref
+
+    layout = uniform_layout(layers=4, heads=2, dim=16)
+    with Client(server.address, shm_bytes=0, local_bytes=64 << 20) as c:
+        blocks, keys = _raw_context(c, layout, 3, 16, first=80)
+        assert c.local is not None
+        hit = c.local.get("default", keys[1])
+        assert hit is not None and hit.memo == {}
+        assert c.local.get("default", keys[1]) is hit  # nothing parsed again
+        c.retrieve_joined(keys, layout=layout, device="cpu")
+        span = hit.memo["span"]
+        assert span is not None and span.base.data_ptr() == \
+            np.frombuffer(hit.whole, dtype=np.uint8).ctypes.data + len(hit.parts.header)
+        st = c.retrieve_joined(keys, layout=layout, device="cpu")
+        assert st is not None and c.local.get("default", keys[1]).memo["span"] is span
+        other = random_kv(layout, 16, seed=5, start=16)
+        c.store(keys[1], other, mode="raw")  # the same key, other bytes
+        fresh = c.local.get("default", keys[1])
+        assert fresh is not None and fresh is not hit and fresh.memo == {}
+        again = c.retrieve_joined(keys, layout=layout, device="cpu")
+        assert again is not None
+        assert torch.equal(again.result().layers[2][0][:, 16:32], other.layers[2][0])
+        assert fresh.memo["span"] is not span
+        gone = weakref.ref(fresh.memo["span"].base)
+        del fresh, again, st, span, hit
+        c.local.discard("default", keys[1])
+        gc.collect()
+        assert gone() is None  # the derived views went with the entry
 
 
 def test_the_engine_loads_a_context_held_in_process_as_one_stream(server: ServerThread

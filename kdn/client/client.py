@@ -343,8 +343,8 @@ class Client:
         """The in-process tier's copy of the entry (its layout checked), or None."""
         got = self.local.get(namespace, key) if self.local is not None else None
         return None if got is None else _checked_layout(
-            Fetched(got[0], LOCAL_TIER, checked=True, container=got[1],
-                    pinned=self.local.pinned), layout)  # type: ignore[union-attr]
+            Fetched(got.parts, LOCAL_TIER, checked=True, header=got.header, container=got.whole,
+                    pinned=self.local.pinned, memo=got.memo), layout)  # type: ignore[union-attr]
 
     # -- retrieve -------------------------------------------------------------------------------
 

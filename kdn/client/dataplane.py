@@ -80,6 +80,9 @@ class Fetched:
     pinned: bool = False
     """The bytes are page-locked for CUDA (the read arena's registered mapping, the in-process
     tier's pinned buffers): a copy to a GPU reads them where they lie."""
+    memo: dict[str, Any] | None = None
+    """What readers derived from these bytes, kept by their holder as long as the bytes (the
+    in-process tier's ``LocalHit.memo``), where the bytes never change: None elsewhere."""
 
     def parsed(self) -> Header:
         """``parts.header`` parsed (verified): the reader's parse where there is one."""

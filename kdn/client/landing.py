@@ -53,6 +53,20 @@ def decoder_for(header: bytes | memoryview, device: torch.device | str | None,
                          checked=got is not None and got.checked), target
 
 
+def span_of(got: Fetched, device: torch.device | str | None) -> Span | None:
+    """``StreamDecoder.staging_span`` of the entry for ``device`` (the same for any device: a
+    ``raw`` entry's host bytes, else None), kept in ``got.memo`` where its holder keeps one (the
+    in-process tier, whose bytes never change under a key): a repeated hit derives nothing."""
+    memo = got.memo
+    if memo is not None and "span" in memo:
+        return memo["span"]  # type: ignore[no-any-return]
+    dec, _ = decoder_for(got.parts.header, device, got)
+    sp = dec.staging_span(list(got.parts.frames), got.container)  # type: ignore[arg-type]
+    if memo is not None:
+        memo["span"] = sp
+    return sp
+
+
 def on_cuda(device: torch.device | str | None) -> bool:
     return device is not None and str(device).startswith("cuda")
 
@@ -78,7 +92,7 @@ def stream_of(got: Fetched, device: torch.device | str | None,
         elif target.type == "cpu":  # the in-process tier's checked bytes, an inline answer's
             layers = dec.copy_entry(got.container)  # bytes (checked on the copy): one copy
         elif pinned:  # the tier's pinned bytes (checked as they came in): the H2D copy's source
-            layers = dec.staging_span(list(got.parts.frames), got.container)  # type: ignore[arg-type]
+            layers = span_of(got, device)
     if layers is not None:
         timings.bytes_received = len(got.container)  # type: ignore[arg-type]
         return tensor_side().LayerStream(dec, iter(()), got.tier, lambda: None, timings,
@@ -106,23 +120,23 @@ def joined_stream(hits: list[Fetched], device: torch.device | str | None,
 
     if not hits or any(h.container is None for h in hits):
         return None
-    dec, target = decoder_for(hits[0].parts.header, device, hits[0])
-    first = dec.staging_span(list(hits[0].parts.frames), hits[0].container)  # type: ignore[arg-type]
+    first = span_of(hits[0], device)
     if first is None:
         return None
-    start, tokens = dec.header.entry.start_position, dec.header.tokens
+    head = hits[0].parsed()
+    start, tokens = head.entry.start_position, head.tokens
     n, lb = len(hits), first.base.numel()
+    target = torch.device(device or "cpu")
 
     def spans() -> Iterator[Span | None]:
         """Each hit's span (the first's, then each later one's once it is checked to be
         the next block of the same shape), or None and stop."""
         yield first
         for j, got in enumerate(hits[1:], 1):
-            d, _ = decoder_for(got.parts.header, device, got)
-            sp = d.staging_span(list(got.parts.frames), got.container)  # type: ignore[arg-type]
+            sp = span_of(got, device)
             if sp is None or sp.specs != first.specs or sp.base.shape != first.base.shape \
                     or sp.base.dtype != first.base.dtype \
-                    or d.header.entry.start_position != start + j * tokens:
+                    or got.parsed().entry.start_position != start + j * tokens:
                 yield None  # not one run of consecutive blocks of one shape
                 return
             yield sp
@@ -185,6 +199,7 @@ def joined_stream(hits: list[Fetched], device: torch.device | str | None,
                            for sp in all_spans], dim=1) for shape, stride, at in first.specs]
     timings.header = timings.first_layer = timings.last_frame_received = time.perf_counter()
     timings.bytes_received = sum(len(h.container or b"") for h in hits)
+    dec, _ = decoder_for(hits[0].parts.header, device, hits[0])  # once the copies are queued
     return stream.LayerStream(dec, iter(()), hits[0].tier, lambda: None, timings, target,
                               layers=list(zip(outs[0::2], outs[1::2])), ready=ready or None,
                               blocks=n, tokens=n * tokens)

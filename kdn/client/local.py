@@ -31,13 +31,14 @@ import threading
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
 from kdn.client.dataplane import FRAME_ALIGN
 from kdn.codec import EncodedParts
-from kdn.codec.format import copy_frame_checked, parse_container, parse_header
+from kdn.codec.format import Header, copy_frame_checked, parse_container, parse_header
 from kdn.errors import Corrupt, Truncated
 
 TIER = "inproc"
@@ -54,6 +55,27 @@ class LocalStats:
     entries: int = 0
     bytes: int = 0
     capacity_bytes: int = 0
+
+
+class LocalHit(NamedTuple):
+    """An entry of the tier as ``get`` hands it out."""
+
+    parts: EncodedParts
+    """Header and frame views (read-only)."""
+    whole: memoryview
+    """All of the entry, read-only."""
+    header: Header
+    memo: dict[str, Any]
+    """What readers derived from these bytes (a joined load's span of them): kept as long
+    as the entry, as the bytes never change under it; gone with it."""
+
+
+@dataclass(eq=False)
+class _Held:
+    """One entry: its buffer, parsed once when it was put (a hit parses nothing)."""
+
+    buf: np.ndarray  # type: ignore[type-arg]
+    hit: LocalHit
 
 
 def _unregister(ptr: int) -> None:
@@ -96,30 +118,27 @@ class LocalTier:
         self.capacity_bytes = capacity_bytes
         self.pinned = torch.cuda.is_available()
         """Entries live in page-locked memory (``_host_buffer``): copies to a GPU read them."""
-        self._entries: OrderedDict[tuple[str, bytes], np.ndarray] = OrderedDict()  # type: ignore[type-arg]
+        self._entries: OrderedDict[tuple[str, bytes], _Held] = OrderedDict()
         self._bytes = 0
         self._lock = threading.Lock()
         self.stats = LocalStats(capacity_bytes=capacity_bytes)
 
-    def get(self, namespace: str, key: bytes) -> tuple[EncodedParts, memoryview] | None:
-        """Header and frame views of the entry and a read-only view of all of it, or None
-        (checked when it was put)."""
+    def get(self, namespace: str, key: bytes) -> LocalHit | None:
+        """The entry (checked and parsed when it was put), or None."""
         with self._lock:
-            buf = self._entries.get((namespace, key))
-            if buf is None:
+            held = self._entries.get((namespace, key))
+            if held is None:
                 self.stats.misses += 1
                 return None
             self._entries.move_to_end((namespace, key))
             self.stats.hits += 1
-        whole = memoryview(buf).toreadonly()  # type: ignore[arg-type]
-        c = parse_container(whole, verify=False)
-        return EncodedParts(c.header.raw, list(c.frames)), whole  # type: ignore[arg-type]
+        return held.hit
 
     def contains(self, namespace: str, key: bytes) -> int | None:
         """The entry's size, or None; does not count as a use."""
         with self._lock:
-            buf = self._entries.get((namespace, key))
-            return None if buf is None else int(buf.nbytes)
+            held = self._entries.get((namespace, key))
+            return None if held is None else int(held.buf.nbytes)
 
     def put(self, namespace: str, key: bytes, parts: EncodedParts) -> bool:
         """Keep a checked copy of the entry; False when it is larger than the tier or fails
@@ -148,15 +167,19 @@ class LocalTier:
             with self._lock:
                 self.stats.refused += 1
             return False
+        whole = out.toreadonly()
+        c = parse_container(whole, verify=False)  # once: a hit hands out these views
+        held = _Held(buf, LocalHit(EncodedParts(c.header.raw, list(c.frames)),  # type: ignore[arg-type]
+                                   whole, c.header, {}))
         with self._lock:
             old = self._entries.pop((namespace, key), None)
             if old is not None:
-                self._bytes -= old.nbytes
-            self._entries[(namespace, key)] = buf
+                self._bytes -= old.buf.nbytes
+            self._entries[(namespace, key)] = held
             self._bytes += n
             while self._bytes > self.capacity_bytes:
                 _, dropped = self._entries.popitem(last=False)
-                self._bytes -= dropped.nbytes
+                self._bytes -= dropped.buf.nbytes
                 self.stats.evictions += 1
             self.stats.entries, self.stats.bytes = len(self._entries), self._bytes
         return True
@@ -165,5 +188,5 @@ class LocalTier:
         with self._lock:
             old = self._entries.pop((namespace, key), None)
             if old is not None:
-                self._bytes -= old.nbytes
+                self._bytes -= old.buf.nbytes
             self.stats.entries, self.stats.bytes = len(self._entries), self._bytes
