@@ -28,6 +28,7 @@ Python's built-in ``hash()`` is never used: it is salted per process.
 
 from __future__ import annotations
 
+import array
 import hashlib
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, TypeAlias
@@ -52,6 +53,13 @@ def _token_bytes(token_ids: Sequence[int] | torch.Tensor) -> bytes:
     ids: Any = token_ids
     if hasattr(ids, "detach"):  # a torch tensor
         ids = ids.detach().reshape(-1).cpu().numpy()
+    if isinstance(ids, (list, tuple)):  # converted in C without inferring a dtype first
+        try:
+            ids = np.frombuffer(array.array("q", ids), dtype=np.int64)
+        except TypeError as exc:
+            raise InvalidArgument(f"token ids must be integers: {exc}") from None
+        except OverflowError:
+            raise InvalidArgument("token ids must be in [0, 2**31)") from None
     t = np.asarray(ids).reshape(-1)
     if t.size and not np.issubdtype(t.dtype, np.integer):
         raise InvalidArgument(f"token ids must be integers, got {t.dtype}")
@@ -61,11 +69,11 @@ def _token_bytes(token_ids: Sequence[int] | torch.Tensor) -> bytes:
 
 
 def _h(*parts: bytes) -> bytes:
-    h = hashlib.blake2b(digest_size=KEY_BYTES)
+    """BLAKE2b of the parts, each preceded by its length (8 bytes, little-endian)."""
+    framed: list[bytes] = []
     for p in parts:
-        h.update(len(p).to_bytes(8, "little"))
-        h.update(p)
-    return h.digest()
+        framed += (len(p).to_bytes(8, "little"), p)
+    return hashlib.blake2b(b"".join(framed), digest_size=KEY_BYTES).digest()
 
 
 Shard = tuple[int, int]

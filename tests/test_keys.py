@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -60,6 +61,19 @@ def test_bad_namespace(ns: str) -> None:
 def test_bad_tokens_and_keys() -> None:
     with pytest.raises(InvalidArgument):
         keys.chunk_key([-1], uniform_layout())
+    lay = uniform_layout()
+    in_range = r"\[0, 2\*\*31\)"
+    for bad, match in (([1, 2.5], "integers"), ((3, "4"), "integers"), ([1, 2**31], in_range),
+                       ([2**70], in_range), ([5, -2], in_range),
+                       (np.array([1.0, 2.0]), "integers")):
+        with pytest.raises(InvalidArgument, match=match):
+            keys.prefix_keys(bad, lay, chunk_tokens=1)  # type: ignore[arg-type]
+    # a list, a tuple, an int64 array and a tensor of the same ids: the same keys
+    ids = [7, 0, 2**31 - 1, 42]
+    want = keys.prefix_keys(ids, lay, chunk_tokens=2)
+    assert len(want) == 2
+    for same in (tuple(ids), np.array(ids, dtype=np.int64), torch.tensor(ids)):
+        assert keys.prefix_keys(same, lay, chunk_tokens=2) == want
     with pytest.raises(InvalidArgument, match="32 bytes"):
         keys.check_key(b"short")
 

@@ -215,7 +215,8 @@ MAX_LAYER_GROUPS = 8
 def copy_groups(specs: tuple[tuple[tuple[int, ...], tuple[int, ...], int], ...],
                 entry_bytes: int) -> list[tuple[int, int, int, int]]:
     """Consecutive layers of an entry viewed in place (``Span.specs``: K and V of each layer)
-    split into groups (``parallel.layer_groups``) that each lie in their own range of the
+    split into groups (``parallel.layer_groups``; the last one's last quarter a group of its
+    own, so that less is joined after the last copy) that each lie in their own range of the
     entry's elements, in layer order: (first layer, end layer, lo, hi) each. One group of
     every layer, over the whole entry, where the views do not lie in layer order."""
     layers = len(specs) // 2
@@ -226,7 +227,11 @@ def copy_groups(specs: tuple[tuple[tuple[int, ...], tuple[int, ...], int], ...],
     if count < 2 or layers < 2:
         return whole
     out, lo = [], 0
-    for a, b in layer_groups(layers, count):
+    split = layer_groups(layers, count)
+    a, b = split[-1]
+    if b - a >= 4:  # the last group's join is all that is left once the last copy is in:
+        split[-1:] = [(a, b - (b - a) // 4), (b - (b - a) // 4, b)]  # its last quarter alone
+    for a, b in split:
         start = min(specs[i][2] for i in range(2 * a, 2 * b))
         if start < lo:  # a view of this group lies before the last group's end
             return whole
