@@ -9,6 +9,7 @@ import platform
 import socket
 import statistics
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -136,6 +137,24 @@ def port_open(port: int) -> bool:
     with socket.socket() as s:
         s.settimeout(0.5)
         return s.connect_ex((HOST, port)) == 0
+
+
+@contextmanager
+def kdn_server(data_dir: Path, *options: str, wait_s: float = 60.0) -> Iterator[str]:
+    """``kdn serve`` as a process of its own on a free loopback port, RAM only by default
+    (``--disk-bytes 0``; ``options`` are further ``kdn serve`` flags, later ones win), its log
+    beside ``data_dir``; its address once it answers SERVING."""
+    from kdn.client import Client
+
+    port = free_port()
+    data_dir.mkdir(parents=True, exist_ok=True)
+    with process([sys.executable, "-m", "kdn", "serve", "--host", HOST, "--port", str(port),
+                  "--data-dir", str(data_dir), "--disk-bytes", "0", "--log-level", "WARNING",
+                  *options], data_dir.with_name(f"{data_dir.name}-server.log")) as proc:
+        address = f"{HOST}:{port}"
+        with Client(address, timeout_s=2) as probe:
+            wait_until(lambda: probe.health() == "SERVING", "kdn server", proc, wait_s)
+        yield address
 
 
 @contextmanager

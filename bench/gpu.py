@@ -33,7 +33,6 @@ leased there between reads (the JSON's ``server`` says what it ran with).
 from __future__ import annotations
 
 import json
-import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -45,16 +44,15 @@ import numpy as np
 import torch
 
 from bench.common import (
-    HOST,
     arg_parser,
     figure,
-    free_port,
     machine,
     print_table,
-    process,
     save_figure,
-    wait_until,
     write_json,
+)
+from bench.common import (
+    kdn_server as common_kdn_server,
 )
 from kdn.client import Client
 from kdn.delivery import encoding_name
@@ -141,15 +139,9 @@ def limits(device: torch.device, nbytes: int = 256 << 20) -> dict[str, float]:
 
 @contextmanager
 def kdn_server(tmp: Path, ram: str, arena: str) -> Iterator[str]:
-    port = free_port()
-    with process([sys.executable, "-m", "kdn", "serve", "--host", HOST, "--port", str(port),
-                  "--data-dir", str(tmp / "data"), "--ram-bytes", ram, "--disk-bytes", "0",
-                  "--shm-arena-bytes", arena,
-                  "--max-message-bytes", str(512 << 20), "--max-entry-bytes", str(8 << 30),
-                  "--log-level", "WARNING"], tmp / "kdn-server.log") as proc:
-        address = f"{HOST}:{port}"
-        with Client(address, timeout_s=2) as probe:
-            wait_until(lambda: probe.health() == "SERVING", "kdn server", proc, 120)
+    with common_kdn_server(tmp / "data", "--ram-bytes", ram, "--shm-arena-bytes", arena,
+                           "--max-message-bytes", str(512 << 20),
+                           "--max-entry-bytes", str(8 << 30), wait_s=120) as address:
         yield address
 
 

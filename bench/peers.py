@@ -100,6 +100,9 @@ from bench.common import (
     wait_until,
     write_json,
 )
+from bench.common import (
+    kdn_server as common_kdn_server,
+)
 from kdn import codec, keys
 from kdn.cache import KVCache
 from kdn.client import Client
@@ -415,16 +418,9 @@ def parse_opts(text: str) -> dict[str, Any]:
 
 @contextmanager
 def kdn_server(tmp: Path, extra: list[str]) -> Iterator[str]:
-    port = free_port()
-    data = tmp / f"kdn-{port}"
-    data.mkdir()
-    with process([sys.executable, "-m", "kdn", "serve", "--host", HOST, "--port", str(port),
-                  "--data-dir", str(data), "--ram-bytes", "6GiB", "--disk-bytes", "0",
-                  "--max-message-bytes", str(256 * MIB), "--max-entry-bytes", str(1 << 30),
-                  "--log-level", "WARNING", *extra], tmp / f"kdn-server-{port}.log") as proc:
-        address = f"{HOST}:{port}"
-        with Client(address, timeout_s=2) as probe:
-            wait_until(lambda: probe.health() == "SERVING", "kdn server", proc)
+    with common_kdn_server(tmp / f"kdn-{free_port()}", "--ram-bytes", "6GiB",
+                           "--max-message-bytes", str(256 * MIB),
+                           "--max-entry-bytes", str(1 << 30), *extra) as address:
         yield address
 
 

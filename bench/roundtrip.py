@@ -42,12 +42,16 @@ for the same direction (a store against its puts, a read against its gets), wher
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import dataclasses
+import subprocess
+import sys
 import tempfile
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +59,16 @@ import grpc
 import numpy as np
 import torch
 
-from bench.common import arg_parser, figure, median, print_table, save_figure, timed, write_json
+from bench.common import (
+    arg_parser,
+    figure,
+    kdn_server,
+    median,
+    print_table,
+    save_figure,
+    timed,
+    write_json,
+)
 from kdn import codec, keys
 from kdn.buffers import tune_allocator
 from kdn.cache import KVCache
@@ -314,54 +327,111 @@ def batch_rows(clients: dict[str, Client], layout: KVLayout, repeat: int,
     return rows
 
 
-def run(tokens_list: list[int], repeat: int, out: Path) -> list[dict[str, Any]]:
+def serve_raw() -> None:
+    """``--raw-server``: the raw service alone in this process (its port on stdout) until
+    stdin closes: the baseline of a remote client, in a process of its own as kdn's is."""
+    tune_allocator()  # as ``kdn serve`` sets it
+    raw = RawServer()
+    print(raw.port, flush=True)
+    sys.stdin.read()
+    raw.stop()
+
+
+@contextmanager
+def raw_service(where: str) -> Iterator[int]:
+    """The raw service's port: in a process of its own (``process``) or on a thread of this
+    one (``thread``)."""
+    if where == "thread":
+        raw = RawServer()
+        try:
+            yield raw.port
+        finally:
+            raw.stop()
+        return
+    proc = subprocess.Popen([sys.executable, "-m", "bench.roundtrip", "--raw-server"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        line = proc.stdout.readline() if proc.stdout is not None else b""
+        if not line.strip():
+            raise RuntimeError(f"raw service exited with {proc.wait()}")
+        yield int(line)
+    finally:
+        if proc.stdin is not None:
+            proc.stdin.close()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@contextmanager
+def kdn_services(tmp: Path, where: str, big: int) -> Iterator[tuple[str, str]]:
+    """Addresses of two kdn servers, RAM tier only: one as configured by default, one with
+    the read arenas off (``shm-copy``); ``kdn serve`` processes, or ``ServerThread``s of
+    this process (``thread``)."""
+    if where == "thread":
+        cfg = ServerConfig(port=0, data_dir=tmp, ram_bytes=8 << 30, disk_bytes=0,
+                           max_message_bytes=big, max_entry_bytes=4 << 30)
+        copy_cfg = dataclasses.replace(cfg, port=0, data_dir=tmp / "copy", shm_arena_bytes=0)
+        with ServerThread(cfg) as st, ServerThread(copy_cfg) as copy_st:
+            yield st.address, copy_st.address
+        return
+    flags = ("--ram-bytes", str(8 << 30), "--max-message-bytes", str(big),
+             "--max-entry-bytes", str(4 << 30))
+    with kdn_server(tmp / "kdn", *flags) as address, \
+            kdn_server(tmp / "kdn-copy", *flags, "--shm-arena-bytes", "0") as copy_address:
+        yield address, copy_address
+
+
+def run(tokens_list: list[int], repeat: int, out: Path, server: str = "process"
+        ) -> list[dict[str, Any]]:
+    """Every row; ``server``: where the servers run (``process``: kdn and the raw service
+    each in a process of their own, as a remote client meets them; ``thread``: in this one,
+    sharing its interpreter with the client)."""
     tune_allocator()  # what kdn's Client sets, before the baselines: they run with it too
     layout = smollm2_like_layout()
-    raw = RawServer()
-    put, get, ch = raw_client(raw.port)
     rows: list[dict[str, Any]] = []
     big = 512 << 20
-    with tempfile.TemporaryDirectory() as tmp:
-        cfg = ServerConfig(port=0, data_dir=Path(tmp), ram_bytes=8 << 30, disk_bytes=0,
-                           max_message_bytes=big, max_entry_bytes=4 << 30)
-        copy_cfg = dataclasses.replace(cfg, port=0, data_dir=Path(tmp) / "copy",
-                                       shm_arena_bytes=0)
-        with ServerThread(cfg) as st, ServerThread(copy_cfg) as copy_st:
-            clients = {
-                "grpc-1": Client(st.address, max_message_bytes=big, shm_bytes=0),
-                f"grpc-{STREAMS}": Client(st.address, max_message_bytes=big, shm_bytes=0,
-                                          streams=STREAMS),
-                "shm": Client(st.address, max_message_bytes=big, shm_bytes=1 << 30),
-                "shm-copy": Client(copy_st.address, max_message_bytes=big, shm_bytes=1 << 30),
-                "inproc": Client(st.address, max_message_bytes=big, shm_bytes=0,
-                                 local_bytes=2 << 30),
-            }
-            for tokens in tokens_list:
-                rows += measure(clients, put, get, layout, tokens, repeat, raw_unary(ch))
-            limits = {(r["path"], r["tokens"]): r["gb_s"] for r in rows if r["op"] == "copy"}
-            limits.update({("raw-grpc", r["tokens"]): max(
-                x["gb_s"] for x in rows
-                if x["path"].startswith("raw-grpc") and x["tokens"] == r["tokens"])
-                for r in rows if r["path"] == "raw-grpc"})
-            batch = batch_rows(clients, layout, repeat, {})
-            n = batch[0]["tokens"]
-            memcpy = memcpy_s(batch[0]["bytes"], repeat)
-            limits[("memcpy", n)] = batch[0]["bytes"] / median(memcpy) / 1e9
-            limits[("raw-grpc", n)] = max(v for (p, _), v in limits.items() if p == "raw-grpc")
-            for r in batch:
-                base = limits.get((r["limit"], n))
-                r["ratio_to_limit"] = r["gb_s"] / base if base else None
-            rows += batch
-            _same_direction(rows)
-            for c in clients.values():
-                c.close()
-    ch.close()
-    raw.stop()
+    with tempfile.TemporaryDirectory() as tmp, raw_service(server) as raw_port, \
+            kdn_services(Path(tmp), server, big) as (address, copy_address):
+        put, get, ch = raw_client(raw_port)
+        clients = {
+            "grpc-1": Client(address, max_message_bytes=big, shm_bytes=0),
+            f"grpc-{STREAMS}": Client(address, max_message_bytes=big, shm_bytes=0,
+                                      streams=STREAMS),
+            "shm": Client(address, max_message_bytes=big, shm_bytes=1 << 30),
+            "shm-copy": Client(copy_address, max_message_bytes=big, shm_bytes=1 << 30),
+            "inproc": Client(address, max_message_bytes=big, shm_bytes=0,
+                             local_bytes=2 << 30),
+        }
+        for tokens in tokens_list:
+            rows += measure(clients, put, get, layout, tokens, repeat, raw_unary(ch))
+        limits = {(r["path"], r["tokens"]): r["gb_s"] for r in rows if r["op"] == "copy"}
+        limits.update({("raw-grpc", r["tokens"]): max(
+            x["gb_s"] for x in rows
+            if x["path"].startswith("raw-grpc") and x["tokens"] == r["tokens"])
+            for r in rows if r["path"] == "raw-grpc"})
+        batch = batch_rows(clients, layout, repeat, {})
+        n = batch[0]["tokens"]
+        memcpy = memcpy_s(batch[0]["bytes"], repeat)
+        limits[("memcpy", n)] = batch[0]["bytes"] / median(memcpy) / 1e9
+        limits[("raw-grpc", n)] = max(v for (p, _), v in limits.items() if p == "raw-grpc")
+        for r in batch:
+            base = limits.get((r["limit"], n))
+            r["ratio_to_limit"] = r["gb_s"] / base if base else None
+        rows += batch
+        _same_direction(rows)
+        for c in clients.values():
+            c.close()
+        ch.close()
     print_table(rows, ["op", "path", "tokens", "bytes", "gb_s", "limit", "ratio_to_limit",
                        "ratio_to_same_direction"])
     write_json(out, "roundtrip", rows, repeat=repeat, layout="30 layers x 3 heads x 64 fp16",
                message="one gRPC message per layer frame on the stream paths",
-               server="in this process (ServerThread), RAM tier only")
+               server=("kdn serve and the raw service each in a process of their own"
+                       if server == "process" else "in this process (ServerThread)")
+               + ", RAM tier only")
     plot(rows, out.with_suffix(".png"))
     return rows
 
@@ -406,8 +476,17 @@ def _same_direction(rows: list[dict[str, Any]]) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ns = arg_parser(__doc__, "roundtrip", "one small size, few repeats").parse_args(argv)
-    run([512, 2048] if ns.quick else [512, 2048, 8192], 3 if ns.quick else 7, ns.out)
+    ap = arg_parser(__doc__, "roundtrip", "one small size, few repeats")
+    ap.add_argument("--server", choices=("process", "thread"), default="process",
+                    help="where kdn's servers and the raw service run: processes of their own "
+                    "(as a remote client meets them), or threads of this process")
+    ap.add_argument("--raw-server", action="store_true", help=argparse.SUPPRESS)
+    ns = ap.parse_args(argv)
+    if ns.raw_server:
+        serve_raw()
+        return
+    run([512, 2048] if ns.quick else [512, 2048, 8192], 3 if ns.quick else 7, ns.out,
+        ns.server)
 
 
 if __name__ == "__main__":
