@@ -736,3 +736,47 @@ def test_a_remote_batch_sends_small_entries_inline_and_streams_large_ones(
         got = c.retrieve_many([k for k, _ in items], layout=lay)
         assert all(g is not None and g.equal(kv) for g, (_, kv) in zip(got, items))
         assert len(gets) < len(items)  # inline, many per message (the big one too: < 16 MiB)
+
+
+def test_an_entry_read_alone_streams_past_the_inline_entry_budget(
+        server: ServerThread, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without the segment, an entry read alone comes in one GetMany message up to
+    ``INLINE_ENTRY_BYTES`` and as a Retrieve stream past it, though one message would hold it
+    (learnt once: later reads stream without asking first); in a batch with others it still
+    comes inline. Every read is the stored entry."""
+    from kdn.client import dataplane
+
+    lay = uniform_layout(layers=4, heads=2, dim=64)
+    per_token = lay.bytes_per_token
+    small = random_kv(lay, dataplane.INLINE_ENTRY_BYTES // per_token // 2, seed=90)
+    large = random_kv(lay, dataplane.INLINE_ENTRY_BYTES // per_token + 300, seed=91)
+    assert dataplane.INLINE_ENTRY_BYTES < large.nbytes < dataplane.INLINE_BYTES // 2
+    with Client(server.address, timeout_s=30, shm_bytes=0) as c:
+        assert not c.dataplane.attached and c.streams == 1
+        c.store(_key(90), small, mode="raw")
+        c.store(_key(91), large, mode="raw")
+        gets: list[int] = []
+        real_get = c.dataplane._get
+        monkeypatch.setattr(c.dataplane, "_get",
+                            lambda req, rid: gets.append(req.region.length) or real_get(req, rid))
+        streamed: list[bytes] = []
+        real_call = c._retrieve_call
+        monkeypatch.setattr(c, "_retrieve_call",
+                            lambda req, **kw: streamed.append(req.key) or real_call(req, **kw))
+        got = c.retrieve(_key(90), layout=lay)
+        assert got is not None and got.equal(small)
+        assert streamed == [] and gets == [dataplane.INLINE_ENTRY_BYTES]  # one message
+        gets.clear()
+        got = c.retrieve(_key(91), layout=lay)
+        assert got is not None and got.equal(large)
+        assert streamed == [_key(91)] and gets == [dataplane.INLINE_ENTRY_BYTES]
+        gets.clear()
+        fetched = c.fetch(_key(91), layout=lay)  # known to stream: no GetMany first
+        assert fetched is not None and streamed == [_key(91)] * 2 and gets == []
+        assert codec.decode(fetched.parts.to_bytes()).equal(large)
+        streamed.clear()
+        c.dataplane._too_big.clear()  # noqa: SLF001  # a batch asks for both at once
+        both = c.retrieve_many([_key(90), _key(91)], layout=lay)
+        assert both[0] is not None and both[0].equal(small)
+        assert both[1] is not None and both[1].equal(large)
+        assert streamed == [] and gets == [dataplane.INLINE_BYTES]  # one message for both
