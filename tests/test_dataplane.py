@@ -780,3 +780,36 @@ def test_an_entry_read_alone_streams_past_the_inline_entry_budget(
         assert both[0] is not None and both[0].equal(small)
         assert both[1] is not None and both[1].equal(large)
         assert streamed == [] and gets == [dataplane.INLINE_BYTES]  # one message for both
+
+
+@pytest.mark.parametrize("damaged", [None, 0, 2, 5], ids=["intact", "first", "middle", "last"])
+def test_a_received_stream_copies_large_frames_beside_the_next_and_catches_damage(
+        damaged: int | None) -> None:
+    """``received``: frames of at least ``OVERLAP_FRAME_BYTES`` are copied on another thread
+    while the next arrives, small ones where they arrive; the entry lands whole and checked,
+    and a frame damaged anywhere raises Corrupt (never an entry) once no copy is left
+    writing."""
+    from kdn.client import dataplane
+    from kdn.wire import Frame, FrameMessage
+
+    lay = uniform_layout(layers=6, heads=4, dim=64)
+    tokens = dataplane.OVERLAP_FRAME_BYTES // (lay.bytes_per_token // 6) + 64
+    kv = random_kv(lay, tokens, seed=95)
+    parts = codec.encode_parts(kv, "raw", layers_per_frame=1)
+    frames = [bytes(f) for f in parts.frames]
+    assert min(map(len, frames)) >= dataplane.OVERLAP_FRAME_BYTES
+    small = codec.encode_parts(random_kv(lay, 8, seed=96), "raw", layers_per_frame=1)
+    for p, bad in ((parts, damaged), (small, None)):
+        sent = [bytearray(f) for f in p.frames]
+        if bad is not None:
+            sent[bad][len(sent[bad]) // 2] ^= 0x40
+        head = pb.RetrieveHeader(container_header=bytes(p.header), total_bytes=p.nbytes,
+                                 tier="ram")
+        msgs = (FrameMessage(Frame(i, bytes(f))) for i, f in enumerate(sent))
+        if bad is not None:
+            with pytest.raises(Corrupt):
+                dataplane.received(head, msgs)
+            continue
+        got = dataplane.received(head, msgs)
+        assert got.checked and got.owned
+        assert bytes(got.container) == bytes(p.header) + b"".join(map(bytes, p.frames))  # type: ignore[arg-type]

@@ -22,8 +22,9 @@ import logging
 import os
 import socket
 import threading
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -139,15 +140,51 @@ def received(head: pb.RetrieveHeader, frames: Iterator[Any]) -> Fetched:
     buf = memoryview(room)[start : start + total]  # type: ignore[arg-type]  # viewed in place
     buf[: len(header)] = header
     at = len(header)
-    for i, msg in enumerate(frames):
-        data = msg.frame.data
-        if at + len(data) > total:
-            raise Corrupt(f"frames exceed the entry's {total} bytes")
-        copy_frame_checked(parsed, i, buf[at : at + len(data)], data)
-        at += len(data)
-    if at != total:
-        raise Corrupt(f"stream ended after {at} of the entry's {total} bytes")
+    copies: deque[Future[None]] = deque()
+    try:
+        for i, msg in enumerate(frames):  # waiting for the next message, the GIL is free
+            data = msg.frame.data
+            if at + len(data) > total:
+                raise Corrupt(f"frames exceed the entry's {total} bytes")
+            if len(data) >= OVERLAP_FRAME_BYTES:
+                copies.append(_copier().submit(copy_frame_checked, parsed, i,
+                                               buf[at : at + len(data)], data))
+            else:  # a small frame's copy costs less than handing it to another thread
+                copy_frame_checked(parsed, i, buf[at : at + len(data)], data)
+            at += len(data)
+            while len(copies) > COPIES_IN_FLIGHT or copies and copies[0].done():
+                copies.popleft().result()  # raises Corrupt for a damaged frame
+        if at != total:
+            raise Corrupt(f"stream ended after {at} of the entry's {total} bytes")
+        while copies:
+            copies.popleft().result()
+    finally:
+        for left in copies:  # nothing writes into the buffer once this returns or raises
+            left.exception()
     return _fetched(buf, head.tier, owned=True, checked=True)
+
+
+OVERLAP_FRAME_BYTES = 1 << 20
+"""Frames from this size are copied on ``_copier``'s thread while the next one arrives (on a
+2-core VM, server in its own process: a 8192-token SmolLM2 fetch 0.81-0.83x of the raw
+stream against 0.69-0.80x in turn; 380 KB frames of 512 tokens lost 0.05x handed over)."""
+COPIES_IN_FLIGHT = 4
+"""Frames a received stream holds at most while their copies wait (each message is dropped
+once copied: holding them all faulted in fresh memory, see ``received``)."""
+_COPIER: list[ThreadPoolExecutor] = []
+
+
+def _copier() -> ThreadPoolExecutor:
+    """The thread that copies received frames while the caller waits for the next message
+    (numpy and xxhash run without the GIL): copying and receiving overlap. One thread: the
+    copies are bound by memory bandwidth, and a stream's frames land in order."""
+    with _COPIER_LOCK:
+        if not _COPIER:
+            _COPIER.append(ThreadPoolExecutor(1, thread_name_prefix="kdn-received"))
+        return _COPIER[0]
+
+
+_COPIER_LOCK = threading.Lock()
 
 
 class DataPlane:
