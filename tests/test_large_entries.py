@@ -118,3 +118,61 @@ def test_a_frame_too_big_for_one_message_is_refused_before_sending(tmp_path: Pat
             with pytest.raises(TooLarge, match="store fewer tokens per entry"):
                 c.store(key, kv, mode="raw", layers_per_frame=1)
             assert not c.lookup([key]).infos[0].present
+
+
+@pytest.mark.parametrize("damage", ["flipped", "shapes", "short"])
+def test_large_frames_checked_beside_the_stream_refuse_damage_and_keep_the_old_value(
+        tmp_path: Path, damage: str) -> None:
+    """Store frames of ``OVERLAP_FRAME_BYTES`` or more are copied and checked on other threads
+    while the next arrives: a bit flipped in a middle frame, a frame whose record declares
+    other shapes behind a checksum sealed for it, or a frame cut short is refused
+    (INVALID_ARGUMENT), the value stored before under the key stays, and the intact stream
+    then stores exactly the entry."""
+    from kdn.codec.format import build_header, build_record, frame_with_sum, parse_header
+    from kdn.server import service
+
+    layout = _layout(4, 4, 64)
+    kv = _kv(layout, 2048)
+    parts = codec.encode_parts(kv, "raw", layers_per_frame=1)
+    assert min(map(len, parts.frames)) >= service.OVERLAP_FRAME_BYTES
+    old = _kv(layout, 64)
+    key = keys.chunk_key([11], layout)
+    header = parse_header(parts.header)
+    frames = [bytes(f) for f in parts.frames]
+    head = bytes(parts.header)
+    if damage == "flipped":
+        bad = bytearray(frames[2])
+        bad[len(bad) // 2] ^= 0x01
+        frames[2], words = bytes(bad), "frame 2"
+    elif damage == "shapes":  # as many bytes, other channels: only the records can tell
+        lay = layout.layers[2]
+        wrong = LayerLayout(lay.kv_heads, lay.k_channels + 32, lay.v_channels - 32)
+        body = b"\0" * (lay.kv_heads * 2048 * (lay.k_channels + lay.v_channels) * 2)
+        frames[2], full = frame_with_sum(header.frame_seed, 2, 2,
+                                         [build_record(wrong, 2048, body)])
+        assert len(frames[2]) == len(parts.frames[2])
+        entry = pb.EntryHeader()
+        entry.CopyFrom(header.entry)
+        entry.frames[2].checksum = full
+        head, words = build_header(entry), "layer 2"
+    else:
+        frames[1], words = frames[1][:-7], "frame 1"
+    total = len(head) + sum(map(len, frames))
+    with ServerThread(ServerConfig(port=0, data_dir=tmp_path / "d")) as server, \
+            Client(server.address, shm_bytes=0) as c, \
+            grpc.insecure_channel(server.address, options=[
+                ("grpc.max_send_message_length", 64 << 20)]) as ch:
+        c.store(key, old, mode="raw")
+        stub = pb_grpc.KDNStub(ch)
+        msgs: list[object] = [pb.StoreRequest(header=pb.StoreHeader(
+            key=key, container_header=head, total_bytes=total))]
+        msgs += [pb.StoreRequest.FromString(frame_message(i, f)) for i, f in enumerate(frames)]
+        with pytest.raises(grpc.RpcError) as info:
+            stub.Store(iter(msgs), timeout=30)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
+        assert words in (info.value.details() or "")
+        back = c.retrieve(key, layout=layout)
+        assert back is not None and back.equal(old)
+        stub.Store(iter(_stream(parts, key, parts.nbytes)), timeout=30)
+        back = c.retrieve(key, layout=layout)
+        assert back is not None and back.equal(kv)

@@ -175,12 +175,14 @@ _COPIER: list[ThreadPoolExecutor] = []
 
 
 def _copier() -> ThreadPoolExecutor:
-    """The thread that copies received frames while the caller waits for the next message
-    (numpy and xxhash run without the GIL): copying and receiving overlap. One thread: the
-    copies are bound by memory bandwidth, and a stream's frames land in order."""
+    """The threads that copy received frames while their callers wait for the next message
+    (numpy and xxhash run without the GIL): copying and receiving overlap. One per core, so
+    that streams received side by side copy side by side as they did on their own threads
+    (a stream's frames land at their own offsets: in any order)."""
     with _COPIER_LOCK:
         if not _COPIER:
-            _COPIER.append(ThreadPoolExecutor(1, thread_name_prefix="kdn-received"))
+            _COPIER.append(ThreadPoolExecutor(max(2, os.cpu_count() or 2),
+                                              thread_name_prefix="kdn-received"))
         return _COPIER[0]
 
 
