@@ -1,0 +1,247 @@
+"""Remote reads and writes without the shared segment (kdn.client.dataplane, the server's
+Retrieve and Store streams) against a real server on loopback: inline answers and when an
+entry streams instead, streams assembled in one buffer as they arrive (large frames copied
+beside the next), and damage caught on the way."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kdn import codec
+from kdn.client import Client
+from kdn.client.dataplane import INLINE_BYTES
+from kdn.errors import Corrupt, LayoutMismatch
+from kdn.server import ServerConfig, ServerThread
+from kdn.v1 import kdn_pb2 as pb
+from tests.helpers import random_kv, uniform_layout
+from tests.test_dataplane import LAYOUT, _key
+
+
+def test_fetch_falls_back_to_the_stream_when_the_server_sends_small_messages(
+        tmp_path: Path) -> None:
+    cfg = ServerConfig(port=0, data_dir=tmp_path / "d", disk_bytes=0,
+                       max_message_bytes=64 << 10)
+    lay = uniform_layout(layers=8, heads=2, dim=64)
+    with ServerThread(cfg) as st, Client(st.address, shm_bytes=0) as c:
+        kv = random_kv(lay, 64)  # ~128 KiB: more than one 64 KiB message, frames of 16 KiB
+        c.store(_key(14), kv, mode="raw", layers_per_frame=1)
+        got = c.fetch(_key(14))
+        assert got is not None and codec.decode(got.parts.to_bytes()).equal(kv)
+        assert not c.dataplane._inline_ok  # later fetches go straight to the stream
+        small = random_kv(lay, 2)
+        c.store(_key(15), small, mode="raw")
+        got = c.fetch(_key(15))
+        assert got is not None and codec.decode(got.parts.to_bytes()).equal(small)
+
+
+def test_a_streamed_fetch_lands_in_one_buffer_and_checks_its_size(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from kdn.buffers import RECEIVED
+    from kdn.client.dataplane import received as _received
+    from kdn.wire import Frame, FrameMessage
+
+    cfg = ServerConfig(port=0, data_dir=tmp_path / "d", disk_bytes=0,
+                       max_message_bytes=64 << 10)
+    lay = uniform_layout(layers=8, heads=2, dim=64)
+    with ServerThread(cfg) as st, Client(st.address, shm_bytes=0) as c:
+        kv = random_kv(lay, 64, seed=3)
+        c.store(_key(16), kv, mode="raw", layers_per_frame=1)
+        got = c.fetch(_key(16))
+        # owned, and checked: each frame was hashed as it was copied in
+        assert got is not None and got.owned and got.checked and got.container is not None
+        frames = got.parts.frames
+        assert all(np.frombuffer(f, np.uint8).base is not None for f in frames)  # views
+        assert bytes(got.container) == got.parts.to_bytes()
+        back = c.retrieve(_key(16), layout=lay)  # the stream again: decoded, sums checked
+        assert back is not None and back.equal(kv)
+        blob = codec.encode_parts(kv, "raw", layers_per_frame=1)
+        msgs = [FrameMessage(Frame(i, f)) for i, f in enumerate(blob.frames)]
+        head = pb.RetrieveHeader(container_header=blob.header, total_bytes=blob.nbytes,
+                                 tier="ram")
+        assert codec.decode(_received(head, iter(msgs)).parts.to_bytes()).equal(kv)
+        flipped = bytearray(blob.frames[3])
+        flipped[-5] ^= 0x04  # a damaged frame: caught as it lands
+        bad = [m if i != 3 else FrameMessage(Frame(3, bytes(flipped))) for i, m in enumerate(msgs)]
+        with pytest.raises(Corrupt, match="frame 3"):
+            _received(head, iter(bad))
+        swapped = [msgs[1], msgs[0], *msgs[2:]]  # frames out of their places
+        with pytest.raises(Corrupt):
+            _received(head, iter(swapped))
+        for wrong in (blob.nbytes - 1, blob.nbytes + 1, 3):  # frames that do not add up
+            head.total_bytes = wrong
+            with pytest.raises(Corrupt):
+                _received(head, iter(msgs))
+        head.total_bytes = blob.nbytes
+        monkeypatch.setattr(RECEIVED, "keep_bytes", blob.nbytes - 1)  # larger than it keeps:
+        big = _received(head, iter(msgs))  # left in its messages (no pooled buffer, no copy)
+        assert not big.owned and codec.decode(big.parts.to_bytes()).equal(kv)
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["one-message", "stream"])
+def test_a_remote_retrieve_reads_the_entry_whole_and_catches_damage(
+        server: ServerThread, streamed: bool) -> None:
+    """Without the segment, ``retrieve`` reads as ``fetch`` does (one GetMany message, or a
+    stream assembled in one recycled buffer past the inline budget), then decodes: the
+    tensors are the stored ones, a held result survives the buffer's next use, a mode that
+    decodes decodes, a miss is None, another layout is refused, and a value damaged in
+    server memory never comes back as tensors."""
+    tokens = INLINE_BYTES // LAYOUT.bytes_per_token + 500 if streamed else 40
+    kv = random_kv(LAYOUT, tokens, seed=30)
+    with Client(server.address, timeout_s=30, shm_bytes=0) as c:
+        assert not c.dataplane.attached and c.streams == 1
+        c.retrieve_stream = None  # type: ignore[method-assign,assignment]  # not the way here
+        c.store(_key(30), kv, mode="raw", layers_per_frame=1)
+        back = c.retrieve(_key(30), layout=LAYOUT)
+        assert back is not None and back.equal(kv)
+        if streamed:  # the pooled buffer: a second read reuses it, the first result holds
+            ptrs = {t.untyped_storage().data_ptr() for kv_ in back.layers for t in kv_}
+            assert len(ptrs) == 1  # every layer a view of the one buffer the entry landed in
+            other = random_kv(LAYOUT, tokens, seed=31)
+            c.store(_key(31), other, mode="raw")
+            del back
+            again = c.retrieve(_key(31), layout=LAYOUT)
+            assert again is not None and again.equal(other)
+            held = c.retrieve(_key(30), layout=LAYOUT)
+            assert held is not None and c.retrieve(_key(31)).equal(other)  # type: ignore[union-attr]
+            assert held.equal(kv)
+        lossless = random_kv(LAYOUT, tokens, seed=32)
+        c.store(_key(32), lossless, mode="lossless")
+        assert c.retrieve(_key(32), layout=LAYOUT).equal(lossless)  # type: ignore[union-attr]
+        assert c.retrieve(_key(33), layout=LAYOUT) is None
+        with pytest.raises(LayoutMismatch):
+            c.retrieve(_key(30), layout=uniform_layout(layers=3))
+        assert server.server is not None
+        ram = next(t for t in server.server.store.tiers if t.name == "ram")
+        skey = next(k for k in ram._data if k.endswith(_key(30).hex().encode()))  # noqa: SLF001
+        memo = server.server.servicer.wire_memo
+        assert (skey in memo._memos) == streamed  # noqa: SLF001  # streamed: memoised
+        if streamed:  # a flipped bit in a message kept for the next stream
+            msgs = memo._memos[skey].messages  # noqa: SLF001
+            bad_msg = bytearray(msgs[-1])  # type: ignore[arg-type]
+            bad_msg[-100] ^= 0x10
+            msgs[-1] = bytes(bad_msg)
+            with pytest.raises(Corrupt):
+                c.retrieve(_key(30), layout=LAYOUT)
+            memo.drop(skey)
+        bad = bytearray(ram._data[skey])  # noqa: SLF001
+        bad[-100] ^= 0x10  # a flipped bit in a value the server checked already
+        ram._data[skey] = bytes(bad)  # noqa: SLF001
+        for tier in server.server.store.tiers:
+            if tier.name != "ram":
+                tier.delete(skey)
+        with pytest.raises(Corrupt):
+            c.retrieve(_key(30), layout=LAYOUT)
+
+
+def test_a_remote_batch_sends_small_entries_inline_and_streams_large_ones(
+        server: ServerThread, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without the segment, ``store_many`` packs entries up to ``PUT_INLINE_BYTES`` into
+    inline PutMany messages (many per message, up to the inline budget) and sends a larger one
+    as a Store stream of its own; ``fetch_many`` reads entries up to ``INLINE_BYTES`` inline.
+    Every entry comes back whole."""
+    from kdn.client import dataplane
+
+    lay = uniform_layout(layers=4, heads=2, dim=64)
+    small = [random_kv(lay, 900, seed=70 + i) for i in range(6)]  # ~1.9 MB each
+    big = random_kv(lay, dataplane.PUT_INLINE_BYTES // lay.bytes_per_token + 200, seed=79)
+    with Client(server.address, timeout_s=30, shm_bytes=0) as c:
+        assert not c.dataplane.attached
+        puts: list[int] = []
+        real_put = c.dataplane._put
+        monkeypatch.setattr(c.dataplane, "_put",
+                            lambda req, rid: puts.append(len(req.items)) or real_put(req, rid))
+        streamed: list[bytes] = []
+        real_store = c.store
+        monkeypatch.setattr(c, "store", lambda key, *a, **kw: streamed.append(key)
+                            or real_store(key, *a, **kw))
+        items = [(_key(70 + i), kv) for i, kv in enumerate(small)] + [(_key(79), big)]
+        c.store_many(items, mode="raw")
+        assert streamed == [_key(79)]  # past PUT_INLINE_BYTES: a stream of its own
+        assert sum(puts) == len(small) and len(puts) < len(small)  # several per message
+        gets: list[int] = []
+        real_get = c.dataplane._get
+        monkeypatch.setattr(c.dataplane, "_get",
+                            lambda req, rid: gets.append(len(req.keys)) or real_get(req, rid))
+        got = c.retrieve_many([k for k, _ in items], layout=lay)
+        assert all(g is not None and g.equal(kv) for g, (_, kv) in zip(got, items))
+        assert len(gets) < len(items)  # inline, many per message (the big one too: < 16 MiB)
+
+
+def test_an_entry_read_alone_streams_past_the_inline_entry_budget(
+        server: ServerThread, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without the segment, an entry read alone comes in one GetMany message up to
+    ``INLINE_ENTRY_BYTES`` and as a Retrieve stream past it, though one message would hold it
+    (learnt once: later reads stream without asking first); in a batch with others it still
+    comes inline. Every read is the stored entry."""
+    from kdn.client import dataplane
+
+    lay = uniform_layout(layers=4, heads=2, dim=64)
+    per_token = lay.bytes_per_token
+    small = random_kv(lay, dataplane.INLINE_ENTRY_BYTES // per_token // 2, seed=90)
+    large = random_kv(lay, dataplane.INLINE_ENTRY_BYTES // per_token + 300, seed=91)
+    assert dataplane.INLINE_ENTRY_BYTES < large.nbytes < dataplane.INLINE_BYTES // 2
+    with Client(server.address, timeout_s=30, shm_bytes=0) as c:
+        assert not c.dataplane.attached and c.streams == 1
+        c.store(_key(90), small, mode="raw")
+        c.store(_key(91), large, mode="raw")
+        gets: list[int] = []
+        real_get = c.dataplane._get
+        monkeypatch.setattr(c.dataplane, "_get",
+                            lambda req, rid: gets.append(req.region.length) or real_get(req, rid))
+        streamed: list[bytes] = []
+        real_call = c._retrieve_call
+        monkeypatch.setattr(c, "_retrieve_call",
+                            lambda req, **kw: streamed.append(req.key) or real_call(req, **kw))
+        got = c.retrieve(_key(90), layout=lay)
+        assert got is not None and got.equal(small)
+        assert streamed == [] and gets == [dataplane.INLINE_ENTRY_BYTES]  # one message
+        gets.clear()
+        got = c.retrieve(_key(91), layout=lay)
+        assert got is not None and got.equal(large)
+        assert streamed == [_key(91)] and gets == [dataplane.INLINE_ENTRY_BYTES]
+        gets.clear()
+        fetched = c.fetch(_key(91), layout=lay)  # known to stream: no GetMany first
+        assert fetched is not None and streamed == [_key(91)] * 2 and gets == []
+        assert codec.decode(fetched.parts.to_bytes()).equal(large)
+        streamed.clear()
+        c.dataplane._too_big.clear()  # noqa: SLF001  # a batch asks for both at once
+        both = c.retrieve_many([_key(90), _key(91)], layout=lay)
+        assert both[0] is not None and both[0].equal(small)
+        assert both[1] is not None and both[1].equal(large)
+        assert streamed == [] and gets == [dataplane.INLINE_BYTES]  # one message for both
+
+
+@pytest.mark.parametrize("damaged", [None, 0, 2, 5], ids=["intact", "first", "middle", "last"])
+def test_a_received_stream_copies_large_frames_beside_the_next_and_catches_damage(
+        damaged: int | None) -> None:
+    """``received``: frames of at least ``OVERLAP_FRAME_BYTES`` are copied on another thread
+    while the next arrives, small ones where they arrive; the entry lands whole and checked,
+    and a frame damaged anywhere raises Corrupt (never an entry) once no copy is left
+    writing."""
+    from kdn.client import dataplane
+    from kdn.wire import Frame, FrameMessage
+
+    lay = uniform_layout(layers=6, heads=4, dim=64)
+    tokens = dataplane.OVERLAP_FRAME_BYTES // (lay.bytes_per_token // 6) + 64
+    kv = random_kv(lay, tokens, seed=95)
+    parts = codec.encode_parts(kv, "raw", layers_per_frame=1)
+    frames = [bytes(f) for f in parts.frames]
+    assert min(map(len, frames)) >= dataplane.OVERLAP_FRAME_BYTES
+    small = codec.encode_parts(random_kv(lay, 8, seed=96), "raw", layers_per_frame=1)
+    for p, bad in ((parts, damaged), (small, None)):
+        sent = [bytearray(f) for f in p.frames]
+        if bad is not None:
+            sent[bad][len(sent[bad]) // 2] ^= 0x40
+        head = pb.RetrieveHeader(container_header=bytes(p.header), total_bytes=p.nbytes,
+                                 tier="ram")
+        msgs = (FrameMessage(Frame(i, bytes(f))) for i, f in enumerate(sent))
+        if bad is not None:
+            with pytest.raises(Corrupt):
+                dataplane.received(head, msgs)
+            continue
+        got = dataplane.received(head, msgs)
+        assert got.checked and got.owned
+        assert bytes(got.container) == bytes(p.header) + b"".join(map(bytes, p.frames))  # type: ignore[arg-type]
