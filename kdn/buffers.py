@@ -32,6 +32,7 @@ import ctypes
 import os
 import threading
 import weakref
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -152,3 +153,28 @@ def tune_allocator() -> bool:
 def allocator_tuned() -> bool:
     """Whether ``tune_allocator`` set the thresholds in this process (it is not called here)."""
     return bool(_tuned)
+
+
+OVERLAP_FRAME_BYTES = 1 << 20
+"""A frame of a stream (a client's received Retrieve, the server's Store) from this size is
+copied into its entry's buffer and checked on ``copy_threads`` while the next message arrives;
+smaller ones where they arrive (on a 2-core VM, server in its own process: a 8192-token
+SmolLM2 fetch 0.81-0.83x of the raw stream against 0.69-0.80x in turn; 380 KB frames of 512
+tokens lost 0.05x handed over)."""
+COPIES_IN_FLIGHT = 4
+"""Frames one stream holds at most while their copies wait (each message is dropped once
+copied: holding them all faulted in fresh memory)."""
+_COPY_THREADS: list[ThreadPoolExecutor] = []
+_COPY_THREADS_LOCK = threading.Lock()
+
+
+def copy_threads() -> ThreadPoolExecutor:
+    """The threads frames are copied and checked on beside their streams (numpy and xxhash
+    run without the GIL), one per core: streams read or written side by side copy side by
+    side, as they did on their own threads (a stream's frames land at their own offsets, in
+    any order)."""
+    with _COPY_THREADS_LOCK:
+        if not _COPY_THREADS:
+            _COPY_THREADS.append(ThreadPoolExecutor(max(2, os.cpu_count() or 2),
+                                                    thread_name_prefix="kdn-copy"))
+        return _COPY_THREADS[0]

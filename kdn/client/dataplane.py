@@ -24,11 +24,11 @@ import socket
 import threading
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from kdn.buffers import RECEIVED
+from kdn.buffers import COPIES_IN_FLIGHT, OVERLAP_FRAME_BYTES, RECEIVED, copy_threads
 from kdn.codec import EncodedParts
 from kdn.codec.format import Header, copy_frame_checked, parse_container, parse_header
 from kdn.errors import Corrupt, DeadlineExceeded, KDNError, RateLimited, TooLarge, Unavailable
@@ -59,12 +59,10 @@ remote client meets it, the raw service's stream beat its single message already
 (0.85 against 0.73 GB/s on a 2-core VM, 1.60 against 1.10 on a 16-core host), and a
 512-token SmolLM2 retrieve read 0.87x of the best raw figure streamed against 0.48x inline."""
 INLINE_BYTES = 16 << 20
-"""Entry bytes per inline message at most (a batch's many small entries; one entry alone
-only up to ``INLINE_ENTRY_BYTES``). Up to here one message beats a stream of frames,
-whose every message costs ~0.15 ms of Python gRPC on each side (a SmolLM2-shaped entry of
-512 tokens, 11.8 MB: fetched at 1.03–1.19x the raw service's stream inline against 0.74–0.87x
-streamed); past ~20 MB one big buffer to build, copy and fault in costs more per byte (47 MB:
-75 ms inline against 26 ms streamed), so larger entries stream."""
+"""Entry bytes per inline message at most: a batch's many small entries (one entry alone only
+up to ``INLINE_ENTRY_BYTES``), whose stream would cost ~0.15 ms of Python gRPC per message on
+each side; past ~20 MB one big buffer to build, copy and fault in costs more per byte than a
+stream (47 MB: 75 ms inline against 26 ms streamed), so larger entries stream."""
 
 
 @dataclass(frozen=True)
@@ -147,7 +145,7 @@ def received(head: pb.RetrieveHeader, frames: Iterator[Any]) -> Fetched:
             if at + len(data) > total:
                 raise Corrupt(f"frames exceed the entry's {total} bytes")
             if len(data) >= OVERLAP_FRAME_BYTES:
-                copies.append(_copier().submit(copy_frame_checked, parsed, i,
+                copies.append(copy_threads().submit(copy_frame_checked, parsed, i,
                                                buf[at : at + len(data)], data))
             else:  # a small frame's copy costs less than handing it to another thread
                 copy_frame_checked(parsed, i, buf[at : at + len(data)], data)
@@ -162,31 +160,6 @@ def received(head: pb.RetrieveHeader, frames: Iterator[Any]) -> Fetched:
         for left in copies:  # nothing writes into the buffer once this returns or raises
             left.exception()
     return _fetched(buf, head.tier, owned=True, checked=True)
-
-
-OVERLAP_FRAME_BYTES = 1 << 20
-"""Frames from this size are copied on ``_copier``'s thread while the next one arrives (on a
-2-core VM, server in its own process: a 8192-token SmolLM2 fetch 0.81-0.83x of the raw
-stream against 0.69-0.80x in turn; 380 KB frames of 512 tokens lost 0.05x handed over)."""
-COPIES_IN_FLIGHT = 4
-"""Frames a received stream holds at most while their copies wait (each message is dropped
-once copied: holding them all faulted in fresh memory, see ``received``)."""
-_COPIER: list[ThreadPoolExecutor] = []
-
-
-def _copier() -> ThreadPoolExecutor:
-    """The threads that copy received frames while their callers wait for the next message
-    (numpy and xxhash run without the GIL): copying and receiving overlap. One per core, so
-    that streams received side by side copy side by side as they did on their own threads
-    (a stream's frames land at their own offsets: in any order)."""
-    with _COPIER_LOCK:
-        if not _COPIER:
-            _COPIER.append(ThreadPoolExecutor(max(2, os.cpu_count() or 2),
-                                              thread_name_prefix="kdn-received"))
-        return _COPIER[0]
-
-
-_COPIER_LOCK = threading.Lock()
 
 
 class DataPlane:

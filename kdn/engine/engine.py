@@ -159,17 +159,16 @@ class KDNEngine(KVConnector):
         usable = (len(ids) - 1) // c
         return keys.prefix_keys(list(ids[: usable * c]), self.layout, self.config.namespace, c)
 
-    def _present(self, chain: list[bytes], probe: list[bytes] | None = None
-                 ) -> tuple[int, dict[str, int], frozenset[str]]:
+    def _present(self, chain: list[bytes]
+                 ) -> tuple[int, dict[str, int], frozenset[str], dict[str, list[bytes]]]:
         """(leading blocks present in the best encoding, stored bytes of those blocks by
         encoding name for each encoding holding all of them, the encodings whose blocks are
-        all in the client's in-process tier): one batched Lookup. ``probe``: where given, the
-        list is filled with the keys asked for (``_variants``)."""
+        all in the client's in-process tier, the keys looked up by encoding name): one
+        batched Lookup."""
         names = [encoding_name(m, lv) for m, lv in self.config.encodings]
-        asked = [keys.variant_key(k, n) for n in names for k in chain]
-        if probe is not None:
-            probe += asked
-        infos = self.client.lookup(asked, namespace=self.config.namespace).infos
+        asked = {n: [keys.variant_key(k, n) for k in chain] for n in names}
+        infos = self.client.lookup([k for n in names for k in asked[n]],
+                                   namespace=self.config.namespace).infos
         rows = {name: infos[j * len(chain) : (j + 1) * len(chain)]
                 for j, name in enumerate(names)}
         hits = {name: next((i for i, info in enumerate(row) if not info.present), len(row))
@@ -179,7 +178,7 @@ class KDNEngine(KVConnector):
                   for name in names if best and hits[name] == best}
         local = frozenset(name for name in stored
                           if all(info.tier == LOCAL_TIER for info in rows[name][:best]))
-        return best, stored, local
+        return best, stored, local, asked
 
     def matched_tokens(self, token_ids: Sequence[int]) -> int:
         chain = self._chain(token_ids)
@@ -195,18 +194,15 @@ class KDNEngine(KVConnector):
         if not chain or force == RECOMPUTE:
             return 0
         t0 = time.perf_counter()
-        probe: list[bytes] = []
-        hits, stored, local = self._present(chain, probe)
+        hits, stored, local, asked = self._present(chain)
         t.lookup_s = time.perf_counter() - t0
         tokens = hits * c
         decision = self.controller.choose(tokens, tokens * self.layout.bytes_per_token, stored,
                                           override=force, local=local)
         if decision.choice == RECOMPUTE or not hits:
             return 0
-        names = [encoding_name(m, lv) for m, lv in self.config.encodings]
-        at = names.index(decision.choice) * len(chain) if decision.choice in names else -1
-        blocks = (probe[at : at + hits] if at >= 0 else  # the keys looked up: not hashed again
-                  [keys.variant_key(k, decision.choice) for k in chain[:hits]])
+        blocks = (asked[decision.choice][:hits] if decision.choice in asked else  # looked up:
+                  [keys.variant_key(k, decision.choice) for k in chain[:hits]])  # not hashed again
         joined = None
         if hits > 1 and decision.choice in local and self.config.join_in_process:
             joined = self.client.retrieve_joined(blocks, namespace=self.config.namespace,

@@ -13,18 +13,15 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import os
-import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import grpc
 from google.protobuf.message import DecodeError
 
-from kdn.buffers import MIN_BYTES, BufferPool
+from kdn.buffers import COPIES_IN_FLIGHT, MIN_BYTES, OVERLAP_FRAME_BYTES, BufferPool, copy_threads
 from kdn.codec.catalog import check_codec
 from kdn.codec.format import (
     Header,
@@ -54,25 +51,6 @@ from kdn.wire import FrameMessage
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-
-OVERLAP_FRAME_BYTES = 1 << 20
-"""A Store frame from this size is copied into the entry's buffer and checked on
-``_store_copier``'s threads while the next one arrives; smaller ones on the event loop."""
-COPIES_IN_FLIGHT = 4
-"""Frames one Store stream holds at most while their copies wait."""
-_STORE_COPIER: list[ThreadPoolExecutor] = []
-_STORE_COPIER_LOCK = threading.Lock()
-
-
-def _store_copier() -> ThreadPoolExecutor:
-    """The threads Store frames are copied and checked on (numpy and xxhash run without the
-    GIL); one per core."""
-    with _STORE_COPIER_LOCK:
-        if not _STORE_COPIER:
-            _STORE_COPIER.append(ThreadPoolExecutor(max(2, os.cpu_count() or 2),
-                                                    thread_name_prefix="kdn-store-copy"))
-        return _STORE_COPIER[0]
-
 
 def _copy_frame_timed(header: Header, index: int, dst: memoryview,
                       frame: bytes | memoryview) -> float:
@@ -218,29 +196,23 @@ class KDNServicer(BatchMixin, BlendMixin, pb_grpc.KDNServicer):
             if declared < total:
                 raise InvalidArgument(f"total_bytes {declared} is smaller than the header")
             whole[:total] = header.raw
-        return await self._frames(principal, it, first, skey, header, whole, parts, checking)
-
-    async def _frames(self, principal: Principal, it: AsyncIterator[Any],
-                      first: pb.StoreRequest, skey: bytes, header: Header,
-                      whole: memoryview | None, parts: list[bytes | memoryview],
-                      checking: float) -> pb.StoreResponse:
-        """The rest of a Store stream: its frames checked (into ``whole``, where there is
-        one: large frames on ``_store_copier``'s threads while the next one arrives, as the
-        event loop's thread copying them would hold up every other call), then the entry
-        committed."""
         copies: deque[asyncio.Future[float]] = deque()
         try:
-            return await self._frames_in(principal, it, first, skey, header, whole, parts,
-                                         checking, copies)
+            return await self._frames(principal, it, first, skey, header, whole, parts,
+                                      checking, copies)
         finally:
             if copies:  # nothing writes into the buffer once this returns or raises
                 await asyncio.gather(*copies, return_exceptions=True)
 
-    async def _frames_in(self, principal: Principal, it: AsyncIterator[Any],
-                         first: pb.StoreRequest, skey: bytes, header: Header,
-                         whole: memoryview | None, parts: list[bytes | memoryview],
-                         checking: float, copies: deque[asyncio.Future[float]]
-                         ) -> pb.StoreResponse:
+    async def _frames(self, principal: Principal, it: AsyncIterator[Any],
+                      first: pb.StoreRequest, skey: bytes, header: Header,
+                      whole: memoryview | None, parts: list[bytes | memoryview],
+                      checking: float, copies: deque[asyncio.Future[float]]
+                      ) -> pb.StoreResponse:
+        """The rest of a Store stream: its frames checked (into ``whole``, where there is
+        one: large frames on ``kdn.buffers.copy_threads`` while the next one arrives, held in
+        ``copies``, as the event loop's thread copying them would hold up every other call),
+        then the entry committed."""
         declared, n_frames = first.header.total_bytes, len(header.entry.frames)
         loop = asyncio.get_running_loop()
         total = len(header.raw)
@@ -262,7 +234,7 @@ class KDNServicer(BatchMixin, BlendMixin, pb_grpc.KDNServicer):
                 checking += time.perf_counter() - t0
                 parts.append(data)
             elif len(data) >= OVERLAP_FRAME_BYTES:  # copied and checked beside the next one
-                copies.append(loop.run_in_executor(_store_copier(), _copy_frame_timed, header,
+                copies.append(loop.run_in_executor(copy_threads(), _copy_frame_timed, header,
                                                    index, whole[start:total], data))
                 while len(copies) > COPIES_IN_FLIGHT or copies and copies[0].done():
                     checking += await copies.popleft()  # raises Corrupt for a damaged frame
