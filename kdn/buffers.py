@@ -106,10 +106,11 @@ class BufferPool:
 
 
 RECEIVED = BufferPool(keep_bytes=256 << 20)
-"""The client side's pool (one per process): entries a client receives whole over gRPC
-(``Client.fetch``) and the decoded copies of verbatim entries (``kdn.codec.inplace``,
-``StreamDecoder``'s arena). An engine that loads entries, moves them into its own KV memory
-and drops them gets the next ones in memory that is already faulted in."""
+"""The client side's pool (one per process): large entries a client receives whole over
+gRPC (``Client.fetch``, past ``kdn.client.dataplane.KEEP_MESSAGES_BYTES``) and the decoded
+copies of verbatim entries (``kdn.codec.inplace``, ``StreamDecoder``'s arena). An engine
+that loads entries, moves them into its own KV memory and drops them gets the next ones in
+memory that is already faulted in."""
 
 
 MMAP_THRESHOLD = 32 << 20
@@ -157,13 +158,12 @@ def allocator_tuned() -> bool:
 
 OVERLAP_FRAME_BYTES = 1 << 20
 """A frame of a stream (a client's received Retrieve, the server's Store) from this size is
-copied into its entry's buffer and checked on ``copy_threads`` while the next message arrives;
-smaller ones where they arrive (on a 2-core VM, server in its own process: a 8192-token
-SmolLM2 fetch 0.81-0.83x of the raw stream against 0.69-0.80x in turn; 380 KB frames of 512
-tokens lost 0.05x handed over)."""
+checked (and copied into its entry's buffer, where it has one) on ``copy_threads`` while the
+next message arrives; smaller ones where they arrive (on a 2-core VM, server in its own
+process: a 8192-token SmolLM2 fetch 0.81-0.83x of the raw stream against 0.69-0.80x in
+turn; 380 KB frames of 512 tokens lost 0.05x handed over)."""
 COPIES_IN_FLIGHT = 4
-"""Frames one stream holds at most while their copies wait (each message is dropped once
-copied: holding them all faulted in fresh memory)."""
+"""Frames of one stream at most whose checks (and copies) wait on ``copy_threads``."""
 _COPY_THREADS: list[ThreadPoolExecutor] = []
 _COPY_THREADS_LOCK = threading.Lock()
 

@@ -13,6 +13,7 @@ import pytest
 from kdn import codec
 from kdn.client import Client
 from kdn.client.dataplane import INLINE_BYTES
+from kdn.client.landing import new_timings, stream_of
 from kdn.errors import Corrupt, LayoutMismatch
 from kdn.server import ServerConfig, ServerThread
 from kdn.v1 import kdn_pb2 as pb
@@ -37,9 +38,8 @@ def test_fetch_falls_back_to_the_stream_when_the_server_sends_small_messages(
         assert got is not None and codec.decode(got.parts.to_bytes()).equal(small)
 
 
-def test_a_streamed_fetch_lands_in_one_buffer_and_checks_its_size(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from kdn.buffers import RECEIVED
+def test_a_streamed_fetch_keeps_its_messages_checked_and_checks_its_size(
+        tmp_path: Path) -> None:
     from kdn.client.dataplane import received as _received
     from kdn.wire import Frame, FrameMessage
 
@@ -50,13 +50,21 @@ def test_a_streamed_fetch_lands_in_one_buffer_and_checks_its_size(
         kv = random_kv(lay, 64, seed=3)
         c.store(_key(16), kv, mode="raw", layers_per_frame=1)
         got = c.fetch(_key(16))
-        # owned, and checked: each frame was hashed as it was copied in
-        assert got is not None and got.owned and got.checked and got.container is not None
+        # checked where they landed, and private: views of the received messages, no copy
+        assert got is not None and got.checked and got.private and not got.owned
         frames = got.parts.frames
-        assert all(np.frombuffer(f, np.uint8).base is not None for f in frames)  # views
-        assert bytes(got.container) == got.parts.to_bytes()
+        assert all(isinstance(f, memoryview) and f.readonly and isinstance(f.obj, bytes)
+                   and len(f.obj) > len(f) for f in frames)  # views of whole messages
+        assert codec.decode(got.parts.to_bytes()).equal(kv)
         back = c.retrieve(_key(16), layout=lay)  # the stream again: decoded, sums checked
         assert back is not None and back.equal(kv)
+        # decoded, the tensors view the messages in place (no copy of a private frame)
+        spans = [(np.frombuffer(f, np.uint8).ctypes.data, len(f)) for f in frames]
+        views = stream_of(got, None, new_timings()).result()
+        assert views.equal(kv)
+        for i, (k, v) in enumerate(views.layers):
+            lo, n = spans[i]  # one layer a frame
+            assert lo < k.data_ptr() < v.data_ptr() < lo + n
         blob = codec.encode_parts(kv, "raw", layers_per_frame=1)
         msgs = [FrameMessage(Frame(i, f)) for i, f in enumerate(blob.frames)]
         head = pb.RetrieveHeader(container_header=blob.header, total_bytes=blob.nbytes,
@@ -70,24 +78,24 @@ def test_a_streamed_fetch_lands_in_one_buffer_and_checks_its_size(
         swapped = [msgs[1], msgs[0], *msgs[2:]]  # frames out of their places
         with pytest.raises(Corrupt):
             _received(head, iter(swapped))
+        with pytest.raises(Corrupt, match="frames"):  # one frame short, sizes made to agree
+            short = pb.RetrieveHeader(container_header=blob.header, tier="ram",
+                                      total_bytes=blob.nbytes - len(blob.frames[-1]))
+            _received(short, iter(msgs[:-1]))
         for wrong in (blob.nbytes - 1, blob.nbytes + 1, 3):  # frames that do not add up
             head.total_bytes = wrong
             with pytest.raises(Corrupt):
                 _received(head, iter(msgs))
-        head.total_bytes = blob.nbytes
-        monkeypatch.setattr(RECEIVED, "keep_bytes", blob.nbytes - 1)  # larger than it keeps:
-        big = _received(head, iter(msgs))  # left in its messages (no pooled buffer, no copy)
-        assert not big.owned and codec.decode(big.parts.to_bytes()).equal(kv)
 
 
 @pytest.mark.parametrize("streamed", [False, True], ids=["one-message", "stream"])
 def test_a_remote_retrieve_reads_the_entry_whole_and_catches_damage(
         server: ServerThread, streamed: bool) -> None:
     """Without the segment, ``retrieve`` reads as ``fetch`` does (one GetMany message, or a
-    stream assembled in one recycled buffer past the inline budget), then decodes: the
-    tensors are the stored ones, a held result survives the buffer's next use, a mode that
-    decodes decodes, a miss is None, another layout is refused, and a value damaged in
-    server memory never comes back as tensors."""
+    stream whose messages are kept past the inline budget), then decodes: the tensors are
+    the stored ones, a held result survives the next reads, a mode that decodes decodes, a
+    miss is None, another layout is refused, and a value damaged in server memory never
+    comes back as tensors."""
     tokens = INLINE_BYTES // LAYOUT.bytes_per_token + 500 if streamed else 40
     kv = random_kv(LAYOUT, tokens, seed=30)
     with Client(server.address, timeout_s=30, shm_bytes=0) as c:
@@ -96,9 +104,9 @@ def test_a_remote_retrieve_reads_the_entry_whole_and_catches_damage(
         c.store(_key(30), kv, mode="raw", layers_per_frame=1)
         back = c.retrieve(_key(30), layout=LAYOUT)
         assert back is not None and back.equal(kv)
-        if streamed:  # the pooled buffer: a second read reuses it, the first result holds
+        if streamed:  # the messages: each layer in its own, and the first result holds
             ptrs = {t.untyped_storage().data_ptr() for kv_ in back.layers for t in kv_}
-            assert len(ptrs) == 1  # every layer a view of the one buffer the entry landed in
+            assert len(ptrs) == 2 * LAYOUT.num_layers  # K and V: views of their frame's message
             other = random_kv(LAYOUT, tokens, seed=31)
             c.store(_key(31), other, mode="raw")
             del back
@@ -214,15 +222,20 @@ def test_an_entry_read_alone_streams_past_the_inline_entry_budget(
         assert streamed == [] and gets == [dataplane.INLINE_BYTES]  # one message for both
 
 
+@pytest.mark.parametrize("keep", [True, False], ids=["kept", "copied"])
 @pytest.mark.parametrize("damaged", [None, 0, 2, 5], ids=["intact", "first", "middle", "last"])
-def test_a_received_stream_copies_large_frames_beside_the_next_and_catches_damage(
-        damaged: int | None) -> None:
-    """``received``: frames of at least ``OVERLAP_FRAME_BYTES`` are copied on another thread
-    while the next arrives, small ones where they arrive; the entry lands whole and checked,
-    and a frame damaged anywhere raises Corrupt (never an entry) once no copy is left
-    writing."""
+def test_a_received_stream_checks_large_frames_beside_the_next_and_catches_damage(
+        damaged: int | None, keep: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``received``: frames of at least ``OVERLAP_FRAME_BYTES`` are hashed (and copied) on
+    another thread while the next arrives, small ones where they arrive; the entry comes back
+    checked, its frames the messages themselves (kept) or one recycled buffer (copied: an
+    entry past ``KEEP_MESSAGES_BYTES``), and a frame damaged anywhere raises Corrupt (never
+    an entry)."""
     from kdn.client import dataplane
     from kdn.wire import Frame, FrameMessage
+
+    if not keep:
+        monkeypatch.setattr(dataplane, "KEEP_MESSAGES_BYTES", 0)
 
     lay = uniform_layout(layers=6, heads=4, dim=64)
     tokens = dataplane.OVERLAP_FRAME_BYTES // (lay.bytes_per_token // 6) + 64
@@ -237,11 +250,41 @@ def test_a_received_stream_copies_large_frames_beside_the_next_and_catches_damag
             sent[bad][len(sent[bad]) // 2] ^= 0x40
         head = pb.RetrieveHeader(container_header=bytes(p.header), total_bytes=p.nbytes,
                                  tier="ram")
-        msgs = (FrameMessage(Frame(i, bytes(f))) for i, f in enumerate(sent))
+        msgs = [FrameMessage(Frame(i, bytes(f))) for i, f in enumerate(sent)]
         if bad is not None:
-            with pytest.raises(Corrupt):
-                dataplane.received(head, msgs)
+            with pytest.raises(Corrupt, match=f"frame {bad}"):
+                dataplane.received(head, iter(msgs))
             continue
-        got = dataplane.received(head, msgs)
-        assert got.checked and got.owned
-        assert bytes(got.container) == bytes(p.header) + b"".join(map(bytes, p.frames))  # type: ignore[arg-type]
+        got = dataplane.received(head, iter(msgs))
+        assert got.checked and got.private == keep and got.owned != keep
+        if keep:  # not copied
+            assert got.container is None
+            assert all(f is m.frame.data for f, m in zip(got.parts.frames, msgs))
+        else:  # one buffer, the caller's
+            assert got.container is not None and not got.container.readonly
+            assert bytes(got.container) == got.parts.to_bytes()
+        assert got.parts.to_bytes() == bytes(p.header) + b"".join(map(bytes, p.frames))
+
+
+def test_writes_through_tensors_that_view_received_messages_change_nothing_stored(
+        server: ServerThread) -> None:
+    """Tensors of a streamed retrieve view the messages they came in (``Fetched.private``):
+    written to, they change neither the server's value, nor the in-process tier's copy, nor
+    what the next retrieve brings."""
+    tokens = INLINE_BYTES // LAYOUT.bytes_per_token + 100  # past the inline budget: a stream
+    kv = random_kv(LAYOUT, tokens, seed=41)
+    with Client(server.address, shm_bytes=0) as remote, \
+            Client(server.address, shm_bytes=0, local_bytes=256 << 20) as tiered:
+        remote.store(_key(41), kv, mode="raw", layers_per_frame=1)
+        for c in (remote, tiered):
+            for read in (lambda c=c: c.retrieve(_key(41), layout=LAYOUT),
+                         lambda c=c: c.retrieve_stream(_key(41), layout=LAYOUT).result()):
+                back = read()
+                assert back is not None and back.equal(kv)
+                for k, v in back.layers:
+                    k.fill_(7.0)
+                    v.zero_()
+                assert not back.equal(kv)
+                again = c.retrieve(_key(41), layout=LAYOUT)
+                assert again is not None and again.equal(kv)
+        assert tiered.local is not None and tiered.local.get(tiered.namespace, _key(41))

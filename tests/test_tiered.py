@@ -211,6 +211,31 @@ def test_a_ram_value_is_hashed_once_and_a_new_write_is_checked_again(tmp_path: P
         store.close()
 
 
+def test_a_read_from_memory_answers_only_for_ram_values_checked_already(tmp_path: Path) -> None:
+    """``get_in_memory`` (what an event loop may call): a RAM value whose stamp was verified;
+    None before its first checked read, for a new value under the key, a key only on disk,
+    a miss (counted once, by ``get``) and a store without a RAM tier."""
+    ram, disk = RamTier(1 << 20), LmdbTier(tmp_path / "l", capacity_bytes=8 << 20)
+    store = TieredStore([ram, disk], verify=check)
+    try:
+        good = entry(3000)
+        store.put(b"k", good)
+        assert store.get_in_memory(b"k") is None  # never checked: ``get`` hashes it first
+        assert store.get(b"k") == Hit(good, "ram")
+        assert store.get_in_memory(b"k") == Hit(good, "ram")
+        ram.put(b"k", damage(good))  # another value: another stamp, not checked
+        assert store.get_in_memory(b"k") is None
+        got = store.get(b"k")  # the damaged copy found and repaired from disk
+        assert got is not None and got.value == good and store.counters["corrupt"] == 1
+        ram.delete(b"k")
+        assert store.get_in_memory(b"k") is None  # on disk only
+        misses = ram.counters.misses
+        assert store.get_in_memory(b"none") is None and ram.counters.misses == misses
+        assert TieredStore([disk], verify=check).get_in_memory(b"k") is None  # no RAM tier
+    finally:
+        store.close()
+
+
 def test_lookup_and_delete(make: Callable[..., TieredStore]) -> None:
     store = make()
     store.put(b"a", entry(10))

@@ -35,8 +35,9 @@ from kdn import codec
 from kdn import tracing as _tracing
 from kdn.addresses import same_host
 from kdn.buffers import tune_allocator
+from kdn.client import parallel
 from kdn.client.blend import RemotePiece, blend_request
-from kdn.client.dataplane import DataPlane, Fetched, TooBig, received
+from kdn.client.dataplane import DataPlane, Fetched, TooBig, keeps_messages, received
 from kdn.client.landing import (
     decoder_for,
     device_streams,
@@ -399,56 +400,67 @@ class Client:
         keep = (functools.partial(self._remember, req.namespace, req.key)
                 if whole and self.local is not None else None)  # what the stream brings
         try:
-            if whole and layout is not None and self.streams > 1 and layout.num_layers > 1:
-                stream = self._grouped_stream(req, layout, device, request_id, keep)
-                if stream is not None:
-                    return stream
+            if whole and self.streams > 1:
+                return self._grouped_stream(req, device, request_id, keep)
             return self.layer_stream(self._retrieve_call, req, device, request_id,
                                      on_complete=keep)
         except NotFound:
             return None
 
-    def _grouped_stream(self, req: pb.RetrieveRequest, layout: KVLayout,
-                        device: torch.device | str | None, request_id: str | None,
-                        on_complete: Callable[[EncodedParts], object] | None
-                        ) -> LayerStream | None:
-        """One retrieve over ``self.streams`` streams of layer groups (``kdn.client.parallel``);
-        None when their headers differ (an overwrite came between them: read it again over one
-        stream)."""
-        groups = layer_groups(layout.num_layers, self.streams)
+    def _grouped_stream(self, req: pb.RetrieveRequest, device: torch.device | str | None,
+                        request_id: str | None,
+                        on_complete: Callable[[EncodedParts], object] | None) -> LayerStream:
+        """One retrieve over up to ``self.streams`` streams (``kdn.client.parallel``). The
+        first asks for every layer, as a one-stream read does; its header tells the entry's
+        size, and only an entry of ``GROUP_MIN_BYTES`` or more per stream is split: the
+        other streams then ask for the later layer groups, and the first is cancelled once
+        it has brought its own group. Where their headers differ from the first's (an
+        overwrite came between the calls) they are cancelled and the first reads on alone."""
         md = self.metadata(request_id)
 
-        def run() -> LayerStream | None:
+        def run() -> LayerStream:
             timings = new_timings(started=time.perf_counter())
-            calls = []
-            for start, (first, last) in zip(self._retrieve_calls(len(groups)), groups):
-                part = pb.RetrieveRequest()
-                part.CopyFrom(req)
-                part.first_layer, part.last_layer = first, last
-                calls.append(start(part, timeout=self.timeout_s, metadata=md))
+            whole = self._retrieve_call(req, timeout=self.timeout_s, metadata=md)
+            calls = [whole]
 
             def cancel() -> None:
                 for call in calls:
                     call.cancel()
 
             try:
-                firsts = [next(call) for call in calls]
+                head = next(whole).header
+                header = head.container_header
+                parsed = parse_header(header)
+                n = min(self.streams, parsed.layout.num_layers,
+                        int(head.total_bytes) // max(1, parallel.GROUP_MIN_BYTES))
+                groups = layer_groups(parsed.layout.num_layers, n) if n > 1 else []
+                # the first frame wholly past the first group: the next stream brings it
+                stop = next((i for i, span in enumerate(parsed.entry.frames) if groups
+                             and span.first_layer >= groups[0][1]), None)
+                if stop is None:  # one frame holds every group's layers: nothing to split
+                    groups = []
+                for start, (first, last) in zip(self._retrieve_calls(len(groups))[1:],
+                                                groups[1:]):
+                    part = pb.RetrieveRequest()
+                    part.CopyFrom(req)
+                    part.first_layer, part.last_layer = first, last
+                    calls.append(start(part, timeout=self.timeout_s, metadata=md))
+                firsts = [next(call).header for call in calls[1:]]
             except BaseException:
                 cancel()
                 raise
-            header = firsts[0].header.container_header
-            version = (header, firsts[0].header.entry_digest)
-            if any((f.header.container_header, f.header.entry_digest) != version
-                   for f in firsts[1:]):
-                cancel()
-                return None
+            if any((f.container_header, f.entry_digest) != (header, head.entry_digest)
+                   for f in firsts):
+                for call in calls[1:]:
+                    call.cancel()
+                calls[1:] = []
             timings.header = time.perf_counter()
-            dec, target = decoder_for(header, device)
-            frames = merged(calls)
+            dec, target = decoder_for(header, device,
+                                      received=keeps_messages(int(head.total_bytes)))
+            frames = merged(calls, stop) if len(calls) > 1 else whole
             if on_complete is not None:
                 frames = _tee(frames, header, on_complete)
-            return tensor_side().LayerStream(dec, frames, firsts[0].header.tier, cancel,
-                                              timings, target)
+            return tensor_side().LayerStream(dec, frames, head.tier, cancel, timings, target)
 
         return self._call(run)
 
@@ -467,7 +479,8 @@ class Client:
             call = start(request, timeout=self.timeout_s, metadata=md)
             first = next(call)
             timings.header = time.perf_counter()
-            dec, target = decoder_for(first.header.container_header, device)
+            dec, target = decoder_for(first.header.container_header, device,
+                                      received=keeps_messages(int(first.header.total_bytes)))
             frames = call if on_complete is None else _tee(
                 call, first.header.container_header, on_complete)
             return tensor_side().LayerStream(dec, frames, first.header.tier, call.cancel,
@@ -483,9 +496,10 @@ class Client:
         """Retrieve and decode ``key``. None on a miss.
 
         The whole entry is wanted before anything is used, so without the shared segment and
-        with one stream it is read as ``fetch`` reads it (one message, or a stream assembled
-        in one recycled buffer) and decoded in place: decoding layer by layer as frames
-        arrive only pays where a caller starts on early layers (``retrieve_stream``)."""
+        with one stream it is read as ``fetch`` reads it (one message, or a stream whose
+        messages are kept, or for a large entry copied into one recycled buffer) and decoded
+        in place: decoding layer by layer as frames arrive only pays where a caller starts on
+        early layers (``retrieve_stream``)."""
         if self.dataplane.attached or self.streams > 1:
             stream = self.retrieve_stream(key, namespace=namespace, layout=layout,
                                           device=device, request_id=request_id)

@@ -30,7 +30,13 @@ from typing import Any, TypeVar
 
 from kdn.buffers import COPIES_IN_FLIGHT, OVERLAP_FRAME_BYTES, RECEIVED, copy_threads
 from kdn.codec import EncodedParts
-from kdn.codec.format import Header, copy_frame_checked, parse_container, parse_header
+from kdn.codec.format import (
+    Header,
+    check_frame_prefix,
+    copy_frame_checked,
+    parse_container,
+    parse_header,
+)
 from kdn.errors import Corrupt, DeadlineExceeded, KDNError, RateLimited, TooLarge, Unavailable
 from kdn.status import error_of
 from kdn.v1 import kdn_pb2 as pb
@@ -86,6 +92,11 @@ class Fetched:
     pinned: bool = False
     """The bytes are page-locked for CUDA (the read arena's registered mapping, the in-process
     tier's pinned buffers): a copy to a GPU reads them where they lie."""
+    private: bool = False
+    """The frames are read-only views of messages this client received and nothing else
+    holds (``received``): decoded CPU tensors may view them in place too
+    (``StreamDecoder(private=True)``), and writes through those change nothing anyone else
+    sees."""
     memo: dict[str, Any] | None = None
     """What readers derived from these bytes, kept by their holder as long as the bytes (the
     in-process tier's ``LocalHit.memo``), where the bytes never change: None elsewhere."""
@@ -117,49 +128,78 @@ def _fetched(buf: bytes | memoryview, tier: str, owned: bool = False,
                    pinned)
 
 
+KEEP_MESSAGES_BYTES = 64 << 20
+"""A received entry up to this size stays in the messages it came in (``received``); a larger
+one is copied into one recycled buffer (``kdn.buffers.RECEIVED``) as they arrive. Kept, an
+entry costs one hash of its bytes where they landed; copied, a copy too, but its memory is
+never fresh: the allocator keeps freed memory up to ``kdn.buffers.TRIM_THRESHOLD``, and past
+that every message of the next entry faulted in new pages (SmolLM2 entries, 2-core VM, server
+in its own process: at 47 MB 0.89x of the raw stream kept against 0.73x copied; at 189 MB
+16-34 thousand page faults a read kept, 0.67-0.75x, against 0.85-0.87x copied)."""
+
+
+def keeps_messages(total: int) -> bool:
+    """Whether a received entry of ``total`` bytes stays in its messages: up to
+    ``KEEP_MESSAGES_BYTES``, and past what the recycled buffers keep (fresh memory either
+    way)."""
+    return total <= KEEP_MESSAGES_BYTES or total > RECEIVED.keep_bytes
+
+
 def received(head: pb.RetrieveHeader, frames: Iterator[Any]) -> Fetched:
-    """A Retrieve stream's entry assembled in one recycled buffer as its frames arrive
-    (``kdn.buffers.RECEIVED``), each message dropped once copied: holding every message until
-    the last one came made the process fault in fresh memory for all of them, which cost more
-    than the copy. Each frame is hashed chunk by chunk as it is copied (in cache: a pass of
-    its own over the whole entry afterwards read it from memory again) and checked as a whole,
-    so the entry comes back ``checked``, its frames the caller's to view in place (``owned``).
-    Raises Corrupt when a frame is damaged or the frames do not add up to the header's
-    ``total_bytes``. An entry larger than the pool keeps is left in its messages."""
+    """A Retrieve stream's entry, each frame checked as it lands: kept in its messages
+    (``keeps_messages``: the frames are views of them, hashed where they lie, ``private``), or
+    copied into one recycled buffer and hashed chunk by chunk as it is copied (``owned``), each
+    message then dropped. Frames of ``OVERLAP_FRAME_BYTES`` or more are hashed (and copied) on
+    another thread while the next message arrives. The entry comes back ``checked``. Raises
+    Corrupt when a frame is damaged or out of its place, or the frames do not add up to the
+    header's frames and ``total_bytes``."""
     header = bytes(head.container_header)
     total = int(head.total_bytes)
     if total < len(header):
         raise Corrupt(f"entry of {total} bytes can not hold its {len(header)}-byte header")
-    if total > RECEIVED.keep_bytes:  # never pooled: fresh memory either way, so no copy
-        return Fetched(EncodedParts(header, [m.frame.data for m in frames]), head.tier)
     parsed = parse_header(header)
-    room = RECEIVED.take(total + FRAME_ALIGN)
-    start = -(room.ctypes.data + len(header)) % FRAME_ALIGN  # frames aligned: raw bodies are
-    buf = memoryview(room)[start : start + total]  # type: ignore[arg-type]  # viewed in place
-    buf[: len(header)] = header
+    keep = keeps_messages(total)
+    kept: list[bytes | memoryview] = []
+    buf = memoryview(b"")
+    if not keep:
+        room = RECEIVED.take(total + FRAME_ALIGN)
+        start = -(room.ctypes.data + len(header)) % FRAME_ALIGN  # frames aligned: raw bodies
+        buf = memoryview(room)[start : start + total]  # type: ignore[arg-type]  # viewed in
+        buf[: len(header)] = header  # place
     at = len(header)
-    copies: deque[Future[None]] = deque()
+    pending: deque[Future[Any]] = deque()
     try:
         for i, msg in enumerate(frames):  # waiting for the next message, the GIL is free
             data = msg.frame.data
             if at + len(data) > total:
                 raise Corrupt(f"frames exceed the entry's {total} bytes")
-            if len(data) >= OVERLAP_FRAME_BYTES:
-                copies.append(copy_threads().submit(copy_frame_checked, parsed, i,
-                                               buf[at : at + len(data)], data))
-            else:  # a small frame's copy costs less than handing it to another thread
-                copy_frame_checked(parsed, i, buf[at : at + len(data)], data)
+            if keep:
+                work: Callable[..., Any] = check_frame_prefix
+                args: tuple[Any, ...] = (parsed, i, data)
+                kept.append(data)
+            else:
+                work, args = copy_frame_checked, (parsed, i, buf[at : at + len(data)], data)
             at += len(data)
-            while len(copies) > COPIES_IN_FLIGHT or copies and copies[0].done():
-                copies.popleft().result()  # raises Corrupt for a damaged frame
+            if len(data) >= OVERLAP_FRAME_BYTES:
+                pending.append(copy_threads().submit(work, *args))
+            else:  # a small frame's work costs less than handing it to another thread
+                work(*args)
+            while len(pending) > COPIES_IN_FLIGHT or pending and pending[0].done():
+                pending.popleft().result()  # raises Corrupt for a damaged frame
         if at != total:
             raise Corrupt(f"stream ended after {at} of the entry's {total} bytes")
-        while copies:
-            copies.popleft().result()
+        while pending:
+            pending.popleft().result()
     finally:
-        for left in copies:  # nothing writes into the buffer once this returns or raises
+        for left in pending:  # nothing writes into the buffer once this returns or raises
             left.exception()
-    return _fetched(buf, head.tier, owned=True, checked=True)
+    if not keep:
+        return _fetched(buf, head.tier, owned=True, checked=True)
+    if len(kept) != len(parsed.entry.frames):
+        raise Corrupt(f"stream brought {len(kept)} of the entry's {len(parsed.entry.frames)} "
+                      f"frames")
+    return Fetched(EncodedParts(header, kept), head.tier,  # type: ignore[arg-type]
+                   checked=True, header=parsed, private=True)
 
 
 class DataPlane:

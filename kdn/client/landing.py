@@ -35,12 +35,15 @@ def new_timings(**fields: float) -> StreamTimings:
 
 
 def decoder_for(header: bytes | memoryview, device: torch.device | str | None,
-             got: Fetched | None = None) -> tuple[StreamDecoder, torch.device]:
+                got: Fetched | None = None, *, received: bool = False
+                ) -> tuple[StreamDecoder, torch.device]:
     """The decoder of an entry for ``device``, and the target device. For a CUDA target,
     compressed modes decode on the GPU (their small encoded bytes are what crosses); ``raw``
     decodes on the CPU into views and LayerStream stages non-blocking copies (pinned: the
     segment is registered with CUDA). An entry read through the segment (``got``) is decoded
-    in place and, when the server checked it there, not hashed again."""
+    in place and, when the server checked it there, not hashed again. ``received``: the frames
+    will be those of a stream this client receives (messages nothing else holds: decoded in
+    place, ``Fetched.private``)."""
     import torch
 
     from kdn.codec import StreamDecoder
@@ -50,7 +53,8 @@ def decoder_for(header: bytes | memoryview, device: torch.device | str | None,
     on_host = target.type == "cuda" and parsed.mode == "raw"
     return StreamDecoder(parsed, "cpu" if on_host else target,
                          borrow=got is not None and got.owned,
-                         checked=got is not None and got.checked), target
+                         checked=got is not None and got.checked,
+                         private=received or got is not None and got.private), target
 
 
 def span_of(got: Fetched, device: torch.device | str | None) -> Span | None:

@@ -137,9 +137,12 @@ class StreamDecoder:
 
     def __init__(self, header: bytes | memoryview | Header,
                  device: torch.device | str | None = None, *, borrow: bool = False,
-                 checked: bool = False, stored_bytes: int | None = None) -> None:
+                 checked: bool = False, stored_bytes: int | None = None,
+                 private: bool = False) -> None:
         """``borrow``: the frames are writable buffers the caller hands over for good (a region
         of its shared segment); CPU tensors may then view them instead of copying.
+        ``private``: the frames are read-only views of memory that nothing but them holds (a
+        received stream's messages, ``kdn.client.dataplane.received``): borrowed too.
         ``checked``: their checksums were verified on these very bytes already (by the server
         that wrote them into the segment); frames are still checked for structure.
         ``stored_bytes``: the whole entry's size, where known: a mode that stores tensors
@@ -147,7 +150,8 @@ class StreamDecoder:
         self.checked = checked
         self.header = header if isinstance(header, Header) else parse_header(header)
         self.device = torch.device(device or "cpu")
-        self.borrow = borrow and self.device.type == "cpu"
+        self.private = private and self.device.type == "cpu"
+        self.borrow = (borrow or private) and self.device.type == "cpu"
         self.mode: Mode = get_mode(self.header.mode)
         self.level = self.mode.check_level(self.header.entry.codec.level)
         self._offsets: list[int] = []  # layer l's body goes to [offsets[l], offsets[l + 1])
@@ -202,7 +206,8 @@ class StreamDecoder:
             place = arena[lo:hi]
             np.frombuffer(place, dtype=np.uint8)[:] = np.frombuffer(body, dtype=np.uint8)
             body = place
-        kv = self.mode.borrow_layer(body, spec) if self.borrow or arena is not None else None
+        kv = (self.mode.borrow_layer(body, spec, private=self.private and arena is None)
+              if self.borrow or arena is not None else None)
         k, v = kv if kv is not None else self.mode.decode_layer(rec.body, spec, self.level,
                                                                  self.device)
         if tuple(k.shape) != spec.k_shape or tuple(v.shape) != spec.v_shape:

@@ -316,7 +316,8 @@ class KDNHiCacheStorage(HiCacheStorage):
 
     def _place(self, got: Fetched, page: torch.Tensor) -> None:
         """Decode one fetched entry (checksums verified) into a page view ``[2, L, H, P, D]``."""
-        dec = codec.StreamDecoder(got.parsed(), borrow=got.owned, checked=got.checked)
+        dec = codec.StreamDecoder(got.parsed(), borrow=got.owned, checked=got.checked,
+                                  private=got.private)
         if dec.header.tokens != self.page_size or \
                 dec.header.layout.fingerprint != self._layout().fingerprint:
             raise KDNError(f"entry holds {dec.header.tokens} tokens of layout "

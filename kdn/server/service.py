@@ -293,7 +293,7 @@ class KDNServicer(BatchMixin, BlendMixin, pb_grpc.KDNServicer):
             skey = store_key(current_principal.get().tenant, request.namespace or "default",
                              request.key)
             started = time.perf_counter()
-            hit = await asyncio.to_thread(self.store.get, skey)
+            hit = self.store.get_in_memory(skey) or await asyncio.to_thread(self.store.get, skey)
             read_s = time.perf_counter() - started
             if hit is None:
                 self.count("retrieve.miss")

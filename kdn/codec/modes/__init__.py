@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import abc
 import math
+import warnings
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -74,11 +75,12 @@ class Mode(abc.ABC):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         ...
 
-    def borrow_layer(self, body: memoryview, spec: LayerSpec
+    def borrow_layer(self, body: memoryview, spec: LayerSpec, *, private: bool = False
                      ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """CPU tensors that view ``body``'s bytes in place (no copy), for modes that store
         the tensors verbatim; None where the mode must decode (or ``body`` is misaligned).
-        Only for bodies the caller owns alone and keeps unchanged while the tensors live."""
+        Only for bodies the caller owns alone and keeps unchanged while the tensors live;
+        ``private``: read-only bodies may be viewed too (``tensor_borrowed``)."""
         return None
 
 
@@ -153,13 +155,30 @@ def tensor_from_bytes(
     return torch.from_numpy(arr).view(dtype).reshape(shape)
 
 
-def tensor_borrowed(buf: memoryview, dtype: torch.dtype, shape: tuple[int, ...]
-                    ) -> torch.Tensor | None:
-    """A CPU tensor of ``shape`` viewing ``buf`` (writable, exactly the right size) in place;
-    None when ``buf`` is read-only or not aligned to the element size."""
-    if buf.readonly or not len(buf) or len(buf) != math.prod(shape) * dtype.itemsize:
+_warned = False
+"""Whether torch gave (to nothing) its one warning about a read-only buffer in this process."""
+
+
+def tensor_borrowed(buf: memoryview, dtype: torch.dtype, shape: tuple[int, ...], *,
+                    private: bool = False) -> torch.Tensor | None:
+    """A CPU tensor of ``shape`` viewing ``buf`` (exactly the right size) in place; None when
+    ``buf`` is read-only (unless ``private``) or not aligned to the element size.
+
+    ``private``: ``buf`` is read-only only because of what holds it, and nothing else holds
+    or reads that: the bytes objects gRPC made for one received message, which the receiver
+    alone references (``kdn.client.dataplane.received``). The tensor keeps them alive, and a
+    write through it changes no value anyone else can see."""
+    if buf.readonly and not private or not len(buf) or \
+            len(buf) != math.prod(shape) * dtype.itemsize:
         return None
-    t = torch.frombuffer(buf, dtype=dtype)
+    global _warned
+    if buf.readonly and not _warned:
+        with warnings.catch_warnings():  # torch warns once per process that it can not
+            warnings.simplefilter("ignore", UserWarning)  # protect them, then never again
+            t = torch.frombuffer(buf, dtype=dtype)
+        _warned = True
+    else:
+        t = torch.frombuffer(buf, dtype=dtype)
     return None if t.data_ptr() % dtype.itemsize else t.view(shape)
 
 

@@ -36,11 +36,11 @@ class Raw(Mode):
             tensor_from_bytes(body[nk:], dt, spec.v_shape, device),
         )
 
-    def borrow_layer(self, body: memoryview, spec: LayerSpec
+    def borrow_layer(self, body: memoryview, spec: LayerSpec, *, private: bool = False
                      ) -> tuple[torch.Tensor, torch.Tensor] | None:
         nk = spec.layout.k_numel(spec.tokens) * spec.dtype.itemsize
-        k = tensor_borrowed(body[:nk], spec.dtype.torch, spec.k_shape)
-        v = tensor_borrowed(body[nk:], spec.dtype.torch, spec.v_shape)
+        k = tensor_borrowed(body[:nk], spec.dtype.torch, spec.k_shape, private=private)
+        v = tensor_borrowed(body[nk:], spec.dtype.torch, spec.v_shape, private=private)
         return None if k is None or v is None else (k, v)
 
 
