@@ -1,7 +1,8 @@
 """One retrieve over several gRPC streams of layer groups (kdn.client.parallel), against a real
 server on loopback: whole entries back, frames shared by two groups, misses, the in-process tier
 filled from them, an overwrite between the streams' headers, and small entries on one stream.
-The entries here are small: ``split`` lowers the size from which a retrieve is split."""
+The entries here are small: read alone they stream (``streamed``), and ``split`` lowers the
+size from which a retrieve is split."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from kdn.client import Client, parallel
+from kdn.client import Client, dataplane, parallel
 from kdn.client.parallel import layer_groups
 from kdn.server import ServerThread
 from kdn.v1 import kdn_pb2 as pb
@@ -18,6 +19,12 @@ from tests.helpers import pruned_layout, random_kv, uniform_layout
 
 def _key(i: int) -> bytes:
     return bytes([i]) * 32
+
+
+@pytest.fixture(autouse=True)
+def streamed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An entry read alone streams however small (not in one GetMany message)."""
+    monkeypatch.setattr(dataplane, "INLINE_ENTRY_BYTES", 1)
 
 
 @pytest.fixture

@@ -401,7 +401,7 @@ class Client:
                 if whole and self.local is not None else None)  # what the stream brings
         try:
             if whole and self.streams > 1:
-                return self._grouped_stream(req, device, request_id, keep)
+                return self._grouped_stream(req, device, request_id, keep)  # type: ignore[return-value]
             return self.layer_stream(self._retrieve_call, req, device, request_id,
                                      on_complete=keep)
         except NotFound:
@@ -409,16 +409,19 @@ class Client:
 
     def _grouped_stream(self, req: pb.RetrieveRequest, device: torch.device | str | None,
                         request_id: str | None,
-                        on_complete: Callable[[EncodedParts], object] | None) -> LayerStream:
+                        on_complete: Callable[[EncodedParts], object] | None,
+                        whole_read: bool = False) -> LayerStream | Fetched:
         """One retrieve over up to ``self.streams`` streams (``kdn.client.parallel``). The
         first asks for every layer, as a one-stream read does; its header tells the entry's
         size, and only an entry of ``GROUP_MIN_BYTES`` or more per stream is split: the
         other streams then ask for the later layer groups, and the first is cancelled once
         it has brought its own group. Where their headers differ from the first's (an
-        overwrite came between the calls) they are cancelled and the first reads on alone."""
+        overwrite came between the calls) they are cancelled and the first reads on alone.
+        ``whole_read``: an entry read over one stream is received here, as ``fetch`` receives
+        it (``received``), and comes back as a Fetched (``on_complete`` not called)."""
         md = self.metadata(request_id)
 
-        def run() -> LayerStream:
+        def run() -> LayerStream | Fetched:
             timings = new_timings(started=time.perf_counter())
             whole = self._retrieve_call(req, timeout=self.timeout_s, metadata=md)
             calls = [whole]
@@ -454,6 +457,12 @@ class Client:
                 for call in calls[1:]:
                     call.cancel()
                 calls[1:] = []
+            if whole_read and len(calls) == 1:
+                try:
+                    return received(head, whole)
+                except BaseException:
+                    whole.cancel()
+                    raise
             timings.header = time.perf_counter()
             dec, target = decoder_for(header, device,
                                       received=keeps_messages(int(head.total_bytes)))
@@ -495,17 +504,35 @@ class Client:
                  request_id: str | None = None) -> KVCache | None:
         """Retrieve and decode ``key``. None on a miss.
 
-        The whole entry is wanted before anything is used, so without the shared segment and
-        with one stream it is read as ``fetch`` reads it (one message, or a stream whose
-        messages are kept, or for a large entry copied into one recycled buffer) and decoded
-        in place: decoding layer by layer as frames arrive only pays where a caller starts on
-        early layers (``retrieve_stream``)."""
-        if self.dataplane.attached or self.streams > 1:
+        The whole entry is wanted before anything is used, so without the shared segment it
+        is read as ``fetch`` reads it (one message, or a stream whose messages are kept, or
+        for a large entry copied into one recycled buffer) and decoded in place: decoding
+        layer by layer as frames arrive only pays where a caller starts on early layers
+        (``retrieve_stream``), or where an entry large enough comes over several streams
+        (``streams``, ``kdn.client.parallel``)."""
+        if self.dataplane.attached:
             stream = self.retrieve_stream(key, namespace=namespace, layout=layout,
                                           device=device, request_id=request_id)
             return None if stream is None else stream.result()
         started = time.perf_counter()
-        got = self.fetch(key, namespace=namespace, layout=layout, request_id=request_id)
+        if self.streams == 1:
+            got = self.fetch(key, namespace=namespace, layout=layout, request_id=request_id)
+        else:  # as fetch reads, but a large entry over several streams
+            req = self._retrieve_request(key, namespace, layout)
+            found = self._entries(req.namespace, [req.key], layout, request_id)[0]
+            if not isinstance(found, TooBig):
+                got = found
+            else:
+                keep = (functools.partial(self._remember, req.namespace, req.key)
+                        if self.local is not None else None)
+                try:
+                    read = self._grouped_stream(req, device, request_id, keep, whole_read=True)
+                except NotFound:
+                    return None
+                if not isinstance(read, Fetched):
+                    return read.result()
+                self._remember(req.namespace, req.key, read.parts)
+                got = read
         return None if got is None else stream_of(got, device,
                                                    new_timings(started=started)).result()
 
