@@ -93,6 +93,72 @@ def test_entries_the_plan_does_not_cover_get_none() -> None:
     assert inplace.views(header, unaligned) is None
 
 
+def _apart(parts: codec.EncodedParts, shift: int = 0) -> list[memoryview]:
+    """Each frame in a read-only bytes object of its own, as a received stream's messages hold
+    them (``shift`` bytes into it)."""
+    return [memoryview(b"\0" * shift + bytes(f))[shift:] for f in parts.frames]
+
+
+@pytest.mark.parametrize("layout", [uniform_layout(), pruned_layout()], ids=["uniform", "pruned"])
+@pytest.mark.parametrize("per_frame", [1, 3, 0])
+def test_frames_apart_are_viewed_where_they_lie(layout, per_frame: int) -> None:
+    kv = random_kv(layout, 24, seed=per_frame + 10)
+    parts = codec.encode_parts(kv, "raw", layers_per_frame=per_frame)
+    frames = _apart(parts)
+    header = parse_header(parts.header)
+    got = inplace.frame_views(header, frames)
+    assert got is not None and KVCache(layout, got).equal(kv)
+    spans = [(np.frombuffer(f, np.uint8).ctypes.data, len(f)) for f in frames]
+    for k, v in got:  # views of the frames, no copy
+        for t in (k, v):
+            assert any(lo <= t.data_ptr() and t.data_ptr() + t.nbytes <= lo + n
+                       for lo, n in spans)
+    dec = codec.StreamDecoder(header, private=True, checked=True)
+    assert dec.view_frames(frames) is not None
+    for unfit in (codec.StreamDecoder(header, private=True),  # sums not verified yet
+                  codec.StreamDecoder(header, checked=True)):  # frames not handed over
+        assert unfit.view_frames(frames) is None
+
+
+def test_frames_apart_with_any_prefix_byte_out_of_place_are_refused() -> None:
+    layout = pruned_layout()
+    parts = codec.encode_parts(random_kv(layout, 8, seed=4), "raw", layers_per_frame=2)
+    header = parse_header(parts.header)
+    frames = [bytearray(f) for f in parts.frames]
+    views = [memoryview(f).toreadonly() for f in frames]
+    assert inplace.frame_views(header, views) is not None
+    flipped = 0
+    for f in frames:
+        for pos in [*range(12), *range(16, 30)]:  # the frame's prefix (its sum aside), a record's
+            f[pos] ^= 0x01
+            assert inplace.frame_views(header, views) is None, pos
+            f[pos] ^= 0x01
+            flipped += 1
+    assert flipped == 26 * len(frames)
+    assert inplace.frame_views(header, views) is not None  # whole again
+    frames[0][40] ^= 0x01  # a body byte: the checksums' business, verified before
+    assert inplace.frame_views(header, views) is not None
+
+
+def test_frames_apart_the_plan_does_not_cover_get_none() -> None:
+    layout = uniform_layout()
+    kv = random_kv(layout, 8)
+    parts = codec.encode_parts(kv, "raw")
+    header = parse_header(parts.header)
+    frames = _apart(parts)
+    assert inplace.frame_views(header, frames[:-1]) is None  # a frame missing
+    assert inplace.frame_views(header, [*frames[:-1], frames[-1][:-1]]) is None  # cut short
+    assert inplace.frame_views(header, _apart(parts, shift=1)) is None  # at odd addresses
+    lossless = codec.encode_parts(kv, "lossless")
+    assert inplace.frame_views(parse_header(lossless.header), _apart(lossless)) is None
+    entry = pb.EntryHeader.FromString(header.entry.SerializeToString())
+    head1, frames1 = seal(entry, parts.frames, version=1)
+    assert inplace.frame_views(parse_header(head1), [memoryview(f) for f in frames1]) is None
+    fp32 = uniform_layout(dtype=DType.FLOAT32)  # first body at byte 30: not 4-byte aligned
+    p32 = codec.encode_parts(random_kv(fp32, 8), "raw")
+    assert inplace.frame_views(parse_header(p32.header), _apart(p32)) is None
+
+
 @pytest.fixture
 def shm_client(server: ServerThread) -> Iterator[Client]:
     c = Client(server.address, timeout_s=30, shm_bytes=8 << 20)

@@ -97,8 +97,10 @@ def stream_of(got: Fetched, device: torch.device | str | None,
             layers = dec.copy_entry(got.container)  # bytes (checked on the copy): one copy
         elif pinned:  # the tier's pinned bytes (checked as they came in): the H2D copy's source
             layers = span_of(got, device)
+    elif got.private:  # a received stream's messages, checked as they landed: views of them
+        layers = dec.view_frames(got.parts.frames)  # type: ignore[arg-type]
     if layers is not None:
-        timings.bytes_received = len(got.container)  # type: ignore[arg-type]
+        timings.bytes_received = got.parts.nbytes
         return tensor_side().LayerStream(dec, iter(()), got.tier, lambda: None, timings,
                                           target, layers=layers, pinned=pinned)
     frames = iter([FrameMessage(Frame(i, f)) for i, f in enumerate(got.parts.frames)])

@@ -234,6 +234,15 @@ class StreamDecoder:
         return None if frames is None else inplace.verified_views(
             self.header, frames, container, readonly=False)
 
+    def view_frames(self, frames: Sequence[memoryview]
+                    ) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+        """Every layer at once as views of ``frames`` where they lie apart (``private``
+        frames, checksums verified already: a received stream's messages); None when that
+        does not apply (``kdn.codec.inplace.frame_views``): decode frame by frame then."""
+        if not (self.private and self.checked and self.mode.borrows):
+            return None
+        return inplace.frame_views(self.header, frames)
+
     def copy_entry(self, container: bytes | memoryview
                    ) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
         """Every layer at once from one copy of ``container`` (the whole entry) into a
