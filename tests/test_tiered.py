@@ -236,6 +236,32 @@ def test_a_read_from_memory_answers_only_for_ram_values_checked_already(tmp_path
         store.close()
 
 
+def test_a_value_put_as_verified_is_not_hashed_on_its_first_read(tmp_path: Path) -> None:
+    checked: list[bytes] = []
+
+    def counting(value: bytes) -> None:
+        checked.append(value)
+        check(value)
+
+    ram, disk = RamTier(1 << 20), LmdbTier(tmp_path / "l", capacity_bytes=8 << 20)
+    store = TieredStore([ram, disk], verify=counting)
+    try:
+        good = entry(3000)
+        store.put(b"v", good, verified=True)  # checked by the caller (a Store stream)
+        assert store.get_in_memory(b"v") == Hit(good, "ram")
+        assert store.get(b"v") == Hit(good, "ram") and checked == []
+        store.put(b"u", good)  # not said to be checked: hashed on its first read
+        assert store.get_in_memory(b"u") is None
+        assert store.get(b"u") == Hit(good, "ram") and len(checked) == 1
+        ram.put(b"v", damage(good))  # another value under the key: not trusted
+        assert store.get_in_memory(b"v") is None
+        got = store.get(b"v")
+        assert got is not None and got.value == good and store.counters["corrupt"] == 1
+        assert TieredStore([disk], verify=counting).put(b"w", good, verified=True) == "disk"
+    finally:
+        store.close()
+
+
 def test_lookup_and_delete(make: Callable[..., TieredStore]) -> None:
     store = make()
     store.put(b"a", entry(10))

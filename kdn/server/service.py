@@ -272,7 +272,7 @@ class KDNServicer(BatchMixin, BlendMixin, pb_grpc.KDNServicer):
                 # a read-only byte view (PutMany) is stored as it is: tiers read any buffer
                 tier = self.store.put(skey, value,  # type: ignore[arg-type]
                                       ttl_s=float(opts.ttl_seconds) or None, pin=opts.pin,
-                                      durability=Durability(opts.durability))
+                                      durability=Durability(opts.durability), verified=True)
             except BaseException:
                 if delta > 0:
                     self.auth.charge(principal, -delta)

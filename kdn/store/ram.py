@@ -84,6 +84,12 @@ class RamTier(Tier):
             self.counters.hits += 1
             return self._data[key], self._stamps[key]
 
+    def stamp_if(self, key: bytes, value: object) -> int:
+        """The stamp of ``key``'s value where that is the very object ``value`` (a put's value
+        as it was given, no later one); 0 otherwise. Counts no hit."""
+        with self._lock:
+            return self._stamps[key] if self._data.get(key) is value else 0
+
     def size_of(self, key: bytes) -> int | None:
         with self._lock:
             return len(self._data[key]) if self._live(key) else None

@@ -331,11 +331,14 @@ class TieredStore:
     # -- writes ---------------------------------------------------------------------------------
 
     def put(self, key: bytes, value: bytes, *, ttl_s: float | None = None, pin: bool = False,
-            durability: Durability = Durability.DEFAULT) -> str:
+            durability: Durability = Durability.DEFAULT, verified: bool = False) -> str:
         """Store ``value``; return the name of the first tier that holds it.
 
         Returns once the entry is where ``durability`` (or, for DEFAULT, the write policy)
-        asks; raises when that can not be done (nothing is then acknowledged).
+        asks; raises when that can not be done (nothing is then acknowledged). ``verified``:
+        the caller checked ``value`` as ``verify`` would (a Store stream, frame by frame), so
+        the RAM tier's copy is not hashed again on its first read (``get_in_memory`` answers
+        it at once).
         """
         if self._closing:
             raise Unavailable("the store is shutting down")
@@ -351,11 +354,20 @@ class TieredStore:
         if pin:
             self.pin(key)
         try:
-            return self._put(key, value, ttl, required, durability)
+            tier = self._put(key, value, ttl, required, durability)
         except BaseException:
             if pin and not was_pinned:
                 self.unpin(key)
             raise
+        head = self.tiers[0]
+        if verified and isinstance(head, RamTier):
+            stamp = head.stamp_if(key, value)  # 0 where another put came in between
+            if stamp:
+                with self._lock:
+                    if len(self._checked) >= _CHECKED_MAX:
+                        self._checked.clear()
+                    self._checked[(head.name, key)] = stamp
+        return tier
 
     def _put(self, key: bytes, value: bytes, ttl: float | None, required: Tier,
              durability: Durability) -> str:
