@@ -30,6 +30,7 @@ def streamed(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.fixture
 def split(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(parallel, "GROUP_MIN_BYTES", 1)
+    monkeypatch.setattr(parallel, "stream_cores", lambda: 8)  # as on a host with 16 cores
 
 
 def test_layer_groups_cover_every_layer_once() -> None:
@@ -107,7 +108,8 @@ def test_only_an_entry_large_enough_is_split(server: ServerThread,
                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """The first stream's header tells the entry's size: below ``GROUP_MIN_BYTES`` a stream it
     reads on alone (one Retrieve call), from there on the later groups come on streams of
-    their own and the first stops after its group (its frames past it are not waited for)."""
+    their own (no more than ``stream_cores``) and the first stops after its group (its frames
+    past it are not waited for)."""
     lay = uniform_layout(layers=8)
     kv = random_kv(lay, 40, seed=11)
     with Client(server.address, shm_bytes=0, streams=4) as c:
@@ -126,10 +128,14 @@ def test_only_an_entry_large_enough_is_split(server: ServerThread,
             return [first, *map(wrap, rest)]
 
         monkeypatch.setattr(c, "_retrieve_calls", counted)
-        for size, want in ((nbytes // 2 + 1, []),  # two streams' worth missing: one stream
-                           (nbytes // 2, [(4, 8)]),  # two streams
-                           (nbytes // 4, [(2, 4), (4, 6), (6, 8)])):  # as many as asked
+        for size, cores, want in (
+                (nbytes // 2 + 1, 8, []),  # two streams' worth missing: one stream
+                (nbytes // 2, 8, [(4, 8)]),  # two streams
+                (nbytes // 4, 8, [(2, 4), (4, 6), (6, 8)]),  # as many as asked
+                (nbytes // 4, 2, [(4, 8)]),  # no more than the cores receive side by side
+                (nbytes // 4, 1, [])):
             monkeypatch.setattr(parallel, "GROUP_MIN_BYTES", size)
+            monkeypatch.setattr(parallel, "stream_cores", lambda n=cores: n)
             calls.clear()
             back = c.retrieve(_key(7), layout=lay)
             assert back is not None and back.equal(kv)
@@ -138,3 +144,13 @@ def test_only_an_entry_large_enough_is_split(server: ServerThread,
         stream = c.retrieve_stream(_key(7), layout=lay)
         assert stream is not None and stream.result().equal(kv)
         assert c.stats().counters.get("retrieve.cancelled", 0) <= before + 1
+
+
+def test_stream_cores_is_half_the_cores_this_process_may_run_on(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
+    assert parallel.stream_cores() == 8
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
+    assert parallel.stream_cores() == 1

@@ -413,7 +413,8 @@ class Client:
                         whole_read: bool = False) -> LayerStream | Fetched:
         """One retrieve over up to ``self.streams`` streams (``kdn.client.parallel``). The
         first asks for every layer, as a one-stream read does; its header tells the entry's
-        size, and only an entry of ``GROUP_MIN_BYTES`` or more per stream is split: the
+        size, and only an entry of ``GROUP_MIN_BYTES`` or more per stream is split, over no
+        more streams than the cores receive side by side (``stream_cores``): the
         other streams then ask for the later layer groups, and the first is cancelled once
         it has brought its own group. Where their headers differ from the first's (an
         overwrite came between the calls) they are cancelled and the first reads on alone.
@@ -434,7 +435,7 @@ class Client:
                 head = next(whole).header
                 header = head.container_header
                 parsed = parse_header(header)
-                n = min(self.streams, parsed.layout.num_layers,
+                n = min(self.streams, parsed.layout.num_layers, parallel.stream_cores(),
                         int(head.total_bytes) // max(1, parallel.GROUP_MIN_BYTES))
                 groups = layer_groups(parsed.layout.num_layers, n) if n > 1 else []
                 # the first frame wholly past the first group: the next stream brings it
