@@ -288,3 +288,10 @@ def test_writes_through_tensors_that_view_received_messages_change_nothing_store
                 again = c.retrieve(_key(41), layout=LAYOUT)
                 assert again is not None and again.equal(kv)
         assert tiered.local is not None and tiered.local.get(tiered.namespace, _key(41))
+        # a stream whose entry the in-process tier copies once its last frame came decodes
+        # into memory of its own: a caller writing to early layers meanwhile changes no copy
+        tiered.local.discard(tiered.namespace, _key(41))
+        for c, private in ((remote, True), (tiered, False)):
+            stream = c.retrieve_stream(_key(41), layout=LAYOUT)
+            assert stream is not None and stream.decoder.private is private
+            assert stream.result().equal(kv)

@@ -465,8 +465,11 @@ class Client:
                     whole.cancel()
                     raise
             timings.header = time.perf_counter()
-            dec, target = decoder_for(header, device,
-                                      received=keeps_messages(int(head.total_bytes)))
+            # views of the messages only where nothing copies them later: the in-process
+            # tier's copy (``on_complete``) is taken once the last frame came, and a caller
+            # may be writing to early layers by then
+            dec, target = decoder_for(header, device, received=on_complete is None
+                                      and keeps_messages(int(head.total_bytes)))
             frames = merged(calls, stop) if len(calls) > 1 else whole
             if on_complete is not None:
                 frames = _tee(frames, header, on_complete)
@@ -490,7 +493,8 @@ class Client:
             first = next(call)
             timings.header = time.perf_counter()
             dec, target = decoder_for(first.header.container_header, device,
-                                      received=keeps_messages(int(first.header.total_bytes)))
+                                      received=on_complete is None
+                                      and keeps_messages(int(first.header.total_bytes)))
             frames = call if on_complete is None else _tee(
                 call, first.header.container_header, on_complete)
             return tensor_side().LayerStream(dec, frames, first.header.tier, call.cancel,
