@@ -5,6 +5,8 @@ beside the next), and damage caught on the way."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -15,18 +17,25 @@ from kdn.client import Client
 from kdn.client.dataplane import INLINE_BYTES
 from kdn.client.landing import new_timings, stream_of
 from kdn.errors import Corrupt, LayoutMismatch
+from kdn.layout import KVLayout
 from kdn.server import ServerConfig, ServerThread
 from kdn.v1 import kdn_pb2 as pb
 from tests.helpers import random_kv, uniform_layout
 from tests.test_dataplane import LAYOUT, _key
 
 
-def test_fetch_falls_back_to_the_stream_when_the_server_sends_small_messages(
-        tmp_path: Path) -> None:
+@contextmanager
+def _small_messages(tmp_path: Path) -> Iterator[tuple[Client, KVLayout]]:
+    """A remote client of a server whose messages carry 64 KiB at most, and a layout."""
     cfg = ServerConfig(port=0, data_dir=tmp_path / "d", disk_bytes=0,
                        max_message_bytes=64 << 10)
-    lay = uniform_layout(layers=8, heads=2, dim=64)
     with ServerThread(cfg) as st, Client(st.address, shm_bytes=0) as c:
+        yield c, uniform_layout(layers=8, heads=2, dim=64)
+
+
+def test_fetch_falls_back_to_the_stream_when_the_server_sends_small_messages(
+        tmp_path: Path) -> None:
+    with _small_messages(tmp_path) as (c, lay):
         kv = random_kv(lay, 64)  # ~128 KiB: more than one 64 KiB message, frames of 16 KiB
         c.store(_key(14), kv, mode="raw", layers_per_frame=1)
         got = c.fetch(_key(14))
@@ -43,10 +52,7 @@ def test_a_streamed_fetch_keeps_its_messages_checked_and_checks_its_size(
     from kdn.client.dataplane import received as _received
     from kdn.wire import Frame, FrameMessage
 
-    cfg = ServerConfig(port=0, data_dir=tmp_path / "d", disk_bytes=0,
-                       max_message_bytes=64 << 10)
-    lay = uniform_layout(layers=8, heads=2, dim=64)
-    with ServerThread(cfg) as st, Client(st.address, shm_bytes=0) as c:
+    with _small_messages(tmp_path) as (c, lay):
         kv = random_kv(lay, 64, seed=3)
         c.store(_key(16), kv, mode="raw", layers_per_frame=1)
         got = c.fetch(_key(16))

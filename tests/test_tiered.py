@@ -188,7 +188,8 @@ def test_corrupt_ram_copy_falls_back_to_good_disk_copy(make: Callable[..., Tiere
     assert store.counters["corrupt"] == 1
 
 
-def test_a_ram_value_is_hashed_once_and_a_new_write_is_checked_again(tmp_path: Path) -> None:
+def _counting_store(tmp_path: Path) -> tuple[TieredStore, RamTier, LmdbTier, list[bytes]]:
+    """RAM over disk, and the values its ``verify`` hashed."""
     checked: list[bytes] = []
 
     def counting(value: bytes) -> None:
@@ -196,7 +197,11 @@ def test_a_ram_value_is_hashed_once_and_a_new_write_is_checked_again(tmp_path: P
         check(value)
 
     ram, disk = RamTier(1 << 20), LmdbTier(tmp_path / "l", capacity_bytes=8 << 20)
-    store = TieredStore([ram, disk], verify=counting)
+    return TieredStore([ram, disk], verify=counting), ram, disk, checked
+
+
+def test_a_ram_value_is_hashed_once_and_a_new_write_is_checked_again(tmp_path: Path) -> None:
+    store, ram, disk, checked = _counting_store(tmp_path)
     try:
         good = entry(3000)
         store.put(b"k", good)
@@ -237,14 +242,7 @@ def test_a_read_from_memory_answers_only_for_ram_values_checked_already(tmp_path
 
 
 def test_a_value_put_as_verified_is_not_hashed_on_its_first_read(tmp_path: Path) -> None:
-    checked: list[bytes] = []
-
-    def counting(value: bytes) -> None:
-        checked.append(value)
-        check(value)
-
-    ram, disk = RamTier(1 << 20), LmdbTier(tmp_path / "l", capacity_bytes=8 << 20)
-    store = TieredStore([ram, disk], verify=counting)
+    store, ram, disk, checked = _counting_store(tmp_path)
     try:
         good = entry(3000)
         store.put(b"v", good, verified=True)  # checked by the caller (a Store stream)
@@ -257,7 +255,7 @@ def test_a_value_put_as_verified_is_not_hashed_on_its_first_read(tmp_path: Path)
         assert store.get_in_memory(b"v") is None
         got = store.get(b"v")
         assert got is not None and got.value == good and store.counters["corrupt"] == 1
-        assert TieredStore([disk], verify=counting).put(b"w", good, verified=True) == "disk"
+        assert TieredStore([disk], verify=check).put(b"w", good, verified=True) == "disk"
     finally:
         store.close()
 

@@ -419,7 +419,7 @@ class Client:
         it has brought its own group. Where their headers differ from the first's (an
         overwrite came between the calls) they are cancelled and the first reads on alone.
         ``whole_read``: an entry read over one stream is received here, as ``fetch`` receives
-        it (``received``), and comes back as a Fetched (``on_complete`` not called)."""
+        it (``received``), and comes back as a Fetched (handed to ``on_complete`` first)."""
         md = self.metadata(request_id)
 
         def run() -> LayerStream | Fetched:
@@ -460,10 +460,13 @@ class Client:
                 calls[1:] = []
             if whole_read and len(calls) == 1:
                 try:
-                    return received(head, whole)
+                    got = received(head, whole)
                 except BaseException:
                     whole.cancel()
                     raise
+                if on_complete is not None:
+                    on_complete(got.parts)
+                return got
             timings.header = time.perf_counter()
             # views of the messages only where nothing copies them later: the in-process
             # tier's copy (``on_complete``) is taken once the last frame came, and a caller
@@ -520,24 +523,18 @@ class Client:
                                           device=device, request_id=request_id)
             return None if stream is None else stream.result()
         started = time.perf_counter()
-        if self.streams == 1:
-            got = self.fetch(key, namespace=namespace, layout=layout, request_id=request_id)
-        else:  # as fetch reads, but a large entry over several streams
-            req = self._retrieve_request(key, namespace, layout)
-            found = self._entries(req.namespace, [req.key], layout, request_id)[0]
-            if not isinstance(found, TooBig):
-                got = found
-            else:
-                keep = (functools.partial(self._remember, req.namespace, req.key)
-                        if self.local is not None else None)
-                try:
-                    read = self._grouped_stream(req, device, request_id, keep, whole_read=True)
-                except NotFound:
-                    return None
-                if not isinstance(read, Fetched):
-                    return read.result()
-                self._remember(req.namespace, req.key, read.parts)
-                got = read
+        req = self._retrieve_request(key, namespace, layout)
+        got = self._entries(req.namespace, [req.key], layout, request_id)[0]
+        if isinstance(got, TooBig):  # as fetch reads it, but a large entry over several streams
+            keep = (functools.partial(self._remember, req.namespace, req.key)
+                    if self.local is not None else None)
+            try:
+                read = self._grouped_stream(req, device, request_id, keep, whole_read=True)
+            except NotFound:
+                return None
+            if not isinstance(read, Fetched):
+                return read.result()
+            got = read
         return None if got is None else stream_of(got, device,
                                                    new_timings(started=started)).result()
 
