@@ -8,8 +8,10 @@ process. One row per (op, path, size): ``bytes``, ``seconds`` (median), ``gb_s``
 
     memcpy       numpy copy of the same bytes between warm buffers (the same-host limit)
     raw-grpc     a bare gRPC service streaming the same frames (transport only; put/get)
-    raw-grpc-unary  the same service moving the entry as ONE message each way; the
-                 ``raw-grpc`` limit of a size is the best of these four figures
+    raw-grpc-unary  the same service moving the entry as ONE message each way
+    raw-grpc-1mib   the same service streaming the entry's bytes cut into messages of
+                 ``RAW_MESSAGE_BYTES`` (1 MiB, the message size Python gRPC moves fastest
+                 here); the ``raw-grpc`` limit of a size is the best of these six figures
     h2d-pinned   pinned host -> device copy (GPU hosts only)
     grpc-1       kdn over one gRPC stream (a client on another host): limit raw-grpc
     grpc-4       the same over 4 streams of layer groups, each on its own connection
@@ -29,7 +31,10 @@ process. One row per (op, path, size): ``bytes``, ``seconds`` (median), ``gb_s``
 
 ``store`` sends a pre-encoded entry (encoded as ``Client.store`` encodes a KVCache: each frame
 inside its message), ``fetch`` returns the undecoded container, ``retrieve`` returns CPU
-tensors (checksums verified). The stream path keeps one message per layer frame. The gRPC
+tensors (checksums verified). The stream paths send one message per frame (frames of at
+least ``kdn.codec.FRAME_TARGET_BYTES``: several layers where layers are small), and a read of an
+entry past ``kdn.client.dataplane.KEEP_MESSAGES_BYTES`` asks for its frames in pieces of
+``PIECE_BYTES`` (``RetrieveRequest.piece_bytes``). The gRPC
 paths of one size are timed in turns with the raw service (writes, then reads: one call of
 each per round), so a slow spell of the VM lands on them and their limit alike; the same-host
 paths one after another, as memcpy is. Reads repeat one stored value, as a cache's hot
@@ -37,7 +42,7 @@ entries are read (the server's Retrieve then sends memoised messages: ``grpc-1-f
 read of a value just stored).
 Rows over gRPC also carry ``ratio_to_same_direction``: against the raw service's best figure
 for the same direction (a store against its puts, a read against its gets), where
-``ratio_to_limit`` takes the best of all four.
+``ratio_to_limit`` takes the best of all six.
 """
 
 from __future__ import annotations
@@ -78,6 +83,8 @@ from kdn.server import ServerConfig, ServerThread
 
 STREAMS = 4
 """Streams of the ``grpc-N`` rows (layer groups read side by side, ``kdn.client.parallel``)."""
+RAW_MESSAGE_BYTES = 1 << 20
+"""Message size of the ``raw-grpc-1mib`` rows."""
 PAGE_VALUES = 2048
 """fp16 values in a 4 KiB page."""
 OPTS = [("grpc.max_receive_message_length", 256 << 20),
@@ -222,6 +229,12 @@ def measure(clients: dict[str, Client], put: Any, get: Any, layout: KVLayout, to
         assert sum(len(m) for m in get(key)) >= kv.nbytes
 
     whole = key + b"".join(msgs[1:])  # the unary service's one message
+    mib_key = bytes(reversed(key))  # the same bytes in 1 MiB messages, under a key of its own
+    mib = [mib_key] + [whole[i:i + RAW_MESSAGE_BYTES]
+                       for i in range(len(key), len(whole), RAW_MESSAGE_BYTES)]
+
+    def raw_get_mib() -> None:
+        assert sum(len(m) for m in get(mib_key)) >= kv.nbytes
 
     def raw_get_one() -> None:
         assert len(unary[1](key)) >= kv.nbytes
@@ -230,9 +243,11 @@ def measure(clients: dict[str, Client], put: Any, get: Any, layout: KVLayout, to
     # same-host paths one after another, as their memcpy limit is.
     writes: list[tuple[str, str, Callable[[], object]]] = [
         ("put", "raw-grpc", lambda: put(iter(msgs))),
-        ("put", "raw-grpc-unary", lambda: unary[0](whole))]
+        ("put", "raw-grpc-unary", lambda: unary[0](whole)),
+        ("put", "raw-grpc-1mib", lambda: put(iter(mib)))]
     reads: list[tuple[str, str, Callable[[], object]]] = [
-        ("get", "raw-grpc", raw_get), ("get", "raw-grpc-unary", raw_get_one)]
+        ("get", "raw-grpc", raw_get), ("get", "raw-grpc-unary", raw_get_one),
+        ("get", "raw-grpc-1mib", raw_get_mib)]
     local: list[tuple[str, str, Callable[[], object]]] = []
     for path, client in clients.items():
         mine = reads if path.startswith("grpc") else local
@@ -270,6 +285,8 @@ def measure(clients: dict[str, Client], put: Any, get: Any, layout: KVLayout, to
                          ("get", "raw-grpc", times.pop(("get", "raw-grpc"))),
                          ("put", "raw-grpc-unary", times.pop(("put", "raw-grpc-unary"))),
                          ("get", "raw-grpc-unary", times.pop(("get", "raw-grpc-unary"))),
+                         ("put", "raw-grpc-1mib", times.pop(("put", "raw-grpc-1mib"))),
+                         ("get", "raw-grpc-1mib", times.pop(("get", "raw-grpc-1mib"))),
                          ("copy", "memcpy-read", memcpy_read_s(nbytes, repeat)),
                          ("copy", "h2d-pinned", h2d_s(nbytes, repeat))):
         if ts is None:
@@ -278,7 +295,8 @@ def measure(clients: dict[str, Client], put: Any, get: Any, layout: KVLayout, to
         limits[(path if op == "copy" else f"{path}-{op}", tokens)] = row["gb_s"]
         rows.append(row)
     limits[("raw-grpc", tokens)] = max(limits[(f"raw-grpc{form}-{op}", tokens)]
-                                       for form in ("", "-unary") for op in ("put", "get"))
+                                       for form in ("", "-unary", "-1mib")
+                                       for op in ("put", "get"))
     for (op, path), ts in times.items():
         limit = "raw-grpc" if path.startswith("grpc") else \
             "memcpy-read" if path == "shm-read" else "memcpy"
@@ -428,7 +446,8 @@ def run(tokens_list: list[int], repeat: int, out: Path, server: str = "process"
     print_table(rows, ["op", "path", "tokens", "bytes", "gb_s", "limit", "ratio_to_limit",
                        "ratio_to_same_direction"])
     write_json(out, "roundtrip", rows, repeat=repeat, layout="30 layers x 3 heads x 64 fp16",
-               message="one gRPC message per layer frame on the stream paths",
+               message="one gRPC message per frame (~1 MiB or one layer) on the stream "
+               "paths; reads past 64 MiB in 1 MiB pieces",
                server=("kdn serve and the raw service each in a process of their own"
                        if server == "process" else "in this process (ServerThread)")
                + ", RAM tier only")

@@ -4,7 +4,8 @@ Building ``RetrieveResponse(frame=Frame(index=i, data=bytes(view)))`` copies a f
 times (slice to bytes, into the message, serialization). Frames dominate the bytes of Store and
 Retrieve, so both sides write their protobuf encoding directly. ``StoreRequest`` and
 ``RetrieveResponse`` both carry ``Frame frame = 2`` in their oneof, so one encoding serves both:
-field 2 holding Frame{1: index (varint), 2: data (bytes)}. The server's Retrieve and the
+field 2 holding Frame{1: index (varint), 3: offset (varint, a piece of a frame), 2: data
+(bytes)}. The server's Retrieve and the
 client's Store use ``serialize_passthrough``, which sends such bytes as they are.
 
 The receiving sides read them back without the generated classes too: ``parse_frame_message``
@@ -29,6 +30,8 @@ _LEN = 2  # protobuf wire type for length-delimited fields
 _FRAME_FIELD_TAG = bytes([(2 << 3) | _LEN])  # StoreRequest.frame = RetrieveResponse.frame = 2
 _FRAME_INDEX_TAG = bytes([(1 << 3) | 0])  # Frame.index = 1, varint
 _FRAME_DATA_TAG = bytes([(2 << 3) | _LEN])  # Frame.data = 2
+_FRAME_OFFSET_TAG = bytes([(3 << 3) | 0])  # Frame.offset = 3, varint (written before data)
+_UINT64_MAX = (1 << 64) - 1
 _UINT32_MAX = (1 << 32) - 1
 
 
@@ -38,6 +41,7 @@ class Frame:
 
     index: int
     data: bytes | memoryview
+    offset: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,17 +72,44 @@ def _field_head(tag: bytes, size: int) -> bytes:
     return tag + varint(size)
 
 
-def frame_message_head(index: int, size: int) -> bytes:
-    """The bytes of ``frame_message(index, data)`` before ``data`` (``size`` bytes long)."""
-    inner_head = (_FRAME_INDEX_TAG + varint(index) if index else b"") + _field_head(
+def frame_message_head(index: int, size: int, offset: int = 0) -> bytes:
+    """The bytes of ``frame_message(index, data, offset)`` before ``data`` (``size`` bytes
+    long)."""
+    inner_head = (_FRAME_INDEX_TAG + varint(index) if index else b"") + (
+        _FRAME_OFFSET_TAG + varint(offset) if offset else b"") + _field_head(
         _FRAME_DATA_TAG, size)
     return _field_head(_FRAME_FIELD_TAG, len(inner_head) + size) + inner_head
 
 
-def frame_message(index: int, data: bytes | memoryview) -> bytes:
-    """Serialized ``RetrieveResponse(frame=Frame(index=index, data=data))``, which is also the
-    serialized ``StoreRequest(frame=Frame(index=index, data=data))``."""
-    return b"".join((frame_message_head(index, len(data)), data))
+def frame_message(index: int, data: bytes | memoryview, offset: int = 0) -> bytes:
+    """Serialized ``RetrieveResponse(frame=Frame(index=index, data=data, offset=offset))``,
+    which is also the serialized ``StoreRequest`` of that frame (``offset`` before ``data``:
+    any field order is valid protobuf, and the data last is what ``parse_frame_message``
+    reads without a copy)."""
+    return b"".join((frame_message_head(index, len(data), offset), data))
+
+
+MIN_PIECE_BYTES = 64 << 10
+"""The smallest piece a frame is cut into (``RetrieveRequest.piece_bytes`` below it is raised
+to it): a piece always holds a frame's whole prefix, and a message costs about a millisecond
+per hundred at this size."""
+
+
+def piece_spans(size: int, piece_bytes: int) -> list[tuple[int, int]]:
+    """``(offset, length)`` of the pieces a ``size``-byte frame travels in when pieces of
+    ``piece_bytes`` are asked for (0: the whole frame, one piece): each of
+    ``max(piece_bytes, MIN_PIECE_BYTES)`` bytes but the last, which holds the rest."""
+    step = max(piece_bytes, MIN_PIECE_BYTES)
+    if piece_bytes <= 0 or size <= step:
+        return [(0, size)]
+    return [(at, min(step, size - at)) for at in range(0, size, step)]
+
+
+def piece_messages(index: int, frame: bytes | memoryview, piece_bytes: int) -> list[bytes]:
+    """The serialized messages frame ``index`` travels in (``piece_spans``)."""
+    mv = memoryview(frame)
+    return [frame_message(index, mv[at:at + n], at)
+            for at, n in piece_spans(len(mv), piece_bytes)]
 
 
 def _varint_at(buf: memoryview, pos: int) -> tuple[int, int]:
@@ -97,27 +128,31 @@ def _varint_at(buf: memoryview, pos: int) -> tuple[int, int]:
 
 def parse_frame_message(buf: bytes) -> FrameMessage | None:
     """The frame of a serialized ``RetrieveResponse``/``StoreRequest`` holding only a frame
-    (optional index, then data: the form ``frame_message`` writes), its data a zero-copy view
-    of ``buf``; None for any other message."""
+    (optional index, optional offset, then data: the form ``frame_message`` writes), its
+    data a zero-copy view of ``buf``; None for any other message."""
     mv = memoryview(buf)
     if not mv or mv[0] != _FRAME_FIELD_TAG[0]:
         return None
     inner, pos = _varint_at(mv, 1)
     if inner < 0 or pos + inner != len(mv):
         return None
-    index = 0
+    index = offset = 0
     if pos < len(mv) and mv[pos] == _FRAME_INDEX_TAG[0]:
         index, pos = _varint_at(mv, pos + 1)
         if not 0 <= index <= _UINT32_MAX:
             return None
+    if pos < len(mv) and mv[pos] == _FRAME_OFFSET_TAG[0]:
+        offset, pos = _varint_at(mv, pos + 1)
+        if not 0 <= offset <= _UINT64_MAX:
+            return None
     if pos == len(mv):  # proto3 leaves out empty data
-        return FrameMessage(Frame(index, b""))
+        return FrameMessage(Frame(index, b"", offset))
     if mv[pos] != _FRAME_DATA_TAG[0]:
         return None
     size, pos = _varint_at(mv, pos + 1)
     if size < 0 or pos + size != len(mv):
         return None
-    return FrameMessage(Frame(index, mv[pos:]))
+    return FrameMessage(Frame(index, mv[pos:], offset))
 
 
 def retrieve_response(buf: bytes) -> FrameMessage | pb.RetrieveResponse:

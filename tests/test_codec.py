@@ -129,12 +129,15 @@ def test_unknown_mode_and_level() -> None:
 def test_frames_sized_for_the_wire() -> None:
     """layers_per_frame=0 fills frames to FRAME_TARGET_BYTES with consecutive layers (a layer
     that large travels alone); explicit counts are kept; a negative count is refused."""
-    small = random_kv(uniform_layout(layers=10, heads=4, dim=64), tokens=64)  # 64 KiB layers
+    per_token = 4 * 64 * 2 * 2  # bytes of a layer's K and V per token
+    small = random_kv(uniform_layout(layers=10, heads=4, dim=64),  # layers a quarter of it
+                      tokens=FRAME_TARGET_BYTES // 4 // per_token)
     parts = encode_parts(small, "raw", layers_per_frame=0)
     assert parse_header(parts.header).spans == [(0, 4), (4, 4), (8, 2)]
     assert all(len(f) >= FRAME_TARGET_BYTES for f in parts.frames[:-1])
     assert decode(parts.to_bytes()).equal(small)
-    big = random_kv(uniform_layout(layers=3, heads=4, dim=64), tokens=256)  # 256 KiB layers
+    big = random_kv(uniform_layout(layers=3, heads=4, dim=64),  # layers of the target
+                    tokens=FRAME_TARGET_BYTES // per_token)
     assert parse_header(encode_parts(big, "raw", layers_per_frame=0).header).spans == [
         (0, 1), (1, 1), (2, 1)]
     assert len(encode_parts(small, "raw", layers_per_frame=3).frames) == 4
@@ -277,6 +280,43 @@ def test_copy_checked_hashes_in_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
     bad[-1] ^= 1
     with pytest.raises(Corrupt):
         fmt.copy_checked(memoryview(bytearray(len(bad))), bytes(bad))
+
+
+@pytest.mark.parametrize("chunk", [7, 1 << 20])
+def test_a_frame_copied_from_pieces_is_checked_as_the_whole_frame(
+        monkeypatch: pytest.MonkeyPatch, chunk: int) -> None:
+    """``copy_pieces_checked``: any cut of a frame into pieces (some shorter than its prefix)
+    copies it whole and passes; a byte flipped anywhere in any piece, or pieces not adding up
+    to the destination, is refused."""
+    import random
+
+    import kdn.codec.format as fmt
+
+    monkeypatch.setattr(fmt, "COPY_CHUNK", chunk)
+    blob = encode(random_kv(uniform_layout(), 9, seed=3), "raw", layers_per_frame=2)
+    container = fmt.parse_container(blob)
+    rng = random.Random(5)
+    for index, frame in enumerate(container.frames):
+        data = bytes(frame)
+        for _ in range(4):
+            cuts = sorted(rng.sample(range(1, len(data)), rng.randrange(1, 6)))
+            pieces = [data[a:b] for a, b in zip([0, *cuts], [*cuts, len(data)])]
+            out = bytearray(len(data))
+            fmt.copy_pieces_checked(container.header, index, memoryview(out), pieces)
+            assert out == data
+        for at in range(0, len(data), max(1, len(data) // 97)):
+            bad = bytearray(data)
+            bad[at] ^= 0x10
+            pieces = [bytes(bad[:at // 2 + 1]), bytes(bad[at // 2 + 1:])]
+            with pytest.raises(KDNError):
+                fmt.copy_pieces_checked(container.header, index,
+                                        memoryview(bytearray(len(data))), pieces)
+        with pytest.raises(InvalidArgument):
+            fmt.copy_pieces_checked(container.header, index, memoryview(bytearray(len(data))),
+                                    [data[:10], data[11:]])
+        with pytest.raises(KDNError):  # a frame in another frame's place
+            fmt.copy_pieces_checked(container.header, index + 1 if index == 0 else 0,
+                                    memoryview(bytearray(len(data))), [data])
 
 
 @pytest.mark.parametrize("workers", [2, 3])

@@ -134,9 +134,9 @@ def test_a_remote_retrieve_reads_the_entry_whole_and_catches_damage(
         assert (skey in memo._memos) == streamed  # noqa: SLF001  # streamed: memoised
         if streamed:  # a flipped bit in a message kept for the next stream
             msgs = memo._memos[skey].messages  # noqa: SLF001
-            bad_msg = bytearray(msgs[-1])  # type: ignore[arg-type]
+            bad_msg = bytearray(msgs[-1][-1])  # type: ignore[index]
             bad_msg[-100] ^= 0x10
-            msgs[-1] = bytes(bad_msg)
+            msgs[-1][-1] = bytes(bad_msg)  # type: ignore[index]
             with pytest.raises(Corrupt):
                 c.retrieve(_key(30), layout=LAYOUT)
             memo.drop(skey)
@@ -232,11 +232,11 @@ def test_an_entry_read_alone_streams_past_the_inline_entry_budget(
 @pytest.mark.parametrize("damaged", [None, 0, 2, 5], ids=["intact", "first", "middle", "last"])
 def test_a_received_stream_checks_large_frames_beside_the_next_and_catches_damage(
         damaged: int | None, keep: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    """``received``: frames of at least ``OVERLAP_FRAME_BYTES`` are hashed (and copied) on
-    another thread while the next arrives, small ones where they arrive; the entry comes back
-    checked, its frames the messages themselves (kept) or one recycled buffer (copied: an
-    entry past ``KEEP_MESSAGES_BYTES``), and a frame damaged anywhere raises Corrupt (never
-    an entry)."""
+    """``received``: kept frames of at least ``OVERLAP_FRAME_BYTES`` are hashed on another
+    thread while the next arrives, small ones where they arrive (copied, each message is
+    copied and hashed as it lands); the entry comes back checked, its frames the messages
+    themselves (kept) or one recycled buffer (copied: an entry past ``KEEP_MESSAGES_BYTES``),
+    and a frame damaged anywhere raises Corrupt (never an entry)."""
     from kdn.client import dataplane
     from kdn.wire import Frame, FrameMessage
 

@@ -7,12 +7,15 @@ from google.protobuf.message import DecodeError
 
 from kdn.v1 import kdn_pb2 as pb
 from kdn.wire import (
+    MIN_PIECE_BYTES,
     GetManyView,
     frame_message,
     frame_message_head,
     get_many_message,
     get_many_response,
     parse_frame_message,
+    piece_messages,
+    piece_spans,
     retrieve_response,
     store_request,
     varint,
@@ -104,6 +107,51 @@ def test_frame_message_head_is_what_comes_before_the_data() -> None:
     for index, size in ((0, 5), (1, 300), (70000, 1 << 20)):
         data = bytes(size)
         assert frame_message(index, data) == frame_message_head(index, size) + data
+        assert frame_message(index, data, 7 << 20) == frame_message_head(index, size,
+                                                                         7 << 20) + data
+
+
+@pytest.mark.parametrize("index", [0, 3, 70000])
+@pytest.mark.parametrize("offset", [0, 1, 300, (1 << 33) + 5, (1 << 64) - 1])
+def test_pieces_read_back_as_the_generated_classes_read_them(index: int, offset: int) -> None:
+    """A piece's offset (written before its data) reads back through both parsers, and the
+    generated encoding (offset after the data) goes to the generated class with the same
+    fields."""
+    data = bytes(range(256)) * 5
+    ours = frame_message(index, data, offset)
+    generated = pb.StoreRequest(frame=pb.Frame(index=index, data=data, offset=offset)
+                                ).SerializeToString()
+    for encoded in (ours, generated):
+        theirs = pb.RetrieveResponse.FromString(encoded).frame
+        assert (theirs.index, theirs.offset, theirs.data) == (index, offset, data)
+        for deserialize in (retrieve_response, store_request):
+            msg = deserialize(encoded)
+            assert (msg.frame.index, msg.frame.offset, bytes(msg.frame.data)) == (
+                index, offset, data)
+    parsed = parse_frame_message(ours)
+    assert parsed is not None and parsed.frame.offset == offset
+    assert isinstance(parsed.frame.data, memoryview) and parsed.frame.data.obj is ours
+    assert parse_frame_message(generated) is None or offset == 0
+
+
+def test_piece_spans_cover_a_frame_in_pieces_of_the_size_asked() -> None:
+    for size, ask in ((10, 0), (5 << 20, 0), (5 << 20, 1 << 20), ((6 << 20) + 3, 1 << 20),
+                      (1 << 20, 1 << 20), ((1 << 20) + 1, 1 << 20), (300_000, 1000)):
+        spans = piece_spans(size, ask)
+        assert spans[0][0] == 0 and sum(n for _, n in spans) == size
+        assert all(a + n == b for (a, n), (b, _) in zip(spans, spans[1:]))
+        step = max(ask, MIN_PIECE_BYTES)
+        if ask == 0 or size <= step:
+            assert spans == [(0, size)]
+        else:
+            assert len(spans) == -(-size // step)
+            assert all(n == step for _, n in spans[:-1]) and 0 < spans[-1][1] <= step
+    frame = bytes(range(256)) * 9000
+    msgs = piece_messages(4, frame, 1 << 16)
+    got = [parse_frame_message(m) for m in msgs]
+    assert len(msgs) == len(piece_spans(len(frame), 1 << 16)) > 1
+    assert b"".join(bytes(g.frame.data) for g in got if g) == frame
+    assert all(g is not None and g.frame.index == 4 for g in got)
 
 
 _REFS = [

@@ -19,7 +19,7 @@ from kdn.server.app import build_store
 from kdn.server.config import ConfigError
 from kdn.server.service import KDNServicer
 from kdn.server.wire_memo import WireMemo
-from kdn.wire import frame_message, parse_frame_message
+from kdn.wire import frame_message, parse_frame_message, piece_messages
 from tests.helpers import random_kv, uniform_layout
 
 LAYOUT = uniform_layout()
@@ -38,17 +38,30 @@ def test_memo_sends_the_messages_it_built_until_the_value_changes() -> None:
     memo = WireMemo(1 << 20)
     frames = _frames(4, 1000)
     first = list(memo.messages(b"k", 7, 4000, 4, frames))
-    assert first == [frame_message(i, f) for i, f in frames]
+    assert first == [[frame_message(i, f)] for i, f in frames]
     assert (memo.hits, memo.misses) == (0, 4)
     again = list(memo.messages(b"k", 7, 4000, 4, frames))
     assert all(a is b for a, b in zip(again, first)) and memo.hits == 4  # the same objects
     other = _frames(4, 1000, fill=50)  # another value of the key: another stamp
-    assert list(memo.messages(b"k", 8, 4000, 4, other)) == [frame_message(i, f)
+    assert list(memo.messages(b"k", 8, 4000, 4, other)) == [[frame_message(i, f)]
                                                             for i, f in other]
     assert memo.used_bytes == sum(len(frame_message(i, f)) for i, f in other)
     memo.drop(b"k")
     assert memo.used_bytes == 0
     assert list(memo.messages(b"k", 8, 4000, 4, other))[0] is not first[0]
+
+
+def test_memo_keeps_one_form_of_the_messages_whole_or_in_pieces() -> None:
+    memo = WireMemo(16 << 20)
+    frames = [(0, bytes([1]) * 300_000), (1, bytes([2]) * 1000)]
+    pieces = list(memo.messages(b"k", 7, 301_000, 2, frames, piece_bytes=1 << 16))
+    assert pieces == [piece_messages(i, f, 1 << 16) for i, f in frames]
+    assert len(pieces[0]) == 5 and len(pieces[1]) == 1
+    assert list(memo.messages(b"k", 7, 301_000, 2, frames, piece_bytes=1 << 16))[0] \
+        is pieces[0]  # memoised in that form
+    whole = list(memo.messages(b"k", 7, 301_000, 2, frames))  # another form: built anew
+    assert whole == [[frame_message(i, f)] for i, f in frames] and memo.misses == 4
+    assert memo.used_bytes == sum(len(m[0]) for m in whole)
 
 
 def test_memo_keeps_what_was_read_within_its_bytes_least_recent_out() -> None:
@@ -67,7 +80,7 @@ def test_memo_keeps_what_was_read_within_its_bytes_least_recent_out() -> None:
     list(part.messages(b"p", 1, 4000, 4, _frames(4, 1000)[1:3]))
     assert [m is not None for m in part._memos[b"p"].messages] == [  # noqa: SLF001
         False, True, True, False]
-    assert WireMemo(0)._memo_for(b"k", 1, 1, 1) is None  # noqa: SLF001  # off
+    assert WireMemo(0)._memo_for(b"k", 1, 1, 1, 0) is None  # noqa: SLF001  # off
 
 
 def test_the_memo_is_at_most_a_quarter_of_the_ram_tier(tmp_path: Path) -> None:
@@ -204,8 +217,8 @@ def test_a_key_known_too_big_is_streamed_without_asking_first(
     assert remote.retrieve(_key(5), layout=LAYOUT).equal(big)  # type: ignore[union-attr]
     memo = next(m for k, m in server.server.servicer.wire_memo._memos.items()  # noqa: SLF001
                 if k.endswith(_key(5).hex().encode()))
-    bad = bytearray(memo.messages[0])  # type: ignore[arg-type]
+    bad = bytearray(memo.messages[0][-1])  # type: ignore[index]
     bad[-1] ^= 1
-    memo.messages[0] = bytes(bad)
+    memo.messages[0][-1] = bytes(bad)  # type: ignore[index]
     with pytest.raises(Corrupt):
         remote.retrieve(_key(5), layout=LAYOUT)

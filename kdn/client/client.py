@@ -37,7 +37,14 @@ from kdn.addresses import same_host
 from kdn.buffers import tune_allocator
 from kdn.client import parallel
 from kdn.client.blend import RemotePiece, blend_request
-from kdn.client.dataplane import DataPlane, Fetched, TooBig, keeps_messages, received
+from kdn.client.dataplane import (
+    DataPlane,
+    Fetched,
+    TooBig,
+    ask_pieces,
+    keeps_messages,
+    received,
+)
 from kdn.client.landing import (
     decoder_for,
     device_streams,
@@ -362,7 +369,7 @@ class Client:
         md = self.metadata(request_id)
 
         def run() -> Fetched:
-            stream = self._retrieve_call(req, timeout=self.timeout_s, metadata=md)
+            stream = self._retrieve_call(ask_pieces(req), timeout=self.timeout_s, metadata=md)
             first = next(stream)
             got = received(first.header, stream)
             self._remember(req.namespace, req.key, got.parts)
@@ -419,8 +426,11 @@ class Client:
         it has brought its own group. Where their headers differ from the first's (an
         overwrite came between the calls) they are cancelled and the first reads on alone.
         ``whole_read``: an entry read over one stream is received here, as ``fetch`` receives
-        it (``received``), and comes back as a Fetched (handed to ``on_complete`` first)."""
+        it (``received``), and comes back as a Fetched (handed to ``on_complete`` first); in
+        pieces (``ask_pieces``) where it can not be split (one stream, or one core pair)."""
         md = self.metadata(request_id)
+        if whole_read and min(self.streams, parallel.stream_cores()) == 1:
+            req = ask_pieces(req)
 
         def run() -> LayerStream | Fetched:
             timings = new_timings(started=time.perf_counter())

@@ -31,16 +31,24 @@ from typing import Any, TypeVar
 from kdn.buffers import COPIES_IN_FLIGHT, OVERLAP_FRAME_BYTES, RECEIVED, copy_threads
 from kdn.codec import EncodedParts
 from kdn.codec.format import (
+    FrameCopy,
     Header,
     check_frame_prefix,
-    copy_frame_checked,
     parse_container,
     parse_header,
 )
 from kdn.errors import Corrupt, DeadlineExceeded, KDNError, RateLimited, TooLarge, Unavailable
 from kdn.status import error_of
 from kdn.v1 import kdn_pb2 as pb
-from kdn.wire import ARENA_SIZE, FAST_ARENA, FAST_GET_MANY, FAST_HEAD, FAST_PUT_MANY, read_exact
+from kdn.wire import (
+    ARENA_SIZE,
+    FAST_ARENA,
+    FAST_GET_MANY,
+    FAST_HEAD,
+    FAST_PUT_MANY,
+    MIN_PIECE_BYTES,
+    read_exact,
+)
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -130,35 +138,56 @@ def _fetched(buf: bytes | memoryview, tier: str, owned: bool = False,
 
 KEEP_MESSAGES_BYTES = 64 << 20
 """A received entry up to this size stays in the messages it came in (``received``); a larger
-one is copied into one recycled buffer (``kdn.buffers.RECEIVED``) as they arrive. Kept, an
-entry costs one hash of its bytes where they landed; copied, a copy too, but its memory is
-never fresh: the allocator keeps freed memory up to ``kdn.buffers.TRIM_THRESHOLD``, and past
-that every message of the next entry faulted in new pages (SmolLM2 entries, 2-core VM, server
-in its own process: at 47 MB 0.89x of the raw stream kept against 0.73x copied; at 189 MB
-16-34 thousand page faults a read kept, 0.67-0.75x, against 0.85-0.87x copied)."""
+one is copied into one buffer (``kdn.buffers.RECEIVED``, recycled up to its ``keep_bytes``)
+as they arrive, in pieces (``PIECE_BYTES``). Kept, an entry costs one hash of its bytes where
+they landed; copied, a copy too, but its memory is never fresh: the allocator keeps freed
+memory up to ``kdn.buffers.TRIM_THRESHOLD``, and past that every message of the next entry
+faulted in new pages (SmolLM2 entries, 2-core VM, server in its own process: at 47 MB 0.89x
+of the raw stream kept against 0.73x copied; at 189 MB 16-34 thousand page faults a read
+kept, 0.67-0.75x, against 0.85-0.87x copied). An entry larger than ``RECEIVED.keep_bytes``
+lands in fresh memory either way: copied, its pieces are the messages it travels in."""
 
 
 def keeps_messages(total: int) -> bool:
-    """Whether a received entry of ``total`` bytes stays in its messages: up to
+    """Whether the frames of a ``total``-byte entry arriving one message each are best left
+    in their messages (a ``LayerStream``'s decoder then views them): up to
     ``KEEP_MESSAGES_BYTES``, and past what the recycled buffers keep (fresh memory either
-    way)."""
+    way). ``received`` copies every entry above ``KEEP_MESSAGES_BYTES``: asked for in pieces,
+    they come in messages too small to keep."""
     return total <= KEEP_MESSAGES_BYTES or total > RECEIVED.keep_bytes
 
 
+PIECE_BYTES = 1 << 20
+"""Pieces a copied entry's frames are asked in (``RetrieveRequest.piece_bytes``): the message
+size Python gRPC moves fastest (raw streams of 180 MB on a 2-core VM: 1.42-1.54 GB/s in 1 MiB
+messages, 0.82-1.28 in 6 MiB ones), and a piece is copied while it is still in cache (a copy
+and hash of each message kept 1.11-1.28 GB/s in 1 MiB pieces, 0.68-0.74 in 6 MiB)."""
+
+
+def ask_pieces(req: pb.RetrieveRequest) -> pb.RetrieveRequest:
+    """``req`` asking for the frames of an entry that ``received`` copies in pieces
+    (``PIECE_BYTES``); an entry it keeps comes one message per frame."""
+    req.piece_bytes, req.piece_min_entry_bytes = PIECE_BYTES, KEEP_MESSAGES_BYTES + 1
+    return req
+
+
 def received(head: pb.RetrieveHeader, frames: Iterator[Any]) -> Fetched:
-    """A Retrieve stream's entry, each frame checked as it lands: kept in its messages
-    (``keeps_messages``: the frames are views of them, hashed where they lie, ``private``), or
-    copied into one recycled buffer and hashed chunk by chunk as it is copied (``owned``), each
-    message then dropped. Frames of ``OVERLAP_FRAME_BYTES`` or more are hashed (and copied) on
-    another thread while the next message arrives. The entry comes back ``checked``. Raises
-    Corrupt when a frame is damaged or out of its place, or the frames do not add up to the
-    header's frames and ``total_bytes``."""
+    """A Retrieve stream's entry, each frame checked as it lands: kept in its messages up to
+    ``KEEP_MESSAGES_BYTES`` (the frames are views of them, hashed where they lie,
+    ``private``), else copied into one recycled buffer and hashed chunk by chunk as it is
+    copied (``owned``): each message copied and hashed as it lands, while in cache, then
+    dropped. A frame may come in pieces (``Frame.offset``, ``ask_pieces``): copied piece by
+    piece (kept, its pieces are joined). Kept frames of ``OVERLAP_FRAME_BYTES`` or more are
+    hashed on another thread while the next message arrives. The entry comes back
+    ``checked``. Raises Corrupt when a frame is damaged or out of its place, a piece does not
+    continue its frame, or the frames do not add up to the header's frames and
+    ``total_bytes``."""
     header = bytes(head.container_header)
     total = int(head.total_bytes)
     if total < len(header):
         raise Corrupt(f"entry of {total} bytes can not hold its {len(header)}-byte header")
     parsed = parse_header(header)
-    keep = keeps_messages(total)
+    keep = total <= KEEP_MESSAGES_BYTES
     kept: list[bytes | memoryview] = []
     buf = memoryview(b"")
     if not keep:
@@ -168,24 +197,49 @@ def received(head: pb.RetrieveHeader, frames: Iterator[Any]) -> Fetched:
         buf[: len(header)] = header  # place
     at = len(header)
     pending: deque[Future[Any]] = deque()
+    index, sent_as, begun, last = -1, 0, at, -1  # the frame being received: its index, the
+    # message's index for it, where it begins, the length of its latest piece (-1: none yet)
+    pieces: list[bytes | memoryview] = []  # kept: its pieces so far
+    copy: FrameCopy | None = None  # copied: its copy so far
+
+    def finish() -> None:  # frame ``index`` has all its pieces
+        if copy is not None:
+            copy.check()
+            return
+        data = pieces[0] if len(pieces) == 1 else b"".join(pieces)
+        kept.append(data)
+        if len(data) >= OVERLAP_FRAME_BYTES:
+            pending.append(copy_threads().submit(check_frame_prefix, parsed, index, data))
+        else:  # a small frame's work costs less than handing it to another thread
+            check_frame_prefix(parsed, index, data)
+        while len(pending) > COPIES_IN_FLIGHT or pending and pending[0].done():
+            pending.popleft().result()  # raises Corrupt for a damaged frame
+
     try:
-        for i, msg in enumerate(frames):  # waiting for the next message, the GIL is free
-            data = msg.frame.data
+        for msg in frames:  # waiting for the next message, the GIL is free
+            data, offset = msg.frame.data, msg.frame.offset
             if at + len(data) > total:
                 raise Corrupt(f"frames exceed the entry's {total} bytes")
-            if keep:
-                work: Callable[..., Any] = check_frame_prefix
-                args: tuple[Any, ...] = (parsed, i, data)
-                kept.append(data)
+            if offset:
+                if last < 0 or (msg.frame.index, offset) != (sent_as, at - begun):
+                    raise Corrupt(f"a piece of frame {msg.frame.index} at offset {offset} "
+                                  f"does not continue the frame received before it")
+                if last < MIN_PIECE_BYTES:  # bounds the pieces a frame is held in
+                    raise Corrupt(f"frame {index}: a piece of {last} bytes before its last "
+                                  f"(at least {MIN_PIECE_BYTES} expected)")
             else:
-                work, args = copy_frame_checked, (parsed, i, buf[at : at + len(data)], data)
+                if last >= 0:
+                    finish()
+                index, sent_as, begun, pieces = index + 1, msg.frame.index, at, []
+                copy = None if keep else FrameCopy(parsed, index, buf[at:])
+            if copy is not None:  # copied and hashed now, while the message is in cache
+                copy.add(data)
+            else:
+                pieces.append(data)
+            last = len(data)
             at += len(data)
-            if len(data) >= OVERLAP_FRAME_BYTES:
-                pending.append(copy_threads().submit(work, *args))
-            else:  # a small frame's work costs less than handing it to another thread
-                work(*args)
-            while len(pending) > COPIES_IN_FLIGHT or pending and pending[0].done():
-                pending.popleft().result()  # raises Corrupt for a damaged frame
+        if last >= 0:
+            finish()
         if at != total:
             raise Corrupt(f"stream ended after {at} of the entry's {total} bytes")
         while pending:

@@ -52,7 +52,7 @@ __all__ = [
 ]
 
 _POOL: ThreadPoolExecutor | None = None
-FRAME_TARGET_BYTES = 256 << 10
+FRAME_TARGET_BYTES = 1 << 20
 """With ``layers_per_frame=0`` a frame takes consecutive layers until it holds this many bytes
 (so a layer this large is a frame of its own)."""
 

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import struct
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
@@ -572,21 +572,60 @@ def copy_frame_checked(header: Header, index: int, dst: memoryview,
     """Copy frame ``index`` into ``dst`` (of its length), hashing each chunk right after it
     is written, then check the copy as a whole (magic, position, length, checksum: see
     ``check_frame_prefix``). Raises Corrupt/Truncated; ``dst`` then holds unchecked bytes."""
-    src, out = memoryview(frame).cast("B"), memoryview(dst).cast("B")
-    end = len(src)
-    if len(out) != end:
-        raise InvalidArgument(f"copy of a {end}-byte frame into {len(out)} bytes")
-    if end < _FRAME.size:
-        raise Truncated(f"frame {index}: {end} bytes can not hold its prefix")
-    out[: _FRAME.size] = src[: _FRAME.size]
-    h = xxhash.xxh3_64(seed=header.frame_seed)
-    h.update(out[:12])
-    src_a, out_a = np.frombuffer(src, dtype=np.uint8), np.frombuffer(out, dtype=np.uint8)
-    for at in range(_FRAME.size, end, COPY_CHUNK):
-        stop = min(at + COPY_CHUNK, end)
-        np.copyto(out_a[at:stop], src_a[at:stop])
-        h.update(out[at:stop])
-    check_frame_prefix(header, index, out, digest=h.intdigest())
+    copy_pieces_checked(header, index, dst, (frame,))
+
+
+def copy_pieces_checked(header: Header, index: int, dst: memoryview,
+                        pieces: Sequence[bytes | memoryview]) -> None:
+    """``copy_frame_checked`` of a frame that came in ``pieces`` (consecutive, together its
+    bytes: ``Frame.offset``), copied one after another into ``dst``."""
+    total = sum(len(p) for p in pieces)
+    if total != len(dst):
+        raise InvalidArgument(f"copy of {total} bytes of frame {index} into {len(dst)} bytes")
+    copy = FrameCopy(header, index, dst)
+    for piece in pieces:
+        copy.add(piece)
+    copy.check()
+
+
+class FrameCopy:
+    """Frame ``index`` copied to the start of ``dst`` piece by piece as its pieces arrive,
+    each chunk hashed right after it is written (while in cache), then checked as a whole
+    (``check``: the ``at`` bytes written, see ``check_frame_prefix``)."""
+
+    __slots__ = ("header", "index", "out", "_a", "_h", "at", "_hashed")
+
+    def __init__(self, header: Header, index: int, dst: memoryview) -> None:
+        self.header, self.index = header, index
+        self.out = memoryview(dst).cast("B")
+        self._a = np.frombuffer(self.out, dtype=np.uint8)
+        self._h = xxhash.xxh3_64(seed=header.frame_seed)
+        self.at = self._hashed = 0  # written up to ``at``, summed up to ``_hashed`` (bytes 12
+        # to the prefix's end are not summed: the checksum lies there)
+
+    def add(self, piece: bytes | memoryview) -> None:
+        """Copy the next piece in (Corrupt when it overruns ``dst``)."""
+        src = np.frombuffer(memoryview(piece).cast("B"), dtype=np.uint8)
+        if self.at + len(src) > len(self.out):
+            raise Corrupt(f"frame {self.index}: pieces exceed the {len(self.out)} bytes left")
+        out, h = self.out, self._h
+        for lo in range(0, len(src), COPY_CHUNK):
+            hi = min(lo + COPY_CHUNK, len(src))
+            np.copyto(self._a[self.at:self.at + hi - lo], src[lo:hi])
+            self.at += hi - lo
+            if not self._hashed and self.at >= _FRAME.size:
+                h.update(out[:12])
+                self._hashed = _FRAME.size
+            if self._hashed and self.at > self._hashed:
+                h.update(out[self._hashed:self.at])
+                self._hashed = self.at
+
+    def check(self) -> None:
+        """Check the copy as a whole; Corrupt/Truncated (then ``dst`` holds unchecked bytes)."""
+        if self.at < _FRAME.size:
+            raise Truncated(f"frame {self.index}: {self.at} bytes can not hold its prefix")
+        check_frame_prefix(self.header, self.index, self.out[:self.at],
+                           digest=self._h.intdigest())
 
 
 @dataclass(frozen=True)

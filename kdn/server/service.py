@@ -26,7 +26,7 @@ from kdn.codec.catalog import check_codec
 from kdn.codec.format import (
     Header,
     check_frame,
-    copy_frame_checked,
+    copy_pieces_checked,
     entry_digest,
     parse_container,
     parse_header,
@@ -47,18 +47,18 @@ from kdn.store.base import Tier
 from kdn.store.tiered import TieredStore
 from kdn.v1 import kdn_pb2 as pb
 from kdn.v1 import kdn_pb2_grpc as pb_grpc
-from kdn.wire import FrameMessage
+from kdn.wire import MIN_PIECE_BYTES, FrameMessage
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 def _copy_frame_timed(header: Header, index: int, dst: memoryview,
-                      frame: bytes | memoryview) -> float:
-    """``copy_frame_checked`` (one pass: each chunk hashed in cache right after its copy),
-    then the copy's records checked as ``check_frame`` checks them (shapes against the
-    layout; the sum not again); the seconds it took."""
+                      pieces: list[bytes | memoryview]) -> float:
+    """``copy_pieces_checked`` of a frame in one or more pieces (one pass: each chunk hashed
+    in cache right after its copy), then the copy's records checked as ``check_frame`` checks
+    them (shapes against the layout; the sum not again); the seconds it took."""
     t0 = time.perf_counter()
-    copy_frame_checked(header, index, dst, frame)
+    copy_pieces_checked(header, index, dst, pieces)
     check_frame(header, index, dst, checksum=False)
     return time.perf_counter() - t0
 
@@ -212,35 +212,61 @@ class KDNServicer(BatchMixin, BlendMixin, pb_grpc.KDNServicer):
         """The rest of a Store stream: its frames checked (into ``whole``, where there is
         one: large frames on ``kdn.buffers.copy_threads`` while the next one arrives, held in
         ``copies``, as the event loop's thread copying them would hold up every other call),
-        then the entry committed."""
+        then the entry committed. A frame may come in pieces (``Frame.offset``): each is
+        taken once the next frame begins or the stream ends."""
         declared, n_frames = first.header.total_bytes, len(header.entry.frames)
         loop = asyncio.get_running_loop()
         total = len(header.raw)
-        index = 0
+        index = 0  # frames begun
+        begun = total  # where the last one begun starts
+        pieces: list[bytes | memoryview] = []  # its pieces so far (``Frame.offset``)
+
+        def finish() -> None:  # frame ``index - 1`` has all its pieces
+            nonlocal checking
+            i = index - 1
+            if whole is None:
+                t0 = time.perf_counter()
+                data = pieces[0] if len(pieces) == 1 else b"".join(pieces)
+                check_frame(header, i, data)
+                checking += time.perf_counter() - t0
+                parts.append(data)
+            elif total - begun >= OVERLAP_FRAME_BYTES:  # copied and checked beside the next
+                copies.append(loop.run_in_executor(copy_threads(), _copy_frame_timed, header,
+                                                   i, whole[begun:total], list(pieces)))
+            else:
+                checking += _copy_frame_timed(header, i, whole[begun:total], pieces)
+
         async for msg in it:
             if msg.WhichOneof("part") != "frame":
                 raise InvalidArgument("Store stream carries a second header")
-            if msg.frame.index != index:
-                raise InvalidArgument(f"frame {msg.frame.index} arrived, expected frame {index}")
-            data = msg.frame.data  # once: each read of a generated message's bytes copies them
-            start, total = total, total + len(data)
-            if total > self.config.max_entry_bytes:
+            frame = msg.frame
+            data = frame.data  # once: each read of a generated message's bytes copies them
+            if frame.offset:
+                if not index or (frame.index, frame.offset) != (index - 1, total - begun):
+                    raise InvalidArgument(
+                        f"a piece of frame {frame.index} at offset {frame.offset} arrived, "
+                        f"expected frame {index} or the piece of frame {index - 1} at offset "
+                        f"{total - begun}")
+                if len(pieces[-1]) < MIN_PIECE_BYTES:  # bounds the pieces held per frame
+                    raise InvalidArgument(
+                        f"frame {frame.index}: a piece of {len(pieces[-1])} bytes before its "
+                        f"last; pieces of a frame but its last hold at least {MIN_PIECE_BYTES}")
+            elif frame.index != index:
+                raise InvalidArgument(f"frame {frame.index} arrived, expected frame {index}")
+            if total + len(data) > self.config.max_entry_bytes:
                 raise TooLarge(f"entry exceeds max_entry_bytes {self.config.max_entry_bytes}")
-            if whole is not None and total > declared:
+            if whole is not None and total + len(data) > declared:
                 raise InvalidArgument(f"frames exceed the declared total_bytes {declared}")
-            if whole is None:
-                t0 = time.perf_counter()
-                check_frame(header, index, data)
-                checking += time.perf_counter() - t0
-                parts.append(data)
-            elif len(data) >= OVERLAP_FRAME_BYTES:  # copied and checked beside the next one
-                copies.append(loop.run_in_executor(copy_threads(), _copy_frame_timed, header,
-                                                   index, whole[start:total], data))
+            if not frame.offset:
+                if index:
+                    finish()
                 while len(copies) > COPIES_IN_FLIGHT or copies and copies[0].done():
                     checking += await copies.popleft()  # raises Corrupt for a damaged frame
-            else:
-                checking += _copy_frame_timed(header, index, whole[start:total], data)
-            index += 1
+                index, begun, pieces = index + 1, total, []
+            pieces.append(data)  # copied (or joined) and checked once its frame is whole
+            total += len(data)
+        if index:
+            finish()
         if index != n_frames:
             raise InvalidArgument(
                 f"Store stream ended after {index} of {n_frames} frames; nothing was stored"
@@ -323,11 +349,14 @@ class KDNServicer(BatchMixin, BlendMixin, pb_grpc.KDNServicer):
         sent = 0
         try:
             memo = self.wire_memo.messages(skey, hit.stamp if hit.tier == "ram" else 0,
-                                           len(hit.value), len(frames), sel)
-            for (_, frame), msg in zip(sel, memo):
-                # Each yield waits for flow control: a slow or cancelled client stops the
-                # sending here instead of the server buffering the whole entry.
-                yield msg  # type: ignore[misc]
+                                           len(hit.value), len(frames), sel,
+                                           request.piece_bytes if len(hit.value)
+                                           >= request.piece_min_entry_bytes else 0)
+            for (_, frame), msgs in zip(sel, memo):
+                for msg in msgs:
+                    # Each yield waits for flow control: a slow or cancelled client stops the
+                    # sending here instead of the server buffering the whole entry.
+                    yield msg  # type: ignore[misc]
                 sent += len(frame)
                 self.count("retrieve.frames_sent")
         except (asyncio.CancelledError, GeneratorExit):

@@ -134,12 +134,14 @@ class StoreHeader(_message.Message):
     def __init__(self, namespace: _Optional[str] = ..., key: _Optional[bytes] = ..., container_header: _Optional[bytes] = ..., layout_fingerprint: _Optional[str] = ..., total_bytes: _Optional[int] = ..., options: _Optional[_Union[StoreOptions, _Mapping]] = ...) -> None: ...
 
 class Frame(_message.Message):
-    __slots__ = ("index", "data")
+    __slots__ = ("index", "data", "offset")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
     index: int
     data: bytes
-    def __init__(self, index: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+    offset: int
+    def __init__(self, index: _Optional[int] = ..., data: _Optional[bytes] = ..., offset: _Optional[int] = ...) -> None: ...
 
 class StoreRequest(_message.Message):
     __slots__ = ("header", "frame")
@@ -160,18 +162,22 @@ class StoreResponse(_message.Message):
     def __init__(self, stored_bytes: _Optional[int] = ..., tier: _Optional[str] = ..., replaced: _Optional[bool] = ...) -> None: ...
 
 class RetrieveRequest(_message.Message):
-    __slots__ = ("namespace", "key", "expect_layout_fingerprint", "first_layer", "last_layer")
+    __slots__ = ("namespace", "key", "expect_layout_fingerprint", "first_layer", "last_layer", "piece_bytes", "piece_min_entry_bytes")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     KEY_FIELD_NUMBER: _ClassVar[int]
     EXPECT_LAYOUT_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     FIRST_LAYER_FIELD_NUMBER: _ClassVar[int]
     LAST_LAYER_FIELD_NUMBER: _ClassVar[int]
+    PIECE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PIECE_MIN_ENTRY_BYTES_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     key: bytes
     expect_layout_fingerprint: str
     first_layer: int
     last_layer: int
-    def __init__(self, namespace: _Optional[str] = ..., key: _Optional[bytes] = ..., expect_layout_fingerprint: _Optional[str] = ..., first_layer: _Optional[int] = ..., last_layer: _Optional[int] = ...) -> None: ...
+    piece_bytes: int
+    piece_min_entry_bytes: int
+    def __init__(self, namespace: _Optional[str] = ..., key: _Optional[bytes] = ..., expect_layout_fingerprint: _Optional[str] = ..., first_layer: _Optional[int] = ..., last_layer: _Optional[int] = ..., piece_bytes: _Optional[int] = ..., piece_min_entry_bytes: _Optional[int] = ...) -> None: ...
 
 class RetrieveHeader(_message.Message):
     __slots__ = ("container_header", "total_bytes", "tier", "frame_count", "entry_digest")
