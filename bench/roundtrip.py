@@ -220,7 +220,8 @@ def measure(clients: dict[str, Client], put: Any, get: Any, layout: KVLayout, to
             repeat: int, unary: tuple[Any, Any]) -> list[dict[str, Any]]:
     """Rows for one context length: limits first, then every kdn path."""
     kv = random_cache(layout, tokens)
-    parts = codec.encode_parts(kv, "raw", wire=True)  # as Client.store encodes a KVCache
+    parts = codec.encode_parts(kv, "raw", wire=True, layers_per_frame=0)  # as Client.store
+    # encodes a KVCache: frames of about FRAME_TARGET_BYTES
     key = keys.chunk_key(list(range(tokens)), layout)
     msgs = [key, parts.header, *(bytes(f) for f in parts.frames)]  # the raw service's bytes
     nbytes = parts.nbytes

@@ -54,7 +54,11 @@ __all__ = [
 _POOL: ThreadPoolExecutor | None = None
 FRAME_TARGET_BYTES = 1 << 20
 """With ``layers_per_frame=0`` a frame takes consecutive layers until it holds this many bytes
-(so a layer this large is a frame of its own)."""
+(so a layer this large is a frame of its own). A frame travels as one gRPC message, and Python
+gRPC moves messages of about 1 MiB fastest: SmolLM2 at 512 tokens (12 MB, 2-core VM, server in
+its own process) streamed raw at 1.25 GB/s in frames of three layers (1.2 MB) against 1.04 in
+one-layer frames (393 KB); kdn's ``retrieve`` 0.86 against 0.80 GB/s, ``store`` 0.79 against
+0.69 (256 KiB until stop 41)."""
 
 
 def _pool() -> ThreadPoolExecutor:
