@@ -7,6 +7,7 @@ flip every bit of small containers, truncate at every length and swap frames.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -486,3 +487,27 @@ def test_arrays_packed_for_one_device_copy_come_back_whole() -> None:
             t = got[name]
             assert tuple(t.shape) == a.shape and t.numpy().dtype == a.dtype, (name, pack)
             assert np.array_equal(t.numpy(), a), (name, pack)
+
+
+@pytest.mark.parametrize("itemsize", [2, 4])
+def test_byte_planes_are_the_transpose_of_the_elements(itemsize: int) -> None:
+    """``shuffle`` writes plane j as every element's byte j (checked against numpy's
+    transpose), ``unshuffle`` undoes it exactly, and lossless layers decode into tensors of
+    their own: writable, K and V apart, the stored bytes untouched."""
+    from kdn.codec.modes.lossless import shuffle, unshuffle
+
+    raw = np.random.default_rng(itemsize).integers(0, 256, itemsize * 1001, np.uint8).tobytes()
+    planes = shuffle(raw, itemsize)
+    want = np.ascontiguousarray(np.frombuffer(raw, np.uint8).reshape(-1, itemsize).T)
+    assert planes == want.tobytes()
+    back = unshuffle(planes, itemsize)
+    assert back.tobytes() == raw and back.flags.writeable
+    assert not np.shares_memory(back, np.frombuffer(planes, np.uint8))
+    dtype = DType.FLOAT32 if itemsize == 4 else DType.FLOAT16
+    kv = random_kv(uniform_layout(layers=2, dtype=dtype), 33, seed=itemsize)
+    blob = encode(kv, "lossless")
+    got = decode(blob)
+    assert got.equal(kv)
+    k, v = got.layers[0]
+    k.fill_(0)  # writable, and V is not a view of the same bytes
+    assert got.layers[0][1].equal(kv.layers[0][1]) and decode(blob).equal(kv)

@@ -222,3 +222,21 @@ def test_store_takes_frames_in_pieces_and_refuses_pieces_that_do_not_add_up(
             assert words in (info.value.details() or ""), info.value.details()
             again = c.fetch(key)
             assert again is not None and again.parts.to_bytes() == parts.to_bytes()
+
+
+def test_a_layer_stream_handed_pieces_fails_and_never_returns_tensors(
+        server: ServerThread) -> None:
+    """A stream decoding frame by frame never asks for pieces; a server that sent them anyway
+    (here: asked behind the client's back) gets an error, not tensors of part frames."""
+    from kdn.errors import KDNError
+
+    kv = random_kv(LAYOUT, 300, seed=7)
+    key = keys.chunk_key([7], LAYOUT)
+    with Client(server.address, shm_bytes=0) as c:
+        c.store(key, kv, mode="raw", layers_per_frame=1)
+        req = pb.RetrieveRequest(key=key, piece_bytes=MIN_PIECE_BYTES)
+        stream = c.layer_stream(c._retrieve_call, req)  # noqa: SLF001
+        with pytest.raises(KDNError):
+            stream.result()
+        whole = c.layer_stream(c._retrieve_call, pb.RetrieveRequest(key=key))  # noqa: SLF001
+        assert whole.result().equal(kv)

@@ -37,7 +37,7 @@ from kdn.cache import KVCache
 from kdn.client import metrics as client_metrics
 from kdn.codec import StreamDecoder
 from kdn.codec.inplace import EntryViews, Span
-from kdn.errors import InvalidArgument, KDNError
+from kdn.errors import Corrupt, InvalidArgument, KDNError
 from kdn.layout import KVLayout
 from kdn.status import from_grpc
 
@@ -278,6 +278,9 @@ class LayerStream:
         try:
             for msg in frames:
                 data = msg.frame.data
+                if msg.frame.offset:  # a layer stream never asks for frames in pieces
+                    raise Corrupt(f"frame {msg.frame.index} came in pieces (offset "
+                                  f"{msg.frame.offset}) on a stream that decodes whole frames")
                 self.timings.bytes_received += len(data)
                 if inline or self.decoder.borrows and len(data) < OVERLAP_FRAME_BYTES:
                     # a verbatim frame decodes into views: its sum is all there is to do,

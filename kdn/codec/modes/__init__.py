@@ -16,7 +16,7 @@ import abc
 import math
 import warnings
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -153,6 +153,17 @@ def tensor_from_bytes(
                           ).view(dtype).reshape(shape)
     arr = np.frombuffer(buf, dtype=_INT_VIEW[itemsize]).copy()
     return torch.from_numpy(arr).view(dtype).reshape(shape)
+
+
+def owned_tensor(arr: np.ndarray[Any, Any], dtype: torch.dtype,
+                 shape: tuple[int, ...]) -> torch.Tensor:
+    """A CPU tensor of ``shape`` viewing ``arr`` (bytes of a new array nothing else holds:
+    no copy, unlike ``tensor_from_bytes``); Corrupt when the sizes disagree."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    n = int(np.prod(shape))
+    if arr.nbytes != n * itemsize:
+        raise Corrupt(f"expected {n * itemsize} bytes for {shape} {dtype}, got {arr.nbytes}")
+    return torch.from_numpy(arr.view(_INT_VIEW[itemsize])).view(dtype).reshape(shape)
 
 
 _warned = False

@@ -6,11 +6,20 @@ than mantissa bytes, so zstd finds them. Body: zstd(plane_0 | plane_1 [| ...]) o
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 import zstandard
 
-from kdn.codec.modes import LayerSpec, Mode, register, tensor_bytes, tensor_from_bytes
+from kdn.codec.modes import (
+    LayerSpec,
+    Mode,
+    owned_tensor,
+    register,
+    tensor_bytes,
+    tensor_from_bytes,
+)
 from kdn.codec.zstd import decompress
 from kdn.errors import Corrupt
 
@@ -18,13 +27,25 @@ ZSTD_LEVEL = 3
 
 
 def shuffle(raw: bytes, itemsize: int) -> bytes:
-    planes = np.frombuffer(raw, dtype=np.uint8).reshape(-1, itemsize).T
-    return np.ascontiguousarray(planes).tobytes()
+    """The byte planes of ``raw`` (elements of ``itemsize`` bytes): every element's byte 0,
+    then every byte 1, ... One plane at a time, each a strided read of ``raw`` into contiguous
+    memory (a whole transposed copy took 2-3x as long: 9.7 MB, 19.5 ms against 9.0)."""
+    elems = np.frombuffer(raw, dtype=np.uint8).reshape(-1, itemsize)
+    planes = np.empty((itemsize, len(elems)), dtype=np.uint8)
+    for j in range(itemsize):
+        planes[j] = elems[:, j]
+    return planes.tobytes()
 
 
-def unshuffle(buf: bytes, itemsize: int) -> bytes:
-    planes = np.frombuffer(buf, dtype=np.uint8).reshape(itemsize, -1).T
-    return np.ascontiguousarray(planes).tobytes()
+def unshuffle(buf: bytes | memoryview, itemsize: int) -> np.ndarray[Any, Any]:
+    """``shuffle`` undone: the elements' bytes in a new array (owned: the tensors decoded from
+    it may view it). One plane at a time into its strided place (9.7 MB of fp32: 5.5 ms where
+    a transposed copy took 19.5; of fp16 4.5 against 31.8)."""
+    planes = np.frombuffer(buf, dtype=np.uint8).reshape(itemsize, -1)
+    elems = np.empty((planes.shape[1], itemsize), dtype=np.uint8)
+    for j in range(itemsize):
+        elems[:, j] = planes[j]
+    return elems.reshape(-1)
 
 
 class Lossless(Mode):
@@ -46,9 +67,12 @@ class Lossless(Mode):
         raw = decompress(body, nk + nv, f"layer {spec.index} body")
         if len(raw) != nk + nv:
             raise Corrupt(f"layer {spec.index}: decoded {len(raw)} bytes, expected {nk + nv}")
-        raw = unshuffle(raw, spec.dtype.itemsize)
-        mv = memoryview(raw)
+        elems = unshuffle(raw, spec.dtype.itemsize)
         dt = spec.dtype.torch
+        if device.type == "cpu":  # views of the new array: no second copy
+            return (owned_tensor(elems[:nk], dt, spec.k_shape),
+                    owned_tensor(elems[nk:], dt, spec.v_shape))
+        mv = memoryview(elems)  # type: ignore[arg-type]
         return (
             tensor_from_bytes(mv[:nk], dt, spec.k_shape, device),
             tensor_from_bytes(mv[nk:], dt, spec.v_shape, device),
