@@ -105,6 +105,22 @@ def piece_spans(size: int, piece_bytes: int) -> list[tuple[int, int]]:
     return [(at, min(step, size - at)) for at in range(0, size, step)]
 
 
+def piece_fault(piece: Frame, current: int | None, received: int, last: int) -> str | None:
+    """Why ``piece`` (a ``Frame`` at a nonzero offset) can not continue the frame being
+    received: frame ``current`` (None: none begun yet), ``received`` bytes of it so far, its
+    latest piece ``last`` bytes long (every piece of a frame but its last holds at least
+    ``MIN_PIECE_BYTES``, which bounds the pieces a receiver holds); None when it can."""
+    if current is None or (piece.index, piece.offset) != (current, received):
+        want = "none was begun" if current is None else \
+            f"expected frame {current} at offset {received}"
+        return (f"a piece of frame {piece.index} at offset {piece.offset} arrived that does "
+                f"not continue the frame received before it ({want})")
+    if last < MIN_PIECE_BYTES:
+        return (f"frame {current}: a piece of {last} bytes before its last; pieces of a frame "
+                f"but its last hold at least {MIN_PIECE_BYTES}")
+    return None
+
+
 def piece_messages(index: int, frame: bytes | memoryview, piece_bytes: int) -> list[bytes]:
     """The serialized messages frame ``index`` travels in (``piece_spans``)."""
     mv = memoryview(frame)

@@ -46,7 +46,7 @@ from kdn.wire import (
     FAST_GET_MANY,
     FAST_HEAD,
     FAST_PUT_MANY,
-    MIN_PIECE_BYTES,
+    piece_fault,
     read_exact,
 )
 
@@ -221,12 +221,9 @@ def received(head: pb.RetrieveHeader, frames: Iterator[Any]) -> Fetched:
             if at + len(data) > total:
                 raise Corrupt(f"frames exceed the entry's {total} bytes")
             if offset:
-                if last < 0 or (msg.frame.index, offset) != (sent_as, at - begun):
-                    raise Corrupt(f"a piece of frame {msg.frame.index} at offset {offset} "
-                                  f"does not continue the frame received before it")
-                if last < MIN_PIECE_BYTES:  # bounds the pieces a frame is held in
-                    raise Corrupt(f"frame {index}: a piece of {last} bytes before its last "
-                                  f"(at least {MIN_PIECE_BYTES} expected)")
+                fault = piece_fault(msg.frame, sent_as if last >= 0 else None, at - begun, last)
+                if fault:
+                    raise Corrupt(fault)
             else:
                 if last >= 0:
                     finish()

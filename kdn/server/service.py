@@ -47,7 +47,7 @@ from kdn.store.base import Tier
 from kdn.store.tiered import TieredStore
 from kdn.v1 import kdn_pb2 as pb
 from kdn.v1 import kdn_pb2_grpc as pb_grpc
-from kdn.wire import MIN_PIECE_BYTES, FrameMessage
+from kdn.wire import FrameMessage, piece_fault
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -242,15 +242,10 @@ class KDNServicer(BatchMixin, BlendMixin, pb_grpc.KDNServicer):
             frame = msg.frame
             data = frame.data  # once: each read of a generated message's bytes copies them
             if frame.offset:
-                if not index or (frame.index, frame.offset) != (index - 1, total - begun):
-                    raise InvalidArgument(
-                        f"a piece of frame {frame.index} at offset {frame.offset} arrived, "
-                        f"expected frame {index} or the piece of frame {index - 1} at offset "
-                        f"{total - begun}")
-                if len(pieces[-1]) < MIN_PIECE_BYTES:  # bounds the pieces held per frame
-                    raise InvalidArgument(
-                        f"frame {frame.index}: a piece of {len(pieces[-1])} bytes before its "
-                        f"last; pieces of a frame but its last hold at least {MIN_PIECE_BYTES}")
+                fault = piece_fault(frame, index - 1 if index else None, total - begun,
+                                    len(pieces[-1]) if pieces else 0)
+                if fault:
+                    raise InvalidArgument(fault)
             elif frame.index != index:
                 raise InvalidArgument(f"frame {frame.index} arrived, expected frame {index}")
             if total + len(data) > self.config.max_entry_bytes:

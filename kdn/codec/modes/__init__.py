@@ -16,7 +16,7 @@ import abc
 import math
 import warnings
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -141,9 +141,11 @@ def tensor_bytes(t: torch.Tensor) -> bytes:
 
 
 def tensor_from_bytes(
-    buf: bytes | memoryview, dtype: torch.dtype, shape: tuple[int, ...], device: torch.device
+    buf: bytes | memoryview, dtype: torch.dtype, shape: tuple[int, ...], device: torch.device,
+    *, owned: bool = False,
 ) -> torch.Tensor:
-    """Owned tensor of ``shape`` from exactly the right number of raw bytes."""
+    """Owned tensor of ``shape`` from exactly the right number of raw bytes. ``owned``: ``buf``
+    views a new array nothing else holds, so a CPU tensor views it instead of copying it."""
     itemsize = torch.empty((), dtype=dtype).element_size()
     n = int(np.prod(shape))
     if len(buf) != n * itemsize:
@@ -151,19 +153,8 @@ def tensor_from_bytes(
     if device.type != "cpu":  # staged once in pinned memory, copied without a sync
         return from_numpy(np.frombuffer(buf, dtype=_INT_VIEW[itemsize]), device
                           ).view(dtype).reshape(shape)
-    arr = np.frombuffer(buf, dtype=_INT_VIEW[itemsize]).copy()
-    return torch.from_numpy(arr).view(dtype).reshape(shape)
-
-
-def owned_tensor(arr: np.ndarray[Any, Any], dtype: torch.dtype,
-                 shape: tuple[int, ...]) -> torch.Tensor:
-    """A CPU tensor of ``shape`` viewing ``arr`` (bytes of a new array nothing else holds:
-    no copy, unlike ``tensor_from_bytes``); Corrupt when the sizes disagree."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    n = int(np.prod(shape))
-    if arr.nbytes != n * itemsize:
-        raise Corrupt(f"expected {n * itemsize} bytes for {shape} {dtype}, got {arr.nbytes}")
-    return torch.from_numpy(arr.view(_INT_VIEW[itemsize])).view(dtype).reshape(shape)
+    arr = np.frombuffer(buf, dtype=_INT_VIEW[itemsize])
+    return torch.from_numpy(arr if owned else arr.copy()).view(dtype).reshape(shape)
 
 
 _warned = False

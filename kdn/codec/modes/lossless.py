@@ -12,14 +12,7 @@ import numpy as np
 import torch
 import zstandard
 
-from kdn.codec.modes import (
-    LayerSpec,
-    Mode,
-    owned_tensor,
-    register,
-    tensor_bytes,
-    tensor_from_bytes,
-)
+from kdn.codec.modes import LayerSpec, Mode, register, tensor_bytes, tensor_from_bytes
 from kdn.codec.zstd import decompress
 from kdn.errors import Corrupt
 
@@ -67,15 +60,11 @@ class Lossless(Mode):
         raw = decompress(body, nk + nv, f"layer {spec.index} body")
         if len(raw) != nk + nv:
             raise Corrupt(f"layer {spec.index}: decoded {len(raw)} bytes, expected {nk + nv}")
-        elems = unshuffle(raw, spec.dtype.itemsize)
+        mv = memoryview(unshuffle(raw, spec.dtype.itemsize))  # type: ignore[arg-type]
         dt = spec.dtype.torch
-        if device.type == "cpu":  # views of the new array: no second copy
-            return (owned_tensor(elems[:nk], dt, spec.k_shape),
-                    owned_tensor(elems[nk:], dt, spec.v_shape))
-        mv = memoryview(elems)  # type: ignore[arg-type]
-        return (
-            tensor_from_bytes(mv[:nk], dt, spec.k_shape, device),
-            tensor_from_bytes(mv[nk:], dt, spec.v_shape, device),
+        return (  # on the CPU, views of the new array: no second copy
+            tensor_from_bytes(mv[:nk], dt, spec.k_shape, device, owned=True),
+            tensor_from_bytes(mv[nk:], dt, spec.v_shape, device, owned=True),
         )
 
 
