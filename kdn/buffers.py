@@ -157,13 +157,17 @@ def allocator_tuned() -> bool:
 
 
 OVERLAP_FRAME_BYTES = 1 << 20
-"""A frame of a stream (a client's received Retrieve, the server's Store) from this size is
-checked (and copied into its entry's buffer, where it has one) on ``copy_threads`` while the
+"""A frame a ``LayerStream`` receives from this size is decoded on its worker threads while the
 next message arrives; smaller ones where they arrive (on a 2-core VM, server in its own
 process: a 8192-token SmolLM2 fetch 0.81-0.83x of the raw stream against 0.69-0.80x in
 turn; 380 KB frames of 512 tokens lost 0.05x handed over)."""
+BACKGROUND_CHECK_BYTES = 8 << 20
+"""A Store frame from this size is hashed on ``copy_threads`` while the next message arrives
+(on the event loop's thread, its ~0.5 ms a MiB would hold up every other call); smaller ones
+are hashed there the moment they are whole, while in cache (12 MB stores of 1.2 MB frames
+on a 2-core VM: 16.0 ms that way, 16.7 ms handed to the threads)."""
 COPIES_IN_FLIGHT = 4
-"""Frames of one stream at most whose checks (and copies) wait on ``copy_threads``."""
+"""Frames of one stream at most whose checks wait on ``copy_threads``."""
 _COPY_THREADS: list[ThreadPoolExecutor] = []
 _COPY_THREADS_LOCK = threading.Lock()
 

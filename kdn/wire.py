@@ -50,6 +50,9 @@ class FrameMessage:
     read (``msg.WhichOneof("part")``, ``msg.frame.index``, ``msg.frame.data``)."""
 
     frame: Frame
+    message: bytes | None = None
+    """The serialized message itself (``parse_frame_message``): a Retrieve answer of the
+    same frame can send it again as it is."""
 
     def WhichOneof(self, group: str) -> str:  # noqa: N802 - the generated classes' name
         return "frame"
@@ -168,7 +171,7 @@ def parse_frame_message(buf: bytes) -> FrameMessage | None:
     size, pos = _varint_at(mv, pos + 1)
     if size < 0 or pos + size != len(mv):
         return None
-    return FrameMessage(Frame(index, mv[pos:], offset))
+    return FrameMessage(Frame(index, mv[pos:], offset), buf if type(buf) is bytes else None)
 
 
 def retrieve_response(buf: bytes) -> FrameMessage | pb.RetrieveResponse:

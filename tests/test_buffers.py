@@ -75,12 +75,15 @@ def test_overwrites_through_the_server_reuse_buffers_and_reads_stay_whole(
     layout = uniform_layout(layers=4, heads=4, dim=64)
     tokens = MIN_BYTES // layout.bytes_per_token + 64  # every entry above MIN_BYTES
     kvs = [random_kv(layout, tokens, seed=s) for s in range(4)]
-    c = Client(server.address, timeout_s=30, shm_bytes=0)
+    c = Client(server.address, timeout_s=30)  # a shared segment: PutMany copies into buffers
     try:
         held = []
         for i in range(12):
             kv = kvs[i % len(kvs)]
-            c.store(b"k" * 32, kv, mode="raw")
+            if i % 2:  # a Store stream: kept as its frames (kdn.store.framed), no buffer
+                c.store(b"k" * 32, kv, mode="raw")
+            else:
+                c.store_many([(b"k" * 32, kv)], mode="raw")
             if i % 3 == 0:  # a stream left open over an entry about to be overwritten
                 stream = c.retrieve_stream(b"k" * 32)
                 assert stream is not None
@@ -93,6 +96,6 @@ def test_overwrites_through_the_server_reuse_buffers_and_reads_stay_whole(
                 assert np.array_equal(k.numpy(), kv.layers[layer][0].numpy())
                 assert np.array_equal(v.numpy(), kv.layers[layer][1].numpy())
         counters = c.stats().counters
-        assert counters["buffers.reused"] >= 6 and counters["buffers.created"] <= 6
+        assert counters["buffers.reused"] >= 4 and counters["buffers.created"] <= 3
     finally:
         c.close()

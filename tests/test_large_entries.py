@@ -120,21 +120,23 @@ def test_a_frame_too_big_for_one_message_is_refused_before_sending(tmp_path: Pat
             assert not c.lookup([key]).infos[0].present
 
 
+@pytest.mark.parametrize("tokens", [2048, 8320], ids=["inline", "background"])
 @pytest.mark.parametrize("damage", ["flipped", "shapes", "short"])
-def test_large_frames_checked_beside_the_stream_refuse_damage_and_keep_the_old_value(
-        tmp_path: Path, damage: str) -> None:
-    """Store frames of ``OVERLAP_FRAME_BYTES`` or more are copied and checked on other threads
-    while the next arrives: a bit flipped in a middle frame, a frame whose record declares
-    other shapes behind a checksum sealed for it, or a frame cut short is refused
-    (INVALID_ARGUMENT), the value stored before under the key stays, and the intact stream
-    then stores exactly the entry."""
+def test_large_frames_checked_as_they_land_refuse_damage_and_keep_the_old_value(
+        tmp_path: Path, damage: str, tokens: int) -> None:
+    """Store frames are checked the moment they are whole: on the event loop's thread (2 MiB
+    frames), or from ``BACKGROUND_CHECK_BYTES`` on other threads while the next arrives. A
+    bit flipped in a middle frame, a frame whose record declares other shapes behind a
+    checksum sealed for it, or a frame cut short is refused (INVALID_ARGUMENT), the value
+    stored before under the key stays, and the intact stream then stores exactly the
+    entry."""
     from kdn.codec.format import build_header, build_record, frame_with_sum, parse_header
     from kdn.server import service
 
     layout = _layout(4, 4, 64)
-    kv = _kv(layout, 2048)
+    kv = _kv(layout, tokens)
     parts = codec.encode_parts(kv, "raw", layers_per_frame=1)
-    assert min(map(len, parts.frames)) >= service.OVERLAP_FRAME_BYTES
+    assert (min(map(len, parts.frames)) >= service.BACKGROUND_CHECK_BYTES) == (tokens > 4096)
     old = _kv(layout, 64)
     key = keys.chunk_key([11], layout)
     header = parse_header(parts.header)
@@ -147,9 +149,9 @@ def test_large_frames_checked_beside_the_stream_refuse_damage_and_keep_the_old_v
     elif damage == "shapes":  # as many bytes, other channels: only the records can tell
         lay = layout.layers[2]
         wrong = LayerLayout(lay.kv_heads, lay.k_channels + 32, lay.v_channels - 32)
-        body = b"\0" * (lay.kv_heads * 2048 * (lay.k_channels + lay.v_channels) * 2)
+        body = b"\0" * (lay.kv_heads * tokens * (lay.k_channels + lay.v_channels) * 2)
         frames[2], full = frame_with_sum(header.frame_seed, 2, 2,
-                                         [build_record(wrong, 2048, body)])
+                                         [build_record(wrong, tokens, body)])
         assert len(frames[2]) == len(parts.frames[2])
         entry = pb.EntryHeader()
         entry.CopyFrom(header.entry)

@@ -185,11 +185,12 @@ def _store_stream(parts: codec.EncodedParts, key: bytes, frames: list[bytes]) ->
         *(pb.StoreRequest.FromString(m) for m in frames)]
 
 
-@pytest.mark.parametrize("tokens", [200, 1200], ids=["joined", "one-buffer"])
+@pytest.mark.parametrize("tokens", [200, 1200], ids=["joined", "framed"])
 def test_store_takes_frames_in_pieces_and_refuses_pieces_that_do_not_add_up(
         server: ServerThread, tokens: int) -> None:
     """Pieces stored: the entry reads back as sent (an entry under ``kdn.buffers.MIN_BYTES``
-    has its pieces joined, a larger one is copied into its buffer piece by piece); a gap, a
+    is joined into one buffer, a larger one kept as its frames, each joined from its
+    pieces: ``kdn.store.framed``); a gap, a
     piece out of order or of another frame, a tiny piece before a frame's last, or a damaged
     piece is INVALID_ARGUMENT and leaves the stored entry as it was."""
     parts = _parts(tokens, seed=5)

@@ -230,13 +230,13 @@ def test_an_entry_read_alone_streams_past_the_inline_entry_budget(
 
 @pytest.mark.parametrize("keep", [True, False], ids=["kept", "copied"])
 @pytest.mark.parametrize("damaged", [None, 0, 2, 5], ids=["intact", "first", "middle", "last"])
-def test_a_received_stream_checks_large_frames_beside_the_next_and_catches_damage(
+def test_a_received_stream_checks_each_frame_as_it_lands_and_catches_damage(
         damaged: int | None, keep: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    """``received``: kept frames of at least ``OVERLAP_FRAME_BYTES`` are hashed on another
-    thread while the next arrives, small ones where they arrive (copied, each message is
-    copied and hashed as it lands); the entry comes back checked, its frames the messages
-    themselves (kept) or one recycled buffer (copied: an entry past ``KEEP_MESSAGES_BYTES``),
-    and a frame damaged anywhere raises Corrupt (never an entry)."""
+    """``received``: each frame, large or small, is hashed the moment its last byte lands
+    (copied, each message is copied and hashed as it lands); the entry comes back checked,
+    its frames the messages themselves (kept) or one recycled buffer (copied: an entry past
+    ``KEEP_MESSAGES_BYTES``), and a frame damaged anywhere raises Corrupt (never an
+    entry)."""
     from kdn.client import dataplane
     from kdn.wire import Frame, FrameMessage
 
@@ -244,11 +244,11 @@ def test_a_received_stream_checks_large_frames_beside_the_next_and_catches_damag
         monkeypatch.setattr(dataplane, "KEEP_MESSAGES_BYTES", 0)
 
     lay = uniform_layout(layers=6, heads=4, dim=64)
-    tokens = dataplane.OVERLAP_FRAME_BYTES // (lay.bytes_per_token // 6) + 64
+    tokens = (1 << 20) // (lay.bytes_per_token // 6) + 64
     kv = random_kv(lay, tokens, seed=95)
     parts = codec.encode_parts(kv, "raw", layers_per_frame=1)
     frames = [bytes(f) for f in parts.frames]
-    assert min(map(len, frames)) >= dataplane.OVERLAP_FRAME_BYTES
+    assert min(map(len, frames)) >= 1 << 20
     small = codec.encode_parts(random_kv(lay, 8, seed=96), "raw", layers_per_frame=1)
     for p, bad in ((parts, damaged), (small, None)):
         sent = [bytearray(f) for f in p.frames]

@@ -22,18 +22,18 @@ import logging
 import os
 import socket
 import threading
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from kdn.buffers import COPIES_IN_FLIGHT, OVERLAP_FRAME_BYTES, RECEIVED, copy_threads
+from kdn.buffers import RECEIVED
 from kdn.codec import EncodedParts
 from kdn.codec.format import (
     FrameCopy,
     Header,
     check_frame_prefix,
+    declared_length,
     parse_container,
     parse_header,
 )
@@ -177,11 +177,13 @@ def received(head: pb.RetrieveHeader, frames: Iterator[Any]) -> Fetched:
     ``private``), else copied into one recycled buffer and hashed chunk by chunk as it is
     copied (``owned``): each message copied and hashed as it lands, while in cache, then
     dropped. A frame may come in pieces (``Frame.offset``, ``ask_pieces``): copied piece by
-    piece (kept, its pieces are joined). Kept frames of ``OVERLAP_FRAME_BYTES`` or more are
-    hashed on another thread while the next message arrives. The entry comes back
-    ``checked``. Raises Corrupt when a frame is damaged or out of its place, a piece does not
-    continue its frame, or the frames do not add up to the header's frames and
-    ``total_bytes``."""
+    piece (kept, its pieces are joined). A frame is checked the moment its last byte lands
+    (its prefix says how long it is), on this thread, while the message is in cache: a 12 MB
+    read spent ~0.7 ms more handing 1.2 MB frames to other threads than hashing them here,
+    and hashing each frame only once the next one arrived hashed memory the next message had
+    pushed out of cache. The entry comes back ``checked``. Raises Corrupt when a frame is
+    damaged or out of its place, a piece does not continue its frame, or the frames do not
+    add up to the header's frames and ``total_bytes``."""
     header = bytes(head.container_header)
     total = int(head.total_bytes)
     if total < len(header):
@@ -196,9 +198,9 @@ def received(head: pb.RetrieveHeader, frames: Iterator[Any]) -> Fetched:
         buf = memoryview(room)[start : start + total]  # type: ignore[arg-type]  # viewed in
         buf[: len(header)] = header  # place
     at = len(header)
-    pending: deque[Future[Any]] = deque()
     index, sent_as, begun, last = -1, 0, at, -1  # the frame being received: its index, the
     # message's index for it, where it begins, the length of its latest piece (-1: none yet)
+    size, done = -1, False  # its length as its prefix declares it (-1: unreadable), finished
     pieces: list[bytes | memoryview] = []  # kept: its pieces so far
     copy: FrameCopy | None = None  # copied: its copy so far
 
@@ -208,42 +210,37 @@ def received(head: pb.RetrieveHeader, frames: Iterator[Any]) -> Fetched:
             return
         data = pieces[0] if len(pieces) == 1 else b"".join(pieces)
         kept.append(data)
-        if len(data) >= OVERLAP_FRAME_BYTES:
-            pending.append(copy_threads().submit(check_frame_prefix, parsed, index, data))
-        else:  # a small frame's work costs less than handing it to another thread
-            check_frame_prefix(parsed, index, data)
-        while len(pending) > COPIES_IN_FLIGHT or pending and pending[0].done():
-            pending.popleft().result()  # raises Corrupt for a damaged frame
+        check_frame_prefix(parsed, index, data)
 
-    try:
-        for msg in frames:  # waiting for the next message, the GIL is free
-            data, offset = msg.frame.data, msg.frame.offset
-            if at + len(data) > total:
-                raise Corrupt(f"frames exceed the entry's {total} bytes")
-            if offset:
-                fault = piece_fault(msg.frame, sent_as if last >= 0 else None, at - begun, last)
-                if fault:
-                    raise Corrupt(fault)
-            else:
-                if last >= 0:
-                    finish()
-                index, sent_as, begun, pieces = index + 1, msg.frame.index, at, []
-                copy = None if keep else FrameCopy(parsed, index, buf[at:])
-            if copy is not None:  # copied and hashed now, while the message is in cache
-                copy.add(data)
-            else:
-                pieces.append(data)
-            last = len(data)
-            at += len(data)
-        if last >= 0:
+    for msg in frames:  # waiting for the next message, the GIL is free
+        data, offset = msg.frame.data, msg.frame.offset
+        if at + len(data) > total:
+            raise Corrupt(f"frames exceed the entry's {total} bytes")
+        if offset:
+            fault = piece_fault(msg.frame, sent_as if last >= 0 else None, at - begun, last)
+            if fault:
+                raise Corrupt(fault)
+        else:
+            if last >= 0 and not done:
+                finish()
+            index, sent_as, begun, pieces = index + 1, msg.frame.index, at, []
+            size, done = declared_length(data), False
+            copy = None if keep else FrameCopy(parsed, index, buf[at:])
+        if size >= 0 and at - begun + len(data) > size:
+            raise Corrupt(f"frame {index}: more than the {size} bytes its prefix declares")
+        if copy is not None:  # copied and hashed now, while the message is in cache
+            copy.add(data)
+        else:
+            pieces.append(data)
+        last = len(data)
+        at += len(data)
+        if at - begun == size:  # whole: checked now, while its last bytes are in cache
             finish()
-        if at != total:
-            raise Corrupt(f"stream ended after {at} of the entry's {total} bytes")
-        while pending:
-            pending.popleft().result()
-    finally:
-        for left in pending:  # nothing writes into the buffer once this returns or raises
-            left.exception()
+            done = True
+    if last >= 0 and not done:
+        finish()
+    if at != total:
+        raise Corrupt(f"stream ended after {at} of the entry's {total} bytes")
     if not keep:
         return _fetched(buf, head.tier, owned=True, checked=True)
     if len(kept) != len(parsed.entry.frames):

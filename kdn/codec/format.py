@@ -377,6 +377,16 @@ def frame_length(buf: bytes | memoryview, offset: int = 0) -> int:
     return _FRAME.size + length
 
 
+def declared_length(first: bytes | memoryview) -> int:
+    """``frame_length`` of a frame whose first piece is ``first`` (a stream's receiver knows
+    from it when the frame is whole); -1 where ``first`` starts with no frame prefix (the
+    frame's check says why, once it has all its bytes)."""
+    try:
+        return frame_length(first)
+    except Corrupt:  # Truncated too
+        return -1
+
+
 @dataclass(frozen=True)
 class LayerRecord:
     layer: int
@@ -463,7 +473,7 @@ def split_frames(buf: bytes | memoryview, offset: int) -> Iterator[memoryview]:
         offset += n
 
 
-def entry_digest(frames: list[memoryview]) -> int:
+def entry_digest(frames: Sequence[bytes | memoryview]) -> int:
     """xxh3-64 over the prefixes of ``frames`` (each names its index, layers, length and
     checksum): two stored versions with the same header differ here unless every frame's
     checksum collides."""

@@ -15,18 +15,24 @@ import functools
 import logging
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any, TypeVar
 
 import grpc
 from google.protobuf.message import DecodeError
 
-from kdn.buffers import COPIES_IN_FLIGHT, MIN_BYTES, OVERLAP_FRAME_BYTES, BufferPool, copy_threads
+from kdn.buffers import (
+    BACKGROUND_CHECK_BYTES,
+    COPIES_IN_FLIGHT,
+    MIN_BYTES,
+    BufferPool,
+    copy_threads,
+)
 from kdn.codec.catalog import check_codec
 from kdn.codec.format import (
     Header,
     check_frame,
-    copy_pieces_checked,
+    declared_length,
     entry_digest,
     parse_container,
     parse_header,
@@ -44,7 +50,8 @@ from kdn.server.usage import Usage
 from kdn.server.wire_memo import WireMemo
 from kdn.status import grpc_code
 from kdn.store.base import Tier
-from kdn.store.tiered import TieredStore
+from kdn.store.framed import Framed
+from kdn.store.tiered import FramedHit, TieredStore
 from kdn.v1 import kdn_pb2 as pb
 from kdn.v1 import kdn_pb2_grpc as pb_grpc
 from kdn.wire import FrameMessage, piece_fault
@@ -52,14 +59,10 @@ from kdn.wire import FrameMessage, piece_fault
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-def _copy_frame_timed(header: Header, index: int, dst: memoryview,
-                      pieces: list[bytes | memoryview]) -> float:
-    """``copy_pieces_checked`` of a frame in one or more pieces (one pass: each chunk hashed
-    in cache right after its copy), then the copy's records checked as ``check_frame`` checks
-    them (shapes against the layout; the sum not again); the seconds it took."""
+def _check_frame_timed(header: Header, index: int, frame: bytes | memoryview) -> float:
+    """``check_frame``; the seconds it took."""
     t0 = time.perf_counter()
-    copy_pieces_checked(header, index, dst, pieces)
-    check_frame(header, index, dst, checksum=False)
+    check_frame(header, index, frame)
     return time.perf_counter() - t0
 
 
@@ -184,57 +187,56 @@ class KDNServicer(BatchMixin, BlendMixin, pb_grpc.KDNServicer):
         if declared > self.config.max_entry_bytes:
             raise TooLarge(f"entry of {declared} bytes exceeds max_entry_bytes "
                            f"{self.config.max_entry_bytes}")
-        # A large entry whose size is declared is received into one buffer (each frame copied
-        # in and dropped as it lands): memory stays at the entry's size, with no join at the end.
-        # The buffer is recycled from entries that left (kdn.buffers) or new anonymous
-        # memory, whose pages are taken as frames land: a size declared and never sent costs
-        # nothing.
-        total = len(header.raw)
-        whole = memoryview(self.buffers.take(declared)) if declared >= MIN_BYTES else None  # type: ignore[arg-type]
-        parts: list[bytes | memoryview] = [header.raw]
-        if whole is not None:
-            if declared < total:
-                raise InvalidArgument(f"total_bytes {declared} is smaller than the header")
-            whole[:total] = header.raw
-        copies: deque[asyncio.Future[float]] = deque()
+        # A large entry whose size is declared is kept as the frames it arrives in, each a
+        # view of its message (kdn.store.framed): no copy into one buffer, and a Retrieve can
+        # send those very messages back. Smaller ones are joined once at the end.
+        framed = declared >= MIN_BYTES
+        if framed and declared < len(header.raw):
+            raise InvalidArgument(f"total_bytes {declared} is smaller than the header")
+        checks: deque[asyncio.Future[float]] = deque()
         try:
-            return await self._frames(principal, it, first, skey, header, whole, parts,
-                                      checking, copies)
+            return await self._frames(principal, it, first, skey, header, framed, checking,
+                                      checks)
         finally:
-            if copies:  # nothing writes into the buffer once this returns or raises
-                await asyncio.gather(*copies, return_exceptions=True)
+            if checks:  # every check is over once this returns or raises
+                await asyncio.gather(*checks, return_exceptions=True)
 
     async def _frames(self, principal: Principal, it: AsyncIterator[Any],
-                      first: pb.StoreRequest, skey: bytes, header: Header,
-                      whole: memoryview | None, parts: list[bytes | memoryview],
-                      checking: float, copies: deque[asyncio.Future[float]]
+                      first: pb.StoreRequest, skey: bytes, header: Header, framed: bool,
+                      checking: float, checks: deque[asyncio.Future[float]]
                       ) -> pb.StoreResponse:
-        """The rest of a Store stream: its frames checked (into ``whole``, where there is
-        one: large frames on ``kdn.buffers.copy_threads`` while the next one arrives, held in
-        ``copies``, as the event loop's thread copying them would hold up every other call),
-        then the entry committed. A frame may come in pieces (``Frame.offset``): each is
-        taken once the next frame begins or the stream ends."""
+        """The rest of a Store stream: its frames checked (large ones on
+        ``kdn.buffers.copy_threads`` while the next one arrives, held in ``checks``, as the
+        event loop's thread hashing them would hold up every other call), then the entry
+        committed: ``Framed`` when ``framed``, else joined. A frame may come in pieces
+        (``Frame.offset``): each is taken once the next frame begins or the stream ends, its
+        pieces joined."""
         declared, n_frames = first.header.total_bytes, len(header.entry.frames)
         loop = asyncio.get_running_loop()
         total = len(header.raw)
         index = 0  # frames begun
-        begun = total  # where the last one begun starts
-        pieces: list[bytes | memoryview] = []  # its pieces so far (``Frame.offset``)
+        frames: list[bytes | memoryview] = []
+        messages: list[bytes] | None = []  # each frame's message, while all came whole
+        pieces: list[bytes | memoryview] = []  # the frame being received: its pieces so far
+        got = 0  # their bytes
+        size, done = -1, False  # its length as its prefix declares it (-1: unreadable), taken
+        message: bytes | None = None  # its message, where it came in one
 
         def finish() -> None:  # frame ``index - 1`` has all its pieces
-            nonlocal checking
+            nonlocal checking, messages
             i = index - 1
-            if whole is None:
-                t0 = time.perf_counter()
-                data = pieces[0] if len(pieces) == 1 else b"".join(pieces)
-                check_frame(header, i, data)
-                checking += time.perf_counter() - t0
-                parts.append(data)
-            elif total - begun >= OVERLAP_FRAME_BYTES:  # copied and checked beside the next
-                copies.append(loop.run_in_executor(copy_threads(), _copy_frame_timed, header,
-                                                   i, whole[begun:total], list(pieces)))
+            data = pieces[0] if len(pieces) == 1 else b"".join(pieces)
+            frames.append(data)
+            if messages is not None:
+                if message is None or len(pieces) > 1:
+                    messages = None
+                else:
+                    messages.append(message)
+            if len(data) >= BACKGROUND_CHECK_BYTES:  # hashed beside the next
+                checks.append(loop.run_in_executor(copy_threads(), _check_frame_timed,
+                                                   header, i, data))
             else:
-                checking += _copy_frame_timed(header, i, whole[begun:total], pieces)
+                checking += _check_frame_timed(header, i, data)
 
         async for msg in it:
             if msg.WhichOneof("part") != "frame":
@@ -242,7 +244,7 @@ class KDNServicer(BatchMixin, BlendMixin, pb_grpc.KDNServicer):
             frame = msg.frame
             data = frame.data  # once: each read of a generated message's bytes copies them
             if frame.offset:
-                fault = piece_fault(frame, index - 1 if index else None, total - begun,
+                fault = piece_fault(frame, index - 1 if index else None, got,
                                     len(pieces[-1]) if pieces else 0)
                 if fault:
                     raise InvalidArgument(fault)
@@ -250,32 +252,42 @@ class KDNServicer(BatchMixin, BlendMixin, pb_grpc.KDNServicer):
                 raise InvalidArgument(f"frame {frame.index} arrived, expected frame {index}")
             if total + len(data) > self.config.max_entry_bytes:
                 raise TooLarge(f"entry exceeds max_entry_bytes {self.config.max_entry_bytes}")
-            if whole is not None and total + len(data) > declared:
+            if framed and total + len(data) > declared:
                 raise InvalidArgument(f"frames exceed the declared total_bytes {declared}")
             if not frame.offset:
-                if index:
+                if index and not done:
                     finish()
-                while len(copies) > COPIES_IN_FLIGHT or copies and copies[0].done():
-                    checking += await copies.popleft()  # raises Corrupt for a damaged frame
-                index, begun, pieces = index + 1, total, []
-            pieces.append(data)  # copied (or joined) and checked once its frame is whole
+                while len(checks) > COPIES_IN_FLIGHT or checks and checks[0].done():
+                    checking += await checks.popleft()  # raises Corrupt for a damaged frame
+                index, pieces, got = index + 1, [], 0
+                size, done = declared_length(data), False
+                message = msg.message if isinstance(msg, FrameMessage) else None
+            if size >= 0 and got + len(data) > size:
+                raise InvalidArgument(f"frame {index - 1}: more than the {size} bytes its "
+                                      "prefix declares")
+            pieces.append(data)  # checked once its frame is whole
+            got += len(data)
             total += len(data)
-        if index:
+            if got == size:  # whole: checked now, while its last bytes are in cache
+                finish()
+                done = True
+        if index and not done:
             finish()
         if index != n_frames:
             raise InvalidArgument(
                 f"Store stream ended after {index} of {n_frames} frames; nothing was stored"
             )
-        if whole is not None and total != declared:
+        if framed and total != declared:
             raise InvalidArgument(f"frames hold {total} bytes, total_bytes declared {declared}")
-        while copies:
-            checking += await copies.popleft()
-        value = b"".join(parts) if whole is None else whole.toreadonly()
+        while checks:
+            checking += await checks.popleft()
+        value: bytes | Framed = b"".join((header.raw, *frames)) if not framed else Framed(
+            header.raw, tuple(frames), None if messages is None else tuple(messages), total)
         self.usage.checked(header, checking)
         return await asyncio.to_thread(self._commit, principal, skey, value,
                                        first.header.options, header)
 
-    def _commit(self, principal: Principal, skey: bytes, value: bytes | memoryview,
+    def _commit(self, principal: Principal, skey: bytes, value: bytes | memoryview | Framed,
                 opts: pb.StoreOptions, header: Header | None = None) -> pb.StoreResponse:
         """Charge the tenant and put a checked entry (a worker thread; Store and PutMany).
 
@@ -314,20 +326,24 @@ class KDNServicer(BatchMixin, BlendMixin, pb_grpc.KDNServicer):
             skey = store_key(current_principal.get().tenant, request.namespace or "default",
                              request.key)
             started = time.perf_counter()
-            hit = self.store.get_in_memory(skey) or await asyncio.to_thread(self.store.get, skey)
+            hit = self.store.get_in_memory(skey, framed=True) or await asyncio.to_thread(
+                self.store.get, skey)
             read_s = time.perf_counter() - started
             if hit is None:
                 self.count("retrieve.miss")
                 self.usage.missed(skey)
                 raise NotFound(f"no entry for key {request.key.hex()} in {request.namespace!r}")
-            header = parse_header(hit.value)
+            kept = hit.value if isinstance(hit, FramedHit) else None  # as it arrived
+            header = parse_header(hit.value.header if isinstance(hit, FramedHit) else hit.value)
             self.usage.served(skey, hit.value, hit.tier, read_s, header)
             want = request.expect_layout_fingerprint
             if want and want != header.layout.fingerprint:
                 raise LayoutMismatch(
                     f"entry has layout {header.layout.fingerprint}, caller expects {want}"
                 )
-            frames = list(split_frames(hit.value, len(header.raw)))
+            frames: list[bytes | memoryview] = list(
+                hit.value.frames if isinstance(hit, FramedHit) else
+                split_frames(hit.value, len(header.raw)))
             first, last = request.first_layer, request.last_layer or header.layout.num_layers
             sel = [
                 (i, f) for i, (f, span) in enumerate(zip(frames, header.entry.frames))
@@ -343,10 +359,14 @@ class KDNServicer(BatchMixin, BlendMixin, pb_grpc.KDNServicer):
         ))
         sent = 0
         try:
-            memo = self.wire_memo.messages(skey, hit.stamp if hit.tier == "ram" else 0,
-                                           len(hit.value), len(frames), sel,
-                                           request.piece_bytes if len(hit.value)
-                                           >= request.piece_min_entry_bytes else 0)
+            piece_bytes = request.piece_bytes if len(hit.value) \
+                >= request.piece_min_entry_bytes else 0
+            memo: Iterator[list[bytes]]
+            if kept is not None and kept.messages is not None and piece_bytes <= 0:
+                memo = ([kept.messages[i]] for i, _ in sel)  # as they came: nothing to build
+            else:
+                memo = self.wire_memo.messages(skey, hit.stamp if hit.tier == "ram" else 0,
+                                               len(hit.value), len(frames), sel, piece_bytes)
             for (_, frame), msgs in zip(sel, memo):
                 for msg in msgs:
                     # Each yield waits for flow control: a slow or cancelled client stops the

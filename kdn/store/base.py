@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from kdn.options import Durability
+from kdn.store.framed import Framed
 
 
 @dataclass
@@ -78,8 +79,9 @@ def _never(key: bytes) -> bool:
     return False
 
 
-EvictHook = Callable[[bytes, bytes, float | None], None]
-"""``on_evict(key, value, ttl_s)``: an entry a tier evicted, with its remaining seconds or None."""
+EvictHook = Callable[[bytes, bytes | Framed, float | None], None]
+"""``on_evict(key, value, ttl_s)``: an entry a tier evicted, with its remaining seconds or None
+(the RAM tier's value may be ``Framed``: ``kdn.store.framed.contiguous`` joins it)."""
 
 
 class Tier(abc.ABC):

@@ -1,10 +1,13 @@
 """RAM tier: a byte-bounded LRU map, safe under concurrent use, O(1) get and put.
 
-Values are immutable ``bytes`` and are returned as stored (no copy). When a put would exceed
-``capacity_bytes`` the least recently used entries are removed; the hierarchy decides which
-entries may not be removed (``protected``, e.g. pins) and what happens to removed ones
-(``on_evict(key, value, ttl_s)``, e.g. demotion to disk; called outside the lock, with the
-seconds the entry had left or None). Entries larger than the whole budget are refused.
+Values are immutable ``bytes`` and are returned as stored (no copy); a value stored as the
+frames it arrived in (``kdn.store.framed.Framed``) is joined on its first read by anyone but a
+reader asking for frames (``get_stamped(framed=True)``), and the joined bytes take its place.
+When a put would exceed ``capacity_bytes`` the least recently used entries are removed; the
+hierarchy decides which entries may not be removed (``protected``, e.g. pins) and what happens
+to removed ones (``on_evict(key, value, ttl_s)``, e.g. demotion to disk; called outside the
+lock, with the seconds the entry had left or None). Entries larger than the whole budget are
+refused.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from collections.abc import Callable, Iterator
 
 from kdn.errors import TooLarge
 from kdn.store.base import EvictHook, Tier, TierStats
+from kdn.store.framed import Framed
 
 
 class RamTier(Tier):
@@ -37,7 +41,7 @@ class RamTier(Tier):
         if protected is not None:
             self.protected = protected
         self.on_evict = on_evict
-        self._data: OrderedDict[bytes, bytes] = OrderedDict()  # LRU order, oldest first
+        self._data: OrderedDict[bytes, bytes | Framed] = OrderedDict()  # LRU order, oldest first
         self._written: dict[bytes, float] = {}  # unix seconds of each entry's write
         self._expiry: dict[bytes, float] = {}  # only entries with a TTL; monotonic deadline
         self._bytes = 0
@@ -56,7 +60,7 @@ class RamTier(Tier):
                 return False
         return True
 
-    def _remove(self, key: bytes) -> bytes | None:
+    def _remove(self, key: bytes) -> bytes | Framed | None:
         value = self._data.pop(key, None)
         if value is None:
             return None
@@ -74,15 +78,25 @@ class RamTier(Tier):
         got = self.get_stamped(key)
         return None if got is None else got[0]
 
-    def get_stamped(self, key: bytes) -> tuple[bytes, int] | None:
-        """Values are immutable bytes held in this process: a put's stamp names its value."""
+    def get_stamped(self, key: bytes, framed: bool = False  # type: ignore[override]
+                    ) -> tuple[bytes, int] | None:
+        """Values are immutable bytes held in this process: a put's stamp names its value.
+        ``framed``: a ``Framed`` value is returned as it is (else joined, once: the joined
+        bytes replace it, under the same stamp)."""
         with self._lock:
             if not self._live(key):
                 self.counters.misses += 1
                 return None
             self._data.move_to_end(key)
             self.counters.hits += 1
-            return self._data[key], self._stamps[key]
+            value, stamp = self._data[key], self._stamps[key]
+        if framed or not isinstance(value, Framed):
+            return value, stamp  # type: ignore[return-value]
+        joined = value.joined()  # outside the lock: a large entry takes a while
+        with self._lock:
+            if self._data.get(key) is value:  # not overwritten, deleted or evicted meanwhile
+                self._data[key] = joined
+        return joined, stamp
 
     def stamp_if(self, key: bytes, value: object) -> int:
         """The stamp of ``key``'s value where that is the very object ``value`` (a put's value
@@ -104,14 +118,14 @@ class RamTier(Tier):
                 return None
             return max(0.0, self._expiry[key] - time.monotonic())
 
-    def put(self, key: bytes, value: bytes, *, ttl_s: float | None = None) -> None:
-        if not (isinstance(value, bytes) or isinstance(value, memoryview) and value.readonly
-                and value.contiguous and value.format == "B"):
+    def put(self, key: bytes, value: bytes | Framed, *, ttl_s: float | None = None) -> None:
+        if not (isinstance(value, (bytes, Framed)) or isinstance(value, memoryview)
+                and value.readonly and value.contiguous and value.format == "B"):
             value = bytes(value)  # a read-only byte view is kept as it is (no copy)
         if len(value) > self.capacity_bytes:
             raise TooLarge(f"entry of {len(value)} bytes exceeds the RAM tier's "
                            f"{self.capacity_bytes}-byte budget")
-        evicted: list[tuple[bytes, bytes, float]] = []
+        evicted: list[tuple[bytes, bytes | Framed, float]] = []
         with self._lock:
             self._remove(key)
             self._data[key] = value
@@ -129,8 +143,8 @@ class RamTier(Tier):
                     continue
                 self.on_evict(k, v, exp - now if exp else None)
 
-    def _evict_locked(self, keep: bytes) -> list[tuple[bytes, bytes, float]]:
-        out: list[tuple[bytes, bytes, float]] = []
+    def _evict_locked(self, keep: bytes) -> list[tuple[bytes, bytes | Framed, float]]:
+        out: list[tuple[bytes, bytes | Framed, float]] = []
         skipped: list[bytes] = []
         while self._bytes > self.capacity_bytes and self._data:
             key = next(iter(self._data))

@@ -57,6 +57,7 @@ import xxhash
 from kdn.errors import Corrupt, InvalidArgument, KDNError, TierUnavailable, Unavailable
 from kdn.options import Durability
 from kdn.store.base import EvictHook, Tier, TierStats
+from kdn.store.framed import Framed, contiguous
 from kdn.store.health import Fault, TierHealth
 from kdn.store.queue import PendingWrite, WriteQueue
 from kdn.store.ram import RamTier
@@ -87,6 +88,16 @@ class Hit:
     stamp: int = field(default=0, compare=False)
     """The tier's stamp of this value where it keeps one (``Tier.get_stamped``: a put's
     number, so another value of the key has another stamp); 0 for a queued value."""
+
+
+@dataclass(frozen=True)
+class FramedHit:
+    """``get_in_memory(framed=True)``'s answer for a RAM value held as the frames it arrived
+    in (``kdn.store.framed``)."""
+
+    value: Framed
+    tier: str
+    stamp: int = field(default=0, compare=False)
 
 
 @dataclass(frozen=True)
@@ -245,21 +256,24 @@ class TieredStore:
             return Hit(value, tier.name, stamp)
         return None
 
-    def get_in_memory(self, key: bytes) -> Hit | None:
+    def get_in_memory(self, key: bytes, framed: bool = False) -> Hit | FramedHit | None:
         """``get``'s answer where the first tier holds ``key`` in this process's memory (the
         RAM tier) and that very value was verified already: a dict lookup, no I/O and no
         hashing, cheap enough for an event loop's thread. None otherwise: ask ``get`` (on a
         worker thread). A loopback Retrieve of a small entry spent about 1 ms handing its
-        ``get`` to a worker thread and back."""
+        ``get`` to a worker thread and back. ``framed``: a value held as the frames it
+        arrived in comes as they are (a ``FramedHit``), else it is joined (once)."""
         tier = self.tiers[0] if self.tiers else None
         if not isinstance(tier, RamTier) or not tier.contains(key):
             return None  # a miss here is counted once, by ``get``
         q = self._queues.get(tier.name)
         if q is not None and q.peek(key) is not None:
             return None
-        got = tier.get_stamped(key)
+        got = tier.get_stamped(key, framed=framed)
         if got is None or not got[1] or self._checked.get((tier.name, key)) != got[1]:
             return None
+        if isinstance(got[0], Framed):
+            return FramedHit(got[0], tier.name, got[1])
         return Hit(got[0], tier.name, got[1])
 
     def distrust(self, key: bytes) -> None:
@@ -330,8 +344,9 @@ class TieredStore:
 
     # -- writes ---------------------------------------------------------------------------------
 
-    def put(self, key: bytes, value: bytes, *, ttl_s: float | None = None, pin: bool = False,
-            durability: Durability = Durability.DEFAULT, verified: bool = False) -> str:
+    def put(self, key: bytes, value: bytes | Framed, *, ttl_s: float | None = None,
+            pin: bool = False, durability: Durability = Durability.DEFAULT,
+            verified: bool = False) -> str:
         """Store ``value``; return the name of the first tier that holds it.
 
         Returns once the entry is where ``durability`` (or, for DEFAULT, the write policy)
@@ -350,6 +365,9 @@ class TieredStore:
             raise InvalidArgument(f"durability {durability.name} needs a "
                                   f"{_NEEDED_TIER[durability]} tier; this server has none")
         ttl = ttl_s or self.default_ttl_s or None
+        if isinstance(value, Framed) and (len(self.tiers) > 1
+                                          or not isinstance(self.tiers[0], RamTier)):
+            value = value.joined()
         was_pinned = self.is_pinned(key)
         if pin:
             self.pin(key)
@@ -369,7 +387,7 @@ class TieredStore:
                     self._checked[(head.name, key)] = stamp
         return tier
 
-    def _put(self, key: bytes, value: bytes, ttl: float | None, required: Tier,
+    def _put(self, key: bytes, value: bytes | Framed, ttl: float | None, required: Tier,
              durability: Durability) -> str:
         """``put`` after its checks. A refused write leaves no trace: the tier that must
         acknowledge is written first (a refusal there raises before any other tier has the
@@ -384,7 +402,7 @@ class TieredStore:
                 self._write_lower(required, key, value, ttl, expiry, True, True)
             first = required.name
         try:
-            head.put(key, value, ttl_s=ttl)
+            head.put(key, value, ttl_s=ttl)  # type: ignore[arg-type]  # Framed: a RamTier's
             first = head.name
         except KDNError as exc:
             errors.append(f"{head.name}: {exc}")
@@ -407,15 +425,17 @@ class TieredStore:
             raise KDNError("no tier accepted the entry: " + "; ".join(errors))
         return first
 
-    def _write_lower(self, tier: Tier, key: bytes, value: bytes, ttl: float | None,
+    def _write_lower(self, tier: Tier, key: bytes, value: bytes | Framed, ttl: float | None,
                      expiry: float, sync: bool, required: bool) -> bool:
         """Write to one lower tier (caller holds the key's stripe); True if written now.
 
         A ``required`` write that fails raises (after marking the tier down if it is); the
-        others fall back to the tier's queue, or are dropped and counted.
+        others fall back to the tier's queue, or are dropped and counted. A ``Framed`` value
+        is joined first: lower tiers and their queues hold one buffer.
         """
+        flat = contiguous(value)
         q = self._queues[tier.name]
-        write = partial(tier.put, key, value, ttl_s=ttl)
+        write = partial(tier.put, key, flat, ttl_s=ttl)
         what = f"write of {key!r}"
         if sync and self.is_up(tier.name):
             fault = self._health.attempt(tier, write, what, reraise=required)
@@ -427,7 +447,7 @@ class TieredStore:
         elif required:
             raise TierUnavailable(f"the {tier.name} tier is down; can not acknowledge the entry "
                                   "there")
-        if q.offer(key, PendingWrite(value, expiry)):
+        if q.offer(key, PendingWrite(flat, expiry)):
             if not self.is_up(tier.name):
                 self.count(f"{tier.name}.write_retried")
             return False
@@ -462,7 +482,7 @@ class TieredStore:
     def _demote_from(self, tier: Tier) -> EvictHook:
         below = self.tiers[self.tiers.index(tier) + 1:]
 
-        def demote(key: bytes, value: bytes, ttl: float | None) -> None:
+        def demote(key: bytes, value: bytes | Framed, ttl: float | None) -> None:
             expiry = time.monotonic() + ttl if ttl else 0.0
             with self.stripe(key):
                 for lower in below:
