@@ -16,6 +16,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from functools import partial
 from typing import Any, TypeVar
 
 import grpc
@@ -32,6 +33,7 @@ from kdn.codec.catalog import check_codec
 from kdn.codec.format import (
     Header,
     check_frame,
+    copy_pieces_checked,
     declared_length,
     entry_digest,
     parse_container,
@@ -50,7 +52,7 @@ from kdn.server.usage import Usage
 from kdn.server.wire_memo import WireMemo
 from kdn.status import grpc_code
 from kdn.store.base import Tier
-from kdn.store.framed import Framed
+from kdn.store.framed import MAX_FRAMED_BYTES, Framed
 from kdn.store.tiered import FramedHit, TieredStore
 from kdn.v1 import kdn_pb2 as pb
 from kdn.v1 import kdn_pb2_grpc as pb_grpc
@@ -58,6 +60,18 @@ from kdn.wire import FrameMessage, piece_fault
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+
+
+def _copy_frame_timed(header: Header, index: int, dst: memoryview,
+                      pieces: list[bytes | memoryview]) -> float:
+    """``copy_pieces_checked`` of a frame in one or more pieces (one pass: each chunk hashed
+    in cache right after its copy), then the copy's records checked as ``check_frame`` checks
+    them (shapes against the layout; the sum not again); the seconds it took."""
+    t0 = time.perf_counter()
+    copy_pieces_checked(header, index, dst, pieces)
+    check_frame(header, index, dst, checksum=False)
+    return time.perf_counter() - t0
+
 
 def _check_frame_timed(header: Header, index: int, frame: bytes | memoryview) -> float:
     """``check_frame``; the seconds it took."""
@@ -189,54 +203,65 @@ class KDNServicer(BatchMixin, BlendMixin, pb_grpc.KDNServicer):
                            f"{self.config.max_entry_bytes}")
         # A large entry whose size is declared is kept as the frames it arrives in, each a
         # view of its message (kdn.store.framed): no copy into one buffer, and a Retrieve can
-        # send those very messages back. Smaller ones are joined once at the end.
-        framed = declared >= MIN_BYTES
-        if framed and declared < len(header.raw):
+        # send those very messages back. Past MAX_FRAMED_BYTES it is copied into one buffer
+        # recycled from entries that left (kdn.buffers), each frame as it lands: fresh memory
+        # for so many messages costs more in page faults than the copy. Smaller entries are
+        # joined once at the end.
+        if declared >= MIN_BYTES and declared < len(header.raw):
             raise InvalidArgument(f"total_bytes {declared} is smaller than the header")
+        whole = None
+        if declared > MAX_FRAMED_BYTES:
+            whole = memoryview(self.buffers.take(declared))  # type: ignore[arg-type]
+            whole[: len(header.raw)] = header.raw
         checks: deque[asyncio.Future[float]] = deque()
         try:
-            return await self._frames(principal, it, first, skey, header, framed, checking,
+            return await self._frames(principal, it, first, skey, header, whole, checking,
                                       checks)
         finally:
-            if checks:  # every check is over once this returns or raises
+            if checks:  # nothing writes into the buffer once this returns or raises
                 await asyncio.gather(*checks, return_exceptions=True)
 
     async def _frames(self, principal: Principal, it: AsyncIterator[Any],
-                      first: pb.StoreRequest, skey: bytes, header: Header, framed: bool,
-                      checking: float, checks: deque[asyncio.Future[float]]
-                      ) -> pb.StoreResponse:
-        """The rest of a Store stream: its frames checked (large ones on
-        ``kdn.buffers.copy_threads`` while the next one arrives, held in ``checks``, as the
-        event loop's thread hashing them would hold up every other call), then the entry
-        committed: ``Framed`` when ``framed``, else joined. A frame may come in pieces
-        (``Frame.offset``): each is taken once the next frame begins or the stream ends, its
-        pieces joined."""
+                      first: pb.StoreRequest, skey: bytes, header: Header,
+                      whole: memoryview | None, checking: float,
+                      checks: deque[asyncio.Future[float]]) -> pb.StoreResponse:
+        """The rest of a Store stream: its frames checked (copied into ``whole``, where there
+        is one; frames of ``BACKGROUND_CHECK_BYTES`` or more on ``kdn.buffers.copy_threads``
+        while the next one arrives, held in ``checks``, as the event loop's thread would hold
+        up every other call), then the entry committed: one buffer (``whole``, or joined below
+        ``MIN_BYTES``) or ``Framed``. A frame may come in pieces (``Frame.offset``): each is
+        taken once the next frame begins or the stream ends, its pieces joined (or copied)."""
         declared, n_frames = first.header.total_bytes, len(header.entry.frames)
+        sized = declared >= MIN_BYTES  # kept as frames, or copied into ``whole``
         loop = asyncio.get_running_loop()
         total = len(header.raw)
         index = 0  # frames begun
         frames: list[bytes | memoryview] = []
         messages: list[bytes] | None = []  # each frame's message, while all came whole
         pieces: list[bytes | memoryview] = []  # the frame being received: its pieces so far
-        got = 0  # their bytes
+        begun = got = 0  # where it begins in the entry, its bytes so far
         size, done = -1, False  # its length as its prefix declares it (-1: unreadable), taken
         message: bytes | None = None  # its message, where it came in one
 
         def finish() -> None:  # frame ``index - 1`` has all its pieces
             nonlocal checking, messages
             i = index - 1
-            data = pieces[0] if len(pieces) == 1 else b"".join(pieces)
-            frames.append(data)
-            if messages is not None:
-                if message is None or len(pieces) > 1:
-                    messages = None
-                else:
-                    messages.append(message)
-            if len(data) >= BACKGROUND_CHECK_BYTES:  # hashed beside the next
-                checks.append(loop.run_in_executor(copy_threads(), _check_frame_timed,
-                                                   header, i, data))
+            if whole is not None:
+                work = partial(_copy_frame_timed, header, i, whole[begun:begun + got],
+                               list(pieces))
             else:
-                checking += _check_frame_timed(header, i, data)
+                data = pieces[0] if len(pieces) == 1 else b"".join(pieces)
+                frames.append(data)
+                if messages is not None:
+                    if message is None or len(pieces) > 1:
+                        messages = None
+                    else:
+                        messages.append(message)
+                work = partial(_check_frame_timed, header, i, data)
+            if got >= BACKGROUND_CHECK_BYTES:  # beside the next
+                checks.append(loop.run_in_executor(copy_threads(), work))
+            else:  # now, while in cache
+                checking += work()
 
         async for msg in it:
             if msg.WhichOneof("part") != "frame":
@@ -252,14 +277,14 @@ class KDNServicer(BatchMixin, BlendMixin, pb_grpc.KDNServicer):
                 raise InvalidArgument(f"frame {frame.index} arrived, expected frame {index}")
             if total + len(data) > self.config.max_entry_bytes:
                 raise TooLarge(f"entry exceeds max_entry_bytes {self.config.max_entry_bytes}")
-            if framed and total + len(data) > declared:
+            if sized and total + len(data) > declared:
                 raise InvalidArgument(f"frames exceed the declared total_bytes {declared}")
             if not frame.offset:
                 if index and not done:
                     finish()
                 while len(checks) > COPIES_IN_FLIGHT or checks and checks[0].done():
                     checking += await checks.popleft()  # raises Corrupt for a damaged frame
-                index, pieces, got = index + 1, [], 0
+                index, pieces, begun, got = index + 1, [], total, 0
                 size, done = declared_length(data), False
                 message = msg.message if isinstance(msg, FrameMessage) else None
             if size >= 0 and got + len(data) > size:
@@ -277,12 +302,18 @@ class KDNServicer(BatchMixin, BlendMixin, pb_grpc.KDNServicer):
             raise InvalidArgument(
                 f"Store stream ended after {index} of {n_frames} frames; nothing was stored"
             )
-        if framed and total != declared:
+        if sized and total != declared:
             raise InvalidArgument(f"frames hold {total} bytes, total_bytes declared {declared}")
         while checks:
             checking += await checks.popleft()
-        value: bytes | Framed = b"".join((header.raw, *frames)) if not framed else Framed(
-            header.raw, tuple(frames), None if messages is None else tuple(messages), total)
+        value: bytes | memoryview | Framed
+        if whole is not None:
+            value = whole.toreadonly()
+        elif sized:
+            value = Framed(header.raw, tuple(frames),
+                           None if messages is None else tuple(messages), total)
+        else:
+            value = b"".join((header.raw, *frames))
         self.usage.checked(header, checking)
         return await asyncio.to_thread(self._commit, principal, skey, value,
                                        first.header.options, header)
