@@ -119,6 +119,7 @@ def test_evicted_framed_values_are_demoted_as_one_buffer(tmp_path: Path) -> None
     parts = _parts(40, seed=5)
     alone = TieredStore([RamTier(64 << 20)])
     try:
+        assert alone.memory_only  # the server commits its Stores on the event loop's thread
         alone.put(b"a", _framed(parts), verified=True)
         hit = alone.get_in_memory(b"a", framed=True)
         assert isinstance(hit, FramedHit) and hit.value.joined() == parts.to_bytes()
@@ -130,6 +131,7 @@ def test_evicted_framed_values_are_demoted_as_one_buffer(tmp_path: Path) -> None
     disk = LmdbTier(tmp_path / "l", capacity_bytes=64 << 20)
     both = TieredStore([ram, disk])
     try:
+        assert not both.memory_only
         both.put(b"b", _framed(parts), verified=True)
         assert isinstance(ram.get_stamped(b"b", framed=True)[0], bytes)  # type: ignore[index]
         assert disk.get(b"b") == parts.to_bytes()

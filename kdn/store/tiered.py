@@ -256,6 +256,12 @@ class TieredStore:
             return Hit(value, tier.name, stamp)
         return None
 
+    @property
+    def memory_only(self) -> bool:
+        """Whether every tier is a RAM tier in this process: a put then does no I/O and never
+        waits on another tier (cheap enough for an event loop's thread)."""
+        return len(self.tiers) == 1 and isinstance(self.tiers[0], RamTier)
+
     def get_in_memory(self, key: bytes, framed: bool = False) -> Hit | FramedHit | None:
         """``get``'s answer where the first tier holds ``key`` in this process's memory (the
         RAM tier) and that very value was verified already: a dict lookup, no I/O and no
