@@ -185,7 +185,7 @@ def _store_stream(parts: codec.EncodedParts, key: bytes, frames: list[bytes]) ->
         *(pb.StoreRequest.FromString(m) for m in frames)]
 
 
-@pytest.mark.parametrize(("tokens", "copied"), [(200, False), (1200, False), (1200, True)],
+@pytest.mark.parametrize(("tokens", "copied"), [(200, False), (1200, False), (600, True)],
                          ids=["joined", "framed", "copied"])
 def test_store_takes_frames_in_pieces_and_refuses_pieces_that_do_not_add_up(
         server: ServerThread, tokens: int, copied: bool, monkeypatch: pytest.MonkeyPatch

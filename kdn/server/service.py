@@ -26,6 +26,7 @@ from kdn.buffers import (
     BACKGROUND_CHECK_BYTES,
     COPIES_IN_FLIGHT,
     MIN_BYTES,
+    OVERLAP_FRAME_BYTES,
     BufferPool,
     copy_threads,
 )
@@ -226,9 +227,10 @@ class KDNServicer(BatchMixin, BlendMixin, pb_grpc.KDNServicer):
                       whole: memoryview | None, checking: float,
                       checks: deque[asyncio.Future[float]]) -> pb.StoreResponse:
         """The rest of a Store stream: its frames checked (copied into ``whole``, where there
-        is one; frames of ``BACKGROUND_CHECK_BYTES`` or more on ``kdn.buffers.copy_threads``
-        while the next one arrives, held in ``checks``, as the event loop's thread would hold
-        up every other call), then the entry committed: one buffer (``whole``, or joined below
+        is one; frames of ``BACKGROUND_CHECK_BYTES`` or more, or copied ones of
+        ``OVERLAP_FRAME_BYTES`` or more, on ``kdn.buffers.copy_threads`` while the next one
+        arrives, held in ``checks``, as the event loop's thread would hold up every other
+        call), then the entry committed: one buffer (``whole``, or joined below
         ``MIN_BYTES``) or ``Framed``. A frame may come in pieces (``Frame.offset``): each is
         taken once the next frame begins or the stream ends, its pieces joined (or copied)."""
         declared, n_frames = first.header.total_bytes, len(header.entry.frames)
@@ -258,8 +260,8 @@ class KDNServicer(BatchMixin, BlendMixin, pb_grpc.KDNServicer):
                     else:
                         messages.append(message)
                 work = partial(_check_frame_timed, header, i, data)
-            if got >= BACKGROUND_CHECK_BYTES:  # beside the next
-                checks.append(loop.run_in_executor(copy_threads(), work))
+            if got >= (BACKGROUND_CHECK_BYTES if whole is None else OVERLAP_FRAME_BYTES):
+                checks.append(loop.run_in_executor(copy_threads(), work))  # beside the next
             else:  # now, while in cache
                 checking += work()
 
