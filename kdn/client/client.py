@@ -44,6 +44,7 @@ from kdn.client.dataplane import (
     ask_pieces,
     keeps_messages,
     received,
+    received_many,
 )
 from kdn.client.landing import (
     decoder_for,
@@ -57,7 +58,7 @@ from kdn.client.landing import (
 from kdn.client.parallel import layer_groups, merged
 from kdn.codec import EncodedParts
 from kdn.codec.format import parse_container, parse_header
-from kdn.errors import InvalidArgument, LayoutMismatch, NotFound, TooLarge
+from kdn.errors import InvalidArgument, KDNError, LayoutMismatch, NotFound, Status, TooLarge
 from kdn.keys import DEFAULT_NAMESPACE, check_key, check_namespace
 from kdn.layout import KVLayout
 from kdn.metadata import API_KEY_HEADER, REQUEST_ID_HEADER
@@ -210,6 +211,10 @@ class Client:
         self._retrieve_call = self._channel.unary_stream(
             "/kdn.v1.KDN/Retrieve", request_serializer=pb.RetrieveRequest.SerializeToString,
             response_deserializer=retrieve_response)
+        self._retrieve_many_call = self._channel.unary_stream(
+            "/kdn.v1.KDN/RetrieveMany", request_serializer=pb.RetrieveManyRequest.SerializeToString,
+            response_deserializer=retrieve_response)
+        self._retrieve_many_ok = True  # False once a server answered UNIMPLEMENTED (older)
         # inline GetMany answers: each entry's bytes a view of the received message (kdn.wire)
         self._stub.GetMany = self._channel.unary_unary(
             "/kdn.v1.KDN/GetMany", request_serializer=pb.GetManyRequest.SerializeToString,
@@ -555,12 +560,41 @@ class Client:
                    layout: KVLayout | None = None,
                    request_id: str | None = None) -> list[Fetched | None]:
         """Stored containers of ``keys`` (None for a miss) in as few calls as fit: through the
-        shared segment on the server's host, else inline, many entries per message."""
+        shared segment on the server's host, else inline (one message of many entries) and
+        what that message did not hold in one RetrieveMany stream (a message a frame)."""
         ns = self._ns(namespace)
         ks = [check_key(k) for k in keys]
         got = self._entries(ns, ks, layout, request_id)
+        big = [j for j, g in enumerate(got) if isinstance(g, TooBig)]
+        if len(big) > 1 and self._retrieve_many_ok:
+            streamed = self._streamed(ns, [ks[j] for j in big], layout, request_id)
+            if streamed is not None:
+                for j, g in zip(big, streamed):
+                    got[j] = g
         return [self.fetch(k, namespace=ns, layout=layout, request_id=request_id)
                 if isinstance(g, TooBig) else g for k, g in zip(ks, got)]
+
+    def _streamed(self, ns: str, keys: list[bytes], layout: KVLayout | None,
+                  request_id: str | None) -> list[Fetched | None] | None:
+        """``keys``' entries read by one RetrieveMany stream (each checked as ``fetch``
+        checks a streamed entry, and kept in the in-process tier); None from a server that
+        has no RetrieveMany (then each is fetched on its own, as before it had)."""
+        req = pb.RetrieveManyRequest(namespace=ns, keys=keys,
+                                     expect_layout_fingerprint=layout.fingerprint
+                                     if layout else "")
+        md = self.metadata(request_id)
+        try:
+            got = self._call(lambda: received_many(len(keys), self._retrieve_many_call(
+                req, timeout=self.timeout_s, metadata=md)))
+        except KDNError as exc:
+            if exc.status is not Status.UNIMPLEMENTED:
+                raise
+            self._retrieve_many_ok = False
+            return None
+        for k, g in zip(keys, got):
+            if g is not None:
+                self._remember(ns, k, g.parts)
+        return got
 
     def _entries(self, ns: str, keys: list[bytes], layout: KVLayout | None,
                  request_id: str | None, *, pinned: bool = False, in_process: bool = True

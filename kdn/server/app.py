@@ -53,9 +53,9 @@ HEALTH_POLL_S = 0.25
 
 
 class _FastFrames:
-    """Registers the generated handler table with the frame codecs of ``kdn.wire``: Retrieve's
-    and GetMany's serializers accept pre-encoded answers and Store's deserializer reads frames
-    without copying them (the table stays the generated one)."""
+    """Registers the generated handler table with the frame codecs of ``kdn.wire``: Retrieve's,
+    RetrieveMany's and GetMany's serializers accept pre-encoded answers and Store's
+    deserializer reads frames without copying them (the table stays the generated one)."""
 
     def __init__(self, server: grpc.aio.Server) -> None:
         self.server = server
@@ -66,6 +66,8 @@ class _FastFrames:
     def add_registered_method_handlers(self, name: str, table: dict[str, Any]) -> None:
         table = dict(table)
         table["Retrieve"] = table["Retrieve"]._replace(response_serializer=serialize_passthrough)
+        table["RetrieveMany"] = table["RetrieveMany"]._replace(
+            response_serializer=serialize_passthrough)
         table["GetMany"] = table["GetMany"]._replace(response_serializer=serialize_passthrough)
         table["Store"] = table["Store"]._replace(request_deserializer=store_request)
         self.server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, table),))

@@ -393,8 +393,10 @@ class BatchMixin:
             if seg is not None and request.lease and self._leased(p, seg, ref, skey, hit):
                 sent += len(value)
                 continue
-            if cursor + len(value) > end:
-                continue  # no room: the client asks again with a region of ref.length
+            if cursor + len(value) > end or seg is None and \
+                    0 < request.inline_max_entry_bytes < len(value):
+                continue  # no room (the client asks again with a region of ref.length), or
+                # too large to inline (the client streams it: RetrieveMany)
             if seg is not None:  # placed now, copied below (in parallel)
                 cursor = _frames_aligned(cursor, value, end)
                 ref.offset = cursor

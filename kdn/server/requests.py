@@ -55,6 +55,7 @@ NOT_NAMES = frozenset({
     "kdn.v1.StoreHeader.container_header", "kdn.v1.StoreHeader.layout_fingerprint",
     "kdn.v1.Frame.data",
     "kdn.v1.RetrieveRequest.expect_layout_fingerprint",
+    "kdn.v1.RetrieveManyRequest.expect_layout_fingerprint",
     "kdn.v1.GetManyRequest.segment_id", "kdn.v1.GetManyRequest.expect_layout_fingerprint",
     "kdn.v1.PutManyRequest.segment_id", "kdn.v1.PutItem.data",
     "kdn.v1.AttachRequest.nonce", "kdn.v1.DetachRequest.segment_id",

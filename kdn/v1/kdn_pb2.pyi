@@ -180,18 +180,30 @@ class RetrieveRequest(_message.Message):
     def __init__(self, namespace: _Optional[str] = ..., key: _Optional[bytes] = ..., expect_layout_fingerprint: _Optional[str] = ..., first_layer: _Optional[int] = ..., last_layer: _Optional[int] = ..., piece_bytes: _Optional[int] = ..., piece_min_entry_bytes: _Optional[int] = ...) -> None: ...
 
 class RetrieveHeader(_message.Message):
-    __slots__ = ("container_header", "total_bytes", "tier", "frame_count", "entry_digest")
+    __slots__ = ("container_header", "total_bytes", "tier", "frame_count", "entry_digest", "missing")
     CONTAINER_HEADER_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
     FRAME_COUNT_FIELD_NUMBER: _ClassVar[int]
     ENTRY_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    MISSING_FIELD_NUMBER: _ClassVar[int]
     container_header: bytes
     total_bytes: int
     tier: str
     frame_count: int
     entry_digest: int
-    def __init__(self, container_header: _Optional[bytes] = ..., total_bytes: _Optional[int] = ..., tier: _Optional[str] = ..., frame_count: _Optional[int] = ..., entry_digest: _Optional[int] = ...) -> None: ...
+    missing: bool
+    def __init__(self, container_header: _Optional[bytes] = ..., total_bytes: _Optional[int] = ..., tier: _Optional[str] = ..., frame_count: _Optional[int] = ..., entry_digest: _Optional[int] = ..., missing: _Optional[bool] = ...) -> None: ...
+
+class RetrieveManyRequest(_message.Message):
+    __slots__ = ("namespace", "keys", "expect_layout_fingerprint")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    EXPECT_LAYOUT_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    expect_layout_fingerprint: str
+    def __init__(self, namespace: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., expect_layout_fingerprint: _Optional[str] = ...) -> None: ...
 
 class RetrieveResponse(_message.Message):
     __slots__ = ("header", "frame")
@@ -345,7 +357,7 @@ class Region(_message.Message):
     def __init__(self, offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
 
 class GetManyRequest(_message.Message):
-    __slots__ = ("namespace", "keys", "segment_id", "region", "expect_layout_fingerprint", "lease", "release")
+    __slots__ = ("namespace", "keys", "segment_id", "region", "expect_layout_fingerprint", "lease", "release", "inline_max_entry_bytes")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     SEGMENT_ID_FIELD_NUMBER: _ClassVar[int]
@@ -353,6 +365,7 @@ class GetManyRequest(_message.Message):
     EXPECT_LAYOUT_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     LEASE_FIELD_NUMBER: _ClassVar[int]
     RELEASE_FIELD_NUMBER: _ClassVar[int]
+    INLINE_MAX_ENTRY_BYTES_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     segment_id: str
@@ -360,7 +373,8 @@ class GetManyRequest(_message.Message):
     expect_layout_fingerprint: str
     lease: bool
     release: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, namespace: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., segment_id: _Optional[str] = ..., region: _Optional[_Union[Region, _Mapping]] = ..., expect_layout_fingerprint: _Optional[str] = ..., lease: _Optional[bool] = ..., release: _Optional[_Iterable[int]] = ...) -> None: ...
+    inline_max_entry_bytes: int
+    def __init__(self, namespace: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., segment_id: _Optional[str] = ..., region: _Optional[_Union[Region, _Mapping]] = ..., expect_layout_fingerprint: _Optional[str] = ..., lease: _Optional[bool] = ..., release: _Optional[_Iterable[int]] = ..., inline_max_entry_bytes: _Optional[int] = ...) -> None: ...
 
 class EntryRef(_message.Message):
     __slots__ = ("present", "tier", "length", "written", "offset", "data", "verified", "lease")

@@ -44,6 +44,11 @@ class KDNStub:
                 request_serializer=kdn_dot_v1_dot_kdn__pb2.RetrieveRequest.SerializeToString,
                 response_deserializer=kdn_dot_v1_dot_kdn__pb2.RetrieveResponse.FromString,
                 _registered_method=True)
+        self.RetrieveMany = channel.unary_stream(
+                '/kdn.v1.KDN/RetrieveMany',
+                request_serializer=kdn_dot_v1_dot_kdn__pb2.RetrieveManyRequest.SerializeToString,
+                response_deserializer=kdn_dot_v1_dot_kdn__pb2.RetrieveResponse.FromString,
+                _registered_method=True)
         self.Lookup = channel.unary_unary(
                 '/kdn.v1.KDN/Lookup',
                 request_serializer=kdn_dot_v1_dot_kdn__pb2.LookupRequest.SerializeToString,
@@ -96,6 +101,12 @@ class KDNServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Retrieve(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RetrieveMany(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -165,6 +176,11 @@ def add_KDNServicer_to_server(servicer, server):
             'Retrieve': grpc.unary_stream_rpc_method_handler(
                     servicer.Retrieve,
                     request_deserializer=kdn_dot_v1_dot_kdn__pb2.RetrieveRequest.FromString,
+                    response_serializer=kdn_dot_v1_dot_kdn__pb2.RetrieveResponse.SerializeToString,
+            ),
+            'RetrieveMany': grpc.unary_stream_rpc_method_handler(
+                    servicer.RetrieveMany,
+                    request_deserializer=kdn_dot_v1_dot_kdn__pb2.RetrieveManyRequest.FromString,
                     response_serializer=kdn_dot_v1_dot_kdn__pb2.RetrieveResponse.SerializeToString,
             ),
             'Lookup': grpc.unary_unary_rpc_method_handler(
@@ -261,6 +277,33 @@ class KDN:
             target,
             '/kdn.v1.KDN/Retrieve',
             kdn_dot_v1_dot_kdn__pb2.RetrieveRequest.SerializeToString,
+            kdn_dot_v1_dot_kdn__pb2.RetrieveResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RetrieveMany(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kdn.v1.KDN/RetrieveMany',
+            kdn_dot_v1_dot_kdn__pb2.RetrieveManyRequest.SerializeToString,
             kdn_dot_v1_dot_kdn__pb2.RetrieveResponse.FromString,
             options,
             channel_credentials,
