@@ -328,8 +328,8 @@ def batch_rows(clients: dict[str, Client], layout: KVLayout, repeat: int,
                limits: dict[tuple[str, int], float]) -> list[dict[str, Any]]:
     """64 entries of ~1 MiB each, stored and fetched in one call per path."""
     tokens = 64 * 2**20 // (layout.bytes_per_token * 64)
-    items = [(keys.chunk_key([i, 1], layout), codec.encode_parts(
-        random_cache(layout, tokens), "raw")) for i in range(64)]
+    items = [(keys.chunk_key([i, 1], layout), codec.encode_parts(  # as Client.store encodes
+        random_cache(layout, tokens), "raw", wire=True, layers_per_frame=0)) for i in range(64)]
     nbytes = sum(p.nbytes for _, p in items)
     ks = [k for k, _ in items]
     rows = []

@@ -31,10 +31,14 @@ def server(tmp_path: Path) -> Iterator[ServerThread]:
         yield st
 
 
-def _stored(c: Client, sizes: list[int]) -> list[tuple[bytes, codec.EncodedParts]]:
+def _stored(c: Client, sizes: list[int], layers_per_frame: int = 0
+            ) -> list[tuple[bytes, codec.EncodedParts]]:
+    """Entries of ``sizes`` tokens, stored; frames as ``Client.store`` fills them (~1 MiB),
+    or of ``layers_per_frame`` layers."""
     out = []
     for i, tokens in enumerate(sizes):
-        parts = codec.encode_parts(random_kv(LAYOUT, tokens, seed=100 + i), "raw")
+        parts = codec.encode_parts(random_kv(LAYOUT, tokens, seed=100 + i), "raw",
+                                   layers_per_frame=layers_per_frame)
         key = keys.chunk_key([7000 + i], LAYOUT)
         c.store(key, parts)
         out.append((key, parts))
@@ -142,12 +146,15 @@ def test_a_server_without_retrieve_many_is_read_key_by_key(server: ServerThread)
 
 def test_get_many_leaves_out_entries_past_the_inline_limit_with_their_length(
         server: ServerThread) -> None:
+    """Past ``inline_max_entry_bytes`` an entry is left out (its length given), unless its
+    frames are small (200 KiB each here: streamed, each would be a message of its own)."""
     with Client(server.address, shm_bytes=0) as c, grpc.insecure_channel(server.address) as ch:
-        stored = _stored(c, [8, 300])
+        stored = _stored(c, [8, 300, 200], layers_per_frame=1)  # frames of 8/300/200 KiB
         resp = pb_grpc.KDNStub(ch).GetMany(pb.GetManyRequest(
             keys=[k for k, _ in stored], region=pb.Region(length=16 << 20),
             inline_max_entry_bytes=stored[0][1].nbytes), timeout=30)
-        small, large = resp.entries
+        small, large, small_frames = resp.entries
         assert small.written and small.data == stored[0][1].to_bytes()
         assert large.present and not large.written and not large.data
         assert large.length == stored[1][1].nbytes
+        assert small_frames.written and small_frames.data == stored[2][1].to_bytes()

@@ -84,6 +84,17 @@ MAX_SEGMENTS_PER_TENANT = 256
 MAX_SEGMENT_BYTES = 64 << 30
 INLINE_BUDGET = 48 << 20
 """Bytes of entries one inline GetMany answer carries at most (the rest: written=false)."""
+STREAM_MIN_FRAME_BYTES = 256 << 10
+"""An entry whose frames average less than this is carried inline even past the client's
+``inline_max_entry_bytes``: streamed, each of its frames would be a message of its own (a
+1 MiB entry of 30 one-layer frames: 31 messages instead of 2)."""
+
+
+def _streams_well(value: bytes) -> bool:
+    """Whether a stream carries ``value`` well: its frames, a message each, are large."""
+    return len(value) >= len(parse_header(value).entry.frames) * STREAM_MIN_FRAME_BYTES
+
+
 MAX_BATCH_BYTES = 2 << 30
 """Bytes one PutMany may ask the server to copy out of a segment (all items are held until
 every one is checked)."""
@@ -394,7 +405,7 @@ class BatchMixin:
                 sent += len(value)
                 continue
             if cursor + len(value) > end or seg is None and \
-                    0 < request.inline_max_entry_bytes < len(value):
+                    0 < request.inline_max_entry_bytes < len(value) and _streams_well(value):
                 continue  # no room (the client asks again with a region of ref.length), or
                 # too large to inline (the client streams it: RetrieveMany)
             if seg is not None:  # placed now, copied below (in parallel)
