@@ -158,3 +158,85 @@ def test_get_many_leaves_out_entries_past_the_inline_limit_with_their_length(
         assert large.present and not large.written and not large.data
         assert large.length == stored[1][1].nbytes
         assert small_frames.written and small_frames.data == stored[2][1].to_bytes()
+
+
+# -- StoreMany: the write side ------------------------------------------------------------------
+
+
+def _store_many_stream(items: list[tuple[bytes, codec.EncodedParts]]) -> list[object]:
+    out: list[object] = []
+    for key, parts in items:
+        out.append(pb.StoreRequest(header=pb.StoreHeader(
+            key=key, container_header=parts.header, total_bytes=parts.nbytes)))
+        out += [pb.StoreRequest.FromString(frame_message(i, f))
+                for i, f in enumerate(parts.frames)]
+    return out
+
+
+def test_a_remote_batch_store_streams_its_large_entries_and_reads_back(
+        server: ServerThread) -> None:
+    """``store_many`` without a segment: entries from ``STREAM_ENTRY_BYTES`` go in one
+    StoreMany stream, the small ones inline (PutMany); every entry reads back as stored."""
+    sizes = [8, 256, 16, 512, 200]
+    items = [(keys.chunk_key([8000 + i], LAYOUT), codec.encode_parts(
+        random_kv(LAYOUT, t, seed=200 + i), "raw", layers_per_frame=0))
+        for i, t in enumerate(sizes)]
+    large = sum(p.nbytes >= dataplane.STREAM_ENTRY_BYTES for _, p in items)
+    assert 1 < large < len(items)
+    with Client(server.address, shm_bytes=0) as c:
+        before = c.stats().counters.get("store.ok", 0)
+        done = c.store_many(items)
+        assert [r.stored_bytes for r in done] == [p.nbytes for _, p in items]
+        assert c.stats().counters.get("store.ok", 0) - before == len(items)
+        got = c.fetch_many([k for k, _ in items])
+        assert [g.parts.to_bytes() if g else None for g in got] == \
+            [p.to_bytes() for _, p in items]
+
+
+@pytest.mark.parametrize("fault", ["damaged", "frame-first", "short", "too-large"])
+def test_a_bad_entry_in_a_store_many_stream_stores_none_of_them(
+        server: ServerThread, fault: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A damaged frame in the second entry, a frame where a header is due, an entry cut short
+    before the next header, or a batch past ``MAX_BATCH_BYTES``: INVALID_ARGUMENT (or
+    RESOURCE_EXHAUSTED), and none of the entries is stored, the first one included."""
+    from kdn.server import service
+
+    items = [(keys.chunk_key([8100 + i], LAYOUT), codec.encode_parts(
+        random_kv(LAYOUT, 200, seed=300 + i), "raw", layers_per_frame=0)) for i in range(3)]
+    msgs = _store_many_stream(items)
+    per = 1 + len(items[0][1].frames)
+    code = grpc.StatusCode.INVALID_ARGUMENT
+    if fault == "damaged":
+        frame = bytearray(bytes(items[1][1].frames[0]))
+        frame[-5] ^= 0x01
+        msgs[per + 1] = pb.StoreRequest.FromString(frame_message(0, bytes(frame)))
+    elif fault == "frame-first":
+        msgs = msgs[1:]
+    elif fault == "short":  # the second entry's last frame left out: the third header is next
+        del msgs[2 * per - 1]
+    else:
+        monkeypatch.setattr(service, "MAX_BATCH_BYTES", items[0][1].nbytes * 2)
+        code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    with grpc.insecure_channel(server.address) as ch, Client(server.address, shm_bytes=0) as c:
+        with pytest.raises(grpc.RpcError) as info:
+            pb_grpc.KDNStub(ch).StoreMany(iter(msgs), timeout=30)
+        assert info.value.code() == code, info.value.details()
+        assert not any(i.present for i in c.lookup([k for k, _ in items]).infos)
+        monkeypatch.undo()
+        done = pb_grpc.KDNStub(ch).StoreMany(iter(_store_many_stream(items)), timeout=30)
+        assert [r.stored_bytes for r in done.results] == [p.nbytes for _, p in items]
+
+
+def test_a_server_without_store_many_is_written_as_before(server: ServerThread) -> None:
+    items = [(keys.chunk_key([8200 + i], LAYOUT), codec.encode_parts(
+        random_kv(LAYOUT, 300, seed=400 + i), "raw", layers_per_frame=0)) for i in range(2)]
+    with Client(server.address, shm_bytes=0) as c:
+        c._store_many_call = c._channel.stream_unary(  # noqa: SLF001 - as an old server
+            "/kdn.v1.KDN/NoSuchMethod", request_serializer=lambda m: m if isinstance(
+                m, bytes) else m.SerializeToString())
+        done = c.store_many(items)
+        assert [r.stored_bytes for r in done] == [p.nbytes for _, p in items]
+        assert not c._store_many_ok  # noqa: SLF001
+        got = c.fetch_many([k for k, _ in items])
+        assert [g.parts.to_bytes() if g else None for g in got] == \
+            [p.to_bytes() for _, p in items]

@@ -38,6 +38,8 @@ from kdn.buffers import tune_allocator
 from kdn.client import parallel
 from kdn.client.blend import RemotePiece, blend_request
 from kdn.client.dataplane import (
+    STREAM_ENTRY_BYTES,
+    TOO_BIG,
     DataPlane,
     Fetched,
     TooBig,
@@ -215,6 +217,10 @@ class Client:
             "/kdn.v1.KDN/RetrieveMany", request_serializer=pb.RetrieveManyRequest.SerializeToString,
             response_deserializer=retrieve_response)
         self._retrieve_many_ok = True  # False once a server answered UNIMPLEMENTED (older)
+        self._store_many_call = self._channel.stream_unary(
+            "/kdn.v1.KDN/StoreMany", request_serializer=serialize_passthrough,
+            response_deserializer=pb.StoreManyResponse.FromString)
+        self._store_many_ok = True
         # inline GetMany answers: each entry's bytes a view of the received message (kdn.wire)
         self._stub.GetMany = self._channel.unary_unary(
             "/kdn.v1.KDN/GetMany", request_serializer=pb.GetManyRequest.SerializeToString,
@@ -662,18 +668,73 @@ class Client:
                    mode: str = "lossless", level: str = "", namespace: str | None = None,
                    options: StoreOptions | None = None, layers_per_frame: int = 0,
                    request_id: str | None = None) -> list[pb.StoreResponse]:
-        """Store many entries in as few calls as fit (see ``fetch_many``). Each call's items
-        are all checked before any is stored: a bad item raises and stores none of them."""
+        """Store many entries in as few calls as fit (see ``fetch_many``): through the shared
+        segment on the server's host, else entries of ``STREAM_ENTRY_BYTES`` or more in one
+        StoreMany stream (a message a frame) and the rest inline (PutMany, many a message).
+        Each call's items are all checked before any is stored: a bad item raises and stores
+        none of them."""
         ns = self._ns(namespace)
         opts = _wire_options(options)
         enc = [(check_key(k), _encoded(kv, mode, level, layers_per_frame), opts)
                for k, kv in items]
+        large = [j for j, (_, parts, _) in enumerate(enc)
+                 if parts.nbytes >= STREAM_ENTRY_BYTES] if not self.dataplane.attached else []
+        if len(large) > 1 and self._store_many_ok:  # remote: a batch's large entries stream
+            streamed = self._store_streamed(ns, [enc[j] for j in large], request_id)
+            if streamed is not None:
+                rest = sorted(set(range(len(enc))) - set(large))
+                done_rest = self.dataplane.put_many(ns, [enc[j] for j in rest], request_id)
+                done: list[pb.StoreResponse | TooBig] = [TOO_BIG] * len(enc)
+                for j, r in zip(large, streamed):
+                    done[j] = r
+                for j, r2 in zip(rest, done_rest):
+                    done[j] = r2
+                return self._stored_many(ns, enc, done, options, request_id)
         done = self.dataplane.put_many(ns, enc, request_id)
+        return self._stored_many(ns, enc, done, options, request_id)
+
+    def _stored_many(self, ns: str, enc: list[tuple[bytes, EncodedParts, pb.StoreOptions]],
+                     done: list[pb.StoreResponse | TooBig], options: StoreOptions | None,
+                     request_id: str | None) -> list[pb.StoreResponse]:
+        """``store_many``'s answers: the items no batch carried stored one by one, every
+        stored one kept in the in-process tier."""
         for (k, parts, _), r in zip(enc, done):
             if not isinstance(r, TooBig):
                 self._remember(ns, k, parts)
         return [self.store(k, parts, namespace=ns, options=options, request_id=request_id)
                 if isinstance(r, TooBig) else r for (k, parts, _), r in zip(enc, done)]
+
+    def _store_streamed(self, ns: str, items: list[tuple[bytes, EncodedParts, pb.StoreOptions]],
+                        request_id: str | None) -> list[pb.StoreResponse] | None:
+        """``items`` stored by one StoreMany stream (each entry's header, then its frames in
+        the messages the encoder wrote; the server checks them all before it stores any);
+        None from a server that has no StoreMany (then they go as before it had)."""
+        for _, parts, _ in items:
+            self._check_frames(parts)
+
+        def requests() -> Iterator[pb.StoreRequest | bytes]:
+            for key, parts, opts in items:
+                yield pb.StoreRequest(header=pb.StoreHeader(
+                    namespace=ns, key=key, container_header=parts.header,
+                    layout_fingerprint=parse_header(parts.header).layout.fingerprint,
+                    total_bytes=parts.nbytes, options=opts))
+                wire = parts.messages()
+                for i, frame in enumerate(parts.frames):
+                    yield wire[i] if wire is not None else frame_message(i, frame)
+
+        md = self.metadata(request_id)
+        try:
+            resp = self._call(lambda: self._store_many_call(requests(), timeout=self.timeout_s,
+                                                            metadata=md))
+        except KDNError as exc:
+            if exc.status is not Status.UNIMPLEMENTED:
+                raise
+            self._store_many_ok = False
+            return None
+        if len(resp.results) != len(items):
+            raise KDNError(f"StoreMany answered {len(resp.results)} results for "
+                           f"{len(items)} entries")
+        return list(resp.results)
 
     def _retrieve_request(self, key: bytes, namespace: str | None,
                           layout: KVLayout | None) -> pb.RetrieveRequest:

@@ -54,8 +54,9 @@ HEALTH_POLL_S = 0.25
 
 class _FastFrames:
     """Registers the generated handler table with the frame codecs of ``kdn.wire``: Retrieve's,
-    RetrieveMany's and GetMany's serializers accept pre-encoded answers and Store's
-    deserializer reads frames without copying them (the table stays the generated one)."""
+    RetrieveMany's and GetMany's serializers accept pre-encoded answers and Store's and
+    StoreMany's deserializers read frames without copying them (the table stays the
+    generated one)."""
 
     def __init__(self, server: grpc.aio.Server) -> None:
         self.server = server
@@ -70,6 +71,7 @@ class _FastFrames:
             response_serializer=serialize_passthrough)
         table["GetMany"] = table["GetMany"]._replace(response_serializer=serialize_passthrough)
         table["Store"] = table["Store"]._replace(request_deserializer=store_request)
+        table["StoreMany"] = table["StoreMany"]._replace(request_deserializer=store_request)
         self.server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, table),))
         self.server.add_registered_method_handlers(name, table)
 

@@ -161,6 +161,12 @@ class StoreResponse(_message.Message):
     replaced: bool
     def __init__(self, stored_bytes: _Optional[int] = ..., tier: _Optional[str] = ..., replaced: _Optional[bool] = ...) -> None: ...
 
+class StoreManyResponse(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[StoreResponse]
+    def __init__(self, results: _Optional[_Iterable[_Union[StoreResponse, _Mapping]]] = ...) -> None: ...
+
 class RetrieveRequest(_message.Message):
     __slots__ = ("namespace", "key", "expect_layout_fingerprint", "first_layer", "last_layer", "piece_bytes", "piece_min_entry_bytes")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]

@@ -49,6 +49,11 @@ class KDNStub:
                 request_serializer=kdn_dot_v1_dot_kdn__pb2.RetrieveManyRequest.SerializeToString,
                 response_deserializer=kdn_dot_v1_dot_kdn__pb2.RetrieveResponse.FromString,
                 _registered_method=True)
+        self.StoreMany = channel.stream_unary(
+                '/kdn.v1.KDN/StoreMany',
+                request_serializer=kdn_dot_v1_dot_kdn__pb2.StoreRequest.SerializeToString,
+                response_deserializer=kdn_dot_v1_dot_kdn__pb2.StoreManyResponse.FromString,
+                _registered_method=True)
         self.Lookup = channel.unary_unary(
                 '/kdn.v1.KDN/Lookup',
                 request_serializer=kdn_dot_v1_dot_kdn__pb2.LookupRequest.SerializeToString,
@@ -107,6 +112,12 @@ class KDNServicer:
         raise NotImplementedError('Method not implemented!')
 
     def RetrieveMany(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def StoreMany(self, request_iterator, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -182,6 +193,11 @@ def add_KDNServicer_to_server(servicer, server):
                     servicer.RetrieveMany,
                     request_deserializer=kdn_dot_v1_dot_kdn__pb2.RetrieveManyRequest.FromString,
                     response_serializer=kdn_dot_v1_dot_kdn__pb2.RetrieveResponse.SerializeToString,
+            ),
+            'StoreMany': grpc.stream_unary_rpc_method_handler(
+                    servicer.StoreMany,
+                    request_deserializer=kdn_dot_v1_dot_kdn__pb2.StoreRequest.FromString,
+                    response_serializer=kdn_dot_v1_dot_kdn__pb2.StoreManyResponse.SerializeToString,
             ),
             'Lookup': grpc.unary_unary_rpc_method_handler(
                     servicer.Lookup,
@@ -305,6 +321,33 @@ class KDN:
             '/kdn.v1.KDN/RetrieveMany',
             kdn_dot_v1_dot_kdn__pb2.RetrieveManyRequest.SerializeToString,
             kdn_dot_v1_dot_kdn__pb2.RetrieveResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StoreMany(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/kdn.v1.KDN/StoreMany',
+            kdn_dot_v1_dot_kdn__pb2.StoreRequest.SerializeToString,
+            kdn_dot_v1_dot_kdn__pb2.StoreManyResponse.FromString,
             options,
             channel_credentials,
             insecure,
