@@ -376,7 +376,10 @@ class KDNServicer(BatchMixin, BlendMixin, pb_grpc.KDNServicer):
                     held + first.header.total_bytes > MAX_BATCH_BYTES:
                 raise TooLarge(f"StoreMany of more than {MAX_BATCH_BYTES} bytes; at most "
                                f"{MAX_BATCH_BYTES} per call")
-            entry = await self._entry(principal, first, it, many=True)
+            try:
+                entry = await self._entry(principal, first, it, many=True)
+            except KDNError as exc:  # which entry: as PutMany names its item
+                raise type(exc)(f"entry {len(entries)}: {exc}") from exc
             held += len(entry.value)
             if held > MAX_BATCH_BYTES:
                 raise TooLarge(f"StoreMany of more than {MAX_BATCH_BYTES} bytes; at most "
