@@ -166,7 +166,7 @@ def _raw_retrieve(ch: grpc.Channel, key: bytes) -> list[bytes]:
 
 
 def test_a_retrieve_sends_back_the_very_messages_a_store_brought(server: ServerThread) -> None:
-    """Stored from 1 MiB up as its frames, an entry's first Retrieve sends the messages the
+    """Stored from 64 KiB up as its frames, an entry's first Retrieve sends the messages the
     Store brought (nothing built: the wire memo never misses), byte for byte; GetMany (inline
     and through a shared segment: one buffer) then reads it joined, and the Retrieve after
     that still reads the same bytes."""

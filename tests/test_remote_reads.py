@@ -152,14 +152,16 @@ def test_a_remote_retrieve_reads_the_entry_whole_and_catches_damage(
 
 def test_a_remote_batch_sends_small_entries_inline_and_streams_large_ones(
         server: ServerThread, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Without the segment, ``store_many`` packs entries up to ``PUT_INLINE_BYTES`` into
-    inline PutMany messages (many per message, up to the inline budget) and sends a larger one
-    as a Store stream of its own; ``fetch_many`` reads entries up to ``INLINE_BYTES`` inline.
-    Every entry comes back whole."""
+    """Without the segment, ``store_many`` packs entries under ``STREAM_ENTRY_BYTES`` into
+    inline PutMany messages (many per message) and sends the larger ones (one past
+    ``PUT_INLINE_BYTES`` too) in one StoreMany stream; ``fetch_many`` reads the small ones
+    inline (GetMany, many per message) and the large ones in one RetrieveMany stream. Every
+    entry comes back whole."""
     from kdn.client import dataplane
 
-    lay = uniform_layout(layers=4, heads=2, dim=64)
-    small = [random_kv(lay, 900, seed=70 + i) for i in range(6)]  # ~1.9 MB each
+    lay = uniform_layout(layers=4, heads=2, dim=64)  # 2 KiB a token
+    small = [random_kv(lay, 100, seed=70 + i) for i in range(4)]  # ~200 KB each
+    large = [random_kv(lay, 900, seed=75 + i) for i in range(2)]  # ~1.9 MB each
     big = random_kv(lay, dataplane.PUT_INLINE_BYTES // lay.bytes_per_token + 200, seed=79)
     with Client(server.address, timeout_s=30, shm_bytes=0) as c:
         assert not c.dataplane.attached
@@ -167,21 +169,28 @@ def test_a_remote_batch_sends_small_entries_inline_and_streams_large_ones(
         real_put = c.dataplane._put
         monkeypatch.setattr(c.dataplane, "_put",
                             lambda req, rid: puts.append(len(req.items)) or real_put(req, rid))
-        streamed: list[bytes] = []
+        alone: list[bytes] = []
         real_store = c.store
-        monkeypatch.setattr(c, "store", lambda key, *a, **kw: streamed.append(key)
+        monkeypatch.setattr(c, "store", lambda key, *a, **kw: alone.append(key)
                             or real_store(key, *a, **kw))
-        items = [(_key(70 + i), kv) for i, kv in enumerate(small)] + [(_key(79), big)]
+        streams: list[int] = []
+        real_many = c._store_many_call
+        monkeypatch.setattr(c, "_store_many_call", lambda reqs, **kw: streams.append(1)
+                            or real_many(reqs, **kw))
+        items = [(_key(70 + i), kv) for i, kv in enumerate(small)] + \
+            [(_key(75 + i), kv) for i, kv in enumerate(large)] + [(_key(79), big)]
         c.store_many(items, mode="raw")
-        assert streamed == [_key(79)]  # past PUT_INLINE_BYTES: a stream of its own
-        assert sum(puts) == len(small) and len(puts) < len(small)  # several per message
+        assert alone == [] and streams == [1]  # the three large ones: one StoreMany
+        assert sum(puts) == len(small) and len(puts) == 1  # the small ones: one PutMany
         gets: list[int] = []
         real_get = c.dataplane._get
         monkeypatch.setattr(c.dataplane, "_get",
                             lambda req, rid: gets.append(len(req.keys)) or real_get(req, rid))
+        before = c.stats().counters.get("retrievemany.hit", 0)
         got = c.retrieve_many([k for k, _ in items], layout=lay)
         assert all(g is not None and g.equal(kv) for g, (_, kv) in zip(got, items))
-        assert len(gets) < len(items)  # inline, many per message (the big one too: < 16 MiB)
+        assert gets == [len(items)]  # one GetMany: the small ones inline, the sizes of all
+        assert c.stats().counters.get("retrievemany.hit", 0) - before == 3
 
 
 def test_an_entry_read_alone_streams_past_the_inline_entry_budget(

@@ -54,7 +54,7 @@ from kdn.server.usage import Usage
 from kdn.server.wire_memo import WireMemo
 from kdn.status import grpc_code
 from kdn.store.base import Tier
-from kdn.store.framed import MAX_FRAMED_BYTES, Framed
+from kdn.store.framed import MAX_FRAMED_BYTES, MIN_FRAMED_BYTES, Framed
 from kdn.store.tiered import FramedHit, Hit, TieredStore
 from kdn.v1 import kdn_pb2 as pb
 from kdn.v1 import kdn_pb2_grpc as pb_grpc
@@ -234,12 +234,12 @@ class KDNServicer(BatchMixin, BlendMixin, pb_grpc.KDNServicer):
         if declared > self.config.max_entry_bytes:
             raise TooLarge(f"entry of {declared} bytes exceeds max_entry_bytes "
                            f"{self.config.max_entry_bytes}")
-        # A large entry whose size is declared is kept as the frames it arrives in, each a
-        # view of its message (kdn.store.framed): no copy into one buffer, and a Retrieve can
-        # send those very messages back. Past MAX_FRAMED_BYTES it is copied into one buffer
+        # An entry is kept as the frames it arrives in, each a view of its message
+        # (kdn.store.framed): no copy into one buffer, and a Retrieve can send those very
+        # messages back. Past MAX_FRAMED_BYTES (declared) it is copied into one buffer
         # recycled from entries that left (kdn.buffers), each frame as it lands: fresh memory
-        # for so many messages costs more in page faults than the copy. Smaller entries are
-        # joined once at the end.
+        # for so many messages costs more in page faults than the copy. Entries under
+        # MIN_FRAMED_BYTES are joined once at the end.
         if declared >= MIN_BYTES and declared < len(header.raw):
             raise InvalidArgument(f"total_bytes {declared} is smaller than the header")
         whole = None
@@ -260,8 +260,8 @@ class KDNServicer(BatchMixin, BlendMixin, pb_grpc.KDNServicer):
         is one; frames of ``BACKGROUND_CHECK_BYTES`` or more, or copied ones of
         ``OVERLAP_FRAME_BYTES`` or more, on ``kdn.buffers.copy_threads`` while the next one
         arrives, held in ``checks``, as the event loop's thread would hold up every other
-        call), then the entry committed: one buffer (``whole``, or joined below
-        ``MIN_BYTES``) or ``Framed``. A frame may come in pieces (``Frame.offset``): each is
+        call), then the entry received: one buffer (``whole``, or joined below
+        ``MIN_FRAMED_BYTES``) or ``Framed``. A frame may come in pieces (``Frame.offset``): each is
         taken once the next frame begins or the stream ends, its pieces joined (or copied)."""
         declared, n_frames = first.header.total_bytes, len(header.entry.frames)
         sized = declared >= MIN_BYTES  # kept as frames, or copied into ``whole``
@@ -345,7 +345,7 @@ class KDNServicer(BatchMixin, BlendMixin, pb_grpc.KDNServicer):
         value: bytes | memoryview | Framed
         if whole is not None:
             value = whole.toreadonly()
-        elif sized:
+        elif total >= MIN_FRAMED_BYTES:
             value = Framed(header.raw, tuple(frames),
                            None if messages is None else tuple(messages), total)
         else:

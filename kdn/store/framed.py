@@ -20,6 +20,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+MIN_FRAMED_BYTES = 64 << 10
+"""Smaller entries are joined into one buffer as they are stored: a ``Framed`` value's own
+objects would weigh on them (and their copy is cheap)."""
 MAX_FRAMED_BYTES = 64 << 20
 """Stores of entries up to this size are kept as their frames; larger ones are copied into one
 recycled buffer as they land (``kdn.buffers``): the memory of a 189 MB entry's 160 fresh
