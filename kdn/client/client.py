@@ -47,6 +47,7 @@ from kdn.client.dataplane import (
     keeps_messages,
     received,
     received_many,
+    store_messages,
 )
 from kdn.client.landing import (
     decoder_for,
@@ -69,7 +70,6 @@ from kdn.status import from_grpc
 from kdn.v1 import kdn_pb2 as pb
 from kdn.v1 import kdn_pb2_grpc as pb_grpc
 from kdn.wire import (
-    frame_message,
     get_many_response,
     retrieve_response,
     serialize_passthrough,
@@ -320,25 +320,12 @@ class Client:
             if not isinstance(done, TooBig):
                 self._remember(self._ns(namespace), key, parts)
                 return done
-        header = parse_header(parts.header)
         self._check_frames(parts)
-        hdr = pb.StoreHeader(
-            namespace=self._ns(namespace), key=key, container_header=parts.header,
-            layout_fingerprint=header.layout.fingerprint, total_bytes=parts.nbytes,
-            options=opts,
-        )
+        ns = self._ns(namespace)
         md = self.metadata(request_id)
-
-        wire = parts.messages()  # the encoder's messages: sent as they are
-
-        def requests() -> Iterator[pb.StoreRequest | bytes]:
-            yield pb.StoreRequest(header=hdr)
-            for i, frame in enumerate(parts.frames):
-                yield wire[i] if wire is not None else frame_message(i, frame)
-
-        resp = self._call(lambda: self._store_call(requests(), timeout=self.timeout_s,
-                                                   metadata=md))
-        self._remember(hdr.namespace, key, parts)
+        resp = self._call(lambda: self._store_call(
+            store_messages(ns, key, parts, opts), timeout=self.timeout_s, metadata=md))
+        self._remember(ns, key, parts)
         return resp
 
     def _check_frames(self, parts: EncodedParts) -> None:
@@ -711,21 +698,11 @@ class Client:
         None from a server that has no StoreMany (then they go as before it had)."""
         for _, parts, _ in items:
             self._check_frames(parts)
-
-        def requests() -> Iterator[pb.StoreRequest | bytes]:
-            for key, parts, opts in items:
-                yield pb.StoreRequest(header=pb.StoreHeader(
-                    namespace=ns, key=key, container_header=parts.header,
-                    layout_fingerprint=parse_header(parts.header).layout.fingerprint,
-                    total_bytes=parts.nbytes, options=opts))
-                wire = parts.messages()
-                for i, frame in enumerate(parts.frames):
-                    yield wire[i] if wire is not None else frame_message(i, frame)
-
         md = self.metadata(request_id)
         try:
-            resp = self._call(lambda: self._store_many_call(requests(), timeout=self.timeout_s,
-                                                            metadata=md))
+            resp = self._call(lambda: self._store_many_call(
+                (m for key, parts, opts in items for m in store_messages(ns, key, parts, opts)),
+                timeout=self.timeout_s, metadata=md))
         except KDNError as exc:
             if exc.status is not Status.UNIMPLEMENTED:
                 raise

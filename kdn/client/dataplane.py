@@ -47,6 +47,7 @@ from kdn.wire import (
     FAST_GET_MANY,
     FAST_HEAD,
     FAST_PUT_MANY,
+    frame_message,
     piece_fault,
     read_exact,
 )
@@ -260,6 +261,19 @@ def received(head: pb.RetrieveHeader, frames: Iterator[Any]) -> Fetched:
                       f"frames")
     return Fetched(EncodedParts(header, kept), head.tier,  # type: ignore[arg-type]
                    checked=True, header=parsed, private=True)
+
+
+def store_messages(namespace: str, key: bytes, parts: EncodedParts,
+                   options: pb.StoreOptions) -> Iterator[pb.StoreRequest | bytes]:
+    """The messages of one entry on a Store (or StoreMany) stream: its header, then each frame
+    in the message the encoder wrote it in (sent as it is), or one built for it."""
+    yield pb.StoreRequest(header=pb.StoreHeader(
+        namespace=namespace, key=key, container_header=parts.header,
+        layout_fingerprint=parse_header(parts.header).layout.fingerprint,
+        total_bytes=parts.nbytes, options=options))
+    wire = parts.messages()
+    for i, frame in enumerate(parts.frames):
+        yield wire[i] if wire is not None else frame_message(i, frame)
 
 
 def received_many(count: int, stream: Iterator[Any]) -> list[Fetched | None]:

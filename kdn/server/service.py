@@ -94,6 +94,15 @@ class _Entry:
     """StoreMany: the header of the entry after it (None: the stream ended)."""
 
 
+async def _client_bytes(call: Awaitable[T]) -> T:
+    """``call``, damaged bytes a client sent (Corrupt) answered as a bad request
+    (INVALID_ARGUMENT), not as data loss."""
+    try:
+        return await call
+    except Corrupt as exc:
+        raise InvalidArgument(f"corrupt input: {exc}") from exc
+
+
 def verify_entry(value: bytes) -> None:
     """Full check of a stored entry (header and every frame checksum); raises Corrupt."""
     parse_container(value, verify=True)
@@ -193,10 +202,7 @@ class KDNServicer(BatchMixin, BlendMixin, pb_grpc.KDNServicer):
     @_rpc
     async def Store(self, request_iterator: AsyncIterator[pb.StoreRequest | FrameMessage],
                     context: grpc.aio.ServicerContext) -> pb.StoreResponse:
-        try:
-            return await self._store(request_iterator)
-        except Corrupt as exc:  # damaged bytes from a client are a bad request, not data loss
-            raise InvalidArgument(f"corrupt input: {exc}") from exc
+        return await _client_bytes(self._store(request_iterator))
 
     async def _store(self, request_iterator: AsyncIterator[pb.StoreRequest | FrameMessage]
                      ) -> pb.StoreResponse:
@@ -356,10 +362,7 @@ class KDNServicer(BatchMixin, BlendMixin, pb_grpc.KDNServicer):
     @_rpc
     async def StoreMany(self, request_iterator: AsyncIterator[pb.StoreRequest | FrameMessage],
                         context: grpc.aio.ServicerContext) -> pb.StoreManyResponse:
-        try:
-            return await self._store_many(request_iterator)
-        except Corrupt as exc:  # damaged bytes from a client are a bad request, not data loss
-            raise InvalidArgument(f"corrupt input: {exc}") from exc
+        return await _client_bytes(self._store_many(request_iterator))
 
     async def _store_many(self, request_iterator: AsyncIterator[pb.StoreRequest | FrameMessage]
                           ) -> pb.StoreManyResponse:
