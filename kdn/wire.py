@@ -174,10 +174,16 @@ def parse_frame_message(buf: bytes) -> FrameMessage | None:
     return FrameMessage(Frame(index, mv[pos:], offset), buf if type(buf) is bytes else None)
 
 
-def retrieve_response(buf: bytes) -> FrameMessage | pb.RetrieveResponse:
-    """Deserializer of Retrieve answers: frames without a copy, headers by the generated class."""
+def retrieve_response(buf: bytes) -> FrameMessage | HeadersMessage | pb.RetrieveResponse:
+    """Deserializer of Retrieve and RetrieveMany answers: frames without a copy, a grouped
+    RetrieveMany's headers with their entries as views (``retrieve_headers``), any other
+    header by the generated class."""
     msg = parse_frame_message(buf)
-    return pb.RetrieveResponse.FromString(buf) if msg is None else msg
+    if msg is not None:
+        return msg
+    if buf[:1] == _HEADERS_TAG:
+        return retrieve_headers(buf)
+    return pb.RetrieveResponse.FromString(buf)
 
 
 def store_request(buf: bytes) -> FrameMessage | pb.StoreRequest:
@@ -193,16 +199,19 @@ _REF_DATA_FIELD = 6  # EntryRef.data
 _REF_DATA_TAG = bytes([(_REF_DATA_FIELD << 3) | _LEN])
 
 
-def get_many_message(refs: list[tuple[pb.EntryRef, bytes | memoryview]]) -> bytes:
+def get_many_message(refs: list[tuple[pb.EntryRef, bytes | memoryview
+                                      | list[bytes | memoryview]]]) -> bytes:
     """Serialized ``GetManyResponse`` of ``refs``, each ref's ``data`` joined in from its pair
-    (one copy of the entries) instead of set on the message (a copy into it, and another to
-    serialize it). The refs themselves carry no data."""
+    (one buffer, or the pieces of one: one copy of the entries) instead of set on the message
+    (a copy into it, and another to serialize it). The refs themselves carry no data."""
     parts: list[bytes | memoryview] = []
     for ref, data in refs:
+        pieces = data if isinstance(data, list) else [data]
+        size = sum(len(p) for p in pieces)
         head = ref.SerializeToString()
-        if len(data):  # proto3 leaves out empty bytes
-            head += _field_head(_REF_DATA_TAG, len(data))
-        parts += [_field_head(_ENTRIES_TAG, len(head) + len(data)), head, data]
+        if size:  # proto3 leaves out empty bytes
+            head += _field_head(_REF_DATA_TAG, size)
+        parts += [_field_head(_ENTRIES_TAG, len(head) + size), head, *pieces]
     return b"".join(parts)
 
 
@@ -279,6 +288,96 @@ def get_many_response(buf: bytes) -> GetManyView | pb.GetManyResponse:
         entries.append(EntryView(ref.present, ref.tier, ref.length, ref.written, ref.offset,
                                  ref.verified, data, ref.lease))
     return GetManyView(entries)
+
+
+# -- grouped RetrieveMany answers: the headers of a run of keys, small entries joined in --------
+
+GROUP_INLINE_BYTES = 2 << 20
+"""Entry bytes one message of a grouped RetrieveMany carries whole at most (a client may ask
+for fewer; ``RetrieveManyRequest.inline_budget_bytes``): a few messages of about the size
+Python gRPC streams best, not one large answer."""
+
+_HEADERS_TAG = bytes([(3 << 3) | _LEN])  # RetrieveResponse.headers = 3
+_HEADER_TAG = bytes([(1 << 3) | _LEN])  # RetrieveHeaders.headers = 1
+_HEADER_ENTRY_FIELD = 7  # RetrieveHeader.entry
+_HEADER_ENTRY_TAG = bytes([(_HEADER_ENTRY_FIELD << 3) | _LEN])
+
+
+def retrieve_headers_message(heads: list[tuple[pb.RetrieveHeader, list[bytes | memoryview]]]
+                             ) -> bytes:
+    """Serialized ``RetrieveResponse(headers=...)`` of ``heads``: each header with the pieces
+    of its whole entry (header, then frames) joined in as its ``entry`` (none: no pieces).
+    One copy of the entries, as ``get_many_message``."""
+    parts: list[bytes | memoryview] = []
+    for head, pieces in heads:
+        body = head.SerializeToString()
+        size = sum(len(p) for p in pieces)
+        if size:
+            body += _field_head(_HEADER_ENTRY_TAG, size)
+        parts += [_field_head(_HEADER_TAG, len(body) + size), body, *pieces]
+    inner = sum(len(p) for p in parts)
+    return b"".join([_field_head(_HEADERS_TAG, inner), *parts])
+
+
+@dataclass(frozen=True, slots=True)
+class HeaderView:
+    """One header of a grouped RetrieveMany answer: its fields but ``entry`` (``head``), and
+    the entry it carries as a view of the received message (empty: its frames follow)."""
+
+    head: pb.RetrieveHeader
+    entry: bytes | memoryview
+
+
+@dataclass(frozen=True, slots=True)
+class HeadersMessage:
+    """A ``RetrieveResponse`` carrying ``headers``, read as the generated class is read."""
+
+    headers: list[HeaderView]
+
+    def WhichOneof(self, group: str) -> str:  # noqa: N802 - the generated classes' name
+        return "headers"
+
+
+def retrieve_headers(buf: bytes) -> HeadersMessage | pb.RetrieveResponse:
+    """A serialized ``RetrieveResponse(headers=...)`` with each header's entry a view of
+    ``buf``; a message of another form (unknown fields, an entry given twice, anything
+    malformed) goes to the generated class, which reads it or raises, and its entries are
+    copied out."""
+    mv = memoryview(buf)
+    outer = _fields(mv)
+    if not outer or len(outer) != 1 or outer[0][:2] != (3, _LEN):
+        return _headers_of(pb.RetrieveResponse.FromString(buf))
+    _, _, _, body, end = outer[0]
+    views: list[HeaderView] = []
+    for number, kind, _, at, stop in _fields(mv[body:end]) or [(0, 0, 0, 0, 0)]:
+        inner = _fields(mv[body + at : body + stop]) if number == 1 and kind == _LEN else None
+        if inner is None:
+            return _headers_of(pb.RetrieveResponse.FromString(buf))
+        base = body + at
+        rest: list[memoryview] = []
+        entry: bytes | memoryview = b""
+        for n, k, start, data, fin in inner:
+            if not 1 <= n <= _HEADER_ENTRY_FIELD or n == _HEADER_ENTRY_FIELD and (
+                    k != _LEN or len(entry)):
+                return _headers_of(pb.RetrieveResponse.FromString(buf))
+            if n == _HEADER_ENTRY_FIELD:
+                entry = mv[base + data : base + fin]
+            else:
+                rest.append(mv[base + start : base + fin])
+        views.append(HeaderView(pb.RetrieveHeader.FromString(b"".join(rest)), entry))
+    return HeadersMessage(views)
+
+
+def _headers_of(msg: pb.RetrieveResponse) -> HeadersMessage | pb.RetrieveResponse:
+    """``msg``'s headers (its ``headers`` part), or ``msg`` itself when it holds another."""
+    if msg.WhichOneof("part") != "headers":
+        return msg
+    out = []
+    for head in msg.headers.headers:
+        entry = head.entry
+        head.ClearField("entry")
+        out.append(HeaderView(head, entry))
+    return HeadersMessage(out)
 
 
 def serialize_passthrough(message: Any) -> bytes:

@@ -66,6 +66,26 @@ def test_tokens_and_entries_are_counted_on_every_read_path(tmp_path: Path) -> No
     assert _sample(text, "kdn_entry_check_seconds_sum", encoding="raw") > 0
 
 
+def test_a_remote_read_that_learns_an_entry_is_large_counts_it_once(tmp_path: Path) -> None:
+    """An entry too large for one inline message is read alone as a GetMany that learns its
+    size, then a Retrieve stream; in a batch, by one grouped RetrieveMany. Each read counts
+    the entry once: the GetMany that only learnt its size serves nothing."""
+    lay = uniform_layout(layers=4, heads=4, dim=64, model="model-b")  # 4 KiB a token
+    big, small = keys.chunk_key([1], lay), keys.chunk_key([2], lay)
+    with ServerThread(ServerConfig(port=0, data_dir=tmp_path / "d", metrics_port=0)) as st:
+        with Client(st.address, shm_bytes=0) as c:
+            c.store(big, random_kv(lay, 1100), mode="raw")  # 4.5 MB: past INLINE_ENTRY_BYTES
+            c.store(small, random_kv(lay, 10), mode="raw")
+            assert c.fetch(big) is not None  # GetMany (its size), then Retrieve
+            got = c.fetch_many([big, small])  # one RetrieveMany
+            assert got[0] is not None and got[1] is not None
+            assert st.server is not None and st.server.servicer.counters.get("retrieve.hit")
+        text = _scrape(st)
+    assert _sample(text, "kdn_entries_requested_total", model="model-b", result="hit") == 3
+    assert _sample(text, "kdn_tokens_served_total", tier="ram", model="model-b") == 2210
+    assert _sample(text, "kdn_tier_read_seconds_count", tier="ram") == 3
+
+
 def test_the_fast_path_is_counted_and_timed(tmp_path: Path) -> None:
     """Same-host batches bypass gRPC (no interceptor): their calls have families of their
     own, and their tokens count like any other read."""

@@ -154,9 +154,9 @@ def test_a_remote_batch_sends_small_entries_inline_and_streams_large_ones(
         server: ServerThread, monkeypatch: pytest.MonkeyPatch) -> None:
     """Without the segment, ``store_many`` packs entries under ``STREAM_ENTRY_BYTES`` into
     inline PutMany messages (many per message) and sends the larger ones (one past
-    ``PUT_INLINE_BYTES`` too) in one StoreMany stream; ``fetch_many`` reads the small ones
-    inline (GetMany, many per message) and the large ones in one RetrieveMany stream. Every
-    entry comes back whole."""
+    ``PUT_INLINE_BYTES`` too) in one StoreMany stream; ``fetch_many`` reads them all by one
+    grouped RetrieveMany: the small ones whole inside their headers (one message for the
+    run), the large ones a message a frame after it. Every entry comes back whole."""
     from kdn.client import dataplane
 
     lay = uniform_layout(layers=4, heads=2, dim=64)  # 2 KiB a token
@@ -186,19 +186,36 @@ def test_a_remote_batch_sends_small_entries_inline_and_streams_large_ones(
         real_get = c.dataplane._get
         monkeypatch.setattr(c.dataplane, "_get",
                             lambda req, rid: gets.append(len(req.keys)) or real_get(req, rid))
+        parts: list[str] = []  # what the RetrieveMany stream brought, message by message
+        real_many_call = c._retrieve_many_call
+
+        def seen(req: pb.RetrieveManyRequest, **kw: object) -> Iterator[object]:
+            for msg in real_many_call(req, **kw):
+                part = msg.WhichOneof("part")
+                parts.extend([f"inline {v.head.total_bytes}" if len(v.entry) else "header"
+                              for v in msg.headers] if part == "headers" else [part])
+                yield msg
+
+        monkeypatch.setattr(c, "_retrieve_many_call", seen)
         before = c.stats().counters.get("retrievemany.hit", 0)
         got = c.retrieve_many([k for k, _ in items], layout=lay)
         assert all(g is not None and g.equal(kv) for g, (_, kv) in zip(got, items))
-        assert gets == [len(items)]  # one GetMany: the small ones inline, the sizes of all
-        assert c.stats().counters.get("retrievemany.hit", 0) - before == 3
+        assert gets == []  # no GetMany: one grouped RetrieveMany
+        assert c.stats().counters.get("retrievemany.hit", 0) - before == len(items)
+        monkeypatch.undo()
+        stored = [c.fetch(k) for k, _ in items]  # one at a time: what each entry holds
+        sizes = [s.parts.nbytes for s in stored[:len(small)] if s is not None]
+        frames = sum(len(s.parts.frames) for s in stored[len(small):] if s is not None)
+        assert parts == [*(f"inline {n}" for n in sizes), "header", "header", "header",
+                         *["frame"] * frames]  # the small ones inside their headers
 
 
 def test_an_entry_read_alone_streams_past_the_inline_entry_budget(
         server: ServerThread, monkeypatch: pytest.MonkeyPatch) -> None:
     """Without the segment, an entry read alone comes in one GetMany message up to
     ``INLINE_ENTRY_BYTES`` and as a Retrieve stream past it, though one message would hold it
-    (learnt once: later reads stream without asking first); in a batch with others it still
-    comes inline. Every read is the stored entry."""
+    (learnt once: later reads stream without asking first); in a batch with others both come
+    by one RetrieveMany. Every read is the stored entry."""
     from kdn.client import dataplane
 
     lay = uniform_layout(layers=4, heads=2, dim=64)
@@ -234,7 +251,7 @@ def test_an_entry_read_alone_streams_past_the_inline_entry_budget(
         both = c.retrieve_many([_key(90), _key(91)], layout=lay)
         assert both[0] is not None and both[0].equal(small)
         assert both[1] is not None and both[1].equal(large)
-        assert streamed == [] and gets == [dataplane.INLINE_BYTES]  # one message for both
+        assert streamed == [] and gets == []  # one grouped RetrieveMany for both
 
 
 @pytest.mark.parametrize("keep", [True, False], ids=["kept", "copied"])

@@ -9,6 +9,7 @@ from kdn.v1 import kdn_pb2 as pb
 from kdn.wire import (
     MIN_PIECE_BYTES,
     GetManyView,
+    HeadersMessage,
     frame_message,
     frame_message_head,
     get_many_message,
@@ -16,6 +17,7 @@ from kdn.wire import (
     parse_frame_message,
     piece_messages,
     piece_spans,
+    retrieve_headers_message,
     retrieve_response,
     store_request,
     varint,
@@ -220,5 +222,90 @@ def test_get_many_views_agree_with_the_generated_class_on_random_bytes() -> None
             continue
         ours = get_many_response(bytes(buf))
         assert [_fields_of(e) for e in ours.entries] == [_fields_of(e) for e in theirs.entries]
+        agreed += 1
+    assert agreed > 100
+
+
+_HEADS = [
+    (pb.RetrieveHeader(total_bytes=300, tier="ram", frame_count=2), [b"h" * 100, b"f" * 200]),
+    (pb.RetrieveHeader(missing=True), []),
+    (pb.RetrieveHeader(container_header=b"c" * 150, total_bytes=1 << 20, tier="disk",
+                       frame_count=3, entry_digest=(1 << 64) - 5), []),  # its frames follow
+    (pb.RetrieveHeader(total_bytes=20000, tier="redis", frame_count=1),
+     [memoryview(bytes(range(256)) * 78 + bytes(32))]),
+]
+
+
+def _head_fields(head: pb.RetrieveHeader, entry: bytes | memoryview) -> tuple[object, ...]:
+    return (head.container_header, head.total_bytes, head.tier, head.frame_count,
+            head.entry_digest, head.missing, bytes(entry))
+
+
+def test_grouped_headers_match_the_generated_encoding_and_read_back_as_views() -> None:
+    ours = retrieve_headers_message(_HEADS)
+    want = pb.RetrieveResponse(headers=pb.RetrieveHeaders(headers=[
+        pb.RetrieveHeader(**{f.name: v for f, v in h.ListFields()},
+                          entry=b"".join(bytes(p) for p in pieces)) for h, pieces in _HEADS]))
+    assert ours == want.SerializeToString()  # entry last: the generated order
+    got = retrieve_response(ours)
+    assert isinstance(got, HeadersMessage) and got.WhichOneof("part") == "headers"
+    assert [_head_fields(v.head, v.entry) for v in got.headers] == \
+        [_head_fields(h, h.entry) for h in want.headers.headers]
+    assert not got.headers[3].head.entry  # the entry is the view, not a copy in the header
+    assert isinstance(got.headers[3].entry, memoryview) and got.headers[3].entry.obj is ours
+
+
+def test_grouped_headers_of_another_form_go_to_the_generated_class() -> None:
+    one = pb.RetrieveHeader(total_bytes=3, frame_count=1).SerializeToString()
+    twice = one + bytes([0x3A, 0x01, 0x61, 0x3A, 0x02, 0x62, 0x63])  # entry twice: the last
+    unknown = one + bytes([0x58, 0x01])  # RetrieveHeader field 11 (not one of ours)
+    for head in (twice, unknown):
+        inner = bytes([0x0A, len(head)]) + head
+        buf = bytes([0x1A, len(inner)]) + inner
+        got = retrieve_response(buf)
+        theirs = pb.RetrieveResponse.FromString(buf)
+        assert isinstance(got, HeadersMessage)
+        assert [_head_fields(v.head, v.entry) for v in got.headers] == \
+            [_head_fields(h, h.entry) for h in theirs.headers.headers]
+    header_then_headers = pb.RetrieveResponse(header=pb.RetrieveHeader(tier="ram")) \
+        .SerializeToString()
+    buf = retrieve_headers_message(_HEADS[:1]) + header_then_headers  # the last part wins
+    got = retrieve_response(buf)
+    assert not isinstance(got, HeadersMessage) and got.WhichOneof("part") == "header"
+    for bad in (bytes([0x1A, 0x05, 0x0A]), bytes([0x1A]), bytes([0x1A, 0x02, 0x0B, 0x00])):
+        with pytest.raises(DecodeError):
+            retrieve_response(bad)
+
+
+def _normal(msg: object) -> object:
+    part = msg.WhichOneof("part")  # type: ignore[attr-defined]
+    if part == "headers":
+        views = msg.headers  # type: ignore[attr-defined]
+        if isinstance(views, list):
+            return [_head_fields(v.head, v.entry) for v in views]
+        return [_head_fields(h, h.entry) for h in views.headers]
+    if part == "frame":
+        f = msg.frame  # type: ignore[attr-defined]
+        return ("frame", f.index, f.offset, bytes(f.data))
+    return (part, msg.SerializeToString() if part else b"")  # type: ignore[attr-defined]
+
+
+def test_grouped_headers_agree_with_the_generated_class_on_random_bytes() -> None:
+    import random
+
+    rng = random.Random(29)
+    buf0 = retrieve_headers_message(_HEADS)
+    agreed = 0
+    for _ in range(3000):
+        buf = bytearray(buf0)
+        for _ in range(rng.randrange(1, 4)):
+            buf[rng.randrange(len(buf))] = rng.randrange(256)
+        try:
+            theirs = pb.RetrieveResponse.FromString(bytes(buf))
+        except Exception:  # noqa: BLE001 - protobuf's DecodeError: ours must refuse it too
+            with pytest.raises(Exception):  # noqa: B017
+                retrieve_response(bytes(buf))
+            continue
+        assert _normal(retrieve_response(bytes(buf))) == _normal(theirs)
         agreed += 1
     assert agreed > 100

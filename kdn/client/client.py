@@ -70,6 +70,7 @@ from kdn.status import from_grpc
 from kdn.v1 import kdn_pb2 as pb
 from kdn.v1 import kdn_pb2_grpc as pb_grpc
 from kdn.wire import (
+    GROUP_INLINE_BYTES,
     get_many_response,
     retrieve_response,
     serialize_passthrough,
@@ -553,10 +554,20 @@ class Client:
                    layout: KVLayout | None = None,
                    request_id: str | None = None) -> list[Fetched | None]:
         """Stored containers of ``keys`` (None for a miss) in as few calls as fit: through the
-        shared segment on the server's host, else inline (one message of many entries) and
-        what that message did not hold in one RetrieveMany stream (a message a frame)."""
+        shared segment on the server's host, else by one grouped RetrieveMany (small entries
+        inline, many a message; larger ones a message a frame), or on a server without it
+        inline (GetMany) and what that did not hold in one RetrieveMany."""
         ns = self._ns(namespace)
         ks = [check_key(k) for k in keys]
+        if len(ks) > 1 and not self.dataplane.attached and self._retrieve_many_ok:
+            got: list[Fetched | TooBig | None] = [self._in_process(ns, k, layout) for k in ks]
+            ask = [j for j, g in enumerate(got) if g is None]
+            streamed = self._streamed(ns, [ks[j] for j in ask], layout, request_id,
+                                      grouped=True) if ask else []
+            if streamed is not None:
+                for j, g in zip(ask, streamed):
+                    got[j] = g
+                return got  # type: ignore[return-value]
         got = self._entries(ns, ks, layout, request_id)
         big = [j for j, g in enumerate(got) if isinstance(g, TooBig)]
         if len(big) > 1 and self._retrieve_many_ok:
@@ -568,13 +579,20 @@ class Client:
                 if isinstance(g, TooBig) else g for k, g in zip(ks, got)]
 
     def _streamed(self, ns: str, keys: list[bytes], layout: KVLayout | None,
-                  request_id: str | None) -> list[Fetched | None] | None:
+                  request_id: str | None, grouped: bool = False
+                  ) -> list[Fetched | None] | None:
         """``keys``' entries read by one RetrieveMany stream (each checked as ``fetch``
-        checks a streamed entry, and kept in the in-process tier); None from a server that
-        has no RetrieveMany (then each is fetched on its own, as before it had)."""
+        checks a streamed entry, or when decoded where it came inline, and kept in the
+        in-process tier); None from a server that has no RetrieveMany (then each is fetched
+        on its own, as before it had). ``grouped``: small entries inline (under
+        ``STREAM_ENTRY_BYTES``, at most ``inline_budget`` a message)."""
         req = pb.RetrieveManyRequest(namespace=ns, keys=keys,
                                      expect_layout_fingerprint=layout.fingerprint
                                      if layout else "")
+        if grouped:
+            req.grouped = True
+            req.inline_max_entry_bytes = STREAM_ENTRY_BYTES - 1
+            req.inline_budget_bytes = min(GROUP_INLINE_BYTES, self.dataplane.inline_budget)
         md = self.metadata(request_id)
         try:
             got = self._call(lambda: received_many(len(keys), self._retrieve_many_call(

@@ -278,20 +278,51 @@ def store_messages(namespace: str, key: bytes, parts: EncodedParts,
 
 def received_many(count: int, stream: Iterator[Any]) -> list[Fetched | None]:
     """A RetrieveMany stream's ``count`` entries, in order (None for a key with no entry):
-    each header, then its ``frame_count`` frames read by ``received``. Raises Corrupt when
-    the stream holds anything else: a frame where a header is due, fewer or more answers."""
+    each header, then its ``frame_count`` frames read by ``received``; in the grouped form
+    (``RetrieveHeaders``) a run's headers at once, an entry that came whole in its header as
+    ``fetch_many`` takes an inline one (checked when decoded), the run's others read from
+    the messages that follow. Raises Corrupt when the stream holds anything else: a frame
+    where a header is due, an entry at odds with its header, fewer or more answers."""
     out: list[Fetched | None] = []
-    for i in range(count):
+    while len(out) < count:
         msg = next(stream, None)
-        if msg is None or msg.WhichOneof("part") != "header":
-            got = "nothing" if msg is None else f"a {msg.WhichOneof('part')}"
-            raise Corrupt(f"RetrieveMany: {got} arrived where the header of entry {i} of "
-                          f"{count} was due")
-        head = msg.header
-        out.append(None if head.missing else received(head, islice(stream, head.frame_count)))
+        part = None if msg is None else msg.WhichOneof("part")
+        if part == "headers":
+            views = msg.headers  # type: ignore[union-attr]
+            if not views or len(out) + len(views) > count:
+                raise Corrupt(f"RetrieveMany: a run of {len(views)} headers after {len(out)} "
+                              f"of the {count} entries asked for")
+            for view in views:
+                out.append(_answer(view.head, view.entry, stream))
+            continue
+        if part != "header":
+            got = "nothing" if msg is None else f"a {part}"
+            raise Corrupt(f"RetrieveMany: {got} arrived where the header of entry {len(out)} "
+                          f"of {count} was due")
+        out.append(_answer(msg.header, b"", stream))  # type: ignore[union-attr]
     if next(stream, None) is not None:
         raise Corrupt(f"RetrieveMany: more than the {count} entries asked for")
     return out
+
+
+def _answer(head: pb.RetrieveHeader, entry: bytes | memoryview, stream: Iterator[Any]
+            ) -> Fetched | None:
+    """One RetrieveMany answer: None (missing), the entry its header carries, or the one its
+    ``frame_count`` next messages bring."""
+    if head.missing:
+        if len(entry) or head.total_bytes:
+            raise Corrupt("RetrieveMany: a missing entry with bytes")
+        return None
+    if not len(entry):
+        return received(head, islice(stream, head.frame_count))
+    if len(entry) != head.total_bytes:
+        raise Corrupt(f"RetrieveMany: an entry of {len(entry)} bytes under a header of "
+                      f"{head.total_bytes}")
+    got = _fetched(entry, head.tier, whole=True)  # its header parsed (checked) here
+    if len(got.parts.frames) != head.frame_count:
+        raise Corrupt(f"RetrieveMany: an entry of {len(got.parts.frames)} frames under a "
+                      f"header of {head.frame_count}")
+    return got
 
 
 class DataPlane:

@@ -41,7 +41,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import grpc
 import numpy as np
@@ -68,6 +68,7 @@ from kdn.keys import store_key
 from kdn.server.arena import Arenas, Slot, next_lease
 from kdn.server.auth import Principal, current_principal
 from kdn.status import grpc_code
+from kdn.store.framed import Framed
 from kdn.v1 import kdn_pb2 as pb
 from kdn.wire import get_many_message
 
@@ -90,9 +91,10 @@ STREAM_MIN_FRAME_BYTES = 256 << 10
 1 MiB entry of 30 one-layer frames: 31 messages instead of 2)."""
 
 
-def _streams_well(value: bytes) -> bool:
+def _streams_well(value: bytes | Framed) -> bool:
     """Whether a stream carries ``value`` well: its frames, a message each, are large."""
-    return len(value) >= len(parse_header(value).entry.frames) * STREAM_MIN_FRAME_BYTES
+    head = value.header if isinstance(value, Framed) else value
+    return len(value) >= len(parse_header(head).entry.frames) * STREAM_MIN_FRAME_BYTES
 
 
 MAX_BATCH_BYTES = 2 << 30
@@ -385,35 +387,46 @@ class BatchMixin:
         want = request.expect_layout_fingerprint
         sent = 0
         copies: list[tuple[pb.EntryRef, bytes, Hit, int]] = []  # segment copies, placed
-        inline: dict[int, bytes | memoryview] = {}  # entry number -> its bytes, joined in
+        inline: dict[int, bytes | memoryview | list[bytes | memoryview]] = {}  # entry number
+        # -> its bytes (or their pieces), joined in
         for skey in skeys:
             ref = out.entries.add()
             started = time.perf_counter()
-            hit = self.store.get(skey)
+            # inline: a RAM value kept as the frames it came in stays so unless it is sent
+            # (joined, it would no longer go out as the messages it came in: Retrieve)
+            hit = (self.store.get_in_memory(skey, framed=True) if seg is None else None) \
+                or self.store.get(skey)
             if hit is None:
                 self.count("getmany.miss")
                 self.usage.missed(skey)
                 continue
-            self.usage.served(skey, hit.value, hit.tier, time.perf_counter() - started)
             value = hit.value
-            have = header_layout(value).fingerprint if want else ""
+            head = value.header if isinstance(value, Framed) else value
+            have = header_layout(head).fingerprint if want else ""
             if have != want:
                 raise LayoutMismatch(f"entry {skey.decode()} has layout {have}, caller "
                                      f"expects {want}")
             ref.present, ref.tier, ref.length = True, hit.tier, len(value)
-            if seg is not None and request.lease and self._leased(p, seg, ref, skey, hit):
+            read_s = time.perf_counter() - started
+            if seg is not None and request.lease and self._leased(
+                    p, seg, ref, skey, cast("Hit", hit)):  # ``get``'s: one buffer
+                self.usage.served(skey, value, hit.tier, read_s)
                 sent += len(value)
                 continue
             if cursor + len(value) > end or seg is None and \
                     0 < request.inline_max_entry_bytes < len(value) and _streams_well(value):
                 continue  # no room (the client asks again with a region of ref.length), or
-                # too large to inline (the client streams it: RetrieveMany)
+                # too large to inline (the client streams it: RetrieveMany); its read is
+                # counted by the call that brings it
+            self.usage.served(skey, value, hit.tier, read_s)
             if seg is not None:  # placed now, copied below (in parallel)
+                assert not isinstance(value, Framed)  # ``get``'s: one buffer
                 cursor = _frames_aligned(cursor, value, end)
                 ref.offset = cursor
-                copies.append((ref, skey, hit, cursor))
+                copies.append((ref, skey, cast("Hit", hit), cursor))
             else:
-                inline[len(out.entries) - 1] = value
+                inline[len(out.entries) - 1] = [value.header, *value.frames] \
+                    if isinstance(value, Framed) else value
                 ref.written = True
                 self.count("getmany.hit")
             cursor = _aligned(cursor + len(value))

@@ -42,6 +42,7 @@ from typing import Any
 from kdn.codec.format import Header, parse_header
 from kdn.errors import KDNError
 from kdn.keys import split_store_key
+from kdn.store.framed import Framed
 
 MAX_MODELS = 32
 MAX_REMEMBERED = 100_000
@@ -132,7 +133,8 @@ class Usage:
         if got is not None:
             return got
         try:
-            return self._remember(skey, parse_header(value))
+            return self._remember(skey, parse_header(
+                value.header if isinstance(value, Framed) else value))
         except KDNError:
             return None
 

@@ -186,38 +186,54 @@ class RetrieveRequest(_message.Message):
     def __init__(self, namespace: _Optional[str] = ..., key: _Optional[bytes] = ..., expect_layout_fingerprint: _Optional[str] = ..., first_layer: _Optional[int] = ..., last_layer: _Optional[int] = ..., piece_bytes: _Optional[int] = ..., piece_min_entry_bytes: _Optional[int] = ...) -> None: ...
 
 class RetrieveHeader(_message.Message):
-    __slots__ = ("container_header", "total_bytes", "tier", "frame_count", "entry_digest", "missing")
+    __slots__ = ("container_header", "total_bytes", "tier", "frame_count", "entry_digest", "missing", "entry")
     CONTAINER_HEADER_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
     FRAME_COUNT_FIELD_NUMBER: _ClassVar[int]
     ENTRY_DIGEST_FIELD_NUMBER: _ClassVar[int]
     MISSING_FIELD_NUMBER: _ClassVar[int]
+    ENTRY_FIELD_NUMBER: _ClassVar[int]
     container_header: bytes
     total_bytes: int
     tier: str
     frame_count: int
     entry_digest: int
     missing: bool
-    def __init__(self, container_header: _Optional[bytes] = ..., total_bytes: _Optional[int] = ..., tier: _Optional[str] = ..., frame_count: _Optional[int] = ..., entry_digest: _Optional[int] = ..., missing: _Optional[bool] = ...) -> None: ...
+    entry: bytes
+    def __init__(self, container_header: _Optional[bytes] = ..., total_bytes: _Optional[int] = ..., tier: _Optional[str] = ..., frame_count: _Optional[int] = ..., entry_digest: _Optional[int] = ..., missing: _Optional[bool] = ..., entry: _Optional[bytes] = ...) -> None: ...
+
+class RetrieveHeaders(_message.Message):
+    __slots__ = ("headers",)
+    HEADERS_FIELD_NUMBER: _ClassVar[int]
+    headers: _containers.RepeatedCompositeFieldContainer[RetrieveHeader]
+    def __init__(self, headers: _Optional[_Iterable[_Union[RetrieveHeader, _Mapping]]] = ...) -> None: ...
 
 class RetrieveManyRequest(_message.Message):
-    __slots__ = ("namespace", "keys", "expect_layout_fingerprint")
+    __slots__ = ("namespace", "keys", "expect_layout_fingerprint", "grouped", "inline_max_entry_bytes", "inline_budget_bytes")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     EXPECT_LAYOUT_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    GROUPED_FIELD_NUMBER: _ClassVar[int]
+    INLINE_MAX_ENTRY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    INLINE_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     expect_layout_fingerprint: str
-    def __init__(self, namespace: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., expect_layout_fingerprint: _Optional[str] = ...) -> None: ...
+    grouped: bool
+    inline_max_entry_bytes: int
+    inline_budget_bytes: int
+    def __init__(self, namespace: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., expect_layout_fingerprint: _Optional[str] = ..., grouped: _Optional[bool] = ..., inline_max_entry_bytes: _Optional[int] = ..., inline_budget_bytes: _Optional[int] = ...) -> None: ...
 
 class RetrieveResponse(_message.Message):
-    __slots__ = ("header", "frame")
+    __slots__ = ("header", "frame", "headers")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     FRAME_FIELD_NUMBER: _ClassVar[int]
+    HEADERS_FIELD_NUMBER: _ClassVar[int]
     header: RetrieveHeader
     frame: Frame
-    def __init__(self, header: _Optional[_Union[RetrieveHeader, _Mapping]] = ..., frame: _Optional[_Union[Frame, _Mapping]] = ...) -> None: ...
+    headers: RetrieveHeaders
+    def __init__(self, header: _Optional[_Union[RetrieveHeader, _Mapping]] = ..., frame: _Optional[_Union[Frame, _Mapping]] = ..., headers: _Optional[_Union[RetrieveHeaders, _Mapping]] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
     __slots__ = ("namespace", "keys", "prefix_chain")
