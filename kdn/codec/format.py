@@ -199,9 +199,14 @@ class Header:
     def record_shapes(self) -> tuple[tuple[int, int, int, int], ...]:
         """Each layer's (kv_heads, tokens, k_channels, v_channels), as its record in a frame
         must declare them (``check_frame``)."""
-        t = self.tokens
-        return tuple((lay.kv_heads, t, lay.k_channels, lay.v_channels)
-                     for lay in self.layout.layers)
+        return _record_shapes(self.layout.layers, self.tokens)
+
+
+@functools.lru_cache(maxsize=256)
+def _record_shapes(layers: tuple[LayerLayout, ...], tokens: int
+                   ) -> tuple[tuple[int, int, int, int], ...]:
+    """``Header.record_shapes`` (every header of one layout and length asks the same)."""
+    return tuple((lay.kv_heads, tokens, lay.k_channels, lay.v_channels) for lay in layers)
 
 
 def build_header(entry: pb.EntryHeader, version: int = VERSION) -> bytes:
