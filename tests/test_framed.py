@@ -191,6 +191,25 @@ def test_a_retrieve_sends_back_the_very_messages_a_store_brought(server: ServerT
         assert back is not None and back.equal(random_kv(LAYOUT, 600, seed=6))
 
 
+def test_a_getmany_that_only_learns_the_size_leaves_the_frames_as_they_came(
+        server: ServerThread) -> None:
+    """A remote read of an entry too large for one inline message asks GetMany first, which
+    answers with its length only: the value stays as its frames (not joined for nothing), so
+    the Retrieve that follows sends the messages the Store brought, nothing built."""
+    parts = _parts(1100, seed=8)  # 4.5 MB: past INLINE_ENTRY_BYTES, frames of ~1.1 MiB
+    assert parts.nbytes > dataplane.INLINE_ENTRY_BYTES
+    key = keys.chunk_key([8], LAYOUT)
+    with Client(server.address, shm_bytes=0) as c:
+        c.store(key, parts)
+        before = c.stats().counters
+        got = c.fetch(key)  # GetMany (its length), then Retrieve
+        after = c.stats().counters
+        assert got is not None and got.parts.to_bytes() == parts.to_bytes()
+        assert after["retrieve.hit"] == before.get("retrieve.hit", 0) + 1
+        assert after["wire_memo.misses"] == before["wire_memo.misses"]  # the kept messages
+        assert after.get("getmany.hit", 0) == before.get("getmany.hit", 0)  # sent nothing
+
+
 def test_a_store_in_pieces_is_kept_as_frames_and_read_back_whole(server: ServerThread) -> None:
     """Pieces are joined frame by frame (no message to send back): a Retrieve builds whole
     frame messages, and every read path returns the entry as it was sent."""
