@@ -19,6 +19,7 @@ from kdn import codec, keys
 from kdn.client import Client, dataplane
 from kdn.errors import Corrupt, LayoutMismatch
 from kdn.server import ServerConfig, ServerThread
+from kdn.server.service import HEADER_BYTES
 from kdn.v1 import kdn_pb2 as pb
 from kdn.v1 import kdn_pb2_grpc as pb_grpc
 from kdn.wire import (
@@ -169,7 +170,9 @@ def test_a_grouped_answer_runs_headers_then_the_frames_of_what_was_not_inline(
         ks = [k for k, _ in stored]
         order = [0, 1, -1, 2, 4, 3, 5]  # -1: the miss
         ask = [ks[i] if i >= 0 else miss for i in order]
-        budget = sizes[0] + sizes[2] + sizes[4]  # 32 + 64 + 32 KiB: the first run is full
+        headers = 2 * HEADER_BYTES + len(stored[1][1].header)  # the miss, the streamed one
+        budget = sizes[0] + sizes[2] + sizes[4] + headers  # 32 + 64 + 32 KiB: the first run
+        # is full
         req = pb.RetrieveManyRequest(keys=ask, grouped=True, inline_max_entry_bytes=100 << 10,
                                      inline_budget_bytes=budget)
         msgs = list(_grouped_call(ch)(req, timeout=30))  # 96 KiB, then 64 would pass 128
@@ -178,6 +181,11 @@ def test_a_grouped_answer_runs_headers_then_the_frames_of_what_was_not_inline(
         for i, g in zip(order, got):
             assert g is None if i < 0 else g is not None and \
                 g.parts.to_bytes() == stored[i][1].to_bytes()
+        # an entry larger than the run's budget streams, however small
+        req = pb.RetrieveManyRequest(keys=[ks[2]], grouped=True,
+                                     inline_max_entry_bytes=100 << 10,
+                                     inline_budget_bytes=sizes[2] - 1)
+        assert _shape(list(_grouped_call(ch)(req, timeout=30))) == ["run[s]", "f", "f"]
         # no inline limit: entries of small frames (under 256 KiB on average) still come whole
         # while they fit the budget; the 1.2 MB entry of 600 KiB frames streams
         req = pb.RetrieveManyRequest(keys=ks[:3], grouped=True, inline_budget_bytes=1 << 20)

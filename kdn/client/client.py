@@ -560,14 +560,14 @@ class Client:
         ns = self._ns(namespace)
         ks = [check_key(k) for k in keys]
         if len(ks) > 1 and not self.dataplane.attached and self._retrieve_many_ok:
-            got: list[Fetched | TooBig | None] = [self._in_process(ns, k, layout) for k in ks]
-            ask = [j for j, g in enumerate(got) if g is None]
+            local = [self._in_process(ns, k, layout) for k in ks]
+            ask = [j for j, g in enumerate(local) if g is None]
             streamed = self._streamed(ns, [ks[j] for j in ask], layout, request_id,
                                       grouped=True) if ask else []
             if streamed is not None:
                 for j, g in zip(ask, streamed):
-                    got[j] = g
-                return got  # type: ignore[return-value]
+                    local[j] = g
+                return local
         got = self._entries(ns, ks, layout, request_id)
         big = [j for j, g in enumerate(got) if isinstance(g, TooBig)]
         if len(big) > 1 and self._retrieve_many_ok:

@@ -82,6 +82,9 @@ def _check_frame_timed(header: Header, index: int, frame: bytes | memoryview) ->
     return time.perf_counter() - t0
 
 
+HEADER_BYTES = 64
+"""What a grouped RetrieveMany counts for a header's own fields (and its container header's
+bytes, where it carries one) against the run's message budget."""
 GROUP_HOLD_BYTES = 256 << 20
 """Bytes of entries a grouped RetrieveMany's run holds to stream after its headers' message."""
 GROUP_KEYS = 1024
@@ -584,13 +587,14 @@ class KDNServicer(BatchMixin, BlendMixin, pb_grpc.KDNServicer):
         """A grouped RetrieveMany's messages: runs of keys, each one ``RetrieveHeaders``
         (an entry of up to ``inline_max_entry_bytes``, or of small frames, whole in its
         header while the run carries under its budget) and then the frames of the run's
-        other entries, a message each. A run ends at its inline budget, at
-        ``GROUP_HOLD_BYTES`` of entries still to stream (held in memory meanwhile: a lower
-        tier's reads) or at ``GROUP_KEYS`` keys."""
+        other entries, a message each. A run ends where its message would pass its budget
+        (entries carried whole, and the headers: ``HEADER_BYTES`` each and their container
+        headers), at ``GROUP_HOLD_BYTES`` of entries still to stream (held in memory
+        meanwhile: a lower tier's reads) or at ``GROUP_KEYS`` keys."""
         budget = min(request.inline_budget_bytes or GROUP_INLINE_BYTES, GROUP_INLINE_BYTES)
         run: list[tuple[pb.RetrieveHeader, list[bytes | memoryview]]] = []
         streamed: list[tuple[list[tuple[int, bytes | memoryview]], Iterator[list[bytes]]]] = []
-        inline = held = 0
+        inline = held = 0  # the run's message: its bytes so far; entries to stream after it
         for i, key in enumerate(request.keys):
             skey = store_key(tenant, ns, key)
             try:
@@ -602,9 +606,11 @@ class KDNServicer(BatchMixin, BlendMixin, pb_grpc.KDNServicer):
                 await context.abort(grpc_code(exc), str(exc))
                 return
             n = len(hit.value) if hit is not None else 0
-            whole = hit is not None and (n <= request.inline_max_entry_bytes or (
-                n < len(header.entry.frames) * STREAM_MIN_FRAME_BYTES and n <= budget))
-            if whole and run and inline + n > budget:  # it starts the next run
+            whole = hit is not None and n <= budget and (n <= request.inline_max_entry_bytes
+                                                         or n < len(header.entry.frames)
+                                                         * STREAM_MIN_FRAME_BYTES)
+            size = n if whole else HEADER_BYTES + (len(header.raw) if hit is not None else 0)
+            if run and inline + size > budget:  # it starts the next run
                 for msg in _run_messages(run, streamed, sent):
                     yield msg
                 run, streamed, inline, held = [], [], 0, 0
@@ -618,13 +624,13 @@ class KDNServicer(BatchMixin, BlendMixin, pb_grpc.KDNServicer):
                                               frame_count=len(header.entry.frames)),
                             [value.header, *value.frames] if isinstance(value, Framed)
                             else [value]))
-                inline += n
                 sent[0] += n
             else:
                 head, sel, memo = self._frames_answer(skey, hit, header, 0, 0, 0)
                 run.append((head, []))
                 streamed.append((sel, memo))
                 held += n
+            inline += size
             if hit is not None:
                 self.count("retrievemany.hit")
             if inline >= budget or held >= GROUP_HOLD_BYTES or len(run) >= GROUP_KEYS \
