@@ -19,7 +19,7 @@ from kdn import codec, keys
 from kdn.client import Client, dataplane
 from kdn.errors import Corrupt, LayoutMismatch
 from kdn.server import ServerConfig, ServerThread
-from kdn.server.service import HEADER_BYTES
+from kdn.server.retrieve_many import HEADER_BYTES
 from kdn.v1 import kdn_pb2 as pb
 from kdn.v1 import kdn_pb2_grpc as pb_grpc
 from kdn.wire import (

@@ -47,9 +47,10 @@ from kdn.keys import split_store_key, store_key
 from kdn.options import Durability
 from kdn.server.arena import Arenas
 from kdn.server.auth import AuthConfig, Authenticator, Principal, current_principal
-from kdn.server.batch import MAX_BATCH_BYTES, STREAM_MIN_FRAME_BYTES, BatchMixin, Segments
+from kdn.server.batch import MAX_BATCH_BYTES, BatchMixin, Segments
 from kdn.server.blend_rpc import BlendMixin
 from kdn.server.config import ServerConfig
+from kdn.server.retrieve_many import RetrieveManyMixin
 from kdn.server.usage import Usage
 from kdn.server.wire_memo import WireMemo
 from kdn.status import grpc_code
@@ -58,7 +59,7 @@ from kdn.store.framed import MAX_FRAMED_BYTES, MIN_FRAMED_BYTES, Framed
 from kdn.store.tiered import FramedHit, Hit, TieredStore
 from kdn.v1 import kdn_pb2 as pb
 from kdn.v1 import kdn_pb2_grpc as pb_grpc
-from kdn.wire import GROUP_INLINE_BYTES, FrameMessage, piece_fault, retrieve_headers_message
+from kdn.wire import FrameMessage, piece_fault
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -80,30 +81,6 @@ def _check_frame_timed(header: Header, index: int, frame: bytes | memoryview) ->
     t0 = time.perf_counter()
     check_frame(header, index, frame, records=False)
     return time.perf_counter() - t0
-
-
-HEADER_BYTES = 64
-"""What a grouped RetrieveMany counts for a header's own fields (and its container header's
-bytes, where it carries one) against the run's message budget."""
-GROUP_HOLD_BYTES = 256 << 20
-"""Bytes of entries a grouped RetrieveMany's run holds to stream after its headers' message."""
-GROUP_KEYS = 1024
-"""Keys a grouped RetrieveMany's run answers at most."""
-
-
-def _run_messages(run: list[tuple[pb.RetrieveHeader, list[bytes | memoryview]]],
-                  streamed: list[tuple[list[tuple[int, bytes | memoryview]],
-                                       Iterator[list[bytes]]]],
-                  sent: list[int]) -> Iterator[bytes]:
-    """One run of a grouped RetrieveMany: its headers' message, then each streamed entry's
-    frame messages (built as they are sent where they are not kept)."""
-    if not run:
-        return
-    yield retrieve_headers_message(run)
-    for sel, memo in streamed:
-        for (_, frame), msgs in zip(sel, memo):
-            yield from msgs
-            sent[0] += len(frame)
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,7 +147,7 @@ def recount_usage(store: TieredStore, auth: Authenticator) -> None:
             auth.set_usage(tenant, sum(p.size for p in store.lookup(keys)))
 
 
-class KDNServicer(BatchMixin, BlendMixin, pb_grpc.KDNServicer):
+class KDNServicer(BatchMixin, BlendMixin, RetrieveManyMixin, pb_grpc.KDNServicer):
     def __init__(self, config: ServerConfig, store: TieredStore,
                  auth: Authenticator | None = None) -> None:
         self.config = config
@@ -537,107 +514,6 @@ class KDNServicer(BatchMixin, BlendMixin, pb_grpc.KDNServicer):
         finally:
             self.count("bytes_out", sent)
         self.count("retrieve.hit")
-
-    async def RetrieveMany(self, request: pb.RetrieveManyRequest, context: grpc.aio.ServicerContext
-                           ) -> AsyncIterator[pb.RetrieveResponse | bytes]:
-        """Many entries in one stream: each key's header, then its frames, one message each
-        (a miss: a header with ``missing``). The remote form of a batch read: messages of
-        about a frame each, which gRPC moves far faster than GetMany's one large answer.
-
-        ``grouped``: the headers of a run of keys in one message (``RetrieveHeaders``), small
-        entries whole inside their headers, then the frames of the run's other entries
-        (``_runs``): a header message per entry and the GetMany that learnt which entries
-        are small cost ~0.2 ms an entry on the two sides."""
-        tenant, ns = current_principal.get().tenant, request.namespace or "default"
-        sent = [0]  # entries are read one after another: memory holds one run's answer
-        try:
-            if request.grouped:
-                async for msg in self._runs(request, context, tenant, ns, sent):
-                    yield msg
-                return
-            for key in request.keys:
-                skey = store_key(tenant, ns, key)
-                try:
-                    hit, read_s = await self._read(skey)
-                    if hit is None:
-                        self.count("retrievemany.miss")
-                        self.usage.missed(skey)
-                        yield pb.RetrieveResponse(header=pb.RetrieveHeader(missing=True))
-                        continue
-                    head, sel, memo = self._retrieve_answer(skey, hit, read_s,
-                                                   request.expect_layout_fingerprint)
-                except KDNError as exc:
-                    self.count(f"RetrieveMany.{grpc_code(exc).name}")
-                    await context.abort(grpc_code(exc), str(exc))
-                    return
-                yield pb.RetrieveResponse(header=head)
-                for (_, frame), msgs in zip(sel, memo):
-                    for msg in msgs:
-                        yield msg  # type: ignore[misc]  # waits for flow control, as Retrieve
-                    sent[0] += len(frame)
-                self.count("retrievemany.hit")
-        except (asyncio.CancelledError, GeneratorExit):
-            self.count("retrievemany.cancelled")
-            raise
-        finally:
-            self.count("bytes_out", sent[0])
-
-    async def _runs(self, request: pb.RetrieveManyRequest, context: grpc.aio.ServicerContext,
-                    tenant: str, ns: str, sent: list[int]) -> AsyncIterator[bytes]:
-        """A grouped RetrieveMany's messages: runs of keys, each one ``RetrieveHeaders``
-        (an entry of up to ``inline_max_entry_bytes``, or of small frames, whole in its
-        header while the run carries under its budget) and then the frames of the run's
-        other entries, a message each. A run ends where its message would pass its budget
-        (entries carried whole, and the headers: ``HEADER_BYTES`` each and their container
-        headers), at ``GROUP_HOLD_BYTES`` of entries still to stream (held in memory
-        meanwhile: a lower tier's reads) or at ``GROUP_KEYS`` keys."""
-        budget = min(request.inline_budget_bytes or GROUP_INLINE_BYTES, GROUP_INLINE_BYTES)
-        run: list[tuple[pb.RetrieveHeader, list[bytes | memoryview]]] = []
-        streamed: list[tuple[list[tuple[int, bytes | memoryview]], Iterator[list[bytes]]]] = []
-        inline = held = 0  # the run's message: its bytes so far; entries to stream after it
-        for i, key in enumerate(request.keys):
-            skey = store_key(tenant, ns, key)
-            try:
-                hit, read_s = await self._read(skey)
-                if hit is not None:
-                    header = self._served(skey, hit, read_s, request.expect_layout_fingerprint)
-            except KDNError as exc:
-                self.count(f"RetrieveMany.{grpc_code(exc).name}")
-                await context.abort(grpc_code(exc), str(exc))
-                return
-            n = len(hit.value) if hit is not None else 0
-            whole = hit is not None and n <= budget and (n <= request.inline_max_entry_bytes
-                                                         or n < len(header.entry.frames)
-                                                         * STREAM_MIN_FRAME_BYTES)
-            size = n if whole else HEADER_BYTES + (len(header.raw) if hit is not None else 0)
-            if run and inline + size > budget:  # it starts the next run
-                for msg in _run_messages(run, streamed, sent):
-                    yield msg
-                run, streamed, inline, held = [], [], 0, 0
-            if hit is None:
-                self.count("retrievemany.miss")
-                self.usage.missed(skey)
-                run.append((pb.RetrieveHeader(missing=True), []))
-            elif whole:  # its header is inside: the RetrieveHeader says the rest
-                value = hit.value
-                run.append((pb.RetrieveHeader(total_bytes=n, tier=hit.tier,
-                                              frame_count=len(header.entry.frames)),
-                            [value.header, *value.frames] if isinstance(value, Framed)
-                            else [value]))
-                sent[0] += n
-            else:
-                head, sel, memo = self._frames_answer(skey, hit, header, 0, 0, 0)
-                run.append((head, []))
-                streamed.append((sel, memo))
-                held += n
-            inline += size
-            if hit is not None:
-                self.count("retrievemany.hit")
-            if inline >= budget or held >= GROUP_HOLD_BYTES or len(run) >= GROUP_KEYS \
-                    or i == len(request.keys) - 1:
-                for msg in _run_messages(run, streamed, sent):
-                    yield msg
-                run, streamed, inline, held = [], [], 0, 0
 
     # -- Lookup / Delete / Stats ----------------------------------------------------------------
 
