@@ -206,13 +206,21 @@ def get_many_message(refs: list[tuple[pb.EntryRef, bytes | memoryview
     (a copy into it, and another to serialize it). The refs themselves carry no data."""
     parts: list[bytes | memoryview] = []
     for ref, data in refs:
-        pieces = data if isinstance(data, list) else [data]
-        size = sum(len(p) for p in pieces)
-        head = ref.SerializeToString()
-        if size:  # proto3 leaves out empty bytes
-            head += _field_head(_REF_DATA_TAG, size)
-        parts += [_field_head(_ENTRIES_TAG, len(head) + size), head, *pieces]
+        parts += _with_bytes(_ENTRIES_TAG, ref, _REF_DATA_TAG,
+                             data if isinstance(data, list) else [data])
     return b"".join(parts)
+
+
+def _with_bytes(tag: bytes, msg: Any, data_tag: bytes, pieces: list[bytes | memoryview]
+                ) -> list[bytes | memoryview]:
+    """The parts of field ``tag`` holding ``msg`` with the bytes of ``pieces`` as its field
+    ``data_tag`` (written last, as the generated classes write it; left out when empty, as
+    proto3 does), for one join."""
+    head = msg.SerializeToString()
+    size = sum(len(p) for p in pieces)
+    if size:
+        head += _field_head(data_tag, size)
+    return [_field_head(tag, len(head) + size), head, *pieces]
 
 
 @dataclass(frozen=True, slots=True)
@@ -269,25 +277,39 @@ def get_many_response(buf: bytes) -> GetManyView | pb.GetManyResponse:
     parser copies it in, and reading ``data`` copies it out again); an answer of another form
     (unknown fields, a repeated data field, anything malformed) goes to the generated class,
     which reads it or raises."""
-    mv = memoryview(buf)
+    items = _bytes_lifted(memoryview(buf), 1, _REF_DATA_FIELD, 8)
+    if items is None:
+        return pb.GetManyResponse.FromString(buf)
     entries: list[EntryView] = []
-    for number, kind, _, body, end in _fields(mv) or [(0, 0, 0, 0, 0)]:
-        inner = _fields(mv[body:end]) if number == 1 and kind == _LEN else None
-        if inner is None:
-            return pb.GetManyResponse.FromString(buf)
-        rest: list[memoryview] = []
-        data: bytes | memoryview = b""
-        for n, k, start, at, stop in inner:
-            if not 1 <= n <= 8 or n == _REF_DATA_FIELD and (k != _LEN or len(data)):
-                return pb.GetManyResponse.FromString(buf)
-            if n == _REF_DATA_FIELD:
-                data = mv[body + at : body + stop]
-            else:
-                rest.append(mv[body + start : body + stop])
-        ref = pb.EntryRef.FromString(b"".join(rest))
+    for rest, data in items:
+        ref = pb.EntryRef.FromString(rest)
         entries.append(EntryView(ref.present, ref.tier, ref.length, ref.written, ref.offset,
                                  ref.verified, data, ref.lease))
     return GetManyView(entries)
+
+
+def _bytes_lifted(mv: memoryview, field: int, data_field: int, last: int
+                  ) -> list[tuple[bytes, memoryview | bytes]] | None:
+    """Each message of the repeated field ``field`` that is all ``mv`` holds, as (its other
+    fields, serialized; a view of its bytes field ``data_field``). None where the generated
+    class must read it instead: no such message, another field, a field past ``last`` (not
+    one of ours), ``data_field`` given twice or not as bytes, anything malformed."""
+    out: list[tuple[bytes, memoryview | bytes]] = []
+    for number, kind, _, body, end in _fields(mv) or [(0, 0, 0, 0, 0)]:
+        inner = _fields(mv[body:end]) if number == field and kind == _LEN else None
+        if inner is None:
+            return None
+        rest: list[memoryview] = []
+        data: bytes | memoryview = b""
+        for n, k, start, at, stop in inner:
+            if not 1 <= n <= last or n == data_field and (k != _LEN or len(data)):
+                return None
+            if n == data_field:
+                data = mv[body + at : body + stop]
+            else:
+                rest.append(mv[body + start : body + stop])
+        out.append((b"".join(rest), data))
+    return out
 
 
 # -- grouped RetrieveMany answers: the headers of a run of keys, small entries joined in --------
@@ -310,11 +332,7 @@ def retrieve_headers_message(heads: list[tuple[pb.RetrieveHeader, list[bytes | m
     One copy of the entries, as ``get_many_message``."""
     parts: list[bytes | memoryview] = []
     for head, pieces in heads:
-        body = head.SerializeToString()
-        size = sum(len(p) for p in pieces)
-        if size:
-            body += _field_head(_HEADER_ENTRY_TAG, size)
-        parts += [_field_head(_HEADER_TAG, len(body) + size), body, *pieces]
+        parts += _with_bytes(_HEADER_TAG, head, _HEADER_ENTRY_TAG, pieces)
     inner = sum(len(p) for p in parts)
     return b"".join([_field_head(_HEADERS_TAG, inner), *parts])
 
@@ -348,24 +366,11 @@ def retrieve_headers(buf: bytes) -> HeadersMessage | pb.RetrieveResponse:
     if not outer or len(outer) != 1 or outer[0][:2] != (3, _LEN):
         return _headers_of(pb.RetrieveResponse.FromString(buf))
     _, _, _, body, end = outer[0]
-    views: list[HeaderView] = []
-    for number, kind, _, at, stop in _fields(mv[body:end]) or [(0, 0, 0, 0, 0)]:
-        inner = _fields(mv[body + at : body + stop]) if number == 1 and kind == _LEN else None
-        if inner is None:
-            return _headers_of(pb.RetrieveResponse.FromString(buf))
-        base = body + at
-        rest: list[memoryview] = []
-        entry: bytes | memoryview = b""
-        for n, k, start, data, fin in inner:
-            if not 1 <= n <= _HEADER_ENTRY_FIELD or n == _HEADER_ENTRY_FIELD and (
-                    k != _LEN or len(entry)):
-                return _headers_of(pb.RetrieveResponse.FromString(buf))
-            if n == _HEADER_ENTRY_FIELD:
-                entry = mv[base + data : base + fin]
-            else:
-                rest.append(mv[base + start : base + fin])
-        views.append(HeaderView(pb.RetrieveHeader.FromString(b"".join(rest)), entry))
-    return HeadersMessage(views)
+    items = _bytes_lifted(mv[body:end], 1, _HEADER_ENTRY_FIELD, _HEADER_ENTRY_FIELD)
+    if items is None:
+        return _headers_of(pb.RetrieveResponse.FromString(buf))
+    return HeadersMessage([HeaderView(pb.RetrieveHeader.FromString(rest), entry)
+                           for rest, entry in items])
 
 
 def _headers_of(msg: pb.RetrieveResponse) -> HeadersMessage | pb.RetrieveResponse:
