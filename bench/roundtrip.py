@@ -75,7 +75,7 @@ from bench.common import (
     write_json,
 )
 from kdn import codec, keys
-from kdn.buffers import tune_allocator
+from kdn.buffers import server_trim_bytes, tune_allocator
 from kdn.cache import KVCache
 from kdn.client import Client
 from kdn.layout import KVLayout, LayerLayout
@@ -87,6 +87,9 @@ RAW_MESSAGE_BYTES = 1 << 20
 """Message size of the ``raw-grpc-1mib`` rows."""
 PAGE_VALUES = 2048
 """fp16 values in a 4 KiB page."""
+SERVER_RAM_BYTES = 8 << 30
+"""The kdn servers' RAM tier; the raw service tunes its allocator as a server of that size
+does (``kdn.buffers.server_trim_bytes``)."""
 OPTS = [("grpc.max_receive_message_length", 256 << 20),
         ("grpc.max_send_message_length", 256 << 20)]
 
@@ -365,7 +368,7 @@ def batch_rows(clients: dict[str, Client], layout: KVLayout, repeat: int,
 def serve_raw() -> None:
     """``--raw-server``: the raw service alone in this process (its port on stdout) until
     stdin closes: the baseline of a remote client, in a process of its own as kdn's is."""
-    tune_allocator()  # as ``kdn serve`` sets it
+    tune_allocator(server_trim_bytes(SERVER_RAM_BYTES))  # as ``kdn serve`` sets it
     raw = RawServer()
     print(raw.port, flush=True)
     sys.stdin.read()
@@ -406,13 +409,13 @@ def kdn_services(tmp: Path, where: str, big: int) -> Iterator[tuple[str, str]]:
     the read arenas off (``shm-copy``); ``kdn serve`` processes, or ``ServerThread``s of
     this process (``thread``)."""
     if where == "thread":
-        cfg = ServerConfig(port=0, data_dir=tmp, ram_bytes=8 << 30, disk_bytes=0,
+        cfg = ServerConfig(port=0, data_dir=tmp, ram_bytes=SERVER_RAM_BYTES, disk_bytes=0,
                            max_message_bytes=big, max_entry_bytes=4 << 30)
         copy_cfg = dataclasses.replace(cfg, port=0, data_dir=tmp / "copy", shm_arena_bytes=0)
         with ServerThread(cfg) as st, ServerThread(copy_cfg) as copy_st:
             yield st.address, copy_st.address
         return
-    flags = ("--ram-bytes", str(8 << 30), "--max-message-bytes", str(big),
+    flags = ("--ram-bytes", str(SERVER_RAM_BYTES), "--max-message-bytes", str(big),
              "--max-entry-bytes", str(4 << 30))
     with kdn_server(tmp / "kdn", *flags) as address, \
             kdn_server(tmp / "kdn-copy", *flags, "--shm-arena-bytes", "0") as copy_address:

@@ -116,11 +116,27 @@ memory that is already faulted in."""
 MMAP_THRESHOLD = 32 << 20
 """glibc serves allocations below this from its heaps (the most it accepts: 32 MiB)."""
 TRIM_THRESHOLD = 128 << 20
-"""glibc gives the free top of a heap back to the kernel past this many bytes."""
+"""glibc gives the free top of a heap back to the kernel past this many bytes (a client's
+setting; a server keeps more, ``server_trim_bytes``)."""
+SERVER_TRIM_THRESHOLD = 512 << 20
+"""The most free heap a server keeps (``server_trim_bytes``)."""
 _tuned: bool | None = None
+_trim = 0  # the trim threshold set in this process (0: none)
 
 
-def tune_allocator() -> bool:
+def server_trim_bytes(ram_bytes: int) -> int:
+    """The trim threshold a server with a RAM tier of ``ram_bytes`` sets: half the tier, from
+    ``TRIM_THRESHOLD`` to ``SERVER_TRIM_THRESHOLD``. A server keeps a large Store in the
+    messages it came in (``kdn.store.framed.framed_limit``); when the entry it replaces is
+    freed, its memory must stay in the heap for the next one's messages, or every Store
+    faults in its whole size again (189 MB SmolLM2 stores on a 2-core VM: 5,000-11,000
+    page faults and 0.80 GB/s kept under a 128 MiB threshold). A process's memory then falls
+    back only by what lies free past this threshold, never below what it held at its peak:
+    a full RAM tier holds as much anyway."""
+    return max(TRIM_THRESHOLD, min(SERVER_TRIM_THRESHOLD, ram_bytes // 2))
+
+
+def tune_allocator(trim_bytes: int = TRIM_THRESHOLD) -> bool:
     """Keep the allocator from mapping and unmapping memory for every message of an entry.
 
     gRPC hands each received message to Python as a fresh bytes object. With glibc's defaults
@@ -129,26 +145,41 @@ def tune_allocator() -> bool:
     than twice that lies free, so whether every message faults in 256 fresh pages depends on
     the heap's history: a 1 MiB fetch took 0.9–1.2 ms in some client processes and 1.9–2.1 ms
     in others, from one process start to the next (never within one). Fixed thresholds
-    (``MMAP_THRESHOLD``, ``TRIM_THRESHOLD``) make every process the fast kind. Called by
-    ``Client``; process-wide, once; ``KDN_MALLOC_TUNING=off`` leaves the allocator alone.
-    True when the thresholds are set (glibc), False elsewhere or when turned off."""
-    global _tuned
-    if _tuned is not None:
-        return _tuned
-    _tuned = False
-    if os.environ.get("KDN_MALLOC_TUNING", "").strip().lower() in ("0", "off", "false", "no"):
-        return False
+    (``MMAP_THRESHOLD``, ``trim_bytes``) make every process the fast kind. Called by
+    ``Client`` (``TRIM_THRESHOLD``) and the server (``server_trim_bytes``); process-wide: a
+    later call only ever raises the trim threshold. ``KDN_MALLOC_TUNING=off`` leaves the
+    allocator alone. True when the thresholds are set (glibc), False elsewhere or when
+    turned off."""
+    global _tuned, _trim
+    if _tuned is None:
+        _tuned = False
+        if os.environ.get("KDN_MALLOC_TUNING", "").strip().lower() in ("0", "off", "false",
+                                                                        "no"):
+            return False
+        mallopt = _mallopt()
+        if mallopt is None:
+            return False
+        _tuned = bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD))
+    if _tuned and trim_bytes > _trim:
+        mallopt = _mallopt()
+        _tuned = mallopt is not None and bool(mallopt(_M_TRIM_THRESHOLD, trim_bytes))
+        _trim = trim_bytes if _tuned else 0
+    return _tuned
+
+
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # <malloc.h>
+
+
+def _mallopt() -> Any:
+    """glibc's ``mallopt``; None elsewhere (musl's does nothing)."""
     try:
         libc = ctypes.CDLL(None)
-        libc.gnu_get_libc_version  # noqa: B018 - glibc only: musl's mallopt does nothing
+        libc.gnu_get_libc_version  # noqa: B018 - glibc only
         mallopt = libc.mallopt
     except (OSError, AttributeError):
-        return False
+        return None
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    m_trim_threshold, m_mmap_threshold = -1, -3  # <malloc.h>
-    _tuned = bool(mallopt(m_mmap_threshold, MMAP_THRESHOLD)) and bool(
-        mallopt(m_trim_threshold, TRIM_THRESHOLD))
-    return _tuned
+    return mallopt
 
 
 def allocator_tuned() -> bool:
@@ -156,9 +187,15 @@ def allocator_tuned() -> bool:
     return bool(_tuned)
 
 
+def kept_free_bytes() -> int:
+    """The free heap this process's allocator keeps: the trim threshold ``tune_allocator``
+    set; ``TRIM_THRESHOLD`` where it set none."""
+    return _trim or TRIM_THRESHOLD
+
+
 OVERLAP_FRAME_BYTES = 1 << 20
 """A frame from this size is decoded (a ``LayerStream``) or copied into its entry's buffer and
-checked (a Store past ``kdn.store.framed.MAX_FRAMED_BYTES``) on worker threads while the next
+checked (a Store past ``kdn.store.framed.framed_limit``) on worker threads while the next
 message arrives; smaller ones where they arrive (on a 2-core VM, server in its own process: a
 8192-token SmolLM2 fetch 0.81-0.83x of the raw stream against 0.69-0.80x in turn; 380 KB
 frames of 512 tokens lost 0.05x handed over; 189 MB stores 0.72x of the raw puts handed

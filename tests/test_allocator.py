@@ -12,7 +12,12 @@ SCRIPT = """
 import json
 from kdn import buffers
 first = buffers.tune_allocator()
-print(json.dumps([first, buffers.tune_allocator()]))
+kept = [buffers.kept_free_bytes()]
+again = buffers.tune_allocator()
+for trim in (512 << 20, 256 << 20):  # a server's raises it; a smaller one leaves it
+    buffers.tune_allocator(trim)
+    kept.append(buffers.kept_free_bytes())
+print(json.dumps([first, again, *kept]))
 """
 
 
@@ -34,11 +39,14 @@ def _glibc() -> None:
 BASE = {k: v for k, v in os.environ.items() if k != "KDN_MALLOC_TUNING"}
 
 
-def test_the_allocator_is_tuned_once_and_can_be_left_alone() -> None:
+def test_the_allocator_is_tuned_once_its_trim_only_raised_and_it_can_be_left_alone() -> None:
     _glibc()
     base = BASE
-    assert _run(base) == "[true, true]"
-    assert _run({**base, "KDN_MALLOC_TUNING": "off"}) == "[false, false]"
+    mib = 1 << 20
+    assert _run(base) == f"[true, true, {128 * mib}, {512 * mib}, {512 * mib}]"
+    # left alone: nothing set; a server keeps Stores as frames up to what it kept before
+    assert _run({**base, "KDN_MALLOC_TUNING": "off"}) == \
+        f"[false, false, {128 * mib}, {128 * mib}, {128 * mib}]"
 
 
 def test_a_client_tunes_the_allocator_of_its_process() -> None:
@@ -49,3 +57,18 @@ def test_a_client_tunes_the_allocator_of_its_process() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          env=BASE, check=True, timeout=60)
     assert out.stdout.strip() == "True"
+
+
+def test_a_server_keeps_the_free_heap_its_ram_tier_warrants() -> None:
+    """``start_server`` raises its process's trim threshold to ``server_trim_bytes``: half
+    the RAM tier (here 600 MiB: 300 MiB), so a Store kept as its messages finds the memory
+    of the one it replaced still in the heap."""
+    _glibc()
+    code = ("import tempfile\nfrom kdn import buffers\n"
+            "from kdn.server import ServerConfig, ServerThread\n"
+            "with tempfile.TemporaryDirectory() as d, ServerThread(ServerConfig(\n"
+            "        port=0, data_dir=d, ram_bytes=600 << 20, disk_bytes=0)):\n"
+            "    print(buffers.kept_free_bytes() >> 20)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=BASE, check=True, timeout=120)
+    assert out.stdout.strip() == "300"

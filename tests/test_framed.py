@@ -191,6 +191,47 @@ def test_a_retrieve_sends_back_the_very_messages_a_store_brought(server: ServerT
         assert back is not None and back.equal(random_kv(LAYOUT, 600, seed=6))
 
 
+@pytest.mark.parametrize("kept_free_mib, kept", [(8, True), (4, False)])
+def test_a_store_is_kept_as_its_frames_up_to_half_the_heap_the_allocator_keeps(
+        server: ServerThread, monkeypatch: pytest.MonkeyPatch, kept_free_mib: int,
+        kept: bool) -> None:
+    """``framed_limit``: a 2.4 MB Store is kept as its frames where the allocator keeps 8 MiB
+    of free heap (its first Retrieve sends the Store's own messages: the wire memo does not
+    miss), and copied into one buffer where it keeps 4 MiB (the Retrieve builds a message a
+    frame); read back the same either way."""
+    from kdn.server import service
+
+    monkeypatch.setattr(service, "kept_free_bytes", lambda: kept_free_mib << 20)
+    parts = _parts(600, seed=9)
+    assert 2 << 20 < parts.nbytes < 4 << 20
+    key = keys.chunk_key([9], LAYOUT)
+    with grpc.insecure_channel(server.address) as ch, Client(server.address, shm_bytes=0) as c:
+        c.store(key, parts)
+        before = c.stats().counters["wire_memo.misses"]
+        answer = _raw_retrieve(ch, key)
+        misses = c.stats().counters["wire_memo.misses"] - before
+        assert answer[1:] == [frame_message(i, f) for i, f in enumerate(parts.frames)]
+        got = c.retrieve(key, layout=LAYOUT)
+        assert got is not None and got.equal(random_kv(LAYOUT, 600, seed=9))
+    assert misses == (0 if kept else len(parts.frames))
+
+
+def test_the_framed_limit_and_the_servers_trim_threshold_bounds() -> None:
+    """A server keeps half its RAM tier of free heap, from the client's 128 MiB to 512 MiB,
+    and keeps Stores up to half of what the allocator keeps as their frames, up to
+    ``MAX_FRAMED_BYTES``."""
+    from kdn.buffers import SERVER_TRIM_THRESHOLD, TRIM_THRESHOLD, server_trim_bytes
+    from kdn.store.framed import MAX_FRAMED_BYTES, framed_limit
+
+    assert server_trim_bytes(64 << 20) == TRIM_THRESHOLD
+    assert server_trim_bytes(600 << 20) == 300 << 20
+    assert server_trim_bytes(8 << 30) == SERVER_TRIM_THRESHOLD
+    assert framed_limit(TRIM_THRESHOLD) == 64 << 20  # a client's, or an untuned process's
+    assert framed_limit(300 << 20) == 150 << 20
+    assert framed_limit(SERVER_TRIM_THRESHOLD) == MAX_FRAMED_BYTES
+    assert framed_limit(4 << 30) == MAX_FRAMED_BYTES
+
+
 def test_a_getmany_that_only_learns_the_size_leaves_the_frames_as_they_came(
         server: ServerThread) -> None:
     """A remote read of an entry too large for one inline message asks GetMany first, which

@@ -128,16 +128,17 @@ def test_large_frames_checked_as_they_land_refuse_damage_and_keep_the_old_value(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Store frames are checked the moment they are whole: on the event loop's thread (2 MiB
     frames), or from ``BACKGROUND_CHECK_BYTES`` on other threads while the next arrives; kept
-    as frames, or (past ``MAX_FRAMED_BYTES``, here lowered) copied into one buffer as they
-    are checked. A bit flipped in a middle frame, a frame whose record declares other shapes
+    as frames, or (past ``framed_limit``: ``MAX_FRAMED_BYTES`` lowered) copied into one buffer
+    as they are checked. A bit flipped in a middle frame, a frame whose record declares other shapes
     behind a checksum sealed for it, or a frame cut short is refused (INVALID_ARGUMENT), the
     value stored before under the key stays, and the intact stream then stores exactly the
     entry."""
     from kdn.codec.format import build_header, build_record, frame_with_sum, parse_header
     from kdn.server import service
+    from kdn.store import framed
 
     if copied:
-        monkeypatch.setattr(service, "MAX_FRAMED_BYTES", 1 << 20)
+        monkeypatch.setattr(framed, "MAX_FRAMED_BYTES", 1 << 20)
 
     layout = _layout(4, 4, 64)
     kv = _kv(layout, tokens)

@@ -192,14 +192,14 @@ def test_store_takes_frames_in_pieces_and_refuses_pieces_that_do_not_add_up(
 ) -> None:
     """Pieces stored: the entry reads back as sent (an entry under ``kdn.buffers.MIN_BYTES``
     is joined into one buffer, a larger one kept as its frames, each joined from its
-    pieces: ``kdn.store.framed``, and past ``MAX_FRAMED_BYTES``, here lowered, copied into
-    one buffer piece by piece); a gap, a
+    pieces: ``kdn.store.framed``, and past ``framed_limit`` (``MAX_FRAMED_BYTES`` lowered)
+    copied into one buffer piece by piece); a gap, a
     piece out of order or of another frame, a tiny piece before a frame's last, or a damaged
     piece is INVALID_ARGUMENT and leaves the stored entry as it was."""
-    from kdn.server import service
+    from kdn.store import framed
 
     if copied:
-        monkeypatch.setattr(service, "MAX_FRAMED_BYTES", 1 << 20)
+        monkeypatch.setattr(framed, "MAX_FRAMED_BYTES", 1 << 20)
     parts = _parts(tokens, seed=5)
     key = keys.chunk_key([tokens], LAYOUT)
     msgs = [m for i, f in enumerate(parts.frames) for m in piece_messages(i, f, MIN_PIECE_BYTES)]

@@ -28,7 +28,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from kdn import tracing
 from kdn.addresses import is_loopback
-from kdn.buffers import tune_allocator
+from kdn.buffers import server_trim_bytes, tune_allocator
 from kdn.errors import ConfigError
 from kdn.server.admin import AdminServicer
 from kdn.server.auth import AuthConfig, Authenticator, Role, load_auth, tenants_from_text
@@ -247,7 +247,9 @@ async def start_server(config: ServerConfig, store: TieredStore | None = None,
     if config.tracing and not tracing.enable():
         raise ConfigError("tracing: needs the opentelemetry-api package (pip install "
                           "'kdn[tracing]')")
-    tune_allocator()  # received Store messages must not fault in fresh pages (kdn.buffers)
+    # received Store messages must not fault in fresh pages, nor those of a Store kept as its
+    # messages once the entry it replaced is freed (kdn.buffers)
+    tune_allocator(server_trim_bytes(config.ram_bytes))
     creds = _credentials(config)
     auth = Authenticator(load_auth(config.auth_file) if config.auth_file else
                          tenants_from_text(config.auth_tenants) if config.auth_tenants else

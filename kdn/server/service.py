@@ -30,6 +30,7 @@ from kdn.buffers import (
     OVERLAP_FRAME_BYTES,
     BufferPool,
     copy_threads,
+    kept_free_bytes,
 )
 from kdn.codec.catalog import check_codec
 from kdn.codec.format import (
@@ -55,7 +56,7 @@ from kdn.server.usage import Usage
 from kdn.server.wire_memo import WireMemo
 from kdn.status import grpc_code
 from kdn.store.base import Tier
-from kdn.store.framed import MAX_FRAMED_BYTES, MIN_FRAMED_BYTES, Framed
+from kdn.store.framed import MIN_FRAMED_BYTES, Framed, framed_limit
 from kdn.store.tiered import FramedHit, Hit, TieredStore
 from kdn.v1 import kdn_pb2 as pb
 from kdn.v1 import kdn_pb2_grpc as pb_grpc
@@ -243,14 +244,14 @@ class KDNServicer(BatchMixin, BlendMixin, RetrieveManyMixin, pb_grpc.KDNServicer
                            f"{self.config.max_entry_bytes}")
         # An entry is kept as the frames it arrives in, each a view of its message
         # (kdn.store.framed): no copy into one buffer, and a Retrieve can send those very
-        # messages back. Past MAX_FRAMED_BYTES (declared) it is copied into one buffer
-        # recycled from entries that left (kdn.buffers), each frame as it lands: fresh memory
-        # for so many messages costs more in page faults than the copy. Entries under
-        # MIN_FRAMED_BYTES are joined once at the end.
+        # messages back. Past ``framed_limit`` (declared; half the heap the allocator keeps)
+        # it is copied into one buffer recycled from entries that left (kdn.buffers), each
+        # frame as it lands: fresh memory for so many messages costs more in page faults than
+        # the copy. Entries under MIN_FRAMED_BYTES are joined once at the end.
         if declared >= MIN_BYTES and declared < len(header.raw):
             raise InvalidArgument(f"total_bytes {declared} is smaller than the header")
         whole = None
-        if declared > MAX_FRAMED_BYTES:
+        if declared > framed_limit(kept_free_bytes()):
             whole = memoryview(self.buffers.take(declared))  # type: ignore[arg-type]
             whole[: len(header.raw)] = header.raw
         checks: deque[asyncio.Future[float]] = deque()
