@@ -35,7 +35,8 @@ def framed_limit(kept_free: int) -> int:
     keeps goes back to the kernel, and the next Store's messages fault it in again (a 2-core
     VM, 189 MB SmolLM2 stores: 0.80 GB/s kept under a 128 MiB threshold, 1.16 copied). Kept
     where the memory stays (``kdn.buffers.server_trim_bytes``), a Store of that size costs
-    no copy: 15-25% less server CPU than copied, and 3-10% less time."""
+    no copy (same VM, both under a 512 MiB threshold, in turns: 10-25% less server CPU than
+    copied, 2-6% less time)."""
     return min(MAX_FRAMED_BYTES, kept_free // 2)
 
 
