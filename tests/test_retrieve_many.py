@@ -401,3 +401,112 @@ def test_a_server_without_store_many_is_written_as_before(server: ServerThread) 
         got = c.fetch_many([k for k, _ in items])
         assert [g.parts.to_bytes() if g else None for g in got] == \
             [p.to_bytes() for _, p in items]
+
+
+# -- StoreMany, grouped: every header first -----------------------------------------------------
+
+
+def _grouped_store_stream(items: list[tuple[bytes, codec.EncodedParts]]) -> list[object]:
+    heads = [pb.StoreHeader(key=key, container_header=parts.header, total_bytes=parts.nbytes)
+             for key, parts in items]
+    return [pb.StoreRequest(headers=pb.StoreHeaders(headers=heads)),
+            *(pb.StoreRequest.FromString(frame_message(i, f))
+              for _, parts in items for i, f in enumerate(parts.frames))]
+
+
+def _batch(first: int, count: int, tokens: int = 200) -> list[tuple[bytes, codec.EncodedParts]]:
+    return [(keys.chunk_key([first + i], LAYOUT), codec.encode_parts(
+        random_kv(LAYOUT, tokens, seed=first + i), "raw", layers_per_frame=1))
+        for i in range(count)]
+
+
+def test_a_client_groups_its_store_many_once_the_server_says_it_reads_that(
+        server: ServerThread) -> None:
+    """The first StoreMany goes a header per entry; its answer says the server reads the
+    grouped form (every header in one message, then the frames), and the next goes grouped:
+    every entry reads back as stored, both times."""
+    with Client(server.address, shm_bytes=0) as c:
+        for n, items in enumerate((_batch(8300, 3), _batch(8310, 4))):
+            before = c.stats().counters.get("storemany.grouped", 0)
+            done = c.store_many(items)
+            assert [r.stored_bytes for r in done] == [p.nbytes for _, p in items]
+            assert c.stats().counters.get("storemany.grouped", 0) - before == n
+            got = c.fetch_many([k for k, _ in items])
+            assert [g.parts.to_bytes() if g else None for g in got] == \
+                [p.to_bytes() for _, p in items]
+
+
+def test_a_server_that_does_not_say_it_reads_grouped_is_never_sent_one(
+        server: ServerThread) -> None:
+    """An older server's answer has no ``reads_grouped`` (it would refuse a grouped stream):
+    the client keeps sending a header per entry."""
+    def old(buf: bytes) -> pb.StoreManyResponse:
+        resp = pb.StoreManyResponse.FromString(buf)
+        resp.ClearField("reads_grouped")
+        return resp
+
+    with Client(server.address, shm_bytes=0) as c:
+        c._store_many_call = c._channel.stream_unary(  # noqa: SLF001 - as an old server
+            "/kdn.v1.KDN/StoreMany", request_serializer=lambda m: m if isinstance(
+                m, bytes) else m.SerializeToString(), response_deserializer=old)
+        before = c.stats().counters.get("storemany.grouped", 0)
+        for items in (_batch(8320, 2), _batch(8330, 2)):
+            assert [r.stored_bytes for r in c.store_many(items)] == \
+                [p.nbytes for _, p in items]
+        assert c.stats().counters.get("storemany.grouped", 0) == before
+
+
+@pytest.mark.parametrize("fault", ["damaged", "short", "declared-short", "extra",
+                                   "header-after", "no-headers", "too-large"])
+def test_a_bad_grouped_store_many_stores_none_of_its_entries(
+        server: ServerThread, fault: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A damaged frame in the second entry, the second entry's last frame left out (the third
+    entry's first frame then arrives where it was due), an entry declaring fewer bytes than
+    its frames hold, a message after the last entry, a header after the grouped ones, no
+    header at all, or a batch past ``MAX_BATCH_BYTES``: refused, none of the entries stored;
+    the intact stream then stores them all."""
+    from kdn.server import service
+
+    items = _batch(8400, 3)
+    msgs = _grouped_store_stream(items)
+    per = len(items[0][1].frames)
+    code, words = grpc.StatusCode.INVALID_ARGUMENT, ""
+    if fault == "damaged":
+        frame = bytearray(bytes(items[1][1].frames[1]))
+        frame[-5] ^= 0x01
+        msgs[1 + per + 1] = pb.StoreRequest.FromString(frame_message(1, bytes(frame)))
+        words = "entry 1:"
+    elif fault == "short":
+        del msgs[2 * per]
+        words = "entry 1:"
+    elif fault == "declared-short":
+        heads = msgs[0].headers.headers  # type: ignore[attr-defined]
+        heads[0].total_bytes -= 1
+        words = "entry 0:"
+    elif fault == "extra":
+        msgs.append(msgs[1])
+        words = "more after the 3 grouped entries"
+    elif fault == "header-after":
+        msgs.insert(1 + per, pb.StoreRequest(header=pb.StoreHeader(
+            key=items[1][0], container_header=items[1][1].header,
+            total_bytes=items[1][1].nbytes)))
+        words = "a header after the grouped headers"
+    elif fault == "no-headers":
+        msgs = [pb.StoreRequest(headers=pb.StoreHeaders())]
+        words = "no header"
+    else:
+        monkeypatch.setattr(service, "MAX_BATCH_BYTES", items[0][1].nbytes * 2)
+        code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    with grpc.insecure_channel(server.address) as ch, Client(server.address, shm_bytes=0) as c:
+        with pytest.raises(grpc.RpcError) as info:
+            pb_grpc.KDNStub(ch).StoreMany(iter(msgs), timeout=30)
+        assert info.value.code() == code, info.value.details()
+        assert words in (info.value.details() or ""), info.value.details()
+        assert not any(i.present for i in c.lookup([k for k, _ in items]).infos)
+        monkeypatch.undo()
+        done = pb_grpc.KDNStub(ch).StoreMany(iter(_grouped_store_stream(items)), timeout=30)
+        assert done.reads_grouped
+        assert [r.stored_bytes for r in done.results] == [p.nbytes for _, p in items]
+        got = c.fetch_many([k for k, _ in items])
+        assert [g.parts.to_bytes() if g else None for g in got] == \
+            [p.to_bytes() for _, p in items]

@@ -44,6 +44,7 @@ from kdn.client.dataplane import (
     Fetched,
     TooBig,
     ask_pieces,
+    grouped_store_messages,
     keeps_messages,
     received,
     received_many,
@@ -222,6 +223,7 @@ class Client:
             "/kdn.v1.KDN/StoreMany", request_serializer=serialize_passthrough,
             response_deserializer=pb.StoreManyResponse.FromString)
         self._store_many_ok = True
+        self._store_many_grouped = False  # True once a server said it reads grouped StoreMany
         # inline GetMany answers: each entry's bytes a view of the received message (kdn.wire)
         self._stub.GetMany = self._channel.unary_unary(
             "/kdn.v1.KDN/GetMany", request_serializer=pb.GetManyRequest.SerializeToString,
@@ -712,13 +714,16 @@ class Client:
     def _store_streamed(self, ns: str, items: list[tuple[bytes, EncodedParts, pb.StoreOptions]],
                         request_id: str | None) -> list[pb.StoreResponse] | None:
         """``items`` stored by one StoreMany stream (each entry's header, then its frames in
-        the messages the encoder wrote; the server checks them all before it stores any);
-        None from a server that has no StoreMany (then they go as before it had)."""
+        the messages the encoder wrote; or grouped, every header first, to a server that said
+        it reads that form: ``reads_grouped``; the server checks them all before it stores
+        any); None from a server that has no StoreMany (then they go as before it had)."""
         for _, parts, _ in items:
             self._check_frames(parts)
         md = self.metadata(request_id)
+        grouped = grouped_store_messages(ns, items) if self._store_many_grouped else None
         try:
             resp = self._call(lambda: self._store_many_call(
+                iter(grouped) if grouped is not None else
                 (m for key, parts, opts in items for m in store_messages(ns, key, parts, opts)),
                 timeout=self.timeout_s, metadata=md))
         except KDNError as exc:
@@ -726,6 +731,7 @@ class Client:
                 raise
             self._store_many_ok = False
             return None
+        self._store_many_grouped = resp.reads_grouped
         if len(resp.results) != len(items):
             raise KDNError(f"StoreMany answered {len(resp.results)} results for "
                            f"{len(items)} entries")

@@ -263,17 +263,48 @@ def received(head: pb.RetrieveHeader, frames: Iterator[Any]) -> Fetched:
                    checked=True, header=parsed, private=True)
 
 
-def store_messages(namespace: str, key: bytes, parts: EncodedParts,
-                   options: pb.StoreOptions) -> Iterator[pb.StoreRequest | bytes]:
-    """The messages of one entry on a Store (or StoreMany) stream: its header, then each frame
-    in the message the encoder wrote it in (sent as it is), or one built for it."""
-    yield pb.StoreRequest(header=pb.StoreHeader(
+def store_header(namespace: str, key: bytes, parts: EncodedParts,
+                 options: pb.StoreOptions) -> pb.StoreHeader:
+    """The header of one entry on a Store (or StoreMany) stream."""
+    return pb.StoreHeader(
         namespace=namespace, key=key, container_header=parts.header,
         layout_fingerprint=parse_header(parts.header).layout.fingerprint,
-        total_bytes=parts.nbytes, options=options))
+        total_bytes=parts.nbytes, options=options)
+
+
+def frame_messages(parts: EncodedParts) -> Iterator[bytes]:
+    """Each frame of ``parts`` in the message the encoder wrote it in (sent as it is), or one
+    built for it."""
     wire = parts.messages()
     for i, frame in enumerate(parts.frames):
         yield wire[i] if wire is not None else frame_message(i, frame)
+
+
+def store_messages(namespace: str, key: bytes, parts: EncodedParts,
+                   options: pb.StoreOptions) -> Iterator[pb.StoreRequest | bytes]:
+    """The messages of one entry on a Store (or StoreMany) stream: its header, then its
+    frames (``frame_messages``)."""
+    yield pb.StoreRequest(header=store_header(namespace, key, parts, options))
+    yield from frame_messages(parts)
+
+
+GROUP_HEADER_BYTES = 4 << 20
+"""A StoreMany is grouped (``grouped_store_messages``) while its headers take at most this
+many bytes in their one message."""
+
+
+def grouped_store_messages(namespace: str,
+                           items: Sequence[tuple[bytes, EncodedParts, pb.StoreOptions]]
+                           ) -> list[Any] | None:
+    """The messages of a grouped StoreMany of ``items``: every entry's header in one message,
+    then each entry's frames (``frame_messages``); None when the headers would take more than
+    ``GROUP_HEADER_BYTES``. Measured on the raw service, 64 entries of 1 MiB: a header message
+    per entry cost 7 ms of an 80 ms stream against one message of all of them."""
+    heads = pb.StoreRequest(headers=pb.StoreHeaders(headers=[
+        store_header(namespace, key, parts, opts) for key, parts, opts in items]))
+    if heads.ByteSize() > GROUP_HEADER_BYTES:
+        return None
+    return [heads, *(m for _, parts, _ in items for m in frame_messages(parts))]
 
 
 def received_many(count: int, stream: Iterator[Any]) -> list[Fetched | None]:

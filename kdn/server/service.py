@@ -84,6 +84,11 @@ def _check_frame_timed(header: Header, index: int, frame: bytes | memoryview) ->
     return time.perf_counter() - t0
 
 
+_SINGLE, _MANY, _GROUPED = 0, 1, 2
+"""How a Store stream's entry ends (``KDNServicer._entry``): with the stream (Store), at the
+next header (StoreMany), or once its declared bytes arrived (a grouped StoreMany)."""
+
+
 @dataclass(frozen=True, slots=True)
 class _Entry:
     """A received, checked entry of a Store or StoreMany stream, not yet stored."""
@@ -213,8 +218,10 @@ class KDNServicer(BatchMixin, BlendMixin, RetrieveManyMixin, pb_grpc.KDNServicer
             first = await it.__anext__()
         except StopAsyncIteration:
             raise InvalidArgument("empty Store stream: expected a header first") from None
+        if isinstance(first, FrameMessage) or first.WhichOneof("part") != "header":
+            raise InvalidArgument("Store stream must start with a header")
         principal = current_principal.get()
-        entry = await self._entry(principal, first, it, many=False)
+        entry = await self._entry(principal, first.header, it, _SINGLE)
         return (await self._commit_entries(principal, [entry]))[0]
 
     async def _commit_entries(self, principal: Principal, entries: list[_Entry]
@@ -228,17 +235,16 @@ class KDNServicer(BatchMixin, BlendMixin, RetrieveManyMixin, pb_grpc.KDNServicer
 
         return run() if self.store.memory_only else await asyncio.to_thread(run)
 
-    async def _entry(self, principal: Principal, first: pb.StoreRequest | FrameMessage,
-                     it: AsyncIterator[Any], many: bool) -> _Entry:
-        """One entry of a Store stream (``first`` its header), received and checked; with
-        ``many`` (StoreMany), its frames end where the next header begins (``_Entry.next``)."""
-        if isinstance(first, FrameMessage) or first.WhichOneof("part") != "header":
-            raise InvalidArgument("Store stream must start with a header" if not many else
-                                  "StoreMany: a frame arrived where an entry's header was due")
+    async def _entry(self, principal: Principal, head: pb.StoreHeader, it: AsyncIterator[Any],
+                     form: int) -> _Entry:
+        """One entry of a Store stream (``head`` its header), received and checked. Its frames
+        end with the stream (``_SINGLE``: Store), where the next header begins (``_MANY``:
+        StoreMany, ``_Entry.next``), or once its ``total_bytes`` arrived (``_GROUPED``: a
+        grouped StoreMany, every header sent first)."""
         t0 = time.perf_counter()
-        skey, header = self._check_header(principal.tenant, first.header)
+        skey, header = self._check_header(principal.tenant, head)
         checking = time.perf_counter() - t0  # the checks' time, for kdn_entry_check_seconds
-        declared = first.header.total_bytes
+        declared = head.total_bytes
         if declared > self.config.max_entry_bytes:
             raise TooLarge(f"entry of {declared} bytes exceeds max_entry_bytes "
                            f"{self.config.max_entry_bytes}")
@@ -248,7 +254,7 @@ class KDNServicer(BatchMixin, BlendMixin, RetrieveManyMixin, pb_grpc.KDNServicer
         # it is copied into one buffer recycled from entries that left (kdn.buffers), each
         # frame as it lands: fresh memory for so many messages costs more in page faults than
         # the copy. Entries under MIN_FRAMED_BYTES are joined once at the end.
-        if declared >= MIN_BYTES and declared < len(header.raw):
+        if (declared >= MIN_BYTES or form == _GROUPED) and declared < len(header.raw):
             raise InvalidArgument(f"total_bytes {declared} is smaller than the header")
         whole = None
         if declared > framed_limit(kept_free_bytes()):
@@ -256,14 +262,14 @@ class KDNServicer(BatchMixin, BlendMixin, RetrieveManyMixin, pb_grpc.KDNServicer
             whole[: len(header.raw)] = header.raw
         checks: deque[asyncio.Future[float]] = deque()
         try:
-            return await self._frames(it, first, skey, header, whole, checking, checks, many)
+            return await self._frames(it, head, skey, header, whole, checking, checks, form)
         finally:
             if checks:  # nothing writes into the buffer once this returns or raises
                 await asyncio.gather(*checks, return_exceptions=True)
 
-    async def _frames(self, it: AsyncIterator[Any], first: pb.StoreRequest, skey: bytes,
+    async def _frames(self, it: AsyncIterator[Any], head: pb.StoreHeader, skey: bytes,
                       header: Header, whole: memoryview | None, checking: float,
-                      checks: deque[asyncio.Future[float]], many: bool) -> _Entry:
+                      checks: deque[asyncio.Future[float]], form: int) -> _Entry:
         """The rest of a Store stream: its frames checked (copied into ``whole``, where there
         is one; frames of ``BACKGROUND_CHECK_BYTES`` or more, or copied ones of
         ``OVERLAP_FRAME_BYTES`` or more, on ``kdn.buffers.copy_threads`` while the next one
@@ -271,8 +277,9 @@ class KDNServicer(BatchMixin, BlendMixin, RetrieveManyMixin, pb_grpc.KDNServicer
         call), then the entry received: one buffer (``whole``, or joined below
         ``MIN_FRAMED_BYTES``) or ``Framed``. A frame may come in pieces (``Frame.offset``): each is
         taken once the next frame begins or the stream ends, its pieces joined (or copied)."""
-        declared, n_frames = first.header.total_bytes, len(header.entry.frames)
-        sized = declared >= MIN_BYTES  # kept as frames, or copied into ``whole``
+        declared, n_frames = head.total_bytes, len(header.entry.frames)
+        # kept as frames, or copied into ``whole``; a grouped entry's size tells where it ends
+        sized = declared >= MIN_BYTES or form == _GROUPED
         loop = asyncio.get_running_loop()
         total = len(header.raw)
         index = 0  # frames begun
@@ -306,8 +313,10 @@ class KDNServicer(BatchMixin, BlendMixin, RetrieveManyMixin, pb_grpc.KDNServicer
         following: pb.StoreRequest | None = None  # StoreMany: the next entry's header
         async for msg in it:
             if msg.WhichOneof("part") != "frame":
-                if not many:
-                    raise InvalidArgument("Store stream carries a second header")
+                if form != _MANY:
+                    raise InvalidArgument("Store stream carries a second header"
+                                          if form == _SINGLE else
+                                          "StoreMany: a header after the grouped headers")
                 following = msg
                 break
             frame = msg.frame
@@ -340,6 +349,8 @@ class KDNServicer(BatchMixin, BlendMixin, RetrieveManyMixin, pb_grpc.KDNServicer
             if got == size:  # whole: checked now, while its last bytes are in cache
                 finish()
                 done = True
+                if form == _GROUPED and total == declared:
+                    break  # the entry's bytes are in: the next message is the next entry's
         if index and not done:
             finish()
         if index != n_frames:
@@ -359,7 +370,7 @@ class KDNServicer(BatchMixin, BlendMixin, RetrieveManyMixin, pb_grpc.KDNServicer
         else:
             value = b"".join((header.raw, *frames))
         self.usage.checked(header, checking)
-        return _Entry(skey, value, first.header.options, header, following)
+        return _Entry(skey, value, head.options, header, following)
 
     @_rpc
     async def StoreMany(self, request_iterator: AsyncIterator[pb.StoreRequest | FrameMessage],
@@ -369,29 +380,53 @@ class KDNServicer(BatchMixin, BlendMixin, RetrieveManyMixin, pb_grpc.KDNServicer
     async def _store_many(self, request_iterator: AsyncIterator[pb.StoreRequest | FrameMessage]
                           ) -> pb.StoreManyResponse:
         """Many entries in one stream, each its header then its frames (a message each), as
-        Store's: every entry is received and checked before any is stored (a bad one stores
-        none), at most ``MAX_BATCH_BYTES`` in all. The remote form of a batch write."""
+        Store's, or grouped: every header in one message (``StoreHeaders``), then each entry's
+        frames, its ``total_bytes`` telling where they end. Every entry is received and
+        checked before any is stored (a bad one stores none), at most ``MAX_BATCH_BYTES`` in
+        all. The remote form of a batch write; the answer says this server reads the grouped
+        form (``reads_grouped``), which a client sends only once told."""
         it = request_iterator.__aiter__()
         principal = current_principal.get()
         entries: list[_Entry] = []
-        held = 0
         first: pb.StoreRequest | FrameMessage | None = await anext(it, None)
-        while first is not None:
-            if not isinstance(first, FrameMessage) and \
-                    held + first.header.total_bytes > MAX_BATCH_BYTES:
-                raise TooLarge(f"StoreMany of more than {MAX_BATCH_BYTES} bytes; at most "
-                               f"{MAX_BATCH_BYTES} per call")
-            try:
-                entry = await self._entry(principal, first, it, many=True)
-            except KDNError as exc:  # which entry: as PutMany names its item
-                raise type(exc)(f"entry {len(entries)}: {exc}") from exc
-            held += len(entry.value)
-            if held > MAX_BATCH_BYTES:
-                raise TooLarge(f"StoreMany of more than {MAX_BATCH_BYTES} bytes; at most "
-                               f"{MAX_BATCH_BYTES} per call")
+        if first is not None and not isinstance(first, FrameMessage) and \
+                first.WhichOneof("part") == "headers":  # grouped
+            heads = list(first.headers.headers)
+            if not heads:
+                raise InvalidArgument("StoreMany: a grouped stream with no header")
+            self._batch_bytes(sum(h.total_bytes for h in heads))
+            for head in heads:
+                entries.append(await self._many_entry(principal, head, it, _GROUPED, entries))
+            if await anext(it, None) is not None:
+                raise InvalidArgument(f"StoreMany: more after the {len(heads)} grouped entries")
+            self.count("storemany.grouped")
+            first = None
+        while first is not None:  # one header after another
+            if isinstance(first, FrameMessage) or first.WhichOneof("part") != "header":
+                raise InvalidArgument("StoreMany: a frame arrived where an entry's header "
+                                      "was due")
+            self._batch_bytes(sum(len(e.value) for e in entries) + first.header.total_bytes)
+            entry = await self._many_entry(principal, first.header, it, _MANY, entries)
             entries.append(entry)
             first = entry.next
-        return pb.StoreManyResponse(results=await self._commit_entries(principal, entries))
+        self._batch_bytes(sum(len(e.value) for e in entries))
+        return pb.StoreManyResponse(results=await self._commit_entries(principal, entries),
+                                    reads_grouped=True)
+
+    async def _many_entry(self, principal: Principal, head: pb.StoreHeader,
+                          it: AsyncIterator[Any], form: int, before: list[_Entry]) -> _Entry:
+        """Entry ``len(before)`` of a StoreMany stream, an error naming it (as PutMany names
+        its item)."""
+        try:
+            return await self._entry(principal, head, it, form)
+        except KDNError as exc:
+            raise type(exc)(f"entry {len(before)}: {exc}") from exc
+
+    @staticmethod
+    def _batch_bytes(total: int) -> None:
+        if total > MAX_BATCH_BYTES:
+            raise TooLarge(f"StoreMany of more than {MAX_BATCH_BYTES} bytes; at most "
+                           f"{MAX_BATCH_BYTES} per call")
 
     def _commit(self, principal: Principal, skey: bytes, value: bytes | memoryview | Framed,
                 opts: pb.StoreOptions, header: Header | None = None) -> pb.StoreResponse:

@@ -143,13 +143,21 @@ class Frame(_message.Message):
     offset: int
     def __init__(self, index: _Optional[int] = ..., data: _Optional[bytes] = ..., offset: _Optional[int] = ...) -> None: ...
 
+class StoreHeaders(_message.Message):
+    __slots__ = ("headers",)
+    HEADERS_FIELD_NUMBER: _ClassVar[int]
+    headers: _containers.RepeatedCompositeFieldContainer[StoreHeader]
+    def __init__(self, headers: _Optional[_Iterable[_Union[StoreHeader, _Mapping]]] = ...) -> None: ...
+
 class StoreRequest(_message.Message):
-    __slots__ = ("header", "frame")
+    __slots__ = ("header", "frame", "headers")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     FRAME_FIELD_NUMBER: _ClassVar[int]
+    HEADERS_FIELD_NUMBER: _ClassVar[int]
     header: StoreHeader
     frame: Frame
-    def __init__(self, header: _Optional[_Union[StoreHeader, _Mapping]] = ..., frame: _Optional[_Union[Frame, _Mapping]] = ...) -> None: ...
+    headers: StoreHeaders
+    def __init__(self, header: _Optional[_Union[StoreHeader, _Mapping]] = ..., frame: _Optional[_Union[Frame, _Mapping]] = ..., headers: _Optional[_Union[StoreHeaders, _Mapping]] = ...) -> None: ...
 
 class StoreResponse(_message.Message):
     __slots__ = ("stored_bytes", "tier", "replaced")
@@ -162,10 +170,12 @@ class StoreResponse(_message.Message):
     def __init__(self, stored_bytes: _Optional[int] = ..., tier: _Optional[str] = ..., replaced: _Optional[bool] = ...) -> None: ...
 
 class StoreManyResponse(_message.Message):
-    __slots__ = ("results",)
+    __slots__ = ("results", "reads_grouped")
     RESULTS_FIELD_NUMBER: _ClassVar[int]
+    READS_GROUPED_FIELD_NUMBER: _ClassVar[int]
     results: _containers.RepeatedCompositeFieldContainer[StoreResponse]
-    def __init__(self, results: _Optional[_Iterable[_Union[StoreResponse, _Mapping]]] = ...) -> None: ...
+    reads_grouped: bool
+    def __init__(self, results: _Optional[_Iterable[_Union[StoreResponse, _Mapping]]] = ..., reads_grouped: _Optional[bool] = ...) -> None: ...
 
 class RetrieveRequest(_message.Message):
     __slots__ = ("namespace", "key", "expect_layout_fingerprint", "first_layer", "last_layer", "piece_bytes", "piece_min_entry_bytes")
