@@ -457,13 +457,14 @@ def test_a_server_that_does_not_say_it_reads_grouped_is_never_sent_one(
 
 
 @pytest.mark.parametrize("fault", ["damaged", "short", "declared-short", "extra",
-                                   "header-after", "no-headers", "too-large"])
+                                   "header-after", "no-headers", "too-many", "too-large"])
 def test_a_bad_grouped_store_many_stores_none_of_its_entries(
         server: ServerThread, fault: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A damaged frame in the second entry, the second entry's last frame left out (the third
     entry's first frame then arrives where it was due), an entry declaring fewer bytes than
     its frames hold, a message after the last entry, a header after the grouped ones, no
-    header at all, or a batch past ``MAX_BATCH_BYTES``: refused, none of the entries stored;
+    header at all or more than ``MAX_GROUPED_ENTRIES``, or a batch past ``MAX_BATCH_BYTES``:
+    refused, none of the entries stored;
     the intact stream then stores them all."""
     from kdn.server import service
 
@@ -493,7 +494,10 @@ def test_a_bad_grouped_store_many_stores_none_of_its_entries(
         words = "a header after the grouped headers"
     elif fault == "no-headers":
         msgs = [pb.StoreRequest(headers=pb.StoreHeaders())]
-        words = "no header"
+        words = "of 0 headers"
+    elif fault == "too-many":
+        monkeypatch.setattr(service, "MAX_GROUPED_ENTRIES", 2)
+        words = "of 3 headers; from 1 to 2"
     else:
         monkeypatch.setattr(service, "MAX_BATCH_BYTES", items[0][1].nbytes * 2)
         code = grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -510,3 +514,20 @@ def test_a_bad_grouped_store_many_stores_none_of_its_entries(
         got = c.fetch_many([k for k, _ in items])
         assert [g.parts.to_bytes() if g else None for g in got] == \
             [p.to_bytes() for _, p in items]
+
+
+def test_a_batch_too_large_to_group_goes_a_header_per_entry(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """More entries than ``GROUP_ENTRIES``, or headers past ``GROUP_HEADER_BYTES``: no grouped
+    form (the client sends a header per entry); within both, every header first, then each
+    entry's frames in order."""
+    items = [(k, p, pb.StoreOptions()) for k, p in _batch(8500, 3)]
+    msgs = dataplane.grouped_store_messages("default", items)
+    assert msgs is not None and len(msgs[0].headers.headers) == 3
+    assert [bytes(m) for m in msgs[1:]] == [frame_message(i, f) for _, p, _ in items
+                                            for i, f in enumerate(p.frames)]
+    monkeypatch.setattr(dataplane, "GROUP_ENTRIES", 2)
+    assert dataplane.grouped_store_messages("default", items) is None
+    monkeypatch.undo()
+    monkeypatch.setattr(dataplane, "GROUP_HEADER_BYTES", msgs[0].ByteSize() - 1)
+    assert dataplane.grouped_store_messages("default", items) is None

@@ -84,6 +84,10 @@ def _check_frame_timed(header: Header, index: int, frame: bytes | memoryview) ->
     return time.perf_counter() - t0
 
 
+MAX_GROUPED_ENTRIES = 4096
+"""Entries one grouped StoreMany may declare (its headers arrive before any frame; a client
+groups no more: ``kdn.client.dataplane.GROUP_ENTRIES``)."""
+
 _SINGLE, _MANY, _GROUPED = 0, 1, 2
 """How a Store stream's entry ends (``KDNServicer._entry``): with the stream (Store), at the
 next header (StoreMany), or once its declared bytes arrived (a grouped StoreMany)."""
@@ -392,8 +396,9 @@ class KDNServicer(BatchMixin, BlendMixin, RetrieveManyMixin, pb_grpc.KDNServicer
         if first is not None and not isinstance(first, FrameMessage) and \
                 first.WhichOneof("part") == "headers":  # grouped
             heads = list(first.headers.headers)
-            if not heads:
-                raise InvalidArgument("StoreMany: a grouped stream with no header")
+            if not heads or len(heads) > MAX_GROUPED_ENTRIES:
+                raise InvalidArgument(f"StoreMany: a grouped stream of {len(heads)} headers; "
+                                      f"from 1 to {MAX_GROUPED_ENTRIES}")
             self._batch_bytes(sum(h.total_bytes for h in heads))
             for head in heads:
                 entries.append(await self._many_entry(principal, head, it, _GROUPED, entries))
