@@ -16,7 +16,7 @@ import grpc
 import pytest
 
 from kdn import codec, keys
-from kdn.client import Client, dataplane
+from kdn.client import Client, dataplane, storing
 from kdn.errors import Corrupt, LayoutMismatch
 from kdn.server import ServerConfig, ServerThread
 from kdn.server.retrieve_many import HEADER_BYTES
@@ -522,12 +522,12 @@ def test_a_batch_too_large_to_group_goes_a_header_per_entry(
     form (the client sends a header per entry); within both, every header first, then each
     entry's frames in order."""
     items = [(k, p, pb.StoreOptions()) for k, p in _batch(8500, 3)]
-    msgs = dataplane.grouped_store_messages("default", items)
+    msgs = storing.grouped_store_messages("default", items)
     assert msgs is not None and len(msgs[0].headers.headers) == 3
     assert [bytes(m) for m in msgs[1:]] == [frame_message(i, f) for _, p, _ in items
                                             for i, f in enumerate(p.frames)]
-    monkeypatch.setattr(dataplane, "GROUP_ENTRIES", 2)
-    assert dataplane.grouped_store_messages("default", items) is None
+    monkeypatch.setattr(storing, "GROUP_ENTRIES", 2)
+    assert storing.grouped_store_messages("default", items) is None
     monkeypatch.undo()
-    monkeypatch.setattr(dataplane, "GROUP_HEADER_BYTES", msgs[0].ByteSize() - 1)
-    assert dataplane.grouped_store_messages("default", items) is None
+    monkeypatch.setattr(storing, "GROUP_HEADER_BYTES", msgs[0].ByteSize() - 1)
+    assert storing.grouped_store_messages("default", items) is None

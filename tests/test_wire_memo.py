@@ -171,16 +171,16 @@ def test_encoder_writes_each_frame_inside_its_store_message() -> None:
 
 def test_client_store_sends_the_encoders_messages(server: ServerThread, remote: Client,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    from kdn.client import dataplane  # builds a Store stream's messages (store_messages)
+    from kdn.client import storing  # builds a Store stream's messages (store_messages)
 
     built: list[int] = []
-    real = dataplane.frame_message
+    real = storing.frame_message
 
     def counting(index: int, data: bytes | memoryview) -> bytes:
         built.append(index)
         return real(index, data)
 
-    monkeypatch.setattr(dataplane, "frame_message", counting)
+    monkeypatch.setattr(storing, "frame_message", counting)
     kv = random_kv(LAYOUT, 300, seed=6)
     remote.store(_key(3), kv, mode="int8", layers_per_frame=1)
     assert built == []  # encoded by the client: sent as the encoder wrote them

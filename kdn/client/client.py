@@ -44,11 +44,9 @@ from kdn.client.dataplane import (
     Fetched,
     TooBig,
     ask_pieces,
-    grouped_store_messages,
     keeps_messages,
     received,
     received_many,
-    store_messages,
 )
 from kdn.client.landing import (
     decoder_for,
@@ -60,6 +58,7 @@ from kdn.client.landing import (
     tier_joined,
 )
 from kdn.client.parallel import layer_groups, merged
+from kdn.client.storing import grouped_store_messages, store_messages
 from kdn.codec import EncodedParts
 from kdn.codec.format import parse_container, parse_header
 from kdn.errors import InvalidArgument, KDNError, LayoutMismatch, NotFound, Status, TooLarge

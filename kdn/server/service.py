@@ -86,7 +86,7 @@ def _check_frame_timed(header: Header, index: int, frame: bytes | memoryview) ->
 
 MAX_GROUPED_ENTRIES = 4096
 """Entries one grouped StoreMany may declare (its headers arrive before any frame; a client
-groups no more: ``kdn.client.dataplane.GROUP_ENTRIES``)."""
+groups no more: ``kdn.client.storing.GROUP_ENTRIES``)."""
 
 _SINGLE, _MANY, _GROUPED = 0, 1, 2
 """How a Store stream's entry ends (``KDNServicer._entry``): with the stream (Store), at the
