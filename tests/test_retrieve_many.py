@@ -531,3 +531,26 @@ def test_a_batch_too_large_to_group_goes_a_header_per_entry(
     monkeypatch.undo()
     monkeypatch.setattr(storing, "GROUP_HEADER_BYTES", msgs[0].ByteSize() - 1)
     assert storing.grouped_store_messages("default", items) is None
+
+
+def test_a_grouped_store_many_refused_as_a_bad_request_goes_again_a_header_per_entry(
+        server: ServerThread, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A server that said it reads grouped StoreMany, then refuses one (as an older server put
+    in its place would: INVALID_ARGUMENT, nothing stored): the client sends the batch again
+    a header per entry, and it is stored."""
+    from kdn.server import service
+
+    with Client(server.address, shm_bytes=0) as c:
+        c.store_many(_batch(8600, 2))  # learns that the server reads the grouped form
+        monkeypatch.setattr(service, "MAX_GROUPED_ENTRIES", 0)  # now refuses every one
+        items = _batch(8610, 3)
+        before = c.stats().counters
+        done = c.store_many(items)
+        after = c.stats().counters
+        assert [r.stored_bytes for r in done] == [p.nbytes for _, p in items]
+        assert after.get("StoreMany.INVALID_ARGUMENT", 0) == \
+            before.get("StoreMany.INVALID_ARGUMENT", 0) + 1
+        assert after.get("storemany.grouped", 0) == before.get("storemany.grouped", 0)
+        got = c.fetch_many([k for k, _ in items])
+        assert [g.parts.to_bytes() if g else None for g in got] == \
+            [p.to_bytes() for _, p in items]

@@ -715,7 +715,10 @@ class Client:
         """``items`` stored by one StoreMany stream (each entry's header, then its frames in
         the messages the encoder wrote; or grouped, every header first, to a server that said
         it reads that form: ``reads_grouped``; the server checks them all before it stores
-        any); None from a server that has no StoreMany (then they go as before it had)."""
+        any); None from a server that has no StoreMany (then they go as before it had). A
+        grouped stream refused as a bad request is sent once more a header per entry: a
+        server replaced by an older one at the same address (or one behind a balancer that
+        mixes versions) refuses the form it does not read, and nothing was stored."""
         for _, parts, _ in items:
             self._check_frames(parts)
         md = self.metadata(request_id)
@@ -726,6 +729,9 @@ class Client:
                 (m for key, parts, opts in items for m in store_messages(ns, key, parts, opts)),
                 timeout=self.timeout_s, metadata=md))
         except KDNError as exc:
+            if grouped is not None and exc.status is Status.INVALID_ARGUMENT:
+                self._store_many_grouped = False
+                return self._store_streamed(ns, items, request_id)
             if exc.status is not Status.UNIMPLEMENTED:
                 raise
             self._store_many_ok = False

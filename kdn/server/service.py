@@ -406,15 +406,17 @@ class KDNServicer(BatchMixin, BlendMixin, RetrieveManyMixin, pb_grpc.KDNServicer
                 raise InvalidArgument(f"StoreMany: more after the {len(heads)} grouped entries")
             self.count("storemany.grouped")
             first = None
+        held = sum(len(e.value) for e in entries)
         while first is not None:  # one header after another
             if isinstance(first, FrameMessage) or first.WhichOneof("part") != "header":
                 raise InvalidArgument("StoreMany: a frame arrived where an entry's header "
                                       "was due")
-            self._batch_bytes(sum(len(e.value) for e in entries) + first.header.total_bytes)
+            self._batch_bytes(held + first.header.total_bytes)
             entry = await self._many_entry(principal, first.header, it, _MANY, entries)
+            held += len(entry.value)
+            self._batch_bytes(held)
             entries.append(entry)
             first = entry.next
-        self._batch_bytes(sum(len(e.value) for e in entries))
         return pb.StoreManyResponse(results=await self._commit_entries(principal, entries),
                                     reads_grouped=True)
 
