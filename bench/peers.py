@@ -46,7 +46,8 @@ Installing the peers (a scratch venv, never the project's .venv; commands used o
 Python 3.11, CPU torch 2.13):
 
     python3.11 -m venv /work/peers-venv && P=/work/peers-venv/bin/pip
-    $P install torch==2.13.0 && $P install -e . matplotlib        # kdn itself, CPU torch
+    $P install torch==2.13.0 && $P install -e '.[bench]'    # kdn, its model extra (LMCache
+        # imports transformers; kdn reads range-coded entries with constriction), CPU torch
     $P install --no-deps lmcache==0.5.6 mooncake-transfer-engine-non-cuda==0.3.13
     $P install --no-deps cachetools numba llvmlite py-cpuinfo aiohttp aiohappyeyeballs \\
         aiosignal attrs frozenlist multidict propcache yarl msgspec pyzmq blake3 aiofile \\
