@@ -376,16 +376,30 @@ def test_a_bad_entry_in_a_store_many_stream_stores_none_of_them(
     else:
         monkeypatch.setattr(service, "MAX_BATCH_BYTES", items[0][1].nbytes * 2)
         code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    words = "entry 1:" if fault in ("damaged", "short") else ""
+    _refused_then_stored(server, msgs, _store_many_stream(items), items, code, words,
+                         monkeypatch)
+
+
+def _refused_then_stored(server: ServerThread, msgs: list[object], intact: list[object],
+                         items: list[tuple[bytes, codec.EncodedParts]], code: grpc.StatusCode,
+                         words: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """StoreMany of ``msgs`` refused with ``code`` (its details holding ``words``) and none
+    of ``items`` stored; then, the monkeypatches undone, ``intact`` stores every one of them
+    and they read back as sent."""
     with grpc.insecure_channel(server.address) as ch, Client(server.address, shm_bytes=0) as c:
         with pytest.raises(grpc.RpcError) as info:
             pb_grpc.KDNStub(ch).StoreMany(iter(msgs), timeout=30)
         assert info.value.code() == code, info.value.details()
-        if fault in ("damaged", "short"):
-            assert "entry 1:" in (info.value.details() or ""), info.value.details()
+        assert words in (info.value.details() or ""), info.value.details()
         assert not any(i.present for i in c.lookup([k for k, _ in items]).infos)
         monkeypatch.undo()
-        done = pb_grpc.KDNStub(ch).StoreMany(iter(_store_many_stream(items)), timeout=30)
+        done = pb_grpc.KDNStub(ch).StoreMany(iter(intact), timeout=30)
+        assert done.reads_grouped
         assert [r.stored_bytes for r in done.results] == [p.nbytes for _, p in items]
+        got = c.fetch_many([k for k, _ in items])
+        assert [g.parts.to_bytes() if g else None for g in got] == \
+            [p.to_bytes() for _, p in items]
 
 
 def test_a_server_without_store_many_is_written_as_before(server: ServerThread) -> None:
@@ -501,19 +515,8 @@ def test_a_bad_grouped_store_many_stores_none_of_its_entries(
     else:
         monkeypatch.setattr(service, "MAX_BATCH_BYTES", items[0][1].nbytes * 2)
         code = grpc.StatusCode.RESOURCE_EXHAUSTED
-    with grpc.insecure_channel(server.address) as ch, Client(server.address, shm_bytes=0) as c:
-        with pytest.raises(grpc.RpcError) as info:
-            pb_grpc.KDNStub(ch).StoreMany(iter(msgs), timeout=30)
-        assert info.value.code() == code, info.value.details()
-        assert words in (info.value.details() or ""), info.value.details()
-        assert not any(i.present for i in c.lookup([k for k, _ in items]).infos)
-        monkeypatch.undo()
-        done = pb_grpc.KDNStub(ch).StoreMany(iter(_grouped_store_stream(items)), timeout=30)
-        assert done.reads_grouped
-        assert [r.stored_bytes for r in done.results] == [p.nbytes for _, p in items]
-        got = c.fetch_many([k for k, _ in items])
-        assert [g.parts.to_bytes() if g else None for g in got] == \
-            [p.to_bytes() for _, p in items]
+    _refused_then_stored(server, msgs, _grouped_store_stream(items), items, code, words,
+                         monkeypatch)
 
 
 def test_a_batch_too_large_to_group_goes_a_header_per_entry(
