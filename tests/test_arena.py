@@ -130,6 +130,28 @@ def test_the_arena_is_sealed_against_everyone_but_the_server(arena: Arena) -> No
         os.close(fd)
 
 
+def test_an_arena_faults_its_pages_in_off_the_read_path_and_keeps_what_fills_wrote() -> None:
+    """``Arena._warm``: the memfd's pages are all allocated soon after the arena is made
+    (``st_blocks``), and entries filled while it warms read back exactly as written."""
+    a = Arena("warm", 64 << 20)
+    try:
+        values = [_value(random_kv(LAYOUT, 20 + i, seed=40 + i)) for i in range(6)]
+        slots = [a.lease(_key(400 + i), v, 1, _copy) for i, v in enumerate(values)]
+        assert a.warmed.wait(30)
+        assert os.fstat(a.fd).st_blocks * 512 >= a.size
+        for slot, v in zip(slots, values):
+            assert slot is not None
+            assert bytes(a.array[slot.offset:slot.offset + slot.length]) == v
+    finally:
+        a.close()
+
+
+def test_an_arena_closed_while_it_warms_stops_warming() -> None:
+    a = Arena("closing", 256 << 20)
+    a.close()
+    assert not a.warmed.wait(1)
+
+
 def test_arenas_are_per_tenant_and_off_at_zero() -> None:
     arenas = Arenas(4 * PAGE)
     try:

@@ -29,6 +29,7 @@ top of ``ram_bytes``: the arena holds a second copy of the tenant's hottest entr
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import itertools
 import mmap
@@ -53,6 +54,9 @@ SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | F_SEAL_FUTURE_WRITE | fcntl.F_
 FRAME_ALIGN = 64
 """An entry's first frame starts at a multiple of this in the arena (tensors view raw bodies
 in place, ``kdn.codec.inplace``)."""
+WARM_STEP = 4 << 20
+"""Bytes of the arena ``Arena._warm`` faults in at a time."""
+_MADV_POPULATE_WRITE = 23  # <linux/mman.h>, Linux 5.14: fault pages in writable, data kept
 
 
 def _pages(n: int) -> int:
@@ -97,6 +101,42 @@ class Arena:
         self._index: OrderedDict[bytes, Slot] = OrderedDict()  # least recently read first
         self._lock = threading.Lock()
         self.hits = self.fills = self.full = 0
+        self._mapped = threading.Lock()  # held by each warming step and by ``close``
+        self._closed = False
+        self.warmed = threading.Event()
+        threading.Thread(target=self._warm, name=f"kdn-arena-warm-{tenant}"[:60],
+                         daemon=True).start()
+
+    def _warm(self) -> None:
+        """Fault every page of the arena in, ``WARM_STEP`` at a time, off every request's
+        path. A fill writing into pages the memfd never had allocates and zeroes each one
+        first: a 1 MiB fill into fresh pages took 0.72 ms on a 2-core VM, 0.16 ms into pages
+        already there, so every first read of the arena's first pass paid it (the peers'
+        stores allocate their segments up front). ``MADV_POPULATE_WRITE`` keeps what pages
+        hold (fills may run meanwhile), through ctypes so that the GIL is free while the
+        kernel works; where the kernel lacks it (before 5.14), ``posix_fallocate`` allocates
+        them (fills then map them). The arena's memory is thus taken once it is made, as
+        ``shm_arena_bytes`` bounds it."""
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            madvise = libc.madvise
+            madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+            madvise.restype = ctypes.c_int
+        except (OSError, AttributeError):
+            madvise = None
+        base = self.array.ctypes.data
+        for off in range(0, self.size, WARM_STEP):
+            n = min(WARM_STEP, self.size - off)
+            with self._mapped:
+                if self._closed:
+                    return
+                if madvise is None or madvise(base + off, n, _MADV_POPULATE_WRITE) != 0:
+                    madvise = None
+                    try:
+                        os.posix_fallocate(self.fd, off, n)
+                    except OSError:
+                        return
+        self.warmed.set()
 
     @property
     def used_bytes(self) -> int:
@@ -181,6 +221,8 @@ class Arena:
                 self._unindex(slot)
 
     def close(self) -> None:
+        with self._mapped:  # no warming step runs now or later
+            self._closed = True
         del self.array
         try:
             self._map.close()
