@@ -127,6 +127,8 @@ class Arena:
         for off in range(0, self.size, WARM_STEP):  # ``base``: the mapping's address, read
             # before ``close`` could drop the array
             n = min(WARM_STEP, self.size - off)
+            if self._closed:  # read without the lock too: this loop would take it again
+                return  # before a waiting ``close`` got it
             with self._mapped:
                 if self._closed:
                     return
@@ -221,8 +223,9 @@ class Arena:
                 self._unindex(slot)
 
     def close(self) -> None:
-        with self._mapped:  # no warming step runs now or later
-            self._closed = True
+        self._closed = True  # the warming thread stops before its next step
+        with self._mapped:  # and none runs now
+            pass
         del self.array
         try:
             self._map.close()
