@@ -29,6 +29,7 @@ view, and does not keep the view alive.
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import threading
 import weakref
@@ -161,8 +162,7 @@ def tune_allocator(trim_bytes: int = TRIM_THRESHOLD) -> bool:
             return False
         _tuned = bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD))
     if _tuned and trim_bytes > _trim:
-        mallopt = _mallopt()
-        _tuned = mallopt is not None and bool(mallopt(_M_TRIM_THRESHOLD, trim_bytes))
+        _tuned = bool(_mallopt()(_M_TRIM_THRESHOLD, trim_bytes))  # tuned: glibc's, cached
         _trim = trim_bytes if _tuned else 0
     return _tuned
 
@@ -170,6 +170,7 @@ def tune_allocator(trim_bytes: int = TRIM_THRESHOLD) -> bool:
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # <malloc.h>
 
 
+@functools.cache
 def _mallopt() -> Any:
     """glibc's ``mallopt``; None elsewhere (musl's does nothing)."""
     try:

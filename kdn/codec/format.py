@@ -608,10 +608,9 @@ def copy_frame_checked(header: Header, index: int, dst: memoryview,
     """Copy frame ``index`` into ``dst`` (of its length), hashing each chunk right after it
     is written, then check the copy as a whole (magic, position, length, checksum: see
     ``check_frame_prefix``). Raises Corrupt/Truncated; ``dst`` then holds unchecked bytes.
-    A frame of at most ``COPY_CHUNK`` bytes is one chunk: copied in one go, then the copy
-    hashed whole while in cache (no ``FrameCopy``: its objects cost more than a small frame's
-    copy and hash; a 1 MiB entry of 32 one-layer frames was 1.75 ms of server CPU to copy
-    into a read arena, most of it per-frame Python)."""
+    A frame of at most ``COPY_CHUNK`` bytes is one chunk: copied in one go, its copy hashed
+    whole while in cache (a ``FrameCopy`` per small frame was most of the 1.75 ms of server
+    CPU a 1 MiB entry of 32 one-layer frames took to enter a read arena)."""
     if len(frame) > COPY_CHUNK:
         copy_pieces_checked(header, index, dst, (frame,))
         return
