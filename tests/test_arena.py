@@ -181,7 +181,7 @@ def _counters(c: Client) -> dict[str, int]:
 
 def test_same_host_reads_are_leased_and_equal_what_was_stored(server: ServerThread) -> None:
     kv, big = random_kv(LAYOUT, 40, seed=3), random_kv(LAYOUT, 400, seed=4)
-    with Client(server.address, timeout_s=30, shm_bytes=64 << 10) as c:
+    with Client(server.address, timeout_s=30, shm_bytes=64 << 10, keep_leases_bytes=0) as c:
         c.store(_key(1), kv, mode="raw")
         c.store(_key(2), big, mode="raw")  # larger than the client's segment
         first = c.retrieve(_key(1), layout=LAYOUT)
@@ -380,7 +380,7 @@ def test_a_read_bound_for_a_gpu_views_the_servers_pages_read_only(
 
     monkeypatch.setattr(LeasedArena, "register_with_cuda", lambda self: True)
     kv = random_kv(LAYOUT, 40, seed=5)
-    with Client(server.address, timeout_s=30, shm_bytes=64 << 10) as c:
+    with Client(server.address, timeout_s=30, shm_bytes=64 << 10, keep_leases_bytes=0) as c:
         c.store(_key(1), kv, mode="raw")
         plain = c.dataplane.get_many("default", [_key(1)], "", None)[0]
         bound = c.dataplane.get_many("default", [_key(1)], "", None, pinned=True)[0]

@@ -168,6 +168,7 @@ class Client:
         api_key: str | None = None,
         tls: TLSOptions | None = None,
         shm_bytes: int | None = None,
+        keep_leases_bytes: int | None = None,
         local_bytes: int = 0,
         streams: int = DEFAULT_STREAMS,
         insecure: bool | None = None,
@@ -239,7 +240,7 @@ class Client:
         self._lock = threading.Lock()
         self._extra_channels: list[grpc.Channel] = []
         self.dataplane = DataPlane(self._stub, self._call, self.metadata, timeout_s, shm_bytes,
-                                   max_message_bytes)
+                                   max_message_bytes, keep_leases_bytes)
 
     def _new_channel(self, *extra: tuple[str, int | str]) -> grpc.Channel:
         options = [*self._options, *extra]

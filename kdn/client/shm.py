@@ -21,7 +21,9 @@ import os
 import secrets
 import threading
 import weakref
-from collections import deque
+from collections import OrderedDict, deque
+from collections.abc import Hashable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -114,6 +116,26 @@ CUDA_HOST_REGISTER_READ_ONLY = 0x08  # cudaHostRegisterReadOnly
 _PRESENT, _SWAPPED, _FILE_PAGE = np.uint64(1 << 63), np.uint64(1 << 62), np.uint64(1 << 61)
 
 
+KEEP_BYTES = 64 << 20
+"""Bytes of entries a client keeps leases on at most by default (and at most an eighth of the
+arena, which the tenant's other clients share): a kept lease holds the entry's arena pages."""
+KEEP_ENTRIES = 4096
+"""Kept leases at most."""
+
+
+@dataclass(frozen=True)
+class Kept:
+    """A kept lease: its entry at [offset, offset + length), valid while the arena's u64 at
+    index ``word`` is ``generation``."""
+
+    lease: int
+    offset: int
+    length: int
+    word: int
+    generation: int
+    tier: str
+
+
 class LeasedArena:
     """The server's read arena of this client's tenant (``kdn.server.arena``), mapped
     copy-on-write: views of leased entries are ordinary writable memory whose changes stay in
@@ -125,7 +147,7 @@ class LeasedArena:
     earlier read's views still show gets a copy of the arena's bytes (read through a second,
     shared read-only mapping), so two results never alias each other."""
 
-    def __init__(self, fd: int, size: int) -> None:
+    def __init__(self, fd: int, size: int, keep_bytes: int | None = None) -> None:
         try:
             seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
             if not seals & F_SEAL_FUTURE_WRITE or not seals & fcntl.F_SEAL_SHRINK:
@@ -144,6 +166,15 @@ class LeasedArena:
         self.array: np.ndarray[Any, Any] = np.frombuffer(self.map, dtype=np.uint8)
         self._first_page = self.array.ctypes.data // PAGE
         self._source: np.ndarray[Any, Any] = np.frombuffer(self._pristine, dtype=np.uint8)
+        self._words: np.ndarray[Any, Any] = self._source[: size // 8 * 8].view(np.uint64)
+        self.keep_bytes = min(KEEP_BYTES, size // 8) if keep_bytes is None else keep_bytes
+        """Bytes of entries whose leases this client keeps to read again without a call."""
+        self._kept: OrderedDict[Hashable, Kept] = OrderedDict()  # least recently read first
+        self._kept_leases: set[int] = set()
+        self._kept_total = 0
+        self._views: dict[int, int] = {}  # lease -> its views alive (in place or read-only)
+        self.reused = 0
+        """Reads answered from a kept lease (no call)."""
         self._gone: deque[tuple[int, int, int]] = deque()  # (lease, offset, length): no view
         self._gone_clean: deque[int] = deque()  # leases of read-only views that died
         self._live: dict[int, int] = {}  # offset -> lease of the entry viewed in place there
@@ -165,21 +196,26 @@ class LeasedArena:
             raise ValueError(f"lease {lease} at [{offset}, {offset + length}) outside the "
                              f"read arena of {self.size} bytes")
         self._settle()  # ranges whose views went since: their pages are the arena's again
-        if pinned and self.register_with_cuda():  # nothing of this process in its pages:
-            source = self._source[offset : offset + length]  # ready as soon as it dies
+        pinned = pinned and self.register_with_cuda()
+        with self._lock:
+            return self._view(lease, offset, length, pinned)
+
+    def _view(self, lease: int, offset: int, length: int, pinned: bool) -> memoryview:
+        """``view``'s; call with the lock held (a kept lease is not given back meanwhile)."""
+        if pinned:  # nothing of this process in its pages: ready as soon as it dies
+            source = self._source[offset : offset + length]
+            self._views[lease] = self._views.get(lease, 0) + 1
             weakref.finalize(source, self._gone_clean.append, lease)
             return memoryview(source)  # type: ignore[arg-type]
-        with self._lock:
-            shared = offset in self._live
-            if not shared:
-                self._live[offset] = lease
-        if shared:
+        if offset in self._live:  # another read's views show it: a copy of the arena's bytes
             room = np.empty(length + ALIGN, dtype=np.uint8)
             at = (offset - room.ctypes.data) % ALIGN  # the arena's alignment, for the frames
             np.copyto(room[at : at + length], self._source[offset : offset + length])
-            with self._lock:
+            if not self._views.get(lease) and lease not in self._kept_leases:
                 self._ready.append(lease)  # nothing of this process is in its pages
             return memoryview(room)[at : at + length]  # type: ignore[arg-type]
+        self._live[offset] = lease
+        self._views[lease] = self._views.get(lease, 0) + 1
         owner = self.array[offset : offset + length]
         weakref.finalize(owner, self._gone.append, (lease, offset, length))
         return memoryview(owner)  # type: ignore[arg-type]
@@ -203,14 +239,15 @@ class LeasedArena:
         return self._cuda_registered
 
     def _settle(self) -> None:
-        """Reset the pages of the entries whose views are gone; their leases become ready."""
+        """Reset the pages of the entries whose views are gone; their leases become ready
+        (unless kept)."""
         while True:  # read-only views first: no page to reset (their finalizers append
             try:         # without the lock: one may run while this thread holds it)
                 clean = self._gone_clean.popleft()
             except IndexError:
                 break
             with self._lock:
-                self._ready.append(clean)
+                self._unview(clean)
         while True:
             try:
                 lease, offset, length = self._gone.popleft()
@@ -220,7 +257,69 @@ class LeasedArena:
             with self._lock:
                 if self._live.get(offset) == lease:
                     del self._live[offset]
-                self._ready.append(lease)
+                self._unview(lease)
+
+    def _unview(self, lease: int) -> None:
+        """A view of ``lease`` is gone (its pages reset): the lease is ready once it has no
+        view left and is not kept. Call with the lock held."""
+        n = self._views.get(lease, 0) - 1
+        if n > 0:
+            self._views[lease] = n
+            return
+        self._views.pop(lease, None)
+        if lease not in self._kept_leases:
+            self._ready.append(lease)
+
+    # -- kept leases (``kdn.server.arena``: reads without a call) ----------------------------
+
+    def keep(self, name: Hashable, lease: int, offset: int, length: int, at: int,
+             generation: int, tier: str) -> None:
+        """Keep ``lease`` (an answer's, before it is viewed) to answer later reads of ``name``
+        while the arena's word at ``at`` holds ``generation``; the least recently read kept
+        leases go back past ``keep_bytes``."""
+        if not generation or length > self.keep_bytes or at % 8 or at + 8 > self.size or \
+                not at <= offset < offset + length <= self.size:
+            return
+        with self._lock:
+            self._drop_kept(name)
+            self._kept[name] = Kept(lease, offset, length, at // 8, generation, tier)
+            self._kept_leases.add(lease)
+            self._kept_total += length
+            while self._kept_total > self.keep_bytes or len(self._kept) > KEEP_ENTRIES:
+                self._drop_kept(next(iter(self._kept)))
+
+    def reuse(self, name: Hashable, *, pinned: bool = False) -> tuple[memoryview, str] | None:
+        """(a view of ``name``'s entry, its tier) from a kept lease whose entry is still the
+        server's value of the key; None when there is none (ask the server)."""
+        if not self._kept:
+            return None
+        self._settle()
+        pinned = pinned and self.register_with_cuda()
+        with self._lock:
+            kept = self._kept.get(name)
+            if kept is None:
+                return None
+            if int(self._words[kept.word]) != kept.generation:  # written again or deleted
+                self._drop_kept(name)
+                return None
+            self._kept.move_to_end(name)
+            self.reused += 1
+            return self._view(kept.lease, kept.offset, kept.length, pinned), kept.tier
+
+    @property
+    def kept_bytes(self) -> int:
+        return self._kept_total
+
+    def _drop_kept(self, name: Hashable) -> None:
+        """Give ``name``'s kept lease back (once no view of it is left). Call with the lock
+        held."""
+        kept = self._kept.pop(name, None)
+        if kept is None:
+            return
+        self._kept_leases.discard(kept.lease)
+        self._kept_total -= kept.length
+        if not self._views.get(kept.lease):
+            self._ready.append(kept.lease)  # its pages were reset when its last view went
 
     def take(self) -> list[int]:
         """Leases to give back now: their views are gone and their pages reset."""
@@ -253,6 +352,10 @@ class LeasedArena:
             self.map.madvise(mmap.MADV_DONTNEED, (first + int(run[0])) * PAGE, len(run) * PAGE)
 
     def close(self) -> None:
+        with self._lock:
+            self._kept.clear()
+            self._kept_leases.clear()
+            self._kept_total = 0
         if self._pagemap is not None:
             os.close(self._pagemap)
             self._pagemap = None
@@ -260,7 +363,7 @@ class LeasedArena:
             import torch
 
             torch.cuda.cudart().cudaHostUnregister(self._source.ctypes.data)
-        del self.array, self._source
+        del self.array, self._source, self._words
         for m in (self.map, self._pristine):
             try:
                 m.close()

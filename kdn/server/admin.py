@@ -18,6 +18,7 @@ from kdn.codec.format import layout_to_proto, parse_container, parse_header
 from kdn.errors import Corrupt, InvalidArgument, KDNError, NotFound, PermissionDenied
 from kdn.keys import split_store_key, store_key
 from kdn.names import check_key_prefix, check_namespace, check_tenant, request_namespace
+from kdn.server.arena import Arenas
 from kdn.server.auth import Authenticator, Principal, current_principal, require_admin
 from kdn.server.service import _rpc, delete_entry, recount_usage
 from kdn.status import grpc_code
@@ -31,9 +32,11 @@ VERIFY_REPORT_EVERY = 256
 
 
 class AdminServicer(pb_grpc.KDNAdminServicer):
-    def __init__(self, store: TieredStore, auth: Authenticator) -> None:
+    def __init__(self, store: TieredStore, auth: Authenticator,
+                 arenas: Arenas | None = None) -> None:
         self.store = store
         self.auth = auth
+        self.arenas = arenas  # the servicer's read arenas: an evicted key's copy is dropped
         self.counters: dict[str, int] = {}
 
     def count(self, name: str, n: int = 1) -> None:
@@ -160,6 +163,9 @@ class AdminServicer(pb_grpc.KDNAdminServicer):
             raise InvalidArgument("pinned entries can not be evicted; unpin them first")
         n = await asyncio.to_thread(lambda: sum(delete_entry(self.store, self.auth, k, tier)
                                                 for k in skeys))
+        for k in skeys:  # kept leases on their arena copies are read no more
+            if self.arenas is not None:
+                self.arenas.drop(k)
         return pb.CountResponse(count=n)
 
     @_rpc

@@ -23,6 +23,15 @@ from the new value (the RAM tier's stamp names the value a copy was made from). 
 is full, the least recently read entries nobody holds are dropped; when all are held, the read
 falls back to a copy into the client's segment.
 
+Reads without a call (kept leases): each slot starts with a u64 word, the slot's generation
+(unique in the arena) while the slot is the index's copy of its key, 0 from the moment it is
+dropped (the key written again, deleted or evicted by an admin: ``drop``, before the call that
+changed the key answers). A lease answered with a generation (``EntryRef.generation``, and
+where its word is, ``generation_at``) may be kept by the client, which reads the entry again
+from its mapping, without asking, as long as the word still holds the generation; the pages
+stay the entry's since the lease holds them. Entries with a time to live get none (their
+expiry would pass unseen). Such reads are the client's own: the server does not count them.
+
 Bounded: ``shm_arena_bytes`` per tenant that attached a segment (0 = off). This is memory on
 top of ``ram_bytes``: the arena holds a second copy of the tenant's hottest entries.
 """
@@ -57,6 +66,8 @@ in place, ``kdn.codec.inplace``)."""
 WARM_STEP = 4 << 20
 """Bytes of the arena ``Arena._warm`` faults in at a time."""
 _MADV_POPULATE_WRITE = 23  # <linux/mman.h>, Linux 5.14: fault pages in writable, data kept
+WORD = 8
+"""Bytes of a slot's generation word, at the slot's first (page-aligned) byte."""
 
 
 def _pages(n: int) -> int:
@@ -78,6 +89,8 @@ class Slot:
     leases: int = 0
     indexed: bool = True
     """Still the arena's copy for ``skey`` (False: dropped; freed at its last release)."""
+    generation: int = 0
+    """Written at ``start`` while indexed (module docstring); unique in the arena."""
 
 
 class Arena:
@@ -97,6 +110,8 @@ class Arena:
             os.close(self.fd)
             raise
         self.array: np.ndarray[Any, Any] = np.frombuffer(self._map, dtype=np.uint8)
+        self._words: np.ndarray[Any, Any] = self.array.view(np.uint64)  # aligned 8-byte stores
+        self._generations = itertools.count(1)
         self._regions = RegionAllocator(0, self.size)
         self._index: OrderedDict[bytes, Slot] = OrderedDict()  # least recently read first
         self._lock = threading.Lock()
@@ -159,15 +174,16 @@ class Arena:
                 return slot
             if slot is not None:  # another value of the key: the old copy is not read again
                 self._unindex(slot)
-            got = self._alloc(len(value) + FRAME_ALIGN)
+            got = self._alloc(WORD + len(value) + FRAME_ALIGN)
             if got is None:
                 self.full += 1
                 return None
             start, size = got
             head = header_size(value)
-            offset = start + (-(start + head)) % FRAME_ALIGN
+            offset = start + WORD + (-(start + WORD + head)) % FRAME_ALIGN
             slot = Slot(self, skey, stamp, start, size, offset, len(value), leases=1,
-                        indexed=False)
+                        indexed=False, generation=next(self._generations))
+            self._words[start // WORD] = 0  # not readable without a call until indexed
         try:  # outside the lock: other reads go on while a large entry is copied
             fill(memoryview(self.array[offset : offset + len(value)]),  # type: ignore[arg-type]
                  value)
@@ -184,6 +200,7 @@ class Arena:
                     self._unindex(old)
                 slot.indexed = True
                 self._index[skey] = slot
+                self._words[slot.start // WORD] = slot.generation  # after the fill's bytes
         return slot
 
     def _alloc(self, n: int) -> tuple[int, int] | None:
@@ -203,6 +220,7 @@ class Arena:
         """Drop ``slot`` from the index; its pages are freed now or at its last release."""
         if slot.indexed and self._index.get(slot.skey) is slot:
             del self._index[slot.skey]
+            self._words[slot.start // WORD] = 0  # kept leases read it no more (a call does)
         slot.indexed = False
         if slot.leases == 0:
             self._regions.free(slot.start, slot.size)
@@ -226,7 +244,7 @@ class Arena:
         self._closed = True  # the warming thread stops before its next step
         with self._mapped:  # and none runs now
             pass
-        del self.array
+        del self.array, self._words
         try:
             self._map.close()
         except BufferError:  # a copy still running holds a view: the mapping goes with it

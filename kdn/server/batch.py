@@ -463,6 +463,10 @@ class BatchMixin:
         ref.lease = seg.hold(slot)
         ref.offset = slot.offset
         ref.verified = ref.written = True
+        with self.store.entry_lock(skey):  # writes put, then drop the arena's copy, under it:
+            if slot.indexed and self.store.memory_stamp(skey) == slot.stamp:  # still the value
+                ref.generation, ref.generation_at = slot.generation, slot.start  # a kept lease
+                # reads without a call (a write from now on zeroes the word before it answers)
         self.count("getmany.hit")
         return True
 

@@ -458,6 +458,8 @@ class KDNServicer(BatchMixin, BlendMixin, RetrieveManyMixin, pb_grpc.KDNServicer
                 if delta > 0:
                     self.auth.charge(principal, -delta)
                 raise
+            self.arenas.drop(skey)  # again, now the value is in: copies made of the old one
+            # meanwhile are not read without a call (``BatchMixin._leased``)
             if delta < 0:
                 self.auth.charge(principal, delta)
         self.count("store.ok")

@@ -112,6 +112,13 @@ class RamTier(Tier):
         with self._lock:
             return self._written.get(key) if self._live(key) else None
 
+    def stamp(self, key: bytes) -> int:
+        """The stamp of ``key``'s value; 0 where there is none, or it has a time to live."""
+        with self._lock:
+            if not self._live(key) or key in self._expiry:
+                return 0
+            return self._stamps[key]
+
     def ttl_remaining(self, key: bytes) -> float | None:
         with self._lock:
             if not self._live(key) or key not in self._expiry:

@@ -409,7 +409,7 @@ class GetManyRequest(_message.Message):
     def __init__(self, namespace: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., segment_id: _Optional[str] = ..., region: _Optional[_Union[Region, _Mapping]] = ..., expect_layout_fingerprint: _Optional[str] = ..., lease: _Optional[bool] = ..., release: _Optional[_Iterable[int]] = ..., inline_max_entry_bytes: _Optional[int] = ...) -> None: ...
 
 class EntryRef(_message.Message):
-    __slots__ = ("present", "tier", "length", "written", "offset", "data", "verified", "lease")
+    __slots__ = ("present", "tier", "length", "written", "offset", "data", "verified", "lease", "generation", "generation_at")
     PRESENT_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
@@ -418,6 +418,8 @@ class EntryRef(_message.Message):
     DATA_FIELD_NUMBER: _ClassVar[int]
     VERIFIED_FIELD_NUMBER: _ClassVar[int]
     LEASE_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_AT_FIELD_NUMBER: _ClassVar[int]
     present: bool
     tier: str
     length: int
@@ -426,7 +428,9 @@ class EntryRef(_message.Message):
     data: bytes
     verified: bool
     lease: int
-    def __init__(self, present: _Optional[bool] = ..., tier: _Optional[str] = ..., length: _Optional[int] = ..., written: _Optional[bool] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., verified: _Optional[bool] = ..., lease: _Optional[int] = ...) -> None: ...
+    generation: int
+    generation_at: int
+    def __init__(self, present: _Optional[bool] = ..., tier: _Optional[str] = ..., length: _Optional[int] = ..., written: _Optional[bool] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., verified: _Optional[bool] = ..., lease: _Optional[int] = ..., generation: _Optional[int] = ..., generation_at: _Optional[int] = ...) -> None: ...
 
 class GetManyResponse(_message.Message):
     __slots__ = ("entries",)
