@@ -11,9 +11,14 @@ Reads through the segment hand out owned views (``SharedSegment.owned``): the re
 only once the caller dropped every view of it. Where the server lends its tenant's read arena
 (``kdn.server.arena``, handed over the fast path), GetMany asks for leases: a RAM-tier entry
 then comes as a copy-on-write view of the arena (``kdn.client.shm.LeasedArena``), and the
-leases whose views are gone are given back with the next call. Stores copy the encoded entries
-into one region, call PutMany, and give the region back when the call returns (the server
-copied them out).
+leases whose views are gone are given back with the next call. A lease the server answers with
+a generation is kept (``LeasedArena.keep``, up to ``keep_leases_bytes``): later reads of the
+key with the same namespace and layout are answered from it without a call while the arena's
+word for it holds that generation (the server zeroes it when the key is written again, deleted
+or evicted, before that call answers). Stores copy the encoded entries into one region, call
+PutMany, and give the region back when the call returns (the server copied them out); a batch
+larger than ``PIPE_BYTES`` goes as several calls on the fast path, each written while the
+server copies the one before (``_put_pipelined``).
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import logging
 import os
 import socket
 import threading
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import islice
@@ -65,6 +70,10 @@ PUT_INLINE_BYTES = 4 << 20
 Store streams): past it the entry's joins into one message cost more than a stream's
 messages (one 11.8 MB entry: 0.38x the raw service's stream inline, 0.49x streamed; 2.9 MB:
 1.03x inline against 0.65x streamed)."""
+PIPE_BYTES = 8 << 20
+"""Bytes of entries a pipelined PutMany call carries (``DataPlane._put_pipelined``)."""
+PIPE_DEPTH = 1
+"""Pipelined PutMany calls sent and not yet answered, besides the one being written."""
 BATCH_BYTES = 1 << 30
 """Bytes of entries one PutMany through the segment carries at most (server limit: 2 GiB)."""
 INLINE_ENTRY_BYTES = 4 << 20
@@ -311,15 +320,38 @@ def _answer(head: pb.RetrieveHeader, entry: bytes | memoryview, stream: Iterator
     return got
 
 
+def _fast_send(conn: socket.socket, op: int, req: Any) -> None:
+    body = req.SerializeToString()
+    conn.sendall(FAST_HEAD.pack(len(body), op) + body)
+
+
+def _fast_answer(conn: socket.socket) -> tuple[int, bytes]:
+    """(ok, body) of the next answer on a fast-path connection; OSError when it closed."""
+    head = read_exact(conn, FAST_HEAD.size)
+    if head is None:
+        raise OSError("the fast path closed the connection")
+    n, ok = FAST_HEAD.unpack(head)
+    out = read_exact(conn, n)
+    if out is None:
+        raise OSError("the fast path closed the connection")
+    return ok, out
+
+
+def _fast_error(out: bytes) -> KDNError:
+    name, _, message = out.decode("utf-8", "replace").partition("\0")
+    return error_of(name, message)
+
+
 class DataPlane:
     def __init__(self, stub: Any, call: Callable[[Callable[[], Any]], Any],
                  metadata: Callable[[str | None], Any], timeout_s: float, shm_bytes: int,
-                 max_message_bytes: int) -> None:
+                 max_message_bytes: int, keep_leases_bytes: int | None = None) -> None:
         self._stub = stub
         self._call = call
         self._metadata = metadata
         self.timeout_s = timeout_s
         self.shm_bytes = shm_bytes
+        self.keep_leases_bytes = keep_leases_bytes
         self.inline_budget = max(1, min(INLINE_BYTES, max_message_bytes - INLINE_SLACK))
         self.entry_budget = min(INLINE_ENTRY_BYTES, self.inline_budget)
         """Bytes an inline answer carries for an entry asked for alone."""
@@ -397,7 +429,7 @@ class DataPlane:
                     os.close(fd)
                 return None
             (size,) = ARENA_SIZE.unpack(body_in)
-            return LeasedArena(fds[0], size)
+            return LeasedArena(fds[0], size, self.keep_leases_bytes)
         except (OSError, ValueError) as exc:
             log.info("kdn: no read arena (%s); reads copy into the segment", exc)
             return None
@@ -447,6 +479,17 @@ class DataPlane:
                 if big:
                     out[i] = TOO_BIG
             todo = [i for i, big in zip(todo, known) if not big]
+        arena = self._arena if seg is not None else None
+        if arena is not None and arena.kept_bytes:  # kept leases still the server's values:
+            left = []  # read again without a call
+            for i in todo:
+                got = arena.reuse((namespace, keys[i], layout_fingerprint), pinned=pinned)
+                if got is None:
+                    left.append(i)
+                    continue
+                view, tier = got
+                out[i] = _fetched(view, tier, True, True, pinned=view.readonly)
+            todo = left
         need = FIRST_REGION  # what the next call's region should hold (sizes learnt so far)
         while todo:
             region = pb.Region(length=self.inline_budget if len(todo) > 1 else self.entry_budget)
@@ -489,8 +532,8 @@ class DataPlane:
                 raise
             unviewed = {ref.lease for ref in resp.entries if ref.lease}
             try:
-                again, sizes, used = self._place(resp, todo, out, namespace, keys, seg, block,
-                                                 arena, unviewed, pinned)
+                again, sizes, used = self._place(resp, todo, out, (namespace, layout_fingerprint),
+                                                 keys, seg, block, arena, unviewed, pinned)
             finally:
                 if unviewed and arena is not None:  # not handed out: given back with the next
                     arena.give_back(sorted(unviewed))
@@ -517,11 +560,14 @@ class DataPlane:
         return out
 
     def _place(self, resp: pb.GetManyResponse, todo: list[int],
-               out: list[Fetched | TooBig | None], namespace: str, keys: Sequence[bytes],
+               out: list[Fetched | TooBig | None], names: tuple[str, str],
+               keys: Sequence[bytes],
                seg: Any, block: tuple[int, int] | None, arena: Any, unviewed: set[int],
                pinned: bool = False) -> tuple[list[int], list[int], int]:
         """Hand out one GetMany answer's entries (``out``); (entries to ask again, their sizes,
-        end of the region's used part)."""
+        end of the region's used part). ``names``: the namespace and the layout fingerprint
+        asked for (a kept lease answers only reads that ask the same)."""
+        namespace, fingerprint = names
         used = block[0] if block is not None else 0
         again: list[int] = []
         sizes: list[int] = []
@@ -537,6 +583,9 @@ class DataPlane:
             if ref.lease:
                 if arena is None:
                     raise Corrupt("GetMany answered with a lease this client did not ask for")
+                if ref.generation:  # kept before it is viewed: its views then never free it
+                    arena.keep((namespace, keys[i], fingerprint), ref.lease, ref.offset,
+                               ref.length, ref.generation_at, ref.generation, ref.tier)
                 try:
                     view = arena.view(ref.lease, ref.offset, ref.length, pinned=pinned)
                 except ValueError as exc:
@@ -586,34 +635,39 @@ class DataPlane:
     def _fast(self, op: int, req: pb.GetManyRequest | pb.PutManyRequest) -> bytes | None:
         """One call on this thread's fast-path connection (``kdn.server.fastpath``); None when
         the path is gone (the call then goes by gRPC, and so do later ones)."""
-        conn: socket.socket | None = getattr(self._conns, "conn", None)
         try:
-            if conn is None:
-                conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                conn.settimeout(self.timeout_s)
-                conn.connect("\0" + self._fast_path)
-                self._conns.conn = conn
-                self._all_conns.append(conn)
-            body = req.SerializeToString()
-            conn.sendall(FAST_HEAD.pack(len(body), op) + body)
-            head = read_exact(conn, FAST_HEAD.size)
-            if head is None:
-                raise OSError("the fast path closed the connection")
-            n, ok = FAST_HEAD.unpack(head)
-            out = read_exact(conn, n)
-            if out is None:
-                raise OSError("the fast path closed the connection")
+            conn = self._fast_conn()
+            _fast_send(conn, op, req)
+            ok, out = _fast_answer(conn)
         except OSError as exc:
-            log.info("kdn: fast path unusable (%s); using gRPC", exc)
-            self._fast_path = ""
-            if conn is not None:
-                conn.close()
-            self._conns.conn = None
+            self._fast_lost(exc)
             return None
         if not ok:
-            name, _, message = out.decode("utf-8", "replace").partition("\0")
-            raise error_of(name, message)
+            raise _fast_error(out)
         return out
+
+    def _fast_conn(self) -> socket.socket:
+        """This thread's fast-path connection (calls on it are answered in order)."""
+        conn: socket.socket | None = getattr(self._conns, "conn", None)
+        if conn is None:
+            conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                conn.settimeout(self.timeout_s)
+                conn.connect("\0" + self._fast_path)
+            except OSError:
+                conn.close()
+                raise
+            self._conns.conn = conn
+            self._all_conns.append(conn)
+        return conn
+
+    def _fast_lost(self, exc: OSError) -> None:
+        log.info("kdn: fast path unusable (%s); using gRPC", exc)
+        self._fast_path = ""
+        conn = getattr(self._conns, "conn", None)
+        if conn is not None:
+            conn.close()
+        self._conns.conn = None
 
     # -- writes ---------------------------------------------------------------------------------
 
@@ -624,6 +678,15 @@ class DataPlane:
         TOO_BIG for items no batch can carry."""
         out: list[pb.StoreResponse | TooBig] = [TOO_BIG] * len(items)
         seg, seg_id = self.segment()
+        if seg is not None and self._fast_path and len(items) > 1 and \
+                sum(parts.nbytes for _, parts, _ in items) > PIPE_BYTES:
+            self._put_pipelined(namespace, items, out)  # what it left: as below
+            rest = [i for i, r in enumerate(out) if r is TOO_BIG]
+            if len(rest) < len(items):
+                for i, r in zip(rest, self.put_many(namespace, [items[i] for i in rest],
+                                                    request_id) if rest else []):
+                    out[i] = r
+                return out
         limit = min(seg.size // 2, BATCH_BYTES) if seg is not None else self.inline_budget
         most = limit if seg is not None else min(limit, PUT_INLINE_BYTES)  # one item
         batch: list[int] = []
@@ -640,6 +703,85 @@ class DataPlane:
         if batch:
             self._put_batch(namespace, items, batch, out, request_id)
         return out
+
+    def _put_pipelined(self, namespace: str,
+                       items: Sequence[tuple[bytes, EncodedParts, pb.StoreOptions]],
+                       out: list[pb.StoreResponse | TooBig]) -> None:
+        """Store ``items`` in PutMany calls of about ``PIPE_BYTES`` on the fast path, the next
+        call's entries written into the segment while the server copies the last call's out
+        (a same-host store is a copy in by the client, then a copy out by the server: one
+        after the other, each core waits on the other). Each answer frees its call's region.
+        Entries larger than a call, and those the segment had no room for or that were not
+        answered when the path went away, are left in ``out`` as TOO_BIG (the caller stores
+        them another way). A call's error is raised once every call sent was answered (the
+        calls before and after it stored theirs)."""
+        seg, seg_id = self.segment()
+        most = min(seg.size // 4, PIPE_BYTES)
+        batches: list[list[int]] = [[]]
+        size = 0
+        for i, (_, parts, _) in enumerate(items):
+            n = (parts.nbytes + 63) // 64 * 64
+            if parts.nbytes > most:
+                continue
+            if batches[-1] and size + n > PIPE_BYTES:
+                batches.append([])
+                size = 0
+            batches[-1].append(i)
+            size += n
+        pending: deque[tuple[list[int], tuple[int, int]]] = deque()
+        error: KDNError | None = None
+        try:
+            conn = self._fast_conn()
+            for batch in batches:
+                if error is not None:
+                    break  # the ones not sent stay unstored: the error is raised
+                total = sum((items[i][1].nbytes + 63) // 64 * 64 for i in batch)
+                start = seg.regions.alloc(total)
+                while start is None and pending:  # room comes back with the answers
+                    error = self._put_answered(conn, pending.popleft(), out, error)
+                    start = seg.regions.alloc(total)
+                if start is None:
+                    break  # the segment is busy with reads: the rest another way
+                req = pb.PutManyRequest(namespace=namespace, segment_id=seg_id)
+                at = start
+                for i in batch:
+                    key, parts, opts = items[i]
+                    pos = at
+                    for piece in (parts.header, *parts.frames):
+                        seg.write(pos, piece)
+                        pos += len(piece)
+                    item = req.items.add(key=key, options=opts)
+                    item.region.offset, item.region.length = at, parts.nbytes
+                    at += (parts.nbytes + 63) // 64 * 64
+                pending.append((batch, (start, total)))
+                _fast_send(conn, FAST_PUT_MANY, req)
+                if len(pending) > PIPE_DEPTH:
+                    error = self._put_answered(conn, pending.popleft(), out, error)
+            while pending:
+                error = self._put_answered(conn, pending.popleft(), out, error)
+        except OSError as exc:  # the path went away: the unanswered ones go another way
+            self._fast_lost(exc)
+        finally:
+            for _, block in pending:
+                seg.regions.free(*block)
+        if error is not None:
+            raise error
+
+    def _put_answered(self, conn: socket.socket, sent: tuple[list[int], tuple[int, int]],
+                      out: list[pb.StoreResponse | TooBig], error: KDNError | None
+                      ) -> KDNError | None:
+        """Read the answer to a pipelined PutMany, free its region, record its results;
+        the first error (kept, not raised: the later answers must still be read)."""
+        batch, block = sent
+        try:
+            ok, body = _fast_answer(conn)
+        finally:
+            self.segment()[0].regions.free(*block)
+        if not ok:
+            return error or _fast_error(body)
+        for i, r in zip(batch, pb.PutManyResponse.FromString(body).results):
+            out[i] = r
+        return error
 
     def _put_batch(self, namespace: str,
                    items: Sequence[tuple[bytes, EncodedParts, pb.StoreOptions]],
