@@ -4,6 +4,7 @@ the server, overwrites reuse buffers and every read still returns what was store
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 
 import numpy as np
@@ -11,7 +12,7 @@ import pytest
 
 from kdn.buffers import MIN_BYTES, BufferPool
 from kdn.client import Client
-from kdn.server import ServerThread
+from kdn.server import ServerConfig, ServerThread
 from tests.helpers import random_kv, uniform_layout
 
 
@@ -71,12 +72,13 @@ def test_a_buffer_is_never_rewritten_under_a_numpy_reader() -> None:
 
 
 def test_overwrites_through_the_server_reuse_buffers_and_reads_stay_whole(
-        server: ServerThread) -> None:
+        server_config: ServerConfig) -> None:
     layout = uniform_layout(layers=4, heads=4, dim=64)
     tokens = MIN_BYTES // layout.bytes_per_token + 64  # every entry above MIN_BYTES
     kvs = [random_kv(layout, tokens, seed=s) for s in range(4)]
+    server = ServerThread(dataclasses.replace(server_config, shm_arena_bytes=0)).start()
     c = Client(server.address, timeout_s=30)  # a shared segment: PutMany copies into buffers
-    try:
+    try:  # (no arenas: there same-host stores live in the tenant's read arena instead)
         held = []
         for i in range(12):
             kv = kvs[i % len(kvs)]
@@ -99,3 +101,4 @@ def test_overwrites_through_the_server_reuse_buffers_and_reads_stay_whole(
         assert counters["buffers.reused"] >= 4 and counters["buffers.created"] <= 3
     finally:
         c.close()
+        server.stop()

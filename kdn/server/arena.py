@@ -32,6 +32,15 @@ from its mapping, without asking, as long as the word still holds the generation
 stay the entry's since the lease holds them. Entries with a time to live get none (their
 expiry would pass unseen). Such reads are the client's own: the server does not count them.
 
+Same-host stores live here too: a PutMany entry of ``kdn.server.batch.ARENA_STORE_BYTES`` or
+more is copied out of the client's segment straight into a slot of its tenant's arena
+(``reserve``; checked as it is copied, as any PutMany) and the RAM tier keeps it as a view of
+that slot, which holds one
+lease until the RAM tier lets the value go; once stored the slot is indexed under the value's
+stamp (``publish``), so the entry's first same-host read copies nothing. Such slots take half
+the arena at most (past that, entries go to the server's own buffers), so reads of other
+entries always have room to be copied in.
+
 Bounded: ``shm_arena_bytes`` per tenant that attached a segment (0 = off). This is memory on
 top of ``ram_bytes``: the arena holds a second copy of the tenant's hottest entries.
 """
@@ -44,7 +53,8 @@ import itertools
 import mmap
 import os
 import threading
-from collections import OrderedDict
+import weakref
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -112,6 +122,8 @@ class Arena:
         self.array: np.ndarray[Any, Any] = np.frombuffer(self._map, dtype=np.uint8)
         self._words: np.ndarray[Any, Any] = self.array.view(np.uint64)  # aligned 8-byte stores
         self._generations = itertools.count(1)
+        self._stored = 0  # bytes of slots the RAM tier holds (``reserve``)
+        self._unstored: deque[Slot] = deque()  # theirs that went, their leases not yet given
         self._regions = RegionAllocator(0, self.size)
         self._index: OrderedDict[bytes, Slot] = OrderedDict()  # least recently read first
         self._lock = threading.Lock()
@@ -157,7 +169,9 @@ class Arena:
 
     @property
     def used_bytes(self) -> int:
-        return self.size - self._regions.free_bytes()
+        with self._lock:
+            self._settle()
+            return self.size - self._regions.free_bytes()
 
     def lease(self, skey: bytes, value: bytes | memoryview, stamp: int,
               fill: Callable[[memoryview, bytes | memoryview], None]) -> Slot | None:
@@ -166,6 +180,7 @@ class Arena:
         slot is filled by ``fill(dst, value)``, which must raise Corrupt when the copy does
         not check out (the slot is then given back and the error raised)."""
         with self._lock:
+            self._settle()
             slot = self._index.get(skey)
             if slot is not None and slot.stamp == stamp:
                 slot.leases += 1
@@ -203,6 +218,68 @@ class Arena:
                 self._words[slot.start // WORD] = slot.generation  # after the fill's bytes
         return slot
 
+    def reserve(self, length: int, head: int) -> tuple[Slot, memoryview] | None:
+        """A slot of ``length`` bytes for a same-host store to copy its entry into (its
+        header ``head`` bytes long), and a writable view of it. The view (and whatever is
+        derived from it through memoryviews) holds one lease: the RAM tier keeps the entry as
+        that view, so the entry lives in the arena and its first same-host read copies
+        nothing (``publish`` indexes it once stored). None when the slots held this way would
+        pass half the arena, or there is no room."""
+        with self._lock:
+            self._settle()
+            if self._stored + length > self.size // 2:
+                return None
+            got = self._alloc(WORD + length + FRAME_ALIGN)
+            if got is None:
+                return None
+            start, size = got
+            offset = start + WORD + (-(start + WORD + head)) % FRAME_ALIGN
+            slot = Slot(self, b"", 0, start, size, offset, length, leases=1, indexed=False,
+                        generation=next(self._generations))
+            self._words[start // WORD] = 0
+            self._stored += length
+        owner = self.array[offset : offset + length]
+        weakref.finalize(owner, self._unstore, slot)
+        return slot, memoryview(owner)  # type: ignore[arg-type]
+
+    def _unstore(self, slot: Slot) -> None:
+        """The entry ``reserve`` handed out is gone from the store: its lease goes, by the
+        next call that takes the lock (a finalizer may run on any thread, at any allocation:
+        also on one that holds the lock)."""
+        self._unstored.append(slot)
+
+    def _settle(self) -> None:
+        """Give back the leases of stored entries that went (``_unstore``). Call with the
+        lock held."""
+        while True:
+            try:
+                slot = self._unstored.popleft()
+            except IndexError:
+                return
+            self._stored -= slot.length
+            slot.leases -= 1
+            if slot.leases == 0 and not slot.indexed:
+                self._regions.free(slot.start, slot.size)
+
+    def publish(self, slot: Slot, skey: bytes, stamp: int) -> None:
+        """``reserve``'s ``slot`` now holds the RAM tier's value of ``skey`` with ``stamp``:
+        reads find it (an older copy of the key is dropped)."""
+        with self._lock:
+            self._settle()
+            old = self._index.get(skey)
+            if old is not None:
+                self._unindex(old)
+            slot.skey, slot.stamp, slot.indexed = skey, stamp, True
+            self._index[skey] = slot
+            self._words[slot.start // WORD] = slot.generation
+
+    @property
+    def stored_bytes(self) -> int:
+        """Bytes of entries the RAM tier keeps in this arena (``reserve``)."""
+        with self._lock:
+            self._settle()
+            return self._stored
+
     def _alloc(self, n: int) -> tuple[int, int] | None:
         """Pages for ``n`` bytes, dropping the least recently read unheld entries until they
         fit; None when they do not. Call with the lock held."""
@@ -236,6 +313,7 @@ class Arena:
     def drop(self, skey: bytes) -> None:
         """``skey`` was written again or deleted: its copy is not handed out any more."""
         with self._lock:
+            self._settle()
             slot = self._index.get(skey)
             if slot is not None:
                 self._unindex(slot)

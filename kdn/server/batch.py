@@ -65,7 +65,7 @@ from kdn.errors import (
     TooLarge,
 )
 from kdn.keys import store_key
-from kdn.server.arena import Arenas, Slot, next_lease
+from kdn.server.arena import Arena, Arenas, Slot, next_lease
 from kdn.server.auth import Principal, current_principal
 from kdn.status import grpc_code
 from kdn.store.framed import Framed
@@ -107,6 +107,10 @@ COPY_THREADS = max(1, min(4, (os.cpu_count() or 1) // 2))
 places what it got on its own threads at the same time: half the cores at most (measured on a
 2-core host, a second copy thread made one 188 MB batch 12% faster alone and a 4-thread SGLang
 batch 10-20% slower, so there it is one)."""
+ARENA_STORE_BYTES = 64 << 10
+"""A same-host store's entry from this size is copied into its tenant's read arena, where the
+RAM tier keeps it (``Arena.reserve``: up to half the arena), so that its first same-host read
+copies nothing; smaller ones cost a read little to copy and would take a page each."""
 PARALLEL_COPY_BYTES = 8 << 20
 """A GetMany into a segment copies its entries on ``COPY_THREADS`` threads from this size."""
 _pool_lock = threading.Lock()
@@ -327,8 +331,8 @@ class BatchMixin:
         def _check_header(self, tenant: str, msg: pb.StoreHeader) -> tuple[bytes, Header]: ...
 
         def _commit(self, principal: Principal, skey: bytes, value: bytes | memoryview,
-                    opts: pb.StoreOptions, header: Header | None = None
-                    ) -> pb.StoreResponse: ...
+                    opts: pb.StoreOptions, header: Header | None = None,
+                    in_arena: tuple[Arena, Slot] | None = None) -> pb.StoreResponse: ...
 
         usage: Usage
 
@@ -550,15 +554,25 @@ class BatchMixin:
                 raise TooLarge(f"PutMany of {total} bytes; at most {MAX_BATCH_BYTES} per call")
         checked: list[tuple[bytes, bytes | memoryview, Header]] = []
         split = _split_one(len(request.items))
+        arena = self.arenas.get(p.tenant) if seg is not None else None
+        homes: dict[int, tuple[Arena, Slot]] = {}  # item -> the arena slot it was copied into
         for j, item in enumerate(request.items):
             t0 = time.perf_counter()
             try:
                 if seg is not None:  # a copy, checked as it is made (one pass): later changes
                     start, stop = _region(seg, item.region)  # by the client can not slip past
-                    own = self.buffers.take(stop - start)
-                    copy_checked(memoryview(own), memoryview(seg.array[start:stop]),  # type: ignore[arg-type]
-                                 **split)
-                    value: bytes | memoryview = memoryview(own).toreadonly()  # type: ignore[arg-type]
+                    src = memoryview(seg.array[start:stop])  # type: ignore[arg-type]
+                    home = arena.reserve(stop - start, header_size(src)) \
+                        if arena is not None and stop - start >= ARENA_STORE_BYTES else None
+                    if home is not None:  # into the arena: the RAM tier keeps it there and
+                        slot, dst = home  # same-host reads copy nothing (``Arena.reserve``)
+                        copy_checked(dst, src, **split)
+                        value: bytes | memoryview = dst.toreadonly()
+                        homes[j] = (arena, slot)  # type: ignore[assignment]
+                    else:
+                        own = self.buffers.take(stop - start)
+                        copy_checked(memoryview(own), src, **split)  # type: ignore[arg-type]
+                        value = memoryview(own).toreadonly()  # type: ignore[arg-type]
                 else:
                     value = bytes(item.data)
                     parse_container(value, verify=True)
@@ -573,6 +587,7 @@ class BatchMixin:
             self.usage.checked(header, time.perf_counter() - t0)
             checked.append((skey, value, header))
         out = pb.PutManyResponse()
-        for (skey, value, header), item in zip(checked, request.items):
-            out.results.append(self._commit(p, skey, value, item.options, header))
+        for j, ((skey, value, header), item) in enumerate(zip(checked, request.items)):
+            out.results.append(self._commit(p, skey, value, item.options, header,
+                                            homes.get(j)))
         return out

@@ -46,7 +46,7 @@ from kdn.codec.format import (
 from kdn.errors import Corrupt, InvalidArgument, KDNError, LayoutMismatch, NotFound, TooLarge
 from kdn.keys import split_store_key, store_key
 from kdn.options import Durability
-from kdn.server.arena import Arenas
+from kdn.server.arena import Arena, Arenas, Slot
 from kdn.server.auth import AuthConfig, Authenticator, Principal, current_principal
 from kdn.server.batch import MAX_BATCH_BYTES, BatchMixin, Segments
 from kdn.server.blend_rpc import BlendMixin
@@ -436,7 +436,8 @@ class KDNServicer(BatchMixin, BlendMixin, RetrieveManyMixin, pb_grpc.KDNServicer
                            f"{MAX_BATCH_BYTES} per call")
 
     def _commit(self, principal: Principal, skey: bytes, value: bytes | memoryview | Framed,
-                opts: pb.StoreOptions, header: Header | None = None) -> pb.StoreResponse:
+                opts: pb.StoreOptions, header: Header | None = None,
+                in_arena: tuple[Arena, Slot] | None = None) -> pb.StoreResponse:
         """Charge the tenant and put a checked entry (a worker thread; Store and PutMany).
 
         Under the entry's lock: the size it replaces is read, growth is charged (refused past
@@ -460,6 +461,10 @@ class KDNServicer(BatchMixin, BlendMixin, RetrieveManyMixin, pb_grpc.KDNServicer
                 raise
             self.arenas.drop(skey)  # again, now the value is in: copies made of the old one
             # meanwhile are not read without a call (``BatchMixin._leased``)
+            if in_arena is not None:  # ``value`` lives in the tenant's read arena (PutMany):
+                stamp = self.store.memory_stamp(skey, expiring=True)  # reads find it there
+                if stamp:  # (the RAM tier holds it: the stamp is this put's)
+                    in_arena[0].publish(in_arena[1], skey, stamp)
             if delta < 0:
                 self.auth.charge(principal, delta)
         self.count("store.ok")

@@ -112,10 +112,11 @@ class RamTier(Tier):
         with self._lock:
             return self._written.get(key) if self._live(key) else None
 
-    def stamp(self, key: bytes) -> int:
-        """The stamp of ``key``'s value; 0 where there is none, or it has a time to live."""
+    def stamp(self, key: bytes, *, expiring: bool = False) -> int:
+        """The stamp of ``key``'s value; 0 where there is none, or (unless ``expiring``) it
+        has a time to live."""
         with self._lock:
-            if not self._live(key) or key in self._expiry:
+            if not self._live(key) or key in self._expiry and not expiring:
                 return 0
             return self._stamps[key]
 

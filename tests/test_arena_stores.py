@@ -1,0 +1,162 @@
+"""Same-host stores kept in the read arena (kdn.server.arena.Arena.reserve/publish): a PutMany
+entry is copied out of the client's segment straight into its tenant's arena and the RAM tier
+keeps it there, so its first same-host read copies nothing. The arena alone (a reserved slot's
+lease follows the view, half the arena at most), then over a real server: reads equal what was
+stored without a fill, an overwrite or delete while a reader holds the old entry leaves it
+whole, the slot goes back with the RAM value, remote reads and TTL entries work, and a damaged
+entry is refused with its slot given back."""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Iterator
+
+import pytest
+
+from kdn import codec
+from kdn.cache import KVCache
+from kdn.client import Client
+from kdn.errors import InvalidArgument
+from kdn.options import StoreOptions
+from kdn.server import ServerThread
+from kdn.server.arena import PAGE, Arena
+from kdn.v1 import kdn_pb2 as pb
+from tests.helpers import random_kv, uniform_layout
+
+LAYOUT = uniform_layout()
+
+
+def _key(i: int) -> bytes:
+    return i.to_bytes(4, "little") * 8
+
+
+def _value(kv: KVCache) -> bytes:
+    return codec.encode_parts(kv, "raw").to_bytes()
+
+
+def _never(dst: memoryview, value: bytes | memoryview) -> None:
+    raise AssertionError("an entry published in the arena was copied again")
+
+
+@pytest.fixture
+def arena() -> Iterator[Arena]:
+    a = Arena("t", 16 * PAGE)
+    yield a
+    a.close()
+
+
+def test_a_reserved_slot_is_held_by_its_view_and_read_without_a_fill(arena: Arena) -> None:
+    value = _value(random_kv(LAYOUT, 20, seed=1))
+    got = arena.reserve(len(value), codec.format.header_size(value))
+    assert got is not None
+    slot, view = got
+    view[:] = value
+    stored = view.toreadonly()  # what the RAM tier keeps
+    del view, got
+    arena.publish(slot, b"k", 5)
+    assert arena.stored_bytes == len(value) and slot.leases == 1
+    read = arena.lease(b"k", stored, 5, _never)
+    assert read is slot and slot.leases == 2
+    assert bytes(arena.array[slot.offset : slot.offset + slot.length]) == value
+    arena.release(slot)
+    del stored
+    gc.collect()
+    assert arena.stored_bytes == 0 and slot.leases == 0 and slot.indexed  # a cached copy now
+    arena.drop(b"k")
+    assert arena.used_bytes == 0
+
+
+def test_reserved_slots_take_half_the_arena_at_most(arena: Arena) -> None:
+    held = []
+    while (got := arena.reserve(PAGE, 64)) is not None:
+        held.append(got)
+    assert arena.stored_bytes <= arena.size // 2 < arena.stored_bytes + PAGE
+    held.clear()
+    gc.collect()
+    assert arena.stored_bytes == 0 and arena.used_bytes == 0  # unpublished: freed
+
+
+# -- over a real server -------------------------------------------------------------------------
+
+
+def _counters(c: Client) -> dict[str, int]:
+    return dict(c.stats().counters)
+
+
+def _arena(server: ServerThread) -> Arena:
+    arenas = server.server.servicer.arenas  # type: ignore[union-attr]
+    return next(iter(arenas._by_tenant.values()))
+
+
+def test_the_first_read_of_a_same_host_store_copies_nothing(server: ServerThread) -> None:
+    kvs = [random_kv(LAYOUT, 400, seed=i) for i in range(3)]
+    with Client(server.address, timeout_s=30, shm_bytes=4 << 20) as c, \
+            Client(server.address, timeout_s=30, shm_bytes=0) as remote:
+        for i, kv in enumerate(kvs):
+            c.store(_key(i), kv, mode="raw")
+        arena = _arena(server)
+        assert arena.stored_bytes > 0
+        before = _counters(c)
+        got = c.retrieve_many([_key(i) for i in range(3)], layout=LAYOUT)
+        assert all(g is not None and g.equal(kv) for g, kv in zip(got, kvs))
+        after = _counters(c)
+        assert after["arena.fills"] == before.get("arena.fills", 0)  # no copy into the arena
+        assert after["arena.hits"] >= before.get("arena.hits", 0) + 3
+        far = remote.retrieve(_key(1), layout=LAYOUT)  # a remote read of the arena's bytes
+        assert far is not None and far.equal(kvs[1])
+
+
+def test_an_overwrite_or_delete_leaves_a_held_entry_whole_and_frees_its_slot_after(
+        server: ServerThread) -> None:
+    old, new = random_kv(LAYOUT, 400, seed=1), random_kv(LAYOUT, 400, seed=2)
+    with Client(server.address, timeout_s=30, shm_bytes=4 << 20, keep_leases_bytes=0) as c:
+        c.store(_key(1), old, mode="raw")
+        arena = _arena(server)
+        one = arena.stored_bytes
+        held = c.fetch(_key(1), layout=LAYOUT)  # a view of the arena slot, leased
+        c.store(_key(1), new, mode="raw")
+        got = c.retrieve(_key(1), layout=LAYOUT)
+        assert got is not None and got.equal(new)
+        assert held is not None and codec.decode(held.parts.to_bytes()).equal(old)
+        gc.collect()
+        assert arena.stored_bytes == one  # the old value left the RAM tier: its slot too
+        c.delete(_key(1))
+        gc.collect()
+        assert arena.stored_bytes == 0 and c.retrieve(_key(1)) is None
+        del held, got
+        c.fetch_many([_key(9)])  # gives the leases back
+        gc.collect()
+        assert arena.used_bytes == 0
+
+
+def test_entries_with_a_time_to_live_live_in_the_arena_too(server: ServerThread) -> None:
+    kv = random_kv(LAYOUT, 400, seed=3)
+    with Client(server.address, timeout_s=30, shm_bytes=4 << 20) as c:
+        c.store(_key(2), kv, mode="raw", options=StoreOptions(ttl_s=60))
+        fills = _counters(c).get("arena.fills", 0)
+        got = c.retrieve(_key(2), layout=LAYOUT)
+        assert got is not None and got.equal(kv) and _counters(c)["arena.fills"] == fills
+        assert c.dataplane._arena is not None and c.dataplane._arena.kept_bytes == 0
+
+
+def test_a_damaged_entry_is_refused_and_its_slot_given_back(server: ServerThread) -> None:
+    kv = random_kv(LAYOUT, 400, seed=4)
+    with Client(server.address, timeout_s=30, shm_bytes=4 << 20) as c:
+        c.store(_key(3), kv, mode="raw")
+        arena = _arena(server)
+        stored, used = arena.stored_bytes, arena.used_bytes
+        seg, seg_id = c.dataplane.segment()
+        data = bytearray(codec.encode_parts(random_kv(LAYOUT, 400, seed=5), "raw").to_bytes())
+        data[-10] ^= 0x01  # a flipped bit in the last frame
+        at = seg.regions.alloc(len(data))
+        seg.write(at, bytes(data))
+        req = pb.PutManyRequest(namespace="default", segment_id=seg_id)
+        item = req.items.add(key=_key(3))
+        item.region.offset, item.region.length = at, len(data)
+        with pytest.raises(InvalidArgument, match="corrupt"):
+            c.dataplane._put(req, None)
+        seg.regions.free(at, len(data))
+        gc.collect()
+        assert arena.stored_bytes == stored and arena.used_bytes == used  # given back
+        got = c.retrieve(_key(3), layout=LAYOUT)
+        assert got is not None and got.equal(kv)  # the stored entry untouched
