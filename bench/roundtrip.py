@@ -18,9 +18,11 @@ process. One row per (op, path, size): ``bytes``, ``seconds`` (median), ``gb_s``
     grpc-1-first a grpc-1 fetch of a value just stored (never read: no memoised messages)
     shm          kdn on the same host: a RAM-tier entry read before is leased from the
                  server's read arena and viewed in place (no copy; ``kdn.server.arena``),
-                 else copied into the client's shared segment: limit memcpy
-    shm-first    a shm fetch of a value just stored (its first read: copied into the arena,
-                 checksums checked on the copy)
+                 read again from the lease the client kept (no call) while the server's
+                 value is the same, else copied into the client's shared segment: limit
+                 memcpy
+    shm-first    a shm fetch of a value just stored (its first read: a same-host store
+                 lives in the arena, so no copy; else copied into it, checksums checked)
     shm-read     a shm retrieve, then one value read in every 4 KiB page of its tensors:
                  limit memcpy-read (a copy, then the same reads of the copy)
     shm-copy     the same-host path with the server's arenas off (every read copied into
