@@ -126,3 +126,47 @@ def count_staging_copies(monkeypatch: Any) -> list[int]:
     monkeypatch.setattr(torch.Tensor, "pin_memory",
                         lambda self, *a: staged.append(1) or real(self, *a))
     return staged
+
+
+def numbered_key(i: int) -> bytes:
+    """A 32-byte key made of ``i`` (tests that number their entries)."""
+    return i.to_bytes(4, "little") * 8
+
+
+def raw_entry(kv: KVCache) -> bytes:
+    """``kv`` as a stored ``raw`` container."""
+    from kdn import codec
+
+    return codec.encode_parts(kv, "raw").to_bytes()
+
+
+def copy_into(dst: memoryview, value: bytes | memoryview) -> None:
+    """An arena fill that copies without a check (``Arena.lease``'s ``fill``)."""
+    dst[:] = value
+
+
+def read_while_churned(writer: Any, reader: Any, key: bytes, versions: Sequence[KVCache],
+                       reads: int, layout: KVLayout, *, touch: bool = False) -> list[int]:
+    """``reads`` retrieves of ``key`` by ``reader`` while ``writer`` stores ``versions`` under
+    it in turn and deletes it now and then (``churn``): the version each read returned (-1: a
+    miss). AssertionError at the first read that is not one stored version, whole. ``touch``:
+    the reader writes into a tensor of every read (its own pages, never the next read's)."""
+    stop = threading.Event()
+    thread = threading.Thread(target=churn, args=(writer, key, versions, stop))
+    seen: list[int] = []
+    thread.start()
+    try:
+        for _ in range(reads):
+            got = reader.retrieve(key, layout=layout)
+            if got is None:
+                seen.append(-1)
+                continue
+            match = [j for j, v in enumerate(versions) if got.equal(v)]
+            assert len(match) == 1, f"read {len(seen)} is not one stored version"
+            seen.append(match[0])
+            if touch:
+                got.layers[0][0].add_(1)
+    finally:
+        stop.set()
+        thread.join()
+    return seen

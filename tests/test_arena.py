@@ -15,8 +15,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kdn import codec
-from kdn.cache import KVCache
 from kdn.client import Client
 from kdn.codec.format import header_size
 from kdn.errors import Corrupt
@@ -24,20 +22,11 @@ from kdn.server import ServerConfig, ServerThread
 from kdn.server.arena import PAGE, Arena, Arenas
 from kdn.server.config import ConfigError
 from tests.helpers import churn, count_staging_copies, random_kv, uniform_layout
+from tests.helpers import copy_into as _copy
+from tests.helpers import numbered_key as _key
+from tests.helpers import raw_entry as _value
 
 LAYOUT = uniform_layout()
-
-
-def _key(i: int) -> bytes:
-    return i.to_bytes(4, "little") * 8
-
-
-def _value(kv: KVCache) -> bytes:
-    return codec.encode_parts(kv, "raw").to_bytes()
-
-
-def _copy(dst: memoryview, value: bytes | memoryview) -> None:
-    dst[:] = value
 
 
 # -- the arena alone ----------------------------------------------------------------------------

@@ -14,24 +14,17 @@ from collections.abc import Iterator
 import pytest
 
 from kdn import codec
-from kdn.cache import KVCache
 from kdn.client import Client
 from kdn.errors import InvalidArgument
 from kdn.options import StoreOptions
 from kdn.server import ServerThread
 from kdn.server.arena import PAGE, Arena
 from kdn.v1 import kdn_pb2 as pb
+from tests.helpers import numbered_key as _key
 from tests.helpers import random_kv, uniform_layout
+from tests.helpers import raw_entry as _value
 
 LAYOUT = uniform_layout()
-
-
-def _key(i: int) -> bytes:
-    return i.to_bytes(4, "little") * 8
-
-
-def _value(kv: KVCache) -> bytes:
-    return codec.encode_parts(kv, "raw").to_bytes()
 
 
 def _never(dst: memoryview, value: bytes | memoryview) -> None:

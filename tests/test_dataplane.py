@@ -8,7 +8,6 @@ import dataclasses
 import fcntl
 import os
 import secrets
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,7 +17,6 @@ import pytest
 import torch
 
 from kdn import codec
-from kdn.cache import KVCache
 from kdn.client import Client
 from kdn.client.shm import RegionAllocator, SharedSegment
 from kdn.errors import InvalidArgument, NotFound, TooLarge
@@ -26,7 +24,13 @@ from kdn.options import Durability, StoreOptions
 from kdn.server import ServerConfig, ServerThread
 from kdn.v1 import kdn_pb2 as pb
 from kdn.v1 import kdn_pb2_grpc as pb_grpc
-from tests.helpers import churn, count_staging_copies, pruned_layout, random_kv, uniform_layout
+from tests.helpers import (
+    count_staging_copies,
+    pruned_layout,
+    random_kv,
+    read_while_churned,
+    uniform_layout,
+)
 
 LAYOUT = uniform_layout()
 
@@ -225,32 +229,10 @@ def test_segments_and_entries_stay_with_their_tenant(tmp_path: Path) -> None:
 def test_reads_racing_overwrites_and_evictions_return_whole_entries(server: ServerThread
                                                                      ) -> None:
     versions = [random_kv(LAYOUT, 24, seed=s) for s in range(3)]
-    seen: list[int] = []
-    stop = threading.Event()
-    errors: list[BaseException] = []
-
     with Client(server.address, timeout_s=30) as writer, \
             Client(server.address, timeout_s=30, shm_bytes=1 << 20) as reader:
         writer.store(_key(9), versions[0], mode="raw")
-
-
-        t = threading.Thread(target=churn, args=(writer, _key(9), versions, stop))
-        t.start()
-        try:
-            for _ in range(1500):
-                got: KVCache | None = reader.retrieve(_key(9), layout=LAYOUT)
-                if got is None:
-                    seen.append(-1)
-                    continue
-                match = [j for j, v in enumerate(versions) if got.equal(v)]
-                if len(match) != 1:
-                    errors.append(AssertionError("a read mixed versions"))
-                    break
-                seen.append(match[0])
-        finally:
-            stop.set()
-            t.join()
-    assert not errors
+        seen = read_while_churned(writer, reader, _key(9), versions, 1500, LAYOUT)
     assert len(set(seen)) >= 3  # the race really happened: several versions and misses seen
 
 

@@ -9,35 +9,24 @@ outside the arena is not kept."""
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Iterator
 
 import pytest
 
 from kdn import codec
-from kdn.cache import KVCache
 from kdn.client import Client
 from kdn.client.admin import AdminClient
 from kdn.errors import LayoutMismatch
 from kdn.options import StoreOptions
 from kdn.server import ServerThread
 from kdn.server.arena import PAGE, WORD, Arena
-from tests.helpers import churn, random_kv, uniform_layout
+from tests.helpers import copy_into as _copy
+from tests.helpers import numbered_key as _key
+from tests.helpers import random_kv, read_while_churned, uniform_layout
+from tests.helpers import raw_entry as _value
 
 LAYOUT = uniform_layout()
-
-
-def _key(i: int) -> bytes:
-    return i.to_bytes(4, "little") * 8
-
-
-def _value(kv: KVCache) -> bytes:
-    return codec.encode_parts(kv, "raw").to_bytes()
-
-
-def _copy(dst: memoryview, value: bytes | memoryview) -> None:
-    dst[:] = value
 
 
 def _word(arena: Arena, at: int) -> int:
@@ -153,31 +142,11 @@ def test_every_read_after_a_write_or_delete_sees_it(server: ServerThread) -> Non
 def test_reads_from_kept_leases_racing_writes_return_one_version_whole(
         server: ServerThread) -> None:
     versions = [random_kv(LAYOUT, 20, seed=s) for s in range(3)]
-    stop = threading.Event()
-    seen: list[int] = []
-    errors: list[str] = []
     with Client(server.address, timeout_s=30) as writer, \
             Client(server.address, timeout_s=30, shm_bytes=1 << 20) as reader:
         writer.store(_key(9), versions[0], mode="raw")
-        thread = threading.Thread(target=churn, args=(writer, _key(9), versions, stop))
-        thread.start()
-        try:
-            for _ in range(3000):
-                got = reader.retrieve(_key(9), layout=LAYOUT)
-                if got is None:
-                    seen.append(-1)
-                    continue
-                match = [j for j, v in enumerate(versions) if got.equal(v)]
-                if len(match) != 1:
-                    errors.append("a read mixed versions or showed a write of the reader's")
-                    break
-                seen.append(match[0])
-                got.layers[0][0].add_(1)  # the reader's own change, in its own pages
-        finally:
-            stop.set()
-            thread.join()
+        seen = read_while_churned(writer, reader, _key(9), versions, 3000, LAYOUT, touch=True)
         reused = reader.dataplane._arena.reused  # type: ignore[union-attr]
-    assert not errors
     assert len(set(seen)) >= 3 and reused > 0
 
 
