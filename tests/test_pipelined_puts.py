@@ -1,4 +1,4 @@
-"""Pipelined same-host stores (kdn.client.dataplane.DataPlane._put_pipelined): a large
+"""Pipelined same-host stores (kdn.client.puts.PutsMixin._put_pipelined): a large
 ``store_many`` goes as several PutMany calls on the fast path, the next one written while the
 server copies the last. Over a real server: every entry reads back as stored, each call's
 region is freed, an error in one call is raised after every call was answered (the path stays
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-import kdn.client.dataplane as dp
+import kdn.client.puts as dp
 from kdn.client import Client
 from kdn.errors import TooLarge
 from kdn.server import ServerConfig, ServerThread
@@ -81,7 +81,7 @@ def test_an_error_in_one_call_is_raised_once_all_were_answered(
 def test_a_path_that_goes_away_midway_stores_the_rest_by_grpc(
         server: ServerThread, small_calls: int, values: list,
         monkeypatch: pytest.MonkeyPatch) -> None:
-    real = dp._fast_answer
+    real = dp.fast_answer
     answers = [0]
 
     def flaky(conn):  # type: ignore[no-untyped-def]
@@ -90,7 +90,7 @@ def test_a_path_that_goes_away_midway_stores_the_rest_by_grpc(
             raise OSError("connection reset")
         return real(conn)
 
-    monkeypatch.setattr(dp, "_fast_answer", flaky)
+    monkeypatch.setattr(dp, "fast_answer", flaky)
     with Client(server.address, timeout_s=30, shm_bytes=4 << 20) as c:
         c.store(_key(999), values[0], mode="raw")  # attach first (one answer)
         out = c.store_many([(_key(i), kv) for i, kv in enumerate(values)], mode="raw")

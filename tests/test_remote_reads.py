@@ -157,12 +157,12 @@ def test_a_remote_batch_sends_small_entries_inline_and_streams_large_ones(
     ``PUT_INLINE_BYTES`` too) in one StoreMany stream; ``fetch_many`` reads them all by one
     grouped RetrieveMany: the small ones whole inside their headers (one message for the
     run), the large ones a message a frame after it. Every entry comes back whole."""
-    from kdn.client import dataplane
+    from kdn.client import puts as client_puts
 
     lay = uniform_layout(layers=4, heads=2, dim=64)  # 2 KiB a token
     small = [random_kv(lay, 100, seed=70 + i) for i in range(4)]  # ~200 KB each
     large = [random_kv(lay, 900, seed=75 + i) for i in range(2)]  # ~1.9 MB each
-    big = random_kv(lay, dataplane.PUT_INLINE_BYTES // lay.bytes_per_token + 200, seed=79)
+    big = random_kv(lay, client_puts.PUT_INLINE_BYTES // lay.bytes_per_token + 200, seed=79)
     with Client(server.address, timeout_s=30, shm_bytes=0) as c:
         assert not c.dataplane.attached
         puts: list[int] = []

@@ -18,7 +18,7 @@ word for it holds that generation (the server zeroes it when the key is written 
 or evicted, before that call answers). Stores copy the encoded entries into one region, call
 PutMany, and give the region back when the call returns (the server copied them out); a batch
 larger than ``PIPE_BYTES`` goes as several calls on the fast path, each written while the
-server copies the one before (``_put_pipelined``).
+server copies the one before (``kdn.client.puts``).
 """
 
 from __future__ import annotations
@@ -27,13 +27,21 @@ import logging
 import os
 import socket
 import threading
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import islice
 from typing import Any, TypeVar
 
 from kdn.buffers import RECEIVED
+from kdn.client.puts import (
+    TOO_BIG,
+    PutsMixin,
+    TooBig,
+    fast_answer,
+    fast_error,
+    fast_send,
+)
 from kdn.codec import EncodedParts
 from kdn.codec.format import (
     FrameCopy,
@@ -44,7 +52,6 @@ from kdn.codec.format import (
     parse_header,
 )
 from kdn.errors import Corrupt, DeadlineExceeded, KDNError, RateLimited, TooLarge, Unavailable
-from kdn.status import error_of
 from kdn.v1 import kdn_pb2 as pb
 from kdn.wire import (
     ARENA_SIZE,
@@ -65,17 +72,6 @@ FIRST_REGION = 64 << 20
 """Bytes a GetMany may fill at most before sizes are known: the rest of the segment stays free
 for other threads; an entry larger than this comes in a second call, into a region of its
 exact size."""
-PUT_INLINE_BYTES = 4 << 20
-"""Bytes of one entry an inline PutMany carries at most (``store_many`` sends larger ones as
-Store streams): past it the entry's joins into one message cost more than a stream's
-messages (one 11.8 MB entry: 0.38x the raw service's stream inline, 0.49x streamed; 2.9 MB:
-1.03x inline against 0.65x streamed)."""
-PIPE_BYTES = 8 << 20
-"""Bytes of entries a pipelined PutMany call carries (``DataPlane._put_pipelined``)."""
-PIPE_DEPTH = 1
-"""Pipelined PutMany calls sent and not yet answered, besides the one being written."""
-BATCH_BYTES = 1 << 30
-"""Bytes of entries one PutMany through the segment carries at most (server limit: 2 GiB)."""
 INLINE_ENTRY_BYTES = 4 << 20
 """An entry asked for alone comes in one inline GetMany message up to here and streams past
 it (``Retrieve``, one message per frame). With the server in a process of its own, as a
@@ -132,11 +128,6 @@ class Fetched:
         return self.header if self.header is not None else parse_header(self.parts.header)
 
 
-class TooBig:
-    """Marks an entry a batch can not carry (larger than the segment or a message)."""
-
-
-TOO_BIG = TooBig()
 TOO_BIG_KEYS = 4096
 """Keys remembered as too large for an inline GetMany (the most recent ones)."""
 FRAME_ALIGN = 64
@@ -320,29 +311,7 @@ def _answer(head: pb.RetrieveHeader, entry: bytes | memoryview, stream: Iterator
     return got
 
 
-def _fast_send(conn: socket.socket, op: int, req: Any) -> None:
-    body = req.SerializeToString()
-    conn.sendall(FAST_HEAD.pack(len(body), op) + body)
-
-
-def _fast_answer(conn: socket.socket) -> tuple[int, bytes]:
-    """(ok, body) of the next answer on a fast-path connection; OSError when it closed."""
-    head = read_exact(conn, FAST_HEAD.size)
-    if head is None:
-        raise OSError("the fast path closed the connection")
-    n, ok = FAST_HEAD.unpack(head)
-    out = read_exact(conn, n)
-    if out is None:
-        raise OSError("the fast path closed the connection")
-    return ok, out
-
-
-def _fast_error(out: bytes) -> KDNError:
-    name, _, message = out.decode("utf-8", "replace").partition("\0")
-    return error_of(name, message)
-
-
-class DataPlane:
+class DataPlane(PutsMixin):
     def __init__(self, stub: Any, call: Callable[[Callable[[], Any]], Any],
                  metadata: Callable[[str | None], Any], timeout_s: float, shm_bytes: int,
                  max_message_bytes: int, keep_leases_bytes: int | None = None) -> None:
@@ -637,13 +606,13 @@ class DataPlane:
         the path is gone (the call then goes by gRPC, and so do later ones)."""
         try:
             conn = self._fast_conn()
-            _fast_send(conn, op, req)
-            ok, out = _fast_answer(conn)
+            fast_send(conn, op, req)
+            ok, out = fast_answer(conn)
         except OSError as exc:
             self._fast_lost(exc)
             return None
         if not ok:
-            raise _fast_error(out)
+            raise fast_error(out)
         return out
 
     def _fast_conn(self) -> socket.socket:
@@ -668,153 +637,3 @@ class DataPlane:
         if conn is not None:
             conn.close()
         self._conns.conn = None
-
-    # -- writes ---------------------------------------------------------------------------------
-
-    def put_many(self, namespace: str, items: Sequence[tuple[bytes, EncodedParts,
-                                                             pb.StoreOptions]],
-                 request_id: str | None) -> list[pb.StoreResponse | TooBig]:
-        """Store every item (each checked by the server before any is stored, per call);
-        TOO_BIG for items no batch can carry."""
-        out: list[pb.StoreResponse | TooBig] = [TOO_BIG] * len(items)
-        seg, seg_id = self.segment()
-        if seg is not None and self._fast_path and len(items) > 1 and \
-                sum(parts.nbytes for _, parts, _ in items) > PIPE_BYTES:
-            self._put_pipelined(namespace, items, out)  # what it left: as below
-            rest = [i for i, r in enumerate(out) if r is TOO_BIG]
-            if len(rest) < len(items):
-                for i, r in zip(rest, self.put_many(namespace, [items[i] for i in rest],
-                                                    request_id) if rest else []):
-                    out[i] = r
-                return out
-        limit = min(seg.size // 2, BATCH_BYTES) if seg is not None else self.inline_budget
-        most = limit if seg is not None else min(limit, PUT_INLINE_BYTES)  # one item
-        batch: list[int] = []
-        size = 0
-        for i, (_, parts, _) in enumerate(items):
-            n = parts.nbytes
-            if n > most:
-                continue
-            if batch and size + n > limit:
-                self._put_batch(namespace, items, batch, out, request_id)
-                batch, size = [], 0
-            batch.append(i)
-            size += (n + 63) // 64 * 64
-        if batch:
-            self._put_batch(namespace, items, batch, out, request_id)
-        return out
-
-    def _put_pipelined(self, namespace: str,
-                       items: Sequence[tuple[bytes, EncodedParts, pb.StoreOptions]],
-                       out: list[pb.StoreResponse | TooBig]) -> None:
-        """Store ``items`` in PutMany calls of about ``PIPE_BYTES`` on the fast path, the next
-        call's entries written into the segment while the server copies the last call's out
-        (a same-host store is a copy in by the client, then a copy out by the server: one
-        after the other, each core waits on the other). Each answer frees its call's region.
-        Entries larger than a call, and those the segment had no room for or that were not
-        answered when the path went away, are left in ``out`` as TOO_BIG (the caller stores
-        them another way). A call's error is raised once every call sent was answered (the
-        calls before and after it stored theirs)."""
-        seg, seg_id = self.segment()
-        most = min(seg.size // 4, PIPE_BYTES)
-        batches: list[list[int]] = [[]]
-        size = 0
-        for i, (_, parts, _) in enumerate(items):
-            n = (parts.nbytes + 63) // 64 * 64
-            if parts.nbytes > most:
-                continue
-            if batches[-1] and size + n > PIPE_BYTES:
-                batches.append([])
-                size = 0
-            batches[-1].append(i)
-            size += n
-        pending: deque[tuple[list[int], tuple[int, int]]] = deque()
-        error: KDNError | None = None
-        try:
-            conn = self._fast_conn()
-            for batch in batches:
-                if error is not None:
-                    break  # the ones not sent stay unstored: the error is raised
-                total = sum((items[i][1].nbytes + 63) // 64 * 64 for i in batch)
-                start = seg.regions.alloc(total)
-                while start is None and pending:  # room comes back with the answers
-                    error = self._put_answered(conn, pending.popleft(), out, error)
-                    start = seg.regions.alloc(total)
-                if start is None:
-                    break  # the segment is busy with reads: the rest another way
-                req = pb.PutManyRequest(namespace=namespace, segment_id=seg_id)
-                at = start
-                for i in batch:
-                    key, parts, opts = items[i]
-                    pos = at
-                    for piece in (parts.header, *parts.frames):
-                        seg.write(pos, piece)
-                        pos += len(piece)
-                    item = req.items.add(key=key, options=opts)
-                    item.region.offset, item.region.length = at, parts.nbytes
-                    at += (parts.nbytes + 63) // 64 * 64
-                pending.append((batch, (start, total)))
-                _fast_send(conn, FAST_PUT_MANY, req)
-                if len(pending) > PIPE_DEPTH:
-                    error = self._put_answered(conn, pending.popleft(), out, error)
-            while pending:
-                error = self._put_answered(conn, pending.popleft(), out, error)
-        except OSError as exc:  # the path went away: the unanswered ones go another way
-            self._fast_lost(exc)
-        finally:
-            for _, block in pending:
-                seg.regions.free(*block)
-        if error is not None:
-            raise error
-
-    def _put_answered(self, conn: socket.socket, sent: tuple[list[int], tuple[int, int]],
-                      out: list[pb.StoreResponse | TooBig], error: KDNError | None
-                      ) -> KDNError | None:
-        """Read the answer to a pipelined PutMany, free its region, record its results;
-        the first error (kept, not raised: the later answers must still be read)."""
-        batch, block = sent
-        try:
-            ok, body = _fast_answer(conn)
-        finally:
-            self.segment()[0].regions.free(*block)
-        if not ok:
-            return error or _fast_error(body)
-        for i, r in zip(batch, pb.PutManyResponse.FromString(body).results):
-            out[i] = r
-        return error
-
-    def _put_batch(self, namespace: str,
-                   items: Sequence[tuple[bytes, EncodedParts, pb.StoreOptions]],
-                   batch: list[int], out: list[pb.StoreResponse | TooBig],
-                   request_id: str | None) -> None:
-        seg, seg_id = self.segment()
-        req = pb.PutManyRequest(namespace=namespace, segment_id=seg_id if seg else "")
-        block: tuple[int, int] | None = None
-        if seg is not None:
-            total = sum((items[i][1].nbytes + 63) // 64 * 64 for i in batch)
-            start = seg.regions.alloc(total)
-            if start is None:  # the segment is busy with reads: send these inline
-                seg = None
-                req.segment_id = ""
-            else:
-                block = (start, total)
-        at = block[0] if block is not None else 0
-        for i in batch:
-            key, parts, opts = items[i]
-            item = req.items.add(key=key, options=opts)
-            if seg is not None:
-                pos = at
-                for piece in (parts.header, *parts.frames):
-                    seg.write(pos, piece)
-                    pos += len(piece)
-                item.region.offset, item.region.length = at, parts.nbytes
-                at += (parts.nbytes + 63) // 64 * 64
-            else:
-                item.data = parts.to_bytes()
-        try:
-            resp = self._put(req, request_id)
-        finally:
-            if seg is not None and block is not None:
-                seg.regions.free(*block)
-        for i, r in zip(batch, resp.results):
-            out[i] = r
