@@ -3,8 +3,9 @@ entry is copied out of the client's segment straight into its tenant's arena and
 keeps it there, so its first same-host read copies nothing. The arena alone (a reserved slot's
 lease follows the view, half the arena at most), then over a real server: reads equal what was
 stored without a fill, an overwrite or delete while a reader holds the old entry leaves it
-whole, the slot goes back with the RAM value, remote reads and TTL entries work, and a damaged
-entry is refused with its slot given back."""
+whole, the slot goes back with the RAM value, remote reads and TTL entries work, a damaged
+entry is refused with its slot given back, and thousands of reads racing same-host overwrites
+through a small arena each return one stored version, whole."""
 
 from __future__ import annotations
 
@@ -17,11 +18,11 @@ from kdn import codec
 from kdn.client import Client
 from kdn.errors import InvalidArgument
 from kdn.options import StoreOptions
-from kdn.server import ServerThread
+from kdn.server import ServerConfig, ServerThread
 from kdn.server.arena import PAGE, Arena
 from kdn.v1 import kdn_pb2 as pb
 from tests.helpers import numbered_key as _key
-from tests.helpers import random_kv, uniform_layout
+from tests.helpers import random_kv, read_while_churned, uniform_layout
 from tests.helpers import raw_entry as _value
 
 LAYOUT = uniform_layout()
@@ -153,3 +154,55 @@ def test_a_damaged_entry_is_refused_and_its_slot_given_back(server: ServerThread
         assert arena.stored_bytes == stored and arena.used_bytes == used  # given back
         got = c.retrieve(_key(3), layout=LAYOUT)
         assert got is not None and got.equal(kv)  # the stored entry untouched
+
+
+def test_reads_racing_same_host_overwrites_of_a_small_arena_return_one_version_whole(
+        server_config: ServerConfig, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Thousands of reads (kept leases, leases, copies) while a same-host writer overwrites
+    and deletes the key, its entries stored into an arena with room for a few of them, and
+    another reader pushes other entries through it: every read is one stored version, whole,
+    though the reader writes into every tensor it gets."""
+    import dataclasses
+    import threading
+
+    versions = [random_kv(LAYOUT, 160, seed=s) for s in range(3)]  # ~80 KB: stored in the arena
+    fillers = [random_kv(LAYOUT, 160, seed=10 + s) for s in range(3)]
+    config = dataclasses.replace(server_config, shm_arena_bytes=160 * PAGE)
+    real, reserved = Arena.reserve, [0]
+
+    def counted(self: Arena, length: int, head: int) -> object:
+        got = real(self, length, head)
+        reserved[0] += got is not None
+        return got
+
+    monkeypatch.setattr(Arena, "reserve", counted)
+    with ServerThread(config) as st, \
+            Client(st.address, timeout_s=30, shm_bytes=4 << 20) as writer, \
+            Client(st.address, timeout_s=30, shm_bytes=4 << 20) as reader, \
+            Client(st.address, timeout_s=30, shm_bytes=4 << 20) as pusher, \
+            Client(st.address, timeout_s=30, shm_bytes=0) as remote:
+        writer.store(_key(9), versions[0], mode="raw")
+        for i, kv in enumerate(fillers):  # not in the arena: read into it by the pusher
+            remote.store(_key(20 + i), kv, mode="raw")
+        assert _arena(st).stored_bytes > 0
+        stop = threading.Event()
+        wrong: list[int] = []
+
+        def push() -> None:
+            i = 0
+            while not stop.is_set():
+                i += 1
+                got = pusher.retrieve(_key(20 + i % 3), layout=LAYOUT)
+                if got is None or not got.equal(fillers[i % 3]):
+                    wrong.append(i)
+
+        thread = threading.Thread(target=push)
+        thread.start()
+        try:
+            seen = read_while_churned(writer, reader, _key(9), versions, 2000, LAYOUT,
+                                      touch=True)
+        finally:
+            stop.set()
+            thread.join()
+        fills = _counters(reader)["arena.fills"]
+    assert not wrong and len(set(seen)) >= 3 and fills > 100 and reserved[0] > 100
