@@ -462,8 +462,8 @@ class KDNServicer(BatchMixin, BlendMixin, RetrieveManyMixin, pb_grpc.KDNServicer
             self.arenas.drop(skey)  # again, now the value is in: copies made of the old one
             # meanwhile are not read without a call (``BatchMixin._leased``)
             if in_arena is not None:  # ``value`` lives in the tenant's read arena (PutMany):
-                stamp = self.store.memory_stamp(skey, expiring=True)  # reads find it there
-                if stamp:  # (the RAM tier holds it: the stamp is this put's)
+                stamp = self.store.memory_stamp(skey, expiring=True, value=value)  # reads
+                if stamp:  # find it there (the RAM tier holds this very view)
                     in_arena[0].publish(in_arena[1], skey, stamp)
             if delta < 0:
                 self.auth.charge(principal, delta)

@@ -112,11 +112,12 @@ class RamTier(Tier):
         with self._lock:
             return self._written.get(key) if self._live(key) else None
 
-    def stamp(self, key: bytes, *, expiring: bool = False) -> int:
-        """The stamp of ``key``'s value; 0 where there is none, or (unless ``expiring``) it
-        has a time to live."""
+    def stamp(self, key: bytes, *, expiring: bool = False, value: object = None) -> int:
+        """The stamp of ``key``'s value; 0 where there is none, (unless ``expiring``) it has
+        a time to live, or (given ``value``) it is not that very object."""
         with self._lock:
-            if not self._live(key) or key in self._expiry and not expiring:
+            if not self._live(key) or key in self._expiry and not expiring or \
+                    value is not None and self._data[key] is not value:
                 return 0
             return self._stamps[key]
 

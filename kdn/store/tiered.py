@@ -282,16 +282,17 @@ class TieredStore:
             return FramedHit(got[0], tier.name, got[1])
         return Hit(got[0], tier.name, got[1])
 
-    def memory_stamp(self, key: bytes, *, expiring: bool = False) -> int:
+    def memory_stamp(self, key: bytes, *, expiring: bool = False, value: object = None) -> int:
         """The RAM tier's stamp of ``key``'s value (``Hit.stamp``); 0 where it holds none,
-        a write to it is queued, or (unless ``expiring``) the value has a time to live."""
+        a write to it is queued, (unless ``expiring``) the value has a time to live, or (given
+        ``value``) the tier holds another object."""
         tier = self.tiers[0] if self.tiers else None
         if not isinstance(tier, RamTier):
             return 0
         q = self._queues.get(tier.name)
         if q is not None and q.peek(key) is not None:
             return 0
-        return tier.stamp(key, expiring=expiring)
+        return tier.stamp(key, expiring=expiring, value=value)
 
     def distrust(self, key: bytes) -> None:
         """Forget that ``key``'s values were checked: its next read hashes them again (and a
