@@ -4,8 +4,8 @@ for the slot still holds the slot's generation. The arena's words on their own, 
 real server: repeat reads make no call, every read after a write or delete sees it (another
 client's too), reads racing writes return one stored version whole, writes into returned
 tensors never show in the next read, entries with a time to live and evicted ones ask again,
-the kept bytes stay bounded and their leases go back, and a lease answered with a word
-outside the arena is not kept."""
+the kept bytes stay bounded and their leases go back, a lease answered with a word outside
+the arena is not kept, and a server that went away is not read from."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from kdn.client import Client
 from kdn.client.admin import AdminClient
 from kdn.errors import LayoutMismatch
 from kdn.options import StoreOptions
-from kdn.server import ServerThread
+from kdn.server import ServerConfig, ServerThread
 from kdn.server.arena import PAGE, WORD, Arena
 from tests.helpers import copy_into as _copy
 from tests.helpers import numbered_key as _key
@@ -225,3 +225,30 @@ def test_a_lease_whose_word_lies_outside_the_arena_is_not_kept(server: ServerThr
         assert "bad" not in arena._kept
         got = c.retrieve(_key(5), layout=LAYOUT)
         assert got is not None and got.equal(kv)
+
+
+def test_kept_leases_of_a_server_that_went_away_are_not_read(
+        server_config: ServerConfig) -> None:
+    """A server that exits (its connections close) leaves its arena mapped in the client with
+    the last words it wrote: the client must not answer from them any more."""
+    from kdn.client import Retry
+    from kdn.errors import KDNError
+
+    kv = random_kv(LAYOUT, 20, seed=7)
+    st = ServerThread(server_config).start()
+    try:
+        c = Client(st.address, timeout_s=5, shm_bytes=1 << 20, retry=Retry(retries=0))
+        c.store(_key(6), kv, mode="raw")
+        assert c.retrieve(_key(6), layout=LAYOUT) is not None
+        arena = c.dataplane._arena
+        assert arena is not None and arena.kept_bytes > 0 and c.dataplane._server_alive()
+    finally:
+        st.stop()
+    time.sleep(0.2)
+    assert not c.dataplane._server_alive()
+    try:
+        got = c.retrieve(_key(6), layout=LAYOUT)
+    except KDNError:
+        got = None  # asked the server, which is gone
+    assert got is None and arena.kept_bytes == 0 and arena.reused == 0
+    c.close()

@@ -327,6 +327,7 @@ class DataPlane(PutsMixin):
         self._lock = threading.Lock()
         self._segment: Any = None
         self._arena: Any = None  # kdn.client.shm.LeasedArena, where the server lends one
+        self._arena_conn: socket.socket | None = None  # the connection it came on (kept open)
         self._segment_id = ""
         self._tried = shm_bytes <= 0
         self._fast_path = ""
@@ -379,8 +380,9 @@ class DataPlane(PutsMixin):
 
         body = self._segment_id.encode()
         fds: list[int] = []
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+            with conn:
                 conn.settimeout(self.timeout_s)
                 conn.connect("\0" + self._fast_path)
                 conn.sendall(FAST_HEAD.pack(len(body), FAST_ARENA) + body)
@@ -391,6 +393,9 @@ class DataPlane(PutsMixin):
                 n, ok = FAST_HEAD.unpack(head)
                 body_in = first[FAST_HEAD.size :]
                 body_in += read_exact(conn, n - len(body_in)) or b""
+                if ok and len(fds) == 1 and len(body_in) == ARENA_SIZE.size:
+                    conn.settimeout(None)  # kept open, blocking: ``_server_alive`` peeks it
+                    self._arena_conn = socket.socket(fileno=os.dup(conn.fileno()))
             if not ok or len(fds) != 1 or len(body_in) != ARENA_SIZE.size:
                 log.info("kdn: no read arena from the server (%s)",
                          body_in.decode("utf-8", "replace") if not ok else "malformed answer")
@@ -403,6 +408,20 @@ class DataPlane(PutsMixin):
             log.info("kdn: no read arena (%s); reads copy into the segment", exc)
             return None
 
+    def _server_alive(self) -> bool:
+        """Whether the server that lent the arena still runs: the connection it was handed
+        over on is still open (a server that exited, even killed, closed it). Kept leases of
+        a gone server are not read again: a new one knows nothing of its words."""
+        conn = self._arena_conn
+        if conn is None:
+            return False
+        try:
+            return bool(conn.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT))
+        except BlockingIOError:
+            return True  # open, nothing said: alive
+        except OSError:
+            return False
+
     @property
     def attached(self) -> bool:
         return self.segment()[0] is not None
@@ -413,6 +432,9 @@ class DataPlane(PutsMixin):
         if self._arena is not None:  # Detach gives its leases back on the server
             self._arena.close()
             self._arena = None
+        if self._arena_conn is not None:
+            self._arena_conn.close()
+            self._arena_conn = None
         self._fast_path = ""
         for conn in self._all_conns:
             conn.close()
@@ -449,6 +471,8 @@ class DataPlane(PutsMixin):
                     out[i] = TOO_BIG
             todo = [i for i, big in zip(todo, known) if not big]
         arena = self._arena if seg is not None else None
+        if arena is not None and arena.kept_bytes and not self._server_alive():
+            arena.forget()  # the server exited: its words say nothing any more
         if arena is not None and arena.kept_bytes:  # kept leases still the server's values:
             left = []  # read again without a call
             for i in todo:

@@ -306,6 +306,12 @@ class LeasedArena:
             self.reused += 1
             return self._view(kept.lease, kept.offset, kept.length, pinned), kept.tier
 
+    def forget(self) -> None:
+        """Give every kept lease back (their reads ask the server again)."""
+        with self._lock:
+            for name in list(self._kept):
+                self._drop_kept(name)
+
     @property
     def kept_bytes(self) -> int:
         return self._kept_total

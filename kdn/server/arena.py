@@ -52,6 +52,7 @@ import fcntl
 import itertools
 import mmap
 import os
+import secrets
 import threading
 import weakref
 from collections import OrderedDict, deque
@@ -77,6 +78,8 @@ WARM_STEP = 4 << 20
 """Bytes of the arena ``Arena._warm`` faults in at a time."""
 _MADV_POPULATE_WRITE = 23  # <linux/mman.h>, Linux 5.14: fault pages in writable, data kept
 WORD = 8
+_GOLDEN = 0x9E3779B97F4A7C15
+_U64 = (1 << 64) - 1
 """Bytes of a slot's generation word, at the slot's first (page-aligned) byte."""
 
 
@@ -122,6 +125,7 @@ class Arena:
         self.array: np.ndarray[Any, Any] = np.frombuffer(self._map, dtype=np.uint8)
         self._words: np.ndarray[Any, Any] = self.array.view(np.uint64)  # aligned 8-byte stores
         self._generations = itertools.count(1)
+        self._salt = secrets.randbits(64)
         self._stored = 0  # bytes of slots the RAM tier holds (``reserve``)
         self._unstored: deque[Slot] = deque()  # theirs that went, their leases not yet given
         self._regions = RegionAllocator(0, self.size)
@@ -167,6 +171,15 @@ class Arena:
                         return
         self.warmed.set()
 
+    def _generation(self) -> int:
+        """A slot's generation: unique in the arena (an odd multiplier and a xor are one-to-one
+        on 64 bits) and unlike anything an entry's bytes hold where a slot word once stood
+        (a small counter could be)."""
+        while True:
+            g = (next(self._generations) * _GOLDEN ^ self._salt) & _U64
+            if g:
+                return g
+
     @property
     def used_bytes(self) -> int:
         with self._lock:
@@ -197,7 +210,7 @@ class Arena:
             head = header_size(value)
             offset = start + WORD + (-(start + WORD + head)) % FRAME_ALIGN
             slot = Slot(self, skey, stamp, start, size, offset, len(value), leases=1,
-                        indexed=False, generation=next(self._generations))
+                        indexed=False, generation=self._generation())
             self._words[start // WORD] = 0  # not readable without a call until indexed
         try:  # outside the lock: other reads go on while a large entry is copied
             fill(memoryview(self.array[offset : offset + len(value)]),  # type: ignore[arg-type]
@@ -235,7 +248,7 @@ class Arena:
             start, size = got
             offset = start + WORD + (-(start + WORD + head)) % FRAME_ALIGN
             slot = Slot(self, b"", 0, start, size, offset, length, leases=1, indexed=False,
-                        generation=next(self._generations))
+                        generation=self._generation())
             self._words[start // WORD] = 0
             self._stored += length
         owner = self.array[offset : offset + length]
