@@ -252,3 +252,38 @@ def test_kept_leases_of_a_server_that_went_away_are_not_read(
         got = None  # asked the server, which is gone
     assert got is None and arena.kept_bytes == 0 and arena.reused == 0
     c.close()
+
+
+def test_a_full_arena_asks_clients_for_the_leases_they_keep(
+        server_config: ServerConfig) -> None:
+    """One client keeps leases on every entry a small arena holds; another's read finds no
+    room (it is copied through its segment) and raises the arena's pressure word; the first
+    client's next read gives its kept leases back, and the other's next read is leased."""
+    import dataclasses
+
+    values = [random_kv(LAYOUT, 20, seed=i) for i in range(3)]
+    config = dataclasses.replace(server_config, shm_arena_bytes=7 * PAGE)  # header + 2 entries
+    with ServerThread(config) as st, \
+            Client(st.address, timeout_s=30, shm_bytes=1 << 20, keep_leases_bytes=1 << 20) as a, \
+            Client(st.address, timeout_s=30, shm_bytes=1 << 20) as b:
+        for i, kv in enumerate(values):
+            a.store(_key(i), kv, mode="raw")
+        for i in range(2):
+            got = a.retrieve(_key(i), layout=LAYOUT)
+            assert got is not None and got.equal(values[i])
+        arena = a.dataplane._arena
+        assert arena is not None and len(arena._kept) == 2 and not arena.pressed()
+        got = b.retrieve(_key(2), layout=LAYOUT)  # no room: through b's segment
+        assert got is not None and got.equal(values[2])
+        assert _counters(b)["arena.full"] >= 1 and arena.pressed()
+        again = a.retrieve(_key(0), layout=LAYOUT)  # gives its kept leases back, asks
+        assert again is not None and again.equal(values[0]) and len(arena._kept) <= 1
+        del got, again
+        fills = _counters(b)["arena.fills"]
+        got = b.retrieve(_key(2), layout=LAYOUT)
+        assert got is not None and got.equal(values[2])
+        assert _counters(b)["arena.fills"] == fills + 1  # leased now: there was room
+
+
+def _counters(c: Client) -> dict[str, int]:
+    return dict(c.stats().counters)

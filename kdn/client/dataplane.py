@@ -471,8 +471,10 @@ class DataPlane(PutsMixin):
                     out[i] = TOO_BIG
             todo = [i for i, big in zip(todo, known) if not big]
         arena = self._arena if seg is not None else None
-        if arena is not None and arena.kept_bytes and not self._server_alive():
-            arena.forget()  # the server exited: its words say nothing any more
+        if arena is not None and arena.kept_bytes and (arena.pressed() or
+                                                       not self._server_alive()):
+            arena.forget()  # the arena is full (the leases go back with this call), or the
+            # server exited (its words say nothing any more)
         if arena is not None and arena.kept_bytes:  # kept leases still the server's values:
             left = []  # read again without a call
             for i in todo:

@@ -309,6 +309,11 @@ class LeasedArena:
             self.reused += 1
             return self._view(kept.lease, kept.offset, kept.length, pinned), kept.tier
 
+    def pressed(self) -> bool:
+        """Whether the server asks for kept leases back (its arena is full: the header's
+        pressure word, ``kdn.server.arena``)."""
+        return bool(self._words[0])
+
     def forget(self) -> None:
         """Give every kept lease back (their reads ask the server again)."""
         with self._lock:

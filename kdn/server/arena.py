@@ -31,6 +31,9 @@ where its word is, ``generation_at``) may be kept by the client, which reads the
 from its mapping, without asking, as long as the word still holds the generation; the pages
 stay the entry's since the lease holds them. Entries with a time to live get none (their
 expiry would pass unseen). Such reads are the client's own: the server does not count them.
+The arena's first page is its header: its first u64 is 1 while the arena is under pressure (a
+read found no room, every entry held) and 0 again once a quarter of it is free; a client that
+sees 1 gives back the leases it keeps (with its next call).
 
 Same-host stores live here too: a PutMany entry of ``kdn.server.batch.ARENA_STORE_BYTES`` or
 more is copied out of the client's segment straight into a slot of its tenant's arena
@@ -128,7 +131,7 @@ class Arena:
         self._salt = secrets.randbits(64)
         self._stored = 0  # bytes of slots the RAM tier holds (``reserve``)
         self._unstored: deque[Slot] = deque()  # theirs that went, their leases not yet given
-        self._regions = RegionAllocator(0, self.size)
+        self._regions = RegionAllocator(PAGE, self.size)  # the first page: the pressure word
         self._index: OrderedDict[bytes, Slot] = OrderedDict()  # least recently read first
         self._lock = threading.Lock()
         self.hits = self.fills = self.full = 0
@@ -184,7 +187,7 @@ class Arena:
     def used_bytes(self) -> int:
         with self._lock:
             self._settle()
-            return self.size - self._regions.free_bytes()
+            return self.size - PAGE - self._regions.free_bytes()
 
     def lease(self, skey: bytes, value: bytes | memoryview, stamp: int,
               fill: Callable[[memoryview, bytes | memoryview], None]) -> Slot | None:
@@ -205,6 +208,7 @@ class Arena:
             got = self._alloc(WORD + len(value) + FRAME_ALIGN)
             if got is None:
                 self.full += 1
+                self._words[0] = 1  # clients give back the leases they keep (``pressed``)
                 return None
             start, size = got
             head = header_size(value)
@@ -304,6 +308,8 @@ class Arena:
             if victim is None:
                 return None
             self._unindex(victim)
+        if self._words[0] and self._regions.free_bytes() >= (self.size - PAGE) // 4:
+            self._words[0] = 0  # room again: clients may keep leases
         return start, size
 
     def _unindex(self, slot: Slot) -> None:
