@@ -380,9 +380,10 @@ class DataPlane(PutsMixin):
 
         body = self._segment_id.encode()
         fds: list[int] = []
+        ok, body_in = 0, b""
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            with conn:
+            try:
                 conn.settimeout(self.timeout_s)
                 conn.connect("\0" + self._fast_path)
                 conn.sendall(FAST_HEAD.pack(len(body), FAST_ARENA) + body)
@@ -393,9 +394,12 @@ class DataPlane(PutsMixin):
                 n, ok = FAST_HEAD.unpack(head)
                 body_in = first[FAST_HEAD.size :]
                 body_in += read_exact(conn, n - len(body_in)) or b""
+            finally:
                 if ok and len(fds) == 1 and len(body_in) == ARENA_SIZE.size:
                     conn.settimeout(None)  # kept open, blocking: ``_server_alive`` peeks it
-                    self._arena_conn = socket.socket(fileno=os.dup(conn.fileno()))
+                    self._arena_conn = conn
+                else:
+                    conn.close()
             if not ok or len(fds) != 1 or len(body_in) != ARENA_SIZE.size:
                 log.info("kdn: no read arena from the server (%s)",
                          body_in.decode("utf-8", "replace") if not ok else "malformed answer")
@@ -501,7 +505,7 @@ class DataPlane(PutsMixin):
                                     region=region, expect_layout_fingerprint=layout_fingerprint)
             if seg is None and len(todo) > 1:  # a batch's large entries stream instead
                 req.inline_max_entry_bytes = STREAM_ENTRY_BYTES - 1
-            arena, released = self._arena if seg is not None else None, []
+            released: list[int] = []
             if arena is not None:
                 req.lease = True
                 released = arena.take()

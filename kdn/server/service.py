@@ -444,7 +444,6 @@ class KDNServicer(BatchMixin, BlendMixin, RetrieveManyMixin, pb_grpc.KDNServicer
         the quota) before the put and refunded when the put fails; shrinkage is refunded after
         the put succeeds. Concurrent overwrites and deletes of one key thus count it once."""
         self.wire_memo.drop(skey)  # the old value's messages: never sent again (a new stamp)
-        self.arenas.drop(skey)  # nor its arena copy (leases given keep it, whole)
         with self.store.entry_lock(skey):
             replaced = self.store.lookup([skey])[0]
             delta = len(value) - replaced.size
@@ -459,8 +458,9 @@ class KDNServicer(BatchMixin, BlendMixin, RetrieveManyMixin, pb_grpc.KDNServicer
                 if delta > 0:
                     self.auth.charge(principal, -delta)
                 raise
-            self.arenas.drop(skey)  # again, now the value is in: copies made of the old one
-            # meanwhile are not read without a call (``BatchMixin._leased``)
+            self.arenas.drop(skey)  # nor the old value's arena copy (leases given keep it,
+            # whole), now the new one is in: under the entry lock, so no copy of the old one is
+            # read without a call from here on (``BatchMixin._leased``)
             if in_arena is not None:  # ``value`` lives in the tenant's read arena (PutMany):
                 stamp = self.store.memory_stamp(skey, expiring=True, value=value)  # reads
                 if stamp:  # find it there (the RAM tier holds this very view)
