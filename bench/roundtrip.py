@@ -15,6 +15,10 @@ process. One row per (op, path, size): ``bytes``, ``seconds`` (median), ``gb_s``
     h2d-pinned   pinned host -> device copy (GPU hosts only)
     grpc-1       kdn over one gRPC stream (a client on another host): limit raw-grpc
     grpc-4       the same over 4 streams of layer groups, each on its own connection
+    tcp          kdn's network data path (a client on another host whose server offers one,
+                 ``kdn.server.netpath``): the batch calls on a TCP connection with the bytes
+                 next to their descriptors: limit raw-grpc, and ``ratio_to_raw_tcp`` against
+    raw-tcp      a bare TCP service moving the entry's bytes (``recv_into`` a kept buffer)
     grpc-1-first a grpc-1 fetch of a value just stored (never read: no memoised messages)
     shm          kdn on the same host: a RAM-tier entry read before is leased from the
                  server's read arena and viewed in place (no copy; ``kdn.server.arena``),
@@ -28,8 +32,8 @@ process. One row per (op, path, size): ``bytes``, ``seconds`` (median), ``gb_s``
     shm-copy     the same-host path with the server's arenas off (every read copied into
                  the client's segment and checked)
     inproc       kdn from the client's in-process tier: limit memcpy
-    batch-shm / batch-shm-copy / batch-inline   64 entries of ~1 MiB in one call: limit
-                 memcpy / memcpy / raw-grpc
+    batch-shm / batch-shm-copy / batch-inline / batch-tcp   64 entries of ~1 MiB in one
+                 call: limit memcpy / memcpy / raw-grpc / raw-grpc
 
 ``store`` sends a pre-encoded entry (encoded as ``Client.store`` encodes a KVCache: each frame
 inside its message), ``fetch`` returns the undecoded container, ``retrieve`` returns CPU
@@ -52,6 +56,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import socket
+import struct
 import subprocess
 import sys
 import tempfile
@@ -82,8 +88,11 @@ from kdn.cache import KVCache
 from kdn.client import Client
 from kdn.layout import KVLayout, LayerLayout
 from kdn.server import ServerConfig, ServerThread
+from kdn.wire import read_exact, recv_into_all
 
 STREAMS = 4
+REMOTE = ("grpc", "tcp")
+"""Paths of a client on another host (timed in turns with the raw services)."""
 """Streams of the ``grpc-N`` rows (layer groups read side by side, ``kdn.client.parallel``)."""
 RAW_MESSAGE_BYTES = 1 << 20
 """Message size of the ``raw-grpc-1mib`` rows."""
@@ -161,6 +170,66 @@ class RawServer:
         self.loop.call_soon_threadsafe(self.loop.stop)
 
 
+class RawTcp:
+    """A bare TCP service, the limit of the ``tcp`` path: a put (u8 1, u64 n, then n bytes)
+    is read into a buffer kept for its size (``recv_into``, no page faults after the first)
+    and answered with one byte; a get (u8 2, u64 n) is answered with the last n bytes put."""
+
+    HEAD = struct.Struct("<BQ")
+
+    def __init__(self) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.kept: dict[int, memoryview] = {}
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        with conn:
+            while (head := read_exact(conn, self.HEAD.size)) is not None:
+                op, n = self.HEAD.unpack(head)
+                if op == 1:
+                    buf = self.kept.get(n) or memoryview(np.empty(n, np.uint8))
+                    if not recv_into_all(conn, buf):
+                        return
+                    self.kept[n] = buf
+                    conn.sendall(b"k")
+                else:
+                    conn.sendall(self.kept[n])
+
+    def stop(self) -> None:
+        self.sock.close()
+
+
+def raw_tcp_client(port: int) -> tuple[Callable[[memoryview], None], Callable[[int], None],
+                                         socket.socket]:
+    """(put(bytes), get(n), the connection) of the raw TCP service: a get reads into a
+    buffer kept for its size, as a put on the other side."""
+    conn = socket.create_connection(("127.0.0.1", port))
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    bufs: dict[int, memoryview] = {}
+
+    def put(data: memoryview) -> None:
+        conn.sendall(RawTcp.HEAD.pack(1, len(data)))
+        conn.sendall(data)
+        assert conn.recv(1) == b"k"
+
+    def get(n: int) -> None:
+        conn.sendall(RawTcp.HEAD.pack(2, n))
+        buf = bufs.setdefault(n, memoryview(np.empty(n, np.uint8)))  # type: ignore[arg-type]
+        assert recv_into_all(conn, buf)
+
+    return put, get, conn
+
+
 def raw_client(port: int) -> tuple[Any, Any, grpc.Channel]:
     ch = grpc.insecure_channel(f"127.0.0.1:{port}", options=OPTS)
     return ch.stream_unary("/raw.Raw/Put"), ch.unary_stream("/raw.Raw/Get"), ch
@@ -222,7 +291,8 @@ def h2d_s(nbytes: int, repeat: int) -> list[float] | None:
 
 
 def measure(clients: dict[str, Client], put: Any, get: Any, layout: KVLayout, tokens: int,
-            repeat: int, unary: tuple[Any, Any]) -> list[dict[str, Any]]:
+            repeat: int, unary: tuple[Any, Any], tcp: tuple[Any, Any]
+            ) -> list[dict[str, Any]]:
     """Rows for one context length: limits first, then every kdn path."""
     kv = random_cache(layout, tokens)
     parts = codec.encode_parts(kv, "raw", wire=True, layers_per_frame=0)  # as Client.store
@@ -247,22 +317,24 @@ def measure(clients: dict[str, Client], put: Any, get: Any, layout: KVLayout, to
 
     # The gRPC paths are timed in turns with the raw service (writes, then reads); the
     # same-host paths one after another, as their memcpy limit is.
+    entry = memoryview(whole)[len(key):]
     writes: list[tuple[str, str, Callable[[], object]]] = [
         ("put", "raw-grpc", lambda: put(iter(msgs))),
         ("put", "raw-grpc-unary", lambda: unary[0](whole)),
-        ("put", "raw-grpc-1mib", lambda: put(iter(mib)))]
+        ("put", "raw-grpc-1mib", lambda: put(iter(mib))),
+        ("put", "raw-tcp", lambda: tcp[0](entry))]
     reads: list[tuple[str, str, Callable[[], object]]] = [
         ("get", "raw-grpc", raw_get), ("get", "raw-grpc-unary", raw_get_one),
-        ("get", "raw-grpc-1mib", raw_get_mib)]
+        ("get", "raw-grpc-1mib", raw_get_mib), ("get", "raw-tcp", lambda: tcp[1](len(entry)))]
     local: list[tuple[str, str, Callable[[], object]]] = []
     for path, client in clients.items():
-        mine = reads if path.startswith("grpc") else local
+        mine = reads if path.startswith(REMOTE) else local
         if path == "inproc" or path.startswith("grpc-") and path != "grpc-1":
             # reads only: the tier is filled by the stores; grpc-N stores like grpc-1
             if path == "inproc":
                 mine.append(("fetch", path, lambda c=client: c.fetch(key)))
         else:
-            (writes if path.startswith("grpc") else local).append(
+            (writes if path.startswith(REMOTE) else local).append(
                 ("store", path, lambda c=client: c.store(key, parts)))
             mine.append(("fetch", path, lambda c=client: c.fetch(key)))
         mine.append(("retrieve", path, lambda c=client: c.retrieve(key, layout=layout)))
@@ -293,6 +365,8 @@ def measure(clients: dict[str, Client], put: Any, get: Any, layout: KVLayout, to
                          ("get", "raw-grpc-unary", times.pop(("get", "raw-grpc-unary"))),
                          ("put", "raw-grpc-1mib", times.pop(("put", "raw-grpc-1mib"))),
                          ("get", "raw-grpc-1mib", times.pop(("get", "raw-grpc-1mib"))),
+                         ("put", "raw-tcp", times.pop(("put", "raw-tcp"))),
+                         ("get", "raw-tcp", times.pop(("get", "raw-tcp"))),
                          ("copy", "memcpy-read", memcpy_read_s(nbytes, repeat)),
                          ("copy", "h2d-pinned", h2d_s(nbytes, repeat))):
         if ts is None:
@@ -304,9 +378,13 @@ def measure(clients: dict[str, Client], put: Any, get: Any, layout: KVLayout, to
                                        for form in ("", "-unary", "-1mib")
                                        for op in ("put", "get"))
     for (op, path), ts in times.items():
-        limit = "raw-grpc" if path.startswith("grpc") else \
+        limit = "raw-grpc" if path.startswith(REMOTE) else \
             "memcpy-read" if path == "shm-read" else "memcpy"
         rows.append(_row(op, path, tokens, nbytes, ts, limit, limits))
+        if path == "tcp":  # and the transport it runs on, the same direction
+            raw = f"raw-tcp-{'put' if op == 'store' else 'get'}"
+            rows[-1]["tcp_limit"] = raw
+            rows[-1]["ratio_to_raw_tcp"] = rows[-1]["gb_s"] / limits[(raw, tokens)]
     for path, client in clients.items():
         back = client.retrieve(key, layout=layout)
         assert back is not None and back.equal(kv), path
@@ -354,12 +432,14 @@ def batch_rows(clients: dict[str, Client], layout: KVLayout, repeat: int,
                          timed(lambda c=client: c.store_many(items), repeat), "memcpy", limits))
         rows.append(_row("fetch", path, tokens * 64, nbytes,
                          timed(lambda c=client: c.fetch_many(ks), repeat), "memcpy", limits))
-    remote, loop = clients["grpc-1"], clients["grpc-1"]
+    remote, loop, tcp = clients["grpc-1"], clients["grpc-1"], clients["tcp"]
     times = interleaved([
         ("put", "raw-grpc-1mib", lambda: put(iter(mib))),
         ("store", "batch-inline", lambda: remote.store_many(items)),
+        ("store", "batch-tcp", lambda: tcp.store_many(items)),
         ("get", "raw-grpc-1mib", raw_get),
         ("fetch", "batch-inline", lambda: remote.fetch_many(ks)),
+        ("fetch", "batch-tcp", lambda: tcp.fetch_many(ks)),
         ("fetch", "loop-grpc-1", lambda: [loop.fetch(k) for k in ks])], repeat)
     for (op, path), ts in times.items():
         rows.append(_row(op, path, tokens * 64, nbytes, ts,
@@ -371,21 +451,23 @@ def serve_raw() -> None:
     """``--raw-server``: the raw service alone in this process (its port on stdout) until
     stdin closes: the baseline of a remote client, in a process of its own as kdn's is."""
     tune_allocator(server_trim_bytes(SERVER_RAM_BYTES))  # as ``kdn serve`` sets it
-    raw = RawServer()
-    print(raw.port, flush=True)
+    raw, tcp = RawServer(), RawTcp()
+    print(raw.port, tcp.port, flush=True)
     sys.stdin.read()
+    tcp.stop()
     raw.stop()
 
 
 @contextmanager
-def raw_service(where: str) -> Iterator[int]:
-    """The raw service's port: in a process of its own (``process``) or on a thread of this
-    one (``thread``)."""
+def raw_service(where: str) -> Iterator[tuple[int, int]]:
+    """The raw services' ports (gRPC, TCP): in a process of their own (``process``) or on
+    threads of this one (``thread``)."""
     if where == "thread":
-        raw = RawServer()
+        raw, tcp = RawServer(), RawTcp()
         try:
-            yield raw.port
+            yield raw.port, tcp.port
         finally:
+            tcp.stop()
             raw.stop()
         return
     proc = subprocess.Popen([sys.executable, "-m", "bench.roundtrip", "--raw-server"],
@@ -394,7 +476,8 @@ def raw_service(where: str) -> Iterator[int]:
         line = proc.stdout.readline() if proc.stdout is not None else b""
         if not line.strip():
             raise RuntimeError(f"raw service exited with {proc.wait()}")
-        yield int(line)
+        grpc_port, tcp_port = map(int, line.split())
+        yield grpc_port, tcp_port
     finally:
         if proc.stdin is not None:
             proc.stdin.close()
@@ -433,20 +516,23 @@ def run(tokens_list: list[int], repeat: int, out: Path, server: str = "process"
     layout = smollm2_like_layout()
     rows: list[dict[str, Any]] = []
     big = 512 << 20
-    with tempfile.TemporaryDirectory() as tmp, raw_service(server) as raw_port, \
+    with tempfile.TemporaryDirectory() as tmp, raw_service(server) as (raw_port, tcp_port), \
             kdn_services(Path(tmp), server, big) as (address, copy_address):
         put, get, ch = raw_client(raw_port)
-        clients = {
-            "grpc-1": Client(address, max_message_bytes=big, shm_bytes=0),
+        tcp_put, tcp_get, tcp_conn = raw_tcp_client(tcp_port)
+        clients = {  # a remote client's paths: gRPC (data_path off) and the data path (tcp)
+            "grpc-1": Client(address, max_message_bytes=big, shm_bytes=0, data_path=False),
             f"grpc-{STREAMS}": Client(address, max_message_bytes=big, shm_bytes=0,
-                                      streams=STREAMS),
+                                      streams=STREAMS, data_path=False),
+            "tcp": Client(address, max_message_bytes=big, shm_bytes=0),
             "shm": Client(address, max_message_bytes=big, shm_bytes=1 << 30),
             "shm-copy": Client(copy_address, max_message_bytes=big, shm_bytes=1 << 30),
             "inproc": Client(address, max_message_bytes=big, shm_bytes=0,
-                             local_bytes=2 << 30),
+                             local_bytes=2 << 30, data_path=False),
         }
         for tokens in tokens_list:
-            rows += measure(clients, put, get, layout, tokens, repeat, raw_unary(ch))
+            rows += measure(clients, put, get, layout, tokens, repeat, raw_unary(ch),
+                            (tcp_put, tcp_get))
         limits = {(r["path"], r["tokens"]): r["gb_s"] for r in rows if r["op"] == "copy"}
         limits.update({("raw-grpc", r["tokens"]): max(
             x["gb_s"] for x in rows
@@ -467,8 +553,9 @@ def run(tokens_list: list[int], repeat: int, out: Path, server: str = "process"
         for c in clients.values():
             c.close()
         ch.close()
+        tcp_conn.close()
     print_table(rows, ["op", "path", "tokens", "bytes", "gb_s", "limit", "ratio_to_limit",
-                       "ratio_to_same_direction"])
+                       "ratio_to_same_direction", "ratio_to_raw_tcp"])
     write_json(out, "roundtrip", rows, repeat=repeat, layout="30 layers x 3 heads x 64 fp16",
                message="one gRPC message per frame (~1 MiB or one layer) on the stream "
                "paths; reads past 64 MiB in 1 MiB pieces",

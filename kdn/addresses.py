@@ -18,6 +18,29 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def data_host(address: str) -> str:
+    """The host of the gRPC target ``address`` (``host:port``, ``[v6]:port``, behind a
+    ``dns:``, ``ipv4:`` or ``ipv6:`` scheme; the first of a list), where the server's network
+    data path listens too; "" for a unix socket or a target naming a DNS server of its own."""
+    if address.startswith(("unix:", "unix-abstract:")):
+        return ""
+    target = address
+    for scheme in ("dns:", "ipv4:", "ipv6:"):
+        if target.startswith(scheme):
+            target = target[len(scheme):]
+            if target.startswith("//"):
+                authority, _, target = target[2:].partition("/")
+                if authority:
+                    return ""
+            break
+    part = target.split(",")[0]
+    if part.startswith("["):
+        return part[1:part.find("]")] if "]" in part else ""
+    if part.count(":") == 1:
+        return part.split(":")[0]
+    return part
+
+
 def same_host(address: str) -> bool:
     """Whether the gRPC target ``address`` names only this machine: a unix socket, or
     loopback hosts (``localhost``, 127.0.0.0/8, ::1), also behind a ``dns:``, ``ipv4:`` or

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import socket
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -411,3 +412,54 @@ def read_exact(conn: socket.socket, n: int) -> bytes | None:
             return None
         buf += chunk
     return bytes(buf)
+
+
+NET_GET_MANY, NET_PUT_MANY = 4, 5
+"""The network data path's calls (``kdn.server.netpath``): a GetMany whose answer is followed
+by the present entries' bytes, a PutMany followed by its items' bytes (``PutItem.region``:
+where each lies in them, one after another)."""
+SEND_PIECES = 64
+"""Buffers one ``sendmsg`` hands the kernel at most (well under IOV_MAX)."""
+SMALL_PIECE = 64 << 10
+"""Pieces under this size are joined with their neighbours before they are sent (one
+syscall, one TCP segment, for a header and a small entry)."""
+
+
+def send_pieces(conn: socket.socket, pieces: Sequence[bytes | memoryview]) -> None:
+    """Send ``pieces`` in order without joining the large ones (their bytes go from where they
+    lie straight into the kernel): runs of small pieces joined, then ``sendmsg`` of up to
+    ``SEND_PIECES`` buffers at a time, resumed where a partial send stopped."""
+    bufs: list[bytes | memoryview] = []
+    small: list[bytes | memoryview] = []
+    for piece in pieces:
+        if len(piece) < SMALL_PIECE:
+            small.append(piece)
+            continue
+        if small:
+            bufs.append(b"".join(small))
+            small = []
+        bufs.append(memoryview(piece).cast("B"))
+    if small:
+        bufs.append(b"".join(small))
+    i = 0
+    while i < len(bufs):
+        batch = bufs[i:i + SEND_PIECES]
+        sent = conn.sendmsg(batch)
+        for b in batch:
+            if sent < len(b):
+                if sent:
+                    bufs[i] = memoryview(b)[sent:]
+                break
+            sent -= len(b)
+            i += 1
+
+
+def recv_into_all(conn: socket.socket, view: memoryview) -> bool:
+    """Fill ``view`` from ``conn``; False when it closed first."""
+    at, n = 0, len(view)
+    while at < n:
+        got = conn.recv_into(view[at:], n - at)
+        if not got:
+            return False
+        at += got
+    return True

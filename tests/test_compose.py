@@ -69,6 +69,8 @@ def test_compose_settings_are_safe_as_written() -> None:
         interpolate(env["KDN_AUTH_TENANTS"], {})
     assert env["KDN_METRICS_HOST"] == "0.0.0.0" and env["KDN_METRICS_PORT"] in kdn["expose"]
     assert all(str(p).startswith("127.0.0.1:") for p in kdn["ports"])  # plaintext: host only
+    port = env["KDN_DATA_PORT"]  # the data path: clients learn its number from the server
+    assert f"127.0.0.1:{port}:{port}" in kdn["ports"]
     assert "healthcheck" in kdn and "healthcheck" in redis
     # the drain (in-flight calls, KDN_SHUTDOWN_GRACE_S), then the write-behind flush (up to as
     # long again, kdn.server.app): compose must wait longer than both before its SIGKILL
@@ -122,6 +124,7 @@ def test_the_compose_pair_runs_as_written(tmp_path: Path) -> None:
         env["KDN_REDIS_URL"] = env["KDN_REDIS_URL"].replace("redis:6379",
                                                             f"127.0.0.1:{redis_port}")
         env["KDN_PORT"], env["KDN_METRICS_PORT"] = str(kdn_port), str(metrics_port)
+        env["KDN_DATA_PORT"] = str(free_port())
         env["KDN_DATA_DIR"] = str(tmp_path / "kdn-data")  # the Dockerfile's /data volume
         env["KDN_HOST"] = "127.0.0.1"  # the container's 0.0.0.0, kept off this host's network
         env["KDN_METRICS_HOST"] = "127.0.0.1"

@@ -92,9 +92,10 @@ def torch_equal(a: tuple, b: tuple) -> bool:
     return bool((a[0] == b[0]).all() and (a[1] == b[1]).all())
 
 
-@pytest.mark.parametrize("shm", [8 << 20, 0], ids=["segment", "inline"])
-def test_many_entries_per_call(server: ServerThread, shm: int) -> None:
-    with Client(server.address, timeout_s=30, shm_bytes=shm) as c:
+@pytest.mark.parametrize(("shm", "net"), [(8 << 20, True), (0, True), (0, False)],
+                         ids=["segment", "data-path", "inline"])
+def test_many_entries_per_call(server: ServerThread, shm: int, net: bool) -> None:
+    with Client(server.address, timeout_s=30, shm_bytes=shm, data_path=net) as c:
         items = [(_key(i), random_kv(pruned_layout(), 16 + i, seed=i)) for i in range(24)]
         results = c.store_many(items, mode="lossless")
         assert [r.stored_bytes > 0 for r in results] == [True] * 24
@@ -104,7 +105,7 @@ def test_many_entries_per_call(server: ServerThread, shm: int) -> None:
         assert all(g is not None and g.equal(kv) for g, (_, kv) in zip(got, items))
         assert c.dataplane.attached == bool(shm)
         counters = c.stats().counters
-        batch = "getmany" if shm else "retrievemany"  # remote: one grouped RetrieveMany
+        batch = "getmany" if shm or net else "retrievemany"  # gRPC: one grouped RetrieveMany
         assert counters[f"{batch}.hit"] == 24 and counters[f"{batch}.miss"] == 1
 
 

@@ -18,7 +18,7 @@ def test_layer_zero_usable_before_last_frame_arrives(tmp_path: Path) -> None:
     lay = uniform_layout(layers=48, heads=4, dim=64)
     kv = random_kv(lay, tokens=1024)  # 1 MiB per layer frame, 48 frames
     key = keys.chunk_key([7], lay)
-    with ServerThread(cfg) as st, Client(st.address, shm_bytes=0) as c:
+    with ServerThread(cfg) as st, Client(st.address, shm_bytes=0, data_path=False) as c:
         c.store(key, kv, mode="raw")
         stream = c.retrieve_stream(key, layout=lay)
         assert stream is not None
@@ -38,7 +38,7 @@ def test_layer_window_and_errors(tmp_path: Path) -> None:
     lay = uniform_layout(layers=6)
     kv = random_kv(lay, tokens=8)
     key = keys.chunk_key([8], lay)
-    with ServerThread(cfg) as st, Client(st.address, shm_bytes=0) as c:
+    with ServerThread(cfg) as st, Client(st.address, shm_bytes=0, data_path=False) as c:
         c.store(key, kv, mode="lossless", layers_per_frame=2)
         stream = c.retrieve_stream(key, first_layer=2, last_layer=4)
         assert stream is not None
@@ -59,7 +59,7 @@ def test_cancel_and_deadline_stop_server_work(tmp_path: Path) -> None:
     lay = uniform_layout(layers=64, heads=4, dim=64)
     kv = random_kv(lay, tokens=4096)  # 64 frames of 4 MiB: longer to send than the deadline
     key = keys.chunk_key([5], lay)
-    with ServerThread(cfg) as st, Client(st.address, shm_bytes=0) as c:
+    with ServerThread(cfg) as st, Client(st.address, shm_bytes=0, data_path=False) as c:
         c.store(key, kv, mode="raw")
 
         def counters() -> dict[str, int]:
@@ -78,7 +78,7 @@ def test_cancel_and_deadline_stop_server_work(tmp_path: Path) -> None:
         time.sleep(0.3)
         assert counters().get("retrieve.frames_sent", 0) == sent  # and it stays stopped
 
-        with Client(st.address, timeout_s=0.05, shm_bytes=0) as hurried:
+        with Client(st.address, timeout_s=0.05, shm_bytes=0, data_path=False) as hurried:
             stream = hurried.retrieve_stream(key)
             with pytest.raises(DeadlineExceeded):
                 assert stream is not None
@@ -103,11 +103,11 @@ def test_concurrent_streams_share_the_server(tmp_path: Path) -> None:
     progress: list[list[float]] = [[] for _ in range(n)]
     barrier = threading.Barrier(n)
     with ServerThread(cfg) as st:
-        with Client(st.address, shm_bytes=0) as c:
+        with Client(st.address, shm_bytes=0, data_path=False) as c:
             c.store(key, kv, mode="raw")
 
         def run(w: int) -> None:
-            with Client(st.address, shm_bytes=0) as c:
+            with Client(st.address, shm_bytes=0, data_path=False) as c:
                 barrier.wait()
                 stream = c.retrieve_stream(key)
                 assert stream is not None

@@ -66,6 +66,8 @@ def test_cluster_file_runs_several_kdn_servers_on_a_redis_cluster() -> None:
         host_ports += [str(p).rsplit(":", 2)[-2] for p in s["ports"]]
         assert all(str(p).startswith("127.0.0.1:") for p in s["ports"])  # plaintext: host only
         assert str(s["ports"][0]).endswith(f":{cfg.port}")
+        # the data path: clients learn its port from the server, so published at that number
+        assert f"127.0.0.1:{cfg.data_port}:{cfg.data_port}" in s["ports"]
     assert len(set(host_ports)) == len(host_ports), "two kdn servers on one host port"
     used = {v.split(":")[0] for s in services.values() for v in s.get("volumes", [])}
     assert used <= set(doc.get("volumes") or {}), "undeclared named volume"

@@ -173,7 +173,8 @@ def test_a_retrieve_sends_back_the_very_messages_a_store_brought(server: ServerT
     parts = _parts(600, seed=6)  # ~600 KiB frames, 2.4 MB
     key = keys.chunk_key([6], LAYOUT)
     msgs = list(parts.messages() or [frame_message(i, f) for i, f in enumerate(parts.frames)])
-    with grpc.insecure_channel(server.address) as ch, Client(server.address, shm_bytes=0) as c:
+    with grpc.insecure_channel(server.address) as ch, \
+            Client(server.address, shm_bytes=0, data_path=False) as c:
         stub = pb_grpc.KDNStub(ch)
         stub.Store(iter(_store_stream(parts, key, msgs)), timeout=30)
         before = c.stats().counters["wire_memo.misses"]
@@ -205,7 +206,8 @@ def test_a_store_is_kept_as_its_frames_up_to_half_the_heap_the_allocator_keeps(
     parts = _parts(600, seed=9)
     assert 2 << 20 < parts.nbytes < 4 << 20
     key = keys.chunk_key([9], LAYOUT)
-    with grpc.insecure_channel(server.address) as ch, Client(server.address, shm_bytes=0) as c:
+    with grpc.insecure_channel(server.address) as ch, \
+            Client(server.address, shm_bytes=0, data_path=False) as c:
         c.store(key, parts)
         before = c.stats().counters["wire_memo.misses"]
         answer = _raw_retrieve(ch, key)
@@ -240,7 +242,7 @@ def test_a_getmany_that_only_learns_the_size_leaves_the_frames_as_they_came(
     parts = _parts(1100, seed=8)  # 4.5 MB: past INLINE_ENTRY_BYTES, frames of ~1.1 MiB
     assert parts.nbytes > dataplane.INLINE_ENTRY_BYTES
     key = keys.chunk_key([8], LAYOUT)
-    with Client(server.address, shm_bytes=0) as c:
+    with Client(server.address, shm_bytes=0, data_path=False) as c:
         c.store(key, parts)
         before = c.stats().counters
         got = c.fetch(key)  # GetMany (its length), then Retrieve
@@ -258,7 +260,8 @@ def test_a_store_in_pieces_is_kept_as_frames_and_read_back_whole(server: ServerT
     key = keys.chunk_key([7], LAYOUT)
     msgs = [m for i, f in enumerate(parts.frames) for m in piece_messages(i, f, MIN_PIECE_BYTES)]
     assert len(msgs) > len(parts.frames)
-    with grpc.insecure_channel(server.address) as ch, Client(server.address, shm_bytes=0) as c:
+    with grpc.insecure_channel(server.address) as ch, \
+            Client(server.address, shm_bytes=0, data_path=False) as c:
         pb_grpc.KDNStub(ch).Store(iter(_store_stream(parts, key, msgs)), timeout=30)
         answer = _raw_retrieve(ch, key)
         assert answer[1:] == [frame_message(i, f) for i, f in enumerate(parts.frames)]
@@ -277,7 +280,8 @@ def test_frames_longer_than_their_prefix_declares_are_refused_on_both_sides(
     extra = frame_message(0, b"\0" * MIN_PIECE_BYTES, len(first))
     msgs = [frame_message(i, f) for i, f in enumerate(parts.frames)]
     long_stream = [msgs[0], extra, *msgs[1:]]
-    with grpc.insecure_channel(server.address) as ch, Client(server.address, shm_bytes=0) as c:
+    with grpc.insecure_channel(server.address) as ch, \
+            Client(server.address, shm_bytes=0, data_path=False) as c:
         stub = pb_grpc.KDNStub(ch)
         stub.Store(iter(_store_stream(parts, key, msgs)), timeout=30)
         with pytest.raises(grpc.RpcError) as info:

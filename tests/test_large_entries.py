@@ -70,7 +70,7 @@ def test_an_entry_bigger_than_the_buffer_threshold_round_trips(tmp_path: Path) -
     kv = _kv(layout, tokens)
     key = keys.chunk_key([7], layout)
     cfg = ServerConfig(port=0, data_dir=tmp_path / "d", ram_bytes=1 << 30, disk_bytes=1 << 30)
-    with ServerThread(cfg) as server, Client(server.address, shm_bytes=0) as c:
+    with ServerThread(cfg) as server, Client(server.address, shm_bytes=0, data_path=False) as c:
         resp = c.store(key, kv, mode="raw")  # over gRPC: the Store stream
         assert resp.stored_bytes > _BUFFER_FROM
         got = c.retrieve(key, layout=layout)
@@ -114,7 +114,7 @@ def test_a_frame_too_big_for_one_message_is_refused_before_sending(tmp_path: Pat
     kv = _kv(layout, 2048)  # 4 MiB per layer
     key = keys.chunk_key([9], layout)
     with ServerThread(ServerConfig(port=0, data_dir=tmp_path / "d")) as server:
-        with Client(server.address, shm_bytes=0, max_message_bytes=1 << 20) as c:
+        with Client(server.address, shm_bytes=0, data_path=False, max_message_bytes=1 << 20) as c:
             with pytest.raises(TooLarge, match="store fewer tokens per entry"):
                 c.store(key, kv, mode="raw", layers_per_frame=1)
             assert not c.lookup([key]).infos[0].present
@@ -168,7 +168,7 @@ def test_large_frames_checked_as_they_land_refuse_damage_and_keep_the_old_value(
         frames[1], words = frames[1][:-7], "frame 1"
     total = len(head) + sum(map(len, frames))
     with ServerThread(ServerConfig(port=0, data_dir=tmp_path / "d")) as server, \
-            Client(server.address, shm_bytes=0) as c, \
+            Client(server.address, shm_bytes=0, data_path=False) as c, \
             grpc.insecure_channel(server.address, options=[
                 ("grpc.max_send_message_length", 64 << 20)]) as ch:
         c.store(key, old, mode="raw")

@@ -41,7 +41,7 @@ def test_tokens_and_entries_are_counted_on_every_read_path(tmp_path: Path) -> No
     cfg = ServerConfig(port=0, data_dir=tmp_path / "d", metrics_port=0)
     a, b = keys.chunk_key([1], LAY), keys.chunk_key([2], LAY)
     with ServerThread(cfg) as st:
-        with Client(st.address, shm_bytes=0) as c:
+        with Client(st.address, shm_bytes=0, data_path=False) as c:
             c.store(a, random_kv(LAY, 8), mode="raw")
             c.store(b, random_kv(LAY, 4), mode="lossless")
             assert c.retrieve_stream(a).result() is not None  # the Retrieve stream
@@ -73,7 +73,7 @@ def test_a_remote_read_that_learns_an_entry_is_large_counts_it_once(tmp_path: Pa
     lay = uniform_layout(layers=4, heads=4, dim=64, model="model-b")  # 4 KiB a token
     big, small = keys.chunk_key([1], lay), keys.chunk_key([2], lay)
     with ServerThread(ServerConfig(port=0, data_dir=tmp_path / "d", metrics_port=0)) as st:
-        with Client(st.address, shm_bytes=0) as c:
+        with Client(st.address, shm_bytes=0, data_path=False) as c:
             c.store(big, random_kv(lay, 1100), mode="raw")  # 4.5 MB: past INLINE_ENTRY_BYTES
             c.store(small, random_kv(lay, 10), mode="raw")
             assert c.fetch(big) is not None  # GetMany (its size), then Retrieve
@@ -211,7 +211,7 @@ def test_client_histograms_on_a_real_retrieve(tmp_path: Path) -> None:
     metrics.enable(registry)
     try:
         with ServerThread(ServerConfig(port=0, data_dir=tmp_path / "d")) as st:
-            with Client(st.address, shm_bytes=0) as c:
+            with Client(st.address, shm_bytes=0, data_path=False) as c:
                 c.store(a, random_kv(LAY, 8), mode="lossless")
                 assert c.retrieve_stream(a).result() is not None  # the Retrieve stream
                 assert c.retrieve(a) is not None  # GetMany
@@ -248,7 +248,7 @@ def test_kdn_serve_exports_spans_named_by_the_standard_environment(tmp_path: Pat
                                   cwd=tmp_path)
     try:
         wait_until(lambda: port_open(port), "kdn", server)  # type: ignore[arg-type]
-        with Client(f"127.0.0.1:{port}", shm_bytes=0) as c:
+        with Client(f"127.0.0.1:{port}", shm_bytes=0, data_path=False) as c:
             c.store(keys.chunk_key([1], LAY), random_kv(LAY, 4))
         server.send_signal(signal.SIGTERM)
         assert server.wait(timeout=60) == 0

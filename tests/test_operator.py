@@ -119,7 +119,8 @@ def test_metrics_and_request_ids(secured: ServerThread, caplog: pytest.LogCaptur
                                  ) -> None:
     key = keys.chunk_key([3], LAY)
     with caplog.at_level(logging.INFO, logger="kdn.access"):
-        with Client(secured.address, api_key="key-a", shm_bytes=0) as c:  # the Store RPC
+        with Client(secured.address, api_key="key-a", shm_bytes=0,  # the Store RPC
+                    data_path=False) as c:
             c.store(key, random_kv(LAY, 4))
             rid = c.last_request_id
             assert c.retrieve(key) is not None  # a whole entry: GetMany

@@ -47,7 +47,7 @@ def test_a_retrieve_over_several_streams_returns_the_whole_entry(
         server: ServerThread, split: None, streams: int, layers_per_frame: int) -> None:
     lay = pruned_layout()
     kv = random_kv(lay, 33, seed=streams)
-    with Client(server.address, shm_bytes=0, streams=streams) as c:
+    with Client(server.address, shm_bytes=0, data_path=False, streams=streams) as c:
         c.store(_key(1), kv, mode="raw", layers_per_frame=layers_per_frame)
         back = c.retrieve(_key(1), layout=lay)
         assert back is not None and back.equal(kv)
@@ -68,7 +68,7 @@ def test_the_in_process_tier_keeps_what_several_streams_brought(server: ServerTh
                                                                  split: None) -> None:
     lay = uniform_layout(layers=6)
     kv = random_kv(lay, 20, seed=3)
-    with Client(server.address, shm_bytes=0, streams=3, local_bytes=1 << 20) as c:
+    with Client(server.address, shm_bytes=0, data_path=False, streams=3, local_bytes=1 << 20) as c:
         c.store(_key(4), kv, mode="raw", layers_per_frame=1)
         assert c.local is not None
         c.local.discard(c.namespace, _key(4))
@@ -83,7 +83,7 @@ def test_an_overwrite_between_the_streams_reads_one_version(server: ServerThread
                                                              monkeypatch: Any) -> None:
     lay = uniform_layout(layers=4)
     old, new = random_kv(lay, 16, seed=1), random_kv(lay, 16, seed=2)
-    with Client(server.address, shm_bytes=0, streams=2) as c:
+    with Client(server.address, shm_bytes=0, data_path=False, streams=2) as c:
         c.store(_key(5), old, mode="raw", layers_per_frame=1)
         c.store(_key(6), new, mode="raw", layers_per_frame=1)
         real = c._retrieve_calls
@@ -112,7 +112,7 @@ def test_only_an_entry_large_enough_is_split(server: ServerThread,
     past it are not waited for)."""
     lay = uniform_layout(layers=8)
     kv = random_kv(lay, 40, seed=11)
-    with Client(server.address, shm_bytes=0, streams=4) as c:
+    with Client(server.address, shm_bytes=0, data_path=False, streams=4) as c:
         c.store(_key(7), kv, mode="raw", layers_per_frame=1)
         nbytes = c.fetch(_key(7)).parts.nbytes  # type: ignore[union-attr]
         calls: list[tuple[int, int]] = []

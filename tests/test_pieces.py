@@ -124,7 +124,8 @@ def test_the_server_sends_pieces_only_when_asked_and_only_for_entries_large_enou
         server: ServerThread) -> None:
     parts = _parts(seed=2)
     key = keys.chunk_key([1], LAYOUT)
-    with Client(server.address, shm_bytes=0) as c, grpc.insecure_channel(server.address) as ch:
+    with Client(server.address, shm_bytes=0, data_path=False) as c, \
+            grpc.insecure_channel(server.address) as ch:
         c.store(key, parts)
         stub = pb_grpc.KDNStub(ch)
         for _ in range(2):  # built, then from the memo: the same messages
@@ -152,7 +153,7 @@ def test_a_fetch_past_the_kept_size_asks_for_pieces_and_gets_the_entry(
     asked: list[pb.RetrieveRequest] = []
     kv = random_kv(LAYOUT, 300, seed=3)
     small = random_kv(LAYOUT, 20, seed=4)
-    with Client(server.address, shm_bytes=0) as c:
+    with Client(server.address, shm_bytes=0, data_path=False) as c:
         start = c._retrieve_call  # noqa: SLF001
 
         def counted(req: pb.RetrieveRequest, **kw: object) -> object:
@@ -204,7 +205,8 @@ def test_store_takes_frames_in_pieces_and_refuses_pieces_that_do_not_add_up(
     key = keys.chunk_key([tokens], LAYOUT)
     msgs = [m for i, f in enumerate(parts.frames) for m in piece_messages(i, f, MIN_PIECE_BYTES)]
     assert len(msgs) > len(parts.frames)
-    with grpc.insecure_channel(server.address) as ch, Client(server.address, shm_bytes=0) as c:
+    with grpc.insecure_channel(server.address) as ch, \
+            Client(server.address, shm_bytes=0, data_path=False) as c:
         stub = pb_grpc.KDNStub(ch)
         assert stub.Store(iter(_store_stream(parts, key, msgs)), timeout=30).stored_bytes \
             == parts.nbytes
@@ -240,7 +242,7 @@ def test_a_layer_stream_handed_pieces_fails_and_never_returns_tensors(
 
     kv = random_kv(LAYOUT, 300, seed=7)
     key = keys.chunk_key([7], LAYOUT)
-    with Client(server.address, shm_bytes=0) as c:
+    with Client(server.address, shm_bytes=0, data_path=False) as c:
         c.store(key, kv, mode="raw", layers_per_frame=1)
         req = pb.RetrieveRequest(key=key, piece_bytes=MIN_PIECE_BYTES)
         stream = c.layer_stream(c._retrieve_call, req)  # noqa: SLF001

@@ -29,7 +29,7 @@ def _small_messages(tmp_path: Path) -> Iterator[tuple[Client, KVLayout]]:
     """A remote client of a server whose messages carry 64 KiB at most, and a layout."""
     cfg = ServerConfig(port=0, data_dir=tmp_path / "d", disk_bytes=0,
                        max_message_bytes=64 << 10)
-    with ServerThread(cfg) as st, Client(st.address, shm_bytes=0) as c:
+    with ServerThread(cfg) as st, Client(st.address, shm_bytes=0, data_path=False) as c:
         yield c, uniform_layout(layers=8, heads=2, dim=64)
 
 
@@ -104,7 +104,7 @@ def test_a_remote_retrieve_reads_the_entry_whole_and_catches_damage(
     comes back as tensors."""
     tokens = INLINE_BYTES // LAYOUT.bytes_per_token + 500 if streamed else 40
     kv = random_kv(LAYOUT, tokens, seed=30)
-    with Client(server.address, timeout_s=30, shm_bytes=0) as c:
+    with Client(server.address, timeout_s=30, shm_bytes=0, data_path=False) as c:
         assert not c.dataplane.attached and c.streams == 1
         c.retrieve_stream = None  # type: ignore[method-assign,assignment]  # not the way here
         c.store(_key(30), kv, mode="raw", layers_per_frame=1)
@@ -163,7 +163,7 @@ def test_a_remote_batch_sends_small_entries_inline_and_streams_large_ones(
     small = [random_kv(lay, 100, seed=70 + i) for i in range(4)]  # ~200 KB each
     large = [random_kv(lay, 900, seed=75 + i) for i in range(2)]  # ~1.9 MB each
     big = random_kv(lay, client_puts.PUT_INLINE_BYTES // lay.bytes_per_token + 200, seed=79)
-    with Client(server.address, timeout_s=30, shm_bytes=0) as c:
+    with Client(server.address, timeout_s=30, shm_bytes=0, data_path=False) as c:
         assert not c.dataplane.attached
         puts: list[int] = []
         real_put = c.dataplane._put
@@ -223,7 +223,7 @@ def test_an_entry_read_alone_streams_past_the_inline_entry_budget(
     small = random_kv(lay, dataplane.INLINE_ENTRY_BYTES // per_token // 2, seed=90)
     large = random_kv(lay, dataplane.INLINE_ENTRY_BYTES // per_token + 300, seed=91)
     assert dataplane.INLINE_ENTRY_BYTES < large.nbytes < dataplane.INLINE_BYTES // 2
-    with Client(server.address, timeout_s=30, shm_bytes=0) as c:
+    with Client(server.address, timeout_s=30, shm_bytes=0, data_path=False) as c:
         assert not c.dataplane.attached and c.streams == 1
         c.store(_key(90), small, mode="raw")
         c.store(_key(91), large, mode="raw")
@@ -305,8 +305,8 @@ def test_writes_through_tensors_that_view_received_messages_change_nothing_store
     what the next retrieve brings."""
     tokens = INLINE_BYTES // LAYOUT.bytes_per_token + 100  # past the inline budget: a stream
     kv = random_kv(LAYOUT, tokens, seed=41)
-    with Client(server.address, shm_bytes=0) as remote, \
-            Client(server.address, shm_bytes=0, local_bytes=256 << 20) as tiered:
+    with Client(server.address, shm_bytes=0, data_path=False) as remote, \
+            Client(server.address, shm_bytes=0, data_path=False, local_bytes=256 << 20) as tiered:
         remote.store(_key(41), kv, mode="raw", layers_per_frame=1)
         for c in (remote, tiered):
             for read in (lambda c=c: c.retrieve(_key(41), layout=LAYOUT),

@@ -59,7 +59,7 @@ def test_a_batch_reads_small_entries_inline_and_large_ones_in_one_stream(
     """Entries of 32 KiB to 2 MiB and misses mixed: every entry reads back as stored, misses are
     None, and all came by one grouped RetrieveMany (no GetMany, no Retrieve)."""
     sizes = [8, 256, 16, 512, 200, 64, 160]  # 32 KiB ... 2 MiB
-    with Client(server.address, shm_bytes=0) as c:
+    with Client(server.address, shm_bytes=0, data_path=False) as c:
         stored = _stored(c, sizes)
         large = sum(p.nbytes >= dataplane.STREAM_ENTRY_BYTES for _, p in stored)
         assert 1 < large < len(stored)
@@ -83,7 +83,8 @@ def test_a_batch_reads_small_entries_inline_and_large_ones_in_one_stream(
 
 def test_retrieve_many_answers_each_key_in_order_and_refuses_another_layout(
         server: ServerThread) -> None:
-    with Client(server.address, shm_bytes=0) as c, grpc.insecure_channel(server.address) as ch:
+    with Client(server.address, shm_bytes=0, data_path=False) as c, \
+            grpc.insecure_channel(server.address) as ch:
         stored = _stored(c, [300, 20])
         call = ch.unary_stream("/kdn.v1.KDN/RetrieveMany",
                                request_serializer=pb.RetrieveManyRequest.SerializeToString,
@@ -162,7 +163,7 @@ def test_a_grouped_answer_runs_headers_then_the_frames_of_what_was_not_inline(
     no more inline bytes than ``inline_budget_bytes`` (the entry that would pass it starts the
     next run), a miss is a header of its own, and a streamed entry's frames follow the run
     that holds its header, in order. Every entry reads back as stored."""
-    with Client(server.address, shm_bytes=0) as c, grpc.insecure_channel(
+    with Client(server.address, shm_bytes=0, data_path=False) as c, grpc.insecure_channel(
             server.address, options=[("grpc.max_receive_message_length", 64 << 20)]) as ch:
         stored = _stored(c, [8, 300, 16, 24, 8, 16], layers_per_frame=2)  # 300: 2 frames
         sizes = [p.nbytes for _, p in stored]
@@ -267,7 +268,7 @@ def test_a_damaged_inline_entry_is_caught_when_decoded(server: ServerThread) -> 
 def test_a_server_that_does_not_group_is_read_as_before(server: ServerThread) -> None:
     """A server without grouping ignores the request's grouped fields and answers each key's
     header then its frames: the client reads that form too."""
-    with Client(server.address, shm_bytes=0) as c:
+    with Client(server.address, shm_bytes=0, data_path=False) as c:
         stored = _stored(c, [8, 300, 16])
         plain = c._channel.unary_stream(  # noqa: SLF001 - the grouped fields dropped
             "/kdn.v1.KDN/RetrieveMany",
@@ -292,7 +293,7 @@ def test_a_server_that_does_not_group_is_read_as_before(server: ServerThread) ->
 def test_a_server_without_retrieve_many_is_read_key_by_key(server: ServerThread) -> None:
     """An older server answers UNIMPLEMENTED: the client reads each large entry on its own
     from then on, and the batch still reads back whole."""
-    with Client(server.address, shm_bytes=0) as c:
+    with Client(server.address, shm_bytes=0, data_path=False) as c:
         stored = _stored(c, [300, 400])
         c._retrieve_many_call = c._channel.unary_stream(  # noqa: SLF001 - as an old server
             "/kdn.v1.KDN/NoSuchMethod",
@@ -307,7 +308,8 @@ def test_get_many_leaves_out_entries_past_the_inline_limit_with_their_length(
         server: ServerThread) -> None:
     """Past ``inline_max_entry_bytes`` an entry is left out (its length given), unless its
     frames are small (200 KiB each here: streamed, each would be a message of its own)."""
-    with Client(server.address, shm_bytes=0) as c, grpc.insecure_channel(server.address) as ch:
+    with Client(server.address, shm_bytes=0, data_path=False) as c, \
+            grpc.insecure_channel(server.address) as ch:
         stored = _stored(c, [8, 300, 200], layers_per_frame=1)  # frames of 8/300/200 KiB
         resp = pb_grpc.KDNStub(ch).GetMany(pb.GetManyRequest(
             keys=[k for k, _ in stored], region=pb.Region(length=16 << 20),
@@ -342,7 +344,7 @@ def test_a_remote_batch_store_streams_its_large_entries_and_reads_back(
         for i, t in enumerate(sizes)]
     large = sum(p.nbytes >= dataplane.STREAM_ENTRY_BYTES for _, p in items)
     assert 1 < large < len(items)
-    with Client(server.address, shm_bytes=0) as c:
+    with Client(server.address, shm_bytes=0, data_path=False) as c:
         before = c.stats().counters.get("store.ok", 0)
         done = c.store_many(items)
         assert [r.stored_bytes for r in done] == [p.nbytes for _, p in items]
@@ -387,7 +389,8 @@ def _refused_then_stored(server: ServerThread, msgs: list[object], intact: list[
     """StoreMany of ``msgs`` refused with ``code`` (its details holding ``words``) and none
     of ``items`` stored; then, the monkeypatches undone, ``intact`` stores every one of them
     and they read back as sent."""
-    with grpc.insecure_channel(server.address) as ch, Client(server.address, shm_bytes=0) as c:
+    with grpc.insecure_channel(server.address) as ch, \
+            Client(server.address, shm_bytes=0, data_path=False) as c:
         with pytest.raises(grpc.RpcError) as info:
             pb_grpc.KDNStub(ch).StoreMany(iter(msgs), timeout=30)
         assert info.value.code() == code, info.value.details()
@@ -405,7 +408,7 @@ def _refused_then_stored(server: ServerThread, msgs: list[object], intact: list[
 def test_a_server_without_store_many_is_written_as_before(server: ServerThread) -> None:
     items = [(keys.chunk_key([8200 + i], LAYOUT), codec.encode_parts(
         random_kv(LAYOUT, 300, seed=400 + i), "raw", layers_per_frame=0)) for i in range(2)]
-    with Client(server.address, shm_bytes=0) as c:
+    with Client(server.address, shm_bytes=0, data_path=False) as c:
         c._store_many_call = c._channel.stream_unary(  # noqa: SLF001 - as an old server
             "/kdn.v1.KDN/NoSuchMethod", request_serializer=lambda m: m if isinstance(
                 m, bytes) else m.SerializeToString())
@@ -439,7 +442,7 @@ def test_a_client_groups_its_store_many_once_the_server_says_it_reads_that(
     """The first StoreMany goes a header per entry; its answer says the server reads the
     grouped form (every header in one message, then the frames), and the next goes grouped:
     every entry reads back as stored, both times."""
-    with Client(server.address, shm_bytes=0) as c:
+    with Client(server.address, shm_bytes=0, data_path=False) as c:
         for n, items in enumerate((_batch(8300, 3), _batch(8310, 4))):
             before = c.stats().counters.get("storemany.grouped", 0)
             done = c.store_many(items)
@@ -459,7 +462,7 @@ def test_a_server_that_does_not_say_it_reads_grouped_is_never_sent_one(
         resp.ClearField("reads_grouped")
         return resp
 
-    with Client(server.address, shm_bytes=0) as c:
+    with Client(server.address, shm_bytes=0, data_path=False) as c:
         c._store_many_call = c._channel.stream_unary(  # noqa: SLF001 - as an old server
             "/kdn.v1.KDN/StoreMany", request_serializer=lambda m: m if isinstance(
                 m, bytes) else m.SerializeToString(), response_deserializer=old)
@@ -543,7 +546,7 @@ def test_a_grouped_store_many_refused_as_a_bad_request_goes_again_a_header_per_e
     a header per entry, and it is stored."""
     from kdn.server import service
 
-    with Client(server.address, shm_bytes=0) as c:
+    with Client(server.address, shm_bytes=0, data_path=False) as c:
         c.store_many(_batch(8600, 2))  # learns that the server reads the grouped form
         monkeypatch.setattr(service, "MAX_GROUPED_ENTRIES", 0)  # now refuses every one
         items = _batch(8610, 3)

@@ -278,7 +278,8 @@ def test_oversize_message_and_entry(tmp_path: Path) -> None:
     cfg = ServerConfig(port=0, data_dir=tmp_path / "d", disk_bytes=0,
                        max_message_bytes=64 << 10, max_entry_bytes=1 << 20)
     lay = uniform_layout(layers=2, heads=4, dim=64)
-    with ServerThread(cfg) as st, Client(st.address, shm_bytes=0) as c:  # messages only
+    with ServerThread(cfg) as st, \
+            Client(st.address, shm_bytes=0, data_path=False) as c:  # messages only
         small = random_kv(lay, 4)
         key = keys.chunk_key([1], lay)
         c.store(key, small, mode="raw")

@@ -43,7 +43,8 @@ def test_one_trace_from_the_application_to_the_tiers(tmp_path: Path,
                                                      spans: InMemorySpanExporter) -> None:
     key = keys.chunk_key([1, 2], LAY)
     cfg = ServerConfig(port=0, data_dir=tmp_path / "d", tracing=True)
-    with ServerThread(cfg) as st, Client(st.address, shm_bytes=0, tracing=True) as c:
+    with ServerThread(cfg) as st, \
+            Client(st.address, shm_bytes=0, data_path=False, tracing=True) as c:
         with trace.get_tracer("app").start_as_current_span("app.request") as app:
             c.store(key, random_kv(LAY, 4))
             assert c.retrieve(key) is not None
@@ -70,7 +71,7 @@ def test_one_trace_from_the_application_to_the_tiers(tmp_path: Path,
 def test_nothing_is_traced_unless_asked(tmp_path: Path, spans: InMemorySpanExporter) -> None:
     key = keys.chunk_key([3], LAY)
     with ServerThread(ServerConfig(port=0, data_dir=tmp_path / "d")) as st, \
-            Client(st.address, shm_bytes=0) as c:
+            Client(st.address, shm_bytes=0, data_path=False) as c:
         c.store(key, random_kv(LAY, 4))
         c.retrieve(key)
     assert not tracing.enabled()

@@ -98,7 +98,7 @@ def test_the_memo_is_at_most_a_quarter_of_the_ram_tier(tmp_path: Path) -> None:
 
 @pytest.fixture
 def remote(server: ServerThread) -> Iterator[Client]:
-    with Client(server.address, timeout_s=30, shm_bytes=0) as c:
+    with Client(server.address, timeout_s=30, shm_bytes=0, data_path=False) as c:
         yield c
 
 
@@ -131,7 +131,7 @@ def test_a_stream_racing_overwrites_returns_one_stored_value_whole(
     stop = threading.Event()
 
     def writer() -> None:
-        with Client(server.address, timeout_s=30, shm_bytes=0) as w:
+        with Client(server.address, timeout_s=30, shm_bytes=0, data_path=False) as w:
             i = 0
             while not stop.is_set():
                 i += 1

@@ -33,7 +33,7 @@ import grpc
 
 from kdn import codec
 from kdn import tracing as _tracing
-from kdn.addresses import same_host
+from kdn.addresses import data_host, same_host
 from kdn.buffers import tune_allocator
 from kdn.client import parallel
 from kdn.client.blend import RemotePiece, blend_request
@@ -173,6 +173,7 @@ class Client:
         streams: int = DEFAULT_STREAMS,
         insecure: bool | None = None,
         tracing: bool = False,
+        data_path: bool = True,
     ) -> None:
         if tracing:  # OpenTelemetry spans per call, the trace carried to the server
             _tracing.enable()
@@ -239,8 +240,11 @@ class Client:
         """The in-process tier (``kdn.client.local``), when ``local_bytes`` is set."""
         self._lock = threading.Lock()
         self._extra_channels: list[grpc.Channel] = []
+        # without a shared segment, batches go by the server's network data path where it
+        # offers one (``data_path``; plaintext servers only: kdn.server.netpath)
         self.dataplane = DataPlane(self._stub, self._call, self.metadata, timeout_s, shm_bytes,
-                                   max_message_bytes, keep_leases_bytes)
+                                   max_message_bytes, keep_leases_bytes,
+                                   data_host(address) if data_path and tls is None else "")
 
     def _new_channel(self, *extra: tuple[str, int | str]) -> grpc.Channel:
         options = [*self._options, *extra]
@@ -317,7 +321,7 @@ class Client:
         check_key(key)
         parts = _encoded(kv, mode, level, layers_per_frame)
         opts = _wire_options(options)
-        if self.dataplane.attached:  # same host: the bytes go through the shared segment
+        if self.dataplane.direct:  # through the shared segment (same host) or the data path
             done = self.dataplane.put_many(self._ns(namespace), [(key, parts, opts)],
                                            request_id)[0]
             if not isinstance(done, TooBig):
@@ -394,16 +398,16 @@ class Client:
         req = self._retrieve_request(key, namespace, layout)
         req.first_layer, req.last_layer = first_layer, last_layer
         whole = not (first_layer or last_layer)
-        if whole:  # the in-process tier, then the shared segment (same host)
+        if whole:  # the in-process tier, then the shared segment (same host) or data path
             started = time.perf_counter()
             got = (self._entries(req.namespace, [req.key], layout, request_id,
                                  pinned=on_cuda(device))[0]
-                   if self.dataplane.attached else
+                   if self.dataplane.direct else
                    self._in_process(req.namespace, req.key, layout))
             if isinstance(got, Fetched):
                 return stream_of(got, device, new_timings(started=started),
                                   self.dataplane.segment()[0])
-            if got is None and self.dataplane.attached:
+            if got is None and self.dataplane.direct:
                 return None
         keep = (functools.partial(self._remember, req.namespace, req.key)
                 if whole and self.local is not None else None)  # what the stream brings
@@ -561,7 +565,7 @@ class Client:
         inline (GetMany) and what that did not hold in one RetrieveMany."""
         ns = self._ns(namespace)
         ks = [check_key(k) for k in keys]
-        if len(ks) > 1 and not self.dataplane.attached and self._retrieve_many_ok:
+        if len(ks) > 1 and not self.dataplane.direct and self._retrieve_many_ok:
             local = [self._in_process(ns, k, layout) for k in ks]
             ask = [j for j, g in enumerate(local) if g is None]
             streamed = self._streamed(ns, [ks[j] for j in ask], layout, request_id,
@@ -685,7 +689,7 @@ class Client:
         enc = [(check_key(k), _encoded(kv, mode, level, layers_per_frame), opts)
                for k, kv in items]
         large = [j for j, (_, parts, _) in enumerate(enc)
-                 if parts.nbytes >= STREAM_ENTRY_BYTES] if not self.dataplane.attached else []
+                 if parts.nbytes >= STREAM_ENTRY_BYTES] if not self.dataplane.direct else []
         if len(large) > 1 and self._store_many_ok:  # remote: a batch's large entries stream
             streamed = self._store_streamed(ns, [enc[j] for j in large], request_id)
             if streamed is not None:

@@ -34,7 +34,9 @@ from itertools import islice
 from typing import Any, TypeVar
 
 from kdn.buffers import RECEIVED
+from kdn.client.netpath import NetPath
 from kdn.client.puts import (
+    BATCH_BYTES,
     TOO_BIG,
     PutsMixin,
     TooBig,
@@ -51,7 +53,15 @@ from kdn.codec.format import (
     parse_container,
     parse_header,
 )
-from kdn.errors import Corrupt, DeadlineExceeded, KDNError, RateLimited, TooLarge, Unavailable
+from kdn.errors import (
+    Corrupt,
+    DeadlineExceeded,
+    KDNError,
+    NotFound,
+    RateLimited,
+    TooLarge,
+    Unavailable,
+)
 from kdn.v1 import kdn_pb2 as pb
 from kdn.wire import (
     ARENA_SIZE,
@@ -314,7 +324,8 @@ def _answer(head: pb.RetrieveHeader, entry: bytes | memoryview, stream: Iterator
 class DataPlane(PutsMixin):
     def __init__(self, stub: Any, call: Callable[[Callable[[], Any]], Any],
                  metadata: Callable[[str | None], Any], timeout_s: float, shm_bytes: int,
-                 max_message_bytes: int, keep_leases_bytes: int | None = None) -> None:
+                 max_message_bytes: int, keep_leases_bytes: int | None = None,
+                 net_host: str = "") -> None:
         self._stub = stub
         self._call = call
         self._metadata = metadata
@@ -335,6 +346,9 @@ class DataPlane(PutsMixin):
         self._conns = threading.local()
         self._too_big: OrderedDict[tuple[str, bytes], None] = OrderedDict()  # inline only
         self._all_conns: list[socket.socket] = []
+        self._net_host = net_host  # the server's host for its network data path; "" = none
+        self._net: NetPath | None = None
+        self._net_tried = not net_host
 
     # -- the segment ----------------------------------------------------------------------------
 
@@ -430,6 +444,80 @@ class DataPlane(PutsMixin):
     def attached(self) -> bool:
         return self.segment()[0] is not None
 
+    @property
+    def direct(self) -> bool:
+        """Batches of any size go without gRPC: through the segment, or the network data
+        path (``kdn.client.netpath``)."""
+        return self.attached or self.net() is not None
+
+    def net(self) -> NetPath | None:
+        """The network data path, for a client without a segment whose server offers one
+        (asked once: ``Attach`` with ``remote``); None otherwise."""
+        if self._net_tried:
+            return self._net
+        if self.segment()[0] is not None:
+            self._net_tried = True
+            return None
+        with self._lock:
+            if not self._net_tried:
+                md = self._metadata(None)
+                try:
+                    resp = self._call(lambda: self._stub.Attach(
+                        pb.AttachRequest(remote=True), timeout=self.timeout_s, metadata=md))
+                except (Unavailable, DeadlineExceeded):
+                    raise  # asked again by the next call
+                except KDNError as exc:  # no data path there, or an older server
+                    log.info("kdn: no network data path (%s); using gRPC", exc)
+                    resp = pb.AttachResponse()
+                if resp.data_port:
+                    self._net = NetPath(self._net_host, resp.data_port, resp.segment_id,
+                                        self.timeout_s)
+                self._net_tried = True
+        return self._net
+
+    def _net_lost(self, exc: Exception) -> None:
+        """The network data path failed (no connection, or the server forgot the ticket):
+        gRPC from now on."""
+        log.warning("kdn: network data path unusable (%s); using gRPC", exc)
+        net, self._net = self._net, None
+        if net is not None:
+            net.close()
+
+    def _net_get(self, net: NetPath, namespace: str, keys: Sequence[bytes],
+                 layout_fingerprint: str) -> list[Fetched | TooBig | None] | None:
+        """``get_many`` on the network data path; None when it failed (gRPC then)."""
+        try:
+            got = net.get_many(namespace, keys, layout_fingerprint)
+        except (OSError, NotFound) as exc:
+            self._net_lost(exc)
+            return None
+        return [None if g is None else _fetched(g[0], g[1], owned=True) for g in got]
+
+    def _net_put(self, net: NetPath, namespace: str,
+                 items: Sequence[tuple[bytes, EncodedParts, pb.StoreOptions]],
+                 out: list[pb.StoreResponse | TooBig]) -> bool:
+        """``put_many`` on the network data path, in calls of up to ``BATCH_BYTES`` (larger
+        items stay TOO_BIG); False when the path failed (the items not stored: gRPC)."""
+        batches: list[list[int]] = [[]]
+        size = 0
+        for i, (_, parts, _) in enumerate(items):
+            if parts.nbytes > BATCH_BYTES:
+                continue
+            if batches[-1] and size + parts.nbytes > BATCH_BYTES:
+                batches.append([])
+                size = 0
+            batches[-1].append(i)
+            size += parts.nbytes
+        try:
+            for batch in batches:
+                if batch:
+                    for j, r in zip(batch, net.put_many(namespace, [items[j] for j in batch])):
+                        out[j] = r
+        except (OSError, NotFound) as exc:
+            self._net_lost(exc)
+            return False
+        return True
+
     def close(self) -> None:
         seg, seg_id = self._segment, self._segment_id
         self._segment, self._segment_id, self._tried = None, "", True
@@ -443,7 +531,11 @@ class DataPlane(PutsMixin):
         for conn in self._all_conns:
             conn.close()
         self._all_conns = []
-        if seg is None:
+        net, self._net, self._net_tried = self._net, None, True
+        if net is not None:
+            net.close()
+            seg_id = net.ticket  # given back as a segment is
+        if seg is None and net is None:
             return
         try:
             md = self._metadata(None)
@@ -451,7 +543,8 @@ class DataPlane(PutsMixin):
                                                  timeout=self.timeout_s, metadata=md))
         except KDNError:
             pass  # the server unmaps it at shutdown anyway
-        seg.close()
+        if seg is not None:
+            seg.close()
 
     # -- reads ----------------------------------------------------------------------------------
 
@@ -465,6 +558,11 @@ class DataPlane(PutsMixin):
         out: list[Fetched | TooBig | None] = [None] * len(keys)
         todo = list(range(len(keys)))
         seg, seg_id = self.segment()
+        net = self.net() if seg is None else None
+        if net is not None:
+            got = self._net_get(net, namespace, keys, layout_fingerprint)
+            if got is not None:
+                return got
         if seg is None and not self._inline_ok:
             return [TOO_BIG] * len(keys)
         if seg is None and self._too_big:  # streamed straight away: no call to learn it again

@@ -79,6 +79,14 @@ class PutsMixin:
     def _put(self, req: pb.PutManyRequest, request_id: str | None) -> pb.PutManyResponse:
         raise NotImplementedError
 
+    def net(self) -> Any:
+        raise NotImplementedError
+
+    def _net_put(self, net: Any, namespace: str,
+                 items: Sequence[tuple[bytes, EncodedParts, pb.StoreOptions]],
+                 out: list[pb.StoreResponse | TooBig]) -> bool:
+        raise NotImplementedError
+
     def put_many(self, namespace: str, items: Sequence[tuple[bytes, EncodedParts,
                                                              pb.StoreOptions]],
                  request_id: str | None) -> list[pb.StoreResponse | TooBig]:
@@ -86,6 +94,9 @@ class PutsMixin:
         TOO_BIG for items no batch can carry."""
         out: list[pb.StoreResponse | TooBig] = [TOO_BIG] * len(items)
         seg, seg_id = self.segment()
+        net = self.net() if seg is None else None
+        if net is not None and self._net_put(net, namespace, items, out):
+            return out
         if seg is not None and self._fast_path and len(items) > 1 and \
                 sum(parts.nbytes for _, parts, _ in items) > PIPE_BYTES:
             self._put_pipelined(namespace, items, out)  # what it left: as below

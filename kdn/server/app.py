@@ -35,6 +35,7 @@ from kdn.server.auth import AuthConfig, Authenticator, Role, load_auth, tenants_
 from kdn.server.blend_rpc import Blender
 from kdn.server.config import ServerConfig
 from kdn.server.fastpath import FastPath
+from kdn.server.netpath import NetPath
 from kdn.server.observe import Metrics, RequestInterceptor
 from kdn.server.service import KDNServicer, recount_usage, verify_entry
 from kdn.store.base import Tier
@@ -163,6 +164,7 @@ class Server:
     metrics_port: int = -1
     admin: AdminServicer | None = None
     fast_path: FastPath | None = None
+    net_path: NetPath | None = None
     _stopped: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
@@ -181,6 +183,8 @@ class Server:
         await self.grpc_server.stop(self.config.shutdown_grace_s if grace is None else grace)
         if self.fast_path is not None:
             self.fast_path.close()
+        if self.net_path is not None:
+            self.net_path.close()
         self.servicer.segments.close()
         self.servicer.arenas.close()
         await asyncio.to_thread(self.store.close)
@@ -297,8 +301,12 @@ async def _start(config: ServerConfig, store: TieredStore, auth: Authenticator,
     port = _listen(server, config, creds)
     await server.start()
     fast_path = FastPath(servicer)  # same-host GetMany / PutMany without gRPC
+    net_path: NetPath | None = None
     try:
         servicer.fast_path_name = fast_path.name
+        if config.data_port >= 0 and creds is None:  # other hosts' GetMany / PutMany
+            net_path = NetPath(servicer, config.host, config.data_port)
+            servicer.data_port = net_path.port
         for name in ("", SERVICE_NAME):
             await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
         metrics_port = -1
@@ -306,18 +314,21 @@ async def _start(config: ServerConfig, store: TieredStore, auth: Authenticator,
             metrics_port = metrics.serve_http(config.metrics_host, config.metrics_port)
     except BaseException:
         fast_path.close()
+        if net_path is not None:
+            net_path.close()
         servicer.segments.close()
         servicer.arenas.close()
         await server.stop(0)
         raise
     task = asyncio.ensure_future(_watch_health(store, health_servicer))
-    log.info("kdn server listening on %s:%d (tiers: %s; tls: %s; auth: %s; metrics: %s)",
-             config.host, port, ", ".join(t.name for t in store.tiers),
+    log.info("kdn server listening on %s:%d (tiers: %s; tls: %s; auth: %s; metrics: %s; "
+             "data path: %s)", config.host, port, ", ".join(t.name for t in store.tiers),
              "mutual" if config.tls_client_ca else ("on" if creds else "off"),
              "on" if auth.enabled else "off",
-             f"{config.metrics_host}:{metrics_port}" if metrics_port >= 0 else "off")
+             f"{config.metrics_host}:{metrics_port}" if metrics_port >= 0 else "off",
+             f"tcp port {net_path.port}" if net_path is not None else "off")
     return Server(config, server, store, servicer, health_servicer, port, task, metrics,
-                  metrics_port, admin, fast_path)
+                  metrics_port, admin, fast_path, net_path)
 
 
 async def serve(config: ServerConfig, blender: Blender | None = None) -> None:

@@ -38,6 +38,7 @@ import os
 import secrets
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -82,6 +83,8 @@ log = logging.getLogger(__name__)
 NONCE_BYTES = 16
 ALIGN = 64
 MAX_SEGMENTS_PER_TENANT = 256
+MAX_TICKETS_PER_TENANT = 4096
+"""Network data path tickets a tenant holds at most (``Segments.ticket``)."""
 MAX_SEGMENT_BYTES = 64 << 30
 INLINE_BUDGET = 48 << 20
 """Bytes of entries one inline GetMany answer carries at most (the rest: written=false)."""
@@ -184,7 +187,29 @@ class Segments:
 
     def __init__(self) -> None:
         self._by_id: dict[str, Segment] = {}
+        self._tickets: OrderedDict[str, Principal] = OrderedDict()  # the network data path's
         self._lock = threading.Lock()
+
+    def ticket(self, principal: Principal) -> str:
+        """A ticket for the network data path (``kdn.server.netpath``): its calls act as
+        ``principal``. 128 random bits handed only to the authenticated caller, as a segment
+        id is. A tenant holds at most ``MAX_TICKETS_PER_TENANT``: its oldest goes first
+        (a client that went away without Detach leaves its ticket behind)."""
+        tid = secrets.token_hex(16)
+        with self._lock:
+            mine = [t for t, p in self._tickets.items() if p.tenant == principal.tenant]
+            for old in mine[: max(0, len(mine) + 1 - MAX_TICKETS_PER_TENANT)]:
+                del self._tickets[old]
+            self._tickets[tid] = principal
+        return tid
+
+    def ticket_owner(self, tid: str) -> Principal:
+        """The caller a network data path ticket acts as; NotFound for any other string."""
+        with self._lock:
+            principal = self._tickets.get(tid)
+        if principal is None:
+            raise NotFound("no such data path ticket (detached, or the server restarted)")
+        return principal
 
     def attach(self, principal: Principal, pid: int, fd: int, size: int, nonce: bytes) -> str:
         tenant = principal.tenant
@@ -264,6 +289,11 @@ class Segments:
         return seg.principal
 
     def detach(self, tenant: str, seg_id: str) -> None:
+        with self._lock:
+            principal = self._tickets.get(seg_id)
+            if principal is not None and principal.tenant == tenant:
+                del self._tickets[seg_id]
+                return
         self.get(tenant, seg_id)
         with self._lock:
             seg = self._by_id.pop(seg_id, None)
@@ -287,6 +317,15 @@ class Segments:
 
     def __len__(self) -> int:
         return len(self._by_id)
+
+
+def _check_layout(skey: bytes, value: bytes | memoryview | Framed, want: str) -> None:
+    """LayoutMismatch when the caller expects layout ``want`` and ``value`` has another."""
+    if not want:
+        return
+    have = header_layout(value.header if isinstance(value, Framed) else value).fingerprint
+    if have != want:
+        raise LayoutMismatch(f"entry {skey.decode()} has layout {have}, caller expects {want}")
 
 
 def _aligned(n: int) -> int:
@@ -341,6 +380,8 @@ class BatchMixin:
     buffers: BufferPool
     fast_path_name: str = ""
     """The socket of the same-host fast path (``kdn.server.fastpath``); "" = none."""
+    data_port: int = 0
+    """The TCP port of the network data path (``kdn.server.netpath``); 0 = none."""
 
     async def _answer(self, name: str, context: grpc.aio.ServicerContext,
                       fn: Callable[[Principal], Any]) -> Any:
@@ -356,6 +397,12 @@ class BatchMixin:
     async def Attach(self, request: pb.AttachRequest,
                      context: grpc.aio.ServicerContext) -> pb.AttachResponse:
         def run(p: Principal) -> pb.AttachResponse:
+            if request.remote:  # another host: a ticket for the network data path
+                if not self.data_port:
+                    raise NotFound("this server has no network data path (data_port = -1)")
+                self.count("net.attached")
+                return pb.AttachResponse(segment_id=self.segments.ticket(p),
+                                         data_port=self.data_port)
             seg_id = self.segments.attach(p, request.pid, request.fd, request.size,
                                           request.nonce)
             self.count("shm.attached")
@@ -405,11 +452,7 @@ class BatchMixin:
                 self.usage.missed(skey)
                 continue
             value = hit.value
-            head = value.header if isinstance(value, Framed) else value
-            have = header_layout(head).fingerprint if want else ""
-            if have != want:
-                raise LayoutMismatch(f"entry {skey.decode()} has layout {have}, caller "
-                                     f"expects {want}")
+            _check_layout(skey, value, want)
             ref.present, ref.tier, ref.length = True, hit.tier, len(value)
             read_s = time.perf_counter() - started
             if seg is not None and request.lease and self._leased(
@@ -442,6 +485,37 @@ class BatchMixin:
             return get_many_message([(ref, inline.get(i, b""))
                                      for i, ref in enumerate(out.entries)])
         return out
+
+    def _get_sent(self, p: Principal, request: pb.GetManyRequest
+                  ) -> tuple[pb.GetManyResponse, list[bytes | memoryview]]:
+        """The network data path's GetMany (``kdn.server.netpath``): the answer, and the
+        pieces of every present entry's bytes, in order, which follow it on the connection
+        (``EntryRef.offset``: where an entry starts in them). Nothing is copied: the pieces
+        are the stored values (a RAM value as the frames it came in)."""
+        ns = request.namespace or "default"
+        want = request.expect_layout_fingerprint
+        out = pb.GetManyResponse()
+        pieces: list[bytes | memoryview] = []
+        at = 0
+        for key in request.keys:
+            skey = store_key(p.tenant, ns, key)
+            ref = out.entries.add()
+            started = time.perf_counter()
+            hit = self.store.get_in_memory(skey, framed=True) or self.store.get(skey)
+            if hit is None:
+                self.count("getmany.miss")
+                self.usage.missed(skey)
+                continue
+            value = hit.value
+            _check_layout(skey, value, want)
+            ref.present, ref.tier, ref.length, ref.offset = True, hit.tier, len(value), at
+            ref.written = True
+            self.usage.served(skey, value, hit.tier, time.perf_counter() - started)
+            pieces += [value.header, *value.frames] if isinstance(value, Framed) else [value]
+            at += len(value)
+            self.count("getmany.hit")
+        self.count("bytes_out", at)
+        return out, pieces
 
     def _leased(self, p: Principal, seg: Segment, ref: pb.EntryRef, skey: bytes, hit: Hit
                 ) -> bool:
@@ -545,37 +619,54 @@ class BatchMixin:
     def _put_many(self, p: Principal, request: pb.PutManyRequest) -> pb.PutManyResponse:
         seg = self.segments.get(p.tenant, request.segment_id) if request.segment_id else None
         if seg is not None:  # sizes first: nothing is copied for a batch that is refused
-            for j, item in enumerate(request.items):
-                if item.region.length > self.config.max_entry_bytes:
-                    raise TooLarge(f"item {j}: entry of {item.region.length} bytes exceeds "
-                                   f"max_entry_bytes {self.config.max_entry_bytes}")
-            total = sum(item.region.length for item in request.items)
-            if total > MAX_BATCH_BYTES:
-                raise TooLarge(f"PutMany of {total} bytes; at most {MAX_BATCH_BYTES} per call")
-        checked: list[tuple[bytes, bytes | memoryview, Header]] = []
+            self._put_sizes(request)
         split = _split_one(len(request.items))
         arena = self.arenas.get(p.tenant) if seg is not None else None
         homes: dict[int, tuple[Arena, Slot]] = {}  # item -> the arena slot it was copied into
+
+        def value_of(j: int, item: pb.PutItem) -> bytes | memoryview:
+            if seg is None:
+                value = bytes(item.data)
+                parse_container(value, verify=True)
+                return value
+            # a copy, checked as it is made (one pass): later changes by the client can not
+            start, stop = _region(seg, item.region)  # slip past
+            src = memoryview(seg.array[start:stop])  # type: ignore[arg-type]
+            home = arena.reserve(stop - start, header_size(src)) \
+                if arena is not None and stop - start >= ARENA_STORE_BYTES else None
+            if home is not None:  # into the arena: the RAM tier keeps it there and same-host
+                slot, dst = home  # reads copy nothing (``Arena.reserve``)
+                copy_checked(dst, src, **split)
+                homes[j] = (arena, slot)  # type: ignore[assignment]
+                return dst.toreadonly()
+            own = self.buffers.take(stop - start)
+            copy_checked(memoryview(own), src, **split)  # type: ignore[arg-type]
+            return memoryview(own).toreadonly()  # type: ignore[arg-type]
+
+        return self._put_items(p, request, value_of, homes)
+
+    def _put_sizes(self, request: pb.PutManyRequest) -> int:
+        """The bytes of ``request``'s items (their regions); TooLarge past the limits."""
+        for j, item in enumerate(request.items):
+            if item.region.length > self.config.max_entry_bytes:
+                raise TooLarge(f"item {j}: entry of {item.region.length} bytes exceeds "
+                               f"max_entry_bytes {self.config.max_entry_bytes}")
+        total = sum(item.region.length for item in request.items)
+        if total > MAX_BATCH_BYTES:
+            raise TooLarge(f"PutMany of {total} bytes; at most {MAX_BATCH_BYTES} per call")
+        return total
+
+    def _put_items(self, p: Principal, request: pb.PutManyRequest,
+                   value_of: Callable[[int, pb.PutItem], bytes | memoryview],
+                   homes: dict[int, tuple[Arena, Slot]] | None = None) -> pb.PutManyResponse:
+        """Check every item (its bytes from ``value_of``, which verifies them: Corrupt when
+        they fail) before any is stored, then store them in order. ``homes``: items whose
+        value lives in an arena slot (published with their put)."""
+        checked: list[tuple[bytes, bytes | memoryview, Header]] = []
         for j, item in enumerate(request.items):
             t0 = time.perf_counter()
             try:
-                if seg is not None:  # a copy, checked as it is made (one pass): later changes
-                    start, stop = _region(seg, item.region)  # by the client can not slip past
-                    src = memoryview(seg.array[start:stop])  # type: ignore[arg-type]
-                    home = arena.reserve(stop - start, header_size(src)) \
-                        if arena is not None and stop - start >= ARENA_STORE_BYTES else None
-                    if home is not None:  # into the arena: the RAM tier keeps it there and
-                        slot, dst = home  # same-host reads copy nothing (``Arena.reserve``)
-                        copy_checked(dst, src, **split)
-                        value: bytes | memoryview = dst.toreadonly()
-                        homes[j] = (arena, slot)  # type: ignore[assignment]
-                    else:
-                        own = self.buffers.take(stop - start)
-                        copy_checked(memoryview(own), src, **split)  # type: ignore[arg-type]
-                        value = memoryview(own).toreadonly()  # type: ignore[arg-type]
-                else:
-                    value = bytes(item.data)
-                    parse_container(value, verify=True)
+                value = value_of(j, item)
                 hdr = pb.StoreHeader(namespace=request.namespace, key=item.key,
                                      container_header=bytes(value[: header_size(value)]),
                                      total_bytes=len(value), options=item.options)
@@ -589,5 +680,5 @@ class BatchMixin:
         out = pb.PutManyResponse()
         for j, ((skey, value, header), item) in enumerate(zip(checked, request.items)):
             out.results.append(self._commit(p, skey, value, item.options, header,
-                                            homes.get(j)))
+                                            (homes or {}).get(j)))
         return out

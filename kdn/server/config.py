@@ -84,6 +84,12 @@ class ServerConfig:
     """Address to listen on."""
     port: int = 50051
     """TCP port to listen on (0 = any free port)."""
+    data_port: int = 0
+    """TCP port of the network data path: GetMany / PutMany of clients on other hosts with
+    the entries' bytes on a plain socket next to gRPC (kdn.server.netpath; ~2x Python gRPC's
+    rate), on the same host address; 0 = any free port (clients learn it from Attach), -1 =
+    off. A server with TLS offers none (its clients stay on gRPC). Publish it next to the
+    gRPC port where a firewall or container stands between them."""
     data_dir: Path = Path("kdn-data")
     """Directory holding the LMDB disk tier."""
     ram_bytes: int = 1 << 30
@@ -242,6 +248,8 @@ class ServerConfig:
                      "max_connections", "max_streams_per_connection"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}: must be >= 0, got {getattr(self, name)}")
+        if not -1 <= self.data_port <= 65535:
+            raise ConfigError(f"data_port: must be in -1..65535, got {self.data_port}")
         if not -1 <= self.metrics_port <= 65535:
             raise ConfigError(f"metrics_port: must be in -1..65535, got {self.metrics_port}")
         if self.log_format not in ("text", "json"):

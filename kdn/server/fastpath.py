@@ -36,8 +36,10 @@ import secrets
 import socket
 import threading
 import time
-from typing import TYPE_CHECKING, Protocol
+from collections.abc import Callable
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
+from kdn.buffers import BufferPool
 from kdn.errors import InvalidArgument, KDNError, NotFound
 from kdn.server.arena import Arenas
 from kdn.server.auth import Authenticator, Principal
@@ -51,6 +53,7 @@ from kdn.wire import (
     FAST_HEAD,
     FAST_PUT_MANY,
     read_exact,
+    send_pieces,
     serialize_passthrough,
 )
 
@@ -78,18 +81,57 @@ class Handlers(Protocol):
 
     def _put_many(self, p: Principal, request: pb.PutManyRequest) -> pb.PutManyResponse: ...
 
+    # the network data path's (kdn.server.netpath)
+    buffers: BufferPool
+
+    def _get_sent(self, p: Principal, request: pb.GetManyRequest
+                  ) -> tuple[pb.GetManyResponse, list[bytes | memoryview]]: ...
+
+    def _put_sizes(self, request: pb.PutManyRequest) -> int: ...
+
+    def _put_items(self, p: Principal, request: pb.PutManyRequest,
+                   value_of: Callable[[int, pb.PutItem], bytes | memoryview]
+                   ) -> pb.PutManyResponse: ...
+
+
+class Reply(NamedTuple):
+    """What one call answers: the body, descriptors to pass along (SCM_RIGHTS) and bytes
+    that follow the body on the connection (the network data path's entries)."""
+
+    body: bytes
+    fds: tuple[int, ...] = ()
+    after: tuple[bytes | memoryview, ...] = ()
+
+
+class Desynced(KDNError):
+    """A refused call whose bytes can not be skipped: answered, then the connection closes."""
+
+    def __init__(self, exc: KDNError) -> None:
+        super().__init__(str(exc))
+        self.status = exc.status
+
 
 class FastPath:
+    kind = "fast"
+    """The label of this path's counters (``fast.<rpc>``, ``fast.<status>``)."""
+    max_connections = 0
+    """Connections served at once at most (0: no limit); past it new ones are closed."""
+
     def __init__(self, servicer: Handlers) -> None:
         self.servicer = servicer
-        self.name = f"kdn-fast-{secrets.token_hex(12)}"
-        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._sock.bind("\0" + self.name)
-        self._sock.listen(128)
+        self._sock = self._listen()
         self._conns: set[socket.socket] = set()
         self._lock = threading.Lock()
         self._closed = False
-        threading.Thread(target=self._accept, name="kdn-fast-accept", daemon=True).start()
+        threading.Thread(target=self._accept, name=f"kdn-{self.kind}-accept", daemon=True
+                         ).start()
+
+    def _listen(self) -> socket.socket:
+        self.name = f"kdn-fast-{secrets.token_hex(12)}"
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.bind("\0" + self.name)
+        sock.listen(128)
+        return sock
 
     def _accept(self) -> None:
         while not self._closed:
@@ -98,45 +140,63 @@ class FastPath:
             except OSError:
                 return
             with self._lock:
-                if self._closed:
+                if self._closed or self.max_connections and \
+                        len(self._conns) >= self.max_connections:
                     conn.close()
-                    return
+                    if self._closed:
+                        return
+                    self.servicer.count(f"{self.kind}.refused_connections")
+                    continue
                 self._conns.add(conn)
-            threading.Thread(target=self._serve, args=(conn,), name="kdn-fast", daemon=True
-                             ).start()
+            threading.Thread(target=self._serve, args=(conn,), name=f"kdn-{self.kind}",
+                             daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
         try:
+            self._opened(conn)
             while (head := read_exact(conn, FAST_HEAD.size)) is not None:
                 n, op = FAST_HEAD.unpack(head)
                 if n > MAX_BODY:
-                    raise InvalidArgument(f"fast-path request of {n} bytes (limit {MAX_BODY})")
+                    raise InvalidArgument(f"{self.kind}-path request of {n} bytes (limit "
+                                          f"{MAX_BODY})")
                 body = read_exact(conn, n)
                 if body is None:
                     return
-                started, code = time.perf_counter(), "OK"
-                fds: list[int] = []
+                started, code, last = time.perf_counter(), "OK", False
                 try:
-                    if op == FAST_ARENA:
-                        fd, size = self._arena(body)
-                        out, ok, fds = ARENA_SIZE.pack(size), 1, [fd]
-                    else:
-                        out, ok = self._handle(op, body), 1
+                    reply, ok = self._call(conn, op, body), 1
                 except KDNError as exc:
-                    self.servicer.count(f"fast.{exc.status.value}")
-                    out, ok, code = f"{exc.status.value}\0{exc}".encode(), 0, exc.status.value
-                self.servicer.usage.fast_call(_RPCS.get(op, "unknown"), code,
-                                              time.perf_counter() - started)
-                if fds:
-                    socket.send_fds(conn, [FAST_HEAD.pack(len(out), ok) + out], fds)
+                    self.servicer.count(f"{self.kind}.{exc.status.value}")
+                    reply = Reply(f"{exc.status.value}\0{exc}".encode())
+                    ok, code, last = 0, exc.status.value, isinstance(exc, Desynced)
+                self.servicer.usage.fast_call(self._rpc(op), code, time.perf_counter() - started)
+                head = FAST_HEAD.pack(len(reply.body), ok) + reply.body
+                if reply.fds:
+                    socket.send_fds(conn, [head], reply.fds)
                 else:
-                    conn.sendall(FAST_HEAD.pack(len(out), ok) + out)
+                    send_pieces(conn, [head, *reply.after])
+                if last:
+                    return
         except (OSError, KDNError) as exc:
-            log.debug("fast-path connection closed: %s", exc)
+            log.debug("%s-path connection closed: %s", self.kind, exc)
         finally:
             with self._lock:
                 self._conns.discard(conn)
             conn.close()
+
+    def _opened(self, conn: socket.socket) -> None:
+        """Set up a new connection (nothing for a unix socket)."""
+
+    @staticmethod
+    def _rpc(op: int) -> str:
+        return _RPCS.get(op, "unknown")
+
+    def _call(self, conn: socket.socket, op: int, body: bytes) -> Reply:
+        """One call's reply; KDNError to refuse it."""
+        if op == FAST_ARENA:
+            fd, size = self._arena(body)
+            return Reply(ARENA_SIZE.pack(size), (fd,))
+        return Reply(self._handle(op, body))
 
     def _arena(self, body: bytes) -> tuple[int, int]:
         """(descriptor, size) of the read arena of the tenant that attached segment ``body``."""

@@ -351,24 +351,28 @@ class StatsResponse(_message.Message):
     def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., counters: _Optional[_Mapping[str, int]] = ..., version: _Optional[str] = ..., tenants: _Optional[_Iterable[_Union[TenantStats, _Mapping]]] = ..., health: _Optional[str] = ...) -> None: ...
 
 class AttachRequest(_message.Message):
-    __slots__ = ("pid", "fd", "size", "nonce")
+    __slots__ = ("pid", "fd", "size", "nonce", "remote")
     PID_FIELD_NUMBER: _ClassVar[int]
     FD_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
     NONCE_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_FIELD_NUMBER: _ClassVar[int]
     pid: int
     fd: int
     size: int
     nonce: bytes
-    def __init__(self, pid: _Optional[int] = ..., fd: _Optional[int] = ..., size: _Optional[int] = ..., nonce: _Optional[bytes] = ...) -> None: ...
+    remote: bool
+    def __init__(self, pid: _Optional[int] = ..., fd: _Optional[int] = ..., size: _Optional[int] = ..., nonce: _Optional[bytes] = ..., remote: _Optional[bool] = ...) -> None: ...
 
 class AttachResponse(_message.Message):
-    __slots__ = ("segment_id", "fast_path")
+    __slots__ = ("segment_id", "fast_path", "data_port")
     SEGMENT_ID_FIELD_NUMBER: _ClassVar[int]
     FAST_PATH_FIELD_NUMBER: _ClassVar[int]
+    DATA_PORT_FIELD_NUMBER: _ClassVar[int]
     segment_id: str
     fast_path: str
-    def __init__(self, segment_id: _Optional[str] = ..., fast_path: _Optional[str] = ...) -> None: ...
+    data_port: int
+    def __init__(self, segment_id: _Optional[str] = ..., fast_path: _Optional[str] = ..., data_port: _Optional[int] = ...) -> None: ...
 
 class DetachRequest(_message.Message):
     __slots__ = ("segment_id",)

@@ -1,0 +1,149 @@
+"""The client side of the network data path (``kdn.server.netpath``): GetMany / PutMany with
+the entries' bytes on a TCP connection of this thread's, for a client on another host.
+
+``DataPlane`` asks for a ticket (``Attach`` with ``remote``) when it has no shared segment and
+sends its batches here once it has one; a connection that can not be made, or breaks, sends
+the plane back to gRPC for good (it says so once in the log). A PutMany's items go from their
+frames straight into the kernel (``kdn.wire.send_pieces``); a GetMany's entries are read into
+one recycled buffer each (``kdn.buffers.RECEIVED``), its first frame at a multiple of 64 bytes
+so decoded tensors view it in place, and are checked when decoded, as an inline answer is.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+from collections.abc import Sequence
+
+from kdn.buffers import RECEIVED
+from kdn.client.puts import fast_answer, fast_error
+from kdn.codec import EncodedParts
+from kdn.codec.format import HEAD_PREFIX_BYTES, header_size
+from kdn.errors import Corrupt
+from kdn.v1 import kdn_pb2 as pb
+from kdn.wire import FAST_HEAD, NET_GET_MANY, NET_PUT_MANY, recv_into_all, send_pieces
+
+CONNECT_S = 2.0
+"""Seconds a connection may take to open (a firewalled port: gRPC instead)."""
+FRAME_ALIGN = 64
+"""A read entry's first frame starts at a multiple of this (``kdn.codec.inplace``)."""
+
+
+class NetPath:
+    """Calls on the network data path at ``(host, port)`` acting as ``ticket``'s holder."""
+
+    def __init__(self, host: str, port: int, ticket: str, timeout_s: float) -> None:
+        self.host, self.port, self.ticket = host.strip("[]"), port, ticket
+        self.timeout_s = timeout_s
+        self._local = threading.local()
+        self._all: list[socket.socket] = []
+        self._lock = threading.Lock()
+
+    def _conn(self) -> tuple[socket.socket, bool]:
+        """(this thread's connection, whether it is new)."""
+        conn: socket.socket | None = getattr(self._local, "conn", None)
+        if conn is not None:
+            return conn, False
+        conn = socket.create_connection((self.host, self.port), timeout=CONNECT_S)
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        conn.settimeout(self.timeout_s)
+        self._local.conn = conn
+        with self._lock:
+            self._all.append(conn)
+        return conn, True
+
+    def _drop(self) -> None:
+        conn = getattr(self._local, "conn", None)
+        self._local.conn = None
+        if conn is not None:
+            conn.close()
+
+    def _call(self, op: int, req: pb.GetManyRequest | pb.PutManyRequest,
+              after: Sequence[bytes | memoryview] = ()) -> tuple[socket.socket, bytes]:
+        """Send one call and read its answer's body: (the connection, the body), its entries
+        (GetMany) still to be read off the connection. A connection the server closed while
+        it was idle is opened again once; OSError when the path is gone, the error the
+        server answered otherwise."""
+        body = req.SerializeToString()
+        pieces = [FAST_HEAD.pack(len(body), op) + body, *after]
+        for attempt in (0, 1):
+            conn, new = self._conn()
+            try:
+                send_pieces(conn, pieces)
+                ok, out = fast_answer(conn)
+                break
+            except OSError:
+                self._drop()
+                if new or attempt:
+                    raise
+        if not ok:
+            self._drop()  # a refused call may close the connection (kdn.server.netpath)
+            raise fast_error(out)
+        return conn, out
+
+    def put_many(self, namespace: str,
+                 items: Sequence[tuple[bytes, EncodedParts, pb.StoreOptions]]
+                 ) -> list[pb.StoreResponse]:
+        """Store ``items`` in one call (each checked by the server before any is stored)."""
+        req = pb.PutManyRequest(namespace=namespace, segment_id=self.ticket)
+        pieces: list[bytes | memoryview] = []
+        at = 0
+        for key, parts, opts in items:
+            item = req.items.add(key=key, options=opts)
+            item.region.offset, item.region.length = at, parts.nbytes
+            pieces += [parts.header, *parts.frames]
+            at += parts.nbytes
+        _, out = self._call(NET_PUT_MANY, req, pieces)
+        results = list(pb.PutManyResponse.FromString(out).results)
+        if len(results) != len(items):
+            raise Corrupt(f"PutMany answered {len(results)} results for {len(items)} items")
+        return results
+
+    def get_many(self, namespace: str, keys: Sequence[bytes], layout_fingerprint: str
+                 ) -> list[tuple[memoryview, str] | None]:
+        """(entry bytes, tier) of each key, None for a miss, in one call."""
+        req = pb.GetManyRequest(namespace=namespace, keys=keys, segment_id=self.ticket,
+                                expect_layout_fingerprint=layout_fingerprint)
+        conn, out = self._call(NET_GET_MANY, req)
+        try:
+            resp = pb.GetManyResponse.FromString(out)
+            if len(resp.entries) != len(keys):
+                raise Corrupt(f"GetMany answered {len(resp.entries)} entries for "
+                              f"{len(keys)} keys")
+            got: list[tuple[memoryview, str] | None] = []
+            at = 0
+            for ref in resp.entries:
+                if not ref.present:
+                    got.append(None)
+                    continue
+                if ref.offset != at or ref.length < HEAD_PREFIX_BYTES:
+                    raise Corrupt(f"GetMany placed an entry of {ref.length} bytes at "
+                                  f"{ref.offset} of the bytes that follow, not at {at}")
+                got.append((_read_entry(conn, ref.length), ref.tier))
+                at += ref.length
+            return got
+        except BaseException:
+            self._drop()  # whatever of the answer is left unread: the connection is lost
+            raise
+
+    def close(self) -> None:
+        with self._lock:
+            conns, self._all = self._all, []
+        for conn in conns:
+            conn.close()
+
+
+def _read_entry(conn: socket.socket, length: int) -> memoryview:
+    """One entry of ``length`` bytes off ``conn`` into a recycled buffer, placed so that its
+    first frame starts at a multiple of ``FRAME_ALIGN``."""
+    prefix = bytearray(HEAD_PREFIX_BYTES)
+    if not recv_into_all(conn, memoryview(prefix)):
+        raise OSError("the data path closed inside a GetMany's entries")
+    head = min(header_size(memoryview(prefix)), length)
+    room = RECEIVED.take(length + FRAME_ALIGN)
+    start = -(room.ctypes.data + head) % FRAME_ALIGN
+    view = memoryview(room)[start : start + length]  # type: ignore[arg-type]
+    view[:HEAD_PREFIX_BYTES] = prefix
+    if not recv_into_all(conn, view[HEAD_PREFIX_BYTES:]):
+        raise OSError("the data path closed inside a GetMany's entries")
+    return view
