@@ -463,3 +463,4 @@ def recv_into_all(conn: socket.socket, view: memoryview) -> bool:
             return False
         at += got
     return True
+

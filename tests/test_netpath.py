@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import socket
 import struct
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,7 +17,8 @@ import pytest
 from kdn import codec
 from kdn.addresses import data_host
 from kdn.client import Client
-from kdn.errors import LayoutMismatch
+from kdn.client.netpath import NetPath
+from kdn.errors import Corrupt, LayoutMismatch
 from kdn.server import ServerConfig, ServerThread
 from kdn.v1 import kdn_pb2 as pb
 from kdn.wire import FAST_HEAD, NET_GET_MANY, NET_PUT_MANY, read_exact
@@ -114,7 +116,7 @@ def test_a_remote_client_moves_its_batches_over_the_data_path(server: ServerThre
     fetched = remote.fetch_many([*keys, numbered_key(99)], layout=LAYOUT)
     assert fetched[-1] is None
     for kv, f in zip(kvs, fetched):
-        assert f is not None and f.owned and not f.checked  # checked when decoded
+        assert f is not None and f.owned and f.checked  # each frame checked as it landed
         assert codec.decode(f.parts.to_bytes()).equal(kv)
     stream = remote.retrieve_stream(keys[2], layout=LAYOUT)
     assert stream is not None and stream.result().equal(kvs[2])
@@ -226,11 +228,13 @@ def test_an_unknown_ticket_is_refused_and_the_connection_stays_in_step(
     assert remote.fetch(numbered_key(2)) is not None
 
 
-def test_a_damaged_item_stores_none_of_its_call(server: ServerThread, remote: Client) -> None:
+@pytest.mark.parametrize("at", [-5, 20, 3], ids=["frame", "header", "magic"])
+def test_a_damaged_item_stores_none_of_its_call(server: ServerThread, remote: Client,
+                                                at: int) -> None:
     old = random_kv(LAYOUT, 16, seed=10)
     remote.store(numbered_key(1), old, mode="raw")
     damaged = bytearray(_entry(11))
-    damaged[-5] ^= 0xFF  # a byte of the last frame's body: its checksum no longer holds
+    damaged[at] ^= 0xFF  # the last frame's body, the header, its magic: a check fails
     conn = _connect(server)
     head, payload = _put_call(_ticket(remote), [(numbered_key(2), _entry(12)),
                                                 (numbered_key(1), bytes(damaged))])
@@ -317,3 +321,49 @@ def test_data_host_of_targets() -> None:
     assert data_host("ipv4:10.0.0.5:1,10.0.0.6:1") == "10.0.0.5"
     assert data_host("unix:/tmp/kdn.sock") == ""
     assert data_host("dns://8.8.8.8/kdn.internal:50051") == ""
+
+
+def _fake_server(answer: bytes) -> tuple[socket.socket, int]:
+    """A listener that answers its first call with ``answer`` (an answer's bytes as they
+    would follow on the connection), then closes."""
+    sock = socket.create_server(("127.0.0.1", 0))
+
+    def serve() -> None:
+        conn, _ = sock.accept()
+        with conn:
+            head = read_exact(conn, FAST_HEAD.size)
+            assert head is not None
+            read_exact(conn, FAST_HEAD.unpack(head)[0])
+            conn.sendall(answer)
+
+    threading.Thread(target=serve, daemon=True).start()
+    return sock, sock.getsockname()[1]
+
+
+def _get_answer(entry: bytes, length: int | None = None) -> bytes:
+    resp = pb.GetManyResponse()
+    ref = resp.entries.add(present=True, tier="ram", written=True, offset=0)
+    ref.length = len(entry) if length is None else length
+    body = resp.SerializeToString()
+    return FAST_HEAD.pack(len(body), 1) + body + entry
+
+
+@pytest.mark.parametrize("damage", ["frame", "header", "short", "long"])
+def test_a_damaged_answer_is_caught_as_it_lands(damage: str) -> None:
+    entry = bytearray(_entry(17))
+    if damage == "frame":
+        entry[-3] ^= 0x01
+        answer, want = _get_answer(bytes(entry)), Corrupt
+    elif damage == "header":
+        entry[20] ^= 0x01
+        answer, want = _get_answer(bytes(entry)), Corrupt
+    elif damage == "short":  # the server goes away inside the entry
+        answer, want = _get_answer(bytes(entry[:-100]), len(entry)), OSError
+    else:  # an entry longer than its frames
+        answer, want = _get_answer(bytes(entry) + b"\0" * 64), Corrupt
+    sock, port = _fake_server(answer)
+    net = NetPath("127.0.0.1", port, "0" * 32, 10)
+    with pytest.raises(want):
+        net.get_many("default", [numbered_key(1)], "")
+    net.close()
+    sock.close()

@@ -491,7 +491,8 @@ class DataPlane(PutsMixin):
         except (OSError, NotFound) as exc:
             self._net_lost(exc)
             return None
-        return [None if g is None else _fetched(g[0], g[1], owned=True) for g in got]
+        return [None if g is None else _fetched(g[0], g[1], owned=True, checked=True)
+                for g in got]
 
     def _net_put(self, net: NetPath, namespace: str,
                  items: Sequence[tuple[bytes, EncodedParts, pb.StoreOptions]],

@@ -6,7 +6,7 @@ sends its batches here once it has one; a connection that can not be made, or br
 the plane back to gRPC for good (it says so once in the log). A PutMany's items go from their
 frames straight into the kernel (``kdn.wire.send_pieces``); a GetMany's entries are read into
 one recycled buffer each (``kdn.buffers.RECEIVED``), its first frame at a multiple of 64 bytes
-so decoded tensors view it in place, and are checked when decoded, as an inline answer is.
+so decoded tensors view it in place, each frame checked the moment it lands (in cache).
 """
 
 from __future__ import annotations
@@ -18,10 +18,17 @@ from collections.abc import Sequence
 from kdn.buffers import RECEIVED
 from kdn.client.puts import fast_answer, fast_error
 from kdn.codec import EncodedParts
-from kdn.codec.format import HEAD_PREFIX_BYTES, header_size
+from kdn.codec.format import HEAD_PREFIX_BYTES, check_frame_prefix, header_size
 from kdn.errors import Corrupt
+from kdn.netio import recv_container
 from kdn.v1 import kdn_pb2 as pb
-from kdn.wire import FAST_HEAD, NET_GET_MANY, NET_PUT_MANY, recv_into_all, send_pieces
+from kdn.wire import (
+    FAST_HEAD,
+    NET_GET_MANY,
+    NET_PUT_MANY,
+    recv_into_all,
+    send_pieces,
+)
 
 CONNECT_S = 2.0
 """Seconds a connection may take to open (a firewalled port: gRPC instead)."""
@@ -135,15 +142,19 @@ class NetPath:
 
 def _read_entry(conn: socket.socket, length: int) -> memoryview:
     """One entry of ``length`` bytes off ``conn`` into a recycled buffer, placed so that its
-    first frame starts at a multiple of ``FRAME_ALIGN``."""
+    first frame starts at a multiple of ``FRAME_ALIGN``, each frame checked the moment its
+    last byte lands, while it is in cache (the entry comes back checked: decoding need not
+    hash it again). Corrupt when the header or a frame is damaged or they do not add up to
+    ``length``."""
     prefix = bytearray(HEAD_PREFIX_BYTES)
     if not recv_into_all(conn, memoryview(prefix)):
         raise OSError("the data path closed inside a GetMany's entries")
-    head = min(header_size(memoryview(prefix)), length)
+    head = header_size(memoryview(prefix))
     room = RECEIVED.take(length + FRAME_ALIGN)
-    start = -(room.ctypes.data + head) % FRAME_ALIGN
+    start = -(room.ctypes.data + min(head, length)) % FRAME_ALIGN
     view = memoryview(room)[start : start + length]  # type: ignore[arg-type]
     view[:HEAD_PREFIX_BYTES] = prefix
-    if not recv_into_all(conn, view[HEAD_PREFIX_BYTES:]):
-        raise OSError("the data path closed inside a GetMany's entries")
+    fault = recv_container(conn, view, HEAD_PREFIX_BYTES, check_frame_prefix)
+    if fault is not None:
+        raise fault
     return view

@@ -39,12 +39,13 @@ import socket
 from typing import Any
 
 from kdn.buffers import BufferPool
-from kdn.codec.format import parse_container
+from kdn.codec.format import Header, check_frame
 from kdn.errors import InvalidArgument, KDNError, TooLarge
+from kdn.netio import recv_container
 from kdn.server.fastpath import Desynced, FastPath, Handlers, Reply
 from kdn.server.requests import check_names
 from kdn.v1 import kdn_pb2 as pb
-from kdn.wire import NET_GET_MANY, NET_PUT_MANY, recv_into_all
+from kdn.wire import NET_GET_MANY, NET_PUT_MANY
 
 MAX_CONNECTIONS = 256
 """Connections served at once; past it a new one is closed (each holds a thread)."""
@@ -111,9 +112,14 @@ class NetPath(FastPath):
             _drain(conn, total)
             raise
         s.count("net.PutMany")
-        values = _received(conn, put, s.buffers)  # in step again from here
-        return Reply(s._put_items(principal, put, lambda j, _: _checked(values[j]))
-                     .SerializeToString())
+        values, faults = _received(conn, put, s.buffers)  # in step again from here
+
+        def value_of(j: int, _: pb.PutItem) -> memoryview:
+            if faults[j] is not None:
+                raise faults[j]  # type: ignore[misc]  # named with its item by _put_items
+            return values[j]
+
+        return Reply(s._put_items(principal, put, value_of).SerializeToString())
 
     def _payload(self, put: pb.PutManyRequest) -> int:
         """The bytes following ``put`` on the connection: its items' lengths, which must lie
@@ -145,23 +151,24 @@ def _parse(cls: Any, body: bytes) -> Any:
 
 
 def _received(conn: socket.socket, put: pb.PutManyRequest, pool: BufferPool
-              ) -> list[memoryview]:
+              ) -> tuple[list[memoryview], list[KDNError | None]]:
     """Each item's bytes, read off the connection into a buffer of its own from ``pool``
-    (read-only views: the RAM tier keeps them as they are); OSError when the connection
-    closed first (nothing is stored)."""
-    out = []
+    (read-only views: the RAM tier keeps them as they are), checked as they land (every
+    frame's checksum and records, the moment its last byte arrives), and each item's fault
+    (None: sound). Every item is read whole either way; OSError when the connection closed
+    first (nothing is stored)."""
+    values: list[memoryview] = []
+    faults: list[KDNError | None] = []
     for item in put.items:
         view = memoryview(pool.take(item.region.length)  # type: ignore[arg-type]
-                          ) if item.region.length else memoryview(b"")
-        if not recv_into_all(conn, view):
-            raise OSError("the data path connection closed inside a PutMany's items")
-        out.append(view.toreadonly())
-    return out
+                          ) if item.region.length else memoryview(bytearray())
+        faults.append(recv_container(conn, view, 0, _check_stored))
+        values.append(view.toreadonly())
+    return values, faults
 
 
-def _checked(value: memoryview) -> memoryview:
-    parse_container(value, verify=True)  # Corrupt: refused with its item's number
-    return value
+def _check_stored(header: Header, index: int, frame: memoryview) -> None:
+    check_frame(header, index, frame, records=False)  # what Store checks of each frame
 
 
 def _drain(conn: socket.socket, n: int) -> None:
