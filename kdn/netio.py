@@ -17,42 +17,52 @@ from kdn.codec.format import (
 from kdn.errors import Corrupt, KDNError, Truncated
 from kdn.wire import recv_into_all
 
+READ_AHEAD = 1 << 20
+"""Bytes read past what the next check needs, at least (small frames are checked a run at a
+time, not each after reads of its own; a run still fits the cache)."""
+
 
 def recv_container(conn: socket.socket, view: memoryview, at: int,
                    check: Callable[[Header, int, memoryview], object]) -> KDNError | None:
     """Fill ``view`` (one container; its first ``at`` bytes are there already) from ``conn``,
-    checking it as its parts land, each frame the moment its last byte arrives (in cache)
-    with ``check(header, index, frame)``: the first fault, or None. Every byte of ``view`` is
-    read either way (the rest unchecked once a fault is found), so the connection stays in
-    step; OSError when it closed first."""
-
-    def fill(end: int) -> None:
-        nonlocal at
-        if end > at and not recv_into_all(conn, view[at:end]):
-            raise OSError("the data path closed inside an entry")
-        at = max(at, end)
-
+    checking it as its parts land: each frame, with ``check(header, index, frame)``, as soon
+    as its last byte arrived (reads run up to ``READ_AHEAD`` past it, so a frame is checked
+    while in cache). The first fault, or None. Every byte of ``view`` is read either way (the
+    rest unchecked once a fault is found), so the connection stays in step; OSError when it
+    closed first."""
     n = len(view)
+
+    def need(end: int) -> None:  # bytes up to ``end`` read (and a run more, if it is short)
+        nonlocal at
+        if end <= at:
+            return
+        end = min(n, max(end, at + READ_AHEAD))
+        if not recv_into_all(conn, view[at:end]):
+            raise OSError("the data path closed inside an entry")
+        at = end
+
     try:
-        fill(min(HEAD_PREFIX_BYTES, n))
+        need(min(HEAD_PREFIX_BYTES, n))
         head = header_size(view[:at])
         if head > n:
             raise Truncated(f"an entry of {n} bytes can not hold its {head}-byte header")
-        fill(head)
+        need(head)
         header = parse_header(view[:head])
+        pos = head
         for index in range(len(header.entry.frames)):
-            start = at
-            if start + FRAME_PREFIX_BYTES > n:
+            if pos + FRAME_PREFIX_BYTES > n:
                 raise Truncated(f"frame {index} begins past the entry's {n} bytes")
-            fill(start + FRAME_PREFIX_BYTES)
-            end = start + frame_length(view, start)
+            need(pos + FRAME_PREFIX_BYTES)
+            end = pos + frame_length(view, pos)
             if end > n:
                 raise Corrupt(f"frame {index} ends past the entry's {n} bytes")
-            fill(end)
-            check(header, index, view[start:end])
-        if at != n:
-            raise Corrupt(f"{n - at} bytes after the entry's last frame")
+            need(end)
+            check(header, index, view[pos:end])
+            pos = end
+        if pos != n:
+            raise Corrupt(f"{n - pos} bytes after the entry's last frame")
         return None
     except KDNError as exc:
-        fill(n)
+        if at < n and not recv_into_all(conn, view[at:]):
+            raise OSError("the data path closed inside an entry") from None
         return exc

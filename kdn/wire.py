@@ -418,39 +418,23 @@ NET_GET_MANY, NET_PUT_MANY = 4, 5
 """The network data path's calls (``kdn.server.netpath``): a GetMany whose answer is followed
 by the present entries' bytes, a PutMany followed by its items' bytes (``PutItem.region``:
 where each lies in them, one after another)."""
-SEND_PIECES = 64
-"""Buffers one ``sendmsg`` hands the kernel at most (well under IOV_MAX)."""
-SMALL_PIECE = 64 << 10
-"""Pieces under this size are joined with their neighbours before they are sent (one
-syscall, one TCP segment, for a header and a small entry)."""
+SEND_PIECES = 512
+"""Buffers one ``sendmsg`` hands the kernel at most (IOV_MAX is 1024 on Linux)."""
 
 
 def send_pieces(conn: socket.socket, pieces: Sequence[bytes | memoryview]) -> None:
-    """Send ``pieces`` in order without joining the large ones (their bytes go from where they
-    lie straight into the kernel): runs of small pieces joined, then ``sendmsg`` of up to
-    ``SEND_PIECES`` buffers at a time, resumed where a partial send stopped."""
-    bufs: list[bytes | memoryview] = []
-    small: list[bytes | memoryview] = []
-    for piece in pieces:
-        if len(piece) < SMALL_PIECE:
-            small.append(piece)
-            continue
-        if small:
-            bufs.append(b"".join(small))
-            small = []
-        bufs.append(memoryview(piece).cast("B"))
-    if small:
-        bufs.append(b"".join(small))
+    """Send ``pieces`` in order without joining them (their bytes go from where they lie
+    straight into the kernel): ``sendmsg`` of up to ``SEND_PIECES`` buffers at a time, resumed
+    where a partial send stopped."""
+    bufs = [memoryview(p).cast("B") for p in pieces if len(p)]
     i = 0
     while i < len(bufs):
-        batch = bufs[i:i + SEND_PIECES]
-        sent = conn.sendmsg(batch)
-        for b in batch:
-            if sent < len(b):
-                if sent:
-                    bufs[i] = memoryview(b)[sent:]
+        sent = conn.sendmsg(bufs[i : i + SEND_PIECES])
+        while sent and i < len(bufs):
+            if sent < len(bufs[i]):
+                bufs[i] = bufs[i][sent:]
                 break
-            sent -= len(b)
+            sent -= len(bufs[i])
             i += 1
 
 
