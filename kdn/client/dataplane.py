@@ -34,16 +34,8 @@ from itertools import islice
 from typing import Any, TypeVar
 
 from kdn.buffers import RECEIVED
-from kdn.client.netpath import NetPath
-from kdn.client.puts import (
-    BATCH_BYTES,
-    TOO_BIG,
-    PutsMixin,
-    TooBig,
-    fast_answer,
-    fast_error,
-    fast_send,
-)
+from kdn.client.netpath import NetPath, batches_of, fast_answer, fast_error, fast_send
+from kdn.client.puts import BATCH_BYTES, TOO_BIG, PutsMixin, TooBig
 from kdn.codec import EncodedParts
 from kdn.codec.format import (
     FrameCopy,
@@ -499,21 +491,11 @@ class DataPlane(PutsMixin):
                  out: list[pb.StoreResponse | TooBig]) -> bool:
         """``put_many`` on the network data path, in calls of up to ``BATCH_BYTES`` (larger
         items stay TOO_BIG); False when the path failed (the items not stored: gRPC)."""
-        batches: list[list[int]] = [[]]
-        size = 0
-        for i, (_, parts, _) in enumerate(items):
-            if parts.nbytes > BATCH_BYTES:
-                continue
-            if batches[-1] and size + parts.nbytes > BATCH_BYTES:
-                batches.append([])
-                size = 0
-            batches[-1].append(i)
-            size += parts.nbytes
+        batches = batches_of(items, BATCH_BYTES)
         try:
             for batch in batches:
-                if batch:
-                    for j, r in zip(batch, net.put_many(namespace, [items[j] for j in batch])):
-                        out[j] = r
+                for j, r in zip(batch, net.put_many(namespace, [items[j] for j in batch])):
+                    out[j] = r
         except (OSError, NotFound) as exc:
             self._net_lost(exc)
             return False

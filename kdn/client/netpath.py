@@ -14,18 +14,20 @@ from __future__ import annotations
 import socket
 import threading
 from collections.abc import Sequence
+from typing import Any
 
 from kdn.buffers import RECEIVED
-from kdn.client.puts import fast_answer, fast_error
 from kdn.codec import EncodedParts
 from kdn.codec.format import HEAD_PREFIX_BYTES, check_frame_prefix, header_size
-from kdn.errors import Corrupt
+from kdn.errors import Corrupt, KDNError
 from kdn.netio import recv_container
+from kdn.status import error_of
 from kdn.v1 import kdn_pb2 as pb
 from kdn.wire import (
     FAST_HEAD,
     NET_GET_MANY,
     NET_PUT_MANY,
+    read_exact,
     recv_into_all,
     send_pieces,
 )
@@ -34,6 +36,28 @@ CONNECT_S = 2.0
 """Seconds a connection may take to open (a firewalled port: gRPC instead)."""
 FRAME_ALIGN = 64
 """A read entry's first frame starts at a multiple of this (``kdn.codec.inplace``)."""
+
+
+def fast_send(conn: socket.socket, op: int, req: Any) -> None:
+    body = req.SerializeToString()
+    conn.sendall(FAST_HEAD.pack(len(body), op) + body)
+
+
+def fast_answer(conn: socket.socket) -> tuple[int, bytes]:
+    """(ok, body) of the next answer on a fast-path connection; OSError when it closed."""
+    head = read_exact(conn, FAST_HEAD.size)
+    if head is None:
+        raise OSError("the fast path closed the connection")
+    n, ok = FAST_HEAD.unpack(head)
+    out = read_exact(conn, n)
+    if out is None:
+        raise OSError("the fast path closed the connection")
+    return ok, out
+
+
+def fast_error(out: bytes) -> KDNError:
+    name, _, message = out.decode("utf-8", "replace").partition("\0")
+    return error_of(name, message)
 
 
 class NetPath:
@@ -92,19 +116,9 @@ class NetPath:
                  items: Sequence[tuple[bytes, EncodedParts, pb.StoreOptions]]
                  ) -> list[pb.StoreResponse]:
         """Store ``items`` in one call (each checked by the server before any is stored)."""
-        req = pb.PutManyRequest(namespace=namespace, segment_id=self.ticket)
-        pieces: list[bytes | memoryview] = []
-        at = 0
-        for key, parts, opts in items:
-            item = req.items.add(key=key, options=opts)
-            item.region.offset, item.region.length = at, parts.nbytes
-            pieces += [parts.header, *parts.frames]
-            at += parts.nbytes
+        req, pieces = streamed_put(namespace, self.ticket, items)
         _, out = self._call(NET_PUT_MANY, req, pieces)
-        results = list(pb.PutManyResponse.FromString(out).results)
-        if len(results) != len(items):
-            raise Corrupt(f"PutMany answered {len(results)} results for {len(items)} items")
-        return results
+        return put_results(out, len(items))
 
     def get_many(self, namespace: str, keys: Sequence[bytes], layout_fingerprint: str
                  ) -> list[tuple[memoryview, str] | None]:
@@ -138,6 +152,46 @@ class NetPath:
             conns, self._all = self._all, []
         for conn in conns:
             conn.close()
+
+
+def streamed_put(namespace: str, segment_id: str,
+                 items: Sequence[tuple[bytes, EncodedParts, pb.StoreOptions]]
+                 ) -> tuple[pb.PutManyRequest, list[bytes | memoryview]]:
+    """A PutMany whose items' bytes follow it on the connection (``kdn.server.streamed``):
+    the request (each item's region: where its bytes lie in what follows) and those pieces."""
+    req = pb.PutManyRequest(namespace=namespace, segment_id=segment_id)
+    pieces: list[bytes | memoryview] = []
+    at = 0
+    for key, parts, opts in items:
+        item = req.items.add(key=key, options=opts)
+        item.region.offset, item.region.length = at, parts.nbytes
+        pieces += [parts.header, *parts.frames]
+        at += parts.nbytes
+    return req, pieces
+
+
+def put_results(answer: bytes, count: int) -> list[pb.StoreResponse]:
+    results = list(pb.PutManyResponse.FromString(answer).results)
+    if len(results) != count:
+        raise Corrupt(f"PutMany answered {len(results)} results for {count} items")
+    return results
+
+
+def batches_of(items: Sequence[tuple[bytes, EncodedParts, pb.StoreOptions]], limit: int
+               ) -> list[list[int]]:
+    """The items' indices in runs of at most ``limit`` bytes, in order; larger items in
+    none (the caller stores them another way)."""
+    out: list[list[int]] = [[]]
+    size = 0
+    for i, (_, parts, _) in enumerate(items):
+        if parts.nbytes > limit:
+            continue
+        if out[-1] and size + parts.nbytes > limit:
+            out.append([])
+            size = 0
+        out[-1].append(i)
+        size += parts.nbytes
+    return [b for b in out if b]
 
 
 def _read_entry(conn: socket.socket, length: int) -> memoryview:

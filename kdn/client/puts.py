@@ -14,11 +14,11 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
+from kdn.client.netpath import fast_answer, fast_error, fast_send
 from kdn.codec import EncodedParts
 from kdn.errors import KDNError
-from kdn.status import error_of
 from kdn.v1 import kdn_pb2 as pb
-from kdn.wire import FAST_HEAD, FAST_PUT_MANY, read_exact
+from kdn.wire import FAST_PUT_MANY
 
 
 class TooBig:
@@ -37,28 +37,6 @@ PIPE_DEPTH = 1
 """Pipelined PutMany calls sent and not yet answered, besides the one being written."""
 BATCH_BYTES = 1 << 30
 """Bytes of entries one PutMany through the segment carries at most (server limit: 2 GiB)."""
-
-def fast_send(conn: socket.socket, op: int, req: Any) -> None:
-    body = req.SerializeToString()
-    conn.sendall(FAST_HEAD.pack(len(body), op) + body)
-
-
-def fast_answer(conn: socket.socket) -> tuple[int, bytes]:
-    """(ok, body) of the next answer on a fast-path connection; OSError when it closed."""
-    head = read_exact(conn, FAST_HEAD.size)
-    if head is None:
-        raise OSError("the fast path closed the connection")
-    n, ok = FAST_HEAD.unpack(head)
-    out = read_exact(conn, n)
-    if out is None:
-        raise OSError("the fast path closed the connection")
-    return ok, out
-
-
-def fast_error(out: bytes) -> KDNError:
-    name, _, message = out.decode("utf-8", "replace").partition("\0")
-    return error_of(name, message)
-
 
 class PutsMixin:
     """``DataPlane``'s writes; it provides ``segment``, ``inline_budget``, ``_fast_path``,

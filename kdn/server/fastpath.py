@@ -45,6 +45,7 @@ from kdn.server.arena import Arenas
 from kdn.server.auth import Authenticator, Principal
 from kdn.server.batch import Segments
 from kdn.server.requests import check_names
+from kdn.server.streamed import Desynced
 from kdn.v1 import kdn_pb2 as pb
 from kdn.wire import (
     ARENA_SIZE,
@@ -101,14 +102,6 @@ class Reply(NamedTuple):
     body: bytes
     fds: tuple[int, ...] = ()
     after: tuple[bytes | memoryview, ...] = ()
-
-
-class Desynced(KDNError):
-    """A refused call whose bytes can not be skipped: answered, then the connection closes."""
-
-    def __init__(self, exc: KDNError) -> None:
-        super().__init__(str(exc))
-        self.status = exc.status
 
 
 class FastPath:
