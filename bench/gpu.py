@@ -13,7 +13,8 @@ attention on a GPU (fp32 on a CPU). For each model and context length, measured 
   the server's host, the default; ``inproc``: the same with an in-process tier, which the
   store fills, so loads are hits there, loaded as one joined stream; ``inproc-blocks``: the
   same hits, one stream per block joined per layer (``EngineConfig.join_in_process=False``);
-  ``grpc-1``: a remote client, gRPC only): ``ttft_s`` of a hit
+  ``grpc-1``: a remote client, gRPC only; ``tcp``: a remote client on the server's network
+  data path): ``ttft_s`` of a hit
   through ``KDNEngine`` (every block of the context stored, one token left to compute) and
   ``load_s``, the time until every layer of the context is on the model's device
   (``start_load`` + ``wait_for_layer`` of every layer, synchronised), and the host time of its
@@ -248,6 +249,7 @@ GPU_PLAN: dict[str, list[tuple[int, str, str]]] = {
         (2048, "shm", "raw"), (2048, "inproc", "raw"), (2048, "inproc-blocks", "raw"),
         (8192, "shm", "kdn-default"), (8192, "decode", "kdn-default"),
         (8192, "shm", "int8"), (8192, "decode", "int8"), (8192, "grpc-1", "raw"),
+        (8192, "tcp", "raw"),
         (8192, "shm", "lossless"), (8192, "grpc-1", "kdn-default"),
         (2048, "shm", "kdn-default"), (2048, "grpc-1", "raw"),
         (2048, "shm", "int8"), (2048, "shm", "lossless"), (8192, "decode", "lossless"),
@@ -307,7 +309,9 @@ def run(plan: dict[str, list[tuple[int, str, str]]], runs: int, out: Path,
                               f"{prefills[tokens] * 1e3:.1f} ms", flush=True)
                     key = {"decode": "shm", "inproc-blocks": "inproc"}.get(path, path)
                     if key not in clients:
-                        clients[key] = Client(address, shm_bytes=0 if key == "grpc-1" else None,
+                        clients[key] = Client(address,  # remote: gRPC only, or the data path
+                                              shm_bytes=0 if key in ("grpc-1", "tcp") else None,
+                                              data_path=key != "grpc-1",
                                               local_bytes=local if key == "inproc" else 0,
                                               max_message_bytes=512 << 20)
                     if path == "decode":
@@ -396,7 +400,7 @@ def main(argv: list[str] | None = None) -> None:
                     help="comma-separated encodings to run (default: every one in the plan)")
     ap.add_argument("--paths", default="",
                     help="comma-separated paths to run (shm, inproc, inproc-blocks, grpc-1, "
-                         "decode; default all)")
+                         "tcp, decode; default all)")
     ap.add_argument("--dtype", default="", choices=["", "float16", "bfloat16", "float32"],
                     help="the models' dtype (default fp16 on a GPU, fp32 on a CPU; `raw` "
                          "entries of 2-byte KV are viewed in place on a CPU too)")
@@ -415,7 +419,7 @@ def main(argv: list[str] | None = None) -> None:
         plan, runs = GPU_PLAN, 5
     else:
         plan, runs = {"smollm2-135m": [(2048, p, e) for p in ("shm", "inproc", "inproc-blocks",
-                                                              "grpc-1")
+                                                              "grpc-1", "tcp")
                                        for e in ENCODINGS]}, 5
     encs = set(filter(None, ns.encodings.split(",")))
     paths = set(filter(None, ns.paths.split(",")))

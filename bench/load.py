@@ -7,7 +7,8 @@ overhead of a 1 MiB retrieve at 1, 8 and 64 clients.
 Gateway overhead = kdn's retrieve latency for a 1 MiB entry (undecoded fetch: the client's own
 decode is not gateway work) minus the RAM tier's own read latency for the same value, measured
 in this run; ``beyond_raw_grpc_p50_ms`` is the same latency minus a bare gRPC service's. Rows
-for both paths: ``grpc`` (a client on another host) and ``shm`` (the shared segment).
+for each path: ``grpc`` (a client on another host, gRPC only), ``tcp`` (the same client on
+the server's network data path) and ``shm`` (the shared segment).
 """
 
 from __future__ import annotations
@@ -132,8 +133,10 @@ def mixed_load(address: str, clients: int, seconds: float, pid: int
 def gateway_overhead(address: str, clients_list: list[int], requests: int,
                      path: str) -> list[dict[str, Any]]:
     """Rows per client count for one path: ``grpc`` (Retrieve stream, a client on another
-    host) or ``shm`` (GetMany through the client's shared segment, same host)."""
-    shm_bytes = 0 if path == "grpc" else None
+    host with the data path off), ``tcp`` (GetMany on the server's network data path, a
+    client on another host) or ``shm`` (GetMany through the client's shared segment, same
+    host)."""
+    shm_bytes = 0 if path in ("grpc", "tcp") else None
     lay = KVLayout("gw", (LayerLayout(4, 64, 64),), head_dim=64)
     g = torch.Generator().manual_seed(1)
     kv = KVCache(lay, [(torch.randn(4, 1024, 64, generator=g).half(),
@@ -162,7 +165,7 @@ def gateway_overhead(address: str, clients_list: list[int], requests: int,
 
         def worker(_: int, lat: list[float] = lat, lock: threading.Lock = lock,
                    n: int = n) -> None:
-            with Client(address, shm_bytes=shm_bytes) as c:
+            with Client(address, shm_bytes=shm_bytes, data_path=path != "grpc") as c:
                 for _ in range(max(5, requests // n)):
                     t = time.perf_counter()
                     assert c.fetch(key) is not None
@@ -204,7 +207,7 @@ def main(argv: list[str] | None = None) -> None:
         proc, address = start_server(Path(tmp), "64MiB")
         try:
             lat, errors, rss = mixed_load(address, ns.clients, seconds, proc.pid)
-            gw = [row for path in ("grpc", "shm") for row in
+            gw = [row for path in ("grpc", "tcp", "shm") for row in
                   gateway_overhead(address, [1, 8, 64], 100 if ns.quick else 400, path)]
         finally:
             proc.send_signal(signal.SIGTERM)

@@ -40,7 +40,8 @@ How each system is driven:
   and ``retrieve`` (decoded into tensors, the like of LMCache's get and Mooncake's get_into);
   batches through ``store_many``/``fetch_many`` when the client has them, else a loop of single
   calls. ``--kdn-client-opts`` (repeatable, ``k=v,k=v``) are ``Client`` keyword arguments, one
-  kdn column per flag (e.g. ``shm_bytes=0`` for the gRPC stream only, ``""`` for defaults).
+  kdn column per flag (e.g. ``shm_bytes=0`` for a remote client: the network data path, or
+  with ``data_path=false`` the gRPC stream only; ``""`` for defaults).
 
 Installing the peers (a scratch venv, never the project's .venv; commands used on this machine,
 Python 3.11, CPU torch 2.13):

@@ -22,7 +22,7 @@ from kdn.errors import Corrupt, LayoutMismatch
 from kdn.server import ServerConfig, ServerThread
 from kdn.v1 import kdn_pb2 as pb
 from kdn.wire import FAST_HEAD, NET_GET_MANY, NET_PUT_MANY, read_exact
-from tests.helpers import numbered_key, random_kv, uniform_layout
+from tests.helpers import eventually, numbered_key, random_kv, uniform_layout
 
 LAYOUT = uniform_layout()
 
@@ -367,3 +367,22 @@ def test_a_damaged_answer_is_caught_as_it_lands(damage: str) -> None:
         net.get_many("default", [numbered_key(1)], "")
     net.close()
     sock.close()
+
+
+def test_connections_past_the_cap_are_closed(server: ServerThread, remote: Client) -> None:
+    assert server.server.net_path is not None
+    server.server.net_path.max_connections = 2  # each connection holds a thread
+    held = [_connect(server), _connect(server)]
+    for conn in held:  # served: a GetMany of nothing answers
+        req = pb.GetManyRequest(segment_id=_ticket(remote)).SerializeToString()
+        conn.sendall(FAST_HEAD.pack(len(req), NET_GET_MANY) + req)
+        assert (_answer(conn) or (0, b""))[0] == 1
+    extra = _connect(server)
+    assert _closed(extra)  # refused: closed at once
+    extra.close()
+    for conn in held:
+        conn.close()
+    assert eventually(lambda: len(server.server.net_path._conns) == 0)
+    remote.store(numbered_key(1), random_kv(LAYOUT, 16, seed=18), mode="raw")
+    assert remote.fetch(numbered_key(1)) is not None
+    assert _counters(server)["net.refused_connections"] == 1
