@@ -13,8 +13,9 @@ time:
     kdn_bytes_served_total{encoding}
     kdn_tier_read_seconds{tier}                    the store's read of one entry (histogram)
     kdn_entry_check_seconds{encoding}              the check of one entry stored (histogram)
-    kdn_fastpath_requests_total{rpc, code}         calls on the same-host fast path
-    kdn_fastpath_request_seconds{rpc}              (which bypasses gRPC and its interceptor)
+    kdn_fastpath_requests_total{rpc, code}         calls on the same-host fast path and the
+                                                   network data path (rpc NetGetMany, NetPutMany)
+    kdn_fastpath_request_seconds{rpc}              (both bypass gRPC and its interceptor)
 
 The token hit ratio by tenant or model is ``kdn_tokens_served_total`` over
 ``kdn_tokens_requested_total`` (LMCache's hit tokens over requested tokens). A read names a
