@@ -427,6 +427,10 @@ def send_pieces(conn: socket.socket, pieces: Sequence[bytes | memoryview]) -> No
     straight into the kernel): ``sendmsg`` of up to ``SEND_PIECES`` buffers at a time, resumed
     where a partial send stopped."""
     bufs = [memoryview(p).cast("B") for p in pieces if len(p)]
+    if not hasattr(conn, "sendmsg") or type(conn).sendmsg is not socket.socket.sendmsg:
+        for buf in bufs:  # a TLS socket (no sendmsg): each piece through the record layer
+            conn.sendall(buf)
+        return
     i = 0
     while i < len(bufs):
         sent = conn.sendmsg(bufs[i : i + SEND_PIECES])

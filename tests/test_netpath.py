@@ -17,12 +17,13 @@ import pytest
 from kdn import codec
 from kdn.addresses import data_host
 from kdn.client import Client
+from kdn.client.client import TLSOptions
 from kdn.client.netpath import NetPath
 from kdn.errors import Corrupt, LayoutMismatch
 from kdn.server import ServerConfig, ServerThread
 from kdn.v1 import kdn_pb2 as pb
 from kdn.wire import FAST_HEAD, NET_GET_MANY, NET_PUT_MANY, read_exact
-from tests.helpers import eventually, numbered_key, random_kv, uniform_layout
+from tests.helpers import eventually, make_certs, numbered_key, random_kv, uniform_layout
 
 LAYOUT = uniform_layout()
 
@@ -386,3 +387,46 @@ def test_connections_past_the_cap_are_closed(server: ServerThread, remote: Clien
     remote.store(numbered_key(1), random_kv(LAYOUT, 16, seed=18), mode="raw")
     assert remote.fetch(numbered_key(1)) is not None
     assert _counters(server)["net.refused_connections"] == 1
+
+
+def test_a_tls_server_offers_the_data_path_over_tls(tmp_path: Path) -> None:
+    certs = make_certs(tmp_path)
+    cfg = ServerConfig(port=0, data_dir=tmp_path / "d", tls_cert=str(certs["server.crt"]),
+                       tls_key=str(certs["server.key"]))
+    kv = random_kv(LAYOUT, 64, seed=19)
+    tls = TLSOptions(ca=certs["ca.crt"].read_bytes())
+    with ServerThread(cfg) as st, Client(st.address, tls=tls, shm_bytes=0) as c:
+        _no_grpc_data_calls(c)
+        c.store(numbered_key(1), kv, mode="raw")
+        got = c.retrieve(numbered_key(1), layout=LAYOUT)
+        assert got is not None and got.equal(kv)
+        assert _counters(st)["net.PutMany"] == 1 and _counters(st)["net.GetMany"] == 1
+        plain = _connect(st)  # a client speaking no TLS: refused by the handshake
+        req = pb.GetManyRequest(keys=[numbered_key(1)], segment_id=_ticket(c))
+        body = req.SerializeToString()
+        plain.sendall(FAST_HEAD.pack(len(body), NET_GET_MANY) + body)
+        assert _answer_or_closed(plain)
+        plain.close()
+    (tmp_path / "other").mkdir()
+    other = make_certs(tmp_path / "other")  # the path's certificate not trusted: gRPC
+    with ServerThread(dataclasses.replace(cfg, data_dir=tmp_path / "d2")) as st:
+        with Client(st.address, tls=tls, shm_bytes=0) as c:
+            c.store(numbered_key(2), kv, mode="raw")
+            net = c.dataplane.net()
+            assert net is not None
+            net._tls = TLSOptions(ca=other["ca.crt"].read_bytes()).data_path_tls()[0]
+            net._drop()
+            c.store(numbered_key(3), kv, mode="raw")  # the handshake fails: gRPC from here
+            assert c.dataplane.net() is None
+            got = c.retrieve(numbered_key(3), layout=LAYOUT)
+            assert got is not None and got.equal(kv)
+
+
+def _answer_or_closed(conn: socket.socket) -> bool:
+    """True when ``conn`` was closed, reset or answered with a TLS alert (not served)."""
+    conn.settimeout(5)
+    try:
+        data = conn.recv(5)
+    except OSError:
+        return True
+    return not data or data[:1] == b"\x15"

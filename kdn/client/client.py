@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import os
 import random
+import ssl
 import threading
 import time
 import uuid
@@ -138,6 +139,14 @@ class TLSOptions:
         return grpc.ssl_channel_credentials(root_certificates=self.ca, private_key=self.key,
                                             certificate_chain=self.cert)
 
+    def data_path_tls(self) -> tuple[ssl.SSLContext, str]:
+        """(context, expected name) for the server's network data path: the same trust as
+        the channel (``ca``, else the system's roots). No client certificate is shown there:
+        its calls name a ticket the channel's authenticated caller was given."""
+        ctx = ssl.create_default_context(cadata=self.ca.decode() if self.ca else None)
+        ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+        return ctx, self.server_name
+
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -244,7 +253,8 @@ class Client:
         # offers one (``data_path``; plaintext servers only: kdn.server.netpath)
         self.dataplane = DataPlane(self._stub, self._call, self.metadata, timeout_s, shm_bytes,
                                    max_message_bytes, keep_leases_bytes,
-                                   data_host(address) if data_path and tls is None else "")
+                                   data_host(address) if data_path else "",
+                                   tls.data_path_tls() if tls is not None else None)
 
     def _new_channel(self, *extra: tuple[str, int | str]) -> grpc.Channel:
         options = [*self._options, *extra]

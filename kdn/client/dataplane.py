@@ -317,7 +317,7 @@ class DataPlane(PutsMixin):
     def __init__(self, stub: Any, call: Callable[[Callable[[], Any]], Any],
                  metadata: Callable[[str | None], Any], timeout_s: float, shm_bytes: int,
                  max_message_bytes: int, keep_leases_bytes: int | None = None,
-                 net_host: str = "") -> None:
+                 net_host: str = "", net_tls: Any = None) -> None:
         self._stub = stub
         self._call = call
         self._metadata = metadata
@@ -339,6 +339,7 @@ class DataPlane(PutsMixin):
         self._too_big: OrderedDict[tuple[str, bytes], None] = OrderedDict()  # inline only
         self._all_conns: list[socket.socket] = []
         self._net_host = net_host  # the server's host for its network data path; "" = none
+        self._net_tls = net_tls  # (ssl context, server name) when the channel speaks TLS
         self._net: NetPath | None = None
         self._net_tried = not net_host
 
@@ -462,8 +463,9 @@ class DataPlane(PutsMixin):
                     log.info("kdn: no network data path (%s); using gRPC", exc)
                     resp = pb.AttachResponse()
                 if resp.data_port:
+                    tls, name = self._net_tls or (None, "")
                     self._net = NetPath(self._net_host, resp.data_port, resp.segment_id,
-                                        self.timeout_s)
+                                        self.timeout_s, tls, name)
                 self._net_tried = True
         return self._net
 

@@ -12,6 +12,7 @@ so decoded tensors view it in place, each frame checked the moment it lands (in 
 from __future__ import annotations
 
 import socket
+import ssl
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -63,9 +64,11 @@ def fast_error(out: bytes) -> KDNError:
 class NetPath:
     """Calls on the network data path at ``(host, port)`` acting as ``ticket``'s holder."""
 
-    def __init__(self, host: str, port: int, ticket: str, timeout_s: float) -> None:
+    def __init__(self, host: str, port: int, ticket: str, timeout_s: float,
+                 tls: ssl.SSLContext | None = None, server_name: str = "") -> None:
         self.host, self.port, self.ticket = host.strip("[]"), port, ticket
         self.timeout_s = timeout_s
+        self._tls, self._server_name = tls, server_name or self.host
         self._local = threading.local()
         self._all: list[socket.socket] = []
         self._lock = threading.Lock()
@@ -77,6 +80,12 @@ class NetPath:
             return conn, False
         conn = socket.create_connection((self.host, self.port), timeout=CONNECT_S)
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if self._tls is not None:  # the server's certificate checked as gRPC checks it
+            try:
+                conn = self._tls.wrap_socket(conn, server_hostname=self._server_name)
+            except BaseException:
+                conn.close()
+                raise
         conn.settimeout(self.timeout_s)
         self._local.conn = conn
         with self._lock:

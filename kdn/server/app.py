@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import ssl
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -233,6 +234,18 @@ def check_tls_files(config: ServerConfig) -> None:
                               f"({exc.reason or exc})") from None
 
 
+def data_path_tls(config: ServerConfig) -> ssl.SSLContext | None:
+    """The network data path's TLS: the gRPC listener's certificate and key (None without
+    them). No client certificate is asked for there: a call names a ticket, which only a
+    caller authenticated over gRPC (by its certificate too, under mutual TLS) was given."""
+    if not config.tls_cert:
+        return None
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    ctx.load_cert_chain(config.tls_cert, config.tls_key)
+    return ctx
+
+
 def _credentials(config: ServerConfig) -> grpc.ServerCredentials | None:
     if not config.tls_cert:
         return None
@@ -304,8 +317,8 @@ async def _start(config: ServerConfig, store: TieredStore, auth: Authenticator,
     net_path: NetPath | None = None
     try:
         servicer.fast_path_name = fast_path.name
-        if config.data_port >= 0 and creds is None:  # other hosts' GetMany / PutMany
-            net_path = NetPath(servicer, config.host, config.data_port)
+        if config.data_port >= 0:  # other hosts' GetMany / PutMany
+            net_path = NetPath(servicer, config.host, config.data_port, data_path_tls(config))
             servicer.data_port = net_path.port
         for name in ("", SERVICE_NAME):
             await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)

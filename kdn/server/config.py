@@ -88,7 +88,7 @@ class ServerConfig:
     """TCP port of the network data path: GetMany / PutMany of clients on other hosts with
     the entries' bytes on a plain socket next to gRPC (kdn.server.netpath; ~2x Python gRPC's
     rate), on the same host address; 0 = any free port (clients learn it from Attach), -1 =
-    off. A server with TLS offers none (its clients stay on gRPC). Publish it next to the
+    off. With tls_cert it speaks TLS too, with the same certificate. Publish it next to the
     gRPC port where a firewall or container stands between them."""
     data_dir: Path = Path("kdn-data")
     """Directory holding the LMDB disk tier."""

@@ -145,8 +145,9 @@ class FastPath:
                              daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
+        accepted = conn
         try:
-            self._opened(conn)
+            conn = self._opened(conn)
             while (head := read_exact(conn, FAST_HEAD.size)) is not None:
                 n, op = FAST_HEAD.unpack(head)
                 if n > MAX_BODY:
@@ -174,11 +175,12 @@ class FastPath:
             log.debug("%s-path connection closed: %s", self.kind, exc)
         finally:
             with self._lock:
-                self._conns.discard(conn)
+                self._conns.discard(accepted)
             conn.close()
 
-    def _opened(self, conn: socket.socket) -> None:
-        """Set up a new connection (nothing for a unix socket)."""
+    def _opened(self, conn: socket.socket) -> socket.socket:
+        """A new connection set up, as it is served (a unix socket: as it is)."""
+        return conn
 
     @staticmethod
     def _rpc(op: int) -> str:

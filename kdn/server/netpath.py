@@ -25,8 +25,10 @@ skipped (more than a PutMany may carry) is answered, then the connection closes.
 
 Who may call: anyone who can reach the port and names a live ticket; a ticket is 128 random
 bits handed only to the authenticated client that asked (``Segments.ticket``), and a call acts
-as that client (its tenant's key space, rate limit and quota). The path speaks no TLS: a server
-with ``tls_cert`` set offers none (its clients stay on gRPC), as does ``data_port = -1``.
+as that client (its tenant's key space, rate limit and quota). A server with ``tls_cert`` speaks
+TLS here too, with the same certificate (``kdn.server.app.data_path_tls``; no client
+certificate is asked for: the ticket came over the authenticated channel); ``data_port = -1``
+offers no path.
 
 Lifecycle: the server starts one ``NetPath`` (a listening thread) once it listens, bound to
 its gRPC host, and closes it at shutdown; each connection is served by a daemon thread of its
@@ -36,6 +38,7 @@ own (at most ``MAX_CONNECTIONS``), and closed after ``IDLE_S`` without a byte.
 from __future__ import annotations
 
 import socket
+import ssl
 
 from kdn.errors import InvalidArgument
 from kdn.server.fastpath import FastPath, Handlers, Reply
@@ -56,8 +59,9 @@ class NetPath(FastPath):
     kind = "net"
     max_connections = MAX_CONNECTIONS
 
-    def __init__(self, servicer: Handlers, host: str, port: int) -> None:
-        self._host, self._want_port = host, port
+    def __init__(self, servicer: Handlers, host: str, port: int,
+                 tls: ssl.SSLContext | None = None) -> None:
+        self._host, self._want_port, self._tls = host, port, tls
         super().__init__(servicer)
 
     def _listen(self) -> socket.socket:
@@ -75,9 +79,10 @@ class NetPath(FastPath):
         self.name = f"tcp:{self.port}"
         return sock
 
-    def _opened(self, conn: socket.socket) -> None:
+    def _opened(self, conn: socket.socket) -> socket.socket:
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        conn.settimeout(IDLE_S)
+        conn.settimeout(IDLE_S)  # the TLS handshake too
+        return conn if self._tls is None else self._tls.wrap_socket(conn, server_side=True)
 
     @staticmethod
     def _rpc(op: int) -> str:
