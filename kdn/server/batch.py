@@ -76,7 +76,7 @@ from kdn.wire import get_many_message
 if TYPE_CHECKING:
     from kdn.server.config import ServerConfig
     from kdn.server.usage import Usage
-    from kdn.store.tiered import Hit, TieredStore
+    from kdn.store.tiered import FramedHit, Hit, TieredStore
 
 log = logging.getLogger(__name__)
 
@@ -445,14 +445,10 @@ class BatchMixin:
             started = time.perf_counter()
             # inline: a RAM value kept as the frames it came in stays so unless it is sent
             # (joined, it would no longer go out as the messages it came in: Retrieve)
-            hit = (self.store.get_in_memory(skey, framed=True) if seg is None else None) \
-                or self.store.get(skey)
+            hit = self._hit(skey, want, framed=seg is None)
             if hit is None:
-                self.count("getmany.miss")
-                self.usage.missed(skey)
                 continue
             value = hit.value
-            _check_layout(skey, value, want)
             ref.present, ref.tier, ref.length = True, hit.tier, len(value)
             read_s = time.perf_counter() - started
             if seg is not None and request.lease and self._leased(
@@ -486,6 +482,18 @@ class BatchMixin:
                                      for i, ref in enumerate(out.entries)])
         return out
 
+    def _hit(self, skey: bytes, want: str, *, framed: bool) -> Hit | FramedHit | None:
+        """``skey``'s stored value (a RAM value as the frames it came in, with ``framed``),
+        its layout checked against ``want`` (LayoutMismatch); None, counted, on a miss."""
+        hit = (self.store.get_in_memory(skey, framed=True) if framed else None) \
+            or self.store.get(skey)
+        if hit is None:
+            self.count("getmany.miss")
+            self.usage.missed(skey)
+            return None
+        _check_layout(skey, hit.value, want)
+        return hit
+
     def _get_sent(self, p: Principal, request: pb.GetManyRequest
                   ) -> tuple[pb.GetManyResponse, list[bytes | memoryview]]:
         """The network data path's GetMany (``kdn.server.netpath``): the answer, and the
@@ -501,13 +509,10 @@ class BatchMixin:
             skey = store_key(p.tenant, ns, key)
             ref = out.entries.add()
             started = time.perf_counter()
-            hit = self.store.get_in_memory(skey, framed=True) or self.store.get(skey)
+            hit = self._hit(skey, want, framed=True)
             if hit is None:
-                self.count("getmany.miss")
-                self.usage.missed(skey)
                 continue
             value = hit.value
-            _check_layout(skey, value, want)
             ref.present, ref.tier, ref.length, ref.offset = True, hit.tier, len(value), at
             ref.written = True
             self.usage.served(skey, value, hit.tier, time.perf_counter() - started)
