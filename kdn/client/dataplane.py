@@ -34,8 +34,8 @@ from itertools import islice
 from typing import Any, TypeVar
 
 from kdn.buffers import RECEIVED
-from kdn.client.netpath import NetPath, batches_of, fast_answer, fast_error, fast_send
-from kdn.client.puts import BATCH_BYTES, TOO_BIG, PutsMixin, TooBig
+from kdn.client.netpath import NetMixin, NetPath, fast_answer, fast_error, fast_send
+from kdn.client.puts import TOO_BIG, PutsMixin, TooBig
 from kdn.codec import EncodedParts
 from kdn.codec.format import (
     FrameCopy,
@@ -313,7 +313,7 @@ def _answer(head: pb.RetrieveHeader, entry: bytes | memoryview, stream: Iterator
     return got
 
 
-class DataPlane(PutsMixin):
+class DataPlane(PutsMixin, NetMixin):
     def __init__(self, stub: Any, call: Callable[[Callable[[], Any]], Any],
                  metadata: Callable[[str | None], Any], timeout_s: float, shm_bytes: int,
                  max_message_bytes: int, keep_leases_bytes: int | None = None,
@@ -443,40 +443,6 @@ class DataPlane(PutsMixin):
         path (``kdn.client.netpath``)."""
         return self.attached or self.net() is not None
 
-    def net(self) -> NetPath | None:
-        """The network data path, for a client without a segment whose server offers one
-        (asked once: ``Attach`` with ``remote``); None otherwise."""
-        if self._net_tried:
-            return self._net
-        if self.segment()[0] is not None:
-            self._net_tried = True
-            return None
-        with self._lock:
-            if not self._net_tried:
-                md = self._metadata(None)
-                try:
-                    resp = self._call(lambda: self._stub.Attach(
-                        pb.AttachRequest(remote=True), timeout=self.timeout_s, metadata=md))
-                except (Unavailable, DeadlineExceeded):
-                    raise  # asked again by the next call
-                except KDNError as exc:  # no data path there, or an older server
-                    log.info("kdn: no network data path (%s); using gRPC", exc)
-                    resp = pb.AttachResponse()
-                if resp.data_port:
-                    tls, name = self._net_tls or (None, "")
-                    self._net = NetPath(self._net_host, resp.data_port, resp.segment_id,
-                                        self.timeout_s, tls, name)
-                self._net_tried = True
-        return self._net
-
-    def _net_lost(self, exc: Exception) -> None:
-        """The network data path failed (no connection, or the server forgot the ticket):
-        gRPC from now on."""
-        log.warning("kdn: network data path unusable (%s); using gRPC", exc)
-        net, self._net = self._net, None
-        if net is not None:
-            net.close()
-
     def _net_get(self, net: NetPath, namespace: str, keys: Sequence[bytes],
                  layout_fingerprint: str) -> list[Fetched | TooBig | None] | None:
         """``get_many`` on the network data path; None when it failed (gRPC then)."""
@@ -487,21 +453,6 @@ class DataPlane(PutsMixin):
             return None
         return [None if g is None else _fetched(g[0], g[1], owned=True, checked=True)
                 for g in got]
-
-    def _net_put(self, net: NetPath, namespace: str,
-                 items: Sequence[tuple[bytes, EncodedParts, pb.StoreOptions]],
-                 out: list[pb.StoreResponse | TooBig]) -> bool:
-        """``put_many`` on the network data path, in calls of up to ``BATCH_BYTES`` (larger
-        items stay TOO_BIG); False when the path failed (the items not stored: gRPC)."""
-        batches = batches_of(items, BATCH_BYTES)
-        try:
-            for batch in batches:
-                for j, r in zip(batch, net.put_many(namespace, [items[j] for j in batch])):
-                    out[j] = r
-        except (OSError, NotFound) as exc:
-            self._net_lost(exc)
-            return False
-        return True
 
     def close(self) -> None:
         seg, seg_id = self._segment, self._segment_id

@@ -11,16 +11,17 @@ so decoded tensors view it in place, each frame checked the moment it lands (in 
 
 from __future__ import annotations
 
+import logging
 import socket
 import ssl
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from kdn.buffers import RECEIVED
 from kdn.codec import EncodedParts
 from kdn.codec.format import HEAD_PREFIX_BYTES, check_frame_prefix, header_size
-from kdn.errors import Corrupt, KDNError
+from kdn.errors import Corrupt, DeadlineExceeded, KDNError, NotFound, Unavailable
 from kdn.netio import recv_container
 from kdn.status import error_of
 from kdn.v1 import kdn_pb2 as pb
@@ -33,6 +34,7 @@ from kdn.wire import (
     send_pieces,
 )
 
+log = logging.getLogger(__name__)
 CONNECT_S = 2.0
 """Seconds a connection may take to open (a firewalled port: gRPC instead)."""
 FRAME_ALIGN = 64
@@ -161,6 +163,77 @@ class NetPath:
             conns, self._all = self._all, []
         for conn in conns:
             conn.close()
+
+
+class NetMixin:
+    """``DataPlane``'s use of the network data path: asking for it once, giving it up, the
+    batched writes. The plane provides ``segment``, ``_lock``, ``_call``, ``_stub``,
+    ``_metadata``, ``timeout_s``, ``_net_host``, ``_net_tls``, ``_net`` and ``_net_tried``."""
+
+    _net: NetPath | None
+    _net_tried: bool
+    _net_host: str
+    _net_tls: Any
+    _lock: threading.Lock
+    _stub: Any
+    timeout_s: float
+
+    _call: Callable[[Callable[[], Any]], Any]
+    _metadata: Callable[[str | None], Any]
+
+    def segment(self) -> tuple[Any, str]:
+        raise NotImplementedError
+
+    def net(self) -> NetPath | None:
+        """The network data path, for a client without a segment whose server offers one
+        (asked once: ``Attach`` with ``remote``); None otherwise."""
+        if self._net_tried:
+            return self._net
+        if self.segment()[0] is not None:
+            self._net_tried = True
+            return None
+        with self._lock:
+            if not self._net_tried:
+                md = self._metadata(None)
+                try:
+                    resp = self._call(lambda: self._stub.Attach(
+                        pb.AttachRequest(remote=True), timeout=self.timeout_s, metadata=md))
+                except (Unavailable, DeadlineExceeded):
+                    raise  # asked again by the next call
+                except KDNError as exc:  # no data path there, or an older server
+                    log.info("kdn: no network data path (%s); using gRPC", exc)
+                    resp = pb.AttachResponse()
+                if resp.data_port:
+                    tls, name = self._net_tls or (None, "")
+                    self._net = NetPath(self._net_host, resp.data_port, resp.segment_id,
+                                        self.timeout_s, tls, name)
+                self._net_tried = True
+        return self._net
+
+    def _net_lost(self, exc: Exception) -> None:
+        """The network data path failed (no connection, or the server forgot the ticket):
+        gRPC from now on."""
+        log.warning("kdn: network data path unusable (%s); using gRPC", exc)
+        net, self._net = self._net, None
+        if net is not None:
+            net.close()
+
+    def _net_put(self, net: NetPath, namespace: str,
+                 items: Sequence[tuple[bytes, EncodedParts, pb.StoreOptions]],
+                 out: list[Any], limit: int) -> bool:
+        """``put_many`` on the network data path, in calls of up to ``limit`` bytes (larger
+        items stay as they are in ``out``); False when the path failed (the items not stored:
+        gRPC)."""
+        batches = batches_of(items, limit)
+        try:
+            for batch in batches:
+                for j, r in zip(batch, net.put_many(namespace, [items[j] for j in batch])):
+                    out[j] = r
+        except (OSError, NotFound) as exc:
+            self._net_lost(exc)
+            return False
+        return True
+
 
 
 def streamed_put(namespace: str, segment_id: str,

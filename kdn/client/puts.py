@@ -62,7 +62,7 @@ class PutsMixin:
 
     def _net_put(self, net: Any, namespace: str,
                  items: Sequence[tuple[bytes, EncodedParts, pb.StoreOptions]],
-                 out: list[pb.StoreResponse | TooBig]) -> bool:
+                 out: list[Any], limit: int) -> bool:
         raise NotImplementedError
 
     def put_many(self, namespace: str, items: Sequence[tuple[bytes, EncodedParts,
@@ -73,7 +73,7 @@ class PutsMixin:
         out: list[pb.StoreResponse | TooBig] = [TOO_BIG] * len(items)
         seg, seg_id = self.segment()
         net = self.net() if seg is None else None
-        if net is not None and self._net_put(net, namespace, items, out):
+        if net is not None and self._net_put(net, namespace, items, out, BATCH_BYTES):
             return out
         if seg is not None and self._fast_path and len(items) > 1 and \
                 sum(parts.nbytes for _, parts, _ in items) > PIPE_BYTES:
