@@ -34,7 +34,7 @@ from itertools import islice
 from typing import Any, TypeVar
 
 from kdn.buffers import RECEIVED
-from kdn.client.netpath import NetMixin, NetPath, fast_answer, fast_error, fast_send
+from kdn.client.netpath import NetPath, fast_answer, fast_error, fast_send
 from kdn.client.puts import TOO_BIG, PutsMixin, TooBig
 from kdn.codec import EncodedParts
 from kdn.codec.format import (
@@ -313,7 +313,7 @@ def _answer(head: pb.RetrieveHeader, entry: bytes | memoryview, stream: Iterator
     return got
 
 
-class DataPlane(PutsMixin, NetMixin):
+class DataPlane(PutsMixin):
     def __init__(self, stub: Any, call: Callable[[Callable[[], Any]], Any],
                  metadata: Callable[[str | None], Any], timeout_s: float, shm_bytes: int,
                  max_message_bytes: int, keep_leases_bytes: int | None = None,

@@ -14,7 +14,7 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
-from kdn.client.netpath import fast_answer, fast_error, fast_send
+from kdn.client.netpath import NetMixin, fast_answer, fast_error, fast_send
 from kdn.codec import EncodedParts
 from kdn.errors import KDNError
 from kdn.v1 import kdn_pb2 as pb
@@ -38,7 +38,7 @@ PIPE_DEPTH = 1
 BATCH_BYTES = 1 << 30
 """Bytes of entries one PutMany through the segment carries at most (server limit: 2 GiB)."""
 
-class PutsMixin:
+class PutsMixin(NetMixin):
     """``DataPlane``'s writes; it provides ``segment``, ``inline_budget``, ``_fast_path``,
     ``_fast_conn``, ``_fast_lost`` and ``_put``."""
 
@@ -57,13 +57,6 @@ class PutsMixin:
     def _put(self, req: pb.PutManyRequest, request_id: str | None) -> pb.PutManyResponse:
         raise NotImplementedError
 
-    def net(self) -> Any:
-        raise NotImplementedError
-
-    def _net_put(self, net: Any, namespace: str,
-                 items: Sequence[tuple[bytes, EncodedParts, pb.StoreOptions]],
-                 out: list[Any], limit: int) -> bool:
-        raise NotImplementedError
 
     def put_many(self, namespace: str, items: Sequence[tuple[bytes, EncodedParts,
                                                              pb.StoreOptions]],
