@@ -23,7 +23,14 @@ from kdn.errors import Corrupt, LayoutMismatch
 from kdn.server import ServerConfig, ServerThread
 from kdn.v1 import kdn_pb2 as pb
 from kdn.wire import FAST_HEAD, NET_GET_MANY, NET_PUT_MANY, read_exact
-from tests.helpers import eventually, make_certs, numbered_key, random_kv, uniform_layout
+from tests.helpers import (
+    eventually,
+    make_certs,
+    numbered_key,
+    random_kv,
+    read_while_churned,
+    uniform_layout,
+)
 
 LAYOUT = uniform_layout()
 
@@ -430,3 +437,43 @@ def _answer_or_closed(conn: socket.socket) -> bool:
     except OSError:
         return True
     return not data or data[:1] == b"\x15"
+
+
+def test_reads_racing_overwrites_on_the_data_path_return_one_version_whole(
+        server: ServerThread) -> None:
+    """Thousands of remote reads while another remote client overwrites and deletes the key:
+    each read is one stored version, whole, or a miss (the server sends the value it read,
+    which an overwrite replaces but never changes; each frame is checked as it lands)."""
+    versions = [random_kv(LAYOUT, 16, seed=40 + i) for i in range(4)]
+    with Client(server.address, shm_bytes=0) as writer, \
+            Client(server.address, shm_bytes=0) as reader:
+        seen = read_while_churned(writer, reader, numbered_key(1), versions, 2000, LAYOUT,
+                                  touch=True)
+        assert reader.dataplane.net() is not None and writer.dataplane.net() is not None
+    assert len(set(seen) - {-1}) >= 3  # the versions really changed under the reads
+    assert _counters(server)["net.GetMany"] >= 2000
+
+
+def test_threads_of_one_client_each_use_a_connection_of_their_own(
+        server: ServerThread, remote: Client) -> None:
+    kvs = {i: random_kv(LAYOUT, 16, seed=60 + i) for i in range(32)}
+    errors: list[BaseException] = []
+
+    def work(part: int) -> None:
+        try:
+            mine = [i for i in kvs if i % 4 == part]
+            remote.store_many([(numbered_key(i), kvs[i]) for i in mine], mode="raw")
+            for _ in range(5):
+                got = remote.retrieve_many([numbered_key(i) for i in mine], layout=LAYOUT)
+                assert all(g is not None and g.equal(kvs[i]) for g, i in zip(got, mine))
+        except BaseException as exc:  # reported by the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(p,)) for p in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    net = remote.dataplane.net()
+    assert net is not None and len(net._all) == 4  # one connection per thread
