@@ -18,27 +18,41 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def data_host(address: str) -> str:
-    """The host of the gRPC target ``address`` (``host:port``, ``[v6]:port``, behind a
-    ``dns:``, ``ipv4:`` or ``ipv6:`` scheme; the first of a list), where the server's network
-    data path listens too; "" for a unix socket or a target naming a DNS server of its own."""
-    if address.startswith(("unix:", "unix-abstract:")):
-        return ""
+def _target_hosts(address: str) -> list[str] | None:
+    """The hosts a gRPC target names (``host:port``, ``[v6]:port``, a bare host, behind a
+    ``dns:``, ``ipv4:`` or ``ipv6:`` scheme, several in a list), or None for a target naming
+    a DNS server of its own (``dns://authority/host:port``: it decides what a name means).
+    Unix sockets are the callers' to tell apart."""
     target = address
     for scheme in ("dns:", "ipv4:", "ipv6:"):
         if target.startswith(scheme):
             target = target[len(scheme):]
-            if target.startswith("//"):
+            if target.startswith("//"):  # dns://authority/host:port
                 authority, _, target = target[2:].partition("/")
                 if authority:
-                    return ""
+                    return None
             break
-    part = target.split(",")[0]
-    if part.startswith("["):
-        return part[1:part.find("]")] if "]" in part else ""
-    if part.count(":") == 1:
-        return part.split(":")[0]
-    return part
+    if not target:
+        return []
+    hosts = []
+    for part in target.split(","):  # ipv4:a:p,b:p lists several addresses
+        if part.startswith("["):
+            hosts.append(part[1:part.find("]")] if "]" in part else "")
+        elif part.count(":") == 1:
+            hosts.append(part.split(":")[0])
+        else:
+            hosts.append(part)  # no port, or a bare IPv6 address
+    return hosts
+
+
+def data_host(address: str) -> str:
+    """The host of the gRPC target ``address`` (the first of a list), where the server's
+    network data path listens too; "" for a unix socket or a target naming a DNS server of
+    its own."""
+    if address.startswith(("unix:", "unix-abstract:")):
+        return ""
+    hosts = _target_hosts(address)
+    return hosts[0] if hosts else ""
 
 
 def same_host(address: str) -> bool:
@@ -47,22 +61,5 @@ def same_host(address: str) -> bool:
     ``ipv6:`` scheme. A name that merely looks local (``127.0.0.1.example.com``) is not."""
     if address.startswith(("unix:", "unix-abstract:")):
         return True
-    target = address
-    for scheme in ("dns:", "ipv4:", "ipv6:"):
-        if target.startswith(scheme):
-            target = target[len(scheme):]
-            if target.startswith("//"):  # dns://authority/host:port
-                authority, _, target = target[2:].partition("/")
-                if authority:  # a DNS server of its own decides what "localhost" is
-                    return False
-            break
-    for part in target.split(","):  # ipv4:a:p,b:p lists several addresses
-        if part.startswith("["):
-            host = part[1:part.find("]")] if "]" in part else ""
-        elif part.count(":") == 1:
-            host = part.split(":")[0]
-        else:
-            host = part  # no port, or a bare IPv6 address
-        if not is_loopback(host):
-            return False
-    return bool(target)
+    hosts = _target_hosts(address)
+    return bool(hosts) and all(is_loopback(h) for h in hosts or ())

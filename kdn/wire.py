@@ -20,6 +20,7 @@ encoded by another protobuf library in another valid form) by the generated clas
 from __future__ import annotations
 
 import socket
+import ssl
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -427,8 +428,8 @@ def send_pieces(conn: socket.socket, pieces: Sequence[bytes | memoryview]) -> No
     straight into the kernel): ``sendmsg`` of up to ``SEND_PIECES`` buffers at a time, resumed
     where a partial send stopped."""
     bufs = [memoryview(p).cast("B") for p in pieces if len(p)]
-    if not hasattr(conn, "sendmsg") or type(conn).sendmsg is not socket.socket.sendmsg:
-        for buf in bufs:  # a TLS socket (no sendmsg): each piece through the record layer
+    if isinstance(conn, ssl.SSLSocket):
+        for buf in bufs:  # no sendmsg on TLS: each piece through the record layer
             conn.sendall(buf)
         return
     i = 0

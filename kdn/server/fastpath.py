@@ -164,11 +164,11 @@ class FastPath:
                     reply = Reply(f"{exc.status.value}\0{exc}".encode())
                     ok, code, last = 0, exc.status.value, isinstance(exc, Desynced)
                 self.servicer.usage.fast_call(self._rpc(op), code, time.perf_counter() - started)
-                head = FAST_HEAD.pack(len(reply.body), ok) + reply.body
+                answer = FAST_HEAD.pack(len(reply.body), ok) + reply.body
                 if reply.fds:
-                    socket.send_fds(conn, [head], reply.fds)
+                    socket.send_fds(conn, [answer], reply.fds)
                 else:
-                    send_pieces(conn, [head, *reply.after])
+                    send_pieces(conn, [answer, *reply.after])
                 if last:
                     return
         except (OSError, KDNError) as exc:

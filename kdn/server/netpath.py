@@ -15,11 +15,12 @@ at); its GetMany / PutMany then travel here:
               "STATUS_NAME" NUL message) | GetMany: the present entries' bytes, in order
               (``EntryRef.offset``/``length``)
 
-A PutMany's items are read straight into buffers of their own, each checked (every checksum,
-as an inline PutMany is) and stored only once every item passed, by the same code as the
-other PutMany forms; a GetMany's entries are sent from where the store keeps them (RAM values
-as the frames they came in: no copy in Python on either side). The client checks what it
-reads when it decodes, as it does an inline answer. A call refused before its items arrived
+A PutMany's items are read straight into buffers of their own, each frame checked (checksum
+and records, as Store checks them) the moment its last byte lands (``kdn.server.streamed``),
+and stored only once every item passed, by the same code as the other PutMany forms; a
+GetMany's entries are sent from where the store keeps them (RAM values as the frames they came
+in: no copy in Python on either side), and the client checks each frame as it lands too. A
+call refused before its items arrived
 has them read and dropped, so the connection stays in step; one whose items can not be
 skipped (more than a PutMany may carry) is answered, then the connection closes.
 
