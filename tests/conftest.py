@@ -7,6 +7,7 @@ import pytest
 
 from kdn.client import Client
 from kdn.server import ServerConfig, ServerThread
+from kdn.server.arena import PAGE, Arena
 
 
 @pytest.fixture
@@ -26,3 +27,11 @@ def client(server: ServerThread) -> Iterator[Client]:
     c = Client(server.address, timeout_s=30)
     yield c
     c.close()
+
+
+@pytest.fixture
+def arena() -> Iterator[Arena]:
+    """A read arena of 16 pages, alone (no server)."""
+    a = Arena("t", 16 * PAGE)
+    yield a
+    a.close()

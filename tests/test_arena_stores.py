@@ -10,7 +10,6 @@ through a small arena each return one stored version, whole."""
 from __future__ import annotations
 
 import gc
-from collections.abc import Iterator
 
 import pytest
 
@@ -30,13 +29,6 @@ LAYOUT = uniform_layout()
 
 def _never(dst: memoryview, value: bytes | memoryview) -> None:
     raise AssertionError("an entry published in the arena was copied again")
-
-
-@pytest.fixture
-def arena() -> Iterator[Arena]:
-    a = Arena("t", 16 * PAGE)
-    yield a
-    a.close()
 
 
 def test_a_reserved_slot_is_held_by_its_view_and_read_without_a_fill(arena: Arena) -> None:

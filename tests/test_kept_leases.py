@@ -10,7 +10,6 @@ the arena is not kept, and a server that went away is not read from."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 
 import pytest
 
@@ -34,13 +33,6 @@ def _word(arena: Arena, at: int) -> int:
 
 
 # -- the arena's words --------------------------------------------------------------------------
-
-
-@pytest.fixture
-def arena() -> Iterator[Arena]:
-    a = Arena("t", 16 * PAGE)
-    yield a
-    a.close()
 
 
 def test_a_slot_holds_its_generation_while_indexed_and_zero_once_dropped(arena: Arena) -> None:

@@ -56,8 +56,7 @@ READABLE = (1, 2)
 FRAME_SEED = 0x6B646E32_66726D31
 """Seed of every version-2 frame sum (the header lists the sums: the binding is there)."""
 _HEAD = struct.Struct("<4sHHI")  # magic, version, flags, header length
-HEAD_PREFIX_BYTES = _HEAD.size
-"""Bytes of a container's fixed prefix: enough for ``header_size``."""
+HEAD_PREFIX_BYTES = _HEAD.size  # a container's fixed prefix: enough for ``header_size``
 _HEAD_SUM = struct.Struct("<Q")
 _FRAME = struct.Struct("<2sHHHIL")  # magic, index, first layer, layer count, payload len, sum
 _RECORD = struct.Struct("<HIHHI")  # kv_heads, tokens, k_channels, v_channels, body len
