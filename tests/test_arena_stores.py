@@ -150,6 +150,75 @@ def test_a_damaged_entry_is_refused_and_its_slot_given_back(server: ServerThread
         assert got is not None and got.equal(kv)  # the stored entry untouched
 
 
+def test_a_batchs_later_entries_are_copied_on_the_copy_thread_and_checked_in_order(
+        server: ServerThread, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A same-host PutMany large enough to share copies its later entries on the copy thread
+    while the call's own copies the earlier ones: all stored when sound; a damaged entry or a
+    region outside the segment among the later ones refuses the whole call by its index,
+    stores none of it, leaves the stored value and gives every slot back."""
+    import threading
+
+    import kdn.server.batch as batch
+
+    monkeypatch.setattr(batch, "PARALLEL_PUT_BYTES", 1)  # every batch of two or more shares
+    threads: set[str] = set()
+    real = batch.copy_checked
+
+    def seen(dst: memoryview, value: bytes | memoryview, **kw: object) -> None:
+        threads.add(threading.current_thread().name)
+        real(dst, value, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(batch, "copy_checked", seen)
+    kvs = [random_kv(LAYOUT, 300, seed=40 + i) for i in range(4)]
+    with Client(server.address, timeout_s=30, shm_bytes=8 << 20, keep_leases_bytes=0) as c:
+        c.store(_key(40), kvs[0], mode="raw")
+        arena = _arena(server)
+        stored, used = arena.stored_bytes, arena.used_bytes
+        seg, seg_id = c.dataplane.segment()
+
+        def call(damage: int | None = None, outside: int | None = None) -> pb.PutManyRequest:
+            req = pb.PutManyRequest(namespace="default", segment_id=seg_id)
+            for i, kv in enumerate(kvs):
+                data = bytearray(codec.encode_parts(kv, "raw").to_bytes())
+                if i == damage:
+                    data[-10] ^= 0x01
+                at = seg.regions.alloc(len(data))
+                assert at is not None
+                seg.write(at, bytes(data))
+                item = req.items.add(key=_key(40 + i))
+                item.region.offset = seg.size if i == outside else at
+                item.region.length = len(data)
+            return req
+
+        def free(req: pb.PutManyRequest) -> None:
+            for item in req.items:
+                if item.region.offset < seg.size:
+                    seg.regions.free(item.region.offset, item.region.length)
+
+        for damage, outside, match in ((3, None, "item 3: corrupt"),
+                                       (None, 2, "item 2: region")):
+            threads.clear()
+            req = call(damage, outside)
+            with pytest.raises(InvalidArgument, match=match):
+                c.dataplane._put(req, None)
+            free(req)
+            assert any(t.startswith("kdn-copy") for t in threads), threads
+            gc.collect()
+            assert arena.stored_bytes == stored and arena.used_bytes == used
+            assert [i.present for i in c.lookup([_key(41), _key(42), _key(43)]).infos] == \
+                [False] * 3
+            got = c.retrieve(_key(40), layout=LAYOUT)
+            assert got is not None and got.equal(kvs[0])
+        threads.clear()
+        req = call()
+        c.dataplane._put(req, None)
+        free(req)
+        assert any(t.startswith("kdn-copy") for t in threads), threads
+        for i, kv in enumerate(kvs):
+            got = c.retrieve(_key(40 + i), layout=LAYOUT)
+            assert got is not None and got.equal(kv)
+
+
 def test_reads_racing_same_host_overwrites_of_a_small_arena_return_one_version_whole(
         server_config: ServerConfig, monkeypatch: pytest.MonkeyPatch) -> None:
     """Thousands of reads (kept leases, leases, copies) while a same-host writer overwrites

@@ -116,6 +116,9 @@ RAM tier keeps it (``Arena.reserve``: up to half the arena), so that its first s
 copies nothing; smaller ones cost a read little to copy and would take a page each."""
 PARALLEL_COPY_BYTES = 8 << 20
 """A GetMany into a segment copies its entries on ``COPY_THREADS`` threads from this size."""
+PARALLEL_PUT_BYTES = 2 << 20
+"""A same-host PutMany of this many bytes of several entries copies them out of the segment on
+the copy thread and its own at once (``BatchMixin._copied_ahead``)."""
 _pool_lock = threading.Lock()
 _pool: ThreadPoolExecutor | None = None
 
@@ -629,11 +632,7 @@ class BatchMixin:
         arena = self.arenas.get(p.tenant) if seg is not None else None
         homes: dict[int, tuple[Arena, Slot]] = {}  # item -> the arena slot it was copied into
 
-        def value_of(j: int, item: pb.PutItem) -> bytes | memoryview:
-            if seg is None:
-                value = bytes(item.data)
-                parse_container(value, verify=True)
-                return value
+        def copy_in(j: int, item: pb.PutItem) -> bytes | memoryview:
             # a copy, checked as it is made (one pass): later changes by the client can not
             start, stop = _region(seg, item.region)  # slip past
             src = memoryview(seg.array[start:stop])  # type: ignore[arg-type]
@@ -648,7 +647,50 @@ class BatchMixin:
             copy_checked(memoryview(own), src, **split)  # type: ignore[arg-type]
             return memoryview(own).toreadonly()  # type: ignore[arg-type]
 
+        copied = self._copied_ahead(request, copy_in) if seg is not None else {}
+
+        def value_of(j: int, item: pb.PutItem) -> bytes | memoryview:
+            if seg is None:
+                value = bytes(item.data)
+                parse_container(value, verify=True)
+                return value
+            if j in copied:
+                got = copied.pop(j)
+                if isinstance(got, BaseException):
+                    raise got
+                return got
+            return copy_in(j, item)
+
         return self._put_items(p, request, value_of, homes)
+
+    def _copied_ahead(self, request: pb.PutManyRequest,
+                      copy_in: Callable[[int, pb.PutItem], bytes | memoryview]
+                      ) -> dict[int, bytes | memoryview | BaseException]:
+        """A batch's later items copied on the copy thread while this one copies the earlier
+        ones (``_put_items`` then checks them in order): the entry -> its value, or what its
+        copy raised. Empty for a batch too small to share."""
+        items = request.items
+        total = sum(item.region.length for item in items)
+        if COPY_THREADS < 1 or len(items) < 2 or total < PARALLEL_PUT_BYTES:
+            return {}
+        half, size = len(items), 0
+        while half > 1 and size < total // 2:
+            half -= 1
+            size += items[half].region.length
+
+        def run(lo: int, hi: int) -> dict[int, bytes | memoryview | BaseException]:
+            out: dict[int, bytes | memoryview | BaseException] = {}
+            for j in range(lo, hi):
+                try:
+                    out[j] = copy_in(j, items[j])
+                except Exception as exc:  # raised by value_of in its turn
+                    out[j] = exc
+            return out
+
+        later = _copy_pool().submit(run, half, len(items))
+        done = run(0, half)
+        done.update(later.result())
+        return done
 
     def _put_sizes(self, request: pb.PutManyRequest) -> int:
         """The bytes of ``request``'s items (their regions); TooLarge past the limits."""
