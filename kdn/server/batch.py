@@ -633,6 +633,7 @@ class BatchMixin:
         homes: dict[int, tuple[Arena, Slot]] = {}  # item -> the arena slot it was copied into
 
         def copy_in(j: int, item: pb.PutItem) -> bytes | memoryview:
+            assert seg is not None  # called only for a call through a segment
             # a copy, checked as it is made (one pass): later changes by the client can not
             start, stop = _region(seg, item.region)  # slip past
             src = memoryview(seg.array[start:stop])  # type: ignore[arg-type]
