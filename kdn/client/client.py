@@ -23,12 +23,13 @@ import functools
 import os
 import random
 import ssl
+import sys
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeGuard, TypeVar, cast
 
 import grpc
 
@@ -59,6 +60,7 @@ from kdn.client.landing import (
     tier_joined,
 )
 from kdn.client.parallel import layer_groups, merged
+from kdn.client.puts import BATCH_BYTES
 from kdn.client.storing import grouped_store_messages, store_messages
 from kdn.codec import EncodedParts
 from kdn.codec.format import parse_container, parse_header
@@ -81,6 +83,7 @@ if TYPE_CHECKING:  # the tensor side loads on first use: admin tools run without
     import torch
 
     from kdn.cache import KVCache
+    from kdn.client.staged import Staged
     from kdn.client.stream import LayerStream
 
 LOCAL_TIER = "inproc"  # kdn.client.local.TIER: the in-process tier's name
@@ -316,7 +319,7 @@ class Client:
     def store(
         self,
         key: bytes,
-        kv: KVCache | EncodedParts,
+        kv: KVCache | EncodedParts | Staged,
         *,
         mode: str = "lossless",
         level: str = "",
@@ -329,6 +332,8 @@ class Client:
         and durability come from ``options`` (defaults: ``StoreOptions()``). Frames hold
         ``layers_per_frame`` layers, or with 0 enough to fill ``codec.FRAME_TARGET_BYTES``."""
         check_key(key)
+        if _is_staged(kv):
+            return self._store_staged(self._ns(namespace), [(key, kv)], options, request_id)[0]
         parts = _encoded(kv, mode, level, layers_per_frame)
         opts = _wire_options(options)
         if self.dataplane.direct:  # through the shared segment (same host) or the data path
@@ -685,7 +690,7 @@ class Client:
                                          request_id=request_id)]
 
     @_traced("kdn.client.store_many")
-    def store_many(self, items: Sequence[tuple[bytes, KVCache | EncodedParts]], *,
+    def store_many(self, items: Sequence[tuple[bytes, KVCache | EncodedParts | Staged]], *,
                    mode: str = "lossless", level: str = "", namespace: str | None = None,
                    options: StoreOptions | None = None, layers_per_frame: int = 0,
                    request_id: str | None = None) -> list[pb.StoreResponse]:
@@ -695,6 +700,20 @@ class Client:
         Each call's items are all checked before any is stored: a bad item raises and stores
         none of them."""
         ns = self._ns(namespace)
+        staged = [j for j, (_, kv) in enumerate(items) if _is_staged(kv)]
+        if staged:  # sent where they lie; the rest as below
+            out: list[pb.StoreResponse | None] = [None] * len(items)
+            done_staged = self._store_staged(ns, [items[j] for j in staged],  # type: ignore[misc]
+                                             options, request_id)
+            for j, r in zip(staged, done_staged):
+                out[j] = r
+            rest = [j for j in range(len(items)) if out[j] is None]
+            for j, r in zip(rest, self.store_many(
+                    [items[j] for j in rest], mode=mode, level=level, namespace=ns,
+                    options=options, layers_per_frame=layers_per_frame,
+                    request_id=request_id) if rest else []):
+                out[j] = r
+            return out  # type: ignore[return-value]
         opts = _wire_options(options)
         enc = [(check_key(k), _encoded(kv, mode, level, layers_per_frame), opts)
                for k, kv in items]
@@ -713,6 +732,68 @@ class Client:
                 return self._stored_many(ns, enc, done, options, request_id)
         done = self.dataplane.put_many(ns, enc, request_id)
         return self._stored_many(ns, enc, done, options, request_id)
+
+    def stage(self, layout: KVLayout, tokens: int, *, start_position: int = 0) -> Staged:
+        """A ``raw`` entry of ``tokens`` tokens of ``layout`` to fill in place and store without
+        this client copying or hashing it (``kdn.client.staged``): in the shared segment on the
+        server's host (registered with CUDA on a CUDA host), else in this process's memory."""
+        import torch
+
+        from kdn.client.staged import Staged
+
+        seg = self.dataplane.segment()[0]
+        if seg is not None and torch.cuda.is_available():
+            seg.register_with_cuda()
+        return Staged(layout, tokens, start_position, seg)
+
+    def _store_staged(self, ns: str, items: Sequence[tuple[bytes, Staged]],
+                      options: StoreOptions | None, request_id: str | None
+                      ) -> list[pb.StoreResponse]:
+        """Store staged entries: those in the segment by where they lie (PutMany items the
+        server seals on its copy, one call per ``BATCH_BYTES``), the others sealed here and
+        sent as any entry; with an in-process tier, every one sealed here (the tier keeps
+        those bytes) and checked by the server as usual."""
+        opts = _wire_options(options)
+        seg, seg_id = self.dataplane.segment()
+        out: list[pb.StoreResponse | None] = [None] * len(items)
+        batch: list[int] = []
+        size = 0
+
+        def send() -> None:
+            req = pb.PutManyRequest(namespace=ns, segment_id=seg_id)
+            for j in batch:
+                key, st = items[j]
+                at = st.region(seg)
+                assert at is not None
+                item = req.items.add(key=key, options=opts, seal=self.local is None)
+                item.region.offset, item.region.length = at
+            resp = self.dataplane._put(req, request_id)
+            if len(resp.results) != len(batch):
+                raise KDNError(f"PutMany answered {len(resp.results)} results for "
+                               f"{len(batch)} entries")
+            for j, r in zip(batch, resp.results):
+                out[j] = r
+
+        for j, (key, st) in enumerate(items):
+            check_key(key)
+            if st.closed:
+                raise InvalidArgument(f"item {j}: store of a staged entry that was closed")
+            if st.region(seg) is None:
+                continue
+            if self.local is not None:
+                self._remember(ns, key, st.sealed())
+            if batch and size + st.nbytes > BATCH_BYTES:
+                send()
+                batch, size = [], 0
+            batch.append(j)
+            size += st.nbytes
+        if batch:
+            send()
+        for j, (key, st) in enumerate(items):
+            if out[j] is None:  # not in this client's segment: sent as any entry
+                out[j] = self.store(key, st.sealed(), namespace=ns, options=options,
+                                    request_id=request_id)
+        return out  # type: ignore[return-value]
 
     def _stored_many(self, ns: str, enc: list[tuple[bytes, EncodedParts, pb.StoreOptions]],
                      done: list[pb.StoreResponse | TooBig], options: StoreOptions | None,
@@ -840,6 +921,13 @@ class Client:
         return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
 
 
+def _is_staged(kv: object) -> TypeGuard[Staged]:
+    """Whether ``kv`` is a ``kdn.client.staged.Staged`` (none exists before that module, which
+    needs torch, was imported)."""
+    mod = sys.modules.get("kdn.client.staged")
+    return mod is not None and isinstance(kv, mod.Staged)
+
+
 def _key_info(info: pb.KeyInfo) -> KeyInfo:
     return KeyInfo(info.present, info.tier, info.size_bytes)
 
@@ -864,11 +952,14 @@ def _tee(call: Iterator[Any], header: bytes, on_complete: Callable[[EncodedParts
     on_complete(EncodedParts(whole.header.raw, list(whole.frames)))  # type: ignore[arg-type]
 
 
-def _encoded(kv: KVCache | EncodedParts, mode: str, level: str,
+def _encoded(kv: KVCache | EncodedParts | Staged, mode: str, level: str,
              layers_per_frame: int) -> EncodedParts:
     if isinstance(kv, EncodedParts):
         return kv
-    return codec.encode_parts(kv, mode, level, layers_per_frame=layers_per_frame, wire=True)
+    if _is_staged(kv):  # sealed on its own bytes (the segment's way is ``_store_staged``)
+        return kv.sealed()
+    return codec.encode_parts(cast("KVCache", kv), mode, level,
+                              layers_per_frame=layers_per_frame, wire=True)
 
 
 def _wire_options(options: StoreOptions | None) -> pb.StoreOptions:

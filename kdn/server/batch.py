@@ -51,6 +51,7 @@ from kdn.buffers import BufferPool
 from kdn.codec.format import (
     Header,
     copy_checked,
+    copy_sealed,
     header_layout,
     header_size,
     parse_container,
@@ -641,12 +642,16 @@ class BatchMixin:
                 if arena is not None and stop - start >= ARENA_STORE_BYTES else None
             if home is not None:  # into the arena: the RAM tier keeps it there and same-host
                 slot, dst = home  # reads copy nothing (``Arena.reserve``)
-                copy_checked(dst, src, **split)
-                homes[j] = (arena, slot)  # type: ignore[assignment]
-                return dst.toreadonly()
-            own = self.buffers.take(stop - start)
-            copy_checked(memoryview(own), src, **split)  # type: ignore[arg-type]
-            return memoryview(own).toreadonly()  # type: ignore[arg-type]
+                into = dst
+            else:
+                into = memoryview(self.buffers.take(stop - start))  # type: ignore[arg-type]
+            if item.seal:  # a staged entry: its sums made on this copy (``copy_sealed``)
+                copy_sealed(into, src)
+            else:
+                copy_checked(into, src, **split)
+            if home is not None:
+                homes[j] = (arena, home[0])  # type: ignore[assignment]
+            return into.toreadonly()
 
         copied = self._copied_ahead(request, copy_in) if seg is not None else {}
 
@@ -662,7 +667,7 @@ class BatchMixin:
                 return got
             return copy_in(j, item)
 
-        return self._put_items(p, request, value_of, homes)
+        return self._put_items(p, request, value_of, homes, sealing=seg is not None)
 
     def _copied_ahead(self, request: pb.PutManyRequest,
                       copy_in: Callable[[int, pb.PutItem], bytes | memoryview]
@@ -706,12 +711,17 @@ class BatchMixin:
 
     def _put_items(self, p: Principal, request: pb.PutManyRequest,
                    value_of: Callable[[int, pb.PutItem], bytes | memoryview],
-                   homes: dict[int, tuple[Arena, Slot]] | None = None) -> pb.PutManyResponse:
+                   homes: dict[int, tuple[Arena, Slot]] | None = None, *,
+                   sealing: bool = False) -> pb.PutManyResponse:
         """Check every item (its bytes from ``value_of``, which verifies them: Corrupt when
         they fail) before any is stored, then store them in order. ``homes``: items whose
-        value lives in an arena slot (published with their put)."""
+        value lives in an arena slot (published with their put). ``sealing``: ``value_of``
+        seals the items that ask for it (``PutItem.seal``; segment items only)."""
         checked: list[tuple[bytes, bytes | memoryview, Header]] = []
         for j, item in enumerate(request.items):
+            if item.seal and not sealing:
+                raise InvalidArgument(f"item {j}: seal applies to an entry in a shared segment "
+                                      "only (this one's bytes came with the call)")
             t0 = time.perf_counter()
             try:
                 value = value_of(j, item)

@@ -443,16 +443,18 @@ class GetManyResponse(_message.Message):
     def __init__(self, entries: _Optional[_Iterable[_Union[EntryRef, _Mapping]]] = ...) -> None: ...
 
 class PutItem(_message.Message):
-    __slots__ = ("key", "region", "data", "options")
+    __slots__ = ("key", "region", "data", "options", "seal")
     KEY_FIELD_NUMBER: _ClassVar[int]
     REGION_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     OPTIONS_FIELD_NUMBER: _ClassVar[int]
+    SEAL_FIELD_NUMBER: _ClassVar[int]
     key: bytes
     region: Region
     data: bytes
     options: StoreOptions
-    def __init__(self, key: _Optional[bytes] = ..., region: _Optional[_Union[Region, _Mapping]] = ..., data: _Optional[bytes] = ..., options: _Optional[_Union[StoreOptions, _Mapping]] = ...) -> None: ...
+    seal: bool
+    def __init__(self, key: _Optional[bytes] = ..., region: _Optional[_Union[Region, _Mapping]] = ..., data: _Optional[bytes] = ..., options: _Optional[_Union[StoreOptions, _Mapping]] = ..., seal: _Optional[bool] = ...) -> None: ...
 
 class PutManyRequest(_message.Message):
     __slots__ = ("namespace", "segment_id", "items")

@@ -1,0 +1,169 @@
+"""Staged entries: buffers a caller fills in place and stores without the client copying them
+(the store's form of a registered buffer, as Mooncake's ``put_from``).
+
+    with client.stage(layout, tokens, start_position=0) as st:
+        for (k, v), (dk, dv) in zip(st.layers, kv_on_gpu):
+            k.copy_(dk)                      # on a CUDA host the segment is registered:
+            v.copy_(dv)                      # a device-to-host copy lands here directly
+        client.store(key, st)                # or store_many([(key, st), ...])
+
+A staged entry is a ``raw`` entry laid out in the client's shared segment (a client on the
+server's host): its container header and every frame's and record's prefix are written, and
+each layer's K and V is a writable tensor viewing its body where it lies. A store sends only
+where the entry lies (a PutMany item with ``seal``): the server copies it out and makes its
+checksums on that copy (``kdn.codec.format.copy_sealed``: every frame hashed as it is copied,
+every record checked against the layout), so the client neither copies nor hashes the bytes,
+and nothing it writes afterwards reaches what was stored. The entry stays the caller's: filled
+and stored again as often as it likes (each store is a copy of what it holds then).
+
+Every K and V must be written before a store (a body holds whatever the segment held there).
+Without a segment (another host, ``shm_bytes=0``, or no room left in it) the entry lies in the
+client's own memory and a store seals it there (one pass over it) and sends it as any entry;
+so does a client with an in-process tier (the tier keeps the sealed bytes). ``close`` (or the
+``with`` block's end) gives the region back once no tensor of it is left.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from kdn.codec import inplace
+from kdn.codec.api import frame_spans
+from kdn.codec.format import (
+    FRAME_PREFIX_BYTES,
+    RECORD_BYTES,
+    EncodedParts,
+    Header,
+    build_header,
+    frame_prefix,
+    layout_to_proto,
+    parse_header,
+    record_prefix,
+    seal_in_place,
+)
+from kdn.codec.modes import get_mode
+from kdn.errors import InvalidArgument
+from kdn.layout import KVLayout
+from kdn.regions import ALIGN
+from kdn.v1 import kdn_pb2 as pb
+
+FRAME_ALIGN = 64
+"""The first frame of a staged entry starts at a multiple of this (tensors view its bodies)."""
+UNSEALED = (1 << 64) - 1
+"""Every frame's sum until the entry is sealed (a fixed-width field, but one a header leaves
+out when it is zero: a sealed header must have the length of the unsealed one)."""
+
+
+def skeleton(layout: KVLayout, tokens: int, start_position: int = 0
+             ) -> tuple[bytes, list[tuple[int, bytes]], int]:
+    """What a ``raw`` entry of ``tokens`` tokens of ``layout`` holds besides its bodies: its
+    header (frame sums ``UNSEALED``), the (offset from the first frame, bytes) of every frame and
+    record prefix, and the bytes of all its frames. The frames are sized as ``encode_parts``
+    sizes them (``layers_per_frame=0``), so a sealed staged entry is byte for byte what
+    ``encode_parts(kv, "raw", layers_per_frame=0)`` writes for the same tensors."""
+    if tokens <= 0:
+        raise InvalidArgument(f"a staged entry needs at least one token, got {tokens}")
+    if start_position < 0:
+        raise InvalidArgument(f"start_position must be >= 0, got {start_position}")
+    size = layout.dtype.itemsize
+    bodies = [(lay.k_numel(tokens) + lay.v_numel(tokens)) * size for lay in layout.layers]
+    spans = frame_spans([RECORD_BYTES + b for b in bodies], 0)
+    codec = get_mode("raw")
+    entry = pb.EntryHeader(
+        layout=layout_to_proto(layout), codec=pb.Codec(mode="raw", level="",
+                                                       params=codec.params("")),
+        tokens=tokens, start_position=start_position,
+        frames=[pb.FrameSpan(first_layer=f, num_layers=n, checksum=UNSEALED)
+                for f, n in spans],
+        layout_fingerprint=layout.fingerprint)
+    prefixes: list[tuple[int, bytes]] = []
+    off = 0
+    for index, (first, count) in enumerate(spans):
+        length = sum(RECORD_BYTES + bodies[layer] for layer in range(first, first + count))
+        prefixes.append((off, frame_prefix(index, first, count, length, UNSEALED)))
+        at = off + FRAME_PREFIX_BYTES
+        for layer in range(first, first + count):
+            prefixes.append((at, record_prefix(layout.layers[layer], tokens, bodies[layer])))
+            at += RECORD_BYTES + bodies[layer]
+        off = at
+    return build_header(entry), prefixes, off
+
+
+class Staged:
+    """One staged entry (module docstring): ``layers`` (K, V) of every layer, writable."""
+
+    def __init__(self, layout: KVLayout, tokens: int, start_position: int = 0,
+                 segment: Any = None) -> None:
+        head, prefixes, frames_bytes = skeleton(layout, tokens, start_position)
+        self.layout, self.tokens, self.start_position = layout, tokens, start_position
+        self.nbytes = len(head) + frames_bytes
+        self.segment: Any = None
+        self.offset = 0
+        """Where the container starts in ``segment`` (when staged there)."""
+        room = self.nbytes + FRAME_ALIGN
+        start = segment.regions.alloc(room) if segment is not None else None
+        if start is not None:
+            pad = (-(start + len(head))) % FRAME_ALIGN
+            region = segment.owned(start, room)  # freed once no view of it is left
+            self.segment, self.offset = segment, start + pad
+            self._view = region[pad : pad + self.nbytes]
+        else:  # the client's own memory, its first frame aligned all the same
+            own = np.empty(room + ALIGN, dtype=np.uint8)
+            pad = (-(own.ctypes.data + len(head))) % FRAME_ALIGN
+            self._view = memoryview(own[pad : pad + self.nbytes])  # type: ignore[arg-type]
+        arr = np.frombuffer(self._view, dtype=np.uint8)
+        arr[: len(head)] = np.frombuffer(head, dtype=np.uint8)
+        for off, raw in prefixes:
+            at = len(head) + off
+            arr[at : at + len(raw)] = np.frombuffer(raw, dtype=np.uint8)
+        self._head = len(head)
+        header = parse_header(head)
+        views = inplace.views(header, self._view)
+        if views is None:  # the skeleton follows the plan by construction
+            raise InvalidArgument(f"no in-place view of a raw entry of {tokens} tokens of "
+                                  f"{layout.model_name or layout.fingerprint}")
+        self.layers: list[tuple[torch.Tensor, torch.Tensor]] = list(views)
+
+    def __enter__(self) -> Staged:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def closed(self) -> bool:
+        return not hasattr(self, "_view")
+
+    def region(self, segment: Any) -> tuple[int, int] | None:
+        """(offset, length) of the entry in ``segment`` when it is staged there and open."""
+        if self.closed or segment is None or self.segment is not segment:
+            return None
+        return self.offset, self.nbytes
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise InvalidArgument("store of a staged entry that was closed")
+
+    def sealed(self) -> EncodedParts:
+        """The entry with its checksums made on its bytes as they are now, written in place
+        (for a store that sends the bytes: no segment, an in-process tier): header and
+        frames as views of the staged bytes."""
+        self._check_open()
+        header: Header = seal_in_place(self._view)
+        frames, off = [], self._head
+        for _ in header.spans:
+            n = FRAME_PREFIX_BYTES + int.from_bytes(self._view[off + 8 : off + 12], "little")
+            frames.append(self._view[off : off + n])
+            off += n
+        return EncodedParts(bytes(self._view[: self._head]), frames)  # type: ignore[arg-type]
+
+    def close(self) -> None:
+        """Give the region back (once no tensor of it is left); the entry can not be stored
+        again."""
+        if not self.closed:
+            del self._view
+            self.layers = []
+            self.segment = None
