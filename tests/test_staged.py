@@ -1,6 +1,6 @@
 """Staged entries (kdn.client.staged): a raw entry filled in place in the client's segment and
 stored by where it lies, the server copying it out and making its checksums on the copy
-(kdn.codec.format.copy_sealed). Over a real server: what is stored is byte for byte what
+(kdn.codec.sealing.copy_sealed). Over a real server: what is stored is byte for byte what
 ``encode_parts`` writes for the same tensors (uniform and pruned layouts); the client neither
 copies nor writes the segment; a staged entry filled again and stored again leaves the first
 value as it was; mixed batches; a remote client and a client with an in-process tier seal on
@@ -21,7 +21,8 @@ from kdn.cache import KVCache
 from kdn.client import Client
 from kdn.client.shm import SharedSegment
 from kdn.client.staged import Staged, skeleton
-from kdn.codec.format import copy_sealed, parse_container, parse_header, seal_in_place
+from kdn.codec.format import parse_container, parse_header
+from kdn.codec.sealing import copy_sealed, seal_in_place
 from kdn.errors import Corrupt, InvalidArgument, InvalidLayout, KDNError, Truncated
 from kdn.server import ServerThread
 from kdn.server.auth import Principal, Role

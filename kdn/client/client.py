@@ -60,7 +60,6 @@ from kdn.client.landing import (
     tier_joined,
 )
 from kdn.client.parallel import layer_groups, merged
-from kdn.client.puts import BATCH_BYTES
 from kdn.client.storing import grouped_store_messages, store_messages
 from kdn.codec import EncodedParts
 from kdn.codec.format import parse_container, parse_header
@@ -749,51 +748,9 @@ class Client:
     def _store_staged(self, ns: str, items: Sequence[tuple[bytes, Staged]],
                       options: StoreOptions | None, request_id: str | None
                       ) -> list[pb.StoreResponse]:
-        """Store staged entries: those in the segment by where they lie (PutMany items the
-        server seals on its copy, one call per ``BATCH_BYTES``), the others sealed here and
-        sent as any entry; with an in-process tier, every one sealed here (the tier keeps
-        those bytes) and checked by the server as usual."""
-        opts = _wire_options(options)
-        seg, seg_id = self.dataplane.segment()
-        out: list[pb.StoreResponse | None] = [None] * len(items)
-        batch: list[int] = []
-        size = 0
+        from kdn.client.staged import store_staged
 
-        def send() -> None:
-            req = pb.PutManyRequest(namespace=ns, segment_id=seg_id)
-            for j in batch:
-                key, st = items[j]
-                at = st.region(seg)
-                assert at is not None
-                item = req.items.add(key=key, options=opts, seal=self.local is None)
-                item.region.offset, item.region.length = at
-            resp = self.dataplane._put(req, request_id)
-            if len(resp.results) != len(batch):
-                raise KDNError(f"PutMany answered {len(resp.results)} results for "
-                               f"{len(batch)} entries")
-            for j, r in zip(batch, resp.results):
-                out[j] = r
-
-        for j, (key, st) in enumerate(items):
-            check_key(key)
-            if st.closed:
-                raise InvalidArgument(f"item {j}: store of a staged entry that was closed")
-            if st.region(seg) is None:
-                continue
-            if self.local is not None:
-                self._remember(ns, key, st.sealed())
-            if batch and size + st.nbytes > BATCH_BYTES:
-                send()
-                batch, size = [], 0
-            batch.append(j)
-            size += st.nbytes
-        if batch:
-            send()
-        for j, (key, st) in enumerate(items):
-            if out[j] is None:  # not in this client's segment: sent as any entry
-                out[j] = self.store(key, st.sealed(), namespace=ns, options=options,
-                                    request_id=request_id)
-        return out  # type: ignore[return-value]
+        return store_staged(self, ns, items, _wire_options(options), options, request_id)
 
     def _stored_many(self, ns: str, enc: list[tuple[bytes, EncodedParts, pb.StoreOptions]],
                      done: list[pb.StoreResponse | TooBig], options: StoreOptions | None,

@@ -11,7 +11,7 @@ A staged entry is a ``raw`` entry laid out in the client's shared segment (a cli
 server's host): its container header and every frame's and record's prefix are written, and
 each layer's K and V is a writable tensor viewing its body where it lies. A store sends only
 where the entry lies (a PutMany item with ``seal``): the server copies it out and makes its
-checksums on that copy (``kdn.codec.format.copy_sealed``: every frame hashed as it is copied,
+checksums on that copy (``kdn.codec.sealing.copy_sealed``: every frame hashed as it is copied,
 every record checked against the layout), so the client neither copies nor hashes the bytes,
 and nothing it writes afterwards reaches what was stored. The entry stays the caller's: filled
 and stored again as often as it likes (each store is a copy of what it holds then).
@@ -25,11 +25,13 @@ so does a client with an in-process tier (the tier keeps the sealed bytes). ``cl
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
+from kdn.client.puts import BATCH_BYTES
 from kdn.codec import inplace
 from kdn.codec.api import frame_spans
 from kdn.codec.format import (
@@ -42,10 +44,11 @@ from kdn.codec.format import (
     layout_to_proto,
     parse_header,
     record_prefix,
-    seal_in_place,
 )
 from kdn.codec.modes import get_mode
-from kdn.errors import InvalidArgument
+from kdn.codec.sealing import seal_in_place
+from kdn.errors import InvalidArgument, KDNError
+from kdn.keys import check_key
 from kdn.layout import KVLayout
 from kdn.regions import ALIGN
 from kdn.v1 import kdn_pb2 as pb
@@ -167,3 +170,54 @@ class Staged:
             del self._view
             self.layers = []
             self.segment = None
+
+
+def store_staged(client: Any, ns: str, items: Sequence[tuple[bytes, Staged]],
+                 opts: pb.StoreOptions, options: Any, request_id: str | None
+                 ) -> list[pb.StoreResponse]:
+    """``Client.store``/``store_many`` of staged entries: those in the client's segment by
+    where they lie (PutMany items the server seals on its copy, one call per ``BATCH_BYTES``),
+    the others sealed here and sent as any entries; with an in-process tier, every one sealed
+    here (the tier keeps those bytes) and checked by the server as usual."""
+    seg, seg_id = client.dataplane.segment()
+    out: list[pb.StoreResponse | None] = [None] * len(items)
+    batch: list[int] = []
+    size = 0
+
+    def send() -> None:
+        req = pb.PutManyRequest(namespace=ns, segment_id=seg_id)
+        for j in batch:
+            key, st = items[j]
+            at = st.region(seg)
+            assert at is not None
+            item = req.items.add(key=key, options=opts, seal=client.local is None)
+            item.region.offset, item.region.length = at
+        resp = client.dataplane._put(req, request_id)
+        if len(resp.results) != len(batch):
+            raise KDNError(f"PutMany answered {len(resp.results)} results for "
+                           f"{len(batch)} entries")
+        for j, r in zip(batch, resp.results):
+            out[j] = r
+
+    for j, (key, st) in enumerate(items):
+        check_key(key)
+        if st.closed:
+            raise InvalidArgument(f"item {j}: store of a staged entry that was closed")
+        if st.region(seg) is None:
+            continue
+        if client.local is not None:
+            client._remember(ns, key, st.sealed())
+        if batch and size + st.nbytes > BATCH_BYTES:
+            send()
+            batch, size = [], 0
+        batch.append(j)
+        size += st.nbytes
+    if batch:
+        send()
+    rest = [j for j in range(len(items)) if out[j] is None]
+    if rest:  # not in this client's segment: sealed here, sent as any entries
+        for j, r in zip(rest, client.store_many(
+                [(items[j][0], items[j][1].sealed()) for j in rest], namespace=ns,
+                options=options, request_id=request_id)):
+            out[j] = r
+    return out  # type: ignore[return-value]

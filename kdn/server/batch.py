@@ -51,12 +51,12 @@ from kdn.buffers import BufferPool
 from kdn.codec.format import (
     Header,
     copy_checked,
-    copy_sealed,
     header_layout,
     header_size,
     parse_container,
     parse_header,
 )
+from kdn.codec.sealing import copy_sealed
 from kdn.errors import (
     Corrupt,
     InvalidArgument,

@@ -1,0 +1,98 @@
+"""Sealing: a container's checksums made from its bytes, for entries whose bodies were written
+in place (``kdn.client.staged``) and whose frame sums are not known yet. ``copy_sealed`` is the
+server's (it makes the sums on its own copy, so nothing the writer changes later reaches
+them); ``seal_in_place`` is a client's that sends the bytes (no segment)."""
+
+from __future__ import annotations
+
+import struct
+
+from kdn.codec.format import (
+    _FRAME,
+    FRAME_SEED,
+    FrameCopy,
+    Header,
+    _frame_sum,
+    build_header,
+    check_frame,
+    frame_length,
+    header_size,
+    parse_header,
+)
+from kdn.errors import Corrupt, InvalidArgument, Truncated
+
+
+def seal_in_place(buf: memoryview) -> Header:
+    """``copy_sealed`` without the copy: the sums of the container ``buf`` (writable) made on
+    its own bytes and written into its prefixes and header (a staged entry stored another way
+    than through the segment). Returns the sealed header."""
+    out = memoryview(buf).cast("B")
+    head = header_size(out)
+    header = parse_header(out[:head])
+    if header.version < 2:
+        raise InvalidArgument(f"only container version 2 is sealed, not {header.version}")
+    entry, off = header.entry, head
+    for i in range(len(entry.frames)):
+        n = frame_length(out, off)
+        if off + n > len(out):
+            raise Truncated(f"frame {i} needs {n} bytes, {len(out) - off} remain")
+        full = _frame_sum(FRAME_SEED, out[off : off + 12], out[off + _FRAME.size : off + n])
+        struct.pack_into("<L", out, off + 12, full & 0xFFFFFFFF)
+        entry.frames[i].checksum = full
+        off += n
+    if off != len(out):
+        raise Corrupt(f"{len(out) - off} trailing bytes after the last frame")
+    sealed = build_header(entry, header.version)
+    if len(sealed) != head:
+        raise Corrupt(f"sealed header of {len(sealed)} bytes in place of {head}")
+    out[:head] = sealed
+    return parse_header(out[:head])
+
+
+def copy_sealed(dst: memoryview, value: bytes | memoryview) -> Header:
+    """Copy a version-2 container whose frame sums are not written yet (a staged entry: its
+    bodies filled in place, ``kdn.client.staged``) into ``dst`` (of its length) and seal the
+    copy: each frame is hashed chunk by chunk as it is copied (as ``copy_checked`` does), its
+    sum written into the copy's prefix and into the header, which is rebuilt (sums are fixed
+    width: its length does not change); then every frame of the copy is checked whole (magic,
+    position, length, each record against the layout). The source's sums are not read; its
+    header must be whole (its own checksum holds) and fixes the layout, codec and spans. The
+    sums come from the bytes copied, so nothing the source's writer changes later reaches them.
+    Returns the sealed header. Raises Corrupt/Truncated/InvalidLayout/InvalidArgument; ``dst``
+    then holds unchecked bytes."""
+    src, out = memoryview(value).cast("B"), memoryview(dst).cast("B")
+    if len(out) != len(src):
+        raise InvalidArgument(f"copy of {len(src)} bytes into {len(out)}")
+    head = header_size(src)
+    out[:head] = src[:head]
+    header = parse_header(out[:head])
+    if header.version < 2:
+        raise InvalidArgument(f"an entry sealed on store must be container version 2, not "
+                              f"{header.version}")
+    entry = header.entry
+    spans: list[tuple[int, int, int]] = []  # (start, end, sum)
+    off = head
+    for i in range(len(entry.frames)):
+        if len(out) - off < _FRAME.size:
+            raise Truncated(f"frame {i}: {len(out) - off} bytes can not hold its prefix")
+        out[off : off + _FRAME.size] = src[off : off + _FRAME.size]
+        n = frame_length(out, off)  # from the copy: the source may change under it
+        if off + n > len(out):
+            raise Truncated(f"frame {i} needs {n} bytes, {len(out) - off} remain")
+        copy = FrameCopy(header, i, out[off : off + n])
+        copy.add(src[off : off + n])
+        full = copy.digest()
+        struct.pack_into("<L", out, off + 12, full & 0xFFFFFFFF)
+        entry.frames[i].checksum = full
+        spans.append((off, off + n, full))
+        off += n
+    if off != len(out):
+        raise Corrupt(f"{len(out) - off} trailing bytes after the last frame")
+    sealed = build_header(entry, header.version)
+    if len(sealed) != head:
+        raise Corrupt(f"sealed header of {len(sealed)} bytes in place of {head}")
+    out[:head] = sealed
+    header = parse_header(out[:head])
+    for i, (start, end, full) in enumerate(spans):
+        check_frame(header, i, out[start:end], digest=full, records=False)
+    return header
