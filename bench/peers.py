@@ -39,9 +39,12 @@ How each system is driven:
   are views of the segment, not yet copied into the caller's memory, unlike the peers' gets)
   and ``retrieve`` (decoded into tensors, the like of LMCache's get and Mooncake's get_into);
   batches through ``store_many``/``fetch_many`` when the client has them, else a loop of single
-  calls. ``--kdn-client-opts`` (repeatable, ``k=v,k=v``) are ``Client`` keyword arguments, one
-  kdn column per flag (e.g. ``shm_bytes=0`` for a remote client: the network data path, or
-  with ``data_path=false`` the gRPC stream only; ``""`` for defaults).
+  calls; and ``store (staged)`` / ``store_many (staged)`` (``Client.stage``: entries filled in
+  place in the shared segment once, as Mooncake's registered buffers are, stored by where they
+  lie, the server making their checksums on its copy; one staged entry per key up to 128 MiB of
+  them, beyond that reused). ``--kdn-client-opts`` (repeatable, ``k=v,k=v``) are ``Client``
+  keyword arguments, one kdn column per flag (e.g. ``shm_bytes=0`` for a remote client: the
+  network data path, or with ``data_path=false`` the gRPC stream only; ``""`` for defaults).
 
 Installing the peers (a scratch venv, never the project's .venv; commands used on this machine,
 Python 3.11, CPU torch 2.13):
@@ -114,6 +117,9 @@ MIB = 1 << 20
 LAYERS, KV_HEADS, HEAD_DIM = 32, 8, 128  # Llama-3-8B
 HIDDEN = KV_HEADS * HEAD_DIM
 TOKEN_BYTES = 2 * LAYERS * HIDDEN * 2  # K and V of every layer, fp16: 128 KiB
+STAGED_BYTES = 128 * MIB
+"""Bytes of staged entries kdn fills per size (one per entry up to this; beyond, entry i
+stores staged entry i modulo their number)."""
 LAYER_TOKEN_BYTES = 2 * HIDDEN * 2  # K and V of one layer and token: 4 KiB
 MODEL = "llama-3-8b-shape"
 
@@ -441,6 +447,7 @@ class Kdn(System):
         self.name = f"kdn[{label}]" if label else "kdn"
         self.tag, self.layers_per_frame = tag, layers_per_frame
         self.client = Client(address, max_message_bytes=256 * MIB, **opts)
+        self.staged: list[Any] = []
 
     def load(self, kv: torch.Tensor, count: int) -> None:
         _, layers, tokens, _ = kv.shape
@@ -455,10 +462,32 @@ class Kdn(System):
         self.frames = b"".join(self.parts.frames)
         self.keys = [keys.chunk_key([self.tag, kv.numel(), i], self.layout)
                      for i in range(count)]
+        for st in self.staged:
+            st.close()
+        self.staged = []
+        if hasattr(self.client, "stage"):  # filled once, as Mooncake's registered buffers are
+            for _ in range(max(1, min(count, STAGED_BYTES // max(1, self.parts.nbytes)))):
+                st = self.client.stage(self.layout, tokens)
+                for (k, v), (a, b) in zip(st.layers, self.kv.layers):
+                    k.copy_(a)
+                    v.copy_(b)
+                self.staged.append(st)
+
+    def unload(self) -> None:
+        for st in self.staged:
+            st.close()
+        self.staged = []
 
     # the four small functions a faster client path slots into
     def put_one(self, i: int) -> None:
         self.client.store(self.keys[i], self.parts)
+
+    def put_staged(self, i: int) -> None:
+        self.client.store(self.keys[i], self.staged[i % len(self.staged)])
+
+    def put_staged_batch(self, n: int) -> None:
+        self.client.store_many([(k, self.staged[i % len(self.staged)])
+                                for i, k in enumerate(self.keys[:n])])
 
     def get_one(self, i: int) -> Any:
         return self.client.fetch(self.keys[i], layout=self.layout)
@@ -488,9 +517,13 @@ class Kdn(System):
         self.client.delete(self.keys)
 
     def routes(self) -> list[Route]:
-        return [Route("store", self.put_one, {"fetch": self.get_one,
-                                              "retrieve": self.retrieve_one},
-                      self._check, clear=self._clear)]
+        out = [Route("store", self.put_one, {"fetch": self.get_one,
+                                             "retrieve": self.retrieve_one},
+                     self._check, clear=self._clear)]
+        if self.staged:
+            out.append(Route("store (staged)", self.put_staged, {}, self._check,
+                             clear=self._clear))
+        return out
 
     def batch_routes(self) -> list[Route]:
         put = "store_many" if hasattr(self.client, "store_many") else "store (loop)"
@@ -499,8 +532,12 @@ class Kdn(System):
         if hasattr(self.client, "retrieve_many"):
             gets["retrieve_many"] = lambda n: self.client.retrieve_many(self.keys[:n],
                                                                         layout=self.layout)
-        return [Route(put, self.put_batch, gets,
-                      lambda gots: all(self._check(g) for g in gots), clear=self._clear)]
+        out = [Route(put, self.put_batch, gets,
+                     lambda gots: all(self._check(g) for g in gots), clear=self._clear)]
+        if self.staged:
+            out.append(Route("store_many (staged)", self.put_staged_batch, {},
+                             lambda gots: True, clear=self._clear))
+        return out
 
     def close(self) -> None:
         self.client.close()
