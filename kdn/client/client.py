@@ -60,6 +60,7 @@ from kdn.client.landing import (
     tier_joined,
 )
 from kdn.client.parallel import layer_groups, merged
+from kdn.client.puts import PendingStore
 from kdn.client.storing import grouped_store_messages, store_messages
 from kdn.codec import EncodedParts
 from kdn.codec.format import parse_container, parse_header
@@ -159,12 +160,22 @@ def _traced(name: str) -> Callable[[F], F]:
     def wrap(fn: F) -> F:
         @functools.wraps(fn)
         def call(*args: Any, **kwargs: Any) -> Any:
+            args[0]._settle()
             if not _tracing.enabled():
                 return fn(*args, **kwargs)
             with _tracing.span(name):
                 return fn(*args, **kwargs)
         return call  # type: ignore[return-value]
     return wrap
+
+
+def _settles(fn: F) -> F:
+    """The method waits for this thread's asynchronous stores first (``Client._settle``)."""
+    @functools.wraps(fn)
+    def call(self: Client, *args: Any, **kwargs: Any) -> Any:
+        self._settle()
+        return fn(self, *args, **kwargs)
+    return call  # type: ignore[return-value]
 
 
 class Client:
@@ -299,6 +310,9 @@ class Client:
             raise from_grpc(err) from None
 
     def close(self) -> None:
+        """Close the channels and give the segment back, after this thread's asynchronous
+        stores are answered (another thread's: ``flush`` there first)."""
+        self._settle()
         self.dataplane.close()
         for ch in (self._channel, *self._extra_channels):
             ch.close()
@@ -348,6 +362,58 @@ class Client:
             store_messages(ns, key, parts, opts), timeout=self.timeout_s, metadata=md))
         self._remember(ns, key, parts)
         return resp
+
+    def store_async(
+        self,
+        key: bytes,
+        kv: KVCache | EncodedParts | Staged,
+        *,
+        mode: str = "lossless",
+        level: str = "",
+        namespace: str | None = None,
+        options: StoreOptions | None = None,
+        layers_per_frame: int = 0,
+    ) -> PendingStore:
+        """``store`` without waiting for the server's answer (as LMCache's put and vLLM's
+        asynchronous save do): on the server's host the entry is written into the segment (a
+        staged entry: named where it lies) and the call sent on this thread's fast-path
+        connection, at most ``ASYNC_DEPTH`` unanswered; elsewhere, or without room, it is
+        stored as ``store`` does and comes back answered. The server checks it as any store.
+        Its answer is read by ``result()``, by this thread's next call of this client (every
+        call waits for the thread's earlier stores first, so its reads see them), or by
+        ``flush()``, which raises the first error since the last flush. A staged entry must
+        not be written again until its store is answered (the server copies what it holds
+        then)."""
+        check_key(key)
+        ns = self._ns(namespace)
+        opts = _wire_options(options)
+        parts: EncodedParts | None = None
+        if _is_staged(kv) and self.local is None:
+            got = self.dataplane.put_async(ns, key, opts, staged=kv)
+        else:
+            parts = _encoded(kv, mode, level, layers_per_frame)
+            kept = parts
+            got = self.dataplane.put_async(
+                ns, key, opts, parts=parts,
+                on_ok=None if self.local is None else lambda: self._remember(ns, key, kept))
+        if got is None:
+            return PendingStore.answered(key, self.store(
+                key, parts if parts is not None else kv, namespace=ns, options=options))
+        return got
+
+    def flush(self) -> None:
+        """Wait for this thread's asynchronous stores (``store_async``); raise the first error
+        among those answered since the last flush (each also raises from its ``result()``)."""
+        self.dataplane.settle_async()
+        errors = self.dataplane.take_async_errors()
+        if errors:
+            raise errors[0]
+
+    def _settle(self) -> None:
+        """Read this thread's asynchronous stores' answers before another call (its errors
+        are kept for ``flush``)."""
+        if self.dataplane.has_pending():
+            self.dataplane.settle_async()
 
     def _check_frames(self, parts: EncodedParts) -> None:
         """Refuse, before sending anything, a frame that can not travel in one message."""
@@ -399,6 +465,7 @@ class Client:
         except NotFound:
             return None
 
+    @_settles
     def retrieve_stream(self, key: bytes, *, namespace: str | None = None,
                         layout: KVLayout | None = None,
                         device: torch.device | str | None = None,
@@ -646,6 +713,7 @@ class Client:
                     self._remember(ns, keys[j], g.parts)
         return out
 
+    @_settles
     def retrieve_streams(self, keys: Sequence[bytes], *, namespace: str | None = None,
                          layout: KVLayout | None = None,
                          device: torch.device | str | None = None,
@@ -669,6 +737,7 @@ class Client:
                     for k, g in zip(ks, got)]
         return device_streams(self, ns, ks, layout, device, request_id, seg, started)
 
+    @_settles
     def retrieve_joined(self, keys: Sequence[bytes], *, namespace: str | None = None,
                         layout: KVLayout | None = None,
                         device: torch.device | str | None = None) -> LayerStream | None:
@@ -804,6 +873,7 @@ class Client:
 
     # -- blend ----------------------------------------------------------------------------------
 
+    @_settles
     def blend_stream(self, pieces: Sequence[RemotePiece], *, ratio: float | None = None,
                      select_layer: int = 0, head_tokens: int = 0, per_chunk: bool = False,
                      store: bool = False, mode: str = "", level: str = "",
@@ -847,6 +917,7 @@ class Client:
         hits = next((j for j, i in enumerate(done) if not i.present), len(done))
         return LookupResult(done, hits if prefix_chain else 0)
 
+    @_settles
     def contains(self, key: bytes, *, namespace: str | None = None,
                  request_id: str | None = None) -> bool:
         return self.lookup([key], namespace=namespace, request_id=request_id).infos[0].present

@@ -679,8 +679,11 @@ class DataPlane(PutsMixin):
             raise fast_error(out)
         return out
 
-    def _fast_conn(self) -> socket.socket:
-        """This thread's fast-path connection (calls on it are answered in order)."""
+    def _fast_conn(self, *, settle: bool = True) -> socket.socket:
+        """This thread's fast-path connection (calls on it are answered in order; with
+        ``settle``, after this thread's asynchronous stores' answers are read)."""
+        if settle and self.has_pending():
+            self.settle_async()
         conn: socket.socket | None = getattr(self._conns, "conn", None)
         if conn is None:
             conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

@@ -10,13 +10,14 @@ batch without the fast path, are one PutMany per ``BATCH_BYTES`` (inline: per me
 from __future__ import annotations
 
 import socket
+import threading
 from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
 from kdn.client.netpath import NetMixin, fast_answer, fast_error, fast_send
 from kdn.codec import EncodedParts
-from kdn.errors import KDNError
+from kdn.errors import InvalidArgument, KDNError, Unavailable
 from kdn.v1 import kdn_pb2 as pb
 from kdn.wire import FAST_PUT_MANY
 
@@ -37,6 +38,52 @@ PIPE_DEPTH = 1
 """Pipelined PutMany calls sent and not yet answered, besides the one being written."""
 BATCH_BYTES = 1 << 30
 """Bytes of entries one PutMany through the segment carries at most (server limit: 2 GiB)."""
+ASYNC_DEPTH = 8
+"""Asynchronous stores a thread has sent and not had answered; past it each new one first
+reads the oldest answer (``PutsMixin.put_async``)."""
+
+
+class PendingStore:
+    """What ``Client.store_async`` gives back: ``result()`` waits for the server's answer and
+    raises its error; ``done()`` says whether it came. Answers are read on the thread that
+    stored (its fast-path connection answers in order): ``result()`` on another thread works
+    once that thread's next call or ``flush`` has read it."""
+
+    __slots__ = ("key", "_plane", "_thread", "_on_ok", "_response", "_error", "_done")
+
+    def __init__(self, plane: Any, key: bytes, on_ok: Any = None) -> None:
+        self.key, self._plane, self._on_ok = key, plane, on_ok
+        self._thread = threading.get_ident()
+        self._response: pb.StoreResponse | None = None
+        self._error: KDNError | None = None
+        self._done = False
+
+    @classmethod
+    def answered(cls, key: bytes, response: pb.StoreResponse) -> PendingStore:
+        """One stored synchronously (no way to send it ahead)."""
+        p = cls(None, key)
+        p._response, p._done = response, True
+        return p
+
+    def done(self) -> bool:
+        return self._done
+
+    def result(self) -> pb.StoreResponse:
+        if not self._done:
+            if threading.get_ident() != self._thread:
+                raise InvalidArgument("an asynchronous store is answered on the thread that "
+                                      "sent it: read result() there, or after its flush()")
+            self._plane.settle_async(self)
+        if self._error is not None:
+            raise self._error
+        assert self._response is not None
+        return self._response
+
+    def _finish(self, response: pb.StoreResponse | None, error: KDNError | None) -> None:
+        self._response, self._error, self._done = response, error, True
+        if error is None and self._on_ok is not None:
+            self._on_ok()
+        self._on_ok = None
 
 class PutsMixin(NetMixin):
     """``DataPlane``'s writes; it provides ``segment``, ``inline_budget``, ``_fast_path``,
@@ -48,7 +95,7 @@ class PutsMixin(NetMixin):
     def segment(self) -> tuple[Any, str]:
         raise NotImplementedError
 
-    def _fast_conn(self) -> socket.socket:
+    def _fast_conn(self, *, settle: bool = True) -> socket.socket:
         raise NotImplementedError
 
     def _fast_lost(self, exc: OSError) -> None:
@@ -56,6 +103,126 @@ class PutsMixin(NetMixin):
 
     def _put(self, req: pb.PutManyRequest, request_id: str | None) -> pb.PutManyResponse:
         raise NotImplementedError
+
+    _conns: threading.local
+
+    # -- asynchronous stores (``Client.store_async``) -------------------------------------------
+
+    def _pending(self) -> deque[tuple[PendingStore, tuple[int, int] | None]]:
+        q = getattr(self._conns, "pending", None)
+        if q is None:
+            q = self._conns.pending = deque()
+            self._conns.failed = []
+        return q  # type: ignore[no-any-return]
+
+    def has_pending(self) -> bool:
+        return bool(getattr(self._conns, "pending", None))
+
+    def put_async(self, namespace: str, key: bytes, opts: pb.StoreOptions, *,
+                  parts: EncodedParts | None = None, staged: Any = None,
+                  on_ok: Any = None) -> PendingStore | None:
+        """Send one store on this thread's fast-path connection without waiting for its
+        answer: ``parts`` written into a region of the segment (freed when answered), or a
+        staged entry named where it lies (sealed by the server). None where it can not go
+        this way (no segment or fast path, too large, no room): the caller stores it as
+        ``store`` does."""
+        seg, seg_id = self.segment()
+        if seg is None or not self._fast_path:
+            return None
+        q = self._pending()
+        block: tuple[int, int] | None = None
+        if staged is not None:
+            at = staged.region(seg)
+            if at is None:
+                return None
+            start, length = at
+        else:
+            assert parts is not None
+            length = parts.nbytes
+            n = (length + 63) // 64 * 64
+            if length > seg.size // 4:
+                return None
+            start = seg.regions.alloc(n)
+            while start is None and q:  # room comes back with the answers
+                self._settle_one(q)
+                start = seg.regions.alloc(n)
+            if start is None:
+                return None
+            block = (start, n)
+            pos = start
+            for piece in (parts.header, *parts.frames):
+                seg.write(pos, piece)
+                pos += len(piece)
+        req = pb.PutManyRequest(namespace=namespace, segment_id=seg_id)
+        item = req.items.add(key=key, options=opts, seal=staged is not None)
+        item.region.offset, item.region.length = start, length
+        pending = PendingStore(self, key, on_ok)
+        try:
+            conn = self._fast_conn(settle=False)
+            fast_send(conn, FAST_PUT_MANY, req)
+        except OSError as exc:
+            if block is not None:
+                seg.regions.free(*block)
+            self._fast_lost(exc)
+            return None
+        q.append((pending, block))
+        while len(q) > ASYNC_DEPTH:
+            self._settle_one(q)
+        return pending
+
+    def settle_async(self, until: PendingStore | None = None) -> None:
+        """Read this thread's unanswered asynchronous stores' answers, oldest first (up to
+        ``until`` when given)."""
+        q = getattr(self._conns, "pending", None)
+        while q:
+            first = q[0][0]
+            self._settle_one(q)
+            if first is until:
+                return
+
+    def take_async_errors(self) -> list[KDNError]:
+        """The errors of this thread's asynchronous stores answered since the last call."""
+        failed: list[KDNError] = getattr(self._conns, "failed", [])
+        self._conns.failed = []
+        return failed
+
+    def _settle_one(self, q: deque[tuple[PendingStore, tuple[int, int] | None]]) -> None:
+        pending, block = q.popleft()
+        seg = self.segment()[0]
+        try:
+            conn = getattr(self._conns, "conn", None)
+            if conn is None:
+                raise OSError("the fast path is gone")
+            ok, body = fast_answer(conn)
+        except OSError as exc:  # the connection went: no answer will come for any of them
+            lost = [(pending, block), *q]
+            q.clear()
+            for p, b in lost:
+                if b is not None and seg is not None:
+                    seg.regions.free(*b)
+                self._failed(p, Unavailable(f"the fast path closed before the store of "
+                                            f"{p.key!r} was answered ({exc}); it may or may "
+                                            "not be stored"))
+            if self._fast_path:
+                self._fast_lost(exc)
+            return
+        if block is not None and seg is not None:
+            seg.regions.free(*block)
+        if not ok:
+            self._failed(pending, fast_error(body))
+            return
+        results = pb.PutManyResponse.FromString(body).results
+        if len(results) != 1:
+            self._failed(pending, KDNError(f"PutMany answered {len(results)} results for 1"))
+            return
+        pending._finish(results[0], None)
+
+    def _failed(self, pending: PendingStore, error: KDNError) -> None:
+        pending._finish(None, error)
+        failed = getattr(self._conns, "failed", None)
+        if failed is None:
+            failed = self._conns.failed = []
+        failed.append(error)
 
 
     def put_many(self, namespace: str, items: Sequence[tuple[bytes, EncodedParts,

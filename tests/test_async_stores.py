@@ -1,0 +1,142 @@
+"""Asynchronous stores (Client.store_async, flush): sent on the thread's fast-path connection
+without waiting, answered in order. Over a real server: every entry stored and answered; at
+most ASYNC_DEPTH unanswered; a later call of the thread reads their answers first, so a read
+after an overwrite sees the new value (also where the client keeps a lease on the old one); a
+damaged entry's error comes from its result() and from flush(), the stores around it land; a
+staged entry goes by where it lies; a client without a segment stores synchronously; result()
+on another thread before the answer is refused; a fast path that breaks under unanswered
+stores fails them with UNAVAILABLE and the client carries on over gRPC."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from kdn import codec
+from kdn.client import Client
+from kdn.client.puts import ASYNC_DEPTH
+from kdn.codec import EncodedParts
+from kdn.errors import InvalidArgument, Unavailable
+from kdn.server import ServerThread
+from tests.helpers import numbered_key as _key
+from tests.helpers import random_kv, uniform_layout
+
+LAYOUT = uniform_layout()
+
+
+def test_async_stores_land_and_are_answered_in_order(server: ServerThread) -> None:
+    kvs = [random_kv(LAYOUT, 120, seed=i) for i in range(3 * ASYNC_DEPTH)]
+    with Client(server.address, timeout_s=30, data_path=False) as c:
+        pending = []
+        for i, kv in enumerate(kvs):
+            pending.append(c.store_async(_key(i), kv, mode="raw"))
+            assert sum(not p.done() for p in pending) <= ASYNC_DEPTH
+        assert not pending[-1].done()  # sent, not waited for
+        c.flush()
+        assert all(p.done() for p in pending)
+        assert [p.result().stored_bytes > 0 for p in pending] == [True] * len(kvs)
+        assert server.server.servicer.counters["fast.PutMany"] >= len(kvs)  # type: ignore
+        for i, kv in enumerate(kvs):
+            got = c.retrieve(_key(i), layout=LAYOUT)
+            assert got is not None and got.equal(kv)
+
+
+def test_a_later_call_reads_the_answers_first_so_reads_see_the_stores(
+        server: ServerThread) -> None:
+    old, new = random_kv(LAYOUT, 200, seed=1), random_kv(LAYOUT, 200, seed=2)
+    with Client(server.address, timeout_s=30, data_path=False) as c:
+        c.store(_key(1), old, mode="raw")
+        first = c.retrieve(_key(1), layout=LAYOUT)  # the client may now keep a lease on it
+        assert first is not None and first.equal(old)
+        p = c.store_async(_key(1), new, mode="raw")
+        got = c.retrieve(_key(1), layout=LAYOUT)
+        assert p.done() and got is not None and got.equal(new)
+        p2 = c.store_async(_key(2), new, mode="raw")
+        assert c.contains(_key(2)) and p2.done()
+        p3 = c.store_async(_key(3), old, mode="raw")
+        infos = c.lookup([_key(3)]).infos
+        assert p3.done() and infos[0].present
+
+
+def test_a_damaged_entry_fails_alone_and_flush_raises_it(server: ServerThread) -> None:
+    kvs = [random_kv(LAYOUT, 80, seed=10 + i) for i in range(3)]
+    good = [codec.encode_parts(kv, "raw") for kv in kvs]
+    frame = bytearray(good[1].frames[-1])
+    frame[-3] ^= 0x10
+    bad = EncodedParts(good[1].header, [*good[1].frames[:-1], bytes(frame)])
+    with Client(server.address, timeout_s=30, data_path=False) as c:
+        ps = [c.store_async(_key(20), good[0]), c.store_async(_key(21), bad),
+              c.store_async(_key(22), good[2])]
+        with pytest.raises(InvalidArgument, match="corrupt"):
+            c.flush()
+        c.flush()  # reported once
+        with pytest.raises(InvalidArgument, match="corrupt"):
+            ps[1].result()
+        assert ps[0].result().stored_bytes and ps[2].result().stored_bytes
+        assert c.retrieve(_key(20), layout=LAYOUT).equal(kvs[0])  # type: ignore[union-attr]
+        assert c.retrieve(_key(22), layout=LAYOUT).equal(kvs[2])  # type: ignore[union-attr]
+        assert not c.contains(_key(21))
+
+
+def test_staged_and_remote_async_stores(server: ServerThread) -> None:
+    kvs = [random_kv(LAYOUT, 64, seed=30 + i) for i in range(2)]
+    with Client(server.address, timeout_s=30, data_path=False) as c:
+        st = c.stage(LAYOUT, 64)
+        for (k, v), (a, b) in zip(st.layers, kvs[0].layers):
+            k.copy_(a)
+            v.copy_(b)
+        p = c.store_async(_key(30), st)
+        assert p.result().stored_bytes == st.nbytes  # answered: free to write it again
+        for (k, v), (a, b) in zip(st.layers, kvs[1].layers):
+            k.copy_(a)
+            v.copy_(b)
+        c.store_async(_key(31), st)
+        c.flush()
+        for i, kv in enumerate(kvs):
+            assert c.retrieve(_key(30 + i), layout=LAYOUT).equal(kv)  # type: ignore[union-attr]
+        st.close()
+    with Client(server.address, timeout_s=30, shm_bytes=0) as remote:
+        p = remote.store_async(_key(32), kvs[0], mode="raw")
+        assert p.done() and p.result().stored_bytes > 0  # stored as store() does
+        remote.flush()
+        assert remote.retrieve(_key(32), layout=LAYOUT).equal(kvs[0])  # type: ignore
+
+
+def test_result_on_another_thread_waits_for_the_senders_flush(server: ServerThread) -> None:
+    kv = random_kv(LAYOUT, 64, seed=40)
+    with Client(server.address, timeout_s=30, data_path=False) as c:
+        p = c.store_async(_key(40), kv, mode="raw")
+        seen: list[BaseException | None] = []
+
+        def other() -> None:
+            try:
+                p.result()
+                seen.append(None)
+            except BaseException as exc:  # noqa: BLE001 - what the other thread got
+                seen.append(exc)
+
+        t = threading.Thread(target=other)
+        t.start()
+        t.join()
+        assert isinstance(seen[0], InvalidArgument)
+        c.flush()
+        t = threading.Thread(target=other)
+        t.start()
+        t.join()
+        assert seen[1] is None and p.result().stored_bytes > 0
+
+
+def test_a_broken_fast_path_fails_the_unanswered_stores_and_grpc_takes_over(
+        server: ServerThread) -> None:
+    kvs = [random_kv(LAYOUT, 64, seed=50 + i) for i in range(3)]
+    with Client(server.address, timeout_s=30, data_path=False) as c:
+        c.store(_key(49), kvs[0], mode="raw")
+        ps = [c.store_async(_key(50 + i), kv, mode="raw") for i, kv in enumerate(kvs)]
+        c.dataplane._conns.conn.close()  # the connection goes before any answer is read
+        with pytest.raises(Unavailable, match="may or may not be stored"):
+            c.flush()
+        assert all(p.done() for p in ps)
+        p = c.store_async(_key(60), kvs[1], mode="raw")  # no fast path: stored at once
+        assert p.done() and p.result().stored_bytes > 0
+        assert c.retrieve(_key(60), layout=LAYOUT).equal(kvs[1])  # type: ignore[union-attr]
