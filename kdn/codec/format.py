@@ -545,6 +545,19 @@ PARALLEL_COPY_BYTES = 16 << 20
 lose more to the hand-off than the second core gives: measured at 12 MB and 47 MB)."""
 
 
+def copy_head(dst: memoryview, value: bytes | memoryview
+              ) -> tuple[memoryview, memoryview, int, Header]:
+    """The first step of a checked copy of the container ``value`` into ``dst`` (its
+    length): both as byte views, the header's length, and the header copied and parsed from
+    the copy (so a source that changes under it can not slip past)."""
+    src, out = memoryview(value).cast("B"), memoryview(dst).cast("B")
+    if len(out) != len(src):
+        raise InvalidArgument(f"copy of {len(src)} bytes into {len(out)}")
+    head = header_size(src)
+    out[:head] = src[:head]
+    return src, out, head, parse_header(out[:head])
+
+
 def copy_checked(dst: memoryview, value: bytes | memoryview, *,
                  pool: Executor | None = None, workers: int = 1) -> None:
     """Copy the container ``value`` into ``dst`` (same length) and verify the copy: header
@@ -555,12 +568,7 @@ def copy_checked(dst: memoryview, value: bytes | memoryview, *,
     as that many runs of whole frames at once, the last on the calling thread (numpy copies and
     xxhash hashes without the GIL).
     Raises Corrupt/Truncated once every run has ended; ``dst`` then holds unchecked bytes."""
-    src, out = memoryview(value).cast("B"), memoryview(dst).cast("B")
-    if len(out) != len(src):
-        raise InvalidArgument(f"copy of {len(src)} bytes into {len(out)}")
-    head = header_size(src)
-    out[:head] = src[:head]
-    header = parse_header(out[:head])
+    src, out, head, header = copy_head(dst, value)
     spans: list[tuple[int, int, int]] = []  # (index, start, end); lengths from the source,
     off = head  # checked again on the copy (its prefix) so a source that changes is caught
     for i in range(len(header.entry.frames)):

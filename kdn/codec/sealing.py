@@ -15,6 +15,7 @@ from kdn.codec.format import (
     _frame_sum,
     build_header,
     check_frame,
+    copy_head,
     frame_length,
     header_size,
     parse_header,
@@ -40,13 +41,7 @@ def seal_in_place(buf: memoryview) -> Header:
         struct.pack_into("<L", out, off + 12, full & 0xFFFFFFFF)
         entry.frames[i].checksum = full
         off += n
-    if off != len(out):
-        raise Corrupt(f"{len(out) - off} trailing bytes after the last frame")
-    sealed = build_header(entry, header.version)
-    if len(sealed) != head:
-        raise Corrupt(f"sealed header of {len(sealed)} bytes in place of {head}")
-    out[:head] = sealed
-    return parse_header(out[:head])
+    return _sealed_header(out, head, off, header)
 
 
 def copy_sealed(dst: memoryview, value: bytes | memoryview) -> Header:
@@ -60,12 +55,7 @@ def copy_sealed(dst: memoryview, value: bytes | memoryview) -> Header:
     sums come from the bytes copied, so nothing the source's writer changes later reaches them.
     Returns the sealed header. Raises Corrupt/Truncated/InvalidLayout/InvalidArgument; ``dst``
     then holds unchecked bytes."""
-    src, out = memoryview(value).cast("B"), memoryview(dst).cast("B")
-    if len(out) != len(src):
-        raise InvalidArgument(f"copy of {len(src)} bytes into {len(out)}")
-    head = header_size(src)
-    out[:head] = src[:head]
-    header = parse_header(out[:head])
+    src, out, head, header = copy_head(dst, value)
     if header.version < 2:
         raise InvalidArgument(f"an entry sealed on store must be container version 2, not "
                               f"{header.version}")
@@ -86,13 +76,19 @@ def copy_sealed(dst: memoryview, value: bytes | memoryview) -> Header:
         entry.frames[i].checksum = full
         spans.append((off, off + n, full))
         off += n
-    if off != len(out):
-        raise Corrupt(f"{len(out) - off} trailing bytes after the last frame")
-    sealed = build_header(entry, header.version)
-    if len(sealed) != head:
-        raise Corrupt(f"sealed header of {len(sealed)} bytes in place of {head}")
-    out[:head] = sealed
-    header = parse_header(out[:head])
+    header = _sealed_header(out, head, off, header)
     for i, (start, end, full) in enumerate(spans):
         check_frame(header, i, out[start:end], digest=full, records=False)
     return header
+
+
+def _sealed_header(out: memoryview, head: int, end: int, header: Header) -> Header:
+    """Write the header of ``header.entry`` (its sums filled in) over the ``head`` bytes at the
+    start of ``out``, once the frames ended at ``end``: the sealed header."""
+    if end != len(out):
+        raise Corrupt(f"{len(out) - end} trailing bytes after the last frame")
+    sealed = build_header(header.entry, header.version)
+    if len(sealed) != head:
+        raise Corrupt(f"sealed header of {len(sealed)} bytes in place of {head}")
+    out[:head] = sealed
+    return parse_header(out[:head])
