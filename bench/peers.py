@@ -42,9 +42,12 @@ How each system is driven:
   calls; and ``store (staged)`` / ``store_many (staged)`` (``Client.stage``: entries filled in
   place in the shared segment once, as Mooncake's registered buffers are, stored by where they
   lie, the server making their checksums on its copy; one staged entry per key up to 128 MiB of
-  them, beyond that reused). ``--kdn-client-opts`` (repeatable, ``k=v,k=v``) are ``Client``
-  keyword arguments, one kdn column per flag (e.g. ``shm_bytes=0`` for a remote client: the
-  network data path, or with ``data_path=false`` the gRPC stream only; ``""`` for defaults).
+  them, beyond that reused); and ``store_async`` (sent without waiting for the answer, as
+  LMCache's put is; a run ends with ``flush``, as LMCache's with its ``exists``), of encoded
+  and of staged entries, single and as a loop for the batch. ``--kdn-client-opts``
+  (repeatable, ``k=v,k=v``) are ``Client`` keyword arguments, one kdn column per flag (e.g.
+  ``shm_bytes=0`` for a remote client: the network data path, or with ``data_path=false`` the
+  gRPC stream only; ``""`` for defaults).
 
 Installing the peers (a scratch venv, never the project's .venv; commands used on this machine,
 Python 3.11, CPU torch 2.13):
@@ -485,6 +488,16 @@ class Kdn(System):
     def put_staged(self, i: int) -> None:
         self.client.store(self.keys[i], self.staged[i % len(self.staged)])
 
+    def put_async(self, i: int) -> None:
+        self.client.store_async(self.keys[i], self.parts)
+
+    def put_async_staged(self, i: int) -> None:
+        self.client.store_async(self.keys[i], self.staged[i % len(self.staged)])
+
+    def put_async_loop(self, n: int, staged: bool) -> None:
+        for i in range(n):
+            self.put_async_staged(i) if staged else self.put_async(i)
+
     def put_staged_batch(self, n: int) -> None:
         self.client.store_many([(k, self.staged[i % len(self.staged)])
                                 for i, k in enumerate(self.keys[:n])])
@@ -523,6 +536,12 @@ class Kdn(System):
         if self.staged:
             out.append(Route("store (staged)", self.put_staged, {}, self._check,
                              clear=self._clear))
+        if hasattr(self.client, "store_async"):  # sent without waiting; flush ends the run
+            out.append(Route("store_async", self.put_async, {}, self._check,
+                             flush=self.client.flush, clear=self._clear))
+            if self.staged:
+                out.append(Route("store_async (staged)", self.put_async_staged, {},
+                                 self._check, flush=self.client.flush, clear=self._clear))
         return out
 
     def batch_routes(self) -> list[Route]:
@@ -537,6 +556,14 @@ class Kdn(System):
         if self.staged:
             out.append(Route("store_many (staged)", self.put_staged_batch, {},
                              lambda gots: True, clear=self._clear))
+        if hasattr(self.client, "store_async"):
+            out.append(Route("store_async (loop)", lambda n: self.put_async_loop(n, False), {},
+                             lambda gots: True, flush=self.client.flush, clear=self._clear))
+            if self.staged:
+                out.append(Route("store_async (staged, loop)",
+                                 lambda n: self.put_async_loop(n, True), {},
+                                 lambda gots: True, flush=self.client.flush,
+                                 clear=self._clear))
         return out
 
     def close(self) -> None:
