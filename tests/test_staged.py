@@ -260,3 +260,27 @@ def test_stage_refuses_what_has_no_entry() -> None:
     assert st.closed and st.layers == []
     with pytest.raises(InvalidArgument, match="closed"):
         st.sealed()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_staged_entry_filled_from_the_gpu_by_dma(server: ServerThread) -> None:
+    """On a CUDA host ``stage`` registers the segment with CUDA: the tensors are pinned, so
+    non-blocking copies from the device land there directly; what is stored reads back equal,
+    into CUDA tensors too."""
+    kv = random_kv(LAYOUT, 256, seed=60)
+    on_gpu = [(k.cuda(), v.cuda()) for k, v in kv.layers]
+    with Client(server.address, timeout_s=30, data_path=False) as c:
+        with c.stage(LAYOUT, 256) as st:
+            assert c.dataplane.segment()[0].register_with_cuda()
+            assert all(k.is_pinned() and v.is_pinned() for k, v in st.layers)
+            for (k, v), (a, b) in zip(st.layers, on_gpu):
+                k.copy_(a, non_blocking=True)
+                v.copy_(b, non_blocking=True)
+            torch.cuda.synchronize()
+            c.store(_key(70), st)
+            c.store_async(_key(71), st).result()
+        for key in (_key(70), _key(71)):
+            back = c.retrieve(key, layout=LAYOUT, device="cuda")
+            assert back is not None and all(k.is_cuda for k, _ in back.layers)
+            assert back.to("cpu").equal(kv)
