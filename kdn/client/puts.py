@@ -9,6 +9,7 @@ batch without the fast path, are one PutMany per ``BATCH_BYTES`` (inline: per me
 
 from __future__ import annotations
 
+import logging
 import socket
 import threading
 from collections import deque
@@ -20,6 +21,8 @@ from kdn.codec import EncodedParts
 from kdn.errors import InvalidArgument, KDNError, Unavailable
 from kdn.v1 import kdn_pb2 as pb
 from kdn.wire import FAST_PUT_MANY
+
+log = logging.getLogger(__name__)
 
 
 class TooBig:
@@ -81,9 +84,12 @@ class PendingStore:
 
     def _finish(self, response: pb.StoreResponse | None, error: KDNError | None) -> None:
         self._response, self._error, self._done = response, error, True
-        if error is None and self._on_ok is not None:
-            self._on_ok()
-        self._on_ok = None
+        on_ok, self._on_ok = self._on_ok, None
+        if error is None and on_ok is not None:
+            try:  # keeping a copy in the in-process tier: a later call reads this answer,
+                on_ok()  # and must not fail for it
+            except Exception as exc:  # noqa: BLE001
+                log.warning("kdn: the in-process tier did not keep %r: %s", self.key, exc)
 
 class PutsMixin(NetMixin):
     """``DataPlane``'s writes; it provides ``segment``, ``inline_budget``, ``_fast_path``,
@@ -157,6 +163,8 @@ class PutsMixin(NetMixin):
         item = req.items.add(key=key, options=opts, seal=staged is not None)
         item.region.offset, item.region.length = start, length
         pending = PendingStore(self, key, on_ok)
+        if q and getattr(self._conns, "conn", None) is None:
+            self.settle_async()  # their connection went: they fail, a new one starts afresh
         try:
             conn = self._fast_conn(settle=False)
             fast_send(conn, FAST_PUT_MANY, req)
