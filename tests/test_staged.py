@@ -24,6 +24,7 @@ from kdn.client.staged import Staged, skeleton
 from kdn.codec.format import parse_container, parse_header
 from kdn.codec.sealing import copy_sealed, seal_in_place
 from kdn.errors import Corrupt, InvalidArgument, InvalidLayout, KDNError, Truncated
+from kdn.layout import DType
 from kdn.server import ServerThread
 from kdn.server.auth import Principal, Role
 from kdn.v1 import kdn_pb2 as pb
@@ -251,6 +252,8 @@ def test_hostile_sealed_items_are_refused_and_nothing_is_stored(server: ServerTh
 def test_stage_refuses_what_has_no_entry() -> None:
     with pytest.raises(InvalidArgument):
         Staged(LAYOUT, 0)
+    with pytest.raises(InvalidArgument, match="float32 KV can not be staged"):
+        Staged(uniform_layout(dtype=DType.FLOAT32), 4)
     with pytest.raises(InvalidArgument):
         Staged(LAYOUT, 4, start_position=-1)
     st = Staged(LAYOUT, 4)

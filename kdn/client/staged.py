@@ -125,9 +125,12 @@ class Staged:
         self._head = len(head)
         header = parse_header(head)
         views = inplace.views(header, self._view)
-        if views is None:  # the skeleton follows the plan by construction
-            raise InvalidArgument(f"no in-place view of a raw entry of {tokens} tokens of "
-                                  f"{layout.model_name or layout.fingerprint}")
+        if views is None:  # the container's prefixes leave some bodies unaligned for it
+            self.close()
+            raise InvalidArgument(
+                f"a raw entry of {layout.dtype.value} KV can not be staged: its bodies do not "
+                "lie aligned for tensors of that dtype in the container (2-byte dtypes do); "
+                "store it with store() or store_many()")
         self.layers: list[tuple[torch.Tensor, torch.Tensor]] = list(views)
 
     def __enter__(self) -> Staged:
