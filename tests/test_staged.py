@@ -167,6 +167,34 @@ def test_clients_that_send_the_bytes_seal_them_first(server: ServerThread,
             assert c.lookup([_key(20)]).infos[0].tier == "inproc"
 
 
+def test_a_server_that_does_not_seal_gets_entries_sealed_by_the_client(
+        server: ServerThread, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A server that does not say it seals (``AttachResponse.seals``: an older one) is sent
+    staged entries sealed in place, still by where they lie, and checks them as any store."""
+    import kdn.client.staged as staged_mod
+
+    sealed: list[int] = []
+    real = staged_mod.seal_in_place
+
+    def counted(buf: memoryview) -> object:
+        sealed.append(len(buf))
+        return real(buf)
+
+    monkeypatch.setattr(staged_mod, "seal_in_place", counted)
+    kv = random_kv(LAYOUT, 90, seed=35)
+    with Client(server.address, timeout_s=30, data_path=False) as c:
+        st = c.stage(LAYOUT, 90)
+        assert c.dataplane.server_seals  # this server does
+        c.dataplane.server_seals = False
+        _fill(st, kv)
+        c.store(_key(35), st)
+        c.store_async(_key(36), st).result()
+        assert len(sealed) == 2
+        for k in (_key(35), _key(36)):
+            back = c.retrieve(k, layout=LAYOUT)
+            assert back is not None and back.equal(kv)
+
+
 def test_a_writer_scribbling_while_entries_are_stored_never_breaks_a_checksum(
         server: ServerThread) -> None:
     """The sums are made on the server's copy: whatever the caller writes meanwhile, every

@@ -342,6 +342,8 @@ class DataPlane(PutsMixin):
         self._net_tls = net_tls  # (ssl context, server name) when the channel speaks TLS
         self._net: NetPath | None = None
         self._net_tried = not net_host
+        self.server_seals = False
+        """The server seals staged entries (``AttachResponse.seals``)."""
 
     # -- the segment ----------------------------------------------------------------------------
 
@@ -377,6 +379,7 @@ class DataPlane(PutsMixin):
             return
         self._segment, self._segment_id = seg, resp.segment_id
         self._fast_path = resp.fast_path
+        self.server_seals = resp.seals
         if self._fast_path:
             self._arena = self._open_arena()
 

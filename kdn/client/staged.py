@@ -180,9 +180,11 @@ def store_staged(client: Any, ns: str, items: Sequence[tuple[bytes, Staged]],
                  ) -> list[pb.StoreResponse]:
     """``Client.store``/``store_many`` of staged entries: those in the client's segment by
     where they lie (PutMany items the server seals on its copy, one call per ``BATCH_BYTES``),
-    the others sealed here and sent as any entries; with an in-process tier, every one sealed
-    here (the tier keeps those bytes) and checked by the server as usual."""
+    the others sealed here and sent as any entries; with an in-process tier (which keeps the
+    bytes) or a server that does not seal (``AttachResponse.seals``), those in the segment are
+    sealed here first and the server checks them as any store."""
     seg, seg_id = client.dataplane.segment()
+    sealing = client.local is None and client.dataplane.server_seals
     out: list[pb.StoreResponse | None] = [None] * len(items)
     batch: list[int] = []
     size = 0
@@ -193,7 +195,7 @@ def store_staged(client: Any, ns: str, items: Sequence[tuple[bytes, Staged]],
             key, st = items[j]
             at = st.region(seg)
             assert at is not None
-            item = req.items.add(key=key, options=opts, seal=client.local is None)
+            item = req.items.add(key=key, options=opts, seal=sealing)
             item.region.offset, item.region.length = at
         resp = client.dataplane._put(req, request_id)
         if len(resp.results) != len(batch):
@@ -208,8 +210,10 @@ def store_staged(client: Any, ns: str, items: Sequence[tuple[bytes, Staged]],
             raise InvalidArgument(f"item {j}: store of a staged entry that was closed")
         if st.region(seg) is None:
             continue
-        if client.local is not None:
-            client._remember(ns, key, st.sealed())
+        if not sealing:  # sealed here: the tier keeps these bytes, or the server can not
+            parts = st.sealed()
+            if client.local is not None:
+                client._remember(ns, key, parts)
         if batch and size + st.nbytes > BATCH_BYTES:
             send()
             batch, size = [], 0

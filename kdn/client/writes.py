@@ -60,7 +60,8 @@ class WritesMixin:
         ns = self._ns(namespace)
         opts = _wire_options(options)
         parts: EncodedParts | None = None
-        if _is_staged(kv) and self.local is None:
+        if _is_staged(kv) and self.local is None and self.dataplane.segment()[0] is not None \
+                and self.dataplane.server_seals:
             got = self.dataplane.put_async(ns, key, opts, staged=kv)
         else:
             parts = _encoded(kv, mode, level, layers_per_frame)

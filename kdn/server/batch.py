@@ -410,7 +410,8 @@ class BatchMixin:
             seg_id = self.segments.attach(p, request.pid, request.fd, request.size,
                                           request.nonce)
             self.count("shm.attached")
-            return pb.AttachResponse(segment_id=seg_id, fast_path=self.fast_path_name)
+            return pb.AttachResponse(segment_id=seg_id, fast_path=self.fast_path_name,
+                                     seals=True)
 
         return await self._answer("Attach", context, run)  # type: ignore[no-any-return]
 

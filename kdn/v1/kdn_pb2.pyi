@@ -365,14 +365,16 @@ class AttachRequest(_message.Message):
     def __init__(self, pid: _Optional[int] = ..., fd: _Optional[int] = ..., size: _Optional[int] = ..., nonce: _Optional[bytes] = ..., remote: _Optional[bool] = ...) -> None: ...
 
 class AttachResponse(_message.Message):
-    __slots__ = ("segment_id", "fast_path", "data_port")
+    __slots__ = ("segment_id", "fast_path", "data_port", "seals")
     SEGMENT_ID_FIELD_NUMBER: _ClassVar[int]
     FAST_PATH_FIELD_NUMBER: _ClassVar[int]
     DATA_PORT_FIELD_NUMBER: _ClassVar[int]
+    SEALS_FIELD_NUMBER: _ClassVar[int]
     segment_id: str
     fast_path: str
     data_port: int
-    def __init__(self, segment_id: _Optional[str] = ..., fast_path: _Optional[str] = ..., data_port: _Optional[int] = ...) -> None: ...
+    seals: bool
+    def __init__(self, segment_id: _Optional[str] = ..., fast_path: _Optional[str] = ..., data_port: _Optional[int] = ..., seals: _Optional[bool] = ...) -> None: ...
 
 class DetachRequest(_message.Message):
     __slots__ = ("segment_id",)
