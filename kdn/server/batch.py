@@ -20,7 +20,9 @@ Safety against the client: stores are copied out of the segment first and checke
 (header and frame checksums, layout, codec, size), so bytes changed during the call can not slip
 past the checks; reads copy immutable stored values into the client's region, checking every
 checksum on the bytes written (``EntryRef.verified``). An invalid PutMany item stores nothing
-of the batch.
+of the batch. An item with ``seal`` (a staged entry, ``kdn.client.staged``) has its checksums
+made on the server's copy instead of checked (``kdn.codec.sealing.copy_sealed``; its records
+are still checked against the layout), so nothing the client writes afterwards reaches them.
 
 Reads with ``lease`` set answer RAM-tier entries from the tenant's read arena instead
 (``kdn.server.arena``): a range and a lease number, no copy per read; releases ride on later
