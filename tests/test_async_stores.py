@@ -3,7 +3,8 @@ without waiting, answered in order. Over a real server: every entry stored and a
 most ASYNC_DEPTH unanswered; a later call of the thread reads their answers first, so a read
 after an overwrite sees the new value (also where the client keeps a lease on the old one); a
 damaged entry's error comes from its result() and from flush(), the stores around it land; a
-staged entry goes by where it lies; a client without a segment stores synchronously; result()
+staged entry goes by where it lies; a remote client sends them on its network data path the
+same way (a client with neither path stores synchronously); result()
 on another thread before the answer is refused; a fast path that breaks under unanswered
 stores fails them with UNAVAILABLE and the client carries on over gRPC."""
 
@@ -96,11 +97,46 @@ def test_staged_and_remote_async_stores(server: ServerThread) -> None:
         for i, kv in enumerate(kvs):
             assert c.retrieve(_key(30 + i), layout=LAYOUT).equal(kv)  # type: ignore[union-attr]
         st.close()
-    with Client(server.address, timeout_s=30, shm_bytes=0) as remote:
-        p = remote.store_async(_key(32), kvs[0], mode="raw")
+    with Client(server.address, timeout_s=30, shm_bytes=0, data_path=False) as grpc_only:
+        p = grpc_only.store_async(_key(32), kvs[0], mode="raw")
         assert p.done() and p.result().stored_bytes > 0  # stored as store() does
-        remote.flush()
-        assert remote.retrieve(_key(32), layout=LAYOUT).equal(kvs[0])  # type: ignore
+        grpc_only.flush()
+        assert grpc_only.retrieve(_key(32), layout=LAYOUT).equal(kvs[0])  # type: ignore
+
+
+def test_a_remote_client_sends_them_on_its_data_path(server: ServerThread) -> None:
+    """Without a segment, asynchronous stores go on the thread's network data path
+    connection, answered in order: bounded, read before the next call (which then reads on
+    the same connection), a damaged entry failing alone, a connection that breaks failing the
+    unanswered ones UNAVAILABLE."""
+    kvs = [random_kv(LAYOUT, 100, seed=70 + i) for i in range(2 * ASYNC_DEPTH)]
+    bad_parts = codec.encode_parts(kvs[0], "raw")
+    frame = bytearray(bad_parts.frames[0])
+    frame[-2] ^= 0x01
+    bad = EncodedParts(bad_parts.header, [bytes(frame), *bad_parts.frames[1:]])
+    with Client(server.address, timeout_s=30, shm_bytes=0) as c:
+        c.store(_key(69), kvs[0], mode="raw")  # the data path is up
+        assert c.dataplane.net() is not None
+        before = server.server.servicer.counters.get("net.PutMany", 0)  # type: ignore
+        ps = [c.store_async(_key(70 + i), kv, mode="raw") for i, kv in enumerate(kvs)]
+        assert not ps[-1].done() and sum(not p.done() for p in ps) <= ASYNC_DEPTH
+        got = c.retrieve(_key(70 + len(kvs) - 1), layout=LAYOUT)  # its answer read first
+        assert all(p.done() for p in ps) and got is not None and got.equal(kvs[-1])
+        assert server.server.servicer.counters["net.PutMany"] - before == len(kvs)  # type: ignore
+        p_bad, p_good = c.store_async(_key(90), bad), c.store_async(_key(91), kvs[1], mode="raw")
+        with pytest.raises(InvalidArgument, match="corrupt"):
+            c.flush()
+        assert p_good.result().stored_bytes > 0 and not c.contains(_key(90))
+        with pytest.raises(InvalidArgument):
+            p_bad.result()
+        ps = [c.store_async(_key(92 + i), kv, mode="raw") for i, kv in enumerate(kvs[:3])]
+        c.dataplane._net._local.conn.close()  # type: ignore[union-attr]
+        with pytest.raises(Unavailable, match="may or may not be stored"):
+            c.flush()
+        assert all(p.done() for p in ps)
+        p = c.store_async(_key(95), kvs[2], mode="raw")  # stored, one way or another
+        assert p.result().stored_bytes > 0
+        assert c.retrieve(_key(95), layout=LAYOUT).equal(kvs[2])  # type: ignore[union-attr]
 
 
 def test_result_on_another_thread_waits_for_the_senders_flush(server: ServerThread) -> None:

@@ -15,6 +15,7 @@ import logging
 import socket
 import ssl
 import threading
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -99,6 +100,90 @@ class NetPath:
         self._local.conn = None
         if conn is not None:
             conn.close()
+        self._lose_pending("the data path connection closed")
+
+    # -- asynchronous stores (``Client.store_async`` of a client without a segment) -------------
+
+    def _queue(self) -> Any:
+        q = getattr(self._local, "pending", None)
+        if q is None:
+            q = self._local.pending = deque()
+            self._local.failed = []
+        return q
+
+    def has_pending(self) -> bool:
+        return bool(getattr(self._local, "pending", None))
+
+    def put_async(self, namespace: str, key: bytes, parts: EncodedParts,
+                  opts: pb.StoreOptions, pending: Any, depth: int) -> bool:
+        """Send one store on this thread's connection without reading its answer (at most
+        ``depth`` unanswered: past it the oldest is read). False when the path failed."""
+        req, pieces = streamed_put(namespace, self.ticket, [(key, parts, opts)])
+        body = req.SerializeToString()
+        q = self._queue()
+        try:
+            conn, _ = self._conn()
+            send_pieces(conn, [FAST_HEAD.pack(len(body), NET_PUT_MANY) + body, *pieces])
+        except OSError:
+            self._drop()
+            return False
+        q.append(pending)
+        while len(q) > depth:
+            self._settle_one(q)
+        return True
+
+    def settle(self, until: Any = None) -> None:
+        """Read this thread's unanswered stores' answers, oldest first (up to ``until``)."""
+        q = getattr(self._local, "pending", None)
+        while q:
+            first = q[0]
+            self._settle_one(q)
+            if first is until:
+                return
+
+    def take_failed(self) -> list[KDNError]:
+        failed: list[KDNError] = getattr(self._local, "failed", [])
+        self._local.failed = []
+        return failed
+
+    def _settle_one(self, q: Any) -> None:
+        pending = q[0]
+        conn = getattr(self._local, "conn", None)
+        try:
+            if conn is None:
+                raise OSError("the data path connection closed")
+            ok, out = fast_answer(conn)
+        except OSError as exc:
+            self._drop_conn_only()
+            self._lose_pending(str(exc))
+            return
+        q.popleft()
+        if not ok:
+            self._fail(pending, fast_error(out))
+            return
+        try:
+            pending._finish(put_results(out, 1)[0], None)
+        except Corrupt as exc:
+            self._fail(pending, exc)
+
+    def _drop_conn_only(self) -> None:
+        conn = getattr(self._local, "conn", None)
+        self._local.conn = None
+        if conn is not None:
+            conn.close()
+
+    def _fail(self, pending: Any, error: KDNError) -> None:
+        pending._finish(None, error)
+        self._queue()
+        self._local.failed.append(error)
+
+    def _lose_pending(self, why: str) -> None:
+        """No answer will come for this thread's unanswered stores: each fails UNAVAILABLE."""
+        q = getattr(self._local, "pending", None)
+        while q:
+            p = q.popleft()
+            self._fail(p, Unavailable(f"the data path closed before the store of {p.key!r} "
+                                      f"was answered ({why}); it may or may not be stored"))
 
     def _call(self, op: int, req: pb.GetManyRequest | pb.PutManyRequest,
               after: Sequence[bytes | memoryview] = ()) -> tuple[socket.socket, bytes]:
@@ -106,6 +191,8 @@ class NetPath:
         (GetMany) still to be read off the connection. A connection the server closed while
         it was idle is opened again once; OSError when the path is gone, the error the
         server answered otherwise."""
+        if self.has_pending():  # the answers on this connection are theirs first
+            self.settle()
         body = req.SerializeToString()
         pieces = [FAST_HEAD.pack(len(body), op) + body, *after]
         for attempt in (0, 1):

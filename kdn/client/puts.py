@@ -77,6 +77,9 @@ class PendingStore:
                 raise InvalidArgument("an asynchronous store is answered on the thread that "
                                       "sent it: read result() there, or after its flush()")
             self._plane.settle_async(self)
+        if not self._done:  # its connection is gone and nothing holds its answer any more
+            self._finish(None, Unavailable(f"the store of {self.key!r} was not answered; it "
+                                           "may or may not be stored"))
         if self._error is not None:
             raise self._error
         assert self._response is not None
@@ -122,7 +125,24 @@ class PutsMixin(NetMixin):
         return q  # type: ignore[no-any-return]
 
     def has_pending(self) -> bool:
-        return bool(getattr(self._conns, "pending", None))
+        net = getattr(self._conns, "net_async", None)
+        return bool(getattr(self._conns, "pending", None)) or \
+            (net is not None and net.has_pending())
+
+    def put_async_net(self, namespace: str, key: bytes, opts: pb.StoreOptions,
+                      parts: EncodedParts, on_ok: Any = None) -> PendingStore | None:
+        """``put_async`` for a client without a segment: the store sent on this thread's
+        network data path connection without waiting (it answers in order too). None where
+        there is no data path or it failed (the caller stores it as ``store`` does)."""
+        net = self.net()
+        if net is None or parts.nbytes > BATCH_BYTES:
+            return None
+        pending = PendingStore(self, key, on_ok)
+        if not net.put_async(namespace, key, parts, opts, pending, ASYNC_DEPTH):
+            self._net_lost(OSError("the data path connection failed"))
+            return None
+        self._conns.net_async = net  # kept: its unanswered stores are read through it
+        return pending
 
     def put_async(self, namespace: str, key: bytes, opts: pb.StoreOptions, *,
                   parts: EncodedParts | None = None, staged: Any = None,
@@ -187,12 +207,16 @@ class PutsMixin(NetMixin):
             self._settle_one(q)
             if first is until:
                 return
+        net = getattr(self._conns, "net_async", None)
+        if net is not None:
+            net.settle(until)
 
     def take_async_errors(self) -> list[KDNError]:
         """The errors of this thread's asynchronous stores answered since the last call."""
         failed: list[KDNError] = getattr(self._conns, "failed", [])
         self._conns.failed = []
-        return failed
+        net = getattr(self._conns, "net_async", None)
+        return failed + (net.take_failed() if net is not None else [])
 
     def _settle_one(self, q: deque[tuple[PendingStore, tuple[int, int] | None]]) -> None:
         pending, block = q.popleft()

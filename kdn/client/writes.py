@@ -49,13 +49,14 @@ class WritesMixin:
         """``store`` without waiting for the server's answer (as LMCache's put and vLLM's
         asynchronous save do): on the server's host the entry is written into the segment (a
         staged entry: named where it lies) and the call sent on this thread's fast-path
-        connection, at most ``ASYNC_DEPTH`` unanswered; elsewhere, or without room, it is
-        stored as ``store`` does and comes back answered. The server checks it as any store.
-        Its answer is read by ``result()``, by this thread's next call of this client (every
-        call waits for the thread's earlier stores first, so its reads see them), or by
-        ``flush()``, which raises the first error since the last flush. A staged entry must
-        not be written again until its store is answered (the server copies what it holds
-        then)."""
+        connection; on another host its bytes go on this thread's network data path
+        connection; at most ``ASYNC_DEPTH`` unanswered either way. Without either path, or
+        without room, it is stored as ``store`` does and comes back answered. The server
+        checks it as any store. Its answer is read by ``result()``, by this thread's next
+        call of this client (every call waits for the thread's earlier stores first, so its
+        reads see them), or by ``flush()``, which raises the first error since the last flush.
+        A staged entry must not be written again until its store is answered (the server
+        copies what it holds then)."""
         check_key(key)
         ns = self._ns(namespace)
         opts = _wire_options(options)
@@ -69,6 +70,10 @@ class WritesMixin:
             got = self.dataplane.put_async(
                 ns, key, opts, parts=parts,
                 on_ok=None if self.local is None else lambda: self._remember(ns, key, kept))
+            if got is None and self.dataplane.segment()[0] is None:  # another host
+                got = self.dataplane.put_async_net(
+                    ns, key, opts, parts,
+                    on_ok=None if self.local is None else lambda: self._remember(ns, key, kept))
         if got is None:
             return PendingStore.answered(key, self.store(
                 key, parts if parts is not None else kv, namespace=ns, options=options))
