@@ -96,10 +96,7 @@ class NetPath:
         return conn, True
 
     def _drop(self) -> None:
-        conn = getattr(self._local, "conn", None)
-        self._local.conn = None
-        if conn is not None:
-            conn.close()
+        self._drop_conn_only()
         self._lose_pending("the data path connection closed")
 
     # -- asynchronous stores (``Client.store_async`` of a client without a segment) -------------
