@@ -175,10 +175,7 @@ class PutsMixin(NetMixin):
             if start is None:
                 return None
             block = (start, n)
-            pos = start
-            for piece in (parts.header, *parts.frames):
-                seg.write(pos, piece)
-                pos += len(piece)
+            _write_parts(seg, start, parts)
         req = pb.PutManyRequest(namespace=namespace, segment_id=seg_id)
         item = req.items.add(key=key, options=opts, seal=staged is not None)
         item.region.offset, item.region.length = start, length
@@ -335,10 +332,7 @@ class PutsMixin(NetMixin):
                 at = start
                 for i in batch:
                     key, parts, opts = items[i]
-                    pos = at
-                    for piece in (parts.header, *parts.frames):
-                        seg.write(pos, piece)
-                        pos += len(piece)
+                    _write_parts(seg, at, parts)
                     item = req.items.add(key=key, options=opts)
                     item.region.offset, item.region.length = at, parts.nbytes
                     at += (parts.nbytes + 63) // 64 * 64
@@ -392,10 +386,7 @@ class PutsMixin(NetMixin):
             key, parts, opts = items[i]
             item = req.items.add(key=key, options=opts)
             if seg is not None:
-                pos = at
-                for piece in (parts.header, *parts.frames):
-                    seg.write(pos, piece)
-                    pos += len(piece)
+                _write_parts(seg, at, parts)
                 item.region.offset, item.region.length = at, parts.nbytes
                 at += (parts.nbytes + 63) // 64 * 64
             else:
@@ -407,3 +398,10 @@ class PutsMixin(NetMixin):
                 seg.regions.free(*block)
         for i, r in zip(batch, resp.results):
             out[i] = r
+
+
+def _write_parts(seg: Any, at: int, parts: EncodedParts) -> None:
+    """Copy an entry's header and frames into the segment, one after another from ``at``."""
+    for piece in (parts.header, *parts.frames):
+        seg.write(at, piece)
+        at += len(piece)

@@ -65,15 +65,11 @@ class WritesMixin:
                 and self.dataplane.server_seals:
             got = self.dataplane.put_async(ns, key, opts, staged=kv)
         else:
-            parts = _encoded(kv, mode, level, layers_per_frame)
-            kept = parts
-            got = self.dataplane.put_async(
-                ns, key, opts, parts=parts,
-                on_ok=None if self.local is None else lambda: self._remember(ns, key, kept))
+            parts = kept = _encoded(kv, mode, level, layers_per_frame)
+            on_ok = None if self.local is None else lambda: self._remember(ns, key, kept)
+            got = self.dataplane.put_async(ns, key, opts, parts=parts, on_ok=on_ok)
             if got is None and self.dataplane.segment()[0] is None:  # another host
-                got = self.dataplane.put_async_net(
-                    ns, key, opts, parts,
-                    on_ok=None if self.local is None else lambda: self._remember(ns, key, kept))
+                got = self.dataplane.put_async_net(ns, key, opts, parts, on_ok=on_ok)
         if got is None:
             return PendingStore.answered(key, self.store(
                 key, parts if parts is not None else kv, namespace=ns, options=options))
@@ -97,13 +93,11 @@ class WritesMixin:
         """A ``raw`` entry of ``tokens`` tokens of ``layout`` to fill in place and store without
         this client copying or hashing it (``kdn.client.staged``): in the shared segment on the
         server's host (registered with CUDA on a CUDA host), else in this process's memory."""
-        import torch
-
         from kdn.client.staged import Staged
 
         seg = self.dataplane.segment()[0]
-        if seg is not None and torch.cuda.is_available():
-            seg.register_with_cuda()
+        if seg is not None:
+            seg.register_with_cuda()  # once; nothing where CUDA is not available
         return Staged(layout, tokens, start_position, seg)
 
     def _store_staged(self, ns: str, items: Sequence[tuple[bytes, Staged]],
