@@ -389,27 +389,41 @@ def test_client_gives_up_after_bounded_retries(tmp_path: Path) -> None:
     assert time.time() - t < 10
 
 
-def test_graceful_shutdown_lets_in_flight_store_finish(tmp_path: Path) -> None:
-    """A Store stream still sending when shutdown begins completes, and the entry is durable."""
+def test_graceful_shutdown_lets_in_flight_store_finish(tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Store stream still sending when shutdown begins completes, and the entry is durable.
+
+    Shutdown starts once the server has the stream's header (its handler is running): a stream
+    not yet begun when shutdown starts is refused, by design, so waiting on the client's side
+    alone would race the server's accept under load (CI once saw CANCELLED that way)."""
+    from kdn.server.service import KDNServicer
+
     cfg = ServerConfig(port=0, data_dir=tmp_path / "d", shutdown_grace_s=20.0)
     lay = pruned_layout()
     kv = random_kv(lay, 12, seed=8)
     key = keys.chunk_key([8, 8], lay)
     parts = codec.encode_parts(kv, "lossless")
+    begun = threading.Event()
+    entry = KDNServicer._entry
+
+    async def noting(self: KDNServicer, *args: object, **kw: object) -> object:
+        begun.set()
+        return await entry(self, *args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(KDNServicer, "_entry", noting)
     st = ServerThread(cfg).start()
-    sending = threading.Event()
 
     def slow() -> Iterator[pb.StoreRequest]:
         yield pb.StoreRequest(header=pb.StoreHeader(key=key, container_header=parts.header))
         for i, f in enumerate(parts.frames):
-            sending.set()
             time.sleep(0.3)
             yield pb.StoreRequest(frame=pb.Frame(index=i, data=f))
 
-    stopper = threading.Thread(target=lambda: (sending.wait(10), st.stop()))
+    stopper = threading.Thread(target=lambda: (begun.wait(10), st.stop()))
     stopper.start()
     resp = _stub(st).Store(slow(), timeout=30)
     stopper.join(60)
+    assert begun.is_set(), "the server never began the Store stream"
     assert resp.stored_bytes == parts.nbytes
     with ServerThread(cfg) as again, Client(again.address) as c:
         back = c.retrieve(key)
