@@ -375,6 +375,11 @@ class BatchMixin:
 
         def _check_header(self, tenant: str, msg: pb.StoreHeader) -> tuple[bytes, Header]: ...
 
+        def _check_target(self, tenant: str, namespace: str, key: bytes,
+                          opts: pb.StoreOptions, total: int) -> bytes: ...
+
+        def _check_kind(self, header: Header, layout_fingerprint: str = "") -> None: ...
+
         def _commit(self, principal: Principal, skey: bytes, value: bytes | memoryview,
                     opts: pb.StoreOptions, header: Header | None = None,
                     in_arena: tuple[Arena, Slot] | None = None) -> pb.StoreResponse: ...
@@ -635,6 +640,7 @@ class BatchMixin:
         split = _split_one(len(request.items))
         arena = self.arenas.get(p.tenant) if seg is not None else None
         homes: dict[int, tuple[Arena, Slot]] = {}  # item -> the arena slot it was copied into
+        headers: dict[int, Header] = {}  # item -> its header, parsed from its copy
 
         def copy_in(j: int, item: pb.PutItem) -> bytes | memoryview:
             assert seg is not None  # called only for a call through a segment
@@ -649,9 +655,9 @@ class BatchMixin:
             else:
                 into = memoryview(self.buffers.take(stop - start))  # type: ignore[arg-type]
             if item.seal:  # a staged entry: its sums made on this copy (``copy_sealed``)
-                copy_sealed(into, src)
+                headers[j] = copy_sealed(into, src)
             else:
-                copy_checked(into, src, **split)
+                headers[j] = copy_checked(into, src, **split)
             if home is not None:
                 homes[j] = (arena, home[0])  # type: ignore[assignment]
             return into.toreadonly()
@@ -670,7 +676,8 @@ class BatchMixin:
                 return got
             return copy_in(j, item)
 
-        return self._put_items(p, request, value_of, homes, sealing=seg is not None)
+        return self._put_items(p, request, value_of, homes, sealing=seg is not None,
+                               headers=headers)
 
     def _copied_ahead(self, request: pb.PutManyRequest,
                       copy_in: Callable[[int, pb.PutItem], bytes | memoryview]
@@ -715,11 +722,14 @@ class BatchMixin:
     def _put_items(self, p: Principal, request: pb.PutManyRequest,
                    value_of: Callable[[int, pb.PutItem], bytes | memoryview],
                    homes: dict[int, tuple[Arena, Slot]] | None = None, *,
-                   sealing: bool = False) -> pb.PutManyResponse:
+                   sealing: bool = False, headers: dict[int, Header] | None = None
+                   ) -> pb.PutManyResponse:
         """Check every item (its bytes from ``value_of``, which verifies them: Corrupt when
         they fail) before any is stored, then store them in order. ``homes``: items whose
         value lives in an arena slot (published with their put). ``sealing``: ``value_of``
-        seals the items that ask for it (``PutItem.seal``; segment items only)."""
+        seals the items that ask for it (``PutItem.seal``; segment items only). ``headers``:
+        items' headers that ``value_of`` parsed from the bytes it returned (not parsed
+        again)."""
         checked: list[tuple[bytes, bytes | memoryview, Header]] = []
         for j, item in enumerate(request.items):
             if item.seal and not sealing:
@@ -728,10 +738,16 @@ class BatchMixin:
             t0 = time.perf_counter()
             try:
                 value = value_of(j, item)
-                hdr = pb.StoreHeader(namespace=request.namespace, key=item.key,
-                                     container_header=bytes(value[: header_size(value)]),
-                                     total_bytes=len(value), options=item.options)
-                skey, header = self._check_header(p.tenant, hdr)
+                header = (headers or {}).get(j)
+                if header is not None:
+                    skey = self._check_target(p.tenant, request.namespace, item.key,
+                                              item.options, len(value))
+                    self._check_kind(header)
+                else:
+                    hdr = pb.StoreHeader(namespace=request.namespace, key=item.key,
+                                         container_header=bytes(value[: header_size(value)]),
+                                         total_bytes=len(value), options=item.options)
+                    skey, header = self._check_header(p.tenant, hdr)
             except Corrupt as exc:
                 raise InvalidArgument(f"item {j}: corrupt input: {exc}") from exc
             except KDNError as exc:

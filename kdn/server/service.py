@@ -173,6 +173,8 @@ class KDNServicer(BatchMixin, BlendMixin, RetrieveManyMixin, pb_grpc.KDNServicer
         self.usage = Usage()  # tokens stored and served, for the metrics (kdn.server.usage)
         # Retrieve's messages, kept: at most a quarter of the RAM tier on top of it
         self.wire_memo = WireMemo(min(config.wire_memo_bytes, config.ram_bytes // 4))
+        self._durabilities = {d.value for d in Durability  # those some tier here meets
+                              if any(t.satisfies(d) for t in store.tiers)}
 
     def count(self, name: str, n: int = 1) -> None:
         self.counters[name] = self.counters.get(name, 0) + n
@@ -180,25 +182,39 @@ class KDNServicer(BatchMixin, BlendMixin, RetrieveManyMixin, pb_grpc.KDNServicer
     # -- Store ----------------------------------------------------------------------------------
 
     def _check_header(self, tenant: str, msg: pb.StoreHeader) -> tuple[bytes, Header]:
-        skey = store_key(tenant, msg.namespace or "default", msg.key)
-        # refused before anything is charged or written (a bad value used to fail in the put)
-        try:
-            durability = Durability(msg.options.durability)
-        except ValueError:
-            raise InvalidArgument(f"unknown durability {msg.options.durability}") from None
-        if not any(t.satisfies(durability) for t in self.store.tiers):
-            raise InvalidArgument(f"durability {durability.name} needs a tier this server "
-                                  "does not have")
-        if msg.total_bytes > self.config.max_entry_bytes:
-            raise TooLarge(f"entry of {msg.total_bytes} bytes exceeds max_entry_bytes "
-                           f"{self.config.max_entry_bytes}")
+        """A Store's header checked and parsed: (tier key, header); refused before anything
+        is charged or written (a bad value used to fail in the put)."""
+        skey = self._check_target(tenant, msg.namespace, msg.key, msg.options, msg.total_bytes)
         header = parse_header(msg.container_header)
         if len(header.raw) != len(msg.container_header):
             raise InvalidArgument("container_header has trailing bytes after its checksum")
+        self._check_kind(header, msg.layout_fingerprint)
+        return skey, header
+
+    def _check_target(self, tenant: str, namespace: str, key: bytes, opts: pb.StoreOptions,
+                      total: int) -> bytes:
+        """The tier key of an entry of ``total`` bytes to store with ``opts``, once its name,
+        options and size are allowed here."""
+        skey = store_key(tenant, namespace or "default", key)
+        if opts.durability not in self._durabilities:
+            try:
+                durability = Durability(opts.durability)
+            except ValueError:
+                raise InvalidArgument(f"unknown durability {opts.durability}") from None
+            raise InvalidArgument(f"durability {durability.name} needs a tier this server "
+                                  "does not have")
+        if total > self.config.max_entry_bytes:
+            raise TooLarge(f"entry of {total} bytes exceeds max_entry_bytes "
+                           f"{self.config.max_entry_bytes}")
+        return skey
+
+    def _check_kind(self, header: Header, layout_fingerprint: str = "") -> None:
+        """An entry's codec and model allowed here (and its layout the one the caller named,
+        where it named one)."""
         check_codec(header.mode, header.entry.codec.level)
-        if msg.layout_fingerprint and msg.layout_fingerprint != header.layout.fingerprint:
+        if layout_fingerprint and layout_fingerprint != header.layout.fingerprint:
             raise InvalidArgument(
-                f"layout_fingerprint {msg.layout_fingerprint} does not match the container's "
+                f"layout_fingerprint {layout_fingerprint} does not match the container's "
                 f"layout {header.layout.fingerprint}"
             )
         allowed = self.config.allowed_models
@@ -208,7 +224,6 @@ class KDNServicer(BatchMixin, BlendMixin, RetrieveManyMixin, pb_grpc.KDNServicer
                 "is not served here; allowed_models lists "
                 + ", ".join(allowed)
             )
-        return skey, header
 
     @_rpc
     async def Store(self, request_iterator: AsyncIterator[pb.StoreRequest | FrameMessage],
@@ -445,7 +460,7 @@ class KDNServicer(BatchMixin, BlendMixin, RetrieveManyMixin, pb_grpc.KDNServicer
         the put succeeds. Concurrent overwrites and deletes of one key thus count it once."""
         self.wire_memo.drop(skey)  # the old value's messages: never sent again (a new stamp)
         with self.store.entry_lock(skey):
-            replaced = self.store.lookup([skey])[0]
+            replaced = self.store.presence(skey)
             delta = len(value) - replaced.size
             if delta > 0:
                 self.auth.charge(principal, delta)

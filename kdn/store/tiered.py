@@ -47,7 +47,7 @@ import enum
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
@@ -333,10 +333,25 @@ class TieredStore:
                 self._queues[upper.name].offer(key, PendingWrite(value, expiry))
 
     def lookup(self, keys: list[bytes]) -> list[Presence]:
+        return self._lookup(keys, self.tiers)
+
+    def presence(self, key: bytes) -> Presence:
+        """``lookup`` of one key, the RAM tier asked directly first (what a put replaces)."""
+        tiers = self.tiers
+        head = tiers[0] if tiers else None
+        if isinstance(head, RamTier) and head.name not in self._queues \
+                and self.is_up(head.name):
+            size = head.size_of(key)
+            if size is not None:
+                return Presence(True, head.name, size)
+            tiers = tiers[1:]
+        return self._lookup([key], tiers)[0]
+
+    def _lookup(self, keys: list[bytes], tiers: Sequence[Tier]) -> list[Presence]:
         out = [Presence(False)] * len(keys)
         todo = list(range(len(keys)))
         now = time.monotonic()
-        for tier in self.tiers:
+        for tier in tiers:
             if not todo:
                 break
             q = self._queues.get(tier.name)
