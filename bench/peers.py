@@ -78,6 +78,7 @@ that is not installed or does not start is skipped with a line saying why.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import importlib.util
 import os
 import shlex
@@ -114,6 +115,7 @@ from bench.common import (
 from kdn import codec, keys
 from kdn.cache import KVCache
 from kdn.client import Client
+from kdn.codec.format import EncodedParts, build_header, parse_header
 from kdn.layout import KVLayout, LayerLayout
 
 MIB = 1 << 20
@@ -145,13 +147,14 @@ def payload(size: int, seed: int = 0) -> torch.Tensor:
 class Route:
     """One way to put entries and read them back. Single routes: ``put(i)`` stores entry i and
     each of ``gets`` reads entry i; batch routes: ``put(n)`` stores entries 0..n-1 in one batch
-    and each get returns all n. ``flush`` waits until every put landed, ``check`` says whether
-    a result holds the payload, ``release`` frees it, ``clear`` drops what the route stored."""
+    and each get returns all n. ``flush`` waits until every put landed, ``check(i, got)`` says
+    whether a result holds entry i's payload (batch routes: ``check(n, gots)``), ``release``
+    frees it, ``clear`` drops what the route stored."""
 
     put_api: str
     put: Callable[[int], object]
     gets: dict[str, Callable[[int], Any]]
-    check: Callable[[Any], bool]
+    check: Callable[[int, Any], bool]
     release: Callable[[Any], None] = lambda got: None
     flush: Callable[[], None] = lambda: None
     clear: Callable[[], None] = lambda: None
@@ -260,7 +263,7 @@ class LMCache(System):
             return list(self._run(self.conn.batched_get(self.keys[:n])))
         return [self._get(i) for i in range(n)]
 
-    def _check(self, got: Any) -> bool:
+    def _check(self, i: int, got: Any) -> bool:
         return bool(torch.equal(got.tensor, self.kv))
 
     @staticmethod
@@ -279,7 +282,8 @@ class LMCache(System):
         batched = self.conn.support_batched_put() and self.conn.support_batched_get()
         return [Route("batched_put" if batched else "connector put (loop)", self._putn,
                       {"batched_get" if batched else "connector get (loop)": self._getn},
-                      lambda gots: all(self._check(g) for g in gots), self._release_all,
+                      lambda n, gots: all(self._check(i, g) for i, g in enumerate(gots)),
+                      self._release_all,
                       self._flush)]
 
     def close(self) -> None:
@@ -366,7 +370,7 @@ class Mooncake(System):
             raise RuntimeError(f"mooncake batch_get_into returned {got[:4]}...")
         return [self.dst[i * self.size:(i + 1) * self.size] for i in range(n)]
 
-    def _check(self, got: Any) -> bool:
+    def _check(self, i: int, got: Any) -> bool:
         return bytes(got) == self.expected
 
     def routes(self) -> list[Route]:
@@ -391,8 +395,8 @@ class Mooncake(System):
             if any(rcs):
                 raise RuntimeError(f"mooncake batch_put_from returned {rcs[:4]}...")
 
-        def check(gots: list[Any]) -> bool:
-            return all(self._check(g) for g in gots)
+        def check(n: int, gots: list[Any]) -> bool:
+            return all(self._check(i, g) for i, g in enumerate(gots))
 
         return [
             Route("put_batch", put_batch, {"get_batch": lambda n: s.get_batch(self.keys[:n])},
@@ -463,14 +467,22 @@ class Kdn(System):
                                         for layer in range(layers)])
         self.parts = codec.encode_parts(self.kv, "raw", layers_per_frame=self.layers_per_frame)
         self.frames = b"".join(self.parts.frames)
+        # each key's entry its own: the same KV at position i (as chunks of a user's prompts
+        # differ), so no header is the same twice and none is parsed from a memo of it; the
+        # frames (their sums do not depend on the position) are shared, not copied
+        entry = parse_header(self.parts.header).entry
+        self.parts_at = []
+        for i in range(count):
+            entry.start_position = i
+            self.parts_at.append(EncodedParts(build_header(entry), self.parts.frames))
         self.keys = [keys.chunk_key([self.tag, kv.numel(), i], self.layout)
                      for i in range(count)]
         for st in self.staged:
             st.close()
         self.staged = []
         if hasattr(self.client, "stage"):  # filled once, as Mooncake's registered buffers are
-            for _ in range(max(1, min(count, STAGED_BYTES // max(1, self.parts.nbytes)))):
-                st = self.client.stage(self.layout, tokens)
+            for i in range(max(1, min(count, STAGED_BYTES // max(1, self.parts.nbytes)))):
+                st = self.client.stage(self.layout, tokens, start_position=i)
                 for (k, v), (a, b) in zip(st.layers, self.kv.layers):
                     k.copy_(a)
                     v.copy_(b)
@@ -483,13 +495,13 @@ class Kdn(System):
 
     # the four small functions a faster client path slots into
     def put_one(self, i: int) -> None:
-        self.client.store(self.keys[i], self.parts)
+        self.client.store(self.keys[i], self.parts_at[i])
 
     def put_staged(self, i: int) -> None:
         self.client.store(self.keys[i], self.staged[i % len(self.staged)])
 
     def put_async(self, i: int) -> None:
-        self.client.store_async(self.keys[i], self.parts)
+        self.client.store_async(self.keys[i], self.parts_at[i])
 
     def put_async_staged(self, i: int) -> None:
         self.client.store_async(self.keys[i], self.staged[i % len(self.staged)])
@@ -507,7 +519,7 @@ class Kdn(System):
 
     def put_batch(self, n: int) -> None:
         if hasattr(self.client, "store_many"):
-            self.client.store_many([(k, self.parts) for k in self.keys[:n]])
+            self.client.store_many(list(zip(self.keys[:n], self.parts_at)))
         else:
             for i in range(n):
                 self.put_one(i)
@@ -520,10 +532,11 @@ class Kdn(System):
     def retrieve_one(self, i: int) -> Any:
         return self.client.retrieve(self.keys[i], layout=self.layout)
 
-    def _check(self, got: Any) -> bool:
+    def _check(self, i: int, got: Any) -> bool:
         if isinstance(got, KVCache):
-            return got.equal(self.kv)
-        return (got is not None and bytes(got.parts.header) == self.parts.header
+            return got.start_position == i and got.equal(
+                dataclasses.replace(self.kv, start_position=i))
+        return (got is not None and bytes(got.parts.header) == self.parts_at[i].header
                 and b"".join(bytes(f) for f in got.parts.frames) == self.frames)
 
     def _clear(self) -> None:
@@ -552,17 +565,19 @@ class Kdn(System):
             gets["retrieve_many"] = lambda n: self.client.retrieve_many(self.keys[:n],
                                                                         layout=self.layout)
         out = [Route(put, self.put_batch, gets,
-                     lambda gots: all(self._check(g) for g in gots), clear=self._clear)]
+                     lambda n, gots: all(self._check(i, g) for i, g in enumerate(gots)),
+                     clear=self._clear)]
         if self.staged:
             out.append(Route("store_many (staged)", self.put_staged_batch, {},
-                             lambda gots: True, clear=self._clear))
+                             lambda n, gots: True, clear=self._clear))
         if hasattr(self.client, "store_async"):
             out.append(Route("store_async (loop)", lambda n: self.put_async_loop(n, False), {},
-                             lambda gots: True, flush=self.client.flush, clear=self._clear))
+                             lambda n, gots: True, flush=self.client.flush,
+                             clear=self._clear))
             if self.staged:
                 out.append(Route("store_async (staged, loop)",
                                  lambda n: self.put_async_loop(n, True), {},
-                                 lambda gots: True, flush=self.client.flush,
+                                 lambda n, gots: True, flush=self.client.flush,
                                  clear=self._clear))
         return out
 
@@ -605,7 +620,7 @@ class Recorder:
         return self.series[k]
 
 
-def call_each(fn: Callable[[int], Any], count: int, check: Callable[[Any], bool],
+def call_each(fn: Callable[[int], Any], count: int, check: Callable[[int, Any], bool],
               release: Callable[[Any], None], what: str) -> list[float]:
     """Seconds of ``fn(i)`` for each entry; results are checked and released between calls,
     outside the timed part."""
@@ -614,7 +629,7 @@ def call_each(fn: Callable[[int], Any], count: int, check: Callable[[Any], bool]
         t = time.perf_counter()
         got = fn(i)
         lat.append(time.perf_counter() - t)
-        if not check(got):
+        if not check(i, got):
             raise RuntimeError(f"{what}: entry {i} came back different")
         release(got)
         del got
@@ -624,7 +639,8 @@ def call_each(fn: Callable[[int], Any], count: int, check: Callable[[Any], bool]
 def one_run(system: System, rec: Recorder, size: int, count: int) -> None:
     """Put then read back ``count`` entries through every path of ``system``."""
     for p in system.routes():
-        lat = call_each(p.put, count, lambda _: True, lambda _: None, f"{system.name} put")
+        lat = call_each(p.put, count, lambda i, got: True, lambda _: None,
+                        f"{system.name} put")
         t = time.perf_counter()
         p.flush()
         s = rec.get(system.name, p.put_api, "put", size, count)
@@ -651,7 +667,7 @@ def batch_run(system: System, rec: Recorder, size: int, count: int) -> None:
             t = time.perf_counter()
             gots = get(count)
             dt = time.perf_counter() - t
-            if not p.check(gots):
+            if not p.check(count, gots):
                 raise RuntimeError(f"{system.name} {api}: a batch entry came back different")
             p.release(gots)
             del gots
@@ -668,7 +684,8 @@ def latency_run(system: System, rec: Recorder, gets: int) -> None:
         p.put(0)
         p.flush()
         for api, get in p.gets.items():
-            call_each(lambda _: get(0), 50, p.check, p.release,  # noqa: B023
+            call_each(lambda _: get(0), 50, lambda _, got: p.check(0, got),  # noqa: B023
+                      p.release,  # noqa: B023
                       f"{system.name} {api} 4 KiB")
             lat = []
             for _ in range(gets):

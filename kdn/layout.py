@@ -160,6 +160,14 @@ class KVLayout:
                         f"layer {i}: kept channel {kept[-1]} >= head_dim {self.head_dim}"
                     )
 
+    @functools.cached_property
+    def widest_token_bytes(self) -> tuple[int, int]:
+        """(index, bytes) of the layer whose K and V take the most bytes per token."""
+        sizes = [lay.kv_heads * (lay.k_channels + lay.v_channels) * self.dtype.itemsize
+                 for lay in self.layers]
+        widest = max(range(len(sizes)), key=sizes.__getitem__)
+        return widest, sizes[widest]
+
     @property
     def num_layers(self) -> int:
         return len(self.layers)

@@ -406,7 +406,12 @@ ARENA_SIZE = struct.Struct("<Q")
 
 def read_exact(conn: socket.socket, n: int) -> bytes | None:
     """``n`` bytes from ``conn``, or None when it closed first."""
-    buf = bytearray()
+    first = conn.recv(n) if n else b""
+    if len(first) == n:  # most often whole at once
+        return first
+    if not first:
+        return None
+    buf = bytearray(first)
     while len(buf) < n:
         chunk = conn.recv(n - len(buf))
         if not chunk:

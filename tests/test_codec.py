@@ -511,3 +511,22 @@ def test_byte_planes_are_the_transpose_of_the_elements(itemsize: int) -> None:
     k, v = got.layers[0]
     k.fill_(0)  # writable, and V is not a view of the same bytes
     assert got.layers[0][1].equal(kv.layers[0][1]) and decode(blob).equal(kv)
+
+
+def test_a_header_declaring_a_layer_past_the_limit_is_refused_naming_that_layer() -> None:
+    """The per-layer size limit holds for the widest layer wherever it lies (a pruned layout's
+    widest layer need not be its first), checked once per header from the layout's widest."""
+    from kdn.codec.format import MAX_LAYER_BYTES, build_header, parse_header
+    from kdn.errors import InvalidLayout
+
+    lay = KVLayout("widest-in-the-middle", (LayerLayout(2, 4, 4, tuple(range(4)), tuple(range(4))),
+                                            LayerLayout(2, 16, 16),
+                                            LayerLayout(2, 8, 8, tuple(range(8)), tuple(range(8)))),
+                   head_dim=16)
+    assert lay.widest_token_bytes == (1, 2 * 32 * 2)
+    entry = parse_header(encode_parts(random_kv(lay, 3, seed=1), "raw").header).entry
+    entry.tokens = MAX_LAYER_BYTES // (2 * 32 * 2)  # layer 1 exactly at the limit: allowed
+    assert parse_header(build_header(entry)).tokens == entry.tokens
+    entry.tokens += 1
+    with pytest.raises(InvalidLayout, match=r"layer 1 declares .* layer limit"):
+        parse_header(build_header(entry))

@@ -271,11 +271,12 @@ def parse_header(buf: bytes | memoryview) -> Header:
     except Exception as exc:  # protobuf raises DecodeError, a bare Exception subclass
         raise Corrupt(f"container header does not parse: {exc}") from exc
     layout = _layout_of(entry.layout)
-    for i, lay in enumerate(layout.layers):
+    widest, per_token = layout.widest_token_bytes
+    if per_token * entry.tokens > MAX_LAYER_BYTES:
+        lay = layout.layers[widest]
         declared = lay.kv_heads * entry.tokens * (lay.k_channels + lay.v_channels)
-        if declared * layout.dtype.itemsize > MAX_LAYER_BYTES:
-            raise InvalidLayout(f"layer {i} declares {declared} elements for {entry.tokens} "
-                                f"tokens, over the {MAX_LAYER_BYTES}-byte layer limit")
+        raise InvalidLayout(f"layer {widest} declares {declared} elements for {entry.tokens} "
+                            f"tokens, over the {MAX_LAYER_BYTES}-byte layer limit")
     if entry.layout_fingerprint != layout.fingerprint:
         raise InvalidLayout("container header layout fingerprint does not match its layout")
     _check_spans(entry, layout)

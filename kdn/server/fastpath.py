@@ -167,8 +167,10 @@ class FastPath:
                 answer = FAST_HEAD.pack(len(reply.body), ok) + reply.body
                 if reply.fds:
                     socket.send_fds(conn, [answer], reply.fds)
-                else:
+                elif reply.after:
                     send_pieces(conn, [answer, *reply.after])
+                else:
+                    conn.sendall(answer)
                 if last:
                     return
         except (OSError, KDNError) as exc:
