@@ -66,6 +66,7 @@ class BufferPool:
         base = self._pop(size)
         if base is None:
             base = np.empty(-(-size // _GRAIN) * _GRAIN, dtype=np.uint8)
+            populate(base[:size])
             self.created += 1
         else:
             self.reused += 1
@@ -112,6 +113,36 @@ gRPC (``Client.fetch``, past ``kdn.client.dataplane.KEEP_MESSAGES_BYTES``) and t
 copies of verbatim entries (``kdn.codec.inplace``, ``StreamDecoder``'s arena). An engine
 that loads entries, moves them into its own KV memory and drops them gets the next ones in
 memory that is already faulted in."""
+
+
+_MADV_POPULATE_WRITE = 23  # <linux/mman.h>, Linux 5.14
+
+
+@functools.cache
+def _madvise() -> Any:
+    """libc's ``madvise``; None where there is none."""
+    try:
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    madvise.restype = ctypes.c_int
+    return madvise
+
+
+def populate(array: np.ndarray[Any, Any]) -> None:
+    """Fault a new buffer's whole pages in with one call (``MADV_POPULATE_WRITE``) rather than
+    one page fault at a time as it is first written: a 1 MiB buffer written as it is faulted in
+    took 0.57 ms on a 2-core VM, populated first 0.45 (0.07 once its pages are in). Does
+    nothing where the kernel (before 5.14) or libc lacks it."""
+    madvise = _madvise()
+    start = array.ctypes.data
+    first, end = -(-start // _PAGE) * _PAGE, (start + array.nbytes) // _PAGE * _PAGE
+    if madvise is not None and end > first:
+        madvise(first, end - first, _MADV_POPULATE_WRITE)
+
+
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
 MMAP_THRESHOLD = 32 << 20

@@ -102,3 +102,34 @@ def test_overwrites_through_the_server_reuse_buffers_and_reads_stay_whole(
     finally:
         c.close()
         server.stop()
+
+
+def test_a_new_buffer_is_faulted_in_whole_when_taken() -> None:
+    """A buffer the pool makes comes with its pages already in (one populate call, not a page
+    fault per 4 KiB as it is first written)."""
+    import ctypes
+    import os
+
+    from kdn.buffers import _madvise
+
+    page = os.sysconf("SC_PAGE_SIZE")
+    libc = ctypes.CDLL(None, use_errno=True)
+    mincore = libc.mincore
+    mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+
+    def resident(addr: int, n: int) -> tuple[int, int]:
+        """(pages in memory, pages) of the whole pages inside [addr, addr + n)."""
+        first, end = -(-addr // page) * page, (addr + n) // page * page
+        pages = (end - first) // page
+        vec = (ctypes.c_ubyte * pages)()
+        assert mincore(first, pages * page, vec) == 0, ctypes.get_errno()
+        return sum(v & 1 for v in vec), pages
+
+    size = 48 << 20  # past glibc's mmap threshold: fresh pages, none in before the call
+    probe = np.empty(size, dtype=np.uint8)
+    if _madvise() is None or _madvise()(probe.ctypes.data // page * page, page, 23) != 0:
+        pytest.skip("this kernel has no MADV_POPULATE_WRITE")
+    del probe
+    buf = BufferPool(keep_bytes=0).take(size - (1 << 19))
+    got, pages = resident(buf.ctypes.data, buf.nbytes)
+    assert pages > 0 and got == pages
