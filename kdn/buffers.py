@@ -56,9 +56,12 @@ class BufferPool:
         self.reused = 0
         self.created = 0
 
-    def take(self, size: int) -> np.ndarray[Any, Any]:
+    def take(self, size: int, *, written_now: bool = False) -> np.ndarray[Any, Any]:
         """A writable uint8 array of ``size`` bytes, its memory pooled or new (below
-        ``MIN_BYTES``: a plain array)."""
+        ``MIN_BYTES``: a plain array). ``written_now``: the caller writes all of it at once
+        (bytes it already has), so new memory is faulted in whole first (``populate``); never
+        for a size a peer declared, which it may not send (the memory would be taken for
+        nothing)."""
         if size <= 0:
             raise ValueError(f"buffer size must be > 0, got {size}")
         if size < MIN_BYTES:
@@ -66,7 +69,8 @@ class BufferPool:
         base = self._pop(size)
         if base is None:
             base = np.empty(-(-size // _GRAIN) * _GRAIN, dtype=np.uint8)
-            populate(base[:size])
+            if written_now:
+                populate(base[:size])
             self.created += 1
         else:
             self.reused += 1

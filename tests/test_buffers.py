@@ -105,8 +105,9 @@ def test_overwrites_through_the_server_reuse_buffers_and_reads_stay_whole(
 
 
 def test_a_new_buffer_is_faulted_in_whole_when_taken() -> None:
-    """A buffer the pool makes comes with its pages already in (one populate call, not a page
-    fault per 4 KiB as it is first written)."""
+    """A buffer the pool makes for bytes the caller has comes with its pages already in (one
+    populate call, not a page fault per 4 KiB as it is first written); one for a size a peer
+    declared does not (hostile sizes must not take memory before their bytes come)."""
     import ctypes
     import os
 
@@ -130,6 +131,10 @@ def test_a_new_buffer_is_faulted_in_whole_when_taken() -> None:
     if _madvise() is None or _madvise()(probe.ctypes.data // page * page, page, 23) != 0:
         pytest.skip("this kernel has no MADV_POPULATE_WRITE")
     del probe
-    buf = BufferPool(keep_bytes=0).take(size - (1 << 19))
+    pool = BufferPool(keep_bytes=0)
+    buf = pool.take(size - (1 << 19), written_now=True)
     got, pages = resident(buf.ctypes.data, buf.nbytes)
     assert pages > 0 and got == pages
+    # a size the caller does not write at once (one a peer declared) takes no memory yet
+    lazy = pool.take(size - (1 << 19))
+    assert resident(lazy.ctypes.data, lazy.nbytes)[0] == 0

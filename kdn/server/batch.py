@@ -653,7 +653,8 @@ class BatchMixin:
                 slot, dst = home  # reads copy nothing (``Arena.reserve``)
                 into = dst
             else:
-                into = memoryview(self.buffers.take(stop - start))  # type: ignore[arg-type]
+                into = memoryview(self.buffers.take(  # type: ignore[arg-type]
+                    stop - start, written_now=True))
             if item.seal:  # a staged entry: its sums made on this copy (``copy_sealed``)
                 headers[j] = copy_sealed(into, src)
             else:
