@@ -176,3 +176,70 @@ def test_a_broken_fast_path_fails_the_unanswered_stores_and_grpc_takes_over(
         p = c.store_async(_key(60), kvs[1], mode="raw")  # no fast path: stored at once
         assert p.done() and p.result().stored_bytes > 0
         assert c.retrieve(_key(60), layout=LAYOUT).equal(kvs[1])  # type: ignore[union-attr]
+
+
+def test_puts_queued_on_a_connection_are_copied_together_and_answered_one_by_one(
+        server: ServerThread, monkeypatch: pytest.MonkeyPatch) -> None:
+    """PutMany calls sent back to back on one fast-path connection before any answer (what
+    store_async does) are copied out together, two at a time, and each is answered as it would
+    be alone, in order: a damaged call in the middle is refused whole (its sound item is not
+    stored either), the calls around it land, a later overwrite of a key wins, and a GetMany
+    queued behind them is served after them."""
+    import kdn.server.fastpath as fastpath
+    from kdn.client.netpath import fast_answer, fast_error
+    from kdn.v1 import kdn_pb2 as pb
+    from kdn.wire import FAST_GET_MANY, FAST_HEAD, FAST_PUT_MANY
+
+    groups: list[int] = []
+    real = fastpath.FastPath._put_group
+
+    def seen(self: fastpath.FastPath, conn: object, group: list[tuple[bytes, float]]) -> bool:
+        groups.append(len(group))
+        return real(self, conn, group)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(fastpath.FastPath, "_put_group", seen)
+    kvs = [random_kv(LAYOUT, 64, seed=70 + i) for i in range(4)]
+    raw = [codec.encode_parts(kv, "raw").to_bytes() for kv in kvs]
+    bad = bytearray(raw[2])
+    bad[-10] ^= 0x01
+    with Client(server.address, timeout_s=30, data_path=False) as c:
+        c.store(_key(70), kvs[0], mode="raw")  # the segment attached, the old value of 70
+        seg, seg_id = c.dataplane.segment()
+        conn = c.dataplane._fast_conn()
+
+        def call(op: int, req: pb.PutManyRequest | pb.GetManyRequest) -> bytes:
+            body = req.SerializeToString()
+            return FAST_HEAD.pack(len(body), op) + body
+
+        def put(*items: tuple[bytes, bytes]) -> bytes:
+            req = pb.PutManyRequest(namespace="default", segment_id=seg_id)
+            for key, data in items:
+                at = seg.regions.alloc(len(data))
+                assert at is not None
+                seg.write(at, data)
+                item = req.items.add(key=key)
+                item.region.offset, item.region.length = at, len(data)
+            return call(FAST_PUT_MANY, req)
+
+        at = seg.regions.alloc(1 << 16)
+        assert at is not None
+        answer_to = pb.Region(offset=at, length=1 << 16)
+        sent = [put((_key(71), raw[1])),
+                put((_key(73), raw[3]), (_key(72), bytes(bad))),  # refused whole
+                put((_key(70), raw[3])),  # an overwrite
+                put((_key(74), raw[1])),
+                call(FAST_GET_MANY, pb.GetManyRequest(namespace="default", segment_id=seg_id,
+                                                      keys=[_key(99)], region=answer_to))]
+        conn.sendall(b"".join(sent))  # all queued before the server reads the first
+        answers = [fast_answer(conn) for _ in sent]
+        assert [ok for ok, _ in answers] == [1, 0, 1, 1, 1]
+        assert isinstance(fast_error(answers[1][1]), InvalidArgument)
+        assert "item 1: corrupt" in str(fast_error(answers[1][1]))
+        assert [r.stored_bytes for r in pb.PutManyResponse.FromString(answers[0][1]).results] \
+            == [len(raw[1])]
+        assert not pb.GetManyResponse.FromString(answers[4][1]).entries[0].present
+        assert groups and max(groups) >= 2, groups  # copied together
+        assert [i.present for i in c.lookup([_key(72), _key(73)]).infos] == [False, False]
+        for key, want in ((70, kvs[3]), (71, kvs[1]), (74, kvs[1])):
+            got = c.retrieve(_key(key), layout=LAYOUT)
+            assert got is not None and got.equal(want), key

@@ -44,7 +44,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 import grpc
 import numpy as np
@@ -126,7 +126,7 @@ _pool_lock = threading.Lock()
 _pool: ThreadPoolExecutor | None = None
 
 
-def _copy_pool() -> ThreadPoolExecutor:
+def copy_pool() -> ThreadPoolExecutor:
     global _pool
     with _pool_lock:
         if _pool is None:
@@ -343,7 +343,7 @@ def _split_one(entries: int) -> dict[str, Any]:
     """``copy_checked``'s arguments for a call of ``entries`` entries: one entry (what an
     engine waits on for a long context) is copied in runs of its frames on the copy threads and
     the request's own (from ``PARALLEL_COPY_BYTES`` of the format); a batch splits by entry."""
-    return {"pool": _copy_pool(), "workers": COPY_THREADS + 1} if entries == 1 else {}
+    return {"pool": copy_pool(), "workers": COPY_THREADS + 1} if entries == 1 else {}
 
 
 def _frames_aligned(cursor: int, value: bytes | memoryview, end: int) -> int:
@@ -361,6 +361,19 @@ def _region(seg: Segment, region: pb.Region) -> tuple[int, int]:
         raise InvalidArgument(f"region [{start}, {start + length}) outside the segment's "
                               f"[{NONCE_BYTES}, {seg.size})")
     return start, start + length
+
+
+class PutCopies(NamedTuple):
+    """A PutMany's items copied out of the caller's segment (``BatchMixin._put_copy``)."""
+
+    segment: bool
+    """Whether the call's items lie in a segment (else their bytes came with the call)."""
+    values: dict[int, bytes | memoryview | BaseException]
+    """item -> its checked copy, or what copying it raised."""
+    homes: dict[int, tuple[Arena, Slot]]
+    """item -> the arena slot its copy lies in."""
+    headers: dict[int, Header]
+    """item -> its header, parsed from its copy."""
 
 
 class BatchMixin:
@@ -588,7 +601,7 @@ class BatchMixin:
                 return exc
 
         if workers > 1:
-            results = list(_copy_pool().map(one, copies))
+            results = list(copy_pool().map(one, copies))
         else:
             results = [one(item) for item in copies]
         lost = 0
@@ -634,16 +647,25 @@ class BatchMixin:
             "PutMany", context, lambda p: self._put_many(p, request))
 
     def _put_many(self, p: Principal, request: pb.PutManyRequest) -> pb.PutManyResponse:
+        return self._put_copied(p, request, self._put_copy(p, request))
+
+    def _put_copy(self, p: Principal, request: pb.PutManyRequest, *, alone: bool = False
+                  ) -> PutCopies:
+        """The first half of a PutMany: the items that lie in a shared segment copied out,
+        each checked as it is copied; nothing stored yet. What copying an item raised is kept
+        with it and raised by ``_put_copied`` in its turn; what refuses the whole call (no
+        segment, sizes) is raised here. ``alone``: copy on this thread only (a caller on the
+        copy threads; the same-host fast path copies several calls at once that way)."""
         seg = self.segments.get(p.tenant, request.segment_id) if request.segment_id else None
-        if seg is not None:  # sizes first: nothing is copied for a batch that is refused
-            self._put_sizes(request)
-        split = _split_one(len(request.items))
-        arena = self.arenas.get(p.tenant) if seg is not None else None
+        if seg is None:
+            return PutCopies(False, {}, {}, {})
+        self._put_sizes(request)  # sizes first: nothing is copied for a batch that is refused
+        split = {} if alone else _split_one(len(request.items))
+        arena = self.arenas.get(p.tenant)
         homes: dict[int, tuple[Arena, Slot]] = {}  # item -> the arena slot it was copied into
         headers: dict[int, Header] = {}  # item -> its header, parsed from its copy
 
         def copy_in(j: int, item: pb.PutItem) -> bytes | memoryview:
-            assert seg is not None  # called only for a call through a segment
             # a copy, checked as it is made (one pass): later changes by the client can not
             start, stop = _region(seg, item.region)  # slip past
             src = memoryview(seg.array[start:stop])  # type: ignore[arg-type]
@@ -663,22 +685,34 @@ class BatchMixin:
                 homes[j] = (arena, home[0])  # type: ignore[assignment]
             return into.toreadonly()
 
-        copied = self._copied_ahead(request, copy_in) if seg is not None else {}
+        copied = {} if alone else self._copied_ahead(request, copy_in)
+        for j, item in enumerate(request.items):
+            if j not in copied:
+                try:
+                    copied[j] = copy_in(j, item)
+                except Exception as exc:  # raised by ``_put_copied`` in its turn
+                    copied[j] = exc
+        return PutCopies(True, copied, homes, headers)
 
+    def _put_copied(self, p: Principal, request: pb.PutManyRequest, copies: PutCopies
+                    ) -> pb.PutManyResponse:
+        """The second half of a PutMany (after ``_put_copy``): every item checked, then
+        every item stored, in order."""
         def value_of(j: int, item: pb.PutItem) -> bytes | memoryview:
-            if seg is None:
+            if not copies.segment:
                 value = bytes(item.data)
                 parse_container(value, verify=True)
                 return value
-            if j in copied:
-                got = copied.pop(j)
-                if isinstance(got, BaseException):
-                    raise got
-                return got
-            return copy_in(j, item)
+            got = copies.values.pop(j)
+            if isinstance(got, BaseException):
+                raise got
+            return got
 
-        return self._put_items(p, request, value_of, homes, sealing=seg is not None,
-                               headers=headers)
+        try:
+            return self._put_items(p, request, value_of, copies.homes,
+                                   sealing=copies.segment, headers=copies.headers)
+        finally:  # a refused call's later copies go now (their arena slots with them), not
+            copies.values.clear()  # with whoever still holds ``copies``
 
     def _copied_ahead(self, request: pb.PutManyRequest,
                       copy_in: Callable[[int, pb.PutItem], bytes | memoryview]
@@ -704,7 +738,7 @@ class BatchMixin:
                     out[j] = exc
             return out
 
-        later = _copy_pool().submit(run, half, len(items))
+        later = copy_pool().submit(run, half, len(items))
         done = run(0, half)
         done.update(later.result())
         return done

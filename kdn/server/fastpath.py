@@ -37,13 +37,14 @@ import socket
 import threading
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 from kdn.buffers import BufferPool
 from kdn.errors import InvalidArgument, KDNError, NotFound
 from kdn.server.arena import Arenas
 from kdn.server.auth import Authenticator, Principal
-from kdn.server.batch import Segments
+from kdn.server.batch import PutCopies, Segments, copy_pool
 from kdn.server.requests import check_names
 from kdn.server.streamed import Desynced
 from kdn.v1 import kdn_pb2 as pb
@@ -82,6 +83,12 @@ class Handlers(Protocol):
 
     def _put_many(self, p: Principal, request: pb.PutManyRequest) -> pb.PutManyResponse: ...
 
+    def _put_copy(self, p: Principal, request: pb.PutManyRequest, *, alone: bool = False
+                  ) -> PutCopies: ...
+
+    def _put_copied(self, p: Principal, request: pb.PutManyRequest, copies: PutCopies
+                    ) -> pb.PutManyResponse: ...
+
     # the network data path's (kdn.server.netpath)
     buffers: BufferPool
 
@@ -104,11 +111,31 @@ class Reply(NamedTuple):
     after: tuple[bytes | memoryview, ...] = ()
 
 
+GROUP_CALLS = 8
+"""PutMany calls at most that the fast path copies together (those its client sent before it
+was answered: ``kdn.client.puts.ASYNC_DEPTH`` of them at most from one thread)."""
+
+
+def _raise(exc: KDNError) -> Reply:
+    raise exc
+
+
+def _queued(conn: socket.socket) -> bool:
+    """Whether ``conn`` has bytes to read now (a call its client sent before the one being
+    served was answered)."""
+    try:
+        return bool(conn.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT))
+    except (BlockingIOError, InterruptedError):
+        return False
+
+
 class FastPath:
     kind = "fast"
     """The label of this path's counters (``fast.<rpc>``, ``fast.<status>``)."""
     max_connections = 0
     """Connections served at once at most (0: no limit); past it new ones are closed."""
+    grouped = True
+    """Whether PutMany calls queued on a connection are copied together (``_put_group``)."""
 
     def __init__(self, servicer: Handlers) -> None:
         self.servicer = servicer
@@ -148,30 +175,24 @@ class FastPath:
         accepted = conn
         try:
             conn = self._opened(conn)
-            while (head := read_exact(conn, FAST_HEAD.size)) is not None:
-                n, op = FAST_HEAD.unpack(head)
-                if n > MAX_BODY:
-                    raise InvalidArgument(f"{self.kind}-path request of {n} bytes (limit "
-                                          f"{MAX_BODY})")
-                body = read_exact(conn, n)
-                if body is None:
-                    return
-                started, code, last = time.perf_counter(), "OK", False
-                try:
-                    reply, ok = self._call(conn, op, body), 1
-                except KDNError as exc:
-                    self.servicer.count(f"{self.kind}.{exc.status.value}")
-                    reply = Reply(f"{exc.status.value}\0{exc}".encode())
-                    ok, code, last = 0, exc.status.value, isinstance(exc, Desynced)
-                self.servicer.usage.fast_call(self._rpc(op), code, time.perf_counter() - started)
-                answer = FAST_HEAD.pack(len(reply.body), ok) + reply.body
-                if reply.fds:
-                    socket.send_fds(conn, [answer], reply.fds)
-                elif reply.after:
-                    send_pieces(conn, [answer, *reply.after])
-                else:
-                    conn.sendall(answer)
-                if last:
+            ahead: tuple[int, bytes] | None = None  # a call read while gathering PutManys
+            while (call := ahead or self._read_call(conn)) is not None:
+                ahead = None
+                op, body = call
+                started = time.perf_counter()
+                if op == FAST_PUT_MANY and self.grouped and _queued(conn):
+                    group = [(body, started)]  # the PutManys sent before this one's answer
+                    while len(group) < GROUP_CALLS and _queued(conn):
+                        nxt = self._read_call(conn)
+                        if nxt is None or nxt[0] != FAST_PUT_MANY:
+                            ahead = nxt
+                            break
+                        group.append((nxt[1], time.perf_counter()))
+                    if len(group) > 1:
+                        if not self._put_group(conn, group):
+                            return
+                        continue
+                if not self._answer(conn, op, partial(self._call, conn, op, body), started):
                     return
         except (OSError, KDNError) as exc:
             log.debug("%s-path connection closed: %s", self.kind, exc)
@@ -179,6 +200,70 @@ class FastPath:
             with self._lock:
                 self._conns.discard(accepted)
             conn.close()
+
+    def _read_call(self, conn: socket.socket) -> tuple[int, bytes] | None:
+        """The next call on ``conn`` (op, body); None once it closed."""
+        head = read_exact(conn, FAST_HEAD.size)
+        if head is None:
+            return None
+        n, op = FAST_HEAD.unpack(head)
+        if n > MAX_BODY:
+            raise InvalidArgument(f"{self.kind}-path request of {n} bytes (limit {MAX_BODY})")
+        body = read_exact(conn, n)
+        return None if body is None else (op, body)
+
+    def _answer(self, conn: socket.socket, op: int, call: Callable[[], Reply],
+                started: float) -> bool:
+        """Send ``call``'s reply (or the error it raised) on ``conn``; False when the
+        connection must end after it (a desynchronised stream)."""
+        code, last = "OK", False
+        try:
+            reply, ok = call(), 1
+        except KDNError as exc:
+            self.servicer.count(f"{self.kind}.{exc.status.value}")
+            reply = Reply(f"{exc.status.value}\0{exc}".encode())
+            ok, code, last = 0, exc.status.value, isinstance(exc, Desynced)
+        self.servicer.usage.fast_call(self._rpc(op), code, time.perf_counter() - started)
+        answer = FAST_HEAD.pack(len(reply.body), ok) + reply.body
+        if reply.fds:
+            socket.send_fds(conn, [answer], reply.fds)
+        elif reply.after:
+            send_pieces(conn, [answer, *reply.after])
+        else:
+            conn.sendall(answer)
+        return not last
+
+    def _put_group(self, conn: socket.socket, group: list[tuple[bytes, float]]) -> bool:
+        """PutMany calls a client sent one after another without waiting (``store_async``),
+        answered in order as each alone would be (each stored whole or refused whole), but
+        copied out of the segment two at a time: the later half on the copy thread while this
+        one copies the earlier half and then stores and answers it. False when the connection
+        must end."""
+        half = (len(group) + 1) // 2
+        later = copy_pool().submit(lambda: [self._put_first(b) for b, _ in group[half:]])
+        calls = [self._put_first(b) for b, _ in group[:half]]
+        for (_, started), call in zip(group[:half], calls):
+            if not self._answer(conn, FAST_PUT_MANY, call, started):
+                later.result()
+                return False
+        for (_, started), call in zip(group[half:], later.result()):
+            if not self._answer(conn, FAST_PUT_MANY, call, started):
+                return False
+        return True
+
+    def _put_first(self, body: bytes) -> Callable[[], Reply]:
+        """A PutMany call's first half (parsed, checked, its entries copied out of the
+        segment: ``BatchMixin._put_copy``), on this thread alone; its second half (stored,
+        answered), or the error the first raised."""
+        s = self.servicer
+        try:
+            req, principal = self._request(FAST_PUT_MANY, body)
+            assert isinstance(req, pb.PutManyRequest)
+            s.count("fast.PutMany")
+            copies = s._put_copy(principal, req, alone=True)
+        except KDNError as exc:
+            return partial(_raise, exc)
+        return lambda: Reply(s._put_copied(principal, req, copies).SerializeToString())
 
     def _opened(self, conn: socket.socket) -> socket.socket:
         """A new connection set up, as it is served (a unix socket: as it is)."""
@@ -206,7 +291,9 @@ class FastPath:
         s.count("fast.Arena")
         return arena.fd, arena.size
 
-    def _handle(self, op: int, body: bytes) -> bytes:
+    def _request(self, op: int, body: bytes
+                 ) -> tuple[pb.GetManyRequest | pb.PutManyRequest, Principal]:
+        """A GetMany / PutMany request parsed and checked, and the caller it acts as."""
         s = self.servicer
         if op not in (FAST_GET_MANY, FAST_PUT_MANY):
             raise InvalidArgument(f"unknown fast-path op {op}")
@@ -221,6 +308,11 @@ class FastPath:
             raise NotFound("fast-path calls must name an attached segment")
         principal = s.segments.owner(req.segment_id)
         s.auth.admit(principal)
+        return req, principal
+
+    def _handle(self, op: int, body: bytes) -> bytes:
+        s = self.servicer
+        req, principal = self._request(op, body)
         if isinstance(req, pb.GetManyRequest):
             s.count("fast.GetMany")
             return serialize_passthrough(s._get_many(principal, req))

@@ -58,6 +58,7 @@ class NetPath(FastPath):
     """The TCP listener (see the module docstring)."""
 
     kind = "net"
+    grouped = False  # its PutMany's bytes follow the request on the connection
     max_connections = MAX_CONNECTIONS
 
     def __init__(self, servicer: Handlers, host: str, port: int,
