@@ -120,6 +120,7 @@ memory that is already faulted in."""
 
 
 _MADV_POPULATE_WRITE = 23  # <linux/mman.h>, Linux 5.14
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
 @functools.cache
@@ -144,9 +145,6 @@ def populate(array: np.ndarray[Any, Any]) -> None:
     first, end = -(-start // _PAGE) * _PAGE, (start + array.nbytes) // _PAGE * _PAGE
     if madvise is not None and end > first:
         madvise(first, end - first, _MADV_POPULATE_WRITE)
-
-
-_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
 MMAP_THRESHOLD = 32 << 20
