@@ -158,17 +158,17 @@ def test_a_batchs_later_entries_are_copied_on_the_copy_thread_and_checked_in_ord
     stores none of it, leaves the stored value and gives every slot back."""
     import threading
 
-    import kdn.server.batch as batch
+    import kdn.server.putmany as putmany
 
-    monkeypatch.setattr(batch, "PARALLEL_PUT_BYTES", 1)  # every batch of two or more shares
+    monkeypatch.setattr(putmany, "PARALLEL_PUT_BYTES", 1)  # every batch of two or more shares
     threads: set[str] = set()
-    real = batch.copy_checked
+    real = putmany.copy_checked
 
     def seen(dst: memoryview, value: bytes | memoryview, **kw: object) -> None:
         threads.add(threading.current_thread().name)
         real(dst, value, **kw)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(batch, "copy_checked", seen)
+    monkeypatch.setattr(putmany, "copy_checked", seen)
     kvs = [random_kv(LAYOUT, 300, seed=40 + i) for i in range(4)]
     with Client(server.address, timeout_s=30, shm_bytes=8 << 20, keep_leases_bytes=0) as c:
         c.store(_key(40), kvs[0], mode="raw")

@@ -44,7 +44,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, NamedTuple, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import grpc
 import numpy as np
@@ -55,10 +55,8 @@ from kdn.codec.format import (
     copy_checked,
     header_layout,
     header_size,
-    parse_container,
     parse_header,
 )
-from kdn.codec.sealing import copy_sealed
 from kdn.errors import (
     Corrupt,
     InvalidArgument,
@@ -119,9 +117,6 @@ RAM tier keeps it (``Arena.reserve``: up to half the arena), so that its first s
 copies nothing; smaller ones cost a read little to copy and would take a page each."""
 PARALLEL_COPY_BYTES = 8 << 20
 """A GetMany into a segment copies its entries on ``COPY_THREADS`` threads from this size."""
-PARALLEL_PUT_BYTES = 2 << 20
-"""A same-host PutMany of this many bytes of several entries copies them out of the segment on
-the copy thread and its own at once (``BatchMixin._copied_ahead``)."""
 _pool_lock = threading.Lock()
 _pool: ThreadPoolExecutor | None = None
 
@@ -363,22 +358,9 @@ def _region(seg: Segment, region: pb.Region) -> tuple[int, int]:
     return start, start + length
 
 
-class PutCopies(NamedTuple):
-    """A PutMany's items copied out of the caller's segment (``BatchMixin._put_copy``)."""
-
-    segment: bool
-    """Whether the call's items lie in a segment (else their bytes came with the call)."""
-    values: dict[int, bytes | memoryview | BaseException]
-    """item -> its checked copy, or what copying it raised."""
-    homes: dict[int, tuple[Arena, Slot]]
-    """item -> the arena slot its copy lies in."""
-    headers: dict[int, Header]
-    """item -> its header, parsed from its copy."""
-
-
 class BatchMixin:
-    """GetMany, PutMany, Attach and Detach for ``KDNServicer`` (which provides ``config``,
-    ``store``, ``count``, ``_check_header`` and ``_commit``)."""
+    """GetMany, Attach and Detach for ``KDNServicer`` (which provides ``config``, ``store``,
+    ``count``, ``_check_header`` and ``_commit``); PutMany is ``kdn.server.putmany``'s."""
 
     if TYPE_CHECKING:
         config: ServerConfig
@@ -640,157 +622,3 @@ class BatchMixin:
         log.error("entry %r failed its check in a segment copy: %s", skey, exc)
         self.count("getmany.corrupt")
         self.store.distrust(skey)
-
-    async def PutMany(self, request: pb.PutManyRequest,
-                      context: grpc.aio.ServicerContext) -> pb.PutManyResponse:
-        return await self._answer(  # type: ignore[no-any-return]
-            "PutMany", context, lambda p: self._put_many(p, request))
-
-    def _put_many(self, p: Principal, request: pb.PutManyRequest) -> pb.PutManyResponse:
-        return self._put_copied(p, request, self._put_copy(p, request))
-
-    def _put_copy(self, p: Principal, request: pb.PutManyRequest, *, alone: bool = False
-                  ) -> PutCopies:
-        """The first half of a PutMany: the items that lie in a shared segment copied out,
-        each checked as it is copied; nothing stored yet. What copying an item raised is kept
-        with it and raised by ``_put_copied`` in its turn; what refuses the whole call (no
-        segment, sizes) is raised here. ``alone``: copy on this thread only (a caller on the
-        copy threads; the same-host fast path copies several calls at once that way)."""
-        seg = self.segments.get(p.tenant, request.segment_id) if request.segment_id else None
-        if seg is None:
-            return PutCopies(False, {}, {}, {})
-        self._put_sizes(request)  # sizes first: nothing is copied for a batch that is refused
-        split = {} if alone else _split_one(len(request.items))
-        arena = self.arenas.get(p.tenant)
-        homes: dict[int, tuple[Arena, Slot]] = {}  # item -> the arena slot it was copied into
-        headers: dict[int, Header] = {}  # item -> its header, parsed from its copy
-
-        def copy_in(j: int, item: pb.PutItem) -> bytes | memoryview:
-            # a copy, checked as it is made (one pass): later changes by the client can not
-            start, stop = _region(seg, item.region)  # slip past
-            src = memoryview(seg.array[start:stop])  # type: ignore[arg-type]
-            home = arena.reserve(stop - start, header_size(src)) \
-                if arena is not None and stop - start >= ARENA_STORE_BYTES else None
-            if home is not None:  # into the arena: the RAM tier keeps it there and same-host
-                slot, dst = home  # reads copy nothing (``Arena.reserve``)
-                into = dst
-            else:
-                into = memoryview(self.buffers.take(  # type: ignore[arg-type]
-                    stop - start, written_now=True))
-            if item.seal:  # a staged entry: its sums made on this copy (``copy_sealed``)
-                headers[j] = copy_sealed(into, src)
-            else:
-                headers[j] = copy_checked(into, src, **split)
-            if home is not None:
-                homes[j] = (arena, home[0])  # type: ignore[assignment]
-            return into.toreadonly()
-
-        copied = {} if alone else self._copied_ahead(request, copy_in)
-        for j, item in enumerate(request.items):
-            if j not in copied:
-                try:
-                    copied[j] = copy_in(j, item)
-                except Exception as exc:  # raised by ``_put_copied`` in its turn
-                    copied[j] = exc
-        return PutCopies(True, copied, homes, headers)
-
-    def _put_copied(self, p: Principal, request: pb.PutManyRequest, copies: PutCopies
-                    ) -> pb.PutManyResponse:
-        """The second half of a PutMany (after ``_put_copy``): every item checked, then
-        every item stored, in order."""
-        def value_of(j: int, item: pb.PutItem) -> bytes | memoryview:
-            if not copies.segment:
-                value = bytes(item.data)
-                parse_container(value, verify=True)
-                return value
-            got = copies.values.pop(j)
-            if isinstance(got, BaseException):
-                raise got
-            return got
-
-        try:
-            return self._put_items(p, request, value_of, copies.homes,
-                                   sealing=copies.segment, headers=copies.headers)
-        finally:  # a refused call's later copies go now (their arena slots with them), not
-            copies.values.clear()  # with whoever still holds ``copies``
-
-    def _copied_ahead(self, request: pb.PutManyRequest,
-                      copy_in: Callable[[int, pb.PutItem], bytes | memoryview]
-                      ) -> dict[int, bytes | memoryview | BaseException]:
-        """A batch's later items copied on the copy thread while this one copies the earlier
-        ones (``_put_items`` then checks them in order): the entry -> its value, or what its
-        copy raised. Empty for a batch too small to share."""
-        items = request.items
-        total = sum(item.region.length for item in items)
-        if COPY_THREADS < 1 or len(items) < 2 or total < PARALLEL_PUT_BYTES:
-            return {}
-        half, size = len(items), 0
-        while half > 1 and size < total // 2:
-            half -= 1
-            size += items[half].region.length
-
-        def run(lo: int, hi: int) -> dict[int, bytes | memoryview | BaseException]:
-            out: dict[int, bytes | memoryview | BaseException] = {}
-            for j in range(lo, hi):
-                try:
-                    out[j] = copy_in(j, items[j])
-                except Exception as exc:  # raised by value_of in its turn
-                    out[j] = exc
-            return out
-
-        later = copy_pool().submit(run, half, len(items))
-        done = run(0, half)
-        done.update(later.result())
-        return done
-
-    def _put_sizes(self, request: pb.PutManyRequest) -> int:
-        """The bytes of ``request``'s items (their regions); TooLarge past the limits."""
-        for j, item in enumerate(request.items):
-            if item.region.length > self.config.max_entry_bytes:
-                raise TooLarge(f"item {j}: entry of {item.region.length} bytes exceeds "
-                               f"max_entry_bytes {self.config.max_entry_bytes}")
-        total = sum(item.region.length for item in request.items)
-        if total > MAX_BATCH_BYTES:
-            raise TooLarge(f"PutMany of {total} bytes; at most {MAX_BATCH_BYTES} per call")
-        return total
-
-    def _put_items(self, p: Principal, request: pb.PutManyRequest,
-                   value_of: Callable[[int, pb.PutItem], bytes | memoryview],
-                   homes: dict[int, tuple[Arena, Slot]] | None = None, *,
-                   sealing: bool = False, headers: dict[int, Header] | None = None
-                   ) -> pb.PutManyResponse:
-        """Check every item (its bytes from ``value_of``, which verifies them: Corrupt when
-        they fail) before any is stored, then store them in order. ``homes``: items whose
-        value lives in an arena slot (published with their put). ``sealing``: ``value_of``
-        seals the items that ask for it (``PutItem.seal``; segment items only). ``headers``:
-        items' headers that ``value_of`` parsed from the bytes it returned (not parsed
-        again)."""
-        checked: list[tuple[bytes, bytes | memoryview, Header]] = []
-        for j, item in enumerate(request.items):
-            if item.seal and not sealing:
-                raise InvalidArgument(f"item {j}: seal applies to an entry in a shared segment "
-                                      "only (this one's bytes came with the call)")
-            t0 = time.perf_counter()
-            try:
-                value = value_of(j, item)
-                header = (headers or {}).get(j)
-                if header is not None:
-                    skey = self._check_target(p.tenant, request.namespace, item.key,
-                                              item.options, len(value))
-                    self._check_kind(header)
-                else:
-                    hdr = pb.StoreHeader(namespace=request.namespace, key=item.key,
-                                         container_header=bytes(value[: header_size(value)]),
-                                         total_bytes=len(value), options=item.options)
-                    skey, header = self._check_header(p.tenant, hdr)
-            except Corrupt as exc:
-                raise InvalidArgument(f"item {j}: corrupt input: {exc}") from exc
-            except KDNError as exc:
-                raise type(exc)(f"item {j}: {exc}") from exc
-            self.usage.checked(header, time.perf_counter() - t0)
-            checked.append((skey, value, header))
-        out = pb.PutManyResponse()
-        for j, ((skey, value, header), item) in enumerate(zip(checked, request.items)):
-            out.results.append(self._commit(p, skey, value, item.options, header,
-                                            (homes or {}).get(j)))
-        return out

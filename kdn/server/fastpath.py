@@ -44,7 +44,8 @@ from kdn.buffers import BufferPool
 from kdn.errors import InvalidArgument, KDNError, NotFound
 from kdn.server.arena import Arenas
 from kdn.server.auth import Authenticator, Principal
-from kdn.server.batch import PutCopies, Segments, copy_pool
+from kdn.server.batch import Segments, copy_pool
+from kdn.server.putmany import PutCopies
 from kdn.server.requests import check_names
 from kdn.server.streamed import Desynced
 from kdn.v1 import kdn_pb2 as pb
@@ -253,7 +254,7 @@ class FastPath:
 
     def _put_first(self, body: bytes) -> Callable[[], Reply]:
         """A PutMany call's first half (parsed, checked, its entries copied out of the
-        segment: ``BatchMixin._put_copy``), on this thread alone; its second half (stored,
+        segment: ``PutManyMixin._put_copy``), on this thread alone; its second half (stored,
         answered), or the error the first raised."""
         s = self.servicer
         try:

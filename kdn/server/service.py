@@ -51,6 +51,7 @@ from kdn.server.auth import AuthConfig, Authenticator, Principal, current_princi
 from kdn.server.batch import MAX_BATCH_BYTES, BatchMixin, Segments
 from kdn.server.blend_rpc import BlendMixin
 from kdn.server.config import ServerConfig
+from kdn.server.putmany import PutManyMixin
 from kdn.server.retrieve_many import RetrieveManyMixin
 from kdn.server.usage import Usage
 from kdn.server.wire_memo import WireMemo
@@ -157,7 +158,8 @@ def recount_usage(store: TieredStore, auth: Authenticator) -> None:
             auth.set_usage(tenant, sum(p.size for p in store.lookup(keys)))
 
 
-class KDNServicer(BatchMixin, BlendMixin, RetrieveManyMixin, pb_grpc.KDNServicer):
+class KDNServicer(BatchMixin, PutManyMixin, BlendMixin, RetrieveManyMixin,
+                  pb_grpc.KDNServicer):
     def __init__(self, config: ServerConfig, store: TieredStore,
                  auth: Authenticator | None = None) -> None:
         self.config = config

@@ -4,7 +4,7 @@
 The items are read straight off the socket into recycled buffers of their own, each frame
 checked (its checksum and records, as Store checks them) the moment its last byte lands,
 while it is in cache (``kdn.netio.recv_container``); none is stored unless every one passed,
-by the code every PutMany form shares (``BatchMixin._put_items``).
+by the code every PutMany form shares (``PutManyMixin._put_items``).
 
 (Tried for same-host stores too, over the fast path's unix socket into arena slots: the
 kernel moves the bytes a socket buffer at a time, so the client's copy and the server's

@@ -1,0 +1,237 @@
+"""PutMany: many entries stored in one call, inline or (same host) from a shared segment.
+
+A same-host call names regions of the caller's segment (``kdn.server.batch``): each entry is
+copied out first and checked on the copy (header, every frame's checksum, layout, codec, size),
+so bytes the client changes during the call can not slip past the checks; an item with
+``seal`` (a staged entry) has its sums made on the copy (``kdn.codec.sealing``). Every item is
+checked before any is stored: one invalid item stores nothing of the call. A call is two
+halves, ``_put_copy`` (the copies) and ``_put_copied`` (the checks and the stores), so that
+the same-host fast path can copy calls queued on a connection together
+(``kdn.server.fastpath``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import grpc
+
+from kdn.buffers import BufferPool
+from kdn.codec.format import Header, copy_checked, header_size, parse_container
+from kdn.codec.sealing import copy_sealed
+from kdn.errors import Corrupt, InvalidArgument, KDNError, TooLarge
+from kdn.server.arena import Arena, Arenas, Slot
+from kdn.server.auth import Principal
+from kdn.server.batch import (
+    ARENA_STORE_BYTES,
+    COPY_THREADS,
+    MAX_BATCH_BYTES,
+    Segments,
+    _region,
+    _split_one,
+    copy_pool,
+)
+from kdn.v1 import kdn_pb2 as pb
+
+if TYPE_CHECKING:
+    from kdn.server.config import ServerConfig
+    from kdn.server.usage import Usage
+
+PARALLEL_PUT_BYTES = 2 << 20
+"""A same-host PutMany of this many bytes of several entries copies them out of the segment on
+the copy thread and its own at once (``PutManyMixin._copied_ahead``)."""
+
+
+class PutCopies(NamedTuple):
+    """A PutMany's items copied out of the caller's segment (``PutManyMixin._put_copy``)."""
+
+    segment: bool
+    """Whether the call's items lie in a segment (else their bytes came with the call)."""
+    values: dict[int, bytes | memoryview | BaseException]
+    """item -> its checked copy, or what copying it raised."""
+    homes: dict[int, tuple[Arena, Slot]]
+    """item -> the arena slot its copy lies in."""
+    headers: dict[int, Header]
+    """item -> its header, parsed from its copy."""
+
+
+class PutManyMixin:
+    """PutMany for ``KDNServicer`` (which provides the segments, arenas, buffers, the checks,
+    ``_commit`` and ``_answer``)."""
+
+    if TYPE_CHECKING:
+        config: ServerConfig
+        usage: Usage
+        segments: Segments
+        arenas: Arenas
+        buffers: BufferPool
+
+        def _check_header(self, tenant: str, msg: pb.StoreHeader) -> tuple[bytes, Header]: ...
+
+        def _check_target(self, tenant: str, namespace: str, key: bytes,
+                          opts: pb.StoreOptions, total: int) -> bytes: ...
+
+        def _check_kind(self, header: Header, layout_fingerprint: str = "") -> None: ...
+
+        def _commit(self, principal: Principal, skey: bytes, value: bytes | memoryview,
+                    opts: pb.StoreOptions, header: Header | None = None,
+                    in_arena: tuple[Arena, Slot] | None = None) -> pb.StoreResponse: ...
+
+        async def _answer(self, name: str, context: grpc.aio.ServicerContext,
+                          fn: Callable[[Principal], Any]) -> Any: ...
+
+    async def PutMany(self, request: pb.PutManyRequest,
+                      context: grpc.aio.ServicerContext) -> pb.PutManyResponse:
+        return await self._answer(  # type: ignore[no-any-return]
+            "PutMany", context, lambda p: self._put_many(p, request))
+
+    def _put_many(self, p: Principal, request: pb.PutManyRequest) -> pb.PutManyResponse:
+        return self._put_copied(p, request, self._put_copy(p, request))
+
+    def _put_copy(self, p: Principal, request: pb.PutManyRequest, *, alone: bool = False
+                  ) -> PutCopies:
+        """The first half of a PutMany: the items that lie in a shared segment copied out,
+        each checked as it is copied; nothing stored yet. What copying an item raised is kept
+        with it and raised by ``_put_copied`` in its turn; what refuses the whole call (no
+        segment, sizes) is raised here. ``alone``: copy on this thread only (a caller on the
+        copy threads; the same-host fast path copies several calls at once that way)."""
+        seg = self.segments.get(p.tenant, request.segment_id) if request.segment_id else None
+        if seg is None:
+            return PutCopies(False, {}, {}, {})
+        self._put_sizes(request)  # sizes first: nothing is copied for a batch that is refused
+        split = {} if alone else _split_one(len(request.items))
+        arena = self.arenas.get(p.tenant)
+        homes: dict[int, tuple[Arena, Slot]] = {}  # item -> the arena slot it was copied into
+        headers: dict[int, Header] = {}  # item -> its header, parsed from its copy
+
+        def copy_in(j: int, item: pb.PutItem) -> bytes | memoryview:
+            # a copy, checked as it is made (one pass): later changes by the client can not
+            start, stop = _region(seg, item.region)  # slip past
+            src = memoryview(seg.array[start:stop])  # type: ignore[arg-type]
+            home = arena.reserve(stop - start, header_size(src)) \
+                if arena is not None and stop - start >= ARENA_STORE_BYTES else None
+            if home is not None:  # into the arena: the RAM tier keeps it there and same-host
+                slot, dst = home  # reads copy nothing (``Arena.reserve``)
+                into = dst
+            else:
+                into = memoryview(self.buffers.take(  # type: ignore[arg-type]
+                    stop - start, written_now=True))
+            if item.seal:  # a staged entry: its sums made on this copy (``copy_sealed``)
+                headers[j] = copy_sealed(into, src)
+            else:
+                headers[j] = copy_checked(into, src, **split)
+            if home is not None:
+                homes[j] = (arena, home[0])  # type: ignore[assignment]
+            return into.toreadonly()
+
+        copied = {} if alone else self._copied_ahead(request, copy_in)
+        for j, item in enumerate(request.items):
+            if j not in copied:
+                try:
+                    copied[j] = copy_in(j, item)
+                except Exception as exc:  # raised by ``_put_copied`` in its turn
+                    copied[j] = exc
+        return PutCopies(True, copied, homes, headers)
+
+    def _put_copied(self, p: Principal, request: pb.PutManyRequest, copies: PutCopies
+                    ) -> pb.PutManyResponse:
+        """The second half of a PutMany (after ``_put_copy``): every item checked, then
+        every item stored, in order."""
+        def value_of(j: int, item: pb.PutItem) -> bytes | memoryview:
+            if not copies.segment:
+                value = bytes(item.data)
+                parse_container(value, verify=True)
+                return value
+            got = copies.values.pop(j)
+            if isinstance(got, BaseException):
+                raise got
+            return got
+
+        try:
+            return self._put_items(p, request, value_of, copies.homes,
+                                   sealing=copies.segment, headers=copies.headers)
+        finally:  # a refused call's later copies go now (their arena slots with them), not
+            copies.values.clear()  # with whoever still holds ``copies``
+
+    def _copied_ahead(self, request: pb.PutManyRequest,
+                      copy_in: Callable[[int, pb.PutItem], bytes | memoryview]
+                      ) -> dict[int, bytes | memoryview | BaseException]:
+        """A batch's later items copied on the copy thread while this one copies the earlier
+        ones (``_put_items`` then checks them in order): the entry -> its value, or what its
+        copy raised. Empty for a batch too small to share."""
+        items = request.items
+        total = sum(item.region.length for item in items)
+        if COPY_THREADS < 1 or len(items) < 2 or total < PARALLEL_PUT_BYTES:
+            return {}
+        half, size = len(items), 0
+        while half > 1 and size < total // 2:
+            half -= 1
+            size += items[half].region.length
+
+        def run(lo: int, hi: int) -> dict[int, bytes | memoryview | BaseException]:
+            out: dict[int, bytes | memoryview | BaseException] = {}
+            for j in range(lo, hi):
+                try:
+                    out[j] = copy_in(j, items[j])
+                except Exception as exc:  # raised by value_of in its turn
+                    out[j] = exc
+            return out
+
+        later = copy_pool().submit(run, half, len(items))
+        done = run(0, half)
+        done.update(later.result())
+        return done
+
+    def _put_sizes(self, request: pb.PutManyRequest) -> int:
+        """The bytes of ``request``'s items (their regions); TooLarge past the limits."""
+        for j, item in enumerate(request.items):
+            if item.region.length > self.config.max_entry_bytes:
+                raise TooLarge(f"item {j}: entry of {item.region.length} bytes exceeds "
+                               f"max_entry_bytes {self.config.max_entry_bytes}")
+        total = sum(item.region.length for item in request.items)
+        if total > MAX_BATCH_BYTES:
+            raise TooLarge(f"PutMany of {total} bytes; at most {MAX_BATCH_BYTES} per call")
+        return total
+
+    def _put_items(self, p: Principal, request: pb.PutManyRequest,
+                   value_of: Callable[[int, pb.PutItem], bytes | memoryview],
+                   homes: dict[int, tuple[Arena, Slot]] | None = None, *,
+                   sealing: bool = False, headers: dict[int, Header] | None = None
+                   ) -> pb.PutManyResponse:
+        """Check every item (its bytes from ``value_of``, which verifies them: Corrupt when
+        they fail) before any is stored, then store them in order. ``homes``: items whose
+        value lives in an arena slot (published with their put). ``sealing``: ``value_of``
+        seals the items that ask for it (``PutItem.seal``; segment items only). ``headers``:
+        items' headers that ``value_of`` parsed from the bytes it returned (not parsed
+        again)."""
+        checked: list[tuple[bytes, bytes | memoryview, Header]] = []
+        for j, item in enumerate(request.items):
+            if item.seal and not sealing:
+                raise InvalidArgument(f"item {j}: seal applies to an entry in a shared segment "
+                                      "only (this one's bytes came with the call)")
+            t0 = time.perf_counter()
+            try:
+                value = value_of(j, item)
+                header = (headers or {}).get(j)
+                if header is not None:
+                    skey = self._check_target(p.tenant, request.namespace, item.key,
+                                              item.options, len(value))
+                    self._check_kind(header)
+                else:
+                    hdr = pb.StoreHeader(namespace=request.namespace, key=item.key,
+                                         container_header=bytes(value[: header_size(value)]),
+                                         total_bytes=len(value), options=item.options)
+                    skey, header = self._check_header(p.tenant, hdr)
+            except Corrupt as exc:
+                raise InvalidArgument(f"item {j}: corrupt input: {exc}") from exc
+            except KDNError as exc:
+                raise type(exc)(f"item {j}: {exc}") from exc
+            self.usage.checked(header, time.perf_counter() - t0)
+            checked.append((skey, value, header))
+        out = pb.PutManyResponse()
+        for j, ((skey, value, header), item) in enumerate(zip(checked, request.items)):
+            out.results.append(self._commit(p, skey, value, item.options, header,
+                                            (homes or {}).get(j)))
+        return out
