@@ -51,7 +51,6 @@ import numpy as np
 
 from kdn.buffers import BufferPool
 from kdn.codec.format import (
-    Header,
     copy_checked,
     header_layout,
     header_size,
@@ -67,7 +66,7 @@ from kdn.errors import (
     TooLarge,
 )
 from kdn.keys import store_key
-from kdn.server.arena import Arena, Arenas, Slot, next_lease
+from kdn.server.arena import Arenas, Slot, next_lease
 from kdn.server.auth import Principal, current_principal
 from kdn.status import grpc_code
 from kdn.store.framed import Framed
@@ -75,7 +74,6 @@ from kdn.v1 import kdn_pb2 as pb
 from kdn.wire import get_many_message
 
 if TYPE_CHECKING:
-    from kdn.server.config import ServerConfig
     from kdn.server.usage import Usage
     from kdn.store.tiered import FramedHit, Hit, TieredStore
 
@@ -359,27 +357,14 @@ def _region(seg: Segment, region: pb.Region) -> tuple[int, int]:
 
 
 class BatchMixin:
-    """GetMany, Attach and Detach for ``KDNServicer`` (which provides ``config``, ``store``,
-    ``count``, ``_check_header`` and ``_commit``); PutMany is ``kdn.server.putmany``'s."""
+    """GetMany, Attach and Detach for ``KDNServicer`` (which provides ``store``, ``count`` and
+    ``usage``); PutMany is ``kdn.server.putmany``'s."""
 
     if TYPE_CHECKING:
-        config: ServerConfig
         store: TieredStore
+        usage: Usage
 
         def count(self, name: str, n: int = 1) -> None: ...
-
-        def _check_header(self, tenant: str, msg: pb.StoreHeader) -> tuple[bytes, Header]: ...
-
-        def _check_target(self, tenant: str, namespace: str, key: bytes,
-                          opts: pb.StoreOptions, total: int) -> bytes: ...
-
-        def _check_kind(self, header: Header, layout_fingerprint: str = "") -> None: ...
-
-        def _commit(self, principal: Principal, skey: bytes, value: bytes | memoryview,
-                    opts: pb.StoreOptions, header: Header | None = None,
-                    in_arena: tuple[Arena, Slot] | None = None) -> pb.StoreResponse: ...
-
-        usage: Usage
 
     segments: Segments
     arenas: Arenas
