@@ -119,13 +119,14 @@ that loads entries, moves them into its own KV memory and drops them gets the ne
 memory that is already faulted in."""
 
 
-_MADV_POPULATE_WRITE = 23  # <linux/mman.h>, Linux 5.14
+MADV_POPULATE_WRITE = 23  # <linux/mman.h>, Linux 5.14: fault pages in writable, data kept
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
 @functools.cache
-def _madvise() -> Any:
-    """libc's ``madvise``; None where there is none."""
+def libc_madvise() -> Any:
+    """libc's ``madvise`` through ctypes (the GIL free while the kernel works); None where
+    there is none."""
     try:
         madvise = ctypes.CDLL(None, use_errno=True).madvise
     except (OSError, AttributeError):
@@ -140,11 +141,11 @@ def populate(array: np.ndarray[Any, Any]) -> None:
     one page fault at a time as it is first written: a 1 MiB buffer written as it is faulted in
     took 0.57 ms on a 2-core VM, populated first 0.45 (0.07 once its pages are in). Does
     nothing where the kernel (before 5.14) or libc lacks it."""
-    madvise = _madvise()
+    madvise = libc_madvise()
     start = array.ctypes.data
     first, end = -(-start // _PAGE) * _PAGE, (start + array.nbytes) // _PAGE * _PAGE
     if madvise is not None and end > first:
-        madvise(first, end - first, _MADV_POPULATE_WRITE)
+        madvise(first, end - first, MADV_POPULATE_WRITE)
 
 
 MMAP_THRESHOLD = 32 << 20

@@ -111,7 +111,7 @@ def test_a_new_buffer_is_faulted_in_whole_when_taken() -> None:
     import ctypes
     import os
 
-    from kdn.buffers import _madvise
+    from kdn.buffers import MADV_POPULATE_WRITE, libc_madvise
 
     page = os.sysconf("SC_PAGE_SIZE")
     libc = ctypes.CDLL(None, use_errno=True)
@@ -128,7 +128,8 @@ def test_a_new_buffer_is_faulted_in_whole_when_taken() -> None:
 
     size = 48 << 20  # past glibc's mmap threshold: fresh pages, none in before the call
     probe = np.empty(size, dtype=np.uint8)
-    if _madvise() is None or _madvise()(probe.ctypes.data // page * page, page, 23) != 0:
+    if libc_madvise() is None or libc_madvise()(probe.ctypes.data // page * page, page,
+                                                MADV_POPULATE_WRITE) != 0:
         pytest.skip("this kernel has no MADV_POPULATE_WRITE")
     del probe
     pool = BufferPool(keep_bytes=0)

@@ -50,7 +50,6 @@ top of ``ram_bytes``: the arena holds a second copy of the tenant's hottest entr
 
 from __future__ import annotations
 
-import ctypes
 import fcntl
 import itertools
 import mmap
@@ -65,6 +64,7 @@ from typing import Any
 
 import numpy as np
 
+from kdn.buffers import MADV_POPULATE_WRITE, libc_madvise
 from kdn.codec.format import header_size
 from kdn.errors import Corrupt
 from kdn.regions import RegionAllocator
@@ -79,7 +79,6 @@ FRAME_ALIGN = 64
 in place, ``kdn.codec.inplace``)."""
 WARM_STEP = 4 << 20
 """Bytes of the arena ``Arena._warm`` faults in at a time."""
-_MADV_POPULATE_WRITE = 23  # <linux/mman.h>, Linux 5.14: fault pages in writable, data kept
 WORD = 8
 _GOLDEN = 0x9E3779B97F4A7C15
 _U64 = (1 << 64) - 1
@@ -151,13 +150,7 @@ class Arena:
         kernel works; where the kernel lacks it (before 5.14), ``posix_fallocate`` allocates
         them (fills then map them). The arena's memory is thus taken once it is made, as
         ``shm_arena_bytes`` bounds it."""
-        try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            madvise = libc.madvise
-            madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-            madvise.restype = ctypes.c_int
-        except (OSError, AttributeError):
-            madvise = None
+        madvise = libc_madvise()
         for off in range(0, self.size, WARM_STEP):  # ``base``: the mapping's address, read
             # before ``close`` could drop the array
             n = min(WARM_STEP, self.size - off)
@@ -166,7 +159,7 @@ class Arena:
             with self._mapped:
                 if self._closed:
                     return
-                if madvise is None or madvise(base + off, n, _MADV_POPULATE_WRITE) != 0:
+                if madvise is None or madvise(base + off, n, MADV_POPULATE_WRITE) != 0:
                     madvise = None
                     try:
                         os.posix_fallocate(self.fd, off, n)
