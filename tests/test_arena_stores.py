@@ -15,6 +15,7 @@ import pytest
 
 from kdn import codec
 from kdn.client import Client
+from kdn.codec.format import Header
 from kdn.errors import InvalidArgument
 from kdn.options import StoreOptions
 from kdn.server import ServerConfig, ServerThread
@@ -153,9 +154,10 @@ def test_a_damaged_entry_is_refused_and_its_slot_given_back(server: ServerThread
 def test_a_batchs_later_entries_are_copied_on_the_copy_thread_and_checked_in_order(
         server: ServerThread, monkeypatch: pytest.MonkeyPatch) -> None:
     """A same-host PutMany large enough to share copies its later entries on the copy thread
-    while the call's own copies the earlier ones: all stored when sound; a damaged entry or a
-    region outside the segment among the later ones refuses the whole call by its index,
-    stores none of it, leaves the stored value and gives every slot back."""
+    while the call's own copies the earlier ones (each checked on the thread that copied it):
+    all stored when sound; a damaged entry, a region outside the segment among the later
+    ones or an unknown durability among either refuses the whole call by its index, stores
+    none of it, leaves the stored value and gives every slot back."""
     import threading
 
     import kdn.server.putmany as putmany
@@ -164,9 +166,9 @@ def test_a_batchs_later_entries_are_copied_on_the_copy_thread_and_checked_in_ord
     threads: set[str] = set()
     real = putmany.copy_checked
 
-    def seen(dst: memoryview, value: bytes | memoryview, **kw: object) -> None:
+    def seen(dst: memoryview, value: bytes | memoryview, **kw: object) -> Header:
         threads.add(threading.current_thread().name)
-        real(dst, value, **kw)  # type: ignore[arg-type]
+        return real(dst, value, **kw)  # type: ignore[arg-type]
 
     monkeypatch.setattr(putmany, "copy_checked", seen)
     kvs = [random_kv(LAYOUT, 300, seed=40 + i) for i in range(4)]
@@ -176,7 +178,8 @@ def test_a_batchs_later_entries_are_copied_on_the_copy_thread_and_checked_in_ord
         stored, used = arena.stored_bytes, arena.used_bytes
         seg, seg_id = c.dataplane.segment()
 
-        def call(damage: int | None = None, outside: int | None = None) -> pb.PutManyRequest:
+        def call(damage: int | None = None, outside: int | None = None,
+                 durability: int | None = None) -> pb.PutManyRequest:
             req = pb.PutManyRequest(namespace="default", segment_id=seg_id)
             for i, kv in enumerate(kvs):
                 data = bytearray(codec.encode_parts(kv, "raw").to_bytes())
@@ -186,6 +189,8 @@ def test_a_batchs_later_entries_are_copied_on_the_copy_thread_and_checked_in_ord
                 assert at is not None
                 seg.write(at, bytes(data))
                 item = req.items.add(key=_key(40 + i))
+                if i == durability:
+                    item.options.durability = 99
                 item.region.offset = seg.size if i == outside else at
                 item.region.length = len(data)
             return req
@@ -195,10 +200,12 @@ def test_a_batchs_later_entries_are_copied_on_the_copy_thread_and_checked_in_ord
                 if item.region.offset < seg.size:
                     seg.regions.free(item.region.offset, item.region.length)
 
-        for damage, outside, match in ((3, None, "item 3: corrupt"),
-                                       (None, 2, "item 2: region")):
+        for damage, outside, durability, match in (
+                (3, None, None, "item 3: corrupt"), (None, 2, None, "item 2: region"),
+                (None, None, 3, "item 3: unknown durability 99"),
+                (None, None, 1, "item 1: unknown durability 99")):
             threads.clear()
-            req = call(damage, outside)
+            req = call(damage, outside, durability)
             with pytest.raises(InvalidArgument, match=match):
                 c.dataplane._put(req, None)
             free(req)

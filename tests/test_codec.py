@@ -530,3 +530,65 @@ def test_a_header_declaring_a_layer_past_the_limit_is_refused_naming_that_layer(
     entry.tokens += 1
     with pytest.raises(InvalidLayout, match=r"layer 1 declares .* layer limit"):
         parse_header(build_header(entry))
+
+
+def _walk_outcome(header: object, frame: bytes, records: bool) -> object:
+    from kdn.codec.format import check_frame
+
+    try:
+        got = check_frame(header, 0, frame, checksum=False, records=records)  # type: ignore[arg-type]
+    except KDNError as exc:
+        return type(exc), str(exc)
+    return [(r.layer, r.tokens, bytes(r.body)) for r in got]
+
+
+@pytest.mark.parametrize("layout", [uniform_layout(layers=6), pruned_layout()],
+                         ids=["uniform", "pruned"])
+def test_a_remembered_record_walk_never_passes_a_frame_the_walk_would_refuse(
+        layout: KVLayout) -> None:
+    """A frame's record walk that passed is remembered by (layout, tokens, layers, length)
+    and a frame with the same bytes at its record prefixes skips the walk: every record field
+    of a frame of that key changed (the frame's length kept) checks as it does with nothing
+    remembered, whole frames and their records alike."""
+    import struct
+
+    from kdn.codec import format as fmt
+
+    kv = random_kv(layout, 9, seed=3)
+    parts = encode_parts(kv, "raw", layers_per_frame=0)
+    header = parse_header(parts.header)
+    frame = bytes(parts.frames[0])
+    assert header.entry.frames[0].num_layers == layout.num_layers >= fmt._WALK_MEMO_LAYERS
+    key = (layout.fingerprint, 9, 0, layout.num_layers, len(frame) - fmt._FRAME.size)
+    fmt._WALKS._values.pop(key, None)
+    sound = _walk_outcome(header, frame, True)
+    assert isinstance(sound, list) and len(sound) == layout.num_layers
+    assert key in fmt._WALKS  # remembered: the next sound frame skips the walk
+    assert _walk_outcome(header, frame, True) == sound
+    assert _walk_outcome(header, frame, False) == []
+    starts, off = [], fmt._FRAME.size
+    for _ in range(layout.num_layers):
+        starts.append(off)
+        off += fmt.RECORD_BYTES + struct.unpack_from("<HIHHI", frame, off)[4]
+    fields = [(0, "<H"), (2, "<I"), (6, "<H"), (8, "<H"), (10, "<I")]
+    tried = 0
+    for rec in (starts[0], starts[len(starts) // 2], starts[-1]):
+        for at, fmt_ in fields:
+            for delta in (1, -1):
+                bad = bytearray(frame)
+                (value,) = struct.unpack_from(fmt_, bad, rec + at)
+                wrap = 1 << (8 * struct.calcsize(fmt_))
+                struct.pack_into(fmt_, bad, rec + at, (value + delta) % wrap)
+                for records in (True, False):
+                    remembered = _walk_outcome(header, bytes(bad), records)
+                    saved = dict(fmt._WALKS._values)
+                    fmt._WALKS._values.clear()
+                    try:
+                        walked = _walk_outcome(header, bytes(bad), records)
+                    finally:
+                        fmt._WALKS._values.update(saved)
+                    assert remembered == walked
+                    assert not isinstance(walked, list)  # every change is refused
+                    tried += 1
+    assert tried == 3 * len(fields) * 2 * 2
+

@@ -57,6 +57,9 @@ def test_a_sealed_skeleton_is_what_encode_parts_writes(layout: object) -> None:
     out = bytearray(len(raw))
     header = copy_sealed(memoryview(out), bytes(raw))
     assert bytes(out) == want and header.tokens == 70
+    parsed = codec.parse_header(want)  # the sealed header is built, not parsed: the same
+    assert (header.raw, header.checksum, header.version, header.layout, header.entry) == \
+        (parsed.raw, parsed.checksum, parsed.version, parsed.layout, parsed.entry)
     seal_in_place(memoryview(raw))
     assert bytes(raw) == want
     head, prefixes, frames = skeleton(layout, 70, 128)  # type: ignore[arg-type]

@@ -285,6 +285,17 @@ def parse_header(buf: bytes | memoryview) -> Header:
     return Header(raw=raw, entry=entry, layout=layout, checksum=want, version=version)
 
 
+def sealed_header(header: Header, raw: bytes) -> Header:
+    """The ``Header`` of ``raw``, which ``build_header`` just made of ``header.entry`` (a
+    parsed header whose frame sums were filled in: ``kdn.codec.sealing``), without parsing it
+    again: the sums are the only change, and they bear on none of ``parse_header``'s checks.
+    Remembered as verified, as a parse would."""
+    (checksum,) = _HEAD_SUM.unpack_from(raw, len(raw) - _HEAD_SUM.size)
+    _HEADERS.put(raw, (header.layout, checksum, header.version))
+    return Header(raw=raw, entry=header.entry, layout=header.layout, checksum=checksum,
+                  version=header.version)
+
+
 def header_layout(buf: bytes | memoryview) -> KVLayout:
     """The layout of the verified container header at the start of ``buf`` (``parse_header``
     without building its entry message when these bytes were verified before)."""
@@ -431,9 +442,15 @@ def check_frame(header: Header, index: int, frame: bytes | memoryview, *,
     """
     payload, first, count = check_frame_prefix(header, index, frame, digest=digest,
                                                checksum=checksum)
+    end = len(payload)
+    walk = _WALKS.get((header.layout.fingerprint, header.tokens, first, count, end)) \
+        if count >= _WALK_MEMO_LAYERS else None
+    if walk is not None and walk.matches(payload):  # the walk below would go exactly so
+        return walk.records(payload) if records else []
     shapes = header.record_shapes
-    unpack, size, end = _RECORD.unpack_from, _RECORD.size, len(payload)
+    unpack, size = _RECORD.unpack_from, _RECORD.size
     out: list[LayerRecord] = []
+    starts: list[int] = []
     off = 0
     for layer in range(first, first + count):
         if end - off < size:
@@ -446,6 +463,7 @@ def check_frame(header: Header, index: int, frame: bytes | memoryview, *,
                 f"layout expects heads={lay.kv_heads} tokens={header.tokens} "
                 f"k={lay.k_channels} v={lay.v_channels}"
             )
+        starts.append(off)
         off += size
         if end - off < blen:
             raise Truncated(f"frame {index}: body of layer {layer} truncated")
@@ -454,7 +472,51 @@ def check_frame(header: Header, index: int, frame: bytes | memoryview, *,
         off += blen
     if off != end:
         raise Corrupt(f"frame {index}: {end - off} trailing bytes after its records")
+    if count >= _WALK_MEMO_LAYERS:
+        _WALKS.put((header.layout.fingerprint, header.tokens, first, count, end),
+                   _Walk.of(payload, first, header.tokens, starts))
     return out
+
+
+_WALK_MEMO_LAYERS = 4
+"""Frames of this many layers or more have their record walk memoised (``_Walk``)."""
+
+
+class _Walk:
+    """A frame's record walk that passed, kept by (layout, tokens, first layer, layer count,
+    payload length): the walk is a pure function of the record prefixes it reads and the
+    payload's length, so a payload whose bytes at those prefixes are the same ones passes the
+    same way and has its records at the same offsets. Checking that is one gather and one
+    compare (~3 us) instead of a Python step per layer (~30 us for 32 layers): every frame of
+    a model's entries of one length has the same prefixes."""
+
+    __slots__ = ("index", "want", "bodies")
+
+    def __init__(self, index: np.ndarray, want: bytes, bodies: tuple[tuple[int, int, int, int], ...]
+                 ) -> None:
+        self.index, self.want, self.bodies = index, want, bodies
+
+    @classmethod
+    def of(cls, payload: bytes | memoryview, first: int, tokens: int, starts: list[int]
+           ) -> _Walk:
+        size = _RECORD.size
+        index = (np.asarray(starts, dtype=np.intp)[:, None] + np.arange(size)).ravel()
+        mv = memoryview(payload).cast("B")
+        want = b"".join(bytes(mv[o : o + size]) for o in starts)
+        bodies = tuple((first + j, tokens, o + size, o + size + _RECORD.unpack_from(mv, o)[4])
+                       for j, o in enumerate(starts))
+        return cls(index, want, bodies)
+
+    def matches(self, payload: bytes | memoryview) -> bool:
+        got = np.frombuffer(payload, dtype=np.uint8)[self.index]
+        return bool(got.tobytes() == self.want)
+
+    def records(self, payload: bytes | memoryview) -> list[LayerRecord]:
+        mv = memoryview(payload)
+        return [LayerRecord(layer, tokens, mv[lo:hi]) for layer, tokens, lo, hi in self.bodies]
+
+
+_WALKS: BoundedMemo[tuple[str, int, int, int, int], _Walk] = BoundedMemo(1024)
 
 
 def check_frame_prefix(header: Header, index: int, frame: bytes | memoryview, *,
@@ -643,6 +705,23 @@ def copy_frame_checked(header: Header, index: int, dst: memoryview,
     else:
         out[:] = memoryview(frame).cast("B")
     check_frame_prefix(header, index, out)
+
+
+def copy_summed(header: Header, index: int, dst: memoryview, frame: bytes | memoryview) -> int:
+    """Copy frame ``index`` into ``dst`` (of its length) and return the full sum of the copy
+    (prefix sum bytes aside), hashed right after it is written (``FrameCopy``; a frame of at
+    most ``COPY_CHUNK`` bytes in one go, without building one). Nothing is checked."""
+    if len(frame) > COPY_CHUNK or len(frame) < _FRAME.size or len(frame) != len(dst):
+        copy = FrameCopy(header, index, dst)
+        copy.add(frame)
+        return copy.digest()
+    out = memoryview(dst).cast("B")
+    if len(out) >= _NUMPY_COPY_BYTES:  # numpy copies without the GIL
+        np.copyto(np.frombuffer(out, dtype=np.uint8),
+                  np.frombuffer(memoryview(frame).cast("B"), dtype=np.uint8))
+    else:
+        out[:] = memoryview(frame).cast("B")
+    return _frame_sum(header.frame_seed, out[:12], out[_FRAME.size:])
 
 
 def copy_pieces_checked(header: Header, index: int, dst: memoryview,

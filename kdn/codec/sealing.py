@@ -10,15 +10,16 @@ import struct
 from kdn.codec.format import (
     _FRAME,
     FRAME_SEED,
-    FrameCopy,
     Header,
     _frame_sum,
     build_header,
     check_frame,
     copy_head,
+    copy_summed,
     frame_length,
     header_size,
     parse_header,
+    sealed_header,
 )
 from kdn.errors import Corrupt, InvalidArgument, Truncated
 
@@ -69,9 +70,7 @@ def copy_sealed(dst: memoryview, value: bytes | memoryview) -> Header:
         n = frame_length(out, off)  # from the copy: the source may change under it
         if off + n > len(out):
             raise Truncated(f"frame {i} needs {n} bytes, {len(out) - off} remain")
-        copy = FrameCopy(header, i, out[off : off + n])
-        copy.add(src[off : off + n])
-        full = copy.digest()
+        full = copy_summed(header, i, out[off : off + n], src[off : off + n])
         struct.pack_into("<L", out, off + 12, full & 0xFFFFFFFF)
         entry.frames[i].checksum = full
         spans.append((off, off + n, full))
@@ -91,4 +90,4 @@ def _sealed_header(out: memoryview, head: int, end: int, header: Header) -> Head
     if len(sealed) != head:
         raise Corrupt(f"sealed header of {len(sealed)} bytes in place of {head}")
     out[:head] = sealed
-    return parse_header(out[:head])
+    return sealed_header(header, sealed)

@@ -53,8 +53,20 @@ class PutCopies(NamedTuple):
     """item -> its checked copy, or what copying it raised."""
     homes: dict[int, tuple[Arena, Slot]]
     """item -> the arena slot its copy lies in."""
-    headers: dict[int, Header]
-    """item -> its header, parsed from its copy."""
+    checked: dict[int, Checked]
+    """item -> what its checks on its copy gave (every check but the quota's, made on the
+    thread that copied it: ``_put_items`` takes them as they are)."""
+
+
+class Checked(NamedTuple):
+    """An item that passed its checks (``PutManyMixin._put_items``)."""
+
+    skey: bytes
+    """Its tier key."""
+    header: Header
+    """Its header, parsed from the bytes checked."""
+    seconds: float
+    """How long its check took (its copy included, where it was checked as it was copied)."""
 
 
 class PutManyMixin:
@@ -104,7 +116,7 @@ class PutManyMixin:
         split = {} if alone else _split_one(len(request.items))
         arena = self.arenas.get(p.tenant)
         homes: dict[int, tuple[Arena, Slot]] = {}  # item -> the arena slot it was copied into
-        headers: dict[int, Header] = {}  # item -> its header, parsed from its copy
+        checked: dict[int, Checked] = {}  # item -> its checks' outcome, made on its copy
 
         def copy_in(j: int, item: pb.PutItem) -> bytes | memoryview:
             # a copy, checked as it is made (one pass): later changes by the client can not
@@ -118,12 +130,15 @@ class PutManyMixin:
             else:
                 into = memoryview(self.buffers.take(  # type: ignore[arg-type]
                     stop - start, written_now=True))
+            t0 = time.perf_counter()
             if item.seal:  # a staged entry: its sums made on this copy (``copy_sealed``)
-                headers[j] = copy_sealed(into, src)
+                header = copy_sealed(into, src)
             else:
-                headers[j] = copy_checked(into, src, **split)
+                header = copy_checked(into, src, **split)
             if home is not None:
                 homes[j] = (arena, home[0])  # type: ignore[assignment]
+            checked[j] = Checked(self._check_item(p, request, item, header, len(into)), header,
+                                 time.perf_counter() - t0)
             return into.toreadonly()
 
         copied = {} if alone else self._copied_ahead(request, copy_in)
@@ -133,7 +148,7 @@ class PutManyMixin:
                     copied[j] = copy_in(j, item)
                 except Exception as exc:  # raised by ``_put_copied`` in its turn
                     copied[j] = exc
-        return PutCopies(True, copied, homes, headers)
+        return PutCopies(True, copied, homes, checked)
 
     def _put_copied(self, p: Principal, request: pb.PutManyRequest, copies: PutCopies
                     ) -> pb.PutManyResponse:
@@ -151,9 +166,17 @@ class PutManyMixin:
 
         try:
             return self._put_items(p, request, value_of, copies.homes,
-                                   sealing=copies.segment, headers=copies.headers)
+                                   sealing=copies.segment, checked=copies.checked)
         finally:  # a refused call's later copies go now (their arena slots with them), not
             copies.values.clear()  # with whoever still holds ``copies``
+
+    def _check_item(self, p: Principal, request: pb.PutManyRequest, item: pb.PutItem,
+                    header: Header, total: int) -> bytes:
+        """An item's checks beside its bytes' (name, options, size, codec, model): its tier
+        key."""
+        skey = self._check_target(p.tenant, request.namespace, item.key, item.options, total)
+        self._check_kind(header)
+        return skey
 
     def _copied_ahead(self, request: pb.PutManyRequest,
                       copy_in: Callable[[int, pb.PutItem], bytes | memoryview]
@@ -198,15 +221,15 @@ class PutManyMixin:
     def _put_items(self, p: Principal, request: pb.PutManyRequest,
                    value_of: Callable[[int, pb.PutItem], bytes | memoryview],
                    homes: dict[int, tuple[Arena, Slot]] | None = None, *,
-                   sealing: bool = False, headers: dict[int, Header] | None = None
+                   sealing: bool = False, checked: dict[int, Checked] | None = None
                    ) -> pb.PutManyResponse:
         """Check every item (its bytes from ``value_of``, which verifies them: Corrupt when
         they fail) before any is stored, then store them in order. ``homes``: items whose
         value lives in an arena slot (published with their put). ``sealing``: ``value_of``
-        seals the items that ask for it (``PutItem.seal``; segment items only). ``headers``:
-        items' headers that ``value_of`` parsed from the bytes it returned (not parsed
-        again)."""
-        checked: list[tuple[bytes, bytes | memoryview, Header]] = []
+        seals the items that ask for it (``PutItem.seal``; segment items only). ``checked``:
+        items checked already on the bytes ``value_of`` returns (``_put_copy``)."""
+        done = checked or {}
+        items: list[tuple[bytes, bytes | memoryview, Header]] = []
         for j, item in enumerate(request.items):
             if item.seal and not sealing:
                 raise InvalidArgument(f"item {j}: seal applies to an entry in a shared segment "
@@ -214,24 +237,23 @@ class PutManyMixin:
             t0 = time.perf_counter()
             try:
                 value = value_of(j, item)
-                header = (headers or {}).get(j)
-                if header is not None:
-                    skey = self._check_target(p.tenant, request.namespace, item.key,
-                                              item.options, len(value))
-                    self._check_kind(header)
+                got = done.get(j)
+                if got is not None:
+                    skey, header, seconds = got
                 else:
                     hdr = pb.StoreHeader(namespace=request.namespace, key=item.key,
                                          container_header=bytes(value[: header_size(value)]),
                                          total_bytes=len(value), options=item.options)
                     skey, header = self._check_header(p.tenant, hdr)
+                    seconds = time.perf_counter() - t0
             except Corrupt as exc:
                 raise InvalidArgument(f"item {j}: corrupt input: {exc}") from exc
             except KDNError as exc:
                 raise type(exc)(f"item {j}: {exc}") from exc
-            self.usage.checked(header, time.perf_counter() - t0)
-            checked.append((skey, value, header))
+            self.usage.checked(header, seconds)
+            items.append((skey, value, header))
         out = pb.PutManyResponse()
-        for j, ((skey, value, header), item) in enumerate(zip(checked, request.items)):
+        for j, ((skey, value, header), item) in enumerate(zip(items, request.items)):
             out.results.append(self._commit(p, skey, value, item.options, header,
                                             (homes or {}).get(j)))
         return out
