@@ -12,6 +12,7 @@ the same-host fast path can copy calls queued on a connection together
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -181,29 +182,41 @@ class PutManyMixin:
     def _copied_ahead(self, request: pb.PutManyRequest,
                       copy_in: Callable[[int, pb.PutItem], bytes | memoryview]
                       ) -> dict[int, bytes | memoryview | BaseException]:
-        """A batch's later items copied on the copy thread while this one copies the earlier
-        ones (``_put_items`` then checks them in order): the entry -> its value, or what its
-        copy raised. Empty for a batch too small to share."""
+        """A batch's items copied by this thread and the copy thread at once, this one from
+        the first item on, the copy thread from the last one back, each taking the next item
+        left as it is done with one (a thread the machine holds back takes fewer: the batch
+        does not wait for a fixed half of it); ``_put_items`` then checks them in order. The
+        entry -> its value, or what its copy raised. Empty for a batch too small to share."""
         items = request.items
         total = sum(item.region.length for item in items)
         if COPY_THREADS < 1 or len(items) < 2 or total < PARALLEL_PUT_BYTES:
             return {}
-        half, size = len(items), 0
-        while half > 1 and size < total // 2:
-            half -= 1
-            size += items[half].region.length
+        lock = threading.Lock()
+        left = [0, len(items) - 1]  # items [left[0], left[1]) not taken yet (the last one is
+        # the copy thread's first)
 
-        def run(lo: int, hi: int) -> dict[int, bytes | memoryview | BaseException]:
+        def take(front: bool) -> int:
+            with lock:
+                if left[0] >= left[1]:
+                    return -1
+                if front:
+                    left[0] += 1
+                    return left[0] - 1
+                left[1] -= 1
+                return left[1]
+
+        def run(j: int, front: bool) -> dict[int, bytes | memoryview | BaseException]:
             out: dict[int, bytes | memoryview | BaseException] = {}
-            for j in range(lo, hi):
+            while j >= 0:
                 try:
                     out[j] = copy_in(j, items[j])
                 except Exception as exc:  # raised by value_of in its turn
                     out[j] = exc
+                j = take(front)
             return out
 
-        later = copy_pool().submit(run, half, len(items))
-        done = run(0, half)
+        later = copy_pool().submit(run, len(items) - 1, False)
+        done = run(take(True), True)
         done.update(later.result())
         return done
 
