@@ -10,7 +10,7 @@ import gc
 import numpy as np
 import pytest
 
-from kdn.buffers import MIN_BYTES, BufferPool
+from kdn.buffers import _WATCHED, MIN_BYTES, BufferPool, on_release
 from kdn.client import Client
 from kdn.server import ServerConfig, ServerThread
 from tests.helpers import random_kv, uniform_layout
@@ -34,6 +34,40 @@ def test_a_buffer_comes_back_only_when_its_last_view_is_gone() -> None:
     c = pool.take((3 << 20) - 100)  # close enough in size: reused
     assert pool.reused == 1 and pool.free_bytes == 0 and len(c) == (3 << 20) - 100
     del b, c
+
+
+def test_a_release_watch_fires_once_on_the_thread_that_lets_go_and_is_then_forgotten() -> None:
+    """``on_release`` (what buffers and arena slots are given back by): the call comes once,
+    when the last reference goes, on the thread that dropped it, for an array (no hash) as
+    for any object; nothing of the watch is left afterwards, and a watched object alive in a
+    cycle is not released before the collector frees it."""
+    import threading
+
+    got: list[tuple[str, str]] = []
+    before = len(_WATCHED)
+    arrays = [np.zeros(8, dtype=np.uint8) for _ in range(3)]
+    for i, a in enumerate(arrays):
+        on_release(memoryview(a) if i == 2 else a, lambda tag: got.append(
+            (tag, threading.current_thread().name)), f"a{i}")
+    assert len(_WATCHED) == before + 2  # the memoryview went at once
+    assert got == [("a2", threading.current_thread().name)]
+    view = arrays[0][:4]  # a numpy slice keeps its base alive
+    del arrays[0]
+    assert len(got) == 1
+    t = threading.Thread(target=lambda: arrays.clear(), name="dropper")
+    t.start()
+    t.join()
+    assert got[1:] == [("a1", "dropper")]
+    del view
+    assert got[2:] == [("a0", threading.current_thread().name)]
+    on_release(np.zeros(1), lambda tag: got.append((tag, "")), "never held")
+    holder = [np.zeros(2)]
+    holder.append(holder)
+    on_release(holder[0], lambda tag: got.append((tag, "")), "in a cycle")
+    del holder
+    assert got[-1][0] == "never held"
+    gc.collect()
+    assert got[-1][0] == "in a cycle" and len(_WATCHED) == before
 
 
 def test_sizes_far_apart_do_not_share_and_free_memory_stays_bounded() -> None:

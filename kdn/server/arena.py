@@ -56,7 +56,6 @@ import mmap
 import os
 import secrets
 import threading
-import weakref
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -64,7 +63,7 @@ from typing import Any
 
 import numpy as np
 
-from kdn.buffers import MADV_POPULATE_WRITE, libc_madvise
+from kdn.buffers import MADV_POPULATE_WRITE, libc_madvise, on_release
 from kdn.codec.format import header_size
 from kdn.errors import Corrupt
 from kdn.regions import RegionAllocator
@@ -106,6 +105,13 @@ class Slot:
     """Still the arena's copy for ``skey`` (False: dropped; freed at its last release)."""
     generation: int = 0
     """Written at ``start`` while indexed (module docstring); unique in the arena."""
+
+
+def _unstore(slot: Slot) -> None:
+    """The entry ``Arena.reserve`` handed out is gone from the store: its lease goes, by the
+    arena's next call that takes the lock (this runs on any thread, at any allocation: also
+    on one that holds the lock)."""
+    slot.arena._unstored.append(slot)
 
 
 class Arena:
@@ -249,14 +255,9 @@ class Arena:
             self._words[start // WORD] = 0
             self._stored += length
         owner = self.array[offset : offset + length]
-        weakref.finalize(owner, self._unstore, slot)
+        on_release(owner, _unstore, slot)
         return slot, memoryview(owner)  # type: ignore[arg-type]
 
-    def _unstore(self, slot: Slot) -> None:
-        """The entry ``reserve`` handed out is gone from the store: its lease goes, by the
-        next call that takes the lock (a finalizer may run on any thread, at any allocation:
-        also on one that holds the lock)."""
-        self._unstored.append(slot)
 
     def _settle(self) -> None:
         """Give back the leases of stored entries that went (``_unstore``). Call with the
