@@ -500,7 +500,8 @@ class _Walk:
     def of(cls, payload: bytes | memoryview, first: int, tokens: int, starts: list[int]
            ) -> _Walk:
         size = _RECORD.size
-        index = (np.asarray(starts, dtype=np.intp)[:, None] + np.arange(size)).ravel()
+        index = (np.asarray(starts, dtype=np.int32)[:, None]
+                 + np.arange(size, dtype=np.int32)).ravel()
         mv = memoryview(payload).cast("B")
         want = b"".join(bytes(mv[o : o + size]) for o in starts)
         bodies = tuple((first + j, tokens, o + size, o + size + _RECORD.unpack_from(mv, o)[4])
