@@ -76,13 +76,14 @@ def on_release(obj: object, fn: Any, arg: object) -> None:
 
 
 class BufferPool:
-    """Thread-safe; finalizers may run on any thread, at any allocation."""
+    """Thread-safe; release watches (``on_release``) may fire on any thread, at any
+    allocation."""
 
     def __init__(self, keep_bytes: int) -> None:
         self.keep_bytes = max(0, keep_bytes)
         self._free: list[np.ndarray[Any, Any]] = []
         self._free_bytes = 0
-        self._lock = threading.RLock()  # a finalizer can fire inside take() on this thread
+        self._lock = threading.RLock()  # a release can fire inside take() on this thread
         self.reused = 0
         self.created = 0
 
