@@ -22,8 +22,9 @@ from kdn.codec import (
     mode_names,
     parse_header,
 )
+from kdn.codec.copies import copy_checked
 from kdn.codec.entropy import decode_streams, encode_streams
-from kdn.codec.format import copy_checked, header_size, seal
+from kdn.codec.format import header_size, seal
 from kdn.codec.modes import get_mode, tensor_borrowed
 from kdn.codec.modes.cachegen import PARAMS as CACHEGEN
 from kdn.codec.modes.kdn import LEVELS as KDN_LEVELS
@@ -269,18 +270,18 @@ def test_copy_checked_copies_and_finds_every_damage(layers_per_frame: int) -> No
 
 
 def test_copy_checked_hashes_in_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
-    import kdn.codec.format as fmt
+    import kdn.codec.copies as copies
 
-    monkeypatch.setattr(fmt, "COPY_CHUNK", 7)  # many chunks per frame, one frame per layer
+    monkeypatch.setattr(copies, "COPY_CHUNK", 7)  # many chunks per frame, one frame per layer
     kv = random_kv(uniform_layout(), 9, seed=2)
     blob = encode(kv, "raw")
     out = bytearray(len(blob))
-    fmt.copy_checked(memoryview(out), blob)
+    copies.copy_checked(memoryview(out), blob)
     assert decode(bytes(out)).equal(kv)
     bad = bytearray(blob)
     bad[-1] ^= 1
     with pytest.raises(Corrupt):
-        fmt.copy_checked(memoryview(bytearray(len(bad))), bytes(bad))
+        copies.copy_checked(memoryview(bytearray(len(bad))), bytes(bad))
 
 
 @pytest.mark.parametrize("chunk", [7, 1 << 20])
@@ -291,9 +292,10 @@ def test_a_frame_copied_from_pieces_is_checked_as_the_whole_frame(
     to the destination, is refused."""
     import random
 
+    import kdn.codec.copies as copies
     import kdn.codec.format as fmt
 
-    monkeypatch.setattr(fmt, "COPY_CHUNK", chunk)
+    monkeypatch.setattr(copies, "COPY_CHUNK", chunk)
     blob = encode(random_kv(uniform_layout(), 9, seed=3), "raw", layers_per_frame=2)
     container = fmt.parse_container(blob)
     rng = random.Random(5)
@@ -303,20 +305,20 @@ def test_a_frame_copied_from_pieces_is_checked_as_the_whole_frame(
             cuts = sorted(rng.sample(range(1, len(data)), rng.randrange(1, 6)))
             pieces = [data[a:b] for a, b in zip([0, *cuts], [*cuts, len(data)])]
             out = bytearray(len(data))
-            fmt.copy_pieces_checked(container.header, index, memoryview(out), pieces)
+            copies.copy_pieces_checked(container.header, index, memoryview(out), pieces)
             assert out == data
         for at in range(0, len(data), max(1, len(data) // 97)):
             bad = bytearray(data)
             bad[at] ^= 0x10
             pieces = [bytes(bad[:at // 2 + 1]), bytes(bad[at // 2 + 1:])]
             with pytest.raises(KDNError):
-                fmt.copy_pieces_checked(container.header, index,
+                copies.copy_pieces_checked(container.header, index,
                                         memoryview(bytearray(len(data))), pieces)
         with pytest.raises(InvalidArgument):
-            fmt.copy_pieces_checked(container.header, index, memoryview(bytearray(len(data))),
+            copies.copy_pieces_checked(container.header, index, memoryview(bytearray(len(data))),
                                     [data[:10], data[11:]])
         with pytest.raises(KDNError):  # a frame in another frame's place
-            fmt.copy_pieces_checked(container.header, index + 1 if index == 0 else 0,
+            copies.copy_pieces_checked(container.header, index + 1 if index == 0 else 0,
                                     memoryview(bytearray(len(data))), [data])
 
 
@@ -326,19 +328,19 @@ def test_copy_checked_on_several_workers_copies_whole_frames_and_waits_for_all(
     import threading
     from concurrent.futures import ThreadPoolExecutor
 
-    import kdn.codec.format as fmt
+    import kdn.codec.copies as copies
 
-    monkeypatch.setattr(fmt, "PARALLEL_COPY_BYTES", 1)  # every entry is large enough
+    monkeypatch.setattr(copies, "PARALLEL_COPY_BYTES", 1)  # every entry is large enough
     kv = random_kv(pruned_layout(), 40, seed=4)
     blob = encode(kv, "raw", layers_per_frame=1)
     checked: list[tuple[str, int]] = []
-    real = fmt.check_frame_prefix
+    real = copies.check_frame_prefix
 
     def spy(header, index, *a, **k):  # type: ignore[no-untyped-def]
         checked.append((threading.current_thread().name, index))
         return real(header, index, *a, **k)
 
-    monkeypatch.setattr(fmt, "check_frame_prefix", spy)
+    monkeypatch.setattr(copies, "check_frame_prefix", spy)
     class Counting(ThreadPoolExecutor):
         runs = 0
 
@@ -348,7 +350,7 @@ def test_copy_checked_on_several_workers_copies_whole_frames_and_waits_for_all(
 
     with Counting(workers, thread_name_prefix="copy") as pool:
         out = bytearray(len(blob))
-        fmt.copy_checked(memoryview(out), blob, pool=pool, workers=workers)
+        copies.copy_checked(memoryview(out), blob, pool=pool, workers=workers)
         assert bytes(out) == blob and Counting.runs == workers - 1  # the last run: here
         assert sorted(i for _, i in checked) == list(range(kv.layout.num_layers))
         names = {name for name, _ in checked}
@@ -358,12 +360,12 @@ def test_copy_checked_on_several_workers_copies_whole_frames_and_waits_for_all(
         bad[len(bad) // 3] ^= 0x10  # in the first run: the later runs still end first
         dst = bytearray(len(bad))
         with pytest.raises(Corrupt):
-            fmt.copy_checked(memoryview(dst), bytes(bad), pool=pool, workers=workers)
+            copies.copy_checked(memoryview(dst), bytes(bad), pool=pool, workers=workers)
         assert dst[-100:] == bad[-100:]  # the last run copied before the error came out
         bad = bytearray(blob)
         bad[-1] ^= 0x10  # in the last run
         with pytest.raises(Corrupt):
-            fmt.copy_checked(memoryview(bytearray(len(bad))), bytes(bad), pool=pool,
+            copies.copy_checked(memoryview(bytearray(len(bad))), bytes(bad), pool=pool,
                              workers=workers)
 
 

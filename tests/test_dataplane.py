@@ -398,9 +398,9 @@ def test_damage_to_a_checked_value_in_server_memory_is_caught_by_the_segment_cop
         server: ServerThread, shm_client: Client, monkeypatch: pytest.MonkeyPatch,
         split: bool) -> None:
     if split:  # every entry large enough to be copied in runs of frames (PutMany and GetMany)
-        import kdn.codec.format as fmt
+        import kdn.codec.copies as copies
 
-        monkeypatch.setattr(fmt, "PARALLEL_COPY_BYTES", 1)
+        monkeypatch.setattr(copies, "PARALLEL_COPY_BYTES", 1)
     kv = random_kv(LAYOUT, 40, seed=5)
     shm_client.store(_key(22), kv, mode="raw", options=StoreOptions(durability=Durability.DISK),
                      layers_per_frame=1)  # frames to split

@@ -37,8 +37,8 @@ from kdn.buffers import RECEIVED
 from kdn.client.netpath import NetPath, fast_answer, fast_error, fast_send
 from kdn.client.puts import TOO_BIG, PutsMixin, TooBig
 from kdn.codec import EncodedParts
+from kdn.codec.copies import FrameCopy
 from kdn.codec.format import (
-    FrameCopy,
     Header,
     check_frame_prefix,
     declared_length,

@@ -38,7 +38,8 @@ import torch
 
 from kdn.client.dataplane import FRAME_ALIGN
 from kdn.codec import EncodedParts
-from kdn.codec.format import Header, copy_frame_checked, parse_container, parse_header
+from kdn.codec.copies import copy_frame_checked
+from kdn.codec.format import Header, parse_container, parse_header
 from kdn.errors import Corrupt, Truncated
 
 TIER = "inproc"

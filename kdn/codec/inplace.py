@@ -27,12 +27,12 @@ import numpy as np
 import torch
 
 from kdn.buffers import RECEIVED
+from kdn.codec.copies import copy_checked
 from kdn.codec.format import (
     FRAME_PREFIX_BYTES,
     BoundedMemo,
     Header,
     check_frame_prefix,
-    copy_checked,
     frame_prefix,
     record_prefix,
 )

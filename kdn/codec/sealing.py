@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import struct
 
+from kdn.codec.copies import copy_head, copy_summed
 from kdn.codec.format import (
     _FRAME,
     FRAME_SEED,
@@ -14,8 +15,6 @@ from kdn.codec.format import (
     _frame_sum,
     build_header,
     check_frame,
-    copy_head,
-    copy_summed,
     frame_length,
     header_size,
     parse_header,

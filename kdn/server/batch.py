@@ -50,12 +50,8 @@ import grpc
 import numpy as np
 
 from kdn.buffers import BufferPool
-from kdn.codec.format import (
-    copy_checked,
-    header_layout,
-    header_size,
-    parse_header,
-)
+from kdn.codec.copies import copy_checked
+from kdn.codec.format import header_layout, header_size, parse_header
 from kdn.errors import (
     Corrupt,
     InvalidArgument,
@@ -335,7 +331,7 @@ def _aligned(n: int) -> int:
 def _split_one(entries: int) -> dict[str, Any]:
     """``copy_checked``'s arguments for a call of ``entries`` entries: one entry (what an
     engine waits on for a long context) is copied in runs of its frames on the copy threads and
-    the request's own (from ``PARALLEL_COPY_BYTES`` of the format); a batch splits by entry."""
+    the request's own (from ``kdn.codec.copies.PARALLEL_COPY_BYTES``); a batch splits by entry."""
     return {"pool": copy_pool(), "workers": COPY_THREADS + 1} if entries == 1 else {}
 
 

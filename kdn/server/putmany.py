@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import grpc
 
 from kdn.buffers import BufferPool
-from kdn.codec.format import Header, copy_checked, header_size, parse_container
+from kdn.codec.copies import copy_checked
+from kdn.codec.format import Header, header_size, parse_container
 from kdn.codec.sealing import copy_sealed
 from kdn.errors import Corrupt, InvalidArgument, KDNError, TooLarge
 from kdn.server.arena import Arena, Arenas, Slot

@@ -33,10 +33,10 @@ from kdn.buffers import (
     kept_free_bytes,
 )
 from kdn.codec.catalog import check_codec
+from kdn.codec.copies import copy_pieces_checked
 from kdn.codec.format import (
     Header,
     check_frame,
-    copy_pieces_checked,
     declared_length,
     entry_digest,
     parse_container,
