@@ -123,11 +123,7 @@ def copy_frame_checked(header: Header, index: int, dst: memoryview,
     if len(out) != len(frame):
         raise InvalidArgument(f"copy of {len(frame)} bytes of frame {index} into {len(out)} "
                               "bytes")
-    if len(out) >= _NUMPY_COPY_BYTES:  # numpy copies without the GIL (a memoryview's
-        np.copyto(np.frombuffer(out, dtype=np.uint8),  # assignment holds it)
-                  np.frombuffer(memoryview(frame).cast("B"), dtype=np.uint8))
-    else:
-        out[:] = memoryview(frame).cast("B")
+    _copy_whole(out, frame)
     check_frame_prefix(header, index, out)
 
 
@@ -140,12 +136,18 @@ def copy_summed(header: Header, index: int, dst: memoryview, frame: bytes | memo
         copy.add(frame)
         return copy.digest()
     out = memoryview(dst).cast("B")
-    if len(out) >= _NUMPY_COPY_BYTES:  # numpy copies without the GIL
+    _copy_whole(out, frame)
+    return _frame_sum(header.frame_seed, out[:12], out[_FRAME.size:])
+
+
+def _copy_whole(out: memoryview, frame: bytes | memoryview) -> None:
+    """``frame`` copied into ``out`` (a byte view of its length) in one go: by numpy from
+    ``_NUMPY_COPY_BYTES`` on, the GIL free meanwhile (a memoryview's assignment holds it)."""
+    if len(out) >= _NUMPY_COPY_BYTES:
         np.copyto(np.frombuffer(out, dtype=np.uint8),
                   np.frombuffer(memoryview(frame).cast("B"), dtype=np.uint8))
     else:
         out[:] = memoryview(frame).cast("B")
-    return _frame_sum(header.frame_seed, out[:12], out[_FRAME.size:])
 
 
 def copy_pieces_checked(header: Header, index: int, dst: memoryview,

@@ -442,8 +442,9 @@ def check_frame(header: Header, index: int, frame: bytes | memoryview, *,
     payload, first, count = check_frame_prefix(header, index, frame, digest=digest,
                                                checksum=checksum)
     end = len(payload)
-    walk = _WALKS.get((header.layout.fingerprint, header.tokens, first, count, end)) \
+    key = (header.layout.fingerprint, header.tokens, first, count, end) \
         if count >= _WALK_MEMO_LAYERS else None
+    walk = _WALKS.get(key) if key is not None else None
     if walk is not None and walk.matches(payload):  # the walk below would go exactly so
         return walk.records(payload) if records else []
     shapes = header.record_shapes
@@ -471,9 +472,8 @@ def check_frame(header: Header, index: int, frame: bytes | memoryview, *,
         off += blen
     if off != end:
         raise Corrupt(f"frame {index}: {end - off} trailing bytes after its records")
-    if count >= _WALK_MEMO_LAYERS:
-        _WALKS.put((header.layout.fingerprint, header.tokens, first, count, end),
-                   _Walk.of(payload, first, header.tokens, starts))
+    if key is not None:
+        _WALKS.put(key, _Walk.of(payload, first, header.tokens, starts))
     return out
 
 

@@ -258,7 +258,6 @@ class Arena:
         on_release(owner, _unstore, slot)
         return slot, memoryview(owner)  # type: ignore[arg-type]
 
-
     def _settle(self) -> None:
         """Give back the leases of stored entries that went (``_unstore``). Call with the
         lock held."""
