@@ -561,14 +561,14 @@ def test_a_remembered_record_walk_never_passes_a_frame_the_walk_would_refuse(
     header = parse_header(parts.header)
     frame = bytes(parts.frames[0])
     assert header.entry.frames[0].num_layers == layout.num_layers >= fmt._WALK_MEMO_LAYERS
-    key = (layout.fingerprint, 9, 0, layout.num_layers, len(frame) - fmt._FRAME.size)
+    key = (layout.fingerprint, 9, 0, layout.num_layers, len(frame) - fmt.FRAME_STRUCT.size)
     fmt._WALKS._values.pop(key, None)
     sound = _walk_outcome(header, frame, True)
     assert isinstance(sound, list) and len(sound) == layout.num_layers
     assert key in fmt._WALKS  # remembered: the next sound frame skips the walk
     assert _walk_outcome(header, frame, True) == sound
     assert _walk_outcome(header, frame, False) == []
-    starts, off = [], fmt._FRAME.size
+    starts, off = [], fmt.FRAME_STRUCT.size
     for _ in range(layout.num_layers):
         starts.append(off)
         off += fmt.RECORD_BYTES + struct.unpack_from("<HIHHI", frame, off)[4]

@@ -11,6 +11,7 @@ import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
+from typing import Any
 
 import numpy as np
 import torch
@@ -218,6 +219,19 @@ class StreamDecoder:
             raise Corrupt(f"layer {rec.layer}: mode {self.mode.name} decoded wrong shapes")
         return k, v
 
+    def decode_records(self, recs: Sequence[LayerRecord]) -> Any:
+        """Records' layers decoded together by the mode's whole-entry GPU decoder
+        (``Mode.decode_layers``): a ``Decoded`` to ``check()`` before its tensors are used, or
+        None where the mode has none."""
+        specs = [_spec(self.header.layout, r.layer, r.tokens) for r in recs]
+        done = self.mode.decode_layers([memoryview(r.body) for r in recs], specs, self.level,
+                                       self.device)
+        if done is not None:
+            for (k, v), spec, r in zip(done.layers, specs, recs):
+                if tuple(k.shape) != spec.k_shape or tuple(v.shape) != spec.v_shape:
+                    raise Corrupt(f"layer {r.layer}: mode {self.mode.name} decoded wrong shapes")
+        return done
+
     def decode_frame(
         self, index: int, frame: bytes | memoryview
     ) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
@@ -275,10 +289,20 @@ class StreamDecoder:
         return [None] * self.header.layout.num_layers
 
 
-def decode(buf: bytes | memoryview, *, device: torch.device | str | None = None) -> KVCache:
-    """Verify and decode a whole container into a KVCache (layers decoded in parallel)."""
+def decode(buf: bytes | memoryview, *, device: torch.device | str | None = None,
+           batched: bool | None = None) -> KVCache:
+    """Verify and decode a whole container into a KVCache. On a CUDA device, a mode with a
+    whole-entry decoder (``Mode.decode_layers``: ``kdn``, ``int8``) decodes every layer in a
+    few kernel launches and one synchronisation at the end; elsewhere layers decode in
+    parallel on the codec's thread pool. ``batched`` forces either way (True on the CPU runs
+    the GPU kernels under Triton's interpreter: how tests check them)."""
     container = parse_container(buf, verify=False)  # frames are checked just below
     dec = StreamDecoder(container.header, device, stored_bytes=len(buf))
     recs = [r for i, f in enumerate(container.frames) for r in check_frame(dec.header, i, f)]
+    start = int(container.header.entry.start_position)
+    if dec.device.type == "cuda" if batched is None else batched:
+        done = dec.decode_records(recs)
+        if done is not None:
+            return KVCache(dec.header.layout, done.check(), start)
     layers = list(_pool().map(dec.decode_record, recs))
-    return KVCache(dec.header.layout, layers, int(container.header.entry.start_position))
+    return KVCache(dec.header.layout, layers, start)

@@ -13,11 +13,11 @@ import numpy as np
 import xxhash
 
 from kdn.codec.format import (
-    _FRAME,
+    FRAME_STRUCT,
     Header,
-    _frame_sum,
     check_frame_prefix,
     frame_length,
+    frame_sum,
     header_size,
     parse_header,
 )
@@ -131,13 +131,13 @@ def copy_summed(header: Header, index: int, dst: memoryview, frame: bytes | memo
     """Copy frame ``index`` into ``dst`` (of its length) and return the full sum of the copy
     (prefix sum bytes aside), hashed right after it is written (``FrameCopy``; a frame of at
     most ``COPY_CHUNK`` bytes in one go, without building one). Nothing is checked."""
-    if len(frame) > COPY_CHUNK or len(frame) < _FRAME.size or len(frame) != len(dst):
+    if len(frame) > COPY_CHUNK or len(frame) < FRAME_STRUCT.size or len(frame) != len(dst):
         copy = FrameCopy(header, index, dst)
         copy.add(frame)
         return copy.digest()
     out = memoryview(dst).cast("B")
     _copy_whole(out, frame)
-    return _frame_sum(header.frame_seed, out[:12], out[_FRAME.size:])
+    return frame_sum(header.frame_seed, out[:12], out[FRAME_STRUCT.size:])
 
 
 def _copy_whole(out: memoryview, frame: bytes | memoryview) -> None:
@@ -188,9 +188,9 @@ class FrameCopy:
             hi = min(lo + COPY_CHUNK, len(src))
             np.copyto(self._a[self.at:self.at + hi - lo], src[lo:hi])
             self.at += hi - lo
-            if not self._hashed and self.at >= _FRAME.size:
+            if not self._hashed and self.at >= FRAME_STRUCT.size:
                 h.update(out[:12])
-                self._hashed = _FRAME.size
+                self._hashed = FRAME_STRUCT.size
             if self._hashed and self.at > self._hashed:
                 h.update(out[self._hashed:self.at])
                 self._hashed = self.at
@@ -201,7 +201,7 @@ class FrameCopy:
 
     def check(self) -> None:
         """Check the copy as a whole; Corrupt/Truncated (then ``dst`` holds unchecked bytes)."""
-        if self.at < _FRAME.size:
+        if self.at < FRAME_STRUCT.size:
             raise Truncated(f"frame {self.index}: {self.at} bytes can not hold its prefix")
         check_frame_prefix(self.header, self.index, self.out[:self.at],
                            digest=self._h.intdigest())

@@ -57,9 +57,9 @@ FRAME_SEED = 0x6B646E32_66726D31
 _HEAD = struct.Struct("<4sHHI")  # magic, version, flags, header length
 HEAD_PREFIX_BYTES = _HEAD.size  # a container's fixed prefix: enough for ``header_size``
 _HEAD_SUM = struct.Struct("<Q")
-_FRAME = struct.Struct("<2sHHHIL")  # magic, index, first layer, layer count, payload len, sum
+FRAME_STRUCT = struct.Struct("<2sHHHIL")  # magic, index, first layer, layer count, payload len, sum
 _RECORD = struct.Struct("<HIHHI")  # kv_heads, tokens, k_channels, v_channels, body len
-FRAME_PREFIX_BYTES = _FRAME.size
+FRAME_PREFIX_BYTES = FRAME_STRUCT.size
 RECORD_BYTES = _RECORD.size
 MAX_HEADER_BYTES = 1 << 20
 MAX_LAYER_BYTES = 4 << 30
@@ -319,7 +319,7 @@ def _check_spans(entry: pb.EntryHeader, layout: KVLayout) -> None:
 # ------------------------------------------------------------------ frames
 
 
-def _frame_sum(seed: int, prefix12: bytes | memoryview, payload: bytes | memoryview) -> int:
+def frame_sum(seed: int, prefix12: bytes | memoryview, payload: bytes | memoryview) -> int:
     """The full 64-bit sum of a frame (its prefix holds the low 32 bits)."""
     h = xxhash.xxh3_64(seed=seed)
     h.update(prefix12)
@@ -348,14 +348,14 @@ def frame_with_sum(seed: int, index: int, first_layer: int,
     for p in parts:
         h.update(p)
     full = h.intdigest()
-    head = lead(_FRAME.size + length) if lead is not None else b""
+    head = lead(FRAME_STRUCT.size + length) if lead is not None else b""
     out = b"".join([head, pre, struct.pack("<L", full & 0xFFFFFFFF), *parts])
     return (memoryview(out)[len(head):] if head else out), full  # type: ignore[return-value]
 
 
 def frame_prefix(index: int, first_layer: int, count: int, length: int, checksum: int) -> bytes:
     """The 16-byte prefix of a frame (``checksum``: its full sum; the low 32 bits are kept)."""
-    return _FRAME.pack(FRAME_MAGIC, index, first_layer, count, length, checksum & 0xFFFFFFFF)
+    return FRAME_STRUCT.pack(FRAME_MAGIC, index, first_layer, count, length, checksum & 0xFFFFFFFF)
 
 
 def build_frame(seed: int, index: int, first_layer: int,
@@ -377,9 +377,9 @@ def seal(entry: pb.EntryHeader, frames: list[bytes], version: int = VERSION
     seed = parse_header(header).frame_seed if version < 2 else FRAME_SEED
     out = []
     for i, frame in enumerate(frames):
-        full = _frame_sum(seed, frame[:12], frame[_FRAME.size :])
+        full = frame_sum(seed, frame[:12], frame[FRAME_STRUCT.size :])
         out.append(b"".join([frame[:12], struct.pack("<L", full & 0xFFFFFFFF),
-                             frame[_FRAME.size :]]))
+                             frame[FRAME_STRUCT.size :]]))
         if version >= 2 and i < len(entry.frames):
             entry.frames[i].checksum = full
     return (build_header(entry, version) if version >= 2 else header), out
@@ -401,12 +401,12 @@ def build_record(lay: LayerLayout, tokens: int, body: Buffer) -> bytes:
 
 def frame_length(buf: bytes | memoryview, offset: int = 0) -> int:
     """Total bytes of the frame starting at ``offset`` (prefix + payload), from its prefix."""
-    if len(buf) - offset < _FRAME.size:
+    if len(buf) - offset < FRAME_STRUCT.size:
         raise Truncated(f"frame prefix truncated at offset {offset}")
-    magic, _i, _f, _n, length, _s = _FRAME.unpack_from(buf, offset)
+    magic, _i, _f, _n, length, _s = FRAME_STRUCT.unpack_from(buf, offset)
     if magic != FRAME_MAGIC:
         raise Corrupt(f"bad frame magic at offset {offset}")
-    return _FRAME.size + length
+    return FRAME_STRUCT.size + length
 
 
 def declared_length(first: bytes | memoryview) -> int:
@@ -528,20 +528,21 @@ def check_frame_prefix(header: Header, index: int, frame: bytes | memoryview, *,
     mv = memoryview(frame)
     if index >= len(header.entry.frames):
         raise InvalidLayout(f"frame {index} beyond the {len(header.entry.frames)} declared")
-    if len(mv) < _FRAME.size:
+    if len(mv) < FRAME_STRUCT.size:
         raise Truncated(f"frame {index} truncated: {len(mv)} bytes")
-    magic, idx, first, count, length, want = _FRAME.unpack_from(mv, 0)
+    magic, idx, first, count, length, want = FRAME_STRUCT.unpack_from(mv, 0)
     if magic != FRAME_MAGIC:
         raise Corrupt(f"frame {index}: bad magic")
-    if len(mv) != _FRAME.size + length:
-        raise Truncated(f"frame {index}: {len(mv) - _FRAME.size} payload bytes, declared {length}")
-    payload = mv[_FRAME.size :]
+    if len(mv) != FRAME_STRUCT.size + length:
+        raise Truncated(f"frame {index}: {len(mv) - FRAME_STRUCT.size} payload bytes, "
+                        f"declared {length}")
+    payload = mv[FRAME_STRUCT.size :]
     span = header.entry.frames[index]
     if header.version >= 2 and want != span.checksum & 0xFFFFFFFF:
         raise Corrupt(f"frame {index} does not belong to this entry: its checksum is not the "
                       f"one the header lists for frame {index}")
     if checksum:
-        got = _frame_sum(header.frame_seed, mv[:12], payload) if digest is None else digest
+        got = frame_sum(header.frame_seed, mv[:12], payload) if digest is None else digest
         if got & 0xFFFFFFFF != want or header.version >= 2 and got != span.checksum:
             raise Corrupt(f"frame {index}: checksum mismatch")
     if (idx, first, count) != (index, span.first_layer, span.num_layers):
@@ -569,7 +570,7 @@ def entry_digest(frames: Sequence[bytes | memoryview]) -> int:
     checksum collides."""
     h = xxhash.xxh3_64()
     for f in frames:
-        h.update(f[: _FRAME.size])
+        h.update(f[: FRAME_STRUCT.size])
     return h.intdigest()
 
 

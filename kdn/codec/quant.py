@@ -19,8 +19,12 @@ import torch
 
 LOG_SCALE_RES = 16
 """Log-scale symbols per octave: scales are stored to within 2**(1/32) (~2%)."""
-LOG_SCALE_MAX = 4000
-"""|symbol| bound: scales in [2**-250, 2**250] (float32 saturates first)."""
+LOG_SCALE_MAX = 2000
+"""|symbol| bound: scales in [2**-125, 2**125], normal float32 numbers."""
+SCALE_TABLE = torch.tensor([2.0 ** (j / LOG_SCALE_RES) for j in range(LOG_SCALE_RES)],
+                           dtype=torch.float32)
+"""2**(j/16) for j < 16, each rounded once to float32: a scale is one of these times an exact
+power of two, so every device computes it bit-identically (no exp2 whose last bit varies)."""
 
 
 def token_absmax(x: torch.Tensor) -> torch.Tensor:
@@ -40,8 +44,12 @@ def log_scale_symbols(scale: torch.Tensor) -> torch.Tensor:
 
 
 def scale_from_symbols(q: torch.Tensor) -> torch.Tensor:
-    """The scale a log-scale symbol stands for (float32)."""
-    return torch.exp2(q.float() / LOG_SCALE_RES)
+    """The scale a log-scale symbol stands for (float32): 2**(q/16) as
+    ``SCALE_TABLE[q mod 16] * 2**floor(q/16)``, the power of two built from its exponent bits
+    (q within ``LOG_SCALE_MAX``; the GPU decoder computes the same)."""
+    q = q.to(torch.int32)
+    e = ((q >> 4).clamp(-126, 127) + 127) << 23
+    return SCALE_TABLE.to(q.device)[q & (LOG_SCALE_RES - 1)] * e.view(torch.float32)
 
 
 def quantize(x: torch.Tensor, step: torch.Tensor, limit: int = 32000) -> torch.Tensor:

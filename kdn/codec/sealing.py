@@ -9,13 +9,13 @@ import struct
 
 from kdn.codec.copies import copy_head, copy_summed
 from kdn.codec.format import (
-    _FRAME,
     FRAME_SEED,
+    FRAME_STRUCT,
     Header,
-    _frame_sum,
     build_header,
     check_frame,
     frame_length,
+    frame_sum,
     header_size,
     parse_header,
     sealed_header,
@@ -37,7 +37,7 @@ def seal_in_place(buf: memoryview) -> Header:
         n = frame_length(out, off)
         if off + n > len(out):
             raise Truncated(f"frame {i} needs {n} bytes, {len(out) - off} remain")
-        full = _frame_sum(FRAME_SEED, out[off : off + 12], out[off + _FRAME.size : off + n])
+        full = frame_sum(FRAME_SEED, out[off : off + 12], out[off + FRAME_STRUCT.size : off + n])
         struct.pack_into("<L", out, off + 12, full & 0xFFFFFFFF)
         entry.frames[i].checksum = full
         off += n
@@ -63,9 +63,9 @@ def copy_sealed(dst: memoryview, value: bytes | memoryview) -> Header:
     spans: list[tuple[int, int, int]] = []  # (start, end, sum)
     off = head
     for i in range(len(entry.frames)):
-        if len(out) - off < _FRAME.size:
+        if len(out) - off < FRAME_STRUCT.size:
             raise Truncated(f"frame {i}: {len(out) - off} bytes can not hold its prefix")
-        out[off : off + _FRAME.size] = src[off : off + _FRAME.size]
+        out[off : off + FRAME_STRUCT.size] = src[off : off + FRAME_STRUCT.size]
         n = frame_length(out, off)  # from the copy: the source may change under it
         if off + n > len(out):
             raise Truncated(f"frame {i} needs {n} bytes, {len(out) - off} remain")

@@ -16,7 +16,7 @@ import abc
 import math
 import warnings
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -74,6 +74,14 @@ class Mode(abc.ABC):
         self, body: memoryview, spec: LayerSpec, level: str, device: torch.device
     ) -> tuple[torch.Tensor, torch.Tensor]:
         ...
+
+    def decode_layers(self, bodies: list[memoryview], specs: list[LayerSpec], level: str,
+                      device: torch.device) -> Any:
+        """Many layers at once on a GPU in a few kernel launches, with no host
+        synchronisation: a ``kdn.codec.gpu_batch.Decoded`` whose ``check()`` gives the layers
+        (raising Corrupt for damaged bytes). None where the mode has no such decoder: then
+        ``decode_layer`` one layer at a time."""
+        return None
 
     def borrow_layer(self, body: memoryview, spec: LayerSpec, *, private: bool = False
                      ) -> tuple[torch.Tensor, torch.Tensor] | None:

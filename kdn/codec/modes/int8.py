@@ -9,6 +9,8 @@ round(x / scale) as int8. No entropy coding.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 
@@ -64,6 +66,13 @@ class Int8(Mode):
             _decode(ks, kq, spec.k_shape, dt, device, where),
             _decode(vs, vq, spec.v_shape, dt, device, where),
         )
+
+
+    def decode_layers(self, bodies: list[memoryview], specs: list[LayerSpec], level: str,
+                      device: torch.device) -> Any:
+        from kdn.codec.gpu_batch import decode_int8
+
+        return decode_int8(bodies, specs, device)
 
 
 register(Int8())

@@ -30,6 +30,7 @@ nothing from rotations or finer scales (the README's codec section lists what wa
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 
@@ -44,6 +45,7 @@ from kdn.codec.modes import (
     unpack_sections,
 )
 from kdn.codec.quant import (
+    LOG_SCALE_MAX,
     dequantize,
     log_scale_symbols,
     quantize,
@@ -150,12 +152,20 @@ class Kdn(Mode):
         scale = scale_from_symbols(q)  # [2, n]
         k_steps, v_steps = scale[0] * k_step, scale[1] * v_step
         # a step float32 can not hold would decode a zero symbol as NaN (inf * 0)
-        if q.numel() and (q.abs().max() > 4000 or not torch.isfinite(k_steps).all()
+        if q.numel() and (q.abs().max() > LOG_SCALE_MAX or not torch.isfinite(k_steps).all()
                           or not torch.isfinite(v_steps).all()):
             raise Corrupt(f"{where}: scale symbols out of range")
-        k = dequantize(sym[: heads * kc], k_steps, heads, dt)
+        k = dequantize(sym[: heads * kc], k_steps, heads, dt)  # [heads, n, kc]
         v = dequantize(sym[heads * kc :], v_steps, heads, dt)
         return torch.cat([k_sink, k], dim=1), torch.cat([v_sink, v], dim=1)
+
+    def decode_layers(self, bodies: list[memoryview], specs: list[LayerSpec], level: str,
+                      device: torch.device) -> Any:
+        from kdn.codec.gpu_batch import decode_kdn
+
+        lv = LEVELS[level]
+        steps = [(*lv.steps(s.index, s.num_layers), lv.sink_tokens) for s in specs]
+        return decode_kdn(bodies, specs, steps, device)
 
 
 register(Kdn())

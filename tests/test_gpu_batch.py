@@ -1,0 +1,168 @@
+"""The whole-entry GPU decoder (kdn.codec.gpu_batch) against the CPU decoders, under Triton's
+interpreter (exact, slow: small entries): the same bytes give bit-identical tensors in every
+dtype and layout, damaged bytes raise Corrupt exactly where the CPU decoder does, and an entry
+of 32 layers costs a fixed number of launches and no host synchronisation before its check."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+_PRELUDE = textwrap.dedent('''
+    import sys
+    sys.path.insert(0, "tests")
+    import numpy as np, torch
+    from helpers import pruned_layout, random_kv, uniform_layout
+    from kdn import codec
+    from kdn.cache import KVCache
+    from kdn.codec import gpu_batch
+    from kdn.codec.api import _spec
+    from kdn.codec.format import check_frame, parse_container
+    from kdn.codec.modes import get_mode
+    from kdn.errors import Corrupt
+    from kdn.layout import DType
+
+    def same(a, b):
+        for (k1, v1), (k2, v2) in zip(a.layers, b.layers, strict=True):
+            assert k1.dtype == k2.dtype and k1.shape == k2.shape, (k1.shape, k2.shape)
+            assert torch.equal(k1, k2) and torch.equal(v1, v2)
+
+    def records(blob):
+        c = parse_container(blob, verify=False)
+        return c.header, [r for i, f in enumerate(c.frames) for r in check_frame(c.header, i, f)]
+''')
+
+_IDENTICAL = _PRELUDE + textwrap.dedent('''
+    cases = [(uniform_layout(3, 2, 8), 40, "kdn", "default"),
+             (pruned_layout(), 37, "kdn", "high"),
+             (uniform_layout(2, 2, 8, DType.BFLOAT16), 21, "kdn", "default"),
+             (uniform_layout(2, 2, 8, DType.FLOAT32), 20, "kdn", "tiny"),
+             (uniform_layout(2, 1, 4), 1, "kdn", "default"),  # the sink token only
+             (uniform_layout(3, 2, 8), 40, "int8", ""),
+             (pruned_layout(DType.BFLOAT16), 33, "int8", "")]
+    checked = 0
+    for lay, tokens, mode, level in cases:
+        kv = random_kv(lay, tokens, seed=checked)
+        blob = codec.encode(kv, mode, level, layers_per_frame=2)
+        same(codec.decode(blob), codec.decode(blob, batched=True))
+        checked += 1
+    # constant rows: a channel that never changes, and a layer whose tokens are all the same
+    # (its log-scale rows are constant too): no coded stream, filled instead
+    lay = uniform_layout(2, 2, 8)
+    kv = random_kv(lay, 30, seed=7)
+    k0, v0 = kv.layers[0]
+    k0[:, :, 3] = 0.5
+    v0[1, :, :] = 0.0
+    k1, v1 = kv.layers[1]
+    kv.layers[1] = (k1[:, :1].repeat(1, 30, 1).contiguous(),
+                    v1[:, :1].repeat(1, 30, 1).contiguous())
+    for mode, level in (("kdn", "default"), ("kdn", "near-lossless"), ("int8", "")):
+        blob = codec.encode(kv, mode, level)
+        same(codec.decode(blob), codec.decode(blob, batched=True))
+        checked += 1
+    print("ok", checked)
+''')
+
+_DAMAGE = _PRELUDE + textwrap.dedent('''
+    rng = np.random.default_rng(0)
+    lay = uniform_layout(2, 2, 8)
+    kv = random_kv(lay, 70, seed=3)
+    outcomes = {"both": 0, "neither": 0}
+    for mode, level in (("kdn", "default"), ("int8", "")):
+        header, recs = records(codec.encode(kv, mode, level))
+        m = get_mode(mode)
+        for trial in range(12):
+            bodies = [bytearray(r.body) for r in recs]
+            b = bodies[trial % len(bodies)]
+            if trial % 3 == 2:  # a run of bytes zeroed
+                at = int(rng.integers(0, len(b) - 8))
+                b[at : at + 8] = bytes(8)
+            else:  # one flipped byte
+                at = int(rng.integers(0, len(b)))
+                b[at] ^= 1 << int(rng.integers(0, 8))
+            if mode == "int8" and trial == 11:  # an infinite float16 scale
+                b[16:18] = bytes([0x00, 0x7C])
+            specs = [_spec(header.layout, r.layer, r.tokens) for r in recs]
+            try:
+                cpu = [m.decode_layer(memoryview(x), s, level, torch.device("cpu"))
+                       for x, s in zip(bodies, specs)]
+            except Corrupt:
+                cpu = None
+            try:
+                dev = m.decode_layers([memoryview(x) for x in bodies], specs, level,
+                                      torch.device("cpu")).check()
+            except Corrupt:
+                dev = None
+            assert (cpu is None) == (dev is None), (mode, trial, at)
+            if cpu is None:
+                outcomes["both"] += 1
+            else:
+                outcomes["neither"] += 1
+                for (k1, v1), (k2, v2) in zip(cpu, dev):
+                    assert torch.equal(k1, k2) and torch.equal(v1, v2), (mode, trial)
+    print("ok", outcomes["both"], outcomes["neither"])
+''')
+
+_BUDGET = _PRELUDE + textwrap.dedent('''
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    SYNCING = ("_local_scalar_dense", "nonzero", "is_nonzero", "equal", "item", "masked_select")
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    lay = uniform_layout(32, 1, 4)
+    kv = random_kv(lay, 6, seed=1)
+    for mode, level, most in (("kdn", "default", 8), ("int8", "", 2)):
+        header, recs = records(codec.encode(kv, mode, level, layers_per_frame=0))
+        specs = [_spec(header.layout, r.layer, r.tokens) for r in recs]
+        gpu_batch.STATS.update(launches=0, copies=0, syncs=0)
+        with Ops() as seen:
+            done = get_mode(mode).decode_layers([memoryview(r.body) for r in recs], specs,
+                                                level, torch.device("cpu"))
+        synced = [op for op in seen.ops if op.split(".")[0] in SYNCING]
+        assert gpu_batch.STATS["syncs"] == 0 and not synced, (mode, synced)
+        launches = gpu_batch.STATS["launches"]
+        assert 1 <= launches <= most, (mode, launches)
+        layers = done.check()
+        assert gpu_batch.STATS["syncs"] == 1
+        assert len(layers) == 32
+        print(mode, launches)
+    print("ok")
+''')
+
+
+def _run(script: str) -> list[str]:
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                         text=True, timeout=600, cwd=ROOT)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return run.stdout.split()
+
+
+def test_whole_entry_decode_is_bit_identical_to_the_cpu_decoders() -> None:
+    assert _run(_IDENTICAL)[-2:] == ["ok", "10"]
+
+
+def test_damaged_bodies_are_refused_exactly_where_the_cpu_refuses_them() -> None:
+    out = _run(_DAMAGE)
+    assert out[-3] == "ok" and int(out[-2]) >= 8, out  # much damage is caught...
+    assert int(out[-2]) + int(out[-1]) == 24, out       # ...and the rest decodes identically
+
+
+def test_a_32_layer_entry_takes_few_launches_and_no_sync_before_its_check() -> None:
+    out = _run(_BUDGET)
+    assert out[-1] == "ok", out
