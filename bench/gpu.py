@@ -231,12 +231,56 @@ def measure_decode(model: Any, shape: str, tokens: int, enc: str, client: Client
     kv_bytes = tokens * engine.layout.bytes_per_token
     decode_s = best_s(lambda: [codec.decode(b, device=device) for b in blobs], device, runs)
     gb_s = kv_bytes / decode_s / 1e9
+    counts = _decode_counts(blobs, device)
+    kernel_s = _kernel_s(lambda: [codec.decode(b, device=device) for b in blobs], device)
+    kernel_gb_s = kv_bytes / kernel_s / 1e9 if kernel_s else None
     print(f"  {shape} {tokens} decode {enc} on {device.type}: {decode_s * 1e3:.1f} ms, "
-          f"{gb_s:.2f} GB/s", flush=True)
+          f"{gb_s:.2f} GB/s (kernels {kernel_gb_s or 0:.1f} GB/s; per entry "
+          f"{counts['launches']:.1f} launches, {counts['host_syncs']:.1f} syncs)", flush=True)
     return {"model": shape, "tokens": tokens, "path": "decode", "encoding": enc,
             "decode_s": decode_s, "decode_gb_s": gb_s, "stored_bytes": sum(map(len, blobs)),
+            "kernel_s": kernel_s, "kernel_gb_s": kernel_gb_s, **counts,
+            "entries": len(blobs),
             "limit_gb_s": limit, "ratio_to_limit": gb_s / limit, "kv_bytes": kv_bytes,
             "chunk_tokens": engine.config.chunk_tokens}
+
+
+def _decode_counts(blobs: list[bytes], device: torch.device) -> dict[str, float]:
+    """Kernel launches and host synchronisations per entry of the whole-entry decoder
+    (``kdn.codec.gpu_batch.STATS``); zeros where an encoding does not use it."""
+    from kdn import codec
+
+    if device.type != "cuda":
+        return {"launches": 0.0, "host_syncs": 0.0}
+    from kdn.codec import gpu_batch
+
+    before = dict(gpu_batch.STATS)
+    for b in blobs:
+        codec.decode(b, device=device)
+    sync(device)
+    n = max(len(blobs), 1)
+    return {"launches": (gpu_batch.STATS["launches"] - before["launches"]) / n,
+            "host_syncs": (gpu_batch.STATS["syncs"] - before["syncs"]) / n}
+
+
+def _kernel_s(fn: Any, device: torch.device) -> float | None:
+    """Seconds the device spent in kernels (copies and fills excluded) during ``fn``."""
+    if device.type != "cuda":
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    sync(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        sync(device)
+    total_us = 0.0
+    for evt in prof.events():
+        name = evt.name.lower()
+        on_device = "cuda" in str(getattr(evt, "device_type", "")).lower()
+        if on_device and "memcpy" not in name and "memset" not in name:
+            total_us += evt.device_time
+    return total_us / 1e6 or None
 
 
 # (tokens, path, encoding) per model, in the order they run: what the targets need first, so a

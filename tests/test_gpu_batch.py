@@ -166,3 +166,41 @@ def test_damaged_bodies_are_refused_exactly_where_the_cpu_refuses_them() -> None
 def test_a_32_layer_entry_takes_few_launches_and_no_sync_before_its_check() -> None:
     out = _run(_BUDGET)
     assert out[-1] == "ok", out
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_whole_entry_decode_matches_the_cpu_and_never_syncs_early() -> None:
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    pytest.importorskip("triton")
+    import sys
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from helpers import pruned_layout, random_kv, uniform_layout
+
+    from kdn import codec
+    from kdn.codec.api import _spec
+    from kdn.codec.format import check_frame, parse_container
+    from kdn.codec.modes import get_mode
+    from kdn.layout import DType
+
+    for lay, tokens in ((uniform_layout(32, 8, 128), 1500), (pruned_layout(), 333),
+                        (uniform_layout(4, 2, 64, DType.BFLOAT16), 700)):
+        kv = random_kv(lay, tokens)
+        for mode, level in (("kdn", "default"), ("kdn", "high"), ("int8", "")):
+            blob = codec.encode(kv, mode, level)
+            cpu, dev = codec.decode(blob), codec.decode(blob, device="cuda")
+            for (k1, v1), (k2, v2) in zip(cpu.layers, dev.layers, strict=True):
+                assert k2.is_cuda and torch.equal(k1, k2.cpu()) and torch.equal(v1, v2.cpu())
+            c = parse_container(blob, verify=False)
+            recs = [r for i, f in enumerate(c.frames) for r in check_frame(c.header, i, f)]
+            specs = [_spec(c.header.layout, r.layer, r.tokens) for r in recs]
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")  # any synchronising call raises
+            try:
+                done = get_mode(mode).decode_layers([memoryview(r.body) for r in recs], specs,
+                                                    level, torch.device("cuda"))
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            assert len(done.check()) == lay.num_layers

@@ -99,6 +99,12 @@ def stream_of(got: Fetched, device: torch.device | str | None,
             layers = span_of(got, device)
     elif got.private:  # a received stream's messages, checked as they landed: views of them
         layers = dec.view_frames(got.parts.frames)  # type: ignore[arg-type]
+    if layers is None and target.type == "cuda":  # compressed: the whole entry in a few
+        done = dec.decode_frames(got.parts.frames)  # launches on the GPU, checked once when
+        if done is not None:                        # the consumer first waits for a layer
+            timings.bytes_received = got.parts.nbytes
+            return tensor_side().LayerStream(dec, iter(()), got.tier, lambda: None, timings,
+                                              target, layers=done.layers, check=done.check)
     if layers is not None:
         timings.bytes_received = got.parts.nbytes
         return tensor_side().LayerStream(dec, iter(()), got.tier, lambda: None, timings,

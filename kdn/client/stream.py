@@ -131,7 +131,7 @@ class LayerStream:
                  device: torch.device | str | None = None, *, inline: bool = False,
                  layers: list[LayerKV] | Span | None = None, pinned: bool = False,
                  ready: Copy | list[Copy] | None = None, blocks: int = 1,
-                 tokens: int = 0) -> None:
+                 tokens: int = 0, check: Callable[[], object] | None = None) -> None:
         """``inline``: the frames are in memory and decode cheaply (borrowed raw bodies: only
         checksums to verify): decode them here, before returning, instead of on threads.
         ``layers``: every layer decoded already (``StreamDecoder.view_entry``), or the span of
@@ -142,8 +142,10 @@ class LayerStream:
         that brings ``layers`` (on the device already) there, waited for before any of them is
         used, or one per layer (layers that land in groups). ``blocks``: stored entries this
         stream holds, ``tokens`` their tokens (``landing.joined_stream``: a whole context in
-        one stream; default one entry's)."""
+        one stream; default one entry's). ``check``: run once, before any layer is handed
+        out (the device decoder's error flag, ``kdn.codec.gpu_batch.Decoded.check``)."""
         self.decoder = decoder
+        self._check = check
         self.device = torch.device(device or decoder.device)
         if self.device.type == "cuda" and self.device.index is None:  # "cuda": the current one
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -323,6 +325,8 @@ class LayerStream:
         rest of this call)."""
         if not self._ready[i].wait(timeout):
             raise TimeoutError(f"layer {i} not ready after {timeout} s")
+        if self._check is not None:
+            self._checked()
         layer = self._layers[i]
         if layer is None:
             assert self._error is not None
@@ -341,10 +345,22 @@ class LayerStream:
                     t.record_stream(current)
         return layer
 
+    def _checked(self) -> None:
+        """The decode's own check, once: its error fails every layer."""
+        check, self._check = self._check, None
+        if check is None:
+            return
+        try:
+            check()
+        except BaseException as exc:
+            self._layers = [None] * len(self._layers)
+            self._fail(exc)
+
     def is_ready(self, i: int) -> bool:
         return self._ready[i].is_set() and self._layers[i] is not None
 
     def result(self, timeout: float | None = None) -> KVCache:
+        self._checked()
         if self._reader is None and self._error is None and not self._events \
                 and None not in self._layers:  # decoded before the stream was returned
             layers: list[LayerKV] = self._layers  # type: ignore[assignment]

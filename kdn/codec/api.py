@@ -232,6 +232,15 @@ class StreamDecoder:
                     raise Corrupt(f"layer {r.layer}: mode {self.mode.name} decoded wrong shapes")
         return done
 
+    def decode_frames(self, frames: Sequence[bytes | memoryview]) -> Any:
+        """Every frame of the entry verified, then all its layers decoded together on the
+        device (``decode_records``); None where the mode has no whole-entry decoder."""
+        if self.device.type == "cpu" or self.mode.decode_layers is Mode.decode_layers:
+            return None
+        recs = [r for i, f in enumerate(frames)
+                for r in check_frame(self.header, i, f, checksum=not self.checked)]
+        return self.decode_records(recs)
+
     def decode_frame(
         self, index: int, frame: bytes | memoryview
     ) -> list[tuple[int, torch.Tensor, torch.Tensor]]:

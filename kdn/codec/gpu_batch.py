@@ -129,6 +129,7 @@ class _Source:
         with warnings.catch_warnings():  # read-only source: the tensor is only read
             warnings.simplefilter("ignore", UserWarning)
             t = torch.from_numpy(host) if len(host) else torch.zeros(1, dtype=torch.uint8)
+        self.host = t  # the copy's source (registered memory is read asynchronously)
         self.tensor = t.to(device, non_blocking=True) if device.type != "cpu" else t
         STATS["copies"] += device.type != "cpu"
 
@@ -361,7 +362,7 @@ def decode_kdn(bodies: list[memoryview], specs: list[LayerSpec],
     _launch(kernels.spans, (len(span_src),), source.tensor, dev["span_src"], dev["span_dst"],
             dev["span_len"], out.view(torch.uint8), BLOCK=_SPAN_BLOCK)
     return Decoded(_views(out, specs, bases), flag, where,
-                   keep=[source.tensor, dev, freq, cum, qout, sout])
+                   keep=[source.host, source.tensor, dev, freq, cum, qout, sout])
 
 
 # ------------------------------------------------------------------------------ int8 mode
@@ -405,4 +406,5 @@ def decode_int8(bodies: list[memoryview], specs: list[LayerSpec], device: torch.
     _launch(kernels.int8, (sum(progs),), source.tensor, dev["p_sec"], dev["p_first"],
             dev["s_scales"], dev["s_data"], dev["s_ch"], dev["s_numel"], dev["s_out"],
             out, dev["flag"], _TOP[dt], BLOCK=_INT8_BLOCK)
-    return Decoded(_views(out, specs, bases), dev["flag"], where, keep=[source.tensor, dev])
+    return Decoded(_views(out, specs, bases), dev["flag"], where,
+                   keep=[source.host, source.tensor, dev])
