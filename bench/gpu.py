@@ -450,6 +450,8 @@ def main(argv: list[str] | None = None) -> None:
                          "entries of 2-byte KV are viewed in place on a CPU too)")
     ap.add_argument("--merge", nargs="+", metavar="FILE[:LABEL]",
                     help="write --out from these runs' JSON instead of measuring (oldest first)")
+    ap.add_argument("--tokens", default="",
+                    help="comma-separated context lengths to run (default: every one)")
     ns = ap.parse_args(argv)
     if ns.merge:
         merge(ns.merge, ns.out)
@@ -467,7 +469,9 @@ def main(argv: list[str] | None = None) -> None:
                                        for e in ENCODINGS]}, 5
     encs = set(filter(None, ns.encodings.split(",")))
     paths = set(filter(None, ns.paths.split(",")))
-    plan = {m: [c for c in cases if (not encs or c[2] in encs) and (not paths or c[1] in paths)]
+    lengths = {int(t) for t in ns.tokens.split(",") if t}
+    plan = {m: [c for c in cases if (not encs or c[2] in encs) and (not paths or c[1] in paths)
+                and (not lengths or c[0] in lengths)]
             for m, cases in plan.items()}
     run({m: cases for m, cases in plan.items() if cases}, runs, ns.out, ns.budget_s, ns.dtype)
 
