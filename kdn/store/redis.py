@@ -806,6 +806,10 @@ class RedisTier(Tier):
         (empty for a standalone Redis, or while every master answers)."""
         return [] if self._masters is None else self._masters.down()
 
+    def parts_down(self) -> list[str]:
+        """``masters_down``: a cluster's parts are its masters."""
+        return self.masters_down()
+
     def healthy(self) -> bool:
         """Up while Redis answers; for a cluster, while any master does (``degraded`` says
         whether some do not: their slots' keys then miss, and writes there are refused)."""

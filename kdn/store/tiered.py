@@ -60,7 +60,6 @@ from kdn.store.base import EvictHook, Tier, TierStats
 from kdn.store.framed import Framed, contiguous
 from kdn.store.health import Fault, TierHealth
 from kdn.store.queue import PendingWrite, WriteQueue
-from kdn.store.ram import RamTier
 
 __all__ = ["Durability", "Hit", "Presence", "TieredStore", "WritePolicy"]
 
@@ -154,10 +153,6 @@ class TieredStore:
     def count(self, name: str, n: int = 1) -> None:
         with self._lock:
             self.counters[name] = self.counters.get(name, 0) + n
-
-    @property
-    def corrupt_found(self) -> int:
-        return self.counters.get("corrupt", 0)
 
     def stripe(self, key: bytes) -> threading.Lock:
         return self._stripes[xxhash.xxh64_intdigest(key) % _STRIPES]
@@ -258,19 +253,20 @@ class TieredStore:
 
     @property
     def memory_only(self) -> bool:
-        """Whether every tier is a RAM tier in this process: a put then does no I/O and never
-        waits on another tier (cheap enough for an event loop's thread)."""
-        return len(self.tiers) == 1 and isinstance(self.tiers[0], RamTier)
+        """Whether the only tier is one in this process (``Tier.in_process``: RAM): a put then
+        does no I/O and never waits on another tier (cheap enough for an event loop's
+        thread)."""
+        return len(self.tiers) == 1 and self.tiers[0].in_process
 
     def get_in_memory(self, key: bytes, framed: bool = False) -> Hit | FramedHit | None:
-        """``get``'s answer where the first tier holds ``key`` in this process's memory (the
-        RAM tier) and that very value was verified already: a dict lookup, no I/O and no
-        hashing, cheap enough for an event loop's thread. None otherwise: ask ``get`` (on a
-        worker thread). A loopback Retrieve of a small entry spent about 1 ms handing its
-        ``get`` to a worker thread and back. ``framed``: a value held as the frames it
-        arrived in comes as they are (a ``FramedHit``), else it is joined (once)."""
+        """``get``'s answer where the first tier holds ``key`` in this process's memory
+        (``Tier.in_process``: RAM) and that very value was verified already: a dict lookup,
+        no I/O and no hashing, cheap enough for an event loop's thread (handing a small
+        entry's ``get`` to a worker thread and back costs more than the read). None
+        otherwise: ask ``get`` (on a worker thread). ``framed``: a value held as the frames
+        it arrived in comes as they are (a ``FramedHit``), else it is joined (once)."""
         tier = self.tiers[0] if self.tiers else None
-        if not isinstance(tier, RamTier) or not tier.contains(key):
+        if tier is None or not tier.in_process or not tier.contains(key):
             return None  # a miss here is counted once, by ``get``
         q = self._queues.get(tier.name)
         if q is not None and q.peek(key) is not None:
@@ -283,11 +279,12 @@ class TieredStore:
         return Hit(got[0], tier.name, got[1])
 
     def memory_stamp(self, key: bytes, *, expiring: bool = False, value: object = None) -> int:
-        """The RAM tier's stamp of ``key``'s value (``Hit.stamp``); 0 where it holds none,
-        a write to it is queued, (unless ``expiring``) the value has a time to live, or (given
-        ``value``) the tier holds another object."""
+        """The first tier's stamp of ``key``'s value (``Hit.stamp``) where that tier is
+        ``in_process`` (RAM); 0 where it is not or holds none, a write to it is queued, (unless
+        ``expiring``) the value has a time to live, or (given ``value``) the tier holds another
+        object."""
         tier = self.tiers[0] if self.tiers else None
-        if not isinstance(tier, RamTier):
+        if tier is None or not tier.in_process:
             return 0
         q = self._queues.get(tier.name)
         if q is not None and q.peek(key) is not None:
@@ -336,10 +333,11 @@ class TieredStore:
         return self._lookup(keys, self.tiers)
 
     def presence(self, key: bytes) -> Presence:
-        """``lookup`` of one key, the RAM tier asked directly first (what a put replaces)."""
+        """``lookup`` of one key, an ``in_process`` first tier (RAM) asked directly first (what
+        a put replaces)."""
         tiers = self.tiers
         head = tiers[0] if tiers else None
-        if isinstance(head, RamTier) and head.name not in self._queues \
+        if head is not None and head.in_process and head.name not in self._queues \
                 and self.is_up(head.name):
             size = head.size_of(key)
             if size is not None:
@@ -399,7 +397,7 @@ class TieredStore:
                                   f"{_NEEDED_TIER[durability]} tier; this server has none")
         ttl = ttl_s or self.default_ttl_s or None
         if isinstance(value, Framed) and (len(self.tiers) > 1
-                                          or not isinstance(self.tiers[0], RamTier)):
+                                          or not self.tiers[0].takes_framed):
             value = value.joined()
         was_pinned = self.is_pinned(key)
         if pin:
@@ -411,7 +409,7 @@ class TieredStore:
                 self.unpin(key)
             raise
         head = self.tiers[0]
-        if verified and isinstance(head, RamTier):
+        if verified and head.in_process:
             stamp = head.stamp_if(key, value)  # 0 where another put came in between
             if stamp:
                 with self._lock:
@@ -435,7 +433,7 @@ class TieredStore:
                 self._write_lower(required, key, value, ttl, expiry, True, True)
             first = required.name
         try:
-            head.put(key, value, ttl_s=ttl)  # type: ignore[arg-type]  # Framed: a RamTier's
+            head.put(key, value, ttl_s=ttl)  # type: ignore[arg-type]  # Framed: takes_framed
             first = head.name
         except KDNError as exc:
             errors.append(f"{head.name}: {exc}")
@@ -562,18 +560,12 @@ class TieredStore:
     def queue_depth(self) -> dict[str, int]:
         return {name: len(q) for name, q in self._queues.items()}
 
-    @property
-    def partly_degraded(self) -> list[str]:
-        """Tiers that are up but not whole (``Tier.degraded``)."""
-        return [t.name for t in self.tiers if t.degraded and self.is_up(t.name)]
-
     def parts_down(self) -> dict[str, list[str]]:
         """For each tier that is up, the parts of it that do not answer now, if any (a Redis
         Cluster's masters, as ``host:port``; their keys miss and refuse SHARED stores)."""
         out: dict[str, list[str]] = {}
         for t in self.tiers:
-            down: Callable[[], list[str]] | None = getattr(t, "masters_down", None)
-            if down is not None and self.is_up(t.name) and (names := down()):
+            if self.is_up(t.name) and (names := t.parts_down()):
                 out[t.name] = names
         return out
 
