@@ -74,7 +74,7 @@ class HostPages:
         return buf[:, index // p].transpose(2, 3)  # page_first_direct: [2, pages, L, P, H, D]
 
     def flat_page(self, flat: torch.Tensor) -> torch.Tensor:
-        """A flat page in the pool's own order (``get_data_page(flat=True)``, the legacy
+        """A flat page in the pool's own order (``get_data_page(flat=True)``, SGLang's copying
         paths' values and targets) as a view ``[2, L, H, P, D]``."""
         pool = self.pool
         lay = self.layout
