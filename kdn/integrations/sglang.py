@@ -36,9 +36,11 @@ paid per batch instead: a batch of pages is one ``lookup`` (existence), one ``fe
 shared segment when the server is on the same host; chunks run on ``workers`` threads, so
 decoding one chunk overlaps the server copying the next.
 
-A page is stored as a kdn ``KVCache`` of ``page_size`` tokens (K and V ``[heads, tokens,
-head_dim]`` per layer), encoded with the configured codec mode (``lossless`` by default:
-bit-exact; ``int8`` ≈ 0.52× the bytes of fp16; ``kdn`` levels smaller still). The stored bytes
+Pages and their codec (``kdn.integrations.sglang_pages.HostPages``, built by
+``register_mem_pool_host``): a page is stored as a kdn ``KVCache`` of ``page_size`` tokens (K
+and V ``[heads, tokens, head_dim]`` per layer), encoded with the configured codec mode
+(``lossless`` by default: bit-exact; ``int8`` ≈ 0.52× the bytes of fp16; ``kdn`` levels smaller
+still). The stored bytes
 do not depend on the host pool's memory layout (``layer_first``, ``page_first``,
 ``page_first_direct`` are all read and written), so engines with different layouts share pages.
 Keys are ``kdn.keys.page_key`` over SGLang's page hash, the layout (model, layer count, heads,
@@ -64,7 +66,6 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, TypeVar
 
-import numpy as np
 import torch
 from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorage,
@@ -75,24 +76,20 @@ from sglang.srt.mem_cache.hicache_storage import (
     PoolTransferResult,
 )
 
-from kdn import codec, keys
-from kdn.cache import KVCache
+from kdn import keys
 from kdn.client.admin import AdminClient
 from kdn.client.client import TLSOptions
-from kdn.client.dataplane import Fetched
 from kdn.codec.catalog import check_codec
-from kdn.codec.format import RECORD_BYTES, check_frame, check_frame_prefix
 from kdn.errors import KDNError
-from kdn.layout import DType, KVLayout, LayerLayout, model_fingerprint
+from kdn.integrations.sglang_pages import LAYOUTS, HostPages
+from kdn.layout import KVLayout
 from kdn.options import StoreOptions
+
+__all__ = ["LAYOUTS", "MIN_CHUNK_PAGES", "KDNBackendConfig", "KDNHiCacheStorage", "KDNStats"]
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
-LAYOUTS = ("layer_first", "page_first", "page_first_direct")
-"""Host pool layouts whose pages this backend reads and writes."""
-_RECORD_DTYPE = np.dtype([("heads", "<u2"), ("tokens", "<u4"), ("k", "<u2"), ("v", "<u2"),
-                          ("body", "<u4")])  # a layer record's prefix (kdn.codec.format)
 MIN_CHUNK_PAGES = 8
 """A batch is split into at most ``workers`` chunks of at least this many pages."""
 
@@ -129,8 +126,7 @@ class KDNBackendConfig:
     """Deadline of each kdn call."""
     workers: int = field(default_factory=lambda: max(1, min(4, os.cpu_count() or 1)))
     """Threads a batch's chunks run on (encoding, decoding, calls): one per core, four at most
-    (more threads than cores only take turns: a 128-page get took 10% longer with 4 than
-    with 2 on a 2-core host)."""
+    (more threads than cores only take turns, and each turn costs a switch)."""
     shm_bytes: int | None = None
     """Client's shared segment (same host); None: the client's default, 0: gRPC only."""
     local_bytes: int = 0
@@ -220,7 +216,7 @@ class KDNHiCacheStorage(HiCacheStorage):
         self.options = StoreOptions(ttl_s=cfg.ttl_s)
         self.layout: KVLayout | None = None
         self.page_size = 0
-        self._pool: Any = None
+        self._pages: HostPages | None = None
         self._workers = ThreadPoolExecutor(cfg.workers, thread_name_prefix="kdn-hicache")
         self._lock = threading.Lock()
         self._stats = KDNStats()
@@ -230,64 +226,21 @@ class KDNHiCacheStorage(HiCacheStorage):
 
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
         """Take the host KV pool: its page shape fixes the kdn layout and the keys."""
-        pool = mem_pool_host
-        if pool.layout not in LAYOUTS:
-            raise NotImplementedError(
-                f"host pool layout {pool.layout!r}: kdn reads and writes {list(LAYOUTS)}")
-        v_dim = int(getattr(pool, "v_head_dim", pool.head_dim))
-        buf = pool.kv_buffer
-        if not isinstance(buf, torch.Tensor) or buf.dim() < 5 or buf.shape[0] != 2 \
-                or v_dim != pool.head_dim:
-            raise NotImplementedError(
-                "kdn's HiCache backend needs an MHA host pool with one kv_buffer [2, ...] "
-                "(K and V of equal head dim)")
-        fp = model_fingerprint({"engine": "sglang", "model": self.model_name},
-                               weights_id=self.config.weights_id)
-        layers = tuple(LayerLayout(int(pool.head_num), int(pool.head_dim), v_dim)
-                       for _ in range(int(pool.layer_num)))
-        self.layout = KVLayout(fp, layers, dtype=DType.of(pool.dtype),
-                               head_dim=int(pool.head_dim), model_name=self.model_name)
-        self.page_size = int(pool.page_size)
-        self._pool = pool
-        self.mem_pool_host = pool
+        pages = HostPages(mem_pool_host, model_name=self.model_name,
+                          weights_id=self.config.weights_id, mode=self.config.mode,
+                          level=self.config.level)
+        self.layout = pages.layout
+        self.page_size = pages.page_size
+        self._pages = pages
+        self.mem_pool_host = mem_pool_host
 
-    def _need_pool(self) -> Any:
-        if self._pool is None:
+    def _need_pages(self) -> HostPages:
+        if self._pages is None:
             raise RuntimeError("register_mem_pool_host() first: the page shape is not known")
-        return self._pool
-
-    def _pool_page(self, index: int) -> torch.Tensor:
-        """The page at token slot ``index`` of the host pool as a view ``[2, L, H, P, D]``."""
-        pool = self._need_pool()
-        buf, p = pool.kv_buffer, self.page_size
-        if pool.layout == "layer_first":  # [2, L, size, H, D]
-            return buf[:, :, index : index + p].transpose(2, 3)
-        if pool.layout == "page_first":  # [2, size, L, H, D]
-            return buf[:, index : index + p].permute(0, 2, 3, 1, 4)
-        return buf[:, index // p].transpose(2, 3)  # page_first_direct: [2, pages, L, P, H, D]
-
-    def _flat_page(self, flat: torch.Tensor) -> torch.Tensor:
-        """A flat page in the pool's own order (``get_data_page(flat=True)``, the legacy
-        paths' values and targets) as a view ``[2, L, H, P, D]``."""
-        pool = self._need_pool()
-        lay = self._layout()
-        n, h, d, p = lay.num_layers, lay.layers[0].kv_heads, lay.head_dim, self.page_size
-        if flat.numel() != 2 * n * p * h * d:
-            raise ValueError(f"page tensor has {flat.numel()} elements, a page has "
-                             f"{2 * n * p * h * d}")
-        if pool.layout == "page_first":
-            return flat.view(2, p, n, h, d).permute(0, 2, 3, 1, 4)
-        return flat.view(2, n, p, h, d).transpose(2, 3)
-
-    def _new_flat_page(self) -> torch.Tensor:
-        lay = self._layout()
-        n, h, d = lay.num_layers, lay.layers[0].kv_heads, lay.head_dim
-        return torch.empty(2 * n * self.page_size * h * d, dtype=lay.dtype.torch)
+        return self._pages
 
     def _layout(self) -> KVLayout:
-        self._need_pool()
-        assert self.layout is not None
-        return self.layout
+        return self._need_pages().layout
 
     # -- keys -----------------------------------------------------------------------------------
 
@@ -301,84 +254,6 @@ class KDNHiCacheStorage(HiCacheStorage):
         return [self.kdn_key(k) for k in keys_]
 
     # -- pages <-> entries ----------------------------------------------------------------------
-
-    def _cache(self, page: torch.Tensor) -> KVCache:
-        """A page view ``[2, L, H, P, D]`` as a KVCache of views (no copy)."""
-        return KVCache(self._layout(), [(page[0, i], page[1, i]) for i in range(page.shape[1])])
-
-    def _encode(self, page: torch.Tensor) -> codec.EncodedParts:
-        # raw: one frame per page (a page is read whole, and each frame costs a structure
-        # check and two strided copies on its way into the pool); the other modes decode a
-        # frame's layers in turn, so their frames stay small enough to decode side by side
-        whole = len(self._layout().layers) if self.config.mode == "raw" else 0
-        return codec.encode_parts(self._cache(page), self.config.mode, self.config.level,
-                                  layers_per_frame=whole)
-
-    def _place(self, got: Fetched, page: torch.Tensor) -> None:
-        """Decode one fetched entry (checksums verified) into a page view ``[2, L, H, P, D]``."""
-        dec = codec.StreamDecoder(got.parsed(), borrow=got.owned, checked=got.checked,
-                                  private=got.private)
-        if dec.header.tokens != self.page_size or \
-                dec.header.layout.fingerprint != self._layout().fingerprint:
-            raise KDNError(f"entry holds {dec.header.tokens} tokens of layout "
-                           f"{dec.header.layout.fingerprint}, not a page of this pool")
-        n = page.shape[1]
-        if dec.mode.name == "raw" and self._place_verbatim(dec, got, page):
-            return
-        ks: list[torch.Tensor | None] = [None] * n
-        vs: list[torch.Tensor | None] = [None] * n
-        for i, frame in enumerate(got.parts.frames):
-            for layer, k, v in dec.decode_frame(i, frame):
-                ks[layer], vs[layer] = k, v
-        if any(t is None for t in ks):
-            raise KDNError(f"entry does not decode every one of the page's {n} layers")
-        # one contiguous [2, L, H, P, D] staging copy, then one strided copy into the pool:
-        # about twice as fast here as a copy per layer (per-call cost beats bytes at these sizes)
-        page.copy_(torch.stack(ks + vs).view(page.shape))  # type: ignore[arg-type]
-
-    def _place_verbatim(self, dec: codec.StreamDecoder, got: Fetched, page: torch.Tensor
-                        ) -> bool:
-        """A ``raw`` page straight from its frames into the pool: every frame's records are
-        checked (structure, and checksums unless the server checked these bytes), then its
-        layers' K and V bodies are copied as two strided views per frame, with no tensor per
-        layer. False (nothing written) where the layers' shapes differ."""
-        lay = self._layout()
-        first_layer = lay.layers[0]
-        if not lay.is_uniform:
-            return False
-        heads, d, p = first_layer.kv_heads, lay.head_dim, self.page_size
-        item = lay.dtype.itemsize
-        kb = heads * p * first_layer.k_channels * item
-        vb = heads * p * first_layer.v_channels * item
-        rec = RECORD_BYTES + kb + vb
-        if rec % item:  # rows would not be element-aligned (fp32 records): the general path
-            return False
-        want = np.array((heads, p, first_layer.k_channels, first_layer.v_channels, kb + vb),
-                        dtype=_RECORD_DTYPE)
-        views = []
-        for i, frame in enumerate(got.parts.frames):
-            # the frame as a whole is checked here, its records all at once below (a page's
-            # frame holds every layer: one comparison instead of a loop over them)
-            payload, first, count = check_frame_prefix(dec.header, i, frame,
-                                                       checksum=not got.checked)
-            body = np.frombuffer(payload, dtype=np.uint8)
-            if len(body) != rec * count:
-                check_frame(dec.header, i, frame, checksum=False)  # says what is wrong
-                return False
-            rows = body.reshape(count, rec)
-            if not (rows[:, :RECORD_BYTES].copy().view(_RECORD_DTYPE) == want).all():
-                check_frame(dec.header, i, frame, checksum=False)  # raises, naming the layer
-                return False
-            views.append((first, count, rows))
-        int_view = {2: np.int16, 4: np.int32}[item]
-        for first, count, rows in views:
-            k = rows[:, RECORD_BYTES : RECORD_BYTES + kb].view(int_view)
-            v = rows[:, RECORD_BYTES + kb :].view(int_view)
-            kt = torch.from_numpy(k).view(lay.dtype.torch).view(count, heads, p, d)
-            vt = torch.from_numpy(v).view(lay.dtype.torch).view(count, heads, p, d)
-            page[0, first : first + count].copy_(kt)
-            page[1, first : first + count].copy_(vt)
-        return True
 
     def _chunks(self, n: int) -> list[range]:
         """Spans of a batch of ``n`` pages, one per worker call."""
@@ -417,7 +292,7 @@ class KDNHiCacheStorage(HiCacheStorage):
                 ok = False
                 if g is not None:
                     try:
-                        self._place(g, pages(j))
+                        self._need_pages().place(g, pages(j))
                         ok = True
                     except Exception as err:  # a damaged entry, a wrong target: this page
                         logger.warning("kdn: page %s not usable: %s", keys_[j], err)
@@ -450,7 +325,7 @@ class KDNHiCacheStorage(HiCacheStorage):
         def chunk(span: range) -> list[tuple[int, bool]]:
             idx = [todo[t] for t in span]
             try:
-                enc = [self._encode(pages(j)) for j in idx]
+                enc = [self._need_pages().encode(pages(j)) for j in idx]
                 self.client.store_many([(kdn[j], e) for j, e in zip(idx, enc)],
                                        options=self.options)
             except Exception as err:  # encode or store: no page of this chunk is stored
@@ -474,7 +349,7 @@ class KDNHiCacheStorage(HiCacheStorage):
     @property
     def page_bytes(self) -> int:
         """Bytes of one page in the host pool (K and V, every layer)."""
-        return self._layout().bytes_per_token * self.page_size
+        return self._need_pages().page_bytes
 
     def _host_pages(self, n: int, host_indices: torch.Tensor) -> list[int] | None:
         """First token slot of each of ``n`` pages in ``host_indices`` (None when its size is
@@ -492,24 +367,26 @@ class KDNHiCacheStorage(HiCacheStorage):
                      extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
         """Read pages ``keys`` into the host pool at ``host_indices`` (page j at slots
         ``host_indices[j * page_size:(j + 1) * page_size]``); per page: found and read."""
-        if self._pool is None:
+        pages = self._pages
+        if pages is None:
             logger.error("kdn: batch_get_v1 before register_mem_pool_host")
             return [False] * len(keys)
         starts = self._host_pages(len(keys), host_indices)
         if starts is None:
             return [False] * len(keys)
-        return self._read(keys, lambda j: self._pool_page(starts[j]))
+        return self._read(keys, lambda j: pages.pool_page(starts[j]))
 
     def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor,
                      extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
         """Store the host pool's pages at ``host_indices`` under ``keys``; per page: stored."""
-        if self._pool is None:
+        pages = self._pages
+        if pages is None:
             logger.error("kdn: batch_set_v1 before register_mem_pool_host")
             return [False] * len(keys)
         starts = self._host_pages(len(keys), host_indices)
         if starts is None:
             return [False] * len(keys)
-        return self._write(keys, lambda j: self._pool_page(starts[j]))
+        return self._write(keys, lambda j: pages.pool_page(starts[j]))
 
     # -- the pool-transfer interface (v2): the KV pool ------------------------------------------
 
@@ -555,12 +432,13 @@ class KDNHiCacheStorage(HiCacheStorage):
 
     def batch_get(self, keys: list[str], target_locations: Any = None,
                   target_sizes: Any = None) -> list[torch.Tensor | None]:
-        if self._pool is None:
+        pages = self._pages
+        if pages is None:
             logger.error("kdn: batch_get before register_mem_pool_host")
             return [None] * len(keys)
         targets = list(target_locations or [None] * len(keys))
-        flats = [t if t is not None else self._new_flat_page() for t in targets]
-        done = self._read(keys, lambda j: self._flat_page(flats[j]))
+        flats = [t if t is not None else pages.new_flat_page() for t in targets]
+        done = self._read(keys, lambda j: pages.flat_page(flats[j]))
         return [f if ok else None for f, ok in zip(flats, done)]
 
     def set(self, key: str, value: Any = None, target_location: Any = None,
@@ -570,11 +448,12 @@ class KDNHiCacheStorage(HiCacheStorage):
 
     def batch_set(self, keys: list[str], values: Any = None, target_locations: Any = None,
                   target_sizes: Any = None) -> bool:
-        if self._pool is None or values is None or len(values) != len(keys):
+        host = self._pages
+        if host is None or values is None or len(values) != len(keys):
             logger.error("kdn: batch_set needs a registered host pool and one value per key")
             return False
         try:
-            pages = [self._flat_page(v.reshape(-1)) for v in values]
+            pages = [host.flat_page(v.reshape(-1)) for v in values]
         except ValueError as err:
             logger.error("kdn: batch_set: %s", err)
             return False
@@ -588,7 +467,7 @@ class KDNHiCacheStorage(HiCacheStorage):
     def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None
                      ) -> int:
         """How many leading pages of ``keys`` are stored (one Lookup)."""
-        if not keys or self._pool is None:
+        if not keys or self._pages is None:
             return 0
         try:
             return self.client.lookup(self.kdn_keys(keys), prefix_chain=True).prefix_hits

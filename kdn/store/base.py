@@ -8,7 +8,9 @@ are protected from eviction (pins) and write policy are the hierarchy's business
 Required: ``contains``, ``get``, ``put``, ``delete``, ``close``.
 Optional (defaults loop over the core methods; tiers override them when they can batch):
 ``contains_many``, ``get_many``, ``put_many``, ``delete_many``, ``size_of``, ``size_many``,
-``ttl_remaining``, ``keys``, ``healthy``, ``stats``.
+``ttl_remaining``, ``written_at``, ``keys``, ``healthy``, ``stats``, ``parts_down``.
+Optional abilities of an ``in_process`` tier (defaults: "no stamp"): ``get_stamped``, ``stamp``,
+``stamp_if``.
 
 ``put(key, value, ttl_s=...)`` replaces any earlier value atomically: a reader sees the old
 value or the new one, never a mix. When ``put`` returns, the entry is as durable as the tier
@@ -22,6 +24,13 @@ Traits: each tier class says what it is, and the hierarchy chooses by these, nev
                         stays healthy while only remote tiers are down
     reports_evictions   the tier evicts on its own byte budget and hands each evicted entry to
                         ``on_evict`` (so the hierarchy can demote it)
+    in_process          the values live in this process's memory and can not change in place:
+                        a read is a lookup with no I/O (cheap enough for an event loop's
+                        thread), and every write gets a stamp (``get_stamped``, ``stamp``,
+                        ``stamp_if``), so the hierarchy checks a value once, not on every read
+    takes_framed        ``put`` keeps a ``Framed`` value as the frames it arrived in
+                        (``kdn.store.framed``), and ``get_stamped(framed=True)`` returns it so;
+                        other tiers are given one buffer
 
 Hooks set by the hierarchy after construction: ``protected(key)``: a tier that evicts on its own
 never evicts a key for which it answers true (pins); ``on_evict(key, value, ttl_s)``: called by
@@ -91,6 +100,8 @@ class Tier(abc.ABC):
     durable: ClassVar[bool] = False
     remote: ClassVar[bool] = False
     reports_evictions: ClassVar[bool] = False
+    in_process: ClassVar[bool] = False
+    takes_framed: ClassVar[bool] = False
 
     def __init__(self) -> None:
         self.counters = TierCounters()
@@ -139,12 +150,26 @@ class Tier(abc.ABC):
     def delete_many(self, keys: list[bytes]) -> int:
         return sum(self.delete(k) for k in keys)
 
-    def get_stamped(self, key: bytes) -> tuple[bytes, int] | None:
-        """The value and the stamp of the write that stored it: a tier whose values can not
-        change in place (they live in this process) gives every write a new stamp > 0, so the
-        hierarchy checks a value once, not on every read; 0 means "check it every time"."""
+    def get_stamped(self, key: bytes, framed: bool = False) -> tuple[bytes, int] | None:
+        """The value and the stamp of the write that stored it: an ``in_process`` tier gives
+        every write a new stamp > 0, so the hierarchy checks a value once, not on every read;
+        0 means "check it every time". ``framed``: a ``takes_framed`` tier returns a value it
+        holds as frames as it is (a ``Framed``), others ignore it."""
         value = self.get(key)
         return None if value is None else (value, 0)
+
+    def stamp(self, key: bytes, *, expiring: bool = False, value: object = None) -> int:
+        """The stamp of ``key``'s value (as ``get_stamped`` gives it, counting no hit); 0 where
+        the tier keeps none (every tier that is not ``in_process``), holds no value, (unless
+        ``expiring``) the value has a time to live, or (given ``value``) it holds another
+        object."""
+        return 0
+
+    def stamp_if(self, key: bytes, value: object) -> int:
+        """The stamp of ``key``'s value where that is the very object ``value`` (a put's value
+        as it was given, no later one); 0 otherwise, and always for a tier that keeps no
+        stamps. Counts no hit."""
+        return 0
 
     def size_of(self, key: bytes) -> int | None:
         """Stored size of ``key`` in bytes, or None when absent."""
@@ -169,6 +194,12 @@ class Tier(abc.ABC):
     def healthy(self) -> bool:
         """Whether the tier answers right now (a remote tier probes its server)."""
         return True
+
+    def parts_down(self) -> list[str]:
+        """The parts of the tier that do not answer now (a Redis Cluster's masters, as
+        ``host:port``): their keys miss and refuse SHARED stores. Empty for a tier of one
+        part, and while every part answers; asks no server (what the tier remembers)."""
+        return []
 
     def stats(self) -> TierStats:
         c = self.counters

@@ -1,9 +1,9 @@
 """An entry held as the frames it arrived in, not copied into one buffer.
 
 A Store stream brings an entry as one gRPC message per frame, and gRPC hands each message to
-Python as a bytes object of its own. Copying those frames into one contiguous buffer cost the
-server more than the transport did (a 12 MB entry on a 2-core VM: ~3 ms of a ~13 ms Store,
-the copy writing memory no cache holds). The RAM tier keeps a ``Framed`` value instead: the
+Python as a bytes object of its own. Copying those frames into one contiguous buffer would be a
+large share of a Store's server time (a whole pass over the entry, writing memory no cache
+holds). The RAM tier (``Tier.takes_framed``) keeps a ``Framed`` value instead: the
 container header and a view of each frame inside the message it came in. Those messages are
 exactly the ``RetrieveResponse`` messages a Retrieve of the whole entry sends (``kdn.wire``:
 Store and Retrieve carry a frame in the same encoding), so when every frame came whole the
@@ -32,11 +32,9 @@ def framed_limit(kept_free: int) -> int:
     ``kept_free`` bytes of free heap (``kdn.buffers.kept_free_bytes``): half that, up to
     ``MAX_FRAMED_BYTES``. A larger one is copied into one recycled buffer as it lands
     (``kdn.buffers``): once the entry it replaces is freed, more memory than the allocator
-    keeps goes back to the kernel, and the next Store's messages fault it in again (a 2-core
-    VM, 189 MB SmolLM2 stores: 0.80 GB/s kept under a 128 MiB threshold, 1.16 copied). Kept
-    where the memory stays (``kdn.buffers.server_trim_bytes``), a Store of that size costs
-    no copy (same VM, both under a 512 MiB threshold, in turns: 10-25% less server CPU than
-    copied, 2-6% less time)."""
+    keeps goes back to the kernel, and the next Store's messages would fault it in again,
+    which costs more than the copy. Kept where the memory stays
+    (``kdn.buffers.server_trim_bytes``), a Store of that size costs no copy."""
     return min(MAX_FRAMED_BYTES, kept_free // 2)
 
 

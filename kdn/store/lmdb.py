@@ -4,9 +4,8 @@ Everything the tier knows lives in the LMDB environment itself (no in-memory ind
 restarted server serves what it held, with its byte accounting and access order. Four named
 databases, all updated in the same write transaction:
 
-    entries  key -> value bytes
     meta     key -> (value size u64, expiry f64 unix seconds or 0, stamp u64, written f64 unix
-             seconds; entries from before it was kept have 24 bytes and no write time)
+             seconds; a 24-byte record, ``_META_V1``, has no write time)
     lru      stamp (u64 big-endian) + key -> b""   oldest access first
     entries  key -> value; a value over ``part_bytes`` (LMDB holds at most 4 GiB - 1 in one
              record) is split: key -> part 0, key + b"\\x00" + u32 i -> part i (store keys never

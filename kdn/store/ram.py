@@ -26,6 +26,8 @@ from kdn.store.framed import Framed
 class RamTier(Tier):
     name = "ram"
     reports_evictions = True
+    in_process = True
+    takes_framed = True
 
     def __init__(
         self,
@@ -78,8 +80,7 @@ class RamTier(Tier):
         got = self.get_stamped(key)
         return None if got is None else got[0]
 
-    def get_stamped(self, key: bytes, framed: bool = False  # type: ignore[override]
-                    ) -> tuple[bytes, int] | None:
+    def get_stamped(self, key: bytes, framed: bool = False) -> tuple[bytes, int] | None:
         """Values are immutable bytes held in this process: a put's stamp names its value.
         ``framed``: a ``Framed`` value is returned as it is (else joined, once: the joined
         bytes replace it, under the same stamp)."""

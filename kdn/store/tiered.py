@@ -11,8 +11,9 @@ Reads go through the tiers in order, skipping tiers that are down. Every value a
 returned is checked with ``verify``: one that fails is removed from that tier, counted
 (``corrupt``) and treated as a miss there, so another tier's good copy is served instead, and a
 damaged value never is. A tier whose values live in this process and can not change in place
-(RAM: immutable bytes) stamps every write (``Tier.get_stamped``); a value is checked on its
-first read and its later reads are not hashed again, until a write gives the key a new stamp.
+(``Tier.in_process``; RAM: immutable bytes) stamps every write (``Tier.get_stamped``); a value is
+checked on its first read and its later reads are not hashed again, until a write gives the key
+a new stamp (``kdn.store.checked`` remembers the stamps checked).
 A value still in a tier's write queue is served as if the tier held it
 (a pending delete hides what the tier holds). A hit below the first tier is promoted: into the
 first tier (RAM) at once, into other tiers above it through their write queues, keeping the
@@ -37,7 +38,12 @@ for which ``protected`` (wired here to the pin set) answers true. Evictions from
 its queue) when ``demote`` is set. Pins live in this process's memory.
 
 Key-level ordering: synchronous lower-tier writes, deletes and queue flushes of one key hold
-that key's stripe lock, so an older queued value never lands over a newer one.
+that key's stripe lock (``kdn.store.locks``), so an older queued value never lands over a newer
+one.
+
+The first tier's abilities are asked through the tier contract, never by its class: an
+``in_process`` head is asked directly (``presence``, ``get_in_memory``, ``memory_stamp``), and a
+``takes_framed`` head that is the only tier keeps a ``Framed`` value as it came.
 """
 
 from __future__ import annotations
@@ -52,22 +58,18 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
 
-import xxhash
-
 from kdn.errors import Corrupt, InvalidArgument, KDNError, TierUnavailable, Unavailable
 from kdn.options import Durability
 from kdn.store.base import EvictHook, Tier, TierStats
+from kdn.store.checked import CheckedStamps
 from kdn.store.framed import Framed, contiguous
 from kdn.store.health import Fault, TierHealth
+from kdn.store.locks import KeyLocks
 from kdn.store.queue import PendingWrite, WriteQueue
-from kdn.store.ram import RamTier
 
 __all__ = ["Durability", "Hit", "Presence", "TieredStore", "WritePolicy"]
 
 log = logging.getLogger(__name__)
-_STRIPES = 64
-_CHECKED_MAX = 1 << 20
-"""Stamps of checked values remembered at most (then forgotten at once and re-learnt)."""
 
 # What the error calls the tier a durability level needs when the server has none (the tier
 # itself is found by its traits, ``Tier.satisfies``).
@@ -133,10 +135,9 @@ class TieredStore:
         self.probe_interval_s = probe_interval_s
         self.flush_timeout_s = flush_timeout_s
         self._pins: set[bytes] = set()
-        self._checked: dict[tuple[str, bytes], int] = {}  # (tier, key) -> stamp checked
+        self._checked = CheckedStamps()
         self._lock = threading.Lock()
-        self._stripes = [threading.Lock() for _ in range(_STRIPES)]
-        self._entry_locks = [threading.Lock() for _ in range(_STRIPES)]
+        self._locks = KeyLocks()
         self.counters: dict[str, int] = {}
         self._closing = False
         self._health = TierHealth(tiers, count=self.count, on_up=self._tier_back)
@@ -155,30 +156,21 @@ class TieredStore:
         with self._lock:
             self.counters[name] = self.counters.get(name, 0) + n
 
-    @property
-    def corrupt_found(self) -> int:
-        return self.counters.get("corrupt", 0)
-
     def stripe(self, key: bytes) -> threading.Lock:
-        return self._stripes[xxhash.xxh64_intdigest(key) % _STRIPES]
+        """The store's own lock of ``key`` (``kdn.store.locks``)."""
+        return self._locks.stripe(key)
+
+    def entry_lock(self, key: bytes) -> threading.Lock:
+        """The callers' lock of ``key`` (``kdn.store.locks``; the servicers hold it across look
+        up, quota charge and put or delete). The store never takes it: it is the outer lock."""
+        return self._locks.entry_lock(key)
 
     @contextmanager
     def all_entries_locked(self) -> Iterator[None]:
         """Every entry lock, taken in one order: no caller changes an entry meanwhile (for a
         recount of usage from the tiers)."""
-        for lock in self._entry_locks:
-            lock.acquire()
-        try:
+        with self._locks.all_entries_locked():
             yield
-        finally:
-            for lock in reversed(self._entry_locks):
-                lock.release()
-
-    def entry_lock(self, key: bytes) -> threading.Lock:
-        """The callers' lock of ``key`` (the servicers hold it across look up, quota charge and
-        put or delete, so that concurrent overwrites and deletes of one entry charge and refund
-        it exactly once). The store itself never takes it: it is always the outer lock."""
-        return self._entry_locks[xxhash.xxh64_intdigest(key) % _STRIPES]
 
     # -- availability (kept by ``TierHealth``) --------------------------------------------------
 
@@ -243,13 +235,11 @@ class TieredStore:
             if got is None:
                 continue
             value, stamp = got
-            if not (stamp and self._checked.get((tier.name, key)) == stamp):
+            if not (stamp and self._checked.stamp(tier.name, key) == stamp):
                 if not self._verified(tier, key, value):
                     continue
                 if stamp:  # this very value was checked: its later reads are not re-hashed
-                    if len(self._checked) >= _CHECKED_MAX:
-                        self._checked.clear()
-                    self._checked[(tier.name, key)] = stamp
+                    self._checked.remember(tier.name, key, stamp)
             if i > 0:
                 ttl = guard(tier, partial(tier.ttl_remaining, key), "ttl_remaining")
                 self._promote(i, key, value, ttl)
@@ -258,36 +248,38 @@ class TieredStore:
 
     @property
     def memory_only(self) -> bool:
-        """Whether every tier is a RAM tier in this process: a put then does no I/O and never
-        waits on another tier (cheap enough for an event loop's thread)."""
-        return len(self.tiers) == 1 and isinstance(self.tiers[0], RamTier)
+        """Whether the only tier is one in this process (``Tier.in_process``: RAM): a put then
+        does no I/O and never waits on another tier (cheap enough for an event loop's
+        thread)."""
+        return len(self.tiers) == 1 and self.tiers[0].in_process
 
     def get_in_memory(self, key: bytes, framed: bool = False) -> Hit | FramedHit | None:
-        """``get``'s answer where the first tier holds ``key`` in this process's memory (the
-        RAM tier) and that very value was verified already: a dict lookup, no I/O and no
-        hashing, cheap enough for an event loop's thread. None otherwise: ask ``get`` (on a
-        worker thread). A loopback Retrieve of a small entry spent about 1 ms handing its
-        ``get`` to a worker thread and back. ``framed``: a value held as the frames it
-        arrived in comes as they are (a ``FramedHit``), else it is joined (once)."""
+        """``get``'s answer where the first tier holds ``key`` in this process's memory
+        (``Tier.in_process``: RAM) and that very value was verified already: a dict lookup,
+        no I/O and no hashing, cheap enough for an event loop's thread (handing a small
+        entry's ``get`` to a worker thread and back costs more than the read). None
+        otherwise: ask ``get`` (on a worker thread). ``framed``: a value held as the frames
+        it arrived in comes as they are (a ``FramedHit``), else it is joined (once)."""
         tier = self.tiers[0] if self.tiers else None
-        if not isinstance(tier, RamTier) or not tier.contains(key):
+        if tier is None or not tier.in_process or not tier.contains(key):
             return None  # a miss here is counted once, by ``get``
         q = self._queues.get(tier.name)
         if q is not None and q.peek(key) is not None:
             return None
         got = tier.get_stamped(key, framed=framed)
-        if got is None or not got[1] or self._checked.get((tier.name, key)) != got[1]:
+        if got is None or not got[1] or self._checked.stamp(tier.name, key) != got[1]:
             return None
         if isinstance(got[0], Framed):
             return FramedHit(got[0], tier.name, got[1])
         return Hit(got[0], tier.name, got[1])
 
     def memory_stamp(self, key: bytes, *, expiring: bool = False, value: object = None) -> int:
-        """The RAM tier's stamp of ``key``'s value (``Hit.stamp``); 0 where it holds none,
-        a write to it is queued, (unless ``expiring``) the value has a time to live, or (given
-        ``value``) the tier holds another object."""
+        """The first tier's stamp of ``key``'s value (``Hit.stamp``) where that tier is
+        ``in_process`` (RAM); 0 where it is not or holds none, a write to it is queued, (unless
+        ``expiring``) the value has a time to live, or (given ``value``) the tier holds another
+        object."""
         tier = self.tiers[0] if self.tiers else None
-        if not isinstance(tier, RamTier):
+        if tier is None or not tier.in_process:
             return 0
         q = self._queues.get(tier.name)
         if q is not None and q.peek(key) is not None:
@@ -297,9 +289,7 @@ class TieredStore:
     def distrust(self, key: bytes) -> None:
         """Forget that ``key``'s values were checked: its next read hashes them again (and a
         copy that fails is removed from its tier). For readers that found damage later."""
-        with self._lock:
-            for tier in self.tiers:
-                self._checked.pop((tier.name, key), None)
+        self._checked.forget(key, [tier.name for tier in self.tiers])
 
     def _verified(self, tier: Tier, key: bytes, value: bytes, queued: bool = False) -> bool:
         if self.verify is None:
@@ -336,10 +326,11 @@ class TieredStore:
         return self._lookup(keys, self.tiers)
 
     def presence(self, key: bytes) -> Presence:
-        """``lookup`` of one key, the RAM tier asked directly first (what a put replaces)."""
+        """``lookup`` of one key, an ``in_process`` first tier (RAM) asked directly first (what
+        a put replaces)."""
         tiers = self.tiers
         head = tiers[0] if tiers else None
-        if isinstance(head, RamTier) and head.name not in self._queues \
+        if head is not None and head.in_process and head.name not in self._queues \
                 and self.is_up(head.name):
             size = head.size_of(key)
             if size is not None:
@@ -399,7 +390,7 @@ class TieredStore:
                                   f"{_NEEDED_TIER[durability]} tier; this server has none")
         ttl = ttl_s or self.default_ttl_s or None
         if isinstance(value, Framed) and (len(self.tiers) > 1
-                                          or not isinstance(self.tiers[0], RamTier)):
+                                          or not self.tiers[0].takes_framed):
             value = value.joined()
         was_pinned = self.is_pinned(key)
         if pin:
@@ -411,13 +402,10 @@ class TieredStore:
                 self.unpin(key)
             raise
         head = self.tiers[0]
-        if verified and isinstance(head, RamTier):
+        if verified and head.in_process:
             stamp = head.stamp_if(key, value)  # 0 where another put came in between
             if stamp:
-                with self._lock:
-                    if len(self._checked) >= _CHECKED_MAX:
-                        self._checked.clear()
-                    self._checked[(head.name, key)] = stamp
+                self._checked.remember(head.name, key, stamp)
         return tier
 
     def _put(self, key: bytes, value: bytes | Framed, ttl: float | None, required: Tier,
@@ -435,7 +423,7 @@ class TieredStore:
                 self._write_lower(required, key, value, ttl, expiry, True, True)
             first = required.name
         try:
-            head.put(key, value, ttl_s=ttl)  # type: ignore[arg-type]  # Framed: a RamTier's
+            head.put(key, value, ttl_s=ttl)  # type: ignore[arg-type]  # Framed: takes_framed
             first = head.name
         except KDNError as exc:
             errors.append(f"{head.name}: {exc}")
@@ -562,18 +550,12 @@ class TieredStore:
     def queue_depth(self) -> dict[str, int]:
         return {name: len(q) for name, q in self._queues.items()}
 
-    @property
-    def partly_degraded(self) -> list[str]:
-        """Tiers that are up but not whole (``Tier.degraded``)."""
-        return [t.name for t in self.tiers if t.degraded and self.is_up(t.name)]
-
     def parts_down(self) -> dict[str, list[str]]:
         """For each tier that is up, the parts of it that do not answer now, if any (a Redis
         Cluster's masters, as ``host:port``; their keys miss and refuse SHARED stores)."""
         out: dict[str, list[str]] = {}
         for t in self.tiers:
-            down: Callable[[], list[str]] | None = getattr(t, "masters_down", None)
-            if down is not None and self.is_up(t.name) and (names := down()):
+            if self.is_up(t.name) and (names := t.parts_down()):
                 out[t.name] = names
         return out
 

@@ -1,0 +1,49 @@
+"""Key-level locks of the hierarchy: two fixed sets of striped locks, chosen by a key's hash.
+
+Lifecycle: ``TieredStore`` builds one ``KeyLocks`` and hands its locks out for the life of the
+store; nothing is ever added or freed, so a key always maps to the same lock.
+
+    stripe(key)          the store's own lock of ``key``: synchronous lower-tier writes,
+                         deletes and write-queue flushes of one key hold it, so an older queued
+                         value never lands over a newer one
+    entry_lock(key)      the callers' lock of ``key`` (the servicers hold it across look up,
+                         quota charge and put or delete, so that concurrent overwrites and
+                         deletes of one entry charge and refund it exactly once); the store never
+                         takes it, so it is always the outer lock
+    all_entries_locked   every entry lock, taken in one order (a recount of usage from the tiers)
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import xxhash
+
+STRIPES = 64
+"""Locks in each set: keys that share a lock only wait for each other, never deadlock."""
+
+
+class KeyLocks:
+    """The stripe locks and the entry locks (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._stripes = [threading.Lock() for _ in range(STRIPES)]
+        self._entry_locks = [threading.Lock() for _ in range(STRIPES)]
+
+    def stripe(self, key: bytes) -> threading.Lock:
+        return self._stripes[xxhash.xxh64_intdigest(key) % STRIPES]
+
+    def entry_lock(self, key: bytes) -> threading.Lock:
+        return self._entry_locks[xxhash.xxh64_intdigest(key) % STRIPES]
+
+    @contextmanager
+    def all_entries_locked(self) -> Iterator[None]:
+        for lock in self._entry_locks:
+            lock.acquire()
+        try:
+            yield
+        finally:
+            for lock in reversed(self._entry_locks):
+                lock.release()

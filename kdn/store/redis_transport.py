@@ -1,0 +1,539 @@
+"""How the Redis tier reaches Redis: clients, retries, error kinds, and a cluster's masters.
+
+Lifecycle: ``RedisTier`` (``kdn.store.redis``) builds one ``RedisTransport`` from its config and
+makes every Redis call through it: ``call`` (one command), ``keyed`` (an entry's commands, in
+its slot), ``batch`` (one command per key), ``scan`` (a listing), ``waiting_client`` (a write
+followed by ``WAIT``), and ``primaries`` (the health probe). ``close`` runs once, from the
+tier's ``close``.
+
+Transport: a connection pool (``BlockingConnectionPool`` standalone, per-node pools in a
+cluster), commands retried ``retries`` times with exponential backoff and jitter on connection
+and timeout errors only; every redis-py error leaves as ``TierUnavailable`` (or ``TooLarge`` when
+Redis is out of memory), so the hierarchy can mark the tier down and carry on.
+
+Cluster, one master out (stopped, cut off or killed): its slots' keys fail with
+``PartlyUnavailable`` (reads miss, SHARED stores are refused) and the tier stays up for the other
+masters' slots. A master that did not answer (a call was refused or timed out, or the health
+probe's PING failed) is remembered (``masters_down``; the tier is told through ``on_degraded``)
+and the calls for its slots then fail at once, so that a stopped master holds no server thread
+and no entry lock beyond its first socket timeout: a call is not sent again to a node that timed
+out, and an entry's or a batch's commands go as one plain pipeline per master (redis-py's
+cluster pipeline would try each command again, one by one). While a master is remembered, a
+thread refreshes the cluster map and PINGs it every ``WATCH_S``, so that a replica promoted in
+its place takes its slots at once and a master that answers again is used again. MOVED/ASK (a
+stale map) refresh the map and go through the cluster client. A master whose ``WAIT`` came back
+short of replicas (``ReplicasShort``) takes no write until it has them again.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+from urllib.parse import urlparse
+
+import redis
+from redis.backoff import ExponentialWithJitterBackoff
+from redis.cluster import ClusterNode, RedisCluster
+from redis.retry import Retry
+
+from kdn.errors import KDNError, PartlyUnavailable, TierUnavailable, TooLarge
+
+log = logging.getLogger(__name__)
+
+_DOWN = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError,
+         redis.exceptions.ClusterDownError, redis.exceptions.BusyLoadingError,
+         redis.exceptions.TryAgainError, redis.exceptions.MaxConnectionsError,
+         redis.exceptions.MasterDownError, redis.exceptions.SlotNotCoveredError,
+         redis.exceptions.ReadOnlyError, redis.exceptions.ClusterError)
+
+
+def _wrap(exc: BaseException, cluster: bool = False) -> KDNError:
+    """TierUnavailable when Redis can not be reached (PartlyUnavailable in a cluster: one
+    slot's master; the probe decides whether the whole tier is gone), TooLarge when full, else
+    KDNError."""
+    if isinstance(exc, _DOWN):
+        down = PartlyUnavailable if cluster else TierUnavailable
+        return down(f"redis: {type(exc).__name__}: {exc}")
+    if isinstance(exc, redis.exceptions.OutOfMemoryError) or str(exc).startswith("OOM"):
+        return TooLarge(f"redis is out of memory: {exc}")
+    return KDNError(f"redis: {type(exc).__name__}: {exc}")
+
+
+WATCH_S = 0.25
+"""While a cluster master is known not to answer (or, with WAIT, to lack replicas), a thread of
+the tier asks it again, and refreshes the cluster map, every ``WATCH_S`` seconds."""
+
+
+class ReplicasShort(PartlyUnavailable):
+    """A write the master took but too few replicas confirmed (``WAIT``); it was withdrawn. Part
+    of the tier (that master's slots; all of a standalone Redis) takes no write that must be
+    confirmed, the rest serves on."""
+
+
+def _unanswered(exc: BaseException) -> bool:
+    """Whether ``exc`` (a kdn error wrapping a redis-py one) says the node did not answer: a
+    refused, reset or timed-out connection (not a full client-side pool)."""
+    cause = exc.__cause__
+    return isinstance(cause, (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)) \
+        and not isinstance(cause, redis.exceptions.MaxConnectionsError)
+
+
+class _Masters:
+    """Which cluster masters (by node name, ``host:port``) do not answer, or answer but lack the
+    replicas WAIT asks for: the gate every keyed call passes (thread-safe)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._down: dict[str, float] = {}  # name -> since when it does not answer
+        self._short: dict[str, float] = {}  # name -> since when WAIT came back short
+
+    def check(self, name: str, *, write: bool) -> None:
+        """Raise at once when ``name`` does not answer, or (for a write) lacks replicas."""
+        if name in self._down:
+            raise PartlyUnavailable(f"redis: the cluster master {name} of this key's slot does "
+                                    "not answer")
+        if write and name in self._short:
+            raise ReplicasShort(f"redis: the cluster master {name} of this key's slot lacks the "
+                                "replicas to confirm a write")
+
+    def blocked(self, name: str) -> bool:
+        """Whether a read of ``name``'s slots fails at once now."""
+        return name in self._down
+
+    def mark_down(self, name: str) -> bool:
+        """Remember that ``name`` does not answer; True when that is news."""
+        with self._lock:
+            if name in self._down:
+                return False
+            self._down[name] = time.monotonic()
+        log.warning("redis cluster master %s does not answer: its slots' keys fail, the other "
+                    "masters' slots serve on", name)
+        return True
+
+    def mark_short(self, name: str) -> bool:
+        with self._lock:
+            if name in self._short:
+                return False
+            self._short[name] = time.monotonic()
+        log.warning("redis cluster master %s lacks the replicas WAIT asks for: writes to its "
+                    "slots are refused", name)
+        return True
+
+    def answered(self, name: str) -> None:
+        with self._lock:
+            back = self._down.pop(name, None) is not None
+        if back:
+            log.info("redis cluster master %s answers again", name)
+
+    def confirmed(self, name: str) -> None:
+        """``name`` has the replicas WAIT asks for (again)."""
+        with self._lock:
+            back = self._short.pop(name, None) is not None
+        if back:
+            log.info("redis cluster master %s has its replicas again", name)
+
+    def down(self) -> list[str]:
+        with self._lock:
+            return sorted(self._down)
+
+    def short(self) -> list[str]:
+        with self._lock:
+            return sorted(self._short)
+
+    def keep(self, names: set[str]) -> None:
+        """Forget the nodes that are no longer masters (a replica took over; the old master
+        came back as its replica)."""
+        with self._lock:
+            for d in (self._down, self._short):
+                for name in [n for n in d if n not in names]:
+                    del d[name]
+
+
+class _Cluster(RedisCluster):
+    """A cluster client that does not send a command again to a node that timed out (a stopped
+    or cut-off master: every try would wait out the socket timeout again, while the tier fails
+    that master's slots at once from then on); refused connections and CLUSTERDOWN are still
+    retried on a refreshed map, which is how a killed master's keys reach its promoted
+    replica."""
+
+    ERRORS_ALLOW_RETRY = tuple(e for e in RedisCluster.ERRORS_ALLOW_RETRY  # type: ignore[assignment]
+                               if e is not redis.exceptions.TimeoutError)
+
+
+class RedisTransport:
+    """The Redis tier's clients and its view of a cluster's masters (see the module docstring).
+
+    ``route(key)`` names the Redis key whose slot holds a tier key's entry (its manifest);
+    ``on_degraded()`` is called when a master is found not to answer.
+    """
+
+    def __init__(
+        self,
+        urls: list[str],
+        *,
+        cluster: bool,
+        route: Callable[[bytes], bytes],
+        on_degraded: Callable[[], None],
+        timeout_s: float,
+        retries: int,
+        max_connections: int,
+        wait_replicas: int,
+        wait_timeout_s: float,
+    ) -> None:
+        self.urls = urls
+        self.cluster = cluster
+        self.timeout_s = timeout_s
+        self.retries = retries
+        self.max_connections = max_connections
+        self.wait_replicas = wait_replicas
+        self.wait_timeout_s = wait_timeout_s
+        self._route = route
+        self._on_degraded = on_degraded
+        retry = Retry(ExponentialWithJitterBackoff(base=0.02, cap=0.5), retries)
+        # the socket timeout bounds how long a stopped master holds a call (a WAIT, which may
+        # take up to wait_timeout_s more, runs on connections of its own: waiting_client)
+        common: dict[str, Any] = dict(socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+                                      retry=retry, health_check_interval=0)
+        self._masters = _Masters() if cluster else None
+        self._wait_clients: dict[str, redis.Redis] = {}
+        self._wait_lock = threading.Lock()
+        self._watcher: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._closed = False
+        self.client: redis.Redis | RedisCluster
+        if cluster:
+            nodes = []
+            for u in self.urls:
+                p = urlparse(u)
+                nodes.append(ClusterNode(p.hostname or "127.0.0.1", p.port or 6379))
+            self.client = _Cluster(startup_nodes=nodes, max_connections=max_connections,
+                                   cluster_error_retry_attempts=max(1, retries), **common)
+        else:
+            if len(self.urls) != 1:
+                raise ValueError("a standalone Redis tier takes exactly one URL")
+            pool = redis.BlockingConnectionPool.from_url(
+                self.urls[0], max_connections=max_connections, timeout=timeout_s, **common)
+            self.client = redis.Redis(connection_pool=pool)
+
+    # -- one call -------------------------------------------------------------------------------
+
+    def call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        """``fn(*args, **kwargs)``, a redis-py error leaving as a kdn one (``_wrap``)."""
+        try:
+            return fn(*args, **kwargs)
+        except redis.exceptions.RedisError as exc:
+            raise _wrap(exc, self.cluster) from exc
+
+    def master_of(self, key: bytes) -> str:
+        """The name (``host:port``) of the cluster master that holds ``key``'s slot, as this
+        client's map has it."""
+        assert isinstance(self.client, RedisCluster)
+        try:
+            return str(self.client.get_node_from_key(self._route(key)).name)
+        except (redis.exceptions.RedisError, redis.exceptions.RedisClusterException) as exc:
+            raise PartlyUnavailable(f"redis: no master known for this key's slot: {exc}") \
+                from exc
+
+    @contextmanager
+    def slot(self, key: bytes, *, write: bool = False) -> Iterator[None]:
+        """Around every call for ``key`` in a cluster: fail at once while its master is known
+        not to answer (or, for a write with WAIT, to lack replicas); learn from the outcome."""
+        if self._masters is None:
+            yield
+            return
+        name = self.master_of(key)
+        self._masters.check(name, write=write)
+        try:
+            yield
+        except ReplicasShort:
+            self._note(name, short=True)
+            raise
+        except PartlyUnavailable as exc:
+            if _unanswered(exc):
+                self._note(name, down=True)
+            raise
+
+    def blocked(self, name: str) -> bool:
+        """Whether calls for the cluster master ``name``'s slots fail at once now (it is known
+        not to answer); never for a standalone Redis."""
+        return self._masters is not None and self._masters.blocked(name)
+
+    def masters_down(self) -> list[str]:
+        """The cluster masters (``host:port``) that do not answer, whose slots' keys fail now
+        (empty for a standalone Redis, or while every master answers)."""
+        return [] if self._masters is None else self._masters.down()
+
+    # -- the masters' watch ---------------------------------------------------------------------
+
+    def _note(self, name: str, *, down: bool = False, short: bool = False) -> None:
+        """``name`` did not answer, or lacked replicas: remember it, and watch it."""
+        assert self._masters is not None
+        if down and self._masters.mark_down(name):
+            self._on_degraded()
+        if short:
+            self._masters.mark_short(name)
+        with self._wait_lock:
+            if self._closed or (self._watcher is not None and self._watcher.is_alive()):
+                return
+            self._watcher = threading.Thread(target=self._watch, name="kdn-redis-masters",
+                                             daemon=True)
+            self._watcher.start()
+
+    def _watch(self) -> None:
+        """While some master does not answer or lacks replicas: every ``WATCH_S`` refresh the
+        cluster map (a replica promoted in a lost master's place takes its slots at once) and
+        ask those masters again (in a thread of its own, so that a stopped master's timeout
+        does not slow the refreshes); end when every one answers."""
+        assert isinstance(self.client, RedisCluster) and self._masters is not None
+        masters = self._masters
+        asking: threading.Thread | None = None
+        while not self._stop.wait(WATCH_S):
+            try:
+                down = masters.down()
+                self._refresh(avoid=down[0] if down else None)
+                primaries = {n.name: n for n in self.client.get_primaries()}
+                masters.keep(set(primaries))
+                if asking is None or not asking.is_alive():
+                    asking = threading.Thread(target=self._ask_again, args=(primaries,),
+                                              name="kdn-redis-ask", daemon=True)
+                    asking.start()
+            except Exception:  # never let the watch end while a master is remembered
+                log.exception("redis cluster watch")
+            with self._wait_lock:
+                if not masters.down() and not masters.short():
+                    self._watcher = None
+                    return
+
+    def _ask_again(self, primaries: dict[str, ClusterNode]) -> None:
+        """PING the masters that did not answer; ask those short of replicas how many they
+        have."""
+        assert isinstance(self.client, RedisCluster) and self._masters is not None
+        masters = self._masters
+        for name in masters.down():
+            node = primaries.get(name)
+            try:
+                if node is not None and self.client.ping(target_nodes=node):
+                    masters.answered(name)
+            except (redis.exceptions.RedisError, OSError):
+                pass
+        for name in masters.short():
+            node = primaries.get(name)
+            try:
+                if node is not None and int(self.client.info(
+                        "replication", target_nodes=node).get("connected_slaves", 0)) \
+                        >= self.wait_replicas:
+                    masters.confirmed(name)
+            except (redis.exceptions.RedisError, OSError, ValueError):
+                pass
+
+    def _refresh(self, avoid: str | None = None) -> None:
+        """Reload the cluster map, from a node other than ``avoid`` first (no error if no node
+        answers)."""
+        assert isinstance(self.client, RedisCluster)
+        manager = self.client.nodes_manager
+        try:
+            try:  # keep the pools of the node asked, ask the lost one last (redis-py >= 6)
+                manager.initialize(disconnect_startup_nodes_pools=False,
+                                   last_failed_node_name=avoid)
+            except TypeError:
+                manager.initialize()
+        except (redis.exceptions.RedisError, redis.exceptions.RedisClusterException, OSError):
+            pass
+
+    def primaries(self) -> tuple[int, int]:
+        """(masters that answered a PING, masters known) of the cluster, remembering which do
+        not answer. When one did not, the client's view of the cluster is refreshed (and the
+        masters new to it asked too), so that a replica promoted in its place is found within
+        one probe. A master already known not to answer is left to the watcher (which PINGs it
+        every ``WATCH_S``): the probe does not wait out its timeout again."""
+        assert isinstance(self.client, RedisCluster) and self._masters is not None
+        answers: dict[str, bool] = {}
+
+        def ask(nodes: list[ClusterNode]) -> None:
+            assert self._masters is not None
+            for node in nodes:
+                if node.name in answers:
+                    continue
+                if self._masters.blocked(node.name):
+                    answers[node.name] = False
+                    continue
+                try:
+                    answers[node.name] = bool(self.client.ping(target_nodes=node))
+                except (redis.exceptions.RedisError, OSError):
+                    answers[node.name] = False
+
+        ask(self.client.get_primaries())
+        silent = [name for name, ok in answers.items() if not ok]
+        if silent:
+            self._refresh(avoid=silent[0])
+        primaries = self.client.get_primaries()
+        ask(primaries)
+        names = {n.name for n in primaries}
+        self._masters.keep(names)
+        for name, ok in answers.items():
+            if ok:
+                self._masters.answered(name)
+            elif name in names:
+                self._note(name, down=True)
+        return sum(answers[n] for n in names), len(names)
+
+    # -- pipelines ------------------------------------------------------------------------------
+
+    def _pipelined(self, build: Callable[[Any], Any], master: str | None = None) -> list[Any]:
+        """Run the commands ``build(pipe)`` queues in one pipeline. In a cluster they go, as a
+        plain pipeline, to ``master`` (every key they name must be in its slots): a master
+        that does not answer costs one socket timeout (redis-py's cluster pipeline tries each
+        command again, one by one) and is remembered; MOVED or ASK (a stale map after a
+        failover or resharding) refreshes the map and runs them through the cluster client,
+        which follows redirects."""
+        if self._masters is None or master is None:
+            pipe = self.client.pipeline(transaction=False)
+            build(pipe)
+            return list(self.call(pipe.execute))
+        assert isinstance(self.client, RedisCluster)
+        node = self.client.get_node(node_name=master)
+        if node is None:
+            raise PartlyUnavailable(f"redis: the cluster master {master} is no longer known")
+        pipe = self.client.get_redis_connection(node).pipeline(transaction=False)
+        build(pipe)
+        try:
+            got = list(self.call(pipe.execute, raise_on_error=False))
+        except PartlyUnavailable as exc:
+            if _unanswered(exc):
+                self._note(master, down=True)
+            raise
+        if any(isinstance(g, (redis.exceptions.MovedError, redis.exceptions.AskError))
+               for g in got):
+            self._refresh()
+            cpipe = self.client.pipeline(transaction=False)
+            build(cpipe)
+            return list(self.call(cpipe.execute))
+        for g in got:
+            if isinstance(g, Exception):
+                raise _wrap(g, self.cluster) from g
+        return got
+
+    def keyed(self, key: bytes, build: Callable[[Any], Any]) -> list[Any]:
+        """The commands ``build(pipe)`` queues, on keys in ``key``'s slot (an entry's keys), in
+        one pipeline (see ``_pipelined``)."""
+        return self._pipelined(build, self.master_of(key) if self._masters else None)
+
+    def batch(self, add: Callable[[Any, bytes], Any], keys: list[bytes]) -> list[Any]:
+        """One pipelined command per key (``add(pipe, key)``). In a cluster, one pipeline per
+        master: the keys of a master that does not answer (known, or found now) read as
+        absent, the others answer."""
+        if self._masters is None:
+            return self._pipelined(lambda pipe: [add(pipe, k) for k in keys])
+        out: list[Any] = [None] * len(keys)
+        groups: dict[str, list[int]] = {}
+        for i, k in enumerate(keys):
+            try:
+                name = self.master_of(k)
+            except PartlyUnavailable:
+                continue
+            if not self._masters.blocked(name):
+                groups.setdefault(name, []).append(i)
+        for name, idx in groups.items():
+            def build(pipe: Any, idx: list[int] = idx) -> None:
+                for i in idx:
+                    add(pipe, keys[i])
+            try:
+                got = self._pipelined(build, name)
+            except PartlyUnavailable:
+                continue
+            for i, g in zip(idx, got):
+                out[i] = g
+        return out
+
+    def scan(self, pattern: bytes) -> list[bytes]:
+        """The Redis keys matching ``pattern``; in a cluster, those of the masters that answer
+        (a master known not to answer is skipped at once, one found now after its timeout)."""
+        if not isinstance(self.client, RedisCluster) or self._masters is None:
+            listed: list[bytes] = self.call(
+                lambda: list(self.client.scan_iter(match=pattern, count=1000)))
+            return listed
+        found: list[bytes] = []
+        for node in self.client.get_primaries():
+            if self._masters.blocked(node.name):
+                continue
+            client = self.client.get_redis_connection(node)
+            try:
+                found += self.call(lambda c=client: list(c.scan_iter(match=pattern, count=1000)))
+            except PartlyUnavailable as exc:
+                if not _unanswered(exc):
+                    raise
+                self._note(node.name, down=True)
+        return found
+
+    # -- WAIT -----------------------------------------------------------------------------------
+
+    def waiting_client(self, manifest_key: bytes) -> redis.Redis:
+        """A client to the master of ``manifest_key``'s slot whose socket timeout leaves room
+        for a WAIT (the other calls keep the short one). Connection errors are retried,
+        timeouts not (a commit that timed out waiting is not sent again)."""
+        if isinstance(self.client, RedisCluster):
+            try:
+                node = self.client.get_node_from_key(manifest_key)
+            except (redis.exceptions.RedisError, redis.exceptions.RedisClusterException) as exc:
+                raise PartlyUnavailable(f"redis: no master known for this key's slot: {exc}") \
+                    from exc
+            name, where = str(node.name), {"host": node.host, "port": node.port}
+        else:
+            name, where = "", {}
+        with self._wait_lock:
+            got = self._wait_clients.get(name)
+            if got is None:
+                retry = Retry(ExponentialWithJitterBackoff(base=0.02, cap=0.5), self.retries,
+                              supported_errors=(redis.exceptions.ConnectionError,))
+                kw: dict[str, Any] = dict(
+                    socket_timeout=self.timeout_s + self.wait_timeout_s,
+                    socket_connect_timeout=self.timeout_s, retry=retry,
+                    health_check_interval=0, max_connections=self.max_connections,
+                    timeout=self.timeout_s)
+                pool = redis.BlockingConnectionPool(**where, **kw) if where else \
+                    redis.BlockingConnectionPool.from_url(self.urls[0], **kw)
+                got = self._wait_clients[name] = redis.Redis(connection_pool=pool)
+        return got
+
+    # -- server settings ------------------------------------------------------------------------
+
+    def check_coverage(self) -> None:
+        """Warn when the cluster stops every key while one slot is uncovered (Redis's default
+        ``cluster-require-full-coverage yes``): kdn keeps the other slots serving only if
+        Redis does."""
+        try:
+            got = self.client.config_get("cluster-require-full-coverage",
+                                         target_nodes=RedisCluster.PRIMARIES)
+        except (redis.exceptions.RedisError, OSError):
+            return  # CONFIG may be off (managed Redis): nothing to say
+        values = got.values() if isinstance(got, dict) and "cluster-require-full-coverage" \
+            not in got else [got]
+        if any(v.get("cluster-require-full-coverage") == "yes" for v in values
+               if isinstance(v, dict)):
+            log.warning("redis cluster: cluster-require-full-coverage is yes, so one master's "
+                        "loss stops every key until its replica takes over; set it to no to "
+                        "keep the other masters' slots serving")
+
+    def apply_budget(self, capacity_bytes: int) -> None:
+        """Give Redis the byte budget (per node in a cluster) and an LRU policy over all keys."""
+        kw: dict[str, Any] = {"target_nodes": RedisCluster.PRIMARIES} if self.cluster else {}
+        self.call(self.client.config_set, "maxmemory", str(capacity_bytes), **kw)
+        self.call(self.client.config_set, "maxmemory-policy", "allkeys-lru", **kw)
+
+    def close(self) -> None:
+        """Stop the watcher and close every client."""
+        with self._wait_lock:
+            self._closed = True
+            self._stop.set()
+            watcher = self._watcher
+        if watcher is not None:
+            watcher.join(timeout=5)
+        for c in [self.client, *self._wait_clients.values()]:
+            try:
+                c.close()
+            except redis.exceptions.RedisError:
+                pass
