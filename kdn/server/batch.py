@@ -199,7 +199,7 @@ class BatchReads:
         return hit
 
     def get_sent(self, p: Principal, request: pb.GetManyRequest
-                  ) -> tuple[pb.GetManyResponse, list[bytes | memoryview]]:
+                 ) -> tuple[pb.GetManyResponse, list[bytes | memoryview]]:
         """The network data path's GetMany (``kdn.server.netpath``): the answer, and the
         pieces of every present entry's bytes, in order, which follow it on the connection
         (``EntryRef.offset``: where an entry starts in them). Nothing is copied: the pieces

@@ -82,7 +82,7 @@ class PutMany:
         return self.finish(p, request, self.copy(p, request))
 
     def copy(self, p: Principal, request: pb.PutManyRequest, *, alone: bool = False
-                  ) -> PutCopies:
+             ) -> PutCopies:
         """The first half of a PutMany: the items that lie in a shared segment copied out,
         each checked as it is copied; nothing stored yet. What copying an item raised is kept
         with it and raised by ``finish`` in its turn; what refuses the whole call (no
@@ -130,7 +130,7 @@ class PutMany:
         return PutCopies(True, copied, homes, checked)
 
     def finish(self, p: Principal, request: pb.PutManyRequest, copies: PutCopies
-                    ) -> pb.PutManyResponse:
+               ) -> pb.PutManyResponse:
         """The second half of a PutMany (after ``copy``): every item checked, then
         every item stored, in order."""
         def value_of(j: int, item: pb.PutItem) -> bytes | memoryview:
@@ -145,7 +145,7 @@ class PutMany:
 
         try:
             return self.put_items(p, request, value_of, copies.homes,
-                                   sealing=copies.segment, checked=copies.checked)
+                                  sealing=copies.segment, checked=copies.checked)
         finally:  # a refused call's later copies go now (their arena slots with them), not
             copies.values.clear()  # with whoever still holds ``copies``
 
@@ -210,10 +210,10 @@ class PutMany:
         return total
 
     def put_items(self, p: Principal, request: pb.PutManyRequest,
-                   value_of: Callable[[int, pb.PutItem], bytes | memoryview],
-                   homes: dict[int, tuple[Arena, Slot]] | None = None, *,
-                   sealing: bool = False, checked: dict[int, Checked] | None = None
-                   ) -> pb.PutManyResponse:
+                  value_of: Callable[[int, pb.PutItem], bytes | memoryview],
+                  homes: dict[int, tuple[Arena, Slot]] | None = None, *,
+                  sealing: bool = False, checked: dict[int, Checked] | None = None
+                  ) -> pb.PutManyResponse:
         """Check every item (its bytes from ``value_of``, which verifies them: Corrupt when
         they fail) before any is stored, then store them in order. ``homes``: items whose
         value lives in an arena slot (published with their put). ``sealing``: ``value_of``
