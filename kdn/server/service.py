@@ -57,6 +57,8 @@ def verify_entry(value: bytes) -> None:
 
 
 class KDNServicer(pb_grpc.KDNServicer):
+    """The KDN service's RPCs, each delegating to the objects it holds (module docstring)."""
+
     blender: Blender | None = None
     """The model side of Blend; None: this server does not blend."""
     fast_path_name: str = ""
