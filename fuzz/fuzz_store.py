@@ -3,7 +3,7 @@ sees them.
 
     python fuzz/fuzz_store.py -runs=20000           # or -max_total_time=600
 
-No network: each input drives ``KDNServicer.Store`` (the handler gRPC calls, its ``_rpc``
+No network: each input drives ``KDNServicer.Store`` (the handler gRPC calls, its ``kdn.server.rpc.rpc``
 status mapping included) on one event loop, with a RAM-tier ``TieredStore`` as the server
 builds it, a tenant with a quota, an ``allowed_models`` list and a small ``max_entry_bytes``.
 The request messages go through the server's deserializer (``kdn.wire.store_request`` wrapped by
@@ -34,7 +34,7 @@ other engineers' jobs, load average 0.7-1.3, so absolute rates are low):
   beside it): 476,034 inputs, 792/s on average (~1,000/s in the first seconds), 641 coverage
   edges (2,485 features), 333 corpus entries, peak RSS 1.1 GB; found nothing.
 - The suite's run (``-runs=6000 -seed=1``) takes ~10 s, start-up included.
-- Found while building it (fixed in ``KDNServicer._check_header``, with a test in
+- Found while building it (fixed in ``kdn.server.ingest.Ingest.check_header``, with a test in
   tests/test_hostile.py), within its first seconds: a durability outside the enum raised
   ValueError in ``_commit`` after the tenant was charged (UNKNOWN; on PutMany after earlier
   items were stored), and a durability the server has no tier for failed in the put, also

@@ -200,9 +200,9 @@ def test_a_store_is_kept_as_its_frames_up_to_half_the_heap_the_allocator_keeps(
     of free heap (its first Retrieve sends the Store's own messages: the wire memo does not
     miss), and copied into one buffer where it keeps 4 MiB (the Retrieve builds a message a
     frame); read back the same either way."""
-    from kdn.server import service
+    from kdn.server import receive
 
-    monkeypatch.setattr(service, "kept_free_bytes", lambda: kept_free_mib << 20)
+    monkeypatch.setattr(receive, "kept_free_bytes", lambda: kept_free_mib << 20)
     parts = _parts(600, seed=9)
     assert 2 << 20 < parts.nbytes < 4 << 20
     key = keys.chunk_key([9], LAYOUT)

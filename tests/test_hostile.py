@@ -354,7 +354,7 @@ def test_a_durability_the_server_can_not_give_is_refused_before_charging() -> No
             assert err.value.args[0] == grpc.StatusCode.INVALID_ARGUMENT
             assert "durability" in err.value.args[1]
             with pytest.raises(KDNError, match="durability"):
-                servicer._put_many(Principal("t", Role.TENANT), pb.PutManyRequest(items=[
+                servicer.puts.put(Principal("t", Role.TENANT), pb.PutManyRequest(items=[
                     pb.PutItem(key=key, data=parts.to_bytes()),
                     pb.PutItem(key=keys.chunk_key([2], KV.layout), data=parts.to_bytes(),
                                options=pb.StoreOptions(durability=durability)),  # type: ignore[arg-type]

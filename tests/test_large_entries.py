@@ -134,7 +134,7 @@ def test_large_frames_checked_as_they_land_refuse_damage_and_keep_the_old_value(
     value stored before under the key stays, and the intact stream then stores exactly the
     entry."""
     from kdn.codec.format import build_header, build_record, frame_with_sum, parse_header
-    from kdn.server import service
+    from kdn.server import receive
     from kdn.store import framed
 
     if copied:
@@ -143,7 +143,7 @@ def test_large_frames_checked_as_they_land_refuse_damage_and_keep_the_old_value(
     layout = _layout(4, 4, 64)
     kv = _kv(layout, tokens)
     parts = codec.encode_parts(kv, "raw", layers_per_frame=1)
-    assert (min(map(len, parts.frames)) >= service.BACKGROUND_CHECK_BYTES) == (tokens > 4096)
+    assert (min(map(len, parts.frames)) >= receive.BACKGROUND_CHECK_BYTES) == (tokens > 4096)
     old = _kv(layout, 64)
     key = keys.chunk_key([11], layout)
     header = parse_header(parts.header)

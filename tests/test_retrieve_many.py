@@ -360,7 +360,7 @@ def test_a_bad_entry_in_a_store_many_stream_stores_none_of_them(
     """A damaged frame in the second entry, a frame where a header is due, an entry cut short
     before the next header, or a batch past ``MAX_BATCH_BYTES``: INVALID_ARGUMENT (or
     RESOURCE_EXHAUSTED), and none of the entries is stored, the first one included."""
-    from kdn.server import service
+    from kdn.server import receive
 
     items = [(keys.chunk_key([8100 + i], LAYOUT), codec.encode_parts(
         random_kv(LAYOUT, 200, seed=300 + i), "raw", layers_per_frame=0)) for i in range(3)]
@@ -376,7 +376,7 @@ def test_a_bad_entry_in_a_store_many_stream_stores_none_of_them(
     elif fault == "short":  # the second entry's last frame left out: the third header is next
         del msgs[2 * per - 1]
     else:
-        monkeypatch.setattr(service, "MAX_BATCH_BYTES", items[0][1].nbytes * 2)
+        monkeypatch.setattr(receive, "MAX_BATCH_BYTES", items[0][1].nbytes * 2)
         code = grpc.StatusCode.RESOURCE_EXHAUSTED
     words = "entry 1:" if fault in ("damaged", "short") else ""
     _refused_then_stored(server, msgs, _store_many_stream(items), items, code, words,
@@ -483,7 +483,7 @@ def test_a_bad_grouped_store_many_stores_none_of_its_entries(
     header at all or more than ``MAX_GROUPED_ENTRIES``, or a batch past ``MAX_BATCH_BYTES``:
     refused, none of the entries stored;
     the intact stream then stores them all."""
-    from kdn.server import service
+    from kdn.server import receive
 
     items = _batch(8400, 3)
     msgs = _grouped_store_stream(items)
@@ -513,10 +513,10 @@ def test_a_bad_grouped_store_many_stores_none_of_its_entries(
         msgs = [pb.StoreRequest(headers=pb.StoreHeaders())]
         words = "of 0 headers"
     elif fault == "too-many":
-        monkeypatch.setattr(service, "MAX_GROUPED_ENTRIES", 2)
+        monkeypatch.setattr(receive, "MAX_GROUPED_ENTRIES", 2)
         words = "of 3 headers; from 1 to 2"
     else:
-        monkeypatch.setattr(service, "MAX_BATCH_BYTES", items[0][1].nbytes * 2)
+        monkeypatch.setattr(receive, "MAX_BATCH_BYTES", items[0][1].nbytes * 2)
         code = grpc.StatusCode.RESOURCE_EXHAUSTED
     _refused_then_stored(server, msgs, _grouped_store_stream(items), items, code, words,
                          monkeypatch)
@@ -544,11 +544,11 @@ def test_a_grouped_store_many_refused_as_a_bad_request_goes_again_a_header_per_e
     """A server that said it reads grouped StoreMany, then refuses one (as an older server put
     in its place would: INVALID_ARGUMENT, nothing stored): the client sends the batch again
     a header per entry, and it is stored."""
-    from kdn.server import service
+    from kdn.server import receive
 
     with Client(server.address, shm_bytes=0, data_path=False) as c:
         c.store_many(_batch(8600, 2))  # learns that the server reads the grouped form
-        monkeypatch.setattr(service, "MAX_GROUPED_ENTRIES", 0)  # now refuses every one
+        monkeypatch.setattr(receive, "MAX_GROUPED_ENTRIES", 0)  # now refuses every one
         items = _batch(8610, 3)
         before = c.stats().counters
         done = c.store_many(items)

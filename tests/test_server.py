@@ -396,7 +396,7 @@ def test_graceful_shutdown_lets_in_flight_store_finish(tmp_path: Path,
     Shutdown starts once the server has the stream's header (its handler is running): a stream
     not yet begun when shutdown starts is refused, by design, so waiting on the client's side
     alone would race the server's accept under load (CI once saw CANCELLED that way)."""
-    from kdn.server.service import KDNServicer
+    from kdn.server.receive import Receiver
 
     cfg = ServerConfig(port=0, data_dir=tmp_path / "d", shutdown_grace_s=20.0)
     lay = pruned_layout()
@@ -404,13 +404,13 @@ def test_graceful_shutdown_lets_in_flight_store_finish(tmp_path: Path,
     key = keys.chunk_key([8, 8], lay)
     parts = codec.encode_parts(kv, "lossless")
     begun = threading.Event()
-    entry = KDNServicer._entry
+    entry = Receiver._entry
 
-    async def noting(self: KDNServicer, *args: object, **kw: object) -> object:
+    async def noting(self: Receiver, *args: object, **kw: object) -> object:
         begun.set()
         return await entry(self, *args, **kw)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(KDNServicer, "_entry", noting)
+    monkeypatch.setattr(Receiver, "_entry", noting)
     st = ServerThread(cfg).start()
 
     def slow() -> Iterator[pb.StoreRequest]:

@@ -260,7 +260,7 @@ def test_hostile_sealed_items_are_refused_and_nothing_is_stored(server: ServerTh
         back = c.retrieve(_key(50), layout=LAYOUT)
         assert back is not None and back.equal(old)
         with pytest.raises(InvalidArgument, match="shared segment only"):  # bytes inline
-            servicer._put_many(Principal("default", Role.TENANT), pb.PutManyRequest(
+            servicer.puts.put(Principal("default", Role.TENANT), pb.PutManyRequest(
                 items=[pb.PutItem(key=_key(51), data=bytes(raw), seal=True)]))
         assert not c.contains(_key(51))
     with Client(server.address, timeout_s=30, shm_bytes=0) as remote:  # the network data path

@@ -20,7 +20,8 @@ from kdn.keys import split_store_key, store_key
 from kdn.names import check_key_prefix, check_namespace, check_tenant, request_namespace
 from kdn.server.arena import Arenas
 from kdn.server.auth import Authenticator, Principal, current_principal, require_admin
-from kdn.server.service import _rpc, delete_entry, recount_usage
+from kdn.server.ingest import delete_entry, recount_usage
+from kdn.server.rpc import rpc
 from kdn.status import grpc_code
 from kdn.store.base import Tier
 from kdn.store.tiered import TieredStore
@@ -109,7 +110,7 @@ class AdminServicer(pb_grpc.KDNAdminServicer):
 
     # -- RPCs -----------------------------------------------------------------------------------
 
-    @_rpc
+    @rpc
     async def List(self, request: pb.ListRequest,
                    context: grpc.aio.ServicerContext) -> pb.ListResponse:
         prefix = self._prefix(request.namespace, request.tenant)
@@ -136,7 +137,7 @@ class AdminServicer(pb_grpc.KDNAdminServicer):
 
         return await asyncio.to_thread(run)
 
-    @_rpc
+    @rpc
     async def Inspect(self, request: pb.InspectRequest,
                       context: grpc.aio.ServicerContext) -> pb.EntryInfo:
         ns = request_namespace(request.namespace)
@@ -150,7 +151,7 @@ class AdminServicer(pb_grpc.KDNAdminServicer):
         tenant, ns = require_admin().tenant, request_namespace(request.namespace)
         return [store_key(tenant, ns, k) for k in request.keys]
 
-    @_rpc
+    @rpc
     async def Evict(self, request: pb.KeysRequest,
                     context: grpc.aio.ServicerContext) -> pb.CountResponse:
         skeys = self._admin_keys(request)
@@ -168,7 +169,7 @@ class AdminServicer(pb_grpc.KDNAdminServicer):
                 self.arenas.drop(k)
         return pb.CountResponse(count=n)
 
-    @_rpc
+    @rpc
     async def Pin(self, request: pb.KeysRequest,
                   context: grpc.aio.ServicerContext) -> pb.CountResponse:
         skeys = self._admin_keys(request)
@@ -178,7 +179,7 @@ class AdminServicer(pb_grpc.KDNAdminServicer):
                 self.store.pin(k)
         return pb.CountResponse(count=sum(p.present for p in present))
 
-    @_rpc
+    @rpc
     async def Unpin(self, request: pb.KeysRequest,
                     context: grpc.aio.ServicerContext) -> pb.CountResponse:
         skeys = self._admin_keys(request)
@@ -267,7 +268,7 @@ class AdminServicer(pb_grpc.KDNAdminServicer):
                 self.auth.refund(principal.tenant, -delta)
         return True
 
-    @_rpc
+    @rpc
     async def Import(self, request_iterator: AsyncIterator[pb.ImportItem],
                      context: grpc.aio.ServicerContext) -> pb.ImportResponse:
         resp = pb.ImportResponse()
@@ -286,7 +287,7 @@ class AdminServicer(pb_grpc.KDNAdminServicer):
                 resp.skipped += 1
         return resp
 
-    @_rpc
+    @rpc
     async def Gc(self, request: pb.GcRequest,
                  context: grpc.aio.ServicerContext) -> pb.GcResponse:
         require_admin()

@@ -37,9 +37,10 @@ from kdn.server.auth import AuthConfig, Authenticator, Role, load_auth, tenants_
 from kdn.server.blend_rpc import Blender
 from kdn.server.config import ServerConfig
 from kdn.server.fastpath import FastPath
+from kdn.server.ingest import recount_usage
 from kdn.server.netpath import NetPath
 from kdn.server.observe import Metrics, RequestInterceptor
-from kdn.server.service import KDNServicer, recount_usage, verify_entry
+from kdn.server.service import KDNServicer, verify_entry
 from kdn.store.base import Tier
 from kdn.store.lmdb import LmdbTier
 from kdn.store.ram import RamTier

@@ -149,13 +149,12 @@ class Arena:
     def _warm(self, base: int) -> None:
         """Fault every page of the arena in, ``WARM_STEP`` at a time, off every request's
         path. A fill writing into pages the memfd never had allocates and zeroes each one
-        first: a 1 MiB fill into fresh pages took 0.72 ms on a 2-core VM, 0.16 ms into pages
-        already there, so every first read of the arena's first pass paid it (the peers'
-        stores allocate their segments up front). ``MADV_POPULATE_WRITE`` keeps what pages
-        hold (fills may run meanwhile), through ctypes so that the GIL is free while the
-        kernel works; where the kernel lacks it (before 5.14), ``posix_fallocate`` allocates
-        them (fills then map them). The arena's memory is thus taken once it is made, as
-        ``shm_arena_bytes`` bounds it."""
+        first, which costs several times the copy itself, so every first read of the arena's
+        first pass would pay it (the peers' stores allocate their segments up front).
+        ``MADV_POPULATE_WRITE`` keeps what pages hold (fills may run meanwhile), through
+        ctypes so that the GIL is free while the kernel works; where the kernel lacks it
+        (before 5.14), ``posix_fallocate`` allocates them (fills then map them). The arena's
+        memory is thus taken once it is made, as ``shm_arena_bytes`` bounds it."""
         madvise = libc_madvise()
         for off in range(0, self.size, WARM_STEP):  # ``base``: the mapping's address, read
             # before ``close`` could drop the array

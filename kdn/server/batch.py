@@ -1,70 +1,40 @@
-"""Batches and the same-host data plane: GetMany, PutMany, Attach, Detach.
+"""Batch reads: GetMany, inline or into a client's shared segment, and the network data path's.
 
 gRPC stays the control plane; the bytes of many entries move in one call, either inline in the
-messages (any client) or through a shared-memory segment of a client on this host, so that only
-descriptors (offset, length) cross gRPC and each entry costs one memory copy on the server.
+messages (any client) or through a shared-memory segment of a client on this host
+(``kdn.server.segments``), so that only descriptors (offset, length) cross gRPC and each entry
+costs one memory copy on the server.
 
-Lifecycle of a segment: the client creates a sealed memfd (``F_SEAL_SHRINK``: it can not
-shrink, so the server's mapping never faults), writes 16 random bytes at its start, and calls
-``Attach(pid, fd, size, nonce)``. The server opens ``/proc/<pid>/fd/<fd>``, checks the seals,
-the size and the nonce, maps it, and returns a random ``segment_id`` bound to the calling
-tenant. ``GetMany``/``PutMany`` name the segment and a region in it; ``Detach`` (or server
-shutdown) unmaps it. A server that can not open the segment (another host, another container,
-no permission) answers FAILED_PRECONDITION and the client keeps using gRPC.
-
-Tenancy: a segment is looked up by (tenant, segment_id); another tenant's id is NOT_FOUND. The
-server writes a tenant's entries only into that tenant's segments and reads stores only from
-them, so no descriptor can make it copy one tenant's bytes to another.
-
-Safety against the client: stores are copied out of the segment first and checked on the copy
-(header and frame checksums, layout, codec, size), so bytes changed during the call can not slip
-past the checks; reads copy immutable stored values into the client's region, checking every
-checksum on the bytes written (``EntryRef.verified``). An invalid PutMany item stores nothing
-of the batch. An item with ``seal`` (a staged entry, ``kdn.client.staged``) has its checksums
-made on the server's copy instead of checked (``kdn.codec.sealing.copy_sealed``; its records
-are still checked against the layout), so nothing the client writes afterwards reaches them.
+Safety against the client: reads copy immutable stored values into the client's region,
+checking every checksum on the bytes written (``EntryRef.verified``); an entry that fails that
+check is read again from the store or answered as a miss. Stores into a segment are the write
+path's (``kdn.server.putmany``).
 
 Reads with ``lease`` set answer RAM-tier entries from the tenant's read arena instead
 (``kdn.server.arena``): a range and a lease number, no copy per read; releases ride on later
 GetMany calls, and a segment's leases go with it when it is detached or reaped.
+
+This module also holds what the data plane's reads and writes share: the copy threads
+(``copy_pool``) and the bytes one batch may move (``MAX_BATCH_BYTES``).
 """
 
 from __future__ import annotations
 
-import asyncio
-import fcntl
-import hmac
 import logging
-import mmap
 import os
-import secrets
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
-import grpc
-import numpy as np
-
-from kdn.buffers import BufferPool
 from kdn.codec.copies import copy_checked
 from kdn.codec.format import header_layout, header_size, parse_header
-from kdn.errors import (
-    Corrupt,
-    InvalidArgument,
-    KDNError,
-    LayoutMismatch,
-    NotFound,
-    Status,
-    TooLarge,
-)
+from kdn.errors import Corrupt, LayoutMismatch
 from kdn.keys import store_key
-from kdn.server.arena import Arenas, Slot, next_lease
-from kdn.server.auth import Principal, current_principal
-from kdn.status import grpc_code
+from kdn.server.arena import Arenas
+from kdn.server.auth import Principal
+from kdn.server.segments import Segment, Segments, region_span
 from kdn.store.framed import Framed
 from kdn.v1 import kdn_pb2 as pb
 from kdn.wire import get_many_message
@@ -75,12 +45,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-NONCE_BYTES = 16
 ALIGN = 64
-MAX_SEGMENTS_PER_TENANT = 256
-MAX_TICKETS_PER_TENANT = 4096
-"""Network data path tickets a tenant holds at most (``Segments.ticket``)."""
-MAX_SEGMENT_BYTES = 64 << 30
 INLINE_BUDGET = 48 << 20
 """Bytes of entries one inline GetMany answer carries at most (the rest: written=false)."""
 STREAM_MIN_FRAME_BYTES = 256 << 10
@@ -102,13 +67,9 @@ every one is checked)."""
 
 COPY_THREADS = max(1, min(4, (os.cpu_count() or 1) // 2))
 """Threads a large GetMany copies on. Copies are bound by memory bandwidth, and the client
-places what it got on its own threads at the same time: half the cores at most (measured on a
-2-core host, a second copy thread made one 188 MB batch 12% faster alone and a 4-thread SGLang
-batch 10-20% slower, so there it is one)."""
-ARENA_STORE_BYTES = 64 << 10
-"""A same-host store's entry from this size is copied into its tenant's read arena, where the
-RAM tier keeps it (``Arena.reserve``: up to half the arena), so that its first same-host read
-copies nothing; smaller ones cost a read little to copy and would take a page each."""
+places what it got on its own threads at the same time: half the cores at most (on two cores a
+second copy thread speeds one large batch alone but slows an engine placing batches on its own
+threads, so there it is one)."""
 PARALLEL_COPY_BYTES = 8 << 20
 """A GetMany into a segment copies its entries on ``COPY_THREADS`` threads from this size."""
 _pool_lock = threading.Lock()
@@ -116,202 +77,12 @@ _pool: ThreadPoolExecutor | None = None
 
 
 def copy_pool() -> ThreadPoolExecutor:
+    """The copy threads (``COPY_THREADS``), shared by the data plane's reads and writes."""
     global _pool
     with _pool_lock:
         if _pool is None:
             _pool = ThreadPoolExecutor(COPY_THREADS, thread_name_prefix="kdn-copy")
         return _pool
-
-
-class SegmentUnavailable(KDNError):
-    """The server can not map the client's segment (another host, no permission, bad seals)."""
-
-    status = Status.FAILED_PRECONDITION
-
-
-@dataclass
-class Segment:
-    principal: Principal
-    """Who attached it: calls naming the segment act as this caller."""
-    source: tuple[str, int]
-    """(``/proc/<pid>/fd/<fd>``, inode) it was opened from: gone or another file once the
-    client closed it or exited, and then the segment is detached (``Segments.reap``)."""
-    size: int
-    view: mmap.mmap
-    array: np.ndarray[Any, Any]
-    """The whole segment as uint8, for copies that release the GIL."""
-    leases: dict[int, Slot] = field(default_factory=dict)
-    """Read-arena slots this segment's client holds, by lease number (``kdn.server.arena``)."""
-    lease_lock: threading.Lock = field(default_factory=threading.Lock)
-    detached: bool = False
-
-    def hold(self, slot: Slot) -> int:
-        """Record a lease on ``slot`` (already counted by its arena); its number. On a
-        segment detached meanwhile the lease is given back at once."""
-        n = next_lease()
-        with self.lease_lock:
-            if not self.detached:
-                self.leases[n] = slot
-                return n
-        slot.arena.release(slot)
-        return n
-
-    def release(self, numbers: Any) -> int:
-        """Give back the leases ``numbers`` of this segment (others' and unknown ones are
-        ignored: a client can only release what it holds); how many were held."""
-        with self.lease_lock:
-            slots = [s for s in (self.leases.pop(int(n), None) for n in numbers) if s]
-        for slot in slots:
-            slot.arena.release(slot)
-        return len(slots)
-
-    def release_all(self) -> None:
-        with self.lease_lock:
-            slots, self.leases, self.detached = list(self.leases.values()), {}, True
-        for slot in slots:
-            slot.arena.release(slot)
-
-
-def _copy(dst: np.ndarray[Any, Any], src: bytes | memoryview) -> None:
-    """memcpy ``src`` into ``dst`` (numpy releases the GIL for plain byte copies)."""
-    np.copyto(dst, np.frombuffer(src, dtype=np.uint8))
-
-
-class Segments:
-    """Mapped client segments by id, each bound to the tenant that attached it."""
-
-    def __init__(self) -> None:
-        self._by_id: dict[str, Segment] = {}
-        self._tickets: OrderedDict[str, Principal] = OrderedDict()  # the network data path's
-        self._lock = threading.Lock()
-
-    def ticket(self, principal: Principal) -> str:
-        """A ticket for the network data path (``kdn.server.netpath``): its calls act as
-        ``principal``. 128 random bits handed only to the authenticated caller, as a segment
-        id is. A tenant holds at most ``MAX_TICKETS_PER_TENANT``: its oldest goes first
-        (a client that went away without Detach leaves its ticket behind)."""
-        tid = secrets.token_hex(16)
-        with self._lock:
-            mine = [t for t, p in self._tickets.items() if p.tenant == principal.tenant]
-            for old in mine[: max(0, len(mine) + 1 - MAX_TICKETS_PER_TENANT)]:
-                del self._tickets[old]
-            self._tickets[tid] = principal
-        return tid
-
-    def ticket_owner(self, tid: str) -> Principal:
-        """The caller a network data path ticket acts as; NotFound for any other string."""
-        with self._lock:
-            principal = self._tickets.get(tid)
-        if principal is None:
-            raise NotFound("no such data path ticket (detached, or the server restarted)")
-        return principal
-
-    def attach(self, principal: Principal, pid: int, fd: int, size: int, nonce: bytes) -> str:
-        tenant = principal.tenant
-        if len(nonce) != NONCE_BYTES:
-            raise InvalidArgument(f"nonce must be {NONCE_BYTES} bytes, got {len(nonce)}")
-        if not NONCE_BYTES < size <= MAX_SEGMENT_BYTES:
-            raise InvalidArgument(f"segment size {size} outside ({NONCE_BYTES}, "
-                                  f"{MAX_SEGMENT_BYTES}]")
-        self.reap()
-        with self._lock:
-            mine = sum(1 for s in self._by_id.values() if s.principal.tenant == tenant)
-        if mine >= MAX_SEGMENTS_PER_TENANT:
-            raise TooLarge(f"tenant holds {mine} attached segments (at most "
-                           f"{MAX_SEGMENTS_PER_TENANT}); detach one first")
-        path = f"/proc/{int(pid)}/fd/{int(fd)}"
-        try:
-            handle = os.open(path, os.O_RDWR | os.O_CLOEXEC)
-        except OSError as exc:
-            raise SegmentUnavailable(f"can not open the client's segment: {exc.strerror}") \
-                from None
-        try:
-            seals = fcntl.fcntl(handle, fcntl.F_GET_SEALS)
-            if not seals & fcntl.F_SEAL_SHRINK:
-                raise SegmentUnavailable("the segment is not sealed against shrinking "
-                                         "(F_SEAL_SHRINK)")
-            inode = os.fstat(handle).st_ino
-            if os.fstat(handle).st_size != size:
-                raise SegmentUnavailable(f"the segment has {os.fstat(handle).st_size} bytes, "
-                                         f"the request says {size}")
-            view = mmap.mmap(handle, size)
-        except OSError as exc:
-            raise SegmentUnavailable(f"can not map the client's segment: {exc.strerror}") \
-                from None
-        finally:
-            os.close(handle)
-        if not hmac.compare_digest(view[:NONCE_BYTES], nonce):
-            view.close()
-            raise SegmentUnavailable("the segment's nonce differs: not the client's segment")
-        seg_id = secrets.token_hex(16)
-        with self._lock:
-            self._by_id[seg_id] = Segment(principal, (path, inode), size, view,
-                                          np.frombuffer(view, dtype=np.uint8))
-        return seg_id
-
-    def reap(self) -> int:
-        """Detach the segments whose client exited or closed them without Detach; how many."""
-        with self._lock:
-            segs = list(self._by_id.items())
-        gone = []
-        for seg_id, seg in segs:
-            path, inode = seg.source
-            try:
-                alive = os.stat(path).st_ino == inode
-            except OSError:
-                alive = False
-            if not alive:
-                gone.append(seg_id)
-        with self._lock:
-            dropped = [s for s in (self._by_id.pop(i, None) for i in gone) if s is not None]
-        for seg in dropped:
-            self._unmap(seg)
-        return len(dropped)
-
-    def get(self, tenant: str, seg_id: str) -> Segment:
-        with self._lock:
-            seg = self._by_id.get(seg_id)
-        if seg is None or seg.principal.tenant != tenant:
-            raise NotFound(f"no attached segment {seg_id!r}")
-        return seg
-
-    def owner(self, seg_id: str) -> Principal:
-        """The caller that attached ``seg_id`` (the fast path acts as it)."""
-        with self._lock:
-            seg = self._by_id.get(seg_id)
-        if seg is None:
-            raise NotFound(f"no attached segment {seg_id!r}")
-        return seg.principal
-
-    def detach(self, tenant: str, seg_id: str) -> None:
-        with self._lock:
-            principal = self._tickets.get(seg_id)
-            if principal is not None and principal.tenant == tenant:
-                del self._tickets[seg_id]
-                return
-        self.get(tenant, seg_id)
-        with self._lock:
-            seg = self._by_id.pop(seg_id, None)
-        if seg is not None:
-            self._unmap(seg)
-
-    @staticmethod
-    def _unmap(seg: Segment) -> None:
-        seg.release_all()  # its client is gone: its arena leases with it
-        del seg.array
-        try:
-            seg.view.close()
-        except BufferError:  # a copy still holds a view: the mapping goes with it
-            pass
-
-    def close(self) -> None:
-        with self._lock:
-            segs, self._by_id = list(self._by_id.values()), {}
-        for seg in segs:
-            self._unmap(seg)
-
-    def __len__(self) -> int:
-        return len(self._by_id)
 
 
 def _check_layout(skey: bytes, value: bytes | memoryview | Framed, want: str) -> None:
@@ -328,7 +99,7 @@ def _aligned(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
-def _split_one(entries: int) -> dict[str, Any]:
+def split_one(entries: int) -> dict[str, Any]:
     """``copy_checked``'s arguments for a call of ``entries`` entries: one entry (what an
     engine waits on for a long context) is copied in runs of its frames on the copy threads and
     the request's own (from ``kdn.codec.copies.PARALLEL_COPY_BYTES``); a batch splits by entry."""
@@ -344,74 +115,19 @@ def _frames_aligned(cursor: int, value: bytes | memoryview, end: int) -> int:
     return at if at + len(value) <= end else cursor
 
 
-def _region(seg: Segment, region: pb.Region) -> tuple[int, int]:
-    start, length = int(region.offset), int(region.length)
-    if start < NONCE_BYTES or start + length > seg.size:
-        raise InvalidArgument(f"region [{start}, {start + length}) outside the segment's "
-                              f"[{NONCE_BYTES}, {seg.size})")
-    return start, start + length
+class BatchReads:
+    """GetMany's answers (over gRPC, the same-host fast path and the network data path), read
+    from ``store`` for the caller; ``count`` counts the servicer's counters."""
 
+    def __init__(self, store: TieredStore, segments: Segments, arenas: Arenas, usage: Usage,
+                 count: Callable[..., None]) -> None:
+        self.store = store
+        self.segments = segments
+        self.arenas = arenas
+        self.usage = usage
+        self.count = count
 
-class BatchMixin:
-    """GetMany, Attach and Detach for ``KDNServicer`` (which provides ``store``, ``count`` and
-    ``usage``); PutMany is ``kdn.server.putmany``'s."""
-
-    if TYPE_CHECKING:
-        store: TieredStore
-        usage: Usage
-
-        def count(self, name: str, n: int = 1) -> None: ...
-
-    segments: Segments
-    arenas: Arenas
-    buffers: BufferPool
-    fast_path_name: str = ""
-    """The socket of the same-host fast path (``kdn.server.fastpath``); "" = none."""
-    data_port: int = 0
-    """The TCP port of the network data path (``kdn.server.netpath``); 0 = none."""
-
-    async def _answer(self, name: str, context: grpc.aio.ServicerContext,
-                      fn: Callable[[Principal], Any]) -> Any:
-        """Run ``fn(caller)`` on a worker thread; a KDNError aborts with its status."""
-        principal = current_principal.get()
-        try:
-            return await asyncio.to_thread(fn, principal)
-        except KDNError as exc:
-            self.count(f"{name}.{grpc_code(exc).name}")
-            await context.abort(grpc_code(exc), str(exc))
-            raise  # unreachable: abort raises
-
-    async def Attach(self, request: pb.AttachRequest,
-                     context: grpc.aio.ServicerContext) -> pb.AttachResponse:
-        def run(p: Principal) -> pb.AttachResponse:
-            if request.remote:  # another host: a ticket for the network data path
-                if not self.data_port:
-                    raise NotFound("this server has no network data path (data_port = -1)")
-                self.count("net.attached")
-                return pb.AttachResponse(segment_id=self.segments.ticket(p),
-                                         data_port=self.data_port)
-            seg_id = self.segments.attach(p, request.pid, request.fd, request.size,
-                                          request.nonce)
-            self.count("shm.attached")
-            return pb.AttachResponse(segment_id=seg_id, fast_path=self.fast_path_name,
-                                     seals=True)
-
-        return await self._answer("Attach", context, run)  # type: ignore[no-any-return]
-
-    async def Detach(self, request: pb.DetachRequest,
-                     context: grpc.aio.ServicerContext) -> pb.DetachResponse:
-        def run(p: Principal) -> pb.DetachResponse:
-            self.segments.detach(p.tenant, request.segment_id)
-            return pb.DetachResponse()
-
-        return await self._answer("Detach", context, run)  # type: ignore[no-any-return]
-
-    async def GetMany(self, request: pb.GetManyRequest,
-                      context: grpc.aio.ServicerContext) -> pb.GetManyResponse:
-        return await self._answer(  # type: ignore[no-any-return]
-            "GetMany", context, lambda p: self._get_many(p, request))
-
-    def _get_many(self, p: Principal, request: pb.GetManyRequest) -> pb.GetManyResponse | bytes:
+    def get_many(self, p: Principal, request: pb.GetManyRequest) -> pb.GetManyResponse | bytes:
         """The answer; inline, already serialized with the entries joined in (kdn.wire)."""
         ns = request.namespace or "default"
         skeys = [store_key(p.tenant, ns, k) for k in request.keys]
@@ -419,7 +135,7 @@ class BatchMixin:
         if seg is not None:
             if request.release:
                 self.count("arena.released", seg.release(request.release))
-            cursor, end = _region(seg, request.region)
+            cursor, end = region_span(seg, request.region)
         else:  # inline: as much as the caller's messages may carry, within the server's budget
             cursor, end = 0, min(INLINE_BUDGET, request.region.length or INLINE_BUDGET)
         out = pb.GetManyResponse()
@@ -482,8 +198,8 @@ class BatchMixin:
         _check_layout(skey, hit.value, want)
         return hit
 
-    def _get_sent(self, p: Principal, request: pb.GetManyRequest
-                  ) -> tuple[pb.GetManyResponse, list[bytes | memoryview]]:
+    def get_sent(self, p: Principal, request: pb.GetManyRequest
+                 ) -> tuple[pb.GetManyResponse, list[bytes | memoryview]]:
         """The network data path's GetMany (``kdn.server.netpath``): the answer, and the
         pieces of every present entry's bytes, in order, which follow it on the connection
         (``EntryRef.offset``: where an entry starts in them). Nothing is copied: the pieces
@@ -518,7 +234,7 @@ class BatchMixin:
         arena = self.arenas.get(p.tenant) if hit.tier == "ram" and hit.stamp else None
         if arena is None:
             return False
-        split = _split_one(1)
+        split = split_one(1)
 
         def fill(dst: memoryview, value: bytes | memoryview) -> None:
             copy_checked(dst, value, **split)
@@ -552,7 +268,7 @@ class BatchMixin:
         total = sum(len(hit.value) for _, _, hit, _ in copies)
         workers = min(COPY_THREADS, len(copies)) if total >= PARALLEL_COPY_BYTES else 1
 
-        split = _split_one(len(copies))
+        split = split_one(len(copies))
 
         def one(item: tuple[pb.EntryRef, bytes, Hit, int]) -> Corrupt | None:
             _, _, hit, at = item

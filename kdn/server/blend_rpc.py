@@ -28,7 +28,7 @@ from kdn.codec.format import parse_header, split_frames
 from kdn.errors import KDNError, Status
 from kdn.keys import check_namespace, store_key
 from kdn.server.auth import current_principal
-from kdn.status import grpc_code
+from kdn.server.rpc import abort
 from kdn.v1 import kdn_pb2 as pb
 
 if TYPE_CHECKING:
@@ -64,51 +64,43 @@ class Blender(Protocol):
         ...
 
 
-class BlendMixin:
-    """``Blend`` for ``KDNServicer`` (which provides ``store`` and ``count``)."""
+async def blend_stream(blender: Blender | None, store: TieredStore,
+                       count: Callable[..., None], request: pb.BlendRequest,
+                       context: grpc.aio.ServicerContext
+                       ) -> AsyncIterator[pb.RetrieveResponse]:
+    """The Blend RPC's answer, blended by ``blender`` (None: this server does not blend) from
+    chunks of ``store``; ``count`` counts the servicer's counters."""
+    try:
+        if blender is None:
+            raise NoModel("this server hosts no model (start it with `kdn serve --model "
+                          "NAME`) and can not blend")
+        ns = check_namespace(request.namespace or "default")
+        tenant = current_principal.get().tenant
 
-    if TYPE_CHECKING:
-        store: TieredStore
+        def read_chunk(key: bytes) -> bytes | None:
+            hit = store.get(store_key(tenant, ns, key))
+            return None if hit is None else bytes(hit.value)
 
-        def count(self, name: str, n: int = 1) -> None: ...
-
-    blender: Blender | None = None
-    """The model side; None: this server does not blend."""
-
-    async def Blend(self, request: pb.BlendRequest,
-                    context: grpc.aio.ServicerContext) -> AsyncIterator[pb.RetrieveResponse]:
-        try:
-            if self.blender is None:
-                raise NoModel("this server hosts no model (start it with `kdn serve --model "
-                              "NAME`) and can not blend")
-            ns = check_namespace(request.namespace or "default")
-            tenant = current_principal.get().tenant
-
-            def read_chunk(key: bytes) -> bytes | None:
-                hit = self.store.get(store_key(tenant, ns, key))
-                return None if hit is None else bytes(hit.value)
-
-            job = await asyncio.to_thread(self.blender.plan, request, read_chunk)
-            skey = store_key(tenant, ns, job.combination_key) if job.combination_key else b""
-            hit = await asyncio.to_thread(self.store.get, skey) if skey else None
-            if hit is not None:
-                self.count("blend.hit")
-                header = parse_header(hit.value)
-                head, tier = bytes(header.raw), hit.tier
-                frames = [bytes(f) for f in split_frames(hit.value, len(header.raw))]
-            else:
-                parts = await asyncio.to_thread(job.run)
-                head, frames, tier = parts.header, [bytes(f) for f in parts.frames], "blend"
-                if skey:
-                    await asyncio.to_thread(self.store.put, skey, parts.to_bytes())
-                self.count("blend.computed")
-        except KDNError as exc:
-            self.count(f"Blend.{grpc_code(exc).name}")
-            await context.abort(grpc_code(exc), str(exc))
-            return
-        total = len(head) + sum(len(f) for f in frames)
-        yield pb.RetrieveResponse(header=pb.RetrieveHeader(
-            container_header=head, total_bytes=total, tier=tier, frame_count=len(frames)))
-        for i, frame in enumerate(frames):
-            yield pb.RetrieveResponse(frame=pb.Frame(index=i, data=frame))
-        self.count("blend.frames_sent", len(frames))
+        job = await asyncio.to_thread(blender.plan, request, read_chunk)
+        skey = store_key(tenant, ns, job.combination_key) if job.combination_key else b""
+        hit = await asyncio.to_thread(store.get, skey) if skey else None
+        if hit is not None:
+            count("blend.hit")
+            header = parse_header(hit.value)
+            head, tier = bytes(header.raw), hit.tier
+            frames = [bytes(f) for f in split_frames(hit.value, len(header.raw))]
+        else:
+            parts = await asyncio.to_thread(job.run)
+            head, frames, tier = parts.header, [bytes(f) for f in parts.frames], "blend"
+            if skey:
+                await asyncio.to_thread(store.put, skey, parts.to_bytes())
+            count("blend.computed")
+    except KDNError as exc:
+        await abort(context, count, "Blend", exc)
+        return
+    total = len(head) + sum(len(f) for f in frames)
+    yield pb.RetrieveResponse(header=pb.RetrieveHeader(
+        container_header=head, total_bytes=total, tier=tier, frame_count=len(frames)))
+    for i, frame in enumerate(frames):
+        yield pb.RetrieveResponse(frame=pb.Frame(index=i, data=frame))
+    count("blend.frames_sent", len(frames))

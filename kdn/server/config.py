@@ -102,7 +102,7 @@ class ServerConfig:
     """Bytes of each tenant's read arena: the RAM-tier entries its same-host clients read
     last, handed to them as leased ranges of a sealed shared memfd instead of copied per read
     (kdn.server.arena); 0 = off. Made when a tenant's client first asks, and then faulted
-    in whole by a background thread (a first read no longer allocates its pages); memory on
+    in whole by a background thread (so that a first read allocates no pages); memory on
     top of ram_bytes, at most a quarter of it."""
     disk_bytes: int = 16 << 30
     """Byte budget of the LMDB disk tier (0 = no disk tier)."""

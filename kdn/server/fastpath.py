@@ -1,6 +1,6 @@
 """The same-host fast path: GetMany / PutMany over a unix socket, without gRPC.
 
-A client that attached a shared segment (``kdn.server.batch``) learns the name of this socket
+A client that attached a shared segment (``kdn.server.segments``) learns the name of this socket
 from ``AttachResponse.fast_path`` and may send its GetMany / PutMany there: the same protobuf
 messages, the same handlers, the same checks, but none of the per-call cost of a gRPC stack
 (HTTP/2 framing, the event loop, a thread hop), which dominates small entries.
@@ -40,14 +40,13 @@ from collections.abc import Callable
 from functools import partial
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
-from kdn.buffers import BufferPool
 from kdn.errors import InvalidArgument, KDNError, NotFound
 from kdn.server.arena import Arenas
-from kdn.server.auth import Authenticator, Principal
-from kdn.server.batch import Segments, copy_pool
-from kdn.server.putmany import PutCopies
+from kdn.server.auth import Principal
+from kdn.server.batch import BatchReads, copy_pool
 from kdn.server.requests import check_names
-from kdn.server.streamed import Desynced
+from kdn.server.segments import Segments
+from kdn.server.streamed import Desynced, Putting
 from kdn.v1 import kdn_pb2 as pb
 from kdn.wire import (
     ARENA_SIZE,
@@ -69,38 +68,15 @@ MAX_BODY = 64 << 20
 """Largest request accepted (descriptors only: entries travel in the segment)."""
 
 
-class Handlers(Protocol):
-    """What the fast path needs of the servicer (``kdn.server.service.KDNServicer``)."""
+class Handlers(Putting, Protocol):
+    """What the fast path and the network data path need of the servicer
+    (``kdn.server.service.KDNServicer``): its segments, read arenas and batch reads, besides
+    what a streamed PutMany needs (``Putting``)."""
 
     segments: Segments
     arenas: Arenas
-    auth: Authenticator
     usage: Usage
-
-    def count(self, name: str, n: int = 1) -> None: ...
-
-    def _get_many(self, p: Principal, request: pb.GetManyRequest
-                  ) -> pb.GetManyResponse | bytes: ...
-
-    def _put_many(self, p: Principal, request: pb.PutManyRequest) -> pb.PutManyResponse: ...
-
-    def _put_copy(self, p: Principal, request: pb.PutManyRequest, *, alone: bool = False
-                  ) -> PutCopies: ...
-
-    def _put_copied(self, p: Principal, request: pb.PutManyRequest, copies: PutCopies
-                    ) -> pb.PutManyResponse: ...
-
-    # the network data path's (kdn.server.netpath)
-    buffers: BufferPool
-
-    def _get_sent(self, p: Principal, request: pb.GetManyRequest
-                  ) -> tuple[pb.GetManyResponse, list[bytes | memoryview]]: ...
-
-    def _put_sizes(self, request: pb.PutManyRequest) -> int: ...
-
-    def _put_items(self, p: Principal, request: pb.PutManyRequest,
-                   value_of: Callable[[int, pb.PutItem], bytes | memoryview]
-                   ) -> pb.PutManyResponse: ...
+    reads: BatchReads
 
 
 class Reply(NamedTuple):
@@ -131,6 +107,10 @@ def _queued(conn: socket.socket) -> bool:
 
 
 class FastPath:
+    """The unix socket listener (see the module docstring). The network data path
+    (``kdn.server.netpath.NetPath``) serves its own transport by overriding ``listen``,
+    ``opened``, ``rpc_name`` and ``call``."""
+
     kind = "fast"
     """The label of this path's counters (``fast.<rpc>``, ``fast.<status>``)."""
     max_connections = 0
@@ -140,14 +120,15 @@ class FastPath:
 
     def __init__(self, servicer: Handlers) -> None:
         self.servicer = servicer
-        self._sock = self._listen()
+        self._sock = self.listen()
         self._conns: set[socket.socket] = set()
         self._lock = threading.Lock()
         self._closed = False
         threading.Thread(target=self._accept, name=f"kdn-{self.kind}-accept", daemon=True
                          ).start()
 
-    def _listen(self) -> socket.socket:
+    def listen(self) -> socket.socket:
+        """The listening socket (its name in ``name``)."""
         self.name = f"kdn-fast-{secrets.token_hex(12)}"
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.bind("\0" + self.name)
@@ -175,7 +156,7 @@ class FastPath:
     def _serve(self, conn: socket.socket) -> None:
         accepted = conn
         try:
-            conn = self._opened(conn)
+            conn = self.opened(conn)
             ahead: tuple[int, bytes] | None = None  # a call read while gathering PutManys
             while (call := ahead or self._read_call(conn)) is not None:
                 ahead = None
@@ -193,7 +174,7 @@ class FastPath:
                         if not self._put_group(conn, group):
                             return
                         continue
-                if not self._answer(conn, op, partial(self._call, conn, op, body), started):
+                if not self._answer(conn, op, partial(self.call, conn, op, body), started):
                     return
         except (OSError, KDNError) as exc:
             log.debug("%s-path connection closed: %s", self.kind, exc)
@@ -224,7 +205,7 @@ class FastPath:
             self.servicer.count(f"{self.kind}.{exc.status.value}")
             reply = Reply(f"{exc.status.value}\0{exc}".encode())
             ok, code, last = 0, exc.status.value, isinstance(exc, Desynced)
-        self.servicer.usage.fast_call(self._rpc(op), code, time.perf_counter() - started)
+        self.servicer.usage.fast_call(self.rpc_name(op), code, time.perf_counter() - started)
         answer = FAST_HEAD.pack(len(reply.body), ok) + reply.body
         if reply.fds:
             socket.send_fds(conn, [answer], reply.fds)
@@ -254,27 +235,28 @@ class FastPath:
 
     def _put_first(self, body: bytes) -> Callable[[], Reply]:
         """A PutMany call's first half (parsed, checked, its entries copied out of the
-        segment: ``PutManyMixin._put_copy``), on this thread alone; its second half (stored,
+        segment: ``PutMany.copy``), on this thread alone; its second half (stored,
         answered), or the error the first raised."""
         s = self.servicer
         try:
             req, principal = self._request(FAST_PUT_MANY, body)
             assert isinstance(req, pb.PutManyRequest)
             s.count("fast.PutMany")
-            copies = s._put_copy(principal, req, alone=True)
+            copies = s.puts.copy(principal, req, alone=True)
         except KDNError as exc:
             return partial(_raise, exc)
-        return lambda: Reply(s._put_copied(principal, req, copies).SerializeToString())
+        return lambda: Reply(s.puts.finish(principal, req, copies).SerializeToString())
 
-    def _opened(self, conn: socket.socket) -> socket.socket:
+    def opened(self, conn: socket.socket) -> socket.socket:
         """A new connection set up, as it is served (a unix socket: as it is)."""
         return conn
 
     @staticmethod
-    def _rpc(op: int) -> str:
+    def rpc_name(op: int) -> str:
+        """The RPC an op is counted as."""
         return _RPCS.get(op, "unknown")
 
-    def _call(self, conn: socket.socket, op: int, body: bytes) -> Reply:
+    def call(self, conn: socket.socket, op: int, body: bytes) -> Reply:
         """One call's reply; KDNError to refuse it."""
         if op == FAST_ARENA:
             fd, size = self._arena(body)
@@ -316,9 +298,9 @@ class FastPath:
         req, principal = self._request(op, body)
         if isinstance(req, pb.GetManyRequest):
             s.count("fast.GetMany")
-            return serialize_passthrough(s._get_many(principal, req))
+            return serialize_passthrough(s.reads.get_many(principal, req))
         s.count("fast.PutMany")
-        return s._put_many(principal, req).SerializeToString()
+        return s.puts.put(principal, req).SerializeToString()
 
     def close(self) -> None:
         with self._lock:

@@ -20,8 +20,6 @@ from kdn import tracing
 request_id: contextvars.ContextVar[str] = contextvars.ContextVar("kdn_request_id", default="")
 """The request id of the call this task or thread serves ("" outside calls)."""
 
-FORMATS = ("text", "json")
-
 
 class _RequestId(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:

@@ -66,7 +66,7 @@ class NetPath(FastPath):
         self._host, self._want_port, self._tls = host, port, tls
         super().__init__(servicer)
 
-    def _listen(self) -> socket.socket:
+    def listen(self) -> socket.socket:
         host = self._host.strip("[]")
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
@@ -81,23 +81,23 @@ class NetPath(FastPath):
         self.name = f"tcp:{self.port}"
         return sock
 
-    def _opened(self, conn: socket.socket) -> socket.socket:
+    def opened(self, conn: socket.socket) -> socket.socket:
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         conn.settimeout(IDLE_S)  # the TLS handshake too
         return conn if self._tls is None else self._tls.wrap_socket(conn, server_side=True)
 
     @staticmethod
-    def _rpc(op: int) -> str:
+    def rpc_name(op: int) -> str:
         return _RPCS.get(op, "unknown")
 
-    def _call(self, conn: socket.socket, op: int, body: bytes) -> Reply:
+    def call(self, conn: socket.socket, op: int, body: bytes) -> Reply:
         s = self.servicer
         if op == NET_GET_MANY:
             req = parse_request(pb.GetManyRequest, body)
             principal = s.segments.ticket_owner(req.segment_id)
             s.auth.admit(principal)
             s.count("net.GetMany")
-            answer, pieces = s._get_sent(principal, req)
+            answer, pieces = s.reads.get_sent(principal, req)
             return Reply(answer.SerializeToString(), after=tuple(pieces))
         if op != NET_PUT_MANY:
             raise Desynced(InvalidArgument(f"unknown data path op {op}"))

@@ -1,13 +1,14 @@
 """PutMany: many entries stored in one call, inline or (same host) from a shared segment.
 
-A same-host call names regions of the caller's segment (``kdn.server.batch``): each entry is
+A same-host call names regions of the caller's segment (``kdn.server.segments``): each entry is
 copied out first and checked on the copy (header, every frame's checksum, layout, codec, size),
 so bytes the client changes during the call can not slip past the checks; an item with
 ``seal`` (a staged entry) has its sums made on the copy (``kdn.codec.sealing``). Every item is
 checked before any is stored: one invalid item stores nothing of the call. A call is two
-halves, ``_put_copy`` (the copies) and ``_put_copied`` (the checks and the stores), so that
-the same-host fast path can copy calls queued on a connection together
-(``kdn.server.fastpath``).
+halves, ``PutMany.copy`` (the copies) and ``PutMany.finish`` (the checks and the stores), so
+that the same-host fast path can copy calls queued on a connection together
+(``kdn.server.fastpath``). Every form, the network data path's too (``kdn.server.streamed``),
+checks and stores through ``PutMany.put_items`` and the write path (``kdn.server.ingest``).
 """
 
 from __future__ import annotations
@@ -15,9 +16,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, NamedTuple
-
-import grpc
+from typing import NamedTuple
 
 from kdn.buffers import BufferPool
 from kdn.codec.copies import copy_checked
@@ -26,28 +25,22 @@ from kdn.codec.sealing import copy_sealed
 from kdn.errors import Corrupt, InvalidArgument, KDNError, TooLarge
 from kdn.server.arena import Arena, Arenas, Slot
 from kdn.server.auth import Principal
-from kdn.server.batch import (
-    ARENA_STORE_BYTES,
-    COPY_THREADS,
-    MAX_BATCH_BYTES,
-    Segments,
-    _region,
-    _split_one,
-    copy_pool,
-)
+from kdn.server.batch import COPY_THREADS, MAX_BATCH_BYTES, copy_pool, split_one
+from kdn.server.ingest import Ingest
+from kdn.server.segments import Segments, region_span
 from kdn.v1 import kdn_pb2 as pb
 
-if TYPE_CHECKING:
-    from kdn.server.config import ServerConfig
-    from kdn.server.usage import Usage
-
+ARENA_STORE_BYTES = 64 << 10
+"""A same-host store's entry from this size is copied into its tenant's read arena, where the
+RAM tier keeps it (``Arena.reserve``: up to half the arena), so that its first same-host read
+copies nothing; smaller ones cost a read little to copy and would take a page each."""
 PARALLEL_PUT_BYTES = 2 << 20
 """A same-host PutMany of this many bytes of several entries copies them out of the segment on
-the copy thread and its own at once (``PutManyMixin._copied_ahead``)."""
+the copy thread and its own at once (``PutMany._copied_ahead``)."""
 
 
 class PutCopies(NamedTuple):
-    """A PutMany's items copied out of the caller's segment (``PutManyMixin._put_copy``)."""
+    """A PutMany's items copied out of the caller's segment (``PutMany.copy``)."""
 
     segment: bool
     """Whether the call's items lie in a segment (else their bytes came with the call)."""
@@ -57,11 +50,11 @@ class PutCopies(NamedTuple):
     """item -> the arena slot its copy lies in."""
     checked: dict[int, Checked]
     """item -> what its checks on its copy gave (every check but the quota's, made on the
-    thread that copied it: ``_put_items`` takes them as they are)."""
+    thread that copied it: ``PutMany.put_items`` takes them as they are)."""
 
 
 class Checked(NamedTuple):
-    """An item that passed its checks (``PutManyMixin._put_items``)."""
+    """An item that passed its checks (``PutMany.put_items``)."""
 
     skey: bytes
     """Its tier key."""
@@ -71,58 +64,42 @@ class Checked(NamedTuple):
     """How long its check took (its copy included, where it was checked as it was copied)."""
 
 
-class PutManyMixin:
-    """PutMany for ``KDNServicer`` (which provides the segments, arenas, buffers, the checks,
-    ``_commit`` and ``_answer``)."""
+class PutMany:
+    """PutMany's items checked and stored through ``ingest``: from the call's messages, from
+    the caller's segment (``segments``; copied into the tenant's read arena in ``arenas`` or
+    into buffers from ``buffers``), or as the network data path received them."""
 
-    if TYPE_CHECKING:
-        config: ServerConfig
-        usage: Usage
-        segments: Segments
-        arenas: Arenas
-        buffers: BufferPool
+    def __init__(self, ingest: Ingest, segments: Segments, arenas: Arenas,
+                 buffers: BufferPool) -> None:
+        self.ingest = ingest
+        self.segments = segments
+        self.arenas = arenas
+        self.buffers = buffers
 
-        def _check_header(self, tenant: str, msg: pb.StoreHeader) -> tuple[bytes, Header]: ...
+    def put(self, p: Principal, request: pb.PutManyRequest) -> pb.PutManyResponse:
+        """One PutMany call, whole: its items copied (``copy``), then checked and stored
+        (``finish``)."""
+        return self.finish(p, request, self.copy(p, request))
 
-        def _check_target(self, tenant: str, namespace: str, key: bytes,
-                          opts: pb.StoreOptions, total: int) -> bytes: ...
-
-        def _check_kind(self, header: Header, layout_fingerprint: str = "") -> None: ...
-
-        def _commit(self, principal: Principal, skey: bytes, value: bytes | memoryview,
-                    opts: pb.StoreOptions, header: Header | None = None,
-                    in_arena: tuple[Arena, Slot] | None = None) -> pb.StoreResponse: ...
-
-        async def _answer(self, name: str, context: grpc.aio.ServicerContext,
-                          fn: Callable[[Principal], Any]) -> Any: ...
-
-    async def PutMany(self, request: pb.PutManyRequest,
-                      context: grpc.aio.ServicerContext) -> pb.PutManyResponse:
-        return await self._answer(  # type: ignore[no-any-return]
-            "PutMany", context, lambda p: self._put_many(p, request))
-
-    def _put_many(self, p: Principal, request: pb.PutManyRequest) -> pb.PutManyResponse:
-        return self._put_copied(p, request, self._put_copy(p, request))
-
-    def _put_copy(self, p: Principal, request: pb.PutManyRequest, *, alone: bool = False
-                  ) -> PutCopies:
+    def copy(self, p: Principal, request: pb.PutManyRequest, *, alone: bool = False
+             ) -> PutCopies:
         """The first half of a PutMany: the items that lie in a shared segment copied out,
         each checked as it is copied; nothing stored yet. What copying an item raised is kept
-        with it and raised by ``_put_copied`` in its turn; what refuses the whole call (no
+        with it and raised by ``finish`` in its turn; what refuses the whole call (no
         segment, sizes) is raised here. ``alone``: copy on this thread only (a caller on the
         copy threads; the same-host fast path copies several calls at once that way)."""
         seg = self.segments.get(p.tenant, request.segment_id) if request.segment_id else None
         if seg is None:
             return PutCopies(False, {}, {}, {})
-        self._put_sizes(request)  # sizes first: nothing is copied for a batch that is refused
-        split = {} if alone else _split_one(len(request.items))
+        self.sizes(request)  # sizes first: nothing is copied for a batch that is refused
+        split = {} if alone else split_one(len(request.items))
         arena = self.arenas.get(p.tenant)
         homes: dict[int, tuple[Arena, Slot]] = {}  # item -> the arena slot it was copied into
         checked: dict[int, Checked] = {}  # item -> its checks' outcome, made on its copy
 
         def copy_in(j: int, item: pb.PutItem) -> bytes | memoryview:
             # a copy, checked as it is made (one pass): later changes by the client can not
-            start, stop = _region(seg, item.region)  # slip past
+            start, stop = region_span(seg, item.region)  # slip past
             src = memoryview(seg.array[start:stop])  # type: ignore[arg-type]
             home = arena.reserve(stop - start, header_size(src)) \
                 if arena is not None and stop - start >= ARENA_STORE_BYTES else None
@@ -148,13 +125,13 @@ class PutManyMixin:
             if j not in copied:
                 try:
                     copied[j] = copy_in(j, item)
-                except Exception as exc:  # raised by ``_put_copied`` in its turn
+                except Exception as exc:  # raised by ``finish`` in its turn
                     copied[j] = exc
         return PutCopies(True, copied, homes, checked)
 
-    def _put_copied(self, p: Principal, request: pb.PutManyRequest, copies: PutCopies
-                    ) -> pb.PutManyResponse:
-        """The second half of a PutMany (after ``_put_copy``): every item checked, then
+    def finish(self, p: Principal, request: pb.PutManyRequest, copies: PutCopies
+               ) -> pb.PutManyResponse:
+        """The second half of a PutMany (after ``copy``): every item checked, then
         every item stored, in order."""
         def value_of(j: int, item: pb.PutItem) -> bytes | memoryview:
             if not copies.segment:
@@ -167,8 +144,8 @@ class PutManyMixin:
             return got
 
         try:
-            return self._put_items(p, request, value_of, copies.homes,
-                                   sealing=copies.segment, checked=copies.checked)
+            return self.put_items(p, request, value_of, copies.homes,
+                                  sealing=copies.segment, checked=copies.checked)
         finally:  # a refused call's later copies go now (their arena slots with them), not
             copies.values.clear()  # with whoever still holds ``copies``
 
@@ -176,8 +153,8 @@ class PutManyMixin:
                     header: Header, total: int) -> bytes:
         """An item's checks beside its bytes' (name, options, size, codec, model): its tier
         key."""
-        skey = self._check_target(p.tenant, request.namespace, item.key, item.options, total)
-        self._check_kind(header)
+        skey = self.ingest.check_target(p.tenant, request.namespace, item.key, item.options, total)
+        self.ingest.check_kind(header)
         return skey
 
     def _copied_ahead(self, request: pb.PutManyRequest,
@@ -186,7 +163,7 @@ class PutManyMixin:
         """A batch's items copied by this thread and the copy thread at once, this one from
         the first item on, the copy thread from the last one back, each taking the next item
         left as it is done with one (a thread the machine holds back takes fewer: the batch
-        does not wait for a fixed half of it); ``_put_items`` then checks them in order. The
+        does not wait for a fixed half of it); ``put_items`` then checks them in order. The
         entry -> its value, or what its copy raised. Empty for a batch too small to share."""
         items = request.items
         total = sum(item.region.length for item in items)
@@ -221,27 +198,27 @@ class PutManyMixin:
         done.update(later.result())
         return done
 
-    def _put_sizes(self, request: pb.PutManyRequest) -> int:
+    def sizes(self, request: pb.PutManyRequest) -> int:
         """The bytes of ``request``'s items (their regions); TooLarge past the limits."""
         for j, item in enumerate(request.items):
-            if item.region.length > self.config.max_entry_bytes:
+            if item.region.length > self.ingest.config.max_entry_bytes:
                 raise TooLarge(f"item {j}: entry of {item.region.length} bytes exceeds "
-                               f"max_entry_bytes {self.config.max_entry_bytes}")
+                               f"max_entry_bytes {self.ingest.config.max_entry_bytes}")
         total = sum(item.region.length for item in request.items)
         if total > MAX_BATCH_BYTES:
             raise TooLarge(f"PutMany of {total} bytes; at most {MAX_BATCH_BYTES} per call")
         return total
 
-    def _put_items(self, p: Principal, request: pb.PutManyRequest,
-                   value_of: Callable[[int, pb.PutItem], bytes | memoryview],
-                   homes: dict[int, tuple[Arena, Slot]] | None = None, *,
-                   sealing: bool = False, checked: dict[int, Checked] | None = None
-                   ) -> pb.PutManyResponse:
+    def put_items(self, p: Principal, request: pb.PutManyRequest,
+                  value_of: Callable[[int, pb.PutItem], bytes | memoryview],
+                  homes: dict[int, tuple[Arena, Slot]] | None = None, *,
+                  sealing: bool = False, checked: dict[int, Checked] | None = None
+                  ) -> pb.PutManyResponse:
         """Check every item (its bytes from ``value_of``, which verifies them: Corrupt when
         they fail) before any is stored, then store them in order. ``homes``: items whose
         value lives in an arena slot (published with their put). ``sealing``: ``value_of``
         seals the items that ask for it (``PutItem.seal``; segment items only). ``checked``:
-        items checked already on the bytes ``value_of`` returns (``_put_copy``)."""
+        items checked already on the bytes ``value_of`` returns (``copy``)."""
         done = checked or {}
         items: list[tuple[bytes, bytes | memoryview, Header]] = []
         for j, item in enumerate(request.items):
@@ -258,16 +235,16 @@ class PutManyMixin:
                     hdr = pb.StoreHeader(namespace=request.namespace, key=item.key,
                                          container_header=bytes(value[: header_size(value)]),
                                          total_bytes=len(value), options=item.options)
-                    skey, header = self._check_header(p.tenant, hdr)
+                    skey, header = self.ingest.check_header(p.tenant, hdr)
                     seconds = time.perf_counter() - t0
             except Corrupt as exc:
                 raise InvalidArgument(f"item {j}: corrupt input: {exc}") from exc
             except KDNError as exc:
                 raise type(exc)(f"item {j}: {exc}") from exc
-            self.usage.checked(header, seconds)
+            self.ingest.checked(header, seconds)
             items.append((skey, value, header))
         out = pb.PutManyResponse()
         for j, ((skey, value, header), item) in enumerate(zip(items, request.items)):
-            out.results.append(self._commit(p, skey, value, item.options, header,
+            out.results.append(self.ingest.commit(p, skey, value, item.options, header,
                                             (homes or {}).get(j)))
         return out

@@ -1,12 +1,11 @@
-"""``RetrieveMany`` for ``KDNServicer``: many entries in one stream, the remote form of a batch
-read. Each key's header, then its frames, a message each; or grouped (``_runs``): the headers
-of a run of keys in one message, small entries whole inside them, then the others' frames."""
+"""``RetrieveMany``: many entries in one stream, the remote form of a batch read. Each key's
+header, then its frames, a message each; or grouped (``_runs``): the headers of a run of keys
+in one message, small entries whole inside them, then the others' frames."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Iterator
-from typing import TYPE_CHECKING
+from collections.abc import AsyncIterator, Callable, Iterator
 
 import grpc
 
@@ -14,15 +13,11 @@ from kdn.errors import KDNError
 from kdn.keys import store_key
 from kdn.server.auth import current_principal
 from kdn.server.batch import STREAM_MIN_FRAME_BYTES
-from kdn.status import grpc_code
+from kdn.server.reader import Reader
+from kdn.server.rpc import abort
 from kdn.store.framed import Framed
 from kdn.v1 import kdn_pb2 as pb
 from kdn.wire import GROUP_INLINE_BYTES, retrieve_headers_message
-
-if TYPE_CHECKING:
-    from kdn.codec.format import Header
-    from kdn.server.usage import Usage
-    from kdn.store.tiered import FramedHit, Hit
 
 HEADER_BYTES = 64
 """What a grouped RetrieveMany counts for a header's own fields (and its container header's
@@ -48,33 +43,17 @@ def _run_messages(run: list[tuple[pb.RetrieveHeader, list[bytes | memoryview]]],
             sent[0] += len(frame)
 
 
-class RetrieveManyMixin:
-    """``RetrieveMany`` for ``KDNServicer`` (which provides the reads: ``_read``, ``_served``,
-    ``_frames_answer``, ``_retrieve_answer``; and ``usage``, ``count``)."""
+class RetrieveMany:
+    """RetrieveMany's streams: entries read through ``reader``, ``count`` counting the
+    servicer's counters."""
 
-    if TYPE_CHECKING:
-        usage: Usage
+    def __init__(self, reader: Reader, count: Callable[..., None]) -> None:
+        self.reader = reader
+        self.usage = reader.usage
+        self.count = count
 
-        def count(self, name: str, n: int = 1) -> None: ...
-
-        async def _read(self, skey: bytes) -> tuple[Hit | FramedHit | None, float]: ...
-
-        def _served(self, skey: bytes, hit: Hit | FramedHit, read_s: float,
-                    want: str) -> Header: ...
-
-        def _frames_answer(self, skey: bytes, hit: Hit | FramedHit, header: Header,
-                           first: int, last: int, piece_bytes: int
-                           ) -> tuple[pb.RetrieveHeader, list[tuple[int, bytes | memoryview]],
-                                      Iterator[list[bytes]]]: ...
-
-        def _retrieve_answer(self, skey: bytes, hit: Hit | FramedHit, read_s: float,
-                             want: str, first: int = 0, last: int = 0, piece_bytes: int = 0
-                             ) -> tuple[pb.RetrieveHeader,
-                                        list[tuple[int, bytes | memoryview]],
-                                        Iterator[list[bytes]]]: ...
-
-    async def RetrieveMany(self, request: pb.RetrieveManyRequest, context: grpc.aio.ServicerContext
-                           ) -> AsyncIterator[pb.RetrieveResponse | bytes]:
+    async def stream(self, request: pb.RetrieveManyRequest, context: grpc.aio.ServicerContext
+                     ) -> AsyncIterator[pb.RetrieveResponse | bytes]:
         """Many entries in one stream: each key's header, then its frames, one message each
         (a miss: a header with ``missing``). The remote form of a batch read: messages of
         about a frame each, which gRPC moves far faster than GetMany's one large answer.
@@ -93,17 +72,16 @@ class RetrieveManyMixin:
             for key in request.keys:
                 skey = store_key(tenant, ns, key)
                 try:
-                    hit, read_s = await self._read(skey)
+                    hit, read_s = await self.reader.read(skey)
                     if hit is None:
                         self.count("retrievemany.miss")
                         self.usage.missed(skey)
                         yield pb.RetrieveResponse(header=pb.RetrieveHeader(missing=True))
                         continue
-                    head, sel, memo = self._retrieve_answer(skey, hit, read_s,
+                    head, sel, memo = self.reader.answer(skey, hit, read_s,
                                                    request.expect_layout_fingerprint)
                 except KDNError as exc:
-                    self.count(f"RetrieveMany.{grpc_code(exc).name}")
-                    await context.abort(grpc_code(exc), str(exc))
+                    await abort(context, self.count, "RetrieveMany", exc)
                     return
                 yield pb.RetrieveResponse(header=head)
                 for (_, frame), msgs in zip(sel, memo):
@@ -133,12 +111,12 @@ class RetrieveManyMixin:
         for i, key in enumerate(request.keys):
             skey = store_key(tenant, ns, key)
             try:
-                hit, read_s = await self._read(skey)
+                hit, read_s = await self.reader.read(skey)
                 if hit is not None:
-                    header = self._served(skey, hit, read_s, request.expect_layout_fingerprint)
+                    header = self.reader.served(skey, hit, read_s,
+                                                request.expect_layout_fingerprint)
             except KDNError as exc:
-                self.count(f"RetrieveMany.{grpc_code(exc).name}")
-                await context.abort(grpc_code(exc), str(exc))
+                await abort(context, self.count, "RetrieveMany", exc)
                 return
             n = len(hit.value) if hit is not None else 0
             whole = hit is not None and n <= budget and (n <= request.inline_max_entry_bytes
@@ -161,7 +139,7 @@ class RetrieveManyMixin:
                             else [value]))
                 sent[0] += n
             else:
-                head, sel, memo = self._frames_answer(skey, hit, header, 0, 0, 0)
+                head, sel, memo = self.reader.frames_answer(skey, hit, header, 0, 0, 0)
                 run.append((head, []))
                 streamed.append((sel, memo))
                 held += n

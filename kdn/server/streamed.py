@@ -4,12 +4,7 @@
 The items are read straight off the socket into recycled buffers of their own, each frame
 checked (its checksum and records, as Store checks them) the moment its last byte lands,
 while it is in cache (``kdn.netio.recv_container``); none is stored unless every one passed,
-by the code every PutMany form shares (``PutManyMixin._put_items``).
-
-(Tried for same-host stores too, over the fast path's unix socket into arena slots: the
-kernel moves the bytes a socket buffer at a time, so the client's copy and the server's
-overlap; timed in turns against the segment path on a 2-core VM it was no faster, 1.53-2.10
-against 1.44-1.47 ms for 1 MiB, and stayed unused.)
+by the code every PutMany form shares (``kdn.server.putmany.PutMany.put_items``).
 
 A call refused before its items arrived has them read and dropped, so the connection stays in
 step; one whose items can not be skipped (unparsable, misplaced, more than a PutMany may
@@ -20,20 +15,30 @@ from __future__ import annotations
 
 import socket
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from kdn.codec.format import Header, check_frame
 from kdn.errors import InvalidArgument, KDNError, TooLarge
 from kdn.netio import recv_container
+from kdn.server.auth import Authenticator, Principal
+from kdn.server.putmany import PutMany
 from kdn.server.requests import check_names
 from kdn.v1 import kdn_pb2 as pb
 
 if TYPE_CHECKING:
     from kdn.buffers import BufferPool
-    from kdn.server.auth import Principal
 
 DRAIN_BYTES = 1 << 20
 """Bytes read at a time when a refused call's items are dropped."""
+
+
+class Putting(Protocol):
+    """What a streamed PutMany needs of the servicer (``kdn.server.service.KDNServicer``)."""
+
+    auth: Authenticator
+    puts: PutMany
+
+    def count(self, name: str, n: int = 1) -> None: ...
 
 
 class Desynced(KDNError):
@@ -54,7 +59,7 @@ def parse_request(cls: Any, body: bytes) -> Any:
     return req
 
 
-def put_streamed(servicer: Any, conn: socket.socket, body: bytes,
+def put_streamed(servicer: Putting, conn: socket.socket, body: bytes,
                  owner: Callable[[str], Principal], label: str) -> pb.PutManyResponse:
     """One PutMany (``body``) whose items follow on ``conn``, acting as ``owner`` of its
     ``segment_id``; counted as ``<label>.PutMany``."""
@@ -62,7 +67,7 @@ def put_streamed(servicer: Any, conn: socket.socket, body: bytes,
         put = parse_request(pb.PutManyRequest, body)
     except KDNError as exc:  # its items' length is unknown
         raise Desynced(exc) from None
-    total = _payload(servicer, put)  # Desynced when it can not be skipped
+    total = _payload(servicer.puts, put)  # Desynced when it can not be skipped
     try:
         principal = owner(put.segment_id)
         servicer.auth.admit(principal)
@@ -70,18 +75,18 @@ def put_streamed(servicer: Any, conn: socket.socket, body: bytes,
         _drain(conn, total)
         raise
     servicer.count(f"{label}.PutMany")
-    values, faults = _received(conn, put, servicer.buffers)  # in step again from here
+    values, faults = _received(conn, put, servicer.puts.buffers)  # in step again from here
 
     def value_of(j: int, _: pb.PutItem) -> memoryview:
         fault = faults[j]
         if fault is not None:
-            raise fault  # named with its item by _put_items
+            raise fault  # named with its item by ``PutMany.put_items``
         return values[j]
 
-    return servicer._put_items(principal, put, value_of)  # type: ignore[no-any-return]
+    return servicer.puts.put_items(principal, put, value_of)
 
 
-def _payload(servicer: Any, put: pb.PutManyRequest) -> int:
+def _payload(puts: PutMany, put: pb.PutManyRequest) -> int:
     """The bytes following ``put`` on the connection: its items' lengths, which must lie one
     after another from 0. Desynced when they do not, or exceed what a PutMany may carry."""
     at = 0
@@ -94,7 +99,7 @@ def _payload(servicer: Any, put: pb.PutManyRequest) -> int:
                 f"another, so it must be at {at}"))
         at += item.region.length
     try:
-        servicer._put_sizes(put)
+        puts.sizes(put)
     except TooLarge as exc:
         raise Desynced(exc) from None
     return at

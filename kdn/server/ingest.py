@@ -1,0 +1,173 @@
+"""The write path: every way an entry is stored ends here.
+
+Store and StoreMany (``kdn.server.receive``), PutMany inline, from a shared segment or through
+the same-host fast path (``kdn.server.putmany``, ``kdn.server.fastpath``), and the network data
+path's PutMany (``kdn.server.streamed``) receive and check an entry's bytes in their own way;
+what an entry must be allowed to be, and how it is committed, is ``Ingest``'s:
+
+1. ``check_header`` (or ``check_target`` and ``check_kind`` where the header is parsed from
+   bytes already checked): the entry's name, options, size, codec and model are allowed here,
+   before anything is charged or written;
+2. ``checked``: the time its bytes' checks took, for ``kdn_entry_check_seconds``;
+3. ``commit`` (a worker thread; on the event loop where the store is memory only): the tenant
+   charged against its quota, the entry put, the messages memoised for its old value and its
+   old arena copy dropped, its new arena copy published, the counters and usage recorded.
+
+``delete_entry`` and ``recount_usage`` keep tenants' usage right on the other side: deletes,
+and what left the store without a caller (expiry, eviction).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from kdn.codec.catalog import check_codec
+from kdn.codec.format import Header, parse_header
+from kdn.errors import InvalidArgument, LayoutMismatch, TooLarge
+from kdn.keys import split_store_key, store_key
+from kdn.options import Durability
+from kdn.server.arena import Arena, Arenas, Slot
+from kdn.server.auth import Authenticator, Principal
+from kdn.server.config import ServerConfig
+from kdn.server.usage import Usage
+from kdn.server.wire_memo import WireMemo
+from kdn.store.base import Tier
+from kdn.store.framed import Framed
+from kdn.store.tiered import TieredStore
+from kdn.v1 import kdn_pb2 as pb
+
+
+class Ingest:
+    """Checks and commits entries for ``store`` (see the module docstring); ``count`` counts
+    the servicer's counters."""
+
+    def __init__(self, config: ServerConfig, store: TieredStore, auth: Authenticator,
+                 arenas: Arenas, wire_memo: WireMemo, usage: Usage,
+                 count: Callable[..., None]) -> None:
+        self.config = config
+        self.store = store
+        self.auth = auth
+        self.arenas = arenas
+        self.wire_memo = wire_memo
+        self.usage = usage
+        self.count = count
+        self._durabilities = {d.value for d in Durability  # those some tier here meets
+                              if any(t.satisfies(d) for t in store.tiers)}
+
+    # -- checks ---------------------------------------------------------------------------------
+
+    def check_header(self, tenant: str, msg: pb.StoreHeader) -> tuple[bytes, Header]:
+        """A Store's header checked and parsed: (tier key, header); refused before anything
+        is charged or written."""
+        skey = self.check_target(tenant, msg.namespace, msg.key, msg.options, msg.total_bytes)
+        header = parse_header(msg.container_header)
+        if len(header.raw) != len(msg.container_header):
+            raise InvalidArgument("container_header has trailing bytes after its checksum")
+        self.check_kind(header, msg.layout_fingerprint)
+        return skey, header
+
+    def check_target(self, tenant: str, namespace: str, key: bytes, opts: pb.StoreOptions,
+                     total: int) -> bytes:
+        """The tier key of an entry of ``total`` bytes to store with ``opts``, once its name,
+        options and size are allowed here."""
+        skey = store_key(tenant, namespace or "default", key)
+        if opts.durability not in self._durabilities:
+            try:
+                durability = Durability(opts.durability)
+            except ValueError:
+                raise InvalidArgument(f"unknown durability {opts.durability}") from None
+            raise InvalidArgument(f"durability {durability.name} needs a tier this server "
+                                  "does not have")
+        self.check_size(total)
+        return skey
+
+    def check_size(self, total: int) -> None:
+        """TooLarge for an entry of ``total`` bytes past ``max_entry_bytes``."""
+        if total > self.config.max_entry_bytes:
+            raise TooLarge(f"entry of {total} bytes exceeds max_entry_bytes "
+                           f"{self.config.max_entry_bytes}")
+
+    def check_kind(self, header: Header, layout_fingerprint: str = "") -> None:
+        """An entry's codec and model allowed here (and its layout the one the caller named,
+        where it named one)."""
+        check_codec(header.mode, header.entry.codec.level)
+        if layout_fingerprint and layout_fingerprint != header.layout.fingerprint:
+            raise InvalidArgument(
+                f"layout_fingerprint {layout_fingerprint} does not match the container's "
+                f"layout {header.layout.fingerprint}"
+            )
+        allowed = self.config.allowed_models
+        if allowed and header.layout.model_fingerprint not in allowed:
+            raise LayoutMismatch(
+                f"model {header.layout.model_fingerprint} ({header.layout.model_name or '?'}) "
+                "is not served here; allowed_models lists "
+                + ", ".join(allowed)
+            )
+
+    def checked(self, header: Header, seconds: float) -> None:
+        """Record that an entry's bytes took ``seconds`` to check."""
+        self.usage.checked(header, seconds)
+
+    # -- commit ---------------------------------------------------------------------------------
+
+    def commit(self, principal: Principal, skey: bytes, value: bytes | memoryview | Framed,
+               opts: pb.StoreOptions, header: Header | None = None,
+               in_arena: tuple[Arena, Slot] | None = None) -> pb.StoreResponse:
+        """Charge the tenant and put a checked entry.
+
+        Under the entry's lock: the size it replaces is read, growth is charged (refused past
+        the quota) before the put and refunded when the put fails; shrinkage is refunded after
+        the put succeeds. Concurrent overwrites and deletes of one key thus count it once.
+        ``in_arena``: the arena slot ``value`` lies in (a same-host PutMany), published with
+        the put so that same-host reads find it there."""
+        self.wire_memo.drop(skey)  # the old value's messages: never sent again (a new stamp)
+        with self.store.entry_lock(skey):
+            replaced = self.store.presence(skey)
+            delta = len(value) - replaced.size
+            if delta > 0:
+                self.auth.charge(principal, delta)
+            try:
+                # a read-only byte view (PutMany) is stored as it is: tiers read any buffer
+                tier = self.store.put(skey, value,  # type: ignore[arg-type]
+                                      ttl_s=float(opts.ttl_seconds) or None, pin=opts.pin,
+                                      durability=Durability(opts.durability), verified=True)
+            except BaseException:
+                if delta > 0:
+                    self.auth.charge(principal, -delta)
+                raise
+            self.arenas.drop(skey)  # nor the old value's arena copy (leases given keep it,
+            # whole), now the new one is in: under the entry lock, so no copy of the old one is
+            # read without a call from here on (kept leases: ``kdn.server.batch``)
+            if in_arena is not None:  # ``value`` lives in the tenant's read arena (PutMany):
+                stamp = self.store.memory_stamp(skey, expiring=True, value=value)  # reads
+                if stamp:  # find it there (the RAM tier holds this very view)
+                    in_arena[0].publish(in_arena[1], skey, stamp)
+            if delta < 0:
+                self.auth.charge(principal, delta)
+        self.count("store.ok")
+        self.count("bytes_in", len(value))
+        if header is not None:
+            self.usage.stored(skey, header, len(value))
+        return pb.StoreResponse(stored_bytes=len(value), tier=tier, replaced=replaced.present)
+
+
+def delete_entry(store: TieredStore, auth: Authenticator, skey: bytes,
+                 tier: Tier | None = None) -> bool:
+    """Delete ``skey`` from every tier (or only from ``tier``) and refund its tenant when the
+    entry is gone from all tiers, once, under the entry's lock (see ``Ingest.commit``)."""
+    with store.entry_lock(skey):
+        before = store.lookup([skey])[0]
+        found = store.delete(skey) if tier is None else bool(tier.delete(skey))
+        if before.present and (tier is None or not store.lookup([skey])[0].present):
+            auth.refund(split_store_key(skey)[0], before.size)
+    return bool(found)
+
+
+def recount_usage(store: TieredStore, auth: Authenticator) -> None:
+    """Set every tenant's usage to the bytes its entries hold in the tiers, with no entry
+    changing meanwhile: at start-up, and after ``Gc`` (TTL expiries and capacity evictions
+    leave the store without a caller, so only a recount gives their bytes back)."""
+    with store.all_entries_locked():
+        for tenant in auth.config.policies:
+            keys = store.keys(f"{tenant}:".encode())
+            auth.set_usage(tenant, sum(p.size for p in store.lookup(keys)))
