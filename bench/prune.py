@@ -316,7 +316,7 @@ def main(argv: list[str] | None = None) -> None:
     n_questions = args.questions or (4 if args.quick else 50)
     steps_for = dict(zip(args.ratios, args.recover_steps)) if args.recover_steps else {
         r: (4 if args.quick else (700 if r <= 0.2 else 950)) for r in args.ratios}
-    mild = [r <= 0.2 for r in args.ratios]  # the recipe measured best at each ratio (README)
+    mild = [r <= 0.2 for r in args.ratios]  # the recipe measured best per ratio (bench/README)
     args.qa_share = args.qa_share or [1.0 if m else 0.5 for m in mild]
     args.qa_questions = args.qa_questions or [5 if m else 1 for m in mild]
     args.answer_ce = args.answer_ce or [0.0 if m else 0.025 for m in mild]
