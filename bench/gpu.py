@@ -1,6 +1,9 @@
 """Does a kdn hit beat prefill on the device the engine runs on? Real model shapes, one run.
 
-    python -m bench.gpu [--quick] [--out bench/results/gpu.json]
+    python -m bench.gpu [--quick] [--out bench/results/gpu_h100.json]
+
+Results are kept one file per machine (``gpu_h100.json``, ``gpu_h200.json``, ``gpu_cpu.json``);
+``--merge`` joins a machine's runs into its file.
 
 Models of the real shapes with random weights (no weights travel; timing does not depend on
 them): Llama-3-8B (32 layers, 8 KV heads x 128, GQA) and SmolLM2-135M, fp16 with sdpa

@@ -1,11 +1,11 @@
 """One entry sized for a real model, stored and retrieved through a `kdn serve` process.
 
 The default is the Llama-3-8B KV shape (32 layers, 8 KV heads x 128, fp16): 8k tokens is a 1 GiB
-`raw` entry (refused before the limits were raised), `--tokens 32768` the 4 GiB of a 32k
+`raw` entry, `--tokens 32768` the 4 GiB of a 32k
 context. The client stores it over the gRPC Store stream (no shared segment: the remote path)
 and reads it back whole (checksums checked, tensors equal); the server runs RAM + LMDB. Rows:
 store and retrieve seconds and GB/s, and the server's peak resident memory over the entry size
-(a Store joined its frames into a second copy before; now it receives into one buffer). The
+(a large Store is received into one buffer: no second copy of the entry). The
 baseline of the same run is one memcpy of the entry's bytes.
 
     python -m bench.large_entry [--tokens 8192] [--quick]

@@ -14,8 +14,8 @@ run) so that all of them see the same machine. Workloads (Llama-3-8B-shaped fp16
 - put / get of one entry at 1, 16 and 256 MiB (``count`` distinct keys per run, one call each;
   GB/s = bytes / summed call time, checks and releases between calls untimed);
 - 64 x 1 MiB batch put / batch get (each system's batch call where it has one, else a loop),
-  ``BATCH_CALLS`` (3) puts, each read back, per run (GB/s = their bytes / their summed time;
-  until stop 48 one put per run);
+  ``BATCH_CALLS`` (3) puts, each read back, per run (GB/s = their bytes / their summed time:
+  one ~20 ms call alone says more about the machine's moment than about the system);
 - 4 KiB get latency (one layer, one token) over 2000 gets.
 
 Each row is the best of 3 runs (``gb_s``) with the median (``median_gb_s``) and every run's

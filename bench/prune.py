@@ -37,6 +37,11 @@ unpruned model measured in the same run on the same held-out text.
    and decode tokens/s.
 7. Table, JSON with targets (met or missed, with their numbers), PNG.
 
+Probing one recipe without the whole study: ``--ratios 0.2 --importances taylor`` runs one
+ratio and one importance; ``--questions 200`` a larger answer draw; ``--lr``, ``--rank``,
+``--distill``, ``--answer-ce`` and ``--k-share`` (how the removed channels split between K and
+V) change the recovery or the plan.
+
 Each importance/ratio group of step 2 is checkpointed to ``OUT.partial.json``; a run with the
 same settings resumes from it, and a finished run deletes it.
 """
@@ -296,6 +301,13 @@ def main(argv: list[str] | None = None) -> None:
                          "teacher's KL (RecoveryConfig.answer_ce; one value, or one per ratio; "
                          "default 0 up to 20%%, 0.025 above)")
     ap.add_argument("--fp32", action="store_true", help="recover without bf16 autocast")
+    ap.add_argument("--lr", type=float, default=RecoveryConfig.lr,
+                    help="peak learning rate of the LoRA adapters")
+    ap.add_argument("--rank", type=int, default=RecoveryConfig.rank,
+                    help="LoRA rank (alpha stays twice the rank)")
+    ap.add_argument("--k-share", type=float, default=0.5,
+                    help="share of the removed channels taken from K (PruneConfig.k_share; "
+                         "0.5: K and V alike; 0.3-0.7 all read worse one-shot at 50%%)")
     ap.add_argument("--questions", type=int, default=0, help="SQuAD questions for F1 (50)")
     args = ap.parse_args(argv)
     calib_n = args.calib_tokens or (64 if args.quick else 128)
@@ -304,7 +316,7 @@ def main(argv: list[str] | None = None) -> None:
     n_questions = args.questions or (4 if args.quick else 50)
     steps_for = dict(zip(args.ratios, args.recover_steps)) if args.recover_steps else {
         r: (4 if args.quick else (700 if r <= 0.2 else 950)) for r in args.ratios}
-    mild = [r <= 0.2 for r in args.ratios]  # the recipe measured best at each ratio (README)
+    mild = [r <= 0.2 for r in args.ratios]  # the recipe measured best per ratio (bench/README)
     args.qa_share = args.qa_share or [1.0 if m else 0.5 for m in mild]
     args.qa_questions = args.qa_questions or [5 if m else 1 for m in mild]
     args.answer_ce = args.answer_ce or [0.0 if m else 0.025 for m in mild]
@@ -344,6 +356,8 @@ def main(argv: list[str] | None = None) -> None:
 
     settings = {"calib": calib_n, "windows": n_windows, "window": window, "quick": args.quick,
                 "split": "articles-v2"}
+    if args.k_share != 0.5:  # another split of the removed channels: other one-shot groups
+        settings["k_share"] = args.k_share
     args.out.parent.mkdir(parents=True, exist_ok=True)
     ckpt = args.out.with_suffix(".partial.json")
     done = _load_checkpoint(ckpt, settings)
@@ -362,7 +376,8 @@ def main(argv: list[str] | None = None) -> None:
                 sens = block_sensitivity(model, calib, scores, ratio, runner)
                 group = {"sensitivity": list(sens.delta_ppl), "rows": []}
                 for alloc in Allocation:
-                    plan, block_r = make_plan(geo, scores, PruneConfig(ratio, alloc, imp), sens)
+                    cfg = PruneConfig(ratio, alloc, imp, k_share=args.k_share)
+                    plan, block_r = make_plan(geo, scores, cfg, sens)
                     pruned = prune_model(copy.deepcopy(model), plan)
                     res = perplexity_ci(pruned, eval_windows)
                     change = paired_change(base, res)
@@ -401,7 +416,8 @@ def main(argv: list[str] | None = None) -> None:
         recipe = recipe_of[ratio]
         text = training[recipe]
         rcfg = RecoveryConfig(steps=steps_for[ratio], seed=0, max_seconds=args.recover_seconds,
-                              distill=args.distill, bf16=not args.fp32,
+                              distill=args.distill, bf16=not args.fp32, lr=args.lr,
+                              rank=args.rank, alpha=2 * args.rank,
                               answer_weight=recipe.answer_weight, answer_ce=recipe.answer_ce)
         ckpt_dir = args.out.with_name(f"{args.out.stem}.recovery-{ratio}")
         every = max(1, steps_for[ratio] // 10)
@@ -547,7 +563,7 @@ def main(argv: list[str] | None = None) -> None:
                codec_windows=codec_windows, codec_context_tokens=codec_ctx,
                codec_eval_tokens=codec_eval, speed_context_tokens=speed_ctx,
                speed_new_tokens=speed_new, sensitivity_delta_ppl=sensitivities,
-               lora_recovery=f"peft LoRA r16 on q/k/v/o/gate/up/down, merged; loss "
+               lora_recovery=f"peft LoRA r{args.rank} on q/k/v/o/gate/up/down, merged; loss "
                              f"{1 - args.distill:g} x cross-entropy + {args.distill:g} x KL "
                              "from the unpruned model, answer positions weighed per ratio "
                              "(per_ratio recovery_config, recovery_text); best one-shot "

@@ -1,9 +1,10 @@
-"""Render committed benchmark results into README.md, so the README quotes the latest numbers.
+"""Render committed benchmark results into bench/README.md, so it quotes the latest numbers.
 
     python -m bench.report            # rewrite the tables between <!-- bench:NAME --> markers
 
 Each ``bench/results/NAME.json`` becomes markdown tables (one per ``section`` when rows carry
-one) between ``<!-- bench:NAME -->`` and ``<!-- /bench:NAME -->`` in README.md.
+one) between ``<!-- bench:NAME -->`` and ``<!-- /bench:NAME -->`` in bench/README.md. The
+top-level README's summary table is written by hand from these.
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ def render(doc: dict[str, Any]) -> str:
 
 
 def main() -> int:
-    readme = ROOT / "README.md"
+    readme = ROOT / "bench" / "README.md"
     text = readme.read_text()
     for path in sorted((ROOT / "bench" / "results").glob("*.json")):
         name = path.stem
@@ -82,7 +83,7 @@ def main() -> int:
             continue
         body = render(json.loads(path.read_text()))
         text = pat.sub(lambda m, body=body: m.group(1) + body + m.group(3), text)
-        print(f"README: {name}")
+        print(f"bench/README.md: {name}")
     readme.write_text(text)
     return 0
 

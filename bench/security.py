@@ -1,4 +1,5 @@
-"""Idle connections without a key against a legitimate client (issue 24's limits target).
+"""Idle connections without a key against a legitimate client (target: the client's p99 within
+1.2x of the same calls alone).
 
 A `kdn serve` process with auth on (a tenants file) and its default connection settings except
 a shorter idle timeout (`--idle-timeout-s`, 10 s here; 300 s by default), in two modes:

@@ -257,8 +257,8 @@ def main(argv: list[str] | None = None) -> None:
     ap = arg_parser(__doc__, "sglang", "32 pages, 2 repeats")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch intra-op threads (1: SGLang's storage I/O runs on background "
-                         "threads; on this shared 2-core host, 2 threads make every large "
-                         "torch op wait for a busy core)")
+                         "threads, and intra-op threads that share their cores make every "
+                         "large torch op wait for a busy core)")
     ns = ap.parse_args(argv)
     torch.set_num_threads(ns.threads)
     run(32 if ns.quick else BATCH, 2 if ns.quick else 5, ns.out, ns.threads)

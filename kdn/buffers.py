@@ -169,9 +169,9 @@ def libc_madvise() -> Any:
 
 def populate(array: np.ndarray[Any, Any]) -> None:
     """Fault a new buffer's whole pages in with one call (``MADV_POPULATE_WRITE``) rather than
-    one page fault at a time as it is first written: a 1 MiB buffer written as it is faulted in
-    took 0.57 ms on a 2-core VM, populated first 0.45 (0.07 once its pages are in). Does
-    nothing where the kernel (before 5.14) or libc lacks it."""
+    one page fault at a time as it is first written (a 1 MiB buffer: ~0.57 ms written as it
+    is faulted in, ~0.45 ms populated first, ~0.07 ms once its pages are in). Does nothing
+    where the kernel (before 5.14) or libc lacks it."""
     madvise = libc_madvise()
     start = array.ctypes.data
     first, end = -(-start // _PAGE) * _PAGE, (start + array.nbytes) // _PAGE * _PAGE
@@ -195,10 +195,10 @@ def server_trim_bytes(ram_bytes: int) -> int:
     ``TRIM_THRESHOLD`` to ``SERVER_TRIM_THRESHOLD``. A server keeps a large Store in the
     messages it came in (``kdn.store.framed.framed_limit``); when the entry it replaces is
     freed, its memory must stay in the heap for the next one's messages, or every Store
-    faults in its whole size again (189 MB SmolLM2 stores on a 2-core VM: 5,000-11,000
-    page faults and 0.80 GB/s kept under a 128 MiB threshold). A process's memory then falls
-    back only by what lies free past this threshold, never below what it held at its peak:
-    a full RAM tier holds as much anyway."""
+    faults in its whole size again (a 189 MB SmolLM2 Store under a 128 MiB threshold:
+    5,000-11,000 page faults, and 0.80 GB/s where a copy into kept memory runs at 1.16). A
+    process's memory then falls back only by what lies free past this threshold, never below
+    what it held at its peak: a full RAM tier holds as much anyway."""
     return max(TRIM_THRESHOLD, min(SERVER_TRIM_THRESHOLD, ram_bytes // 2))
 
 
@@ -262,15 +262,14 @@ def kept_free_bytes() -> int:
 OVERLAP_FRAME_BYTES = 1 << 20
 """A frame from this size is decoded (a ``LayerStream``) or copied into its entry's buffer and
 checked (a Store past ``kdn.store.framed.framed_limit``) on worker threads while the next
-message arrives; smaller ones where they arrive (on a 2-core VM, server in its own process: a
-8192-token SmolLM2 fetch 0.81-0.83x of the raw stream against 0.69-0.80x in turn; 380 KB
-frames of 512 tokens lost 0.05x handed over; 189 MB stores 0.72x of the raw puts handed
-over, 0.60-0.62x copied on the event loop's thread)."""
+message arrives; smaller ones where they arrive. From about 1 MiB the overlap pays: large
+fetches and stores gain about a tenth of the raw stream's rate; below it the hand-over costs
+more than it saves (380 KB frames of 512 SmolLM2 tokens lose ~5%)."""
 BACKGROUND_CHECK_BYTES = 8 << 20
 """A Store frame from this size is hashed on ``copy_threads`` while the next message arrives
 (on the event loop's thread, its ~0.5 ms a MiB would hold up every other call); smaller ones
-are hashed there the moment they are whole, while in cache (12 MB stores of 1.2 MB frames
-on a 2-core VM: 16.0 ms that way, 16.7 ms handed to the threads)."""
+are hashed there the moment they are whole, while in cache (for frames of ~1 MB that is as
+fast as handing them to the threads, and leaves the threads to the large ones)."""
 COPIES_IN_FLIGHT = 4
 """Frames of one stream at most whose checks wait on ``copy_threads``."""
 _COPY_THREADS: list[ThreadPoolExecutor] = []

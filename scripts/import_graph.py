@@ -9,7 +9,7 @@ Every import counts, wherever it is written: module level, inside a function, un
 once ``kdn.a`` has been imported); the root package ``kdn`` is not counted: its exports are
 lazy (PEP 562), so importing a submodule runs nothing of it.
 
-Rules (the two sides of ARCHITECTURE.md):
+Rules (the two sides drawn in README.md, section "Architecture"):
 
 * no circles (strongly connected components of more than one module);
 * the storage side (``kdn.server``, ``kdn.store``) imports nothing of the model side or the

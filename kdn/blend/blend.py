@@ -30,7 +30,7 @@ Lifecycle of ``blend(model, pieces, config)``:
 4. the last token's hidden state gives the logits of the first generated token.
 
 The question rule is the default because it recomputes the tokens the answer reads, where
-deviation picks the tokens whose K/V moved (the README's blend section has the comparison).
+deviation picks the tokens whose K/V moved (bench/README.md, blend, has the comparison).
 
 Pipelining: stored K/V of layer i are requested (``wait_for_layer(i)``) right before layer i
 needs them, so later layers keep arriving and decoding while earlier layers compute.
@@ -144,7 +144,7 @@ class BlendConfig:
     RoPE) that recomputation made to the keys of the chunk's recomputed tokens. A shift
     shared by a chunk moves the attention the chunk as a whole receives, the part of the
     context a chunk computed alone gets most wrong; the ranking inside the chunk is kept.
-    Off by default: it lowers first-token KL but not answer NLL (README, blend section)."""
+    Off by default: it lowers first-token KL but not answer NLL (bench/README.md, blend)."""
     correct_v: float = 0.0
     """The same for values (no RoPE): stale values move by this fraction of the chunk's mean
     value change."""

@@ -82,8 +82,8 @@ class RagConfig:
     query_share: float = 0.0
     """Share of the recompute budget picked by the question's attention (1: ``kdn.blend``'s
     default rule); 0 selects by K/V deviation alone (CacheBlend). RAG defaults to 0: with
-    short chunks the question rule's first pass is a larger share of the work (README, rag
-    section)."""
+    short chunks the question rule's first pass is a larger share of the work (bench/README.md,
+    rag)."""
     max_new_tokens: int = 32
     head: str | None = None
     """Prompt text before the chunks; None: the tokenizer's chat template (or a plain one)."""
