@@ -174,10 +174,10 @@ class PrunedAttention(nn.Module):
                              persistent=False)
         self.register_buffer("v_kept", torch.tensor(list(v_kept), dtype=torch.long),
                              persistent=False)
-        q_rows = _rows(self.num_heads, head_dim, k_kept)
-        k_rows = _rows(self.num_key_value_heads, head_dim, k_kept)
-        v_rows = _rows(self.num_key_value_heads, head_dim, v_kept)
-        o_cols = _rows(self.num_heads, head_dim, v_kept)
+        q_rows = head_rows(self.num_heads, head_dim, k_kept)
+        k_rows = head_rows(self.num_key_value_heads, head_dim, k_kept)
+        v_rows = head_rows(self.num_key_value_heads, head_dim, v_kept)
+        o_cols = head_rows(self.num_heads, head_dim, v_kept)
         self.q_proj = _slice_linear(original.q_proj, rows=q_rows)
         self.k_proj = _slice_linear(original.k_proj, rows=k_rows)
         self.v_proj = _slice_linear(original.v_proj, rows=v_rows)
@@ -221,7 +221,9 @@ class PrunedAttention(nn.Module):
                 f"v_channels={self.v_channels}, head_dim_original={self.head_dim_original}")
 
 
-def _rows(heads: int, head_dim: int, kept: Sequence[int]) -> list[int]:
+def head_rows(heads: int, head_dim: int, kept: Sequence[int]) -> list[int]:
+    """The rows (or columns) of a projection that ``heads`` heads keep: channels ``kept`` of
+    each head of ``head_dim``."""
     return [h * head_dim + c for h in range(heads) for c in kept]
 
 
@@ -279,7 +281,7 @@ def zero_pruned_channels(model: Any, plan: PrunePlan) -> None:
                                        ("o_proj", geo.heads, vk, 1)):
             lin = getattr(attn, name)
             drop = torch.ones(heads * geo.head_dim, dtype=torch.bool)
-            drop[_rows(heads, geo.head_dim, kept)] = False
+            drop[head_rows(heads, geo.head_dim, kept)] = False
             if dim == 0:
                 lin.weight[drop] = 0.0
                 if lin.bias is not None:

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from kdn.hf import ModelParts, decoder_layers
 from kdn.prune.allocate import removal_counts
-from kdn.prune.apply import _rows, kept_from_scores
+from kdn.prune.apply import head_rows, kept_from_scores
 from kdn.prune.importance import ChannelScores, Geometry, attention_modules
 
 
@@ -88,7 +88,7 @@ def masked_block(model: Any, block: int, k_kept: tuple[int, ...], v_kept: tuple[
     with torch.no_grad():
         for lin, kept in ((attn.k_proj, k_kept), (attn.v_proj, v_kept)):
             drop = torch.ones(geo.kv_heads * geo.head_dim, dtype=torch.bool)
-            drop[_rows(geo.kv_heads, geo.head_dim, kept)] = False
+            drop[head_rows(geo.kv_heads, geo.head_dim, kept)] = False
             for p in (lin.weight, lin.bias):
                 if p is not None:
                     saved.append((p, p.detach().clone()))
