@@ -79,7 +79,7 @@ from kdn import codec, keys
 from kdn.cache import KVCache
 from kdn.client.admin import AdminClient
 from kdn.client.client import TLSOptions
-from kdn.client.dataplane import Fetched
+from kdn.client.received import Fetched
 from kdn.codec.catalog import check_codec
 from kdn.codec.format import RECORD_BYTES, check_frame, check_frame_prefix
 from kdn.errors import KDNError
