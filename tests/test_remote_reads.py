@@ -157,7 +157,7 @@ def test_a_remote_batch_sends_small_entries_inline_and_streams_large_ones(
     ``PUT_INLINE_BYTES`` too) in one StoreMany stream; ``fetch_many`` reads them all by one
     grouped RetrieveMany: the small ones whole inside their headers (one message for the
     run), the large ones a message a frame after it. Every entry comes back whole."""
-    from kdn.client import puts as client_puts
+    from kdn.client import dataplane as client_puts
 
     lay = uniform_layout(layers=4, heads=2, dim=64)  # 2 KiB a token
     small = [random_kv(lay, 100, seed=70 + i) for i in range(4)]  # ~200 KB each
@@ -196,7 +196,7 @@ def test_a_remote_batch_sends_small_entries_inline_and_streams_large_ones(
                               for v in msg.headers] if part == "headers" else [part])
                 yield msg
 
-        monkeypatch.setattr(c, "_retrieve_many_call", seen)
+        monkeypatch.setattr(c._rpc, "retrieve_many_call", seen)
         before = c.stats().counters.get("retrievemany.hit", 0)
         got = c.retrieve_many([k for k, _ in items], layout=lay)
         assert all(g is not None and g.equal(kv) for g, (_, kv) in zip(got, items))
@@ -233,7 +233,7 @@ def test_an_entry_read_alone_streams_past_the_inline_entry_budget(
                             lambda req, rid: gets.append(req.region.length) or real_get(req, rid))
         streamed: list[bytes] = []
         real_call = c._rpc.retrieve_call
-        monkeypatch.setattr(c, "_retrieve_call",
+        monkeypatch.setattr(c._rpc, "retrieve_call",
                             lambda req, **kw: streamed.append(req.key) or real_call(req, **kw))
         got = c.retrieve(_key(90), layout=lay)
         assert got is not None and got.equal(small)

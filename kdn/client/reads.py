@@ -137,7 +137,7 @@ class Reader:
         try:
             if whole and self.streams > 1:
                 return self._grouped_stream(req, device, request_id, keep)  # type: ignore[return-value]
-            return self.layer_stream(self._retrieve_call, req, device, request_id,
+            return self.layer_stream(self.rpc.retrieve_call, req, device, request_id,
                                      on_complete=keep)
         except NotFound:
             return None
