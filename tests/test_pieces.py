@@ -154,13 +154,13 @@ def test_a_fetch_past_the_kept_size_asks_for_pieces_and_gets_the_entry(
     kv = random_kv(LAYOUT, 300, seed=3)
     small = random_kv(LAYOUT, 20, seed=4)
     with Client(server.address, shm_bytes=0, data_path=False) as c:
-        start = c._rpc.retrieve_call  # noqa: SLF001
+        start = c.rpc.retrieve_call  # noqa: SLF001
 
         def counted(req: pb.RetrieveRequest, **kw: object) -> object:
             asked.append(req)
             return start(req, **kw)
 
-        c._rpc.retrieve_call = counted  # type: ignore[method-assign]  # noqa: SLF001
+        c.rpc.retrieve_call = counted  # type: ignore[method-assign]  # noqa: SLF001
         c.store(keys.chunk_key([2], LAYOUT), kv, mode="raw", layers_per_frame=1)
         c.store(keys.chunk_key([3], LAYOUT), small, mode="raw", layers_per_frame=1)
         for key, want in ((keys.chunk_key([2], LAYOUT), kv), (keys.chunk_key([3], LAYOUT),
@@ -245,8 +245,8 @@ def test_a_layer_stream_handed_pieces_fails_and_never_returns_tensors(
     with Client(server.address, shm_bytes=0, data_path=False) as c:
         c.store(key, kv, mode="raw", layers_per_frame=1)
         req = pb.RetrieveRequest(key=key, piece_bytes=MIN_PIECE_BYTES)
-        stream = c.layer_stream(c._rpc.retrieve_call, req)  # noqa: SLF001
+        stream = c.layer_stream(c.rpc.retrieve_call, req)  # noqa: SLF001
         with pytest.raises(KDNError):
             stream.result()
-        whole = c.layer_stream(c._rpc.retrieve_call, pb.RetrieveRequest(key=key))  # noqa: SLF001
+        whole = c.layer_stream(c.rpc.retrieve_call, pb.RetrieveRequest(key=key))  # noqa: SLF001
         assert whole.result().equal(kv)

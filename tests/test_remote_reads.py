@@ -174,8 +174,8 @@ def test_a_remote_batch_sends_small_entries_inline_and_streams_large_ones(
         monkeypatch.setattr(c, "store", lambda key, *a, **kw: alone.append(key)
                             or real_store(key, *a, **kw))
         streams: list[int] = []
-        real_many = c._rpc.store_many_call
-        monkeypatch.setattr(c._rpc, "store_many_call", lambda reqs, **kw: streams.append(1)
+        real_many = c.rpc.store_many_call
+        monkeypatch.setattr(c.rpc, "store_many_call", lambda reqs, **kw: streams.append(1)
                             or real_many(reqs, **kw))
         items = [(_key(70 + i), kv) for i, kv in enumerate(small)] + \
             [(_key(75 + i), kv) for i, kv in enumerate(large)] + [(_key(79), big)]
@@ -187,7 +187,7 @@ def test_a_remote_batch_sends_small_entries_inline_and_streams_large_ones(
         monkeypatch.setattr(c.dataplane, "_get",
                             lambda req, rid: gets.append(len(req.keys)) or real_get(req, rid))
         parts: list[str] = []  # what the RetrieveMany stream brought, message by message
-        real_many_call = c._rpc.retrieve_many_call
+        real_many_call = c.rpc.retrieve_many_call
 
         def seen(req: pb.RetrieveManyRequest, **kw: object) -> Iterator[object]:
             for msg in real_many_call(req, **kw):
@@ -196,7 +196,7 @@ def test_a_remote_batch_sends_small_entries_inline_and_streams_large_ones(
                               for v in msg.headers] if part == "headers" else [part])
                 yield msg
 
-        monkeypatch.setattr(c._rpc, "retrieve_many_call", seen)
+        monkeypatch.setattr(c.rpc, "retrieve_many_call", seen)
         before = c.stats().counters.get("retrievemany.hit", 0)
         got = c.retrieve_many([k for k, _ in items], layout=lay)
         assert all(g is not None and g.equal(kv) for g, (_, kv) in zip(got, items))
@@ -232,8 +232,8 @@ def test_an_entry_read_alone_streams_past_the_inline_entry_budget(
         monkeypatch.setattr(c.dataplane, "_get",
                             lambda req, rid: gets.append(req.region.length) or real_get(req, rid))
         streamed: list[bytes] = []
-        real_call = c._rpc.retrieve_call
-        monkeypatch.setattr(c._rpc, "retrieve_call",
+        real_call = c.rpc.retrieve_call
+        monkeypatch.setattr(c.rpc, "retrieve_call",
                             lambda req, **kw: streamed.append(req.key) or real_call(req, **kw))
         got = c.retrieve(_key(90), layout=lay)
         assert got is not None and got.equal(small)

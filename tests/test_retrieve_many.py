@@ -270,7 +270,7 @@ def test_a_server_that_does_not_group_is_read_as_before(server: ServerThread) ->
     header then its frames: the client reads that form too."""
     with Client(server.address, shm_bytes=0, data_path=False) as c:
         stored = _stored(c, [8, 300, 16])
-        plain = c._rpc.channel.unary_stream(  # noqa: SLF001 - the grouped fields dropped
+        plain = c.rpc.channel.unary_stream(  # noqa: SLF001 - the grouped fields dropped
             "/kdn.v1.KDN/RetrieveMany",
             request_serializer=lambda r: pb.RetrieveManyRequest(
                 namespace=r.namespace, keys=r.keys).SerializeToString(),
@@ -283,7 +283,7 @@ def test_a_server_that_does_not_group_is_read_as_before(server: ServerThread) ->
                 seen.append(msg.WhichOneof("part"))
                 yield msg
 
-        c._rpc.retrieve_many_call = call  # type: ignore[assignment]
+        c.rpc.retrieve_many_call = call  # type: ignore[assignment]
         got = c.fetch_many([k for k, _ in stored] + [keys.chunk_key([1], LAYOUT)])
         assert got[-1] is None and "headers" not in seen and seen.count("header") == 4
         for g, (_, parts) in zip(got, stored):
@@ -295,7 +295,7 @@ def test_a_server_without_retrieve_many_is_read_key_by_key(server: ServerThread)
     from then on, and the batch still reads back whole."""
     with Client(server.address, shm_bytes=0, data_path=False) as c:
         stored = _stored(c, [300, 400])
-        c._rpc.retrieve_many_call = c._rpc.channel.unary_stream(  # noqa: SLF001 - as an old server
+        c.rpc.retrieve_many_call = c.rpc.channel.unary_stream(  # noqa: SLF001 - as an old server
             "/kdn.v1.KDN/NoSuchMethod",
             request_serializer=pb.RetrieveManyRequest.SerializeToString)
         got = c.fetch_many([k for k, _ in stored])
@@ -409,7 +409,7 @@ def test_a_server_without_store_many_is_written_as_before(server: ServerThread) 
     items = [(keys.chunk_key([8200 + i], LAYOUT), codec.encode_parts(
         random_kv(LAYOUT, 300, seed=400 + i), "raw", layers_per_frame=0)) for i in range(2)]
     with Client(server.address, shm_bytes=0, data_path=False) as c:
-        c._rpc.store_many_call = c._rpc.channel.stream_unary(  # noqa: SLF001 - as an old server
+        c.rpc.store_many_call = c.rpc.channel.stream_unary(  # noqa: SLF001 - as an old server
             "/kdn.v1.KDN/NoSuchMethod", request_serializer=lambda m: m if isinstance(
                 m, bytes) else m.SerializeToString())
         done = c.store_many(items)
@@ -463,7 +463,7 @@ def test_a_server_that_does_not_say_it_reads_grouped_is_never_sent_one(
         return resp
 
     with Client(server.address, shm_bytes=0, data_path=False) as c:
-        c._rpc.store_many_call = c._rpc.channel.stream_unary(  # noqa: SLF001 - as an old server
+        c.rpc.store_many_call = c.rpc.channel.stream_unary(  # noqa: SLF001 - as an old server
             "/kdn.v1.KDN/StoreMany", request_serializer=lambda m: m if isinstance(
                 m, bytes) else m.SerializeToString(), response_deserializer=old)
         before = c.stats().counters.get("storemany.grouped", 0)

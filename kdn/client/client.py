@@ -117,8 +117,9 @@ class Client:
         self.timeout_s = timeout_s
         self.retry = retry or Retry()
         self.namespace = check_namespace(namespace)
-        self._rpc = Rpc(address, timeout_s=timeout_s, retry=self.retry,
-                        max_message_bytes=max_message_bytes, api_key=api_key, tls=tls)
+        self.rpc = Rpc(address, timeout_s=timeout_s, retry=self.retry,
+                       max_message_bytes=max_message_bytes, api_key=api_key, tls=tls)
+        """The channel and the calls made on it (``kdn.client.rpc``)."""
         if shm_bytes is None:
             shm_bytes = DEFAULT_SHM_BYTES if same_host(address) else 0
         if local_bytes:
@@ -130,24 +131,24 @@ class Client:
         """The in-process tier (``kdn.client.local``), when ``local_bytes`` is set."""
         # without a shared segment, batches go by the server's network data path where it
         # offers one (``data_path``; plaintext servers only: kdn.server.netpath)
-        self.dataplane = DataPlane(self._rpc.stub, self._rpc.call, self._rpc.metadata,
+        self.dataplane = DataPlane(self.rpc.stub, self.rpc.call, self.rpc.metadata,
                                    timeout_s, shm_bytes, max_message_bytes, keep_leases_bytes,
                                    data_host(address) if data_path else "",
                                    tls.data_path_tls() if tls is not None else None)
-        self._reads = Reader(self._rpc, self.dataplane, self.local, self.namespace,
+        self._reads = Reader(self.rpc, self.dataplane, self.local, self.namespace,
                              self.streams)
-        self._writes = Writer(self._rpc, self.dataplane, self.local, self.namespace,
+        self._writes = Writer(self.rpc, self.dataplane, self.local, self.namespace,
                               max_message_bytes)
 
     @property
     def last_request_id(self) -> str:
         """The request id of this thread's latest call ("" before its first)."""
-        return self._rpc.last_request_id
+        return self.rpc.last_request_id
 
     def metadata(self, request_id: str | None = None) -> tuple[tuple[str, str], ...]:
         """Metadata of one call: the API key and ``request_id`` (a fresh one when None), which
         becomes this thread's ``last_request_id``."""
-        return self._rpc.metadata(request_id)
+        return self.rpc.metadata(request_id)
 
     def close(self) -> None:
         """Close the channels and give the segment back, after this thread's asynchronous
@@ -155,7 +156,7 @@ class Client:
         if self.dataplane.has_pending():
             self.dataplane.settle_async()
         self.dataplane.close()
-        self._rpc.close()
+        self.rpc.close()
 
     def __enter__(self) -> Client:
         return self
@@ -298,7 +299,7 @@ class Client:
                             select_layer=select_layer, head_tokens=head_tokens,
                             per_chunk=per_chunk, store=store, mode=mode, level=level,
                             layout=layout, query_share=query_share)
-        return self.layer_stream(self._rpc.stub.Blend, req, device, request_id)
+        return self.layer_stream(self.rpc.stub.Blend, req, device, request_id)
 
     def blend(self, pieces: Sequence[RemotePiece], **options: Any) -> KVCache:
         """Blended KV of ``pieces`` computed by the server; options as ``blend_stream``."""
@@ -318,8 +319,8 @@ class Client:
         ask = [k for k, info in zip(ks, infos) if info is None]
         if ask or not ks:
             req = pb.LookupRequest(namespace=ns, keys=ask, prefix_chain=prefix_chain)
-            md = self._rpc.metadata(request_id)
-            resp = self._rpc.call(lambda: self._rpc.stub.Lookup(req, timeout=self.timeout_s,
+            md = self.rpc.metadata(request_id)
+            resp = self.rpc.call(lambda: self.rpc.stub.Lookup(req, timeout=self.timeout_s,
                                                         metadata=md))
             remote = iter(resp.infos)
             infos = [info or _key_info(next(remote)) for info in infos]
@@ -340,21 +341,21 @@ class Client:
         if self.local is not None:
             for k in req.keys:
                 self.local.discard(req.namespace, k)
-        md = self._rpc.metadata(request_id)
-        return int(self._rpc.call(lambda: self._rpc.stub.Delete(req, timeout=self.timeout_s,
+        md = self.rpc.metadata(request_id)
+        return int(self.rpc.call(lambda: self.rpc.stub.Delete(req, timeout=self.timeout_s,
                                                         metadata=md)).deleted)
 
     def stats(self, *, request_id: str | None = None) -> pb.StatsResponse:
-        md = self._rpc.metadata(request_id)
-        return self._rpc.call(lambda: self._rpc.stub.Stats(
+        md = self.rpc.metadata(request_id)
+        return self.rpc.call(lambda: self.rpc.stub.Stats(
             pb.StatsRequest(), timeout=self.timeout_s, metadata=md))
 
     def health(self, service: str = "") -> str:
         """The standard gRPC health status name (SERVING, NOT_SERVING, ...)."""
         from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-        stub = health_pb2_grpc.HealthStub(self._rpc.channel)
-        resp = self._rpc.call(lambda: stub.Check(health_pb2.HealthCheckRequest(service=service),
+        stub = health_pb2_grpc.HealthStub(self.rpc.channel)
+        resp = self.rpc.call(lambda: stub.Check(health_pb2.HealthCheckRequest(service=service),
                                              timeout=self.timeout_s))
         return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
 
