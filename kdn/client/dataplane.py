@@ -340,9 +340,9 @@ class DataPlane:
         piped = self.same_host.put_pipelined(namespace, items) if seg is not None else None
         if piped is not None:  # what it left: as below
             rest = [i for i, r in enumerate(piped) if r is None]
-            for i, r in enumerate(piped):
-                if r is not None:
-                    out[i] = r
+            for i, stored in enumerate(piped):
+                if stored is not None:
+                    out[i] = stored
             if len(rest) < len(items):
                 for i, r in zip(rest, self.put_many(namespace, [items[i] for i in rest],
                                                     request_id) if rest else []):
