@@ -48,23 +48,20 @@ for other threads; an entry larger than this comes in a second call, into a regi
 exact size."""
 INLINE_ENTRY_BYTES = 4 << 20
 """An entry asked for alone comes in one inline GetMany message up to here and streams past
-it (``Retrieve``, one message per frame). With the server in a process of its own, as a
-remote client meets it, the raw service's stream beat its single message already at 11.8 MB
-(0.85 against 0.73 GB/s on a 2-core VM, 1.60 against 1.10 on a 16-core host), and a
-512-token SmolLM2 retrieve read 0.87x of the best raw figure streamed against 0.48x inline."""
+it (``Retrieve``, one message per frame): past a few MB a stream moves an entry faster than
+one message (``bench/roundtrip.py`` measures both)."""
 STREAM_ENTRY_BYTES = 512 << 10
 """An entry of a batch from this size is not carried inline (``GetManyRequest.
 inline_max_entry_bytes``: the answer gives its length) and comes with the batch's other large
 ones by one RetrieveMany stream, a message a frame; smaller ones come inline, many a message.
 Streamed, an entry costs ~0.5 ms of Python on the two sides (its header message, the checks);
-a large unary message moves at about half a stream's speed. 64 entries on a 2-core VM, inline
-against streamed: 276 KB 0.49 against 0.37 GB/s, 368 KB 0.55 against 0.45; 552 KB streamed
-0.65 (506 KB inline 0.58); 1.15 MB 0.60 inline, 0.96 streamed."""
+a large unary message moves at about half a stream's speed: around this size the two costs
+meet."""
 INLINE_BYTES = 16 << 20
 """Entry bytes per inline message at most: a batch's many small entries (one entry alone only
 up to ``INLINE_ENTRY_BYTES``), whose stream would cost ~0.15 ms of Python gRPC per message on
 each side; past ~20 MB one big buffer to build, copy and fault in costs more per byte than a
-stream (47 MB: 75 ms inline against 26 ms streamed), so larger entries stream."""
+stream, so larger entries stream."""
 
 
 class TooBig:
@@ -77,8 +74,7 @@ TOO_BIG_KEYS = 4096
 PUT_INLINE_BYTES = 4 << 20
 """Bytes of one entry an inline PutMany carries at most (``store_many`` sends larger ones as
 Store streams): past it the entry's joins into one message cost more than a stream's
-messages (one 11.8 MB entry: 0.38x the raw service's stream inline, 0.49x streamed; 2.9 MB:
-1.03x inline against 0.65x streamed)."""
+messages."""
 BATCH_BYTES = 1 << 30
 """Bytes of entries one PutMany through the segment carries at most (server limit: 2 GiB)."""
 

@@ -117,9 +117,9 @@ def joined_stream(hits: list[Fetched], device: torch.device | str | None,
     entry into one device buffer (every group's copies queued before any join), and on a
     second stream, while the next group crosses, one strided copy per K and V of each of its
     layers into views of one allocation; a layer is ready once its group is joined
-    (a per-block stream costs 64 views, a stream and a wait per layer for each entry, and the
-    join a cat per layer over every block: host work that, on a slow host or a short context,
-    took as long as the copies). Into CPU tensors: one cat per K
+    (a per-block stream costs views, a stream and a wait per layer for each entry, and the
+    join a cat per layer over every block: host work as long as the copies on a short
+    context). Into CPU tensors: one cat per K
     and V over views of the tier's bytes (no copy of each entry first). None where that does
     not apply (another mode, unequal entries, bytes not pinned for a GPU)."""
     import torch
@@ -162,8 +162,8 @@ def joined_stream(hits: list[Fetched], device: torch.device | str | None,
         dev.record_stream(side)  # not reused before the side streams are done with it
         sources: list[torch.Tensor] = []
         landed = []
-        # every group's copies queued first, then the joins: launching a group's joins
-        # between its copies and the next group's left the copy engine idle on a slow host
+        # every group's copies queued first, then the joins: a group's joins launched
+        # between its copies and the next group's would leave the copy engine idle
         with torch.cuda.stream(side):  # entered once: per copy it cost as much as the copy
             for g, (_, _, lo, hi) in enumerate(groups):
                 into = dev[:, lo:hi]
@@ -213,8 +213,8 @@ def joined_stream(hits: list[Fetched], device: torch.device | str | None,
 
 LAYER_GROUP_BYTES = 8 << 20
 """The least bytes of one entry a layer group of a joined load copies (each group is one
-host-to-device copy per entry: more groups land the first layers sooner, for more copies; on
-an H200 host, 4 MiB copies queued one by one from Python fell behind the copy engine)."""
+host-to-device copy per entry: more groups land the first layers sooner, for more copies;
+copies much smaller than this, queued one by one from Python, fall behind the copy engine)."""
 MAX_LAYER_GROUPS = 8
 
 

@@ -313,7 +313,7 @@ class Reader:
         """``keys``' entries read by one RetrieveMany stream (each checked as ``fetch``
         checks a streamed entry, or when decoded where it came inline, and kept in the
         in-process tier); None from a server that has no RetrieveMany (then each is fetched
-        on its own, as before it had). ``grouped``: small entries inline (under
+        on its own). ``grouped``: small entries inline (under
         ``STREAM_ENTRY_BYTES``, at most ``inline_budget`` a message)."""
         req = pb.RetrieveManyRequest(namespace=ns, keys=keys,
                                      expect_layout_fingerprint=layout.fingerprint

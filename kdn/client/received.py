@@ -88,11 +88,10 @@ KEEP_MESSAGES_BYTES = 64 << 20
 one is copied into one buffer (``kdn.buffers.RECEIVED``, recycled up to its ``keep_bytes``)
 as they arrive, in pieces (``PIECE_BYTES``). Kept, an entry costs one hash of its bytes where
 they landed; copied, a copy too, but its memory is never fresh: the allocator keeps freed
-memory up to ``kdn.buffers.TRIM_THRESHOLD``, and past that every message of the next entry
-faulted in new pages (SmolLM2 entries, 2-core VM, server in its own process: at 47 MB 0.89x
-of the raw stream kept against 0.73x copied; at 189 MB 16-34 thousand page faults a read
-kept, 0.67-0.75x, against 0.85-0.87x copied). An entry larger than ``RECEIVED.keep_bytes``
-lands in fresh memory either way: copied, its pieces are the messages it travels in."""
+memory up to ``kdn.buffers.TRIM_THRESHOLD``, and past that every message of a kept entry
+faults in new pages: small entries are cheapest kept, large ones copied. An entry larger
+than ``RECEIVED.keep_bytes`` lands in fresh memory either way: copied, its pieces are the
+messages it travels in."""
 
 
 def keeps_messages(total: int) -> bool:
@@ -106,9 +105,8 @@ def keeps_messages(total: int) -> bool:
 
 PIECE_BYTES = 1 << 20
 """Pieces a copied entry's frames are asked in (``RetrieveRequest.piece_bytes``): the message
-size Python gRPC moves fastest (raw streams of 180 MB on a 2-core VM: 1.42-1.54 GB/s in 1 MiB
-messages, 0.82-1.28 in 6 MiB ones), and a piece is copied while it is still in cache (a copy
-and hash of each message kept 1.11-1.28 GB/s in 1 MiB pieces, 0.68-0.74 in 6 MiB)."""
+size Python gRPC moves fastest, and small enough that a piece is copied and hashed while it
+is still in cache."""
 
 
 def ask_pieces(req: pb.RetrieveRequest) -> pb.RetrieveRequest:

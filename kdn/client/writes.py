@@ -169,7 +169,7 @@ class Writer:
         """``items`` stored by one StoreMany stream (each entry's header, then its frames in
         the messages the encoder wrote; or grouped, every header first, to a server that said
         it reads that form: ``reads_grouped``; the server checks them all before it stores
-        any); None from a server that has no StoreMany (then they go as before it had). A
+        any); None from a server that has no StoreMany (then each is stored on its own). A
         grouped stream refused as a bad request is sent once more a header per entry: a
         server replaced by an older one at the same address (or one behind a balancer that
         mixes versions) refuses the form it does not read, and nothing was stored."""
