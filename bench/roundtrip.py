@@ -39,7 +39,7 @@ process. One row per (op, path, size): ``bytes``, ``seconds`` (median), ``gb_s``
 inside its message), ``fetch`` returns the undecoded container, ``retrieve`` returns CPU
 tensors (checksums verified). The stream paths send one message per frame (frames of at
 least ``kdn.codec.FRAME_TARGET_BYTES``: several layers where layers are small), and a read of an
-entry past ``kdn.client.dataplane.KEEP_MESSAGES_BYTES`` asks for its frames in pieces of
+entry past ``kdn.client.received.KEEP_MESSAGES_BYTES`` asks for its frames in pieces of
 ``PIECE_BYTES`` (``RetrieveRequest.piece_bytes``). The gRPC
 paths of one size are timed in turns with the raw service (writes, then reads: one call of
 each per round), so a slow spell of the VM lands on them and their limit alike; the same-host

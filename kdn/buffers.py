@@ -144,7 +144,7 @@ class BufferPool:
 
 RECEIVED = BufferPool(keep_bytes=256 << 20)
 """The client side's pool (one per process): large entries a client receives whole over
-gRPC (``Client.fetch``, past ``kdn.client.dataplane.KEEP_MESSAGES_BYTES``) and the decoded
+gRPC (``Client.fetch``, past ``kdn.client.received.KEEP_MESSAGES_BYTES``) and the decoded
 copies of verbatim entries (``kdn.codec.inplace``, ``StreamDecoder``'s arena). An engine
 that loads entries, moves them into its own KV memory and drops them gets the next ones in
 memory that is already faulted in."""

@@ -175,7 +175,7 @@ def test_same_host_reads_are_leased_and_equal_what_was_stored(server: ServerThre
         c.store(_key(2), big, mode="raw")  # larger than the client's segment
         first = c.retrieve(_key(1), layout=LAYOUT)
         assert first is not None and first.equal(kv)
-        assert c.dataplane._arena is not None
+        assert c.dataplane.same_host.arena is not None
         again = c.retrieve_many([_key(1), _key(2)])
         assert again[0] is not None and again[0].equal(kv)
         assert again[1] is not None and again[1].equal(big)  # leased whole, not streamed
@@ -259,7 +259,7 @@ def test_leases_of_a_client_that_exited_are_freed_when_the_arena_is_full(
             f"c = Client({tiny.address!r}, shm_bytes=1 << 20)\n"
             "held = [c.retrieve(bytes([i, 0, 0, 0]) * 8, layout=uniform_layout()) "
             "for i in range(2)]\n"
-            "assert all(h is not None for h in held) and c.dataplane._arena is not None\n"
+            "assert all(h is not None for h in held) and c.dataplane.same_host.arena is not None\n"
             "os._exit(0)  # holding both leases: no release, no Detach\n")
     root = Path(__file__).resolve().parents[1]
     arenas = tiny.server.servicer.arenas
@@ -341,7 +341,7 @@ def test_tenants_get_their_own_arena(tmp_path: Path) -> None:
         b.store(_key(1), kb, mode="raw")  # the same key name, each tenant's own value
         ga, gb = a.retrieve(_key(1), layout=LAYOUT), b.retrieve(_key(1), layout=LAYOUT)
         assert ga is not None and ga.equal(ka) and gb is not None and gb.equal(kb)
-        arena_a, arena_b = a.dataplane._arena, b.dataplane._arena
+        arena_a, arena_b = a.dataplane.same_host.arena, b.dataplane.same_host.arena
         assert arena_a is not None and arena_b is not None
         assert arena_a.inode != arena_b.inode  # two memfds: a maps none of b's pages
         assert not np.array_equal(arena_a.array[: arena_a.size],
@@ -355,7 +355,7 @@ def test_a_server_without_arenas_copies_into_the_segment(server_config: ServerCo
         c.store(_key(1), kv, mode="raw")
         got = c.retrieve(_key(1), layout=LAYOUT)
         assert got is not None and got.equal(kv)
-        assert c.dataplane.attached and c.dataplane._arena is None
+        assert c.dataplane.attached and c.dataplane.same_host.arena is None
         assert _counters(c).get("arena.fills", 0) == 0
 
 
@@ -376,7 +376,7 @@ def test_a_read_bound_for_a_gpu_views_the_servers_pages_read_only(
         assert plain is not None and bound is not None
         assert not plain.container.readonly and bound.container.readonly  # type: ignore[union-attr]
         assert bytes(bound.container) == bytes(plain.container)  # type: ignore[arg-type]
-        arena = c.dataplane._arena
+        arena = c.dataplane.same_host.arena
         assert arena is not None
         base = np.frombuffer(bound.container, dtype=np.uint8)  # type: ignore[arg-type]
         assert arena._source.ctypes.data <= base.ctypes.data < arena._source.ctypes.data \
@@ -404,6 +404,6 @@ def test_a_gpu_read_of_a_leased_entry_copies_from_the_registered_arena(
         back = c.retrieve(_key(1), layout=LAYOUT, device="cuda")
         assert back is not None and all(k.is_cuda and v.is_cuda for k, v in back.layers)
         assert back.to("cpu").equal(kv)
-        arena = c.dataplane._arena
+        arena = c.dataplane.same_host.arena
         assert arena is not None and arena.register_with_cuda()
         assert _counters(c)["arena.fills"] >= 1 and not staged  # read where the server wrote it

@@ -125,7 +125,8 @@ def test_entries_with_a_time_to_live_live_in_the_arena_too(server: ServerThread)
         fills = _counters(c).get("arena.fills", 0)
         got = c.retrieve(_key(2), layout=LAYOUT)
         assert got is not None and got.equal(kv) and _counters(c)["arena.fills"] == fills
-        assert c.dataplane._arena is not None and c.dataplane._arena.kept_bytes == 0
+        arena = c.dataplane.same_host.arena
+        assert arena is not None and arena.kept_bytes == 0
 
 
 def test_a_damaged_entry_is_refused_and_its_slot_given_back(server: ServerThread) -> None:

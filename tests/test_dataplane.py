@@ -81,7 +81,7 @@ def test_store_and_retrieve_through_the_segment(shm_client: Client) -> None:
     assert got is not None and codec.decode(got.parts.to_bytes()).equal(kv)
     assert shm_client.retrieve(_key(2)) is None and shm_client.fetch(_key(2)) is None
     counters = shm_client.stats().counters  # the second fetch: from the kept lease
-    reused = shm_client.dataplane._arena.reused
+    reused = shm_client.dataplane.same_host.arena.reused
     assert counters["getmany.hit"] + reused >= 3 and counters.get("retrieve.hit", 0) == 0
     seg = shm_client.dataplane.segment()[0]
     del stream, got
@@ -262,7 +262,7 @@ def test_same_host_addresses_and_a_server_that_is_not_there_yet(tmp_path: Path) 
     with Client("127.0.0.1:1", timeout_s=1, retry=Retry(retries=0)) as c:
         with pytest.raises(Unavailable):
             c.store(_key(12), random_kv(LAYOUT, 4))
-        assert not c.dataplane._tried  # asks again once the server answers
+        assert not c.dataplane.same_host._tried  # asks again once the server answers
 
 
 def test_the_fast_path_serves_same_host_batches_and_refuses_strangers(server: ServerThread
@@ -554,7 +554,7 @@ def test_the_gpu_bound_batch_read_returns_every_entry_in_order(
     """``retrieve_streams`` bound for a GPU (faked: its grouped path run into CPU tensors):
     in-process hits and server reads mixed, groups sized by the first entry, a miss, every
     entry back whole and in order."""
-    from kdn.client import client as client_mod
+    from kdn.client import reads as client_mod
 
     monkeypatch.setattr(client_mod, "on_cuda", lambda device: True)
     lay = uniform_layout(layers=4, heads=2, dim=64)

@@ -14,7 +14,7 @@ import grpc
 import pytest
 
 from kdn import codec, keys
-from kdn.client import Client, dataplane
+from kdn.client import Client, dataplane, received
 from kdn.codec.format import parse_header
 from kdn.errors import Corrupt
 from kdn.server import ServerConfig, ServerThread
@@ -294,4 +294,4 @@ def test_frames_longer_than_their_prefix_declares_are_refused_on_both_sides(
                              + MIN_PIECE_BYTES, tier="ram")
     stream = [parse_frame_message(m) for m in long_stream]
     with pytest.raises(Corrupt, match="its prefix declares"):
-        dataplane.received(head, iter(stream))
+        received.received(head, iter(stream))

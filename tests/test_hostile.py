@@ -142,7 +142,7 @@ def test_store_handler_survives_garbage_messages(hostile_server: ServerThread,
 def test_lying_total_bytes_and_huge_declared_sizes(hostile_server: ServerThread) -> None:
     parts = codec.encode_parts(KV, "raw")
     with Client(hostile_server.address) as c:
-        stub = c._stub
+        stub = c.rpc.stub
         hdr = pb.StoreHeader(key=b"k" * 32, container_header=parts.header, total_bytes=2**62)
         with pytest.raises(grpc.RpcError) as info:
             stub.Store(iter([pb.StoreRequest(header=hdr)]), timeout=10)

@@ -63,7 +63,7 @@ def test_a_repeat_read_is_answered_from_the_kept_lease_without_a_call(
     with Client(server.address, timeout_s=30, shm_bytes=1 << 20) as c:
         c.store(_key(1), kv, mode="raw")
         first = c.retrieve(_key(1), layout=LAYOUT)
-        arena = c.dataplane._arena
+        arena = c.dataplane.same_host.arena
         assert first is not None and first.equal(kv) and arena is not None
         calls = _hits(c)
         for _ in range(20):
@@ -128,7 +128,7 @@ def test_every_read_after_a_write_or_delete_sees_it(server: ServerThread) -> Non
                     assert got is None, i
                 else:
                     assert got is not None and got.equal(want), i
-        assert a.dataplane._arena is not None and a.dataplane._arena.reused >= 700
+        assert a.dataplane.same_host.arena is not None and a.dataplane.same_host.arena.reused >= 700
 
 
 def test_reads_from_kept_leases_racing_writes_return_one_version_whole(
@@ -138,7 +138,7 @@ def test_reads_from_kept_leases_racing_writes_return_one_version_whole(
             Client(server.address, timeout_s=30, shm_bytes=1 << 20) as reader:
         writer.store(_key(9), versions[0], mode="raw")
         seen = read_while_churned(writer, reader, _key(9), versions, 3000, LAYOUT, touch=True)
-        reused = reader.dataplane._arena.reused  # type: ignore[union-attr]
+        reused = reader.dataplane.same_host.arena.reused  # type: ignore[union-attr]
     assert len(set(seen)) >= 3 and reused > 0
 
 
@@ -156,7 +156,7 @@ def test_writes_into_a_read_never_show_in_the_next_read_of_the_kept_lease(
             held = c.retrieve(_key(2), layout=LAYOUT)  # while the first is alive: a copy
             assert held is not None and held.equal(kv)
             del got, held
-        assert c.dataplane._arena is not None and c.dataplane._arena.reused >= 9
+        assert c.dataplane.same_host.arena is not None and c.dataplane.same_host.arena.reused >= 9
 
 
 def test_entries_with_a_time_to_live_and_evicted_ones_are_asked_for_again(
@@ -168,7 +168,7 @@ def test_entries_with_a_time_to_live_and_evicted_ones_are_asked_for_again(
         for _ in range(3):
             got = c.retrieve(_key(3), layout=LAYOUT)
             assert got is not None and got.equal(kv)
-        arena = c.dataplane._arena
+        arena = c.dataplane.same_host.arena
         assert arena is not None and arena.reused == 0 and arena.kept_bytes == 0
         c.store(_key(4), kv, mode="raw")
         assert c.retrieve(_key(4), layout=LAYOUT) is not None and arena.kept_bytes > 0
@@ -188,7 +188,7 @@ def test_kept_leases_stay_within_their_bytes_and_go_back(server: ServerThread) -
         for i, kv in enumerate(values):
             c.store(_key(i), kv, mode="raw")
             assert c.retrieve(_key(i), layout=LAYOUT) is not None
-        arena = c.dataplane._arena
+        arena = c.dataplane.same_host.arena
         assert arena is not None and arena.kept_bytes == 3 * size and len(arena._kept) == 3
         c.fetch_many([_key(99)])  # carries the leases given back
         held = [s for a in arenas._by_tenant.values() for s in a._index.values() if s.leases]
@@ -206,7 +206,7 @@ def test_a_lease_whose_word_lies_outside_the_arena_is_not_kept(server: ServerThr
     with Client(server.address, timeout_s=30, shm_bytes=1 << 20) as c:
         c.store(_key(5), kv, mode="raw")
         assert c.retrieve(_key(5), layout=LAYOUT) is not None
-        arena = c.dataplane._arena
+        arena = c.dataplane.same_host.arena
         assert arena is not None
         kept = next(iter(arena._kept.values()))
         for at in (arena.size, arena.size - 4, kept.word * WORD + 3, kept.offset + 8):
@@ -232,12 +232,12 @@ def test_kept_leases_of_a_server_that_went_away_are_not_read(
         c = Client(st.address, timeout_s=5, shm_bytes=1 << 20, retry=Retry(retries=0))
         c.store(_key(6), kv, mode="raw")
         assert c.retrieve(_key(6), layout=LAYOUT) is not None
-        arena = c.dataplane._arena
-        assert arena is not None and arena.kept_bytes > 0 and c.dataplane._server_alive()
+        arena = c.dataplane.same_host.arena
+        assert arena is not None and arena.kept_bytes > 0 and c.dataplane.same_host.server_alive()
     finally:
         st.stop()
     time.sleep(0.2)
-    assert not c.dataplane._server_alive()
+    assert not c.dataplane.same_host.server_alive()
     try:
         got = c.retrieve(_key(6), layout=LAYOUT)
     except KDNError:
@@ -263,7 +263,7 @@ def test_a_full_arena_asks_clients_for_the_leases_they_keep(
         for i in range(2):
             got = a.retrieve(_key(i), layout=LAYOUT)
             assert got is not None and got.equal(values[i])
-        arena = a.dataplane._arena
+        arena = a.dataplane.same_host.arena
         assert arena is not None and len(arena._kept) == 2 and not arena.pressed()
         got = b.retrieve(_key(2), layout=LAYOUT)  # no room: through b's segment
         assert got is not None and got.equal(values[2])

@@ -106,7 +106,7 @@ def _no_grpc_data_calls(c: Client) -> None:
         raise AssertionError("an entry went by gRPC")
 
     for name in ("GetMany", "PutMany"):
-        setattr(c._stub, name, boom)
+        setattr(c.rpc.stub, name, boom)
     for name in ("_store_call", "_retrieve_call", "_retrieve_many_call", "_store_many_call"):
         setattr(c, name, boom)
 

@@ -86,7 +86,7 @@ def test_an_overwrite_between_the_streams_reads_one_version(server: ServerThread
     with Client(server.address, shm_bytes=0, data_path=False, streams=2) as c:
         c.store(_key(5), old, mode="raw", layers_per_frame=1)
         c.store(_key(6), new, mode="raw", layers_per_frame=1)
-        real = c._retrieve_calls
+        real = c.rpc.retrieve_calls
 
         def racing(n: int) -> list[Any]:
             first, *rest = real(n)
@@ -99,7 +99,7 @@ def test_an_overwrite_between_the_streams_reads_one_version(server: ServerThread
 
             return [first, overwritten]
 
-        monkeypatch.setattr(c, "_retrieve_calls", racing)
+        monkeypatch.setattr(c.rpc, "retrieve_calls", racing)
         back = c.retrieve(_key(5), layout=lay)
         assert back is not None and back.equal(old)  # read again over one stream, not mixed
 
@@ -116,7 +116,7 @@ def test_only_an_entry_large_enough_is_split(server: ServerThread,
         c.store(_key(7), kv, mode="raw", layers_per_frame=1)
         nbytes = c.fetch(_key(7)).parts.nbytes  # type: ignore[union-attr]
         calls: list[tuple[int, int]] = []
-        real = c._retrieve_calls
+        real = c.rpc.retrieve_calls
 
         def counted(n: int) -> list[Any]:
             def wrap(start: Any) -> Any:
@@ -127,7 +127,7 @@ def test_only_an_entry_large_enough_is_split(server: ServerThread,
             first, *rest = real(n)
             return [first, *map(wrap, rest)]
 
-        monkeypatch.setattr(c, "_retrieve_calls", counted)
+        monkeypatch.setattr(c.rpc, "retrieve_calls", counted)
         for size, cores, want in (
                 (nbytes // 2 + 1, 8, []),  # two streams' worth missing: one stream
                 (nbytes // 2, 8, [(4, 8)]),  # two streams

@@ -14,7 +14,7 @@ import grpc
 import pytest
 
 from kdn import codec, keys
-from kdn.client import Client, dataplane
+from kdn.client import Client, dataplane, received
 from kdn.codec.format import parse_header
 from kdn.errors import Corrupt
 from kdn.server import ServerConfig, ServerThread
@@ -58,11 +58,11 @@ def _head(parts: codec.EncodedParts) -> pb.RetrieveHeader:
 def test_received_puts_pieces_back_in_place_and_checks_whole_frames(
         keep: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     if not keep:
-        monkeypatch.setattr(dataplane, "KEEP_MESSAGES_BYTES", 0)
+        monkeypatch.setattr(received, "KEEP_MESSAGES_BYTES", 0)
     parts = _parts()
     msgs = _pieces(parts)
     assert len(msgs) > 2 * len(parts.frames)  # several pieces a frame
-    got = dataplane.received(_head(parts), iter(msgs))
+    got = received.received(_head(parts), iter(msgs))
     assert got.checked and got.owned != keep
     assert got.parts.to_bytes() == parts.to_bytes()
     assert codec.decode(got.parts.to_bytes()).equal(codec.decode(parts.to_bytes()))
@@ -74,7 +74,7 @@ def test_received_puts_pieces_back_in_place_and_checks_whole_frames(
         data[len(data) // 2] ^= 0x08
         bad[j] = FrameMessage(Frame(2, bytes(data), bad[j].frame.offset))
         with pytest.raises(Corrupt, match="frame 2"):
-            dataplane.received(_head(parts), iter(bad))
+            received.received(_head(parts), iter(bad))
 
 
 def _shuffled(msgs: list[FrameMessage]) -> Iterator[list[FrameMessage]]:
@@ -95,15 +95,15 @@ def _shuffled(msgs: list[FrameMessage]) -> Iterator[list[FrameMessage]]:
 def test_received_refuses_pieces_that_do_not_add_up(keep: bool,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     if not keep:
-        monkeypatch.setattr(dataplane, "KEEP_MESSAGES_BYTES", 0)
+        monkeypatch.setattr(received, "KEEP_MESSAGES_BYTES", 0)
     parts = _parts()
     for msgs in _shuffled(_pieces(parts)):
         with pytest.raises(Corrupt, match="does not continue"):
-            dataplane.received(_head(parts), iter(msgs))
+            received.received(_head(parts), iter(msgs))
     frame = bytes(parts.frames[0])  # a frame in many tiny pieces: refused at the second
     tiny = [FrameMessage(Frame(0, frame[a:a + 100], a)) for a in range(0, len(frame), 100)]
     with pytest.raises(Corrupt, match="at least"):
-        dataplane.received(_head(parts), iter(tiny + _pieces(parts)[len(
+        received.received(_head(parts), iter(tiny + _pieces(parts)[len(
             piece_spans(len(frame), MIN_PIECE_BYTES)):]))
 
 
@@ -147,20 +147,20 @@ def test_the_server_sends_pieces_only_when_asked_and_only_for_entries_large_enou
 
 def test_a_fetch_past_the_kept_size_asks_for_pieces_and_gets_the_entry(
         server: ServerThread, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(dataplane, "KEEP_MESSAGES_BYTES", 100 << 10)
-    monkeypatch.setattr(dataplane, "PIECE_BYTES", MIN_PIECE_BYTES)
+    monkeypatch.setattr(received, "KEEP_MESSAGES_BYTES", 100 << 10)
+    monkeypatch.setattr(received, "PIECE_BYTES", MIN_PIECE_BYTES)
     monkeypatch.setattr(dataplane, "INLINE_ENTRY_BYTES", 1)  # streamed, not one message
     asked: list[pb.RetrieveRequest] = []
     kv = random_kv(LAYOUT, 300, seed=3)
     small = random_kv(LAYOUT, 20, seed=4)
     with Client(server.address, shm_bytes=0, data_path=False) as c:
-        start = c._retrieve_call  # noqa: SLF001
+        start = c.rpc.retrieve_call  # noqa: SLF001
 
         def counted(req: pb.RetrieveRequest, **kw: object) -> object:
             asked.append(req)
             return start(req, **kw)
 
-        c._retrieve_call = counted  # type: ignore[method-assign]  # noqa: SLF001
+        c.rpc.retrieve_call = counted  # type: ignore[method-assign]  # noqa: SLF001
         c.store(keys.chunk_key([2], LAYOUT), kv, mode="raw", layers_per_frame=1)
         c.store(keys.chunk_key([3], LAYOUT), small, mode="raw", layers_per_frame=1)
         for key, want in ((keys.chunk_key([2], LAYOUT), kv), (keys.chunk_key([3], LAYOUT),
@@ -245,8 +245,8 @@ def test_a_layer_stream_handed_pieces_fails_and_never_returns_tensors(
     with Client(server.address, shm_bytes=0, data_path=False) as c:
         c.store(key, kv, mode="raw", layers_per_frame=1)
         req = pb.RetrieveRequest(key=key, piece_bytes=MIN_PIECE_BYTES)
-        stream = c.layer_stream(c._retrieve_call, req)  # noqa: SLF001
+        stream = c.layer_stream(c.rpc.retrieve_call, req)  # noqa: SLF001
         with pytest.raises(KDNError):
             stream.result()
-        whole = c.layer_stream(c._retrieve_call, pb.RetrieveRequest(key=key))  # noqa: SLF001
+        whole = c.layer_stream(c.rpc.retrieve_call, pb.RetrieveRequest(key=key))  # noqa: SLF001
         assert whole.result().equal(kv)

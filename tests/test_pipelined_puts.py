@@ -1,4 +1,4 @@
-"""Pipelined same-host stores (kdn.client.puts.PutsMixin._put_pipelined): a large
+"""Pipelined same-host stores (kdn.client.samehost.SameHostPath.put_pipelined): a large
 ``store_many`` goes as several PutMany calls on the fast path, the next one written while the
 server copies the last. Over a real server: every entry reads back as stored, each call's
 region is freed, an error in one call is raised after every call was answered (the path stays
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-import kdn.client.puts as dp
+import kdn.client.samehost as dp
 from kdn.client import Client
 from kdn.errors import TooLarge
 from kdn.server import ServerConfig, ServerThread
@@ -95,7 +95,8 @@ def test_a_path_that_goes_away_midway_stores_the_rest_by_grpc(
         c.store(_key(999), values[0], mode="raw")  # attach first (one answer)
         out = c.store_many([(_key(i), kv) for i, kv in enumerate(values)], mode="raw")
         assert all(r.stored_bytes > 0 for r in out)
-        assert answers[0] >= 3 and c.dataplane._fast_path == ""  # gone: later calls by gRPC
+        gone = c.dataplane.same_host._fast_path == ""  # later calls by gRPC
+        assert answers[0] >= 3 and gone
         _read_back(c, values)
 
 

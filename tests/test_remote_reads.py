@@ -49,7 +49,7 @@ def test_fetch_falls_back_to_the_stream_when_the_server_sends_small_messages(
 
 def test_a_streamed_fetch_keeps_its_messages_checked_and_checks_its_size(
         tmp_path: Path) -> None:
-    from kdn.client.dataplane import received as _received
+    from kdn.client.received import received as _received
     from kdn.wire import Frame, FrameMessage
 
     with _small_messages(tmp_path) as (c, lay):
@@ -157,7 +157,7 @@ def test_a_remote_batch_sends_small_entries_inline_and_streams_large_ones(
     ``PUT_INLINE_BYTES`` too) in one StoreMany stream; ``fetch_many`` reads them all by one
     grouped RetrieveMany: the small ones whole inside their headers (one message for the
     run), the large ones a message a frame after it. Every entry comes back whole."""
-    from kdn.client import puts as client_puts
+    from kdn.client import dataplane as client_puts
 
     lay = uniform_layout(layers=4, heads=2, dim=64)  # 2 KiB a token
     small = [random_kv(lay, 100, seed=70 + i) for i in range(4)]  # ~200 KB each
@@ -174,8 +174,8 @@ def test_a_remote_batch_sends_small_entries_inline_and_streams_large_ones(
         monkeypatch.setattr(c, "store", lambda key, *a, **kw: alone.append(key)
                             or real_store(key, *a, **kw))
         streams: list[int] = []
-        real_many = c._store_many_call
-        monkeypatch.setattr(c, "_store_many_call", lambda reqs, **kw: streams.append(1)
+        real_many = c.rpc.store_many_call
+        monkeypatch.setattr(c.rpc, "store_many_call", lambda reqs, **kw: streams.append(1)
                             or real_many(reqs, **kw))
         items = [(_key(70 + i), kv) for i, kv in enumerate(small)] + \
             [(_key(75 + i), kv) for i, kv in enumerate(large)] + [(_key(79), big)]
@@ -187,7 +187,7 @@ def test_a_remote_batch_sends_small_entries_inline_and_streams_large_ones(
         monkeypatch.setattr(c.dataplane, "_get",
                             lambda req, rid: gets.append(len(req.keys)) or real_get(req, rid))
         parts: list[str] = []  # what the RetrieveMany stream brought, message by message
-        real_many_call = c._retrieve_many_call
+        real_many_call = c.rpc.retrieve_many_call
 
         def seen(req: pb.RetrieveManyRequest, **kw: object) -> Iterator[object]:
             for msg in real_many_call(req, **kw):
@@ -196,7 +196,7 @@ def test_a_remote_batch_sends_small_entries_inline_and_streams_large_ones(
                               for v in msg.headers] if part == "headers" else [part])
                 yield msg
 
-        monkeypatch.setattr(c, "_retrieve_many_call", seen)
+        monkeypatch.setattr(c.rpc, "retrieve_many_call", seen)
         before = c.stats().counters.get("retrievemany.hit", 0)
         got = c.retrieve_many([k for k, _ in items], layout=lay)
         assert all(g is not None and g.equal(kv) for g, (_, kv) in zip(got, items))
@@ -232,8 +232,8 @@ def test_an_entry_read_alone_streams_past_the_inline_entry_budget(
         monkeypatch.setattr(c.dataplane, "_get",
                             lambda req, rid: gets.append(req.region.length) or real_get(req, rid))
         streamed: list[bytes] = []
-        real_call = c._retrieve_call
-        monkeypatch.setattr(c, "_retrieve_call",
+        real_call = c.rpc.retrieve_call
+        monkeypatch.setattr(c.rpc, "retrieve_call",
                             lambda req, **kw: streamed.append(req.key) or real_call(req, **kw))
         got = c.retrieve(_key(90), layout=lay)
         assert got is not None and got.equal(small)
@@ -263,7 +263,7 @@ def test_a_received_stream_checks_each_frame_as_it_lands_and_catches_damage(
     its frames the messages themselves (kept) or one recycled buffer (copied: an entry past
     ``KEEP_MESSAGES_BYTES``), and a frame damaged anywhere raises Corrupt (never an
     entry)."""
-    from kdn.client import dataplane
+    from kdn.client import received as dataplane
     from kdn.wire import Frame, FrameMessage
 
     if not keep:

@@ -16,7 +16,7 @@ import grpc
 import pytest
 
 from kdn import codec, keys
-from kdn.client import Client, dataplane, storing
+from kdn.client import Client, dataplane, received, writes
 from kdn.errors import Corrupt, LayoutMismatch
 from kdn.server import ServerConfig, ServerThread
 from kdn.server.retrieve_many import HEADER_BYTES
@@ -91,7 +91,7 @@ def test_retrieve_many_answers_each_key_in_order_and_refuses_another_layout(
                                response_deserializer=retrieve_response)
         miss = keys.chunk_key([1], LAYOUT)
         req = pb.RetrieveManyRequest(keys=[stored[1][0], miss, stored[0][0]])
-        got = dataplane.received_many(3, call(req, timeout=30))
+        got = received.received_many(3, call(req, timeout=30))
         assert got[1] is None
         assert got[0] is not None and got[0].parts.to_bytes() == stored[1][1].to_bytes()
         assert got[2] is not None and got[2].parts.to_bytes() == stored[0][1].to_bytes()
@@ -104,7 +104,7 @@ def test_retrieve_many_answers_each_key_in_order_and_refuses_another_layout(
             c.fetch_many([stored[0][0], stored[1][0], miss], layout=other)
         other_namespace = pb.RetrieveManyRequest(namespace="elsewhere",
                                                    keys=[stored[0][0]])
-        assert dataplane.received_many(1, call(other_namespace, timeout=30)) == [None]
+        assert received.received_many(1, call(other_namespace, timeout=30)) == [None]
 
 
 def _messages(parts: codec.EncodedParts) -> list[object]:
@@ -122,7 +122,7 @@ def test_a_stream_that_does_not_hold_what_was_asked_is_refused(fault: str) -> No
     missing = pb.RetrieveResponse(header=pb.RetrieveHeader(missing=True))
     good = [*_messages(a), missing, *_messages(b)]
     assert [g.parts.to_bytes() if g else None
-            for g in dataplane.received_many(3, iter(good))] == [a.to_bytes(), None, b.to_bytes()]
+            for g in received.received_many(3, iter(good))] == [a.to_bytes(), None, b.to_bytes()]
     if fault == "frame-for-header":
         bad, count, words = good[1:], 3, "header of entry 0"
     elif fault == "short":
@@ -138,7 +138,7 @@ def test_a_stream_that_does_not_hold_what_was_asked_is_refused(fault: str) -> No
         bad[3] = parse_frame_message(frame_message(2, bytes(frame)))
         count, words = 3, "frame 2"
     with pytest.raises(Corrupt, match=words):
-        dataplane.received_many(count, iter(bad))
+        received.received_many(count, iter(bad))
 
 
 def _grouped_call(ch: grpc.Channel) -> Any:
@@ -178,7 +178,7 @@ def test_a_grouped_answer_runs_headers_then_the_frames_of_what_was_not_inline(
                                      inline_budget_bytes=budget)
         msgs = list(_grouped_call(ch)(req, timeout=30))  # 96 KiB, then 64 would pass 128
         assert _shape(msgs) == ["run[ismii]", "f", "f", "run[i]", "run[i]"]
-        got = dataplane.received_many(len(ask), iter(msgs))
+        got = received.received_many(len(ask), iter(msgs))
         for i, g in zip(order, got):
             assert g is None if i < 0 else g is not None and \
                 g.parts.to_bytes() == stored[i][1].to_bytes()
@@ -221,7 +221,7 @@ def test_a_grouped_stream_that_does_not_hold_what_was_asked_is_refused(fault: st
         return retrieve_response(retrieve_headers_message(list(heads)))
 
     good = [run(_grouped(a, True), missing, _grouped(b, False)), *frames]
-    assert [g.parts.to_bytes() if g else None for g in dataplane.received_many(3, iter(good))
+    assert [g.parts.to_bytes() if g else None for g in received.received_many(3, iter(good))
             ] == [a.to_bytes(), None, b.to_bytes()]
     count = 3
     if fault == "too-many":
@@ -248,7 +248,7 @@ def test_a_grouped_stream_that_does_not_hold_what_was_asked_is_refused(fault: st
     else:
         bad, words = [*good, run(missing)], "more than the 3 entries"
     with pytest.raises(Corrupt, match=words):
-        dataplane.received_many(count, iter(bad))
+        received.received_many(count, iter(bad))
 
 
 def test_a_damaged_inline_entry_is_caught_when_decoded(server: ServerThread) -> None:
@@ -258,7 +258,7 @@ def test_a_damaged_inline_entry_is_caught_when_decoded(server: ServerThread) -> 
     body = bytearray(a.to_bytes())
     body[-5] ^= 0x04
     head, _ = _grouped(a, True)
-    got = dataplane.received_many(1, iter([retrieve_response(retrieve_headers_message(
+    got = received.received_many(1, iter([retrieve_response(retrieve_headers_message(
         [(head, [bytes(body)])]))]))[0]
     assert got is not None
     with pytest.raises(Corrupt):
@@ -270,7 +270,7 @@ def test_a_server_that_does_not_group_is_read_as_before(server: ServerThread) ->
     header then its frames: the client reads that form too."""
     with Client(server.address, shm_bytes=0, data_path=False) as c:
         stored = _stored(c, [8, 300, 16])
-        plain = c._channel.unary_stream(  # noqa: SLF001 - the grouped fields dropped
+        plain = c.rpc.channel.unary_stream(  # noqa: SLF001 - the grouped fields dropped
             "/kdn.v1.KDN/RetrieveMany",
             request_serializer=lambda r: pb.RetrieveManyRequest(
                 namespace=r.namespace, keys=r.keys).SerializeToString(),
@@ -283,7 +283,7 @@ def test_a_server_that_does_not_group_is_read_as_before(server: ServerThread) ->
                 seen.append(msg.WhichOneof("part"))
                 yield msg
 
-        c._retrieve_many_call = call  # type: ignore[assignment]
+        c.rpc.retrieve_many_call = call  # type: ignore[assignment]
         got = c.fetch_many([k for k, _ in stored] + [keys.chunk_key([1], LAYOUT)])
         assert got[-1] is None and "headers" not in seen and seen.count("header") == 4
         for g, (_, parts) in zip(got, stored):
@@ -295,12 +295,12 @@ def test_a_server_without_retrieve_many_is_read_key_by_key(server: ServerThread)
     from then on, and the batch still reads back whole."""
     with Client(server.address, shm_bytes=0, data_path=False) as c:
         stored = _stored(c, [300, 400])
-        c._retrieve_many_call = c._channel.unary_stream(  # noqa: SLF001 - as an old server
+        c.rpc.retrieve_many_call = c.rpc.channel.unary_stream(  # noqa: SLF001 - as an old server
             "/kdn.v1.KDN/NoSuchMethod",
             request_serializer=pb.RetrieveManyRequest.SerializeToString)
         got = c.fetch_many([k for k, _ in stored])
         assert [g.parts.to_bytes() for g in got if g] == [p.to_bytes() for _, p in stored]
-        assert not c._retrieve_many_ok  # noqa: SLF001
+        assert not c._reads._retrieve_many_ok  # noqa: SLF001
         assert c.stats().counters.get("retrievemany.hit", 0) == 0
 
 
@@ -409,12 +409,12 @@ def test_a_server_without_store_many_is_written_as_before(server: ServerThread) 
     items = [(keys.chunk_key([8200 + i], LAYOUT), codec.encode_parts(
         random_kv(LAYOUT, 300, seed=400 + i), "raw", layers_per_frame=0)) for i in range(2)]
     with Client(server.address, shm_bytes=0, data_path=False) as c:
-        c._store_many_call = c._channel.stream_unary(  # noqa: SLF001 - as an old server
+        c.rpc.store_many_call = c.rpc.channel.stream_unary(  # noqa: SLF001 - as an old server
             "/kdn.v1.KDN/NoSuchMethod", request_serializer=lambda m: m if isinstance(
                 m, bytes) else m.SerializeToString())
         done = c.store_many(items)
         assert [r.stored_bytes for r in done] == [p.nbytes for _, p in items]
-        assert not c._store_many_ok  # noqa: SLF001
+        assert not c._writes._store_many_ok  # noqa: SLF001
         got = c.fetch_many([k for k, _ in items])
         assert [g.parts.to_bytes() if g else None for g in got] == \
             [p.to_bytes() for _, p in items]
@@ -463,7 +463,7 @@ def test_a_server_that_does_not_say_it_reads_grouped_is_never_sent_one(
         return resp
 
     with Client(server.address, shm_bytes=0, data_path=False) as c:
-        c._store_many_call = c._channel.stream_unary(  # noqa: SLF001 - as an old server
+        c.rpc.store_many_call = c.rpc.channel.stream_unary(  # noqa: SLF001 - as an old server
             "/kdn.v1.KDN/StoreMany", request_serializer=lambda m: m if isinstance(
                 m, bytes) else m.SerializeToString(), response_deserializer=old)
         before = c.stats().counters.get("storemany.grouped", 0)
@@ -528,15 +528,15 @@ def test_a_batch_too_large_to_group_goes_a_header_per_entry(
     form (the client sends a header per entry); within both, every header first, then each
     entry's frames in order."""
     items = [(k, p, pb.StoreOptions()) for k, p in _batch(8500, 3)]
-    msgs = storing.grouped_store_messages("default", items)
+    msgs = writes.grouped_store_messages("default", items)
     assert msgs is not None and len(msgs[0].headers.headers) == 3
     assert [bytes(m) for m in msgs[1:]] == [frame_message(i, f) for _, p, _ in items
                                             for i, f in enumerate(p.frames)]
-    monkeypatch.setattr(storing, "GROUP_ENTRIES", 2)
-    assert storing.grouped_store_messages("default", items) is None
+    monkeypatch.setattr(writes, "GROUP_ENTRIES", 2)
+    assert writes.grouped_store_messages("default", items) is None
     monkeypatch.undo()
-    monkeypatch.setattr(storing, "GROUP_HEADER_BYTES", msgs[0].ByteSize() - 1)
-    assert storing.grouped_store_messages("default", items) is None
+    monkeypatch.setattr(writes, "GROUP_HEADER_BYTES", msgs[0].ByteSize() - 1)
+    assert writes.grouped_store_messages("default", items) is None
 
 
 def test_a_grouped_store_many_refused_as_a_bad_request_goes_again_a_header_per_entry(

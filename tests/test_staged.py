@@ -188,7 +188,7 @@ def test_a_server_that_does_not_seal_gets_entries_sealed_by_the_client(
     with Client(server.address, timeout_s=30, data_path=False) as c:
         st = c.stage(LAYOUT, 90)
         assert c.dataplane.server_seals  # this server does
-        c.dataplane.server_seals = False
+        c.dataplane.same_host.server_seals = False
         _fill(st, kv)
         c.store(_key(35), st)
         c.store_async(_key(36), st).result()

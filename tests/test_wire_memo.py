@@ -171,7 +171,7 @@ def test_encoder_writes_each_frame_inside_its_store_message() -> None:
 
 def test_client_store_sends_the_encoders_messages(server: ServerThread, remote: Client,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    from kdn.client import storing  # builds a Store stream's messages (store_messages)
+    from kdn.client import writes as storing  # builds a Store stream's messages (store_messages)
 
     built: list[int] = []
     real = storing.frame_message

@@ -13,9 +13,11 @@ from kdn.lazy import lazy_exports
 if TYPE_CHECKING:
     from kdn.client.aio import AsyncClient
     from kdn.client.client import Client, Fetched, KeyInfo, LookupResult, Retry
+    from kdn.client.stream import LayerStream
 
-__all__ = ["AsyncClient", "Client", "Fetched", "KeyInfo", "LookupResult", "Retry"]
+__all__ = ["AsyncClient", "Client", "Fetched", "KeyInfo", "LayerStream", "LookupResult", "Retry"]
 
 __getattr__, __dir__ = lazy_exports(
-    __name__, {**dict.fromkeys(__all__, "kdn.client.client"), "AsyncClient": "kdn.client.aio"},
+    __name__, {**dict.fromkeys(__all__, "kdn.client.client"), "AsyncClient": "kdn.client.aio",
+               "LayerStream": "kdn.client.stream"},
     __all__)

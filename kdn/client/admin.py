@@ -111,7 +111,7 @@ class AdminClient(Client):
 
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
-        self._admin = pb_grpc.KDNAdminStub(self._channel)
+        self._admin = pb_grpc.KDNAdminStub(self.rpc.channel)
 
     def health_report(self, *, request_id: str | None = None) -> dict[str, Any]:
         """What ``kdn admin health`` prints: the server-wide and ``kdn.v1.KDN`` health statuses,
@@ -145,7 +145,7 @@ class AdminClient(Client):
             req = pb.ListRequest(namespace=namespace, key_prefix=key_prefix,
                                  model_fingerprint=model, tenant=tenant, limit=limit,
                                  page_token=token)
-            resp = self._call(functools.partial(self._admin.List, req, timeout=self.timeout_s,
+            resp = self.rpc.call(functools.partial(self._admin.List, req, timeout=self.timeout_s,
                                                 metadata=md))
             yield from resp.entries
             token = resp.next_page_token
@@ -154,16 +154,18 @@ class AdminClient(Client):
 
     def inspect(self, key: bytes, namespace: str = "default", *,
                 request_id: str | None = None) -> pb.EntryInfo:
-        req = pb.InspectRequest(namespace=self._ns(namespace), key=check_key(key))
+        req = pb.InspectRequest(namespace=check_namespace(namespace or self.namespace),
+                                key=check_key(key))
         md = self.metadata(request_id)
-        return self._call(lambda: self._admin.Inspect(req, timeout=self.timeout_s, metadata=md))
+        return self.rpc.call(lambda: self._admin.Inspect(req, timeout=self.timeout_s, metadata=md))
 
     def _keys(self, rpc: Callable[..., pb.CountResponse], keys: list[bytes], namespace: str,
               tier: str, request_id: str | None) -> int:
-        req = pb.KeysRequest(namespace=self._ns(namespace), keys=[check_key(k) for k in keys],
+        req = pb.KeysRequest(namespace=check_namespace(namespace or self.namespace),
+                             keys=[check_key(k) for k in keys],
                              tier=tier)
         md = self.metadata(request_id)
-        return int(self._call(lambda: rpc(req, timeout=self.timeout_s, metadata=md)).count)
+        return int(self.rpc.call(lambda: rpc(req, timeout=self.timeout_s, metadata=md)).count)
 
     def evict(self, keys: list[bytes], namespace: str = "default", tier: str = "", *,
               request_id: str | None = None) -> int:
@@ -180,12 +182,12 @@ class AdminClient(Client):
     def verify(self, dry_run: bool = False, *,
                request_id: str | None = None) -> Iterator[pb.VerifyProgress]:
         md = self.metadata(request_id)
-        return iter(self._call(lambda: list(self._admin.Verify(
+        return iter(self.rpc.call(lambda: list(self._admin.Verify(
             pb.VerifyRequest(dry_run=dry_run), timeout=self.timeout_s, metadata=md))))
 
     def gc(self, *, request_id: str | None = None) -> pb.GcResponse:
         md = self.metadata(request_id)
-        return self._call(lambda: self._admin.Gc(pb.GcRequest(), timeout=self.timeout_s,
+        return self.rpc.call(lambda: self._admin.Gc(pb.GcRequest(), timeout=self.timeout_s,
                                                  metadata=md))
 
     # -- export / import ------------------------------------------------------------------------
@@ -243,7 +245,7 @@ class AdminClient(Client):
                 return self._admin.Import(iter(items), timeout=self.timeout_s,  # type: ignore[no-any-return]
                                           metadata=md)
 
-            resp = self._call(send)
+            resp = self.rpc.call(send)
             total.imported += resp.imported
             total.skipped += resp.skipped
             total.rejected += resp.rejected

@@ -1,16 +1,17 @@
 """Where fetched entries become tensors: the decoder an entry gets for a target device, the
 LayerStream over an entry already in memory (viewed in place, copied once, or decoded frame by
-frame), and the grouped read of many entries bound for a GPU (``Client.retrieve_streams``)."""
+frame), and the join of consecutive in-process blocks into one LayerStream. Nothing here reads
+from the server: the bytes come from ``kdn.client.reads``."""
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from kdn.client.dataplane import Fetched
 from kdn.client.parallel import layer_groups
+from kdn.client.received import Fetched
 from kdn.codec.format import parse_header
 from kdn.wire import Frame, FrameMessage
 
@@ -20,7 +21,6 @@ if TYPE_CHECKING:  # the tensor side loads on first use: admin tools run without
     from kdn.client.stream import LayerStream, StreamTimings
     from kdn.codec import StreamDecoder
     from kdn.codec.inplace import Span
-    from kdn.layout import KVLayout
 
 
 def tensor_side() -> Any:
@@ -123,9 +123,9 @@ def joined_stream(hits: list[Fetched], device: torch.device | str | None,
     entry into one device buffer (every group's copies queued before any join), and on a
     second stream, while the next group crosses, one strided copy per K and V of each of its
     layers into views of one allocation; a layer is ready once its group is joined
-    (a per-block stream costs 64 views, a stream and a wait per layer for each entry, and the
-    join a cat per layer over every block: host work that, on a slow host or a short context,
-    took as long as the copies). Into CPU tensors: one cat per K
+    (a per-block stream costs views, a stream and a wait per layer for each entry, and the
+    join a cat per layer over every block: host work as long as the copies on a short
+    context). Into CPU tensors: one cat per K
     and V over views of the tier's bytes (no copy of each entry first). None where that does
     not apply (another mode, unequal entries, bytes not pinned for a GPU)."""
     import torch
@@ -168,8 +168,8 @@ def joined_stream(hits: list[Fetched], device: torch.device | str | None,
         dev.record_stream(side)  # not reused before the side streams are done with it
         sources: list[torch.Tensor] = []
         landed = []
-        # every group's copies queued first, then the joins: launching a group's joins
-        # between its copies and the next group's left the copy engine idle on a slow host
+        # every group's copies queued first, then the joins: a group's joins launched
+        # between its copies and the next group's would leave the copy engine idle
         with torch.cuda.stream(side):  # entered once: per copy it cost as much as the copy
             for g, (_, _, lo, hi) in enumerate(groups):
                 into = dev[:, lo:hi]
@@ -219,8 +219,8 @@ def joined_stream(hits: list[Fetched], device: torch.device | str | None,
 
 LAYER_GROUP_BYTES = 8 << 20
 """The least bytes of one entry a layer group of a joined load copies (each group is one
-host-to-device copy per entry: more groups land the first layers sooner, for more copies; on
-an H200 host, 4 MiB copies queued one by one from Python fell behind the copy engine)."""
+host-to-device copy per entry: more groups land the first layers sooner, for more copies;
+copies much smaller than this, queued one by one from Python, fall behind the copy engine)."""
 MAX_LAYER_GROUPS = 8
 
 
@@ -250,57 +250,3 @@ def copy_groups(specs: tuple[tuple[tuple[int, ...], tuple[int, ...], int], ...],
         lo = max(ends[2 * a:2 * b])
         out.append((a, b, start, lo))
     return out
-
-
-def tier_joined(client: Any, ns: str, ks: Sequence[bytes], layout: KVLayout | None,
-                device: torch.device | str | None) -> LayerStream | None:
-    """``Client.retrieve_joined``: ``joined_stream`` of keys ``ks`` when every one is in the
-    client's in-process tier, else None."""
-    if client.local is None or not ks or any(client.local.contains(ns, k) is None for k in ks):
-        return None
-    hits = [client._in_process(ns, k, layout) for k in ks]
-    if any(h is None for h in hits):  # evicted since
-        return None
-    return joined_stream(hits, device, new_timings(started=time.perf_counter()))
-
-
-def device_streams(client: Any, ns: str, ks: Sequence[bytes], layout: KVLayout | None,
-                   device: torch.device | str | None, request_id: str | None, seg: Any,
-                   started: float) -> list[LayerStream | None]:
-    """``Client.retrieve_streams`` of keys ``ks`` bound for a GPU (``client``: the Client,
-    ``seg``: its shared segment). The host bytes are only copy sources. In-process hits hold
-    nothing of the server's: all their copies are queued at once. The rest is read in groups
-    that fill a quarter of the segment, and each group's regions and leases go back once its
-    copies are done (the group before is settled after the next one is asked for: two in
-    flight), so a context larger than the segment and the arena never falls back to streams.
-    The first group, one entry, gives the size the others are counted by."""
-    out: list[LayerStream | None] = [None] * len(ks)
-    rest = []
-    for j, k in enumerate(ks):
-        hit = client._in_process(ns, k, layout)
-        if hit is None:
-            rest.append(j)
-        else:
-            out[j] = stream_of(hit, device, new_timings(started=started), seg)
-    budget, size, done = max(1, seg.size // 4), 0, 0
-    held: list[LayerStream | None] = []
-    while done < len(rest):
-        group = rest[done:done + (max(1, budget // size) if size else 1)]
-        done += len(group)
-        got = client._entries(ns, [ks[j] for j in group], layout, request_id, pinned=True,
-                              in_process=False)
-        streams: list[LayerStream | None] = []
-        for j, g in zip(group, got):
-            if isinstance(g, Fetched):
-                size = max(size, len(g.container) if g.container is not None
-                           else sum(map(len, g.parts.frames)))
-                out[j] = stream_of(g, device, new_timings(started=started), seg)
-            elif g is not None:  # too large for the segment: its own stream
-                out[j] = client.retrieve_stream(ks[j], namespace=ns, layout=layout,
-                                                device=device, request_id=request_id)
-            streams.append(out[j])
-        for st in held:
-            if st is not None:
-                st.settle_copies()
-        held = streams
-    return out  # the last group's copies run on while the caller starts

@@ -36,13 +36,13 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from kdn.client.dataplane import FRAME_ALIGN
+from kdn.client.received import FRAME_ALIGN, LOCAL_TIER
 from kdn.codec import EncodedParts
 from kdn.codec.copies import copy_frame_checked
 from kdn.codec.format import Header, parse_container, parse_header
 from kdn.errors import Corrupt, Truncated
 
-TIER = "inproc"
+TIER = LOCAL_TIER
 log = logging.getLogger(__name__)
 
 

@@ -20,6 +20,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from kdn.buffers import RECEIVED
+from kdn.client.pending import ASYNC_DEPTH, PendingStore
+from kdn.client.received import Fetched, fetched
 from kdn.codec import EncodedParts
 from kdn.codec.format import HEAD_PREFIX_BYTES, check_frame_prefix, header_size
 from kdn.errors import Corrupt, DeadlineExceeded, KDNError, NotFound, Unavailable
@@ -159,7 +161,7 @@ class NetPath:
             self._fail(pending, fast_error(out))
             return
         try:
-            pending._finish(put_results(out, 1)[0], None)
+            pending.resolve(put_results(out, 1)[0], None)
         except Corrupt as exc:
             self._fail(pending, exc)
 
@@ -170,7 +172,7 @@ class NetPath:
             conn.close()
 
     def _fail(self, pending: Any, error: KDNError) -> None:
-        pending._finish(None, error)
+        pending.resolve(None, error)
         self._queue()
         self._local.failed.append(error)
 
@@ -249,35 +251,33 @@ class NetPath:
             conn.close()
 
 
-class NetMixin:
-    """``DataPlane``'s use of the network data path: asking for it once, giving it up, the
-    batched writes. The plane provides ``segment``, ``_lock``, ``_call``, ``_stub``,
-    ``_metadata``, ``timeout_s``, ``_net_host``, ``_net_tls``, ``_net`` and ``_net_tried``."""
+class RemotePath:
+    """The network data path as the data plane holds it: asked for once (``Attach`` with
+    ``remote``, for a client without a segment), given up for good when it fails (gRPC from
+    then on). ``call``/``metadata``: the client's retrying call and call metadata; ``host``:
+    the server's host ("" for none); ``tls``: (ssl context, server name) when the channel
+    speaks TLS."""
 
-    _net: NetPath | None
-    _net_tried: bool
-    _net_host: str
-    _net_tls: Any
-    _lock: threading.Lock
-    _stub: Any
-    timeout_s: float
+    def __init__(self, stub: Any, call: Callable[[Callable[[], Any]], Any],
+                 metadata: Callable[[str | None], Any], timeout_s: float, host: str,
+                 tls: Any = None) -> None:
+        self._stub = stub
+        self._call = call
+        self._metadata = metadata
+        self.timeout_s = timeout_s
+        self._host = host
+        self._tls = tls
+        self._lock = threading.Lock()
+        self._net: NetPath | None = None
+        self._tried = not host
+        self._local = threading.local()  # the path holding this thread's unanswered stores
 
-    _call: Callable[[Callable[[], Any]], Any]
-    _metadata: Callable[[str | None], Any]
-
-    def segment(self) -> tuple[Any, str]:
-        raise NotImplementedError
-
-    def net(self) -> NetPath | None:
-        """The network data path, for a client without a segment whose server offers one
-        (asked once: ``Attach`` with ``remote``); None otherwise."""
-        if self._net_tried:
+    def path(self) -> NetPath | None:
+        """The network data path, where the server offers one (asked once); None otherwise."""
+        if self._tried:
             return self._net
-        if self.segment()[0] is not None:
-            self._net_tried = True
-            return None
         with self._lock:
-            if not self._net_tried:
+            if not self._tried:
                 md = self._metadata(None)
                 try:
                     resp = self._call(lambda: self._stub.Attach(
@@ -288,25 +288,45 @@ class NetMixin:
                     log.info("kdn: no network data path (%s); using gRPC", exc)
                     resp = pb.AttachResponse()
                 if resp.data_port:
-                    tls, name = self._net_tls or (None, "")
-                    self._net = NetPath(self._net_host, resp.data_port, resp.segment_id,
+                    tls, name = self._tls or (None, "")
+                    self._net = NetPath(self._host, resp.data_port, resp.segment_id,
                                         self.timeout_s, tls, name)
-                self._net_tried = True
+                self._tried = True
         return self._net
 
-    def _net_lost(self, exc: Exception) -> None:
-        """The network data path failed (no connection, or the server forgot the ticket):
-        gRPC from now on."""
+    @property
+    def decided(self) -> bool:
+        """Whether the path was asked for already (or is known not to be wanted)."""
+        return self._tried
+
+    def skip(self) -> None:
+        """Never ask for the path (the client has a shared segment)."""
+        self._tried = True
+
+    def lost(self, exc: Exception) -> None:
+        """The path failed (no connection, or the server forgot the ticket): gRPC from now
+        on."""
         log.warning("kdn: network data path unusable (%s); using gRPC", exc)
         net, self._net = self._net, None
         if net is not None:
             net.close()
 
-    def _net_put(self, net: NetPath, namespace: str,
+    def get_many(self, net: NetPath, namespace: str, keys: Sequence[bytes],
+                 layout_fingerprint: str) -> list[Fetched | None] | None:
+        """``DataPlane.get_many`` on ``net``; None when it failed (gRPC then)."""
+        try:
+            got = net.get_many(namespace, keys, layout_fingerprint)
+        except (OSError, NotFound) as exc:
+            self.lost(exc)
+            return None
+        return [None if g is None else fetched(g[0], g[1], owned=True, checked=True)
+                for g in got]
+
+    def put_many(self, net: NetPath, namespace: str,
                  items: Sequence[tuple[bytes, EncodedParts, pb.StoreOptions]],
                  out: list[Any], limit: int) -> bool:
-        """``put_many`` on the network data path, in calls of up to ``limit`` bytes (larger
-        items stay as they are in ``out``); False when the path failed (the items not stored:
+        """``DataPlane.put_many`` on ``net``, in calls of up to ``limit`` bytes (larger items
+        stay as they are in ``out``); False when the path failed (the items not stored:
         gRPC)."""
         batches = batches_of(items, limit)
         try:
@@ -314,10 +334,52 @@ class NetMixin:
                 for j, r in zip(batch, net.put_many(namespace, [items[j] for j in batch])):
                     out[j] = r
         except (OSError, NotFound) as exc:
-            self._net_lost(exc)
+            self.lost(exc)
             return False
         return True
 
+    # -- asynchronous stores (``Client.store_async`` of a client without a segment) -------------
+
+    def put_async(self, namespace: str, key: bytes, opts: pb.StoreOptions,
+                  parts: EncodedParts, on_ok: Any = None) -> PendingStore | None:
+        """The store sent on this thread's connection without waiting (it answers in order).
+        None where there is no path or it failed (the caller stores it as ``store`` does)."""
+        net = self.path()
+        if net is None:
+            return None
+        pending = PendingStore(self, key, on_ok)
+        if not net.put_async(namespace, key, parts, opts, pending, ASYNC_DEPTH):
+            self.lost(OSError("the data path connection failed"))
+            return None
+        self._local.net = net  # kept: its unanswered stores are read through it
+        return pending
+
+    def has_pending(self) -> bool:
+        net = getattr(self._local, "net", None)
+        return net is not None and net.has_pending()
+
+    def settle(self, until: PendingStore | None = None) -> None:
+        """Read this thread's unanswered stores' answers, oldest first (up to ``until``)."""
+        net = getattr(self._local, "net", None)
+        if net is not None:
+            net.settle(until)
+
+    def take_failed(self) -> list[KDNError]:
+        net = getattr(self._local, "net", None)
+        return net.take_failed() if net is not None else []
+
+    def close(self) -> None:
+        """Close the connections and give the ticket back (``Detach``)."""
+        net, self._net, self._tried = self._net, None, True
+        if net is None:
+            return
+        net.close()
+        try:
+            md = self._metadata(None)
+            self._call(lambda: self._stub.Detach(pb.DetachRequest(segment_id=net.ticket),
+                                                 timeout=self.timeout_s, metadata=md))
+        except KDNError:
+            pass  # the server forgets it at shutdown anyway
 
 
 def streamed_put(namespace: str, segment_id: str,

@@ -26,16 +26,14 @@ from typing import Any
 
 _DONE = object()
 GROUP_MIN_BYTES = 32 << 20
-"""Entry bytes per stream below which a retrieve is not split. Four streams against one, RAM
-tier, loopback, SmolLM2-shaped ``raw`` entries: 0.28x / 0.58x / 1.16x of the best raw stream
-at 12 / 47 / 189 MB on a 16-core host where one stream read 0.77x / 0.74x / 0.74x, and no
-better than one at 189 MB on a 2-core VM (every thread of every stream shares two cores)."""
+"""Entry bytes per stream below which a retrieve is not split: smaller parts cost more in
+per-stream overhead than the streams side by side gain."""
 
 
 def stream_cores() -> int:
     """How many streams this process's cores can receive side by side: one per two cores it
-    may run on (a stream's gRPC receive and its consumer each keep one busy). On a 2-core VM
-    4 streams read a 189 MB entry at 0.63-0.70x of the raw stream where one read 0.83-0.84x."""
+    may run on (a stream's gRPC receive and its consumer each keep one busy): more streams
+    than that only compete for the same cores."""
     try:
         cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):

@@ -25,13 +25,11 @@ so does a client with an in-process tier (the tier keeps the sealed bytes). ``cl
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
-from kdn.client.puts import BATCH_BYTES
 from kdn.codec import inplace
 from kdn.codec.api import frame_spans
 from kdn.codec.format import (
@@ -47,8 +45,7 @@ from kdn.codec.format import (
 )
 from kdn.codec.modes import get_mode
 from kdn.codec.sealing import seal_in_place
-from kdn.errors import InvalidArgument, KDNError
-from kdn.keys import check_key
+from kdn.errors import InvalidArgument
 from kdn.layout import KVLayout
 from kdn.regions import ALIGN
 from kdn.v1 import kdn_pb2 as pb
@@ -173,58 +170,3 @@ class Staged:
             del self._view
             self.layers = []
             self.segment = None
-
-
-def store_staged(client: Any, ns: str, items: Sequence[tuple[bytes, Staged]],
-                 opts: pb.StoreOptions, options: Any, request_id: str | None
-                 ) -> list[pb.StoreResponse]:
-    """``Client.store``/``store_many`` of staged entries: those in the client's segment by
-    where they lie (PutMany items the server seals on its copy, one call per ``BATCH_BYTES``),
-    the others sealed here and sent as any entries; with an in-process tier (which keeps the
-    bytes) or a server that does not seal (``AttachResponse.seals``), those in the segment are
-    sealed here first and the server checks them as any store."""
-    seg, seg_id = client.dataplane.segment()
-    sealing = client.local is None and client.dataplane.server_seals
-    out: list[pb.StoreResponse | None] = [None] * len(items)
-    batch: list[int] = []
-    size = 0
-
-    def send() -> None:
-        req = pb.PutManyRequest(namespace=ns, segment_id=seg_id)
-        for j in batch:
-            key, st = items[j]
-            at = st.region(seg)
-            assert at is not None
-            item = req.items.add(key=key, options=opts, seal=sealing)
-            item.region.offset, item.region.length = at
-        resp = client.dataplane._put(req, request_id)
-        if len(resp.results) != len(batch):
-            raise KDNError(f"PutMany answered {len(resp.results)} results for "
-                           f"{len(batch)} entries")
-        for j, r in zip(batch, resp.results):
-            out[j] = r
-
-    for j, (key, st) in enumerate(items):
-        check_key(key)
-        if st.closed:
-            raise InvalidArgument(f"item {j}: store of a staged entry that was closed")
-        if st.region(seg) is None:
-            continue
-        if not sealing:  # sealed here: the tier keeps these bytes, or the server can not
-            parts = st.sealed()
-            if client.local is not None:
-                client._remember(ns, key, parts)
-        if batch and size + st.nbytes > BATCH_BYTES:
-            send()
-            batch, size = [], 0
-        batch.append(j)
-        size += st.nbytes
-    if batch:
-        send()
-    rest = [j for j in range(len(items)) if out[j] is None]
-    if rest:  # not in this client's segment: sealed here, sent as any entries
-        for j, r in zip(rest, client.store_many(
-                [(items[j][0], items[j][1].sealed()) for j in rest], namespace=ns,
-                options=options, request_id=request_id)):
-            out[j] = r
-    return out  # type: ignore[return-value]

@@ -35,6 +35,7 @@ import torch
 from kdn.buffers import OVERLAP_FRAME_BYTES
 from kdn.cache import KVCache
 from kdn.client import metrics as client_metrics
+from kdn.client.received import LOCAL_TIER
 from kdn.codec import StreamDecoder
 from kdn.codec.inplace import EntryViews, Span
 from kdn.errors import Corrupt, InvalidArgument, KDNError
@@ -188,6 +189,11 @@ class LayerStream:
     @property
     def num_tokens(self) -> int:
         return self._tokens
+
+    @property
+    def in_process(self) -> bool:
+        """The entry came from the client's in-process tier (no transfer)."""
+        return self.tier == LOCAL_TIER
 
     def _fail(self, exc: BaseException) -> None:
         with self._lock:

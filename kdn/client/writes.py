@@ -1,39 +1,201 @@
-"""The writes of ``kdn.client.Client`` beside ``store``/``store_many``: staged entries
-(``stage``, ``kdn.client.staged``) and asynchronous stores (``store_async``, ``flush``), and
-the helpers every store shares (how an entry is encoded, its options on the wire)."""
+"""The write side of ``kdn.client.Client``: stores of one entry or many, asynchronous stores,
+staged entries, and the messages of a Store / StoreMany stream.
+
+A store encodes here (unless given an encoded or staged entry) and goes through the data plane
+(``kdn.client.dataplane``: PutMany through the shared segment on the server's host, the network
+data path on another, else inline gRPC), or as a Store stream (its header, then each frame in
+the message the encoder wrote it in, ``encode_parts(wire=True)``: sent as it is, no copy). A
+remote ``store_many`` sends a batch's entries of ``STREAM_ENTRY_BYTES`` or more by one
+StoreMany stream: entries one after another in that form, or grouped for a server that said it
+reads that form (``StoreManyResponse.reads_grouped``): every entry's header in one message,
+then every entry's frames, each entry's ``total_bytes`` telling the server where its frames
+end. Every entry stored is kept in the in-process tier, where there is one.
+
+Staged entries (``kdn.client.staged``) in the client's segment are stored by where they lie
+(PutMany items the server seals on its copy); the others are sealed here and sent as any entry.
+"""
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any, TypeGuard, cast
 
 from kdn import codec
-from kdn.client.puts import PendingStore
+from kdn.client.dataplane import BATCH_BYTES, STREAM_ENTRY_BYTES, TOO_BIG, DataPlane, TooBig
+from kdn.client.pending import PendingStore
+from kdn.client.rpc import Rpc, traced
 from kdn.codec import EncodedParts
-from kdn.keys import check_key
+from kdn.codec.format import parse_header
+from kdn.errors import InvalidArgument, KDNError, Status, TooLarge
+from kdn.keys import check_key, check_namespace
 from kdn.layout import KVLayout
 from kdn.options import StoreOptions
 from kdn.v1 import kdn_pb2 as pb
+from kdn.wire import frame_message
 
 if TYPE_CHECKING:
     from kdn.cache import KVCache
-    from kdn.client.dataplane import DataPlane
     from kdn.client.staged import Staged
 
 
-class WritesMixin:
-    """``Client``'s staged and asynchronous stores (it provides ``dataplane``, ``local``,
-    ``store``, ``_ns`` and ``_remember``)."""
+class Writer:
+    """``Client``'s writes (module docstring): ``rpc`` its channel, ``dataplane`` its batches,
+    ``local`` its in-process tier (or None), ``namespace`` the default namespace,
+    ``max_message_bytes`` the largest message the channel carries."""
 
-    if TYPE_CHECKING:
-        dataplane: DataPlane
-        local: Any
-        store: Any
+    def __init__(self, rpc: Rpc, dataplane: DataPlane, local: Any, namespace: str,
+                 max_message_bytes: int) -> None:
+        self.rpc = rpc
+        self.dataplane = dataplane
+        self.local = local
+        self.namespace = namespace
+        self.max_message_bytes = max_message_bytes
+        self._store_many_ok = True  # False once a server answered UNIMPLEMENTED (older)
+        self._store_many_grouped = False  # True once a server said it reads grouped StoreMany
 
-        def _ns(self, namespace: str | None) -> str: ...
+    def _ns(self, namespace: str | None) -> str:
+        return check_namespace(namespace or self.namespace)
 
-        def _remember(self, namespace: str, key: bytes, parts: EncodedParts) -> None: ...
+    def remember(self, namespace: str, key: bytes, parts: EncodedParts) -> None:
+        """Keep a copy in the in-process tier (when there is one)."""
+        if self.local is not None:
+            self.local.put(namespace, key, parts)
+
+    @traced("kdn.client.store")
+    def store(
+        self,
+        key: bytes,
+        kv: KVCache | EncodedParts | Staged,
+        *,
+        mode: str = "lossless",
+        level: str = "",
+        namespace: str | None = None,
+        options: StoreOptions | None = None,
+        layers_per_frame: int = 0,
+        request_id: str | None = None,
+    ) -> pb.StoreResponse:
+        """Store ``kv`` (encoded here with ``mode``/``level`` unless already encoded); TTL, pin
+        and durability come from ``options`` (defaults: ``StoreOptions()``). Frames hold
+        ``layers_per_frame`` layers, or with 0 enough to fill ``codec.FRAME_TARGET_BYTES``."""
+        check_key(key)
+        if is_staged(kv):
+            return self._store_staged(self._ns(namespace), [(key, kv)], options, request_id)[0]
+        parts = encoded(kv, mode, level, layers_per_frame)
+        opts = wire_options(options)
+        if self.dataplane.direct:  # through the shared segment (same host) or the data path
+            done = self.dataplane.put_many(self._ns(namespace), [(key, parts, opts)],
+                                           request_id)[0]
+            if not isinstance(done, TooBig):
+                self.remember(self._ns(namespace), key, parts)
+                return done
+        self._check_frames(parts)
+        ns = self._ns(namespace)
+        md = self.rpc.metadata(request_id)
+        resp = self.rpc.call(lambda: self.rpc.store_call(
+            store_messages(ns, key, parts, opts), timeout=self.rpc.timeout_s, metadata=md))
+        self.remember(ns, key, parts)
+        return resp
+
+    def _check_frames(self, parts: EncodedParts) -> None:
+        """Refuse, before sending anything, a frame that can not travel in one message."""
+        limit = self.max_message_bytes - 1024  # the message's own fields
+        for i, frame in enumerate(parts.frames):
+            if len(frame) > limit:
+                raise TooLarge(
+                    f"frame {i} is {len(frame)} bytes, more than one message may carry "
+                    f"({self.max_message_bytes} bytes: Client(max_message_bytes=...) and the "
+                    "server's max_message_bytes); store fewer tokens per entry (e.g. "
+                    "EngineConfig.chunk_tokens) or raise both limits")
+
+
+    @traced("kdn.client.store_many")
+    def store_many(self, items: Sequence[tuple[bytes, KVCache | EncodedParts | Staged]], *,
+                   mode: str = "lossless", level: str = "", namespace: str | None = None,
+                   options: StoreOptions | None = None, layers_per_frame: int = 0,
+                   request_id: str | None = None) -> list[pb.StoreResponse]:
+        """Store many entries in as few calls as fit (see ``fetch_many``): through the shared
+        segment on the server's host, else entries of ``STREAM_ENTRY_BYTES`` or more in one
+        StoreMany stream (a message a frame) and the rest inline (PutMany, many a message).
+        Each call's items are all checked before any is stored: a bad item raises and stores
+        none of them."""
+        ns = self._ns(namespace)
+        staged = [j for j, (_, kv) in enumerate(items) if is_staged(kv)]
+        if staged:  # sent where they lie; the rest as below
+            out: list[pb.StoreResponse | None] = [None] * len(items)
+            done_staged = self._store_staged(ns, [items[j] for j in staged],  # type: ignore[misc]
+                                             options, request_id)
+            for j, r in zip(staged, done_staged):
+                out[j] = r
+            rest = [j for j in range(len(items)) if out[j] is None]
+            for j, r in zip(rest, self.store_many(
+                    [items[j] for j in rest], mode=mode, level=level, namespace=ns,
+                    options=options, layers_per_frame=layers_per_frame,
+                    request_id=request_id) if rest else []):
+                out[j] = r
+            return out  # type: ignore[return-value]
+        opts = wire_options(options)
+        enc = [(check_key(k), encoded(kv, mode, level, layers_per_frame), opts)
+               for k, kv in items]
+        large = [j for j, (_, parts, _) in enumerate(enc)
+                 if parts.nbytes >= STREAM_ENTRY_BYTES] if not self.dataplane.direct else []
+        if len(large) > 1 and self._store_many_ok:  # remote: a batch's large entries stream
+            streamed = self._store_streamed(ns, [enc[j] for j in large], request_id)
+            if streamed is not None:
+                rest = sorted(set(range(len(enc))) - set(large))
+                done_rest = self.dataplane.put_many(ns, [enc[j] for j in rest], request_id)
+                done: list[pb.StoreResponse | TooBig] = [TOO_BIG] * len(enc)
+                for j, r in zip(large, streamed):
+                    done[j] = r
+                for j, r2 in zip(rest, done_rest):
+                    done[j] = r2
+                return self._stored_many(ns, enc, done, options, request_id)
+        done = self.dataplane.put_many(ns, enc, request_id)
+        return self._stored_many(ns, enc, done, options, request_id)
+
+    def _stored_many(self, ns: str, enc: list[tuple[bytes, EncodedParts, pb.StoreOptions]],
+                     done: list[pb.StoreResponse | TooBig], options: StoreOptions | None,
+                     request_id: str | None) -> list[pb.StoreResponse]:
+        """``store_many``'s answers: the items no batch carried stored one by one, every
+        stored one kept in the in-process tier."""
+        for (k, parts, _), r in zip(enc, done):
+            if not isinstance(r, TooBig):
+                self.remember(ns, k, parts)
+        return [self.store(k, parts, namespace=ns, options=options, request_id=request_id)
+                if isinstance(r, TooBig) else r for (k, parts, _), r in zip(enc, done)]
+
+    def _store_streamed(self, ns: str, items: list[tuple[bytes, EncodedParts, pb.StoreOptions]],
+                        request_id: str | None) -> list[pb.StoreResponse] | None:
+        """``items`` stored by one StoreMany stream (each entry's header, then its frames in
+        the messages the encoder wrote; or grouped, every header first, to a server that said
+        it reads that form: ``reads_grouped``; the server checks them all before it stores
+        any); None from a server that has no StoreMany (then each is stored on its own). A
+        grouped stream refused as a bad request is sent once more a header per entry: a
+        server replaced by an older one at the same address (or one behind a balancer that
+        mixes versions) refuses the form it does not read, and nothing was stored."""
+        for _, parts, _ in items:
+            self._check_frames(parts)
+        md = self.rpc.metadata(request_id)
+        grouped = grouped_store_messages(ns, items) if self._store_many_grouped else None
+        try:
+            resp = self.rpc.call(lambda: self.rpc.store_many_call(
+                iter(grouped) if grouped is not None else
+                (m for key, parts, opts in items for m in store_messages(ns, key, parts, opts)),
+                timeout=self.rpc.timeout_s, metadata=md))
+        except KDNError as exc:
+            if grouped is not None and exc.status is Status.INVALID_ARGUMENT:
+                self._store_many_grouped = False
+                return self._store_streamed(ns, items, request_id)
+            if exc.status is not Status.UNIMPLEMENTED:
+                raise
+            self._store_many_ok = False
+            return None
+        self._store_many_grouped = resp.reads_grouped
+        if len(resp.results) != len(items):
+            raise KDNError(f"StoreMany answered {len(resp.results)} results for "
+                           f"{len(items)} entries")
+        return list(resp.results)
+
 
     def store_async(
         self,
@@ -59,14 +221,14 @@ class WritesMixin:
         copies what it holds then)."""
         check_key(key)
         ns = self._ns(namespace)
-        opts = _wire_options(options)
+        opts = wire_options(options)
         parts: EncodedParts | None = None
-        if _is_staged(kv) and self.local is None and self.dataplane.segment()[0] is not None \
+        if is_staged(kv) and self.local is None and self.dataplane.segment()[0] is not None \
                 and self.dataplane.server_seals:
             got = self.dataplane.put_async(ns, key, opts, staged=kv)
         else:
-            parts = kept = _encoded(kv, mode, level, layers_per_frame)
-            on_ok = None if self.local is None else lambda: self._remember(ns, key, kept)
+            parts = kept = encoded(kv, mode, level, layers_per_frame)
+            on_ok = None if self.local is None else lambda: self.remember(ns, key, kept)
             got = self.dataplane.put_async(ns, key, opts, parts=parts, on_ok=on_ok)
             if got is None and self.dataplane.segment()[0] is None:  # another host
                 got = self.dataplane.put_async_net(ns, key, opts, parts, on_ok=on_ok)
@@ -83,12 +245,6 @@ class WritesMixin:
         if errors:
             raise errors[0]
 
-    def _settle(self) -> None:
-        """Read this thread's asynchronous stores' answers before another call (its errors
-        are kept for ``flush``)."""
-        if self.dataplane.has_pending():
-            self.dataplane.settle_async()
-
     def stage(self, layout: KVLayout, tokens: int, *, start_position: int = 0) -> Staged:
         """A ``raw`` entry of ``tokens`` tokens of ``layout`` to fill in place and store without
         this client copying or hashing it (``kdn.client.staged``): in the shared segment on the
@@ -103,29 +259,128 @@ class WritesMixin:
     def _store_staged(self, ns: str, items: Sequence[tuple[bytes, Staged]],
                       options: StoreOptions | None, request_id: str | None
                       ) -> list[pb.StoreResponse]:
-        from kdn.client.staged import store_staged
+        """``store``/``store_many`` of staged entries: those in the client's segment by
+        where they lie (PutMany items the server seals on its copy, one call per ``BATCH_BYTES``),
+        the others sealed here and sent as any entries; with an in-process tier (which keeps the
+        bytes) or a server that does not seal (``AttachResponse.seals``), those in the segment are
+        sealed here first and the server checks them as any store."""
+        opts = wire_options(options)
+        seg, seg_id = self.dataplane.segment()
+        sealing = self.local is None and self.dataplane.server_seals
+        out: list[pb.StoreResponse | None] = [None] * len(items)
+        batch: list[int] = []
+        size = 0
 
-        return store_staged(self, ns, items, _wire_options(options), options, request_id)
+        def send() -> None:
+            req = pb.PutManyRequest(namespace=ns, segment_id=seg_id)
+            for j in batch:
+                key, st = items[j]
+                at = st.region(seg)
+                assert at is not None
+                item = req.items.add(key=key, options=opts, seal=sealing)
+                item.region.offset, item.region.length = at
+            resp = self.dataplane.put_request(req, request_id)
+            if len(resp.results) != len(batch):
+                raise KDNError(f"PutMany answered {len(resp.results)} results for "
+                               f"{len(batch)} entries")
+            for j, r in zip(batch, resp.results):
+                out[j] = r
+
+        for j, (key, st) in enumerate(items):
+            check_key(key)
+            if st.closed:
+                raise InvalidArgument(f"item {j}: store of a staged entry that was closed")
+            if st.region(seg) is None:
+                continue
+            if not sealing:  # sealed here: the tier keeps these bytes, or the server can not
+                parts = st.sealed()
+                if self.local is not None:
+                    self.remember(ns, key, parts)
+            if batch and size + st.nbytes > BATCH_BYTES:
+                send()
+                batch, size = [], 0
+            batch.append(j)
+            size += st.nbytes
+        if batch:
+            send()
+        rest = [j for j in range(len(items)) if out[j] is None]
+        if rest:  # not in this client's segment: sealed here, sent as any entries
+            for j, r in zip(rest, self.store_many(
+                    [(items[j][0], items[j][1].sealed()) for j in rest], namespace=ns,
+                    options=options, request_id=request_id)):
+                out[j] = r
+        return out  # type: ignore[return-value]
 
 
-def _is_staged(kv: object) -> TypeGuard[Staged]:
+def is_staged(kv: object) -> TypeGuard[Staged]:
     """Whether ``kv`` is a ``kdn.client.staged.Staged`` (none exists before that module, which
     needs torch, was imported)."""
     mod = sys.modules.get("kdn.client.staged")
     return mod is not None and isinstance(kv, mod.Staged)
 
 
-def _encoded(kv: KVCache | EncodedParts | Staged, mode: str, level: str,
+def encoded(kv: KVCache | EncodedParts | Staged, mode: str, level: str,
              layers_per_frame: int) -> EncodedParts:
     if isinstance(kv, EncodedParts):
         return kv
-    if _is_staged(kv):  # sealed on its own bytes (the segment's way is ``_store_staged``)
+    if is_staged(kv):  # sealed on its own bytes (the segment's way is ``Writer._store_staged``)
         return kv.sealed()
     return codec.encode_parts(cast("KVCache", kv), mode, level,
                               layers_per_frame=layers_per_frame, wire=True)
 
 
-def _wire_options(options: StoreOptions | None) -> pb.StoreOptions:
+def wire_options(options: StoreOptions | None) -> pb.StoreOptions:
     opts = options or StoreOptions()
     return pb.StoreOptions(ttl_seconds=opts.ttl_s, pin=opts.pin,
                            durability=int(opts.durability))  # type: ignore[arg-type]
+
+
+# -- the messages of a Store / StoreMany stream ---------------------------------------------
+
+def store_header(namespace: str, key: bytes, parts: EncodedParts,
+                 options: pb.StoreOptions) -> pb.StoreHeader:
+    """The header of one entry on a Store (or StoreMany) stream."""
+    return pb.StoreHeader(
+        namespace=namespace, key=key, container_header=parts.header,
+        layout_fingerprint=parse_header(parts.header).layout.fingerprint,
+        total_bytes=parts.nbytes, options=options)
+
+
+def frame_messages(parts: EncodedParts) -> Iterator[bytes]:
+    """Each frame of ``parts`` in the message the encoder wrote it in (sent as it is), or one
+    built for it."""
+    wire = parts.messages()
+    for i, frame in enumerate(parts.frames):
+        yield wire[i] if wire is not None else frame_message(i, frame)
+
+
+def store_messages(namespace: str, key: bytes, parts: EncodedParts,
+                   options: pb.StoreOptions) -> Iterator[pb.StoreRequest | bytes]:
+    """The messages of one entry on a Store (or StoreMany) stream: its header, then its
+    frames (``frame_messages``)."""
+    yield pb.StoreRequest(header=store_header(namespace, key, parts, options))
+    yield from frame_messages(parts)
+
+
+GROUP_HEADER_BYTES = 4 << 20
+"""A StoreMany is grouped (``grouped_store_messages``) while its headers take at most this
+many bytes in their one message,"""
+GROUP_ENTRIES = 4096
+"""and it holds at most this many entries (the server's ``MAX_GROUPED_ENTRIES``)."""
+
+
+def grouped_store_messages(namespace: str,
+                           items: Sequence[tuple[bytes, EncodedParts, pb.StoreOptions]]
+                           ) -> list[Any] | None:
+    """The messages of a grouped StoreMany of ``items``: every entry's header in one message,
+    then each entry's frames (``frame_messages``); None for more than ``GROUP_ENTRIES``
+    entries or headers of more than ``GROUP_HEADER_BYTES``. Measured on the raw service, 64
+    entries of 1 MiB: a header message per entry cost 7 ms of an 80 ms stream against one
+    message of all of them."""
+    if len(items) > GROUP_ENTRIES:
+        return None
+    heads = pb.StoreRequest(headers=pb.StoreHeaders(headers=[
+        store_header(namespace, key, parts, opts) for key, parts, opts in items]))
+    if heads.ByteSize() > GROUP_HEADER_BYTES:
+        return None
+    return [heads, *(m for _, parts, _ in items for m in frame_messages(parts))]

@@ -147,7 +147,7 @@ class StreamDecoder:
         """``borrow``: the frames are writable buffers the caller hands over for good (a region
         of its shared segment); CPU tensors may then view them instead of copying.
         ``private``: the frames are read-only views of memory that nothing but them holds (a
-        received stream's messages, ``kdn.client.dataplane.received``): borrowed too.
+        received stream's messages, ``kdn.client.received.received``): borrowed too.
         ``checked``: their checksums were verified on these very bytes already (by the server
         that wrote them into the segment); frames are still checked for structure.
         ``stored_bytes``: the whole entry's size, where known: a mode that stores tensors

@@ -35,9 +35,7 @@ import torch
 
 from kdn import keys
 from kdn.cache import KVCache, LayerKV
-from kdn.client import Client
-from kdn.client.local import TIER as LOCAL_TIER
-from kdn.client.stream import LayerStream
+from kdn.client import Client, LayerStream
 from kdn.delivery import RECOMPUTE, LoadingController, encoding_name
 from kdn.engine.connector import KVConnector
 from kdn.hf import CacheDecoder, LayerwiseCache, cache_layers, greedy, model_device, model_layout
@@ -177,7 +175,7 @@ class KDNEngine(KVConnector):
         stored = {name: sum(info.size_bytes for info in rows[name][:best])
                   for name in names if best and hits[name] == best}
         local = frozenset(name for name in stored
-                          if all(info.tier == LOCAL_TIER for info in rows[name][:best]))
+                          if all(info.in_process for info in rows[name][:best]))
         return best, stored, local, asked
 
     def matched_tokens(self, token_ids: Sequence[int]) -> int:
@@ -314,8 +312,8 @@ class KDNEngine(KVConnector):
         return Generation(text, new, t, store_thread)
 
     def _observe(self, streams: list[LayerStream], choice: str, reused: int, t: Timings) -> None:
-        t.local_blocks = sum(s.blocks for s in streams if s.tier == LOCAL_TIER)
-        remote = [s for s in streams if s.tier != LOCAL_TIER]
+        t.local_blocks = sum(s.blocks for s in streams if s.in_process)
+        remote = [s for s in streams if not s.in_process]
         if remote:  # the link's bandwidth, from what crossed it
             start = min(s.timings.started for s in remote)
             last = max(s.timings.last_frame_received for s in remote)

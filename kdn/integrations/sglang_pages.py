@@ -20,7 +20,7 @@ import torch
 
 from kdn import codec
 from kdn.cache import KVCache
-from kdn.client.dataplane import Fetched
+from kdn.client.received import Fetched
 from kdn.codec.format import RECORD_BYTES, check_frame, check_frame_prefix
 from kdn.errors import KDNError
 from kdn.layout import DType, KVLayout, LayerLayout, model_fingerprint

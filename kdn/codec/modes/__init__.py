@@ -176,7 +176,7 @@ def tensor_borrowed(buf: memoryview, dtype: torch.dtype, shape: tuple[int, ...],
 
     ``private``: ``buf`` is read-only only because of what holds it, and nothing else holds
     or reads that: the bytes objects gRPC made for one received message, which the receiver
-    alone references (``kdn.client.dataplane.received``). The tensor keeps them alive, and a
+    alone references (``kdn.client.received.received``). The tensor keeps them alive, and a
     write through it changes no value anyone else can see."""
     if buf.readonly and not private or not len(buf) or \
             len(buf) != math.prod(shape) * dtype.itemsize:

@@ -1,0 +1,70 @@
+"""``PendingStore``: the handle ``Client.store_async`` gives back, answered later by the data
+path that sent the store (``kdn.client.samehost`` or ``kdn.client.netpath``), which reads the
+answers on the sending thread's connection in order and hands each to its store (``resolve``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+from kdn.errors import InvalidArgument, KDNError, Unavailable
+from kdn.v1 import kdn_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+ASYNC_DEPTH = 8
+"""Asynchronous stores a thread has sent and not had answered; past it each new one first
+reads the oldest answer."""
+
+
+class PendingStore:
+    """What ``Client.store_async`` gives back: ``result()`` waits for the server's answer and
+    raises its error; ``done()`` says whether it came. Answers are read on the thread that
+    stored (its fast-path connection answers in order): ``result()`` on another thread works
+    once that thread's next call or ``flush`` has read it."""
+
+    __slots__ = ("key", "_path", "_thread", "_on_ok", "_response", "_error", "_done")
+
+    def __init__(self, path: Any, key: bytes, on_ok: Any = None) -> None:
+        """``path``: the data path that sent it (its ``settle(until)`` reads the answer)."""
+        self.key, self._path, self._on_ok = key, path, on_ok
+        self._thread = threading.get_ident()
+        self._response: pb.StoreResponse | None = None
+        self._error: KDNError | None = None
+        self._done = False
+
+    @classmethod
+    def answered(cls, key: bytes, response: pb.StoreResponse) -> PendingStore:
+        """One stored synchronously (no way to send it ahead)."""
+        p = cls(None, key)
+        p._response, p._done = response, True
+        return p
+
+    def done(self) -> bool:
+        return self._done
+
+    def result(self) -> pb.StoreResponse:
+        if not self._done:
+            if threading.get_ident() != self._thread:
+                raise InvalidArgument("an asynchronous store is answered on the thread that "
+                                      "sent it: read result() there, or after its flush()")
+            self._path.settle(self)
+        if not self._done:  # its connection is gone and nothing holds its answer any more
+            self.resolve(None, Unavailable(f"the store of {self.key!r} was not answered; it "
+                                           "may or may not be stored"))
+        if self._error is not None:
+            raise self._error
+        assert self._response is not None
+        return self._response
+
+    def resolve(self, response: pb.StoreResponse | None, error: KDNError | None) -> None:
+        """The server's answer came (``response``), or the store failed (``error``)."""
+        self._response, self._error, self._done = response, error, True
+        on_ok, self._on_ok = self._on_ok, None
+        if error is None and on_ok is not None:
+            try:  # keeping a copy in the in-process tier: a later call reads this answer,
+                on_ok()  # and must not fail for it
+            except Exception as exc:  # noqa: BLE001
+                log.warning("kdn: the in-process tier did not keep %r: %s", self.key, exc)

@@ -1,0 +1,477 @@
+"""The read side of ``kdn.client.Client``: which source an entry comes from, and how.
+
+A read tries, in order: the in-process tier (``Client(local_bytes=...)``, no call); the data
+plane's batch (``kdn.client.dataplane``: GetMany through the shared segment or the read arena
+on the server's host, the network data path on another, else inline gRPC); and for an entry
+too large for a batch, a Retrieve stream (over several streams of layer groups with
+``streams``, ``kdn.client.parallel``), or one RetrieveMany stream for a batch's large entries.
+Whatever a read brings whole is kept in the in-process tier. Turning fetched bytes into layers
+on a device is ``kdn.client.landing``'s.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+from kdn.client import parallel
+from kdn.client.dataplane import STREAM_ENTRY_BYTES, DataPlane, TooBig
+from kdn.client.landing import (
+    decoder_for,
+    joined_stream,
+    new_timings,
+    on_cuda,
+    stream_of,
+    tensor_side,
+)
+from kdn.client.parallel import layer_groups, merged
+from kdn.client.received import (
+    LOCAL_TIER,
+    Fetched,
+    ask_pieces,
+    keeps_messages,
+    received,
+    received_many,
+)
+from kdn.client.rpc import Rpc, settles, traced
+from kdn.codec import EncodedParts
+from kdn.codec.format import parse_container, parse_header
+from kdn.errors import KDNError, LayoutMismatch, NotFound, Status
+from kdn.keys import check_key, check_namespace
+from kdn.layout import KVLayout
+from kdn.v1 import kdn_pb2 as pb
+from kdn.wire import GROUP_INLINE_BYTES
+
+if TYPE_CHECKING:  # the tensor side loads on first use: admin tools run without torch
+    import torch
+
+    from kdn.cache import KVCache
+    from kdn.client.stream import LayerStream
+
+
+
+class Reader:
+    """``Client``'s reads (module docstring): ``rpc`` its channel, ``dataplane`` its batches,
+    ``local`` its in-process tier (or None), ``namespace`` the default namespace,
+    ``streams`` the gRPC streams one retrieve may read side by side."""
+
+    def __init__(self, rpc: Rpc, dataplane: DataPlane, local: Any, namespace: str,
+                 streams: int) -> None:
+        self.rpc = rpc
+        self.dataplane = dataplane
+        self.local = local
+        self.namespace = namespace
+        self.streams = streams
+        self._retrieve_many_ok = True  # False once a server answered UNIMPLEMENTED (older)
+
+    def _ns(self, namespace: str | None) -> str:
+        return check_namespace(namespace or self.namespace)
+
+    def remember(self, namespace: str, key: bytes, parts: EncodedParts) -> None:
+        """Keep a copy in the in-process tier (when there is one)."""
+        if self.local is not None:
+            self.local.put(namespace, key, parts)
+
+    def in_process(self, namespace: str, key: bytes, layout: KVLayout | None
+                   ) -> Fetched | None:
+        """The in-process tier's copy of the entry (its layout checked), or None."""
+        got = self.local.get(namespace, key) if self.local is not None else None
+        return None if got is None else _checked_layout(
+            Fetched(got.parts, LOCAL_TIER, checked=True, header=got.header, container=got.whole,
+                    pinned=self.local.pinned, memo=got.memo), layout)  # type: ignore[union-attr]
+
+    @traced("kdn.client.fetch")
+    def fetch(self, key: bytes, *, namespace: str | None = None,
+              layout: KVLayout | None = None, request_id: str | None = None) -> Fetched | None:
+        """The stored container of ``key`` (header + frames, undecoded), or None on a miss:
+        one GetMany (through the segment on the server's host, else inline in one message),
+        or a Retrieve stream for an entry too large for either."""
+        req = self._retrieve_request(key, namespace, layout)
+        got = self._entries(req.namespace, [req.key], layout, request_id)[0]
+        if not isinstance(got, TooBig):
+            return got
+        md = self.rpc.metadata(request_id)
+
+        def run() -> Fetched:
+            stream = self.rpc.retrieve_call(ask_pieces(req), timeout=self.rpc.timeout_s,
+                                            metadata=md)
+            first = next(stream)
+            got = received(first.header, stream)
+            self.remember(req.namespace, req.key, got.parts)
+            return got
+
+        try:
+            return self.rpc.call(run)
+        except NotFound:
+            return None
+
+    @settles
+    def retrieve_stream(self, key: bytes, *, namespace: str | None = None,
+                        layout: KVLayout | None = None,
+                        device: torch.device | str | None = None,
+                        first_layer: int = 0, last_layer: int = 0,
+                        request_id: str | None = None) -> LayerStream | None:
+        """Start retrieving ``key``; layers become usable one by one (``wait_for_layer``).
+
+        None on a miss. The header arrives before this returns; frames keep arriving and are
+        decoded on worker threads while the caller works on earlier layers.
+        """
+        req = self._retrieve_request(key, namespace, layout)
+        req.first_layer, req.last_layer = first_layer, last_layer
+        whole = not (first_layer or last_layer)
+        if whole:  # the in-process tier, then the shared segment (same host) or data path
+            started = time.perf_counter()
+            got = (self._entries(req.namespace, [req.key], layout, request_id,
+                                 pinned=on_cuda(device))[0]
+                   if self.dataplane.direct else
+                   self.in_process(req.namespace, req.key, layout))
+            if isinstance(got, Fetched):
+                return stream_of(got, device, new_timings(started=started),
+                                  self.dataplane.segment()[0])
+            if got is None and self.dataplane.direct:
+                return None
+        keep = (functools.partial(self.remember, req.namespace, req.key)
+                if whole and self.local is not None else None)  # what the stream brings
+        try:
+            if whole and self.streams > 1:
+                return self._grouped_stream(req, device, request_id, keep)  # type: ignore[return-value]
+            return self.layer_stream(self.rpc.retrieve_call, req, device, request_id,
+                                     on_complete=keep)
+        except NotFound:
+            return None
+
+    def _grouped_stream(self, req: pb.RetrieveRequest, device: torch.device | str | None,
+                        request_id: str | None,
+                        on_complete: Callable[[EncodedParts], object] | None,
+                        whole_read: bool = False) -> LayerStream | Fetched:
+        """One retrieve over up to ``self.streams`` streams (``kdn.client.parallel``). The
+        first asks for every layer, as a one-stream read does; its header tells the entry's
+        size, and only an entry of ``GROUP_MIN_BYTES`` or more per stream is split, over no
+        more streams than the cores receive side by side (``stream_cores``): the
+        other streams then ask for the later layer groups, and the first is cancelled once
+        it has brought its own group. Where their headers differ from the first's (an
+        overwrite came between the calls) they are cancelled and the first reads on alone.
+        ``whole_read``: an entry read over one stream is received here, as ``fetch`` receives
+        it (``received``), and comes back as a Fetched (handed to ``on_complete`` first); in
+        pieces (``ask_pieces``) where it can not be split (one stream, or one core pair)."""
+        md = self.rpc.metadata(request_id)
+        if whole_read and min(self.streams, parallel.stream_cores()) == 1:
+            req = ask_pieces(req)
+
+        def run() -> LayerStream | Fetched:
+            timings = new_timings(started=time.perf_counter())
+            whole = self.rpc.retrieve_call(req, timeout=self.rpc.timeout_s, metadata=md)
+            calls = [whole]
+
+            def cancel() -> None:
+                for call in calls:
+                    call.cancel()
+
+            try:
+                head = next(whole).header
+                header = head.container_header
+                parsed = parse_header(header)
+                n = min(self.streams, parsed.layout.num_layers, parallel.stream_cores(),
+                        int(head.total_bytes) // max(1, parallel.GROUP_MIN_BYTES))
+                groups = layer_groups(parsed.layout.num_layers, n) if n > 1 else []
+                # the first frame wholly past the first group: the next stream brings it
+                stop = next((i for i, span in enumerate(parsed.entry.frames) if groups
+                             and span.first_layer >= groups[0][1]), None)
+                if stop is None:  # one frame holds every group's layers: nothing to split
+                    groups = []
+                for start, (first, last) in zip(self.rpc.retrieve_calls(len(groups))[1:],
+                                                groups[1:]):
+                    part = pb.RetrieveRequest()
+                    part.CopyFrom(req)
+                    part.first_layer, part.last_layer = first, last
+                    calls.append(start(part, timeout=self.rpc.timeout_s, metadata=md))
+                firsts = [next(call).header for call in calls[1:]]
+            except BaseException:
+                cancel()
+                raise
+            if any((f.container_header, f.entry_digest) != (header, head.entry_digest)
+                   for f in firsts):
+                for call in calls[1:]:
+                    call.cancel()
+                calls[1:] = []
+            if whole_read and len(calls) == 1:
+                try:
+                    got = received(head, whole)
+                except BaseException:
+                    whole.cancel()
+                    raise
+                if on_complete is not None:
+                    on_complete(got.parts)
+                return got
+            timings.header = time.perf_counter()
+            # views of the messages only where nothing copies them later: the in-process
+            # tier's copy (``on_complete``) is taken once the last frame came, and a caller
+            # may be writing to early layers by then
+            dec, target = decoder_for(header, device, received=on_complete is None
+                                      and keeps_messages(int(head.total_bytes)))
+            frames = merged(calls, stop) if len(calls) > 1 else whole
+            if on_complete is not None:
+                frames = _tee(frames, header, on_complete)
+            return tensor_side().LayerStream(dec, frames, head.tier, cancel, timings, target)
+
+        return self.rpc.call(run)
+
+    def layer_stream(self, start: Callable[..., Any], request: Any,
+                     device: torch.device | str | None = None,
+                     request_id: str | None = None,
+                     on_complete: Callable[[EncodedParts], object] | None = None
+                     ) -> LayerStream:
+        """Issue a server-streaming call that answers a header then frames (Retrieve, Blend)
+        and hand its frames to a LayerStream, once the header has arrived. ``on_complete``
+        gets the whole entry once its last frame has arrived."""
+        md = self.rpc.metadata(request_id)
+
+        def run() -> LayerStream:
+            timings = new_timings(started=time.perf_counter())
+            call = start(request, timeout=self.rpc.timeout_s, metadata=md)
+            first = next(call)
+            timings.header = time.perf_counter()
+            dec, target = decoder_for(first.header.container_header, device,
+                                      received=on_complete is None
+                                      and keeps_messages(int(first.header.total_bytes)))
+            frames = call if on_complete is None else _tee(
+                call, first.header.container_header, on_complete)
+            return tensor_side().LayerStream(dec, frames, first.header.tier, call.cancel,
+                                              timings, target)
+
+        return self.rpc.call(run)
+
+    @traced("kdn.client.retrieve")
+    def retrieve(self, key: bytes, *, namespace: str | None = None,
+                 layout: KVLayout | None = None,
+                 device: torch.device | str | None = None,
+                 request_id: str | None = None) -> KVCache | None:
+        """Retrieve and decode ``key``. None on a miss.
+
+        The whole entry is wanted before anything is used, so without the shared segment it
+        is read as ``fetch`` reads it (one message, or a stream whose messages are kept, or
+        for a large entry copied into one recycled buffer) and decoded in place: decoding
+        layer by layer as frames arrive only pays where a caller starts on early layers
+        (``retrieve_stream``), or where an entry large enough comes over several streams
+        (``streams``, ``kdn.client.parallel``)."""
+        if self.dataplane.attached:
+            stream = self.retrieve_stream(key, namespace=namespace, layout=layout,
+                                          device=device, request_id=request_id)
+            return None if stream is None else stream.result()
+        started = time.perf_counter()
+        req = self._retrieve_request(key, namespace, layout)
+        got = self._entries(req.namespace, [req.key], layout, request_id)[0]
+        if isinstance(got, TooBig):  # as fetch reads it, but a large entry over several streams
+            keep = (functools.partial(self.remember, req.namespace, req.key)
+                    if self.local is not None else None)
+            try:
+                read = self._grouped_stream(req, device, request_id, keep, whole_read=True)
+            except NotFound:
+                return None
+            if not isinstance(read, Fetched):
+                return read.result()
+            got = read
+        return None if got is None else stream_of(got, device,
+                                                   new_timings(started=started)).result()
+
+    # -- many entries per call ------------------------------------------------------------------
+
+    @traced("kdn.client.fetch_many")
+    def fetch_many(self, keys: Sequence[bytes], *, namespace: str | None = None,
+                   layout: KVLayout | None = None,
+                   request_id: str | None = None) -> list[Fetched | None]:
+        """Stored containers of ``keys`` (None for a miss) in as few calls as fit: through the
+        shared segment on the server's host, else by one grouped RetrieveMany (small entries
+        inline, many a message; larger ones a message a frame), or on a server without it
+        inline (GetMany) and what that did not hold in one RetrieveMany."""
+        ns = self._ns(namespace)
+        ks = [check_key(k) for k in keys]
+        if len(ks) > 1 and not self.dataplane.direct and self._retrieve_many_ok:
+            local = [self.in_process(ns, k, layout) for k in ks]
+            ask = [j for j, g in enumerate(local) if g is None]
+            streamed = self._streamed(ns, [ks[j] for j in ask], layout, request_id,
+                                      grouped=True) if ask else []
+            if streamed is not None:
+                for j, g in zip(ask, streamed):
+                    local[j] = g
+                return local
+        got = self._entries(ns, ks, layout, request_id)
+        big = [j for j, g in enumerate(got) if isinstance(g, TooBig)]
+        if len(big) > 1 and self._retrieve_many_ok:
+            streamed = self._streamed(ns, [ks[j] for j in big], layout, request_id)
+            if streamed is not None:
+                for j, g in zip(big, streamed):
+                    got[j] = g
+        return [self.fetch(k, namespace=ns, layout=layout, request_id=request_id)
+                if isinstance(g, TooBig) else g for k, g in zip(ks, got)]
+
+    def _streamed(self, ns: str, keys: list[bytes], layout: KVLayout | None,
+                  request_id: str | None, grouped: bool = False
+                  ) -> list[Fetched | None] | None:
+        """``keys``' entries read by one RetrieveMany stream (each checked as ``fetch``
+        checks a streamed entry, or when decoded where it came inline, and kept in the
+        in-process tier); None from a server that has no RetrieveMany (then each is fetched
+        on its own). ``grouped``: small entries inline (under
+        ``STREAM_ENTRY_BYTES``, at most ``inline_budget`` a message)."""
+        req = pb.RetrieveManyRequest(namespace=ns, keys=keys,
+                                     expect_layout_fingerprint=layout.fingerprint
+                                     if layout else "")
+        if grouped:
+            req.grouped = True
+            req.inline_max_entry_bytes = STREAM_ENTRY_BYTES - 1
+            req.inline_budget_bytes = min(GROUP_INLINE_BYTES, self.dataplane.inline_budget)
+        md = self.rpc.metadata(request_id)
+        try:
+            got = self.rpc.call(lambda: received_many(len(keys), self.rpc.retrieve_many_call(
+                req, timeout=self.rpc.timeout_s, metadata=md)))
+        except KDNError as exc:
+            if exc.status is not Status.UNIMPLEMENTED:
+                raise
+            self._retrieve_many_ok = False
+            return None
+        for k, g in zip(keys, got):
+            if g is not None:
+                self.remember(ns, k, g.parts)
+        return got
+
+    def _entries(self, ns: str, keys: list[bytes], layout: KVLayout | None,
+                 request_id: str | None, *, pinned: bool = False, in_process: bool = True
+                 ) -> list[Fetched | TooBig | None]:
+        """In-process hits (unless ``in_process`` is False: looked up already), then one batch
+        (GetMany) for the rest, which is remembered. ``pinned``: bound for a CUDA device
+        (``DataPlane.get_many``)."""
+        out: list[Fetched | TooBig | None] = [
+            self.in_process(ns, k, layout) if in_process else None for k in keys]
+        ask = [j for j, f in enumerate(out) if f is None]
+        if ask:
+            got = self.dataplane.get_many(ns, [keys[j] for j in ask],
+                                          layout.fingerprint if layout else "", request_id,
+                                          pinned=pinned)
+            for j, g in zip(ask, got):
+                out[j] = g
+                if isinstance(g, Fetched):
+                    self.remember(ns, keys[j], g.parts)
+        return out
+
+    @settles
+    def retrieve_streams(self, keys: Sequence[bytes], *, namespace: str | None = None,
+                         layout: KVLayout | None = None,
+                         device: torch.device | str | None = None,
+                         request_id: str | None = None) -> list[LayerStream | None]:
+        """``retrieve_stream`` of many keys at once (None for a miss): one GetMany through the
+        shared segment on the server's host, else one Retrieve stream per key, all started
+        before this returns."""
+        if not self.dataplane.attached:
+            return [self.retrieve_stream(k, namespace=namespace, layout=layout, device=device,
+                                         request_id=request_id) for k in keys]
+        started = time.perf_counter()
+        ns = self._ns(namespace)
+        ks = [check_key(k) for k in keys]
+        seg = self.dataplane.segment()[0]
+        if not on_cuda(device) or seg is None:
+            got = self._entries(ns, ks, layout, request_id)
+            return [self.retrieve_stream(k, namespace=ns, layout=layout, device=device,
+                                         request_id=request_id) if isinstance(g, TooBig)
+                    else None if g is None else stream_of(g, device, new_timings(started=started),
+                                                             seg)
+                    for k, g in zip(ks, got)]
+        return self._device_streams(ns, ks, layout, device, request_id, seg, started)
+
+    def _device_streams(self, ns: str, ks: Sequence[bytes], layout: KVLayout | None,
+                        device: torch.device | str | None, request_id: str | None, seg: Any,
+                        started: float) -> list[LayerStream | None]:
+        """``retrieve_streams`` of keys ``ks`` bound for a GPU (``seg``: the shared segment).
+        The host bytes are only copy sources. In-process hits hold nothing of the server's: all
+        their copies are queued at once. The rest is read in groups that fill a quarter of the
+        segment, and each group's regions and leases go back once its copies are done (the
+        group before is settled after the next one is asked for: two in flight), so a context
+        larger than the segment and the arena never falls back to streams. The first group, one
+        entry, gives the size the others are counted by."""
+        out: list[LayerStream | None] = [None] * len(ks)
+        rest = []
+        for j, k in enumerate(ks):
+            hit = self.in_process(ns, k, layout)
+            if hit is None:
+                rest.append(j)
+            else:
+                out[j] = stream_of(hit, device, new_timings(started=started), seg)
+        budget, size, done = max(1, seg.size // 4), 0, 0
+        held: list[LayerStream | None] = []
+        while done < len(rest):
+            group = rest[done:done + (max(1, budget // size) if size else 1)]
+            done += len(group)
+            got = self._entries(ns, [ks[j] for j in group], layout, request_id, pinned=True,
+                                  in_process=False)
+            streams: list[LayerStream | None] = []
+            for j, g in zip(group, got):
+                if isinstance(g, Fetched):
+                    size = max(size, len(g.container) if g.container is not None
+                               else sum(map(len, g.parts.frames)))
+                    out[j] = stream_of(g, device, new_timings(started=started), seg)
+                elif g is not None:  # too large for the segment: its own stream
+                    out[j] = self.retrieve_stream(ks[j], namespace=ns, layout=layout,
+                                                    device=device, request_id=request_id)
+                streams.append(out[j])
+            for st in held:
+                if st is not None:
+                    st.settle_copies()
+            held = streams
+        return out  # the last group's copies run on while the caller starts
+
+    @settles
+    def retrieve_joined(self, keys: Sequence[bytes], *, namespace: str | None = None,
+                        layout: KVLayout | None = None,
+                        device: torch.device | str | None = None) -> LayerStream | None:
+        """Consecutive blocks of one context, every one in the in-process tier, as one
+        LayerStream of the whole context (``landing.joined_stream``); None when any is not
+        there or the join does not apply (then ``retrieve_streams``)."""
+        ns, ks = self._ns(namespace), [check_key(k) for k in keys]
+        if self.local is None or not ks or any(self.local.contains(ns, k) is None for k in ks):
+            return None
+        hits = [self.in_process(ns, k, layout) for k in ks]
+        if any(h is None for h in hits):  # evicted since
+            return None
+        return joined_stream(hits, device,  # type: ignore[arg-type]
+                             new_timings(started=time.perf_counter()))
+
+    @traced("kdn.client.retrieve_many")
+    def retrieve_many(self, keys: Sequence[bytes], *, namespace: str | None = None,
+                      layout: KVLayout | None = None, device: torch.device | str | None = None,
+                      request_id: str | None = None) -> list[KVCache | None]:
+        """``fetch_many``, decoded (frame checksums verified) on ``device``."""
+        seg = self.dataplane.segment()[0]
+        return [None if f is None else stream_of(f, device, new_timings(), seg).result()
+                for f in self.fetch_many(keys, namespace=namespace, layout=layout,
+                                         request_id=request_id)]
+
+
+    def _retrieve_request(self, key: bytes, namespace: str | None,
+                          layout: KVLayout | None) -> pb.RetrieveRequest:
+        return pb.RetrieveRequest(
+            namespace=self._ns(namespace), key=check_key(key),
+            expect_layout_fingerprint=layout.fingerprint if layout is not None else "",
+        )
+
+    # -- blend ----------------------------------------------------------------------------------
+
+
+def _checked_layout(got: Fetched, layout: KVLayout | None) -> Fetched:
+    """``got`` when its layout is the one the caller expects (as the server checks)."""
+    if layout is not None:
+        have = got.parsed().layout.fingerprint
+        if have != layout.fingerprint:
+            raise LayoutMismatch(f"entry has layout {have}, caller expects {layout.fingerprint}")
+    return got
+
+
+def _tee(call: Iterator[Any], header: bytes, on_complete: Callable[[EncodedParts], object]
+         ) -> Iterator[Any]:
+    """The messages of ``call``, handing the whole entry to ``on_complete`` after the last."""
+    data: dict[int, bytes | memoryview] = {}
+    for msg in call:
+        data[msg.frame.index] = msg.frame.data  # a view of the message: the join is the copy
+        yield msg
+    whole = parse_container(b"".join([header, *(data[i] for i in sorted(data))]), verify=False)
+    on_complete(EncodedParts(whole.header.raw, list(whole.frames)))  # type: ignore[arg-type]

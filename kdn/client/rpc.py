@@ -1,0 +1,192 @@
+"""How a ``Client`` calls its server: one gRPC channel (``Rpc``), reused by every call and
+thread, every call with a deadline and retried with backoff only for the named status codes
+(``Retry``), its metadata (the API key, ``x-request-id``, the trace), and the channel's TLS
+(``TLSOptions``). ``traced`` and ``settles`` wrap the client's calls: each first reads this
+thread's asynchronous stores' answers, and ``traced`` puts a span around it when tracing is on.
+"""
+
+from __future__ import annotations
+
+import functools
+import random
+import ssl
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import grpc
+
+from kdn import tracing as _tracing
+from kdn.metadata import API_KEY_HEADER, REQUEST_ID_HEADER
+from kdn.status import from_grpc
+from kdn.v1 import kdn_pb2 as pb
+from kdn.v1 import kdn_pb2_grpc as pb_grpc
+from kdn.wire import get_many_response, retrieve_response, serialize_passthrough
+
+T = TypeVar("T")
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+@dataclass(frozen=True)
+class Retry:
+    """Bounded retries with exponential backoff and jitter, only for the named status codes."""
+
+    retries: int = 3
+    base_s: float = 0.05
+    cap_s: float = 2.0
+    codes: tuple[grpc.StatusCode, ...] = (grpc.StatusCode.UNAVAILABLE,)
+
+    def call(self, fn: Callable[[], T]) -> T:
+        for attempt in range(self.retries + 1):
+            try:
+                return fn()
+            except grpc.RpcError as err:
+                if err.code() not in self.codes or attempt == self.retries:
+                    raise
+                time.sleep(min(self.cap_s, self.base_s * 2**attempt) * (0.5 + random.random()))
+        raise AssertionError("unreachable")
+
+
+@dataclass(frozen=True)
+class TLSOptions:
+    """TLS for the channel: trust ``ca`` (PEM); present ``cert``/``key`` for mutual TLS."""
+
+    ca: bytes | None = None
+    cert: bytes | None = None
+    key: bytes | None = None
+    server_name: str = ""
+    """Expected name in the server certificate when it differs from the address host."""
+
+    def credentials(self) -> grpc.ChannelCredentials:
+        return grpc.ssl_channel_credentials(root_certificates=self.ca, private_key=self.key,
+                                            certificate_chain=self.cert)
+
+    def data_path_tls(self) -> tuple[ssl.SSLContext, str]:
+        """(context, expected name) for the server's network data path: the same trust as
+        the channel (``ca``, else the system's roots). No client certificate is shown there:
+        its calls name a ticket the channel's authenticated caller was given."""
+        ctx = ssl.create_default_context(cadata=self.ca.decode() if self.ca else None)
+        ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+        return ctx, self.server_name
+
+
+def _settle(owner: Any) -> None:
+    """Read this thread's asynchronous stores' answers (``owner.dataplane``) before a call:
+    its reads then see them (their errors are kept for ``flush``)."""
+    plane = owner.dataplane
+    if plane.has_pending():
+        plane.settle_async()
+
+
+def traced(name: str) -> Callable[[F], F]:
+    """A method of an object with a ``dataplane`` that settles first (``_settle``), in a span
+    when tracing is on (``kdn.tracing``); the call's metadata then carries it to the server."""
+    def wrap(fn: F) -> F:
+        @functools.wraps(fn)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            _settle(args[0])
+            if not _tracing.enabled():
+                return fn(*args, **kwargs)
+            with _tracing.span(name):
+                return fn(*args, **kwargs)
+        return call  # type: ignore[return-value]
+    return wrap
+
+
+def settles(fn: F) -> F:
+    """A method of an object with a ``dataplane`` that settles first (``_settle``)."""
+    @functools.wraps(fn)
+    def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        _settle(self)
+        return fn(self, *args, **kwargs)
+    return call  # type: ignore[return-value]
+
+
+class Rpc:
+    """The channel of one client and the calls made on it. Store and StoreMany send
+    hand-encoded frame messages (``kdn.wire``: one copy of each frame, not three); Retrieve,
+    RetrieveMany and inline GetMany answers are read as views of the received messages, not
+    copies. ``retrieve_calls`` gives Retrieve on channels of their own (parallel reads)."""
+
+    def __init__(self, address: str, *, timeout_s: float, retry: Retry,
+                 max_message_bytes: int, api_key: str | None, tls: TLSOptions | None) -> None:
+        self.address = address
+        self.timeout_s = timeout_s
+        self.retry = retry
+        options: list[tuple[str, int | str]] = [
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.max_send_message_length", max_message_bytes),
+        ]
+        if tls is not None and tls.server_name:
+            options.append(("grpc.ssl_target_name_override", tls.server_name))
+        self._tls = tls
+        self._options = options
+        self.channel = self._new_channel()
+        self._group_calls: list[Any] = []
+        self._auth: tuple[tuple[str, str], ...] = (
+            ((API_KEY_HEADER, api_key),) if api_key else ())
+        self._local = threading.local()
+        self.stub = pb_grpc.KDNStub(self.channel)
+        self.store_call = self.channel.stream_unary(
+            "/kdn.v1.KDN/Store", request_serializer=serialize_passthrough,
+            response_deserializer=pb.StoreResponse.FromString)
+        self.retrieve_call = self.channel.unary_stream(
+            "/kdn.v1.KDN/Retrieve", request_serializer=pb.RetrieveRequest.SerializeToString,
+            response_deserializer=retrieve_response)
+        self.retrieve_many_call = self.channel.unary_stream(
+            "/kdn.v1.KDN/RetrieveMany", request_serializer=pb.RetrieveManyRequest.SerializeToString,
+            response_deserializer=retrieve_response)
+        self.store_many_call = self.channel.stream_unary(
+            "/kdn.v1.KDN/StoreMany", request_serializer=serialize_passthrough,
+            response_deserializer=pb.StoreManyResponse.FromString)
+        self.stub.GetMany = self.channel.unary_unary(
+            "/kdn.v1.KDN/GetMany", request_serializer=pb.GetManyRequest.SerializeToString,
+            response_deserializer=get_many_response)
+        self._lock = threading.Lock()
+        self._extra_channels: list[grpc.Channel] = []
+
+    def _new_channel(self, *extra: tuple[str, int | str]) -> grpc.Channel:
+        options = [*self._options, *extra]
+        if self._tls is None:
+            return grpc.insecure_channel(self.address, options=options)
+        return grpc.secure_channel(self.address, self._tls.credentials(), options=options)
+
+    def retrieve_calls(self, n: int) -> list[Any]:
+        """``n`` Retrieve callables, each on a channel with its own connection (the first is
+        the client's own channel)."""
+        with self._lock:
+            while len(self._group_calls) < n - 1:
+                ch = self._new_channel(("grpc.use_local_subchannel_pool", 1))
+                self._extra_channels.append(ch)
+                self._group_calls.append(ch.unary_stream(
+                    "/kdn.v1.KDN/Retrieve",
+                    request_serializer=pb.RetrieveRequest.SerializeToString,
+                    response_deserializer=retrieve_response))
+            return [self.retrieve_call, *self._group_calls[: n - 1]]
+
+    @property
+    def last_request_id(self) -> str:
+        """The request id of this thread's latest call ("" before its first)."""
+        return str(getattr(self._local, "request_id", ""))
+
+    def metadata(self, request_id: str | None = None) -> tuple[tuple[str, str], ...]:
+        """Metadata of one call: the API key and ``request_id`` (a fresh one when None), which
+        becomes this thread's ``last_request_id``."""
+        rid = request_id or uuid.uuid4().hex[:16]
+        self._local.request_id = rid
+        md = (*self._auth, (REQUEST_ID_HEADER, rid))
+        return tuple(_tracing.inject(list(md))) if _tracing.enabled() else md
+
+    def call(self, fn: Callable[[], T]) -> T:
+        """``fn()`` retried as ``retry`` says; a gRPC error raised as kdn's error."""
+        try:
+            return self.retry.call(fn)
+        except grpc.RpcError as err:
+            raise from_grpc(err) from None
+
+    def close(self) -> None:
+        for ch in (self.channel, *self._extra_channels):
+            ch.close()

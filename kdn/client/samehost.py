@@ -1,0 +1,440 @@
+"""The same-host data path: a client on the server's host shares memory with it.
+
+``SameHostPath`` creates a ``kdn.client.shm.SharedSegment`` on first use and attaches it
+(``Attach``); a server that can not map it (another host, another container, no permission)
+leaves the path without a segment for good, and says so once in the log. Attached, the server
+names a fast path (a Unix socket, ``kdn.server.fastpath``): GetMany / PutMany go there on a
+connection per thread instead of gRPC, and the server's read arena of this tenant
+(``kdn.server.arena``) is handed over on it (``arena``).
+
+Writes on this path: asynchronous stores (``put_async``: written into the segment and sent
+without waiting; answers read in order on the sending thread's connection) and pipelined
+batches (``put_pipelined``: a ``store_many`` of more than ``PIPE_BYTES`` as several PutMany
+calls of about that size, the next one written into the segment while the server copies the
+last one out).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from kdn.client.netpath import fast_answer, fast_error, fast_send
+from kdn.client.pending import ASYNC_DEPTH, PendingStore
+from kdn.codec import EncodedParts
+from kdn.errors import DeadlineExceeded, KDNError, Unavailable
+from kdn.v1 import kdn_pb2 as pb
+from kdn.wire import ARENA_SIZE, FAST_ARENA, FAST_HEAD, FAST_PUT_MANY, read_exact
+
+log = logging.getLogger(__name__)
+
+PIPE_BYTES = 8 << 20
+"""Bytes of entries a pipelined PutMany call carries (``SameHostPath.put_pipelined``)."""
+PIPE_DEPTH = 1
+"""Pipelined PutMany calls sent and not yet answered, besides the one being written."""
+
+
+class SameHostPath:
+    """The shared segment, the fast path and the read arena of a client on the server's host
+    (module docstring). ``call``/``metadata``: the client's retrying call and call metadata."""
+
+    def __init__(self, stub: Any, call: Callable[[Callable[[], Any]], Any],
+                 metadata: Callable[[str | None], Any], timeout_s: float, shm_bytes: int,
+                 keep_leases_bytes: int | None = None) -> None:
+        self._stub = stub
+        self._call = call
+        self._metadata = metadata
+        self.timeout_s = timeout_s
+        self.shm_bytes = shm_bytes
+        self.keep_leases_bytes = keep_leases_bytes
+        self._lock = threading.Lock()
+        self._segment: Any = None
+        self._segment_id = ""
+        self._tried = shm_bytes <= 0
+        self._arena: Any = None  # kdn.client.shm.LeasedArena, where the server lends one
+        self._arena_conn: socket.socket | None = None  # the connection it came on (kept open)
+        self._fast_path = ""
+        self._conns = threading.local()
+        self._all_conns: list[socket.socket] = []
+        self.server_seals = False
+        """The server seals staged entries (``AttachResponse.seals``)."""
+
+    def segment(self) -> tuple[Any, str]:
+        """(segment, id) once attached; (None, "") when there is none."""
+        if self._tried:
+            return self._segment, self._segment_id
+        with self._lock:
+            if not self._tried:
+                self._attach()  # a server that can not be reached now raises: ask again later
+                self._tried = True
+        return self._segment, self._segment_id
+
+    @property
+    def arena(self) -> Any:
+        """The server's read arena (``kdn.client.shm.LeasedArena``), or None."""
+        return self._arena
+
+    @property
+    def fast(self) -> bool:
+        """Whether calls go on the fast path (attached, and the path still usable)."""
+        return bool(self._fast_path)
+
+    def _attach(self) -> None:
+        from kdn.client.shm import SharedSegment
+
+        try:
+            seg = SharedSegment(self.shm_bytes)
+        except (OSError, ValueError, AttributeError) as exc:  # no memfd on this platform
+            log.info("kdn: no shared segment (%s); batches go inline", exc)
+            return
+        req = pb.AttachRequest(pid=seg.pid, fd=seg.fd, size=seg.size, nonce=seg.nonce)
+        md = self._metadata(None)
+        try:
+            resp = self._call(lambda: self._stub.Attach(req, timeout=self.timeout_s,
+                                                        metadata=md))
+        except (Unavailable, DeadlineExceeded):
+            seg.close()
+            raise
+        except KDNError as exc:  # another host or container, no permission, an older server
+            log.info("kdn: the server can not map this client's memory (%s); using gRPC", exc)
+            seg.close()
+            return
+        self._segment, self._segment_id = seg, resp.segment_id
+        self._fast_path = resp.fast_path
+        self.server_seals = resp.seals
+        if self._fast_path:
+            self._arena = self._open_arena()
+
+    def _open_arena(self) -> Any:
+        """The server's read arena of this tenant (``kdn.server.arena``), handed over the fast
+        path; None where the server keeps none or it can not be mapped (reads then copy)."""
+        from kdn.client.shm import LeasedArena
+
+        body = self._segment_id.encode()
+        fds: list[int] = []
+        ok, body_in = 0, b""
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            try:
+                conn.settimeout(self.timeout_s)
+                conn.connect("\0" + self._fast_path)
+                conn.sendall(FAST_HEAD.pack(len(body), FAST_ARENA) + body)
+                first, fds, _, _ = socket.recv_fds(conn, FAST_HEAD.size + ARENA_SIZE.size, 1)
+                head = first[: FAST_HEAD.size]
+                if len(head) < FAST_HEAD.size:
+                    head += read_exact(conn, FAST_HEAD.size - len(head)) or b""
+                n, ok = FAST_HEAD.unpack(head)
+                body_in = first[FAST_HEAD.size :]
+                body_in += read_exact(conn, n - len(body_in)) or b""
+            finally:
+                if ok and len(fds) == 1 and len(body_in) == ARENA_SIZE.size:
+                    conn.settimeout(None)  # kept open, blocking: ``_server_alive`` peeks it
+                    self._arena_conn = conn
+                else:
+                    conn.close()
+            if not ok or len(fds) != 1 or len(body_in) != ARENA_SIZE.size:
+                log.info("kdn: no read arena from the server (%s)",
+                         body_in.decode("utf-8", "replace") if not ok else "malformed answer")
+                for fd in fds:
+                    os.close(fd)
+                return None
+            (size,) = ARENA_SIZE.unpack(body_in)
+            return LeasedArena(fds[0], size, self.keep_leases_bytes)
+        except (OSError, ValueError) as exc:
+            log.info("kdn: no read arena (%s); reads copy into the segment", exc)
+            return None
+
+    def server_alive(self) -> bool:
+        """Whether the server that lent the arena still runs: the connection it was handed
+        over on is still open (a server that exited, even killed, closed it). Kept leases of
+        a gone server are not read again: a new one knows nothing of its words."""
+        conn = self._arena_conn
+        if conn is None:
+            return False
+        try:
+            return bool(conn.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT))
+        except BlockingIOError:
+            return True  # open, nothing said: alive
+        except OSError:
+            return False
+
+
+    def close(self) -> None:
+        """Give the arena's leases and the segment back (``Detach``) and close the connections."""
+        seg, seg_id = self._segment, self._segment_id
+        self._segment, self._segment_id, self._tried = None, "", True
+        if self._arena is not None:  # Detach gives its leases back on the server
+            self._arena.close()
+            self._arena = None
+        if self._arena_conn is not None:
+            self._arena_conn.close()
+            self._arena_conn = None
+        self._fast_path = ""
+        for conn in self._all_conns:
+            conn.close()
+        self._all_conns = []
+        if seg is None:
+            return
+        try:
+            md = self._metadata(None)
+            self._call(lambda: self._stub.Detach(pb.DetachRequest(segment_id=seg_id),
+                                                 timeout=self.timeout_s, metadata=md))
+        except KDNError:
+            pass  # the server unmaps it at shutdown anyway
+        seg.close()
+
+    # -- the fast path --------------------------------------------------------------------------
+
+    def call(self, op: int, req: pb.GetManyRequest | pb.PutManyRequest) -> bytes | None:
+        """One call on this thread's fast-path connection (``kdn.server.fastpath``); None when
+        the path is gone (the call then goes by gRPC, and so do later ones)."""
+        try:
+            conn = self._fast_conn()
+            fast_send(conn, op, req)
+            ok, out = fast_answer(conn)
+        except OSError as exc:
+            self._fast_lost(exc)
+            return None
+        if not ok:
+            raise fast_error(out)
+        return out
+
+    def _fast_conn(self, *, settle: bool = True) -> socket.socket:
+        """This thread's fast-path connection (calls on it are answered in order; with
+        ``settle``, after this thread's asynchronous stores' answers are read)."""
+        if settle and self.has_pending():
+            self.settle()
+        conn: socket.socket | None = getattr(self._conns, "conn", None)
+        if conn is None:
+            conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                conn.settimeout(self.timeout_s)
+                conn.connect("\0" + self._fast_path)
+            except OSError:
+                conn.close()
+                raise
+            self._conns.conn = conn
+            self._all_conns.append(conn)
+        return conn
+
+    def _fast_lost(self, exc: OSError) -> None:
+        log.info("kdn: fast path unusable (%s); using gRPC", exc)
+        self._fast_path = ""
+        conn = getattr(self._conns, "conn", None)
+        if conn is not None:
+            conn.close()
+        self._conns.conn = None
+
+    # -- asynchronous stores (``Client.store_async``) -------------------------------------------
+
+    def _pending(self) -> deque[tuple[PendingStore, tuple[int, int] | None]]:
+        q = getattr(self._conns, "pending", None)
+        if q is None:
+            q = self._conns.pending = deque()
+            self._conns.failed = []
+        return q  # type: ignore[no-any-return]
+
+    def has_pending(self) -> bool:
+        return bool(getattr(self._conns, "pending", None))
+
+    def put_async(self, namespace: str, key: bytes, opts: pb.StoreOptions, *,
+                  parts: EncodedParts | None = None, staged: Any = None,
+                  on_ok: Any = None) -> PendingStore | None:
+        """Send one store on this thread's fast-path connection without waiting for its
+        answer: ``parts`` written into a region of the segment (freed when answered), or a
+        staged entry named where it lies (sealed by the server). None where it can not go
+        this way (no segment or fast path, too large, no room): the caller stores it as
+        ``store`` does."""
+        seg, seg_id = self.segment()
+        if seg is None or not self._fast_path:
+            return None
+        q = self._pending()
+        block: tuple[int, int] | None = None
+        if staged is not None:
+            at = staged.region(seg)
+            if at is None:
+                return None
+            start, length = at
+        else:
+            assert parts is not None
+            length = parts.nbytes
+            n = (length + 63) // 64 * 64
+            if length > seg.size // 4:
+                return None
+            start = seg.regions.alloc(n)
+            while start is None and q:  # room comes back with the answers
+                self._settle_one(q)
+                start = seg.regions.alloc(n)
+            if start is None:
+                return None
+            block = (start, n)
+            write_parts(seg, start, parts)
+        req = pb.PutManyRequest(namespace=namespace, segment_id=seg_id)
+        item = req.items.add(key=key, options=opts, seal=staged is not None)
+        item.region.offset, item.region.length = start, length
+        pending = PendingStore(self, key, on_ok)
+        if q and getattr(self._conns, "conn", None) is None:
+            self.settle()  # their connection went: they fail, a new one starts afresh
+        try:
+            conn = self._fast_conn(settle=False)
+            fast_send(conn, FAST_PUT_MANY, req)
+        except OSError as exc:
+            if block is not None:
+                seg.regions.free(*block)
+            self._fast_lost(exc)
+            return None
+        q.append((pending, block))
+        while len(q) > ASYNC_DEPTH:
+            self._settle_one(q)
+        return pending
+
+    def settle(self, until: PendingStore | None = None) -> None:
+        """Read this thread's unanswered asynchronous stores' answers, oldest first (up to
+        ``until`` when given)."""
+        q = getattr(self._conns, "pending", None)
+        while q:
+            first = q[0][0]
+            self._settle_one(q)
+            if first is until:
+                return
+
+    def take_failed(self) -> list[KDNError]:
+        """The errors of this thread's asynchronous stores answered since the last call."""
+        failed: list[KDNError] = getattr(self._conns, "failed", [])
+        self._conns.failed = []
+        return failed
+
+    def _settle_one(self, q: deque[tuple[PendingStore, tuple[int, int] | None]]) -> None:
+        pending, block = q.popleft()
+        seg = self.segment()[0]
+        try:
+            conn = getattr(self._conns, "conn", None)
+            if conn is None:
+                raise OSError("the fast path is gone")
+            ok, body = fast_answer(conn)
+        except OSError as exc:  # the connection went: no answer will come for any of them
+            lost = [(pending, block), *q]
+            q.clear()
+            for p, b in lost:
+                if b is not None and seg is not None:
+                    seg.regions.free(*b)
+                self._failed(p, Unavailable(f"the fast path closed before the store of "
+                                            f"{p.key!r} was answered ({exc}); it may or may "
+                                            "not be stored"))
+            if self._fast_path:
+                self._fast_lost(exc)
+            return
+        if block is not None and seg is not None:
+            seg.regions.free(*block)
+        if not ok:
+            self._failed(pending, fast_error(body))
+            return
+        results = pb.PutManyResponse.FromString(body).results
+        if len(results) != 1:
+            self._failed(pending, KDNError(f"PutMany answered {len(results)} results for 1"))
+            return
+        pending.resolve(results[0], None)
+
+    def _failed(self, pending: PendingStore, error: KDNError) -> None:
+        pending.resolve(None, error)
+        failed = getattr(self._conns, "failed", None)
+        if failed is None:
+            failed = self._conns.failed = []
+        failed.append(error)
+
+
+    # -- pipelined batches ----------------------------------------------------------------------
+
+    def put_pipelined(self, namespace: str,
+                      items: Sequence[tuple[bytes, EncodedParts, pb.StoreOptions]]
+                      ) -> list[pb.StoreResponse | None] | None:
+        """Store ``items`` in PutMany calls of about ``PIPE_BYTES`` on the fast path, the next
+        call's entries written into the segment while the server copies the last call's out
+        (a same-host store is a copy in by the client, then a copy out by the server: one
+        after the other, each core waits on the other). Each answer frees its call's region.
+        Each item's answer, or None for those larger than a call, those the segment had no
+        room for, or those not answered when the path went away (the caller stores them
+        another way). A call's error is raised once every call sent was answered (the calls
+        before and after it stored theirs). None where the batch is not pipelined: no fast
+        path, one item, or ``PIPE_BYTES`` or less in all."""
+        if not self._fast_path or len(items) < 2 or \
+                sum(parts.nbytes for _, parts, _ in items) <= PIPE_BYTES:
+            return None
+        out: list[pb.StoreResponse | None] = [None] * len(items)
+        seg, seg_id = self.segment()
+        most = min(seg.size // 4, PIPE_BYTES)
+        batches: list[list[int]] = [[]]
+        size = 0
+        for i, (_, parts, _) in enumerate(items):
+            n = (parts.nbytes + 63) // 64 * 64
+            if parts.nbytes > most:
+                continue
+            if batches[-1] and size + n > PIPE_BYTES:
+                batches.append([])
+                size = 0
+            batches[-1].append(i)
+            size += n
+        pending: deque[tuple[list[int], tuple[int, int]]] = deque()
+        error: KDNError | None = None
+        try:
+            conn = self._fast_conn()
+            for batch in batches:
+                if error is not None:
+                    break  # the ones not sent stay unstored: the error is raised
+                total = sum((items[i][1].nbytes + 63) // 64 * 64 for i in batch)
+                start = seg.regions.alloc(total)
+                while start is None and pending:  # room comes back with the answers
+                    error = self._put_answered(conn, pending.popleft(), out, error)
+                    start = seg.regions.alloc(total)
+                if start is None:
+                    break  # the segment is busy with reads: the rest another way
+                req = pb.PutManyRequest(namespace=namespace, segment_id=seg_id)
+                at = start
+                for i in batch:
+                    key, parts, opts = items[i]
+                    write_parts(seg, at, parts)
+                    item = req.items.add(key=key, options=opts)
+                    item.region.offset, item.region.length = at, parts.nbytes
+                    at += (parts.nbytes + 63) // 64 * 64
+                pending.append((batch, (start, total)))
+                fast_send(conn, FAST_PUT_MANY, req)
+                if len(pending) > PIPE_DEPTH:
+                    error = self._put_answered(conn, pending.popleft(), out, error)
+            while pending:
+                error = self._put_answered(conn, pending.popleft(), out, error)
+        except OSError as exc:  # the path went away: the unanswered ones go another way
+            self._fast_lost(exc)
+        finally:
+            for _, block in pending:
+                seg.regions.free(*block)
+        if error is not None:
+            raise error
+        return out
+
+    def _put_answered(self, conn: socket.socket, sent: tuple[list[int], tuple[int, int]],
+                      out: list[pb.StoreResponse | None], error: KDNError | None
+                      ) -> KDNError | None:
+        """Read the answer to a pipelined PutMany, free its region, record its results;
+        the first error (kept, not raised: the later answers must still be read)."""
+        batch, block = sent
+        try:
+            ok, body = fast_answer(conn)
+        finally:
+            self.segment()[0].regions.free(*block)
+        if not ok:
+            return error or fast_error(body)
+        for i, r in zip(batch, pb.PutManyResponse.FromString(body).results):
+            out[i] = r
+        return error
+
+
+def write_parts(seg: Any, at: int, parts: EncodedParts) -> None:
+    """Copy an entry's header and frames into the segment, one after another from ``at``."""
+    for piece in (parts.header, *parts.frames):
+        seg.write(at, piece)
+        at += len(piece)
