@@ -27,17 +27,18 @@ slow): that is how CI checks them, launch and synchronisation counts included (`
 
 from __future__ import annotations
 
-import struct
+import os
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
+import zstandard
 
 from kdn.codec import gpu_kernels as kernels
+from kdn.codec import gpu_plan as plan
 from kdn.codec import rans
-from kdn.codec.entropy import parse_tables
 from kdn.codec.modes import LayerSpec, unpack_sections
 from kdn.codec.quant import SCALE_TABLE, upload_many
 from kdn.errors import Corrupt, InvalidArgument
@@ -93,7 +94,6 @@ class Decoded:
 _TOP = {torch.float16: float(torch.finfo(torch.float16).max),
         torch.bfloat16: float(torch.finfo(torch.bfloat16).max),
         torch.float32: float(torch.finfo(torch.float32).max)}
-_HDR = struct.Struct("<II")
 
 
 def _address(mv: memoryview) -> int:
@@ -129,123 +129,10 @@ class _Source:
         with warnings.catch_warnings():  # read-only source: the tensor is only read
             warnings.simplefilter("ignore", UserWarning)
             t = torch.from_numpy(host) if len(host) else torch.zeros(1, dtype=torch.uint8)
+        self.array = host if len(host) else np.zeros(1, np.uint8)
         self.host = t  # the copy's source (registered memory is read asynchronously)
         self.tensor = t.to(device, non_blocking=True) if device.type != "cpu" else t
         STATS["copies"] += device.type != "cpu"
-
-
-@dataclass
-class _Blobs:
-    """Descriptors of a set of entropy blobs (all log-scale blobs, or all symbol blobs)."""
-
-    per_blob: dict[str, list[Any]] = field(default_factory=lambda: {k: [] for k in (
-        "crow", "rowbase", "blocks", "block", "n", "streams", "states", "heads", "kc",
-        "tokens", "sink", "kbase", "vbase", "qbase", "vc", "kstep", "vstep")})
-    g_blob: list[np.ndarray] = field(default_factory=list)
-    g_first: list[np.ndarray] = field(default_factory=list)
-    g_woff: list[np.ndarray] = field(default_factory=list)
-    g_wcnt: list[np.ndarray] = field(default_factory=list)
-    coded: list[np.ndarray] = field(default_factory=list)
-    const_blob: list[np.ndarray] = field(default_factory=list)
-    const_row: list[np.ndarray] = field(default_factory=list)
-    max_n: int = 0
-    ncoded: int = 0
-
-    @property
-    def groups(self) -> int:
-        return sum(len(g) for g in self.g_blob)
-
-    @property
-    def consts(self) -> int:
-        return sum(len(c) for c in self.const_row)
-
-
-class _Tables:
-    """Every blob's table rows, concatenated (rows numbered across all blobs)."""
-
-    def __init__(self) -> None:
-        self.lo: list[np.ndarray] = []
-        self.width: list[np.ndarray] = []
-        self.counts: list[np.ndarray] = []
-        self.rows = 0
-
-    def add(self, lo: np.ndarray, width: np.ndarray, counts: np.ndarray) -> int:
-        first = self.rows
-        self.lo.append(lo.astype(np.int32))
-        self.width.append(width.astype(np.int32))
-        self.counts.append(counts)
-        self.rows += len(lo)
-        return first
-
-
-def _add_blob(blobs: _Blobs, tables: _Tables, blob: memoryview, body_at: int, body: memoryview,
-              streams: int, n: int, desc: dict[str, Any], where: str) -> None:
-    lo, width, counts, section = parse_tables(blob, streams, n)
-    if n == 0:
-        return
-    if section is None:
-        raise InvalidArgument(f"{where}: only format-2 (rANS) entropy blobs decode on the GPU")
-    if len(section) < _HDR.size:
-        raise Corrupt(f"{where}: rANS section truncated")
-    block, groups = _HDR.unpack_from(section, 0)
-    if block == 0 or block > 1 << 20:
-        raise Corrupt(f"{where}: rANS block of {block} symbols")
-    coded = np.flatnonzero(width > 1)
-    blocks = -(-n // block)
-    nstreams = len(coded) * blocks
-    if groups != -(-nstreams // rans.GROUP):
-        raise Corrupt(f"{where}: rANS section declares {groups} groups for {nstreams} streams")
-    need = _HDR.size + 4 * nstreams + 4 * groups
-    if len(section) < need or (len(section) - need) % 2:
-        raise Corrupt(f"{where}: rANS section sizes do not add up")
-    gwords = np.frombuffer(section, dtype="<u4", count=groups, offset=_HDR.size + 4 * nstreams)
-    if int(gwords.sum(dtype=np.int64)) * 2 != len(section) - need:
-        raise Corrupt(f"{where}: rANS word counts do not match the words stored")
-    rowbase = tables.add(lo, width, counts)
-    index = len(blobs.per_blob["n"])
-    sec_at = body_at + (_address(section) - _address(body))
-    words_at = sec_at + need
-    pb = blobs.per_blob
-    pb["crow"].append(blobs.ncoded)
-    pb["rowbase"].append(rowbase)
-    pb["blocks"].append(blocks)
-    pb["block"].append(block)
-    pb["n"].append(n)
-    pb["streams"].append(nstreams)
-    pb["states"].append(sec_at + _HDR.size)
-    for k, v in desc.items():
-        pb[k].append(v)
-    blobs.coded.append(coded.astype(np.int32) + rowbase)
-    blobs.ncoded += len(coded)
-    blobs.g_blob.append(np.full(groups, index, dtype=np.int32))
-    blobs.g_first.append(np.arange(groups, dtype=np.int32) * rans.GROUP)
-    ends = np.cumsum(gwords, dtype=np.int64)
-    blobs.g_woff.append(words_at + 2 * (ends - gwords))
-    blobs.g_wcnt.append(gwords.astype(np.int32))
-    const = np.flatnonzero(width == 1)
-    if len(const):
-        blobs.const_blob.append(np.full(len(const), index, dtype=np.int32))
-        blobs.const_row.append(const.astype(np.int32) + rowbase)
-    blobs.max_n = max(blobs.max_n, n)
-
-
-def _cat(parts: list[np.ndarray], dtype: Any) -> np.ndarray:
-    return np.concatenate(parts).astype(dtype, copy=False) if parts else np.zeros(1, dtype)
-
-
-def _blob_arrays(prefix: str, blobs: _Blobs) -> dict[str, np.ndarray]:
-    out: dict[str, np.ndarray] = {}
-    for k, v in blobs.per_blob.items():
-        dtype = np.float32 if k in ("kstep", "vstep") else np.int64
-        out[f"{prefix}b_{k}"] = np.array(v or [0], dtype=dtype)
-    out[f"{prefix}g_blob"] = _cat(blobs.g_blob, np.int32)
-    out[f"{prefix}g_first"] = _cat(blobs.g_first, np.int32)
-    out[f"{prefix}g_woff"] = _cat(blobs.g_woff, np.int64)
-    out[f"{prefix}g_wcnt"] = _cat(blobs.g_wcnt, np.int32)
-    out[f"{prefix}coded"] = _cat(blobs.coded, np.int32)
-    out[f"{prefix}c_blob"] = _cat(blobs.const_blob, np.int32)
-    out[f"{prefix}c_row"] = _cat(blobs.const_row, np.int32)
-    return out
 
 
 def _outputs(specs: list[LayerSpec], device: torch.device
@@ -276,93 +163,127 @@ def _views(out: torch.Tensor, specs: list[LayerSpec], bases: list[tuple[int, int
 
 def decode_kdn(bodies: list[memoryview], specs: list[LayerSpec],
                level_steps: list[tuple[float, float, int]], device: torch.device,
-               where: str = "entry") -> Decoded:
+               where: str = "entry") -> Decoded | None:
     """``kdn`` bodies of ``specs``' layers (``level_steps``: each layer's K step, V step and
-    sink tokens) on ``device``; call ``check()`` on the result before using the tensors."""
+    sink tokens) on ``device``; call ``check()`` on the result before using the tensors. None
+    where a blob is range-coded (format 1: the CPU decodes those)."""
     out, bases, dt = _outputs(specs, device)
-    itemsize = out.element_size()
-    scales, syms, tables = _Blobs(), _Blobs(), _Tables()
-    span_src: list[int] = []  # the sink tokens' bytes: where they are, where they go, size
-    span_dst: list[int] = []
-    span_len: list[int] = []
-    sections = [unpack_sections(b, 4, f"layer {s.index}") for b, s in zip(bodies, specs)]
     source = _Source(list(bodies), device)
-    qat = 0
-    for i, (body, spec, (k_step, v_step, sink)) in enumerate(zip(bodies, specs, level_steps)):
-        lw = f"layer {spec.index}"
-        heads, kc, vc = spec.layout.kv_heads, spec.layout.k_channels, spec.layout.v_channels
-        s = min(sink, spec.tokens)
-        n = spec.tokens - s
-        k_sink, v_sink, scale_blob, blob = sections[i]
-        body_at = source.offsets[i]
-        kb, vb = bases[i]
-        for raw, ch, base in ((k_sink, kc, kb), (v_sink, vc, vb)):
-            if len(raw) != heads * s * ch * itemsize:
-                raise Corrupt(f"expected {heads * s * ch * itemsize} bytes for "
-                              f"{(heads, s, ch)} {dt}, got {len(raw)}")
-            at = body_at + (_address(raw) - _address(body)) if len(raw) else 0
-            for h in range(heads if s * ch else 0):
-                span_src.append(at + h * s * ch * itemsize)
-                span_dst.append((base + h * spec.tokens * ch) * itemsize)
-                span_len.append(s * ch * itemsize)
-        common = {"heads": heads, "kc": kc, "vc": vc, "tokens": spec.tokens, "sink": s,
-                  "kbase": kb, "vbase": vb, "qbase": qat,
-                  "kstep": float(np.float32(k_step)), "vstep": float(np.float32(v_step))}
-        _add_blob(scales, tables, scale_blob, body_at, body, 2, n, common, lw)
-        _add_blob(syms, tables, blob, body_at, body, heads * (kc + vc), n, common, lw)
-        if n and not (scales.per_blob["qbase"] and scales.per_blob["qbase"][-1] == qat):
-            # log-scale rows absent (n == 0 never reaches here): nothing to dequantise with
-            raise Corrupt(f"{lw}: no log-scale streams")
-        qat += 2 * n
-    width = _cat(tables.width, np.int32)
-    host = {
-        "flag": np.zeros(1, np.int32),
-        "table": SCALE_TABLE.numpy(),
-        "counts": _cat(tables.counts, np.uint8),
-        "width": width,
-        "tstart": (np.cumsum(width, dtype=np.int64) - width).astype(np.int32),
-        "depth": np.ceil(np.log2(np.maximum(width, 1))).astype(np.int32),
-        "lo": _cat(tables.lo, np.int32),
-        "span_src": np.array(span_src or [0], np.int64),
-        "span_dst": np.array(span_dst or [0], np.int64),
-        "span_len": np.array(span_len or [0], np.int64),
-        **_blob_arrays("s_", scales), **_blob_arrays("y_", syms),
-    }
-    if int(host["width"].sum(dtype=np.int64)) != len(host["counts"]) and tables.rows:
-        raise Corrupt(f"{where}: entropy tables are inconsistent")
+    buf = source.array
+    col = np.array([(s.layout.kv_heads, s.layout.k_channels, s.layout.v_channels, s.tokens,
+                     min(st[2], s.tokens), kb, vb)
+                    for s, st, (kb, vb) in zip(specs, level_steps, bases)], np.int64
+                   ).reshape(-1, 7)
+    heads, kc, vc, tokens, sink, kbase, vbase = (np.ascontiguousarray(col[:, i])
+                                                  for i in range(7))
+    streams = np.stack([np.full(len(specs), 2, np.int64), heads * (kc + vc)], axis=1)
+    err = np.zeros(2, np.int64)
+
+    def failed() -> bool:
+        if err[0] == plan.FORMAT_1:
+            return True
+        if err[0]:
+            raise Corrupt(f"layer {specs[int(err[1])].index}: {plan.WHY[int(err[0])]}")
+        return False
+
+    sect, blobs = plan.scan(buf, np.array(source.offsets, np.int64),
+                            np.array([len(b) for b in bodies], np.int64), tokens - sink, err)
+    if failed():
+        return None
+    sizes = plan.table_sizes(buf, blobs, streams, err)
+    failed()
+    tables, tab = _tables(buf, blobs, sizes, where)
+    args = (buf, sect, blobs, tables, tab, streams, heads, kc, vc, tokens, sink)
+    counts = plan.count(*args, out.element_size(), err)
+    failed()
+    bts, grs, cos, crs, lo, width, tstart, depth, bins, sp, qat = plan.fill(
+        *args, kbase, vbase, out.element_size(), counts)
+    ksteps = np.array([st[0] for st in level_steps], np.float32)
+    vsteps = np.array([st[1] for st in level_steps], np.float32)
+    host: dict[str, np.ndarray] = {
+        "flag": np.zeros(1, np.int32), "table": SCALE_TABLE.numpy(), "counts": bins,
+        "width": width, "tstart": tstart, "depth": depth, "lo": lo,
+        "span_src": sp[:, 0].copy(), "span_dst": sp[:, 1].copy(), "span_len": sp[:, 2].copy()}
+    for b, p in enumerate(("s_", "y_")):
+        bt, gr, cr = bts[b], grs[b], crs[b]
+        for name, field_ in _FIELDS.items():
+            host[f"{p}b_{name}"] = bt[:, field_].copy()
+        host[f"{p}b_kstep"] = ksteps[bt[:, plan.NF]]
+        host[f"{p}b_vstep"] = vsteps[bt[:, plan.NF]]
+        host[f"{p}g_blob"] = gr[:, 0].astype(np.int32)
+        host[f"{p}g_first"] = gr[:, 1].astype(np.int32)
+        host[f"{p}g_woff"] = gr[:, 2].copy()
+        host[f"{p}g_wcnt"] = gr[:, 3].astype(np.int32)
+        host[f"{p}coded"] = cos[b]
+        host[f"{p}c_blob"] = cr[:, 0].copy()
+        host[f"{p}c_row"] = cr[:, 1].copy()
     dev = upload_many(host, device)
     STATS["copies"] += device.type != "cpu"
-    bins = max(len(host["counts"]), 1)
-    freq = torch.empty(bins, dtype=torch.int32, device=device)
-    cum = torch.empty(bins, dtype=torch.int32, device=device)
+    freq = torch.empty(len(bins), dtype=torch.int32, device=device)
+    cum = torch.empty(len(bins), dtype=torch.int32, device=device)
     qout = torch.empty(max(qat, 1), dtype=torch.int32, device=device)
     sout = torch.empty(max(qat, 1), dtype=torch.float32, device=device)
     flag = dev["flag"]
     top = _TOP[dt]
-    _launch(kernels.normalize, (tables.rows,), dev["counts"], dev["tstart"], dev["width"],
+    _launch(kernels.normalize, (int(counts[8]),), dev["counts"], dev["tstart"], dev["width"],
             freq, cum, flag, PREC=rans.PREC, BLOCK=_NORM_BLOCK)
-    for prefix, blobs, dequant in (("s_", scales, False), ("y_", syms, True)):
-        if blobs.consts:
-            _launch(kernels.fill, (blobs.consts, -(-blobs.max_n // _FILL_BLOCK)),
-                    dev[prefix + "c_blob"], dev[prefix + "c_row"],
-                    *(dev[f"{prefix}b_{k}"] for k in (
-                        "rowbase", "n", "heads", "kc", "vc", "tokens", "sink", "kbase", "vbase",
-                        "qbase", "kstep", "vstep")),
-                    dev["lo"], dev["table"], out, qout, sout, flag, top,
-                    BLOCK=_FILL_BLOCK, DEQUANT=dequant)
-        _launch(kernels.rans, (blobs.groups,), source.tensor,
-                dev[prefix + "g_blob"], dev[prefix + "g_first"], dev[prefix + "g_woff"],
-                dev[prefix + "g_wcnt"],
-                *(dev[f"{prefix}b_{k}"] for k in (
+    max_n = int((tokens - sink).max(initial=0))
+    for b, (p, dequant) in enumerate((("s_", False), ("y_", True))):
+        _launch(kernels.fill, (int(counts[6 + b]), -(-max_n // _FILL_BLOCK)),
+                dev[p + "c_blob"], dev[p + "c_row"],
+                *(dev[f"{p}b_{k}"] for k in (
+                    "rowbase", "n", "heads", "kc", "vc", "tokens", "sink", "kbase", "vbase",
+                    "qbase", "kstep", "vstep")),
+                dev["lo"], dev["table"], out, qout, sout, flag, top,
+                BLOCK=_FILL_BLOCK, DEQUANT=dequant)
+        _launch(kernels.rans, (int(counts[2 + b]),), source.tensor,
+                dev[p + "g_blob"], dev[p + "g_first"], dev[p + "g_woff"], dev[p + "g_wcnt"],
+                *(dev[f"{p}b_{k}"] for k in (
                     "crow", "rowbase", "blocks", "block", "n", "streams", "states", "heads",
                     "kc", "tokens", "sink", "kbase", "vbase", "qbase", "vc", "kstep", "vstep")),
-                dev[prefix + "coded"], dev["tstart"], dev["width"], dev["depth"], dev["lo"],
+                dev[p + "coded"], dev["tstart"], dev["width"], dev["depth"], dev["lo"],
                 cum, freq, dev["table"], out, qout, sout, flag, top,
                 GROUP=rans.GROUP, PREC=rans.PREC, DEQUANT=dequant)
-    _launch(kernels.spans, (len(span_src),), source.tensor, dev["span_src"], dev["span_dst"],
+    _launch(kernels.spans, (int(counts[10]),), source.tensor, dev["span_src"], dev["span_dst"],
             dev["span_len"], out.view(torch.uint8), BLOCK=_SPAN_BLOCK)
     return Decoded(_views(out, specs, bases), flag, where,
                    keep=[source.host, source.tensor, dev, freq, cum, qout, sout])
+
+
+_FIELDS = {"crow": plan.CROW, "rowbase": plan.ROWBASE, "blocks": plan.BLOCKS,
+           "block": plan.BLOCK, "n": plan.N, "streams": plan.STREAMS, "states": plan.STATES,
+           "heads": plan.HEADS, "kc": plan.KC, "vc": plan.VC, "tokens": plan.TOKENS,
+           "sink": plan.SINK, "kbase": plan.KBASE, "vbase": plan.VBASE, "qbase": plan.QBASE}
+_DCTX = zstandard.ZstdDecompressor()
+
+
+def _tables(buf: np.ndarray, blobs: np.ndarray, sizes: np.ndarray, where: str
+            ) -> tuple[np.ndarray, np.ndarray]:
+    """Every blob's zstd-packed tables decompressed in one call (several threads), one after
+    another, and where each lies ([L, 2, 2]: offset, length)."""
+    tab = np.zeros((*blobs.shape[:2], 2), np.int64)
+    present = blobs[:, :, 0] >= 0
+    if not present.any():
+        return np.zeros(1, np.uint8), tab
+    segs = np.stack([blobs[:, :, 0][present], blobs[:, :, 1][present]], axis=1)
+    want = sizes[present]
+    tab[:, :, 1][present] = want
+    tab[:, :, 0][present] = np.cumsum(want) - want
+    try:
+        got = _DCTX.multi_decompress_to_buffer(
+            zstandard.BufferWithSegments(memoryview(buf), segs  # type: ignore[arg-type]
+                .astype("<u8").tobytes()),
+            decompressed_sizes=want.astype("<u8").tobytes(), threads=_THREADS)
+        parts = [np.frombuffer(memoryview(got[i]), np.uint8)  # type: ignore[arg-type]
+                 for i in range(len(got))]
+    except zstandard.ZstdError as exc:
+        raise Corrupt(f"{where}: entropy tables do not decode: {exc}") from exc
+    if [len(p) for p in parts] != want.tolist():
+        raise Corrupt(f"{where}: entropy tables are not the size they declare")
+    return np.concatenate(parts), tab
+
+
+_THREADS = min(8, os.cpu_count() or 1)
 
 
 # ------------------------------------------------------------------------------ int8 mode

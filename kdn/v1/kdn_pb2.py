@@ -55,8 +55,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STOREOPTIONS']._serialized_end=889
   _globals['_STOREHEADER']._serialized_start=892
   _globals['_STOREHEADER']._serialized_end=1051
-  _globals['FRAME_STRUCT']._serialized_start=1053
-  _globals['FRAME_STRUCT']._serialized_end=1105
+  _globals['_FRAME']._serialized_start=1053
+  _globals['_FRAME']._serialized_end=1105
   _globals['_STOREHEADERS']._serialized_start=1107
   _globals['_STOREHEADERS']._serialized_end=1159
   _globals['_STOREREQUEST']._serialized_start=1162

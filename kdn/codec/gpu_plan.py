@@ -1,0 +1,304 @@
+"""The host's share of the whole-entry GPU decode of ``kdn`` bodies, compiled (numba): walk
+every layer's sections and entropy blobs in the bodies' bytes, then lay out what the kernels of
+``kdn.codec.gpu_kernels`` read. Per entry this is two compiled calls and one batched zstd call
+(the blobs' frequency tables, decompressed on several threads), not Python per blob.
+
+    scan(buf, body_at, body_len, n, err)  -> sections [L, 4, 2], blobs [L, 2, 4]
+    table_sizes(buf, blobs, streams, err) -> declared size of each packed table (bounded)
+    count(...) / fill(...)                -> sizes, then the descriptor arrays (``fill``)
+
+Checks are those of the CPU decoder (``entropy.parse_tables``, ``rans.decode``,
+``modes.unpack_sections``): a failed one leaves ``err = [code, layer]`` (``WHY``), and the
+caller raises Corrupt. ``FORMAT_1`` is no damage: a range-coded (format-1) blob, which only the
+CPU decodes.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+from kdn.codec.entropy import MAX_WIDTH, RANS_MARK
+
+GROUP = 32
+MAX_BLOCK = 1 << 20
+FORMAT_1 = 4
+WHY = {1: "sections do not add up to the body", 2: "empty stream set is not empty",
+       3: "entropy blob truncated", FORMAT_1: "range-coded (format 1) blob",
+       5: "entropy blob sections do not add up", 6: "zstd frame declares no or too large a size",
+       7: "entropy tables are inconsistent", 8: "rANS section does not add up",
+       9: "sink tokens have the wrong size"}
+NF = 15
+"""Per-blob fields (columns of ``fill``'s blob tables; column NF: the blob's layer)."""
+CROW, ROWBASE, BLOCKS, BLOCK, N, STREAMS, STATES, HEADS, KC, VC, TOKENS, SINK, KBASE, VBASE, \
+    QBASE = range(NF)
+
+
+@numba.njit(cache=True, nogil=True)
+def _u32(buf: np.ndarray, at: int) -> int:
+    return int(np.int64(buf[at]) | (np.int64(buf[at + 1]) << 8) | (np.int64(buf[at + 2]) << 16)
+            | (np.int64(buf[at + 3]) << 24))
+
+
+@numba.njit(cache=True, nogil=True)
+def _u16(buf: np.ndarray, at: int) -> int:
+    return int(np.int64(buf[at]) | (np.int64(buf[at + 1]) << 8))
+
+
+@numba.njit(cache=True, nogil=True)
+def scan(buf: np.ndarray, body_at: np.ndarray, body_len: np.ndarray, n: np.ndarray,
+         err: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each layer's four sections (offset, length) and each of its two entropy blobs'
+    (tables offset, tables length, rANS section offset, section length); -1 where n == 0."""
+    layers = body_at.shape[0]
+    sect = np.zeros((layers, 4, 2), np.int64)
+    blobs = np.full((layers, 2, 4), -1, np.int64)
+    for lay in range(layers):
+        o, ln = body_at[lay], body_len[lay]
+        if ln < 16:
+            err[0], err[1] = 1, lay
+            return sect, blobs
+        total = 16
+        for i in range(4):
+            sect[lay, i, 1] = _u32(buf, o + 4 * i)
+            total += sect[lay, i, 1]
+        if total != ln:
+            err[0], err[1] = 1, lay
+            return sect, blobs
+        at = o + 16
+        for i in range(4):
+            sect[lay, i, 0] = at
+            at += sect[lay, i, 1]
+        for b in range(2):
+            so, sl = sect[lay, 2 + b, 0], sect[lay, 2 + b, 1]
+            if n[lay] == 0:
+                if sl != 4 or _u32(buf, so) != 0:
+                    err[0], err[1] = 2, lay
+                    return sect, blobs
+                continue
+            if sl < 8:
+                err[0], err[1] = 3, lay
+                return sect, blobs
+            if _u32(buf, so) != RANS_MARK:
+                err[0], err[1] = FORMAT_1, lay
+                return sect, blobs
+            tlen = _u32(buf, so + 4)
+            if 8 + tlen > sl:
+                err[0], err[1] = 5, lay
+                return sect, blobs
+            blobs[lay, b, 0] = so + 8
+            blobs[lay, b, 1] = tlen
+            blobs[lay, b, 2] = so + 8 + tlen
+            blobs[lay, b, 3] = sl - 8 - tlen
+    return sect, blobs
+
+
+@numba.njit(cache=True, nogil=True)
+def table_sizes(buf: np.ndarray, blobs: np.ndarray, streams: np.ndarray, err: np.ndarray
+                ) -> np.ndarray:
+    """The content size each blob's zstd frame declares ([L, 2], 0 where no blob), read from
+    its frame header and bounded like ``kdn.codec.zstd.decompress`` (streams x (4 + MAX_WIDTH))
+    before anything is allocated for it."""
+    layers = blobs.shape[0]
+    out = np.zeros((layers, 2), np.int64)
+    for lay in range(layers):
+        for b in range(2):
+            at, ln = blobs[lay, b, 0], blobs[lay, b, 1]
+            if at < 0:
+                continue
+            if ln < 6 or _u32(buf, at) != 0xFD2FB528:
+                err[0], err[1] = 6, lay
+                return out
+            fhd = np.int64(buf[at + 4])
+            single = (fhd >> 5) & 1
+            fcs = (fhd >> 6) & 3
+            did = (0, 1, 2, 4)[fhd & 3]
+            size = (single if fcs == 0 else (2, 4, 8)[fcs - 1] if fcs > 0 else 0)
+            p = at + 5 + (0 if single else 1) + did
+            if size == 0 or p + size > at + ln:
+                err[0], err[1] = 6, lay
+                return out
+            v = np.int64(0)
+            for i in range(min(size, 8)):
+                v |= np.int64(buf[p + i]) << (8 * i)
+            if size == 2:
+                v += 256
+            if v < 0 or v > streams[lay, b] * (4 + MAX_WIDTH):
+                err[0], err[1] = 6, lay
+                return out
+            out[lay, b] = v
+    return out
+
+
+@numba.njit(cache=True, nogil=True)
+def count(buf: np.ndarray, sect: np.ndarray, blobs: np.ndarray, tables: np.ndarray,
+          tab: np.ndarray, streams: np.ndarray, heads: np.ndarray, kc: np.ndarray,
+          vc: np.ndarray, tokens: np.ndarray, sink: np.ndarray, itemsize: int,
+          err: np.ndarray) -> np.ndarray:
+    """Check every blob's tables and rANS header and count what ``fill`` lays out: [blobs,
+    groups, coded rows, constant rows] of set 0 then set 1, then rows, bins, sink spans.
+    ``tables``: every blob's decompressed tables one after another, blob (l, b) at
+    ``tab[l, b, 0]`` (``tab[l, b, 1]`` bytes)."""
+    out = np.zeros(11, np.int64)
+    for lay in range(sect.shape[0]):
+        s, h = sink[lay], heads[lay]
+        for b in range(2):
+            ch = kc[lay] if b == 0 else vc[lay]
+            if sect[lay, b, 1] != h * s * ch * itemsize:
+                err[0], err[1] = 9, lay
+                return out
+            if s * ch:
+                out[10] += h
+        n = tokens[lay] - s
+        if n == 0:
+            continue
+        for b in range(2):
+            st = streams[lay, b]
+            t0, tlen = tab[lay, b, 0], tab[lay, b, 1]
+            if tlen < 4 * st:
+                err[0], err[1] = 7, lay
+                return out
+            wsum = 0
+            coded = 0
+            for i in range(st):
+                w = _u16(tables, t0 + 2 * st + 2 * i)
+                if w == 0:
+                    err[0], err[1] = 7, lay
+                    return out
+                wsum += w
+                coded += w > 1
+            if wsum != tlen - 4 * st:
+                err[0], err[1] = 7, lay
+                return out
+            so, sl = blobs[lay, b, 2], blobs[lay, b, 3]
+            if sl < 8:
+                err[0], err[1] = 8, lay
+                return out
+            block, groups = _u32(buf, so), _u32(buf, so + 4)
+            if block == 0 or block > MAX_BLOCK:
+                err[0], err[1] = 8, lay
+                return out
+            nstreams = coded * ((n + block - 1) // block)
+            need = 8 + 4 * nstreams + 4 * groups
+            if groups != (nstreams + GROUP - 1) // GROUP or sl < need or (sl - need) % 2:
+                err[0], err[1] = 8, lay
+                return out
+            words = 0
+            for g in range(groups):
+                words += _u32(buf, so + 8 + 4 * nstreams + 4 * g)
+            if 2 * words != sl - need:
+                err[0], err[1] = 8, lay
+                return out
+            out[b] += 1
+            out[2 + b] += groups
+            out[4 + b] += coded
+            out[6 + b] += st - coded
+            out[8] += st
+            out[9] += wsum
+    return out
+
+
+@numba.njit(cache=True, nogil=True)
+def fill(buf: np.ndarray, sect: np.ndarray, blobs: np.ndarray, tables: np.ndarray,
+         tab: np.ndarray, streams: np.ndarray, heads: np.ndarray, kc: np.ndarray,
+         vc: np.ndarray, tokens: np.ndarray, sink: np.ndarray, kbase: np.ndarray,
+         vbase: np.ndarray, itemsize: int, sizes: np.ndarray) -> tuple:  # type: ignore[type-arg]
+    """What the kernels read, sized by ``count`` (checked there): per set (0: log scales, 1:
+    symbols) a blob table [blobs, NF] (+ the blob's layer), groups [g, 4] (blob, first stream,
+    word offset, words), coded rows, constant rows [c, 2] (blob, row); for all rows lo,
+    width, tstart, depth; the counts; sink spans [s, 3] (from, to, bytes); log-scale symbols."""
+    bts = (np.zeros((max(sizes[0], 1), NF + 1), np.int64),
+           np.zeros((max(sizes[1], 1), NF + 1), np.int64))
+    grs = (np.zeros((max(sizes[2], 1), 4), np.int64), np.zeros((max(sizes[3], 1), 4), np.int64))
+    cos = (np.zeros(max(sizes[4], 1), np.int32), np.zeros(max(sizes[5], 1), np.int32))
+    crs = (np.zeros((max(sizes[6], 1), 2), np.int32), np.zeros((max(sizes[7], 1), 2), np.int32))
+    rows = max(sizes[8], 1)
+    lo = np.zeros(rows, np.int32)
+    width = np.ones(rows, np.int32)
+    tstart = np.zeros(rows, np.int32)
+    depth = np.zeros(rows, np.int32)
+    counts = np.zeros(max(sizes[9], 1), np.uint8)
+    sp = np.zeros((max(sizes[10], 1), 3), np.int64)
+    ib = np.zeros(2, np.int64)
+    ig = np.zeros(2, np.int64)
+    ic = np.zeros(2, np.int64)
+    ik = np.zeros(2, np.int64)
+    row = 0
+    bin_ = 0
+    isp = 0
+    qat = 0
+    for lay in range(sect.shape[0]):
+        s, h, tk = sink[lay], heads[lay], tokens[lay]
+        for b in range(2):
+            ch = kc[lay] if b == 0 else vc[lay]
+            base = kbase[lay] if b == 0 else vbase[lay]
+            if s * ch:
+                for hh in range(h):
+                    sp[isp, 0] = sect[lay, b, 0] + hh * s * ch * itemsize
+                    sp[isp, 1] = (base + hh * tk * ch) * itemsize
+                    sp[isp, 2] = s * ch * itemsize
+                    isp += 1
+        n = tk - s
+        if n == 0:
+            continue
+        for b in range(2):
+            st = streams[lay, b]
+            t0 = tab[lay, b, 0]
+            so = blobs[lay, b, 2]
+            block, groups = _u32(buf, so), _u32(buf, so + 4)
+            bt, gr, co, cr = bts[b], grs[b], cos[b], crs[b]
+            k = ib[b]
+            coded = 0
+            src = t0 + 4 * st
+            for i in range(st):
+                r = row + i
+                lo[r] = np.int16(_u16(tables, t0 + 2 * i))
+                w = _u16(tables, t0 + 2 * st + 2 * i)
+                width[r] = w
+                tstart[r] = bin_
+                d = 0
+                while (1 << d) < w:
+                    d += 1
+                depth[r] = d
+                counts[bin_ : bin_ + w] = tables[src : src + w]
+                src += w
+                bin_ += w
+                if w > 1:
+                    co[ic[b] + coded] = r
+                    coded += 1
+                else:
+                    cr[ik[b], 0] = k
+                    cr[ik[b], 1] = r
+                    ik[b] += 1
+            blocks = (n + block - 1) // block
+            bt[k, CROW] = ic[b]
+            bt[k, ROWBASE] = row
+            bt[k, BLOCKS] = blocks
+            bt[k, BLOCK] = block
+            bt[k, N] = n
+            bt[k, STREAMS] = coded * blocks
+            bt[k, STATES] = so + 8
+            bt[k, HEADS] = h
+            bt[k, KC] = kc[lay]
+            bt[k, VC] = vc[lay]
+            bt[k, TOKENS] = tk
+            bt[k, SINK] = s
+            bt[k, KBASE] = kbase[lay]
+            bt[k, VBASE] = vbase[lay]
+            bt[k, QBASE] = qat
+            bt[k, NF] = lay
+            gw = so + 8 + 4 * coded * blocks
+            wat = gw + 4 * groups
+            for g in range(groups):
+                c = _u32(buf, gw + 4 * g)
+                gr[ig[b], 0] = k
+                gr[ig[b], 1] = g * GROUP
+                gr[ig[b], 2] = wat
+                gr[ig[b], 3] = c
+                wat += 2 * c
+                ig[b] += 1
+            ic[b] += coded
+            ib[b] += 1
+            row += st
+        qat += 2 * n
+    return bts, grs, cos, crs, lo, width, tstart, depth, counts, sp, qat
