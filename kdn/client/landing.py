@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from kdn.client.parallel import layer_groups
 from kdn.client.received import Fetched
-from kdn.codec.format import parse_header
+from kdn.codec.format import check_frame, parse_header
 from kdn.wire import Frame, FrameMessage
 
 if TYPE_CHECKING:  # the tensor side loads on first use: admin tools run without torch
@@ -75,16 +75,64 @@ def on_cuda(device: torch.device | str | None) -> bool:
     return device is not None and str(device).startswith("cuda")
 
 
+def pinned_for(got: Fetched, target: torch.device, segment: Any = None) -> bool:
+    """Whether ``got``'s bytes are page-locked or registered for a GPU target (an entry in
+    ``segment`` registers the segment with CUDA first)."""
+    pinned = bool(got.pinned)
+    if got.owned and not pinned and target.type == "cuda" and segment is not None:
+        pinned = bool(segment.register_with_cuda()
+                      and got.container is not None and segment.holds(got.container))
+    return pinned
+
+
+def decoded_together(hits: Sequence[Fetched], device: torch.device | str | None,
+                     started: float, segment: Any = None) -> list[LayerStream] | None:
+    """Entries bound for a GPU (the blocks of one context), all decoded in ONE call of their
+    mode's whole-entry decoder (``Mode.decode_layers``: a fixed number of launches for any
+    number of entries and layers, one check for all, when the first layer is waited for);
+    a LayerStream each. None where that does not apply (not CUDA, a mode without such a
+    decoder, entries of different modes, levels or dtypes): then ``stream_of`` each."""
+    if not on_cuda(device) or len(hits) < 2:
+        return None
+    decs = [decoder_for(g.parts.header, device, g) for g in hits]
+    first = decs[0][0]
+    kind = (first.mode.name, first.level, first.header.layout.dtype)
+    if any((d.mode.name, d.level, d.header.layout.dtype) != kind or d.device.type != "cuda"
+           for d, _ in decs):
+        return None
+    from kdn.codec.api import _spec  # noqa: PLC0415 - the tensor side, on first use
+
+    bodies, specs, counts = [], [], []
+    for g, (d, _) in zip(hits, decs):
+        recs = [r for i, f in enumerate(g.parts.frames)
+                for r in check_frame(d.header, i, f, checksum=not d.checked)]
+        bodies += [memoryview(r.body) for r in recs]
+        specs += [_spec(d.header.layout, r.layer, r.tokens) for r in recs]
+        counts.append(len(recs))
+    target = decs[0][1]
+    done = first.mode.decode_layers(bodies, specs, first.level, first.device, pinned=all(
+        pinned_for(g, target, segment) for g in hits))
+    if done is None:
+        return None
+    out, at = [], 0
+    for g, (d, _), n in zip(hits, decs, counts):
+        timings = new_timings(started=started)
+        timings.header = time.perf_counter()
+        timings.bytes_received = g.parts.nbytes
+        out.append(tensor_side().LayerStream(  # records come in layer order, frame by frame
+            d, iter(()), g.tier, lambda: None, timings, target,
+            layers=done.layers[at : at + n], check=done.check))
+        at += n
+    return out
+
+
 def stream_of(got: Fetched, device: torch.device | str | None,
                timings: StreamTimings, segment: Any = None) -> LayerStream:
     """A LayerStream over an entry already in memory (decoded on the worker pool). An entry in
     ``segment`` bound for a GPU registers the segment with CUDA first (pinned views)."""
     timings.header = time.perf_counter()
     dec, target = decoder_for(got.parts.header, device, got)
-    pinned = got.pinned
-    if got.owned and not pinned and target.type == "cuda" and segment is not None:
-        pinned = (segment.register_with_cuda()  # type: ignore[assignment]
-                  and got.container is not None and segment.holds(got.container))
+    pinned = pinned_for(got, target, segment)
     layers = None
     if got.container is not None:  # the whole entry at once (kdn.codec.inplace)
         if got.owned and got.container.readonly:  # the read arena's registered pages (GPU)
@@ -99,9 +147,11 @@ def stream_of(got: Fetched, device: torch.device | str | None,
             layers = span_of(got, device)
     elif got.private:  # a received stream's messages, checked as they landed: views of them
         layers = dec.view_frames(got.parts.frames)  # type: ignore[arg-type]
-    if layers is None and target.type == "cuda":  # compressed: the whole entry in a few
-        done = dec.decode_frames(got.parts.frames)  # launches on the GPU, checked once when
-        if done is not None:                        # the consumer first waits for a layer
+    if layers is None and target.type == "cuda":
+        # compressed: the whole entry in a few launches on the GPU, checked once, when the
+        # consumer first waits for a layer
+        done = dec.decode_frames(got.parts.frames, pinned=bool(pinned))
+        if done is not None:
             timings.bytes_received = got.parts.nbytes
             return tensor_side().LayerStream(dec, iter(()), got.tier, lambda: None, timings,
                                               target, layers=done.layers, check=done.check)

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from kdn.client import parallel
 from kdn.client.dataplane import STREAM_ENTRY_BYTES, DataPlane, TooBig
 from kdn.client.landing import (
+    decoded_together,
     decoder_for,
     joined_stream,
     new_timings,
@@ -405,11 +406,16 @@ class Reader:
             got = self._entries(ns, [ks[j] for j in group], layout, request_id, pinned=True,
                                   in_process=False)
             streams: list[LayerStream | None] = []
+            hits = [(j, g) for j, g in zip(group, got) if isinstance(g, Fetched)]
+            together = decoded_together([g for _, g in hits], device, started, seg)
+            for (j, _), one in zip(hits, together or []):
+                out[j] = one
             for j, g in zip(group, got):
                 if isinstance(g, Fetched):
                     size = max(size, len(g.container) if g.container is not None
                                else sum(map(len, g.parts.frames)))
-                    out[j] = stream_of(g, device, new_timings(started=started), seg)
+                    if out[j] is None:
+                        out[j] = stream_of(g, device, new_timings(started=started), seg)
                 elif g is not None:  # too large for the segment: its own stream
                     out[j] = self.retrieve_stream(ks[j], namespace=ns, layout=layout,
                                                     device=device, request_id=request_id)

@@ -319,6 +319,7 @@ class LayerStream:
         decoded on worker threads are waited for too (their bytes go when they are decoded)."""
         if self._reader is not None:
             self._reader.join()
+        self._checked()  # a device decode: its copy and kernels are done once it is checked
         for staged in self._events.values():
             staged.event.synchronize()
             staged.sources = ()

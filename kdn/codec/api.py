@@ -219,27 +219,29 @@ class StreamDecoder:
             raise Corrupt(f"layer {rec.layer}: mode {self.mode.name} decoded wrong shapes")
         return k, v
 
-    def decode_records(self, recs: Sequence[LayerRecord]) -> Any:
+    def decode_records(self, recs: Sequence[LayerRecord], *, pinned: bool = False) -> Any:
         """Records' layers decoded together by the mode's whole-entry GPU decoder
         (``Mode.decode_layers``): a ``Decoded`` to ``check()`` before its tensors are used, or
         None where the mode has none."""
         specs = [_spec(self.header.layout, r.layer, r.tokens) for r in recs]
         done = self.mode.decode_layers([memoryview(r.body) for r in recs], specs, self.level,
-                                       self.device)
+                                       self.device, pinned=pinned)
         if done is not None:
             for (k, v), spec, r in zip(done.layers, specs, recs):
                 if tuple(k.shape) != spec.k_shape or tuple(v.shape) != spec.v_shape:
                     raise Corrupt(f"layer {r.layer}: mode {self.mode.name} decoded wrong shapes")
         return done
 
-    def decode_frames(self, frames: Sequence[bytes | memoryview]) -> Any:
+    def decode_frames(self, frames: Sequence[bytes | memoryview], *, pinned: bool = False
+                      ) -> Any:
         """Every frame of the entry verified, then all its layers decoded together on the
-        device (``decode_records``); None where the mode has no whole-entry decoder."""
+        device (``decode_records``; ``pinned``: the frames lie in page-locked or registered
+        memory); None where the mode has no whole-entry decoder."""
         if self.device.type == "cpu" or self.mode.decode_layers is Mode.decode_layers:
             return None
         recs = [r for i, f in enumerate(frames)
                 for r in check_frame(self.header, i, f, checksum=not self.checked)]
-        return self.decode_records(recs)
+        return self.decode_records(recs, pinned=pinned)
 
     def decode_frame(
         self, index: int, frame: bytes | memoryview

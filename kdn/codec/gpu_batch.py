@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -75,9 +76,11 @@ class Decoded:
     keep: list[Any] = field(default_factory=list)
     """Device buffers the queued kernels read (alive until they have run)."""
 
+    error: Corrupt | None = None
+
     def check(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """The layers, once the kernels' error flag is read (a synchronisation): raises
-        Corrupt where any kernel found damaged bytes."""
+        """The layers, once the kernels' error flag is read (a synchronisation, the first
+        time): raises Corrupt, every time, where any kernel found damaged bytes."""
         if self.flag is not None:
             STATS["syncs"] += 1
             bits = int(self.flag.item())
@@ -85,7 +88,10 @@ class Decoded:
             self.keep.clear()
             if bits:
                 why = "; ".join(t for b, t in BAD.items() if bits & b)
-                raise Corrupt(f"{self.where}: {why}")
+                self.error = Corrupt(f"{self.where}: {why}")
+                self.layers = []
+        if self.error is not None:
+            raise self.error
         return self.layers
 
 
@@ -102,9 +108,13 @@ def _address(mv: memoryview) -> int:
 
 class _Source:
     """The bodies' bytes as one uint8 tensor on the device (one copy), and each body's offset
-    in it."""
+    in it. ``pinned``: the bodies lie in page-locked or CUDA-registered memory (a registered
+    segment or arena, the pinned in-process tier), which the copy reads in place; other memory
+    is first copied into a pinned staging buffer by several threads (a copy from pageable
+    memory runs at a fraction of the link's rate and blocks the host throughout)."""
 
-    def __init__(self, bodies: list[memoryview], device: torch.device) -> None:
+    def __init__(self, bodies: list[memoryview], device: torch.device,
+                 pinned: bool = False) -> None:
         owners = {id(b.obj) for b in bodies}
         addr = [_address(b) for b in bodies]
         sizes = [len(b) for b in bodies]
@@ -116,21 +126,31 @@ class _Source:
             base = bodies[nonempty[0]]
             whole = np.frombuffer(base.obj, dtype=np.uint8)  # type: ignore[call-overload]
             start = lo - int(whole.ctypes.data)
+        stage = device.type == "cuda" and not pinned
+        host: np.ndarray | None = None
         if 0 <= start and start + hi - lo <= len(whole):
             host = whole[start : start + hi - lo]
             self.offsets = [a - lo if n else 0 for a, n in zip(addr, sizes)]
+            pieces, total = [(0, host)], hi - lo
         else:
-            host = np.empty(sum(sizes), dtype=np.uint8)
-            self.offsets, at = [], 0
+            self.offsets, total, pieces = [], 0, []
             for b in bodies:
-                host[at : at + len(b)] = np.frombuffer(b, dtype=np.uint8)
-                self.offsets.append(at)
-                at += len(b)
-        with warnings.catch_warnings():  # read-only source: the tensor is only read
-            warnings.simplefilter("ignore", UserWarning)
-            t = torch.from_numpy(host) if len(host) else torch.zeros(1, dtype=torch.uint8)
+                pieces.append((total, np.frombuffer(b, dtype=np.uint8)))
+                self.offsets.append(total)
+                total += len(b)
+        if stage:
+            t = torch.empty(max(total, 1), dtype=torch.uint8, pin_memory=True)
+            host = t.numpy()
+            _copy_into(host, pieces)
+        else:
+            if host is None:
+                host = np.empty(max(total, 1), dtype=np.uint8)
+                _copy_into(host, pieces)
+            with warnings.catch_warnings():  # read-only source: the tensor is only read
+                warnings.simplefilter("ignore", UserWarning)
+                t = torch.from_numpy(host) if len(host) else torch.zeros(1, dtype=torch.uint8)
         self.array = host if len(host) else np.zeros(1, np.uint8)
-        self.host = t  # the copy's source (registered memory is read asynchronously)
+        self.host = t  # the copy's source (read asynchronously: alive until checked)
         self.tensor = t.to(device, non_blocking=True) if device.type != "cpu" else t
         STATS["copies"] += device.type != "cpu"
 
@@ -163,12 +183,12 @@ def _views(out: torch.Tensor, specs: list[LayerSpec], bases: list[tuple[int, int
 
 def decode_kdn(bodies: list[memoryview], specs: list[LayerSpec],
                level_steps: list[tuple[float, float, int]], device: torch.device,
-               where: str = "entry") -> Decoded | None:
+               where: str = "entry", *, pinned: bool = False) -> Decoded | None:
     """``kdn`` bodies of ``specs``' layers (``level_steps``: each layer's K step, V step and
     sink tokens) on ``device``; call ``check()`` on the result before using the tensors. None
     where a blob is range-coded (format 1: the CPU decodes those)."""
     out, bases, dt = _outputs(specs, device)
-    source = _Source(list(bodies), device)
+    source = _Source(list(bodies), device, pinned)
     buf = source.array
     col = np.array([(s.layout.kv_heads, s.layout.k_channels, s.layout.v_channels, s.tokens,
                      min(st[2], s.tokens), kb, vb)
@@ -284,15 +304,36 @@ def _tables(buf: np.ndarray, blobs: np.ndarray, sizes: np.ndarray, where: str
 
 
 _THREADS = min(8, os.cpu_count() or 1)
+_COPY_CHUNK = 4 << 20
+_COPIES: ThreadPoolExecutor | None = None
+
+
+def _copy_into(dst: np.ndarray, pieces: list[tuple[int, np.ndarray]]) -> None:
+    """Each (offset, bytes) piece copied into ``dst`` at its offset, in chunks spread over
+    threads (numpy copies release the GIL: one core copies a few GB/s)."""
+    global _COPIES
+    jobs = [(at + o, p[o : o + _COPY_CHUNK]) for at, p in pieces
+            for o in range(0, len(p), _COPY_CHUNK)]
+    if len(jobs) < 4:
+        for at, p in jobs:
+            dst[at : at + len(p)] = p
+        return
+    if _COPIES is None:
+        _COPIES = ThreadPoolExecutor(_THREADS, thread_name_prefix="kdn-stage")
+
+    def one(job: tuple[int, np.ndarray]) -> None:
+        dst[job[0] : job[0] + len(job[1])] = job[1]
+
+    list(_COPIES.map(one, jobs))
 
 
 # ------------------------------------------------------------------------------ int8 mode
 
 def decode_int8(bodies: list[memoryview], specs: list[LayerSpec], device: torch.device,
-                where: str = "entry") -> Decoded:
+                where: str = "entry", *, pinned: bool = False) -> Decoded:
     """``int8`` bodies of ``specs``' layers on ``device`` in one launch (``check()`` first)."""
     out, bases, dt = _outputs(specs, device)
-    source = _Source(list(bodies), device)
+    source = _Source(list(bodies), device, pinned)
     scales_at, data_at, chans, numel, out_at = [], [], [], [], []
     for i, (body, spec) in enumerate(zip(bodies, specs)):
         lw = f"layer {spec.index}"

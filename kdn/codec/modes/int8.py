@@ -69,10 +69,10 @@ class Int8(Mode):
 
 
     def decode_layers(self, bodies: list[memoryview], specs: list[LayerSpec], level: str,
-                      device: torch.device) -> Any:
+                      device: torch.device, *, pinned: bool = False) -> Any:
         from kdn.codec.gpu_batch import decode_int8
 
-        return decode_int8(bodies, specs, device)
+        return decode_int8(bodies, specs, device, pinned=pinned)
 
 
 register(Int8())

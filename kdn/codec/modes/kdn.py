@@ -160,12 +160,12 @@ class Kdn(Mode):
         return torch.cat([k_sink, k], dim=1), torch.cat([v_sink, v], dim=1)
 
     def decode_layers(self, bodies: list[memoryview], specs: list[LayerSpec], level: str,
-                      device: torch.device) -> Any:
+                      device: torch.device, *, pinned: bool = False) -> Any:
         from kdn.codec.gpu_batch import decode_kdn
 
         lv = LEVELS[level]
         steps = [(*lv.steps(s.index, s.num_layers), lv.sink_tokens) for s in specs]
-        return decode_kdn(bodies, specs, steps, device)
+        return decode_kdn(bodies, specs, steps, device, pinned=pinned)
 
 
 register(Kdn())
