@@ -214,10 +214,17 @@ def decode_kdn(bodies: list[memoryview], specs: list[LayerSpec],
     failed()
     tables, tab = _tables(buf, blobs, sizes, where)
     args = (buf, sect, blobs, tables, tab, streams, heads, kc, vc, tokens, sink)
-    counts = plan.count(*args, out.element_size(), err)
+    per_layer = plan.count(*args, out.element_size(), err)
     failed()
-    bts, grs, cos, crs, lo, width, tstart, depth, bins, sp, qat = plan.fill(
-        *args, kbase, vbase, out.element_size(), counts)
+    counts = per_layer.sum(axis=0)
+    starts = np.cumsum(per_layer, axis=0) - per_layer
+    arrays = plan.allocate(counts)
+    bts, grs, cos, crs, lo, width, tstart, depth, bins, sp = arrays
+    flat = (*bts, *grs, *cos, *crs, lo, width, tstart, depth, bins, sp)
+    chunks = _chunks(per_layer[:, 9] + per_layer[:, 2] + per_layer[:, 3])
+    _run_all(lambda c: plan.fill(c[0], c[1], starts, *args, kbase, vbase,
+                                 out.element_size(), *flat), chunks)
+    qat = int(counts[11])
     ksteps = np.array([st[0] for st in level_steps], np.float32)
     vsteps = np.array([st[1] for st in level_steps], np.float32)
     host: dict[str, np.ndarray] = {
@@ -246,7 +253,7 @@ def decode_kdn(bodies: list[memoryview], specs: list[LayerSpec],
     flag = dev["flag"]
     top = _TOP[dt]
     _launch(kernels.normalize, (int(counts[8]),), dev["counts"], dev["tstart"], dev["width"],
-            freq, cum, flag, PREC=rans.PREC, BLOCK=_NORM_BLOCK)
+            freq, cum, flag, PREC=rans.PREC, BLOCK=_NORM_BLOCK, num_warps=2)
     max_n = int((tokens - sink).max(initial=0))
     for b, (p, dequant) in enumerate((("s_", False), ("y_", True))):
         _launch(kernels.fill, (int(counts[6 + b]), -(-max_n // _FILL_BLOCK)),
@@ -263,7 +270,8 @@ def decode_kdn(bodies: list[memoryview], specs: list[LayerSpec],
                     "kc", "tokens", "sink", "kbase", "vbase", "qbase", "vc", "kstep", "vstep")),
                 dev[p + "coded"], dev["tstart"], dev["width"], dev["depth"], dev["lo"],
                 cum, freq, dev["table"], out, qout, sout, flag, top,
-                GROUP=rans.GROUP, PREC=rans.PREC, DEQUANT=dequant)
+                GROUP=rans.GROUP, PREC=rans.PREC, DEQUANT=dequant,
+                num_warps=1)  # a group's 32 lanes are one warp: more groups per SM
     _launch(kernels.spans, (int(counts[10]),), source.tensor, dev["span_src"], dev["span_dst"],
             dev["span_len"], out.view(torch.uint8), BLOCK=_SPAN_BLOCK)
     return Decoded(_views(out, specs, bases), flag, where,
@@ -304,6 +312,29 @@ def _tables(buf: np.ndarray, blobs: np.ndarray, sizes: np.ndarray, where: str
 
 
 _THREADS = min(8, os.cpu_count() or 1)
+
+
+def _chunks(work: np.ndarray) -> list[tuple[int, int]]:
+    """Consecutive layer ranges of about equal ``work`` (one per thread)."""
+    layers = len(work)
+    parts = min(_THREADS, layers)
+    if parts <= 1:
+        return [(0, layers)]
+    edges = np.searchsorted(np.cumsum(work), np.arange(1, parts) * work.sum() / parts)
+    bounds = sorted({0, layers, *(int(e) + 1 for e in edges if 0 <= e < layers - 1)})
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+def _run_all(fn: Any, jobs: list[Any]) -> None:
+    """``fn`` of every job, on the staging threads where there are several."""
+    global _COPIES
+    if len(jobs) < 2:
+        for j in jobs:
+            fn(j)
+        return
+    if _COPIES is None:
+        _COPIES = ThreadPoolExecutor(_THREADS, thread_name_prefix="kdn-stage")
+    list(_COPIES.map(fn, jobs))
 _COPY_CHUNK = 4 << 20
 _COPIES: ThreadPoolExecutor | None = None
 
@@ -311,20 +342,17 @@ _COPIES: ThreadPoolExecutor | None = None
 def _copy_into(dst: np.ndarray, pieces: list[tuple[int, np.ndarray]]) -> None:
     """Each (offset, bytes) piece copied into ``dst`` at its offset, in chunks spread over
     threads (numpy copies release the GIL: one core copies a few GB/s)."""
-    global _COPIES
     jobs = [(at + o, p[o : o + _COPY_CHUNK]) for at, p in pieces
             for o in range(0, len(p), _COPY_CHUNK)]
     if len(jobs) < 4:
         for at, p in jobs:
             dst[at : at + len(p)] = p
         return
-    if _COPIES is None:
-        _COPIES = ThreadPoolExecutor(_THREADS, thread_name_prefix="kdn-stage")
 
     def one(job: tuple[int, np.ndarray]) -> None:
         dst[job[0] : job[0] + len(job[1])] = job[1]
 
-    list(_COPIES.map(one, jobs))
+    _run_all(one, jobs)
 
 
 # ------------------------------------------------------------------------------ int8 mode

@@ -5,7 +5,8 @@ every layer's sections and entropy blobs in the bodies' bytes, then lay out what
 
     scan(buf, body_at, body_len, n, err)  -> sections [L, 4, 2], blobs [L, 2, 4]
     table_sizes(buf, blobs, streams, err) -> declared size of each packed table (bounded)
-    count(...) / fill(...)                -> sizes, then the descriptor arrays (``fill``)
+    count(...)                            -> what each layer lays out, checked
+    fill(first, last, ...)                -> a range of layers into ``allocate``'s arrays
 
 Checks are those of the CPU decoder (``entropy.parse_tables``, ``rans.decode``,
 ``modes.unpack_sections``): a failed one leaves ``err = [code, layer]`` (``WHY``), and the
@@ -135,11 +136,12 @@ def count(buf: np.ndarray, sect: np.ndarray, blobs: np.ndarray, tables: np.ndarr
           tab: np.ndarray, streams: np.ndarray, heads: np.ndarray, kc: np.ndarray,
           vc: np.ndarray, tokens: np.ndarray, sink: np.ndarray, itemsize: int,
           err: np.ndarray) -> np.ndarray:
-    """Check every blob's tables and rANS header and count what ``fill`` lays out: [blobs,
-    groups, coded rows, constant rows] of set 0 then set 1, then rows, bins, sink spans.
+    """Check every blob's tables and rANS header and count, per layer, what ``fill`` lays out
+    ([L, 12]): blobs, groups, coded rows, constant rows of set 0 then set 1, then rows,
+    bins, sink spans, log-scale symbols.
     ``tables``: every blob's decompressed tables one after another, blob (l, b) at
     ``tab[l, b, 0]`` (``tab[l, b, 1]`` bytes)."""
-    out = np.zeros(11, np.int64)
+    out = np.zeros((sect.shape[0], 12), np.int64)
     for lay in range(sect.shape[0]):
         s, h = sink[lay], heads[lay]
         for b in range(2):
@@ -148,10 +150,11 @@ def count(buf: np.ndarray, sect: np.ndarray, blobs: np.ndarray, tables: np.ndarr
                 err[0], err[1] = 9, lay
                 return out
             if s * ch:
-                out[10] += h
+                out[lay, 10] += h
         n = tokens[lay] - s
         if n == 0:
             continue
+        out[lay, 11] = 2 * n
         for b in range(2):
             st = streams[lay, b]
             t0, tlen = tab[lay, b, 0], tab[lay, b, 1]
@@ -189,45 +192,57 @@ def count(buf: np.ndarray, sect: np.ndarray, blobs: np.ndarray, tables: np.ndarr
             if 2 * words != sl - need:
                 err[0], err[1] = 8, lay
                 return out
-            out[b] += 1
-            out[2 + b] += groups
-            out[4 + b] += coded
-            out[6 + b] += st - coded
-            out[8] += st
-            out[9] += wsum
+            out[lay, b] += 1
+            out[lay, 2 + b] += groups
+            out[lay, 4 + b] += coded
+            out[lay, 6 + b] += st - coded
+            out[lay, 8] += st
+            out[lay, 9] += wsum
     return out
 
 
+def allocate(sizes: np.ndarray) -> tuple:  # type: ignore[type-arg]
+    """The arrays ``fill`` writes, for totals ``sizes`` (``count``'s columns summed): per set
+    (0: log scales, 1: symbols) a blob table [blobs, NF + 1] (column NF: the blob's layer),
+    groups [g, 4] (blob, first stream, word offset, words), coded rows, constant rows [c, 2]
+    (blob, row); for all rows lo, width, tstart, depth; the counts; sink spans [s, 3] (from,
+    to, bytes)."""
+    return ((np.zeros((max(sizes[0], 1), NF + 1), np.int64),
+             np.zeros((max(sizes[1], 1), NF + 1), np.int64)),
+            (np.zeros((max(sizes[2], 1), 4), np.int64), np.zeros((max(sizes[3], 1), 4), np.int64)),
+            (np.zeros(max(sizes[4], 1), np.int32), np.zeros(max(sizes[5], 1), np.int32)),
+            (np.zeros((max(sizes[6], 1), 2), np.int32), np.zeros((max(sizes[7], 1), 2), np.int32)),
+            np.empty(max(sizes[8], 1), np.int32), np.ones(max(sizes[8], 1), np.int32),
+            np.empty(max(sizes[8], 1), np.int32), np.empty(max(sizes[8], 1), np.int32),
+            np.empty(max(sizes[9], 1), np.uint8), np.zeros((max(sizes[10], 1), 3), np.int64))
+
+
 @numba.njit(cache=True, nogil=True)
-def fill(buf: np.ndarray, sect: np.ndarray, blobs: np.ndarray, tables: np.ndarray,
-         tab: np.ndarray, streams: np.ndarray, heads: np.ndarray, kc: np.ndarray,
-         vc: np.ndarray, tokens: np.ndarray, sink: np.ndarray, kbase: np.ndarray,
-         vbase: np.ndarray, itemsize: int, sizes: np.ndarray) -> tuple:  # type: ignore[type-arg]
-    """What the kernels read, sized by ``count`` (checked there): per set (0: log scales, 1:
-    symbols) a blob table [blobs, NF] (+ the blob's layer), groups [g, 4] (blob, first stream,
-    word offset, words), coded rows, constant rows [c, 2] (blob, row); for all rows lo,
-    width, tstart, depth; the counts; sink spans [s, 3] (from, to, bytes); log-scale symbols."""
-    bts = (np.zeros((max(sizes[0], 1), NF + 1), np.int64),
-           np.zeros((max(sizes[1], 1), NF + 1), np.int64))
-    grs = (np.zeros((max(sizes[2], 1), 4), np.int64), np.zeros((max(sizes[3], 1), 4), np.int64))
-    cos = (np.zeros(max(sizes[4], 1), np.int32), np.zeros(max(sizes[5], 1), np.int32))
-    crs = (np.zeros((max(sizes[6], 1), 2), np.int32), np.zeros((max(sizes[7], 1), 2), np.int32))
-    rows = max(sizes[8], 1)
-    lo = np.zeros(rows, np.int32)
-    width = np.ones(rows, np.int32)
-    tstart = np.zeros(rows, np.int32)
-    depth = np.zeros(rows, np.int32)
-    counts = np.zeros(max(sizes[9], 1), np.uint8)
-    sp = np.zeros((max(sizes[10], 1), 3), np.int64)
+def fill(first: int, last: int, starts: np.ndarray, buf: np.ndarray, sect: np.ndarray,
+         blobs: np.ndarray, tables: np.ndarray, tab: np.ndarray, streams: np.ndarray,
+         heads: np.ndarray, kc: np.ndarray, vc: np.ndarray, tokens: np.ndarray,
+         sink: np.ndarray, kbase: np.ndarray, vbase: np.ndarray, itemsize: int,
+         bt0: np.ndarray, bt1: np.ndarray, gr0: np.ndarray, gr1: np.ndarray, co0: np.ndarray,
+         co1: np.ndarray, cr0: np.ndarray, cr1: np.ndarray, lo: np.ndarray, width: np.ndarray,
+         tstart: np.ndarray, depth: np.ndarray, counts: np.ndarray, sp: np.ndarray) -> None:
+    """Layers [first, last) into ``allocate``'s arrays, each at the place ``starts`` (the
+    exclusive running sums of ``count``'s rows) gives it: disjoint layer ranges fill on
+    threads side by side (nogil)."""
+    bts, grs, cos, crs = (bt0, bt1), (gr0, gr1), (co0, co1), (cr0, cr1)
     ib = np.zeros(2, np.int64)
     ig = np.zeros(2, np.int64)
     ic = np.zeros(2, np.int64)
     ik = np.zeros(2, np.int64)
-    row = 0
-    bin_ = 0
-    isp = 0
-    qat = 0
-    for lay in range(sect.shape[0]):
+    for b in range(2):
+        ib[b] = starts[first, b]
+        ig[b] = starts[first, 2 + b]
+        ic[b] = starts[first, 4 + b]
+        ik[b] = starts[first, 6 + b]
+    row = starts[first, 8]
+    bin_ = starts[first, 9]
+    isp = starts[first, 10]
+    qat = starts[first, 11]
+    for lay in range(first, last):
         s, h, tk = sink[lay], heads[lay], tokens[lay]
         for b in range(2):
             ch = kc[lay] if b == 0 else vc[lay]
@@ -301,4 +316,3 @@ def fill(buf: np.ndarray, sect: np.ndarray, blobs: np.ndarray, tables: np.ndarra
             ib[b] += 1
             row += st
         qat += 2 * n
-    return bts, grs, cos, crs, lo, width, tstart, depth, counts, sp, qat
