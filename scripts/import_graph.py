@@ -15,7 +15,7 @@ Rules (the two sides drawn in README.md, section "Architecture"):
 * no circles (strongly connected components of more than one module);
 * the storage side (``kdn.server``, ``kdn.store``) imports nothing of the model side or the
   client (``kdn.engine``, ``kdn.client``, ``kdn.blend``, ``kdn.rag``, ``kdn.prune``,
-  ``kdn.hf``, ``kdn.models``, ``kdn.embed``, ``kdn.integrations``);
+  ``kdn.model.hf``, ``kdn.model.models``, ``kdn.model.embed``, ``kdn.integrations``);
 * one greedy decoding loop in the package: a ``while`` loop whose body takes an ``argmax``;
 * no module uses a private name (``_name``, not a dunder) of another module: neither an
   attribute of an object of another module's class nor a module's private (``from kdn.x import
@@ -60,9 +60,9 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = "kdn"
 GENERATED = ("kdn.v1",)
 STORAGE_SIDE = ("kdn.server", "kdn.store")
-MODEL_SIDE = ("kdn.engine", "kdn.client", "kdn.blend", "kdn.rag", "kdn.prune", "kdn.hf",
+MODEL_SIDE = ("kdn.engine", "kdn.client", "kdn.blend", "kdn.rag", "kdn.prune", "kdn.model.hf",
               "kdn.integrations",
-              "kdn.models", "kdn.embed")
+              "kdn.model.models", "kdn.model.embed")
 # Private names of stdlib / third-party objects that are their public API (objects of
 # non-kdn classes are not in the rule's scope, but ``ast`` cannot tell their type).
 FOREIGN_PRIVATES = frozenset({

@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 from kdn.errors import InvalidArgument, InvalidLayout
-from kdn.hf import decoder_layers
+from kdn.model.hf import decoder_layers
 from kdn.prune.importance import ChannelScores, Geometry, attention_modules
 
 PRUNED_KEY = "kdn_pruned"
