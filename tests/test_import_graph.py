@@ -1,7 +1,7 @@
 """The house's shape (scripts/import_graph.py): no import circles, the storage side apart from
-the model side, one greedy decoding loop, no module using another's privates. Checked on kdn
-itself and on small trees that break each rule, so the checker is known to see what it
-guards."""
+the model side, transformers imported only in kdn.model, one greedy decoding loop, no module
+using another's privates. Checked on kdn itself and on small trees that break each rule, so the
+checker is known to see what it guards."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ def test_kdn_has_no_circles_no_side_violations_and_one_greedy_loop() -> None:
     rep = import_graph.report(ROOT)
     assert isinstance(rep["modules"], int) and rep["modules"] > 40  # it read the package
     assert rep["private_access"] == []
+    assert rep["transformers_outside_model"] == []
     assert import_graph.problems(rep) == []
     loops = rep["greedy_loops"]
     assert isinstance(loops, list) and len(loops) == 1 and loops[0].startswith("kdn/model/hf.py:")
@@ -67,6 +68,31 @@ def test_storage_side_importing_model_side_and_extra_loops_are_reported(tmp_path
     assert rep["storage_imports_model_side"] == ["kdn.server.rpc -> kdn.blend"]
     assert rep["greedy_loops"] == ["kdn/blend/loop.py:3", "kdn/model/hf.py:3"]
     assert len(import_graph.problems(rep)) == 2
+    assert import_graph.main(["--root", str(root)]) == 1
+
+
+def test_transformers_outside_kdn_model_is_found_wherever_the_import_hides(
+        tmp_path: Path) -> None:
+    prune = ("import transformers\n"
+             "from typing import TYPE_CHECKING\n"
+             "if TYPE_CHECKING:\n    from transformers.cache_utils import DynamicCache\n"
+             "def f():\n    import transformers.models.llama as llama\n"
+             "    from transformers import AutoConfig\n"
+             "import transformers_stream_generator\n"   # another library
+             "from . import transformers\n"              # a kdn module of that name
+             "from .transformers import x\n")
+    root = _tree(tmp_path, {"kdn/__init__.py": "", "kdn/model/__init__.py": "",
+                            "kdn/model/hf.py": LOOP + "from transformers import DynamicCache\n",
+                            "kdn/model/embed.py": "import transformers\n",
+                            "kdn/prune/__init__.py": "", "kdn/prune/apply.py": prune,
+                            "kdn/prune/transformers.py": "x = 1\n",
+                            "kdn/top.py": "def g():\n    from transformers import AutoModel\n"})
+    rep = import_graph.report(root)
+    assert rep["transformers_outside_model"] == [
+        "kdn.prune.apply:1", "kdn.prune.apply:4", "kdn.prune.apply:6", "kdn.prune.apply:7",
+        "kdn.top:2"]
+    assert import_graph.problems(rep) == [f"transformers imported outside kdn.model: {v}"
+                                          for v in rep["transformers_outside_model"]]
     assert import_graph.main(["--root", str(root)]) == 1
 
 
