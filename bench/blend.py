@@ -58,15 +58,15 @@ from typing import Any
 import torch
 
 from bench.common import figure, print_table, save_figure, write_json
-from kdn import hf
 from kdn.blend import BlendConfig, Piece, blend
 from kdn.blend.decode import Continuation
 from kdn.cache import KVCache
-from kdn.data import load_squad_dev
-from kdn.data import squad_f1 as f1
-from kdn.hf import model_layout
 from kdn.layout import DType, KVLayout
-from kdn.models import load_model
+from kdn.model import hf
+from kdn.model.data import load_squad_dev
+from kdn.model.data import squad_f1 as f1
+from kdn.model.hf import model_layout
+from kdn.model.models import load_model
 
 HEAD = ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging "
         "Face<|im_end|>\n<|im_start|>user\nAnswer the question using the documents below.\n\n")
@@ -125,7 +125,7 @@ def _chunk(tok: Any, texts: list[str], paras: list[int]) -> Chunk:
 
 def build_cases(texts: list[str], chunks: list[Chunk], qas: list[tuple[int, Any]], n: int,
                 k: int, seed: int) -> list[Case]:
-    from kdn.embed import Embedder
+    from kdn.model.embed import Embedder
 
     rng = random.Random(seed)
     picked = rng.sample(qas, n)

@@ -33,7 +33,7 @@ from kdn.cache import KVCache
 from kdn.codec import decode, encode
 from kdn.codec.modes import get_mode
 from kdn.codec.quality import Reference, evaluate, prepare
-from kdn.models import ensure_smollm2_folder, load_model
+from kdn.model.models import ensure_smollm2_folder, load_model
 
 RESULTS = Path(__file__).parent / "results"
 COLUMNS = ["mode", "device", "bits_per_element", "ratio_vs_fp16", "delta_ppl_pct",
@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> None:
     model, tok = load_model("smollm2-135m")
     t0 = time.perf_counter()
     ref = prepare(model, tok, ctx, n_eval, prefill_runs=1 if args.quick else 2)
-    from kdn.data import english_token_ids
+    from kdn.model.data import english_token_ids
 
     ids = torch.as_tensor(english_token_ids(ctx + n_eval + 1, tok)[:ctx])  # prepare()'s context
     prefill_s = sdpa_prefill_s(ids, 1 if args.quick else 2)

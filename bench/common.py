@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from kdn.buffers import allocator_tuned
+from kdn.transport.buffers import allocator_tuned
 
 
 def machine() -> dict[str, Any]:
@@ -28,7 +28,8 @@ def machine() -> dict[str, Any]:
         "cpus": os.cpu_count(),
         "platform": platform.platform(),
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-        "malloc_tuned": allocator_tuned(),  # the thresholds kdn's Client sets (kdn.buffers)
+        # the thresholds kdn's Client sets (kdn.transport.buffers)
+        "malloc_tuned": allocator_tuned(),
     }
 
 

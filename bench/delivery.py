@@ -37,12 +37,13 @@ from bench.common import (
     write_json,
 )
 from bench.roundtrip import RawServer, raw_client
-from kdn import hf, keys
+from kdn import keys
 from kdn.client import Client
 from kdn.codec.modes import get_mode, mode_names
-from kdn.data import english_token_ids
 from kdn.engine import EngineConfig, KDNEngine
-from kdn.models import load_model
+from kdn.model import hf
+from kdn.model.data import english_token_ids
+from kdn.model.models import load_model
 from kdn.server import ServerConfig, ServerThread
 from kdn.store.base import Tier
 from kdn.store.lmdb import LmdbTier
@@ -85,8 +86,8 @@ def prefill_blocks(model: Any, ids: list[int], encodings: tuple[tuple[str, str],
     every encoding, ready to store into any server: {encoding: [(chain key, parts), ...]}."""
     from kdn import codec
     from kdn.delivery import encoding_name
-    from kdn.hf import model_layout
     from kdn.layout import DType
+    from kdn.model.hf import model_layout
 
     layout = model_layout(model, DType.FLOAT32)
     t0 = time.perf_counter()
@@ -157,8 +158,8 @@ def ttft_rows(model: Any, tok: Any, sizes: list[int], paths: list[str], workdir:
 def throughput_rows(model: Any, tok: Any, workdir: Path, tokens: int,
                     repeat: int) -> list[dict[str, Any]]:
     """kdn retrieve of a real stored entry vs raw gRPC streaming of the same bytes."""
-    from kdn.hf import model_layout
     from kdn.layout import DType
+    from kdn.model.hf import model_layout
 
     layout = model_layout(model, DType.FLOAT32)
     ids = english_token_ids(tokens, tok).unsqueeze(0)
@@ -198,8 +199,8 @@ def throughput_rows(model: Any, tok: Any, workdir: Path, tokens: int,
 
 def concurrency_rows(model: Any, tok: Any, workdir: Path, clients_list: list[int],
                      seconds: float) -> list[dict[str, Any]]:
-    from kdn.hf import model_layout
     from kdn.layout import DType
+    from kdn.model.hf import model_layout
 
     layout = model_layout(model, DType.FLOAT32)
     ids = english_token_ids(CHUNK * 4, tok).unsqueeze(0)

@@ -31,12 +31,12 @@ import torch
 
 from bench.common import figure, median, percentile, print_table, save_figure, timed, write_json
 from kdn import codec, keys
-from kdn.buffers import tune_allocator
 from kdn.cache import KVCache
 from kdn.client import Client
 from kdn.layout import KVLayout, LayerLayout
 from kdn.options import StoreOptions
 from kdn.store.ram import RamTier
+from kdn.transport.buffers import tune_allocator
 
 LAYOUT = KVLayout("load-model", tuple(LayerLayout(4, 64, 64) for _ in range(8)), head_dim=64)
 

@@ -22,7 +22,7 @@ unpruned model measured in the same run on the same held-out text.
    training paragraphs made into answering prompts, the questions per such paragraph, and the
    loss weight of the positions that predict a reference answer. The recovered model is saved as a
    transformers folder and every later measurement uses the copy loaded back through
-   ``kdn.models.load_model``.
+   ``kdn.model.models.load_model``.
 4. Per recovered model and the unpruned one: KV bytes per token as kdn stores it, per codec
    level, and the ΔPPL each level costs on top of that model's own fp16 KV (16 windows of
    evaluation text: 256 context tokens, the storage block of the engine, then 256 tokens
@@ -61,13 +61,13 @@ from typing import Any
 import torch
 
 from bench.common import figure, print_table, save_figure, write_json
-from kdn import hf
 from kdn.cache import KVCache
 from kdn.codec import decode, encode
 from kdn.codec.modes import get_mode
-from kdn.hf import model_layout
 from kdn.layout import DType
-from kdn.models import clear_memo, load_model
+from kdn.model import hf
+from kdn.model.hf import model_layout
+from kdn.model.models import clear_memo, load_model
 from kdn.prune import (
     Allocation,
     Geometry,

@@ -54,9 +54,9 @@ import torch
 
 from bench.blend import HEAD, MAX_NEW, TAIL, Outcome, agreement, f1, full_prefill, prefix_only
 from bench.common import figure, print_table, save_figure, write_json
-from kdn import hf
 from kdn.client import Client
-from kdn.data import load_squad_dev
+from kdn.model import hf
+from kdn.model.data import load_squad_dev
 from kdn.rag import Document, KnowledgeBase, RagConfig, RagEngine
 from kdn.rag.corpus import chunk_ids
 
@@ -221,8 +221,8 @@ def main() -> None:
                                                                   args.paragraphs)
     torch.set_num_threads(args.threads)
 
-    from kdn.embed import Embedder
-    from kdn.models import load_model
+    from kdn.model.embed import Embedder
+    from kdn.model.models import load_model
 
     model, tok = load_model("smollm2-135m")
     model.set_attn_implementation("sdpa")

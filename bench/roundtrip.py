@@ -83,12 +83,12 @@ from bench.common import (
     write_json,
 )
 from kdn import codec, keys
-from kdn.buffers import server_trim_bytes, tune_allocator
 from kdn.cache import KVCache
 from kdn.client import Client
 from kdn.layout import KVLayout, LayerLayout
 from kdn.server import ServerConfig, ServerThread
-from kdn.wire import read_exact, recv_into_all
+from kdn.transport.buffers import server_trim_bytes, tune_allocator
+from kdn.transport.wire import read_exact, recv_into_all
 
 STREAMS = 4
 REMOTE = ("grpc", "tcp")
@@ -100,7 +100,7 @@ PAGE_VALUES = 2048
 """fp16 values in a 4 KiB page."""
 SERVER_RAM_BYTES = 8 << 30
 """The kdn servers' RAM tier; the raw service tunes its allocator as a server of that size
-does (``kdn.buffers.server_trim_bytes``)."""
+does (``kdn.transport.buffers.server_trim_bytes``)."""
 OPTS = [("grpc.max_receive_message_length", 256 << 20),
         ("grpc.max_send_message_length", 256 << 20)]
 

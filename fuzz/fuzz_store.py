@@ -3,13 +3,14 @@ sees them.
 
     python fuzz/fuzz_store.py -runs=20000           # or -max_total_time=600
 
-No network: each input drives ``KDNServicer.Store`` (the handler gRPC calls, its ``kdn.server.rpc.rpc``
-status mapping included) on one event loop, with a RAM-tier ``TieredStore`` as the server
-builds it, a tenant with a quota, an ``allowed_models`` list and a small ``max_entry_bytes``.
-The request messages go through the server's deserializer (``kdn.wire.store_request`` wrapped by
-the request interceptor's ``kdn.server.requests.checked``: malformed messages and names end the
-call with INVALID_ARGUMENT), so the servicer gets what it gets from gRPC: hand-encoded frame
-messages as zero-copy views, anything else as generated messages.
+No network: each input drives ``KDNServicer.Store`` (the handler gRPC calls, its
+``kdn.server.rpc.rpc`` status mapping included) on one event loop, with a RAM-tier ``TieredStore``
+as the server builds it, a tenant with a quota, an ``allowed_models`` list and a small
+``max_entry_bytes``. The request messages go through the server's deserializer
+(``kdn.transport.wire.store_request`` wrapped by the request interceptor's
+``kdn.server.requests.checked``: malformed messages and names end the call with INVALID_ARGUMENT),
+so the servicer gets what it gets from gRPC: hand-encoded frame messages as zero-copy views,
+anything else as generated messages.
 
 An input is a container of ``fuzz/reseal.py`` (every mode and level, pruned and other
 layouts, version 1 and 2), mutated and resealed or left as it is, sent as a stream that may
@@ -76,8 +77,8 @@ with atheris.instrument_imports(include=["kdn"], exclude=["kdn.codec.rans", "kdn
     from kdn.server.config import ServerConfig
     from kdn.server.requests import BadRequest, checked
     from kdn.server.service import KDNServicer
+    from kdn.transport.wire import frame_message, retrieve_response, store_request
     from kdn.v1 import kdn_pb2 as pb
-    from kdn.wire import frame_message, retrieve_response, store_request
 
     codec.mode_names()  # the mode modules load on first use: here, instrumented
 

@@ -5,8 +5,8 @@
 ``start_position`` is the absolute position of the first token (0 for a chunk prefilled alone);
 stored keys carry RoPE at ``start_position + t`` when ``layout.rope.keys_rotated``.
 
-Conversions to and from transformers caches live in the adapter (``kdn.hf.to_transformers``,
-``kdn.hf.from_transformers``): this module knows nothing of any model library.
+Conversions to and from transformers caches live in the adapter (``kdn.model.hf.to_transformers``,
+``kdn.model.hf.from_transformers``): this module knows nothing of any model library.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""kdn's import graph, read from the source with ``ast``: circles, side violations, decode loops,
-private names used across modules.
+"""kdn's import graph, read from the source with ``ast``: circles, side violations, transformers
+outside ``kdn.model``, decode loops, private names used across modules.
 
     python scripts/import_graph.py            # a report; exit 1 when a rule is broken
     python scripts/import_graph.py --json     # the same as JSON
@@ -13,9 +13,12 @@ lazy (PEP 562), so importing a submodule runs nothing of it.
 Rules (the two sides drawn in README.md, section "Architecture"):
 
 * no circles (strongly connected components of more than one module);
-* the storage side (``kdn.server``, ``kdn.store``) imports nothing of the model side or the
-  client (``kdn.engine``, ``kdn.client``, ``kdn.blend``, ``kdn.rag``, ``kdn.prune``,
-  ``kdn.hf``, ``kdn.models``, ``kdn.embed``, ``kdn.integrations``);
+* the storage side (``kdn.server``, ``kdn.store``, ``kdn.transport``) imports nothing of the
+  model side or the client (``kdn.engine``, ``kdn.client``, ``kdn.blend``, ``kdn.rag``,
+  ``kdn.prune``, ``kdn.model``, ``kdn.integrations``);
+* only ``kdn.model`` and its modules import ``transformers`` (``import transformers``,
+  ``from transformers.x import y``, wherever written); the rest of the model side reaches
+  transformers through them. Reported as ``module:line``; ``importlib`` calls are not read;
 * one greedy decoding loop in the package: a ``while`` loop whose body takes an ``argmax``;
 * no module uses a private name (``_name``, not a dunder) of another module: neither an
   attribute of an object of another module's class nor a module's private (``from kdn.x import
@@ -59,10 +62,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = "kdn"
 GENERATED = ("kdn.v1",)
-STORAGE_SIDE = ("kdn.server", "kdn.store")
-MODEL_SIDE = ("kdn.engine", "kdn.client", "kdn.blend", "kdn.rag", "kdn.prune", "kdn.hf",
-              "kdn.integrations",
-              "kdn.models", "kdn.embed")
+STORAGE_SIDE = ("kdn.server", "kdn.store", "kdn.transport")
+MODEL_SIDE = ("kdn.engine", "kdn.client", "kdn.blend", "kdn.rag", "kdn.prune", "kdn.model",
+              "kdn.integrations")
+MODEL_LIBRARY = "transformers"  # imported by the modules of MODEL_ADAPTERS and no others
+MODEL_ADAPTERS = ("kdn.model",)
 # Private names of stdlib / third-party objects that are their public API (objects of
 # non-kdn classes are not in the rule's scope, but ``ast`` cannot tell their type).
 FOREIGN_PRIVATES = frozenset({
@@ -190,6 +194,25 @@ def _within(name: str, prefixes: tuple[str, ...]) -> bool:
 def side_violations(edges: dict[str, set[str]]) -> list[tuple[str, str]]:
     return sorted((a, b) for a, targets in edges.items() if _within(a, STORAGE_SIDE)
                   for b in targets if _within(b, MODEL_SIDE))
+
+
+def library_imports(root: Path = ROOT, library: str = MODEL_LIBRARY,
+                    allowed: tuple[str, ...] = MODEL_ADAPTERS) -> list[str]:
+    """``module:line`` of every import of ``library`` (or a submodule) outside ``allowed``."""
+    out: list[tuple[str, int]] = []
+    for name, path in modules(root).items():
+        if _within(name, allowed):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                names = [node.module or ""]
+            else:
+                continue
+            if any(n == library or n.startswith(library + ".") for n in names):
+                out.append((name, node.lineno))
+    return [f"{name}:{line}" for name, line in sorted(out)]
 
 
 def decode_loops(root: Path = ROOT) -> list[str]:
@@ -345,6 +368,7 @@ def report(root: Path = ROOT) -> dict[str, object]:
         "edges": sum(len(t) for t in edges.values()),
         "circles": circles(edges),
         "storage_imports_model_side": [f"{a} -> {b}" for a, b in side_violations(edges)],
+        "transformers_outside_model": library_imports(root),
         "greedy_loops": decode_loops(root),
         "private_access": private_access(root),
     }
@@ -354,6 +378,8 @@ def problems(rep: dict[str, object]) -> list[str]:
     out = [f"import circle: {' <-> '.join(c)}" for c in rep["circles"]]  # type: ignore[attr-defined]
     out += [f"storage side imports model side: {v}"
             for v in rep["storage_imports_model_side"]]  # type: ignore[attr-defined]
+    out += [f"{MODEL_LIBRARY} imported outside {', '.join(MODEL_ADAPTERS)}: {v}"
+            for v in rep["transformers_outside_model"]]  # type: ignore[attr-defined]
     loops = rep["greedy_loops"]
     if len(loops) != 1:  # type: ignore[arg-type]
         out.append(f"expected one greedy decoding loop, found {len(loops)}: {loops}")  # type: ignore[arg-type]

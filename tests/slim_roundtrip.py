@@ -11,9 +11,9 @@ import grpc
 
 from kdn.codec.format import FRAME_SEED, build_header, frame_with_sum, layout_to_proto, record_parts
 from kdn.layout import KVLayout, LayerLayout
+from kdn.transport.wire import frame_message
 from kdn.v1 import kdn_pb2 as pb
 from kdn.v1 import kdn_pb2_grpc as pb_grpc
-from kdn.wire import frame_message
 
 try:
     import torch  # noqa: F401

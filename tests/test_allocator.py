@@ -1,4 +1,4 @@
-"""kdn.buffers.tune_allocator: fixed glibc thresholds, once per process, and a way out."""
+"""kdn.transport.buffers.tune_allocator: fixed glibc thresholds, once per process, and a way out."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 
 SCRIPT = """
 import json
-from kdn import buffers
+from kdn.transport import buffers
 first = buffers.tune_allocator()
 kept = [buffers.kept_free_bytes()]
 again = buffers.tune_allocator()
@@ -51,7 +51,7 @@ def test_the_allocator_is_tuned_once_its_trim_only_raised_and_it_can_be_left_alo
 
 def test_a_client_tunes_the_allocator_of_its_process() -> None:
     _glibc()
-    code = ("from kdn import buffers\nfrom kdn.client import Client\n"
+    code = ("from kdn.transport import buffers\nfrom kdn.client import Client\n"
             "assert buffers._tuned is None\nClient('127.0.0.1:1').close()\n"
             "print(buffers._tuned)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
@@ -64,7 +64,7 @@ def test_a_server_keeps_the_free_heap_its_ram_tier_warrants() -> None:
     the RAM tier (here 600 MiB: 300 MiB), so a Store kept as its messages finds the memory
     of the one it replaced still in the heap."""
     _glibc()
-    code = ("import tempfile\nfrom kdn import buffers\n"
+    code = ("import tempfile\nfrom kdn.transport import buffers\n"
             "from kdn.server import ServerConfig, ServerThread\n"
             "with tempfile.TemporaryDirectory() as d, ServerThread(ServerConfig(\n"
             "        port=0, data_dir=d, ram_bytes=600 << 20, disk_bytes=0)):\n"

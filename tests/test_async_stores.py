@@ -187,8 +187,8 @@ def test_puts_queued_on_a_connection_are_copied_together_and_answered_one_by_one
     queued behind them is served after them."""
     import kdn.server.fastpath as fastpath
     from kdn.client.netpath import fast_answer, fast_error
+    from kdn.transport.wire import FAST_GET_MANY, FAST_HEAD, FAST_PUT_MANY
     from kdn.v1 import kdn_pb2 as pb
-    from kdn.wire import FAST_GET_MANY, FAST_HEAD, FAST_PUT_MANY
 
     groups: list[int] = []
     real = fastpath.FastPath._put_group

@@ -10,15 +10,15 @@ from typing import Any
 import pytest
 import torch
 
-from kdn import hf
 from kdn.blend import BlendConfig, Piece, blend, concat_positions
 from kdn.blend.rope import inv_freq, reposition, rope_plan
 from kdn.blend.select import select_tokens
 from kdn.cache import KVCache
 from kdn.client import Client
 from kdn.errors import InvalidArgument, InvalidLayout
-from kdn.hf import model_layout
 from kdn.layout import DType, KVLayout, LayerLayout, RopeSpec
+from kdn.model import hf
+from kdn.model.hf import model_layout
 
 TOL = dict(atol=2e-5, rtol=1e-4)
 

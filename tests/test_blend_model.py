@@ -6,18 +6,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kdn import hf
 from kdn.blend import BlendConfig, Piece, blend
-from kdn.data import load_squad_dev
-from kdn.hf import model_layout
 from kdn.layout import DType
+from kdn.model import hf
+from kdn.model.data import load_squad_dev
+from kdn.model.hf import model_layout
 
 pytestmark = pytest.mark.model
 
 
 @pytest.fixture(scope="module")
 def smol() -> tuple:
-    from kdn.models import load_model
+    from kdn.model.models import load_model
 
     return load_model("smollm2-135m")
 

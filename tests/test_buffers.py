@@ -1,4 +1,4 @@
-"""Receive buffers of large entries are recycled (kdn.buffers): a buffer is written
+"""Receive buffers of large entries are recycled (kdn.transport.buffers): a buffer is written
 again only once no view of its previous use exists; free memory stays within its bound; through
 the server, overwrites reuse buffers and every read still returns what was stored with it."""
 
@@ -10,9 +10,9 @@ import gc
 import numpy as np
 import pytest
 
-from kdn.buffers import _WATCHED, MIN_BYTES, BufferPool, on_release
 from kdn.client import Client
 from kdn.server import ServerConfig, ServerThread
+from kdn.transport.buffers import _WATCHED, MIN_BYTES, BufferPool, on_release
 from tests.helpers import random_kv, uniform_layout
 
 
@@ -145,7 +145,7 @@ def test_a_new_buffer_is_faulted_in_whole_when_taken() -> None:
     import ctypes
     import os
 
-    from kdn.buffers import MADV_POPULATE_WRITE, libc_madvise
+    from kdn.transport.buffers import MADV_POPULATE_WRITE, libc_madvise
 
     page = os.sysconf("SC_PAGE_SIZE")
     libc = ctypes.CDLL(None, use_errno=True)

@@ -231,9 +231,9 @@ def test_swapped_and_foreign_frames_detected(mode: str, level: str) -> None:
 
 @pytest.fixture(scope="module")
 def real_kv() -> KVCache:
-    from kdn.data import english_token_ids
-    from kdn.hf import prefill
-    from kdn.models import load_model
+    from kdn.model.data import english_token_ids
+    from kdn.model.hf import prefill
+    from kdn.model.models import load_model
 
     model, tok = load_model("smollm2-135m")
     layout = KVLayout.from_config(model.config, dtype=torch.float16)

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.model
 
 @pytest.fixture(scope="module")
 def ref() -> Reference:
-    from kdn.models import load_model
+    from kdn.model.models import load_model
 
     model, tok = load_model("smollm2-135m")
     return prepare(model, tok, ctx_tokens=512, eval_tokens=128)

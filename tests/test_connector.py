@@ -7,13 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kdn import hf
 from kdn.blend import BlendConfig, Piece, blend
 from kdn.blend.chunks import ChunkConnector
 from kdn.client import Client
 from kdn.engine import EngineConfig, KDNEngine, KVConnector
 from kdn.errors import InvalidArgument
 from kdn.layout import DType
+from kdn.model import hf
 from tests.test_blend import ids, tiny
 from tests.test_rag import CharTokenizer
 

@@ -269,7 +269,7 @@ def test_the_fast_path_serves_same_host_batches_and_refuses_strangers(server: Se
                                                                       ) -> None:
     import socket
 
-    from kdn.wire import FAST_GET_MANY, FAST_HEAD, read_exact
+    from kdn.transport.wire import FAST_GET_MANY, FAST_HEAD, read_exact
 
     with Client(server.address, shm_bytes=4 << 20, keep_leases_bytes=0) as c:  # every read
         kv = random_kv(LAYOUT, 12, seed=13)  # asks

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.model
 
 @pytest.fixture(scope="module")
 def smol() -> tuple:
-    from kdn.models import load_model
+    from kdn.model.models import load_model
 
     return load_model("smollm2-135m")
 
@@ -31,7 +31,7 @@ def engine(smol: tuple, tmp_path: Path) -> Iterator[KDNEngine]:
 
 
 def _prompt(tokenizer: object, n: int, offset: int = 0) -> list[int]:
-    from kdn.data import english_token_ids
+    from kdn.model.data import english_token_ids
 
     return [int(t) for t in english_token_ids(n, tokenizer, offset_paragraphs=offset)]
 

@@ -16,9 +16,9 @@ from kdn.client.admin import AdminClient
 from kdn.codec import EncodedParts
 from kdn.options import Durability, StoreOptions
 from kdn.server import ServerConfig, ServerThread
+from kdn.transport.wire import frame_message
 from kdn.v1 import kdn_pb2 as pb
 from kdn.v1 import kdn_pb2_grpc as pb_grpc
-from kdn.wire import frame_message
 from tests.helpers import random_kv, uniform_layout
 
 LAYOUT = uniform_layout(layers=4, heads=2, dim=64)

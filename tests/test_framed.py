@@ -22,9 +22,9 @@ from kdn.store.framed import Framed, contiguous
 from kdn.store.lmdb import LmdbTier
 from kdn.store.ram import RamTier
 from kdn.store.tiered import FramedHit, Hit, TieredStore
+from kdn.transport.wire import MIN_PIECE_BYTES, frame_message, parse_frame_message, piece_messages
 from kdn.v1 import kdn_pb2 as pb
 from kdn.v1 import kdn_pb2_grpc as pb_grpc
-from kdn.wire import MIN_PIECE_BYTES, frame_message, parse_frame_message, piece_messages
 from tests.helpers import random_kv, uniform_layout
 
 LAYOUT = uniform_layout(layers=4, heads=4, dim=64)
@@ -222,8 +222,8 @@ def test_the_framed_limit_and_the_servers_trim_threshold_bounds() -> None:
     """A server keeps half its RAM tier of free heap, from the client's 128 MiB to 512 MiB,
     and keeps Stores up to half of what the allocator keeps as their frames, up to
     ``MAX_FRAMED_BYTES``."""
-    from kdn.buffers import SERVER_TRIM_THRESHOLD, TRIM_THRESHOLD, server_trim_bytes
     from kdn.store.framed import MAX_FRAMED_BYTES, framed_limit
+    from kdn.transport.buffers import SERVER_TRIM_THRESHOLD, TRIM_THRESHOLD, server_trim_bytes
 
     assert server_trim_bytes(64 << 20) == TRIM_THRESHOLD
     assert server_trim_bytes(600 << 20) == 300 << 20

@@ -82,10 +82,10 @@ def real_kv_entries() -> dict[str, bytes]:
 
 def encode_real_kv(tokens: int) -> dict[str, bytes]:
     from kdn import codec
-    from kdn.data import english_token_ids
-    from kdn.hf import prefill
     from kdn.layout import KVLayout
-    from kdn.models import load_model
+    from kdn.model.data import english_token_ids
+    from kdn.model.hf import prefill
+    from kdn.model.models import load_model
 
     model, tok = load_model("smollm2-135m")
     layout = KVLayout.from_config(model.config, dtype=torch.float16)

@@ -1,7 +1,7 @@
 """The house's shape (scripts/import_graph.py): no import circles, the storage side apart from
-the model side, one greedy decoding loop, no module using another's privates. Checked on kdn
-itself and on small trees that break each rule, so the checker is known to see what it
-guards."""
+the model side, transformers imported only in kdn.model, one greedy decoding loop, no module
+using another's privates. Checked on kdn itself and on small trees that break each rule, so the
+checker is known to see what it guards."""
 
 from __future__ import annotations
 
@@ -20,9 +20,10 @@ def test_kdn_has_no_circles_no_side_violations_and_one_greedy_loop() -> None:
     rep = import_graph.report(ROOT)
     assert isinstance(rep["modules"], int) and rep["modules"] > 40  # it read the package
     assert rep["private_access"] == []
+    assert rep["transformers_outside_model"] == []
     assert import_graph.problems(rep) == []
     loops = rep["greedy_loops"]
-    assert isinstance(loops, list) and len(loops) == 1 and loops[0].startswith("kdn/hf.py:")
+    assert isinstance(loops, list) and len(loops) == 1 and loops[0].startswith("kdn/model/hf.py:")
 
 
 def _tree(tmp_path: Path, files: dict[str, str]) -> Path:
@@ -43,14 +44,14 @@ LOOP = "def greedy(d):\n    out = [0]\n    while len(out) < 3:\n        out.appe
 ])
 def test_a_circle_is_found_wherever_the_import_hides(tmp_path: Path, hidden: str) -> None:
     root = _tree(tmp_path, {"kdn/__init__.py": "", "kdn/a.py": hidden,
-                            "kdn/b.py": "from kdn import a\nx = 1\n", "kdn/hf.py": LOOP})
+                            "kdn/b.py": "from kdn import a\nx = 1\n", "kdn/model/hf.py": LOOP})
     rep = import_graph.report(root)
     assert rep["circles"] == [["kdn.a", "kdn.b"]]
     assert import_graph.problems(rep) == ["import circle: kdn.a <-> kdn.b"]
 
 
 def test_a_package_init_is_part_of_the_graph(tmp_path: Path) -> None:
-    root = _tree(tmp_path, {"kdn/__init__.py": "", "kdn/hf.py": LOOP,
+    root = _tree(tmp_path, {"kdn/__init__.py": "", "kdn/model/hf.py": LOOP,
                             "kdn/p/__init__.py": "from kdn.p.m import y\n",
                             "kdn/p/m.py": "from kdn.q import z\ny = 1\n",
                             "kdn/q.py": "import kdn.p\nz = 1\n"})
@@ -58,15 +59,40 @@ def test_a_package_init_is_part_of_the_graph(tmp_path: Path) -> None:
 
 
 def test_storage_side_importing_model_side_and_extra_loops_are_reported(tmp_path: Path) -> None:
-    root = _tree(tmp_path, {"kdn/__init__.py": "", "kdn/hf.py": LOOP,
+    root = _tree(tmp_path, {"kdn/__init__.py": "", "kdn/model/hf.py": LOOP,
                             "kdn/server/__init__.py": "",
                             "kdn/server/rpc.py": "def f():\n    from kdn.blend import run\n",
                             "kdn/blend/__init__.py": "from kdn.blend.loop import run\n",
                             "kdn/blend/loop.py": LOOP.replace("greedy", "run")})
     rep = import_graph.report(root)
     assert rep["storage_imports_model_side"] == ["kdn.server.rpc -> kdn.blend"]
-    assert rep["greedy_loops"] == ["kdn/blend/loop.py:3", "kdn/hf.py:3"]
+    assert rep["greedy_loops"] == ["kdn/blend/loop.py:3", "kdn/model/hf.py:3"]
     assert len(import_graph.problems(rep)) == 2
+    assert import_graph.main(["--root", str(root)]) == 1
+
+
+def test_transformers_outside_kdn_model_is_found_wherever_the_import_hides(
+        tmp_path: Path) -> None:
+    prune = ("import transformers\n"
+             "from typing import TYPE_CHECKING\n"
+             "if TYPE_CHECKING:\n    from transformers.cache_utils import DynamicCache\n"
+             "def f():\n    import transformers.models.llama as llama\n"
+             "    from transformers import AutoConfig\n"
+             "import transformers_stream_generator\n"   # another library
+             "from . import transformers\n"              # a kdn module of that name
+             "from .transformers import x\n")
+    root = _tree(tmp_path, {"kdn/__init__.py": "", "kdn/model/__init__.py": "",
+                            "kdn/model/hf.py": LOOP + "from transformers import DynamicCache\n",
+                            "kdn/model/embed.py": "import transformers\n",
+                            "kdn/prune/__init__.py": "", "kdn/prune/apply.py": prune,
+                            "kdn/prune/transformers.py": "x = 1\n",
+                            "kdn/top.py": "def g():\n    from transformers import AutoModel\n"})
+    rep = import_graph.report(root)
+    assert rep["transformers_outside_model"] == [
+        "kdn.prune.apply:1", "kdn.prune.apply:4", "kdn.prune.apply:6", "kdn.prune.apply:7",
+        "kdn.top:2"]
+    assert import_graph.problems(rep) == [f"transformers imported outside kdn.model: {v}"
+                                          for v in rep["transformers_outside_model"]]
     assert import_graph.main(["--root", str(root)]) == 1
 
 
@@ -129,7 +155,7 @@ _LIMIT = Box._make_one(), kdn.p.owner._LIMIT, owner._LIMIT, owner_mod._helper
 
 
 def test_privates_of_another_module_are_reported(tmp_path: Path) -> None:
-    root = _tree(tmp_path, {"kdn/__init__.py": "", "kdn/hf.py": LOOP,
+    root = _tree(tmp_path, {"kdn/__init__.py": "", "kdn/model/hf.py": LOOP,
                             "kdn/p/__init__.py": "", "kdn/p/_private_sub.py": "",
                             "kdn/p/owner.py": OWNER, "kdn/p/user.py": USER,
                             "kdn/q/__init__.py": "from kdn.p import _private_sub\n",
@@ -159,7 +185,7 @@ def test_own_privates_self_and_foreign_objects_are_fine(tmp_path: Path) -> None:
             "        return n._walk_cache, Node._count, self.__dict__, os._exit, np._NoValue\n\n"
             "    _walk_cache = None\n\n\n"
             "def f(cfg, t) -> object:\n    return cfg._attn_implementation, t._version\n")
-    root = _tree(tmp_path, {"kdn/__init__.py": "", "kdn/hf.py": LOOP,
+    root = _tree(tmp_path, {"kdn/__init__.py": "", "kdn/model/hf.py": LOOP,
                             "kdn/p/__init__.py": "", "kdn/p/user.py": user})
     rep = import_graph.report(root)
     assert rep["private_access"] == []
@@ -170,6 +196,6 @@ def test_a_protocol_does_not_make_anothers_privates_ones_own(tmp_path: Path) -> 
     user = ("from typing import Protocol\n\n\nclass Servicer(Protocol):\n"
             "    def _put(self) -> None: ...\n\n\n"
             "def call(s: Servicer) -> None:\n    s._put()\n")
-    root = _tree(tmp_path, {"kdn/__init__.py": "", "kdn/hf.py": LOOP,
+    root = _tree(tmp_path, {"kdn/__init__.py": "", "kdn/model/hf.py": LOOP,
                             "kdn/p/__init__.py": "", "kdn/p/user.py": user})
     assert import_graph.report(root)["private_access"] == ["kdn.p.user:9  s._put"]

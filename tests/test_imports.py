@@ -10,7 +10,7 @@ import textwrap
 import pytest
 
 GRPC_FREE = ["kdn", "kdn.layout", "kdn.codec", "kdn.errors", "kdn.keys", "kdn.options",
-             "kdn.cache", "kdn.delivery", "kdn.wire", "kdn.metadata"]
+             "kdn.cache", "kdn.delivery", "kdn.transport.wire", "kdn.transport.metadata"]
 
 
 def _run(code: str) -> None:

@@ -11,16 +11,16 @@ import grpc
 import pytest
 
 from kdn import codec, keys
-from kdn.buffers import MIN_BYTES as _BUFFER_FROM
 from kdn.cache import KVCache
 from kdn.client import Client
 from kdn.engine.engine import CHUNK_TOKENS, MAX_CHUNK_BYTES, default_chunk_tokens
 from kdn.errors import TooLarge
 from kdn.layout import DType, KVLayout, LayerLayout
 from kdn.server import ServerConfig, ServerThread
+from kdn.transport.buffers import MIN_BYTES as _BUFFER_FROM
+from kdn.transport.wire import frame_message
 from kdn.v1 import kdn_pb2 as pb
 from kdn.v1 import kdn_pb2_grpc as pb_grpc
-from kdn.wire import frame_message
 from tests.helpers import random_kv
 
 

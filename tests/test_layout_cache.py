@@ -10,10 +10,10 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from kdn import hf
 from kdn.cache import KVCache
 from kdn.errors import InvalidLayout
 from kdn.layout import DType, KVLayout, LayerLayout
+from kdn.model import hf
 from tests.helpers import pruned_layout, random_kv, uniform_layout
 
 

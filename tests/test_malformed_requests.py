@@ -16,10 +16,10 @@ from hypothesis import strategies as st
 
 from kdn import codec, keys
 from kdn.client import Client
-from kdn.metadata import API_KEY_HEADER
 from kdn.server import ServerConfig, ServerThread
+from kdn.transport.metadata import API_KEY_HEADER
+from kdn.transport.wire import store_request
 from kdn.v1 import kdn_pb2 as pb
-from kdn.wire import store_request
 from tests.helpers import pruned_layout, random_kv
 
 KV = random_kv(pruned_layout(), 4, seed=9)

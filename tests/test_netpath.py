@@ -15,14 +15,14 @@ from pathlib import Path
 import pytest
 
 from kdn import codec
-from kdn.addresses import data_host
 from kdn.client import Client
 from kdn.client.client import TLSOptions
 from kdn.client.netpath import NetPath
 from kdn.errors import Corrupt, LayoutMismatch
 from kdn.server import ServerConfig, ServerThread
+from kdn.transport.addresses import data_host
+from kdn.transport.wire import FAST_HEAD, NET_GET_MANY, NET_PUT_MANY, read_exact
 from kdn.v1 import kdn_pb2 as pb
-from kdn.wire import FAST_HEAD, NET_GET_MANY, NET_PUT_MANY, read_exact
 from tests.helpers import (
     eventually,
     make_certs,

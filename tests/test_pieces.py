@@ -18,9 +18,7 @@ from kdn.client import Client, dataplane, received
 from kdn.codec.format import parse_header
 from kdn.errors import Corrupt
 from kdn.server import ServerConfig, ServerThread
-from kdn.v1 import kdn_pb2 as pb
-from kdn.v1 import kdn_pb2_grpc as pb_grpc
-from kdn.wire import (
+from kdn.transport.wire import (
     MIN_PIECE_BYTES,
     Frame,
     FrameMessage,
@@ -29,6 +27,8 @@ from kdn.wire import (
     piece_messages,
     piece_spans,
 )
+from kdn.v1 import kdn_pb2 as pb
+from kdn.v1 import kdn_pb2_grpc as pb_grpc
 from tests.helpers import random_kv, uniform_layout
 
 LAYOUT = uniform_layout(layers=4, heads=4, dim=64)
@@ -191,10 +191,10 @@ def _store_stream(parts: codec.EncodedParts, key: bytes, frames: list[bytes]) ->
 def test_store_takes_frames_in_pieces_and_refuses_pieces_that_do_not_add_up(
         server: ServerThread, tokens: int, copied: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Pieces stored: the entry reads back as sent (an entry under ``kdn.buffers.MIN_BYTES``
-    is joined into one buffer, a larger one kept as its frames, each joined from its
-    pieces: ``kdn.store.framed``, and past ``framed_limit`` (``MAX_FRAMED_BYTES`` lowered)
-    copied into one buffer piece by piece); a gap, a
+    """Pieces stored: the entry reads back as sent (an entry under
+    ``kdn.transport.buffers.MIN_BYTES`` is joined into one buffer, a larger one kept as its frames,
+    each joined from its pieces: ``kdn.store.framed``, and past ``framed_limit``
+    (``MAX_FRAMED_BYTES`` lowered) copied into one buffer piece by piece); a gap, a
     piece out of order or of another frame, a tiny piece before a frame's last, or a damaged
     piece is INVALID_ARGUMENT and leaves the stored entry as it was."""
     from kdn.store import framed

@@ -12,13 +12,13 @@ from typing import Any
 import pytest
 import torch
 
-from kdn import hf
 from kdn.cache import KVCache
 from kdn.client import Client
 from kdn.codec import decode, encode
 from kdn.errors import InvalidArgument, InvalidLayout
-from kdn.hf import model_layout
 from kdn.layout import DType, KVLayout
+from kdn.model import hf
+from kdn.model.hf import model_layout
 from kdn.prune import (
     Allocation,
     Geometry,

@@ -9,13 +9,13 @@ import copy
 import pytest
 import torch
 
-from kdn import hf
 from kdn.cache import KVCache
 from kdn.client import Client
 from kdn.codec import decode, encode
-from kdn.hf import model_layout
 from kdn.layout import DType
-from kdn.models import load_model
+from kdn.model import hf
+from kdn.model.hf import model_layout
+from kdn.model.models import load_model
 from kdn.prune import Geometry, PruneConfig, channel_scores, make_plan, prune_model
 from kdn.prune.apply import zero_pruned_channels
 

@@ -21,9 +21,9 @@ import torch
 pytest.importorskip("peft")
 
 from kdn.client import Client  # noqa: E402
-from kdn.data import SquadArticle, SquadParagraph, SquadQA  # noqa: E402
 from kdn.errors import InvalidArgument, InvalidLayout  # noqa: E402
-from kdn.hf import model_layout  # noqa: E402
+from kdn.model.data import SquadArticle, SquadParagraph, SquadQA  # noqa: E402
+from kdn.model.hf import model_layout  # noqa: E402
 from kdn.prune import PruneConfig, kvprune, save_pruned  # noqa: E402
 from kdn.prune import evaluate as ev  # noqa: E402
 from kdn.prune.recover import DistillKL, RecoveryConfig, recover  # noqa: E402
@@ -287,7 +287,7 @@ def _word_tokenizer() -> Any:
 
 
 def test_a_recovered_model_round_trips_through_the_model_loader(tmp_path: Path) -> None:
-    from kdn.models import clear_memo, load_model
+    from kdn.model.models import clear_memo, load_model
 
     model = _pruned()
     recover(model, _train(), CFG)

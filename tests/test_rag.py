@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 import torch
 
-from kdn import hf
 from kdn.client import Client
 from kdn.errors import InvalidArgument
+from kdn.model import hf
 from kdn.rag import Document, KnowledgeBase, RagConfig, RagEngine, chunk_document, load_corpus
 from kdn.rag.corpus import CHUNK_END, paragraphs, sentences
 from kdn.rag.index import EMBEDDINGS, MANIFEST, VectorIndex

@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 import torch
 
-from kdn import hf
 from kdn.cli.main import main
 from kdn.client import Client
+from kdn.model import hf
 from kdn.rag import RagConfig, RagEngine
 from kdn.rag.corpus import chunk_ids
 from kdn.server import ServerThread
@@ -39,7 +39,7 @@ def one_thread() -> Iterator[None]:
 
 @pytest.fixture(scope="module")
 def smol() -> Any:
-    from kdn.models import load_model
+    from kdn.model.models import load_model
 
     model, tok = load_model("smollm2-135m")
     model.set_attn_implementation("sdpa")

@@ -50,7 +50,7 @@ def test_fetch_falls_back_to_the_stream_when_the_server_sends_small_messages(
 def test_a_streamed_fetch_keeps_its_messages_checked_and_checks_its_size(
         tmp_path: Path) -> None:
     from kdn.client.received import received as _received
-    from kdn.wire import Frame, FrameMessage
+    from kdn.transport.wire import Frame, FrameMessage
 
     with _small_messages(tmp_path) as (c, lay):
         kv = random_kv(lay, 64, seed=3)
@@ -264,7 +264,7 @@ def test_a_received_stream_checks_each_frame_as_it_lands_and_catches_damage(
     ``KEEP_MESSAGES_BYTES``), and a frame damaged anywhere raises Corrupt (never an
     entry)."""
     from kdn.client import received as dataplane
-    from kdn.wire import Frame, FrameMessage
+    from kdn.transport.wire import Frame, FrameMessage
 
     if not keep:
         monkeypatch.setattr(dataplane, "KEEP_MESSAGES_BYTES", 0)

@@ -20,14 +20,14 @@ from kdn.client import Client, dataplane, received, writes
 from kdn.errors import Corrupt, LayoutMismatch
 from kdn.server import ServerConfig, ServerThread
 from kdn.server.retrieve_many import HEADER_BYTES
-from kdn.v1 import kdn_pb2 as pb
-from kdn.v1 import kdn_pb2_grpc as pb_grpc
-from kdn.wire import (
+from kdn.transport.wire import (
     frame_message,
     parse_frame_message,
     retrieve_headers_message,
     retrieve_response,
 )
+from kdn.v1 import kdn_pb2 as pb
+from kdn.v1 import kdn_pb2_grpc as pb_grpc
 from tests.helpers import random_kv, uniform_layout
 
 LAYOUT = uniform_layout(layers=4, heads=4, dim=64)

@@ -27,8 +27,8 @@ from kdn.errors import Corrupt, InvalidArgument, InvalidLayout, KDNError, Trunca
 from kdn.layout import DType
 from kdn.server import ServerThread
 from kdn.server.auth import Principal, Role
+from kdn.transport.wire import FAST_HEAD, NET_PUT_MANY, read_exact
 from kdn.v1 import kdn_pb2 as pb
-from kdn.wire import FAST_HEAD, NET_PUT_MANY, read_exact
 from tests.helpers import numbered_key as _key
 from tests.helpers import pruned_layout, random_kv, uniform_layout
 

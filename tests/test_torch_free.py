@@ -28,7 +28,7 @@ _SCRIPT = textwrap.dedent('''
     from kdn.codec.format import layout_to_proto
     from kdn.server import ServerConfig, ServerThread
     from kdn.v1 import kdn_pb2 as pb, kdn_pb2_grpc as pb_grpc
-    from kdn.wire import frame_message
+    from kdn.transport.wire import frame_message
 
     lay = KVLayout("no-torch", (LayerLayout(2, 4, 4), LayerLayout(2, 4, 4)), head_dim=4)
     tokens = 3

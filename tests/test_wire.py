@@ -8,8 +8,7 @@ from typing import Any
 import pytest
 from google.protobuf.message import DecodeError
 
-from kdn.v1 import kdn_pb2 as pb
-from kdn.wire import (
+from kdn.transport.wire import (
     MIN_PIECE_BYTES,
     GetManyView,
     HeadersMessage,
@@ -25,6 +24,7 @@ from kdn.wire import (
     store_request,
     varint,
 )
+from kdn.v1 import kdn_pb2 as pb
 
 
 @pytest.mark.parametrize("index", [0, 1, 127, 128, 300, 65535])

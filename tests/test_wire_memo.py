@@ -19,7 +19,7 @@ from kdn.server.app import build_store
 from kdn.server.config import ConfigError
 from kdn.server.service import KDNServicer
 from kdn.server.wire_memo import WireMemo
-from kdn.wire import frame_message, parse_frame_message, piece_messages
+from kdn.transport.wire import frame_message, parse_frame_message, piece_messages
 from tests.helpers import random_kv, uniform_layout
 
 LAYOUT = uniform_layout()

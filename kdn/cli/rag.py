@@ -72,7 +72,7 @@ def _engine(ns: argparse.Namespace) -> Any:
         opts["blend_ratio"] = ns.ratio
     if getattr(ns, "selection", None):
         opts["query_share"] = {"question": 1.0, "deviation": 0.0}[ns.selection]
-    from kdn.models import load_model
+    from kdn.model.models import load_model
 
     model, tok = load_model(ns.model)
     model.set_attn_implementation("sdpa")

@@ -25,8 +25,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kdn import tracing as _tracing
-from kdn.addresses import data_host, same_host
-from kdn.buffers import tune_allocator
 from kdn.client.blend import RemotePiece, blend_request
 from kdn.client.dataplane import DataPlane
 from kdn.client.pending import PendingStore
@@ -39,6 +37,8 @@ from kdn.errors import InvalidArgument
 from kdn.keys import DEFAULT_NAMESPACE, check_key, check_namespace
 from kdn.layout import KVLayout
 from kdn.options import StoreOptions
+from kdn.transport.addresses import data_host, same_host
+from kdn.transport.buffers import tune_allocator
 from kdn.v1 import kdn_pb2 as pb
 
 if TYPE_CHECKING:  # the tensor side loads on first use: admin tools run without torch
@@ -100,7 +100,7 @@ class Client:
     ) -> None:
         if tracing:  # OpenTelemetry spans per call, the trace carried to the server
             _tracing.enable()
-        tune_allocator()  # received messages must not fault in fresh pages (kdn.buffers)
+        tune_allocator()  # received messages must not fault in fresh pages (kdn.transport.buffers)
         if insecure is None:
             insecure = os.environ.get("KDN_INSECURE", "").strip().lower() in (
                 "1", "true", "yes", "on")

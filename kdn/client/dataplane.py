@@ -35,8 +35,8 @@ from kdn.client.received import Fetched, fetched
 from kdn.client.samehost import SameHostPath, write_parts
 from kdn.codec import EncodedParts
 from kdn.errors import Corrupt, KDNError, RateLimited, TooLarge
+from kdn.transport.wire import FAST_GET_MANY, FAST_PUT_MANY
 from kdn.v1 import kdn_pb2 as pb
-from kdn.wire import FAST_GET_MANY, FAST_PUT_MANY
 
 T = TypeVar("T")
 

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from kdn.client.parallel import layer_groups
 from kdn.client.received import Fetched
 from kdn.codec.format import check_frame, parse_header
-from kdn.wire import Frame, FrameMessage
+from kdn.transport.wire import Frame, FrameMessage
 
 if TYPE_CHECKING:  # the tensor side loads on first use: admin tools run without torch
     import torch

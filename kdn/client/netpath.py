@@ -4,9 +4,9 @@ the entries' bytes on a TCP connection of this thread's, for a client on another
 ``DataPlane`` asks for a ticket (``Attach`` with ``remote``) when it has no shared segment and
 sends its batches here once it has one; a connection that can not be made, or breaks, sends
 the plane back to gRPC for good (it says so once in the log). A PutMany's items go from their
-frames straight into the kernel (``kdn.wire.send_pieces``); a GetMany's entries are read into
-one recycled buffer each (``kdn.buffers.RECEIVED``), its first frame at a multiple of 64 bytes
-so decoded tensors view it in place, each frame checked the moment it lands (in cache).
+frames straight into the kernel (``kdn.transport.wire.send_pieces``); a GetMany's entries are read
+into one recycled buffer each (``kdn.transport.buffers.RECEIVED``), its first frame at a multiple of
+64 bytes so decoded tensors view it in place, each frame checked the moment it lands (in cache).
 """
 
 from __future__ import annotations
@@ -19,16 +19,15 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kdn.buffers import RECEIVED
 from kdn.client.pending import ASYNC_DEPTH, PendingStore
 from kdn.client.received import Fetched, fetched
 from kdn.codec import EncodedParts
 from kdn.codec.format import HEAD_PREFIX_BYTES, check_frame_prefix, header_size
 from kdn.errors import Corrupt, DeadlineExceeded, KDNError, NotFound, Unavailable
-from kdn.netio import recv_container
 from kdn.status import error_of
-from kdn.v1 import kdn_pb2 as pb
-from kdn.wire import (
+from kdn.transport.buffers import RECEIVED
+from kdn.transport.netio import recv_container
+from kdn.transport.wire import (
     FAST_HEAD,
     NET_GET_MANY,
     NET_PUT_MANY,
@@ -36,6 +35,7 @@ from kdn.wire import (
     recv_into_all,
     send_pieces,
 )
+from kdn.v1 import kdn_pb2 as pb
 
 log = logging.getLogger(__name__)
 CONNECT_S = 2.0

@@ -42,8 +42,8 @@ from kdn.codec.format import parse_container, parse_header
 from kdn.errors import KDNError, LayoutMismatch, NotFound, Status
 from kdn.keys import check_key, check_namespace
 from kdn.layout import KVLayout
+from kdn.transport.wire import GROUP_INLINE_BYTES
 from kdn.v1 import kdn_pb2 as pb
-from kdn.wire import GROUP_INLINE_BYTES
 
 if TYPE_CHECKING:  # the tensor side loads on first use: admin tools run without torch
     import torch

@@ -2,7 +2,7 @@
 decoded) and the readers of a Retrieve or RetrieveMany stream that check each frame as it lands.
 
 A received entry up to ``KEEP_MESSAGES_BYTES`` stays in the messages it came in; a larger one
-is copied, piece by piece, into one recycled buffer (``kdn.buffers.RECEIVED``). Either way
+is copied, piece by piece, into one recycled buffer (``kdn.transport.buffers.RECEIVED``). Either way
 every frame is hashed the moment its last byte lands, while it is in cache, and the entry comes
 back ``checked``.
 """
@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from itertools import islice
 from typing import Any
 
-from kdn.buffers import RECEIVED
 from kdn.codec import EncodedParts
 from kdn.codec.copies import FrameCopy
 from kdn.codec.format import (
@@ -25,8 +24,9 @@ from kdn.codec.format import (
     parse_header,
 )
 from kdn.errors import Corrupt
+from kdn.transport.buffers import RECEIVED
+from kdn.transport.wire import piece_fault
 from kdn.v1 import kdn_pb2 as pb
-from kdn.wire import piece_fault
 
 LOCAL_TIER = "inproc"
 """The in-process tier's name (``kdn.client.local``), as reads and lookups report it."""
@@ -85,11 +85,11 @@ def fetched(buf: bytes | memoryview, tier: str, owned: bool = False,
 
 KEEP_MESSAGES_BYTES = 64 << 20
 """A received entry up to this size stays in the messages it came in (``received``); a larger
-one is copied into one buffer (``kdn.buffers.RECEIVED``, recycled up to its ``keep_bytes``)
-as they arrive, in pieces (``PIECE_BYTES``). Kept, an entry costs one hash of its bytes where
-they landed; copied, a copy too, but its memory is never fresh: the allocator keeps freed
-memory up to ``kdn.buffers.TRIM_THRESHOLD``, and past that every message of a kept entry
-faults in new pages: small entries are cheapest kept, large ones copied. An entry larger
+one is copied into one buffer (``kdn.transport.buffers.RECEIVED``, recycled up to its
+``keep_bytes``) as they arrive, in pieces (``PIECE_BYTES``). Kept, an entry costs one hash of its
+bytes where they landed; copied, a copy too, but its memory is never fresh: the allocator keeps
+freed memory up to ``kdn.transport.buffers.TRIM_THRESHOLD``, and past that every message of a kept
+entry faults in new pages: small entries are cheapest kept, large ones copied. An entry larger
 than ``RECEIVED.keep_bytes`` lands in fresh memory either way: copied, its pieces are the
 messages it travels in."""
 

@@ -20,11 +20,11 @@ from typing import Any, TypeVar
 import grpc
 
 from kdn import tracing as _tracing
-from kdn.metadata import API_KEY_HEADER, REQUEST_ID_HEADER
 from kdn.status import from_grpc
+from kdn.transport.metadata import API_KEY_HEADER, REQUEST_ID_HEADER
+from kdn.transport.wire import get_many_response, retrieve_response, serialize_passthrough
 from kdn.v1 import kdn_pb2 as pb
 from kdn.v1 import kdn_pb2_grpc as pb_grpc
-from kdn.wire import get_many_response, retrieve_response, serialize_passthrough
 
 T = TypeVar("T")
 F = TypeVar("F", bound=Callable[..., Any])
@@ -107,9 +107,9 @@ def settles(fn: F) -> F:
 
 class Rpc:
     """The channel of one client and the calls made on it. Store and StoreMany send
-    hand-encoded frame messages (``kdn.wire``: one copy of each frame, not three); Retrieve,
-    RetrieveMany and inline GetMany answers are read as views of the received messages, not
-    copies. ``retrieve_calls`` gives Retrieve on channels of their own (parallel reads)."""
+    hand-encoded frame messages (``kdn.transport.wire``: one copy of each frame, not three);
+    Retrieve, RetrieveMany and inline GetMany answers are read as views of the received messages,
+    not copies. ``retrieve_calls`` gives Retrieve on channels of their own (parallel reads)."""
 
     def __init__(self, address: str, *, timeout_s: float, retry: Retry,
                  max_message_bytes: int, api_key: str | None, tls: TLSOptions | None) -> None:

@@ -28,8 +28,8 @@ from kdn.client.netpath import fast_answer, fast_error, fast_send
 from kdn.client.pending import ASYNC_DEPTH, PendingStore
 from kdn.codec import EncodedParts
 from kdn.errors import DeadlineExceeded, KDNError, Unavailable
+from kdn.transport.wire import ARENA_SIZE, FAST_ARENA, FAST_HEAD, FAST_PUT_MANY, read_exact
 from kdn.v1 import kdn_pb2 as pb
-from kdn.wire import ARENA_SIZE, FAST_ARENA, FAST_HEAD, FAST_PUT_MANY, read_exact
 
 log = logging.getLogger(__name__)
 

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from kdn.regions import ALIGN, RegionAllocator
+from kdn.transport.regions import ALIGN, RegionAllocator
 
 NONCE_BYTES = 16
 __all__ = ["ALIGN", "LeasedArena", "RegionAllocator", "SharedSegment"]

@@ -47,7 +47,7 @@ from kdn.codec.modes import get_mode
 from kdn.codec.sealing import seal_in_place
 from kdn.errors import InvalidArgument
 from kdn.layout import KVLayout
-from kdn.regions import ALIGN
+from kdn.transport.regions import ALIGN
 from kdn.v1 import kdn_pb2 as pb
 
 FRAME_ALIGN = 64

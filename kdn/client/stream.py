@@ -32,7 +32,6 @@ from typing import Any
 import grpc
 import torch
 
-from kdn.buffers import OVERLAP_FRAME_BYTES
 from kdn.cache import KVCache
 from kdn.client import metrics as client_metrics
 from kdn.client.received import LOCAL_TIER
@@ -41,6 +40,7 @@ from kdn.codec.inplace import EntryViews, Span
 from kdn.errors import Corrupt, InvalidArgument, KDNError
 from kdn.layout import KVLayout
 from kdn.status import from_grpc
+from kdn.transport.buffers import OVERLAP_FRAME_BYTES
 
 LayerKV = tuple[torch.Tensor, torch.Tensor]
 _POOL: ThreadPoolExecutor | None = None

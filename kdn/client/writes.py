@@ -31,8 +31,8 @@ from kdn.errors import InvalidArgument, KDNError, Status, TooLarge
 from kdn.keys import check_key, check_namespace
 from kdn.layout import KVLayout
 from kdn.options import StoreOptions
+from kdn.transport.wire import frame_message
 from kdn.v1 import kdn_pb2 as pb
-from kdn.wire import frame_message
 
 if TYPE_CHECKING:
     from kdn.cache import KVCache

@@ -36,8 +36,8 @@ from kdn.codec.format import (
 from kdn.codec.modes import LayerSpec, Mode, get_mode, mode_names
 from kdn.errors import Corrupt, InvalidArgument
 from kdn.layout import KVLayout
+from kdn.transport.wire import frame_message_head
 from kdn.v1 import kdn_pb2 as pb
-from kdn.wire import frame_message_head
 
 __all__ = [
     "Container",
@@ -164,7 +164,8 @@ class StreamDecoder:
         self._arena_lock = threading.Lock()
         if self.mode.borrows and not self.borrow and self.device.type == "cpu":
             # verbatim bodies are copied once, into one recycled buffer for the whole entry
-            # (kdn.buffers: fresh memory faults page by page) that every layer's tensors view
+            # (kdn.transport.buffers: fresh memory faults page by page) that every layer's
+            # tensors view
             lay, t, size = self.header.layout, self.header.tokens, self.header.layout.dtype.itemsize
             ends = list(itertools.accumulate(
                 (lay.layers[i].k_numel(t) + lay.layers[i].v_numel(t)) * size

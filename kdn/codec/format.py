@@ -336,7 +336,7 @@ def frame_with_sum(seed: int, index: int, first_layer: int,
     """One frame from per-layer records (each the parts ``record_parts`` gives, or the bytes
     ``build_record`` gives), and its full sum (for a version-2 header's span). The frame's
     bytes are assembled with a single copy. ``lead(frame_length)``: bytes written before the
-    frame in that same copy (a message's own fields, ``kdn.wire.frame_message_head``); the
+    frame in that same copy (a message's own fields, ``kdn.transport.wire.frame_message_head``); the
     frame is then a read-only view after them, and its ``obj`` the whole message."""
     parts: list[Buffer] = []
     for rec in records:

@@ -26,7 +26,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kdn.buffers import RECEIVED
 from kdn.codec.copies import copy_checked
 from kdn.codec.format import (
     FRAME_PREFIX_BYTES,
@@ -36,6 +35,7 @@ from kdn.codec.format import (
     frame_prefix,
     record_prefix,
 )
+from kdn.transport.buffers import RECEIVED
 
 _PLANS: BoundedMemo[tuple[str, int, tuple[tuple[int, int], ...]], Plan | None] = \
     BoundedMemo(256)  # None too: entries of that shape have no plan
@@ -257,7 +257,7 @@ def copied(header: Header, container: bytes | memoryview, pool: Executor | None 
     start = -(room.ctypes.data + head) % _ALIGN
     # a slice of the memoryview keeps ``room`` (the array the pool watches) alive; a numpy
     # slice of ``room`` would keep only the pool's base array, and the buffer would go back
-    # to the pool while the tensors still view it (kdn.buffers)
+    # to the pool while the tensors still view it (kdn.transport.buffers)
     dst = memoryview(room)[start : start + len(container)]  # type: ignore[arg-type]
     if verify:
         copy_checked(dst, container, pool=pool, workers=2)

@@ -3,7 +3,7 @@
 Lifecycle (shared by ``bench.codec`` and the quality tests):
 
 1. ``prepare(model, tokenizer, ctx_tokens, eval_tokens)`` prefills ``ctx_tokens`` of English
-   prose (``kdn.data``), keeps the cache in float16 (what kdn stores: the *original* KV), then
+   prose (``kdn.model.data``), keeps the cache in float16 (what kdn stores: the *original* KV), then
    runs the next ``eval_tokens`` tokens on top of that original cache and keeps the reference
    log-probabilities. The prefill is timed (``prefill_s``) for ``decode_vs_prefill``.
 2. ``evaluate(ref, kv)`` runs the same ``eval_tokens`` on top of ``kv`` (e.g. a decoded cache)
@@ -25,9 +25,9 @@ from typing import Any
 
 import torch
 
-from kdn import hf
 from kdn.cache import KVCache
 from kdn.layout import DType, KVLayout
+from kdn.model import hf
 
 
 @dataclass(frozen=True)
@@ -83,7 +83,7 @@ def prepare(
     prefill_runs: int = 1,
 ) -> Reference:
     """Prefill ``ctx_tokens`` of English prose and record the reference on ``eval_tokens``."""
-    from kdn.data import english_token_ids
+    from kdn.model.data import english_token_ids
 
     ids = english_token_ids(ctx_tokens + eval_tokens + 1, tokenizer, offset_paragraphs)
     layout = KVLayout.from_config(model.config, dtype=torch.float16)

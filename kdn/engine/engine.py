@@ -10,11 +10,11 @@ Lifecycle of ``KDNEngine.generate(prompt)``:
    run of present blocks is the reusable prefix, what ``matched_tokens`` reports); the loading
    controller picks an encoding or recompute (measured bandwidth, decode speed, prefill speed;
    overridable per request); every block's Retrieve stream starts at once;
-3. the model's forward over the rest of the prompt runs on a ``kdn.hf.LayerwiseCache`` that
+3. the model's forward over the rest of the prompt runs on a ``kdn.model.hf.LayerwiseCache`` that
    calls ``wait_for_layer(i)`` right before decoder layer i, so layer i computes while later
    layers still arrive -> first token (TTFT ends here);
 4. ``save_layer(i, ...)`` for every layer: the newly computed blocks are stored back on a
-   background thread (``wait_for_save`` joins it), then ``kdn.hf.greedy`` decodes the rest.
+   background thread (``wait_for_save`` joins it), then ``kdn.model.hf.greedy`` decodes the rest.
 
 Each stored block holds only its own ``chunk_tokens`` tokens (start position i * chunk_tokens)
 under its chained key, so storage stays linear in prompt length.
@@ -38,8 +38,15 @@ from kdn.cache import KVCache, LayerKV
 from kdn.client import Client, LayerStream
 from kdn.delivery import RECOMPUTE, LoadingController, encoding_name
 from kdn.engine.connector import KVConnector
-from kdn.hf import CacheDecoder, LayerwiseCache, cache_layers, greedy, model_device, model_layout
 from kdn.layout import DType, KVLayout
+from kdn.model.hf import (
+    CacheDecoder,
+    LayerwiseCache,
+    cache_layers,
+    greedy,
+    model_device,
+    model_layout,
+)
 
 log = logging.getLogger(__name__)
 

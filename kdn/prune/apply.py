@@ -33,7 +33,7 @@ removed channels had zero weights gives the unpruned model's logits exactly.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 from kdn.errors import InvalidArgument, InvalidLayout
-from kdn.hf import decoder_layers
+from kdn.model.hf import attention_function, decoder_layers, load_config, model_from_config
 from kdn.prune.importance import ChannelScores, Geometry, attention_modules
 
 PRUNED_KEY = "kdn_pruned"
@@ -128,18 +128,6 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def _attention_function(impl: str) -> Callable[..., tuple[torch.Tensor, Any]]:
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-    from transformers.models.llama.modeling_llama import eager_attention_forward
-
-    if hasattr(ALL_ATTENTION_FUNCTIONS, "get_interface"):
-        return ALL_ATTENTION_FUNCTIONS.get_interface(  # type: ignore[no-any-return]
-            impl, eager_attention_forward)
-    if impl == "eager" or impl not in ALL_ATTENTION_FUNCTIONS:
-        return eager_attention_forward  # type: ignore[no-any-return]
-    return ALL_ATTENTION_FUNCTIONS[impl]  # type: ignore[no-any-return]
-
-
 class PrunedAttention(nn.Module):
     """Llama-family self-attention whose K/Q and V/O channels are per-layer subsets.
 
@@ -209,7 +197,7 @@ class PrunedAttention(nn.Module):
             k, v = past_key_values.update(k, v, self.layer_idx)
         if self.sliding_window is not None:
             kwargs.setdefault("sliding_window", self.sliding_window)
-        attend = _attention_function(self.config._attn_implementation)
+        attend = attention_function(self.config._attn_implementation)
         out, weights = attend(self, q, k, v, attention_mask,
                               dropout=0.0 if not self.training else self.attention_dropout,
                               scaling=self.scaling, **kwargs)
@@ -311,18 +299,17 @@ def load_pruned(folder: str | Path, *, dtype: torch.dtype = torch.float32,
                 attn_implementation: str = "eager") -> Any:
     """Rebuild a model saved by ``save_pruned``: architecture from config, pruned, weights."""
     from safetensors.torch import load_file
-    from transformers import AutoConfig, AutoModelForCausalLM
 
     folder = Path(folder)
     if not (folder / "config.json").is_file():
         raise InvalidLayout(f"{folder} holds no config.json: not a saved model folder")
-    config = AutoConfig.from_pretrained(str(folder), local_files_only=True)
+    config = load_config(folder)
     plan_d = getattr(config, PRUNED_KEY, None)
     if plan_d is None:
         raise InvalidLayout(f"{folder} holds no kdn_pruned config extension")
     delattr(config, PRUNED_KEY)
     config._attn_implementation = attn_implementation
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model = model_from_config(config, dtype)
     prune_model(model, PrunePlan.from_config(plan_d, Geometry.of(model).head_dim))
     state: dict[str, torch.Tensor] = {}
     index = folder / "model.safetensors.index.json"

@@ -27,8 +27,8 @@ from typing import Any
 
 import torch
 
-from kdn.data import SquadArticle, load_squad_dev, squad_f1
 from kdn.errors import InvalidArgument
+from kdn.model.data import SquadArticle, load_squad_dev, squad_f1
 
 USES = {"calibration": "calibration", "training": "training", "evaluation": "evaluation",
         "eval": "evaluation"}
@@ -298,7 +298,7 @@ def prompt_ids(tokenizer: Any, context: str, question: str) -> tuple[list[int], 
 def answers(model: Any, tokenizer: Any, qas: Sequence[QA], max_new_tokens: int = 24
             ) -> list[str]:
     """The model's greedy answers, each from a full prefill of the answering prompt."""
-    from kdn import hf
+    from kdn.model import hf
     from kdn.rag.pipeline import stop_ids
 
     stop = stop_ids(tokenizer)

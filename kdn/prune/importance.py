@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from kdn.errors import InvalidArgument
-from kdn.hf import decoder_layers
+from kdn.model.hf import decoder_layers
 
 
 class Importance(enum.Enum):

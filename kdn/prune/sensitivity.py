@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from kdn.hf import ModelParts, decoder_layers
+from kdn.model.hf import ModelParts, decoder_layers
 from kdn.prune.allocate import removal_counts
 from kdn.prune.apply import head_rows, kept_from_scores
 from kdn.prune.importance import ChannelScores, Geometry, attention_modules

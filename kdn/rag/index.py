@@ -32,7 +32,7 @@ FORMAT = 1
 
 
 class Embedder(Protocol):
-    """``kdn.embed.Embedder`` or anything with its ``embed``: texts -> [n, dim] unit rows."""
+    """``kdn.model.embed.Embedder`` or anything with its ``embed``: texts -> [n, dim] unit rows."""
 
     def embed(self, texts: list[str]) -> torch.Tensor: ...
 

@@ -45,13 +45,13 @@ from typing import Any
 
 import torch
 
-from kdn import hf
 from kdn.blend import BlendConfig, Piece, blend
 from kdn.blend.chunks import ChunkConnector
 from kdn.cache import KVCache
 from kdn.client import Client
 from kdn.errors import InvalidArgument
 from kdn.keys import check_namespace, chunk_key
+from kdn.model import hf
 from kdn.rag.corpus import Chunk, Document, Tokenizer, chunk_document, chunk_ids, load_corpus
 from kdn.rag.index import ChunkEntry, DocEntry, Embedder, Manifest, Settings, VectorIndex
 
@@ -366,7 +366,7 @@ class KnowledgeBase:
     @property
     def embedder(self) -> Embedder:
         if self._embedder is None:
-            from kdn.embed import Embedder as MiniLM
+            from kdn.model.embed import Embedder as MiniLM
 
             self._embedder = MiniLM()
         return self._embedder

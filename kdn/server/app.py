@@ -29,8 +29,6 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from kdn import tracing
-from kdn.addresses import is_loopback
-from kdn.buffers import server_trim_bytes, tune_allocator
 from kdn.errors import ConfigError
 from kdn.server.admin import AdminServicer
 from kdn.server.auth import AuthConfig, Authenticator, Role, load_auth, tenants_from_text
@@ -46,8 +44,10 @@ from kdn.store.lmdb import LmdbTier
 from kdn.store.ram import RamTier
 from kdn.store.redis import RedisTier
 from kdn.store.tiered import TieredStore
+from kdn.transport.addresses import is_loopback
+from kdn.transport.buffers import server_trim_bytes, tune_allocator
+from kdn.transport.wire import serialize_passthrough, store_request
 from kdn.v1 import kdn_pb2_grpc as pb_grpc
-from kdn.wire import serialize_passthrough, store_request
 
 log = logging.getLogger("kdn.server")
 SERVICE_NAME = "kdn.v1.KDN"
@@ -57,8 +57,8 @@ HEALTH_POLL_S = 0.25
 
 
 class _FastFrames:
-    """Registers the generated handler table with the frame codecs of ``kdn.wire``: Retrieve's,
-    RetrieveMany's and GetMany's serializers accept pre-encoded answers and Store's and
+    """Registers the generated handler table with the frame codecs of ``kdn.transport.wire``:
+    Retrieve's, RetrieveMany's and GetMany's serializers accept pre-encoded answers and Store's and
     StoreMany's deserializers read frames without copying them (the table stays the
     generated one)."""
 
@@ -267,7 +267,7 @@ async def start_server(config: ServerConfig, store: TieredStore | None = None,
         raise ConfigError("tracing: needs the opentelemetry-api package (pip install "
                           "'kdn[tracing]')")
     # received Store messages must not fault in fresh pages, nor those of a Store kept as its
-    # messages once the entry it replaced is freed (kdn.buffers)
+    # messages once the entry it replaced is freed (kdn.transport.buffers)
     tune_allocator(server_trim_bytes(config.ram_bytes))
     creds = _credentials(config)
     auth = Authenticator(load_auth(config.auth_file) if config.auth_file else

@@ -63,10 +63,10 @@ from typing import Any
 
 import numpy as np
 
-from kdn.buffers import MADV_POPULATE_WRITE, libc_madvise, on_release
 from kdn.codec.format import header_size
 from kdn.errors import Corrupt
-from kdn.regions import RegionAllocator
+from kdn.transport.buffers import MADV_POPULATE_WRITE, libc_madvise, on_release
+from kdn.transport.regions import RegionAllocator
 
 PAGE = mmap.PAGESIZE
 F_SEAL_FUTURE_WRITE = 0x0010

@@ -41,8 +41,8 @@ from kdn.errors import (
     TooLarge,
     Unauthenticated,
 )
-from kdn.metadata import API_KEY_HEADER
 from kdn.names import check_tenant
+from kdn.transport.metadata import API_KEY_HEADER
 
 
 class Role(enum.Enum):

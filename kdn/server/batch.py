@@ -36,8 +36,8 @@ from kdn.server.arena import Arenas
 from kdn.server.auth import Principal
 from kdn.server.segments import Segment, Segments, region_span
 from kdn.store.framed import Framed
+from kdn.transport.wire import get_many_message
 from kdn.v1 import kdn_pb2 as pb
-from kdn.wire import get_many_message
 
 if TYPE_CHECKING:
     from kdn.server.usage import Usage
@@ -128,7 +128,8 @@ class BatchReads:
         self.count = count
 
     def get_many(self, p: Principal, request: pb.GetManyRequest) -> pb.GetManyResponse | bytes:
-        """The answer; inline, already serialized with the entries joined in (kdn.wire)."""
+        """The answer; inline, already serialized with the entries joined in
+        (kdn.transport.wire)."""
         ns = request.namespace or "default"
         skeys = [store_key(p.tenant, ns, k) for k in request.keys]
         seg = self.segments.get(p.tenant, request.segment_id) if request.segment_id else None

@@ -19,9 +19,9 @@ from typing import Any
 
 import yaml
 
-from kdn.addresses import is_loopback
 from kdn.errors import ConfigError
 from kdn.store.tiered import WritePolicy
+from kdn.transport.addresses import is_loopback
 
 TIER_NAMES = ("ram", "redis", "disk")
 

@@ -5,7 +5,7 @@ from ``AttachResponse.fast_path`` and may send its GetMany / PutMany there: the 
 messages, the same handlers, the same checks, but none of the per-call cost of a gRPC stack
 (HTTP/2 framing, the event loop, a thread hop), which dominates small entries.
 
-Wire, per call, on one connection (calls on a connection are sequential; ``kdn.wire``):
+Wire, per call, on one connection (calls on a connection are sequential; ``kdn.transport.wire``):
 
     request   u32 body length | u8 op (1 GetMany, 2 PutMany, 3 Arena) | body (the serialized
               request; for Arena the segment id)
@@ -47,8 +47,7 @@ from kdn.server.batch import BatchReads, copy_pool
 from kdn.server.requests import check_names
 from kdn.server.segments import Segments
 from kdn.server.streamed import Desynced, Putting
-from kdn.v1 import kdn_pb2 as pb
-from kdn.wire import (
+from kdn.transport.wire import (
     ARENA_SIZE,
     FAST_ARENA,
     FAST_GET_MANY,
@@ -58,6 +57,7 @@ from kdn.wire import (
     send_pieces,
     serialize_passthrough,
 )
+from kdn.v1 import kdn_pb2 as pb
 
 if TYPE_CHECKING:
     from kdn.server.usage import Usage

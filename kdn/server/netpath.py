@@ -44,8 +44,8 @@ import ssl
 from kdn.errors import InvalidArgument
 from kdn.server.fastpath import FastPath, Handlers, Reply
 from kdn.server.streamed import Desynced, parse_request, put_streamed
+from kdn.transport.wire import NET_GET_MANY, NET_PUT_MANY
 from kdn.v1 import kdn_pb2 as pb
-from kdn.wire import NET_GET_MANY, NET_PUT_MANY
 
 MAX_CONNECTIONS = 256
 """Connections served at once; past it a new one is closed (each holds a thread)."""

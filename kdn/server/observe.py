@@ -35,11 +35,11 @@ from prometheus_client.registry import Collector
 
 from kdn import tracing
 from kdn.errors import KDNError
-from kdn.metadata import REQUEST_ID_HEADER
 from kdn.server import logs
 from kdn.server.auth import Authenticator, AuthFailed, current_principal
 from kdn.server.requests import BadRequest, checked
 from kdn.status import grpc_code
+from kdn.transport.metadata import REQUEST_ID_HEADER
 
 access_log = logging.getLogger("kdn.access")
 OPEN_SERVICES = ("grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection")

@@ -18,7 +18,6 @@ import time
 from collections.abc import Callable
 from typing import NamedTuple
 
-from kdn.buffers import BufferPool
 from kdn.codec.copies import copy_checked
 from kdn.codec.format import Header, header_size, parse_container
 from kdn.codec.sealing import copy_sealed
@@ -28,6 +27,7 @@ from kdn.server.auth import Principal
 from kdn.server.batch import COPY_THREADS, MAX_BATCH_BYTES, copy_pool, split_one
 from kdn.server.ingest import Ingest
 from kdn.server.segments import Segments, region_span
+from kdn.transport.buffers import BufferPool
 from kdn.v1 import kdn_pb2 as pb
 
 ARENA_STORE_BYTES = 64 << 10

@@ -18,7 +18,14 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any, TypeVar
 
-from kdn.buffers import (
+from kdn.codec.copies import copy_pieces_checked
+from kdn.codec.format import Header, check_frame, declared_length
+from kdn.errors import Corrupt, InvalidArgument, KDNError, TooLarge
+from kdn.server.auth import Principal
+from kdn.server.batch import MAX_BATCH_BYTES
+from kdn.server.ingest import Ingest
+from kdn.store.framed import MIN_FRAMED_BYTES, Framed, framed_limit
+from kdn.transport.buffers import (
     BACKGROUND_CHECK_BYTES,
     COPIES_IN_FLIGHT,
     MIN_BYTES,
@@ -27,15 +34,8 @@ from kdn.buffers import (
     copy_threads,
     kept_free_bytes,
 )
-from kdn.codec.copies import copy_pieces_checked
-from kdn.codec.format import Header, check_frame, declared_length
-from kdn.errors import Corrupt, InvalidArgument, KDNError, TooLarge
-from kdn.server.auth import Principal
-from kdn.server.batch import MAX_BATCH_BYTES
-from kdn.server.ingest import Ingest
-from kdn.store.framed import MIN_FRAMED_BYTES, Framed, framed_limit
+from kdn.transport.wire import FrameMessage, piece_fault
 from kdn.v1 import kdn_pb2 as pb
-from kdn.wire import FrameMessage, piece_fault
 
 T = TypeVar("T")
 
@@ -201,7 +201,7 @@ class Receiver:
         # An entry is kept as the frames it arrives in, each a view of its message
         # (kdn.store.framed): no copy into one buffer, and a Retrieve can send those very
         # messages back. Past ``framed_limit`` (declared; half the heap the allocator keeps)
-        # it is copied into one buffer recycled from entries that left (kdn.buffers), each
+        # it is copied into one buffer recycled from entries that left (kdn.transport.buffers), each
         # frame as it lands: fresh memory for so many messages costs more in page faults than
         # the copy. Entries under MIN_FRAMED_BYTES are joined once at the end.
         if (declared >= MIN_BYTES or form == _GROUPED) and declared < len(header.raw):
@@ -222,8 +222,8 @@ class Receiver:
                       checks: deque[asyncio.Future[float]], form: int) -> Received:
         """The rest of a Store stream: its frames checked (copied into ``whole``, where there
         is one; frames of ``BACKGROUND_CHECK_BYTES`` or more, or copied ones of
-        ``OVERLAP_FRAME_BYTES`` or more, on ``kdn.buffers.copy_threads`` while the next one
-        arrives, held in ``checks``, as the event loop's thread would hold up every other
+        ``OVERLAP_FRAME_BYTES`` or more, on ``kdn.transport.buffers.copy_threads`` while the next
+        one arrives, held in ``checks``, as the event loop's thread would hold up every other
         call), then the entry received: one buffer (``whole``, or joined below
         ``MIN_FRAMED_BYTES``) or ``Framed``. A frame may come in pieces (``Frame.offset``): each is
         taken once the next frame begins or the stream ends, its pieces joined (or copied)."""

@@ -16,8 +16,8 @@ from kdn.server.batch import STREAM_MIN_FRAME_BYTES
 from kdn.server.reader import Reader
 from kdn.server.rpc import abort
 from kdn.store.framed import Framed
+from kdn.transport.wire import GROUP_INLINE_BYTES, retrieve_headers_message
 from kdn.v1 import kdn_pb2 as pb
-from kdn.wire import GROUP_INLINE_BYTES, retrieve_headers_message
 
 HEADER_BYTES = 64
 """What a grouped RetrieveMany counts for a header's own fields (and its container header's

@@ -25,7 +25,6 @@ from typing import TypeVar
 
 import grpc
 
-from kdn.buffers import BufferPool
 from kdn.codec.format import parse_container
 from kdn.errors import KDNError, NotFound
 from kdn.keys import split_store_key, store_key
@@ -44,9 +43,10 @@ from kdn.server.segments import Segments
 from kdn.server.usage import Usage
 from kdn.server.wire_memo import WireMemo
 from kdn.store.tiered import TieredStore
+from kdn.transport.buffers import BufferPool
+from kdn.transport.wire import FrameMessage
 from kdn.v1 import kdn_pb2 as pb
 from kdn.v1 import kdn_pb2_grpc as pb_grpc
-from kdn.wire import FrameMessage
 
 T = TypeVar("T")
 

@@ -3,8 +3,8 @@
 
 The items are read straight off the socket into recycled buffers of their own, each frame
 checked (its checksum and records, as Store checks them) the moment its last byte lands,
-while it is in cache (``kdn.netio.recv_container``); none is stored unless every one passed,
-by the code every PutMany form shares (``kdn.server.putmany.PutMany.put_items``).
+while it is in cache (``kdn.transport.netio.recv_container``); none is stored unless every one
+passed, by the code every PutMany form shares (``kdn.server.putmany.PutMany.put_items``).
 
 A call refused before its items arrived has them read and dropped, so the connection stays in
 step; one whose items can not be skipped (unparsable, misplaced, more than a PutMany may
@@ -19,14 +19,14 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from kdn.codec.format import Header, check_frame
 from kdn.errors import InvalidArgument, KDNError, TooLarge
-from kdn.netio import recv_container
 from kdn.server.auth import Authenticator, Principal
 from kdn.server.putmany import PutMany
 from kdn.server.requests import check_names
+from kdn.transport.netio import recv_container
 from kdn.v1 import kdn_pb2 as pb
 
 if TYPE_CHECKING:
-    from kdn.buffers import BufferPool
+    from kdn.transport.buffers import BufferPool
 
 DRAIN_BYTES = 1 << 20
 """Bytes read at a time when a refused call's items are dropped."""

@@ -1,10 +1,10 @@
 """Frame messages of recently read RAM-tier entries, sent again without building them.
 
 gRPC sends whole ``bytes`` objects, so a Retrieve stream makes one message per frame
-(``kdn.wire.frame_message``), a copy of the frame out of the stored entry: on loopback that copy
-was an eighth of a remote read (188 MB: 87 ms, 75 ms without it; the bare transport 66 ms).
-Entries are read again and again (a popular document's chunks, a shared system prompt), so the
-messages of the entries read last are kept here and sent as they are the next time.
+(``kdn.transport.wire.frame_message``), a copy of the frame out of the stored entry: on loopback
+that copy was an eighth of a remote read (188 MB: 87 ms, 75 ms without it; the bare transport
+66 ms). Entries are read again and again (a popular document's chunks, a shared system prompt),
+so the messages of the entries read last are kept here and sent as they are the next time.
 
 A memo is named by the key and the RAM tier's stamp of the value it was built from (the number
 of the put that stored it): an overwrite stores a new stamp, so messages of an older value are
@@ -24,7 +24,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 
-from kdn.wire import piece_messages
+from kdn.transport.wire import piece_messages
 
 
 class _Memo:
@@ -55,8 +55,8 @@ class WireMemo:
                  ) -> Iterator[list[bytes]]:
         """The serialized messages of each ``(index, frame)`` of ``skey``'s value ``stamp``
         (``count`` frames, ``entry_bytes`` in all): one per frame, or its pieces of about
-        ``piece_bytes`` (``kdn.wire.piece_messages``); built one frame at a time as the stream
-        asks for them, from the memo where it has them (a stamp of 0: never)."""
+        ``piece_bytes`` (``kdn.transport.wire.piece_messages``); built one frame at a time as the
+        stream asks for them, from the memo where it has them (a stamp of 0: never)."""
         memo = self._memo_for(skey, stamp, entry_bytes, count, piece_bytes)
         for i, frame in frames:
             msgs = memo.messages[i] if memo is not None else None

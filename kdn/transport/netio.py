@@ -15,7 +15,7 @@ from kdn.codec.format import (
     parse_header,
 )
 from kdn.errors import Corrupt, KDNError, Truncated
-from kdn.wire import recv_into_all
+from kdn.transport.wire import recv_into_all
 
 READ_AHEAD = 1 << 20
 """Bytes read past what the next check needs, at least (small frames are checked a run at a

@@ -9,6 +9,9 @@ quality check and the pruner reach a model through these functions and nowhere e
   transformers ``DynamicCache`` (views, no copy), and ``LayerwiseCache`` fills a cache layer by
   layer right before each decoder layer runs, so layer i computes while later layers arrive.
   One builder (``_new_cache``/``_set_layer``) makes every cache;
+* building one: ``load_config`` and ``model_from_config`` (a model rebuilt from a saved folder's
+  config, as the pruner loads a pruned one) and ``attention_function`` (transformers' attention
+  of an implementation, which a replaced attention layer calls);
 * running it: ``prefill`` (KV of a token run computed alone, and its next-token logits),
   ``CacheDecoder`` (a transformers cache extended by the model's forward) and ``greedy``, the
   one greedy decoding loop of the package; it drives any ``Decoder`` (``CacheDecoder``, or the
@@ -81,6 +84,37 @@ class ModelParts:
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Next-token logits of hidden states ``h`` [rows, hidden] -> [rows, vocab]."""
         return self.lm_head(self.norm(h))  # type: ignore[no-any-return]
+
+
+# -- building one ------------------------------------------------------------------------------
+
+
+def load_config(folder: str | Path) -> Any:
+    """The transformers config saved in ``folder`` (its ``config.json``; no hub access)."""
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(str(folder), local_files_only=True)
+
+
+def model_from_config(config: Any, dtype: torch.dtype) -> Any:
+    """A causal LM of architecture ``config``, weights freshly initialised, in ``dtype``."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_config(config, dtype=dtype)
+
+
+def attention_function(impl: str) -> Callable[..., tuple[torch.Tensor, Any]]:
+    """The attention transformers runs for ``config._attn_implementation == impl`` (eager when
+    it knows no such name): ``(module, q, k, v, mask, scaling=, dropout=, ...) -> (out, w)``."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    from transformers.models.llama.modeling_llama import eager_attention_forward
+
+    if hasattr(ALL_ATTENTION_FUNCTIONS, "get_interface"):
+        return ALL_ATTENTION_FUNCTIONS.get_interface(  # type: ignore[no-any-return]
+            impl, eager_attention_forward)
+    if impl == "eager" or impl not in ALL_ATTENTION_FUNCTIONS:
+        return eager_attention_forward  # type: ignore[no-any-return]
+    return ALL_ATTENTION_FUNCTIONS[impl]  # type: ignore[no-any-return]
 
 
 # -- caches ------------------------------------------------------------------------------------

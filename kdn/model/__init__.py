@@ -1,0 +1,8 @@
+"""The model side's reach into transformers: the only package of kdn that imports it.
+
+``hf`` (the one transformers adapter: layouts, caches, prefill, the greedy loop, the pieces
+of a model kdn drives), ``models`` (the small causal LM tests and benchmarks run on, loaded
+offline), ``data`` (SQuAD dev and English text for evaluation) and ``embed`` (sentence
+embeddings for RAG). This package exports nothing, so importing one of them loads only what
+that module needs.
+"""
