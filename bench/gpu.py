@@ -258,7 +258,7 @@ def _decode_together(blobs: list[bytes], device: torch.device) -> None:
     """Every entry's layers decoded in one whole-entry decode (what an engine's hit on the
     blocks of one context does: ``kdn.client.landing.decoded_together``)."""
     from kdn.codec import StreamDecoder, parse_container
-    from kdn.codec.api import _spec
+    from kdn.codec.api import layer_spec
     from kdn.codec.format import check_frame
 
     bodies, specs, dec = [], [], None
@@ -268,7 +268,7 @@ def _decode_together(blobs: list[bytes], device: torch.device) -> None:
         for i, f in enumerate(c.frames):
             for r in check_frame(c.header, i, f):
                 bodies.append(memoryview(r.body))
-                specs.append(_spec(c.header.layout, r.layer, r.tokens))
+                specs.append(layer_spec(c.header.layout, r.layer, r.tokens))
     assert dec is not None
     done = dec.mode.decode_layers(bodies, specs, dec.level, device)
     if done is None:  # an encoding without a whole-entry decoder

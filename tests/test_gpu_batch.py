@@ -23,7 +23,7 @@ _PRELUDE = textwrap.dedent('''
     from kdn import codec
     from kdn.cache import KVCache
     from kdn.codec import gpu_batch
-    from kdn.codec.api import _spec
+    from kdn.codec.api import layer_spec
     from kdn.codec.format import check_frame, parse_container
     from kdn.codec.modes import get_mode
     from kdn.errors import Corrupt
@@ -89,7 +89,7 @@ _DAMAGE = _PRELUDE + textwrap.dedent('''
                 b[at] ^= 1 << int(rng.integers(0, 8))
             if mode == "int8" and trial == 11:  # an infinite float16 scale
                 b[16:18] = bytes([0x00, 0x7C])
-            specs = [_spec(header.layout, r.layer, r.tokens) for r in recs]
+            specs = [layer_spec(header.layout, r.layer, r.tokens) for r in recs]
             try:
                 cpu = [m.decode_layer(memoryview(x), s, level, torch.device("cpu"))
                        for x, s in zip(bodies, specs)]
@@ -127,7 +127,7 @@ _BUDGET = _PRELUDE + textwrap.dedent('''
     kv = random_kv(lay, 6, seed=1)
     for mode, level, most in (("kdn", "default", 8), ("int8", "", 2)):
         header, recs = records(codec.encode(kv, mode, level, layers_per_frame=0))
-        specs = [_spec(header.layout, r.layer, r.tokens) for r in recs]
+        specs = [layer_spec(header.layout, r.layer, r.tokens) for r in recs]
         gpu_batch.STATS.update(launches=0, copies=0, syncs=0)
         with Ops() as seen:
             done = get_mode(mode).decode_layers([memoryview(r.body) for r in recs], specs,
@@ -180,7 +180,7 @@ def test_on_cuda_the_whole_entry_decode_matches_the_cpu_and_never_syncs_early() 
     from helpers import pruned_layout, random_kv, uniform_layout
 
     from kdn import codec
-    from kdn.codec.api import _spec
+    from kdn.codec.api import layer_spec
     from kdn.codec.format import check_frame, parse_container
     from kdn.codec.modes import get_mode
     from kdn.layout import DType
@@ -195,7 +195,7 @@ def test_on_cuda_the_whole_entry_decode_matches_the_cpu_and_never_syncs_early() 
                 assert k2.is_cuda and torch.equal(k1, k2.cpu()) and torch.equal(v1, v2.cpu())
             c = parse_container(blob, verify=False)
             recs = [r for i, f in enumerate(c.frames) for r in check_frame(c.header, i, f)]
-            specs = [_spec(c.header.layout, r.layer, r.tokens) for r in recs]
+            specs = [layer_spec(c.header.layout, r.layer, r.tokens) for r in recs]
             torch.cuda.synchronize()
             torch.cuda.set_sync_debug_mode("error")  # any synchronising call raises
             try:

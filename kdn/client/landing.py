@@ -100,14 +100,14 @@ def decoded_together(hits: Sequence[Fetched], device: torch.device | str | None,
     if any((d.mode.name, d.level, d.header.layout.dtype) != kind or d.device.type != "cuda"
            for d, _ in decs):
         return None
-    from kdn.codec.api import _spec  # noqa: PLC0415 - the tensor side, on first use
+    from kdn.codec.api import layer_spec  # the tensor side, on first use
 
     bodies, specs, counts = [], [], []
     for g, (d, _) in zip(hits, decs):
         recs = [r for i, f in enumerate(g.parts.frames)
                 for r in check_frame(d.header, i, f, checksum=not d.checked)]
         bodies += [memoryview(r.body) for r in recs]
-        specs += [_spec(d.header.layout, r.layer, r.tokens) for r in recs]
+        specs += [layer_spec(d.header.layout, r.layer, r.tokens) for r in recs]
         counts.append(len(recs))
     target = decs[0][1]
     done = first.mode.decode_layers(bodies, specs, first.level, first.device, pinned=all(

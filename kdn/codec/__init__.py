@@ -51,7 +51,7 @@ __all__ = [
 ]
 
 _TENSOR_SIDE = {"FRAME_TARGET_BYTES", "StreamDecoder", "decode", "encode", "encode_parts",
-                "frame_spans", "mode_names", "get_mode", "_pool", "_spec"}
+                "frame_spans", "mode_names", "get_mode", "_pool", "layer_spec"}
 
 
 def __getattr__(name: str) -> Any:

@@ -70,7 +70,7 @@ def _pool() -> ThreadPoolExecutor:
     return _POOL
 
 
-def _spec(kv_layout: KVLayout, layer: int, tokens: int) -> LayerSpec:
+def layer_spec(kv_layout: KVLayout, layer: int, tokens: int) -> LayerSpec:
     return LayerSpec(layer, kv_layout.num_layers, kv_layout.layers[layer], tokens, kv_layout.dtype)
 
 
@@ -109,7 +109,7 @@ def encode_parts(
 
     def one(layer: int) -> list[Buffer]:
         k, v = kv.layers[layer]
-        body = codec.encode_layer(k, v, _spec(layout, layer, tokens), level)
+        body = codec.encode_layer(k, v, layer_spec(layout, layer, tokens), level)
         return record_parts(layout.layers[layer], tokens, body)
 
     records = list(_pool().map(one, range(layout.num_layers)))
@@ -202,7 +202,7 @@ class StreamDecoder:
         return len(self.header.entry.frames)
 
     def decode_record(self, rec: LayerRecord) -> tuple[torch.Tensor, torch.Tensor]:
-        spec = _spec(self.header.layout, rec.layer, rec.tokens)
+        spec = layer_spec(self.header.layout, rec.layer, rec.tokens)
         body = rec.body
         arena = self._arena_view()
         if arena is not None:
@@ -224,7 +224,7 @@ class StreamDecoder:
         """Records' layers decoded together by the mode's whole-entry GPU decoder
         (``Mode.decode_layers``): a ``Decoded`` to ``check()`` before its tensors are used, or
         None where the mode has none."""
-        specs = [_spec(self.header.layout, r.layer, r.tokens) for r in recs]
+        specs = [layer_spec(self.header.layout, r.layer, r.tokens) for r in recs]
         done = self.mode.decode_layers([memoryview(r.body) for r in recs], specs, self.level,
                                        self.device, pinned=pinned)
         if done is not None:
