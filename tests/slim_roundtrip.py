@@ -9,7 +9,8 @@ from pathlib import Path
 
 import grpc
 
-from kdn.codec.format import FRAME_SEED, build_header, frame_with_sum, layout_to_proto, record_parts
+from kdn.codec.format import FRAME_SEED, build_header, frame_with_sum, record_parts
+from kdn.codec.layouts import layout_to_proto
 from kdn.layout import KVLayout, LayerLayout
 from kdn.transport.wire import frame_message
 from kdn.v1 import kdn_pb2 as pb

@@ -25,7 +25,7 @@ _SCRIPT = textwrap.dedent('''
     import grpc
     from kdn.codec.format import build_header, frame_with_sum, record_parts, FRAME_SEED
     from kdn.layout import KVLayout, LayerLayout
-    from kdn.codec.format import layout_to_proto
+    from kdn.codec.layouts import layout_to_proto
     from kdn.server import ServerConfig, ServerThread
     from kdn.v1 import kdn_pb2 as pb, kdn_pb2_grpc as pb_grpc
     from kdn.transport.wire import frame_message

@@ -39,10 +39,10 @@ from kdn.codec.format import (
     Header,
     build_header,
     frame_prefix,
-    layout_to_proto,
     parse_header,
     record_prefix,
 )
+from kdn.codec.layouts import layout_to_proto
 from kdn.codec.modes import get_mode
 from kdn.codec.sealing import seal_in_place
 from kdn.errors import InvalidArgument

@@ -28,11 +28,11 @@ from kdn.codec.format import (
     build_header,
     check_frame,
     frame_with_sum,
-    layout_to_proto,
     parse_container,
     parse_header,
     record_parts,
 )
+from kdn.codec.layouts import layout_to_proto
 from kdn.codec.modes import LayerSpec, Mode, get_mode, mode_names
 from kdn.errors import Corrupt, InvalidArgument
 from kdn.layout import KVLayout
@@ -56,10 +56,8 @@ _POOL: ThreadPoolExecutor | None = None
 FRAME_TARGET_BYTES = 1 << 20
 """With ``layers_per_frame=0`` a frame takes consecutive layers until it holds this many bytes
 (so a layer this large is a frame of its own). A frame travels as one gRPC message, and Python
-gRPC moves messages of about 1 MiB fastest: SmolLM2 at 512 tokens (12 MB, 2-core VM, server in
-its own process) streamed raw at 1.25 GB/s in frames of three layers (1.2 MB) against 1.04 in
-one-layer frames (393 KB); kdn's ``retrieve`` 0.86 against 0.80 GB/s, ``store`` 0.79 against
-0.69 (256 KiB until stop 41)."""
+gRPC moves messages of about 1 MiB fastest (streams of ~1 MB frames beat ~400 KB ones by about
+20% in ``bench.roundtrip``)."""
 
 
 def _pool() -> ThreadPoolExecutor:
@@ -71,6 +69,7 @@ def _pool() -> ThreadPoolExecutor:
 
 
 def layer_spec(kv_layout: KVLayout, layer: int, tokens: int) -> LayerSpec:
+    """What a mode knows about ``layer`` of ``tokens`` tokens in ``kv_layout``."""
     return LayerSpec(layer, kv_layout.num_layers, kv_layout.layers[layer], tokens, kv_layout.dtype)
 
 

@@ -29,12 +29,12 @@ import torch
 from kdn.codec.copies import copy_checked
 from kdn.codec.format import (
     FRAME_PREFIX_BYTES,
-    BoundedMemo,
     Header,
     check_frame_prefix,
     frame_prefix,
     record_prefix,
 )
+from kdn.codec.layouts import BoundedMemo
 from kdn.transport.buffers import RECEIVED
 
 _PLANS: BoundedMemo[tuple[str, int, tuple[tuple[int, int], ...]], Plan | None] = \

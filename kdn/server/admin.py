@@ -14,7 +14,8 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from kdn.codec.format import layout_to_proto, parse_container, parse_header
+from kdn.codec.format import parse_container, parse_header
+from kdn.codec.layouts import layout_to_proto
 from kdn.errors import Corrupt, InvalidArgument, KDNError, NotFound, PermissionDenied
 from kdn.keys import split_store_key, store_key
 from kdn.names import check_key_prefix, check_namespace, check_tenant, request_namespace
