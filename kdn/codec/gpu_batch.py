@@ -126,9 +126,10 @@ class _Source:
             base = bodies[nonempty[0]]
             whole = np.frombuffer(base.obj, dtype=np.uint8)  # type: ignore[call-overload]
             start = lo - int(whole.ctypes.data)
-        stage = device.type == "cuda" and not pinned
         host: np.ndarray | None = None
-        if 0 <= start and start + hi - lo <= len(whole):
+        one_span = 0 <= start and start + hi - lo <= len(whole)
+        stage = device.type == "cuda" and not (pinned and one_span)  # copied anyway: pinned
+        if one_span:
             host = whole[start : start + hi - lo]
             self.offsets = [a - lo if n else 0 for a, n in zip(addr, sizes)]
             pieces, total = [(0, host)], hi - lo
