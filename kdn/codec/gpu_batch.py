@@ -220,8 +220,8 @@ def decode_kdn(bodies: list[memoryview], specs: list[LayerSpec],
     counts = per_layer.sum(axis=0)
     starts = np.cumsum(per_layer, axis=0) - per_layer
     arrays = plan.allocate(counts)
-    bts, grs, cos, crs, lo, width, tstart, depth, bins, sp = arrays
-    flat = (*bts, *grs, *cos, *crs, lo, width, tstart, depth, bins, sp)
+    bts, grs, cos, crs, lo, width, tstart, depth, sp = arrays
+    flat = (*bts, *grs, *cos, *crs, lo, width, tstart, depth, sp)
     chunks = _chunks(per_layer[:, 9] + per_layer[:, 2] + per_layer[:, 3])
     _run_all(lambda c: plan.fill(c[0], c[1], starts, *args, kbase, vbase,
                                  out.element_size(), *flat), chunks)
@@ -229,7 +229,7 @@ def decode_kdn(bodies: list[memoryview], specs: list[LayerSpec],
     ksteps = np.array([st[0] for st in level_steps], np.float32)
     vsteps = np.array([st[1] for st in level_steps], np.float32)
     host: dict[str, np.ndarray] = {
-        "flag": np.zeros(1, np.int32), "table": SCALE_TABLE.numpy(), "counts": bins,
+        "flag": np.zeros(1, np.int32), "table": SCALE_TABLE.numpy(), "counts": tables,
         "width": width, "tstart": tstart, "depth": depth, "lo": lo,
         "span_src": sp[:, 0].copy(), "span_dst": sp[:, 1].copy(), "span_len": sp[:, 2].copy()}
     for b, p in enumerate(("s_", "y_")):
@@ -247,8 +247,8 @@ def decode_kdn(bodies: list[memoryview], specs: list[LayerSpec],
         host[f"{p}c_row"] = cr[:, 1].copy()
     dev = upload_many(host, device)
     STATS["copies"] += device.type != "cpu"
-    freq = torch.empty(len(bins), dtype=torch.int32, device=device)
-    cum = torch.empty(len(bins), dtype=torch.int32, device=device)
+    freq = torch.empty(len(tables), dtype=torch.int32, device=device)  # by place in tables
+    cum = torch.empty(len(tables), dtype=torch.int32, device=device)
     qout = torch.empty(max(qat, 1), dtype=torch.int32, device=device)
     sout = torch.empty(max(qat, 1), dtype=torch.float32, device=device)
     flag = dev["flag"]

@@ -205,8 +205,8 @@ def allocate(sizes: np.ndarray) -> tuple:  # type: ignore[type-arg]
     """The arrays ``fill`` writes, for totals ``sizes`` (``count``'s columns summed): per set
     (0: log scales, 1: symbols) a blob table [blobs, NF + 1] (column NF: the blob's layer),
     groups [g, 4] (blob, first stream, word offset, words), coded rows, constant rows [c, 2]
-    (blob, row); for all rows lo, width, tstart, depth; the counts; sink spans [s, 3] (from,
-    to, bytes)."""
+    (blob, row); for all rows lo, width, tstart (where the row's counts lie in ``tables``:
+    the kernels read them there), depth; sink spans [s, 3] (from, to, bytes)."""
     return ((np.zeros((max(sizes[0], 1), NF + 1), np.int64),
              np.zeros((max(sizes[1], 1), NF + 1), np.int64)),
             (np.zeros((max(sizes[2], 1), 4), np.int64), np.zeros((max(sizes[3], 1), 4), np.int64)),
@@ -214,7 +214,7 @@ def allocate(sizes: np.ndarray) -> tuple:  # type: ignore[type-arg]
             (np.zeros((max(sizes[6], 1), 2), np.int32), np.zeros((max(sizes[7], 1), 2), np.int32)),
             np.empty(max(sizes[8], 1), np.int32), np.ones(max(sizes[8], 1), np.int32),
             np.empty(max(sizes[8], 1), np.int32), np.empty(max(sizes[8], 1), np.int32),
-            np.empty(max(sizes[9], 1), np.uint8), np.zeros((max(sizes[10], 1), 3), np.int64))
+            np.zeros((max(sizes[10], 1), 3), np.int64))
 
 
 @numba.njit(cache=True, nogil=True)
@@ -224,7 +224,7 @@ def fill(first: int, last: int, starts: np.ndarray, buf: np.ndarray, sect: np.nd
          sink: np.ndarray, kbase: np.ndarray, vbase: np.ndarray, itemsize: int,
          bt0: np.ndarray, bt1: np.ndarray, gr0: np.ndarray, gr1: np.ndarray, co0: np.ndarray,
          co1: np.ndarray, cr0: np.ndarray, cr1: np.ndarray, lo: np.ndarray, width: np.ndarray,
-         tstart: np.ndarray, depth: np.ndarray, counts: np.ndarray, sp: np.ndarray) -> None:
+         tstart: np.ndarray, depth: np.ndarray, sp: np.ndarray) -> None:
     """Layers [first, last) into ``allocate``'s arrays, each at the place ``starts`` (the
     exclusive running sums of ``count``'s rows) gives it: disjoint layer ranges fill on
     threads side by side (nogil)."""
@@ -239,7 +239,6 @@ def fill(first: int, last: int, starts: np.ndarray, buf: np.ndarray, sect: np.nd
         ic[b] = starts[first, 4 + b]
         ik[b] = starts[first, 6 + b]
     row = starts[first, 8]
-    bin_ = starts[first, 9]
     isp = starts[first, 10]
     qat = starts[first, 11]
     for lay in range(first, last):
@@ -270,14 +269,12 @@ def fill(first: int, last: int, starts: np.ndarray, buf: np.ndarray, sect: np.nd
                 lo[r] = np.int16(_u16(tables, t0 + 2 * i))
                 w = _u16(tables, t0 + 2 * st + 2 * i)
                 width[r] = w
-                tstart[r] = bin_
+                tstart[r] = src
                 d = 0
                 while (1 << d) < w:
                     d += 1
                 depth[r] = d
-                counts[bin_ : bin_ + w] = tables[src : src + w]
                 src += w
-                bin_ += w
                 if w > 1:
                     co[ic[b] + coded] = r
                     coded += 1
