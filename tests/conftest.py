@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -8,6 +8,37 @@ import pytest
 from kdn.client import Client
 from kdn.server import ServerConfig, ServerThread
 from kdn.server.arena import PAGE, Arena
+
+
+def _order_seed(config: pytest.Config) -> int | None:
+    """pytest-randomly's seed when it shuffled this run (None: the plugin is off, ``-p
+    no:randomly``, or keeps the files' order, ``--randomly-dont-reorganize``)."""
+    if not config.pluginmanager.hasplugin("randomly"):
+        return None
+    if not config.getoption("randomly_reorganize", True):
+        return None
+    seed = config.getoption("randomly_seed", None)
+    return seed if isinstance(seed, int) else None
+
+
+def _say_order(config: pytest.Config, write: Callable[[str], object]) -> None:
+    seed = _order_seed(config)
+    if seed is not None:
+        write(f"test order: shuffled by pytest-randomly; rerun it with -p randomly "
+              f"--randomly-seed={seed}")
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Say the seed of a shuffled order first: pytest-randomly's own line is a report header,
+    which ``-q`` (scripts/test.sh) does not print."""
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        _say_order(session.config, reporter.write_line)
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """And again beside the failures, where a failure that depends on the order is read."""
+    _say_order(terminalreporter.config, terminalreporter.write_line)
 
 
 @pytest.fixture
