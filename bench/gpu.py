@@ -237,6 +237,12 @@ def measure_decode(model: Any, shape: str, tokens: int, enc: str, client: Client
     together_s = best_s(lambda: _decode_together(blobs, device), device, runs) \
         if device.type == "cuda" else None
     counts = _decode_counts(blobs, device)
+    if PROFILE_DECODE:
+        _profile(f"{enc}: codec.decode of each entry",
+                 lambda: [codec_decode(b, device) for b in blobs], device)
+        if device.type == "cuda":
+            _profile(f"{enc}: all entries in one decode",
+                     lambda: _decode_together(blobs, device), device)
     kernel_s = _kernel_s(lambda: [codec.decode(b, device=device) for b in blobs], device)
     kernel_gb_s = kv_bytes / kernel_s / 1e9 if kernel_s else None
     print(f"  {shape} {tokens} decode {enc} on {device.type}: {decode_s * 1e3:.1f} ms, "
@@ -252,6 +258,27 @@ def measure_decode(model: Any, shape: str, tokens: int, enc: str, client: Client
             "entries": len(blobs),
             "limit_gb_s": limit, "ratio_to_limit": gb_s / limit, "kv_bytes": kv_bytes,
             "chunk_tokens": engine.config.chunk_tokens}
+
+
+PROFILE_DECODE = False
+"""``--profile-decode``: print where the host's time goes in the decode rows (cProfile)."""
+
+
+def _profile(title: str, fn: Any, device: torch.device) -> None:
+    import cProfile
+    import io
+    import pstats
+
+    sync(device)
+    prof = cProfile.Profile()
+    prof.enable()
+    fn()
+    sync(device)
+    prof.disable()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(14)
+    print(f"  profile, {title}:\n" + "\n".join(
+        line for line in text.getvalue().splitlines()[4:] if line.strip()), flush=True)
 
 
 def _decode_together(blobs: list[bytes], device: torch.device) -> None:
@@ -491,7 +518,11 @@ def main(argv: list[str] | None = None) -> None:
                     help="write --out from these runs' JSON instead of measuring (oldest first)")
     ap.add_argument("--tokens", default="",
                     help="comma-separated context lengths to run (default: every one)")
+    ap.add_argument("--profile-decode", action="store_true",
+                    help="print where the host's time goes in the decode rows (cProfile)")
     ns = ap.parse_args(argv)
+    global PROFILE_DECODE
+    PROFILE_DECODE = ns.profile_decode
     if ns.merge:
         merge(ns.merge, ns.out)
         return
