@@ -24,6 +24,7 @@ from kdn import codec
 from kdn.cache import KVCache
 from kdn.codec import entropy
 from kdn.codec import format as fmt
+from kdn.codec.layouts import layout_from_proto
 from kdn.codec.modes import get_mode
 from kdn.errors import KDNError
 from kdn.layout import DType, KVLayout, LayerLayout
@@ -86,7 +87,7 @@ def signature(entry: pb.EntryHeader, frames: list[bytes] | list[bytearray]) -> b
     decode and share this give the same tensors (records parse from the start of each frame,
     so equal concatenated payloads are equal records in the same order)."""
     try:
-        fp = fmt.layout_from_proto(entry.layout).fingerprint
+        fp = layout_from_proto(entry.layout).fingerprint
     except KDNError:
         fp = "?"
     head = f"{fp}|{entry.layout.dtype}|{entry.tokens}|{entry.start_position}|" \
@@ -719,7 +720,7 @@ class Case:
                 self.version = 1
         if fdp.ConsumeIntInRange(0, 7) != 7:  # usually the fingerprint follows the layout
             try:
-                self.entry.layout_fingerprint = fmt.layout_from_proto(self.entry.layout).fingerprint
+                self.entry.layout_fingerprint = layout_from_proto(self.entry.layout).fingerprint
             except KDNError:
                 pass
         # after header edits, usually: records follow the header, so bodies reach the decoders
@@ -735,7 +736,7 @@ class Case:
 
 def declared_shapes(entry: pb.EntryHeader) -> tuple[KVLayout, list[tuple[tuple[int, ...], ...]]]:
     """The layout a (mutated) header declares and each layer's (K shape, V shape)."""
-    layout = fmt.layout_from_proto(entry.layout)
+    layout = layout_from_proto(entry.layout)
     t = int(entry.tokens)
     return layout, [((lay.kv_heads, t, lay.k_channels), (lay.kv_heads, t, lay.v_channels))
                     for lay in layout.layers]

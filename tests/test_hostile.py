@@ -27,11 +27,11 @@ from kdn.codec.format import (
     build_header,
     build_record,
     check_frame,
-    layout_from_proto,
     parse_container,
     parse_header,
     seal,
 )
+from kdn.codec.layouts import layout_from_proto
 from kdn.codec.modes import pack_sections, unpack_sections
 from kdn.errors import Corrupt, KDNError
 from kdn.layout import DType, KVLayout, LayerLayout
