@@ -27,6 +27,7 @@ slow): that is how CI checks them, launch and synchronisation counts included (`
 
 from __future__ import annotations
 
+import math
 import os
 import warnings
 from concurrent.futures import ThreadPoolExecutor
@@ -172,6 +173,15 @@ def _outputs(specs: list[LayerSpec], device: torch.device
 
 def _views(out: torch.Tensor, specs: list[LayerSpec], bases: list[tuple[int, int]]
            ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each layer's K and V as views of ``out`` (laid out K, V, K, V, ... by ``_outputs``):
+    where every layer has one shape, two ``unbind`` calls make them all."""
+    shapes = {(s.k_shape, s.v_shape) for s in specs}
+    if len(shapes) == 1 and specs:
+        ks, vs = shapes.pop()
+        kn, vn = math.prod(ks), math.prod(vs)
+        rows = out[: len(specs) * (kn + vn)].view(len(specs), kn + vn)
+        return list(zip(rows[:, :kn].reshape(len(specs), *ks).unbind(0),
+                        rows[:, kn:].reshape(len(specs), *vs).unbind(0)))
     layers = []
     for s, (kb, vb) in zip(specs, bases):
         k = out[kb : kb + s.layout.k_numel(s.tokens)].view(s.k_shape)
@@ -213,15 +223,22 @@ def decode_kdn(bodies: list[memoryview], specs: list[LayerSpec],
         return None
     sizes = plan.table_sizes(buf, blobs, streams, err)
     failed()
-    tables, tab = _tables(buf, blobs, sizes, where)
+    present = blobs[:, :, 0] >= 0
+    rows = int(streams[present].sum())
+    big = _Staging(device)  # the tables and per-row arrays: written where they are sent from
+    big.add("counts", np.uint8, int(sizes[present].sum()))
+    for name in ("lo", "width", "tstart", "depth"):
+        big.add(name, np.int32, rows)
+    host_big = big.arrays()
+    tables, tab = _tables(buf, blobs, sizes, host_big["counts"], where)
     args = (buf, sect, blobs, tables, tab, streams, heads, kc, vc, tokens, sink)
     per_layer = plan.count(*args, out.element_size(), err)
     failed()
     counts = per_layer.sum(axis=0)
     starts = np.cumsum(per_layer, axis=0) - per_layer
-    arrays = plan.allocate(counts)
-    bts, grs, cos, crs, lo, width, tstart, depth, sp = arrays
-    flat = (*bts, *grs, *cos, *crs, lo, width, tstart, depth, sp)
+    bts, grs, cos, crs, sp = plan.allocate(counts)
+    flat = (*bts, *grs, *cos, *crs, sp, *(host_big[n] for n in ("lo", "width", "tstart",
+                                                                 "depth")))
     chunks = _chunks(per_layer[:, 9] + per_layer[:, 2] + per_layer[:, 3])
     _run_all(lambda c: plan.fill(c[0], c[1], starts, *args, kbase, vbase,
                                  out.element_size(), *flat), chunks)
@@ -229,8 +246,7 @@ def decode_kdn(bodies: list[memoryview], specs: list[LayerSpec],
     ksteps = np.array([st[0] for st in level_steps], np.float32)
     vsteps = np.array([st[1] for st in level_steps], np.float32)
     host: dict[str, np.ndarray] = {
-        "flag": np.zeros(1, np.int32), "table": SCALE_TABLE.numpy(), "counts": tables,
-        "width": width, "tstart": tstart, "depth": depth, "lo": lo,
+        "flag": np.zeros(1, np.int32), "table": SCALE_TABLE.numpy(),
         "span_src": sp[:, 0].copy(), "span_dst": sp[:, 1].copy(), "span_len": sp[:, 2].copy()}
     for b, p in enumerate(("s_", "y_")):
         bt, gr, cr = bts[b], grs[b], crs[b]
@@ -245,8 +261,8 @@ def decode_kdn(bodies: list[memoryview], specs: list[LayerSpec],
         host[f"{p}coded"] = cos[b]
         host[f"{p}c_blob"] = cr[:, 0].copy()
         host[f"{p}c_row"] = cr[:, 1].copy()
-    dev = upload_many(host, device)
-    STATS["copies"] += device.type != "cpu"
+    dev = {**upload_many(host, device), **big.send()}
+    STATS["copies"] += 2 * (device.type != "cpu")
     freq = torch.empty(len(tables), dtype=torch.int32, device=device)  # by place in tables
     cum = torch.empty(len(tables), dtype=torch.int32, device=device)
     qout = torch.empty(max(qat, 1), dtype=torch.int32, device=device)
@@ -276,7 +292,7 @@ def decode_kdn(bodies: list[memoryview], specs: list[LayerSpec],
     _launch(kernels.spans, (int(counts[10]),), source.tensor, dev["span_src"], dev["span_dst"],
             dev["span_len"], out.view(torch.uint8), BLOCK=_SPAN_BLOCK)
     return Decoded(_views(out, specs, bases), flag, where,
-                   keep=[source.host, source.tensor, dev, freq, cum, qout, sout])
+                   keep=[source.host, source.tensor, big.host, dev, freq, cum, qout, sout])
 
 
 _FIELDS = {"crow": plan.CROW, "rowbase": plan.ROWBASE, "blocks": plan.BLOCKS,
@@ -286,14 +302,14 @@ _FIELDS = {"crow": plan.CROW, "rowbase": plan.ROWBASE, "blocks": plan.BLOCKS,
 _DCTX = zstandard.ZstdDecompressor()
 
 
-def _tables(buf: np.ndarray, blobs: np.ndarray, sizes: np.ndarray, where: str
-            ) -> tuple[np.ndarray, np.ndarray]:
+def _tables(buf: np.ndarray, blobs: np.ndarray, sizes: np.ndarray, into: np.ndarray,
+            where: str) -> tuple[np.ndarray, np.ndarray]:
     """Every blob's zstd-packed tables decompressed in one call (several threads), one after
-    another, and where each lies ([L, 2, 2]: offset, length)."""
+    another ``into`` (returned), and where each lies ([L, 2, 2]: offset, length)."""
     tab = np.zeros((*blobs.shape[:2], 2), np.int64)
     present = blobs[:, :, 0] >= 0
     if not present.any():
-        return np.zeros(1, np.uint8), tab
+        return into, tab
     segs = np.stack([blobs[:, :, 0][present], blobs[:, :, 1][present]], axis=1)
     want = sizes[present]
     tab[:, :, 1][present] = want
@@ -309,7 +325,39 @@ def _tables(buf: np.ndarray, blobs: np.ndarray, sizes: np.ndarray, where: str
         raise Corrupt(f"{where}: entropy tables do not decode: {exc}") from exc
     if [len(p) for p in parts] != want.tolist():
         raise Corrupt(f"{where}: entropy tables are not the size they declare")
-    return np.concatenate(parts), tab
+    return np.concatenate(parts, out=into), tab
+
+
+class _Staging:
+    """Host arrays laid out in one buffer (page-locked for a GPU) that the caller fills in
+    place, then sent to the device with one copy (``send``: the device tensors by name)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.spans: dict[str, tuple[int, np.dtype[Any], int]] = {}
+        self.total = 0
+        self.host = torch.empty(0, dtype=torch.uint8)
+
+    def add(self, name: str, dtype: Any, n: int) -> None:
+        dt = np.dtype(dtype)
+        self.spans[name] = (self.total, dt, max(n, 1))
+        self.total += -(-max(n, 1) * dt.itemsize // 16) * 16
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        self.host = torch.empty(max(self.total, 1), dtype=torch.uint8,
+                                pin_memory=self.device.type == "cuda")
+        flat = self.host.numpy()
+        return {name: flat[at : at + n * dt.itemsize].view(dt)
+                for name, (at, dt, n) in self.spans.items()}
+
+    def send(self) -> dict[str, torch.Tensor]:
+        dev = (self.host.to(self.device, non_blocking=True) if self.device.type != "cpu"
+               else self.host)
+        return {name: dev[at : at + n * dt.itemsize].view(_TORCH[dt.str])
+                for name, (at, dt, n) in self.spans.items()}
+
+
+_TORCH = {np.dtype(np.uint8).str: torch.uint8, np.dtype(np.int32).str: torch.int32}
 
 
 _THREADS = min(8, os.cpu_count() or 1)
@@ -343,17 +391,22 @@ _COPIES: ThreadPoolExecutor | None = None
 def _copy_into(dst: np.ndarray, pieces: list[tuple[int, np.ndarray]]) -> None:
     """Each (offset, bytes) piece copied into ``dst`` at its offset, in chunks spread over
     threads (numpy copies release the GIL: one core copies a few GB/s)."""
-    jobs = [(at + o, p[o : o + _COPY_CHUNK]) for at, p in pieces
-            for o in range(0, len(p), _COPY_CHUNK)]
-    if len(jobs) < 4:
-        for at, p in jobs:
+    jobs: list[list[tuple[int, np.ndarray]]] = [[]]  # pieces of about _COPY_CHUNK a job
+    size = 0
+    for at, p in pieces:
+        for o in range(0, len(p), _COPY_CHUNK):
+            part = p[o : o + _COPY_CHUNK]
+            if size and size + len(part) > _COPY_CHUNK:
+                jobs.append([])
+                size = 0
+            jobs[-1].append((at + o, part))
+            size += len(part)
+
+    def one(job: list[tuple[int, np.ndarray]]) -> None:
+        for at, p in job:
             dst[at : at + len(p)] = p
-        return
 
-    def one(job: tuple[int, np.ndarray]) -> None:
-        dst[job[0] : job[0] + len(job[1])] = job[1]
-
-    _run_all(one, jobs)
+    _run_all(one, jobs if len(jobs) >= 4 else [[p for job in jobs for p in job]])
 
 
 # ------------------------------------------------------------------------------ int8 mode

@@ -205,15 +205,14 @@ def allocate(sizes: np.ndarray) -> tuple:  # type: ignore[type-arg]
     """The arrays ``fill`` writes, for totals ``sizes`` (``count``'s columns summed): per set
     (0: log scales, 1: symbols) a blob table [blobs, NF + 1] (column NF: the blob's layer),
     groups [g, 4] (blob, first stream, word offset, words), coded rows, constant rows [c, 2]
-    (blob, row); for all rows lo, width, tstart (where the row's counts lie in ``tables``:
-    the kernels read them there), depth; sink spans [s, 3] (from, to, bytes)."""
+    (blob, row); sink spans [s, 3] (from, to, bytes). (``fill`` also writes, for every row,
+    lo, width, tstart (where the row's counts lie in ``tables``: the kernels read them
+    there) and depth into arrays the caller gives it, sized by rows.)"""
     return ((np.zeros((max(sizes[0], 1), NF + 1), np.int64),
              np.zeros((max(sizes[1], 1), NF + 1), np.int64)),
             (np.zeros((max(sizes[2], 1), 4), np.int64), np.zeros((max(sizes[3], 1), 4), np.int64)),
             (np.zeros(max(sizes[4], 1), np.int32), np.zeros(max(sizes[5], 1), np.int32)),
             (np.zeros((max(sizes[6], 1), 2), np.int32), np.zeros((max(sizes[7], 1), 2), np.int32)),
-            np.empty(max(sizes[8], 1), np.int32), np.ones(max(sizes[8], 1), np.int32),
-            np.empty(max(sizes[8], 1), np.int32), np.empty(max(sizes[8], 1), np.int32),
             np.zeros((max(sizes[10], 1), 3), np.int64))
 
 
@@ -223,8 +222,8 @@ def fill(first: int, last: int, starts: np.ndarray, buf: np.ndarray, sect: np.nd
          heads: np.ndarray, kc: np.ndarray, vc: np.ndarray, tokens: np.ndarray,
          sink: np.ndarray, kbase: np.ndarray, vbase: np.ndarray, itemsize: int,
          bt0: np.ndarray, bt1: np.ndarray, gr0: np.ndarray, gr1: np.ndarray, co0: np.ndarray,
-         co1: np.ndarray, cr0: np.ndarray, cr1: np.ndarray, lo: np.ndarray, width: np.ndarray,
-         tstart: np.ndarray, depth: np.ndarray, sp: np.ndarray) -> None:
+         co1: np.ndarray, cr0: np.ndarray, cr1: np.ndarray, sp: np.ndarray, lo: np.ndarray,
+         width: np.ndarray, tstart: np.ndarray, depth: np.ndarray) -> None:
     """Layers [first, last) into ``allocate``'s arrays, each at the place ``starts`` (the
     exclusive running sums of ``count``'s rows) gives it: disjoint layer ranges fill on
     threads side by side (nogil)."""
