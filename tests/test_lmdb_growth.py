@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import threading
 from pathlib import Path
 
@@ -78,7 +79,8 @@ def test_concurrent_writers_fill_the_disk_tier_without_refusals(
         grown = events.counts.get("map_grown", 0)
         assert 1 <= grown <= 7, events.counts
         assert "map_full" not in events.counts
-        growths = [r for r in caplog.records if "map grown" in r.getMessage()]
+        growths = [r for r in caplog.records
+                   if r.name == "kdn.store.lmdb" and "map grown" in r.getMessage()]
         assert len(growths) == grown and all(r.levelno == logging.INFO for r in growths)
         assert tier.map_size <= tier.max_map_bytes
     finally:
@@ -101,11 +103,12 @@ def test_refusal_past_the_map_ceiling_names_the_real_usage(
         used = tier.stats().bytes
         for exc in refusals:
             msg = str(exc)
-            assert f"of {DISK_BYTES} bytes" in msg and "8388608-byte maximum" in msg, msg
-            stored = int(msg.split(" bytes stored")[0].rsplit(" ", 1)[-1])
-            assert 0 < stored <= used
+            m = re.search(r"(\d+) bytes stored of a (\d+)-byte budget", msg)
+            assert m is not None and "8388608-byte maximum" in msg, msg
+            assert 0 < int(m[1]) <= used and int(m[2]) == DISK_BYTES
         assert events.counts.get("map_full") == len(refusals)
-        warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+        warnings = [r for r in caplog.records
+                    if r.name == "kdn.store.lmdb" and r.levelno == logging.WARNING]
         assert len(warnings) == len(refusals)
         assert tier.map_size == 8 << 20
     finally:
