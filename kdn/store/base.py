@@ -35,7 +35,9 @@ Traits: each tier class says what it is, and the hierarchy chooses by these, nev
 Hooks set by the hierarchy after construction: ``protected(key)``: a tier that evicts on its own
 never evicts a key for which it answers true (pins); ``on_evict(key, value, ttl_s)``: called by
 a tier that ``reports_evictions`` for each entry it evicted, outside its locks, with the seconds
-the entry had left (None = no expiry).
+the entry had left (None = no expiry); ``on_event(name, n)``: a tier reports ``n`` more of an
+event of its own (the disk tier's ``map_grown``, ``map_full``), which the hierarchy counts as
+``<tier>.<name>`` with its other counters (``kdn admin stats``, ``kdn_events``).
 
 A miss is ``None``. A tier that can not be reached raises ``TierUnavailable``; one that can not
 hold an entry raises ``TooLarge``. Tiers never raise other exception types on purpose.
@@ -88,6 +90,10 @@ def _never(key: bytes) -> bool:
     return False
 
 
+def _uncounted(name: str, n: int) -> None:
+    return None
+
+
 EvictHook = Callable[[bytes, bytes | Framed, float | None], None]
 """``on_evict(key, value, ttl_s)``: an entry a tier evicted, with its remaining seconds or None
 (the RAM tier's value may be ``Framed``: ``kdn.store.framed.contiguous`` joins it)."""
@@ -107,6 +113,7 @@ class Tier(abc.ABC):
         self.counters = TierCounters()
         self.protected: Callable[[bytes], bool] = _never
         self.on_evict: EvictHook | None = None
+        self.on_event: Callable[[str, int], None] = _uncounted
         self.degraded = False
         """Up, but part of the tier does not answer (set by ``healthy``; a Redis Cluster with
         a master gone): keys there miss and writes there fail, the rest is served."""

@@ -24,11 +24,16 @@ are written with the next write transaction (and at ``close``), so reads never p
 
 Map growth: the map starts small and doubles up to ``max_map_bytes`` on ``MapFullError``;
 resizing needs every transaction of this process closed, so transactions share a
-readers-writer lock that ``_grow`` takes exclusively.
+readers-writer lock that ``_grow`` takes exclusively. A writer that found the map full grows it
+only if it is still the size that writer saw: when several writers find it full at once, the
+first grows it and the others retry in the larger map (each growth is logged at INFO and
+reported as the ``map_grown`` event). A write refused at ``max_map_bytes`` is logged as a
+WARNING, reported as ``map_full``, and its ``TooLarge`` names the bytes stored and the budget.
 """
 
 from __future__ import annotations
 
+import logging
 import struct
 import threading
 import time
@@ -40,6 +45,8 @@ import lmdb
 
 from kdn.errors import Corrupt, TierUnavailable, TooLarge
 from kdn.store.base import Tier, TierStats
+
+log = logging.getLogger(__name__)
 
 _MIN_MAP = 64 << 20
 _START_MAP = 256 << 20
@@ -145,6 +152,7 @@ class LmdbTier(Tier):
             cur = txn.cursor()
             self._stamp = _STAMP.unpack(cur.key()[:8])[0] if cur.last() else 0
         self._stamp_lock = threading.Lock()
+        self._map_bytes = int(self.env.info()["map_size"])  # changed only by ``_grow``
         self._closed = False
 
     # -- helpers --------------------------------------------------------------------------------
@@ -312,6 +320,7 @@ class LmdbTier(Tier):
         self._check_open()
         while True:
             self._rw.acquire_shared()
+            seen = self._map_bytes  # fixed while the lock is shared
             try:
                 with self.env.begin(write=True) as txn:
                     self._apply_touches(txn)
@@ -322,7 +331,7 @@ class LmdbTier(Tier):
                 raise TierUnavailable(f"disk tier write failed: {exc}") from exc
             finally:
                 self._rw.release_shared()
-            self._grow(need)
+            self._grow(seen, need)
 
     def _apply_touches(self, txn: lmdb.Transaction) -> None:
         with self._touch_lock:
@@ -398,13 +407,31 @@ class LmdbTier(Tier):
             self._remove(txn, key)
         self.counters.add("evictions", len(victims))
 
-    def _grow(self, need: int) -> None:
+    def _grow(self, seen: int, need: int) -> None:
+        """Grow the map a write of ``need`` bytes found full at ``seen`` bytes, unless another
+        writer grew it meanwhile (the write is then retried as it is); ``TooLarge`` at
+        ``max_map_bytes``."""
         with self._rw.exclusive():
-            size = self.env.info()["map_size"]
+            self._check_open()
+            size = self._map_bytes
+            if size != seen:
+                return
             new = min(self.max_map_bytes, max(size * 2, size + 2 * need))
+            with self.env.begin(db=self.info) as txn:
+                used = self._used(txn)
             if new <= size:
-                raise TooLarge(f"disk tier map is at its {self.max_map_bytes}-byte maximum")
+                self.on_event("map_full", 1)
+                log.warning("disk tier %s: map full at its %d-byte maximum with %d of %d bytes "
+                            "stored; a write of %d bytes refused", self.path, size, used,
+                            self.capacity_bytes, need)
+                raise TooLarge(f"disk tier map is at its {self.max_map_bytes}-byte maximum: "
+                               f"{used} bytes stored of a {self.capacity_bytes}-byte budget, "
+                               f"a write of {need} bytes does not fit")
             self.env.set_mapsize(new)
+            self._map_bytes = int(self.env.info()["map_size"])
+            self.on_event("map_grown", 1)
+            log.info("disk tier %s: map grown from %d to %d bytes (%d of %d bytes stored)",
+                     self.path, size, self._map_bytes, used, self.capacity_bytes)
 
     # -- admin ----------------------------------------------------------------------------------
 

@@ -143,6 +143,7 @@ class TieredStore:
         self._health = TierHealth(tiers, count=self.count, on_up=self._tier_back)
         for tier in tiers:
             tier.protected = self.is_pinned
+            tier.on_event = partial(self._tier_event, tier.name)
             if demote and tier.reports_evictions:
                 tier.on_evict = self._demote_from(tier)
         self._queues = {t.name: WriteQueue(t, self._health, stripe=self.stripe, count=self.count,
@@ -155,6 +156,9 @@ class TieredStore:
     def count(self, name: str, n: int = 1) -> None:
         with self._lock:
             self.counters[name] = self.counters.get(name, 0) + n
+
+    def _tier_event(self, tier: str, name: str, n: int) -> None:
+        self.count(f"{tier}.{name}", n)
 
     def stripe(self, key: bytes) -> threading.Lock:
         """The store's own lock of ``key`` (``kdn.store.locks``)."""

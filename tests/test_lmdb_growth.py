@@ -1,0 +1,126 @@
+"""The disk tier's map under concurrent writers: it grows once per need (a writer that finds the
+map full does not grow it again when another writer already has), it refuses only data that
+truly does not fit, and a refusal names what is stored. Real LMDB files under ``tmp_path``."""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import threading
+from pathlib import Path
+
+import pytest
+
+from kdn.errors import TooLarge
+from kdn.store.lmdb import LmdbTier
+from kdn.store.ram import RamTier
+from kdn.store.tiered import TieredStore, WritePolicy
+
+WRITERS = 16
+DISK_BYTES = 32 << 20
+VALUE = 64 << 10
+
+
+class Events:
+    """Collects what a tier reports through its ``on_event`` hook."""
+
+    def __init__(self) -> None:
+        self.counts: dict[str, int] = {}
+        self.lock = threading.Lock()
+
+    def __call__(self, name: str, n: int) -> None:
+        with self.lock:
+            self.counts[name] = self.counts.get(name, 0) + n
+
+
+def _fill(tier: LmdbTier, upto: int) -> tuple[list[int], list[TooLarge]]:
+    """``WRITERS`` threads put distinct ``VALUE``-byte entries, all starting at once, until the
+    tier holds ``upto`` bytes. Returns the bytes stored at each refusal, and the refusals."""
+    start = threading.Barrier(WRITERS)
+    refused_at: list[int] = []
+    refusals: list[TooLarge] = []
+    lock = threading.Lock()
+
+    def writer(w: int) -> None:
+        value = os.urandom(VALUE)
+        start.wait()
+        i = 0
+        while tier.stats().bytes < upto:
+            try:
+                tier.put(b"w%02d/%06d" % (w, i), value)
+            except TooLarge as exc:
+                with lock:
+                    refused_at.append(tier.stats().bytes)
+                    refusals.append(exc)
+                return
+            i += 1
+
+    threads = [threading.Thread(target=writer, args=(w,)) for w in range(WRITERS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return refused_at, refusals
+
+
+def test_concurrent_writers_fill_the_disk_tier_without_refusals(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    tier = LmdbTier(tmp_path, capacity_bytes=DISK_BYTES, initial_map_bytes=1 << 20, sync=False)
+    events = Events()
+    tier.on_event = events
+    try:
+        with caplog.at_level(logging.INFO, logger="kdn.store.lmdb"):
+            refused_at, refusals = _fill(tier, DISK_BYTES * 9 // 10)
+        assert refused_at == [], [str(e) for e in refusals]
+        assert tier.stats().bytes >= DISK_BYTES * 9 // 10
+        # Each growth at least doubles the map from 1 MiB: a handful suffice for 32 MiB of
+        # entries, never one per writer that found the map full.
+        grown = events.counts.get("map_grown", 0)
+        assert 1 <= grown <= 7, events.counts
+        assert "map_full" not in events.counts
+        growths = [r for r in caplog.records
+                   if r.name == "kdn.store.lmdb" and "map grown" in r.getMessage()]
+        assert len(growths) == grown and all(r.levelno == logging.INFO for r in growths)
+        assert tier.map_size <= tier.max_map_bytes
+    finally:
+        tier.close()
+
+
+def test_refusal_past_the_map_ceiling_names_the_real_usage(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # A map ceiling (8 MiB) far below the byte budget (32 MiB): the data truly does not fit.
+    tier = LmdbTier(tmp_path, capacity_bytes=DISK_BYTES, initial_map_bytes=1 << 20,
+                    max_map_bytes=8 << 20, sync=False)
+    events = Events()
+    tier.on_event = events
+    try:
+        with caplog.at_level(logging.INFO, logger="kdn.store.lmdb"):
+            refused_at, refusals = _fill(tier, DISK_BYTES)
+        assert refusals, "an 8 MiB map can not hold 32 MiB"
+        # Refused only once the map was (near) full, never while most of it was free.
+        assert min(refused_at) >= (8 << 20) // 2
+        used = tier.stats().bytes
+        for exc in refusals:
+            msg = str(exc)
+            m = re.search(r"(\d+) bytes stored of a (\d+)-byte budget", msg)
+            assert m is not None and "8388608-byte maximum" in msg, msg
+            assert 0 < int(m[1]) <= used and int(m[2]) == DISK_BYTES
+        assert events.counts.get("map_full") == len(refusals)
+        warnings = [r for r in caplog.records
+                    if r.name == "kdn.store.lmdb" and r.levelno == logging.WARNING]
+        assert len(warnings) == len(refusals)
+        assert tier.map_size == 8 << 20
+    finally:
+        tier.close()
+
+
+def test_hierarchy_counts_the_disk_tier_events(tmp_path: Path) -> None:
+    disk = LmdbTier(tmp_path, capacity_bytes=DISK_BYTES, initial_map_bytes=1 << 20, sync=False)
+    store = TieredStore([RamTier(1 << 20), disk], write_policy=WritePolicy.WRITE_BEHIND)
+    try:
+        for i in range(64):
+            disk.put(b"h/%d" % i, os.urandom(VALUE))
+        assert store.counters.get("disk.map_grown", 0) >= 1
+    finally:
+        store.close()
