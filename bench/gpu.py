@@ -481,13 +481,17 @@ def merge(sources: list[str], out: Path) -> dict[str, Any]:
         name, _, label = src.partition(":")
         doc = json.loads(Path(name).read_text())
         docs.append(doc)
-        tag = Path(name).stem
-        runs[tag] = {"when": doc["when"], "limits": doc["limits"], "label": label,
-                     "server": doc.get("server"), "skipped": doc.get("skipped", [])}
+        tag = doc["when"]  # a run is named by when it ran
+        named = {old: run["when"] for old, run in doc.get("runs", {}).items()}
+        if named:  # a merged report: its runs and each row's own run kept
+            runs.update({named[old]: run for old, run in doc["runs"].items()})
+        else:
+            runs[tag] = {"when": doc["when"], "limits": doc["limits"], "label": label,
+                         "server": doc.get("server"), "skipped": doc.get("skipped", [])}
         for r in doc["rows"]:
             section = "decode on the device" if r["path"] == "decode" else "hits"
             rows[(r["model"], r["tokens"], r["path"], r["encoding"])] = {
-                "section": section, **r, "run": tag}
+                "section": section, **r, "run": named.get(r.get("run", ""), tag)}
     devices = {d["device"] for d in docs}
     if len(devices) != 1:
         raise SystemExit(f"runs from different devices can not be merged: {sorted(devices)}")
