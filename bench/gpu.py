@@ -473,7 +473,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
 def merge(sources: list[str], out: Path) -> dict[str, Any]:
     """One report from several runs on one kind of device (``FILE[:LABEL]`` each, oldest
     first): per (model, tokens, path, encoding), the row of the latest run that has it, naming
-    its run; every run's limits and time are kept under ``runs``."""
+    its run by when it ran; every run's limits and time are kept under ``runs``."""
     runs: dict[str, Any] = {}
     rows: dict[tuple[Any, ...], dict[str, Any]] = {}
     docs = []
