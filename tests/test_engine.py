@@ -93,3 +93,21 @@ def test_the_controller_learns_decode_speed_per_device() -> None:
     # over a 10 Gbit/s link the GPU host fetches the compressed bytes, the CPU host raw ones
     assert gpu.choose(8192, kv_bytes, stored).choice == "kdn-default"
     assert cpu.choose(8192, kv_bytes, stored).choice == "raw"
+
+
+def test_a_fresh_gpu_controller_knows_the_gpu_decoders_and_a_cpu_one_keeps_its_prior() -> None:
+    from kdn.delivery.controller import DECODE_PRIORS_B_S
+
+    gpu = LoadingController(bandwidth_b_s=20e9, prefill_tok_s=3e4, device="cuda")
+    cpu = LoadingController(bandwidth_b_s=20e9, prefill_tok_s=3e4, device="cpu")
+    assert gpu.decode_speed("kdn-default") == DECODE_PRIORS_B_S[("kdn", "cuda")]
+    assert gpu.decode_speed("kdn-tiny", "cuda:1") == gpu.decode_speed("kdn-default")
+    assert gpu.decode_speed("int8") == DECODE_PRIORS_B_S[("int8", "cuda")]
+    assert cpu.decode_speed("kdn-default") == cpu.decode_speed("int8") == 1e9
+    # 8k tokens of an 8B model (1 GiB of KV; a 0.27 s prefill) from the engine's own host:
+    # before any hit, a GPU engine reads kdn-default rather than recompute
+    kv_bytes, stored = 1 << 30, {"kdn-default": (1 << 30) // 6}
+    assert gpu.choose(8192, kv_bytes, stored).choice == "kdn-default"
+    assert cpu.choose(8192, kv_bytes, stored).choice == "recompute"
+    gpu.observe_decode("kdn-default", kv_bytes, 2.0)  # once seen, what was seen counts
+    assert gpu.decode_speed("kdn-default") < 1e9

@@ -27,6 +27,19 @@ def encoding_name(mode: str, level: str = "") -> str:
     return f"{mode}-{level}" if level else mode
 
 
+DECODE_PRIORS_B_S: dict[tuple[str, str], float] = {
+    ("raw", "cuda"): 30e9,
+    ("int8", "cuda"): 9e9,
+    ("kdn", "cuda"): 7e9,
+    ("lossless", "cuda"): 1.2e9,
+    ("cachegen", "cuda"): 0.3e9,
+}
+"""Decode speed (fp16-equivalent bytes/s) per (mode, device type) before any is observed:
+what an 8B-shaped hit loaded at on the same host in ``bench.gpu`` (H200, 2026-11-28: raw
+29-41 GB/s, int8 9-12, kdn levels 7-11 with the whole-entry GPU decoder, lossless 1.2 with
+its host zstd). A CPU has none: 1 GB/s until observed, as before."""
+
+
 @dataclass(frozen=True)
 class Decision:
     choice: str
@@ -45,7 +58,7 @@ class LoadingController:
     decode_b_s: dict[str, float] = field(default_factory=dict)
     """Decode speed (fp16-equivalent bytes/s) per ``"<encoding>@<device>"``: a GPU decodes
     the compressed modes far faster than a CPU, so what wins on one host loses on another;
-    1 GB/s until observed."""
+    ``DECODE_PRIORS_B_S`` (else 1 GB/s) until observed."""
     device: str = "cpu"
     """Where the engine decodes (its model's device type): the key's default device."""
     alpha: float = 0.3
@@ -78,8 +91,13 @@ class LoadingController:
                 self.decode_b_s[key] = self._ewma(old, kv_bytes / seconds)
 
     def decode_speed(self, encoding: str, device: str | None = None) -> float:
-        """Learnt decode speed of ``encoding`` on ``device`` (bytes/s; 1 GB/s until seen)."""
-        return self.decode_b_s.get(self._key(encoding, device), 1e9)
+        """Learnt decode speed of ``encoding`` on ``device`` (bytes/s); until one is seen, the
+        prior of its mode on that kind of device (``DECODE_PRIORS_B_S``), else 1 GB/s."""
+        learnt = self.decode_b_s.get(self._key(encoding, device))
+        if learnt is not None:
+            return learnt
+        kind = (device or self.device).split(":")[0]
+        return DECODE_PRIORS_B_S.get((encoding.split("-")[0], kind), 1e9)
 
     def estimate(self, encoding: str, stored_bytes: int, kv_bytes: int,
                  local: bool = False) -> float:
