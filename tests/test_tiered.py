@@ -12,9 +12,10 @@ import xxhash
 
 from kdn import keys
 from kdn.client import Client
-from kdn.errors import Corrupt, InvalidArgument
+from kdn.errors import Corrupt, InvalidArgument, PartlyUnavailable
 from kdn.options import StoreOptions
 from kdn.server import ServerConfig, ServerThread
+from kdn.store.framed import Framed
 from kdn.store.lmdb import LmdbTier
 from kdn.store.ram import RamTier
 from kdn.store.tiered import Durability, Hit, TieredStore, WritePolicy
@@ -373,3 +374,41 @@ def test_disk_values_larger_than_one_record_are_split_and_joined(tmp_path: Path)
     with disk.env.begin(db=disk.entries) as txn:
         assert [bytes(k) for k, _ in txn.cursor()] == [b"t:ns/small"]
     disk.close()
+
+
+class _PartlyTier(RamTier):
+    """A second in-memory tier, named ``part``, whose keys starting with ``x`` are on a part
+    that does not answer while ``out`` is set (as a dead Redis Cluster master's slots)."""
+
+    name = "part"
+
+    def __init__(self) -> None:
+        super().__init__(1 << 20)
+        self.out = True
+
+    def put(self, key: bytes, value: bytes | Framed, *, ttl_s: float | None = None) -> None:
+        if self.out and key.startswith(b"x"):
+            raise PartlyUnavailable("this key's part does not answer")
+        super().put(key, value, ttl_s=ttl_s)
+
+
+@pytest.mark.parametrize("policy", list(WritePolicy))
+def test_a_write_its_part_of_a_tier_did_not_take_is_retried(policy: WritePolicy) -> None:
+    """Write-through copies and queued writes a part of the lower tier does not take are
+    queued, retried and land once it answers, while the keys behind them land at once; none
+    is dropped. A store still waiting at shutdown is dropped and counted."""
+    lower = _PartlyTier()
+    store = TieredStore([RamTier(1 << 20), lower], write_policy=policy, flush_timeout_s=0.5)
+    store.put(b"x1", b"v1")
+    store.put(b"a1", b"w1")
+    store.put(b"a2", b"w2")
+    assert eventually(lambda: lower.contains(b"a1") and lower.contains(b"a2"))
+    assert store.queue_depth()["part"] == 1 and not lower.contains(b"x1")
+    assert store.get(b"x1") == Hit(b"v1", "ram")
+    assert store.counters["part.write_retried"] >= 1
+    lower.out = False
+    assert store.flush(5) and lower.get(b"x1") == b"v1"
+    lower.out = True
+    store.put(b"x2", b"v2")
+    store.close()
+    assert store.counters.get("part.write_dropped") == 1 and not lower.contains(b"x2")

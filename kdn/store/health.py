@@ -14,9 +14,10 @@ Calls into a tier go through ``attempt`` (or ``guard``, for callers to whom a fa
 miss): ``TierUnavailable`` marks the tier down, any other ``KDNError`` is logged, and the caller
 gets a ``Fault`` (or None) instead of an exception, so one failing tier never fails a request
 that others can serve. ``PartlyUnavailable`` (a Redis Cluster slot whose master does not answer,
-or a write that too few replicas confirmed) fails that call only, counted as
-``<tier>.partly_unavailable``: the tier stays up for its other keys (``Tier.degraded`` says it is
-not whole), and only the probe (no master answers at all) marks it down. With ``reraise`` (a
+or a write that too few replicas confirmed) fails that call only (``Fault.PARTLY``: a write is
+worth retrying), counted as ``<tier>.partly_unavailable``: the tier stays up for its other keys
+(``Tier.degraded`` says it is not whole), and only the probe (no master answers at all) marks it
+down. With ``reraise`` (a
 write the client must see acknowledged) the tier is still marked down on ``TierUnavailable``,
 and the error goes on to the caller.
 """
@@ -43,6 +44,7 @@ class Fault(enum.Enum):
     """Why a call made through ``TierHealth.attempt`` returned no result."""
 
     DOWN = "down"  # the tier raised TierUnavailable and is now marked down
+    PARTLY = "partly"  # PartlyUnavailable: this key's part of the tier does not answer now
     FAILED = "failed"  # the tier raised another KDNError, which was logged
 
 
@@ -135,7 +137,7 @@ class TierHealth:
             if reraise:
                 raise
             log.debug("tier %s: %s: %s", tier.name, what, exc)
-            return Fault.FAILED
+            return Fault.PARTLY
         except TierUnavailable as exc:
             self.mark_down(tier.name, exc)
             if reraise:

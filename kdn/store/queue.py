@@ -3,10 +3,11 @@
 Lifecycle: the hierarchy (``kdn.store.tiered.TieredStore``) builds one ``WriteQueue`` per tier
 below the first; the queue's writer thread starts at once. Request threads ``offer`` pending
 writes (write-behind, promotion, demotion, writes and deletes for a tier that is down),
-``peek`` at them (reads serve a pending value, so a queued entry is never invisible) and
-``discard`` them (a newer synchronous write or a delete makes them stale). The hierarchy calls
-``wake`` when the tier comes back up, ``wait_empty`` to flush, and at shutdown ``close`` with a
-deadline, then ``join``.
+``retry_later`` the synchronous writes and deletes that part of the tier did not take (a
+write-through copy whose Redis Cluster master is dead), ``peek`` at them (reads serve a pending
+value, so a queued entry is never invisible) and ``discard`` them (a newer synchronous write or
+a delete makes them stale). The hierarchy calls ``wake`` when the tier comes back up,
+``wait_empty`` to flush, and at shutdown ``close`` with a deadline, then ``join``.
 
 The queue holds the newest pending item per key, oldest key first, bounded by ``max_entries``
 and ``max_bytes``; ``offer`` answers False when a new key does not fit (the hierarchy then
@@ -14,9 +15,12 @@ writes synchronously or drops the write with a counter). The writer lands items 
 is up, each under its key's stripe lock (the same lock the hierarchy's synchronous writes of
 that key hold, so an older queued value never lands over a newer one). A write that finds the
 tier down stays first in line (``<tier>.write_retried``) and is retried once the tier is back;
-one the tier refuses otherwise is dropped (``<tier>.write_dropped``). After ``close`` the writer
-drains everything while the tier is up; what is left for a tier still down at the deadline is
-dropped and counted.
+one that finds its part of the tier down (``Fault.PARTLY``) is retried after a backoff
+(``RETRY_S`` doubling up to ``RETRY_MAX_S``; ``<tier>.write_retried``, a WARNING at most every
+``WARN_EVERY_S``) while the keys behind it land; one the tier refuses otherwise is dropped
+(``<tier>.write_dropped``). After ``close`` the writer drains everything while the tier is up
+(a write waiting out its backoff is tried again until the deadline); what is left at the
+deadline for a tier, or a part of it, still down is dropped and counted.
 """
 
 from __future__ import annotations
@@ -33,6 +37,13 @@ from kdn.store.base import Tier
 from kdn.store.health import Count, Fault, TierHealth
 
 log = logging.getLogger(__name__)
+
+RETRY_S = 0.25
+"""A write that part of the tier did not take is tried again this long after, then after twice
+as long each time, up to ``RETRY_MAX_S`` (a Redis Cluster master known dead fails it at once)."""
+RETRY_MAX_S = 2.0
+WARN_EVERY_S = 10.0
+"""At most one WARNING line per queue this often about writes queued for a retry."""
 
 
 @dataclass(frozen=True)
@@ -65,7 +76,11 @@ class WriteQueue:
         self.max_entries = max_entries
         self.max_bytes = max_bytes
         self.pending: OrderedDict[bytes, PendingWrite] = OrderedDict()
+        self.later: dict[bytes, tuple[float, float]] = {}
+        """Keys waiting out a retry's backoff: key -> (monotonic time due, backoff)."""
         self.bytes = 0
+        self._warned_at = 0.0
+        self._unwarned = 0
         self.cond = threading.Condition()
         self.closing = False
         self.deadline = 0.0
@@ -94,9 +109,44 @@ class WriteQueue:
             self.cond.notify_all()
             return True
 
+    def retry_later(self, key: bytes, item: PendingWrite, what: str) -> bool:
+        """Queue ``item``, a write (or delete) of ``key`` that part of the tier did not take
+        just now, to be tried again after ``RETRY_S`` (counted as ``<tier>.write_retried``);
+        False when the queue is full."""
+        if not self.offer(key, item):
+            return False
+        with self.cond:
+            if key in self.pending:
+                self.later[key] = (time.monotonic() + RETRY_S, RETRY_S)
+        self._retried(what)
+        return True
+
+    def _defer(self, key: bytes, what: str) -> None:
+        """The writer's try of ``key`` found its part of the tier down: try again after twice
+        the last backoff, behind the keys queued since."""
+        with self.cond:
+            if key in self.pending:
+                backoff = min(RETRY_MAX_S, 2 * self.later.get(key, (0.0, RETRY_S / 2))[1])
+                self.later[key] = (time.monotonic() + backoff, backoff)
+                self.pending.move_to_end(key)
+        self._retried(what)
+
+    def _retried(self, what: str) -> None:
+        self.count(f"{self.tier.name}.write_retried", 1)
+        now = time.monotonic()
+        with self.cond:
+            self._unwarned += 1
+            if now - self._warned_at < WARN_EVERY_S and self._warned_at:
+                return
+            n, self._unwarned, self._warned_at = self._unwarned, 0, now
+        log.warning("tier %s: %d write(s) not taken by a part of the tier that does not answer "
+                    "(the last: %s); queued, retried until they land (%d queued now)",
+                    self.tier.name, n, what, len(self.pending))
+
     def discard(self, key: bytes) -> PendingWrite | None:
         with self.cond:
             item = self.pending.pop(key, None)
+            self.later.pop(key, None)
             if item is not None:
                 self.bytes -= item.nbytes
                 self.cond.notify_all()
@@ -106,6 +156,7 @@ class WriteQueue:
         with self.cond:
             if self.pending.get(key) is item:
                 del self.pending[key]
+                self.later.pop(key, None)
                 self.bytes -= item.nbytes
                 self.cond.notify_all()
 
@@ -115,15 +166,23 @@ class WriteQueue:
             self.cond.notify_all()
 
     def _next(self) -> bytes | None:
-        """The oldest pending key once the tier is up; None when closed and drained."""
+        """The oldest pending key not waiting out a backoff, once the tier is up; None when
+        closed and drained (or, past the deadline, when only writes for a tier or a part of
+        it that is down are left)."""
         with self.cond:
             while True:
-                up = self.health.is_up(self.tier.name)
-                if self.pending and up:
-                    return next(iter(self.pending))
-                if self.closing and (not self.pending or time.monotonic() >= self.deadline):
+                now = time.monotonic()
+                late = self.closing and now >= self.deadline
+                wait = 0.2
+                if self.pending and self.health.is_up(self.tier.name):
+                    for key in self.pending:
+                        due, _ = self.later.get(key, (0.0, 0.0))
+                        if not due or (due <= now and not late):
+                            return key
+                        wait = min(wait, due - now)
+                if self.closing and (not self.pending or late):
                     return None
-                self.cond.wait(timeout=0.2)
+                self.cond.wait(timeout=max(wait, 0.001))
 
     def _land(self, key: bytes, item: PendingWrite) -> None:
         if item.value is None:
@@ -141,20 +200,24 @@ class WriteQueue:
                 if item.expired(time.monotonic()):
                     self._pop_if(key, item)
                     continue
-                got = self.health.attempt(self.tier, partial(self._land, key, item),
-                                          f"queued write of {key!r}")
+                what = f"queued write of {key!r}"
+                got = self.health.attempt(self.tier, partial(self._land, key, item), what)
                 if got is Fault.DOWN:
                     self.count(f"{name}.write_retried", 1)
                     continue  # stays first in line; retried once the tier is up
+                if got is Fault.PARTLY:
+                    self._defer(key, what)  # its part of the tier is down: retried later
+                    continue
                 if got is Fault.FAILED:
                     self.count(f"{name}.write_dropped", 1)
                 self._pop_if(key, item)
         with self.cond:
             if self.pending:
-                log.error("%d queued writes to %s dropped at shutdown (tier down)",
-                          len(self.pending), name)
+                log.error("%d queued writes to %s dropped at shutdown (the tier, or their "
+                          "part of it, down)", len(self.pending), name)
                 self.count(f"{name}.write_dropped", len(self.pending))
                 self.pending.clear()
+                self.later.clear()
                 self.bytes = 0
             self.cond.notify_all()
 

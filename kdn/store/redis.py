@@ -274,8 +274,8 @@ class RedisTier(Tier):
         log.warning("redis entry %r is damaged (%s); dropped", key, why)
         self.counters.add("corrupt")
         ver = h.ver if h is not None else b""
-        old = self.transport.call(self._delete, keys=[self._manifest_key(key)],
-                                  args=[HEADER_BYTES, ver])
+        old = self.transport.script(self._delete, [self._manifest_key(key)],
+                                    [HEADER_BYTES, ver])
         self._expire_parts(key, old, 0)
 
     def keys(self, prefix: bytes = b"") -> Iterator[bytes]:
@@ -310,8 +310,8 @@ class RedisTier(Tier):
             old = self._commit_replicated(key, h, [self._manifest_key(key), *pkeys],
                                           [manifest, ttl_ms, HEADER_BYTES])
         else:
-            old = self.transport.call(self._commit, keys=[self._manifest_key(key), *pkeys],
-                                      args=[manifest, ttl_ms, HEADER_BYTES])
+            old = self.transport.script(self._commit, [self._manifest_key(key), *pkeys],
+                                        [manifest, ttl_ms, HEADER_BYTES])
         if old is not None and _same_version(old, h):
             return  # a commit sent again after a lost reply replaced itself: nothing to drop
         self._expire_parts(key, old, GRACE_S)
@@ -330,7 +330,7 @@ class RedisTier(Tier):
         old, acked = self.transport.call(pipe.execute)
         if int(acked) < self.wait_replicas:
             try:
-                self.transport.call(self._delete, keys=[keys[0]], args=[HEADER_BYTES, h.ver])
+                self.transport.script(self._delete, [keys[0]], [HEADER_BYTES, h.ver])
                 self._expire_parts(key, h.pack(), 0)
                 if old is not None and not _same_version(old, h):
                     self._expire_parts(key, old, GRACE_S)
@@ -373,8 +373,8 @@ class RedisTier(Tier):
 
     def delete(self, key: bytes) -> bool:
         with self.transport.slot(key):
-            old = self.transport.call(self._delete, keys=[self._manifest_key(key)],
-                                      args=[HEADER_BYTES, ""])
+            old = self.transport.script(self._delete, [self._manifest_key(key)],
+                                        [HEADER_BYTES, ""])
             self._expire_parts(key, old, 0)
         return bool(old)
 

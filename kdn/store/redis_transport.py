@@ -22,7 +22,9 @@ cluster pipeline would try each command again, one by one). While a master is re
 thread refreshes the cluster map and PINGs it every ``WATCH_S``, so that a replica promoted in
 its place takes its slots at once and a master that answers again is used again. MOVED/ASK (a
 stale map) refresh the map and go through the cluster client. A master whose ``WAIT`` came back
-short of replicas (``ReplicasShort``) takes no write until it has them again.
+short of replicas (``ReplicasShort``) takes no write until it has them again. The tier's Lua
+scripts (``script``) are loaded on the key's master alone when it lacks them, so a dead master
+does not fail the others' first writes.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from urllib.parse import urlparse
 import redis
 from redis.backoff import ExponentialWithJitterBackoff
 from redis.cluster import ClusterNode, RedisCluster
+from redis.commands.core import Script
 from redis.retry import Retry
 
 from kdn.errors import KDNError, PartlyUnavailable, TierUnavailable, TooLarge
@@ -225,6 +228,26 @@ class RedisTransport:
         """``fn(*args, **kwargs)``, a redis-py error leaving as a kdn one (``_wrap``)."""
         try:
             return fn(*args, **kwargs)
+        except redis.exceptions.RedisError as exc:
+            raise _wrap(exc, self.cluster) from exc
+
+    def script(self, script: Script, keys: list[bytes], args: list[Any]) -> Any:
+        """Run a Lua ``script`` (from ``client.register_script``) on ``keys`` (one slot). In a
+        cluster, a master that lacks it gets it loaded alone: redis-py would load it on every
+        master, and fail (with this key's master blamed) while any one of them is dead."""
+        if not self.cluster:
+            return self.call(script, keys=keys, args=args)
+        try:
+            return self.client.evalsha(script.sha, len(keys), *keys, *args)
+        except redis.exceptions.NoScriptError:
+            pass
+        except redis.exceptions.RedisError as exc:
+            raise _wrap(exc, self.cluster) from exc
+        assert isinstance(self.client, RedisCluster)
+        try:
+            node = self.client.get_node_from_key(keys[0])
+            self.client.execute_command("SCRIPT LOAD", script.script, target_nodes=node)
+            return self.client.evalsha(script.sha, len(keys), *keys, *args)
         except redis.exceptions.RedisError as exc:
             raise _wrap(exc, self.cluster) from exc
 

@@ -30,7 +30,11 @@ that tier's write queue. Which lower tiers are written synchronously:
 
 A full queue falls back to a synchronous write. A write (or delete) for a tier that is down is
 queued and retried by the queue's writer once the tier is back, or dropped with a counter
-(``<tier>.write_dropped``) when the queue is full: clients are never held for a down tier.
+(``<tier>.write_dropped``) when the queue is full: clients are never held for a down tier. So is
+a synchronous write (or delete) that found the key's part of the tier down (``Fault.PARTLY``: a
+Redis Cluster master that does not answer): queued and retried with a backoff until it lands
+(``<tier>.write_retried``), or dropped and counted when the queue is full. A write the tier
+refuses otherwise (too large, out of memory) is dropped and counted too.
 
 Eviction: tiers evict on their own budget (RAM: LRU; disk: approximate LRU) but skip keys
 for which ``protected`` (wired here to the pin set) answers true. Evictions from a tier that
@@ -455,8 +459,10 @@ class TieredStore:
         """Write to one lower tier (caller holds the key's stripe); True if written now.
 
         A ``required`` write that fails raises (after marking the tier down if it is); the
-        others fall back to the tier's queue, or are dropped and counted. A ``Framed`` value
-        is joined first: lower tiers and their queues hold one buffer.
+        others fall back to the tier's queue (a synchronous write that found the tier, or the
+        key's part of it, down is queued and retried), or are dropped and counted
+        (``<tier>.write_dropped``: the queue is full, or the tier refused the value). A
+        ``Framed`` value is joined first: lower tiers and their queues hold one buffer.
         """
         flat = contiguous(value)
         q = self._queues[tier.name]
@@ -464,9 +470,14 @@ class TieredStore:
         what = f"write of {key!r}"
         if sync and self.is_up(tier.name):
             fault = self._health.attempt(tier, write, what, reraise=required)
-            if fault is Fault.FAILED:
-                self.count(f"{tier.name}.write_failed")
+            if fault is Fault.PARTLY:  # the key's part of the tier is down: retried later
+                if q.retry_later(key, PendingWrite(flat, expiry), what):
+                    return False
+                self.count(f"{tier.name}.write_dropped")  # the queue is full
+                return False
             if fault is not Fault.DOWN:
+                if fault is Fault.FAILED:  # refused: no retry would take it
+                    self.count(f"{tier.name}.write_dropped")
                 q.discard(key)  # written, or failed: an older queued value must not land now
                 return fault is None
         elif required:
@@ -495,8 +506,12 @@ class TieredStore:
                 pending = q.discard(key)
                 found = found or (pending is not None and pending.value is not None)
                 if self.is_up(tier.name):
-                    got = self._health.attempt(tier, partial(tier.delete, key),
-                                               f"delete of {key!r}")
+                    what = f"delete of {key!r}"
+                    got = self._health.attempt(tier, partial(tier.delete, key), what)
+                    if got is Fault.PARTLY:  # the key's part of the tier is down
+                        if not q.retry_later(key, PendingWrite(None), what):
+                            self.count(f"{tier.name}.delete_dropped")
+                        continue
                     if got is not Fault.DOWN:
                         found = (got is not Fault.FAILED and bool(got)) or found
                         continue
