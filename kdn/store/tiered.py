@@ -53,13 +53,11 @@ The first tier's abilities are asked through the tier contract, never by its cla
 from __future__ import annotations
 
 import dataclasses
-import enum
 import logging
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from functools import partial
 
 from kdn.errors import Corrupt, InvalidArgument, KDNError, TierUnavailable, Unavailable
@@ -68,6 +66,7 @@ from kdn.store.base import EvictHook, Tier, TierStats
 from kdn.store.checked import CheckedStamps
 from kdn.store.framed import Framed, contiguous
 from kdn.store.health import Fault, TierHealth
+from kdn.store.hits import FramedHit, Hit, Presence, WritePolicy
 from kdn.store.locks import KeyLocks
 from kdn.store.queue import PendingWrite, WriteQueue
 
@@ -78,39 +77,6 @@ log = logging.getLogger(__name__)
 # What the error calls the tier a durability level needs when the server has none (the tier
 # itself is found by its traits, ``Tier.satisfies``).
 _NEEDED_TIER = {Durability.DISK: "disk", Durability.SHARED: "redis"}
-
-
-class WritePolicy(enum.StrEnum):
-    """When lower tiers are written for a request with DEFAULT durability."""
-
-    WRITE_THROUGH = "write-through"
-    WRITE_BEHIND = "write-behind"
-
-
-@dataclass(frozen=True)
-class Hit:
-    value: bytes
-    tier: str
-    stamp: int = field(default=0, compare=False)
-    """The tier's stamp of this value where it keeps one (``Tier.get_stamped``: a put's
-    number, so another value of the key has another stamp); 0 for a queued value."""
-
-
-@dataclass(frozen=True)
-class FramedHit:
-    """``get_in_memory(framed=True)``'s answer for a RAM value held as the frames it arrived
-    in (``kdn.store.framed``)."""
-
-    value: Framed
-    tier: str
-    stamp: int = field(default=0, compare=False)
-
-
-@dataclass(frozen=True)
-class Presence:
-    present: bool
-    tier: str = ""
-    size: int = 0
 
 
 class TieredStore:
