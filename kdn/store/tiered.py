@@ -70,7 +70,7 @@ from kdn.store.hits import FramedHit, Hit, Presence, WritePolicy
 from kdn.store.locks import KeyLocks
 from kdn.store.queue import PendingWrite, WriteQueue
 
-__all__ = ["Durability", "Hit", "Presence", "TieredStore", "WritePolicy"]
+__all__ = ["Durability", "FramedHit", "Hit", "Presence", "TieredStore", "WritePolicy"]
 
 log = logging.getLogger(__name__)
 
