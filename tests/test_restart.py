@@ -138,6 +138,46 @@ def test_batches_after_restart(path: str, restartable: Callable[[], ServerThread
         _check_path(path, c, st)
 
 
+@pytest.mark.parametrize("path", list(PATHS))
+def test_store_async_first_after_restart(path: str,
+                                         restartable: Callable[[], ServerThread]) -> None:
+    """An asynchronous store as the first call after the restart: its connection is the old
+    server's (closed while idle), and it is stored all the same, answered without error."""
+    st = restartable()
+    lay = uniform_layout()
+    kv = random_kv(lay, 8, seed=5)
+    with Client(st.address, **PATHS[path]) as c:
+        c.store_async(numbered_key(1), kv, mode="raw").result()
+        st = restartable()
+        c.store_async(numbered_key(2), kv, mode="raw").result()
+        c.flush()
+        got = c.retrieve(numbered_key(2), layout=lay)
+        assert got is not None and got.equal(kv)
+        _check_path(path, c, st)
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+def test_recovers_after_an_outage_with_calls(path: str,
+                                             restartable: Callable[[], ServerThread]) -> None:
+    """An engine that keeps calling while the server is down for a few seconds (each call
+    UNAVAILABLE): once the new server answers, the client is back within ``RECOVERY_S``
+    (the channel's reconnection backoff must not outgrow it)."""
+    st = restartable()
+    lay = uniform_layout()
+    with Client(st.address, **PATHS[path]) as c:
+        assert c.fetch(numbered_key(1)) is None
+        st.stop()
+        end = time.monotonic() + 4.0
+        while time.monotonic() < end:
+            with pytest.raises(Unavailable):
+                c.fetch(numbered_key(1))
+            time.sleep(0.05)
+        st = restartable()
+        took = _recovered(c, lay, 6)
+        assert took < RECOVERY_S, f"{path}: {took:.2f} s to recover"
+        _check_path(path, c, st)
+
+
 def test_fetch_while_down_is_unavailable_then_recovers(
         restartable: Callable[[], ServerThread]) -> None:
     """While no server answers a call fails UNAVAILABLE (typed), and the client still comes

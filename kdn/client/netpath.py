@@ -14,6 +14,7 @@ into one recycled buffer each (``kdn.transport.buffers.RECEIVED``), its first fr
 from __future__ import annotations
 
 import logging
+import select
 import socket
 import ssl
 import threading
@@ -489,9 +490,11 @@ def closed_by_peer(conn: socket.socket) -> bool:
     """Whether the other end closed ``conn`` (read without taking anything: an idle
     connection's only news is its end)."""
     try:
-        return not socket.socket.recv(conn, 1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
-    except BlockingIOError:
-        return False
+        poller = select.poll()  # the socket's timeout would make a peek wait
+        poller.register(conn.fileno(), select.POLLIN)
+        if not poller.poll(0):
+            return False
+        return not socket.socket.recv(conn, 1, socket.MSG_PEEK)  # the raw bytes under TLS
     except OSError:
         return True
 
