@@ -2,13 +2,14 @@
 the entries' bytes on a TCP connection of this thread's, for a client on another host.
 
 ``DataPlane`` asks for a ticket (``Attach`` with ``remote``) when it has no shared segment and
-sends its batches here once it has one; a connection that can not be made, or breaks, sends
-the plane back to gRPC for good (it says so once in the log), except on a path that worked
-before: there the server may have restarted (another port, its tickets forgotten), so the path
-is asked for again once (``RemotePath``), and the call made on the new one. A PutMany's items go from their
-frames straight into the kernel (``kdn.transport.wire.send_pieces``); a GetMany's entries are read
-into one recycled buffer each (``kdn.transport.buffers.RECEIVED``), its first frame at a multiple of
-64 bytes so decoded tensors view it in place, each frame checked the moment it lands (in cache).
+sends its batches here once it has one; a connection that can not be made, or breaks, sends the
+plane back to gRPC for good (it says so once in the log), except on a path that worked before:
+there the server may have restarted (another port, its tickets forgotten), so the path is asked
+for again once (``RemotePath``), and the call made on the new one. A PutMany's items go from
+their frames straight into the kernel (``kdn.transport.wire.send_pieces``); a GetMany's entries
+are read into one recycled buffer each (``kdn.transport.buffers.RECEIVED``), its first frame at
+a multiple of 64 bytes so decoded tensors view it in place, each frame checked the moment it
+lands (in cache).
 """
 
 from __future__ import annotations

@@ -5,9 +5,9 @@
 leaves the path without a segment for good, and says so once in the log. A server that answers
 that it knows no such segment (NOT_FOUND for a call naming it: it restarted) gets the same
 segment attached again (``renew``, once whichever threads saw it): a new id, its fast path and
-its read arena; the old server's arena, its kept leases and connections are dropped. Attached, the server
-names a fast path (a Unix socket, ``kdn.server.fastpath``): GetMany / PutMany go there on a
-connection per thread instead of gRPC, and the server's read arena of this tenant
+its read arena; the old server's arena, its kept leases and connections are dropped. Attached,
+the server names a fast path (a Unix socket, ``kdn.server.fastpath``): GetMany / PutMany go
+there on a connection per thread instead of gRPC, and the server's read arena of this tenant
 (``kdn.server.arena``) is handed over on it (``arena``).
 
 Writes on this path: asynchronous stores (``put_async``: written into the segment and sent
