@@ -261,10 +261,13 @@ class SameHostPath:
             raise fast_error(out)
         return out
 
-    def _fast_conn(self, path: str, *, settle: bool = True) -> socket.socket:
-        """This thread's connection to the fast path ``path`` (calls on it are answered in
-        order; with ``settle``, after this thread's asynchronous stores' answers are read). A
-        connection to another path (a server before a restart: ``renew``) is closed first."""
+    def _fast_conn(self, path: str | None = None, *, settle: bool = True) -> socket.socket:
+        """This thread's connection to the fast path ``path`` (default: the current one;
+        calls on it are answered in order; with ``settle``, after this thread's asynchronous
+        stores' answers are read). A connection to another path (a server before a restart:
+        ``renew``) is closed first."""
+        if path is None:
+            path = self._fast_path
         if settle and self.has_pending():
             self.settle()
         conn: socket.socket | None = getattr(self._conns, "conn", None)
@@ -324,6 +327,7 @@ class SameHostPath:
         staged entry named where it lies (sealed by the server). None where it can not go
         this way (no segment or fast path, too large, no room): the caller stores it as
         ``store`` does."""
+        self.segment()  # attached on first use
         path = self._fast_path  # read before the id: a renewed id comes with its own path
         seg, seg_id = self.segment()
         if seg is None or not path:
