@@ -421,7 +421,9 @@ def test_a_tls_server_offers_the_data_path_over_tls(tmp_path: Path) -> None:
             c.store(numbered_key(2), kv, mode="raw")
             net = c.dataplane.net()
             assert net is not None
-            net._tls = TLSOptions(ca=other["ca.crt"].read_bytes()).data_path_tls()[0]
+            untrusted = TLSOptions(ca=other["ca.crt"].read_bytes()).data_path_tls()
+            net._tls = untrusted[0]
+            c.dataplane.network._tls = untrusted  # the path asked for again fails the same way
             net._drop()
             c.store(numbered_key(3), kv, mode="raw")  # the handshake fails: gRPC from here
             assert c.dataplane.net() is None

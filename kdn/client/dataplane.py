@@ -20,6 +20,12 @@ word for it holds that generation (the server zeroes it when the key is written 
 or evicted, before that call answers). Stores copy the encoded entries into one region, call
 PutMany, and give the region back when the call returns (the server copied them out); a large
 batch on the fast path is pipelined (``SameHostPath.put_pipelined``).
+
+A server restart: a GetMany / PutMany naming the segment is answered NOT_FOUND (the new server
+knows no such segment; nothing else answers NOT_FOUND to these calls, a miss is an absent
+entry). The plane then attaches the segment again (``SameHostPath.renew``) and makes the call
+once more, so the caller sees none of it; the network data path does the same with its
+ticket (``RemotePath``). In the steady state this costs nothing: no call checks first.
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ from kdn.client.pending import PendingStore
 from kdn.client.received import Fetched, fetched
 from kdn.client.samehost import SameHostPath, write_parts
 from kdn.codec import EncodedParts
-from kdn.errors import Corrupt, KDNError, RateLimited, TooLarge
+from kdn.errors import Corrupt, KDNError, NotFound, RateLimited, TooLarge, Unavailable
 from kdn.transport.wire import FAST_GET_MANY, FAST_PUT_MANY
 from kdn.v1 import kdn_pb2 as pb
 
@@ -134,6 +140,18 @@ class DataPlane:
 
     # -- reads ----------------------------------------------------------------------------------
 
+    def _renewed(self, seg_id: str) -> bool:
+        """After NOT_FOUND to a call naming segment ``seg_id`` (the server restarted):
+        whether the segment was attached again, or the plane goes on without one, so that the
+        call may be made once more (module docstring). Unavailable where the server can not
+        be reached."""
+        if not seg_id:
+            return False
+        self.same_host.renew(seg_id)
+        if self.segment()[0] is None:
+            self.network.reconsider()  # the new server can not map it: its data path, then
+        return True
+
     def get_many(self, namespace: str, keys: Sequence[bytes], layout_fingerprint: str,
                  request_id: str | None, *, pinned: bool = False
                  ) -> list[Fetched | TooBig | None]:
@@ -141,6 +159,16 @@ class DataPlane:
         ``pinned``: the entries are bound for a CUDA device: a leased entry is then viewed
         read-only through the arena's mapping registered with CUDA (``LeasedArena.view``), so
         the host-to-device copy reads the server's pages with no copy on the host."""
+        seg_id = self.segment()[1]
+        try:
+            return self._get_many(namespace, keys, layout_fingerprint, request_id, pinned)
+        except NotFound:
+            if not self._renewed(seg_id):
+                raise
+        return self._get_many(namespace, keys, layout_fingerprint, request_id, pinned)
+
+    def _get_many(self, namespace: str, keys: Sequence[bytes], layout_fingerprint: str,
+                  request_id: str | None, pinned: bool) -> list[Fetched | TooBig | None]:
         out: list[Fetched | TooBig | None] = [None] * len(keys)
         todo = list(range(len(keys)))
         seg, seg_id = self.segment()
@@ -272,6 +300,8 @@ class DataPlane:
                 try:
                     view = arena.view(ref.lease, ref.offset, ref.length, pinned=pinned)
                 except ValueError as exc:
+                    if arena.closed:  # the server restarted while this call was answered
+                        raise Unavailable(f"GetMany: {exc}") from None
                     raise Corrupt(f"GetMany: {exc}") from None
                 unviewed.discard(ref.lease)
                 out[i] = fetched(view, ref.tier, True, ref.verified, pinned=view.readonly)
@@ -303,7 +333,14 @@ class DataPlane:
 
     def put_request(self, req: pb.PutManyRequest, request_id: str | None
                     ) -> pb.PutManyResponse:
-        """One PutMany as it is (items that name regions of the segment, or carry bytes)."""
+        """One PutMany as it is (items that name regions of the segment, or carry bytes);
+        made again naming the segment's new id where the server restarted."""
+        try:
+            return self._put(req, request_id)
+        except NotFound:
+            if not self._renewed(req.segment_id) or self.segment()[0] is None:
+                raise
+        req.segment_id = self.segment()[1]
         return self._put(req, request_id)
 
     def _put(self, req: pb.PutManyRequest, request_id: str | None) -> pb.PutManyResponse:
@@ -328,6 +365,17 @@ class DataPlane:
                  request_id: str | None) -> list[pb.StoreResponse | TooBig]:
         """Store every item (each checked by the server before any is stored, per call);
         TOO_BIG for items no batch can carry."""
+        seg_id = self.segment()[1]
+        try:
+            return self._put_many(namespace, items, request_id)
+        except NotFound:
+            if not self._renewed(seg_id):
+                raise
+        return self._put_many(namespace, items, request_id)
+
+    def _put_many(self, namespace: str,
+                  items: Sequence[tuple[bytes, EncodedParts, pb.StoreOptions]],
+                  request_id: str | None) -> list[pb.StoreResponse | TooBig]:
         out: list[pb.StoreResponse | TooBig] = [TOO_BIG] * len(items)
         seg, seg_id = self.segment()
         net = self.net() if seg is None else None
@@ -340,8 +388,8 @@ class DataPlane:
                 if stored is not None:
                     out[i] = stored
             if len(rest) < len(items):
-                for i, r in zip(rest, self.put_many(namespace, [items[i] for i in rest],
-                                                    request_id) if rest else []):
+                for i, r in zip(rest, self._put_many(namespace, [items[i] for i in rest],
+                                                     request_id) if rest else []):
                     out[i] = r
                 return out
         limit = min(seg.size // 2, BATCH_BYTES) if seg is not None else self.inline_budget

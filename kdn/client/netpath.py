@@ -2,22 +2,26 @@
 the entries' bytes on a TCP connection of this thread's, for a client on another host.
 
 ``DataPlane`` asks for a ticket (``Attach`` with ``remote``) when it has no shared segment and
-sends its batches here once it has one; a connection that can not be made, or breaks, sends
-the plane back to gRPC for good (it says so once in the log). A PutMany's items go from their
-frames straight into the kernel (``kdn.transport.wire.send_pieces``); a GetMany's entries are read
-into one recycled buffer each (``kdn.transport.buffers.RECEIVED``), its first frame at a multiple of
-64 bytes so decoded tensors view it in place, each frame checked the moment it lands (in cache).
+sends its batches here once it has one; a connection that can not be made, or breaks, sends the
+plane back to gRPC for good (it says so once in the log), except on a path that worked before:
+there the server may have restarted (another port, its tickets forgotten), so the path is asked
+for again once (``RemotePath``), and the call made on the new one. A PutMany's items go from
+their frames straight into the kernel (``kdn.transport.wire.send_pieces``); a GetMany's entries
+are read into one recycled buffer each (``kdn.transport.buffers.RECEIVED``), its first frame at
+a multiple of 64 bytes so decoded tensors view it in place, each frame checked the moment it
+lands (in cache).
 """
 
 from __future__ import annotations
 
 import logging
+import select
 import socket
 import ssl
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from kdn.client.pending import ASYNC_DEPTH, PendingStore
 from kdn.client.received import Fetched, fetched
@@ -38,6 +42,7 @@ from kdn.transport.wire import (
 from kdn.v1 import kdn_pb2 as pb
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 CONNECT_S = 2.0
 """Seconds a connection may take to open (a firewalled port: gRPC instead)."""
 FRAME_ALIGN = 64
@@ -77,10 +82,16 @@ class NetPath:
         self._local = threading.local()
         self._all: list[socket.socket] = []
         self._lock = threading.Lock()
+        self.worked = False
+        """The server answered a call on this path (a later failure may be a restart)."""
 
-    def _conn(self) -> tuple[socket.socket, bool]:
-        """(this thread's connection, whether it is new)."""
+    def _conn(self, *, check: bool = False) -> tuple[socket.socket, bool]:
+        """(this thread's connection, whether it is new). ``check``: a connection the server
+        closed while it was idle (a restart, its idle timeout) is opened again first."""
         conn: socket.socket | None = getattr(self._local, "conn", None)
+        if conn is not None and check and closed_by_peer(conn):
+            self._drop_conn_only()
+            conn = None
         if conn is not None:
             return conn, False
         conn = socket.create_connection((self.host, self.port), timeout=CONNECT_S)
@@ -121,7 +132,7 @@ class NetPath:
         body = req.SerializeToString()
         q = self._queue()
         try:
-            conn, _ = self._conn()
+            conn, _ = self._conn(check=not q)  # nothing unanswered on it: may have gone idle
             send_pieces(conn, [FAST_HEAD.pack(len(body), NET_PUT_MANY) + body, *pieces])
         except OSError:
             self._drop()
@@ -157,6 +168,7 @@ class NetPath:
             self._lose_pending(str(exc))
             return
         q.popleft()
+        self.worked = True
         if not ok:
             self._fail(pending, fast_error(out))
             return
@@ -199,6 +211,7 @@ class NetPath:
             try:
                 send_pieces(conn, pieces)
                 ok, out = fast_answer(conn)
+                self.worked = True
                 break
             except OSError:
                 self._drop()
@@ -254,7 +267,8 @@ class NetPath:
 class RemotePath:
     """The network data path as the data plane holds it: asked for once (``Attach`` with
     ``remote``, for a client without a segment), given up for good when it fails (gRPC from
-    then on). ``call``/``metadata``: the client's retrying call and call metadata; ``host``:
+    then on), unless it worked before: then asked for again once, as after a server restart
+    (``_again``). ``call``/``metadata``: the client's retrying call and call metadata; ``host``:
     the server's host ("" for none); ``tls``: (ssl context, server name) when the channel
     speaks TLS."""
 
@@ -278,21 +292,64 @@ class RemotePath:
             return self._net
         with self._lock:
             if not self._tried:
-                md = self._metadata(None)
-                try:
-                    resp = self._call(lambda: self._stub.Attach(
-                        pb.AttachRequest(remote=True), timeout=self.timeout_s, metadata=md))
-                except (Unavailable, DeadlineExceeded):
-                    raise  # asked again by the next call
-                except KDNError as exc:  # no data path there, or an older server
-                    log.info("kdn: no network data path (%s); using gRPC", exc)
-                    resp = pb.AttachResponse()
-                if resp.data_port:
-                    tls, name = self._tls or (None, "")
-                    self._net = NetPath(self._host, resp.data_port, resp.segment_id,
-                                        self.timeout_s, tls, name)
-                self._tried = True
+                self._net = self._ask()  # a server that can not be reached now raises: asked
+                self._tried = True  # again by the next call
         return self._net
+
+    def _ask(self) -> NetPath | None:
+        """``Attach`` with ``remote``: the path, or None where the server offers none."""
+        md = self._metadata(None)
+        try:
+            resp = self._call(lambda: self._stub.Attach(
+                pb.AttachRequest(remote=True), timeout=self.timeout_s, metadata=md))
+        except (Unavailable, DeadlineExceeded):
+            raise
+        except KDNError as exc:  # no data path there, or an older server
+            log.info("kdn: no network data path (%s); using gRPC", exc)
+            return None
+        if not resp.data_port:
+            return None
+        tls, name = self._tls or (None, "")
+        return NetPath(self._host, resp.data_port, resp.segment_id, self.timeout_s, tls, name)
+
+    def _again(self, net: NetPath, exc: Exception) -> NetPath | None:
+        """``net`` failed after it had worked: the server may have restarted (another port,
+        its tickets forgotten). Ask for the path again, once whichever threads saw it; the
+        new path, or None where there is none (gRPC then). Unavailable where the server can
+        not be reached (the next call asks again)."""
+        with self._lock:
+            if self._net is not net:
+                return self._net  # asked for again by another thread, or given up
+            log.info("kdn: network data path failed (%s); asking for it again", exc)
+            self._net, self._tried = None, False
+            net.close()
+            self._net = self._ask()
+            self._tried = True
+            return self._net
+
+    def _on(self, net: NetPath, call: Callable[[NetPath], T]) -> T | None:
+        """``call(net)``, made once more on the path asked for again where ``net`` had worked
+        and failed (``_again``); None where the path failed for good (gRPC then)."""
+        try:
+            return call(net)
+        except (OSError, NotFound) as exc:
+            if not net.worked:
+                self.lost(exc, net)
+                return None
+            again = self._again(net, exc)
+        if again is None:
+            return None
+        try:
+            return call(again)
+        except (OSError, NotFound) as exc:
+            self.lost(exc, again)
+            return None
+
+    def reconsider(self) -> None:
+        """Ask for the path at the next call (the client has lost its shared segment)."""
+        with self._lock:
+            if self._net is None:
+                self._tried = not self._host
 
     @property
     def decided(self) -> bool:
@@ -303,21 +360,21 @@ class RemotePath:
         """Never ask for the path (the client has a shared segment)."""
         self._tried = True
 
-    def lost(self, exc: Exception) -> None:
-        """The path failed (no connection, or the server forgot the ticket): gRPC from now
-        on."""
-        log.warning("kdn: network data path unusable (%s); using gRPC", exc)
-        net, self._net = self._net, None
-        if net is not None:
-            net.close()
+    def lost(self, exc: Exception, net: NetPath) -> None:
+        """The path ``net`` failed (no connection, or the server forgot the ticket): gRPC
+        from now on (unless another thread has asked for the path again meanwhile)."""
+        with self._lock:
+            if self._net is not net:
+                return
+            log.warning("kdn: network data path unusable (%s); using gRPC", exc)
+            self._net = None
+        net.close()
 
     def get_many(self, net: NetPath, namespace: str, keys: Sequence[bytes],
                  layout_fingerprint: str) -> list[Fetched | None] | None:
         """``DataPlane.get_many`` on ``net``; None when it failed (gRPC then)."""
-        try:
-            got = net.get_many(namespace, keys, layout_fingerprint)
-        except (OSError, NotFound) as exc:
-            self.lost(exc)
+        got = self._on(net, lambda n: n.get_many(namespace, keys, layout_fingerprint))
+        if got is None:
             return None
         return [None if g is None else fetched(g[0], g[1], owned=True, checked=True)
                 for g in got]
@@ -329,14 +386,14 @@ class RemotePath:
         stay as they are in ``out``); False when the path failed (the items not stored:
         gRPC)."""
         batches = batches_of(items, limit)
-        try:
+
+        def put(on: NetPath) -> bool:
             for batch in batches:
-                for j, r in zip(batch, net.put_many(namespace, [items[j] for j in batch])):
+                for j, r in zip(batch, on.put_many(namespace, [items[j] for j in batch])):
                     out[j] = r
-        except (OSError, NotFound) as exc:
-            self.lost(exc)
-            return False
-        return True
+            return True
+
+        return self._on(net, put) is not None
 
     # -- asynchronous stores (``Client.store_async`` of a client without a segment) -------------
 
@@ -349,8 +406,16 @@ class RemotePath:
             return None
         pending = PendingStore(self, key, on_ok)
         if not net.put_async(namespace, key, parts, opts, pending, ASYNC_DEPTH):
-            self.lost(OSError("the data path connection failed"))
-            return None
+            failed = OSError("the data path connection failed")
+            again = self._again(net, failed) if net.worked else None
+            if again is None or not again.put_async(namespace, key, parts, opts, pending,
+                                                    ASYNC_DEPTH):
+                self.lost(failed, again or net)
+                return None
+            net = again
+        old = getattr(self._local, "net", None)
+        if old is not None and old is not net and old.has_pending():
+            old.settle()  # a path before a restart: its answers first (or their failures)
         self._local.net = net  # kept: its unanswered stores are read through it
         return pending
 
@@ -420,6 +485,19 @@ def batches_of(items: Sequence[tuple[bytes, EncodedParts, pb.StoreOptions]], lim
         out[-1].append(i)
         size += parts.nbytes
     return [b for b in out if b]
+
+
+def closed_by_peer(conn: socket.socket) -> bool:
+    """Whether the other end closed ``conn`` (read without taking anything: an idle
+    connection's only news is its end)."""
+    try:
+        poller = select.poll()  # the socket's timeout would make a peek wait
+        poller.register(conn.fileno(), select.POLLIN)
+        if not poller.poll(0):
+            return False
+        return not socket.socket.recv(conn, 1, socket.MSG_PEEK)  # the raw bytes under TLS
+    except OSError:
+        return True
 
 
 def _read_entry(conn: socket.socket, length: int) -> memoryview:

@@ -29,6 +29,13 @@ from kdn.v1 import kdn_pb2_grpc as pb_grpc
 T = TypeVar("T")
 F = TypeVar("F", bound=Callable[..., Any])
 
+RECONNECT_MS = 100
+"""Most milliseconds the channel waits between attempts to connect to a server that is gone
+(gRPC's default grows to 120 s: a server back after a long outage would then go unused for up
+to that long, every call failing UNAVAILABLE at once). Below the shortest span of a call's
+default retries (``Retry``: 175 ms), so a call made once the server is back reaches it; a
+refused connection costs the client next to nothing."""
+
 
 @dataclass(frozen=True)
 class Retry:
@@ -119,6 +126,8 @@ class Rpc:
         options: list[tuple[str, int | str]] = [
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),
+            ("grpc.initial_reconnect_backoff_ms", RECONNECT_MS),
+            ("grpc.max_reconnect_backoff_ms", RECONNECT_MS),
         ]
         if tls is not None and tls.server_name:
             options.append(("grpc.ssl_target_name_override", tls.server_name))

@@ -2,9 +2,12 @@
 
 ``SameHostPath`` creates a ``kdn.client.shm.SharedSegment`` on first use and attaches it
 (``Attach``); a server that can not map it (another host, another container, no permission)
-leaves the path without a segment for good, and says so once in the log. Attached, the server
-names a fast path (a Unix socket, ``kdn.server.fastpath``): GetMany / PutMany go there on a
-connection per thread instead of gRPC, and the server's read arena of this tenant
+leaves the path without a segment for good, and says so once in the log. A server that answers
+that it knows no such segment (NOT_FOUND for a call naming it: it restarted) gets the same
+segment attached again (``renew``, once whichever threads saw it): a new id, its fast path and
+its read arena; the old server's arena, its kept leases and connections are dropped. Attached,
+the server names a fast path (a Unix socket, ``kdn.server.fastpath``): GetMany / PutMany go
+there on a connection per thread instead of gRPC, and the server's read arena of this tenant
 (``kdn.server.arena``) is handed over on it (``arena``).
 
 Writes on this path: asynchronous stores (``put_async``: written into the segment and sent
@@ -59,8 +62,9 @@ class SameHostPath:
         self._arena: Any = None  # kdn.client.shm.LeasedArena, where the server lends one
         self._arena_conn: socket.socket | None = None  # the connection it came on (kept open)
         self._fast_path = ""
-        self._conns = threading.local()
+        self._conns = threading.local()  # conn: this thread's connection, path: its path
         self._all_conns: list[socket.socket] = []
+        self._dropped: list[Any] = []  # segments a new server could not map (closed at close)
         self.server_seals = False
         """The server seals staged entries (``AttachResponse.seals``)."""
 
@@ -92,37 +96,83 @@ class SameHostPath:
         except (OSError, ValueError, AttributeError) as exc:  # no memfd on this platform
             log.info("kdn: no shared segment (%s); batches go inline", exc)
             return
+        try:
+            attached = self._attach_segment(seg)
+        except BaseException:
+            seg.close()
+            raise
+        if not attached:
+            seg.close()
+
+    def _attach_segment(self, seg: Any) -> bool:
+        """``Attach`` ``seg``: its id, the server's fast path and read arena. False where the
+        server can not map it (another host or container, no permission, an older server);
+        Unavailable / DeadlineExceeded where it can not be reached."""
         req = pb.AttachRequest(pid=seg.pid, fd=seg.fd, size=seg.size, nonce=seg.nonce)
         md = self._metadata(None)
         try:
             resp = self._call(lambda: self._stub.Attach(req, timeout=self.timeout_s,
                                                         metadata=md))
         except (Unavailable, DeadlineExceeded):
-            seg.close()
             raise
         except KDNError as exc:  # another host or container, no permission, an older server
             log.info("kdn: the server can not map this client's memory (%s); using gRPC", exc)
-            seg.close()
-            return
-        self._segment, self._segment_id = seg, resp.segment_id
+            return False
+        if resp.fast_path:
+            self._arena, self._arena_conn = self._open_arena(resp.segment_id, resp.fast_path)
         self._fast_path = resp.fast_path
         self.server_seals = resp.seals
-        if self._fast_path:
-            self._arena = self._open_arena()
+        # the id last: a thread that reads it reads this server's fast path and arena too
+        self._segment, self._segment_id = seg, resp.segment_id
+        return True
 
-    def _open_arena(self) -> Any:
+    def renew(self, seg_id: str) -> None:
+        """The server answered NOT_FOUND to a call naming segment ``seg_id``: it knows no such
+        segment (it restarted). Attach the same segment again, once whichever threads saw it
+        (a call naming an older id returns at once): a new id, the new server's fast path and
+        read arena; the old server's arena (its kept leases with it) and connections are
+        dropped. Regions in use stay theirs (the memory is the client's). Unavailable /
+        DeadlineExceeded where the server can not be reached (a later call naming ``seg_id``
+        tries again); where the new server can not map the segment, the client goes on
+        without one."""
+        with self._lock:
+            seg = self._segment
+            if seg is None or seg_id != self._segment_id:
+                return  # no segment, or attached again by another thread already
+            log.info("kdn: the server knows no segment %s (it restarted?); attaching again",
+                     seg_id)
+            self._let_go()
+            if not self._attach_segment(seg):
+                self._segment, self._segment_id = None, ""
+                self._dropped.append(seg)  # views of it may still be read: closed at close
+
+    def _let_go(self) -> None:
+        """Drop what the attached server lent: its read arena (closed; views of it stay
+        readable until they die), the connection it came on, and the fast path (each thread
+        closes its own connection to it when it next calls: ``_fast_conn``)."""
+        arena, self._arena = self._arena, None
+        if arena is not None:
+            arena.close()
+        conn, self._arena_conn = self._arena_conn, None
+        if conn is not None:
+            conn.close()
+        self._fast_path = ""
+
+    def _open_arena(self, seg_id: str, fast_path: str) -> tuple[Any, socket.socket | None]:
         """The server's read arena of this tenant (``kdn.server.arena``), handed over the fast
-        path; None where the server keeps none or it can not be mapped (reads then copy)."""
+        path, and the connection it came on (kept open: ``server_alive``); (None, None) where
+        the server keeps none or it can not be mapped (reads then copy)."""
         from kdn.client.shm import LeasedArena
 
-        body = self._segment_id.encode()
+        body = seg_id.encode()
         fds: list[int] = []
         ok, body_in = 0, b""
+        kept: socket.socket | None = None
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             try:
                 conn.settimeout(self.timeout_s)
-                conn.connect("\0" + self._fast_path)
+                conn.connect("\0" + fast_path)
                 conn.sendall(FAST_HEAD.pack(len(body), FAST_ARENA) + body)
                 first, fds, _, _ = socket.recv_fds(conn, FAST_HEAD.size + ARENA_SIZE.size, 1)
                 head = first[: FAST_HEAD.size]
@@ -133,8 +183,8 @@ class SameHostPath:
                 body_in += read_exact(conn, n - len(body_in)) or b""
             finally:
                 if ok and len(fds) == 1 and len(body_in) == ARENA_SIZE.size:
-                    conn.settimeout(None)  # kept open, blocking: ``_server_alive`` peeks it
-                    self._arena_conn = conn
+                    conn.settimeout(None)  # kept open, blocking: ``server_alive`` peeks it
+                    kept = conn
                 else:
                     conn.close()
             if not ok or len(fds) != 1 or len(body_in) != ARENA_SIZE.size:
@@ -142,12 +192,14 @@ class SameHostPath:
                          body_in.decode("utf-8", "replace") if not ok else "malformed answer")
                 for fd in fds:
                     os.close(fd)
-                return None
+                return None, kept
             (size,) = ARENA_SIZE.unpack(body_in)
-            return LeasedArena(fds[0], size, self.keep_leases_bytes)
+            return LeasedArena(fds[0], size, self.keep_leases_bytes), kept
         except (OSError, ValueError) as exc:
             log.info("kdn: no read arena (%s); reads copy into the segment", exc)
-            return None
+            if kept is not None:
+                kept.close()
+            return None, None
 
     def server_alive(self) -> bool:
         """Whether the server that lent the arena still runs: the connection it was handed
@@ -178,6 +230,9 @@ class SameHostPath:
         for conn in self._all_conns:
             conn.close()
         self._all_conns = []
+        for old in self._dropped:
+            old.close()
+        self._dropped = []
         if seg is None:
             return
         try:
@@ -192,43 +247,65 @@ class SameHostPath:
 
     def call(self, op: int, req: pb.GetManyRequest | pb.PutManyRequest) -> bytes | None:
         """One call on this thread's fast-path connection (``kdn.server.fastpath``); None when
-        the path is gone (the call then goes by gRPC, and so do later ones)."""
+        the path is gone (the call then goes by gRPC, and so do later ones, until the segment
+        is attached again: ``renew``)."""
+        path = self._fast_path
         try:
-            conn = self._fast_conn()
+            conn = self._fast_conn(path)
             fast_send(conn, op, req)
             ok, out = fast_answer(conn)
         except OSError as exc:
-            self._fast_lost(exc)
+            self._fast_lost(exc, path)
             return None
         if not ok:
             raise fast_error(out)
         return out
 
-    def _fast_conn(self, *, settle: bool = True) -> socket.socket:
-        """This thread's fast-path connection (calls on it are answered in order; with
-        ``settle``, after this thread's asynchronous stores' answers are read)."""
+    def _fast_conn(self, path: str | None = None, *, settle: bool = True) -> socket.socket:
+        """This thread's connection to the fast path ``path`` (default: the current one;
+        calls on it are answered in order; with ``settle``, after this thread's asynchronous
+        stores' answers are read). A connection to another path (a server before a restart:
+        ``renew``) is closed first."""
+        if path is None:
+            path = self._fast_path
         if settle and self.has_pending():
             self.settle()
         conn: socket.socket | None = getattr(self._conns, "conn", None)
+        if conn is not None and self._conns.path != path:
+            self._close_conn()
+            conn = None
         if conn is None:
+            if not path:
+                raise OSError("no fast path")
             conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             try:
                 conn.settimeout(self.timeout_s)
-                conn.connect("\0" + self._fast_path)
+                conn.connect("\0" + path)
             except OSError:
                 conn.close()
                 raise
-            self._conns.conn = conn
+            self._conns.conn, self._conns.path = conn, path
             self._all_conns.append(conn)
         return conn
 
-    def _fast_lost(self, exc: OSError) -> None:
-        log.info("kdn: fast path unusable (%s); using gRPC", exc)
-        self._fast_path = ""
+    def _close_conn(self) -> None:
+        """Close this thread's fast-path connection."""
         conn = getattr(self._conns, "conn", None)
+        self._conns.conn = None
         if conn is not None:
             conn.close()
-        self._conns.conn = None
+            try:
+                self._all_conns.remove(conn)
+            except ValueError:
+                pass  # closed by ``close`` already
+
+    def _fast_lost(self, exc: OSError, path: str) -> None:
+        """The fast path ``path`` failed on this thread: gRPC from now on, unless the segment
+        was attached again meanwhile (another path: ``renew``)."""
+        if path and path == self._fast_path:
+            log.info("kdn: fast path unusable (%s); using gRPC", exc)
+            self._fast_path = ""
+        self._close_conn()
 
     # -- asynchronous stores (``Client.store_async``) -------------------------------------------
 
@@ -250,8 +327,10 @@ class SameHostPath:
         staged entry named where it lies (sealed by the server). None where it can not go
         this way (no segment or fast path, too large, no room): the caller stores it as
         ``store`` does."""
+        self.segment()  # attached on first use
+        path = self._fast_path  # read before the id: a renewed id comes with its own path
         seg, seg_id = self.segment()
-        if seg is None or not self._fast_path:
+        if seg is None or not path:
             return None
         q = self._pending()
         block: tuple[int, int] | None = None
@@ -278,15 +357,15 @@ class SameHostPath:
         item = req.items.add(key=key, options=opts, seal=staged is not None)
         item.region.offset, item.region.length = start, length
         pending = PendingStore(self, key, on_ok)
-        if q and getattr(self._conns, "conn", None) is None:
-            self.settle()  # their connection went: they fail, a new one starts afresh
+        if q and (getattr(self._conns, "conn", None) is None or self._conns.path != path):
+            self.settle()  # their connection went (or is an old server's): read them first
         try:
-            conn = self._fast_conn(settle=False)
+            conn = self._fast_conn(path, settle=False)
             fast_send(conn, FAST_PUT_MANY, req)
         except OSError as exc:
             if block is not None:
                 seg.regions.free(*block)
-            self._fast_lost(exc)
+            self._fast_lost(exc, path)
             return None
         q.append((pending, block))
         while len(q) > ASYNC_DEPTH:
@@ -326,8 +405,7 @@ class SameHostPath:
                 self._failed(p, Unavailable(f"the fast path closed before the store of "
                                             f"{p.key!r} was answered ({exc}); it may or may "
                                             "not be stored"))
-            if self._fast_path:
-                self._fast_lost(exc)
+            self._fast_lost(exc, getattr(self._conns, "path", ""))
             return
         if block is not None and seg is not None:
             seg.regions.free(*block)
@@ -362,7 +440,8 @@ class SameHostPath:
         another way). A call's error is raised once every call sent was answered (the calls
         before and after it stored theirs). None where the batch is not pipelined: no fast
         path, one item, or ``PIPE_BYTES`` or less in all."""
-        if not self._fast_path or len(items) < 2 or \
+        path = self._fast_path
+        if not path or len(items) < 2 or \
                 sum(parts.nbytes for _, parts, _ in items) <= PIPE_BYTES:
             return None
         out: list[pb.StoreResponse | None] = [None] * len(items)
@@ -382,7 +461,7 @@ class SameHostPath:
         pending: deque[tuple[list[int], tuple[int, int]]] = deque()
         error: KDNError | None = None
         try:
-            conn = self._fast_conn()
+            conn = self._fast_conn(path)
             for batch in batches:
                 if error is not None:
                     break  # the ones not sent stay unstored: the error is raised
@@ -408,7 +487,7 @@ class SameHostPath:
             while pending:
                 error = self._put_answered(conn, pending.popleft(), out, error)
         except OSError as exc:  # the path went away: the unanswered ones go another way
-            self._fast_lost(exc)
+            self._fast_lost(exc, path)
         finally:
             for _, block in pending:
                 seg.regions.free(*block)

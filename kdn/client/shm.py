@@ -183,6 +183,8 @@ class LeasedArena:
         self._live: dict[int, int] = {}  # offset -> lease of the entry viewed in place there
         self._ready: list[int] = []  # leases whose pages are the arena's again
         self._lock = threading.Lock()
+        self.closed = False
+        """Closed (``close``): its server went (``SameHostPath.renew``) or the client closed."""
         self._cuda_registered: bool | None = None
         try:
             self._pagemap: int | None = os.open("/proc/self/pagemap", os.O_RDONLY | os.O_CLOEXEC)
@@ -198,9 +200,13 @@ class LeasedArena:
         if offset + length > self.size or length <= 0:
             raise ValueError(f"lease {lease} at [{offset}, {offset + length}) outside the "
                              f"read arena of {self.size} bytes")
+        if self.closed:
+            raise ValueError("the read arena was closed (its server went)")
         self._settle()  # ranges whose views went since: their pages are the arena's again
         pinned = pinned and self.register_with_cuda()
         with self._lock:
+            if self.closed:
+                raise ValueError("the read arena was closed (its server went)")
             return self._view(lease, offset, length, pinned)
 
     def _view(self, lease: int, offset: int, length: int, pinned: bool) -> memoryview:
@@ -294,13 +300,13 @@ class LeasedArena:
     def reuse(self, name: Hashable, *, pinned: bool = False) -> tuple[memoryview, str] | None:
         """(a view of ``name``'s entry, its tier) from a kept lease whose entry is still the
         server's value of the key; None when there is none (ask the server)."""
-        if not self._kept:
+        if not self._kept or self.closed:
             return None
         self._settle()
         pinned = pinned and self.register_with_cuda()
         with self._lock:
             kept = self._kept.get(name)
-            if kept is None:
+            if kept is None or self.closed:
                 return None
             if int(self._words[kept.word]) != kept.generation:  # written again or deleted
                 self._drop_kept(name)
@@ -312,7 +318,7 @@ class LeasedArena:
     def pressed(self) -> bool:
         """Whether the server asks for kept leases back (its arena is full: the header's
         pressure word, ``kdn.server.arena``)."""
-        return bool(self._words[0])
+        return not self.closed and bool(self._words[0])
 
     def forget(self) -> None:
         """Give every kept lease back (their reads ask the server again)."""
@@ -336,7 +342,10 @@ class LeasedArena:
             self._ready.append(kept.lease)  # its pages were reset when its last view went
 
     def take(self) -> list[int]:
-        """Leases to give back now: their views are gone and their pages reset."""
+        """Leases to give back now: their views are gone and their pages reset (none once
+        closed: its server went)."""
+        if self.closed:
+            return []
         self._settle()
         with self._lock:
             out, self._ready = self._ready, []
@@ -368,6 +377,9 @@ class LeasedArena:
 
     def close(self) -> None:
         with self._lock:
+            if self.closed:
+                return
+            self.closed = True
             self._kept.clear()
             self._kept_leases.clear()
             self._kept_total = 0

@@ -306,6 +306,10 @@ class FastPath:
         with self._lock:
             self._closed = True
             conns, self._conns = list(self._conns), set()
+        try:  # wakes the accepting thread: a listener closed under it would accept once more
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
         self._sock.close()
         for c in conns:
             try:
