@@ -4,8 +4,7 @@ per tenant (an operator's cap; benchmarks emulate 1/10/25/100 Gbit/s links with 
 Two caps, both in bytes/s, 0 = unlimited: ``ServerConfig.egress_bytes_per_s`` for each client
 connection, and a tenant's ``egress_bytes_per_s`` in the tenants file, shared by all of that
 tenant's connections. Each is a token bucket; a send takes its bytes from both (the stricter
-cap sets the pace). A bucket holds at most ``BURST_BYTES`` (or a tenth of a second of its rate,
-if less), so the bytes leave smoothly rather than in seconds-long bursts.
+cap sets the pace). A bucket holds at most ``BURST_BYTES`` (or 50 ms of its rate, if less), so the bytes leave smoothly rather than in seconds-long bursts.
 
 Who paces: the gRPC reads (Retrieve and RetrieveMany each message before it is yielded, an
 inline GetMany its whole answer before it returns) and the network data path (its GetMany's
@@ -42,7 +41,7 @@ class Bucket:
 
     def __init__(self, rate: int) -> None:
         self.rate = float(rate)
-        self.capacity = float(max(1, min(BURST_BYTES, rate // 10)))
+        self.capacity = float(max(1, min(BURST_BYTES, rate // 20)))
         self.level, self.stamp = self.capacity, time.monotonic()
         self._lock = threading.Lock()
 
