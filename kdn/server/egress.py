@@ -4,7 +4,9 @@ per tenant (an operator's cap; benchmarks emulate 1/10/25/100 Gbit/s links with 
 Two caps, both in bytes/s, 0 = unlimited: ``ServerConfig.egress_bytes_per_s`` for each client
 connection, and a tenant's ``egress_bytes_per_s`` in the tenants file, shared by all of that
 tenant's connections. Each is a token bucket; a send takes its bytes from both (the stricter
-cap sets the pace). A bucket holds at most ``BURST_BYTES`` (or 50 ms of its rate, if less), so the bytes leave smoothly rather than in seconds-long bursts.
+cap sets the pace). A bucket holds at most ``BURST_BYTES`` (or 50 ms of its rate, if less),
+so the bytes leave smoothly rather than in seconds-long bursts. A gRPC message is paced whole
+(a frame, up to ``max_message_bytes``): its wait comes before it, then it leaves at once.
 
 Who paces: the gRPC reads (Retrieve and RetrieveMany each message before it is yielded, an
 inline GetMany its whole answer before it returns) and the network data path (its GetMany's
