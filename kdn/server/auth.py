@@ -83,6 +83,8 @@ class TenantPolicy:
     """Bucket size; defaults to max(1, 2 * rate_rps)."""
     quota_bytes: int = 0
     """Total stored bytes the tenant may hold."""
+    egress_bytes_per_s: int = 0
+    """Bytes per second sent to all the tenant's connections together (kdn.server.egress)."""
 
 
 @dataclass(frozen=True)
@@ -129,7 +131,8 @@ def load_auth(path: Path | str) -> AuthConfig:
     """Read a tenants file::
 
         tenants:
-          team-a: {api_keys: ["secret-a"], rate_rps: 50, quota_bytes: 10GiB}
+          team-a: {api_keys: ["secret-a"], rate_rps: 50, quota_bytes: 10GiB,
+                   egress_bytes_per_s: 125MB}
           ops:    {api_keys: ["sha256:9f86d0..."], role: admin}
     """
     from kdn.server.config import load_yaml_file
@@ -171,7 +174,7 @@ def parse_tenants(tenants: Any, where_all: str, *, digests_only: bool = False) -
         if not isinstance(spec, dict):
             raise ConfigError(f"{where}: expected a mapping")
         unknown = set(spec) - {"api_keys", "subjects", "role", "rate_rps", "burst",
-                               "quota_bytes"}
+                               "quota_bytes", "egress_bytes_per_s"}
         if unknown:
             raise ConfigError(f"{where}: unknown settings {sorted(unknown)}")
         try:
@@ -203,9 +206,15 @@ def parse_tenants(tenants: Any, where_all: str, *, digests_only: bool = False) -
                 raise ConfigError(f"{where}: malformed or duplicate api key")
             keys[d] = (name, role)
         try:
+            egress = parse_size(spec.get("egress_bytes_per_s", 0))
+            if egress < 0:
+                raise ValueError(f"must be >= 0 (0 = unlimited), got {egress}")
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"{where}: egress_bytes_per_s: {exc}") from None
+        try:
             policies[name] = TenantPolicy(
                 rate_rps=float(spec.get("rate_rps", 0)), burst=int(spec.get("burst", 0)),
-                quota_bytes=parse_size(spec.get("quota_bytes", 0)))
+                quota_bytes=parse_size(spec.get("quota_bytes", 0)), egress_bytes_per_s=egress)
         except (TypeError, ValueError) as exc:
             raise ConfigError(f"{where}: {exc}") from None
     return AuthConfig(enabled=True, keys=keys, policies=policies, subjects=subjects)

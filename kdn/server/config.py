@@ -152,7 +152,8 @@ class ServerConfig:
     auth_file: str = ""
     """YAML file of tenants: `tenants: {NAME: {api_keys: [KEY or "sha256:HEX"], subjects:
     [client certificate names: cn:|dns:|uri:|email:|ip:NAME], role: tenant|admin, rate_rps: N,
-    burst: N, quota_bytes: 10GiB}}` (mode 600); empty = no authentication."""
+    burst: N, quota_bytes: 10GiB, egress_bytes_per_s: 125MB}}` (mode 600); empty = no
+    authentication."""
     auth_tenants: str = ""
     """The tenants as YAML or JSON text, in the auth file's `tenants:` format but with API keys
     as "sha256:HEX" digests only (for an environment variable: KDN_AUTH_TENANTS; a digest is
@@ -171,6 +172,11 @@ class ServerConfig:
     insecure: bool = False
     """Accept API keys over plaintext on a non-loopback host (auth on, TLS off). Without it such
     a server refuses to start; with it, it warns at every start."""
+    egress_bytes_per_s: int = 0
+    """Most bytes per second sent to one client connection (entries read over gRPC or the
+    network data path; sizes as elsewhere: 125MB = 1 Gbit/s); 0 = unlimited. A tenant's own
+    cap (egress_bytes_per_s in the tenants file) is shared by its connections; the stricter
+    applies (kdn.server.egress). The same-host path is not limited."""
     idle_timeout_s: float = 300.0
     """Close a client connection that carried no call for this long (0 = never)."""
     max_connection_age_s: float = 0.0
@@ -244,6 +250,9 @@ class ServerConfig:
                 f"{'auth_file' if self.auth_file else 'auth_tenants'}: API keys would cross "
                 f"the network in plaintext on {self.host}; set tls_cert and tls_key, or "
                 "insecure: true (--insecure true, KDN_INSECURE=true) to accept that")
+        if self.egress_bytes_per_s < 0:
+            raise ConfigError(
+                f"egress_bytes_per_s: must be >= 0 (0 = unlimited), got {self.egress_bytes_per_s}")
         for name in ("idle_timeout_s", "max_connection_age_s", "handshake_timeout_s",
                      "max_connections", "max_streams_per_connection"):
             if getattr(self, name) < 0:
@@ -311,7 +320,7 @@ class ServerConfig:
 
 _SIZE_FIELDS = {"ram_bytes", "wire_memo_bytes", "shm_arena_bytes", "disk_bytes",
                 "max_message_bytes", "max_entry_bytes", "redis_bytes", "redis_part_bytes",
-                "write_queue_bytes"}
+                "write_queue_bytes", "egress_bytes_per_s"}
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
 

@@ -44,6 +44,7 @@ from kdn.errors import InvalidArgument, KDNError, NotFound
 from kdn.server.arena import Arenas
 from kdn.server.auth import Principal
 from kdn.server.batch import BatchReads, copy_pool
+from kdn.server.egress import Egress, Pacer
 from kdn.server.requests import check_names
 from kdn.server.segments import Segments
 from kdn.server.streamed import Desynced, Putting
@@ -77,6 +78,7 @@ class Handlers(Putting, Protocol):
     arenas: Arenas
     usage: Usage
     reads: BatchReads
+    egress: Egress
 
 
 class Reply(NamedTuple):
@@ -86,6 +88,8 @@ class Reply(NamedTuple):
     body: bytes
     fds: tuple[int, ...] = ()
     after: tuple[bytes | memoryview, ...] = ()
+    pacer: Pacer | None = None
+    """The egress cap that paces sending them (``kdn.server.egress``); None: none."""
 
 
 GROUP_CALLS = 8
@@ -209,6 +213,8 @@ class FastPath:
         answer = FAST_HEAD.pack(len(reply.body), ok) + reply.body
         if reply.fds:
             socket.send_fds(conn, [answer], reply.fds)
+        elif reply.pacer is not None:
+            reply.pacer.send(conn, [answer, *reply.after])
         elif reply.after:
             send_pieces(conn, [answer, *reply.after])
         else:

@@ -19,7 +19,8 @@ A PutMany's items are read straight into buffers of their own, each frame checke
 and records, as Store checks them) the moment its last byte lands (``kdn.server.streamed``),
 and stored only once every item passed, by the same code as the other PutMany forms; a
 GetMany's entries are sent from where the store keeps them (RAM values as the frames they came
-in: no copy in Python on either side), and the client checks each frame as it lands too. A
+in: no copy in Python on either side), and the client checks each frame as it lands too; under
+an egress cap (``kdn.server.egress``) in slices, each when the cap allows. A
 call refused before its items arrived
 has them read and dropped, so the connection stays in step; one whose items can not be
 skipped (more than a PutMany may carry) is answered, then the connection closes.
@@ -98,7 +99,9 @@ class NetPath(FastPath):
             s.auth.admit(principal)
             s.count("net.GetMany")
             answer, pieces = s.reads.get_sent(principal, req)
-            return Reply(answer.SerializeToString(), after=tuple(pieces))
+            pacer = s.egress.pacer(principal.tenant, f"net:{conn.getpeername()}") \
+                if s.egress.on else None
+            return Reply(answer.SerializeToString(), after=tuple(pieces), pacer=pacer)
         if op != NET_PUT_MANY:
             raise Desynced(InvalidArgument(f"unknown data path op {op}"))
         return Reply(put_streamed(s, conn, body, s.segments.ticket_owner, "net")

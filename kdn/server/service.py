@@ -10,7 +10,8 @@ The work is done by objects the servicer holds, each reached through its public 
 * ``reader`` (``kdn.server.reader.Reader``) and ``retrieve_many``
   (``kdn.server.retrieve_many.RetrieveMany``): Retrieve and RetrieveMany streams;
 * ``segments`` (``kdn.server.segments.Segments``): attached segments and data path tickets;
-* ``blender`` (``kdn.server.blend_rpc.Blender``): Blend, on a server that hosts a model.
+* ``blender`` (``kdn.server.blend_rpc.Blender``): Blend, on a server that hosts a model;
+* ``egress`` (``kdn.server.egress.Egress``): the egress caps the reads pace their sends by.
 
 The same-host fast path and the network data path (``kdn.server.fastpath``,
 ``kdn.server.netpath``) call ``reads`` and ``puts`` too, without gRPC.
@@ -33,6 +34,7 @@ from kdn.server.auth import AuthConfig, Authenticator, Principal, current_princi
 from kdn.server.batch import BatchReads
 from kdn.server.blend_rpc import Blender, blend_stream
 from kdn.server.config import ServerConfig
+from kdn.server.egress import Egress, Pacer
 from kdn.server.ingest import Ingest, delete_entry
 from kdn.server.putmany import PutMany
 from kdn.server.reader import Reader
@@ -88,9 +90,18 @@ class KDNServicer(pb_grpc.KDNServicer):
         self.reads = BatchReads(store, self.segments, self.arenas, self.usage, self.count)
         self.reader = Reader(store, self.usage, self.wire_memo)
         self.retrieve_many = RetrieveMany(self.reader, self.count)
+        policies = self.auth.config.policies
+        self.egress = Egress(config.egress_bytes_per_s,
+                             {t: p.egress_bytes_per_s for t, p in policies.items()},
+                             self.usage.paced)
 
     def count(self, name: str, n: int = 1) -> None:
         self.counters[name] = self.counters.get(name, 0) + n
+
+    def pacer(self, context: grpc.aio.ServicerContext) -> Pacer | None:
+        """The pacing of this call's answer (None: no egress cap applies to it)."""
+        return self.egress.pacer(current_principal.get().tenant, context.peer()) \
+            if self.egress.on else None
 
     async def _answer(self, name: str, context: grpc.aio.ServicerContext,
                       fn: Callable[[Principal], T]) -> T:
@@ -122,8 +133,13 @@ class KDNServicer(pb_grpc.KDNServicer):
 
     async def GetMany(self, request: pb.GetManyRequest,
                       context: grpc.aio.ServicerContext) -> pb.GetManyResponse | bytes:
-        return await self._answer("GetMany", context,
-                                  lambda p: self.reads.get_many(p, request))
+        answer = await self._answer("GetMany", context,
+                                    lambda p: self.reads.get_many(p, request))
+        if self.egress.on and isinstance(answer, bytes):  # inline: the entries are in it
+            pacer = self.pacer(context)
+            if pacer is not None:
+                await pacer.apace(len(answer))
+        return answer
 
     async def Attach(self, request: pb.AttachRequest,
                      context: grpc.aio.ServicerContext) -> pb.AttachResponse:
@@ -170,11 +186,14 @@ class KDNServicer(pb_grpc.KDNServicer):
         except KDNError as exc:
             await abort(context, self.count, "Retrieve", exc)
             return
+        pacer = self.pacer(context) if self.egress.on else None
         yield pb.RetrieveResponse(header=head)
         sent = 0
         try:
             for (_, frame), msgs in zip(sel, memo):
                 for msg in msgs:
+                    if pacer is not None:
+                        await pacer.apace(len(msg))
                     # Each yield waits for flow control: a slow or cancelled client stops the
                     # sending here instead of the server buffering the whole entry.
                     yield msg  # type: ignore[misc]
@@ -190,7 +209,10 @@ class KDNServicer(pb_grpc.KDNServicer):
     async def RetrieveMany(self, request: pb.RetrieveManyRequest,
                            context: grpc.aio.ServicerContext
                            ) -> AsyncIterator[pb.RetrieveResponse | bytes]:
+        pacer = self.pacer(context) if self.egress.on else None
         async for msg in self.retrieve_many.stream(request, context):
+            if pacer is not None:
+                await pacer.apace(len(msg) if isinstance(msg, bytes) else msg.ByteSize())
             yield msg
 
     async def Blend(self, request: pb.BlendRequest,

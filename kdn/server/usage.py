@@ -16,6 +16,8 @@ time:
     kdn_fastpath_requests_total{rpc, code}         calls on the same-host fast path and the
                                                    network data path (rpc NetGetMany, NetPutMany)
     kdn_fastpath_request_seconds{rpc}              (both bypass gRPC and its interceptor)
+    kdn_egress_delayed_bytes_total{tenant}         bytes an egress cap held back before sending
+    kdn_egress_wait_seconds_total{tenant}          and the time they waited (kdn.server.egress)
 
 The token hit ratio by tenant or model is ``kdn_tokens_served_total`` over
 ``kdn_tokens_requested_total`` (LMCache's hit tokens over requested tokens). A read names a
@@ -105,6 +107,8 @@ class Usage:
         self.checks = _Histogram()  # by encoding
         self.fast_calls: dict[tuple[str, str], int] = {}  # (rpc, code)
         self.fast_seconds = _Histogram()  # by rpc
+        self.egress_delayed_bytes: dict[str, int] = {}  # by tenant
+        self.egress_wait_s: dict[str, float] = {}  # by tenant
 
     # -- facts of an entry --------------------------------------------------------------------
 
@@ -192,6 +196,13 @@ class Usage:
             self.fast_calls[(rpc, code)] = self.fast_calls.get((rpc, code), 0) + 1
             self.fast_seconds.observe(rpc, seconds)
 
+    def paced(self, tenant: str, nbytes: int, seconds: float) -> None:
+        """An egress cap (``kdn.server.egress``) held ``nbytes`` for ``tenant`` back for
+        ``seconds`` before they were sent."""
+        with self._lock:
+            self.egress_delayed_bytes[tenant] = self.egress_delayed_bytes.get(tenant, 0) + nbytes
+            self.egress_wait_s[tenant] = self.egress_wait_s.get(tenant, 0.0) + seconds
+
     # -- metrics --------------------------------------------------------------------------------
 
     def families(self) -> Iterable[Any]:
@@ -206,6 +217,7 @@ class Usage:
             checks = {e: list(h) for e, h in self.checks.data.items()}
             calls = dict(self.fast_calls)
             fast = {r: list(h) for r, h in self.fast_seconds.data.items()}
+            delayed, waited = dict(self.egress_delayed_bytes), dict(self.egress_wait_s)
         for name, what, data in (
                 ("kdn_tokens_requested", "Tokens of the entries reads asked for (a miss on a "
                  "key never stored here adds none: its size is unknown)", asked),
@@ -246,3 +258,12 @@ class Usage:
         yield fam
         yield self.fast_seconds.family("kdn_fastpath_request_seconds", "Latency of calls on "
                                        "the same-host fast path", "rpc", fast)
+        for name, what, data3 in (
+                ("kdn_egress_delayed_bytes", "Bytes an egress cap (egress_bytes_per_s) held "
+                 "back before sending them", delayed),
+                ("kdn_egress_wait_seconds", "Time the bytes an egress cap held back waited",
+                 waited)):
+            fam = CounterMetricFamily(name, what, labels=["tenant"])
+            for tenant, v in data3.items():
+                fam.add_metric([tenant], float(v))
+            yield fam
