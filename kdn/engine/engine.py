@@ -305,7 +305,7 @@ class KDNEngine(KVConnector):
         self._streams = [s for s in streams if s is not None]
         if sum(s.blocks for s in self._streams) < hits:  # evicted between lookup and retrieve
             self.finish()
-            return 0
+            return 0  # (predicted as the full prefill it becomes)
         t.decision = decision.choice
         t.predicted_ttft_s = (t.lookup_s + decision.estimates_s[decision.choice]
                               + self.controller.prefill_seconds(len(token_ids) - tokens))
