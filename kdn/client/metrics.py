@@ -14,9 +14,14 @@ web framework's /metrics, vLLM's own endpoint):
                                             attention waits for before it starts)
     kdn_client_decode_seconds{encoding}     decoding one entry's frames (summed over frames)
     kdn_client_tokens_loaded_total{source}  tokens of the entries loaded
+    kdn_client_ttft_seconds{decision,kind}  an engine request's time to first token: ``kind``
+                                            ``predicted`` (the loading controller's estimate
+                                            when it decided) or ``measured``
+    kdn_client_ttft_error_ratio{decision}   ``|predicted / measured - 1|`` of each request
 
 ``source`` is where the entry came from (``inproc``, the server's ``ram``/``redis``/``disk``,
-or ``blend``); ``encoding`` is the codec's mode-level. Both are bounded sets. Each finished
+or ``blend``); ``encoding`` is the codec's mode-level, ``decision`` an encoding name or
+``recompute``. All are bounded sets. An engine calls ``record_ttft`` once per request. Each finished
 ``LayerStream`` (every read path ends in one) calls ``record(stream)``; while off, that is one
 global lookup.
 """
@@ -26,6 +31,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+ERROR_BUCKETS = (0.05, 0.1, 0.2, 0.35, 0.5, 1.0, 2.0, 5.0)
 LOAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
                 0.5, 1.0, 2.5, 5.0, 10.0)
 
@@ -57,6 +63,12 @@ def enable(registry: Any = None) -> bool:
             "decode": Histogram("kdn_client_decode_seconds", "Decoding one entry's frames "
                                 "(summed over its frames), by encoding", ["encoding"],
                                 buckets=LOAD_BUCKETS, registry=registry),
+            "ttft": Histogram("kdn_client_ttft_seconds", "An engine request's time to first "
+                              "token, as the loading controller predicted it and as measured",
+                              ["decision", "kind"], buckets=LOAD_BUCKETS, registry=registry),
+            "ttft_error": Histogram("kdn_client_ttft_error_ratio", "|predicted / measured - 1| "
+                                    "of an engine request's time to first token",
+                                    ["decision"], buckets=ERROR_BUCKETS, registry=registry),
             "tokens": Counter("kdn_client_tokens_loaded", "Tokens of the entries loaded, by "
                               "where they came from", ["source"], registry=registry),
         }
@@ -95,3 +107,14 @@ def record(stream: Any) -> None:
         m["decode"].labels(f"{codec.mode}-{codec.level}" if codec.level else codec.mode
                            ).observe(decode_s)
     m["tokens"].labels(source).inc(header.tokens)
+
+
+def record_ttft(decision: str, predicted_s: float, measured_s: float) -> None:
+    """Observe one engine request's predicted and measured TTFT (seconds): a no-op while
+    off."""
+    m = _metrics
+    if m is None or measured_s <= 0:
+        return
+    m["ttft"].labels(decision, "predicted").observe(predicted_s)
+    m["ttft"].labels(decision, "measured").observe(measured_s)
+    m["ttft_error"].labels(decision).observe(abs(predicted_s / measured_s - 1))

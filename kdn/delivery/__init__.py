@@ -1,5 +1,16 @@
 """Delivery policy: which stored encoding to fetch, or whether to recompute."""
 
-from kdn.delivery.controller import RECOMPUTE, Decision, LoadingController, encoding_name
+from kdn.delivery.controller import (
+    IN_PROCESS,
+    NETWORK,
+    PATH_PRIORS_B_S,
+    PATHS,
+    RECOMPUTE,
+    SAME_HOST,
+    Decision,
+    LoadingController,
+    encoding_name,
+)
 
-__all__ = ["RECOMPUTE", "Decision", "LoadingController", "encoding_name"]
+__all__ = ["IN_PROCESS", "NETWORK", "PATHS", "PATH_PRIORS_B_S", "RECOMPUTE", "SAME_HOST",
+           "Decision", "LoadingController", "encoding_name"]

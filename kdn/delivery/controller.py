@@ -1,14 +1,31 @@
 """The loading controller (CacheGen's idea): per request, fetch which encoding, or recompute?
 
-Inputs, all measured: link bandwidth (bytes/s of recent retrieves), decode speed per encoding
+Inputs, all measured: bandwidth per path (bytes/s of recent retrieves, kept per path kind:
+``in-process``, ``same-host``, ``network``, and per server address), decode speed per encoding
 and device (fp16-equivalent bytes/s), the model's prefill speed (tokens/s), and the stored
-size of each encoding of the requested context (from one batched Lookup). For each available
-encoding the time to usable KV is ``size / bandwidth + kv_bytes / decode_speed``; recomputing
-costs ``tokens / prefill_speed``. The cheapest wins. Every decision is logged and counted; a request
+size of each encoding of the requested context (from one batched Lookup). The cheapest of
+recompute and every available encoding wins. Every decision is logged and counted; a request
 may force a choice (``override``).
 
-Speeds start from conservative priors and follow observations as exponentially weighted means,
-so the controller adapts when the link or the machine changes.
+Time to usable KV of an encoding, layer-pipelined: the stream decodes layer i while later
+layers are still in flight, so with ``transfer = size / bandwidth`` and
+``decode = kv_bytes / decode_speed`` spread evenly over ``layers`` layers, the slower stage
+sets the pace and the faster one shows only for one layer (the first layer's transfer before
+decode can start, or the last layer's decode after the last byte arrived)::
+
+    max(transfer, decode) + min(transfer, decode) / layers
+
+which lies between ``max`` (perfect overlap) and the sum (none; ``layers=1``). Recomputing
+costs ``tokens / prefill_speed``: linear in tokens. A real prefill also has attention's
+quadratic term, so the rate is measured where it is used: the engine calibrates it with one
+timed prefill of a typical request length (``calibrate_prefill``) before its first decision,
+and every recompute then refines it; far longer prompts than that cost somewhat more per token
+than predicted, far shorter ones (fixed per-forward costs) somewhat more too.
+
+Speeds start from priors (or the calibration) and follow observations as exponentially
+weighted means, so the controller adapts when a link or the machine changes. Each request's
+predicted and measured TTFT are fed back (``observe_ttft``): their running error
+(``ttft_error``) says how far to trust the estimates.
 """
 
 from __future__ import annotations
@@ -40,6 +57,28 @@ what an 8B-shaped hit loaded at on the same host in ``bench.gpu`` (H200, 2026-11
 its host zstd). A CPU has none: 1 GB/s until observed, as before."""
 
 
+IN_PROCESS = "in-process"
+"""The client's in-process tier: no link, a copy in memory (or none)."""
+SAME_HOST = "same-host"
+"""A server on the engine's host: the shared segment / read arena (or gRPC over loopback)."""
+NETWORK = "network"
+"""A server on another host: the network data path or gRPC."""
+PATHS = (IN_PROCESS, SAME_HOST, NETWORK)
+
+PATH_PRIORS_B_S: dict[str, float] = {
+    IN_PROCESS: 20e9,
+    SAME_HOST: 5e9,
+    NETWORK: 0.5e9,
+}
+"""Bandwidth (bytes/s) per path kind before any retrieve over it is observed. In-process: a
+memory copy at most (README benchmarks: an in-process hit on an H100/H200 runs at 0.84-0.93x
+of a pinned host-to-device copy, tens of GB/s; 20 GB/s is a low memcpy figure). Same-host:
+5 GB/s, within what ``bench.peers`` measured for same-host puts on the 2-core CPU host
+(2.6-7.6 GB/s for 1-256 MiB) and below the same-host GPU hits of ``bench.gpu`` (36-46 GB/s
+on an H100), which are learnt once seen. Network: 0.5 GB/s (4 Gbit/s), the controller's
+former single link prior."""
+
+
 @dataclass(frozen=True)
 class Decision:
     choice: str
@@ -51,8 +90,14 @@ class Decision:
 
 @dataclass
 class LoadingController:
-    bandwidth_b_s: float = 0.5e9
-    """Prior link bandwidth (bytes/s) until retrieves are observed."""
+    bandwidth_b_s: float | None = None
+    """One prior for every link (same-host and network paths; the in-process tier has no
+    link) until retrieves over it are observed; None (default): ``PATH_PRIORS_B_S``."""
+    priors_b_s: dict[str, float] = field(default_factory=lambda: dict(PATH_PRIORS_B_S))
+    """Bandwidth prior (bytes/s) per path kind (``PATHS``)."""
+    bandwidths_b_s: dict[str, float] = field(default_factory=dict)
+    """Learnt bandwidth (bytes/s) per path kind (``"same-host"``) and per path kind and
+    server (``"network@host:port"``): a new server starts from what its kind showed."""
     prefill_tok_s: float = 500.0
     """Prior prefill speed (tokens/s) until prefills are observed."""
     decode_b_s: dict[str, float] = field(default_factory=dict)
@@ -61,23 +106,80 @@ class LoadingController:
     ``DECODE_PRIORS_B_S`` (else 1 GB/s) until observed."""
     device: str = "cpu"
     """Where the engine decodes (its model's device type): the key's default device."""
+    layers: int = 1
+    """Layers a hit streams in (the engine sets its model's): the pipelining of transfer and
+    decode; 1 adds them up."""
     alpha: float = 0.3
     """Weight of a new observation in the running means."""
     counts: Counter[str] = field(default_factory=Counter)
+    calibrated_tokens: int = 0
+    """Length of the calibration prefill that set ``prefill_tok_s`` (0: not calibrated)."""
+    ttft_requests: int = 0
+    """Requests whose predicted and measured TTFT were observed."""
+    ttft_abs_ratio_sum: float = 0.0
+    """Sum over them of ``|predicted / measured - 1|``."""
+    last_ttft: tuple[float, float] = (0.0, 0.0)
+    """(predicted, measured) TTFT of the last observed request, seconds."""
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.bandwidth_b_s is not None:
+            self.priors_b_s[SAME_HOST] = self.priors_b_s[NETWORK] = self.bandwidth_b_s
 
     def _ewma(self, old: float, new: float) -> float:
         return (1 - self.alpha) * old + self.alpha * new
 
-    def observe_transfer(self, nbytes: int, seconds: float) -> None:
+    def observe_transfer(self, nbytes: int, seconds: float, path: str = NETWORK,
+                         server: str = "") -> None:
+        """``nbytes`` crossed ``path`` (from ``server``, where known) in ``seconds``: both
+        the path kind's estimate and the server's follow it."""
         if nbytes > 0 and seconds > 0:
             with self._lock:
-                self.bandwidth_b_s = self._ewma(self.bandwidth_b_s, nbytes / seconds)
+                olds = {path: self.bandwidth(path)}
+                if server:
+                    olds[f"{path}@{server}"] = self.bandwidth(path, server)
+                for key, old in olds.items():
+                    self.bandwidths_b_s[key] = self._ewma(old, nbytes / seconds)
+
+    def bandwidth(self, path: str = NETWORK, server: str = "") -> float:
+        """Bandwidth (bytes/s) of ``path`` from ``server``: learnt for that server, else for
+        its path kind, else the kind's prior."""
+        learnt = self.bandwidths_b_s.get(f"{path}@{server}") if server else None
+        if learnt is None:
+            learnt = self.bandwidths_b_s.get(path)
+        return learnt if learnt is not None else self.priors_b_s.get(
+            path, self.priors_b_s[NETWORK])
 
     def observe_prefill(self, tokens: int, seconds: float) -> None:
         if tokens > 0 and seconds > 0:
             with self._lock:
                 self.prefill_tok_s = self._ewma(self.prefill_tok_s, tokens / seconds)
+
+    def calibrate_prefill(self, tokens: int, seconds: float) -> None:
+        """A timed calibration prefill of ``tokens`` tokens: its speed replaces the prior
+        (later prefills refine it as running means)."""
+        if tokens > 0 and seconds > 0:
+            with self._lock:
+                self.prefill_tok_s = tokens / seconds
+                self.calibrated_tokens = tokens
+
+    def prefill_seconds(self, tokens: int) -> float:
+        """Predicted seconds to prefill ``tokens`` tokens (linear: module docstring)."""
+        return tokens / self.prefill_tok_s if tokens > 0 else 0.0
+
+    def observe_ttft(self, predicted_s: float, measured_s: float) -> None:
+        """One request's predicted and measured time to first token."""
+        if measured_s > 0:
+            with self._lock:
+                self.ttft_requests += 1
+                self.ttft_abs_ratio_sum += abs(predicted_s / measured_s - 1)
+                self.last_ttft = (predicted_s, measured_s)
+
+    @property
+    def ttft_error(self) -> float:
+        """Mean over the observed requests of ``|predicted / measured - 1|`` (0.2: the
+        predictions were off by 20% on average); 0 before any."""
+        return self.ttft_abs_ratio_sum / self.ttft_requests if self.ttft_requests else 0.0
 
     def _key(self, encoding: str, device: str | None) -> str:
         return f"{encoding}@{device or self.device}"
@@ -100,20 +202,26 @@ class LoadingController:
         return DECODE_PRIORS_B_S.get((encoding.split("-")[0], kind), 1e9)
 
     def estimate(self, encoding: str, stored_bytes: int, kv_bytes: int,
-                 local: bool = False) -> float:
-        """Seconds to usable KV: transfer (none for an entry in the engine's own process) plus
-        decode on this controller's device."""
-        transfer = 0.0 if local else stored_bytes / self.bandwidth_b_s
-        return transfer + kv_bytes / self.decode_speed(encoding)
+                 local: bool = False, path: str = NETWORK, server: str = "") -> float:
+        """Seconds to usable KV: transfer over ``path`` from ``server`` (the in-process tier
+        for ``local``) and decode on this controller's device, pipelined over ``layers``
+        (module docstring)."""
+        if local:
+            path, server = IN_PROCESS, ""
+        transfer = stored_bytes / self.bandwidth(path, server)
+        decode = kv_bytes / self.decode_speed(encoding)
+        return max(transfer, decode) + min(transfer, decode) / max(1, self.layers)
 
     def choose(self, tokens: int, kv_bytes: int, stored: dict[str, int],
-               override: str | None = None, local: frozenset[str] = frozenset()) -> Decision:
+               override: str | None = None, local: frozenset[str] = frozenset(),
+               path: str = NETWORK, server: str = "") -> Decision:
         """Pick for ``tokens`` tokens whose KV is ``kv_bytes`` bytes; ``stored`` maps each
         available encoding to its stored size (a missing encoding is simply absent); ``local``
-        names the encodings the in-process tier holds."""
-        est = {enc: self.estimate(enc, size, kv_bytes, enc in local)
+        names the encodings the in-process tier holds; the others come over ``path`` from
+        ``server``."""
+        est = {enc: self.estimate(enc, size, kv_bytes, enc in local, path, server)
                for enc, size in stored.items()}
-        est[RECOMPUTE] = tokens / self.prefill_tok_s if tokens else 0.0
+        est[RECOMPUTE] = self.prefill_seconds(tokens)
         if override is not None:
             if override != RECOMPUTE and override not in stored:
                 choice, reason = RECOMPUTE, f"override {override!r} not stored; recomputing"

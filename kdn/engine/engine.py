@@ -8,13 +8,21 @@ Lifecycle of ``KDNEngine.generate(prompt)``:
    keeping at least one token to compute so the model yields next-token logits;
 2. ``start_load``: one batched Lookup for every block and every stored encoding (the leading
    run of present blocks is the reusable prefix, what ``matched_tokens`` reports); the loading
-   controller picks an encoding or recompute (measured bandwidth, decode speed, prefill speed;
-   overridable per request); every block's Retrieve stream starts at once;
+   controller picks an encoding or recompute (measured bandwidth of the path the hit would take,
+   decode speed, prefill speed; overridable per request); every block's Retrieve stream starts
+   at once;
 3. the model's forward over the rest of the prompt runs on a ``kdn.model.hf.LayerwiseCache`` that
    calls ``wait_for_layer(i)`` right before decoder layer i, so layer i computes while later
    layers still arrive -> first token (TTFT ends here);
 4. ``save_layer(i, ...)`` for every layer: the newly computed blocks are stored back on a
    background thread (``wait_for_save`` joins it), then ``kdn.model.hf.greedy`` decodes the rest.
+
+Before its first decision the engine times one calibration prefill of
+``EngineConfig.calibration_tokens`` tokens (``calibrate``), so the controller knows the model's
+prefill speed on this machine instead of a prior. Every request records the TTFT the
+controller predicted when it decided and the one measured (``Timings.predicted_ttft_s``,
+``ttft_s``): the controller keeps their running error (``ttft_error``) and, once
+``kdn.client.metrics`` is enabled, both are exported (``kdn_client_ttft_seconds``).
 
 Each stored block holds only its own ``chunk_tokens`` tokens (start position i * chunk_tokens)
 under its chained key, so storage stays linear in prompt length.
@@ -25,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import math
 import threading
 import time
 from collections.abc import Sequence
@@ -36,7 +45,15 @@ import torch
 from kdn import keys
 from kdn.cache import KVCache, LayerKV
 from kdn.client import Client, LayerStream
-from kdn.delivery import RECOMPUTE, LoadingController, encoding_name
+from kdn.client import metrics as client_metrics
+from kdn.delivery import (
+    IN_PROCESS,
+    NETWORK,
+    RECOMPUTE,
+    SAME_HOST,
+    LoadingController,
+    encoding_name,
+)
 from kdn.engine.connector import KVConnector
 from kdn.layout import DType, KVLayout
 from kdn.model.hf import (
@@ -86,11 +103,20 @@ class EngineConfig:
     join_in_process: bool = True
     """A hit whose blocks are all in the client's in-process tier loads as one joined stream
     (``Client.retrieve_joined``); False: one stream per block, joined per layer."""
+    calibrate: bool = True
+    """Time one prefill of ``calibration_tokens`` tokens before the first decision, so the
+    controller starts from this model's prefill speed on this machine (``KDNEngine.calibrate``);
+    False: it starts from its prior (``LoadingController.prefill_tok_s``)."""
+    calibration_tokens: int = 256
+    """Length of the calibration prefill: a typical request's (the speed is taken as linear
+    in tokens: ``kdn.delivery.controller``), capped by the model's context."""
 
     def __post_init__(self) -> None:
         if self.chunk_tokens < 0:
             raise ValueError(f"chunk_tokens must be > 0 (or 0: the model's default), got "
                              f"{self.chunk_tokens}")
+        if self.calibration_tokens < 1:
+            raise ValueError(f"calibration_tokens must be >= 1, got {self.calibration_tokens}")
         if not self.encodings:
             raise ValueError("encodings must name at least one (mode, level)")
 
@@ -106,6 +132,9 @@ class Timings:
     first_token_compute_s: float = 0.0
     """Forward over the missing tokens (waits for late layers included)."""
     ttft_s: float = 0.0
+    predicted_ttft_s: float = 0.0
+    """The TTFT the loading controller predicted when it decided: lookup, its estimate of the
+    chosen way to the prefix's KV, and the prefill of the rest of the prompt."""
     reused_tokens: int = 0
     computed_tokens: int = 0
     decision: str = RECOMPUTE
@@ -135,6 +164,8 @@ class KDNEngine(KVConnector):
         self._device = model_device(model)
         self.controller.device = self._device.type  # decode speeds are learnt per device
         self._layout = model_layout(model, self.config.kv_dtype)
+        self.controller.layers = self._layout.num_layers  # a hit's layers pipeline
+        self._calibrated = not self.config.calibrate
         if not self.config.chunk_tokens:
             self.config = dataclasses.replace(self.config,
                                               chunk_tokens=default_chunk_tokens(self._layout))
@@ -147,6 +178,56 @@ class KDNEngine(KVConnector):
     def layout(self) -> KVLayout:
         return self._layout
 
+    @property
+    def ttft_error(self) -> float:
+        """Mean ``|predicted / measured - 1|`` of the requests' TTFT so far (the
+        controller's ``ttft_error``)."""
+        return self.controller.ttft_error
+
+    def _sync(self) -> None:
+        if self._device.type == "cuda":
+            torch.cuda.synchronize(self._device)
+
+    @torch.no_grad()
+    def calibrate(self) -> float:
+        """Time a prefill of ``config.calibration_tokens`` tokens (after a short warm-up
+        forward: one-time costs are not a prefill's; the best of two, the device
+        synchronised) and give its speed to the controller; returns its seconds."""
+        mcfg = getattr(self.model, "config", None)
+        n = self.config.calibration_tokens
+        limit = getattr(mcfg, "max_position_embeddings", None)
+        if isinstance(limit, int) and limit > 1:
+            n = min(n, limit - 1)
+        vocab = getattr(mcfg, "vocab_size", None)
+        vocab = vocab if isinstance(vocab, int) and vocab > 0 else 256
+        ids = [(7 * i + 3) % vocab for i in range(n)]
+        int(CacheDecoder(self.model).forward(ids[:16])[-1].argmax())  # warm-up
+        best = math.inf
+        for _ in range(2):
+            self._sync()
+            t0 = time.perf_counter()
+            int(CacheDecoder(self.model).forward(ids)[-1].argmax())  # as generate's first token
+            self._sync()
+            best = min(best, time.perf_counter() - t0)
+        self.controller.calibrate_prefill(n, best)
+        self._calibrated = True
+        log.info("calibration: %d tokens prefilled in %.4f s (%.0f tokens/s)", n, best,
+                 n / best)
+        return best
+
+    def _ensure_calibrated(self) -> None:
+        if not self._calibrated:
+            self.calibrate()
+
+    def _link(self) -> tuple[str, str]:
+        """(path kind, server address) a hit not in the process takes: the server's host
+        when the data plane shares a segment with it, else the network."""
+        try:
+            same = self.client.dataplane.attached
+        except Exception:  # the server can not be reached now: the lookup will say so
+            same = False
+        return (SAME_HOST if same else NETWORK), self.client.address
+
     def _begin(self, ids: list[int]) -> None:
         """Forget the previous request's state."""
         self._ids = ids
@@ -155,6 +236,7 @@ class KDNEngine(KVConnector):
         self._loaded_blocks = 0
         self._saved: dict[int, LayerKV] = {}
         self._store_thread: threading.Thread | None = None
+        self._path, self._server = NETWORK, ""
 
     # -- the connector protocol -----------------------------------------------------------------
 
@@ -192,18 +274,23 @@ class KDNEngine(KVConnector):
     def start_load(self, token_ids: Sequence[int], *, force: str | None = None) -> int:
         """Begin loading the reusable prefix; ``force`` (an encoding name or ``recompute``)
         overrides the loading controller for this request."""
+        self._ensure_calibrated()
         t = self._timings
         c = self.config.chunk_tokens
         chain = self._chain(token_ids)
         t.decision = RECOMPUTE
+        t.predicted_ttft_s = self.controller.prefill_seconds(len(token_ids))
         if not chain or force == RECOMPUTE:
             return 0
         t0 = time.perf_counter()
         hits, stored, local, asked = self._present(chain)
         t.lookup_s = time.perf_counter() - t0
         tokens = hits * c
+        self._path, self._server = self._link()
         decision = self.controller.choose(tokens, tokens * self.layout.bytes_per_token, stored,
-                                          override=force, local=local)
+                                          override=force, local=local, path=self._path,
+                                          server=self._server)
+        t.predicted_ttft_s = t.lookup_s + self.controller.prefill_seconds(len(token_ids))
         if decision.choice == RECOMPUTE or not hits:
             return 0
         blocks = (asked[decision.choice][:hits] if decision.choice in asked else  # looked up:
@@ -218,8 +305,10 @@ class KDNEngine(KVConnector):
         self._streams = [s for s in streams if s is not None]
         if sum(s.blocks for s in self._streams) < hits:  # evicted between lookup and retrieve
             self.finish()
-            return 0
+            return 0  # (predicted as the full prefill it becomes)
         t.decision = decision.choice
+        t.predicted_ttft_s = (t.lookup_s + decision.estimates_s[decision.choice]
+                              + self.controller.prefill_seconds(len(token_ids) - tokens))
         self._loaded_blocks = hits
         return tokens
 
@@ -290,6 +379,7 @@ class KDNEngine(KVConnector):
         if not ids:
             raise ValueError("empty prompt")
         with self._request:
+            self._ensure_calibrated()  # before the clock starts: not this request's time
             self._begin(ids)
             t = self._timings
             start = time.perf_counter()
@@ -308,6 +398,8 @@ class KDNEngine(KVConnector):
             t.first_token_compute_s = time.perf_counter() - tc  # copies and compute are done
             t.ttft_s = time.perf_counter() - start
             t.reused_tokens, t.computed_tokens = reused, len(ids) - reused
+            self.controller.observe_ttft(t.predicted_ttft_s, t.ttft_s)
+            client_metrics.record_ttft(t.decision, t.predicted_ttft_s, t.ttft_s)
             self._observe(streams, t.decision, reused, t)
             for i, (k, v) in enumerate(cache_layers(decoder.cache)):
                 self.save_layer(i, k[0], v[0])  # [1, kv_heads, tokens, ch] -> batch row 0
@@ -321,11 +413,14 @@ class KDNEngine(KVConnector):
     def _observe(self, streams: list[LayerStream], choice: str, reused: int, t: Timings) -> None:
         t.local_blocks = sum(s.blocks for s in streams if s.in_process)
         remote = [s for s in streams if not s.in_process]
-        if remote:  # the link's bandwidth, from what crossed it
-            start = min(s.timings.started for s in remote)
-            last = max(s.timings.last_frame_received for s in remote)
-            nbytes = sum(s.timings.bytes_received for s in remote)
-            self.controller.observe_transfer(nbytes, max(0.0, last - start))
+        inproc = [s for s in streams if s.in_process]
+        for group, path, server in ((remote, self._path, self._server),
+                                    (inproc, IN_PROCESS, "")):
+            if group:  # each path's bandwidth, from what crossed it
+                start = min(s.timings.started for s in group)
+                last = max(s.timings.last_frame_received for s in group)
+                nbytes = sum(s.timings.bytes_received for s in group)
+                self.controller.observe_transfer(nbytes, max(0.0, last - start), path, server)
         if streams:
             start = min(s.timings.started for s in streams)
             last = max(s.timings.last_frame_received for s in streams)

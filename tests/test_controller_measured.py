@@ -1,0 +1,242 @@
+"""The loading controller measures instead of guessing: the engine calibrates the model's
+prefill speed before its first decision, bandwidth is learnt per path kind (in-process,
+same-host, network) and per server, a hit's estimate pipelines transfer with decode over the
+layers, and every request's predicted and measured TTFT are kept and exported."""
+
+from __future__ import annotations
+
+import itertools
+import types
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from kdn.client import Client
+from kdn.delivery import (
+    IN_PROCESS,
+    NETWORK,
+    PATH_PRIORS_B_S,
+    RECOMPUTE,
+    SAME_HOST,
+    LoadingController,
+)
+from kdn.engine import EngineConfig, KDNEngine
+from kdn.server import ServerConfig, ServerThread
+
+
+class _Tok:
+    eos_token_id = None
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return " ".join(map(str, ids))
+
+
+def _model(hidden: int = 256, layers: int = 4) -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=256, hidden_size=hidden, intermediate_size=2 * hidden,
+                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=1024, rope_theta=10000.0)
+    cfg._attn_implementation = "sdpa"
+    return LlamaForCausalLM(cfg).eval()
+
+
+def _ids(n: int, seed: int = 1) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return [int(x) for x in torch.randint(1, 256, (n,), generator=g)]
+
+
+@pytest.fixture
+def client(tmp_path: Path) -> Iterator[Client]:
+    cfg = ServerConfig(port=0, data_dir=tmp_path, disk_bytes=0, ram_bytes=256 << 20)
+    with ServerThread(cfg) as st, Client(st.address) as c:
+        yield c
+
+
+# -- prefill calibration ----------------------------------------------------------------------
+
+
+class _Clock:
+    """A fake ``time.perf_counter`` that a forward advances by 1 ms a token: prefill times as
+    exact as the controller's arithmetic (what is tested is what it does with a measurement,
+    not how fast this host runs a model)."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def forward_hook(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if ids is not None:
+            self.now += 1e-3 * ids.shape[-1]
+
+
+def test_a_calibrated_controller_predicts_a_prefill_it_then_measures(
+        client: Client, monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = _Clock()
+    model = _model()
+    model.register_forward_pre_hook(clock.forward_hook, with_kwargs=True)
+    monkeypatch.setattr("kdn.engine.engine.time.perf_counter", clock)
+    engine = KDNEngine(model, _Tok(), client, EngineConfig(
+        chunk_tokens=64, store_back=False, calibration_tokens=256))
+    assert engine.controller.calibrated_tokens == 0  # lazily, before the first decision
+    assert engine.calibrate() == pytest.approx(0.256)  # 256 tokens at the fake 1 ms a token
+    assert engine.controller.calibrated_tokens == 256
+    assert engine.controller.prefill_tok_s == pytest.approx(1000.0)
+    prompt = _ids(240)
+    predicted = engine.controller.prefill_seconds(len(prompt))
+    measured = engine.generate(prompt, max_new_tokens=1, force=RECOMPUTE).timings
+    assert predicted == pytest.approx(0.240)
+    assert measured.first_token_compute_s == pytest.approx(predicted, rel=0.2)
+
+
+def test_the_first_request_calibrates_unless_turned_off(client: Client) -> None:
+    model = _model(hidden=64, layers=2)
+    on = KDNEngine(model, _Tok(), client, EngineConfig(chunk_tokens=32, store_back=False,
+                                                       calibration_tokens=64))
+    on.generate(_ids(40), max_new_tokens=1)
+    assert on.controller.calibrated_tokens == 64
+    off = KDNEngine(model, _Tok(), client, EngineConfig(chunk_tokens=32, store_back=False,
+                                                        calibrate=False))
+    off.start_load(_ids(40))
+    assert off.controller.calibrated_tokens == 0 and off.controller.prefill_tok_s == 500.0
+    with pytest.raises(ValueError):
+        EngineConfig(calibration_tokens=0)
+
+
+def test_calibration_replaces_the_prior_and_prefills_refine_it() -> None:
+    c = LoadingController(alpha=0.5)
+    c.calibrate_prefill(256, 0.128)  # 2000 tokens/s
+    assert c.prefill_tok_s == 2000 and c.prefill_seconds(1000) == pytest.approx(0.5)
+    c.observe_prefill(100, 0.1)  # 1000 tokens/s: a running mean from there
+    assert c.prefill_tok_s == pytest.approx(1500)
+    assert c.prefill_seconds(0) == 0.0
+
+
+# -- bandwidth per path and server --------------------------------------------------------------
+
+
+def test_bandwidth_is_learnt_per_path_kind_and_per_server() -> None:
+    c = LoadingController(alpha=1.0)  # the latest observation wins: easy numbers
+    assert c.bandwidth(IN_PROCESS) > c.bandwidth(SAME_HOST) > c.bandwidth(NETWORK)
+    assert c.bandwidth(NETWORK) == PATH_PRIORS_B_S[NETWORK]
+    c.observe_transfer(10 << 30, 1.0, SAME_HOST, "a:1")
+    c.observe_transfer(1 << 20, 1.0, NETWORK, "b:2")
+    c.observe_transfer(1 << 30, 1.0, NETWORK, "c:3")
+    assert c.bandwidth(SAME_HOST, "a:1") == 10 << 30
+    assert c.bandwidth(NETWORK, "b:2") == 1 << 20  # each server its own
+    assert c.bandwidth(NETWORK, "c:3") == 1 << 30
+    assert c.bandwidth(NETWORK, "d:4") == 1 << 30  # a new server: what its kind showed last
+    assert c.bandwidth(IN_PROCESS) == PATH_PRIORS_B_S[IN_PROCESS]  # untouched
+    # the same stored bytes: fetched from the fast host, recomputed rather than crawl from b
+    kv, stored = 1 << 30, {"lossless": 1 << 29}
+    c.prefill_tok_s = 8192 / 0.5
+    c.observe_decode("lossless", kv, 0.1)
+    assert c.choose(8192, kv, stored, path=SAME_HOST, server="a:1").choice == "lossless"
+    assert c.choose(8192, kv, stored, path=NETWORK, server="b:2").choice == RECOMPUTE
+
+
+def test_one_given_bandwidth_is_every_links_prior_and_in_process_keeps_its_own() -> None:
+    c = LoadingController(bandwidth_b_s=1e3)
+    assert c.bandwidth(SAME_HOST) == c.bandwidth(NETWORK) == 1e3
+    assert c.bandwidth(IN_PROCESS) == PATH_PRIORS_B_S[IN_PROCESS]
+
+
+def test_the_engine_learns_the_path_its_hit_took(client: Client) -> None:
+    engine = KDNEngine(_model(hidden=64, layers=2), _Tok(), client,
+                       EngineConfig(chunk_tokens=32, encodings=(("raw", ""),),
+                                    calibrate=False))
+    prompt = _ids(100)
+    first = engine.generate(prompt, max_new_tokens=1)
+    assert first.store_thread is not None
+    first.store_thread.join(60)
+    hit = engine.generate(prompt, max_new_tokens=1, force="raw")
+    assert hit.timings.reused_tokens == 96
+    path = SAME_HOST if client.dataplane.attached else NETWORK
+    learnt = engine.controller.bandwidths_b_s
+    assert set(learnt) == {path, f"{path}@{client.address}"}, learnt
+
+
+# -- pipelining -------------------------------------------------------------------------------
+
+
+def test_the_pipelined_estimate_lies_between_the_max_and_the_sum() -> None:
+    c = LoadingController(bandwidth_b_s=1e9, layers=32)
+    c.observe_decode("lossless", 2 << 30, 1.0)  # 2 GiB/s
+    stored, kv = 1 << 30, 1 << 30  # transfer ~1.07 s, decode 0.5 s
+    transfer, decode = stored / 1e9, kv / c.decode_speed("lossless")
+    est = c.estimate("lossless", stored, kv)
+    assert max(transfer, decode) <= est < transfer + decode
+    assert est == pytest.approx(max(transfer, decode) + min(transfer, decode) / 32)
+    c.layers = 1  # nothing to overlap: the sum
+    assert c.estimate("lossless", stored, kv) == pytest.approx(transfer + decode)
+
+
+def test_the_engine_gives_the_controller_its_layer_count(client: Client) -> None:
+    engine = KDNEngine(_model(hidden=64, layers=3), _Tok(), client,
+                       EngineConfig(calibrate=False))
+    assert engine.controller.layers == 3
+
+
+# -- predicted vs measured TTFT -----------------------------------------------------------------
+
+
+def test_the_running_ttft_error() -> None:
+    c = LoadingController()
+    assert c.ttft_error == 0.0
+    c.observe_ttft(1.2, 1.0)
+    c.observe_ttft(0.5, 1.0)
+    c.observe_ttft(1.0, 0.0)  # nothing measured: not counted
+    assert c.ttft_requests == 2 and c.ttft_error == pytest.approx(0.35)
+    assert c.last_ttft == (0.5, 1.0)
+
+
+def _sample(text: str, name: str, **labels: str) -> float:
+    import re
+
+    for line in text.splitlines():
+        if line.startswith(name + "{"):
+            got = dict(re.findall(r'(\w+)="([^"]*)"', line.split(" ")[0]))
+            if all(got.get(k) == v for k, v in labels.items()):
+                return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"no sample {name}{labels}")
+
+
+def test_each_request_records_predicted_and_measured_ttft(
+        client: Client, monkeypatch: pytest.MonkeyPatch) -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from kdn.client import metrics
+    from kdn.engine import engine as engine_module
+
+    ticks = itertools.count()
+    fake = types.SimpleNamespace(perf_counter=lambda: next(ticks) * 0.01)  # 10 ms a reading
+    monkeypatch.setattr(engine_module, "time", fake)
+    engine = KDNEngine(_model(hidden=64, layers=2), _Tok(), client,
+                       EngineConfig(chunk_tokens=32, store_back=False, calibration_tokens=64))
+    engine.calibrate()
+    assert engine.controller.prefill_tok_s == pytest.approx(64 / 0.01)  # one tick per prefill
+    registry = CollectorRegistry()
+    assert metrics.enable(registry)
+    try:
+        got = engine.generate(_ids(50), max_new_tokens=1).timings
+        text = generate_latest(registry).decode()
+    finally:
+        metrics.disable()
+    assert got.decision == RECOMPUTE and got.ttft_s > 0
+    # nothing stored: the lookup's two readings, then the prefill of all 50 tokens
+    assert got.predicted_ttft_s == pytest.approx(got.lookup_s + 50 / (64 / 0.01))
+    for kind, value in (("predicted", got.predicted_ttft_s), ("measured", got.ttft_s)):
+        assert _sample(text, "kdn_client_ttft_seconds_count", decision="recompute",
+                       kind=kind) == 1
+        assert _sample(text, "kdn_client_ttft_seconds_sum", decision="recompute",
+                       kind=kind) == pytest.approx(value)
+    error = abs(got.predicted_ttft_s / got.ttft_s - 1)
+    assert _sample(text, "kdn_client_ttft_error_ratio_sum", decision="recompute") == \
+        pytest.approx(error)
+    assert engine.ttft_error == pytest.approx(error)
+    assert engine.controller.last_ttft == (got.predicted_ttft_s, got.ttft_s)
