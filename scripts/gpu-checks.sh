@@ -33,7 +33,7 @@ print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_dev
 EOF
 start=$(date +%s)
 KDN_REAL_KV=$REAL_KV timeout 240 $PY -m pytest -m gpu -q -p no:cacheprovider -rs --timeout 200 \
-    tests/test_gpu_decode.py tests/test_engine_devices.py tests/test_dataplane.py \
+    tests/test_gpu_decode.py tests/test_gpu_batch.py tests/test_engine_devices.py tests/test_dataplane.py \
     tests/test_local_tier.py tests/test_arena.py tests/test_staged.py 2>&1 | tee "$OUT/pytest-gpu.log" | tail -40
 echo "pytest -m gpu: $(( $(date +%s) - start )) s"
 start=$(date +%s)
