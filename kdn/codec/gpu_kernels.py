@@ -85,6 +85,29 @@ def scale_of(q, table):
 
 
 @triton.jit
+def place(r, blob, n, b_heads, b_kc, b_vc, b_tokens, b_sink, b_kbase, b_vbase, b_kstep,
+          b_vstep):
+    """Where symbol row ``r`` of a blob dequantises to: (output index of its first coded
+    token, the stride between tokens, its level step, the offset of its log-scale row). Rows
+    [0, heads * kc) are K's (head, channel), the rest V's; the first ``sink`` tokens are the
+    exact ones."""
+    heads = tl.load(b_heads + blob)
+    kc = tl.load(b_kc + blob)
+    vc = tl.load(b_vc + blob)
+    tokens = tl.load(b_tokens + blob).to(tl.int64)
+    sink = tl.load(b_sink + blob)
+    is_k = r < heads * kc
+    rv = r - heads * kc
+    ch = tl.where(is_k, kc, vc)
+    head = tl.where(is_k, r // tl.maximum(kc, 1), rv // tl.maximum(vc, 1))
+    c = tl.where(is_k, r % tl.maximum(kc, 1), rv % tl.maximum(vc, 1))
+    obase = tl.where(is_k, tl.load(b_kbase + blob), tl.load(b_vbase + blob)) \
+        + (head * tokens + sink) * ch + c
+    step = tl.where(is_k, tl.load(b_kstep + blob), tl.load(b_vstep + blob))
+    return obase, ch, step, tl.where(is_k, 0, n)
+
+
+@triton.jit
 def rans(buf, g_blob, g_first, g_woff, g_wcnt,
           b_crow, b_rowbase, b_blocks, b_block, b_n, b_streams, b_states,
           b_heads, b_kc, b_tokens, b_sink, b_kbase, b_vbase, b_qbase, b_vc,
@@ -123,20 +146,9 @@ def rans(buf, g_blob, g_first, g_woff, g_wcnt,
     r = row - tl.load(b_rowbase + blob)
     qbase = tl.load(b_qbase + blob)
     if DEQUANT:
-        heads = tl.load(b_heads + blob)
-        kc = tl.load(b_kc + blob)
-        vc = tl.load(b_vc + blob)
-        tokens = tl.load(b_tokens + blob).to(tl.int64)
-        sink = tl.load(b_sink + blob)
-        is_k = r < heads * kc
-        rv = r - heads * kc
-        ch = tl.where(is_k, kc, vc)
-        head = tl.where(is_k, r // tl.maximum(kc, 1), rv // tl.maximum(vc, 1))
-        c = tl.where(is_k, r % tl.maximum(kc, 1), rv % tl.maximum(vc, 1))
-        obase = tl.where(is_k, tl.load(b_kbase + blob), tl.load(b_vbase + blob)) \
-            + (head * tokens + sink) * ch + c
-        step = tl.where(is_k, tl.load(b_kstep + blob), tl.load(b_vstep + blob))
-        qrow = qbase + tl.where(is_k, 0, n)
+        obase, ch, step, qoff = place(r, blob, n, b_heads, b_kc, b_vc, b_tokens, b_sink,
+                                      b_kbase, b_vbase, b_kstep, b_vstep)
+        qrow = qbase + qoff
     else:
         obase = qbase + r.to(tl.int64) * n
     err = 0
@@ -202,20 +214,9 @@ def fill(r_blob, r_row, b_rowbase, b_n, b_heads, b_kc, b_vc, b_tokens, b_sink,
     sym = tl.load(lo + row)
     qbase = tl.load(b_qbase + blob)
     if DEQUANT:
-        heads = tl.load(b_heads + blob)
-        kc = tl.load(b_kc + blob)
-        vc = tl.load(b_vc + blob)
-        tokens = tl.load(b_tokens + blob).to(tl.int64)
-        sink = tl.load(b_sink + blob)
-        is_k = r < heads * kc
-        rv = r - heads * kc
-        ch = tl.where(is_k, kc, vc)
-        head = tl.where(is_k, r // tl.maximum(kc, 1), rv // tl.maximum(vc, 1))
-        c = tl.where(is_k, r % tl.maximum(kc, 1), rv % tl.maximum(vc, 1))
-        obase = tl.where(is_k, tl.load(b_kbase + blob), tl.load(b_vbase + blob)) \
-            + (head * tokens + sink) * ch + c
-        step = tl.where(is_k, tl.load(b_kstep + blob), tl.load(b_vstep + blob))
-        sc = tl.load(sout + qbase + tl.where(is_k, 0, n) + tok, mask=m, other=1.0)
+        obase, ch, step, qoff = place(r, blob, n, b_heads, b_kc, b_vc, b_tokens, b_sink,
+                                      b_kbase, b_vbase, b_kstep, b_vstep)
+        sc = tl.load(sout + qbase + qoff + tok, mask=m, other=1.0)
         val = sym.to(tl.float32) * (sc * step)
         val = tl.minimum(tl.maximum(val, -top), top)
         tl.store(out + obase + tok.to(tl.int64) * ch, cast(val, out), mask=m)
