@@ -18,6 +18,10 @@ web framework's /metrics, vLLM's own endpoint):
                                             ``predicted`` (the loading controller's estimate
                                             when it decided) or ``measured``
     kdn_client_ttft_error_ratio{decision}   ``|predicted / measured - 1|`` of each request
+    kdn_fleet_calls_total{node,outcome}     calls a ``FleetClient`` routed to a node: ``ok``, or
+                                            ``failover`` (the node failed; the call moved on)
+    kdn_fleet_node_up{node}                 1 while the fleet client counts the node live
+    kdn_fleet_node_load{node}               the load the router sees on the node
 
 ``source`` is where the entry came from (``inproc``, the server's ``ram``/``redis``/``disk``,
 or ``blend``); ``encoding`` is the codec's mode-level, ``decision`` an encoding name or
@@ -46,7 +50,7 @@ def enable(registry: Any = None) -> bool:
     not installed."""
     global _metrics, _registry
     try:
-        from prometheus_client import REGISTRY, Counter, Histogram
+        from prometheus_client import REGISTRY, Counter, Gauge, Histogram
     except ImportError:
         return False
     registry = REGISTRY if registry is None else registry
@@ -71,6 +75,13 @@ def enable(registry: Any = None) -> bool:
                                     ["decision"], buckets=ERROR_BUCKETS, registry=registry),
             "tokens": Counter("kdn_client_tokens_loaded", "Tokens of the entries loaded, by "
                               "where they came from", ["source"], registry=registry),
+            "fleet_calls": Counter("kdn_fleet_calls", "Calls a fleet client routed to a node, "
+                                   "by outcome (ok, failover)", ["node", "outcome"],
+                                   registry=registry),
+            "fleet_up": Gauge("kdn_fleet_node_up", "1 while the fleet client counts the node "
+                              "live", ["node"], registry=registry),
+            "fleet_load": Gauge("kdn_fleet_node_load", "The load the fleet's router sees on "
+                                "the node", ["node"], registry=registry),
         }
         _registry = registry
     return True
@@ -118,3 +129,18 @@ def record_ttft(decision: str, predicted_s: float, measured_s: float) -> None:
     m["ttft"].labels(decision, "predicted").observe(predicted_s)
     m["ttft"].labels(decision, "measured").observe(measured_s)
     m["ttft_error"].labels(decision).observe(abs(predicted_s / measured_s - 1))
+
+
+def record_fleet_call(node: str, outcome: str) -> None:
+    """Count one call a ``FleetClient`` routed to ``node``: a no-op while off."""
+    m = _metrics
+    if m is not None:
+        m["fleet_calls"].labels(node, outcome).inc()
+
+
+def record_fleet_node(node: str, up: bool, load: float) -> None:
+    """Set a fleet node's liveness and load gauges: a no-op while off."""
+    m = _metrics
+    if m is not None:
+        m["fleet_up"].labels(node).set(1.0 if up else 0.0)
+        m["fleet_load"].labels(node).set(load)

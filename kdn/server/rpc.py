@@ -14,6 +14,7 @@ from kdn.errors import InvalidArgument, KDNError
 from kdn.status import grpc_code
 
 T = TypeVar("T")
+IN_FLIGHT = "rpc.in_flight"
 
 
 class Counting(Protocol):
@@ -31,9 +32,11 @@ async def abort(context: grpc.aio.ServicerContext, count: Callable[[str], None],
 
 def rpc(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
     """A unary-answer handler whose ``KDNError`` aborts the call (``abort``); a streamed
-    request message that is not protobuf is a bad request."""
+    request message that is not protobuf is a bad request. While it runs, the call counts
+    in ``rpc.in_flight`` (the load a node reports to fleet clients: ``kdn.client.fleet``)."""
     @functools.wraps(fn)
     async def wrapper(self: Counting, request: Any, context: grpc.aio.ServicerContext) -> T:
+        self.count(IN_FLIGHT, 1)
         try:
             try:
                 return await fn(self, request, context)
@@ -42,5 +45,7 @@ def rpc(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
         except KDNError as exc:
             await abort(context, self.count, fn.__name__, exc)
             raise  # unreachable: abort raises
+        finally:
+            self.count(IN_FLIGHT, -1)
 
     return wrapper

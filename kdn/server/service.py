@@ -40,7 +40,7 @@ from kdn.server.putmany import PutMany
 from kdn.server.reader import Reader
 from kdn.server.receive import Receiver
 from kdn.server.retrieve_many import RetrieveMany
-from kdn.server.rpc import abort, rpc
+from kdn.server.rpc import IN_FLIGHT, abort, rpc
 from kdn.server.segments import Segments
 from kdn.server.usage import Usage
 from kdn.server.wire_memo import WireMemo
@@ -270,6 +270,7 @@ class KDNServicer(pb_grpc.KDNServicer):
                          "buffers.free_bytes": self.buffers.free_bytes})
         counters.update({f"store.{k}.queued": v for k, v in self.store.queue_depth().items()})
         counters["store.degraded"] = int(self.store.degraded)
+        counters[IN_FLIGHT] = max(0, counters.get(IN_FLIGHT, 0) - 1)  # not this Stats call
         return pb.StatsResponse(
             tiers=[
                 pb.TierStats(name=t.name, entries=t.entries, bytes=t.bytes,

@@ -1,0 +1,309 @@
+"""FleetClient: one client over several kdn nodes that share a Redis Cluster, routing each
+call to the node most likely to hold its keys in RAM (``kdn.client.routing``).
+
+    fleet = FleetClient(FleetConfig(nodes=("10.0.0.1:50051", "10.0.0.2:50051", ...)))
+    fleet.lookup(chain, prefix_chain=True)   # routed by the chain's first blocks
+    fleet.fetch_many(chain)                  # same route: the node that answered the lookup
+    fleet.store_many(items)                  # to the node the first key routes to
+    fleet.nodes_report()                     # per node: live, load, the node's own health
+    fleet.close()
+
+Every node serves every key: from its RAM, else from the shared Redis tier (which the node
+reads through and stores through to, as its write policy says). Routing only decides whose
+RAM a request warms, so a wrong or lost node costs a Redis read, never a failed request.
+
+Lifecycle of a call: its route key names its first keys (``Router.route_key``); a route key
+that was among the keys of a recent call goes where that call went (``Affinity``: a later turn
+of a conversation follows the earlier, the stores after a lookup land where it went) while that
+node is within the load bound, else the rendezvous order with the load bound picks. The chosen
+node is tried first, then the others
+in rendezvous order: a node that fails with UNAVAILABLE, a deadline or a closed connection is
+marked down at once (its keys move to their next node) and the call goes to the next one.
+Nothing else is retried here: a bad request fails on its first node.
+
+Membership is the config's list of addresses (``FleetConfig.from_file``: YAML ``nodes:``).
+A health thread asks every node for Stats each ``health_interval_s``: an answer marks it live
+(keys move back to a node that returns) and reports its calls in flight into the load; no
+answer marks it down. Node clients retry UNAVAILABLE once, briefly: the fleet's fallback is
+the retry.
+
+With ``kdn.client.metrics.enable()``: ``kdn_fleet_calls_total{node,outcome}`` (``ok``,
+``failover``: the node failed and the call moved on), ``kdn_fleet_node_up{node}`` and
+``kdn_fleet_node_load{node}``.
+
+Engines use a FleetClient where they use a Client: the methods below keep ``Client``'s
+signatures. ``retrieve_joined`` (the in-process tier's join) is not offered: it answers None,
+and the engine falls back to ``retrieve_streams``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import grpc
+import yaml
+
+from kdn.client import metrics
+from kdn.client.client import Client, LookupResult, Retry
+from kdn.client.routing import Affinity, LoadMeter, Router
+from kdn.errors import ConfigError, DeadlineExceeded, InvalidArgument, Unavailable
+from kdn.v1 import kdn_pb2 as pb
+
+if TYPE_CHECKING:
+    from kdn.cache import KVCache
+    from kdn.client.received import Fetched
+    from kdn.client.stream import LayerStream
+
+log = logging.getLogger("kdn.client.fleet")
+T = TypeVar("T")
+NODE_FAILURES = (Unavailable, DeadlineExceeded, OSError)
+"""What a node that is gone raises (the fallback's trigger: gRPC's UNAVAILABLE or deadline, a
+closed data-path connection); nothing else moves a call."""
+
+
+@dataclass(frozen=True)
+class FleetConfig:
+    """A fleet of kdn nodes as one client sees it."""
+
+    nodes: tuple[str, ...]
+    """Addresses (host:port) of the kdn nodes; their order does not matter to routing."""
+    affinity_blocks: int = 4
+    """How many leading blocks of a chain name its route (``Router.route_key``)."""
+    load_bound: float = 1.25
+    """A node takes a request only while its load stays within this many times the mean."""
+    load_half_life_s: float = 300.0
+    """Half-life of the load a client counts for the work it sent to a node."""
+    inflight_weight: float = 4.0
+    """Load, in keys, of one call a node reports in flight (its Stats ``rpc.in_flight``)."""
+    health_interval_s: float = 1.0
+    """Seconds between health checks of every node (0 = no health thread)."""
+    health_timeout_s: float = 0.5
+    """Deadline of one health check."""
+    timeout_s: float = 30.0
+    """Deadline of a call on one node."""
+    memo_keys: int = 1 << 16
+    """Keys remembered with the node they were routed to (``Affinity``; 0 = none)."""
+    client_options: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
+    """Keyword arguments for each node's ``Client`` (api_key, tls, shm_bytes, ...)."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.nodes, str) or not self.nodes:
+            raise ConfigError("fleet: nodes must be a non-empty list of host:port addresses")
+        for n in self.nodes:
+            host, sep, port = str(n).rpartition(":")
+            if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ConfigError(f"fleet: node {n!r} is not host:port")
+        for name in ("load_half_life_s", "health_timeout_s", "timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"fleet: {name} must be > 0, got {getattr(self, name)}")
+        if self.health_interval_s < 0 or self.inflight_weight < 0 or self.memo_keys < 0:
+            raise ConfigError("fleet: health_interval_s, inflight_weight and memo_keys must "
+                              "be >= 0")
+        try:
+            Router(self.nodes, affinity_blocks=self.affinity_blocks, load_bound=self.load_bound)
+        except InvalidArgument as exc:
+            raise ConfigError(f"fleet: {exc}") from None
+
+    @classmethod
+    def from_file(cls, path: Path, **overrides: Any) -> FleetConfig:
+        """A YAML file: ``nodes: [host:port, ...]`` and any other field by name."""
+        try:
+            data = yaml.safe_load(Path(path).read_text())
+        except OSError as exc:
+            raise ConfigError(f"fleet file {path}: {exc.strerror}") from None
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"fleet file {path}: not valid YAML: {exc}") from None
+        if not isinstance(data, dict) or "nodes" not in data:
+            raise ConfigError(f"fleet file {path}: expected a mapping with `nodes: [host:port, "
+                              "...]`")
+        known = {f for f in cls.__dataclass_fields__ if f != "client_options"}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(f"fleet file {path}: unknown settings {', '.join(unknown)}")
+        data = {**data, **overrides}
+        data["nodes"] = tuple(str(n) for n in data["nodes"] or ())
+        return cls(**data)
+
+
+class FleetClient:
+    """Routes ``Client`` calls across the nodes of a fleet (module docstring)."""
+
+    def __init__(self, config: FleetConfig) -> None:
+        self.config = config
+        self.router = Router(config.nodes, affinity_blocks=config.affinity_blocks,
+                             load_bound=config.load_bound)
+        self.load = LoadMeter(len(config.nodes), half_life_s=config.load_half_life_s)
+        options = {"retry": Retry(retries=1, base_s=0.02, cap_s=0.1), **config.client_options}
+        self.clients = [Client(a, timeout_s=config.timeout_s, **options) for a in config.nodes]
+        self.calls = [0] * len(config.nodes)
+        """Calls each node answered (for the fleet view)."""
+        self.failovers = 0
+        """Calls that moved on because their node failed."""
+        self.affinity = Affinity(config.memo_keys)
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+        self._thread: threading.Thread | None = None
+        if config.health_interval_s:
+            self.check_health()
+            self._thread = threading.Thread(target=self._health_loop, name="kdn-fleet-health",
+                                            daemon=True)
+            self._thread.start()
+
+    # -- routing ------------------------------------------------------------------------------
+
+    @property
+    def nodes(self) -> tuple[str, ...]:
+        return self.router.nodes
+
+    def order(self, keys: Sequence[bytes]) -> list[int]:
+        """Node indices to try for a call on ``keys``, the chosen one first."""
+        if not keys:
+            raise InvalidArgument("a routed call needs at least one key")
+        with self._lock:
+            route = self.router.route_key(keys)
+            return self.router.choose(route, self.load, time.monotonic(), float(len(keys)),
+                                      prefer=self.affinity.get(route))
+
+    def _remember(self, keys: Sequence[bytes], node: int, amount: float) -> None:
+        with self._lock:
+            self.load.add(node, amount, time.monotonic())
+            self.calls[node] += 1
+            self.affinity.remember(keys, node)
+
+    def _mark(self, node: int, live: bool) -> None:
+        with self._lock:
+            changed = self.router.mark(node, live=live)
+            if changed and not live:
+                self.affinity.forget_node(node)
+        if changed:
+            log.warning("fleet node %s is %s", self.nodes[node], "back" if live else "down")
+        metrics.record_fleet_node(self.nodes[node], live, float(self.load.values(
+            time.monotonic())[node]))
+
+    def call(self, keys: Sequence[bytes], fn: Callable[[Client], T]) -> T:
+        """``fn(client)`` on the node ``keys`` route to; on a node failure, on the next."""
+        last: Exception | None = None
+        for node in self.order(keys):
+            try:
+                out = fn(self.clients[node])
+            except NODE_FAILURES as exc:
+                last = exc
+                self.failovers += 1
+                metrics.record_fleet_call(self.nodes[node], "failover")
+                self._mark(node, False)
+                continue
+            self._remember(keys, node, float(len(keys)))
+            metrics.record_fleet_call(self.nodes[node], "ok")
+            return out
+        raise Unavailable(f"no node of the fleet answered ({len(self.nodes)} configured, "
+                          f"{len(self.router.live_nodes())} live): {last}")
+
+    def client_for(self, keys: Sequence[bytes]) -> Client:
+        """The node client ``keys`` route to now (for calls the fleet does not wrap)."""
+        order = self.order(keys)
+        if not order:
+            raise Unavailable("no live node in the fleet")
+        return self.clients[order[0]]
+
+    # -- health -------------------------------------------------------------------------------
+
+    def check_health(self) -> list[bool]:
+        """Ask every node for Stats once; mark each live or down. Returns liveness."""
+        out = []
+        for i, c in enumerate(self.clients):
+            try:
+                resp = c.rpc.stub.Stats(pb.StatsRequest(), timeout=self.config.health_timeout_s,
+                                        metadata=c.metadata())
+            except grpc.RpcError:
+                self._mark(i, False)
+                out.append(False)
+                continue
+            self.load.report(i, self.config.inflight_weight *
+                             resp.counters.get("rpc.in_flight", 0))
+            self._mark(i, True)
+            out.append(True)
+        return out
+
+    def _health_loop(self) -> None:
+        while not self._closed.wait(self.config.health_interval_s):
+            try:
+                self.check_health()
+            except Exception:  # the checker must outlive any one surprise
+                log.exception("fleet health check failed")
+
+    def nodes_report(self) -> list[dict[str, Any]]:
+        """Per node, as this client sees it: address, live, load, calls it answered."""
+        loads = self.load.values(time.monotonic())
+        return [{"node": n, "live": bool(self.router.live[i]), "load": round(float(loads[i]), 3),
+                 "calls": self.calls[i]} for i, n in enumerate(self.nodes)]
+
+    # -- the Client surface -------------------------------------------------------------------
+
+    def lookup(self, keys: Sequence[bytes], **kw: Any) -> LookupResult:
+        return self.call(keys, lambda c: c.lookup(keys, **kw))
+
+    def contains(self, key: bytes, **kw: Any) -> bool:
+        return self.call([key], lambda c: c.contains(key, **kw))
+
+    def fetch(self, key: bytes, **kw: Any) -> Fetched | None:
+        return self.call([key], lambda c: c.fetch(key, **kw))
+
+    def fetch_many(self, keys: Sequence[bytes], **kw: Any) -> list[Fetched | None]:
+        return self.call(keys, lambda c: c.fetch_many(keys, **kw))
+
+    def retrieve(self, key: bytes, **kw: Any) -> KVCache | None:
+        return self.call([key], lambda c: c.retrieve(key, **kw))
+
+    def retrieve_many(self, keys: Sequence[bytes], **kw: Any) -> list[KVCache | None]:
+        return self.call(keys, lambda c: c.retrieve_many(keys, **kw))
+
+    def retrieve_stream(self, key: bytes, **kw: Any) -> LayerStream | None:
+        return self.call([key], lambda c: c.retrieve_stream(key, **kw))
+
+    def retrieve_streams(self, keys: Sequence[bytes], **kw: Any) -> list[LayerStream | None]:
+        return self.call(keys, lambda c: c.retrieve_streams(keys, **kw))
+
+    def retrieve_joined(self, keys: Sequence[bytes], **kw: Any) -> None:
+        return None
+
+    def store(self, key: bytes, kv: Any, **kw: Any) -> pb.StoreResponse:
+        return self.call([key], lambda c: c.store(key, kv, **kw))
+
+    def store_many(self, items: Sequence[tuple[bytes, Any]], **kw: Any
+                   ) -> list[pb.StoreResponse]:
+        keys = [k for k, _ in items]
+        return self.call(keys, lambda c: c.store_many(items, **kw))
+
+    def delete(self, key: bytes | Sequence[bytes], **kw: Any) -> int:
+        """Delete from every live node (each may hold a RAM copy); the most any node
+        deleted (the shared tier's copy is deleted by the first)."""
+        done = [0]
+        for node in self.router.live_nodes():
+            try:
+                done.append(self.clients[node].delete(key, **kw))
+            except NODE_FAILURES:
+                self._mark(node, False)
+        return max(done)
+
+    def flush(self) -> None:
+        for c in self.clients:
+            c.flush()
+
+    def close(self) -> None:
+        self._closed.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        for c in self.clients:
+            c.close()
+
+    def __enter__(self) -> FleetClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
