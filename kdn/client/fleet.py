@@ -307,3 +307,39 @@ class FleetClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def node_view(client: Client) -> dict[str, Any]:
+    """One node as ``kdn admin fleet`` shows it, from its Stats: status (``SERVING``,
+    ``DEGRADED``, or ``DOWN`` when it does not answer), RAM entries, bytes and hit ratio, Redis
+    hits, calls in flight, and the error of a node that did not answer."""
+    row: dict[str, Any] = {"node": client.address}
+    try:
+        s = client.stats()
+    except (Unavailable, DeadlineExceeded, OSError) as exc:
+        return {**row, "status": "DOWN", "error": str(exc).splitlines()[0][:120]}
+    tiers = {t.name: t for t in s.tiers}
+    ram = tiers.get("ram")
+    redis = tiers.get("redis")
+    looked = (ram.hits + ram.misses) if ram is not None else 0
+    return {**row, "status": "DEGRADED" if s.health == "degraded" else "SERVING",
+            "ram_entries": ram.entries if ram is not None else 0,
+            "ram_bytes": ram.bytes if ram is not None else 0,
+            "ram_hit_ratio": round(ram.hits / looked, 4) if ram is not None and looked else None,
+            "redis_hits": redis.hits if redis is not None else None,
+            "redis_healthy": redis.healthy if redis is not None else None,
+            "in_flight": int(s.counters.get("rpc.in_flight", 0)),
+            "version": s.version}
+
+
+def fleet_view(addresses: Sequence[str], *, timeout_s: float = 5.0,
+               **client_options: Any) -> list[dict[str, Any]]:
+    """``node_view`` of every node (a short deadline and one retry each: a dead node costs
+    ``timeout_s`` at most)."""
+    out = []
+    for a in addresses:
+        opts = {"retry": Retry(retries=1, base_s=0.02, cap_s=0.1), "shm_bytes": 0,
+                **client_options}
+        with Client(a, timeout_s=timeout_s, **opts) as c:
+            out.append(node_view(c))
+    return out
