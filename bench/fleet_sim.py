@@ -36,6 +36,7 @@ mean of the nodes alive at the end.
 
 from __future__ import annotations
 
+import gzip
 import json
 import random
 import time
@@ -60,10 +61,11 @@ class Request:
 
 
 def load_trace(path: Path, limit: int = 0) -> list[Request]:
-    """Requests of a trace file (JSON lines: ``timestamp`` ms, ``hash_ids``); a line without
-    them is an error naming it."""
+    """Requests of a trace file (JSON lines: ``timestamp`` ms, ``hash_ids``; gzip when the name
+    ends in .gz), the first ``limit`` (0 = all); a line without them is an error naming it."""
     out = []
-    with open(path) as f:
+    opener = gzip.open if str(path).endswith(".gz") else open
+    with opener(path, "rt") as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
                 continue
@@ -217,7 +219,7 @@ def simulate(trace: list[Request], sim: Sim) -> dict[str, Any]:
                     node = first_alive([pick])
             else:
                 route = h(blocks[min(sim.affinity_blocks, len(blocks)) - 1])
-                node = first_alive(router.choose(route, load, req.t_s, float(len(blocks)),
+                node = first_alive(router.choose(route, load, req.t_s,
                                                  prefer=affinity.get(route)))
                 if node >= 0:
                     affinity.remember([h(b) for b in blocks], node)

@@ -320,6 +320,47 @@ def _gc(client: Any, ns: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _fleet_nodes(ns: argparse.Namespace) -> list[str]:
+    """The fleet's addresses: --nodes, else --fleet-file's ``nodes:``, else $KDN_FLEET."""
+    if ns.nodes:
+        return [a.strip() for a in ns.nodes.split(",") if a.strip()]
+    if ns.fleet_file:
+        from kdn.client.fleet import FleetConfig
+
+        return list(FleetConfig.from_file(Path(ns.fleet_file)).nodes)
+    return [a.strip() for a in os.environ.get("KDN_FLEET", "").split(",") if a.strip()]
+
+
+def _fleet(ns: argparse.Namespace) -> int:
+    """Every node of a fleet: health, RAM hit ratio, bytes, load (``kdn.client.fleet``)."""
+    from kdn.client.fleet import fleet_view
+    from kdn.errors import ConfigError
+
+    prog = "kdn admin fleet"
+    try:
+        nodes = _fleet_nodes(ns)
+    except ConfigError as exc:
+        error(prog, exc)
+        return EXIT_USAGE
+    if not nodes:
+        error(prog, "no nodes given", "pass --nodes HOST:PORT,... or --fleet-file FILE, or "
+              "set $KDN_FLEET")
+        return EXIT_USAGE
+    bad = [a for a in nodes if not a.rpartition(":")[2].isdigit()]
+    if bad:
+        error(prog, f"not host:port: {', '.join(bad)}")
+        return EXIT_USAGE
+    rows = fleet_view(nodes, timeout_s=ns.timeout,
+                      api_key=ns.api_key or os.environ.get("KDN_API_KEY") or None,
+                      insecure=ns.insecure or None)
+    if ns.output == "json":
+        dump_json(rows)
+    else:
+        table(rows, ["node", "status", "ram_entries", "ram_bytes", "ram_hit_ratio",
+                     "redis_hits", "in_flight", "error"])
+    return EXIT_OK if all(r["status"] == "SERVING" for r in rows) else EXIT_FAILED
+
+
 ADMIN = {"stats": _stats, "health": _health, "lookup": _lookup, "delete": _delete,
          "evict": _evict, "pin": _pin, "unpin": _unpin, "ls": _ls, "inspect": _inspect,
          "verify": _verify, "export": _export, "import": _import, "gc": _gc}
@@ -339,6 +380,12 @@ def _hint(exc: KDNError, ns: argparse.Namespace) -> str:
 
 def _admin(ns: argparse.Namespace) -> int:
     prog = f"kdn admin {ns.admin_cmd}"
+    if ns.admin_cmd == "fleet":  # many nodes, each with its own client
+        try:
+            return _fleet(ns)
+        except KDNError as exc:  # an API key that would travel in plaintext
+            error(prog, exc, "or pass --insecure")
+            return EXIT_USAGE
     try:
         client = _admin_client(ns)
     except OSError as exc:  # a TLS file that can not be read
@@ -374,6 +421,7 @@ ADMIN_EXAMPLES = [
     "kdn admin verify --dry-run",
     "kdn admin export kb.kdnx --namespace kb",
     "kdn admin import kb.kdnx --address 10.0.0.7:50051",
+    "kdn admin fleet --nodes 10.0.0.1:50051,10.0.0.2:50051 # per node: health, hits, load",
 ]
 SERVE_EXAMPLES = [
     "kdn serve",
@@ -439,6 +487,11 @@ def _add_admin(sub: Any) -> None:
     imp = command("import", "load an export file (idempotent, verified)")
     imp.add_argument("file", metavar="FILE")
     command("gc", "remove expired entries")
+    fleet = command("fleet", "every node of a fleet: health, RAM hit ratio, bytes, load "
+                    "(exit 1 unless all are SERVING)")
+    fleet.add_argument("--nodes", default="", help="HOST:PORT,... (default: $KDN_FLEET)")
+    fleet.add_argument("--fleet-file", default="",
+                       help="YAML file with `nodes: [HOST:PORT, ...]` (FleetConfig)")
     admin.set_defaults(func=_admin)
 
 

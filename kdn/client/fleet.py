@@ -167,7 +167,7 @@ class FleetClient:
             raise InvalidArgument("a routed call needs at least one key")
         with self._lock:
             route = self.router.route_key(keys)
-            return self.router.choose(route, self.load, time.monotonic(), float(len(keys)),
+            return self.router.choose(route, self.load, time.monotonic(),
                                       prefer=self.affinity.get(route))
 
     def _remember(self, keys: Sequence[bytes], node: int, amount: float) -> None:

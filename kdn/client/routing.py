@@ -8,7 +8,7 @@ Lifecycle::
     load = LoadMeter(len(router.nodes), half_life_s=300.0)
     affinity = Affinity(1 << 16)
     route = router.route_key(chain)
-    order = router.choose(route, load, now, len(chain), prefer=affinity.get(route))
+    order = router.choose(route, load, now, prefer=affinity.get(route))
     load.add(order[0], len(chain), now)         # the work just sent there
     affinity.remember(chain, order[0])          # later chains through these keys go there too
     router.mark(i, live=False)                  # a node stopped answering: its keys move
@@ -30,8 +30,7 @@ sends a request whose route key was served before to that node while it is withi
 bound: a conversation stays where its blocks are, also after it spilled from its first choice.
 
 Load term (consistent hashing with bounded loads, Mirrokni et al.). The first node in that
-order whose load after taking the request stays within ``load_bound`` times the mean load of
-the live nodes takes it; a hot prefix spills to its second choice instead of overloading its
+order whose load is within ``load_bound`` times the mean load of the live nodes takes it; a hot prefix spills to its second choice instead of overloading its
 first, so no node carries more than ``load_bound`` x the mean. ``LoadMeter`` holds each node's
 load as work sent to it, decayed with a half-life (plus what nodes report, in a real fleet).
 
@@ -122,29 +121,27 @@ class Router:
         return int(live[int(np.argmax(scores[live]))])
 
     def choose(self, route: bytes | int, load: LoadMeter | None = None, now: float = 0.0,
-               amount: float = 1.0, prefer: int | None = None) -> list[int]:
+               prefer: int | None = None) -> list[int]:
         """Live nodes in the order to try for a request with route key ``route`` (bytes, or its
         ``key_hash``): first ``prefer`` (where the route was served last: ``Affinity``) when it
-        is live and within the load bound after ``amount`` more work, else the first node in
-        rendezvous order that is; then the rest in rendezvous order as fallbacks. Empty when
-        no node is live."""
+        is live and within the load bound, else the first node in rendezvous order that is;
+        then the rest in rendezvous order as fallbacks. Empty when no node is live. A node is
+        within the bound while its load is at most ``load_bound`` x the live nodes' mean."""
         order = self.ranking(route)
         if len(order) < 2:
             return order
         if load is None:
-            cap = float("inf")
-            loads = None
+            within = None
         else:
             loads = load.values(now)
-            live = self.live
-            cap = self.load_bound * (float(loads[live].sum()) + amount) / int(live.sum())
-        if prefer is not None and prefer in order and (
-                loads is None or loads[prefer] + amount <= cap):
+            cap = self.load_bound * float(loads[self.live].sum()) / int(self.live.sum())
+            within = loads <= cap  # [nodes]
+        if prefer is not None and prefer in order and (within is None or within[prefer]):
             order.remove(prefer)
             order.insert(0, prefer)
             return order
-        if loads is not None:
-            pick = next((j for j, i in enumerate(order) if loads[i] + amount <= cap), 0)
+        if within is not None:
+            pick = next((j for j, i in enumerate(order) if within[i]), 0)
             if pick:
                 order.insert(0, order.pop(pick))
         return order

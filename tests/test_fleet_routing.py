@@ -1,0 +1,192 @@
+"""Routing of a fleet (kdn.client.routing, kdn.client.fleet): rendezvous stability under
+membership change, the load bound, affinity, bad configurations, and the fallback of a
+FleetClient over real in-process servers when the node it routes to stops."""
+
+from __future__ import annotations
+
+import hashlib
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kdn.client.fleet import FleetClient, FleetConfig
+from kdn.client.routing import Affinity, LoadMeter, Router
+from kdn.errors import ConfigError, InvalidArgument, Unavailable
+from kdn.server import ServerConfig, ServerThread
+from tests.helpers import random_kv, uniform_layout
+
+NODES = [f"10.0.0.{i}:50051" for i in range(1, 11)]
+KEYS = [hashlib.blake2b(i.to_bytes(4, "little"), digest_size=32).digest() for i in range(4000)]
+
+
+def owners(router: Router) -> list[str]:
+    return [router.nodes[router.owner(k)] for k in KEYS]
+
+
+def test_every_client_computes_the_same_owners_whatever_the_listed_order() -> None:
+    a = owners(Router(NODES))
+    b = owners(Router(list(reversed(NODES))))
+    assert a == b
+    share = Counter(a)
+    assert set(share) == set(NODES)
+    assert all(0.06 * len(KEYS) < n < 0.14 * len(KEYS) for n in share.values()), share
+
+
+def test_a_lost_node_moves_only_its_own_keys_and_they_come_back() -> None:
+    router = Router(NODES)
+    before = owners(router)
+    gone = NODES.index(before[0])
+    router.mark(gone, live=False)
+    after = owners(router)
+    moved = [i for i, (x, y) in enumerate(zip(before, after)) if x != y]
+    assert moved and all(before[i] == NODES[gone] for i in moved)
+    assert NODES[gone] not in after
+    # its keys spread over the others, not onto one heir
+    assert len({after[i] for i in moved}) > 3
+    router.mark(gone, live=True)
+    assert owners(router) == before
+
+
+def test_an_added_node_takes_keys_only_for_itself() -> None:
+    before = owners(Router(NODES))
+    grown = owners(Router([*NODES, "10.0.0.99:50051"]))
+    moved = [i for i, (x, y) in enumerate(zip(before, grown)) if x != y]
+    assert moved and all(grown[i] == "10.0.0.99:50051" for i in moved)
+    assert 0.04 * len(KEYS) < len(moved) < 0.14 * len(KEYS)
+
+
+def test_route_key_is_the_chain_key_at_affinity_blocks() -> None:
+    router = Router(NODES, affinity_blocks=3)
+    chain = KEYS[:10]
+    assert router.route_key(chain) == chain[2]
+    assert router.route_key(chain[:2]) == chain[1]  # a shorter chain: its last key
+    # two chains sharing their first three blocks route alike, whatever follows
+    assert router.choose(router.route_key(KEYS[:3] + KEYS[50:60]))[0] == \
+        router.choose(router.route_key(KEYS[:3] + KEYS[70:71]))[0]
+    with pytest.raises(InvalidArgument, match="at least one key"):
+        router.route_key([])
+
+
+def test_a_hot_route_spills_within_the_load_bound() -> None:
+    """One route key asked for again and again: its first node takes it while within 1.25x
+    the mean, then others do; no node ends above the bound."""
+    router = Router(NODES[:4], load_bound=1.25)
+    load = LoadMeter(4, half_life_s=1e9)
+    first = router.choose(KEYS[0])[0]
+    picks = []
+    for t in range(400):
+        node = router.choose(KEYS[0], load, float(t))[0]
+        load.add(node, 1.0, float(t))
+        picks.append(node)
+    assert picks[0] == first
+    assert len(set(picks)) == 4
+    assert load.total.max() <= 1.25 * load.total.mean() + 1
+
+
+def test_prefer_holds_while_within_the_bound() -> None:
+    router = Router(NODES[:4])
+    load = LoadMeter(4)
+    key = KEYS[1]
+    other = router.choose(key)[1]
+    assert router.choose(key, load, 0.0, prefer=other)[0] == other
+    load.add(other, 100.0, 0.0)  # far above the mean now
+    assert router.choose(key, load, 0.0, prefer=other)[0] != other
+    router.mark(other, live=False)  # a dead preference is no preference
+    assert other not in router.choose(key, None, prefer=other)
+
+
+def test_affinity_is_bounded_and_forgets_a_lost_node() -> None:
+    aff = Affinity(3)
+    aff.remember([b"a", b"b"], 0)
+    aff.remember([b"c", b"d"], 1)
+    assert aff.get(b"a") is None and aff.get(b"b") == 0 and aff.get(b"d") == 1
+    aff.forget_node(1)
+    assert aff.get(b"c") is None and aff.get(b"b") == 0
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"nodes": ()}, "non-empty"),
+    ({"nodes": "a:1"}, "non-empty"),
+    ({"nodes": ("a:1", "a:1")}, "listed twice"),
+    ({"nodes": ("nohost",)}, "not host:port"),
+    ({"nodes": ("a:70000",)}, "not host:port"),
+    ({"nodes": ("a:1",), "load_bound": 1.0}, "load_bound"),
+    ({"nodes": ("a:1",), "affinity_blocks": 0}, "affinity_blocks"),
+    ({"nodes": ("a:1",), "timeout_s": 0}, "timeout_s"),
+])
+def test_bad_fleet_configs_are_refused(kw: dict[str, object], match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        FleetConfig(**kw)  # type: ignore[arg-type]
+
+
+def test_fleet_file(tmp_path: Path) -> None:
+    f = tmp_path / "fleet.yaml"
+    f.write_text("nodes: [a:1, b:2]\nload_bound: 1.5\n")
+    c = FleetConfig.from_file(f)
+    assert c.nodes == ("a:1", "b:2") and c.load_bound == 1.5
+    f.write_text("nodes: [a:1]\nload_bund: 1.5\n")
+    with pytest.raises(ConfigError, match="unknown settings load_bund"):
+        FleetConfig.from_file(f)
+    f.write_text("- a:1\n")
+    with pytest.raises(ConfigError, match="expected a mapping"):
+        FleetConfig.from_file(f)
+    with pytest.raises(ConfigError, match="fleet file"):
+        FleetConfig.from_file(tmp_path / "absent.yaml")
+
+
+# -- a FleetClient over real servers ------------------------------------------------------------
+
+LAY = uniform_layout(layers=2, heads=2, dim=8)
+KV = random_kv(LAY, 4)
+
+
+@pytest.fixture
+def servers(tmp_path: Path) -> Iterator[list[ServerThread]]:
+    out = [ServerThread(ServerConfig(port=0, data_dir=tmp_path / f"n{i}", disk_bytes=0))
+           for i in range(2)]
+    for s in out:
+        s.start()
+    try:
+        yield out
+    finally:
+        for s in out:
+            s.stop()
+
+
+def test_calls_fall_back_to_a_live_node(servers: list[ServerThread]) -> None:
+    config = FleetConfig(nodes=tuple(s.address for s in servers), health_interval_s=0,
+                         timeout_s=5, load_bound=100.0,  # the fallback alone, not the load
+                         client_options={"shm_bytes": 0})
+    with FleetClient(config) as fleet:
+        chain = KEYS[:6]
+        fleet.store_many([(k, KV) for k in chain], mode="raw")
+        home = fleet.affinity.get(chain[0])
+        assert home == fleet.order(chain)[0]
+        assert fleet.lookup(chain, prefix_chain=True).prefix_hits == 6
+        assert fleet.calls[home] == 2
+        with pytest.raises(InvalidArgument):  # a bad request is not a node failure
+            fleet.lookup([b"short"])
+        assert fleet.failovers == 0 and fleet.router.live.all()
+        servers[home].stop()
+        # no shared tier here: the other node answers, with a miss, and no error
+        assert fleet.lookup(chain, prefix_chain=True).prefix_hits == 0
+        assert fleet.failovers == 1 and not fleet.router.live[home]
+        assert fleet.affinity.get(chain[0]) == 1 - home
+        fleet.store_many([(k, KV) for k in chain], mode="raw")
+        assert fleet.fetch(chain[0]) is not None
+        assert [r["live"] for r in fleet.nodes_report()] == [i != home for i in range(2)]
+        servers[1 - home].stop()
+        with pytest.raises(Unavailable, match="no node of the fleet answered"):
+            fleet.lookup(chain)
+
+
+def test_health_check_marks_nodes_down_and_back(servers: list[ServerThread],
+                                                tmp_path: Path) -> None:
+    config = FleetConfig(nodes=(servers[0].address, "127.0.0.1:1"), health_interval_s=0,
+                         health_timeout_s=0.5, client_options={"shm_bytes": 0})
+    with FleetClient(config) as fleet:
+        assert fleet.check_health() == [True, False]
+        assert fleet.router.live_nodes() == [0]
+        assert all(fleet.order([k])[0] == 0 for k in KEYS[:20])
