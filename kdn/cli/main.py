@@ -323,7 +323,7 @@ def _gc(client: Any, ns: argparse.Namespace) -> int:
 def _fleet_nodes(ns: argparse.Namespace) -> list[str]:
     """The fleet's addresses: --nodes, else --fleet-file's ``nodes:``, else $KDN_FLEET."""
     if ns.nodes:
-        return [a.strip() for a in ns.nodes.split(",") if a.strip()]
+        return [a.strip() for arg in ns.nodes for a in arg.split(",") if a.strip()]
     if ns.fleet_file:
         from kdn.client.fleet import FleetConfig
 
@@ -421,7 +421,7 @@ ADMIN_EXAMPLES = [
     "kdn admin verify --dry-run",
     "kdn admin export kb.kdnx --namespace kb",
     "kdn admin import kb.kdnx --address 10.0.0.7:50051",
-    "kdn admin fleet --nodes 10.0.0.1:50051,10.0.0.2:50051 # per node: health, hits, load",
+    "kdn admin fleet --nodes 10.0.0.1:50051 10.0.0.2:50051 # per node: health, hits, load",
 ]
 SERVE_EXAMPLES = [
     "kdn serve",
@@ -489,7 +489,8 @@ def _add_admin(sub: Any) -> None:
     command("gc", "remove expired entries")
     fleet = command("fleet", "every node of a fleet: health, RAM hit ratio, bytes, load "
                     "(exit 1 unless all are SERVING)")
-    fleet.add_argument("--nodes", default="", help="HOST:PORT,... (default: $KDN_FLEET)")
+    fleet.add_argument("--nodes", nargs="+", default=[], metavar="HOST:PORT",
+                       help="the nodes, space- or comma-separated (default: $KDN_FLEET)")
     fleet.add_argument("--fleet-file", default="",
                        help="YAML file with `nodes: [HOST:PORT, ...]` (FleetConfig)")
     admin.set_defaults(func=_admin)

@@ -30,8 +30,9 @@ sends a request whose route key was served before to that node while it is withi
 bound: a conversation stays where its blocks are, also after it spilled from its first choice.
 
 Load term (consistent hashing with bounded loads, Mirrokni et al.). The first node in that
-order whose load is within ``load_bound`` times the mean load of the live nodes takes it; a hot prefix spills to its second choice instead of overloading its
-first, so no node carries more than ``load_bound`` x the mean. ``LoadMeter`` holds each node's
+order whose load is within ``load_bound`` times the mean load of the live nodes takes it: a
+hot prefix spills to its second choice instead of overloading its first, so no node carries
+much more than ``load_bound`` x the mean. ``LoadMeter`` holds each node's
 load as work sent to it, decayed with a half-life (plus what nodes report, in a real fleet).
 
 ``owner(key)`` is plain rendezvous of one key (no load term): the key-hashing policy of the

@@ -34,6 +34,9 @@ VERIFY_REPORT_EVERY = 256
 
 
 class AdminServicer(pb_grpc.KDNAdminServicer):
+    in_flight: int = 0
+    """Calls running now (``kdn.server.rpc.rpc``)."""
+
     def __init__(self, store: TieredStore, auth: Authenticator,
                  arenas: Arenas | None = None) -> None:
         self.store = store

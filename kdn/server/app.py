@@ -302,7 +302,7 @@ async def _start(config: ServerConfig, store: TieredStore, auth: Authenticator,
         "tiers": store.stats(), "queues": store.queue_depth(),
         "counters": {**servicer.counters, **admin.counters,
                      **{f"store.{k}": v for k, v in store.counters.items()}},
-        "usage": servicer.usage,
+        "usage": servicer.usage, "in_flight": servicer.in_flight + admin.in_flight,
     })
     server = grpc.aio.server(options=grpc_options(config),
                              interceptors=[RequestInterceptor(auth, metrics)])

@@ -80,6 +80,9 @@ class _SourceCollector(Collector):
         for name, depth in src.get("queues", {}).items():
             queues.add_metric([name], float(depth))
         yield queues
+        if "in_flight" in src:  # the load a node reports to fleet clients (kdn.client.fleet)
+            yield GaugeMetricFamily("kdn_rpc_in_flight", "Unary-answer calls running now",
+                                    value=float(src["in_flight"]))
         events = CounterMetricFamily("kdn_events", "Server event counters", labels=["event"])
         for name, n in src.get("counters", {}).items():
             events.add_metric([name], float(n))

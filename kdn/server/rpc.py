@@ -18,7 +18,9 @@ IN_FLIGHT = "rpc.in_flight"
 
 
 class Counting(Protocol):
-    """A servicer: it counts what its handlers did."""
+    """A servicer: it counts what its handlers did, and the calls running now."""
+
+    in_flight: int
 
     def count(self, name: str, n: int = 1) -> None: ...
 
@@ -33,10 +35,11 @@ async def abort(context: grpc.aio.ServicerContext, count: Callable[[str], None],
 def rpc(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
     """A unary-answer handler whose ``KDNError`` aborts the call (``abort``); a streamed
     request message that is not protobuf is a bad request. While it runs, the call counts
-    in ``rpc.in_flight`` (the load a node reports to fleet clients: ``kdn.client.fleet``)."""
+    in the servicer's ``in_flight`` (the load a node reports to fleet clients in Stats'
+    ``rpc.in_flight``: ``kdn.client.fleet``)."""
     @functools.wraps(fn)
     async def wrapper(self: Counting, request: Any, context: grpc.aio.ServicerContext) -> T:
-        self.count(IN_FLIGHT, 1)
+        self.in_flight += 1
         try:
             try:
                 return await fn(self, request, context)
@@ -46,6 +49,6 @@ def rpc(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
             await abort(context, self.count, fn.__name__, exc)
             raise  # unreachable: abort raises
         finally:
-            self.count(IN_FLIGHT, -1)
+            self.in_flight -= 1
 
     return wrapper

@@ -67,6 +67,8 @@ class KDNServicer(pb_grpc.KDNServicer):
     """The socket of the same-host fast path (``kdn.server.fastpath``); "" = none."""
     data_port: int = 0
     """The TCP port of the network data path (``kdn.server.netpath``); 0 = none."""
+    in_flight: int = 0
+    """Unary-answer calls running now (``kdn.server.rpc.rpc``)."""
 
     def __init__(self, config: ServerConfig, store: TieredStore,
                  auth: Authenticator | None = None) -> None:
@@ -270,7 +272,7 @@ class KDNServicer(pb_grpc.KDNServicer):
                          "buffers.free_bytes": self.buffers.free_bytes})
         counters.update({f"store.{k}.queued": v for k, v in self.store.queue_depth().items()})
         counters["store.degraded"] = int(self.store.degraded)
-        counters[IN_FLIGHT] = max(0, counters.get(IN_FLIGHT, 0) - 1)  # not this Stats call
+        counters[IN_FLIGHT] = max(0, self.in_flight - 1)  # not this Stats call
         return pb.StatsResponse(
             tiers=[
                 pb.TierStats(name=t.name, entries=t.entries, bytes=t.bytes,
