@@ -190,3 +190,6 @@ def test_health_check_marks_nodes_down_and_back(servers: list[ServerThread],
         assert fleet.check_health() == [True, False]
         assert fleet.router.live_nodes() == [0]
         assert all(fleet.order([k])[0] == 0 for k in KEYS[:20])
+        # an idle node reports no call in flight (its Stats call is not counted)
+        assert fleet.clients[0].stats().counters["rpc.in_flight"] == 0
+        assert fleet.load.reported[0] == 0

@@ -31,9 +31,10 @@ With ``kdn.client.metrics.enable()``: ``kdn_fleet_calls_total{node,outcome}`` (`
 ``failover``: the node failed and the call moved on), ``kdn_fleet_node_up{node}`` and
 ``kdn_fleet_node_load{node}``.
 
-Engines use a FleetClient where they use a Client: the methods below keep ``Client``'s
-signatures. ``retrieve_joined`` (the in-process tier's join) is not offered: it answers None,
-and the engine falls back to ``retrieve_streams``.
+Engines use a FleetClient where they use a Client (``KDNEngine(model, tokenizer, fleet)``):
+the methods below keep ``Client``'s signatures, and ``address`` / ``dataplane`` are those of
+the node the thread's latest call went to. ``retrieve_joined`` (the in-process tier's join)
+is not offered: it answers None, and the engine falls back to ``retrieve_streams``.
 """
 
 from __future__ import annotations
@@ -146,6 +147,7 @@ class FleetClient:
         self.failovers = 0
         """Calls that moved on because their node failed."""
         self.affinity = Affinity(config.memo_keys)
+        self._last = threading.local()  # the node this thread's latest call went to
         self._lock = threading.Lock()
         self._closed = threading.Event()
         self._thread: threading.Thread | None = None
@@ -199,6 +201,7 @@ class FleetClient:
                 self._mark(node, False)
                 continue
             self._remember(keys, node, float(len(keys)))
+            self._last.node = node
             metrics.record_fleet_call(self.nodes[node], "ok")
             return out
         raise Unavailable(f"no node of the fleet answered ({len(self.nodes)} configured, "
@@ -244,6 +247,23 @@ class FleetClient:
                  "calls": self.calls[i]} for i, n in enumerate(self.nodes)]
 
     # -- the Client surface -------------------------------------------------------------------
+
+    @property
+    def last_client(self) -> Client:
+        """The client of the node this thread's latest call went to (the first node before
+        any)."""
+        return self.clients[getattr(self._last, "node", 0)]
+
+    @property
+    def address(self) -> str:
+        """The address of the node this thread's latest call went to (what an engine names
+        the link it reads over by)."""
+        return self.last_client.address
+
+    @property
+    def dataplane(self) -> Any:
+        """That node's data plane (an engine asks whether it shares a segment)."""
+        return self.last_client.dataplane
 
     def lookup(self, keys: Sequence[bytes], **kw: Any) -> LookupResult:
         return self.call(keys, lambda c: c.lookup(keys, **kw))
