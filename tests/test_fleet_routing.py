@@ -155,7 +155,32 @@ def servers(tmp_path: Path) -> Iterator[list[ServerThread]]:
             s.stop()
 
 
+def _sample(text: str, name: str, **labels: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"no sample {name}{labels}")
+
+
 def test_calls_fall_back_to_a_live_node(servers: list[ServerThread]) -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from kdn.client import metrics
+
+    registry = CollectorRegistry()
+    metrics.enable(registry)
+    try:
+        _fall_back(servers)
+        text = generate_latest(registry).decode()
+    finally:
+        metrics.disable()
+    a, b = (s.address for s in servers)
+    # every call counted against the node that answered it, the failed one as a failover
+    assert sum(_sample(text, "kdn_fleet_calls_total", node=n, outcome="ok") for n in (a, b)) == 5
+    assert sum(_sample(text, "kdn_fleet_node_up", node=n) for n in (a, b)) == 0  # both stopped
+
+
+def _fall_back(servers: list[ServerThread]) -> None:
     config = FleetConfig(nodes=tuple(s.address for s in servers), health_interval_s=0,
                          timeout_s=5, load_bound=100.0,  # the fallback alone, not the load
                          client_options={"shm_bytes": 0})
@@ -180,6 +205,7 @@ def test_calls_fall_back_to_a_live_node(servers: list[ServerThread]) -> None:
         servers[1 - home].stop()
         with pytest.raises(Unavailable, match="no node of the fleet answered"):
             fleet.lookup(chain)
+        assert fleet.failovers == 2
 
 
 def test_health_check_marks_nodes_down_and_back(servers: list[ServerThread],
