@@ -196,7 +196,8 @@ class FleetClient:
                 out = fn(self.clients[node])
             except NODE_FAILURES as exc:
                 last = exc
-                self.failovers += 1
+                with self._lock:
+                    self.failovers += 1
                 metrics.record_fleet_call(self.nodes[node], "failover")
                 self._mark(node, False)
                 continue
