@@ -84,7 +84,18 @@ def test_a_node_lost_mid_trace_fails_no_request(trace: list[Request], policy: st
     if policy != "random":  # (random on fewer nodes meets its own RAM more often)
         assert lost["ram_hit_ratio"] < base["ram_hit_ratio"]  # type: ignore[operator]
     rec = recovery(lost["windows"], base["windows"], 0.5)  # type: ignore[arg-type]
-    assert 0 <= rec["recovered_after_trace_fraction"] <= 0.5
+    assert 0 < rec["worst_window_vs_baseline"] <= rec["first_span_vs_baseline"]
+    assert rec["recovered"] == (rec["second_span_vs_baseline"] >= 0.95)
+
+
+def test_recovery_reads_spans_after_the_loss() -> None:
+    base = [0.4] * 40
+    lost = [0.4] * 20 + [0.1, 0.2, 0.3, 0.4] + [0.39] * 16
+    rec = recovery(lost, base, 0.5)
+    assert rec["first_span_vs_baseline"] == pytest.approx(0.625)
+    assert rec["second_span_vs_baseline"] == pytest.approx(0.975) and rec["recovered"]
+    assert rec["worst_window_vs_baseline"] == pytest.approx(0.25)
+    assert not recovery([0.4] * 20 + [0.1] * 20, base, 0.5)["recovered"]
 
 
 def test_bad_traces_and_settings_are_refused(tmp_path: Path) -> None:
