@@ -17,7 +17,8 @@ this run:
 - ``controller``: a freshly made engine (``EngineConfig`` naming the three encodings, a new
   ``LoadingController``: calibration prefill, decode timing and link probe, nothing observed)
   asked without forcing; ``decision`` is its first request's choice, ``decisions`` every
-  request's; its TTFT is the best of them. ``vs_best_fixed`` compares it with the best of the
+  request's; its TTFT is the best of them; ``probed_gb_s``: the link its probe measured,
+  ``learnt_gb_s``: the estimate after its hits. ``vs_best_fixed`` compares it with the best of the
   rows above (recompute included).
 
 The blocks are computed and encoded once (into the first server), read back as containers,
@@ -120,13 +121,15 @@ def measure(model: Any, address: str, ns: str, ids: list[int], gbps: float,
                          else None})
         fresh = _engine(model, c, ns, store_back=False)
         fresh.calibrate()  # before the clock, as generate does before a first request's
+        probed = fresh.controller.bandwidth(NETWORK, c.address)
         got = [fresh.generate(ids, max_new_tokens=1).timings for _ in range(runs)]
         ttft = min(t.ttft_s for t in got)
         fixed = min(r["ttft_s"] for r in rows)
         rows.append({**base, "encoding": "controller", "decision": got[0].decision,
                      "decisions": [t.decision for t in got], "ttft_s": ttft,
                      "first_ttft_s": got[0].ttft_s, "vs_best_fixed": ttft / fixed,
-                     "probed_gb_s": fresh.controller.bandwidth(NETWORK, c.address) / 1e9,
+                     "probed_gb_s": probed / 1e9,
+                     "learnt_gb_s": fresh.controller.bandwidth(NETWORK, c.address) / 1e9,
                      "stored_bytes": stored.get(got[0].decision, 0)})
     for r in rows:
         r.update(prefill_s=prefill_s, ratio_vs_prefill=r["ttft_s"] / prefill_s)
