@@ -209,3 +209,21 @@ def test_a_slow_link_turns_the_choice_from_raw_to_the_compressed_encoding() -> N
         c = LoadingController(device="cuda", layers=32, prefill_tok_s=8192 / 0.26)
         c.calibrate_link(rate, NETWORK, "s:1")
         assert c.choose(8192, kv, stored, path=NETWORK, server="s:1").choice == best, rate
+
+
+@pytest.mark.gpu
+def test_a_default_cuda_engine_beside_its_server_stores_raw_and_hits(
+        server: ServerThread) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    model = _model().to("cuda", torch.float16)
+    with Client(server.address) as c:
+        assert c.dataplane.attached
+        engine = KDNEngine(model, _Tok(), c, EngineConfig(chunk_tokens=32))
+        assert engine.encodings == (("raw", ""),)
+        prompt = [(5 * i + 1) % 256 for i in range(100)]
+        first = engine.generate(prompt, max_new_tokens=2)
+        assert first.store_thread is not None
+        first.store_thread.join(60)
+        again = engine.generate(prompt, max_new_tokens=2, force="raw")
+    assert again.timings.reused_tokens == 96 and again.token_ids == first.token_ids
