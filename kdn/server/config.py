@@ -376,17 +376,11 @@ def load_config(
                 raise ConfigError(f"{k}: unknown setting (in {path}); known: {sorted(known)}")
             values[k] = _coerce(k, v, str(path))
     env = os.environ if env is None else env
+    check_variables(env)
     for k, v in env.items():
         if not k.startswith("KDN_") or k in OTHER_VARIABLES:
             continue
         name = k[4:].lower()
-        if name not in known:
-            import difflib
-
-            near = difflib.get_close_matches(name, sorted(known), n=1)
-            hint = f"did you mean KDN_{near[0].upper()}? " if near else ""
-            raise ConfigError(f"${k}: no such setting; {hint}`kdn serve --help` lists them "
-                              "(each is KDN_ plus its name in capitals)")
         values[name] = _coerce(name, v, f"${k}")
     for k, v in (flags or {}).items():
         if v is None:
@@ -405,9 +399,27 @@ def load_config(
 OTHER_VARIABLES = frozenset({
     "KDN_ADDRESS", "KDN_API_KEY",                  # clients and the admin CLI
     "KDN_RAG_STATE", "KDN_CACHE_DIR",              # kdn rag, the model cache
+    "KDN_TORCH_INDEX", "KDN_BOOTSTRAP_DRY_RUN",    # scripts/bootstrap.sh
     "KDN_TORCH_SPEC", "KDN_EXTRAS", "KDN_SKIP_SLIM", "KDN_PEERS_REEXEC",  # scripts, tests
 })
 """``KDN_*`` variables that are not server settings (any other one is refused as a typo)."""
+
+
+def check_variables(env: Mapping[str, str]) -> None:
+    """Refuse a ``KDN_*`` variable that is neither a server setting nor one of
+    ``OTHER_VARIABLES`` (a misspelling would otherwise be ignored), naming the nearest one.
+    ``kdn serve``, ``kdn admin`` and ``kdn rag`` all check their environment this way."""
+    known = {f.name for f in fields(ServerConfig)}
+    for k in sorted(env):
+        if not k.startswith("KDN_") or k in OTHER_VARIABLES or k[4:].lower() in known:
+            continue
+        import difflib
+
+        names = sorted({f"KDN_{n.upper()}" for n in known} | OTHER_VARIABLES)
+        near = difflib.get_close_matches(k, names, n=1)
+        hint = f"did you mean {near[0]}? " if near else ""
+        raise ConfigError(f"${k}: no such setting; {hint}`kdn serve --help` lists them "
+                          "(each is KDN_ plus its name in capitals)")
 
 
 def format_size(n: int) -> str:
