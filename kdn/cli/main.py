@@ -14,7 +14,7 @@ import argparse
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from kdn.cli.args import (
     add_output_options,
@@ -57,6 +57,15 @@ DEFAULT_ADDRESS = "127.0.0.1:50051"
 
 class _Formatter(argparse.RawDescriptionHelpFormatter):
     """Epilogs keep their lines (examples, exit codes); option help is wrapped."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser with a usage error on one line (``kdn admin ls: argument --limit:
+    ...; see kdn admin ls --help``), exit code 2, instead of the usage block."""
+
+    def error(self, message: str) -> NoReturn:
+        error(self.prog, message, f"see {self.prog} --help")
+        sys.exit(EXIT_USAGE)
 
 
 def _epilog(examples: list[str]) -> str:
@@ -465,7 +474,7 @@ TOP_EXAMPLES = [
 COMMAND_EXAMPLES = {
     "stats": ["kdn admin stats", "kdn admin stats -o json"],
     "health": ["kdn admin health", "kdn admin health --ready --address 127.0.0.1:50051"],
-    "lookup": ["kdn admin lookup KEY --namespace kb", "kdn admin lookup KEY -o json"],
+    "lookup": ["kdn admin lookup KEY --namespace kb", "kdn admin lookup KEY KEY --namespace kb -o json"],
     "delete": ["kdn admin delete KEY --namespace kb"],
     "evict": ["kdn admin evict KEY --namespace kb --tier ram"],
     "pin": ["kdn admin pin KEY --namespace kb"],
@@ -486,7 +495,7 @@ TIERS = ("ram", "redis", "disk")
 def _add_admin(sub: Any) -> None:
     from kdn.cli.args import HEX_PREFIX, NAMESPACE, NAMESPACE_FILTER, TENANT_FILTER
 
-    common = argparse.ArgumentParser(add_help=False)
+    common = _Parser(add_help=False)
     _admin_options(common, suppress=True)
     admin = sub.add_parser("admin", help="operate a running server", formatter_class=_Formatter,
                            description="Operate a running kdn server (the KDNAdmin service).",
@@ -563,7 +572,7 @@ def _add_serve(sub: Any) -> None:
 def build_parser() -> argparse.ArgumentParser:
     from kdn.cli.rag import register as register_rag
 
-    ap = argparse.ArgumentParser(
+    ap = _Parser(
         prog="kdn", formatter_class=_Formatter, epilog=_epilog(TOP_EXAMPLES),
         description="kdn: a knowledge delivery network (KV caches for LLMs). Options go "
         "anywhere after their command; `kdn COMMAND --help` lists them.")

@@ -261,6 +261,12 @@ class ServerConfig:
             raise ConfigError(f"data_port: must be in -1..65535, got {self.data_port}")
         if not -1 <= self.metrics_port <= 65535:
             raise ConfigError(f"metrics_port: must be in -1..65535, got {self.metrics_port}")
+        for name in ("data_port", "metrics_port"):
+            if self.port and getattr(self, name) == self.port:
+                raise ConfigError(f"{name}: must differ from port (both {self.port}); pick "
+                                  "another, or 0 for any free port")
+        if self.data_port > 0 and self.data_port == self.metrics_port:
+            raise ConfigError(f"data_port and metrics_port: must differ (both {self.data_port})")
         if self.log_format not in ("text", "json"):
             raise ConfigError(f"log_format: expected text or json, got {self.log_format!r}")
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
