@@ -437,6 +437,8 @@ def _admin(ns: argparse.Namespace) -> int:
     except KDNError as exc:
         error(prog, exc, _hint(exc, ns))
         return EXIT_FAILED
+    except BrokenPipeError:
+        raise  # main's: a reader that left is no error of this command
     except OSError as exc:  # the export/import file
         error(prog, f"{exc.filename}: {exc.strerror}" if exc.filename else str(exc))
         return EXIT_USAGE

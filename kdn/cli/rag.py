@@ -181,6 +181,8 @@ def _run(ns: argparse.Namespace) -> int:
     except KDNError as exc:
         error(prog, exc)
         return 1
+    except BrokenPipeError:
+        raise  # kdn.cli.main's: a reader that left is no error of this command
     except OSError as exc:  # a corpus or TLS file that can not be read
         error(prog, f"{exc.filename}: {exc.strerror}" if exc.filename else exc)
         return 2
