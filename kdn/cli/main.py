@@ -476,7 +476,8 @@ TOP_EXAMPLES = [
 COMMAND_EXAMPLES = {
     "stats": ["kdn admin stats", "kdn admin stats -o json"],
     "health": ["kdn admin health", "kdn admin health --ready --address 127.0.0.1:50051"],
-    "lookup": ["kdn admin lookup KEY --namespace kb", "kdn admin lookup KEY KEY --namespace kb -o json"],
+    "lookup": ["kdn admin lookup KEY --namespace kb",
+               "kdn admin lookup KEY KEY --namespace kb -o json"],
     "delete": ["kdn admin delete KEY --namespace kb"],
     "evict": ["kdn admin evict KEY --namespace kb --tier ram"],
     "pin": ["kdn admin pin KEY --namespace kb"],

@@ -61,6 +61,21 @@ def _engine(ns: argparse.Namespace) -> Any:
         raise _UsageError(why)
     from kdn.client import Client
     from kdn.client.client import TLSOptions
+
+    tls = TLSOptions(ca=Path(ns.tls_ca).read_bytes()) if ns.tls_ca else None
+    client = Client(ns.address, timeout_s=ns.timeout, tls=tls,
+                    api_key=ns.api_key or os.environ.get("KDN_API_KEY"))
+    try:
+        client.health()  # a server that is down is reported before torch and the models load
+        kb = _knowledge_base(ns, client, state, settings)
+    except BaseException:
+        client.close()
+        raise
+    return kb, client
+
+
+def _knowledge_base(ns: argparse.Namespace, client: Any, state: Path, settings: Any) -> Any:
+    from kdn.model.models import load_model, quiet_transformers
     from kdn.rag.pipeline import KnowledgeBase, RagConfig, RagEngine
 
     opts: dict[str, Any] = {}
@@ -79,22 +94,11 @@ def _engine(ns: argparse.Namespace) -> Any:
         opts["blend_ratio"] = ns.ratio
     if getattr(ns, "selection", None):
         opts["query_share"] = {"question": 1.0, "deviation": 0.0}[ns.selection]
-    tls = TLSOptions(ca=Path(ns.tls_ca).read_bytes()) if ns.tls_ca else None
-    client = Client(ns.address, timeout_s=ns.timeout, tls=tls,
-                    api_key=ns.api_key or os.environ.get("KDN_API_KEY"))
-    try:
-        client.health()  # a server that is down is reported before the models load
-        from kdn.model.models import load_model, quiet_transformers
-
-        quiet_transformers()
-        _say(ns, f"loading {ns.model} ...")
-        model, tok = load_model(ns.model)
-        model.set_attn_implementation("sdpa")
-        kb = KnowledgeBase(RagEngine(model, tok, client, RagConfig(**opts)), state)
-    except BaseException:
-        client.close()
-        raise
-    return kb, client
+    quiet_transformers()
+    _say(ns, f"loading {ns.model} ...")
+    model, tok = load_model(ns.model)
+    model.set_attn_implementation("sdpa")
+    return KnowledgeBase(RagEngine(model, tok, client, RagConfig(**opts)), state)
 
 
 def _say(ns: argparse.Namespace, text: str) -> None:
