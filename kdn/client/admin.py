@@ -146,10 +146,13 @@ class AdminClient(Client):
     def export_to(self, path: Path, namespace: str = "", key_prefix: bytes = b"",
                   progress: Callable[[int, int], None] | None = None, *,
                   request_id: str | None = None) -> int:
-        """Export (or resume exporting, with the same filters) into ``path``; returns the
-        records in the file. The end marker is written only when the listing is done."""
+        """Export into ``path``, or resume an interrupted export there (same filters; a
+        finished file is left as it is); returns the records in the file. The end marker is
+        written only when the listing is done."""
         _listing(namespace, key_prefix)
         out = ExportWriter.open(Path(path), Filter(namespace, key_prefix))
+        if out.complete:
+            return out.records
         try:
             req = pb.ExportRequest(namespace=namespace, key_prefix=key_prefix, after=out.after)
             stream = self._admin.Export(req, timeout=None, metadata=self.metadata(request_id))

@@ -12,9 +12,9 @@ Format 2 (written now)::
 Format 1 (``KDNX1``, read only) is format 2 without the filter and the end marker.
 
 Lifecycle: ``ExportWriter.open`` starts a file, or resumes one: a file written with other
-filters is refused (its cursor belongs to another listing), a torn last record is cut off, an
-end marker is removed, and the export goes on after the last complete record's cursor;
-``finish`` writes the end marker. ``scan`` reads a file for import and raises ``Corrupt`` on a
+filters is refused (its cursor belongs to another listing), a finished one (with its end
+marker) is left as it is, a torn last record is cut off and the export goes on after the last
+complete record's cursor; ``finish`` writes the end marker. ``scan`` reads a file for import and raises ``Corrupt`` on a
 foreign file, a bad checksum, or a format-2 file without its end marker (an export that did not
 finish: cut off, or still running) — never a silent partial import.
 """
@@ -207,10 +207,11 @@ def read_records(path: Path) -> tuple[list[Record], int]:
 class ExportWriter:
     """Appends records to an export file; ``open`` starts or resumes it for ``filt``."""
 
-    def __init__(self, path: Path, f: BinaryIO, records: int, after: bytes) -> None:
+    def __init__(self, path: Path, f: BinaryIO | None, records: int, after: bytes) -> None:
         self.path, self._f = path, f
         self.records = records  # in the file, the resumed ones included
         self.after = after      # the cursor to list after (b"": from the start)
+        self.complete = f is None  # the file holds a finished export: nothing to add
 
     @classmethod
     def open(cls, path: Path, filt: Filter) -> ExportWriter:
@@ -230,18 +231,23 @@ class ExportWriter:
             raise InvalidArgument(f"{path} is an export of {s.filter.describe()}, not of "
                                   f"{filt.describe()}; pass the same --namespace/--prefix to "
                                   "resume it, or export into a new file")
+        if s.ended:  # finished: left as it is (a new export goes into a new file)
+            return cls(path, None, s.records, s.last_cursor)
         f = open(path, "r+b")
-        f.truncate(s.good)  # a torn record or the end marker goes; new entries follow
+        f.truncate(s.good)  # a torn record goes; the export goes on after the last one
         f.seek(s.good)
         return cls(path, f, s.records, s.last_cursor)
 
     def write(self, rec: Record) -> None:
+        assert self._f is not None
         self._f.write(encode_record(rec))
         self.records += 1
 
     def finish(self) -> None:
+        assert self._f is not None
         self._f.write(encode_end(self.records))
         self._f.flush()
 
     def close(self) -> None:
-        self._f.close()
+        if self._f is not None:
+            self._f.close()
