@@ -421,9 +421,9 @@ def check_variables(env: Mapping[str, str]) -> None:
             continue
         import difflib
 
-        names = sorted({f"KDN_{n.upper()}" for n in known} | OTHER_VARIABLES)
-        near = difflib.get_close_matches(k, names, n=1)
-        hint = f"did you mean {near[0]}? " if near else ""
+        names = sorted(known | {v[4:].lower() for v in OTHER_VARIABLES})
+        near = difflib.get_close_matches(k[4:].lower(), names, n=1)
+        hint = f"did you mean KDN_{near[0].upper()}? " if near else ""
         raise ConfigError(f"${k}: no such setting; {hint}`kdn serve --help` lists them "
                           "(each is KDN_ plus its name in capitals)")
 
