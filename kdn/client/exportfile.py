@@ -15,8 +15,9 @@ Lifecycle: ``ExportWriter.open`` starts a file, or resumes one: a file written w
 filters is refused (its cursor belongs to another listing), a finished one (with its end
 marker) is left as it is, a torn last record is cut off and the export goes on after the last
 complete record's cursor; ``finish`` writes the end marker. ``scan`` reads a file for import
-and raises ``Corrupt`` on a foreign file, a bad checksum, or a format-2 file without its end marker (an export that did not
-finish: cut off, or still running) — never a silent partial import.
+and raises ``Corrupt`` on a foreign file, a bad checksum, or a format-2 file without its end
+marker (an export that did not finish: cut off, or still running): never a silent partial
+import.
 """
 
 from __future__ import annotations
