@@ -284,3 +284,38 @@ def test_rag_refuses_an_empty_question(tmp_path: Path,
         code, _, err = run(["rag", "ask", question, "--state", str(tmp_path), *NO_SERVER],
                            capsys)
         assert code == 2 and "the question is empty" in err, err
+
+
+TINY_RUN = """
+import sys, tempfile
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+from kdn.model import models
+folder = tempfile.mkdtemp()
+LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                             num_hidden_layers=2, num_attention_heads=4,
+                             num_key_value_heads=2)).save_pretrained(folder)
+if sys.argv[1] == "quiet":
+    models.quiet_transformers()
+print("=== loading", file=sys.stderr, flush=True)
+model = LlamaForCausalLM.from_pretrained(folder)
+out = model(torch.tensor([[1, 2, 3]]), use_cache=True)
+model(torch.tensor([[4]]), past_key_values=out.past_key_values, use_cache=True)
+"""
+
+
+def test_kdn_rag_silences_transformers_bars_and_warnings(tmp_path: Path) -> None:
+    """What ``kdn rag`` calls before loading its model: no "Loading weights" bar and no
+    ``past_key_values`` deprecation lines (two of each printed on every run before)."""
+    pytest.importorskip("transformers")
+    script = tmp_path / "tiny.py"
+    script.write_text(TINY_RUN)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    said = {}
+    for mode in ("loud", "quiet"):
+        proc = subprocess.run([sys.executable, str(script), mode], capture_output=True,
+                              text=True, cwd=tmp_path, env=env, timeout=300)
+        assert proc.returncode == 0, proc.stderr
+        said[mode] = proc.stderr.split("=== loading", 1)[1].strip()
+    assert "deprecated" in said["loud"] and "Loading weights" in said["loud"]  # to silence
+    assert said["quiet"] == ""
