@@ -319,3 +319,26 @@ def test_kdn_rag_silences_transformers_bars_and_warnings(tmp_path: Path) -> None
         said[mode] = proc.stderr.split("=== loading", 1)[1].strip()
     assert "deprecated" in said["loud"] and "Loading weights" in said["loud"]  # to silence
     assert said["quiet"] == ""
+
+
+@pytest.mark.parametrize("flag", ["--port", "--data-port", "--metrics-port"])
+def test_a_taken_port_is_one_line_naming_it(flag: str, tmp_path: Path) -> None:
+    """No gRPC-native ``E… add_port.cc`` line, no bare ``[Errno 98]``: the port and the flag
+    that picks another, exit 1."""
+    import socket
+
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    taken = holder.getsockname()[1]
+    try:
+        argv = ["serve", "--port", "0", "--data-dir", str(tmp_path / "d"), flag, str(taken)]
+        env = {k: v for k, v in os.environ.items() if not k.startswith("KDN_")}
+        proc = subprocess.run([sys.executable, "-m", "kdn", *argv], capture_output=True,
+                              text=True, cwd=ROOT, env=env, timeout=120)
+    finally:
+        holder.close()
+    assert proc.returncode == 1, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert f"127.0.0.1:{taken}" in proc.stderr and "Errno" not in proc.stderr
+    assert ("with --port" if flag == "--port" else f"with {flag}") in proc.stderr

@@ -130,8 +130,9 @@ def _serve(ns: argparse.Namespace) -> int:
     except ConfigError as exc:  # found at start-up: TLS files that do not make a pair, ...
         error("kdn serve", f"bad configuration: {exc}")
         return EXIT_USAGE
-    except OSError as exc:
-        error("kdn serve", str(exc))
+    except OSError as exc:  # a port taken, a data folder that can not be written
+        error("kdn serve", f"{exc.filename}: {exc.strerror}" if exc.filename
+              else exc.strerror or str(exc))
         return EXIT_FAILED
     return EXIT_OK
 
