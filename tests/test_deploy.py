@@ -70,7 +70,8 @@ def test_cluster_file_runs_several_kdn_servers_on_a_redis_cluster() -> None:
         # the data path: clients learn its port from the server, so published at that number
         assert f"127.0.0.1:{cfg.data_port}:{cfg.data_port}" in s["ports"]
     assert len(set(host_ports)) == len(host_ports), "two kdn servers on one host port"
-    used = {v.split(":")[0] for s in services.values() for v in s.get("volumes", [])}
+    used = {v.split(":")[0] for s in services.values() for v in s.get("volumes", [])
+            if not v.startswith((".", "/"))}  # bind mounts apart
     assert used <= set(doc.get("volumes") or {}), "undeclared named volume"
 
 
@@ -265,3 +266,26 @@ def test_kubeconform_accepts_the_manifests_where_installed() -> None:
     res = subprocess.run([kubeconform, "-strict", "-summary", str(KUBE)], capture_output=True,
                          text=True, timeout=120)
     assert res.returncode == 0, res.stdout + res.stderr
+
+
+@pytest.mark.parametrize("path", [SINGLE, CLUSTER], ids=["single", "cluster"])
+def test_monitoring_profile_scrapes_every_kdn_server(path: Path) -> None:
+    doc = load(path)
+    services = doc["services"]
+    monitoring = {n for n, s in services.items() if "monitoring" in s.get("profiles", [])}
+    assert monitoring == {"prometheus", "grafana"}
+    mount = next(v for v in services["prometheus"]["volumes"]
+                 if v.split(":")[1] == "/etc/prometheus/prometheus.yml")
+    prom = yaml.safe_load((path.parent / mount.split(":")[0]).read_text())
+    targets = prom["scrape_configs"][0]["static_configs"][0]["targets"]
+    want = []
+    for name, s in kdn_services(doc).items():
+        env = {k: interpolate(str(v), {"KDN_AUTH_TENANTS": TENANTS})
+               for k, v in s["environment"].items()}
+        want.append(f"{name}:{load_config(env=env).metrics_port}")
+    assert sorted(targets) == sorted(want)
+    for n in monitoring:
+        for v in services[n].get("volumes", []):
+            src = v.split(":")[0]
+            assert src in (doc.get("volumes") or {}) or (path.parent / src).exists(), v
+        assert all(str(p).startswith("127.0.0.1:") for p in services[n].get("ports", []))
