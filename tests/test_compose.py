@@ -91,7 +91,8 @@ def test_compose_settings_are_safe_as_written() -> None:
                                           if not x.lstrip().startswith("#")))
     assert re.search(r"^USER kdn$", steps, re.M)  # not root
     installs = re.findall(r"pip install ([^&\n]*)", steps)
-    assert [i.strip() for i in installs] == ["."], installs  # the slim install: no extras
+    assert [i.strip() for i in installs] == ["-c constraints-server.txt ."], installs  # slim,
+    # pinned (tests/test_deploy.py checks the pins)
     assert "torch" not in steps
     assert re.search(r"^ENV .*KDN_METRICS_HOST=0\.0\.0\.0", steps, re.M | re.S)
 

@@ -289,3 +289,25 @@ def test_monitoring_profile_scrapes_every_kdn_server(path: Path) -> None:
             src = v.split(":")[0]
             assert src in (doc.get("volumes") or {}) or (path.parent / src).exists(), v
         assert all(str(p).startswith("127.0.0.1:") for p in services[n].get("ports", []))
+
+
+def test_the_image_pins_every_server_dependency_within_its_range() -> None:
+    import tomllib
+
+    from packaging.requirements import Requirement
+
+    pins = {}
+    for line in (ROOT / "deploy" / "constraints-server.txt").read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            name, _, version = line.partition("==")
+            pins[name.lower()] = version
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    for dep in deps:
+        req = Requirement(dep)
+        assert req.name.lower() in pins, f"{req.name} is not pinned for the image"
+        assert req.specifier.contains(pins[req.name.lower()]), (req, pins[req.name.lower()])
+    assert len(pins) == len(deps)
+    docker = (ROOT / "deploy" / "Dockerfile").read_text()
+    assert "COPY deploy/constraints-server.txt" in docker
+    ignore = (ROOT / "deploy" / "Dockerfile.dockerignore").read_text()
+    assert "!deploy/constraints-server.txt" in ignore.splitlines()
