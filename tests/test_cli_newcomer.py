@@ -342,3 +342,19 @@ def test_a_taken_port_is_one_line_naming_it(flag: str, tmp_path: Path) -> None:
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert f"127.0.0.1:{taken}" in proc.stderr and "Errno" not in proc.stderr
     assert ("with --port" if flag == "--port" else f"with {flag}") in proc.stderr
+
+
+def test_an_unchanged_reingest_reports_nothing_computed() -> None:
+    """Before: "stored 7.4 MiB" and a time per 1,000 tokens although nothing was computed."""
+    pytest.importorskip("torch")
+    from kdn.cli.rag import ingest_lines
+    from kdn.rag.pipeline import IngestReport
+
+    unchanged = IngestReport(documents=3, unchanged=3, chunks=3, tokens=56,
+                             stored_bytes=7_759_462, total_s=0.4)
+    (line,) = ingest_lines(unchanged)
+    assert "computed 0 chunks" in line and "kdn holds 7.4 MiB for the corpus" in line
+    assert "stored" not in line
+    changed = dataclasses.replace(unchanged, changed=3, unchanged=0, computed=3,
+                                  computed_tokens=56, total_s=5.6)
+    assert ingest_lines(changed)[1] == "ingest time per 1,000 tokens computed: 100.00 s"

@@ -119,11 +119,18 @@ def _ingest(ns: argparse.Namespace) -> int:
     if _json(ns):
         print(json.dumps(asdict(report), indent=2))
     else:
-        print(report.summary())
-        if report.computed_tokens:
-            print(f"ingest time per 1,000 tokens computed: "
-                  f"{1000 * report.total_s / max(1, report.computed_tokens):.2f} s")
+        print("\n".join(ingest_lines(report)))
     return 0
+
+
+def ingest_lines(report: Any) -> list[str]:
+    """What ``kdn rag ingest`` prints for people: the summary, and the time per 1,000 tokens
+    only when something was computed (an unchanged corpus computes nothing)."""
+    lines = [report.summary()]
+    if report.computed_tokens:
+        lines.append(f"ingest time per 1,000 tokens computed: "
+                     f"{1000 * report.total_s / report.computed_tokens:.2f} s")
+    return lines
 
 
 def _ask(ns: argparse.Namespace) -> int:
