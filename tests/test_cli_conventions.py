@@ -95,8 +95,11 @@ def test_every_documented_admin_command_runs(live: tuple[ServerThread, str], tmp
     lines = [c for c in sorted({*readme_commands(), *help_commands()})
              if c.startswith("kdn admin ")]
     assert len(lines) >= 8
-    for line in lines:
-        argv = [a.replace("KEY", key) for a in shlex.split(line)[1:]]
+    for i, line in enumerate(lines):
+        with Client(server.address) as c:  # back, whatever delete or evict did before
+            c.store(bytes.fromhex(key), random_kv(LAY, 8, seed=1), namespace="kb")
+        # KEY: the whole key, or (every other line) the prefix `ls` prints
+        argv = [a.replace("KEY", key if i % 2 else key[:12]) for a in shlex.split(line)[1:]]
         argv = [server.address if re.fullmatch(r"[\d.]+:\d+", a) else a for a in argv]
         if argv[1] == "import":  # the export example wrote the file first
             (tmp_path / argv[2]).exists() or cli(["admin", "export", argv[2]])
@@ -173,15 +176,18 @@ def test_help_loads_neither_torch_nor_grpc() -> None:
     assert proc.stdout.strip().splitlines()[-1] == "[]"
 
 
-def test_health_reports_each_tier_and_fails_while_one_is_down(
+def test_health_liveness_and_readiness_while_a_tier_is_down(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``kdn admin health`` is liveness: exit 0 while the server serves (from RAM and disk with
+    Redis down); ``--ready`` is readiness: exit 1 while any service or tier is not SERVING."""
     with RedisServer(tmp_path / "redis") as redis_server:
         cfg = ServerConfig(port=0, data_dir=tmp_path / "data", redis_url=redis_server.url,
                            redis_timeout_s=0.3, redis_retries=0)
         with ServerThread(cfg) as server:
             a = ["--address", server.address]
-            assert cli(["admin", "health", *a, "-o", "json"]) == 0
-            report = json.loads(capsys.readouterr().out)
+            for extra in ([], ["--ready"]):
+                assert cli(["admin", "health", *a, *extra, "-o", "json"]) == 0
+                report = json.loads(capsys.readouterr().out)
             assert report["status"] == "SERVING"
             assert report["tiers"] == {"ram": "SERVING", "redis": "SERVING", "disk": "SERVING"}
             assert report["services"] == {"kdn.v1.KDN": "SERVING"}
@@ -189,16 +195,19 @@ def test_health_reports_each_tier_and_fails_while_one_is_down(
             redis_server.kill()
             from tests.helpers import eventually
 
-            def down() -> bool:
-                code = cli(["admin", "health", *a, "-o", "json"])
+            def not_ready() -> bool:
+                code = cli(["admin", "health", "--ready", *a, "-o", "json"])
                 report.update(json.loads(capsys.readouterr().out))
                 return code == 1
-            assert eventually(down, timeout=15)
+            assert eventually(not_ready, timeout=15)
             assert report["tiers"]["redis"] == "NOT_SERVING"
             assert report["tiers"]["ram"] == "SERVING" and report["server"] == "SERVING"
-            assert cli(["admin", "health", *a]) == 1
+            assert cli(["admin", "health", *a]) == 0  # alive: the server answers from RAM+disk
             table = capsys.readouterr().out
             assert re.search(r"redis\s+tier\s+NOT_SERVING", table), table
+        # the server gone: liveness fails too
+        assert cli(["admin", "health", *a, "--timeout", "2"]) == 1
+        assert "is a kdn server listening" in capsys.readouterr().err
 
 
 def test_serve_boolean_flags_alone_mean_true() -> None:

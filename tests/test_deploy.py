@@ -5,6 +5,7 @@ installed."""
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -69,7 +70,8 @@ def test_cluster_file_runs_several_kdn_servers_on_a_redis_cluster() -> None:
         # the data path: clients learn its port from the server, so published at that number
         assert f"127.0.0.1:{cfg.data_port}:{cfg.data_port}" in s["ports"]
     assert len(set(host_ports)) == len(host_ports), "two kdn servers on one host port"
-    used = {v.split(":")[0] for s in services.values() for v in s.get("volumes", [])}
+    used = {v.split(":")[0] for s in services.values() for v in s.get("volumes", [])
+            if not v.startswith((".", "/"))}  # bind mounts apart
     assert used <= set(doc.get("volumes") or {}), "undeclared named volume"
 
 
@@ -100,3 +102,212 @@ def test_docker_compose_config_validates(path: Path) -> None:
     res = subprocess.run([*compose, "-f", str(path), "config", "--quiet"], capture_output=True,
                          text=True, timeout=60)
     assert res.returncode == 0, res.stderr
+
+
+# ---------------------------------------------------------------- examples, image, Kubernetes
+
+KUBE = ROOT / "deploy" / "kubernetes" / "kdn.yaml"
+DNS_LABEL = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
+
+
+def test_example_config_and_tenants_files_load(tmp_path: Path) -> None:
+    from kdn.server.auth import tenants_from_text
+
+    cfg = load_config(ROOT / "deploy" / "kdn.example.yaml", env={})
+    assert (cfg.port, cfg.data_port, cfg.metrics_port) == (50051, 50055, 9464)
+    text = (ROOT / "deploy" / "tenants.example.yaml").read_text()
+    auth = tenants_from_text(text)  # digests only: also good as $KDN_AUTH_TENANTS
+    assert auth is not None
+    private = tmp_path / "tenants.yaml"
+    private.write_text(text)
+    private.chmod(0o600)
+    assert load_config(env={}, flags={"auth_file": str(private)}).auth_file
+
+
+def _expand(command: str, env: dict[str, str]) -> list[str]:
+    """A CMD-SHELL healthcheck's words after the shell expanded them in ``env``."""
+    import shlex
+
+    out = subprocess.run(["sh", "-c", f"printf '%s\\n' {command}"], env=env,
+                         capture_output=True, text=True, timeout=30, check=True)
+    words = out.stdout.splitlines()
+    assert words == shlex.split(out.stdout.replace("\n", " ")), words
+    return words
+
+
+@pytest.mark.parametrize("path", [SINGLE, CLUSTER], ids=["single", "cluster"])
+def test_compose_healthchecks_dial_the_configured_port(path: Path) -> None:
+    """The healthcheck follows KDN_PORT (it dialled the admin CLI's default 50051 before), is
+    liveness (no --ready: a Redis outage must not restart a server answering from RAM and
+    disk), and parses with kdn's own CLI."""
+    from kdn.cli.main import build_parser
+
+    for name, s in kdn_services(load(path)).items():
+        test = s["healthcheck"]["test"]
+        assert test[0] == "CMD-SHELL", name
+        for port in ("50051", "50071"):
+            env = {k: str(v) for k, v in s["environment"].items() if k != "KDN_AUTH_TENANTS"}
+            env["KDN_PORT"] = port
+            words = _expand(test[1].replace("$$", "$"), env)
+            assert words[:3] == ["kdn", "admin", "health"] and "--ready" not in words
+            ns = build_parser().parse_args(words[1:])
+            assert ns.address == f"127.0.0.1:{port}", (name, words)
+
+
+def test_dockerfile_exposes_the_ports_it_sets_and_checks_its_own_port() -> None:
+    docker = (ROOT / "deploy" / "Dockerfile").read_text()
+    steps = re.sub(r"\\\n", " ", "\n".join(x for x in docker.splitlines()
+                                          if not x.lstrip().startswith("#")))
+    env = dict(re.findall(r"(KDN_[A-Z_]+)=(\S+)", " ".join(
+        line for line in steps.splitlines() if line.startswith("ENV "))))
+    exposed = set(re.search(r"^EXPOSE (.*)$", steps, re.M).group(1).split())  # type: ignore[union-attr]
+    cfg = load_config(env=env)
+    assert {str(cfg.port), str(cfg.data_port), str(cfg.metrics_port)} <= exposed
+    check = re.search(r"^HEALTHCHECK .* CMD (.*)$", steps, re.M).group(1)  # type: ignore[union-attr]
+    words = _expand(check, {**env, "KDN_PORT": "50071"})
+    assert words[-2:] == ["--address", "127.0.0.1:50071"]
+
+
+def _kube_docs() -> list[dict[str, Any]]:
+    docs = [d for d in yaml.safe_load_all(KUBE.read_text()) if d is not None]
+    assert docs and all(isinstance(d, dict) for d in docs)
+    return docs
+
+
+CONTAINER_FIELDS = {"name", "image", "command", "args", "env", "ports", "livenessProbe",
+                    "readinessProbe", "startupProbe", "resources", "volumeMounts",
+                    "securityContext", "imagePullPolicy", "workingDir", "envFrom"}
+PROBE_HANDLERS = {"exec", "grpc", "httpGet", "tcpSocket"}
+
+
+def _check_object(doc: dict[str, Any]) -> None:
+    """The fields the Kubernetes API requires of every object, and of ours by kind."""
+    assert {"apiVersion", "kind", "metadata"} <= set(doc), doc
+    assert re.fullmatch(DNS_LABEL, doc["metadata"]["name"]), doc["metadata"]
+    expected = {"ConfigMap": "v1", "Service": "v1", "StatefulSet": "apps/v1",
+                "Deployment": "apps/v1"}
+    assert expected.get(doc["kind"]) == doc["apiVersion"], (doc["kind"], doc["apiVersion"])
+    if doc["kind"] == "ConfigMap":
+        assert all(isinstance(v, str) for v in doc["data"].values())
+    if doc["kind"] == "Service":
+        for p in doc["spec"]["ports"]:
+            assert {"name", "port", "targetPort"} <= set(p) and 1 <= p["port"] <= 65535
+    if doc["kind"] == "StatefulSet":
+        spec = doc["spec"]
+        assert {"selector", "serviceName", "template"} <= set(spec)
+        labels = spec["template"]["metadata"]["labels"]
+        assert spec["selector"]["matchLabels"].items() <= labels.items()
+        pod = spec["template"]["spec"]
+        volumes = {v["name"] for v in pod.get("volumes", [])} | {
+            t["metadata"]["name"] for t in spec.get("volumeClaimTemplates", [])}
+        for c in pod["containers"]:
+            assert set(c) <= CONTAINER_FIELDS, set(c) - CONTAINER_FIELDS
+            assert {"name", "image"} <= set(c)
+            for p in c.get("ports", []):
+                assert len(p["name"]) <= 15 and 1 <= p["containerPort"] <= 65535
+            for m in c.get("volumeMounts", []):
+                assert m["name"] in volumes and m["mountPath"].startswith("/")
+            for probe in ("livenessProbe", "readinessProbe"):
+                assert len(set(c[probe]) & PROBE_HANDLERS) == 1, probe
+            for e in c.get("env", []):
+                ref = e.get("valueFrom", {}).get("secretKeyRef")
+                assert "value" in e or (ref and {"name", "key"} <= set(ref)), e
+
+
+def test_kubernetes_manifests_pass_the_schema_check_and_kdns_own_loaders() -> None:
+    from kdn.cli.main import build_parser
+
+    docs = _kube_docs()
+    for doc in docs:
+        _check_object(doc)
+    by_kind = {d["kind"]: d for d in docs}
+    sts, svc, cm = by_kind["StatefulSet"], by_kind["Service"], by_kind["ConfigMap"]
+    assert sts["spec"]["serviceName"] == svc["metadata"]["name"]
+    pod = sts["spec"]["template"]["spec"]
+    assert svc["spec"]["selector"].items() <= sts["spec"]["template"]["metadata"][
+        "labels"].items()
+    (c,) = pod["containers"]
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    for p in svc["spec"]["ports"]:  # named target ports exist; same numbers (clients learn
+        assert p["targetPort"] in ports and ports[p["targetPort"]] == p["port"]  # data_port)
+    # the server's command, its config from the mounted ConfigMap, the tenants from the Secret
+    ns = build_parser().parse_args(c["command"][1:])
+    assert ns.cmd == "serve"
+    mount = next(m for m in c["volumeMounts"] if m["name"] == "config")
+    config_key = Path(str(ns.config)).relative_to(mount["mountPath"]).as_posix()
+    vol = next(v for v in pod["volumes"] if v["name"] == "config")
+    assert vol["configMap"]["name"] == cm["metadata"]["name"]
+    text = cm["data"][config_key]
+    import tempfile
+
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml") as f:
+        f.write(text)
+        f.flush()
+        tenants = (ROOT / "deploy" / "tenants.example.yaml").read_text()
+        cfg = load_config(f.name, env={"KDN_AUTH_TENANTS": tenants})
+    assert (ports["grpc"], ports["data"], ports["metrics"]) == (cfg.port, cfg.data_port,
+                                                               cfg.metrics_port)
+    assert cfg.host == "0.0.0.0" and cfg.metrics_host == "0.0.0.0" and cfg.auth_tenants
+    assert pod["terminationGracePeriodSeconds"] > 2 * cfg.shutdown_grace_s
+    assert pod["securityContext"]["runAsUser"] == 10001  # the image's user
+    assert any(m["mountPath"] == str(cfg.data_dir) for m in c["volumeMounts"])
+    # liveness is `kdn admin health`, readiness `... --ready`, both on the server's port
+    live = build_parser().parse_args(c["livenessProbe"]["exec"]["command"][1:])
+    ready = build_parser().parse_args(c["readinessProbe"]["exec"]["command"][1:])
+    assert (live.admin_cmd, live.ready, ready.admin_cmd, ready.ready) == (
+        "health", False, "health", True)
+    assert live.address == ready.address == f"127.0.0.1:{cfg.port}"
+
+
+def test_kubeconform_accepts_the_manifests_where_installed() -> None:
+    kubeconform = shutil.which("kubeconform")
+    if kubeconform is None:
+        pytest.skip("kubeconform is not installed (the schema check above runs everywhere)")
+    res = subprocess.run([kubeconform, "-strict", "-summary", str(KUBE)], capture_output=True,
+                         text=True, timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
+@pytest.mark.parametrize("path", [SINGLE, CLUSTER], ids=["single", "cluster"])
+def test_monitoring_profile_scrapes_every_kdn_server(path: Path) -> None:
+    doc = load(path)
+    services = doc["services"]
+    monitoring = {n for n, s in services.items() if "monitoring" in s.get("profiles", [])}
+    assert monitoring == {"prometheus", "grafana"}
+    mount = next(v for v in services["prometheus"]["volumes"]
+                 if v.split(":")[1] == "/etc/prometheus/prometheus.yml")
+    prom = yaml.safe_load((path.parent / mount.split(":")[0]).read_text())
+    targets = prom["scrape_configs"][0]["static_configs"][0]["targets"]
+    want = []
+    for name, s in kdn_services(doc).items():
+        env = {k: interpolate(str(v), {"KDN_AUTH_TENANTS": TENANTS})
+               for k, v in s["environment"].items()}
+        want.append(f"{name}:{load_config(env=env).metrics_port}")
+    assert sorted(targets) == sorted(want)
+    for n in monitoring:
+        for v in services[n].get("volumes", []):
+            src = v.split(":")[0]
+            assert src in (doc.get("volumes") or {}) or (path.parent / src).exists(), v
+        assert all(str(p).startswith("127.0.0.1:") for p in services[n].get("ports", []))
+
+
+def test_the_image_pins_every_server_dependency_within_its_range() -> None:
+    import tomllib
+
+    from packaging.requirements import Requirement
+
+    pins = {}
+    for line in (ROOT / "deploy" / "constraints-server.txt").read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            name, _, version = line.partition("==")
+            pins[name.lower()] = version
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    for dep in deps:
+        req = Requirement(dep)
+        assert req.name.lower() in pins, f"{req.name} is not pinned for the image"
+        assert req.specifier.contains(pins[req.name.lower()]), (req, pins[req.name.lower()])
+    assert len(pins) == len(deps)
+    docker = (ROOT / "deploy" / "Dockerfile").read_text()
+    assert "COPY deploy/constraints-server.txt" in docker
+    ignore = (ROOT / "deploy" / "Dockerfile.dockerignore").read_text()
+    assert "!deploy/constraints-server.txt" in ignore.splitlines()

@@ -280,7 +280,7 @@ def test_cli_refuses_malformed_names_before_calling(capsys: pytest.CaptureFixtur
     key = "ab" * 32
     for argv in (["lookup", key, "--namespace", "default\n"],
                  ["inspect", key + "\n"],
-                 ["delete", "ab" * 31],
+                 ["delete", "ab" * 33],  # 62 digits would be a key prefix
                  ["ls", "--tenant", "team-a\n"],
                  ["ls", "--prefix", "0a "],
                  ["export", "f", "--namespace", "a b"]):
@@ -294,7 +294,7 @@ def test_cli_refuses_malformed_names_before_calling(capsys: pytest.CaptureFixtur
 
 def test_admin_import_refuses_a_file_with_a_malformed_name(names_server: ServerThread,
                                                            tmp_path: Path) -> None:
-    from kdn.client.admin import MAGIC
+    from kdn.client.exportfile import MAGIC_V1 as MAGIC  # records without an end marker
 
     good = Record("default", b"g" * 32, b"", VALUE)
     path = tmp_path / "bad.kdnx"

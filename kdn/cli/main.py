@@ -14,14 +14,23 @@ import argparse
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
-from kdn.cli.args import add_output_options, count, model_problem, positive
+from kdn.cli.args import (
+    add_output_options,
+    address,
+    check_environment,
+    count,
+    key_or_prefix,
+    model_problem,
+    positive,
+)
 from kdn.cli.output import (
     dump_json,
     error,
     fields,
     human_age,
+    human_size,
     message_dict,
     short_key,
     table,
@@ -40,14 +49,25 @@ EXIT_CODES = """\
 exit codes:
   0  ok
   1  the command ran and found a failure: the server is unreachable or answered an error,
-     an entry is absent, verify found corrupt entries, health is not SERVING everywhere
-  2  usage: an unknown command or option, a malformed value, a missing file, state folder
-     or model, a bad configuration"""
+     an entry is absent, verify found corrupt entries, health: the server is not SERVING
+     (with --ready: a service or tier is not), an export or import file is damaged
+  2  usage: an unknown command or option, a malformed value (an address without a port, an
+     ambiguous key prefix), a missing file, state folder or model, a bad configuration or a
+     misspelt KDN_* variable"""
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 
 
 class _Formatter(argparse.RawDescriptionHelpFormatter):
     """Epilogs keep their lines (examples, exit codes); option help is wrapped."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser with a usage error on one line (``kdn admin ls: argument --limit:
+    ...; see kdn admin ls --help``), exit code 2, instead of the usage block."""
+
+    def error(self, message: str) -> NoReturn:
+        error(self.prog, message, f"see {self.prog} --help")
+        sys.exit(EXIT_USAGE)
 
 
 def _epilog(examples: list[str]) -> str:
@@ -62,7 +82,8 @@ def _admin_options(p: argparse.ArgumentParser, *, suppress: bool) -> None:
         return argparse.SUPPRESS if suppress else value
 
     g = p.add_argument_group("connection")
-    g.add_argument("--address", default=default(os.environ.get("KDN_ADDRESS", DEFAULT_ADDRESS)),
+    g.add_argument("--address", type=address,
+                   default=default(os.environ.get("KDN_ADDRESS", DEFAULT_ADDRESS)),
                    help=f"server host:port (default: $KDN_ADDRESS or {DEFAULT_ADDRESS})")
     g.add_argument("--timeout", type=positive, default=default(30.0),
                    help="seconds per call (default: 30)")
@@ -111,8 +132,9 @@ def _serve(ns: argparse.Namespace) -> int:
     except ConfigError as exc:  # found at start-up: TLS files that do not make a pair, ...
         error("kdn serve", f"bad configuration: {exc}")
         return EXIT_USAGE
-    except OSError as exc:
-        error("kdn serve", str(exc))
+    except OSError as exc:  # a port taken, a data folder that can not be written
+        error("kdn serve", f"{exc.filename}: {exc.strerror}" if exc.filename
+              else exc.strerror or str(exc))
         return EXIT_FAILED
     return EXIT_OK
 
@@ -136,8 +158,35 @@ def _admin_client(ns: argparse.Namespace) -> Any:
                        shm_bytes=0, insecure=ns.insecure or None)
 
 
-def _keys(ns: argparse.Namespace) -> list[bytes]:
-    return [bytes.fromhex(k) for k in ns.keys]
+class UsageError(Exception):
+    """A mistake found after parsing (an ambiguous key prefix): one line, exit 2."""
+
+
+def resolve(client: Any, text: str, namespace: str) -> bytes:
+    """The key ``text`` names in ``namespace``: itself when whole (64 hex digits), else the one
+    stored key it is a prefix of (as git's short hashes). No match: NotFound (exit 1); several:
+    a UsageError naming them (exit 2)."""
+    from kdn.names import KEY_BYTES
+
+    if len(text) == 2 * KEY_BYTES:
+        return bytes.fromhex(text)
+    found = []
+    for e in client.ls(namespace, bytes.fromhex(text[: len(text) // 2 * 2]), limit=16):
+        if e.key.hex().startswith(text):
+            found.append(e.key.hex())
+        if len(found) > 3:
+            break
+    if not found:
+        raise NotFound(f"no entry whose key starts with {text} in namespace {namespace!r}")
+    if len(found) > 1:
+        raise UsageError(f"key prefix {text} is ambiguous in namespace {namespace!r}: "
+                         f"{', '.join(found[:3])}{', ...' if len(found) > 3 else ''}; "
+                         "give more digits")
+    return bytes.fromhex(found[0])
+
+
+def _keys(client: Any, ns: argparse.Namespace) -> list[bytes]:
+    return [resolve(client, k, ns.namespace) for k in ns.keys]
 
 
 def _entry(info: Any) -> dict[str, Any]:
@@ -156,11 +205,15 @@ def _stats(client: Any, ns: argparse.Namespace) -> int:
     if ns.output == "json":
         dump_json(d)
         return EXIT_OK
-    table(d["tiers"], ["name", "entries", "bytes", "capacity_bytes", "hits", "misses",
-                       "evictions", "corrupt", "healthy"], empty="(no tiers)")
+    tiers = [{**t, "size": human_size(t["bytes"]), "capacity": human_size(t["capacity_bytes"])}
+             for t in d["tiers"]]
+    table(tiers, ["name", "entries", "size", "capacity", "hits", "misses", "evictions",
+                  "corrupt", "healthy"], empty="(no tiers)")
     if d["tenants"]:
         print()
-        table(d["tenants"], ["tenant", "entries", "bytes", "quota_bytes"])
+        table([{**t, "size": human_size(t["bytes"]),
+                "quota": human_size(t["quota_bytes"]) if t["quota_bytes"] else "-"}
+               for t in d["tenants"]], ["tenant", "entries", "size", "quota"])
     print()
     fields([("version", d["version"]), ("health", d["health"]), *d["counters"].items()])
     return EXIT_OK
@@ -179,18 +232,32 @@ def _health(client: Any, ns: argparse.Namespace) -> int:
                   "not_answering": ", ".join(down.get(n, [])) or None}
                  for n, s in (report["tiers"] or {}).items()]
         table(rows, ["name", "kind", "status", "not_answering"])
-    return EXIT_OK if report["status"] == "SERVING" else EXIT_FAILED
+    if ns.ready:  # readiness: every service and tier SERVING
+        return EXIT_OK if report["status"] == "SERVING" else EXIT_FAILED
+    return EXIT_OK if report["server"] == "SERVING" else EXIT_FAILED  # liveness
 
 
 def _lookup(client: Any, ns: argparse.Namespace) -> int:
-    res = client.lookup(_keys(ns), namespace=ns.namespace)
-    rows = [{"key": k, "present": i.present, "tier": i.tier or None,
-             "size_bytes": i.size_bytes if i.present else None}
-            for k, i in zip(ns.keys, res.infos)]
+    keys: list[bytes | None] = []
+    for k in ns.keys:  # a prefix that matches nothing is an absent entry here, not an error
+        try:
+            keys.append(resolve(client, k, ns.namespace))
+        except NotFound:
+            keys.append(None)
+    res = client.lookup([k for k in keys if k is not None], namespace=ns.namespace)
+    infos = iter(res.infos)
+    rows: list[dict[str, Any]] = []
+    for text, k in zip(ns.keys, keys):
+        i = next(infos) if k is not None else None
+        present = bool(i is not None and i.present)
+        rows.append({"key": k.hex() if k is not None else text, "present": present,
+                     "tier": (i.tier or None) if i is not None else None,
+                     "size_bytes": i.size_bytes if i is not None and present else None})
     if ns.output == "json":
         dump_json(rows)
     else:
-        table(rows, ["key", "present", "tier", "size_bytes"])
+        table([{**r, "size": human_size(r.pop("size_bytes"))} for r in rows],
+              ["key", "present", "tier", "size"])
     return EXIT_OK if all(r["present"] for r in rows) else EXIT_FAILED
 
 
@@ -203,39 +270,49 @@ def _counted(what: str, n: int, ns: argparse.Namespace) -> int:
 
 
 def _delete(client: Any, ns: argparse.Namespace) -> int:
-    return _counted("deleted", client.delete(_keys(ns), namespace=ns.namespace), ns)
+    return _counted("deleted", client.delete(_keys(client, ns), namespace=ns.namespace), ns)
 
 
 def _evict(client: Any, ns: argparse.Namespace) -> int:
-    return _counted("evicted", client.evict(_keys(ns), ns.namespace, ns.tier), ns)
+    return _counted("evicted", client.evict(_keys(client, ns), ns.namespace, ns.tier), ns)
 
 
 def _pin(client: Any, ns: argparse.Namespace) -> int:
-    return _counted("pinned", client.pin(_keys(ns), ns.namespace), ns)
+    return _counted("pinned", client.pin(_keys(client, ns), ns.namespace), ns)
 
 
 def _unpin(client: Any, ns: argparse.Namespace) -> int:
-    return _counted("unpinned", client.unpin(_keys(ns), ns.namespace), ns)
+    return _counted("unpinned", client.unpin(_keys(client, ns), ns.namespace), ns)
 
 
 def _ls(client: Any, ns: argparse.Namespace) -> int:
-    entries = [_entry(e) for e in client.ls(ns.namespace, bytes.fromhex(ns.prefix), ns.model,
-                                            ns.tenant, ns.limit)]
+    import itertools
+
+    listed = client.ls(ns.namespace, bytes.fromhex(ns.prefix), ns.model, ns.tenant,
+                       min(ns.limit, 1000) if ns.limit else 0)
+    entries = [_entry(e) for e in (itertools.islice(listed, ns.limit) if ns.limit else listed)]
     for e in entries:
         e.pop("layout")  # Inspect only
     if ns.output == "json":
         dump_json(entries)
         return EXIT_OK
     rows = [{"namespace": e["namespace"], "key": short_key(e["key"]), "tenant": e["tenant"],
-             "model": e["model_name"] or e["model_fingerprint"][:12], "codec": _codec(e),
-             "tokens": e["tokens"], "bytes": e["size_bytes"], "tiers": e["tiers"],
+             "model": _model(e), "codec": _codec(e),
+             "tokens": e["tokens"], "size": human_size(e["size_bytes"]), "tiers": e["tiers"],
              "pinned": e["pinned"], "age": human_age(e["age_seconds"])} for e in entries]
     table(rows, empty="(no entries)")
     return EXIT_OK
 
 
+def _model(e: dict[str, Any]) -> str:
+    """The table's model cell: the stored name's last path part (a writer's local folder
+    shows as the model's name), else the fingerprint's first digits."""
+    name = str(e["model_name"]).rstrip("/").rsplit("/", 1)[-1]
+    return name or str(e["model_fingerprint"])[:12]
+
+
 def _inspect(client: Any, ns: argparse.Namespace) -> int:
-    e = _entry(client.inspect(bytes.fromhex(ns.key), ns.namespace))
+    e = _entry(client.inspect(resolve(client, ns.key, ns.namespace), ns.namespace))
     if ns.output == "json":
         dump_json(e)
         return EXIT_OK
@@ -244,7 +321,8 @@ def _inspect(client: Any, ns: argparse.Namespace) -> int:
             ("model", e["model_name"]), ("model_fingerprint", e["model_fingerprint"]),
             ("layout_fingerprint", e["layout_fingerprint"]), ("codec", _codec(e)),
             ("dtype", e["dtype"]), ("layers", e["num_layers"]), ("tokens", e["tokens"]),
-            ("bytes", e["size_bytes"]), ("tiers", e["tiers"]), ("pinned", e["pinned"]),
+            ("size", f"{human_size(e['size_bytes'])} ({e['size_bytes']} bytes)"),
+            ("tiers", e["tiers"]), ("pinned", e["pinned"]),
             ("age", human_age(e["age_seconds"])),
             ("kv_heads", sorted({x["kv_heads"] for x in layers})),
             ("k_channels", [x["k_channels"] for x in layers]),
@@ -302,6 +380,8 @@ def _export(client: Any, ns: argparse.Namespace) -> int:
 
 
 def _import(client: Any, ns: argparse.Namespace) -> int:
+    if Path(ns.file).is_dir():
+        raise IsADirectoryError(21, "is a directory, not an export file", ns.file)
     if not Path(ns.file).is_file():
         raise FileNotFoundError(2, "no such file", ns.file)
     bar = _progress("import", ns)
@@ -380,6 +460,8 @@ def _hint(exc: KDNError, ns: argparse.Namespace) -> str:
 
 def _admin(ns: argparse.Namespace) -> int:
     prog = f"kdn admin {ns.admin_cmd}"
+    if not check_environment(prog):
+        return EXIT_USAGE
     if ns.admin_cmd == "fleet":  # many nodes, each with its own client
         try:
             return _fleet(ns)
@@ -396,12 +478,17 @@ def _admin(ns: argparse.Namespace) -> int:
         return EXIT_USAGE
     try:
         return int(ADMIN[ns.admin_cmd](client, ns))
+    except UsageError as exc:
+        error(prog, exc)
+        return EXIT_USAGE
     except NotFound as exc:
         error(prog, exc)
         return EXIT_FAILED
     except KDNError as exc:
         error(prog, exc, _hint(exc, ns))
         return EXIT_FAILED
+    except BrokenPipeError:
+        raise  # main's: a reader that left is no error of this command
     except OSError as exc:  # the export/import file
         error(prog, f"{exc.filename}: {exc.strerror}" if exc.filename else str(exc))
         return EXIT_USAGE
@@ -413,7 +500,8 @@ def _admin(ns: argparse.Namespace) -> int:
 
 
 ADMIN_EXAMPLES = [
-    "kdn admin health                      # kdn.v1.KDN and every tier; exit 1 while one is down",
+    "kdn admin health                      # liveness: exit 1 only when the server is not up",
+    "kdn admin health --ready              # readiness: exit 1 while a service or tier is down",
     "kdn admin stats --json",
     "kdn admin ls --namespace kb --limit 20",
     "kdn admin inspect KEY --namespace kb",
@@ -436,10 +524,32 @@ TOP_EXAMPLES = [
 ]
 
 
-def _add_admin(sub: Any) -> None:
-    from kdn.cli.args import HEX_KEY, HEX_PREFIX, NAMESPACE, NAMESPACE_FILTER, TENANT_FILTER
+COMMAND_EXAMPLES = {
+    "stats": ["kdn admin stats", "kdn admin stats -o json"],
+    "health": ["kdn admin health", "kdn admin health --ready --address 127.0.0.1:50051"],
+    "lookup": ["kdn admin lookup KEY --namespace kb",
+               "kdn admin lookup KEY KEY --namespace kb -o json"],
+    "delete": ["kdn admin delete KEY --namespace kb"],
+    "evict": ["kdn admin evict KEY --namespace kb --tier ram"],
+    "pin": ["kdn admin pin KEY --namespace kb"],
+    "unpin": ["kdn admin unpin KEY --namespace kb"],
+    "ls": ["kdn admin ls --namespace kb --limit 20", "kdn admin ls --model smollm2-135m",
+           "kdn admin ls --prefix 3f -o json"],
+    "inspect": ["kdn admin inspect KEY --namespace kb"],
+    "verify": ["kdn admin verify --dry-run"],
+    "export": ["kdn admin export kb.kdnx --namespace kb   # run again to resume"],
+    "import": ["kdn admin import kb.kdnx"],
+    "gc": ["kdn admin gc"],
+}
+"""Each ``kdn admin COMMAND --help`` ends with these (KEY: a key or a unique prefix of one);
+a test runs every one against a live server."""
+TIERS = ("ram", "redis", "disk")
 
-    common = argparse.ArgumentParser(add_help=False)
+
+def _add_admin(sub: Any) -> None:
+    from kdn.cli.args import HEX_PREFIX, NAMESPACE, NAMESPACE_FILTER, TENANT_FILTER
+
+    common = _Parser(add_help=False)
     _admin_options(common, suppress=True)
     admin = sub.add_parser("admin", help="operate a running server", formatter_class=_Formatter,
                            description="Operate a running kdn server (the KDNAdmin service).",
@@ -450,22 +560,25 @@ def _add_admin(sub: Any) -> None:
     def command(name: str, hlp: str) -> argparse.ArgumentParser:
         return asub.add_parser(name, help=hlp, description=hlp[0].upper() + hlp[1:] + ".",
                                parents=[common], formatter_class=_Formatter,
-                               epilog=EXIT_CODES)
+                               epilog=_epilog(COMMAND_EXAMPLES[name]))
 
     command("stats", "per-tier entries, bytes, hit rates; per tenant; counters")
-    command("health", "the server, the kdn.v1.KDN service and every tier: SERVING or not")
+    command("health", "the server, the kdn.v1.KDN service and every tier: SERVING or not "
+            "(exit 1: the server is not serving; with --ready: any of them)").add_argument(
+        "--ready", action="store_true",
+        help="readiness: exit 1 while any service or tier is not SERVING (a Redis tier down)")
 
     def keyed(name: str, hlp: str) -> argparse.ArgumentParser:
         p = command(name, hlp)
-        p.add_argument("keys", nargs="+", type=HEX_KEY, metavar="KEY",
-                       help="hex keys (64 hex digits each)")
+        p.add_argument("keys", nargs="+", type=key_or_prefix, metavar="KEY",
+                       help="keys: 64 hex digits, or a unique prefix (4 or more)")
         p.add_argument("--namespace", type=NAMESPACE, default="default")
         return p
 
     keyed("lookup", "which keys exist, in which tier, how big (exit 1 if one is absent)")
     keyed("delete", "delete entries from every tier")
     keyed("evict", "drop entries from one tier (default ram)").add_argument(
-        "--tier", default="", help="tier name (ram, redis, disk)")
+        "--tier", default="ram", choices=TIERS, help="tier name (default: ram)")
     keyed("pin", "never evict these entries")
     keyed("unpin", "allow eviction again")
     ls = command("ls", "list entries (filter by namespace, model, key prefix, tenant)")
@@ -474,9 +587,10 @@ def _add_admin(sub: Any) -> None:
                     help="model name (as stored, or its last path part) or fingerprint prefix")
     ls.add_argument("--prefix", type=HEX_PREFIX, default="", help="hex key prefix")
     ls.add_argument("--tenant", type=TENANT_FILTER, default="", help="admins: this tenant only")
-    ls.add_argument("--limit", type=count, default=0, help="page size")
+    ls.add_argument("--limit", type=count, default=0, help="list at most this many (0: all)")
     ins = command("inspect", "one entry: layout, codec, size, tiers, pin, age")
-    ins.add_argument("key", type=HEX_KEY, metavar="KEY")
+    ins.add_argument("key", type=key_or_prefix, metavar="KEY",
+                     help="64 hex digits, or a unique prefix (4 or more)")
     ins.add_argument("--namespace", type=NAMESPACE, default="default")
     ver = command("verify", "check every entry's checksums; remove corrupt ones (exit 1 if any)")
     ver.add_argument("--dry-run", action="store_true", help="report without removing")
@@ -518,7 +632,7 @@ def _add_serve(sub: Any) -> None:
 def build_parser() -> argparse.ArgumentParser:
     from kdn.cli.rag import register as register_rag
 
-    ap = argparse.ArgumentParser(
+    ap = _Parser(
         prog="kdn", formatter_class=_Formatter, epilog=_epilog(TOP_EXAMPLES),
         description="kdn: a knowledge delivery network (KV caches for LLMs). Options go "
         "anywhere after their command; `kdn COMMAND --help` lists them.")
@@ -532,10 +646,16 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
     try:
-        return int(ns.func(ns))
+        code = int(ns.func(ns))
+        sys.stdout.flush()
+        return code
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `kdn admin ls | head`: the reader left; nothing to report
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # the exit's own flush must not fail again
+        return EXIT_FAILED
 
 
 if __name__ == "__main__":

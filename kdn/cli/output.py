@@ -92,8 +92,24 @@ def human_age(seconds: float | None) -> str:
 
 
 def short_key(hex_key: str) -> str:
-    """A 64-digit hex key as ``062ba65e…c799`` (``-o json`` and ``inspect`` show it whole)."""
-    return hex_key if len(hex_key) <= 16 else f"{hex_key[:8]}…{hex_key[-4:]}"
+    """A 64-digit hex key as its first 12 digits: a prefix every key argument takes (as git's
+    short hashes; ``-o json`` and ``inspect`` show it whole)."""
+    return hex_key[:12]
+
+
+def human_size(n: int | None) -> str:
+    """Bytes for a table: ``512 B``, ``1.5 KiB``, ``7.4 MiB``, ``16 GiB`` (``-o json`` keeps the
+    number); ``-`` when absent."""
+    if n is None:
+        return "-"
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if size < 1024 or unit == "TiB":
+            break
+        size /= 1024
+    if unit == "B":
+        return f"{int(size)} B"
+    return f"{size:.1f} {unit}".replace(".0 ", " ")
 
 
 def error(prog: str, message: object, hint: str = "") -> None:

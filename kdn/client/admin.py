@@ -1,89 +1,40 @@
-"""Operator client for the ``KDNAdmin`` service, and the export file format.
+"""Operator client for the ``KDNAdmin`` service: health, listing, keys, verify, gc, and
+export/import through the export file (``kdn.client.exportfile``: its format and lifecycle).
 
-An export file holds verified entries, one record each, so a knowledge base can move between
-servers through a file::
-
-    file   = b"KDNX1\\n" record*
-    record = u16 len(namespace) | namespace | u16 len(key) | key | u16 len(cursor) | cursor
-             | u64 len(value) | value | u64 xxh3_64 of everything before it in the record
-
-Exports resume: an existing file is scanned, a torn last record is cut off, and the export
-continues after the last complete record's cursor. Imports are idempotent (entries already
-present with identical bytes are skipped by the server), so re-running an interrupted import
-finishes it.
+Exports resume: an export into a file it wrote before, with the same filters, continues after
+the file's last complete record. Imports read the file twice, one record in memory at a time:
+first every checksum and name (a bad or unfinished file sends nothing), then the entries in
+batches. Imports are idempotent (entries already present with identical bytes are skipped by
+the server), so re-running an interrupted import finishes it.
 """
 
 from __future__ import annotations
 
 import functools
-import struct
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import grpc
-import xxhash
 
 from kdn.client.client import Client
-from kdn.errors import Corrupt, InvalidArgument, PermissionDenied, Unauthenticated
+from kdn.client.exportfile import (
+    MAGIC,
+    ExportWriter,
+    Filter,
+    Record,
+    encode_record,
+    read_records,
+    scan,
+)
+from kdn.errors import InvalidArgument, PermissionDenied, Unauthenticated
 from kdn.names import check_key, check_key_prefix, check_namespace, check_tenant
 from kdn.status import from_grpc
 from kdn.v1 import kdn_pb2 as pb
 from kdn.v1 import kdn_pb2_grpc as pb_grpc
 
-MAGIC = b"KDNX1\n"
-_H = struct.Struct("<H")
-_Q = struct.Struct("<Q")
-
-
-@dataclass(frozen=True)
-class Record:
-    namespace: str
-    key: bytes
-    cursor: bytes
-    value: bytes
-
-
-def encode_record(r: Record) -> bytes:
-    ns = r.namespace.encode()
-    body = b"".join([_H.pack(len(ns)), ns, _H.pack(len(r.key)), r.key, _H.pack(len(r.cursor)),
-                     r.cursor, _Q.pack(len(r.value)), r.value])
-    return body + _Q.pack(xxhash.xxh3_64_intdigest(body))
-
-
-def read_records(path: Path) -> tuple[list[Record], int]:
-    """Complete records of an export file and the byte length they cover (a torn tail,
-    e.g. from an interrupted export, is not counted)."""
-    data = path.read_bytes()
-    if not data.startswith(MAGIC):
-        raise Corrupt(f"{path} is not a kdn export file")
-    out: list[Record] = []
-    good = off = len(MAGIC)
-    while off < len(data):
-        fields: list[bytes] = []
-        try:
-            for size in (_H, _H, _H, _Q):
-                (n,) = size.unpack_from(data, off)
-                off += size.size
-                if off + n > len(data):
-                    raise struct.error("torn record")
-                fields.append(data[off : off + n])
-                off += n
-            (want,) = _Q.unpack_from(data, off)
-        except struct.error:
-            break  # a torn tail: everything before it is intact
-        if xxhash.xxh3_64_intdigest(data[good:off]) != want:
-            raise Corrupt(f"{path}: record at byte {good} fails its checksum")
-        try:
-            namespace = fields[0].decode()
-        except UnicodeDecodeError:
-            raise InvalidArgument(f"{path}: record at byte {good}: the namespace is not "
-                                  "UTF-8") from None
-        off += _Q.size
-        good = off
-        out.append(Record(namespace, fields[1], fields[2], fields[3]))
-    return out, good
+__all__ = ["MAGIC", "AdminClient", "Record", "encode_record", "read_records"]
+IMPORT_BATCH_BYTES = 32 << 20  # one Import call carries at most this much (or 64 records)
 
 
 SERVICE = "kdn.v1.KDN"  # the service whose health turns NOT_SERVING while a tier is down
@@ -195,60 +146,69 @@ class AdminClient(Client):
     def export_to(self, path: Path, namespace: str = "", key_prefix: bytes = b"",
                   progress: Callable[[int, int], None] | None = None, *,
                   request_id: str | None = None) -> int:
-        """Export (or resume exporting) into ``path``; returns the records in the file."""
+        """Export into ``path``, or resume an interrupted export there (same filters; a
+        finished file is left as it is); returns the records in the file. The end marker is
+        written only when the listing is done."""
         _listing(namespace, key_prefix)
-        path = Path(path)
-        after = b""
-        done = 0
-        if path.exists() and path.stat().st_size > 0:
-            records, good = read_records(path)
-            with open(path, "r+b") as f:
-                f.truncate(good)
-            if records:
-                after, done = records[-1].cursor, len(records)
-        else:
-            path.write_bytes(MAGIC)
-        req = pb.ExportRequest(namespace=namespace, key_prefix=key_prefix, after=after)
-        stream = self._admin.Export(req, timeout=None, metadata=self.metadata(request_id))
-        total = 0
-        with open(path, "ab") as f:
+        out = ExportWriter.open(Path(path), Filter(namespace, key_prefix))
+        if out.complete:
+            return out.records
+        try:
+            req = pb.ExportRequest(namespace=namespace, key_prefix=key_prefix, after=out.after)
+            stream = self._admin.Export(req, timeout=None, metadata=self.metadata(request_id))
+            total = 0
             try:
                 for item in stream:
-                    total = total or int(item.total) + done
-                    f.write(encode_record(Record(item.namespace, item.key, item.cursor,
-                                                 item.value)))
-                    done += 1
+                    total = total or int(item.total) + out.records
+                    out.write(Record(item.namespace, item.key, item.cursor, item.value))
                     if progress:
-                        progress(done, total)
+                        progress(out.records, total)
             except grpc.RpcError as exc:
                 raise from_grpc(exc) from None
-        return done
+            out.finish()
+        finally:
+            out.close()
+        return out.records
 
     def import_from(self, path: Path, progress: Callable[[int, int], None] | None = None,
                     batch: int = 64, *, request_id: str | None = None) -> pb.ImportResponse:
-        records, _ = read_records(Path(path))
-        for i, r in enumerate(records):  # every name first: a bad record sends nothing
+        """Import an export file. The whole file is checked first (checksums, names, its end
+        marker), one record at a time, so a bad, cut off or foreign file sends nothing."""
+        path = Path(path)
+        n = 0
+        for n, (_, r) in enumerate(scan(path), 1):
             try:
                 check_namespace(r.namespace)
                 check_key(r.key)
             except InvalidArgument as exc:
-                raise InvalidArgument(f"{path}: record {i}: {exc}") from None
+                raise InvalidArgument(f"{path}: record {n - 1}: {exc}") from None
         total = pb.ImportResponse()
         md = self.metadata(request_id)
-        for start in range(0, len(records), batch):
-            chunk = records[start : start + batch]
-            items = [pb.ImportItem(namespace=r.namespace, key=r.key, value=r.value)
-                     for r in chunk]
 
-            def send(items: list[pb.ImportItem] = items) -> pb.ImportResponse:
+        def send(items: list[pb.ImportItem]) -> None:
+            def call() -> pb.ImportResponse:
                 # a fresh iterator per attempt, so a retried call sends every item again
                 return self._admin.Import(iter(items), timeout=self.timeout_s,  # type: ignore[no-any-return]
                                           metadata=md)
 
-            resp = self.rpc.call(send)
+            resp = self.rpc.call(call)
             total.imported += resp.imported
             total.skipped += resp.skipped
             total.rejected += resp.rejected
+
+        items: list[pb.ImportItem] = []
+        size = done = 0
+        for _, r in scan(path):
+            items.append(pb.ImportItem(namespace=r.namespace, key=r.key, value=r.value))
+            size += len(r.value)
+            if len(items) >= batch or size >= IMPORT_BATCH_BYTES:
+                send(items)
+                done += len(items)
+                items, size = [], 0
+                if progress:
+                    progress(done, n)
+        if items:
+            send(items)
             if progress:
-                progress(start + len(chunk), len(records))
+                progress(n, n)
         return total

@@ -9,8 +9,9 @@ from kdn.delivery.controller import (
     SAME_HOST,
     Decision,
     LoadingController,
+    default_encodings,
     encoding_name,
 )
 
 __all__ = ["IN_PROCESS", "NETWORK", "PATHS", "PATH_PRIORS_B_S", "RECOMPUTE", "SAME_HOST",
-           "Decision", "LoadingController", "encoding_name"]
+           "Decision", "LoadingController", "default_encodings", "encoding_name"]

@@ -79,6 +79,30 @@ on an H100), which are learnt once seen. Network: 0.5 GB/s (4 Gbit/s), the contr
 former single link prior."""
 
 
+def default_encodings(device: str, path: str) -> tuple[tuple[str, str], ...]:
+    """The (mode, level) pairs an engine stores when its config names none: what pays off
+    where it runs (``device``: its model's device type; ``path``: how its hits arrive, one of
+    ``PATHS``).
+
+    - A CPU computes KV slowly and decodes any encoding fast next to that (``bench.codec``:
+      decoding takes 1-2% of the prefill's time): ``lossless``, exact and smaller than
+      ``raw``, wins on every path there.
+    - A GPU prefills an 8B model at ~30k tokens/s (``bench.gpu``, H200): only bytes that are
+      already near it, moved at tens of GB/s and not decoded, beat that. On the engine's own
+      host (a shared segment, the in-process tier) that is ``raw`` (0.16-0.33x the prefill);
+      ``lossless`` decodes on the host at ~1 GB/s and loses to recomputing.
+    - A GPU whose server is across a network gets ``kdn-default`` (~7x smaller than fp16:
+      the hit a 10 Gbit/s link can carry in time) and ``raw`` beside it (what a link of 25
+      Gbit/s and more carries faster than the GPU decodes); both are stored and charged, and
+      the controller picks per request by the link it measured.
+    """
+    if device.split(":")[0] != "cuda":
+        return (("lossless", ""),)
+    if path == NETWORK:
+        return (("kdn", "default"), ("raw", ""))
+    return (("raw", ""),)
+
+
 @dataclass(frozen=True)
 class Decision:
     choice: str
@@ -121,6 +145,8 @@ class LoadingController:
     last_ttft: tuple[float, float] = (0.0, 0.0)
     """(predicted, measured) TTFT of the last observed request, seconds."""
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _timed_only: set[str] = field(default_factory=set, repr=False)
+    """``decode_b_s`` keys set by a calibration and not yet by a hit."""
 
     def __post_init__(self) -> None:
         if self.bandwidth_b_s is not None:
@@ -163,6 +189,32 @@ class LoadingController:
                 self.prefill_tok_s = tokens / seconds
                 self.calibrated_tokens = tokens
 
+    def calibrate_link(self, bytes_per_s: float, path: str = NETWORK, server: str = "") -> None:
+        """A measured bandwidth of ``path`` from ``server`` (``kdn.client.probe``): it replaces
+        the prior for the path kind and the server (later retrieves refine it)."""
+        if bytes_per_s > 0:
+            with self._lock:
+                self.bandwidths_b_s[path] = bytes_per_s
+                if server:
+                    self.bandwidths_b_s[f"{path}@{server}"] = bytes_per_s
+
+    def calibrate_decode(self, encoding: str, kv_bytes: int, seconds: float,
+                         device: str | None = None) -> None:
+        """A timed decode of ``kv_bytes`` of KV in ``encoding`` on ``device``: it replaces the
+        prior until the first hit decoded in it replaces it (``observe_decode``)."""
+        if kv_bytes > 0 and seconds > 0:
+            key = self._key(encoding, device)
+            with self._lock:
+                self.decode_b_s[key] = kv_bytes / seconds
+                self._timed_only.add(key)
+
+    def knows_decode(self, encoding: str, device: str | None = None) -> bool:
+        """A decode speed of ``encoding`` on ``device`` was seen, or its mode has a prior
+        there (``DECODE_PRIORS_B_S``): no calibration needed."""
+        kind = (device or self.device).split(":")[0]
+        return (self._key(encoding, device) in self.decode_b_s
+                or (encoding.split("-")[0], kind) in DECODE_PRIORS_B_S)
+
     def prefill_seconds(self, tokens: int) -> float:
         """Predicted seconds to prefill ``tokens`` tokens (linear: module docstring)."""
         return tokens / self.prefill_tok_s if tokens > 0 else 0.0
@@ -189,7 +241,11 @@ class LoadingController:
         if kv_bytes > 0 and seconds > 0:
             key = self._key(encoding, device)
             with self._lock:
-                old = self.decode_b_s.get(key, kv_bytes / seconds)
+                # the first hit replaces a calibration (a decode alone, of random KV), as it
+                # does a prior: what a hit costs end to end is what decisions must weigh
+                old = (kv_bytes / seconds if key in self._timed_only
+                       else self.decode_b_s.get(key, kv_bytes / seconds))
+                self._timed_only.discard(key)
                 self.decode_b_s[key] = self._ewma(old, kv_bytes / seconds)
 
     def decode_speed(self, encoding: str, device: str | None = None) -> float:

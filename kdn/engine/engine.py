@@ -17,9 +17,15 @@ Lifecycle of ``KDNEngine.generate(prompt)``:
 4. ``save_layer(i, ...)`` for every layer: the newly computed blocks are stored back on a
    background thread (``wait_for_save`` joins it), then ``kdn.model.hf.greedy`` decodes the rest.
 
+What it stores: ``EngineConfig.encodings``, or by default what pays off on the model's device
+and the path its hits take (``kdn.delivery.default_encodings``: ``lossless`` on a CPU, ``raw``
+on a GPU whose server shares its host, ``kdn-default`` and ``raw`` across a network).
+
 Before its first decision the engine times one calibration prefill of
 ``EngineConfig.calibration_tokens`` tokens (``calibrate``), so the controller knows the model's
-prefill speed on this machine instead of a prior. Every request records the TTFT the
+prefill speed on this machine instead of a prior; it times the decode of one random block in
+each stored encoding the controller has no speed for on this device, and, when hits come
+across a network, measures that link (``kdn.client.probe``). Every request records the TTFT the
 controller predicted when it decided and the one measured (``Timings.predicted_ttft_s``,
 ``ttft_s``): the controller keeps their running error (``ttft_error``) and, once
 ``kdn.client.metrics`` is enabled, both are exported (``kdn_client_ttft_seconds``).
@@ -42,16 +48,18 @@ from typing import Any
 
 import torch
 
-from kdn import keys
+from kdn import codec, keys
 from kdn.cache import KVCache, LayerKV
 from kdn.client import Client, LayerStream
 from kdn.client import metrics as client_metrics
+from kdn.client.probe import probe_link
 from kdn.delivery import (
     IN_PROCESS,
     NETWORK,
     RECOMPUTE,
     SAME_HOST,
     LoadingController,
+    default_encodings,
     encoding_name,
 )
 from kdn.engine.connector import KVConnector
@@ -96,8 +104,11 @@ class EngineConfig:
     kv_dtype: DType | None = None
     """dtype KV is stored in; None (default) = the model's own dtype, which keeps
     ``lossless`` exact (fp16 and bf16 models store fp16 and bf16 KV)."""
-    encodings: tuple[tuple[str, str], ...] = (("lossless", ""),)
-    """(mode, level) pairs each new block is stored in; the controller picks among them."""
+    encodings: tuple[tuple[str, str], ...] | None = None
+    """(mode, level) pairs each new block is stored in; the controller picks among them.
+    None (default): what pays off on the model's device and the path hits take
+    (``kdn.delivery.default_encodings``): ``lossless`` on a CPU; on a GPU ``raw`` from the
+    engine's host or its in-process tier, ``kdn-default`` and ``raw`` across a network."""
     store_back: bool = True
     """Store newly computed blocks after the first token."""
     join_in_process: bool = True
@@ -110,6 +121,10 @@ class EngineConfig:
     calibration_tokens: int = 256
     """Length of the calibration prefill: a typical request's (the speed is taken as linear
     in tokens: ``kdn.delivery.controller``), capped by the model's context."""
+    probe_link: bool = True
+    """With ``calibrate``, and when hits come across a network: measure that link's bandwidth
+    before the first decision (``kdn.client.probe``: two probe entries read back), so a fresh
+    engine does not weigh a 1 or a 100 Gbit/s link by one prior."""
 
     def __post_init__(self) -> None:
         if self.chunk_tokens < 0:
@@ -117,8 +132,9 @@ class EngineConfig:
                              f"{self.chunk_tokens}")
         if self.calibration_tokens < 1:
             raise ValueError(f"calibration_tokens must be >= 1, got {self.calibration_tokens}")
-        if not self.encodings:
-            raise ValueError("encodings must name at least one (mode, level)")
+        if self.encodings is not None and not self.encodings:
+            raise ValueError("encodings must name at least one (mode, level), or be None "
+                             "(the device's defaults)")
 
 
 @dataclass
@@ -169,6 +185,10 @@ class KDNEngine(KVConnector):
         if not self.config.chunk_tokens:
             self.config = dataclasses.replace(self.config,
                                               chunk_tokens=default_chunk_tokens(self._layout))
+        if self.config.encodings is None:
+            path = IN_PROCESS if client.local is not None else self._link()[0]
+            self.config = dataclasses.replace(
+                self.config, encodings=default_encodings(self._device.type, path))
         self._copies = (torch.cuda.Stream(self._device) if self._device.type == "cuda"
                         else None)  # store-back's device-to-host copies, off the decode stream
         self._request = threading.Lock()
@@ -177,6 +197,13 @@ class KDNEngine(KVConnector):
     @property
     def layout(self) -> KVLayout:
         return self._layout
+
+    @property
+    def encodings(self) -> tuple[tuple[str, str], ...]:
+        """The (mode, level) pairs this engine stores and looks up: its config's, or the
+        device's defaults it resolved to."""
+        assert self.config.encodings is not None  # resolved in __init__
+        return self.config.encodings
 
     @property
     def ttft_error(self) -> float:
@@ -213,7 +240,43 @@ class KDNEngine(KVConnector):
         self._calibrated = True
         log.info("calibration: %d tokens prefilled in %.4f s (%.0f tokens/s)", n, best,
                  n / best)
+        self._calibrate_decode()
+        path, server = self._link()
+        if self.config.probe_link and path == NETWORK:
+            probe = probe_link(self.client, self.config.namespace)
+            if probe is not None:
+                self.controller.calibrate_link(probe.bytes_per_s, path, server)
         return best
+
+    def _calibrate_decode(self) -> None:
+        """Time the decode of one block of random KV on the model's device for each stored
+        encoding whose speed there the controller neither knows nor has a prior for."""
+        todo = [(m, lv) for m, lv in self.encodings
+                if not self.controller.knows_decode(encoding_name(m, lv))]
+        if not todo:
+            return
+        layout, c = self.layout, self.config.chunk_tokens
+        g = torch.Generator().manual_seed(c)
+        # k, v: [kv_heads, tokens, channels] per layer, in the stored dtype
+        kv = KVCache(layout, [tuple(torch.randn(lay.kv_heads, c, ch, generator=g)  # type: ignore[misc]
+                                    .to(layout.dtype.torch)
+                                    for ch in (lay.k_channels, lay.v_channels))
+                              for lay in layout.layers])
+        for mode, level in todo:
+            name = encoding_name(mode, level)
+            try:
+                blob = codec.encode(kv, mode, level)
+            except Exception as exc:  # an encoding this layout can not take: no calibration
+                log.warning("decode calibration of %s skipped: %s", name, exc)
+                continue
+            best = math.inf
+            for _ in range(2):
+                self._sync()
+                t0 = time.perf_counter()
+                codec.decode(blob, device=self._device)
+                self._sync()
+                best = min(best, time.perf_counter() - t0)
+            self.controller.calibrate_decode(name, c * layout.bytes_per_token, best)
 
     def _ensure_calibrated(self) -> None:
         if not self._calibrated:
@@ -252,7 +315,7 @@ class KDNEngine(KVConnector):
         encoding name for each encoding holding all of them, the encodings whose blocks are
         all in the client's in-process tier, the keys looked up by encoding name): one
         batched Lookup."""
-        names = [encoding_name(m, lv) for m, lv in self.config.encodings]
+        names = [encoding_name(m, lv) for m, lv in self.encodings]
         asked = {n: [keys.variant_key(k, n) for k in chain] for n in names}
         infos = self.client.lookup([k for n in names for k in asked[n]],
                                    namespace=self.config.namespace).infos
@@ -449,7 +512,7 @@ class KDNEngine(KVConnector):
         ns = self.config.namespace
         chain = keys.prefix_keys(ids, self.layout, ns, c)
         todo = [(b, mode, level, keys.variant_key(chain[b], encoding_name(mode, level)))
-                for b in range(first_block, len(chain)) for mode, level in self.config.encodings]
+                for b in range(first_block, len(chain)) for mode, level in self.encodings]
         try:
             present = self.client.lookup([t[3] for t in todo], namespace=ns).infos
         except Exception as exc:  # storing back is best effort; generation goes on

@@ -190,6 +190,19 @@ def _load_folder(folder: Path, dtype: torch.dtype) -> ModelAndTokenizer:
     return model, tokenizer
 
 
+def quiet_transformers() -> None:
+    """For command-line programs (``kdn rag``): transformers' progress bars ("Loading
+    weights") and its warnings off, errors kept. Process-wide, so never called by the library
+    itself; the program decides."""
+    import warnings
+
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    warnings.filterwarnings("ignore", message=".*past_key_values.*")
+
+
 def load_model(
     name_or_path: str = SMOLLM2_NAME,
     *,

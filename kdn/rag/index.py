@@ -20,9 +20,10 @@ import tempfile
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-import torch
+if TYPE_CHECKING:  # torch loads with the first index, so `kdn rag` checks run before it
+    import torch
 
 from kdn.errors import Corrupt, InvalidArgument
 
@@ -136,6 +137,8 @@ class VectorIndex:
     """One unit-norm embedding per chunk key; top-k by cosine similarity."""
 
     def __init__(self, dim: int = 0) -> None:
+        import torch
+
         self.dim = dim
         self._keys: list[str] = []
         self._row: dict[str, int] = {}
@@ -153,6 +156,8 @@ class VectorIndex:
 
     def add(self, keys: Sequence[str], vectors: torch.Tensor) -> None:
         """Add or replace the rows of ``keys`` (``vectors``: [len(keys), dim])."""
+        import torch
+
         if len(keys) != vectors.shape[0]:
             raise InvalidArgument(f"{len(keys)} keys but {vectors.shape[0]} vectors")
         if not len(keys):
@@ -176,6 +181,8 @@ class VectorIndex:
 
     def retain(self, keys: Iterable[str]) -> None:
         """Drop every row whose key is not in ``keys``."""
+        import torch
+
         wanted = set(keys)
         keep = [k for k in self._keys if k in wanted]
         rows = torch.tensor([self._row[k] for k in keep], dtype=torch.long)
@@ -185,6 +192,8 @@ class VectorIndex:
 
     def search(self, query: torch.Tensor, k: int) -> list[tuple[str, float]]:
         """The ``k`` keys most similar to ``query`` ([dim]), best first, with their scores."""
+        import torch
+
         if not len(self._keys) or k <= 0:
             return []
         scores = self._vectors @ query.to(torch.float32).reshape(-1)  # [chunks]

@@ -200,7 +200,8 @@ class IngestReport:
         return (f"{self.documents} documents ({self.changed} changed, {self.unchanged} unchanged,"
                 f" {self.removed} removed); {self.chunks} chunks, {self.tokens} tokens; computed "
                 f"{self.computed} chunks ({self.computed_tokens} tokens), reused {self.reused}; "
-                f"deleted {self.deleted} entries; stored {mib:.1f} MiB; {self.total_s:.1f} s "
+                f"deleted {self.deleted} entries; kdn holds {mib:.1f} MiB for the corpus; "
+                f"{self.total_s:.1f} s "
                 f"(prefill {self.prefill_s:.1f}, store {self.store_s:.1f}, embed "
                 f"{self.embed_s:.1f})")
 

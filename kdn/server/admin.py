@@ -33,6 +33,16 @@ LIST_LIMIT = 1000
 VERIFY_REPORT_EVERY = 256
 
 
+def model_matches(wanted: str, info: pb.EntryInfo) -> bool:
+    """``ls --model``: ``wanted`` is the stored model name, its last path part (a writer's
+    local folder ``/models/SmolLM2-135M`` matches ``SmolLM2-135M``; letter case aside), or a
+    prefix of the model fingerprint."""
+    if info.model_fingerprint.startswith(wanted):
+        return True
+    name, want = info.model_name.rstrip("/").casefold(), wanted.rstrip("/").casefold()
+    return bool(name) and (name == want or name.rsplit("/", 1)[-1] == want.rsplit("/", 1)[-1])
+
+
 class AdminServicer(pb_grpc.KDNAdminServicer):
     in_flight: int = 0
     """Calls running now (``kdn.server.rpc.rpc``)."""
@@ -129,8 +139,8 @@ class AdminServicer(pb_grpc.KDNAdminServicer):
                 info = self._info(k)
                 if info is None:
                     continue
-                if request.model_fingerprint and not info.model_fingerprint.startswith(
-                        request.model_fingerprint):
+                if request.model_fingerprint and not model_matches(
+                        request.model_fingerprint, info):
                     continue
                 if len(resp.entries) == limit:
                     resp.next_page_token = last

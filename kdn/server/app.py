@@ -135,11 +135,34 @@ def grpc_options(config: ServerConfig) -> list[tuple[str, int]]:
     ]
 
 
+def port_taken(host: str, port: int) -> bool:
+    """Whether another process listens on ``host:port``: a bind as gRPC makes it
+    (SO_REUSEADDR) that fails with EADDRINUSE on any of the host's addresses."""
+    import errno
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError:
+        return False  # an unresolvable host: gRPC's bind reports it
+    for family, kind, proto, _, addr in infos:
+        with socket.socket(family, kind, proto) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind(addr)
+            except OSError as exc:
+                if exc.errno == errno.EADDRINUSE:
+                    return True
+    return False
+
+
 def _listen(server: grpc.aio.Server, config: ServerConfig,
             creds: grpc.ServerCredentials | None) -> int:
     """Bind the port; a port another process holds is a one-line error naming it."""
     why = (f"can not listen on {config.address}: is another process (another kdn serve?) on "
            "that port? pick another with --port, or set reuse_port to share it on purpose")
+    if config.port and not config.reuse_port and port_taken(config.host, config.port):
+        raise OSError(why)  # found before gRPC's own attempt, which logs a native error line
     try:
         port = (server.add_secure_port(config.address, creds) if creds is not None
                 else server.add_insecure_port(config.address))

@@ -261,6 +261,12 @@ class ServerConfig:
             raise ConfigError(f"data_port: must be in -1..65535, got {self.data_port}")
         if not -1 <= self.metrics_port <= 65535:
             raise ConfigError(f"metrics_port: must be in -1..65535, got {self.metrics_port}")
+        for name in ("data_port", "metrics_port"):
+            if self.port and getattr(self, name) == self.port:
+                raise ConfigError(f"{name}: must differ from port (both {self.port}); pick "
+                                  "another, or 0 for any free port")
+        if self.data_port > 0 and self.data_port == self.metrics_port:
+            raise ConfigError(f"data_port and metrics_port: must differ (both {self.data_port})")
         if self.log_format not in ("text", "json"):
             raise ConfigError(f"log_format: expected text or json, got {self.log_format!r}")
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
@@ -376,17 +382,11 @@ def load_config(
                 raise ConfigError(f"{k}: unknown setting (in {path}); known: {sorted(known)}")
             values[k] = _coerce(k, v, str(path))
     env = os.environ if env is None else env
+    check_variables(env)
     for k, v in env.items():
         if not k.startswith("KDN_") or k in OTHER_VARIABLES:
             continue
         name = k[4:].lower()
-        if name not in known:
-            import difflib
-
-            near = difflib.get_close_matches(name, sorted(known), n=1)
-            hint = f"did you mean KDN_{near[0].upper()}? " if near else ""
-            raise ConfigError(f"${k}: no such setting; {hint}`kdn serve --help` lists them "
-                              "(each is KDN_ plus its name in capitals)")
         values[name] = _coerce(name, v, f"${k}")
     for k, v in (flags or {}).items():
         if v is None:
@@ -403,11 +403,29 @@ def load_config(
 
 
 OTHER_VARIABLES = frozenset({
-    "KDN_ADDRESS", "KDN_API_KEY",                  # clients and the admin CLI
+    "KDN_ADDRESS", "KDN_API_KEY", "KDN_FLEET",     # clients and the admin CLI
     "KDN_RAG_STATE", "KDN_CACHE_DIR",              # kdn rag, the model cache
+    "KDN_TORCH_INDEX", "KDN_BOOTSTRAP_DRY_RUN",    # scripts/bootstrap.sh
     "KDN_TORCH_SPEC", "KDN_EXTRAS", "KDN_SKIP_SLIM", "KDN_PEERS_REEXEC",  # scripts, tests
 })
 """``KDN_*`` variables that are not server settings (any other one is refused as a typo)."""
+
+
+def check_variables(env: Mapping[str, str]) -> None:
+    """Refuse a ``KDN_*`` variable that is neither a server setting nor one of
+    ``OTHER_VARIABLES`` (a misspelling would otherwise be ignored), naming the nearest one.
+    ``kdn serve``, ``kdn admin`` and ``kdn rag`` all check their environment this way."""
+    known = {f.name for f in fields(ServerConfig)}
+    for k in sorted(env):
+        if not k.startswith("KDN_") or k in OTHER_VARIABLES or k[4:].lower() in known:
+            continue
+        import difflib
+
+        names = sorted(known | {v[4:].lower() for v in OTHER_VARIABLES})
+        near = difflib.get_close_matches(k[4:].lower(), names, n=1)
+        hint = f"did you mean KDN_{near[0].upper()}? " if near else ""
+        raise ConfigError(f"${k}: no such setting; {hint}`kdn serve --help` lists them "
+                          "(each is KDN_ plus its name in capitals)")
 
 
 def format_size(n: int) -> str:

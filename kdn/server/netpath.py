@@ -75,9 +75,11 @@ class NetPath(FastPath):
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             sock.bind((host, self._want_port))
             sock.listen(128)
-        except OSError:
+        except OSError as exc:
             sock.close()
-            raise
+            raise OSError(exc.errno, f"can not listen on the data path's port "
+                          f"{self._host}:{self._want_port}: {exc.strerror}; pick another "
+                          "with --data-port (0: any free port, -1: off)") from None
         self.port = sock.getsockname()[1]
         self.name = f"tcp:{self.port}"
         return sock

@@ -113,7 +113,11 @@ class Metrics:
         """Expose /metrics; returns the bound port."""
         from prometheus_client import start_http_server
 
-        server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        try:
+            server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        except OSError as exc:
+            raise OSError(exc.errno, f"can not listen on the metrics port {host}:{port}: "
+                          f"{exc.strerror}; pick another with --metrics-port") from None
         self._http = server
         return int(server.server_port)
 

@@ -1,0 +1,228 @@
+"""Hit TTFT against the bandwidth of the link to the server: which encoding pays over which
+link, and does the loading controller pick it, also from a freshly made engine?
+
+    python -m bench.link [--quick] [--links 1,10,25,100,0] [--out bench/results/gpu_link_cpu.json]
+
+One model of a real shape with random weights (``bench.gpu``'s: Llama-3-8B on a GPU,
+SmolLM2-135M on a CPU), one remote client on the server's network data path (no shared
+segment: what an engine on another host gets), and a kdn server process per link rate whose
+egress cap (``kdn serve --egress-bytes-per-s``: ``kdn.server.egress``) emulates the link on
+loopback: 1 / 10 / 25 / 100 Gbit/s, and 0 = unthrottled. For each context length, measured in
+this run:
+
+- ``recompute``: the engine's own TTFT when it recomputes the whole prompt (the baseline of
+  every ratio: ``ratio_vs_prefill`` = hit TTFT / this);
+- ``raw``, ``int8``, ``kdn-default``: a hit forced to that encoding (every block of the context
+  stored in each of them; one token left to compute), best of ``runs``;
+- ``controller``: a freshly made engine (``EngineConfig`` naming the three encodings, a new
+  ``LoadingController``: calibration prefill, decode timing and link probe, nothing observed)
+  asked without forcing; ``decision`` is its first request's choice, ``decisions`` every
+  request's; its TTFT is the best of them; ``probed_gb_s``: the link its probe measured,
+  ``learnt_gb_s``: the estimate after its hits. ``vs_best_fixed`` compares it with the best of the
+  rows above (recompute included).
+
+The blocks are computed and encoded once (into the first server), read back as containers,
+and put into each later server through a same-host client, so every link serves the same
+bytes. Rows: ``link_gbps`` (0 = unthrottled), ``encoding`` (or ``recompute`` /
+``controller``), ``decision``, ``ttft_s``, ``prefill_s``, ``ratio_vs_prefill``,
+``stored_bytes``, ``load_gb_s`` (stored bytes over the hit's TTFT, for the hits).
+The plot (``--out`` with ``.png``): TTFT / prefill against link bandwidth, one line per
+encoding and the controller's points.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from bench.common import arg_parser, figure, machine, print_table, save_figure, write_json
+from bench.common import kdn_server as common_kdn_server
+from bench.gpu import SHAPES, _Ids, _ids, best_s, build, model_dtype
+from kdn import keys
+from kdn.client import Client
+from kdn.codec import EncodedParts
+from kdn.delivery import NETWORK, RECOMPUTE, LoadingController, encoding_name
+from kdn.engine import EngineConfig, KDNEngine
+
+ENCODINGS = (("raw", ""), ("int8", ""), ("kdn", "default"))
+LINKS_GBPS = (1.0, 10.0, 25.0, 100.0, 0.0)
+"""Emulated link rates, Gbit/s (0: no cap)."""
+
+
+def _server(tmp: Path, name: str, gbps: float, ram: str):  # type: ignore[no-untyped-def]
+    rate = int(gbps * 1e9 / 8)
+    return common_kdn_server(tmp / name, "--ram-bytes", ram, "--egress-bytes-per-s",
+                             str(rate), "--max-message-bytes", str(512 << 20),
+                             "--max-entry-bytes", str(8 << 30), wait_s=120)
+
+
+def _engine(model: Any, client: Client, namespace: str, **config: Any) -> KDNEngine:
+    return KDNEngine(model, _Ids(), client, EngineConfig(
+        namespace=namespace, encodings=ENCODINGS, **config), controller=LoadingController())
+
+
+def _fill(model: Any, address: str, ns: str, ids: list[int]
+          ) -> dict[str, list[tuple[bytes, EncodedParts]]]:
+    """Compute and store every block of ``ids`` in every encoding; the stored entries (their
+    own copies), by encoding."""
+    with Client(address, max_message_bytes=512 << 20) as c:
+        engine = _engine(model, c, ns, calibrate=False)
+        first = engine.generate(ids, max_new_tokens=1, force=RECOMPUTE)
+        if first.store_thread is not None:
+            first.store_thread.join()
+        blocks: dict[str, list[tuple[bytes, EncodedParts]]] = {}
+        for m, lv in ENCODINGS:
+            name = encoding_name(m, lv)
+            for k in engine._chain(ids):  # noqa: SLF001
+                key = keys.variant_key(k, name)
+                got = c.fetch(key, namespace=ns)
+                assert got is not None, f"a block of {name} was not stored"
+                blocks.setdefault(name, []).append((key, EncodedParts(
+                    bytes(got.parts.header), [bytes(f) for f in got.parts.frames])))
+    return blocks
+
+
+def _put(address: str, ns: str, blocks: dict[str, list[tuple[bytes, EncodedParts]]]) -> None:
+    """The same entries into another server, through a same-host client."""
+    with Client(address, max_message_bytes=512 << 20) as c:
+        for entries in blocks.values():
+            for key, parts in entries:
+                c.store(key, parts, namespace=ns)
+
+
+def _prefill_s(model: Any, shape: str, tokens: int, device: torch.device) -> float:
+    x = torch.randint(1, SHAPES[shape]["vocab_size"], (1, tokens), device=device)
+    with torch.inference_mode():
+        return best_s(lambda: model(x, use_cache=True, logits_to_keep=1), device, 3)
+
+
+def measure(model: Any, address: str, ns: str, ids: list[int], gbps: float,
+            prefill_s: float, runs: int, stored: dict[str, int]) -> list[dict[str, Any]]:
+    """The rows of one link rate and context (module docstring)."""
+    tokens = len(ids) - 1
+    rows: list[dict[str, Any]] = []
+    base = {"link_gbps": gbps, "tokens": tokens}
+    with Client(address, shm_bytes=0, max_message_bytes=512 << 20) as c:
+        assert not c.dataplane.attached, "the link rows need a client off the server's host"
+        engine = _engine(model, c, ns, calibrate=False, store_back=False)
+        for choice in (RECOMPUTE, *(encoding_name(m, lv) for m, lv in ENCODINGS)):
+            timings = [engine.generate(ids, max_new_tokens=1, force=choice).timings
+                       for _ in range(runs)]
+            assert all(t.decision == choice for t in timings), (choice, timings)
+            best = min(t.ttft_s for t in timings)
+            rows.append({**base, "encoding": choice, "decision": choice, "ttft_s": best,
+                         "stored_bytes": stored.get(choice, 0),
+                         "load_gb_s": stored[choice] / best / 1e9 if choice in stored
+                         else None})
+        fresh = _engine(model, c, ns, store_back=False)
+        fresh.calibrate()  # before the clock, as generate does before a first request's
+        probed = fresh.controller.bandwidth(NETWORK, c.address)
+        got = [fresh.generate(ids, max_new_tokens=1).timings for _ in range(runs)]
+        ttft = min(t.ttft_s for t in got)
+        fixed = min(r["ttft_s"] for r in rows)
+        rows.append({**base, "encoding": "controller", "decision": got[0].decision,
+                     "decisions": [t.decision for t in got], "ttft_s": ttft,
+                     "first_ttft_s": got[0].ttft_s, "vs_best_fixed": ttft / fixed,
+                     "probed_gb_s": probed / 1e9,
+                     "learnt_gb_s": fresh.controller.bandwidth(NETWORK, c.address) / 1e9,
+                     "stored_bytes": stored.get(got[0].decision, 0)})
+    for r in rows:
+        r.update(prefill_s=prefill_s, ratio_vs_prefill=r["ttft_s"] / prefill_s)
+        print(f"  {gbps:g} Gbit/s, {tokens} tokens, {r['encoding']:>11}: "
+              f"{r['ttft_s'] * 1e3:8.1f} ms ({r['ratio_vs_prefill']:.3f}x prefill)"
+              + (f" -> {r['decisions']}, {r['vs_best_fixed']:.2f}x the best fixed choice"
+                 if "decisions" in r else ""), flush=True)
+    return rows
+
+
+def run(shape: str, lengths: list[int], links: list[float], runs: int, out: Path
+        ) -> list[dict[str, Any]]:
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model = build(shape, device, model_dtype(device))
+    ram = "64GiB" if device.type == "cuda" else "4GiB"
+    rows: list[dict[str, Any]] = []
+    info = machine()
+    t_start = time.perf_counter()
+    saved: dict[int, dict[str, list[tuple[bytes, EncodedParts]]]] = {}
+    prefills: dict[int, float] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for j, gbps in enumerate(links):
+            with _server(Path(tmp), f"link{j}", gbps, ram) as address:
+                for tokens in lengths:
+                    ids, ns = _ids(shape, tokens), f"{shape}-{tokens}"
+                    if tokens in saved:
+                        _put(address, ns, saved[tokens])
+                    else:
+                        saved[tokens] = _fill(model, address, ns, ids)
+                    stored = {name: sum(p.nbytes for _, p in entries)
+                              for name, entries in saved[tokens].items()}
+                    if tokens not in prefills:
+                        prefills[tokens] = _prefill_s(model, shape, tokens, device)
+                        print(f"{shape}: prefill of {tokens} tokens "
+                              f"{prefills[tokens] * 1e3:.1f} ms", flush=True)
+                    rows += [{"model": shape, **r} for r in measure(
+                        model, address, ns, ids, gbps, prefills[tokens], runs, stored)]
+                    write_json(out, "link", rows,
+                               device=info["cuda"] or f"cpu ({info['cpus']} cores)",
+                               torch=torch.__version__, attention="sdpa",
+                               dtype=str(model_dtype(device)).removeprefix("torch."),
+                               torch_threads=torch.get_num_threads(),
+                               wall_s=time.perf_counter() - t_start)
+    print_table(rows, ["tokens", "link_gbps", "encoding", "decision", "ttft_s", "prefill_s",
+                       "ratio_vs_prefill"])
+    plot(rows, out.with_suffix(".png"))
+    return rows
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> None:
+    lengths = sorted({r["tokens"] for r in rows})
+    fig, axes = figure(5 * len(lengths), 4, ncols=len(lengths))
+    axes = list(np.atleast_1d(axes))
+    top = max(r["link_gbps"] for r in rows) or 100.0
+    for ax, tokens in zip(axes, lengths):
+        mine = [r for r in rows if r["tokens"] == tokens]
+        x = {g: (g if g else top * 2) for g in sorted({r["link_gbps"] for r in mine})}
+        for name in [RECOMPUTE, *(encoding_name(m, lv) for m, lv in ENCODINGS)]:
+            pts = sorted((x[r["link_gbps"]], r["ratio_vs_prefill"]) for r in mine
+                         if r["encoding"] == name)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
+        ctl = [(x[r["link_gbps"]], r["ratio_vs_prefill"], r["decision"]) for r in mine
+               if r["encoding"] == "controller"]
+        ax.scatter([p[0] for p in ctl], [p[1] for p in ctl], marker="*", s=140, c="k",
+                   zorder=5, label="controller (fresh engine)")
+        for gx, gy, d in ctl:
+            ax.annotate(d, (gx, gy), textcoords="offset points", xytext=(4, 6), fontsize=7)
+        ax.axhline(1.0, color="grey", linestyle="--")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xticks(list(x.values()), [f"{g:g}" if g else "none" for g in x])
+        ax.set_xlabel("link, Gbit/s (egress cap; none = unthrottled)")
+        ax.set_ylabel("hit TTFT / prefill")
+        ax.set_title(f"{mine[0]['model']}, {tokens} tokens")
+        ax.legend(fontsize=7)
+    save_figure(fig, path)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = arg_parser(__doc__, "gpu_link", "SmolLM2 shape, 1024 tokens, 1 and 10 Gbit/s")
+    ap.add_argument("--links", default="",
+                    help="comma-separated link rates in Gbit/s, 0 = unthrottled "
+                         "(default 1,10,25,100,0)")
+    ap.add_argument("--tokens", default="", help="comma-separated context lengths")
+    ns = ap.parse_args(argv)
+    cuda = torch.cuda.is_available()
+    shape = "llama3-8b" if cuda and not ns.quick else "smollm2-135m"
+    lengths = [int(t) for t in ns.tokens.split(",") if t] or (
+        [1024] if ns.quick else [8192, 32768] if cuda else [2048])
+    links = [float(g) for g in ns.links.split(",") if g] or (
+        [1.0, 10.0] if ns.quick else list(LINKS_GBPS))
+    run(shape, lengths, links, 2 if ns.quick else 3, ns.out)
+
+
+if __name__ == "__main__":
+    main()

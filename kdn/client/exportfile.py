@@ -1,0 +1,254 @@
+"""The export file of ``kdn admin export`` / ``import``: verified entries, one record each, read
+and written as a stream (one record in memory at a time, however large the file).
+
+Format 2 (written now)::
+
+    file    = b"KDNX2\\n" filter record* end
+    filter  = u16 len(namespace) | namespace | u16 len(key_prefix) | key_prefix | u64 xxh3_64
+    record  = u16 len(namespace) | namespace | u16 len(key) | key | u16 len(cursor) | cursor
+              | u64 len(value) | value | u64 xxh3_64 of everything before it in the record
+    end     = u16 0xFFFF | u64 records | u64 xxh3_64 of the ten bytes before it
+
+Format 1 (``KDNX1``, read only) is format 2 without the filter and the end marker.
+
+Lifecycle: ``ExportWriter.open`` starts a file, or resumes one: a file written with other
+filters is refused (its cursor belongs to another listing), a finished one (with its end
+marker) is left as it is, a torn last record is cut off and the export goes on after the last
+complete record's cursor; ``finish`` writes the end marker. ``scan`` reads a file for import
+and raises ``Corrupt`` on a foreign file, a bad checksum, or a format-2 file without its end
+marker (an export that did not finish: cut off, or still running): never a silent partial
+import.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO
+
+import xxhash
+
+from kdn.errors import Corrupt, InvalidArgument
+
+MAGIC_V1 = b"KDNX1\n"
+MAGIC = b"KDNX2\n"
+_H = struct.Struct("<H")
+_Q = struct.Struct("<Q")
+_END = 0xFFFF  # never a namespace length (names are at most 64 bytes)
+
+
+@dataclass(frozen=True)
+class Record:
+    namespace: str
+    key: bytes
+    cursor: bytes
+    value: bytes
+
+
+@dataclass(frozen=True)
+class Filter:
+    """What an export selected: ``namespace`` ("" all) and ``key_prefix`` (b"" all)."""
+
+    namespace: str = ""
+    key_prefix: bytes = b""
+
+    def describe(self) -> str:
+        ns = repr(self.namespace) if self.namespace else "every namespace"
+        return ns + (f", key prefix {self.key_prefix.hex()}" if self.key_prefix else "")
+
+
+def encode_record(r: Record) -> bytes:
+    ns = r.namespace.encode()
+    body = b"".join([_H.pack(len(ns)), ns, _H.pack(len(r.key)), r.key, _H.pack(len(r.cursor)),
+                     r.cursor, _Q.pack(len(r.value)), r.value])
+    return body + _Q.pack(xxhash.xxh3_64_intdigest(body))
+
+
+def encode_filter(f: Filter) -> bytes:
+    ns = f.namespace.encode()
+    body = _H.pack(len(ns)) + ns + _H.pack(len(f.key_prefix)) + f.key_prefix
+    return body + _Q.pack(xxhash.xxh3_64_intdigest(body))
+
+
+def encode_end(records: int) -> bytes:
+    body = _H.pack(_END) + _Q.pack(records)
+    return body + _Q.pack(xxhash.xxh3_64_intdigest(body))
+
+
+class _Torn(Exception):
+    """The file ends inside a record (or a filter / end marker)."""
+
+
+def _take(f: BinaryIO, n: int, parts: list[bytes]) -> bytes:
+    data = f.read(n)
+    if len(data) != n:
+        raise _Torn
+    parts.append(data)
+    return data
+
+
+def _field(f: BinaryIO, size: struct.Struct, parts: list[bytes]) -> bytes:
+    (n,) = size.unpack(_take(f, size.size, parts))
+    return _take(f, n, parts)
+
+
+@dataclass
+class Scan:
+    """What reading a file found: its format, filter, records, where the last complete record
+    ends (``good``), whether it ends with its end marker and whether a torn record follows."""
+
+    version: int
+    filter: Filter | None
+    records: int = 0
+    good: int = 0
+    last_cursor: bytes = b""
+    ended: bool = False
+    torn: bool = False
+
+
+def _records(path: Path, f: BinaryIO, scan: Scan) -> Iterator[Record]:
+    while True:
+        start = f.tell()
+        parts: list[bytes] = []
+        try:
+            head = _take(f, _H.size, parts)
+        except _Torn:
+            if f.tell() != start:  # one byte of a length field
+                scan.torn = True
+            return
+        if scan.version == 2 and _H.unpack(head)[0] == _END:
+            try:
+                count = _take(f, _Q.size, parts)
+                (want,) = _Q.unpack(_take(f, _Q.size, []))
+            except _Torn:
+                scan.torn = True
+                return
+            if xxhash.xxh3_64_intdigest(b"".join(parts)) != want or \
+                    _Q.unpack(count)[0] != scan.records or f.read(1):
+                raise Corrupt(f"{path}: the end marker at byte {start} does not match the "
+                              f"{scan.records} records before it")
+            scan.ended = True
+            return
+        try:
+            f.seek(start)
+            parts = []
+            ns = _field(f, _H, parts)
+            key = _field(f, _H, parts)
+            cursor = _field(f, _H, parts)
+            value = _field(f, _Q, parts)
+            (want,) = _Q.unpack(_take(f, _Q.size, []))
+        except _Torn:
+            scan.torn = True
+            return
+        if xxhash.xxh3_64_intdigest(b"".join(parts)) != want:
+            raise Corrupt(f"{path}: record {scan.records} (at byte {start}) fails its checksum")
+        try:
+            namespace = ns.decode()
+        except UnicodeDecodeError:
+            raise InvalidArgument(f"{path}: record {scan.records}: the namespace is not "
+                                  "UTF-8") from None
+        scan.records += 1
+        scan.good = f.tell()
+        scan.last_cursor = cursor
+        yield Record(namespace, key, cursor, value)
+
+
+def _open_scan(path: Path, f: BinaryIO) -> Scan:
+    magic = f.read(len(MAGIC))
+    if magic == MAGIC_V1:
+        return Scan(version=1, filter=None, good=len(MAGIC))
+    if magic != MAGIC:
+        raise Corrupt(f"{path} is not a kdn export file (it does not start with {MAGIC!r})")
+    parts: list[bytes] = []
+    try:
+        ns = _field(f, _H, parts)
+        prefix = _field(f, _H, parts)
+        (want,) = _Q.unpack(_take(f, _Q.size, []))
+    except _Torn:
+        raise Corrupt(f"{path}: the export file is cut off in its header") from None
+    if xxhash.xxh3_64_intdigest(b"".join(parts)) != want:
+        raise Corrupt(f"{path}: the export file's header fails its checksum")
+    return Scan(version=2, filter=Filter(ns.decode(errors="replace"), prefix), good=f.tell())
+
+
+def scan(path: Path, *, complete: bool = True) -> Iterator[tuple[Scan, Record]]:
+    """Every record of ``path`` with the scan so far. With ``complete`` (import) a file that
+    does not end as a finished export does raises ``Corrupt`` after its last record."""
+    path = Path(path)
+    with open(path, "rb") as f:
+        s = _open_scan(path, f)
+        for rec in _records(path, f, s):
+            yield s, rec
+    if complete and s.torn:
+        raise Corrupt(f"{path} is cut off inside record {s.records} (byte {s.good}): the export "
+                      "that wrote it did not finish; run it again to resume, then import")
+    if complete and s.version == 2 and not s.ended:
+        raise Corrupt(f"{path} ends after record {s.records} without its end marker: the "
+                      "export that wrote it did not finish; run it again to resume, then import")
+
+
+def summary(path: Path) -> Scan:
+    """Read the whole file (one record at a time) without raising for an unfinished one."""
+    path = Path(path)
+    with open(path, "rb") as f:
+        s = _open_scan(path, f)
+        for _ in _records(path, f, s):
+            pass
+    return s
+
+
+def read_records(path: Path) -> tuple[list[Record], int]:
+    """Complete records of a (small) export file and the byte length they cover."""
+    s = summary(path)
+    return [r for _, r in scan(path, complete=False)], s.good
+
+
+class ExportWriter:
+    """Appends records to an export file; ``open`` starts or resumes it for ``filt``."""
+
+    def __init__(self, path: Path, f: BinaryIO | None, records: int, after: bytes) -> None:
+        self.path, self._f = path, f
+        self.records = records  # in the file, the resumed ones included
+        self.after = after      # the cursor to list after (b"": from the start)
+        self.complete = f is None  # the file holds a finished export: nothing to add
+
+    @classmethod
+    def open(cls, path: Path, filt: Filter) -> ExportWriter:
+        path = Path(path)
+        if path.is_dir():
+            raise IsADirectoryError(21, "is a directory", str(path))
+        if not path.exists() or path.stat().st_size == 0:
+            new = open(path, "wb")
+            new.write(MAGIC + encode_filter(filt))
+            return cls(path, new, 0, b"")
+        s = summary(path)
+        if s.version != 2:
+            raise InvalidArgument(f"{path} was written by an older kdn (format 1) and can not "
+                                  "be resumed; export into a new file")
+        if s.filter != filt:
+            assert s.filter is not None
+            raise InvalidArgument(f"{path} is an export of {s.filter.describe()}, not of "
+                                  f"{filt.describe()}; pass the same --namespace/--prefix to "
+                                  "resume it, or export into a new file")
+        if s.ended:  # finished: left as it is (a new export goes into a new file)
+            return cls(path, None, s.records, s.last_cursor)
+        f = open(path, "r+b")
+        f.truncate(s.good)  # a torn record goes; the export goes on after the last one
+        f.seek(s.good)
+        return cls(path, f, s.records, s.last_cursor)
+
+    def write(self, rec: Record) -> None:
+        assert self._f is not None
+        self._f.write(encode_record(rec))
+        self.records += 1
+
+    def finish(self) -> None:
+        assert self._f is not None
+        self._f.write(encode_end(self.records))
+        self._f.flush()
+
+    def close(self) -> None:
+        if self._f is not None:
+            self._f.close()

