@@ -5,6 +5,7 @@ FleetClient over real in-process servers when the node it routes to stops."""
 from __future__ import annotations
 
 import hashlib
+import json
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -219,3 +220,22 @@ def test_health_check_marks_nodes_down_and_back(servers: list[ServerThread],
         # an idle node reports no call in flight (its Stats call is not counted)
         assert fleet.clients[0].stats().counters["rpc.in_flight"] == 0
         assert fleet.load.reported[0] == 0
+
+
+def test_admin_fleet_usage_and_a_node_down(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    from kdn.cli.main import main
+
+    monkeypatch.delenv("KDN_FLEET", raising=False)
+    assert main(["admin", "fleet"]) == 2
+    assert "no nodes given" in capsys.readouterr().err
+    assert main(["admin", "fleet", "--nodes", "nohost"]) == 2
+    assert "not host:port: nohost" in capsys.readouterr().err
+    f = tmp_path / "fleet.yaml"
+    f.write_text("nodes: []\n")
+    assert main(["admin", "fleet", "--fleet-file", str(f)]) == 2
+    assert "non-empty" in capsys.readouterr().err
+    monkeypatch.setenv("KDN_FLEET", "127.0.0.1:1")  # nothing listens there
+    assert main(["admin", "fleet", "--timeout", "1", "-o", "json"]) == 1
+    rows = json.loads(capsys.readouterr().out)
+    assert [(r["node"], r["status"]) for r in rows] == [("127.0.0.1:1", "DOWN")]

@@ -540,6 +540,7 @@ COMMAND_EXAMPLES = {
     "export": ["kdn admin export kb.kdnx --namespace kb   # run again to resume"],
     "import": ["kdn admin import kb.kdnx"],
     "gc": ["kdn admin gc"],
+    "fleet": ["kdn admin fleet --nodes 10.0.0.1:50051 10.0.0.2:50051 -o json"],
 }
 """Each ``kdn admin COMMAND --help`` ends with these (KEY: a key or a unique prefix of one);
 a test runs every one against a live server."""
