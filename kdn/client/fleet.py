@@ -135,6 +135,9 @@ class FleetConfig:
 class FleetClient:
     """Routes ``Client`` calls across the nodes of a fleet (module docstring)."""
 
+    local: None = None
+    """No in-process tier (``Client.local``): a fleet client's reads come from the nodes."""
+
     def __init__(self, config: FleetConfig) -> None:
         self.config = config
         self.router = Router(config.nodes, affinity_blocks=config.affinity_blocks,
