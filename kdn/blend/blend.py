@@ -52,7 +52,7 @@ import torch
 
 from kdn.blend import layer as blk
 from kdn.blend.rope import RopePlan, apply_rope, reposition, rope_plan
-from kdn.blend.select import deviation, select_tokens
+from kdn.blend.select import budget, deviation, select_tokens
 from kdn.cache import KVCache, LayerKV
 from kdn.errors import InvalidArgument, InvalidLayout, LayoutMismatch
 from kdn.layout import KVLayout
@@ -295,14 +295,19 @@ def blend(model: Any, pieces: list[Piece], config: BlendConfig | None = None) ->
     recomputed = torch.empty(0, dtype=torch.long)
     rows: torch.Tensor | None = None
     scores: torch.Tensor | None = None
-    if cfg.selects and cfg.query_share > 0:  # the question's attention needs a first pass
-        scores = text_pass(fixed, placed)[cached_pos]
+    heads = sum(min(cfg.head_tokens, b - a) for a, b in spans)
+    heads_only = cfg.head_tokens > 0 and (
+        all(budget(cfg.ratio, b - a) <= min(cfg.head_tokens, b - a) for a, b in spans)
+        if cfg.per_chunk else budget(cfg.ratio, int(cached_pos.numel())) <= heads)
+    if cfg.selects and cfg.query_share > 0 and not heads_only:  # the question's attention
+        scores = text_pass(fixed, placed)[cached_pos]  # needs a first pass
         # text before the first chunk sees no chunk: the pass computed its K/V exactly
         always[: int(cached_pos[0]) if cached_pos.numel() else 0] = False
     if not cfg.selects:
         rows = fixed
-    elif cfg.query_share >= 1:  # selection known before layer 0
-        assert scores is not None
+    elif cfg.query_share >= 1 or heads_only:  # selection known before layer 0
+        if scores is None:  # chunk heads fill the budget: no scores needed (EPIC)
+            scores = torch.zeros(int(cached_pos.numel()))
         chosen = select_tokens(scores, spans, cfg.ratio, per_chunk=cfg.per_chunk,
                                head_tokens=cfg.head_tokens)
         recomputed = cached_pos[chosen]
