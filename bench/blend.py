@@ -444,8 +444,8 @@ def main() -> None:
     print_table(rows, COLUMNS)
 
 
-COLUMNS = ["method", "ratio", "selection", "cases", "recomputed_ratio", "ttft_s", "ttft_vs_full", "ttft_cpu_s",
-           "cpu_vs_full", "answer_nll", "nll_gap", "nll_gap_pct", "nll_gap_pct_lo",
+COLUMNS = ["method", "ratio", "selection", "cases", "recomputed_ratio", "ttft_s", "ttft_vs_full",
+           "ttft_cpu_s", "cpu_vs_full", "answer_nll", "nll_gap", "nll_gap_pct", "nll_gap_pct_lo",
            "nll_gap_pct_hi", "first_token_kl", "f1", "agreement_with_full"]
 
 
@@ -478,8 +478,8 @@ def _config(args: argparse.Namespace, n_cases: int, chunks: list[Chunk], prompt_
         "select_layer": cfg.select_layer, "head_tokens": cfg.head_tokens,
         "per_chunk": cfg.per_chunk, "query_share": cfg.query_share,
         "attention_from": cfg.attention_from,
-        "head_ratios": args.head_ratios, "corrected_ratios": args.corrected_ratios, "correct_k": args.correct_k,
-        "correct_v": args.correct_v,
+        "head_ratios": args.head_ratios, "corrected_ratios": args.corrected_ratios,
+        "correct_k": args.correct_k, "correct_v": args.correct_v,
         "max_new_tokens": MAX_NEW, "seed": args.seed,
         "torch_threads": args.threads,
     }
