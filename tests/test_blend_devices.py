@@ -23,8 +23,8 @@ from kdn.blend import BlendConfig, Piece, blend
 from kdn.cache import KVCache
 from kdn.client import Client
 from kdn.layout import DType
-from kdn.model.hf import model_layout
 from kdn.model import hf
+from kdn.model.hf import model_layout
 from tests.test_blend import ids, tiny
 
 DEVICES = ["cpu", pytest.param("cuda", marks=[
@@ -156,3 +156,32 @@ def test_chunks_streamed_onto_the_device_blend_like_resident(client: Client,
         got = blend(model, streamed, BlendConfig(ratio=0.3))
     assert mode.strays == []
     assert got.kv.equal(want.kv) and torch.equal(got.logits, want.logits)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_blend_rpc_served_by_a_model_on_the_device(server_config: Any, device: str) -> None:
+    """A server hosting a model on ``device`` decodes stored chunks onto it and answers the
+    blend a local call computes."""
+    from kdn.blend.host import ModelBlender
+    from kdn.client.blend import RemotePiece
+    from kdn.keys import chunk_key
+    from kdn.server import ServerThread
+
+    dev = torch.device(device)
+    model = tiny("llama").to(dev)
+    pieces, chunks = _prompt(model, dev, torch.float32)
+    want = blend(model, pieces, BlendConfig(ratio=0.3))
+    layout = chunks[0].layout
+    with ServerThread(server_config) as st, Client(st.address, timeout_s=30) as c:
+        assert st.server is not None
+        st.server.servicer.blender = ModelBlender(model, None)
+        remote = []
+        for p in pieces:
+            if p.kv is None:
+                remote.append(RemotePiece(ids=p.ids))
+                continue
+            key = chunk_key(p.ids, layout)
+            c.store(key, chunks[len(remote) - 1])
+            remote.append(RemotePiece(ids=p.ids, key=key))
+        got = c.blend(remote, ratio=0.3)
+    assert got.equal(KVCache(layout, [(k.cpu(), v.cpu()) for k, v in want.kv.layers]))
