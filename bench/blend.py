@@ -1,6 +1,7 @@
 """Blending non-prefix RAG chunks on SmolLM2-135M: quality and TTFT against full prefill.
 
     python -m bench.blend [--quick] --out bench/results/blend.json
+    python -m bench.blend --gpu [--quick]       # TTFT at 8B shape on the device: bench.blend_gpu
 
 Data (SQuAD v1.1 dev): the paragraphs of a set of articles are joined, in article order, into
 chunks of about 512 tokens (consecutive paragraphs; a chunk closes once it reaches
@@ -53,6 +54,7 @@ import argparse
 import dataclasses
 import json
 import random
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -352,7 +354,15 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
 
 
 def main() -> None:
+    if "--gpu" in sys.argv[1:]:  # the device timing mode has options of its own
+        from bench.blend_gpu import main as gpu_main
+
+        gpu_main([a for a in sys.argv[1:] if a != "--gpu"])
+        return
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--gpu", action="store_true",
+                    help="time blending at 8B shape on the device instead (bench.blend_gpu; "
+                         "--gpu --help lists its options)")
     ap.add_argument("--quick", action="store_true", help="5 cases")
     ap.add_argument("--cases", type=int, default=50)
     ap.add_argument("--k", type=int, default=3, help="retrieved chunks besides the gold one")
