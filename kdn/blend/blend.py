@@ -19,7 +19,9 @@ Lifecycle of ``blend(model, pieces, config)``:
    - deviation (``query_share=0``, CacheBlend): layers ``< select_layer`` compute every
      token; at ``select_layer`` cached tokens are scored by how far their fresh K/V deviate
      from the stored (re-positioned) ones and the top ``ratio`` selected.
-   Each chunk's first ``head_tokens`` can be forced in either way.
+   Each chunk's first ``head_tokens`` can be forced in either way; when they fill the budget
+   (EPIC's rule: ``ratio=0, head_tokens=h``) the selection is known before layer 0 and
+   neither a first pass nor full layers run.
 3. the selected tokens and the uncached text (and always the prompt's last token) are computed
    through the remaining layers; their fresh K/V replace the stored ones and they attend over
    the whole context (stored K/V for everything else) with a causal mask. Text before the
@@ -31,6 +33,14 @@ Lifecycle of ``blend(model, pieces, config)``:
 
 The question rule is the default because it recomputes the tokens the answer reads, where
 deviation picks the tokens whose K/V moved (bench/README.md, blend, has the comparison).
+
+Devices: everything runs on the model's device, in the model's dtype. Token ids, positions,
+masks, RoPE angles and selections are made there from per-piece facts the host holds (no
+per-token Python, no tensor on a default device); stored chunks are copied in from wherever
+they lie (resident on the device, or streamed: a ``LayerStream`` opened with ``device=``) and
+re-positioned by one rotation per layer covering every chunk (each token by its chunk's
+shift). The selected rows attend through a causal plan built once per pass (``layer.causal``).
+``tests/test_blend_devices.py`` checks it, on a CPU with ``meta`` as the wrong default device.
 
 Pipelining: stored K/V of layer i are requested (``wait_for_layer(i)``) right before layer i
 needs them, so later layers keep arriving and decoding while earlier layers compute.
