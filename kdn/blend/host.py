@@ -35,7 +35,7 @@ from kdn.codec.format import Header, check_frame, parse_header, split_frames
 from kdn.errors import InvalidArgument, LayoutMismatch, NotFound
 from kdn.keys import check_key, check_namespace, chunk_key
 from kdn.layout import DType, KVLayout
-from kdn.model.hf import model_device, model_layout
+from kdn.model.hf import model_device, model_layout, place
 from kdn.v1 import kdn_pb2 as pb
 
 
@@ -89,11 +89,15 @@ class BlendJob:
 class ModelBlender:
     """Blends with ``model``/``tokenizer``, or with the model ``name`` loaded on first use."""
 
-    def __init__(self, model: Any = None, tokenizer: Any = None, *, name: str = "") -> None:
+    def __init__(self, model: Any = None, tokenizer: Any = None, *, name: str = "",
+                 device: torch.device | str | None = None) -> None:
         if model is None and not name:
             raise InvalidArgument("a ModelBlender needs a model or a model name")
         self._loaded: tuple[Any, Any] | None = (model, tokenizer) if model is not None else None
         self.name = name
+        self.device = torch.device(device) if device is not None else None
+        """Where a model loaded by name runs (None: CUDA when there is one, else the CPU);
+        chunks are decoded onto the model's device."""
         self.lock = threading.Lock()
 
     def model(self) -> tuple[Any, Any]:
@@ -101,7 +105,8 @@ class ModelBlender:
         if self._loaded is None:
             from kdn.model.models import load_model
 
-            self._loaded = load_model(self.name)
+            model, tok = load_model(self.name)
+            self._loaded = (place(model, self.device), tok)
         return self._loaded
 
     def plan(self, request: pb.BlendRequest,

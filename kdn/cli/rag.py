@@ -78,6 +78,7 @@ def _engine(ns: argparse.Namespace) -> Any:
 
 
 def _knowledge_base(ns: argparse.Namespace, client: Any, state: Path, settings: Any) -> Any:
+    from kdn.model.hf import place
     from kdn.model.models import load_model, quiet_transformers
     from kdn.rag.pipeline import KnowledgeBase, RagConfig, RagEngine
 
@@ -101,7 +102,7 @@ def _knowledge_base(ns: argparse.Namespace, client: Any, state: Path, settings: 
     _say(ns, f"loading {ns.model} ...")
     model, tok = load_model(ns.model)
     model.set_attn_implementation("sdpa")
-    model.to(_device(ns))  # type: ignore[arg-type]  # transformers types .to as a method wrapper
+    place(model, _device(ns))
     return KnowledgeBase(RagEngine(model, tok, client, RagConfig(**opts)), state)
 
 
@@ -109,7 +110,9 @@ def _device(ns: argparse.Namespace) -> Any:
     """Where the model runs: ``--device``, else CUDA when there is one, else the CPU."""
     import torch
 
-    device = torch.device(ns.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    from kdn.model.hf import default_device
+
+    device = torch.device(ns.device) if ns.device else default_device()
     if device.type == "cuda" and not torch.cuda.is_available():
         raise _UsageError(f"--device {ns.device}: this host has no CUDA device")
     return device
