@@ -25,7 +25,8 @@ TTFT over the resident one's. ``--quick`` (what CI runs on a CPU) uses a small r
 4 x 128 tokens, 2 runs.
 
 Rows: ``method``, ``selection``, ``ratio``, ``context_tokens``, ``chunks``, ``chunk_tokens``,
-``source``, ``ttft_s``, ``ttft_vs_full``, ``recomputed_tokens``, ``device``.
+``source``, ``ttft_s``, ``ttft_vs_full``, ``recomputed_tokens``, ``device``; a PNG of
+``ttft_vs_full`` beside the JSON.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from typing import Any
 
 import torch
 
-from bench.common import arg_parser, print_table, write_json
+from bench.common import arg_parser, figure, print_table, save_figure, write_json
 from bench.gpu import SHAPES, best_s, kdn_server, model_dtype, sync
 from kdn.blend import BlendConfig, Piece, blend
 from kdn.cache import KVCache
@@ -173,6 +174,29 @@ def measure(model: Any, prompt: Prompt, layout: KVLayout, client: Client | None,
     return rows
 
 
+def plot(rows: list[dict[str, Any]], path: Path) -> None:
+    """TTFT over full prefill per method, one group of bars per context and source."""
+    contexts = sorted({r["context_tokens"] for r in rows})
+    fig, axes = figure(6 * len(contexts), 4, ncols=len(contexts))
+    axes = axes if hasattr(axes, "__len__") else [axes]
+    for ax, ctx in zip(axes, contexts):
+        mine = [r for r in rows if r["context_tokens"] == ctx and r["method"] != "full-prefill"]
+        names = list(dict.fromkeys(r["selection"] or r["method"] for r in mine))
+        sources = list(dict.fromkeys(r["source"] for r in mine))
+        width = 0.8 / max(1, len(sources))
+        for j, src in enumerate(sources):
+            got = {r["selection"] or r["method"]: r["ttft_vs_full"] for r in mine
+                   if r["source"] == src}
+            ax.bar([i + j * width for i in range(len(names))],
+                   [got.get(n, 0.0) for n in names], width, label=src)
+        ax.set_xticks([i + width * (len(sources) - 1) / 2 for i in range(len(names))], names)
+        ax.axhline(1.0, color="g", ls="--", label="full prefill")
+        ax.set_ylabel("TTFT / full prefill")
+        ax.set_title(f"{ctx} tokens ({rows[0]['device']})")
+        ax.legend(fontsize=8)
+    save_figure(fig, path)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = arg_parser(__doc__, "blend_gpu", "small random shape, 4 x 128 tokens, 2 runs (CPU ok)")
     ap.prog = "python -m bench.blend --gpu"
@@ -226,6 +250,7 @@ def main(argv: list[str] | None = None) -> None:
                        complete=False, config=_config(args, shape, dtype, runs, ram))
     write_json(args.out, "blend_gpu", rows, device=_device_name(device), complete=True,
                config=_config(args, shape, dtype, runs, ram))
+    plot(rows, args.out.with_suffix(".png"))
     print_table(rows, COLUMNS)
     sync(device)
 

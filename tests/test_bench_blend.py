@@ -103,3 +103,4 @@ def test_bench_blend_gpu_quick_writes_its_report(tmp_path):
         assert r["ttft_vs_full"] == pytest.approx(r["ttft_s"] / full["ttft_s"])
         want = 0 if r["method"] == "naive" else round(0.15 * 512)
         assert abs(r["recomputed_tokens"] - want) <= 4  # chunk heads round per chunk
+    assert out.with_suffix(".png").exists()
