@@ -82,6 +82,7 @@ def _knowledge_base(ns: argparse.Namespace, client: Any, state: Path, settings: 
     from kdn.model.models import load_model, quiet_transformers
     from kdn.rag.pipeline import KnowledgeBase, RagConfig, RagEngine
 
+    device = _device(ns)  # before the model loads
     opts: dict[str, Any] = {}
     if settings is not None and ns.cmd_rag != "ingest":
         opts = dict(namespace=settings.namespace, target_tokens=settings.target_tokens,
@@ -102,7 +103,7 @@ def _knowledge_base(ns: argparse.Namespace, client: Any, state: Path, settings: 
     _say(ns, f"loading {ns.model} ...")
     model, tok = load_model(ns.model)
     model.set_attn_implementation("sdpa")
-    place(model, _device(ns))
+    place(model, device)
     return KnowledgeBase(RagEngine(model, tok, client, RagConfig(**opts)), state)
 
 
