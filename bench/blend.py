@@ -1,6 +1,7 @@
 """Blending non-prefix RAG chunks on SmolLM2-135M: quality and TTFT against full prefill.
 
     python -m bench.blend [--quick] --out bench/results/blend.json
+    python -m bench.blend --gpu [--quick]       # TTFT at 8B shape on the device: bench.blend_gpu
 
 Data (SQuAD v1.1 dev): the paragraphs of a set of articles are joined, in article order, into
 chunks of about 512 tokens (consecutive paragraphs; a chunk closes once it reaches
@@ -25,7 +26,10 @@ Methods, all in one run on the same model (SDPA attention for every method):
   (``selection`` ``question``: the cached tokens the question attends to most in a
   no-recompute first pass, ``--query-share 1``), and at each ratio in ``--deviation-ratios``
   with CacheBlend's selection alone (``selection`` ``deviation``: largest K/V deviation at
-  ``--select-layer``), so the two are compared in the same run.
+  ``--select-layer``), so the two are compared in the same run, and at each ratio in
+  ``--head-ratios`` with EPIC's rule alone (``selection`` ``chunk-head``: each chunk's first
+  ``ratio`` x mean-chunk-length tokens, no scoring pass; ``recomputed_ratio`` says the share
+  it came to).
 
 Per method: ``ttft_s`` (mean prompt-to-first-token wall seconds), ``ttft_vs_full`` (mean
 per-case ratio to that case's full prefill), ``ttft_cpu_s``/``cpu_vs_full`` (the same in process
@@ -50,6 +54,7 @@ import argparse
 import dataclasses
 import json
 import random
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -167,6 +172,8 @@ class Outcome:
     logits: torch.Tensor
     cpu_s: float = 0.0
     """Process CPU seconds of the same span (steadier than wall time on a shared machine)."""
+    recomputed: float = 1.0
+    """Fraction of the cached tokens computed (1 for a prefill, 0 for naive concatenation)."""
 
 
 class Clock:
@@ -219,20 +226,28 @@ def prefix_only(model: Any, ids: list[int], prefix: KVCache, layout: KVLayout) -
 
 
 def blended(model: Any, pieces: list[Piece], ratio: float, cfg: BlendConfig,
-            **change: float) -> Outcome:
+            **change: Any) -> Outcome:
     """kdn.blend at ``ratio`` with ``cfg``'s other settings, less the ones in ``change``."""
     clock = Clock()
     r = blend(model, pieces, dataclasses.replace(cfg, ratio=ratio, **change))
     int(r.logits.argmax())
     wall, cpu = clock.stop()
-    return Outcome(wall, r.kv, r.logits, cpu)
+    share = r.timings.recomputed_tokens / max(1, r.timings.cached_tokens)
+    return Outcome(wall, r.kv, r.logits, cpu, share)
+
+
+def head_tokens_for(pieces: list[Piece], ratio: float) -> int:
+    """Tokens per chunk head that make ``ratio`` of the prompt's cached tokens (EPIC's rule:
+    recompute each chunk's first tokens only)."""
+    sizes = [len(p.ids) for p in pieces if p.kv is not None]
+    return max(1, round(ratio * sum(sizes) / len(sizes)))
 
 
 def run_methods(model: Any, tok: Any, ids: list[int], pieces: list[Piece], layout: KVLayout,
                 ratios: list[float], deviation_ratios: list[float], cfg: BlendConfig,
                 prefix_tokens: int, answer: list[int], stop: set[int],
-                corrected: tuple[list[float], float, float] = ([], 0.0, 0.0)
-                ) -> dict[str, dict[str, Any]]:
+                corrected: tuple[list[float], float, float] = ([], 0.0, 0.0),
+                head_ratios: tuple[float, ...] = ()) -> dict[str, dict[str, Any]]:
     """Every method on one prompt: {name: {ttft, nll, agree, text}}."""
     full = full_prefill(model, ids, layout)
     outcomes = {"full-prefill": full}
@@ -243,6 +258,9 @@ def run_methods(model: Any, tok: Any, ids: list[int], pieces: list[Piece], layou
         outcomes[f"blend@{r}"] = blended(model, pieces, r, cfg)
     for r in deviation_ratios:
         outcomes[f"blend@{r}/deviation"] = blended(model, pieces, r, cfg, query_share=0.0)
+    for r in head_ratios:  # chunk heads alone (ratio 0: nothing besides the heads)
+        outcomes[f"blend@{r}/chunk-head"] = blended(
+            model, pieces, 0.0, cfg, head_tokens=head_tokens_for(pieces, r), per_chunk=False)
     for r in corrected[0]:
         outcomes[f"blend@{r}/corrected"] = blended(model, pieces, r, cfg, correct_k=corrected[1],
                                                    correct_v=corrected[2])
@@ -255,7 +273,8 @@ def run_methods(model: Any, tok: Any, ids: list[int], pieces: list[Piece], layou
         full_gen = full_gen or gen
         text = tok.decode([t for t in gen if t not in stop], skip_special_tokens=True)
         results[name] = {"ttft": out.ttft_s, "cpu": out.cpu_s, "nll": nll, "kl": kl,
-                         "agree": agreement(gen, full_gen), "text": text}
+                         "agree": agreement(gen, full_gen), "text": text,
+                         "recomputed": out.recomputed}
     return results
 
 
@@ -294,6 +313,8 @@ def summarize(per: dict[str, list[dict[str, float]]], selection: str = "question
             "ratio": float(ratio) if ratio else (0.0 if method == "naive-concat" else 1.0),
             "selection": (sel or selection) if method == "blend" else "",
             "cases": n,
+            "recomputed_ratio": (sum(c["recomputed"] for c in cases) / n
+                                 if all("recomputed" in c for c in cases) else None),
             "ttft_s": sum(c["ttft"] for c in cases) / n,
             "ttft_vs_full": sum(c["ttft"] / full[c["case"]]["ttft"] for c in cases) / n,
             "ttft_cpu_s": sum(c["cpu"] for c in cases) / n,
@@ -333,7 +354,15 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
 
 
 def main() -> None:
+    if "--gpu" in sys.argv[1:]:  # the device timing mode has options of its own
+        from bench.blend_gpu import main as gpu_main
+
+        gpu_main([a for a in sys.argv[1:] if a != "--gpu"])
+        return
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--gpu", action="store_true",
+                    help="time blending at 8B shape on the device instead (bench.blend_gpu; "
+                         "--gpu --help lists its options)")
     ap.add_argument("--quick", action="store_true", help="5 cases")
     ap.add_argument("--cases", type=int, default=50)
     ap.add_argument("--k", type=int, default=3, help="retrieved chunks besides the gold one")
@@ -343,6 +372,9 @@ def main() -> None:
     ap.add_argument("--ratios", default="0.05,0.1,0.15,0.2,0.3")
     ap.add_argument("--deviation-ratios", default="0.15",
                     help="ratios also run with deviation-only selection ('' for none)")
+    ap.add_argument("--head-ratios", default="0.15",
+                    help="ratios also run with EPIC's chunk-head rule (selection 'chunk-head': "
+                         "each chunk's first ratio x mean-chunk tokens, nothing else; '' none)")
     ap.add_argument("--corrected-ratios", default="",
                     help="ratios also run with the stale-token correction (selection "
                          "'corrected': --correct-k/--correct-v on top of the --ratios rule)")
@@ -368,6 +400,7 @@ def main() -> None:
     n_cases = 5 if args.quick else args.cases
     ratios = [float(r) for r in args.ratios.split(",")]
     deviation_ratios = [float(r) for r in args.deviation_ratios.split(",") if r.strip()]
+    head_ratios = tuple(float(r) for r in args.head_ratios.split(",") if r.strip())
     corrected = ([float(r) for r in args.corrected_ratios.split(",") if r.strip()],
                  args.correct_k, args.correct_v)
     cfg = BlendConfig(select_layer=args.select_layer, head_tokens=args.head_tokens,
@@ -406,7 +439,8 @@ def main() -> None:
         with_prefix = len(head) + len(chunks[case.chunks[0]].ids) if ci < args.prefix_cases \
             else 0
         for name, res in run_methods(model, tok, ids, pieces, layout, ratios, deviation_ratios,
-                                     cfg, with_prefix, answer, stop, corrected).items():
+                                     cfg, with_prefix, answer, stop, corrected,
+                                     head_ratios).items():
             per.setdefault(name, []).append({"case": ci, "f1": f1(res.pop("text"),
                                                                    case.answers), **res})
         rows = summarize(per, selection)
@@ -420,8 +454,8 @@ def main() -> None:
     print_table(rows, COLUMNS)
 
 
-COLUMNS = ["method", "ratio", "selection", "cases", "ttft_s", "ttft_vs_full", "ttft_cpu_s",
-           "cpu_vs_full", "answer_nll", "nll_gap", "nll_gap_pct", "nll_gap_pct_lo",
+COLUMNS = ["method", "ratio", "selection", "cases", "recomputed_ratio", "ttft_s", "ttft_vs_full",
+           "ttft_cpu_s", "cpu_vs_full", "answer_nll", "nll_gap", "nll_gap_pct", "nll_gap_pct_lo",
            "nll_gap_pct_hi", "first_token_kl", "f1", "agreement_with_full"]
 
 
@@ -454,8 +488,8 @@ def _config(args: argparse.Namespace, n_cases: int, chunks: list[Chunk], prompt_
         "select_layer": cfg.select_layer, "head_tokens": cfg.head_tokens,
         "per_chunk": cfg.per_chunk, "query_share": cfg.query_share,
         "attention_from": cfg.attention_from,
-        "corrected_ratios": args.corrected_ratios, "correct_k": args.correct_k,
-        "correct_v": args.correct_v,
+        "head_ratios": args.head_ratios, "corrected_ratios": args.corrected_ratios,
+        "correct_k": args.correct_k, "correct_v": args.correct_v,
         "max_new_tokens": MAX_NEW, "seed": args.seed,
         "torch_threads": args.threads,
     }

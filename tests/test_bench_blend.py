@@ -73,3 +73,34 @@ def test_resummarize_refuses_a_file_without_per_case_data(tmp_path):
     with pytest.raises(SystemExit, match="no per_case"):
         resummarize(path)
     assert json.loads(path.read_text()) == {"benchmark": "blend", "rows": []}
+
+
+def test_bench_blend_gpu_quick_writes_its_report(tmp_path):
+    """``bench.blend --gpu --quick`` runs on a CPU end to end (a real kdn server process, chunks
+    resident and streamed, every selection rule) and writes the issue's row fields."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = tmp_path / "blend_gpu.json"
+    run = subprocess.run([sys.executable, "-m", "bench.blend", "--gpu", "--quick", "--out",
+                          str(out)], cwd=Path(__file__).resolve().parents[1],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["complete"] and report["device"]
+    rows = report["rows"]
+    for r in rows:
+        assert set(r) >= {"method", "selection", "ratio", "context_tokens", "chunks", "source",
+                          "ttft_s", "ttft_vs_full", "device"}
+        assert r["ttft_s"] > 0 and r["context_tokens"] == 16 + 4 * 128 + 32
+    full = next(r for r in rows if r["method"] == "full-prefill")
+    blends = [r for r in rows if r["method"] != "full-prefill"]
+    assert {(r["method"], r["selection"], r["source"]) for r in blends} == {
+        (m, s, src) for m, s in [("naive", ""), ("blend", "question"), ("blend", "deviation"),
+                                 ("blend", "chunk-head")] for src in ("resident", "streamed")}
+    for r in blends:
+        assert r["ttft_vs_full"] == pytest.approx(r["ttft_s"] / full["ttft_s"])
+        want = 0 if r["method"] == "naive" else round(0.15 * 512)
+        assert abs(r["recomputed_tokens"] - want) <= 4  # chunk heads round per chunk
+    assert out.with_suffix(".png").exists()

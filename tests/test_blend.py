@@ -454,3 +454,37 @@ def test_continuation_matches_transformers(family: str) -> None:
             cache = o.past_key_values
             want.append(int(o.logits[0, -1].argmax()))
     assert hf.greedy(Continuation(model, kv, room=6), logits, 6) == want
+
+
+@pytest.mark.parametrize("share", [1.0, 0.0])
+def test_chunk_heads_alone_need_no_scoring_pass(share: float) -> None:
+    """EPIC's rule (ratio 0, head tokens): each chunk's first tokens are recomputed, selected
+    before layer 0 with one pass through the layers (no question pass, no full layers)."""
+    model = tiny("llama")
+    layout = model_layout(model, DType.FLOAT32)
+    pieces, all_ids, _ = prompt(model, layout)
+    calls = []
+    hooks = [layer.self_attn.q_proj.register_forward_hook(
+        lambda mod, args, out: calls.append(int(args[0].shape[-2])))
+        for layer in model.model.layers]
+    try:
+        heads = blend(model, pieces, BlendConfig(ratio=0.0, head_tokens=3, query_share=share))
+        heads_rows = list(calls)
+        calls.clear()
+        blend(model, pieces, BlendConfig(ratio=0.2, head_tokens=3, query_share=share))
+    finally:
+        for h in hooks:
+            h.remove()
+    starts = (9, 32, 49)  # the chunks' first positions
+    assert heads.recomputed.tolist() == [s + j for s in starts for j in range(3)]
+    # one pass, every layer computing only the text (9 + 6 tokens) and the 9 head tokens
+    assert heads_rows == [24] * len(model.model.layers)
+    assert sum(calls) > sum(heads_rows)  # a rule that scores computes more rows
+    full, _ = prefill(model, all_ids, layout)
+    naive = blend(model, pieces, BlendConfig(ratio=0.0)).kv
+
+    def err(kv: KVCache) -> float:
+        return sum(float((a[1] - b[1]).norm()) for a, b in zip(kv.layers, full.layers))
+
+    assert err(heads.kv) < err(naive)
+    assert heads.timings.recomputed_tokens == 9

@@ -148,6 +148,8 @@ def test_options_anywhere_and_typed_json(live: tuple[ServerThread, str],
      "has no level 'l2'"),
     (["rag", "ingest", "README.md", "--state", "{tmp}", "--model", "org/some-model"], 2,
      "is neither 'smollm2-135m'"),
+    (["rag", "ingest", "README.md", "--state", "{tmp}", "--device", "gpu0"], 2,
+     "--device 'gpu0' is not a device"),
     (["serve", "--port", "99999"], 2, "port"),
     (["serve", "--model", "org/some-model"], 2, "is neither 'smollm2-135m'"),
 ])

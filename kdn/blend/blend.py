@@ -19,7 +19,9 @@ Lifecycle of ``blend(model, pieces, config)``:
    - deviation (``query_share=0``, CacheBlend): layers ``< select_layer`` compute every
      token; at ``select_layer`` cached tokens are scored by how far their fresh K/V deviate
      from the stored (re-positioned) ones and the top ``ratio`` selected.
-   Each chunk's first ``head_tokens`` can be forced in either way.
+   Each chunk's first ``head_tokens`` can be forced in either way; when they fill the budget
+   (EPIC's rule: ``ratio=0, head_tokens=h``) the selection is known before layer 0 and
+   neither a first pass nor full layers run.
 3. the selected tokens and the uncached text (and always the prompt's last token) are computed
    through the remaining layers; their fresh K/V replace the stored ones and they attend over
    the whole context (stored K/V for everything else) with a causal mask. Text before the
@@ -31,6 +33,14 @@ Lifecycle of ``blend(model, pieces, config)``:
 
 The question rule is the default because it recomputes the tokens the answer reads, where
 deviation picks the tokens whose K/V moved (bench/README.md, blend, has the comparison).
+
+Devices: everything runs on the model's device, in the model's dtype. Token ids, positions,
+masks, RoPE angles and selections are made there from per-piece facts the host holds (no
+per-token Python, no tensor on a default device); stored chunks are copied in from wherever
+they lie (resident on the device, or streamed: a ``LayerStream`` opened with ``device=``) and
+re-positioned by one rotation per layer covering every chunk (each token by its chunk's
+shift). The selected rows attend through a causal plan built once per pass (``layer.causal``).
+``tests/test_blend_devices.py`` checks it, on a CPU with ``meta`` as the wrong default device.
 
 Pipelining: stored K/V of layer i are requested (``wait_for_layer(i)``) right before layer i
 needs them, so later layers keep arriving and decoding while earlier layers compute.
@@ -51,8 +61,8 @@ from typing import Any, Protocol
 import torch
 
 from kdn.blend import layer as blk
-from kdn.blend.rope import RopePlan, apply_rope, reposition, rope_plan
-from kdn.blend.select import deviation, select_tokens
+from kdn.blend.rope import RopePlan, apply_rope, cos_sin, reposition, rope_plan
+from kdn.blend.select import budget, deviation, select_tokens
 from kdn.cache import KVCache, LayerKV
 from kdn.errors import InvalidArgument, InvalidLayout, LayoutMismatch
 from kdn.layout import KVLayout
@@ -216,99 +226,113 @@ def blend(model: Any, pieces: list[Piece], config: BlendConfig | None = None) ->
     if cfg.selects and cfg.select_layer >= n_layers:
         raise InvalidArgument(f"select_layer {cfg.select_layer} >= {n_layers} layers")
 
-    # -- positions ------------------------------------------------------------------------------
-    ids = torch.tensor([t for p in pieces for t in p.ids])  # [n]
-    n = int(ids.numel())
-    cached = torch.zeros(n, dtype=torch.bool)
+    # -- positions (host: per piece, never per token; device: the model's) ----------------------
+    dev = m.embed.weight.device
+    n = sum(len(p.ids) for p in pieces)
+    ranges: list[tuple[int, int, LayerSource, int]] = []  # chunk: [start, stop), source, shift
     spans: list[tuple[int, int]] = []  # each chunk's [start, stop) among cached tokens
-    offsets: list[int] = []
     pos, seen = 0, 0
     for p in pieces:
         if p.source is not None:
-            cached[pos : pos + len(p.ids)] = True
+            ranges.append((pos, pos + len(p.ids), p.source, pos - p.start_position))
             spans.append((seen, seen + len(p.ids)))
             seen += len(p.ids)
-        offsets.append(pos)
         pos += len(p.ids)
-    cached_pos = cached.nonzero().flatten()  # [cached]
+    ids = torch.tensor([t for p in pieces for t in p.ids], dtype=torch.long, device=dev)  # [n]
+    cached_pos = torch.cat([torch.arange(a, b, device=dev) for a, b, _, _ in ranges]) \
+        if ranges else torch.empty(0, dtype=torch.long, device=dev)  # [cached]
     chunk_positions = [cached_pos[a:b] for a, b in spans]
-    always = (~cached).clone()
-    always[-1] = True  # the last token's hidden state gives the logits
+    always = torch.ones(n, dtype=torch.bool, device=dev)  # uncached text, and the last token
+    for a, b, _, _ in ranges:  # (its hidden state gives the logits)
+        always[a:b] = False
+    always[-1] = True
+    question = torch.zeros(n, dtype=torch.bool, device=dev)  # uncached tokens after the last
+    question[ranges[-1][1] if ranges else 0 :] = True  # chunk, and the last token
+    question[-1] = True
 
-    h = m.embed(ids.to(m.embed.weight.device))  # [n, hidden]
-    positions = torch.arange(n, device=h.device)
+    h = m.embed(ids)  # [n, hidden]
+    positions = torch.arange(n, device=dev)
     cos, sin = m.rotary(h[None], positions[None])  # [1, n, rotary_dim]
     cos, sin = cos[0], sin[0]
-    freqs = m.rotary.inv_freq.detach().to("cpu", torch.float64)
     rotary_dim = int(cos.shape[-1])
-    plans = [rope_plan(lay.k_kept, lay.k_channels, rotary_dim) for lay in layout.layers]
+    plans = [rope_plan(lay.k_kept, lay.k_channels, rotary_dim, device=dev)
+             for lay in layout.layers]
     shapes = [blk.LayerShape(m.heads, lay.kv_heads, lay.k_channels, lay.v_channels)
               for lay in layout.layers]
+    # every chunk's stored keys move by its shift: one rotation per layer for all of them
+    shift = torch.zeros(n, dtype=torch.long, device=dev)  # [n] positions each key moves by
+    for a, b, _, d in ranges:
+        shift[a:b] = d
+    moved = any(d != 0 for _, _, _, d in ranges)
+    freqs = m.rotary.inv_freq.detach().to(dev, torch.float64)
+    move_cos, move_sin = (t.to(m.dtype) for t in cos_sin(shift, freqs))  # [n, rotary_dim]
 
     timings = BlendTimings(cached_tokens=int(cached_pos.numel()))
-    question = torch.zeros(n, dtype=torch.bool)  # uncached tokens after the last chunk
-    question[int(cached_pos[-1]) + 1 if cached_pos.numel() else 0 :] = True
-    question[-1] = True
 
     def stored(i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer i's K/V for all n tokens: stored chunks re-positioned, zeros for text."""
         tw = time.perf_counter()
-        ks, vs = [], []
         lay = layout.layers[i]
-        for p, off in zip(pieces, offsets):
-            src = p.source
-            if src is None:
-                ks.append(torch.zeros(lay.kv_heads, len(p.ids), lay.k_channels, dtype=m.dtype))
-                vs.append(torch.zeros(lay.kv_heads, len(p.ids), lay.v_channels, dtype=m.dtype))
-                continue
+        # k: [kv_heads, n, k_ch], v: [kv_heads, n, v_ch], in the model's dtype on its device
+        k_all = torch.zeros(lay.kv_heads, n, lay.k_channels, dtype=m.dtype, device=dev)
+        v_all = torch.zeros(lay.kv_heads, n, lay.v_channels, dtype=m.dtype, device=dev)
+        for a, b, src, _ in ranges:
             k, v = src.wait_for_layer(i)
-            k, v = k.to(h.device, m.dtype), v.to(h.device, m.dtype)
-            ks.append(reposition(k, off - p.start_position, freqs, plans[i]))
-            vs.append(v)
+            k_all[:, a:b].copy_(k)  # from wherever the chunk lies, in whatever dtype
+            v_all[:, a:b].copy_(v)
+        if moved:
+            k_all = apply_rope(k_all, move_cos, move_sin, plans[i])
         timings.wait_s += time.perf_counter() - tw
-        # k: [kv_heads, n, k_ch], v: [kv_heads, n, v_ch]
-        return torch.cat(ks, dim=1).to(h.device), torch.cat(vs, dim=1).to(h.device)
+        return k_all, v_all
 
     def text_pass(rows: torch.Tensor, placed: list[tuple[torch.Tensor, torch.Tensor]]
                   ) -> torch.Tensor:
         """Naive concatenation: only ``rows`` computed, over the re-positioned stored K/V of
         every layer (appended to ``placed``). Returns the question's summed attention over
         all layers [n]."""
-        attention = torch.zeros(n)
+        attention = torch.zeros(n, device=dev)
         first = min(cfg.attention_from, n_layers - 1)  # the last layer's queries are not
         counted = (first, max(n_layers - 1, first + 1))  # worth their cost, unless alone
         x = h[rows]
         on_question = question[rows]
+        q_rows = rows[on_question]
+        mask = blk.causal(rows)  # planned once, every layer attends through it
         for i, layer in enumerate(m.layers):
             k_all, v_all = stored(i)
             q, k, v = blk.project_qkv(layer, x, shapes[i], cos[rows], sin[rows], plans[i])
             k_all[:, rows], v_all[:, rows] = k, v
             if counted[0] <= i < counted[1]:
-                attention += question_attention(layer, q[:, on_question], k_all,
-                                                rows[on_question])
-            x = blk.finish(layer, x, blk.attend(layer, q, k_all, v_all, rows))
+                attention += question_attention(layer, q[:, on_question], k_all, q_rows)
+            x = blk.finish(layer, x, blk.attend(layer, q, k_all, v_all, mask))
             placed.append((k_all, v_all))
         return attention
 
     fixed = always.nonzero().flatten()
     placed: list[tuple[torch.Tensor, torch.Tensor]] = []
-    recomputed = torch.empty(0, dtype=torch.long)
+    recomputed = torch.empty(0, dtype=torch.long, device=dev)
     rows: torch.Tensor | None = None
     scores: torch.Tensor | None = None
-    if cfg.selects and cfg.query_share > 0:  # the question's attention needs a first pass
-        scores = text_pass(fixed, placed)[cached_pos]
+    heads = sum(min(cfg.head_tokens, b - a) for a, b in spans)
+    heads_only = cfg.head_tokens > 0 and (
+        all(budget(cfg.ratio, b - a) <= min(cfg.head_tokens, b - a) for a, b in spans)
+        if cfg.per_chunk else budget(cfg.ratio, int(cached_pos.numel())) <= heads)
+    if cfg.selects and cfg.query_share > 0 and not heads_only:  # the question's attention
+        scores = text_pass(fixed, placed)[cached_pos]  # needs a first pass
         # text before the first chunk sees no chunk: the pass computed its K/V exactly
-        always[: int(cached_pos[0]) if cached_pos.numel() else 0] = False
+        always[: ranges[0][0] if ranges else 0] = False
     if not cfg.selects:
         rows = fixed
-    elif cfg.query_share >= 1:  # selection known before layer 0
-        assert scores is not None
+    elif cfg.query_share >= 1 or heads_only:  # selection known before layer 0
+        if scores is None:  # chunk heads fill the budget: no scores needed (EPIC)
+            scores = torch.zeros(int(cached_pos.numel()), device=dev)
         chosen = select_tokens(scores, spans, cfg.ratio, per_chunk=cfg.per_chunk,
                                head_tokens=cfg.head_tokens)
         recomputed = cached_pos[chosen]
         rows = _union(always, recomputed)
+    mask: blk.Causal | None = None  # None: every row, plain causal attention
     if rows is not None:
         h = h[rows]
+        mask = blk.causal(rows) if rows.numel() < n else None
     out_layers: list[LayerKV] = []
 
     for i, layer in enumerate(m.layers):
@@ -320,22 +344,22 @@ def blend(model: Any, pieces: list[Piece], config: BlendConfig | None = None) ->
         k_all, v_all = placed[i] if placed else stored(i)
         if rows is None:  # the selection layer: h still covers every token
             q, k, v = blk.project_qkv(layer, h, shapes[i], cos, sin, plans[i])
-            dev = deviation(k[:, cached_pos], k_all[:, cached_pos],
-                            v[:, cached_pos], v_all[:, cached_pos])
+            moved_by = deviation(k[:, cached_pos], k_all[:, cached_pos],
+                                 v[:, cached_pos], v_all[:, cached_pos])
             if scores is not None:
-                dev = mix(dev, scores, cfg.query_share, cfg.ratio)
-            chosen = select_tokens(dev, spans, cfg.ratio, per_chunk=cfg.per_chunk,
+                moved_by = mix(moved_by, scores, cfg.query_share, cfg.ratio)
+            chosen = select_tokens(moved_by, spans, cfg.ratio, per_chunk=cfg.per_chunk,
                                    head_tokens=cfg.head_tokens)
             recomputed = cached_pos[chosen]
             rows = _union(always, recomputed)
+            mask = blk.causal(rows) if rows.numel() < n else None
             q, k, v, h = q[:, rows], k[:, rows], v[:, rows], h[rows]
         else:
             q, k, v = blk.project_qkv(layer, h, shapes[i], cos[rows], sin[rows], plans[i])
         if (cfg.correct_k or cfg.correct_v) and rows.numel() < n:
             correct_stale(cfg, k_all, v_all, k, v, rows, chunk_positions, cos, sin, plans[i])
         k_all[:, rows], v_all[:, rows] = k, v
-        q_pos = None if rows.numel() == n else rows  # every row: plain causal attention
-        h = blk.finish(layer, h, blk.attend(layer, q, k_all, v_all, q_pos))
+        h = blk.finish(layer, h, blk.attend(layer, q, k_all, v_all, mask))
         out_layers.append((k_all, v_all))
 
     logits = m.logits(h[-1:])[0]  # [vocab]
@@ -354,10 +378,10 @@ def correct_stale(cfg: BlendConfig, k_all: torch.Tensor, v_all: torch.Tensor,
     change recomputation made to the chunk's tokens in ``rows`` (its first token, the sink of
     a chunk computed alone, left out of the mean). Must run before the fresh ``k``/``v``
     ([kv_heads, rows, ch]) overwrite ``k_all``/``v_all`` [kv_heads, n, ch]."""
-    fresh_mask = torch.zeros(k_all.shape[1], dtype=torch.bool)
+    fresh_mask = torch.zeros(k_all.shape[1], dtype=torch.bool, device=k_all.device)
     fresh_mask[rows] = True
-    row_of = torch.full((k_all.shape[1],), -1, dtype=torch.long)
-    row_of[rows] = torch.arange(rows.numel())
+    row_of = torch.full((k_all.shape[1],), -1, dtype=torch.long, device=k_all.device)
+    row_of[rows] = torch.arange(rows.numel(), device=k_all.device)
     for pos in chunks:
         fresh = pos[1:][fresh_mask[pos[1:]]]
         stale = pos[~fresh_mask[pos]]
@@ -391,7 +415,7 @@ def question_attention(layer: Any, q: torch.Tensor, k: torch.Tensor, q_pos: torc
     logits = (q @ kk.transpose(1, 2)).float() * float(layer.self_attn.scaling)  # [h, rows, ctx]
     ctx = torch.arange(k.shape[1], device=q.device)
     logits.masked_fill_(~(q_pos[:, None] >= ctx[None, :])[None], float("-inf"))
-    return logits.softmax(-1).mean(dim=(0, 1)).cpu()
+    return logits.softmax(-1).mean(dim=(0, 1))
 
 
 def mix(deviation_scores: torch.Tensor, query_scores: torch.Tensor, share: float,

@@ -39,8 +39,11 @@ class ChunkConnector(KVConnector):
     start_position = 0
 
     def __init__(self, client: Client, layout: KVLayout, namespace: str, *,
-                 mode: str = "lossless", level: str = "") -> None:
+                 mode: str = "lossless", level: str = "",
+                 device: torch.device | str | None = None) -> None:
         self.client = client
+        self.device = device
+        """Where loaded layers land (the model's device: a GPU blend gets them there)."""
         self._layout = layout
         self.namespace = namespace
         self.mode, self.level = mode, level
@@ -72,7 +75,7 @@ class ChunkConnector(KVConnector):
         self.ids = [int(t) for t in token_ids]
         self.key = self.key_of(self.ids)
         self.stream = self.client.retrieve_stream(self.key, namespace=self.namespace,
-                                                  layout=self.layout)
+                                                  layout=self.layout, device=self.device)
         return len(self.ids) if self.stream is not None else 0
 
     def wait_for_layer(self, i: int, timeout: float | None = None) -> LayerKV:

@@ -44,7 +44,9 @@ class Continuation:
             self.k.append(kb)
             self.v.append(vb)
         rotary_dim = int(self.m.rotary.inv_freq.numel() * 2)
-        self.plans = [rope_plan(lay.k_kept, lay.k_channels, rotary_dim) for lay in layout.layers]
+        device = self.k[0].device if self.k else None
+        self.plans = [rope_plan(lay.k_kept, lay.k_channels, rotary_dim, device=device)
+                      for lay in layout.layers]
         self.shapes = [blk.LayerShape(self.m.heads, lay.kv_heads, lay.k_channels, lay.v_channels)
                        for lay in layout.layers]
 

@@ -25,6 +25,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from kdn import codec
 from kdn.blend.blend import BlendConfig, Piece, blend
 from kdn.blend.key import combination_key
@@ -33,17 +35,17 @@ from kdn.codec.format import Header, check_frame, parse_header, split_frames
 from kdn.errors import InvalidArgument, LayoutMismatch, NotFound
 from kdn.keys import check_key, check_namespace, chunk_key
 from kdn.layout import DType, KVLayout
-from kdn.model.hf import model_layout
+from kdn.model.hf import model_device, model_layout, place
 from kdn.v1 import kdn_pb2 as pb
 
 
 class StoredChunk:
     """A stored entry as a blend ``LayerSource``: frame f is decoded when a layer in it is asked."""
 
-    def __init__(self, value: bytes) -> None:
+    def __init__(self, value: bytes, device: torch.device | str | None = None) -> None:
         self.header: Header = parse_header(value)
         self.frames = list(split_frames(value, len(self.header.raw)))
-        self.decoder = codec.StreamDecoder(self.header)
+        self.decoder = codec.StreamDecoder(self.header, device)  # layers land on ``device``
         self._frame_of = {span.first_layer + j: f for f, span in
                           enumerate(self.header.entry.frames) for j in range(span.num_layers)}
         self._layers: dict[int, LayerKV] = {}
@@ -87,11 +89,15 @@ class BlendJob:
 class ModelBlender:
     """Blends with ``model``/``tokenizer``, or with the model ``name`` loaded on first use."""
 
-    def __init__(self, model: Any = None, tokenizer: Any = None, *, name: str = "") -> None:
+    def __init__(self, model: Any = None, tokenizer: Any = None, *, name: str = "",
+                 device: torch.device | str | None = None) -> None:
         if model is None and not name:
             raise InvalidArgument("a ModelBlender needs a model or a model name")
         self._loaded: tuple[Any, Any] | None = (model, tokenizer) if model is not None else None
         self.name = name
+        self.device = torch.device(device) if device is not None else None
+        """Where a model loaded by name runs (None: CUDA when there is one, else the CPU);
+        chunks are decoded onto the model's device."""
         self.lock = threading.Lock()
 
     def model(self) -> tuple[Any, Any]:
@@ -99,7 +105,8 @@ class ModelBlender:
         if self._loaded is None:
             from kdn.model.models import load_model
 
-            self._loaded = load_model(self.name)
+            model, tok = load_model(self.name)
+            self._loaded = (place(model, self.device), tok)
         return self._loaded
 
     def plan(self, request: pb.BlendRequest,
@@ -138,7 +145,7 @@ class ModelBlender:
             value = read_chunk(check_key(p.chunk_key))
             if value is None:
                 raise NotFound(f"piece {j}: no chunk {p.chunk_key.hex()} in {ns!r}")
-            src = StoredChunk(value)
+            src = StoredChunk(value, model_device(model))
             if src.layout.model_fingerprint != fingerprint:
                 raise LayoutMismatch(f"piece {j}: chunk belongs to model "
                                      f"{src.layout.model_fingerprint}, this server runs "

@@ -55,40 +55,69 @@ def project_qkv(layer: Any, h: torch.Tensor, shape: LayerShape, cos: torch.Tenso
     return apply_rope(q, cos, sin, plan), apply_rope(k, cos, sin, plan), v
 
 
+@dataclass(frozen=True)
+class Causal:
+    """Causal attention of query rows at sorted positions over the keys before them, planned
+    once for a set of rows and used by every layer (``causal`` builds it).
+
+    The rows are attended in parts of about equal size, each over the keys up to its last
+    row's position only: with rows spread over the context that skips about half of the
+    masked-out work, as a causal kernel does. Each part is a slice of the rows (no gather)
+    with its boolean mask made on the rows' device in one vectorised step; no layer builds a
+    mask, loops over rows or reads a position back to the host.
+    """
+
+    parts: tuple[tuple[int, int, int], ...]
+    """(first row, stop row, keys): rows [first, stop) attend keys [0, keys)."""
+    masks: tuple[torch.Tensor, ...]
+    """Per part [1, 1, stop - first, keys] bool: True where a row may attend a key."""
+
+
+def causal(q_positions: torch.Tensor, groups: int = 4) -> Causal:
+    """The attention plan of rows at sorted ``q_positions`` [rows] (on the model's device)."""
+    rows = int(q_positions.numel())
+    sections = max(1, min(groups, rows))
+    size, extra = divmod(rows, sections)  # the first ``extra`` parts take one row more
+    stops, at = [], 0
+    for j in range(sections):
+        at += size + (1 if j < extra else 0)
+        stops.append(at)
+    last = q_positions[torch.tensor([s - 1 for s in stops], dtype=torch.long,
+                                    device=q_positions.device)].tolist()  # one read back
+    ctx = torch.arange(int(last[-1]) + 1 if rows else 0, device=q_positions.device)
+    parts, masks, first = [], [], 0
+    for stop, end in zip(stops, last):
+        keys = int(end) + 1
+        pos = q_positions[first:stop]
+        masks.append((pos[:, None] >= ctx[None, :keys])[None, None])  # [1, 1, part, keys]
+        parts.append((first, stop, keys))
+        first = stop
+    return Causal(tuple(parts), tuple(masks))
+
+
 def attend(layer: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-           q_positions: torch.Tensor | None, groups: int = 4) -> torch.Tensor:
-    """Causal attention of queries at ``q_positions`` [rows] over keys at 0..ctx-1.
+           rows: Causal | torch.Tensor | None, groups: int = 4) -> torch.Tensor:
+    """Causal attention of the query rows over keys at 0..ctx-1.
 
-    q: [heads, rows, k_ch]; k: [kv_heads, ctx, k_ch]; v: [kv_heads, ctx, v_ch]; positions
-    sorted ascending. None as positions means the rows are exactly 0..ctx-1 (plain causal
-    prefill). Returns the ``o_proj`` input, [rows, heads * v_ch].
-
-    Rows at sorted positions are attended in ``groups`` runs of about equal size, each over
-    the keys up to its last row's position only: with rows spread over the context that skips
-    about half of the masked-out work, as a causal kernel does. Inputs are 4-D so SDPA takes
-    its fused CPU/CUDA kernels (3-D inputs with a mask fall back to the unfused path).
+    q: [heads, rows, k_ch]; k: [kv_heads, ctx, k_ch]; v: [kv_heads, ctx, v_ch]. ``rows``: the
+    plan of where the rows sit (``causal``), or their sorted positions [rows] to plan now, or
+    None when the rows are exactly 0..ctx-1 (plain causal prefill). Returns the ``o_proj``
+    input, [rows, heads * v_ch]. Inputs are 4-D so SDPA takes its fused CPU/CUDA kernels
+    (3-D inputs with a mask fall back to the unfused path).
     """
     rep = q.shape[0] // k.shape[0]
     k = k.repeat_interleave(rep, dim=0)[None]  # [1, heads, ctx, k_ch]
     v = v.repeat_interleave(rep, dim=0)[None]
     scale = float(layer.self_attn.scaling)
-    if q_positions is None:
+    if rows is None:
         out = F.scaled_dot_product_attention(q[None], k, v, is_causal=True, scale=scale)[0]
         return out.transpose(0, 1).reshape(q.shape[1], -1)
-    rows = int(q_positions.numel())
-    ctx = torch.arange(k.shape[2], device=q.device)
-    outs = []
-    for part in torch.arange(rows, device=q.device).tensor_split(max(1, min(groups, rows))):
-        if part.numel() == 0:
-            continue
-        pos = q_positions[part]  # sorted: the last row sees the most keys
-        end = int(pos[-1]) + 1
-        mask = pos[:, None] >= ctx[None, :end]  # [part, end]
-        outs.append(F.scaled_dot_product_attention(
-            q[None, :, part], k[:, :, :end], v[:, :, :end], attn_mask=mask[None, None],
-            scale=scale)[0])
+    plan = causal(rows, groups) if isinstance(rows, torch.Tensor) else rows
+    outs = [F.scaled_dot_product_attention(q[None, :, a:b], k[:, :, :keys], v[:, :, :keys],
+                                           attn_mask=mask, scale=scale)[0]
+            for (a, b, keys), mask in zip(plan.parts, plan.masks)]
     out = torch.cat(outs, dim=1)  # [heads, rows, v_ch]
-    return out.transpose(0, 1).reshape(rows, -1)
+    return out.transpose(0, 1).reshape(q.shape[1], -1)
 
 
 def finish(layer: Any, h: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:

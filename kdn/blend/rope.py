@@ -43,8 +43,10 @@ class RopePlan:
     """All channels kept, all rotate: the ordinary ``rotate_half`` layout (fast path)."""
 
 
-def rope_plan(kept: tuple[int, ...] | None, channels: int, rotary_dim: int) -> RopePlan:
-    """Plan for a layer whose keys hold ``channels`` channels, the original ``kept`` ones."""
+def rope_plan(kept: tuple[int, ...] | None, channels: int, rotary_dim: int,
+              device: torch.device | str | None = None) -> RopePlan:
+    """Plan for a layer whose keys hold ``channels`` channels, the original ``kept`` ones, its
+    tensors on ``device`` (the keys' device: CPU when None)."""
     orig = list(kept) if kept is not None else list(range(channels))
     if len(orig) != channels:
         raise InvalidLayout(f"{len(orig)} kept channel indices for {channels} channels")
@@ -68,12 +70,13 @@ def rope_plan(kept: tuple[int, ...] | None, channels: int, rotary_dim: int) -> R
         partner.append(where[mate])
         sign.append(-1.0 if c < half else 1.0)
         rotates.append(True)
+    where_to = torch.device(device) if device is not None else torch.device("cpu")
     return RopePlan(
         plain=orig == list(range(rotary_dim)),
-        column=torch.tensor(column, dtype=torch.long),
-        partner=torch.tensor(partner, dtype=torch.long),
-        sign=torch.tensor(sign),
-        rotates=torch.tensor(rotates, dtype=torch.bool),
+        column=torch.tensor(column, dtype=torch.long, device=where_to),
+        partner=torch.tensor(partner, dtype=torch.long, device=where_to),
+        sign=torch.tensor(sign, dtype=torch.float32, device=where_to),
+        rotates=torch.tensor(rotates, dtype=torch.bool, device=where_to),
     )
 
 
@@ -85,12 +88,14 @@ def inv_freq(spec: RopeSpec) -> torch.Tensor:
             "pass inv_freq from model.model.rotary_emb"
         )
     r = spec.rotary_dim
-    return 1.0 / (spec.theta ** (torch.arange(0, r, 2, dtype=torch.float64) / r))
+    return 1.0 / (spec.theta ** (torch.arange(0, r, 2, dtype=torch.float64, device="cpu") / r))
 
 
 def cos_sin(positions: torch.Tensor, freqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin: [tokens, rotary_dim] for integer ``positions`` [tokens] (may be negative)."""
-    angles = positions.to(torch.float64)[:, None] * freqs.to(torch.float64)[None, :]
+    """cos, sin: [tokens, rotary_dim] float64 on ``positions``' device for integer
+    ``positions`` [tokens] (may be negative)."""
+    angles = positions.to(torch.float64)[:, None] * freqs.to(positions.device,
+                                                             torch.float64)[None, :]
     emb = torch.cat((angles, angles), dim=-1)  # [tokens, rotary_dim]
     return emb.cos(), emb.sin()
 
@@ -114,5 +119,6 @@ def reposition(k: torch.Tensor, delta: int, freqs: torch.Tensor, plan: RopePlan)
     """Keys ``k`` [kv_heads, tokens, ch] rotated at positions p, moved to p + ``delta``."""
     if delta == 0 or not bool(plan.rotates.any()):
         return k
-    cos, sin = cos_sin(torch.tensor([delta]), freqs)  # [1, rotary_dim]: one angle for all
+    cos, sin = cos_sin(torch.full((1,), delta, dtype=torch.long, device=k.device),
+                       freqs)  # [1, rotary_dim]: one angle for all
     return apply_rope(k, cos, sin, plan)

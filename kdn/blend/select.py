@@ -44,7 +44,7 @@ def select_tokens(scores: torch.Tensor, spans: list[tuple[int, int]], ratio: flo
     proportion to their size instead of taking the global top.
     """
     n = int(scores.numel())
-    forced = torch.zeros(n, dtype=torch.bool)
+    forced = torch.zeros(n, dtype=torch.bool, device=scores.device)
     for start, stop in spans:
         forced[start : min(stop, start + head_tokens)] = True
     picked = forced.clone()

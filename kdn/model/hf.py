@@ -54,6 +54,16 @@ def model_device(model: Any) -> torch.device:
     return next(model.parameters()).device  # type: ignore[no-any-return]
 
 
+def default_device() -> torch.device:
+    """Where a model runs unless told: the GPU when there is one, else the CPU."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def place(model: Any, device: torch.device | str | None) -> Any:
+    """``model`` moved (in place) to ``device`` (None: ``default_device()``); returned."""
+    return model.to(torch.device(device) if device is not None else default_device())
+
+
 def model_layout(model: Any, kv_dtype: DType | None = None) -> KVLayout:
     """The layout of the KV ``model`` computes, stored as ``kv_dtype`` (default: the model's)."""
     weights_id = Path(str(getattr(model, "name_or_path", "") or "")).name

@@ -261,7 +261,7 @@ class RagEngine:
     def connector(self) -> ChunkConnector:
         cfg = self.config
         return ChunkConnector(self.client, self.layout, cfg.namespace, mode=cfg.mode,
-                              level=cfg.level)
+                              level=cfg.level, device=hf.model_device(self.model))
 
     def store(self, key: bytes, kv: KVCache) -> int:
         """Store a chunk's KV; the bytes kdn holds for it."""

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# The blender's checks on a CUDA host (issue 53), in one go: its GPU tests (pytest -m gpu), then
+# bench.blend --gpu (8B shape, 4x2k and 4x8k tokens, chunks resident and streamed).
+#
+#   scripts/gpu-blend.sh [BENCH_ARGS...]        (results under $OUT: /tmp/kdn-gpu)
+#
+# Wheels in .whl/ are installed into /tmp/site first, as scripts/gpu-checks.sh does.
+set -u
+OUT=${OUT:-/tmp/kdn-gpu}
+PY=${PYTHON:-python3}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore::FutureWarning
+if compgen -G ".whl/*.whl" >/dev/null; then
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl || exit 1
+    export PYTHONPATH=/tmp/site:$PWD
+fi
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+start=$(date +%s)
+timeout 200 $PY -m pytest -m gpu -q -p no:cacheprovider -rs --timeout 150 \
+    tests/test_blend_devices.py 2>&1 | tee "$OUT/pytest-blend-gpu.log" | tail -30
+echo "pytest -m gpu (blend): $(( $(date +%s) - start )) s"
+start=$(date +%s)
+timeout 420 $PY -m bench.blend --gpu --out "$OUT/blend_gpu.json" "$@" 2>&1 \
+    | tee "$OUT/bench-blend-gpu.log" | grep -v "^wrote"
+echo "bench.blend --gpu: $(( $(date +%s) - start )) s"
