@@ -96,7 +96,9 @@ class Staged:
     """One staged entry (module docstring): ``layers`` (K, V) of every layer, writable."""
 
     def __init__(self, layout: KVLayout, tokens: int, start_position: int = 0,
-                 segment: Any = None) -> None:
+                 segment: Any = None, *, own_memory: bool = True) -> None:
+        """``own_memory``: without room in ``segment`` (or without one) the entry lies in
+        this process's memory; False: it is then made closed, holding nothing."""
         head, prefixes, frames_bytes = skeleton(layout, tokens, start_position)
         self.layout, self.tokens, self.start_position = layout, tokens, start_position
         self.nbytes = len(head) + frames_bytes
@@ -105,6 +107,9 @@ class Staged:
         """Where the container starts in ``segment`` (when staged there)."""
         room = self.nbytes + FRAME_ALIGN
         start = segment.regions.alloc(room) if segment is not None else None
+        if start is None and not own_memory:
+            self.layers = []
+            return
         if start is not None:
             pad = (-(start + len(head))) % FRAME_ALIGN
             region = segment.owned(start, room)  # freed once no view of it is left
