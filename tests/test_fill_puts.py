@@ -131,14 +131,21 @@ def test_a_raw_kvcache_is_written_straight_into_the_segment(
     want = [codec.encode_parts(kv, "raw", layers_per_frame=0).to_bytes() for kv in kvs]
     calls = _encoded_twice(monkeypatch)
     with Client(server.address, timeout_s=30, data_path=False) as c:
+        c.store(_key(1), kvs[0], mode="raw")  # a client's first call: it attaches then
         seg = c.dataplane.segment()[0]
         assert seg is not None
         free = seg.regions.free_bytes()
-        c.store(_key(1), kvs[0], mode="raw")
         c.store_many([(_key(2 + i), kv) for i, kv in enumerate(kvs[1:])], mode="raw")
         assert calls == []  # neither encoded into the client's memory nor copied again
         gc.collect()
         assert seg.regions.free_bytes() == free  # every region given back
+        # a tensor that is not contiguous (a slice of a wider one) is copied as it lies
+        wide = random_kv(uniform_layout(layers=4, heads=8, dim=128), 50, seed=9)
+        sliced = KVCache(LAYOUT, [(k[..., :64], v[..., 64:]) for k, v in wide.layers])
+        assert not sliced.layers[0][0].is_contiguous()
+        c.store(_key(20), sliced, mode="raw")
+        back = c.retrieve(_key(20), layout=LAYOUT)
+        assert back is not None and back.equal(sliced) and calls == []
         for i, w in enumerate(want):
             got = c.fetch(_key(1 + i))
             assert got is not None and got.parts.to_bytes() == w

@@ -107,8 +107,8 @@ class Staged:
         """Where the container starts in ``segment`` (when staged there)."""
         room = self.nbytes + FRAME_ALIGN
         start = segment.regions.alloc(room) if segment is not None else None
+        self.layers: list[tuple[torch.Tensor, torch.Tensor]] = []
         if start is None and not own_memory:
-            self.layers = []
             return
         if start is not None:
             pad = (-(start + len(head))) % FRAME_ALIGN
@@ -133,7 +133,7 @@ class Staged:
                 f"a raw entry of {layout.dtype.value} KV can not be staged: its bodies do not "
                 "lie aligned for tensors of that dtype in the container (2-byte dtypes do); "
                 "store it with store() or store_many()")
-        self.layers: list[tuple[torch.Tensor, torch.Tensor]] = list(views)
+        self.layers = list(views)
 
     def __enter__(self) -> Staged:
         return self
