@@ -3,7 +3,9 @@
     python -m bench.peers [--quick] [--out bench/results/peers.json]
         [--peer-lib-path DIR[:DIR...]]             # libibverbs & co. for Mooncake (see below)
         [--kdn-client-opts "shm_bytes=0"] [--kdn-client-opts ""]   # one kdn column per flag
-        [--kdn-server-args "--write-policy write-behind"] [--systems lmcache,mooncake,kdn]
+        [--kdn-server-args ""] [--kdn-server-args "--prefault-bytes 0"]  # one kdn server each
+        [--fill-gib 1.5]                           # 0: the old best case (reused memory)
+        [--systems lmcache,mooncake,kdn]
 
 Not part of CI and not imported by tests: a program a person runs on one machine. Every system
 runs on 127.0.0.1 with RAM only, as its own server process(es) next to this driving process,
@@ -16,7 +18,15 @@ run) so that all of them see the same machine. Workloads (Llama-3-8B-shaped fp16
 - 64 x 1 MiB batch put / batch get (each system's batch call where it has one, else a loop),
   ``BATCH_CALLS`` (3) puts, each read back, per run (GB/s = their bytes / their summed time:
   one ~20 ms call alone says more about the machine's moment than about the system);
-- 4 KiB get latency (one layer, one token) over 2000 gets.
+- 4 KiB get latency (one layer, one token) of 1000 distinct keys, stored first, then each read
+  once in a random order.
+
+As a cache that fills sees them: every put (of every route, run and workload) goes to a key
+no put used before, and what a system stored is kept until the next run would take it past
+``--fill-gib`` (default ``FILL_GIB``: a quarter of kdn's RAM tier), only then deleted
+(untimed); so puts land in memory no entry used before, as in a cache filling up. LMCache's
+server has no delete: it keeps everything. ``--fill-gib 0`` is the old best case (every
+route's entries deleted after its run: later puts land in memory earlier ones freed).
 
 Each row is the best of 3 runs (``gb_s``) with the median (``median_gb_s``) and every run's
 figure (``runs``); ``p50_ms``/``p99_ms`` are per-call latencies over all runs. ``memcpy`` rows
@@ -36,7 +46,11 @@ How each system is driven:
   ``put_from``/``get_into`` with registered buffers; batches ``put_batch``/``get_batch`` and
   ``batch_put_from``/``batch_get_into``. Its transfer listeners bind every interface on random
   ports (not configurable); every peer address used here is 127.0.0.1.
-- **kdn**: ``python -m kdn serve`` (RAM tier only) and ``kdn.client.Client`` with pre-encoded
+- **kdn**: ``python -m kdn serve`` (RAM tier only; one server per ``--kdn-server-args``) and
+  ``kdn.client.Client``: ``store(KVCache)`` / ``store_many(KVCache)`` (the documented API:
+  a user's tensors, encoded ``raw`` by the call) beside ``encode_parts+store`` /
+  ``encode_parts+store_many`` (encode, then store the parts: what ``store(KVCache)`` did
+  before it wrote into the segment), and with pre-encoded
   ``raw`` parts: ``store``, ``fetch`` (undecoded container; through the shared segment these
   are views of the segment, not yet copied into the caller's memory, unlike the peers' gets)
   and ``retrieve`` (decoded into tensors, the like of LMCache's get and Mooncake's get_into);

@@ -69,6 +69,7 @@ class PrefaultedHeap:
         self._lock = threading.Lock()
         self._wake = threading.Condition(threading.Lock())
         self._missed = 0  # the largest take that found no room since the last growth
+        self._largest = 0  # the largest take seen
         self._closed = False
         self.mapped_bytes = 0
         self.taken = self.missed = 0
@@ -104,14 +105,21 @@ class PrefaultedHeap:
             else:
                 self.missed += 1
                 self._missed = max(self._missed, size)
+                self._note(size)
                 self._poke()
                 return None
             self.taken += 1
+            self._note(size)
         view = reg.array[at : at + size]
         on_release(view, self._released.append, (reg, at, size))
-        if self.free_bytes_unlocked() < self.ahead_bytes:
-            self._poke()
+        self._poke()  # the grower looks whether it is still ahead
         return view
+
+    def _note(self, size: int) -> None:
+        """Remember the largest take (one that could never be served, past half the limit,
+        does not steer the growth)."""
+        if 2 * size <= self.limit_bytes:
+            self._largest = max(self._largest, size)
 
     def _settle(self) -> None:
         """Free the ranges whose views went (queued by their release). Call with the lock."""
@@ -145,14 +153,18 @@ class PrefaultedHeap:
             self._wake.notify()
 
     def _want(self) -> int:
-        """Bytes of the next region to add; 0 when none is needed or allowed."""
+        """Bytes of the next region to add; 0 when none is needed or allowed. One is needed
+        while fewer than ``ahead_bytes`` lie free or no free range holds the largest take
+        seen; it holds at least twice that take and a quarter of ``ahead_bytes`` (a few large
+        regions: an entry needs one range)."""
         with self._lock:
             self._settle()
             free = self.free_bytes_unlocked()
+            room = max((r.regions.largest_free() for r in self._regions), default=0)
             missed, self._missed = self._missed, 0
-        if free >= self.ahead_bytes and not missed:
+        if free >= self.ahead_bytes and room >= self._largest and not missed:
             return 0
-        size = max(self.ahead_bytes - free, 2 * missed, HUGE)
+        size = max(self.ahead_bytes - free, 2 * self._largest, self.ahead_bytes // 4, HUGE)
         size = min(-(-size // HUGE) * HUGE, self.limit_bytes - self.mapped_bytes)
         return size if size >= max(missed, PAGE) else 0
 
