@@ -183,7 +183,14 @@ def test_bad_kv_and_bad_keys_store_nothing(server: ServerThread) -> None:
             c.store_many([(_key(2), kv), (_key(3), wrong)], mode="raw")
         with pytest.raises((InvalidArgument, KDNError)):
             c.store_many([(_key(4), kv), (b"", kv)], mode="raw")
-        assert not any(c.contains(_key(i)) for i in (1, 2, 3, 4))
+        # a copy that fails half way (the last layer can not be read): nothing is stored
+        half = KVCache.__new__(KVCache)
+        half.layout, half.start_position = LAYOUT, 0
+        half.layers = [*kv.layers[:-1], tuple(t.to("meta") for t in kv.layers[-1])]
+        half.validate()
+        with pytest.raises((NotImplementedError, RuntimeError)):
+            c.store(_key(6), half, mode="raw")
+        assert not any(c.contains(_key(i)) for i in (1, 2, 3, 4, 6))
         gc.collect()
         assert seg.regions.free_bytes() == free
         # a segment without room for the entry: encoded and sent as any, stored whole
