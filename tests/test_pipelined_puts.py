@@ -72,7 +72,7 @@ def test_an_error_in_one_call_is_raised_once_all_were_answered(
             Client(st.address, timeout_s=30, shm_bytes=4 << 20, api_key="key-t") as c:
         with pytest.raises(TooLarge, match="quota"):
             c.store_many([(_key(i), kv) for i, kv in enumerate(values)],
-                           mode="raw", layers_per_frame=1)
+                         mode="raw", layers_per_frame=1)
         stored = [c.contains(_key(i)) for i in range(len(values))]
         assert stored[0] and not all(stored)  # the first calls stored theirs
         kv = random_kv(LAYOUT, 4, seed=99)
