@@ -18,7 +18,7 @@ run) so that all of them see the same machine. Workloads (Llama-3-8B-shaped fp16
 - 64 x 1 MiB batch put / batch get (each system's batch call where it has one, else a loop),
   ``BATCH_CALLS`` (3) puts, each read back, per run (GB/s = their bytes / their summed time:
   one ~20 ms call alone says more about the machine's moment than about the system);
-- 4 KiB get latency (one layer, one token) of 1000 distinct keys, stored first, then each read
+- 4 KiB get latency (one layer, one token) of 500 distinct keys, stored first, then each read
   once in a random order.
 
 As a cache that fills sees them: every put (of every route, run and workload) goes to a key
@@ -1015,7 +1015,7 @@ def main(argv: list[str] | None = None) -> None:
         os.execve(sys.executable, [sys.executable, "-m", "bench.peers", *args], env)
     quick = ns.quick
     sizes = [(MIB, 8), (16 * MIB, 2)] if quick else [(MIB, 64), (16 * MIB, 8), (256 * MIB, 2)]
-    batch, gets = (16, 200) if quick else (64, 1000)
+    batch, gets = (16, 200) if quick else (64, 500)
     runs = ns.runs or (2 if quick else 3)
     wanted = set(ns.systems.split(","))
     failed: dict[str, str] = {}
