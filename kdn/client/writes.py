@@ -21,8 +21,6 @@ import sys
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any, TypeGuard, cast
 
-import numpy as np
-
 from kdn import codec
 from kdn.client.dataplane import BATCH_BYTES, STREAM_ENTRY_BYTES, TOO_BIG, DataPlane, TooBig
 from kdn.client.pending import PendingStore
@@ -305,17 +303,21 @@ class Writer:
             return None
         from kdn.client.staged import Staged
 
-        try:
+        on_cpu = all(k.device.type == "cpu" and v.device.type == "cpu" for k, v in kv.layers)
+        try:  # from the CPU by bytes; from a device through tensor views (a DMA lands there)
             st = Staged(kv.layout, kv.num_tokens, kv.start_position, seg,
-                        own_memory=False)
+                        own_memory=False, tensors=not on_cpu)
         except InvalidArgument:
             return None
         if st.closed:  # no room in the segment
             return None
         try:
-            for (k, v), (src_k, src_v) in zip(st.layers, kv.layers):
-                copy_into(k, src_k)
-                copy_into(v, src_v)
+            if on_cpu:
+                st.write(kv)
+            else:
+                for (k, v), (src_k, src_v) in zip(st.layers, kv.layers):
+                    k.copy_(src_k)
+                    v.copy_(src_v)
         except BaseException:
             st.close()
             raise
@@ -375,19 +377,6 @@ class Writer:
                     options=options, request_id=request_id)):
                 out[j] = r
         return out  # type: ignore[return-value]
-
-
-def copy_into(dst: Any, src: Any) -> None:
-    """``dst.copy_(src)`` of two tensors of one shape and dtype; from the CPU as one numpy copy
-    of their bytes (one thread, the GIL free), since torch's copy splits one tensor over its
-    intra-op threads, which on a busy host wait for each other (a 16 MiB entry: 0.4–0.7 s
-    where one thread copies it in 2 ms)."""
-    if src.device.type != "cpu" or src.dim() == 0 or src.stride(-1) != 1:
-        dst.copy_(src)
-        return
-    import torch  # (the caller's tensors came with it)
-
-    np.copyto(dst.view(torch.uint8).numpy(), src.view(torch.uint8).numpy())
 
 
 def is_staged(kv: object) -> TypeGuard[Staged]:
