@@ -3,7 +3,9 @@
     python -m bench.peers [--quick] [--out bench/results/peers.json]
         [--peer-lib-path DIR[:DIR...]]             # libibverbs & co. for Mooncake (see below)
         [--kdn-client-opts "shm_bytes=0"] [--kdn-client-opts ""]   # one kdn column per flag
-        [--kdn-server-args "--write-policy write-behind"] [--systems lmcache,mooncake,kdn]
+        [--kdn-server-args ""] [--kdn-server-args "--prefault-bytes 0"]  # one kdn server each
+        [--fill-gib 1.5]                           # 0: the old best case (reused memory)
+        [--systems lmcache,mooncake,kdn]
 
 Not part of CI and not imported by tests: a program a person runs on one machine. Every system
 runs on 127.0.0.1 with RAM only, as its own server process(es) next to this driving process,
@@ -16,7 +18,15 @@ run) so that all of them see the same machine. Workloads (Llama-3-8B-shaped fp16
 - 64 x 1 MiB batch put / batch get (each system's batch call where it has one, else a loop),
   ``BATCH_CALLS`` (3) puts, each read back, per run (GB/s = their bytes / their summed time:
   one ~20 ms call alone says more about the machine's moment than about the system);
-- 4 KiB get latency (one layer, one token) over 2000 gets.
+- 4 KiB get latency (one layer, one token) of 500 distinct keys, stored first, then each read
+  once in a random order.
+
+As a cache that fills sees them: every put (of every route, run and workload) goes to a key
+no put used before, and what a system stored is kept until the next run would take it past
+``--fill-gib`` (default ``FILL_GIB``: a quarter of kdn's RAM tier), only then deleted
+(untimed); so puts land in memory no entry used before, as in a cache filling up. LMCache's
+server has no delete: it keeps everything. ``--fill-gib 0`` is the old best case (every
+route's entries deleted after its run: later puts land in memory earlier ones freed).
 
 Each row is the best of 3 runs (``gb_s``) with the median (``median_gb_s``) and every run's
 figure (``runs``); ``p50_ms``/``p99_ms`` are per-call latencies over all runs. ``memcpy`` rows
@@ -36,7 +46,11 @@ How each system is driven:
   ``put_from``/``get_into`` with registered buffers; batches ``put_batch``/``get_batch`` and
   ``batch_put_from``/``batch_get_into``. Its transfer listeners bind every interface on random
   ports (not configurable); every peer address used here is 127.0.0.1.
-- **kdn**: ``python -m kdn serve`` (RAM tier only) and ``kdn.client.Client`` with pre-encoded
+- **kdn**: ``python -m kdn serve`` (RAM tier only; one server per ``--kdn-server-args``) and
+  ``kdn.client.Client``: ``store(KVCache)`` / ``store_many(KVCache)`` (the documented API:
+  a user's tensors, encoded ``raw`` by the call) beside ``encode_parts+store`` /
+  ``encode_parts+store_many`` (encode, then store the parts: what ``store(KVCache)`` did
+  before it wrote into the segment), and with pre-encoded
   ``raw`` parts: ``store``, ``fetch`` (undecoded container; through the shared segment these
   are views of the segment, not yet copied into the caller's memory, unlike the peers' gets)
   and ``retrieve`` (decoded into tensors, the like of LMCache's get and Mooncake's get_into);
@@ -83,6 +97,7 @@ import asyncio
 import dataclasses
 import importlib.util
 import os
+import random
 import shlex
 import sys
 import tempfile
@@ -131,6 +146,11 @@ STAGED_BYTES = 128 * MIB
 stores staged entry i modulo their number)."""
 LAYER_TOKEN_BYTES = 2 * HIDDEN * 2  # K and V of one layer and token: 4 KiB
 MODEL = "llama-3-8b-shape"
+KDN_RAM_GIB = 6
+"""kdn's RAM tier in this benchmark."""
+FILL_GIB = 1.5
+"""GiB each system keeps before its entries are deleted, by default: a quarter of kdn's RAM
+tier (half of Mooncake's segment); puts up to there land in memory no entry used before."""
 
 
 def payload(size: int, seed: int = 0) -> torch.Tensor:
@@ -150,14 +170,14 @@ def payload(size: int, seed: int = 0) -> torch.Tensor:
 @dataclass
 class Route:
     """One way to put entries and read them back. Single routes: ``put(i)`` stores entry i and
-    each of ``gets`` reads entry i; batch routes: ``put(n)`` stores entries 0..n-1 in one batch
-    and each get returns all n. ``flush`` waits until every put landed, ``check(i, got)`` says
-    whether a result holds entry i's payload (batch routes: ``check(n, gots)``), ``release``
-    frees it, ``clear`` drops what the route stored."""
+    each of ``gets`` reads entry i; batch routes: ``put(base, n)`` stores entries base..base+n-1
+    in one batch and each get ``(base, n)`` returns all n. ``flush`` waits until every put
+    landed, ``check(i, got)`` says whether a result holds entry i's payload (batch routes:
+    ``check(base, gots)``), ``release`` frees it, ``clear`` drops what the system stored."""
 
     put_api: str
-    put: Callable[[int], object]
-    gets: dict[str, Callable[[int], Any]]
+    put: Callable[..., object]
+    gets: dict[str, Callable[..., Any]]
     check: Callable[[int, Any], bool]
     release: Callable[[Any], None] = lambda got: None
     flush: Callable[[], None] = lambda: None
@@ -165,12 +185,20 @@ class Route:
 
 
 class System:
-    """A store under test: ``load`` readies ``count`` entries of one payload, ``routes`` and
-    ``batch_routes`` are the routes that move them, ``close`` stops what it started."""
+    """A store under test: ``load`` readies ``count`` entries of one payload (entry ``i`` of
+    any ``i`` below ``slots`` under a key of its own, its payload entry ``i % count``'s),
+    ``routes`` and ``batch_routes`` are the routes that move them, ``close`` stops what it
+    started. ``kept``: bytes stored since the last ``clear`` (a filling run clears only past
+    ``fill_bytes``); ``next_index``: the first entry no put used yet."""
 
     name = ""
+    kept = 0
+    next_index = 0
+    workload = 0
+    """Which of the run's workloads is loaded (part of every key: no workload reads
+    another's entries)."""
 
-    def load(self, kv: torch.Tensor, count: int) -> None:
+    def load(self, kv: torch.Tensor, count: int, slots: int) -> None:
         raise NotImplementedError
 
     def routes(self) -> list[Route]:
@@ -226,13 +254,13 @@ class LMCache(System):
         self.conn = LMCServerConnector(HOST, port, self.loop, self.backend)
         self.objs: list[Any] = []
 
-    def load(self, kv: torch.Tensor, count: int) -> None:
+    def load(self, kv: torch.Tensor, count: int, slots: int) -> None:
         self.kv, self.count = kv, count
         obj = self.backend.allocate(kv.shape, kv.dtype, self._fmt)
         obj.tensor.copy_(kv)
         self.objs = [obj]
-        base = kv.numel() * 1000
-        self.keys = [self._key(MODEL, 1, 0, base + i, torch.float16) for i in range(count)]
+        base = self.workload * 10**12 + kv.numel() * 100_000
+        self.keys = [self._key(MODEL, 1, 0, base + i, torch.float16) for i in range(slots)]
 
     def unload(self) -> None:
         for o in self.objs:
@@ -252,20 +280,23 @@ class LMCache(System):
         return got
 
     def _flush(self) -> None:
-        if not self._run(self.conn.exists(self.keys[self.count - 1])):
+        if not self._run(self.conn.exists(self.keys[self.next_index - 1])):
             raise RuntimeError("lmcache: last put not stored")
 
-    def _putn(self, n: int) -> None:
+    def _clear(self) -> None:
+        pass  # its server offers no delete: entries stay (its memory is not bounded either)
+
+    def _putn(self, base: int, n: int) -> None:
         if self.conn.support_batched_put():
-            self._run(self.conn.batched_put(self.keys[:n], self.objs * n))
+            self._run(self.conn.batched_put(self.keys[base:base + n], self.objs * n))
         else:
-            for i in range(n):
+            for i in range(base, base + n):
                 self._put(i)
 
-    def _getn(self, n: int) -> list[Any]:
+    def _getn(self, base: int, n: int) -> list[Any]:
         if self.conn.support_batched_get():
-            return list(self._run(self.conn.batched_get(self.keys[:n])))
-        return [self._get(i) for i in range(n)]
+            return list(self._run(self.conn.batched_get(self.keys[base:base + n])))
+        return [self._get(i) for i in range(base, base + n)]
 
     def _check(self, i: int, got: Any) -> bool:
         return bool(torch.equal(got.tensor, self.kv))
@@ -333,7 +364,7 @@ class Mooncake(System):
         self.store.remove("kdn-bench-probe", True)
         self.registered: list[np.ndarray] = []
 
-    def load(self, kv: torch.Tensor, count: int) -> None:
+    def load(self, kv: torch.Tensor, count: int, slots: int) -> None:
         self.size, self.count = kv.numel() * 2, count
         self.flat = kv.view(-1).view(torch.uint8).numpy()  # the bytes API reads it
         self.expected = self.flat.tobytes()
@@ -344,7 +375,7 @@ class Mooncake(System):
             if self.store.register_buffer(a.ctypes.data, a.nbytes) != 0:
                 raise RuntimeError("mooncake: register_buffer failed")
             self.registered.append(a)
-        self.keys = [f"{MODEL}-{self.size}-{i}" for i in range(count)]
+        self.keys = [f"{MODEL}-{self.workload}-{self.size}-{i}" for i in range(slots)]
 
     def unload(self) -> None:
         for a in self.registered:
@@ -359,20 +390,25 @@ class Mooncake(System):
         self.store.remove_all(True)
 
     def _ptr(self, a: np.ndarray, i: int) -> int:
-        return int(a.ctypes.data) + i * self.size
+        return int(a.ctypes.data) + i % self.count * self.size
+
+    def _slot(self, a: np.ndarray, i: int) -> np.ndarray:
+        j = i % self.count
+        return a[j * self.size:(j + 1) * self.size]
 
     def _get_into(self, i: int) -> np.ndarray:
         n = self.store.get_into(self.keys[i], self._ptr(self.dst, i), self.size)
         if n != self.size:
             raise RuntimeError(f"mooncake get_into returned {n}")
-        return self.dst[i * self.size:(i + 1) * self.size]
+        return self._slot(self.dst, i)
 
-    def _batch_get_into(self, n: int) -> list[np.ndarray]:
-        got = self.store.batch_get_into(self.keys[:n], [self._ptr(self.dst, i) for i in range(n)],
+    def _batch_get_into(self, base: int, n: int) -> list[np.ndarray]:
+        got = self.store.batch_get_into(self.keys[base:base + n],
+                                        [self._ptr(self.dst, i) for i in range(n)],
                                         [self.size] * n)
         if any(x != self.size for x in got):
             raise RuntimeError(f"mooncake batch_get_into returned {got[:4]}...")
-        return [self.dst[i * self.size:(i + 1) * self.size] for i in range(n)]
+        return [self._slot(self.dst, i) for i in range(n)]
 
     def _check(self, i: int, got: Any) -> bool:
         return bytes(got) == self.expected
@@ -390,12 +426,12 @@ class Mooncake(System):
     def batch_routes(self) -> list[Route]:
         s = self.store
 
-        def put_batch(n: int) -> None:
-            self._ok(s.put_batch(self.keys[:n], [self.flat] * n), "put_batch")
+        def put_batch(base: int, n: int) -> None:
+            self._ok(s.put_batch(self.keys[base:base + n], [self.flat] * n), "put_batch")
 
-        def batch_put_from(n: int) -> None:
-            rcs = s.batch_put_from(self.keys[:n], [self._ptr(self.src, i) for i in range(n)],
-                                   [self.size] * n)
+        def batch_put_from(base: int, n: int) -> None:
+            rcs = s.batch_put_from(self.keys[base:base + n],
+                                   [self._ptr(self.src, i) for i in range(n)], [self.size] * n)
             if any(rcs):
                 raise RuntimeError(f"mooncake batch_put_from returned {rcs[:4]}...")
 
@@ -403,7 +439,8 @@ class Mooncake(System):
             return all(self._check(i, g) for i, g in enumerate(gots))
 
         return [
-            Route("put_batch", put_batch, {"get_batch": lambda n: s.get_batch(self.keys[:n])},
+            Route("put_batch", put_batch,
+                  {"get_batch": lambda base, n: s.get_batch(self.keys[base:base + n])},
                   check, clear=self._clear),
             Route("batch_put_from", batch_put_from, {"batch_get_into": self._batch_get_into},
                   check, clear=self._clear),
@@ -437,7 +474,7 @@ def parse_opts(text: str) -> dict[str, Any]:
 
 @contextmanager
 def kdn_server(tmp: Path, extra: list[str]) -> Iterator[str]:
-    with common_kdn_server(tmp / f"kdn-{free_port()}", "--ram-bytes", "6GiB",
+    with common_kdn_server(tmp / f"kdn-{free_port()}", "--ram-bytes", f"{KDN_RAM_GIB}GiB",
                            "--max-message-bytes", str(256 * MIB),
                            "--max-entry-bytes", str(1 << 30), *extra) as address:
         yield address
@@ -453,14 +490,16 @@ class Kdn(System):
     client has them (``store_many``/``fetch_many``), else a loop of single calls."""
 
     def __init__(self, address: str, opts: dict[str, Any], tag: int,
-                 layers_per_frame: int) -> None:
+                 layers_per_frame: int, server_args: str = "") -> None:
         label = ",".join(f"{k}={v}" for k, v in opts.items())
-        self.name = f"kdn[{label}]" if label else "kdn"
+        self.name = (f"kdn[{label}]" if label else "kdn") + \
+            (f"{{{server_args.strip()}}}" if server_args.strip() else "")
         self.tag, self.layers_per_frame = tag, layers_per_frame
         self.client = Client(address, max_message_bytes=256 * MIB, **opts)
         self.staged: list[Any] = []
+        self.earlier: list[bytes] = []  # keys of earlier workloads
 
-    def load(self, kv: torch.Tensor, count: int) -> None:
+    def load(self, kv: torch.Tensor, count: int, slots: int) -> None:
         _, layers, tokens, _ = kv.shape
         self.layout = llama_layout(layers)
         # K, V per layer: [kv_heads, tokens, head_dim], from kv[0 or 1, layer]: [tokens, hidden]
@@ -476,11 +515,14 @@ class Kdn(System):
         # frames (their sums do not depend on the position) are shared, not copied
         entry = parse_header(self.parts.header).entry
         self.parts_at = []
-        for i in range(count):
+        for i in range(slots):
             entry.start_position = i
             self.parts_at.append(EncodedParts(build_header(entry), self.parts.frames))
-        self.keys = [keys.chunk_key([self.tag, kv.numel(), i], self.layout)
-                     for i in range(count)]
+        # the KVCache a user hands over, at each position (the tensors shared)
+        self.kv_at = [dataclasses.replace(self.kv, start_position=i) for i in range(slots)]
+        self.earlier += getattr(self, "keys", [])  # what ``_clear`` deletes too
+        self.keys = [keys.chunk_key([self.tag, self.workload, kv.numel(), i], self.layout)
+                     for i in range(slots)]
         for st in self.staged:
             st.close()
         self.staged = []
@@ -497,9 +539,18 @@ class Kdn(System):
             st.close()
         self.staged = []
 
-    # the four small functions a faster client path slots into
+    # the small functions a faster client path slots into
     def put_one(self, i: int) -> None:
         self.client.store(self.keys[i], self.parts_at[i])
+
+    def put_kv(self, i: int) -> None:
+        """The documented API: a KVCache, encoded (``raw``) by the store."""
+        self.client.store(self.keys[i], self.kv_at[i], mode="raw")
+
+    def put_encode_then_store(self, i: int) -> None:
+        """What ``store(KVCache)`` did before it wrote into the segment: encode, then store."""
+        self.client.store(self.keys[i], codec.encode_parts(self.kv_at[i], "raw",
+                                                           layers_per_frame=0, wire=True))
 
     def put_staged(self, i: int) -> None:
         self.client.store(self.keys[i], self.staged[i % len(self.staged)])
@@ -510,28 +561,31 @@ class Kdn(System):
     def put_async_staged(self, i: int) -> None:
         self.client.store_async(self.keys[i], self.staged[i % len(self.staged)])
 
-    def put_async_loop(self, n: int, staged: bool) -> None:
-        for i in range(n):
+    def put_async_loop(self, base: int, n: int, staged: bool) -> None:
+        for i in range(base, base + n):
             self.put_async_staged(i) if staged else self.put_async(i)
 
-    def put_staged_batch(self, n: int) -> None:
-        self.client.store_many([(k, self.staged[i % len(self.staged)])
-                                for i, k in enumerate(self.keys[:n])])
+    def put_staged_batch(self, base: int, n: int) -> None:
+        self.client.store_many([(self.keys[base + i], self.staged[i % len(self.staged)])
+                                for i in range(n)])
 
     def get_one(self, i: int) -> Any:
         return self.client.fetch(self.keys[i], layout=self.layout)
 
-    def put_batch(self, n: int) -> None:
-        if hasattr(self.client, "store_many"):
-            self.client.store_many(list(zip(self.keys[:n], self.parts_at)))
-        else:
-            for i in range(n):
-                self.put_one(i)
+    def put_batch(self, base: int, n: int) -> None:
+        self.client.store_many(list(zip(self.keys[base:base + n],
+                                        self.parts_at[base:base + n])))
 
-    def get_batch(self, n: int) -> list[Any]:
-        if hasattr(self.client, "fetch_many"):
-            return list(self.client.fetch_many(self.keys[:n], layout=self.layout))
-        return [self.get_one(i) for i in range(n)]
+    def put_kv_batch(self, base: int, n: int) -> None:
+        self.client.store_many(list(zip(self.keys[base:base + n], self.kv_at[base:base + n])),
+                               mode="raw")
+
+    def put_encode_then_store_batch(self, base: int, n: int) -> None:
+        self.client.store_many([(self.keys[i], codec.encode_parts(
+            self.kv_at[i], "raw", layers_per_frame=0, wire=True)) for i in range(base, base + n)])
+
+    def get_batch(self, base: int, n: int) -> list[Any]:
+        return list(self.client.fetch_many(self.keys[base:base + n], layout=self.layout))
 
     def retrieve_one(self, i: int) -> Any:
         return self.client.retrieve(self.keys[i], layout=self.layout)
@@ -544,45 +598,52 @@ class Kdn(System):
                 and b"".join(bytes(f) for f in got.parts.frames) == self.frames)
 
     def _clear(self) -> None:
-        self.client.delete(self.keys)
+        gone = self.earlier + self.keys[:self.next_index]
+        for at in range(0, len(gone), 1000):
+            self.client.delete(gone[at:at + 1000])
+        self.earlier = []
 
     def routes(self) -> list[Route]:
         out = [Route("store", self.put_one, {"fetch": self.get_one,
                                              "retrieve": self.retrieve_one},
-                     self._check, clear=self._clear)]
+                     self._check, clear=self._clear),
+               Route("store(KVCache)", self.put_kv, {}, self._check, clear=self._clear),
+               Route("encode_parts+store", self.put_encode_then_store, {}, self._check,
+                     clear=self._clear)]
         if self.staged:
             out.append(Route("store (staged)", self.put_staged, {}, self._check,
                              clear=self._clear))
-        if hasattr(self.client, "store_async"):  # sent without waiting; flush ends the run
-            out.append(Route("store_async", self.put_async, {}, self._check,
-                             flush=self.client.flush, clear=self._clear))
-            if self.staged:
-                out.append(Route("store_async (staged)", self.put_async_staged, {},
-                                 self._check, flush=self.client.flush, clear=self._clear))
+        out.append(Route("store_async", self.put_async, {}, self._check,
+                         flush=self.client.flush, clear=self._clear))
+        if self.staged:
+            out.append(Route("store_async (staged)", self.put_async_staged, {},
+                             self._check, flush=self.client.flush, clear=self._clear))
         return out
 
     def batch_routes(self) -> list[Route]:
-        put = "store_many" if hasattr(self.client, "store_many") else "store (loop)"
-        get = "fetch_many" if hasattr(self.client, "fetch_many") else "fetch (loop)"
-        gets: dict[str, Callable[[int], Any]] = {get: self.get_batch}
-        if hasattr(self.client, "retrieve_many"):
-            gets["retrieve_many"] = lambda n: self.client.retrieve_many(self.keys[:n],
-                                                                        layout=self.layout)
-        out = [Route(put, self.put_batch, gets,
-                     lambda n, gots: all(self._check(i, g) for i, g in enumerate(gots)),
+        gets: dict[str, Callable[..., Any]] = {
+            "fetch_many": self.get_batch,
+            "retrieve_many": lambda base, n: self.client.retrieve_many(
+                self.keys[base:base + n], layout=self.layout)}
+
+        def check(base: int, gots: list[Any]) -> bool:
+            return all(self._check(base + j, g) for j, g in enumerate(gots))
+
+        out = [Route("store_many", self.put_batch, gets, check, clear=self._clear),
+               Route("store_many(KVCache)", self.put_kv_batch, {}, check, clear=self._clear),
+               Route("encode_parts+store_many", self.put_encode_then_store_batch, {}, check,
                      clear=self._clear)]
         if self.staged:
             out.append(Route("store_many (staged)", self.put_staged_batch, {},
                              lambda n, gots: True, clear=self._clear))
-        if hasattr(self.client, "store_async"):
-            out.append(Route("store_async (loop)", lambda n: self.put_async_loop(n, False), {},
+        out.append(Route("store_async (loop)", lambda base, n: self.put_async_loop(
+            base, n, False), {}, lambda n, gots: True, flush=self.client.flush,
+            clear=self._clear))
+        if self.staged:
+            out.append(Route("store_async (staged, loop)",
+                             lambda base, n: self.put_async_loop(base, n, True), {},
                              lambda n, gots: True, flush=self.client.flush,
                              clear=self._clear))
-            if self.staged:
-                out.append(Route("store_async (staged, loop)",
-                                 lambda n: self.put_async_loop(n, True), {},
-                                 lambda n, gots: True, flush=self.client.flush,
-                                 clear=self._clear))
         return out
 
     def close(self) -> None:
@@ -640,46 +701,80 @@ def call_each(fn: Callable[[int], Any], count: int, check: Callable[[int, Any], 
     return lat
 
 
-def one_run(system: System, rec: Recorder, size: int, count: int) -> None:
-    """Put then read back ``count`` entries through every path of ``system``."""
+@dataclass(frozen=True)
+class Fill:
+    """How a run treats what it stored."""
+
+    bytes: int
+    """Bytes a system keeps before its entries are deleted (the share of kdn's RAM tier a
+    filling cache reaches); 0: every route's entries are deleted after its run (the old
+    best case: later puts land in memory freed by earlier ones)."""
+
+
+def room_for(system: System, nbytes: int, fill: Fill) -> None:
+    """Before a put run of ``nbytes``: delete what ``system`` kept when the run would take it
+    past ``fill.bytes`` (untimed); the run's keys are new either way."""
+    if fill.bytes and system.kept + nbytes > fill.bytes and system.kept:
+        system.routes()[0].clear()
+        system.kept = 0
+
+
+def after_put(system: System, route: Route, nbytes: int, fill: Fill) -> None:
+    system.kept += nbytes
+    if not fill.bytes:
+        route.clear()
+        system.kept = 0
+
+
+def one_run(system: System, rec: Recorder, size: int, count: int, fill: Fill) -> None:
+    """Put ``count`` new entries through every path of ``system``, each read back by every get
+    of its route."""
     for p in system.routes():
-        lat = call_each(p.put, count, lambda i, got: True, lambda _: None,
-                        f"{system.name} put")
+        room_for(system, size * count, fill)
+        base = system.next_index
+        system.next_index += count
+        lat = call_each(lambda i: p.put(base + i), count,  # noqa: B023
+                        lambda i, got: True, lambda _: None, f"{system.name} put")
         t = time.perf_counter()
         p.flush()
         s = rec.get(system.name, p.put_api, "put", size, count)
         s.gbs.append(size * count / (sum(lat) + time.perf_counter() - t) / 1e9)
         s.lat += lat
         for api, get in p.gets.items():
-            lat = call_each(get, count, p.check, p.release, f"{system.name} {api}")
+            lat = call_each(lambda i: get(base + i), count,  # noqa: B023
+                            lambda i, got: p.check(base + i, got),  # noqa: B023
+                            p.release, f"{system.name} {api}")
             s = rec.get(system.name, api, "get", size, count)
             s.gbs.append(size * count / sum(lat) / 1e9)
             s.lat += lat
-        p.clear()
+        after_put(system, p, size * count, fill)
 
 
-def batch_run(system: System, rec: Recorder, size: int, count: int) -> None:
-    """Each batch route ``BATCH_CALLS`` times over (a put, its gets, then the keys cleared,
-    untimed); a run's figure is all their bytes over all their seconds, as a single-entry run
-    sums its ``count`` calls (one ~20 ms call alone says more about the VM's moment than about
-    the system)."""
+def batch_run(system: System, rec: Recorder, size: int, count: int, fill: Fill) -> None:
+    """Each batch route ``BATCH_CALLS`` times over (a put of new keys, its gets); a run's
+    figure is all their bytes over all their seconds, as a single-entry run sums its
+    ``count`` calls (one ~20 ms call alone says more about the VM's moment than about the
+    system)."""
     for p in system.batch_routes():
         put_s: list[float] = []
         get_s: dict[str, list[float]] = {api: [] for api in p.gets}
         for _ in range(BATCH_CALLS):
+            room_for(system, size * count, fill)
+            base = system.next_index
+            system.next_index += count
             t = time.perf_counter()
-            p.put(count)
+            p.put(base, count)
             p.flush()
             put_s.append(time.perf_counter() - t)
             for api, get in p.gets.items():
                 t = time.perf_counter()
-                gots = get(count)
+                gots = get(base, count)
                 get_s[api].append(time.perf_counter() - t)
-                if not p.check(count, gots):
+                if not p.check(base, gots):
                     raise RuntimeError(f"{system.name} {api}: a batch entry came back different")
                 p.release(gots)
                 del gots
-            p.clear()
+            after_put(system, p, size * count, fill)
         for op, api, secs in [("batch_put", p.put_api, put_s),
                               *(("batch_get", api, xs) for api, xs in get_s.items())]:
             s = rec.get(system.name, api, op, size, count)
@@ -687,26 +782,39 @@ def batch_run(system: System, rec: Recorder, size: int, count: int) -> None:
             s.lat += secs
 
 
-def latency_run(system: System, rec: Recorder, gets: int) -> None:
-    """``gets`` reads of one 4 KiB entry per get api, after 50 untimed ones."""
+def latency_run(system: System, rec: Recorder, gets: int, seed: int) -> None:
+    """4 KiB gets of distinct keys: per get api, ``gets`` + 50 new entries stored (untimed),
+    50 of them read untimed, then the others each read once in a random order (no api reads
+    a key another read before: a client that keeps what it read answers it without a
+    call)."""
     size = 4096
     for p in system.routes():
-        p.put(0)
-        p.flush()
         for api, get in p.gets.items():
-            call_each(lambda _: get(0), 50, lambda _, got: p.check(0, got),  # noqa: B023
-                      p.release,  # noqa: B023
-                      f"{system.name} {api} 4 KiB")
+            base = system.next_index
+            system.next_index += gets + 50
+            for i in range(base, base + gets + 50):
+                p.put(i)
+            p.flush()
+            order = list(range(base + 50, base + 50 + gets))
+            random.Random(seed).shuffle(order)
+            call_each(lambda i: get(base + i), 50,  # noqa: B023
+                      lambda i, got: p.check(base + i, got),  # noqa: B023
+                      p.release, f"{system.name} {api} 4 KiB")  # noqa: B023
             lat = []
-            for _ in range(gets):
+            for i in order:
                 t = time.perf_counter()
-                got = get(0)
+                got = get(i)
                 lat.append(time.perf_counter() - t)
+                if not p.check(i, got):
+                    raise RuntimeError(f"{system.name} {api}: 4 KiB entry {i} came back "
+                                       "different")
                 p.release(got)
                 del got
             s = rec.get(system.name, api, "get_4k", size, gets)
             s.lat += lat
-        p.clear()
+        if p.gets:
+            p.clear()
+            system.kept = 0
 
 
 def rotate(xs: list[System], r: int) -> list[System]:
@@ -732,28 +840,36 @@ def copy_seconds(kv: torch.Tensor, repeat: int) -> list[float]:
 
 
 def measure(systems: list[System], sizes: list[tuple[int, int]], batch: int, gets: int,
-            runs: int, failed: dict[str, str]) -> list[dict[str, Any]]:
+            runs: int, failed: dict[str, str], fill: Fill) -> list[dict[str, Any]]:
     rec = Recorder()
+    routes = 8  # the most put routes a system has (each run of each takes new keys)
     for size, count in sizes:
         kv = payload(size, seed=size)
         ser = rec.get("memcpy", "np.copyto", "copy", size, 1)
         ser.lat = copy_seconds(kv, 10)
         ser.gbs = [size / x / 1e9 for x in ser.lat]
-        guarded(systems, failed, lambda s: s.load(kv, count))  # noqa: B023
+        for s in systems:
+            s.next_index, s.workload = 0, s.workload + 1
+        guarded(systems, failed, lambda s: s.load(kv, count, count * runs * routes))  # noqa: B023
         for r in range(runs):
             guarded(rotate(systems, r), failed,
-                    lambda s: one_run(s, rec, size, count))  # noqa: B023
+                    lambda s: one_run(s, rec, size, count, fill))  # noqa: B023
             print(f"{size // MIB} MiB run {r + 1}/{runs} done", flush=True)
         guarded(systems, failed, lambda s: s.unload())
     kv = payload(MIB, seed=1)
-    guarded(systems, failed, lambda s: s.load(kv, batch))
+    for s in systems:
+        s.next_index, s.workload = 0, s.workload + 1
+    guarded(systems, failed, lambda s: s.load(kv, batch, batch * runs * routes * BATCH_CALLS))
     for r in range(runs):
-        guarded(rotate(systems, r), failed, lambda s: batch_run(s, rec, MIB, batch))
+        guarded(rotate(systems, r), failed, lambda s: batch_run(s, rec, MIB, batch, fill))
         print(f"batch run {r + 1}/{runs} done", flush=True)
     guarded(systems, failed, lambda s: s.unload())
+    guarded(systems, failed, lambda s: s.routes()[0].clear())  # before the small entries
     kv = payload(4096, seed=2)
-    guarded(systems, failed, lambda s: s.load(kv, 1))
-    guarded(systems, failed, lambda s: latency_run(s, rec, gets))
+    for s in systems:
+        s.next_index, s.kept, s.workload = 0, 0, s.workload + 1
+    guarded(systems, failed, lambda s: s.load(kv, 1, (gets + 50) * routes))
+    guarded(systems, failed, lambda s: latency_run(s, rec, gets, seed=3))
     guarded(systems, failed, lambda s: s.unload())
     return [x.row() for x in rec.series.values()]
 
@@ -761,17 +877,23 @@ def measure(systems: list[System], sizes: list[tuple[int, int]], batch: int, get
 # -- report -------------------------------------------------------------------------------------
 
 
+NARROW = {"put": ("store(KVCache)",), "batch_put": ("store_many(KVCache)",),
+          "get_4k": ("retrieve",)}
+"""Workloads summarised also for one kdn api alone: the stores a user's KVCache takes
+(encoding included), the get that hands back tensors."""
+
+
 def summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per kdn system and workload: its best api next to the best peer's (ratio > 1: kdn ahead;
-    for get_4k the ratio is best peer p50 / kdn p50)."""
+    for get_4k the ratio is best peer p50 / kdn p50); and for the ``NARROW`` apis alone."""
     out = []
     work = sorted({(r["op"], r["size_mib"]) for r in rows if r["system"] != "memcpy"})
     kdns = sorted({r["system"] for r in rows if r["system"].startswith("kdn")})
     for op, mib in work:
         sel = [r for r in rows if r["op"] == op and r["size_mib"] == mib]
         peers = [r for r in sel if not r["system"].startswith("kdn")]
-        for k in kdns:
-            mine = [r for r in sel if r["system"] == k]
+        for k, only in [(k, only) for k in kdns for only in ("", *NARROW.get(op, ()))]:
+            mine = [r for r in sel if r["system"] == k and (not only or r["api"] == only)]
             if not mine or not peers:
                 continue
             if op == "get_4k":
@@ -784,7 +906,8 @@ def summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 b = max(peers, key=lambda r: r["gb_s"])
                 ratio = a["gb_s"] / b["gb_s"]
                 mine_v, peer_v = a["gb_s"], b["gb_s"]
-            out.append({"kdn": k, "op": op, "size_mib": mib, "kdn_api": a["api"],
+            out.append({"kdn": k, "op": op + (f" [{only}]" if only else ""), "size_mib": mib,
+                        "kdn_api": a["api"],
                         "kdn_value": mine_v, "best_peer": f"{b['system']} {b['api']}",
                         "peer_value": peer_v, "kdn_vs_best_peer": ratio})
     return out
@@ -869,7 +992,13 @@ def main(argv: list[str] | None = None) -> None:
                     help="folders with libibverbs.so.1 & co. for Mooncake (colon-separated)")
     ap.add_argument("--kdn-client-opts", action="append", default=None,
                     help="Client keyword arguments k=v,k=v; repeat for several kdn columns")
-    ap.add_argument("--kdn-server-args", default="", help="extra `kdn serve` flags")
+    ap.add_argument("--kdn-server-args", action="append", default=None,
+                    help="extra `kdn serve` flags; repeat for one kdn server (and its "
+                         "columns) per flag set")
+    ap.add_argument("--fill-gib", type=float, default=FILL_GIB,
+                    help="GiB each system keeps before its entries are deleted (a cache "
+                         "filling up to that share of kdn's RAM tier); 0 = delete after "
+                         "every route's run (the old best case, reused memory)")
     ap.add_argument("--kdn-layers-per-frame", type=int, default=0,
                     help="layers per frame of the stored entries "
                          "(0: frames of ~256 KiB, as Client.store makes them)")
@@ -887,7 +1016,7 @@ def main(argv: list[str] | None = None) -> None:
         os.execve(sys.executable, [sys.executable, "-m", "bench.peers", *args], env)
     quick = ns.quick
     sizes = [(MIB, 8), (16 * MIB, 2)] if quick else [(MIB, 64), (16 * MIB, 8), (256 * MIB, 2)]
-    batch, gets = (16, 200) if quick else (64, 2000)
+    batch, gets = (16, 200) if quick else (64, 500)
     runs = ns.runs or (2 if quick else 3)
     wanted = set(ns.systems.split(","))
     failed: dict[str, str] = {}
@@ -913,13 +1042,18 @@ def main(argv: list[str] | None = None) -> None:
                 skipped[name] = f"{type(err).__name__}: {err}".splitlines()[0]
                 print(f"-- {name} skipped: {skipped[name]}", flush=True)
         if "kdn" in wanted:
-            address = stack.enter_context(kdn_server(tmp, shlex.split(ns.kdn_server_args)))
-            for tag, text in enumerate(ns.kdn_client_opts or [""]):
-                k = Kdn(address, parse_opts(text), tag, ns.kdn_layers_per_frame)
-                stack.callback(k.close)
-                systems.append(k)
-                print(f"{k.name}: started", flush=True)
-        rows = measure(systems, sizes, batch, gets, runs, failed)
+            tag = 0
+            for server_args in ns.kdn_server_args or [""]:
+                address = stack.enter_context(kdn_server(tmp, shlex.split(server_args)))
+                for text in ns.kdn_client_opts or [""]:
+                    k = Kdn(address, parse_opts(text), tag, ns.kdn_layers_per_frame,
+                            server_args)
+                    tag += 1
+                    stack.callback(k.close)
+                    systems.append(k)
+                    print(f"{k.name}: started", flush=True)
+        fill = Fill(int(ns.fill_gib * (1 << 30)))
+        rows = measure(systems, sizes, batch, gets, runs, failed, fill)
         for name, why in failed.items():
             skipped[name] = f"failed during the run: {why}"
     busy_after = busy_seconds()  # after the servers were stopped and reaped
@@ -938,7 +1072,9 @@ def main(argv: list[str] | None = None) -> None:
     print(f"wall {wall_s:.0f} s; other processes on this machine used {others_s:.0f} CPU-s "
           f"meanwhile ({others_s / wall_s:.2f} cores on average)")
     write_json(ns.out, "peers", rows, runs=runs, summary=summ, skipped=skipped,
-               kdn_client_opts=ns.kdn_client_opts or [""], kdn_server_args=ns.kdn_server_args,
+               kdn_client_opts=ns.kdn_client_opts or [""],
+               kdn_server_args=ns.kdn_server_args or [""], fill_gib=ns.fill_gib,
+               kdn_ram_gib=KDN_RAM_GIB,
                kdn_layers_per_frame=ns.kdn_layers_per_frame,
                wall_s=wall_s, other_processes_cpu_s=others_s,
                payload="Llama-3-8B-shaped fp16 KV (32 layers x 8 KV heads x 128), random; "

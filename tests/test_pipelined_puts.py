@@ -3,7 +3,9 @@
 server copies the last. Over a real server: every entry reads back as stored, each call's
 region is freed, an error in one call is raised after every call was answered (the path stays
 usable, nothing half-written), a path that goes away mid-way stores the rest by gRPC, and a
-segment without room stores what it can and the rest another way."""
+segment without room stores what it can and the rest another way. (Entries in frames of one
+layer: a ``raw`` KVCache in default frames is written straight into the segment instead,
+``tests/test_fill_puts.py``.)"""
 
 from __future__ import annotations
 
@@ -47,7 +49,8 @@ def test_a_large_batch_goes_in_several_calls_and_reads_back(
         server: ServerThread, small_calls: int, values: list) -> None:
     with Client(server.address, timeout_s=30, shm_bytes=4 << 20) as c:
         before = _calls(c)
-        out = c.store_many([(_key(i), kv) for i, kv in enumerate(values)], mode="raw")
+        out = c.store_many([(_key(i), kv) for i, kv in enumerate(values)],
+                           mode="raw", layers_per_frame=1)
         assert len(out) == len(values) and all(r.stored_bytes > 0 for r in out)
         size = out[0].stored_bytes
         assert _calls(c) - before >= len(values) * size // small_calls  # pipelined calls
@@ -68,12 +71,14 @@ def test_an_error_in_one_call_is_raised_once_all_were_answered(
     with ServerThread(dataclasses.replace(server_config, auth_file=str(auth))) as st, \
             Client(st.address, timeout_s=30, shm_bytes=4 << 20, api_key="key-t") as c:
         with pytest.raises(TooLarge, match="quota"):
-            c.store_many([(_key(i), kv) for i, kv in enumerate(values)], mode="raw")
+            c.store_many([(_key(i), kv) for i, kv in enumerate(values)],
+                         mode="raw", layers_per_frame=1)
         stored = [c.contains(_key(i)) for i in range(len(values))]
         assert stored[0] and not all(stored)  # the first calls stored theirs
         kv = random_kv(LAYOUT, 4, seed=99)
         c.delete([_key(i) for i in range(len(values))])
-        c.store_many([(_key(100), kv), (_key(101), kv)], mode="raw")  # the path still in step
+        c.store_many([(_key(100), kv), (_key(101), kv)], mode="raw",
+                     layers_per_frame=1)  # the path still in step
         got = c.retrieve(_key(101), layout=LAYOUT)
         assert got is not None and got.equal(kv)
 
@@ -93,7 +98,8 @@ def test_a_path_that_goes_away_midway_stores_the_rest_by_grpc(
     monkeypatch.setattr(dp, "fast_answer", flaky)
     with Client(server.address, timeout_s=30, shm_bytes=4 << 20) as c:
         c.store(_key(999), values[0], mode="raw")  # attach first (one answer)
-        out = c.store_many([(_key(i), kv) for i, kv in enumerate(values)], mode="raw")
+        out = c.store_many([(_key(i), kv) for i, kv in enumerate(values)],
+                           mode="raw", layers_per_frame=1)
         assert all(r.stored_bytes > 0 for r in out)
         gone = c.dataplane.same_host._fast_path == ""  # later calls by gRPC
         assert answers[0] >= 3 and gone
@@ -107,7 +113,8 @@ def test_a_segment_without_room_stores_what_it_can_and_the_rest_another_way(
         seg = c.dataplane.segment()[0]
         hold = seg.regions.alloc(seg.size - (48 << 10))  # a read holds most of it
         assert hold is not None
-        out = c.store_many([(_key(i), kv) for i, kv in enumerate(values)], mode="raw")
+        out = c.store_many([(_key(i), kv) for i, kv in enumerate(values)],
+                           mode="raw", layers_per_frame=1)
         assert all(r.stored_bytes > 0 for r in out)
         seg.regions.free(hold, seg.size - (48 << 10))
         _read_back(c, values)
@@ -117,6 +124,7 @@ def test_entries_larger_than_a_call_are_stored_too(
         server: ServerThread, small_calls: int) -> None:
     mixed = [random_kv(LAYOUT, 40 if i % 3 else 600, seed=i) for i in range(9)]
     with Client(server.address, timeout_s=30, shm_bytes=4 << 20) as c:
-        out = c.store_many([(_key(i), kv) for i, kv in enumerate(mixed)], mode="raw")
+        out = c.store_many([(_key(i), kv) for i, kv in enumerate(mixed)],
+                           mode="raw", layers_per_frame=1)
         assert out[0].stored_bytes > small_calls and all(r.stored_bytes for r in out)
         _read_back(c, mixed)

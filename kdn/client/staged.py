@@ -25,7 +25,8 @@ so does a client with an in-process tier (the tier keeps the sealed bytes). ``cl
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 import torch
@@ -50,6 +51,9 @@ from kdn.layout import KVLayout
 from kdn.transport.regions import ALIGN
 from kdn.v1 import kdn_pb2 as pb
 
+if TYPE_CHECKING:
+    from kdn.cache import KVCache
+
 FRAME_ALIGN = 64
 """The first frame of a staged entry starts at a multiple of this (tensors view its bodies)."""
 UNSEALED = (1 << 64) - 1
@@ -68,6 +72,25 @@ def skeleton(layout: KVLayout, tokens: int, start_position: int = 0
         raise InvalidArgument(f"a staged entry needs at least one token, got {tokens}")
     if start_position < 0:
         raise InvalidArgument(f"start_position must be >= 0, got {start_position}")
+    plan = _plan(layout, tokens)
+    entry = pb.EntryHeader()
+    entry.ParseFromString(plan.entry)
+    entry.start_position = start_position
+    return build_header(entry), plan.prefixes, plan.frames_bytes
+
+
+class _Plan(NamedTuple):
+    entry: bytes
+    """The entry header (its start position 0), serialized."""
+    prefixes: list[tuple[int, bytes]]
+    frames_bytes: int
+    bodies: list[tuple[int, int]]
+    """Per layer: (offset of its body from the first frame, bytes of its K)."""
+
+
+@functools.lru_cache(maxsize=64)
+def _plan(layout: KVLayout, tokens: int) -> _Plan:
+    """``skeleton``'s parts that do not depend on the start position, per (layout, tokens)."""
     size = layout.dtype.itemsize
     bodies = [(lay.k_numel(tokens) + lay.v_numel(tokens)) * size for lay in layout.layers]
     spans = frame_spans([RECORD_BYTES + b for b in bodies], 0)
@@ -75,11 +98,12 @@ def skeleton(layout: KVLayout, tokens: int, start_position: int = 0
     entry = pb.EntryHeader(
         layout=layout_to_proto(layout), codec=pb.Codec(mode="raw", level="",
                                                        params=codec.params("")),
-        tokens=tokens, start_position=start_position,
+        tokens=tokens, start_position=0,
         frames=[pb.FrameSpan(first_layer=f, num_layers=n, checksum=UNSEALED)
                 for f, n in spans],
         layout_fingerprint=layout.fingerprint)
     prefixes: list[tuple[int, bytes]] = []
+    at_body: list[tuple[int, int]] = []
     off = 0
     for index, (first, count) in enumerate(spans):
         length = sum(RECORD_BYTES + bodies[layer] for layer in range(first, first + count))
@@ -87,16 +111,31 @@ def skeleton(layout: KVLayout, tokens: int, start_position: int = 0
         at = off + FRAME_PREFIX_BYTES
         for layer in range(first, first + count):
             prefixes.append((at, record_prefix(layout.layers[layer], tokens, bodies[layer])))
+            at_body.append((at + RECORD_BYTES, layout.layers[layer].k_numel(tokens) * size))
             at += RECORD_BYTES + bodies[layer]
         off = at
-    return build_header(entry), prefixes, off
+    return _Plan(entry.SerializeToString(), prefixes, off, at_body)
+
+
+def _copy_bytes(dst: np.ndarray[Any, Any], src: torch.Tensor) -> None:
+    """``src``'s bytes (a CPU tensor; in its logical order) into ``dst`` (contiguous bytes)."""
+    if src.dim() and src.stride(-1) == 1:
+        raw = src.view(torch.uint8).numpy()
+        np.copyto(dst.reshape(raw.shape), raw)
+    else:  # a transposed or scalar tensor: made contiguous first
+        np.copyto(dst, src.contiguous().view(-1).view(torch.uint8).numpy())
 
 
 class Staged:
     """One staged entry (module docstring): ``layers`` (K, V) of every layer, writable."""
 
     def __init__(self, layout: KVLayout, tokens: int, start_position: int = 0,
-                 segment: Any = None) -> None:
+                 segment: Any = None, *, own_memory: bool = True, tensors: bool = True
+                 ) -> None:
+        """``own_memory``: without room in ``segment`` (or without one) the entry lies in
+        this process's memory; False: it is then made closed, holding nothing. ``tensors``:
+        False makes no K and V tensors (``layers`` stays empty): the entry is filled by
+        ``write`` (any dtype then: its bodies need not lie aligned for tensors)."""
         head, prefixes, frames_bytes = skeleton(layout, tokens, start_position)
         self.layout, self.tokens, self.start_position = layout, tokens, start_position
         self.nbytes = len(head) + frames_bytes
@@ -105,6 +144,9 @@ class Staged:
         """Where the container starts in ``segment`` (when staged there)."""
         room = self.nbytes + FRAME_ALIGN
         start = segment.regions.alloc(room) if segment is not None else None
+        self.layers: list[tuple[torch.Tensor, torch.Tensor]] = []
+        if start is None and not own_memory:
+            return
         if start is not None:
             pad = (-(start + len(head))) % FRAME_ALIGN
             region = segment.owned(start, room)  # freed once no view of it is left
@@ -120,6 +162,8 @@ class Staged:
             at = len(head) + off
             arr[at : at + len(raw)] = np.frombuffer(raw, dtype=np.uint8)
         self._head = len(head)
+        if not tensors:
+            return
         header = parse_header(head)
         views = inplace.views(header, self._view)
         if views is None:  # the container's prefixes leave some bodies unaligned for it
@@ -128,7 +172,18 @@ class Staged:
                 f"a raw entry of {layout.dtype.value} KV can not be staged: its bodies do not "
                 "lie aligned for tensors of that dtype in the container (2-byte dtypes do); "
                 "store it with store() or store_many()")
-        self.layers: list[tuple[torch.Tensor, torch.Tensor]] = list(views)
+        self.layers = list(views)
+
+    def write(self, kv: KVCache) -> None:
+        """Copy the bodies of ``kv`` (on the CPU, of this entry's layout and tokens) into
+        place: each K and V one numpy copy of its bytes (one thread, the GIL free; torch would
+        split each over its intra-op threads, which on a busy host wait for each other)."""
+        self._check_open()
+        arr = np.frombuffer(self._view, dtype=np.uint8)
+        for (at, nk), (k, v) in zip(_plan(self.layout, self.tokens).bodies, kv.layers):
+            lo = self._head + at
+            _copy_bytes(arr[lo : lo + nk], k)
+            _copy_bytes(arr[lo + nk : lo + nk + v.numel() * v.element_size()], v)
 
     def __enter__(self) -> Staged:
         return self

@@ -81,6 +81,13 @@ class Writer:
         check_key(key)
         if is_staged(kv):
             return self._store_staged(self._ns(namespace), [(key, kv)], options, request_id)[0]
+        st = self._written_staged(kv, mode, level, layers_per_frame)
+        if st is not None:  # the tensors copied straight into the segment: stored from there
+            try:
+                return self._store_staged(self._ns(namespace), [(key, st)], options,
+                                          request_id)[0]
+            finally:
+                st.close()
         parts = encoded(kv, mode, level, layers_per_frame)
         opts = wire_options(options)
         if self.dataplane.direct:  # through the shared segment (same host) or the data path
@@ -120,6 +127,25 @@ class Writer:
         Each call's items are all checked before any is stored: a bad item raises and stores
         none of them."""
         ns = self._ns(namespace)
+        for k, _ in items:  # before anything is written or sent
+            check_key(k)
+        written: list[Staged] = []  # KV written straight into the segment (``_written_staged``)
+        try:
+            mine: list[tuple[bytes, KVCache | EncodedParts | Staged]] = []
+            for k, kv in items:
+                st = self._written_staged(kv, mode, level, layers_per_frame)
+                if st is not None:
+                    written.append(st)
+                mine.append((k, kv if st is None else st))
+            return self._store_many(mine, mode, level, ns, options, layers_per_frame,
+                                    request_id)
+        finally:
+            for st in written:
+                st.close()
+
+    def _store_many(self, items: Sequence[tuple[bytes, KVCache | EncodedParts | Staged]],
+                    mode: str, level: str, ns: str, options: StoreOptions | None,
+                    layers_per_frame: int, request_id: str | None) -> list[pb.StoreResponse]:
         staged = [j for j, (_, kv) in enumerate(items) if is_staged(kv)]
         if staged:  # sent where they lie; the rest as below
             out: list[pb.StoreResponse | None] = [None] * len(items)
@@ -255,6 +281,47 @@ class Writer:
         if seg is not None:
             seg.register_with_cuda()  # once; nothing where CUDA is not available
         return Staged(layout, tokens, start_position, seg)
+
+    def _written_staged(self, kv: KVCache | EncodedParts | Staged, mode: str, level: str,
+                        layers_per_frame: int) -> Staged | None:
+        """``kv`` (a ``KVCache`` to store ``raw`` in frames of the default size) written
+        straight into a staged entry in the shared segment, one copy of each tensor, for the
+        server to seal as it copies it out (``kdn.client.staged``): the client neither encodes
+        into memory of its own nor copies into the segment again nor hashes. None where that
+        does not apply (another mode or frame size, no segment or no room in it, a server
+        that does not seal, an in-process tier, which keeps the sealed bytes, a dtype whose
+        bodies can not be viewed in place): the entry is then encoded as any."""
+        if (mode != "raw" or level or layers_per_frame or self.local is not None
+                or isinstance(kv, EncodedParts) or is_staged(kv)):
+            return None
+        kv = cast("KVCache", kv)
+        seg = self.dataplane.segment()[0]  # attached on first use: before ``server_seals``
+        if seg is None or not self.dataplane.server_seals:
+            return None
+        kv.validate()  # shapes and dtype as the layout says (a copy would convert them)
+        if kv.num_tokens <= 0:
+            return None
+        from kdn.client.staged import Staged
+
+        on_cpu = all(k.device.type == "cpu" and v.device.type == "cpu" for k, v in kv.layers)
+        try:  # from the CPU by bytes; from a device through tensor views (a DMA lands there)
+            st = Staged(kv.layout, kv.num_tokens, kv.start_position, seg,
+                        own_memory=False, tensors=not on_cpu)
+        except InvalidArgument:
+            return None
+        if st.closed:  # no room in the segment
+            return None
+        try:
+            if on_cpu:
+                st.write(kv)
+            else:
+                for (k, v), (src_k, src_v) in zip(st.layers, kv.layers):
+                    k.copy_(src_k)
+                    v.copy_(src_v)
+        except BaseException:
+            st.close()
+            raise
+        return st
 
     def _store_staged(self, ns: str, items: Sequence[tuple[bytes, Staged]],
                       options: StoreOptions | None, request_id: str | None

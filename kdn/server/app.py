@@ -213,6 +213,7 @@ class Server:
             self.net_path.close()
         self.servicer.segments.close()
         self.servicer.arenas.close()
+        self.servicer.heap.close()
         await asyncio.to_thread(self.store.close)
         if self.metrics is not None:
             self.metrics.close()
@@ -356,6 +357,7 @@ async def _start(config: ServerConfig, store: TieredStore, auth: Authenticator,
             net_path.close()
         servicer.segments.close()
         servicer.arenas.close()
+        servicer.heap.close()
         await server.stop(0)
         raise
     task = asyncio.ensure_future(_watch_health(store, health_servicer))

@@ -104,6 +104,12 @@ class ServerConfig:
     (kdn.server.arena); 0 = off. Made when a tenant's client first asks, and then faulted
     in whole by a background thread (so that a first read allocates no pages); memory on
     top of ram_bytes, at most a quarter of it."""
+    prefault_bytes: int = 1 << 30
+    """Free memory kept faulted in ahead of demand for the large entries stores bring
+    (kdn.transport.prefault: a background thread maps and faults it in, so that a cache that
+    fills stores at the speed of a copy, not of the kernel's page faults); 0 = off. At most a
+    quarter of ram_bytes; grown from the first large store on, up to ram_bytes plus this in
+    all, and kept."""
     disk_bytes: int = 16 << 30
     """Byte budget of the LMDB disk tier (0 = no disk tier)."""
     redis_url: str = ""
@@ -219,6 +225,8 @@ class ServerConfig:
             raise ConfigError(f"disk_bytes: must be >= 0, got {self.disk_bytes}")
         if self.wire_memo_bytes < 0:
             raise ConfigError(f"wire_memo_bytes: must be >= 0, got {self.wire_memo_bytes}")
+        if self.prefault_bytes < 0:
+            raise ConfigError(f"prefault_bytes: must be >= 0, got {self.prefault_bytes}")
         if self.shm_arena_bytes < 0:
             raise ConfigError(f"shm_arena_bytes: must be >= 0, got {self.shm_arena_bytes}")
         if not 1024 <= self.max_message_bytes <= (2**31 - 1):
@@ -324,7 +332,8 @@ class ServerConfig:
         return f"{self.host}:{self.port}"
 
 
-_SIZE_FIELDS = {"ram_bytes", "wire_memo_bytes", "shm_arena_bytes", "disk_bytes",
+_SIZE_FIELDS = {"ram_bytes", "wire_memo_bytes", "shm_arena_bytes", "prefault_bytes",
+                "disk_bytes",
                 "max_message_bytes", "max_entry_bytes", "redis_bytes", "redis_part_bytes",
                 "write_queue_bytes", "egress_bytes_per_s"}
 _TRUE = {"1", "true", "yes", "on"}

@@ -46,6 +46,7 @@ from kdn.server.usage import Usage
 from kdn.server.wire_memo import WireMemo
 from kdn.store.tiered import TieredStore
 from kdn.transport.buffers import BufferPool
+from kdn.transport.prefault import PrefaultedHeap
 from kdn.transport.wire import FrameMessage
 from kdn.v1 import kdn_pb2 as pb
 from kdn.v1 import kdn_pb2_grpc as pb_grpc
@@ -81,7 +82,11 @@ class KDNServicer(pb_grpc.KDNServicer):
         # same-host reads: each tenant's hottest RAM-tier entries, leased (kdn.server.arena)
         self.arenas = Arenas(min(config.shm_arena_bytes, config.ram_bytes // 4))
         # receive buffers of large entries, recycled: up to a quarter of the RAM tier kept free
-        self.buffers = BufferPool(min(1 << 30, config.ram_bytes // 4))
+        # and the memory of new ones faulted in ahead of demand (kdn.transport.prefault)
+        ahead = min(config.prefault_bytes, config.ram_bytes // 4)
+        self.heap = PrefaultedHeap(ahead, config.ram_bytes + ahead if ahead else 0)
+        self.buffers = BufferPool(min(1 << 30, config.ram_bytes // 4),
+                                  self.heap.take if ahead else None)
         self.usage = Usage()  # tokens stored and served, for the metrics (kdn.server.usage)
         # Retrieve's messages, kept: at most a quarter of the RAM tier on top of it
         self.wire_memo = WireMemo(min(config.wire_memo_bytes, config.ram_bytes // 4))

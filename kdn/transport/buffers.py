@@ -33,6 +33,7 @@ import functools
 import os
 import threading
 import weakref
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -79,8 +80,13 @@ class BufferPool:
     """Thread-safe; release watches (``on_release``) may fire on any thread, at any
     allocation."""
 
-    def __init__(self, keep_bytes: int) -> None:
+    def __init__(self, keep_bytes: int,
+                 ahead: Callable[[int], np.ndarray[Any, Any] | None] | None = None) -> None:
         self.keep_bytes = max(0, keep_bytes)
+        self.ahead = ahead
+        """Asked first for a new buffer's memory (``kdn.transport.prefault.PrefaultedHeap.take``:
+        memory faulted in ahead of demand, which goes back to it by itself); None: no such
+        source."""
         self._free: list[np.ndarray[Any, Any]] = []
         self._free_bytes = 0
         self._lock = threading.RLock()  # a release can fire inside take() on this thread
@@ -97,6 +103,11 @@ class BufferPool:
             raise ValueError(f"buffer size must be > 0, got {size}")
         if size < MIN_BYTES:
             return np.empty(size, dtype=np.uint8)
+        if self.ahead is not None:
+            got = self.ahead(size)
+            if got is not None:
+                self.reused += 1
+                return got
         base = self._pop(size)
         if base is None:
             base = np.empty(-(-size // _GRAIN) * _GRAIN, dtype=np.uint8)

@@ -66,6 +66,11 @@ class RegionAllocator:
                 spans[i - 1] = (spans[i - 1][0], spans[i][1])
                 del spans[i]
 
+    def largest_free(self) -> int:
+        """Bytes of the largest free range."""
+        with self._lock:
+            return max((e - b for b, e in self._free), default=0)
+
     def free_bytes(self) -> int:
         with self._lock:
             return sum(e - b for b, e in self._free)

@@ -1,0 +1,215 @@
+"""Puts of a cache that fills: memory faulted in ahead of demand (kdn.transport.prefault) and
+``store(KVCache)`` written straight into the shared segment (``Writer._written_staged``).
+
+The heap alone: its first take starts the grower and misses; what it hands out afterwards
+lies in its regions, never overlaps another held range, comes back once released, and it
+never maps past its limit. Over a real server: large stores of new keys land in the heap and
+read back whole; a byte damaged in the heap's copy is caught by the entry's checksums. A
+``raw`` ``store(KVCache)`` on the server's host is stored byte for byte as ``encode_parts``
+writes it, without the client encoding or copying into the segment twice, its region given
+back; ``store_many`` likewise; other modes, frame sizes and remote clients encode as before.
+Bad input (a wrong dtype, a bad key in a batch) raises before anything is stored."""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from kdn import codec
+from kdn.cache import KVCache
+from kdn.client import Client
+from kdn.client.shm import SharedSegment
+from kdn.client.staged import Staged
+from kdn.errors import Corrupt, InvalidArgument, InvalidLayout, KDNError
+from kdn.keys import store_key
+from kdn.names import DEFAULT_NAMESPACE
+from kdn.server import ServerThread
+from kdn.server.config import ServerConfig
+from kdn.transport.prefault import PrefaultedHeap
+from tests.helpers import numbered_key as _key
+from tests.helpers import random_kv, uniform_layout
+
+MIB = 1 << 20
+LAYOUT = uniform_layout(layers=4, heads=8, dim=64)  # 4 KiB a token
+
+
+def _grown(heap: PrefaultedHeap, free: int, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while heap.free_bytes < free:
+        assert time.monotonic() < deadline, f"the heap holds {heap.free_bytes} free bytes"
+        heap.grown.wait(0.05)
+
+
+def test_the_heap_hands_out_faulted_ranges_and_takes_them_back() -> None:
+    heap = PrefaultedHeap(ahead_bytes=8 * MIB, limit_bytes=16 * MIB)
+    try:
+        with pytest.raises(ValueError, match="size"):
+            heap.take(0)
+        assert heap.take(MIB) is None  # nothing mapped yet: the first take starts the grower
+        _grown(heap, 8 * MIB)
+        a, b = heap.take(3 * MIB), heap.take(3 * MIB)
+        assert a is not None and b is not None and a.flags.writeable
+        lo_a, lo_b = a.ctypes.data, b.ctypes.data
+        assert lo_a + a.nbytes <= lo_b or lo_b + b.nbytes <= lo_a  # no two share a byte
+        a[:] = 1
+        b[:] = 2
+        assert int(a.sum()) == a.nbytes and int(b.min()) == 2
+        view = memoryview(a)[10:20]  # a reader derived from it keeps the range
+        del a
+        gc.collect()
+        c = heap.take(heap.free_bytes_unlocked() + MIB)  # more than is free: a miss
+        assert c is None
+        assert bytes(view) == b"\x01" * 10
+        before = heap.free_bytes
+        del view
+        gc.collect()
+        assert heap.free_bytes >= before + 3 * MIB  # the range came back, still mapped
+        assert heap.take(64 * MIB) is None  # past the limit: never mapped
+        time.sleep(0.2)
+        assert heap.mapped_bytes <= 16 * MIB
+        del b
+    finally:
+        heap.close()
+    with pytest.raises(ValueError, match="ahead_bytes"):
+        PrefaultedHeap(-1, 0)
+
+
+def test_large_stores_of_new_keys_land_in_memory_faulted_ahead(tmp_path: object) -> None:
+    cfg = ServerConfig(port=0, data_dir=tmp_path / "data", ram_bytes=256 << 20,  # type: ignore[operator]
+                       disk_bytes=0, shm_arena_bytes=0, shutdown_grace_s=2.0)
+    kvs = [random_kv(LAYOUT, 512, seed=i) for i in range(6)]  # 2 MiB each
+    with ServerThread(cfg) as srv, Client(srv.address, timeout_s=30) as c:
+        assert srv.server is not None
+        heap = srv.server.servicer.heap
+        c.store(_key(0), kvs[0], mode="raw")  # starts the grower (its own buffer is fresh)
+        _grown(heap, 16 * MIB)
+        taken = heap.taken
+        for i in range(1, 6):
+            c.store(_key(i), kvs[i], mode="raw")
+        assert heap.taken >= taken + 5
+        for i, kv in enumerate(kvs):
+            back = c.retrieve(_key(i), layout=LAYOUT)
+            assert back is not None and back.equal(kv)
+        # a byte of a stored copy damaged where it lies in the heap: its checksum says so
+        ram = srv.server.store.tiers[0]
+        value = ram.get(store_key("", DEFAULT_NAMESPACE, _key(5)))
+        assert value is not None
+        where = np.frombuffer(value, dtype=np.uint8).ctypes.data + len(value) // 2
+        assert heap.holds(where)
+        ctypes.memset(where, int(np.frombuffer(value, np.uint8)[len(value) // 2]) ^ 0xFF, 1)
+        with Client(srv.address, timeout_s=30, shm_bytes=0, data_path=False) as remote:
+            with pytest.raises(Corrupt):
+                remote.retrieve(_key(5), layout=LAYOUT)
+
+
+def _encoded_twice(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Records every encode_parts call and every client write into a segment."""
+    calls: list[str] = []
+    real_encode, real_write = codec.encode_parts, SharedSegment.write
+
+    def encode(*a: object, **k: object) -> object:
+        calls.append("encode")
+        return real_encode(*a, **k)  # type: ignore[arg-type]
+
+    def write(self: SharedSegment, offset: int, data: bytes | memoryview) -> None:
+        calls.append("write")
+        real_write(self, offset, data)
+
+    monkeypatch.setattr(codec, "encode_parts", encode)
+    monkeypatch.setattr(SharedSegment, "write", write)
+    return calls
+
+
+def test_a_raw_kvcache_is_written_straight_into_the_segment(
+        server: ServerThread, monkeypatch: pytest.MonkeyPatch) -> None:
+    kvs = [random_kv(LAYOUT, 100 + i, seed=20 + i, start=7 * i) for i in range(4)]
+    want = [codec.encode_parts(kv, "raw", layers_per_frame=0).to_bytes() for kv in kvs]
+    calls = _encoded_twice(monkeypatch)
+    with Client(server.address, timeout_s=30, data_path=False) as c:
+        c.store(_key(1), kvs[0], mode="raw")  # a client's first call: it attaches then
+        seg = c.dataplane.segment()[0]
+        assert seg is not None
+        free = seg.regions.free_bytes()
+        c.store_many([(_key(2 + i), kv) for i, kv in enumerate(kvs[1:])], mode="raw")
+        assert calls == []  # neither encoded into the client's memory nor copied again
+        gc.collect()
+        assert seg.regions.free_bytes() == free  # every region given back
+        # a tensor that is not contiguous (a slice of a wider one) is copied as it lies
+        wide = random_kv(uniform_layout(layers=4, heads=8, dim=128), 50, seed=9)
+        sliced = KVCache(LAYOUT, [(k[..., :64], v[..., 64:]) for k, v in wide.layers])
+        assert not sliced.layers[0][0].is_contiguous()
+        c.store(_key(20), sliced, mode="raw")
+        back = c.retrieve(_key(20), layout=LAYOUT)
+        assert back is not None and back.equal(sliced) and calls == []
+        for i, w in enumerate(want):
+            got = c.fetch(_key(1 + i))
+            assert got is not None and got.parts.to_bytes() == w
+        # other modes and frame sizes encode as before
+        c.store(_key(9), kvs[0], mode="lossless")
+        c.store(_key(10), kvs[0], mode="raw", layers_per_frame=1)
+        assert calls.count("encode") == 2
+        back = c.retrieve(_key(10), layout=LAYOUT)
+        assert back is not None and back.equal(kvs[0])
+
+
+def test_a_remote_client_encodes_as_before(server: ServerThread,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    kv = random_kv(LAYOUT, 64, seed=3)
+    calls = _encoded_twice(monkeypatch)
+    with Client(server.address, timeout_s=30, shm_bytes=0) as c:
+        c.store(_key(1), kv, mode="raw")
+        assert calls == ["encode"]
+        back = c.retrieve(_key(1), layout=LAYOUT)
+        assert back is not None and back.equal(kv)
+
+
+def test_bad_kv_and_bad_keys_store_nothing(server: ServerThread) -> None:
+    kv = random_kv(LAYOUT, 32, seed=4)
+    wrong = KVCache.__new__(KVCache)  # a cache whose tensors went wrong after it was made
+    wrong.layout, wrong.start_position = LAYOUT, 0
+    wrong.layers = [(k.float(), v.float()) for k, v in kv.layers]
+    with Client(server.address, timeout_s=30, data_path=False) as c:
+        seg = c.dataplane.segment()[0]
+        assert seg is not None
+        free = seg.regions.free_bytes()
+        with pytest.raises(InvalidLayout, match="dtype"):
+            c.store(_key(1), wrong, mode="raw")
+        with pytest.raises(InvalidLayout, match="dtype"):
+            c.store_many([(_key(2), kv), (_key(3), wrong)], mode="raw")
+        with pytest.raises((InvalidArgument, KDNError)):
+            c.store_many([(_key(4), kv), (b"", kv)], mode="raw")
+        # a copy that fails half way (the last layer can not be read): nothing is stored
+        half = KVCache.__new__(KVCache)
+        half.layout, half.start_position = LAYOUT, 0
+        half.layers = [*kv.layers[:-1], tuple(t.to("meta") for t in kv.layers[-1])]
+        half.validate()
+        with pytest.raises((NotImplementedError, RuntimeError)):
+            c.store(_key(6), half, mode="raw")
+        assert not any(c.contains(_key(i)) for i in (1, 2, 3, 4, 6))
+        gc.collect()
+        assert seg.regions.free_bytes() == free
+        # a segment without room for the entry: encoded and sent as any, stored whole
+        hog = seg.regions.alloc_largest(1 << 40)
+        assert hog is not None
+        c.store(_key(5), kv, mode="raw")
+        seg.regions.free(*hog)
+        back = c.retrieve(_key(5), layout=LAYOUT)
+        assert back is not None and back.equal(kv)
+
+
+def test_a_staged_entry_without_room_and_without_own_memory_is_closed() -> None:
+    seg = SharedSegment(1 << 16)
+    try:
+        st = Staged(LAYOUT, 1000, 0, seg, own_memory=False)  # 4 MB: no room in 64 KiB
+        assert st.closed and st.layers == []
+        ok = Staged(LAYOUT, 2, 0, seg, own_memory=False)
+        assert not ok.closed and ok.region(seg) is not None
+        torch.zeros(1)  # (torch loaded: the views above are tensors)
+        ok.close()
+    finally:
+        seg.close()
