@@ -14,15 +14,16 @@ whole pool up front. ``PrefaultedHeap`` does that in the background, ahead of de
 
 Life of the memory: a background thread ("kdn-prefault") maps regions (anonymous memory,
 ``MADV_HUGEPAGE`` where the kernel offers huge pages) and faults each in whole
-(``MADV_POPULATE_WRITE`` through ctypes, the GIL free while the kernel works; before Linux 5.14,
-one write per page) before any ``take`` may use it. It grows while fewer than ``ahead_bytes``
-lie free or no free range holds the largest ``take`` seen (a region holds at least twice that,
-and a quarter of ``ahead_bytes``), never past ``limit_bytes`` in all. ``take`` carves a range
-of a region (first fit); the view it returns is watched (``kdn.transport.buffers.on_release``) and its range is given back once nothing refers
-to it, to be reused as it is. A release may fire on any thread at any allocation, also inside
-this heap's own lock, so it only queues the range; the next ``take`` (or the grower) frees
-what is queued. Regions are kept until ``close`` (the process's memory stays at its peak, as a
-full RAM tier's would anyway).
+(``MADV_POPULATE_WRITE`` through ctypes, the GIL free while the kernel works; before Linux
+5.14, one write per page) before any ``take`` may use it. It grows while fewer than
+``ahead_bytes`` lie free or no free range holds the largest ``take`` seen (a region holds at
+least twice that, and a quarter of ``ahead_bytes``), never past ``limit_bytes`` in all.
+``take`` carves a range of a region (first fit); the view it returns is watched
+(``kdn.transport.buffers.on_release``) and its range is given back once nothing refers to it,
+to be reused as it is. A release may fire on any thread at any allocation, also inside this
+heap's own lock, so it only queues the range; the next ``take`` (or the grower) frees what is
+queued. Regions are kept until ``close`` (the process's memory stays at its peak, as a full RAM
+tier's would anyway).
 """
 
 from __future__ import annotations
