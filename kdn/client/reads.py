@@ -364,12 +364,20 @@ class Reader:
         """``retrieve_stream`` of many keys at once (None for a miss): one GetMany through the
         shared segment on the server's host, else one Retrieve stream per key, all started
         before this returns."""
-        if not self.dataplane.attached:
-            return [self.retrieve_stream(k, namespace=namespace, layout=layout, device=device,
-                                         request_id=request_id) for k in keys]
         started = time.perf_counter()
         ns = self._ns(namespace)
         ks = [check_key(k) for k in keys]
+        if not self.dataplane.attached and len(ks) > 1 and self.dataplane.net() is not None:
+            # one GetMany on the network data path (striped over its connections), the
+            # entries landed in page-locked memory for a GPU: one copy each, none per layer
+            got = self._entries(ns, ks, layout, request_id, pinned=on_cuda(device))
+            return [self.retrieve_stream(k, namespace=ns, layout=layout, device=device,
+                                         request_id=request_id) if isinstance(g, TooBig)
+                    else None if g is None else stream_of(g, device, new_timings(started=started))
+                    for k, g in zip(ks, got)]
+        if not self.dataplane.attached:
+            return [self.retrieve_stream(k, namespace=namespace, layout=layout, device=device,
+                                         request_id=request_id) for k in keys]
         seg = self.dataplane.segment()[0]
         if not on_cuda(device) or seg is None:
             got = self._entries(ns, ks, layout, request_id)

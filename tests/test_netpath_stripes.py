@@ -1,0 +1,174 @@
+"""GetMany striped over several connections of the network data path (kdn.client.netpath):
+bit-identical entries from a real server, the number of connections chosen by size, and a
+stripe whose connection drops inside an entry or whose answer is wrong (against a scripted
+server), which fails the whole call with nothing returned and leaves the path usable."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from kdn import codec
+from kdn.client import Client
+from kdn.client.netpath import STRIPE_MIN_BYTES, NetPath
+from kdn.errors import Corrupt, InvalidArgument, NotFound
+from kdn.server import ServerThread
+from kdn.transport.wire import FAST_HEAD, read_exact
+from kdn.v1 import kdn_pb2 as pb
+from tests.helpers import numbered_key, random_kv, uniform_layout
+
+LAYOUT = uniform_layout()
+
+
+def _parts(seed: int, tokens: int = 16) -> codec.EncodedParts:
+    return codec.encode_parts(random_kv(LAYOUT, tokens, seed=seed, start=0), "raw")
+
+
+@pytest.fixture
+def striped(server: ServerThread) -> Iterator[Client]:
+    c = Client(server.address, timeout_s=30, shm_bytes=0, data_connections=3)
+    yield c
+    c.close()
+
+
+def test_a_striped_batch_read_is_bit_identical(server: ServerThread, striped: Client) -> None:
+    keys = [numbered_key(i) for i in range(7)]
+    stored = [_parts(i, tokens=16 + 8 * i) for i in range(7)]  # entries of several sizes
+    for k, p in zip(keys, stored):
+        striped.store(k, p)
+    before = dict(server.server.servicer.counters).get("net.GetMany", 0)
+    got = striped.fetch_many([*keys[:3], numbered_key(99), *keys[3:]])
+    assert got[3] is None  # a miss in the middle of a stripe stays in its place
+    for p, f in zip(stored, got[:3] + got[4:]):
+        assert f is not None and f.checked and f.owned
+        assert f.parts.to_bytes() == p.to_bytes()
+    calls = dict(server.server.servicer.counters).get("net.GetMany", 0) - before
+    assert calls == 3  # one GetMany per connection, side by side
+    streams = striped.retrieve_streams(keys, layout=LAYOUT, device="cpu")
+    for p, s in zip(stored, streams):
+        assert s is not None and s.result().equal(codec.decode(p.to_bytes()))
+
+
+def test_the_default_connections_follow_the_entries_size() -> None:
+    net = NetPath("127.0.0.1", 1, "0" * 32, 5)
+    assert net.stripes(8) == 1  # nothing read yet: no size known
+    net.entry_bytes = STRIPE_MIN_BYTES // 4
+    assert net.stripes(8) == 2  # 8 entries of a quarter: two connections' worth
+    net.entry_bytes = STRIPE_MIN_BYTES * 2
+    assert net.stripes(3) == 3  # never more than the keys
+    assert net.stripes(100) == 8  # nor more than MAX_STRIPES
+    assert NetPath("127.0.0.1", 1, "0" * 32, 5, connections=2).stripes(100) == 2
+    with pytest.raises(InvalidArgument, match="data_connections"):
+        Client("127.0.0.1:1", data_connections=-1)
+
+
+# -- a scripted server: one answer per connection, chosen by the keys it is asked for ----------
+
+
+Script = Callable[[list[bytes]], bytes]
+"""What a connection answers to a GetMany of these keys (the answer's bytes, on the wire)."""
+
+
+def _answer(entries: list[bytes | None], *, count: int | None = None) -> bytes:
+    resp = pb.GetManyResponse()
+    at = 0
+    for e in entries:
+        ref = resp.entries.add()
+        if e is not None:
+            ref.present, ref.tier, ref.length, ref.offset, ref.written = True, "ram", len(e), at, True
+            at += len(e)
+    while count is not None and len(resp.entries) > count:
+        del resp.entries[-1]
+    body = resp.SerializeToString()
+    return FAST_HEAD.pack(len(body), 1) + body + b"".join(e for e in entries if e is not None)
+
+
+class Scripted:
+    """A listener that answers every GetMany by ``script`` (then closes the connection when
+    the script says so: an answer ending in ``CUT``)."""
+
+    CUT = b"<cut>"
+
+    def __init__(self, script: Script) -> None:
+        self.script = script
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.calls = 0
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        with conn, contextlib.suppress(OSError):  # the client closes a failed stripe's end
+            while (head := read_exact(conn, FAST_HEAD.size)) is not None:
+                body = read_exact(conn, FAST_HEAD.unpack(head)[0])
+                assert body is not None
+                self.calls += 1
+                out = self.script(list(pb.GetManyRequest.FromString(body).keys))
+                if out.endswith(self.CUT):
+                    conn.sendall(out[: -len(self.CUT)])
+                    return
+                conn.sendall(out)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+ENTRIES = {numbered_key(i): _parts(i, tokens=64).to_bytes() for i in range(4)}
+KEYS = list(ENTRIES)
+
+
+def _honest(keys: list[bytes]) -> bytes:
+    return _answer([ENTRIES.get(k) for k in keys])
+
+
+def _bad(how: str) -> Script:
+    """A script answering the stripe that holds the last key wrongly (``how``)."""
+
+    def script(keys: list[bytes]) -> bytes:
+        if KEYS[-1] not in keys:
+            return _honest(keys)
+        entries = [ENTRIES[k] for k in keys]
+        if how == "drop":  # the connection ends inside the last entry
+            return _answer(entries)[: -len(entries[-1]) // 2] + Scripted.CUT
+        if how == "count":  # fewer entries than keys
+            return _answer(entries, count=len(keys) - 1)
+        if how == "damaged":  # a bit flipped in the last frame
+            answer = bytearray(_answer(entries))
+            answer[-5] ^= 0x10
+            return bytes(answer)
+        if how == "error":
+            message = b"NOT_FOUND\0no such ticket"
+            return FAST_HEAD.pack(len(message), 0) + message + Scripted.CUT
+        raise AssertionError(how)
+
+    return script
+
+
+@pytest.mark.parametrize("how,error", [("drop", OSError), ("count", Corrupt),
+                                       ("damaged", Corrupt), ("error", NotFound)])
+def test_a_failed_stripe_fails_the_call_and_the_path_goes_on(how: str,
+                                                              error: type[Exception]) -> None:
+    script = {"now": _bad(how)}
+    server = Scripted(lambda keys: script["now"](keys))
+    net = NetPath("127.0.0.1", server.port, "0" * 32, 10, connections=2)
+    try:
+        with pytest.raises(error):
+            net.get_many("default", KEYS, "")
+        assert server.calls == 2  # both stripes were asked for
+        script["now"] = _honest  # the server mends: the next call is whole and right
+        got = net.get_many("default", KEYS, "")
+        assert [bytes(g[0]) if g else None for g in got] == [ENTRIES[k] for k in KEYS]
+    finally:
+        net.close()
+        server.close()
