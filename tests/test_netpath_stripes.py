@@ -79,7 +79,8 @@ def _answer(entries: list[bytes | None], *, count: int | None = None) -> bytes:
     for e in entries:
         ref = resp.entries.add()
         if e is not None:
-            ref.present, ref.tier, ref.length, ref.offset, ref.written = True, "ram", len(e), at, True
+            ref.present, ref.tier, ref.written = True, "ram", True
+            ref.length, ref.offset = len(e), at
             at += len(e)
     while count is not None and len(resp.entries) > count:
         del resp.entries[-1]
