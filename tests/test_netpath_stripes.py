@@ -15,7 +15,7 @@ import pytest
 from kdn import codec
 from kdn.client import Client
 from kdn.client.netpath import STRIPE_MIN_BYTES, NetPath
-from kdn.errors import Corrupt, InvalidArgument, NotFound
+from kdn.errors import Corrupt, InvalidArgument, NotFound, Unavailable
 from kdn.server import ServerThread
 from kdn.transport.wire import FAST_HEAD, read_exact
 from kdn.v1 import kdn_pb2 as pb
@@ -139,9 +139,9 @@ def _bad(how: str) -> Script:
     def script(keys: list[bytes]) -> bytes:
         if KEYS[-1] not in keys:
             return _honest(keys)
-        entries = [ENTRIES[k] for k in keys]
+        entries = [ENTRIES.get(k) for k in keys]
         if how == "drop":  # the connection ends inside the last entry
-            return _answer(entries)[: -len(entries[-1]) // 2] + Scripted.CUT
+            return _answer(entries)[: -len(ENTRIES[KEYS[-1]]) // 2] + Scripted.CUT
         if how == "count":  # fewer entries than keys
             return _answer(entries, count=len(keys) - 1)
         if how == "damaged":  # a bit flipped in the last frame
@@ -173,3 +173,41 @@ def test_a_failed_stripe_fails_the_call_and_the_path_goes_on(how: str,
     finally:
         net.close()
         server.close()
+
+
+@pytest.mark.parametrize("how,error", [("drop", Unavailable), ("damaged", Corrupt)])
+def test_entries_landing_after_the_answer_fail_one_by_one(how: str,
+                                                          error: type[Exception]) -> None:
+    """``start_get_many`` returns once the answers are in; a stripe that fails inside an
+    entry fails that entry's future (and its later ones), never hands out its bytes, and the
+    other stripe's entries land whole."""
+    server = Scripted(_bad(how))
+    net = NetPath("127.0.0.1", server.port, "0" * 32, 10, connections=2)
+    try:
+        got = net.start_get_many("default", [*KEYS[:2], numbered_key(99), *KEYS[2:]], "")
+        assert got[2] is None  # the miss is known at once
+        firsts = [g for g in got[:2] if g is not None]
+        assert [bytes(f.result(10)) for _, f in firsts] == [ENTRIES[k] for k in KEYS[:2]]
+        assert got[3] is not None and got[4] is not None
+        if how == "drop":  # the entry before the cut landed whole; the cut one fails
+            assert bytes(got[3][1].result(10)) == ENTRIES[KEYS[2]]
+        with pytest.raises(error):
+            got[4][1].result(10)
+    finally:
+        net.close()
+        server.close()
+
+
+def test_retrieve_streams_land_as_the_entries_arrive(server: ServerThread,
+                                                     striped: Client) -> None:
+    keys = [numbered_key(i) for i in range(5)]
+    kvs = [random_kv(LAYOUT, 32, seed=i) for i in range(5)]
+    for k, kv in zip(keys, kvs):
+        striped.store(k, kv, mode="raw")
+    streams = striped.retrieve_streams([*keys, numbered_key(99)], layout=LAYOUT)
+    assert streams[-1] is None
+    for kv, s in zip(kvs, streams):
+        assert s is not None and s.blocks == 1
+        assert s.result(10).equal(kv)
+        k0, _ = s.wait_for_layer(0, 10)
+        assert k0.equal(kv.layers[0][0])

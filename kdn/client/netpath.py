@@ -25,6 +25,7 @@ returned.
 
 from __future__ import annotations
 
+import functools
 import logging
 import select
 import socket
@@ -280,11 +281,7 @@ class NetPath:
             return self._get_one(namespace, keys, layout_fingerprint, pinned)
         bounds = [round(i * len(keys) / n) for i in range(n + 1)]
         runs = [keys[a:b] for a, b in zip(bounds, bounds[1:])]
-        with self._lock:
-            if self._stripers is None:
-                self._stripers = ThreadPoolExecutor(MAX_CONNECTIONS - 1,
-                                                    thread_name_prefix="kdn-stripe")
-            pool = self._stripers
+        pool = self._pool()
         later: list[Future[list[tuple[memoryview, str] | None]]] = [
             pool.submit(self._get_stripe, namespace, run, layout_fingerprint, pinned)
             for run in runs[1:]]
@@ -305,6 +302,84 @@ class NetPath:
             raise failed
         return got
 
+    def start_get_many(self, namespace: str, keys: Sequence[bytes], layout_fingerprint: str,
+                       *, pinned: bool = False) -> list[tuple[str, Future[memoryview]] | None]:
+        """``get_many`` that returns once every stripe's answer is in (which keys are
+        present, not their bytes): per key None (a miss) or (tier, the future of its
+        bytes), which the path's threads fill as each entry lands, in order within a
+        stripe. A stripe whose connection drops inside an entry, or whose entry is
+        damaged, fails that entry's future and the stripe's later ones (Unavailable,
+        Corrupt). OSError or the server's error when the calls could not be made."""
+        n = self.stripes(len(keys))
+        bounds = [round(i * len(keys) / n) for i in range(n + 1)]
+        runs = [keys[a:b] for a, b in zip(bounds, bounds[1:])]
+        conns: list[socket.socket] = []
+        try:
+            for run in runs:  # every call sent before any answer is read: served side by side
+                conn = self._spare_conn()
+                conns.append(conn)
+                body = self._get_request(namespace, run, layout_fingerprint).SerializeToString()
+                send_pieces(conn, [FAST_HEAD.pack(len(body), NET_GET_MANY) + body])
+            refs = []
+            for conn, run in zip(conns, runs):
+                ok, out = fast_answer(conn)
+                self.worked = True
+                if not ok:
+                    raise fast_error(out)
+                refs.append(_refs(out, len(run)))
+        except BaseException:
+            for conn in conns:  # answers left unread on them: lost
+                self._forget(conn)
+            raise
+        pool = self._pool()
+        got: list[tuple[str, Future[memoryview]] | None] = []
+        for conn, stripe in zip(conns, refs):
+            futures: list[Future[memoryview] | None] = [
+                Future() if ref.present else None for ref in stripe]
+            got += [None if f is None else (ref.tier, f) for ref, f in zip(stripe, futures)]
+            pool.submit(self._land, conn, [r.length for r in stripe], futures, pinned)
+        return got
+
+    def _land(self, conn: socket.socket, lengths: list[int],
+              futures: list[Future[memoryview] | None], pinned: bool) -> None:
+        """One stripe's entries read off ``conn`` into their futures, in order."""
+        for j, (length, fut) in enumerate(zip(lengths, futures)):
+            if fut is None:
+                continue
+            try:
+                fut.set_result(_read_entry(conn, length, pinned))
+                self.entry_bytes = length
+            except BaseException as exc:
+                self._forget(conn)
+                if isinstance(exc, OSError):
+                    exc = Unavailable(f"the data path connection dropped inside an entry "
+                                      f"({exc}); nothing of it is used")
+                for later in futures[j:]:
+                    if later is not None:
+                        later.set_exception(exc)
+                return
+        with self._lock:
+            if conn in self._all:
+                self._spare.append(conn)
+
+    def _pool(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._stripers is None:
+                self._stripers = ThreadPoolExecutor(MAX_CONNECTIONS,
+                                                    thread_name_prefix="kdn-stripe")
+            return self._stripers
+
+    def _spare_conn(self) -> socket.socket:
+        """An idle connection of the stripes', or a new one."""
+        with self._lock:
+            while self._spare:
+                conn = self._spare.pop()
+                if not closed_by_peer(conn):  # the server's idle timeout, a restart
+                    return conn
+                self._all.remove(conn)
+                conn.close()
+        return self._open()
+
     def _get_one(self, namespace: str, keys: Sequence[bytes], layout_fingerprint: str,
                  pinned: bool) -> list[tuple[memoryview, str] | None]:
         """One GetMany on this thread's connection."""
@@ -320,16 +395,7 @@ class NetPath:
                     pinned: bool) -> list[tuple[memoryview, str] | None]:
         """One stripe's GetMany, on a spare connection of the path's (given back once its
         answer is read whole; closed when the call fails: what is left of it is unread)."""
-        conn = None
-        with self._lock:
-            while self._spare and conn is None:
-                conn = self._spare.pop()
-                if closed_by_peer(conn):  # the server's idle timeout, a restart
-                    self._all.remove(conn)
-                    conn.close()
-                    conn = None
-        if conn is None:
-            conn = self._open()
+        conn = self._spare_conn()
         try:
             body = self._get_request(namespace, keys, layout_fingerprint).SerializeToString()
             send_pieces(conn, [FAST_HEAD.pack(len(body), NET_GET_MANY) + body])
@@ -361,20 +427,12 @@ class NetPath:
                  ) -> list[tuple[memoryview, str] | None]:
         """The entries of a GetMany answer (``out``, its body) for ``count`` keys, read off
         ``conn``. Corrupt when the answer does not add up."""
-        resp = pb.GetManyResponse.FromString(out)
-        if len(resp.entries) != count:
-            raise Corrupt(f"GetMany answered {len(resp.entries)} entries for {count} keys")
         got: list[tuple[memoryview, str] | None] = []
-        at = 0
-        for ref in resp.entries:
+        for ref in _refs(out, count):
             if not ref.present:
                 got.append(None)
                 continue
-            if ref.offset != at or ref.length < HEAD_PREFIX_BYTES:
-                raise Corrupt(f"GetMany placed an entry of {ref.length} bytes at "
-                              f"{ref.offset} of the bytes that follow, not at {at}")
             got.append((_read_entry(conn, ref.length, pinned), ref.tier))
-            at += ref.length
             self.entry_bytes = ref.length
         return got
 
@@ -509,6 +567,26 @@ class RemotePath:
                                                pinned=pinned)
                 for g in got]
 
+    def start_get_many(self, net: NetPath, namespace: str, keys: Sequence[bytes],
+                       layout_fingerprint: str, pinned: bool = False
+                       ) -> list[tuple[str, Future[Fetched]] | None] | None:
+        """``NetPath.start_get_many`` on ``net``, each entry's bytes as a Fetched (checked
+        as they landed); None when the path failed (the caller reads another way)."""
+        got = self._on(net, lambda n: n.start_get_many(namespace, keys, layout_fingerprint,
+                                                       pinned=pinned))
+        if got is None:
+            return None
+        out: list[tuple[str, Future[Fetched]] | None] = []
+        for g in got:
+            if g is None:
+                out.append(None)
+                continue
+            tier, bytes_of = g
+            entry: Future[Fetched] = Future()
+            bytes_of.add_done_callback(functools.partial(_as_fetched, entry, tier, pinned))
+            out.append((tier, entry))
+        return out
+
     def put_many(self, net: NetPath, namespace: str,
                  items: Sequence[tuple[bytes, EncodedParts, pb.StoreOptions]],
                  out: list[Any], limit: int) -> bool:
@@ -577,6 +655,19 @@ class RemotePath:
             pass  # the server forgets it at shutdown anyway
 
 
+def _as_fetched(entry: Future[Fetched], tier: str, pinned: bool,
+                bytes_of: Future[memoryview]) -> None:
+    exc = bytes_of.exception()
+    if exc is not None:
+        entry.set_exception(exc)
+        return
+    try:
+        entry.set_result(fetched(bytes_of.result(), tier, owned=True, checked=True,
+                                 pinned=pinned))
+    except BaseException as err:  # a header that does not parse: the entry's error
+        entry.set_exception(err)
+
+
 def streamed_put(namespace: str, segment_id: str,
                  items: Sequence[tuple[bytes, EncodedParts, pb.StoreOptions]]
                  ) -> tuple[pb.PutManyRequest, list[bytes | memoryview]]:
@@ -628,6 +719,23 @@ def closed_by_peer(conn: socket.socket) -> bool:
         return not socket.socket.recv(conn, 1, socket.MSG_PEEK)  # the raw bytes under TLS
     except OSError:
         return True
+
+
+def _refs(out: bytes, count: int) -> list[pb.EntryRef]:
+    """The entries of a GetMany answer's body for ``count`` keys, each present one placed
+    right after the one before in the bytes that follow. Corrupt when they are not."""
+    resp = pb.GetManyResponse.FromString(out)
+    if len(resp.entries) != count:
+        raise Corrupt(f"GetMany answered {len(resp.entries)} entries for {count} keys")
+    at = 0
+    for ref in resp.entries:
+        if not ref.present:
+            continue
+        if ref.offset != at or ref.length < HEAD_PREFIX_BYTES:
+            raise Corrupt(f"GetMany placed an entry of {ref.length} bytes at {ref.offset} "
+                          f"of the bytes that follow, not at {at}")
+        at += ref.length
+    return list(resp.entries)
 
 
 def _read_entry(conn: socket.socket, length: int, pinned: bool = False) -> memoryview:
