@@ -211,3 +211,25 @@ def test_retrieve_streams_land_as_the_entries_arrive(server: ServerThread,
         assert s.result(10).equal(kv)
         k0, _ = s.wait_for_layer(0, 10)
         assert k0.equal(kv.layers[0][0])
+
+
+def test_an_engine_on_a_remote_client_reuses_blocks_landed_from_the_data_path(
+        server: ServerThread) -> None:
+    """The real model through KDNEngine, the client on "another host": its hit's blocks come
+    by one striped GetMany, handed to the engine before they land, and generate the same
+    tokens as the full prefill."""
+    from kdn.engine import EngineConfig, KDNEngine
+    from kdn.model.data import english_token_ids
+    from kdn.model.models import load_model
+
+    model, tok = load_model("smollm2-135m")
+    with Client(server.address, timeout_s=60, shm_bytes=0, data_connections=2) as c:
+        engine = KDNEngine(model, tok, c, EngineConfig(chunk_tokens=64, encodings=(("raw", ""),)))
+        ids = [int(t) for t in english_token_ids(300, tok)]
+        full = engine.generate(ids, max_new_tokens=8)
+        assert full.store_thread is not None
+        full.store_thread.join(60)
+        before = dict(server.server.servicer.counters).get("net.GetMany", 0)
+        hit = engine.generate(ids, max_new_tokens=8, force="raw")
+        assert hit.timings.reused_tokens == 256 and hit.token_ids == full.token_ids
+        assert dict(server.server.servicer.counters).get("net.GetMany", 0) - before == 2
