@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from kdn import codec
-from kdn.client import Client
+from kdn.client import Client, netpath
 from kdn.client.netpath import STRIPE_MIN_BYTES, NetPath
 from kdn.errors import Corrupt, InvalidArgument, NotFound, Unavailable
 from kdn.server import ServerThread
@@ -53,7 +53,9 @@ def test_a_striped_batch_read_is_bit_identical(server: ServerThread, striped: Cl
         assert s is not None and s.result().equal(codec.decode(p.to_bytes()))
 
 
-def test_the_default_connections_follow_the_entries_size() -> None:
+def test_the_default_connections_follow_the_entries_size(monkeypatch: pytest.MonkeyPatch
+                                                         ) -> None:
+    monkeypatch.setattr(netpath, "stream_cores", lambda: 16)  # a host with 32 cores
     net = NetPath("127.0.0.1", 1, "0" * 32, 5)
     assert net.stripes(8) == 1  # nothing read yet: no size known
     net.entry_bytes = STRIPE_MIN_BYTES // 4
@@ -62,6 +64,8 @@ def test_the_default_connections_follow_the_entries_size() -> None:
     assert net.stripes(3) == 3  # never more than the keys
     assert net.stripes(100) == 8  # nor more than MAX_STRIPES
     assert NetPath("127.0.0.1", 1, "0" * 32, 5, connections=2).stripes(100) == 2
+    monkeypatch.setattr(netpath, "stream_cores", lambda: 1)  # two cores: one connection
+    assert net.stripes(100) == 1
     with pytest.raises(InvalidArgument, match="data_connections"):
         Client("127.0.0.1:1", data_connections=-1)
 

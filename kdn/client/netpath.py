@@ -14,8 +14,12 @@ lands (in cache).
 A GetMany of several large entries is striped: its keys are cut into runs, one per
 connection (``NetPath.stripes``: ``connections`` of the client, or chosen by the size of
 the entries this path has brought, ``STRIPE_MIN_BYTES`` a connection, at most
-``MAX_STRIPES``), each run asked for on a connection of its own, side by side, by the calling
-thread and the path's own threads; every entry whole from one answer (one stored version).
+``MAX_STRIPES`` and one per two cores), each run asked for on a connection of its own,
+side by side; every entry whole from one answer (one stored version). ``get_many`` returns
+them all; ``start_get_many`` returns once the answers say which keys are present, and the
+path's threads land each entry after (``kdn.client.landing.PendingStream``: what
+``Client.retrieve_streams`` hands a remote caller, so that its first layers compute while
+the rest streams).
 Entries bound for a CUDA device (``pinned``) land in page-locked memory, so that one
 host-to-device copy per entry reads them where they lie. A stripe that fails (its
 connection dropped inside an entry, a damaged or wrong answer) fails the whole call: the
@@ -36,6 +40,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
+from kdn.client.parallel import stream_cores
 from kdn.client.pending import ASYNC_DEPTH, PendingStore
 from kdn.client.received import Fetched, fetched
 from kdn.codec import EncodedParts
@@ -267,8 +272,11 @@ class NetPath:
     def stripes(self, count: int) -> int:
         """Connections a GetMany of ``count`` keys is striped over: ``connections``, or
         where that is 0, one per ``STRIPE_MIN_BYTES`` of entries the size of the last one
-        brought (at most ``MAX_STRIPES``); never more than the keys."""
-        n = self.connections or min(MAX_STRIPES, count * self.entry_bytes // STRIPE_MIN_BYTES)
+        brought, at most ``MAX_STRIPES`` and no more than this process's cores receive side
+        by side (``parallel.stream_cores``: a connection's receive and checks keep a core
+        busy); never more than the keys."""
+        n = self.connections or min(MAX_STRIPES, stream_cores(),
+                                    count * self.entry_bytes // STRIPE_MIN_BYTES)
         return max(1, min(n, count))
 
     def get_many(self, namespace: str, keys: Sequence[bytes], layout_fingerprint: str,
