@@ -15,6 +15,7 @@ import pytest
 from kdn import codec
 from kdn.client import Client, netpath
 from kdn.client.netpath import STRIPE_MIN_BYTES, NetPath
+from kdn.client.received import Fetched
 from kdn.errors import Corrupt, InvalidArgument, NotFound, Unavailable
 from kdn.server import ServerThread
 from kdn.transport.wire import FAST_HEAD, read_exact
@@ -237,3 +238,23 @@ def test_an_engine_on_a_remote_client_reuses_blocks_landed_from_the_data_path(
         hit = engine.generate(ids, max_new_tokens=8, force="raw")
         assert hit.timings.reused_tokens == 256 and hit.token_ids == full.token_ids
         assert dict(server.server.servicer.counters).get("net.GetMany", 0) - before == 2
+
+
+@pytest.mark.gpu
+def test_blocks_bound_for_a_gpu_land_page_locked(server: ServerThread, striped: Client) -> None:
+    import torch
+
+    keys = [numbered_key(i) for i in range(4)]
+    kvs = [random_kv(LAYOUT, 64, seed=i) for i in range(4)]
+    for k, kv in zip(keys, kvs):
+        striped.store(k, kv, mode="raw")
+    for g in striped.dataplane.get_many("default", keys, "", None, pinned=True):
+        assert isinstance(g, Fetched) and g.pinned and g.container is not None
+        assert torch.frombuffer(g.container, dtype=torch.uint8).is_pinned()
+    streams = striped.retrieve_streams(keys, layout=LAYOUT, device="cuda")
+    for kv, s in zip(kvs, streams):
+        assert s is not None
+        for i, (k, v) in enumerate(kv.layers):
+            kd, vd = s.wait_for_layer(i, 30)
+            assert kd.device.type == "cuda"
+            assert torch.equal(kd.cpu(), k) and torch.equal(vd.cpu(), v)
