@@ -11,6 +11,7 @@ import threading
 from collections.abc import Callable, Iterator
 
 import pytest
+import torch
 
 from kdn import codec
 from kdn.client import Client, netpath
@@ -218,6 +219,7 @@ def test_retrieve_streams_land_as_the_entries_arrive(server: ServerThread,
         assert k0.equal(kv.layers[0][0])
 
 
+@pytest.mark.model
 def test_an_engine_on_a_remote_client_reuses_blocks_landed_from_the_data_path(
         server: ServerThread) -> None:
     """The real model through KDNEngine, the client on "another host": its hit's blocks come
@@ -241,9 +243,8 @@ def test_an_engine_on_a_remote_client_reuses_blocks_landed_from_the_data_path(
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_blocks_bound_for_a_gpu_land_page_locked(server: ServerThread, striped: Client) -> None:
-    import torch
-
     keys = [numbered_key(i) for i in range(4)]
     kvs = [random_kv(LAYOUT, 64, seed=i) for i in range(4)]
     for k, kv in zip(keys, kvs):
