@@ -259,3 +259,13 @@ def test_blocks_bound_for_a_gpu_land_page_locked(server: ServerThread, striped: 
             kd, vd = s.wait_for_layer(i, 30)
             assert kd.device.type == "cuda"
             assert torch.equal(kd.cpu(), k) and torch.equal(vd.cpu(), v)
+
+
+def test_a_striped_read_sees_the_stores_sent_before_it(striped: Client) -> None:
+    keys = [numbered_key(i) for i in range(6)]
+    kvs = [random_kv(LAYOUT, 16, seed=i) for i in range(6)]
+    for k, kv in zip(keys, kvs):
+        striped.store_async(k, kv, mode="raw")  # unanswered yet on this thread's connection
+    streams = striped.retrieve_streams(keys, layout=LAYOUT)
+    for kv, s in zip(kvs, streams):
+        assert s is not None and s.result(10).equal(kv)

@@ -287,6 +287,8 @@ class NetPath:
         n = self.stripes(len(keys))
         if n == 1:
             return self._get_one(namespace, keys, layout_fingerprint, pinned)
+        if self.has_pending():  # this thread's stores first: a read sees what it wrote
+            self.settle()
         bounds = [round(i * len(keys) / n) for i in range(n + 1)]
         runs = [keys[a:b] for a, b in zip(bounds, bounds[1:])]
         pool = self._pool()
@@ -318,6 +320,8 @@ class NetPath:
         stripe. A stripe whose connection drops inside an entry, or whose entry is
         damaged, fails that entry's future and the stripe's later ones (Unavailable,
         Corrupt). OSError or the server's error when the calls could not be made."""
+        if self.has_pending():  # this thread's stores first: a read sees what it wrote
+            self.settle()
         n = self.stripes(len(keys))
         bounds = [round(i * len(keys) / n) for i in range(n + 1)]
         runs = [keys[a:b] for a, b in zip(bounds, bounds[1:])]
