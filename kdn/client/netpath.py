@@ -22,9 +22,11 @@ path's threads land each entry after (``kdn.client.landing.PendingStream``: what
 the rest streams).
 Entries bound for a CUDA device (``pinned``) land in page-locked memory, so that one
 host-to-device copy per entry reads them where they lie. A stripe that fails (its
-connection dropped inside an entry, a damaged or wrong answer) fails the whole call: the
-other stripes are read to their end or their connections closed, and nothing of the call is
-returned.
+connection dropped inside an entry, a damaged or wrong answer) fails the whole ``get_many``
+call: the other stripes are read to their end or their connections closed, and nothing of
+the call is returned; under ``start_get_many`` it fails its entries from the one it failed
+in on (raised from their streams' waits), Unavailable for a dropped connection. A failed
+stripe's connection is closed; the path goes on with new ones.
 """
 
 from __future__ import annotations
