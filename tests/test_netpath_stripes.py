@@ -269,3 +269,19 @@ def test_a_striped_read_sees_the_stores_sent_before_it(striped: Client) -> None:
     streams = striped.retrieve_streams(keys, layout=LAYOUT)
     for kv, s in zip(kvs, streams):
         assert s is not None and s.result(10).equal(kv)
+
+
+def test_a_context_read_again_lands_in_the_buffers_of_the_last_read(striped: Client) -> None:
+    big = uniform_layout(layers=3, heads=4, dim=64)
+    keys = [numbered_key(i) for i in range(3)]
+    kvs = [random_kv(big, 2048, seed=i) for i in range(3)]  # 3 MiB each: pooled sizes
+    for k, kv in zip(keys, kvs):
+        striped.store(k, kv, mode="raw")
+    first = striped.fetch_many(keys, layout=big)
+    assert all(f is not None for f in first)
+    net = striped.dataplane.net()
+    assert net is not None and net.landing.reused == 0
+    del first  # nothing views the landed entries any more: their buffers go back
+    again = striped.retrieve_many(keys, layout=big)
+    assert net.landing.reused == 3
+    assert all(g is not None and g.equal(kv) for g, kv in zip(again, kvs))
