@@ -97,6 +97,7 @@ class Client:
         insecure: bool | None = None,
         tracing: bool = False,
         data_path: bool = True,
+        data_connections: int = 0,
     ) -> None:
         if tracing:  # OpenTelemetry spans per call, the trace carried to the server
             _tracing.enable()
@@ -114,6 +115,13 @@ class Client:
         self.streams = max(1, streams)
         """gRPC streams one retrieve reads side by side, in layer groups, when the entry comes
         over gRPC and the caller gave its layout (``kdn.client.parallel``)."""
+        if data_connections < 0:
+            raise InvalidArgument(f"data_connections must be >= 0 (0: chosen by the entries' "
+                                  f"size), got {data_connections}")
+        self.data_connections = data_connections
+        """Connections a batch read on the network data path (a client on another host) is
+        striped over, side by side; 0 (default): one per ``kdn.client.netpath.
+        STRIPE_MIN_BYTES`` of entries, by the size of those read before (1 at first)."""
         self.timeout_s = timeout_s
         self.retry = retry or Retry()
         self.namespace = check_namespace(namespace)
@@ -134,7 +142,8 @@ class Client:
         self.dataplane = DataPlane(self.rpc.stub, self.rpc.call, self.rpc.metadata,
                                    timeout_s, shm_bytes, max_message_bytes, keep_leases_bytes,
                                    data_host(address) if data_path else "",
-                                   tls.data_path_tls() if tls is not None else None)
+                                   tls.data_path_tls() if tls is not None else None,
+                                   data_connections)
         self._reads = Reader(self.rpc, self.dataplane, self.local, self.namespace,
                              self.streams)
         self._writes = Writer(self.rpc, self.dataplane, self.local, self.namespace,

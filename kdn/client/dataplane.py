@@ -91,7 +91,7 @@ class DataPlane:
     def __init__(self, stub: Any, call: Callable[[Callable[[], Any]], Any],
                  metadata: Callable[[str | None], Any], timeout_s: float, shm_bytes: int,
                  max_message_bytes: int, keep_leases_bytes: int | None = None,
-                 net_host: str = "", net_tls: Any = None) -> None:
+                 net_host: str = "", net_tls: Any = None, net_connections: int = 0) -> None:
         self._stub = stub
         self._call = call
         self._metadata = metadata
@@ -104,9 +104,11 @@ class DataPlane:
         self._too_big: OrderedDict[tuple[str, bytes], None] = OrderedDict()  # inline only
         self.same_host = SameHostPath(stub, call, metadata, timeout_s, shm_bytes,
                                       keep_leases_bytes)
-        self.network = RemotePath(stub, call, metadata, timeout_s, net_host, net_tls)
+        self.network = RemotePath(stub, call, metadata, timeout_s, net_host, net_tls,
+                                  net_connections)
         """The server's network data path (``net_host``: its host, "" for none; ``net_tls``:
-        (ssl context, server name) when the channel speaks TLS)."""
+        (ssl context, server name) when the channel speaks TLS; ``net_connections``: the
+        connections a batch read is striped over, 0: chosen by size)."""
 
     def segment(self) -> tuple[Any, str]:
         """(segment, id) once attached; (None, "") when the plane has no segment."""
@@ -174,7 +176,7 @@ class DataPlane:
         seg, seg_id = self.segment()
         net = self.net() if seg is None else None
         if net is not None:
-            got = self.network.get_many(net, namespace, keys, layout_fingerprint)
+            got = self.network.get_many(net, namespace, keys, layout_fingerprint, pinned)
             if got is not None:
                 return list(got)
         if seg is None and not self._inline_ok:

@@ -1,18 +1,22 @@
 """Where fetched entries become tensors: the decoder an entry gets for a target device, the
 LayerStream over an entry already in memory (viewed in place, copied once, or decoded frame by
-frame), and the join of consecutive in-process blocks into one LayerStream. Nothing here reads
-from the server: the bytes come from ``kdn.client.reads``."""
+frame), the join of consecutive in-process blocks into one LayerStream, and the stream of an
+entry still landing from the network data path (``PendingStream``). Nothing here reads from
+the server: the bytes come from ``kdn.client.reads``."""
 
 from __future__ import annotations
 
 import math
+import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 from kdn.client.parallel import layer_groups
 from kdn.client.received import Fetched
 from kdn.codec.format import check_frame, parse_header
+from kdn.errors import KDNError
 from kdn.transport.wire import Frame, FrameMessage
 
 if TYPE_CHECKING:  # the tensor side loads on first use: admin tools run without torch
@@ -300,3 +304,77 @@ def copy_groups(specs: tuple[tuple[tuple[int, ...], tuple[int, ...], int], ...],
         lo = max(ends[2 * a:2 * b])
         out.append((a, b, start, lo))
     return out
+
+
+class PendingStream:
+    """A LayerStream of an entry still landing (``NetPath.start_get_many``): made the moment
+    its bytes are in and checked (``stream_of``, on the thread that received them: for a GPU
+    its host-to-device copy is queued then), while the caller goes on; each wait waits for
+    that first. Its entry's error (a dropped connection, a damaged frame) is raised from
+    every wait. Offers what a caller of ``Client.retrieve_streams`` uses of a LayerStream."""
+
+    blocks = 1
+    in_process = False
+
+    def __init__(self, entry: Future[Fetched], tier: str, device: torch.device | str | None,
+                 timings: StreamTimings,
+                 on_landed: Callable[[Fetched], object] | None = None) -> None:
+        self.tier = tier
+        self.timings = timings
+        self._device = device
+        self._on_landed = on_landed
+        self._done = threading.Event()
+        self._stream: LayerStream | None = None
+        self._error: BaseException | None = None
+        self._cancelled = False
+        entry.add_done_callback(self._landed)
+
+    def _landed(self, entry: Future[Fetched]) -> None:
+        try:
+            got = entry.result()
+            if self._on_landed is not None:
+                self._on_landed(got)
+            if not self._cancelled:
+                self._stream = stream_of(got, self._device, self.timings)
+        except BaseException as exc:  # raised from the waits
+            self._error = exc
+        self._done.set()
+
+    def landed(self, timeout: float | None = None) -> LayerStream:
+        """The stream once the entry is in; its error if it failed."""
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"the entry did not land in {timeout} s")
+        if self._error is not None:
+            raise self._error
+        if self._stream is None:
+            raise KDNError("retrieve cancelled")
+        return self._stream
+
+    @property
+    def layout(self) -> Any:
+        return self.landed().layout
+
+    @property
+    def num_tokens(self) -> int:
+        return self.landed().num_tokens
+
+    def wait_for_layer(self, i: int, timeout: float | None = None, *,
+                       stream: Any = None) -> Any:
+        return self.landed(timeout).wait_for_layer(i, timeout, stream=stream)
+
+    def is_ready(self, i: int) -> bool:
+        return self._stream is not None and self._stream.is_ready(i)
+
+    def result(self, timeout: float | None = None) -> Any:
+        return self.landed(timeout).result(timeout)
+
+    def settle_copies(self) -> None:
+        self._done.wait()
+        if self._stream is not None:
+            self._stream.settle_copies()
+
+    def cancel(self) -> None:
+        """Let go of the entry (its bytes still land: the connection stays in step)."""
+        self._cancelled = True
+        if self._stream is not None:
+            self._stream.cancel()

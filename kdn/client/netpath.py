@@ -10,10 +10,28 @@ their frames straight into the kernel (``kdn.transport.wire.send_pieces``); a Ge
 are read into one recycled buffer each (``kdn.transport.buffers.RECEIVED``), its first frame at
 a multiple of 64 bytes so decoded tensors view it in place, each frame checked the moment it
 lands (in cache).
+
+A GetMany of several large entries is striped: its keys are cut into runs, one per
+connection (``NetPath.stripes``: ``connections`` of the client, or chosen by the size of
+the entries this path has brought, ``STRIPE_MIN_BYTES`` a connection, at most
+``MAX_STRIPES`` and one per two cores), each run asked for on a connection of its own,
+side by side; every entry whole from one answer (one stored version). ``get_many`` returns
+them all; ``start_get_many`` returns once the answers say which keys are present, and the
+path's threads land each entry after (``kdn.client.landing.PendingStream``: what
+``Client.retrieve_streams`` hands a remote caller, so that its first layers compute while
+the rest streams).
+Entries bound for a CUDA device (``pinned``) land in page-locked memory, so that one
+host-to-device copy per entry reads them where they lie. A stripe that fails (its
+connection dropped inside an entry, a damaged or wrong answer) fails the whole ``get_many``
+call: the other stripes are read to their end or their connections closed, and nothing of
+the call is returned; under ``start_get_many`` it fails its entries from the one it failed
+in on (raised from their streams' waits), Unavailable for a dropped connection. A failed
+stripe's connection is closed; the path goes on with new ones.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import select
 import socket
@@ -21,15 +39,17 @@ import ssl
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
+from kdn.client.parallel import stream_cores
 from kdn.client.pending import ASYNC_DEPTH, PendingStore
 from kdn.client.received import Fetched, fetched
 from kdn.codec import EncodedParts
 from kdn.codec.format import HEAD_PREFIX_BYTES, check_frame_prefix, header_size
 from kdn.errors import Corrupt, DeadlineExceeded, KDNError, NotFound, Unavailable
 from kdn.status import error_of
-from kdn.transport.buffers import RECEIVED
+from kdn.transport.buffers import RECEIVED, BufferPool
 from kdn.transport.netio import recv_container
 from kdn.transport.wire import (
     FAST_HEAD,
@@ -47,6 +67,21 @@ CONNECT_S = 2.0
 """Seconds a connection may take to open (a firewalled port: gRPC instead)."""
 FRAME_ALIGN = 64
 """A read entry's first frame starts at a multiple of this (``kdn.codec.inplace``)."""
+STRIPE_MIN_BYTES = 16 << 20
+"""Entry bytes per connection below which a GetMany is not striped (its calls and threads
+cost more than the connections side by side gain)."""
+MAX_STRIPES = 8
+"""Connections one GetMany is striped over at most, chosen by size (``connections`` may
+ask for more, up to ``MAX_CONNECTIONS``)."""
+MAX_CONNECTIONS = 32
+"""Connections one GetMany may be striped over at most, asked for (the server serves 256
+at once, a thread each)."""
+LANDING_BYTES = 1 << 30
+"""Bytes of landed entries' buffers a path keeps for the next ones once nothing views them
+(an 8k-token Llama-3-8B context): fresh memory is faulted in at 1.2-1.9 GB/s (0.3 while the
+kernel compacts it for huge pages), slower than loopback, so a context read again lands in
+memory that is already there, as a socket loop's kept buffer (the process-wide
+``RECEIVED`` pool keeps 256 MiB)."""
 
 
 def fast_send(conn: socket.socket, op: int, req: Any) -> None:
@@ -75,15 +110,41 @@ class NetPath:
     """Calls on the network data path at ``(host, port)`` acting as ``ticket``'s holder."""
 
     def __init__(self, host: str, port: int, ticket: str, timeout_s: float,
-                 tls: ssl.SSLContext | None = None, server_name: str = "") -> None:
+                 tls: ssl.SSLContext | None = None, server_name: str = "",
+                 connections: int = 0) -> None:
         self.host, self.port, self.ticket = host.strip("[]"), port, ticket
         self.timeout_s = timeout_s
         self._tls, self._server_name = tls, server_name or self.host
+        self.connections = max(0, min(connections, MAX_CONNECTIONS))
+        """Connections a GetMany of several keys is striped over; 0: chosen by size
+        (``stripes``)."""
         self._local = threading.local()
         self._all: list[socket.socket] = []
+        self._spare: list[socket.socket] = []  # the stripes' connections, idle
+        self.landing = BufferPool(LANDING_BYTES)
+        """Where entries land (host memory; page-locked ones come from torch's caching host
+        allocator, which keeps them too)."""
+        self._stripers: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
+        self.entry_bytes = 0
+        """The size of the last entry this path brought (what ``stripes`` counts with)."""
         self.worked = False
         """The server answered a call on this path (a later failure may be a restart)."""
+
+    def _open(self) -> socket.socket:
+        """A new connection to the data path (kept in ``_all`` until closed)."""
+        conn = socket.create_connection((self.host, self.port), timeout=CONNECT_S)
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if self._tls is not None:  # the server's certificate checked as gRPC checks it
+            try:
+                conn = self._tls.wrap_socket(conn, server_hostname=self._server_name)
+            except BaseException:
+                conn.close()
+                raise
+        conn.settimeout(self.timeout_s)
+        with self._lock:
+            self._all.append(conn)
+        return conn
 
     def _conn(self, *, check: bool = False) -> tuple[socket.socket, bool]:
         """(this thread's connection, whether it is new). ``check``: a connection the server
@@ -94,18 +155,7 @@ class NetPath:
             conn = None
         if conn is not None:
             return conn, False
-        conn = socket.create_connection((self.host, self.port), timeout=CONNECT_S)
-        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        if self._tls is not None:  # the server's certificate checked as gRPC checks it
-            try:
-                conn = self._tls.wrap_socket(conn, server_hostname=self._server_name)
-            except BaseException:
-                conn.close()
-                raise
-        conn.settimeout(self.timeout_s)
-        self._local.conn = conn
-        with self._lock:
-            self._all.append(conn)
+        conn = self._local.conn = self._open()
         return conn, True
 
     def _drop(self) -> None:
@@ -230,38 +280,193 @@ class NetPath:
         _, out = self._call(NET_PUT_MANY, req, pieces)
         return put_results(out, len(items))
 
-    def get_many(self, namespace: str, keys: Sequence[bytes], layout_fingerprint: str
-                 ) -> list[tuple[memoryview, str] | None]:
-        """(entry bytes, tier) of each key, None for a miss, in one call."""
-        req = pb.GetManyRequest(namespace=namespace, keys=keys, segment_id=self.ticket,
-                                expect_layout_fingerprint=layout_fingerprint)
-        conn, out = self._call(NET_GET_MANY, req)
+    def stripes(self, count: int) -> int:
+        """Connections a GetMany of ``count`` keys is striped over: ``connections``, or
+        where that is 0, one per ``STRIPE_MIN_BYTES`` of entries the size of the last one
+        brought, at most ``MAX_STRIPES`` and no more than this process's cores receive side
+        by side (``parallel.stream_cores``: a connection's receive and checks keep a core
+        busy); never more than the keys."""
+        n = self.connections or min(MAX_STRIPES, stream_cores(),
+                                    count * self.entry_bytes // STRIPE_MIN_BYTES)
+        return max(1, min(n, count))
+
+    def get_many(self, namespace: str, keys: Sequence[bytes], layout_fingerprint: str,
+                 *, pinned: bool = False) -> list[tuple[memoryview, str] | None]:
+        """(entry bytes, tier) of each key, None for a miss: one call, or one per stripe
+        (``stripes``) side by side. ``pinned``: the entries land in page-locked memory (they
+        are bound for a CUDA device)."""
+        n = self.stripes(len(keys))
+        if n == 1:
+            return self._get_one(namespace, keys, layout_fingerprint, pinned)
+        if self.has_pending():  # this thread's stores first: a read sees what it wrote
+            self.settle()
+        bounds = [round(i * len(keys) / n) for i in range(n + 1)]
+        runs = [keys[a:b] for a, b in zip(bounds, bounds[1:])]
+        pool = self._pool()
+        later: list[Future[list[tuple[memoryview, str] | None]]] = [
+            pool.submit(self._get_stripe, namespace, run, layout_fingerprint, pinned)
+            for run in runs[1:]]
+        got: list[tuple[memoryview, str] | None] = []
+        failed: BaseException | None = None
         try:
-            resp = pb.GetManyResponse.FromString(out)
-            if len(resp.entries) != len(keys):
-                raise Corrupt(f"GetMany answered {len(resp.entries)} entries for "
-                              f"{len(keys)} keys")
-            got: list[tuple[memoryview, str] | None] = []
-            at = 0
-            for ref in resp.entries:
-                if not ref.present:
-                    got.append(None)
-                    continue
-                if ref.offset != at or ref.length < HEAD_PREFIX_BYTES:
-                    raise Corrupt(f"GetMany placed an entry of {ref.length} bytes at "
-                                  f"{ref.offset} of the bytes that follow, not at {at}")
-                got.append((_read_entry(conn, ref.length), ref.tier))
-                at += ref.length
-            return got
+            got = self._get_one(namespace, runs[0], layout_fingerprint, pinned)
+        except BaseException as exc:  # the other stripes still end (or fail) first
+            failed = exc
+        for fut in later:
+            try:
+                part = fut.result()
+            except BaseException as exc:
+                failed = failed or exc
+                continue
+            got += part
+        if failed is not None:
+            raise failed
+        return got
+
+    def start_get_many(self, namespace: str, keys: Sequence[bytes], layout_fingerprint: str,
+                       *, pinned: bool = False) -> list[tuple[str, Future[memoryview]] | None]:
+        """``get_many`` that returns once every stripe's answer is in (which keys are
+        present, not their bytes): per key None (a miss) or (tier, the future of its
+        bytes), which the path's threads fill as each entry lands, in order within a
+        stripe. A stripe whose connection drops inside an entry, or whose entry is
+        damaged, fails that entry's future and the stripe's later ones (Unavailable,
+        Corrupt). OSError or the server's error when the calls could not be made."""
+        if self.has_pending():  # this thread's stores first: a read sees what it wrote
+            self.settle()
+        n = self.stripes(len(keys))
+        bounds = [round(i * len(keys) / n) for i in range(n + 1)]
+        runs = [keys[a:b] for a, b in zip(bounds, bounds[1:])]
+        conns: list[socket.socket] = []
+        try:
+            for run in runs:  # every call sent before any answer is read: served side by side
+                conn = self._spare_conn()
+                conns.append(conn)
+                body = self._get_request(namespace, run, layout_fingerprint).SerializeToString()
+                send_pieces(conn, [FAST_HEAD.pack(len(body), NET_GET_MANY) + body])
+            refs = []
+            for conn, run in zip(conns, runs):
+                ok, out = fast_answer(conn)
+                self.worked = True
+                if not ok:
+                    raise fast_error(out)
+                refs.append(_refs(out, len(run)))
+        except BaseException:
+            for conn in conns:  # answers left unread on them: lost
+                self._forget(conn)
+            raise
+        pool = self._pool()
+        got: list[tuple[str, Future[memoryview]] | None] = []
+        for conn, stripe in zip(conns, refs):
+            futures: list[Future[memoryview] | None] = [
+                Future() if ref.present else None for ref in stripe]
+            got += [None if f is None else (ref.tier, f) for ref, f in zip(stripe, futures)]
+            pool.submit(self._land, conn, [r.length for r in stripe], futures, pinned)
+        return got
+
+    def _land(self, conn: socket.socket, lengths: list[int],
+              futures: list[Future[memoryview] | None], pinned: bool) -> None:
+        """One stripe's entries read off ``conn`` into their futures, in order."""
+        for j, (length, fut) in enumerate(zip(lengths, futures)):
+            if fut is None:
+                continue
+            try:
+                fut.set_result(_read_entry(conn, length, pinned, self.landing))
+                self.entry_bytes = length
+            except BaseException as exc:
+                self._forget(conn)
+                if isinstance(exc, OSError):
+                    exc = Unavailable(f"the data path connection dropped inside an entry "
+                                      f"({exc}); nothing of it is used")
+                for later in futures[j:]:
+                    if later is not None:
+                        later.set_exception(exc)
+                return
+        with self._lock:
+            if conn in self._all:
+                self._spare.append(conn)
+
+    def _pool(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._stripers is None:
+                self._stripers = ThreadPoolExecutor(MAX_CONNECTIONS,
+                                                    thread_name_prefix="kdn-stripe")
+            return self._stripers
+
+    def _spare_conn(self) -> socket.socket:
+        """An idle connection of the stripes', or a new one."""
+        with self._lock:
+            while self._spare:
+                conn = self._spare.pop()
+                if not closed_by_peer(conn):  # the server's idle timeout, a restart
+                    return conn
+                self._all.remove(conn)
+                conn.close()
+        return self._open()
+
+    def _get_one(self, namespace: str, keys: Sequence[bytes], layout_fingerprint: str,
+                 pinned: bool) -> list[tuple[memoryview, str] | None]:
+        """One GetMany on this thread's connection."""
+        conn, out = self._call(NET_GET_MANY, self._get_request(namespace, keys,
+                                                                 layout_fingerprint))
+        try:
+            return self._entries(conn, out, len(keys), pinned)
         except BaseException:
             self._drop()  # whatever of the answer is left unread: the connection is lost
             raise
 
+    def _get_stripe(self, namespace: str, keys: Sequence[bytes], layout_fingerprint: str,
+                    pinned: bool) -> list[tuple[memoryview, str] | None]:
+        """One stripe's GetMany, on a spare connection of the path's (given back once its
+        answer is read whole; closed when the call fails: what is left of it is unread)."""
+        conn = self._spare_conn()
+        try:
+            body = self._get_request(namespace, keys, layout_fingerprint).SerializeToString()
+            send_pieces(conn, [FAST_HEAD.pack(len(body), NET_GET_MANY) + body])
+            ok, out = fast_answer(conn)
+            self.worked = True
+            if not ok:
+                raise fast_error(out)
+            got = self._entries(conn, out, len(keys), pinned)
+        except BaseException:
+            self._forget(conn)
+            raise
+        with self._lock:
+            if conn in self._all:  # not closed meanwhile (``close``)
+                self._spare.append(conn)
+        return got
+
+    def _forget(self, conn: socket.socket) -> None:
+        with self._lock:
+            if conn in self._all:
+                self._all.remove(conn)
+        conn.close()
+
+    def _get_request(self, namespace: str, keys: Sequence[bytes], layout_fingerprint: str
+                     ) -> pb.GetManyRequest:
+        return pb.GetManyRequest(namespace=namespace, keys=keys, segment_id=self.ticket,
+                                 expect_layout_fingerprint=layout_fingerprint)
+
+    def _entries(self, conn: socket.socket, out: bytes, count: int, pinned: bool
+                 ) -> list[tuple[memoryview, str] | None]:
+        """The entries of a GetMany answer (``out``, its body) for ``count`` keys, read off
+        ``conn``. Corrupt when the answer does not add up."""
+        got: list[tuple[memoryview, str] | None] = []
+        for ref in _refs(out, count):
+            if not ref.present:
+                got.append(None)
+                continue
+            got.append((_read_entry(conn, ref.length, pinned, self.landing), ref.tier))
+            self.entry_bytes = ref.length
+        return got
+
     def close(self) -> None:
         with self._lock:
-            conns, self._all = self._all, []
+            conns, self._all, self._spare = self._all, [], []
+            pool, self._stripers = self._stripers, None
         for conn in conns:
             conn.close()
+        if pool is not None:
+            pool.shutdown(wait=False)
 
 
 class RemotePath:
@@ -274,8 +479,10 @@ class RemotePath:
 
     def __init__(self, stub: Any, call: Callable[[Callable[[], Any]], Any],
                  metadata: Callable[[str | None], Any], timeout_s: float, host: str,
-                 tls: Any = None) -> None:
+                 tls: Any = None, connections: int = 0) -> None:
         self._stub = stub
+        self.connections = connections
+        """``NetPath.connections`` of the paths asked for."""
         self._call = call
         self._metadata = metadata
         self.timeout_s = timeout_s
@@ -310,7 +517,8 @@ class RemotePath:
         if not resp.data_port:
             return None
         tls, name = self._tls or (None, "")
-        return NetPath(self._host, resp.data_port, resp.segment_id, self.timeout_s, tls, name)
+        return NetPath(self._host, resp.data_port, resp.segment_id, self.timeout_s, tls, name,
+                       self.connections)
 
     def _again(self, net: NetPath, exc: Exception) -> NetPath | None:
         """``net`` failed after it had worked: the server may have restarted (another port,
@@ -371,13 +579,36 @@ class RemotePath:
         net.close()
 
     def get_many(self, net: NetPath, namespace: str, keys: Sequence[bytes],
-                 layout_fingerprint: str) -> list[Fetched | None] | None:
-        """``DataPlane.get_many`` on ``net``; None when it failed (gRPC then)."""
-        got = self._on(net, lambda n: n.get_many(namespace, keys, layout_fingerprint))
+                 layout_fingerprint: str, pinned: bool = False) -> list[Fetched | None] | None:
+        """``DataPlane.get_many`` on ``net``; None when it failed (gRPC then). ``pinned``:
+        bound for a CUDA device (landed in page-locked memory)."""
+        got = self._on(net, lambda n: n.get_many(namespace, keys, layout_fingerprint,
+                                                 pinned=pinned))
         if got is None:
             return None
-        return [None if g is None else fetched(g[0], g[1], owned=True, checked=True)
+        return [None if g is None else fetched(g[0], g[1], owned=True, checked=True,
+                                               pinned=pinned)
                 for g in got]
+
+    def start_get_many(self, net: NetPath, namespace: str, keys: Sequence[bytes],
+                       layout_fingerprint: str, pinned: bool = False
+                       ) -> list[tuple[str, Future[Fetched]] | None] | None:
+        """``NetPath.start_get_many`` on ``net``, each entry's bytes as a Fetched (checked
+        as they landed); None when the path failed (the caller reads another way)."""
+        got = self._on(net, lambda n: n.start_get_many(namespace, keys, layout_fingerprint,
+                                                       pinned=pinned))
+        if got is None:
+            return None
+        out: list[tuple[str, Future[Fetched]] | None] = []
+        for g in got:
+            if g is None:
+                out.append(None)
+                continue
+            tier, bytes_of = g
+            entry: Future[Fetched] = Future()
+            bytes_of.add_done_callback(functools.partial(_as_fetched, entry, tier, pinned))
+            out.append((tier, entry))
+        return out
 
     def put_many(self, net: NetPath, namespace: str,
                  items: Sequence[tuple[bytes, EncodedParts, pb.StoreOptions]],
@@ -447,6 +678,19 @@ class RemotePath:
             pass  # the server forgets it at shutdown anyway
 
 
+def _as_fetched(entry: Future[Fetched], tier: str, pinned: bool,
+                bytes_of: Future[memoryview]) -> None:
+    exc = bytes_of.exception()
+    if exc is not None:
+        entry.set_exception(exc)
+        return
+    try:
+        entry.set_result(fetched(bytes_of.result(), tier, owned=True, checked=True,
+                                 pinned=pinned))
+    except BaseException as err:  # a header that does not parse: the entry's error
+        entry.set_exception(err)
+
+
 def streamed_put(namespace: str, segment_id: str,
                  items: Sequence[tuple[bytes, EncodedParts, pb.StoreOptions]]
                  ) -> tuple[pb.PutManyRequest, list[bytes | memoryview]]:
@@ -500,17 +744,35 @@ def closed_by_peer(conn: socket.socket) -> bool:
         return True
 
 
-def _read_entry(conn: socket.socket, length: int) -> memoryview:
-    """One entry of ``length`` bytes off ``conn`` into a recycled buffer, placed so that its
-    first frame starts at a multiple of ``FRAME_ALIGN``, each frame checked the moment its
-    last byte lands, while it is in cache (the entry comes back checked: decoding need not
-    hash it again). Corrupt when the header or a frame is damaged or they do not add up to
-    ``length``."""
+def _refs(out: bytes, count: int) -> list[pb.EntryRef]:
+    """The entries of a GetMany answer's body for ``count`` keys, each present one placed
+    right after the one before in the bytes that follow. Corrupt when they are not."""
+    resp = pb.GetManyResponse.FromString(out)
+    if len(resp.entries) != count:
+        raise Corrupt(f"GetMany answered {len(resp.entries)} entries for {count} keys")
+    at = 0
+    for ref in resp.entries:
+        if not ref.present:
+            continue
+        if ref.offset != at or ref.length < HEAD_PREFIX_BYTES:
+            raise Corrupt(f"GetMany placed an entry of {ref.length} bytes at {ref.offset} "
+                          f"of the bytes that follow, not at {at}")
+        at += ref.length
+    return list(resp.entries)
+
+
+def _read_entry(conn: socket.socket, length: int, pinned: bool = False,
+                pool: BufferPool = RECEIVED) -> memoryview:
+    """One entry of ``length`` bytes off ``conn`` into a buffer recycled by ``pool``
+    (page-locked where ``pinned``), placed so that its first frame starts at a multiple of
+    ``FRAME_ALIGN``, each frame checked the moment its last byte lands, while it is in cache
+    (the entry comes back checked: decoding need not hash it again). Corrupt when the header
+    or a frame is damaged or they do not add up to ``length``."""
     prefix = bytearray(HEAD_PREFIX_BYTES)
     if not recv_into_all(conn, memoryview(prefix)):
         raise OSError("the data path closed inside a GetMany's entries")
     head = header_size(memoryview(prefix))
-    room = RECEIVED.take(length + FRAME_ALIGN)
+    room = _pinned(length + FRAME_ALIGN) if pinned else pool.take(length + FRAME_ALIGN)
     start = -(room.ctypes.data + min(head, length)) % FRAME_ALIGN
     view = memoryview(room)[start : start + length]  # type: ignore[arg-type]
     view[:HEAD_PREFIX_BYTES] = prefix
@@ -518,3 +780,13 @@ def _read_entry(conn: socket.socket, length: int) -> memoryview:
     if fault is not None:
         raise fault
     return view
+
+
+def _pinned(size: int) -> Any:
+    """A page-locked uint8 array of ``size`` bytes (torch's caching host allocator: freed
+    ones are reused, not registered again); a plain one where CUDA is not there."""
+    import torch  # only for entries bound for a CUDA device: torch is loaded then
+
+    if not torch.cuda.is_available():
+        return RECEIVED.take(size)
+    return torch.empty(size, dtype=torch.uint8, pin_memory=True).numpy()

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from kdn.client import parallel
 from kdn.client.dataplane import STREAM_ENTRY_BYTES, DataPlane, TooBig
 from kdn.client.landing import (
+    PendingStream,
     decoded_together,
     decoder_for,
     joined_stream,
@@ -364,12 +365,17 @@ class Reader:
         """``retrieve_stream`` of many keys at once (None for a miss): one GetMany through the
         shared segment on the server's host, else one Retrieve stream per key, all started
         before this returns."""
-        if not self.dataplane.attached:
-            return [self.retrieve_stream(k, namespace=namespace, layout=layout, device=device,
-                                         request_id=request_id) for k in keys]
         started = time.perf_counter()
         ns = self._ns(namespace)
         ks = [check_key(k) for k in keys]
+        net = self.dataplane.net() if not self.dataplane.attached and len(ks) > 1 else None
+        if net is not None:
+            landing = self._landing(net, ns, ks, layout, device, started)
+            if landing is not None:
+                return landing
+        if not self.dataplane.attached:
+            return [self.retrieve_stream(k, namespace=namespace, layout=layout, device=device,
+                                         request_id=request_id) for k in keys]
         seg = self.dataplane.segment()[0]
         if not on_cuda(device) or seg is None:
             got = self._entries(ns, ks, layout, request_id)
@@ -379,6 +385,33 @@ class Reader:
                                                              seg)
                     for k, g in zip(ks, got)]
         return self._device_streams(ns, ks, layout, device, request_id, seg, started)
+
+    def _landing(self, net: Any, ns: str, ks: list[bytes], layout: KVLayout | None,
+                 device: torch.device | str | None, started: float
+                 ) -> list[LayerStream | None] | None:
+        """``retrieve_streams`` of a remote client on the network data path: one GetMany,
+        striped over the path's connections, answered before the entries' bytes come: the
+        streams are handed out then (``PendingStream``), each made as its entry lands,
+        checked, in page-locked memory where it is bound for a GPU (one host-to-device copy
+        per entry, queued as it lands). None when the path failed (each read alone then)."""
+        out: list[Any] = [self.in_process(ns, k, layout) for k in ks]
+        ask = [j for j, g in enumerate(out) if g is None]
+        for j, g in enumerate(out):
+            if g is not None:
+                out[j] = stream_of(g, device, new_timings(started=started))
+        if not ask:
+            return out
+        got = self.dataplane.network.start_get_many(
+            net, ns, [ks[j] for j in ask], layout.fingerprint if layout else "",
+            pinned=on_cuda(device))
+        if got is None:
+            return None
+        for j, g in zip(ask, got):
+            if g is not None:
+                keep = (functools.partial(_keep, self.remember, ns, ks[j])
+                        if self.local is not None else None)
+                out[j] = PendingStream(g[1], g[0], device, new_timings(started=started), keep)
+        return out
 
     def _device_streams(self, ns: str, ks: Sequence[bytes], layout: KVLayout | None,
                         device: torch.device | str | None, request_id: str | None, seg: Any,
@@ -470,6 +503,11 @@ def _checked_layout(got: Fetched, layout: KVLayout | None) -> Fetched:
         if have != layout.fingerprint:
             raise LayoutMismatch(f"entry has layout {have}, caller expects {layout.fingerprint}")
     return got
+
+
+def _keep(remember: Callable[[str, bytes, EncodedParts], object], ns: str, key: bytes,
+          got: Fetched) -> None:
+    remember(ns, key, got.parts)
 
 
 def _tee(call: Iterator[Any], header: bytes, on_complete: Callable[[EncodedParts], object]
