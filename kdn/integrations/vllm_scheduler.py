@@ -31,14 +31,19 @@ from typing import TYPE_CHECKING
 from kdn import keys
 from kdn.client import Client
 from kdn.delivery import NETWORK, RECOMPUTE, SAME_HOST, LoadingController
-from kdn.integrations.vllm import KDNConnectorMetadata, LoadSpec, SaveSpec
+from kdn.integrations.vllm_meta import (
+    KDNConnectorConfig,
+    KDNConnectorMetadata,
+    LoadSpec,
+    PagedShape,
+    SaveSpec,
+)
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-    from kdn.integrations.vllm import KDNConnector
 
 log = logging.getLogger(__name__)
 
@@ -77,16 +82,18 @@ class _Tracked:
 class SchedulerSide:
     """Lookups, load plans and save plans (module docstring)."""
 
-    def __init__(self, owner: KDNConnector, client: Client, *, load: bool, save: bool,
-                 own_client: bool = True) -> None:
-        self.owner = owner
+    def __init__(self, shape: PagedShape, config: KDNConnectorConfig, client: Client, *,
+                 load: bool, save: bool, own_client: bool = True) -> None:
+        self.shape = shape
         self.client = client
-        self.config = owner.config
+        self.config = config
         self.load, self.save = load, save
         self.controller = LoadingController(prefill_tok_s=self.config.prefill_tok_s,
-                                            layers=owner.layout.num_layers)
+                                            layers=shape.layout.num_layers)
         self._pool = ThreadPoolExecutor(self.config.lookup_threads,
                                         thread_name_prefix="kdn-vllm-lookup")
+        for _ in range(self.config.lookup_threads):  # threads started now, not on a first ask
+            self._pool.submit(int)
         self._own_client = own_client
         self._lock = threading.Lock()
         self._lookups: dict[str, _Lookup] = {}
@@ -102,18 +109,18 @@ class SchedulerSide:
         cache_salt = getattr(request, "cache_salt", None)
         if cache_salt:
             salt = f"{salt}\x00{cache_salt}"
-        size = self.owner.tp_size
-        return [keys.prefix_keys(token_ids, self.owner.layout, self.config.namespace,
-                                 self.owner.chunk_tokens, adapter=adapter, tp=(r, size),
+        size = self.shape.tp_size
+        return [keys.prefix_keys(token_ids, self.shape.layout, self.config.namespace,
+                                 self.shape.chunk_tokens, adapter=adapter, tp=(r, size),
                                  salt=salt) for r in range(size)]
 
     def _lookup(self, token_ids: list[int], request: Request) -> _Found:
         chains = self._chains(token_ids, request)
         n = len(chains[0])
-        usable = max(0, (len(token_ids) - 1) // self.owner.chunk_tokens)  # >= 1 token computed
+        usable = max(0, (len(token_ids) - 1) // self.shape.chunk_tokens)  # >= 1 token computed
         if not n:
             return _Found(chains, 0, RECOMPUTE, 0)
-        encs = self.owner.encodings
+        encs = self.shape.encodings
         asked = [keys.variant_key(k, e) for e in encs for chain in chains for k in chain]
         infos = self.client.lookup(asked, namespace=self.config.namespace).infos
         per = len(chains) * n  # one encoding's rows: every rank's chain
@@ -129,9 +136,9 @@ class SchedulerSide:
         best = min(max(lead.values()), usable)
         if not best or not self.load:
             return _Found(chains, 0, RECOMPUTE, stored)
-        tokens = best * self.owner.chunk_tokens
+        tokens = best * self.shape.chunk_tokens
         candidates = {e: size[e] for e in encs if lead[e] >= best}
-        decision = self.controller.choose(tokens, tokens * self.owner.layout.bytes_per_token,
+        decision = self.controller.choose(tokens, tokens * self.shape.layout.bytes_per_token,
                                           candidates, path=self._path(),
                                           server=self.client.address)
         choice = decision.choice
@@ -160,7 +167,7 @@ class SchedulerSide:
         except Exception as exc:  # the server unreachable or failing: a miss, never an error
             log.warning("kdn: lookup of request %s failed: %s", rid, exc)
             return 0
-        return max(0, found.hit_chunks * self.owner.chunk_tokens - local_hit)
+        return max(0, found.hit_chunks * self.shape.chunk_tokens - local_hit)
 
     def allocated(self, request: Request, block_ids: list[int], num_external: int) -> None:
         rid = request.request_id
@@ -184,7 +191,7 @@ class SchedulerSide:
         tracked.block_ids = list(block_ids)
         if num_external <= 0:
             return
-        c = self.owner.chunk_tokens
+        c = self.shape.chunk_tokens
         start = look.local_hit if look is not None else 0
         end = start + num_external
         first, last = start // c, -(-end // c)
@@ -225,7 +232,7 @@ class SchedulerSide:
         return meta
 
     def _saves(self, done_by: dict[str, int]) -> list[SaveSpec]:
-        c, b = self.owner.chunk_tokens, self.owner.block_size
+        c, b = self.shape.chunk_tokens, self.shape.block_size
         out = []
         for rid, done in done_by.items():
             t = self._tracked[rid]

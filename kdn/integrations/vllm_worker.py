@@ -29,7 +29,7 @@ import logging
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -37,10 +37,8 @@ from kdn import keys
 from kdn.cache import KVCache
 from kdn.client import Client, LayerStream
 from kdn.errors import InvalidLayout
+from kdn.integrations.vllm_meta import KDNConnectorConfig, LoadSpec, PagedShape, SaveSpec
 from kdn.options import StoreOptions
-
-if TYPE_CHECKING:
-    from kdn.integrations.vllm import KDNConnector, LoadSpec, SaveSpec
 
 log = logging.getLogger(__name__)
 
@@ -71,15 +69,15 @@ class WorkerStats:
 class WorkerSide:
     """Loads into and saves out of vLLM's paged cache (module docstring)."""
 
-    def __init__(self, owner: KDNConnector, client: Client, rank: int, *,
-                 own_client: bool = True) -> None:
-        self.owner = owner
+    def __init__(self, shape: PagedShape, config: KDNConnectorConfig, client: Client,
+                 rank: int, *, own_client: bool = True) -> None:
+        self.shape = shape
         self.client = client
         self.rank = rank
-        self.layout = owner.layout
-        self.config = owner.config
+        self.layout = shape.layout
+        self.config = config
         self._own_client = own_client
-        self.index = {name: i for i, name in enumerate(owner.layer_names)}
+        self.index = {name: i for i, name in enumerate(shape.layer_names)}
         self.kv: list[torch.Tensor] = []
         self.kv_first = True
         self.device = torch.device("cpu")
@@ -101,7 +99,7 @@ class WorkerSide:
         missing = [n for n in self.index if n not in kv_caches]
         if missing:
             raise InvalidLayout(f"vLLM registered no KV cache for layers {missing}")
-        lay, b = self.layout, self.owner.block_size
+        lay, b = self.layout, self.shape.block_size
         heads, d = lay.layers[0].kv_heads, lay.head_dim
         tensors = [kv_caches[n] for n in self.index]
         first = tensors[0]
@@ -136,7 +134,7 @@ class WorkerSide:
         if not loads:
             return
         self._need_cache()
-        c, b = self.owner.chunk_tokens, self.owner.block_size
+        c, b = self.shape.chunk_tokens, self.shape.block_size
         for spec in loads:
             ks = spec.keys_by_rank[self.rank]
             spans = []
@@ -183,7 +181,7 @@ class WorkerSide:
             ids.extend(p.block_ids)
         if not ids:
             return
-        b = self.owner.block_size
+        b = self.shape.block_size
         heads, d = self.layout.layers[0].kv_heads, self.layout.head_dim
         index = torch.tensor(ids, dtype=torch.long).to(self.device, non_blocking=True)
         kc, vc = self._kv_of(self.kv[i])
@@ -261,7 +259,7 @@ class WorkerSide:
                ready: Any) -> None:
         if ready is not None:
             ready.synchronize()
-        c, b = self.owner.chunk_tokens, self.owner.block_size
+        c, b = self.shape.chunk_tokens, self.shape.block_size
         per = c // b
         heads, d = self.layout.layers[0].kv_heads, self.layout.head_dim
         row = 0
@@ -276,7 +274,7 @@ class WorkerSide:
                                                                                + j) * c)))
             row += len(s.block_ids)
         ns = self.config.namespace
-        for enc in self.owner.encodings:
+        for enc in self.shape.encodings:
             mode, _, level = enc.partition("-")
             todo = [(keys.variant_key(base, enc), kv) for _, base, kv in items]
             try:
