@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Create .venv (Python 3.11+) and install kdn into it: scripts/bootstrap.sh [EXTRAS]
-# (comma-separated; `sglang` and `test` also install the pinned sglang extra, without deps)
+# (comma-separated; `sglang`, `vllm` and `test` also install the pinned sglang / vllm extras,
+# without deps)
 # With an extra that needs torch, torch is installed first as the CPU build pinned below
 # (override: KDN_TORCH_SPEC), so that the extra's "torch>=2.4" is already satisfied and nothing
 # pulls a multi-GB CUDA build.
@@ -23,14 +24,16 @@ case ",$extras," in
       "${pip[@]}" "${KDN_TORCH_SPEC:-torch==2.13.0}"
     fi ;;
 esac
-# the "sglang" extra is installed apart, without dependencies (see pyproject.toml); the test
-# mode installs it too, so the suite runs the SGLang backend's tests against SGLang itself
-sglang=0
-case ",$extras," in *,sglang,*|*,test,*) sglang=1 ;; esac
-extras="$(printf '%s' "$extras" | tr ',' '\n' | grep -vx sglang | paste -sd, - || true)"
+# the "sglang" and "vllm" extras are installed apart, without dependencies (see pyproject.toml);
+# the test mode installs both, so the suite runs the SGLang backend's and the vLLM connector's
+# tests against SGLang and vLLM themselves
+nodeps=()
+case ",$extras," in *,sglang,*|*,test,*) nodeps+=(sglang) ;; esac
+case ",$extras," in *,vllm,*|*,test,*) nodeps+=(vllm) ;; esac
+extras="$(printf '%s' "$extras" | tr ',' '\n' | grep -vx -e sglang -e vllm | paste -sd, - || true)"
 if [ -n "$extras" ]; then "${pip[@]}" -e ".[$extras]"; else "${pip[@]}" -e .; fi
-if [ "$sglang" = 1 ]; then
-  mapfile -t pins < <(.venv/bin/python -c 'import tomllib
-print("\n".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["sglang"]))')
+for extra in "${nodeps[@]}"; do
+  mapfile -t pins < <(.venv/bin/python -c 'import sys, tomllib
+print("\n".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"][sys.argv[1]]))' "$extra")
   "${pip[@]}" --no-deps "${pins[@]}"
-fi
+done
