@@ -164,7 +164,8 @@ def run_replay(address: str, dtype: torch.dtype, encoding: str, device: str,
     s, w = both(address, dtype, encodings=[encoding])
     assert s.scheduler is not None and w.worker is not None
     rp = Replay(s, w, layers=LAYERS, blocks=BLOCKS, block_size=BLOCK, heads=HEADS,
-                head_dim=DIM, dtype=dtype, device=device, kv_first=kv_first)
+                head_dim=DIM, dtype=dtype, device=device, kv_first=kv_first,
+                shuffle=kv_first)
     try:
         p, p2 = prompt(1, 41), prompt(6, 33)  # 5 and 4 full chunks, + 1 token
         # two first requests compute their prompts and save their chunks
@@ -243,7 +244,8 @@ def test_replay_of_concurrent_requests_round_trips_bit_for_bit(
 
 
 def test_replay_with_blocks_first_cache_layout(kdn_server: ServerThread) -> None:
-    """FlashInfer's and Triton's ``[blocks, 2, B, H, D]`` per-layer layout."""
+    """FlashInfer's and Triton's ``[blocks, 2, B, H, D]`` per-layer layout, with each request's
+    blocks consecutive (loads copy into slices of the cache)."""
     run_replay(kdn_server.address, torch.bfloat16, "lossless", "cpu", kv_first=False)
 
 

@@ -48,7 +48,8 @@ class Req:
 class Replay:
     def __init__(self, scheduler: Any, worker: Any, *, layers: list[str], blocks: int,
                  block_size: int, heads: int, head_dim: int, dtype: torch.dtype,
-                 device: str = "cpu", kv_first: bool = True, seed: int = 0) -> None:
+                 device: str = "cpu", kv_first: bool = True, shuffle: bool = True,
+                 seed: int = 0) -> None:
         self.sched, self.worker = scheduler, worker
         self.layers, self.block_size = layers, block_size
         self.heads, self.head_dim, self.dtype, self.device = heads, head_dim, dtype, device
@@ -60,7 +61,10 @@ class Replay:
                  else (blocks, 2, block_size, heads, head_dim))
         self.kv = {n: torch.full(shape, 7.0, dtype=dtype, device=device) for n in layers}
         self.kv_first = kv_first
-        self.free = list(range(blocks))
+        # free blocks in a shuffled order, as a pool after some churn (loads then scatter by
+        # block id), or in order (a request's blocks are consecutive: slices of the cache)
+        order = torch.randperm(blocks, generator=g) if shuffle else torch.arange(blocks)
+        self.free = [int(b) for b in order]
         self.reqs: dict[str, Req] = {}
         self.failed: set[int] = set()
         """Every block id reported failed so far."""

@@ -53,6 +53,10 @@ class _Piece:
     """First token of the chunk to place (0..C)."""
     last: int
     block_ids: list[int]
+    run: int
+    """First block id when the blocks are consecutive (a slice of the cache), else -1."""
+    index: torch.Tensor | None
+    """The block ids on the cache's device when they are not consecutive."""
     ok: bool = True
 
 
@@ -152,8 +156,11 @@ class WorkerSide:
             for stream, (first, last, ids) in zip(streams, spans):
                 if stream is None:
                     self._fail(ids)
-                else:
-                    self._pieces.append(_Piece(spec.req_id, stream, first, last, ids))
+                elif ids:
+                    consecutive = ids == list(range(ids[0], ids[0] + len(ids)))
+                    index = None if consecutive else torch.tensor(ids).to(self.device)
+                    self._pieces.append(_Piece(spec.req_id, stream, first, last, ids,
+                                               ids[0] if consecutive else -1, index))
 
     def _fail(self, ids: list[int]) -> None:
         self._failed.update(ids)
@@ -165,7 +172,8 @@ class WorkerSide:
             return
         self._placed.add(i)
         on = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
-        ks, vs, ids = [], [], []
+        kc, vc = self._kv_of(self.kv[i])  # [blocks, B, H, D] each
+        b = self.shape.block_size
         for p in self._pieces:
             if not p.ok:
                 continue
@@ -176,18 +184,14 @@ class WorkerSide:
                 p.ok = False
                 self._fail(p.block_ids)
                 continue
-            ks.append(k[:, p.first : p.last])  # [H, T, D]
-            vs.append(v[:, p.first : p.last])
-            ids.extend(p.block_ids)
-        if not ids:
-            return
-        b = self.shape.block_size
-        heads, d = self.layout.layers[0].kv_heads, self.layout.head_dim
-        index = torch.tensor(ids, dtype=torch.long).to(self.device, non_blocking=True)
-        kc, vc = self._kv_of(self.kv[i])
-        for src, dst in ((ks, kc), (vs, vc)):
-            joined = src[0] if len(src) == 1 else torch.cat(src, dim=1)  # [H, T, D]
-            dst[index] = joined.transpose(0, 1).reshape(len(ids), b, heads, d)
+            n = len(p.block_ids)
+            for src, dst in ((k, kc), (v, vc)):
+                # [H, T, D] -> [n, B, H, D] as a view: one strided copy into the blocks
+                blocks = src[:, p.first : p.last].unflatten(1, (n, b)).permute(1, 2, 0, 3)
+                if p.index is None:
+                    dst[p.run : p.run + n].copy_(blocks)
+                else:
+                    dst[p.index] = blocks
 
     def _release(self) -> None:
         """The step's loads are over: layers not waited for are placed, streams let go."""
