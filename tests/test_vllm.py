@@ -160,12 +160,12 @@ def prompt(seed: int, n: int) -> list[int]:
 
 
 def run_replay(address: str, dtype: torch.dtype, encoding: str, device: str,
-               kv_first: bool = True) -> None:
+               kv_first: bool = True, cross_layer: bool = False) -> None:
     s, w = both(address, dtype, encodings=[encoding])
     assert s.scheduler is not None and w.worker is not None
     rp = Replay(s, w, layers=LAYERS, blocks=BLOCKS, block_size=BLOCK, heads=HEADS,
                 head_dim=DIM, dtype=dtype, device=device, kv_first=kv_first,
-                shuffle=kv_first)
+                shuffle=kv_first, cross_layer=cross_layer)
     try:
         p, p2 = prompt(1, 41), prompt(6, 33)  # 5 and 4 full chunks, + 1 token
         # two first requests compute their prompts and save their chunks
@@ -247,6 +247,12 @@ def test_replay_with_blocks_first_cache_layout(kdn_server: ServerThread) -> None
     """FlashInfer's and Triton's ``[blocks, 2, B, H, D]`` per-layer layout, with each request's
     blocks consecutive (loads copy into slices of the cache)."""
     run_replay(kdn_server.address, torch.bfloat16, "lossless", "cpu", kv_first=False)
+
+
+def test_replay_with_a_cross_layer_cache(kdn_server: ServerThread) -> None:
+    """vLLM's cross-layer allocation: one ``[blocks, L, 2, B, H, D]`` buffer whose per-layer
+    caches are strided views."""
+    run_replay(kdn_server.address, torch.float16, "raw", "cpu", cross_layer=True)
 
 
 @pytest.mark.gpu

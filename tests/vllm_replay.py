@@ -49,7 +49,7 @@ class Replay:
     def __init__(self, scheduler: Any, worker: Any, *, layers: list[str], blocks: int,
                  block_size: int, heads: int, head_dim: int, dtype: torch.dtype,
                  device: str = "cpu", kv_first: bool = True, shuffle: bool = True,
-                 seed: int = 0) -> None:
+                 cross_layer: bool = False, seed: int = 0) -> None:
         self.sched, self.worker = scheduler, worker
         self.layers, self.block_size = layers, block_size
         self.heads, self.head_dim, self.dtype, self.device = heads, head_dim, dtype, device
@@ -59,7 +59,13 @@ class Replay:
                                  ).to(dtype).to(device)
         shape = ((2, blocks, block_size, heads, head_dim) if kv_first
                  else (blocks, 2, block_size, heads, head_dim))
-        self.kv = {n: torch.full(shape, 7.0, dtype=dtype, device=device) for n in layers}
+        if cross_layer:  # one buffer [blocks, L, 2, B, H, D]; each layer's cache a view of it
+            buf = torch.full((blocks, len(layers), 2, block_size, heads, head_dim), 7.0,
+                             dtype=dtype, device=device)
+            self.kv = {n: buf[:, i] for i, n in enumerate(layers)}
+            kv_first = False
+        else:
+            self.kv = {n: torch.full(shape, 7.0, dtype=dtype, device=device) for n in layers}
         self.kv_first = kv_first
         # free blocks in a shuffled order, as a pool after some churn (loads then scatter by
         # block id), or in order (a request's blocks are consecutive: slices of the cache)

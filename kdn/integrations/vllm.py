@@ -132,6 +132,10 @@ class KDNConnector(KVConnectorBase_V1, SupportsHMA):
 
         return int(get_tensor_model_parallel_rank())
 
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        return True  # loads and saves run between layers: whole-model CUDA graphs skip them
+
     @property
     def requires_kv_delivery(self) -> bool:
         return False  # a cache: a dropped save is a later miss
