@@ -21,7 +21,7 @@ import torch
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")  # vLLM's config infers a platform
 pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.base")
 
-from vllm.config import KVTransferConfig, VllmConfig  # noqa: E402
+from vllm.config import KVTransferConfig, ParallelConfig, VllmConfig  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
     KVConnectorBase_V1,
@@ -59,9 +59,10 @@ def cache_config(dtype: torch.dtype = torch.float16, spec: Any = None) -> KVCach
                          kv_cache_groups=[KVCacheGroupSpec(LAYERS, spec)])
 
 
-def vllm_config(address: str, **extra: Any) -> VllmConfig:
+def vllm_config(address: str, tp_size: int = 1, **extra: Any) -> VllmConfig:
     settings = {"address": address, "chunk_tokens": CHUNK, "timeout_s": 10.0, **extra}
-    return VllmConfig(kv_transfer_config=KVTransferConfig(
+    return VllmConfig(parallel_config=ParallelConfig(tensor_parallel_size=tp_size),
+                      kv_transfer_config=KVTransferConfig(
         kv_connector="KDNConnector", kv_connector_module_path="kdn.integrations.vllm",
         kv_role="kv_both", kv_load_failure_policy="recompute",
         kv_connector_extra_config=settings))
@@ -262,6 +263,47 @@ def test_replay_with_a_cross_layer_cache(kdn_server: ServerThread) -> None:
 def test_replay_on_cuda_paged_tensors(kdn_server: ServerThread, dtype: torch.dtype,
                                       encoding: str) -> None:
     run_replay(kdn_server.address, dtype, encoding, "cuda")
+
+
+def test_tensor_parallel_ranks_store_and_load_their_own_shards(
+        kdn_server: ServerThread) -> None:
+    """Two TP ranks: each worker saves and loads its own heads under its own keys; the
+    scheduler counts a chunk as a hit only when every rank holds it."""
+    addr, kcc = kdn_server.address, cache_config()
+    s = KVConnectorFactory.create_connector(vllm_config(addr, 2), KVConnectorRole.SCHEDULER,
+                                            kcc)
+    ws = [KVConnectorFactory.create_connector(vllm_config(addr, 2, tp=[r, 2]),
+                                              KVConnectorRole.WORKER, kcc) for r in (0, 1)]
+    rp = Replay(s, ws, layers=LAYERS, blocks=BLOCKS, block_size=BLOCK, heads=HEADS,
+                head_dim=DIM, dtype=torch.float16)
+    try:
+        p = prompt(9, 33)  # 4 full chunks + 1 token
+        assert answered(rp, rp.new_request("seed", p)) == 0
+        rp.step()
+        for w in ws:
+            assert isinstance(w, KDNConnector) and w.worker is not None
+            w.worker.wait_saves(30)
+            assert w.worker.stats.chunks_saved == 4
+        assert answered(rp, rp.new_request("hit", p)) == 32
+        rp.step()
+        # chunk 2 lost by rank 1 alone: the hit ends before it, for both ranks
+        chain1 = keys.prefix_keys(p, ws[1].layout, "vllm", CHUNK, tp=(1, 2))
+        with Client(addr) as admin:
+            assert admin.delete(chain1[2], namespace="vllm")
+        assert answered(rp, rp.new_request("short", p)) == 16
+        rp.step()
+        for rid in ("seed", "hit", "short"):
+            for rank in (0, 1):
+                rp.rank = rank
+                assert torch.equal(rp.blocks_of(rid).view(torch.int16),
+                                   rp.want(rid).view(torch.int16)), (rid, rank)
+        rp.rank = 0
+        assert not torch.equal(rp.tables[0], rp.tables[1])  # the ranks' shards differ
+        assert not rp.failed
+    finally:
+        s.shutdown()
+        for w in ws:
+            w.shutdown()
 
 
 # -- the scheduler never waits on the server -------------------------------------------------

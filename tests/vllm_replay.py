@@ -46,27 +46,34 @@ class Req:
 
 
 class Replay:
-    def __init__(self, scheduler: Any, worker: Any, *, layers: list[str], blocks: int,
+    def __init__(self, scheduler: Any, worker: Any | list[Any], *, layers: list[str],
+                 blocks: int,
                  block_size: int, heads: int, head_dim: int, dtype: torch.dtype,
                  device: str = "cpu", kv_first: bool = True, shuffle: bool = True,
                  cross_layer: bool = False, seed: int = 0) -> None:
-        self.sched, self.worker = scheduler, worker
+        # one worker per TP rank, each with its own cache and its own heads' K/V ("table")
+        self.sched = scheduler
+        self.workers = worker if isinstance(worker, list) else [worker]
         self.layers, self.block_size = layers, block_size
         self.heads, self.head_dim, self.dtype, self.device = heads, head_dim, dtype, device
         g = torch.Generator().manual_seed(seed)
         # table: [L, 2, V, H, D] random bits of the dtype (as values: no NaN patterns)
-        self.table = torch.randn(len(layers), 2, VOCAB, heads, head_dim, generator=g
-                                 ).to(dtype).to(device)
+        self.tables = [torch.randn(len(layers), 2, VOCAB, heads, head_dim, generator=g
+                                   ).to(dtype).to(device) for _ in self.workers]
         shape = ((2, blocks, block_size, heads, head_dim) if kv_first
                  else (blocks, 2, block_size, heads, head_dim))
-        if cross_layer:  # one buffer [blocks, L, 2, B, H, D]; each layer's cache a view of it
-            buf = torch.full((blocks, len(layers), 2, block_size, heads, head_dim), 7.0,
-                             dtype=dtype, device=device)
-            self.kv = {n: buf[:, i] for i, n in enumerate(layers)}
-            kv_first = False
-        else:
-            self.kv = {n: torch.full(shape, 7.0, dtype=dtype, device=device) for n in layers}
-        self.kv_first = kv_first
+        self.kvs: list[dict[str, torch.Tensor]] = []
+        for _ in self.workers:
+            if cross_layer:  # one buffer [blocks, L, 2, B, H, D]; per-layer caches are views
+                buf = torch.full((blocks, len(layers), 2, block_size, heads, head_dim), 7.0,
+                                 dtype=dtype, device=device)
+                self.kvs.append({n: buf[:, i] for i, n in enumerate(layers)})
+            else:
+                self.kvs.append({n: torch.full(shape, 7.0, dtype=dtype, device=device)
+                                 for n in layers})
+        self.kv_first = kv_first and not cross_layer
+        self.rank = 0
+        """The rank the "model" methods below act for."""
         # free blocks in a shuffled order, as a pool after some churn (loads then scatter by
         # block id), or in order (a request's blocks are consecutive: slices of the cache)
         order = torch.randperm(blocks, generator=g) if shuffle else torch.arange(blocks)
@@ -75,7 +82,20 @@ class Replay:
         self.failed: set[int] = set()
         """Every block id reported failed so far."""
         self.steps = 0
-        self.worker.register_kv_caches(self.kv)
+        for w, kv in zip(self.workers, self.kvs):
+            w.register_kv_caches(kv)
+
+    @property
+    def worker(self) -> Any:
+        return self.workers[self.rank]
+
+    @property
+    def kv(self) -> dict[str, torch.Tensor]:
+        return self.kvs[self.rank]
+
+    @property
+    def table(self) -> torch.Tensor:
+        return self.tables[self.rank]
 
     # -- the "model" ------------------------------------------------------------------------------
 
@@ -152,10 +172,13 @@ class Replay:
     def preempt(self, req_id: str) -> None:
         """Free the request's blocks (scribbled: another request may overwrite them)."""
         r = self.reqs[req_id]
-        for name in self.layers:
-            k, v = self._kv(name)
-            k[r.block_ids] = -3.0
-            v[r.block_ids] = -3.0
+        for rank in range(len(self.workers)):
+            self.rank = rank
+            for name in self.layers:
+                k, v = self._kv(name)
+                k[r.block_ids] = -3.0
+                v[r.block_ids] = -3.0
+        self.rank = 0
         self.free.extend(r.block_ids)
         r.block_ids, r.computed = [], 0
         request = r.request
@@ -199,21 +222,25 @@ class Replay:
         self._preempted = set()
         meta = self.sched.build_connector_meta(so)
         so.kv_connector_metadata = meta
-        # the model runner
-        w = self.worker
-        w.handle_preemptions(meta)
-        w.bind_connector_metadata(meta)
-        w.start_load_kv(None)
-        for i, name in enumerate(self.layers):
-            w.wait_for_layer_load(name)
-            for rid, n in sched.items():
-                r = self.reqs[rid]
-                self._write(r, i, r.computed, r.computed + n)
-            w.save_kv_layer(name, self.kv[name], None)
-        w.wait_for_save()
-        failed = w.get_block_ids_with_load_errors()
-        w.get_finished(set())
-        w.clear_connector_metadata()
+        # the model runner of every TP rank (vLLM runs them side by side; in turn here)
+        failed: set[int] = set()
+        for rank in range(len(self.workers)):
+            self.rank = rank
+            w = self.worker
+            w.handle_preemptions(meta)
+            w.bind_connector_metadata(meta)
+            w.start_load_kv(None)
+            for i, name in enumerate(self.layers):
+                w.wait_for_layer_load(name)
+                for rid, n in sched.items():
+                    r = self.reqs[rid]
+                    self._write(r, i, r.computed, r.computed + n)
+                w.save_kv_layer(name, self.kv[name], None)
+            w.wait_for_save()
+            failed |= w.get_block_ids_with_load_errors()  # vLLM: the union over workers
+            w.get_finished(set())
+            w.clear_connector_metadata()
+        self.rank = 0
         self.sched.update_connector_output(KVConnectorOutput(invalid_block_ids=set(failed)))
         self.failed |= failed
         for rid, n in sched.items():
