@@ -37,6 +37,8 @@ class Req:
     """Tokens whose KV is in the blocks (loaded or computed)."""
     loaded: int = 0
     """Tokens the connector was asked to load (the last admission)."""
+    load_pending: bool = False
+    """Admitted with tokens to load, and not stepped since."""
     is_new: bool = True
     resumed: bool = False
 
@@ -162,7 +164,7 @@ class Replay:
         blocks = KVCacheBlocks((tuple(KVCacheBlock(i) for i in ids),))
         self.sched.update_state_after_alloc(request, blocks, ext)
         old = self.reqs.get(request.request_id)
-        r = Req(request, ids, len(local) * self.block_size + ext, ext,
+        r = Req(request, ids, len(local) * self.block_size + ext, ext, ext > 0,
                 is_new=not resumed, resumed=resumed)
         if old is not None:
             r.is_new = False
@@ -218,7 +220,9 @@ class Replay:
                              total_num_scheduled_tokens=sum(sched.values()),
                              scheduled_spec_decode_tokens={}, scheduled_encoder_inputs={},
                              finished_req_ids=set(), free_encoder_mm_hashes=[],
-                             preempted_req_ids=set(self._preempted))
+                             preempted_req_ids=set(self._preempted),
+                             has_sync_kv_loads=any(self.reqs[rid].load_pending
+                                                   for rid in sched))
         self._preempted = set()
         meta = self.sched.build_connector_meta(so)
         so.kv_connector_metadata = meta
@@ -229,16 +233,19 @@ class Replay:
             w = self.worker
             w.handle_preemptions(meta)
             w.bind_connector_metadata(meta)
-            w.start_load_kv(None)
+            if so.has_sync_kv_loads:  # vLLM starts loads before the forward only when some
+                w.start_load_kv(None)  # request of the step loads synchronously
             for i, name in enumerate(self.layers):
                 w.wait_for_layer_load(name)
                 for rid, n in sched.items():
                     r = self.reqs[rid]
                     self._write(r, i, r.computed, r.computed + n)
                 w.save_kv_layer(name, self.kv[name], None)
+            if not so.has_sync_kv_loads:
+                w.start_load_kv(None)
             w.wait_for_save()
-            failed |= w.get_block_ids_with_load_errors()  # vLLM: the union over workers
             w.get_finished(set())
+            failed |= w.get_block_ids_with_load_errors()  # vLLM: the union over workers
             w.clear_connector_metadata()
         self.rank = 0
         self.sched.update_connector_output(KVConnectorOutput(invalid_block_ids=set(failed)))
@@ -246,7 +253,7 @@ class Replay:
         for rid, n in sched.items():
             r = self.reqs[rid]
             r.computed += n
-            r.is_new, r.resumed = False, False
+            r.is_new, r.resumed, r.load_pending = False, False, False
             bad = [j for j, b in enumerate(r.block_ids) if b in failed]
             if bad:  # vLLM's recompute policy: computed back to the first failed block
                 r.computed = min(r.computed, bad[0] * self.block_size)
