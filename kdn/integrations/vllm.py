@@ -140,12 +140,12 @@ class KDNConnector(KVConnectorBase_V1, SupportsHMA):
     def requires_kv_delivery(self) -> bool:
         return False  # a cache: a dropped save is a later miss
 
-    def _sched(self) -> Any:
+    def _sched(self) -> SchedulerSide:
         if self.scheduler is None:
             raise RuntimeError("a scheduler-side call on the worker's connector")
         return self.scheduler
 
-    def _work(self) -> Any:
+    def _work(self) -> WorkerSide:
         if self.worker is None:
             raise RuntimeError("a worker-side call on the scheduler's connector")
         return self.worker
@@ -203,8 +203,7 @@ class KDNConnector(KVConnectorBase_V1, SupportsHMA):
         self._sched().allocated(request, blocks.get_block_ids()[0], num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        meta: KDNConnectorMetadata = self._sched().build(scheduler_output)
-        return meta
+        return self._sched().build(scheduler_output)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         self._sched().output(connector_output)
