@@ -131,6 +131,11 @@ def test_bad_settings_and_unsupported_caches_are_refused(kdn_server: ServerThrea
         KDNConnectorConfig.from_extra({"encodings": ["zip"]})
     with pytest.raises(ValueError, match="chunk_tokens must be >= 1"):
         KDNConnectorConfig.from_extra({"chunk_tokens": 0})
+    cfg_ = KDNConnectorConfig.from_extra({"encodings": ["lossless", "kdn-default"]})
+    assert cfg_.encodings == ("lossless", "kdn-default")  # JSON lists become tuples
+    assert KDNConnectorConfig.from_extra({"encodings": "raw"}).encodings == ("raw",)
+    with pytest.raises(ValueError, match=r"tp \(1, 3\) does not fit tensor_parallel_size 1"):
+        KDNConnector(vllm_config(addr, tp=[1, 3]), KVConnectorRole.WORKER, cache_config())
     cfg = vllm_config(addr)
     sliding = SlidingWindowSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=DIM,
                                 dtype=torch.float16, sliding_window=64)

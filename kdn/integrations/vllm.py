@@ -116,8 +116,9 @@ class KDNConnector(KVConnectorBase_V1, SupportsHMA):
                                            load=tc.is_kv_consumer, save=tc.is_kv_producer,
                                            own_client=client is None)
         else:
+            rank = self._tp_rank()  # checked before a client is made
             self.worker = WorkerSide(self.shape, self.config, client or self.config.client(),
-                                     self._tp_rank(), own_client=client is None)
+                                     rank, own_client=client is None)
 
     def _tp_rank(self) -> int:
         if self.config.tp is not None:
