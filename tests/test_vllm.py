@@ -38,6 +38,7 @@ from kdn import keys  # noqa: E402
 from kdn.client import Client  # noqa: E402
 from kdn.errors import InvalidLayout  # noqa: E402
 from kdn.integrations.vllm import KDNConnector, KDNConnectorConfig  # noqa: E402
+from kdn.integrations.vllm_worker import block_runs  # noqa: E402
 from kdn.server import ServerThread  # noqa: E402
 from kdn.server.app import build_store  # noqa: E402
 from kdn.server.config import ServerConfig  # noqa: E402
@@ -155,6 +156,12 @@ def test_bad_settings_and_unsupported_caches_are_refused(kdn_server: ServerThrea
     finally:
         s.shutdown()
         w.shutdown()
+
+
+def test_block_runs() -> None:
+    assert block_runs([]) == []
+    assert block_runs([5, 6, 7, 2, 3, 9]) == [(5, 0, 3), (2, 3, 2), (9, 5, 1)]
+    assert block_runs([4, 4]) == [(4, 0, 1), (4, 1, 1)]
 
 
 # -- the replay ----------------------------------------------------------------------------------

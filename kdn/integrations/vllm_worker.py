@@ -53,11 +53,23 @@ class _Piece:
     """First token of the chunk to place (0..C)."""
     last: int
     block_ids: list[int]
-    run: int
-    """First block id when the blocks are consecutive (a slice of the cache), else -1."""
+    runs: list[tuple[int, int, int]]
+    """(first block id, first block of the piece, blocks) of each run of consecutive ids."""
     index: torch.Tensor | None
-    """The block ids on the cache's device when they are not consecutive."""
+    """The block ids on a GPU, when they are not one run (one scatter kernel)."""
     ok: bool = True
+
+
+def block_runs(ids: list[int]) -> list[tuple[int, int, int]]:
+    """``ids`` as runs of consecutive block ids: (first id, position in ``ids``, length)."""
+    runs: list[tuple[int, int, int]] = []
+    for j, b in enumerate(ids):
+        if runs and runs[-1][0] + runs[-1][2] == b:
+            start, at, count = runs[-1]
+            runs[-1] = (start, at, count + 1)
+        else:
+            runs.append((b, j, 1))
+    return runs
 
 
 @dataclass
@@ -91,6 +103,7 @@ class WorkerSide:
         self._failed: set[int] = set()
         self._gathered: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._save_ids: torch.Tensor | None = None
+        self._save_runs: list[tuple[int, int, int]] = []
         self._copies: Any = None
         self._saver = ThreadPoolExecutor(1, thread_name_prefix="kdn-vllm-save")
         self._saves: list[Future[None]] = []
@@ -157,10 +170,11 @@ class WorkerSide:
                 if stream is None:
                     self._fail(ids)
                 elif ids:
-                    consecutive = ids == list(range(ids[0], ids[0] + len(ids)))
-                    index = None if consecutive else torch.tensor(ids).to(self.device)
-                    self._pieces.append(_Piece(spec.req_id, stream, first, last, ids,
-                                               ids[0] if consecutive else -1, index))
+                    runs = block_runs(ids)
+                    index = (torch.tensor(ids).to(self.device)
+                             if len(runs) > 1 and self.device.type == "cuda" else None)
+                    self._pieces.append(_Piece(spec.req_id, stream, first, last, ids, runs,
+                                               index))
 
     def _fail(self, ids: list[int]) -> None:
         self._failed.update(ids)
@@ -188,10 +202,11 @@ class WorkerSide:
             for src, dst in ((k, kc), (v, vc)):
                 # [H, T, D] -> [n, B, H, D] as a view: one strided copy into the blocks
                 blocks = src[:, p.first : p.last].unflatten(1, (n, b)).permute(1, 2, 0, 3)
-                if p.index is None:
-                    dst[p.run : p.run + n].copy_(blocks)
-                else:
+                if p.index is not None:
                     dst[p.index] = blocks
+                else:  # on a CPU, slice copies per run: indexed copies of fp16 are ~20x slower
+                    for start, at, count in p.runs:
+                        dst[start : start + count].copy_(blocks[at : at + count])
 
     def _release(self) -> None:
         """The step's loads are over: layers not waited for are placed, streams let go."""
@@ -225,9 +240,14 @@ class WorkerSide:
             return
         if self._save_ids is None:
             ids = [bid for s in saves for bid in s.block_ids]
+            self._save_runs = block_runs(ids)
             self._save_ids = torch.tensor(ids, dtype=torch.long).to(kv_layer.device)
         k, v = self._kv_of(kv_layer)
-        gk, gv = k[self._save_ids], v[self._save_ids]  # [blocks, B, H, D], copies
+        if kv_layer.device.type == "cuda":
+            gk, gv = k[self._save_ids], v[self._save_ids]  # [blocks, B, H, D], copies
+        else:  # on a CPU, slices joined: indexed copies of fp16 are ~20x slower
+            gk = torch.cat([k[b : b + n] for b, _, n in self._save_runs])
+            gv = torch.cat([v[b : b + n] for b, _, n in self._save_runs])
         if self._copies is not None:
             self._copies.wait_stream(torch.cuda.current_stream(kv_layer.device))
             with torch.cuda.stream(self._copies):
