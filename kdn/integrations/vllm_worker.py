@@ -1,0 +1,327 @@
+"""The worker half of kdn's vLLM connector (``kdn.integrations.vllm``): vLLM's paged KV cache
+in and out of kdn.
+
+Lifecycle, once per step (the model runner's calls):
+
+1. ``register(kv_caches)`` (once): vLLM's per-layer cache tensors. Each is, in logical order,
+   ``[2, num_blocks, B, H, D]`` (K and V first: FlashAttention) or ``[num_blocks, 2, B, H, D]``
+   (FlashInfer, Triton), with any strides (HND layouts, and the cross-layer allocation whose
+   per-layer tensors are views of one buffer, are strided views of these shapes).
+2. ``start_load(loads)``: one Retrieve stream per chunk to load, all started at once through
+   the client (same-host segment, in-process tier or network: the client's own choice); a miss
+   marks the chunk's blocks failed.
+3. ``wait_for_layer(name)``: layer i of every loading chunk, ``k: [H, C, D]``, is cut to the
+   tokens to place, joined, and scattered into the cache as ``[blocks, B, H, D]`` by block id on
+   the cache's device. A stream that fails marks its chunk's blocks failed (vLLM recomputes
+   them); nothing is raised into the forward pass.
+4. ``save_layer(name, kv, saves)``: the blocks of the chunks to save are gathered
+   (``[blocks, B, H, D]``, a copy: vLLM may reuse the blocks once the step is over); on a GPU
+   they are copied to pinned host memory on a side stream, after the compute that wrote them.
+5. ``end_step()`` (vLLM's ``wait_for_save``): layers the model did not wait for are placed,
+   the step's streams are let go, and the gathered chunks are handed to a background thread
+   that encodes them in every configured encoding and stores those kdn lacks.
+6. ``take_failed()``: block ids that failed to load since the last call.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kdn import keys
+from kdn.cache import KVCache
+from kdn.client import Client, LayerStream
+from kdn.errors import InvalidLayout
+from kdn.integrations.vllm_meta import KDNConnectorConfig, LoadSpec, PagedShape, SaveSpec
+from kdn.options import StoreOptions
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Piece:
+    """The part of one loading chunk that goes into the cache."""
+
+    req_id: str
+    stream: LayerStream
+    first: int
+    """First token of the chunk to place (0..C)."""
+    last: int
+    block_ids: list[int]
+    runs: list[tuple[int, int, int]]
+    """(first block id, first block of the piece, blocks) of each run of consecutive ids."""
+    index: torch.Tensor | None
+    """The block ids on a GPU, when they are not one run (one scatter kernel)."""
+    ok: bool = True
+
+
+def block_runs(ids: list[int]) -> list[tuple[int, int, int]]:
+    """``ids`` as runs of consecutive block ids: (first id, position in ``ids``, length)."""
+    runs: list[tuple[int, int, int]] = []
+    for j, b in enumerate(ids):
+        if runs and runs[-1][0] + runs[-1][2] == b:
+            start, at, count = runs[-1]
+            runs[-1] = (start, at, count + 1)
+        else:
+            runs.append((b, j, 1))
+    return runs
+
+
+@dataclass
+class WorkerStats:
+    blocks_loaded: int = 0
+    blocks_failed: int = 0
+    chunks_saved: int = 0
+    chunks_skipped: int = 0
+    """Chunks a save found already stored."""
+    save_errors: int = 0
+
+
+class WorkerSide:
+    """Loads into and saves out of vLLM's paged cache (module docstring)."""
+
+    def __init__(self, shape: PagedShape, config: KDNConnectorConfig, client: Client,
+                 rank: int, *, own_client: bool = True) -> None:
+        self.shape = shape
+        self.client = client
+        self.rank = rank
+        self.layout = shape.layout
+        self.config = config
+        self._own_client = own_client
+        self.index = {name: i for i, name in enumerate(shape.layer_names)}
+        self.kv: list[torch.Tensor] = []
+        self.kv_first = True
+        self.device = torch.device("cpu")
+        self.stats = WorkerStats()
+        self._pieces: list[_Piece] = []
+        self._placed: set[int] = set()
+        self._failed: set[int] = set()
+        self._gathered: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._save_ids: torch.Tensor | None = None
+        self._save_runs: list[tuple[int, int, int]] = []
+        self._copies: Any = None
+        self._saver = ThreadPoolExecutor(1, thread_name_prefix="kdn-vllm-save")
+        self._saves: list[Future[None]] = []
+        self._lock = threading.Lock()
+        self._options = StoreOptions(ttl_s=self.config.ttl_s)
+
+    # -- the cache --------------------------------------------------------------------------------
+
+    def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        missing = [n for n in self.index if n not in kv_caches]
+        if missing:
+            raise InvalidLayout(f"vLLM registered no KV cache for layers {missing}")
+        lay, b = self.layout, self.shape.block_size
+        heads, d = lay.layers[0].kv_heads, lay.head_dim
+        tensors = [kv_caches[n] for n in self.index]
+        first = tensors[0]
+        if first.dim() != 5 or tuple(first.shape[2:]) != (b, heads, d):
+            raise InvalidLayout(f"KV cache of shape {tuple(first.shape)}: kdn reads "
+                                f"[2, blocks, {b}, {heads}, {d}] or [blocks, 2, {b}, {heads}, "
+                                f"{d}]")
+        kv_first = first.shape[0] == 2
+        if not kv_first and first.shape[1] != 2:
+            raise InvalidLayout(f"KV cache of shape {tuple(first.shape)} has no K/V axis of 2")
+        for name, t in zip(self.index, tensors):
+            if t.shape != first.shape or t.dtype != lay.dtype.torch or t.device != first.device:
+                raise InvalidLayout(f"layer {name}: KV cache {tuple(t.shape)} {t.dtype} on "
+                                    f"{t.device}, layer 0: {tuple(first.shape)} "
+                                    f"{lay.dtype.torch} on {first.device}")
+        self.kv, self.kv_first, self.device = tensors, kv_first, first.device
+        if self.device.type == "cuda":
+            self._copies = torch.cuda.Stream(self.device)
+
+    def _kv_of(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of one layer's cache, each ``[blocks, B, H, D]`` (views)."""
+        return (t[0], t[1]) if self.kv_first else (t[:, 0], t[:, 1])
+
+    def _need_cache(self) -> None:
+        if not self.kv:
+            raise RuntimeError("register_kv_caches() first: no KV cache is registered")
+
+    # -- loads ------------------------------------------------------------------------------------
+
+    def start_load(self, loads: list[LoadSpec]) -> None:
+        self._release()
+        if not loads:
+            return
+        self._need_cache()
+        c, b = self.shape.chunk_tokens, self.shape.block_size
+        for spec in loads:
+            ks = spec.keys_by_rank[self.rank]
+            spans = []
+            for j in range(len(ks)):
+                lo = (spec.first_chunk + j) * c
+                t0, t1 = max(spec.start_token, lo), min(spec.end_token, lo + c)
+                spans.append((t0 - lo, t1 - lo, spec.block_ids[t0 // b : t1 // b]))
+            try:
+                streams: list[LayerStream | None] = self.client.retrieve_streams(
+                    ks, namespace=self.config.namespace, layout=self.layout,
+                    device=self.device)
+            except Exception as exc:  # unreachable, refused: every block of it recomputed
+                log.warning("kdn: load of request %s failed: %s", spec.req_id, exc)
+                streams = [None] * len(ks)
+            for stream, (first, last, ids) in zip(streams, spans):
+                if stream is None:
+                    self._fail(ids)
+                elif ids:
+                    runs = block_runs(ids)
+                    index = (torch.tensor(ids).to(self.device)
+                             if len(runs) > 1 and self.device.type == "cuda" else None)
+                    self._pieces.append(_Piece(spec.req_id, stream, first, last, ids, runs,
+                                               index))
+
+    def _fail(self, ids: list[int]) -> None:
+        self._failed.update(ids)
+        self.stats.blocks_failed += len(ids)
+
+    def wait_for_layer(self, name: str) -> None:
+        i = self.index.get(name)
+        if i is None or i in self._placed or not self._pieces:
+            return
+        self._placed.add(i)
+        on = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+        kc, vc = self._kv_of(self.kv[i])  # [blocks, B, H, D] each
+        b = self.shape.block_size
+        for p in self._pieces:
+            if not p.ok:
+                continue
+            try:
+                k, v = p.stream.wait_for_layer(i, self.config.timeout_s, stream=on)
+            except Exception as exc:  # damaged, cut off, timed out: this chunk is recomputed
+                log.warning("kdn: chunk of request %s failed at layer %d: %s", p.req_id, i, exc)
+                p.ok = False
+                self._fail(p.block_ids)
+                continue
+            n = len(p.block_ids)
+            for src, dst in ((k, kc), (v, vc)):
+                # [H, T, D] -> [n, B, H, D] as a view: one strided copy into the blocks
+                blocks = src[:, p.first : p.last].unflatten(1, (n, b)).permute(1, 2, 0, 3)
+                if p.index is not None:
+                    dst[p.index] = blocks
+                else:  # on a CPU, slice copies per run: indexed copies of fp16 are ~20x slower
+                    for start, at, count in p.runs:
+                        dst[start : start + count].copy_(blocks[at : at + count])
+
+    def _release(self) -> None:
+        """The step's loads are over: layers not waited for are placed, streams let go."""
+        if self._pieces:
+            for name, i in self.index.items():
+                if i not in self._placed:
+                    self.wait_for_layer(name)
+            for p in self._pieces:
+                if p.ok:
+                    self.stats.blocks_loaded += len(p.block_ids)
+                p.stream.cancel()
+        self._pieces, self._placed = [], set()
+
+    def preempted(self, req_ids: set[str]) -> None:
+        """Requests preempted before this step: their blocks may be reused now. Loads live
+        within one step and saves hold copies, so only loads still open are dropped."""
+        for p in self._pieces:
+            if p.req_id in req_ids and p.ok:
+                p.ok = False
+                p.stream.cancel()
+
+    def take_failed(self) -> set[int]:
+        failed, self._failed = self._failed, set()
+        return failed
+
+    # -- saves ------------------------------------------------------------------------------------
+
+    def save_layer(self, name: str, kv_layer: torch.Tensor, saves: list[SaveSpec]) -> None:
+        i = self.index.get(name)
+        if i is None or not saves:
+            return
+        if self._save_ids is None:
+            ids = [bid for s in saves for bid in s.block_ids]
+            self._save_runs = block_runs(ids)
+            self._save_ids = torch.tensor(ids, dtype=torch.long).to(kv_layer.device)
+        k, v = self._kv_of(kv_layer)
+        if kv_layer.device.type == "cuda":
+            gk, gv = k[self._save_ids], v[self._save_ids]  # [blocks, B, H, D], copies
+        else:  # on a CPU, slices joined: indexed copies of fp16 are ~20x slower
+            gk = torch.cat([k[b : b + n] for b, _, n in self._save_runs])
+            gv = torch.cat([v[b : b + n] for b, _, n in self._save_runs])
+        if self._copies is not None:
+            self._copies.wait_stream(torch.cuda.current_stream(kv_layer.device))
+            with torch.cuda.stream(self._copies):
+                host = []
+                for t in (gk, gv):
+                    h = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                    h.copy_(t, non_blocking=True)
+                    t.record_stream(self._copies)
+                    host.append(h)
+            gk, gv = host[0], host[1]
+        self._gathered[i] = (gk, gv)
+
+    def end_step(self, saves: list[SaveSpec] | None = None) -> None:
+        """vLLM's ``wait_for_save``: the step's loads end, its saves go to the background."""
+        self._release()
+        gathered, self._gathered, self._save_ids = self._gathered, {}, None
+        if not gathered or saves is None:
+            return
+        if len(gathered) != self.layout.num_layers:
+            log.warning("kdn: %d of %d layers saved this step; chunks not stored",
+                        len(gathered), self.layout.num_layers)
+            return
+        ready = None
+        if self._copies is not None:
+            ready = torch.cuda.Event()
+            ready.record(self._copies)
+        layers = [gathered[i] for i in range(self.layout.num_layers)]
+        with self._lock:
+            self._saves = [f for f in self._saves if not f.done()]
+            self._saves.append(self._saver.submit(self._store, saves, layers, ready))
+
+    def _store(self, saves: list[SaveSpec], layers: list[tuple[torch.Tensor, torch.Tensor]],
+               ready: Any) -> None:
+        if ready is not None:
+            ready.synchronize()
+        c, b = self.shape.chunk_tokens, self.shape.block_size
+        per = c // b
+        heads, d = self.layout.layers[0].kv_heads, self.layout.head_dim
+        row = 0
+        items: list[tuple[int, bytes, KVCache]] = []
+        for s in saves:
+            for j, base in enumerate(s.keys_by_rank[self.rank]):
+                r = row + j * per
+                kv = [(k[r : r + per].reshape(c, heads, d).transpose(0, 1),  # [H, C, D]
+                       v[r : r + per].reshape(c, heads, d).transpose(0, 1)) for k, v in layers]
+                items.append((s.first_chunk + j, base, KVCache(self.layout, kv,
+                                                               start_position=(s.first_chunk
+                                                                               + j) * c)))
+            row += len(s.block_ids)
+        ns = self.config.namespace
+        for enc in self.shape.encodings:
+            mode, _, level = enc.partition("-")
+            todo = [(keys.variant_key(base, enc), kv) for _, base, kv in items]
+            try:
+                present = self.client.lookup([k for k, _ in todo], namespace=ns).infos
+                todo_new = [t for t, info in zip(todo, present) if not info.present]
+                self.stats.chunks_skipped += len(todo) - len(todo_new)
+                if todo_new:
+                    self.client.store_many(todo_new, mode=mode, level=level, namespace=ns,
+                                           options=self._options)
+                    self.stats.chunks_saved += len(todo_new)
+            except Exception as exc:  # best effort: a failed save is a later miss
+                log.warning("kdn: saving %d chunks (%s) failed: %s", len(todo), enc, exc)
+                self.stats.save_errors += 1
+
+    def wait_saves(self, timeout: float | None = None) -> None:
+        """Block until the saves handed off so far are stored (or failed)."""
+        with self._lock:
+            pending = list(self._saves)
+        for f in pending:
+            f.result(timeout)
+
+    def close(self) -> None:
+        self._release()
+        self._saver.shutdown(wait=True)
+        if self._own_client:
+            self.client.close()
