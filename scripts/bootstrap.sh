@@ -38,8 +38,10 @@ if [ "$needs_model" = 1 ]; then
       index="${KDN_TORCH_INDEX-}"  # a GPU (PyPI's Linux wheels are CUDA builds), or macOS
       spec="${KDN_TORCH_SPEC:-torch==$torch_version}"
     fi
-    # an extra index: the user's own index (or mirror) still serves everything else
-    run "${pip[@]}" ${index:+--extra-index-url "$index"} "$spec"
+    # an extra index: the user's own index (or mirror) still serves everything else; one
+    # retry only, so a host that cannot reach it (an offline mirror) loses a second per
+    # package rather than pip's five backed-off retries
+    run "${pip[@]}" ${index:+--extra-index-url "$index" --retries 1} "$spec"
   fi
 fi
 # the "sglang" and "vllm" extras are installed apart, without dependencies (see pyproject.toml);
