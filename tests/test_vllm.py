@@ -375,3 +375,24 @@ def test_an_unreachable_server_is_a_miss_not_an_error(kdn_server: ServerThread) 
     finally:
         s.shutdown()
         w.shutdown()
+
+
+def test_without_encodings_the_connector_stores_what_pays_off_where_it_runs() -> None:
+    """``encodings`` left out: ``raw`` on a GPU beside kdn (or with the in-process tier),
+    ``kdn-default`` and ``raw`` across a network, ``lossless`` on a CPU; the scheduler and
+    every worker derive the same list from the same settings."""
+    from kdn.integrations.vllm_meta import default_connector_encodings
+
+    here = KDNConnectorConfig.from_extra({"address": "127.0.0.1:50051"})
+    assert here.encodings == ()
+    far = KDNConnectorConfig.from_extra({"address": "10.1.2.3:50051"})
+    no_segment = KDNConnectorConfig.from_extra({"address": "127.0.0.1:50051", "shm_bytes": 0})
+    local = KDNConnectorConfig.from_extra({"address": "10.1.2.3:50051",
+                                           "local_bytes": 1 << 30})
+    assert default_connector_encodings(here, "cuda") == ("raw",)
+    assert default_connector_encodings(local, "cuda") == ("raw",)
+    assert default_connector_encodings(far, "cuda") == ("kdn-default", "raw")
+    assert default_connector_encodings(no_segment, "cuda") == ("kdn-default", "raw")
+    assert default_connector_encodings(here, "cpu") == ("lossless",)
+    given = KDNConnectorConfig.from_extra({"address": "10.1.2.3:50051", "encodings": ["int8"]})
+    assert given.encodings == ("int8",)

@@ -105,7 +105,9 @@ class KDNConnector(KVConnectorBase_V1, SupportsHMA):
                                       "parallelism yet")
         model = vllm_config.model_config.model if vllm_config.model_config else "unknown"
         self.tp_size = int(par.tensor_parallel_size)
-        self.shape: PagedShape = paged_shape(kv_cache_config, self.config, model, self.tp_size)
+        dev = getattr(vllm_config.device_config, "device_type", "") or "cuda"
+        self.shape: PagedShape = paged_shape(kv_cache_config, self.config, model, self.tp_size,
+                                             device=dev)
         self.layout = self.shape.layout
         self.encodings = self.shape.encodings
         tc = self._kv_transfer_config

@@ -18,10 +18,11 @@ from kdn import keys
 from kdn.client import Client
 from kdn.client.client import TLSOptions
 from kdn.codec.catalog import check_codec
-from kdn.delivery import encoding_name
+from kdn.delivery import IN_PROCESS, NETWORK, SAME_HOST, default_encodings, encoding_name
 from kdn.errors import InvalidLayout
 from kdn.layout import DType, KVLayout, LayerLayout, model_fingerprint
 from kdn.options import StoreOptions
+from kdn.transport.addresses import same_host
 
 if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
@@ -34,9 +35,12 @@ class KDNConnectorConfig:
     """The kdn server (host:port, or unix:PATH)."""
     namespace: str = "vllm"
     """kdn namespace of the chunks."""
-    encodings: tuple[str, ...] = ("lossless",)
+    encodings: tuple[str, ...] = ()
     """Encodings each new chunk is stored in, ``mode`` or ``mode-level`` (``lossless``,
-    ``raw``, ``int8``, ``kdn-default``...); the loading controller picks among those stored."""
+    ``raw``, ``int8``, ``kdn-default``...); the loading controller picks among those stored.
+    Empty (default): what pays off where vLLM runs and how kdn is reached
+    (``kdn.delivery.default_encodings``): on a GPU ``raw`` from a server on this host or the
+    in-process tier, ``kdn-default`` and ``raw`` across a network; ``lossless`` on a CPU."""
     chunk_tokens: int = 256
     """Tokens per kdn entry (the unit of reuse); rounded down to whole vLLM blocks."""
     salt: str = ""
@@ -79,8 +83,6 @@ class KDNConnectorConfig:
             raise ValueError(f"lookup_threads must be >= 1, got {self.lookup_threads}")
         if self.prefill_tok_s <= 0:
             raise ValueError(f"prefill_tok_s must be > 0, got {self.prefill_tok_s}")
-        if not self.encodings:
-            raise ValueError("encodings must name at least one encoding")
         for enc in self.encodings:
             check_codec(*split_encoding(enc))
         keys.check_namespace(self.namespace)
@@ -140,10 +142,23 @@ class PagedShape:
         return self.chunk_tokens // self.block_size
 
 
+def default_connector_encodings(config: KDNConnectorConfig, device: str) -> tuple[str, ...]:
+    """The encodings a connector whose config names none stores on ``device`` (vLLM's device
+    type): the path follows from the config alone, so the scheduler and every worker agree."""
+    if config.local_bytes:
+        path = IN_PROCESS
+    elif same_host(config.address) and config.shm_bytes != 0:
+        path = SAME_HOST
+    else:
+        path = NETWORK
+    return tuple(encoding_name(m, lv) for m, lv in default_encodings(device, path))
+
+
 def paged_shape(kv_cache_config: KVCacheConfig, config: KDNConnectorConfig, model: str,
-                tp_size: int = 1) -> PagedShape:
+                tp_size: int = 1, device: str = "cuda") -> PagedShape:
     """The ``PagedShape`` of vLLM's ``KVCacheConfig``: one group of full-attention layers (K
-    and V per token) is supported; ``config.chunk_tokens`` is rounded down to whole blocks."""
+    and V per token) is supported; ``config.chunk_tokens`` is rounded down to whole blocks;
+    the encodings are the config's, or ``default_connector_encodings`` on ``device``."""
     groups = kv_cache_config.kv_cache_groups
     if len(groups) != 1:
         raise NotImplementedError(
@@ -165,7 +180,8 @@ def paged_shape(kv_cache_config: KVCacheConfig, config: KDNConnectorConfig, mode
                       head_dim=k_dim, model_name=model)
     block = int(spec.block_size)
     chunk = max(1, config.chunk_tokens // block) * block
-    encodings = tuple(encoding_name(*split_encoding(e)) for e in config.encodings)
+    encodings = (tuple(encoding_name(*split_encoding(e)) for e in config.encodings)
+                 or default_connector_encodings(config, device))
     return PagedShape(layout, block, chunk, names, encodings, tp_size)
 
 
