@@ -10,6 +10,7 @@ import torch
 from kdn.blend import BlendConfig, Piece, blend
 from kdn.blend.chunks import ChunkConnector
 from kdn.client import Client
+from kdn.delivery import LoadingController
 from kdn.engine import EngineConfig, KDNEngine, KVConnector
 from kdn.errors import InvalidArgument
 from kdn.layout import DType
@@ -25,7 +26,10 @@ def _retrieves(client: Client) -> int:
 
 def test_engine_follows_the_connector_lifecycle(client: Client) -> None:
     model = tiny("llama")
-    engine = KDNEngine(model, CharTokenizer(), client, EngineConfig(chunk_tokens=16))
+    # lossless decodes at 1 GB/s (given, not timed: on a model this small one block's decode
+    # and a 64-token prefill both take about a millisecond, and the choice is not the point)
+    engine = KDNEngine(model, CharTokenizer(), client, EngineConfig(chunk_tokens=16),
+                       LoadingController(decode_b_s={"lossless@cpu": 1e9}))
     assert isinstance(engine, KVConnector)
     prompt = ids(70, seed=3)
     assert engine.matched_tokens(prompt) == 0

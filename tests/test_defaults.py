@@ -27,7 +27,8 @@ from kdn.delivery import (
 from kdn.engine import EngineConfig, KDNEngine
 from kdn.server import ServerConfig, ServerThread
 
-RATE = 100_000_000  # bytes/s: the emulated link of the probe tests (0.8 Gbit/s)
+RATE = 50_000_000  # bytes/s: the emulated link of the probe tests (0.4 Gbit/s: slow enough
+# that a busy host's own costs stay small beside it)
 
 
 class _Tok:
@@ -125,19 +126,19 @@ def test_the_probe_measures_an_emulated_link(throttled: ServerThread) -> None:
         assert not c.dataplane.attached
         got = probe_link(c, "probe-test")
         assert got is not None
-        assert got.bytes_per_s == pytest.approx(RATE, rel=0.25)
+        assert got.bytes_per_s == pytest.approx(RATE, rel=0.3)
         assert got.seconds[1] > got.seconds[0] >= 0
         # the entries stay for the next probe: stored once per server and namespace
         infos = c.lookup([probe_key(n) for n in SIZES], namespace="probe-test").infos
         assert all(i.present and i.size_bytes >= n for i, n in zip(infos, SIZES))
         again = probe_link(c, "probe-test", rounds=1)
-    assert again is not None and again.bytes_per_s == pytest.approx(RATE, rel=0.25)
+    assert again is not None and again.bytes_per_s == pytest.approx(RATE, rel=0.3)
 
 
 def test_the_probe_reads_past_the_in_process_tier(throttled: ServerThread) -> None:
     with Client(throttled.address, shm_bytes=0, local_bytes=256 << 20) as c:
         got = probe_link(c, "probe-test")
-        assert got is not None and got.bytes_per_s == pytest.approx(RATE, rel=0.25)
+        assert got is not None and got.bytes_per_s == pytest.approx(RATE, rel=0.3)
         assert c.local is not None
         assert all(c.local.contains("probe-test", probe_key(n)) is None for n in SIZES)
 
@@ -159,8 +160,8 @@ def test_a_fresh_engine_across_a_network_knows_its_link_and_decoders(
         assert ctl.bandwidth(NETWORK, c.address) == PATH_PRIORS_B_S[NETWORK]  # lazily
         assert not ctl.knows_decode("lossless")
         engine.calibrate()
-        assert ctl.bandwidth(NETWORK, c.address) == pytest.approx(RATE, rel=0.25)
-        assert ctl.bandwidth(NETWORK) == pytest.approx(RATE, rel=0.25)
+        assert ctl.bandwidth(NETWORK, c.address) == pytest.approx(RATE, rel=0.3)
+        assert ctl.bandwidth(NETWORK) == pytest.approx(RATE, rel=0.3)
         assert ctl.knows_decode("lossless") and ctl.decode_speed("lossless") > 0
 
 
