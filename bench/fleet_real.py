@@ -30,7 +30,7 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-from bench.common import HOST, free_port, wait_until
+from bench.common import HOST, free_port, stop, wait_until
 from bench.fleet_sim import Request
 from kdn.client import Client
 from kdn.client.fleet import FleetClient, FleetConfig, fleet_view
@@ -81,23 +81,13 @@ class Fleet:
                  "--tier-order", "ram,redis", "--log-level", "WARNING"],
                 stdout=log, stderr=subprocess.STDOUT)
             self.procs.append(proc)
-            self._stack.callback(self._stop, proc)
+            self._stack.callback(stop, proc)
             self.addresses.append(f"{HOST}:{port}")
         for proc, address in zip(self.procs, self.addresses):
             with Client(address, timeout_s=2) as probe:
                 wait_until(lambda probe=probe: probe.health() == "SERVING",  # type: ignore[misc]
                            f"kdn node {address}", proc, 60)
         return self
-
-    @staticmethod
-    def _stop(proc: subprocess.Popen[bytes]) -> None:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
 
     def kill(self, i: int) -> None:
         self.procs[i].send_signal(signal.SIGKILL)

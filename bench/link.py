@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import tempfile
 import time
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +47,7 @@ from bench.gpu import SHAPES, _Ids, _ids, best_s, build, model_dtype
 from kdn import keys
 from kdn.client import Client
 from kdn.codec import EncodedParts
-from kdn.delivery import NETWORK, RECOMPUTE, LoadingController, encoding_name
+from kdn.delivery import NETWORK, RECOMPUTE, encoding_name
 from kdn.engine import EngineConfig, KDNEngine
 
 ENCODINGS = (("raw", ""), ("int8", ""), ("kdn", "default"))
@@ -54,7 +55,7 @@ LINKS_GBPS = (1.0, 10.0, 25.0, 100.0, 0.0)
 """Emulated link rates, Gbit/s (0: no cap)."""
 
 
-def _server(tmp: Path, name: str, gbps: float, ram: str):  # type: ignore[no-untyped-def]
+def _server(tmp: Path, name: str, gbps: float, ram: str) -> AbstractContextManager[str]:
     rate = int(gbps * 1e9 / 8)
     return common_kdn_server(tmp / name, "--ram-bytes", ram, "--egress-bytes-per-s",
                              str(rate), "--max-message-bytes", str(512 << 20),
@@ -63,7 +64,7 @@ def _server(tmp: Path, name: str, gbps: float, ram: str):  # type: ignore[no-unt
 
 def _engine(model: Any, client: Client, namespace: str, **config: Any) -> KDNEngine:
     return KDNEngine(model, _Ids(), client, EngineConfig(
-        namespace=namespace, encodings=ENCODINGS, **config), controller=LoadingController())
+        namespace=namespace, encodings=ENCODINGS, **config))  # a new controller each
 
 
 def _fill(model: Any, address: str, ns: str, ids: list[int]
