@@ -144,6 +144,65 @@ _BUDGET = _PRELUDE + textwrap.dedent('''
 ''')
 
 
+_DIRECT = _PRELUDE + textwrap.dedent('''
+    # pinned bodies that do not lie in one span are copied where they lie, a copy per run of
+    # neighbouring bodies (one per entry here), and the kdn planner reads them in place where
+    # one buffer holds them all: the same tensors as the CPU decoder, and damage refused
+    gpu_batch.DIRECT.add("cpu")
+    lay = uniform_layout(3, 2, 8)
+    rng = np.random.default_rng(5)
+    runs = 0
+    for mode, level in (("kdn", "default"), ("kdn", "high"), ("int8", "")):
+        entries = [codec.encode(random_kv(lay, 20 + 7 * e, seed=e, start=40 * e), mode, level)
+                   for e in range(4)]
+        want = [l for b in entries for l in codec.decode(b).layers]
+        parsed = [records(b) for b in entries]
+        specs = [layer_spec(h.layout, r.layer, r.tokens) for h, recs in parsed for r in recs]
+        gap = 3 * gpu_batch.SPAN_GAP + (2 << 20)  # far apart: not one span, a run each
+        one = bytearray(sum(len(b) + gap for b in entries))
+        for layout in ("one buffer", "a buffer each"):
+            bodies, at = [], 0
+            for b, (h, recs) in zip(entries, parsed):
+                if layout == "one buffer":
+                    one[at : at + len(b)] = b
+                    view = memoryview(one)[at : at + len(b)]
+                    at += len(b) + gap
+                else:
+                    view = memoryview(bytearray(b))
+                base = int(np.frombuffer(b, np.uint8).ctypes.data)
+                for r in recs:  # the same records, viewed where this copy of the entry lies
+                    o = int(np.frombuffer(r.body, np.uint8).ctypes.data) - base
+                    bodies.append(view[o : o + len(r.body)])
+            gpu_batch.STATS.update(launches=0, copies=0, syncs=0)
+            got = get_mode(mode).decode_layers(bodies, specs, level, torch.device("cpu"),
+                                               pinned=True).check()
+            assert gpu_batch.STATS["copies"] == len(entries), (mode, layout, gpu_batch.STATS)
+            for (k1, v1), (k2, v2) in zip(want, got, strict=True):
+                assert torch.equal(k1, k2) and torch.equal(v1, v2), (mode, layout)
+            runs += 1
+            for trial in range(3):  # damage in place: refused or identical, like the CPU
+                i = int(rng.integers(0, len(bodies)))
+                j = int(rng.integers(0, len(bodies[i])))
+                keep = bodies[i][j]
+                bodies[i][j] = keep ^ 0x5A
+                try:
+                    cpu = [get_mode(mode).decode_layer(b, s, level, torch.device("cpu"))
+                           for b, s in zip(bodies, specs)]
+                except Corrupt:
+                    cpu = None
+                try:
+                    dev = get_mode(mode).decode_layers(bodies, specs, level,
+                                                       torch.device("cpu"), pinned=True).check()
+                except Corrupt:
+                    dev = None
+                assert (cpu is None) == (dev is None), (mode, layout, trial)
+                for (k1, v1), (k2, v2) in zip(cpu or [], dev or []):
+                    assert torch.equal(k1, k2) and torch.equal(v1, v2)
+                bodies[i][j] = keep
+    print("ok", runs)
+''')
+
+
 def _run(script: str) -> list[str]:
     pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
@@ -161,6 +220,10 @@ def test_damaged_bodies_are_refused_exactly_where_the_cpu_refuses_them() -> None
     out = _run(_DAMAGE)
     assert out[-3] == "ok" and int(out[-2]) >= 8, out  # much damage is caught...
     assert int(out[-2]) + int(out[-1]) == 24, out       # ...and the rest decodes identically
+
+
+def test_pinned_bodies_of_several_entries_are_copied_where_they_lie() -> None:
+    assert _run(_DIRECT)[-2:] == ["ok", "6"]
 
 
 def test_a_32_layer_entry_takes_few_launches_and_no_sync_before_its_check() -> None:

@@ -5,9 +5,11 @@
 1. The host parses what is small: each layer's section table and each entropy blob's
    zstd-packed frequency tables and rANS headers (``Plan``). It validates sizes (Corrupt
    right away) and lays out one output buffer for every layer's K and V.
-2. Two copies to the device: the bodies' bytes (one span of the caller's buffer where they lie
-   in one, else packed) and one packed metadata buffer (tables, per-blob and per-group
-   descriptors, the error flag's zeroed word).
+2. Copies to the device: the bodies' bytes (one span of the caller's buffer where they lie
+   in one; from pinned memory, else one copy per run of neighbouring bodies, read where they
+   lie: an entry each for the blocks of a context; other memory is packed into pinned staging
+   first) and one packed metadata buffer (tables, per-blob and per-group descriptors, the
+   error flag's zeroed word).
 3. Launches, independent of the layer count: ``_normalize`` (every table row's counts to
    rANS frequencies, as ``rans.normalize``), ``_rans`` over the log-scale blobs (int32 symbols
    and their scales), ``_rans`` over the symbol blobs with dequantisation fused (symbol x
@@ -57,6 +59,12 @@ _NORM_BLOCK = 64
 _SPAN_BLOCK = 1024
 _INT8_BLOCK = 1024
 _FILL_BLOCK = 256
+SPAN_GAP = 64 << 10
+"""Bytes between two bodies of one buffer that a device copy carries along rather than
+start another copy for (``_Source``)."""
+DIRECT = {"cuda"}
+"""Device types whose pinned bodies are copied where they lie, a copy per run of bodies, when
+they do not lie in one span (tests add "cpu", so that CI runs that path too)."""
 
 
 def _launch(kernel: Any, grid: tuple[int, ...], *args: Any, **meta: Any) -> None:
@@ -108,14 +116,23 @@ def _address(mv: memoryview) -> int:
 
 
 class _Source:
-    """The bodies' bytes as one uint8 tensor on the device (one copy), and each body's offset
-    in it. ``pinned``: the bodies lie in page-locked or CUDA-registered memory (a registered
-    segment or arena, the pinned in-process tier), which the copy reads in place; other memory
-    is first copied into a pinned staging buffer by several threads (a copy from pageable
-    memory runs at a fraction of the link's rate and blocks the host throughout)."""
+    """The bodies' bytes as one uint8 tensor on the device, each body's offset in it
+    (``offsets``), and the host bytes the planner reads (``array``, each body at
+    ``host_offsets``).
+
+    ``pinned``: the bodies lie in page-locked or CUDA-registered memory (a registered segment
+    or arena, the pinned in-process tier, landed network buffers), which copies read in place:
+    one copy where the bodies lie in one span, else one copy per run of neighbouring bodies
+    (``DIRECT``: each entry of a context is typically one run), with nothing copied on the
+    host. The planner then reads the bodies where they lie too (``host_view``: one buffer
+    holds them all), and ``to_device`` maps its offsets to the device buffer's; bodies in
+    several buffers are copied into one host array for it (the ``kdn`` planner reads one
+    buffer; ``int8``'s needs none: ``host_view=False``). Other memory is first copied into a
+    pinned staging buffer by several threads (a copy from pageable memory runs at a fraction
+    of the link's rate and blocks the host throughout)."""
 
     def __init__(self, bodies: list[memoryview], device: torch.device,
-                 pinned: bool = False) -> None:
+                 pinned: bool = False, *, host_view: bool = True) -> None:
         owners = {id(b.obj) for b in bodies}
         addr = [_address(b) for b in bodies]
         sizes = [len(b) for b in bodies]
@@ -123,12 +140,18 @@ class _Source:
         lo = min((addr[i] for i in nonempty), default=0)
         hi = max((addr[i] + sizes[i] for i in nonempty), default=0)
         start, whole = -1, np.empty(0, np.uint8)
-        if len(owners) == 1 and nonempty and hi - lo <= 2 * sum(sizes) + (1 << 20):
-            base = bodies[nonempty[0]]
-            whole = np.frombuffer(base.obj, dtype=np.uint8)  # type: ignore[call-overload]
+        if len(owners) == 1 and nonempty:
+            whole = _whole(bodies[nonempty[0]])
             start = lo - int(whole.ctypes.data)
         host: np.ndarray | None = None
-        one_span = 0 <= start and start + hi - lo <= len(whole)
+        one_span = (0 <= start and start + hi - lo <= len(whole)
+                    and hi - lo <= 2 * sum(sizes) + (1 << 20))
+        self.delta: np.ndarray | None = None
+        if pinned and not one_span and nonempty and device.type in DIRECT:
+            self._direct(bodies, addr, sizes, nonempty, device,
+                         whole if 0 <= start and start + hi - lo <= len(whole) else None,
+                         host_view)
+            return
         stage = device.type == "cuda" and not (pinned and one_span)  # copied anyway: pinned
         if one_span:
             host = whole[start : start + hi - lo]
@@ -148,13 +171,81 @@ class _Source:
             if host is None:
                 host = np.empty(max(total, 1), dtype=np.uint8)
                 _copy_into(host, pieces)
-            with warnings.catch_warnings():  # read-only source: the tensor is only read
-                warnings.simplefilter("ignore", UserWarning)
-                t = torch.from_numpy(host) if len(host) else torch.zeros(1, dtype=torch.uint8)
+            t = _tensor(host)
+        self.host_offsets = self.offsets
         self.array = host if len(host) else np.zeros(1, np.uint8)
-        self.host = t  # the copy's source (read asynchronously: alive until checked)
+        self.host: Any = t  # the copy's source (read asynchronously: alive until checked)
         self.tensor = t.to(device, non_blocking=True) if device.type != "cpu" else t
         STATS["copies"] += device.type != "cpu"
+
+    def _direct(self, bodies: list[memoryview], addr: list[int], sizes: list[int],
+                nonempty: list[int], device: torch.device, whole: np.ndarray | None,
+                host_view: bool) -> None:
+        """One device copy per run of bodies that lie within ``SPAN_GAP`` of each other in
+        one buffer, read where they lie."""
+        order = sorted(nonempty, key=lambda i: (id(bodies[i].obj), addr[i]))
+        runs: list[tuple[list[int], int, int]] = []  # (bodies, start address, end address)
+        for i in order:
+            r = runs[-1] if runs else None
+            if (r is not None and bodies[i].obj is bodies[r[0][0]].obj
+                    and addr[i] <= r[2] + SPAN_GAP):
+                r[0].append(i)
+                runs[-1] = (r[0], r[1], max(r[2], addr[i] + sizes[i]))
+            else:
+                runs.append(([i], addr[i], addr[i] + sizes[i]))
+        self.offsets = [0] * len(bodies)
+        at, sources = 0, []
+        for members, a, b in runs:
+            base = _whole(bodies[members[0]])
+            off = a - int(base.ctypes.data)
+            if 0 <= off and off + (b - a) <= len(base):
+                sources.append((at, base[off : off + (b - a)]))
+                for i in members:
+                    self.offsets[i] = at + addr[i] - a
+                at += b - a
+            else:  # not a view of its owner's one buffer: each body a copy of its own
+                for i in members:
+                    sources.append((at, np.frombuffer(bodies[i], dtype=np.uint8)))
+                    self.offsets[i] = at
+                    at += sizes[i]
+        out = torch.empty(max(at, 1), dtype=torch.uint8, device=device)
+        held = []
+        for d, src in sources:
+            t = _tensor(src)
+            out[d : d + len(src)].copy_(t, non_blocking=True)
+            held.append(t)
+        STATS["copies"] += len(sources)
+        if whole is not None and host_view:  # the planner reads the one buffer in place
+            base_addr = int(whole.ctypes.data)
+            self.host_offsets = [a - base_addr if n else 0 for a, n in zip(addr, sizes)]
+            self.array = whole
+        elif host_view:  # several buffers: the planner's copy (one host array)
+            self.host_offsets, total, pieces = [], 0, []
+            for body in bodies:
+                pieces.append((total, np.frombuffer(body, dtype=np.uint8)))
+                self.host_offsets.append(total)
+                total += len(body)
+            self.array = np.empty(max(total, 1), dtype=np.uint8)
+            _copy_into(self.array, pieces)
+        else:
+            self.host_offsets, self.array = self.offsets, np.zeros(1, np.uint8)
+        self.delta = np.array(self.offsets, np.int64) - np.array(self.host_offsets, np.int64)
+        self.host = held
+        self.tensor = out
+
+
+def _whole(body: memoryview) -> np.ndarray:
+    """The whole buffer ``body`` is a view of, as bytes."""
+    return np.frombuffer(body.obj, dtype=np.uint8)  # type: ignore[call-overload]
+
+
+def _tensor(host: np.ndarray) -> torch.Tensor:
+    """A CPU tensor over ``host``'s bytes (a read-only source is only read)."""
+    if not len(host):
+        return torch.zeros(1, dtype=torch.uint8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(host)
 
 
 def _outputs(specs: list[LayerSpec], device: torch.device
@@ -217,7 +308,7 @@ def decode_kdn(bodies: list[memoryview], specs: list[LayerSpec],
             raise Corrupt(f"layer {specs[int(err[1])].index}: {plan.WHY[int(err[0])]}")
         return False
 
-    sect, blobs = plan.scan(buf, np.array(source.offsets, np.int64),
+    sect, blobs = plan.scan(buf, np.array(source.host_offsets, np.int64),
                             np.array([len(b) for b in bodies], np.int64), tokens - sink, err)
     if failed():
         return None
@@ -242,6 +333,8 @@ def decode_kdn(bodies: list[memoryview], specs: list[LayerSpec],
     chunks = _chunks(per_layer[:, 9] + per_layer[:, 2] + per_layer[:, 3])
     _run_all(lambda c: plan.fill(c[0], c[1], starts, *args, kbase, vbase,
                                  out.element_size(), *flat), chunks)
+    if source.delta is not None:  # the planner read the bodies elsewhere than the device does
+        _to_device(source.delta, counts, bts, grs, sp, per_layer[:, 10])
     qat = int(counts[11])
     ksteps = np.array([st[0] for st in level_steps], np.float32)
     vsteps = np.array([st[1] for st in level_steps], np.float32)
@@ -293,6 +386,19 @@ def decode_kdn(bodies: list[memoryview], specs: list[LayerSpec],
             dev["span_len"], out.view(torch.uint8), BLOCK=_SPAN_BLOCK)
     return Decoded(_views(out, specs, bases), flag, where,
                    keep=[source.host, source.tensor, big.host, dev, freq, cum, qout, sout])
+
+
+def _to_device(delta: np.ndarray, counts: np.ndarray, bts: tuple[np.ndarray, ...],
+               grs: tuple[np.ndarray, ...], sp: np.ndarray, spans: np.ndarray) -> None:
+    """The planner's offsets into the host bytes (each layer's body at its place there) moved
+    to the device buffer's (``delta``: [L] device minus host offset of each layer's body;
+    ``counts``: ``count``'s totals; ``spans``: sink spans per layer): the blobs' rANS states,
+    the groups' words and the sink spans' sources."""
+    for b, (bt, gr) in enumerate(zip(bts, grs)):
+        nb, ng = int(counts[b]), int(counts[2 + b])
+        bt[:nb, plan.STATES] += delta[bt[:nb, plan.NF]]
+        gr[:ng, 2] += delta[bt[gr[:ng, 0], plan.NF]]
+    sp[: int(counts[10]), 0] += np.repeat(delta, spans)
 
 
 _FIELDS = {"crow": plan.CROW, "rowbase": plan.ROWBASE, "blocks": plan.BLOCKS,
@@ -415,7 +521,7 @@ def decode_int8(bodies: list[memoryview], specs: list[LayerSpec], device: torch.
                 where: str = "entry", *, pinned: bool = False) -> Decoded:
     """``int8`` bodies of ``specs``' layers on ``device`` in one launch (``check()`` first)."""
     out, bases, dt = _outputs(specs, device)
-    source = _Source(list(bodies), device, pinned)
+    source = _Source(list(bodies), device, pinned, host_view=False)
     scales_at, data_at, chans, numel, out_at = [], [], [], [], []
     for i, (body, spec) in enumerate(zip(bodies, specs)):
         lw = f"layer {spec.index}"
