@@ -70,6 +70,14 @@ each side; past ~20 MB one big buffer to build, copy and fault in costs more per
 stream, so larger entries stream."""
 
 
+SMALL_ENTRY_BYTES = 64 << 10
+"""An entry asked for alone through the segment comes inside the answer up to this size
+(``GetManyRequest.inline_below_bytes``, checked by the server on the bytes it sends): no arena
+lease to take, map and give back, no region; ~0.1 ms less a 4 KiB read on both sides. Larger
+ones are leased (no copy). The server's read arena keeps no entry below this size either
+(``kdn.server.putmany.ARENA_STORE_BYTES``)."""
+
+
 class TooBig:
     """Marks an entry a batch can not carry (larger than the segment or a message)."""
 
@@ -219,6 +227,8 @@ class DataPlane:
                                     region=region, expect_layout_fingerprint=layout_fingerprint)
             if seg is None and len(todo) > 1:  # a batch's large entries stream instead
                 req.inline_max_entry_bytes = STREAM_ENTRY_BYTES - 1
+            elif seg is not None and len(todo) == 1:  # one small entry: in the answer
+                req.inline_below_bytes = SMALL_ENTRY_BYTES
             released: list[int] = []
             if arena is not None:
                 req.lease = True
@@ -307,6 +317,11 @@ class DataPlane:
                     raise Corrupt(f"GetMany: {exc}") from None
                 unviewed.discard(ref.lease)
                 out[i] = fetched(view, ref.tier, True, ref.verified, pinned=view.readonly)
+            elif seg is not None and len(ref.data):  # small, in the answer (``SMALL_ENTRY_BYTES``)
+                if ref.length != len(ref.data):
+                    raise Corrupt(f"GetMany answered {len(ref.data)} bytes inline for an "
+                                  f"entry of {ref.length}")
+                out[i] = fetched(ref.data, ref.tier, checked=ref.verified, whole=True)
             elif seg is not None and block is not None:
                 if ref.offset < used or ref.offset + ref.length > block[0] + block[1]:
                     raise Corrupt(f"GetMany placed an entry at [{ref.offset}, "

@@ -22,6 +22,7 @@ from kdn.client.landing import (
     PendingStream,
     decoded_together,
     decoder_for,
+    direct_kv,
     joined_stream,
     new_timings,
     on_cuda,
@@ -259,6 +260,15 @@ class Reader:
         (``retrieve_stream``), or where an entry large enough comes over several streams
         (``streams``, ``kdn.client.parallel``)."""
         if self.dataplane.attached:
+            if device is None or str(device) == "cpu":  # one GetMany, the cache made at once
+                req = self._retrieve_request(key, namespace, layout)
+                got = self._entries(req.namespace, [req.key], layout, request_id)[0]
+                if got is None:
+                    return None
+                if isinstance(got, Fetched):
+                    kv = direct_kv(got)
+                    return kv if kv is not None else stream_of(got, device, new_timings(
+                        started=time.perf_counter())).result()
             stream = self.retrieve_stream(key, namespace=namespace, layout=layout,
                                           device=device, request_id=request_id)
             return None if stream is None else stream.result()
