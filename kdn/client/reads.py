@@ -357,7 +357,13 @@ class Reader:
         out: list[Fetched | TooBig | None] = [
             self.in_process(ns, k, layout) if in_process else None for k in keys]
         ask = [j for j, f in enumerate(out) if f is None]
-        if ask:
+        if len(ask) == 1 and not pinned:  # one key: the short way where it applies
+            one = self.dataplane.get_one(ns, keys[ask[0]], layout.fingerprint if layout else "",
+                                         request_id)
+            out[ask[0]] = one
+            if isinstance(one, Fetched):
+                self.remember(ns, keys[ask[0]], one.parts)
+        elif ask:
             got = self.dataplane.get_many(ns, [keys[j] for j in ask],
                                           layout.fingerprint if layout else "", request_id,
                                           pinned=pinned)
