@@ -151,6 +151,7 @@ def direct_kv(got: Fetched) -> KVCache | None:
     header = got.parsed()
     if container is None or header.mode != "raw" or len(container) >= DIRECT_MAX_BYTES:
         return None
+    layers: list[tuple[torch.Tensor, torch.Tensor]] | None
     if got.owned and not container.readonly:  # the segment region: the caller's
         layers = (inplace.views(header, container) if got.checked else
                   inplace.verified_views(header, got.parts.frames,  # type: ignore[arg-type]

@@ -162,7 +162,7 @@ class BatchReads:
                 if got is None:
                     ref.present, ref.tier, ref.length = False, "", 0
                     continue
-                inline[len(out.entries) - 1], again = got
+                inline[len(out.entries) - 1], again = memoryview(got[0]), got[1]
                 ref.tier, ref.length = again.tier, len(again.value)
                 ref.written = ref.verified = True
                 self.usage.served(skey, again.value, again.tier, read_s)
