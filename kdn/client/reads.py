@@ -261,8 +261,8 @@ class Reader:
         (``streams``, ``kdn.client.parallel``)."""
         if self.dataplane.attached:
             if device is None or str(device) == "cpu":  # one GetMany, the cache made at once
-                req = self._retrieve_request(key, namespace, layout)
-                got = self._entries(req.namespace, [req.key], layout, request_id)[0]
+                got = self._entries(self._ns(namespace), [check_key(key)], layout,
+                                    request_id)[0]
                 if got is None:
                     return None
                 if isinstance(got, Fetched):
