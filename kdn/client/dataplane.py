@@ -17,7 +17,9 @@ leases whose views are gone are given back with the next call. A lease the serve
 a generation is kept (``LeasedArena.keep``, up to ``keep_leases_bytes``): later reads of the
 key with the same namespace and layout are answered from it without a call while the arena's
 word for it holds that generation (the server zeroes it when the key is written again, deleted
-or evicted, before that call answers). Stores copy the encoded entries into one region, call
+or evicted, before that call answers). An entry under ``SMALL_ENTRY_BYTES`` asked for alone
+comes inside the answer instead (checked by the server as it is sent; no lease, not kept), the
+one key by a shorter path (``get_one``). Stores copy the encoded entries into one region, call
 PutMany, and give the region back when the call returns (the server copied them out); a large
 batch on the fast path is pipelined (``SameHostPath.put_pipelined``).
 

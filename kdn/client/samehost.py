@@ -14,7 +14,8 @@ Writes on this path: asynchronous stores (``put_async``: written into the segmen
 without waiting; answers read in order on the sending thread's connection) and pipelined
 batches (``put_pipelined``: a ``store_many`` of more than ``PIPE_BYTES`` as several PutMany
 calls of about that size, the next one written into the segment while the server copies the
-last one out).
+last one out; ``put_staged_pipelined`` likewise for entries written into staged entries as
+they go, ``store_many`` of ``KVCache``s).
 """
 
 from __future__ import annotations
