@@ -160,6 +160,16 @@ class KVLayout:
                         f"layer {i}: kept channel {kept[-1]} >= head_dim {self.head_dim}"
                     )
 
+    def __hash__(self) -> int:
+        """The fields' hash, computed once per layout object (layouts key many memos: the
+        dataclass's own hash walks every layer on each lookup)."""
+        got: int | None = self.__dict__.get("_hash")
+        if got is None:
+            got = hash((self.model_fingerprint, self.layers, self.dtype, self.head_dim,
+                        self.rope, self.model_name))
+            object.__setattr__(self, "_hash", got)
+        return got
+
     @functools.cached_property
     def widest_token_bytes(self) -> tuple[int, int]:
         """(index, bytes) of the layer whose K and V take the most bytes per token."""

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kdn.client import Client
+from kdn.client import Client, dataplane
 from kdn.codec.format import header_size
 from kdn.errors import Corrupt
 from kdn.server import ServerConfig, ServerThread
@@ -27,6 +27,13 @@ from tests.helpers import numbered_key as _key
 from tests.helpers import raw_entry as _value
 
 LAYOUT = uniform_layout()
+
+
+@pytest.fixture(autouse=True)
+def _small_entries_leased(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These tests lease small entries; by default an entry this small read alone comes inside
+    the GetMany answer instead (``kdn.client.dataplane.SMALL_ENTRY_BYTES``)."""
+    monkeypatch.setattr(dataplane, "SMALL_ENTRY_BYTES", 0)
 
 
 # -- the arena alone ----------------------------------------------------------------------------
@@ -256,6 +263,7 @@ def test_leases_of_a_client_that_exited_are_freed_when_the_arena_is_full(
         for i, kv in enumerate(values):
             c.store(_key(i), kv, mode="raw")
     code = ("import os; from kdn.client import Client; from tests.helpers import uniform_layout\n"
+            "from kdn.client import dataplane; dataplane.SMALL_ENTRY_BYTES = 0  # leased\n"
             f"c = Client({tiny.address!r}, shm_bytes=1 << 20)\n"
             "held = [c.retrieve(bytes([i, 0, 0, 0]) * 8, layout=uniform_layout()) "
             "for i in range(2)]\n"

@@ -368,7 +368,7 @@ def _in_segment(t: torch.Tensor, seg: SharedSegment) -> bool:
 @pytest.mark.no_arena
 def test_reads_through_the_segment_are_checked_by_the_server_and_viewed_in_place(
         shm_client: Client) -> None:
-    kv = random_kv(LAYOUT, 40, seed=3)
+    kv = random_kv(LAYOUT, 160, seed=3)  # 80 KiB: larger ones than SMALL_ENTRY_BYTES come so
     shm_client.store(_key(20), kv, mode="raw")
     seg = shm_client.dataplane.segment()[0]
     got = shm_client.fetch(_key(20))

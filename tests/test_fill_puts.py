@@ -213,3 +213,83 @@ def test_a_staged_entry_without_room_and_without_own_memory_is_closed() -> None:
         ok.close()
     finally:
         seg.close()
+
+
+def test_store_many_of_kvcaches_is_pipelined_and_byte_exact(
+        server: ServerThread, monkeypatch: pytest.MonkeyPatch) -> None:
+    from kdn.client import samehost
+
+    monkeypatch.setattr(samehost, "PIPE_BYTES", 256 << 10)  # a call every entry or so
+    kvs = [random_kv(LAYOUT, 60 + i, seed=40 + i, start=3 * i) for i in range(10)]
+    want = [codec.encode_parts(kv, "raw", layers_per_frame=0).to_bytes() for kv in kvs]
+    calls = _encoded_twice(monkeypatch)
+    sent: list[int] = []
+    real = samehost.SameHostPath._send_staged  # noqa: SLF001
+
+    def spy(*args: object) -> None:
+        sent.append(len(args[5]))  # type: ignore[arg-type]
+        real(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(samehost.SameHostPath, "_send_staged", staticmethod(spy))
+    # a segment that holds about four of them at once: the rest wait for room
+    with Client(server.address, timeout_s=30, data_path=False, shm_bytes=1 << 20) as c:
+        c.store(_key(99), kvs[0], mode="raw")  # attached
+        seg = c.dataplane.segment()[0]
+        free = seg.regions.free_bytes()
+        done = c.store_many([(_key(1 + i), kv) for i, kv in enumerate(kvs)], mode="raw")
+        assert len(done) == len(kvs) and calls == []
+        assert len(sent) > 2 and sum(sent) == len(kvs)  # several calls, every entry once
+        gc.collect()
+        assert seg.regions.free_bytes() == free
+        for i, w in enumerate(want):
+            got = c.fetch(_key(1 + i))
+            assert got is not None and got.parts.to_bytes() == w
+        # one entry larger than the segment: stored another way, in its place in the answers
+        big = random_kv(LAYOUT, 400, seed=60)
+        done = c.store_many([(_key(20), kvs[0]), (_key(21), big), (_key(22), kvs[1])],
+                            mode="raw")
+        assert len(done) == 3
+        back = c.retrieve_many([_key(20), _key(21), _key(22)], layout=LAYOUT)
+        assert [b is not None and b.equal(k) for b, k in zip(back, [kvs[0], big, kvs[1]])] \
+            == [True, True, True]
+
+
+def test_a_bad_cache_anywhere_in_a_pipelined_batch_stores_nothing(
+        server: ServerThread, monkeypatch: pytest.MonkeyPatch) -> None:
+    from kdn.client import samehost
+
+    monkeypatch.setattr(samehost, "PIPE_BYTES", 64 << 10)
+    kvs = [random_kv(LAYOUT, 40, seed=70 + i) for i in range(6)]
+    wrong = KVCache.__new__(KVCache)
+    wrong.layout, wrong.start_position = LAYOUT, 0
+    wrong.layers = [(k[:, :-1], v) for k, v in kvs[0].layers]  # K one token short
+    with Client(server.address, timeout_s=30, data_path=False) as c:
+        with pytest.raises(InvalidLayout, match="layer 0"):
+            c.store_many([*((_key(30 + i), kv) for i, kv in enumerate(kvs)),
+                          (_key(40), wrong)], mode="raw")
+        assert not any(c.contains(_key(30 + i)) for i in range(6))
+        assert not c.contains(_key(40))
+
+
+def test_staged_write_refuses_what_does_not_fit() -> None:
+    kv = random_kv(LAYOUT, 6, seed=80)
+    with Staged(LAYOUT, 6, 0, None, tensors=False) as st:
+        with pytest.raises(InvalidArgument, match="layout"):
+            st.write(random_kv(uniform_layout(layers=4, heads=8, dim=32), 6))
+        with pytest.raises(InvalidArgument, match="6 tokens|x 6"):
+            st.write(random_kv(LAYOUT, 7))
+        short = KVCache.__new__(KVCache)  # a tensor's bytes not the layer's (made after)
+        short.layout, short.start_position = LAYOUT, 0
+        short.layers = [*kv.layers[:-1], (kv.layers[-1][0][:, :-1], kv.layers[-1][1])]
+        with pytest.raises(InvalidArgument, match="layer 3: a tensor of"):
+            st.write(short)
+        away = KVCache.__new__(KVCache)
+        away.layout, away.start_position = LAYOUT, 0
+        away.layers = [*kv.layers[:-1], tuple(t.to("meta") for t in kv.layers[-1])]
+        with pytest.raises(InvalidArgument, match="layer 3: write of a tensor on meta"):
+            st.write(away)
+        st.write(kv)  # and after those, a sound one: the entry is what encode_parts writes
+        assert st.sealed().to_bytes() == codec.encode_parts(kv, "raw",
+                                                            layers_per_frame=0).to_bytes()
+    with pytest.raises(InvalidArgument, match="closed"):
+        st.write(kv)

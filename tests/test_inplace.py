@@ -13,7 +13,7 @@ import torch
 
 from kdn import codec
 from kdn.cache import KVCache
-from kdn.client import Client
+from kdn.client import Client, dataplane
 from kdn.codec import inplace
 from kdn.codec.format import parse_header, seal
 from kdn.errors import Corrupt
@@ -181,6 +181,7 @@ def test_retrieve_through_the_segment_views_the_whole_entry_at_once(
         return got
 
     monkeypatch.setattr(inplace, "views", spy)
+    monkeypatch.setattr(dataplane, "SMALL_ENTRY_BYTES", 0)  # through the segment, not inline
     back = shm_client.retrieve(key, layout=layout)
     assert back is not None and back.equal(kv) and calls == [True]
     stream = shm_client.retrieve_stream(key, layout=layout)

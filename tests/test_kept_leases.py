@@ -14,7 +14,7 @@ import time
 import pytest
 
 from kdn import codec
-from kdn.client import Client
+from kdn.client import Client, dataplane
 from kdn.client.admin import AdminClient
 from kdn.errors import LayoutMismatch
 from kdn.options import StoreOptions
@@ -26,6 +26,13 @@ from tests.helpers import random_kv, read_while_churned, uniform_layout
 from tests.helpers import raw_entry as _value
 
 LAYOUT = uniform_layout()
+
+
+@pytest.fixture(autouse=True)
+def _small_entries_leased(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These tests lease small entries; by default an entry this small read alone comes inside
+    the GetMany answer instead (``kdn.client.dataplane.SMALL_ENTRY_BYTES``)."""
+    monkeypatch.setattr(dataplane, "SMALL_ENTRY_BYTES", 0)
 
 
 def _word(arena: Arena, at: int) -> int:

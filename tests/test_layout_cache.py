@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -123,3 +124,13 @@ def test_transformers_roundtrip_shares_storage_and_continues_generation() -> Non
     torch.testing.assert_close(cont, full, rtol=1e-4, atol=1e-4)
     back = hf.to_transformers(kv)
     assert back.layers[1].keys.data_ptr() == kv.layers[1][0].data_ptr()
+
+
+def test_a_layout_hashes_once_and_as_its_fields() -> None:
+    a = KVLayout("m", (LayerLayout(2, 8, 8),) * 3)
+    b = KVLayout("m", (LayerLayout(2, 8, 8),) * 3)
+    assert a == b and hash(a) == hash(b) and a is not b
+    assert "_hash" in a.__dict__  # computed once, kept on the object
+    other = dataclasses.replace(a, head_dim=8)
+    assert other != a and "_hash" not in other.__dict__  # a new object hashes anew
+    assert len({a, b, other}) == 2

@@ -22,6 +22,7 @@ from kdn.client.landing import (
     PendingStream,
     decoded_together,
     decoder_for,
+    direct_kv,
     joined_stream,
     new_timings,
     on_cuda,
@@ -259,6 +260,15 @@ class Reader:
         (``retrieve_stream``), or where an entry large enough comes over several streams
         (``streams``, ``kdn.client.parallel``)."""
         if self.dataplane.attached:
+            if device is None or str(device) == "cpu":  # one GetMany, the cache made at once
+                got = self._entries(self._ns(namespace), [check_key(key)], layout,
+                                    request_id)[0]
+                if got is None:
+                    return None
+                if isinstance(got, Fetched):
+                    kv = direct_kv(got)
+                    return kv if kv is not None else stream_of(got, device, new_timings(
+                        started=time.perf_counter())).result()
             stream = self.retrieve_stream(key, namespace=namespace, layout=layout,
                                           device=device, request_id=request_id)
             return None if stream is None else stream.result()
@@ -347,7 +357,13 @@ class Reader:
         out: list[Fetched | TooBig | None] = [
             self.in_process(ns, k, layout) if in_process else None for k in keys]
         ask = [j for j, f in enumerate(out) if f is None]
-        if ask:
+        if len(ask) == 1 and not pinned:  # one key: the short way where it applies
+            one = self.dataplane.get_one(ns, keys[ask[0]], layout.fingerprint if layout else "",
+                                         request_id)
+            out[ask[0]] = one
+            if isinstance(one, Fetched):
+                self.remember(ns, keys[ask[0]], one.parts)
+        elif ask:
             got = self.dataplane.get_many(ns, [keys[j] for j in ask],
                                           layout.fingerprint if layout else "", request_id,
                                           pinned=pinned)

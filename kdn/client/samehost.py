@@ -14,7 +14,8 @@ Writes on this path: asynchronous stores (``put_async``: written into the segmen
 without waiting; answers read in order on the sending thread's connection) and pipelined
 batches (``put_pipelined``: a ``store_many`` of more than ``PIPE_BYTES`` as several PutMany
 calls of about that size, the next one written into the segment while the server copies the
-last one out).
+last one out; ``put_staged_pipelined`` likewise for entries written into staged entries as
+they go, ``store_many`` of ``KVCache``s).
 """
 
 from __future__ import annotations
@@ -494,6 +495,110 @@ class SameHostPath:
         if error is not None:
             raise error
         return out
+
+    def put_staged_pipelined(self, namespace: str,
+                             items: Sequence[tuple[bytes, pb.StoreOptions]],
+                             stage: Callable[[int], Any]) -> list[pb.StoreResponse | None] | None:
+        """Store entries staged one by one as they are sent: ``stage(i)`` writes item ``i``
+        into a staged entry of the segment (``kdn.client.staged.Staged``) and returns it, or
+        None where the segment has no room. Sent in PutMany calls (``seal``: the server makes
+        the sums on its copy) of about ``PIPE_BYTES``, each as soon as its entries are
+        written, ``PIPE_DEPTH`` unanswered at most: the client writes the next call's entries
+        while the server copies the last call's out. A call's entries are closed once it is
+        answered. Each item's answer, or None for those not stored this way (no room even
+        with every call answered, or the path went away before their answer: the caller
+        stores them another way). A call's error is raised once every call sent was answered
+        (no later call is sent). None where there is no fast path."""
+        path = self._fast_path
+        seg, seg_id = self.segment()
+        if not path or seg is None:
+            return None
+        out: list[pb.StoreResponse | None] = [None] * len(items)
+        pending: deque[tuple[list[int], list[Any]]] = deque()
+        error: KDNError | None = None
+        conn = None
+        batch: list[int] = []
+        held: list[Any] = []
+        try:
+            conn = self._fast_conn(path)
+            size = 0
+            for i in range(len(items)):
+                st = stage(i)
+                while st is None and pending:  # room comes back with the answers
+                    error = self._staged_answered(conn, pending.popleft(), out, error)
+                    st = stage(i)
+                if error is not None:
+                    if st is not None:
+                        st.close()
+                    break
+                if st is None:
+                    continue  # no room for it: another way
+                batch.append(i)
+                held.append(st)
+                size += st.nbytes
+                if size >= PIPE_BYTES or i == len(items) - 1:
+                    self._send_staged(conn, namespace, seg, seg_id, items, batch, held)
+                    pending.append((batch, held))
+                    batch, held, size = [], [], 0
+                    if len(pending) > PIPE_DEPTH:
+                        error = self._staged_answered(conn, pending.popleft(), out, error)
+            if batch and error is None:  # the last items had no room but these
+                self._send_staged(conn, namespace, seg, seg_id, items, batch, held)
+                pending.append((batch, held))
+                batch, held = [], []
+            while pending:
+                error = self._staged_answered(conn, pending.popleft(), out, error)
+        except OSError as exc:  # the path went away: the unanswered ones go another way
+            self._fast_lost(exc, path)
+        except BaseException:  # ``stage`` raised: the answers of what was sent are read
+            try:
+                while pending and conn is not None:
+                    self._staged_answered(conn, pending.popleft(), out, None)
+            except OSError as exc:
+                self._fast_lost(exc, path)
+            raise
+        finally:
+            for st in held:
+                st.close()
+            for _, sent in pending:
+                for st in sent:
+                    st.close()
+        if error is not None:
+            raise error
+        return out
+
+    @staticmethod
+    def _send_staged(conn: socket.socket, namespace: str, seg: Any, seg_id: str,
+                     items: Sequence[tuple[bytes, pb.StoreOptions]], batch: list[int],
+                     held: list[Any]) -> None:
+        req = pb.PutManyRequest(namespace=namespace, segment_id=seg_id)
+        for i, st in zip(batch, held):
+            key, opts = items[i]
+            item = req.items.add(key=key, options=opts, seal=True)
+            item.region.offset, item.region.length = st.region(seg)
+        fast_send(conn, FAST_PUT_MANY, req)
+
+    @staticmethod
+    def _staged_answered(conn: socket.socket, sent: tuple[list[int], list[Any]],
+                         out: list[pb.StoreResponse | None], error: KDNError | None
+                         ) -> KDNError | None:
+        """Read the answer to a pipelined PutMany of staged entries, close them, record its
+        results; the first error (kept, not raised: the later answers must still be read)."""
+        batch, held = sent
+        try:
+            ok, body = fast_answer(conn)
+        finally:
+            for st in held:
+                st.close()
+        if not ok:
+            return error or fast_error(body)
+        results = pb.PutManyResponse.FromString(body).results
+        if len(results) != len(batch):
+            return error or KDNError(f"PutMany answered {len(results)} results for "
+                                     f"{len(batch)} entries")
+        for i, r in zip(batch, results):
+            out[i] = r
+        return error
 
     def _put_answered(self, conn: socket.socket, sent: tuple[list[int], tuple[int, int]],
                       out: list[pb.StoreResponse | None], error: KDNError | None

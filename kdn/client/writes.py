@@ -129,6 +129,12 @@ class Writer:
         ns = self._ns(namespace)
         for k, _ in items:  # before anything is written or sent
             check_key(k)
+        if len(items) > 1 and self.dataplane.same_host.fast and all(
+                self._writable(kv, mode, level, layers_per_frame) is not None
+                for _, kv in items):  # every one validated before any is written
+            done = self._store_kv_pipelined(ns, items, options, request_id)
+            if done is not None:
+                return done
         written: list[Staged] = []  # KV written straight into the segment (``_written_staged``)
         try:
             mine: list[tuple[bytes, KVCache | EncodedParts | Staged]] = []
@@ -291,6 +297,14 @@ class Writer:
         does not apply (another mode or frame size, no segment or no room in it, a server
         that does not seal, an in-process tier, which keeps the sealed bytes, a dtype whose
         bodies can not be viewed in place): the entry is then encoded as any."""
+        seg = self._writable(kv, mode, level, layers_per_frame)
+        return None if seg is None else self._write_kv(cast("KVCache", kv), seg)
+
+    def _writable(self, kv: KVCache | EncodedParts | Staged, mode: str, level: str,
+                  layers_per_frame: int) -> Any:
+        """The segment ``kv`` is written into by ``_write_kv`` (a ``KVCache`` of at least
+        one token to store ``raw`` in frames of the default size, validated here, to a server
+        that seals, without an in-process tier), or None."""
         if (mode != "raw" or level or layers_per_frame or self.local is not None
                 or isinstance(kv, EncodedParts) or is_staged(kv)):
             return None
@@ -299,11 +313,14 @@ class Writer:
         if seg is None or not self.dataplane.server_seals:
             return None
         kv.validate()  # shapes and dtype as the layout says (a copy would convert them)
-        if kv.num_tokens <= 0:
-            return None
+        return seg if kv.num_tokens > 0 else None
+
+    @staticmethod
+    def _write_kv(kv: KVCache, seg: Any) -> Staged | None:
+        """``kv`` written into a new staged entry in ``seg``; None where it has no room."""
         from kdn.client.staged import Staged
 
-        on_cpu = all(k.device.type == "cpu" and v.device.type == "cpu" for k, v in kv.layers)
+        on_cpu = all(k.is_cpu and v.is_cpu for k, v in kv.layers)
         try:  # from the CPU by bytes; from a device through tensor views (a DMA lands there)
             st = Staged(kv.layout, kv.num_tokens, kv.start_position, seg,
                         own_memory=False, tensors=not on_cpu)
@@ -322,6 +339,29 @@ class Writer:
             st.close()
             raise
         return st
+
+    def _store_kv_pipelined(self, ns: str, items: Sequence[tuple[bytes, Any]],
+                            options: StoreOptions | None, request_id: str | None
+                            ) -> list[pb.StoreResponse] | None:
+        """``store_many`` of ``KVCache``s that ``_writable`` takes, every one validated
+        before any is written: each written into the segment as the calls go
+        (``SameHostPath.put_staged_pipelined``: the next call's entries written while the
+        server copies the last call's out), the ones that found no room stored as any entry.
+        None where the fast path is not there."""
+        opts = wire_options(options)
+        seg = self.dataplane.segment()[0]
+        done = self.dataplane.same_host.put_staged_pipelined(
+            ns, [(k, opts) for k, _ in items],
+            lambda i: self._write_kv(items[i][1], seg))
+        if done is None:
+            return None
+        rest = [j for j, r in enumerate(done) if r is None]
+        if rest:
+            for j, r in zip(rest, self._store_many(
+                    [(items[j][0], encoded(items[j][1], "raw", "", 0)) for j in rest],
+                    "raw", "", ns, options, 0, request_id)):
+                done[j] = r
+        return done  # type: ignore[return-value]
 
     def _store_staged(self, ns: str, items: Sequence[tuple[bytes, Staged]],
                       options: StoreOptions | None, request_id: str | None

@@ -18,6 +18,7 @@ decodes frame by frame, which names the problem.
 from __future__ import annotations
 
 import itertools
+import struct
 import warnings
 from collections.abc import Sequence
 from concurrent.futures import Executor
@@ -56,6 +57,11 @@ class Plan:
     """Offsets of every prefix byte the shape implies (frame and record prefixes, sums aside)."""
     expected: np.ndarray
     """Those bytes."""
+    expected_bytes: bytes
+    """The same, as bytes."""
+    checked_positions: np.ndarray
+    """``positions`` then ``sum_positions``: one gather compared with ``expected_bytes`` and
+    the header's sums."""
     sum_positions: np.ndarray
     """Offsets of the 4 sum bytes of each frame's prefix (they hold the header's sums)."""
     tensors: tuple[tuple[tuple[int, ...], tuple[int, ...], int], ...]
@@ -122,9 +128,10 @@ def _build(header: Header) -> Plan | None:
             tensors.append((v_shape, _contiguous(v_shape), at // size + nk))
             at += (nk + nv) * size
         off += FRAME_PREFIX_BYTES + length
-    return Plan(off, np.fromiter(itertools.chain.from_iterable(positions), dtype=np.int64),
-                np.frombuffer(b"".join(expected), dtype=np.uint8),
-                np.fromiter(itertools.chain.from_iterable(sums), dtype=np.int64),
+    at_prefixes = np.fromiter(itertools.chain.from_iterable(positions), dtype=np.int64)
+    at_sums = np.fromiter(itertools.chain.from_iterable(sums), dtype=np.int64)
+    return Plan(off, at_prefixes, np.frombuffer(b"".join(expected), dtype=np.uint8),
+                b"".join(expected), np.concatenate([at_prefixes, at_sums]), at_sums,
                 tuple(tensors), layout.dtype.torch, size)
 
 
@@ -224,17 +231,27 @@ def views(header: Header, container: memoryview, *, readonly: bool = False
 
 def span(header: Header, container: memoryview, *, readonly: bool = False) -> Span | None:
     """``views`` without making them: the span they would view (every check done)."""
-    p = plan(header)
+    return _span(plan(header), header, container, readonly)
+
+
+def _span(p: Plan | None, header: Header, container: memoryview, readonly: bool,
+          aligned: bool = False) -> Span | None:
+    """``span`` with the plan looked up already; ``aligned``: the caller placed the frames
+    itself (``copied``), the alignment is not looked up again."""
     head = len(header.raw)
     if p is None or not p.frames_bytes or container.readonly and not readonly or \
             len(container) != head + p.frames_bytes:
         return None
     arr = np.frombuffer(container, dtype=np.uint8, offset=head)
-    sums = np.fromiter((s.checksum & 0xFFFFFFFF for s in header.entry.frames), dtype=_SUM,
-                       count=len(header.entry.frames)).view(np.uint8)
-    if arr.ctypes.data % p.itemsize or not np.array_equal(arr[p.positions], p.expected) \
-            or not np.array_equal(arr[p.sum_positions], sums):
+    frames = header.entry.frames
+    sums = struct.pack(f"<{len(frames)}L", *(s.checksum & 0xFFFFFFFF for s in frames))
+    if not aligned and arr.ctypes.data % p.itemsize or \
+            arr[p.checked_positions].tobytes() != p.expected_bytes + sums:
         return None
+    if not container.readonly:
+        base = torch.frombuffer(container, dtype=p.dtype, count=p.frames_bytes // p.itemsize,
+                                offset=head)
+        return Span(base, p.tensors)
     with warnings.catch_warnings():  # read-only bytes (``readonly``): torch says it can not
         warnings.simplefilter("ignore", UserWarning)  # protect them; nothing writes them here
         base = torch.frombuffer(container, dtype=p.dtype, count=p.frames_bytes // p.itemsize,
@@ -250,7 +267,8 @@ def copied(header: Header, container: bytes | memoryview, pool: Executor | None 
     Corrupt/Truncated for damaged bytes. ``verify=False``: bytes checked already (the
     in-process tier's, checked when they entered it), copied without hashing; the frame
     prefixes are still compared with the plan (``views``)."""
-    if plan(header) is None:
+    p = plan(header)
+    if p is None:
         return None
     head = len(header.raw)
     room = BUFFERS.take(len(container) + _ALIGN)
@@ -263,7 +281,8 @@ def copied(header: Header, container: bytes | memoryview, pool: Executor | None 
         copy_checked(dst, container, pool=pool, workers=2)
     else:
         np.copyto(np.frombuffer(dst, dtype=np.uint8), np.frombuffer(container, dtype=np.uint8))
-    return views(header, dst)
+    got = _span(p, header, dst, False, aligned=True)
+    return None if got is None else got.views()
 
 
 def verified_views(header: Header, frames: Sequence[memoryview], container: memoryview, *,
