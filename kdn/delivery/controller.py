@@ -26,11 +26,28 @@ Speeds start from priors (or the calibration) and follow observations as exponen
 weighted means, so the controller adapts when a link or the machine changes. Each request's
 predicted and measured TTFT are fed back (``observe_ttft``): their running error
 (``ttft_error``) says how far to trust the estimates.
+
+What a hit costs beyond its codec. A decode calibration times the codec alone on one block;
+a hit also assembles every layer of every block and feeds it to the model, work that is the
+same per byte of KV whichever encoding carried it. The first hit of an encoding shows that
+work (its cost beyond the transfer less its calibrated codec time): the controller keeps it
+per device (``overhead_s_b``) and adds it to every encoding known only from a calibration,
+so one hit does not leave the encodings not yet tried looking cheaper than they are.
+
+Decisions with hysteresis. Each option's measured cost (seconds per KV byte of a hit per
+encoding and route, ``route_key``; seconds per token of a recompute) is kept as a running
+mean and a running mean deviation (``spread``): how much one observation of it scatters. On
+a route where it chose before, the controller leaves its last choice (``last_choice``) only
+for an option whose estimate is lower by more than the two estimates' combined relative
+error, within [``margin_min``, ``margin_max``] (an option seen fewer than twice counts
+``margin_max``). One slow request (a busy host, a cold cache) therefore does not flip the
+choice, while a link that really got slower does, within a few requests.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import threading
 from collections import Counter
 from dataclasses import dataclass, field
@@ -103,6 +120,38 @@ def default_encodings(device: str, path: str) -> tuple[tuple[str, str], ...]:
     return (("raw", ""),)
 
 
+@dataclass
+class Spread:
+    """A running mean of one option's measured cost and of its observations' absolute
+    deviation from that mean (both exponentially weighted)."""
+
+    mean: float = 0.0
+    dev: float = 0.0
+    n: int = 0
+    """Observations so far."""
+
+    def add(self, x: float, alpha: float) -> None:
+        if self.n == 0:
+            self.mean = x
+        else:
+            self.dev = (1 - alpha) * self.dev + alpha * abs(x - self.mean)
+            self.mean = (1 - alpha) * self.mean + alpha * x
+        self.n += 1
+
+    @property
+    def relative_error(self) -> float | None:
+        """Mean deviation over mean (0.1: one observation is typically 10% off the mean);
+        None before two observations."""
+        return self.dev / self.mean if self.n >= 2 and self.mean > 0 else None
+
+
+def route_key(local: bool, path: str, server: str) -> str:
+    """Where a hit comes from: the in-process tier, or ``path`` from ``server``."""
+    if local:
+        return IN_PROCESS
+    return f"{path}@{server}" if server else path
+
+
 @dataclass(frozen=True)
 class Decision:
     choice: str
@@ -125,17 +174,34 @@ class LoadingController:
     prefill_tok_s: float = 500.0
     """Prior prefill speed (tokens/s) until prefills are observed."""
     decode_b_s: dict[str, float] = field(default_factory=dict)
-    """Decode speed (fp16-equivalent bytes/s) per ``"<encoding>@<device>"``: a GPU decodes
-    the compressed modes far faster than a CPU, so what wins on one host loses on another;
-    ``DECODE_PRIORS_B_S`` (else 1 GB/s) until observed."""
+    """Decode speed (fp16-equivalent bytes/s) per ``"<encoding>@<device>"`` seen in hits: a
+    GPU decodes the compressed modes far faster than a CPU, so what wins on one host loses on
+    another; until a hit is seen, the calibration (``codec_b_s``, plus ``overhead_s_b``),
+    else ``DECODE_PRIORS_B_S``, else 1 GB/s."""
+    codec_b_s: dict[str, float] = field(default_factory=dict)
+    """Calibrated codec speed (bytes/s of KV) per ``"<encoding>@<device>"``: one block
+    decoded alone (``calibrate_decode``)."""
+    overhead_s_b: dict[str, float] = field(default_factory=dict)
+    """Per device: seconds per KV byte a hit costs beyond its codec (module docstring),
+    learnt from hits of calibrated encodings."""
     device: str = "cpu"
     """Where the engine decodes (its model's device type): the key's default device."""
     layers: int = 1
     """Layers a hit streams in (the engine sets its model's): the pipelining of transfer and
     decode; 1 adds them up."""
     alpha: float = 0.3
-    """Weight of a new observation in the running means."""
+    """Weight of a new observation in the running means, in [0, 1]."""
+    margin_min: float = 0.02
+    """Least relative gain for which the controller leaves its last choice on a route."""
+    margin_max: float = 0.10
+    """Most relative gain it asks for, however much the estimates scatter: above it, a
+    better option is taken whatever the noise."""
     counts: Counter[str] = field(default_factory=Counter)
+    spread: dict[str, Spread] = field(default_factory=dict)
+    """Measured cost per option (module docstring): ``"<encoding>@<route>"`` (seconds per KV
+    byte of a hit) and ``recompute`` (seconds per token)."""
+    last_choice: dict[str, str] = field(default_factory=dict)
+    """The last choice made (not overridden) per route (``route_key``)."""
     calibrated_tokens: int = 0
     """Length of the calibration prefill that set ``prefill_tok_s`` (0: not calibrated)."""
     ttft_requests: int = 0
@@ -145,12 +211,15 @@ class LoadingController:
     last_ttft: tuple[float, float] = (0.0, 0.0)
     """(predicted, measured) TTFT of the last observed request, seconds."""
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-    _timed_only: set[str] = field(default_factory=set, repr=False)
-    """``decode_b_s`` keys set by a calibration and not yet by a hit."""
 
     def __post_init__(self) -> None:
         if self.bandwidth_b_s is not None:
             self.priors_b_s[SAME_HOST] = self.priors_b_s[NETWORK] = self.bandwidth_b_s
+        if not 0.0 <= self.alpha <= 1.0:
+            raise ValueError(f"alpha must lie in [0, 1], got {self.alpha}")
+        if not 0.0 <= self.margin_min <= self.margin_max < 1.0:
+            raise ValueError("margins must satisfy 0 <= margin_min <= margin_max < 1, got "
+                             f"{self.margin_min} and {self.margin_max}")
 
     def _ewma(self, old: float, new: float) -> float:
         return (1 - self.alpha) * old + self.alpha * new
@@ -180,6 +249,7 @@ class LoadingController:
         if tokens > 0 and seconds > 0:
             with self._lock:
                 self.prefill_tok_s = self._ewma(self.prefill_tok_s, tokens / seconds)
+                self.spread.setdefault(RECOMPUTE, Spread()).add(seconds / tokens, self.alpha)
 
     def calibrate_prefill(self, tokens: int, seconds: float) -> None:
         """A timed calibration prefill of ``tokens`` tokens: its speed replaces the prior
@@ -200,19 +270,20 @@ class LoadingController:
 
     def calibrate_decode(self, encoding: str, kv_bytes: int, seconds: float,
                          device: str | None = None) -> None:
-        """A timed decode of ``kv_bytes`` of KV in ``encoding`` on ``device``: it replaces the
-        prior until the first hit decoded in it replaces it (``observe_decode``)."""
+        """A timed decode of ``kv_bytes`` of KV in ``encoding`` on ``device`` (the codec
+        alone): it replaces the prior until the first hit decoded in it is seen
+        (``observe_decode``), with what hits of other encodings showed they cost beyond
+        their codec added (``overhead_s_b``)."""
         if kv_bytes > 0 and seconds > 0:
-            key = self._key(encoding, device)
             with self._lock:
-                self.decode_b_s[key] = kv_bytes / seconds
-                self._timed_only.add(key)
+                self.codec_b_s[self._key(encoding, device)] = kv_bytes / seconds
 
     def knows_decode(self, encoding: str, device: str | None = None) -> bool:
-        """A decode speed of ``encoding`` on ``device`` was seen, or its mode has a prior
-        there (``DECODE_PRIORS_B_S``): no calibration needed."""
+        """A decode speed of ``encoding`` on ``device`` was seen or calibrated, or its mode
+        has a prior there (``DECODE_PRIORS_B_S``): no calibration needed."""
         kind = (device or self.device).split(":")[0]
-        return (self._key(encoding, device) in self.decode_b_s
+        key = self._key(encoding, device)
+        return (key in self.decode_b_s or key in self.codec_b_s
                 or (encoding.split("-")[0], kind) in DECODE_PRIORS_B_S)
 
     def prefill_seconds(self, tokens: int) -> float:
@@ -238,22 +309,44 @@ class LoadingController:
 
     def observe_decode(self, encoding: str, kv_bytes: int, seconds: float,
                        device: str | None = None) -> None:
+        """A hit of ``kv_bytes`` of KV in ``encoding`` cost ``seconds`` beyond its transfer on
+        ``device``: the first replaces the calibration or prior (what a hit costs end to end
+        is what decisions must weigh), later ones are running means. Where the encoding was
+        calibrated, what it cost beyond the codec is learnt as the device's overhead."""
         if kv_bytes > 0 and seconds > 0:
             key = self._key(encoding, device)
             with self._lock:
-                # the first hit replaces a calibration (a decode alone, of random KV), as it
-                # does a prior: what a hit costs end to end is what decisions must weigh
-                old = (kv_bytes / seconds if key in self._timed_only
-                       else self.decode_b_s.get(key, kv_bytes / seconds))
-                self._timed_only.discard(key)
+                old = self.decode_b_s.get(key, kv_bytes / seconds)
                 self.decode_b_s[key] = self._ewma(old, kv_bytes / seconds)
+                codec = self.codec_b_s.get(key)
+                if codec is not None:
+                    dev = device or self.device
+                    extra = max(0.0, seconds / kv_bytes - 1 / codec)
+                    self.overhead_s_b[dev] = self._ewma(self.overhead_s_b.get(dev, extra),
+                                                        extra)
+
+    def observe_hit(self, encoding: str, kv_bytes: int, seconds: float, local: bool = False,
+                    path: str = NETWORK, server: str = "") -> None:
+        """A hit of ``kv_bytes`` of KV in ``encoding`` took ``seconds`` from its first request
+        to usable KV (transfer and decode, as ``estimate`` predicts), from the in-process
+        tier (``local``) or over ``path`` from ``server``: the option's spread (module
+        docstring). Its speeds are learnt by ``observe_transfer`` and ``observe_decode``."""
+        if kv_bytes > 0 and seconds > 0:
+            key = f"{encoding}@{route_key(local, path, server)}"
+            with self._lock:
+                self.spread.setdefault(key, Spread()).add(seconds / kv_bytes, self.alpha)
 
     def decode_speed(self, encoding: str, device: str | None = None) -> float:
-        """Learnt decode speed of ``encoding`` on ``device`` (bytes/s); until one is seen, the
+        """Decode speed of ``encoding`` on ``device`` (bytes/s) a hit shows: learnt from hits;
+        before one, the calibrated codec speed with the device's learnt overhead; else the
         prior of its mode on that kind of device (``DECODE_PRIORS_B_S``), else 1 GB/s."""
-        learnt = self.decode_b_s.get(self._key(encoding, device))
+        key = self._key(encoding, device)
+        learnt = self.decode_b_s.get(key)
         if learnt is not None:
             return learnt
+        codec = self.codec_b_s.get(key)
+        if codec is not None:
+            return 1 / (1 / codec + self.overhead_s_b.get(device or self.device, 0.0))
         kind = (device or self.device).split(":")[0]
         return DECODE_PRIORS_B_S.get((encoding.split("-")[0], kind), 1e9)
 
@@ -268,16 +361,35 @@ class LoadingController:
         decode = kv_bytes / self.decode_speed(encoding)
         return max(transfer, decode) + min(transfer, decode) / max(1, self.layers)
 
+    def error(self, option: str, local: bool = False, path: str = NETWORK,
+              server: str = "") -> float | None:
+        """Relative scatter of ``option``'s measured cost on that route (an encoding) or of
+        the recomputes: None before two observations."""
+        key = option if option == RECOMPUTE else f"{option}@{route_key(local, path, server)}"
+        got = self.spread.get(key)
+        return got.relative_error if got is not None else None
+
+    def margin(self, a: str, b: str, local: frozenset[str] = frozenset(),
+               path: str = NETWORK, server: str = "") -> float:
+        """Relative gain needed to prefer option ``b`` to option ``a``: their errors combined,
+        within [``margin_min``, ``margin_max``]; an option seen fewer than twice counts
+        ``margin_max``."""
+        errs = [self.error(o, o in local, path, server) for o in (a, b)]
+        combined = math.hypot(*(self.margin_max if e is None else e for e in errs))
+        return min(self.margin_max, max(self.margin_min, combined))
+
     def choose(self, tokens: int, kv_bytes: int, stored: dict[str, int],
                override: str | None = None, local: frozenset[str] = frozenset(),
                path: str = NETWORK, server: str = "") -> Decision:
         """Pick for ``tokens`` tokens whose KV is ``kv_bytes`` bytes; ``stored`` maps each
         available encoding to its stored size (a missing encoding is simply absent); ``local``
         names the encodings the in-process tier holds; the others come over ``path`` from
-        ``server``."""
+        ``server``. Without ``override`` the route's last choice stays unless another
+        option beats it by more than ``margin`` (module docstring)."""
         est = {enc: self.estimate(enc, size, kv_bytes, enc in local, path, server)
                for enc, size in stored.items()}
         est[RECOMPUTE] = self.prefill_seconds(tokens)
+        route = route_key(False, path, server)
         if override is not None:
             if override != RECOMPUTE and override not in stored:
                 choice, reason = RECOMPUTE, f"override {override!r} not stored; recomputing"
@@ -288,8 +400,17 @@ class LoadingController:
         else:
             choice = min(est, key=lambda k: est[k])
             reason = "fastest estimate"
+            last = self.last_choice.get(route)
+            if last is not None and last != choice and last in est:
+                m = self.margin(last, choice, local, path, server)
+                if est[choice] > (1 - m) * est[last]:
+                    reason = (f"kept {last}: {choice} is {1 - est[choice] / est[last]:.1%} "
+                              f"faster, within the estimates' error ({m:.1%})")
+                    choice = last
         with self._lock:
             self.counts[choice] += 1
+            if override is None and stored:
+                self.last_choice[route] = choice
         log.info("controller: %d tokens -> %s (%s; estimates %s)", tokens, choice, reason,
                  {k: round(v, 4) for k, v in est.items()})
         return Decision(choice, est, reason)

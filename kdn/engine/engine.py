@@ -497,6 +497,8 @@ class KDNEngine(KVConnector):
             spent = (t.ttft_s - t.lookup_s - t.transfer_s
                      - t.computed_tokens / self.controller.prefill_tok_s)
             self.controller.observe_decode(choice, kv_bytes, max(t.decode_s, spent, 1e-4))
+            self.controller.observe_hit(choice, kv_bytes, max(t.transfer_s + spent, 1e-4),
+                                        local=not remote, path=self._path, server=self._server)
         else:
             self.controller.observe_prefill(t.computed_tokens, t.first_token_compute_s)
 
