@@ -187,8 +187,8 @@ class LoadingController:
     device: str = "cpu"
     """Where the engine decodes (its model's device type): the key's default device."""
     layers: int = 1
-    """Layers a hit streams in (the engine sets its model's): the pipelining of transfer and
-    decode; 1 adds them up."""
+    """Layers over which a hit's transfer and decode overlap (the engine sets its model's on
+    a GPU); 1 adds them up."""
     alpha: float = 0.3
     """Weight of a new observation in the running means, in [0, 1]."""
     margin_min: float = 0.02
@@ -325,16 +325,25 @@ class LoadingController:
                     self.overhead_s_b[dev] = self._ewma(self.overhead_s_b.get(dev, extra),
                                                         extra)
 
-    def observe_hit(self, encoding: str, kv_bytes: int, seconds: float, local: bool = False,
-                    path: str = NETWORK, server: str = "") -> None:
+    def observe_hit(self, encoding: str, kv_bytes: int, transfer_s: float, seconds: float,
+                    local: bool = False, path: str = NETWORK, server: str = "",
+                    device: str | None = None) -> None:
         """A hit of ``kv_bytes`` of KV in ``encoding`` took ``seconds`` from its first request
-        to usable KV (transfer and decode, as ``estimate`` predicts), from the in-process
-        tier (``local``) or over ``path`` from ``server``: the option's spread (module
-        docstring). Its speeds are learnt by ``observe_transfer`` and ``observe_decode``."""
-        if kv_bytes > 0 and seconds > 0:
-            key = f"{encoding}@{route_key(local, path, server)}"
-            with self._lock:
-                self.spread.setdefault(key, Spread()).add(seconds / kv_bytes, self.alpha)
+        to usable KV, ``transfer_s`` of them until its last byte arrived, from the in-process
+        tier (``local``) or over ``path`` from ``server``. Its decode time is what makes
+        ``estimate`` reproduce ``seconds`` with that transfer (module docstring: decode-bound,
+        ``seconds - transfer_s / layers``; transfer-bound, ``layers`` times what showed after
+        the last byte), learnt as ``observe_decode`` does; the option's spread follows
+        ``seconds``. The bandwidth is ``observe_transfer``'s to learn."""
+        if kv_bytes <= 0 or seconds <= 0:
+            return
+        t, layers = max(0.0, transfer_s), max(1, self.layers)
+        after = max(seconds - t, 0.0)
+        decode = (t + after - t / layers if after >= t / layers else layers * after)
+        self.observe_decode(encoding, kv_bytes, max(decode, 1e-6), device)
+        key = f"{encoding}@{route_key(local, path, server)}"
+        with self._lock:
+            self.spread.setdefault(key, Spread()).add(seconds / kv_bytes, self.alpha)
 
     def decode_speed(self, encoding: str, device: str | None = None) -> float:
         """Decode speed of ``encoding`` on ``device`` (bytes/s) a hit shows: learnt from hits;
