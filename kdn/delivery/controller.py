@@ -15,7 +15,10 @@ decode can start, or the last layer's decode after the last byte arrived)::
 
     max(transfer, decode) + min(transfer, decode) / layers
 
-which lies between ``max`` (perfect overlap) and the sum (none; ``layers=1``). Recomputing
+which lies between ``max`` (perfect overlap) and the sum (none; ``layers=1``: what the engine
+sets on a CPU, where receiving, decoding and the model's layers share the same cores). A hit
+is read back through the same formula (``observe_hit``): its decode time is the one that
+reproduces its measured time with its measured transfer. Recomputing
 costs ``tokens / prefill_speed``: linear in tokens. A real prefill also has attention's
 quadratic term, so the rate is measured where it is used: the engine calibrates it with one
 timed prefill of a typical request length (``calibrate_prefill``) before its first decision,
@@ -29,7 +32,7 @@ predicted and measured TTFT are fed back (``observe_ttft``): their running error
 
 What a hit costs beyond its codec. A decode calibration times the codec alone on one block;
 a hit also assembles every layer of every block and feeds it to the model, work that is the
-same per byte of KV whichever encoding carried it. The first hit of an encoding shows that
+same per byte of KV whichever encoding carried it. Each hit of a calibrated encoding shows that
 work (its cost beyond the transfer less its calibrated codec time): the controller keeps it
 per device (``overhead_s_b``) and adds it to every encoding known only from a calibration,
 so one hit does not leave the encodings not yet tried looking cheaper than they are.
