@@ -45,6 +45,13 @@ for an option whose estimate is lower by more than the two estimates' combined r
 error, within [``margin_min``, ``margin_max``] (an option seen fewer than twice counts
 ``margin_max``). One slow request (a busy host, a cold cache) therefore does not flip the
 choice, while a link that really got slower does, within a few requests.
+
+Trying what is close. Before an encoding is seen on a route its estimate rests on the link
+probe and a calibration, both taken once and easily 25% off on a busy host. So once the
+choice has been seen there, every stored encoding whose estimate lies within ``explore`` of
+it and that was not yet seen on that route is tried once, the closest first (``Decision``
+says so); the route's last choice stays what it was, and the next request weighs both as
+seen.
 """
 
 from __future__ import annotations
@@ -199,6 +206,9 @@ class LoadingController:
     margin_max: float = 0.10
     """Most relative gain it asks for, however much the estimates scatter: above it, a
     better option is taken whatever the noise."""
+    explore: float = 0.25
+    """An encoding not yet seen on a route whose estimate lies within this fraction of the
+    choice's is tried once, after the choice itself was seen there (module docstring)."""
     counts: Counter[str] = field(default_factory=Counter)
     spread: dict[str, Spread] = field(default_factory=dict)
     """Measured cost per option (module docstring): ``"<encoding>@<route>"`` (seconds per KV
@@ -223,6 +233,8 @@ class LoadingController:
         if not 0.0 <= self.margin_min <= self.margin_max < 1.0:
             raise ValueError("margins must satisfy 0 <= margin_min <= margin_max < 1, got "
                              f"{self.margin_min} and {self.margin_max}")
+        if self.explore < 0:
+            raise ValueError(f"explore must be >= 0, got {self.explore}")
 
     def _ewma(self, old: float, new: float) -> float:
         return (1 - self.alpha) * old + self.alpha * new
@@ -381,6 +393,13 @@ class LoadingController:
         got = self.spread.get(key)
         return got.relative_error if got is not None else None
 
+    def _seen(self, option: str, local: frozenset[str], path: str, server: str) -> bool:
+        """``option`` was observed on its route (a recompute: anywhere)."""
+        key = (option if option == RECOMPUTE
+               else f"{option}@{route_key(option in local, path, server)}")
+        got = self.spread.get(key)
+        return got is not None and got.n > 0
+
     def margin(self, a: str, b: str, local: frozenset[str] = frozenset(),
                path: str = NETWORK, server: str = "") -> float:
         """Relative gain needed to prefer option ``b`` to option ``a``: their errors combined,
@@ -419,10 +438,19 @@ class LoadingController:
                     reason = (f"kept {last}: {choice} is {1 - est[choice] / est[last]:.1%} "
                               f"faster, within the estimates' error ({m:.1%})")
                     choice = last
+        kept = choice
+        if override is None and stored and self._seen(choice, local, path, server):
+            unseen = [enc for enc in stored if not self._seen(enc, local, path, server)
+                      and est[enc] <= (1 + self.explore) * est[choice]]
+            if unseen:
+                tried = min(unseen, key=lambda k: est[k])
+                reason = (f"trying {tried} once: {est[tried] / est[choice] - 1:+.1%} against "
+                          f"{choice}, not yet seen here")
+                choice = tried
         with self._lock:
             self.counts[choice] += 1
             if override is None and stored:
-                self.last_choice[route] = choice
+                self.last_choice[route] = kept  # a trial is not a choice to keep
         log.info("controller: %d tokens -> %s (%s; estimates %s)", tokens, choice, reason,
                  {k: round(v, 4) for k, v in est.items()})
         return Decision(choice, est, reason)
