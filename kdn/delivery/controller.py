@@ -37,6 +37,17 @@ work (its cost beyond the transfer less its calibrated codec time): the controll
 per device (``overhead_s_b``) and adds it to every encoding known only from a calibration,
 so one hit does not leave the encodings not yet tried looking cheaper than they are.
 
+One path, several encodings. One bandwidth per path serves every encoding, yet on a busy
+host the bytes of an encoding whose decode competes with the receive for the cores cross the
+same link slower than raw bytes do. So each encoding's transfers also keep, per route, their
+rate over the route's bandwidth (``transfer_fits``, a running mean, 1 until seen), and the
+route learns each rate divided by its encoding's share: an encoding's transfer is estimated
+at its share of the route's bandwidth, which follows the link whichever encoding shows a
+change, and not the mix of encodings that crossed it. An encoding's own samples (its
+decode time from a hit, its share of a route) reach their running means as the median of
+their last ``RECENT``: a straggler (another job took the cores for one request) would
+otherwise stay in the estimate of the encoding it hit until that encoding is chosen again.
+
 Decisions with hysteresis. Each option's measured cost (seconds per KV byte of a hit per
 encoding and route, ``route_key``; seconds per token of a recompute) is kept as a running
 mean and a running mean deviation (``spread``): how much one observation of it scatters. On
@@ -58,6 +69,7 @@ from __future__ import annotations
 
 import logging
 import math
+import statistics
 import threading
 from collections import Counter
 from dataclasses import dataclass, field
@@ -128,6 +140,11 @@ def default_encodings(device: str, path: str) -> tuple[tuple[str, str], ...]:
     if path == NETWORK:
         return (("kdn", "default"), ("raw", ""))
     return (("raw", ""),)
+
+
+RECENT = 3
+"""Samples of an encoding's own hits whose median its running means take (one straggler
+among three changes nothing; a change that lasts shows from the second request on)."""
 
 
 @dataclass
@@ -213,6 +230,9 @@ class LoadingController:
     spread: dict[str, Spread] = field(default_factory=dict)
     """Measured cost per option (module docstring): ``"<encoding>@<route>"`` (seconds per KV
     byte of a hit) and ``recompute`` (seconds per token)."""
+    transfer_fits: dict[str, float] = field(default_factory=dict)
+    """Per ``"<encoding>@<route>"``: the rate its hits' bytes crossed the route at, over the
+    route's bandwidth then (a running mean; module docstring)."""
     last_choice: dict[str, str] = field(default_factory=dict)
     """The last choice made (not overridden) per route (``route_key``)."""
     calibrated_tokens: int = 0
@@ -224,6 +244,8 @@ class LoadingController:
     last_ttft: tuple[float, float] = (0.0, 0.0)
     """(predicted, measured) TTFT of the last observed request, seconds."""
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _recent: dict[str, list[float]] = field(default_factory=dict, repr=False)
+    """The last ``RECENT`` samples per key, for ``_filtered``."""
 
     def __post_init__(self) -> None:
         if self.bandwidth_b_s is not None:
@@ -239,17 +261,35 @@ class LoadingController:
     def _ewma(self, old: float, new: float) -> float:
         return (1 - self.alpha) * old + self.alpha * new
 
+    def _filtered(self, key: str, x: float) -> float:
+        """The median of ``key``'s last ``RECENT`` samples with ``x``: what the running means
+        of an encoding's own hits take, so that one straggler among them moves nothing."""
+        got = self._recent.setdefault(key, [])
+        got.append(x)
+        del got[:-RECENT]
+        return statistics.median(got)
+
     def observe_transfer(self, nbytes: int, seconds: float, path: str = NETWORK,
-                         server: str = "") -> None:
+                         server: str = "", encoding: str = "") -> None:
         """``nbytes`` crossed ``path`` (from ``server``, where known) in ``seconds``: both
-        the path kind's estimate and the server's follow it."""
+        the path kind's estimate and the server's follow it; with the ``encoding`` they
+        carried, its share of that path (``transfer_fits``) too."""
         if nbytes > 0 and seconds > 0:
+            rate = nbytes / seconds
+            fit = f"{encoding}@{route_key(path == IN_PROCESS, path, server)}"
             with self._lock:
+                # the route learns the rate as if its share were 1: the encodings' mix does
+                # not move it, a change of the link does
                 olds = {path: self.bandwidth(path)}
                 if server:
                     olds[f"{path}@{server}"] = self.bandwidth(path, server)
+                link = rate / self.transfer_fits.get(fit, 1.0) if encoding else rate
                 for key, old in olds.items():
-                    self.bandwidths_b_s[key] = self._ewma(old, nbytes / seconds)
+                    self.bandwidths_b_s[key] = self._ewma(old, link)
+                if encoding:
+                    share = self._filtered("share:" + fit, rate / self.bandwidth(path, server))
+                    self.transfer_fits[fit] = self._ewma(self.transfer_fits.get(fit, share),
+                                                         share)
 
     def bandwidth(self, path: str = NETWORK, server: str = "") -> float:
         """Bandwidth (bytes/s) of ``path`` from ``server``: learnt for that server, else for
@@ -355,8 +395,11 @@ class LoadingController:
         t, layers = max(0.0, transfer_s), max(1, self.layers)
         after = max(seconds - t, 0.0)
         decode = (t + after - t / layers if after >= t / layers else layers * after)
-        self.observe_decode(encoding, kv_bytes, max(decode, 1e-6), device)
         key = f"{encoding}@{route_key(local, path, server)}"
+        with self._lock:
+            rate = self._filtered(f"decode:{key}@{device or self.device}",
+                                  kv_bytes / max(decode, 1e-6))
+        self.observe_decode(encoding, kv_bytes, kv_bytes / rate, device)
         with self._lock:
             self.spread.setdefault(key, Spread()).add(seconds / kv_bytes, self.alpha)
 
@@ -381,7 +424,8 @@ class LoadingController:
         (module docstring)."""
         if local:
             path, server = IN_PROCESS, ""
-        transfer = stored_bytes / self.bandwidth(path, server)
+        share = self.transfer_fits.get(f"{encoding}@{route_key(local, path, server)}", 1.0)
+        transfer = stored_bytes / (self.bandwidth(path, server) * share)
         decode = kv_bytes / self.decode_speed(encoding)
         return max(transfer, decode) + min(transfer, decode) / max(1, self.layers)
 

@@ -486,7 +486,8 @@ class KDNEngine(KVConnector):
                 start = min(s.timings.started for s in group)
                 last = max(s.timings.last_frame_received for s in group)
                 nbytes = sum(s.timings.bytes_received for s in group)
-                self.controller.observe_transfer(nbytes, max(0.0, last - start), path, server)
+                self.controller.observe_transfer(nbytes, max(0.0, last - start), path, server,
+                                                 choice)
         if streams:
             start = min(s.timings.started for s in streams)
             last = max(s.timings.last_frame_received for s in streams)
