@@ -25,8 +25,10 @@ this run:
 
 The fresh engine calibrates first (before any row is timed: its probe's reads change how fast
 later hits of the same process run on the 2-core host), then the rows run in ``runs`` rounds,
-each round one request of every row, so that a busy spell of the host falls on all of them
-alike; the forced requests go to another engine, so the controller learns from its own only.
+each round one request of every row, each row first in turn (what ran just before a request
+changes its time: a recompute's 8 s of compute, a ``kdn-default`` decode's allocations), so
+that a busy spell of the host and the order fall on all rows alike; the forced requests go to
+another engine, so the controller learns from its own only.
 
 The blocks are computed and encoded once (into the first server), read back as containers,
 and put into each later server through a same-host client, so every link serves the same
@@ -123,12 +125,13 @@ def measure(model: Any, address: str, ns: str, ids: list[int], gbps: float,
         # every row is timed after the probe's reads as well
         fresh.calibrate()
         probed = fresh.controller.bandwidth(NETWORK, c.address)
-        timings: dict[str, list[Any]] = {name: [] for name in (*choices, "controller")}
-        for _ in range(runs):  # rounds: every row sees the same spells of a busy host
-            for choice in choices:
-                timings[choice].append(
-                    forced.generate(ids, max_new_tokens=1, force=choice).timings)
-            timings["controller"].append(fresh.generate(ids, max_new_tokens=1).timings)
+        names = [*choices, "controller"]
+        timings: dict[str, list[Any]] = {name: [] for name in names}
+        for r in range(runs):  # rounds: every row sees the same spells of a busy host,
+            for name in names[r % len(names):] + names[: r % len(names)]:  # in turn first
+                timings[name].append(
+                    fresh.generate(ids, max_new_tokens=1).timings if name == "controller"
+                    else forced.generate(ids, max_new_tokens=1, force=name).timings)
         rows: list[dict[str, Any]] = []
         for choice in choices:
             assert all(t.decision == choice for t in timings[choice]), (choice, timings)
