@@ -58,11 +58,11 @@ error, within [``margin_min``, ``margin_max``] (an option seen fewer than twice 
 choice, while a link that really got slower does, within a few requests.
 
 Trying what is close. Before an encoding is seen on a route its estimate rests on the link
-probe and a calibration, both taken once and easily 25% off on a busy host. So once the
-choice has been seen there, every stored encoding whose estimate lies within ``explore`` of
-it and that was not yet seen on that route is tried once, the closest first (``Decision``
-says so); the route's last choice stays what it was, and the next request weighs both as
-seen.
+probe and a calibration, both taken once and easily 25% off on a busy host; and one request
+of it may be a straggler. So once the choice has been seen there, every stored encoding whose
+estimate lies within ``explore`` of it and that was seen fewer than ``trials`` times on that
+route is tried, the closest first (``Decision`` says so); the route's last choice stays what
+it was, and later requests weigh both as seen.
 """
 
 from __future__ import annotations
@@ -224,8 +224,11 @@ class LoadingController:
     """Most relative gain it asks for, however much the estimates scatter: above it, a
     better option is taken whatever the noise."""
     explore: float = 0.25
-    """An encoding not yet seen on a route whose estimate lies within this fraction of the
-    choice's is tried once, after the choice itself was seen there (module docstring)."""
+    """An encoding seen fewer than ``trials`` times on a route whose estimate lies within this
+    fraction of the choice's is tried, after the choice itself was seen there (module
+    docstring)."""
+    trials: int = 2
+    """Hits of a close encoding on a route before the controller stops trying it."""
     counts: Counter[str] = field(default_factory=Counter)
     spread: dict[str, Spread] = field(default_factory=dict)
     """Measured cost per option (module docstring): ``"<encoding>@<route>"`` (seconds per KV
@@ -257,6 +260,8 @@ class LoadingController:
                              f"{self.margin_min} and {self.margin_max}")
         if self.explore < 0:
             raise ValueError(f"explore must be >= 0, got {self.explore}")
+        if self.trials < 0:
+            raise ValueError(f"trials must be >= 0, got {self.trials}")
 
     def _ewma(self, old: float, new: float) -> float:
         return (1 - self.alpha) * old + self.alpha * new
@@ -437,12 +442,12 @@ class LoadingController:
         got = self.spread.get(key)
         return got.relative_error if got is not None else None
 
-    def _seen(self, option: str, local: frozenset[str], path: str, server: str) -> bool:
-        """``option`` was observed on its route (a recompute: anywhere)."""
+    def _seen(self, option: str, local: frozenset[str], path: str, server: str) -> int:
+        """Times ``option`` was observed on its route (a recompute: anywhere)."""
         key = (option if option == RECOMPUTE
                else f"{option}@{route_key(option in local, path, server)}")
         got = self.spread.get(key)
-        return got is not None and got.n > 0
+        return got.n if got is not None else 0
 
     def margin(self, a: str, b: str, local: frozenset[str] = frozenset(),
                path: str = NETWORK, server: str = "") -> float:
@@ -484,12 +489,14 @@ class LoadingController:
                     choice = last
         kept = choice
         if override is None and stored and self._seen(choice, local, path, server):
-            unseen = [enc for enc in stored if not self._seen(enc, local, path, server)
+            unseen = [enc for enc in stored if enc != choice
+                      and self._seen(enc, local, path, server) < self.trials
                       and est[enc] <= (1 + self.explore) * est[choice]]
             if unseen:
                 tried = min(unseen, key=lambda k: est[k])
-                reason = (f"trying {tried} once: {est[tried] / est[choice] - 1:+.1%} against "
-                          f"{choice}, not yet seen here")
+                reason = (f"trying {tried}: {est[tried] / est[choice] - 1:+.1%} against "
+                          f"{choice}, seen {self._seen(tried, local, path, server)} times "
+                          "here")
                 choice = tried
         with self._lock:
             self.counts[choice] += 1
