@@ -36,7 +36,8 @@ bytes. Rows: ``link_gbps`` (0 = unthrottled), ``encoding`` (or ``recompute`` /
 ``controller``), ``decision``, ``ttft_s``, ``prefill_s``, ``ratio_vs_prefill``,
 ``stored_bytes``, ``load_gb_s`` (stored bytes over the hit's TTFT, for the hits).
 The plot (``--out`` with ``.png``): TTFT / prefill against link bandwidth, one line per
-encoding and the controller's points.
+encoding and the controller's points, labelled with its first choice (and its last, where
+they differ).
 """
 
 from __future__ import annotations
@@ -211,8 +212,10 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
             pts = sorted((x[r["link_gbps"]], r["ratio_vs_prefill"]) for r in mine
                          if r["encoding"] == name)
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
-        ctl = [(x[r["link_gbps"]], r["ratio_vs_prefill"], r["decision"]) for r in mine
-               if r["encoding"] == "controller"]
+        ctl = [(x[r["link_gbps"]], r["ratio_vs_prefill"],  # its first choice -> its last
+                r["decision"] + (f"->{r['decisions'][-1]}"
+                                 if r.get("decisions", [r["decision"]])[-1] != r["decision"]
+                                 else "")) for r in mine if r["encoding"] == "controller"]
         ax.scatter([p[0] for p in ctl], [p[1] for p in ctl], marker="*", s=140, c="k",
                    zorder=5, label="controller (fresh engine)")
         for gx, gy, d in ctl:
