@@ -1,7 +1,8 @@
 """Hit TTFT against the bandwidth of the link to the server: which encoding pays over which
 link, and does the loading controller pick it, also from a freshly made engine?
 
-    python -m bench.link [--quick] [--links 1,10,25,100,0] [--out bench/results/gpu_link_cpu.json]
+    python -m bench.link [--quick] [--links 1,10,25,100,0] [--runs 5]
+                         [--out bench/results/gpu_link_cpu.json]
 
 One model of a real shape with random weights (``bench.gpu``'s: Llama-3-8B on a GPU,
 SmolLM2-135M on a CPU), one remote client on the server's network data path (no shared
@@ -17,9 +18,17 @@ this run:
 - ``controller``: a freshly made engine (``EngineConfig`` naming the three encodings, a new
   ``LoadingController``: calibration prefill, decode timing and link probe, nothing observed)
   asked without forcing; ``decision`` is its first request's choice, ``decisions`` every
-  request's; its TTFT is the best of them; ``probed_gb_s``: the link its probe measured,
-  ``learnt_gb_s``: the estimate after its hits. ``vs_best_fixed`` compares it with the best of the
-  rows above (recompute included).
+  request's; its TTFT is the best of them; ``predicted_s`` / ``measured_s``: each request's
+  TTFT as the controller predicted it and as measured; ``probed_gb_s``: the link its probe
+  measured, ``learnt_gb_s``: the estimate after its hits. ``vs_best_fixed`` compares it with
+  the best of the rows above (recompute included).
+
+The fresh engine calibrates first (before any row is timed: its probe's reads change how fast
+later hits of the same process run on the 2-core host), then the rows run in ``runs`` rounds,
+each round one request of every row, each row first in turn (what ran just before a request
+changes its time: a recompute's 8 s of compute, a ``kdn-default`` decode's allocations), so
+that a busy spell of the host and the order fall on all rows alike; the forced requests go to
+another engine, so the controller learns from its own only.
 
 The blocks are computed and encoded once (into the first server), read back as containers,
 and put into each later server through a same-host client, so every link serves the same
@@ -27,7 +36,8 @@ bytes. Rows: ``link_gbps`` (0 = unthrottled), ``encoding`` (or ``recompute`` /
 ``controller``), ``decision``, ``ttft_s``, ``prefill_s``, ``ratio_vs_prefill``,
 ``stored_bytes``, ``load_gb_s`` (stored bytes over the hit's TTFT, for the hits).
 The plot (``--out`` with ``.png``): TTFT / prefill against link bandwidth, one line per
-encoding and the controller's points.
+encoding and the controller's points, labelled with its first choice (and its last, where
+they differ).
 """
 
 from __future__ import annotations
@@ -106,29 +116,39 @@ def measure(model: Any, address: str, ns: str, ids: list[int], gbps: float,
             prefill_s: float, runs: int, stored: dict[str, int]) -> list[dict[str, Any]]:
     """The rows of one link rate and context (module docstring)."""
     tokens = len(ids) - 1
-    rows: list[dict[str, Any]] = []
+    choices = (RECOMPUTE, *(encoding_name(m, lv) for m, lv in ENCODINGS))
     base = {"link_gbps": gbps, "tokens": tokens}
     with Client(address, shm_bytes=0, max_message_bytes=512 << 20) as c:
         assert not c.dataplane.attached, "the link rows need a client off the server's host"
-        engine = _engine(model, c, ns, calibrate=False, store_back=False)
-        for choice in (RECOMPUTE, *(encoding_name(m, lv) for m, lv in ENCODINGS)):
-            timings = [engine.generate(ids, max_new_tokens=1, force=choice).timings
-                       for _ in range(runs)]
-            assert all(t.decision == choice for t in timings), (choice, timings)
-            best = min(t.ttft_s for t in timings)
+        forced = _engine(model, c, ns, calibrate=False, store_back=False)
+        fresh = _engine(model, c, ns, store_back=False)
+        # before the clock, as generate does before a first request's; first of all, so that
+        # every row is timed after the probe's reads as well
+        fresh.calibrate()
+        probed = fresh.controller.bandwidth(NETWORK, c.address)
+        names = [*choices, "controller"]
+        timings: dict[str, list[Any]] = {name: [] for name in names}
+        for r in range(runs):  # rounds: every row sees the same spells of a busy host,
+            for name in names[r % len(names):] + names[: r % len(names)]:  # in turn first
+                timings[name].append(
+                    fresh.generate(ids, max_new_tokens=1).timings if name == "controller"
+                    else forced.generate(ids, max_new_tokens=1, force=name).timings)
+        rows: list[dict[str, Any]] = []
+        for choice in choices:
+            assert all(t.decision == choice for t in timings[choice]), (choice, timings)
+            best = min(t.ttft_s for t in timings[choice])
             rows.append({**base, "encoding": choice, "decision": choice, "ttft_s": best,
                          "stored_bytes": stored.get(choice, 0),
                          "load_gb_s": stored[choice] / best / 1e9 if choice in stored
                          else None})
-        fresh = _engine(model, c, ns, store_back=False)
-        fresh.calibrate()  # before the clock, as generate does before a first request's
-        probed = fresh.controller.bandwidth(NETWORK, c.address)
-        got = [fresh.generate(ids, max_new_tokens=1).timings for _ in range(runs)]
+        got = timings["controller"]
         ttft = min(t.ttft_s for t in got)
         fixed = min(r["ttft_s"] for r in rows)
         rows.append({**base, "encoding": "controller", "decision": got[0].decision,
                      "decisions": [t.decision for t in got], "ttft_s": ttft,
                      "first_ttft_s": got[0].ttft_s, "vs_best_fixed": ttft / fixed,
+                     "predicted_s": [t.predicted_ttft_s for t in got],
+                     "measured_s": [t.ttft_s for t in got],
                      "probed_gb_s": probed / 1e9,
                      "learnt_gb_s": fresh.controller.bandwidth(NETWORK, c.address) / 1e9,
                      "stored_bytes": stored.get(got[0].decision, 0)})
@@ -192,8 +212,10 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
             pts = sorted((x[r["link_gbps"]], r["ratio_vs_prefill"]) for r in mine
                          if r["encoding"] == name)
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
-        ctl = [(x[r["link_gbps"]], r["ratio_vs_prefill"], r["decision"]) for r in mine
-               if r["encoding"] == "controller"]
+        ctl = [(x[r["link_gbps"]], r["ratio_vs_prefill"],  # its first choice -> its last
+                r["decision"] + (f"->{r['decisions'][-1]}"
+                                 if r.get("decisions", [r["decision"]])[-1] != r["decision"]
+                                 else "")) for r in mine if r["encoding"] == "controller"]
         ax.scatter([p[0] for p in ctl], [p[1] for p in ctl], marker="*", s=140, c="k",
                    zorder=5, label="controller (fresh engine)")
         for gx, gy, d in ctl:
@@ -215,14 +237,18 @@ def main(argv: list[str] | None = None) -> None:
                     help="comma-separated link rates in Gbit/s, 0 = unthrottled "
                          "(default 1,10,25,100,0)")
     ap.add_argument("--tokens", default="", help="comma-separated context lengths")
+    ap.add_argument("--runs", type=int, default=0,
+                    help="rounds per link (every row once a round; default 5, 2 with --quick)")
     ns = ap.parse_args(argv)
+    if ns.runs < 0:
+        ap.error(f"--runs must be >= 0, got {ns.runs}")
     cuda = torch.cuda.is_available()
     shape = "llama3-8b" if cuda and not ns.quick else "smollm2-135m"
     lengths = [int(t) for t in ns.tokens.split(",") if t] or (
         [1024] if ns.quick else [8192, 32768] if cuda else [2048])
     links = [float(g) for g in ns.links.split(",") if g] or (
         [1.0, 10.0] if ns.quick else list(LINKS_GBPS))
-    run(shape, lengths, links, 2 if ns.quick else 3, ns.out)
+    run(shape, lengths, links, ns.runs or (2 if ns.quick else 5), ns.out)
 
 
 if __name__ == "__main__":

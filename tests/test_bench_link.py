@@ -33,6 +33,9 @@ def test_bench_link_writes_its_report(tmp_path: Path) -> None:
                if r["encoding"] in sizes and r["encoding"] != "controller")
     for r in (r for r in rows if r["encoding"] == "controller"):
         assert r["decision"] in {"recompute", "raw", "int8", "kdn-default"}
+        # --quick: two rounds, the controller asked once a round, its TTFT the best of them
+        assert len(r["decisions"]) == len(r["measured_s"]) == len(r["predicted_s"]) == 2
+        assert r["decision"] == r["decisions"][0] and r["ttft_s"] == min(r["measured_s"])
         assert r["vs_best_fixed"] == r["ttft_s"] / min(
             o["ttft_s"] for o in rows
             if o["link_gbps"] == r["link_gbps"] and o["encoding"] != "controller")

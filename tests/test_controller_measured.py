@@ -176,10 +176,36 @@ def test_the_pipelined_estimate_lies_between_the_max_and_the_sum() -> None:
     assert c.estimate("lossless", stored, kv) == pytest.approx(transfer + decode)
 
 
-def test_the_engine_gives_the_controller_its_layer_count(client: Client) -> None:
+def test_the_engine_gives_the_controller_its_layer_count_where_layers_overlap(
+        client: Client) -> None:
     engine = KDNEngine(_model(hidden=64, layers=3), _Tok(), client,
                        EngineConfig(calibrate=False))
+    # on a CPU the receive, the decode and the model share the cores: nothing overlaps
+    assert engine.controller.layers == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_gpu_engine_pipelines_over_its_layers(client: Client) -> None:
+    engine = KDNEngine(_model(hidden=64, layers=3).cuda(), _Tok(), client,
+                       EngineConfig(calibrate=False))
     assert engine.controller.layers == 3
+
+
+def test_a_hit_is_read_back_through_the_pipelined_model() -> None:
+    """The decode time a hit shows is the one the estimate needs to reproduce it: all of
+    what came after the last byte where decode-bound (plus what overlapped the transfer),
+    ``layers`` times the tail where transfer-bound."""
+    kv, stored = 1 << 30, 1 << 28
+    for transfer, decode in ((0.1, 0.3), (0.3, 0.1)):  # decode-bound, then transfer-bound
+        c = LoadingController(bandwidth_b_s=stored / transfer, layers=32, alpha=1.0)
+        whole = max(transfer, decode) + min(transfer, decode) / 32
+        c.observe_hit("lossless", kv, transfer, whole)
+        assert c.decode_speed("lossless") == pytest.approx(kv / decode)
+        assert c.estimate("lossless", stored, kv) == pytest.approx(whole)
+    flat = LoadingController(layers=1)
+    flat.observe_hit("lossless", kv, 0.1, 0.35)  # nothing overlaps: the tail is the decode
+    assert flat.decode_speed("lossless") == pytest.approx(kv / 0.25)
 
 
 # -- predicted vs measured TTFT -----------------------------------------------------------------

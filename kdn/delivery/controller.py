@@ -15,7 +15,10 @@ decode can start, or the last layer's decode after the last byte arrived)::
 
     max(transfer, decode) + min(transfer, decode) / layers
 
-which lies between ``max`` (perfect overlap) and the sum (none; ``layers=1``). Recomputing
+which lies between ``max`` (perfect overlap) and the sum (none; ``layers=1``: what the engine
+sets on a CPU, where receiving, decoding and the model's layers share the same cores). A hit
+is read back through the same formula (``observe_hit``): its decode time is the one that
+reproduces its measured time with its measured transfer. Recomputing
 costs ``tokens / prefill_speed``: linear in tokens. A real prefill also has attention's
 quadratic term, so the rate is measured where it is used: the engine calibrates it with one
 timed prefill of a typical request length (``calibrate_prefill``) before its first decision,
@@ -26,11 +29,47 @@ Speeds start from priors (or the calibration) and follow observations as exponen
 weighted means, so the controller adapts when a link or the machine changes. Each request's
 predicted and measured TTFT are fed back (``observe_ttft``): their running error
 (``ttft_error``) says how far to trust the estimates.
+
+What a hit costs beyond its codec. A decode calibration times the codec alone on one block;
+a hit also assembles every layer of every block and feeds it to the model, work that is the
+same per byte of KV whichever encoding carried it. Each hit of a calibrated encoding shows that
+work (its cost beyond the transfer less its calibrated codec time): the controller keeps it
+per device (``overhead_s_b``) and adds it to every encoding known only from a calibration,
+so one hit does not leave the encodings not yet tried looking cheaper than they are.
+
+One path, several encodings. One bandwidth per path serves every encoding, yet on a busy
+host the bytes of an encoding whose decode competes with the receive for the cores cross the
+same link slower than raw bytes do. So each encoding's transfers also keep, per route, their
+rate over the route's bandwidth (``transfer_fits``, a running mean, 1 until seen), and the
+route learns each rate divided by its encoding's share: an encoding's transfer is estimated
+at its share of the route's bandwidth, which follows the link whichever encoding shows a
+change, and not the mix of encodings that crossed it. An encoding's own samples (its
+decode time from a hit, its share of a route) reach their running means as the median of
+their last ``RECENT``: a straggler (another job took the cores for one request) would
+otherwise stay in the estimate of the encoding it hit until that encoding is chosen again.
+
+Decisions with hysteresis. Each option's measured cost (seconds per KV byte of a hit per
+encoding and route, ``route_key``; seconds per token of a recompute) is kept as a running
+mean and a running mean deviation (``spread``): how much one observation of it scatters. On
+a route where it chose before, the controller leaves its last choice (``last_choice``) only
+for an option whose estimate is lower by more than the two estimates' combined relative
+error, within [``margin_min``, ``margin_max``] (an option seen fewer than twice counts
+``margin_max``). One slow request (a busy host, a cold cache) therefore does not flip the
+choice, while a link that really got slower does, within a few requests.
+
+Trying what is close. Before an encoding is seen on a route its estimate rests on the link
+probe and a calibration, both taken once and easily 25% off on a busy host; and one request
+of it may be a straggler. So once the choice has been seen there, every stored encoding whose
+estimate lies within ``explore`` of it and that was seen fewer than ``trials`` times on that
+route is tried, the closest first (``Decision`` says so); the route's last choice stays what
+it was, and later requests weigh both as seen.
 """
 
 from __future__ import annotations
 
 import logging
+import math
+import statistics
 import threading
 from collections import Counter
 from dataclasses import dataclass, field
@@ -103,6 +142,43 @@ def default_encodings(device: str, path: str) -> tuple[tuple[str, str], ...]:
     return (("raw", ""),)
 
 
+RECENT = 3
+"""Samples of an encoding's own hits whose median its running means take (one straggler
+among three changes nothing; a change that lasts shows from the second request on)."""
+
+
+@dataclass
+class Spread:
+    """A running mean of one option's measured cost and of its observations' absolute
+    deviation from that mean (both exponentially weighted)."""
+
+    mean: float = 0.0
+    dev: float = 0.0
+    n: int = 0
+    """Observations so far."""
+
+    def add(self, x: float, alpha: float) -> None:
+        if self.n == 0:
+            self.mean = x
+        else:
+            self.dev = (1 - alpha) * self.dev + alpha * abs(x - self.mean)
+            self.mean = (1 - alpha) * self.mean + alpha * x
+        self.n += 1
+
+    @property
+    def relative_error(self) -> float | None:
+        """Mean deviation over mean (0.1: one observation is typically 10% off the mean);
+        None before two observations."""
+        return self.dev / self.mean if self.n >= 2 and self.mean > 0 else None
+
+
+def route_key(local: bool, path: str, server: str) -> str:
+    """Where a hit comes from: the in-process tier, or ``path`` from ``server``."""
+    if local:
+        return IN_PROCESS
+    return f"{path}@{server}" if server else path
+
+
 @dataclass(frozen=True)
 class Decision:
     choice: str
@@ -125,17 +201,43 @@ class LoadingController:
     prefill_tok_s: float = 500.0
     """Prior prefill speed (tokens/s) until prefills are observed."""
     decode_b_s: dict[str, float] = field(default_factory=dict)
-    """Decode speed (fp16-equivalent bytes/s) per ``"<encoding>@<device>"``: a GPU decodes
-    the compressed modes far faster than a CPU, so what wins on one host loses on another;
-    ``DECODE_PRIORS_B_S`` (else 1 GB/s) until observed."""
+    """Decode speed (fp16-equivalent bytes/s) per ``"<encoding>@<device>"`` seen in hits: a
+    GPU decodes the compressed modes far faster than a CPU, so what wins on one host loses on
+    another; until a hit is seen, the calibration (``codec_b_s``, plus ``overhead_s_b``),
+    else ``DECODE_PRIORS_B_S``, else 1 GB/s."""
+    codec_b_s: dict[str, float] = field(default_factory=dict)
+    """Calibrated codec speed (bytes/s of KV) per ``"<encoding>@<device>"``: one block
+    decoded alone (``calibrate_decode``)."""
+    overhead_s_b: dict[str, float] = field(default_factory=dict)
+    """Per device: seconds per KV byte a hit costs beyond its codec (module docstring),
+    learnt from hits of calibrated encodings."""
     device: str = "cpu"
     """Where the engine decodes (its model's device type): the key's default device."""
     layers: int = 1
-    """Layers a hit streams in (the engine sets its model's): the pipelining of transfer and
-    decode; 1 adds them up."""
+    """Layers over which a hit's transfer and decode overlap (the engine sets its model's on
+    a GPU); 1 adds them up."""
     alpha: float = 0.3
-    """Weight of a new observation in the running means."""
+    """Weight of a new observation in the running means, in [0, 1]."""
+    margin_min: float = 0.02
+    """Least relative gain for which the controller leaves its last choice on a route."""
+    margin_max: float = 0.10
+    """Most relative gain it asks for, however much the estimates scatter: above it, a
+    better option is taken whatever the noise."""
+    explore: float = 0.25
+    """An encoding seen fewer than ``trials`` times on a route whose estimate lies within this
+    fraction of the choice's is tried, after the choice itself was seen there (module
+    docstring)."""
+    trials: int = 2
+    """Hits of a close encoding on a route before the controller stops trying it."""
     counts: Counter[str] = field(default_factory=Counter)
+    spread: dict[str, Spread] = field(default_factory=dict)
+    """Measured cost per option (module docstring): ``"<encoding>@<route>"`` (seconds per KV
+    byte of a hit) and ``recompute`` (seconds per token)."""
+    transfer_fits: dict[str, float] = field(default_factory=dict)
+    """Per ``"<encoding>@<route>"``: the rate its hits' bytes crossed the route at, over the
+    route's bandwidth then (a running mean; module docstring)."""
+    last_choice: dict[str, str] = field(default_factory=dict)
+    """The last choice made (not overridden) per route (``route_key``)."""
     calibrated_tokens: int = 0
     """Length of the calibration prefill that set ``prefill_tok_s`` (0: not calibrated)."""
     ttft_requests: int = 0
@@ -145,27 +247,54 @@ class LoadingController:
     last_ttft: tuple[float, float] = (0.0, 0.0)
     """(predicted, measured) TTFT of the last observed request, seconds."""
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-    _timed_only: set[str] = field(default_factory=set, repr=False)
-    """``decode_b_s`` keys set by a calibration and not yet by a hit."""
+    _recent: dict[str, list[float]] = field(default_factory=dict, repr=False)
+    """The last ``RECENT`` samples per key, for ``_filtered``."""
 
     def __post_init__(self) -> None:
         if self.bandwidth_b_s is not None:
             self.priors_b_s[SAME_HOST] = self.priors_b_s[NETWORK] = self.bandwidth_b_s
+        if not 0.0 <= self.alpha <= 1.0:
+            raise ValueError(f"alpha must lie in [0, 1], got {self.alpha}")
+        if not 0.0 <= self.margin_min <= self.margin_max < 1.0:
+            raise ValueError("margins must satisfy 0 <= margin_min <= margin_max < 1, got "
+                             f"{self.margin_min} and {self.margin_max}")
+        if self.explore < 0:
+            raise ValueError(f"explore must be >= 0, got {self.explore}")
+        if self.trials < 0:
+            raise ValueError(f"trials must be >= 0, got {self.trials}")
 
     def _ewma(self, old: float, new: float) -> float:
         return (1 - self.alpha) * old + self.alpha * new
 
+    def _filtered(self, key: str, x: float) -> float:
+        """The median of ``key``'s last ``RECENT`` samples with ``x``: what the running means
+        of an encoding's own hits take, so that one straggler among them moves nothing."""
+        got = self._recent.setdefault(key, [])
+        got.append(x)
+        del got[:-RECENT]
+        return statistics.median(got)
+
     def observe_transfer(self, nbytes: int, seconds: float, path: str = NETWORK,
-                         server: str = "") -> None:
+                         server: str = "", encoding: str = "") -> None:
         """``nbytes`` crossed ``path`` (from ``server``, where known) in ``seconds``: both
-        the path kind's estimate and the server's follow it."""
+        the path kind's estimate and the server's follow it; with the ``encoding`` they
+        carried, its share of that path (``transfer_fits``) too."""
         if nbytes > 0 and seconds > 0:
+            rate = nbytes / seconds
+            fit = f"{encoding}@{route_key(path == IN_PROCESS, path, server)}"
             with self._lock:
+                # the route learns the rate as if its share were 1: the encodings' mix does
+                # not move it, a change of the link does
                 olds = {path: self.bandwidth(path)}
                 if server:
                     olds[f"{path}@{server}"] = self.bandwidth(path, server)
+                link = rate / self.transfer_fits.get(fit, 1.0) if encoding else rate
                 for key, old in olds.items():
-                    self.bandwidths_b_s[key] = self._ewma(old, nbytes / seconds)
+                    self.bandwidths_b_s[key] = self._ewma(old, link)
+                if encoding:
+                    share = self._filtered("share:" + fit, rate / self.bandwidth(path, server))
+                    self.transfer_fits[fit] = self._ewma(self.transfer_fits.get(fit, share),
+                                                         share)
 
     def bandwidth(self, path: str = NETWORK, server: str = "") -> float:
         """Bandwidth (bytes/s) of ``path`` from ``server``: learnt for that server, else for
@@ -180,6 +309,7 @@ class LoadingController:
         if tokens > 0 and seconds > 0:
             with self._lock:
                 self.prefill_tok_s = self._ewma(self.prefill_tok_s, tokens / seconds)
+                self.spread.setdefault(RECOMPUTE, Spread()).add(seconds / tokens, self.alpha)
 
     def calibrate_prefill(self, tokens: int, seconds: float) -> None:
         """A timed calibration prefill of ``tokens`` tokens: its speed replaces the prior
@@ -200,19 +330,20 @@ class LoadingController:
 
     def calibrate_decode(self, encoding: str, kv_bytes: int, seconds: float,
                          device: str | None = None) -> None:
-        """A timed decode of ``kv_bytes`` of KV in ``encoding`` on ``device``: it replaces the
-        prior until the first hit decoded in it replaces it (``observe_decode``)."""
+        """A timed decode of ``kv_bytes`` of KV in ``encoding`` on ``device`` (the codec
+        alone): it replaces the prior until the first hit decoded in it is seen
+        (``observe_decode``), with what hits of other encodings showed they cost beyond
+        their codec added (``overhead_s_b``)."""
         if kv_bytes > 0 and seconds > 0:
-            key = self._key(encoding, device)
             with self._lock:
-                self.decode_b_s[key] = kv_bytes / seconds
-                self._timed_only.add(key)
+                self.codec_b_s[self._key(encoding, device)] = kv_bytes / seconds
 
     def knows_decode(self, encoding: str, device: str | None = None) -> bool:
-        """A decode speed of ``encoding`` on ``device`` was seen, or its mode has a prior
-        there (``DECODE_PRIORS_B_S``): no calibration needed."""
+        """A decode speed of ``encoding`` on ``device`` was seen or calibrated, or its mode
+        has a prior there (``DECODE_PRIORS_B_S``): no calibration needed."""
         kind = (device or self.device).split(":")[0]
-        return (self._key(encoding, device) in self.decode_b_s
+        key = self._key(encoding, device)
+        return (key in self.decode_b_s or key in self.codec_b_s
                 or (encoding.split("-")[0], kind) in DECODE_PRIORS_B_S)
 
     def prefill_seconds(self, tokens: int) -> float:
@@ -238,22 +369,56 @@ class LoadingController:
 
     def observe_decode(self, encoding: str, kv_bytes: int, seconds: float,
                        device: str | None = None) -> None:
+        """A hit of ``kv_bytes`` of KV in ``encoding`` cost ``seconds`` beyond its transfer on
+        ``device``: the first replaces the calibration or prior (what a hit costs end to end
+        is what decisions must weigh), later ones are running means. Where the encoding was
+        calibrated, what it cost beyond the codec is learnt as the device's overhead."""
         if kv_bytes > 0 and seconds > 0:
             key = self._key(encoding, device)
             with self._lock:
-                # the first hit replaces a calibration (a decode alone, of random KV), as it
-                # does a prior: what a hit costs end to end is what decisions must weigh
-                old = (kv_bytes / seconds if key in self._timed_only
-                       else self.decode_b_s.get(key, kv_bytes / seconds))
-                self._timed_only.discard(key)
+                old = self.decode_b_s.get(key, kv_bytes / seconds)
                 self.decode_b_s[key] = self._ewma(old, kv_bytes / seconds)
+                codec = self.codec_b_s.get(key)
+                if codec is not None:
+                    dev = device or self.device
+                    extra = max(0.0, seconds / kv_bytes - 1 / codec)
+                    self.overhead_s_b[dev] = self._ewma(self.overhead_s_b.get(dev, extra),
+                                                        extra)
+
+    def observe_hit(self, encoding: str, kv_bytes: int, transfer_s: float, seconds: float,
+                    local: bool = False, path: str = NETWORK, server: str = "",
+                    device: str | None = None) -> None:
+        """A hit of ``kv_bytes`` of KV in ``encoding`` took ``seconds`` from its first request
+        to usable KV, ``transfer_s`` of them until its last byte arrived, from the in-process
+        tier (``local``) or over ``path`` from ``server``. Its decode time is what makes
+        ``estimate`` reproduce ``seconds`` with that transfer (module docstring: decode-bound,
+        ``seconds - transfer_s / layers``; transfer-bound, ``layers`` times what showed after
+        the last byte), learnt as ``observe_decode`` does; the option's spread follows
+        ``seconds``. The bandwidth is ``observe_transfer``'s to learn."""
+        if kv_bytes <= 0 or seconds <= 0:
+            return
+        t, layers = max(0.0, transfer_s), max(1, self.layers)
+        after = max(seconds - t, 0.0)
+        decode = (t + after - t / layers if after >= t / layers else layers * after)
+        key = f"{encoding}@{route_key(local, path, server)}"
+        with self._lock:
+            rate = self._filtered(f"decode:{key}@{device or self.device}",
+                                  kv_bytes / max(decode, 1e-6))
+        self.observe_decode(encoding, kv_bytes, kv_bytes / rate, device)
+        with self._lock:
+            self.spread.setdefault(key, Spread()).add(seconds / kv_bytes, self.alpha)
 
     def decode_speed(self, encoding: str, device: str | None = None) -> float:
-        """Learnt decode speed of ``encoding`` on ``device`` (bytes/s); until one is seen, the
+        """Decode speed of ``encoding`` on ``device`` (bytes/s) a hit shows: learnt from hits;
+        before one, the calibrated codec speed with the device's learnt overhead; else the
         prior of its mode on that kind of device (``DECODE_PRIORS_B_S``), else 1 GB/s."""
-        learnt = self.decode_b_s.get(self._key(encoding, device))
+        key = self._key(encoding, device)
+        learnt = self.decode_b_s.get(key)
         if learnt is not None:
             return learnt
+        codec = self.codec_b_s.get(key)
+        if codec is not None:
+            return 1 / (1 / codec + self.overhead_s_b.get(device or self.device, 0.0))
         kind = (device or self.device).split(":")[0]
         return DECODE_PRIORS_B_S.get((encoding.split("-")[0], kind), 1e9)
 
@@ -264,9 +429,34 @@ class LoadingController:
         (module docstring)."""
         if local:
             path, server = IN_PROCESS, ""
-        transfer = stored_bytes / self.bandwidth(path, server)
+        share = self.transfer_fits.get(f"{encoding}@{route_key(local, path, server)}", 1.0)
+        transfer = stored_bytes / (self.bandwidth(path, server) * share)
         decode = kv_bytes / self.decode_speed(encoding)
         return max(transfer, decode) + min(transfer, decode) / max(1, self.layers)
+
+    def error(self, option: str, local: bool = False, path: str = NETWORK,
+              server: str = "") -> float | None:
+        """Relative scatter of ``option``'s measured cost on that route (an encoding) or of
+        the recomputes: None before two observations."""
+        key = option if option == RECOMPUTE else f"{option}@{route_key(local, path, server)}"
+        got = self.spread.get(key)
+        return got.relative_error if got is not None else None
+
+    def _seen(self, option: str, local: frozenset[str], path: str, server: str) -> int:
+        """Times ``option`` was observed on its route (a recompute: anywhere)."""
+        key = (option if option == RECOMPUTE
+               else f"{option}@{route_key(option in local, path, server)}")
+        got = self.spread.get(key)
+        return got.n if got is not None else 0
+
+    def margin(self, a: str, b: str, local: frozenset[str] = frozenset(),
+               path: str = NETWORK, server: str = "") -> float:
+        """Relative gain needed to prefer option ``b`` to option ``a``: their errors combined,
+        within [``margin_min``, ``margin_max``]; an option seen fewer than twice counts
+        ``margin_max``."""
+        errs = [self.error(o, o in local, path, server) for o in (a, b)]
+        combined = math.hypot(*(self.margin_max if e is None else e for e in errs))
+        return min(self.margin_max, max(self.margin_min, combined))
 
     def choose(self, tokens: int, kv_bytes: int, stored: dict[str, int],
                override: str | None = None, local: frozenset[str] = frozenset(),
@@ -274,10 +464,12 @@ class LoadingController:
         """Pick for ``tokens`` tokens whose KV is ``kv_bytes`` bytes; ``stored`` maps each
         available encoding to its stored size (a missing encoding is simply absent); ``local``
         names the encodings the in-process tier holds; the others come over ``path`` from
-        ``server``."""
+        ``server``. Without ``override`` the route's last choice stays unless another
+        option beats it by more than ``margin`` (module docstring)."""
         est = {enc: self.estimate(enc, size, kv_bytes, enc in local, path, server)
                for enc, size in stored.items()}
         est[RECOMPUTE] = self.prefill_seconds(tokens)
+        route = route_key(False, path, server)
         if override is not None:
             if override != RECOMPUTE and override not in stored:
                 choice, reason = RECOMPUTE, f"override {override!r} not stored; recomputing"
@@ -288,8 +480,28 @@ class LoadingController:
         else:
             choice = min(est, key=lambda k: est[k])
             reason = "fastest estimate"
+            last = self.last_choice.get(route)
+            if last is not None and last != choice and last in est:
+                m = self.margin(last, choice, local, path, server)
+                if est[choice] > (1 - m) * est[last]:
+                    reason = (f"kept {last}: {choice} is {1 - est[choice] / est[last]:.1%} "
+                              f"faster, within the estimates' error ({m:.1%})")
+                    choice = last
+        kept = choice
+        if override is None and stored and self._seen(choice, local, path, server):
+            unseen = [enc for enc in stored if enc != choice
+                      and self._seen(enc, local, path, server) < self.trials
+                      and est[enc] <= (1 + self.explore) * est[choice]]
+            if unseen:
+                tried = min(unseen, key=lambda k: est[k])
+                reason = (f"trying {tried}: {est[tried] / est[choice] - 1:+.1%} against "
+                          f"{choice}, seen {self._seen(tried, local, path, server)} times "
+                          "here")
+                choice = tried
         with self._lock:
             self.counts[choice] += 1
+            if override is None and stored:
+                self.last_choice[route] = kept  # a trial is not a choice to keep
         log.info("controller: %d tokens -> %s (%s; estimates %s)", tokens, choice, reason,
                  {k: round(v, 4) for k, v in est.items()})
         return Decision(choice, est, reason)

@@ -180,7 +180,10 @@ class KDNEngine(KVConnector):
         self._device = model_device(model)
         self.controller.device = self._device.type  # decode speeds are learnt per device
         self._layout = model_layout(model, self.config.kv_dtype)
-        self.controller.layers = self._layout.num_layers  # a hit's layers pipeline
+        # a hit's layers pipeline where the device decodes while the host receives; on a CPU
+        # the receive, the decode and the model share the cores, and bench.link measured
+        # transfer and decode adding up there
+        self.controller.layers = self._layout.num_layers if self._device.type == "cuda" else 1
         self._calibrated = not self.config.calibrate
         if not self.config.chunk_tokens:
             self.config = dataclasses.replace(self.config,
@@ -483,7 +486,8 @@ class KDNEngine(KVConnector):
                 start = min(s.timings.started for s in group)
                 last = max(s.timings.last_frame_received for s in group)
                 nbytes = sum(s.timings.bytes_received for s in group)
-                self.controller.observe_transfer(nbytes, max(0.0, last - start), path, server)
+                self.controller.observe_transfer(nbytes, max(0.0, last - start), path, server,
+                                                 choice)
         if streams:
             start = min(s.timings.started for s in streams)
             last = max(s.timings.last_frame_received for s in streams)
@@ -496,7 +500,9 @@ class KDNEngine(KVConnector):
             # said ready; the suffix computed is taken out at the learnt prefill speed
             spent = (t.ttft_s - t.lookup_s - t.transfer_s
                      - t.computed_tokens / self.controller.prefill_tok_s)
-            self.controller.observe_decode(choice, kv_bytes, max(t.decode_s, spent, 1e-4))
+            self.controller.observe_hit(choice, kv_bytes, t.transfer_s,
+                                        t.transfer_s + max(t.decode_s, spent, 1e-4),
+                                        local=not remote, path=self._path, server=self._server)
         else:
             self.controller.observe_prefill(t.computed_tokens, t.first_token_compute_s)
 
