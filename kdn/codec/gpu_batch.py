@@ -144,12 +144,11 @@ class _Source:
             whole = _whole(bodies[nonempty[0]])
             start = lo - int(whole.ctypes.data)
         host: np.ndarray | None = None
-        one_span = (0 <= start and start + hi - lo <= len(whole)
-                    and hi - lo <= 2 * sum(sizes) + (1 << 20))
+        in_whole = 0 <= start and start + hi - lo <= len(whole)
+        one_span = in_whole and hi - lo <= 2 * sum(sizes) + (1 << 20)
         self.delta: np.ndarray | None = None
         if pinned and not one_span and nonempty and device.type in DIRECT:
-            self._direct(bodies, addr, sizes, nonempty, device,
-                         whole if 0 <= start and start + hi - lo <= len(whole) else None,
+            self._direct(bodies, addr, sizes, nonempty, device, whole if in_whole else None,
                          host_view)
             return
         stage = device.type == "cuda" and not (pinned and one_span)  # copied anyway: pinned
@@ -158,11 +157,7 @@ class _Source:
             self.offsets = [a - lo if n else 0 for a, n in zip(addr, sizes)]
             pieces, total = [(0, host)], hi - lo
         else:
-            self.offsets, total, pieces = [], 0, []
-            for b in bodies:
-                pieces.append((total, np.frombuffer(b, dtype=np.uint8)))
-                self.offsets.append(total)
-                total += len(b)
+            pieces, self.offsets, total = _packing(bodies)
         if stage:
             t = torch.empty(max(total, 1), dtype=torch.uint8, pin_memory=True)
             host = t.numpy()
@@ -220,11 +215,7 @@ class _Source:
             self.host_offsets = [a - base_addr if n else 0 for a, n in zip(addr, sizes)]
             self.array = whole
         elif host_view:  # several buffers: the planner's copy (one host array)
-            self.host_offsets, total, pieces = [], 0, []
-            for body in bodies:
-                pieces.append((total, np.frombuffer(body, dtype=np.uint8)))
-                self.host_offsets.append(total)
-                total += len(body)
+            pieces, self.host_offsets, total = _packing(bodies)
             self.array = np.empty(max(total, 1), dtype=np.uint8)
             _copy_into(self.array, pieces)
         else:
@@ -232,6 +223,18 @@ class _Source:
         self.delta = np.array(self.offsets, np.int64) - np.array(self.host_offsets, np.int64)
         self.host = held
         self.tensor = out
+
+
+def _packing(bodies: list[memoryview]
+             ) -> tuple[list[tuple[int, np.ndarray]], list[int], int]:
+    """The bodies one after another: (offset, bytes) pieces for ``_copy_into``, each body's
+    offset, and the total."""
+    pieces, offsets, total = [], [], 0
+    for b in bodies:
+        pieces.append((total, np.frombuffer(b, dtype=np.uint8)))
+        offsets.append(total)
+        total += len(b)
+    return pieces, offsets, total
 
 
 def _whole(body: memoryview) -> np.ndarray:

@@ -179,6 +179,12 @@ def route_key(local: bool, path: str, server: str) -> str:
     return f"{path}@{server}" if server else path
 
 
+def _option_key(option: str, local: bool, path: str, server: str) -> str:
+    """Where ``option``'s measured cost is kept in ``spread``: an encoding per route, a
+    recompute wherever it ran."""
+    return option if option == RECOMPUTE else f"{option}@{route_key(local, path, server)}"
+
+
 @dataclass(frozen=True)
 class Decision:
     choice: str
@@ -281,7 +287,7 @@ class LoadingController:
         carried, its share of that path (``transfer_fits``) too."""
         if nbytes > 0 and seconds > 0:
             rate = nbytes / seconds
-            fit = f"{encoding}@{route_key(path == IN_PROCESS, path, server)}"
+            fit = _option_key(encoding, path == IN_PROCESS, path, server)
             with self._lock:
                 # the route learns the rate as if its share were 1: the encodings' mix does
                 # not move it, a change of the link does
@@ -400,7 +406,7 @@ class LoadingController:
         t, layers = max(0.0, transfer_s), max(1, self.layers)
         after = max(seconds - t, 0.0)
         decode = (t + after - t / layers if after >= t / layers else layers * after)
-        key = f"{encoding}@{route_key(local, path, server)}"
+        key = _option_key(encoding, local, path, server)
         with self._lock:
             rate = self._filtered(f"decode:{key}@{device or self.device}",
                                   kv_bytes / max(decode, 1e-6))
@@ -429,7 +435,7 @@ class LoadingController:
         (module docstring)."""
         if local:
             path, server = IN_PROCESS, ""
-        share = self.transfer_fits.get(f"{encoding}@{route_key(local, path, server)}", 1.0)
+        share = self.transfer_fits.get(_option_key(encoding, local, path, server), 1.0)
         transfer = stored_bytes / (self.bandwidth(path, server) * share)
         decode = kv_bytes / self.decode_speed(encoding)
         return max(transfer, decode) + min(transfer, decode) / max(1, self.layers)
@@ -438,15 +444,12 @@ class LoadingController:
               server: str = "") -> float | None:
         """Relative scatter of ``option``'s measured cost on that route (an encoding) or of
         the recomputes: None before two observations."""
-        key = option if option == RECOMPUTE else f"{option}@{route_key(local, path, server)}"
-        got = self.spread.get(key)
+        got = self.spread.get(_option_key(option, local, path, server))
         return got.relative_error if got is not None else None
 
     def _seen(self, option: str, local: frozenset[str], path: str, server: str) -> int:
         """Times ``option`` was observed on its route (a recompute: anywhere)."""
-        key = (option if option == RECOMPUTE
-               else f"{option}@{route_key(option in local, path, server)}")
-        got = self.spread.get(key)
+        got = self.spread.get(_option_key(option, option in local, path, server))
         return got.n if got is not None else 0
 
     def margin(self, a: str, b: str, local: frozenset[str] = frozenset(),
