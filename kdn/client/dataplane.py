@@ -80,6 +80,15 @@ ones are leased (no copy). The server's read arena keeps no entry below this siz
 (``kdn.server.putmany.ARENA_STORE_BYTES``)."""
 
 
+def _inline(ref: pb.EntryRef) -> Fetched:
+    """The entry a GetMany answer carries inline in ``ref`` (a small one asked for through the
+    segment); Corrupt when its bytes are not the length the answer says."""
+    if ref.length != len(ref.data):
+        raise Corrupt(f"GetMany answered {len(ref.data)} bytes inline for an entry of "
+                      f"{ref.length}")
+    return fetched(ref.data, ref.tier, checked=ref.verified, whole=True)
+
+
 class TooBig:
     """Marks an entry a batch can not carry (larger than the segment or a message)."""
 
@@ -325,10 +334,10 @@ class DataPlane:
             seg.regions.free(*block)
             if not ref.present:
                 return None
-            if ref.length != len(ref.data) or not ref.written:
+            if not ref.written:
                 raise Corrupt(f"GetMany answered {len(ref.data)} bytes inline for an entry of "
                               f"{ref.length}")
-            return fetched(ref.data, ref.tier, checked=ref.verified, whole=True)
+            return _inline(ref)
         if ref is None:
             seg.regions.free(*block)
             raise Corrupt(f"GetMany answered {len(resp.entries)} entries for 1 key")
@@ -382,10 +391,7 @@ class DataPlane:
                 unviewed.discard(ref.lease)
                 out[i] = fetched(view, ref.tier, True, ref.verified, pinned=view.readonly)
             elif seg is not None and len(ref.data):  # small, in the answer (``SMALL_ENTRY_BYTES``)
-                if ref.length != len(ref.data):
-                    raise Corrupt(f"GetMany answered {len(ref.data)} bytes inline for an "
-                                  f"entry of {ref.length}")
-                out[i] = fetched(ref.data, ref.tier, checked=ref.verified, whole=True)
+                out[i] = _inline(ref)
             elif seg is not None and block is not None:
                 if ref.offset < used or ref.offset + ref.length > block[0] + block[1]:
                     raise Corrupt(f"GetMany placed an entry at [{ref.offset}, "
