@@ -170,3 +170,14 @@ def read_while_churned(writer: Any, reader: Any, key: bytes, versions: Sequence[
         stop.set()
         thread.join()
     return seen
+
+
+def without_directory(monkeypatch: Any) -> None:
+    """Same-host reads ask the server as before the read arena's directory: the server lists
+    no entry (``kdn.server.arena.LIST_BELOW_BYTES``) and clients look none up. For tests of
+    the ways a read takes when an entry is not listed (inline answers, leases, kept leases)."""
+    from kdn.client.shm import LeasedArena
+    from kdn.server import arena
+
+    monkeypatch.setattr(arena, "LIST_BELOW_BYTES", 0)
+    monkeypatch.setattr(LeasedArena, "find", lambda self, namespace, key: None)

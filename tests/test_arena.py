@@ -21,7 +21,13 @@ from kdn.errors import Corrupt
 from kdn.server import ServerConfig, ServerThread
 from kdn.server.arena import PAGE, Arena, Arenas
 from kdn.server.config import ConfigError
-from tests.helpers import churn, count_staging_copies, random_kv, uniform_layout
+from tests.helpers import (
+    churn,
+    count_staging_copies,
+    random_kv,
+    uniform_layout,
+    without_directory,
+)
 from tests.helpers import copy_into as _copy
 from tests.helpers import numbered_key as _key
 from tests.helpers import raw_entry as _value
@@ -32,8 +38,10 @@ LAYOUT = uniform_layout()
 @pytest.fixture(autouse=True)
 def _small_entries_leased(monkeypatch: pytest.MonkeyPatch) -> None:
     """These tests lease small entries; by default an entry this small read alone comes inside
-    the GetMany answer instead (``kdn.client.dataplane.SMALL_ENTRY_BYTES``)."""
+    the GetMany answer instead (``kdn.client.dataplane.SMALL_ENTRY_BYTES``), and one the
+    arena's directory lists is read without a call (``tests/test_directory.py``)."""
     monkeypatch.setattr(dataplane, "SMALL_ENTRY_BYTES", 0)
+    without_directory(monkeypatch)
 
 
 # -- the arena alone ----------------------------------------------------------------------------

@@ -22,10 +22,18 @@ from kdn.server import ServerConfig, ServerThread
 from kdn.server.arena import PAGE, Arena
 from kdn.v1 import kdn_pb2 as pb
 from tests.helpers import numbered_key as _key
-from tests.helpers import random_kv, read_while_churned, uniform_layout
+from tests.helpers import random_kv, read_while_churned, uniform_layout, without_directory
 from tests.helpers import raw_entry as _value
 
 LAYOUT = uniform_layout()
+
+
+@pytest.fixture(autouse=True)
+def _not_listed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Reads as they go for an entry the read arena's directory does not list
+    (``tests/test_directory.py`` covers listed ones)."""
+    without_directory(monkeypatch)
+
 
 
 def _never(dst: memoryview, value: bytes | memoryview) -> None:

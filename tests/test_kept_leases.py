@@ -22,7 +22,7 @@ from kdn.server import ServerConfig, ServerThread
 from kdn.server.arena import PAGE, WORD, Arena
 from tests.helpers import copy_into as _copy
 from tests.helpers import numbered_key as _key
-from tests.helpers import random_kv, read_while_churned, uniform_layout
+from tests.helpers import random_kv, read_while_churned, uniform_layout, without_directory
 from tests.helpers import raw_entry as _value
 
 LAYOUT = uniform_layout()
@@ -31,8 +31,10 @@ LAYOUT = uniform_layout()
 @pytest.fixture(autouse=True)
 def _small_entries_leased(monkeypatch: pytest.MonkeyPatch) -> None:
     """These tests lease small entries; by default an entry this small read alone comes inside
-    the GetMany answer instead (``kdn.client.dataplane.SMALL_ENTRY_BYTES``)."""
+    the GetMany answer instead (``kdn.client.dataplane.SMALL_ENTRY_BYTES``), and one the
+    arena's directory lists is read without a call (``tests/test_directory.py``)."""
     monkeypatch.setattr(dataplane, "SMALL_ENTRY_BYTES", 0)
+    without_directory(monkeypatch)
 
 
 def _word(arena: Arena, at: int) -> int:

@@ -19,9 +19,17 @@ from kdn.errors import Corrupt, LayoutMismatch
 from kdn.server import ServerThread
 from kdn.v1 import kdn_pb2 as pb
 from tests.helpers import numbered_key as _key
-from tests.helpers import random_kv, uniform_layout
+from tests.helpers import random_kv, uniform_layout, without_directory
 
 LAYOUT = uniform_layout()  # 512 bytes a token
+
+
+@pytest.fixture(autouse=True)
+def _not_listed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Reads as they go for an entry the read arena's directory does not list
+    (``tests/test_directory.py`` covers listed ones)."""
+    without_directory(monkeypatch)
+
 
 
 @pytest.fixture

@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from kdn.transport import directory
 from kdn.transport.regions import ALIGN, RegionAllocator
 
 NONCE_BYTES = 16
@@ -170,6 +171,11 @@ class LeasedArena:
         self._first_page = self.array.ctypes.data // PAGE
         self._source: np.ndarray[Any, Any] = np.frombuffer(self._pristine, dtype=np.uint8)
         self._words: np.ndarray[Any, Any] = self._source[: size // 8 * 8].view(np.uint64)
+        self._directory = directory.read_geometry(self._words, size)
+        """(first word, sets) of the arena's directory (``kdn.transport.directory``); None
+        where the server lists no entries."""
+        self.found = 0
+        """Reads answered from the directory (no call)."""
         self.keep_bytes = min(KEEP_BYTES, size // 8) if keep_bytes is None else keep_bytes
         """Bytes of entries whose leases this client keeps to read again without a call."""
         self._kept: OrderedDict[Hashable, Kept] = OrderedDict()  # least recently read first
@@ -314,6 +320,25 @@ class LeasedArena:
             self._kept.move_to_end(name)
             self.reused += 1
             return self._view(kept.lease, kept.offset, kept.length, pinned), kept.tier
+
+    @property
+    def has_directory(self) -> bool:
+        return self._directory is not None
+
+    def find(self, namespace: str, key: bytes) -> memoryview | None:
+        """A copy of the server's value of ``key`` in ``namespace`` where the arena's
+        directory lists it (``kdn.transport.directory``: read without a call, never a value
+        the server no longer holds, never torn); None where it does not (ask the server)."""
+        if self._directory is None or self.closed:
+            return None
+        name = directory.tag(namespace, key)
+        with self._lock:  # ``close`` drops the arrays under it
+            if self.closed:
+                return None
+            got = directory.find(self._words, self._source, *self._directory, name, self.size)
+        if got is not None:
+            self.found += 1
+        return got
 
     def pressed(self) -> bool:
         """Whether the server asks for kept leases back (its arena is full: the header's

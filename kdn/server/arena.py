@@ -63,8 +63,12 @@ from typing import Any
 
 import numpy as np
 
+from kdn.codec.copies import copy_checked
 from kdn.codec.format import header_size
 from kdn.errors import Corrupt
+from kdn.keys import split_store_key
+from kdn.store.tiered import TieredStore
+from kdn.transport import directory
 from kdn.transport.buffers import MADV_POPULATE_WRITE, libc_madvise, on_release
 from kdn.transport.regions import RegionAllocator
 
@@ -105,6 +109,8 @@ class Slot:
     """Still the arena's copy for ``skey`` (False: dropped; freed at its last release)."""
     generation: int = 0
     """Written at ``start`` while indexed (module docstring); unique in the arena."""
+    bucket: int = -1
+    """The directory bucket (word index) that lists it; -1: not listed (``Arena.list``)."""
 
 
 def _unstore(slot: Slot) -> None:
@@ -136,7 +142,20 @@ class Arena:
         self._salt = secrets.randbits(64)
         self._stored = 0  # bytes of slots the RAM tier holds (``reserve``)
         self._unstored: deque[Slot] = deque()  # theirs that went, their leases not yet given
-        self._regions = RegionAllocator(PAGE, self.size)  # the first page: the pressure word
+        dir_at, self._sets = directory.geometry(self.size, PAGE)
+        self._dir_first = dir_at // WORD
+        dir_end = dir_at + directory.directory_bytes(self._sets, PAGE)
+        if (dir_end - dir_at) * directory.SHARE > self.size:  # too small to spare one: none
+            dir_end, self._sets = PAGE, 0
+        else:
+            self._words[directory.HEADER_OFFSET] = dir_at
+            self._words[directory.HEADER_SETS] = self._sets
+            self._words[directory.HEADER_MAGIC] = directory.MAGIC
+        self._listed: dict[int, Slot] = {}  # directory bucket -> the slot it lists
+        self._next_way = 0
+        self._data_start = dir_end
+        self._regions = RegionAllocator(dir_end, self.size)  # the first page: the header
+        self.listed = 0
         self._index: OrderedDict[bytes, Slot] = OrderedDict()  # least recently read first
         self._lock = threading.Lock()
         self.hits = self.fills = self.full = 0
@@ -185,7 +204,7 @@ class Arena:
     def used_bytes(self) -> int:
         with self._lock:
             self._settle()
-            return self.size - PAGE - self._regions.free_bytes()
+            return self.size - self._data_start - self._regions.free_bytes()
 
     def lease(self, skey: bytes, value: bytes | memoryview, stamp: int,
               fill: Callable[[memoryview, bytes | memoryview], None]) -> Slot | None:
@@ -300,12 +319,51 @@ class Arena:
             if victim is None:
                 return None
             self._unindex(victim)
-        if self._words[0] and self._regions.free_bytes() >= (self.size - PAGE) // 4:
+        if self._words[0] and self._regions.free_bytes() >= (self.size - self._data_start) // 4:
             self._words[0] = 0  # room again: clients may keep leases
         return start, size
 
+    def list(self, slot: Slot) -> bool:
+        """List ``slot`` in the directory (``kdn.transport.directory``), so that same-host
+        clients read its entry without a call, while it stays the index's copy of its key;
+        small entries only (``LIST_BELOW_BYTES``: a read from the directory is a copy).
+        Call under the key's entry lock, once the caller knows the slot holds the key's
+        lasting value (no time to live: its expiry would pass unseen). False where it is not
+        listed (no directory, or the slot is no longer the key's copy)."""
+        if not self._sets or slot.length >= LIST_BELOW_BYTES:  # a larger one is leased: no
+            return False  # copy at all
+        namespace, key = split_store_key(slot.skey)[1:]
+        name = directory.tag(namespace, key)
+        with self._lock:
+            if not slot.indexed or self._index.get(slot.skey) is not slot:
+                return False
+            if slot.bucket >= 0:
+                return True
+            ways = directory.ways_of(self._words, self._dir_first, self._sets, name)
+            free = [w for w, b in enumerate(ways) if b not in self._listed]
+            if free:
+                way = free[0]
+            else:  # a full set: the bucket of another slot lists this one instead
+                way = self._next_way = (self._next_way + 1) % directory.WAYS
+                self._delist(self._listed[ways[way]])
+            slot.bucket = directory.list_slot(self._words, self._dir_first, self._sets, name,
+                                              slot.generation, slot.start, slot.offset,
+                                              slot.length, way)
+            self._listed[slot.bucket] = slot
+            self.listed += 1
+            return True
+
+    def _delist(self, slot: Slot) -> None:
+        """Empty the directory bucket listing ``slot``. Call with the lock held."""
+        if slot.bucket >= 0:
+            self._words[slot.bucket] = 0
+            if self._listed.get(slot.bucket) is slot:
+                del self._listed[slot.bucket]
+            slot.bucket = -1
+
     def _unindex(self, slot: Slot) -> None:
         """Drop ``slot`` from the index; its pages are freed now or at its last release."""
+        self._delist(slot)  # not found in the directory any more
         if slot.indexed and self._index.get(slot.skey) is slot:
             del self._index[slot.skey]
             self._words[slot.start // WORD] = 0  # kept leases read it no more (a call does)
@@ -359,6 +417,12 @@ class Arenas:
                 arena = self._by_tenant[tenant] = Arena(tenant, self.size)
             return arena
 
+    def existing(self, tenant: str) -> Arena | None:
+        """The tenant's arena where one was made (a client of the tenant attached); None
+        otherwise."""
+        with self._lock:
+            return self._by_tenant.get(tenant)
+
     def drop(self, skey: bytes) -> None:
         with self._lock:
             arenas = list(self._by_tenant.values())
@@ -379,6 +443,41 @@ class Arenas:
             arenas, self._by_tenant = list(self._by_tenant.values()), {}
         for arena in arenas:
             arena.close()
+
+
+LIST_BELOW_BYTES = 64 << 10
+"""A RAM-tier entry below this size is copied into its tenant's read arena and listed in its
+directory when it is stored, or answered inline to a same-host client (``list_small``):
+same-host clients then read it without a call. Larger entries are listed once leased
+(``kdn.server.batch``) or stored into the arena (``kdn.server.putmany``)."""
+
+
+def list_small(arenas: Arenas, store: TieredStore, tenant: str, skey: bytes,
+               value: bytes | memoryview, stamp: int) -> bool:
+    """Copy ``value``, the RAM tier's value of ``skey`` with ``stamp``, into the tenant's read
+    arena (where one was made: a client of the tenant attached) and list it in the
+    directory, if it is still the key's lasting value (no time to live) once copied, checked
+    under the key's entry lock (a write drops the copy under it). Whether it was listed; a
+    copy that fails its check is not (reads then ask the server, which checks again). Call
+    without the entry lock."""
+    arena = arenas.existing(tenant)
+    if arena is None or not stamp or len(value) >= LIST_BELOW_BYTES:
+        return False
+    try:
+        slot = arena.lease(skey, value, stamp, _copy_checked)
+    except Corrupt:
+        return False
+    if slot is None:
+        return False
+    try:
+        with store.entry_lock(skey):
+            return slot.indexed and store.memory_stamp(skey) == slot.stamp and arena.list(slot)
+    finally:
+        arena.release(slot)
+
+
+def _copy_checked(dst: memoryview, value: bytes | memoryview) -> None:
+    copy_checked(dst, value)
 
 
 _lease_numbers = itertools.count(1)

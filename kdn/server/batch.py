@@ -32,7 +32,7 @@ from kdn.codec.copies import copy_checked
 from kdn.codec.format import header_layout, header_size, parse_header
 from kdn.errors import Corrupt, LayoutMismatch
 from kdn.keys import store_key
-from kdn.server.arena import Arenas
+from kdn.server.arena import Arenas, list_small
 from kdn.server.auth import Principal
 from kdn.server.segments import Segment, Segments, region_span
 from kdn.store.framed import Framed
@@ -143,6 +143,7 @@ class BatchReads:
         want = request.expect_layout_fingerprint
         sent = 0
         copies: list[tuple[pb.EntryRef, bytes, Hit, int]] = []  # segment copies, placed
+        listed: list[tuple[bytes, Hit]] = []  # small RAM entries answered inline, to list
         inline: dict[int, bytes | memoryview | list[bytes | memoryview]] = {}  # entry number
         # -> its bytes (or their pieces), joined in
         for skey in skeys:
@@ -168,6 +169,8 @@ class BatchReads:
                 self.usage.served(skey, again.value, again.tier, read_s)
                 self.count("getmany.hit")
                 sent += len(again.value)
+                if request.lease and again.tier == "ram":  # the client maps the arena: its
+                    listed.append((skey, again))  # next read of the key makes no call
                 continue
             if seg is not None and request.lease and self._leased(
                     p, seg, ref, skey, cast("Hit", hit)):  # ``get``'s: one buffer
@@ -196,8 +199,11 @@ class BatchReads:
             sent -= self._copy_all(seg, copies)
         self.count("bytes_out", sent)
         if seg is None or inline:
-            return get_many_message([(ref, inline.get(i, b""))
-                                     for i, ref in enumerate(out.entries)])
+            message = get_many_message([(ref, inline.get(i, b""))
+                                        for i, ref in enumerate(out.entries)])
+            for skey, hit in listed:
+                list_small(self.arenas, self.store, p.tenant, skey, hit.value, hit.stamp)
+            return message
         return out
 
     def _hit(self, skey: bytes, want: str, *, framed: bool) -> Hit | FramedHit | None:
@@ -268,6 +274,7 @@ class BatchReads:
             if slot.indexed and self.store.memory_stamp(skey) == slot.stamp:  # still the value
                 ref.generation, ref.generation_at = slot.generation, slot.start  # a kept lease
                 # reads without a call (a write from now on zeroes the word before it answers)
+                arena.list(slot)  # and other clients find it in the directory
         self.count("getmany.hit")
         return True
 

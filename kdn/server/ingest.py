@@ -26,7 +26,7 @@ from kdn.codec.format import Header, parse_header
 from kdn.errors import InvalidArgument, LayoutMismatch, TooLarge
 from kdn.keys import split_store_key, store_key
 from kdn.options import Durability
-from kdn.server.arena import Arena, Arenas, Slot
+from kdn.server.arena import LIST_BELOW_BYTES, Arena, Arenas, Slot, list_small
 from kdn.server.auth import Authenticator, Principal
 from kdn.server.config import ServerConfig
 from kdn.server.usage import Usage
@@ -142,8 +142,14 @@ class Ingest:
                 stamp = self.store.memory_stamp(skey, expiring=True, value=value)  # reads
                 if stamp:  # find it there (the RAM tier holds this very view)
                     in_arena[0].publish(in_arena[1], skey, stamp)
+            small = 0 if in_arena is not None or isinstance(value, Framed) or \
+                len(value) >= LIST_BELOW_BYTES or self.arenas.existing(principal.tenant) is None \
+                else self.store.memory_stamp(skey, value=value)
             if delta < 0:
                 self.auth.charge(principal, delta)
+        if small and not isinstance(value, Framed):  # same-host clients read it without a
+            # call, the first time too
+            list_small(self.arenas, self.store, principal.tenant, skey, value, small)
         self.count("store.ok")
         self.count("bytes_in", len(value))
         if header is not None:
