@@ -30,6 +30,7 @@ from tests.helpers import (
     random_kv,
     read_while_churned,
     uniform_layout,
+    without_directory,
 )
 
 LAYOUT = uniform_layout()
@@ -265,8 +266,9 @@ def test_same_host_addresses_and_a_server_that_is_not_there_yet(tmp_path: Path) 
         assert not c.dataplane.same_host._tried  # asks again once the server answers
 
 
-def test_the_fast_path_serves_same_host_batches_and_refuses_strangers(server: ServerThread
-                                                                      ) -> None:
+def test_the_fast_path_serves_same_host_batches_and_refuses_strangers(
+        server: ServerThread, monkeypatch: pytest.MonkeyPatch) -> None:
+    without_directory(monkeypatch)  # its read is a call on the fast path
     import socket
 
     from kdn.transport.wire import FAST_GET_MANY, FAST_HEAD, read_exact

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from kdn import codec
-from kdn.client import Client, Retry
+from kdn.client import Client, Retry, dataplane
 from kdn.client.shm import LeasedArena
 from kdn.errors import KDNError, LayoutMismatch
 from kdn.options import StoreOptions
@@ -46,7 +46,7 @@ def _find(arena: Arena, namespace: str, key: bytes) -> bytes | None:
     assert geo is not None
     got = directory.find(arena.array.view(np.uint64), arena.array, *geo,
                          directory.tag(namespace, key), arena.size)
-    return None if got is None else bytes(got)
+    return None if got is None else bytes(got[0])
 
 
 def _skey(namespace: str, key: bytes) -> bytes:
@@ -55,7 +55,7 @@ def _skey(namespace: str, key: bytes) -> bytes:
 
 def _listed(arena: Arena, namespace: str, key: bytes, value: bytes, stamp: int = 1) -> None:
     slot = arena.lease(_skey(namespace, key), value, stamp, _copy)
-    assert slot is not None and arena.list(slot)
+    assert slot is not None and arena.enlist(slot)
     arena.release(slot)
 
 
@@ -93,7 +93,7 @@ def test_a_full_set_lists_the_newest_and_a_large_entry_is_never_listed(arena: Ar
     big = _value(random_kv(LAYOUT, 2000, seed=9))  # 64 KiB and more: leased, never copied
     assert len(big) >= 64 << 10
     slot = arena.lease(_skey("ns", b"z" * 32), big, 1, _copy)
-    assert slot is not None and not arena.list(slot)
+    assert slot is not None and not arena.enlist(slot)
     assert _find(arena, "ns", b"z" * 32) is None
 
 
@@ -136,7 +136,7 @@ def test_a_small_arena_keeps_no_directory() -> None:
         assert directory.read_geometry(a.array.view(np.uint64), a.size) is None
         value = _value(random_kv(LAYOUT, 4, seed=1))
         slot = a.lease(b"ns/" + b"00" * 32, value, 1, _copy)
-        assert slot is not None and not a.list(slot)  # all its pages stay for entries
+        assert slot is not None and not a.enlist(slot)  # all its pages stay for entries
     finally:
         a.close()
 
@@ -280,3 +280,35 @@ def test_a_server_that_went_away_is_not_read_from(config: ServerConfig) -> None:
         got = None  # asked the server, which is gone
     assert got is None and arena.found == 1
     c.close()
+
+
+def test_reads_from_the_directory_are_counted_by_the_server(
+        st: ServerThread, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The server never sees a read from the directory; the client reports them: with its next
+    GetMany, in a call of its own once ``REPORT_READS`` wait, and when it closes."""
+    monkeypatch.setattr(dataplane, "REPORT_READS", 4)
+    kvs = [random_kv(LAYOUT, 20, seed=i) for i in range(4)]
+
+    def listed_reads() -> int:
+        assert st.server is not None
+        return int(dict(st.server.servicer.counters).get("arena.listed_reads", 0))
+
+    with Client(st.address, timeout_s=30, shm_bytes=1 << 20) as writer:
+        for i, kv in enumerate(kvs):
+            writer.store(_key(i), kv, mode="raw")
+        reader = Client(st.address, timeout_s=30, shm_bytes=1 << 20)
+        assert reader.fetch(_key(99)) is None  # attached, then the entries listed
+        for i, kv in enumerate(kvs):
+            writer.store(_key(i), kv, mode="raw")
+        for i in range(3):
+            assert reader.retrieve(_key(i), layout=LAYOUT) is not None
+        assert listed_reads() == 0  # not reported yet
+        assert reader.retrieve(_key(3), layout=LAYOUT) is not None
+        assert listed_reads() == 4  # four waiting: a call of their own
+        assert reader.retrieve(_key(0), layout=LAYOUT) is not None
+        assert reader.fetch(_key(98)) is None  # a call: the read rides on it
+        assert listed_reads() == 5
+        assert reader.retrieve(_key(1), layout=LAYOUT) is not None
+        assert _arena(reader).found == 6
+        reader.close()  # and what is left goes when the client closes
+        assert listed_reads() == 6

@@ -17,7 +17,13 @@ from kdn.engine import EngineConfig, KDNEngine
 from kdn.errors import LayoutMismatch
 from kdn.layout import DType, KVLayout
 from kdn.server import ServerThread
-from tests.helpers import count_staging_copies, pruned_layout, random_kv, uniform_layout
+from tests.helpers import (
+    count_staging_copies,
+    pruned_layout,
+    random_kv,
+    uniform_layout,
+    without_directory,
+)
 from tests.test_blend import ids, tiny
 from tests.test_rag import CharTokenizer
 
@@ -111,7 +117,9 @@ def test_pinned_entries_cost_their_size_and_are_unpinned_when_the_last_view_goes
 
 
 @pytest.mark.parametrize("shm", [None, 0], ids=["segment", "stream"])
-def test_hits_cost_no_call_to_the_server(server: ServerThread, shm: int | None) -> None:
+def test_hits_cost_no_call_to_the_server(server: ServerThread, shm: int | None,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    without_directory(monkeypatch)  # the first read is a call (the arena's directory aside)
     with Client(server.address, shm_bytes=shm, local_bytes=8 << 20) as c, \
             Client(server.address) as other:
         kv = random_kv(pruned_layout(), 30, seed=1)

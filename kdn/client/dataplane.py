@@ -19,9 +19,12 @@ key with the same namespace and layout are answered from it without a call while
 word for it holds that generation (the server zeroes it when the key is written again, deleted
 or evicted, before that call answers). An entry under ``SMALL_ENTRY_BYTES`` asked for alone
 comes inside the answer instead (checked by the server as it is sent; no lease, not kept), the
-one key by a shorter path (``get_one``). Stores copy the encoded entries into one region, call
-PutMany, and give the region back when the call returns (the server copied them out); a large
-batch on the fast path is pipelined (``SameHostPath.put_pipelined``).
+one key by a shorter path (``get_one``). Before any of that, a small entry the arena's
+directory lists is copied out of the arena with no call at all (``_listed``,
+``kdn.transport.directory``; reported to the server with a later call, ``_report_reads``):
+the first read of a key too. Stores copy the encoded entries into one region, call PutMany,
+and give the region back when the call returns (the server copied them out); a large batch on
+the fast path is pipelined (``SameHostPath.put_pipelined``).
 
 A server restart: a GetMany / PutMany naming the segment is answered NOT_FOUND (the new server
 knows no such segment; nothing else answers NOT_FOUND to these calls, a miss is an absent
@@ -95,19 +98,24 @@ def _listed(arena: Any, namespace: str, key: bytes, layout_fingerprint: str) -> 
     """``key``'s entry where the read arena's directory lists it (``LeasedArena.find``: no
     call) and its layout is the one asked for; None where it is not listed, or it does not
     check out (the server then answers: a layout mismatch as the error it is)."""
-    got = arena.find(namespace or "default", key)
-    if got is None:
+    found = arena.find(namespace or "default", key)
+    if found is None:
         return None
+    got, generation = found
     try:
         c = parse_container(got, verify=VERIFY_LISTED)
     except KDNError:
         return None
     if layout_fingerprint and c.header.layout.fingerprint != layout_fingerprint:
         return None
+    arena.served(generation)
     return Fetched(EncodedParts(c.header.raw, list(c.frames)), "ram",  # type: ignore[arg-type]
-                   True, True, c.header, memoryview(got))
+                   True, True, c.header, got)
 
 
+REPORT_READS = 1024
+"""Reads from the arena's directory a client reports in a call of its own at most (they
+ride on its next GetMany before that: ``GetManyRequest.read_listed``)."""
 VERIFY_LISTED = platform.machine().lower() not in {"x86_64", "amd64"}
 """Whether a copy read from the arena's directory has its checksums verified by the client.
 The server checked the bytes as it copied them into the arena, and the generation checks
@@ -183,8 +191,25 @@ class DataPlane:
         return self.network.path()
 
     def close(self) -> None:
+        arena = self.same_host.arena
+        if arena is not None and self.same_host.server_alive():
+            self._report_reads(arena, at_least=1)
         self.same_host.close()
         self.network.close()
+
+    def _report_reads(self, arena: Any, at_least: int | None = None) -> None:
+        """Report the entries read from the arena's directory in a call of its own once
+        ``at_least`` are waiting (they ride on the next GetMany otherwise: a client that only
+        reads listed entries would never report them). Best effort: what fails is not
+        counted."""
+        gens = arena.reads_to_report(at_least=REPORT_READS if at_least is None else at_least)
+        seg_id = self.segment()[1]
+        if not gens or not seg_id:
+            return
+        try:
+            self._get(pb.GetManyRequest(segment_id=seg_id, lease=True, read_listed=gens), None)
+        except KDNError:
+            pass
 
     # -- reads ----------------------------------------------------------------------------------
 
@@ -258,6 +283,8 @@ class DataPlane:
                 else:
                     out[i] = listed
             todo = left
+            if not todo:
+                self._report_reads(arena)
         need = FIRST_REGION  # what the next call's region should hold (sizes learnt so far)
         while todo:
             region = pb.Region(length=self.inline_budget if len(todo) > 1 else self.entry_budget)
@@ -281,6 +308,7 @@ class DataPlane:
                 req.lease = True
                 released = arena.take()
                 req.release.extend(released)
+                req.read_listed.extend(arena.reads_to_report())
             try:
                 resp = self._get(req, request_id)
             except TooLarge as exc:
@@ -344,6 +372,7 @@ class DataPlane:
         if arena is not None and arena.has_directory and sh.server_alive():
             listed = _listed(arena, namespace, key, layout_fingerprint)
             if listed is not None:
+                self._report_reads(arena)
                 return listed
         block = seg.regions.alloc_largest(FIRST_REGION) \
             if seg is not None and arena is not None and sh.fast and not arena.kept_bytes \
@@ -354,7 +383,8 @@ class DataPlane:
         req = pb.GetManyRequest(namespace=namespace, keys=[key], segment_id=seg_id,
                                 region=pb.Region(offset=block[0], length=block[1]),
                                 expect_layout_fingerprint=layout_fingerprint, lease=True,
-                                release=released, inline_below_bytes=SMALL_ENTRY_BYTES)
+                                release=released, inline_below_bytes=SMALL_ENTRY_BYTES,
+                                read_listed=arena.reads_to_report())
         body: bytes | None = None
         try:
             body = sh.call(FAST_GET_MANY, req)

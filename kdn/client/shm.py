@@ -176,6 +176,7 @@ class LeasedArena:
         where the server lists no entries."""
         self.found = 0
         """Reads answered from the directory (no call)."""
+        self._found: list[int] = []  # their slots' generations, not yet reported
         self.keep_bytes = min(KEEP_BYTES, size // 8) if keep_bytes is None else keep_bytes
         """Bytes of entries whose leases this client keeps to read again without a call."""
         self._kept: OrderedDict[Hashable, Kept] = OrderedDict()  # least recently read first
@@ -325,20 +326,36 @@ class LeasedArena:
     def has_directory(self) -> bool:
         return self._directory is not None
 
-    def find(self, namespace: str, key: bytes) -> memoryview | None:
+    def find(self, namespace: str, key: bytes) -> tuple[memoryview, int] | None:
         """A copy of the server's value of ``key`` in ``namespace`` where the arena's
         directory lists it (``kdn.transport.directory``: read without a call, never a value
-        the server no longer holds, never torn); None where it does not (ask the server)."""
+        the server no longer holds, never torn), and its slot's generation (``served``
+        once the copy is handed out); None where it does not (ask the server)."""
         if self._directory is None or self.closed:
             return None
         name = directory.tag(namespace, key)
         with self._lock:  # ``close`` drops the arrays under it
             if self.closed:
                 return None
-            got = directory.find(self._words, self._source, *self._directory, name, self.size)
-        if got is not None:
+            return directory.find(self._words, self._source, *self._directory, name,
+                                  self.size)
+
+    def served(self, generation: int) -> None:
+        """A copy ``find`` gave (of the slot of ``generation``) was handed out: reported
+        to the server with a later call."""
+        with self._lock:
             self.found += 1
-        return got
+            self._found.append(generation)
+
+    def reads_to_report(self, *, at_least: int = 0) -> list[int]:
+        """The generations of the entries read from the directory since the last report
+        (``GetManyRequest.read_listed``: the server counts them as served), when there are
+        at least ``at_least`` of them; [] otherwise."""
+        with self._lock:
+            if len(self._found) < max(at_least, 1):
+                return []
+            out, self._found = self._found, []
+        return out
 
     def pressed(self) -> bool:
         """Whether the server asks for kept leases back (its arena is full: the header's

@@ -35,6 +35,16 @@ The arena's first page is its header: its first u64 is 1 while the arena is unde
 read found no room, every entry held) and 0 again once a quarter of it is free; a client that
 sees 1 gives back the leases it keeps (with its next call).
 
+Reads without a call of entries never read before (the directory, ``kdn.transport.directory``):
+the header's words 1-3 announce a table after the header page that lists small slots (under
+``LIST_BELOW_BYTES``) by their namespace and key, with their generation and range. A small
+entry is copied into the arena and listed when it is stored (``list_small``, from
+``kdn.server.ingest``) or answered inline to a same-host client (``kdn.server.batch``), and
+when it is leased; only while it is the RAM tier's value with no time to live, checked under
+the key's entry lock. Dropping a slot empties its bucket too. A client copies a listed entry out
+between two checks of the slot's word, so it never holds a dropped value. An arena too small to
+spare 1/64 of itself keeps no directory.
+
 Same-host stores live here too: a PutMany entry of ``kdn.server.batch.ARENA_STORE_BYTES`` or
 more is copied out of the client's segment straight into a slot of its tenant's arena
 (``reserve``; checked as it is copied, as any PutMany) and the RAM tier keeps it as a view of
@@ -57,7 +67,7 @@ import os
 import secrets
 import threading
 from collections import OrderedDict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -110,7 +120,7 @@ class Slot:
     generation: int = 0
     """Written at ``start`` while indexed (module docstring); unique in the arena."""
     bucket: int = -1
-    """The directory bucket (word index) that lists it; -1: not listed (``Arena.list``)."""
+    """The directory bucket (word index) that lists it; -1: not listed (``Arena.enlist``)."""
 
 
 def _unstore(slot: Slot) -> None:
@@ -152,6 +162,7 @@ class Arena:
             self._words[directory.HEADER_SETS] = self._sets
             self._words[directory.HEADER_MAGIC] = directory.MAGIC
         self._listed: dict[int, Slot] = {}  # directory bucket -> the slot it lists
+        self._by_generation: dict[int, Slot] = {}  # the listed slots by generation
         self._next_way = 0
         self._data_start = dir_end
         self._regions = RegionAllocator(dir_end, self.size)  # the first page: the header
@@ -323,7 +334,7 @@ class Arena:
             self._words[0] = 0  # room again: clients may keep leases
         return start, size
 
-    def list(self, slot: Slot) -> bool:
+    def enlist(self, slot: Slot) -> bool:
         """List ``slot`` in the directory (``kdn.transport.directory``), so that same-host
         clients read its entry without a call, while it stays the index's copy of its key;
         small entries only (``LIST_BELOW_BYTES``: a read from the directory is a copy).
@@ -350,6 +361,7 @@ class Arena:
                                               slot.generation, slot.start, slot.offset,
                                               slot.length, way)
             self._listed[slot.bucket] = slot
+            self._by_generation[slot.generation] = slot
             self.listed += 1
             return True
 
@@ -359,7 +371,17 @@ class Arena:
             self._words[slot.bucket] = 0
             if self._listed.get(slot.bucket) is slot:
                 del self._listed[slot.bucket]
+            if self._by_generation.get(slot.generation) is slot:
+                del self._by_generation[slot.generation]
             slot.bucket = -1
+
+    def listed_entries(self, generations: Sequence[int]) -> list[tuple[bytes, bytes]]:
+        """(key, a copy of the entry's bytes) of each slot of ``generations`` still listed
+        (reads from the directory a client reported; ``kdn.server.batch``)."""
+        with self._lock:
+            slots = [s for g in generations if (s := self._by_generation.get(g)) is not None]
+            return [(s.skey, self.array[s.offset : s.offset + s.length].tobytes())
+                    for s in slots]
 
     def _unindex(self, slot: Slot) -> None:
         """Drop ``slot`` from the index; its pages are freed now or at its last release."""
@@ -471,7 +493,7 @@ def list_small(arenas: Arenas, store: TieredStore, tenant: str, skey: bytes,
         return False
     try:
         with store.entry_lock(skey):
-            return slot.indexed and store.memory_stamp(skey) == slot.stamp and arena.list(slot)
+            return slot.indexed and store.memory_stamp(skey) == slot.stamp and arena.enlist(slot)
     finally:
         arena.release(slot)
 

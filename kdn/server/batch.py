@@ -24,7 +24,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, cast
 
@@ -136,7 +136,10 @@ class BatchReads:
         if seg is not None:
             if request.release:
                 self.count("arena.released", seg.release(request.release))
-            cursor, end = region_span(seg, request.region)
+            if request.read_listed:
+                self._read_listed(p, request.read_listed)
+            cursor, end = region_span(seg, request.region) if skeys else (0, 0)  # none: a
+            # report of reads only (``_read_listed``)
         else:  # inline: as much as the caller's messages may carry, within the server's budget
             cursor, end = 0, min(INLINE_BUDGET, request.region.length or INLINE_BUDGET)
         out = pb.GetManyResponse()
@@ -246,6 +249,19 @@ class BatchReads:
         self.count("bytes_out", at)
         return out, pieces
 
+    def _read_listed(self, p: Principal, generations: Sequence[int]) -> None:
+        """Count the reads a same-host client made from its arena's directory, without a
+        call, as served (``GetManyRequest.read_listed``): hits and bytes always, the usage of
+        each entry whose slot is still listed (a slot dropped since is not looked up)."""
+        arena = self.arenas.existing(p.tenant)
+        self.count("getmany.hit", len(generations))
+        self.count("arena.listed_reads", len(generations))
+        if arena is None:
+            return
+        for skey, value in arena.listed_entries(generations):
+            self.usage.served(skey, value, "ram", 0.0)
+            self.count("bytes_out", len(value))
+
     def _leased(self, p: Principal, seg: Segment, ref: pb.EntryRef, skey: bytes, hit: Hit
                 ) -> bool:
         """Answer ``hit`` as a lease on its copy in the tenant's read arena (``ref`` filled
@@ -274,7 +290,7 @@ class BatchReads:
             if slot.indexed and self.store.memory_stamp(skey) == slot.stamp:  # still the value
                 ref.generation, ref.generation_at = slot.generation, slot.start  # a kept lease
                 # reads without a call (a write from now on zeroes the word before it answers)
-                arena.list(slot)  # and other clients find it in the directory
+                arena.enlist(slot)  # and other clients find it in the directory
         self.count("getmany.hit")
         return True
 

@@ -86,9 +86,10 @@ def read_geometry(words: Any, size: int) -> tuple[int, int] | None:
 
 
 def find(words: Any, source: Any, first: int, sets: int, name: tuple[int, int],
-         size: int) -> memoryview | None:
+         size: int) -> tuple[memoryview, int] | None:
     """A copy of the entry the directory lists under ``name`` (``tag``), read as the module
-    docstring says; None when it lists none or the entry changed while it was read.
+    docstring says, and its slot's generation; None when it lists none or the entry changed
+    while it was read.
     ``words`` and ``source``: the arena as u64 words and as bytes; ``first``, ``sets``: the
     directory (``read_geometry``)."""
     t0, t1 = name
@@ -107,7 +108,7 @@ def find(words: Any, source: Any, first: int, sets: int, name: tuple[int, int],
         np.copyto(room[skew : skew + length], source[offset : offset + length])
         if int(words[at]) != gen or int(words[b]) != gen:
             return None
-        return memoryview(room)[skew : skew + length]  # type: ignore[arg-type]
+        return memoryview(room)[skew : skew + length], gen  # type: ignore[arg-type]
     return None
 
 

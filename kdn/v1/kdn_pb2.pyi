@@ -395,7 +395,7 @@ class Region(_message.Message):
     def __init__(self, offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
 
 class GetManyRequest(_message.Message):
-    __slots__ = ("namespace", "keys", "segment_id", "region", "expect_layout_fingerprint", "lease", "release", "inline_max_entry_bytes", "inline_below_bytes")
+    __slots__ = ("namespace", "keys", "segment_id", "region", "expect_layout_fingerprint", "lease", "release", "inline_max_entry_bytes", "inline_below_bytes", "read_listed")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     SEGMENT_ID_FIELD_NUMBER: _ClassVar[int]
@@ -405,6 +405,7 @@ class GetManyRequest(_message.Message):
     RELEASE_FIELD_NUMBER: _ClassVar[int]
     INLINE_MAX_ENTRY_BYTES_FIELD_NUMBER: _ClassVar[int]
     INLINE_BELOW_BYTES_FIELD_NUMBER: _ClassVar[int]
+    READ_LISTED_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     segment_id: str
@@ -414,7 +415,8 @@ class GetManyRequest(_message.Message):
     release: _containers.RepeatedScalarFieldContainer[int]
     inline_max_entry_bytes: int
     inline_below_bytes: int
-    def __init__(self, namespace: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., segment_id: _Optional[str] = ..., region: _Optional[_Union[Region, _Mapping]] = ..., expect_layout_fingerprint: _Optional[str] = ..., lease: _Optional[bool] = ..., release: _Optional[_Iterable[int]] = ..., inline_max_entry_bytes: _Optional[int] = ..., inline_below_bytes: _Optional[int] = ...) -> None: ...
+    read_listed: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, namespace: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., segment_id: _Optional[str] = ..., region: _Optional[_Union[Region, _Mapping]] = ..., expect_layout_fingerprint: _Optional[str] = ..., lease: _Optional[bool] = ..., release: _Optional[_Iterable[int]] = ..., inline_max_entry_bytes: _Optional[int] = ..., inline_below_bytes: _Optional[int] = ..., read_listed: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class EntryRef(_message.Message):
     __slots__ = ("present", "tier", "length", "written", "offset", "data", "verified", "lease", "generation", "generation_at")
