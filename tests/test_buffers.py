@@ -190,4 +190,8 @@ def test_a_new_buffer_is_faulted_in_whole_when_taken() -> None:
     assert pages > 0 and got == pages
     # a size the caller does not write at once (one a peer declared) takes no memory yet
     lazy = pool.take(size - (1 << 19))
-    assert resident(lazy.ctypes.data, lazy.nbytes)[0] == 0
+    held, total = resident(lazy.ctypes.data, lazy.nbytes)
+    # not populated: a few pages may be in all the same where the heap served part of it from
+    # memory another thread of this process freed after the trim (378 of 12160 once, in a
+    # shuffled run); a populate call would have brought in every one
+    assert held < total // 10
