@@ -73,7 +73,6 @@ from typing import Any
 
 import numpy as np
 
-from kdn.codec.copies import copy_checked
 from kdn.codec.format import header_size
 from kdn.errors import Corrupt
 from kdn.keys import split_store_key
@@ -476,19 +475,16 @@ same-host clients then read it without a call. Larger entries are listed once le
 
 def list_small(arenas: Arenas, store: TieredStore, tenant: str, skey: bytes,
                value: bytes | memoryview, stamp: int) -> bool:
-    """Copy ``value``, the RAM tier's value of ``skey`` with ``stamp``, into the tenant's read
-    arena (where one was made: a client of the tenant attached) and list it in the
-    directory, if it is still the key's lasting value (no time to live) once copied, checked
-    under the key's entry lock (a write drops the copy under it). Whether it was listed; a
-    copy that fails its check is not (reads then ask the server, which checks again). Call
-    without the entry lock."""
+    """Copy ``value``, the RAM tier's value of ``skey`` with ``stamp`` (its bytes, or a copy of
+    them, checked by the caller: a store just checked, an inline answer's copy), into the
+    tenant's read arena (where one was made: a client of the tenant attached) and list it in
+    the directory, if it is still the key's lasting value (no time to live) once copied,
+    checked under the key's entry lock (a write drops the copy under it). Whether it was
+    listed. Call without the entry lock."""
     arena = arenas.existing(tenant)
     if arena is None or not stamp or len(value) >= LIST_BELOW_BYTES:
         return False
-    try:
-        slot = arena.lease(skey, value, stamp, _copy_checked)
-    except Corrupt:
-        return False
+    slot = arena.lease(skey, value, stamp, _copy)
     if slot is None:
         return False
     try:
@@ -498,8 +494,8 @@ def list_small(arenas: Arenas, store: TieredStore, tenant: str, skey: bytes,
         arena.release(slot)
 
 
-def _copy_checked(dst: memoryview, value: bytes | memoryview) -> None:
-    copy_checked(dst, value)
+def _copy(dst: memoryview, value: bytes | memoryview) -> None:
+    dst[:] = value
 
 
 _lease_numbers = itertools.count(1)

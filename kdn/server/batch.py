@@ -146,7 +146,8 @@ class BatchReads:
         want = request.expect_layout_fingerprint
         sent = 0
         copies: list[tuple[pb.EntryRef, bytes, Hit, int]] = []  # segment copies, placed
-        listed: list[tuple[bytes, Hit]] = []  # small RAM entries answered inline, to list
+        listed: list[tuple[bytes, bytearray, int]] = []  # small RAM entries answered inline
+        # (a checked copy, its stamp), to list
         inline: dict[int, bytes | memoryview | list[bytes | memoryview]] = {}  # entry number
         # -> its bytes (or their pieces), joined in
         for skey in skeys:
@@ -173,7 +174,7 @@ class BatchReads:
                 self.count("getmany.hit")
                 sent += len(again.value)
                 if request.lease and again.tier == "ram":  # the client maps the arena: its
-                    listed.append((skey, again))  # next read of the key makes no call
+                    listed.append((skey, got[0], again.stamp))  # next read makes no call
                 continue
             if seg is not None and request.lease and self._leased(
                     p, seg, ref, skey, cast("Hit", hit)):  # ``get``'s: one buffer
@@ -204,8 +205,8 @@ class BatchReads:
         if seg is None or inline:
             message = get_many_message([(ref, inline.get(i, b""))
                                         for i, ref in enumerate(out.entries)])
-            for skey, hit in listed:
-                list_small(self.arenas, self.store, p.tenant, skey, hit.value, hit.stamp)
+            for skey, copy, stamp in listed:
+                list_small(self.arenas, self.store, p.tenant, skey, memoryview(copy), stamp)
             return message
         return out
 
