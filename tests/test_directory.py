@@ -9,12 +9,14 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from kdn import codec
 from kdn.client import Client, Retry, dataplane
+from kdn.client.admin import AdminClient
 from kdn.client.shm import LeasedArena
 from kdn.errors import KDNError, LayoutMismatch
 from kdn.options import StoreOptions
@@ -236,11 +238,9 @@ def test_an_entry_with_a_time_to_live_is_not_listed(st: ServerThread) -> None:
         assert _arena(c).found == 0  # its expiry would pass unseen: asked each time
 
 
-def test_tenants_and_namespaces_read_only_their_own(tmp_path: object, config: ServerConfig
+def test_tenants_and_namespaces_read_only_their_own(tmp_path: Path, config: ServerConfig
                                                     ) -> None:
-    from pathlib import Path
-
-    auth = Path(str(tmp_path)) / "tenants.yaml"
+    auth = tmp_path / "tenants.yaml"
     auth.write_text("tenants:\n  a: {api_keys: [key-a]}\n  b: {api_keys: [key-b]}\n")
     auth.chmod(0o600)
     ka, kb, kn = (random_kv(LAYOUT, 8, seed=i) for i in range(3))
@@ -312,3 +312,18 @@ def test_reads_from_the_directory_are_counted_by_the_server(
         assert _arena(reader).found == 6
         reader.close()  # and what is left goes when the client closes
         assert listed_reads() == 6
+
+
+def test_an_import_over_a_listed_entry_is_what_the_next_read_sees(
+        st: ServerThread, tmp_path: Path) -> None:
+    old, new = random_kv(LAYOUT, 20, seed=1), random_kv(LAYOUT, 20, seed=2)
+    with Client(st.address, timeout_s=30, shm_bytes=1 << 20) as c, AdminClient(st.address) as admin:
+        assert c.fetch(_key(99)) is None
+        c.store(_key(1), old, mode="raw")
+        admin.export_to(tmp_path / "old.kdnx")
+        c.store(_key(1), new, mode="raw")
+        got = c.retrieve(_key(1), layout=LAYOUT)
+        assert got is not None and got.equal(new) and _arena(c).found == 1  # listed
+        assert admin.import_from(tmp_path / "old.kdnx").imported >= 1
+        again = c.retrieve(_key(1), layout=LAYOUT)
+        assert again is not None and again.equal(old)

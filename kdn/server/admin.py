@@ -278,6 +278,8 @@ class AdminServicer(pb_grpc.KDNAdminServicer):
                 if delta > 0:
                     self.auth.refund(principal.tenant, delta)
                 raise
+            if self.arenas is not None:  # the old value's arena copy: no read without a call
+                self.arenas.drop(skey)  # finds it any more (under the entry lock, as a Store)
             if delta < 0:
                 self.auth.refund(principal.tenant, -delta)
         return True
