@@ -327,3 +327,17 @@ def test_an_import_over_a_listed_entry_is_what_the_next_read_sees(
         assert admin.import_from(tmp_path / "old.kdnx").imported >= 1
         again = c.retrieve(_key(1), layout=LAYOUT)
         assert again is not None and again.equal(old)
+
+
+def test_where_stores_may_be_seen_out_of_order_every_read_asks(
+        st: ServerThread, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(directory, "ORDERED_STORES", False)
+    kv = random_kv(LAYOUT, 20, seed=6)
+    with Client(st.address, timeout_s=30, shm_bytes=1 << 20) as c:
+        assert c.fetch(_key(99)) is None
+        c.store(_key(1), kv, mode="raw")
+        calls = _calls(c)
+        for _ in range(2):
+            got = c.retrieve(_key(1), layout=LAYOUT)
+            assert got is not None and got.equal(kv)
+        assert not _arena(c).has_directory and _arena(c).found == 0 and _calls(c) == calls + 2

@@ -171,9 +171,10 @@ class LeasedArena:
         self._first_page = self.array.ctypes.data // PAGE
         self._source: np.ndarray[Any, Any] = np.frombuffer(self._pristine, dtype=np.uint8)
         self._words: np.ndarray[Any, Any] = self._source[: size // 8 * 8].view(np.uint64)
-        self._directory = directory.read_geometry(self._words, size)
+        self._directory = directory.read_geometry(self._words, size) \
+            if directory.ORDERED_STORES else None
         """(first word, sets) of the arena's directory (``kdn.transport.directory``); None
-        where the server lists no entries."""
+        where the server lists no entries, or this machine's stores may be seen out of order."""
         self.found = 0
         """Reads answered from the directory (no call)."""
         self._found: list[int] = []  # their slots' generations, not yet reported

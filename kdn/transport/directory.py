@@ -24,17 +24,26 @@ writes a bucket's generation last, and zeroes it and the slot's word before the 
 the key answers; a slot's pages are reused only after that. A reader (``find``) checks the
 slot's word against the bucket's generation before it copies the entry and checks both again
 after; the copy is then the slot's bytes, whole, and the slot was the key's value all along.
-Entries with a time to live are never listed (their expiry would pass unseen)."""
+Entries with a time to live are never listed (their expiry would pass unseen).
+
+That argument needs each process's stores seen by the other in the order they were made, and
+loads kept in order: x86-64's total store order gives both, and Python reaches no memory
+barrier to give them elsewhere. So clients read the directory on x86-64 only
+(``ORDERED_STORES``); elsewhere every read asks the server. A hash of the copy would not do
+instead: a bucket read half old, half new can name another key's entry, whole and intact."""
 
 from __future__ import annotations
 
 import hashlib
+import platform
 from typing import Any
 
 import numpy as np
 
 from kdn.transport.regions import ALIGN
 
+ORDERED_STORES = platform.machine().lower() in {"x86_64", "amd64"}
+"""Whether this machine keeps stores and loads in order across processes (module docstring)."""
 MAGIC = 0x6B646E2D64697201
 """Header word 1 of an arena with a directory (``kdn-dir`` and the format's version)."""
 HEADER_MAGIC, HEADER_OFFSET, HEADER_SETS = 1, 2, 3
