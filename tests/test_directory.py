@@ -312,6 +312,8 @@ def test_reads_from_the_directory_are_counted_by_the_server(
         assert _arena(reader).found == 6
         reader.close()  # and what is left goes when the client closes
         assert listed_reads() == 6
+        assert st.server is not None  # each counted as a hit served (no other read hit)
+        assert dict(st.server.servicer.counters).get("getmany.hit", 0) == 6
 
 
 def test_an_import_over_a_listed_entry_is_what_the_next_read_sees(

@@ -115,6 +115,8 @@ def _listed(arena: Any, namespace: str, key: bytes, layout_fingerprint: str) -> 
 REPORT_READS = 1024
 """Reads from the arena's directory a client reports in a call of its own at most (they
 ride on its next GetMany before that: ``GetManyRequest.read_listed``)."""
+
+
 class TooBig:
     """Marks an entry a batch can not carry (larger than the segment or a message)."""
 
@@ -194,8 +196,10 @@ class DataPlane:
         reads listed entries would never report them). Best effort: what fails is not
         counted."""
         gens = arena.reads_to_report(at_least=REPORT_READS if at_least is None else at_least)
+        if not gens:
+            return
         seg_id = self.segment()[1]
-        if not gens or not seg_id:
+        if not seg_id:
             return
         try:
             self._get(pb.GetManyRequest(segment_id=seg_id, lease=True, read_listed=gens), None)

@@ -252,15 +252,18 @@ class BatchReads:
 
     def _read_listed(self, p: Principal, generations: Sequence[int]) -> None:
         """Count the reads a same-host client made from its arena's directory, without a
-        call, as served (``GetManyRequest.read_listed``): hits and bytes always, the usage of
-        each entry whose slot is still listed (a slot dropped since is not looked up)."""
-        arena = self.arenas.existing(p.tenant)
-        self.count("getmany.hit", len(generations))
+        call, as served (``GetManyRequest.read_listed``): those of slots its tenant's arena
+        still lists (a generation is unique in the arena: a client can not count another
+        tenant's entries, nor ones it never could have read; a slot dropped since its read
+        is not counted), as hits, bytes and usage. ``arena.listed_reads``: every reported
+        one."""
         self.count("arena.listed_reads", len(generations))
+        arena = self.arenas.existing(p.tenant)
         if arena is None:
             return
         for skey, value in arena.listed_entries(generations):
             self.usage.served(skey, value, "ram", 0.0)
+            self.count("getmany.hit")
             self.count("bytes_out", len(value))
 
     def _leased(self, p: Principal, seg: Segment, ref: pb.EntryRef, skey: bytes, hit: Hit
