@@ -80,8 +80,8 @@ SMALL_ENTRY_BYTES = 64 << 10
 """An entry asked for alone through the segment comes inside the answer up to this size
 (``GetManyRequest.inline_below_bytes``, checked by the server on the bytes it sends): no arena
 lease to take, map and give back, no region; ~0.1 ms less a 4 KiB read on both sides. Larger
-ones are leased (no copy). The server's read arena keeps no entry below this size either
-(``kdn.server.putmany.ARENA_STORE_BYTES``)."""
+ones are leased (no copy). An entry below this size the arena's directory lists is read
+before any of that, with no call (``_listed``); this is the way of one it does not list."""
 
 
 def _inline(ref: pb.EntryRef) -> Fetched:

@@ -33,7 +33,9 @@ from kdn.v1 import kdn_pb2 as pb
 ARENA_STORE_BYTES = 64 << 10
 """A same-host store's entry from this size is copied into its tenant's read arena, where the
 RAM tier keeps it (``Arena.reserve``: up to half the arena), so that its first same-host read
-copies nothing; smaller ones cost a read little to copy and would take a page each."""
+copies nothing. Smaller ones stay in the server's buffers; a copy of each goes into the arena
+as it is stored, listed in its directory (``kdn.server.arena.list_small``: read without a
+call)."""
 PARALLEL_PUT_BYTES = 2 << 20
 """A same-host PutMany of this many bytes of several entries copies them out of the segment on
 the copy thread and its own at once (``PutMany._copied_ahead``)."""
