@@ -181,3 +181,13 @@ def without_directory(monkeypatch: Any) -> None:
 
     monkeypatch.setattr(arena, "LIST_BELOW_BYTES", 0)
     monkeypatch.setattr(LeasedArena, "find", lambda self, namespace, key: None)
+
+
+def leased_small_entries(monkeypatch: Any) -> None:
+    """Small entries read alone are leased, as larger ones are: not answered inline
+    (``kdn.client.dataplane.SMALL_ENTRY_BYTES``) nor read from the arena's directory
+    (``without_directory``). For tests of leases and kept leases on small entries."""
+    from kdn.client import dataplane
+
+    monkeypatch.setattr(dataplane, "SMALL_ENTRY_BYTES", 0)
+    without_directory(monkeypatch)

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kdn.client import Client, dataplane
+from kdn.client import Client
 from kdn.codec.format import header_size
 from kdn.errors import Corrupt
 from kdn.server import ServerConfig, ServerThread
@@ -24,9 +24,9 @@ from kdn.server.config import ConfigError
 from tests.helpers import (
     churn,
     count_staging_copies,
+    leased_small_entries,
     random_kv,
     uniform_layout,
-    without_directory,
 )
 from tests.helpers import copy_into as _copy
 from tests.helpers import numbered_key as _key
@@ -37,11 +37,8 @@ LAYOUT = uniform_layout()
 
 @pytest.fixture(autouse=True)
 def _small_entries_leased(monkeypatch: pytest.MonkeyPatch) -> None:
-    """These tests lease small entries; by default an entry this small read alone comes inside
-    the GetMany answer instead (``kdn.client.dataplane.SMALL_ENTRY_BYTES``), and one the
-    arena's directory lists is read without a call (``tests/test_directory.py``)."""
-    monkeypatch.setattr(dataplane, "SMALL_ENTRY_BYTES", 0)
-    without_directory(monkeypatch)
+    """These tests lease small entries (``tests.helpers.leased_small_entries``)."""
+    leased_small_entries(monkeypatch)
 
 
 # -- the arena alone ----------------------------------------------------------------------------

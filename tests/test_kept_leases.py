@@ -14,15 +14,15 @@ import time
 import pytest
 
 from kdn import codec
-from kdn.client import Client, dataplane
+from kdn.client import Client
 from kdn.client.admin import AdminClient
 from kdn.errors import LayoutMismatch
 from kdn.options import StoreOptions
 from kdn.server import ServerConfig, ServerThread
 from kdn.server.arena import PAGE, WORD, Arena
 from tests.helpers import copy_into as _copy
+from tests.helpers import leased_small_entries, random_kv, read_while_churned, uniform_layout
 from tests.helpers import numbered_key as _key
-from tests.helpers import random_kv, read_while_churned, uniform_layout, without_directory
 from tests.helpers import raw_entry as _value
 
 LAYOUT = uniform_layout()
@@ -30,11 +30,8 @@ LAYOUT = uniform_layout()
 
 @pytest.fixture(autouse=True)
 def _small_entries_leased(monkeypatch: pytest.MonkeyPatch) -> None:
-    """These tests lease small entries; by default an entry this small read alone comes inside
-    the GetMany answer instead (``kdn.client.dataplane.SMALL_ENTRY_BYTES``), and one the
-    arena's directory lists is read without a call (``tests/test_directory.py``)."""
-    monkeypatch.setattr(dataplane, "SMALL_ENTRY_BYTES", 0)
-    without_directory(monkeypatch)
+    """These tests lease small entries (``tests.helpers.leased_small_entries``)."""
+    leased_small_entries(monkeypatch)
 
 
 def _word(arena: Arena, at: int) -> int:

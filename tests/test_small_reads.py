@@ -7,7 +7,7 @@ asked for is still checked."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -97,35 +97,38 @@ def test_a_batch_of_small_entries_is_not_inlined(shm_client: Client,
     assert asked[-1] == dataplane.SMALL_ENTRY_BYTES
 
 
+def _answers_changed(real: Callable[..., bytes | None],
+                     change: Callable[[pb.GetManyResponse], None]) -> Callable[..., bytes | None]:
+    """``SameHostPath.call`` whose GetMany answers ``change`` alters before the client reads
+    them."""
+    def call(self: SameHostPath, op: int, req: pb.GetManyRequest | pb.PutManyRequest
+             ) -> bytes | None:
+        body = real(self, op, req)
+        if not isinstance(req, pb.GetManyRequest) or body is None:
+            return body
+        resp = pb.GetManyResponse.FromString(body)
+        change(resp)
+        return resp.SerializeToString()
+    return call
+
+
 def test_inline_answers_that_do_not_add_up_raise_corrupt(shm_client: Client,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     kv = random_kv(LAYOUT, 8, seed=3)
     shm_client.store(_key(4), kv, mode="raw")
     real = SameHostPath.call
 
-    def short(self: SameHostPath, op: int, req: pb.GetManyRequest | pb.PutManyRequest
-              ) -> bytes | None:
-        body = real(self, op, req)
-        if not isinstance(req, pb.GetManyRequest) or body is None:
-            return body
-        resp = pb.GetManyResponse.FromString(body)
+    def short(resp: pb.GetManyResponse) -> None:
         resp.entries[0].data = resp.entries[0].data[:-1]  # a byte short of its length
-        return resp.SerializeToString()
 
-    monkeypatch.setattr(SameHostPath, "call", short)
+    monkeypatch.setattr(SameHostPath, "call", _answers_changed(real, short))
     with pytest.raises(Corrupt, match="inline"):
         shm_client.retrieve(_key(4), layout=LAYOUT)
 
-    def two(self: SameHostPath, op: int, req: pb.GetManyRequest | pb.PutManyRequest
-            ) -> bytes | None:
-        body = real(self, op, req)
-        if not isinstance(req, pb.GetManyRequest) or body is None:
-            return body
-        resp = pb.GetManyResponse.FromString(body)
+    def two(resp: pb.GetManyResponse) -> None:
         resp.entries.add().CopyFrom(resp.entries[0])  # an answer for a key not asked for
-        return resp.SerializeToString()
 
-    monkeypatch.setattr(SameHostPath, "call", two)
+    monkeypatch.setattr(SameHostPath, "call", _answers_changed(real, two))
     with pytest.raises(Corrupt, match="2 entries for 1 key"):
         shm_client.fetch(_key(4), layout=LAYOUT)
 

@@ -473,15 +473,14 @@ same-host clients then read it without a call. Larger entries are listed once le
 (``kdn.server.batch``) or stored into the arena (``kdn.server.putmany``)."""
 
 
-def list_small(arenas: Arenas, store: TieredStore, tenant: str, skey: bytes,
+def list_small(arena: Arena | None, store: TieredStore, skey: bytes,
                value: bytes | memoryview, stamp: int) -> bool:
     """Copy ``value``, the RAM tier's value of ``skey`` with ``stamp`` (its bytes, or a copy of
-    them, checked by the caller: a store just checked, an inline answer's copy), into the
-    tenant's read arena (where one was made: a client of the tenant attached) and list it in
-    the directory, if it is still the key's lasting value (no time to live) once copied,
-    checked under the key's entry lock (a write drops the copy under it). Whether it was
-    listed. Call without the entry lock."""
-    arena = arenas.existing(tenant)
+    them, checked by the caller: a store just checked, an inline answer's copy), into its
+    tenant's read ``arena`` (``Arenas.existing``: None where no client of the tenant attached)
+    and list it in the directory, if it is still the key's lasting value (no time to live)
+    once copied, checked under the key's entry lock (a write drops the copy under it). Whether
+    it was listed. Call without the entry lock."""
     if arena is None or not stamp or len(value) >= LIST_BELOW_BYTES:
         return False
     slot = arena.lease(skey, value, stamp, _copy)

@@ -205,8 +205,9 @@ class BatchReads:
         if seg is None or inline:
             message = get_many_message([(ref, inline.get(i, b""))
                                         for i, ref in enumerate(out.entries)])
+            arena = self.arenas.existing(p.tenant) if listed else None
             for skey, copy, stamp in listed:
-                list_small(self.arenas, self.store, p.tenant, skey, memoryview(copy), stamp)
+                list_small(arena, self.store, skey, memoryview(copy), stamp)
             return message
         return out
 

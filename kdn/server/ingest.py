@@ -142,14 +142,14 @@ class Ingest:
                 stamp = self.store.memory_stamp(skey, expiring=True, value=value)  # reads
                 if stamp:  # find it there (the RAM tier holds this very view)
                     in_arena[0].publish(in_arena[1], skey, stamp)
-            small = 0 if in_arena is not None or isinstance(value, Framed) or \
-                len(value) >= LIST_BELOW_BYTES or self.arenas.existing(principal.tenant) is None \
-                else self.store.memory_stamp(skey, value=value)
+            arena = None if in_arena is not None or isinstance(value, Framed) or \
+                len(value) >= LIST_BELOW_BYTES else self.arenas.existing(principal.tenant)
+            small = 0 if arena is None else self.store.memory_stamp(skey, value=value)
             if delta < 0:
                 self.auth.charge(principal, delta)
         if small and not isinstance(value, Framed):  # same-host clients read it without a
             # call, the first time too
-            list_small(self.arenas, self.store, principal.tenant, skey, value, small)
+            list_small(arena, self.store, skey, value, small)
         self.count("store.ok")
         self.count("bytes_in", len(value))
         if header is not None:
