@@ -343,3 +343,23 @@ def test_where_stores_may_be_seen_out_of_order_every_read_asks(
             got = c.retrieve(_key(1), layout=LAYOUT)
             assert got is not None and got.equal(kv)
         assert not _arena(c).has_directory and _arena(c).found == 0 and _calls(c) == calls + 2
+
+
+def test_made_up_reports_count_nothing(st: ServerThread) -> None:
+    """A report naming generations the tenant's arena never listed (or that a client of
+    another tenant could not have read) counts no hit and stores nothing."""
+    from kdn.v1 import kdn_pb2 as pb
+
+    kv = random_kv(LAYOUT, 20, seed=8)
+    with Client(st.address, timeout_s=30, shm_bytes=1 << 20) as c:
+        assert c.fetch(_key(99)) is None
+        c.store(_key(1), kv, mode="raw")
+        assert st.server is not None
+        before = dict(st.server.servicer.counters).get("getmany.hit", 0)
+        seg_id = c.dataplane.segment()[1]
+        c.dataplane._get(pb.GetManyRequest(segment_id=seg_id, lease=True,  # noqa: SLF001
+                                           read_listed=[1, 2, (1 << 64) - 1]), None)
+        n = dict(st.server.servicer.counters)
+        assert n.get("getmany.hit", 0) == before and n["arena.listed_reads"] == 3
+        got = c.retrieve(_key(1), layout=LAYOUT)  # what was stored is still there, whole
+        assert got is not None and got.equal(kv)
