@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # kdn's checks on a CUDA host, in one go: the GPU tests (pytest -m gpu), then bench.gpu, then
-# (with LINK_S=seconds) bench.link.
+# bench.heap (NO_HEAP=1 skips it), then (with LINK_S=seconds) bench.link.
 #
 #   scripts/gpu-checks.sh [BENCH_BUDGET_S [BENCH_ARGS...]]   (results under $OUT: /tmp/kdn-gpu)
 #
@@ -41,6 +41,12 @@ start=$(date +%s)
 timeout $(( BUDGET + 150 )) $PY -m bench.gpu --budget-s "$BUDGET" --out "$OUT/gpu.json" "$@" 2>&1 \
     | tee "$OUT/bench-gpu.log" | grep -v "^wrote"
 echo "bench.gpu: $(( $(date +%s) - start )) s"
+if [ -z "${NO_HEAP:-}" ]; then  # GPU hits and the garbage collector (bench.heap, ~1 min)
+    start=$(date +%s)
+    timeout 150 $PY -m bench.heap --out "$OUT/heap_gpu.json" 2>&1 | tee "$OUT/bench-heap.log" \
+        | grep -v "^wrote"
+    echo "bench.heap: $(( $(date +%s) - start )) s"
+fi
 if [ -n "${LINK_S:-}" ]; then  # LINK_S=300: hit TTFT against emulated links (bench.link)
     start=$(date +%s)
     timeout "$LINK_S" $PY -m bench.link ${LINK_ARGS:-} --out "$OUT/gpu_link.json" 2>&1 \

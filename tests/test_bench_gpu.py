@@ -36,6 +36,7 @@ def test_bench_gpu_quick_writes_its_report(tmp_path: Path) -> None:
         assert set(r) >= {"model", "tokens", "path", "encoding", "ttft_s", "prefill_s",
                           "ratio_vs_prefill", "load_gb_s"}
         assert r["ttft_s"] > 0 and r["prefill_s"] > 0
+        assert 0 < r["ttft_best_s"] <= r["ttft_s"]  # the median a user sees, the best beside
         assert abs(r["ratio_vs_prefill"] - r["ttft_s"] / r["prefill_s"]) < 1e-9
     assert (tmp_path / "gpu.png").exists()
 
@@ -48,3 +49,17 @@ def test_bench_gpu_skips_what_its_budget_leaves_no_time_for(tmp_path: Path) -> N
     assert run.returncode == 0, run.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["rows"] == [] and len(report["skipped"]) == 11, report["skipped"]
+
+
+def test_bench_heap_quick_compares_the_heap_as_is_with_it_frozen(tmp_path: Path) -> None:
+    out = tmp_path / "heap.json"
+    run = subprocess.run([sys.executable, "-m", "bench.heap", "--quick", "--out", str(out)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    as_is, frozen = json.loads(out.read_text())["rows"]
+    assert (as_is["heap"], frozen["heap"]) == ("as-is", "frozen")
+    assert as_is["frozen_objects"] == 0 and as_is["tracked_objects"] > 100_000  # an engine's
+    assert frozen["frozen_objects"] > 100_000 and frozen["tracked_objects"] < 10_000
+    for r in (as_is, frozen):
+        assert r["hits"] == 12 and r["blocks"] == 8 and r["kernels"] == "not run"
+        assert 0 < r["hit_p50_ms"] <= r["hit_p90_ms"] <= r["hit_max_ms"]

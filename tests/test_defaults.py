@@ -6,6 +6,7 @@ for."""
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -118,6 +119,36 @@ def test_a_default_engine_hits_and_stores_what_it_resolved(server: ServerThread)
     assert again.timings.reused_tokens == 96 and again.token_ids == first.token_ids
 
 
+# -- the heap a GPU engine freezes (EngineConfig.freeze_heap) -------------------------------------
+
+
+@pytest.fixture
+def thawed() -> Iterator[None]:
+    """A test that may freeze the process's heap gives it back to the collector after."""
+    gc.unfreeze()
+    yield
+    gc.unfreeze()
+
+
+@pytest.mark.parametrize(("freeze", "frozen"), [(True, True), (False, False), (None, False)])
+def test_the_heap_is_frozen_before_the_first_request_only_where_asked_or_on_a_gpu(
+        server: ServerThread, thawed: None, freeze: bool | None, frozen: bool) -> None:
+    with Client(server.address) as c:
+        engine = KDNEngine(_model(), _Tok(), c, EngineConfig(chunk_tokens=32,
+                                                             freeze_heap=freeze))
+        assert gc.get_freeze_count() == 0  # nothing before the first request
+        prompt = [(3 * i + 2) % 256 for i in range(70)]
+        first = engine.generate(prompt, max_new_tokens=2)
+        # the model, torch and kdn: what a full collection no longer scans
+        assert (gc.get_freeze_count() > 10_000) == frozen, gc.get_freeze_count()
+        assert first.store_thread is not None
+        first.store_thread.join(60)
+        count = gc.get_freeze_count()
+        again = engine.generate(prompt, max_new_tokens=2, force="lossless")
+        assert gc.get_freeze_count() <= count  # once, before the first request only
+    assert again.timings.reused_tokens == 64 and again.token_ids == first.token_ids
+
+
 # -- the link probe ------------------------------------------------------------------------------
 
 
@@ -227,4 +258,6 @@ def test_a_default_cuda_engine_beside_its_server_stores_raw_and_hits(
         assert first.store_thread is not None
         first.store_thread.join(60)
         again = engine.generate(prompt, max_new_tokens=2, force="raw")
+        assert gc.get_freeze_count() > 10_000  # a GPU engine froze the heap before request 1
+        gc.unfreeze()
     assert again.timings.reused_tokens == 96 and again.timings.decision == "raw"
