@@ -231,6 +231,53 @@ def test_a_32_layer_entry_takes_few_launches_and_no_sync_before_its_check() -> N
     assert out[-1] == "ok", out
 
 
+@pytest.mark.parametrize("damage", ["short body", "sections past the body", "K sections resized",
+                                    "V sections resized"])
+def test_int8_section_tables_that_do_not_fit_are_refused_naming_the_layer(damage: str) -> None:
+    """The int8 planner reads every body's section table at once: a damaged table in layer 3
+    of 5 is refused before anything is copied or launched, naming layer 3, as the CPU
+    decoder refuses it."""
+    import struct
+    import sys
+
+    import torch
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from helpers import pruned_layout, random_kv
+
+    from kdn import codec
+    from kdn.codec import gpu_batch
+    from kdn.codec.api import layer_spec
+    from kdn.codec.format import check_frame, parse_container
+    from kdn.codec.modes import get_mode
+    from kdn.errors import Corrupt
+
+    blob = codec.encode(random_kv(pruned_layout(), 9, seed=2), "int8")
+    c = parse_container(blob, verify=False)
+    recs = [r for i, f in enumerate(c.frames) for r in check_frame(c.header, i, f)]
+    specs = [layer_spec(c.header.layout, r.layer, r.tokens) for r in recs]
+    bodies = [bytearray(r.body) for r in recs]
+    lens = list(struct.unpack_from("<4I", bodies[3]))
+    if damage == "short body":
+        bodies[3] = bodies[3][:12]
+    elif damage == "sections past the body":
+        struct.pack_into("<I", bodies[3], 12, lens[3] + 1)
+    else:  # two sections resized the same, so that they still add up to the body
+        i = 1 if damage.startswith("K") else 3
+        struct.pack_into("<I", bodies[3], 4 * i, lens[i] - 2)
+        struct.pack_into("<I", bodies[3], 4 * (i - 1), lens[i - 1] + 2)
+    mode = get_mode("int8")
+    with pytest.raises(Corrupt):
+        mode.decode_layer(memoryview(bodies[3]), specs[3], "", torch.device("cpu"))
+    gpu_batch.STATS.update(launches=0, copies=0, syncs=0)
+    with pytest.raises(Corrupt, match="layer 3: ") as err:
+        mode.decode_layers([memoryview(b) for b in bodies], specs, "", torch.device("cpu"))
+    shape = {"K sections resized": specs[3].k_shape,
+             "V sections resized": specs[3].v_shape}.get(damage)
+    assert shape is None or f"wrong sizes for {shape}" in str(err.value), str(err.value)
+    assert gpu_batch.STATS["launches"] == 0
+
+
 @pytest.mark.gpu
 def test_on_cuda_the_whole_entry_decode_matches_the_cpu_and_never_syncs_early() -> None:
     torch = pytest.importorskip("torch")

@@ -43,7 +43,7 @@ import zstandard
 from kdn.codec import gpu_kernels as kernels
 from kdn.codec import gpu_plan as plan
 from kdn.codec import rans
-from kdn.codec.modes import LayerSpec, unpack_sections
+from kdn.codec.modes import LayerSpec
 from kdn.codec.quant import SCALE_TABLE, upload_many
 from kdn.errors import Corrupt, InvalidArgument
 
@@ -522,42 +522,72 @@ def _copy_into(dst: np.ndarray, pieces: list[tuple[int, np.ndarray]]) -> None:
 
 def decode_int8(bodies: list[memoryview], specs: list[LayerSpec], device: torch.device,
                 where: str = "entry", *, pinned: bool = False) -> Decoded:
-    """``int8`` bodies of ``specs``' layers on ``device`` in one launch (``check()`` first)."""
+    """``int8`` bodies of ``specs``' layers on ``device`` in one launch (``check()`` first).
+    Each body's four sections (K scales, K data, V scales, V data) are located and checked
+    for all layers at once from the bodies' section tables (``_int8_sections``)."""
     out, bases, dt = _outputs(specs, device)
     source = _Source(list(bodies), device, pinned, host_view=False)
-    scales_at, data_at, chans, numel, out_at = [], [], [], [], []
-    for i, (body, spec) in enumerate(zip(bodies, specs)):
-        lw = f"layer {spec.index}"
-        ks, kq, vs, vq = unpack_sections(body, 4, lw)
-        for sc, data, shape, base in ((ks, kq, spec.k_shape, bases[i][0]),
-                                      (vs, vq, spec.v_shape, bases[i][1])):
-            heads, tokens, ch = shape
-            if len(sc) != 2 * heads * tokens or len(data) != heads * tokens * ch:
-                raise Corrupt(f"{lw}: int8 sections have the wrong sizes for {shape}")
-            if not len(data):
-                continue
-            at = source.offsets[i] - _address(body)
-            scales_at.append(at + _address(sc))
-            data_at.append(at + _address(data))
-            chans.append(ch)
-            numel.append(len(data))
-            out_at.append(base)
-    progs = [-(-n // _INT8_BLOCK) for n in numel]
-    first = np.cumsum([0, *progs])[:-1]
+    scales_at, data_at, chans, numel, out_at = _int8_sections(bodies, specs, bases,
+                                                               source.offsets)
+    progs = -(-numel // _INT8_BLOCK)
+    some = len(progs) > 0
     host: dict[str, np.ndarray] = {
             "flag": np.zeros(1, np.int32),
-            "p_sec": np.repeat(np.arange(len(progs), dtype=np.int32), progs) if progs
+            "p_sec": np.repeat(np.arange(len(progs), dtype=np.int32), progs) if some
             else np.zeros(1, np.int32),
-            "p_first": np.array(first if progs else [0], np.int32),
-            "s_scales": np.array(scales_at or [0], np.int64),
-            "s_data": np.array(data_at or [0], np.int64),
-            "s_ch": np.array(chans or [1], np.int64),
-            "s_numel": np.array(numel or [0], np.int64),
-            "s_out": np.array(out_at or [0], np.int64)}
+            "p_first": (np.cumsum(progs) - progs).astype(np.int32) if some
+            else np.zeros(1, np.int32),
+            "s_scales": scales_at if some else np.zeros(1, np.int64),
+            "s_data": data_at if some else np.zeros(1, np.int64),
+            "s_ch": chans if some else np.ones(1, np.int64),
+            "s_numel": numel if some else np.zeros(1, np.int64),
+            "s_out": out_at if some else np.zeros(1, np.int64)}
     dev = upload_many(host, device)
     STATS["copies"] += device.type != "cpu"
-    _launch(kernels.int8, (sum(progs),), source.tensor, dev["p_sec"], dev["p_first"],
+    _launch(kernels.int8, (int(progs.sum()),), source.tensor, dev["p_sec"], dev["p_first"],
             dev["s_scales"], dev["s_data"], dev["s_ch"], dev["s_numel"], dev["s_out"],
             out, dev["flag"], _TOP[dt], BLOCK=_INT8_BLOCK)
     return Decoded(_views(out, specs, bases), dev["flag"], where,
                    keep=[source.host, source.tensor, dev])
+
+
+def _int8_sections(bodies: list[memoryview], specs: list[LayerSpec],
+                   bases: list[tuple[int, int]], offsets: list[int]
+                   ) -> tuple[np.ndarray, ...]:
+    """Where each non-empty K and V section of the ``int8`` bodies lies in the device buffer
+    (``offsets``: each body's there), in layer order, K before V: (scales at, data at,
+    channels, elements, output offset), each an int64 array. A body is four u32 section
+    lengths, then the sections (``modes.pack_sections``): scales of 2 bytes per (head, token),
+    then one byte per element. Raises Corrupt, naming the first bad layer, where a body is
+    shorter than its table, its sections do not add up to it or do not fit the layer."""
+    sizes = np.array([len(b) for b in bodies], np.int64)
+    short = np.flatnonzero(sizes < 16)
+    if len(short):
+        i = int(short[0])
+        raise Corrupt(f"layer {specs[i].index}: body of {sizes[i]} bytes is shorter than its "
+                      "section table")
+    lens = np.frombuffer(b"".join([b[:16] for b in bodies]), "<u4").reshape(-1, 4) \
+        .astype(np.int64)
+    off = np.array(offsets, np.int64)
+    shape = np.array([(s.layout.kv_heads * s.tokens, s.layout.k_channels, s.layout.v_channels)
+                      for s in specs], np.int64).reshape(-1, 3)
+    rows, kc, vc = shape[:, 0], shape[:, 1], shape[:, 2]
+    bad_sum = 16 + lens.sum(axis=1) != sizes
+    bad_k = (lens[:, 0] != 2 * rows) | (lens[:, 1] != rows * kc)
+    bad_v = (lens[:, 2] != 2 * rows) | (lens[:, 3] != rows * vc)
+    bad = np.flatnonzero(bad_sum | bad_k | bad_v)
+    if len(bad):
+        i = int(bad[0])
+        lw, sp = f"layer {specs[i].index}", specs[i]
+        if bad_sum[i]:
+            raise Corrupt(f"{lw}: sections of {int(lens[i].sum())} bytes in a body of "
+                          f"{sizes[i]}")
+        raise Corrupt(f"{lw}: int8 sections have the wrong sizes for "
+                      f"{sp.k_shape if bad_k[i] else sp.v_shape}")
+    at = np.cumsum(lens, axis=1) - lens + 16 + off[:, None]  # each section's device offset
+    base = np.array(bases, np.int64).reshape(-1, 2)
+    fields = [np.stack(pair, axis=1).ravel() for pair in (
+        (at[:, 0], at[:, 2]), (at[:, 1], at[:, 3]), (kc, vc), (lens[:, 1], lens[:, 3]),
+        (base[:, 0], base[:, 1]))]  # K then V of each layer
+    keep = fields[3] > 0  # sections with no elements (no tokens, no kept channels)
+    return tuple(np.ascontiguousarray(f[keep]) for f in fields)
