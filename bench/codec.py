@@ -15,6 +15,13 @@ transformers on this machine; threads stated), measured in this run. The quality
 runs on the eager model kdn loads (the two agree on this model, ``tests/test_models.py``).
 Rows carry ``device`` (where the decode ran) and ``decode_gb_s``; on a CUDA host every
 compressed mode gets a second row decoded on the GPU (``kdn.codec.gpu``).
+
+The context is one entry above; an engine stores it in blocks (256 tokens by default:
+``EngineConfig.chunk_tokens``), each entry with its own tables and exact sink tokens. So each
+row also gives the bytes of the context as 256-token entries (``block_bytes``,
+``block_ratio_vs_fp16``: what a store holds), and for the entropy-coded modes the same with
+exact counts in the tables (``block_bytes_exact_counts``: the format-2 tables entries had
+before 4-bit log-coded counts, ``kdn.codec.entropy``, encoded in this run).
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ import argparse
 import json
 import time
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +46,7 @@ from kdn.model.models import ensure_smollm2_folder, load_model
 RESULTS = Path(__file__).parent / "results"
 COLUMNS = ["mode", "device", "bits_per_element", "ratio_vs_fp16", "delta_ppl_pct",
            "top1_agreement", "kl", "encode_mb_s", "decode_mb_s", "decode_gb_s",
-           "decode_vs_prefill"]
+           "decode_vs_prefill", "block_ratio_vs_fp16", "block_bytes", "block_bytes_exact_counts"]
 
 
 @dataclass(frozen=True)
@@ -56,6 +64,9 @@ class Row:
     bit_exact: bool
     device: str = "cpu"
     decode_gb_s: float = 0.0
+    block_bytes: int = 0
+    block_ratio_vs_fp16: float = 0.0
+    block_bytes_exact_counts: int = 0
 
 
 def codecs() -> list[tuple[str, str, str]]:
@@ -100,6 +111,27 @@ def _decode_timed(blob: bytes, device: str, repeats: int) -> tuple[float, KVCach
     return _best_time(run, repeats)  # type: ignore[no-any-return]
 
 
+BLOCK_TOKENS = 256
+
+
+def block_bytes(kv: KVCache, mode: str, level: str, exact_counts: bool = False) -> int:
+    """Bytes of ``kv`` stored as entries of ``BLOCK_TOKENS`` tokens (an engine's blocks);
+    ``exact_counts``: with format-2 entropy tables (whole counts)."""
+    from kdn.codec import entropy
+    from kdn.codec.modes import cachegen as cachegen_mode
+    from kdn.codec.modes import kdn as kdn_mode
+
+    coder = partial(entropy.encode_streams, exact_counts=exact_counts)
+    kdn_mode.encode_streams = cachegen_mode.encode_streams = coder  # type: ignore[assignment]
+    try:
+        return sum(len(encode(KVCache(kv.layout, [(k[:, a : a + BLOCK_TOKENS].contiguous(),
+                                                   v[:, a : a + BLOCK_TOKENS].contiguous())
+                                                  for k, v in kv.layers], a), mode, level))
+                   for a in range(0, kv.num_tokens, BLOCK_TOKENS))
+    finally:
+        kdn_mode.encode_streams = cachegen_mode.encode_streams = entropy.encode_streams
+
+
 def measure(ref: Reference, name: str, mode: str, level: str, repeats: int,
             prefill_s: float, device: str = "cpu") -> Row:
     kv = ref.kv
@@ -109,6 +141,7 @@ def measure(ref: Reference, name: str, mode: str, level: str, repeats: int,
     t_dec, out = _decode_timed(blob, device, repeats)
     out = out.to("cpu")
     q = evaluate(ref, out)
+    blocks = block_bytes(kv, mode, level)
     return Row(
         mode=name,
         bits_per_element=len(blob) * 8 / elements,
@@ -123,6 +156,10 @@ def measure(ref: Reference, name: str, mode: str, level: str, repeats: int,
         bit_exact=out.equal(kv),
         device=device,
         decode_gb_s=fp16_mb / 1e3 / t_dec,
+        block_bytes=blocks,
+        block_ratio_vs_fp16=elements * 2 / blocks,
+        block_bytes_exact_counts=(block_bytes(kv, mode, level, exact_counts=True)
+                                  if mode in ("kdn", "cachegen") else blocks),
     )
 
 

@@ -498,18 +498,22 @@ class Case:
         b = bytearray(blob)
         if len(b) < 8:
             return bytes(b) + fdp.ConsumeBytes(8)
-        parallel = _U32.unpack_from(b, 0)[0] == entropy.RANS_MARK
+        parallel = _U32.unpack_from(b, 0)[0] in (entropy.RANS_MARK, entropy.RANS_LOG_MARK)
         at = 4 if parallel else 0  # the u32 length of the zstd tables
         tlen = _U32.unpack_from(b, at)[0]
         tables_end = min(len(b), at + 4 + tlen)
         how = fdp.ConsumeIntInRange(0, 5)
-        if how == 0:  # the tables: lo (i16) | width (u16) | counts (u8), zstd-compressed
+        if how == 0:  # the tables: lo (i16) | width (u16) | counts or codes (u8), zstd-compressed
             new = self._zstd(fdp, bytes(b[at + 4 : tables_end]))
             return bytes(b[:at]) + _U32.pack(len(new)) + new + bytes(b[tables_end:])
-        if how == 1:  # the format mark
-            if parallel:
+        if how == 1:  # the format mark: dropped, swapped (exact counts <-> codes) or added
+            marks = [entropy.RANS_MARK, entropy.RANS_LOG_MARK]
+            if parallel and fdp.ConsumeBool():
                 return bytes(b[4:])
-            return _U32.pack(entropy.RANS_MARK) + bytes(b)
+            if parallel:
+                other = marks[1 - marks.index(_U32.unpack_from(b, 0)[0])]
+                return _U32.pack(other) + bytes(b[4:])
+            return _U32.pack(fdp.PickValueInList(marks)) + bytes(b)
         sec = tables_end  # rANS: u32 block | u32 groups | u32 states[] | u32 gwords[] | u16[]
         if how == 2:
             field = sec + 4 * fdp.ConsumeIntInRange(0, 1)
@@ -550,7 +554,7 @@ class Case:
         b = secs[s]
         if len(b) < 8:
             return
-        at = 4 if _U32.unpack_from(b, 0)[0] == entropy.RANS_MARK else 0
+        at = 4 if _U32.unpack_from(b, 0)[0] in (entropy.RANS_MARK, entropy.RANS_LOG_MARK) else 0
         end = min(len(b), at + 4 + _U32.unpack_from(b, at)[0])
         tables = _unzstd(b[at + 4 : end])
         if tables is None or len(tables) < 4 * streams:

@@ -67,6 +67,17 @@ _IDENTICAL = _PRELUDE + textwrap.dedent('''
         blob = codec.encode(kv, mode, level)
         same(codec.decode(blob), codec.decode(blob, batched=True))
         checked += 1
+    # entries written before format 3 (exact counts in the tables) still decode on the device
+    import functools
+    import kdn.codec.modes.kdn as kdn_mode
+    from kdn.codec import entropy
+    kdn_mode.encode_streams = functools.partial(entropy.encode_streams, exact_counts=True)
+    blob = codec.encode(random_kv(pruned_layout(), 29, seed=11), "kdn", "default")
+    kdn_mode.encode_streams = entropy.encode_streams
+    assert entropy.RANS_MARK.to_bytes(4, "little") in blob
+    assert entropy.RANS_LOG_MARK.to_bytes(4, "little") not in blob
+    same(codec.decode(blob), codec.decode(blob, batched=True))
+    checked += 1
     print("ok", checked)
 ''')
 
@@ -213,7 +224,7 @@ def _run(script: str) -> list[str]:
 
 
 def test_whole_entry_decode_is_bit_identical_to_the_cpu_decoders() -> None:
-    assert _run(_IDENTICAL)[-2:] == ["ok", "10"]
+    assert _run(_IDENTICAL)[-2:] == ["ok", "11"]
 
 
 def test_damaged_bodies_are_refused_exactly_where_the_cpu_refuses_them() -> None:
@@ -229,6 +240,52 @@ def test_pinned_bodies_of_several_entries_are_copied_where_they_lie() -> None:
 def test_a_32_layer_entry_takes_few_launches_and_no_sync_before_its_check() -> None:
     out = _run(_BUDGET)
     assert out[-1] == "ok", out
+
+
+def test_a_count_code_out_of_range_is_refused_by_both_decoders() -> None:
+    """A format-3 table whose count code names no level: the CPU decoder and the planner of
+    the whole-entry decoder both refuse it, the planner before anything is launched."""
+    import struct
+    import sys
+
+    import numpy as np
+    import torch
+    import zstandard
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from helpers import random_kv, uniform_layout
+
+    from kdn import codec
+    from kdn.codec import gpu_batch
+    from kdn.codec.api import layer_spec
+    from kdn.codec.entropy import LOG_LEVELS
+    from kdn.codec.format import check_frame, parse_container
+    from kdn.codec.modes import get_mode, pack_sections, unpack_sections
+    from kdn.errors import Corrupt
+
+    blob = codec.encode(random_kv(uniform_layout(3, 2, 8), 30, seed=4), "kdn", "default")
+    c = parse_container(blob, verify=False)
+    recs = [r for i, f in enumerate(c.frames) for r in check_frame(c.header, i, f)]
+    specs = [layer_spec(c.header.layout, r.layer, r.tokens) for r in recs]
+    sections = [bytes(x) for x in unpack_sections(recs[1].body, 4, "test")]
+    sym = sections[3]  # the symbols' entropy blob: mark, table length, tables, rANS
+    tlen = struct.unpack_from("<I", sym, 4)[0]
+    tables = bytearray(zstandard.ZstdDecompressor().decompress(sym[8 : 8 + tlen]))
+    rows = 2 * 2 * 8  # heads x (K + V channels)
+    widths = np.frombuffer(bytes(tables), "<u2", count=rows, offset=2 * rows)
+    at = 4 * rows + int(widths[: int(np.argmax(widths > 1))].sum())  # a coded row's first bin
+    tables[at] = len(LOG_LEVELS)
+    packed = zstandard.ZstdCompressor().compress(bytes(tables))
+    sections[3] = sym[:4] + struct.pack("<I", len(packed)) + packed + sym[8 + tlen :]
+    bodies = [memoryview(r.body) for r in recs]
+    bodies[1] = memoryview(pack_sections(sections))
+    mode = get_mode("kdn")
+    with pytest.raises(Corrupt, match="code out of range"):
+        mode.decode_layer(bodies[1], specs[1], "default", torch.device("cpu"))
+    gpu_batch.STATS.update(launches=0, copies=0, syncs=0)
+    with pytest.raises(Corrupt, match=f"layer {specs[1].index}: entropy table code out"):
+        mode.decode_layers(bodies, specs, "default", torch.device("cpu"))
+    assert gpu_batch.STATS["launches"] == 0
 
 
 @pytest.mark.parametrize("damage", ["short body", "sections past the body", "K sections resized",

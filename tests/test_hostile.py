@@ -20,7 +20,7 @@ from kdn import codec, keys
 from kdn.cache import KVCache
 from kdn.client import Client
 from kdn.codec import StreamDecoder
-from kdn.codec.entropy import RANS_MARK
+from kdn.codec.entropy import RANS_LOG_MARK
 from kdn.codec.format import (
     FRAME_SEED,
     build_frame,
@@ -213,8 +213,8 @@ def test_kdn_scale_symbols_beyond_float32_are_refused() -> None:
     parts = codec.encode_parts(KV, "kdn", "default", layers_per_frame=1)
     rec = check_frame(parse_header(parts.header), 0, parts.frames[0])[0]
     secs = _sections(rec.body, 4)
-    blob = secs[2]  # the log-RMS streams: u32 mark | u32 n | zstd(lo | width | counts) | rANS
-    assert struct.unpack_from("<I", blob)[0] == RANS_MARK
+    blob = secs[2]  # the log-RMS streams: u32 mark | u32 n | zstd(lo | width | codes) | rANS
+    assert struct.unpack_from("<I", blob)[0] == RANS_LOG_MARK
     n = struct.unpack_from("<I", blob, 4)[0]
     tables = bytearray(zstandard.ZstdDecompressor().decompress(blob[8 : 8 + n]))
     struct.pack_into("<h", tables, 0, 2048)  # K scale row: symbols from 2048 up (2**128 +)

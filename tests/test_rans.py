@@ -11,7 +11,15 @@ import numpy as np
 import pytest
 import zstandard
 
-from kdn.codec.entropy import RANS_MARK, _range_coded, _tables, decode_streams, encode_streams
+from kdn.codec.entropy import (
+    LOG_LEVELS,
+    RANS_LOG_MARK,
+    RANS_MARK,
+    _range_coded,
+    _tables,
+    decode_streams,
+    encode_streams,
+)
 from kdn.errors import Corrupt
 
 
@@ -36,8 +44,40 @@ def test_round_trip_of_awkward_shapes(rows: int, n: int) -> None:
     if rows > 2:
         sym[2, :] = np.arange(n) % 3000 - 1500  # a wide row
     blob = encode_streams(sym)
-    assert struct.unpack_from("<I", blob)[0] == RANS_MARK
+    assert struct.unpack_from("<I", blob)[0] == RANS_LOG_MARK
     assert (decode_streams(blob, rows, n) == sym).all()
+    exact = encode_streams(sym, exact_counts=True)  # what was written before format 3
+    assert struct.unpack_from("<I", exact)[0] == RANS_MARK
+    assert (decode_streams(exact, rows, n) == sym).all()
+
+
+def _table_bytes(blob: bytes) -> bytes:
+    tlen = struct.unpack_from("<I", blob, 4)[0]
+    return zstandard.ZstdDecompressor().decompress(blob[8 : 8 + tlen])
+
+
+def test_log_coded_counts_shrink_blobs_of_short_rows() -> None:
+    """Rows of 256 symbols (a 256-token block's): the tables are a large share of the blob, and
+    4-bit codes of the counts cost less than they lose in payload."""
+    for seed, spread in ((1, 0.8), (2, 1.5), (3, 4.0)):
+        sym = _sym(512, 256, seed, spread)
+        coded, exact = encode_streams(sym), encode_streams(sym, exact_counts=True)
+        assert len(coded) < 0.97 * len(exact), (spread, len(coded), len(exact))
+        rows = 512
+        codes = np.frombuffer(_table_bytes(coded), np.uint8, offset=4 * rows)
+        assert codes.max() < len(LOG_LEVELS) and codes.min() >= 0
+
+
+def test_a_count_code_out_of_range_is_refused() -> None:
+    sym = _sym(16, 300, seed=9)
+    blob = encode_streams(sym)
+    tables = bytearray(_table_bytes(blob))
+    tables[4 * 16 + 1] = len(LOG_LEVELS)  # the first row's second bin: no such code
+    packed = zstandard.ZstdCompressor().compress(bytes(tables))
+    tlen = struct.unpack_from("<I", blob, 4)[0]
+    bad = blob[:4] + struct.pack("<I", len(packed)) + packed + blob[8 + tlen :]
+    with pytest.raises(Corrupt, match="code out of range"):
+        decode_streams(bad, 16, 300)
 
 
 def test_sizes_stay_within_two_percent_of_the_range_coder() -> None:

@@ -5,14 +5,19 @@ per (head, channel) of one layer's K or V, the row running over tokens). Each ro
 frequency table, stored compactly, and all rows are range coded (``constriction``) one after
 another into one word stream:
 
-    sym: [streams, n] int32    ->    blob = u32 table_len | zstd(tables) | range-coded words
+    sym: [streams, n] int32    ->    blob = u32 mark | u32 table_len | zstd(tables) | words
 
-    tables (before zstd) = lo: [streams] int16 | width: [streams] uint16 | counts: uint8 per
+    tables (before zstd) = lo: [streams] int16 | width: [streams] uint16 | one byte per
                            symbol of every row's [lo, lo + width) range
 
 Counts are the row histogram rescaled so its largest bin is 255 (any occurring symbol keeps a
-count >= 1). Encoder and decoder build the identical model from those bytes. Rows of width 1
-(a constant) cost no payload bits at all.
+count >= 1). Blobs written now (``RANS_LOG_MARK``) store each count as a 4-bit code, the
+nearest of ``LOG_LEVELS`` on a log scale (0: the symbol does not occur); the model is built
+from the levels. The tables were a tenth of a 256-token ``kdn-default`` entry of SmolLM2 with
+exact counts, and the coarser model costs 0.2% of payload: entries are 3.8% smaller (1.1% at
+1,024 tokens). Blobs of exact counts (``RANS_MARK``) and range-coded ones (format 1, a table
+length first) still decode. Encoder and decoder build the identical model from those bytes.
+Rows of width 1 (a constant) cost no payload bits at all.
 """
 
 from __future__ import annotations
@@ -47,12 +52,22 @@ def _tables(sym: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 
 RANS_MARK = 0xFFFFFFFF
-"""First word of a format-2 blob (parallel rANS, ``kdn.codec.rans``); a format-1 blob starts
-with its table length instead, which is never this large."""
+"""First word of a format-2 blob (parallel rANS, ``kdn.codec.rans``, exact counts); a format-1
+blob starts with its table length instead, which is never this large."""
+RANS_LOG_MARK = 0xFFFFFFFE
+"""First word of a format-3 blob: format 2 with each count stored as a code of ``LOG_LEVELS``."""
+LOG_LEVELS = np.array([0, 1, 2, 3, 4, 5, 7, 11, 16, 24, 35, 52, 78, 116, 172, 255], np.uint8)
+"""The count each 4-bit code stands for: 0 (absent), then about x1.5 a step from 1 to 255."""
+COUNT_OF_CODE = np.zeros(256, np.uint8)  # code -> count (codes past 15 are damage: 0)
+COUNT_OF_CODE[: len(LOG_LEVELS)] = LOG_LEVELS
+_CODE_OF = np.array([0] + [1 + int(np.argmin(np.abs(np.log(c) - np.log(LOG_LEVELS[1:].astype(
+    np.float64))))) for c in range(1, 256)], np.uint8)
+"""count (0..255) -> the code of the nearest level on a log scale."""
 
 
-def encode_streams(sym: np.ndarray) -> bytes:
-    """Code every row of ``sym`` ([streams, n] integers within int16) with its own model."""
+def encode_streams(sym: np.ndarray, *, exact_counts: bool = False) -> bytes:
+    """Code every row of ``sym`` ([streams, n] integers within int16) with its own model
+    (``exact_counts``: a format-2 blob, the counts stored whole; else format 3)."""
     # sym: [streams, n]
     sym = np.ascontiguousarray(sym, dtype=np.int32)
     if sym.ndim != 2 or sym.shape[0] == 0:
@@ -62,10 +77,14 @@ def encode_streams(sym: np.ndarray) -> bytes:
     lo, width, counts = _tables(sym)
     if lo.min() < -(1 << 15) or (lo + width).max() > (1 << 15) or width.max() > MAX_WIDTH:
         raise ValueError("symbols outside int16 range")
-    tables = lo.astype("<i2").tobytes() + width.astype("<u2").tobytes() + counts.tobytes()
+    mark, stored = RANS_MARK, counts
+    if not exact_counts:
+        mark, stored = RANS_LOG_MARK, _CODE_OF[counts]
+        counts = LOG_LEVELS[stored]
+    tables = lo.astype("<i2").tobytes() + width.astype("<u2").tobytes() + stored.tobytes()
     packed = zstandard.ZstdCompressor(level=_ZSTD_LEVEL).compress(tables)
     body = rans.encode(sym, lo, width, counts)
-    return _U32.pack(RANS_MARK) + _U32.pack(len(packed)) + packed + body
+    return _U32.pack(mark) + _U32.pack(len(packed)) + packed + body
 
 
 def _range_coded(sym: np.ndarray, lo: np.ndarray, width: np.ndarray, counts: np.ndarray
@@ -95,7 +114,8 @@ def parse_tables(buf: bytes | memoryview, streams: int, n: int
             raise Corrupt("entropy blob of an empty stream set is not empty")
         empty = np.zeros(streams, dtype=np.int32)
         return empty, np.ones(streams, dtype=np.int64), np.zeros(0, np.uint8), None
-    parallel = tlen == RANS_MARK
+    parallel = tlen in (RANS_MARK, RANS_LOG_MARK)
+    coded = tlen == RANS_LOG_MARK
     if parallel:
         mv = mv[4:]
         if len(mv) < 4:
@@ -111,6 +131,10 @@ def parse_tables(buf: bytes | memoryview, streams: int, n: int
     counts = np.frombuffer(tables, dtype=np.uint8, offset=4 * streams)
     if (width == 0).any() or int(width.sum()) != len(counts):
         raise Corrupt("entropy tables are inconsistent")
+    if coded:
+        if len(counts) and int(counts.max()) >= len(LOG_LEVELS):
+            raise Corrupt("entropy table code out of range")
+        counts = COUNT_OF_CODE[counts]
     return lo, width, counts, mv[4 + tlen :] if parallel else None
 
 

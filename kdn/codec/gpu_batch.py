@@ -3,7 +3,8 @@
 ``kdn`` and ``int8`` bodies of many layers decode together, with no host synchronisation:
 
 1. The host parses what is small: each layer's section table and each entropy blob's
-   zstd-packed frequency tables and rANS headers (``Plan``). It validates sizes (Corrupt
+   zstd-packed frequency tables (count codes turned into counts: format 3) and rANS headers
+   (``Plan``). It validates sizes (Corrupt
    right away) and lays out one output buffer for every layer's K and V.
 2. Copies to the device: the bodies' bytes (one span of the caller's buffer where they lie
    in one; from pinned memory, else one copy per run of neighbouring bodies, read where they
@@ -334,8 +335,9 @@ def decode_kdn(bodies: list[memoryview], specs: list[LayerSpec],
     flat = (*bts, *grs, *cos, *crs, sp, *(host_big[n] for n in ("lo", "width", "tstart",
                                                                  "depth")))
     chunks = _chunks(per_layer[:, 9] + per_layer[:, 2] + per_layer[:, 3])
-    _run_all(lambda c: plan.fill(c[0], c[1], starts, *args, kbase, vbase,
-                                 out.element_size(), *flat), chunks)
+    _run_all(lambda c: plan.fill(  # type: ignore[call-arg]
+        c[0], c[1], starts, *args, kbase, vbase, out.element_size(), *flat, err), chunks)
+    failed()  # a count code out of range (format 3)
     if source.delta is not None:  # the planner read the bodies elsewhere than the device does
         _to_device(source.delta, counts, bts, grs, sp, per_layer[:, 10])
     qat = int(counts[11])

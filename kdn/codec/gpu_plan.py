@@ -19,7 +19,13 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from kdn.codec.entropy import MAX_WIDTH, RANS_MARK
+from kdn.codec.entropy import (
+    COUNT_OF_CODE,
+    LOG_LEVELS,
+    MAX_WIDTH,
+    RANS_LOG_MARK,
+    RANS_MARK,
+)
 
 GROUP = 32
 MAX_BLOCK = 1 << 20
@@ -28,7 +34,7 @@ WHY = {1: "sections do not add up to the body", 2: "empty stream set is not empt
        3: "entropy blob truncated", FORMAT_1: "range-coded (format 1) blob",
        5: "entropy blob sections do not add up", 6: "zstd frame declares no or too large a size",
        7: "entropy tables are inconsistent", 8: "rANS section does not add up",
-       9: "sink tokens have the wrong size"}
+       9: "sink tokens have the wrong size", 10: "entropy table code out of range"}
 NF = 15
 """Per-blob fields (columns of ``fill``'s blob tables; column NF: the blob's layer)."""
 CROW, ROWBASE, BLOCKS, BLOCK, N, STREAMS, STATES, HEADS, KC, VC, TOKENS, SINK, KBASE, VBASE, \
@@ -50,10 +56,11 @@ def _u16(buf: np.ndarray, at: int) -> int:
 def scan(buf: np.ndarray, body_at: np.ndarray, body_len: np.ndarray, n: np.ndarray,
          err: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Each layer's four sections (offset, length) and each of its two entropy blobs'
-    (tables offset, tables length, rANS section offset, section length); -1 where n == 0."""
+    (tables offset, tables length, rANS section offset, section length, 1 where its counts
+    are log codes: format 3); -1 where n == 0."""
     layers = body_at.shape[0]
     sect = np.zeros((layers, 4, 2), np.int64)
-    blobs = np.full((layers, 2, 4), -1, np.int64)
+    blobs = np.full((layers, 2, 5), -1, np.int64)
     for lay in range(layers):
         o, ln = body_at[lay], body_len[lay]
         if ln < 16:
@@ -80,7 +87,8 @@ def scan(buf: np.ndarray, body_at: np.ndarray, body_len: np.ndarray, n: np.ndarr
             if sl < 8:
                 err[0], err[1] = 3, lay
                 return sect, blobs
-            if _u32(buf, so) != RANS_MARK:
+            mark = _u32(buf, so)
+            if mark != RANS_MARK and mark != RANS_LOG_MARK:
                 err[0], err[1] = FORMAT_1, lay
                 return sect, blobs
             tlen = _u32(buf, so + 4)
@@ -91,6 +99,7 @@ def scan(buf: np.ndarray, body_at: np.ndarray, body_len: np.ndarray, n: np.ndarr
             blobs[lay, b, 1] = tlen
             blobs[lay, b, 2] = so + 8 + tlen
             blobs[lay, b, 3] = sl - 8 - tlen
+            blobs[lay, b, 4] = mark == RANS_LOG_MARK
     return sect, blobs
 
 
@@ -223,10 +232,11 @@ def fill(first: int, last: int, starts: np.ndarray, buf: np.ndarray, sect: np.nd
          sink: np.ndarray, kbase: np.ndarray, vbase: np.ndarray, itemsize: int,
          bt0: np.ndarray, bt1: np.ndarray, gr0: np.ndarray, gr1: np.ndarray, co0: np.ndarray,
          co1: np.ndarray, cr0: np.ndarray, cr1: np.ndarray, sp: np.ndarray, lo: np.ndarray,
-         width: np.ndarray, tstart: np.ndarray, depth: np.ndarray) -> None:
+         width: np.ndarray, tstart: np.ndarray, depth: np.ndarray, err: np.ndarray) -> None:
     """Layers [first, last) into ``allocate``'s arrays, each at the place ``starts`` (the
     exclusive running sums of ``count``'s rows) gives it: disjoint layer ranges fill on
-    threads side by side (nogil)."""
+    threads side by side (nogil). A format-3 blob's count codes are replaced in ``tables`` by
+    the counts they stand for (``entropy.LOG_LEVELS``); a code out of range sets ``err``."""
     bts, grs, cos, crs = (bt0, bt1), (gr0, gr1), (co0, co1), (cr0, cr1)
     ib = np.zeros(2, np.int64)
     ig = np.zeros(2, np.int64)
@@ -263,6 +273,12 @@ def fill(first: int, last: int, starts: np.ndarray, buf: np.ndarray, sect: np.nd
             k = ib[b]
             coded = 0
             src = t0 + 4 * st
+            if blobs[lay, b, 4] == 1:
+                for j in range(src, t0 + tab[lay, b, 1]):
+                    c = tables[j]
+                    if c >= len(LOG_LEVELS):
+                        err[0], err[1] = 10, lay
+                    tables[j] = COUNT_OF_CODE[c]
             for i in range(st):
                 r = row + i
                 lo[r] = np.int16(_u16(tables, t0 + 2 * i))
