@@ -14,11 +14,11 @@ Counts are the row histogram rescaled so its largest bin is 255 (any occurring s
 count >= 1). Blobs written now (``RANS_LOG_MARK``) store each count as a 4-bit code, the
 nearest of ``LOG_LEVELS`` on a log scale (0: the symbol does not occur); the model is built
 from the levels. The tables were a tenth of a 256-token ``kdn-default`` entry of SmolLM2 with
-exact counts, and the coarser model costs 0.2% of payload: entries are 3.8% smaller (1.1% at
-1,024 tokens). Blobs of exact counts (``RANS_MARK``) and range-coded ones (format 1, a table
-length first) still decode; kdn from before format 3 refuses format-3 blobs as damaged (a
-fleet upgrades its readers before its writers). Encoder and decoder build the identical model from those bytes.
-Rows of width 1 (a constant) cost no payload bits at all.
+exact counts, and the coarser model costs 0.2% of payload: entries are 3.7% smaller (1.1% at
+1,024 tokens; ``bench.codec``). Blobs of exact counts (``RANS_MARK``) and range-coded ones
+(format 1, a table length first) still decode; kdn from before format 3 refuses format-3
+blobs as damaged (a fleet upgrades its readers before its writers). Encoder and decoder build
+the identical model from those bytes. Rows of width 1 (a constant) cost no payload bits.
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@
 
 1. The host parses what is small: each layer's section table and each entropy blob's
    zstd-packed frequency tables (count codes turned into counts: format 3) and rANS headers
-   (``Plan``). It validates sizes (Corrupt
-   right away) and lays out one output buffer for every layer's K and V.
+   (``Plan``). It validates sizes (Corrupt right away) and lays out one output buffer for
+   every layer's K and V.
 2. Copies to the device: the bodies' bytes (one span of the caller's buffer where they lie
    in one; from pinned memory, else one copy per run of neighbouring bodies, read where they
    lie: an entry each for the blocks of a context; other memory is packed into pinned staging
