@@ -327,7 +327,9 @@ def decode_kdn(bodies: list[memoryview], specs: list[LayerSpec],
     host_big = big.arrays()
     tables, tab = _tables(buf, blobs, sizes, host_big["counts"], where)
     args = (buf, sect, blobs, tables, tab, streams, heads, kc, vc, tokens, sink)
-    per_layer = plan.count(*args, out.element_size(), err)
+    per_layer = np.zeros((len(specs), 12), np.int64)
+    _run_all(lambda c: plan.count(  # type: ignore[call-arg]
+        c[0], c[1], per_layer, *args, out.element_size(), err), _chunks(streams[:, 1]))
     failed()
     counts = per_layer.sum(axis=0)
     starts = np.cumsum(per_layer, axis=0) - per_layer

@@ -1,11 +1,12 @@
 """The host's share of the whole-entry GPU decode of ``kdn`` bodies, compiled (numba): walk
 every layer's sections and entropy blobs in the bodies' bytes, then lay out what the kernels of
-``kdn.codec.gpu_kernels`` read. Per entry this is two compiled calls and one batched zstd call
-(the blobs' frequency tables, decompressed on several threads), not Python per blob.
+``kdn.codec.gpu_kernels`` read. Per call this is a few compiled calls (``count`` and ``fill``
+on several threads, a range of layers each) and one batched zstd call (the blobs' frequency
+tables, decompressed on several threads), not Python per blob.
 
-    scan(buf, body_at, body_len, n, err)  -> sections [L, 4, 2], blobs [L, 2, 4]
+    scan(buf, body_at, body_len, n, err)  -> sections [L, 4, 2], blobs [L, 2, 5]
     table_sizes(buf, blobs, streams, err) -> declared size of each packed table (bounded)
-    count(...)                            -> what each layer lays out, checked
+    count(first, last, out, ...)          -> what a range of layers lays out, checked
     fill(first, last, ...)                -> a range of layers into ``allocate``'s arrays
 
 Checks are those of the CPU decoder (``entropy.parse_tables``, ``rans.decode``,
@@ -141,23 +142,23 @@ def table_sizes(buf: np.ndarray, blobs: np.ndarray, streams: np.ndarray, err: np
 
 
 @numba.njit(cache=True, nogil=True)
-def count(buf: np.ndarray, sect: np.ndarray, blobs: np.ndarray, tables: np.ndarray,
-          tab: np.ndarray, streams: np.ndarray, heads: np.ndarray, kc: np.ndarray,
-          vc: np.ndarray, tokens: np.ndarray, sink: np.ndarray, itemsize: int,
-          err: np.ndarray) -> np.ndarray:
-    """Check every blob's tables and rANS header and count, per layer, what ``fill`` lays out
-    ([L, 12]): blobs, groups, coded rows, constant rows of set 0 then set 1, then rows,
-    bins, sink spans, log-scale symbols.
+def count(first: int, last: int, out: np.ndarray, buf: np.ndarray, sect: np.ndarray,
+          blobs: np.ndarray, tables: np.ndarray, tab: np.ndarray, streams: np.ndarray,
+          heads: np.ndarray, kc: np.ndarray, vc: np.ndarray, tokens: np.ndarray,
+          sink: np.ndarray, itemsize: int, err: np.ndarray) -> None:
+    """Check the blobs' tables and rANS headers of layers [first, last) and count, per layer,
+    what ``fill`` lays out (rows of ``out``, [L, 12], zeros): blobs, groups, coded rows,
+    constant rows of set 0 then set 1, then rows, bins, sink spans, log-scale symbols
+    (disjoint layer ranges count on threads side by side: nogil).
     ``tables``: every blob's decompressed tables one after another, blob (l, b) at
     ``tab[l, b, 0]`` (``tab[l, b, 1]`` bytes)."""
-    out = np.zeros((sect.shape[0], 12), np.int64)
-    for lay in range(sect.shape[0]):
+    for lay in range(first, last):
         s, h = sink[lay], heads[lay]
         for b in range(2):
             ch = kc[lay] if b == 0 else vc[lay]
             if sect[lay, b, 1] != h * s * ch * itemsize:
                 err[0], err[1] = 9, lay
-                return out
+                return
             if s * ch:
                 out[lay, 10] += h
         n = tokens[lay] - s
@@ -169,45 +170,44 @@ def count(buf: np.ndarray, sect: np.ndarray, blobs: np.ndarray, tables: np.ndarr
             t0, tlen = tab[lay, b, 0], tab[lay, b, 1]
             if tlen < 4 * st:
                 err[0], err[1] = 7, lay
-                return out
+                return
             wsum = 0
             coded = 0
             for i in range(st):
                 w = _u16(tables, t0 + 2 * st + 2 * i)
                 if w == 0:
                     err[0], err[1] = 7, lay
-                    return out
+                    return
                 wsum += w
                 coded += w > 1
             if wsum != tlen - 4 * st:
                 err[0], err[1] = 7, lay
-                return out
+                return
             so, sl = blobs[lay, b, 2], blobs[lay, b, 3]
             if sl < 8:
                 err[0], err[1] = 8, lay
-                return out
+                return
             block, groups = _u32(buf, so), _u32(buf, so + 4)
             if block == 0 or block > MAX_BLOCK:
                 err[0], err[1] = 8, lay
-                return out
+                return
             nstreams = coded * ((n + block - 1) // block)
             need = 8 + 4 * nstreams + 4 * groups
             if groups != (nstreams + GROUP - 1) // GROUP or sl < need or (sl - need) % 2:
                 err[0], err[1] = 8, lay
-                return out
+                return
             words = 0
             for g in range(groups):
                 words += _u32(buf, so + 8 + 4 * nstreams + 4 * g)
             if 2 * words != sl - need:
                 err[0], err[1] = 8, lay
-                return out
+                return
             out[lay, b] += 1
             out[lay, 2 + b] += groups
             out[lay, 4 + b] += coded
             out[lay, 6 + b] += st - coded
             out[lay, 8] += st
             out[lay, 9] += wsum
-    return out
 
 
 def allocate(sizes: np.ndarray) -> tuple:  # type: ignore[type-arg]
