@@ -300,9 +300,11 @@ def _profile(title: str, fn: Any, device: torch.device) -> None:
         line for line in text.getvalue().splitlines()[4:] if line.strip()), flush=True)
 
 
-def _decode_together(blobs: list[bytes], device: torch.device) -> None:
+def _decode_together(blobs: list[bytes] | list[memoryview], device: torch.device,
+                     pinned: bool = False) -> None:
     """Every entry's layers decoded in one whole-entry decode (what an engine's hit on the
-    blocks of one context does: ``kdn.client.landing.decoded_together``)."""
+    blocks of one context does: ``kdn.client.landing.decoded_together``; ``pinned``: the
+    entries lie in page-locked memory, as the read arena's do)."""
     from kdn.codec import StreamDecoder, parse_container
     from kdn.codec.api import layer_spec
     from kdn.codec.format import check_frame
@@ -316,7 +318,7 @@ def _decode_together(blobs: list[bytes], device: torch.device) -> None:
                 bodies.append(memoryview(r.body))
                 specs.append(layer_spec(c.header.layout, r.layer, r.tokens))
     assert dec is not None
-    done = dec.mode.decode_layers(bodies, specs, dec.level, device)
+    done = dec.mode.decode_layers(bodies, specs, dec.level, device, pinned=pinned)
     if done is None:  # an encoding without a whole-entry decoder
         for b in blobs:
             codec_decode(b, device)

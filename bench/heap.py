@@ -34,13 +34,10 @@ from typing import Any
 import torch
 
 from bench.common import arg_parser, machine, percentile, print_table, write_json
-from bench.gpu import SHAPES, build
+from bench.gpu import SHAPES, _decode_together, build
 from kdn import codec
 from kdn.cache import KVCache
 from kdn.codec import gpu_batch
-from kdn.codec.api import layer_spec
-from kdn.codec.format import check_frame, parse_container
-from kdn.codec.modes import get_mode
 from kdn.layout import KVLayout
 
 BLOCK_TOKENS = 256
@@ -72,18 +69,7 @@ def _context(blocks: int) -> tuple[list[memoryview], KVLayout]:
 
 def _hit(entries: list[memoryview], device: torch.device) -> None:
     """What a GPU hit does with the context's blocks once their bytes are in host memory."""
-    bodies, specs = [], []
-    for entry in entries:
-        c = parse_container(entry, verify=False)
-        for i, f in enumerate(c.frames):
-            for r in check_frame(c.header, i, f):
-                bodies.append(memoryview(r.body))
-                specs.append(layer_spec(c.header.layout, r.layer, r.tokens))
-    done = get_mode("kdn").decode_layers(bodies, specs, "default", device,
-                                         pinned=device.type == "cuda")
-    assert done is not None
-    layers = done.check() if device.type == "cuda" else done.layers
-    assert len(layers) == len(specs)
+    _decode_together(entries, device, pinned=device.type == "cuda")
 
 
 def measure(entries: list[memoryview], device: torch.device, hits: int, heap: str

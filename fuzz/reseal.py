@@ -498,7 +498,7 @@ class Case:
         b = bytearray(blob)
         if len(b) < 8:
             return bytes(b) + fdp.ConsumeBytes(8)
-        parallel = _U32.unpack_from(b, 0)[0] in (entropy.RANS_MARK, entropy.RANS_LOG_MARK)
+        parallel = _U32.unpack_from(b, 0)[0] in entropy.RANS_MARKS
         at = 4 if parallel else 0  # the u32 length of the zstd tables
         tlen = _U32.unpack_from(b, at)[0]
         tables_end = min(len(b), at + 4 + tlen)
@@ -507,7 +507,7 @@ class Case:
             new = self._zstd(fdp, bytes(b[at + 4 : tables_end]))
             return bytes(b[:at]) + _U32.pack(len(new)) + new + bytes(b[tables_end:])
         if how == 1:  # the format mark: dropped, swapped (exact counts <-> codes) or added
-            marks = [entropy.RANS_MARK, entropy.RANS_LOG_MARK]
+            marks = list(entropy.RANS_MARKS)
             if parallel and fdp.ConsumeBool():
                 return bytes(b[4:])
             if parallel:
@@ -554,7 +554,7 @@ class Case:
         b = secs[s]
         if len(b) < 8:
             return
-        at = 4 if _U32.unpack_from(b, 0)[0] in (entropy.RANS_MARK, entropy.RANS_LOG_MARK) else 0
+        at = 4 if _U32.unpack_from(b, 0)[0] in entropy.RANS_MARKS else 0
         end = min(len(b), at + 4 + _U32.unpack_from(b, at)[0])
         tables = _unzstd(b[at + 4 : end])
         if tables is None or len(tables) < 4 * streams:

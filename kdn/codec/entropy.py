@@ -57,6 +57,8 @@ RANS_MARK = 0xFFFFFFFF
 blob starts with its table length instead, which is never this large."""
 RANS_LOG_MARK = 0xFFFFFFFE
 """First word of a format-3 blob: format 2 with each count stored as a code of ``LOG_LEVELS``."""
+RANS_MARKS = (RANS_MARK, RANS_LOG_MARK)
+"""The first words of the parallel-rANS formats (2 and 3)."""
 LOG_LEVELS = np.array([0, 1, 2, 3, 4, 5, 7, 11, 16, 24, 35, 52, 78, 116, 172, 255], np.uint8)
 """The count each 4-bit code stands for: 0 (absent), then about x1.5 a step from 1 to 255."""
 COUNT_OF_CODE = np.zeros(256, np.uint8)  # code -> count (codes past 15 are damage: 0)
@@ -115,7 +117,7 @@ def parse_tables(buf: bytes | memoryview, streams: int, n: int
             raise Corrupt("entropy blob of an empty stream set is not empty")
         empty = np.zeros(streams, dtype=np.int32)
         return empty, np.ones(streams, dtype=np.int64), np.zeros(0, np.uint8), None
-    parallel = tlen in (RANS_MARK, RANS_LOG_MARK)
+    parallel = tlen in RANS_MARKS
     coded = tlen == RANS_LOG_MARK
     if parallel:
         mv = mv[4:]
