@@ -19,9 +19,9 @@ compressed mode gets a second row decoded on the GPU (``kdn.codec.gpu``).
 The context is one entry above; an engine stores it in blocks (256 tokens by default:
 ``EngineConfig.chunk_tokens``), each entry with its own tables and exact sink tokens. So each
 row also gives the bytes of the context as 256-token entries (``block_bytes``,
-``block_ratio_vs_fp16``: what a store holds), and for the entropy-coded modes the same with
-exact counts in the tables (``block_bytes_exact_counts``: the format-2 tables entries had
-before 4-bit log-coded counts, ``kdn.codec.entropy``, encoded in this run).
+``block_ratio_vs_fp16``: what a store holds), and for the entropy-coded modes the same in the
+earlier blob formats, encoded in this run (``kdn.codec.entropy``): ``block_bytes_format3``
+(4-bit count codes inside zstd) and ``block_bytes_exact_counts`` (format 2: whole counts).
 """
 
 from __future__ import annotations
@@ -46,7 +46,8 @@ from kdn.model.models import ensure_smollm2_folder, load_model
 RESULTS = Path(__file__).parent / "results"
 COLUMNS = ["mode", "device", "bits_per_element", "ratio_vs_fp16", "delta_ppl_pct",
            "top1_agreement", "kl", "encode_mb_s", "decode_mb_s", "decode_gb_s",
-           "decode_vs_prefill", "block_ratio_vs_fp16", "block_bytes", "block_bytes_exact_counts"]
+           "decode_vs_prefill", "block_ratio_vs_fp16", "block_bytes", "block_bytes_format3",
+           "block_bytes_exact_counts"]
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,7 @@ class Row:
     decode_gb_s: float = 0.0
     block_bytes: int = 0
     block_ratio_vs_fp16: float = 0.0
+    block_bytes_format3: int = 0
     block_bytes_exact_counts: int = 0
 
 
@@ -114,14 +116,14 @@ def _decode_timed(blob: bytes, device: str, repeats: int) -> tuple[float, KVCach
 BLOCK_TOKENS = 256
 
 
-def block_bytes(kv: KVCache, mode: str, level: str, exact_counts: bool = False) -> int:
-    """Bytes of ``kv`` stored as entries of ``BLOCK_TOKENS`` tokens (an engine's blocks);
-    ``exact_counts``: with format-2 entropy tables (whole counts)."""
+def block_bytes(kv: KVCache, mode: str, level: str, fmt: int = 4) -> int:
+    """Bytes of ``kv`` stored as entries of ``BLOCK_TOKENS`` tokens (an engine's blocks), the
+    entropy tables in blob format ``fmt`` (``entropy.encode_streams``)."""
     from kdn.codec import entropy
     from kdn.codec.modes import cachegen as cachegen_mode
     from kdn.codec.modes import kdn as kdn_mode
 
-    coder = partial(entropy.encode_streams, exact_counts=exact_counts)
+    coder = partial(entropy.encode_streams, fmt=fmt)
     kdn_mode.encode_streams = cachegen_mode.encode_streams = coder  # type: ignore[assignment]
     try:
         return sum(len(encode(KVCache(kv.layout, [(k[:, a : a + BLOCK_TOKENS].contiguous(),
@@ -142,6 +144,7 @@ def measure(ref: Reference, name: str, mode: str, level: str, repeats: int,
     out = out.to("cpu")
     q = evaluate(ref, out)
     blocks = block_bytes(kv, mode, level)
+    coded = mode in ("kdn", "cachegen")
     return Row(
         mode=name,
         bits_per_element=len(blob) * 8 / elements,
@@ -158,8 +161,8 @@ def measure(ref: Reference, name: str, mode: str, level: str, repeats: int,
         decode_gb_s=fp16_mb / 1e3 / t_dec,
         block_bytes=blocks,
         block_ratio_vs_fp16=elements * 2 / blocks,
-        block_bytes_exact_counts=(block_bytes(kv, mode, level, exact_counts=True)
-                                  if mode in ("kdn", "cachegen") else blocks),
+        block_bytes_format3=(block_bytes(kv, mode, level, fmt=3) if coded else blocks),
+        block_bytes_exact_counts=(block_bytes(kv, mode, level, fmt=2) if coded else blocks),
     )
 
 

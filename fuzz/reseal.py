@@ -17,6 +17,7 @@ import struct
 from dataclasses import dataclass
 
 import atheris
+import numpy as np
 import torch
 import zstandard
 
@@ -496,24 +497,37 @@ class Case:
     def _entropy(self, fdp: FDP, blob: bytes) -> bytes:
         """A structural mutation of an entropy blob (``kdn.codec.entropy`` / ``rans``)."""
         b = bytearray(blob)
-        if len(b) < 8:
-            return bytes(b) + fdp.ConsumeBytes(8)
-        parallel = _U32.unpack_from(b, 0)[0] in entropy.RANS_MARKS
+        if len(b) < 12:
+            return bytes(b) + fdp.ConsumeBytes(12)
+        mark = _U32.unpack_from(b, 0)[0]
+        parallel = mark in entropy.RANS_MARKS
         at = 4 if parallel else 0  # the u32 length of the zstd tables
         tlen = _U32.unpack_from(b, at)[0]
-        tables_end = min(len(b), at + 4 + tlen)
-        how = fdp.ConsumeIntInRange(0, 5)
-        if how == 0:  # the tables: lo (i16) | width (u16) | counts or codes (u8), zstd-compressed
-            new = self._zstd(fdp, bytes(b[at + 4 : tables_end]))
-            return bytes(b[:at]) + _U32.pack(len(new)) + new + bytes(b[tables_end:])
-        if how == 1:  # the format mark: dropped, swapped (exact counts <-> codes) or added
+        clen = _U32.unpack_from(b, 8)[0] if mark == entropy.RANS_NIBBLE_MARK else 0
+        head = 12 if mark == entropy.RANS_NIBBLE_MARK else at + 4
+        tables_end = min(len(b), head + tlen)
+        how = fdp.ConsumeIntInRange(0, 6)
+        if how == 0:  # the tables: lo (i16) | width (u16) [| codes or counts (u8)], zstd
+            new = self._zstd(fdp, bytes(b[head:tables_end]))
+            return bytes(b[:at]) + _U32.pack(len(new)) + bytes(b[at + 4 : head]) + new + \
+                bytes(b[tables_end:])
+        if how == 1:  # the format mark: dropped, swapped for another or added
             marks = list(entropy.RANS_MARKS)
             if parallel and fdp.ConsumeBool():
                 return bytes(b[4:])
             if parallel:
-                other = marks[1 - marks.index(_U32.unpack_from(b, 0)[0])]
-                return _U32.pack(other) + bytes(b[4:])
+                others = [m for m in marks if m != mark]
+                return _U32.pack(fdp.PickValueInList(others)) + bytes(b[4:])
             return _U32.pack(fdp.PickValueInList(marks)) + bytes(b)
+        if how == 5 and mark == entropy.RANS_NIBBLE_MARK:  # format 4's codes: length or bytes
+            if fdp.ConsumeBool():
+                b[8:12] = _U32.pack(max(0, clen + fdp.ConsumeIntInRange(-2, 2)))
+            elif clen:
+                pos = tables_end + _index(fdp, clen)
+                if pos < len(b):
+                    b[pos] = fdp.PickValueInList([0, 0x0F, 0xF0, 0xFF, b[pos] ^ 0x10])
+            return bytes(b)
+        tables_end = min(len(b), tables_end + clen)
         sec = tables_end  # rANS: u32 block | u32 groups | u32 states[] | u32 gwords[] | u16[]
         if how == 2:
             field = sec + 4 * fdp.ConsumeIntInRange(0, 1)
@@ -554,13 +568,21 @@ class Case:
         b = secs[s]
         if len(b) < 8:
             return
-        at = 4 if _U32.unpack_from(b, 0)[0] in entropy.RANS_MARKS else 0
-        end = min(len(b), at + 4 + _U32.unpack_from(b, at)[0])
-        tables = _unzstd(b[at + 4 : end])
+        mark = _U32.unpack_from(b, 0)[0]
+        nibbles = mark == entropy.RANS_NIBBLE_MARK and len(b) >= 12
+        at = 4 if mark in entropy.RANS_MARKS else 0
+        head = 12 if nibbles else at + 4
+        end = min(len(b), head + _U32.unpack_from(b, at)[0])
+        clen = _U32.unpack_from(b, 8)[0] if nibbles else 0
+        tables = _unzstd(b[head:end])
         if tables is None or len(tables) < 4 * streams:
             return
         lo = list(struct.unpack_from(f"<{streams}h", tables))
         width = list(struct.unpack_from(f"<{streams}H", tables, 2 * streams))
+        if nibbles:  # format 4: the codes after the tables, two to a byte
+            packed_codes = np.frombuffer(b[end : end + clen], np.uint8)
+            tables = tables[: 4 * streams] + np.stack(
+                [packed_codes & 15, packed_codes >> 4], axis=1).ravel().tobytes()
         starts = [sum(width[:r]) for r in range(streams)]
         counts = [bytearray(tables[4 * streams + a : 4 * streams + a + w])
                   for a, w in zip(starts, width)]
@@ -583,9 +605,16 @@ class Case:
         else:
             t = _index(fdp, streams)
             lo[r], width[r], counts[r] = lo[t], width[t], counts[t]
-        raw = struct.pack(f"<{streams}h{streams}H", *lo, *width) + b"".join(counts)
-        packed = zstandard.ZstdCompressor(level=1).compress(raw)
-        secs[s] = b[:at] + _U32.pack(len(packed)) + packed + b[end:]
+        raw = struct.pack(f"<{streams}h{streams}H", *lo, *width)
+        if nibbles:  # codes above 15 do not fit a nibble: the largest code instead
+            codes = entropy.pack_nibbles(np.minimum(np.frombuffer(b"".join(counts), np.uint8),
+                                                    15))
+            packed = zstandard.ZstdCompressor(level=1).compress(raw)
+            secs[s] = b[:4] + _U32.pack(len(packed)) + _U32.pack(len(codes)) + packed + \
+                codes + b[end + clen :]
+        else:
+            packed = zstandard.ZstdCompressor(level=1).compress(raw + b"".join(counts))
+            secs[s] = b[:at] + _U32.pack(len(packed)) + packed + b[end:]
         self._set_body(i, off, pack_sections_with_len(secs)[4:])
 
     def _scales(self, fdp: FDP) -> None:

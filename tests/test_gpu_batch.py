@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -67,16 +68,33 @@ _IDENTICAL = _PRELUDE + textwrap.dedent('''
         blob = codec.encode(kv, mode, level)
         same(codec.decode(blob), codec.decode(blob, batched=True))
         checked += 1
-    # entries written before format 3 (exact counts in the tables) still decode on the device
+    # entries written before format 4 (format 3: codes inside zstd; format 2: exact counts)
+    # still decode on the device, alone and beside format-4 ones in one decode
     import functools
     import kdn.codec.modes.kdn as kdn_mode
     from kdn.codec import entropy
-    kdn_mode.encode_streams = functools.partial(entropy.encode_streams, exact_counts=True)
-    blob = codec.encode(random_kv(pruned_layout(), 29, seed=11), "kdn", "default")
-    kdn_mode.encode_streams = entropy.encode_streams
-    assert entropy.RANS_MARK.to_bytes(4, "little") in blob
-    assert entropy.RANS_LOG_MARK.to_bytes(4, "little") not in blob
-    same(codec.decode(blob), codec.decode(blob, batched=True))
+    lay = pruned_layout()
+    from kdn.codec.modes import unpack_sections
+    entries = []
+    for fmt in (2, 3, 4):
+        kdn_mode.encode_streams = functools.partial(entropy.encode_streams, fmt=fmt)
+        blob = codec.encode(random_kv(lay, 29, seed=11 + fmt, start=29 * fmt), "kdn", "default")
+        kdn_mode.encode_streams = entropy.encode_streams
+        body = records(blob)[1][0].body  # its symbols' blob names its format first
+        sym_blob = bytes(unpack_sections(body, 4, "test")[3])
+        assert entropy.FORMAT_OF_MARK[int.from_bytes(sym_blob[:4], "little")] == fmt
+        same(codec.decode(blob), codec.decode(blob, batched=True))
+        entries.append(blob)
+        checked += 1
+    bodies, specs, want = [], [], []
+    for blob in entries:
+        header, recs = records(blob)
+        bodies += [memoryview(r.body) for r in recs]
+        specs += [layer_spec(header.layout, r.layer, r.tokens) for r in recs]
+        want += codec.decode(blob).layers
+    got = get_mode("kdn").decode_layers(bodies, specs, "default", torch.device("cpu")).check()
+    for (k1, v1), (k2, v2) in zip(want, got, strict=True):
+        assert torch.equal(k1, k2) and torch.equal(v1, v2)
     checked += 1
     print("ok", checked)
 ''')
@@ -224,7 +242,7 @@ def _run(script: str) -> list[str]:
 
 
 def test_whole_entry_decode_is_bit_identical_to_the_cpu_decoders() -> None:
-    assert _run(_IDENTICAL)[-2:] == ["ok", "11"]
+    assert _run(_IDENTICAL)[-2:] == ["ok", "14"]
 
 
 def test_damaged_bodies_are_refused_exactly_where_the_cpu_refuses_them() -> None:
@@ -242,50 +260,113 @@ def test_a_32_layer_entry_takes_few_launches_and_no_sync_before_its_check() -> N
     assert out[-1] == "ok", out
 
 
-def test_a_count_code_out_of_range_is_refused_by_both_decoders() -> None:
-    """A format-3 table whose count code names no level: the CPU decoder and the planner of
-    the whole-entry decoder both refuse it, the planner before anything is launched."""
-    import struct
+def _layers_with_symbols_blob(fmt: int, edit: Any) -> tuple[list[memoryview], list[Any]]:
+    """The bodies and specs of a 3-layer ``kdn-default`` entry in blob format ``fmt``, layer
+    1's symbols' blob replaced by ``edit(blob)``."""
+    import functools
     import sys
-
-    import numpy as np
-    import torch
-    import zstandard
 
     sys.path.insert(0, str(ROOT / "tests"))
     from helpers import random_kv, uniform_layout
 
+    import kdn.codec.modes.kdn as kdn_mode
     from kdn import codec
-    from kdn.codec import gpu_batch
+    from kdn.codec import entropy
     from kdn.codec.api import layer_spec
-    from kdn.codec.entropy import LOG_LEVELS
     from kdn.codec.format import check_frame, parse_container
-    from kdn.codec.modes import get_mode, pack_sections, unpack_sections
-    from kdn.errors import Corrupt
+    from kdn.codec.modes import pack_sections, unpack_sections
 
-    blob = codec.encode(random_kv(uniform_layout(3, 2, 8), 30, seed=4), "kdn", "default")
+    kdn_mode.encode_streams = functools.partial(entropy.encode_streams, fmt=fmt)
+    try:
+        blob = codec.encode(random_kv(uniform_layout(3, 2, 8), 30, seed=4), "kdn", "default")
+    finally:
+        kdn_mode.encode_streams = entropy.encode_streams
     c = parse_container(blob, verify=False)
     recs = [r for i, f in enumerate(c.frames) for r in check_frame(c.header, i, f)]
     specs = [layer_spec(c.header.layout, r.layer, r.tokens) for r in recs]
     sections = [bytes(x) for x in unpack_sections(recs[1].body, 4, "test")]
-    sym = sections[3]  # the symbols' entropy blob: mark, table length, tables, rANS
-    tlen = struct.unpack_from("<I", sym, 4)[0]
-    tables = bytearray(zstandard.ZstdDecompressor().decompress(sym[8 : 8 + tlen]))
-    rows = 2 * 2 * 8  # heads x (K + V channels)
-    widths = np.frombuffer(bytes(tables), "<u2", count=rows, offset=2 * rows)
-    at = 4 * rows + int(widths[: int(np.argmax(widths > 1))].sum())  # a coded row's first bin
-    tables[at] = len(LOG_LEVELS)
-    packed = zstandard.ZstdCompressor().compress(bytes(tables))
-    sections[3] = sym[:4] + struct.pack("<I", len(packed)) + packed + sym[8 + tlen :]
+    sections[3] = edit(sections[3])
     bodies = [memoryview(r.body) for r in recs]
     bodies[1] = memoryview(pack_sections(sections))
+    return bodies, specs
+
+
+def _refused_by_both(bodies: list[memoryview], specs: list[Any], cpu: str, planner: str
+                     ) -> None:
+    """The CPU decoder refuses layer 1 (``cpu``), and the whole-entry decoder's planner
+    refuses it naming the layer (``planner``) before any launch."""
+    import torch
+
+    from kdn.codec import gpu_batch
+    from kdn.codec.modes import get_mode
+    from kdn.errors import Corrupt
+
     mode = get_mode("kdn")
-    with pytest.raises(Corrupt, match="code out of range"):
+    with pytest.raises(Corrupt, match=cpu):
         mode.decode_layer(bodies[1], specs[1], "default", torch.device("cpu"))
     gpu_batch.STATS.update(launches=0, copies=0, syncs=0)
-    with pytest.raises(Corrupt, match=f"layer {specs[1].index}: entropy table code out"):
+    with pytest.raises(Corrupt, match=f"layer {specs[1].index}: {planner}"):
         mode.decode_layers(bodies, specs, "default", torch.device("cpu"))
     assert gpu_batch.STATS["launches"] == 0
+
+
+def test_a_count_code_out_of_range_is_refused_by_both_decoders() -> None:
+    """A format-3 table whose count code names no level: the CPU decoder and the planner of
+    the whole-entry decoder both refuse it, the planner before anything is launched."""
+    import struct
+
+    import numpy as np
+    import zstandard
+
+    from kdn.codec.entropy import LOG_LEVELS
+
+    def bad_code(sym: bytes) -> bytes:  # mark, table length, tables, rANS
+        tlen = struct.unpack_from("<I", sym, 4)[0]
+        tables = bytearray(zstandard.ZstdDecompressor().decompress(sym[8 : 8 + tlen]))
+        rows = 2 * 2 * 8  # heads x (K + V channels)
+        widths = np.frombuffer(bytes(tables), "<u2", count=rows, offset=2 * rows)
+        at = 4 * rows + int(widths[: int(np.argmax(widths > 1))].sum())  # a coded row's bin
+        tables[at] = len(LOG_LEVELS)
+        packed = zstandard.ZstdCompressor().compress(bytes(tables))
+        return sym[:4] + struct.pack("<I", len(packed)) + packed + sym[8 + tlen :]
+
+    _refused_by_both(*_layers_with_symbols_blob(3, bad_code), "code out of range",
+                     "entropy table code out")
+
+
+@pytest.mark.parametrize("damage", ["codes cut short", "codes one byte long",
+                                    "tables with the codes inside"])
+def test_format_4_codes_that_do_not_fit_the_tables_are_refused_by_both_decoders(
+        damage: str) -> None:
+    """Format 4 keeps the count codes outside zstd, sized by the tables' widths: codes of the
+    wrong length, or lo/width tables that are not exactly 4 bytes a row, are refused by the
+    CPU decoder and by the planner, naming the layer, before anything is launched."""
+    import struct
+
+    import numpy as np
+    import zstandard
+
+    def edit(sym: bytes) -> bytes:  # mark, table length, codes length, tables, codes, rANS
+        tlen, clen = struct.unpack_from("<II", sym, 4)
+        tables, codes, rest = sym[12 : 12 + tlen], sym[12 + tlen : 12 + tlen + clen], \
+            sym[12 + tlen + clen :]
+        if damage == "codes cut short":
+            codes = codes[:-1]
+        elif damage == "codes one byte long":
+            codes += bytes(1)
+        else:  # format 3's tables behind format 4's mark
+            bins = np.frombuffer(codes, np.uint8)
+            full = np.stack([bins & 15, bins >> 4], axis=1).ravel()
+            raw = zstandard.ZstdDecompressor().decompress(tables) + full.tobytes()
+            tables = zstandard.ZstdCompressor().compress(raw)
+        return sym[:4] + struct.pack("<II", len(tables), len(codes)) + tables + codes + rest
+
+    cpu = {"codes cut short": "codes are", "codes one byte long": "codes are",
+           "tables with the codes inside": "zstd frame declares"}[damage]
+    planner = {"codes cut short": "entropy table codes do not fit",
+               "codes one byte long": "entropy table codes do not fit",
+               "tables with the codes inside": "zstd frame declares"}[damage]
+    _refused_by_both(*_layers_with_symbols_blob(4, edit), cpu, planner)
 
 
 @pytest.mark.parametrize("damage", ["short body", "sections past the body", "K sections resized",

@@ -20,7 +20,7 @@ from kdn import codec, keys
 from kdn.cache import KVCache
 from kdn.client import Client
 from kdn.codec import StreamDecoder
-from kdn.codec.entropy import RANS_LOG_MARK
+from kdn.codec.entropy import RANS_NIBBLE_MARK
 from kdn.codec.format import (
     FRAME_SEED,
     build_frame,
@@ -213,13 +213,13 @@ def test_kdn_scale_symbols_beyond_float32_are_refused() -> None:
     parts = codec.encode_parts(KV, "kdn", "default", layers_per_frame=1)
     rec = check_frame(parse_header(parts.header), 0, parts.frames[0])[0]
     secs = _sections(rec.body, 4)
-    blob = secs[2]  # the log-RMS streams: u32 mark | u32 n | zstd(lo | width | codes) | rANS
-    assert struct.unpack_from("<I", blob)[0] == RANS_LOG_MARK
+    blob = secs[2]  # the log-RMS streams: u32 mark | u32 n | u32 codes | zstd(lo | width) |
+    assert struct.unpack_from("<I", blob)[0] == RANS_NIBBLE_MARK  # codes | rANS
     n = struct.unpack_from("<I", blob, 4)[0]
-    tables = bytearray(zstandard.ZstdDecompressor().decompress(blob[8 : 8 + n]))
+    tables = bytearray(zstandard.ZstdDecompressor().decompress(blob[12 : 12 + n]))
     struct.pack_into("<h", tables, 0, 2048)  # K scale row: symbols from 2048 up (2**128 +)
     packed = zstandard.ZstdCompressor().compress(bytes(tables))
-    secs[2] = blob[:4] + struct.pack("<I", len(packed)) + packed + blob[8 + n :]
+    secs[2] = blob[:4] + struct.pack("<I", len(packed)) + blob[8:12] + packed + blob[12 + n :]
     with pytest.raises(Corrupt, match="scale symbols out of range"):
         codec.decode(_resealed(parts, {0: pack_sections(secs)}))
 
@@ -296,11 +296,11 @@ def test_zstd_frames_declaring_huge_sizes_are_refused_before_allocating() -> Non
             codec.decode(_resealed(parts, {0: _lying_zstd(raw, declared)}))
     parts = codec.encode_parts(KV, "kdn", "default", layers_per_frame=1)
     secs = _sections(check_frame(parse_header(parts.header), 0, parts.frames[0])[0].body, 4)
-    blob = secs[3]
+    blob = secs[3]  # format 4: u32 mark | u32 n | u32 codes | zstd(lo | width) | ...
     n = struct.unpack_from("<I", blob, 4)[0]
-    tables = zstandard.ZstdDecompressor().decompress(blob[8 : 8 + n])
+    tables = zstandard.ZstdDecompressor().decompress(blob[12 : 12 + n])
     lying = _lying_zstd(tables, 1 << 45)
-    secs[3] = blob[:4] + struct.pack("<I", len(lying)) + lying + blob[8 + n :]
+    secs[3] = blob[:4] + struct.pack("<I", len(lying)) + blob[8:12] + lying + blob[12 + n :]
     with pytest.raises(Corrupt, match="zstd frame declares"):
         codec.decode(_resealed(parts, {0: pack_sections(secs)}))
 

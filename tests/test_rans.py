@@ -15,6 +15,7 @@ from kdn.codec.entropy import (
     LOG_LEVELS,
     RANS_LOG_MARK,
     RANS_MARK,
+    RANS_NIBBLE_MARK,
     _range_coded,
     _tables,
     decode_streams,
@@ -43,15 +44,20 @@ def test_round_trip_of_awkward_shapes(rows: int, n: int) -> None:
     sym[0] = 7  # a constant row: no stream at all
     if rows > 2:
         sym[2, :] = np.arange(n) % 3000 - 1500  # a wide row
-    blob = encode_streams(sym)
-    assert struct.unpack_from("<I", blob)[0] == RANS_LOG_MARK
-    assert (decode_streams(blob, rows, n) == sym).all()
-    exact = encode_streams(sym, exact_counts=True)  # what was written before format 3
-    assert struct.unpack_from("<I", exact)[0] == RANS_MARK
-    assert (decode_streams(exact, rows, n) == sym).all()
+    for fmt, mark in ((4, RANS_NIBBLE_MARK), (3, RANS_LOG_MARK), (2, RANS_MARK)):
+        blob = encode_streams(sym) if fmt == 4 else encode_streams(sym, fmt=fmt)
+        assert struct.unpack_from("<I", blob)[0] == mark  # 3 and 2: what earlier kdn wrote
+        assert (decode_streams(blob, rows, n) == sym).all()
+
+
+def _rans_section(blob: bytes) -> int:
+    """Where a format-4 blob's rANS section starts."""
+    tlen, clen = struct.unpack_from("<II", blob, 4)
+    return 12 + tlen + clen
 
 
 def _table_bytes(blob: bytes) -> bytes:
+    """A format-3 blob's tables (lo, width, a byte per count code)."""
     tlen = struct.unpack_from("<I", blob, 4)[0]
     return zstandard.ZstdDecompressor().decompress(blob[8 : 8 + tlen])
 
@@ -61,16 +67,49 @@ def test_log_coded_counts_shrink_blobs_of_short_rows() -> None:
     4-bit codes of the counts cost less than they lose in payload."""
     for seed, spread in ((1, 0.8), (2, 1.5), (3, 4.0)):
         sym = _sym(512, 256, seed, spread)
-        coded, exact = encode_streams(sym), encode_streams(sym, exact_counts=True)
+        coded, exact = encode_streams(sym, fmt=3), encode_streams(sym, fmt=2)
         assert len(coded) < 0.97 * len(exact), (spread, len(coded), len(exact))
         rows = 512
         codes = np.frombuffer(_table_bytes(coded), np.uint8, offset=4 * rows)
         assert codes.max() < len(LOG_LEVELS) and codes.min() >= 0
+        nibbles = encode_streams(sym)  # format 4: the same codes, outside zstd
+        assert len(nibbles) < min(1.02 * len(coded), 0.98 * len(exact)), \
+            (spread, len(nibbles), len(coded), len(exact))
+        tlen = struct.unpack_from("<I", nibbles, 4)[0]
+        lo_width = zstandard.ZstdDecompressor().decompress(nibbles[12 : 12 + tlen])
+        assert len(lo_width) == 4 * rows  # all the host decompresses
+        packed = np.frombuffer(nibbles, np.uint8, offset=12 + tlen, count=(len(codes) + 1) // 2)
+        assert (np.stack([packed & 15, packed >> 4], 1).ravel()[: len(codes)] == codes).all()
+
+
+@pytest.mark.parametrize("damage", ["codes cut short", "a code too many", "spare half set",
+                                    "codes past the blob"])
+def test_format_4_codes_that_do_not_fit_the_widths_are_refused(damage: str) -> None:
+    rng = np.random.default_rng(12)
+    sym = rng.integers(-1, 2, (15, 300)).astype(np.int32)  # 15 rows of 3 bins: 45 in all
+    blob = bytearray(encode_streams(sym))
+    tlen, clen = struct.unpack_from("<II", blob, 4)
+    lo_width = zstandard.ZstdDecompressor().decompress(bytes(blob[12 : 12 + tlen]))
+    bins = int(np.frombuffer(lo_width, "<u2", count=15, offset=30).sum())
+    assert bins % 2 == 1 and clen == (bins + 1) // 2
+    last = 12 + tlen + clen - 1
+    if damage == "codes cut short":
+        bad = blob[:4] + struct.pack("<II", tlen, clen - 1) + blob[12:last] + blob[last + 1 :]
+    elif damage == "a code too many":
+        bad = blob[:4] + struct.pack("<II", tlen, clen + 1) + blob[12 : last + 1] + b"\x01" + \
+            blob[last + 1 :]
+    elif damage == "spare half set":
+        bad = bytearray(blob)
+        bad[last] |= 0x10
+    else:
+        bad = blob[:8] + struct.pack("<I", len(blob)) + blob[12:]
+    with pytest.raises(Corrupt, match="codes are|do not add up"):
+        decode_streams(bytes(bad), 15, 300)
 
 
 def test_a_count_code_out_of_range_is_refused() -> None:
     sym = _sym(16, 300, seed=9)
-    blob = encode_streams(sym)
+    blob = encode_streams(sym, fmt=3)
     tables = bytearray(_table_bytes(blob))
     tables[4 * 16 + 1] = len(LOG_LEVELS)  # the first row's second bin: no such code
     packed = zstandard.ZstdCompressor().compress(bytes(tables))
@@ -105,8 +144,7 @@ def test_layers_decode_side_by_side_on_threads() -> None:
 def test_damaged_sections_are_refused() -> None:
     sym = _sym(40, 1500, seed=6)
     blob = bytearray(encode_streams(sym))
-    tlen = struct.unpack_from("<I", blob, 4)[0]
-    section = 8 + tlen  # where rANS's own bytes start
+    section = _rans_section(bytes(blob))  # where rANS's own bytes start
     block, groups = struct.unpack_from("<II", blob, section)
     cases = {
         "truncated": bytes(blob[:-3]),
@@ -139,9 +177,8 @@ def test_damaged_sections_are_refused() -> None:
 def test_hostile_words_and_states_end_in_corrupt_not_a_crash() -> None:
     sym = _sym(8, 3000, seed=8)
     blob = bytearray(encode_streams(sym))
-    tlen = struct.unpack_from("<I", blob, 4)[0]
     rng = np.random.default_rng(9)
-    body_at = 8 + tlen + 8
+    body_at = _rans_section(bytes(blob)) + 8
     for _ in range(50):
         bad = bytearray(blob)
         bad[body_at:] = rng.integers(0, 256, len(bad) - body_at, dtype=np.uint8).tobytes()

@@ -1,24 +1,26 @@
-"""Entropy coding of integer symbol streams: one static model per stream, range coded.
+"""Entropy coding of integer symbol streams: one static model per stream, rANS coded.
 
 A caller hands over a matrix of small integers, one row per stream (for the KV modes: one row
 per (head, channel) of one layer's K or V, the row running over tokens). Each row gets its own
-frequency table, stored compactly, and all rows are range coded (``constriction``) one after
-another into one word stream:
+frequency table, stored compactly, and every row is coded by ``kdn.codec.rans`` in blocks of
+independent streams:
 
-    sym: [streams, n] int32    ->    blob = u32 mark | u32 table_len | zstd(tables) | words
-
-    tables (before zstd) = lo: [streams] int16 | width: [streams] uint16 | one byte per
-                           symbol of every row's [lo, lo + width) range
+    sym: [streams, n] int32  ->  blob = u32 RANS_NIBBLE_MARK | u32 table_len | u32 codes_len
+                                        | zstd(lo: [streams] int16 | width: [streams] uint16)
+                                        | codes: a 4-bit code per bin of every row's
+                                          [lo, lo + width) range, two to a byte, low first
+                                        | rANS section
 
 Counts are the row histogram rescaled so its largest bin is 255 (any occurring symbol keeps a
-count >= 1). Blobs written now (``RANS_LOG_MARK``) store each count as a 4-bit code, the
-nearest of ``LOG_LEVELS`` on a log scale (0: the symbol does not occur); the model is built
-from the levels. The tables were a tenth of a 256-token ``kdn-default`` entry of SmolLM2 with
-exact counts, and the coarser model costs 0.2% of payload: entries are 3.7% smaller (1.1% at
-1,024 tokens; ``bench.codec``). Blobs of exact counts (``RANS_MARK``) and range-coded ones
-(format 1, a table length first) still decode; kdn from before format 3 refuses format-3
-blobs as damaged (a fleet upgrades its readers before its writers). Encoder and decoder build
-the identical model from those bytes. Rows of width 1 (a constant) cost no payload bits.
+count >= 1), then stored as the code of the nearest of ``LOG_LEVELS`` on a log scale (0: the
+symbol does not occur); the model is built from the levels. The codes lie outside zstd (format
+4): a GPU decoder reads them where the entry's bytes landed, and the host decompresses only
+lo and width, a quarter of the table bytes (zstd made the codes 7% smaller, 0.4% of an entry).
+Older blobs still decode: format 3 (``RANS_LOG_MARK``, a byte per code inside zstd), format 2
+(``RANS_MARK``, exact counts inside zstd), format 1 (range coded, a table length first). kdn
+from before a format refuses its blobs as damaged (a fleet upgrades its readers before its
+writers). Encoder and decoder build the identical model from those bytes. Rows of width 1 (a
+constant) cost no payload bits.
 """
 
 from __future__ import annotations
@@ -57,8 +59,11 @@ RANS_MARK = 0xFFFFFFFF
 blob starts with its table length instead, which is never this large."""
 RANS_LOG_MARK = 0xFFFFFFFE
 """First word of a format-3 blob: format 2 with each count stored as a code of ``LOG_LEVELS``."""
-RANS_MARKS = (RANS_MARK, RANS_LOG_MARK)
-"""The first words of the parallel-rANS formats (2 and 3)."""
+RANS_NIBBLE_MARK = 0xFFFFFFFD
+"""First word of a format-4 blob: the codes of format 3 two to a byte, outside zstd."""
+RANS_MARKS = (RANS_MARK, RANS_LOG_MARK, RANS_NIBBLE_MARK)
+"""The first words of the parallel-rANS formats (2, 3 and 4)."""
+FORMAT_OF_MARK = {RANS_MARK: 2, RANS_LOG_MARK: 3, RANS_NIBBLE_MARK: 4}
 LOG_LEVELS = np.array([0, 1, 2, 3, 4, 5, 7, 11, 16, 24, 35, 52, 78, 116, 172, 255], np.uint8)
 """The count each 4-bit code stands for: 0 (absent), then about x1.5 a step from 1 to 255."""
 COUNT_OF_CODE = np.zeros(256, np.uint8)  # code -> count (codes past 15 are damage: 0)
@@ -68,26 +73,61 @@ _CODE_OF = np.array([0] + [1 + int(np.argmin(np.abs(np.log(c) - np.log(LOG_LEVEL
 """count (0..255) -> the code of the nearest level on a log scale."""
 
 
-def encode_streams(sym: np.ndarray, *, exact_counts: bool = False) -> bytes:
-    """Code every row of ``sym`` ([streams, n] integers within int16) with its own model
-    (``exact_counts``: a format-2 blob, the counts stored whole; else format 3)."""
+def encode_streams(sym: np.ndarray, *, fmt: int = 4) -> bytes:
+    """Code every row of ``sym`` ([streams, n] integers within int16) with its own model, in
+    blob format ``fmt`` (4; 3 and 2 are what earlier kdn wrote, kept for tests and
+    ``bench.codec``)."""
     # sym: [streams, n]
     sym = np.ascontiguousarray(sym, dtype=np.int32)
     if sym.ndim != 2 or sym.shape[0] == 0:
         raise ValueError(f"encode_streams needs a non-empty [streams, n] matrix, got {sym.shape}")
+    if fmt not in (2, 3, 4):
+        raise ValueError(f"encode_streams writes blob formats 2, 3 and 4, not {fmt!r}")
     if sym.shape[1] == 0:
         return _U32.pack(0)
     lo, width, counts = _tables(sym)
     if lo.min() < -(1 << 15) or (lo + width).max() > (1 << 15) or width.max() > MAX_WIDTH:
         raise ValueError("symbols outside int16 range")
-    mark, stored = RANS_MARK, counts
-    if not exact_counts:
-        mark, stored = RANS_LOG_MARK, _CODE_OF[counts]
-        counts = LOG_LEVELS[stored]
-    tables = lo.astype("<i2").tobytes() + width.astype("<u2").tobytes() + stored.tobytes()
-    packed = zstandard.ZstdCompressor(level=_ZSTD_LEVEL).compress(tables)
-    body = rans.encode(sym, lo, width, counts)
-    return _U32.pack(mark) + _U32.pack(len(packed)) + packed + body
+    bounds = lo.astype("<i2").tobytes() + width.astype("<u2").tobytes()
+    zstd = zstandard.ZstdCompressor(level=_ZSTD_LEVEL)
+    if fmt == 2:
+        head = _U32.pack(RANS_MARK) + _pack_zstd(zstd, bounds + counts.tobytes())
+    else:
+        codes = _CODE_OF[counts]
+        counts = LOG_LEVELS[codes]
+        if fmt == 3:
+            head = _U32.pack(RANS_LOG_MARK) + _pack_zstd(zstd, bounds + codes.tobytes())
+        else:
+            packed = zstd.compress(bounds)
+            nibbles = pack_nibbles(codes)
+            head = b"".join((_U32.pack(RANS_NIBBLE_MARK), _U32.pack(len(packed)),
+                             _U32.pack(len(nibbles)), packed, nibbles))
+    return head + rans.encode(sym, lo, width, counts)
+
+
+def _pack_zstd(zstd: zstandard.ZstdCompressor, tables: bytes) -> bytes:
+    packed = zstd.compress(tables)
+    return _U32.pack(len(packed)) + packed
+
+
+def pack_nibbles(codes: np.ndarray) -> bytes:
+    """4-bit ``codes`` two to a byte, the first in the low half (an odd count's last high
+    half 0)."""
+    c = np.zeros(len(codes) + len(codes) % 2, np.uint8)
+    c[: len(codes)] = codes
+    return (c[0::2] | (c[1::2] << 4)).tobytes()  # type: ignore[no-any-return]
+
+
+def unpack_nibbles(packed: bytes | memoryview, bins: int) -> np.ndarray:
+    """The ``bins`` codes of ``pack_nibbles``' bytes; Corrupt unless they are exactly that
+    many (the spare half of the last byte 0)."""
+    b = np.frombuffer(packed, np.uint8)
+    if len(b) != (bins + 1) // 2 or bins % 2 and b[-1] >> 4:
+        raise Corrupt(f"entropy table codes are {len(b)} bytes, not those of {bins} bins")
+    out = np.empty(2 * len(b), np.uint8)
+    out[0::2] = b & 15
+    out[1::2] = b >> 4
+    return out[:bins]
 
 
 def _range_coded(sym: np.ndarray, lo: np.ndarray, width: np.ndarray, counts: np.ndarray
@@ -117,28 +157,31 @@ def parse_tables(buf: bytes | memoryview, streams: int, n: int
             raise Corrupt("entropy blob of an empty stream set is not empty")
         empty = np.zeros(streams, dtype=np.int32)
         return empty, np.ones(streams, dtype=np.int64), np.zeros(0, np.uint8), None
-    parallel = tlen in RANS_MARKS
-    coded = tlen == RANS_LOG_MARK
-    if parallel:
-        mv = mv[4:]
-        if len(mv) < 4:
-            raise Corrupt("entropy blob truncated")
-        (tlen,) = _U32.unpack_from(mv, 0)
-    if 4 + tlen > len(mv) or not parallel and (len(mv) - 4 - tlen) % 4:
+    fmt = FORMAT_OF_MARK.get(tlen, 1)
+    at = {1: 4, 2: 8, 3: 8, 4: 12}[fmt]  # where the zstd-packed tables start
+    if len(mv) < at:
+        raise Corrupt("entropy blob truncated")
+    (tlen,) = _U32.unpack_from(mv, 0 if fmt == 1 else 4)
+    clen = _U32.unpack_from(mv, 8)[0] if fmt == 4 else 0
+    if at + tlen + clen > len(mv) or fmt == 1 and (len(mv) - at - tlen) % 4:
         raise Corrupt("entropy blob sections do not add up")
-    tables = decompress(mv[4 : 4 + tlen], streams * (4 + MAX_WIDTH), "entropy tables")
+    bound = 4 * streams if fmt == 4 else streams * (4 + MAX_WIDTH)
+    tables = decompress(mv[at : at + tlen], bound, "entropy tables")
     if len(tables) < 4 * streams:
         raise Corrupt("entropy tables truncated")
     lo = np.frombuffer(tables, dtype="<i2", count=streams).astype(np.int32)
     width = np.frombuffer(tables, dtype="<u2", count=streams, offset=2 * streams).astype(np.int64)
-    counts = np.frombuffer(tables, dtype=np.uint8, offset=4 * streams)
+    if fmt == 4:
+        counts = LOG_LEVELS[unpack_nibbles(mv[at + tlen : at + tlen + clen], int(width.sum()))]
+    else:
+        counts = np.frombuffer(tables, dtype=np.uint8, offset=4 * streams)
     if (width == 0).any() or int(width.sum()) != len(counts):
         raise Corrupt("entropy tables are inconsistent")
-    if coded:
+    if fmt == 3:
         if len(counts) and int(counts.max()) >= len(LOG_LEVELS):
             raise Corrupt("entropy table code out of range")
         counts = COUNT_OF_CODE[counts]
-    return lo, width, counts, mv[4 + tlen :] if parallel else None
+    return lo, width, counts, mv[at + tlen + clen :] if fmt > 1 else None
 
 
 def decode_streams(buf: bytes | memoryview, streams: int, n: int) -> np.ndarray:

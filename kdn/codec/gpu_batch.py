@@ -3,7 +3,8 @@
 ``kdn`` and ``int8`` bodies of many layers decode together, with no host synchronisation:
 
 1. The host parses what is small: each layer's section table and each entropy blob's
-   zstd-packed frequency tables (count codes turned into counts: format 3) and rANS headers
+   zstd-packed tables (lo and width; format 3's count codes turned into counts; format 4's
+   codes stay where they lie, for the device to read) and rANS headers
    (``Plan``). It validates sizes (Corrupt right away) and lays out one output buffer for
    every layer's K and V.
 2. Copies to the device: the bodies' bytes (one span of the caller's buffer where they lie
@@ -44,6 +45,7 @@ import zstandard
 from kdn.codec import gpu_kernels as kernels
 from kdn.codec import gpu_plan as plan
 from kdn.codec import rans
+from kdn.codec.entropy import LOG_LEVELS
 from kdn.codec.modes import LayerSpec
 from kdn.codec.quant import SCALE_TABLE, upload_many
 from kdn.errors import Corrupt, InvalidArgument
@@ -324,6 +326,7 @@ def decode_kdn(bodies: list[memoryview], specs: list[LayerSpec],
     big.add("counts", np.uint8, int(sizes[present].sum()))
     for name in ("lo", "width", "tstart", "depth"):
         big.add(name, np.int32, rows)
+    big.add("csrc", np.int64, rows)
     host_big = big.arrays()
     tables, tab = _tables(buf, blobs, sizes, host_big["counts"], where)
     args = (buf, sect, blobs, tables, tab, streams, heads, kc, vc, tokens, sink)
@@ -335,18 +338,20 @@ def decode_kdn(bodies: list[memoryview], specs: list[LayerSpec],
     starts = np.cumsum(per_layer, axis=0) - per_layer
     bts, grs, cos, crs, sp = plan.allocate(counts)
     flat = (*bts, *grs, *cos, *crs, sp, *(host_big[n] for n in ("lo", "width", "tstart",
-                                                                 "depth")))
+                                                                 "depth", "csrc")))
     chunks = _chunks(per_layer[:, 9] + per_layer[:, 2] + per_layer[:, 3])
     _run_all(lambda c: plan.fill(  # type: ignore[call-arg]
         c[0], c[1], starts, *args, kbase, vbase, out.element_size(), *flat, err), chunks)
     failed()  # a count code out of range (format 3)
     if source.delta is not None:  # the planner read the bodies elsewhere than the device does
-        _to_device(source.delta, counts, bts, grs, sp, per_layer[:, 10])
+        _to_device(source.delta, counts, bts, grs, sp, per_layer[:, 10],
+                   host_big["csrc"][: int(counts[8])], per_layer[:, 8])
     qat = int(counts[11])
     ksteps = np.array([st[0] for st in level_steps], np.float32)
     vsteps = np.array([st[1] for st in level_steps], np.float32)
     host: dict[str, np.ndarray] = {
         "flag": np.zeros(1, np.int32), "table": SCALE_TABLE.numpy(),
+        "levels": LOG_LEVELS.astype(np.int32),
         "span_src": sp[:, 0].copy(), "span_dst": sp[:, 1].copy(), "span_len": sp[:, 2].copy()}
     for b, p in enumerate(("s_", "y_")):
         bt, gr, cr = bts[b], grs[b], crs[b]
@@ -363,14 +368,16 @@ def decode_kdn(bodies: list[memoryview], specs: list[LayerSpec],
         host[f"{p}c_row"] = cr[:, 1].copy()
     dev = {**upload_many(host, device), **big.send()}
     STATS["copies"] += 2 * (device.type != "cpu")
-    freq = torch.empty(len(tables), dtype=torch.int32, device=device)  # by place in tables
-    cum = torch.empty(len(tables), dtype=torch.int32, device=device)
+    bins = max(int(counts[9]), 1)  # every row's bins one after another (``tstart``)
+    freq = torch.empty(bins, dtype=torch.int32, device=device)
+    cum = torch.empty(bins, dtype=torch.int32, device=device)
     qout = torch.empty(max(qat, 1), dtype=torch.int32, device=device)
     sout = torch.empty(max(qat, 1), dtype=torch.float32, device=device)
     flag = dev["flag"]
     top = _TOP[dt]
-    _launch(kernels.normalize, (int(counts[8]),), dev["counts"], dev["tstart"], dev["width"],
-            freq, cum, flag, PREC=rans.PREC, BLOCK=_NORM_BLOCK, num_warps=2)
+    _launch(kernels.normalize, (int(counts[8]),), dev["counts"], source.tensor, dev["levels"],
+            dev["csrc"], dev["tstart"], dev["width"], freq, cum, flag, PREC=rans.PREC,
+            BLOCK=_NORM_BLOCK, num_warps=2)
     max_n = int((tokens - sink).max(initial=0))
     for b, (p, dequant) in enumerate((("s_", False), ("y_", True))):
         _launch(kernels.fill, (int(counts[6 + b]), -(-max_n // _FILL_BLOCK)),
@@ -396,16 +403,20 @@ def decode_kdn(bodies: list[memoryview], specs: list[LayerSpec],
 
 
 def _to_device(delta: np.ndarray, counts: np.ndarray, bts: tuple[np.ndarray, ...],
-               grs: tuple[np.ndarray, ...], sp: np.ndarray, spans: np.ndarray) -> None:
+               grs: tuple[np.ndarray, ...], sp: np.ndarray, spans: np.ndarray,
+               csrc: np.ndarray, rows: np.ndarray) -> None:
     """The planner's offsets into the host bytes (each layer's body at its place there) moved
     to the device buffer's (``delta``: [L] device minus host offset of each layer's body;
-    ``counts``: ``count``'s totals; ``spans``: sink spans per layer): the blobs' rANS states,
-    the groups' words and the sink spans' sources."""
+    ``counts``: ``count``'s totals; ``spans``, ``rows``: sink spans and table rows per layer):
+    the blobs' rANS states, the groups' words, the sink spans' sources and the rows' count
+    codes (``csrc < 0``: a nibble index, negated)."""
     for b, (bt, gr) in enumerate(zip(bts, grs)):
         nb, ng = int(counts[b]), int(counts[2 + b])
         bt[:nb, plan.STATES] += delta[bt[:nb, plan.NF]]
         gr[:ng, 2] += delta[bt[gr[:ng, 0], plan.NF]]
     sp[: int(counts[10]), 0] += np.repeat(delta, spans)
+    packed = csrc < 0
+    csrc[packed] -= 2 * np.repeat(delta, rows)[packed]
 
 
 _FIELDS = {"crow": plan.CROW, "rowbase": plan.ROWBASE, "blocks": plan.BLOCKS,
@@ -470,7 +481,8 @@ class _Staging:
                 for name, (at, dt, n) in self.spans.items()}
 
 
-_TORCH = {np.dtype(np.uint8).str: torch.uint8, np.dtype(np.int32).str: torch.int32}
+_TORCH = {np.dtype(np.uint8).str: torch.uint8, np.dtype(np.int32).str: torch.int32,
+          np.dtype(np.int64).str: torch.int64}
 
 
 _THREADS = min(8, os.cpu_count() or 1)

@@ -22,11 +22,26 @@ _QMAX = tl.constexpr(LOG_SCALE_MAX)
 # ------------------------------------------------------------------------------ kernels
 
 @triton.jit
-def normalize(counts, tstart, width, freq, cum, flag, PREC: tl.constexpr,
-               BLOCK: tl.constexpr):
-    """One program per table row: counts -> freq, cum exactly as ``rans.normalize``."""
+def _counts(counts, src, levels, cs, idx, m):
+    """Bins ``idx`` of a row's counts (``gpu_plan.fill``'s ``csrc`` = ``cs``): bytes of
+    ``counts`` from ``cs``, or where ``cs < 0`` the 4-bit codes in the bodies' bytes ``src``
+    from nibble ``-1 - cs``, each the count of its level (``levels``)."""
+    packed = (cs + 0 * idx) < 0  # one flag per bin: masks must be blocks
+    at = tl.where(packed, -1 - cs, cs) + idx
+    whole = tl.load(counts + at, mask=m & ~packed, other=0).to(tl.int32)
+    byte = tl.load(src + (at >> 1), mask=m & packed, other=0).to(tl.int32)
+    code = (byte >> ((at & 1) * 4).to(tl.int32)) & 15
+    return tl.where(packed, tl.load(levels + code, mask=m & packed, other=0), whole)
+
+
+@triton.jit
+def normalize(counts, src, levels, csrc, tstart, width, freq, cum, flag, PREC: tl.constexpr,
+              BLOCK: tl.constexpr):
+    """One program per table row: counts -> freq, cum exactly as ``rans.normalize``; the
+    row's frequencies land from bin ``tstart`` on."""
     r = tl.program_id(0)
     b = tl.load(tstart + r)
+    cs = tl.load(csrc + r)
     w = tl.load(width + r)
     total = 0
     nnz = 0
@@ -35,7 +50,7 @@ def normalize(counts, tstart, width, freq, cum, flag, PREC: tl.constexpr,
     for i0 in range(0, w, BLOCK):
         idx = i0 + tl.arange(0, BLOCK)
         m = idx < w
-        c = tl.load(counts + b + idx, mask=m, other=0).to(tl.int32)
+        c = _counts(counts, src, levels, cs, idx, m)
         total += tl.sum(c, axis=0)
         nnz += tl.sum((c > 0).to(tl.int32), axis=0)
         cmax = tl.max(c, axis=0)
@@ -50,13 +65,13 @@ def normalize(counts, tstart, width, freq, cum, flag, PREC: tl.constexpr,
     used = 0
     for i0 in range(0, w, BLOCK):
         idx = i0 + tl.arange(0, BLOCK)
-        c = tl.load(counts + b + idx, mask=idx < w, other=0).to(tl.int32)
+        c = _counts(counts, src, levels, cs, idx, idx < w)
         used += tl.sum(tl.where(c > 0, 1 + c * spare // total, 0), axis=0)
     run = 0
     for i0 in range(0, w, BLOCK):
         idx = i0 + tl.arange(0, BLOCK)
         m = idx < w
-        c = tl.load(counts + b + idx, mask=m, other=0).to(tl.int32)
+        c = _counts(counts, src, levels, cs, idx, m)
         f = tl.where(c > 0, 1 + c * spare // total, 0)
         f = f + tl.where(b + idx == top, (1 << PREC) - used, 0)
         f = tl.where(m, f, 0)

@@ -1,10 +1,11 @@
 """The host's share of the whole-entry GPU decode of ``kdn`` bodies, compiled (numba): walk
 every layer's sections and entropy blobs in the bodies' bytes, then lay out what the kernels of
 ``kdn.codec.gpu_kernels`` read. Per call this is a few compiled calls (``count`` and ``fill``
-on several threads, a range of layers each) and one batched zstd call (the blobs' frequency
-tables, decompressed on several threads), not Python per blob.
+on several threads, a range of layers each) and one batched zstd call (the blobs' tables,
+decompressed on several threads: lo and width only for format-4 blobs, whose count codes the
+device reads where the bodies landed), not Python per blob.
 
-    scan(buf, body_at, body_len, n, err)  -> sections [L, 4, 2], blobs [L, 2, 5]
+    scan(buf, body_at, body_len, n, err)  -> sections [L, 4, 2], blobs [L, 2, 7]
     table_sizes(buf, blobs, streams, err) -> declared size of each packed table (bounded)
     count(first, last, out, ...)          -> what a range of layers lays out, checked
     fill(first, last, ...)                -> a range of layers into ``allocate``'s arrays
@@ -26,6 +27,7 @@ from kdn.codec.entropy import (
     MAX_WIDTH,
     RANS_LOG_MARK,
     RANS_MARK,
+    RANS_NIBBLE_MARK,
 )
 
 GROUP = 32
@@ -35,7 +37,8 @@ WHY = {1: "sections do not add up to the body", 2: "empty stream set is not empt
        3: "entropy blob truncated", FORMAT_1: "range-coded (format 1) blob",
        5: "entropy blob sections do not add up", 6: "zstd frame declares no or too large a size",
        7: "entropy tables are inconsistent", 8: "rANS section does not add up",
-       9: "sink tokens have the wrong size", 10: "entropy table code out of range"}
+       9: "sink tokens have the wrong size", 10: "entropy table code out of range",
+       11: "entropy table codes do not fit the tables"}
 NF = 15
 """Per-blob fields (columns of ``fill``'s blob tables; column NF: the blob's layer)."""
 CROW, ROWBASE, BLOCKS, BLOCK, N, STREAMS, STATES, HEADS, KC, VC, TOKENS, SINK, KBASE, VBASE, \
@@ -57,11 +60,12 @@ def _u16(buf: np.ndarray, at: int) -> int:
 def scan(buf: np.ndarray, body_at: np.ndarray, body_len: np.ndarray, n: np.ndarray,
          err: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Each layer's four sections (offset, length) and each of its two entropy blobs'
-    (tables offset, tables length, rANS section offset, section length, 1 where its counts
-    are log codes: format 3); -1 where n == 0."""
+    (zstd tables offset, their length, rANS section offset, section length, blob format
+    (2, 3 or 4: ``kdn.codec.entropy``), count codes offset and length (format 4: they lie
+    outside zstd)); -1 where n == 0."""
     layers = body_at.shape[0]
     sect = np.zeros((layers, 4, 2), np.int64)
-    blobs = np.full((layers, 2, 5), -1, np.int64)
+    blobs = np.full((layers, 2, 7), -1, np.int64)
     for lay in range(layers):
         o, ln = body_at[lay], body_len[lay]
         if ln < 16:
@@ -89,18 +93,27 @@ def scan(buf: np.ndarray, body_at: np.ndarray, body_len: np.ndarray, n: np.ndarr
                 err[0], err[1] = 3, lay
                 return sect, blobs
             mark = _u32(buf, so)
-            if mark != RANS_MARK and mark != RANS_LOG_MARK:
+            fmt = 2 if mark == RANS_MARK else 3 if mark == RANS_LOG_MARK else (
+                4 if mark == RANS_NIBBLE_MARK else 1)
+            if fmt == 1:
                 err[0], err[1] = FORMAT_1, lay
                 return sect, blobs
+            head = 12 if fmt == 4 else 8
+            if sl < head:
+                err[0], err[1] = 3, lay
+                return sect, blobs
             tlen = _u32(buf, so + 4)
-            if 8 + tlen > sl:
+            clen = _u32(buf, so + 8) if fmt == 4 else 0
+            if head + tlen + clen > sl:
                 err[0], err[1] = 5, lay
                 return sect, blobs
-            blobs[lay, b, 0] = so + 8
+            blobs[lay, b, 0] = so + head
             blobs[lay, b, 1] = tlen
-            blobs[lay, b, 2] = so + 8 + tlen
-            blobs[lay, b, 3] = sl - 8 - tlen
-            blobs[lay, b, 4] = mark == RANS_LOG_MARK
+            blobs[lay, b, 2] = so + head + tlen + clen
+            blobs[lay, b, 3] = sl - head - tlen - clen
+            blobs[lay, b, 4] = fmt
+            blobs[lay, b, 5] = so + head + tlen
+            blobs[lay, b, 6] = clen
     return sect, blobs
 
 
@@ -108,8 +121,8 @@ def scan(buf: np.ndarray, body_at: np.ndarray, body_len: np.ndarray, n: np.ndarr
 def table_sizes(buf: np.ndarray, blobs: np.ndarray, streams: np.ndarray, err: np.ndarray
                 ) -> np.ndarray:
     """The content size each blob's zstd frame declares ([L, 2], 0 where no blob), read from
-    its frame header and bounded like ``kdn.codec.zstd.decompress`` (streams x (4 + MAX_WIDTH))
-    before anything is allocated for it."""
+    its frame header and bounded like ``kdn.codec.zstd.decompress`` (streams x (4 + MAX_WIDTH);
+    4 x streams where the codes lie outside: format 4) before anything is allocated for it."""
     layers = blobs.shape[0]
     out = np.zeros((layers, 2), np.int64)
     for lay in range(layers):
@@ -134,7 +147,8 @@ def table_sizes(buf: np.ndarray, blobs: np.ndarray, streams: np.ndarray, err: np
                 v |= np.int64(buf[p + i]) << (8 * i)
             if size == 2:
                 v += 256
-            if v < 0 or v > streams[lay, b] * (4 + MAX_WIDTH):
+            bound = 4 if blobs[lay, b, 4] == 4 else 4 + MAX_WIDTH
+            if v < 0 or v > streams[lay, b] * bound:
                 err[0], err[1] = 6, lay
                 return out
             out[lay, b] = v
@@ -180,7 +194,15 @@ def count(first: int, last: int, out: np.ndarray, buf: np.ndarray, sect: np.ndar
                     return
                 wsum += w
                 coded += w > 1
-            if wsum != tlen - 4 * st:
+            if blobs[lay, b, 4] == 4:  # the codes outside zstd, two to a byte
+                if tlen != 4 * st:
+                    err[0], err[1] = 7, lay
+                    return
+                cl = blobs[lay, b, 6]
+                if cl != (wsum + 1) // 2 or wsum % 2 and buf[blobs[lay, b, 5] + cl - 1] >> 4:
+                    err[0], err[1] = 11, lay
+                    return
+            elif wsum != tlen - 4 * st:
                 err[0], err[1] = 7, lay
                 return
             so, sl = blobs[lay, b, 2], blobs[lay, b, 3]
@@ -215,8 +237,11 @@ def allocate(sizes: np.ndarray) -> tuple:  # type: ignore[type-arg]
     (0: log scales, 1: symbols) a blob table [blobs, NF + 1] (column NF: the blob's layer),
     groups [g, 4] (blob, first stream, word offset, words), coded rows, constant rows [c, 2]
     (blob, row); sink spans [s, 3] (from, to, bytes). (``fill`` also writes, for every row,
-    lo, width, tstart (where the row's counts lie in ``tables``: the kernels read them
-    there) and depth into arrays the caller gives it, sized by rows.)"""
+    lo, width, depth, tstart (the row's first bin: where its frequencies go, every row's
+    bins one after another) and csrc (where its counts lie: ``csrc >= 0``, bytes of
+    ``tables`` from there; else 4-bit codes of format 4, the first at nibble ``-1 - csrc`` of
+    the bodies' bytes, two to a byte, low first) into arrays the caller gives it, sized by
+    rows.)"""
     return ((np.zeros((max(sizes[0], 1), NF + 1), np.int64),
              np.zeros((max(sizes[1], 1), NF + 1), np.int64)),
             (np.zeros((max(sizes[2], 1), 4), np.int64), np.zeros((max(sizes[3], 1), 4), np.int64)),
@@ -232,11 +257,13 @@ def fill(first: int, last: int, starts: np.ndarray, buf: np.ndarray, sect: np.nd
          sink: np.ndarray, kbase: np.ndarray, vbase: np.ndarray, itemsize: int,
          bt0: np.ndarray, bt1: np.ndarray, gr0: np.ndarray, gr1: np.ndarray, co0: np.ndarray,
          co1: np.ndarray, cr0: np.ndarray, cr1: np.ndarray, sp: np.ndarray, lo: np.ndarray,
-         width: np.ndarray, tstart: np.ndarray, depth: np.ndarray, err: np.ndarray) -> None:
+         width: np.ndarray, tstart: np.ndarray, depth: np.ndarray, csrc: np.ndarray,
+         err: np.ndarray) -> None:
     """Layers [first, last) into ``allocate``'s arrays, each at the place ``starts`` (the
     exclusive running sums of ``count``'s rows) gives it: disjoint layer ranges fill on
     threads side by side (nogil). A format-3 blob's count codes are replaced in ``tables`` by
-    the counts they stand for (``entropy.LOG_LEVELS``); a code out of range sets ``err``."""
+    the counts they stand for (``entropy.LOG_LEVELS``); a code out of range sets ``err``.
+    A format-4 blob's codes are left where they lie (``csrc``)."""
     bts, grs, cos, crs = (bt0, bt1), (gr0, gr1), (co0, co1), (cr0, cr1)
     ib = np.zeros(2, np.int64)
     ig = np.zeros(2, np.int64)
@@ -248,6 +275,7 @@ def fill(first: int, last: int, starts: np.ndarray, buf: np.ndarray, sect: np.nd
         ic[b] = starts[first, 4 + b]
         ik[b] = starts[first, 6 + b]
     row = starts[first, 8]
+    place = starts[first, 9]
     isp = starts[first, 10]
     qat = starts[first, 11]
     for lay in range(first, last):
@@ -273,7 +301,9 @@ def fill(first: int, last: int, starts: np.ndarray, buf: np.ndarray, sect: np.nd
             k = ib[b]
             coded = 0
             src = t0 + 4 * st
-            if blobs[lay, b, 4] == 1:
+            packed = blobs[lay, b, 4] == 4
+            nib = 2 * blobs[lay, b, 5]
+            if blobs[lay, b, 4] == 3:
                 for j in range(src, t0 + tab[lay, b, 1]):
                     c = tables[j]
                     if c >= len(LOG_LEVELS):
@@ -284,7 +314,10 @@ def fill(first: int, last: int, starts: np.ndarray, buf: np.ndarray, sect: np.nd
                 lo[r] = np.int16(_u16(tables, t0 + 2 * i))
                 w = _u16(tables, t0 + 2 * st + 2 * i)
                 width[r] = w
-                tstart[r] = src
+                tstart[r] = place
+                csrc[r] = -1 - nib if packed else src
+                place += w
+                nib += w
                 d = 0
                 while (1 << d) < w:
                     d += 1
