@@ -22,7 +22,10 @@ Rows, ``heap``: ``as-is`` (the baseline: the process as it is) and ``frozen`` (a
 ``tracked_objects`` (what a full collection scans), ``frozen_objects`` (what it no longer
 scans), ``hit_p50_ms`` / ``hit_p90_ms`` / ``hit_max_ms`` (wall time of a hit),
 ``full_collections`` (of the oldest generation, during the hits) and their
-``full_pause_ms_max`` / ``full_pause_ms_total``.
+``full_pause_ms_max`` / ``full_pause_ms_total``. A third row, frozen too, hits the same
+context written in entropy format 3 (``table_format``: the count codes inside zstd, what kdn
+wrote before format 4, ``kdn.codec.entropy``): the host's share with the tables the planner
+decompressed before, in the same run.
 """
 
 from __future__ import annotations
@@ -41,14 +44,20 @@ from kdn.codec import gpu_batch
 from kdn.layout import KVLayout
 
 BLOCK_TOKENS = 256
-COLUMNS = ["heap", "tracked_objects", "frozen_objects", "hits", "hit_p50_ms", "hit_p90_ms",
-           "hit_max_ms", "full_collections", "full_pause_ms_max", "full_pause_ms_total", "kernels"]
+COLUMNS = ["heap", "table_format", "tracked_objects", "frozen_objects", "hits", "hit_p50_ms",
+           "hit_p90_ms", "hit_max_ms", "full_collections", "full_pause_ms_max",
+           "full_pause_ms_total", "kernels"]
 
 
-def _context(blocks: int) -> tuple[list[memoryview], KVLayout]:
+def _context(blocks: int, fmt: int = 4) -> tuple[list[memoryview], KVLayout]:
     """``blocks`` ``kdn-default`` entries of Llama-3-8B's KV layout, one after another in one
-    buffer (as a read arena holds a context's blocks)."""
+    buffer (as a read arena holds a context's blocks), in entropy blob format ``fmt``."""
+    from functools import partial
+
     from transformers import LlamaConfig
+
+    import kdn.codec.modes.kdn as kdn_mode
+    from kdn.codec import entropy
 
     layout = KVLayout.from_config(LlamaConfig(**SHAPES["llama3-8b"]), dtype=torch.float16)
     blobs = []
@@ -57,7 +66,11 @@ def _context(blocks: int) -> tuple[list[memoryview], KVLayout]:
         kv = KVCache(layout, [tuple(torch.randn(lay.kv_heads, BLOCK_TOKENS, ch, generator=g)
                                     .half() for ch in (lay.k_channels, lay.v_channels))
                               for lay in layout.layers])  # type: ignore[misc]
-        blobs.append(codec.encode(kv, "kdn", "default"))
+        kdn_mode.encode_streams = partial(entropy.encode_streams, fmt=fmt)  # type: ignore
+        try:
+            blobs.append(codec.encode(kv, "kdn", "default"))
+        finally:
+            kdn_mode.encode_streams = entropy.encode_streams
     whole = bytearray(sum(map(len, blobs)))
     views, at = [], 0
     for blob in blobs:
@@ -72,8 +85,8 @@ def _hit(entries: list[memoryview], device: torch.device) -> None:
     _decode_together(entries, device, pinned=device.type == "cuda")
 
 
-def measure(entries: list[memoryview], device: torch.device, hits: int, heap: str
-            ) -> dict[str, Any]:
+def measure(entries: list[memoryview], device: torch.device, hits: int, heap: str,
+            table_format: int = 4) -> dict[str, Any]:
     pauses: list[float] = []
     started: list[float] = []
 
@@ -95,7 +108,8 @@ def measure(entries: list[memoryview], device: torch.device, hits: int, heap: st
             walls.append(time.perf_counter() - t0)
     finally:
         gc.callbacks.remove(watch)
-    row = {"heap": heap, "tracked_objects": len(gc.get_objects()),
+    row = {"heap": heap, "table_format": table_format,
+           "tracked_objects": len(gc.get_objects()),
            "frozen_objects": gc.get_freeze_count(), "hits": hits,
            "hit_p50_ms": 1e3 * percentile(walls, 50), "hit_p90_ms": 1e3 * percentile(walls, 90),
            "hit_max_ms": 1e3 * max(walls), "full_collections": len(pauses),
@@ -103,7 +117,7 @@ def measure(entries: list[memoryview], device: torch.device, hits: int, heap: st
            "full_pause_ms_total": 1e3 * sum(pauses),
            "kernels": "run" if device.type == "cuda" else "not run",
            "blocks": len(entries), "tokens": len(entries) * BLOCK_TOKENS}
-    print(f"  {heap}: {row['tracked_objects']} objects tracked; hit p50 "
+    print(f"  {heap}, format {table_format}: {row['tracked_objects']} objects tracked; hit p50 "
           f"{row['hit_p50_ms']:.1f} ms, p90 {row['hit_p90_ms']:.1f}, max {row['hit_max_ms']:.1f}; "
           f"{len(pauses)} full collections, longest {row['full_pause_ms_max']:.1f} ms",
           flush=True)
@@ -126,6 +140,8 @@ def main(argv: list[str] | None = None) -> None:
         gc.collect()
         gc.freeze()
         rows.append(measure(entries, device, hits, "frozen"))
+        before, _ = _context(len(entries), fmt=3)
+        rows.append(measure(before, device, hits, "frozen", table_format=3))
     finally:
         gc.unfreeze()
         gpu_batch._launch = launch  # noqa: SLF001
