@@ -51,7 +51,8 @@ COLUMNS = ["heap", "table_format", "tracked_objects", "frozen_objects", "hits", 
 
 def _context(blocks: int, fmt: int = 4) -> tuple[list[memoryview], KVLayout]:
     """``blocks`` ``kdn-default`` entries of Llama-3-8B's KV layout, one after another in one
-    buffer (as a read arena holds a context's blocks), in entropy blob format ``fmt``."""
+    buffer (as a read arena holds a context's blocks), in entropy blob format ``fmt``, framed
+    as an engine stores them (``Client.store``: frames of about 1 MiB)."""
     from functools import partial
 
     from transformers import LlamaConfig
@@ -68,7 +69,7 @@ def _context(blocks: int, fmt: int = 4) -> tuple[list[memoryview], KVLayout]:
                               for lay in layout.layers])  # type: ignore[misc]
         kdn_mode.encode_streams = partial(entropy.encode_streams, fmt=fmt)  # type: ignore
         try:
-            blobs.append(codec.encode(kv, "kdn", "default"))
+            blobs.append(codec.encode(kv, "kdn", "default", layers_per_frame=0))  # an engine's
         finally:
             kdn_mode.encode_streams = entropy.encode_streams
     whole = bytearray(sum(map(len, blobs)))

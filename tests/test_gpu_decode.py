@@ -81,7 +81,11 @@ def real_kv_entries() -> dict[str, bytes]:
 
 
 def encode_real_kv(tokens: int) -> dict[str, bytes]:
+    import functools
+
+    import kdn.codec.modes.kdn as kdn_mode
     from kdn import codec
+    from kdn.codec import entropy
     from kdn.layout import KVLayout
     from kdn.model.data import english_token_ids
     from kdn.model.hf import prefill
@@ -90,8 +94,14 @@ def encode_real_kv(tokens: int) -> dict[str, bytes]:
     model, tok = load_model("smollm2-135m")
     layout = KVLayout.from_config(model.config, dtype=torch.float16)
     kv = prefill(model, english_token_ids(tokens, tok), layout)[0]
-    return {f"{mode}{level}": codec.encode_parts(kv, mode, level).to_bytes()
-            for mode, level in (("kdn", "default"), ("cachegen", ""), ("int8", ""))}
+    out = {f"{mode}{level}": codec.encode_parts(kv, mode, level).to_bytes()
+           for mode, level in (("kdn", "default"), ("cachegen", ""), ("int8", ""))}
+    kdn_mode.encode_streams = functools.partial(entropy.encode_streams, fmt=3)  # type: ignore
+    try:  # what kdn wrote before entropy format 4: still decoded alike
+        out["kdndefault-format3"] = codec.encode_parts(kv, "kdn", "default").to_bytes()
+    finally:
+        kdn_mode.encode_streams = entropy.encode_streams
+    return out
 
 
 @pytest.mark.gpu
@@ -102,7 +112,8 @@ def test_gpu_and_cpu_decode_real_kv_bit_identically() -> None:
     from kdn import codec
 
     entries = real_kv_entries()
-    assert sorted(entries) == ["cachegen", "int8", "kdndefault"], sorted(entries)
+    assert sorted(entries) == ["cachegen", "int8", "kdndefault", "kdndefault-format3"], \
+        sorted(entries)
     for name, blob in entries.items():
         cpu = codec.decode(blob)
         dev = codec.decode(blob, device="cuda")
