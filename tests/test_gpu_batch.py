@@ -232,6 +232,50 @@ _DIRECT = _PRELUDE + textwrap.dedent('''
 ''')
 
 
+_PLANNER_HOSTILE = _PRELUDE + textwrap.dedent('''
+    # the planner parses untrusted bytes in compiled code that does not check its indexes:
+    # hostile kdn bodies (flipped bytes; the entropy blobs' mark, table and code lengths set
+    # to edge values; a blob's bytes changed or cut) end in Corrupt or a plan, never a crash
+    import struct
+    from kdn.codec.modes import pack_sections, unpack_sections
+    from kdn.errors import KDNError
+    gpu_batch._launch = lambda *a, **k: None  # the host's share only
+    rng = np.random.default_rng(21)
+    mode, seen = get_mode("kdn"), {"refused": 0, "planned": 0}
+    edges = [0, 1, 3, 4, 7, 8, 255, 256, 0xFFFF, 2**31, 2**32 - 1, 0xFFFFFFFD, 0xFFFFFFFE]
+    for case in range(240):
+        level = ("default", "high", "tiny")[case % 3]
+        lay = (uniform_layout(3, 2, 8), pruned_layout())[case % 2]
+        header, recs = records(codec.encode(random_kv(lay, int(rng.integers(1, 70)), seed=case),
+                                            "kdn", level, layers_per_frame=0))
+        specs = [layer_spec(header.layout, r.layer, r.tokens) for r in recs]
+        bodies = [bytearray(r.body) for r in recs]
+        i = int(rng.integers(0, len(bodies)))
+        secs = [bytearray(x) for x in unpack_sections(bytes(bodies[i]), 4, "test")]
+        blob = secs[2 + case % 2]
+        how = case // 2 % 4
+        if how == 0 or len(blob) < 12:
+            for _ in range(3):
+                bodies[i][int(rng.integers(0, len(bodies[i])))] ^= int(rng.integers(1, 256))
+        else:
+            at = 12 + int(rng.integers(0, len(blob) - 11))
+            if how == 1:
+                struct.pack_into("<I", blob, 4 * int(rng.integers(0, 3)), int(rng.choice(edges)))
+            elif how == 2:
+                blob[min(at, len(blob) - 1)] = int(rng.integers(0, 256))
+            else:
+                del blob[at:]
+            bodies[i] = bytearray(pack_sections([bytes(x) for x in secs]))
+        try:
+            mode.decode_layers([memoryview(b) for b in bodies], specs, level, torch.device("cpu"))
+            seen["planned"] += 1
+        except Corrupt:
+            seen["refused"] += 1
+    assert seen["refused"] > 60 and seen["planned"] > 30, seen
+    print("ok", seen["refused"], seen["planned"])
+''')
+
+
 def _run(script: str) -> list[str]:
     pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
@@ -253,6 +297,10 @@ def test_damaged_bodies_are_refused_exactly_where_the_cpu_refuses_them() -> None
 
 def test_pinned_bodies_of_several_entries_are_copied_where_they_lie() -> None:
     assert _run(_DIRECT)[-2:] == ["ok", "6"]
+
+
+def test_hostile_kdn_bodies_end_in_corrupt_or_a_plan_never_a_crash() -> None:
+    assert _run(_PLANNER_HOSTILE)[0] == "ok"
 
 
 def test_a_32_layer_entry_takes_few_launches_and_no_sync_before_its_check() -> None:
