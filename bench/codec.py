@@ -30,7 +30,6 @@ import argparse
 import json
 import time
 from dataclasses import asdict, dataclass
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -120,18 +119,12 @@ def block_bytes(kv: KVCache, mode: str, level: str, fmt: int = 4) -> int:
     """Bytes of ``kv`` stored as entries of ``BLOCK_TOKENS`` tokens (an engine's blocks), the
     entropy tables in blob format ``fmt`` (``entropy.encode_streams``)."""
     from kdn.codec import entropy
-    from kdn.codec.modes import cachegen as cachegen_mode
-    from kdn.codec.modes import kdn as kdn_mode
 
-    coder = partial(entropy.encode_streams, fmt=fmt)
-    kdn_mode.encode_streams = cachegen_mode.encode_streams = coder  # type: ignore[assignment]
-    try:
+    with entropy.writing_format(fmt):
         return sum(len(encode(KVCache(kv.layout, [(k[:, a : a + BLOCK_TOKENS].contiguous(),
                                                    v[:, a : a + BLOCK_TOKENS].contiguous())
                                                   for k, v in kv.layers], a), mode, level))
                    for a in range(0, kv.num_tokens, BLOCK_TOKENS))
-    finally:
-        kdn_mode.encode_streams = cachegen_mode.encode_streams = entropy.encode_streams
 
 
 def measure(ref: Reference, name: str, mode: str, level: str, repeats: int,

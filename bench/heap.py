@@ -53,11 +53,8 @@ def _context(blocks: int, fmt: int = 4) -> tuple[list[memoryview], KVLayout]:
     """``blocks`` ``kdn-default`` entries of Llama-3-8B's KV layout, one after another in one
     buffer (as a read arena holds a context's blocks), in entropy blob format ``fmt``, framed
     as an engine stores them (``Client.store``: frames of about 1 MiB)."""
-    from functools import partial
-
     from transformers import LlamaConfig
 
-    import kdn.codec.modes.kdn as kdn_mode
     from kdn.codec import entropy
 
     layout = KVLayout.from_config(LlamaConfig(**SHAPES["llama3-8b"]), dtype=torch.float16)
@@ -67,11 +64,8 @@ def _context(blocks: int, fmt: int = 4) -> tuple[list[memoryview], KVLayout]:
         kv = KVCache(layout, [tuple(torch.randn(lay.kv_heads, BLOCK_TOKENS, ch, generator=g)
                                     .half() for ch in (lay.k_channels, lay.v_channels))
                               for lay in layout.layers])  # type: ignore[misc]
-        kdn_mode.encode_streams = partial(entropy.encode_streams, fmt=fmt)  # type: ignore
-        try:
+        with entropy.writing_format(fmt):
             blobs.append(codec.encode(kv, "kdn", "default", layers_per_frame=0))  # an engine's
-        finally:
-            kdn_mode.encode_streams = entropy.encode_streams
     whole = bytearray(sum(map(len, blobs)))
     views, at = [], 0
     for blob in blobs:

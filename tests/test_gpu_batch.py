@@ -70,16 +70,14 @@ _IDENTICAL = _PRELUDE + textwrap.dedent('''
         checked += 1
     # entries written before format 4 (format 3: codes inside zstd; format 2: exact counts)
     # still decode on the device, alone and beside format-4 ones in one decode
-    import functools
-    import kdn.codec.modes.kdn as kdn_mode
     from kdn.codec import entropy
-    lay = pruned_layout()
     from kdn.codec.modes import unpack_sections
+    lay = pruned_layout()
     entries = []
     for fmt in (2, 3, 4):
-        kdn_mode.encode_streams = functools.partial(entropy.encode_streams, fmt=fmt)
-        blob = codec.encode(random_kv(lay, 29, seed=11 + fmt, start=29 * fmt), "kdn", "default")
-        kdn_mode.encode_streams = entropy.encode_streams
+        with entropy.writing_format(fmt):
+            blob = codec.encode(random_kv(lay, 29, seed=11 + fmt, start=29 * fmt), "kdn",
+                                "default")
         body = records(blob)[1][0].body  # its symbols' blob names its format first
         sym_blob = bytes(unpack_sections(body, 4, "test")[3])
         assert entropy.FORMAT_OF_MARK[int.from_bytes(sym_blob[:4], "little")] == fmt
@@ -311,24 +309,19 @@ def test_a_32_layer_entry_takes_few_launches_and_no_sync_before_its_check() -> N
 def _layers_with_symbols_blob(fmt: int, edit: Any) -> tuple[list[memoryview], list[Any]]:
     """The bodies and specs of a 3-layer ``kdn-default`` entry in blob format ``fmt``, layer
     1's symbols' blob replaced by ``edit(blob)``."""
-    import functools
     import sys
 
     sys.path.insert(0, str(ROOT / "tests"))
     from helpers import random_kv, uniform_layout
 
-    import kdn.codec.modes.kdn as kdn_mode
     from kdn import codec
     from kdn.codec import entropy
     from kdn.codec.api import layer_spec
     from kdn.codec.format import check_frame, parse_container
     from kdn.codec.modes import pack_sections, unpack_sections
 
-    kdn_mode.encode_streams = functools.partial(entropy.encode_streams, fmt=fmt)
-    try:
+    with entropy.writing_format(fmt):
         blob = codec.encode(random_kv(uniform_layout(3, 2, 8), 30, seed=4), "kdn", "default")
-    finally:
-        kdn_mode.encode_streams = entropy.encode_streams
     c = parse_container(blob, verify=False)
     recs = [r for i, f in enumerate(c.frames) for r in check_frame(c.header, i, f)]
     specs = [layer_spec(c.header.layout, r.layer, r.tokens) for r in recs]

@@ -81,9 +81,6 @@ def real_kv_entries() -> dict[str, bytes]:
 
 
 def encode_real_kv(tokens: int) -> dict[str, bytes]:
-    import functools
-
-    import kdn.codec.modes.kdn as kdn_mode
     from kdn import codec
     from kdn.codec import entropy
     from kdn.layout import KVLayout
@@ -96,11 +93,8 @@ def encode_real_kv(tokens: int) -> dict[str, bytes]:
     kv = prefill(model, english_token_ids(tokens, tok), layout)[0]
     out = {f"{mode}{level}": codec.encode_parts(kv, mode, level).to_bytes()
            for mode, level in (("kdn", "default"), ("cachegen", ""), ("int8", ""))}
-    kdn_mode.encode_streams = functools.partial(entropy.encode_streams, fmt=3)  # type: ignore
-    try:  # what kdn wrote before entropy format 4: still decoded alike
+    with entropy.writing_format(3):  # what kdn wrote before format 4: still decoded alike
         out["kdndefault-format3"] = codec.encode_parts(kv, "kdn", "default").to_bytes()
-    finally:
-        kdn_mode.encode_streams = entropy.encode_streams
     return out
 
 

@@ -20,6 +20,7 @@ from kdn.codec.entropy import (
     _tables,
     decode_streams,
     encode_streams,
+    writing_format,
 )
 from kdn.errors import Corrupt
 
@@ -184,3 +185,18 @@ def test_hostile_words_and_states_end_in_corrupt_not_a_crash() -> None:
         bad[body_at:] = rng.integers(0, 256, len(bad) - body_at, dtype=np.uint8).tobytes()
         with pytest.raises(Corrupt):
             decode_streams(bytes(bad), 8, 3000)
+
+
+def test_writing_format_sets_what_every_encode_writes_and_puts_it_back() -> None:
+    sym = _sym(6, 200, seed=13)
+    with pytest.raises(ValueError, match="not 5"):
+        with writing_format(5):
+            pass
+    with writing_format(3):
+        assert struct.unpack_from("<I", encode_streams(sym))[0] == RANS_LOG_MARK
+        assert struct.unpack_from("<I", encode_streams(sym, fmt=2))[0] == RANS_MARK
+    with pytest.raises(RuntimeError), writing_format(2):
+        raise RuntimeError("an encode that failed")
+    assert struct.unpack_from("<I", encode_streams(sym))[0] == RANS_NIBBLE_MARK
+    with pytest.raises(ValueError, match="not 1"):
+        encode_streams(sym, fmt=1)

@@ -26,7 +26,9 @@ constant) cost no payload bits.
 
 from __future__ import annotations
 
+import contextlib
 import struct
+from collections.abc import Iterator
 
 import constriction
 import numpy as np
@@ -62,9 +64,10 @@ RANS_LOG_MARK = 0xFFFFFFFE
 """First word of a format-3 blob: format 2 with each count stored as a code of ``LOG_LEVELS``."""
 RANS_NIBBLE_MARK = 0xFFFFFFFD
 """First word of a format-4 blob: the codes of format 3 two to a byte, outside zstd."""
-RANS_MARKS = (RANS_MARK, RANS_LOG_MARK, RANS_NIBBLE_MARK)
-"""The first words of the parallel-rANS formats (2, 3 and 4)."""
 FORMAT_OF_MARK = {RANS_MARK: 2, RANS_LOG_MARK: 3, RANS_NIBBLE_MARK: 4}
+"""The blob format each parallel-rANS mark stands for (any other first word: format 1)."""
+RANS_MARKS = tuple(FORMAT_OF_MARK)
+"""The first words of the parallel-rANS formats (2, 3 and 4)."""
 LOG_LEVELS = np.array([0, 1, 2, 3, 4, 5, 7, 11, 16, 24, 35, 52, 78, 116, 172, 255], np.uint8)
 """The count each 4-bit code stands for: 0 (absent), then about x1.5 a step from 1 to 255."""
 COUNT_OF_CODE = np.zeros(256, np.uint8)  # code -> count (codes past 15 are damage: 0)
@@ -74,10 +77,29 @@ _CODE_OF = np.array([0] + [1 + int(np.argmin(np.abs(np.log(c) - np.log(LOG_LEVEL
 """count (0..255) -> the code of the nearest level on a log scale."""
 
 
-def encode_streams(sym: np.ndarray, *, fmt: int = 4) -> bytes:
+_WRITTEN = [4]
+"""The blob format ``encode_streams`` writes when not told (``writing_format``)."""
+
+
+@contextlib.contextmanager
+def writing_format(fmt: int) -> Iterator[None]:
+    """Within it, every mode's ``encode_streams`` writes blob format ``fmt`` (3 and 2 are what
+    earlier kdn wrote: tests and ``bench.codec`` make such entries). Process-wide: not for
+    encodes running on other threads meanwhile."""
+    if fmt not in (2, 3, 4):
+        raise ValueError(f"encode_streams writes blob formats 2, 3 and 4, not {fmt!r}")
+    before = _WRITTEN[0]
+    _WRITTEN[0] = fmt
+    try:
+        yield
+    finally:
+        _WRITTEN[0] = before
+
+
+def encode_streams(sym: np.ndarray, *, fmt: int | None = None) -> bytes:
     """Code every row of ``sym`` ([streams, n] integers within int16) with its own model, in
-    blob format ``fmt`` (4; 3 and 2 are what earlier kdn wrote, kept for tests and
-    ``bench.codec``)."""
+    blob format ``fmt`` (None: 4, or what ``writing_format`` set)."""
+    fmt = _WRITTEN[0] if fmt is None else fmt
     # sym: [streams, n]
     sym = np.ascontiguousarray(sym, dtype=np.int32)
     if sym.ndim != 2 or sym.shape[0] == 0:

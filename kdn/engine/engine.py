@@ -131,9 +131,10 @@ class EngineConfig:
     model, the libraries), so the collector's oldest generation no longer scans it; None
     (default): on where the model runs on a GPU. A GPU hit of many blocks makes thousands of
     short-lived objects (each layer's views of each block), and every few hits that set off a
-    full collection of the whole heap: 89 ms per pause with torch and kdn loaded, as long as
-    the whole hit (``bench/README.md``). The price: garbage in reference cycles among what
-    was frozen is never collected (engines that live as long as their process lose nothing)."""
+    full collection of the whole heap: about 200 ms per pause with torch, transformers and kdn
+    loaded, longer than the whole hit (``bench.heap``). The price: garbage in reference cycles
+    among what was frozen is never collected (engines that live as long as their process lose
+    nothing)."""
 
     def __post_init__(self) -> None:
         if self.chunk_tokens < 0:
