@@ -193,6 +193,10 @@ def replay(fleet: Fleet, trace: list[Request], *, engines: int = 3, kill_at: flo
     routed = [{"node": f"node{j}", "address": a, "calls": sum(c.calls[j] for c in clients)}
               for j, a in enumerate(fleet.addresses)]
     failovers = sum(c.failovers for c in clients)
+    # how each engine's client sees the killed node now (a failed call or the health
+    # checker, whichever came first, marked it down)
+    killed_live = [bool(c.router.live[killed_node[0]]) for c in clients] \
+        if killed_node[0] >= 0 else []
     for c in clients:
         c.close()
     return {
@@ -203,6 +207,7 @@ def replay(fleet: Fleet, trace: list[Request], *, engines: int = 3, kill_at: flo
         "killed_node": f"node{killed_node[0]}" if killed_node[0] >= 0 else None,
         "kill_after_requests": kill_index,
         "failovers": failovers,
+        "killed_node_live_in_clients": killed_live,
         "killed_keys_hit_after": sum(after.values()),
         "killed_keys_hit_from": dict(sorted(after.items())),
         "killed_keys": len(lost),
