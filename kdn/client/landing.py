@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from kdn.client.parallel import layer_groups
 from kdn.client.received import Fetched
-from kdn.codec.format import check_frame, parse_header
+from kdn.codec.format import parse_header, sums_checked_later
 from kdn.errors import KDNError
 from kdn.transport.wire import Frame, FrameMessage
 
@@ -105,20 +105,27 @@ def decoded_together(hits: Sequence[Fetched], device: torch.device | str | None,
     if any((d.mode.name, d.level, d.header.layout.dtype) != kind or d.device.type != "cuda"
            for d, _ in decs):
         return None
-    from kdn.codec.api import layer_spec  # the tensor side, on first use
+    from kdn.codec.api import layer_spec, unhashed_records  # the tensor side, on first use
 
-    bodies, specs, counts = [], [], []
+    bodies, specs, counts, waits = [], [], [], []
     for g, (d, _) in zip(hits, decs):
-        recs = [r for i, f in enumerate(g.parts.frames)
-                for r in check_frame(d.header, i, f, checksum=not d.checked)]
+        recs = unhashed_records(d.header, g.parts.frames, hashed=d.checked)
+        if not d.checked:  # the sums computed beside the decode, waited for by its check
+            waits.append(sums_checked_later(d.header, g.parts.frames))
         bodies += [memoryview(r.body) for r in recs]
         specs += [layer_spec(d.header.layout, r.layer, r.tokens) for r in recs]
         counts.append(len(recs))
     target = decs[0][1]
-    done = first.mode.decode_layers(bodies, specs, first.level, first.device, pinned=all(
-        pinned_for(g, target, segment) for g in hits))
+    try:
+        done = first.mode.decode_layers(bodies, specs, first.level, first.device, pinned=all(
+            pinned_for(g, target, segment) for g in hits))
+    except KDNError:
+        for wait in waits:  # a damaged entry refused by its sum, as everywhere else
+            wait()
+        raise
     if done is None:
-        return None
+        return None  # stream_of each (which checks the sums again: nothing waited for)
+    done.waits += waits
     out, at = [], 0
     for g, (d, _), n in zip(hits, decs, counts):
         timings = new_timings(started=started)

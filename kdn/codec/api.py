@@ -31,10 +31,11 @@ from kdn.codec.format import (
     parse_container,
     parse_header,
     record_parts,
+    sums_checked_later,
 )
 from kdn.codec.layouts import layout_to_proto
 from kdn.codec.modes import LayerSpec, Mode, get_mode, mode_names
-from kdn.errors import Corrupt, InvalidArgument
+from kdn.errors import Corrupt, InvalidArgument, KDNError
 from kdn.layout import KVLayout
 from kdn.transport.wire import frame_message_head
 from kdn.v1 import kdn_pb2 as pb
@@ -239,9 +240,30 @@ class StreamDecoder:
         memory); None where the mode has no whole-entry decoder."""
         if self.device.type == "cpu" or self.mode.decode_layers is Mode.decode_layers:
             return None
-        recs = [r for i, f in enumerate(frames)
-                for r in check_frame(self.header, i, f, checksum=not self.checked)]
-        return self.decode_records(recs, pinned=pinned)
+        recs = unhashed_records(self.header, frames, hashed=self.checked)
+        if self.checked:
+            return self.decode_records(recs, pinned=pinned)
+        return self.decode_beside_sums(recs, frames, pinned=pinned)
+
+    def decode_beside_sums(self, recs: Sequence[LayerRecord],
+                           frames: Sequence[bytes | memoryview], *, pinned: bool = False
+                           ) -> Any:
+        """``decode_records`` while the frames' sums are computed on a worker thread
+        (``sums_checked_later``), the wait for them added to the result's ``check``; the sums
+        waited for first where the planner refuses the bytes (a damaged frame is refused as
+        the CPU path refuses it: by its sum), or where the mode has no whole-entry decoder
+        (None back: the caller decodes the checked records another way)."""
+        wait = sums_checked_later(self.header, frames)
+        try:
+            done = self.decode_records(recs, pinned=pinned)
+        except KDNError:
+            wait()
+            raise
+        if done is None:
+            wait()
+        else:
+            done.waits.append(wait)
+        return done
 
     def decode_frame(
         self, index: int, frame: bytes | memoryview
@@ -300,6 +322,21 @@ class StreamDecoder:
         return [None] * self.header.layout.num_layers
 
 
+def unhashed_records(header: Header, frames: Sequence[bytes | memoryview], *,
+                      hashed: bool = False) -> list[LayerRecord]:
+    """Every frame checked but for its sum (``sums_checked_later`` does those beside the
+    GPU's work), and its records. On damage, the error the whole check gives (``hashed``: the
+    bytes were checked already): a sum that does not match before a record that does not
+    parse, as ``check_frame`` orders them."""
+    try:
+        return [r for i, f in enumerate(frames) for r in check_frame(header, i, f,
+                                                                     checksum=False)]
+    except KDNError:
+        for i, f in enumerate(frames):
+            check_frame(header, i, f, checksum=not hashed, records=False)
+        raise
+
+
 def decode(buf: bytes | memoryview, *, device: torch.device | str | None = None,
            batched: bool | None = None) -> KVCache:
     """Verify and decode a whole container into a KVCache. On a CUDA device, a mode with a
@@ -309,11 +346,13 @@ def decode(buf: bytes | memoryview, *, device: torch.device | str | None = None,
     the GPU kernels under Triton's interpreter: how tests check them)."""
     container = parse_container(buf, verify=False)  # frames are checked just below
     dec = StreamDecoder(container.header, device, stored_bytes=len(buf))
-    recs = [r for i, f in enumerate(container.frames) for r in check_frame(dec.header, i, f)]
     start = int(container.header.entry.start_position)
     if dec.device.type == "cuda" if batched is None else batched:
-        done = dec.decode_records(recs)
+        recs = unhashed_records(dec.header, container.frames)
+        done = dec.decode_beside_sums(recs, container.frames)
         if done is not None:
             return KVCache(dec.header.layout, done.check(), start)
+    else:
+        recs = [r for i, f in enumerate(container.frames) for r in check_frame(dec.header, i, f)]
     layers = list(_pool().map(dec.decode_record, recs))
     return KVCache(dec.header.layout, layers, start)

@@ -36,6 +36,7 @@ from __future__ import annotations
 import functools
 import struct
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -445,15 +446,50 @@ def check_frame_prefix(header: Header, index: int, frame: bytes | memoryview, *,
         raise Corrupt(f"frame {index} does not belong to this entry: its checksum is not the "
                       f"one the header lists for frame {index}")
     if checksum:
-        got = frame_sum(header.frame_seed, mv[:12], payload) if digest is None else digest
-        if got & 0xFFFFFFFF != want or header.version >= 2 and got != span.checksum:
-            raise Corrupt(f"frame {index}: checksum mismatch")
+        _check_sum(header, index, want, frame_sum(header.frame_seed, mv[:12], payload)
+                   if digest is None else digest)
     if (idx, first, count) != (index, span.first_layer, span.num_layers):
         raise Corrupt(
             f"frame {index}: declares index {idx} layers [{first}, {first + count}), "
             f"header expects layers [{span.first_layer}, {span.first_layer + span.num_layers})"
         )
     return payload, first, count
+
+
+def _check_sum(header: Header, index: int, want: int, got: int) -> None:
+    """Frame ``index``'s full sum ``got`` against the low half its prefix holds (``want``) and,
+    in a version-2 header, the whole one the header lists."""
+    span = header.entry.frames[index]
+    if got & 0xFFFFFFFF != want or header.version >= 2 and got != span.checksum:
+        raise Corrupt(f"frame {index}: checksum mismatch")
+
+
+def sums_checked_later(header: Header, frames: Sequence[bytes | memoryview]
+                       ) -> Callable[[], None]:
+    """Each frame's sum computed on a worker thread while the caller goes on, and the wait for
+    it: the wait raises Corrupt, as ``check_frame`` would, for the first frame whose sum does
+    not match. For a GPU decode of frames whose structure ``check_frame(..., checksum=False)``
+    has checked: the planner, the copies and the kernels run on them meanwhile (they are safe
+    on damaged bytes and report nothing until checked), and their result is used only after
+    the wait (``gpu_batch.Decoded.check``). Hashing holds the GIL but the planner's and the
+    copies' work does not, so the two overlap; hashing was the largest host cost of a whole
+    entry decoded from bytes nobody had checked."""
+    global _SUMS
+    if _SUMS is None:
+        _SUMS = ThreadPoolExecutor(2, thread_name_prefix="kdn-sums")
+    views = [memoryview(f) for f in frames]
+
+    def run() -> None:
+        for i, mv in enumerate(views):
+            want = FRAME_STRUCT.unpack_from(mv, 0)[5]
+            _check_sum(header, i, want,
+                       frame_sum(header.frame_seed, mv[:12], mv[FRAME_STRUCT.size :]))
+
+    job = _SUMS.submit(run)
+    return lambda: job.result()
+
+
+_SUMS: ThreadPoolExecutor | None = None
 
 
 def split_frames(buf: bytes | memoryview, offset: int) -> Iterator[memoryview]:

@@ -34,6 +34,7 @@ from __future__ import annotations
 import math
 import os
 import warnings
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -89,16 +90,28 @@ class Decoded:
     """Device buffers the queued kernels read (alive until they have run)."""
 
     error: Corrupt | None = None
+    waits: list[Callable[[], None]] = field(default_factory=list)
+    """Checks still running beside the kernels (``format.sums_checked_later``: the frames'
+    sums), each raising Corrupt on damage: waited for before the flag is read."""
 
     def check(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """The layers, once the kernels' error flag is read (a synchronisation, the first
-        time): raises Corrupt, every time, where any kernel found damaged bytes."""
+        """The layers, once the checks still running are done and the kernels' error flag is
+        read (a synchronisation, the first time): raises Corrupt, every time, where a frame's
+        sum did not match or any kernel found damaged bytes."""
+        waits, self.waits = self.waits, []
+        for wait in waits:
+            try:
+                wait()
+            except Corrupt as exc:
+                if self.error is None:
+                    self.error = exc
+                self.layers = []
         if self.flag is not None:
             STATS["syncs"] += 1
             bits = int(self.flag.item())
             self.flag = None
             self.keep.clear()
-            if bits:
+            if bits and self.error is None:
                 why = "; ".join(t for b, t in BAD.items() if bits & b)
                 self.error = Corrupt(f"{self.where}: {why}")
                 self.layers = []
