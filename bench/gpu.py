@@ -301,28 +301,32 @@ def _profile(title: str, fn: Any, device: torch.device) -> None:
 
 
 def _decode_together(blobs: list[bytes] | list[memoryview], device: torch.device,
-                     pinned: bool = False) -> None:
+                     pinned: bool = False, checked: bool = False) -> None:
     """Every entry's layers decoded in one whole-entry decode (what an engine's hit on the
     blocks of one context does: ``kdn.client.landing.decoded_together``; ``pinned``: the
-    entries lie in page-locked memory, as the read arena's do)."""
+    entries lie in page-locked memory, as the read arena's do; ``checked``: their sums were
+    checked already, as the server checks what its arena holds, else they are computed
+    beside the decode, as for any bytes nobody checked)."""
     from kdn.codec import StreamDecoder, parse_container
-    from kdn.codec.api import layer_spec
-    from kdn.codec.format import check_frame
+    from kdn.codec.api import layer_spec, unhashed_records
+    from kdn.codec.format import sums_checked_later
 
-    bodies, specs, dec = [], [], None
+    bodies, specs, waits, dec = [], [], [], None
     for b in blobs:
         c = parse_container(b, verify=False)
         dec = StreamDecoder(c.header, device)
-        for i, f in enumerate(c.frames):
-            for r in check_frame(c.header, i, f):
-                bodies.append(memoryview(r.body))
-                specs.append(layer_spec(c.header.layout, r.layer, r.tokens))
+        for r in unhashed_records(c.header, c.frames, hashed=checked):
+            bodies.append(memoryview(r.body))
+            specs.append(layer_spec(c.header.layout, r.layer, r.tokens))
+        if not checked:
+            waits.append(sums_checked_later(c.header, c.frames))
     assert dec is not None
     done = dec.mode.decode_layers(bodies, specs, dec.level, device, pinned=pinned)
     if done is None:  # an encoding without a whole-entry decoder
         for b in blobs:
             codec_decode(b, device)
     else:
+        done.waits += waits
         done.check()
 
 

@@ -12,9 +12,10 @@ Measured in one process, the heap of an engine's (a model of SmolLM2's shape bui
 random weights through transformers, and torch, kdn and numba loaded): ``hits`` hits of the
 context's blocks, each ``kdn-default`` of Llama-3-8B's KV layout (32 layers, 8 KV heads x 128,
 256 tokens a block; 32 blocks = 8,192 tokens, 8 with ``--quick``), laid out in one buffer as
-the read arena holds them. On a GPU the kernels run and each hit ends with its check (one
-synchronisation); on a CPU they are not launched (``kernels``: "not run": the host's share
-of a GPU hit, which is what the collector stops).
+the read arena holds them (checked by the server as they were copied in: the hit computes no
+sums, as ``EntryRef.verified`` spares an engine's). On a GPU the kernels run and each hit
+ends with its check (one synchronisation); on a CPU they are not launched (``kernels``: "not
+run": the host's share of a GPU hit, which is what the collector stops).
 
 Rows, ``heap``: ``as-is`` (the baseline: the process as it is) and ``frozen`` (after
 ``gc.collect(); gc.freeze()``, what ``KDNEngine`` does before its first request on a GPU:
@@ -76,8 +77,9 @@ def _context(blocks: int, fmt: int = 4) -> tuple[list[memoryview], KVLayout]:
 
 
 def _hit(entries: list[memoryview], device: torch.device) -> None:
-    """What a GPU hit does with the context's blocks once their bytes are in host memory."""
-    _decode_together(entries, device, pinned=device.type == "cuda")
+    """What a GPU hit does with the context's blocks once their bytes are in host memory: in
+    a read arena the server checked their sums as it copied them in, so none is computed."""
+    _decode_together(entries, device, pinned=device.type == "cuda", checked=True)
 
 
 def measure(entries: list[memoryview], device: torch.device, hits: int, heap: str,

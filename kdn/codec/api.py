@@ -341,7 +341,9 @@ def decode(buf: bytes | memoryview, *, device: torch.device | str | None = None,
            batched: bool | None = None) -> KVCache:
     """Verify and decode a whole container into a KVCache. On a CUDA device, a mode with a
     whole-entry decoder (``Mode.decode_layers``: ``kdn``, ``int8``) decodes every layer in a
-    few kernel launches and one synchronisation at the end; elsewhere layers decode in
+    few kernel launches and one synchronisation at the end, the frames' sums computed on a
+    worker thread meanwhile and checked before anything is returned (``decode_beside_sums``);
+    elsewhere layers decode in
     parallel on the codec's thread pool. ``batched`` forces either way (True on the CPU runs
     the GPU kernels under Triton's interpreter: how tests check them)."""
     container = parse_container(buf, verify=False)  # frames are checked just below
