@@ -308,16 +308,16 @@ def _decode_together(blobs: list[bytes] | list[memoryview], device: torch.device
     checked already, as the server checks what its arena holds, else they are computed
     beside the decode, as for any bytes nobody checked)."""
     from kdn.codec import StreamDecoder, parse_container
-    from kdn.codec.api import layer_spec, unhashed_records
+    from kdn.codec.api import record_specs, unhashed_records
     from kdn.codec.format import sums_checked_later
 
     bodies, specs, waits, dec = [], [], [], None
     for b in blobs:
         c = parse_container(b, verify=False)
         dec = StreamDecoder(c.header, device)
-        for r in unhashed_records(c.header, c.frames, hashed=checked):
-            bodies.append(memoryview(r.body))
-            specs.append(layer_spec(c.header.layout, r.layer, r.tokens))
+        recs = unhashed_records(c.header, c.frames, hashed=checked)
+        bodies += [r.body for r in recs]
+        specs += record_specs(c.header.layout, recs)
         if not checked:
             waits.append(sums_checked_later(c.header, c.frames))
     assert dec is not None

@@ -594,3 +594,17 @@ def test_a_remembered_record_walk_never_passes_a_frame_the_walk_would_refuse(
                     tried += 1
     assert tried == 3 * len(fields) * 2 * 2
 
+
+
+def test_record_specs_are_each_records_layer_spec_for_any_length() -> None:
+    from kdn.codec.api import layer_spec, record_specs
+    from kdn.codec.format import check_frame, parse_container
+
+    layout = pruned_layout()
+    for tokens in (7, 30, 7):  # a length seen before comes from the memo, the same specs
+        c = parse_container(encode(random_kv(layout, tokens), "kdn", "default",
+                                   layers_per_frame=2), verify=False)
+        recs = [r for i, f in enumerate(c.frames) for r in check_frame(c.header, i, f)]
+        got = record_specs(c.header.layout, recs)
+        assert got == [layer_spec(layout, r.layer, tokens) for r in recs]
+        assert [s.tokens for s in got] == [tokens] * layout.num_layers

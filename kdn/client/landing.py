@@ -105,15 +105,15 @@ def decoded_together(hits: Sequence[Fetched], device: torch.device | str | None,
     if any((d.mode.name, d.level, d.header.layout.dtype) != kind or d.device.type != "cuda"
            for d, _ in decs):
         return None
-    from kdn.codec.api import layer_spec, unhashed_records  # the tensor side, on first use
+    from kdn.codec.api import record_specs, unhashed_records  # the tensor side, on first use
 
     bodies, specs, counts, waits = [], [], [], []
     for g, (d, _) in zip(hits, decs):
         recs = unhashed_records(d.header, g.parts.frames, hashed=d.checked)
         if not d.checked:  # the sums computed beside the decode, waited for by its check
             waits.append(sums_checked_later(d.header, g.parts.frames))
-        bodies += [memoryview(r.body) for r in recs]
-        specs += [layer_spec(d.header.layout, r.layer, r.tokens) for r in recs]
+        bodies += [r.body for r in recs]
+        specs += record_specs(d.header.layout, recs)
         counts.append(len(recs))
     target = decs[0][1]
     try:

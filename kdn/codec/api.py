@@ -33,7 +33,7 @@ from kdn.codec.format import (
     record_parts,
     sums_checked_later,
 )
-from kdn.codec.layouts import layout_to_proto
+from kdn.codec.layouts import BoundedMemo, layout_to_proto
 from kdn.codec.modes import LayerSpec, Mode, get_mode, mode_names
 from kdn.errors import Corrupt, InvalidArgument, KDNError
 from kdn.layout import KVLayout
@@ -72,6 +72,23 @@ def _pool() -> ThreadPoolExecutor:
 def layer_spec(kv_layout: KVLayout, layer: int, tokens: int) -> LayerSpec:
     """What a mode knows about ``layer`` of ``tokens`` tokens in ``kv_layout``."""
     return LayerSpec(layer, kv_layout.num_layers, kv_layout.layers[layer], tokens, kv_layout.dtype)
+
+
+def record_specs(kv_layout: KVLayout, recs: Sequence[LayerRecord]) -> list[LayerSpec]:
+    """``layer_spec`` of each record (memoised by layout and length: a hit on a context's
+    blocks asks for the same few thousand, ~1.5 us each to make)."""
+    out = []
+    for r in recs:
+        key = (kv_layout.fingerprint, r.tokens)
+        specs = _SPECS.get(key)
+        if specs is None:
+            specs = tuple(layer_spec(kv_layout, i, r.tokens) for i in range(kv_layout.num_layers))
+            _SPECS.put(key, specs)
+        out.append(specs[r.layer])
+    return out
+
+
+_SPECS: BoundedMemo[tuple[str, int], tuple[LayerSpec, ...]] = BoundedMemo(256)
 
 
 def frame_spans(layer_bytes: list[int], layers_per_frame: int) -> list[tuple[int, int]]:
@@ -224,7 +241,7 @@ class StreamDecoder:
         """Records' layers decoded together by the mode's whole-entry GPU decoder
         (``Mode.decode_layers``): a ``Decoded`` to ``check()`` before its tensors are used, or
         None where the mode has none."""
-        specs = [layer_spec(self.header.layout, r.layer, r.tokens) for r in recs]
+        specs = record_specs(self.header.layout, recs)
         done = self.mode.decode_layers([memoryview(r.body) for r in recs], specs, self.level,
                                        self.device, pinned=pinned)
         if done is not None:

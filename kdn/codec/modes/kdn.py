@@ -163,8 +163,15 @@ class Kdn(Mode):
                       device: torch.device, *, pinned: bool = False) -> Any:
         from kdn.codec.gpu_batch import decode_kdn
 
-        lv = LEVELS[level]
-        steps = [(*lv.steps(s.index, s.num_layers), lv.sink_tokens) for s in specs]
+        table: dict[tuple[int, int], tuple[float, float, int]] = {}  # a few distinct layers
+        steps = []
+        for s in specs:
+            st = table.get((s.index, s.num_layers))
+            if st is None:
+                lv = LEVELS[level]
+                st = table[s.index, s.num_layers] = (*lv.steps(s.index, s.num_layers),
+                                                     lv.sink_tokens)
+            steps.append(st)
         return decode_kdn(bodies, specs, steps, device, pinned=pinned)
 
 
