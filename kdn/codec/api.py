@@ -360,9 +360,9 @@ def decode(buf: bytes | memoryview, *, device: torch.device | str | None = None,
     whole-entry decoder (``Mode.decode_layers``: ``kdn``, ``int8``) decodes every layer in a
     few kernel launches and one synchronisation at the end, the frames' sums computed on a
     worker thread meanwhile and checked before anything is returned (``decode_beside_sums``);
-    elsewhere layers decode in
-    parallel on the codec's thread pool. ``batched`` forces either way (True on the CPU runs
-    the GPU kernels under Triton's interpreter: how tests check them)."""
+    elsewhere layers decode in parallel on the codec's thread pool. ``batched`` forces either
+    way (True on the CPU runs the GPU kernels under Triton's interpreter: how tests check
+    them)."""
     container = parse_container(buf, verify=False)  # frames are checked just below
     dec = StreamDecoder(container.header, device, stored_bytes=len(buf))
     start = int(container.header.entry.start_position)
