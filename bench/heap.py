@@ -1,6 +1,6 @@
 """Do GPU hits stop for Python's garbage collector, and does freezing the heap fix it?
 
-    python -m bench.heap [--quick] [--hits 60] [--out bench/results/heap.json]
+    python -m bench.heap [--quick] [--hits 60] [--long] [--out bench/results/heap.json]
 
 A hit of many compressed blocks decodes them together on the GPU (``kdn.client.landing.
 decoded_together``: every block's frames checked, a spec per layer, one ``Mode.decode_layers``
@@ -26,8 +26,8 @@ scans), ``hit_p50_ms`` / ``hit_p90_ms`` / ``hit_max_ms`` (wall time of a hit),
 ``full_pause_ms_max`` / ``full_pause_ms_total``. A third row, frozen too, hits the same
 context written in entropy format 3 (``table_format``: the count codes inside zstd, what kdn
 wrote before format 4, ``kdn.codec.entropy``): the host's share with the tables the planner
-decompressed before, in the same run. A fourth (not with ``--quick``), frozen, hits a context
-four times as long (128 blocks, 32,768 tokens) a third as many times.
+decompressed before, in the same run. A fourth (``--long``), frozen, hits a context four
+times as long (128 blocks, 32,768 tokens) a third as many times.
 """
 
 from __future__ import annotations
@@ -125,6 +125,8 @@ def measure(entries: list[memoryview], device: torch.device, hits: int, heap: st
 def main(argv: list[str] | None = None) -> None:
     ap = arg_parser(__doc__, "heap", "8 blocks, 12 hits a row")
     ap.add_argument("--hits", type=int, default=0, help="hits per row (default 60; 12 quick)")
+    ap.add_argument("--long", action="store_true",
+                    help="a fourth row: 4x the blocks (32,768 tokens), a third of the hits")
     ns = ap.parse_args(argv)
     hits = ns.hits or (12 if ns.quick else 60)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -141,7 +143,7 @@ def main(argv: list[str] | None = None) -> None:
         before, _ = _context(len(entries), fmt=3)
         rows.append(measure(before, device, hits, "frozen", table_format=3))
         del before
-        if not ns.quick:  # 32,768 tokens: the host's share at 51's longer target
+        if ns.long:  # 32,768 tokens: the host's share at 51's longer target
             rows.append(measure(_context(4 * len(entries))[0], device, max(hits // 3, 12),
                                 "frozen"))
     finally:
