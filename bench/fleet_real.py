@@ -14,7 +14,9 @@ most calls is killed (SIGKILL). The result counts failed requests (any exception
 the keys first stored through the killed node, the trace's hits on them after the kill by tier
 and node (``killed_keys_hit_from``: a survivor's ``ram`` once it holds a copy, ``redis`` the
 first time); after the replay every one of them is read back through the fleet
-(``killed_keys_read_back_from``, ``missing`` for one that could not be read).
+(``killed_keys_read_back_from``, ``missing`` for one that could not be read), and each
+engine's client is given ten health intervals to take the killed node out of its routing
+(``killed_node_live_in_clients``: False each, by a failed call or its health checker).
 """
 
 from __future__ import annotations
@@ -193,10 +195,14 @@ def replay(fleet: Fleet, trace: list[Request], *, engines: int = 3, kill_at: flo
     routed = [{"node": f"node{j}", "address": a, "calls": sum(c.calls[j] for c in clients)}
               for j, a in enumerate(fleet.addresses)]
     failovers = sum(c.failovers for c in clients)
-    # how each engine's client sees the killed node now (a failed call or the health
-    # checker, whichever came first, marked it down)
-    killed_live = [bool(c.router.live[killed_node[0]]) for c in clients] \
-        if killed_node[0] >= 0 else []
+    # how each engine's client sees the killed node: a failed call or the health checker,
+    # whichever comes first, marks it down (given ten health intervals, at least 2 s)
+    killed_live: list[bool] = []
+    if killed_node[0] >= 0:
+        until = time.monotonic() + max(2.0, 10 * health_interval_s)
+        while any(c.router.live[killed_node[0]] for c in clients) and time.monotonic() < until:
+            time.sleep(0.02)
+        killed_live = [bool(c.router.live[killed_node[0]]) for c in clients]
     for c in clients:
         c.close()
     return {
