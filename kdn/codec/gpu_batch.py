@@ -341,7 +341,8 @@ def decode_kdn(bodies: list[memoryview], specs: list[LayerSpec],
         big.add(name, np.int32, rows)
     big.add("csrc", np.int64, rows)
     host_big = big.arrays()
-    tables, tab = _tables(buf, blobs, sizes, host_big["counts"], where)
+    tables, tab = _tables(buf, blobs, sizes, host_big["counts"], where, err)
+    failed()
     args = (buf, sect, blobs, tables, tab, streams, heads, kc, vc, tokens, sink)
     per_layer = np.zeros((len(specs), 12), np.int64)
     _run_all(lambda c: plan.count(  # type: ignore[call-arg]
@@ -440,9 +441,12 @@ _DCTX = zstandard.ZstdDecompressor()
 
 
 def _tables(buf: np.ndarray, blobs: np.ndarray, sizes: np.ndarray, into: np.ndarray,
-            where: str) -> tuple[np.ndarray, np.ndarray]:
-    """Every blob's zstd-packed tables decompressed in one call (several threads), one after
-    another ``into`` (returned), and where each lies ([L, 2, 2]: offset, length)."""
+            where: str, err: np.ndarray, zstd: bool | None = None
+            ) -> tuple[np.ndarray, np.ndarray]:
+    """Every blob's zstd-packed tables decompressed one after another ``into`` (returned), and
+    where each lies ([L, 2, 2]: offset, length): by the compiled planner on the staging
+    threads where the system has libzstd (``plan.inflate``; damage sets ``err``), else in one
+    call of ``zstandard``'s (several threads, then Python per blob). ``zstd`` forces either."""
     tab = np.zeros((*blobs.shape[:2], 2), np.int64)
     present = blobs[:, :, 0] >= 0
     if not present.any():
@@ -451,6 +455,10 @@ def _tables(buf: np.ndarray, blobs: np.ndarray, sizes: np.ndarray, into: np.ndar
     want = sizes[present]
     tab[:, :, 1][present] = want
     tab[:, :, 0][present] = np.cumsum(want) - want
+    if plan.HAVE_ZSTD if zstd is None else zstd:
+        _run_all(lambda c: plan.inflate(c[0], c[1], buf, blobs, sizes, tab, into, err),
+                 _chunks(sizes.sum(axis=1)))
+        return into, tab
     try:
         got = _DCTX.multi_decompress_to_buffer(
             zstandard.BufferWithSegments(memoryview(buf), segs  # type: ignore[arg-type]

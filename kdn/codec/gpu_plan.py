@@ -7,6 +7,7 @@ device reads where the bodies landed), not Python per blob.
 
     scan(buf, body_at, body_len, n, err)  -> sections [L, 4, 2], blobs [L, 2, 7]
     table_sizes(buf, blobs, streams, err) -> declared size of each packed table (bounded)
+    inflate(first, last, ...)             -> a range of layers' tables decompressed (libzstd)
     count(first, last, out, ...)          -> what a range of layers lays out, checked
     fill(first, last, ...)                -> a range of layers into ``allocate``'s arrays
 
@@ -17,6 +18,9 @@ CPU decodes.
 """
 
 from __future__ import annotations
+
+import ctypes.util
+from typing import Any
 
 import numba
 import numpy as np
@@ -38,7 +42,7 @@ WHY = {1: "sections do not add up to the body", 2: "empty stream set is not empt
        5: "entropy blob sections do not add up", 6: "zstd frame declares no or too large a size",
        7: "entropy tables are inconsistent", 8: "rANS section does not add up",
        9: "sink tokens have the wrong size", 10: "entropy table code out of range",
-       11: "entropy table codes do not fit the tables"}
+       11: "entropy table codes do not fit the tables", 12: "entropy tables do not decode"}
 NF = 15
 """Per-blob fields (columns of ``fill``'s blob tables; column NF: the blob's layer)."""
 CROW, ROWBASE, BLOCKS, BLOCK, N, STREAMS, STATES, HEADS, KC, VC, TOKENS, SINK, KBASE, VBASE, \
@@ -361,3 +365,57 @@ def fill(first: int, last: int, starts: np.ndarray, buf: np.ndarray, sect: np.nd
             ib[b] += 1
             row += st
         qat += 2 * n
+
+
+def _load_zstd() -> bool:
+    """The system's libzstd, loaded for compiled code (``inflate``); False where there is none
+    (the caller then decompresses the tables through ``zstandard``, Python per blob)."""
+    import llvmlite.binding as llvm
+
+    name = ctypes.util.find_library("zstd")
+    if not name:
+        return False
+    try:
+        llvm.load_library_permanently(name)
+    except RuntimeError:
+        return False
+    return True
+
+
+HAVE_ZSTD = _load_zstd()
+"""Whether ``inflate`` can run (libzstd found)."""
+
+if HAVE_ZSTD:  # pointers as integers (uintp): the planner checks every range first
+    _P: Any = numba.types.uintp
+    _NEW_DCTX: Any = numba.types.ExternalFunction("ZSTD_createDCtx", _P())
+    _FREE_DCTX: Any = numba.types.ExternalFunction("ZSTD_freeDCtx", _P(_P))
+    _DECOMPRESS: Any = numba.types.ExternalFunction("ZSTD_decompressDCtx", _P(_P, _P, _P, _P, _P))
+
+    @numba.njit(cache=True, nogil=True)
+    def inflate(first: int, last: int, buf: np.ndarray, blobs: np.ndarray, sizes: np.ndarray,
+                tab: np.ndarray, into: np.ndarray, err: np.ndarray) -> None:
+        """The zstd-packed tables of layers [first, last) decompressed, blob (l, b) into
+        ``into`` at ``tab[l, b, 0]``: exactly ``sizes[l, b]`` bytes (what its frame declares,
+        ``table_sizes``), else err 12. Disjoint layer ranges run on threads side by side
+        (nogil; a decompression context each): no Python per blob."""
+        ctx = _NEW_DCTX()
+        if ctx == 0:
+            err[0], err[1] = 12, first
+            return
+        for lay in range(first, last):
+            for b in range(2):
+                at, ln = blobs[lay, b, 0], blobs[lay, b, 1]
+                if at < 0:
+                    continue
+                off, n = tab[lay, b, 0], sizes[lay, b]
+                if (ln <= 0 or at + ln > len(buf) or off < 0 or n < 0
+                        or off + n > len(into)):
+                    err[0], err[1] = 12, lay
+                    _FREE_DCTX(ctx)
+                    return
+                got = _DECOMPRESS(ctx, into.ctypes.data + off, n, buf.ctypes.data + at, ln)
+                if got != n:  # a zstd error code (near 2**64) or another size
+                    err[0], err[1] = 12, lay
+                    _FREE_DCTX(ctx)
+                    return
+        _FREE_DCTX(ctx)
