@@ -372,14 +372,16 @@ def _load_zstd() -> bool:
     (the caller then decompresses the tables through ``zstandard``, Python per blob)."""
     import llvmlite.binding as llvm
 
-    name = ctypes.util.find_library("zstd")
-    if not name:
-        return False
-    try:
-        llvm.load_library_permanently(name)
-    except RuntimeError:
-        return False
-    return True
+    for name in ("libzstd.so.1", "libzstd.1.dylib", None):  # None: ask ldconfig (slower)
+        name = name or ctypes.util.find_library("zstd")
+        if not name:
+            continue
+        try:
+            llvm.load_library_permanently(name)
+        except RuntimeError:
+            continue
+        return True
+    return False
 
 
 HAVE_ZSTD = _load_zstd()
