@@ -31,6 +31,8 @@ import grpc, numba, torch, transformers, triton
 print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name(0),
       "transformers", transformers.__version__, "triton", triton.__version__,
       "numba", numba.__version__, "grpc", grpc.__version__)
+from kdn.codec import gpu_plan
+print("planner tables through libzstd:", gpu_plan.HAVE_ZSTD)
 EOF
 start=$(date +%s)
 KDN_REAL_KV=$REAL_KV timeout 240 $PY -m pytest -m gpu -q -p no:cacheprovider -rs --timeout 200 \
