@@ -308,7 +308,7 @@ def _decode_together(blobs: list[bytes] | list[memoryview], device: torch.device
     checked already, as the server checks what its arena holds, else they are computed
     beside the decode, as for any bytes nobody checked)."""
     from kdn.codec import StreamDecoder, parse_container
-    from kdn.codec.api import record_specs, unhashed_records
+    from kdn.codec.api import decoded_beside, record_specs, unhashed_records
     from kdn.codec.format import sums_checked_later
 
     bodies, specs, waits, dec = [], [], [], None
@@ -321,12 +321,12 @@ def _decode_together(blobs: list[bytes] | list[memoryview], device: torch.device
         if not checked:
             waits.append(sums_checked_later(c.header, c.frames))
     assert dec is not None
-    done = dec.mode.decode_layers(bodies, specs, dec.level, device, pinned=pinned)
+    done = decoded_beside(waits, lambda: dec.mode.decode_layers(bodies, specs, dec.level,
+                                                                device, pinned=pinned))
     if done is None:  # an encoding without a whole-entry decoder
         for b in blobs:
             codec_decode(b, device)
     else:
-        done.waits += waits
         done.check()
 
 

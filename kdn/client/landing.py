@@ -105,7 +105,11 @@ def decoded_together(hits: Sequence[Fetched], device: torch.device | str | None,
     if any((d.mode.name, d.level, d.header.layout.dtype) != kind or d.device.type != "cuda"
            for d, _ in decs):
         return None
-    from kdn.codec.api import record_specs, unhashed_records  # the tensor side, on first use
+    from kdn.codec.api import (  # the tensor side, on first use
+        decoded_beside,
+        record_specs,
+        unhashed_records,
+    )
 
     bodies, specs, counts, waits = [], [], [], []
     for g, (d, _) in zip(hits, decs):
@@ -116,16 +120,11 @@ def decoded_together(hits: Sequence[Fetched], device: torch.device | str | None,
         specs += record_specs(d.header.layout, recs)
         counts.append(len(recs))
     target = decs[0][1]
-    try:
-        done = first.mode.decode_layers(bodies, specs, first.level, first.device, pinned=all(
-            pinned_for(g, target, segment) for g in hits))
-    except KDNError:
-        for wait in waits:  # a damaged entry refused by its sum, as everywhere else
-            wait()
-        raise
+    pinned = all(pinned_for(g, target, segment) for g in hits)
+    done = decoded_beside(waits, lambda: first.mode.decode_layers(
+        bodies, specs, first.level, first.device, pinned=pinned))
     if done is None:
         return None  # stream_of each (which checks the sums again: nothing waited for)
-    done.waits += waits
     out, at = [], 0
     for g, (d, _), n in zip(hits, decs, counts):
         timings = new_timings(started=started)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import itertools
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Any
@@ -271,15 +271,9 @@ class StreamDecoder:
         the CPU path refuses it: by its sum), or where the mode has no whole-entry decoder
         (None back: the caller decodes the checked records another way)."""
         wait = sums_checked_later(self.header, frames)
-        try:
-            done = self.decode_records(recs, pinned=pinned)
-        except KDNError:
-            wait()
-            raise
+        done = decoded_beside([wait], lambda: self.decode_records(recs, pinned=pinned))
         if done is None:
             wait()
-        else:
-            done.waits.append(wait)
         return done
 
     def decode_frame(
@@ -337,6 +331,22 @@ class StreamDecoder:
 
     def empty_cache(self) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
         return [None] * self.header.layout.num_layers
+
+
+def decoded_beside(waits: list[Callable[[], None]], decode: Callable[[], Any]) -> Any:
+    """``decode()`` (a whole-entry GPU decode: a ``Decoded`` or None) while ``waits``' checks
+    run (``sums_checked_later``): added to the result's ``check``, or waited for first where
+    ``decode`` refuses the bytes, so that a damaged frame is refused by its sum, as on the CPU
+    path. Where it gives None, nothing is waited for: the caller decides."""
+    try:
+        done = decode()
+    except KDNError:
+        for wait in waits:
+            wait()
+        raise
+    if done is not None:
+        done.waits += waits
+    return done
 
 
 def unhashed_records(header: Header, frames: Sequence[bytes | memoryview], *,

@@ -451,7 +451,6 @@ def _tables(buf: np.ndarray, blobs: np.ndarray, sizes: np.ndarray, into: np.ndar
     present = blobs[:, :, 0] >= 0
     if not present.any():
         return into, tab
-    segs = np.stack([blobs[:, :, 0][present], blobs[:, :, 1][present]], axis=1)
     want = sizes[present]
     tab[:, :, 1][present] = want
     tab[:, :, 0][present] = np.cumsum(want) - want
@@ -459,6 +458,7 @@ def _tables(buf: np.ndarray, blobs: np.ndarray, sizes: np.ndarray, into: np.ndar
         _run_all(lambda c: plan.inflate(c[0], c[1], buf, blobs, sizes, tab, into, err),
                  _chunks(sizes.sum(axis=1)))
         return into, tab
+    segs = np.stack([blobs[:, :, 0][present], blobs[:, :, 1][present]], axis=1)
     try:
         got = _DCTX.multi_decompress_to_buffer(
             zstandard.BufferWithSegments(memoryview(buf), segs  # type: ignore[arg-type]

@@ -394,16 +394,9 @@ if HAVE_ZSTD:  # pointers as integers (uintp): the planner checks every range fi
     _DECOMPRESS: Any = numba.types.ExternalFunction("ZSTD_decompressDCtx", _P(_P, _P, _P, _P, _P))
 
     @numba.njit(cache=True, nogil=True)
-    def inflate(first: int, last: int, buf: np.ndarray, blobs: np.ndarray, sizes: np.ndarray,
-                tab: np.ndarray, into: np.ndarray, err: np.ndarray) -> None:
-        """The zstd-packed tables of layers [first, last) decompressed, blob (l, b) into
-        ``into`` at ``tab[l, b, 0]``: exactly ``sizes[l, b]`` bytes (what its frame declares,
-        ``table_sizes``), else err 12. Disjoint layer ranges run on threads side by side
-        (nogil; a decompression context each): no Python per blob."""
-        ctx = _NEW_DCTX()
-        if ctx == 0:
-            err[0], err[1] = 12, first
-            return
+    def _inflate_with(ctx: int, first: int, last: int, buf: np.ndarray, blobs: np.ndarray,
+                      sizes: np.ndarray, tab: np.ndarray, into: np.ndarray) -> int:
+        """``inflate`` with a decompression context: the first layer that fails, else -1."""
         for lay in range(first, last):
             for b in range(2):
                 at, ln = blobs[lay, b, 0], blobs[lay, b, 1]
@@ -412,12 +405,23 @@ if HAVE_ZSTD:  # pointers as integers (uintp): the planner checks every range fi
                 off, n = tab[lay, b, 0], sizes[lay, b]
                 if (ln <= 0 or at + ln > len(buf) or off < 0 or n < 0
                         or off + n > len(into)):
-                    err[0], err[1] = 12, lay
-                    _FREE_DCTX(ctx)
-                    return
+                    return lay
                 got = _DECOMPRESS(ctx, into.ctypes.data + off, n, buf.ctypes.data + at, ln)
                 if got != n:  # a zstd error code (near 2**64) or another size
-                    err[0], err[1] = 12, lay
-                    _FREE_DCTX(ctx)
-                    return
-        _FREE_DCTX(ctx)
+                    return lay
+        return -1
+
+    @numba.njit(cache=True, nogil=True)
+    def inflate(first: int, last: int, buf: np.ndarray, blobs: np.ndarray, sizes: np.ndarray,
+                tab: np.ndarray, into: np.ndarray, err: np.ndarray) -> None:
+        """The zstd-packed tables of layers [first, last) decompressed, blob (l, b) into
+        ``into`` at ``tab[l, b, 0]``: exactly ``sizes[l, b]`` bytes (what its frame declares,
+        ``table_sizes``), else err 12. Disjoint layer ranges run on threads side by side
+        (nogil; a decompression context each): no Python per blob."""
+        ctx = _NEW_DCTX()
+        bad = first if ctx == 0 else _inflate_with(ctx, first, last, buf, blobs, sizes, tab,
+                                                   into)
+        if ctx != 0:
+            _FREE_DCTX(ctx)
+        if bad >= 0:
+            err[0], err[1] = 12, bad
