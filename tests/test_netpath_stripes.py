@@ -67,7 +67,8 @@ def test_the_default_connections_follow_the_entries_size(monkeypatch: pytest.Mon
     assert net.stripes(100) == 8  # nor more than MAX_STRIPES
     assert NetPath("127.0.0.1", 1, "0" * 32, 5, connections=2).stripes(100) == 2
     monkeypatch.setattr(netpath, "stream_cores", lambda: 1)  # two cores: one connection
-    assert net.stripes(100) == 1
+    assert net.stripes(30) == 1
+    assert net.stripes(100) == 4  # but a call asks for at most STRIPE_MAX_BYTES (3.2 GiB here)
     with pytest.raises(InvalidArgument, match="data_connections"):
         Client("127.0.0.1:1", data_connections=-1)
 

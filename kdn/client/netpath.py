@@ -47,13 +47,21 @@ from kdn.client.pending import ASYNC_DEPTH, PendingStore
 from kdn.client.received import Fetched, fetched
 from kdn.codec import EncodedParts
 from kdn.codec.format import HEAD_PREFIX_BYTES, check_frame_prefix, header_size
-from kdn.errors import Corrupt, DeadlineExceeded, KDNError, NotFound, Unavailable
+from kdn.errors import (
+    Corrupt,
+    DeadlineExceeded,
+    KDNError,
+    NotFound,
+    TooLarge,
+    Unavailable,
+)
 from kdn.status import error_of
 from kdn.transport.buffers import RECEIVED, BufferPool
 from kdn.transport.netio import recv_container
 from kdn.transport.wire import (
     FAST_HEAD,
     NET_GET_MANY,
+    NET_MAX_KEYS,
     NET_PUT_MANY,
     read_exact,
     recv_into_all,
@@ -70,6 +78,16 @@ FRAME_ALIGN = 64
 STRIPE_MIN_BYTES = 16 << 20
 """Entry bytes per connection below which a GetMany is not striped (its calls and threads
 cost more than the connections side by side gain)."""
+STRIPE_MAX_BYTES = 1 << 30
+"""Entry bytes one stripe's call asks for at most, by the size of the last entry brought (a
+server holds at most 2 GiB read from its disk tiers for one answer)."""
+BATCH_ITEMS = 4096
+"""Items one PutMany carries at most: its request (~60 bytes an item) stays within what the
+server reads before a connection's ticket is known (``kdn.server.netpath.FIRST_BODY``)."""
+MAX_ENTRY_BYTES = 1 << 36
+"""Largest entry a GetMany answer may announce (64 GiB: a server's ``max_entry_bytes`` is 8 GiB
+by default); a larger length is a damaged or hostile answer, refused before any memory is
+set aside for it."""
 MAX_STRIPES = 8
 """Connections one GetMany is striped over at most, chosen by size (``connections`` may
 ask for more, up to ``MAX_CONNECTIONS``)."""
@@ -285,10 +303,13 @@ class NetPath:
         where that is 0, one per ``STRIPE_MIN_BYTES`` of entries the size of the last one
         brought, at most ``MAX_STRIPES`` and no more than this process's cores receive side
         by side (``parallel.stream_cores``: a connection's receive and checks keep a core
-        busy); never more than the keys."""
+        busy); at least one per ``NET_MAX_KEYS`` keys and ``STRIPE_MAX_BYTES`` of entries;
+        never more than the keys."""
         n = self.connections or min(MAX_STRIPES, stream_cores(),
                                     count * self.entry_bytes // STRIPE_MIN_BYTES)
-        return max(1, min(n, count))
+        # and as many as the server's limits per call take (keys; bytes read from its disk)
+        n = max(n, -(-count // NET_MAX_KEYS), -(-count * self.entry_bytes // STRIPE_MAX_BYTES))
+        return max(1, min(n, count, MAX_CONNECTIONS))
 
     def get_many(self, namespace: str, keys: Sequence[bytes], layout_fingerprint: str,
                  *, pinned: bool = False) -> list[tuple[memoryview, str] | None]:
@@ -716,14 +737,14 @@ def put_results(answer: bytes, count: int) -> list[pb.StoreResponse]:
 
 def batches_of(items: Sequence[tuple[bytes, EncodedParts, pb.StoreOptions]], limit: int
                ) -> list[list[int]]:
-    """The items' indices in runs of at most ``limit`` bytes, in order; larger items in
-    none (the caller stores them another way)."""
+    """The items' indices in runs of at most ``limit`` bytes and ``BATCH_ITEMS`` items, in
+    order; larger items in none (the caller stores them another way)."""
     out: list[list[int]] = [[]]
     size = 0
     for i, (_, parts, _) in enumerate(items):
         if parts.nbytes > limit:
             continue
-        if out[-1] and size + parts.nbytes > limit:
+        if out[-1] and (size + parts.nbytes > limit or len(out[-1]) >= BATCH_ITEMS):
             out.append([])
             size = 0
         out[-1].append(i)
@@ -757,6 +778,9 @@ def _refs(out: bytes, count: int) -> list[pb.EntryRef]:
         if ref.offset != at or ref.length < HEAD_PREFIX_BYTES:
             raise Corrupt(f"GetMany placed an entry of {ref.length} bytes at {ref.offset} "
                           f"of the bytes that follow, not at {at}")
+        if ref.length > MAX_ENTRY_BYTES:  # nothing is allocated for it
+            raise Corrupt(f"GetMany answered an entry of {ref.length} bytes; no server stores "
+                          f"one of more than {MAX_ENTRY_BYTES}")
         at += ref.length
     return list(resp.entries)
 
@@ -772,7 +796,10 @@ def _read_entry(conn: socket.socket, length: int, pinned: bool = False,
     if not recv_into_all(conn, memoryview(prefix)):
         raise OSError("the data path closed inside a GetMany's entries")
     head = header_size(memoryview(prefix))
-    room = _pinned(length + FRAME_ALIGN) if pinned else pool.take(length + FRAME_ALIGN)
+    try:
+        room = _pinned(length + FRAME_ALIGN) if pinned else pool.take(length + FRAME_ALIGN)
+    except MemoryError:
+        raise TooLarge(f"no memory for a GetMany entry of {length} bytes") from None
     start = -(room.ctypes.data + min(head, length)) % FRAME_ALIGN
     view = memoryview(room)[start : start + length]  # type: ignore[arg-type]
     view[:HEAD_PREFIX_BYTES] = prefix

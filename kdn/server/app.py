@@ -344,7 +344,9 @@ async def _start(config: ServerConfig, store: TieredStore, auth: Authenticator,
     try:
         servicer.fast_path_name = fast_path.name
         if config.data_port >= 0:  # other hosts' GetMany / PutMany
-            net_path = NetPath(servicer, config.host, config.data_port, data_path_tls(config))
+            net_path = NetPath(servicer, config.host, config.data_port, data_path_tls(config),
+                               idle_s=config.idle_timeout_s,
+                               first_call_s=config.handshake_timeout_s)
             servicer.data_port = net_path.port
         for name in ("", SERVICE_NAME):
             await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)

@@ -30,13 +30,13 @@ from typing import TYPE_CHECKING, Any, cast
 
 from kdn.codec.copies import copy_checked
 from kdn.codec.format import header_layout, header_size, parse_header
-from kdn.errors import Corrupt, LayoutMismatch
+from kdn.errors import Corrupt, LayoutMismatch, TooLarge
 from kdn.keys import store_key
 from kdn.server.arena import Arenas, list_small
 from kdn.server.auth import Principal
 from kdn.server.segments import Segment, Segments, region_span
 from kdn.store.framed import Framed
-from kdn.transport.wire import get_many_message
+from kdn.transport.wire import NET_MAX_KEYS, get_many_message
 from kdn.v1 import kdn_pb2 as pb
 
 if TYPE_CHECKING:
@@ -48,6 +48,9 @@ log = logging.getLogger(__name__)
 ALIGN = 64
 INLINE_BUDGET = 48 << 20
 """Bytes of entries one inline GetMany answer carries at most (the rest: written=false)."""
+NET_HELD_BYTES = 2 << 30
+"""Bytes of entries read from below the RAM tier that one such answer may hold (those in RAM
+are sent from where they lie)."""
 STREAM_MIN_FRAME_BYTES = 256 << 10
 """An entry whose frames average less than this is carried inline even past the client's
 ``inline_max_entry_bytes``: streamed, each of its frames would be a message of its own (a
@@ -229,16 +232,30 @@ class BatchReads:
         pieces of every present entry's bytes, in order, which follow it on the connection
         (``EntryRef.offset``: where an entry starts in them). Nothing is copied: the pieces
         are the stored values (a RAM value as the frames it came in)."""
+        if len(request.keys) > NET_MAX_KEYS:
+            raise TooLarge(f"GetMany of {len(request.keys)} keys on the data path; at most "
+                           f"{NET_MAX_KEYS} per call")
         ns = request.namespace or "default"
         want = request.expect_layout_fingerprint
         out = pb.GetManyResponse()
         pieces: list[bytes | memoryview] = []
-        at = 0
+        at = held = 0
+        first = self.store.tiers[0] if self.store.tiers else None
+        memory = first.name if first is not None and first.in_process else None
+        seen: dict[bytes, Hit | FramedHit | None] = {}  # a key asked for again: read once
         for key in request.keys:
             skey = store_key(p.tenant, ns, key)
             ref = out.entries.add()
             started = time.perf_counter()
-            hit = self._hit(skey, want, framed=True)
+            if skey in seen:
+                hit = seen[skey]
+            else:
+                hit = seen[skey] = self._hit(skey, want, framed=True)
+                if hit is not None and hit.tier != memory:  # read into memory for this answer
+                    held += len(hit.value)
+                    if held > NET_HELD_BYTES:
+                        raise TooLarge(f"GetMany answer of more than {NET_HELD_BYTES} bytes "
+                                       "read from redis or disk; ask for fewer keys per call")
             if hit is None:
                 continue
             value = hit.value

@@ -184,7 +184,8 @@ class ServerConfig:
     cap (egress_bytes_per_s in the tenants file) is shared by its connections; the stricter
     applies (kdn.server.egress). The same-host path is not limited."""
     idle_timeout_s: float = 300.0
-    """Close a client connection that carried no call for this long (0 = never)."""
+    """Close a client connection that carried no call for this long (0 = never); on the
+    network data path, a connection its ticket admitted (kdn.server.netpath)."""
     max_connection_age_s: float = 0.0
     """Ask clients to reconnect once a connection is this old (0 = never; calls in flight get
     30 s more)."""
@@ -192,7 +193,9 @@ class ServerConfig:
     """Most client connections open at once; more are refused until some close (0 = no cap)."""
     handshake_timeout_s: float = 10.0
     """Close a connection that has not finished its TLS handshake and HTTP/2 preface this long
-    after it opened (one that never says a word would otherwise hold a slot for 120 s)."""
+    after it opened (one that never says a word would otherwise hold a slot for 120 s); on the
+    network data path, one whose first call has not named a live ticket by then, and any
+    call whose request is not whole this long after its first byte."""
     max_streams_per_connection: int = 256
     """Most calls in flight on one client connection (HTTP/2 concurrent streams); a client
     past it waits for one to end (0 = gRPC's own limit)."""

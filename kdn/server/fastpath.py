@@ -92,6 +92,9 @@ class Reply(NamedTuple):
     """The egress cap that paces sending them (``kdn.server.egress``); None: none."""
 
 
+ACCEPT_PAUSE_S = 0.05
+"""Seconds the listener waits after a failed ``accept`` (out of descriptors: they free up as
+connections end) before it accepts again."""
 GROUP_CALLS = 8
 """PutMany calls at most that the fast path copies together (those its client sent before it
 was answered: ``kdn.client.puts.ASYNC_DEPTH`` of them at most from one thread)."""
@@ -140,14 +143,24 @@ class FastPath:
         return sock
 
     def _accept(self) -> None:
+        quiet_until = 0.0
         while not self._closed:
             try:
                 conn, _ = self._sock.accept()
-            except OSError:
-                return
+            except OSError as exc:
+                if self._closed:
+                    return
+                # out of descriptors (EMFILE), memory, a connection reset before it was
+                # taken: this one is lost, the path is not; a pause lets descriptors free up
+                self.servicer.count(f"{self.kind}.accept_errors")
+                if time.monotonic() >= quiet_until:
+                    log.warning("%s path: accepting a connection failed (%s); still "
+                                "listening", self.kind, exc)
+                    quiet_until = time.monotonic() + 60.0
+                time.sleep(ACCEPT_PAUSE_S)
+                continue
             with self._lock:
-                if self._closed or self.max_connections and \
-                        len(self._conns) >= self.max_connections:
+                if self._closed or not self._room(conn):
                     conn.close()
                     if self._closed:
                         return
@@ -156,6 +169,14 @@ class FastPath:
                 self._conns.add(conn)
             threading.Thread(target=self._serve, args=(conn,), name=f"kdn-{self.kind}",
                              daemon=True).start()
+
+    def _room(self, conn: socket.socket) -> bool:
+        """Whether a new connection is served (under ``_lock``): ``max_connections``."""
+        return not self.max_connections or len(self._conns) < self.max_connections
+
+    def _gone(self, conn: socket.socket) -> None:
+        """A connection's serving ended (under ``_lock``; ``conn`` as accepted)."""
+        self._conns.discard(conn)
 
     def _serve(self, conn: socket.socket) -> None:
         accepted = conn
@@ -184,7 +205,7 @@ class FastPath:
             log.debug("%s-path connection closed: %s", self.kind, exc)
         finally:
             with self._lock:
-                self._conns.discard(accepted)
+                self._gone(accepted)
             conn.close()
 
     def _read_call(self, conn: socket.socket) -> tuple[int, bytes] | None:

@@ -1,0 +1,309 @@
+"""What the network data path (kdn.server.netpath) grants a connection before and after it
+names a live ticket, against a real server on loopback: silent or dripping connections are
+closed in time, the oldest pending ones make room for new ones, a request is bounded before
+its ticket is known, one ticket holds a bounded share of the connections, a GetMany's keys
+and the bytes its answer reads from disk are bounded, the listener outlives a failed accept,
+and a client refuses an answer announcing an entry no server stores."""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kdn import codec
+from kdn.client import Client
+from kdn.client import netpath as client_netpath
+from kdn.client.netpath import BATCH_ITEMS, MAX_ENTRY_BYTES, NetPath
+from kdn.errors import Corrupt
+from kdn.server import ServerConfig, ServerThread, batch, fastpath, netpath
+from kdn.transport.wire import FAST_HEAD, NET_GET_MANY, NET_MAX_KEYS, read_exact
+from kdn.v1 import kdn_pb2 as pb
+from tests.helpers import eventually, numbered_key, random_kv, uniform_layout
+
+LAYOUT = uniform_layout()
+
+
+@pytest.fixture
+def remote(server: ServerThread) -> Iterator[Client]:
+    c = Client(server.address, timeout_s=30, shm_bytes=0)
+    yield c
+    c.close()
+
+
+def _path(st: ServerThread) -> netpath.NetPath:
+    assert st.server.net_path is not None
+    return st.server.net_path
+
+
+def _ticket(c: Client) -> str:
+    net = c.dataplane.net()
+    assert net is not None
+    return net.ticket
+
+
+def _connect(st: ServerThread) -> socket.socket:
+    return socket.create_connection(("127.0.0.1", st.server.servicer.data_port), timeout=10)
+
+
+def _get(conn: socket.socket, ticket: str, keys: list[bytes]) -> tuple[int, bytes] | None:
+    """A GetMany on ``conn``: (ok, answer body), its entries' bytes read and dropped; None
+    when the connection closed."""
+    body = pb.GetManyRequest(keys=keys, segment_id=ticket).SerializeToString()
+    conn.sendall(FAST_HEAD.pack(len(body), NET_GET_MANY) + body)
+    head = read_exact(conn, FAST_HEAD.size)
+    if head is None:
+        return None
+    n, ok = FAST_HEAD.unpack(head)
+    out = read_exact(conn, n)
+    assert out is not None
+    if ok:
+        follow = sum(r.length for r in pb.GetManyResponse.FromString(out).entries if r.present)
+        assert follow == 0 or read_exact(conn, follow) is not None
+    return ok, out
+
+
+def _closed_within(conn: socket.socket, seconds: float) -> bool:
+    conn.settimeout(seconds)
+    try:
+        return conn.recv(1) == b""
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
+
+
+def _counter(st: ServerThread, name: str) -> int:
+    return int(st.server.servicer.counters.get(name, 0))
+
+
+def test_a_connection_that_names_no_ticket_in_time_is_closed(server: ServerThread,
+                                                            remote: Client) -> None:
+    _path(server).first_call_s = 0.6
+    silent = _connect(server)
+    dripping = _connect(server)
+    dripping.sendall(FAST_HEAD.pack(1000, NET_GET_MANY))  # a body that never comes whole
+    started = time.monotonic()
+    for _ in range(4):
+        time.sleep(0.25)
+        try:
+            dripping.sendall(b"\0")
+        except OSError:
+            break
+    assert _closed_within(silent, 5) and _closed_within(dripping, 5)
+    assert time.monotonic() - started < 5
+    admitted = _connect(server)  # a call naming its ticket at once is served
+    assert (_get(admitted, _ticket(remote), []) or (0, b""))[0] == 1
+    time.sleep(0.8)  # admitted: idle_s (300 s) applies between calls, not first_call_s
+    assert (_get(admitted, _ticket(remote), []) or (0, b""))[0] == 1
+    for conn in (silent, dripping, admitted):
+        conn.close()
+
+
+def test_the_oldest_pending_connections_make_room(server: ServerThread, remote: Client,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(netpath, "MAX_PENDING", 4)
+    ticket = _ticket(remote)
+    hogs = []
+    for _ in range(6):  # accepted in turn, oldest first
+        hogs.append(_connect(server))
+        time.sleep(0.05)
+    assert _closed_within(hogs[0], 5) and _closed_within(hogs[1], 5)
+    assert not _closed_within(hogs[-1], 0.3)
+    assert _counter(server, "net.evicted_connections") == 2
+    for _ in range(3):  # honest connections name their ticket at once and are served
+        conn = _connect(server)
+        assert (_get(conn, ticket, [numbered_key(1)]) or (0, b""))[0] == 1
+        conn.close()
+    kv = random_kv(LAYOUT, 16, seed=3)
+    remote.store(numbered_key(1), kv, mode="raw")
+    got = remote.retrieve(numbered_key(1), layout=LAYOUT)
+    assert got is not None and got.equal(kv)
+    assert remote.dataplane.net() is not None  # still on the data path
+    for hog in hogs:
+        hog.close()
+
+
+def test_a_request_is_bounded_until_its_ticket_is_known(server: ServerThread,
+                                                       remote: Client) -> None:
+    ticket = _ticket(remote)
+    conn = _connect(server)
+    conn.sendall(FAST_HEAD.pack(netpath.FIRST_BODY + 1, NET_GET_MANY))
+    assert _closed_within(conn, 5)  # refused before any of its body is read
+    conn.close()
+    conn = _connect(server)
+    assert (_get(conn, ticket, []) or (0, b""))[0] == 1  # admitted by its ticket
+    keys = [numbered_key(i) for i in range(NET_MAX_KEYS + 1)]  # ~1.3 MiB of request
+    ok, out = _get(conn, ticket, keys) or (1, b"")
+    assert ok == 0 and out.startswith(b"RESOURCE_EXHAUSTED\0")
+    assert f"at most {NET_MAX_KEYS} per call".encode() in out
+    assert (_get(conn, ticket, []) or (0, b""))[0] == 1  # in step: served on
+    conn.close()
+
+
+def test_one_ticket_holds_a_bounded_share_of_the_connections(
+        server: ServerThread, remote: Client, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(netpath, "MAX_PER_TICKET", 2)
+    ticket = _ticket(remote)
+    held = [_connect(server) for _ in range(2)]
+    for conn in held:
+        assert (_get(conn, ticket, []) or (0, b""))[0] == 1
+    extra = _connect(server)
+    ok, out = _get(extra, ticket, []) or (1, b"")
+    assert ok == 0 and b"at most 2" in out
+    held[0].close()  # a slot of the ticket's frees up as one of its connections ends
+    assert eventually(lambda: _path(server)._per_ticket.get(ticket) == 1)
+    assert (_get(extra, ticket, []) or (0, b""))[0] == 1
+    with Client(server.address, shm_bytes=0) as other:  # another ticket is not held back
+        conn = _connect(server)
+        assert (_get(conn, _ticket(other), []) or (0, b""))[0] == 1
+        conn.close()
+    for conn in (held[1], extra):
+        conn.close()
+
+
+def test_an_answer_reads_a_bounded_amount_from_disk(tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = ServerConfig(port=0, data_dir=tmp_path / "d", ram_bytes=1 << 16, disk_bytes=64 << 20)
+    kvs = [random_kv(LAYOUT, 256, seed=i) for i in range(3)]  # 128 KiB each: past RAM
+    with ServerThread(cfg) as st, Client(st.address, shm_bytes=0) as c:
+        for i, kv in enumerate(kvs):
+            c.store(numbered_key(i), kv, mode="raw")
+        ticket, keys = _ticket(c), [numbered_key(i) for i in range(3)]
+        conn = _connect(st)
+        ok, out = _get(conn, ticket, keys[:1]) or (0, b"")
+        ref = pb.GetManyResponse.FromString(out).entries[0]
+        assert ok == 1 and ref.tier == "disk"
+        size = ref.length
+        monkeypatch.setattr(batch, "NET_HELD_BYTES", size * 3 // 2)
+        ok, out = _get(conn, ticket, keys) or (1, b"")
+        assert ok == 0 and out.startswith(b"RESOURCE_EXHAUSTED\0") and b"fewer keys" in out
+        ok, out = _get(conn, ticket, [keys[0]] * 50) or (0, b"")  # one key 50 times: read once
+        assert ok == 1
+        refs = pb.GetManyResponse.FromString(out).entries
+        assert len(refs) == 50 and all(r.present and r.length == size for r in refs)
+        assert [r.offset for r in refs] == [i * size for i in range(50)]
+        conn.close()
+        monkeypatch.setattr(batch, "NET_HELD_BYTES", 2 << 30)
+        got = c.fetch_many(keys, layout=LAYOUT)  # the client's own reads are not held back
+        for kv, f in zip(kvs, got):
+            assert f is not None and codec.decode(f.parts.to_bytes()).equal(kv)
+
+
+def test_stripes_respect_the_servers_limits_per_call() -> None:
+    net = NetPath("127.0.0.1", 1, "0" * 32, 10, connections=1)
+    assert net.stripes(10) == 1
+    assert net.stripes(NET_MAX_KEYS + 1) == 2  # keys per call
+    net.entry_bytes = 256 << 20
+    assert net.stripes(10) == 3  # 2.5 GiB of entries: at most 1 GiB a call
+    assert net.stripes(100_000) == 32  # never more connections than one client may hold
+    net.close()
+
+
+class _FailingListener:
+    """A listening socket whose ``accept`` fails as one out of descriptors does, ``fails``
+    times, then hands out one end of a socket pair, then blocks until closed."""
+
+    def __init__(self, fails: int) -> None:
+        self.fails, self.closed = fails, threading.Event()
+        self.mine, self.theirs = socket.socketpair()
+
+    def accept(self) -> tuple[socket.socket, Any]:
+        if self.fails:
+            self.fails -= 1
+            raise OSError(errno.EMFILE, "Too many open files")
+        if self.mine is not None:
+            conn, self.mine = self.mine, None
+            return conn, None
+        self.closed.wait()
+        raise OSError(errno.EBADF, "closed")
+
+    def shutdown(self, how: int) -> None:
+        self.closed.set()
+
+    def close(self) -> None:
+        self.closed.set()
+
+
+def test_the_listener_outlives_a_failed_accept(monkeypatch: pytest.MonkeyPatch) -> None:
+    listener = _FailingListener(fails=3)
+    served: list[socket.socket] = []
+    counts: dict[str, int] = {}
+
+    class Path_(fastpath.FastPath):
+        def listen(self) -> socket.socket:
+            self.name = "test"
+            return listener  # type: ignore[return-value]
+
+        def _serve(self, conn: socket.socket) -> None:
+            served.append(conn)
+
+    class Servicer:
+        def count(self, name: str) -> None:
+            counts[name] = counts.get(name, 0) + 1
+
+    monkeypatch.setattr(fastpath, "ACCEPT_PAUSE_S", 0.01)
+    path = Path_(Servicer())  # type: ignore[arg-type]
+    assert eventually(lambda: len(served) == 1)  # accepted after three failures
+    assert counts == {"fast.accept_errors": 3}
+    path.close()
+    for conn in (*served, listener.theirs):
+        conn.close()
+
+
+def test_a_client_refuses_an_entry_no_server_stores() -> None:
+    resp = pb.GetManyResponse()
+    resp.entries.add(present=True, tier="ram", written=True, offset=0,
+                     length=MAX_ENTRY_BYTES + 1)
+    body = resp.SerializeToString()
+    sock = socket.create_server(("127.0.0.1", 0))
+
+    def serve() -> None:
+        conn, _ = sock.accept()
+        with conn:
+            head = read_exact(conn, FAST_HEAD.size)
+            assert head is not None
+            read_exact(conn, FAST_HEAD.unpack(head)[0])
+            conn.sendall(FAST_HEAD.pack(len(body), 1) + body + b"\0" * 64)
+
+    threading.Thread(target=serve, daemon=True).start()
+    net = NetPath("127.0.0.1", sock.getsockname()[1], "0" * 32, 10)
+    with pytest.raises(Corrupt, match="no server stores"):
+        net.get_many("default", [numbered_key(1)], "")
+    net.close()
+    sock.close()
+
+
+def test_config_timeouts_reach_the_data_path(server_config: ServerConfig) -> None:
+    cfg = dataclasses.replace(server_config, idle_timeout_s=42.0, handshake_timeout_s=3.0)
+    with ServerThread(cfg) as st:
+        assert (_path(st).idle_s, _path(st).first_call_s) == (42.0, 3.0)
+
+
+def test_a_put_of_many_small_entries_stays_within_the_first_call_limit(
+        server: ServerThread, remote: Client, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the constants as shipped: the largest PutMany a client sends fits a first call
+    req = pb.PutManyRequest(namespace="n" * 64, segment_id="0" * 32)
+    for i in range(BATCH_ITEMS):
+        item = req.items.add(key=numbered_key(i), options=pb.StoreOptions(
+            ttl_seconds=1 << 40, pin=True, durability=pb.DURABILITY_SHARED))
+        item.region.offset, item.region.length = 1 << 40, 1 << 33
+    assert req.ByteSize() <= netpath.FIRST_BODY
+    # and scaled down, on a real server: a fresh connection's first PutMany of many items
+    monkeypatch.setattr(netpath, "FIRST_BODY", 16 << 10)
+    monkeypatch.setattr(client_netpath, "BATCH_ITEMS", 200)
+    kv = random_kv(LAYOUT, 1, seed=5)
+    items = [(numbered_key(i), kv) for i in range(410)]
+    before = _counter(server, "net.PutMany")
+    remote.store_many(items, mode="raw")
+    assert remote.dataplane.net() is not None  # not sent back to gRPC
+    assert _counter(server, "net.PutMany") - before == 3
+    got = remote.fetch_many([numbered_key(0), numbered_key(409)], layout=LAYOUT)
+    assert all(f is not None and codec.decode(f.parts.to_bytes()).equal(kv) for f in got)
