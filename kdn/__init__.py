@@ -17,6 +17,8 @@ if TYPE_CHECKING:
     from kdn import keys
     from kdn.cache import KVCache
     from kdn.client import AsyncClient, Client, Retry
+    from kdn.client.blend import RemotePiece
+    from kdn.client.rpc import TLSOptions
     from kdn.errors import KDNError
     from kdn.layout import DType, KVLayout, LayerLayout, RopeSpec
     from kdn.options import Durability, StoreOptions
@@ -28,10 +30,12 @@ _HOME = {
     "KVCache": "kdn.cache", "KDNError": "kdn.errors", "DType": "kdn.layout",
     "KVLayout": "kdn.layout", "LayerLayout": "kdn.layout", "RopeSpec": "kdn.layout",
     "Durability": "kdn.options", "StoreOptions": "kdn.options", "keys": "kdn.keys",
+    "RemotePiece": "kdn.client.blend", "TLSOptions": "kdn.client.rpc",
 }
 
 __all__ = ["AsyncClient", "Client", "DType", "Durability", "KDNError", "KVCache", "KVLayout",
-           "LayerLayout", "Retry", "RopeSpec", "StoreOptions", "__version__", "keys"]
+           "LayerLayout", "RemotePiece", "Retry", "RopeSpec", "StoreOptions", "TLSOptions",
+           "__version__", "keys"]
 
 
 __getattr__, __dir__ = lazy_exports(__name__, _HOME, __all__)

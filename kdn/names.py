@@ -72,7 +72,13 @@ def check_key(key: object) -> bytes:
     """``key`` as bytes when it is exactly ``KEY_BYTES`` bytes, else InvalidArgument."""
     if not isinstance(key, (bytes, bytearray)) or len(key) != KEY_BYTES:
         size = len(key) if isinstance(key, (bytes, bytearray)) else type(key).__name__
-        raise InvalidArgument(f"key must be {KEY_BYTES} bytes (a kdn.keys digest), got {size}")
+        hint = ""
+        if isinstance(key, str):
+            hint = " (a key printed as hex: bytes.fromhex(it))"
+        elif isinstance(key, int):
+            hint = " (a call taking a list of keys given one key?)"
+        raise InvalidArgument(f"key must be {KEY_BYTES} bytes (a kdn.keys digest), got "
+                              f"{size}{hint}")
     return bytes(key)
 
 

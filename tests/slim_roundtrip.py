@@ -64,7 +64,7 @@ assert json.loads(admin("stats", "-o", "json"))["counters"]["store.ok"] == 1
 # the model features say what to install, in one line, exit 2
 run = subprocess.run([kdn, "serve", "--model", "smollm2-135m"], capture_output=True, text=True,
                      timeout=60)
-assert run.returncode == 2 and "pip install 'kdn[model]'" in run.stderr, run.stderr
+assert run.returncode == 2 and "bootstrap.sh model" in run.stderr, run.stderr
 assert len(run.stderr.strip().splitlines()) == 1, run.stderr
 assert "torch" not in sys.modules
 print("ok")

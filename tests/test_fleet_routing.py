@@ -239,3 +239,19 @@ def test_admin_fleet_usage_and_a_node_down(tmp_path: Path, monkeypatch: pytest.M
     assert main(["admin", "fleet", "--timeout", "1", "-o", "json"]) == 1
     rows = json.loads(capsys.readouterr().out)
     assert [(r["node"], r["status"]) for r in rows] == [("127.0.0.1:1", "DOWN")]
+
+
+def test_admin_fleet_tables_print_sizes_as_people_read_them(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    from kdn.cli.main import main
+    from kdn.client import fleet
+
+    row = {"node": "10.0.0.5:50051", "status": "SERVING", "ram_entries": 3,
+           "ram_bytes": 10_276_586, "ram_hit_ratio": 0.5, "redis_hits": 0, "in_flight": 0,
+           "error": ""}
+    monkeypatch.setattr(fleet, "fleet_view", lambda nodes, **kw: [dict(row)])
+    assert main(["admin", "fleet", "--nodes", "10.0.0.5:50051"]) == 0
+    out = capsys.readouterr().out
+    assert "9.8 MiB" in out and "10276586" not in out
+    assert main(["admin", "fleet", "--nodes", "10.0.0.5:50051", "-o", "json"]) == 0
+    assert json.loads(capsys.readouterr().out)[0]["ram_bytes"] == 10_276_586  # a number

@@ -20,6 +20,7 @@ from kdn import codec, keys
 from kdn.cache import KVCache
 from kdn.client import Client
 from kdn.codec import StreamDecoder
+from kdn.codec import format as fmt
 from kdn.codec.entropy import RANS_NIBBLE_MARK
 from kdn.codec.format import (
     FRAME_SEED,
@@ -31,9 +32,9 @@ from kdn.codec.format import (
     parse_header,
     seal,
 )
-from kdn.codec.layouts import layout_from_proto
+from kdn.codec.layouts import layout_from_proto, layout_to_proto
 from kdn.codec.modes import pack_sections, unpack_sections
-from kdn.errors import Corrupt, KDNError
+from kdn.errors import Corrupt, InvalidLayout, KDNError
 from kdn.layout import DType, KVLayout, LayerLayout
 from kdn.options import Durability
 from kdn.server import ServerThread
@@ -363,3 +364,50 @@ def test_a_durability_the_server_can_not_give_is_refused_before_charging() -> No
     finally:
         current_principal.reset(token)
         store.close()
+
+
+def test_shapes_the_frame_fields_can_not_hold_are_refused(monkeypatch: pytest.MonkeyPatch
+                                                          ) -> None:
+    """A header declaring 70,000 K channels (a record's field is 16-bit) passed parse_header,
+    and the in-place paths (copy_entry, staging_span) then raised struct.error building the
+    records they expect. The header is refused now, and a prefix that can not be packed is
+    InvalidLayout wherever it is built."""
+    parts = codec.encode_parts(KV, "raw")
+    entry = pb.EntryHeader()
+    entry.CopyFrom(parse_header(parts.header).entry)
+    entry.layout.layers[0].k_channels = 70_000
+    entry.layout_fingerprint = layout_from_proto(entry.layout).fingerprint
+    h, frames = seal(entry, list(parts.frames))
+    monkeypatch.setattr(fmt, "_HEADERS", type(fmt._HEADERS)(16))  # as another process meets it
+    blob = b"".join([h, *frames])
+    with pytest.raises(InvalidLayout, match="16-bit"):
+        codec.decode(blob)
+    with pytest.raises(InvalidLayout, match="16-bit"):
+        StreamDecoder(h).copy_entry(blob)
+    lay = layout_from_proto(entry.layout).layers[0]
+    with pytest.raises(InvalidLayout, match="does not fit"):
+        fmt.record_prefix(lay, 1, 10)
+    with pytest.raises(InvalidLayout, match="does not fit"):
+        fmt.frame_prefix(0, 0, 1, 1 << 32, 0)
+
+
+@pytest.mark.parametrize("mode,level", [("kdn", "default"), ("int8", "")])
+def test_the_whole_entry_decode_checks_bodies_before_allocating(mode: str, level: str) -> None:
+    """A 3 KB entry whose header declares 40 layers of 4 GiB (each under the layer limit)
+    and whose bodies are 16 empty bytes: the whole-entry (GPU) decode allocated its 160 GiB
+    output before reading a body (an allocator's error, not Corrupt). The bodies are checked
+    first now, as the CPU path checks them."""
+    pytest.importorskip("triton")
+    layout = KVLayout("m", tuple(LayerLayout(8, 128, 128) for _ in range(40)), head_dim=128)
+    tokens = 1 << 20  # 8 heads x 256 channels x 2 bytes x 2**20 = 4 GiB a layer
+    frames = [build_frame(FRAME_SEED, i, i, [build_record(lay, tokens, b"\0" * 16)])
+              for i, lay in enumerate(layout.layers)]
+    entry = pb.EntryHeader(layout=layout_to_proto(layout),
+                           codec=pb.Codec(mode=mode, level=level), tokens=tokens,
+                           frames=[pb.FrameSpan(first_layer=i, num_layers=1)
+                                   for i in range(40)],
+                           layout_fingerprint=layout.fingerprint)
+    h, sealed = seal(entry, frames)
+    for batched in (False, True):
+        with pytest.raises(Corrupt):
+            codec.decode(b"".join([h, *sealed]), batched=batched)

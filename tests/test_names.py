@@ -308,3 +308,16 @@ def test_admin_import_refuses_a_file_with_a_malformed_name(names_server: ServerT
             list(c.ls("default\n"))
         with pytest.raises(InvalidArgument, match="key must be 32 bytes"):
             c.inspect(b"short")
+
+
+def test_the_client_names_a_newcomers_mistakes() -> None:
+    from kdn.client import Client
+    from kdn.names import check_key
+
+    for bare in ("localhost", "10.0.0.5", "localhost:"):  # gRPC would dial port 443
+        with pytest.raises(InvalidArgument, match="has no port; write HOST:PORT"):
+            Client(bare)
+    with pytest.raises(InvalidArgument, match=r"bytes\.fromhex"):
+        check_key("ab" * 32)  # a key as ``kdn admin ls`` prints it
+    with pytest.raises(InvalidArgument, match="list of keys"):
+        check_key(next(iter(b"\x01" * 32)))  # lookup(key) iterates one key's bytes

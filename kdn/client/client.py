@@ -105,6 +105,9 @@ class Client:
         if insecure is None:
             insecure = os.environ.get("KDN_INSECURE", "").strip().lower() in (
                 "1", "true", "yes", "on")
+        if ":" not in address.rstrip(":"):  # gRPC would dial a bare host on port 443
+            raise InvalidArgument(f"address {address!r} has no port; write HOST:PORT, e.g. "
+                                  "127.0.0.1:50051")
         if api_key and tls is None and not same_host(address) and not insecure:
             raise InvalidArgument(
                 f"refusing to send an API key in plaintext to {address}: pass tls=TLSOptions("

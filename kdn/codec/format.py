@@ -180,6 +180,7 @@ def parse_header(buf: bytes | memoryview) -> Header:
         declared = lay.kv_heads * entry.tokens * (lay.k_channels + lay.v_channels)
         raise InvalidLayout(f"layer {widest} declares {declared} elements for {entry.tokens} "
                             f"tokens, over the {MAX_LAYER_BYTES}-byte layer limit")
+    _check_fields(entry, layout)
     if entry.layout_fingerprint != layout.fingerprint:
         raise InvalidLayout("container header layout fingerprint does not match its layout")
     _check_spans(entry, layout)
@@ -205,6 +206,19 @@ def header_layout(buf: bytes | memoryview) -> KVLayout:
     size = header_size(buf)
     known = _HEADERS.get(bytes(buf[:size])) if len(buf) >= size else None
     return known[0] if known is not None else parse_header(buf).layout
+
+
+def _check_fields(entry: pb.EntryHeader, layout: KVLayout) -> None:
+    """InvalidLayout for a header whose shapes the frames' fields can not hold (a record's
+    heads and channels are 16-bit, its tokens 32-bit; frame indices and layers 16-bit)."""
+    if entry.tokens > 0xFFFFFFFF or len(entry.frames) > 0xFFFF or layout.num_layers > 0xFFFF:
+        raise InvalidLayout(f"container header declares {entry.tokens} tokens, "
+                            f"{len(entry.frames)} frames, {layout.num_layers} layers: more "
+                            "than a frame's fields hold")
+    for i, lay in enumerate(layout.layers):
+        if max(lay.kv_heads, lay.k_channels, lay.v_channels) > 0xFFFF:
+            raise InvalidLayout(f"layer {i} declares heads={lay.kv_heads} k={lay.k_channels} "
+                                f"v={lay.v_channels}: more than a record's 16-bit fields hold")
 
 
 def _check_spans(entry: pb.EntryHeader, layout: KVLayout) -> None:
@@ -258,8 +272,14 @@ def frame_with_sum(seed: int, index: int, first_layer: int,
 
 
 def frame_prefix(index: int, first_layer: int, count: int, length: int, checksum: int) -> bytes:
-    """The 16-byte prefix of a frame (``checksum``: its full sum; the low 32 bits are kept)."""
-    return FRAME_STRUCT.pack(FRAME_MAGIC, index, first_layer, count, length, checksum & 0xFFFFFFFF)
+    """The 16-byte prefix of a frame (``checksum``: its full sum; the low 32 bits are kept).
+    InvalidLayout where a field does not fit (a frame of 4 GiB or more)."""
+    try:
+        return FRAME_STRUCT.pack(FRAME_MAGIC, index, first_layer, count, length,
+                                 checksum & 0xFFFFFFFF)
+    except struct.error:
+        raise InvalidLayout(f"frame {index} of layers [{first_layer}, {first_layer + count}) "
+                            f"and {length} bytes does not fit a frame's fields") from None
 
 
 def build_frame(seed: int, index: int, first_layer: int,
@@ -290,8 +310,14 @@ def seal(entry: pb.EntryHeader, frames: list[bytes], version: int = VERSION
 
 
 def record_prefix(lay: LayerLayout, tokens: int, body_bytes: int) -> bytes:
-    """The shape prefix of a layer record whose body has ``body_bytes`` bytes."""
-    return _RECORD.pack(lay.kv_heads, tokens, lay.k_channels, lay.v_channels, body_bytes)
+    """The shape prefix of a layer record whose body has ``body_bytes`` bytes (InvalidLayout
+    where a field does not fit)."""
+    try:
+        return _RECORD.pack(lay.kv_heads, tokens, lay.k_channels, lay.v_channels, body_bytes)
+    except struct.error:
+        raise InvalidLayout(f"a layer of {lay.kv_heads} heads, {tokens} tokens, k={lay.k_channels} "
+                            f"v={lay.v_channels} and a {body_bytes}-byte body does not fit a "
+                            "record's fields") from None
 
 
 def record_parts(lay: LayerLayout, tokens: int, body: Buffer) -> list[Buffer]:

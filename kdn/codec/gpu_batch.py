@@ -267,18 +267,24 @@ def _tensor(host: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(host)
 
 
-def _outputs(specs: list[LayerSpec], device: torch.device
-             ) -> tuple[torch.Tensor, list[tuple[int, int]], torch.dtype]:
+def _outputs(specs: list[LayerSpec]) -> tuple[int, list[tuple[int, int]], torch.dtype]:
+    """Elements of the one output buffer of ``specs``' layers, where each layer's K and V
+    start in it, and their dtype. The buffer is allocated only once the bodies were checked
+    (``_output``): the sizes come from the header, which damaged or hostile bytes may
+    inflate to far more than the bodies hold."""
     dtypes = {s.dtype.torch for s in specs}
     if len(dtypes) != 1:
         raise InvalidArgument("layers of one decode must share a dtype")
-    dt = dtypes.pop()
     bases, at = [], 0
     for s in specs:
         kn, vn = s.layout.k_numel(s.tokens), s.layout.v_numel(s.tokens)
         bases.append((at, at + kn))
         at += kn + vn
-    return torch.empty(max(at, 1), dtype=dt, device=device), bases, dt
+    return at, bases, dtypes.pop()
+
+
+def _output(numel: int, dt: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.empty(max(numel, 1), dtype=dt, device=device)
 
 
 def _views(out: torch.Tensor, specs: list[LayerSpec], bases: list[tuple[int, int]]
@@ -308,7 +314,7 @@ def decode_kdn(bodies: list[memoryview], specs: list[LayerSpec],
     """``kdn`` bodies of ``specs``' layers (``level_steps``: each layer's K step, V step and
     sink tokens) on ``device``; call ``check()`` on the result before using the tensors. None
     where a blob is range-coded (format 1: the CPU decodes those)."""
-    out, bases, dt = _outputs(specs, device)
+    numel, bases, dt = _outputs(specs)
     source = _Source(list(bodies), device, pinned)
     buf = source.array
     col = np.array([(s.layout.kv_heads, s.layout.k_channels, s.layout.v_channels, s.tokens,
@@ -346,7 +352,7 @@ def decode_kdn(bodies: list[memoryview], specs: list[LayerSpec],
     args = (buf, sect, blobs, tables, tab, streams, heads, kc, vc, tokens, sink)
     per_layer = np.zeros((len(specs), 12), np.int64)
     _run_all(lambda c: plan.count(  # type: ignore[call-arg]
-        c[0], c[1], per_layer, *args, out.element_size(), err), _chunks(streams[:, 1]))
+        c[0], c[1], per_layer, *args, dt.itemsize, err), _chunks(streams[:, 1]))
     failed()
     counts = per_layer.sum(axis=0)
     starts = np.cumsum(per_layer, axis=0) - per_layer
@@ -355,8 +361,9 @@ def decode_kdn(bodies: list[memoryview], specs: list[LayerSpec],
                                                                  "depth", "csrc")))
     chunks = _chunks(per_layer[:, 9] + per_layer[:, 2] + per_layer[:, 3])
     _run_all(lambda c: plan.fill(  # type: ignore[call-arg]
-        c[0], c[1], starts, *args, kbase, vbase, out.element_size(), *flat, err), chunks)
+        c[0], c[1], starts, *args, kbase, vbase, dt.itemsize, *flat, err), chunks)
     failed()  # a count code out of range (format 3)
+    out = _output(numel, dt, device)  # every body checked as far as the host checks them
     if source.delta is not None:  # the planner read the bodies elsewhere than the device does
         _to_device(source.delta, counts, bts, grs, sp, per_layer[:, 10],
                    host_big["csrc"][: int(counts[8])], per_layer[:, 8])
@@ -562,10 +569,11 @@ def decode_int8(bodies: list[memoryview], specs: list[LayerSpec], device: torch.
     """``int8`` bodies of ``specs``' layers on ``device`` in one launch (``check()`` first).
     Each body's four sections (K scales, K data, V scales, V data) are located and checked
     for all layers at once from the bodies' section tables (``_int8_sections``)."""
-    out, bases, dt = _outputs(specs, device)
+    total, bases, dt = _outputs(specs)
     source = _Source(list(bodies), device, pinned, host_view=False)
     scales_at, data_at, chans, numel, out_at = _int8_sections(bodies, specs, bases,
                                                                source.offsets)
+    out = _output(total, dt, device)  # the bodies' sections fit their layers
     progs = -(-numel // _INT8_BLOCK)
     some = len(progs) > 0
     host: dict[str, np.ndarray] = {
