@@ -308,21 +308,22 @@ def _decode_together(blobs: list[bytes] | list[memoryview], device: torch.device
     checked already, as the server checks what its arena holds, else they are computed
     beside the decode, as for any bytes nobody checked)."""
     from kdn.codec import StreamDecoder, parse_container
-    from kdn.codec.api import decoded_beside, record_specs, unhashed_records
+    from kdn.codec.api import decoded_beside, entry_bodies
     from kdn.codec.format import sums_checked_later
 
-    bodies, specs, waits, dec = [], [], [], None
+    bodies, addresses, specs, waits, dec = [], [], [], [], None
     for b in blobs:
         c = parse_container(b, verify=False)
         dec = StreamDecoder(c.header, device)
-        recs = unhashed_records(c.header, c.frames, hashed=checked)
-        bodies += [r.body for r in recs]
-        specs += record_specs(c.header.layout, recs)
+        got = entry_bodies(c.header, c.frames, hashed=checked)
+        bodies += got.bodies
+        addresses += got.addresses
+        specs += got.specs
         if not checked:
             waits.append(sums_checked_later(c.header, c.frames))
     assert dec is not None
-    done = decoded_beside(waits, lambda: dec.mode.decode_layers(bodies, specs, dec.level,
-                                                                device, pinned=pinned))
+    done = decoded_beside(waits, lambda: dec.mode.decode_layers(
+        bodies, specs, dec.level, device, pinned=pinned, addresses=addresses))
     if done is None:  # an encoding without a whole-entry decoder
         for b in blobs:
             codec_decode(b, device)

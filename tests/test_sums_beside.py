@@ -16,6 +16,7 @@ import pytest
 from kdn import codec
 from kdn.codec import format as fmt
 from kdn.codec import gpu_batch
+from kdn.codec.api import entry_bodies
 from kdn.codec.format import parse_container
 from kdn.errors import Corrupt, KDNError
 from tests.helpers import random_kv, uniform_layout
@@ -91,9 +92,8 @@ def test_a_failed_sum_leaves_no_tensors_and_fails_every_check(no_kernels: list[s
     blob[_frame_at(blob, 1) - 1] ^= 1  # a word of frame 0's last rANS stream: planned, not
     # refused, by the host (the kernels, not run here, are what would see it)
     c = parse_container(bytes(blob), verify=False)
-    recs = [r for i, f in enumerate(c.frames)
-            for r in fmt.check_frame(c.header, i, f, checksum=False)]
-    done = codec.StreamDecoder(c.header, "cpu").decode_beside_sums(recs, c.frames)
+    got = entry_bodies(c.header, c.frames)
+    done = codec.StreamDecoder(c.header, "cpu").decode_beside_sums(got, c.frames)
     for _ in range(2):
         with pytest.raises(Corrupt, match="frame 0: checksum mismatch"):
             done.check()

@@ -105,24 +105,21 @@ def decoded_together(hits: Sequence[Fetched], device: torch.device | str | None,
     if any((d.mode.name, d.level, d.header.layout.dtype) != kind or d.device.type != "cuda"
            for d, _ in decs):
         return None
-    from kdn.codec.api import (  # the tensor side, on first use
-        decoded_beside,
-        record_specs,
-        unhashed_records,
-    )
+    from kdn.codec.api import decoded_beside, entry_bodies  # the tensor side, on first use
 
-    bodies, specs, counts, waits = [], [], [], []
+    bodies, addresses, specs, counts, waits = [], [], [], [], []
     for g, (d, _) in zip(hits, decs):
-        recs = unhashed_records(d.header, g.parts.frames, hashed=d.checked)
+        got = entry_bodies(d.header, g.parts.frames, hashed=d.checked)
         if not d.checked:  # the sums computed beside the decode, waited for by its check
             waits.append(sums_checked_later(d.header, g.parts.frames))
-        bodies += [r.body for r in recs]
-        specs += record_specs(d.header.layout, recs)
-        counts.append(len(recs))
+        bodies += got.bodies
+        addresses += got.addresses
+        specs += got.specs
+        counts.append(len(got.specs))
     target = decs[0][1]
     pinned = all(pinned_for(g, target, segment) for g in hits)
     done = decoded_beside(waits, lambda: first.mode.decode_layers(
-        bodies, specs, first.level, first.device, pinned=pinned))
+        bodies, specs, first.level, first.device, pinned=pinned, addresses=addresses))
     if done is None:
         return None  # stream_of each (which checks the sums again: nothing waited for)
     out, at = [], 0

@@ -11,7 +11,7 @@ import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -27,6 +27,7 @@ from kdn.codec.format import (
     LayerRecord,
     build_header,
     check_frame,
+    check_frame_prefix,
     frame_with_sum,
     parse_container,
     parse_header,
@@ -77,15 +78,17 @@ def layer_spec(kv_layout: KVLayout, layer: int, tokens: int) -> LayerSpec:
 def record_specs(kv_layout: KVLayout, recs: Sequence[LayerRecord]) -> list[LayerSpec]:
     """``layer_spec`` of each record (memoised by layout and length: a hit on a context's
     blocks asks for the same few thousand, ~1.5 us each to make)."""
-    out = []
-    for r in recs:
-        key = (kv_layout.fingerprint, r.tokens)
-        specs = _SPECS.get(key)
-        if specs is None:
-            specs = tuple(layer_spec(kv_layout, i, r.tokens) for i in range(kv_layout.num_layers))
-            _SPECS.put(key, specs)
-        out.append(specs[r.layer])
-    return out
+    return [_specs(kv_layout, r.tokens)[r.layer] for r in recs]
+
+
+def _specs(kv_layout: KVLayout, tokens: int) -> tuple[LayerSpec, ...]:
+    """Every layer's ``layer_spec`` for ``tokens`` tokens, memoised."""
+    key = (kv_layout.fingerprint, tokens)
+    specs = _SPECS.get(key)
+    if specs is None:
+        specs = tuple(layer_spec(kv_layout, i, tokens) for i in range(kv_layout.num_layers))
+        _SPECS.put(key, specs)
+    return specs
 
 
 _SPECS: BoundedMemo[tuple[str, int], tuple[LayerSpec, ...]] = BoundedMemo(256)
@@ -237,41 +240,40 @@ class StreamDecoder:
             raise Corrupt(f"layer {rec.layer}: mode {self.mode.name} decoded wrong shapes")
         return k, v
 
-    def decode_records(self, recs: Sequence[LayerRecord], *, pinned: bool = False) -> Any:
-        """Records' layers decoded together by the mode's whole-entry GPU decoder
-        (``Mode.decode_layers``): a ``Decoded`` to ``check()`` before its tensors are used, or
-        None where the mode has none."""
-        specs = record_specs(self.header.layout, recs)
-        done = self.mode.decode_layers([memoryview(r.body) for r in recs], specs, self.level,
-                                       self.device, pinned=pinned)
+    def decode_bodies(self, got: Bodies, *, pinned: bool = False) -> Any:
+        """The entry's layers (``entry_bodies``) decoded together by the mode's whole-entry
+        GPU decoder (``Mode.decode_layers``): a ``Decoded`` to ``check()`` before its tensors
+        are used, or None where the mode has none."""
+        done = self.mode.decode_layers(got.bodies, got.specs, self.level, self.device,
+                                       pinned=pinned, addresses=got.addresses)
         if done is not None:
-            for (k, v), spec, r in zip(done.layers, specs, recs):
+            for (k, v), spec in zip(done.layers, got.specs):
                 if tuple(k.shape) != spec.k_shape or tuple(v.shape) != spec.v_shape:
-                    raise Corrupt(f"layer {r.layer}: mode {self.mode.name} decoded wrong shapes")
+                    raise Corrupt(f"layer {spec.index}: mode {self.mode.name} decoded wrong "
+                                  "shapes")
         return done
 
     def decode_frames(self, frames: Sequence[bytes | memoryview], *, pinned: bool = False
                       ) -> Any:
         """Every frame of the entry verified, then all its layers decoded together on the
-        device (``decode_records``; ``pinned``: the frames lie in page-locked or registered
+        device (``decode_bodies``; ``pinned``: the frames lie in page-locked or registered
         memory); None where the mode has no whole-entry decoder."""
         if self.device.type == "cpu" or self.mode.decode_layers is Mode.decode_layers:
             return None
-        recs = unhashed_records(self.header, frames, hashed=self.checked)
+        got = entry_bodies(self.header, frames, hashed=self.checked)
         if self.checked:
-            return self.decode_records(recs, pinned=pinned)
-        return self.decode_beside_sums(recs, frames, pinned=pinned)
+            return self.decode_bodies(got, pinned=pinned)
+        return self.decode_beside_sums(got, frames, pinned=pinned)
 
-    def decode_beside_sums(self, recs: Sequence[LayerRecord],
-                           frames: Sequence[bytes | memoryview], *, pinned: bool = False
-                           ) -> Any:
-        """``decode_records`` while the frames' sums are computed on a worker thread
+    def decode_beside_sums(self, got: Bodies, frames: Sequence[bytes | memoryview], *,
+                           pinned: bool = False) -> Any:
+        """``decode_bodies`` while the frames' sums are computed on a worker thread
         (``sums_checked_later``), the wait for them added to the result's ``check``; the sums
         waited for first where the planner refuses the bytes (a damaged frame is refused as
         the CPU path refuses it: by its sum), or where the mode has no whole-entry decoder
         (None back: the caller decodes the checked records another way)."""
         wait = sums_checked_later(self.header, frames)
-        done = decoded_beside([wait], lambda: self.decode_records(recs, pinned=pinned))
+        done = decoded_beside([wait], lambda: self.decode_bodies(got, pinned=pinned))
         if done is None:
             wait()
         return done
@@ -349,6 +351,57 @@ def decoded_beside(waits: list[Callable[[], None]], decode: Callable[[], Any]) -
     return done
 
 
+class Bodies(NamedTuple):
+    """An entry's layer bodies as the whole-entry decoders take them: views of the frames,
+    where each lies in memory, and each layer's spec."""
+
+    bodies: list[memoryview]
+    addresses: list[int]
+    specs: list[LayerSpec]
+
+
+def entry_bodies(header: Header, frames: Sequence[bytes | memoryview], *,
+                 hashed: bool = False) -> Bodies:
+    """``unhashed_records`` for a whole-entry decode, without Python per record: each
+    frame's prefix checked, its records walked by ``gpu_plan.walk`` (compiled), each body's
+    address its frame's plus an offset. The same checks and, where they fail, the same error
+    (``unhashed_records`` says it)."""
+    from kdn.codec import gpu_plan  # numba, loaded with the GPU decoders
+
+    layout, tokens = header.layout, header.tokens
+    key = (layout.fingerprint, tokens)
+    shapes = _SHAPES.get(key)
+    if shapes is None:
+        shapes = np.asarray(header.record_shapes, dtype=np.int64).reshape(-1, 4)
+        _SHAPES.put(key, shapes)
+    specs_of = _specs(layout, tokens)
+    lo = np.empty(layout.num_layers, np.int64)
+    hi = np.empty(layout.num_layers, np.int64)
+    out = Bodies([], [], [])
+    at = 0
+    try:
+        for i, f in enumerate(frames):
+            payload, first, count = check_frame_prefix(header, i, f, checksum=False)
+            arr = np.frombuffer(payload, dtype=np.uint8)
+            if gpu_plan.walk(arr, first, count, shapes, lo, hi, at):
+                raise Corrupt("records do not parse")  # check_frame names it below
+            base = arr.ctypes.data if len(arr) else 0
+            starts = lo[at : at + count].tolist()
+            out.bodies.extend(payload[a:b] for a, b in zip(starts, hi[at : at + count].tolist()))
+            out.addresses.extend(base + a for a in starts)
+            out.specs.extend(specs_of[first : first + count])
+            at += count
+    except KDNError:
+        recs = unhashed_records(header, frames, hashed=hashed)  # raises what check_frame says
+        return Bodies([r.body for r in recs], [np.frombuffer(r.body, np.uint8).ctypes.data
+                                               if len(r.body) else 0 for r in recs],
+                      record_specs(layout, recs))
+    return out
+
+
+_SHAPES: BoundedMemo[tuple[str, int], np.ndarray] = BoundedMemo(256)
+
+
 def unhashed_records(header: Header, frames: Sequence[bytes | memoryview], *,
                       hashed: bool = False) -> list[LayerRecord]:
     """Every frame checked but for its sum (``sums_checked_later`` does those beside the
@@ -377,10 +430,11 @@ def decode(buf: bytes | memoryview, *, device: torch.device | str | None = None,
     dec = StreamDecoder(container.header, device, stored_bytes=len(buf))
     start = int(container.header.entry.start_position)
     if dec.device.type == "cuda" if batched is None else batched:
-        recs = unhashed_records(dec.header, container.frames)
-        done = dec.decode_beside_sums(recs, container.frames)
+        done = dec.decode_beside_sums(entry_bodies(dec.header, container.frames),
+                                      container.frames)
         if done is not None:
             return KVCache(dec.header.layout, done.check(), start)
+        recs = unhashed_records(dec.header, container.frames, hashed=True)  # sums waited for
     else:
         recs = [r for i, f in enumerate(container.frames) for r in check_frame(dec.header, i, f)]
     layers = list(_pool().map(dec.decode_record, recs))

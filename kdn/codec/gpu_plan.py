@@ -5,6 +5,7 @@ on several threads, a range of layers each) and one batched zstd call (the blobs
 decompressed on several threads: lo and width only for format-4 blobs, whose count codes the
 device reads where the bodies landed), not Python per blob.
 
+    walk(payload, first, count, ...)      -> a frame's records' body spans (0: they parse)
     scan(buf, body_at, body_len, n, err)  -> sections [L, 4, 2], blobs [L, 2, 7]
     table_sizes(buf, blobs, streams, err) -> declared size of each packed table (bounded)
     inflate(first, last, ...)             -> a range of layers' tables decompressed (libzstd)
@@ -157,6 +158,36 @@ def table_sizes(buf: np.ndarray, blobs: np.ndarray, streams: np.ndarray, err: np
                 return out
             out[lay, b] = v
     return out
+
+
+@numba.njit(cache=True, nogil=True)
+def walk(payload: np.ndarray, first: int, count: int, shapes: np.ndarray, lo: np.ndarray,
+         hi: np.ndarray, at: int) -> int:
+    """A frame's records as ``format.check_frame`` walks them (a u16 heads, u32 tokens, u16 K
+    and V channels, u32 body length prefix each, its shape ``shapes[layer]``, the bodies
+    filling the payload exactly): body ``j``'s span in ``payload`` into ``lo[at + j]``,
+    ``hi[at + j]``. 0, or 1 where the walk fails (the caller then has ``check_frame`` say
+    why)."""
+    end = payload.shape[0]
+    off = 0
+    if at + count > lo.shape[0] or first + count > shapes.shape[0]:
+        return 1
+    for j in range(count):
+        layer = first + j
+        if end - off < 14:
+            return 1
+        if (_u16(payload, off) != shapes[layer, 0] or _u32(payload, off + 2) != shapes[layer, 1]
+                or _u16(payload, off + 6) != shapes[layer, 2]
+                or _u16(payload, off + 8) != shapes[layer, 3]):
+            return 1
+        blen = _u32(payload, off + 10)
+        off += 14
+        if end - off < blen:
+            return 1
+        lo[at + j] = off
+        hi[at + j] = off + blen
+        off += blen
+    return 0 if off == end else 1
 
 
 @numba.njit(cache=True, nogil=True)

@@ -76,12 +76,14 @@ class Mode(abc.ABC):
         ...
 
     def decode_layers(self, bodies: list[memoryview], specs: list[LayerSpec], level: str,
-                      device: torch.device, *, pinned: bool = False) -> Any:
+                      device: torch.device, *, pinned: bool = False,
+                      addresses: list[int] | None = None) -> Any:
         """Many layers at once on a GPU in a few kernel launches, with no host
         synchronisation: a ``kdn.codec.gpu_batch.Decoded`` whose ``check()`` gives the layers
         (raising Corrupt for damaged bytes). None where the mode has no such decoder: then
         ``decode_layer`` one layer at a time. ``pinned``: the bodies lie in page-locked or
-        CUDA-registered memory (copied from in place, not staged first)."""
+        CUDA-registered memory (copied from in place, not staged first). ``addresses``:
+        where each body lies (``codec.api.entry_bodies``), else found from the views."""
         return None
 
     def borrow_layer(self, body: memoryview, spec: LayerSpec, *, private: bool = False

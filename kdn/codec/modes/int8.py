@@ -69,10 +69,11 @@ class Int8(Mode):
 
 
     def decode_layers(self, bodies: list[memoryview], specs: list[LayerSpec], level: str,
-                      device: torch.device, *, pinned: bool = False) -> Any:
+                      device: torch.device, *, pinned: bool = False,
+                      addresses: list[int] | None = None) -> Any:
         from kdn.codec.gpu_batch import decode_int8
 
-        return decode_int8(bodies, specs, device, pinned=pinned)
+        return decode_int8(bodies, specs, device, pinned=pinned, addresses=addresses)
 
 
 register(Int8())

@@ -160,7 +160,8 @@ class Kdn(Mode):
         return torch.cat([k_sink, k], dim=1), torch.cat([v_sink, v], dim=1)
 
     def decode_layers(self, bodies: list[memoryview], specs: list[LayerSpec], level: str,
-                      device: torch.device, *, pinned: bool = False) -> Any:
+                      device: torch.device, *, pinned: bool = False,
+                      addresses: list[int] | None = None) -> Any:
         from kdn.codec.gpu_batch import decode_kdn
 
         table: dict[tuple[int, int], tuple[float, float, int]] = {}  # a few distinct layers
@@ -172,7 +173,7 @@ class Kdn(Mode):
                 st = table[s.index, s.num_layers] = (*lv.steps(s.index, s.num_layers),
                                                      lv.sink_tokens)
             steps.append(st)
-        return decode_kdn(bodies, specs, steps, device, pinned=pinned)
+        return decode_kdn(bodies, specs, steps, device, pinned=pinned, addresses=addresses)
 
 
 register(Kdn())
