@@ -61,6 +61,15 @@ def client(server: ServerThread) -> Iterator[Client]:
 
 
 @pytest.fixture
+def remote(server: ServerThread) -> Iterator[Client]:
+    """A client as one on another host meets the server: no shared segment (its batches go
+    over the network data path)."""
+    c = Client(server.address, timeout_s=30, shm_bytes=0)
+    yield c
+    c.close()
+
+
+@pytest.fixture
 def arena() -> Iterator[Arena]:
     """A read arena of 16 pages, alone (no server)."""
     a = Arena("t", 16 * PAGE)

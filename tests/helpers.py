@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -191,3 +192,15 @@ def leased_small_entries(monkeypatch: Any) -> None:
 
     monkeypatch.setattr(dataplane, "SMALL_ENTRY_BYTES", 0)
     without_directory(monkeypatch)
+
+
+def data_ticket(c: Any) -> str:
+    """The network data path ticket a client (``kdn.client.Client``) holds."""
+    net = c.dataplane.net()
+    assert net is not None, "the server offered no data path"
+    return str(net.ticket)
+
+
+def data_connect(st: Any) -> socket.socket:
+    """A raw connection to a server's (``ServerThread``) network data path."""
+    return socket.create_connection(("127.0.0.1", st.server.servicer.data_port), timeout=10)

@@ -9,7 +9,6 @@ import dataclasses
 import socket
 import struct
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -17,13 +16,15 @@ import pytest
 from kdn import codec
 from kdn.client import Client
 from kdn.client.client import TLSOptions
-from kdn.client.netpath import NetPath
+from kdn.client.netpath import MAX_ENTRY_BYTES, NetPath
 from kdn.errors import Corrupt, LayoutMismatch
 from kdn.server import ServerConfig, ServerThread
 from kdn.transport.addresses import data_host
 from kdn.transport.wire import FAST_HEAD, NET_GET_MANY, NET_PUT_MANY, read_exact
 from kdn.v1 import kdn_pb2 as pb
 from tests.helpers import (
+    data_connect,
+    data_ticket,
     eventually,
     make_certs,
     numbered_key,
@@ -35,27 +36,14 @@ from tests.helpers import (
 LAYOUT = uniform_layout()
 
 
-@pytest.fixture
-def remote(server: ServerThread) -> Iterator[Client]:
-    """A client as one on another host meets the server: no shared segment."""
-    c = Client(server.address, timeout_s=30, shm_bytes=0)
-    yield c
-    c.close()
 
 
 def _counters(st: ServerThread) -> dict[str, int]:
     return dict(st.server.servicer.counters)
 
 
-def _ticket(c: Client) -> str:
-    net = c.dataplane.net()
-    assert net is not None, "the server offered no data path"
-    return net.ticket
 
 
-def _connect(st: ServerThread) -> socket.socket:
-    conn = socket.create_connection(("127.0.0.1", st.server.servicer.data_port), timeout=10)
-    return conn
 
 
 def _put_call(ticket: str, items: list[tuple[bytes, bytes]], *, offsets: list[int] | None = None,
@@ -189,9 +177,9 @@ def test_layout_mismatch_is_raised_not_fallen_back_from(remote: Client) -> None:
 def test_closing_the_client_gives_its_ticket_back(server: ServerThread) -> None:
     c = Client(server.address, shm_bytes=0)
     c.store(numbered_key(1), random_kv(LAYOUT, 16, seed=8), mode="raw")
-    ticket = _ticket(c)
+    ticket = data_ticket(c)
     c.close()
-    conn = _connect(server)
+    conn = data_connect(server)
     req = pb.GetManyRequest(keys=[numbered_key(1)], segment_id=ticket).SerializeToString()
     conn.sendall(FAST_HEAD.pack(len(req), NET_GET_MANY) + req)
     ok, body = _answer(conn) or (1, b"")
@@ -212,7 +200,7 @@ def test_tenants_see_only_their_own_entries(tmp_path: Path) -> None:
         assert b.fetch(numbered_key(1)) is None  # b's key space has no such entry
         got = a.retrieve(numbered_key(1), layout=LAYOUT)
         assert got is not None and got.equal(ka)
-        assert st.server.servicer.segments.ticket_owner(_ticket(b)).tenant == "b"
+        assert st.server.servicer.segments.ticket_owner(data_ticket(b)).tenant == "b"
         assert _counters(st)["net.GetMany"] == 2
 
 
@@ -221,8 +209,8 @@ def test_tenants_see_only_their_own_entries(tmp_path: Path) -> None:
 
 def test_an_unknown_ticket_is_refused_and_the_connection_stays_in_step(
         server: ServerThread, remote: Client) -> None:
-    good = _ticket(remote)
-    conn = _connect(server)
+    good = data_ticket(remote)
+    conn = data_connect(server)
     head, payload = _put_call("0" * 32, [(numbered_key(1), _entry(1))])
     conn.sendall(head + payload)
     ok, body = _answer(conn) or (1, b"")
@@ -243,8 +231,8 @@ def test_a_damaged_item_stores_none_of_its_call(server: ServerThread, remote: Cl
     remote.store(numbered_key(1), old, mode="raw")
     damaged = bytearray(_entry(11))
     damaged[at] ^= 0xFF  # the last frame's body, the header, its magic: a check fails
-    conn = _connect(server)
-    head, payload = _put_call(_ticket(remote), [(numbered_key(2), _entry(12)),
+    conn = data_connect(server)
+    head, payload = _put_call(data_ticket(remote), [(numbered_key(2), _entry(12)),
                                                 (numbered_key(1), bytes(damaged))])
     conn.sendall(head + payload)
     ok, body = _answer(conn) or (1, b"")
@@ -261,7 +249,7 @@ def test_a_damaged_item_stores_none_of_its_call(server: ServerThread, remote: Cl
                                   "inline_data"])
 def test_calls_whose_bytes_can_not_be_skipped_close_the_connection(
         server: ServerThread, remote: Client, case: str) -> None:
-    ticket, value = _ticket(remote), _entry(13)
+    ticket, value = data_ticket(remote), _entry(13)
     items = [(numbered_key(1), value), (numbered_key(2), value)]
     if case == "gap":
         head, payload = _put_call(ticket, items, offsets=[0, len(value) + 64])
@@ -282,7 +270,7 @@ def test_calls_whose_bytes_can_not_be_skipped_close_the_connection(
         req.items.add(key=numbered_key(1), data=value)
         body = req.SerializeToString()
         head, payload = FAST_HEAD.pack(len(body), NET_PUT_MANY) + body, b""
-    conn = _connect(server)
+    conn = data_connect(server)
     conn.sendall(head + payload)
     ok, body = _answer(conn) or (1, b"")
     assert ok == 0, body
@@ -295,8 +283,8 @@ def test_calls_whose_bytes_can_not_be_skipped_close_the_connection(
 
 def test_a_call_cut_off_inside_its_items_stores_nothing(server: ServerThread,
                                                         remote: Client) -> None:
-    conn = _connect(server)
-    head, payload = _put_call(_ticket(remote), [(numbered_key(1), _entry(15))])
+    conn = data_connect(server)
+    head, payload = _put_call(data_ticket(remote), [(numbered_key(1), _entry(15))])
     conn.sendall(head + payload[: len(payload) // 2])
     conn.close()
     remote.store(numbered_key(2), random_kv(LAYOUT, 16, seed=16), mode="raw")
@@ -305,7 +293,7 @@ def test_a_call_cut_off_inside_its_items_stores_nothing(server: ServerThread,
 
 
 def test_an_oversized_request_body_closes_the_connection(server: ServerThread) -> None:
-    conn = _connect(server)
+    conn = data_connect(server)
     conn.sendall(struct.pack("<IB", (64 << 20) + 1, NET_GET_MANY))
     assert _answer(conn) is None  # closed without reading a body that large
     conn.close()
@@ -313,8 +301,8 @@ def test_an_oversized_request_body_closes_the_connection(server: ServerThread) -
 
 def test_bad_names_are_refused_before_anything_is_read(server: ServerThread,
                                                        remote: Client) -> None:
-    conn = _connect(server)
-    req = pb.GetManyRequest(keys=[b"short"], segment_id=_ticket(remote)).SerializeToString()
+    conn = data_connect(server)
+    req = pb.GetManyRequest(keys=[b"short"], segment_id=data_ticket(remote)).SerializeToString()
     conn.sendall(FAST_HEAD.pack(len(req), NET_GET_MANY) + req)
     ok, body = _answer(conn) or (1, b"")
     assert ok == 0 and body.startswith(b"INVALID_ARGUMENT\0")
@@ -356,7 +344,7 @@ def _get_answer(entry: bytes, length: int | None = None) -> bytes:
     return FAST_HEAD.pack(len(body), 1) + body + entry
 
 
-@pytest.mark.parametrize("damage", ["frame", "header", "short", "long"])
+@pytest.mark.parametrize("damage", ["frame", "header", "short", "long", "huge"])
 def test_a_damaged_answer_is_caught_as_it_lands(damage: str) -> None:
     entry = bytearray(_entry(17))
     if damage == "frame":
@@ -367,8 +355,10 @@ def test_a_damaged_answer_is_caught_as_it_lands(damage: str) -> None:
         answer, want = _get_answer(bytes(entry)), Corrupt
     elif damage == "short":  # the server goes away inside the entry
         answer, want = _get_answer(bytes(entry[:-100]), len(entry)), OSError
-    else:  # an entry longer than its frames
+    elif damage == "long":  # an entry longer than its frames
         answer, want = _get_answer(bytes(entry) + b"\0" * 64), Corrupt
+    else:  # a length no server stores: refused before memory is set aside for it
+        answer, want = _get_answer(bytes(entry), MAX_ENTRY_BYTES + 1), Corrupt
     sock, port = _fake_server(answer)
     net = NetPath("127.0.0.1", port, "0" * 32, 10)
     with pytest.raises(want):
@@ -380,12 +370,12 @@ def test_a_damaged_answer_is_caught_as_it_lands(damage: str) -> None:
 def test_connections_past_the_cap_are_closed(server: ServerThread, remote: Client) -> None:
     assert server.server.net_path is not None
     server.server.net_path.max_connections = 2  # each connection holds a thread
-    held = [_connect(server), _connect(server)]
+    held = [data_connect(server), data_connect(server)]
     for conn in held:  # served: a GetMany of nothing answers
-        req = pb.GetManyRequest(segment_id=_ticket(remote)).SerializeToString()
+        req = pb.GetManyRequest(segment_id=data_ticket(remote)).SerializeToString()
         conn.sendall(FAST_HEAD.pack(len(req), NET_GET_MANY) + req)
         assert (_answer(conn) or (0, b""))[0] == 1
-    extra = _connect(server)
+    extra = data_connect(server)
     assert _closed(extra)  # refused: closed at once
     extra.close()
     for conn in held:
@@ -408,8 +398,8 @@ def test_a_tls_server_offers_the_data_path_over_tls(tmp_path: Path) -> None:
         got = c.retrieve(numbered_key(1), layout=LAYOUT)
         assert got is not None and got.equal(kv)
         assert _counters(st)["net.PutMany"] == 1 and _counters(st)["net.GetMany"] == 1
-        plain = _connect(st)  # a client speaking no TLS: refused by the handshake
-        req = pb.GetManyRequest(keys=[numbered_key(1)], segment_id=_ticket(c))
+        plain = data_connect(st)  # a client speaking no TLS: refused by the handshake
+        req = pb.GetManyRequest(keys=[numbered_key(1)], segment_id=data_ticket(c))
         body = req.SerializeToString()
         plain.sendall(FAST_HEAD.pack(len(body), NET_GET_MANY) + body)
         assert _answer_or_closed(plain)

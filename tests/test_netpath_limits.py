@@ -3,7 +3,7 @@ names a live ticket, against a real server on loopback: silent or dripping conne
 closed in time, the oldest pending ones make room for new ones, a request is bounded before
 its ticket is known, one ticket holds a bounded share of the connections, a GetMany's keys
 and the bytes its answer reads from disk are bounded, the listener outlives a failed accept,
-and a client refuses an answer announcing an entry no server stores."""
+and the server's settings reach the path."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ import errno
 import socket
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,21 +20,22 @@ import pytest
 from kdn import codec
 from kdn.client import Client
 from kdn.client import netpath as client_netpath
-from kdn.client.netpath import BATCH_ITEMS, MAX_ENTRY_BYTES, NetPath
-from kdn.errors import Corrupt
+from kdn.client.netpath import BATCH_ITEMS, NetPath
 from kdn.server import ServerConfig, ServerThread, batch, fastpath, netpath
 from kdn.transport.wire import FAST_HEAD, NET_GET_MANY, NET_MAX_KEYS, read_exact
 from kdn.v1 import kdn_pb2 as pb
-from tests.helpers import eventually, numbered_key, random_kv, uniform_layout
+from tests.helpers import (
+    data_connect,
+    data_ticket,
+    eventually,
+    numbered_key,
+    random_kv,
+    uniform_layout,
+)
 
 LAYOUT = uniform_layout()
 
 
-@pytest.fixture
-def remote(server: ServerThread) -> Iterator[Client]:
-    c = Client(server.address, timeout_s=30, shm_bytes=0)
-    yield c
-    c.close()
 
 
 def _path(st: ServerThread) -> netpath.NetPath:
@@ -43,14 +43,8 @@ def _path(st: ServerThread) -> netpath.NetPath:
     return st.server.net_path
 
 
-def _ticket(c: Client) -> str:
-    net = c.dataplane.net()
-    assert net is not None
-    return net.ticket
 
 
-def _connect(st: ServerThread) -> socket.socket:
-    return socket.create_connection(("127.0.0.1", st.server.servicer.data_port), timeout=10)
 
 
 def _get(conn: socket.socket, ticket: str, keys: list[bytes]) -> tuple[int, bytes] | None:
@@ -87,8 +81,8 @@ def _counter(st: ServerThread, name: str) -> int:
 def test_a_connection_that_names_no_ticket_in_time_is_closed(server: ServerThread,
                                                             remote: Client) -> None:
     _path(server).first_call_s = 0.6
-    silent = _connect(server)
-    dripping = _connect(server)
+    silent = data_connect(server)
+    dripping = data_connect(server)
     dripping.sendall(FAST_HEAD.pack(1000, NET_GET_MANY))  # a body that never comes whole
     started = time.monotonic()
     for _ in range(4):
@@ -99,10 +93,10 @@ def test_a_connection_that_names_no_ticket_in_time_is_closed(server: ServerThrea
             break
     assert _closed_within(silent, 5) and _closed_within(dripping, 5)
     assert time.monotonic() - started < 5
-    admitted = _connect(server)  # a call naming its ticket at once is served
-    assert (_get(admitted, _ticket(remote), []) or (0, b""))[0] == 1
+    admitted = data_connect(server)  # a call naming its ticket at once is served
+    assert (_get(admitted, data_ticket(remote), []) or (0, b""))[0] == 1
     time.sleep(0.8)  # admitted: idle_s (300 s) applies between calls, not first_call_s
-    assert (_get(admitted, _ticket(remote), []) or (0, b""))[0] == 1
+    assert (_get(admitted, data_ticket(remote), []) or (0, b""))[0] == 1
     for conn in (silent, dripping, admitted):
         conn.close()
 
@@ -110,16 +104,16 @@ def test_a_connection_that_names_no_ticket_in_time_is_closed(server: ServerThrea
 def test_the_oldest_pending_connections_make_room(server: ServerThread, remote: Client,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(netpath, "MAX_PENDING", 4)
-    ticket = _ticket(remote)
+    ticket = data_ticket(remote)
     hogs = []
     for _ in range(6):  # accepted in turn, oldest first
-        hogs.append(_connect(server))
+        hogs.append(data_connect(server))
         time.sleep(0.05)
     assert _closed_within(hogs[0], 5) and _closed_within(hogs[1], 5)
     assert not _closed_within(hogs[-1], 0.3)
     assert _counter(server, "net.evicted_connections") == 2
     for _ in range(3):  # honest connections name their ticket at once and are served
-        conn = _connect(server)
+        conn = data_connect(server)
         assert (_get(conn, ticket, [numbered_key(1)]) or (0, b""))[0] == 1
         conn.close()
     kv = random_kv(LAYOUT, 16, seed=3)
@@ -133,12 +127,12 @@ def test_the_oldest_pending_connections_make_room(server: ServerThread, remote: 
 
 def test_a_request_is_bounded_until_its_ticket_is_known(server: ServerThread,
                                                        remote: Client) -> None:
-    ticket = _ticket(remote)
-    conn = _connect(server)
+    ticket = data_ticket(remote)
+    conn = data_connect(server)
     conn.sendall(FAST_HEAD.pack(netpath.FIRST_BODY + 1, NET_GET_MANY))
     assert _closed_within(conn, 5)  # refused before any of its body is read
     conn.close()
-    conn = _connect(server)
+    conn = data_connect(server)
     assert (_get(conn, ticket, []) or (0, b""))[0] == 1  # admitted by its ticket
     keys = [numbered_key(i) for i in range(NET_MAX_KEYS + 1)]  # ~1.3 MiB of request
     ok, out = _get(conn, ticket, keys) or (1, b"")
@@ -151,19 +145,19 @@ def test_a_request_is_bounded_until_its_ticket_is_known(server: ServerThread,
 def test_one_ticket_holds_a_bounded_share_of_the_connections(
         server: ServerThread, remote: Client, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(netpath, "MAX_PER_TICKET", 2)
-    ticket = _ticket(remote)
-    held = [_connect(server) for _ in range(2)]
+    ticket = data_ticket(remote)
+    held = [data_connect(server) for _ in range(2)]
     for conn in held:
         assert (_get(conn, ticket, []) or (0, b""))[0] == 1
-    extra = _connect(server)
+    extra = data_connect(server)
     ok, out = _get(extra, ticket, []) or (1, b"")
     assert ok == 0 and b"at most 2" in out
     held[0].close()  # a slot of the ticket's frees up as one of its connections ends
     assert eventually(lambda: _path(server)._per_ticket.get(ticket) == 1)
     assert (_get(extra, ticket, []) or (0, b""))[0] == 1
     with Client(server.address, shm_bytes=0) as other:  # another ticket is not held back
-        conn = _connect(server)
-        assert (_get(conn, _ticket(other), []) or (0, b""))[0] == 1
+        conn = data_connect(server)
+        assert (_get(conn, data_ticket(other), []) or (0, b""))[0] == 1
         conn.close()
     for conn in (held[1], extra):
         conn.close()
@@ -176,8 +170,8 @@ def test_an_answer_reads_a_bounded_amount_from_disk(tmp_path: Path,
     with ServerThread(cfg) as st, Client(st.address, shm_bytes=0) as c:
         for i, kv in enumerate(kvs):
             c.store(numbered_key(i), kv, mode="raw")
-        ticket, keys = _ticket(c), [numbered_key(i) for i in range(3)]
-        conn = _connect(st)
+        ticket, keys = data_ticket(c), [numbered_key(i) for i in range(3)]
+        conn = data_connect(st)
         ok, out = _get(conn, ticket, keys[:1]) or (0, b"")
         ref = pb.GetManyResponse.FromString(out).entries[0]
         assert ok == 1 and ref.tier == "disk"
@@ -256,29 +250,6 @@ def test_the_listener_outlives_a_failed_accept(monkeypatch: pytest.MonkeyPatch) 
     path.close()
     for conn in (*served, listener.theirs):
         conn.close()
-
-
-def test_a_client_refuses_an_entry_no_server_stores() -> None:
-    resp = pb.GetManyResponse()
-    resp.entries.add(present=True, tier="ram", written=True, offset=0,
-                     length=MAX_ENTRY_BYTES + 1)
-    body = resp.SerializeToString()
-    sock = socket.create_server(("127.0.0.1", 0))
-
-    def serve() -> None:
-        conn, _ = sock.accept()
-        with conn:
-            head = read_exact(conn, FAST_HEAD.size)
-            assert head is not None
-            read_exact(conn, FAST_HEAD.unpack(head)[0])
-            conn.sendall(FAST_HEAD.pack(len(body), 1) + body + b"\0" * 64)
-
-    threading.Thread(target=serve, daemon=True).start()
-    net = NetPath("127.0.0.1", sock.getsockname()[1], "0" * 32, 10)
-    with pytest.raises(Corrupt, match="no server stores"):
-        net.get_many("default", [numbered_key(1)], "")
-    net.close()
-    sock.close()
 
 
 def test_config_timeouts_reach_the_data_path(server_config: ServerConfig) -> None:
