@@ -70,6 +70,8 @@ BAD = [  # (argv, words in the one stderr line)
     (["serve", "--config", "/nonexistent/kdn.yaml"], "/nonexistent/kdn.yaml"),
     (["admin"], "required: COMMAND"),
     (["admin", "stats", "--address", "127.0.0.1"], "has no port"),
+    (["admin", "stats", "--bogus"], "kdn admin stats: unrecognized arguments: --bogus"),
+    (["rag", "ask", "hi", "--bogus"], "kdn rag ask: unrecognized arguments: --bogus"),
     (["admin", "stats", "--address", "127.0.0.1:99999"], "port must be in 1..65535"),
     (["admin", "stats", "--address", "127.0.0.1:0"], "port must be in 1..65535"),
     (["admin", "stats", "--timeout", "1e12", *NO_SERVER], "at most 1000000 seconds"),

@@ -69,6 +69,14 @@ class _Parser(argparse.ArgumentParser):
         error(self.prog, message, f"see {self.prog} --help")
         sys.exit(EXIT_USAGE)
 
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
+        """Arguments a command does not know are refused by that command's parser, which
+        names it (``kdn admin stats: unrecognized arguments: --bogus``), not by ``kdn``'s."""
+        ns, extra = super().parse_known_args(args, namespace)
+        if extra:
+            self.error(f"unrecognized arguments: {' '.join(extra)}")
+        return ns, extra
+
 
 def _epilog(examples: list[str]) -> str:
     return "examples:\n" + "\n".join(f"  {e}" for e in examples) + "\n\n" + EXIT_CODES
