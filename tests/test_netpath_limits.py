@@ -28,6 +28,7 @@ from tests.helpers import (
     data_connect,
     data_ticket,
     eventually,
+    make_certs,
     numbered_key,
     random_kv,
     uniform_layout,
@@ -278,3 +279,24 @@ def test_a_put_of_many_small_entries_stays_within_the_first_call_limit(
     assert _counter(server, "net.PutMany") - before == 3
     got = remote.fetch_many([numbered_key(0), numbered_key(409)], layout=LAYOUT)
     assert all(f is not None and codec.decode(f.parts.to_bytes()).equal(kv) for f in got)
+
+
+def test_a_pending_connection_is_evicted_mid_handshake(tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under TLS a silent connection waits inside its handshake; eviction still ends it (a
+    shutdown of its socket through a duplicate descriptor)."""
+    monkeypatch.setattr(netpath, "MAX_PENDING", 2)
+    certs = make_certs(tmp_path)
+    cfg = ServerConfig(port=0, data_dir=tmp_path / "d", tls_cert=str(certs["server.crt"]),
+                       tls_key=str(certs["server.key"]))
+    with ServerThread(cfg) as st:
+        hogs = []
+        for _ in range(3):
+            hogs.append(data_connect(st))
+            time.sleep(0.1)
+        assert _closed_within(hogs[0], 5)
+        assert not _closed_within(hogs[2], 0.3)
+        assert _counter(st, "net.evicted_connections") == 1
+        for hog in hogs:
+            hog.close()
+        assert eventually(lambda: not _path(st)._peers)  # every thread ended and forgot it
