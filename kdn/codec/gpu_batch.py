@@ -274,15 +274,25 @@ def _outputs(specs: list[LayerSpec]) -> tuple[int, list[tuple[int, int]], torch.
     start in it, and their dtype. The buffer is allocated only once the bodies were checked
     (``_output``): the sizes come from the header, which damaged or hostile bytes may
     inflate to far more than the bodies hold."""
-    dtypes = {s.dtype.torch for s in specs}
+    distinct = _distinct(specs)
+    dtypes = {s.dtype for s in distinct.values()}
     if len(dtypes) != 1:
         raise InvalidArgument("layers of one decode must share a dtype")
+    numel = {i: (s.layout.k_numel(s.tokens), s.layout.v_numel(s.tokens))
+             for i, s in distinct.items()}
     bases, at = [], 0
     for s in specs:
-        kn, vn = s.layout.k_numel(s.tokens), s.layout.v_numel(s.tokens)
+        kn, vn = numel[id(s)]
         bases.append((at, at + kn))
         at += kn + vn
-    return at, bases, dtypes.pop()
+    return at, bases, dtypes.pop().torch
+
+
+def _distinct(specs: list[LayerSpec]) -> dict[int, LayerSpec]:
+    """The distinct spec objects among ``specs`` by identity: a context's blocks share one
+    spec per layer (``codec.api.record_specs``), so what is derived from a spec is derived
+    once per layer, not once per block."""
+    return {id(s): s for s in specs}
 
 
 def _output(numel: int, dt: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -293,7 +303,7 @@ def _views(out: torch.Tensor, specs: list[LayerSpec], bases: list[tuple[int, int
            ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Each layer's K and V as views of ``out`` (laid out K, V, K, V, ... by ``_outputs``):
     where every layer has one shape, two ``unbind`` calls make them all."""
-    shapes = {(s.k_shape, s.v_shape) for s in specs}
+    shapes = {(s.k_shape, s.v_shape) for s in _distinct(specs).values()}
     if len(shapes) == 1 and specs:
         ks, vs = shapes.pop()
         kn, vn = math.prod(ks), math.prod(vs)
