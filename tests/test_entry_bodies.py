@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from kdn import codec
-from kdn.codec import gpu_batch
+from kdn.codec import gpu_source
 from kdn.codec.api import entry_bodies, record_specs, unhashed_records
 from kdn.codec.format import FRAME_STRUCT, parse_container, seal
 from kdn.errors import KDNError
@@ -34,7 +34,7 @@ def test_the_walk_gives_what_the_records_give(mode: str, level: str, layout_kind
     got = entry_bodies(c.header, c.frames)
     recs = unhashed_records(c.header, c.frames)
     assert [bytes(b) for b in got.bodies] == [bytes(r.body) for r in recs]
-    assert got.addresses == [gpu_batch._address(r.body) for r in recs]  # noqa: SLF001
+    assert got.addresses == [gpu_source.address(r.body) for r in recs]
     assert got.specs == record_specs(c.header.layout, recs)
 
 

@@ -28,14 +28,14 @@ pytestmark = pytest.mark.skipif(not plan.HAVE_ZSTD, reason="no libzstd on this s
 def no_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
     """Kernels not launched; staging zeroed first (its alignment padding is never written)."""
     monkeypatch.setattr(gpu_batch, "_launch", lambda *a, **k: None)
-    arrays = gpu_batch._Staging.arrays  # noqa: SLF001
+    arrays = gpu_batch.Staging.arrays
 
     def zeroed(self: Any) -> Any:
         out = arrays(self)
         self.host.zero_()
         return out
 
-    monkeypatch.setattr(gpu_batch._Staging, "arrays", zeroed)  # noqa: SLF001
+    monkeypatch.setattr(gpu_batch.Staging, "arrays", zeroed)
 
 
 def _bodies(blobs: list[bytes]) -> tuple[list[memoryview], list[Any]]:
@@ -54,7 +54,7 @@ def _staged(bodies: list[memoryview], specs: list[Any], level: str, zstd: bool,
     tables decompressed one way."""
     monkeypatch.setattr(plan, "HAVE_ZSTD", zstd)
     done = get_mode("kdn").decode_layers(bodies, specs, level, torch.device("cpu"))
-    staged = bytes(done.keep[2].numpy())  # the staging buffer (_Staging.host)
+    staged = bytes(done.keep[2].numpy())  # the staging buffer (Staging.host)
     done.check()
     return staged
 
