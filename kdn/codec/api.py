@@ -392,9 +392,10 @@ def entry_bodies(header: Header, frames: Sequence[bytes | memoryview], *,
             out.specs.extend(specs_of[first : first + count])
             at += count
     except KDNError:
+        from kdn.codec.gpu_source import address
+
         recs = unhashed_records(header, frames, hashed=hashed)  # raises what check_frame says
-        return Bodies([r.body for r in recs], [np.frombuffer(r.body, np.uint8).ctypes.data
-                                               if len(r.body) else 0 for r in recs],
+        return Bodies([r.body for r in recs], [address(r.body) for r in recs],
                       record_specs(layout, recs))
     return out
 

@@ -83,13 +83,14 @@ _RPCS = {NET_GET_MANY: "NetGetMany", NET_PUT_MANY: "NetPutMany"}
 
 
 class _Peer:
-    """A connection's state: its socket as served (TLS-wrapped once the handshake is done),
-    the time by which its first call must have arrived, and the ticket that admitted it."""
+    """A connection's state: its socket as accepted (the key of the path's tables) and its
+    descriptor, the time by which its first call must have arrived (0: evicted), and the
+    ticket that admitted it (None while pending)."""
 
-    __slots__ = ("fd", "deadline", "ticket")
+    __slots__ = ("conn", "fd", "deadline", "ticket")
 
-    def __init__(self, fd: int, deadline: float) -> None:
-        self.fd, self.deadline = fd, deadline
+    def __init__(self, conn: socket.socket, deadline: float) -> None:
+        self.conn, self.fd, self.deadline = conn, conn.fileno(), deadline
         self.ticket: str | None = None
 
     def cut(self) -> None:
@@ -144,7 +145,7 @@ class NetPath(FastPath):
         if self._admitted >= self.max_connections \
                 or len(self._peers) >= self.max_connections + 2 * MAX_PENDING:
             return False
-        peer = _Peer(conn.fileno(), time.monotonic() + self.first_call_s)
+        peer = _Peer(conn, time.monotonic() + self.first_call_s)
         self._peers[conn] = self._pending[conn] = peer
         if len(self._pending) > MAX_PENDING:  # the oldest silent one makes room
             self._pending.pop(next(iter(self._pending))).cut()
@@ -219,11 +220,7 @@ class NetPath(FastPath):
             if self._admitted >= self.max_connections:
                 raise TooLarge(f"the data path serves {self.max_connections} connections "
                                "at once")
-            for sock, p in self._pending.items():
-                if p is peer:
-                    del self._pending[sock]
-                    break
-            else:
+            if self._pending.pop(peer.conn, None) is None:
                 raise TimeoutError("closed while pending")
             peer.ticket = ticket
             self._per_ticket[ticket] = mine + 1
