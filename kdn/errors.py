@@ -64,7 +64,8 @@ class Truncated(Corrupt):
 
 
 class LayoutMismatch(KDNError, status=Status.FAILED_PRECONDITION):
-    """The data belongs to another model or layout than the caller expects."""
+    """The data belongs to another model or layout than the caller expects, or holds another
+    number of tokens than the caller asked for (``kdn.layout.Expected``)."""
 
 
 class TooLarge(KDNError, status=Status.RESOURCE_EXHAUSTED):

@@ -24,9 +24,9 @@ import hashlib
 import json
 import sys
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
-from kdn.errors import InvalidLayout
+from kdn.errors import InvalidLayout, LayoutMismatch
 
 if TYPE_CHECKING:
     import torch
@@ -321,6 +321,33 @@ _VOLATILE_CONFIG_KEYS = {
     "architectures",
     "_commit_hash",
 }
+
+
+class Expected(NamedTuple):
+    """What a reader expects of a stored entry: its layout (by fingerprint) and the tokens it
+    holds ("" / 0: any). The server checks it before answering (``expect_layout_fingerprint``
+    and ``expect_tokens`` of a read: FAILED_PRECONDITION), the client on entries it holds
+    itself. An engine that reads a block of ``chunk_tokens`` tokens asks for exactly that: an
+    entry written under the block's key with another shape is refused before any of it is
+    decoded (its declared size never reaches an allocator)."""
+
+    fingerprint: str = ""
+    tokens: int = 0
+
+    @classmethod
+    def of(cls, layout: KVLayout | None, tokens: int = 0) -> Expected:
+        if tokens < 0:
+            raise ValueError(f"expected tokens must be >= 0 (0: any), got {tokens}")
+        return cls(layout.fingerprint if layout is not None else "", tokens)
+
+    def check(self, layout: KVLayout, tokens: int, what: str = "entry") -> None:
+        """LayoutMismatch unless an entry of ``layout`` holding ``tokens`` tokens is what is
+        expected."""
+        if self.fingerprint and layout.fingerprint != self.fingerprint:
+            raise LayoutMismatch(f"{what} has layout {layout.fingerprint}, caller expects "
+                                 f"{self.fingerprint}")
+        if self.tokens and tokens != self.tokens:
+            raise LayoutMismatch(f"{what} holds {tokens} tokens, caller expects {self.tokens}")
 
 
 def model_fingerprint(config: Any, *, weights_id: str = "") -> str:

@@ -129,6 +129,22 @@ def count_staging_copies(monkeypatch: Any) -> list[int]:
     return staged
 
 
+def count_decoders(monkeypatch: Any) -> list[int]:
+    """Record the tokens of every entry a decoder is made for from now on (every way from
+    stored bytes to a tensor makes a ``StreamDecoder`` per entry)."""
+    from kdn import codec
+
+    made: list[int] = []
+    init = codec.StreamDecoder.__init__
+
+    def counted(self: codec.StreamDecoder, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        made.append(self.header.tokens)
+
+    monkeypatch.setattr(codec.StreamDecoder, "__init__", counted)
+    return made
+
+
 def numbered_key(i: int) -> bytes:
     """A 32-byte key made of ``i`` (tests that number their entries)."""
     return i.to_bytes(4, "little") * 8

@@ -18,6 +18,7 @@ import pytest
 from kdn.client import Client
 from kdn.codec.format import header_size
 from kdn.errors import Corrupt
+from kdn.layout import Expected
 from kdn.server import ServerConfig, ServerThread
 from kdn.server.arena import PAGE, Arena, Arenas
 from kdn.server.config import ConfigError
@@ -384,8 +385,8 @@ def test_a_read_bound_for_a_gpu_views_the_servers_pages_read_only(
     kv = random_kv(LAYOUT, 40, seed=5)
     with Client(server.address, timeout_s=30, shm_bytes=64 << 10, keep_leases_bytes=0) as c:
         c.store(_key(1), kv, mode="raw")
-        plain = c.dataplane.get_many("default", [_key(1)], "", None)[0]
-        bound = c.dataplane.get_many("default", [_key(1)], "", None, pinned=True)[0]
+        plain = c.dataplane.get_many("default", [_key(1)], Expected(), None)[0]
+        bound = c.dataplane.get_many("default", [_key(1)], Expected(), None, pinned=True)[0]
         assert plain is not None and bound is not None
         assert not plain.container.readonly and bound.container.readonly  # type: ignore[union-attr]
         assert bytes(bound.container) == bytes(plain.container)  # type: ignore[arg-type]

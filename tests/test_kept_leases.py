@@ -17,6 +17,7 @@ from kdn import codec
 from kdn.client import Client
 from kdn.client.admin import AdminClient
 from kdn.errors import LayoutMismatch
+from kdn.layout import Expected
 from kdn.options import StoreOptions
 from kdn.server import ServerConfig, ServerThread
 from kdn.server.arena import PAGE, WORD, Arena
@@ -79,7 +80,7 @@ def test_a_repeat_read_is_answered_from_the_kept_lease_without_a_call(
             assert fetched is not None and fetched.checked
             assert codec.decode(fetched.parts.to_bytes()).equal(kv)
         assert _hits(c) == calls and arena.reused == 40  # not one call
-        bound = c.dataplane.get_many("default", [_key(1)], LAYOUT.fingerprint, None,
+        bound = c.dataplane.get_many("default", [_key(1)], Expected.of(LAYOUT), None,
                                      pinned=True)[0]  # a GPU-bound read of a kept lease
         assert bound is not None and codec.decode(bound.parts.to_bytes()).equal(kv)
         with pytest.raises(LayoutMismatch):  # another layout asked for: the server answers

@@ -15,7 +15,7 @@ from kdn.codec import EncodedParts, encode_parts, inplace
 from kdn.delivery import LoadingController
 from kdn.engine import EngineConfig, KDNEngine
 from kdn.errors import LayoutMismatch
-from kdn.layout import DType, KVLayout
+from kdn.layout import DType, Expected, KVLayout
 from kdn.server import ServerThread
 from tests.helpers import (
     count_staging_copies,
@@ -282,7 +282,7 @@ def test_a_tier_hit_is_viewed_where_it_lies_for_a_copy_to_a_device(server: Serve
         for i, tokens in enumerate((33, 1000, 70_000 // 64)):  # headers of several lengths
             kv = random_kv(lay, tokens, seed=12 + i)
             c.store(_key(20 + i), kv, mode="raw")
-            got = c._reads.in_process("default", _key(20 + i), lay)  # noqa: SLF001
+            got = c._reads.in_process("default", _key(20 + i), Expected.of(lay))  # noqa: SLF001
             assert got is not None and got.container is not None
             first_frame = np.frombuffer(got.parts.frames[0], dtype=np.uint8).ctypes.data
             assert first_frame % 64 == 0, len(got.parts.header)
@@ -413,7 +413,7 @@ def test_a_joined_load_crosses_in_layer_groups_each_in_its_own_range(
     hold every K and V (what lies between is never read); small entries cross whole."""
     with Client(server.address, shm_bytes=0, local_bytes=32 << 20) as c:
         blocks, keys = _raw_context(c, layout, 1, 40, first=110)
-        got = c._reads.in_process("default", keys[0], layout)  # noqa: SLF001
+        got = c._reads.in_process("default", keys[0], Expected.of(layout))  # noqa: SLF001
         assert got is not None and got.container is not None
         dec, _ = landing.decoder_for(got.parts.header, "cuda", got)
         span = dec.staging_span(list(got.parts.frames), got.container)  # type: ignore[arg-type]

@@ -18,6 +18,7 @@ from kdn.client import Client
 from kdn.client.client import TLSOptions
 from kdn.client.netpath import MAX_ENTRY_BYTES, NetPath
 from kdn.errors import Corrupt, LayoutMismatch
+from kdn.layout import Expected
 from kdn.server import ServerConfig, ServerThread
 from kdn.transport.addresses import data_host
 from kdn.transport.wire import FAST_HEAD, NET_GET_MANY, NET_PUT_MANY, read_exact
@@ -362,7 +363,7 @@ def test_a_damaged_answer_is_caught_as_it_lands(damage: str) -> None:
     sock, port = _fake_server(answer)
     net = NetPath("127.0.0.1", port, "0" * 32, 10)
     with pytest.raises(want):
-        net.get_many("default", [numbered_key(1)], "")
+        net.get_many("default", [numbered_key(1)], Expected())
     net.close()
     sock.close()
 

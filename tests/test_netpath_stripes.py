@@ -18,6 +18,7 @@ from kdn.client import Client, netpath
 from kdn.client.netpath import STRIPE_MIN_BYTES, NetPath
 from kdn.client.received import Fetched
 from kdn.errors import Corrupt, InvalidArgument, NotFound, Unavailable
+from kdn.layout import Expected
 from kdn.server import ServerThread
 from kdn.transport.wire import FAST_HEAD, read_exact
 from kdn.v1 import kdn_pb2 as pb
@@ -172,10 +173,10 @@ def test_a_failed_stripe_fails_the_call_and_the_path_goes_on(how: str,
     net = NetPath("127.0.0.1", server.port, "0" * 32, 10, connections=2)
     try:
         with pytest.raises(error):
-            net.get_many("default", KEYS, "")
+            net.get_many("default", KEYS, Expected())
         assert server.calls == 2  # both stripes were asked for
         script["now"] = _honest  # the server mends: the next call is whole and right
-        got = net.get_many("default", KEYS, "")
+        got = net.get_many("default", KEYS, Expected())
         assert [bytes(g[0]) if g else None for g in got] == [ENTRIES[k] for k in KEYS]
     finally:
         net.close()
@@ -191,7 +192,8 @@ def test_entries_landing_after_the_answer_fail_one_by_one(how: str,
     server = Scripted(_bad(how))
     net = NetPath("127.0.0.1", server.port, "0" * 32, 10, connections=2)
     try:
-        got = net.start_get_many("default", [*KEYS[:2], numbered_key(99), *KEYS[2:]], "")
+        got = net.start_get_many("default", [*KEYS[:2], numbered_key(99), *KEYS[2:]],
+                                 Expected())
         assert got[2] is None  # the miss is known at once
         firsts = [g for g in got[:2] if g is not None]
         assert [bytes(f.result(10)) for _, f in firsts] == [ENTRIES[k] for k in KEYS[:2]]
@@ -250,7 +252,7 @@ def test_blocks_bound_for_a_gpu_land_page_locked(server: ServerThread, striped: 
     kvs = [random_kv(LAYOUT, 64, seed=i) for i in range(4)]
     for k, kv in zip(keys, kvs):
         striped.store(k, kv, mode="raw")
-    for g in striped.dataplane.get_many("default", keys, "", None, pinned=True):
+    for g in striped.dataplane.get_many("default", keys, Expected(), None, pinned=True):
         assert isinstance(g, Fetched) and g.pinned and g.container is not None
         assert torch.frombuffer(g.container, dtype=torch.uint8).is_pinned()
     streams = striped.retrieve_streams(keys, layout=LAYOUT, device="cuda")

@@ -75,7 +75,8 @@ class ChunkConnector(KVConnector):
         self.ids = [int(t) for t in token_ids]
         self.key = self.key_of(self.ids)
         self.stream = self.client.retrieve_stream(self.key, namespace=self.namespace,
-                                                  layout=self.layout, device=self.device)
+                                                  layout=self.layout, tokens=len(self.ids),
+                                                  device=self.device)
         return len(self.ids) if self.stream is not None else 0
 
     def wait_for_layer(self, i: int, timeout: float | None = None) -> LayerKV:

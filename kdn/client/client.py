@@ -223,15 +223,18 @@ class Client:
         return self._writes.stage(layout, tokens, start_position=start_position)
 
     # -- retrieve -------------------------------------------------------------------------------
+    # ``layout``, ``tokens``: what each entry read must be (None / 0: any); one that is not
+    # fails the read (LayoutMismatch) before any of it is decoded (``kdn.layout.Expected``)
 
     def fetch(self, key: bytes, *, namespace: str | None = None,
-              layout: KVLayout | None = None, request_id: str | None = None) -> Fetched | None:
+              layout: KVLayout | None = None, tokens: int = 0,
+              request_id: str | None = None) -> Fetched | None:
         """The stored container of ``key`` (header + frames, undecoded), or None on a miss."""
-        return self._reads.fetch(key, namespace=namespace, layout=layout,
+        return self._reads.fetch(key, namespace=namespace, layout=layout, tokens=tokens,
                                  request_id=request_id)
 
     def retrieve_stream(self, key: bytes, *, namespace: str | None = None,
-                        layout: KVLayout | None = None,
+                        layout: KVLayout | None = None, tokens: int = 0,
                         device: torch.device | str | None = None,
                         first_layer: int = 0, last_layer: int = 0,
                         request_id: str | None = None) -> LayerStream | None:
@@ -241,7 +244,7 @@ class Client:
         decoded on worker threads while the caller works on earlier layers.
         """
         return self._reads.retrieve_stream(key, namespace=namespace, layout=layout,
-                                           device=device, first_layer=first_layer,
+                                           tokens=tokens, device=device, first_layer=first_layer,
                                            last_layer=last_layer, request_id=request_id)
 
     def layer_stream(self, start: Callable[..., Any], request: Any,
@@ -255,44 +258,45 @@ class Client:
         return self._reads.layer_stream(start, request, device, request_id, on_complete)
 
     def retrieve(self, key: bytes, *, namespace: str | None = None,
-                 layout: KVLayout | None = None,
+                 layout: KVLayout | None = None, tokens: int = 0,
                  device: torch.device | str | None = None,
                  request_id: str | None = None) -> KVCache | None:
         """Retrieve and decode ``key``. None on a miss."""
-        return self._reads.retrieve(key, namespace=namespace, layout=layout, device=device,
-                                    request_id=request_id)
+        return self._reads.retrieve(key, namespace=namespace, layout=layout, tokens=tokens,
+                                    device=device, request_id=request_id)
 
     def fetch_many(self, keys: Sequence[bytes], *, namespace: str | None = None,
-                   layout: KVLayout | None = None,
+                   layout: KVLayout | None = None, tokens: int = 0,
                    request_id: str | None = None) -> list[Fetched | None]:
         """Stored containers of ``keys`` (None for a miss) in as few calls as fit."""
-        return self._reads.fetch_many(keys, namespace=namespace, layout=layout,
+        return self._reads.fetch_many(keys, namespace=namespace, layout=layout, tokens=tokens,
                                       request_id=request_id)
 
     def retrieve_streams(self, keys: Sequence[bytes], *, namespace: str | None = None,
-                         layout: KVLayout | None = None,
+                         layout: KVLayout | None = None, tokens: int = 0,
                          device: torch.device | str | None = None,
                          request_id: str | None = None) -> list[LayerStream | None]:
         """``retrieve_stream`` of many keys at once (None for a miss), all started before this
         returns."""
         return self._reads.retrieve_streams(keys, namespace=namespace, layout=layout,
-                                            device=device, request_id=request_id)
+                                            tokens=tokens, device=device, request_id=request_id)
 
     def retrieve_joined(self, keys: Sequence[bytes], *, namespace: str | None = None,
-                        layout: KVLayout | None = None,
+                        layout: KVLayout | None = None, tokens: int = 0,
                         device: torch.device | str | None = None) -> LayerStream | None:
         """Consecutive blocks of one context, every one in the in-process tier, as one
         LayerStream of the whole context; None when any is not there or the join does not
         apply (then ``retrieve_streams``)."""
         return self._reads.retrieve_joined(keys, namespace=namespace, layout=layout,
-                                           device=device)
+                                           tokens=tokens, device=device)
 
     def retrieve_many(self, keys: Sequence[bytes], *, namespace: str | None = None,
-                      layout: KVLayout | None = None, device: torch.device | str | None = None,
+                      layout: KVLayout | None = None, tokens: int = 0,
+                      device: torch.device | str | None = None,
                       request_id: str | None = None) -> list[KVCache | None]:
         """``fetch_many``, decoded (frame checksums verified) on ``device``."""
         return self._reads.retrieve_many(keys, namespace=namespace, layout=layout,
-                                         device=device, request_id=request_id)
+                                         tokens=tokens, device=device, request_id=request_id)
 
     # -- blend ----------------------------------------------------------------------------------
 

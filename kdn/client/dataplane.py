@@ -46,7 +46,16 @@ from kdn.client.received import Fetched, fetched
 from kdn.client.samehost import SameHostPath, write_parts
 from kdn.codec import EncodedParts
 from kdn.codec.format import parse_container
-from kdn.errors import Corrupt, KDNError, NotFound, RateLimited, TooLarge, Unavailable
+from kdn.errors import (
+    Corrupt,
+    KDNError,
+    LayoutMismatch,
+    NotFound,
+    RateLimited,
+    TooLarge,
+    Unavailable,
+)
+from kdn.layout import Expected
 from kdn.transport.wire import FAST_GET_MANY, FAST_PUT_MANY
 from kdn.v1 import kdn_pb2 as pb
 
@@ -93,10 +102,10 @@ def _inline(ref: pb.EntryRef) -> Fetched:
     return fetched(ref.data, ref.tier, checked=ref.verified, whole=True)
 
 
-def _listed(arena: Any, namespace: str, key: bytes, layout_fingerprint: str) -> Fetched | None:
+def _listed(arena: Any, namespace: str, key: bytes, want: Expected) -> Fetched | None:
     """``key``'s entry where the read arena's directory lists it (``LeasedArena.find``: no
-    call) and its layout is the one asked for; None where it is not listed, or it does not
-    check out (the server then answers: a layout mismatch as the error it is)."""
+    call) and it is what is asked for (its layout, its tokens); None where it is not listed,
+    or it does not check out (the server then answers: a mismatch as the error it is)."""
     found = arena.find(namespace or "default", key)
     if found is None:
         return None
@@ -105,7 +114,9 @@ def _listed(arena: Any, namespace: str, key: bytes, layout_fingerprint: str) -> 
         c = parse_container(got, verify=False)  # checked by the server as it was copied in
     except KDNError:
         return None
-    if layout_fingerprint and c.header.layout.fingerprint != layout_fingerprint:
+    try:
+        want.check(c.header.layout, c.header.entry.tokens)
+    except LayoutMismatch:
         return None
     arena.served(generation)
     return Fetched(EncodedParts(c.header.raw, list(c.frames)), "ram",  # type: ignore[arg-type]
@@ -220,7 +231,7 @@ class DataPlane:
             self.network.reconsider()  # the new server can not map it: its data path, then
         return True
 
-    def get_many(self, namespace: str, keys: Sequence[bytes], layout_fingerprint: str,
+    def get_many(self, namespace: str, keys: Sequence[bytes], want: Expected,
                  request_id: str | None, *, pinned: bool = False
                  ) -> list[Fetched | TooBig | None]:
         """One entry per key: Fetched, None (a miss), or TOO_BIG (stream it instead).
@@ -229,20 +240,20 @@ class DataPlane:
         the host-to-device copy reads the server's pages with no copy on the host."""
         seg_id = self.segment()[1]
         try:
-            return self._get_many(namespace, keys, layout_fingerprint, request_id, pinned)
+            return self._get_many(namespace, keys, want, request_id, pinned)
         except NotFound:
             if not self._renewed(seg_id):
                 raise
-        return self._get_many(namespace, keys, layout_fingerprint, request_id, pinned)
+        return self._get_many(namespace, keys, want, request_id, pinned)
 
-    def _get_many(self, namespace: str, keys: Sequence[bytes], layout_fingerprint: str,
+    def _get_many(self, namespace: str, keys: Sequence[bytes], want: Expected,
                   request_id: str | None, pinned: bool) -> list[Fetched | TooBig | None]:
         out: list[Fetched | TooBig | None] = [None] * len(keys)
         todo = list(range(len(keys)))
         seg, seg_id = self.segment()
         net = self.net() if seg is None else None
         if net is not None:
-            got = self.network.get_many(net, namespace, keys, layout_fingerprint, pinned)
+            got = self.network.get_many(net, namespace, keys, want, pinned)
             if got is not None:
                 return list(got)
         if seg is None and not self._inline_ok:
@@ -262,7 +273,7 @@ class DataPlane:
         if arena is not None and arena.kept_bytes:  # kept leases still the server's values:
             left = []  # read again without a call
             for i in todo:
-                got = arena.reuse((namespace, keys[i], layout_fingerprint), pinned=pinned)
+                got = arena.reuse((namespace, keys[i], want), pinned=pinned)
                 if got is None:
                     left.append(i)
                     continue
@@ -272,7 +283,7 @@ class DataPlane:
         if arena is not None and todo and arena.has_directory and self.same_host.server_alive():
             left = []  # entries the arena's directory lists: read without a call
             for i in todo:
-                listed = _listed(arena, namespace, keys[i], layout_fingerprint)
+                listed = _listed(arena, namespace, keys[i], want)
                 if listed is None:
                     left.append(i)
                 else:
@@ -293,7 +304,8 @@ class DataPlane:
                 region = pb.Region(offset=block[0], length=block[1])
             req = pb.GetManyRequest(namespace=namespace, keys=[keys[i] for i in todo],
                                     segment_id=seg_id if seg is not None else "",
-                                    region=region, expect_layout_fingerprint=layout_fingerprint)
+                                    region=region, expect_layout_fingerprint=want.fingerprint,
+                                    expect_tokens=want.tokens)
             if seg is None and len(todo) > 1:  # a batch's large entries stream instead
                 req.inline_max_entry_bytes = STREAM_ENTRY_BYTES - 1
             elif seg is not None and len(todo) == 1:  # one small entry: in the answer
@@ -325,7 +337,7 @@ class DataPlane:
                 raise
             unviewed = {ref.lease for ref in resp.entries if ref.lease}
             try:
-                again, sizes, used = self._place(resp, todo, out, (namespace, layout_fingerprint),
+                again, sizes, used = self._place(resp, todo, out, (namespace, want),
                                                  keys, seg, block, arena, unviewed, pinned)
             finally:
                 if unviewed and arena is not None:  # not handed out: given back with the next
@@ -352,7 +364,7 @@ class DataPlane:
             todo = again
         return out
 
-    def get_one(self, namespace: str, key: bytes, layout_fingerprint: str,
+    def get_one(self, namespace: str, key: bytes, want: Expected,
                 request_id: str | None) -> Fetched | TooBig | None:
         """``get_many`` of one key for the CPU, with less of its machinery on the server's
         host, where a small entry comes inside the answer (``SMALL_ENTRY_BYTES``): one GetMany
@@ -365,7 +377,7 @@ class DataPlane:
         seg, seg_id = sh.segment()
         arena = sh.arena
         if arena is not None and arena.has_directory and sh.server_alive():
-            listed = _listed(arena, namespace, key, layout_fingerprint)
+            listed = _listed(arena, namespace, key, want)
             if listed is not None:
                 self._report_reads(arena)
                 return listed
@@ -373,11 +385,12 @@ class DataPlane:
             if seg is not None and arena is not None and sh.fast and not arena.kept_bytes \
             else None
         if block is None:
-            return self.get_many(namespace, [key], layout_fingerprint, request_id)[0]
+            return self.get_many(namespace, [key], want, request_id)[0]
         released = arena.take()
         req = pb.GetManyRequest(namespace=namespace, keys=[key], segment_id=seg_id,
                                 region=pb.Region(offset=block[0], length=block[1]),
-                                expect_layout_fingerprint=layout_fingerprint, lease=True,
+                                expect_layout_fingerprint=want.fingerprint,
+                                expect_tokens=want.tokens, lease=True,
                                 release=released, inline_below_bytes=SMALL_ENTRY_BYTES,
                                 read_listed=arena.reads_to_report())
         body: bytes | None = None
@@ -392,7 +405,7 @@ class DataPlane:
         if body is None:
             arena.give_back(released)
             seg.regions.free(*block)
-            return self.get_many(namespace, [key], layout_fingerprint, request_id)[0]
+            return self.get_many(namespace, [key], want, request_id)[0]
         resp = pb.GetManyResponse.FromString(body)
         ref = resp.entries[0] if len(resp.entries) == 1 else None
         if ref is not None and not ref.lease and (not ref.present or len(ref.data)):
@@ -410,25 +423,25 @@ class DataPlane:
         unviewed = {ref.lease} if ref.lease else set()
         used = block[0]
         try:
-            again, _, used = self._place(resp, [0], out, (namespace, layout_fingerprint), [key],
+            again, _, used = self._place(resp, [0], out, (namespace, want), [key],
                                          seg, block, arena, unviewed)
         finally:
             if unviewed:
                 arena.give_back(sorted(unviewed))
             seg.regions.free(used, block[0] + block[1] - used)
         if again:  # not written (no room): the general way, with the size it said
-            return self.get_many(namespace, [key], layout_fingerprint, request_id)[0]
+            return self.get_many(namespace, [key], want, request_id)[0]
         return out[0]
 
     def _place(self, resp: pb.GetManyResponse, todo: list[int],
-               out: list[Fetched | TooBig | None], names: tuple[str, str],
+               out: list[Fetched | TooBig | None], names: tuple[str, Expected],
                keys: Sequence[bytes],
                seg: Any, block: tuple[int, int] | None, arena: Any, unviewed: set[int],
                pinned: bool = False) -> tuple[list[int], list[int], int]:
         """Hand out one GetMany answer's entries (``out``); (entries to ask again, their sizes,
-        end of the region's used part). ``names``: the namespace and the layout fingerprint
-        asked for (a kept lease answers only reads that ask the same)."""
-        namespace, fingerprint = names
+        end of the region's used part). ``names``: the namespace and what was asked of the
+        entries (a kept lease answers only reads that ask the same)."""
+        namespace, want = names
         used = block[0] if block is not None else 0
         again: list[int] = []
         sizes: list[int] = []
@@ -445,7 +458,7 @@ class DataPlane:
                 if arena is None:
                     raise Corrupt("GetMany answered with a lease this client did not ask for")
                 if ref.generation:  # kept before it is viewed: its views then never free it
-                    arena.keep((namespace, keys[i], fingerprint), ref.lease, ref.offset,
+                    arena.keep((namespace, keys[i], want), ref.lease, ref.offset,
                                ref.length, ref.generation_at, ref.generation, ref.tier)
                 try:
                     view = arena.view(ref.lease, ref.offset, ref.length, pinned=pinned)

@@ -55,6 +55,7 @@ from kdn.errors import (
     TooLarge,
     Unavailable,
 )
+from kdn.layout import Expected
 from kdn.status import error_of
 from kdn.transport.buffers import RECEIVED, BufferPool
 from kdn.transport.netio import recv_container
@@ -311,26 +312,26 @@ class NetPath:
         n = max(n, -(-count // NET_MAX_KEYS), -(-count * self.entry_bytes // STRIPE_MAX_BYTES))
         return max(1, min(n, count, MAX_CONNECTIONS))
 
-    def get_many(self, namespace: str, keys: Sequence[bytes], layout_fingerprint: str,
+    def get_many(self, namespace: str, keys: Sequence[bytes], want: Expected,
                  *, pinned: bool = False) -> list[tuple[memoryview, str] | None]:
         """(entry bytes, tier) of each key, None for a miss: one call, or one per stripe
         (``stripes``) side by side. ``pinned``: the entries land in page-locked memory (they
         are bound for a CUDA device)."""
         n = self.stripes(len(keys))
         if n == 1:
-            return self._get_one(namespace, keys, layout_fingerprint, pinned)
+            return self._get_one(namespace, keys, want, pinned)
         if self.has_pending():  # this thread's stores first: a read sees what it wrote
             self.settle()
         bounds = [round(i * len(keys) / n) for i in range(n + 1)]
         runs = [keys[a:b] for a, b in zip(bounds, bounds[1:])]
         pool = self._pool()
         later: list[Future[list[tuple[memoryview, str] | None]]] = [
-            pool.submit(self._get_stripe, namespace, run, layout_fingerprint, pinned)
+            pool.submit(self._get_stripe, namespace, run, want, pinned)
             for run in runs[1:]]
         got: list[tuple[memoryview, str] | None] = []
         failed: BaseException | None = None
         try:
-            got = self._get_one(namespace, runs[0], layout_fingerprint, pinned)
+            got = self._get_one(namespace, runs[0], want, pinned)
         except BaseException as exc:  # the other stripes still end (or fail) first
             failed = exc
         for fut in later:
@@ -344,7 +345,7 @@ class NetPath:
             raise failed
         return got
 
-    def start_get_many(self, namespace: str, keys: Sequence[bytes], layout_fingerprint: str,
+    def start_get_many(self, namespace: str, keys: Sequence[bytes], want: Expected,
                        *, pinned: bool = False) -> list[tuple[str, Future[memoryview]] | None]:
         """``get_many`` that returns once every stripe's answer is in (which keys are
         present, not their bytes): per key None (a miss) or (tier, the future of its
@@ -362,7 +363,7 @@ class NetPath:
             for run in runs:  # every call sent before any answer is read: served side by side
                 conn = self._spare_conn()
                 conns.append(conn)
-                body = self._get_request(namespace, run, layout_fingerprint).SerializeToString()
+                body = self._get_request(namespace, run, want).SerializeToString()
                 send_pieces(conn, [FAST_HEAD.pack(len(body), NET_GET_MANY) + body])
             refs = []
             for conn, run in zip(conns, runs):
@@ -424,24 +425,24 @@ class NetPath:
                 conn.close()
         return self._open()
 
-    def _get_one(self, namespace: str, keys: Sequence[bytes], layout_fingerprint: str,
+    def _get_one(self, namespace: str, keys: Sequence[bytes], want: Expected,
                  pinned: bool) -> list[tuple[memoryview, str] | None]:
         """One GetMany on this thread's connection."""
         conn, out = self._call(NET_GET_MANY, self._get_request(namespace, keys,
-                                                                 layout_fingerprint))
+                                                                 want))
         try:
             return self._entries(conn, out, len(keys), pinned)
         except BaseException:
             self._drop()  # whatever of the answer is left unread: the connection is lost
             raise
 
-    def _get_stripe(self, namespace: str, keys: Sequence[bytes], layout_fingerprint: str,
+    def _get_stripe(self, namespace: str, keys: Sequence[bytes], want: Expected,
                     pinned: bool) -> list[tuple[memoryview, str] | None]:
         """One stripe's GetMany, on a spare connection of the path's (given back once its
         answer is read whole; closed when the call fails: what is left of it is unread)."""
         conn = self._spare_conn()
         try:
-            body = self._get_request(namespace, keys, layout_fingerprint).SerializeToString()
+            body = self._get_request(namespace, keys, want).SerializeToString()
             send_pieces(conn, [FAST_HEAD.pack(len(body), NET_GET_MANY) + body])
             ok, out = fast_answer(conn)
             self.worked = True
@@ -462,10 +463,11 @@ class NetPath:
                 self._all.remove(conn)
         conn.close()
 
-    def _get_request(self, namespace: str, keys: Sequence[bytes], layout_fingerprint: str
+    def _get_request(self, namespace: str, keys: Sequence[bytes], want: Expected
                      ) -> pb.GetManyRequest:
         return pb.GetManyRequest(namespace=namespace, keys=keys, segment_id=self.ticket,
-                                 expect_layout_fingerprint=layout_fingerprint)
+                                 expect_layout_fingerprint=want.fingerprint,
+                                 expect_tokens=want.tokens)
 
     def _entries(self, conn: socket.socket, out: bytes, count: int, pinned: bool
                  ) -> list[tuple[memoryview, str] | None]:
@@ -600,10 +602,10 @@ class RemotePath:
         net.close()
 
     def get_many(self, net: NetPath, namespace: str, keys: Sequence[bytes],
-                 layout_fingerprint: str, pinned: bool = False) -> list[Fetched | None] | None:
+                 want: Expected, pinned: bool = False) -> list[Fetched | None] | None:
         """``DataPlane.get_many`` on ``net``; None when it failed (gRPC then). ``pinned``:
         bound for a CUDA device (landed in page-locked memory)."""
-        got = self._on(net, lambda n: n.get_many(namespace, keys, layout_fingerprint,
+        got = self._on(net, lambda n: n.get_many(namespace, keys, want,
                                                  pinned=pinned))
         if got is None:
             return None
@@ -612,11 +614,11 @@ class RemotePath:
                 for g in got]
 
     def start_get_many(self, net: NetPath, namespace: str, keys: Sequence[bytes],
-                       layout_fingerprint: str, pinned: bool = False
+                       want: Expected, pinned: bool = False
                        ) -> list[tuple[str, Future[Fetched]] | None] | None:
         """``NetPath.start_get_many`` on ``net``, each entry's bytes as a Fetched (checked
         as they landed); None when the path failed (the caller reads another way)."""
-        got = self._on(net, lambda n: n.start_get_many(namespace, keys, layout_fingerprint,
+        got = self._on(net, lambda n: n.start_get_many(namespace, keys, want,
                                                        pinned=pinned))
         if got is None:
             return None

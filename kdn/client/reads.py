@@ -41,9 +41,9 @@ from kdn.client.received import (
 from kdn.client.rpc import Rpc, settles, traced
 from kdn.codec import EncodedParts
 from kdn.codec.format import parse_container, parse_header
-from kdn.errors import KDNError, LayoutMismatch, NotFound, Status
+from kdn.errors import KDNError, NotFound, Status
 from kdn.keys import check_key, check_namespace
-from kdn.layout import KVLayout
+from kdn.layout import Expected, KVLayout
 from kdn.transport.wire import GROUP_INLINE_BYTES
 from kdn.v1 import kdn_pb2 as pb
 
@@ -77,22 +77,30 @@ class Reader:
         if self.local is not None:
             self.local.put(namespace, key, parts)
 
-    def in_process(self, namespace: str, key: bytes, layout: KVLayout | None
-                   ) -> Fetched | None:
-        """The in-process tier's copy of the entry (its layout checked), or None."""
+    def in_process(self, namespace: str, key: bytes, want: Expected) -> Fetched | None:
+        """The in-process tier's copy of the entry (checked against ``want``, as the server
+        checks), or None."""
         got = self.local.get(namespace, key) if self.local is not None else None
-        return None if got is None else _checked_layout(
-            Fetched(got.parts, LOCAL_TIER, checked=True, header=got.header, container=got.whole,
-                    pinned=self.local.pinned, memo=got.memo), layout)  # type: ignore[union-attr]
+        if got is None:
+            return None
+        out = Fetched(got.parts, LOCAL_TIER, checked=True, header=got.header,
+                      container=got.whole, pinned=self.local.pinned,  # type: ignore[union-attr]
+                      memo=got.memo)
+        header = out.parsed()
+        want.check(header.layout, header.entry.tokens)
+        return out
 
     @traced("kdn.client.fetch")
     def fetch(self, key: bytes, *, namespace: str | None = None,
-              layout: KVLayout | None = None, request_id: str | None = None) -> Fetched | None:
+              layout: KVLayout | None = None, tokens: int = 0,
+              request_id: str | None = None) -> Fetched | None:
         """The stored container of ``key`` (header + frames, undecoded), or None on a miss:
         one GetMany (through the segment on the server's host, else inline in one message),
-        or a Retrieve stream for an entry too large for either."""
-        req = self._retrieve_request(key, namespace, layout)
-        got = self._entries(req.namespace, [req.key], layout, request_id)[0]
+        or a Retrieve stream for an entry too large for either. ``layout``, ``tokens``: what
+        the entry must be (LayoutMismatch otherwise; None / 0: any)."""
+        want = Expected.of(layout, tokens)
+        req = self._retrieve_request(key, namespace, want)
+        got = self._entries(req.namespace, [req.key], want, request_id)[0]
         if not isinstance(got, TooBig):
             return got
         md = self.rpc.metadata(request_id)
@@ -112,24 +120,26 @@ class Reader:
 
     @settles
     def retrieve_stream(self, key: bytes, *, namespace: str | None = None,
-                        layout: KVLayout | None = None,
+                        layout: KVLayout | None = None, tokens: int = 0,
                         device: torch.device | str | None = None,
                         first_layer: int = 0, last_layer: int = 0,
                         request_id: str | None = None) -> LayerStream | None:
         """Start retrieving ``key``; layers become usable one by one (``wait_for_layer``).
 
         None on a miss. The header arrives before this returns; frames keep arriving and are
-        decoded on worker threads while the caller works on earlier layers.
+        decoded on worker threads while the caller works on earlier layers. ``layout``,
+        ``tokens``: what the entry must be (LayoutMismatch before anything is decoded).
         """
-        req = self._retrieve_request(key, namespace, layout)
+        want = Expected.of(layout, tokens)
+        req = self._retrieve_request(key, namespace, want)
         req.first_layer, req.last_layer = first_layer, last_layer
         whole = not (first_layer or last_layer)
         if whole:  # the in-process tier, then the shared segment (same host) or data path
             started = time.perf_counter()
-            got = (self._entries(req.namespace, [req.key], layout, request_id,
+            got = (self._entries(req.namespace, [req.key], want, request_id,
                                  pinned=on_cuda(device))[0]
                    if self.dataplane.direct else
-                   self.in_process(req.namespace, req.key, layout))
+                   self.in_process(req.namespace, req.key, want))
             if isinstance(got, Fetched):
                 return stream_of(got, device, new_timings(started=started),
                                   self.dataplane.segment()[0])
@@ -248,10 +258,11 @@ class Reader:
 
     @traced("kdn.client.retrieve")
     def retrieve(self, key: bytes, *, namespace: str | None = None,
-                 layout: KVLayout | None = None,
+                 layout: KVLayout | None = None, tokens: int = 0,
                  device: torch.device | str | None = None,
                  request_id: str | None = None) -> KVCache | None:
-        """Retrieve and decode ``key``. None on a miss.
+        """Retrieve and decode ``key``. None on a miss. ``layout``, ``tokens``: what the
+        entry must be (LayoutMismatch otherwise; None / 0: any).
 
         The whole entry is wanted before anything is used, so without the shared segment it
         is read as ``fetch`` reads it (one message, or a stream whose messages are kept, or
@@ -259,9 +270,10 @@ class Reader:
         layer by layer as frames arrive only pays where a caller starts on early layers
         (``retrieve_stream``), or where an entry large enough comes over several streams
         (``streams``, ``kdn.client.parallel``)."""
+        want = Expected.of(layout, tokens)
         if self.dataplane.attached:
             if device is None or str(device) == "cpu":  # one GetMany, the cache made at once
-                got = self._entries(self._ns(namespace), [check_key(key)], layout,
+                got = self._entries(self._ns(namespace), [check_key(key)], want,
                                     request_id)[0]
                 if got is None:
                     return None
@@ -270,11 +282,11 @@ class Reader:
                     return kv if kv is not None else stream_of(got, device, new_timings(
                         started=time.perf_counter())).result()
             stream = self.retrieve_stream(key, namespace=namespace, layout=layout,
-                                          device=device, request_id=request_id)
+                                          tokens=tokens, device=device, request_id=request_id)
             return None if stream is None else stream.result()
         started = time.perf_counter()
-        req = self._retrieve_request(key, namespace, layout)
-        got = self._entries(req.namespace, [req.key], layout, request_id)[0]
+        req = self._retrieve_request(key, namespace, want)
+        got = self._entries(req.namespace, [req.key], want, request_id)[0]
         if isinstance(got, TooBig):  # as fetch reads it, but a large entry over several streams
             keep = (functools.partial(self.remember, req.namespace, req.key)
                     if self.local is not None else None)
@@ -292,34 +304,37 @@ class Reader:
 
     @traced("kdn.client.fetch_many")
     def fetch_many(self, keys: Sequence[bytes], *, namespace: str | None = None,
-                   layout: KVLayout | None = None,
+                   layout: KVLayout | None = None, tokens: int = 0,
                    request_id: str | None = None) -> list[Fetched | None]:
         """Stored containers of ``keys`` (None for a miss) in as few calls as fit: through the
         shared segment on the server's host, else by one grouped RetrieveMany (small entries
         inline, many a message; larger ones a message a frame), or on a server without it
-        inline (GetMany) and what that did not hold in one RetrieveMany."""
+        inline (GetMany) and what that did not hold in one RetrieveMany. ``layout``,
+        ``tokens``: what each entry must be (``fetch``)."""
         ns = self._ns(namespace)
         ks = [check_key(k) for k in keys]
+        want = Expected.of(layout, tokens)
         if len(ks) > 1 and not self.dataplane.direct and self._retrieve_many_ok:
-            local = [self.in_process(ns, k, layout) for k in ks]
+            local = [self.in_process(ns, k, want) for k in ks]
             ask = [j for j, g in enumerate(local) if g is None]
-            streamed = self._streamed(ns, [ks[j] for j in ask], layout, request_id,
+            streamed = self._streamed(ns, [ks[j] for j in ask], want, request_id,
                                       grouped=True) if ask else []
             if streamed is not None:
                 for j, g in zip(ask, streamed):
                     local[j] = g
                 return local
-        got = self._entries(ns, ks, layout, request_id)
+        got = self._entries(ns, ks, want, request_id)
         big = [j for j, g in enumerate(got) if isinstance(g, TooBig)]
         if len(big) > 1 and self._retrieve_many_ok:
-            streamed = self._streamed(ns, [ks[j] for j in big], layout, request_id)
+            streamed = self._streamed(ns, [ks[j] for j in big], want, request_id)
             if streamed is not None:
                 for j, g in zip(big, streamed):
                     got[j] = g
-        return [self.fetch(k, namespace=ns, layout=layout, request_id=request_id)
+        return [self.fetch(k, namespace=ns, layout=layout, tokens=tokens,
+                           request_id=request_id)
                 if isinstance(g, TooBig) else g for k, g in zip(ks, got)]
 
-    def _streamed(self, ns: str, keys: list[bytes], layout: KVLayout | None,
+    def _streamed(self, ns: str, keys: list[bytes], want: Expected,
                   request_id: str | None, grouped: bool = False
                   ) -> list[Fetched | None] | None:
         """``keys``' entries read by one RetrieveMany stream (each checked as ``fetch``
@@ -328,8 +343,8 @@ class Reader:
         on its own). ``grouped``: small entries inline (under
         ``STREAM_ENTRY_BYTES``, at most ``inline_budget`` a message)."""
         req = pb.RetrieveManyRequest(namespace=ns, keys=keys,
-                                     expect_layout_fingerprint=layout.fingerprint
-                                     if layout else "")
+                                     expect_layout_fingerprint=want.fingerprint,
+                                     expect_tokens=want.tokens)
         if grouped:
             req.grouped = True
             req.inline_max_entry_bytes = STREAM_ENTRY_BYTES - 1
@@ -348,24 +363,22 @@ class Reader:
                 self.remember(ns, k, g.parts)
         return got
 
-    def _entries(self, ns: str, keys: list[bytes], layout: KVLayout | None,
+    def _entries(self, ns: str, keys: list[bytes], want: Expected,
                  request_id: str | None, *, pinned: bool = False, in_process: bool = True
                  ) -> list[Fetched | TooBig | None]:
         """In-process hits (unless ``in_process`` is False: looked up already), then one batch
         (GetMany) for the rest, which is remembered. ``pinned``: bound for a CUDA device
         (``DataPlane.get_many``)."""
         out: list[Fetched | TooBig | None] = [
-            self.in_process(ns, k, layout) if in_process else None for k in keys]
+            self.in_process(ns, k, want) if in_process else None for k in keys]
         ask = [j for j, f in enumerate(out) if f is None]
         if len(ask) == 1 and not pinned:  # one key: the short way where it applies
-            one = self.dataplane.get_one(ns, keys[ask[0]], layout.fingerprint if layout else "",
-                                         request_id)
+            one = self.dataplane.get_one(ns, keys[ask[0]], want, request_id)
             out[ask[0]] = one
             if isinstance(one, Fetched):
                 self.remember(ns, keys[ask[0]], one.parts)
         elif ask:
-            got = self.dataplane.get_many(ns, [keys[j] for j in ask],
-                                          layout.fingerprint if layout else "", request_id,
+            got = self.dataplane.get_many(ns, [keys[j] for j in ask], want, request_id,
                                           pinned=pinned)
             for j, g in zip(ask, got):
                 out[j] = g
@@ -375,34 +388,38 @@ class Reader:
 
     @settles
     def retrieve_streams(self, keys: Sequence[bytes], *, namespace: str | None = None,
-                         layout: KVLayout | None = None,
+                         layout: KVLayout | None = None, tokens: int = 0,
                          device: torch.device | str | None = None,
                          request_id: str | None = None) -> list[LayerStream | None]:
         """``retrieve_stream`` of many keys at once (None for a miss): one GetMany through the
         shared segment on the server's host, else one Retrieve stream per key, all started
-        before this returns."""
+        before this returns. ``layout``, ``tokens``: what every entry must be (an engine's
+        blocks: its layout, ``chunk_tokens`` each); one that is not fails the call
+        (LayoutMismatch) before any entry is decoded."""
         started = time.perf_counter()
         ns = self._ns(namespace)
         ks = [check_key(k) for k in keys]
+        want = Expected.of(layout, tokens)
         net = self.dataplane.net() if not self.dataplane.attached and len(ks) > 1 else None
         if net is not None:
-            landing = self._landing(net, ns, ks, layout, device, started)
+            landing = self._landing(net, ns, ks, want, device, started)
             if landing is not None:
                 return landing
         if not self.dataplane.attached:
-            return [self.retrieve_stream(k, namespace=namespace, layout=layout, device=device,
-                                         request_id=request_id) for k in keys]
+            return [self.retrieve_stream(k, namespace=namespace, layout=layout, tokens=tokens,
+                                         device=device, request_id=request_id) for k in keys]
         seg = self.dataplane.segment()[0]
         if not on_cuda(device) or seg is None:
-            got = self._entries(ns, ks, layout, request_id)
-            return [self.retrieve_stream(k, namespace=ns, layout=layout, device=device,
-                                         request_id=request_id) if isinstance(g, TooBig)
+            got = self._entries(ns, ks, want, request_id)
+            return [self.retrieve_stream(k, namespace=ns, layout=layout, tokens=tokens,
+                                         device=device, request_id=request_id)
+                    if isinstance(g, TooBig)
                     else None if g is None else stream_of(g, device, new_timings(started=started),
                                                              seg)
                     for k, g in zip(ks, got)]
-        return self._device_streams(ns, ks, layout, device, request_id, seg, started)
+        return self._device_streams(ns, ks, (layout, tokens), device, request_id, seg, started)
 
-    def _landing(self, net: Any, ns: str, ks: list[bytes], layout: KVLayout | None,
+    def _landing(self, net: Any, ns: str, ks: list[bytes], want: Expected,
                  device: torch.device | str | None, started: float
                  ) -> list[LayerStream | None] | None:
         """``retrieve_streams`` of a remote client on the network data path: one GetMany,
@@ -410,7 +427,7 @@ class Reader:
         streams are handed out then (``PendingStream``), each made as its entry lands,
         checked, in page-locked memory where it is bound for a GPU (one host-to-device copy
         per entry, queued as it lands). None when the path failed (each read alone then)."""
-        out: list[Any] = [self.in_process(ns, k, layout) for k in ks]
+        out: list[Any] = [self.in_process(ns, k, want) for k in ks]
         ask = [j for j, g in enumerate(out) if g is None]
         for j, g in enumerate(out):
             if g is not None:
@@ -418,8 +435,7 @@ class Reader:
         if not ask:
             return out
         got = self.dataplane.network.start_get_many(
-            net, ns, [ks[j] for j in ask], layout.fingerprint if layout else "",
-            pinned=on_cuda(device))
+            net, ns, [ks[j] for j in ask], want, pinned=on_cuda(device))
         if got is None:
             return None
         for j, g in zip(ask, got):
@@ -429,20 +445,23 @@ class Reader:
                 out[j] = PendingStream(g[1], g[0], device, new_timings(started=started), keep)
         return out
 
-    def _device_streams(self, ns: str, ks: Sequence[bytes], layout: KVLayout | None,
+    def _device_streams(self, ns: str, ks: Sequence[bytes], shape: tuple[KVLayout | None, int],
                         device: torch.device | str | None, request_id: str | None, seg: Any,
                         started: float) -> list[LayerStream | None]:
-        """``retrieve_streams`` of keys ``ks`` bound for a GPU (``seg``: the shared segment).
+        """``retrieve_streams`` of keys ``ks`` bound for a GPU (``seg``: the shared segment;
+        ``shape``: the layout and tokens every entry must have).
         The host bytes are only copy sources. In-process hits hold nothing of the server's: all
         their copies are queued at once. The rest is read in groups that fill a quarter of the
         segment, and each group's regions and leases go back once its copies are done (the
         group before is settled after the next one is asked for: two in flight), so a context
         larger than the segment and the arena never falls back to streams. The first group, one
         entry, gives the size the others are counted by."""
+        layout, tokens = shape
+        want = Expected.of(layout, tokens)
         out: list[LayerStream | None] = [None] * len(ks)
         rest = []
         for j, k in enumerate(ks):
-            hit = self.in_process(ns, k, layout)
+            hit = self.in_process(ns, k, want)
             if hit is None:
                 rest.append(j)
             else:
@@ -452,7 +471,7 @@ class Reader:
         while done < len(rest):
             group = rest[done:done + (max(1, budget // size) if size else 1)]
             done += len(group)
-            got = self._entries(ns, [ks[j] for j in group], layout, request_id, pinned=True,
+            got = self._entries(ns, [ks[j] for j in group], want, request_id, pinned=True,
                                   in_process=False)
             streams: list[LayerStream | None] = []
             hits = [(j, g) for j, g in zip(group, got) if isinstance(g, Fetched)]
@@ -467,7 +486,8 @@ class Reader:
                         out[j] = stream_of(g, device, new_timings(started=started), seg)
                 elif g is not None:  # too large for the segment: its own stream
                     out[j] = self.retrieve_stream(ks[j], namespace=ns, layout=layout,
-                                                    device=device, request_id=request_id)
+                                                    tokens=tokens, device=device,
+                                                    request_id=request_id)
                 streams.append(out[j])
             for st in held:
                 if st is not None:
@@ -477,15 +497,17 @@ class Reader:
 
     @settles
     def retrieve_joined(self, keys: Sequence[bytes], *, namespace: str | None = None,
-                        layout: KVLayout | None = None,
+                        layout: KVLayout | None = None, tokens: int = 0,
                         device: torch.device | str | None = None) -> LayerStream | None:
         """Consecutive blocks of one context, every one in the in-process tier, as one
         LayerStream of the whole context (``landing.joined_stream``); None when any is not
-        there or the join does not apply (then ``retrieve_streams``)."""
+        there or the join does not apply (then ``retrieve_streams``). ``layout``,
+        ``tokens``: what every block must be (``retrieve_streams``)."""
         ns, ks = self._ns(namespace), [check_key(k) for k in keys]
         if self.local is None or not ks or any(self.local.contains(ns, k) is None for k in ks):
             return None
-        hits = [self.in_process(ns, k, layout) for k in ks]
+        want = Expected.of(layout, tokens)
+        hits = [self.in_process(ns, k, want) for k in ks]
         if any(h is None for h in hits):  # evicted since
             return None
         return joined_stream(hits, device,  # type: ignore[arg-type]
@@ -493,32 +515,23 @@ class Reader:
 
     @traced("kdn.client.retrieve_many")
     def retrieve_many(self, keys: Sequence[bytes], *, namespace: str | None = None,
-                      layout: KVLayout | None = None, device: torch.device | str | None = None,
+                      layout: KVLayout | None = None, tokens: int = 0,
+                      device: torch.device | str | None = None,
                       request_id: str | None = None) -> list[KVCache | None]:
         """``fetch_many``, decoded (frame checksums verified) on ``device``."""
         seg = self.dataplane.segment()[0]
         return [None if f is None else stream_of(f, device, new_timings(), seg).result()
                 for f in self.fetch_many(keys, namespace=namespace, layout=layout,
-                                         request_id=request_id)]
+                                         tokens=tokens, request_id=request_id)]
 
 
-    def _retrieve_request(self, key: bytes, namespace: str | None,
-                          layout: KVLayout | None) -> pb.RetrieveRequest:
-        return pb.RetrieveRequest(
-            namespace=self._ns(namespace), key=check_key(key),
-            expect_layout_fingerprint=layout.fingerprint if layout is not None else "",
-        )
+    def _retrieve_request(self, key: bytes, namespace: str | None, want: Expected
+                          ) -> pb.RetrieveRequest:
+        return pb.RetrieveRequest(namespace=self._ns(namespace), key=check_key(key),
+                                  expect_layout_fingerprint=want.fingerprint,
+                                  expect_tokens=want.tokens)
 
     # -- blend ----------------------------------------------------------------------------------
-
-
-def _checked_layout(got: Fetched, layout: KVLayout | None) -> Fetched:
-    """``got`` when its layout is the one the caller expects (as the server checks)."""
-    if layout is not None:
-        have = got.parsed().layout.fingerprint
-        if have != layout.fingerprint:
-            raise LayoutMismatch(f"entry has layout {have}, caller expects {layout.fingerprint}")
-    return got
 
 
 def _keep(remember: Callable[[str, bytes, EncodedParts], object], ns: str, key: bytes,

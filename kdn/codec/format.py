@@ -143,8 +143,8 @@ def header_size(buf: bytes | memoryview) -> int:
     return _HEAD.size + n + _HEAD_SUM.size
 
 
-_HEADERS: BoundedMemo[bytes, tuple[KVLayout, int, int]] = BoundedMemo(4096)
-"""Headers already verified, by their exact bytes: (layout, checksum, version)."""
+_HEADERS: BoundedMemo[bytes, tuple[KVLayout, int, int, int]] = BoundedMemo(4096)
+"""Headers already verified, by their exact bytes: (layout, checksum, version, tokens)."""
 
 
 def parse_header(buf: bytes | memoryview) -> Header:
@@ -185,7 +185,7 @@ def parse_header(buf: bytes | memoryview) -> Header:
         raise InvalidLayout("container header layout fingerprint does not match its layout")
     _check_spans(entry, layout)
     version = _HEAD.unpack_from(raw, 0)[1]
-    _HEADERS.put(raw, (layout, want, version))
+    _HEADERS.put(raw, (layout, want, version, entry.tokens))
     return Header(raw=raw, entry=entry, layout=layout, checksum=want, version=version)
 
 
@@ -195,17 +195,21 @@ def sealed_header(header: Header, raw: bytes) -> Header:
     again: the sums are the only change, and they bear on none of ``parse_header``'s checks.
     Remembered as verified, as a parse would."""
     (checksum,) = _HEAD_SUM.unpack_from(raw, len(raw) - _HEAD_SUM.size)
-    _HEADERS.put(raw, (header.layout, checksum, header.version))
+    _HEADERS.put(raw, (header.layout, checksum, header.version, header.entry.tokens))
     return Header(raw=raw, entry=header.entry, layout=header.layout, checksum=checksum,
                   version=header.version)
 
 
-def header_layout(buf: bytes | memoryview) -> KVLayout:
-    """The layout of the verified container header at the start of ``buf`` (``parse_header``
-    without building its entry message when these bytes were verified before)."""
+def header_shape(buf: bytes | memoryview) -> tuple[KVLayout, int]:
+    """The layout and tokens of the verified container header at the start of ``buf``
+    (``parse_header`` without building its entry message when these bytes were verified
+    before)."""
     size = header_size(buf)
     known = _HEADERS.get(bytes(buf[:size])) if len(buf) >= size else None
-    return known[0] if known is not None else parse_header(buf).layout
+    if known is not None:
+        return known[0], known[3]
+    header = parse_header(buf)
+    return header.layout, header.entry.tokens
 
 
 def _check_fields(entry: pb.EntryHeader, layout: KVLayout) -> None:

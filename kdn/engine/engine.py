@@ -10,12 +10,17 @@ Lifecycle of ``KDNEngine.generate(prompt)``:
    run of present blocks is the reusable prefix, what ``matched_tokens`` reports); the loading
    controller picks an encoding or recompute (measured bandwidth of the path the hit would take,
    decode speed, prefill speed; overridable per request); every block's Retrieve stream starts
-   at once;
+   at once, each asked to be a block of this engine's (its layout, ``chunk_tokens`` tokens:
+   an entry of another shape under a block's key is refused before it is decoded);
 3. the model's forward over the rest of the prompt runs on a ``kdn.model.hf.LayerwiseCache`` that
    calls ``wait_for_layer(i)`` right before decoder layer i, so layer i computes while later
    layers still arrive -> first token (TTFT ends here);
 4. ``save_layer(i, ...)`` for every layer: the newly computed blocks are stored back on a
    background thread (``wait_for_save`` joins it), then ``kdn.model.hf.greedy`` decodes the rest.
+
+A load that fails (a block refused, damaged, cut off; the server unreachable) never fails the
+request: the prompt is computed whole (``Timings.load_error`` says why) and its blocks in the
+encoding that failed are stored again, so a damaged block is mended for the next request.
 
 What it stores: ``EngineConfig.encodings``, or by default what pays off on the model's device
 and the path its hits take (``kdn.delivery.default_encodings``: ``lossless`` on a CPU, ``raw``
@@ -166,6 +171,9 @@ class Timings:
     decision: str = RECOMPUTE
     local_blocks: int = 0
     """Blocks read from the client's in-process tier (no transfer)."""
+    load_error: str = ""
+    """Why loading the prefix failed (a block not what the engine stores, damaged, cut off);
+    the prompt was then computed whole, and its blocks stored again."""
 
 
 @dataclass
@@ -317,6 +325,8 @@ class KDNEngine(KVConnector):
         self._timings = Timings()
         self._streams: list[LayerStream] = []
         self._loaded_blocks = 0
+        self._load_failed: BaseException | None = None
+        self._rewrite = ""  # the encoding whose blocks failed to load: stored again
         self._saved: dict[int, LayerKV] = {}
         self._store_thread: threading.Thread | None = None
         self._path, self._server = NETWORK, ""
@@ -378,13 +388,20 @@ class KDNEngine(KVConnector):
             return 0
         blocks = (asked[decision.choice][:hits] if decision.choice in asked else  # looked up:
                   [keys.variant_key(k, decision.choice) for k in chain[:hits]])  # not hashed again
-        joined = None
-        if hits > 1 and decision.choice in local and self.config.join_in_process:
-            joined = self.client.retrieve_joined(blocks, namespace=self.config.namespace,
-                                                 layout=self.layout, device=self._device)
-        streams = [joined] if joined is not None else self.client.retrieve_streams(
-            blocks, namespace=self.config.namespace, layout=self.layout,
-            device=self._device)  # layers land on the model's device
+        try:  # every block must be one of this engine's: its layout, chunk_tokens tokens
+            joined = None
+            if hits > 1 and decision.choice in local and self.config.join_in_process:
+                joined = self.client.retrieve_joined(blocks, namespace=self.config.namespace,
+                                                     layout=self.layout, tokens=c,
+                                                     device=self._device)
+            streams = [joined] if joined is not None else self.client.retrieve_streams(
+                blocks, namespace=self.config.namespace, layout=self.layout, tokens=c,
+                device=self._device)  # layers land on the model's device
+        except Exception as exc:  # unreachable, refused, not a block of ours: recompute
+            log.warning("kdn: loading %d blocks failed (%s); computing the prompt", hits, exc)
+            t.load_error = f"{type(exc).__name__}: {exc}"
+            self._rewrite = decision.choice
+            return 0
         self._streams = [s for s in streams if s is not None]
         if sum(s.blocks for s in self._streams) < hits:  # evicted between lookup and retrieve
             self.finish()
@@ -397,7 +414,11 @@ class KDNEngine(KVConnector):
 
     def wait_for_layer(self, i: int, timeout: float | None = None) -> LayerKV:
         on = torch.cuda.current_stream(self._device) if self._device.type == "cuda" else None
-        parts = [s.wait_for_layer(i, timeout, stream=on) for s in self._streams]
+        try:
+            parts = [s.wait_for_layer(i, timeout, stream=on) for s in self._streams]
+        except Exception as exc:  # remembered: ``generate`` then computes the prompt whole
+            self._load_failed = exc
+            raise
         if len(parts) == 1:
             return parts[0]
         # k: [kv_heads, tokens, k_channels], blocks joined along tokens
@@ -418,7 +439,7 @@ class KDNEngine(KVConnector):
                 ready.record(self._copies)
             self._store_thread = threading.Thread(
                 target=self._store_blocks,
-                args=(self._ids, snapshot, self._loaded_blocks, ready),
+                args=(self._ids, snapshot, self._loaded_blocks, ready, self._rewrite),
                 daemon=True, name="kdn-store-back")
             self._store_thread.start()
 
@@ -468,22 +489,27 @@ class KDNEngine(KVConnector):
             start = time.perf_counter()
             reused = self.start_load(ids, force=force)
             streams = list(self._streams)
-            with contextlib.ExitStack() as hooks:
-                cache = None
-                if reused:
-                    tb = time.perf_counter()
-                    cache = hooks.enter_context(LayerwiseCache(self.model, self.wait_for_layer))
-                    t.cache_build_s = time.perf_counter() - tb
-                tc = time.perf_counter()
-                decoder = CacheDecoder(self.model, cache)
-                logits = decoder.forward(ids[reused:])[-1]
-                int(logits.argmax())  # the first token on the host: on a GPU, the queued
+            tc = time.perf_counter()
+            try:
+                decoder, logits = self._first_token(ids, reused)
+            except Exception:
+                failed = self._load_failed
+                if failed is None:  # the model's own error, not the load's
+                    raise
+                log.warning("kdn: a block failed while loading (%s); computing the prompt",
+                            failed)
+                t.load_error = f"{type(failed).__name__}: {failed}"
+                self.finish()
+                self._rewrite = t.decision
+                streams, reused, t.decision, self._loaded_blocks = [], 0, RECOMPUTE, 0
+                decoder, logits = self._first_token(ids, 0)
             t.first_token_compute_s = time.perf_counter() - tc  # copies and compute are done
             t.ttft_s = time.perf_counter() - start
             t.reused_tokens, t.computed_tokens = reused, len(ids) - reused
-            self.controller.observe_ttft(t.predicted_ttft_s, t.ttft_s)
-            client_metrics.record_ttft(t.decision, t.predicted_ttft_s, t.ttft_s)
-            self._observe(streams, t.decision, reused, t)
+            if not t.load_error:  # a failed load's time teaches the controller nothing
+                self.controller.observe_ttft(t.predicted_ttft_s, t.ttft_s)
+                client_metrics.record_ttft(t.decision, t.predicted_ttft_s, t.ttft_s)
+                self._observe(streams, t.decision, reused, t)
             for i, (k, v) in enumerate(cache_layers(decoder.cache)):
                 self.save_layer(i, k[0], v[0])  # [1, kv_heads, tokens, ch] -> batch row 0
             store_thread = self._store_thread
@@ -492,6 +518,21 @@ class KDNEngine(KVConnector):
             self._streams = []
         text = self.tokenizer.decode(new, skip_special_tokens=True)
         return Generation(text, new, t, store_thread)
+
+    def _first_token(self, ids: list[int], reused: int) -> tuple[CacheDecoder, torch.Tensor]:
+        """The decoder after the prompt (its first ``reused`` tokens' KV loaded layer by layer
+        as the forward reaches them) and the next-token logits, on the host: on a GPU the
+        queued copies and compute are done."""
+        with contextlib.ExitStack() as hooks:
+            cache = None
+            if reused:
+                tb = time.perf_counter()
+                cache = hooks.enter_context(LayerwiseCache(self.model, self.wait_for_layer))
+                self._timings.cache_build_s = time.perf_counter() - tb
+            decoder = CacheDecoder(self.model, cache)
+            logits = decoder.forward(ids[reused:])[-1]
+            int(logits.argmax())
+        return decoder, logits
 
     def _observe(self, streams: list[LayerStream], choice: str, reused: int, t: Timings) -> None:
         t.local_blocks = sum(s.blocks for s in streams if s.in_process)
@@ -524,10 +565,12 @@ class KDNEngine(KVConnector):
             self.controller.observe_prefill(t.computed_tokens, t.first_token_compute_s)
 
     def _store_blocks(self, ids: list[int], snapshot: list[LayerKV], first_block: int,
-                      ready: Any = None) -> None:
-        """Store blocks ``first_block..`` of ``ids``; ``snapshot`` holds their layers only
-        (token 0 of the snapshot is token ``first_block * chunk_tokens``); ``ready``: the CUDA
-        event after which the host copies are complete."""
+                      ready: Any = None, rewrite: str = "") -> None:
+        """Store blocks ``first_block..`` of ``ids`` that kdn lacks; ``snapshot`` holds their
+        layers only (token 0 of the snapshot is token ``first_block * chunk_tokens``);
+        ``ready``: the CUDA event after which the host copies are complete; ``rewrite``: an
+        encoding whose blocks failed to load, stored again even where present (a damaged
+        block, or one written under its key with another shape, is mended)."""
         if ready is not None:
             ready.synchronize()
         c = self.config.chunk_tokens
@@ -543,7 +586,7 @@ class KDNEngine(KVConnector):
             return
         dt = self.layout.dtype.torch
         for (b, mode, level, key), info in zip(todo, present):
-            if info.present:
+            if info.present and encoding_name(mode, level) != rewrite:
                 continue
             lo = b * c - base
             layers = [(k[:, lo : lo + c].to(dt), v[:, lo : lo + c].to(dt)) for k, v in snapshot]

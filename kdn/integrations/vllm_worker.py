@@ -161,7 +161,7 @@ class WorkerSide:
                 spans.append((t0 - lo, t1 - lo, spec.block_ids[t0 // b : t1 // b]))
             try:
                 streams: list[LayerStream | None] = self.client.retrieve_streams(
-                    ks, namespace=self.config.namespace, layout=self.layout,
+                    ks, namespace=self.config.namespace, layout=self.layout, tokens=c,
                     device=self.device)
             except Exception as exc:  # unreachable, refused: every block of it recomputed
                 log.warning("kdn: load of request %s failed: %s", spec.req_id, exc)

@@ -29,11 +29,13 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, cast
 
 from kdn.codec.copies import copy_checked
-from kdn.codec.format import header_layout, header_size, parse_header
-from kdn.errors import Corrupt, LayoutMismatch, TooLarge
+from kdn.codec.format import header_shape, header_size, parse_header
+from kdn.errors import Corrupt, TooLarge
 from kdn.keys import store_key
+from kdn.layout import Expected
 from kdn.server.arena import Arenas, list_small
 from kdn.server.auth import Principal
+from kdn.server.reader import expected
 from kdn.server.segments import Segment, Segments, region_span
 from kdn.store.framed import Framed
 from kdn.transport.wire import NET_MAX_KEYS, get_many_message
@@ -88,13 +90,12 @@ def copy_pool() -> ThreadPoolExecutor:
         return _pool
 
 
-def _check_layout(skey: bytes, value: bytes | memoryview | Framed, want: str) -> None:
-    """LayoutMismatch when the caller expects layout ``want`` and ``value`` has another."""
-    if not want:
-        return
-    have = header_layout(value.header if isinstance(value, Framed) else value).fingerprint
-    if have != want:
-        raise LayoutMismatch(f"entry {skey.decode()} has layout {have}, caller expects {want}")
+def _check_layout(skey: bytes, value: bytes | memoryview | Framed, want: Expected) -> None:
+    """LayoutMismatch when ``value`` is not what the caller expects (``want``: a layout, a
+    number of tokens)."""
+    if want.fingerprint or want.tokens:
+        want.check(*header_shape(value.header if isinstance(value, Framed) else value),
+                   what=f"entry {skey.decode()}")
 
 
 def _aligned(n: int) -> int:
@@ -146,7 +147,7 @@ class BatchReads:
         else:  # inline: as much as the caller's messages may carry, within the server's budget
             cursor, end = 0, min(INLINE_BUDGET, request.region.length or INLINE_BUDGET)
         out = pb.GetManyResponse()
-        want = request.expect_layout_fingerprint
+        want = expected(request)
         sent = 0
         copies: list[tuple[pb.EntryRef, bytes, Hit, int]] = []  # segment copies, placed
         listed: list[tuple[bytes, bytearray, int]] = []  # small RAM entries answered inline
@@ -214,9 +215,10 @@ class BatchReads:
             return message
         return out
 
-    def _hit(self, skey: bytes, want: str, *, framed: bool) -> Hit | FramedHit | None:
+    def _hit(self, skey: bytes, want: Expected, *, framed: bool) -> Hit | FramedHit | None:
         """``skey``'s stored value (a RAM value as the frames it came in, with ``framed``),
-        its layout checked against ``want`` (LayoutMismatch); None, counted, on a miss."""
+        its layout and tokens checked against ``want`` (LayoutMismatch); None, counted, on a
+        miss."""
         hit = (self.store.get_in_memory(skey, framed=True) if framed else None) \
             or self.store.get(skey)
         if hit is None:
@@ -236,7 +238,7 @@ class BatchReads:
             raise TooLarge(f"GetMany of {len(request.keys)} keys on the data path; at most "
                            f"{NET_MAX_KEYS} per call")
         ns = request.namespace or "default"
-        want = request.expect_layout_fingerprint
+        want = expected(request)
         out = pb.GetManyResponse()
         pieces: list[bytes | memoryview] = []
         at = held = 0

@@ -13,7 +13,7 @@ import time
 from collections.abc import Iterator
 
 from kdn.codec.format import Header, entry_digest, parse_header, split_frames
-from kdn.errors import LayoutMismatch
+from kdn.layout import Expected
 from kdn.server.usage import Usage
 from kdn.server.wire_memo import WireMemo
 from kdn.store.tiered import FramedHit, Hit, TieredStore
@@ -22,6 +22,12 @@ from kdn.v1 import kdn_pb2 as pb
 Answer = tuple[pb.RetrieveHeader, list[tuple[int, bytes | memoryview]], Iterator[list[bytes]]]
 """A streamed entry's answer: its header message, the (index, frame) pairs sent and, for each,
 the messages that carry it."""
+
+
+def expected(request: pb.RetrieveRequest | pb.RetrieveManyRequest | pb.GetManyRequest
+             ) -> Expected:
+    """What a read request expects of the entries it asks for (its layout, its tokens)."""
+    return Expected(request.expect_layout_fingerprint, request.expect_tokens)
 
 
 class Reader:
@@ -41,7 +47,7 @@ class Reader:
             self.store.get, skey)
         return hit, time.perf_counter() - started
 
-    def answer(self, skey: bytes, hit: Hit | FramedHit, read_s: float, want: str,
+    def answer(self, skey: bytes, hit: Hit | FramedHit, read_s: float, want: Expected,
                first: int = 0, last: int = 0, piece_bytes: int = 0) -> Answer:
         """A Retrieve answer of ``hit``: its header, the frames of layers [first, last) (0:
         through the last) and their messages (a frame's pieces where ``piece_bytes``), which
@@ -50,14 +56,13 @@ class Reader:
         header = self.served(skey, hit, read_s, want)
         return self.frames_answer(skey, hit, header, first, last, piece_bytes)
 
-    def served(self, skey: bytes, hit: Hit | FramedHit, read_s: float, want: str) -> Header:
-        """``hit``'s header, its read counted as served; LayoutMismatch when ``want`` (a
-        layout fingerprint) is not its layout's."""
+    def served(self, skey: bytes, hit: Hit | FramedHit, read_s: float, want: Expected
+               ) -> Header:
+        """``hit``'s header, its read counted as served; LayoutMismatch when it is not what
+        the caller expects (``want``: a layout, a number of tokens)."""
         header = parse_header(hit.value.header if isinstance(hit, FramedHit) else hit.value)
         self.usage.served(skey, hit.value, hit.tier, read_s, header)
-        if want and want != header.layout.fingerprint:
-            raise LayoutMismatch(
-                f"entry has layout {header.layout.fingerprint}, caller expects {want}")
+        want.check(header.layout, header.entry.tokens)
         return header
 
     def frames_answer(self, skey: bytes, hit: Hit | FramedHit, header: Header, first: int,

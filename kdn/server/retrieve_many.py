@@ -13,7 +13,7 @@ from kdn.errors import KDNError
 from kdn.keys import store_key
 from kdn.server.auth import current_principal
 from kdn.server.batch import STREAM_MIN_FRAME_BYTES
-from kdn.server.reader import Reader
+from kdn.server.reader import Reader, expected
 from kdn.server.rpc import abort
 from kdn.store.framed import Framed
 from kdn.transport.wire import GROUP_INLINE_BYTES, retrieve_headers_message
@@ -79,7 +79,7 @@ class RetrieveMany:
                         yield pb.RetrieveResponse(header=pb.RetrieveHeader(missing=True))
                         continue
                     head, sel, memo = self.reader.answer(skey, hit, read_s,
-                                                   request.expect_layout_fingerprint)
+                                                   expected(request))
                 except KDNError as exc:
                     await abort(context, self.count, "RetrieveMany", exc)
                     return
@@ -114,7 +114,7 @@ class RetrieveMany:
                 hit, read_s = await self.reader.read(skey)
                 if hit is not None:
                     header = self.reader.served(skey, hit, read_s,
-                                                request.expect_layout_fingerprint)
+                                                expected(request))
             except KDNError as exc:
                 await abort(context, self.count, "RetrieveMany", exc)
                 return

@@ -37,7 +37,7 @@ from kdn.server.config import ServerConfig
 from kdn.server.egress import Egress, Pacer
 from kdn.server.ingest import Ingest, delete_entry
 from kdn.server.putmany import PutMany
-from kdn.server.reader import Reader
+from kdn.server.reader import Reader, expected
 from kdn.server.receive import Receiver
 from kdn.server.retrieve_many import RetrieveMany
 from kdn.server.rpc import IN_FLIGHT, abort, rpc
@@ -188,7 +188,7 @@ class KDNServicer(pb_grpc.KDNServicer):
             pieces = request.piece_bytes if len(hit.value) \
                 >= request.piece_min_entry_bytes else 0
             head, sel, memo = self.reader.answer(
-                skey, hit, read_s, request.expect_layout_fingerprint, request.first_layer,
+                skey, hit, read_s, expected(request), request.first_layer,
                 request.last_layer, pieces)
         except KDNError as exc:
             await abort(context, self.count, "Retrieve", exc)

@@ -178,7 +178,7 @@ class StoreManyResponse(_message.Message):
     def __init__(self, results: _Optional[_Iterable[_Union[StoreResponse, _Mapping]]] = ..., reads_grouped: _Optional[bool] = ...) -> None: ...
 
 class RetrieveRequest(_message.Message):
-    __slots__ = ("namespace", "key", "expect_layout_fingerprint", "first_layer", "last_layer", "piece_bytes", "piece_min_entry_bytes")
+    __slots__ = ("namespace", "key", "expect_layout_fingerprint", "first_layer", "last_layer", "piece_bytes", "piece_min_entry_bytes", "expect_tokens")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     KEY_FIELD_NUMBER: _ClassVar[int]
     EXPECT_LAYOUT_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -186,6 +186,7 @@ class RetrieveRequest(_message.Message):
     LAST_LAYER_FIELD_NUMBER: _ClassVar[int]
     PIECE_BYTES_FIELD_NUMBER: _ClassVar[int]
     PIECE_MIN_ENTRY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    EXPECT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     key: bytes
     expect_layout_fingerprint: str
@@ -193,7 +194,8 @@ class RetrieveRequest(_message.Message):
     last_layer: int
     piece_bytes: int
     piece_min_entry_bytes: int
-    def __init__(self, namespace: _Optional[str] = ..., key: _Optional[bytes] = ..., expect_layout_fingerprint: _Optional[str] = ..., first_layer: _Optional[int] = ..., last_layer: _Optional[int] = ..., piece_bytes: _Optional[int] = ..., piece_min_entry_bytes: _Optional[int] = ...) -> None: ...
+    expect_tokens: int
+    def __init__(self, namespace: _Optional[str] = ..., key: _Optional[bytes] = ..., expect_layout_fingerprint: _Optional[str] = ..., first_layer: _Optional[int] = ..., last_layer: _Optional[int] = ..., piece_bytes: _Optional[int] = ..., piece_min_entry_bytes: _Optional[int] = ..., expect_tokens: _Optional[int] = ...) -> None: ...
 
 class RetrieveHeader(_message.Message):
     __slots__ = ("container_header", "total_bytes", "tier", "frame_count", "entry_digest", "missing", "entry")
@@ -220,20 +222,22 @@ class RetrieveHeaders(_message.Message):
     def __init__(self, headers: _Optional[_Iterable[_Union[RetrieveHeader, _Mapping]]] = ...) -> None: ...
 
 class RetrieveManyRequest(_message.Message):
-    __slots__ = ("namespace", "keys", "expect_layout_fingerprint", "grouped", "inline_max_entry_bytes", "inline_budget_bytes")
+    __slots__ = ("namespace", "keys", "expect_layout_fingerprint", "grouped", "inline_max_entry_bytes", "inline_budget_bytes", "expect_tokens")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     EXPECT_LAYOUT_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     GROUPED_FIELD_NUMBER: _ClassVar[int]
     INLINE_MAX_ENTRY_BYTES_FIELD_NUMBER: _ClassVar[int]
     INLINE_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    EXPECT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     expect_layout_fingerprint: str
     grouped: bool
     inline_max_entry_bytes: int
     inline_budget_bytes: int
-    def __init__(self, namespace: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., expect_layout_fingerprint: _Optional[str] = ..., grouped: _Optional[bool] = ..., inline_max_entry_bytes: _Optional[int] = ..., inline_budget_bytes: _Optional[int] = ...) -> None: ...
+    expect_tokens: int
+    def __init__(self, namespace: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., expect_layout_fingerprint: _Optional[str] = ..., grouped: _Optional[bool] = ..., inline_max_entry_bytes: _Optional[int] = ..., inline_budget_bytes: _Optional[int] = ..., expect_tokens: _Optional[int] = ...) -> None: ...
 
 class RetrieveResponse(_message.Message):
     __slots__ = ("header", "frame", "headers")
@@ -395,7 +399,7 @@ class Region(_message.Message):
     def __init__(self, offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
 
 class GetManyRequest(_message.Message):
-    __slots__ = ("namespace", "keys", "segment_id", "region", "expect_layout_fingerprint", "lease", "release", "inline_max_entry_bytes", "inline_below_bytes", "read_listed")
+    __slots__ = ("namespace", "keys", "segment_id", "region", "expect_layout_fingerprint", "lease", "release", "inline_max_entry_bytes", "inline_below_bytes", "read_listed", "expect_tokens")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     SEGMENT_ID_FIELD_NUMBER: _ClassVar[int]
@@ -406,6 +410,7 @@ class GetManyRequest(_message.Message):
     INLINE_MAX_ENTRY_BYTES_FIELD_NUMBER: _ClassVar[int]
     INLINE_BELOW_BYTES_FIELD_NUMBER: _ClassVar[int]
     READ_LISTED_FIELD_NUMBER: _ClassVar[int]
+    EXPECT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     segment_id: str
@@ -416,7 +421,8 @@ class GetManyRequest(_message.Message):
     inline_max_entry_bytes: int
     inline_below_bytes: int
     read_listed: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, namespace: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., segment_id: _Optional[str] = ..., region: _Optional[_Union[Region, _Mapping]] = ..., expect_layout_fingerprint: _Optional[str] = ..., lease: _Optional[bool] = ..., release: _Optional[_Iterable[int]] = ..., inline_max_entry_bytes: _Optional[int] = ..., inline_below_bytes: _Optional[int] = ..., read_listed: _Optional[_Iterable[int]] = ...) -> None: ...
+    expect_tokens: int
+    def __init__(self, namespace: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., segment_id: _Optional[str] = ..., region: _Optional[_Union[Region, _Mapping]] = ..., expect_layout_fingerprint: _Optional[str] = ..., lease: _Optional[bool] = ..., release: _Optional[_Iterable[int]] = ..., inline_max_entry_bytes: _Optional[int] = ..., inline_below_bytes: _Optional[int] = ..., read_listed: _Optional[_Iterable[int]] = ..., expect_tokens: _Optional[int] = ...) -> None: ...
 
 class EntryRef(_message.Message):
     __slots__ = ("present", "tier", "length", "written", "offset", "data", "verified", "lease", "generation", "generation_at")

@@ -1,0 +1,110 @@
+"""KDNEngine when loading its prefix fails (a tiny random Llama, a real server): the request is
+computed whole and gives the full prefill's output, the failure is reported in its timings, and
+the blocks are stored again, so the next request hits. A block written under the engine's key
+with another shape is refused before any of it is decoded."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from kdn import keys
+from kdn.cache import KVCache
+from kdn.client import Client
+from kdn.client.stream import LayerStream
+from kdn.engine import EngineConfig, KDNEngine
+from kdn.errors import Corrupt
+from kdn.server import ServerConfig, ServerThread
+from tests.helpers import count_decoders
+from tests.test_engine_devices import _model, _Tok
+
+IDS = [int(x) for x in torch.randint(1, 256, (100,), generator=torch.Generator().manual_seed(5))]
+
+
+@pytest.fixture
+def engine(tmp_path: Path) -> Iterator[KDNEngine]:
+    cfg = ServerConfig(port=0, data_dir=tmp_path, disk_bytes=0, ram_bytes=256 << 20)
+    with ServerThread(cfg) as st, Client(st.address) as c:
+        eng = KDNEngine(_model(torch.float32, "cpu"), _Tok(), c,
+                        EngineConfig(chunk_tokens=32, encodings=(("raw", ""),)))
+        first = eng.generate(IDS, max_new_tokens=6)  # blocks 0..2 stored
+        assert first.store_thread is not None
+        first.store_thread.join(60)
+        yield eng
+
+
+def _full(engine: KDNEngine) -> list[int]:
+    return engine.generate(IDS, max_new_tokens=6, force="recompute").token_ids
+
+
+def _healed(engine: KDNEngine, got: object) -> None:
+    """The blocks were stored again: the next request reuses them, to the same output."""
+    assert got.store_thread is not None  # type: ignore[attr-defined]
+    got.store_thread.join(60)  # type: ignore[attr-defined]
+    again = engine.generate(IDS, max_new_tokens=6, force="raw")
+    assert again.timings.reused_tokens == 96 and not again.timings.load_error
+    assert again.token_ids == _full(engine)
+
+
+def test_a_block_of_another_shape_is_refused_and_stored_again(
+        engine: KDNEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    key = keys.variant_key(engine._chain(IDS)[1], "raw")  # noqa: SLF001
+    wide = [(torch.randn(2, 5000, 16), torch.randn(2, 5000, 16)) for _ in range(3)]
+    engine.client.store(key, KVCache(engine.layout, wide), mode="raw")  # a neighbour's write
+    made = count_decoders(monkeypatch)
+    got = engine.generate(IDS, max_new_tokens=6, force="raw")
+    assert 5000 not in made  # refused before a decoder was made for it
+    assert got.timings.decision == "recompute" and got.timings.reused_tokens == 0
+    assert "holds 5000 tokens, caller expects 32" in got.timings.load_error
+    assert got.token_ids == _full(engine)
+    _healed(engine, got)
+
+
+def test_a_load_failing_midway_is_computed_whole(
+        engine: KDNEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    wait = LayerStream.wait_for_layer
+
+    def damaged(self: LayerStream, i: int, *args: object, **kwargs: object) -> object:
+        if i == 1:  # found as layer 1 is decoded, after layer 0 was used
+            raise Corrupt("frame 1 checksum mismatch")
+        return wait(self, i, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(LayerStream, "wait_for_layer", damaged)
+    predictions = engine.controller.ttft_error
+    got = engine.generate(IDS, max_new_tokens=6, force="raw")
+    monkeypatch.undo()
+    assert got.timings.decision == "recompute" and got.timings.reused_tokens == 0
+    assert got.timings.load_error == "Corrupt: frame 1 checksum mismatch"
+    assert got.timings.computed_tokens == len(IDS)
+    assert engine.controller.ttft_error == predictions  # a failed load teaches nothing
+    assert got.token_ids == _full(engine)
+    _healed(engine, got)
+
+
+def test_an_unreachable_server_is_computed_around(
+        engine: KDNEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    def down(*args: object, **kwargs: object) -> object:
+        raise ConnectionError("server went away")
+
+    monkeypatch.setattr(engine.client, "retrieve_streams", down)
+    got = engine.generate(IDS, max_new_tokens=6, force="raw")
+    monkeypatch.undo()
+    assert got.timings.decision == "recompute" and got.timings.reused_tokens == 0
+    assert got.timings.load_error == "ConnectionError: server went away"
+    assert got.token_ids == _full(engine)
+
+
+def test_the_models_own_error_is_not_taken_for_a_load_failure(
+        engine: KDNEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    forward = engine.model.forward
+
+    def broken(*args: object, **kwargs: object) -> object:
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setattr(engine.model, "forward", broken)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        engine.generate(IDS, max_new_tokens=6, force="raw")
+    monkeypatch.setattr(engine.model, "forward", forward)
