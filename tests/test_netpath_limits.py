@@ -3,7 +3,8 @@ names a live ticket, against a real server on loopback: silent or dripping conne
 closed in time, the oldest pending ones make room for new ones, a request is bounded before
 its ticket is known, one ticket holds a bounded share of the connections, a GetMany's keys
 and the bytes its answer reads from disk are bounded, the listener outlives a failed accept,
-and the server's settings reach the path."""
+the server's settings reach the path, and a tenant's ticket cap evicts the tickets nobody
+uses."""
 
 from __future__ import annotations
 
@@ -15,12 +16,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 
 from kdn import codec
 from kdn.client import Client
 from kdn.client import netpath as client_netpath
 from kdn.client.netpath import BATCH_ITEMS, NetPath
+from kdn.errors import NotFound, TooLarge
 from kdn.server import ServerConfig, ServerThread, batch, fastpath, netpath
 from kdn.transport.wire import FAST_HEAD, NET_GET_MANY, NET_MAX_KEYS, read_exact
 from kdn.v1 import kdn_pb2 as pb
@@ -300,3 +303,40 @@ def test_a_pending_connection_is_evicted_mid_handshake(tmp_path: Path,
         for hog in hogs:
             hog.close()
         assert eventually(lambda: not _path(st)._peers)  # every thread ended and forgot it
+
+
+def test_a_tenant_member_minting_tickets_takes_back_its_own(
+        server: ServerThread, remote: Client, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past a tenant's ticket cap, tickets no connection named go first, then the least
+    recently named; never one whose connections are live. A member of the tenant asking for
+    tickets over and over leaves its tenant's working clients on the data path."""
+    from kdn.server import segments
+
+    monkeypatch.setattr(segments, "MAX_TICKETS_PER_TENANT", 8)
+    remote.store(numbered_key(1), random_kv(LAYOUT, 16, seed=1), mode="raw")
+    working = data_ticket(remote)
+    assert remote.fetch_many([numbered_key(1), numbered_key(2)])[0] is not None  # live
+    with grpc.insecure_channel(server.address) as ch:
+        attach = ch.unary_unary("/kdn.v1.KDN/Attach",
+                                request_serializer=pb.AttachRequest.SerializeToString,
+                                response_deserializer=pb.AttachResponse.FromString)
+        idle = attach(pb.AttachRequest(remote=True), timeout=10).segment_id
+        conn = data_connect(server)  # named once, then let go
+        assert (_get(conn, idle, []) or (0, b""))[0] == 1
+        conn.close()
+        assert eventually(lambda: idle not in _path(server)._per_ticket)
+        minted = [attach(pb.AttachRequest(remote=True), timeout=10).segment_id
+                  for _ in range(40)]
+    owners = server.server.servicer.segments
+    for ticket in (working, idle, minted[-1]):
+        owners.ticket_owner(ticket)  # still live: NotFound otherwise
+    for ticket in minted[:30]:  # the minter's own went
+        with pytest.raises(NotFound):
+            owners.ticket_owner(ticket)
+    before = _counter(server, "net.GetMany")
+    assert remote.fetch_many([numbered_key(1), numbered_key(2)])[0] is not None
+    assert _counter(server, "net.GetMany") == before + 1  # on the data path still
+    monkeypatch.setattr(segments, "MAX_TICKETS_PER_TENANT", 1)  # every one is in use
+    owners.busy = lambda ticket: True
+    with pytest.raises(TooLarge, match="in use"):
+        owners.ticket(owners.ticket_owner(working))

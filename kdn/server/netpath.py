@@ -123,6 +123,7 @@ class NetPath(FastPath):
         self._admitted = 0
         self._here = threading.local()  # the peer of the connection this thread serves
         super().__init__(servicer)
+        servicer.segments.busy = lambda ticket: ticket in self._per_ticket  # not evicted
 
     def listen(self) -> socket.socket:
         host = self._host.strip("[]")

@@ -25,6 +25,7 @@ import os
 import secrets
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -97,18 +98,37 @@ class Segments:
     def __init__(self) -> None:
         self._by_id: dict[str, Segment] = {}
         self._tickets: OrderedDict[str, Principal] = OrderedDict()  # the network data path's
+        self._named: OrderedDict[str, None] = OrderedDict()  # tickets a connection named, the
+        # least recently named first
+        self.busy: Callable[[str], bool] = lambda ticket: False
+        """Whether a ticket holds live data path connections (set by ``kdn.server.netpath``)."""
         self._lock = threading.Lock()
 
     def ticket(self, principal: Principal) -> str:
         """A ticket for the network data path (``kdn.server.netpath``): its calls act as
         ``principal``. 128 random bits handed only to the authenticated caller, as a segment
-        id is. A tenant holds at most ``MAX_TICKETS_PER_TENANT``: its oldest goes first
-        (a client that went away without Detach leaves its ticket behind)."""
+        id is. A tenant holds at most ``MAX_TICKETS_PER_TENANT`` (a client that went away
+        without Detach leaves its ticket behind): past it, tickets no connection ever named go
+        first, oldest first, then the least recently named; never one whose connections are
+        live (``busy``). So a member of a tenant asking for tickets over and over takes back
+        its own, not the ones its tenant's working clients use; TooLarge where every one is
+        in use."""
         tid = secrets.token_hex(16)
+        tenant = principal.tenant
         with self._lock:
-            mine = [t for t, p in self._tickets.items() if p.tenant == principal.tenant]
-            for old in mine[: max(0, len(mine) + 1 - MAX_TICKETS_PER_TENANT)]:
-                del self._tickets[old]
+            mine = [t for t, p in self._tickets.items() if p.tenant == tenant]
+            over = len(mine) + 1 - MAX_TICKETS_PER_TENANT
+            if over > 0:
+                named = set(self._named)
+                order = [t for t in mine if t not in named] + [
+                    t for t in self._named if self._tickets[t].tenant == tenant]
+                gone = [t for t in order if not self.busy(t)][:over]
+                if len(gone) < over:
+                    raise TooLarge(f"tenant holds {len(mine)} data path tickets in use (at "
+                                   f"most {MAX_TICKETS_PER_TENANT}); use gRPC")
+                for old in gone:
+                    del self._tickets[old]
+                    self._named.pop(old, None)
             self._tickets[tid] = principal
         return tid
 
@@ -116,6 +136,9 @@ class Segments:
         """The caller a network data path ticket acts as; NotFound for any other string."""
         with self._lock:
             principal = self._tickets.get(tid)
+            if principal is not None:
+                self._named[tid] = None
+                self._named.move_to_end(tid)
         if principal is None:
             raise NotFound("no such data path ticket (detached, or the server restarted)")
         return principal
@@ -202,6 +225,7 @@ class Segments:
             principal = self._tickets.get(seg_id)
             if principal is not None and principal.tenant == tenant:
                 del self._tickets[seg_id]
+                self._named.pop(seg_id, None)
                 return
         self.get(tenant, seg_id)
         with self._lock:
