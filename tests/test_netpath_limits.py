@@ -3,8 +3,8 @@ names a live ticket, against a real server on loopback: silent or dripping conne
 closed in time, the oldest pending ones make room for new ones, a request is bounded before
 its ticket is known, one ticket holds a bounded share of the connections, a GetMany's keys
 and the bytes its answer reads from disk are bounded, the listener outlives a failed accept,
-the server's settings reach the path, and a tenant's ticket cap evicts the tickets nobody
-uses."""
+the server's settings reach the path, a tenant's ticket cap evicts the tickets nobody uses,
+and a put past the tenant's quota is refused before its items are read."""
 
 from __future__ import annotations
 
@@ -340,3 +340,33 @@ def test_a_tenant_member_minting_tickets_takes_back_its_own(
     owners.busy = lambda ticket: True
     with pytest.raises(TooLarge, match="in use"):
         owners.ticket(owners.ticket_owner(working))
+
+
+def test_a_put_past_the_quota_is_refused_before_its_items_are_read(
+        server_config: ServerConfig, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A streamed PutMany that would take its tenant past its quota, even once the entries
+    it replaces are given back, is refused before its items are read into memory (they are
+    read and dropped); an overwrite of the same size near the quota is not."""
+    from kdn.server import streamed
+
+    auth = tmp_path / "tenants.yaml"
+    auth.write_text("tenants:\n  t: {api_keys: [key-t], quota_bytes: 300KiB}\n")
+    auth.chmod(0o600)
+    received: list[int] = []
+    real = streamed._received
+    monkeypatch.setattr(streamed, "_received",
+                        lambda conn, put, pool: received.append(len(put.items))
+                        or real(conn, put, pool))
+    kvs = [random_kv(LAYOUT, 128, seed=i) for i in range(6)]  # ~66 KB each as raw
+    with ServerThread(dataclasses.replace(server_config, auth_file=str(auth))) as st, \
+            Client(st.address, timeout_s=30, shm_bytes=0, api_key="key-t") as c:
+        c.store_many([(numbered_key(i), kv) for i, kv in enumerate(kvs[:3])], mode="raw")
+        assert received == [3] and _counter(st, "net.PutMany") == 1
+        c.store_many([(numbered_key(i), kv) for i, kv in enumerate(kvs[3:])], mode="raw")
+        assert received == [3, 3]  # 200 KB in, 100 KB left: replaces 200 KB, grows by 0
+        with pytest.raises(TooLarge, match="this PutMany adds"):
+            c.store_many([(numbered_key(10 + i), kv) for i, kv in enumerate(kvs)], mode="raw")
+        assert received == [3, 3]  # refused before a byte of its items was kept
+        assert not c.contains(numbered_key(10))
+        got = c.retrieve(numbered_key(0), layout=LAYOUT)  # the connection in step
+        assert got is not None and got.equal(kvs[3])

@@ -342,6 +342,14 @@ class Authenticator:
             with self._lock:
                 self._usage[tenant] = max(0, self._usage.get(tenant, 0) - nbytes)
 
+    def room(self, principal: Principal) -> int | None:
+        """The bytes the tenant may still grow by (None: no quota)."""
+        policy = self.config.policies.get(principal.tenant) if principal.tenant else None
+        if policy is None or not policy.quota_bytes:
+            return None
+        with self._lock:
+            return max(0, policy.quota_bytes - self._usage.get(principal.tenant, 0))
+
     def charge(self, principal: Principal, delta: int) -> None:
         """Add ``delta`` stored bytes to the tenant; refuse growth past its quota."""
         if not principal.tenant:

@@ -22,6 +22,7 @@ from kdn.codec.copies import copy_checked
 from kdn.codec.format import Header, header_size, parse_container
 from kdn.codec.sealing import copy_sealed
 from kdn.errors import Corrupt, InvalidArgument, KDNError, TooLarge
+from kdn.keys import store_key
 from kdn.server.arena import Arena, Arenas, Slot
 from kdn.server.auth import Principal
 from kdn.server.batch import COPY_THREADS, MAX_BATCH_BYTES, copy_pool, split_one
@@ -210,6 +211,14 @@ class PutMany:
         if total > MAX_BATCH_BYTES:
             raise TooLarge(f"PutMany of {total} bytes; at most {MAX_BATCH_BYTES} per call")
         return total
+
+    def growth(self, p: Principal, request: pb.PutManyRequest) -> int:
+        """The bytes ``request`` would add to its tenant's stored bytes once every item is
+        in: per key, its last item's length less the size of the entry it replaces."""
+        ns = request.namespace or "default"
+        last = {item.key: item.region.length for item in request.items}
+        return sum(n - self.ingest.store.presence(store_key(p.tenant, ns, key)).size
+                   for key, n in last.items())
 
     def put_items(self, p: Principal, request: pb.PutManyRequest,
                   value_of: Callable[[int, pb.PutItem], bytes | memoryview],
