@@ -396,3 +396,37 @@ def test_without_encodings_the_connector_stores_what_pays_off_where_it_runs() ->
     assert default_connector_encodings(here, "cpu") == ("lossless",)
     given = KDNConnectorConfig.from_extra({"address": "10.1.2.3:50051", "encodings": ["int8"]})
     assert given.encodings == ("int8",)
+
+
+def test_a_chunk_that_fails_to_load_is_saved_again(kdn_server: ServerThread) -> None:
+    """A chunk written under its key with another shape is refused before it is decoded
+    (``tokens=``): its blocks are recomputed, and the chunks from it on are saved again, so
+    the next request of the prompt loads every chunk, bit for bit."""
+    from tests.helpers import random_kv
+
+    s, w = both(kdn_server.address, encodings=["raw"])
+    assert s.scheduler is not None and w.worker is not None
+    rp = Replay(s, w, layers=LAYERS, blocks=BLOCKS, block_size=BLOCK, heads=HEADS,
+                head_dim=DIM, dtype=torch.float16)
+    try:
+        p = prompt(11, 41)  # 5 full chunks + 1 token
+        assert answered(rp, rp.new_request("first", p)) == 0
+        rp.step()
+        w.worker.wait_saves(30)
+        chain = keys.prefix_keys(p, s.layout, "vllm", CHUNK)
+        with Client(kdn_server.address) as other:  # a neighbour's write under chunk 2's key
+            other.store(keys.variant_key(chain[2], "raw"), random_kv(s.layout, 3 * CHUNK),
+                        mode="raw", namespace="vllm")
+        assert answered(rp, rp.new_request("second", p)) == 40
+        failed = rp.step()
+        assert failed and failed <= set(rp.reqs["second"].block_ids)
+        rp.step()  # the recompute
+        w.worker.wait_saves(30)
+        assert answered(rp, rp.new_request("third", p)) == 40
+        assert not rp.step()  # every chunk loads
+        for rid in ("second", "third"):
+            have, want = rp.blocks_of(rid), rp.want(rid)
+            assert torch.equal(have.view(torch.int16), want.view(torch.int16)), rid
+    finally:
+        s.shutdown()
+        w.shutdown()

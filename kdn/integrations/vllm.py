@@ -42,8 +42,9 @@ Worker (the model runner, around one forward pass):
    GPU: copied to pinned host memory on a side stream);
 5. ``wait_for_save``: the gathered chunks go to a background thread that encodes and stores
    them (off the critical path); ``get_block_ids_with_load_errors``: the blocks of chunks that
-   did not load (evicted since the lookup, damaged, unreachable), reported for vLLM to
-   recompute instead of failing the request.
+   did not load (evicted since the lookup, damaged, of another shape, unreachable), reported
+   for vLLM to recompute instead of failing the request; once recomputed, those chunks are
+   saved again even where kdn holds them (``SaveSpec.mend``), so a damaged one is mended.
 
 Storage: one kdn entry per ``chunk_tokens`` tokens of a prompt (a whole number of vLLM
 blocks), keyed by ``kdn.keys.prefix_keys`` chained over the prompt, so a hit on chunk i

@@ -211,6 +211,9 @@ class SaveSpec:
     first_chunk: int
     block_ids: list[int]
     """Blocks of the chunks, in token order (``len(keys) * chunk_tokens / B`` of them)."""
+    mend: bool = False
+    """Stored even where kdn holds them: a load of these chunks failed (damaged, or written
+    with another shape), and they were recomputed."""
 
 
 @dataclass

@@ -77,6 +77,8 @@ class _Tracked:
     next_save: int
     """First chunk not yet saved (or found stored)."""
     block_ids: list[int] = field(default_factory=list)
+    mend: bool = False
+    """A load of its failed: its chunks are saved even where kdn holds them."""
 
 
 class SchedulerSide:
@@ -242,14 +244,23 @@ class SchedulerSide:
                 continue
             first = t.next_save
             out.append(SaveSpec(rid, [chain[first:last] for chain in t.chains], first,
-                                t.block_ids[first * c // b : last * c // b]))
+                                t.block_ids[first * c // b : last * c // b], t.mend))
             t.next_save = last
         return out
 
     def output(self, connector_output: KVConnectorOutput) -> None:
-        if connector_output.invalid_block_ids:
-            log.info("kdn: %d blocks failed to load and are recomputed",
-                     len(connector_output.invalid_block_ids))
+        """Blocks that failed to load are recomputed by vLLM; the chunks they belong to, and
+        those after them, are saved again once recomputed (a damaged chunk, or one written
+        under its key with another shape, is mended for the next request)."""
+        bad = connector_output.invalid_block_ids
+        if not bad:
+            return
+        log.info("kdn: %d blocks failed to load and are recomputed", len(bad))
+        c, b = self.shape.chunk_tokens, self.shape.block_size
+        for t in self._tracked.values():
+            first = next((i for i, blk in enumerate(t.block_ids) if blk in bad), None)
+            if first is not None:
+                t.next_save, t.mend = min(t.next_save, first * b // c), True
 
     def finished(self, req_id: str) -> None:
         with self._lock:

@@ -288,6 +288,7 @@ class WorkerSide:
         heads, d = self.layout.layers[0].kv_heads, self.layout.head_dim
         row = 0
         items: list[tuple[int, bytes, KVCache]] = []
+        mend: set[int] = set()  # chunks stored even where kdn holds them
         for s in saves:
             for j, base in enumerate(s.keys_by_rank[self.rank]):
                 r = row + j * per
@@ -296,6 +297,8 @@ class WorkerSide:
                 items.append((s.first_chunk + j, base, KVCache(self.layout, kv,
                                                                start_position=(s.first_chunk
                                                                                + j) * c)))
+                if s.mend:
+                    mend.add(len(items) - 1)
             row += len(s.block_ids)
         ns = self.config.namespace
         for enc in self.shape.encodings:
@@ -303,7 +306,8 @@ class WorkerSide:
             todo = [(keys.variant_key(base, enc), kv) for _, base, kv in items]
             try:
                 present = self.client.lookup([k for k, _ in todo], namespace=ns).infos
-                todo_new = [t for t, info in zip(todo, present) if not info.present]
+                todo_new = [t for j, (t, info) in enumerate(zip(todo, present))
+                            if not info.present or j in mend]
                 self.stats.chunks_skipped += len(todo) - len(todo_new)
                 if todo_new:
                     self.client.store_many(todo_new, mode=mode, level=level, namespace=ns,
