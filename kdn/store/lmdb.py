@@ -230,7 +230,7 @@ class LmdbTier(Tier):
         if value is None:
             self.counters.add("misses")
             if expired:
-                self.delete(key)
+                self._write(lambda txn: self._remove_expired(txn, key), 0)
             return None
         self.counters.add("hits")
         if len(self._touched) < _MAX_TOUCHED:
@@ -364,6 +364,14 @@ class LmdbTier(Tier):
         txn.delete(_STAMP.pack(stamp) + key, db=self.lru)
         txn.put(_USED, (self._used(txn) - len(key) - size).to_bytes(8, "little"), db=self.info)
         return 1
+
+    def _remove_expired(self, txn: lmdb.Transaction, key: bytes) -> int:
+        """``_remove`` of ``key`` where it is still expired in ``txn`` (a put may have come
+        in since a read found it expired: that entry stays)."""
+        meta = txn.get(key, db=self.meta)
+        if meta is None or self._live(meta, time.time()) is not None:
+            return 0
+        return self._remove(txn, key)
 
     def _put_txn(self, txn: lmdb.Transaction, batch: list[tuple[bytes, bytes]],
                  expiry: float) -> None:

@@ -3,9 +3,14 @@
 Lifecycle: ``TieredStore`` builds one ``KeyLocks`` and hands its locks out for the life of the
 store; nothing is ever added or freed, so a key always maps to the same lock.
 
-    stripe(key)          the store's own lock of ``key``: synchronous lower-tier writes,
-                         deletes and write-queue flushes of one key hold it, so an older queued
-                         value never lands over a newer one
+    stripe(key)          the store's own lock of ``key`` (reentrant: a promotion that holds it
+                         may evict, and the eviction's demotion take it again): synchronous
+                         lower-tier writes, deletes, write-queue flushes and promotions of one
+                         key hold it, so an older value never lands over a newer one
+    generation(key)      a count of the puts and deletes of ``key`` so far (shared by the keys
+                         of one of ``GENERATIONS`` slots), raised by ``written`` under the
+                         stripe before a put or delete touches any tier: a read that saw a
+                         value below the first tier promotes it only while no write came since
     entry_lock(key)      the callers' lock of ``key`` (the servicers hold it across look up,
                          quota charge and put or delete, so that concurrent overwrites and
                          deletes of one entry charge and refund it exactly once); the store never
@@ -23,17 +28,29 @@ import xxhash
 
 STRIPES = 64
 """Locks in each set: keys that share a lock only wait for each other, never deadlock."""
+GENERATIONS = 64 * STRIPES
+"""Write counters: a promotion is skipped when any key of its slot was written meanwhile."""
 
 
 class KeyLocks:
     """The stripe locks and the entry locks (see the module docstring)."""
 
     def __init__(self) -> None:
-        self._stripes = [threading.Lock() for _ in range(STRIPES)]
+        self._stripes = [threading.RLock() for _ in range(STRIPES)]
         self._entry_locks = [threading.Lock() for _ in range(STRIPES)]
+        self._generations = [0] * GENERATIONS
 
-    def stripe(self, key: bytes) -> threading.Lock:
+    def stripe(self, key: bytes) -> threading.RLock:
         return self._stripes[xxhash.xxh64_intdigest(key) % STRIPES]
+
+    def generation(self, key: bytes) -> int:
+        return self._generations[xxhash.xxh64_intdigest(key) % GENERATIONS]
+
+    def written(self, key: bytes) -> None:
+        """Count a put or delete of ``key`` (the caller holds its stripe: every key of a
+        slot has the same stripe, ``GENERATIONS`` being a multiple of ``STRIPES``, so no
+        count is lost)."""
+        self._generations[xxhash.xxh64_intdigest(key) % GENERATIONS] += 1
 
     def entry_lock(self, key: bytes) -> threading.Lock:
         return self._entry_locks[xxhash.xxh64_intdigest(key) % STRIPES]

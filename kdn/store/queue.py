@@ -11,16 +11,18 @@ a delete makes them stale). The hierarchy calls ``wake`` when the tier comes bac
 
 The queue holds the newest pending item per key, oldest key first, bounded by ``max_entries``
 and ``max_bytes``; ``offer`` answers False when a new key does not fit (the hierarchy then
-writes synchronously or drops the write with a counter). The writer lands items while the tier
-is up, each under its key's stripe lock (the same lock the hierarchy's synchronous writes of
-that key hold, so an older queued value never lands over a newer one). A write that finds the
-tier down stays first in line (``<tier>.write_retried``) and is retried once the tier is back;
-one that finds its part of the tier down (``Fault.PARTLY``) is retried after a backoff
-(``RETRY_S`` doubling up to ``RETRY_MAX_S``; ``<tier>.write_retried``, a WARNING at most every
-``WARN_EVERY_S``) while the keys behind it land; one the tier refuses otherwise is dropped
-(``<tier>.write_dropped``). After ``close`` the writer drains everything while the tier is up
-(a write waiting out its backoff is tried again until the deadline); what is left at the
-deadline for a tier, or a part of it, still down is dropped and counted.
+writes synchronously or drops the write with a counter, queueing a delete in its place:
+``mark_stale``). The writer lands items while the tier is up, each under its key's stripe lock
+(the same lock the hierarchy's synchronous writes of that key hold, so an older queued value
+never lands over a newer one). A write that finds the tier down stays first in line
+(``<tier>.write_retried``) and is retried once the tier is back; one that finds its part of the
+tier down (``Fault.PARTLY``) is retried after a backoff (``RETRY_S`` doubling up to
+``RETRY_MAX_S``; ``<tier>.write_retried``, a WARNING at most every ``WARN_EVERY_S``) while the
+keys behind it land; one the tier refuses otherwise is dropped (``<tier>.write_dropped``) and a
+delete of the key queued in its place, so the tier's older copy is never served after the newer
+value was acknowledged. After ``close`` the writer drains everything while the tier is up (a
+write waiting out its backoff is tried again until the deadline); what is left at the deadline
+for a tier, or a part of it, still down is dropped and counted.
 """
 
 from __future__ import annotations
@@ -42,6 +44,9 @@ RETRY_S = 0.25
 """A write that part of the tier did not take is tried again this long after, then after twice
 as long each time, up to ``RETRY_MAX_S`` (a Redis Cluster master known dead fails it at once)."""
 RETRY_MAX_S = 2.0
+STALE_ENTRIES = 1 << 18
+"""Keys a queue may hold while deletes of stale copies pass ``max_entries`` (a delete holds a
+key only: ~200 bytes each)."""
 WARN_EVERY_S = 10.0
 """At most one WARNING line per queue this often about writes queued for a retry."""
 
@@ -67,8 +72,9 @@ class PendingWrite:
 class WriteQueue:
     """Pending writes for one lower tier: newest item per key, FIFO, bounded, one writer thread."""
 
-    def __init__(self, tier: Tier, health: TierHealth, *, stripe: Callable[[bytes], threading.Lock],
-                 count: Count, max_entries: int, max_bytes: int) -> None:
+    def __init__(self, tier: Tier, health: TierHealth, *,
+                 stripe: Callable[[bytes], threading.RLock], count: Count, max_entries: int,
+                 max_bytes: int) -> None:
         self.tier = tier
         self.health = health
         self.stripe = stripe
@@ -106,6 +112,23 @@ class WriteQueue:
                 self.bytes -= old.nbytes
             self.pending[key] = item
             self.bytes += item.nbytes
+            self.cond.notify_all()
+            return True
+
+    def mark_stale(self, key: bytes) -> bool:
+        """Queue a delete of ``key`` (replacing what was pending): the tier holds a copy
+        older than the key's value, which it did not take (refused, or down with the queue
+        full). A delete holds no value, so it may pass ``max_entries``, up to
+        ``STALE_ENTRIES`` (or twice ``max_entries``); False past it (the stale copy may then
+        be served once the tier is back)."""
+        with self.cond:
+            old = self.pending.pop(key, None)
+            if old is None and len(self.pending) >= max(STALE_ENTRIES, 2 * self.max_entries):
+                return False
+            if old is not None:
+                self.bytes -= old.nbytes
+            self.later.pop(key, None)
+            self.pending[key] = PendingWrite(None)
             self.cond.notify_all()
             return True
 
@@ -210,12 +233,18 @@ class WriteQueue:
                     continue
                 if got is Fault.FAILED:
                     self.count(f"{name}.write_dropped", 1)
+                    if item.value is not None:  # refused: the older copy must go instead
+                        self._pop_if(key, item)
+                        self.mark_stale(key)
+                        continue
                 self._pop_if(key, item)
         with self.cond:
             if self.pending:
                 log.error("%d queued writes to %s dropped at shutdown (the tier, or their "
                           "part of it, down)", len(self.pending), name)
-                self.count(f"{name}.write_dropped", len(self.pending))
+                writes = sum(item.value is not None for item in self.pending.values())
+                self.count(f"{name}.write_dropped", writes)
+                self.count(f"{name}.delete_dropped", len(self.pending) - writes)
                 self.pending.clear()
                 self.later.clear()
                 self.bytes = 0

@@ -17,7 +17,8 @@ a new stamp (``kdn.store.checked`` remembers the stamps checked).
 A value still in a tier's write queue is served as if the tier held it
 (a pending delete hides what the tier holds). A hit below the first tier is promoted: into the
 first tier (RAM) at once, into other tiers above it through their write queues, keeping the
-entry's remaining TTL.
+entry's remaining TTL, unless the key was written or deleted since the read began (its
+generation, ``kdn.store.locks``): an older value never lands over an acknowledged one.
 
 Writes always go to the first tier, then to each lower tier either synchronously or through
 that tier's write queue. Which lower tiers are written synchronously:
@@ -34,7 +35,9 @@ queued and retried by the queue's writer once the tier is back, or dropped with 
 a synchronous write (or delete) that found the key's part of the tier down (``Fault.PARTLY``: a
 Redis Cluster master that does not answer): queued and retried with a backoff until it lands
 (``<tier>.write_retried``), or dropped and counted when the queue is full. A write the tier
-refuses otherwise (too large, out of memory) is dropped and counted too.
+refuses otherwise (too large, out of memory) is dropped and counted too. A tier that did not
+take a write keeps no older copy to serve later: it is deleted there at once, or a delete is
+queued in the write's place (reads skip the tier's copy meanwhile).
 
 Eviction: tiers evict on their own budget (RAM: LRU; disk: approximate LRU) but skip keys
 for which ``protected`` (wired here to the pin set) answers true. Evictions from a tier that
@@ -130,7 +133,7 @@ class TieredStore:
     def _tier_event(self, tier: str, name: str, n: int) -> None:
         self.count(f"{tier}.{name}", n)
 
-    def stripe(self, key: bytes) -> threading.Lock:
+    def stripe(self, key: bytes) -> threading.RLock:
         """The store's own lock of ``key`` (``kdn.store.locks``)."""
         return self._locks.stripe(key)
 
@@ -192,6 +195,7 @@ class TieredStore:
 
     def get(self, key: bytes) -> Hit | None:
         guard = self._health.guard
+        seen = self._locks.generation(key)  # a write after this: the hit is not promoted
         for i, tier in enumerate(self.tiers):
             q = self._queues.get(tier.name)
             item = q.peek(key) if q is not None else None
@@ -201,7 +205,7 @@ class TieredStore:
                 now = time.monotonic()
                 if item.expired(now) or not self._verified(tier, key, item.value, queued=True):
                     continue
-                self._promote(i, key, item.value, item.ttl(now))
+                self._promote(i, key, item.value, item.ttl(now), seen)
                 return Hit(item.value, tier.name)
             if not self.is_up(tier.name):
                 continue
@@ -216,7 +220,7 @@ class TieredStore:
                     self._checked.remember(tier.name, key, stamp)
             if i > 0:
                 ttl = guard(tier, partial(tier.ttl_remaining, key), "ttl_remaining")
-                self._promote(i, key, value, ttl)
+                self._promote(i, key, value, ttl, seen)
             return Hit(value, tier.name, stamp)
         return None
 
@@ -281,20 +285,30 @@ class TieredStore:
                     item = q.peek(key)
                     if item is not None and item.value is value:
                         q.discard(key)
-            else:
-                self._health.guard(tier, partial(tier.delete, key), "delete")
+            else:  # unless a write replaced it meanwhile (that value is not the damaged one)
+                with self.stripe(key):
+                    now = self._health.guard(tier, partial(tier.get, key), "get")
+                    if now is not None and (now is value or now == value):
+                        self._health.guard(tier, partial(tier.delete, key), "delete")
             return False
 
-    def _promote(self, i: int, key: bytes, value: bytes, ttl: float | None) -> None:
+    def _promote(self, i: int, key: bytes, value: bytes, ttl: float | None, seen: int) -> None:
+        """Copy a hit in tier ``i`` into the tiers above it, unless ``key`` was written or
+        deleted since its read began (``seen``: its generation then): an older value never
+        lands over a newer one that was acknowledged meanwhile."""
         if i == 0:
             return
-        self.count("promotions")
         head = self.tiers[0]
-        self._health.guard(head, partial(head.put, key, value, ttl_s=ttl), "put")
         expiry = time.monotonic() + ttl if ttl else 0.0
-        for upper in self.tiers[1:i]:
-            if self.is_up(upper.name):
-                self._queues[upper.name].offer(key, PendingWrite(value, expiry))
+        with self.stripe(key):  # writes count themselves under it before touching a tier
+            if self._locks.generation(key) != seen:
+                self.count("promotions_skipped")
+                return
+            self.count("promotions")
+            self._health.guard(head, partial(head.put, key, value, ttl_s=ttl), "put")
+            for upper in self.tiers[1:i]:
+                if self.is_up(upper.name):
+                    self._queues[upper.name].offer(key, PendingWrite(value, expiry))
 
     def lookup(self, keys: list[bytes]) -> list[Presence]:
         return self._lookup(keys, self.tiers)
@@ -392,10 +406,11 @@ class TieredStore:
         expiry = time.monotonic() + ttl if ttl else 0.0
         head = self.tiers[0]
         first, errors = "", []
-        if required is not head:
-            with self.stripe(key):
+        with self.stripe(key):
+            self._locks.written(key)  # before any tier has it: promotions in flight stop
+            if required is not head:
                 self._write_lower(required, key, value, ttl, expiry, True, True)
-            first = required.name
+                first = required.name
         try:
             head.put(key, value, ttl_s=ttl)  # type: ignore[arg-type]  # Framed: takes_framed
             first = head.name
@@ -439,13 +454,14 @@ class TieredStore:
             if fault is Fault.PARTLY:  # the key's part of the tier is down: retried later
                 if q.retry_later(key, PendingWrite(flat, expiry), what):
                     return False
-                self.count(f"{tier.name}.write_dropped")  # the queue is full
+                self._dropped(tier, key)  # the queue is full
+                return False
+            if fault is Fault.FAILED:  # refused: no retry would take it
+                self._dropped(tier, key)
                 return False
             if fault is not Fault.DOWN:
-                if fault is Fault.FAILED:  # refused: no retry would take it
-                    self.count(f"{tier.name}.write_dropped")
-                q.discard(key)  # written, or failed: an older queued value must not land now
-                return fault is None
+                q.discard(key)  # written: an older queued value must not land now
+                return True
         elif required:
             raise TierUnavailable(f"the {tier.name} tier is down; can not acknowledge the entry "
                                   "there")
@@ -458,13 +474,35 @@ class TieredStore:
             if self._health.attempt(tier, write, what) is None:
                 q.discard(key)
                 return True
-        self.count(f"{tier.name}.write_dropped")
-        q.discard(key)
+        self._dropped(tier, key)
         return False
+
+    def _dropped(self, tier: Tier, key: bytes) -> None:
+        """``tier`` did not take ``key``'s new value (refused it, or is down with its queue
+        full; caller holds the stripe): the older copy it may hold must not be served later.
+        Deleted now where the tier answers, else a delete is queued (``WriteQueue.mark_stale``:
+        reads skip the tier's copy meanwhile)."""
+        self.count(f"{tier.name}.write_dropped")
+        q = self._queues[tier.name]
+        if self.is_up(tier.name):
+            got = self._health.attempt(tier, partial(tier.delete, key),
+                                       f"delete of the stale copy of {key!r}")
+            if got not in (Fault.DOWN, Fault.PARTLY, Fault.FAILED):
+                q.discard(key)
+                return
+        if not q.mark_stale(key):
+            self._stale_kept(tier, key)
+
+    def _stale_kept(self, tier: Tier, key: bytes) -> None:
+        self.count(f"{tier.name}.delete_dropped")
+        log.error("tier %s: the delete of %r could not be queued (the queue is full); the "
+                  "tier may serve an older copy of it once it is back", tier.name, key)
 
     def delete(self, key: bytes) -> bool:
         self.unpin(key)
         head = self.tiers[0]
+        with self.stripe(key):
+            self._locks.written(key)  # a read in flight must not promote it back
         found = bool(self._health.guard(head, partial(head.delete, key), "delete"))
         with self.stripe(key):
             for tier in self.tiers[1:]:
@@ -476,13 +514,13 @@ class TieredStore:
                     got = self._health.attempt(tier, partial(tier.delete, key), what)
                     if got is Fault.PARTLY:  # the key's part of the tier is down
                         if not q.retry_later(key, PendingWrite(None), what):
-                            self.count(f"{tier.name}.delete_dropped")
+                            self._stale_kept(tier, key)
                         continue
-                    if got is not Fault.DOWN:
-                        found = (got is not Fault.FAILED and bool(got)) or found
+                    if got is not Fault.DOWN and got is not Fault.FAILED:
+                        found = bool(got) or found
                         continue
-                if not q.offer(key, PendingWrite(None)):
-                    self.count(f"{tier.name}.delete_dropped")
+                if not q.mark_stale(key):
+                    self._stale_kept(tier, key)
         return found
 
     def _demote_from(self, tier: Tier) -> EvictHook:

@@ -1,0 +1,122 @@
+"""An acknowledged write is never undone by what the hierarchy does around it (RAM + LMDB):
+a read in flight does not promote the older value over it (nor bring back a deleted one), a
+read of an expired disk entry does not delete a newer put, and a lower tier that does not take
+an overwrite (it refuses it, or is down with its queue full) never serves its older copy."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kdn.store.lmdb import LmdbTier
+from kdn.store.ram import RamTier
+from kdn.store.tiered import TieredStore
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[TieredStore]:
+    s = TieredStore([RamTier(1 << 20), LmdbTier(tmp_path / "lmdb", capacity_bytes=1 << 20)],
+                    queue_entries=1)
+    yield s
+    s.close()
+
+
+def _paused_read(store: TieredStore, during: Callable[[], object]) -> Any:
+    """``store.get(b"k")`` whose disk read returns what it read only after ``during`` ran
+    (a write acknowledged while the read is in flight)."""
+    disk = store.tiers[1]
+    read, wrote = threading.Event(), threading.Event()
+    real = disk.get_stamped
+
+    def slow(key: bytes, framed: bool = False) -> Any:
+        got = real(key, framed)
+        read.set()
+        wrote.wait(10)
+        return got
+
+    disk.get_stamped = slow  # type: ignore[method-assign]
+    out: list[Any] = []
+    reader = threading.Thread(target=lambda: out.append(store.get(b"k")))
+    reader.start()
+    assert read.wait(10)
+    during()
+    wrote.set()
+    reader.join(10)
+    disk.get_stamped = real  # type: ignore[method-assign]
+    return out[0]
+
+
+def test_a_read_in_flight_does_not_promote_the_older_value(store: TieredStore) -> None:
+    ram, disk = store.tiers
+    store.put(b"k", b"v1")
+    ram.delete(b"k")  # on disk only, as after an eviction
+    got = _paused_read(store, lambda: store.put(b"k", b"v2"))
+    assert got.value == b"v1"  # read before the write: either answer is the reader's to see
+    assert store.get(b"k").value == b"v2"  # type: ignore[union-attr]
+    assert ram.get(b"k") == b"v2" and disk.get(b"k") == b"v2"
+    assert store.counters["promotions_skipped"] == 1
+
+
+def test_a_read_in_flight_does_not_bring_back_a_deleted_entry(store: TieredStore) -> None:
+    ram, _ = store.tiers
+    store.put(b"k", b"v1")
+    ram.delete(b"k")
+    _paused_read(store, lambda: store.delete(b"k"))
+    assert store.get(b"k") is None and ram.get(b"k") is None
+
+
+def test_an_expired_disk_entry_read_leaves_a_newer_put(tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    disk = LmdbTier(tmp_path / "lmdb", capacity_bytes=1 << 20)
+    try:
+        disk.put(b"k", b"old", ttl_s=1e-6)
+        real = disk._write  # noqa: SLF001
+        armed = [True]
+
+        def put_first(body: Any, need: int) -> int:  # the put lands between the read and
+            if armed[0]:  # its clean-up of the expired entry
+                armed[0] = False
+                disk.put(b"k", b"new")
+            return real(body, need)
+
+        monkeypatch.setattr(disk, "_write", put_first)
+        assert disk.get(b"k") is None  # the expired one
+        assert not armed[0] and disk.get(b"k") == b"new"
+    finally:
+        disk.close()
+
+
+def test_a_refused_overwrite_drops_the_tiers_older_copy(tmp_path: Path) -> None:
+    store = TieredStore([RamTier(4 << 20), LmdbTier(tmp_path / "lmdb", capacity_bytes=1 << 20)])
+    try:
+        ram, disk = store.tiers
+        store.put(b"k", b"v1")
+        big = b"v2" * (1 << 20)  # over the disk tier's budget: refused there
+        assert store.put(b"k", big) == "ram"
+        assert disk.get(b"k") is None  # not left to be served after an eviction
+        ram.delete(b"k")
+        assert store.get(b"k") is None
+        assert store.counters["disk.write_dropped"] == 1
+    finally:
+        store.close()
+
+
+def test_an_overwrite_dropped_while_the_tier_is_down_deletes_its_copy_later(
+        store: TieredStore) -> None:
+    ram, disk = store.tiers
+    store.put(b"k", b"v1")
+    store.put(b"gone", b"g1")
+    store.mark_down("disk", "test")
+    store.put(b"x", b"x1")  # queued for the disk (a queue of one)
+    store.put(b"k", b"v2")  # the queue is full: dropped, a delete queued instead
+    assert store.delete(b"gone")
+    ram.delete(b"k")
+    assert store.get(b"k") is None and store.get(b"gone") is None  # the disk's hidden
+    store.probe()  # the disk answers again: the queue lands
+    assert store.flush(10)
+    assert disk.get(b"k") is None and disk.get(b"gone") is None and disk.get(b"x") == b"x1"
+    assert store.counters["disk.write_dropped"] == 1
