@@ -21,7 +21,8 @@ from kdn.cache import KVCache
 from kdn.client import Client
 from kdn.codec import StreamDecoder
 from kdn.codec import format as fmt
-from kdn.codec.entropy import RANS_NIBBLE_MARK
+from kdn.codec import entropy
+from kdn.codec.entropy import MAX_WIDTH, RANS_NIBBLE_MARK
 from kdn.codec.format import (
     FRAME_SEED,
     build_frame,
@@ -39,7 +40,7 @@ from kdn.layout import DType, KVLayout, LayerLayout
 from kdn.options import Durability
 from kdn.server import ServerThread
 from kdn.v1 import kdn_pb2 as pb
-from tests.helpers import pruned_layout, random_kv
+from tests.helpers import pruned_layout, random_kv, uniform_layout
 
 KV = random_kv(pruned_layout(), 6, seed=5)
 BLOB = {m: codec.encode(KV, m, layers_per_frame=2) for m in codec.mode_names()
@@ -305,6 +306,51 @@ def test_zstd_frames_declaring_huge_sizes_are_refused_before_allocating() -> Non
     with pytest.raises(Corrupt, match="zstd frame declares"):
         codec.decode(_resealed(parts, {0: pack_sections(secs)}))
 
+
+
+@pytest.mark.parametrize("fmt", [2, 3])
+def test_tables_lying_about_their_size_are_refused_before_staging(
+        fmt: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Format-2/3 symbol tables whose zstd frames declare each blob's most (streams x
+    (4 + MAX_WIDTH)) while their blocks hold a few KB: the whole-entry (GPU) planner staged
+    what they all declared (268 MB here; 2 GiB for 32 such layers, a 440 KB entry) before
+    decompressing any. The frames' block headers now bound what they may declare: both
+    decoders refuse them, the planner before it stages anything."""
+    pytest.importorskip("triton")
+    from kdn.codec import gpu_batch, gpu_source
+
+    with entropy.writing_format(fmt):
+        parts = codec.encode_parts(random_kv(uniform_layout(4, 8, 128), 3, seed=fmt), "kdn",
+                                   "default", layers_per_frame=1)
+    header = parse_header(parts.header)
+    bodies = {}
+    for i, frame in enumerate(parts.frames):
+        rec = check_frame(header, i, frame)[0]
+        secs = _sections(rec.body, 4)
+        sym = secs[3]  # u32 mark | u32 n | zstd(lo | width | counts) | rANS
+        n = struct.unpack_from("<I", sym, 4)[0]
+        lying = _lying_zstd(zstandard.ZstdDecompressor().decompress(sym[8 : 8 + n]),
+                            8 * (128 + 128) * (4 + MAX_WIDTH))
+        secs[3] = sym[:4] + struct.pack("<I", len(lying)) + lying + sym[8 + n :]
+        bodies[rec.layer] = pack_sections(secs)
+    staged: list[int] = []
+    arrays = gpu_source.Staging.arrays
+
+    def measured(self: Any) -> Any:
+        staged.append(self.total)
+        assert self.total < 64 << 20, f"the planner stages {self.total} bytes"  # not allocated
+        return arrays(self)
+
+    monkeypatch.setattr(gpu_source.Staging, "arrays", measured)
+    monkeypatch.setattr(gpu_batch, "_launch", lambda *a, **k: None)  # the host's share only
+    codec.decode(parts.to_bytes(), batched=True)  # what the honest entry stages
+    honest, staged[:] = max(staged), []
+    blob = _resealed(parts, bodies)
+    with pytest.raises(Corrupt, match="layer 0: zstd frame declares no or too large a size"):
+        codec.decode(blob, batched=True)
+    with pytest.raises(Corrupt, match="zstd frame declares 67117056 bytes, at most"):
+        codec.decode(blob)
+    assert staged == [] and honest < 1 << 20
 
 def _servicer() -> tuple[Any, Any, Any]:
     """A servicer with a RAM tier only and a tenant with a quota, called without a network."""

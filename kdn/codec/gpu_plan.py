@@ -34,6 +34,9 @@ from kdn.codec.entropy import (
     RANS_MARK,
     RANS_NIBBLE_MARK,
 )
+from kdn.codec.zstd import capacity
+
+_capacity = numba.njit(cache=True, nogil=True)(capacity)
 
 GROUP = 32
 MAX_BLOCK = 1 << 20
@@ -126,8 +129,12 @@ def scan(buf: np.ndarray, body_at: np.ndarray, body_len: np.ndarray, n: np.ndarr
 def table_sizes(buf: np.ndarray, blobs: np.ndarray, streams: np.ndarray, err: np.ndarray
                 ) -> np.ndarray:
     """The content size each blob's zstd frame declares ([L, 2], 0 where no blob), read from
-    its frame header and bounded like ``kdn.codec.zstd.decompress`` (streams x (4 + MAX_WIDTH);
-    4 x streams where the codes lie outside: format 4) before anything is allocated for it."""
+    its frame header and bounded like ``kdn.codec.zstd.decompress`` before anything is
+    allocated for it: by what the blob's streams can need (streams x (4 + MAX_WIDTH); 4 x
+    streams where the codes lie outside: format 4) and by what its frame's blocks can
+    regenerate (``zstd.capacity``). The caller stages every blob's tables at once: without the
+    second bound, small frames that lie about their size made it reserve each blob's most
+    (2 GiB for a 32-layer entry of 440 KB) before decompressing any."""
     layers = blobs.shape[0]
     out = np.zeros((layers, 2), np.int64)
     for lay in range(layers):
@@ -153,7 +160,7 @@ def table_sizes(buf: np.ndarray, blobs: np.ndarray, streams: np.ndarray, err: np
             if size == 2:
                 v += 256
             bound = 4 if blobs[lay, b, 4] == 4 else 4 + MAX_WIDTH
-            if v < 0 or v > streams[lay, b] * bound:
+            if v < 0 or v > min(streams[lay, b] * bound, _capacity(buf, p + size, at + ln)):
                 err[0], err[1] = 6, lay
                 return out
             out[lay, b] = v
