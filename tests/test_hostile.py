@@ -19,9 +19,8 @@ from hypothesis import strategies as st
 from kdn import codec, keys
 from kdn.cache import KVCache
 from kdn.client import Client
-from kdn.codec import StreamDecoder
+from kdn.codec import StreamDecoder, entropy
 from kdn.codec import format as fmt
-from kdn.codec import entropy
 from kdn.codec.entropy import MAX_WIDTH, RANS_NIBBLE_MARK
 from kdn.codec.format import (
     FRAME_SEED,

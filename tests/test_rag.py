@@ -171,6 +171,24 @@ def test_load_corpus_folder_and_jsonl(tmp_path: Path) -> None:
         load_corpus(tmp_path / "missing")
 
 
+def test_a_corpus_file_that_is_not_utf8_is_named_and_links_out_are_skipped(
+        tmp_path: Path) -> None:
+    docs = corpus(tmp_path)
+    secret = tmp_path / "secret.txt"
+    secret.write_text("outside the corpus")
+    (docs / "link.txt").symlink_to(secret)
+    (docs / "sub" / "inside.txt").symlink_to(docs / "cats.md")
+    ids = [d.id for d in load_corpus(docs)]
+    assert "link.txt" not in ids and "sub/inside.txt" in ids
+    (docs / "latin1.txt").write_bytes(b"caf\xe9 au lait\n")
+    with pytest.raises(InvalidArgument, match=r"latin1.txt: not UTF-8 text \(byte 3"):
+        load_corpus(docs)
+    jl = tmp_path / "c.jsonl"
+    jl.write_bytes(b'{"text": "caf\xe9"}\n')
+    with pytest.raises(InvalidArgument, match="c.jsonl: not UTF-8"):
+        load_corpus(jl)
+
+
 def test_vector_index_round_trip(tmp_path: Path) -> None:
     idx = VectorIndex()
     v = torch.nn.functional.normalize(torch.randn(5, 8), dim=1)

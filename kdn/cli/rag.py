@@ -130,6 +130,10 @@ def _json(ns: argparse.Namespace) -> bool:
 
 
 def _ingest(ns: argparse.Namespace) -> int:
+    from kdn.rag.corpus import load_corpus
+
+    load_corpus(ns.corpus)  # a corpus it can not read is said before the models load (reading
+    # it twice costs little beside embedding and prefilling every chunk)
     kb, client = _engine(ns)
     with client:  # the bar only on a terminal: never drawn into a pipe or a log file
         report = kb.ingest(ns.corpus, prune=not ns.no_prune,

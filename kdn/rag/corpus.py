@@ -70,27 +70,40 @@ class Chunk:
 
 
 def load_corpus(path: Path | str) -> list[Document]:
-    """The documents of a folder of text/markdown files or of a JSONL file, sorted by id."""
+    """The documents of a folder of text/markdown files or of a JSONL file, sorted by id. A
+    folder's links that lead outside it are skipped; a file that is not UTF-8 text is
+    InvalidArgument naming it."""
     root = Path(path)
     if root.is_dir():
         docs = []
+        inside = root.resolve()
         for f in sorted(root.rglob("*")):
             rel = f.relative_to(root)
             if any(part.startswith(".") for part in rel.parts):
                 continue
-            if f.is_file() and f.suffix.lower() in TEXT_SUFFIXES:
-                docs.append(Document(rel.as_posix(), f.read_text(encoding="utf-8")))
+            if f.is_file() and f.suffix.lower() in TEXT_SUFFIXES \
+                    and f.resolve().is_relative_to(inside):
+                docs.append(Document(rel.as_posix(), _text(f)))
         return docs
     if root.is_file() and root.suffix.lower() in (".jsonl", ".ndjson"):
         return _load_jsonl(root)
     if root.is_file() and root.suffix.lower() in TEXT_SUFFIXES:
-        return [Document(root.name, root.read_text(encoding="utf-8"))]
+        return [Document(root.name, _text(root))]
     raise InvalidArgument(f"{root}: expected a folder, a .jsonl file or a text file")
+
+
+def _text(f: Path) -> str:
+    try:
+        return f.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise InvalidArgument(f"{f}: not UTF-8 text (byte {exc.start}: "
+                              f"{exc.object[exc.start:exc.start + 1]!r}); convert it or leave "
+                              "it out") from None
 
 
 def _load_jsonl(path: Path) -> list[Document]:
     docs: dict[str, Document] = {}
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+    for n, line in enumerate(_text(path).splitlines(), 1):
         if not line.strip():
             continue
         try:
