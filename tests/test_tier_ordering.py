@@ -120,3 +120,30 @@ def test_an_overwrite_dropped_while_the_tier_is_down_deletes_its_copy_later(
     assert store.flush(10)
     assert disk.get(b"k") is None and disk.get(b"gone") is None and disk.get(b"x") == b"x1"
     assert store.counters["disk.write_dropped"] == 1
+
+
+def test_promotions_that_evict_each_others_keys_do_not_deadlock(tmp_path: Path) -> None:
+    """Readers promote disk hits into a RAM tier too small for them, so each promotion evicts
+    (and demotes) keys whose locks other promotions hold: every read still ends."""
+    s = TieredStore([RamTier(64 << 10), LmdbTier(tmp_path / "lmdb", capacity_bytes=16 << 20)])
+    try:
+        ks = [b"k%03d" % i for i in range(200)]
+        for k in ks:
+            s.put(k, k * 1000)  # 4 KB each: RAM holds 16 of them
+        done = []
+
+        def read(offset: int) -> None:
+            for n in range(600):
+                k = ks[(offset + 7 * n) % len(ks)]
+                assert s.get(k).value == k * 1000  # type: ignore[union-attr]
+            done.append(offset)
+
+        readers = [threading.Thread(target=read, args=(o,), daemon=True) for o in (0, 1, 2)]
+        for t in readers:
+            t.start()
+        for t in readers:
+            t.join(60)
+        assert sorted(done) == [0, 1, 2]
+        assert s.counters["promotions"] > 100
+    finally:
+        s.close()

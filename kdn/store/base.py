@@ -157,6 +157,18 @@ class Tier(abc.ABC):
     def delete_many(self, keys: list[bytes]) -> int:
         return sum(self.delete(k) for k in keys)
 
+    def put_while(self, key: bytes, value: bytes, still: Callable[[], bool], *,
+                  ttl_s: float | None = None) -> bool:
+        """``put`` where ``still()`` answers true just before (a promotion, while no write of
+        the key came since its read); whether it put. A tier that ``reports_evictions`` asks
+        ``still`` and puts under one lock of its own (its evictions' demotions take the
+        hierarchy's key locks, so the hierarchy can not hold one around the put); others are
+        called under the key's stripe lock."""
+        if not still():
+            return False
+        self.put(key, value, ttl_s=ttl_s)
+        return True
+
     def get_stamped(self, key: bytes, framed: bool = False) -> tuple[bytes, int] | None:
         """The value and the stamp of the write that stored it: an ``in_process`` tier gives
         every write a new stamp > 0, so the hierarchy checks a value once, not on every read;

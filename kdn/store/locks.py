@@ -3,10 +3,9 @@
 Lifecycle: ``TieredStore`` builds one ``KeyLocks`` and hands its locks out for the life of the
 store; nothing is ever added or freed, so a key always maps to the same lock.
 
-    stripe(key)          the store's own lock of ``key`` (reentrant: a promotion that holds it
-                         may evict, and the eviction's demotion take it again): synchronous
-                         lower-tier writes, deletes, write-queue flushes and promotions of one
-                         key hold it, so an older value never lands over a newer one
+    stripe(key)          the store's own lock of ``key``: synchronous lower-tier writes,
+                         deletes, write-queue flushes and promotions' queued copies of one key
+                         hold it, so an older value never lands over a newer one
     generation(key)      a count of the puts and deletes of ``key`` so far (shared by the keys
                          of one of ``GENERATIONS`` slots), raised by ``written`` under the
                          stripe before a put or delete touches any tier: a read that saw a
@@ -36,11 +35,11 @@ class KeyLocks:
     """The stripe locks and the entry locks (see the module docstring)."""
 
     def __init__(self) -> None:
-        self._stripes = [threading.RLock() for _ in range(STRIPES)]
+        self._stripes = [threading.Lock() for _ in range(STRIPES)]
         self._entry_locks = [threading.Lock() for _ in range(STRIPES)]
         self._generations = [0] * GENERATIONS
 
-    def stripe(self, key: bytes) -> threading.RLock:
+    def stripe(self, key: bytes) -> threading.Lock:
         return self._stripes[xxhash.xxh64_intdigest(key) % STRIPES]
 
     def generation(self, key: bytes) -> int:

@@ -73,7 +73,7 @@ class WriteQueue:
     """Pending writes for one lower tier: newest item per key, FIFO, bounded, one writer thread."""
 
     def __init__(self, tier: Tier, health: TierHealth, *,
-                 stripe: Callable[[bytes], threading.RLock], count: Count, max_entries: int,
+                 stripe: Callable[[bytes], threading.Lock], count: Count, max_entries: int,
                  max_bytes: int) -> None:
         self.tier = tier
         self.health = health

@@ -129,6 +129,10 @@ class RamTier(Tier):
             return max(0.0, self._expiry[key] - time.monotonic())
 
     def put(self, key: bytes, value: bytes | Framed, *, ttl_s: float | None = None) -> None:
+        self.put_while(key, value, lambda: True, ttl_s=ttl_s)  # type: ignore[arg-type]
+
+    def put_while(self, key: bytes, value: bytes | Framed,  # type: ignore[override]
+                  still: Callable[[], bool], *, ttl_s: float | None = None) -> bool:
         if not (isinstance(value, (bytes, Framed)) or isinstance(value, memoryview)
                 and value.readonly and value.contiguous and value.format == "B"):
             value = bytes(value)  # a read-only byte view is kept as it is (no copy)
@@ -137,6 +141,8 @@ class RamTier(Tier):
                            f"{self.capacity_bytes}-byte budget")
         evicted: list[tuple[bytes, bytes | Framed, float]] = []
         with self._lock:
+            if not still():  # asked under the lock every put takes: atomic with the put
+                return False
             self._remove(key)
             self._data[key] = value
             self._stamps[key] = next(self._next_stamp)
@@ -152,6 +158,7 @@ class RamTier(Tier):
                 if exp and exp <= now:
                     continue
                 self.on_evict(k, v, exp - now if exp else None)
+        return True
 
     def _evict_locked(self, keep: bytes) -> list[tuple[bytes, bytes | Framed, float]]:
         out: list[tuple[bytes, bytes | Framed, float]] = []

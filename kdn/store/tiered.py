@@ -133,7 +133,7 @@ class TieredStore:
     def _tier_event(self, tier: str, name: str, n: int) -> None:
         self.count(f"{tier}.{name}", n)
 
-    def stripe(self, key: bytes) -> threading.RLock:
+    def stripe(self, key: bytes) -> threading.Lock:
         """The store's own lock of ``key`` (``kdn.store.locks``)."""
         return self._locks.stripe(key)
 
@@ -300,12 +300,21 @@ class TieredStore:
             return
         head = self.tiers[0]
         expiry = time.monotonic() + ttl if ttl else 0.0
-        with self.stripe(key):  # writes count themselves under it before touching a tier
-            if self._locks.generation(key) != seen:
+
+        def still() -> bool:  # writes count themselves (under the stripe) before any tier
+            return self._locks.generation(key) == seen
+
+        put = partial(head.put_while, key, value, still, ttl_s=ttl)
+        if head.reports_evictions:  # asked and put under the tier's own lock
+            done = self._health.guard(head, put, "put")
+        else:
+            with self.stripe(key):
+                done = self._health.guard(head, put, "put")
+        with self.stripe(key):
+            if not (done and still()):
                 self.count("promotions_skipped")
                 return
             self.count("promotions")
-            self._health.guard(head, partial(head.put, key, value, ttl_s=ttl), "put")
             for upper in self.tiers[1:i]:
                 if self.is_up(upper.name):
                     self._queues[upper.name].offer(key, PendingWrite(value, expiry))
