@@ -26,6 +26,8 @@ import contextvars
 import enum
 import hashlib
 import hmac
+import math
+import re
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -139,6 +141,9 @@ def load_auth(path: Path | str) -> AuthConfig:
 
     path = Path(path)
     raw = load_yaml_file(path, "auth file")
+    unknown = sorted(map(str, set(raw) - {"tenants"})) if isinstance(raw, dict) else []
+    if unknown:
+        raise ConfigError(f"auth file {path}: unknown settings {unknown} (only 'tenants')")
     tenants = raw.get("tenants") if isinstance(raw, dict) else None
     return parse_tenants(tenants, f"auth file {path}")
 
@@ -147,8 +152,10 @@ def tenants_from_text(text: str) -> AuthConfig:
     """The ``auth_tenants`` setting: a tenants mapping as YAML/JSON text, keys as digests."""
     import yaml
 
+    from kdn.server.config import parse_yaml
+
     try:
-        tenants = yaml.safe_load(text)
+        tenants = parse_yaml(text)
     except yaml.YAMLError as exc:
         raise ConfigError(f"auth_tenants: not valid YAML: {exc}") from None
     if isinstance(tenants, dict) and "tenants" in tenants:
@@ -156,10 +163,30 @@ def tenants_from_text(text: str) -> AuthConfig:
     return parse_tenants(tenants, "auth_tenants", digests_only=True)
 
 
-def parse_tenants(tenants: Any, where_all: str, *, digests_only: bool = False) -> AuthConfig:
-    """An ``AuthConfig`` from a ``tenants`` mapping (``where_all`` names it in errors)."""
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+
+
+def _number(spec: dict[str, Any], field: str, where: str, *, whole: bool = True,
+            size: bool = False) -> float:
+    """``spec[field]`` (0 when absent) as a finite number >= 0 (0: no limit), whole where
+    ``whole``, a size like 10GiB where ``size``; ConfigError naming it otherwise."""
     from kdn.server.config import parse_size
 
+    value = spec.get(field, 0)
+    try:
+        if isinstance(value, bool):
+            raise ValueError("a number, not a boolean")
+        got = parse_size(value) if size and isinstance(value, str) else float(value)
+        if not math.isfinite(got) or got < 0 or (whole and got != int(got)):
+            raise ValueError(f"must be a finite{' whole' if whole else ''} number >= 0 "
+                             f"(0 = no limit), got {value!r}")
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{where}: {field}: {exc}") from None
+    return got
+
+
+def parse_tenants(tenants: Any, where_all: str, *, digests_only: bool = False) -> AuthConfig:
+    """An ``AuthConfig`` from a ``tenants`` mapping (``where_all`` names it in errors)."""
     if not isinstance(tenants, dict) or not tenants:
         raise ConfigError(f"{where_all}: expected a 'tenants' mapping")
     keys: dict[str, tuple[str, Role]] = {}
@@ -196,27 +223,24 @@ def parse_tenants(tenants: Any, where_all: str, *, digests_only: bool = False) -
                                   "certificate name: CN or SAN, optionally typed as "
                                   f"{', '.join(k + ':' for k in SUBJECT_KINDS)})")
             subjects[subject] = (name, role)
-        for k in api_keys:
-            k = str(k)
+        for i, k in enumerate(api_keys):
+            if not isinstance(k, str) or not k.strip():  # YAML null (an unset template
+                # value) or a number (012345 reads as 5349): never a key by accident
+                raise ConfigError(f"{where}: api_keys[{i}] must be a non-empty string (quote "
+                                  f"a key that looks like a number), got {k!r}")
             if digests_only and not k.startswith("sha256:"):
                 raise ConfigError(f"{where}: api_keys here must be sha256:HEX digests (printf "
                                   "%s KEY | sha256sum), never the keys themselves")
-            d = k.removeprefix("sha256:") if k.startswith("sha256:") else digest(k)
-            if len(d) != 64 or d in keys:
-                raise ConfigError(f"{where}: malformed or duplicate api key")
+            d = k.removeprefix("sha256:").lower() if k.startswith("sha256:") else digest(k)
+            if not _HEX64.fullmatch(d) or d in keys:
+                raise ConfigError(f"{where}: api_keys[{i}]: malformed (sha256: and 64 hex "
+                                  "digits) or duplicate api key")
             keys[d] = (name, role)
-        try:
-            egress = parse_size(spec.get("egress_bytes_per_s", 0))
-            if egress < 0:
-                raise ValueError(f"must be >= 0 (0 = unlimited), got {egress}")
-        except (TypeError, ValueError) as exc:
-            raise ConfigError(f"{where}: egress_bytes_per_s: {exc}") from None
-        try:
-            policies[name] = TenantPolicy(
-                rate_rps=float(spec.get("rate_rps", 0)), burst=int(spec.get("burst", 0)),
-                quota_bytes=parse_size(spec.get("quota_bytes", 0)), egress_bytes_per_s=egress)
-        except (TypeError, ValueError) as exc:
-            raise ConfigError(f"{where}: {exc}") from None
+        policies[name] = TenantPolicy(
+            rate_rps=_number(spec, "rate_rps", where, whole=False),
+            burst=int(_number(spec, "burst", where)),
+            quota_bytes=int(_number(spec, "quota_bytes", where, size=True)),
+            egress_bytes_per_s=int(_number(spec, "egress_bytes_per_s", where, size=True)))
     return AuthConfig(enabled=True, keys=keys, policies=policies, subjects=subjects)
 
 

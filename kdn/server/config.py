@@ -66,10 +66,30 @@ def parse_size(value: object) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
+class _UniqueKeys(yaml.SafeLoader):
+    """YAML's safe loader, refusing a mapping that names a key twice (where the last one
+    would win silently: a tenant defined twice, its role changed by the second)."""
+
+    def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if isinstance(key, (str, int, float, bool)) and key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"{key!r} is defined twice", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+def parse_yaml(text: str) -> Any:
+    """``yaml.safe_load`` that refuses a key defined twice in one mapping (yaml.YAMLError)."""
+    return yaml.load(text, Loader=_UniqueKeys)  # noqa: S506  # a SafeLoader
+
+
 def load_yaml_file(path: Path, what: str) -> Any:
     """The parsed YAML in ``path`` ({} when empty); a ConfigError names it as ``{what} {path}``."""
     try:
-        return yaml.safe_load(path.read_text()) or {}
+        return parse_yaml(path.read_text()) or {}
     except OSError as exc:
         raise ConfigError(f"{what} {path}: {exc.strerror}") from None
     except yaml.YAMLError as exc:

@@ -1,0 +1,53 @@
+"""The tenants file: what is not plainly a key, a digest, a tenant or a finite limit is refused
+at start-up with the tenant and the field named (never a key made of a YAML null or a number
+by accident, never a tenant defined twice)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kdn.errors import ConfigError
+from kdn.server.auth import digest, load_auth
+
+DIGEST = "sha256:" + digest("secret-a")
+
+
+def _load(tmp_path: Path, text: str) -> object:
+    f = tmp_path / "tenants.yaml"
+    f.write_text(text)
+    f.chmod(0o600)
+    return load_auth(f)
+
+
+@pytest.mark.parametrize("text,why", [
+    ("tenants:\n  ops:\n    role: admin\n    api_keys:\n      -\n",
+     r"tenant 'ops': api_keys\[0\] must be a non-empty string .* got None"),
+    ("tenants:\n  a: {api_keys: [012345]}\n", r"api_keys\[0\] must be a non-empty string"),
+    ("tenants:\n  a: {api_keys: ['']}\n", r"api_keys\[0\] must be a non-empty string"),
+    ("tenants:\n  a: {api_keys: ['sha256:xyz']}\n", r"api_keys\[0\]: malformed"),
+    ("tenants:\n  a: {api_keys: [k1]}\n  b: {api_keys: [k2]}\n  a: {api_keys: [k3], "
+     "role: admin}\n", r"'a' is defined twice"),
+    ("tenants:\n  a: {api_keys: [k1], rate_rps: .nan}\n", r"rate_rps: must be a finite"),
+    ("tenants:\n  a: {api_keys: [k1], rate_rps: -5}\n", r"rate_rps: must be a finite"),
+    ("tenants:\n  a: {api_keys: [k1], burst: 2.9}\n", r"burst: must be a finite whole"),
+    ("tenants:\n  a: {api_keys: [k1], quota_bytes: -1}\n", r"quota_bytes: must be"),
+    ("tenants:\n  a: {api_keys: [k1], quota_bytes: true}\n", r"quota_bytes: a number"),
+    ("tenants:\n  a: {api_keys: [k1]}\nadmins: [a]\n", r"unknown settings \['admins'\]"),
+])
+def test_odd_tenants_files_are_refused_naming_the_field(tmp_path: Path, text: str,
+                                                        why: str) -> None:
+    with pytest.raises(ConfigError, match=why):
+        _load(tmp_path, text)
+
+
+def test_a_plain_file_loads_as_written(tmp_path: Path) -> None:
+    cfg = _load(tmp_path, f"tenants:\n  a: {{api_keys: ['k-1'], rate_rps: 2.5, burst: 4, "
+                          f"quota_bytes: 1GiB, egress_bytes_per_s: 125MB}}\n"
+                          f"  b: {{api_keys: ['sha256:{DIGEST[7:].upper()}'], role: admin}}\n")
+    assert cfg.keys[digest("k-1")][0] == "a"  # type: ignore[attr-defined]
+    assert cfg.keys[DIGEST[7:]][0] == "b"  # type: ignore[attr-defined]  # any case
+    policy = cfg.policies["a"]  # type: ignore[attr-defined]
+    assert (policy.rate_rps, policy.burst, policy.quota_bytes, policy.egress_bytes_per_s) \
+        == (2.5, 4, 1 << 30, 125_000_000)
