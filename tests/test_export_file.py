@@ -167,3 +167,25 @@ def test_the_file_is_read_one_record_at_a_time(tmp_path: Path) -> None:
     resumed.close()
     with pytest.raises(Corrupt, match="without its end marker"):
         list(scan(path))
+
+
+def test_a_record_declaring_more_than_the_file_holds_is_not_read(tmp_path: Path) -> None:
+    """A crafted record's lengths are checked against the bytes left in the file before any
+    is read: a 1 TiB value in a 100-byte file is a cut-off file, not an allocation."""
+    import struct
+
+    from kdn.client.exportfile import MAGIC, encode_filter
+
+    h, q = struct.Struct("<H"), struct.Struct("<Q")
+    for declared in (1 << 40, 64 << 30, 100):
+        body = h.pack(7) + b"default" + h.pack(32) + bytes(32) + h.pack(0) + q.pack(declared)
+        path = tmp_path / f"lying-{declared}.kdnx"
+        path.write_bytes(MAGIC + encode_filter(Filter()) + body + b"x" * 16)
+        tracemalloc.start()
+        try:
+            with pytest.raises(Corrupt, match="is cut off inside record 0"):
+                list(scan(path))
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert peak < 1 << 20, (declared, peak)

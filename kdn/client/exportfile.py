@@ -22,6 +22,8 @@ import.
 
 from __future__ import annotations
 
+import io
+import os
 import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -82,11 +84,24 @@ class _Torn(Exception):
 
 
 def _take(f: BinaryIO, n: int, parts: list[bytes]) -> bytes:
+    if n > _left(f):  # a length no file this size can hold: never read (nor allocated)
+        raise _Torn
     data = f.read(n)
     if len(data) != n:
         raise _Torn
     parts.append(data)
     return data
+
+
+def _left(f: BinaryIO) -> int:
+    """Bytes of ``f`` after its position."""
+    try:
+        end = os.fstat(f.fileno()).st_size
+    except (AttributeError, OSError, io.UnsupportedOperation):
+        at = f.tell()
+        end = f.seek(0, io.SEEK_END)
+        f.seek(at)
+    return end - f.tell()
 
 
 def _field(f: BinaryIO, size: struct.Struct, parts: list[bytes]) -> bytes:
