@@ -189,3 +189,25 @@ def test_a_record_declaring_more_than_the_file_holds_is_not_read(tmp_path: Path)
         finally:
             tracemalloc.stop()
         assert peak < 1 << 20, (declared, peak)
+
+
+def test_import_admits_entries_as_a_store_does(server: ServerThread, tmp_path: Path) -> None:
+    """An import goes through the one write path: an entry a Store would refuse here (too
+    large, a model not served) is rejected, and counted, while the rest go in."""
+    big_lay = uniform_layout(layers=2, heads=2, dim=64)
+    with Client(server.address) as c:
+        c.store(keys.chunk_key([99], big_lay), random_kv(big_lay, 64, seed=1), namespace="kb")
+    with AdminClient(server.address) as c:
+        c.export_to(tmp_path / "kb.kdnx", "kb")
+    small = NAMESPACES["kb"]
+    cfg = ServerConfig(port=0, data_dir=tmp_path / "small", max_entry_bytes=4096)
+    with ServerThread(cfg) as target, AdminClient(target.address) as t:
+        got = t.import_from(tmp_path / "kb.kdnx")
+        assert (got.imported, got.rejected) == (small, 1)
+        assert len(list(t.ls())) == small
+    only = "0" * 32
+    cfg = ServerConfig(port=0, data_dir=tmp_path / "strict", allowed_models=(only,))
+    with ServerThread(cfg) as target, AdminClient(target.address) as t:
+        got = t.import_from(tmp_path / "kb.kdnx")
+        assert (got.imported, got.rejected) == (0, small + 1)
+        assert list(t.ls()) == []

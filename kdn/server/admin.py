@@ -16,12 +16,20 @@ import grpc
 
 from kdn.codec.format import parse_container, parse_header
 from kdn.codec.layouts import layout_to_proto
-from kdn.errors import Corrupt, InvalidArgument, KDNError, NotFound, PermissionDenied
+from kdn.errors import (
+    Corrupt,
+    InvalidArgument,
+    KDNError,
+    LayoutMismatch,
+    NotFound,
+    PermissionDenied,
+    TooLarge,
+)
 from kdn.keys import split_store_key, store_key
 from kdn.names import check_key_prefix, check_namespace, check_tenant, request_namespace
 from kdn.server.arena import Arenas
 from kdn.server.auth import Authenticator, Principal, current_principal, require_admin
-from kdn.server.ingest import delete_entry, recount_usage
+from kdn.server.ingest import Ingest, delete_entry, recount_usage
 from kdn.server.rpc import rpc
 from kdn.status import grpc_code
 from kdn.store.base import Tier
@@ -48,10 +56,11 @@ class AdminServicer(pb_grpc.KDNAdminServicer):
     """Calls running now (``kdn.server.rpc.rpc``)."""
 
     def __init__(self, store: TieredStore, auth: Authenticator,
-                 arenas: Arenas | None = None) -> None:
+                 arenas: Arenas | None = None, ingest: Ingest | None = None) -> None:
         self.store = store
         self.auth = auth
         self.arenas = arenas  # the servicer's read arenas: an evicted key's copy is dropped
+        self.ingest = ingest  # the one write path: Import's entries go in as a Store's do
         self.counters: dict[str, int] = {}
 
     def count(self, name: str, n: int = 1) -> None:
@@ -263,25 +272,20 @@ class AdminServicer(pb_grpc.KDNAdminServicer):
             yield pb.ExportItem(namespace=namespace, key=key, value=bytes(got[0]), cursor=k,
                                 total=len(keys) if i == 0 else 0)
 
-    def _import_one(self, principal: Principal, skey: bytes, value: bytes) -> bool:
-        """Store one imported entry, charged like a Store (False: the same bytes are there)."""
+    def _import_one(self, principal: Principal, item: pb.ImportItem) -> bool:
+        """Store one imported entry as a Store would (its checks, the tenant's quota, the
+        one write path: ``Ingest``); False where the same bytes are there already."""
+        assert self.ingest is not None  # the server builds the admin servicer with it
+        value = item.value
+        self.ingest.check_size(len(value))
+        header = parse_container(value, verify=True).header
+        self.ingest.check_kind(header)
+        skey = store_key(principal.tenant, request_namespace(item.namespace), item.key)
         with self.store.entry_lock(skey):
             existing = self._read(skey)
             if existing is not None and existing[0] == value:
                 return False
-            delta = len(value) - self.store.lookup([skey])[0].size
-            if delta > 0:
-                self.auth.charge(principal, delta)
-            try:
-                self.store.put(skey, value)
-            except BaseException:
-                if delta > 0:
-                    self.auth.refund(principal.tenant, delta)
-                raise
-            if self.arenas is not None:  # the old value's arena copy: no read without a call
-                self.arenas.drop(skey)  # finds it any more (under the entry lock, as a Store)
-            if delta < 0:
-                self.auth.refund(principal.tenant, -delta)
+        self.ingest.commit(principal, skey, value, pb.StoreOptions(), header)
         return True
 
     @rpc
@@ -290,13 +294,11 @@ class AdminServicer(pb_grpc.KDNAdminServicer):
         resp = pb.ImportResponse()
         principal = current_principal.get()
         async for item in request_iterator:
-            skey = store_key(principal.tenant, request_namespace(item.namespace), item.key)
             try:
-                parse_container(item.value, verify=True)
-            except KDNError:
-                resp.rejected += 1
+                done = await asyncio.to_thread(self._import_one, principal, item)
+            except (Corrupt, InvalidArgument, LayoutMismatch, TooLarge):  # this entry's fault
+                resp.rejected += 1  # (damaged, not allowed here, past the quota): the rest go on
                 continue
-            done = await asyncio.to_thread(self._import_one, principal, skey, item.value)
             if done:
                 resp.imported += 1
             else:
