@@ -155,7 +155,7 @@ def _admin_client(ns: argparse.Namespace) -> Any:
     from kdn.client.client import TLSOptions
 
     tls = None
-    if ns.tls_ca or ns.tls_cert:
+    if ns.tls_ca or ns.tls_cert or ns.tls_key:
         def read(p: str | None) -> bytes | None:
             return Path(p).read_bytes() if p else None
 

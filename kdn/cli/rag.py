@@ -54,6 +54,10 @@ def _engine(ns: argparse.Namespace) -> Any:
             check_codec(ns.mode, ns.level)
         except KDNError as exc:
             raise _UsageError(str(exc)) from None
+        from kdn.rag.corpus import load_corpus
+
+        load_corpus(ns.corpus)  # a corpus it can not read is said before the models load
+        # (read twice: little beside embedding and prefilling every chunk)
     if ns.cmd_rag == "ask" and not ns.question.strip():
         raise _UsageError("the question is empty; pass it as one argument, e.g. "
                           "kdn rag ask \"Who wrote the report?\"")
@@ -130,10 +134,6 @@ def _json(ns: argparse.Namespace) -> bool:
 
 
 def _ingest(ns: argparse.Namespace) -> int:
-    from kdn.rag.corpus import load_corpus
-
-    load_corpus(ns.corpus)  # a corpus it can not read is said before the models load (reading
-    # it twice costs little beside embedding and prefilling every chunk)
     kb, client = _engine(ns)
     with client:  # the bar only on a terminal: never drawn into a pipe or a log file
         report = kb.ingest(ns.corpus, prune=not ns.no_prune,

@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 import grpc
 
 from kdn import tracing as _tracing
+from kdn.errors import InvalidArgument
 from kdn.status import from_grpc
 from kdn.transport.metadata import API_KEY_HEADER, REQUEST_ID_HEADER
 from kdn.transport.wire import get_many_response, retrieve_response, serialize_passthrough
@@ -66,6 +67,12 @@ class TLSOptions:
     key: bytes | None = None
     server_name: str = ""
     """Expected name in the server certificate when it differs from the address host."""
+
+    def __post_init__(self) -> None:
+        if (self.cert is None) != (self.key is None):  # gRPC's core aborts the process on it
+            raise InvalidArgument("TLS: a client certificate and its private key go together "
+                                  f"(given: {'the certificate' if self.cert else 'the key'} "
+                                  "only)")
 
     def credentials(self) -> grpc.ChannelCredentials:
         return grpc.ssl_channel_credentials(root_certificates=self.ca, private_key=self.key,
