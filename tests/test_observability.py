@@ -135,6 +135,25 @@ def test_log_lines_carry_the_request_id(tmp_path: Path, caplog: pytest.LogCaptur
     assert line["logger"] == "kdn.access" and "msg" not in line  # fields merged, not quoted
 
 
+def test_a_request_id_that_is_free_text_is_replaced(tmp_path: Path,
+                                                    caplog: pytest.LogCaptureFixture) -> None:
+    """A caller's request id is on every log line of its call: one that could forge the
+    front of a line (spaces, brackets, control characters, 7,000 characters) is replaced."""
+    forged = "x] 2026-11-29 ERROR kdn.server [forged"
+    with caplog.at_level(logging.INFO, logger="kdn.access"):
+        with ServerThread(ServerConfig(port=0, data_dir=tmp_path / "d")) as st:
+            with Client(st.address) as c:
+                for rid in (forged, "y" * 7000, "ok-id_1.2:3"):
+                    c.lookup([keys.chunk_key([1], LAY)], request_id=rid)
+    import json
+
+    seen = [json.loads(r.getMessage())["request_id"] for r in caplog.records
+            if r.name == "kdn.access"]
+    assert seen[-1] == "ok-id_1.2:3"
+    assert forged not in seen and "y" * 7000 not in seen
+    assert all(len(rid) <= 128 and " " not in rid for rid in seen)
+
+
 def test_json_log_lines_carry_the_trace_when_tracing_is_on(monkeypatch: pytest.MonkeyPatch
                                                            ) -> None:
     pytest.importorskip("opentelemetry.sdk")

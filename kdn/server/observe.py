@@ -23,6 +23,7 @@ import contextlib
 import inspect
 import json
 import logging
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterable
@@ -43,6 +44,9 @@ from kdn.transport.metadata import REQUEST_ID_HEADER
 
 access_log = logging.getLogger("kdn.access")
 OPEN_SERVICES = ("grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection")
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+"""A caller's ``x-request-id`` kept as it is (else one is made): it is on every log line of
+the call, so never free text (no spaces, newlines or brackets to forge a line with)."""
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5,
                     10, 30)
 
@@ -213,7 +217,9 @@ class RequestInterceptor(grpc.aio.ServerInterceptor):
 
     async def _enter(self, context: grpc.aio.ServicerContext, md: Any, open_call: bool
                      ) -> tuple[str, str]:
-        rid = next((str(v) for k, v in md if k == REQUEST_ID_HEADER), "") or uuid.uuid4().hex
+        rid = next((str(v) for k, v in md if k == REQUEST_ID_HEADER), "")
+        if not _REQUEST_ID.fullmatch(rid):  # on every log line: never the caller's free text
+            rid = uuid.uuid4().hex
         context.set_trailing_metadata(((REQUEST_ID_HEADER, rid),))
         logs.request_id.set(rid)  # on every log line this call's handler writes
         if open_call:
