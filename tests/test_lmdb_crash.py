@@ -2,13 +2,16 @@
 writes in a loop and prints each key after its put returns; the parent kills it with SIGKILL
 at a random point, reopens the data directory and checks that every acknowledged entry is
 there and intact, that nothing partial is readable, and that the byte accounting still adds up.
-Plus restart persistence, map growth and budget eviction order surviving a restart."""
+Plus restart persistence, map growth, budget eviction order surviving a restart, and a data
+directory deleted under a running server (no DISK store acknowledged into a file no restart
+opens)."""
 
 from __future__ import annotations
 
 import hashlib
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -16,7 +19,13 @@ from pathlib import Path
 
 import pytest
 
+from kdn import keys
+from kdn.client import Client
+from kdn.errors import KDNError, Status, TierUnavailable
+from kdn.options import Durability, StoreOptions
+from kdn.server import ServerConfig, ServerThread
 from kdn.store.lmdb import LmdbTier
+from tests.helpers import eventually, random_kv, uniform_layout
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -177,3 +186,29 @@ def test_eviction_order_survives_restart(tmp_path: Path) -> None:
 
 if __name__ == "__main__":
     _child(sys.argv[1], sys.argv[2], int(sys.argv[3]))
+
+
+def test_deleted_data_dir_refuses_disk_stores_and_fails_health(tmp_path: Path) -> None:
+    """The data directory removed under a running server: the file LMDB writes to is
+    unlinked, so a DISK store "committed" there is gone at the next restart. It must be
+    refused (UNAVAILABLE) at once, and the health probe must mark the disk tier down."""
+    lay = uniform_layout()
+    ks = [keys.chunk_key([i], lay) for i in range(3)]
+    disk = StoreOptions(durability=Durability.DISK)
+    cfg = ServerConfig(port=0, data_port=-1, data_dir=tmp_path / "data")
+    with ServerThread(cfg) as st, Client(st.address, timeout_s=10) as c:
+        c.store(ks[0], random_kv(lay, 8, seed=0), options=disk)
+        shutil.rmtree(tmp_path / "data")
+        for i, k in enumerate(ks[1:], start=1):  # the first finds it in the write, then down
+            with pytest.raises(KDNError) as info:
+                c.store(k, random_kv(lay, 8, seed=i), options=disk)
+            assert info.value.status is Status.UNAVAILABLE
+        assert eventually(lambda: c.health() == "NOT_SERVING", timeout=10)
+    tier = LmdbTier(tmp_path / "again", capacity_bytes=1 << 20)
+    assert tier.healthy()
+    shutil.rmtree(tmp_path / "again")
+    assert not tier.healthy()
+    with pytest.raises(TierUnavailable, match="removed or replaced"):
+        tier.put(b"k", b"v")
+    with pytest.raises(TierUnavailable):  # its access stamps can not be kept either
+        tier.close()

@@ -22,6 +22,11 @@ oldest access stamps in the same transaction, skipping keys the hierarchy marks 
 (pins). Access stamps are approximate LRU: a ``get`` records the key in memory and the stamps
 are written with the next write transaction (and at ``close``), so reads never pay for a write.
 
+Files gone: where the data file is no longer the one opened (its directory deleted, the file
+replaced), writes would go to a file no restart opens: ``healthy`` then answers False (the
+probe marks the tier down) and every write, checked once committed, raises ``TierUnavailable``
+(nothing is acknowledged).
+
 Map growth: the map starts small and doubles up to ``max_map_bytes`` on ``MapFullError``;
 resizing needs every transaction of this process closed, so transactions share a
 readers-writer lock that ``_grow`` takes exclusively. A writer that found the map full grows it
@@ -34,6 +39,7 @@ WARNING, reported as ``map_full``, and its ``TooLarge`` names the bytes stored a
 from __future__ import annotations
 
 import logging
+import os
 import struct
 import threading
 import time
@@ -154,6 +160,7 @@ class LmdbTier(Tier):
         self._stamp_lock = threading.Lock()
         self._map_bytes = int(self.env.info()["map_size"])  # changed only by ``_grow``
         self._closed = False
+        self._file_id = self._data_file()  # the file opened; see ``healthy``
 
     # -- helpers --------------------------------------------------------------------------------
 
@@ -184,6 +191,28 @@ class LmdbTier(Tier):
     def _check_open(self) -> None:
         if self._closed:
             raise TierUnavailable("disk tier is closed")
+
+    def _data_file(self) -> tuple[int, int] | None:
+        """(device, inode) of the file at the data file's path now; None where there is none."""
+        try:
+            st = os.stat(self.path / "data.mdb")
+        except OSError:
+            return None
+        return st.st_dev, st.st_ino
+
+    def _check_file(self) -> None:
+        """Raise ``TierUnavailable`` where the data file this tier opened is no longer at its
+        path (its directory was removed, or the file replaced): what is written now goes to a
+        file no restart opens, so it must not be acknowledged."""
+        if self._data_file() != self._file_id:
+            raise TierUnavailable(f"disk tier: its data file {self.path / 'data.mdb'} was "
+                                  "removed or replaced while open; entries written now would be "
+                                  "lost at restart (restart the server)")
+
+    def healthy(self) -> bool:
+        """Open, and its data file still the one opened (see ``_check_file``): the health probe
+        marks the tier down, and DISK stores fail, once its directory is deleted."""
+        return not self._closed and self._data_file() == self._file_id
 
     # -- reads (hot paths: no generator context managers) ---------------------------------------
 
@@ -317,6 +346,8 @@ class LmdbTier(Tier):
         self._write(lambda txn: None, 0)
 
     def _write(self, body: Callable[[lmdb.Transaction], int | None], need: int) -> int:
+        """Run ``body`` in a write transaction (retried in a grown map where it was full);
+        its result once committed to the file a restart opens (``_check_file``)."""
         self._check_open()
         while True:
             self._rw.acquire_shared()
@@ -324,7 +355,8 @@ class LmdbTier(Tier):
             try:
                 with self.env.begin(write=True) as txn:
                     self._apply_touches(txn)
-                    return body(txn) or 0
+                    done = body(txn) or 0
+                break
             except lmdb.MapFullError:
                 pass
             except lmdb.Error as exc:
@@ -332,6 +364,8 @@ class LmdbTier(Tier):
             finally:
                 self._rw.release_shared()
             self._grow(seen, need)
+        self._check_file()  # a stat: the commit is only durable in the file still at its path
+        return done
 
     def _apply_touches(self, txn: lmdb.Transaction) -> None:
         with self._touch_lock:
