@@ -1,9 +1,11 @@
 """The Redis tier against real redis-server processes: the parts+manifest scheme under crashes
-and eviction, two kdn servers sharing one Redis Cluster, and Redis killed and restarted under a
-running kdn server (degraded health, queued writes, reconnect, nothing acknowledged lost)."""
+and eviction, two kdn servers sharing one Redis Cluster, Redis killed and restarted under a
+running kdn server (degraded health, queued writes, reconnect, nothing acknowledged lost), and
+Redis refusing writes (out of memory, too few replicas, a failed snapshot)."""
 
 from __future__ import annotations
 
+import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -13,7 +15,7 @@ import pytest
 from kdn import keys
 from kdn.cache import KVCache
 from kdn.client import Client
-from kdn.errors import Unavailable
+from kdn.errors import KDNError, PartlyUnavailable, Status, Unavailable
 from kdn.options import Durability, StoreOptions
 from kdn.server import ServerConfig, ServerThread
 from kdn.store.redis import PENDING_TTL_S, RedisTier
@@ -190,3 +192,50 @@ def test_durability_shared_fails_fast_when_redis_is_down(tmp_path: Path) -> None
         c.store(key, kv)  # the default durability still succeeds (RAM + disk)
         assert time.monotonic() - t0 < 3
         assert c.retrieve(key).equal(kv)  # type: ignore[union-attr]
+
+
+# -- Redis refusing writes ----------------------------------------------------------------------
+
+
+def test_redis_refusals_reach_the_client_with_their_status(tmp_path: Path) -> None:
+    """Redis refusing a write, also inside the tier's commit script ("Error running script
+    ... -OOM ..."), reaches the client with its cause's status, never INTERNAL: out of memory
+    is RESOURCE_EXHAUSTED; no writes for now (min-replicas-to-write unmet; MISCONF after a
+    failed snapshot) is UNAVAILABLE for a SHARED store, while a DEFAULT store is acknowledged
+    and its Redis write retried until Redis takes it (the tier is not marked down)."""
+    shared = StoreOptions(durability=Durability.SHARED)
+    (k1, kv1), (k2, kv2) = _entries(2, start=500, tokens=256).items()
+    with RedisServer(tmp_path, appendonly=False) as rs:
+        r = rs.client()
+        cfg = ServerConfig(port=0, data_port=-1, data_dir=tmp_path / "d", redis_url=rs.url,
+                           shutdown_grace_s=2)
+        with ServerThread(cfg) as st, Client(st.address, timeout_s=10) as c:
+            r.config_set("min-replicas-to-write", 1)  # no replica: Redis refuses writes
+            with pytest.raises(KDNError) as info:
+                c.store(k1, kv1, options=shared)
+            assert info.value.status is Status.UNAVAILABLE
+            c.store(k1, kv1)
+            assert c.health("kdn.v1.KDN") == "SERVING"
+            r.config_set("min-replicas-to-write", 0)
+            assert st.server.store.flush(10)  # type: ignore[union-attr]
+            assert r.keys(f"*{k1.hex()}*:m")  # its manifest: the entry is in Redis now
+
+            r.config_set("maxmemory-policy", "noeviction")
+            r.config_set("maxmemory", int(r.info("memory")["used_memory"]) + 10_000)
+            with pytest.raises(KDNError) as info:
+                c.store(k2, kv2, options=shared)
+            assert info.value.status is Status.RESOURCE_EXHAUSTED, info.value
+        r.config_set("maxmemory", 0)
+        snapshots = tmp_path / "snapshots"
+        snapshots.mkdir()
+        r.config_set("dir", str(snapshots))
+        r.config_set("save", "3600 1")
+        shutil.rmtree(snapshots)
+        r.bgsave()
+        assert _eventually(lambda: r.info("persistence")["rdb_last_bgsave_status"] == "err")
+        tier = RedisTier([rs.url])
+        try:
+            with pytest.raises(PartlyUnavailable, match="MISCONF"):
+                tier.put(b"m", b"v" * 100)
+        finally:
+            tier.close()

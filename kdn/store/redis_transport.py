@@ -8,8 +8,9 @@ tier's ``close``.
 
 Transport: a connection pool (``BlockingConnectionPool`` standalone, per-node pools in a
 cluster), commands retried ``retries`` times with exponential backoff and jitter on connection
-and timeout errors only; every redis-py error leaves as ``TierUnavailable`` (or ``TooLarge`` when
-Redis is out of memory), so the hierarchy can mark the tier down and carry on.
+and timeout errors only; every redis-py error leaves as a kdn one (``_wrap``): ``TierUnavailable``
+where Redis does not answer, so the hierarchy can mark the tier down and carry on; ``TooLarge``
+where it is out of memory; ``PartlyUnavailable`` where it answers but takes no writes for now.
 
 Cluster, one master out (stopped, cut off or killed): its slots' keys fail with
 ``PartlyUnavailable`` (reads miss, SHARED stores are refused) and the tier stays up for the other
@@ -30,6 +31,7 @@ does not fail the others' first writes.
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -54,15 +56,34 @@ _DOWN = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError,
          redis.exceptions.ReadOnlyError, redis.exceptions.ClusterError)
 
 
+_REFUSAL = re.compile(r"(?:^|-)(OOM|MISCONF|NOREPLICAS) ")
+"""The error codes of Redis refusing a write, at the start of its error or (from a command a
+Lua script called) after a ``-`` inside "Error running script ..."."""
+
+
+def _refusal(exc: BaseException) -> str | None:
+    """The code of a write Redis refused (``_REFUSAL``), or None. redis-py strips the OOM code
+    from the message of the ``OutOfMemoryError`` it raises for a plain command."""
+    if isinstance(exc, redis.exceptions.OutOfMemoryError):
+        return "OOM"
+    found = _REFUSAL.search(str(exc))
+    return found.group(1) if found else None
+
+
 def _wrap(exc: BaseException, cluster: bool = False) -> KDNError:
     """TierUnavailable when Redis can not be reached (PartlyUnavailable in a cluster: one
-    slot's master; the probe decides whether the whole tier is gone), TooLarge when full, else
-    KDNError."""
+    slot's master; the probe decides whether the whole tier is gone), TooLarge when full (OOM,
+    also inside a script), PartlyUnavailable when it takes no writes for now but still serves
+    reads (MISCONF: its last snapshot failed; NOREPLICAS: min-replicas-to-write unmet: a write
+    is worth retrying later, and the tier is not marked down), else KDNError."""
     if isinstance(exc, _DOWN):
         down = PartlyUnavailable if cluster else TierUnavailable
         return down(f"redis: {type(exc).__name__}: {exc}")
-    if isinstance(exc, redis.exceptions.OutOfMemoryError) or str(exc).startswith("OOM"):
+    code = _refusal(exc)
+    if code == "OOM":
         return TooLarge(f"redis is out of memory: {exc}")
+    if code is not None:
+        return PartlyUnavailable(f"redis takes no writes now ({code}): {exc}")
     return KDNError(f"redis: {type(exc).__name__}: {exc}")
 
 
