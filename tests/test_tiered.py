@@ -4,6 +4,7 @@ demotion, pins, TTL, byte budgets, corruption handling; plus the same through a 
 from __future__ import annotations
 
 import os
+import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -12,7 +13,7 @@ import xxhash
 
 from kdn import keys
 from kdn.client import Client
-from kdn.errors import Corrupt, InvalidArgument, PartlyUnavailable
+from kdn.errors import Corrupt, InvalidArgument, PartlyUnavailable, TierUnavailable
 from kdn.options import StoreOptions
 from kdn.server import ServerConfig, ServerThread
 from kdn.store.framed import Framed
@@ -259,6 +260,19 @@ def test_a_value_put_as_verified_is_not_hashed_on_its_first_read(tmp_path: Path)
         assert TieredStore([disk], verify=check).put(b"w", good, verified=True) == "disk"
     finally:
         store.close()
+
+
+def test_an_entry_no_tier_took_while_one_is_down_is_unavailable(
+        make: Callable[..., TieredStore], tmp_path: Path) -> None:
+    """An entry too large for RAM while the disk tier, which may hold it, does not answer
+    (its directory deleted): the store fails as UNAVAILABLE naming the disk tier, not as an
+    internal error, and leaves nothing queued for it."""
+    store = make(ram=4096)
+    shutil.rmtree(tmp_path / "lmdb")
+    for key in (b"big1", b"big2"):  # the first finds the disk gone, the second finds it down
+        with pytest.raises(TierUnavailable, match="the disk tier does not answer now"):
+            store.put(key, entry(10_000))
+    assert not store.is_up("disk") and store.queue_depth()["disk"] == 0
 
 
 def test_lookup_and_delete(make: Callable[..., TieredStore]) -> None:

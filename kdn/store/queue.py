@@ -175,6 +175,15 @@ class WriteQueue:
                 self.cond.notify_all()
             return item
 
+    def withdraw(self, key: bytes, value: object) -> bool:
+        """Discard ``key``'s pending write where it carries this very ``value`` (not a later
+        write's); whether it did. For a value found damaged, or one no tier took."""
+        item = self.peek(key)
+        if item is None or item.value is not value:
+            return False
+        self._pop_if(key, item)
+        return True
+
     def _pop_if(self, key: bytes, item: PendingWrite) -> None:
         with self.cond:
             if self.pending.get(key) is item:

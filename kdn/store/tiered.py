@@ -280,11 +280,8 @@ class TieredStore:
             tier.counters.add("corrupt")
             self.count("corrupt")
             if queued:
-                q = self._queues[tier.name]
                 with self.stripe(key):
-                    item = q.peek(key)
-                    if item is not None and item.value is value:
-                        q.discard(key)
+                    self._queues[tier.name].withdraw(key, value)
             else:  # unless a write replaced it meanwhile (that value is not the damaged one)
                 with self.stripe(key):
                     now = self._health.guard(tier, partial(tier.get, key), "get")
@@ -410,8 +407,9 @@ class TieredStore:
         """``put`` after its checks. A refused write leaves no trace: the tier that must
         acknowledge is written first (a refusal there raises before any other tier has the
         value), and when every tier refuses, the copies queued for tiers that are down are
-        withdrawn. A previous value stays served, except where a tier that refused the new
-        value held the old one while another took the new: that tier drops its stale copy."""
+        withdrawn (``TierUnavailable`` names them: one may take it once back). A previous value
+        stays served, except where a tier that refused the new value held the old one while
+        another took the new: that tier drops its stale copy."""
         expiry = time.monotonic() + ttl if ttl else 0.0
         head = self.tiers[0]
         first, errors = "", []
@@ -435,11 +433,13 @@ class TieredStore:
                 took = self._write_lower(tier, key, value, ttl, expiry, sync_all, False)
                 if took and not first:
                     first = tier.name
-            if not first:  # refused everywhere: withdraw what was queued for later
-                for q in self._queues.values():
-                    item = q.peek(key)
-                    if item is not None and item.value is value:
-                        q.discard(key)
+            # Refused everywhere: withdraw what was queued for later (a tier, or the key's
+            # part of it, that does not answer now) and fail as UNAVAILABLE, naming those.
+            down = [] if first else [t.name for t in self.tiers[1:] if self._queues[
+                t.name].withdraw(key, value) or not self.is_up(t.name)]
+        if down:
+            raise TierUnavailable(f"no tier accepted the entry ({'; '.join(errors)}); the "
+                                  f"{' and '.join(down)} tier does not answer now")
         if not first:
             raise KDNError("no tier accepted the entry: " + "; ".join(errors))
         return first
