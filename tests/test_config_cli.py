@@ -15,6 +15,7 @@ import pytest
 from kdn import keys
 from kdn.client import Client
 from kdn.errors import ConfigError
+from kdn.server import ServerConfig, build_store
 from kdn.server.config import load_config, parse_size
 from tests.helpers import pruned_layout, random_kv
 
@@ -36,11 +37,40 @@ def test_precedence_file_env_flags(tmp_path: Path) -> None:
     ({"flags": {"ram_bytes": "lots"}}, "ram_bytes: invalid value 'lots' (from --ram-bytes)"),
     ({"flags": {"log_level": "LOUD"}}, "log_level"),
     ({"flags": {"redis_url": "localhost:6379"}}, "redis_url"),
+    ({"flags": {"redis_url": "redis://127.0.0.1:notaport"}}, "redis_url: 'redis://127.0.0.1:no"),
+    ({"flags": {"redis_url": "redis://[::1"}}, "redis_url: 'redis://[::1' is not a valid URL"),
+    ({"flags": {"redis_timeout_s": "nan"}}, "redis_timeout_s: must be a finite number"),
+    ({"env": {"KDN_DEFAULT_TTL_S": "nan"}}, "default_ttl_s: must be a finite number"),
+    ({"flags": {"shutdown_grace_s": "inf"}}, "shutdown_grace_s: must be a finite number"),
+    ({"flags": {"disk_bytes": "1"}}, "disk_bytes: must be 0 (no disk tier) or at least 1MiB"),
 ])
 def test_bad_settings_are_named(source: dict, match: str) -> None:
     with pytest.raises(ConfigError) as info:
         load_config(env=source.get("env", {}), flags=source.get("flags"))
     assert match in str(info.value)
+
+
+def test_data_dir_from_code_may_be_a_string() -> None:
+    assert ServerConfig(data_dir="some/where").data_dir == Path("some/where")
+    with pytest.raises(ConfigError, match="data_dir: expected a folder's path"):
+        ServerConfig(data_dir=5)  # type: ignore[arg-type]
+
+
+def test_tiers_that_can_not_be_built_are_named_in_one_line(tmp_path: Path) -> None:
+    """A Redis Cluster no node of which answers (redis-py learns its map at start), or a Redis
+    budget that can not be set, stops ``kdn serve`` with one line naming redis_url (exit 2),
+    not a traceback; ``build_store`` raises the ConfigError the CLI prints."""
+    url = f"redis://127.0.0.1:{_free_port()}"
+    out = subprocess.run([sys.executable, "-m", "kdn", "serve", "--port", "0", "--data-port",
+                          "-1", "--data-dir", str(tmp_path / "d"), "--redis-url", url,
+                          "--redis-cluster", "true"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.startswith("kdn serve: bad configuration: redis_url: ")
+    assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1
+    cfg = ServerConfig(data_dir=tmp_path / "d", redis_url=url, redis_bytes=1 << 30,
+                       redis_timeout_s=0.5, redis_retries=0)
+    with pytest.raises(ConfigError, match="redis_url: redis: ConnectionError"):
+        build_store(cfg)
 
 
 def test_bad_file(tmp_path: Path) -> None:

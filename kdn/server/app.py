@@ -21,7 +21,9 @@ import logging
 import signal
 import ssl
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +31,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from kdn import tracing
-from kdn.errors import ConfigError
+from kdn.errors import ConfigError, KDNError
 from kdn.server.admin import AdminServicer
 from kdn.server.auth import AuthConfig, Authenticator, Role, load_auth, tenants_from_text
 from kdn.server.blend_rpc import Blender
@@ -80,18 +82,31 @@ class _FastFrames:
         self.server.add_registered_method_handlers(name, table)
 
 
+def _tier(setting: str, make: Callable[[], Tier]) -> Tier:
+    """``make()``; where that fails (an LMDB that does not open, a Redis Cluster or a budget
+    no node takes, a URL redis-py refuses) a ``ConfigError`` naming ``setting``, which
+    ``kdn serve`` prints as one line."""
+    try:
+        return make()
+    except ConfigError:
+        raise
+    except (KDNError, ValueError) as exc:
+        raise ConfigError(f"{setting}: {exc}") from exc
+
+
 def build_store(config: ServerConfig) -> TieredStore:
     """The tier hierarchy the config describes, in ``tier_order``."""
     tiers: dict[str, Tier] = {"ram": RamTier(config.ram_bytes)}
+    if config.redis_url:  # first: where it fails, no LMDB environment is left open
+        tiers["redis"] = _tier("redis_url", partial(
+            RedisTier, config.redis_urls, cluster=config.redis_cluster,
+            part_bytes=config.redis_part_bytes, timeout_s=config.redis_timeout_s,
+            retries=config.redis_retries, max_connections=config.redis_max_connections,
+            capacity_bytes=config.redis_bytes, wait_replicas=config.redis_wait_replicas,
+            wait_timeout_s=config.redis_wait_timeout_s))
     if config.disk_bytes:
-        tiers["disk"] = LmdbTier(config.data_dir / "lmdb", capacity_bytes=config.disk_bytes)
-    if config.redis_url:
-        tiers["redis"] = RedisTier(
-            config.redis_urls, cluster=config.redis_cluster, part_bytes=config.redis_part_bytes,
-            timeout_s=config.redis_timeout_s, retries=config.redis_retries,
-            max_connections=config.redis_max_connections, capacity_bytes=config.redis_bytes,
-            wait_replicas=config.redis_wait_replicas, wait_timeout_s=config.redis_wait_timeout_s,
-        )
+        tiers["disk"] = _tier("data_dir", partial(LmdbTier, config.data_dir / "lmdb",
+                                                  capacity_bytes=config.disk_bytes))
     return TieredStore(
         [tiers[name] for name in config.tier_order if name in tiers],
         verify=verify_entry, demote=config.demote_on_evict, write_policy=config.write_policy,

@@ -10,12 +10,14 @@ from __future__ import annotations
 import dataclasses
 import enum
 import logging
+import math
 import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 import yaml
 
@@ -24,6 +26,9 @@ from kdn.store.tiered import WritePolicy
 from kdn.transport.addresses import is_loopback
 
 TIER_NAMES = ("ram", "redis", "disk")
+MIN_DISK_BYTES = 1 << 20
+"""The smallest disk tier: below it LMDB's own pages leave no room for an entry, and every
+write would be refused."""
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "k": 2**10, "m": 2**20,
@@ -131,7 +136,7 @@ class ServerConfig:
     quarter of ram_bytes; grown from the first large store on, up to ram_bytes plus this in
     all, and kept."""
     disk_bytes: int = 16 << 30
-    """Byte budget of the LMDB disk tier (0 = no disk tier)."""
+    """Byte budget of the LMDB disk tier (0 = no disk tier; else at least 1MiB)."""
     redis_url: str = ""
     """Redis URL for the shared tier (redis://host:port/db); empty = no Redis tier. With
     redis_cluster, comma-separated URLs of cluster nodes to discover the cluster from."""
@@ -238,14 +243,21 @@ class ServerConfig:
     and the access and audit logs' fields)."""
 
     def __post_init__(self) -> None:
+        if not isinstance(self.data_dir, (str, os.PathLike)):
+            raise ConfigError(f"data_dir: expected a folder's path, got {self.data_dir!r}")
+        object.__setattr__(self, "data_dir", Path(self.data_dir))  # a str: as a flag gives it
+        for f in fields(self):  # NaN would pass every range check below; inf is no duration
+            if f.type in ("float", float) and not math.isfinite(getattr(self, f.name)):
+                raise ConfigError(f"{f.name}: must be a finite number, got {getattr(self, f.name)}")
         if not self.host:
             raise ConfigError("host: must not be empty")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"port: must be in 0..65535, got {self.port}")
         if self.ram_bytes <= 0:
             raise ConfigError(f"ram_bytes: must be > 0, got {self.ram_bytes}")
-        if self.disk_bytes < 0:
-            raise ConfigError(f"disk_bytes: must be >= 0, got {self.disk_bytes}")
+        if self.disk_bytes < 0 or 0 < self.disk_bytes < MIN_DISK_BYTES:
+            raise ConfigError(f"disk_bytes: must be 0 (no disk tier) or at least "
+                              f"{format_size(MIN_DISK_BYTES)}, got {self.disk_bytes}")
         if self.wire_memo_bytes < 0:
             raise ConfigError(f"wire_memo_bytes: must be >= 0, got {self.wire_memo_bytes}")
         if self.prefault_bytes < 0:
@@ -305,6 +317,12 @@ class ServerConfig:
         for url in self.redis_urls:
             if not url.startswith(("redis://", "rediss://", "unix://")):
                 raise ConfigError(f"redis_url: expected redis://host:port, got {url!r}")
+            try:  # raises for a port that is no number or out of range, an unclosed [IPv6]
+                port = urlparse(url).port
+            except ValueError as exc:
+                raise ConfigError(f"redis_url: {url!r} is not a valid URL: {exc}") from None
+            if port == 0:
+                raise ConfigError(f"redis_url: {url!r} names port 0, which no server listens on")
         if len(self.redis_urls) > 1 and not self.redis_cluster:
             raise ConfigError("redis_url: several URLs need redis_cluster: true")
         if self.redis_cluster and not self.redis_url:

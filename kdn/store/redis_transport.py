@@ -234,8 +234,11 @@ class RedisTransport:
             for u in self.urls:
                 p = urlparse(u)
                 nodes.append(ClusterNode(p.hostname or "127.0.0.1", p.port or 6379))
-            self.client = _Cluster(startup_nodes=nodes, max_connections=max_connections,
-                                   cluster_error_retry_attempts=max(1, retries), **common)
+            try:  # redis-py learns the cluster's map here: some node must answer
+                self.client = _Cluster(startup_nodes=nodes, max_connections=max_connections,
+                                       cluster_error_retry_attempts=max(1, retries), **common)
+            except (redis.exceptions.RedisError, redis.exceptions.RedisClusterException) as exc:
+                raise TierUnavailable(f"redis: no node of the cluster answers: {exc}") from exc
         else:
             if len(self.urls) != 1:
                 raise ValueError("a standalone Redis tier takes exactly one URL")
