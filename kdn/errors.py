@@ -93,8 +93,9 @@ class TierUnavailable(KDNError, status=Status.UNAVAILABLE):
 
 
 class PartlyUnavailable(TierUnavailable):
-    """Part of a tier can not be reached (a Redis Cluster slot whose master does not answer):
-    the keys there fail, the tier stays up for the others."""
+    """Part of a tier can not be reached or written (a Redis Cluster slot whose master does not
+    answer, a Redis that takes no writes for now, a disk tier whose writes fail): that part
+    fails, the tier stays up for the rest."""
 
 
 class Unavailable(KDNError, status=Status.UNAVAILABLE):

@@ -1,18 +1,25 @@
 """The disk tier's map under concurrent writers: it grows once per need (a writer that finds the
 map full does not grow it again when another writer already has), it refuses only data that
-truly does not fit, and a refusal names what is stored. Real LMDB files under ``tmp_path``."""
+truly does not fit, and a refusal names what is stored. And a full disk: writes fail, reads go
+on. Real LMDB files under ``tmp_path``."""
 
 from __future__ import annotations
 
 import logging
 import os
 import re
+import resource
+import signal
 import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 
-from kdn.errors import TooLarge
+from kdn.errors import TierUnavailable, TooLarge
+from kdn.options import Durability
 from kdn.store.lmdb import LmdbTier
 from kdn.store.ram import RamTier
 from kdn.store.tiered import TieredStore, WritePolicy
@@ -122,5 +129,45 @@ def test_hierarchy_counts_the_disk_tier_events(tmp_path: Path) -> None:
         for i in range(64):
             disk.put(b"h/%d" % i, os.urandom(VALUE))
         assert store.counters.get("disk.map_grown", 0) >= 1
+    finally:
+        store.close()
+
+
+@contextmanager
+def _disk_full(data_file: Path) -> Iterator[None]:
+    """Within the block, this process's writes past ``data_file``'s size now fail (EFBIG, as
+    ENOSPC would on a full disk): RLIMIT_FSIZE, with SIGXFSZ ignored."""
+    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (os.path.getsize(data_file) + 4096, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, handler)
+
+
+def test_a_full_disk_fails_writes_but_keeps_serving_reads(tmp_path: Path) -> None:
+    """The disk full: a DISK store fails (UNAVAILABLE) and leaves nothing, a DEFAULT store is
+    acknowledged (RAM) and its disk write retried until there is room again; meanwhile the
+    entries on disk are served and the tier is never marked down (no flapping with the
+    probe)."""
+    ram = RamTier(1 << 20)
+    disk = LmdbTier(tmp_path, capacity_bytes=1 << 30, initial_map_bytes=64 << 20)
+    store = TieredStore([ram, disk], probe_interval_s=0.05)
+    try:
+        for i in range(3):
+            store.put(b"old%d" % i, bytes([i]) * 100_000)
+        with _disk_full(tmp_path / "data.mdb"):
+            with pytest.raises(TierUnavailable, match="disk tier write failed"):
+                store.put(b"new", b"n" * 300_000, durability=Durability.DISK)
+            assert store.put(b"new2", b"m" * 300_000) == "ram"
+            ram.delete(b"old1")
+            hit = store.get(b"old1")
+            assert hit is not None and hit.tier == "disk" and hit.value == bytes([1]) * 100_000
+            time.sleep(0.3)  # a few probes
+            assert store.health()["disk"] and "disk.down" not in store.counters
+        assert store.flush(5) and disk.get(b"new2") == b"m" * 300_000
+        assert not disk.contains(b"new")
     finally:
         store.close()

@@ -27,6 +27,10 @@ replaced), writes would go to a file no restart opens: ``healthy`` then answers 
 probe marks the tier down) and every write, checked once committed, raises ``TierUnavailable``
 (nothing is acknowledged).
 
+Failed writes: a write LMDB fails (the disk full, an I/O error) raises ``PartlyUnavailable``:
+that write fails (a DISK store is UNAVAILABLE, a queued one is retried with a backoff), while
+the tier stays up and serves what it holds; ``healthy`` asks whether it can read.
+
 Map growth: the map starts small and doubles up to ``max_map_bytes`` on ``MapFullError``;
 resizing needs every transaction of this process closed, so transactions share a
 readers-writer lock that ``_grow`` takes exclusively. A writer that found the map full grows it
@@ -49,7 +53,7 @@ from pathlib import Path
 
 import lmdb
 
-from kdn.errors import Corrupt, TierUnavailable, TooLarge
+from kdn.errors import Corrupt, PartlyUnavailable, TierUnavailable, TooLarge
 from kdn.store.base import Tier, TierStats
 
 log = logging.getLogger(__name__)
@@ -210,9 +214,17 @@ class LmdbTier(Tier):
                                   "lost at restart (restart the server)")
 
     def healthy(self) -> bool:
-        """Open, and its data file still the one opened (see ``_check_file``): the health probe
-        marks the tier down, and DISK stores fail, once its directory is deleted."""
-        return not self._closed and self._data_file() == self._file_id
+        """Whether it serves reads: open, a read transaction works, and its data file is still
+        the one opened (see ``_check_file``: the probe marks the tier down, and DISK stores
+        fail, once its directory is deleted). A disk too full to write is no reason."""
+        if self._closed or self._data_file() != self._file_id:
+            return False
+        try:
+            with self._read() as txn:
+                self._used(txn)
+        except lmdb.Error:
+            return False
+        return True
 
     # -- reads (hot paths: no generator context managers) ---------------------------------------
 
@@ -359,8 +371,8 @@ class LmdbTier(Tier):
                 break
             except lmdb.MapFullError:
                 pass
-            except lmdb.Error as exc:
-                raise TierUnavailable(f"disk tier write failed: {exc}") from exc
+            except lmdb.Error as exc:  # the disk full, an I/O error: see the module docstring
+                raise PartlyUnavailable(f"disk tier write failed: {exc}") from exc
             finally:
                 self._rw.release_shared()
             self._grow(seen, need)
