@@ -46,7 +46,8 @@ its queue) when ``demote`` is set. Pins live in this process's memory.
 
 Key-level ordering: synchronous lower-tier writes, deletes and queue flushes of one key hold
 that key's stripe lock (``kdn.store.locks``), so an older queued value never lands over a newer
-one.
+one. How one key's write or delete reaches one lower tier (now, queued, dropped, its older copy
+deleted) is ``kdn.store.lower``.
 
 The first tier's abilities are asked through the tier contract, never by its class: an
 ``in_process`` head is asked directly (``presence``, ``get_in_memory``, ``memory_stamp``), and a
@@ -67,10 +68,11 @@ from kdn.errors import Corrupt, InvalidArgument, KDNError, TierUnavailable, Unav
 from kdn.options import Durability
 from kdn.store.base import EvictHook, Tier, TierStats
 from kdn.store.checked import CheckedStamps
-from kdn.store.framed import Framed, contiguous
-from kdn.store.health import Fault, TierHealth
+from kdn.store.framed import Framed
+from kdn.store.health import TierHealth
 from kdn.store.hits import FramedHit, Hit, Presence, WritePolicy
 from kdn.store.locks import KeyLocks
+from kdn.store.lower import LowerWrites
 from kdn.store.queue import PendingWrite, WriteQueue
 
 __all__ = ["Durability", "FramedHit", "Hit", "Presence", "TieredStore", "WritePolicy"]
@@ -122,6 +124,7 @@ class TieredStore:
         self._queues = {t.name: WriteQueue(t, self._health, stripe=self.stripe, count=self.count,
                                            max_entries=queue_entries, max_bytes=queue_bytes)
                         for t in tiers[1:]}
+        self._lower = LowerWrites(self._health, self._queues, self.count)
         self._health.start(probe_interval_s)
 
     # -- bookkeeping ----------------------------------------------------------------------------
@@ -416,7 +419,7 @@ class TieredStore:
         with self.stripe(key):
             self._locks.written(key)  # before any tier has it: promotions in flight stop
             if required is not head:
-                self._write_lower(required, key, value, ttl, expiry, True, True)
+                self._lower.write(required, key, value, ttl, expiry, True, True)
                 first = required.name
         try:
             head.put(key, value, ttl_s=ttl)  # type: ignore[arg-type]  # Framed: takes_framed
@@ -430,7 +433,7 @@ class TieredStore:
             for tier in self.tiers[1:]:
                 if tier is required and first:
                     continue  # written first, above
-                took = self._write_lower(tier, key, value, ttl, expiry, sync_all, False)
+                took = self._lower.write(tier, key, value, ttl, expiry, sync_all, False)
                 if took and not first:
                     first = tier.name
             # Refused everywhere: withdraw what was queued for later (a tier, or the key's
@@ -444,69 +447,6 @@ class TieredStore:
             raise KDNError("no tier accepted the entry: " + "; ".join(errors))
         return first
 
-    def _write_lower(self, tier: Tier, key: bytes, value: bytes | Framed, ttl: float | None,
-                     expiry: float, sync: bool, required: bool) -> bool:
-        """Write to one lower tier (caller holds the key's stripe); True if written now.
-
-        A ``required`` write that fails raises (after marking the tier down if it is); the
-        others fall back to the tier's queue (a synchronous write that found the tier, or the
-        key's part of it, down is queued and retried), or are dropped and counted
-        (``<tier>.write_dropped``: the queue is full, or the tier refused the value). A
-        ``Framed`` value is joined first: lower tiers and their queues hold one buffer.
-        """
-        flat = contiguous(value)
-        q = self._queues[tier.name]
-        write = partial(tier.put, key, flat, ttl_s=ttl)
-        what = f"write of {key!r}"
-        if sync and self.is_up(tier.name):
-            fault = self._health.attempt(tier, write, what, reraise=required)
-            if fault is Fault.PARTLY:  # the key's part of the tier is down: retried later
-                if q.retry_later(key, PendingWrite(flat, expiry), what):
-                    return False
-                self._dropped(tier, key)  # the queue is full
-                return False
-            if fault is Fault.FAILED:  # refused: no retry would take it
-                self._dropped(tier, key)
-                return False
-            if fault is not Fault.DOWN:
-                q.discard(key)  # written: an older queued value must not land now
-                return True
-        elif required:
-            raise TierUnavailable(f"the {tier.name} tier is down; can not acknowledge the entry "
-                                  "there")
-        if q.offer(key, PendingWrite(flat, expiry)):
-            if not self.is_up(tier.name):
-                self.count(f"{tier.name}.write_retried")
-            return False
-        if self.is_up(tier.name):
-            self.count(f"{tier.name}.write_sync_fallback")
-            if self._health.attempt(tier, write, what) is None:
-                q.discard(key)
-                return True
-        self._dropped(tier, key)
-        return False
-
-    def _dropped(self, tier: Tier, key: bytes) -> None:
-        """``tier`` did not take ``key``'s new value (refused it, or is down with its queue
-        full; caller holds the stripe): the older copy it may hold must not be served later.
-        Deleted now where the tier answers, else a delete is queued (``WriteQueue.mark_stale``:
-        reads skip the tier's copy meanwhile)."""
-        self.count(f"{tier.name}.write_dropped")
-        q = self._queues[tier.name]
-        if self.is_up(tier.name):
-            got = self._health.attempt(tier, partial(tier.delete, key),
-                                       f"delete of the stale copy of {key!r}")
-            if got not in (Fault.DOWN, Fault.PARTLY, Fault.FAILED):
-                q.discard(key)
-                return
-        if not q.mark_stale(key):
-            self._stale_kept(tier, key)
-
-    def _stale_kept(self, tier: Tier, key: bytes) -> None:
-        self.count(f"{tier.name}.delete_dropped")
-        log.error("tier %s: the delete of %r could not be queued (the queue is full); the "
-                  "tier may serve an older copy of it once it is back", tier.name, key)
-
     def delete(self, key: bytes) -> bool:
         self.unpin(key)
         head = self.tiers[0]
@@ -515,21 +455,7 @@ class TieredStore:
         found = bool(self._health.guard(head, partial(head.delete, key), "delete"))
         with self.stripe(key):
             for tier in self.tiers[1:]:
-                q = self._queues[tier.name]
-                pending = q.discard(key)
-                found = found or (pending is not None and pending.value is not None)
-                if self.is_up(tier.name):
-                    what = f"delete of {key!r}"
-                    got = self._health.attempt(tier, partial(tier.delete, key), what)
-                    if got is Fault.PARTLY:  # the key's part of the tier is down
-                        if not q.retry_later(key, PendingWrite(None), what):
-                            self._stale_kept(tier, key)
-                        continue
-                    if got is not Fault.DOWN and got is not Fault.FAILED:
-                        found = bool(got) or found
-                        continue
-                if not q.mark_stale(key):
-                    self._stale_kept(tier, key)
+                found = self._lower.delete(tier, key) or found
         return found
 
     def _demote_from(self, tier: Tier) -> EvictHook:
@@ -547,7 +473,7 @@ class TieredStore:
                     if self._health.guard(lower, partial(lower.contains, key), "contains"):
                         return
                     self.count("demotions")
-                    if self._write_lower(lower, key, value, ttl, expiry, False, False) \
+                    if self._lower.write(lower, key, value, ttl, expiry, False, False) \
                             or q.peek(key) is not None:
                         return
 

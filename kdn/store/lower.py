@@ -1,0 +1,126 @@
+"""One key's write or delete on one tier below the first: now, through the tier's write queue,
+or dropped and counted, never leaving an older copy behind to be served.
+
+Lifecycle: ``TieredStore`` builds one ``LowerWrites`` over its health marks
+(``kdn.store.health``) and its per-tier write queues (``kdn.store.queue``), and calls it with
+the key's stripe lock held (``kdn.store.locks``): a synchronous write or delete of a key, and the
+queue's writer landing an older one, never interleave.
+
+    write(tier, key, value, ...)   write now (``sync``) or queue; a ``required`` write raises
+                                   when it can not be acknowledged there now
+    delete(tier, key)              delete now, else queue the delete
+    dropped(tier, key)             the tier did not take the key's new value: its older copy is
+                                   deleted now where the tier answers, else a delete is queued
+                                   in the write's place (reads skip the tier's copy meanwhile)
+
+A write that found the tier, or the key's part of it (``Fault.PARTLY``: a Redis Cluster master
+that does not answer), down is queued and retried until it lands (``<tier>.write_retried``); a
+full queue falls back to a synchronous write where the tier is up; what none of that lands is
+dropped and counted (``<tier>.write_dropped``), and a delete that can not be queued either is
+counted (``<tier>.delete_dropped``) and logged.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from functools import partial
+
+from kdn.errors import TierUnavailable
+from kdn.store.base import Tier
+from kdn.store.framed import Framed, contiguous
+from kdn.store.health import Fault, TierHealth
+from kdn.store.queue import PendingWrite, WriteQueue
+
+log = logging.getLogger(__name__)
+
+
+class LowerWrites:
+    """Writes and deletes of one key on one lower tier (the module docstring)."""
+
+    def __init__(self, health: TierHealth, queues: dict[str, WriteQueue],
+                 count: Callable[[str], None]) -> None:
+        self._health = health
+        self._queues = queues
+        self._count = count
+
+    def write(self, tier: Tier, key: bytes, value: bytes | Framed, ttl: float | None,
+              expiry: float, sync: bool, required: bool) -> bool:
+        """Write to ``tier`` (caller holds the key's stripe); True if written now.
+
+        A ``required`` write that fails raises (after marking the tier down if it is); the
+        others fall back to the tier's queue, or are dropped (``dropped``). A ``Framed`` value
+        is joined first: lower tiers and their queues hold one buffer.
+        """
+        flat = contiguous(value)
+        q = self._queues[tier.name]
+        write = partial(tier.put, key, flat, ttl_s=ttl)
+        what = f"write of {key!r}"
+        up = self._health.is_up(tier.name)
+        if sync and up:
+            fault = self._health.attempt(tier, write, what, reraise=required)
+            if fault is Fault.PARTLY:  # the key's part of the tier is down: retried later
+                if q.retry_later(key, PendingWrite(flat, expiry), what):
+                    return False
+                self.dropped(tier, key)  # the queue is full
+                return False
+            if fault is Fault.FAILED:  # refused: no retry would take it
+                self.dropped(tier, key)
+                return False
+            if fault is not Fault.DOWN:
+                q.discard(key)  # written: an older queued value must not land now
+                return True
+        elif required:
+            raise TierUnavailable(f"the {tier.name} tier is down; can not acknowledge the entry "
+                                  "there")
+        if q.offer(key, PendingWrite(flat, expiry)):
+            if not self._health.is_up(tier.name):
+                self._count(f"{tier.name}.write_retried")
+            return False
+        if self._health.is_up(tier.name):
+            self._count(f"{tier.name}.write_sync_fallback")
+            if self._health.attempt(tier, write, what) is None:
+                q.discard(key)
+                return True
+        self.dropped(tier, key)
+        return False
+
+    def dropped(self, tier: Tier, key: bytes) -> None:
+        """``tier`` did not take ``key``'s new value (refused it, or is down with its queue
+        full; caller holds the stripe): the older copy it may hold must not be served later.
+        Deleted now where the tier answers, else a delete is queued (``WriteQueue.mark_stale``:
+        reads skip the tier's copy meanwhile)."""
+        self._count(f"{tier.name}.write_dropped")
+        q = self._queues[tier.name]
+        if self._health.is_up(tier.name):
+            got = self._health.attempt(tier, partial(tier.delete, key),
+                                       f"delete of the stale copy of {key!r}")
+            if got not in (Fault.DOWN, Fault.PARTLY, Fault.FAILED):
+                q.discard(key)
+                return
+        if not q.mark_stale(key):
+            self._stale_kept(tier, key)
+
+    def delete(self, tier: Tier, key: bytes) -> bool:
+        """Delete ``key`` from ``tier`` (caller holds its stripe), or queue the delete where
+        the tier, or its part of it, does not answer; whether a value was there (or queued)."""
+        q = self._queues[tier.name]
+        pending = q.discard(key)
+        found = pending is not None and pending.value is not None
+        if self._health.is_up(tier.name):
+            what = f"delete of {key!r}"
+            got = self._health.attempt(tier, partial(tier.delete, key), what)
+            if got is Fault.PARTLY:  # the key's part of the tier is down
+                if not q.retry_later(key, PendingWrite(None), what):
+                    self._stale_kept(tier, key)
+                return found
+            if got is not Fault.DOWN and got is not Fault.FAILED:
+                return bool(got) or found
+        if not q.mark_stale(key):
+            self._stale_kept(tier, key)
+        return found
+
+    def _stale_kept(self, tier: Tier, key: bytes) -> None:
+        self._count(f"{tier.name}.delete_dropped")
+        log.error("tier %s: the delete of %r could not be queued (the queue is full); the "
+                  "tier may serve an older copy of it once it is back", tier.name, key)
