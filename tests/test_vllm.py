@@ -88,6 +88,12 @@ def kdn_server(tmp_path: Path) -> Iterator[ServerThread]:
         yield st
 
 
+def fp16_replay(scheduler: Any, workers: Any) -> Replay:
+    """A replay of this file's cache shape in fp16 on the CPU."""
+    return Replay(scheduler, workers, layers=LAYERS, blocks=BLOCKS, block_size=BLOCK,
+                  heads=HEADS, head_dim=DIM, dtype=torch.float16)
+
+
 def answered(replay: Replay, request: Any, **kw: Any) -> int:
     """Admit ``request``: the first ask answers None (lookup started), then a number."""
     first = replay.admit(request, **kw)
@@ -286,8 +292,7 @@ def test_tensor_parallel_ranks_store_and_load_their_own_shards(
                                             kcc)
     ws = [KVConnectorFactory.create_connector(vllm_config(addr, 2, tp=[r, 2]),
                                               KVConnectorRole.WORKER, kcc) for r in (0, 1)]
-    rp = Replay(s, ws, layers=LAYERS, blocks=BLOCKS, block_size=BLOCK, heads=HEADS,
-                head_dim=DIM, dtype=torch.float16)
+    rp = fp16_replay(s, ws)
     try:
         p = prompt(9, 33)  # 4 full chunks + 1 token
         assert answered(rp, rp.new_request("seed", p)) == 0
@@ -406,8 +411,7 @@ def test_a_chunk_that_fails_to_load_is_saved_again(kdn_server: ServerThread) -> 
 
     s, w = both(kdn_server.address, encodings=["raw"])
     assert s.scheduler is not None and w.worker is not None
-    rp = Replay(s, w, layers=LAYERS, blocks=BLOCKS, block_size=BLOCK, heads=HEADS,
-                head_dim=DIM, dtype=torch.float16)
+    rp = fp16_replay(s, w)
     try:
         p = prompt(11, 41)  # 5 full chunks + 1 token
         assert answered(rp, rp.new_request("first", p)) == 0
