@@ -384,54 +384,6 @@ def test_streamed_chunks_blend_like_resident(client: Client) -> None:
     assert torch.equal(got.logits, want.logits)
 
 
-# -- Blend RPC ----------------------------------------------------------------------------------
-
-
-def test_blend_rpc_composes_stores_and_hits(server_config: Any) -> None:
-    from kdn.blend.host import ModelBlender
-    from kdn.client.blend import RemotePiece
-    from kdn.errors import LayoutMismatch, NotFound
-    from kdn.keys import chunk_key
-    from kdn.server import ServerThread
-
-    model = tiny("llama")
-    layout = model_layout(model, DType.FLOAT32)
-    pieces, _, chunks = prompt(model, layout)
-    want = blend(model, pieces, BlendConfig(ratio=0.3))
-    want_share = BlendConfig().query_share
-    with ServerThread(server_config) as st, Client(st.address, timeout_s=30) as c:
-        remote = [RemotePiece(ids=p.ids) for p in pieces]
-        with pytest.raises(LayoutMismatch):  # no model hosted yet
-            c.blend(remote)
-        assert st.server is not None
-        st.server.servicer.blender = ModelBlender(model, None)
-        for j, kv in enumerate(chunks, start=1):
-            key = chunk_key(pieces[j].ids, layout)
-            remote[j] = RemotePiece(ids=pieces[j].ids, key=key)
-            if j == 1:
-                with pytest.raises(NotFound):
-                    c.blend(remote)
-            c.store(key, kv)
-        got = c.blend_stream(remote, ratio=0.3, store=True)
-        assert got.tier == "blend"
-        assert got.result().equal(want.kv)
-        again = c.blend_stream(remote, ratio=0.3, store=True)
-        assert again.tier == "ram" and again.result().equal(want.kv)
-        other = c.blend(remote, ratio=1.0)
-        assert not other.equal(want.kv)
-        # the selection rule travels and is part of the stored combination's key
-        shared = blend(model, pieces, BlendConfig(ratio=0.3, query_share=1.0 - want_share))
-        got = c.blend_stream(remote, ratio=0.3, store=True, query_share=1.0 - want_share)
-        assert got.tier == "blend" and got.result().equal(shared.kv)
-        assert not torch.equal(shared.recomputed, want.recomputed)
-        bad = list(remote)
-        bad[1] = RemotePiece(ids=pieces[2].ids[:23], key=remote[1].key)
-        with pytest.raises(InvalidArgument):
-            c.blend(bad)
-        counters = c.stats().counters
-        assert counters["blend.hit"] == 1 and counters["blend.computed"] == 3
-
-
 # -- continuation -------------------------------------------------------------------------------
 
 

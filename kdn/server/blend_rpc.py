@@ -11,15 +11,17 @@ I/O around the blender:
 2. with ``store`` set, the plan names the combination's content key: a repeated combination is
    served from the store like a Retrieve (tier = the tier it was read from);
 3. otherwise ``job.run()`` computes and encodes the blend on a worker thread; the result is
-   stored under the combination key when asked, and streamed back as a Retrieve stream:
-   header (tier ``blend``), then frames.
+   stored under the combination key when asked, through the one write path every Store takes
+   (``kdn.server.ingest.Ingest``: size and codec checks, the tenant's quota, the memoised
+   messages and arena copies of an older value dropped, usage counted), and streamed back as
+   a Retrieve stream: header (tier ``blend``), then frames.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import grpc
 
@@ -27,12 +29,10 @@ from kdn.codec import EncodedParts
 from kdn.codec.format import parse_header, split_frames
 from kdn.errors import KDNError, Status
 from kdn.keys import check_namespace, store_key
-from kdn.server.auth import current_principal
+from kdn.server.auth import Principal, current_principal
+from kdn.server.ingest import Ingest
 from kdn.server.rpc import abort
 from kdn.v1 import kdn_pb2 as pb
-
-if TYPE_CHECKING:
-    from kdn.store.tiered import TieredStore
 
 
 class NoModel(KDNError):
@@ -64,18 +64,31 @@ class Blender(Protocol):
         ...
 
 
-async def blend_stream(blender: Blender | None, store: TieredStore,
-                       count: Callable[..., None], request: pb.BlendRequest,
+def store_result(ingest: Ingest, principal: Principal, namespace: str, key: bytes,
+                 parts: EncodedParts) -> None:
+    """Store a computed blend under its combination ``key`` as a Store of it would be: checked
+    (size, codec, model) and charged to the tenant before it is put (TooLarge past
+    ``max_entry_bytes`` or the quota), so that deleting it later refunds what was charged."""
+    value = parts.to_bytes()
+    msg = pb.StoreHeader(namespace=namespace, key=key, container_header=parts.header,
+                         total_bytes=len(value))
+    skey, header = ingest.check_header(principal.tenant, msg)
+    ingest.commit(principal, skey, value, msg.options, header)
+
+
+async def blend_stream(blender: Blender | None, ingest: Ingest, request: pb.BlendRequest,
                        context: grpc.aio.ServicerContext
                        ) -> AsyncIterator[pb.RetrieveResponse]:
     """The Blend RPC's answer, blended by ``blender`` (None: this server does not blend) from
-    chunks of ``store``; ``count`` counts the servicer's counters."""
+    chunks of ``ingest.store``; a result asked to be stored goes through ``ingest``."""
+    store, count = ingest.store, ingest.count
     try:
         if blender is None:
             raise NoModel("this server hosts no model (start it with `kdn serve --model "
                           "NAME`) and can not blend")
         ns = check_namespace(request.namespace or "default")
-        tenant = current_principal.get().tenant
+        principal = current_principal.get()
+        tenant = principal.tenant
 
         def read_chunk(key: bytes) -> bytes | None:
             hit = store.get(store_key(tenant, ns, key))
@@ -93,7 +106,8 @@ async def blend_stream(blender: Blender | None, store: TieredStore,
             parts = await asyncio.to_thread(job.run)
             head, frames, tier = parts.header, [bytes(f) for f in parts.frames], "blend"
             if skey:
-                await asyncio.to_thread(store.put, skey, parts.to_bytes())
+                await asyncio.to_thread(store_result, ingest, principal, ns,
+                                        job.combination_key, parts)
             count("blend.computed")
     except KDNError as exc:
         await abort(context, count, "Blend", exc)

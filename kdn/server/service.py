@@ -224,7 +224,7 @@ class KDNServicer(pb_grpc.KDNServicer):
 
     async def Blend(self, request: pb.BlendRequest,
                     context: grpc.aio.ServicerContext) -> AsyncIterator[pb.RetrieveResponse]:
-        async for msg in blend_stream(self.blender, self.store, self.count, request, context):
+        async for msg in blend_stream(self.blender, self.ingest, request, context):
             yield msg
 
     # -- Lookup / Delete / Stats ----------------------------------------------------------------

@@ -1,0 +1,111 @@
+"""The Blend RPC against a real in-process server hosting a tiny random Llama: it composes,
+stores and serves combinations, and what it stores or reads is held to the rules of every
+other write and read (quotas, limits, the tenant's key space)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from kdn.blend import BlendConfig, blend
+from kdn.blend.host import ModelBlender
+from kdn.client import Client
+from kdn.client.blend import RemotePiece
+from kdn.errors import InvalidArgument, LayoutMismatch, NotFound, TooLarge
+from kdn.keys import chunk_key, split_store_key
+from kdn.layout import DType
+from kdn.model.hf import model_layout
+from kdn.server import ServerConfig, ServerThread
+from kdn.server.auth import digest
+from tests.test_blend import ids, prefill, prompt, tiny
+
+TENANT = '{a: {api_keys: ["sha256:%s"], quota_bytes: %s}}'
+
+
+@contextmanager
+def blending(tmp_path: Path, quota: str = "1GiB", **settings: Any
+             ) -> Iterator[tuple[ServerThread, Client, Any]]:
+    """A server (``settings`` on top) whose one tenant ``a`` has ``quota``, blending with a tiny
+    random Llama; its client as ``a``, and the model."""
+    cfg = ServerConfig(port=0, data_dir=tmp_path / "data", ram_bytes=256 << 20,
+                       disk_bytes=512 << 20, shutdown_grace_s=2.0,
+                       auth_tenants=TENANT % (digest("key-a"), quota), **settings)
+    model = tiny("llama")
+    with ServerThread(cfg) as st, Client(st.address, timeout_s=30, api_key="key-a") as c:
+        assert st.server is not None
+        st.server.servicer.blender = ModelBlender(model, None)
+        yield st, c, model
+
+
+def held(st: ServerThread, tenant: str) -> dict[bytes, int]:
+    """The keys ``tenant`` holds in the store, with their sizes."""
+    assert st.server is not None
+    store = st.server.servicer.store
+    keys = store.keys(f"{tenant}:".encode())
+    return {split_store_key(k)[-1]: p.size for k, p in zip(keys, store.lookup(keys))}
+
+
+def test_blend_rpc_composes_stores_and_hits(server_config: Any) -> None:
+    model = tiny("llama")
+    layout = model_layout(model, DType.FLOAT32)
+    pieces, _, chunks = prompt(model, layout)
+    want = blend(model, pieces, BlendConfig(ratio=0.3))
+    want_share = BlendConfig().query_share
+    with ServerThread(server_config) as st, Client(st.address, timeout_s=30) as c:
+        remote = [RemotePiece(ids=p.ids) for p in pieces]
+        with pytest.raises(LayoutMismatch):  # no model hosted yet
+            c.blend(remote)
+        assert st.server is not None
+        st.server.servicer.blender = ModelBlender(model, None)
+        for j, kv in enumerate(chunks, start=1):
+            key = chunk_key(pieces[j].ids, layout)
+            remote[j] = RemotePiece(ids=pieces[j].ids, key=key)
+            if j == 1:
+                with pytest.raises(NotFound):
+                    c.blend(remote)
+            c.store(key, kv)
+        got = c.blend_stream(remote, ratio=0.3, store=True)
+        assert got.tier == "blend"
+        assert got.result().equal(want.kv)
+        again = c.blend_stream(remote, ratio=0.3, store=True)
+        assert again.tier == "ram" and again.result().equal(want.kv)
+        other = c.blend(remote, ratio=1.0)
+        assert not other.equal(want.kv)
+        # the selection rule travels and is part of the stored combination's key
+        shared = blend(model, pieces, BlendConfig(ratio=0.3, query_share=1.0 - want_share))
+        got = c.blend_stream(remote, ratio=0.3, store=True, query_share=1.0 - want_share)
+        assert got.tier == "blend" and got.result().equal(shared.kv)
+        assert not torch.equal(shared.recomputed, want.recomputed)
+        bad = list(remote)
+        bad[1] = RemotePiece(ids=pieces[2].ids[:23], key=remote[1].key)
+        with pytest.raises(InvalidArgument):
+            c.blend(bad)
+        counters = c.stats().counters
+        assert counters["blend.hit"] == 1 and counters["blend.computed"] == 3
+
+
+def test_a_stored_blend_is_charged_to_the_tenant_and_refused_past_its_quota(
+        tmp_path: Path) -> None:
+    """A stored combination is charged like a Store (a delete refunds exactly it); one past
+    the quota is refused with nothing stored."""
+    with blending(tmp_path, quota="100KiB") as (st, c, model):
+        assert st.server is not None
+        auth = st.server.servicer.auth
+        layout = model_layout(model, DType.FLOAT32)
+        a = ids(20, 1)
+        ka = chunk_key(a, layout)
+        c.store(ka, prefill(model, a, layout)[0])
+        c.blend([RemotePiece(ids=a, key=ka), RemotePiece(ids=ids(8, 2))], store=True)
+        entries = held(st, "a")
+        assert len(entries) == 2 and auth.usage("a") == sum(entries.values())
+        with pytest.raises(TooLarge, match="quota"):  # ~170 KB of KV past the 100 KiB quota
+            c.blend([RemotePiece(ids=a, key=ka), RemotePiece(ids=ids(150, 3))], store=True)
+        assert held(st, "a") == entries and auth.usage("a") == sum(entries.values())
+        (combination,) = set(entries) - {ka}
+        assert c.delete([combination]) == 1
+        assert auth.usage("a") == entries[ka]
