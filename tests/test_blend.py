@@ -304,6 +304,35 @@ def test_question_selection_exact_at_the_ends_and_picks_attended_tokens(share: f
     assert weights[85:].abs().sum().item() == 0.0  # causal: nothing after the last query
 
 
+def test_question_attention_goes_in_blocks_of_bounded_size() -> None:
+    """A long question's attention is summed a block of rows at a time (no [heads, rows, ctx]
+    matrix of the whole prompt), to the result of one block."""
+    from torch.overrides import TorchFunctionMode
+
+    from kdn.blend.blend import question_attention
+
+    class Largest(TorchFunctionMode):
+        most = 0
+
+        def __torch_function__(self, func: Any, types: Any, args: Any = (),
+                               kwargs: Any = None) -> Any:
+            out = func(*args, **(kwargs or {}))
+            if isinstance(out, torch.Tensor):
+                Largest.most = max(Largest.most, out.numel())
+            return out
+
+    layer = tiny("llama").model.layers[0]
+    gen = torch.Generator().manual_seed(0)
+    q, k = torch.randn(4, 50, 16, generator=gen), torch.randn(2, 300, 16, generator=gen)
+    pos = torch.randperm(300, generator=gen)[:50].sort().values
+    whole = question_attention(layer, q, k, pos)
+    with Largest():
+        blocks = question_attention(layer, q, k, pos, block=4 * 300 * 7)
+    assert Largest.most <= 4 * 300 * 16  # the repeated keys; logits of 7 rows at a time
+    torch.testing.assert_close(blocks, whole)
+    assert blocks.sum().item() == pytest.approx(1.0)
+
+
 # -- pruned layout ------------------------------------------------------------------------------
 
 

@@ -12,16 +12,18 @@ from typing import Any
 import pytest
 import torch
 
+from kdn import codec
 from kdn.blend import BlendConfig, blend
 from kdn.blend.host import ModelBlender
 from kdn.client import Client
-from kdn.client.blend import RemotePiece
-from kdn.errors import InvalidArgument, LayoutMismatch, NotFound, TooLarge
+from kdn.client.blend import RemotePiece, blend_request
+from kdn.errors import ConfigError, InvalidArgument, LayoutMismatch, NotFound, TooLarge
 from kdn.keys import chunk_key, split_store_key
 from kdn.layout import DType
 from kdn.model.hf import model_layout
 from kdn.server import ServerConfig, ServerThread
 from kdn.server.auth import digest
+from kdn.v1 import kdn_pb2 as pb
 from tests.test_blend import ids, prefill, prompt, tiny
 
 TENANT = '{a: {api_keys: ["sha256:%s"], quota_bytes: %s}}'
@@ -40,6 +42,13 @@ def blending(tmp_path: Path, quota: str = "1GiB", **settings: Any
         assert st.server is not None
         st.server.servicer.blender = ModelBlender(model, None)
         yield st, c, model
+
+
+def request(pieces: list[RemotePiece], **options: Any) -> pb.BlendRequest:
+    """The Blend request of ``pieces`` (``options``: those of ``blend_request`` to change)."""
+    kw: dict[str, Any] = dict(namespace="default", ratio=None, select_layer=0, head_tokens=0,
+                              per_chunk=False, store=False, mode="", level="", layout=None)
+    return blend_request(pieces, **(kw | options))
 
 
 def held(st: ServerThread, tenant: str) -> dict[bytes, int]:
@@ -109,3 +118,45 @@ def test_a_stored_blend_is_charged_to_the_tenant_and_refused_past_its_quota(
         (combination,) = set(entries) - {ka}
         assert c.delete([combination]) == 1
         assert auth.usage("a") == entries[ka]
+
+
+def test_a_blend_is_bounded_by_its_pieces_and_the_models_context(tmp_path: Path) -> None:
+    """Past ``max_blend_pieces`` pieces, or the model's context of tokens, a Blend is refused
+    naming the limit (before any chunk is read or text tokenized); a chunk named by several
+    pieces is read once."""
+    with pytest.raises(ConfigError, match="max_blend_pieces: must be > 0, got 0"):
+        ServerConfig(max_blend_pieces=0)
+    with blending(tmp_path, max_blend_pieces=4) as (st, c, model):
+        layout = model_layout(model, DType.FLOAT32)
+        a = ids(20, 1)
+        ka = chunk_key(a, layout)
+        c.store(ka, prefill(model, a, layout)[0])
+        chunk = RemotePiece(ids=a, key=ka)
+        with pytest.raises(TooLarge, match="5 pieces exceeds max_blend_pieces 4"):
+            c.blend([chunk] * 4 + [RemotePiece(ids=[5])])
+        with pytest.raises(InvalidArgument, match=r"257 tokens exceeds the model's context of "
+                                                  r"256 \(max_position_embeddings\)"):
+            c.blend([chunk, RemotePiece(ids=ids(237, 2))])
+        assert c.blend([chunk] * 3 + [RemotePiece(ids=[5])]).num_tokens == 61
+    reads: list[bytes] = []
+    entry = codec.encode(prefill(model, a, layout)[0])
+
+    def read_chunk(key: bytes) -> bytes:
+        reads.append(key)
+        return entry
+
+    def tokenizer(text: str, add_special_tokens: bool = False) -> dict[str, list[int]]:
+        reads.append(b"text")
+        return {"input_ids": [ord(ch) % 96 for ch in text]}
+
+    blender = ModelBlender(model, tokenizer)
+    too_many = [chunk] * 4 + [RemotePiece(text="hello")]
+    for pieces in (too_many, [chunk, RemotePiece(ids=ids(237, 2)), RemotePiece(text="x")],
+                   [chunk, RemotePiece(text="x" * 237)]):
+        with pytest.raises((TooLarge, InvalidArgument)):
+            blender.plan(request(pieces), read_chunk, 4)
+    assert reads == [b"text"]  # only the text that had to be counted; no chunk was read
+    reads.clear()
+    job = blender.plan(request([chunk] * 3 + [RemotePiece(text="hi")]), read_chunk, 4)
+    assert reads == [b"text", ka] and len(job.pieces) == 4
+    assert len({id(p.kv) for p in job.pieces[:3]}) == 1  # one decoded copy of the chunk

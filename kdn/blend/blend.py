@@ -404,18 +404,29 @@ def _union(always: torch.Tensor, extra: torch.Tensor) -> torch.Tensor:
     return keep.nonzero().flatten()
 
 
-def question_attention(layer: Any, q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor
-                       ) -> torch.Tensor:
+ATTENTION_BLOCK = 1 << 24
+"""Most float32 logits (64 MiB) ``question_attention`` holds at once: a long question's
+[heads, rows, ctx] matrix would grow with the square of the prompt, so rows go in blocks."""
+
+
+def question_attention(layer: Any, q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor,
+                       block: int = ATTENTION_BLOCK) -> torch.Tensor:
     """[ctx] mean attention probability the question rows give each key (causal).
 
-    q: [heads, rows, k_ch] at positions ``q_pos``; k: [kv_heads, ctx, k_ch].
+    q: [heads, rows, k_ch] at positions ``q_pos``; k: [kv_heads, ctx, k_ch]. The rows are
+    taken a block at a time, each block's logits at most ``block`` elements, so the memory it
+    takes grows with the context, not with the square of the prompt.
     """
-    rep = q.shape[0] // k.shape[0]
-    kk = k.repeat_interleave(rep, dim=0)
-    logits = (q @ kk.transpose(1, 2)).float() * float(layer.self_attn.scaling)  # [h, rows, ctx]
+    heads, rows = q.shape[0], q.shape[1]
+    kk = k.repeat_interleave(heads // k.shape[0], dim=0).transpose(1, 2)  # [h, k_ch, ctx]
     ctx = torch.arange(k.shape[1], device=q.device)
-    logits.masked_fill_(~(q_pos[:, None] >= ctx[None, :])[None], float("-inf"))
-    return logits.softmax(-1).mean(dim=(0, 1))
+    step = max(1, block // max(1, heads * k.shape[1]))
+    total = torch.zeros(k.shape[1], device=q.device)
+    for a in range(0, rows, step):
+        logits = (q[:, a : a + step] @ kk).float() * float(layer.self_attn.scaling)
+        logits.masked_fill_(~(q_pos[a : a + step, None] >= ctx[None, :])[None], float("-inf"))
+        total += logits.softmax(-1).sum(dim=(0, 1))  # [h, step, ctx] -> [ctx]
+    return total / (heads * rows)
 
 
 def mix(deviation_scores: torch.Tensor, query_scores: torch.Tensor, share: float,

@@ -7,12 +7,14 @@ looking up and storing combinations, streaming the answer.
 
 Lifecycle of one Blend request on the model side:
 
-1. ``plan(request, read_chunk)``, on a worker thread: the model is loaded on first use
-   (``kdn.model.models.load_model``, memoised); text pieces are tokenized (or taken as ids); each
-   chunk piece's stored entry is read through ``read_chunk`` and its ids must hash to its key
-   (``kdn.keys.chunk_key`` under the chunk's stored layout), so the KV and the ids agree; the
-   chunks must belong to this model. With ``request.store`` the plan names the combination's
-   content key (``kdn.blend.key.combination_key``), which the server looks up before running.
+1. ``plan(request, read_chunk, max_pieces)``, on a worker thread: the model is loaded on first
+   use (``kdn.model.models.load_model``, memoised); the pieces (``max_pieces``) and tokens (the
+   model's context) are bounded first; text pieces are tokenized (or taken as ids); each
+   chunk's stored entry is read through ``read_chunk``, once however many pieces name it, and
+   each piece's ids must hash to its key (``kdn.keys.chunk_key`` under the chunk's stored
+   layout), so the KV and the ids agree; the chunks must belong to this model. With
+   ``request.store`` the plan names the combination's content key
+   (``kdn.blend.key.combination_key``), which the server looks up before running.
 2. ``job.run()``: ``kdn.blend.blend`` runs, decoding each chunk's layer from the stored frames
    right before the blend loop needs it; one blend runs at a time per blender (the model is
    shared); the result is encoded (``mode``/``level``, default lossless).
@@ -32,11 +34,14 @@ from kdn.blend.blend import BlendConfig, Piece, blend
 from kdn.blend.key import combination_key
 from kdn.cache import LayerKV
 from kdn.codec.format import Header, check_frame, parse_header, split_frames
-from kdn.errors import InvalidArgument, LayoutMismatch, NotFound
+from kdn.errors import InvalidArgument, LayoutMismatch, NotFound, TooLarge
 from kdn.keys import check_key, check_namespace, chunk_key
 from kdn.layout import DType, KVLayout
-from kdn.model.hf import model_device, model_layout, place
+from kdn.model.hf import model_device, model_layout, place, prompt_limits
 from kdn.v1 import kdn_pb2 as pb
+
+MAX_PIECES = 256
+"""Most pieces of one blend, unless the server says otherwise (``max_blend_pieces``)."""
 
 
 class StoredChunk:
@@ -109,13 +114,22 @@ class ModelBlender:
             self._loaded = (place(model, self.device), tok)
         return self._loaded
 
-    def plan(self, request: pb.BlendRequest,
-             read_chunk: Callable[[bytes], bytes | None]) -> BlendJob:
+    def plan(self, request: pb.BlendRequest, read_chunk: Callable[[bytes], bytes | None],
+             max_pieces: int = MAX_PIECES) -> BlendJob:
         """Check and resolve ``request``'s pieces (``read_chunk(key)``: the stored entry of a
-        chunk key in the request's namespace, or None); runs on a worker thread."""
+        chunk key in the request's namespace, or None); runs on a worker thread.
+
+        A blend's memory and time grow with its pieces and tokens, so both are bounded before
+        any text is tokenized or chunk read: at most ``max_pieces`` pieces (the server's
+        ``max_blend_pieces``; TooLarge), and at most the model's context of tokens in all
+        (``max_position_embeddings``; InvalidArgument). A chunk several pieces name is read
+        and decoded once."""
         ns = check_namespace(request.namespace or "default")
         if not request.pieces:
             raise InvalidArgument("Blend needs at least one piece")
+        if len(request.pieces) > max_pieces:
+            raise TooLarge(f"Blend of {len(request.pieces)} pieces exceeds max_blend_pieces "
+                           f"{max_pieces}")
         model, tok = self.model()
         default = BlendConfig()
         cfg = BlendConfig(
@@ -130,31 +144,28 @@ class ModelBlender:
         pieces: list[Piece] = []
         named: list[tuple[bytes, list[int]]] = []
         layout: KVLayout | None = None
-        for j, p in enumerate(request.pieces):
-            ids = list(p.token_ids)
-            if not ids and p.text:
-                if tok is None:
-                    raise InvalidArgument(f"piece {j}: text given but this server has no tokenizer")
-                ids = tok(p.text, add_special_tokens=False)["input_ids"]
-            if not ids:
-                raise InvalidArgument(f"piece {j} has neither token_ids nor text")
+        sources: dict[bytes, StoredChunk] = {}
+        for j, (p, ids) in enumerate(zip(request.pieces, token_ids(request, model, tok))):
             if not p.chunk_key:
                 pieces.append(Piece(ids))
                 named.append((b"", ids))
                 continue
-            value = read_chunk(check_key(p.chunk_key))
-            if value is None:
-                raise NotFound(f"piece {j}: no chunk {p.chunk_key.hex()} in {ns!r}")
-            src = StoredChunk(value, model_device(model))
+            key = check_key(p.chunk_key)
+            src = sources.get(key)
+            if src is None:
+                value = read_chunk(key)
+                if value is None:
+                    raise NotFound(f"piece {j}: no chunk {key.hex()} in {ns!r}")
+                src = sources[key] = StoredChunk(value, model_device(model))
             if src.layout.model_fingerprint != fingerprint:
                 raise LayoutMismatch(f"piece {j}: chunk belongs to model "
                                      f"{src.layout.model_fingerprint}, this server runs "
                                      f"{fingerprint}")
-            if chunk_key(ids, src.layout, ns) != p.chunk_key:
+            if chunk_key(ids, src.layout, ns) != key:
                 raise InvalidArgument(f"piece {j}: token_ids do not match chunk_key")
             layout = layout or src.layout
             pieces.append(Piece(ids, src))
-            named.append((bytes(p.chunk_key), ids))
+            named.append((key, ids))
         layout = layout or model_layout(model, DType.FLOAT32)
         want = request.expect_layout_fingerprint
         if want and want != layout.fingerprint:
@@ -165,3 +176,30 @@ class ModelBlender:
             encoding = mode if not request.level else f"{mode}-{request.level}"
             job.combination_key = combination_key(named, layout.fingerprint, cfg, ns, encoding)
         return job
+
+
+def token_ids(request: pb.BlendRequest, model: Any, tok: Any) -> list[list[int]]:
+    """Each piece's token ids (a text's tokenized by ``tok``). Their count is checked against
+    ``model``'s context before any text is tokenized, and again after each text is."""
+    _, context = prompt_limits(model)
+
+    def fits(tokens: int) -> None:
+        if context is not None and tokens > context:
+            raise InvalidArgument(f"Blend of {tokens} tokens exceeds the model's context of "
+                                  f"{context} (max_position_embeddings)")
+
+    total = sum(len(p.token_ids) for p in request.pieces)
+    fits(total)
+    out: list[list[int]] = []
+    for j, p in enumerate(request.pieces):
+        ids = list(p.token_ids)
+        if not ids and p.text:
+            if tok is None:
+                raise InvalidArgument(f"piece {j}: text given but this server has no tokenizer")
+            ids = list(tok(p.text, add_special_tokens=False)["input_ids"])
+            total += len(ids)
+            fits(total)
+        if not ids:
+            raise InvalidArgument(f"piece {j} has neither token_ids nor text")
+        out.append(ids)
+    return out

@@ -41,6 +41,11 @@ def _inner(model: Any) -> Any:
     return model.get_decoder() if hasattr(model, "get_decoder") else model.model
 
 
+def _text_config(model: Any) -> Any:
+    return model.config.get_text_config() if hasattr(model.config, "get_text_config") \
+        else model.config
+
+
 def decoder_layers(model: Any) -> torch.nn.ModuleList:
     """The decoder blocks of a Llama-family transformers model."""
     return _inner(model).layers  # type: ignore[no-any-return]
@@ -71,6 +76,15 @@ def model_layout(model: Any, kv_dtype: DType | None = None) -> KVLayout:
     return KVLayout.from_config(model.config, dtype=dtype, weights_id=weights_id)
 
 
+def prompt_limits(model: Any) -> tuple[int, int | None]:
+    """(vocabulary, context) of ``model``: a token id lies in 0..vocabulary-1 (the rows of its
+    input embeddings), and a prompt holds at most ``context`` tokens (the config's
+    max_position_embeddings; None where it names none)."""
+    context = getattr(_text_config(model), "max_position_embeddings", None)
+    vocabulary = int(_inner(model).embed_tokens.num_embeddings)
+    return vocabulary, context if isinstance(context, int) and context > 0 else None
+
+
 @dataclass(frozen=True)
 class ModelParts:
     """The modules of a transformers causal LM that kdn drives one by one."""
@@ -86,10 +100,9 @@ class ModelParts:
     @classmethod
     def of(cls, model: Any) -> ModelParts:
         inner = _inner(model)
-        cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") \
-            else model.config
         return cls(inner.embed_tokens, inner.layers, inner.norm, model.get_output_embeddings(),
-                   inner.rotary_emb, int(cfg.num_attention_heads), model_dtype(model))
+                   inner.rotary_emb, int(_text_config(model).num_attention_heads),
+                   model_dtype(model))
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Next-token logits of hidden states ``h`` [rows, hidden] -> [rows, vocab]."""

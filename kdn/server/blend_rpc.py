@@ -5,7 +5,8 @@ model side, ``kdn.blend.host.ModelBlender``: ``kdn serve --model`` does, tests s
 ``servicer.blender``). A server without one answers FAILED_PRECONDITION. This module does the
 I/O around the blender:
 
-1. ``blender.plan(request, read_chunk)`` on a worker thread checks the pieces and reads each
+1. ``blender.plan(request, read_chunk, max_pieces)`` on a worker thread checks the pieces
+   (``max_blend_pieces`` of them at most, the model's context of tokens) and reads each
    chunk entry through ``read_chunk``, which scopes the key to the calling tenant and namespace
    (``kdn.keys.store_key``), so a tenant blends only its own chunks;
 2. with ``store`` set, the plan names the combination's content key: a repeated combination is
@@ -57,10 +58,12 @@ class BlendJob(Protocol):
 class Blender(Protocol):
     """The model side of the Blend RPC (``kdn.blend.host.ModelBlender``)."""
 
-    def plan(self, request: pb.BlendRequest,
-             read_chunk: Callable[[bytes], bytes | None]) -> BlendJob:
+    def plan(self, request: pb.BlendRequest, read_chunk: Callable[[bytes], bytes | None],
+             max_pieces: int) -> BlendJob:
         """Check ``request`` and resolve its pieces; ``read_chunk(key)`` is the stored entry
-        of a chunk key in the request's namespace, or None."""
+        of a chunk key in the request's namespace, or None. More than ``max_pieces`` pieces
+        (the server's ``max_blend_pieces``), or more tokens than the model's context, are
+        refused before any piece is read."""
         ...
 
 
@@ -94,7 +97,8 @@ async def blend_stream(blender: Blender | None, ingest: Ingest, request: pb.Blen
             hit = store.get(store_key(tenant, ns, key))
             return None if hit is None else bytes(hit.value)
 
-        job = await asyncio.to_thread(blender.plan, request, read_chunk)
+        job = await asyncio.to_thread(blender.plan, request, read_chunk,
+                                      ingest.config.max_blend_pieces)
         skey = store_key(tenant, ns, job.combination_key) if job.combination_key else b""
         hit = await asyncio.to_thread(store.get, skey) if skey else None
         if hit is not None:

@@ -180,6 +180,9 @@ class ServerConfig:
     """Model fingerprints this server accepts (empty = any)."""
     model: str = ""
     """Model the Blend RPC runs ("smollm2-135m" or a transformers folder); empty = no Blend."""
+    max_blend_pieces: int = 256
+    """Most pieces (chunks and texts) of one Blend; its tokens are capped by the model's
+    context (max_position_embeddings). Each piece costs reads and work before the blend runs."""
     auth_file: str = ""
     """YAML file of tenants: `tenants: {NAME: {api_keys: [KEY or "sha256:HEX"], subjects:
     [client certificate names: cn:|dns:|uri:|email:|ip:NAME], role: tenant|admin, rate_rps: N,
@@ -270,6 +273,8 @@ class ServerConfig:
             )
         if self.max_entry_bytes <= 0:
             raise ConfigError(f"max_entry_bytes: must be > 0, got {self.max_entry_bytes}")
+        if self.max_blend_pieces <= 0:
+            raise ConfigError(f"max_blend_pieces: must be > 0, got {self.max_blend_pieces}")
         if self.shutdown_grace_s < 0:
             raise ConfigError(f"shutdown_grace_s: must be >= 0, got {self.shutdown_grace_s}")
         if bool(self.tls_cert) != bool(self.tls_key):
