@@ -160,3 +160,22 @@ def test_a_blend_is_bounded_by_its_pieces_and_the_models_context(tmp_path: Path)
     job = blender.plan(request([chunk] * 3 + [RemotePiece(text="hi")]), read_chunk, 4)
     assert reads == [b"text", ka] and len(job.pieces) == 4
     assert len({id(p.kv) for p in job.pieces[:3]}) == 1  # one decoded copy of the chunk
+
+
+def test_token_ids_outside_the_vocabulary_are_refused_naming_the_piece(tmp_path: Path) -> None:
+    """An id past the model's vocabulary (96) is InvalidArgument naming the piece and the id,
+    stored or not (2**31 would not even fit the combination key); so is a piece giving both
+    ids and text (one of them would be ignored)."""
+    with blending(tmp_path) as (_, c, model):
+        layout = model_layout(model, DType.FLOAT32)
+        a = ids(20, 1)
+        ka = chunk_key(a, layout)
+        c.store(ka, prefill(model, a, layout)[0])
+        chunk = RemotePiece(ids=a, key=ka)
+        for bad, store in ((96, False), (2**31, True), (2**32 - 1, False)):
+            with pytest.raises(InvalidArgument, match=f"piece 1: token id {bad} is outside the "
+                                                      "model's vocabulary of 96"):
+                c.blend([chunk, RemotePiece(ids=[5, bad])], store=store)
+        with pytest.raises(InvalidArgument, match="piece 0 has both token_ids and text"):
+            c.blend([RemotePiece(ids=[5], text="hello")])
+        assert c.blend([chunk, RemotePiece(ids=[0, 95])]).num_tokens == 22

@@ -179,9 +179,10 @@ class ModelBlender:
 
 
 def token_ids(request: pb.BlendRequest, model: Any, tok: Any) -> list[list[int]]:
-    """Each piece's token ids (a text's tokenized by ``tok``). Their count is checked against
-    ``model``'s context before any text is tokenized, and again after each text is."""
-    _, context = prompt_limits(model)
+    """Each piece's token ids (a text's tokenized by ``tok``), every one in ``model``'s
+    vocabulary (an id past it would index past the embeddings). Their count is checked
+    against the model's context before any text is tokenized, and again after each text is."""
+    vocabulary, context = prompt_limits(model)
 
     def fits(tokens: int) -> None:
         if context is not None and tokens > context:
@@ -193,13 +194,19 @@ def token_ids(request: pb.BlendRequest, model: Any, tok: Any) -> list[list[int]]
     out: list[list[int]] = []
     for j, p in enumerate(request.pieces):
         ids = list(p.token_ids)
-        if not ids and p.text:
+        if ids and p.text:
+            raise InvalidArgument(f"piece {j} has both token_ids and text; give one")
+        if p.text:
             if tok is None:
                 raise InvalidArgument(f"piece {j}: text given but this server has no tokenizer")
-            ids = list(tok(p.text, add_special_tokens=False)["input_ids"])
+            ids = [int(t) for t in tok(p.text, add_special_tokens=False)["input_ids"]]
             total += len(ids)
             fits(total)
         if not ids:
             raise InvalidArgument(f"piece {j} has neither token_ids nor text")
+        bad = next((t for t in ids if not 0 <= t < vocabulary), None)
+        if bad is not None:
+            raise InvalidArgument(f"piece {j}: token id {bad} is outside the model's "
+                                  f"vocabulary of {vocabulary} (0..{vocabulary - 1})")
         out.append(ids)
     return out
