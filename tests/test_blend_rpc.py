@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,7 @@ import torch
 from kdn import codec
 from kdn.blend import BlendConfig, blend
 from kdn.blend.host import ModelBlender
+from kdn.cache import KVCache
 from kdn.client import Client
 from kdn.client.blend import RemotePiece, blend_request
 from kdn.errors import ConfigError, InvalidArgument, LayoutMismatch, NotFound, TooLarge
@@ -179,3 +181,29 @@ def test_token_ids_outside_the_vocabulary_are_refused_naming_the_piece(tmp_path:
         with pytest.raises(InvalidArgument, match="piece 0 has both token_ids and text"):
             c.blend([RemotePiece(ids=[5], text="hello")])
         assert c.blend([chunk, RemotePiece(ids=[0, 95])]).num_tokens == 22
+
+
+def test_a_chunk_naming_the_model_with_other_shapes_is_a_layout_mismatch(tmp_path: Path) -> None:
+    """A container that names the server's model but holds other K/V shapes (heads, channels,
+    layers) is refused as LayoutMismatch naming the piece, by both selection rules."""
+    with blending(tmp_path) as (_, c, model):
+        layout = model_layout(model, DType.FLOAT32)
+        a = ids(20, 1)
+        forged = {
+            "chunk layer 0 holds 1 KV heads of 16/16 K/V channels, the model's 2 of 16/16":
+                dict(kv_heads=1),
+            "chunk layer 0 holds 2 KV heads of 16/8 K/V channels, the model's 2 of 16/16":
+                dict(v_channels=8),
+        }
+        lays = {msg: replace(layout, layers=tuple(replace(lay, **kw) for lay in layout.layers))
+                for msg, kw in forged.items()}
+        lays["chunk has 3 layers, the model 4"] = replace(layout, layers=layout.layers[:3])
+        for msg, lay in lays.items():
+            kv = KVCache(lay, [(torch.randn(x.kv_heads, 20, x.k_channels),
+                                torch.randn(x.kv_heads, 20, x.v_channels)) for x in lay.layers])
+            key = chunk_key(a, lay)
+            c.store(key, kv)
+            for share in (None, 0.0):
+                with pytest.raises(LayoutMismatch, match=f"piece 0: {msg}"):
+                    c.blend([RemotePiece(ids=a, key=key), RemotePiece(ids=[5])],
+                            query_share=share)

@@ -140,7 +140,7 @@ class ModelBlender:
                          else default.query_share))
         mode = request.mode or "lossless"
         codec.get_mode(mode).check_level(request.level)
-        fingerprint = model_layout(model, DType.FLOAT32).model_fingerprint
+        own = model_layout(model, DType.FLOAT32)
         pieces: list[Piece] = []
         named: list[tuple[bytes, list[int]]] = []
         layout: KVLayout | None = None
@@ -157,16 +157,13 @@ class ModelBlender:
                 if value is None:
                     raise NotFound(f"piece {j}: no chunk {key.hex()} in {ns!r}")
                 src = sources[key] = StoredChunk(value, model_device(model))
-            if src.layout.model_fingerprint != fingerprint:
-                raise LayoutMismatch(f"piece {j}: chunk belongs to model "
-                                     f"{src.layout.model_fingerprint}, this server runs "
-                                     f"{fingerprint}")
+            check_chunk_layout(j, src.layout, own)
             if chunk_key(ids, src.layout, ns) != key:
                 raise InvalidArgument(f"piece {j}: token_ids do not match chunk_key")
             layout = layout or src.layout
             pieces.append(Piece(ids, src))
             named.append((key, ids))
-        layout = layout or model_layout(model, DType.FLOAT32)
+        layout = layout or own
         want = request.expect_layout_fingerprint
         if want and want != layout.fingerprint:
             raise LayoutMismatch(f"blend result has layout {layout.fingerprint}, caller expects "
@@ -176,6 +173,25 @@ class ModelBlender:
             encoding = mode if not request.level else f"{mode}-{request.level}"
             job.combination_key = combination_key(named, layout.fingerprint, cfg, ns, encoding)
         return job
+
+
+def check_chunk_layout(j: int, chunk: KVLayout, model: KVLayout) -> None:
+    """LayoutMismatch unless piece ``j``'s chunk is of ``model``: its model fingerprint, and
+    its layers' K/V shapes (a container may name the model yet hold other shapes, which the
+    blend could not place); the dtype may differ."""
+    if chunk.model_fingerprint != model.model_fingerprint:
+        raise LayoutMismatch(f"piece {j}: chunk belongs to model {chunk.model_fingerprint}, "
+                             f"this server runs {model.model_fingerprint}")
+    if chunk.num_layers != model.num_layers:
+        raise LayoutMismatch(f"piece {j}: chunk has {chunk.num_layers} layers, the model "
+                             f"{model.num_layers}")
+    for i, (got, want) in enumerate(zip(chunk.layers, model.layers)):
+        shapes = [(lay.kv_heads, lay.k_channels, lay.v_channels) for lay in (got, want)]
+        if shapes[0] != shapes[1]:
+            (heads, k, v), (want_heads, want_k, want_v) = shapes
+            raise LayoutMismatch(f"piece {j}: chunk layer {i} holds {heads} KV heads of "
+                                 f"{k}/{v} K/V channels, the model's {want_heads} of "
+                                 f"{want_k}/{want_v}")
 
 
 def token_ids(request: pb.BlendRequest, model: Any, tok: Any) -> list[list[int]]:
