@@ -16,6 +16,7 @@ import torch
 from kdn import codec
 from kdn.blend import BlendConfig, blend
 from kdn.blend.host import ModelBlender
+from kdn.blend.key import combination_key
 from kdn.cache import KVCache
 from kdn.client import Client
 from kdn.client.blend import RemotePiece, blend_request
@@ -207,3 +208,31 @@ def test_a_chunk_naming_the_model_with_other_shapes_is_a_layout_mismatch(tmp_pat
                 with pytest.raises(LayoutMismatch, match=f"piece 0: {msg}"):
                     c.blend([RemotePiece(ids=a, key=key), RemotePiece(ids=[5])],
                             query_share=share)
+
+
+def test_a_stored_combination_of_another_shape_is_computed_again(tmp_path: Path) -> None:
+    """An entry under a combination's key that is not that prompt's KV (3 tokens; another
+    model's 2 layers) is not served: the blend is computed, overwrites it, and is then a hit.
+    A right one is a hit in a lossy encoding too."""
+    with blending(tmp_path) as (st, c, model):
+        layout = model_layout(model, DType.FLOAT32)
+        a, q = ids(20, 1), ids(8, 2)
+        ka = chunk_key(a, layout)
+        c.store(ka, prefill(model, a, layout)[0])
+        pieces = [RemotePiece(ids=a, key=ka), RemotePiece(ids=q)]
+        want = c.blend(pieces)
+        comb = combination_key([(ka, a), (b"", q)], layout.fingerprint, BlendConfig(),
+                               "default", "lossless")
+        other = tiny("llama", seed=3)
+        other.model.layers = other.model.layers[:2]
+        other.config.num_hidden_layers = 2
+        for junk in (prefill(model, [5, 6, 7], layout)[0],
+                     prefill(other, [1, 2], model_layout(other, DType.FLOAT32))[0]):
+            c.store(comb, junk)
+            got = c.blend_stream(pieces, store=True)
+            assert got.tier == "blend" and got.result().equal(want)
+            again = c.blend_stream(pieces, store=True)
+            assert again.tier == "ram" and again.result().equal(want)
+        assert c.stats().counters["blend.stale"] == 2
+        assert c.blend_stream(pieces, store=True, mode="int8").tier == "blend"
+        assert c.blend_stream(pieces, store=True, mode="int8").tier == "ram"

@@ -74,8 +74,9 @@ class StoredChunk:
 
 @dataclass
 class BlendJob:
-    """A planned blend: ``combination_key`` (b"" unless the request asked to store it) and
-    ``run()``, which computes and encodes the blended KV."""
+    """A planned blend: ``combination_key`` (b"" unless the request asked to store it), the
+    ``tokens`` and ``layout_fingerprint`` of its result, and ``run()``, which computes and
+    encodes the blended KV."""
 
     blender: ModelBlender
     model: Any
@@ -83,7 +84,12 @@ class BlendJob:
     config: BlendConfig
     mode: str
     level: str
+    layout_fingerprint: str
     combination_key: bytes = b""
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(p.ids) for p in self.pieces)
 
     def run(self) -> codec.EncodedParts:
         with self.blender.lock:
@@ -168,7 +174,7 @@ class ModelBlender:
         if want and want != layout.fingerprint:
             raise LayoutMismatch(f"blend result has layout {layout.fingerprint}, caller expects "
                                  f"{want}")
-        job = BlendJob(self, model, pieces, cfg, mode, request.level)
+        job = BlendJob(self, model, pieces, cfg, mode, request.level, layout.fingerprint)
         if request.store:
             encoding = mode if not request.level else f"{mode}-{request.level}"
             job.combination_key = combination_key(named, layout.fingerprint, cfg, ns, encoding)

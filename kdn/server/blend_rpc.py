@@ -10,7 +10,9 @@ I/O around the blender:
    chunk entry through ``read_chunk``, which scopes the key to the calling tenant and namespace
    (``kdn.keys.store_key``), so a tenant blends only its own chunks;
 2. with ``store`` set, the plan names the combination's content key: a repeated combination is
-   served from the store like a Retrieve (tier = the tier it was read from);
+   served from the store like a Retrieve (tier = the tier it was read from), once its entry
+   is seen to hold the planned prompt's tokens in the planned layout (else it is computed
+   again and overwritten);
 3. otherwise ``job.run()`` computes and encodes the blend on a worker thread; the result is
    stored under the combination key when asked, through the one write path every Store takes
    (``kdn.server.ingest.Ingest``: size and codec checks, the tenant's quota, the memoised
@@ -50,6 +52,16 @@ class BlendJob(Protocol):
         """Content key to store the result under (b"": not stored)."""
         ...
 
+    @property
+    def tokens(self) -> int:
+        """Tokens of the prompt: those of its blended KV."""
+        ...
+
+    @property
+    def layout_fingerprint(self) -> str:
+        """Fingerprint of the blended KV's layout."""
+        ...
+
     def run(self) -> EncodedParts:
         """Compute and encode the blended KV."""
         ...
@@ -79,6 +91,20 @@ def store_result(ingest: Ingest, principal: Principal, namespace: str, key: byte
     ingest.commit(principal, skey, value, msg.options, header)
 
 
+def combination_of(job: BlendJob, value: bytes | memoryview
+                   ) -> tuple[bytes, list[bytes]] | None:
+    """(header, frames) of the entry ``value`` stored under ``job``'s combination key, or None
+    where it is not the blend ``job`` plans (unreadable, another token count or layout): a
+    key names content, but whatever was stored under it is served only once it matches."""
+    try:
+        header = parse_header(value)
+    except KDNError:
+        return None
+    if header.entry.tokens != job.tokens or header.layout.fingerprint != job.layout_fingerprint:
+        return None
+    return bytes(header.raw), [bytes(f) for f in split_frames(value, len(header.raw))]
+
+
 async def blend_stream(blender: Blender | None, ingest: Ingest, request: pb.BlendRequest,
                        context: grpc.aio.ServicerContext
                        ) -> AsyncIterator[pb.RetrieveResponse]:
@@ -101,12 +127,13 @@ async def blend_stream(blender: Blender | None, ingest: Ingest, request: pb.Blen
                                       ingest.config.max_blend_pieces)
         skey = store_key(tenant, ns, job.combination_key) if job.combination_key else b""
         hit = await asyncio.to_thread(store.get, skey) if skey else None
-        if hit is not None:
+        stored = None if hit is None else combination_of(job, hit.value)
+        if hit is not None and stored is not None:
             count("blend.hit")
-            header = parse_header(hit.value)
-            head, tier = bytes(header.raw), hit.tier
-            frames = [bytes(f) for f in split_frames(hit.value, len(header.raw))]
+            (head, frames), tier = stored, hit.tier
         else:
+            if hit is not None:  # not this prompt's KV: computed again, and overwritten
+                count("blend.stale")
             parts = await asyncio.to_thread(job.run)
             head, frames, tier = parts.header, [bytes(f) for f in parts.frames], "blend"
             if skey:
