@@ -4,6 +4,7 @@ other write and read (quotas, limits, the tenant's key space)."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import replace
@@ -236,3 +237,24 @@ def test_a_stored_combination_of_another_shape_is_computed_again(tmp_path: Path)
         assert c.stats().counters["blend.stale"] == 2
         assert c.blend_stream(pieces, store=True, mode="int8").tier == "blend"
         assert c.blend_stream(pieces, store=True, mode="int8").tier == "ram"
+
+
+def test_a_blend_is_paced_by_the_egress_cap(tmp_path: Path) -> None:
+    """A Blend's answer leaves at the egress cap as a Retrieve's does, computed or a hit."""
+    cap = 200_000
+    with blending(tmp_path, egress_bytes_per_s=cap) as (st, c, model):
+        assert st.server is not None
+        layout = model_layout(model, DType.FLOAT32)
+        a = ids(20, 1)
+        ka = chunk_key(a, layout)
+        c.store(ka, prefill(model, a, layout)[0])
+        pieces = [RemotePiece(ids=a, key=ka), RemotePiece(ids=ids(100, 2))]
+        for tier in ("blend", "ram"):
+            t0 = time.perf_counter()
+            got = c.blend_stream(pieces, store=True)
+            got.result()
+            elapsed = time.perf_counter() - t0
+            assert got.tier == tier
+            size = sum(held(st, "a").values()) - held(st, "a")[ka]
+            assert size > 100_000 and elapsed >= 0.8 * size / cap, (tier, elapsed, size)
+        assert st.server.servicer.usage.egress_delayed_bytes["a"] > size

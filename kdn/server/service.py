@@ -11,7 +11,8 @@ The work is done by objects the servicer holds, each reached through its public 
   (``kdn.server.retrieve_many.RetrieveMany``): Retrieve and RetrieveMany streams;
 * ``segments`` (``kdn.server.segments.Segments``): attached segments and data path tickets;
 * ``blender`` (``kdn.server.blend_rpc.Blender``): Blend, on a server that hosts a model;
-* ``egress`` (``kdn.server.egress.Egress``): the egress caps the reads pace their sends by.
+* ``egress`` (``kdn.server.egress.Egress``): the egress caps the reads (and Blend) pace their
+  sends by.
 
 The same-host fast path and the network data path (``kdn.server.fastpath``,
 ``kdn.server.netpath``) call ``reads`` and ``puts`` too, without gRPC.
@@ -224,7 +225,10 @@ class KDNServicer(pb_grpc.KDNServicer):
 
     async def Blend(self, request: pb.BlendRequest,
                     context: grpc.aio.ServicerContext) -> AsyncIterator[pb.RetrieveResponse]:
+        pacer = self.pacer(context) if self.egress.on else None  # as any read of an entry
         async for msg in blend_stream(self.blender, self.ingest, request, context):
+            if pacer is not None:
+                await pacer.apace(msg.ByteSize())
             yield msg
 
     # -- Lookup / Delete / Stats ----------------------------------------------------------------
