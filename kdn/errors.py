@@ -106,5 +106,9 @@ class DeadlineExceeded(KDNError, status=Status.DEADLINE_EXCEEDED):
     """The call did not finish before its deadline."""
 
 
+class Cancelled(KDNError, status=Status.CANCELLED):
+    """The work was stopped: whoever asked for it is gone."""
+
+
 class ConfigError(KDNError, ValueError, status=Status.INVALID_ARGUMENT):
     """A configuration value is invalid; the message names the setting."""

@@ -4,6 +4,7 @@ other write and read (quotas, limits, the tenant's key space)."""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -21,7 +22,15 @@ from kdn.blend.key import combination_key
 from kdn.cache import KVCache
 from kdn.client import Client
 from kdn.client.blend import RemotePiece, blend_request
-from kdn.errors import ConfigError, InvalidArgument, LayoutMismatch, NotFound, TooLarge
+from kdn.errors import (
+    ConfigError,
+    DeadlineExceeded,
+    InvalidArgument,
+    KDNError,
+    LayoutMismatch,
+    NotFound,
+    TooLarge,
+)
 from kdn.keys import chunk_key, split_store_key
 from kdn.layout import DType
 from kdn.model.hf import model_layout
@@ -258,3 +267,40 @@ def test_a_blend_is_paced_by_the_egress_cap(tmp_path: Path) -> None:
             size = sum(held(st, "a").values()) - held(st, "a")[ka]
             assert size > 100_000 and elapsed >= 0.8 * size / cap, (tier, elapsed, size)
         assert st.server.servicer.usage.egress_delayed_bytes["a"] > size
+
+
+def test_blends_whose_callers_are_gone_stop(tmp_path: Path) -> None:
+    """Blends wait for the model in turn on the event loop, and one whose caller's deadline
+    passed stops within a layer: of 4 calls given up at 0.5 s (a blend here takes 8 layer
+    passes of 0.1 s), one starts and stops, the others never start."""
+    with blending(tmp_path) as (st, c, model):
+        passes: list[int] = []
+
+        def slow(*_: Any) -> None:
+            passes.append(1)
+            time.sleep(0.1)
+
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.register_forward_hook(slow)
+        pieces = [RemotePiece(ids=ids(100, 1))]
+        c.blend(pieces)
+        assert len(passes) == 8  # the question's pass, then the blend's
+        passes.clear()
+        failed: list[Exception] = []
+
+        def call() -> None:
+            with Client(st.address, timeout_s=0.5, api_key="key-a") as caller:
+                caller.lookup([b"k" * 32])  # connected: the deadline runs out in the blend
+                try:
+                    caller.blend(pieces)
+                except KDNError as exc:
+                    failed.append(exc)
+
+        callers = [threading.Thread(target=call) for _ in range(4)]
+        for t in callers:
+            t.start()
+        for t in callers:
+            t.join()
+        time.sleep(1.0)  # what a blend left running would compute meanwhile
+        assert len(failed) == 4 and all(isinstance(e, DeadlineExceeded) for e in failed)
+        assert 0 < len(passes) < 8, passes  # stopped, within a pass of the deadline

@@ -55,6 +55,7 @@ layer i-1), and the second pass then runs from memory.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -64,7 +65,7 @@ from kdn.blend import layer as blk
 from kdn.blend.rope import RopePlan, apply_rope, cos_sin, reposition, rope_plan
 from kdn.blend.select import budget, deviation, select_tokens
 from kdn.cache import KVCache, LayerKV
-from kdn.errors import InvalidArgument, InvalidLayout, LayoutMismatch
+from kdn.errors import Cancelled, InvalidArgument, InvalidLayout, LayoutMismatch
 from kdn.layout import KVLayout
 from kdn.model.hf import ModelParts, model_layout
 
@@ -211,11 +212,22 @@ def _layout(model: Any, sources: list[LayerSource]) -> KVLayout:
 
 
 @torch.no_grad()
-def blend(model: Any, pieces: list[Piece], config: BlendConfig | None = None) -> BlendResult:
-    """KV cache and next-token logits of the prompt ``pieces`` (see the module docstring)."""
+def blend(model: Any, pieces: list[Piece], config: BlendConfig | None = None,
+          cancelled: Callable[[], bool] | None = None) -> BlendResult:
+    """KV cache and next-token logits of the prompt ``pieces`` (see the module docstring).
+
+    ``cancelled()``, asked before each layer, stops the blend (Cancelled) once true: a server
+    stops a blend whose caller has gone within one layer."""
     cfg = config or BlendConfig()
     t0 = time.perf_counter()
     m = ModelParts.of(model)
+
+    def layers() -> Iterator[tuple[int, Any]]:
+        for i, layer in enumerate(m.layers):
+            if cancelled is not None and cancelled():
+                raise Cancelled("blend stopped: its caller is gone")
+            yield i, layer
+
     if not pieces:
         raise InvalidArgument("nothing to blend")
     sources = [p.source for p in pieces if p.source is not None]
@@ -297,7 +309,7 @@ def blend(model: Any, pieces: list[Piece], config: BlendConfig | None = None) ->
         on_question = question[rows]
         q_rows = rows[on_question]
         mask = blk.causal(rows)  # planned once, every layer attends through it
-        for i, layer in enumerate(m.layers):
+        for i, layer in layers():
             k_all, v_all = stored(i)
             q, k, v = blk.project_qkv(layer, x, shapes[i], cos[rows], sin[rows], plans[i])
             k_all[:, rows], v_all[:, rows] = k, v
@@ -335,7 +347,7 @@ def blend(model: Any, pieces: list[Piece], config: BlendConfig | None = None) ->
         mask = blk.causal(rows) if rows.numel() < n else None
     out_layers: list[LayerKV] = []
 
-    for i, layer in enumerate(m.layers):
+    for i, layer in layers():
         if rows is None and i < cfg.select_layer:  # plain prefill of every token
             q, k, v = blk.project_qkv(layer, h, shapes[i], cos, sin, plans[i])
             h = blk.finish(layer, h, blk.attend(layer, q, k, v, None))

@@ -91,9 +91,9 @@ class BlendJob:
     def tokens(self) -> int:
         return sum(len(p.ids) for p in self.pieces)
 
-    def run(self) -> codec.EncodedParts:
+    def run(self, cancelled: Callable[[], bool] | None = None) -> codec.EncodedParts:
         with self.blender.lock:
-            result = blend(self.model, self.pieces, self.config)
+            result = blend(self.model, self.pieces, self.config, cancelled)
         return codec.encode_parts(result.kv, self.mode, self.level)
 
 

@@ -13,7 +13,8 @@ I/O around the blender:
    served from the store like a Retrieve (tier = the tier it was read from), once its entry
    is seen to hold the planned prompt's tokens in the planned layout (else it is computed
    again and overwritten);
-3. otherwise ``job.run()`` computes and encodes the blend on a worker thread; the result is
+3. otherwise ``job.run()`` computes and encodes the blend on a worker thread, one blend at a
+   time (waiting on the event loop, not in a thread) and stopped when its call is; the result is
    stored under the combination key when asked, through the one write path every Store takes
    (``kdn.server.ingest.Ingest``: size and codec checks, the tenant's quota, the memoised
    messages and arena copies of an older value dropped, usage counted), and streamed back as
@@ -23,6 +24,7 @@ I/O around the blender:
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import AsyncIterator, Callable
 from typing import Protocol
 
@@ -62,8 +64,9 @@ class BlendJob(Protocol):
         """Fingerprint of the blended KV's layout."""
         ...
 
-    def run(self) -> EncodedParts:
-        """Compute and encode the blended KV."""
+    def run(self, cancelled: Callable[[], bool] | None = None) -> EncodedParts:
+        """Compute and encode the blended KV; stop (Cancelled) soon after ``cancelled()`` is
+        true."""
         ...
 
 
@@ -105,11 +108,30 @@ def combination_of(job: BlendJob, value: bytes | memoryview
     return bytes(header.raw), [bytes(f) for f in split_frames(value, len(header.raw))]
 
 
+async def run_in_turn(job: BlendJob, turn: asyncio.Lock) -> EncodedParts:
+    """``job.run()`` on a worker thread once ``turn`` is ours: blends waiting for the model
+    wait on the event loop, not in threads of the executor every other call needs. A call
+    cancelled meanwhile (its client gone, or past its deadline) tells the running job to stop,
+    and keeps the turn until it has (within a layer)."""
+    async with turn:
+        stop = threading.Event()
+        running = asyncio.ensure_future(asyncio.to_thread(job.run, stop.is_set))
+        try:
+            return await asyncio.shield(running)
+        except asyncio.CancelledError:
+            stop.set()
+            await asyncio.wait([running])
+            if not running.cancelled():
+                running.exception()  # its Cancelled (or result) is no one's now: taken here
+            raise
+
+
 async def blend_stream(blender: Blender | None, ingest: Ingest, request: pb.BlendRequest,
-                       context: grpc.aio.ServicerContext
+                       context: grpc.aio.ServicerContext, turn: asyncio.Lock
                        ) -> AsyncIterator[pb.RetrieveResponse]:
     """The Blend RPC's answer, blended by ``blender`` (None: this server does not blend) from
-    chunks of ``ingest.store``; a result asked to be stored goes through ``ingest``."""
+    chunks of ``ingest.store``, one blend at a time (``turn``); a result asked to be stored
+    goes through ``ingest``."""
     store, count = ingest.store, ingest.count
     try:
         if blender is None:
@@ -134,7 +156,7 @@ async def blend_stream(blender: Blender | None, ingest: Ingest, request: pb.Blen
         else:
             if hit is not None:  # not this prompt's KV: computed again, and overwritten
                 count("blend.stale")
-            parts = await asyncio.to_thread(job.run)
+            parts = await run_in_turn(job, turn)
             head, frames, tier = parts.header, [bytes(f) for f in parts.frames], "blend"
             if skey:
                 await asyncio.to_thread(store_result, ingest, principal, ns,

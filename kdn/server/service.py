@@ -99,6 +99,7 @@ class KDNServicer(pb_grpc.KDNServicer):
         self.reader = Reader(store, self.usage, self.wire_memo)
         self.retrieve_many = RetrieveMany(self.reader, self.count)
         policies = self.auth.config.policies
+        self.blend_turn = asyncio.Lock()  # one Blend runs the model at a time
         self.egress = Egress(config.egress_bytes_per_s,
                              {t: p.egress_bytes_per_s for t, p in policies.items()},
                              self.usage.paced)
@@ -226,7 +227,8 @@ class KDNServicer(pb_grpc.KDNServicer):
     async def Blend(self, request: pb.BlendRequest,
                     context: grpc.aio.ServicerContext) -> AsyncIterator[pb.RetrieveResponse]:
         pacer = self.pacer(context) if self.egress.on else None  # as any read of an entry
-        async for msg in blend_stream(self.blender, self.ingest, request, context):
+        async for msg in blend_stream(self.blender, self.ingest, request, context,
+                                      self.blend_turn):
             if pacer is not None:
                 await pacer.apace(msg.ByteSize())
             yield msg
