@@ -106,14 +106,21 @@ def test_the_fast_path_is_counted_and_timed(tmp_path: Path) -> None:
 
 
 def test_model_labels_stay_bounded_and_carry_no_directories() -> None:
-    from kdn.server.usage import MAX_MODELS, Usage, model_label
+    from kdn.server.usage import MAX_MODELS, MODELS_PER_TENANT, Usage, model_label
 
     assert model_label("/home/me/models/SmolLM2-135M/") == "SmolLM2-135M"
     assert model_label("HuggingFaceTB/SmolLM2-135M") == "HuggingFaceTB/SmolLM2-135M"
     assert len(model_label("m" * 500)) == 64
     usage = Usage()
-    assert {usage._model(f"m{i}") for i in range(MAX_MODELS + 10)} == \
+    tenants = [f"t{i % 8}" for i in range(MAX_MODELS + 10)]  # 8 tenants, 5 names each
+    assert {usage._model(f"m{i}", t) for i, t in enumerate(tenants)} == \
         {f"m{i}" for i in range(MAX_MODELS)} | {"other"}
+    # one tenant's odd names take its own share, not every label
+    usage = Usage()
+    assert [usage._model(f"junk{i}", "a") for i in range(MODELS_PER_TENANT + 3)][-3:] == \
+        ["other"] * 3
+    assert usage._model("meta-llama/Llama-3-8B", "b") == "meta-llama/Llama-3-8B"
+    assert usage._model("junk0", "b") == "junk0"  # labelled already: every tenant's
 
 
 def test_log_lines_carry_the_request_id(tmp_path: Path, caplog: pytest.LogCaptureFixture

@@ -29,7 +29,8 @@ hit ratio counts both.
 
 Labels stay bounded: tenants come from the auth configuration, encodings from the codec
 catalog, tiers and RPCs from the server; after ``MAX_MODELS`` distinct model names the rest
-count as ``other`` (a model named by a local path is labelled with its last component). An
+count as ``other``, and one tenant adds at most ``MODELS_PER_TENANT`` of them (a model named
+by a local path is labelled with its last component). An
 entry's tokens, model and encoding are read from its header once and remembered per key (the
 last ``MAX_REMEMBERED`` keys): a read path that does not parse headers, GetMany, looks them up.
 """
@@ -48,6 +49,9 @@ from kdn.keys import split_store_key
 from kdn.store.framed import Framed
 
 MAX_MODELS = 32
+MODELS_PER_TENANT = 8
+"""Model labels one tenant's entries may add (so one tenant's odd names can not take every
+label and leave another's models counted as ``other``)."""
 MAX_REMEMBERED = 100_000
 UNKNOWN = "unknown"
 """The model label of a miss on a key this server never stored."""
@@ -97,6 +101,7 @@ class Usage:
         self._lock = threading.Lock()
         self._facts: OrderedDict[bytes, Facts] = OrderedDict()
         self._models: set[str] = set()
+        self._added: dict[str, int] = {}  # model labels each tenant added
         self.stored_tokens: dict[tuple[str, str], int] = {}
         self.requested_tokens: dict[tuple[str, str], int] = {}
         self.served_tokens: dict[tuple[str, str, str], int] = {}
@@ -112,9 +117,15 @@ class Usage:
 
     # -- facts of an entry --------------------------------------------------------------------
 
-    def _model(self, name: str) -> str:
-        if name in self._models or len(self._models) < MAX_MODELS:
+    def _model(self, name: str, tenant: str) -> str:
+        """``name``'s label (caller locks): itself once labelled, or while there is room for
+        it (``MAX_MODELS``, ``MODELS_PER_TENANT``), else ``other``."""
+        if name in self._models:
+            return name
+        added = self._added.get(tenant, 0)
+        if len(self._models) < MAX_MODELS and added < MODELS_PER_TENANT:
             self._models.add(name)
+            self._added[tenant] = added + 1
             return name
         return "other"
 
@@ -122,8 +133,9 @@ class Usage:
         codec = header.entry.codec
         encoding = f"{codec.mode}-{codec.level}" if codec.level else codec.mode
         model = model_label(header.layout.model_name or header.layout.model_fingerprint[:16])
+        tenant = split_store_key(skey)[0]
         with self._lock:
-            facts = (header.tokens, self._model(model), encoding)
+            facts = (header.tokens, self._model(model, tenant), encoding)
             self._facts[skey] = facts
             self._facts.move_to_end(skey)
             while len(self._facts) > MAX_REMEMBERED:
