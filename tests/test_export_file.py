@@ -17,15 +17,18 @@ from kdn.client import Client
 from kdn.client.admin import AdminClient
 from kdn.client.exportfile import (
     MAGIC_V1,
+    MAGIC_V2,
     ExportWriter,
     Filter,
     Record,
+    encode_end,
+    encode_filter,
     encode_record,
     read_records,
     scan,
     summary,
 )
-from kdn.errors import Corrupt, InvalidArgument
+from kdn.errors import Corrupt, InvalidArgument, PermissionDenied
 from kdn.server import ServerConfig, ServerThread
 from tests.helpers import random_kv, uniform_layout
 
@@ -130,15 +133,20 @@ def test_import_refuses_a_cut_off_foreign_or_damaged_file(
                                    "rejected": 0}
 
 
-def test_format_1_files_still_import(server: ServerThread, tmp_path: Path) -> None:
+def test_format_1_and_2_files_still_import(server: ServerThread, tmp_path: Path) -> None:
     with AdminClient(server.address) as c:
         c.export_to(tmp_path / "new.kdnx", "kb")
-        old = tmp_path / "old.kdnx"
-        old.write_bytes(MAGIC_V1 + b"".join(encode_record(r)
-                                            for r in read_records(tmp_path / "new.kdnx")[0]))
-        assert c.import_from(old).skipped == NAMESPACES["kb"]
-        with pytest.raises(InvalidArgument, match="older kdn"):
-            c.export_to(old, "kb")  # its filters are unknown: no resume
+        new = read_records(tmp_path / "new.kdnx")[0]
+        v1, v2 = tmp_path / "v1.kdnx", tmp_path / "v2.kdnx"
+        v1.write_bytes(MAGIC_V1 + b"".join(encode_record(r, 1) for r in new))
+        v2.write_bytes(MAGIC_V2 + encode_filter(Filter("kb"), 2)
+                       + b"".join(encode_record(r, 2) for r in new) + encode_end(len(new)))
+        for old, version in ((v1, 1), (v2, 2)):
+            assert [(r.key, r.value, r.tenant) for r in read_records(old)[0]] == \
+                [(r.key, r.value, "") for r in new]
+            assert c.import_from(old).skipped == NAMESPACES["kb"]
+            with pytest.raises(InvalidArgument, match=f"older kdn \\(format {version}\\)"):
+                c.export_to(old, "kb")  # another format: no resume
 
 
 def test_the_file_is_read_one_record_at_a_time(tmp_path: Path) -> None:
@@ -174,11 +182,12 @@ def test_a_record_declaring_more_than_the_file_holds_is_not_read(tmp_path: Path)
     is read: a 1 TiB value in a 100-byte file is a cut-off file, not an allocation."""
     import struct
 
-    from kdn.client.exportfile import MAGIC, encode_filter
+    from kdn.client.exportfile import MAGIC
 
     h, q = struct.Struct("<H"), struct.Struct("<Q")
     for declared in (1 << 40, 64 << 30, 100):
-        body = h.pack(7) + b"default" + h.pack(32) + bytes(32) + h.pack(0) + q.pack(declared)
+        body = h.pack(0) + h.pack(7) + b"default" + h.pack(32) + bytes(32) + h.pack(0) + \
+            q.pack(declared)
         path = tmp_path / f"lying-{declared}.kdnx"
         path.write_bytes(MAGIC + encode_filter(Filter()) + body + b"x" * 16)
         tracemalloc.start()
@@ -211,3 +220,79 @@ def test_import_admits_entries_as_a_store_does(server: ServerThread, tmp_path: P
         got = t.import_from(tmp_path / "kb.kdnx")
         assert (got.imported, got.rejected) == (0, small + 1)
         assert list(t.ls()) == []
+
+
+TENANTS = """
+tenants:
+  team-a: {api_keys: ["key-a"]}
+  team-b: {api_keys: ["key-b"]%s}
+  ops: {api_keys: ["key-ops"], role: admin}
+"""
+KEYS = {"team-a": "key-a", "team-b": "key-b"}
+
+
+def _with_tenants(tmp_path: Path, name: str, team_b: str = "") -> ServerThread:
+    """A server of two tenants and an admin (``team_b``: more of team-b's settings)."""
+    auth = tmp_path / f"{name}.yaml"
+    auth.write_text(TENANTS % team_b)
+    auth.chmod(0o600)
+    return ServerThread(ServerConfig(port=0, data_dir=tmp_path / name, auth_file=str(auth)))
+
+
+def _tenants(c: AdminClient) -> list[tuple[str, bytes]]:
+    return sorted((e.tenant, e.key) for e in c.ls())
+
+
+def test_an_admins_backup_restores_every_tenant(tmp_path: Path) -> None:
+    """Records carry their tenant: an admin's backup of a server with tenants comes back as it
+    was (the same key of two tenants stays two entries, each charged to its tenant); a tenant's
+    import takes its own records and rejects the others'."""
+    same, other = keys.chunk_key([7, 7], LAY), keys.chunk_key([8], LAY)
+    kvs = {t: random_kv(LAY, 8, seed=i) for i, t in enumerate(KEYS)}
+    backup = tmp_path / "all.kdnx"
+    with _with_tenants(tmp_path, "src") as src:
+        for t, api_key in KEYS.items():
+            with Client(src.address, api_key=api_key) as c:
+                c.store(same, kvs[t])
+        with Client(src.address, api_key="key-b") as c:
+            c.store(other, kvs["team-a"])
+        with AdminClient(src.address, api_key="key-ops") as ops:
+            assert ops.export_to(backup) == 3
+            listed = _tenants(ops)
+            assert ops.export_to(tmp_path / "b.kdnx", tenant="team-b") == 2
+        with AdminClient(src.address, api_key="key-a") as a, pytest.raises(PermissionDenied):
+            a.export_to(tmp_path / "not-a.kdnx", tenant="team-b")
+    assert sorted((r.tenant, r.key) for r in read_records(backup)[0]) == listed
+    assert {r.tenant for r in read_records(tmp_path / "b.kdnx")[0]} == {"team-b"}
+    with _with_tenants(tmp_path, "dst") as dst:
+        with AdminClient(dst.address, api_key="key-ops") as ops:
+            got = ops.import_from(backup)
+            assert (got.imported, got.rejected) == (3, 0)
+            assert _tenants(ops) == listed
+            assert {t.tenant: t.entries for t in ops.stats().tenants} == {"team-a": 1,
+                                                                           "team-b": 2}
+        for t, api_key in KEYS.items():
+            with Client(dst.address, api_key=api_key) as c:
+                assert c.retrieve(same).equal(kvs[t])  # type: ignore[union-attr]
+    with _with_tenants(tmp_path, "own") as own:
+        with AdminClient(own.address, api_key="key-a") as a:
+            got = a.import_from(backup)
+            assert (got.imported, got.rejected) == (1, 2)  # team-b's are not team-a's to load
+        with AdminClient(own.address, api_key="key-ops") as ops:
+            assert _tenants(ops) == [("team-a", same)]
+
+
+def test_an_admins_import_charges_each_entrys_tenant(tmp_path: Path) -> None:
+    """Restored entries count against their tenant's quota, not the admin's."""
+    backup = tmp_path / "all.kdnx"
+    with _with_tenants(tmp_path, "src") as src:
+        for i, api_key in enumerate(KEYS.values()):
+            with Client(src.address, api_key=api_key) as c:
+                c.store(keys.chunk_key([i], LAY), random_kv(LAY, 8, seed=i))
+        with AdminClient(src.address, api_key="key-ops") as ops:
+            ops.export_to(backup)
+    with _with_tenants(tmp_path, "dst", ", quota_bytes: 512") as dst, \
+            AdminClient(dst.address, api_key="key-ops") as ops:
+        got = ops.import_from(backup)
+        assert (got.imported, got.rejected) == (1, 1)  # team-b's entry is past its quota
+        assert [t for t, _ in _tenants(ops)] == ["team-a"]

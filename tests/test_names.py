@@ -298,8 +298,8 @@ def test_admin_import_refuses_a_file_with_a_malformed_name(names_server: ServerT
 
     good = Record("default", b"g" * 32, b"", VALUE)
     path = tmp_path / "bad.kdnx"
-    path.write_bytes(MAGIC + encode_record(good) + encode_record(
-        Record("default\n", b"b" * 32, b"", VALUE)))
+    path.write_bytes(MAGIC + encode_record(good, 1) + encode_record(
+        Record("default\n", b"b" * 32, b"", VALUE), 1))
     with AdminClient(names_server.address) as c:
         with pytest.raises(InvalidArgument, match=r"record 1: namespace 'default\\n'"):
             c.import_from(path)

@@ -377,7 +377,7 @@ def _export(client: Any, ns: argparse.Namespace) -> int:
     bar = _progress("export", ns)
     try:
         n = client.export_to(Path(ns.file), ns.namespace, bytes.fromhex(ns.prefix),
-                             progress=bar)
+                             progress=bar, tenant=ns.tenant)
     finally:
         bar.close()
     if ns.output == "json":
@@ -608,6 +608,7 @@ def _add_admin(sub: Any) -> None:
     exp.add_argument("file", metavar="FILE")
     exp.add_argument("--namespace", type=NAMESPACE_FILTER, default="", help="default: all")
     exp.add_argument("--prefix", type=HEX_PREFIX, default="", help="hex key prefix")
+    exp.add_argument("--tenant", type=TENANT_FILTER, default="", help="admins: this tenant only")
     imp = command("import", "load an export file (idempotent, verified)")
     imp.add_argument("file", metavar="FILE")
     command("gc", "remove expired entries")

@@ -5,7 +5,9 @@ Exports resume: an export into a file it wrote before, with the same filters, co
 the file's last complete record. Imports read the file twice, one record in memory at a time:
 first every checksum and name (a bad or unfinished file sends nothing), then the entries in
 batches. Imports are idempotent (entries already present with identical bytes are skipped by
-the server), so re-running an interrupted import finishes it.
+the server), so re-running an interrupted import finishes it. Records carry their entry's
+tenant: an admin's import restores each to it, a tenant's import stores its own (and those of
+older files, which record none) under its tenant and has the server reject other tenants'.
 """
 
 from __future__ import annotations
@@ -144,23 +146,28 @@ class AdminClient(Client):
     # -- export / import ------------------------------------------------------------------------
 
     def export_to(self, path: Path, namespace: str = "", key_prefix: bytes = b"",
-                  progress: Callable[[int, int], None] | None = None, *,
+                  progress: Callable[[int, int], None] | None = None, *, tenant: str = "",
                   request_id: str | None = None) -> int:
         """Export into ``path``, or resume an interrupted export there (same filters; a
         finished file is left as it is); returns the records in the file. The end marker is
-        written only when the listing is done."""
+        written only when the listing is done. ``tenant``: admins only, this tenant's entries
+        ("": every entry the caller sees)."""
         _listing(namespace, key_prefix)
-        out = ExportWriter.open(Path(path), Filter(namespace, key_prefix))
+        if tenant:
+            check_tenant(tenant)
+        out = ExportWriter.open(Path(path), Filter(namespace, key_prefix, tenant))
         if out.complete:
             return out.records
         try:
-            req = pb.ExportRequest(namespace=namespace, key_prefix=key_prefix, after=out.after)
+            req = pb.ExportRequest(namespace=namespace, key_prefix=key_prefix, after=out.after,
+                                   tenant=tenant)
             stream = self._admin.Export(req, timeout=None, metadata=self.metadata(request_id))
             total = 0
             try:
                 for item in stream:
                     total = total or int(item.total) + out.records
-                    out.write(Record(item.namespace, item.key, item.cursor, item.value))
+                    out.write(Record(item.namespace, item.key, item.cursor, item.value,
+                                     item.tenant))
                     if progress:
                         progress(out.records, total)
             except grpc.RpcError as exc:
@@ -180,6 +187,8 @@ class AdminClient(Client):
             try:
                 check_namespace(r.namespace)
                 check_key(r.key)
+                if r.tenant:
+                    check_tenant(r.tenant)
             except InvalidArgument as exc:
                 raise InvalidArgument(f"{path}: record {n - 1}: {exc}") from None
         total = pb.ImportResponse()
@@ -199,7 +208,8 @@ class AdminClient(Client):
         items: list[pb.ImportItem] = []
         size = done = 0
         for _, r in scan(path):
-            items.append(pb.ImportItem(namespace=r.namespace, key=r.key, value=r.value))
+            items.append(pb.ImportItem(tenant=r.tenant, namespace=r.namespace, key=r.key,
+                                       value=r.value))
             size += len(r.value)
             if len(items) >= batch or size >= IMPORT_BATCH_BYTES:
                 send(items)

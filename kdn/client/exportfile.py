@@ -1,15 +1,22 @@
 """The export file of ``kdn admin export`` / ``import``: verified entries, one record each, read
 and written as a stream (one record in memory at a time, however large the file).
 
-Format 2 (written now)::
+Format 3 (written now)::
 
-    file    = b"KDNX2\\n" filter record* end
-    filter  = u16 len(namespace) | namespace | u16 len(key_prefix) | key_prefix | u64 xxh3_64
-    record  = u16 len(namespace) | namespace | u16 len(key) | key | u16 len(cursor) | cursor
-              | u64 len(value) | value | u64 xxh3_64 of everything before it in the record
+    file    = b"KDNX3\\n" filter record* end
+    filter  = u16 len(tenant) | tenant | u16 len(namespace) | namespace
+              | u16 len(key_prefix) | key_prefix | u64 xxh3_64
+    record  = u16 len(tenant) | tenant | u16 len(namespace) | namespace | u16 len(key) | key
+              | u16 len(cursor) | cursor | u64 len(value) | value
+              | u64 xxh3_64 of everything before it in the record
     end     = u16 0xFFFF | u64 records | u64 xxh3_64 of the ten bytes before it
 
-Format 1 (``KDNX1``, read only) is format 2 without the filter and the end marker.
+A record's tenant is the entry's ("" the unscoped key space of a server without tenants), so an
+admin's backup of a server with tenants restores each entry to its tenant; the filter's tenant
+is the one an admin's export was narrowed to ("" every tenant the caller sees). Formats 2
+(``KDNX2``) and 1 (``KDNX1``) are read only: format 2 is format 3 without the tenants, format 1
+is format 2 without the filter and the end marker; their records, tenant "", are imported into
+the importer's tenant.
 
 Lifecycle: ``ExportWriter.open`` starts a file, or resumes one: a file written with other
 filters is refused (its cursor belongs to another listing), a finished one (with its end
@@ -35,10 +42,13 @@ import xxhash
 from kdn.errors import Corrupt, InvalidArgument
 
 MAGIC_V1 = b"KDNX1\n"
-MAGIC = b"KDNX2\n"
+MAGIC_V2 = b"KDNX2\n"
+MAGIC = b"KDNX3\n"
+VERSION = 3
+_MAGICS = {MAGIC_V1: 1, MAGIC_V2: 2, MAGIC: VERSION}
 _H = struct.Struct("<H")
 _Q = struct.Struct("<Q")
-_END = 0xFFFF  # never a namespace length (names are at most 64 bytes)
+_END = 0xFFFF  # never a tenant's or namespace's length (at most 32 and 64 bytes)
 
 
 @dataclass(frozen=True)
@@ -47,31 +57,44 @@ class Record:
     key: bytes
     cursor: bytes
     value: bytes
+    tenant: str = ""
+    """The entry's tenant ("": none recorded, or the unscoped key space)."""
 
 
 @dataclass(frozen=True)
 class Filter:
-    """What an export selected: ``namespace`` ("" all) and ``key_prefix`` (b"" all)."""
+    """What an export selected: ``namespace`` ("" all), ``key_prefix`` (b"" all) and
+    ``tenant`` ("" every tenant the caller sees)."""
 
     namespace: str = ""
     key_prefix: bytes = b""
+    tenant: str = ""
 
     def describe(self) -> str:
         ns = repr(self.namespace) if self.namespace else "every namespace"
-        return ns + (f", key prefix {self.key_prefix.hex()}" if self.key_prefix else "")
+        return ns + (f", key prefix {self.key_prefix.hex()}" if self.key_prefix else "") + \
+            (f", tenant {self.tenant!r}" if self.tenant else "")
 
 
-def encode_record(r: Record) -> bytes:
-    ns = r.namespace.encode()
-    body = b"".join([_H.pack(len(ns)), ns, _H.pack(len(r.key)), r.key, _H.pack(len(r.cursor)),
-                     r.cursor, _Q.pack(len(r.value)), r.value])
+def _fields(*values: bytes, value: bytes | None = None) -> bytes:
+    """``values`` each after its u16 length, then ``value`` after its u64 length (a record's),
+    then the xxh3_64 of it all."""
+    body = b"".join(_H.pack(len(v)) + v for v in values)
+    if value is not None:
+        body += _Q.pack(len(value)) + value
     return body + _Q.pack(xxhash.xxh3_64_intdigest(body))
 
 
-def encode_filter(f: Filter) -> bytes:
-    ns = f.namespace.encode()
-    body = _H.pack(len(ns)) + ns + _H.pack(len(f.key_prefix)) + f.key_prefix
-    return body + _Q.pack(xxhash.xxh3_64_intdigest(body))
+def encode_record(r: Record, version: int = VERSION) -> bytes:
+    """``r`` as a record of a file of format ``version`` (an older one drops the tenant)."""
+    tenant = (r.tenant.encode(),) if version >= 3 else ()
+    return _fields(*tenant, r.namespace.encode(), r.key, r.cursor, value=r.value)
+
+
+def encode_filter(f: Filter, version: int = VERSION) -> bytes:
+    """``f`` as the filter of a file of format ``version`` (format 2's has no tenant)."""
+    tenant = (f.tenant.encode(),) if version >= 3 else ()
+    return _fields(*tenant, f.namespace.encode(), f.key_prefix)
 
 
 def encode_end(records: int) -> bytes:
@@ -133,7 +156,7 @@ def _records(path: Path, f: BinaryIO, scan: Scan) -> Iterator[Record]:
             if f.tell() != start:  # one byte of a length field
                 scan.torn = True
             return
-        if scan.version == 2 and _H.unpack(head)[0] == _END:
+        if scan.version >= 2 and _H.unpack(head)[0] == _END:
             try:
                 count = _take(f, _Q.size, parts)
                 (want,) = _Q.unpack(_take(f, _Q.size, []))
@@ -149,6 +172,7 @@ def _records(path: Path, f: BinaryIO, scan: Scan) -> Iterator[Record]:
         try:
             f.seek(start)
             parts = []
+            tenant = _field(f, _H, parts) if scan.version >= 3 else b""
             ns = _field(f, _H, parts)
             key = _field(f, _H, parts)
             cursor = _field(f, _H, parts)
@@ -159,25 +183,28 @@ def _records(path: Path, f: BinaryIO, scan: Scan) -> Iterator[Record]:
             return
         if xxhash.xxh3_64_intdigest(b"".join(parts)) != want:
             raise Corrupt(f"{path}: record {scan.records} (at byte {start}) fails its checksum")
-        try:
-            namespace = ns.decode()
-        except UnicodeDecodeError:
-            raise InvalidArgument(f"{path}: record {scan.records}: the namespace is not "
-                                  "UTF-8") from None
+        names = []
+        for what, raw in (("namespace", ns), ("tenant", tenant)):
+            try:
+                names.append(raw.decode())
+            except UnicodeDecodeError:
+                raise InvalidArgument(f"{path}: record {scan.records}: the {what} is not "
+                                      "UTF-8") from None
         scan.records += 1
         scan.good = f.tell()
         scan.last_cursor = cursor
-        yield Record(namespace, key, cursor, value)
+        yield Record(names[0], key, cursor, value, names[1])
 
 
 def _open_scan(path: Path, f: BinaryIO) -> Scan:
-    magic = f.read(len(MAGIC))
-    if magic == MAGIC_V1:
-        return Scan(version=1, filter=None, good=len(MAGIC))
-    if magic != MAGIC:
+    version = _MAGICS.get(f.read(len(MAGIC)))
+    if version is None:
         raise Corrupt(f"{path} is not a kdn export file (it does not start with {MAGIC!r})")
+    if version == 1:
+        return Scan(version=1, filter=None, good=len(MAGIC))
     parts: list[bytes] = []
     try:
+        tenant = _field(f, _H, parts) if version >= 3 else b""
         ns = _field(f, _H, parts)
         prefix = _field(f, _H, parts)
         (want,) = _Q.unpack(_take(f, _Q.size, []))
@@ -185,7 +212,8 @@ def _open_scan(path: Path, f: BinaryIO) -> Scan:
         raise Corrupt(f"{path}: the export file is cut off in its header") from None
     if xxhash.xxh3_64_intdigest(b"".join(parts)) != want:
         raise Corrupt(f"{path}: the export file's header fails its checksum")
-    return Scan(version=2, filter=Filter(ns.decode(errors="replace"), prefix), good=f.tell())
+    return Scan(version=version, good=f.tell(), filter=Filter(
+        ns.decode(errors="replace"), prefix, tenant.decode(errors="replace")))
 
 
 def scan(path: Path, *, complete: bool = True) -> Iterator[tuple[Scan, Record]]:
@@ -199,7 +227,7 @@ def scan(path: Path, *, complete: bool = True) -> Iterator[tuple[Scan, Record]]:
     if complete and s.torn:
         raise Corrupt(f"{path} is cut off inside record {s.records} (byte {s.good}): the export "
                       "that wrote it did not finish; run it again to resume, then import")
-    if complete and s.version == 2 and not s.ended:
+    if complete and s.version >= 2 and not s.ended:
         raise Corrupt(f"{path} ends after record {s.records} without its end marker: the "
                       "export that wrote it did not finish; run it again to resume, then import")
 
@@ -239,14 +267,14 @@ class ExportWriter:
             new.write(MAGIC + encode_filter(filt))
             return cls(path, new, 0, b"")
         s = summary(path)
-        if s.version != 2:
-            raise InvalidArgument(f"{path} was written by an older kdn (format 1) and can not "
-                                  "be resumed; export into a new file")
+        if s.version != VERSION:
+            raise InvalidArgument(f"{path} was written by an older kdn (format {s.version}) and "
+                                  "can not be resumed; export into a new file")
         if s.filter != filt:
             assert s.filter is not None
             raise InvalidArgument(f"{path} is an export of {s.filter.describe()}, not of "
-                                  f"{filt.describe()}; pass the same --namespace/--prefix to "
-                                  "resume it, or export into a new file")
+                                  f"{filt.describe()}; pass the same --namespace/--prefix/"
+                                  "--tenant to resume it, or export into a new file")
         if s.ended:  # finished: left as it is (a new export goes into a new file)
             return cls(path, None, s.records, s.last_cursor)
         f = open(path, "r+b")

@@ -2,8 +2,11 @@
 
 Scoping follows the caller (``kdn.server.auth``): a tenant lists, inspects, exports and imports
 only its own entries; the admin role sees every tenant and alone may evict, pin, unpin, verify
-and collect garbage. Handlers are thin: the hierarchy (``TieredStore``) does the work, tiers are
-read directly where an operation must not promote (listing, verifying, exporting).
+and collect garbage. Exported entries carry their tenant, and an admin's import restores each
+to it (a backup of a server with tenants comes back as it was); a tenant's import stores its
+own entries (and those recorded with no tenant) under its tenant and refuses other tenants'.
+Handlers are thin: the hierarchy (``TieredStore``) does the work, tiers are read directly where
+an operation must not promote (listing, verifying, exporting).
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 import grpc
 
@@ -28,7 +32,13 @@ from kdn.errors import (
 from kdn.keys import split_store_key, store_key
 from kdn.names import check_key_prefix, check_namespace, check_tenant, request_namespace
 from kdn.server.arena import Arenas
-from kdn.server.auth import Authenticator, Principal, current_principal, require_admin
+from kdn.server.auth import (
+    Authenticator,
+    Principal,
+    acting_tenant,
+    current_principal,
+    require_admin,
+)
 from kdn.server.ingest import Ingest, delete_entry, recount_usage
 from kdn.server.rpc import rpc
 from kdn.status import grpc_code
@@ -253,7 +263,7 @@ class AdminServicer(pb_grpc.KDNAdminServicer):
     async def Export(self, request: pb.ExportRequest,
                      context: grpc.aio.ServicerContext) -> AsyncIterator[pb.ExportItem]:
         try:
-            prefix = self._prefix(request.namespace)
+            prefix = self._prefix(request.namespace, request.tenant)
             keys = await asyncio.to_thread(self._visible, prefix, request.key_prefix)
         except KDNError as exc:
             await context.abort(grpc_code(exc), str(exc))
@@ -268,24 +278,27 @@ class AdminServicer(pb_grpc.KDNAdminServicer):
             except Corrupt:
                 self.count("export.skipped_corrupt")
                 continue
-            _, namespace, key = split_store_key(k)
-            yield pb.ExportItem(namespace=namespace, key=key, value=bytes(got[0]), cursor=k,
-                                total=len(keys) if i == 0 else 0)
+            tenant, namespace, key = split_store_key(k)
+            yield pb.ExportItem(tenant=tenant, namespace=namespace, key=key, value=bytes(got[0]),
+                                cursor=k, total=len(keys) if i == 0 else 0)
 
     def _import_one(self, principal: Principal, item: pb.ImportItem) -> bool:
-        """Store one imported entry as a Store would (its checks, the tenant's quota, the
-        one write path: ``Ingest``); False where the same bytes are there already."""
+        """Store one imported entry as a Store would (its checks, its tenant's quota, the
+        one write path: ``Ingest``); False where the same bytes are there already. Its tenant
+        is the recorded one (another than the caller's: admins only, PermissionDenied), or
+        the caller's where none is recorded (a file of an older kdn, an unscoped server's)."""
         assert self.ingest is not None  # the server builds the admin servicer with it
+        owner = replace(principal, tenant=acting_tenant(principal, item.tenant))
         value = item.value
         self.ingest.check_size(len(value))
         header = parse_container(value, verify=True).header
         self.ingest.check_kind(header)
-        skey = store_key(principal.tenant, request_namespace(item.namespace), item.key)
+        skey = store_key(owner.tenant, request_namespace(item.namespace), item.key)
         with self.store.entry_lock(skey):
             existing = self._read(skey)
             if existing is not None and existing[0] == value:
                 return False
-        self.ingest.commit(principal, skey, value, pb.StoreOptions(), header)
+        self.ingest.commit(owner, skey, value, pb.StoreOptions(), header)
         return True
 
     @rpc
@@ -296,9 +309,9 @@ class AdminServicer(pb_grpc.KDNAdminServicer):
         async for item in request_iterator:
             try:
                 done = await asyncio.to_thread(self._import_one, principal, item)
-            except (Corrupt, InvalidArgument, LayoutMismatch, TooLarge):  # this entry's fault
-                resp.rejected += 1  # (damaged, not allowed here, past the quota): the rest go on
-                continue
+            except (Corrupt, InvalidArgument, LayoutMismatch, PermissionDenied, TooLarge):
+                resp.rejected += 1  # this entry's fault (damaged, not allowed here, another
+                continue  # tenant's, past the quota): the rest go on
             if done:
                 resp.imported += 1
             else:

@@ -75,6 +75,19 @@ def require_admin() -> Principal:
     return p
 
 
+def acting_tenant(principal: Principal, tenant: str) -> str:
+    """The tenant whose entries a request that names ``tenant`` acts on: the caller's own when
+    it names none (or its own); another one only for an admin (PermissionDenied otherwise),
+    who sees every tenant's entries in ``ls`` and must be able to reach them by key too."""
+    if not tenant or tenant == principal.tenant:
+        return principal.tenant
+    check_tenant(tenant)
+    if not principal.is_admin:
+        raise PermissionDenied(f"tenant {principal.tenant!r} can not reach tenant {tenant!r}'s "
+                               "entries (only admins can)")
+    return tenant
+
+
 @dataclass(frozen=True)
 class TenantPolicy:
     """Limits for one tenant (0 = unlimited)."""

@@ -593,38 +593,44 @@ class VerifyProgress(_message.Message):
     def __init__(self, tier: _Optional[str] = ..., scanned: _Optional[int] = ..., total: _Optional[int] = ..., corrupt: _Optional[int] = ..., removed: _Optional[int] = ..., corrupt_keys: _Optional[_Iterable[str]] = ..., done: _Optional[bool] = ...) -> None: ...
 
 class ExportRequest(_message.Message):
-    __slots__ = ("namespace", "key_prefix", "after")
+    __slots__ = ("namespace", "key_prefix", "after", "tenant")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     KEY_PREFIX_FIELD_NUMBER: _ClassVar[int]
     AFTER_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     key_prefix: bytes
     after: bytes
-    def __init__(self, namespace: _Optional[str] = ..., key_prefix: _Optional[bytes] = ..., after: _Optional[bytes] = ...) -> None: ...
+    tenant: str
+    def __init__(self, namespace: _Optional[str] = ..., key_prefix: _Optional[bytes] = ..., after: _Optional[bytes] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class ExportItem(_message.Message):
-    __slots__ = ("namespace", "key", "value", "cursor", "total")
+    __slots__ = ("namespace", "key", "value", "cursor", "total", "tenant")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     KEY_FIELD_NUMBER: _ClassVar[int]
     VALUE_FIELD_NUMBER: _ClassVar[int]
     CURSOR_FIELD_NUMBER: _ClassVar[int]
     TOTAL_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     key: bytes
     value: bytes
     cursor: bytes
     total: int
-    def __init__(self, namespace: _Optional[str] = ..., key: _Optional[bytes] = ..., value: _Optional[bytes] = ..., cursor: _Optional[bytes] = ..., total: _Optional[int] = ...) -> None: ...
+    tenant: str
+    def __init__(self, namespace: _Optional[str] = ..., key: _Optional[bytes] = ..., value: _Optional[bytes] = ..., cursor: _Optional[bytes] = ..., total: _Optional[int] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class ImportItem(_message.Message):
-    __slots__ = ("namespace", "key", "value")
+    __slots__ = ("namespace", "key", "value", "tenant")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     KEY_FIELD_NUMBER: _ClassVar[int]
     VALUE_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     key: bytes
     value: bytes
-    def __init__(self, namespace: _Optional[str] = ..., key: _Optional[bytes] = ..., value: _Optional[bytes] = ...) -> None: ...
+    tenant: str
+    def __init__(self, namespace: _Optional[str] = ..., key: _Optional[bytes] = ..., value: _Optional[bytes] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class ImportResponse(_message.Message):
     __slots__ = ("imported", "skipped", "rejected")
