@@ -94,6 +94,57 @@ def test_tenants_can_not_reach_each_other(secured: ServerThread) -> None:
         assert {t.tenant: t.entries for t in st.tenants} == {"team-a": 1, "team-b": 1}
 
 
+def test_an_admin_reaches_tenants_entries_by_key(secured: ServerThread,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """What an admin's ``ls`` shows it can inspect, pin, evict and delete by key (``tenant``,
+    ``--tenant``); its namespace filter spans every tenant; a tenant naming another one is
+    refused (PERMISSION_DENIED)."""
+    key = keys.chunk_key([5, 5], LAY)
+    kvs = {api_key: random_kv(LAY, 8, seed=i) for i, api_key in enumerate(("key-a", "key-b"))}
+    for api_key, kv in kvs.items():
+        with Client(secured.address, api_key=api_key) as c:
+            c.store(key, kv)
+    with AdminClient(secured.address, api_key="key-ops") as ops:
+        assert sorted(e.tenant for e in ops.ls("default")) == ["team-a", "team-b"]
+        assert [e.tenant for e in ops.ls("default", tenant="team-b")] == ["team-b"]
+        with pytest.raises(NotFound):
+            ops.inspect(key)  # the admin's own key space
+        info = ops.inspect(key, tenant="team-b")
+        assert (info.tenant, info.num_layers) == ("team-b", LAY.num_layers)
+        assert ops.pin([key], tenant="team-a") == 1
+        assert [e.pinned for e in ops.ls(tenant="team-a")] == [True]
+        assert ops.unpin([key], tenant="team-a") == 1
+        assert ops.evict([key], tenant="team-a") == 1
+        assert list(ops.inspect(key, tenant="team-a").tiers) == ["disk"]
+        assert ops.delete(key, tenant="team-b") == 1
+        assert [e.tenant for e in ops.ls()] == ["team-a"]
+    with AdminClient(secured.address, api_key="key-a") as a:
+        assert a.inspect(key, tenant="team-a").tenant == "team-a"  # its own: as without
+        for call in (lambda: a.inspect(key, tenant="team-b"),
+                     lambda: list(a.ls(tenant="team-b")),
+                     lambda: a.delete(key, tenant="team-b"),
+                     lambda: a.pin([key], tenant="team-a")):  # pin: admins only
+            with pytest.raises(PermissionDenied):
+                call()
+    for api_key, kv in kvs.items():  # both back, each in RAM
+        with Client(secured.address, api_key=api_key) as c:
+            c.store(key, kv)
+    ops_cli = ["--address", secured.address, "--api-key", "key-ops", "-o", "json"]
+    code, out = _run(capsys, "ls", "--namespace", "default", *ops_cli)
+    assert code == 0 and sorted(r["tenant"] for r in json.loads(out)) == ["team-a", "team-b"]
+    code, out = _run(capsys, "inspect", key.hex()[:8], "--tenant", "team-b", *ops_cli)
+    assert code == 0 and json.loads(out)["tenant"] == "team-b"
+    for cmd, word in (("pin", "pinned"), ("unpin", "unpinned"), ("evict", "evicted"),
+                      ("delete", "deleted")):
+        code, out = _run(capsys, cmd, key.hex()[:8], "--tenant", "team-a", *ops_cli)
+        assert code == 0 and json.loads(out) == {word: 1}, (cmd, out)
+    code, out = _run(capsys, "ls", *ops_cli)
+    assert [r["tenant"] for r in json.loads(out)] == ["team-b"]
+    a_cli = ["--address", secured.address, "--api-key", "key-a"]
+    assert cli(["admin", "delete", key.hex(), "--tenant", "team-b", *a_cli]) == 1
+    assert "only admins can" in capsys.readouterr().err
+
+
 def test_rate_limit_and_quota(secured: ServerThread) -> None:
     with Client(secured.address, api_key="key-slow", retry=None) as c:
         outcomes = []

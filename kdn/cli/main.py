@@ -170,17 +170,19 @@ class UsageError(Exception):
     """A mistake found after parsing (an ambiguous key prefix): one line, exit 2."""
 
 
-def resolve(client: Any, text: str, namespace: str) -> bytes:
-    """The key ``text`` names in ``namespace``: itself when whole (64 hex digits), else the one
-    stored key it is a prefix of (as git's short hashes). No match: NotFound (exit 1); several:
-    a UsageError naming them (exit 2)."""
+def resolve(client: Any, text: str, namespace: str, tenant: str = "") -> bytes:
+    """The key ``text`` names in ``namespace`` (of ``tenant``: admins): itself when whole (64
+    hex digits), else the one stored key it is a prefix of (as git's short hashes; an admin's
+    listing without a tenant shows the same key once per tenant). No match: NotFound (exit 1);
+    several: a UsageError naming them (exit 2)."""
     from kdn.names import KEY_BYTES
 
     if len(text) == 2 * KEY_BYTES:
         return bytes.fromhex(text)
-    found = []
-    for e in client.ls(namespace, bytes.fromhex(text[: len(text) // 2 * 2]), limit=16):
-        if e.key.hex().startswith(text):
+    found: list[str] = []
+    for e in client.ls(namespace, bytes.fromhex(text[: len(text) // 2 * 2]), tenant=tenant,
+                       limit=16):
+        if e.key.hex().startswith(text) and e.key.hex() not in found:
             found.append(e.key.hex())
         if len(found) > 3:
             break
@@ -194,7 +196,7 @@ def resolve(client: Any, text: str, namespace: str) -> bytes:
 
 
 def _keys(client: Any, ns: argparse.Namespace) -> list[bytes]:
-    return [resolve(client, k, ns.namespace) for k in ns.keys]
+    return [resolve(client, k, ns.namespace, ns.tenant) for k in ns.keys]
 
 
 def _entry(info: Any) -> dict[str, Any]:
@@ -278,19 +280,22 @@ def _counted(what: str, n: int, ns: argparse.Namespace) -> int:
 
 
 def _delete(client: Any, ns: argparse.Namespace) -> int:
-    return _counted("deleted", client.delete(_keys(client, ns), namespace=ns.namespace), ns)
+    return _counted("deleted", client.delete(_keys(client, ns), namespace=ns.namespace,
+                                             tenant=ns.tenant), ns)
 
 
 def _evict(client: Any, ns: argparse.Namespace) -> int:
-    return _counted("evicted", client.evict(_keys(client, ns), ns.namespace, ns.tier), ns)
+    return _counted("evicted", client.evict(_keys(client, ns), ns.namespace, ns.tier,
+                                            tenant=ns.tenant), ns)
 
 
 def _pin(client: Any, ns: argparse.Namespace) -> int:
-    return _counted("pinned", client.pin(_keys(client, ns), ns.namespace), ns)
+    return _counted("pinned", client.pin(_keys(client, ns), ns.namespace, tenant=ns.tenant), ns)
 
 
 def _unpin(client: Any, ns: argparse.Namespace) -> int:
-    return _counted("unpinned", client.unpin(_keys(client, ns), ns.namespace), ns)
+    return _counted("unpinned", client.unpin(_keys(client, ns), ns.namespace, tenant=ns.tenant),
+                    ns)
 
 
 def _ls(client: Any, ns: argparse.Namespace) -> int:
@@ -320,7 +325,8 @@ def _model(e: dict[str, Any]) -> str:
 
 
 def _inspect(client: Any, ns: argparse.Namespace) -> int:
-    e = _entry(client.inspect(resolve(client, ns.key, ns.namespace), ns.namespace))
+    e = _entry(client.inspect(resolve(client, ns.key, ns.namespace, ns.tenant), ns.namespace,
+                              tenant=ns.tenant))
     if ns.output == "json":
         dump_json(e)
         return EXIT_OK
@@ -578,14 +584,22 @@ def _add_admin(sub: Any) -> None:
         "--ready", action="store_true",
         help="readiness: exit 1 while any service or tier is not SERVING (a Redis tier down)")
 
-    def keyed(name: str, hlp: str) -> argparse.ArgumentParser:
+    def tenant(p: argparse.ArgumentParser, what: str) -> None:
+        p.add_argument("--tenant", type=TENANT_FILTER, default="",
+                       help=f"admins: {what} (default: the caller's own)")
+
+    def keyed(name: str, hlp: str, by_tenant: bool = True) -> argparse.ArgumentParser:
         p = command(name, hlp)
         p.add_argument("keys", nargs="+", type=key_or_prefix, metavar="KEY",
                        help="keys: 64 hex digits, or a unique prefix (4 or more)")
         p.add_argument("--namespace", type=NAMESPACE, default="default")
+        if by_tenant:
+            tenant(p, "this tenant's entries")
+        p.set_defaults(tenant="")
         return p
 
-    keyed("lookup", "which keys exist, in which tier, how big (exit 1 if one is absent)")
+    keyed("lookup", "which keys exist, in which tier, how big (exit 1 if one is absent)",
+          by_tenant=False)
     keyed("delete", "delete entries from every tier")
     keyed("evict", "drop entries from one tier (default ram)").add_argument(
         "--tier", default="ram", choices=TIERS, help="tier name (default: ram)")
@@ -602,6 +616,7 @@ def _add_admin(sub: Any) -> None:
     ins.add_argument("key", type=key_or_prefix, metavar="KEY",
                      help="64 hex digits, or a unique prefix (4 or more)")
     ins.add_argument("--namespace", type=NAMESPACE, default="default")
+    tenant(ins, "this tenant's entry")
     ver = command("verify", "check every entry's checksums; remove corrupt ones (exit 1 if any)")
     ver.add_argument("--dry-run", action="store_true", help="report without removing")
     exp = command("export", "write entries to a file (resumes an interrupted one)")

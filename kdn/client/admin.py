@@ -55,6 +55,12 @@ def _listing(namespace: str, key_prefix: bytes) -> None:
     check_key_prefix(key_prefix)
 
 
+def _tenant(tenant: str) -> str:
+    """A request's tenant filter, checked: "" (the caller's own, or in a listing all it sees),
+    or a tenant name."""
+    return check_tenant(tenant) if tenant else ""
+
+
 class AdminClient(Client):
     """``Client`` plus the operator RPCs, over the same channel and metadata.
 
@@ -90,8 +96,7 @@ class AdminClient(Client):
            tenant: str = "", limit: int = 0, *,
            request_id: str | None = None) -> Iterator[pb.EntryInfo]:
         _listing(namespace, key_prefix)
-        if tenant:
-            check_tenant(tenant)
+        tenant = _tenant(tenant)
         token = b""
         md = self.metadata(request_id)
         while True:
@@ -105,32 +110,34 @@ class AdminClient(Client):
             if not token:
                 return
 
-    def inspect(self, key: bytes, namespace: str = "default", *,
+    def inspect(self, key: bytes, namespace: str = "default", *, tenant: str = "",
                 request_id: str | None = None) -> pb.EntryInfo:
+        """One entry, its layout included. ``tenant`` (here and in ``evict``, ``pin``,
+        ``unpin``): admins only, that tenant's entry ("": the caller's own)."""
         req = pb.InspectRequest(namespace=check_namespace(namespace or self.namespace),
-                                key=check_key(key))
+                                key=check_key(key), tenant=_tenant(tenant))
         md = self.metadata(request_id)
         return self.rpc.call(lambda: self._admin.Inspect(req, timeout=self.timeout_s, metadata=md))
 
     def _keys(self, rpc: Callable[..., pb.CountResponse], keys: list[bytes], namespace: str,
-              tier: str, request_id: str | None) -> int:
+              tier: str, tenant: str, request_id: str | None) -> int:
         req = pb.KeysRequest(namespace=check_namespace(namespace or self.namespace),
                              keys=[check_key(k) for k in keys],
-                             tier=tier)
+                             tier=tier, tenant=_tenant(tenant))
         md = self.metadata(request_id)
         return int(self.rpc.call(lambda: rpc(req, timeout=self.timeout_s, metadata=md)).count)
 
     def evict(self, keys: list[bytes], namespace: str = "default", tier: str = "", *,
-              request_id: str | None = None) -> int:
-        return self._keys(self._admin.Evict, keys, namespace, tier, request_id)
+              tenant: str = "", request_id: str | None = None) -> int:
+        return self._keys(self._admin.Evict, keys, namespace, tier, tenant, request_id)
 
-    def pin(self, keys: list[bytes], namespace: str = "default", *,
+    def pin(self, keys: list[bytes], namespace: str = "default", *, tenant: str = "",
             request_id: str | None = None) -> int:
-        return self._keys(self._admin.Pin, keys, namespace, "", request_id)
+        return self._keys(self._admin.Pin, keys, namespace, "", tenant, request_id)
 
-    def unpin(self, keys: list[bytes], namespace: str = "default", *,
+    def unpin(self, keys: list[bytes], namespace: str = "default", *, tenant: str = "",
               request_id: str | None = None) -> int:
-        return self._keys(self._admin.Unpin, keys, namespace, "", request_id)
+        return self._keys(self._admin.Unpin, keys, namespace, "", tenant, request_id)
 
     def verify(self, dry_run: bool = False, *,
                request_id: str | None = None) -> Iterator[pb.VerifyProgress]:
@@ -153,8 +160,7 @@ class AdminClient(Client):
         written only when the listing is done. ``tenant``: admins only, this tenant's entries
         ("": every entry the caller sees)."""
         _listing(namespace, key_prefix)
-        if tenant:
-            check_tenant(tenant)
+        tenant = _tenant(tenant)
         out = ExportWriter.open(Path(path), Filter(namespace, key_prefix, tenant))
         if out.complete:
             return out.records

@@ -36,6 +36,7 @@ from kdn.codec import EncodedParts
 from kdn.errors import InvalidArgument
 from kdn.keys import DEFAULT_NAMESPACE, check_key, check_namespace
 from kdn.layout import KVLayout
+from kdn.names import check_tenant
 from kdn.options import StoreOptions
 from kdn.transport.addresses import data_host, same_host
 from kdn.transport.buffers import tune_allocator
@@ -351,10 +352,13 @@ class Client:
 
     @traced("kdn.client.delete")
     def delete(self, key: bytes | Sequence[bytes], *, namespace: str | None = None,
-               request_id: str | None = None) -> int:
+               tenant: str = "", request_id: str | None = None) -> int:
+        """Delete entries from every tier; the count deleted. ``tenant``: admins only, that
+        tenant's entries ("": the caller's own)."""
         keys = [key] if isinstance(key, (bytes, bytearray)) else list(key)
-        req = pb.DeleteRequest(namespace=self._ns(namespace), keys=[check_key(k) for k in keys])
-        if self.local is not None:
+        req = pb.DeleteRequest(namespace=self._ns(namespace), keys=[check_key(k) for k in keys],
+                               tenant=check_tenant(tenant) if tenant else "")
+        if self.local is not None and not tenant:  # (the local copies are the caller's)
             for k in req.keys:
                 self.local.discard(req.namespace, k)
         md = self.rpc.metadata(request_id)

@@ -30,7 +30,7 @@ from kdn.errors import (
     TooLarge,
 )
 from kdn.keys import split_store_key, store_key
-from kdn.names import check_key_prefix, check_namespace, check_tenant, request_namespace
+from kdn.names import check_key_prefix, check_namespace, request_namespace
 from kdn.server.arena import Arenas
 from kdn.server.auth import (
     Authenticator,
@@ -78,23 +78,27 @@ class AdminServicer(pb_grpc.KDNAdminServicer):
 
     # -- scoping --------------------------------------------------------------------------------
 
-    def _prefix(self, namespace: str, tenant: str = "") -> bytes:
-        """Tier-key prefix of what the caller may see, narrowed to ``namespace``/``tenant``."""
+    def _scope(self, namespace: str, tenant: str) -> tuple[bytes, str]:
+        """What a listing or export of ``namespace`` ("" all) and ``tenant`` ("" all the
+        caller sees) may show: a tier-key prefix, and the namespace every key must have
+        besides ("" none). An admin without ``tenant`` sees every tenant, so its namespace
+        filter matches that namespace in each (which no one prefix can say); anyone else
+        sees one tenant (another one: admins only, PermissionDenied)."""
         p = current_principal.get()
-        if tenant:
-            check_tenant(tenant)
-        if tenant and not p.is_admin and tenant != p.tenant:
-            raise PermissionDenied("only admins list other tenants")
-        if p.tenant and not p.is_admin or (p.is_admin and tenant):
-            scope = (tenant or p.tenant) + ":"
-            return (scope + check_namespace(namespace) + "/" if namespace else scope).encode()
-        return (check_namespace(namespace) + "/").encode() if namespace else b""
+        if namespace:
+            check_namespace(namespace)
+        if p.is_admin and not tenant:
+            return b"", namespace
+        scope = acting_tenant(p, tenant)
+        head = scope + ":" if scope else ""
+        return (head + namespace + "/" if namespace else head).encode(), ""
 
-    def _visible(self, prefix: bytes, key_prefix: bytes) -> list[bytes]:
+    def _visible(self, scope: tuple[bytes, str], key_prefix: bytes) -> list[bytes]:
+        prefix, namespace = scope
         keys = self.store.keys(prefix)
-        if check_key_prefix(key_prefix):
-            hp = key_prefix.hex()
-            keys = [k for k in keys if split_store_key(k)[2].hex().startswith(hp)]
+        hp = check_key_prefix(key_prefix).hex()
+        if namespace or hp:
+            keys = [k for k in keys if _matches(split_store_key(k), namespace, hp)]
         return keys
 
     def _read(self, skey: bytes) -> tuple[bytes, list[str]] | None:
@@ -146,13 +150,13 @@ class AdminServicer(pb_grpc.KDNAdminServicer):
     @rpc
     async def List(self, request: pb.ListRequest,
                    context: grpc.aio.ServicerContext) -> pb.ListResponse:
-        prefix = self._prefix(request.namespace, request.tenant)
+        scope = self._scope(request.namespace, request.tenant)
         limit = request.limit or LIST_LIMIT
 
         def run() -> pb.ListResponse:
             resp = pb.ListResponse()
             last = b""
-            for k in self._visible(prefix, request.key_prefix):
+            for k in self._visible(scope, request.key_prefix):
                 if request.page_token and k <= request.page_token:
                     continue
                 info = self._info(k)
@@ -174,14 +178,16 @@ class AdminServicer(pb_grpc.KDNAdminServicer):
     async def Inspect(self, request: pb.InspectRequest,
                       context: grpc.aio.ServicerContext) -> pb.EntryInfo:
         ns = request_namespace(request.namespace)
-        skey = store_key(current_principal.get().tenant, ns, request.key)
+        skey = store_key(acting_tenant(current_principal.get(), request.tenant), ns, request.key)
         info = await asyncio.to_thread(self._info, skey, True)
         if info is None:
             raise NotFound(f"no entry {request.key.hex()} in {ns!r}")
         return info
 
     def _admin_keys(self, request: pb.KeysRequest) -> list[bytes]:
-        tenant, ns = require_admin().tenant, request_namespace(request.namespace)
+        """The tier keys of an admin's Evict/Pin/Unpin: of the named tenant, or its own."""
+        tenant = acting_tenant(require_admin(), request.tenant)
+        ns = request_namespace(request.namespace)
         return [store_key(tenant, ns, k) for k in request.keys]
 
     @rpc
@@ -263,8 +269,8 @@ class AdminServicer(pb_grpc.KDNAdminServicer):
     async def Export(self, request: pb.ExportRequest,
                      context: grpc.aio.ServicerContext) -> AsyncIterator[pb.ExportItem]:
         try:
-            prefix = self._prefix(request.namespace, request.tenant)
-            keys = await asyncio.to_thread(self._visible, prefix, request.key_prefix)
+            scope = self._scope(request.namespace, request.tenant)
+            keys = await asyncio.to_thread(self._visible, scope, request.key_prefix)
         except KDNError as exc:
             await context.abort(grpc_code(exc), str(exc))
             return
@@ -340,6 +346,12 @@ class AdminServicer(pb_grpc.KDNAdminServicer):
             return resp
 
         return await asyncio.to_thread(run)
+
+
+def _matches(parts: tuple[str, str, bytes], namespace: str, hex_prefix: str) -> bool:
+    """Whether a tier key's (tenant, namespace, key) is in ``namespace`` ("" any) and starts
+    with ``hex_prefix``."""
+    return (not namespace or parts[1] == namespace) and parts[2].hex().startswith(hex_prefix)
 
 
 def _all_keys(tier: Tier) -> list[bytes]:

@@ -31,7 +31,13 @@ from kdn.codec.format import parse_container
 from kdn.errors import KDNError, NotFound
 from kdn.keys import split_store_key, store_key
 from kdn.server.arena import Arenas
-from kdn.server.auth import AuthConfig, Authenticator, Principal, current_principal
+from kdn.server.auth import (
+    AuthConfig,
+    Authenticator,
+    Principal,
+    acting_tenant,
+    current_principal,
+)
 from kdn.server.batch import BatchReads
 from kdn.server.blend_rpc import Blender, blend_stream
 from kdn.server.config import ServerConfig
@@ -256,8 +262,9 @@ class KDNServicer(pb_grpc.KDNServicer):
     @rpc
     async def Delete(self, request: pb.DeleteRequest,
                      context: grpc.aio.ServicerContext) -> pb.DeleteResponse:
-        principal, ns = current_principal.get(), request.namespace or "default"
-        skeys = [store_key(principal.tenant, ns, k) for k in request.keys]
+        tenant = acting_tenant(current_principal.get(), request.tenant)  # admins: any
+        ns = request.namespace or "default"
+        skeys = [store_key(tenant, ns, k) for k in request.keys]
         deleted = await asyncio.to_thread(lambda: sum(delete_entry(self.store, self.auth, k)
                                                       for k in skeys))
         for k in skeys:

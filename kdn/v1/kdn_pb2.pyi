@@ -278,12 +278,14 @@ class LookupResponse(_message.Message):
     def __init__(self, infos: _Optional[_Iterable[_Union[KeyInfo, _Mapping]]] = ..., prefix_hits: _Optional[int] = ...) -> None: ...
 
 class DeleteRequest(_message.Message):
-    __slots__ = ("namespace", "keys")
+    __slots__ = ("namespace", "keys", "tenant")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     keys: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, namespace: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    tenant: str
+    def __init__(self, namespace: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class DeleteResponse(_message.Message):
     __slots__ = ("deleted",)
@@ -545,22 +547,26 @@ class ListResponse(_message.Message):
     def __init__(self, entries: _Optional[_Iterable[_Union[EntryInfo, _Mapping]]] = ..., next_page_token: _Optional[bytes] = ...) -> None: ...
 
 class InspectRequest(_message.Message):
-    __slots__ = ("namespace", "key")
+    __slots__ = ("namespace", "key", "tenant")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     KEY_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     key: bytes
-    def __init__(self, namespace: _Optional[str] = ..., key: _Optional[bytes] = ...) -> None: ...
+    tenant: str
+    def __init__(self, namespace: _Optional[str] = ..., key: _Optional[bytes] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class KeysRequest(_message.Message):
-    __slots__ = ("namespace", "keys", "tier")
+    __slots__ = ("namespace", "keys", "tier", "tenant")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     tier: str
-    def __init__(self, namespace: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., tier: _Optional[str] = ...) -> None: ...
+    tenant: str
+    def __init__(self, namespace: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., tier: _Optional[str] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class CountResponse(_message.Message):
     __slots__ = ("count",)
