@@ -296,3 +296,25 @@ def test_an_admins_import_charges_each_entrys_tenant(tmp_path: Path) -> None:
         got = ops.import_from(backup)
         assert (got.imported, got.rejected) == (1, 1)  # team-b's entry is past its quota
         assert [t for t, _ in _tenants(ops)] == ["team-a"]
+
+
+def test_an_entry_larger_than_a_message_is_exported_and_imported_in_pieces(
+        tmp_path: Path) -> None:
+    """A 4 MiB entry (stored frame by frame) through servers and clients whose messages are
+    at most 1 MiB: its value travels in pieces both ways and arrives whole."""
+    lay = uniform_layout(layers=4, heads=4, dim=64)
+    key, kv = keys.chunk_key([1], lay), random_kv(lay, 1024)  # 1 MiB a layer
+    small = {"max_message_bytes": 1 << 20}
+    path = tmp_path / "big.kdnx"
+    with ServerThread(ServerConfig(port=0, data_dir=tmp_path / "a", **small)) as src, \
+            AdminClient(src.address, **small) as c:  # type: ignore[arg-type]
+        c.store(key, kv, mode="raw")
+        stored = c.fetch(key).parts.to_bytes()  # type: ignore[union-attr]
+        assert len(stored) > 4 << 20
+        assert c.export_to(path) == 1
+    assert [r.value for r in read_records(path)[0]] == [stored]
+    with ServerThread(ServerConfig(port=0, data_dir=tmp_path / "b", **small)) as dst, \
+            AdminClient(dst.address, **small) as c:  # type: ignore[arg-type]
+        got = c.import_from(path)
+        assert (got.imported, got.rejected) == (1, 0)
+        assert c.retrieve(key).equal(kv)  # type: ignore[union-attr]

@@ -32,6 +32,7 @@ from kdn.client.exportfile import (
 from kdn.errors import InvalidArgument, PermissionDenied, Unauthenticated
 from kdn.names import check_key, check_key_prefix, check_namespace, check_tenant
 from kdn.status import from_grpc
+from kdn.transport.pieces import Pieces, cut, piece_bytes
 from kdn.v1 import kdn_pb2 as pb
 from kdn.v1 import kdn_pb2_grpc as pb_grpc
 
@@ -166,14 +167,18 @@ class AdminClient(Client):
             return out.records
         try:
             req = pb.ExportRequest(namespace=namespace, key_prefix=key_prefix, after=out.after,
-                                   tenant=tenant)
+                                   tenant=tenant,
+                                   piece_bytes=piece_bytes(self.max_message_bytes))
             stream = self._admin.Export(req, timeout=None, metadata=self.metadata(request_id))
             total = 0
+            pieces = Pieces()  # a value larger than a message comes in pieces
             try:
                 for item in stream:
                     total = total or int(item.total) + out.records
-                    out.write(Record(item.namespace, item.key, item.cursor, item.value,
-                                     item.tenant))
+                    value = pieces.add(item)
+                    if value is None:
+                        continue
+                    out.write(Record(item.namespace, item.key, item.cursor, value, item.tenant))
                     if progress:
                         progress(out.records, total)
             except grpc.RpcError as exc:
@@ -212,15 +217,18 @@ class AdminClient(Client):
             total.rejected += resp.rejected
 
         items: list[pb.ImportItem] = []
-        size = done = 0
+        size = records = done = 0
+        largest = piece_bytes(self.max_message_bytes)  # a larger value goes in pieces
         for _, r in scan(path):
-            items.append(pb.ImportItem(tenant=r.tenant, namespace=r.namespace, key=r.key,
-                                       value=r.value))
+            items += [pb.ImportItem(tenant=r.tenant, namespace=r.namespace, key=r.key,
+                                    value=piece, offset=at, more=more)
+                      for at, piece, more in cut(r.value, largest)]
             size += len(r.value)
-            if len(items) >= batch or size >= IMPORT_BATCH_BYTES:
+            records += 1
+            if records >= batch or size >= IMPORT_BATCH_BYTES:
                 send(items)
-                done += len(items)
-                items, size = [], 0
+                done += records
+                items, size, records = [], 0, 0
                 if progress:
                     progress(done, n)
         if items:

@@ -44,6 +44,7 @@ from kdn.server.rpc import rpc
 from kdn.status import grpc_code
 from kdn.store.base import Tier
 from kdn.store.tiered import TieredStore
+from kdn.transport.pieces import Pieces, cut, piece_bytes
 from kdn.v1 import kdn_pb2 as pb
 from kdn.v1 import kdn_pb2_grpc as pb_grpc
 
@@ -275,6 +276,10 @@ class AdminServicer(pb_grpc.KDNAdminServicer):
             await context.abort(grpc_code(exc), str(exc))
             return
         keys = [k for k in keys if not request.after or k > request.after]
+        assert self.ingest is not None  # the server builds the admin servicer with it
+        size = piece_bytes(self.ingest.config.max_message_bytes)  # a larger value: in pieces
+        if request.piece_bytes:  # (the caller's limit too)
+            size = max(256, min(size, request.piece_bytes))
         for i, k in enumerate(keys):
             got = await asyncio.to_thread(self._read, k)
             if got is None:
@@ -285,17 +290,19 @@ class AdminServicer(pb_grpc.KDNAdminServicer):
                 self.count("export.skipped_corrupt")
                 continue
             tenant, namespace, key = split_store_key(k)
-            yield pb.ExportItem(tenant=tenant, namespace=namespace, key=key, value=bytes(got[0]),
-                                cursor=k, total=len(keys) if i == 0 else 0)
+            for at, piece, more in cut(bytes(got[0]), size):
+                yield pb.ExportItem(tenant=tenant, namespace=namespace, key=key, value=piece,
+                                    cursor=k, total=len(keys) if i == at == 0 else 0,
+                                    offset=at, more=more)
 
-    def _import_one(self, principal: Principal, item: pb.ImportItem) -> bool:
+    def _import_one(self, principal: Principal, item: pb.ImportItem, value: bytes) -> bool:
         """Store one imported entry as a Store would (its checks, its tenant's quota, the
         one write path: ``Ingest``); False where the same bytes are there already. Its tenant
         is the recorded one (another than the caller's: admins only, PermissionDenied), or
-        the caller's where none is recorded (a file of an older kdn, an unscoped server's)."""
+        the caller's where none is recorded (a file of an older kdn, an unscoped server's).
+        ``value``: the item's, joined from its pieces."""
         assert self.ingest is not None  # the server builds the admin servicer with it
         owner = replace(principal, tenant=acting_tenant(principal, item.tenant))
-        value = item.value
         self.ingest.check_size(len(value))
         header = parse_container(value, verify=True).header
         self.ingest.check_kind(header)
@@ -312,9 +319,14 @@ class AdminServicer(pb_grpc.KDNAdminServicer):
                      context: grpc.aio.ServicerContext) -> pb.ImportResponse:
         resp = pb.ImportResponse()
         principal = current_principal.get()
+        assert self.ingest is not None  # the server builds the admin servicer with it
+        pieces = Pieces(limit=self.ingest.config.max_entry_bytes)
         async for item in request_iterator:
             try:
-                done = await asyncio.to_thread(self._import_one, principal, item)
+                value = pieces.add(item)
+                if value is None:  # more pieces of it follow
+                    continue
+                done = await asyncio.to_thread(self._import_one, principal, item, value)
             except (Corrupt, InvalidArgument, LayoutMismatch, PermissionDenied, TooLarge):
                 resp.rejected += 1  # this entry's fault (damaged, not allowed here, another
                 continue  # tenant's, past the quota): the rest go on

@@ -599,44 +599,54 @@ class VerifyProgress(_message.Message):
     def __init__(self, tier: _Optional[str] = ..., scanned: _Optional[int] = ..., total: _Optional[int] = ..., corrupt: _Optional[int] = ..., removed: _Optional[int] = ..., corrupt_keys: _Optional[_Iterable[str]] = ..., done: _Optional[bool] = ...) -> None: ...
 
 class ExportRequest(_message.Message):
-    __slots__ = ("namespace", "key_prefix", "after", "tenant")
+    __slots__ = ("namespace", "key_prefix", "after", "tenant", "piece_bytes")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     KEY_PREFIX_FIELD_NUMBER: _ClassVar[int]
     AFTER_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
+    PIECE_BYTES_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     key_prefix: bytes
     after: bytes
     tenant: str
-    def __init__(self, namespace: _Optional[str] = ..., key_prefix: _Optional[bytes] = ..., after: _Optional[bytes] = ..., tenant: _Optional[str] = ...) -> None: ...
+    piece_bytes: int
+    def __init__(self, namespace: _Optional[str] = ..., key_prefix: _Optional[bytes] = ..., after: _Optional[bytes] = ..., tenant: _Optional[str] = ..., piece_bytes: _Optional[int] = ...) -> None: ...
 
 class ExportItem(_message.Message):
-    __slots__ = ("namespace", "key", "value", "cursor", "total", "tenant")
+    __slots__ = ("namespace", "key", "value", "cursor", "total", "tenant", "offset", "more")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     KEY_FIELD_NUMBER: _ClassVar[int]
     VALUE_FIELD_NUMBER: _ClassVar[int]
     CURSOR_FIELD_NUMBER: _ClassVar[int]
     TOTAL_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    MORE_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     key: bytes
     value: bytes
     cursor: bytes
     total: int
     tenant: str
-    def __init__(self, namespace: _Optional[str] = ..., key: _Optional[bytes] = ..., value: _Optional[bytes] = ..., cursor: _Optional[bytes] = ..., total: _Optional[int] = ..., tenant: _Optional[str] = ...) -> None: ...
+    offset: int
+    more: bool
+    def __init__(self, namespace: _Optional[str] = ..., key: _Optional[bytes] = ..., value: _Optional[bytes] = ..., cursor: _Optional[bytes] = ..., total: _Optional[int] = ..., tenant: _Optional[str] = ..., offset: _Optional[int] = ..., more: _Optional[bool] = ...) -> None: ...
 
 class ImportItem(_message.Message):
-    __slots__ = ("namespace", "key", "value", "tenant")
+    __slots__ = ("namespace", "key", "value", "tenant", "offset", "more")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     KEY_FIELD_NUMBER: _ClassVar[int]
     VALUE_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    MORE_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     key: bytes
     value: bytes
     tenant: str
-    def __init__(self, namespace: _Optional[str] = ..., key: _Optional[bytes] = ..., value: _Optional[bytes] = ..., tenant: _Optional[str] = ...) -> None: ...
+    offset: int
+    more: bool
+    def __init__(self, namespace: _Optional[str] = ..., key: _Optional[bytes] = ..., value: _Optional[bytes] = ..., tenant: _Optional[str] = ..., offset: _Optional[int] = ..., more: _Optional[bool] = ...) -> None: ...
 
 class ImportResponse(_message.Message):
     __slots__ = ("imported", "skipped", "rejected")

@@ -1,0 +1,69 @@
+"""Entry values larger than one gRPC message, sent in pieces (Export's and Import's items).
+
+A message is at most ``max_message_bytes``; a stored entry can be larger (Store sends it frame
+by frame). An export or import item whose value would not fit is sent as several items, each
+with the entry's names, ``offset`` (where its piece starts) and ``more`` (pieces follow); a
+value that fits goes whole, as before pieces existed, so older peers still read it.
+``Pieces`` joins them again on the receiving side.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Protocol
+
+from kdn.errors import InvalidArgument, TooLarge
+
+SLACK = 1024
+"""Bytes of an item besides its value: names, cursor, counters (each under 200 bytes)."""
+
+
+class Piece(Protocol):
+    offset: int
+    more: bool
+    value: bytes
+
+
+def piece_bytes(max_message_bytes: int) -> int:
+    """The most value bytes one item of a ``max_message_bytes`` message carries."""
+    return max(256, max_message_bytes - SLACK)
+
+
+def cut(value: bytes, size: int) -> Iterator[tuple[int, bytes, bool]]:
+    """``(offset, piece, more)`` of ``value`` in pieces of at most ``size`` bytes: one (the
+    whole value, an empty one too) when it fits."""
+    if len(value) <= size:
+        yield 0, value, False
+        return
+    for at in range(0, len(value), size):
+        yield at, value[at:at + size], at + size < len(value)
+
+
+class Pieces:
+    """Joins values sent in pieces, one entry after another (a stream's items in order)."""
+
+    def __init__(self, limit: int | None = None) -> None:
+        self.limit = limit  # the largest value taken (None: any); past it, pieces are dropped
+        self._parts: list[bytes] = []
+        self._size = 0
+
+    def add(self, item: Piece) -> bytes | None:
+        """The whole value when ``item`` is its last piece, else None. InvalidArgument for a
+        piece out of place; TooLarge (at the last piece, once per value) for a value past
+        ``limit``, whose pieces are not kept."""
+        if item.offset != self._size:
+            self._parts, self._size = [], 0  # the next value starts afresh
+            raise InvalidArgument(f"a value's piece at byte {item.offset} came after "
+                                  f"{self._size} bytes of it")
+        self._size += len(item.value)
+        if self.limit is None or self._size <= self.limit:
+            self._parts.append(item.value)
+        else:
+            self._parts.clear()
+        if item.more:
+            return None
+        size, value = self._size, b"".join(self._parts)
+        self._parts, self._size = [], 0
+        if self.limit is not None and size > self.limit:
+            raise TooLarge(f"entry of {size} bytes exceeds max_entry_bytes {self.limit}")
+        return value
