@@ -120,7 +120,7 @@ def test_bad_arguments_are_one_line_and_exit_2(argv: list[str], words: str, tmp_
 
 
 def test_every_command_is_in_the_bad_argument_table() -> None:
-    from kdn.cli.main import ADMIN
+    from kdn.cli.admin import ADMIN
 
     covered = {tuple(a[:2]) for a, _ in BAD}
     for cmd in ADMIN:

@@ -12,6 +12,9 @@ import sys
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+"""The exit codes (``kdn.cli.main.EXIT_CODES`` says what each means)."""
+
 OUTPUTS = ("table", "json")
 
 

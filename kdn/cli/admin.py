@@ -1,0 +1,396 @@
+"""``kdn admin ...``: the commands an operator runs against a server (stats, health, lookup,
+delete, evict, pin, unpin, ls, inspect, verify, export, import, gc, fleet), each a function of
+(client, parsed options) that prints and returns its exit code (``kdn.cli.main.EXIT_CODES``);
+``run`` makes the client and turns errors into one line. The parser is ``kdn.cli.main``'s."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from kdn.cli.args import check_environment
+from kdn.cli.output import (
+    EXIT_FAILED,
+    EXIT_OK,
+    EXIT_USAGE,
+    dump_json,
+    error,
+    fields,
+    human_age,
+    human_size,
+    message_dict,
+    short_key,
+    table,
+)
+from kdn.errors import (
+    DeadlineExceeded,
+    KDNError,
+    NotFound,
+    PermissionDenied,
+    Unauthenticated,
+    Unavailable,
+)
+
+
+def admin_client(ns: argparse.Namespace) -> Any:
+    from kdn.client.admin import AdminClient
+    from kdn.client.client import TLSOptions
+
+    tls = None
+    if ns.tls_ca or ns.tls_cert or ns.tls_key:
+        def read(p: str | None) -> bytes | None:
+            return Path(p).read_bytes() if p else None
+
+        tls = TLSOptions(ca=read(ns.tls_ca), cert=read(ns.tls_cert), key=read(ns.tls_key),
+                         server_name=ns.tls_server_name or "")
+    return AdminClient(ns.address, timeout_s=ns.timeout,
+                       api_key=ns.api_key or os.environ.get("KDN_API_KEY") or None, tls=tls,
+                       shm_bytes=0, insecure=ns.insecure or None)
+
+
+class UsageError(Exception):
+    """A mistake found after parsing (an ambiguous key prefix): one line, exit 2."""
+
+
+def resolve(client: Any, text: str, namespace: str, tenant: str = "") -> bytes:
+    """The key ``text`` names in ``namespace`` (of ``tenant``: admins): itself when whole (64
+    hex digits), else the one stored key it is a prefix of (as git's short hashes; an admin's
+    listing without a tenant shows the same key once per tenant). No match: NotFound (exit 1);
+    several: a UsageError naming them (exit 2)."""
+    from kdn.names import KEY_BYTES
+
+    if len(text) == 2 * KEY_BYTES:
+        return bytes.fromhex(text)
+    found: list[str] = []
+    for e in client.ls(namespace, bytes.fromhex(text[: len(text) // 2 * 2]), tenant=tenant,
+                       limit=16):
+        if e.key.hex().startswith(text) and e.key.hex() not in found:
+            found.append(e.key.hex())
+        if len(found) > 3:
+            break
+    if not found:
+        raise NotFound(f"no entry whose key starts with {text} in namespace {namespace!r}")
+    if len(found) > 1:
+        raise UsageError(f"key prefix {text} is ambiguous in namespace {namespace!r}: "
+                         f"{', '.join(found[:3])}{', ...' if len(found) > 3 else ''}; "
+                         "give more digits")
+    return bytes.fromhex(found[0])
+
+
+def _keys(client: Any, ns: argparse.Namespace) -> list[bytes]:
+    return [resolve(client, k, ns.namespace, ns.tenant) for k in ns.keys]
+
+
+def _entry(info: Any) -> dict[str, Any]:
+    """An ``EntryInfo`` as typed JSON (``age_seconds`` null when the server does not know)."""
+    d = message_dict(info)
+    d["age_seconds"] = None if info.age_seconds < 0 else round(info.age_seconds, 3)
+    return d
+
+
+def _codec(d: dict[str, Any]) -> str:
+    return f"{d['codec_mode']}-{d['codec_level']}" if d["codec_level"] else d["codec_mode"]
+
+
+def _stats(client: Any, ns: argparse.Namespace) -> int:
+    d = message_dict(client.stats())
+    if ns.output == "json":
+        dump_json(d)
+        return EXIT_OK
+    tiers = [{**t, "size": human_size(t["bytes"]), "capacity": human_size(t["capacity_bytes"])}
+             for t in d["tiers"]]
+    table(tiers, ["name", "entries", "size", "capacity", "hits", "misses", "evictions",
+                  "corrupt", "healthy"], empty="(no tiers)")
+    if d["tenants"]:
+        print()
+        table([{**t, "size": human_size(t["bytes"]),
+                "quota": human_size(t["quota_bytes"]) if t["quota_bytes"] else "-"}
+               for t in d["tenants"]], ["tenant", "entries", "size", "quota"])
+    print()
+    fields([("version", d["version"]), ("health", d["health"]), *d["counters"].items()])
+    return EXIT_OK
+
+
+def _health(client: Any, ns: argparse.Namespace) -> int:
+    report = client.health_report()
+    if ns.output == "json":
+        dump_json(report)
+    else:
+        rows = [{"name": "(server)", "kind": "server", "status": report["server"]}]
+        rows += [{"name": n, "kind": "service", "status": s}
+                 for n, s in report["services"].items()]
+        down = report["parts_down"] or {}
+        rows += [{"name": n, "kind": "tier", "status": s,
+                  "not_answering": ", ".join(down.get(n, [])) or None}
+                 for n, s in (report["tiers"] or {}).items()]
+        table(rows, ["name", "kind", "status", "not_answering"])
+    if ns.ready:  # readiness: every service and tier SERVING
+        return EXIT_OK if report["status"] == "SERVING" else EXIT_FAILED
+    return EXIT_OK if report["server"] == "SERVING" else EXIT_FAILED  # liveness
+
+
+def _lookup(client: Any, ns: argparse.Namespace) -> int:
+    keys: list[bytes | None] = []
+    for k in ns.keys:  # a prefix that matches nothing is an absent entry here, not an error
+        try:
+            keys.append(resolve(client, k, ns.namespace))
+        except NotFound:
+            keys.append(None)
+    res = client.lookup([k for k in keys if k is not None], namespace=ns.namespace)
+    infos = iter(res.infos)
+    rows: list[dict[str, Any]] = []
+    for text, k in zip(ns.keys, keys):
+        i = next(infos) if k is not None else None
+        present = bool(i is not None and i.present)
+        rows.append({"key": k.hex() if k is not None else text, "present": present,
+                     "tier": (i.tier or None) if i is not None else None,
+                     "size_bytes": i.size_bytes if i is not None and present else None})
+    if ns.output == "json":
+        dump_json(rows)
+    else:
+        table([{**r, "size": human_size(r.pop("size_bytes"))} for r in rows],
+              ["key", "present", "tier", "size"])
+    return EXIT_OK if all(r["present"] for r in rows) else EXIT_FAILED
+
+
+def _counted(what: str, n: int, ns: argparse.Namespace) -> int:
+    if ns.output == "json":
+        dump_json({what: n})
+    else:
+        print(f"{what}: {n}")
+    return EXIT_OK if n else EXIT_FAILED
+
+
+def _delete(client: Any, ns: argparse.Namespace) -> int:
+    return _counted("deleted", client.delete(_keys(client, ns), namespace=ns.namespace,
+                                             tenant=ns.tenant), ns)
+
+
+def _evict(client: Any, ns: argparse.Namespace) -> int:
+    return _counted("evicted", client.evict(_keys(client, ns), ns.namespace, ns.tier,
+                                            tenant=ns.tenant), ns)
+
+
+def _pin(client: Any, ns: argparse.Namespace) -> int:
+    return _counted("pinned", client.pin(_keys(client, ns), ns.namespace, tenant=ns.tenant), ns)
+
+
+def _unpin(client: Any, ns: argparse.Namespace) -> int:
+    return _counted("unpinned", client.unpin(_keys(client, ns), ns.namespace, tenant=ns.tenant),
+                    ns)
+
+
+def _ls(client: Any, ns: argparse.Namespace) -> int:
+    import itertools
+
+    listed = client.ls(ns.namespace, bytes.fromhex(ns.prefix), ns.model, ns.tenant,
+                       min(ns.limit, 1000) if ns.limit else 0)
+    entries = [_entry(e) for e in (itertools.islice(listed, ns.limit) if ns.limit else listed)]
+    for e in entries:
+        e.pop("layout")  # Inspect only
+    if ns.output == "json":
+        dump_json(entries)
+        return EXIT_OK
+    rows = [{"namespace": e["namespace"], "key": short_key(e["key"]), "tenant": e["tenant"],
+             "model": _model(e), "codec": _codec(e),
+             "tokens": e["tokens"], "size": human_size(e["size_bytes"]), "tiers": e["tiers"],
+             "pinned": e["pinned"], "age": human_age(e["age_seconds"])} for e in entries]
+    table(rows, empty="(no entries)")
+    return EXIT_OK
+
+
+def _model(e: dict[str, Any]) -> str:
+    """The table's model cell: the stored name's last path part (a writer's local folder
+    shows as the model's name), else the fingerprint's first digits."""
+    name = str(e["model_name"]).rstrip("/").rsplit("/", 1)[-1]
+    return name or str(e["model_fingerprint"])[:12]
+
+
+def _inspect(client: Any, ns: argparse.Namespace) -> int:
+    e = _entry(client.inspect(resolve(client, ns.key, ns.namespace, ns.tenant), ns.namespace,
+                              tenant=ns.tenant))
+    if ns.output == "json":
+        dump_json(e)
+        return EXIT_OK
+    layers = (e["layout"] or {}).get("layers", [])
+    fields([("namespace", e["namespace"]), ("key", e["key"]), ("tenant", e["tenant"]),
+            ("model", e["model_name"]), ("model_fingerprint", e["model_fingerprint"]),
+            ("layout_fingerprint", e["layout_fingerprint"]), ("codec", _codec(e)),
+            ("dtype", e["dtype"]), ("layers", e["num_layers"]), ("tokens", e["tokens"]),
+            ("size", f"{human_size(e['size_bytes'])} ({e['size_bytes']} bytes)"),
+            ("tiers", e["tiers"]), ("pinned", e["pinned"]),
+            ("age", human_age(e["age_seconds"])),
+            ("kv_heads", sorted({x["kv_heads"] for x in layers})),
+            ("k_channels", [x["k_channels"] for x in layers]),
+            ("v_channels", [x["v_channels"] for x in layers])])
+    return EXIT_OK
+
+
+def _verify(client: Any, ns: argparse.Namespace) -> int:
+    report: dict[str, dict[str, Any]] = {}
+    for p in client.verify(dry_run=ns.dry_run):
+        t = report.setdefault(p.tier, {"scanned": 0, "corrupt": 0, "removed": 0,
+                                       "corrupt_keys": []})
+        t.update(scanned=int(p.scanned), corrupt=int(p.corrupt), removed=int(p.removed))
+        t["corrupt_keys"] += list(p.corrupt_keys)
+    if ns.output == "json":
+        dump_json(report)
+    else:
+        table([{"tier": name, **{k: v for k, v in t.items() if k != "corrupt_keys"}}
+               for name, t in report.items()], ["tier", "scanned", "corrupt", "removed"],
+              empty="(no tiers)")
+        for name, t in report.items():
+            for k in t["corrupt_keys"]:
+                print(f"corrupt in {name}: {k}")
+    return EXIT_FAILED if any(t["corrupt"] for t in report.values()) else EXIT_OK
+
+
+def _progress(desc: str, ns: argparse.Namespace) -> Any:
+    """A tqdm bar on stderr, only on a terminal and for table output."""
+    from tqdm import tqdm
+
+    bar = tqdm(desc=desc, unit="entry",
+               disable=ns.output == "json" or not sys.stderr.isatty())
+
+    def update(done: int, total: int) -> None:
+        bar.total = total
+        bar.n = done
+        bar.refresh()
+
+    update.close = bar.close  # type: ignore[attr-defined]
+    return update
+
+
+def _export(client: Any, ns: argparse.Namespace) -> int:
+    bar = _progress("export", ns)
+    try:
+        n = client.export_to(Path(ns.file), ns.namespace, bytes.fromhex(ns.prefix),
+                             progress=bar, tenant=ns.tenant)
+    finally:
+        bar.close()
+    if ns.output == "json":
+        dump_json({"file": ns.file, "entries": n})
+    else:
+        fields([("file", ns.file), ("entries", n)])
+    return EXIT_OK
+
+
+def _import(client: Any, ns: argparse.Namespace) -> int:
+    if Path(ns.file).is_dir():
+        raise IsADirectoryError(21, "is a directory, not an export file", ns.file)
+    if not Path(ns.file).is_file():
+        raise FileNotFoundError(2, "no such file", ns.file)
+    bar = _progress("import", ns)
+    try:
+        resp = client.import_from(Path(ns.file), progress=bar)
+    finally:
+        bar.close()
+    d = message_dict(resp)
+    dump_json(d) if ns.output == "json" else fields(d.items())
+    return EXIT_FAILED if resp.rejected else EXIT_OK
+
+
+def _gc(client: Any, ns: argparse.Namespace) -> int:
+    d = message_dict(client.gc())
+    dump_json(d) if ns.output == "json" else fields(d.items())
+    return EXIT_OK
+
+
+def _fleet_nodes(ns: argparse.Namespace) -> list[str]:
+    """The fleet's addresses: --nodes, else --fleet-file's ``nodes:``, else $KDN_FLEET."""
+    if ns.nodes:
+        return [a.strip() for arg in ns.nodes for a in arg.split(",") if a.strip()]
+    if ns.fleet_file:
+        from kdn.client.fleet import FleetConfig
+
+        return list(FleetConfig.from_file(Path(ns.fleet_file)).nodes)
+    return [a.strip() for a in os.environ.get("KDN_FLEET", "").split(",") if a.strip()]
+
+
+def _fleet(ns: argparse.Namespace) -> int:
+    """Every node of a fleet: health, RAM hit ratio, bytes, load (``kdn.client.fleet``)."""
+    from kdn.client.fleet import fleet_view
+    from kdn.errors import ConfigError
+
+    prog = "kdn admin fleet"
+    try:
+        nodes = _fleet_nodes(ns)
+    except ConfigError as exc:
+        error(prog, exc)
+        return EXIT_USAGE
+    if not nodes:
+        error(prog, "no nodes given", "pass --nodes HOST:PORT,... or --fleet-file FILE, or "
+              "set $KDN_FLEET")
+        return EXIT_USAGE
+    bad = [a for a in nodes if not a.rpartition(":")[2].isdigit()]
+    if bad:
+        error(prog, f"not host:port: {', '.join(bad)}")
+        return EXIT_USAGE
+    rows = fleet_view(nodes, timeout_s=ns.timeout,
+                      api_key=ns.api_key or os.environ.get("KDN_API_KEY") or None,
+                      insecure=ns.insecure or None)
+    if ns.output == "json":
+        dump_json(rows)
+    else:
+        table([{**r, "ram_size": human_size(r["ram_bytes"])} for r in rows],
+              ["node", "status", "ram_entries", "ram_size", "ram_hit_ratio", "redis_hits",
+               "in_flight", "error"])
+    return EXIT_OK if all(r["status"] == "SERVING" for r in rows) else EXIT_FAILED
+
+
+ADMIN = {"stats": _stats, "health": _health, "lookup": _lookup, "delete": _delete,
+         "evict": _evict, "pin": _pin, "unpin": _unpin, "ls": _ls, "inspect": _inspect,
+         "verify": _verify, "export": _export, "import": _import, "gc": _gc}
+
+
+def _hint(exc: KDNError, ns: argparse.Namespace) -> str:
+    if isinstance(exc, Unavailable):
+        return f"is a kdn server listening on {ns.address}? (set --address or $KDN_ADDRESS)"
+    if isinstance(exc, DeadlineExceeded):
+        return "the server did not answer in time; raise --timeout"
+    if isinstance(exc, Unauthenticated):
+        return "pass --api-key or set $KDN_API_KEY"
+    if isinstance(exc, PermissionDenied):
+        return "this command needs an API key of the admin role"
+    return ""
+
+
+def run(ns: argparse.Namespace) -> int:
+    prog = f"kdn admin {ns.admin_cmd}"
+    if not check_environment(prog):
+        return EXIT_USAGE
+    if ns.admin_cmd == "fleet":  # many nodes, each with its own client
+        try:
+            return _fleet(ns)
+        except KDNError as exc:  # an API key that would travel in plaintext
+            error(prog, exc, "or pass --insecure")
+            return EXIT_USAGE
+    try:
+        client = admin_client(ns)
+    except OSError as exc:  # a TLS file that can not be read
+        error(prog, f"{exc.filename}: {exc.strerror}", "check the --tls-* paths")
+        return EXIT_USAGE
+    except KDNError as exc:  # an API key that would travel in plaintext
+        error(prog, exc, "or pass --insecure")
+        return EXIT_USAGE
+    try:
+        return int(ADMIN[ns.admin_cmd](client, ns))
+    except UsageError as exc:
+        error(prog, exc)
+        return EXIT_USAGE
+    except NotFound as exc:
+        error(prog, exc)
+        return EXIT_FAILED
+    except KDNError as exc:
+        error(prog, exc, _hint(exc, ns))
+        return EXIT_FAILED
+    except BrokenPipeError:
+        raise  # main's: a reader that left is no error of this command
+    except OSError as exc:  # the export/import file
+        error(prog, f"{exc.filename}: {exc.strerror}" if exc.filename else str(exc))
+        return EXIT_USAGE
+    finally:
+        client.close()
