@@ -456,3 +456,30 @@ def test_the_whole_entry_decode_checks_bodies_before_allocating(mode: str, level
     for batched in (False, True):
         with pytest.raises(Corrupt):
             codec.decode(b"".join([h, *sealed]), batched=batched)
+
+
+def test_a_server_declaring_a_huge_entry_gets_nothing_set_aside() -> None:
+    """A Retrieve answer's header declares the entry's total bytes before any frame: a size
+    past any entry is Corrupt before the client sets memory aside, and one it can not have is
+    TooLarge (kdn's error tree), never numpy's MemoryError."""
+    from kdn.client import received
+    from kdn.errors import TooLarge
+
+    parts = codec.encode_parts(KV, "lossless")
+    for total in (1 << 45, 1 << 62):
+        head = pb.RetrieveHeader(container_header=parts.header, total_bytes=total)
+        with pytest.raises(Corrupt, match=f"declared an entry of {total} bytes"):
+            received.received(head, iter(()))
+
+    class NoRoom:
+        def take(self, n: int) -> object:
+            raise MemoryError(f"Unable to allocate {n} bytes")
+
+    real = received.RECEIVED
+    received.RECEIVED = NoRoom()  # type: ignore[assignment]
+    try:
+        head = pb.RetrieveHeader(container_header=parts.header, total_bytes=1 << 35)
+        with pytest.raises(TooLarge, match="no memory for an entry of"):
+            received.received(head, iter(()))
+    finally:
+        received.RECEIVED = real

@@ -23,7 +23,7 @@ from kdn.codec.format import (
     parse_container,
     parse_header,
 )
-from kdn.errors import Corrupt
+from kdn.errors import Corrupt, TooLarge
 from kdn.transport.buffers import RECEIVED
 from kdn.transport.wire import piece_fault
 from kdn.v1 import kdn_pb2 as pb
@@ -83,6 +83,9 @@ def fetched(buf: bytes | memoryview, tier: str, owned: bool = False,
                    pinned)
 
 
+MAX_ENTRY_BYTES = 1 << 36
+"""The largest entry a client takes from a server (64 GiB: past any server's
+``max_entry_bytes``); a declared size beyond is Corrupt before anything is set aside."""
 KEEP_MESSAGES_BYTES = 64 << 20
 """A received entry up to this size stays in the messages it came in (``received``); a larger
 one is copied into one buffer (``kdn.transport.buffers.RECEIVED``, recycled up to its
@@ -133,12 +136,18 @@ def received(head: pb.RetrieveHeader, frames: Iterator[Any]) -> Fetched:
     total = int(head.total_bytes)
     if total < len(header):
         raise Corrupt(f"entry of {total} bytes can not hold its {len(header)}-byte header")
+    if total > MAX_ENTRY_BYTES:  # nothing is set aside for a size no entry has
+        raise Corrupt(f"the server declared an entry of {total} bytes; kdn stores none of "
+                      f"more than {MAX_ENTRY_BYTES}")
     parsed = parse_header(header)
     keep = total <= KEEP_MESSAGES_BYTES
     kept: list[bytes | memoryview] = []
     buf = memoryview(b"")
     if not keep:
-        room = RECEIVED.take(total + FRAME_ALIGN)
+        try:
+            room = RECEIVED.take(total + FRAME_ALIGN)
+        except MemoryError:
+            raise TooLarge(f"no memory for an entry of {total} bytes") from None
         start = -(room.ctypes.data + len(header)) % FRAME_ALIGN  # frames aligned: raw bodies
         buf = memoryview(room)[start : start + total]  # type: ignore[arg-type]  # viewed in
         buf[: len(header)] = header  # place
