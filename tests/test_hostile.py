@@ -458,7 +458,8 @@ def test_the_whole_entry_decode_checks_bodies_before_allocating(mode: str, level
             codec.decode(b"".join([h, *sealed]), batched=batched)
 
 
-def test_a_server_declaring_a_huge_entry_gets_nothing_set_aside() -> None:
+def test_a_server_declaring_a_huge_entry_gets_nothing_set_aside(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """A Retrieve answer's header declares the entry's total bytes before any frame: a size
     past any entry is Corrupt before the client sets memory aside, and one it can not have is
     TooLarge (kdn's error tree), never numpy's MemoryError."""
@@ -475,11 +476,7 @@ def test_a_server_declaring_a_huge_entry_gets_nothing_set_aside() -> None:
         def take(self, n: int) -> object:
             raise MemoryError(f"Unable to allocate {n} bytes")
 
-    real = received.RECEIVED
-    received.RECEIVED = NoRoom()  # type: ignore[assignment]
-    try:
-        head = pb.RetrieveHeader(container_header=parts.header, total_bytes=1 << 35)
-        with pytest.raises(TooLarge, match="no memory for an entry of"):
-            received.received(head, iter(()))
-    finally:
-        received.RECEIVED = real
+    monkeypatch.setattr(received, "RECEIVED", NoRoom())
+    head = pb.RetrieveHeader(container_header=parts.header, total_bytes=1 << 35)
+    with pytest.raises(TooLarge, match="no memory for an entry of"):
+        received.received(head, iter(()))
