@@ -36,6 +36,7 @@ from sglang.srt.mem_cache.hicache_storage import (  # noqa: E402
 from bench.sglang import HostPool, file_backend, kdn_backend  # noqa: E402
 from kdn.client.admin import AdminClient  # noqa: E402
 from kdn.integrations.sglang import KDNBackendConfig, KDNHiCacheStorage  # noqa: E402
+from kdn.keys import page_key  # noqa: E402
 from kdn.server import ServerThread  # noqa: E402
 
 LAYOUTS = ["layer_first", "page_first", "page_first_direct"]
@@ -257,6 +258,31 @@ def test_int8_pages_and_stats(server: ServerThread) -> None:
         assert s.stored_bytes <= 0.55 * 2 * page
     finally:
         b.close()
+
+
+def test_pages_are_keyed_by_codec(server: ServerThread) -> None:
+    """An engine storing ``int8`` pages and one storing ``lossless`` pages of the same model
+    keep apart: the lossless one neither reads the lossy pages as hits nor skips its own."""
+    lossy_pool = HostPool("layer_first", 8, seed=7, **SMALL)  # type: ignore[arg-type]
+    exact_pool = HostPool("layer_first", 8, seed=7, **SMALL)  # type: ignore[arg-type]
+    lossy = kdn_backend(lossy_pool, server.address, mode="int8")
+    exact = kdn_backend(exact_pool, server.address)
+    try:
+        assert lossy.batch_set_v1(KEYS[:2], lossy_pool.indices([0, 1])) == [True, True]
+        assert exact.batch_exists(KEYS[:2]) == 0
+        assert exact.batch_get_v1(KEYS[:2], exact_pool.indices([4, 5])) == [False, False]
+        assert exact.batch_set_v1(KEYS[:2], exact_pool.indices([0, 1])) == [True, True]
+        assert exact.stats().pages_written == 2
+        assert exact.batch_get_v1(KEYS[:2], exact_pool.indices([4, 5])) == [True, True]
+        assert torch.equal(exact_pool.kv_of(4), exact_pool.kv_of(0))  # bit-exact
+        assert lossy.batch_get_v1(KEYS[:2], lossy_pool.indices([4, 5])) == [True, True]
+        # lossless pages keep the plain page key: pages stored before keys named the codec
+        # are still read
+        assert exact.kdn_key(KEYS[0]) == page_key(
+            KEYS[0], exact.layout, "sglang", page_tokens=SMALL["page_size"])
+    finally:
+        lossy.close()
+        exact.close()
 
 
 def test_config_and_refusals(server: ServerThread) -> None:

@@ -44,7 +44,8 @@ still). The stored bytes
 do not depend on the host pool's memory layout (``layer_first``, ``page_first``,
 ``page_first_direct`` are all read and written), so engines with different layouts share pages.
 Keys are ``kdn.keys.page_key`` over SGLang's page hash, the layout (model, layer count, heads,
-head dim, dtype), the page size, the TP and PP shard, and the configured adapter id and salt.
+head dim, dtype), the page size, the TP and PP shard, and the configured adapter id and salt,
+made per codec encoding by ``kdn.keys.variant_key`` (``lossless``: the page key itself).
 
 Supported: MHA host pools (``MHATokenToKVPoolHost``: one ``kv_buffer`` holding K and V) of
 float16, bfloat16 or float32. MLA pools keep one latent vector per token (no K/V pair) and
@@ -80,6 +81,7 @@ from kdn import keys
 from kdn.client.admin import AdminClient
 from kdn.client.client import TLSOptions
 from kdn.codec.catalog import check_codec
+from kdn.delivery import encoding_name
 from kdn.errors import KDNError
 from kdn.integrations.sglang_pages import LAYOUTS, HostPages
 from kdn.layout import KVLayout
@@ -245,10 +247,14 @@ class KDNHiCacheStorage(HiCacheStorage):
     # -- keys -----------------------------------------------------------------------------------
 
     def kdn_key(self, key: str) -> bytes:
-        """The kdn key of SGLang's page ``key`` for this model, shard and page size."""
-        return keys.page_key(key, self._layout(), self.config.namespace,
-                             page_tokens=self.page_size, adapter=self.config.adapter,
-                             tp=self.tp, pp=self.pp, salt=self.config.salt)
+        """The kdn key of SGLang's page ``key`` for this model, shard, page size and codec.
+        The encoding is keyed as kdn's engine keys it (``keys.variant_key``: ``lossless``
+        pages keep the plain page key), so an engine never reads another's lossy pages as its
+        own exact ones, nor skips storing its own because a lossy copy is there."""
+        cfg = self.config
+        page = keys.page_key(key, self._layout(), cfg.namespace, page_tokens=self.page_size,
+                             adapter=cfg.adapter, tp=self.tp, pp=self.pp, salt=cfg.salt)
+        return keys.variant_key(page, encoding_name(cfg.mode, cfg.level))
 
     def kdn_keys(self, keys_: Sequence[str]) -> list[bytes]:
         return [self.kdn_key(k) for k in keys_]
