@@ -35,9 +35,11 @@ from sglang.srt.mem_cache.hicache_storage import (  # noqa: E402
 
 from bench.sglang import HostPool, file_backend, kdn_backend  # noqa: E402
 from kdn.client.admin import AdminClient  # noqa: E402
+from kdn.client.client import Client  # noqa: E402
 from kdn.integrations.sglang import KDNBackendConfig, KDNHiCacheStorage  # noqa: E402
 from kdn.keys import page_key  # noqa: E402
 from kdn.server import ServerThread  # noqa: E402
+from tests.helpers import random_kv, uniform_layout  # noqa: E402
 
 LAYOUTS = ["layer_first", "page_first", "page_first_direct"]
 SMALL = {"layers": 3, "heads": 2, "head_dim": 16, "page_size": 4}
@@ -283,6 +285,31 @@ def test_pages_are_keyed_by_codec(server: ServerThread) -> None:
     finally:
         lossy.close()
         exact.close()
+
+
+def test_a_page_of_another_shape_fails_alone_and_is_stored_again(server: ServerThread
+                                                                 ) -> None:
+    """An entry of another shape under one page key (another writer's, a damaged one) is a
+    miss for that page only: the batch's other pages are read, the prefix ends there, and the
+    next write of the page replaces it."""
+    pool = HostPool("layer_first", 16, seed=8, **SMALL)  # type: ignore[arg-type]
+    b = kdn_backend(pool, server.address)
+    try:
+        assert b.batch_set_v1(KEYS, pool.indices(range(8))) == [True] * 8
+        with Client(server.address) as c:
+            c.store(b.kdn_key(KEYS[5]), random_kv(uniform_layout(layers=2, dim=8), 4),
+                    namespace="sglang")
+        assert b.batch_get_v1(KEYS, pool.indices(range(8, 16))) == [True] * 5 + [False] + [True] * 2
+        for j in (0, 4, 6, 7):
+            assert torch.equal(pool.kv_of(8 + j), pool.kv_of(j))
+        assert b.batch_exists(KEYS) == 5 and b.exists(KEYS[5]) is False
+        assert b.batch_set_v1(KEYS[5:6], pool.indices([5])) == [True]  # stored again
+        assert b.stats().pages_written == 9
+        assert b.batch_exists(KEYS) == 8
+        assert b.batch_get_v1(KEYS[5:6], pool.indices([13])) == [True]
+        assert torch.equal(pool.kv_of(13), pool.kv_of(5))
+    finally:
+        b.close()
 
 
 def test_config_and_refusals(server: ServerThread) -> None:

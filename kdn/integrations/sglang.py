@@ -94,6 +94,9 @@ T = TypeVar("T")
 
 MIN_CHUNK_PAGES = 8
 """A batch is split into at most ``workers`` chunks of at least this many pages."""
+MAX_UNREADABLE = 4096
+"""Keys of stored pages that did not read back, remembered so that a write replaces them (the
+oldest are forgotten first)."""
 
 
 @dataclass(frozen=True)
@@ -223,6 +226,7 @@ class KDNHiCacheStorage(HiCacheStorage):
         self._lock = threading.Lock()
         self._stats = KDNStats()
         self._window = _Window()
+        self._unreadable: dict[bytes, None] = {}  # kdn keys, oldest first (MAX_UNREADABLE)
 
     # -- the host pool ----------------------------------------------------------------------------
 
@@ -284,11 +288,12 @@ class KDNHiCacheStorage(HiCacheStorage):
             logger.exception("kdn: reading %d pages failed", len(keys_))
             self._count(errors=1, misses=len(keys_))
             return [False] * len(keys_)
-        lay = self._layout()
 
         def chunk(span: range) -> list[bool]:
+            # no layout asked of the server: it would fail the whole call for one entry of
+            # another shape; place() checks each page's tokens and layout on its own
             try:
-                got = self.client.fetch_many([kdn[j] for j in span], layout=lay)
+                got = self.client.fetch_many([kdn[j] for j in span])
             except KDNError as err:
                 logger.warning("kdn: fetching %d pages failed: %s", len(span), err)
                 self._count(errors=1)
@@ -303,6 +308,7 @@ class KDNHiCacheStorage(HiCacheStorage):
                     except Exception as err:  # a damaged entry, a wrong target: this page
                         logger.warning("kdn: page %s not usable: %s", keys_[j], err)
                         self._count(errors=1)
+                    self._unreadable_mark(kdn[j], not ok)
                 out.append(ok)
             return out
 
@@ -321,7 +327,8 @@ class KDNHiCacheStorage(HiCacheStorage):
         start = time.perf_counter()
         try:
             kdn = self.kdn_keys(keys_)
-            present = [i.present for i in self.client.lookup(kdn).infos]
+            present = [i.present and not self._is_unreadable(k)
+                       for k, i in zip(kdn, self.client.lookup(kdn).infos)]
         except Exception:
             logger.exception("kdn: storing %d pages failed", len(keys_))
             self._count(errors=1)
@@ -339,6 +346,8 @@ class KDNHiCacheStorage(HiCacheStorage):
                 self._count(errors=1)
                 return [(j, False) for j in idx]
             self._count(stored_bytes=sum(e.nbytes for e in enc))
+            for j in idx:
+                self._unreadable_mark(kdn[j], False)
             return [(j, True) for j in idx]
 
         done = list(present)
@@ -351,6 +360,22 @@ class KDNHiCacheStorage(HiCacheStorage):
                     bytes_written=nbytes)
         self._record("backup", len(keys_), nbytes, time.perf_counter() - start)
         return done
+
+    def _unreadable_mark(self, key: bytes, bad: bool) -> None:
+        """Remember (``bad``) or forget that the page stored under kdn ``key`` did not read
+        back (another shape, damaged): such a page counts as absent to ``batch_exists`` and
+        to a write, which stores it again instead of skipping a key that is there."""
+        with self._lock:
+            if not bad:
+                self._unreadable.pop(key, None)
+                return
+            self._unreadable[key] = None
+            if len(self._unreadable) > MAX_UNREADABLE:
+                del self._unreadable[next(iter(self._unreadable))]
+
+    def _is_unreadable(self, key: bytes) -> bool:
+        with self._lock:
+            return key in self._unreadable
 
     @property
     def page_bytes(self) -> int:
@@ -472,11 +497,14 @@ class KDNHiCacheStorage(HiCacheStorage):
 
     def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None
                      ) -> int:
-        """How many leading pages of ``keys`` are stored (one Lookup)."""
+        """How many leading pages of ``keys`` are stored (one Lookup); a page that did not
+        read back ends the prefix."""
         if not keys or self._pages is None:
             return 0
         try:
-            return self.client.lookup(self.kdn_keys(keys), prefix_chain=True).prefix_hits
+            kdn = self.kdn_keys(keys)
+            hits = self.client.lookup(kdn, prefix_chain=True).prefix_hits
+            return next((j for j in range(hits) if self._is_unreadable(kdn[j])), hits)
         except KDNError as err:
             logger.warning("kdn: lookup of %d pages failed: %s", len(keys), err)
             self._count(errors=1)
