@@ -112,6 +112,13 @@ def _scope(adapter: str = "", tp: Shard | None = None, salt: str | bytes = b"",
     return (_h(b"kdn/scope/v1", adapter.encode(), tp_b, pp_b, salt_b),)
 
 
+def scope_tag(adapter: str = "", salt: str | bytes = b"") -> str:
+    """A short name of an adapter and salt (16 hex digits of their hash; "" for neither), for
+    an engine to mark the entries it stores with its scope without writing the salt itself."""
+    parts = _scope(adapter, salt=salt)
+    return parts[0].hex()[:16] if parts else ""
+
+
 def chunk_key(token_ids: TokenIds, layout: KVLayout, namespace: str = DEFAULT_NAMESPACE, *,
               adapter: str = "", tp: Shard | None = None, salt: str | bytes = b"") -> bytes:
     """Position-free key of a chunk's KV (prefilled alone, from position 0). ``adapter``,

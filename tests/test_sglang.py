@@ -312,6 +312,32 @@ def test_a_page_of_another_shape_fails_alone_and_is_stored_again(server: ServerT
         b.close()
 
 
+def test_clear_keeps_other_salts_and_adapters_pages(server: ServerThread) -> None:
+    """Engines with another salt or adapter never share pages, so one's ``clear`` leaves the
+    others' pages; the scope in the stored model name names neither the salt nor the model
+    any less (``ls --model`` by name still finds the pages)."""
+    pool = HostPool("layer_first", 8, seed=9, **SMALL)  # type: ignore[arg-type]
+    plain = kdn_backend(pool, server.address)
+    salted = kdn_backend(pool, server.address, salt="tenant-a")
+    adapted = kdn_backend(pool, server.address, salt="tenant-b", adapter="lora-7")
+    engines = (plain, salted, adapted)
+    try:
+        for e in engines:
+            assert e.batch_set_v1(KEYS[:3], pool.indices([0, 1, 2])) == [True] * 3
+        assert salted.clear() is True
+        assert [e.batch_exists(KEYS[:3]) for e in engines] == [3, 0, 3]
+        assert plain.clear() is True
+        assert [e.batch_exists(KEYS[:3]) for e in engines] == [0, 0, 3]
+        with AdminClient(server.address) as admin:
+            names = {e.model_name for e in admin.ls("sglang", model="SmolLM2-135M")}
+        assert len(names) == 1 and "tenant-b" not in names.pop()
+        assert adapted.clear() is True
+        assert adapted.batch_exists(KEYS[:3]) == 0
+    finally:
+        for e in engines:
+            e.close()
+
+
 def test_config_and_refusals(server: ServerThread) -> None:
     pool = HostPool("layer_first", 4, **SMALL)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="unknown kdn backend settings"):

@@ -232,9 +232,10 @@ class KDNHiCacheStorage(HiCacheStorage):
 
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
         """Take the host KV pool: its page shape fixes the kdn layout and the keys."""
-        pages = HostPages(mem_pool_host, model_name=self.model_name,
-                          weights_id=self.config.weights_id, mode=self.config.mode,
-                          level=self.config.level)
+        cfg = self.config
+        pages = HostPages(mem_pool_host, model_name=self.model_name, weights_id=cfg.weights_id,
+                          mode=cfg.mode, level=cfg.level,
+                          scope=keys.scope_tag(cfg.adapter, cfg.salt))
         self.layout = pages.layout
         self.page_size = pages.page_size
         self._pages = pages
@@ -513,13 +514,15 @@ class KDNHiCacheStorage(HiCacheStorage):
     # -- housekeeping ---------------------------------------------------------------------------
 
     def clear(self) -> bool:
-        """Delete every page of this model in the namespace (all shards, like HiCacheFile's
-        clear of its whole folder)."""
+        """Delete every page of this model, adapter and salt in the namespace (all shards, like
+        HiCacheFile's clear of its whole folder): engines with another adapter or salt keep
+        theirs, told apart by the scope in the stored model name (``HostPages``)."""
         if self.layout is None:
             return True
         try:
             found = [e.key for e in self.client.ls(
-                namespace=self.config.namespace, model=self.layout.model_fingerprint)]
+                namespace=self.config.namespace, model=self.layout.model_fingerprint)
+                if e.model_name == self.layout.model_name]
             for i in range(0, len(found), 1024):
                 self.client.delete(found[i : i + 1024])
             return True

@@ -35,7 +35,11 @@ class HostPages:
     """The pages of one SGLang MHA host pool (``MHATokenToKVPoolHost``) and their codec."""
 
     def __init__(self, pool: Any, *, model_name: str, weights_id: str, mode: str,
-                 level: str) -> None:
+                 level: str, scope: str = "") -> None:
+        """``scope``: the engine's ``keys.scope_tag`` (adapter and salt), stored as the first
+        path part of the layout's informational model name (``scope-<tag>/<model>``; the
+        fingerprints and keys do not read it): the backend's ``clear`` deletes only its own
+        scope's pages, and ``kdn admin ls --model`` still matches the model's last part."""
         if pool.layout not in LAYOUTS:
             raise NotImplementedError(
                 f"host pool layout {pool.layout!r}: kdn reads and writes {list(LAYOUTS)}")
@@ -49,8 +53,9 @@ class HostPages:
         fp = model_fingerprint({"engine": "sglang", "model": model_name}, weights_id=weights_id)
         layers = tuple(LayerLayout(int(pool.head_num), int(pool.head_dim), v_dim)
                        for _ in range(int(pool.layer_num)))
+        name = f"scope-{scope}/{model_name}" if scope else model_name
         self.layout = KVLayout(fp, layers, dtype=DType.of(pool.dtype),
-                               head_dim=int(pool.head_dim), model_name=model_name)
+                               head_dim=int(pool.head_dim), model_name=name)
         """The kdn layout of a page (model, layers, heads, head dim, dtype)."""
         self.page_size = int(pool.page_size)
         """Tokens per page (``P``)."""
