@@ -181,11 +181,21 @@ def page_key(page_hash: str | bytes, layout: KVLayout, namespace: str = DEFAULT_
     """Key of one page of an engine's paged KV cache, named by the engine's own page hash
     (SGLang's HiCache keys: a hash of the page's tokens chained over the pages before it).
     The hash says nothing of the model, so the layout (model, shape, dtype), ``page_tokens``
-    and the engine's adapter, TP/PP shard and salt are hashed with it."""
+    and the engine's adapter, TP/PP shard and salt are hashed with it. ``page_hash`` must be
+    str (encodable as UTF-8) or bytes: anything else is refused rather than converted (``bytes``
+    of an int is that many zero bytes)."""
     check_namespace(namespace)
     if page_tokens <= 0:
         raise InvalidArgument(f"page_tokens must be > 0, got {page_tokens}")
-    raw = page_hash.encode() if isinstance(page_hash, str) else bytes(page_hash)
+    if isinstance(page_hash, str):
+        try:
+            raw = page_hash.encode()
+        except UnicodeEncodeError as exc:
+            raise InvalidArgument(f"page_hash is not encodable text: {exc}") from None
+    elif isinstance(page_hash, bytes):
+        raw = page_hash
+    else:
+        raise InvalidArgument(f"page_hash must be str or bytes, got {type(page_hash).__name__}")
     if not raw:
         raise InvalidArgument("page_hash must not be empty")
     return _h(

@@ -36,6 +36,7 @@ from sglang.srt.mem_cache.hicache_storage import (  # noqa: E402
 from bench.sglang import HostPool, file_backend, kdn_backend  # noqa: E402
 from kdn.client.admin import AdminClient  # noqa: E402
 from kdn.client.client import Client  # noqa: E402
+from kdn.errors import InvalidArgument  # noqa: E402
 from kdn.integrations.sglang import KDNBackendConfig, KDNHiCacheStorage  # noqa: E402
 from kdn.keys import page_key  # noqa: E402
 from kdn.server import ServerThread  # noqa: E402
@@ -336,6 +337,29 @@ def test_clear_keeps_other_salts_and_adapters_pages(server: ServerThread) -> Non
     finally:
         for e in engines:
             e.close()
+
+
+def test_keys_that_are_not_text_or_bytes_are_misses(server: ServerThread) -> None:
+    """A page key ``page_key`` refuses (not str or bytes, not UTF-8, empty) is a miss in every
+    call, counted as an error, and never raises into SGLang; an int is not taken as that many
+    zero bytes (``bytes(3)``), nor does a large one allocate them."""
+    pool = HostPool("layer_first", 8, seed=10, **SMALL)  # type: ignore[arg-type]
+    b = kdn_backend(pool, server.address)
+    try:
+        assert b.batch_set_v1(KEYS[:2], pool.indices([0, 1])) == [True, True]
+        for bad in ("", "\ud800abc", None, 3, 2**31):
+            assert b.batch_exists([bad]) == 0 and b.exists(bad) is False
+            assert b.batch_exists([KEYS[0], bad, KEYS[1]]) == 1  # the prefix ends there
+            assert b.batch_get_v1([bad], pool.indices([4])) == [False]
+            assert b.batch_set_v1([bad], pool.indices([2])) == [False]
+            assert b.get(bad) is None
+        assert b.batch_set_v1(["\0\0\0"], pool.indices([3])) == [True]
+        assert b.batch_exists([3]) == 0  # not the page of "\0\0\0"
+        with pytest.raises(InvalidArgument, match="str or bytes"):
+            b.kdn_key(3)  # type: ignore[arg-type]
+        assert b.stats().errors >= 5 * 5
+    finally:
+        b.close()
 
 
 def test_config_and_refusals(server: ServerThread) -> None:

@@ -264,6 +264,20 @@ class KDNHiCacheStorage(HiCacheStorage):
     def kdn_keys(self, keys_: Sequence[str]) -> list[bytes]:
         return [self.kdn_key(k) for k in keys_]
 
+    def _kdn_prefix(self, keys_: Sequence[str]) -> list[bytes]:
+        """The kdn keys of ``keys_`` up to the first one ``page_key`` refuses (not str or
+        bytes, not UTF-8, empty): that one is logged and counted as an error, and it and the
+        keys after it are misses."""
+        out = []
+        for k in keys_:
+            try:
+                out.append(self.kdn_key(k))
+            except KDNError as err:
+                logger.warning("kdn: page key %.80r refused: %s", k, err)
+                self._count(errors=1)
+                break
+        return out
+
     # -- pages <-> entries ----------------------------------------------------------------------
 
     def _chunks(self, n: int) -> list[range]:
@@ -499,15 +513,18 @@ class KDNHiCacheStorage(HiCacheStorage):
     def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None
                      ) -> int:
         """How many leading pages of ``keys`` are stored (one Lookup); a page that did not
-        read back ends the prefix."""
+        read back, or a key that is refused, ends the prefix. Never raises into SGLang."""
         if not keys or self._pages is None:
             return 0
         try:
-            kdn = self.kdn_keys(keys)
+            kdn = self._kdn_prefix(keys)
+            if not kdn:
+                return 0
             hits = self.client.lookup(kdn, prefix_chain=True).prefix_hits
             return next((j for j in range(hits) if self._is_unreadable(kdn[j])), hits)
-        except KDNError as err:
-            logger.warning("kdn: lookup of %d pages failed: %s", len(keys), err)
+        except Exception as err:  # raised into SGLang, it would end the prefetch thread
+            logger.warning("kdn: lookup of %d pages failed: %s", len(keys), err,
+                           exc_info=not isinstance(err, KDNError))
             self._count(errors=1)
             return 0
 
