@@ -24,6 +24,7 @@ import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -187,9 +188,9 @@ class RedisCluster3:
                 c.execute_command("CLUSTER", "SET-CONFIG-EPOCH", i + 1)
                 lo, hi = i * self.SLOTS // n, (i + 1) * self.SLOTS // n
                 c.execute_command("CLUSTER", "ADDSLOTS", *range(lo, hi))
-            for node in self.nodes[1:]:
-                clients[0].execute_command("CLUSTER", "MEET", "127.0.0.1", node.port)
-            self._wait_formed(clients, timeout)
+            self._meet(clients[0], self.nodes[1:])
+            self._wait_formed(clients, timeout, again=lambda: self._meet(clients[0],
+                                                                         self.nodes[1:]))
             self.node_id_cached = {n.port: self.node_id(n) for n in self.nodes}
             if self.replicas:
                 self._add_replicas(clients, timeout)
@@ -229,10 +230,11 @@ class RedisCluster3:
     def _add_replicas(self, clients: list[redis.Redis], timeout: float) -> None:
         for replica in self.replicas:
             replica.start()
-            clients[0].execute_command("CLUSTER", "MEET", "127.0.0.1", replica.port)
+        self._meet(clients[0], self.replicas)
         rclients = [r.client() for r in self.replicas]
         try:
-            self._wait_formed(clients + rclients, timeout, need_ok=False)
+            self._wait_formed(clients + rclients, timeout, need_ok=False,
+                              again=lambda: self._meet(clients[0], self.replicas))
             for master, rc in zip(self.nodes, rclients):
                 master_id = self.node_id(master)
                 end = time.monotonic() + timeout
@@ -255,10 +257,18 @@ class RedisCluster3:
             for rc in rclients:
                 rc.close()
 
+    @staticmethod
+    def _meet(client: redis.Redis, nodes: list[RedisServer]) -> None:
+        for node in nodes:
+            client.execute_command("CLUSTER", "MEET", "127.0.0.1", node.port)
+
     def _wait_formed(self, clients: list[redis.Redis], timeout: float, *,
-                     need_ok: bool = True) -> None:
-        """Until every node reports cluster_state:ok and knows every other node."""
+                     need_ok: bool = True, again: Any = None) -> None:
+        """Until every node reports cluster_state:ok and knows every other node; ``again``
+        (the MEETs) is repeated every 2 s meanwhile (one lost on a loaded host is sent
+        again: idempotent)."""
         end = time.monotonic() + timeout
+        next_meet = time.monotonic() + 2.0
         while True:
             infos = [c.execute_command("CLUSTER", "INFO") for c in clients]
             texts = [i.decode() if isinstance(i, bytes) else str(i) for i in infos]
@@ -268,6 +278,9 @@ class RedisCluster3:
                 return
             if time.monotonic() > end:
                 raise TimeoutError(f"cluster not formed in {timeout}s: {texts}")
+            if again is not None and time.monotonic() > next_meet:
+                again()
+                next_meet = time.monotonic() + 2.0
             time.sleep(0.05)
 
     def stop(self) -> None:
