@@ -5,7 +5,8 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -220,3 +221,20 @@ def data_ticket(c: Any) -> str:
 def data_connect(st: Any) -> socket.socket:
     """A raw connection to a server's (``ServerThread``) network data path."""
     return socket.create_connection(("127.0.0.1", st.server.servicer.data_port), timeout=10)
+
+
+@contextmanager
+def running_nodes(tmp: Path, n: int = 2, **config: Any) -> Iterator[list[Any]]:
+    """``n`` in-process kdn nodes of a fleet (``ServerConfig(**config)``, each its own data
+    directory under ``tmp`` and no disk tier), started; stopped on the way out."""
+    from kdn.server import ServerConfig, ServerThread
+
+    nodes = [ServerThread(ServerConfig(port=0, data_dir=tmp / f"n{i}", disk_bytes=0, **config))
+             for i in range(n)]
+    for node in nodes:
+        node.start()
+    try:
+        yield nodes
+    finally:
+        for node in nodes:
+            node.stop()

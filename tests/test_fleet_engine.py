@@ -10,7 +10,7 @@ import pytest
 
 from kdn.client.fleet import FleetClient, FleetConfig
 from kdn.engine import EngineConfig, KDNEngine
-from kdn.server import ServerConfig, ServerThread
+from tests.helpers import running_nodes
 from tests.redis_servers import RedisServer
 
 pytestmark = [pytest.mark.model, pytest.mark.redis]
@@ -22,33 +22,25 @@ def test_an_engine_reuses_blocks_through_the_fleet_across_a_node_loss(tmp_path: 
 
     model, tokenizer = load_model("smollm2-135m")
     ids = [int(t) for t in english_token_ids(300, tokenizer)]
-    with RedisServer(tmp_path / "redis") as redis:
-        nodes = [ServerThread(ServerConfig(port=0, data_dir=tmp_path / f"n{i}", disk_bytes=0,
-                                           redis_url=redis.url, tier_order=("ram", "redis")))
-                 for i in range(2)]
-        for n in nodes:
-            n.start()
-        try:
-            # no load bound to speak of: the engine's calls go where its blocks went, so the
-            # stopped node is the one they try first
-            config = FleetConfig(nodes=tuple(n.address for n in nodes), health_interval_s=0,
-                                 load_bound=100.0, client_options={"shm_bytes": 0})
-            with FleetClient(config) as fleet:
-                engine = KDNEngine(model, tokenizer, fleet,  # type: ignore[arg-type]
-                                   EngineConfig(chunk_tokens=64))
-                full = engine.generate(ids, max_new_tokens=8)
-                assert full.timings.decision == "recompute"
-                assert full.store_thread is not None
-                full.store_thread.join(60)
-                hit = engine.generate(ids, max_new_tokens=8)
-                assert hit.timings.reused_tokens == 256
-                assert hit.token_ids == full.token_ids
-                served = fleet.nodes.index(fleet.address)
-                nodes[served].stop()
-                after = engine.generate(ids, max_new_tokens=8)
-                assert after.timings.reused_tokens == 256  # from Redis, through the other node
-                assert after.token_ids == full.token_ids
-                assert fleet.failovers >= 1 and fleet.address == nodes[1 - served].address
-        finally:
-            for n in nodes:
-                n.stop()
+    with RedisServer(tmp_path / "redis") as redis, \
+            running_nodes(tmp_path, redis_url=redis.url, tier_order=("ram", "redis")) as nodes:
+        # no load bound to speak of: the engine's calls go where its blocks went, so the
+        # stopped node is the one they try first
+        config = FleetConfig(nodes=tuple(n.address for n in nodes), health_interval_s=0,
+                             load_bound=100.0, client_options={"shm_bytes": 0})
+        with FleetClient(config) as fleet:
+            engine = KDNEngine(model, tokenizer, fleet,  # type: ignore[arg-type]
+                               EngineConfig(chunk_tokens=64))
+            full = engine.generate(ids, max_new_tokens=8)
+            assert full.timings.decision == "recompute"
+            assert full.store_thread is not None
+            full.store_thread.join(60)
+            hit = engine.generate(ids, max_new_tokens=8)
+            assert hit.timings.reused_tokens == 256
+            assert hit.token_ids == full.token_ids
+            served = fleet.nodes.index(fleet.address)
+            nodes[served].stop()
+            after = engine.generate(ids, max_new_tokens=8)
+            assert after.timings.reused_tokens == 256  # from Redis, through the other node
+            assert after.token_ids == full.token_ids
+            assert fleet.failovers >= 1 and fleet.address == nodes[1 - served].address

@@ -15,8 +15,8 @@ import pytest
 from kdn.client.fleet import FleetClient, FleetConfig
 from kdn.client.routing import Affinity, LoadMeter, Router
 from kdn.errors import ConfigError, InvalidArgument, Unavailable
-from kdn.server import ServerConfig, ServerThread
-from tests.helpers import random_kv, uniform_layout
+from kdn.server import ServerThread
+from tests.helpers import random_kv, running_nodes, uniform_layout
 
 NODES = [f"10.0.0.{i}:50051" for i in range(1, 11)]
 KEYS = [hashlib.blake2b(i.to_bytes(4, "little"), digest_size=32).digest() for i in range(4000)]
@@ -145,15 +145,8 @@ KV = random_kv(LAY, 4)
 
 @pytest.fixture
 def servers(tmp_path: Path) -> Iterator[list[ServerThread]]:
-    out = [ServerThread(ServerConfig(port=0, data_dir=tmp_path / f"n{i}", disk_bytes=0))
-           for i in range(2)]
-    for s in out:
-        s.start()
-    try:
+    with running_nodes(tmp_path) as out:
         yield out
-    finally:
-        for s in out:
-            s.stop()
 
 
 def _sample(text: str, name: str, **labels: str) -> float:

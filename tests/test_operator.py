@@ -77,8 +77,9 @@ def test_tenants_can_not_reach_each_other(secured: ServerThread) -> None:
         assert a.retrieve(key).equal(kv_a)  # type: ignore[union-attr]
         assert b.retrieve(key).equal(kv_b)  # type: ignore[union-attr]
         assert [e.tenant for e in a.ls()] == ["team-a"]
-        # admin RPCs need the admin role
-        for call in (lambda: b.evict([key]), lambda: b.pin([key]), lambda: b.unpin([key]),
+        # admin RPCs need the admin role (an evict of another tenant's entries too)
+        for call in (lambda: b.evict([key], tenant="team-a"), lambda: b.pin([key]),
+                     lambda: b.unpin([key]),
                      lambda: list(b.verify()), lambda: b.gc()):
             with pytest.raises(PermissionDenied):
                 call()
@@ -92,6 +93,8 @@ def test_tenants_can_not_reach_each_other(secured: ServerThread) -> None:
         assert ops.pin([key]) == 0  # the admin's own (unscoped) space has no such key
         st = ops.stats()
         assert {t.tenant: t.entries for t in st.tenants} == {"team-a": 1, "team-b": 1}
+    with AdminClient(secured.address, api_key="key-b") as b:  # a tenant evicts its own entries
+        assert b.evict([key], tier="ram") == 1
 
 
 def test_an_admin_reaches_tenants_entries_by_key(secured: ServerThread,

@@ -21,6 +21,14 @@ in rendezvous order: a node that fails with UNAVAILABLE, a deadline or a closed 
 marked down at once (its keys move to their next node) and the call goes to the next one.
 Nothing else is retried here: a bad request fails on its first node.
 
+Copies. A node keeps what it served or stored in its RAM, so a key may sit in several nodes'
+RAM. A store goes to its node (and through it to the shared tier); the other nodes are then told
+to drop their RAM copy of the stored keys (an Evict of their ``ram`` tier, ``drop_copies``). A
+delete goes to every configured node, also those marked down. A node that can not be reached
+for either keeps the keys in ``stale`` and stays marked down: before it is marked live again
+(a health check, or a call that tries it again) it drops them from its RAM, and a node that
+can not do that stays down. ``nodes_report`` counts each node's ``stale`` keys.
+
 Membership is the config's list of addresses (``FleetConfig.from_file``: YAML ``nodes:``).
 A health thread asks every node for Stats each ``health_interval_s``: an answer marks it live
 (keys move back to a node that returns) and reports its calls in flight into the load; no
@@ -51,9 +59,10 @@ import grpc
 import yaml
 
 from kdn.client import metrics
+from kdn.client.admin import AdminClient
 from kdn.client.client import Client, LookupResult, Retry
 from kdn.client.routing import Affinity, LoadMeter, Router
-from kdn.errors import ConfigError, DeadlineExceeded, InvalidArgument, Unavailable
+from kdn.errors import ConfigError, DeadlineExceeded, InvalidArgument, KDNError, Unavailable
 from kdn.v1 import kdn_pb2 as pb
 
 if TYPE_CHECKING:
@@ -144,7 +153,11 @@ class FleetClient:
                              load_bound=config.load_bound)
         self.load = LoadMeter(len(config.nodes), half_life_s=config.load_half_life_s)
         options = {"retry": Retry(retries=1, base_s=0.02, cap_s=0.1), **config.client_options}
-        self.clients = [Client(a, timeout_s=config.timeout_s, **options) for a in config.nodes]
+        self.clients = [AdminClient(a, timeout_s=config.timeout_s, **options)
+                        for a in config.nodes]
+        self.stale: list[dict[tuple[str, str], set[bytes]]] = [{} for _ in config.nodes]
+        """Per node, (namespace, tenant) -> keys whose RAM copy it must drop before it is
+        marked live again: it missed their store or delete (module docstring, Copies)."""
         self.calls = [0] * len(config.nodes)
         """Calls each node answered (for the fleet view)."""
         self.failovers = 0
@@ -182,6 +195,10 @@ class FleetClient:
             self.affinity.remember(keys, node)
 
     def _mark(self, node: int, live: bool) -> None:
+        """Mark ``node`` live or down; a node that can not drop its ``stale`` copies first
+        stays down."""
+        if live and self.stale[node] and not self._drop_stale(node):
+            live = False
         with self._lock:
             changed = self.router.mark(node, live=live)
             if changed and not live:
@@ -210,6 +227,36 @@ class FleetClient:
             return out
         raise Unavailable(f"no node of the fleet answered ({len(self.nodes)} configured, "
                           f"{len(self.router.live_nodes())} live): {last}")
+
+    def drop_copies(self, keys: Sequence[bytes], nodes: Sequence[int],
+                    namespace: str | None = None, tenant: str = "") -> None:
+        """Have ``nodes`` drop their RAM copies of ``keys`` (they are stale: the entries were
+        overwritten or deleted elsewhere): now on a live node, before it is marked live again
+        on a node marked down or not reached."""
+        for node in nodes:
+            ns = namespace or self.clients[node].namespace
+            with self._lock:
+                self.stale[node].setdefault((ns, tenant), set()).update(keys)
+            if self.router.live[node] and not self._drop_stale(node):
+                self._mark(node, False)
+
+    def _drop_stale(self, node: int) -> bool:
+        """Evict ``node``'s stale keys from its RAM tier; False when the node did not answer
+        (those not sent are kept). A refusal (a pinned copy, a node without a RAM tier) is
+        logged and forgotten: nothing sent again would change it."""
+        while self.stale[node]:
+            with self._lock:
+                (ns, tenant), keys = self.stale[node].popitem()
+            try:
+                self.clients[node].evict(sorted(keys), ns, "ram", tenant=tenant)
+            except NODE_FAILURES:
+                with self._lock:
+                    self.stale[node].setdefault((ns, tenant), set()).update(keys)
+                return False
+            except KDNError as exc:
+                log.warning("fleet node %s kept %d stale RAM copies: %s", self.nodes[node],
+                            len(keys), exc)
+        return True
 
     def client_for(self, keys: Sequence[bytes]) -> Client:
         """The node client ``keys`` route to now (for calls the fleet does not wrap)."""
@@ -248,7 +295,8 @@ class FleetClient:
         """Per node, as this client sees it: address, live, load, calls it answered."""
         loads = self.load.values(time.monotonic())
         return [{"node": n, "live": bool(self.router.live[i]), "load": round(float(loads[i]), 3),
-                 "calls": self.calls[i]} for i, n in enumerate(self.nodes)]
+                 "calls": self.calls[i], "stale": sum(map(len, self.stale[i].values()))}
+                for i, n in enumerate(self.nodes)]
 
     # -- the Client surface -------------------------------------------------------------------
 
@@ -297,22 +345,39 @@ class FleetClient:
         return None
 
     def store(self, key: bytes, kv: Any, **kw: Any) -> pb.StoreResponse:
-        return self.call([key], lambda c: c.store(key, kv, **kw))
+        return self._stored([key], lambda c: c.store(key, kv, **kw), kw.get("namespace"))
 
     def store_many(self, items: Sequence[tuple[bytes, Any]], **kw: Any
                    ) -> list[pb.StoreResponse]:
         keys = [k for k, _ in items]
-        return self.call(keys, lambda c: c.store_many(items, **kw))
+        return self._stored(keys, lambda c: c.store_many(items, **kw), kw.get("namespace"))
 
-    def delete(self, key: bytes | Sequence[bytes], **kw: Any) -> int:
-        """Delete from every live node (each may hold a RAM copy); the most any node
-        deleted (the shared tier's copy is deleted by the first)."""
-        done = [0]
-        for node in self.router.live_nodes():
+    def _stored(self, keys: Sequence[bytes], fn: Callable[[Client], T],
+                namespace: str | None) -> T:
+        """A store on the node ``keys`` route to; then every other node drops its RAM copy of
+        them (it would serve the value this replaced: ``drop_copies``)."""
+        out = self.call(keys, fn)
+        home = self._last.node
+        self.drop_copies(keys, [i for i in range(len(self.nodes)) if i != home], namespace)
+        return out
+
+    def delete(self, key: bytes | Sequence[bytes], *, namespace: str | None = None,
+               tenant: str = "", **kw: Any) -> int:
+        """Delete from every configured node (each may hold a RAM copy), those marked down
+        too; the most any node deleted (the shared tier's copy is deleted by the first). A
+        node not reached drops its copies before it is marked live again (``drop_copies``);
+        Unavailable when none was reached (the shared tier's copy is still there)."""
+        keys = [key] if isinstance(key, (bytes, bytearray)) else list(key)
+        done: list[int] = []
+        for node, c in enumerate(self.clients):
             try:
-                done.append(self.clients[node].delete(key, **kw))
+                done.append(c.delete(keys, namespace=namespace, tenant=tenant, **kw))
             except NODE_FAILURES:
                 self._mark(node, False)
+                self.drop_copies(keys, [node], namespace, tenant)
+        if not done:
+            raise Unavailable(f"no node of the fleet answered the delete ({len(self.nodes)} "
+                              "configured): each drops its copies when it is back")
         return max(done)
 
     def flush(self) -> None:

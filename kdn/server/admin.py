@@ -1,10 +1,12 @@
 """The operator service (``kdn.v1.KDNAdmin``): list, inspect, evict, pin, verify, export, gc...
 
 Scoping follows the caller (``kdn.server.auth``): a tenant lists, inspects, exports and imports
-only its own entries; the admin role sees every tenant and alone may evict, pin, unpin, verify
-and collect garbage. Exported entries carry their tenant, and an admin's import restores each
-to it (a backup of a server with tenants comes back as it was); a tenant's import stores its
-own entries (and those recorded with no tenant) under its tenant and refuses other tenants'.
+only its own entries, and may evict them from a tier (no more than a delete of them does: a
+fleet client drops a node's stale RAM copy so, ``kdn.client.fleet``); the admin role sees every
+tenant and alone may pin, unpin, verify and collect garbage. Exported entries carry their
+tenant, and an admin's import restores each to it (a backup of a server with tenants comes back
+as it was); a tenant's import stores its own entries (and those recorded with no tenant) under
+its tenant and refuses other tenants'.
 Handlers are thin: the hierarchy (``TieredStore``) does the work, tiers are read directly where
 an operation must not promote (listing, verifying, exporting).
 """
@@ -185,16 +187,19 @@ class AdminServicer(pb_grpc.KDNAdminServicer):
             raise NotFound(f"no entry {request.key.hex()} in {ns!r}")
         return info
 
-    def _admin_keys(self, request: pb.KeysRequest) -> list[bytes]:
-        """The tier keys of an admin's Evict/Pin/Unpin: of the named tenant, or its own."""
-        tenant = acting_tenant(require_admin(), request.tenant)
+    def _admin_keys(self, request: pb.KeysRequest, *, admin: bool = True) -> list[bytes]:
+        """The tier keys of an Evict/Pin/Unpin: of the named tenant (an admin's), or the
+        caller's own. ``admin``: the caller must be one (Pin/Unpin; an Evict of one's own
+        entries is any tenant's)."""
+        principal = require_admin() if admin else current_principal.get()
+        tenant = acting_tenant(principal, request.tenant)
         ns = request_namespace(request.namespace)
         return [store_key(tenant, ns, k) for k in request.keys]
 
     @rpc
     async def Evict(self, request: pb.KeysRequest,
                     context: grpc.aio.ServicerContext) -> pb.CountResponse:
-        skeys = self._admin_keys(request)
+        skeys = self._admin_keys(request, admin=False)
         name = request.tier or "ram"
         tier = next((t for t in self.store.tiers if t.name == name), None)
         if tier is None:

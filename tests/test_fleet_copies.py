@@ -1,0 +1,77 @@
+"""Copies across a fleet (kdn.client.fleet, "Copies"): two in-process kdn nodes sharing a real
+redis-server, each with its own RAM tier. An overwrite or a delete made through the fleet
+leaves no node's RAM serving the old value, also a node this client had marked down."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kdn.cache import KVCache
+from kdn.client.client import Client
+from kdn.client.fleet import FleetClient, FleetConfig
+from kdn.server import ServerThread
+from tests.helpers import random_kv, running_nodes, uniform_layout
+from tests.redis_servers import RedisServer
+
+pytestmark = pytest.mark.redis
+LAY = uniform_layout(layers=2, heads=2, dim=8)
+KEY = hashlib.blake2b(b"copies", digest_size=32).digest()
+
+
+@pytest.fixture
+def nodes(tmp_path: Path) -> Iterator[list[ServerThread]]:
+    with RedisServer(tmp_path / "redis") as redis, \
+            running_nodes(tmp_path, redis_url=redis.url, tier_order=("ram", "redis")) as out:
+        yield out
+
+
+def fleet(addresses: list[str]) -> FleetClient:
+    return FleetClient(FleetConfig(nodes=tuple(addresses), health_interval_s=0,
+                                   load_bound=100.0, client_options={"shm_bytes": 0}))
+
+
+def read(node: ServerThread) -> KVCache | None:
+    """What ``node`` serves for KEY (its RAM copy when it has one)."""
+    with Client(node.address, shm_bytes=0) as c:
+        return c.retrieve(KEY)
+
+
+def test_an_overwrite_leaves_no_node_serving_the_old_value(
+        nodes: list[ServerThread]) -> None:
+    v1, v2, v3 = (random_kv(LAY, 4, seed=s) for s in (1, 2, 3))
+    with fleet([n.address for n in nodes]) as f:
+        f.store(KEY, v1)
+        home = f.order([KEY])[0]
+        other = 1 - home
+        assert read(nodes[other]).equal(v1)  # type: ignore[union-attr]  # now in its RAM too
+        f.store(KEY, v2)  # to home (and Redis): the other node drops its RAM copy
+        assert read(nodes[other]).equal(v2) and read(nodes[home]).equal(v2)  # type: ignore[union-attr]
+        assert [f._last.node, f.nodes_report()[other]["stale"]] == [home, 0]
+        # home missed a health check: the next overwrite goes through the other node; home
+        # keeps v2 in RAM until it is marked live again, and drops it then
+        f.router.mark(home, live=False)
+        f.store(KEY, v3)
+        assert f._last.node == other and f.nodes_report()[home]["stale"] == 1
+        assert f.check_health() == [True, True] and f.nodes_report()[home]["stale"] == 0
+        assert read(nodes[home]).equal(v3)  # type: ignore[union-attr]
+
+
+def test_a_delete_reaches_every_node_and_a_missing_one_is_remembered(
+        nodes: list[ServerThread]) -> None:
+    kv = random_kv(LAY, 4, seed=1)
+    with fleet([n.address for n in nodes]) as f:
+        f.store(KEY, kv)
+        home = f.order([KEY])[0]
+        assert read(nodes[1 - home]).equal(kv)  # type: ignore[union-attr]
+        f.router.mark(home, live=False)  # marked down, yet it holds a RAM copy
+        assert f.delete(KEY) == 1
+        assert read(nodes[0]) is None and read(nodes[1]) is None
+    with fleet([nodes[0].address, "127.0.0.1:1"]) as f:  # nothing listens on the second
+        f.store(KEY, kv)
+        assert f.delete(KEY) == 1
+        assert [r["stale"] for r in f.nodes_report()] == [0, 1]
+        assert not f.router.live[1] and read(nodes[0]) is None
