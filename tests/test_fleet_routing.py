@@ -116,6 +116,7 @@ def test_affinity_is_bounded_and_forgets_a_lost_node() -> None:
     ({"nodes": ("a:1",), "load_bound": 1.0}, "load_bound"),
     ({"nodes": ("a:1",), "affinity_blocks": 0}, "affinity_blocks"),
     ({"nodes": ("a:1",), "timeout_s": 0}, "timeout_s"),
+    ({"nodes": ("a:1",), "load_floor": -1.0}, "load_floor"),
 ])
 def test_bad_fleet_configs_are_refused(kw: dict[str, object], match: str) -> None:
     with pytest.raises(ConfigError, match=match):
@@ -200,6 +201,24 @@ def _fall_back(servers: list[ServerThread]) -> None:
         with pytest.raises(Unavailable, match="no node of the fleet answered"):
             fleet.lookup(chain)
         assert fleet.failovers == 2
+
+
+def test_a_quiet_conversation_stays_on_one_node(tmp_path: Path) -> None:
+    """One conversation alone on three nodes (the default load bound): its stores, lookups and
+    fetches all go to one node; the bound does not bounce them around a fleet with no load."""
+    with running_nodes(tmp_path, 3) as nodes:
+        config = FleetConfig(nodes=tuple(n.address for n in nodes), health_interval_s=0,
+                             client_options={"shm_bytes": 0})
+        with FleetClient(config) as fleet:
+            chain = KEYS[:32]
+            fleet.store_many([(k, KV) for k in chain], mode="raw")
+            went = {fleet.affinity.get(chain[0])}
+            for _ in range(3):
+                assert fleet.lookup(chain, prefix_chain=True).prefix_hits == 32
+                went.add(fleet.affinity.get(chain[0]))
+                assert all(f is not None for f in fleet.fetch_many(chain))
+                went.add(fleet.affinity.get(chain[0]))
+            assert len(went) == 1 and sum(fleet.calls) == 7
 
 
 def test_health_check_marks_nodes_down_and_back(servers: list[ServerThread],

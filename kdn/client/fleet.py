@@ -87,6 +87,9 @@ class FleetConfig:
     """How many leading blocks of a chain name its route (``Router.route_key``)."""
     load_bound: float = 1.25
     """A node takes a request only while its load stays within this many times the mean."""
+    load_floor: float = 1024.0
+    """A node whose load (in keys) is at most this takes a request whatever the mean (a quiet
+    fleet keeps a conversation's calls on one node: ``Router.choose``)."""
     load_half_life_s: float = 300.0
     """Half-life of the load a client counts for the work it sent to a node."""
     inflight_weight: float = 4.0
@@ -116,7 +119,8 @@ class FleetConfig:
             raise ConfigError("fleet: health_interval_s, inflight_weight and memo_keys must "
                               "be >= 0")
         try:
-            Router(self.nodes, affinity_blocks=self.affinity_blocks, load_bound=self.load_bound)
+            Router(self.nodes, affinity_blocks=self.affinity_blocks, load_bound=self.load_bound,
+                   load_floor=self.load_floor)
         except InvalidArgument as exc:
             raise ConfigError(f"fleet: {exc}") from None
 
@@ -150,7 +154,7 @@ class FleetClient:
     def __init__(self, config: FleetConfig) -> None:
         self.config = config
         self.router = Router(config.nodes, affinity_blocks=config.affinity_blocks,
-                             load_bound=config.load_bound)
+                             load_bound=config.load_bound, load_floor=config.load_floor)
         self.load = LoadMeter(len(config.nodes), half_life_s=config.load_half_life_s)
         options = {"retry": Retry(retries=1, base_s=0.02, cap_s=0.1), **config.client_options}
         self.clients = [AdminClient(a, timeout_s=config.timeout_s, **options)
@@ -186,7 +190,7 @@ class FleetClient:
         with self._lock:
             route = self.router.route_key(keys)
             return self.router.choose(route, self.load, time.monotonic(),
-                                      prefer=self.affinity.get(route))
+                                      prefer=self.affinity.get(route), amount=len(keys))
 
     def _remember(self, keys: Sequence[bytes], node: int, amount: float) -> None:
         with self._lock:

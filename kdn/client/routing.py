@@ -8,7 +8,7 @@ Lifecycle::
     load = LoadMeter(len(router.nodes), half_life_s=300.0)
     affinity = Affinity(1 << 16)
     route = router.route_key(chain)
-    order = router.choose(route, load, now, prefer=affinity.get(route))
+    order = router.choose(route, load, now, prefer=affinity.get(route), amount=len(chain))
     load.add(order[0], len(chain), now)         # the work just sent there
     affinity.remember(chain, order[0])          # later chains through these keys go there too
     router.mark(i, live=False)                  # a node stopped answering: its keys move
@@ -32,7 +32,10 @@ bound: a conversation stays where its blocks are, also after it spilled from its
 Load term (consistent hashing with bounded loads, Mirrokni et al.). The first node in that
 order whose load is within ``load_bound`` times the mean load of the live nodes takes it: a
 hot prefix spills to its second choice instead of overloading its first, so no node carries
-much more than ``load_bound`` x the mean. ``LoadMeter`` holds each node's
+much more than ``load_bound`` x the mean. The mean counts the request being placed
+(``amount``), and a node whose load is at most ``load_floor`` is within the bound whatever the
+mean: in a quiet fleet (one conversation) the bound would otherwise send every call of it to
+another node, the lookup to one and its fetch to the next. ``LoadMeter`` holds each node's
 load as work sent to it, decayed with a half-life (plus what nodes report, in a real fleet).
 
 ``owner(key)`` is plain rendezvous of one key (no load term): the key-hashing policy of the
@@ -71,7 +74,7 @@ class Router:
     docstring). Node indices are positions in ``nodes``, stable for the router's life."""
 
     def __init__(self, nodes: Sequence[str], *, affinity_blocks: int = 4,
-                 load_bound: float = 1.25) -> None:
+                 load_bound: float = 1.25, load_floor: float = 0.0) -> None:
         if not nodes:
             raise InvalidArgument("a fleet needs at least one node")
         if len(set(nodes)) != len(nodes):
@@ -82,9 +85,12 @@ class Router:
         if not load_bound > 1.0:
             raise InvalidArgument(f"load_bound must be > 1 (a multiple of the mean load), "
                                   f"got {load_bound}")
+        if not load_floor >= 0:
+            raise InvalidArgument(f"load_floor must be >= 0, got {load_floor}")
         self.nodes = tuple(nodes)
         self.affinity_blocks = affinity_blocks
         self.load_bound = load_bound
+        self.load_floor = load_floor
         # seeds: [nodes] uint64, from the node's name (its address): equal in every client
         self.seeds = np.array([key_hash(n.encode()) for n in self.nodes], dtype=np.uint64)
         self.live = np.ones(len(self.nodes), dtype=bool)
@@ -122,12 +128,13 @@ class Router:
         return int(live[int(np.argmax(scores[live]))])
 
     def choose(self, route: bytes | int, load: LoadMeter | None = None, now: float = 0.0,
-               prefer: int | None = None) -> list[int]:
+               prefer: int | None = None, amount: float = 0.0) -> list[int]:
         """Live nodes in the order to try for a request with route key ``route`` (bytes, or its
         ``key_hash``): first ``prefer`` (where the route was served last: ``Affinity``) when it
         is live and within the load bound, else the first node in rendezvous order that is;
         then the rest in rendezvous order as fallbacks. Empty when no node is live. A node is
-        within the bound while its load is at most ``load_bound`` x the live nodes' mean."""
+        within the bound while its load is at most ``load_bound`` x the live nodes' mean with
+        this request's ``amount`` counted, or at most ``load_floor``."""
         order = self.ranking(route)
         if len(order) < 2:
             return order
@@ -135,7 +142,8 @@ class Router:
             within = None
         else:
             loads = load.values(now)
-            cap = self.load_bound * float(loads[self.live].sum()) / int(self.live.sum())
+            cap = max(self.load_bound * (float(loads[self.live].sum()) + amount)
+                      / int(self.live.sum()), self.load_floor)
             within = loads <= cap  # [nodes]
         if prefer is not None and prefer in order and (within is None or within[prefer]):
             order.remove(prefer)
