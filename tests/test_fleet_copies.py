@@ -53,7 +53,7 @@ def test_an_overwrite_leaves_no_node_serving_the_old_value(
         assert [f._last.node, f.nodes_report()[other]["stale"]] == [home, 0]
         # home missed a health check: the next overwrite goes through the other node; home
         # keeps v2 in RAM until it is marked live again, and drops it then
-        f.router.mark(home, live=False)
+        f._mark(home, False)
         f.store(KEY, v3)
         assert f._last.node == other and f.nodes_report()[home]["stale"] == 1
         assert f.check_health() == [True, True] and f.nodes_report()[home]["stale"] == 0
@@ -67,7 +67,7 @@ def test_a_delete_reaches_every_node_and_a_missing_one_is_remembered(
         f.store(KEY, kv)
         home = f.order([KEY])[0]
         assert read(nodes[1 - home]).equal(kv)  # type: ignore[union-attr]
-        f.router.mark(home, live=False)  # marked down, yet it holds a RAM copy
+        f._mark(home, False)  # marked down, yet it holds a RAM copy
         assert f.delete(KEY) == 1
         assert read(nodes[0]) is None and read(nodes[1]) is None
     with fleet([nodes[0].address, "127.0.0.1:1"]) as f:  # nothing listens on the second

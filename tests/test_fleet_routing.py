@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,8 +16,8 @@ import pytest
 from kdn.client.fleet import FleetClient, FleetConfig
 from kdn.client.routing import Affinity, LoadMeter, Router
 from kdn.errors import ConfigError, InvalidArgument, Unavailable
-from kdn.server import ServerThread
-from tests.helpers import random_kv, running_nodes, uniform_layout
+from kdn.server import ServerConfig, ServerThread
+from tests.helpers import eventually, random_kv, running_nodes, uniform_layout
 
 NODES = [f"10.0.0.{i}:50051" for i in range(1, 11)]
 KEYS = [hashlib.blake2b(i.to_bytes(4, "little"), digest_size=32).digest() for i in range(4000)]
@@ -219,6 +220,50 @@ def test_a_quiet_conversation_stays_on_one_node(tmp_path: Path) -> None:
                 assert all(f is not None for f in fleet.fetch_many(chain))
                 went.add(fleet.affinity.get(chain[0]))
             assert len(went) == 1 and sum(fleet.calls) == 7
+
+
+def answers(fleet: FleetClient) -> bool:
+    try:
+        fleet.contains(KEYS[0])
+    except Unavailable:
+        return False
+    return True
+
+
+def test_a_node_marked_down_comes_back_without_the_health_thread(tmp_path: Path) -> None:
+    """No health thread: a node that failed a call is tried again by a later call, at once
+    when no node is live, else once its backoff has passed."""
+    with running_nodes(tmp_path, 1) as (node,):
+        config = FleetConfig(nodes=(node.address,), health_interval_s=0, retry_down_s=30,
+                             timeout_s=5, client_options={"shm_bytes": 0})
+        with FleetClient(config) as fleet:
+            assert not fleet.contains(KEYS[0])
+            node.stop()
+            with pytest.raises(Unavailable):
+                fleet.contains(KEYS[0])
+            assert fleet.router.live_nodes() == []
+            port = int(node.address.rsplit(":", 1)[1])
+            again = ServerThread(ServerConfig(port=port, data_dir=tmp_path / "again",
+                                              disk_bytes=0))
+            again.start()
+            try:  # the only node: tried again by every call, whatever its backoff (until
+                # the channel's own reconnect backoff lets it through)
+                assert eventually(lambda: answers(fleet), timeout=10, interval=0.2)
+                assert fleet.router.live_nodes() == [0]
+            finally:
+                again.stop()
+    with running_nodes(tmp_path / "two", 2) as nodes:
+        config = FleetConfig(nodes=tuple(n.address for n in nodes), health_interval_s=0,
+                             retry_down_s=0.3, client_options={"shm_bytes": 0})
+        with FleetClient(config) as fleet:
+            fleet._mark(0, False)  # as a failed call marks it
+            fleet.contains(KEYS[0])
+            assert fleet.router.live_nodes() == [1]  # within its backoff: not tried
+            time.sleep(0.35)
+            fleet.contains(KEYS[0])
+            assert fleet.router.live_nodes() == [0, 1]
+    with pytest.raises(ConfigError, match="health_interval_s must be a finite number"):
+        FleetConfig(nodes=("a:1",), health_interval_s=float("inf"))
 
 
 def test_health_check_marks_nodes_down_and_back(servers: list[ServerThread],

@@ -16,10 +16,13 @@ Lifecycle of a call: its route key names its first keys (``Router.route_key``); 
 that was among the keys of a recent call goes where that call went (``Affinity``: a later turn
 of a conversation follows the earlier, the stores after a lookup land where it went) while that
 node is within the load bound, else the rendezvous order with the load bound picks. The chosen
-node is tried first, then the others
-in rendezvous order: a node that fails with UNAVAILABLE, a deadline or a closed connection is
-marked down at once (its keys move to their next node) and the call goes to the next one.
-Nothing else is retried here: a bad request fails on its first node.
+node is tried first, then the others in rendezvous order: a node that fails with UNAVAILABLE, a
+deadline or a closed connection is marked down at once (its keys move to their next node) and
+the call goes to the next one. Ahead of the live nodes a call tries those marked down whose
+backoff has passed (``retry_down_s``, doubling while a node keeps failing, at most
+``MAX_RETRY_DOWN_S``), and every node marked down when none is live: a node comes back without
+the health thread too (a hung one costs such a call one ``timeout_s`` per backoff). Nothing
+else is retried here: a bad request fails on its first node.
 
 Copies. A node keeps what it served or stored in its RAM, so a key may sit in several nodes'
 RAM. A store goes to its node (and through it to the shared tier); the other nodes are then told
@@ -48,6 +51,7 @@ is not offered: it answers None, and the engine falls back to ``retrieve_streams
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -75,6 +79,8 @@ T = TypeVar("T")
 NODE_FAILURES = (Unavailable, DeadlineExceeded, OSError)
 """What a node that is gone raises (the fallback's trigger: gRPC's UNAVAILABLE or deadline, a
 closed data-path connection); nothing else moves a call."""
+MAX_RETRY_DOWN_S = 60.0
+"""The longest a call waits before it tries a node marked down again."""
 
 
 @dataclass(frozen=True)
@@ -96,6 +102,9 @@ class FleetConfig:
     """Load, in keys, of one call a node reports in flight (its Stats ``rpc.in_flight``)."""
     health_interval_s: float = 1.0
     """Seconds between health checks of every node (0 = no health thread)."""
+    retry_down_s: float = 2.0
+    """Seconds after which a call tries a node marked down again (doubled at each failure in a
+    row, at most ``MAX_RETRY_DOWN_S``; 0 = at every call)."""
     health_timeout_s: float = 0.5
     """Deadline of one health check."""
     timeout_s: float = 30.0
@@ -112,12 +121,18 @@ class FleetConfig:
             host, sep, port = str(n).rpartition(":")
             if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
                 raise ConfigError(f"fleet: node {n!r} is not host:port")
+        for name in ("load_half_life_s", "health_timeout_s", "timeout_s", "health_interval_s",
+                     "retry_down_s", "load_floor", "load_bound", "inflight_weight"):
+            if not math.isfinite(getattr(self, name)):
+                raise ConfigError(f"fleet: {name} must be a finite number, got "
+                                  f"{getattr(self, name)}")
         for name in ("load_half_life_s", "health_timeout_s", "timeout_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"fleet: {name} must be > 0, got {getattr(self, name)}")
-        if self.health_interval_s < 0 or self.inflight_weight < 0 or self.memo_keys < 0:
-            raise ConfigError("fleet: health_interval_s, inflight_weight and memo_keys must "
-                              "be >= 0")
+        if min(self.health_interval_s, self.inflight_weight, self.memo_keys,
+               self.retry_down_s) < 0:
+            raise ConfigError("fleet: health_interval_s, inflight_weight, memo_keys and "
+                              "retry_down_s must be >= 0")
         try:
             Router(self.nodes, affinity_blocks=self.affinity_blocks, load_bound=self.load_bound,
                    load_floor=self.load_floor)
@@ -167,6 +182,9 @@ class FleetClient:
         self.failovers = 0
         """Calls that moved on because their node failed."""
         self.affinity = Affinity(config.memo_keys)
+        self.retry_at = [0.0] * len(config.nodes)
+        """Per node marked down, when a call may try it again (``time.monotonic``)."""
+        self._backoff = [0.0] * len(config.nodes)
         self._last = threading.local()  # the node this thread's latest call went to
         self._lock = threading.Lock()
         self._closed = threading.Event()
@@ -207,6 +225,9 @@ class FleetClient:
             changed = self.router.mark(node, live=live)
             if changed and not live:
                 self.affinity.forget_node(node)
+            self._backoff[node] = 0.0 if live else min(
+                max(2 * self._backoff[node], self.config.retry_down_s), MAX_RETRY_DOWN_S)
+            self.retry_at[node] = time.monotonic() + self._backoff[node]
         if changed:
             log.warning("fleet node %s is %s", self.nodes[node], "back" if live else "down")
         metrics.record_fleet_node(self.nodes[node], live, float(self.load.values(
@@ -215,7 +236,11 @@ class FleetClient:
     def call(self, keys: Sequence[bytes], fn: Callable[[Client], T]) -> T:
         """``fn(client)`` on the node ``keys`` route to; on a node failure, on the next."""
         last: Exception | None = None
-        for node in self.order(keys):
+        for node in self._candidates(keys):
+            down = not self.router.live[node]
+            if down and self.stale[node] and not self._drop_stale(node):
+                self._mark(node, False)  # not back: it would serve what it missed
+                continue
             try:
                 out = fn(self.clients[node])
             except NODE_FAILURES as exc:
@@ -225,6 +250,8 @@ class FleetClient:
                 metrics.record_fleet_call(self.nodes[node], "failover")
                 self._mark(node, False)
                 continue
+            if down:
+                self._mark(node, True)
             self._remember(keys, node, float(len(keys)))
             self._last.node = node
             metrics.record_fleet_call(self.nodes[node], "ok")
@@ -261,6 +288,15 @@ class FleetClient:
                 log.warning("fleet node %s kept %d stale RAM copies: %s", self.nodes[node],
                             len(keys), exc)
         return True
+
+    def _candidates(self, keys: Sequence[bytes]) -> list[int]:
+        """Nodes to try for a call on ``keys``: those marked down whose ``retry_at`` has passed
+        (a call that finds one back marks it live: its keys return to it), then the live ones
+        (``order``); every node marked down when none is live."""
+        live = self.order(keys)
+        now = time.monotonic()
+        return [i for i in range(len(self.nodes))
+                if not self.router.live[i] and (not live or self.retry_at[i] <= now)] + live
 
     def client_for(self, keys: Sequence[bytes]) -> Client:
         """The node client ``keys`` route to now (for calls the fleet does not wrap)."""
