@@ -23,7 +23,7 @@ from kdn import codec
 from kdn.client import Client
 from kdn.client import netpath as client_netpath
 from kdn.client.netpath import BATCH_ITEMS, NetPath
-from kdn.errors import NotFound, TooLarge
+from kdn.errors import DeadlineExceeded, NotFound, TooLarge
 from kdn.server import ServerConfig, ServerThread, batch, fastpath, netpath
 from kdn.transport.wire import FAST_HEAD, NET_GET_MANY, NET_MAX_KEYS, read_exact
 from kdn.v1 import kdn_pb2 as pb
@@ -370,3 +370,31 @@ def test_a_put_past_the_quota_is_refused_before_its_items_are_read(
         assert not c.contains(numbered_key(10))
         got = c.retrieve(numbered_key(0), layout=LAYOUT)  # the connection in step
         assert got is not None and got.equal(kvs[3])
+
+
+def test_a_hung_server_costs_a_call_one_deadline(server_config: ServerConfig,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A server whose data path stops answering mid-run: the call fails DeadlineExceeded after
+    one ``timeout_s``, neither made again on a fresh connection, nor on the path asked for
+    again, nor over gRPC (a fleet moves it to the next node)."""
+    hung, release = threading.Event(), threading.Event()
+    call = netpath.NetPath.call
+
+    def stalled(self: netpath.NetPath, conn: socket.socket, op: int, body: bytes) -> Any:
+        if hung.is_set():
+            release.wait(10)
+        return call(self, conn, op, body)
+
+    monkeypatch.setattr(netpath.NetPath, "call", stalled)
+    with ServerThread(dataclasses.replace(server_config, disk_bytes=0)) as st, \
+            Client(st.address, timeout_s=1.0, shm_bytes=0, retry=None) as c:
+        c.store(numbered_key(1), random_kv(LAYOUT, 16), mode="raw")
+        assert c.fetch_many([numbered_key(1)])[0] is not None  # over the data path
+        hung.set()
+        began = time.monotonic()
+        try:
+            with pytest.raises(DeadlineExceeded):
+                c.fetch_many([numbered_key(1)])
+            assert time.monotonic() - began < 1.8
+        finally:
+            release.set()

@@ -269,8 +269,9 @@ class NetPath:
               after: Sequence[bytes | memoryview] = ()) -> tuple[socket.socket, bytes]:
         """Send one call and read its answer's body: (the connection, the body), its entries
         (GetMany) still to be read off the connection. A connection the server closed while
-        it was idle is opened again once; OSError when the path is gone, the error the
-        server answered otherwise."""
+        it was idle is opened again once, not one that timed out (a hung server would cost
+        another ``timeout_s``); OSError when the path is gone, the error the server answered
+        otherwise."""
         if self.has_pending():  # the answers on this connection are theirs first
             self.settle()
         body = req.SerializeToString()
@@ -282,9 +283,9 @@ class NetPath:
                 ok, out = fast_answer(conn)
                 self.worked = True
                 break
-            except OSError:
+            except OSError as exc:
                 self._drop()
-                if new or attempt:
+                if new or attempt or isinstance(exc, TimeoutError):
                     raise
         if not ok:
             self._drop()  # a refused call may close the connection (kdn.server.netpath)
@@ -560,9 +561,14 @@ class RemotePath:
 
     def _on(self, net: NetPath, call: Callable[[NetPath], T]) -> T | None:
         """``call(net)``, made once more on the path asked for again where ``net`` had worked
-        and failed (``_again``); None where the path failed for good (gRPC then)."""
+        and failed (``_again``); None where the path failed for good (gRPC then).
+        DeadlineExceeded where the server did not answer in ``timeout_s``: one deadline per
+        call, neither asked for again nor made again over gRPC."""
         try:
             return call(net)
+        except TimeoutError as exc:
+            raise DeadlineExceeded(f"the network data path did not answer in "
+                                   f"{net.timeout_s:g} s") from exc
         except (OSError, NotFound) as exc:
             if not net.worked:
                 self.lost(exc, net)
