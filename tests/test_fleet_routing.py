@@ -118,6 +118,17 @@ def test_affinity_is_bounded_and_forgets_a_lost_node() -> None:
     ({"nodes": ("a:1",), "affinity_blocks": 0}, "affinity_blocks"),
     ({"nodes": ("a:1",), "timeout_s": 0}, "timeout_s"),
     ({"nodes": ("a:1",), "load_floor": -1.0}, "load_floor"),
+    ({"nodes": ("a:1",), "affinity_blocks": float("nan")}, "affinity_blocks must be a whole"),
+    ({"nodes": ("a:1",), "affinity_blocks": 2.5}, "affinity_blocks must be a whole"),
+    ({"nodes": ("a:1",), "memo_keys": True}, "memo_keys must be a whole"),
+    ({"nodes": ("a:1",), "inflight_weight": float("nan")}, "inflight_weight must be a finite"),
+    ({"nodes": ("a:1",), "timeout_s": float("inf")}, "timeout_s must be a finite"),
+    ({"nodes": ("a:1",), "timeout_s": "fast"}, "timeout_s must be a number"),
+    ({"nodes": ("localhost:50051", "127.0.0.1:50051")}, "are one node"),
+    ({"nodes": ("localhost:50051", "LOCALHOST:050051")}, "listed twice: localhost:50051"),
+    ({"nodes": (b"a:1",)}, "not host:port"),
+    ({"nodes": ("a:\u0661\u0662",)}, "not host:port"),
+    ({"nodes": 5}, "non-empty list"),
 ])
 def test_bad_fleet_configs_are_refused(kw: dict[str, object], match: str) -> None:
     with pytest.raises(ConfigError, match=match):
@@ -132,6 +143,13 @@ def test_fleet_file(tmp_path: Path) -> None:
     f.write_text("nodes: [a:1]\nload_bund: 1.5\n")
     with pytest.raises(ConfigError, match="unknown settings load_bund"):
         FleetConfig.from_file(f)
+    for text, match in (("nodes: 5\n", "nodes must be a non-empty list"),
+                        ("nodes: a:1\n", "nodes must be a non-empty list"),
+                        ("nodes: [a:1]\ntimeout_s: fast\n", "timeout_s must be a number")):
+        f.write_text(text)
+        with pytest.raises(ConfigError, match=match):
+            FleetConfig.from_file(f)
+    assert FleetConfig(nodes=("A:050051",)).nodes == ("a:50051",)
     f.write_text("- a:1\n")
     with pytest.raises(ConfigError, match="expected a mapping"):
         FleetConfig.from_file(f)

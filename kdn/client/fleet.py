@@ -115,12 +115,21 @@ class FleetConfig:
     """Keyword arguments for each node's ``Client`` (api_key, tls, shm_bytes, ...)."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.nodes, str) or not self.nodes:
+        if not isinstance(self.nodes, (list, tuple)) or not self.nodes:
             raise ConfigError("fleet: nodes must be a non-empty list of host:port addresses")
-        for n in self.nodes:
-            host, sep, port = str(n).rpartition(":")
-            if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-                raise ConfigError(f"fleet: node {n!r} is not host:port")
+        object.__setattr__(self, "nodes", tuple(node_address(n) for n in self.nodes))
+        seen: dict[str, str] = {}
+        for n in self.nodes:  # one node under two names would be two nodes to routing
+            same = seen.setdefault(n.replace("localhost:", "127.0.0.1:", 1), n)
+            if same != n:
+                raise ConfigError(f"fleet: nodes {same} and {n} are one node")
+        for name, f in self.__dataclass_fields__.items():
+            value, whole = getattr(self, name), f.type == "int"
+            if name in ("nodes", "client_options"):
+                continue
+            if isinstance(value, bool) or not isinstance(value, int if whole else (int, float)):
+                raise ConfigError(f"fleet: {name} must be a {'whole ' if whole else ''}number, "
+                                  f"got {value!r}")
         for name in ("load_half_life_s", "health_timeout_s", "timeout_s", "health_interval_s",
                      "retry_down_s", "load_floor", "load_bound", "inflight_weight"):
             if not math.isfinite(getattr(self, name)):
@@ -155,9 +164,17 @@ class FleetConfig:
         unknown = sorted(set(data) - known)
         if unknown:
             raise ConfigError(f"fleet file {path}: unknown settings {', '.join(unknown)}")
-        data = {**data, **overrides}
-        data["nodes"] = tuple(str(n) for n in data["nodes"] or ())
-        return cls(**data)
+        return cls(**{**data, **overrides})
+
+
+def node_address(node: object) -> str:
+    """``node`` as a fleet lists it: ``host:port`` with the host in lower case and the port
+    a plain number (``LOCALHOST:050051`` is ``localhost:50051``); ConfigError otherwise."""
+    host, sep, port = node.rpartition(":") if isinstance(node, str) else ("", "", "")
+    if not sep or not host or not (port.isascii() and port.isdigit()) or \
+            not 0 < int(port) < 65536:
+        raise ConfigError(f"fleet: node {node!r} is not host:port")
+    return f"{host.lower()}:{int(port)}"
 
 
 class FleetClient:
