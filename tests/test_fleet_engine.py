@@ -35,12 +35,14 @@ def test_an_engine_reuses_blocks_through_the_fleet_across_a_node_loss(tmp_path: 
             assert full.timings.decision == "recompute"
             assert full.store_thread is not None
             full.store_thread.join(60)
-            hit = engine.generate(ids, max_new_tokens=8)
+            # forced: on a busy 2-core host the controller may rightly find the prefill of
+            # this small model cheaper than the hit it timed, and recompute (1 run in 4)
+            hit = engine.generate(ids, max_new_tokens=8, force="lossless")
             assert hit.timings.reused_tokens == 256
             assert hit.token_ids == full.token_ids
             served = fleet.nodes.index(fleet.address)
             nodes[served].stop()
-            after = engine.generate(ids, max_new_tokens=8)
+            after = engine.generate(ids, max_new_tokens=8, force="lossless")
             assert after.timings.reused_tokens == 256  # from Redis, through the other node
             assert after.token_ids == full.token_ids
             assert fleet.failovers >= 1 and fleet.address == nodes[1 - served].address
