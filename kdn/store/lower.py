@@ -7,11 +7,15 @@ the key's stripe lock held (``kdn.store.locks``): a synchronous write or delete 
 queue's writer landing an older one, never interleave.
 
     write(tier, key, value, ...)   write now (``sync``) or queue; a ``required`` write raises
-                                   when it can not be acknowledged there now
+                                   when it can not be acknowledged there now; one the tier
+                                   does not take is dropped (counted), its tier listed in
+                                   ``refused`` (else ``clear_stale`` at once)
     delete(tier, key)              delete now, else queue the delete
-    dropped(tier, key)             the tier did not take the key's new value: its older copy is
-                                   deleted now where the tier answers, else a delete is queued
-                                   in the write's place (reads skip the tier's copy meanwhile)
+    clear_stale(tier, key)         a tier did not take the key's new value that another took:
+                                   its older copy is deleted now where the tier answers, else a
+                                   delete is queued (reads skip the tier's copy meanwhile); the
+                                   caller asks once it knows some tier took the value (one no
+                                   tier took leaves the previous value served)
 
 A write that found the tier, or the key's part of it (``Fault.PARTLY``: a Redis Cluster master
 that does not answer), down is queued and retried until it lands (``<tier>.write_retried``); a
@@ -45,12 +49,15 @@ class LowerWrites:
         self._count = count
 
     def write(self, tier: Tier, key: bytes, value: bytes | Framed, ttl: float | None,
-              expiry: float, sync: bool, required: bool) -> bool:
+              expiry: float, sync: bool, required: bool,
+              refused: list[Tier] | None = None) -> bool:
         """Write to ``tier`` (caller holds the key's stripe); True if written now.
 
         A ``required`` write that fails raises (after marking the tier down if it is); the
-        others fall back to the tier's queue, or are dropped (``dropped``). A ``Framed`` value
-        is joined first: lower tiers and their queues hold one buffer.
+        others fall back to the tier's queue, or are dropped: counted, and ``tier`` added to
+        ``refused`` for the caller to ``clear_stale`` once it knows another tier took the value
+        (without a list, at once). A ``Framed`` value is joined first: lower tiers and their
+        queues hold one buffer.
         """
         flat = contiguous(value)
         q = self._queues[tier.name]
@@ -62,10 +69,10 @@ class LowerWrites:
             if fault is Fault.PARTLY:  # the key's part of the tier is down: retried later
                 if q.retry_later(key, PendingWrite(flat, expiry), what):
                     return False
-                self.dropped(tier, key)  # the queue is full
+                self._dropped(tier, key, refused)  # the queue is full
                 return False
             if fault is Fault.FAILED:  # refused: no retry would take it
-                self.dropped(tier, key)
+                self._dropped(tier, key, refused)
                 return False
             if fault is not Fault.DOWN:
                 q.discard(key)  # written: an older queued value must not land now
@@ -82,15 +89,21 @@ class LowerWrites:
             if self._health.attempt(tier, write, what) is None:
                 q.discard(key)
                 return True
-        self.dropped(tier, key)
+        self._dropped(tier, key, refused)
         return False
 
-    def dropped(self, tier: Tier, key: bytes) -> None:
-        """``tier`` did not take ``key``'s new value (refused it, or is down with its queue
-        full; caller holds the stripe): the older copy it may hold must not be served later.
-        Deleted now where the tier answers, else a delete is queued (``WriteQueue.mark_stale``:
-        reads skip the tier's copy meanwhile)."""
+    def _dropped(self, tier: Tier, key: bytes, refused: list[Tier] | None) -> None:
         self._count(f"{tier.name}.write_dropped")
+        if refused is None:
+            self.clear_stale(tier, key)
+        else:
+            refused.append(tier)
+
+    def clear_stale(self, tier: Tier, key: bytes) -> None:
+        """``tier`` did not take ``key``'s new value, which another tier took (refused it, or
+        is down with its queue full; caller holds the stripe): the older copy it may hold must
+        not be served later. Deleted now where the tier answers, else a delete is queued
+        (``WriteQueue.mark_stale``: reads skip the tier's copy meanwhile)."""
         q = self._queues[tier.name]
         if self._health.is_up(tier.name):
             got = self._health.attempt(tier, partial(tier.delete, key),

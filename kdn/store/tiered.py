@@ -412,10 +412,11 @@ class TieredStore:
         value), and when every tier refuses, the copies queued for tiers that are down are
         withdrawn (``TierUnavailable`` names them: one may take it once back). A previous value
         stays served, except where a tier that refused the new value held the old one while
-        another took the new: that tier drops its stale copy."""
+        another took the new: that tier drops its stale copy (``LowerWrites.clear_stale``)."""
         expiry = time.monotonic() + ttl if ttl else 0.0
         head = self.tiers[0]
         first, errors = "", []
+        refused: list[Tier] = []  # tiers that did not take it: stale, once another did
         with self.stripe(key):
             self._locks.written(key)  # before any tier has it: promotions in flight stop
             if required is not head:
@@ -426,16 +427,22 @@ class TieredStore:
             first = head.name
         except KDNError as exc:
             errors.append(f"{head.name}: {exc}")
-            self._health.guard(head, partial(head.delete, key), "delete")  # an older value
+            refused.append(head)
         sync_all = not first or (self.write_policy is WritePolicy.WRITE_THROUGH
                                  and durability is not Durability.MEMORY)
         with self.stripe(key):
             for tier in self.tiers[1:]:
                 if tier is required and first:
                     continue  # written first, above
-                took = self._lower.write(tier, key, value, ttl, expiry, sync_all, False)
+                took = self._lower.write(tier, key, value, ttl, expiry, sync_all, False,
+                                         refused)
                 if took and not first:
                     first = tier.name
+            for tier in refused if first else ():  # their older copies: never served again
+                if tier is head:
+                    self._health.guard(head, partial(head.delete, key), "delete")
+                else:
+                    self._lower.clear_stale(tier, key)
             # Refused everywhere: withdraw what was queued for later (a tier, or the key's
             # part of it, that does not answer now) and fail as UNAVAILABLE, naming those.
             down = [] if first else [t.name for t in self.tiers[1:] if self._queues[
