@@ -304,3 +304,20 @@ def test_blends_whose_callers_are_gone_stop(tmp_path: Path) -> None:
         time.sleep(1.0)  # what a blend left running would compute meanwhile
         assert len(failed) == 4 and all(isinstance(e, DeadlineExceeded) for e in failed)
         assert 0 < len(passes) < 8, passes  # stopped, within a pass of the deadline
+
+
+def test_a_stored_text_only_blend_of_a_bf16_model_is_served_again(tmp_path: Path) -> None:
+    """A blend of text alone computes KV in the model's own dtype: its plan names that layout,
+    so the stored combination is what the next call finds (the plan named float32 before, and
+    a bf16 model's stored blends were recomputed and overwritten on every call)."""
+    import torch
+
+    with blending(tmp_path) as (st, c, model):
+        model.to(torch.bfloat16)
+        remote = [RemotePiece(ids=list(range(3, 40)))]
+        first = c.blend_stream(remote, store=True)
+        assert first.tier == "blend" and first.result().layout.dtype == DType.BFLOAT16
+        again = c.blend_stream(remote, store=True)
+        assert again.tier == "ram"
+        assert st.server is not None
+        assert st.server.servicer.counters.get("blend.stale", 0) == 0

@@ -169,7 +169,7 @@ class ModelBlender:
             layout = layout or src.layout
             pieces.append(Piece(ids, src))
             named.append((key, ids))
-        layout = layout or own
+        layout = layout or model_layout(model)  # what blend() computes: the model's dtype
         want = request.expect_layout_fingerprint
         if want and want != layout.fingerprint:
             raise LayoutMismatch(f"blend result has layout {layout.fingerprint}, caller expects "
