@@ -318,3 +318,57 @@ def test_an_entry_larger_than_a_message_is_exported_and_imported_in_pieces(
         got = c.import_from(path)
         assert (got.imported, got.rejected) == (1, 0)
         assert c.retrieve(key).equal(kv)  # type: ignore[union-attr]
+
+
+def test_pieces_join_per_entry_and_a_broken_one_is_counted_once() -> None:
+    """A value's pieces continue only the value of the same names; a new value (offset 0)
+    after an unfinished one abandons it (counted), and is itself joined whole."""
+    from kdn.transport.pieces import Pieces
+    from kdn.v1 import kdn_pb2 as pb
+
+    def item(key: bytes, at: int, value: bytes, more: bool) -> pb.ImportItem:
+        return pb.ImportItem(namespace="kb", key=key, offset=at, value=value, more=more)
+
+    a, b = bytes(32), b"\x01" * 32
+    p = Pieces()
+    assert p.add(item(a, 0, b"aaaa", True)) is None
+    assert p.add(item(b, 0, b"whole", False)) == b"whole"  # a's last piece never came
+    assert p.abandoned == 1
+    assert p.add(item(a, 0, b"aa", True)) is None
+    with pytest.raises(InvalidArgument, match=r"does not continue the value being joined "
+                                               r"\(2 bytes in\)"):
+        p.add(item(b, 2, b"bb", False))  # another entry's piece
+    assert p.add(item(a, 0, b"x", True)) is None and p.add(item(a, 1, b"y", False)) == b"xy"
+
+
+def test_an_old_client_gets_whole_values_and_imports_fit_a_smaller_server(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Export cuts values in pieces only for a caller that says its limit (piece_bytes): an
+    older client would write each piece as a record. Import cuts large values small enough
+    for a server whose messages are smaller than the client's."""
+    import grpc
+
+    from kdn.client import admin
+    from kdn.v1 import kdn_pb2 as pb
+
+    lay = uniform_layout(layers=4, heads=4, dim=64)
+    key, kv = keys.chunk_key([1], lay), random_kv(lay, 1024)  # an entry over 4 MiB
+    small = {"max_message_bytes": 1 << 20}
+    path = tmp_path / "big.kdnx"
+    with ServerThread(ServerConfig(port=0, data_dir=tmp_path / "a", **small)) as src:
+        with AdminClient(src.address, **small) as c:  # type: ignore[arg-type]
+            c.store(key, kv, mode="raw")
+            c.export_to(path)
+        with grpc.insecure_channel(src.address) as ch:
+            export = ch.unary_stream("/kdn.v1.KDNAdmin/Export",
+                                     request_serializer=pb.ExportRequest.SerializeToString,
+                                     response_deserializer=pb.ExportItem.FromString)
+            with pytest.raises(grpc.RpcError) as info:  # whole, as before: too large here
+                list(export(pb.ExportRequest(), timeout=30))
+            assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    monkeypatch.setattr(admin, "IMPORT_PIECE_BYTES", 512 << 10)
+    with ServerThread(ServerConfig(port=0, data_dir=tmp_path / "b", **small)) as dst, \
+            AdminClient(dst.address) as c:  # the client's own limit: the default 256 MiB
+        got = c.import_from(path)
+        assert (got.imported, got.rejected) == (1, 0)
+        assert c.retrieve(key).equal(kv)  # type: ignore[union-attr]

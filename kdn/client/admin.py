@@ -38,6 +38,9 @@ from kdn.v1 import kdn_pb2_grpc as pb_grpc
 
 __all__ = ["MAGIC", "AdminClient", "Record", "encode_record", "read_records"]
 IMPORT_BATCH_BYTES = 32 << 20  # one Import call carries at most this much (or 64 records)
+IMPORT_PIECE_BYTES = 16 << 20
+"""An imported value larger than this goes in pieces (a server's messages may be smaller than
+this client's; its default is 256 MiB)."""
 
 
 SERVICE = "kdn.v1.KDN"  # the service whose health turns NOT_SERVING while a tier is down
@@ -218,7 +221,8 @@ class AdminClient(Client):
 
         items: list[pb.ImportItem] = []
         size = records = done = 0
-        largest = piece_bytes(self.max_message_bytes)  # a larger value goes in pieces
+        largest = min(piece_bytes(self.max_message_bytes), IMPORT_PIECE_BYTES)  # a larger
+        # value goes in pieces: small enough for a server whose messages are smaller
         for _, r in scan(path):
             items += [pb.ImportItem(tenant=r.tenant, namespace=r.namespace, key=r.key,
                                     value=piece, offset=at, more=more)

@@ -282,9 +282,10 @@ class AdminServicer(pb_grpc.KDNAdminServicer):
             return
         keys = [k for k in keys if not request.after or k > request.after]
         assert self.ingest is not None  # the server builds the admin servicer with it
-        size = piece_bytes(self.ingest.config.max_message_bytes)  # a larger value: in pieces
-        if request.piece_bytes:  # (the caller's limit too)
-            size = max(256, min(size, request.piece_bytes))
+        size = (max(256, min(piece_bytes(self.ingest.config.max_message_bytes),
+                             request.piece_bytes))  # a larger value: in pieces (the
+                if request.piece_bytes else 1 << 62)  # caller's limit too); a caller that
+        # names none joins no pieces: it gets each value whole (too large: the call fails)
         for i, k in enumerate(keys):
             got = await asyncio.to_thread(self._read, k)
             if got is None:
@@ -339,6 +340,7 @@ class AdminServicer(pb_grpc.KDNAdminServicer):
                 resp.imported += 1
             else:
                 resp.skipped += 1
+        resp.rejected += pieces.abandoned  # values whose last piece never came
         return resp
 
     @rpc

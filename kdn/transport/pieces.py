@@ -19,6 +19,9 @@ SLACK = 1024
 
 
 class Piece(Protocol):
+    tenant: str
+    namespace: str
+    key: bytes
     offset: int
     more: bool
     value: bytes
@@ -46,15 +49,26 @@ class Pieces:
         self.limit = limit  # the largest value taken (None: any); past it, pieces are dropped
         self._parts: list[bytes] = []
         self._size = 0
+        self._name: tuple[str, str, bytes] | None = None  # the value being joined
+        self.abandoned = 0
+        """Values whose pieces stopped before their last (the next entry began): for the
+        caller to count as refused."""
 
     def add(self, item: Piece) -> bytes | None:
-        """The whole value when ``item`` is its last piece, else None. InvalidArgument for a
-        piece out of place; TooLarge (at the last piece, once per value) for a value past
+        """The whole value when ``item`` is its last piece, else None. A piece at offset 0
+        begins a value (one unfinished before it is ``abandoned``); a later piece must
+        continue the value of the same names where it stopped, else InvalidArgument (and
+        the value is dropped). TooLarge (at the last piece, once per value) for a value past
         ``limit``, whose pieces are not kept."""
-        if item.offset != self._size:
-            self._parts, self._size = [], 0  # the next value starts afresh
-            raise InvalidArgument(f"a value's piece at byte {item.offset} came after "
-                                  f"{self._size} bytes of it")
+        name = (item.tenant, item.namespace, bytes(item.key))
+        if item.offset == 0:
+            if self._name is not None:
+                self.abandoned += 1
+            self._parts, self._size, self._name = [], 0, name
+        elif self._name != name or item.offset != self._size:
+            had, self._parts, self._size, self._name = self._size, [], 0, None
+            raise InvalidArgument(f"a piece at byte {item.offset} of key {name[2].hex()[:16]} "
+                                  f"does not continue the value being joined ({had} bytes in)")
         self._size += len(item.value)
         if self.limit is None or self._size <= self.limit:
             self._parts.append(item.value)
@@ -63,7 +77,7 @@ class Pieces:
         if item.more:
             return None
         size, value = self._size, b"".join(self._parts)
-        self._parts, self._size = [], 0
+        self._parts, self._size, self._name = [], 0, None
         if self.limit is not None and size > self.limit:
             raise TooLarge(f"entry of {size} bytes exceeds max_entry_bytes {self.limit}")
         return value
