@@ -69,7 +69,10 @@ def test_a_delete_reaches_every_node_and_a_missing_one_is_remembered(
         assert read(nodes[1 - home]).equal(kv)  # type: ignore[union-attr]
         f._mark(home, False)  # marked down, yet it holds a RAM copy
         assert f.delete(KEY) == 1
-        assert read(nodes[0]) is None and read(nodes[1]) is None
+        assert read(nodes[1 - home]) is None  # a node marked down is not waited for:
+        assert [r["stale"] for r in f.nodes_report()][home] == 1  # its copy is dropped
+        f._mark(home, True)  # before it is live again
+        assert read(nodes[home]) is None and f.router.live[home]
     with fleet([nodes[0].address, "127.0.0.1:1"]) as f:  # nothing listens on the second
         f.store(KEY, kv)
         assert f.delete(KEY) == 1

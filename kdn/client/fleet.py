@@ -420,13 +420,19 @@ class FleetClient:
 
     def delete(self, key: bytes | Sequence[bytes], *, namespace: str | None = None,
                tenant: str = "", **kw: Any) -> int:
-        """Delete from every configured node (each may hold a RAM copy), those marked down
-        too; the most any node deleted (the shared tier's copy is deleted by the first). A
-        node not reached drops its copies before it is marked live again (``drop_copies``);
-        Unavailable when none was reached (the shared tier's copy is still there)."""
+        """Delete from every live node (each may hold a RAM copy); a node marked down is not
+        waited for: it drops its copies before it is marked live again (``drop_copies``), as
+        one not reached does. The most any node deleted (the shared tier's copy is deleted by
+        the first); Unavailable when none was reached (the shared tier's copy is still
+        there)."""
         keys = [key] if isinstance(key, (bytes, bytearray)) else list(key)
         done: list[int] = []
+        down = [node for node in range(len(self.clients)) if not self.router.live[node]]
+        if down and len(down) < len(self.clients):
+            self.drop_copies(keys, down, namespace, tenant)
         for node, c in enumerate(self.clients):
+            if node in down and len(down) < len(self.clients):
+                continue  # a hung node would cost every delete a deadline
             try:
                 done.append(c.delete(keys, namespace=namespace, tenant=tenant, **kw))
             except NODE_FAILURES:
