@@ -121,6 +121,8 @@ def test_model_labels_stay_bounded_and_carry_no_directories() -> None:
         ["other"] * 3
     assert usage._model("meta-llama/Llama-3-8B", "b") == "meta-llama/Llama-3-8B"
     assert usage._model("junk0", "b") == "junk0"  # labelled already: every tenant's
+    usage = Usage()  # a server without tenants: every key is tenant "", all 32 its own
+    assert len({usage._model(f"m{i}", "") for i in range(MAX_MODELS)}) == MAX_MODELS
 
 
 def test_log_lines_carry_the_request_id(tmp_path: Path, caplog: pytest.LogCaptureFixture

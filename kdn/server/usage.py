@@ -123,7 +123,8 @@ class Usage:
         if name in self._models:
             return name
         added = self._added.get(tenant, 0)
-        if len(self._models) < MAX_MODELS and added < MODELS_PER_TENANT:
+        if len(self._models) < MAX_MODELS and (added < MODELS_PER_TENANT or not tenant):
+            # (a server without tenants keeps every key under "": the whole budget is its)
             self._models.add(name)
             self._added[tenant] = added + 1
             return name
