@@ -153,6 +153,24 @@ def test_a_damaged_small_value_is_read_again_or_missed(server: ServerThread,
     assert shm_client.retrieve(_key(5), layout=LAYOUT) is None  # a miss, not damaged tensors
 
 
+def test_a_value_read_again_after_damage_keeps_the_shape_asked_for(
+        server: ServerThread, shm_client: Client) -> None:
+    """The read that replaces a damaged copy is served only with the layout and tokens the
+    first one was checked to have: a disk copy of another shape (written meanwhile) is a
+    miss, not an entry the reader said it does not want."""
+    from kdn import codec
+
+    shm_client.store(_key(7), random_kv(LAYOUT, 8, seed=7), mode="raw")
+    assert server.server is not None
+    tiers = {t.name: t for t in server.server.store.tiers}
+    skey = next(k for k in tiers["ram"]._data if k.endswith(_key(7).hex().encode()))  # noqa: SLF001
+    bad = bytearray(tiers["ram"]._data[skey])  # noqa: SLF001
+    bad[-10] ^= 0x01
+    tiers["ram"]._data[skey] = bytes(bad)  # noqa: SLF001
+    tiers["disk"].put(skey, codec.encode_parts(random_kv(LAYOUT, 9, seed=8), "raw").to_bytes())
+    assert shm_client.retrieve(_key(7), layout=LAYOUT, tokens=8) is None
+
+
 def test_direct_kv_views_have_the_layout_shapes(shm_client: Client) -> None:
     layout = uniform_layout(layers=3, heads=2, dim=8)
     kv = random_kv(layout, 5, seed=6, start=40)

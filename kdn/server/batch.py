@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from kdn.codec.copies import copy_checked
 from kdn.codec.format import header_shape, header_size, parse_header
-from kdn.errors import Corrupt, TooLarge
+from kdn.errors import Corrupt, KDNError, TooLarge
 from kdn.keys import store_key
 from kdn.layout import Expected
 from kdn.server.arena import Arenas, list_small
@@ -96,6 +96,15 @@ def _check_layout(skey: bytes, value: bytes | memoryview | Framed, want: Expecte
     if want.fingerprint or want.tokens:
         want.check(*header_shape(value.header if isinstance(value, Framed) else value),
                    what=f"entry {skey.decode()}")
+
+
+def _same_shape(value: bytes | memoryview, checked: bytes | memoryview) -> bool:
+    """Whether ``value`` has the layout and tokens of ``checked`` (read again after a
+    damaged copy: what the caller expects was checked on the first)."""
+    try:
+        return header_shape(value) == header_shape(checked)
+    except KDNError:
+        return False
 
 
 def _aligned(n: int) -> int:
@@ -321,7 +330,8 @@ class BatchReads:
     def _inline_copy(self, skey: bytes, hit: Hit) -> tuple[bytearray, Hit] | None:
         """A copy of ``hit``'s value to send inline, every checksum verified on the copy; a
         value that fails is read again, as a segment copy's is (``_recopy``): the copy of
-        the value read then, or None when there is no sound one (answered as a miss)."""
+        the value read then (of the shape the first was: the one the caller's expectations
+        were checked on), or None when there is no sound one (answered as a miss)."""
         for attempt in range(2):
             dst = bytearray(len(hit.value))
             try:
@@ -330,7 +340,7 @@ class BatchReads:
             except Corrupt as exc:
                 self._distrust(skey, exc)
             again = self.store.get(skey) if attempt == 0 else None
-            if again is None:
+            if again is None or not _same_shape(again.value, hit.value):
                 return None
             hit = again
         return None
@@ -383,7 +393,7 @@ class BatchReads:
         self._distrust(skey, exc)
         again = self.store.get(skey)
         if again is None or len(again.value) != len(hit.value) or \
-                parse_header(again.value).layout != parse_header(hit.value).layout:
+                not _same_shape(again.value, hit.value):
             return None
         try:
             copy_checked(memoryview(seg.array[at : at + len(hit.value)]),  # type: ignore[arg-type]
