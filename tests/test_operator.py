@@ -335,3 +335,26 @@ def test_grpc_status_for_wrong_role_is_permission_denied(secured: ServerThread) 
         with pytest.raises(grpc.RpcError) as info:
             stub.Gc(pb.GcRequest(), timeout=10)
         assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_a_tenant_is_named_only_to_a_server_that_takes_it(
+        secured: ServerThread, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A server older than the tenant field of admin requests ignores it and would act on the
+    admin's own entries: the client asks what the server takes (Stats ``features``) and
+    refuses to name a tenant to one that does not say so, before anything is sent."""
+    from kdn.errors import InvalidArgument
+    from kdn.server import service
+
+    key = keys.chunk_key([6, 6], LAY)
+    for api_key in ("key-a", "key-ops"):
+        with Client(secured.address, api_key=api_key) as c:
+            c.store(key, random_kv(LAY, 8, seed=1))
+    monkeypatch.setattr(service, "FEATURES", ())  # as an older server answers Stats
+    with AdminClient(secured.address, api_key="key-ops") as ops:
+        for act in (lambda: ops.delete(key, tenant="team-a"),
+                    lambda: ops.evict([key], tenant="team-a"),
+                    lambda: ops.inspect(key, tenant="team-a")):
+            with pytest.raises(InvalidArgument, match="older kdn"):
+                act()
+        assert ops.contains(key)  # its own entry is still there
+        assert ops.delete(key) == 1  # no tenant named: as before

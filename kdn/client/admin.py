@@ -119,7 +119,7 @@ class AdminClient(Client):
         """One entry, its layout included. ``tenant`` (here and in ``evict``, ``pin``,
         ``unpin``): admins only, that tenant's entry ("": the caller's own)."""
         req = pb.InspectRequest(namespace=check_namespace(namespace or self.namespace),
-                                key=check_key(key), tenant=_tenant(tenant))
+                                key=check_key(key), tenant=self.scoped(tenant, request_id))
         md = self.metadata(request_id)
         return self.rpc.call(lambda: self._admin.Inspect(req, timeout=self.timeout_s, metadata=md))
 
@@ -127,7 +127,7 @@ class AdminClient(Client):
               tier: str, tenant: str, request_id: str | None) -> int:
         req = pb.KeysRequest(namespace=check_namespace(namespace or self.namespace),
                              keys=[check_key(k) for k in keys],
-                             tier=tier, tenant=_tenant(tenant))
+                             tier=tier, tenant=self.scoped(tenant, request_id))
         md = self.metadata(request_id)
         return int(self.rpc.call(lambda: rpc(req, timeout=self.timeout_s, metadata=md)).count)
 
@@ -164,7 +164,7 @@ class AdminClient(Client):
         written only when the listing is done. ``tenant``: admins only, this tenant's entries
         ("": every entry the caller sees)."""
         _listing(namespace, key_prefix)
-        tenant = _tenant(tenant)
+        tenant = self.scoped(tenant, request_id)
         out = ExportWriter.open(Path(path), Filter(namespace, key_prefix, tenant))
         if out.complete:
             return out.records
@@ -196,15 +196,18 @@ class AdminClient(Client):
         """Import an export file. The whole file is checked first (checksums, names, its end
         marker), one record at a time, so a bad, cut off or foreign file sends nothing."""
         path = Path(path)
-        n = 0
+        n, tenanted = 0, False
         for n, (_, r) in enumerate(scan(path), 1):
             try:
                 check_namespace(r.namespace)
                 check_key(r.key)
                 if r.tenant:
                     check_tenant(r.tenant)
+                    tenanted = True
             except InvalidArgument as exc:
                 raise InvalidArgument(f"{path}: record {n - 1}: {exc}") from None
+        if tenanted:  # an older server would store every record under the caller's tenant
+            self.scoped(next(r.tenant for _, r in scan(path) if r.tenant), request_id)
         total = pb.ImportResponse()
         md = self.metadata(request_id)
 

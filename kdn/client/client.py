@@ -129,6 +129,7 @@ class Client:
         self.timeout_s = timeout_s
         self.retry = retry or Retry()
         self.namespace = check_namespace(namespace)
+        self._features: frozenset[str] | None = None  # what the server takes (``scoped``)
         self.rpc = Rpc(address, timeout_s=timeout_s, retry=self.retry,
                        max_message_bytes=max_message_bytes, api_key=api_key, tls=tls)
         """The channel and the calls made on it (``kdn.client.rpc``)."""
@@ -357,13 +358,29 @@ class Client:
         tenant's entries ("": the caller's own)."""
         keys = [key] if isinstance(key, (bytes, bytearray)) else list(key)
         req = pb.DeleteRequest(namespace=self._ns(namespace), keys=[check_key(k) for k in keys],
-                               tenant=check_tenant(tenant) if tenant else "")
+                               tenant=self.scoped(tenant, request_id))
         if self.local is not None and not tenant:  # (the local copies are the caller's)
             for k in req.keys:
                 self.local.discard(req.namespace, k)
         md = self.rpc.metadata(request_id)
         return int(self.rpc.call(lambda: self.rpc.stub.Delete(req, timeout=self.timeout_s,
                                                         metadata=md)).deleted)
+
+    def scoped(self, tenant: str, request_id: str | None = None) -> str:
+        """``tenant`` checked, for a request that acts on another tenant's entries: "" (the
+        caller's own) passes; a name only where the server says it takes one (``features``
+        in Stats, asked once): an older server would act on the caller's own entries
+        instead, so InvalidArgument says so before anything is sent."""
+        if not tenant:
+            return ""
+        check_tenant(tenant)
+        if self._features is None:
+            self._features = frozenset(self.stats(request_id=request_id).features)
+        if "tenant-scope" not in self._features:
+            raise InvalidArgument(f"this server does not act on another tenant's entries (an "
+                                  f"older kdn): it would act on yours; leave out tenant "
+                                  f"{tenant!r}, or use that tenant's API key")
+        return tenant
 
     def stats(self, *, request_id: str | None = None) -> pb.StatsResponse:
         md = self.rpc.metadata(request_id)

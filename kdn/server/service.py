@@ -54,7 +54,7 @@ from kdn.server.wire_memo import WireMemo
 from kdn.store.tiered import TieredStore
 from kdn.transport.buffers import BufferPool
 from kdn.transport.prefault import PrefaultedHeap
-from kdn.transport.wire import FrameMessage
+from kdn.transport.wire import FEATURES, FrameMessage
 from kdn.v1 import kdn_pb2 as pb
 from kdn.v1 import kdn_pb2_grpc as pb_grpc
 
@@ -303,6 +303,7 @@ class KDNServicer(pb_grpc.KDNServicer):
             version=__version__,
             tenants=await asyncio.to_thread(self._tenant_stats),
             health="degraded" if self.store.degraded or down else "serving",
+            features=FEATURES,
         )
 
     def _tenant_stats(self) -> list[pb.TenantStats]:

@@ -398,6 +398,10 @@ def serialize_passthrough(message: Any) -> bytes:
 
 FAST_HEAD = struct.Struct("<IB")
 """Request: u32 body length, u8 op; response: u32 body length, u8 ok (1) / error (0)."""
+FEATURES = ("tenant-scope",)
+"""What a server tells in Stats (``features``) that an older one would ignore unannounced:
+``tenant-scope``, the tenant field of admin requests (an older server acts on the caller's own
+tenant instead: a client that names one asks first)."""
 FAST_GET_MANY, FAST_PUT_MANY = 1, 2
 FAST_ARENA = 3
 """Body: a segment id; answer: u64 arena size, with the arena's descriptor (SCM_RIGHTS)."""

@@ -336,7 +336,7 @@ class TenantStats(_message.Message):
     def __init__(self, tenant: _Optional[str] = ..., entries: _Optional[int] = ..., bytes: _Optional[int] = ..., quota_bytes: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("tiers", "counters", "version", "tenants", "health")
+    __slots__ = ("tiers", "counters", "version", "tenants", "health", "features")
     class CountersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -349,12 +349,14 @@ class StatsResponse(_message.Message):
     VERSION_FIELD_NUMBER: _ClassVar[int]
     TENANTS_FIELD_NUMBER: _ClassVar[int]
     HEALTH_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
     tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
     counters: _containers.ScalarMap[str, int]
     version: str
     tenants: _containers.RepeatedCompositeFieldContainer[TenantStats]
     health: str
-    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., counters: _Optional[_Mapping[str, int]] = ..., version: _Optional[str] = ..., tenants: _Optional[_Iterable[_Union[TenantStats, _Mapping]]] = ..., health: _Optional[str] = ...) -> None: ...
+    features: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., counters: _Optional[_Mapping[str, int]] = ..., version: _Optional[str] = ..., tenants: _Optional[_Iterable[_Union[TenantStats, _Mapping]]] = ..., health: _Optional[str] = ..., features: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class AttachRequest(_message.Message):
     __slots__ = ("pid", "fd", "size", "nonce", "remote")
