@@ -196,18 +196,18 @@ class AdminClient(Client):
         """Import an export file. The whole file is checked first (checksums, names, its end
         marker), one record at a time, so a bad, cut off or foreign file sends nothing."""
         path = Path(path)
-        n, tenanted = 0, False
+        n, tenanted = 0, ""
         for n, (_, r) in enumerate(scan(path), 1):
             try:
                 check_namespace(r.namespace)
                 check_key(r.key)
                 if r.tenant:
                     check_tenant(r.tenant)
-                    tenanted = True
+                    tenanted = tenanted or r.tenant  # the first named
             except InvalidArgument as exc:
                 raise InvalidArgument(f"{path}: record {n - 1}: {exc}") from None
         if tenanted:  # an older server would store every record under the caller's tenant
-            self.scoped(next(r.tenant for _, r in scan(path) if r.tenant), request_id)
+            self.scoped(tenanted, request_id)
         total = pb.ImportResponse()
         md = self.metadata(request_id)
 

@@ -428,10 +428,11 @@ class FleetClient:
         keys = [key] if isinstance(key, (bytes, bytearray)) else list(key)
         done: list[int] = []
         down = [node for node in range(len(self.clients)) if not self.router.live[node]]
-        if down and len(down) < len(self.clients):
-            self.drop_copies(keys, down, namespace, tenant)
+        if len(down) == len(self.clients):
+            down = []  # none is live: each is tried
+        self.drop_copies(keys, down, namespace, tenant)
         for node, c in enumerate(self.clients):
-            if node in down and len(down) < len(self.clients):
+            if node in down:
                 continue  # a hung node would cost every delete a deadline
             try:
                 done.append(c.delete(keys, namespace=namespace, tenant=tenant, **kw))

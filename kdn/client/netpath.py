@@ -44,7 +44,7 @@ from typing import Any, TypeVar
 
 from kdn.client.parallel import stream_cores
 from kdn.client.pending import ASYNC_DEPTH, PendingStore
-from kdn.client.received import Fetched, fetched
+from kdn.client.received import MAX_ENTRY_BYTES, Fetched, fetched
 from kdn.codec import EncodedParts
 from kdn.codec.format import HEAD_PREFIX_BYTES, check_frame_prefix, header_size
 from kdn.errors import (
@@ -85,10 +85,6 @@ server holds at most 2 GiB read from its disk tiers for one answer)."""
 BATCH_ITEMS = 4096
 """Items one PutMany carries at most: its request (~60 bytes an item) stays within what the
 server reads before a connection's ticket is known (``kdn.server.netpath.FIRST_BODY``)."""
-MAX_ENTRY_BYTES = 1 << 36
-"""Largest entry a GetMany answer may announce (64 GiB: a server's ``max_entry_bytes`` is 8 GiB
-by default); a larger length is a damaged or hostile answer, refused before any memory is
-set aside for it."""
 MAX_STRIPES = 8
 """Connections one GetMany is striped over at most, chosen by size (``connections`` may
 ask for more, up to ``MAX_CONNECTIONS``)."""

@@ -84,8 +84,9 @@ def fetched(buf: bytes | memoryview, tier: str, owned: bool = False,
 
 
 MAX_ENTRY_BYTES = 1 << 36
-"""The largest entry a client takes from a server (64 GiB: past any server's
-``max_entry_bytes``); a declared size beyond is Corrupt before anything is set aside."""
+"""The largest entry a client takes from a server, on any path (a Retrieve's ``total_bytes``,
+a GetMany answer's lengths; 64 GiB, past any server's ``max_entry_bytes``, 8 GiB by default):
+a declared size beyond is Corrupt before anything is set aside for it."""
 KEEP_MESSAGES_BYTES = 64 << 20
 """A received entry up to this size stays in the messages it came in (``received``); a larger
 one is copied into one buffer (``kdn.transport.buffers.RECEIVED``, recycled up to its
