@@ -47,10 +47,10 @@ WHY = {1: "sections do not add up to the body", 2: "empty stream set is not empt
        7: "entropy tables are inconsistent", 8: "rANS section does not add up",
        9: "sink tokens have the wrong size", 10: "entropy table code out of range",
        11: "entropy table codes do not fit the tables", 12: "entropy tables do not decode"}
-_DEPTH = np.array([0, 0, *(int(np.ceil(np.log2(w))) for w in range(2, MAX_WIDTH + 1))],
-                  np.int8)
+_DEPTH = np.array([0, 0, *(int(np.ceil(np.log2(w))) for w in range(2, 1 << 16))], np.int8)
 """Bits to search a row of each width (``w`` bins: the least ``d`` with ``2 ** d >= w``),
-looked up: a loop of a data-dependent length per row mispredicts."""
+looked up: a loop of a data-dependent length per row mispredicts. Every u16 a table can hold
+has an entry (``count`` has not bounded the widths by ``MAX_WIDTH``)."""
 NF = 15
 """Per-blob fields (columns of ``fill``'s blob tables; column NF: the blob's layer)."""
 CROW, ROWBASE, BLOCKS, BLOCK, N, STREAMS, STATES, HEADS, KC, VC, TOKENS, SINK, KBASE, VBASE, \
