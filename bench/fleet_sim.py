@@ -36,6 +36,7 @@ mean of the nodes alive at the end.
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import json
 import random
@@ -47,6 +48,7 @@ from typing import Any
 
 import numpy as np
 
+from kdn.client.fleet import FleetConfig
 from kdn.client.routing import Affinity, LoadMeter, Router, key_hash
 
 POLICIES = ("random", "key-hash", "prefix-affinity")
@@ -100,6 +102,10 @@ def bound_hit_ratio(trace: list[Request]) -> float:
     return hits / max(1, total)
 
 
+_FLEET = {f.name: f.default for f in dataclasses.fields(FleetConfig)}
+"""``FleetClient``'s routing defaults: the simulation routes as it does unless a row says."""
+
+
 @dataclass(frozen=True)
 class Sim:
     policy: str
@@ -107,9 +113,10 @@ class Sim:
     ram_per_node_bytes: int
     entry_bytes: int
     encoding: str = "raw"
-    affinity_blocks: int = 4
-    load_bound: float = 1.25
-    half_life_s: float = 300.0
+    affinity_blocks: int = _FLEET["affinity_blocks"]
+    load_bound: float = _FLEET["load_bound"]
+    load_floor: float = _FLEET["load_floor"]
+    half_life_s: float = _FLEET["load_half_life_s"]
     fail_at: float = 0.0
     """Fraction of the trace at which a node dies (0 = none)."""
     seed: int = 0
@@ -149,7 +156,8 @@ def simulate(trace: list[Request], sim: Sim) -> dict[str, Any]:
     """Replay ``trace`` under ``sim``; one report row (module docstring)."""
     t0 = time.perf_counter()
     names = [f"node-{i}" for i in range(sim.nodes)]
-    router = Router(names, affinity_blocks=sim.affinity_blocks, load_bound=sim.load_bound)
+    router = Router(names, affinity_blocks=sim.affinity_blocks, load_bound=sim.load_bound,
+                    load_floor=sim.load_floor)
     load = LoadMeter(sim.nodes, half_life_s=sim.half_life_s)
     rams = [_Lru(sim.ram_per_node_bytes // sim.entry_bytes) for _ in range(sim.nodes)]
     dead = np.zeros(sim.nodes, dtype=bool)  # the truth; ``router.live`` is what routing knows
