@@ -408,16 +408,22 @@ FAST_ARENA = 3
 ARENA_SIZE = struct.Struct("<Q")
 
 
+READ_STEP = 1 << 20
+"""Bytes ``read_exact`` asks of one ``recv`` at most: what it allocates grows with what the
+peer really sent, not with the length the peer declared (a forged length of 4 GiB followed by
+nothing must not reserve 4 GiB)."""
+
+
 def read_exact(conn: socket.socket, n: int) -> bytes | None:
     """``n`` bytes from ``conn``, or None when it closed first."""
-    first = conn.recv(n) if n else b""
+    first = conn.recv(min(n, READ_STEP)) if n else b""
     if len(first) == n:  # most often whole at once
         return first
     if not first:
         return None
     buf = bytearray(first)
     while len(buf) < n:
-        chunk = conn.recv(n - len(buf))
+        chunk = conn.recv(min(n - len(buf), READ_STEP))
         if not chunk:
             return None
         buf += chunk
