@@ -8,6 +8,7 @@ import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import lmdb
 import pytest
 import xxhash
 
@@ -429,3 +430,48 @@ def test_a_write_its_part_of_a_tier_did_not_take_is_retried(policy: WritePolicy)
     store.put(b"x2", b"v2")
     store.close()
     assert store.counters.get("part.write_dropped") == 1 and not lower.contains(b"x2")
+
+
+class _FailingEnv:
+    """An LMDB environment whose read transactions fail as a disk does (``exc``); writes and
+    everything else go to the real one."""
+
+    def __init__(self, env: object, exc: Exception) -> None:
+        self._env, self.exc, self.failing = env, exc, True
+
+    def begin(self, *args: object, **kw: object) -> object:
+        if self.failing and not kw.get("write"):
+            raise self.exc
+        return self._env.begin(*args, **kw)  # type: ignore[attr-defined]
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._env, name)
+
+
+@pytest.mark.parametrize("exc, down", [(lmdb.DiskError("EIO"), True),
+                                       (lmdb.CorruptedError("bad page"), True),
+                                       (lmdb.ReadersFullError("full"), False)])
+def test_a_disk_read_that_fails_is_a_miss_of_that_tier_never_an_error(
+        make: Callable[..., TieredStore], exc: Exception, down: bool) -> None:
+    """A read LMDB fails (an I/O error, a damaged file, too many readers at once) is a miss of
+    the disk tier, with the tier marked down where the whole tier is in doubt; values in RAM
+    are served on, and once the disk reads again its entries come back."""
+    store = make(ram=1 << 20)
+    in_ram, on_disk = entry(100, 1), entry(100, 2)
+    store.put(b"r" * 32, in_ram)
+    store.put(b"d" * 32, on_disk)
+    disk = store.tiers[1]
+    assert isinstance(disk, LmdbTier)
+    store.tiers[0].delete(b"d" * 32)  # only the disk holds it
+    failing = _FailingEnv(disk.env, exc)
+    disk.env = failing  # type: ignore[assignment]
+    assert store.get(b"d" * 32) is None  # a miss, not lmdb's exception
+    assert not store.lookup([b"d" * 32])[0].present
+    hit = store.get(b"r" * 32)
+    assert hit is not None and bytes(hit.value) == in_ram
+    assert store.is_up(disk.name) != down
+    failing.failing = False
+    store.probe()
+    assert store.is_up(disk.name)
+    hit = store.get(b"d" * 32)
+    assert hit is not None and bytes(hit.value) == on_disk

@@ -29,7 +29,10 @@ probe marks the tier down) and every write, checked once committed, raises ``Tie
 
 Failed writes: a write LMDB fails (the disk full, an I/O error) raises ``PartlyUnavailable``:
 that write fails (a DISK store is UNAVAILABLE, a queued one is retried with a backoff), while
-the tier stays up and serves what it holds; ``healthy`` asks whether it can read.
+the tier stays up and serves what it holds; ``healthy`` asks whether it can read. Failed reads
+(``_read_failed``): an I/O error or a damaged file takes the tier down (its probe brings it back
+once it reads again); a full reader table fails that read only. Either is a miss of this tier
+to the caller, never an error of the request.
 
 Map growth: the map starts small and doubles up to ``max_map_bytes`` on ``MapFullError``;
 resizing needs every transaction of this process closed, so transactions share a
@@ -75,6 +78,15 @@ def _unmeta(raw: bytes | memoryview) -> tuple[int, float, int, float]:
     if len(raw) == _META_V1.size:
         return (*_META_V1.unpack(raw), 0.0)
     return _META.unpack(raw)  # type: ignore[no-any-return]
+def _read_failed(exc: lmdb.Error) -> TierUnavailable:
+    """What a read LMDB failed raises: a reader table full (more reads at once than
+    ``max_readers``) fails that read only (``PartlyUnavailable``); anything else (an I/O error,
+    a damaged file) takes the tier down until its probe reads again (``TierUnavailable``)."""
+    if isinstance(exc, lmdb.ReadersFullError):
+        return PartlyUnavailable(f"disk tier read refused: {exc}")
+    return TierUnavailable(f"disk tier read failed: {exc}")
+
+
 _STAMP = struct.Struct(">Q")
 _USED = b"used"
 _MAX_TOUCHED = 1 << 16
@@ -189,6 +201,8 @@ class LmdbTier(Tier):
         try:
             with self.env.begin() as txn:
                 yield txn
+        except lmdb.Error as exc:
+            raise _read_failed(exc) from exc
         finally:
             self._rw.release_shared()
 
@@ -238,6 +252,8 @@ class LmdbTier(Tier):
                 if raw is None:
                     return None
                 size, expiry, _, _ = _unmeta(raw)
+        except lmdb.Error as exc:
+            raise _read_failed(exc) from exc
         finally:
             self._rw.release_shared()
         if expiry and expiry <= time.time():
@@ -266,6 +282,8 @@ class LmdbTier(Tier):
                         expired = True
                     else:
                         value = self._value(txn, key, size)
+        except lmdb.Error as exc:
+            raise _read_failed(exc) from exc
         finally:
             self._rw.release_shared()
         if value is None:
