@@ -19,6 +19,7 @@ from kdn.client.admin import AdminClient, read_records
 from kdn.client.client import TLSOptions
 from kdn.errors import NotFound, PermissionDenied, TooLarge, Unauthenticated, Unavailable
 from kdn.server import ServerConfig, ServerThread
+from kdn.server.rpc import IN_FLIGHT
 from tests.helpers import make_certs, random_kv, uniform_layout
 
 LAY = uniform_layout()
@@ -95,6 +96,30 @@ def test_tenants_can_not_reach_each_other(secured: ServerThread) -> None:
         assert {t.tenant: t.entries for t in st.tenants} == {"team-a": 1, "team-b": 1}
     with AdminClient(secured.address, api_key="key-b") as b:  # a tenant evicts its own entries
         assert b.evict([key], tier="ram") == 1
+
+
+def test_a_tenant_sees_its_own_share_of_the_stats_not_the_servers(secured: ServerThread
+                                                                   ) -> None:
+    """Stats from a tenant's key: its own entries, the tiers' health and the calls in flight;
+    no server-wide counts (entries, hits, requests), which tell other tenants' traffic. An
+    admin sees them all."""
+    with Client(secured.address, api_key="key-a") as a:
+        for i in range(3):
+            a.store(keys.chunk_key([i], LAY), random_kv(LAY, 4, seed=i))
+        assert a.retrieve(keys.chunk_key([0], LAY)) is not None
+    with Client(secured.address, api_key="key-b") as b:
+        b.store(keys.chunk_key([9], LAY), random_kv(LAY, 4))
+        st = b.stats()
+        assert {t.tenant: t.entries for t in st.tenants} == {"team-b": 1}
+        ram = {t.name: t for t in st.tiers}["ram"]
+        assert ram.healthy and ram.capacity_bytes > 0
+        assert (ram.entries, ram.bytes, ram.hits, ram.misses) == (0, 0, 0, 0)
+        assert set(st.counters) == {IN_FLIGHT} and st.health == "serving"
+    with Client(secured.address, api_key="key-ops") as ops:
+        st = ops.stats()
+        assert {t.name: t for t in st.tiers}["ram"].entries == 4
+        assert {t.tenant: t.entries for t in st.tenants} == {"team-a": 3, "team-b": 1}
+        assert len(st.counters) > 1
 
 
 def test_an_admin_reaches_tenants_entries_by_key(secured: ServerThread,

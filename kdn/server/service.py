@@ -51,6 +51,7 @@ from kdn.server.rpc import IN_FLIGHT, abort, rpc
 from kdn.server.segments import Segments
 from kdn.server.usage import Usage
 from kdn.server.wire_memo import WireMemo
+from kdn.store.base import TierStats
 from kdn.store.tiered import TieredStore
 from kdn.transport.buffers import BufferPool
 from kdn.transport.prefault import PrefaultedHeap
@@ -279,6 +280,8 @@ class KDNServicer(pb_grpc.KDNServicer):
 
         tiers = await asyncio.to_thread(self.store.stats)
         down = self.store.parts_down()  # remembered by the tiers' watchers: no calls out
+        if self._tenant_scoped():
+            return self._tenant_view(tiers, down, await asyncio.to_thread(self._tenant_stats))
         counters = dict(self.counters)
         counters.update({f"store.{k}": v for k, v in self.store.counters.items()})
         counters.update({"wire_memo.hits": self.wire_memo.hits,
@@ -305,6 +308,28 @@ class KDNServicer(pb_grpc.KDNServicer):
             health="degraded" if self.store.degraded or down else "serving",
             features=FEATURES,
         )
+
+    def _tenant_scoped(self) -> bool:
+        """Whether the caller sees only its own share of the server (a tenant that is not an
+        admin, where keys are checked): its entries, and the tiers' health."""
+        p = current_principal.get()
+        return self.auth.enabled and not p.is_admin
+
+    def _tenant_view(self, tiers: list[TierStats], down: dict[str, list[str]],
+                     tenants: list[pb.TenantStats]) -> pb.StatsResponse:
+        """Stats as a tenant sees them: each tier's health and capacity, its own entries and
+        bytes (``tenants``), the calls in flight (what a fleet client weighs a node's load
+        by); no server-wide counts, which tell other tenants' traffic."""
+        from kdn import __version__
+
+        return pb.StatsResponse(
+            tiers=[pb.TierStats(name=t.name, capacity_bytes=t.capacity_bytes,
+                                healthy=t.healthy, degraded=t.degraded,
+                                parts_down=down.get(t.name, [])) for t in tiers],
+            counters={IN_FLIGHT: max(0, self.in_flight - 1)},
+            version=__version__, tenants=tenants,
+            health="degraded" if self.store.degraded or down else "serving",
+            features=FEATURES)
 
     def _tenant_stats(self) -> list[pb.TenantStats]:
         """Entries and bytes per tenant: the caller's own, or every tenant for an admin."""
