@@ -382,6 +382,45 @@ def test_an_unreachable_server_is_a_miss_not_an_error(kdn_server: ServerThread) 
         w.shutdown()
 
 
+def test_a_request_whose_lookup_failed_is_still_saved(tmp_path: Path) -> None:
+    """The server fails the first request's lookup (a blip: UNAVAILABLE past the client's
+    retries): that request gets no hit, but its chunks are saved once computed, so the next
+    request of the prompt loads them."""
+    from kdn.errors import TierUnavailable
+
+    cfg = ServerConfig(port=0, data_dir=tmp_path / "data", ram_bytes=64 << 20, disk_bytes=0,
+                       shutdown_grace_s=1.0)
+    store = build_store(cfg)
+    down = threading.Event()
+    real = store.lookup
+
+    def blipping_lookup(skeys: Any) -> Any:
+        if down.is_set():
+            raise TierUnavailable("restarting")
+        return real(skeys)
+
+    store.lookup = blipping_lookup  # type: ignore[method-assign]
+    with ServerThread(cfg, store) as st:
+        s, w = both(st.address, encodings=["raw"])
+        assert w.worker is not None
+        rp = fp16_replay(s, w)
+        try:
+            p = prompt(12, 41)  # 5 full chunks + 1 token
+            down.set()
+            assert answered(rp, rp.new_request("blip", p)) == 0
+            down.clear()
+            rp.step()
+            w.worker.wait_saves(30)
+            assert w.worker.stats.chunks_saved == 5 and w.worker.stats.save_errors == 0
+            assert answered(rp, rp.new_request("again", p)) == 40
+            assert not rp.step()
+            have, want = rp.blocks_of("again"), rp.want("again")
+            assert torch.equal(have.view(torch.int16), want.view(torch.int16))
+        finally:
+            s.shutdown()
+            w.shutdown()
+
+
 def test_without_encodings_the_connector_stores_what_pays_off_where_it_runs() -> None:
     """``encodings`` left out: ``raw`` on a GPU beside kdn (or with the in-process tier),
     ``kdn-default`` and ``raw`` across a network, ``lossless`` on a CPU; the scheduler and

@@ -7,7 +7,8 @@ Lifecycle of one request here:
    the request's chunks into keys (every TP rank's), asks the server in one batched Lookup
    which of them it holds in each configured encoding, and lets the loading controller pick
    the encoding to load. Later calls answer from the finished lookup: the hit tokens beyond
-   ``local_hit`` (0 when the lookup failed). Nothing here waits on the server.
+   ``local_hit`` (0 when the server could not answer: the keys are still made, so the
+   request's chunks are saved from chunk 0 on). Nothing here waits on the server.
 2. ``allocated(request, block_ids, n)``: the lookup is consumed; with ``n > 0`` a ``LoadSpec``
    is queued for the next step. The request's ``_Tracked`` state (prompt length, keys, blocks,
    the next chunk to save) starts here.
@@ -124,7 +125,12 @@ class SchedulerSide:
             return _Found(chains, 0, RECOMPUTE, 0)
         encs = self.shape.encodings
         asked = [keys.variant_key(k, e) for e in encs for chain in chains for k in chain]
-        infos = self.client.lookup(asked, namespace=self.config.namespace).infos
+        try:
+            infos = self.client.lookup(asked, namespace=self.config.namespace).infos
+        except Exception as exc:  # the server unreachable or failing: a miss, never an error;
+            # the chains are known, so the chunks are still saved once computed
+            log.warning("kdn: lookup of request %s failed: %s", request.request_id, exc)
+            return _Found(chains, 0, RECOMPUTE, 0)
         per = len(chains) * n  # one encoding's rows: every rank's chain
         lead: dict[str, int] = {}
         size: dict[str, int] = {}
@@ -166,7 +172,7 @@ class SchedulerSide:
             return None
         try:
             found = look.future.result()
-        except Exception as exc:  # the server unreachable or failing: a miss, never an error
+        except Exception as exc:  # keys not made (a failing server is a _Found, no hit): a miss
             log.warning("kdn: lookup of request %s failed: %s", rid, exc)
             return 0
         return max(0, found.hit_chunks * self.shape.chunk_tokens - local_hit)
