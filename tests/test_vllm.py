@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -36,7 +37,7 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
 
 from kdn import keys  # noqa: E402
 from kdn.client import Client  # noqa: E402
-from kdn.errors import InvalidLayout  # noqa: E402
+from kdn.errors import ConfigError, InvalidLayout  # noqa: E402
 from kdn.integrations.vllm import KDNConnector, KDNConnectorConfig  # noqa: E402
 from kdn.integrations.vllm_worker import block_runs  # noqa: E402
 from kdn.server import ServerThread  # noqa: E402
@@ -162,6 +163,24 @@ def test_bad_settings_and_unsupported_caches_are_refused(kdn_server: ServerThrea
     finally:
         s.shutdown()
         w.shutdown()
+
+
+NAN, INF = float("nan"), float("inf")
+
+
+@pytest.mark.parametrize("name,value,says", [
+    ("timeout_s", NAN, "a finite number"), ("timeout_s", INF, "a finite number"),
+    ("timeout_s", 0, "> 0"), ("timeout_s", "30", "a finite number"),
+    ("prefill_tok_s", NAN, "a finite number"), ("prefill_tok_s", -INF, "a finite number"),
+    ("prefill_tok_s", -1.0, "> 0"),
+    ("lookup_threads", 1.5, "a whole number"), ("lookup_threads", 0, ">= 1"),
+    ("chunk_tokens", "256", "a whole number"), ("chunk_tokens", True, "a whole number"),
+    ("chunk_tokens", 1.5, "a whole number"), ("chunk_tokens", 256.0, "a whole number"),
+    ("local_bytes", -1, ">= 0"), ("shm_bytes", 0.5, "a whole number"),
+])
+def test_numeric_settings_are_checked_at_construction(name: str, value: Any, says: str) -> None:
+    with pytest.raises(ConfigError, match=f"^{name} must be {re.escape(says)}, got "):
+        KDNConnectorConfig.from_extra({name: value})
 
 
 def test_block_runs() -> None:

@@ -7,6 +7,7 @@ per request).
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -19,7 +20,7 @@ from kdn.client import Client
 from kdn.client.client import TLSOptions
 from kdn.codec.catalog import check_codec
 from kdn.delivery import IN_PROCESS, NETWORK, SAME_HOST, default_encodings, encoding_name
-from kdn.errors import InvalidLayout
+from kdn.errors import ConfigError, InvalidLayout
 from kdn.layout import DType, KVLayout, LayerLayout, model_fingerprint
 from kdn.options import StoreOptions
 from kdn.transport.addresses import same_host
@@ -75,14 +76,13 @@ class KDNConnectorConfig:
     tests that run a worker outside vLLM's process groups)."""
 
     def __post_init__(self) -> None:
-        if self.chunk_tokens < 1:
-            raise ValueError(f"chunk_tokens must be >= 1, got {self.chunk_tokens}")
-        if self.timeout_s <= 0:
-            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
-        if self.lookup_threads < 1:
-            raise ValueError(f"lookup_threads must be >= 1, got {self.lookup_threads}")
-        if self.prefill_tok_s <= 0:
-            raise ValueError(f"prefill_tok_s must be > 0, got {self.prefill_tok_s}")
+        _check_number("chunk_tokens", self.chunk_tokens, whole=True, positive=True)
+        _check_number("timeout_s", self.timeout_s, whole=False, positive=True)
+        _check_number("lookup_threads", self.lookup_threads, whole=True, positive=True)
+        _check_number("prefill_tok_s", self.prefill_tok_s, whole=False, positive=True)
+        _check_number("local_bytes", self.local_bytes, whole=True, positive=False)
+        if self.shm_bytes is not None:
+            _check_number("shm_bytes", self.shm_bytes, whole=True, positive=False)
         for enc in self.encodings:
             check_codec(*split_encoding(enc))
         keys.check_namespace(self.namespace)
@@ -112,6 +112,18 @@ class KDNConnectorConfig:
                       api_key=self.api_key or os.environ.get("KDN_API_KEY") or None, tls=tls,
                       shm_bytes=self.shm_bytes, local_bytes=self.local_bytes,
                       insecure=self.insecure or None)
+
+
+def _check_number(name: str, value: object, *, whole: bool, positive: bool) -> None:
+    """A ConfigError naming ``name`` unless ``value`` is a finite number (an int, not a bool,
+    when ``whole``), > 0 when ``positive``, else >= 0 (JSON gives floats and strings too)."""
+    kind = "a whole number" if whole else "a finite number"
+    if (isinstance(value, bool) or not isinstance(value, int if whole else (int, float))
+            or not math.isfinite(value)):
+        raise ConfigError(f"{name} must be {kind}, got {value!r}")
+    if value < 0 or (positive and value == 0):
+        bound = (">= 1" if whole else "> 0") if positive else ">= 0"
+        raise ConfigError(f"{name} must be {bound}, got {value!r}")
 
 
 def split_encoding(name: str) -> tuple[str, str]:
