@@ -8,8 +8,9 @@ Lifecycle, once per step (the model runner's calls):
    (FlashInfer, Triton), with any strides (HND layouts, and the cross-layer allocation whose
    per-layer tensors are views of one buffer, are strided views of these shapes).
 2. ``start_load(loads)``: one Retrieve stream per chunk to load, all started at once through
-   the client (same-host segment, in-process tier or network: the client's own choice); a miss
-   marks the chunk's blocks failed.
+   the client (same-host segment, in-process tier or network: the client's own choice); a miss,
+   or a ``LoadSpec`` this worker can not place (no keys for its rank, too few block ids for its
+   tokens, ids outside the cache), marks the chunk's blocks failed.
 3. ``wait_for_layer(name)``: layer i of every loading chunk, ``k: [H, C, D]``, is cut to the
    tokens to place, joined, and scattered into the cache as ``[blocks, B, H, D]`` by block id on
    the cache's device. A stream that fails marks its chunk's blocks failed (vLLM recomputes
@@ -17,9 +18,12 @@ Lifecycle, once per step (the model runner's calls):
 4. ``save_layer(name, kv, saves)``: the blocks of the chunks to save are gathered
    (``[blocks, B, H, D]``, a copy: vLLM may reuse the blocks once the step is over); on a GPU
    they are copied to pinned host memory on a side stream, after the compute that wrote them.
+   A ``SaveSpec`` this worker can not gather (as for loads) is dropped, logged and counted in
+   ``save_errors``.
 5. ``end_step()`` (vLLM's ``wait_for_save``): layers the model did not wait for are placed,
    the step's streams are let go, and the gathered chunks are handed to a background thread
-   that encodes them in every configured encoding and stores those kdn lacks.
+   that encodes them in every configured encoding and stores those kdn lacks (a failure there
+   is logged and counted in ``save_errors``, never raised).
 6. ``take_failed()``: block ids that failed to load since the last call.
 """
 
@@ -97,12 +101,15 @@ class WorkerSide:
         self.kv: list[torch.Tensor] = []
         self.kv_first = True
         self.device = torch.device("cpu")
+        self.num_blocks = 0
         self.stats = WorkerStats()
         self._pieces: list[_Piece] = []
         self._placed: set[int] = set()
         self._failed: set[int] = set()
         self._gathered: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._save_ids: torch.Tensor | None = None
+        self._saving: list[SaveSpec] = []
+        """The step's saves that ``save_layer`` gathers (those it can)."""
         self._save_runs: list[tuple[int, int, int]] = []
         self._copies: Any = None
         self._saver = ThreadPoolExecutor(1, thread_name_prefix="kdn-vllm-save")
@@ -133,6 +140,7 @@ class WorkerSide:
                                     f"{t.device}, layer 0: {tuple(first.shape)} "
                                     f"{lay.dtype.torch} on {first.device}")
         self.kv, self.kv_first, self.device = tensors, kv_first, first.device
+        self.num_blocks = int(self._kv_of(first)[0].shape[0])
         if self.device.type == "cuda":
             self._copies = torch.cuda.Stream(self.device)
 
@@ -153,6 +161,12 @@ class WorkerSide:
         self._need_cache()
         c, b = self.shape.chunk_tokens, self.shape.block_size
         for spec in loads:
+            why = self._unplaceable(spec)
+            if why:  # a bug upstream; vLLM recomputes what it named
+                log.warning("kdn: load of request %s refused: %s", spec.req_id, why)
+                end = -(-max(0, spec.end_token) // b)
+                self._fail(spec.block_ids[max(0, spec.start_token) // b : end])
+                continue
             ks = spec.keys_by_rank[self.rank]
             spans = []
             for j in range(len(ks)):
@@ -175,6 +189,28 @@ class WorkerSide:
                              if len(runs) > 1 and self.device.type == "cuda" else None)
                     self._pieces.append(_Piece(spec.req_id, stream, first, last, ids, runs,
                                                index))
+
+    def _unplaceable(self, spec: LoadSpec) -> str:
+        """Why ``spec`` can not be placed into this worker's cache ("": it can)."""
+        c, b = self.shape.chunk_tokens, self.shape.block_size
+        if not 0 <= self.rank < len(spec.keys_by_rank):
+            return f"no keys for TP rank {self.rank}"
+        n = len(spec.keys_by_rank[self.rank])
+        lo, hi = spec.first_chunk * c, (spec.first_chunk + n) * c
+        if (not 0 <= lo <= spec.start_token < spec.end_token <= hi or spec.start_token % b
+                or spec.end_token % b):
+            return (f"tokens [{spec.start_token}, {spec.end_token}) are not whole blocks of "
+                    f"its {n} chunks from token {lo}")
+        return self._bad_ids(spec.block_ids, spec.end_token // b,
+                             spec.block_ids[spec.start_token // b : spec.end_token // b])
+
+    def _bad_ids(self, ids: list[int], need: int, used: list[int]) -> str:
+        """Why a block table ``ids`` that must hold ``need`` ids, of which ``used`` are read
+        or written, does not fit the cache ("": it does)."""
+        if len(ids) < need:
+            return f"{len(ids)} block ids where {need} are needed"
+        out = [i for i in used if not 0 <= i < self.num_blocks]
+        return f"block ids {out[:4]} outside [0, {self.num_blocks})" if out else ""
 
     def _fail(self, ids: list[int]) -> None:
         self._failed.update(ids)
@@ -238,10 +274,13 @@ class WorkerSide:
         i = self.index.get(name)
         if i is None or not saves:
             return
-        if self._save_ids is None:
-            ids = [bid for s in saves for bid in s.block_ids]
+        if self._save_ids is None:  # the step's first layer
+            self._saving = [s for s in saves if self._gatherable(s)]
+            ids = [bid for s in self._saving for bid in s.block_ids]
             self._save_runs = block_runs(ids)
             self._save_ids = torch.tensor(ids, dtype=torch.long).to(kv_layer.device)
+        if not self._saving:
+            return
         k, v = self._kv_of(kv_layer)
         if kv_layer.device.type == "cuda":
             gk, gv = k[self._save_ids], v[self._save_ids]  # [blocks, B, H, D], copies
@@ -260,10 +299,30 @@ class WorkerSide:
             gk, gv = host[0], host[1]
         self._gathered[i] = (gk, gv)
 
+    def _gatherable(self, spec: SaveSpec) -> bool:
+        """Whether the blocks of ``spec`` can be gathered (logged and counted when not)."""
+        if not 0 <= self.rank < len(spec.keys_by_rank):
+            why = f"no keys for TP rank {self.rank}"
+        else:
+            n, per = len(spec.keys_by_rank[self.rank]), self.shape.blocks_per_chunk
+            why = self._bad_ids(spec.block_ids, n * per, spec.block_ids)
+            if not why and (len(spec.block_ids) != n * per or spec.first_chunk < 0):
+                why = (f"{len(spec.block_ids)} block ids for {n} chunks from chunk "
+                       f"{spec.first_chunk}")
+        if why:
+            self._save_failed("kdn: save of request %s refused: %s", spec.req_id, why)
+        return not why
+
+    def _save_failed(self, msg: str, *args: object) -> None:
+        log.warning(msg, *args)
+        with self._lock:  # also counted on the saver thread
+            self.stats.save_errors += 1
+
     def end_step(self, saves: list[SaveSpec] | None = None) -> None:
         """vLLM's ``wait_for_save``: the step's loads end, its saves go to the background."""
         self._release()
         gathered, self._gathered, self._save_ids = self._gathered, {}, None
+        saving, self._saving = self._saving, []
         if not gathered or saves is None:
             return
         if len(gathered) != self.layout.num_layers:
@@ -277,10 +336,19 @@ class WorkerSide:
         layers = [gathered[i] for i in range(self.layout.num_layers)]
         with self._lock:
             self._saves = [f for f in self._saves if not f.done()]
-            self._saves.append(self._saver.submit(self._store, saves, layers, ready))
+            self._saves.append(self._saver.submit(self._store, saving, layers, ready))
 
     def _store(self, saves: list[SaveSpec], layers: list[tuple[torch.Tensor, torch.Tensor]],
                ready: Any) -> None:
+        """The saver thread's work: nothing is raised (a failed save is a later miss)."""
+        try:
+            self._store_chunks(saves, layers, ready)
+        except Exception as exc:
+            self._save_failed("kdn: saving the chunks of requests %s failed: %s",
+                              sorted({s.req_id for s in saves}), exc)
+
+    def _store_chunks(self, saves: list[SaveSpec],
+                      layers: list[tuple[torch.Tensor, torch.Tensor]], ready: Any) -> None:
         if ready is not None:
             ready.synchronize()
         c, b = self.shape.chunk_tokens, self.shape.block_size
@@ -314,8 +382,7 @@ class WorkerSide:
                                            options=self._options)
                     self.stats.chunks_saved += len(todo_new)
             except Exception as exc:  # best effort: a failed save is a later miss
-                log.warning("kdn: saving %d chunks (%s) failed: %s", len(todo), enc, exc)
-                self.stats.save_errors += 1
+                self._save_failed("kdn: saving %d chunks (%s) failed: %s", len(todo), enc, exc)
 
     def wait_saves(self, timeout: float | None = None) -> None:
         """Block until the saves handed off so far are stored (or failed)."""
