@@ -130,7 +130,7 @@ def test_a_remote_client_sends_them_on_its_data_path(server: ServerThread) -> No
         with pytest.raises(InvalidArgument):
             p_bad.result()
         ps = [c.store_async(_key(92 + i), kv, mode="raw") for i, kv in enumerate(kvs[:3])]
-        c.dataplane.network._net._local.conn.close()  # type: ignore[union-attr]
+        c.dataplane.network._net.threads.mine().conn.close()  # type: ignore[union-attr]
         with pytest.raises(Unavailable, match="may or may not be stored"):
             c.flush()
         assert all(p.done() for p in ps)
@@ -169,7 +169,7 @@ def test_a_broken_fast_path_fails_the_unanswered_stores_and_grpc_takes_over(
     with Client(server.address, timeout_s=30, data_path=False) as c:
         c.store(_key(49), kvs[0], mode="raw")
         ps = [c.store_async(_key(50 + i), kv, mode="raw") for i, kv in enumerate(kvs)]
-        c.dataplane.same_host._conns.conn.close()  # the connection goes before any answer is read
+        c.dataplane.same_host.threads.mine().conn.close()  # goes before any answer is read
         with pytest.raises(Unavailable, match="may or may not be stored"):
             c.flush()
         assert all(p.done() for p in ps)

@@ -451,6 +451,10 @@ def test_threads_of_one_client_each_use_a_connection_of_their_own(
         server: ServerThread, remote: Client) -> None:
     kvs = {i: random_kv(LAYOUT, 16, seed=60 + i) for i in range(32)}
     errors: list[BaseException] = []
+    held: list[int] = []
+    net = remote.dataplane.net()
+    assert net is not None
+    done = threading.Barrier(4)
 
     def work(part: int) -> None:
         try:
@@ -459,6 +463,8 @@ def test_threads_of_one_client_each_use_a_connection_of_their_own(
             for _ in range(5):
                 got = remote.retrieve_many([numbered_key(i) for i in mine], layout=LAYOUT)
                 assert all(g is not None and g.equal(kvs[i]) for g, i in zip(got, mine))
+            done.wait(timeout=30)  # all four live
+            held.append(net.threads.count())
         except BaseException as exc:  # reported by the main thread
             errors.append(exc)
 
@@ -468,5 +474,5 @@ def test_threads_of_one_client_each_use_a_connection_of_their_own(
     for t in threads:
         t.join()
     assert not errors
-    net = remote.dataplane.net()
-    assert net is not None and len(net._all) == 4  # one connection per thread
+    assert max(held) == 4  # one connection per thread
+    assert eventually(lambda: net.threads.count() == 0)  # each closed as its thread ended

@@ -9,7 +9,9 @@ for again once (``RemotePath``), and the call made on the new one. A PutMany's i
 their frames straight into the kernel (``kdn.transport.wire.send_pieces``); a GetMany's entries
 are read into one recycled buffer each (``kdn.transport.buffers.RECEIVED``), its first frame at
 a multiple of 64 bytes so decoded tensors view it in place, each frame checked the moment it
-lands (in cache).
+lands (in cache). Each thread calls on a connection of its own, closed when the thread ends
+(``kdn.client.perthread``); a new one the server refuses for its connection limits sends that
+call by gRPC (the path stays).
 
 A GetMany of several large entries is striped: its keys are cut into runs, one per
 connection (``NetPath.stripes``: ``connections`` of the client, or chosen by the size of
@@ -37,13 +39,13 @@ import select
 import socket
 import ssl
 import threading
-from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from kdn.client.parallel import stream_cores
 from kdn.client.pending import ASYNC_DEPTH, PendingStore
+from kdn.client.perthread import Crowded, PerThread, refused
 from kdn.client.received import MAX_ENTRY_BYTES, Fetched, fetched
 from kdn.codec import EncodedParts
 from kdn.codec.format import HEAD_PREFIX_BYTES, check_frame_prefix, header_size
@@ -143,9 +145,10 @@ class NetPath:
         self.connections = max(0, min(connections, MAX_CONNECTIONS))
         """Connections a GetMany of several keys is striped over; 0: chosen by size
         (``stripes``)."""
-        self._local = threading.local()
-        self._all: list[socket.socket] = []
-        self._spare: list[socket.socket] = []  # the stripes' connections, idle
+        self.threads = PerThread()
+        """Each thread's connection (``kdn.client.perthread``: closed when its thread ends)."""
+        self._all: list[socket.socket] = []  # the stripes' connections
+        self._spare: list[socket.socket] = []  # those idle
         self.landing = BufferPool(LANDING_BYTES)
         """Where entries land (host memory; page-locked ones come from torch's caching host
         allocator, which keeps them too)."""
@@ -157,7 +160,14 @@ class NetPath:
         """The server answered a call on this path (a later failure may be a restart)."""
 
     def _open(self) -> socket.socket:
-        """A new connection to the data path (kept in ``_all`` until closed)."""
+        """A new connection for a stripe (kept in ``_all`` until closed)."""
+        conn = self._connect()
+        with self._lock:
+            self._all.append(conn)
+        return conn
+
+    def _connect(self) -> socket.socket:
+        """A new connection to the data path."""
         conn = socket.create_connection((self.host, self.port), timeout=CONNECT_S)
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if self._tls is not None:  # the server's certificate checked as gRPC checks it
@@ -167,20 +177,23 @@ class NetPath:
                 conn.close()
                 raise
         conn.settimeout(self.timeout_s)
-        with self._lock:
-            self._all.append(conn)
         return conn
 
     def _conn(self, *, check: bool = False) -> tuple[socket.socket, bool]:
         """(this thread's connection, whether it is new). ``check``: a connection the server
-        closed while it was idle (a restart, its idle timeout) is opened again first."""
-        conn: socket.socket | None = getattr(self._local, "conn", None)
+        closed while it was idle (a restart, its idle timeout) is opened again first.
+        Crowded where the server refused this thread a connection a moment ago."""
+        held = self.threads.mine()
+        conn = held.conn
         if conn is not None and check and closed_by_peer(conn):
             self._drop_conn_only()
             conn = None
         if conn is not None:
             return conn, False
-        conn = self._local.conn = self._open()
+        if held.crowded:
+            raise Crowded("the data path refused this thread a connection a moment ago")
+        conn = self._connect()
+        self.threads.hold(held, conn)
         return conn, True
 
     def _drop(self) -> None:
@@ -189,25 +202,26 @@ class NetPath:
 
     # -- asynchronous stores (``Client.store_async`` of a client without a segment) -------------
 
-    def _queue(self) -> Any:
-        q = getattr(self._local, "pending", None)
-        if q is None:
-            q = self._local.pending = deque()
-            self._local.failed = []
-        return q
-
     def has_pending(self) -> bool:
-        return bool(getattr(self._local, "pending", None))
+        held = self.threads.peek()
+        return held is not None and bool(held.pending)
 
     def put_async(self, namespace: str, key: bytes, parts: EncodedParts,
-                  opts: pb.StoreOptions, pending: Any, depth: int) -> bool:
+                  opts: pb.StoreOptions, pending: Any, depth: int) -> bool | None:
         """Send one store on this thread's connection without reading its answer (at most
-        ``depth`` unanswered: past it the oldest is read). False when the path failed."""
+        ``depth`` unanswered: past it the oldest is read). False when the path failed; None
+        where this thread has no connection open (the store goes as ``store`` does, which
+        opens one: a server that refuses it answers that call, not a later one)."""
         req, pieces = streamed_put(namespace, self.ticket, [(key, parts, opts)])
         body = req.SerializeToString()
-        q = self._queue()
+        held = self.threads.mine()
+        q = held.pending
+        if held.conn is not None and not q and closed_by_peer(held.conn):
+            self._drop_conn_only()  # nothing unanswered on it: it may have gone idle
+        if held.conn is None:
+            return None
         try:
-            conn, _ = self._conn(check=not q)  # nothing unanswered on it: may have gone idle
+            conn, _ = self._conn()
             send_pieces(conn, [FAST_HEAD.pack(len(body), NET_PUT_MANY) + body, *pieces])
         except OSError:
             self._drop()
@@ -219,7 +233,8 @@ class NetPath:
 
     def settle(self, until: Any = None) -> None:
         """Read this thread's unanswered stores' answers, oldest first (up to ``until``)."""
-        q = getattr(self._local, "pending", None)
+        held = self.threads.peek()
+        q = held.pending if held is not None else None
         while q:
             first = q[0]
             self._settle_one(q)
@@ -227,13 +242,15 @@ class NetPath:
                 return
 
     def take_failed(self) -> list[KDNError]:
-        failed: list[KDNError] = getattr(self._local, "failed", [])
-        self._local.failed = []
+        held = self.threads.peek()
+        if held is None:
+            return []
+        failed, held.failed = held.failed, []
         return failed
 
     def _settle_one(self, q: Any) -> None:
         pending = q[0]
-        conn = getattr(self._local, "conn", None)
+        conn = self.threads.mine().conn
         try:
             if conn is None:
                 raise OSError("the data path connection closed")
@@ -253,19 +270,16 @@ class NetPath:
             self._fail(pending, exc)
 
     def _drop_conn_only(self) -> None:
-        conn = getattr(self._local, "conn", None)
-        self._local.conn = None
-        if conn is not None:
-            conn.close()
+        self.threads.drop(self.threads.peek())
 
     def _fail(self, pending: Any, error: KDNError) -> None:
         pending.resolve(None, error)
-        self._queue()
-        self._local.failed.append(error)
+        self.threads.mine().failed.append(error)
 
     def _lose_pending(self, why: str) -> None:
         """No answer will come for this thread's unanswered stores: each fails UNAVAILABLE."""
-        q = getattr(self._local, "pending", None)
+        held = self.threads.peek()
+        q = held.pending if held is not None else None
         while q:
             p = q.popleft()
             self._fail(p, Unavailable(f"the data path closed before the store of {p.key!r} "
@@ -295,7 +309,10 @@ class NetPath:
                     raise
         if not ok:
             self._drop()  # a refused call may close the connection (kdn.server.netpath)
-            raise fast_error(out)
+            error = refused(fast_error(out), new)
+            if isinstance(error, Crowded):
+                self.threads.mine().refused()
+            raise error
         return conn, out
 
     def put_many(self, namespace: str,
@@ -367,17 +384,19 @@ class NetPath:
         runs = [keys[a:b] for a, b in zip(bounds, bounds[1:])]
         conns: list[socket.socket] = []
         try:
+            news = []
             for run in runs:  # every call sent before any answer is read: served side by side
-                conn = self._spare_conn()
+                conn, new = self._spare_conn()
                 conns.append(conn)
+                news.append(new)
                 body = self._get_request(namespace, run, want).SerializeToString()
                 send_pieces(conn, [FAST_HEAD.pack(len(body), NET_GET_MANY) + body])
             refs = []
-            for conn, run in zip(conns, runs):
+            for conn, new, run in zip(conns, news, runs):
                 ok, out = fast_answer(conn)
                 self.worked = True
                 if not ok:
-                    raise fast_error(out)
+                    raise refused(fast_error(out), new)
                 refs.append(_refs(out, len(run)))
         except BaseException:
             for conn in conns:  # answers left unread on them: lost
@@ -421,16 +440,16 @@ class NetPath:
                                                     thread_name_prefix="kdn-stripe")
             return self._stripers
 
-    def _spare_conn(self) -> socket.socket:
-        """An idle connection of the stripes', or a new one."""
+    def _spare_conn(self) -> tuple[socket.socket, bool]:
+        """(an idle connection of the stripes', or a new one; whether it is new)."""
         with self._lock:
             while self._spare:
                 conn = self._spare.pop()
                 if not closed_by_peer(conn):  # the server's idle timeout, a restart
-                    return conn
+                    return conn, False
                 self._all.remove(conn)
                 conn.close()
-        return self._open()
+        return self._open(), True
 
     def _get_one(self, namespace: str, keys: Sequence[bytes], want: Expected,
                  pinned: bool) -> list[tuple[memoryview, str] | None]:
@@ -447,14 +466,14 @@ class NetPath:
                     pinned: bool) -> list[tuple[memoryview, str] | None]:
         """One stripe's GetMany, on a spare connection of the path's (given back once its
         answer is read whole; closed when the call fails: what is left of it is unread)."""
-        conn = self._spare_conn()
+        conn, new = self._spare_conn()
         try:
             body = self._get_request(namespace, keys, want).SerializeToString()
             send_pieces(conn, [FAST_HEAD.pack(len(body), NET_GET_MANY) + body])
             ok, out = fast_answer(conn)
             self.worked = True
             if not ok:
-                raise fast_error(out)
+                raise refused(fast_error(out), new)
             got = self._entries(conn, out, len(keys), pinned)
         except BaseException:
             self._forget(conn)
@@ -493,6 +512,7 @@ class NetPath:
         with self._lock:
             conns, self._all, self._spare = self._all, [], []
             pool, self._stripers = self._stripers, None
+        self.threads.close()
         for conn in conns:
             conn.close()
         if pool is not None:
@@ -569,9 +589,14 @@ class RemotePath:
         """``call(net)``, made once more on the path asked for again where ``net`` had worked
         and failed (``_again``); None where the path failed for good (gRPC then).
         DeadlineExceeded where the server did not answer in ``timeout_s``: one deadline per
-        call, neither asked for again nor made again over gRPC."""
+        call, neither asked for again nor made again over gRPC. None too where the server
+        refused this call's new connection (``Crowded``: its connection limits); the path
+        stays for later calls."""
         try:
             return call(net)
+        except Crowded as exc:
+            log.debug("kdn: data path connection refused (%s); this call goes by gRPC", exc)
+            return None
         except TimeoutError as exc:
             raise DeadlineExceeded(f"the network data path did not answer in "
                                    f"{net.timeout_s:g} s") from exc
@@ -584,6 +609,8 @@ class RemotePath:
             return None
         try:
             return call(again)
+        except Crowded:
+            return None
         except (OSError, NotFound) as exc:
             self.lost(exc, again)
             return None
@@ -666,19 +693,20 @@ class RemotePath:
     def put_async(self, namespace: str, key: bytes, opts: pb.StoreOptions,
                   parts: EncodedParts, on_ok: Any = None) -> PendingStore | None:
         """The store sent on this thread's connection without waiting (it answers in order).
-        None where there is no path or it failed (the caller stores it as ``store`` does)."""
+        None where there is no path, it failed, or this thread has no connection open yet
+        (the caller stores it as ``store`` does, which opens one)."""
         net = self.path()
         if net is None:
             return None
         pending = PendingStore(self, key, on_ok)
-        if not net.put_async(namespace, key, parts, opts, pending, ASYNC_DEPTH):
+        sent = net.put_async(namespace, key, parts, opts, pending, ASYNC_DEPTH)
+        if sent is False:
             failed = OSError("the data path connection failed")
             again = self._again(net, failed) if net.worked else None
-            if again is None or not again.put_async(namespace, key, parts, opts, pending,
-                                                    ASYNC_DEPTH):
-                self.lost(failed, again or net)
-                return None
-            net = again
+            if again is None:
+                self.lost(failed, net)
+        if not sent:  # stored as ``store`` does (on a path asked for again too: this thread
+            return None  # has no connection on it yet)
         old = getattr(self._local, "net", None)
         if old is not None and old is not net and old.has_pending():
             old.settle()  # a path before a restart: its answers first (or their failures)

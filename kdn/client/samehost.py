@@ -7,8 +7,9 @@ that it knows no such segment (NOT_FOUND for a call naming it: it restarted) get
 segment attached again (``renew``, once whichever threads saw it): a new id, its fast path and
 its read arena; the old server's arena, its kept leases and connections are dropped. Attached,
 the server names a fast path (a Unix socket, ``kdn.server.fastpath``): GetMany / PutMany go
-there on a connection per thread instead of gRPC, and the server's read arena of this tenant
-(``kdn.server.arena``) is handed over on it (``arena``).
+there on a connection per thread (closed when the thread ends: ``kdn.client.perthread``)
+instead of gRPC, and the server's read arena of this tenant (``kdn.server.arena``) is handed
+over on it (``arena``).
 
 Writes on this path: asynchronous stores (``put_async``: written into the segment and sent
 without waiting; answers read in order on the sending thread's connection) and pipelined
@@ -30,6 +31,7 @@ from typing import Any
 
 from kdn.client.netpath import fast_answer, fast_error, fast_send
 from kdn.client.pending import ASYNC_DEPTH, PendingStore
+from kdn.client.perthread import PerThread
 from kdn.codec import EncodedParts
 from kdn.errors import DeadlineExceeded, KDNError, Unavailable
 from kdn.transport.wire import ARENA_SIZE, FAST_ARENA, FAST_HEAD, FAST_PUT_MANY, read_exact
@@ -63,8 +65,9 @@ class SameHostPath:
         self._arena: Any = None  # kdn.client.shm.LeasedArena, where the server lends one
         self._arena_conn: socket.socket | None = None  # the connection it came on (kept open)
         self._fast_path = ""
-        self._conns = threading.local()  # conn: this thread's connection, path: its path
-        self._all_conns: list[socket.socket] = []
+        self.threads = PerThread()
+        """Each thread's fast-path connection (``kdn.client.perthread``: closed when its
+        thread ends) and the asynchronous stores sent on it."""
         self._dropped: list[Any] = []  # segments a new server could not map (closed at close)
         self.server_seals = False
         """The server seals staged entries (``AttachResponse.seals``)."""
@@ -228,9 +231,7 @@ class SameHostPath:
             self._arena_conn.close()
             self._arena_conn = None
         self._fast_path = ""
-        for conn in self._all_conns:
-            conn.close()
-        self._all_conns = []
+        self.threads.close()
         for old in self._dropped:
             old.close()
         self._dropped = []
@@ -271,8 +272,9 @@ class SameHostPath:
             path = self._fast_path
         if settle and self.has_pending():
             self.settle()
-        conn: socket.socket | None = getattr(self._conns, "conn", None)
-        if conn is not None and self._conns.path != path:
+        held = self.threads.mine()
+        conn = held.conn
+        if conn is not None and held.path != path:
             self._close_conn()
             conn = None
         if conn is None:
@@ -285,20 +287,12 @@ class SameHostPath:
             except OSError:
                 conn.close()
                 raise
-            self._conns.conn, self._conns.path = conn, path
-            self._all_conns.append(conn)
+            self.threads.hold(held, conn, path)
         return conn
 
     def _close_conn(self) -> None:
         """Close this thread's fast-path connection."""
-        conn = getattr(self._conns, "conn", None)
-        self._conns.conn = None
-        if conn is not None:
-            conn.close()
-            try:
-                self._all_conns.remove(conn)
-            except ValueError:
-                pass  # closed by ``close`` already
+        self.threads.drop(self.threads.peek())
 
     def _fast_lost(self, exc: OSError, path: str) -> None:
         """The fast path ``path`` failed on this thread: gRPC from now on, unless the segment
@@ -311,14 +305,11 @@ class SameHostPath:
     # -- asynchronous stores (``Client.store_async``) -------------------------------------------
 
     def _pending(self) -> deque[tuple[PendingStore, tuple[int, int] | None]]:
-        q = getattr(self._conns, "pending", None)
-        if q is None:
-            q = self._conns.pending = deque()
-            self._conns.failed = []
-        return q  # type: ignore[no-any-return]
+        return self.threads.mine().pending
 
     def has_pending(self) -> bool:
-        return bool(getattr(self._conns, "pending", None))
+        held = self.threads.peek()
+        return held is not None and bool(held.pending)
 
     def put_async(self, namespace: str, key: bytes, opts: pb.StoreOptions, *,
                   parts: EncodedParts | None = None, staged: Any = None,
@@ -358,7 +349,8 @@ class SameHostPath:
         item = req.items.add(key=key, options=opts, seal=staged is not None)
         item.region.offset, item.region.length = start, length
         pending = PendingStore(self, key, on_ok)
-        if q and (getattr(self._conns, "conn", None) is None or self._conns.path != path):
+        held = self.threads.mine()
+        if q and (held.conn is None or held.path != path):
             self.settle()  # their connection went (or is an old server's): read them first
         try:
             conn = self._fast_conn(path, settle=False)
@@ -376,7 +368,8 @@ class SameHostPath:
     def settle(self, until: PendingStore | None = None) -> None:
         """Read this thread's unanswered asynchronous stores' answers, oldest first (up to
         ``until`` when given)."""
-        q = getattr(self._conns, "pending", None)
+        held = self.threads.peek()
+        q = held.pending if held is not None else None
         while q:
             first = q[0][0]
             self._settle_one(q)
@@ -385,15 +378,17 @@ class SameHostPath:
 
     def take_failed(self) -> list[KDNError]:
         """The errors of this thread's asynchronous stores answered since the last call."""
-        failed: list[KDNError] = getattr(self._conns, "failed", [])
-        self._conns.failed = []
+        held = self.threads.peek()
+        if held is None:
+            return []
+        failed, held.failed = held.failed, []
         return failed
 
     def _settle_one(self, q: deque[tuple[PendingStore, tuple[int, int] | None]]) -> None:
         pending, block = q.popleft()
         seg = self.segment()[0]
         try:
-            conn = getattr(self._conns, "conn", None)
+            conn = self.threads.mine().conn
             if conn is None:
                 raise OSError("the fast path is gone")
             ok, body = fast_answer(conn)
@@ -406,7 +401,7 @@ class SameHostPath:
                 self._failed(p, Unavailable(f"the fast path closed before the store of "
                                             f"{p.key!r} was answered ({exc}); it may or may "
                                             "not be stored"))
-            self._fast_lost(exc, getattr(self._conns, "path", ""))
+            self._fast_lost(exc, self.threads.mine().path)
             return
         if block is not None and seg is not None:
             seg.regions.free(*block)
@@ -421,10 +416,7 @@ class SameHostPath:
 
     def _failed(self, pending: PendingStore, error: KDNError) -> None:
         pending.resolve(None, error)
-        failed = getattr(self._conns, "failed", None)
-        if failed is None:
-            failed = self._conns.failed = []
-        failed.append(error)
+        self.threads.mine().failed.append(error)
 
 
     # -- pipelined batches ----------------------------------------------------------------------

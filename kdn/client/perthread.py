@@ -1,0 +1,131 @@
+"""A data path's connections kept one per thread (``kdn.client.netpath.NetPath``,
+``kdn.client.samehost.SameHostPath``): calls on a connection are answered in order, so each
+thread that calls a path gets a connection of its own.
+
+Lifecycle: ``mine()`` gives the calling thread its ``Held`` (made on first use and kept in
+thread-local storage): its connection and the stores sent on it whose answers are not read
+yet. ``hold`` records a connection the thread opened, ``drop`` closes it. A thread that ends
+takes its thread-local storage with it: the ``Held`` dies and a finalizer closes its
+connection, so a client shared by short-lived threads holds a connection per live thread, not
+one per thread it ever served (the server admits ``kdn.server.netpath.MAX_PER_TICKET`` of a
+ticket's at once). ``close`` closes every thread's (the client closed).
+
+A server that refuses a thread's new connection for its limits (RESOURCE_EXHAUSTED on its
+first call) makes the path raise ``Crowded``: that call goes by gRPC, and so do the thread's
+calls for ``CROWDED_S`` after (``Held.crowded``) rather than each opening a connection to be
+refused again.
+"""
+
+from __future__ import annotations
+
+import itertools
+import socket
+import threading
+import time
+import weakref
+from collections import deque
+from typing import Any
+
+from kdn.errors import KDNError, TooLarge
+
+CROWDED_S = 1.0
+"""Seconds a thread whose new connection the server refused calls by gRPC before it opens
+another."""
+
+
+class Crowded(TooLarge):
+    """The server refused a new data path connection (RESOURCE_EXHAUSTED on its first call:
+    the connections it admits per ticket or in all); the call goes by gRPC. Where the call
+    itself was too large or over a quota, gRPC refuses it too and says so."""
+
+    @classmethod
+    def of(cls, error: KDNError) -> Crowded:
+        out = cls(str(error))
+        out.status = error.status
+        return out
+
+
+def refused(error: KDNError, new: bool) -> KDNError:
+    """The error a server answered to a call; Crowded where it refused the call's ``new``
+    connection (RESOURCE_EXHAUSTED on a connection's first call: gRPC instead)."""
+    return Crowded.of(error) if new and isinstance(error, TooLarge) else error
+
+
+class Held:
+    """One thread's state on a path: its connection (None before one is opened), the path it
+    leads to (``SameHostPath``: a server before a restart has another), the stores sent on it
+    not yet answered, and the errors of those answered since they were last taken."""
+
+    __slots__ = ("token", "conn", "path", "pending", "failed", "crowded_until", "__weakref__")
+
+    def __init__(self, token: int) -> None:
+        self.token = token
+        self.conn: socket.socket | None = None
+        self.path = ""
+        self.pending: deque[Any] = deque()
+        self.failed: list[KDNError] = []
+        self.crowded_until = 0.0
+
+    @property
+    def crowded(self) -> bool:
+        """Whether the server refused this thread a connection less than ``CROWDED_S`` ago."""
+        return time.monotonic() < self.crowded_until
+
+    def refused(self) -> None:
+        self.crowded_until = time.monotonic() + CROWDED_S
+
+
+def _close(open_: dict[int, socket.socket], token: int) -> None:
+    """A ``Held`` died (its thread ended): its connection goes too."""
+    conn = open_.pop(token, None)
+    if conn is not None:
+        conn.close()
+
+
+class PerThread:
+    """Each thread's ``Held`` on one path (module docstring)."""
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+        self._open: dict[int, socket.socket] = {}  # token -> a live thread's connection
+        self._tokens = itertools.count()
+
+    def mine(self) -> Held:
+        """The calling thread's ``Held``, made on first use."""
+        held: Held | None = getattr(self._local, "held", None)
+        if held is None:
+            held = self._local.held = Held(next(self._tokens))
+            weakref.finalize(held, _close, self._open, held.token)
+        return held
+
+    def peek(self) -> Held | None:
+        """The calling thread's ``Held`` where it has one (none made)."""
+        return getattr(self._local, "held", None)
+
+    def hold(self, held: Held, conn: socket.socket, path: str = "") -> None:
+        """``conn`` is now ``held``'s connection (to ``path``); one it had is closed."""
+        self.drop(held)
+        held.conn, held.path = conn, path
+        self._open[held.token] = conn
+
+    def drop(self, held: Held | None) -> None:
+        """Close ``held``'s connection, if it has one."""
+        if held is None:
+            return
+        conn, held.conn = held.conn, None
+        self._open.pop(held.token, None)
+        if conn is not None:
+            conn.close()
+
+    def count(self) -> int:
+        """Connections open, one per thread that holds one."""
+        return len(self._open)
+
+    def close(self) -> None:
+        """Close every thread's connection (a thread's next use of it fails: OSError)."""
+        while True:
+            try:
+                _, conn = self._open.popitem()
+            except KeyError:
+                return
+            conn.close()
