@@ -14,8 +14,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
+from kdn import codec
+from kdn.cache import KVCache
 from kdn.client import Client
+from kdn.client.received import Fetched
 from kdn.codec.format import header_size
 from kdn.errors import Corrupt
 from kdn.layout import Expected
@@ -257,6 +261,75 @@ def test_a_detached_client_gives_its_leases_back(tiny: ServerThread) -> None:
         got = d.retrieve(_key(2), layout=LAYOUT)
         assert got is not None and got.equal(values[2])
         assert arenas.counters()["arena.full"] == 0  # the closed client's two were freed
+
+
+def _reuse_the_arena(st: ServerThread, values: list[KVCache]) -> None:
+    """Another client stores ``values`` over keys 0.. and reads them twice: every page of a
+    tiny arena (two entries) is written again."""
+    with Client(st.address, timeout_s=30, shm_bytes=1 << 20) as d:
+        for i, kv in enumerate(values):
+            d.store(_key(i), kv, mode="raw")
+        for _ in range(2):
+            for i, kv in enumerate(values):
+                got = d.retrieve(_key(i), layout=LAYOUT)
+                assert got is not None and got.equal(kv)
+                del got
+
+
+def test_what_a_closed_client_read_stays_as_it_was_read(tiny: ServerThread) -> None:
+    """Raw entries read on the server's host view the read arena in place; a client that
+    closes gives its leases back and the server writes other entries into those pages: what
+    the caller still holds (tensors, a Fetched, its own writes into them) stays as read."""
+    values = [random_kv(LAYOUT, 20, seed=i) for i in range(5)]
+    arenas = tiny.server.servicer.arenas
+    with Client(tiny.address, timeout_s=30, shm_bytes=1 << 20) as c:
+        for i, kv in enumerate(values[:2]):
+            c.store(_key(i), kv, mode="raw")
+        got = c.retrieve(_key(0), layout=LAYOUT)
+        held = c.fetch(_key(1))
+        assert got is not None and held is not None
+        arena = c.dataplane.same_host.arena
+        assert arena is not None
+        start = arena.array.ctypes.data
+        assert start <= got.layers[1][0].data_ptr() < start + arena.size  # viewed in place
+        got.layers[0][0].fill_(7.0)  # the caller's own write
+        read = [(k.clone(), v.clone()) for k, v in got.layers]
+    _reuse_the_arena(tiny, values[2:])
+    assert arenas.counters()["arena.full"] == 0  # the closed client's leases were given back
+    assert all(torch.equal(k, k0) and torch.equal(v, v0)
+               for (k, v), (k0, v0) in zip(got.layers, read))
+    assert codec.decode(held.parts.to_bytes()).equal(values[1])
+
+
+def test_a_closed_clients_read_only_views_stay_as_they_were_read(
+        tiny: ServerThread, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A read bound for a GPU views the server's pages read-only (registered with CUDA where
+    one exists: faked here); at close they are swapped for a copy, still read-only. Where that
+    can not be done, the client keeps its leases (its segment stays attached)."""
+    from kdn.client import shm
+    from kdn.client.shm import LeasedArena
+
+    monkeypatch.setattr(LeasedArena, "register_with_cuda", lambda self: True)
+    values = [random_kv(LAYOUT, 20, seed=i) for i in range(5)]
+    segments = tiny.server.servicer.segments
+    for swapped in (True, False):
+        if not swapped:
+            monkeypatch.setattr(shm, "own_pages", lambda *args, **kwargs: False)
+        with Client(tiny.address, timeout_s=30, shm_bytes=1 << 20) as c:
+            c.store(_key(0), values[0], mode="raw")
+            bound = c.dataplane.get_many("default", [_key(0)], Expected(), None,
+                                         pinned=True)[0]
+            assert isinstance(bound, Fetched) and bound.container is not None
+            assert bound.container.readonly
+            read = bytes(bound.container)
+            seg = c.dataplane.same_host.segment()[0]
+        assert len(segments) == (0 if swapped else 1)  # Detached, or still attached
+        _reuse_the_arena(tiny, values[2:] if swapped else values[3:4])
+        assert bytes(bound.container) == read and bound.container.readonly
+        assert codec.decode(bound.parts.to_bytes()).equal(values[0])
+        if not swapped:
+            seg.close()  # what the process's exit would do: the server reaps it
+            assert segments.reap() == 1
 
 
 def test_leases_of_a_client_that_exited_are_freed_when_the_arena_is_full(

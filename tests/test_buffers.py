@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import os
 
 import numpy as np
 import pytest
@@ -195,3 +196,52 @@ def test_a_new_buffer_is_faulted_in_whole_when_taken() -> None:
     # memory another thread of this process freed after the trim (378 of 12160 once, in a
     # shuffled run); a populate call would have brought in every one
     assert held < total // 10
+
+
+def _access(address: int) -> str:
+    """The read and write permissions of the mapping at ``address`` ("rw", "r-")."""
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            span, perms = line.split()[:2]
+            low, high = (int(x, 16) for x in span.split("-"))
+            if low <= address < high:
+                return perms[:2]
+    return ""
+
+
+@pytest.mark.parametrize("writable", [False, True], ids=["read-only", "copy-on-write"])
+def test_pages_made_the_processs_own_keep_their_bytes_when_the_file_changes(
+        writable: bool) -> None:
+    """``own_pages`` (what a closing client does to the read arena's pages it still shows):
+    the pages hold what they showed, writes of this process into them included, and the file
+    under them is then written unseen."""
+    import mmap
+
+    from kdn.transport.buffers import own_pages
+
+    page = mmap.PAGESIZE
+    fd = os.memfd_create("kdn-test")
+    try:
+        os.ftruncate(fd, 4 * page)
+        server = mmap.mmap(fd, 4 * page)  # the file's writer
+        server[:] = bytes(range(256)) * (4 * page // 256)
+        if writable:
+            view = mmap.mmap(fd, 4 * page, flags=mmap.MAP_PRIVATE,
+                             prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        else:
+            view = mmap.mmap(fd, 4 * page, prot=mmap.PROT_READ)
+    finally:
+        os.close(fd)
+    shown = np.frombuffer(view, dtype=np.uint8)
+    if writable:
+        shown[page + 5] = 99  # this process's own write, on a page copied on write
+    before = shown.copy()
+    assert own_pages(shown.ctypes.data + page, 2 * page, writable=writable)
+    assert not own_pages(shown.ctypes.data + 1, page, writable=writable)  # whole pages only
+    server[:] = b"\xff" * (4 * page)
+    assert np.array_equal(shown[page : 3 * page], before[page : 3 * page])  # its own copy
+    assert (shown[:page] == 0xFF).all() and (shown[3 * page :] == 0xFF).all()  # the file's
+    assert _access(shown.ctypes.data + page) == ("rw" if writable else "r-")  # as it was
+    del shown
+    view.close()
+    server.close()

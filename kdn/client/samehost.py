@@ -221,11 +221,15 @@ class SameHostPath:
 
 
     def close(self) -> None:
-        """Give the arena's leases and the segment back (``Detach``) and close the connections."""
+        """Give the arena's leases and the segment back (``Detach``) and close the connections.
+        Views of the arena the caller still holds keep what they show: their pages are made
+        this process's own first (``LeasedArena.close``); where that fails, the segment stays
+        attached, its leases held, until this process exits."""
         seg, seg_id = self._segment, self._segment_id
         self._segment, self._segment_id, self._tried = None, "", True
+        kept = True
         if self._arena is not None:  # Detach gives its leases back on the server
-            self._arena.close()
+            kept = self._arena.close()
             self._arena = None
         if self._arena_conn is not None:
             self._arena_conn.close()
@@ -236,6 +240,10 @@ class SameHostPath:
             old.close()
         self._dropped = []
         if seg is None:
+            return
+        if not kept:
+            log.warning("kdn: views of the read arena still read the server's pages; the "
+                        "segment stays attached (its leases held) until this process exits")
             return
         try:
             md = self._metadata(None)

@@ -10,7 +10,11 @@ Regions: ``RegionAllocator`` hands out byte ranges (first fit, 64-byte aligned, 
 merged on free). A range the server filled is handed to the caller as ``owned`` memoryviews:
 each view keeps a private numpy array of its range alive, and that array's finalizer gives the
 range back, so a region is reused only once nothing reads it any more (frames still decoding,
-a ``Fetched`` the caller holds). Decoded tensors are copies and never alias the segment.
+a ``Fetched`` the caller holds, the tensors of a ``raw`` entry decoded in place, which view it).
+
+The server's read arena (``LeasedArena``) is viewed in place too; when the client closes, the
+pages its caller's views still show become the process's own before the leases go back
+(``LeasedArena.close``), so what a closed client returned never changes under its caller.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from kdn.transport import directory
+from kdn.transport.buffers import MADV_POPULATE_WRITE, own_pages
 from kdn.transport.regions import ALIGN, RegionAllocator
 
 NONCE_BYTES = 16
@@ -149,7 +154,9 @@ class LeasedArena:
     the range shows the server's bytes again when it is read again or reused for another
     entry. One entry is viewed in place by one read at a time: a read of an entry that an
     earlier read's views still show gets a copy of the arena's bytes (read through a second,
-    shared read-only mapping), so two results never alias each other."""
+    shared read-only mapping), so two results never alias each other. At ``close`` the pages
+    that views still show are made this process's own (their bytes as they are), so that
+    the leases can go back while the views live on."""
 
     def __init__(self, fd: int, size: int, keep_bytes: int | None = None) -> None:
         try:
@@ -187,8 +194,10 @@ class LeasedArena:
         self.reused = 0
         """Reads answered from a kept lease (no call)."""
         self._gone: deque[tuple[int, int, int]] = deque()  # (lease, offset, length): no view
-        self._gone_clean: deque[int] = deque()  # leases of read-only views that died
-        self._live: dict[int, int] = {}  # offset -> lease of the entry viewed in place there
+        self._gone_clean: deque[tuple[int, int, int]] = deque()  # read-only views that died
+        self._live: dict[int, tuple[int, int]] = {}  # offset -> (lease, length) of the entry
+        # viewed in place there
+        self._shown: dict[tuple[int, int], int] = {}  # (offset, length) -> read-only views
         self._ready: list[int] = []  # leases whose pages are the arena's again
         self._lock = threading.Lock()
         self.closed = False
@@ -222,7 +231,8 @@ class LeasedArena:
         if pinned:  # nothing of this process in its pages: ready as soon as it dies
             source = self._source[offset : offset + length]
             self._views[lease] = self._views.get(lease, 0) + 1
-            weakref.finalize(source, self._gone_clean.append, lease)
+            self._shown[offset, length] = self._shown.get((offset, length), 0) + 1
+            weakref.finalize(source, self._gone_clean.append, (lease, offset, length))
             return memoryview(source)  # type: ignore[arg-type]
         if offset in self._live:  # another read's views show it: a copy of the arena's bytes
             room = np.empty(length + ALIGN, dtype=np.uint8)
@@ -231,7 +241,7 @@ class LeasedArena:
             if not self._views.get(lease) and lease not in self._kept_leases:
                 self._ready.append(lease)  # nothing of this process is in its pages
             return memoryview(room)[at : at + length]  # type: ignore[arg-type]
-        self._live[offset] = lease
+        self._live[offset] = (lease, length)
         self._views[lease] = self._views.get(lease, 0) + 1
         owner = self.array[offset : offset + length]
         weakref.finalize(owner, self._gone.append, (lease, offset, length))
@@ -260,10 +270,13 @@ class LeasedArena:
         (unless kept)."""
         while True:  # read-only views first: no page to reset (their finalizers append
             try:         # without the lock: one may run while this thread holds it)
-                clean = self._gone_clean.popleft()
+                clean, offset, length = self._gone_clean.popleft()
             except IndexError:
                 break
             with self._lock:
+                n = self._shown.pop((offset, length), 0) - 1
+                if n > 0:
+                    self._shown[offset, length] = n
                 self._unview(clean)
         while True:
             try:
@@ -272,7 +285,7 @@ class LeasedArena:
                 return
             self._reset(offset, length)
             with self._lock:
-                if self._live.get(offset) == lease:
+                if self._live.get(offset) == (lease, length):
                     del self._live[offset]
                 self._unview(lease)
 
@@ -418,14 +431,23 @@ class LeasedArena:
         for run in runs:  # copied-on-write pages: the next read maps the arena's page again
             self.map.madvise(mmap.MADV_DONTNEED, (first + int(run[0])) * PAGE, len(run) * PAGE)
 
-    def close(self) -> None:
+    def close(self) -> bool:
+        """Stop reading the arena. The pages that views still alive show become this
+        process's own, with the bytes they show (``_keep``): the leases can then be given
+        back (``Detach``) and the server reuse those pages while what the caller holds stays
+        as it was read. False where some could not be (their leases must stay held)."""
+        if self.closed:
+            return True
+        self._settle()  # views gone since: their pages are not kept
         with self._lock:
             if self.closed:
-                return
+                return True
             self.closed = True
             self._kept.clear()
             self._kept_leases.clear()
             self._kept_total = 0
+            in_place = [(offset, length) for offset, (_, length) in self._live.items()]
+            read_only = list(self._shown)
         if self._pagemap is not None:
             os.close(self._pagemap)
             self._pagemap = None
@@ -433,9 +455,42 @@ class LeasedArena:
             import torch
 
             torch.cuda.cudart().cudaHostUnregister(self._source.ctypes.data)
+        kept = self._keep(self.map, in_place, writable=True) & \
+            self._keep(self._pristine, read_only, writable=False)
         del self.array, self._source, self._words
         for m in (self.map, self._pristine):
             try:
                 m.close()
             except BufferError:  # views still alive: the mapping goes when they do
                 pass
+        return kept
+
+    @staticmethod
+    def _keep(mapping: mmap.mmap, ranges: list[tuple[int, int]], *, writable: bool) -> bool:
+        """Make the pages of ``ranges`` (offset, length) of ``mapping`` this process's own,
+        their bytes as they are now: a copy-on-write mapping's (``writable``) are copied on
+        write at once (``MADV_POPULATE_WRITE``: what the process wrote stays), a shared
+        read-only mapping's are swapped for a copy (``own_pages``). The cost, a copy of the
+        pages views still show, is paid once, here: reads copy nothing. False where some
+        could not be."""
+        runs: list[list[int]] = []  # [first page, end page) of the ranges, merged
+        for first, end in sorted((offset // PAGE, (offset + length - 1) // PAGE + 1)
+                                 for offset, length in ranges):
+            if runs and first <= runs[-1][1]:
+                runs[-1][1] = max(runs[-1][1], end)
+            else:
+                runs.append([first, end])
+        if not runs:
+            return True
+        base = np.frombuffer(mapping, dtype=np.uint8).ctypes.data
+        done = True
+        for first, end in runs:
+            start, n = first * PAGE, (end - first) * PAGE
+            if writable:
+                try:
+                    mapping.madvise(MADV_POPULATE_WRITE, start, n)
+                    continue
+                except OSError:  # a kernel before 5.14: swapped for a copy as below
+                    pass
+            done &= own_pages(base + start, n, writable=writable)
+        return done

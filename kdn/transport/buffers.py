@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import mmap
 import os
 import threading
 import weakref
@@ -188,6 +189,51 @@ def populate(array: np.ndarray[Any, Any]) -> None:
     first, end = -(-start // _PAGE) * _PAGE, (start + array.nbytes) // _PAGE * _PAGE
     if madvise is not None and end > first:
         madvise(first, end - first, MADV_POPULATE_WRITE)
+
+
+_MREMAP_MAYMOVE, _MREMAP_FIXED = 1, 2  # <linux/mman.h>
+
+
+@functools.cache
+def _libc_maps() -> Any:
+    """libc with ``mmap``, ``mprotect``, ``mremap`` and ``munmap`` typed; None where there is
+    none (or no ``mremap``: Linux only)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        calls = {"mmap": ([ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                           ctypes.c_int, ctypes.c_long], ctypes.c_void_p),
+                 "mprotect": ([ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int),
+                 "mremap": ([ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int,
+                             ctypes.c_void_p], ctypes.c_void_p),
+                 "munmap": ([ctypes.c_void_p, ctypes.c_size_t], ctypes.c_int)}
+        for name, (args, result) in calls.items():
+            fn = getattr(libc, name)
+            fn.argtypes, fn.restype = args, result
+    except (OSError, AttributeError):
+        return None
+    return libc
+
+
+def own_pages(address: int, length: int, *, writable: bool) -> bool:
+    """Swap the whole pages at [address, address + length) of a mapping for anonymous pages of
+    this process that hold the same bytes (read-only unless ``writable``), in one step: a
+    copy is made aside, then moved over them (``mremap``), so a reader of that memory sees the
+    old bytes, then the copy, never a gap; the mapping's file may then change under it
+    unseen. False where that is not possible (the memory is left as it was)."""
+    libc = _libc_maps()
+    if libc is None or address % _PAGE or length % _PAGE or length <= 0:
+        return False
+    aside = libc.mmap(None, length, mmap.PROT_READ | mmap.PROT_WRITE,
+                      mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)
+    if aside in (None, ctypes.c_void_p(-1).value):
+        return False
+    ctypes.memmove(aside, address, length)
+    if (writable or libc.mprotect(aside, length, mmap.PROT_READ) == 0) and \
+            libc.mremap(aside, length, length, _MREMAP_MAYMOVE | _MREMAP_FIXED,
+                        address) == address:
+        return True
+    libc.munmap(aside, length)
+    return False
 
 
 MMAP_THRESHOLD = 32 << 20
