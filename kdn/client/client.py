@@ -15,14 +15,19 @@ the same methods on worker threads: there is one copy of the logic.
 Every RPC method takes ``request_id`` (sent as ``x-request-id``, logged by the server; a fresh
 one when None, the same for all retries of the call). ``last_request_id`` is the id of the
 calling thread's latest call, so threads sharing a Client never see each other's ids.
+
+A Client belongs to the process that made it: its channel, its connections and its shared
+segment do not survive ``fork()``. In a child, each of its calls raises InvalidArgument at once
+(``close`` does nothing there): the child makes a Client of its own.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from kdn import tracing as _tracing
 from kdn.client.blend import RemotePiece, blend_request
@@ -56,6 +61,20 @@ DEFAULT_MAX_MESSAGE = 256 << 20  # the server's default: a frame (>= one layer) 
 DEFAULT_SHM_BYTES = 1 << 30
 """Size of the shared segment a client on the server's host uses by default."""
 DEFAULT_STREAMS = 1
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def in_its_process(fn: F) -> F:
+    """A method of ``Client`` that raises InvalidArgument, before it touches anything, in a
+    child of ``fork()`` (module docstring): there the channel would hang and the segment is
+    the parent's."""
+    @functools.wraps(fn)
+    def call(self: Client, *args: Any, **kwargs: Any) -> Any:
+        if os.getpid() != self.pid:
+            raise InvalidArgument("a Client cannot be used after fork(): make a new one in "
+                                  "the child")
+        return fn(self, *args, **kwargs)
+    return call  # type: ignore[return-value]
 
 
 @dataclass(frozen=True)
@@ -100,6 +119,8 @@ class Client:
         data_path: bool = True,
         data_connections: int = 0,
     ) -> None:
+        self.pid = os.getpid()
+        """The process this client belongs to (module docstring)."""
         if tracing:  # OpenTelemetry spans per call, the trace carried to the server
             _tracing.enable()
         tune_allocator()  # received messages must not fault in fresh pages (kdn.transport.buffers)
@@ -159,6 +180,7 @@ class Client:
         """The request id of this thread's latest call ("" before its first)."""
         return self.rpc.last_request_id
 
+    @in_its_process
     def metadata(self, request_id: str | None = None) -> tuple[tuple[str, str], ...]:
         """Metadata of one call: the API key and ``request_id`` (a fresh one when None), which
         becomes this thread's ``last_request_id``."""
@@ -166,7 +188,10 @@ class Client:
 
     def close(self) -> None:
         """Close the channels and give the segment back, after this thread's asynchronous
-        stores are answered (another thread's: ``flush`` there first)."""
+        stores are answered (another thread's: ``flush`` there first). Nothing in a child of
+        ``fork()``: they are the parent's."""
+        if os.getpid() != self.pid:
+            return
         if self.dataplane.has_pending():
             self.dataplane.settle_async()
         self.dataplane.close()
@@ -183,6 +208,7 @@ class Client:
 
     # -- store ----------------------------------------------------------------------------------
 
+    @in_its_process
     def store(self, key: bytes, kv: KVCache | EncodedParts | Staged, *, mode: str = "lossless",
               level: str = "", namespace: str | None = None,
               options: StoreOptions | None = None, layers_per_frame: int = 0,
@@ -194,6 +220,7 @@ class Client:
                                   options=options, layers_per_frame=layers_per_frame,
                                   request_id=request_id)
 
+    @in_its_process
     def store_many(self, items: Sequence[tuple[bytes, KVCache | EncodedParts | Staged]], *,
                    mode: str = "lossless", level: str = "", namespace: str | None = None,
                    options: StoreOptions | None = None, layers_per_frame: int = 0,
@@ -204,6 +231,7 @@ class Client:
                                        options=options, layers_per_frame=layers_per_frame,
                                        request_id=request_id)
 
+    @in_its_process
     def store_async(self, key: bytes, kv: KVCache | EncodedParts | Staged, *,
                     mode: str = "lossless", level: str = "", namespace: str | None = None,
                     options: StoreOptions | None = None, layers_per_frame: int = 0
@@ -214,11 +242,13 @@ class Client:
         return self._writes.store_async(key, kv, mode=mode, level=level, namespace=namespace,
                                         options=options, layers_per_frame=layers_per_frame)
 
+    @in_its_process
     def flush(self) -> None:
         """Wait for this thread's asynchronous stores (``store_async``); raise the first error
         among those answered since the last flush (each also raises from its ``result()``)."""
         self._writes.flush()
 
+    @in_its_process
     def stage(self, layout: KVLayout, tokens: int, *, start_position: int = 0) -> Staged:
         """A ``raw`` entry of ``tokens`` tokens of ``layout`` to fill in place and store without
         this client copying or hashing it (``kdn.client.staged``)."""
@@ -228,6 +258,7 @@ class Client:
     # ``layout``, ``tokens``: what each entry read must be (None / 0: any); one that is not
     # fails the read (LayoutMismatch) before any of it is decoded (``kdn.layout.Expected``)
 
+    @in_its_process
     def fetch(self, key: bytes, *, namespace: str | None = None,
               layout: KVLayout | None = None, tokens: int = 0,
               request_id: str | None = None) -> Fetched | None:
@@ -235,6 +266,7 @@ class Client:
         return self._reads.fetch(key, namespace=namespace, layout=layout, tokens=tokens,
                                  request_id=request_id)
 
+    @in_its_process
     def retrieve_stream(self, key: bytes, *, namespace: str | None = None,
                         layout: KVLayout | None = None, tokens: int = 0,
                         device: torch.device | str | None = None,
@@ -249,6 +281,7 @@ class Client:
                                            tokens=tokens, device=device, first_layer=first_layer,
                                            last_layer=last_layer, request_id=request_id)
 
+    @in_its_process
     def layer_stream(self, start: Callable[..., Any], request: Any,
                      device: torch.device | str | None = None,
                      request_id: str | None = None,
@@ -259,6 +292,7 @@ class Client:
         gets the whole entry once its last frame has arrived."""
         return self._reads.layer_stream(start, request, device, request_id, on_complete)
 
+    @in_its_process
     def retrieve(self, key: bytes, *, namespace: str | None = None,
                  layout: KVLayout | None = None, tokens: int = 0,
                  device: torch.device | str | None = None,
@@ -267,6 +301,7 @@ class Client:
         return self._reads.retrieve(key, namespace=namespace, layout=layout, tokens=tokens,
                                     device=device, request_id=request_id)
 
+    @in_its_process
     def fetch_many(self, keys: Sequence[bytes], *, namespace: str | None = None,
                    layout: KVLayout | None = None, tokens: int = 0,
                    request_id: str | None = None) -> list[Fetched | None]:
@@ -274,6 +309,7 @@ class Client:
         return self._reads.fetch_many(keys, namespace=namespace, layout=layout, tokens=tokens,
                                       request_id=request_id)
 
+    @in_its_process
     def retrieve_streams(self, keys: Sequence[bytes], *, namespace: str | None = None,
                          layout: KVLayout | None = None, tokens: int = 0,
                          device: torch.device | str | None = None,
@@ -283,6 +319,7 @@ class Client:
         return self._reads.retrieve_streams(keys, namespace=namespace, layout=layout,
                                             tokens=tokens, device=device, request_id=request_id)
 
+    @in_its_process
     def retrieve_joined(self, keys: Sequence[bytes], *, namespace: str | None = None,
                         layout: KVLayout | None = None, tokens: int = 0,
                         device: torch.device | str | None = None) -> LayerStream | None:
@@ -292,6 +329,7 @@ class Client:
         return self._reads.retrieve_joined(keys, namespace=namespace, layout=layout,
                                            tokens=tokens, device=device)
 
+    @in_its_process
     def retrieve_many(self, keys: Sequence[bytes], *, namespace: str | None = None,
                       layout: KVLayout | None = None, tokens: int = 0,
                       device: torch.device | str | None = None,
@@ -302,6 +340,7 @@ class Client:
 
     # -- blend ----------------------------------------------------------------------------------
 
+    @in_its_process
     @settles
     def blend_stream(self, pieces: Sequence[RemotePiece], *, ratio: float | None = None,
                      select_layer: int = 0, head_tokens: int = 0, per_chunk: bool = False,
@@ -319,12 +358,14 @@ class Client:
                             layout=layout, query_share=query_share)
         return self.layer_stream(self.rpc.stub.Blend, req, device, request_id)
 
+    @in_its_process
     def blend(self, pieces: Sequence[RemotePiece], **options: Any) -> KVCache:
         """Blended KV of ``pieces`` computed by the server; options as ``blend_stream``."""
         return self.blend_stream(pieces, **options).result()
 
     # -- lookup / delete / stats ----------------------------------------------------------------
 
+    @in_its_process
     @traced("kdn.client.lookup")
     def lookup(self, keys: Sequence[bytes], *, namespace: str | None = None,
                prefix_chain: bool = False, request_id: str | None = None) -> LookupResult:
@@ -346,11 +387,13 @@ class Client:
         hits = next((j for j, i in enumerate(done) if not i.present), len(done))
         return LookupResult(done, hits if prefix_chain else 0)
 
+    @in_its_process
     @settles
     def contains(self, key: bytes, *, namespace: str | None = None,
                  request_id: str | None = None) -> bool:
         return self.lookup([key], namespace=namespace, request_id=request_id).infos[0].present
 
+    @in_its_process
     @traced("kdn.client.delete")
     def delete(self, key: bytes | Sequence[bytes], *, namespace: str | None = None,
                tenant: str = "", request_id: str | None = None) -> int:
@@ -366,6 +409,7 @@ class Client:
         return int(self.rpc.call(lambda: self.rpc.stub.Delete(req, timeout=self.timeout_s,
                                                         metadata=md)).deleted)
 
+    @in_its_process
     def scoped(self, tenant: str, request_id: str | None = None) -> str:
         """``tenant`` checked, for a request that acts on another tenant's entries: "" (the
         caller's own) passes; a name only where the server says it takes one (``features``
@@ -382,11 +426,13 @@ class Client:
                                   f"{tenant!r}, or use that tenant's API key")
         return tenant
 
+    @in_its_process
     def stats(self, *, request_id: str | None = None) -> pb.StatsResponse:
         md = self.rpc.metadata(request_id)
         return self.rpc.call(lambda: self.rpc.stub.Stats(
             pb.StatsRequest(), timeout=self.timeout_s, metadata=md))
 
+    @in_its_process
     def health(self, service: str = "") -> str:
         """The standard gRPC health status name (SERVING, NOT_SERVING, ...)."""
         from grpc_health.v1 import health_pb2, health_pb2_grpc

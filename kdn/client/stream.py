@@ -39,11 +39,12 @@ from kdn.codec import StreamDecoder
 from kdn.codec.inplace import EntryViews, Span
 from kdn.errors import Corrupt, InvalidArgument, KDNError
 from kdn.layout import KVLayout
+from kdn.pools import SharedPool
 from kdn.status import from_grpc
 from kdn.transport.buffers import OVERLAP_FRAME_BYTES
 
 LayerKV = tuple[torch.Tensor, torch.Tensor]
-_POOL: ThreadPoolExecutor | None = None
+_POOL = SharedPool(max(2, os.cpu_count() or 2), "kdn-recv")
 _DONE = threading.Event()
 """The readiness of a layer that was ready when its stream was made (one event, set)."""
 _DONE.set()
@@ -51,10 +52,7 @@ _DONE.set()
 
 def pool() -> ThreadPoolExecutor:
     """Frame decoders shared by all streams of the process (zstd and torch release the GIL)."""
-    global _POOL
-    if _POOL is None:
-        _POOL = ThreadPoolExecutor(max(2, os.cpu_count() or 2), thread_name_prefix="kdn-recv")
-    return _POOL
+    return _POOL.get()
 
 
 @dataclass

@@ -9,7 +9,6 @@ import itertools
 import os
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Any, NamedTuple
 
@@ -38,6 +37,7 @@ from kdn.codec.layouts import BoundedMemo, layout_to_proto
 from kdn.codec.modes import LayerSpec, Mode, get_mode, mode_names
 from kdn.errors import Corrupt, InvalidArgument, KDNError
 from kdn.layout import KVLayout
+from kdn.pools import SharedPool
 from kdn.transport.wire import frame_message_head
 from kdn.v1 import kdn_pb2 as pb
 
@@ -54,20 +54,12 @@ __all__ = [
     "parse_header",
 ]
 
-_POOL: ThreadPoolExecutor | None = None
+_POOL = SharedPool(max(2, os.cpu_count() or 2), "kdn-codec")
 FRAME_TARGET_BYTES = 1 << 20
 """With ``layers_per_frame=0`` a frame takes consecutive layers until it holds this many bytes
 (so a layer this large is a frame of its own). A frame travels as one gRPC message, and Python
 gRPC moves messages of about 1 MiB fastest (streams of ~1 MB frames beat ~400 KB ones by about
 20% in ``bench.roundtrip``)."""
-
-
-def _pool() -> ThreadPoolExecutor:
-    global _POOL
-    if _POOL is None:
-        _POOL = ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2),
-                                   thread_name_prefix="kdn-codec")
-    return _POOL
 
 
 def layer_spec(kv_layout: KVLayout, layer: int, tokens: int) -> LayerSpec:
@@ -132,7 +124,7 @@ def encode_parts(
         body = codec.encode_layer(k, v, layer_spec(layout, layer, tokens), level)
         return record_parts(layout.layers[layer], tokens, body)
 
-    records = list(_pool().map(one, range(layout.num_layers)))
+    records = list(_POOL.get().map(one, range(layout.num_layers)))
     spans = frame_spans([sum(len(p) for p in rec) for rec in records], layers_per_frame)
     built = [frame_with_sum(FRAME_SEED, i, first, records[first : first + n],
                             lead=partial(frame_message_head, i) if wire else None)
@@ -316,7 +308,7 @@ class StreamDecoder:
         bytes."""
         if self.device.type != "cpu" or not self.mode.borrows:
             return None
-        return inplace.copied(self.header, container, _pool(), verify=not self.checked)
+        return inplace.copied(self.header, container, _POOL.get(), verify=not self.checked)
 
     def staging_span(self, frames: list[memoryview], container: memoryview
                      ) -> inplace.Span | None:
@@ -438,5 +430,5 @@ def decode(buf: bytes | memoryview, *, device: torch.device | str | None = None,
         recs = unhashed_records(dec.header, container.frames, hashed=True)  # sums waited for
     else:
         recs = [r for i, f in enumerate(container.frames) for r in check_frame(dec.header, i, f)]
-    layers = list(_pool().map(dec.decode_record, recs))
+    layers = list(_POOL.get().map(dec.decode_record, recs))
     return KVCache(dec.header.layout, layers, start)

@@ -36,7 +36,6 @@ from __future__ import annotations
 import functools
 import struct
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -46,6 +45,7 @@ import xxhash
 from kdn.codec.layouts import BoundedMemo, layout_of
 from kdn.errors import Corrupt, InvalidArgument, InvalidLayout, Truncated
 from kdn.layout import KVLayout, LayerLayout
+from kdn.pools import SharedPool
 from kdn.v1 import kdn_pb2 as pb
 
 MAGIC = b"KDNC"
@@ -504,9 +504,6 @@ def sums_checked_later(header: Header, frames: Sequence[bytes | memoryview]
     the wait (``gpu_batch.Decoded.check``). Hashing holds the GIL but the planner's and the
     copies' work does not, so the two overlap; hashing was the largest host cost of a whole
     entry decoded from bytes nobody had checked."""
-    global _SUMS
-    if _SUMS is None:
-        _SUMS = ThreadPoolExecutor(2, thread_name_prefix="kdn-sums")
     views = [memoryview(f) for f in frames]
 
     def run() -> None:
@@ -515,11 +512,11 @@ def sums_checked_later(header: Header, frames: Sequence[bytes | memoryview]
             _check_sum(header, i, want,
                        frame_sum(header.frame_seed, mv[:12], mv[FRAME_STRUCT.size :]))
 
-    job = _SUMS.submit(run)
+    job = _SUMS.get().submit(run)
     return lambda: job.result()
 
 
-_SUMS: ThreadPoolExecutor | None = None
+_SUMS = SharedPool(2, "kdn-sums")
 
 
 def split_frames(buf: bytes | memoryview, offset: int) -> Iterator[memoryview]:

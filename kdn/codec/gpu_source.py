@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import os
 import warnings
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 import torch
+
+from kdn.pools import SharedPool
 
 STATS = {"launches": 0, "copies": 0, "syncs": 0}
 """Kernel launches, host-to-device copies and host synchronisations of whole-entry decodes
@@ -217,16 +218,15 @@ def layer_chunks(work: np.ndarray) -> list[tuple[int, int]]:
 
 def run_all(fn: Any, jobs: list[Any]) -> None:
     """``fn`` of every job, on the staging threads where there are several."""
-    global _COPIES
     if len(jobs) < 2:
         for j in jobs:
             fn(j)
         return
-    if _COPIES is None:
-        _COPIES = ThreadPoolExecutor(THREADS, thread_name_prefix="kdn-stage")
-    list(_COPIES.map(fn, jobs))
+    list(_COPIES.get().map(fn, jobs))
+
+
 _COPY_CHUNK = 4 << 20
-_COPIES: ThreadPoolExecutor | None = None
+_COPIES = SharedPool(THREADS, "kdn-stage")
 
 
 def _copy_into(dst: np.ndarray, pieces: list[tuple[int, np.ndarray]]) -> None:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -33,6 +32,7 @@ from kdn.codec.format import header_shape, header_size, parse_header
 from kdn.errors import Corrupt, KDNError, TooLarge
 from kdn.keys import store_key
 from kdn.layout import Expected
+from kdn.pools import SharedPool
 from kdn.server.arena import Arenas, list_small
 from kdn.server.auth import Principal
 from kdn.server.reader import expected
@@ -77,17 +77,12 @@ second copy thread speeds one large batch alone but slows an engine placing batc
 threads, so there it is one)."""
 PARALLEL_COPY_BYTES = 8 << 20
 """A GetMany into a segment copies its entries on ``COPY_THREADS`` threads from this size."""
-_pool_lock = threading.Lock()
-_pool: ThreadPoolExecutor | None = None
+_POOL = SharedPool(COPY_THREADS, "kdn-copy")
 
 
 def copy_pool() -> ThreadPoolExecutor:
     """The copy threads (``COPY_THREADS``), shared by the data plane's reads and writes."""
-    global _pool
-    with _pool_lock:
-        if _pool is None:
-            _pool = ThreadPoolExecutor(COPY_THREADS, thread_name_prefix="kdn-copy")
-        return _pool
+    return _POOL.get()
 
 
 def _check_layout(skey: bytes, value: bytes | memoryview | Framed, want: Expected) -> None:

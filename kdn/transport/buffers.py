@@ -40,6 +40,8 @@ from typing import Any
 
 import numpy as np
 
+from kdn.pools import SharedPool
+
 MIN_BYTES = 1 << 20
 """Smaller buffers are plain arrays, not pooled (malloc reuses their memory)."""
 _GRAIN = 1 << 20
@@ -329,8 +331,7 @@ are hashed there the moment they are whole, while in cache (for frames of ~1 MB 
 fast as handing them to the threads, and leaves the threads to the large ones)."""
 COPIES_IN_FLIGHT = 4
 """Frames of one stream at most whose checks wait on ``copy_threads``."""
-_COPY_THREADS: list[ThreadPoolExecutor] = []
-_COPY_THREADS_LOCK = threading.Lock()
+_COPY_THREADS = SharedPool(max(2, os.cpu_count() or 2), "kdn-copy")
 
 
 def copy_threads() -> ThreadPoolExecutor:
@@ -338,8 +339,4 @@ def copy_threads() -> ThreadPoolExecutor:
     run without the GIL), one per core: streams read or written side by side copy side by
     side, as they did on their own threads (a stream's frames land at their own offsets, in
     any order)."""
-    with _COPY_THREADS_LOCK:
-        if not _COPY_THREADS:
-            _COPY_THREADS.append(ThreadPoolExecutor(max(2, os.cpu_count() or 2),
-                                                    thread_name_prefix="kdn-copy"))
-        return _COPY_THREADS[0]
+    return _COPY_THREADS.get()

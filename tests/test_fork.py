@@ -1,0 +1,140 @@
+"""kdn in a child of fork() (a multiprocessing worker's start): the codec and every shared
+thread pool work there as in the parent (``kdn.pools``: the child makes its own threads); a
+Client made by the parent refuses every call there at once with InvalidArgument, instead of
+hanging on a channel the child can not use, and a Client made in the child works."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import time
+from collections.abc import Callable
+
+import pytest
+
+from kdn import codec
+from kdn.client import Client
+from kdn.client import stream as client_stream
+from kdn.codec import gpu_source
+from kdn.codec.format import parse_header, sums_checked_later
+from kdn.errors import InvalidArgument
+from kdn.server import ServerThread
+from kdn.server.batch import copy_pool
+from kdn.transport.buffers import copy_threads
+from tests.helpers import numbered_key, random_kv, uniform_layout
+
+LAYOUT = uniform_layout()
+FORKED = "a Client cannot be used after fork(): make a new one in the child"
+
+
+def in_child(fn: Callable[[], str], timeout_s: float = 20.0) -> str:
+    """What ``fn()`` returns in a fork child (an error it raises: its kind and message), or
+    "hung" when the child did not finish within ``timeout_s`` (it is killed)."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into pytest
+        try:
+            os.close(r)
+            try:
+                out = fn()
+            except BaseException as exc:  # noqa: BLE001
+                out = f"{type(exc).__name__}: {exc}"
+            os.write(w, out.encode()[:4096])
+        finally:
+            os._exit(0)
+    os.close(w)
+    deadline = time.monotonic() + timeout_s
+    while os.waitpid(pid, os.WNOHANG) == (0, 0):
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            os.close(r)
+            return "hung"
+        time.sleep(0.02)
+    with os.fdopen(r, "rb") as f:
+        return f.read().decode()
+
+
+def test_the_codec_works_in_a_fork_child() -> None:
+    kv = random_kv(LAYOUT, 64, seed=1)
+    assert codec.decode(codec.encode(kv)).equal(kv)  # the parent's pools have threads
+
+    def child() -> str:
+        for mode in ("lossless", "raw"):
+            if not codec.decode(codec.encode(kv, mode)).equal(kv):
+                return f"{mode}: decoded another value"
+        return "ok"
+
+    assert in_child(child) == "ok"
+
+
+def _encoded(seed: int) -> bytes:
+    return codec.encode(random_kv(LAYOUT, 16, seed=seed))
+
+
+def test_multiprocessing_fork_workers_use_the_codec() -> None:
+    want = [_encoded(i) for i in range(4)]
+    with multiprocessing.get_context("fork").Pool(2) as pool:
+        assert pool.map_async(_encoded, range(4)).get(timeout=30) == want
+
+
+def test_every_shared_pool_runs_work_in_a_fork_child() -> None:
+    getters = [copy_pool, copy_threads, client_stream.pool]
+    for get in getters:  # each made, with threads, in the parent
+        assert get().submit(os.getpid).result(timeout=10) == os.getpid()
+    ran: list[int] = []
+    gpu_source.run_all(ran.append, [1, 2, 3])
+    assert sorted(ran) == [1, 2, 3]
+    parts = codec.encode_parts(random_kv(LAYOUT, 16), "raw")
+    sums_checked_later(parse_header(parts.header), parts.frames)()  # waits on the sum threads
+
+    def child() -> str:
+        pids = {get().submit(os.getpid).result(timeout=10) for get in getters}
+        staged: list[int] = []
+        gpu_source.run_all(staged.append, [1, 2, 3])
+        sums_checked_later(parse_header(parts.header), parts.frames)()
+        return "ok" if pids == {os.getpid()} and sorted(staged) == [1, 2, 3] else \
+            f"pids {pids}, staged {staged}"
+
+    assert in_child(child) == "ok"
+
+
+@pytest.mark.parametrize("remote", [False, True], ids=["same-host", "remote"])
+def test_a_parents_client_refuses_in_the_child_and_a_new_one_works(
+        server: ServerThread, remote: bool) -> None:
+    extra = {"shm_bytes": 0} if remote else {}
+    kv, kv2 = random_kv(LAYOUT, 16, seed=1), random_kv(LAYOUT, 16, seed=2)
+    with Client(server.address, timeout_s=5, **extra) as c:  # type: ignore[arg-type]
+        c.store(numbered_key(1), kv)
+        assert c.retrieve(numbered_key(1)) is not None
+
+        def child() -> str:
+            refused = []
+            t0 = time.monotonic()
+            for call in (lambda: c.store(numbered_key(2), kv2),
+                         lambda: c.store_async(numbered_key(2), kv2),
+                         lambda: c.retrieve(numbered_key(1)),
+                         lambda: c.fetch_many([numbered_key(1)]),
+                         lambda: c.lookup([numbered_key(1)]),
+                         lambda: c.delete(numbered_key(1)),
+                         c.flush, c.stats):
+                try:
+                    call()
+                except InvalidArgument as exc:
+                    refused.append(str(exc) == FORKED)
+            c.close()  # nothing: the channel and the segment are the parent's
+            if refused != [True] * 8 or time.monotonic() - t0 > 2:
+                return f"refused {refused} in {time.monotonic() - t0:.1f} s"
+            with Client(server.address, timeout_s=5, **extra) as mine:  # type: ignore[arg-type]
+                mine.store(numbered_key(2), kv2)
+                got = mine.retrieve(numbered_key(2), layout=LAYOUT)
+                one = mine.retrieve(numbered_key(1), layout=LAYOUT)
+            return "ok" if got is not None and got.equal(kv2) and one is not None \
+                and one.equal(kv) else "the child's client read other values"
+
+        assert in_child(child) == "ok"
+        got = c.retrieve(numbered_key(2), layout=LAYOUT)  # the parent's client carries on
+        assert got is not None and got.equal(kv2)
+        c.store(numbered_key(3), kv)
+        assert c.lookup([numbered_key(3)]).infos[0].present
