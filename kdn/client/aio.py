@@ -1,23 +1,98 @@
-"""``AsyncClient``: the asyncio face of ``kdn.client.Client``."""
+"""``AsyncClient``: the asyncio face of ``kdn.client.Client``.
+
+    async with AsyncClient("127.0.0.1:50051") as ac:     # or AsyncClient(client)
+        kv = await ac.retrieve(key)
+        pending = [await ac.store_async(k, kv) for k, kv in items]
+        await ac.flush()                                  # every one answered; the first error
+        pending[0].result()                               # answered: readable on any thread
+
+Each call runs the Client's method on a worker thread, so the logic exists once. The calls
+bound to the thread that makes them (an asynchronous store is answered on the thread that sent
+it: ``store_async``, ``flush``, ``close``) all run on one thread of the AsyncClient's own, so
+``flush`` and ``close`` answer every store it sent; the other calls run on the loop's default
+executor, after the stores it sent are answered (as a Client's calls on one thread do: a read
+then sees them). A store's ``result()`` is read once ``flush`` (or ``close``) returned; its
+``done()`` any time. The worker thread's ``last_request_id`` is not the caller's: pass
+``request_id`` to correlate.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import functools
 from collections.abc import Callable
-from typing import Any
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from kdn.client.client import Client
+from kdn.client.pending import PendingStore
+
+if TYPE_CHECKING:
+    from kdn.cache import KVCache
+    from kdn.client.staged import Staged
+    from kdn.codec import EncodedParts
+
+T = TypeVar("T")
 
 
 class AsyncClient:
-    """asyncio face of a Client: ``await AsyncClient(client).retrieve(key)``.
-
-    Each method runs the Client's method on a worker thread, so the logic exists once. The
-    worker thread's ``last_request_id`` is not the caller's: pass ``request_id`` to correlate.
-    """
+    """asyncio face of a Client (module docstring): ``await AsyncClient(client).retrieve(key)``;
+    ``async with`` closes it."""
 
     def __init__(self, client: Client | str) -> None:
         self.client = client if isinstance(client, Client) else Client(client)
+        self._stores = ThreadPoolExecutor(1, thread_name_prefix="kdn-aio-stores")
+        """The one thread asynchronous stores are sent, answered and flushed on."""
+        self._unanswered: list[PendingStore] = []
+
+    async def _on_store_thread(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        ctx = contextvars.copy_context()  # as asyncio.to_thread: the caller's context
+        return await asyncio.get_running_loop().run_in_executor(
+            self._stores, functools.partial(ctx.run, fn, *args, **kwargs))
+
+    async def _answered(self) -> None:
+        """Wait until the stores sent so far are answered (their errors kept for ``flush``)."""
+        self._unanswered = [p for p in self._unanswered if not p.done()]
+        if self._unanswered:
+            await self._on_store_thread(self.client.dataplane.settle_async)
+            self._forget_answered()
+
+    def _forget_answered(self) -> None:
+        """(Those sent meanwhile, after the wait on the store thread, are kept.)"""
+        self._unanswered = [p for p in self._unanswered if not p.done()]
+
+    async def store_async(self, key: bytes, kv: KVCache | EncodedParts | Staged,
+                          **options: Any) -> PendingStore:
+        """``Client.store_async`` (its options) on the AsyncClient's store thread: sent, not
+        waited for."""
+        pending = await self._on_store_thread(self.client.store_async, key, kv, **options)
+        if not pending.done():
+            self._unanswered.append(pending)
+        return pending
+
+    async def flush(self) -> None:
+        """``Client.flush``: every store sent by ``store_async`` answered; the first error
+        among those answered since the last flush is raised."""
+        try:
+            await self._on_store_thread(self.client.flush)
+        finally:
+            self._forget_answered()
+
+    async def close(self) -> None:
+        """``Client.close``, once the stores sent are answered (each ``result()`` then has its
+        answer or error); the store thread ends."""
+        try:
+            await self._on_store_thread(self.client.close)
+        finally:
+            self._forget_answered()
+            self._stores.shutdown(wait=False)
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
 
     def __getattr__(self, name: str) -> Callable[..., Any]:
         fn = getattr(self.client, name)
@@ -25,7 +100,7 @@ class AsyncClient:
             return fn
 
         async def call(*args: Any, **kwargs: Any) -> Any:
+            await self._answered()
             return await asyncio.to_thread(fn, *args, **kwargs)
 
         return call
-

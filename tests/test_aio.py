@@ -1,0 +1,109 @@
+"""AsyncClient over a real server: stores sent by ``store_async`` (on the AsyncClient's one
+store thread) are all answered by ``await flush()``, which raises a damaged one's error, and by
+``await close()``, after which each ``result()`` has its answer or its error; a call made after
+them sees them; ``async with`` closes the client. Both asynchronous paths: the fast path of a
+client on the server's host, the network data path of one without a segment."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from kdn import codec
+from kdn.client import AsyncClient, Client
+from kdn.codec import EncodedParts
+from kdn.errors import InvalidArgument
+from kdn.server import ServerThread
+from tests.helpers import numbered_key, random_kv, uniform_layout
+
+LAYOUT = uniform_layout()
+PATHS = pytest.mark.parametrize("path", [{"data_path": False}, {"shm_bytes": 0}],
+                                ids=["same-host", "network"])
+
+
+def damaged(kv: Any) -> EncodedParts:
+    """``kv`` encoded, its last frame's bytes changed (the server refuses it)."""
+    good = codec.encode_parts(kv, "raw")
+    frame = bytearray(good.frames[-1])
+    frame[-3] ^= 0x10
+    return EncodedParts(good.header, [*good.frames[:-1], bytes(frame)])
+
+
+@PATHS
+def test_flush_answers_every_async_store(server: ServerThread, path: dict[str, Any]) -> None:
+    kvs = [random_kv(LAYOUT, 16, seed=i) for i in range(20)]
+
+    async def main() -> None:
+        ac = AsyncClient(Client(server.address, timeout_s=30, **path))
+        pending = await asyncio.gather(*(ac.store_async(numbered_key(100 + i), kv, mode="raw")
+                                         for i, kv in enumerate(kvs)))
+        await ac.flush()
+        assert [p.done() for p in pending] == [True] * len(kvs)
+        assert all(p.result().stored_bytes > 0 for p in pending)  # on the loop's thread
+        got = await asyncio.gather(*(ac.retrieve(numbered_key(100 + i), layout=LAYOUT)
+                                     for i in range(len(kvs))))
+        assert all(g is not None and g.equal(kv) for g, kv in zip(got, kvs))
+        await ac.close()
+
+    asyncio.run(main())
+
+
+@PATHS
+def test_flush_raises_a_damaged_store_and_close_answers_the_rest(
+        server: ServerThread, path: dict[str, Any]) -> None:
+    kvs = [random_kv(LAYOUT, 40, seed=10 + i) for i in range(3)]
+
+    async def main() -> None:
+        ac = AsyncClient(Client(server.address, timeout_s=30, **path))
+        first = [await ac.store_async(numbered_key(20), kvs[0]),
+                 await ac.store_async(numbered_key(21), damaged(kvs[1])),
+                 await ac.store_async(numbered_key(22), kvs[2])]
+        with pytest.raises(InvalidArgument, match="corrupt"):
+            await ac.flush()
+        await ac.flush()  # reported once
+        then = [await ac.store_async(numbered_key(23), damaged(kvs[1])),
+                await ac.store_async(numbered_key(24), kvs[0])]
+        await ac.close()  # no flush: close answers them
+        for p in (first[1], then[0]):
+            with pytest.raises(InvalidArgument, match="corrupt"):
+                p.result()
+        assert all(p.result().stored_bytes for p in (first[0], first[2], then[1]))
+
+    asyncio.run(main())
+    with Client(server.address, timeout_s=30) as c:
+        assert [c.contains(numbered_key(i)) for i in range(20, 25)] == [
+            True, False, True, False, True]
+
+
+@PATHS
+def test_a_call_after_async_stores_sees_them(server: ServerThread,
+                                             path: dict[str, Any]) -> None:
+    old, new = random_kv(LAYOUT, 64, seed=1), random_kv(LAYOUT, 64, seed=2)
+
+    async def main() -> None:
+        ac = AsyncClient(Client(server.address, timeout_s=30, **path))
+        await ac.store(numbered_key(30), old, mode="raw")
+        for i in range(5):
+            p = await ac.store_async(numbered_key(30), new if i % 2 == 0 else old, mode="raw")
+            got = await ac.retrieve(numbered_key(30), layout=LAYOUT)
+            assert p.done() and got is not None and got.equal(new if i % 2 == 0 else old)
+        await ac.close()
+
+    asyncio.run(main())
+
+
+def test_async_with_closes_the_client(server: ServerThread) -> None:
+    kv = random_kv(LAYOUT, 16, seed=3)
+
+    async def main() -> tuple[AsyncClient, list[Any]]:
+        async with AsyncClient(server.address) as ac:
+            pending = [await ac.store_async(numbered_key(40 + i), kv) for i in range(4)]
+            assert await ac.contains(numbered_key(40))
+        return ac, pending
+
+    ac, pending = asyncio.run(main())
+    assert all(p.done() and p.result().stored_bytes for p in pending)
+    with pytest.raises(ValueError, match="closed channel"):  # gRPC's word for it
+        ac.client.stats()
