@@ -402,12 +402,16 @@ class Client:
         keys = [key] if isinstance(key, (bytes, bytearray)) else list(key)
         req = pb.DeleteRequest(namespace=self._ns(namespace), keys=[check_key(k) for k in keys],
                                tenant=self.scoped(tenant, request_id))
-        if self.local is not None and not tenant:  # (the local copies are the caller's)
-            for k in req.keys:
-                self.local.discard(req.namespace, k)
-        md = self.rpc.metadata(request_id)
-        return int(self.rpc.call(lambda: self.rpc.stub.Delete(req, timeout=self.timeout_s,
-                                                        metadata=md)).deleted)
+        # the local copies (the caller's) go first; none read or stored meanwhile is kept
+        writes = [self.local.write(req.namespace, k) for k in req.keys] \
+            if self.local is not None and not tenant else []
+        try:
+            md = self.rpc.metadata(request_id)
+            return int(self.rpc.call(lambda: self.rpc.stub.Delete(
+                req, timeout=self.timeout_s, metadata=md)).deleted)
+        finally:
+            for write in writes:
+                write.end()
 
     @in_its_process
     def scoped(self, tenant: str, request_id: str | None = None) -> str:

@@ -611,19 +611,19 @@ class DataPlane:
 
     def put_async(self, namespace: str, key: bytes, opts: pb.StoreOptions, *,
                   parts: EncodedParts | None = None, staged: Any = None,
-                  on_ok: Any = None) -> PendingStore | None:
+                  on_done: Any = None) -> PendingStore | None:
         """``SameHostPath.put_async``: None where it can not go that way."""
         return self.same_host.put_async(namespace, key, opts, parts=parts, staged=staged,
-                                        on_ok=on_ok)
+                                        on_done=on_done)
 
     def put_async_net(self, namespace: str, key: bytes, opts: pb.StoreOptions,
-                      parts: EncodedParts, on_ok: Any = None) -> PendingStore | None:
+                      parts: EncodedParts, on_done: Any = None) -> PendingStore | None:
         """``put_async`` for a client without a segment: the store sent on this thread's
         network data path connection without waiting (it answers in order too). None where
         there is no data path or it failed (the caller stores it as ``store`` does)."""
         if self.net() is None or parts.nbytes > BATCH_BYTES:
             return None
-        return self.network.put_async(namespace, key, opts, parts, on_ok)
+        return self.network.put_async(namespace, key, opts, parts, on_done)
 
     def has_pending(self) -> bool:
         return self.same_host.has_pending() or self.network.has_pending()

@@ -11,6 +11,14 @@ the same key space (namespace, key) as the client's calls. Lifecycle:
 * ``delete`` drops the key here too; the least recently used entries go when the byte budget
   is exceeded.
 
+A copy is kept only where it is what the server holds, also when the client's threads store,
+delete and read one key side by side (``write``, ``read_ticket``): a store or delete drops the
+key's copy before it is sent, and a copy is then kept only by the one that began last, when it
+succeeded and no other write of the key was in flight from when it began (the server may take
+writes sent side by side in either order); a read's copy only when no write of the key began
+since the read did (nor was in flight then). Otherwise the key stays out of this tier and reads
+go to the server.
+
 Entries are kept as the server stores them (header + frames), checked as they are copied in
 (the header's checksum, every frame's checksum, position and length, hashed chunk by chunk as
 it is written: an entry that fails is not kept); a hit is not hashed again, as the server's RAM
@@ -44,6 +52,9 @@ from kdn.errors import Corrupt, Truncated
 
 TIER = LOCAL_TIER
 log = logging.getLogger(__name__)
+STAMPED_KEYS = 8192
+"""Keys whose latest write's stamp is remembered (``LocalTier.write``); the stamps of others
+are folded into one floor, which only keeps fewer copies read or stored before it."""
 
 
 @dataclass
@@ -112,6 +123,36 @@ def _host_buffer(n: int) -> np.ndarray:  # type: ignore[type-arg]
     return np.empty(n, dtype=np.uint8)
 
 
+class LocalWrite:
+    """A store or delete of one key being sent (``LocalTier.write``): ``keep`` its entry once
+    the server took it, ``end`` once it is answered either way (again: nothing). A context
+    manager that ends it."""
+
+    __slots__ = ("tier", "namespace", "key", "ticket", "ended")
+
+    def __init__(self, tier: LocalTier, namespace: str, key: bytes, ticket: int) -> None:
+        self.tier, self.namespace, self.key = tier, namespace, key
+        self.ticket = ticket
+        """Its stamp; 0 where another write of the key was in flight when it began."""
+        self.ended = False
+
+    def keep(self, parts: EncodedParts) -> bool:
+        """Keep ``parts``, stored by this write, where no later write of the key began."""
+        return bool(self.ticket) and self.tier.put(self.namespace, self.key, parts,
+                                                   self.ticket)
+
+    def end(self) -> None:
+        if not self.ended:
+            self.ended = True
+            self.tier._ended((self.namespace, self.key))
+
+    def __enter__(self) -> LocalWrite:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.end()
+
+
 class LocalTier:
     def __init__(self, capacity_bytes: int) -> None:
         if capacity_bytes <= 0:
@@ -123,6 +164,37 @@ class LocalTier:
         self._bytes = 0
         self._lock = threading.Lock()
         self.stats = LocalStats(capacity_bytes=capacity_bytes)
+        self._clock = 1  # the last stamp given (0 is no ticket)
+        self._stamps: OrderedDict[tuple[str, bytes], int] = OrderedDict()  # latest write's
+        self._floor = 0  # the largest stamp no longer in ``_stamps``
+        self._writing: dict[tuple[str, bytes], int] = {}  # writes in flight, by key
+
+    def write(self, namespace: str, key: bytes) -> LocalWrite:
+        """A store or delete of the key is about to be sent (module docstring): its copy here
+        goes now; the write's ``keep`` and ``end`` follow its answer."""
+        k = (namespace, key)
+        with self._lock:
+            self._drop(k)
+            self._clock += 1
+            self._stamps[k] = self._clock
+            self._stamps.move_to_end(k)
+            if len(self._stamps) > STAMPED_KEYS:
+                self._floor = max(self._floor, self._stamps.popitem(last=False)[1])
+            alone = k not in self._writing
+            self._writing[k] = self._writing.get(k, 0) + 1
+            return LocalWrite(self, namespace, key, self._clock if alone else 0)
+
+    def _ended(self, k: tuple[str, bytes]) -> None:
+        with self._lock:
+            left = self._writing.pop(k) - 1
+            if left:
+                self._writing[k] = left
+
+    def read_ticket(self, namespace: str, key: bytes) -> int:
+        """Taken before the key is read from the server, for ``put`` of what the read brings:
+        0 (not kept) while a write of the key is in flight."""
+        with self._lock:
+            return 0 if (namespace, key) in self._writing else self._clock
 
     def get(self, namespace: str, key: bytes) -> LocalHit | None:
         """The entry (checked and parsed when it was put), or None."""
@@ -141,11 +213,14 @@ class LocalTier:
             held = self._entries.get((namespace, key))
             return None if held is None else int(held.buf.nbytes)
 
-    def put(self, namespace: str, key: bytes, parts: EncodedParts) -> bool:
+    def put(self, namespace: str, key: bytes, parts: EncodedParts,
+            ticket: int | None = None) -> bool:
         """Keep a checked copy of the entry; False when it is larger than the tier or fails
-        its check (then nothing of it is kept, and an older copy under the key goes too)."""
+        its check (then nothing of it is kept, and an older copy under the key goes too), or
+        when a write of the key began after ``ticket`` was taken (``read_ticket``, a write's;
+        0: not kept; None: no such check)."""
         n = parts.nbytes
-        if n > self.capacity_bytes:
+        if n > self.capacity_bytes or ticket == 0:
             return False
         head = len(parts.header)
         room = _host_buffer(n + FRAME_ALIGN)
@@ -173,6 +248,8 @@ class LocalTier:
         held = _Held(buf, LocalHit(EncodedParts(c.header.raw, list(c.frames)),  # type: ignore[arg-type]
                                    whole, c.header, {}))
         with self._lock:
+            if ticket is not None and self._stamps.get((namespace, key), self._floor) > ticket:
+                return False  # a later write began: its answer decides
             old = self._entries.pop((namespace, key), None)
             if old is not None:
                 self._bytes -= old.buf.nbytes
@@ -187,7 +264,11 @@ class LocalTier:
 
     def discard(self, namespace: str, key: bytes) -> None:
         with self._lock:
-            old = self._entries.pop((namespace, key), None)
-            if old is not None:
-                self._bytes -= old.buf.nbytes
-            self.stats.entries, self.stats.bytes = len(self._entries), self._bytes
+            self._drop((namespace, key))
+
+    def _drop(self, k: tuple[str, bytes]) -> None:
+        """The key's copy gone. Call with the lock."""
+        old = self._entries.pop(k, None)
+        if old is not None:
+            self._bytes -= old.buf.nbytes
+        self.stats.entries, self.stats.bytes = len(self._entries), self._bytes

@@ -691,14 +691,14 @@ class RemotePath:
     # -- asynchronous stores (``Client.store_async`` of a client without a segment) -------------
 
     def put_async(self, namespace: str, key: bytes, opts: pb.StoreOptions,
-                  parts: EncodedParts, on_ok: Any = None) -> PendingStore | None:
+                  parts: EncodedParts, on_done: Any = None) -> PendingStore | None:
         """The store sent on this thread's connection without waiting (it answers in order).
         None where there is no path, it failed, or this thread has no connection open yet
         (the caller stores it as ``store`` does, which opens one)."""
         net = self.path()
         if net is None:
             return None
-        pending = PendingStore(self, key, on_ok)
+        pending = PendingStore(self, key, on_done)
         sent = net.put_async(namespace, key, parts, opts, pending, ASYNC_DEPTH)
         if sent is False:
             failed = OSError("the data path connection failed")

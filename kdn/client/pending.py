@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from kdn.errors import InvalidArgument, KDNError, Unavailable
@@ -25,11 +26,13 @@ class PendingStore:
     stored (its fast-path connection answers in order): ``result()`` on another thread works
     once that thread's next call or ``flush`` has read it."""
 
-    __slots__ = ("key", "_path", "_thread", "_on_ok", "_response", "_error", "_done")
+    __slots__ = ("key", "_path", "_thread", "_on_done", "_response", "_error", "_done")
 
-    def __init__(self, path: Any, key: bytes, on_ok: Any = None) -> None:
-        """``path``: the data path that sent it (its ``settle(until)`` reads the answer)."""
-        self.key, self._path, self._on_ok = key, path, on_ok
+    def __init__(self, path: Any, key: bytes,
+                 on_done: Callable[[bool], object] | None = None) -> None:
+        """``path``: the data path that sent it (its ``settle(until)`` reads the answer);
+        ``on_done``: called once with whether it was stored, when it is answered or fails."""
+        self.key, self._path, self._on_done = key, path, on_done
         self._thread = threading.get_ident()
         self._response: pb.StoreResponse | None = None
         self._error: KDNError | None = None
@@ -62,9 +65,9 @@ class PendingStore:
     def resolve(self, response: pb.StoreResponse | None, error: KDNError | None) -> None:
         """The server's answer came (``response``), or the store failed (``error``)."""
         self._response, self._error, self._done = response, error, True
-        on_ok, self._on_ok = self._on_ok, None
-        if error is None and on_ok is not None:
+        on_done, self._on_done = self._on_done, None
+        if on_done is not None:
             try:  # keeping a copy in the in-process tier: a later call reads this answer,
-                on_ok()  # and must not fail for it
+                on_done(error is None)  # and must not fail for it
             except Exception as exc:  # noqa: BLE001
                 log.warning("kdn: the in-process tier did not keep %r: %s", self.key, exc)

@@ -72,10 +72,16 @@ class Reader:
     def _ns(self, namespace: str | None) -> str:
         return check_namespace(namespace or self.namespace)
 
-    def remember(self, namespace: str, key: bytes, parts: EncodedParts) -> None:
-        """Keep a copy in the in-process tier (when there is one)."""
+    def ticket(self, namespace: str, key: bytes) -> int:
+        """The in-process tier's ``read_ticket`` for a read of ``key`` from the server about to
+        be made (0 without a tier)."""
+        return self.local.read_ticket(namespace, key) if self.local is not None else 0
+
+    def remember(self, namespace: str, key: bytes, ticket: int, parts: EncodedParts) -> None:
+        """Keep a copy of what a read brought in the in-process tier (when there is one), unless
+        a write of the key began after ``ticket`` was taken (``kdn.client.local``)."""
         if self.local is not None:
-            self.local.put(namespace, key, parts)
+            self.local.put(namespace, key, parts, ticket)
 
     def in_process(self, namespace: str, key: bytes, want: Expected) -> Fetched | None:
         """The in-process tier's copy of the entry (checked against ``want``, as the server
@@ -105,13 +111,14 @@ class Reader:
         if not isinstance(got, TooBig):
             return got
         md = self.rpc.metadata(request_id)
+        ticket = self.ticket(req.namespace, req.key)
 
         def run() -> Fetched:
             stream = self.rpc.retrieve_call(ask_pieces(req), timeout=self.rpc.timeout_s,
                                             metadata=md)
             first = next(stream)
             got = received(first.header, stream)
-            self.remember(req.namespace, req.key, got.parts)
+            self.remember(req.namespace, req.key, ticket, got.parts)
             return got
 
         try:
@@ -146,7 +153,8 @@ class Reader:
                                   self.dataplane.segment()[0])
             if got is None and self.dataplane.direct:
                 return None
-        keep = (functools.partial(self.remember, req.namespace, req.key)
+        keep = (functools.partial(self.remember, req.namespace, req.key,
+                                  self.ticket(req.namespace, req.key))
                 if whole and self.local is not None else None)  # what the stream brings
         try:
             if whole and self.streams > 1:
@@ -289,7 +297,8 @@ class Reader:
         req = self._retrieve_request(key, namespace, want)
         got = self._entries(req.namespace, [req.key], want, request_id)[0]
         if isinstance(got, TooBig):  # as fetch reads it, but a large entry over several streams
-            keep = (functools.partial(self.remember, req.namespace, req.key)
+            keep = (functools.partial(self.remember, req.namespace, req.key,
+                                      self.ticket(req.namespace, req.key))
                     if self.local is not None else None)
             try:
                 read = self._grouped_stream(req, device, request_id, keep, whole_read=True)
@@ -351,6 +360,7 @@ class Reader:
             req.inline_max_entry_bytes = STREAM_ENTRY_BYTES - 1
             req.inline_budget_bytes = min(GROUP_INLINE_BYTES, self.dataplane.inline_budget)
         md = self.rpc.metadata(request_id)
+        tickets = [self.ticket(ns, k) for k in keys]
         try:
             got = self.rpc.call(lambda: received_many(len(keys), self.rpc.retrieve_many_call(
                 req, timeout=self.rpc.timeout_s, metadata=md)))
@@ -359,9 +369,9 @@ class Reader:
                 raise
             self._retrieve_many_ok = False
             return None
-        for k, g in zip(keys, got):
+        for k, t, g in zip(keys, tickets, got):
             if g is not None:
-                self.remember(ns, k, g.parts)
+                self.remember(ns, k, t, g.parts)
         return got
 
     def _entries(self, ns: str, keys: list[bytes], want: Expected,
@@ -373,18 +383,19 @@ class Reader:
         out: list[Fetched | TooBig | None] = [
             self.in_process(ns, k, want) if in_process else None for k in keys]
         ask = [j for j, f in enumerate(out) if f is None]
+        tickets = {j: self.ticket(ns, keys[j]) for j in ask}
         if len(ask) == 1 and not pinned:  # one key: the short way where it applies
             one = self.dataplane.get_one(ns, keys[ask[0]], want, request_id)
             out[ask[0]] = one
             if isinstance(one, Fetched):
-                self.remember(ns, keys[ask[0]], one.parts)
+                self.remember(ns, keys[ask[0]], tickets[ask[0]], one.parts)
         elif ask:
             got = self.dataplane.get_many(ns, [keys[j] for j in ask], want, request_id,
                                           pinned=pinned)
             for j, g in zip(ask, got):
                 out[j] = g
                 if isinstance(g, Fetched):
-                    self.remember(ns, keys[j], g.parts)
+                    self.remember(ns, keys[j], tickets[j], g.parts)
         return out
 
     @settles
@@ -435,13 +446,14 @@ class Reader:
                 out[j] = stream_of(g, device, new_timings(started=started))
         if not ask:
             return out
+        tickets = {j: self.ticket(ns, ks[j]) for j in ask}
         got = self.dataplane.network.start_get_many(
             net, ns, [ks[j] for j in ask], want, pinned=on_cuda(device))
         if got is None:
             return None
         for j, g in zip(ask, got):
             if g is not None:
-                keep = (functools.partial(_keep, self.remember, ns, ks[j])
+                keep = (functools.partial(_keep, self.remember, ns, ks[j], tickets[j])
                         if self.local is not None else None)
                 out[j] = PendingStream(g[1], g[0], device, new_timings(started=started), keep)
         return out
@@ -535,9 +547,9 @@ class Reader:
     # -- blend ----------------------------------------------------------------------------------
 
 
-def _keep(remember: Callable[[str, bytes, EncodedParts], object], ns: str, key: bytes,
-          got: Fetched) -> None:
-    remember(ns, key, got.parts)
+def _keep(remember: Callable[[str, bytes, int, EncodedParts], object], ns: str, key: bytes,
+          ticket: int, got: Fetched) -> None:
+    remember(ns, key, ticket, got.parts)
 
 
 def _tee(call: Iterator[Any], header: bytes, on_complete: Callable[[EncodedParts], object]

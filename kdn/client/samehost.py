@@ -321,7 +321,7 @@ class SameHostPath:
 
     def put_async(self, namespace: str, key: bytes, opts: pb.StoreOptions, *,
                   parts: EncodedParts | None = None, staged: Any = None,
-                  on_ok: Any = None) -> PendingStore | None:
+                  on_done: Any = None) -> PendingStore | None:
         """Send one store on this thread's fast-path connection without waiting for its
         answer: ``parts`` written into a region of the segment (freed when answered), or a
         staged entry named where it lies (sealed by the server). None where it can not go
@@ -356,7 +356,7 @@ class SameHostPath:
         req = pb.PutManyRequest(namespace=namespace, segment_id=seg_id)
         item = req.items.add(key=key, options=opts, seal=staged is not None)
         item.region.offset, item.region.length = start, length
-        pending = PendingStore(self, key, on_ok)
+        pending = PendingStore(self, key, on_done)
         held = self.threads.mine()
         if q and (held.conn is None or held.path != path):
             self.settle()  # their connection went (or is an old server's): read them first

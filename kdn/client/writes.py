@@ -9,7 +9,9 @@ remote ``store_many`` sends a batch's entries of ``STREAM_ENTRY_BYTES`` or more 
 StoreMany stream: entries one after another in that form, or grouped for a server that said it
 reads that form (``StoreManyResponse.reads_grouped``): every entry's header in one message,
 then every entry's frames, each entry's ``total_bytes`` telling the server where its frames
-end. Every entry stored is kept in the in-process tier, where there is one.
+end. Every entry stored is kept in the in-process tier, where there is one, once the server
+took it, and only where the tier's order says it is what the server holds (``kdn.client.local``:
+each store is a ``LocalTier.write`` begun before it is sent).
 
 Staged entries (``kdn.client.staged``) in the client's segment are stored by where they lie
 (PutMany items the server seals on its copy); the others are sealed here and sent as any entry.
@@ -57,10 +59,11 @@ class Writer:
     def _ns(self, namespace: str | None) -> str:
         return check_namespace(namespace or self.namespace)
 
-    def remember(self, namespace: str, key: bytes, parts: EncodedParts) -> None:
-        """Keep a copy in the in-process tier (when there is one)."""
-        if self.local is not None:
-            self.local.put(namespace, key, parts)
+    def writing(self, namespace: str, key: bytes) -> Any:
+        """The in-process tier's ``LocalWrite`` of a store of ``key`` about to be sent (its
+        copy there goes now; ``keep`` once stored, ``end`` once answered), or ``NOT_KEPT``
+        without a tier."""
+        return NOT_KEPT if self.local is None else self.local.write(namespace, key)
 
     @traced("kdn.client.store")
     def store(
@@ -90,19 +93,19 @@ class Writer:
                 st.close()
         parts = encoded(kv, mode, level, layers_per_frame)
         opts = wire_options(options)
-        if self.dataplane.direct:  # through the shared segment (same host) or the data path
-            done = self.dataplane.put_many(self._ns(namespace), [(key, parts, opts)],
-                                           request_id)[0]
-            if not isinstance(done, TooBig):
-                self.remember(self._ns(namespace), key, parts)
-                return done
-        self._check_frames(parts)
         ns = self._ns(namespace)
-        md = self.rpc.metadata(request_id)
-        resp = self.rpc.call(lambda: self.rpc.store_call(
-            store_messages(ns, key, parts, opts), timeout=self.rpc.timeout_s, metadata=md))
-        self.remember(ns, key, parts)
-        return resp
+        with self.writing(ns, key) as write:
+            if self.dataplane.direct:  # through the shared segment (same host) or data path
+                done = self.dataplane.put_many(ns, [(key, parts, opts)], request_id)[0]
+                if not isinstance(done, TooBig):
+                    write.keep(parts)
+                    return done
+            self._check_frames(parts)
+            md = self.rpc.metadata(request_id)
+            resp = self.rpc.call(lambda: self.rpc.store_call(
+                store_messages(ns, key, parts, opts), timeout=self.rpc.timeout_s, metadata=md))
+            write.keep(parts)
+            return resp
 
     def _check_frames(self, parts: EncodedParts) -> None:
         """Refuse, before sending anything, a frame that can not travel in one message."""
@@ -169,6 +172,18 @@ class Writer:
         opts = wire_options(options)
         enc = [(check_key(k), encoded(kv, mode, level, layers_per_frame), opts)
                for k, kv in items]
+        writes = [self.writing(ns, k) for k, _, _ in enc]
+        try:
+            return self._stored_many(ns, enc, self._sent_many(ns, enc, request_id), writes,
+                                     options, request_id)
+        finally:
+            for write in writes:
+                write.end()
+
+    def _sent_many(self, ns: str, enc: list[tuple[bytes, EncodedParts, pb.StoreOptions]],
+                   request_id: str | None) -> list[pb.StoreResponse | TooBig]:
+        """``enc`` sent in batches (``_store_many``): each one's answer, or TooBig where no
+        batch carried it."""
         large = [j for j, (_, parts, _) in enumerate(enc)
                  if parts.nbytes >= STREAM_ENTRY_BYTES] if not self.dataplane.direct else []
         if len(large) > 1 and self._store_many_ok:  # remote: a batch's large entries stream
@@ -181,20 +196,24 @@ class Writer:
                     done[j] = r
                 for j, r2 in zip(rest, done_rest):
                     done[j] = r2
-                return self._stored_many(ns, enc, done, options, request_id)
-        done = self.dataplane.put_many(ns, enc, request_id)
-        return self._stored_many(ns, enc, done, options, request_id)
+                return done
+        return self.dataplane.put_many(ns, enc, request_id)
 
     def _stored_many(self, ns: str, enc: list[tuple[bytes, EncodedParts, pb.StoreOptions]],
-                     done: list[pb.StoreResponse | TooBig], options: StoreOptions | None,
-                     request_id: str | None) -> list[pb.StoreResponse]:
-        """``store_many``'s answers: the items no batch carried stored one by one, every
-        stored one kept in the in-process tier."""
-        for (k, parts, _), r in zip(enc, done):
-            if not isinstance(r, TooBig):
-                self.remember(ns, k, parts)
-        return [self.store(k, parts, namespace=ns, options=options, request_id=request_id)
-                if isinstance(r, TooBig) else r for (k, parts, _), r in zip(enc, done)]
+                     done: list[pb.StoreResponse | TooBig], writes: list[Any],
+                     options: StoreOptions | None, request_id: str | None
+                     ) -> list[pb.StoreResponse]:
+        """``store_many``'s answers: every stored one kept in the in-process tier (its
+        ``writes``), the items no batch carried stored one by one (each a write of its own)."""
+        out = []
+        for (k, parts, _), r, write in zip(enc, done, writes):
+            if isinstance(r, TooBig):
+                write.end()  # not sent: the store below is the key's write
+                r = self.store(k, parts, namespace=ns, options=options, request_id=request_id)
+            else:
+                write.keep(parts)
+            out.append(r)
+        return out
 
     def _store_streamed(self, ns: str, items: list[tuple[bytes, EncodedParts, pb.StoreOptions]],
                         request_id: str | None) -> list[pb.StoreResponse] | None:
@@ -255,15 +274,26 @@ class Writer:
         ns = self._ns(namespace)
         opts = wire_options(options)
         parts: EncodedParts | None = None
+        got: PendingStore | None = None
         if is_staged(kv) and self.local is None and self.dataplane.segment()[0] is not None \
                 and self.dataplane.server_seals:
             got = self.dataplane.put_async(ns, key, opts, staged=kv)
         else:
             parts = kept = encoded(kv, mode, level, layers_per_frame)
-            on_ok = None if self.local is None else lambda: self.remember(ns, key, kept)
-            got = self.dataplane.put_async(ns, key, opts, parts=parts, on_ok=on_ok)
-            if got is None and self.dataplane.segment()[0] is None:  # another host
-                got = self.dataplane.put_async_net(ns, key, opts, parts, on_ok=on_ok)
+            write = self.writing(ns, key)
+
+            def on_done(stored: bool) -> None:
+                if stored:
+                    write.keep(kept)
+                write.end()
+
+            try:
+                got = self.dataplane.put_async(ns, key, opts, parts=parts, on_done=on_done)
+                if got is None and self.dataplane.segment()[0] is None:  # another host
+                    got = self.dataplane.put_async_net(ns, key, opts, parts, on_done=on_done)
+            finally:
+                if got is None:  # not sent: the store below is the key's write
+                    write.end()
         if got is None:
             return PendingStore.answered(key, self.store(
                 key, parts if parts is not None else kv, namespace=ns, options=options))
@@ -377,6 +407,8 @@ class Writer:
         out: list[pb.StoreResponse | None] = [None] * len(items)
         batch: list[int] = []
         size = 0
+        writes: dict[int, Any] = {}  # each item's write, begun as it joins a batch
+        kept: dict[int, EncodedParts] = {}  # sealed here: kept in the tier once stored
 
         def send() -> None:
             req = pb.PutManyRequest(namespace=ns, segment_id=seg_id)
@@ -392,24 +424,29 @@ class Writer:
                                f"{len(batch)} entries")
             for j, r in zip(batch, resp.results):
                 out[j] = r
+                if j in kept:
+                    writes[j].keep(kept[j])
 
-        for j, (key, st) in enumerate(items):
-            check_key(key)
-            if st.closed:
-                raise InvalidArgument(f"item {j}: store of a staged entry that was closed")
-            if st.region(seg) is None:
-                continue
-            if not sealing:  # sealed here: the tier keeps these bytes, or the server can not
-                parts = st.sealed()
-                if self.local is not None:
-                    self.remember(ns, key, parts)
-            if batch and size + st.nbytes > BATCH_BYTES:
+        try:
+            for j, (key, st) in enumerate(items):
+                check_key(key)
+                if st.closed:
+                    raise InvalidArgument(f"item {j}: store of a staged entry that was closed")
+                if st.region(seg) is None:
+                    continue
+                if not sealing:  # sealed here: the tier keeps these bytes, or the server can't
+                    kept[j] = st.sealed()
+                if batch and size + st.nbytes > BATCH_BYTES:
+                    send()
+                    batch, size = [], 0
+                writes[j] = self.writing(ns, key)
+                batch.append(j)
+                size += st.nbytes
+            if batch:
                 send()
-                batch, size = [], 0
-            batch.append(j)
-            size += st.nbytes
-        if batch:
-            send()
+        finally:
+            for write in writes.values():
+                write.end()
         rest = [j for j in range(len(items)) if out[j] is None]
         if rest:  # not in this client's segment: sealed here, sent as any entries
             for j, r in zip(rest, self.store_many(
@@ -417,6 +454,25 @@ class Writer:
                     options=options, request_id=request_id)):
                 out[j] = r
         return out  # type: ignore[return-value]
+
+
+class NotKept:
+    """The ``LocalWrite`` of a client without an in-process tier: nothing to keep or end."""
+
+    def keep(self, parts: EncodedParts) -> bool:
+        return False
+
+    def end(self) -> None:
+        pass
+
+    def __enter__(self) -> NotKept:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+
+NOT_KEPT = NotKept()
 
 
 def is_staged(kv: object) -> TypeGuard[Staged]:
