@@ -186,7 +186,7 @@ def test_puts_queued_on_a_connection_are_copied_together_and_answered_one_by_one
     stored either), the calls around it land, a later overwrite of a key wins, and a GetMany
     queued behind them is served after them."""
     import kdn.server.fastpath as fastpath
-    from kdn.client.netpath import fast_answer, fast_error
+    from kdn.client.fastwire import fast_answer, fast_error
     from kdn.transport.wire import FAST_GET_MANY, FAST_HEAD, FAST_PUT_MANY
     from kdn.v1 import kdn_pb2 as pb
 

@@ -10,7 +10,7 @@ import tracemalloc
 
 import pytest
 
-from kdn.client.netpath import MAX_ANSWER_BYTES, fast_answer
+from kdn.client.fastwire import MAX_ANSWER_BYTES, fast_answer
 from kdn.transport.wire import FAST_HEAD, read_exact
 
 

@@ -3,7 +3,7 @@ or inline.
 
 ``Client`` owns one ``DataPlane``, and the plane owns its two paths: ``same_host``
 (``kdn.client.samehost.SameHostPath``: the shared segment, the fast path and the read arena of
-a client on the server's host) and ``network`` (``kdn.client.netpath.RemotePath``: the
+a client on the server's host) and ``network`` (``kdn.client.remotepath.RemotePath``: the
 server's network data path, for a client on another host without a segment). Where neither
 is there, batches go inline by gRPC: each below the message limit; what does not fit in one
 answer comes in the next. Entries larger than a batch can carry are reported as ``TOO_BIG``
@@ -40,9 +40,10 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-from kdn.client.netpath import NetPath, RemotePath
+from kdn.client.netpath import NetPath
 from kdn.client.pending import PendingStore
 from kdn.client.received import Fetched, fetched
+from kdn.client.remotepath import RemotePath
 from kdn.client.samehost import SameHostPath, write_parts
 from kdn.codec import EncodedParts
 from kdn.codec.format import parse_container

@@ -33,32 +33,28 @@ stripe's connection is closed; the path goes on with new ones.
 
 from __future__ import annotations
 
-import functools
 import logging
 import select
 import socket
 import ssl
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
+from kdn.client.fastwire import fast_answer, fast_error
 from kdn.client.parallel import stream_cores
-from kdn.client.pending import ASYNC_DEPTH, PendingStore
 from kdn.client.perthread import Crowded, PerThread, refused
-from kdn.client.received import MAX_ENTRY_BYTES, Fetched, fetched
+from kdn.client.received import MAX_ENTRY_BYTES
 from kdn.codec import EncodedParts
 from kdn.codec.format import HEAD_PREFIX_BYTES, check_frame_prefix, header_size
 from kdn.errors import (
     Corrupt,
-    DeadlineExceeded,
     KDNError,
-    NotFound,
     TooLarge,
     Unavailable,
 )
 from kdn.layout import Expected
-from kdn.status import error_of
 from kdn.transport.buffers import RECEIVED, BufferPool
 from kdn.transport.netio import recv_container
 from kdn.transport.wire import (
@@ -66,7 +62,6 @@ from kdn.transport.wire import (
     NET_GET_MANY,
     NET_MAX_KEYS,
     NET_PUT_MANY,
-    read_exact,
     recv_into_all,
     send_pieces,
 )
@@ -99,38 +94,6 @@ LANDING_BYTES = 1 << 30
 kernel compacts it for huge pages), slower than loopback, so a context read again lands in
 memory that is already there, as a socket loop's kept buffer (the process-wide
 ``RECEIVED`` pool keeps 256 MiB)."""
-
-
-def fast_send(conn: socket.socket, op: int, req: Any) -> None:
-    body = req.SerializeToString()
-    conn.sendall(FAST_HEAD.pack(len(body), op) + body)
-
-
-MAX_ANSWER_BYTES = 256 << 20
-"""Largest answer body a data-path call takes (entry refs, an error's text: the entries' bytes
-follow it, bounded on their own, ``MAX_ENTRY_BYTES``); a larger declared one is damage or a
-hostile peer, refused before it is read."""
-
-
-def fast_answer(conn: socket.socket) -> tuple[int, bytes]:
-    """(ok, body) of the next answer on a fast-path connection; OSError when it closed or
-    declared an answer past ``MAX_ANSWER_BYTES`` (the connection is not usable after it)."""
-    head = read_exact(conn, FAST_HEAD.size)
-    if head is None:
-        raise OSError("the fast path closed the connection")
-    n, ok = FAST_HEAD.unpack(head)
-    if n > MAX_ANSWER_BYTES:
-        raise OSError(f"the data path declared an answer of {n} bytes (at most "
-                      f"{MAX_ANSWER_BYTES})")
-    out = read_exact(conn, n)
-    if out is None:
-        raise OSError("the fast path closed the connection")
-    return ok, out
-
-
-def fast_error(out: bytes) -> KDNError:
-    name, _, message = out.decode("utf-8", "replace").partition("\0")
-    return error_of(name, message)
 
 
 class NetPath:
@@ -517,241 +480,6 @@ class NetPath:
             conn.close()
         if pool is not None:
             pool.shutdown(wait=False)
-
-
-class RemotePath:
-    """The network data path as the data plane holds it: asked for once (``Attach`` with
-    ``remote``, for a client without a segment), given up for good when it fails (gRPC from
-    then on), unless it worked before: then asked for again once, as after a server restart
-    (``_again``). ``call``/``metadata``: the client's retrying call and call metadata; ``host``:
-    the server's host ("" for none); ``tls``: (ssl context, server name) when the channel
-    speaks TLS."""
-
-    def __init__(self, stub: Any, call: Callable[[Callable[[], Any]], Any],
-                 metadata: Callable[[str | None], Any], timeout_s: float, host: str,
-                 tls: Any = None, connections: int = 0) -> None:
-        self._stub = stub
-        self.connections = connections
-        """``NetPath.connections`` of the paths asked for."""
-        self._call = call
-        self._metadata = metadata
-        self.timeout_s = timeout_s
-        self._host = host
-        self._tls = tls
-        self._lock = threading.Lock()
-        self._net: NetPath | None = None
-        self._tried = not host
-        self._local = threading.local()  # the path holding this thread's unanswered stores
-
-    def path(self) -> NetPath | None:
-        """The network data path, where the server offers one (asked once); None otherwise."""
-        if self._tried:
-            return self._net
-        with self._lock:
-            if not self._tried:
-                self._net = self._ask()  # a server that can not be reached now raises: asked
-                self._tried = True  # again by the next call
-        return self._net
-
-    def _ask(self) -> NetPath | None:
-        """``Attach`` with ``remote``: the path, or None where the server offers none."""
-        md = self._metadata(None)
-        try:
-            resp = self._call(lambda: self._stub.Attach(
-                pb.AttachRequest(remote=True), timeout=self.timeout_s, metadata=md))
-        except (Unavailable, DeadlineExceeded):
-            raise
-        except KDNError as exc:  # no data path there, or an older server
-            log.info("kdn: no network data path (%s); using gRPC", exc)
-            return None
-        if not resp.data_port:
-            return None
-        tls, name = self._tls or (None, "")
-        return NetPath(self._host, resp.data_port, resp.segment_id, self.timeout_s, tls, name,
-                       self.connections)
-
-    def _again(self, net: NetPath, exc: Exception) -> NetPath | None:
-        """``net`` failed after it had worked: the server may have restarted (another port,
-        its tickets forgotten). Ask for the path again, once whichever threads saw it; the
-        new path, or None where there is none (gRPC then). Unavailable where the server can
-        not be reached (the next call asks again)."""
-        with self._lock:
-            if self._net is not net:
-                return self._net  # asked for again by another thread, or given up
-            log.info("kdn: network data path failed (%s); asking for it again", exc)
-            self._net, self._tried = None, False
-            net.close()
-            self._net = self._ask()
-            self._tried = True
-            return self._net
-
-    def _on(self, net: NetPath, call: Callable[[NetPath], T]) -> T | None:
-        """``call(net)``, made once more on the path asked for again where ``net`` had worked
-        and failed (``_again``); None where the path failed for good (gRPC then).
-        DeadlineExceeded where the server did not answer in ``timeout_s``: one deadline per
-        call, neither asked for again nor made again over gRPC. None too where the server
-        refused this call's new connection (``Crowded``: its connection limits); the path
-        stays for later calls."""
-        try:
-            return call(net)
-        except Crowded as exc:
-            log.debug("kdn: data path connection refused (%s); this call goes by gRPC", exc)
-            return None
-        except TimeoutError as exc:
-            raise DeadlineExceeded(f"the network data path did not answer in "
-                                   f"{net.timeout_s:g} s") from exc
-        except (OSError, NotFound) as exc:
-            if not net.worked:
-                self.lost(exc, net)
-                return None
-            again = self._again(net, exc)
-        if again is None:
-            return None
-        try:
-            return call(again)
-        except Crowded:
-            return None
-        except (OSError, NotFound) as exc:
-            self.lost(exc, again)
-            return None
-
-    def reconsider(self) -> None:
-        """Ask for the path at the next call (the client has lost its shared segment)."""
-        with self._lock:
-            if self._net is None:
-                self._tried = not self._host
-
-    @property
-    def decided(self) -> bool:
-        """Whether the path was asked for already (or is known not to be wanted)."""
-        return self._tried
-
-    def skip(self) -> None:
-        """Never ask for the path (the client has a shared segment)."""
-        self._tried = True
-
-    def lost(self, exc: Exception, net: NetPath) -> None:
-        """The path ``net`` failed (no connection, or the server forgot the ticket): gRPC
-        from now on (unless another thread has asked for the path again meanwhile)."""
-        with self._lock:
-            if self._net is not net:
-                return
-            log.warning("kdn: network data path unusable (%s); using gRPC", exc)
-            self._net = None
-        net.close()
-
-    def get_many(self, net: NetPath, namespace: str, keys: Sequence[bytes],
-                 want: Expected, pinned: bool = False) -> list[Fetched | None] | None:
-        """``DataPlane.get_many`` on ``net``; None when it failed (gRPC then). ``pinned``:
-        bound for a CUDA device (landed in page-locked memory)."""
-        got = self._on(net, lambda n: n.get_many(namespace, keys, want,
-                                                 pinned=pinned))
-        if got is None:
-            return None
-        return [None if g is None else fetched(g[0], g[1], owned=True, checked=True,
-                                               pinned=pinned)
-                for g in got]
-
-    def start_get_many(self, net: NetPath, namespace: str, keys: Sequence[bytes],
-                       want: Expected, pinned: bool = False
-                       ) -> list[tuple[str, Future[Fetched]] | None] | None:
-        """``NetPath.start_get_many`` on ``net``, each entry's bytes as a Fetched (checked
-        as they landed); None when the path failed (the caller reads another way)."""
-        got = self._on(net, lambda n: n.start_get_many(namespace, keys, want,
-                                                       pinned=pinned))
-        if got is None:
-            return None
-        out: list[tuple[str, Future[Fetched]] | None] = []
-        for g in got:
-            if g is None:
-                out.append(None)
-                continue
-            tier, bytes_of = g
-            entry: Future[Fetched] = Future()
-            bytes_of.add_done_callback(functools.partial(_as_fetched, entry, tier, pinned))
-            out.append((tier, entry))
-        return out
-
-    def put_many(self, net: NetPath, namespace: str,
-                 items: Sequence[tuple[bytes, EncodedParts, pb.StoreOptions]],
-                 out: list[Any], limit: int) -> bool:
-        """``DataPlane.put_many`` on ``net``, in calls of up to ``limit`` bytes (larger items
-        stay as they are in ``out``); False when the path failed (the items not stored:
-        gRPC)."""
-        batches = batches_of(items, limit)
-
-        def put(on: NetPath) -> bool:
-            for batch in batches:
-                for j, r in zip(batch, on.put_many(namespace, [items[j] for j in batch])):
-                    out[j] = r
-            return True
-
-        return self._on(net, put) is not None
-
-    # -- asynchronous stores (``Client.store_async`` of a client without a segment) -------------
-
-    def put_async(self, namespace: str, key: bytes, opts: pb.StoreOptions,
-                  parts: EncodedParts, on_done: Any = None) -> PendingStore | None:
-        """The store sent on this thread's connection without waiting (it answers in order).
-        None where there is no path, it failed, or this thread has no connection open yet
-        (the caller stores it as ``store`` does, which opens one)."""
-        net = self.path()
-        if net is None:
-            return None
-        pending = PendingStore(self, key, on_done)
-        sent = net.put_async(namespace, key, parts, opts, pending, ASYNC_DEPTH)
-        if sent is False:
-            failed = OSError("the data path connection failed")
-            again = self._again(net, failed) if net.worked else None
-            if again is None:
-                self.lost(failed, net)
-        if not sent:  # stored as ``store`` does (on a path asked for again too: this thread
-            return None  # has no connection on it yet)
-        old = getattr(self._local, "net", None)
-        if old is not None and old is not net and old.has_pending():
-            old.settle()  # a path before a restart: its answers first (or their failures)
-        self._local.net = net  # kept: its unanswered stores are read through it
-        return pending
-
-    def has_pending(self) -> bool:
-        net = getattr(self._local, "net", None)
-        return net is not None and net.has_pending()
-
-    def settle(self, until: PendingStore | None = None) -> None:
-        """Read this thread's unanswered stores' answers, oldest first (up to ``until``)."""
-        net = getattr(self._local, "net", None)
-        if net is not None:
-            net.settle(until)
-
-    def take_failed(self) -> list[KDNError]:
-        net = getattr(self._local, "net", None)
-        return net.take_failed() if net is not None else []
-
-    def close(self) -> None:
-        """Close the connections and give the ticket back (``Detach``)."""
-        net, self._net, self._tried = self._net, None, True
-        if net is None:
-            return
-        net.close()
-        try:
-            md = self._metadata(None)
-            self._call(lambda: self._stub.Detach(pb.DetachRequest(segment_id=net.ticket),
-                                                 timeout=self.timeout_s, metadata=md))
-        except KDNError:
-            pass  # the server forgets it at shutdown anyway
-
-
-def _as_fetched(entry: Future[Fetched], tier: str, pinned: bool,
-                bytes_of: Future[memoryview]) -> None:
-    exc = bytes_of.exception()
-    if exc is not None:
-        entry.set_exception(exc)
-        return
-    try:
-        entry.set_result(fetched(bytes_of.result(), tier, owned=True, checked=True,
-                                 pinned=pinned))
-    except BaseException as err:  # a header that does not parse: the entry's error
-        entry.set_exception(err)
 
 
 def streamed_put(namespace: str, segment_id: str,

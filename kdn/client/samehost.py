@@ -29,7 +29,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kdn.client.netpath import fast_answer, fast_error, fast_send
+from kdn.client.fastwire import fast_answer, fast_error, fast_send
 from kdn.client.pending import ASYNC_DEPTH, PendingStore
 from kdn.client.perthread import PerThread
 from kdn.codec import EncodedParts
