@@ -159,6 +159,59 @@ def test_entropy_streams_round_trip() -> None:
         decode_streams(blob + bytes(8), 7, 500)
 
 
+_BOUNDED = """
+import resource, sys
+import numpy as np
+resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))
+from kdn.codec.entropy import encode_streams
+from kdn.errors import InvalidArgument
+sym = np.zeros((4, 16), np.int32)
+sym[1, 3] = np.iinfo(np.int32).min  # a NaN quantized by a lossy mode
+try:
+    encode_streams(sym)
+except InvalidArgument as exc:
+    print("refused:", exc)
+"""
+
+
+def test_entropy_symbols_out_of_range_are_refused_before_anything_is_sized_by_them() -> None:
+    """A symbol of INT32_MIN (NaN through a quantizer) made the histogram 2**31 bins (16 GiB)
+    before the range was checked: in 1 GiB of address space, refused (not MemoryError)."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    run = subprocess.run([sys.executable, "-c", _BOUNDED], cwd=root, capture_output=True,
+                         text=True, timeout=120, env={**os.environ, "PYTHONPATH": root})
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "refused:" in run.stdout and "row 1" in run.stdout, run.stdout
+    wide = np.zeros((2, 8), np.int32)
+    wide[0, :2] = (-20000, 20000)  # within int16, but a row wider than MAX_WIDTH
+    with pytest.raises(InvalidArgument, match="row 0"):
+        encode_streams(wide)
+
+
+@pytest.mark.parametrize("mode,level", all_codecs())
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("token", [0, 5])  # kdn's sink token is stored as it is
+def test_a_non_finite_value_is_refused_by_lossy_modes_and_kept_by_lossless_ones(
+        mode: str, level: str, bad: float, token: int) -> None:
+    """One NaN asked cachegen and kdn for 16 GiB, int8 made its row NaN and an inf zeroed its
+    token: every lossy mode now refuses the layer by name; lossless modes keep it bit for
+    bit."""
+    kv = random_kv(uniform_layout(layers=3), tokens=12, seed=4)
+    kv.layers[1][1][0, token, 2] = bad
+    if not get_mode(mode).lossless:
+        with pytest.raises(InvalidArgument, match="layer 1: V holds NaN or inf"):
+            encode(kv, mode, level)
+        return
+    out = decode(encode(kv, mode, level))
+    for (k, v), (k2, v2) in zip(kv.layers, out.layers):
+        assert torch.equal(k.view(torch.int16), k2.view(torch.int16))
+        assert torch.equal(v.view(torch.int16), v2.view(torch.int16))
+
+
 # ------------------------------------------------------------------ corruption
 
 

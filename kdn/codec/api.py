@@ -34,7 +34,7 @@ from kdn.codec.format import (
     sums_checked_later,
 )
 from kdn.codec.layouts import BoundedMemo, layout_to_proto
-from kdn.codec.modes import LayerSpec, Mode, get_mode, mode_names
+from kdn.codec.modes import LayerSpec, Mode, check_finite, get_mode, mode_names
 from kdn.errors import Corrupt, InvalidArgument, KDNError
 from kdn.layout import KVLayout
 from kdn.pools import SharedPool
@@ -111,16 +111,25 @@ def encode_parts(
     """Encode ``kv`` into a container header and frames of ``layers_per_frame`` layers each
     (0: sized by ``FRAME_TARGET_BYTES``, see ``frame_spans``). ``wire``: each frame is written
     inside its serialized Store message (``EncodedParts.wire``), which a Store stream sends as
-    it is, and the frames are read-only views of those messages instead of ``bytes``."""
+    it is, and the frames are read-only views of those messages instead of ``bytes``.
+    InvalidArgument for anything but a ``KVCache`` of tensors that hold data (not ``meta``),
+    and for a lossy mode, a NaN or inf in it (``kdn.codec.modes``)."""
     codec = get_mode(mode)
     codec.check_level(level)
     if layers_per_frame < 0:
         raise InvalidArgument(f"layers_per_frame must be >= 0, got {layers_per_frame}")
+    if not isinstance(kv, KVCache):
+        raise InvalidArgument(f"expected a KVCache, got {type(kv).__name__}")
     kv.validate()
+    if any(k.is_meta or v.is_meta for k, v in kv.layers):
+        raise InvalidArgument("the KVCache's tensors are on the meta device: they hold no "
+                              "values to encode")
     layout, tokens = kv.layout, kv.num_tokens
 
     def one(layer: int) -> list[Buffer]:
         k, v = kv.layers[layer]
+        if not codec.lossless:
+            check_finite(k, v, layer, mode)
         body = codec.encode_layer(k, v, layer_spec(layout, layer, tokens), level)
         return record_parts(layout.layers[layer], tokens, body)
 

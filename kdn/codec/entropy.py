@@ -36,7 +36,7 @@ import zstandard
 
 from kdn.codec import rans
 from kdn.codec.zstd import decompress
-from kdn.errors import Corrupt
+from kdn.errors import Corrupt, InvalidArgument
 
 _U32 = struct.Struct("<I")
 _Categorical = constriction.stream.model.Categorical
@@ -45,9 +45,16 @@ _ZSTD_LEVEL = 9
 
 
 def _tables(sym: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(lo [streams] int64, width [streams] int64, counts [sum(width)] uint8) of each row."""
+    """(lo [streams] int64, width [streams] int64, counts [sum(width)] uint8) of each row.
+    InvalidArgument, before anything is sized by them, for symbols outside int16 or a row
+    wider than ``MAX_WIDTH`` (a NaN quantized to INT32_MIN asked for a 16 GiB histogram)."""
     lo = sym.min(axis=1).astype(np.int64)
-    width = sym.max(axis=1).astype(np.int64) - lo + 1
+    hi = sym.max(axis=1).astype(np.int64)
+    width = hi - lo + 1
+    if lo.min() < -(1 << 15) or hi.max() >= 1 << 15 or width.max() > MAX_WIDTH:
+        row = int(np.argmax((lo < -(1 << 15)) | (hi >= 1 << 15) | (width > MAX_WIDTH)))
+        raise InvalidArgument(f"entropy symbols must lie within int16, at most {MAX_WIDTH} "
+                              f"values a row; row {row} spans [{lo[row]}, {hi[row]}]")
     starts = np.concatenate([[0], np.cumsum(width)[:-1]])
     flat = (sym - lo[:, None] + starts[:, None]).ravel()
     counts = np.bincount(flat, minlength=int(width.sum()))
@@ -109,8 +116,6 @@ def encode_streams(sym: np.ndarray, *, fmt: int | None = None) -> bytes:
     if sym.shape[1] == 0:
         return _U32.pack(0)
     lo, width, counts = _tables(sym)
-    if lo.min() < -(1 << 15) or (lo + width).max() > (1 << 15) or width.max() > MAX_WIDTH:
-        raise ValueError("symbols outside int16 range")
     bounds = lo.astype("<i2").tobytes() + width.astype("<u2").tobytes()
     zstd = zstandard.ZstdCompressor(level=_ZSTD_LEVEL)
     if fmt == 2:

@@ -8,6 +8,12 @@ output; the mode only sees one layer at a time:
 
 Modes must handle any per-layer shape (pruned layouts), check that a body has exactly the size
 its shapes imply, and raise ``Corrupt`` rather than return wrong tensors.
+
+Non-finite values: a lossless mode keeps every value bit for bit, NaN and inf included. A lossy
+mode quantizes by scales that a NaN or an inf makes meaningless (a NaN became a symbol of
+INT32_MIN; an inf zeroed its whole token), so ``encode_parts`` refuses such a layer before a
+lossy mode sees it (``check_finite``: InvalidArgument naming the layer). A cache holding one
+is a model's bug; store it ``lossless`` or ``raw`` to keep it as it is.
 """
 
 from __future__ import annotations
@@ -93,6 +99,15 @@ class Mode(abc.ABC):
         Only for bodies the caller owns alone and keeps unchanged while the tensors live;
         ``private``: read-only bodies may be viewed too (``tensor_borrowed``)."""
         return None
+
+
+def check_finite(k: torch.Tensor, v: torch.Tensor, layer: int, mode: str) -> None:
+    """InvalidArgument when layer ``layer``'s K or V holds a NaN or an inf, which lossy mode
+    ``mode`` can not code (module docstring)."""
+    for name, x in (("K", k), ("V", v)):
+        if x.numel() and not bool(torch.isfinite(x).all()):
+            raise InvalidArgument(f"layer {layer}: {name} holds NaN or inf, which lossy mode "
+                                  f"{mode!r} can not code (lossless and raw keep them)")
 
 
 _MODES: dict[str, Mode] = {}
