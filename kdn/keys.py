@@ -213,7 +213,7 @@ def variant_key(key: bytes, encoding: str) -> bytes:
     """Key of one stored encoding of an entry. ``lossless`` is the entry's own key, so a plain
     ``Client.store(key, kv)`` is found; other encodings (``kdn.delivery.encoding_name``, e.g.
     ``kdn-default``, ``int8``) get derived keys."""
-    check_key(key)
+    key = check_key(key)
     if encoding == "lossless":
         return key
     return _h(b"kdn/variant/v1", key, encoding.encode())

@@ -84,6 +84,7 @@ def test_store_key_format_and_split() -> None:
     assert keys.store_key("team-a", "docs", key) == b"team-a:docs/" + key.hex().encode()
     assert keys.split_store_key(keys.store_key("team-a", "docs", key)) == ("team-a", "docs", key)
     assert keys.split_store_key(keys.store_key("", "docs", key)) == ("", "docs", key)
+    assert type(keys.variant_key(bytearray(key), "lossless")) is bytes  # noqa: E721
     with pytest.raises(InvalidArgument, match="tenant"):
         keys.store_key("a:b", "docs", key)
     with pytest.raises(InvalidArgument, match="namespace"):

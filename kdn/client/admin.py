@@ -52,11 +52,12 @@ def _tier_status(tier: pb.TierStats) -> str:
     return "SERVING" if tier.healthy else "NOT_SERVING"
 
 
-def _listing(namespace: str, key_prefix: bytes) -> None:
-    """Check the filters of a listing or export: "" is every namespace, b"" every key."""
+def _listing(namespace: str, key_prefix: bytes) -> bytes:
+    """Check the filters of a listing or export: "" is every namespace, b"" every key; the
+    prefix as bytes."""
     if namespace:
         check_namespace(namespace)
-    check_key_prefix(key_prefix)
+    return check_key_prefix(key_prefix)
 
 
 def _tenant(tenant: str) -> str:
@@ -99,7 +100,7 @@ class AdminClient(Client):
     def ls(self, namespace: str = "", key_prefix: bytes = b"", model: str = "",
            tenant: str = "", limit: int = 0, *,
            request_id: str | None = None) -> Iterator[pb.EntryInfo]:
-        _listing(namespace, key_prefix)
+        key_prefix = _listing(namespace, key_prefix)
         tenant = _tenant(tenant)
         token = b""
         md = self.metadata(request_id)
@@ -163,7 +164,7 @@ class AdminClient(Client):
         finished file is left as it is); returns the records in the file. The end marker is
         written only when the listing is done. ``tenant``: admins only, this tenant's entries
         ("": every entry the caller sees)."""
-        _listing(namespace, key_prefix)
+        key_prefix = _listing(namespace, key_prefix)
         tenant = self.scoped(tenant, request_id)
         out = ExportWriter.open(Path(path), Filter(namespace, key_prefix, tenant))
         if out.complete:

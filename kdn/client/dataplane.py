@@ -591,16 +591,16 @@ class DataPlane:
             else:
                 block = (start, total)
         at = block[0] if block is not None else 0
-        for i in batch:
-            key, parts, opts = items[i]
-            item = req.items.add(key=key, options=opts)
-            if seg is not None:
-                write_parts(seg, at, parts)
-                item.region.offset, item.region.length = at, parts.nbytes
-                at += (parts.nbytes + 63) // 64 * 64
-            else:
-                item.data = parts.to_bytes()
-        try:
+        try:  # the region goes back whatever fails, the items' making included
+            for i in batch:
+                key, parts, opts = items[i]
+                item = req.items.add(key=key, options=opts)
+                if seg is not None:
+                    write_parts(seg, at, parts)
+                    item.region.offset, item.region.length = at, parts.nbytes
+                    at += (parts.nbytes + 63) // 64 * 64
+                else:
+                    item.data = parts.to_bytes()
             resp = self._put(req, request_id)
         finally:
             if seg is not None and block is not None:

@@ -352,10 +352,16 @@ class SameHostPath:
             if start is None:
                 return None
             block = (start, n)
-            write_parts(seg, start, parts)
-        req = pb.PutManyRequest(namespace=namespace, segment_id=seg_id)
-        item = req.items.add(key=key, options=opts, seal=staged is not None)
-        item.region.offset, item.region.length = start, length
+        try:  # the region goes back whatever fails before the call is sent
+            if parts is not None:
+                write_parts(seg, start, parts)
+            req = pb.PutManyRequest(namespace=namespace, segment_id=seg_id)
+            item = req.items.add(key=key, options=opts, seal=staged is not None)
+            item.region.offset, item.region.length = start, length
+        except BaseException:
+            if block is not None:
+                seg.regions.free(*block)
+            raise
         pending = PendingStore(self, key, on_done)
         held = self.threads.mine()
         if q and (held.conn is None or held.path != path):
@@ -475,12 +481,16 @@ class SameHostPath:
                     break  # the segment is busy with reads: the rest another way
                 req = pb.PutManyRequest(namespace=namespace, segment_id=seg_id)
                 at = start
-                for i in batch:
-                    key, parts, opts = items[i]
-                    write_parts(seg, at, parts)
-                    item = req.items.add(key=key, options=opts)
-                    item.region.offset, item.region.length = at, parts.nbytes
-                    at += (parts.nbytes + 63) // 64 * 64
+                try:  # the region goes back whatever fails before it is sent
+                    for i in batch:
+                        key, parts, opts = items[i]
+                        write_parts(seg, at, parts)
+                        item = req.items.add(key=key, options=opts)
+                        item.region.offset, item.region.length = at, parts.nbytes
+                        at += (parts.nbytes + 63) // 64 * 64
+                except BaseException:
+                    seg.regions.free(start, total)
+                    raise
                 pending.append((batch, (start, total)))
                 fast_send(conn, FAST_PUT_MANY, req)
                 if len(pending) > PIPE_DEPTH:

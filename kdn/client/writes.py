@@ -81,7 +81,7 @@ class Writer:
         """Store ``kv`` (encoded here with ``mode``/``level`` unless already encoded); TTL, pin
         and durability come from ``options`` (defaults: ``StoreOptions()``). Frames hold
         ``layers_per_frame`` layers, or with 0 enough to fill ``codec.FRAME_TARGET_BYTES``."""
-        check_key(key)
+        key = check_key(key)
         if is_staged(kv):
             return self._store_staged(self._ns(namespace), [(key, kv)], options, request_id)[0]
         st = self._written_staged(kv, mode, level, layers_per_frame)
@@ -130,8 +130,7 @@ class Writer:
         Each call's items are all checked before any is stored: a bad item raises and stores
         none of them."""
         ns = self._ns(namespace)
-        for k, _ in items:  # before anything is written or sent
-            check_key(k)
+        items = [(check_key(k), kv) for k, kv in items]  # before anything is written or sent
         if len(items) > 1 and self.dataplane.same_host.fast and all(
                 self._writable(kv, mode, level, layers_per_frame) is not None
                 for _, kv in items):  # every one validated before any is written
@@ -270,7 +269,7 @@ class Writer:
         reads see them), or by ``flush()``, which raises the first error since the last flush.
         A staged entry must not be written again until its store is answered (the server
         copies what it holds then)."""
-        check_key(key)
+        key = check_key(key)
         ns = self._ns(namespace)
         opts = wire_options(options)
         parts: EncodedParts | None = None
@@ -402,6 +401,7 @@ class Writer:
         bytes) or a server that does not seal (``AttachResponse.seals``), those in the segment are
         sealed here first and the server checks them as any store."""
         opts = wire_options(options)
+        items = [(check_key(key), st) for key, st in items]
         seg, seg_id = self.dataplane.segment()
         sealing = self.local is None and self.dataplane.server_seals
         out: list[pb.StoreResponse | None] = [None] * len(items)
@@ -429,7 +429,6 @@ class Writer:
 
         try:
             for j, (key, st) in enumerate(items):
-                check_key(key)
                 if st.closed:
                     raise InvalidArgument(f"item {j}: store of a staged entry that was closed")
                 if st.region(seg) is None:
