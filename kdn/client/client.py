@@ -8,9 +8,11 @@
     client.blend_stream(pieces, ratio=0.15)         # server-side blend (kdn.client.blend)
 
 One gRPC channel is created per Client and reused by every call and thread. Every call has a
-deadline (``timeout_s``). Calls that fail with UNAVAILABLE are retried with exponential backoff
-(``Retry``); nothing else is retried. From asyncio code use ``AsyncClient(client)``, which runs
-the same methods on worker threads: there is one copy of the logic.
+deadline: ``timeout_s`` seconds, a number > 0 (default 60), or None for none (``inf`` is None
+too; InvalidArgument for anything else, ``kdn.client.rpc.check_timeout``). Calls that fail
+with UNAVAILABLE are retried with exponential backoff (``Retry``); nothing else is retried.
+From asyncio code use ``AsyncClient(client)``, which runs the same methods on worker threads:
+there is one copy of the logic.
 
 Every RPC method takes ``request_id`` (sent as ``x-request-id``, logged by the server; a fresh
 one when None, the same for all retries of the call). ``last_request_id`` is the id of the
@@ -35,7 +37,7 @@ from kdn.client.dataplane import DataPlane
 from kdn.client.pending import PendingStore
 from kdn.client.reads import Reader
 from kdn.client.received import LOCAL_TIER, Fetched
-from kdn.client.rpc import Retry, Rpc, TLSOptions, settles, traced
+from kdn.client.rpc import Retry, Rpc, TLSOptions, check_timeout, settles, traced
 from kdn.client.writes import Writer
 from kdn.codec import EncodedParts
 from kdn.errors import InvalidArgument
@@ -104,7 +106,7 @@ class Client:
         self,
         address: str = "127.0.0.1:50051",
         *,
-        timeout_s: float = 60.0,
+        timeout_s: float | None = 60.0,
         retry: Retry | None = None,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE,
         namespace: str = DEFAULT_NAMESPACE,
@@ -147,7 +149,7 @@ class Client:
         """Connections a batch read on the network data path (a client on another host) is
         striped over, side by side; 0 (default): one per ``kdn.client.netpath.
         STRIPE_MIN_BYTES`` of entries, by the size of those read before (1 at first)."""
-        self.timeout_s = timeout_s
+        self.timeout_s = timeout_s = check_timeout("timeout_s", timeout_s)
         self.retry = retry or Retry()
         self.namespace = check_namespace(namespace)
         self._features: frozenset[str] | None = None  # what the server takes (``scoped``)

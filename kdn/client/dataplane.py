@@ -148,7 +148,7 @@ class DataPlane:
     """GetMany / PutMany of a client (module docstring)."""
 
     def __init__(self, stub: Any, call: Callable[[Callable[[], Any]], Any],
-                 metadata: Callable[[str | None], Any], timeout_s: float, shm_bytes: int,
+                 metadata: Callable[[str | None], Any], timeout_s: float | None, shm_bytes: int,
                  max_message_bytes: int, keep_leases_bytes: int | None = None,
                  net_host: str = "", net_tls: Any = None, net_connections: int = 0) -> None:
         self._stub = stub

@@ -99,7 +99,7 @@ memory that is already there, as a socket loop's kept buffer (the process-wide
 class NetPath:
     """Calls on the network data path at ``(host, port)`` acting as ``ticket``'s holder."""
 
-    def __init__(self, host: str, port: int, ticket: str, timeout_s: float,
+    def __init__(self, host: str, port: int, ticket: str, timeout_s: float | None,
                  tls: ssl.SSLContext | None = None, server_name: str = "",
                  connections: int = 0) -> None:
         self.host, self.port, self.ticket = host.strip("[]"), port, ticket

@@ -35,7 +35,7 @@ class RemotePath:
     speaks TLS."""
 
     def __init__(self, stub: Any, call: Callable[[Callable[[], Any]], Any],
-                 metadata: Callable[[str | None], Any], timeout_s: float, host: str,
+                 metadata: Callable[[str | None], Any], timeout_s: float | None, host: str,
                  tls: Any = None, connections: int = 0) -> None:
         self._stub = stub
         self.connections = connections

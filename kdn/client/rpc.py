@@ -8,6 +8,8 @@ thread's asynchronous stores' answers, and ``traced`` puts a span around it when
 from __future__ import annotations
 
 import functools
+import math
+import numbers
 import random
 import ssl
 import threading
@@ -36,6 +38,26 @@ RECONNECT_MS = 100
 to that long, every call failing UNAVAILABLE at once). Below the shortest span of a call's
 default retries (``Retry``: 175 ms), so a call made once the server is back reaches it; a
 refused connection costs the client next to nothing."""
+
+
+NO_DEADLINE_S = 1e9
+"""A timeout of this many seconds (about 31 years) or more is no deadline: gRPC can not hold a
+deadline so far off (``timeout_s=1e12`` made every call fail DEADLINE_EXCEEDED at once)."""
+
+
+def check_timeout(name: str, value: object) -> float | None:
+    """``value`` as a call's timeout in seconds: a number > 0, or None for no deadline (an
+    infinite one, or one of ``NO_DEADLINE_S`` or more, is None too); InvalidArgument naming
+    ``name`` otherwise (0, a negative number, NaN, a string: each made every call fail at
+    once, or deep inside gRPC)."""
+    if value is None:
+        return None
+    seconds = float(value) if isinstance(value, numbers.Real) and not isinstance(
+        value, bool) else math.nan
+    if not seconds > 0:  # NaN too
+        raise InvalidArgument(f"{name} must be a number of seconds > 0, or None for no "
+                              f"deadline; got {value!r}")
+    return None if seconds >= NO_DEADLINE_S else seconds
 
 
 @dataclass(frozen=True)
@@ -125,7 +147,7 @@ class Rpc:
     Retrieve, RetrieveMany and inline GetMany answers are read as views of the received messages,
     not copies. ``retrieve_calls`` gives Retrieve on channels of their own (parallel reads)."""
 
-    def __init__(self, address: str, *, timeout_s: float, retry: Retry,
+    def __init__(self, address: str, *, timeout_s: float | None, retry: Retry,
                  max_message_bytes: int, api_key: str | None, tls: TLSOptions | None) -> None:
         self.address = address
         self.timeout_s = timeout_s

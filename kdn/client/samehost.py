@@ -50,7 +50,7 @@ class SameHostPath:
     (module docstring). ``call``/``metadata``: the client's retrying call and call metadata."""
 
     def __init__(self, stub: Any, call: Callable[[Callable[[], Any]], Any],
-                 metadata: Callable[[str | None], Any], timeout_s: float, shm_bytes: int,
+                 metadata: Callable[[str | None], Any], timeout_s: float | None, shm_bytes: int,
                  keep_leases_bytes: int | None = None) -> None:
         self._stub = stub
         self._call = call
