@@ -26,7 +26,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from kdn.errors import InvalidLayout, LayoutMismatch
+from kdn.errors import InvalidArgument, InvalidLayout, LayoutMismatch
 
 if TYPE_CHECKING:
     import torch
@@ -336,8 +336,13 @@ class Expected(NamedTuple):
 
     @classmethod
     def of(cls, layout: KVLayout | None, tokens: int = 0) -> Expected:
-        if tokens < 0:
-            raise ValueError(f"expected tokens must be >= 0 (0: any), got {tokens}")
+        """What a read's ``layout`` and ``tokens`` arguments ask for; InvalidArgument naming
+        the one that is not a KVLayout or None, or a whole number of tokens >= 0 (0: any)."""
+        if layout is not None and not isinstance(layout, KVLayout):
+            raise InvalidArgument(f"layout must be a KVLayout or None, got "
+                                  f"{type(layout).__name__}")
+        if isinstance(tokens, bool) or not isinstance(tokens, int) or not 0 <= tokens < 1 << 32:
+            raise InvalidArgument(f"tokens must be a whole number >= 0 (0: any), got {tokens!r}")
         return cls(layout.fingerprint if layout is not None else "", tokens)
 
     def check(self, layout: KVLayout, tokens: int, what: str = "entry") -> None:

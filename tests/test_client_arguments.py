@@ -5,9 +5,14 @@ TypeError from protobuf, gRPC or torch; and what it takes (None and inf: no dead
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Any
 
 import pytest
+import torch
 
+from kdn import codec
+from kdn.cache import KVCache
 from kdn.client import Client
 from kdn.errors import InvalidArgument
 from kdn.server import ServerThread
@@ -32,3 +37,74 @@ def test_a_timeout_is_a_number_of_seconds_or_none(server: ServerThread) -> None:
             c.stats()
     with Client(server.address, timeout_s=5) as c:
         assert c.timeout_s == 5.0
+
+
+CLIENTS = [{}, {"shm_bytes": 0}, {"shm_bytes": 0, "data_path": False},
+           {"local_bytes": 1 << 20}]
+"""The ways a client reads and writes: through the shared segment (same host), the network
+data path, gRPC alone, and with an in-process tier in front."""
+
+
+@pytest.mark.parametrize("options", CLIENTS)
+def test_what_is_not_a_kv_cache_is_refused_by_name(server: ServerThread,
+                                                   options: dict[str, Any]) -> None:
+    """``store(key, None)`` was an AttributeError from inside the codec (also store_many,
+    store_async, and raw stores written straight into the segment)."""
+    with Client(server.address, timeout_s=30, **options) as c:
+        for bad in (None, torch.zeros(3)):
+            what = type(bad).__name__
+            for mode in ("lossless", "raw", "kdn"):
+                level = "default" if mode == "kdn" else ""
+                with pytest.raises(InvalidArgument, match=f"expected a KVCache.* got {what}"):
+                    c.store(numbered_key(1), bad, mode=mode, level=level)  # type: ignore[arg-type]
+                with pytest.raises(InvalidArgument, match=f"expected a KVCache.* got {what}"):
+                    c.store_many([(numbered_key(2), random_kv(LAYOUT, 4)),  # none is stored
+                                  (numbered_key(1), bad)], mode=mode, level=level)  # type: ignore[list-item]
+                with pytest.raises(InvalidArgument, match=f"expected a KVCache.* got {what}"):
+                    c.store_async(numbered_key(1), bad, mode=mode, level=level)  # type: ignore[arg-type]
+        assert not any(i.present for i in c.lookup([numbered_key(1), numbered_key(2)]).infos)
+    kv = random_kv(LAYOUT, 4)
+    meta = KVCache(LAYOUT, [(k.to("meta"), v.to("meta")) for k, v in kv.layers])
+    with pytest.raises(InvalidArgument, match="meta device"):
+        codec.encode(meta)
+    with pytest.raises(InvalidArgument, match="expected a KVCache, got NoneType"):
+        codec.encode(None)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("options", CLIENTS)
+def test_read_arguments_are_refused_by_name(server: ServerThread,
+                                            options: dict[str, Any]) -> None:
+    """tokens=-1 was a ValueError, a device torch does not know or that is not here a
+    RuntimeError from torch, first_layer=-1 a ValueError from protobuf, and a window with no
+    layer in it (first_layer=3, last_layer=1) was sent as it was."""
+    kv = random_kv(LAYOUT, 8, seed=2)
+    k = numbered_key(3)
+    with Client(server.address, timeout_s=30, **options) as c:
+        c.store(k, kv)
+        reads: list[tuple[str, Callable[..., Any]]] = [
+            ("retrieve", lambda **kw: c.retrieve(k, **kw)),
+            ("retrieve_stream", lambda **kw: c.retrieve_stream(k, **kw)),
+            ("retrieve_many", lambda **kw: c.retrieve_many([k, k], **kw)),
+            ("retrieve_streams", lambda **kw: [s.result() for s in c.retrieve_streams(
+                [k, k], **kw) if s is not None])]
+        absent = "cuda:7" if torch.cuda.device_count() <= 7 else "cuda:99"
+        for name, read in reads:
+            for bad, match in (({"tokens": -1}, "tokens must be"),
+                               ({"tokens": 1.5}, "tokens must be"),
+                               ({"layout": "test-model"}, "layout must be"),
+                               ({"device": "bogus"}, "device 'bogus'"),
+                               ({"device": absent}, f"device '{absent}'")):
+                with pytest.raises(InvalidArgument, match=match):
+                    read(**bad)
+            assert read(device="cpu") is not None, name
+        for bad, match in (({"first_layer": -1}, "first_layer must be"),
+                           ({"last_layer": -2}, "last_layer must be"),
+                           ({"first_layer": 3, "last_layer": 1}, r"first_layer \(3\)"),
+                           ({"first_layer": 2, "last_layer": 2}, r"first_layer \(2\)")):
+            with pytest.raises(InvalidArgument, match=match):
+                c.retrieve_stream(k, **bad)
+        stream = c.retrieve_stream(k, first_layer=1, last_layer=3)
+        assert stream is not None
+        assert torch.equal(stream.wait_for_layer(2, 30)[0], kv.layers[2][0])
+    with pytest.raises(InvalidArgument, match="device 'bogus'"):
+        codec.decode(codec.encode(kv), device="bogus")

@@ -12,7 +12,7 @@ import grpc
 import pytest
 
 from kdn.client import Client
-from kdn.errors import LayoutMismatch
+from kdn.errors import InvalidArgument, LayoutMismatch
 from kdn.layout import Expected
 from kdn.server import ServerThread
 from kdn.v1 import kdn_pb2 as pb
@@ -111,5 +111,5 @@ def test_expected_says_what_differs() -> None:
         want.check(uniform_layout(layers=5), 32)
     with pytest.raises(LayoutMismatch, match="holds 31 tokens"):
         want.check(LAYOUT, 31)
-    with pytest.raises(ValueError, match="tokens must be >= 0"):
+    with pytest.raises(InvalidArgument, match="tokens must be a whole number >= 0"):
         Expected.of(LAYOUT, -1)

@@ -49,11 +49,9 @@ def decoder_for(header: bytes | memoryview, device: torch.device | str | None,
     in place and, when the server checked it there, not hashed again. ``received``: the frames
     will be those of a stream this client receives (messages nothing else holds: decoded in
     place, ``Fetched.private``)."""
-    import torch
+    from kdn.codec.api import StreamDecoder, target_device
 
-    from kdn.codec import StreamDecoder
-
-    target = torch.device(device or "cpu")
+    target = target_device(device, here=False)  # the name checked (LayerStream: the device)
     parsed = got.parsed() if got is not None else parse_header(header)
     on_host = target.type == "cuda" and parsed.mode == "raw"
     return StreamDecoder(parsed, "cpu" if on_host else target,
@@ -220,6 +218,8 @@ def joined_stream(hits: list[Fetched], device: torch.device | str | None,
     not apply (another mode, unequal entries, bytes not pinned for a GPU)."""
     import torch
 
+    from kdn.codec.api import target_device
+
     if not hits or any(h.container is None for h in hits):
         return None
     first = span_of(hits[0], device)
@@ -228,7 +228,7 @@ def joined_stream(hits: list[Fetched], device: torch.device | str | None,
     head = hits[0].parsed()
     start, tokens = head.entry.start_position, head.tokens
     n, lb = len(hits), first.base.numel()
-    target = torch.device(device or "cpu")
+    target = target_device(device)  # InvalidArgument for a device not here
 
     def spans() -> Iterator[Span | None]:
         """Each hit's span (the first's, then each later one's once it is checked to be

@@ -41,7 +41,7 @@ from kdn.client.received import (
 from kdn.client.rpc import Rpc, settles, traced
 from kdn.codec import EncodedParts
 from kdn.codec.format import parse_container, parse_header
-from kdn.errors import KDNError, NotFound, Status
+from kdn.errors import InvalidArgument, KDNError, NotFound, Status
 from kdn.keys import check_key, check_namespace
 from kdn.layout import Expected, KVLayout
 from kdn.transport.wire import GROUP_INLINE_BYTES
@@ -140,7 +140,7 @@ class Reader:
         """
         want = Expected.of(layout, tokens)
         req = self._retrieve_request(key, namespace, want)
-        req.first_layer, req.last_layer = first_layer, last_layer
+        req.first_layer, req.last_layer = layer_window(first_layer, last_layer)
         whole = not (first_layer or last_layer)
         if whole:  # the in-process tier, then the shared segment (same host) or data path
             started = time.perf_counter()
@@ -231,12 +231,17 @@ class Reader:
             # views of the messages only where nothing copies them later: the in-process
             # tier's copy (``on_complete``) is taken once the last frame came, and a caller
             # may be writing to early layers by then
-            dec, target = decoder_for(header, device, received=on_complete is None
-                                      and keeps_messages(int(head.total_bytes)))
-            frames = merged(calls, stop) if len(calls) > 1 else whole
-            if on_complete is not None:
-                frames = _tee(frames, header, on_complete)
-            return tensor_side().LayerStream(dec, frames, head.tier, cancel, timings, target)
+            try:  # (a device not here: InvalidArgument)
+                dec, target = decoder_for(header, device, received=on_complete is None
+                                          and keeps_messages(int(head.total_bytes)))
+                frames = merged(calls, stop) if len(calls) > 1 else whole
+                if on_complete is not None:
+                    frames = _tee(frames, header, on_complete)
+                return tensor_side().LayerStream(dec, frames, head.tier, cancel, timings,
+                                                  target)
+            except BaseException:
+                cancel()
+                raise
 
         return self.rpc.call(run)
 
@@ -253,15 +258,19 @@ class Reader:
         def run() -> LayerStream:
             timings = new_timings(started=time.perf_counter())
             call = start(request, timeout=self.rpc.timeout_s, metadata=md)
-            first = next(call)
-            timings.header = time.perf_counter()
-            dec, target = decoder_for(first.header.container_header, device,
-                                      received=on_complete is None
-                                      and keeps_messages(int(first.header.total_bytes)))
-            frames = call if on_complete is None else _tee(
-                call, first.header.container_header, on_complete)
-            return tensor_side().LayerStream(dec, frames, first.header.tier, call.cancel,
-                                              timings, target)
+            try:  # the call cancelled where no stream takes it (a device not here, ...)
+                first = next(call)
+                timings.header = time.perf_counter()
+                dec, target = decoder_for(first.header.container_header, device,
+                                          received=on_complete is None
+                                          and keeps_messages(int(first.header.total_bytes)))
+                frames = call if on_complete is None else _tee(
+                    call, first.header.container_header, on_complete)
+                return tensor_side().LayerStream(dec, frames, first.header.tier,
+                                                  call.cancel, timings, target)
+            except BaseException:
+                call.cancel()
+                raise
 
         return self.rpc.call(run)
 
@@ -545,6 +554,19 @@ class Reader:
                                   expect_tokens=want.tokens)
 
     # -- blend ----------------------------------------------------------------------------------
+
+
+def layer_window(first_layer: int, last_layer: int) -> tuple[int, int]:
+    """The layers ``[first_layer, last_layer)`` a retrieve asks for (``last_layer`` 0: through
+    the last); InvalidArgument naming the argument that is not a whole number >= 0, or for a
+    window with no layer in it."""
+    for name, value in (("first_layer", first_layer), ("last_layer", last_layer)):
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 1 << 32:
+            raise InvalidArgument(f"{name} must be a whole number >= 0, got {value!r}")
+    if last_layer and first_layer >= last_layer:
+        raise InvalidArgument(f"first_layer ({first_layer}) must be below last_layer "
+                              f"({last_layer}; 0: through the last layer)")
+    return first_layer, last_layer
 
 
 def _keep(remember: Callable[[str, bytes, int, EncodedParts], object], ns: str, key: bytes,

@@ -36,6 +36,7 @@ from kdn.cache import KVCache
 from kdn.client import metrics as client_metrics
 from kdn.client.received import LOCAL_TIER
 from kdn.codec import StreamDecoder
+from kdn.codec.api import target_device
 from kdn.codec.inplace import EntryViews, Span
 from kdn.errors import Corrupt, InvalidArgument, KDNError
 from kdn.layout import KVLayout
@@ -145,7 +146,7 @@ class LayerStream:
         out (the device decoder's error flag, ``kdn.codec.gpu_batch.Decoded.check``)."""
         self.decoder = decoder
         self._check = check
-        self.device = torch.device(device or decoder.device)
+        self.device = target_device(device or decoder.device)  # InvalidArgument: not here
         if self.device.type == "cuda" and self.device.index is None:  # "cuda": the current one
             self.device = torch.device("cuda", torch.cuda.current_device())
         self._pinned = pinned

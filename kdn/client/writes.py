@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Any, TypeGuard, cast
+from typing import TYPE_CHECKING, Any, TypeGuard, TypeVar, cast
 
 from kdn import codec
 from kdn.client.dataplane import BATCH_BYTES, STREAM_ENTRY_BYTES, TOO_BIG, DataPlane, TooBig
@@ -81,7 +81,7 @@ class Writer:
         """Store ``kv`` (encoded here with ``mode``/``level`` unless already encoded); TTL, pin
         and durability come from ``options`` (defaults: ``StoreOptions()``). Frames hold
         ``layers_per_frame`` layers, or with 0 enough to fill ``codec.FRAME_TARGET_BYTES``."""
-        key = check_key(key)
+        key, kv = check_key(key), check_entry(kv)
         if is_staged(kv):
             return self._store_staged(self._ns(namespace), [(key, kv)], options, request_id)[0]
         st = self._written_staged(kv, mode, level, layers_per_frame)
@@ -130,7 +130,8 @@ class Writer:
         Each call's items are all checked before any is stored: a bad item raises and stores
         none of them."""
         ns = self._ns(namespace)
-        items = [(check_key(k), kv) for k, kv in items]  # before anything is written or sent
+        # every item checked before anything is written or sent
+        items = [(check_key(k), check_entry(kv)) for k, kv in items]
         if len(items) > 1 and self.dataplane.same_host.fast and all(
                 self._writable(kv, mode, level, layers_per_frame) is not None
                 for _, kv in items):  # every one validated before any is written
@@ -269,7 +270,7 @@ class Writer:
         reads see them), or by ``flush()``, which raises the first error since the last flush.
         A staged entry must not be written again until its store is answered (the server
         copies what it holds then)."""
-        key = check_key(key)
+        key, kv = check_key(key), check_entry(kv)
         ns = self._ns(namespace)
         opts = wire_options(options)
         parts: EncodedParts | None = None
@@ -333,11 +334,11 @@ class Writer:
                   layers_per_frame: int) -> Any:
         """The segment ``kv`` is written into by ``_write_kv`` (a ``KVCache`` of at least
         one token to store ``raw`` in frames of the default size, validated here, to a server
-        that seals, without an in-process tier), or None."""
+        that seals, without an in-process tier), or None (anything but a ``KVCache``: what
+        ``encoded`` takes, or refuses)."""
         if (mode != "raw" or level or layers_per_frame or self.local is not None
-                or isinstance(kv, EncodedParts) or is_staged(kv)):
+                or not is_kv(kv)):
             return None
-        kv = cast("KVCache", kv)
         seg = self.dataplane.segment()[0]  # attached on first use: before ``server_seals``
         if seg is None or not self.dataplane.server_seals:
             return None
@@ -479,6 +480,26 @@ def is_staged(kv: object) -> TypeGuard[Staged]:
     needs torch, was imported)."""
     mod = sys.modules.get("kdn.client.staged")
     return mod is not None and isinstance(kv, mod.Staged)
+
+
+def is_kv(kv: object) -> TypeGuard[KVCache]:
+    """Whether ``kv`` is a ``kdn.cache.KVCache`` (none exists before that module, which needs
+    torch, was imported)."""
+    mod = sys.modules.get("kdn.cache")
+    return mod is not None and isinstance(kv, mod.KVCache)
+
+
+E = TypeVar("E")
+
+
+def check_entry(kv: E) -> E:
+    """``kv`` when it is what a store takes (a ``KVCache``, ``EncodedParts`` or a ``Staged``
+    entry), else InvalidArgument: checked before a batch writes or sends anything (a staged
+    item went before a bad one was found)."""
+    if not (is_kv(kv) or isinstance(kv, EncodedParts) or is_staged(kv)):
+        raise InvalidArgument(f"expected a KVCache (or EncodedParts, Staged) to store, got "
+                              f"{type(kv).__name__}")
+    return kv
 
 
 def encoded(kv: KVCache | EncodedParts | Staged, mode: str, level: str,

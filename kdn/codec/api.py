@@ -62,6 +62,41 @@ gRPC moves messages of about 1 MiB fastest (streams of ~1 MB frames beat ~400 KB
 20% in ``bench.roundtrip``)."""
 
 
+_DEVICES: dict[object, torch.device] = {}
+"""Devices ``target_device`` found usable, by what the caller named them."""
+
+
+def target_device(device: torch.device | str | None, *, here: bool = True) -> torch.device:
+    """``device`` (None or "": the CPU) as a torch.device; InvalidArgument naming it when
+    torch does not know the name ("bogus"), or with ``here`` when this process can not put
+    tensors there ("cuda:7" on a host with fewer GPUs, or none: checked where tensors are
+    made, once per name; a plan for a device, ``here=False``, needs none)."""
+    if device is None or device == "":
+        return _CPU
+    memo = here and isinstance(device, (str, int, torch.device))
+    got = _DEVICES.get(device) if memo else None
+    if got is not None:
+        return got
+    try:
+        got = torch.device(device)  # type: ignore[arg-type]
+    except (RuntimeError, TypeError, ValueError):
+        raise InvalidArgument(f"device {str(device)!r} is not a device name torch knows "
+                              "(e.g. 'cpu', 'cuda', 'cuda:1')") from None
+    if here and got.type not in ("cpu", "meta"):
+        try:
+            torch.empty(0, device=got)  # raises where the device is not here
+        except (RuntimeError, AssertionError, ValueError) as exc:
+            why = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:160]
+            raise InvalidArgument(f"device {str(device)!r} is not usable in this process: "
+                                  f"{why}") from None
+    if memo:
+        _DEVICES[device] = got
+    return got
+
+
+_CPU = torch.device("cpu")
+
+
 def layer_spec(kv_layout: KVLayout, layer: int, tokens: int) -> LayerSpec:
     """What a mode knows about ``layer`` of ``tokens`` tokens in ``kv_layout``."""
     return LayerSpec(layer, kv_layout.num_layers, kv_layout.layers[layer], tokens, kv_layout.dtype)
@@ -175,7 +210,7 @@ class StreamDecoder:
         verbatim can not declare more tensor bytes than that (Corrupt before any allocation)."""
         self.checked = checked
         self.header = header if isinstance(header, Header) else parse_header(header)
-        self.device = torch.device(device or "cpu")
+        self.device = target_device(device)
         self.private = private and self.device.type == "cpu"
         self.borrow = (borrow or private) and self.device.type == "cpu"
         self.mode: Mode = get_mode(self.header.mode)
