@@ -102,6 +102,11 @@ class Unavailable(KDNError, status=Status.UNAVAILABLE):
     """The service can not be reached or is shutting down."""
 
 
+class Closed(KDNError, status=Status.FAILED_PRECONDITION):
+    """The object was closed and takes no more calls: a ``Client`` after ``close()`` (its
+    in-process tier included)."""
+
+
 class DeadlineExceeded(KDNError, status=Status.DEADLINE_EXCEEDED):
     """The call did not finish before its deadline."""
 

@@ -14,7 +14,7 @@ import torch
 from kdn import codec
 from kdn.cache import KVCache
 from kdn.client import Client
-from kdn.errors import InvalidArgument
+from kdn.errors import Closed, InvalidArgument
 from kdn.server import ServerThread
 from tests.helpers import numbered_key, random_kv, uniform_layout
 
@@ -108,3 +108,29 @@ def test_read_arguments_are_refused_by_name(server: ServerThread,
         assert torch.equal(stream.wait_for_layer(2, 30)[0], kv.layers[2][0])
     with pytest.raises(InvalidArgument, match="device 'bogus'"):
         codec.decode(codec.encode(kv), device="bogus")
+
+
+@pytest.mark.parametrize("options", CLIENTS)
+def test_a_closed_client_refuses_every_call(server: ServerThread,
+                                            options: dict[str, Any]) -> None:
+    """Calls after close() raised gRPC's ValueError ("Cannot invoke RPC on closed channel"),
+    and with an in-process tier its reads were still served from it."""
+    kv = random_kv(LAYOUT, 8, seed=3)
+    k = numbered_key(4)
+    c = Client(server.address, timeout_s=30, **options)
+    c.store(k, kv)
+    assert c.retrieve(k) is not None
+    c.close()
+    c.close()  # twice: nothing more
+    calls: list[Callable[[], Any]] = [
+        lambda: c.store(k, kv), lambda: c.store_many([(k, kv)]),
+        lambda: c.store_async(k, kv).result(), lambda: c.retrieve(k),
+        lambda: c.retrieve_stream(k), lambda: c.retrieve_many([k]),
+        lambda: c.retrieve_streams([k, k]), lambda: c.fetch(k), lambda: c.fetch_many([k]),
+        lambda: c.lookup([k]), lambda: c.contains(k), lambda: c.delete(k),
+        lambda: c.stats(), lambda: c.health()]
+    for call in calls:
+        with pytest.raises(Closed, match="closed"):
+            call()
+    if c.local is not None:
+        assert c.local.stats.entries == 0  # its memory went with it

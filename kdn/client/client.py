@@ -189,15 +189,18 @@ class Client:
         return self.rpc.metadata(request_id)
 
     def close(self) -> None:
-        """Close the channels and give the segment back, after this thread's asynchronous
-        stores are answered (another thread's: ``flush`` there first). Nothing in a child of
-        ``fork()``: they are the parent's."""
+        """Close the channels, give the segment back and empty the in-process tier, after
+        this thread's asynchronous stores are answered (another thread's: ``flush`` there
+        first). Any call after it raises Closed. Nothing in a child of ``fork()``: they are
+        the parent's."""
         if os.getpid() != self.pid:
             return
         if self.dataplane.has_pending():
             self.dataplane.settle_async()
         self.dataplane.close()
         self.rpc.close()
+        if self.local is not None:
+            self.local.close()
 
     def __enter__(self) -> Client:
         return self
@@ -443,9 +446,9 @@ class Client:
         """The standard gRPC health status name (SERVING, NOT_SERVING, ...)."""
         from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-        stub = health_pb2_grpc.HealthStub(self.rpc.channel)
-        resp = self.rpc.call(lambda: stub.Check(health_pb2.HealthCheckRequest(service=service),
-                                             timeout=self.timeout_s))
+        # the stub made inside the call: on a closed channel making one crashed the process
+        resp = self.rpc.call(lambda: health_pb2_grpc.HealthStub(self.rpc.channel).Check(
+            health_pb2.HealthCheckRequest(service=service), timeout=self.timeout_s))
         return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
 
 

@@ -9,7 +9,9 @@ the same key space (namespace, key) as the client's calls. Lifecycle:
 * read first by ``fetch``, ``retrieve``, ``retrieve_stream(s)`` and reported by ``lookup``
   (tier ``inproc``): a hit costs no call to the server;
 * ``delete`` drops the key here too; the least recently used entries go when the byte budget
-  is exceeded.
+  is exceeded;
+* emptied by the client's ``close()``: a read of it after that is refused (``Closed``), as any
+  call of a closed client is.
 
 A copy is kept only where it is what the server holds, also when the client's threads store,
 delete and read one key side by side (``write``, ``read_ticket``): a store or delete drops the
@@ -45,10 +47,11 @@ import numpy as np
 import torch
 
 from kdn.client.received import FRAME_ALIGN, LOCAL_TIER
+from kdn.client.rpc import CLOSED
 from kdn.codec import EncodedParts
 from kdn.codec.copies import copy_frame_checked
 from kdn.codec.format import Header, parse_container, parse_header
-from kdn.errors import Corrupt, Truncated
+from kdn.errors import Closed, Corrupt, Truncated
 
 TIER = LOCAL_TIER
 log = logging.getLogger(__name__)
@@ -168,6 +171,7 @@ class LocalTier:
         self._stamps: OrderedDict[tuple[str, bytes], int] = OrderedDict()  # latest write's
         self._floor = 0  # the largest stamp no longer in ``_stamps``
         self._writing: dict[tuple[str, bytes], int] = {}  # writes in flight, by key
+        self.closed = False
 
     def write(self, namespace: str, key: bytes) -> LocalWrite:
         """A store or delete of the key is about to be sent (module docstring): its copy here
@@ -196,9 +200,20 @@ class LocalTier:
         with self._lock:
             return 0 if (namespace, key) in self._writing else self._clock
 
+    def close(self) -> None:
+        """Drop every entry (hits handed out keep their bytes); ``get`` and ``contains``
+        raise Closed from now on, ``put`` keeps nothing."""
+        with self._lock:
+            self.closed = True
+            self._entries.clear()
+            self._bytes = 0
+            self.stats.entries, self.stats.bytes = 0, 0
+
     def get(self, namespace: str, key: bytes) -> LocalHit | None:
         """The entry (checked and parsed when it was put), or None."""
         with self._lock:
+            if self.closed:
+                raise Closed(CLOSED)
             held = self._entries.get((namespace, key))
             if held is None:
                 self.stats.misses += 1
@@ -210,6 +225,8 @@ class LocalTier:
     def contains(self, namespace: str, key: bytes) -> int | None:
         """The entry's size, or None; does not count as a use."""
         with self._lock:
+            if self.closed:
+                raise Closed(CLOSED)
             held = self._entries.get((namespace, key))
             return None if held is None else int(held.buf.nbytes)
 
@@ -248,6 +265,8 @@ class LocalTier:
         held = _Held(buf, LocalHit(EncodedParts(c.header.raw, list(c.frames)),  # type: ignore[arg-type]
                                    whole, c.header, {}))
         with self._lock:
+            if self.closed:  # a store answered as its client was closed
+                return False
             if ticket is not None and self._stamps.get((namespace, key), self._floor) > ticket:
                 return False  # a later write began: its answer decides
             old = self._entries.pop((namespace, key), None)

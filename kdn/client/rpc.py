@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 import grpc
 
 from kdn import tracing as _tracing
-from kdn.errors import InvalidArgument
+from kdn.errors import Closed, InvalidArgument
 from kdn.status import from_grpc
 from kdn.transport.metadata import API_KEY_HEADER, REQUEST_ID_HEADER
 from kdn.transport.wire import get_many_response, retrieve_response, serialize_passthrough
@@ -40,6 +40,8 @@ default retries (``Retry``: 175 ms), so a call made once the server is back reac
 refused connection costs the client next to nothing."""
 
 
+CLOSED = "this client was closed (Client.close()); make a new Client"
+"""What a call on a closed client is refused with (``Closed``)."""
 NO_DEADLINE_S = 1e9
 """A timeout of this many seconds (about 31 years) or more is no deadline: gRPC can not hold a
 deadline so far off (``timeout_s=1e12`` made every call fail DEADLINE_EXCEEDED at once)."""
@@ -185,6 +187,7 @@ class Rpc:
             response_deserializer=get_many_response)
         self._lock = threading.Lock()
         self._extra_channels: list[grpc.Channel] = []
+        self.closed = False
 
     def _new_channel(self, *extra: tuple[str, int | str]) -> grpc.Channel:
         options = [*self._options, *extra]
@@ -219,12 +222,16 @@ class Rpc:
         return tuple(_tracing.inject(list(md))) if _tracing.enabled() else md
 
     def call(self, fn: Callable[[], T]) -> T:
-        """``fn()`` retried as ``retry`` says; a gRPC error raised as kdn's error."""
+        """``fn()`` retried as ``retry`` says; a gRPC error raised as kdn's error. Closed
+        once the channel was closed (every call of the client comes here)."""
+        if self.closed:
+            raise Closed(CLOSED)
         try:
             return self.retry.call(fn)
         except grpc.RpcError as err:
             raise from_grpc(err) from None
 
     def close(self) -> None:
+        self.closed = True
         for ch in (self.channel, *self._extra_channels):
             ch.close()
