@@ -134,3 +134,20 @@ def test_a_closed_client_refuses_every_call(server: ServerThread,
             call()
     if c.local is not None:
         assert c.local.stats.entries == 0  # its memory went with it
+
+
+def test_client_settings_are_refused_by_name_and_an_empty_namespace_is_the_default(
+        server: ServerThread) -> None:
+    """local_bytes=-1 was a ValueError, 1.5 and True were taken as tier sizes; namespace=""
+    (the default, as in a request) was refused."""
+    for bad in (-1, 1.5, True, "10"):
+        with pytest.raises(InvalidArgument, match="local_bytes"):
+            Client(server.address, local_bytes=bad)  # type: ignore[arg-type]
+    for bad in (-1, 1.5):
+        with pytest.raises(InvalidArgument, match="data_connections"):
+            Client(server.address, data_connections=bad)  # type: ignore[arg-type]
+    kv = random_kv(LAYOUT, 8, seed=4)
+    with Client(server.address, namespace="") as c, Client(server.address) as d:
+        assert c.namespace == "default"
+        c.store(numbered_key(5), kv)
+        assert d.retrieve(numbered_key(5), namespace="default").equal(kv)  # type: ignore[union-attr]

@@ -43,7 +43,7 @@ from kdn.codec import EncodedParts
 from kdn.errors import InvalidArgument
 from kdn.keys import DEFAULT_NAMESPACE, check_key, check_namespace
 from kdn.layout import KVLayout
-from kdn.names import check_tenant
+from kdn.names import check_tenant, request_namespace
 from kdn.options import StoreOptions
 from kdn.transport.addresses import data_host, same_host
 from kdn.transport.buffers import tune_allocator
@@ -142,23 +142,21 @@ class Client:
         self.streams = max(1, streams)
         """gRPC streams one retrieve reads side by side, in layer groups, when the entry comes
         over gRPC and the caller gave its layout (``kdn.client.parallel``)."""
-        if data_connections < 0:
-            raise InvalidArgument(f"data_connections must be >= 0 (0: chosen by the entries' "
-                                  f"size), got {data_connections}")
-        self.data_connections = data_connections
+        self.data_connections = _whole("data_connections", data_connections,
+                                       "0: chosen by the entries' size")
         """Connections a batch read on the network data path (a client on another host) is
         striped over, side by side; 0 (default): one per ``kdn.client.netpath.
         STRIPE_MIN_BYTES`` of entries, by the size of those read before (1 at first)."""
         self.timeout_s = timeout_s = check_timeout("timeout_s", timeout_s)
         self.retry = retry or Retry()
-        self.namespace = check_namespace(namespace)
+        self.namespace = request_namespace(namespace)  # "": the default namespace
         self._features: frozenset[str] | None = None  # what the server takes (``scoped``)
         self.rpc = Rpc(address, timeout_s=timeout_s, retry=self.retry,
                        max_message_bytes=max_message_bytes, api_key=api_key, tls=tls)
         """The channel and the calls made on it (``kdn.client.rpc``)."""
         if shm_bytes is None:
             shm_bytes = DEFAULT_SHM_BYTES if same_host(address) else 0
-        if local_bytes:
+        if _whole("local_bytes", local_bytes, "0: no in-process tier"):
             from kdn.client.local import LocalTier
 
             self.local: Any = LocalTier(local_bytes)
@@ -450,6 +448,14 @@ class Client:
         resp = self.rpc.call(lambda: health_pb2_grpc.HealthStub(self.rpc.channel).Check(
             health_pb2.HealthCheckRequest(service=service), timeout=self.timeout_s))
         return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+
+
+def _whole(name: str, value: object, zero: str) -> int:
+    """``value`` when it is a whole number >= 0, else InvalidArgument naming ``name`` (``zero``
+    says what 0 means)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise InvalidArgument(f"{name} must be a whole number >= 0 ({zero}), got {value!r}")
+    return value
 
 
 def _key_info(info: pb.KeyInfo) -> KeyInfo:

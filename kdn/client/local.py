@@ -51,7 +51,7 @@ from kdn.client.rpc import CLOSED
 from kdn.codec import EncodedParts
 from kdn.codec.copies import copy_frame_checked
 from kdn.codec.format import Header, parse_container, parse_header
-from kdn.errors import Closed, Corrupt, Truncated
+from kdn.errors import Closed, Corrupt, InvalidArgument, Truncated
 
 TIER = LOCAL_TIER
 log = logging.getLogger(__name__)
@@ -159,7 +159,7 @@ class LocalWrite:
 class LocalTier:
     def __init__(self, capacity_bytes: int) -> None:
         if capacity_bytes <= 0:
-            raise ValueError(f"capacity_bytes must be > 0, got {capacity_bytes}")
+            raise InvalidArgument(f"capacity_bytes must be > 0, got {capacity_bytes}")
         self.capacity_bytes = capacity_bytes
         self.pinned = torch.cuda.is_available()
         """Entries live in page-locked memory (``_host_buffer``): copies to a GPU read them."""
