@@ -5,6 +5,7 @@ ratio 0 is plain concatenation, and streamed chunks blend like resident ones."""
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -15,7 +16,7 @@ from kdn.blend.rope import inv_freq, reposition, rope_plan
 from kdn.blend.select import select_tokens
 from kdn.cache import KVCache
 from kdn.client import Client
-from kdn.errors import InvalidArgument, InvalidLayout
+from kdn.errors import InvalidArgument, InvalidLayout, LayoutMismatch
 from kdn.layout import DType, KVLayout, LayerLayout, RopeSpec
 from kdn.model import hf
 from kdn.model.hf import model_layout
@@ -388,6 +389,53 @@ def test_pruned_model_blends_exactly() -> None:
     placed = concat_positions(chunks, freqs=ref.model.rotary_emb.inv_freq, start=5)
     for i, (k, _) in enumerate(zero.kv.layers):
         torch.testing.assert_close(k[:, 5:40], placed.layers[i][0], **TOL)
+
+
+def test_a_chunk_not_of_the_model_is_refused_before_any_layer() -> None:
+    """Only the model's own KV blends: a chunk of another pruning with the same counts (other
+    kept channels, another model), one naming the model with other kept channels, an unpruned
+    model's, or chunks of two dtypes are a LayoutMismatch naming the piece, raised before any
+    layer runs. The result has the model's layout in the chunks' dtype, not a chunk's label."""
+    ref, pruned, _, _ = pruned_pair()
+    layout = model_layout(pruned, DType.FLOAT32)
+    a, q = ids(12, seed=1), ids(5, seed=2)
+    g = torch.Generator().manual_seed(3)  # k: [kv_heads, tokens, k_ch], v: [.., v_ch]
+    chunk = KVCache(layout, [(torch.randn(x.kv_heads, 12, x.k_channels, generator=g),
+                              torch.randn(x.kv_heads, 12, x.v_channels, generator=g))
+                             for x in layout.layers])
+    other = copy.deepcopy(pruned)  # the same counts per layer, other channels kept
+    other.config.kdn_pruned = {
+        "k_kept": [list(range(16)), [1, 2, 3, 9, 10, 11], [0, 4, 5, 6, 8, 12, 13, 14], [6, 14]],
+        "v_kept": [list(range(16)), [0, 2, 5, 9, 14], list(range(12)), [0, 4]]}
+    other_layout = model_layout(other, DType.FLOAT32)
+    assert [(x.k_channels, x.v_channels) for x in other_layout.layers] == [
+        (x.k_channels, x.v_channels) for x in layout.layers]
+    kept = replace(layout, layers=(layout.layers[0], replace(
+        layout.layers[1], k_kept=(1, 2, 3, 9, 10, 11)), *layout.layers[2:]))
+    half = KVCache(replace(layout, dtype=DType.FLOAT16),
+                   [(k.half(), v.half()) for k, v in chunk.layers])
+    refused = {
+        "piece 1: chunk belongs to model": (pruned, [KVCache(other_layout, chunk.layers)]),
+        "piece 1: chunk layer 1 keeps other K channels": (pruned, [KVCache(kept, chunk.layers)]),
+        "piece 1: chunk belongs to model ": (ref, [chunk]),
+        "piece 2: chunk is float16, piece 1's float32": (pruned, [chunk, half]),
+    }
+    layers_started: list[str] = []
+
+    def cancelled() -> bool:  # asked before each layer
+        layers_started.append(msg)
+        return False
+
+    for msg, (model, chunks) in refused.items():
+        with pytest.raises(LayoutMismatch, match=msg):
+            blend(model, [Piece(q)] + [Piece(a, c) for c in chunks] + [Piece(q)],
+                  BlendConfig(ratio=0.0), cancelled=cancelled)
+    assert not layers_started  # each refused before layer 0
+    labelled = KVCache(replace(layout, model_name="a chunk's own label"), chunk.layers)
+    for kv in (labelled, half):
+        got = blend(pruned, [Piece(q), Piece(a, kv), Piece(q)], BlendConfig(ratio=0.3))
+        assert got.kv.layout == replace(model_layout(pruned), dtype=kv.layout.dtype)
+    assert blend(pruned, [Piece(q)]).kv.layout == model_layout(pruned)
 
 
 # -- streamed chunks ----------------------------------------------------------------------------

@@ -7,6 +7,10 @@ prompt, as close to a full prefill as the recompute budget allows, and the next-
 
 Lifecycle of ``blend(model, pieces, config)``:
 
+0. layouts: every chunk must hold KV of this model (``blend_layout``: its model fingerprint,
+   head dimension, RoPE and each layer's heads and kept K/V channels are the model's; only
+   the dtype may differ, one for all chunks), checked before anything is computed. The result
+   has the model's layout, in the chunks' dtype (the model's when there is no chunk).
 1. positions: piece j starts where piece j-1 ended; a chunk's stored keys are re-rotated by
    that offset (``rope.reposition``), exactly as if computed there.
 2. selection, one of two rules (``query_share`` mixes them):
@@ -56,7 +60,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import torch
@@ -201,14 +205,57 @@ class BlendResult:
     timings: BlendTimings = field(default_factory=BlendTimings)
 
 
-def _layout(model: Any, sources: list[LayerSource]) -> KVLayout:
-    if not sources:
-        return model_layout(model)
-    layout = sources[0].layout
-    for s in sources[1:]:
-        if s.layout.fingerprint != layout.fingerprint:
-            raise LayoutMismatch("chunks to blend have different layouts")
-    return layout
+def check_chunk_layout(chunk: KVLayout, model: KVLayout, what: str = "chunk") -> None:
+    """LayoutMismatch, starting ``what: ``, unless KV of layout ``chunk`` is KV ``model``
+    computes: the same model fingerprint, head dimension and RoPE, and per layer the same KV
+    heads, K/V channels and kept channels (a pruning with the same counts keeps other
+    channels: its keys would be re-rotated and read as the wrong ones). The dtype may differ.
+    """
+    if chunk.model_fingerprint != model.model_fingerprint:
+        raise LayoutMismatch(f"{what}: chunk belongs to model {chunk.model_fingerprint}, the "
+                             f"blending model is {model.model_fingerprint}")
+    if chunk.num_layers != model.num_layers:
+        raise LayoutMismatch(f"{what}: chunk has {chunk.num_layers} layers, the model "
+                             f"{model.num_layers}")
+    for i, (got, want) in enumerate(zip(chunk.layers, model.layers)):
+        shapes = [(lay.kv_heads, lay.k_channels, lay.v_channels) for lay in (got, want)]
+        if shapes[0] != shapes[1]:
+            (heads, k, v), (want_heads, want_k, want_v) = shapes
+            raise LayoutMismatch(f"{what}: chunk layer {i} holds {heads} KV heads of "
+                                 f"{k}/{v} K/V channels, the model's {want_heads} of "
+                                 f"{want_k}/{want_v}")
+        for name, a, b in (("K", got.k_kept, want.k_kept), ("V", got.v_kept, want.v_kept)):
+            if a != b:
+                raise LayoutMismatch(f"{what}: chunk layer {i} keeps other {name} channels "
+                                     f"than the model's")
+    if chunk.head_dim != model.head_dim:
+        raise LayoutMismatch(f"{what}: chunk's head_dim is {chunk.head_dim}, the model's "
+                             f"{model.head_dim}")
+    if chunk.rope != model.rope:
+        raise LayoutMismatch(f"{what}: chunk's keys carry RoPE {chunk.rope}, the model's "
+                             f"{model.rope}")
+    if replace(chunk, dtype=model.dtype).fingerprint != model.fingerprint:
+        raise LayoutMismatch(f"{what}: chunk's layout {chunk.fingerprint} is not the model's "
+                             f"{model.fingerprint}")
+
+
+def blend_layout(model: Any, pieces: list[Piece]) -> KVLayout:
+    """The layout of ``blend(model, pieces)``'s result: the model's, in the chunks' dtype (the
+    model's when no piece is a chunk). LayoutMismatch, naming the piece, unless every chunk is
+    of the model (``check_chunk_layout``) and all are of one dtype."""
+    own = model_layout(model)
+    dtype, first = None, 0
+    for j, p in enumerate(pieces):
+        src = p.source
+        if src is None:
+            continue
+        check_chunk_layout(src.layout, own, f"piece {j}")
+        if dtype is None:
+            dtype, first = src.layout.dtype, j
+        elif src.layout.dtype is not dtype:
+            raise LayoutMismatch(f"piece {j}: chunk is {src.layout.dtype.value}, piece "
+                                 f"{first}'s {dtype.value}: chunks to blend share one dtype")
+    return own if dtype is None or dtype is own.dtype else replace(own, dtype=dtype)
 
 
 @torch.no_grad()
@@ -230,11 +277,10 @@ def blend(model: Any, pieces: list[Piece], config: BlendConfig | None = None,
 
     if not pieces:
         raise InvalidArgument("nothing to blend")
-    sources = [p.source for p in pieces if p.source is not None]
-    layout = _layout(model, [s for s in sources if s is not None])
+    layout = blend_layout(model, pieces)
     n_layers = layout.num_layers
     if len(m.layers) != n_layers:
-        raise LayoutMismatch(f"model has {len(m.layers)} layers, the chunks' layout {n_layers}")
+        raise LayoutMismatch(f"model has {len(m.layers)} layers, its config {n_layers}")
     if cfg.selects and cfg.select_layer >= n_layers:
         raise InvalidArgument(f"select_layer {cfg.select_layer} >= {n_layers} layers")
 
