@@ -32,25 +32,28 @@ from kdn.errors import (
     TooLarge,
 )
 from kdn.keys import chunk_key, split_store_key
-from kdn.layout import DType
+from kdn.layout import DType, KVLayout
+from kdn.model import hf
 from kdn.model.hf import model_layout
+from kdn.prune import prune_model
 from kdn.server import ServerConfig, ServerThread
 from kdn.server.auth import digest
 from kdn.v1 import kdn_pb2 as pb
+from tests import test_prune
 from tests.test_blend import ids, prefill, prompt, tiny
 
 TENANT = '{a: {api_keys: ["sha256:%s"], quota_bytes: %s}}'
 
 
 @contextmanager
-def blending(tmp_path: Path, quota: str = "1GiB", **settings: Any
+def blending(tmp_path: Path, quota: str = "1GiB", model: Any = None, **settings: Any
              ) -> Iterator[tuple[ServerThread, Client, Any]]:
-    """A server (``settings`` on top) whose one tenant ``a`` has ``quota``, blending with a tiny
-    random Llama; its client as ``a``, and the model."""
+    """A server (``settings`` on top) whose one tenant ``a`` has ``quota``, blending with
+    ``model`` (default: a tiny random Llama); its client as ``a``, and the model."""
     cfg = ServerConfig(port=0, data_dir=tmp_path / "data", ram_bytes=256 << 20,
                        disk_bytes=512 << 20, shutdown_grace_s=2.0,
                        auth_tenants=TENANT % (digest("key-a"), quota), **settings)
-    model = tiny("llama")
+    model = model if model is not None else tiny("llama")
     with ServerThread(cfg) as st, Client(st.address, timeout_s=30, api_key="key-a") as c:
         assert st.server is not None
         st.server.servicer.blender = ModelBlender(model, None)
@@ -218,6 +221,54 @@ def test_a_chunk_naming_the_model_with_other_shapes_is_a_layout_mismatch(tmp_pat
                 with pytest.raises(LayoutMismatch, match=f"piece 0: {msg}"):
                     c.blend([RemotePiece(ids=a, key=key), RemotePiece(ids=[5])],
                             query_share=share)
+
+
+def test_a_chunk_naming_the_model_with_other_kept_channels_is_a_layout_mismatch(
+        tmp_path: Path) -> None:
+    """A pruned model's chunk forged to keep other channels (the same counts), or to another
+    head_dim or RoPE, is refused as LayoutMismatch naming the piece, by the plan (no
+    combination is named, looked up or stored under the forged layout); the model's own chunk
+    blends, its result labelled with the model's layout."""
+    pruned = prune_model(test_prune.tiny(6), test_prune.random_plan(6))
+    with blending(tmp_path, model=pruned) as (st, c, model):
+        assert st.server is not None
+        blender = st.server.servicer.blender
+        layout = model_layout(model, DType.FLOAT32)
+        a, q = ids(20, 1), ids(6, 2)
+        kv = prefill_pruned(model, a, layout)
+        ka = chunk_key(a, layout)
+        c.store(ka, kv)
+        got = c.blend([RemotePiece(ids=a, key=ka), RemotePiece(ids=q)], ratio=0.3)
+        assert got.layout.fingerprint == layout.fingerprint
+        lay = layout.layers[1]
+        low = sorted((x + 1) % 8 for x in lay.k_kept or () if x < 8)  # other rotary pairs
+        forged = {
+            "chunk layer 1 keeps other K channels than the model's": replace(layout, layers=(
+                layout.layers[0], replace(lay, k_kept=tuple(low + [x + 8 for x in low])),
+                *layout.layers[2:])),
+            "chunk's head_dim is 32, the model's 16": replace(layout, head_dim=32),
+            "chunk's keys carry RoPE": replace(layout, rope=replace(layout.rope, theta=5e5)),
+        }
+        for msg, lay_f in forged.items():
+            assert lay_f.fingerprint != layout.fingerprint
+            key = chunk_key(a, lay_f)
+            c.store(key, KVCache(lay_f, kv.layers))
+            entry = codec.encode(KVCache(lay_f, kv.layers))
+            pieces = [RemotePiece(ids=a, key=key), RemotePiece(ids=q)]
+            with pytest.raises(LayoutMismatch, match=f"piece 0: {msg}"):
+                blender.plan(request(pieces, store=True), {key: entry}.get)
+            for share in (None, 0.0):
+                with pytest.raises(LayoutMismatch, match=f"piece 0: {msg}"):
+                    c.blend([RemotePiece(ids=a, key=key), RemotePiece(ids=q)], ratio=0.0,
+                            query_share=share)
+
+
+def prefill_pruned(model: Any, tokens: list[int], layout: KVLayout) -> KVCache:
+    """A pruned model's KV of ``tokens`` (its own forward, through kdn's adapter)."""
+    with torch.no_grad():
+        out = model(torch.tensor([tokens]), use_cache=True)
+    kv = hf.from_transformers(out.past_key_values, layout)
+    return KVCache(layout, [(k.clone(), v.clone()) for k, v in kv.layers])
 
 
 def test_a_stored_combination_of_another_shape_is_computed_again(tmp_path: Path) -> None:

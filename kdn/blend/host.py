@@ -12,9 +12,12 @@ Lifecycle of one Blend request on the model side:
    model's context) are bounded first; text pieces are tokenized (or taken as ids); each
    chunk's stored entry is read through ``read_chunk``, once however many pieces name it, and
    each piece's ids must hash to its key (``kdn.keys.chunk_key`` under the chunk's stored
-   layout), so the KV and the ids agree; the chunks must belong to this model. With
-   ``request.store`` the plan names the combination's content key
-   (``kdn.blend.key.combination_key``), which the server looks up before running.
+   layout), so the KV and the ids agree; each chunk's layout must be this model's, kept
+   channels, head_dim and RoPE included (``kdn.blend.blend.check_chunk_layout``; only the
+   dtype may differ). The result is named by the layout blend() gives it, the model's
+   (``blend_layout``), never by a chunk's. With ``request.store`` the plan names the
+   combination's content key (``kdn.blend.key.combination_key``), which the server looks up
+   before running.
 2. ``job.run()``: ``kdn.blend.blend`` runs, decoding each chunk's layer from the stored frames
    right before the blend loop needs it; one blend runs at a time per blender (the model is
    shared); the result is encoded (``mode``/``level``, default lossless).
@@ -30,7 +33,7 @@ from typing import Any
 import torch
 
 from kdn import codec
-from kdn.blend.blend import BlendConfig, Piece, blend
+from kdn.blend.blend import BlendConfig, Piece, blend, blend_layout, check_chunk_layout
 from kdn.blend.key import combination_key
 from kdn.cache import LayerKV
 from kdn.codec.format import Header, check_frame, parse_header, split_frames
@@ -149,7 +152,6 @@ class ModelBlender:
         own = model_layout(model, DType.FLOAT32)
         pieces: list[Piece] = []
         named: list[tuple[bytes, list[int]]] = []
-        layout: KVLayout | None = None
         sources: dict[bytes, StoredChunk] = {}
         for j, (p, ids) in enumerate(zip(request.pieces, token_ids(request, model, tok))):
             if not p.chunk_key:
@@ -163,13 +165,12 @@ class ModelBlender:
                 if value is None:
                     raise NotFound(f"piece {j}: no chunk {key.hex()} in {ns!r}")
                 src = sources[key] = StoredChunk(value, model_device(model))
-            check_chunk_layout(j, src.layout, own)
+            check_chunk_layout(src.layout, own, f"piece {j}")
             if chunk_key(ids, src.layout, ns) != key:
                 raise InvalidArgument(f"piece {j}: token_ids do not match chunk_key")
-            layout = layout or src.layout
             pieces.append(Piece(ids, src))
             named.append((key, ids))
-        layout = layout or model_layout(model)  # what blend() computes: the model's dtype
+        layout = blend_layout(model, pieces)  # what blend() computes: the model's, not a chunk's
         want = request.expect_layout_fingerprint
         if want and want != layout.fingerprint:
             raise LayoutMismatch(f"blend result has layout {layout.fingerprint}, caller expects "
@@ -179,25 +180,6 @@ class ModelBlender:
             encoding = mode if not request.level else f"{mode}-{request.level}"
             job.combination_key = combination_key(named, layout.fingerprint, cfg, ns, encoding)
         return job
-
-
-def check_chunk_layout(j: int, chunk: KVLayout, model: KVLayout) -> None:
-    """LayoutMismatch unless piece ``j``'s chunk is of ``model``: its model fingerprint, and
-    its layers' K/V shapes (a container may name the model yet hold other shapes, which the
-    blend could not place); the dtype may differ."""
-    if chunk.model_fingerprint != model.model_fingerprint:
-        raise LayoutMismatch(f"piece {j}: chunk belongs to model {chunk.model_fingerprint}, "
-                             f"this server runs {model.model_fingerprint}")
-    if chunk.num_layers != model.num_layers:
-        raise LayoutMismatch(f"piece {j}: chunk has {chunk.num_layers} layers, the model "
-                             f"{model.num_layers}")
-    for i, (got, want) in enumerate(zip(chunk.layers, model.layers)):
-        shapes = [(lay.kv_heads, lay.k_channels, lay.v_channels) for lay in (got, want)]
-        if shapes[0] != shapes[1]:
-            (heads, k, v), (want_heads, want_k, want_v) = shapes
-            raise LayoutMismatch(f"piece {j}: chunk layer {i} holds {heads} KV heads of "
-                                 f"{k}/{v} K/V channels, the model's {want_heads} of "
-                                 f"{want_k}/{want_v}")
 
 
 def token_ids(request: pb.BlendRequest, model: Any, tok: Any) -> list[list[int]]:
