@@ -3,6 +3,8 @@ checked on every use, visible to lookup, the engine's timings and the loading co
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -14,7 +16,7 @@ from kdn.client.local import LocalTier
 from kdn.codec import EncodedParts, encode_parts, inplace
 from kdn.delivery import LoadingController
 from kdn.engine import EngineConfig, KDNEngine
-from kdn.errors import LayoutMismatch
+from kdn.errors import InvalidLayout, LayoutMismatch
 from kdn.layout import DType, Expected, KVLayout
 from kdn.server import ServerThread
 from tests.helpers import (
@@ -339,6 +341,34 @@ def test_a_context_held_in_process_comes_back_as_one_joined_stream(
         c.store(_key(71), random_kv(layout, 20, seed=9, start=96), mode="raw")
         assert c.retrieve_joined(keys + [_key(71)], layout=layout, device="cpu") is None
         assert c.retrieve_joined(keys[:1], layout=layout, device="cpu") is not None
+
+
+def test_blocks_of_equal_shapes_but_other_layouts_are_not_joined(server: ServerThread) -> None:
+    """Without ``layout=``, blocks whose K/V shapes and dtype agree but whose layouts do not
+    (another model's; another pruning's, keeping other channels in the same counts) are not
+    one context: no joined stream (it would be labelled with the first block's layout), as
+    ``KVCache.concat`` refuses them too. Blocks of one layout still join."""
+    layout = pruned_layout()
+    lay = layout.layers[2]
+    others = {
+        "another model": replace(layout, model_fingerprint="other-model"),
+        "other kept channels": replace(layout, layers=(
+            *layout.layers[:2], replace(lay, v_kept=tuple(range(lay.v_channels))),
+            *layout.layers[3:])),
+    }
+    with Client(server.address, shm_bytes=0, local_bytes=64 << 20) as c:
+        blocks, keys = _raw_context(c, layout, 2, 8, first=110)
+        st = c.retrieve_joined(keys)
+        assert st is not None and st.result().layout == layout
+        for j, (what, other) in enumerate(others.items()):
+            assert other.fingerprint != layout.fingerprint, what
+            mixed = KVCache(other, blocks[1].layers, start_position=8)
+            with pytest.raises(InvalidLayout, match="different layouts"):
+                KVCache.concat([blocks[0], mixed])
+            c.store(_key(120 + j), mixed, mode="raw")
+            assert c.retrieve_joined([keys[0], _key(120 + j)]) is None, what
+            with pytest.raises(LayoutMismatch):  # named: a block not of it is refused
+                c.retrieve_joined([keys[0], _key(120 + j)], layout=layout)
 
 
 def test_a_repeated_hit_derives_nothing_and_an_entry_replaced_or_gone_takes_it_along(

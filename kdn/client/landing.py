@@ -215,7 +215,7 @@ def joined_stream(hits: list[Fetched], device: torch.device | str | None,
     join a cat per layer over every block: host work as long as the copies on a short
     context). Into CPU tensors: one cat per K
     and V over views of the tier's bytes (no copy of each entry first). None where that does
-    not apply (another mode, unequal entries, bytes not pinned for a GPU)."""
+    not apply (another mode, another layout, unequal entries, bytes not pinned for a GPU)."""
     import torch
 
     from kdn.codec.api import target_device
@@ -232,14 +232,17 @@ def joined_stream(hits: list[Fetched], device: torch.device | str | None,
 
     def spans() -> Iterator[Span | None]:
         """Each hit's span (the first's, then each later one's once it is checked to be
-        the next block of the same shape), or None and stop."""
+        the next block of the same layout and shape), or None and stop. Equal shapes are not
+        one layout: another model's, or another pruning's with the same counts, would be
+        labelled with the first's."""
         yield first
         for j, got in enumerate(hits[1:], 1):
             sp = span_of(got, device)
             if sp is None or sp.specs != first.specs or sp.base.shape != first.base.shape \
                     or sp.base.dtype != first.base.dtype \
-                    or got.parsed().entry.start_position != start + j * tokens:
-                yield None  # not one run of consecutive blocks of one shape
+                    or (hdr := got.parsed()).layout.fingerprint != head.layout.fingerprint \
+                    or hdr.entry.start_position != start + j * tokens:
+                yield None  # not one run of consecutive blocks of one layout and shape
                 return
             yield sp
 
