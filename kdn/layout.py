@@ -287,16 +287,11 @@ class KVLayout:
         scaling = "" if rope_type == "default" and len(rope_params) <= 1 else _canon(rope_params)
         rotary_dim = int(head_dim * partial) // 2 * 2
         pruned = getattr(cfg, "kdn_pruned", None)  # written by kdn.prune: per-layer kept channels
-        layers: list[LayerLayout] = []
-        for i in range(n_layers):
-            if pruned is not None:
-                k_kept = tuple(int(c) for c in pruned["k_kept"][i])
-                v_kept = tuple(int(c) for c in pruned["v_kept"][i])
-                layers.append(LayerLayout(kv_heads, len(k_kept), len(v_kept), k_kept, v_kept))
-            else:
-                layers.append(LayerLayout(kv_heads, head_dim, head_dim))
+        layers = [LayerLayout(kv_heads, len(k_kept), len(v_kept), k_kept, v_kept)
+                  for k_kept, v_kept in _pruned_kept(pruned, n_layers)] if pruned is not None \
+            else [LayerLayout(kv_heads, head_dim, head_dim)] * n_layers
         name = str(getattr(cfg, "_name_or_path", "") or getattr(cfg, "model_type", ""))
-        return cls(
+        layout = cls(
             model_fingerprint=model_fingerprint(config, weights_id=weights_id),
             model_name=name,
             layers=tuple(layers),
@@ -304,6 +299,36 @@ class KVLayout:
             head_dim=head_dim,
             rope=RopeSpec(theta=theta, rotary_dim=rotary_dim, scaling=scaling),
         )
+        for i, lay in enumerate(layout.layers if pruned is not None else ()):
+            _check_rotary_pairs(i, lay.k_kept or (), rotary_dim)
+        return layout
+
+
+def _pruned_kept(pruned: Any, n_layers: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """(k_kept, v_kept) of each layer from a config's ``kdn_pruned``; InvalidLayout unless it
+    lists both, as whole numbers, for exactly ``n_layers`` layers."""
+    try:
+        kept = {name: [tuple(int(c) for c in layer) for layer in pruned[name]]
+                for name in ("k_kept", "v_kept")}
+    except (KeyError, TypeError, ValueError) as exc:
+        raise InvalidLayout(f"malformed kdn_pruned: {exc!r}") from exc
+    for name, per_layer in kept.items():
+        if len(per_layer) != n_layers:
+            raise InvalidLayout(f"kdn_pruned lists {name} for {len(per_layer)} layers, the "
+                                f"model has {n_layers}")
+    return list(zip(kept["k_kept"], kept["v_kept"]))
+
+
+def _check_rotary_pairs(i: int, k_kept: tuple[int, ...], rotary_dim: int) -> None:
+    """InvalidLayout unless layer ``i`` keeps each rotary K channel with its RoPE partner
+    (c and c + rotary_dim/2, for c < rotary_dim): a key missing half of a pair can not be
+    re-positioned (``kdn.blend.rope.rope_plan``)."""
+    half, kept = rotary_dim // 2, set(k_kept)
+    for c in k_kept:
+        mate = c + half if c < half else c - half
+        if c < rotary_dim and mate not in kept:
+            raise InvalidLayout(f"layer {i}: kdn_pruned k_kept keeps rotary channel {c} "
+                                f"without its RoPE partner {mate}; K must keep whole pairs")
 
 
 _VOLATILE_CONFIG_KEYS = {

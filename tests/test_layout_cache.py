@@ -55,12 +55,41 @@ def test_fingerprint_is_stable_across_processes() -> None:
 
 def test_pruned_layout_from_config_extension() -> None:
     cfg = tiny_config()
-    cfg.kdn_pruned = {"k_kept": [[0, 1, 4, 5], list(range(16)), [2, 3]],
+    cfg.kdn_pruned = {"k_kept": [[0, 1, 8, 9], list(range(16)), [2, 10]],
                       "v_kept": [list(range(8)), [1], list(range(16))]}
     lay = KVLayout.from_config(cfg)
     assert [x.k_channels for x in lay.layers] == [4, 16, 2]
     assert [x.v_channels for x in lay.layers] == [8, 1, 16]
-    assert lay.layers[0].k_kept == (0, 1, 4, 5)
+    assert lay.layers[0].k_kept == (0, 1, 8, 9)
+
+
+def test_a_pruned_config_lists_each_layer_and_keeps_whole_rotary_pairs() -> None:
+    """``kdn_pruned`` must list K and V kept channels for every layer, no more, and keep each
+    rotary K channel with its RoPE partner (c, c + rotary_dim/2): otherwise InvalidLayout
+    naming the problem, not an IndexError, a layout of the first layers only, or one the
+    blender refuses later. Channels past a partial rotary_dim need no partner."""
+    pairs = [[0, 8], [1, 9], [2, 10]]
+    bad = {
+        "kdn_pruned lists k_kept for 1 layers, the model has 3":
+            {"k_kept": pairs[:1], "v_kept": [[1]] * 3},
+        "kdn_pruned lists v_kept for 5 layers, the model has 3":
+            {"k_kept": pairs, "v_kept": [[1]] * 5},
+        "layer 1: kdn_pruned k_kept keeps rotary channel 1 without its RoPE partner 9":
+            {"k_kept": [[0, 8], [1, 2, 10], [3, 11]], "v_kept": [[1]] * 3},
+        "layer 0: kdn_pruned k_kept keeps rotary channel 12 without its RoPE partner 4":
+            {"k_kept": [[12], [1, 9], [3, 11]], "v_kept": [[1]] * 3},
+        "malformed kdn_pruned: KeyError": {"k_kept": pairs},
+        "malformed kdn_pruned: ValueError": {"k_kept": [["a", "b"]] * 3, "v_kept": [[1]] * 3},
+    }
+    for msg, pruned in bad.items():
+        cfg = tiny_config()
+        cfg.kdn_pruned = pruned
+        with pytest.raises(InvalidLayout, match=msg):
+            KVLayout.from_config(cfg)
+    cfg = tiny_config(partial_rotary_factor=0.5)  # channels 0..7 rotate, in pairs (c, c + 4)
+    cfg.kdn_pruned = {"k_kept": [[0, 4, 9], [1, 5, 8, 15], [2, 6]], "v_kept": [[1]] * 3}
+    lay = KVLayout.from_config(cfg)
+    assert lay.rope.rotary_dim == 8 and [x.k_channels for x in lay.layers] == [3, 4, 2]
 
 
 @pytest.mark.parametrize("bad", [
