@@ -13,7 +13,7 @@ import pytest
 from kdn import codec, keys
 from kdn.cache import KVCache
 from kdn.client import Client
-from kdn.engine.engine import CHUNK_TOKENS, MAX_CHUNK_BYTES, default_chunk_tokens
+from kdn.engine.config import CHUNK_TOKENS, MAX_CHUNK_BYTES, default_chunk_tokens
 from kdn.errors import TooLarge
 from kdn.layout import DType, KVLayout, LayerLayout
 from kdn.server import ServerConfig, ServerThread

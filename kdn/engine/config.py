@@ -1,0 +1,115 @@
+"""What a ``KDNEngine`` is told and what it tells back: ``EngineConfig`` (checked when made,
+each field documented), the ``Timings`` of one request and its ``Generation``, and the default
+block size (``default_chunk_tokens``)."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+from kdn import keys
+from kdn.delivery import RECOMPUTE
+from kdn.layout import DType, KVLayout
+
+CHUNK_TOKENS = 256
+"""Tokens per block by default: fine-grained prefix reuse, and a few MiB to tens of MiB per
+entry for models from 135M to 8B parameters (SmolLM2-135M fp32: 11 MiB; Llama-3-8B fp16:
+32 MiB)."""
+MAX_CHUNK_BYTES = 64 << 20
+"""A model whose blocks of ``CHUNK_TOKENS`` would be bigger gets fewer tokens per block (a
+power of two), so that each entry streams in frames of a few layers and stays far below the
+server's ``max_entry_bytes`` guard: Llama-3-70B fp16 (320 KiB/token) gets 128."""
+
+
+def default_chunk_tokens(layout: KVLayout) -> int:
+    """``CHUNK_TOKENS``, halved until a block's KV is at most ``MAX_CHUNK_BYTES`` (>= 16)."""
+    tokens = CHUNK_TOKENS
+    while tokens > 16 and tokens * layout.bytes_per_token > MAX_CHUNK_BYTES:
+        tokens //= 2
+    return tokens
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    chunk_tokens: int = 0
+    """Tokens per prefix block (the unit of prefix reuse and of storage); 0 (default) = the
+    model's own: ``default_chunk_tokens`` of its KV layout."""
+    namespace: str = keys.DEFAULT_NAMESPACE
+    """Namespace the engine's blocks live in."""
+    kv_dtype: DType | None = None
+    """dtype KV is stored in; None (default) = the model's own dtype, which keeps
+    ``lossless`` exact (fp16 and bf16 models store fp16 and bf16 KV)."""
+    encodings: tuple[tuple[str, str], ...] | None = None
+    """(mode, level) pairs each new block is stored in; the controller picks among them.
+    None (default): what pays off on the model's device and the path hits take
+    (``kdn.delivery.default_encodings``): ``lossless`` on a CPU; on a GPU ``raw`` from the
+    engine's host or its in-process tier, ``kdn-default`` and ``raw`` across a network."""
+    store_back: bool = True
+    """Store newly computed blocks after the first token."""
+    join_in_process: bool = True
+    """A hit whose blocks are all in the client's in-process tier loads as one joined stream
+    (``Client.retrieve_joined``); False: one stream per block, joined per layer."""
+    calibrate: bool = True
+    """Time one prefill of ``calibration_tokens`` tokens before the first decision, so the
+    controller starts from this model's prefill speed on this machine (``KDNEngine.calibrate``);
+    False: it starts from its prior (``LoadingController.prefill_tok_s``)."""
+    calibration_tokens: int = 256
+    """Length of the calibration prefill: a typical request's (the speed is taken as linear
+    in tokens: ``kdn.delivery.controller``), capped by the model's context."""
+    probe_link: bool = True
+    """With ``calibrate``, and when hits come across a network: measure that link's bandwidth
+    before the first decision (``kdn.client.probe``: two probe entries read back), so a fresh
+    engine does not weigh a 1 or a 100 Gbit/s link by one prior."""
+    freeze_heap: bool | None = None
+    """Before the first request: collect, then ``gc.freeze()`` what the process holds (the
+    model, the libraries), so the collector's oldest generation no longer scans it; None
+    (default): on where the model runs on a GPU. A GPU hit of many blocks makes thousands of
+    short-lived objects (each layer's views of each block), and every few hits that set off a
+    full collection of the whole heap: about 200 ms per pause with torch, transformers and kdn
+    loaded, longer than the whole hit (``bench.heap``). The price: garbage in reference cycles
+    among what was frozen is never collected (engines that live as long as their process lose
+    nothing)."""
+
+    def __post_init__(self) -> None:
+        if self.chunk_tokens < 0:
+            raise ValueError(f"chunk_tokens must be > 0 (or 0: the model's default), got "
+                             f"{self.chunk_tokens}")
+        if self.calibration_tokens < 1:
+            raise ValueError(f"calibration_tokens must be >= 1, got {self.calibration_tokens}")
+        if self.encodings is not None and not self.encodings:
+            raise ValueError("encodings must name at least one (mode, level), or be None "
+                             "(the device's defaults)")
+
+
+@dataclass
+class Timings:
+    lookup_s: float = 0.0
+    transfer_s: float = 0.0
+    """From the first Retrieve until the last frame arrived."""
+    decode_s: float = 0.0
+    """Decode time not hidden behind transfer (last layer ready minus last frame received)."""
+    cache_build_s: float = 0.0
+    first_token_compute_s: float = 0.0
+    """Forward over the missing tokens (waits for late layers included)."""
+    ttft_s: float = 0.0
+    predicted_ttft_s: float = 0.0
+    """The TTFT the loading controller predicted when it decided: lookup, its estimate of the
+    chosen way to the prefix's KV, and the prefill of the rest of the prompt."""
+    reused_tokens: int = 0
+    computed_tokens: int = 0
+    decision: str = RECOMPUTE
+    local_blocks: int = 0
+    """Blocks read from the client's in-process tier (no transfer)."""
+    load_error: str = ""
+    """Why loading the prefix failed (a block not what the engine stores, damaged, cut off);
+    the prompt was then computed whole, and its blocks stored again."""
+
+
+@dataclass
+class Generation:
+    text: str
+    token_ids: list[int]
+    timings: Timings
+    store_thread: threading.Thread | None = field(default=None, repr=False)
+
+
