@@ -14,7 +14,9 @@ Lifecycle of ``KDNEngine.generate(prompt)``:
    an entry of another shape under a block's key is refused before it is decoded);
 3. the model's forward over the rest of the prompt runs on a ``kdn.model.hf.LayerwiseCache`` that
    calls ``wait_for_layer(i)`` right before decoder layer i, so layer i computes while later
-   layers still arrive -> first token (TTFT ends here);
+   layers still arrive -> first token (TTFT ends here). Every cache the engine runs keeps
+   every token's KV in every layer (``kdn.model.hf.full_cache``): a sliding-window model's own
+   keeps only its window, which the model's mask confines each layer to either way;
 4. ``save_layer(i, ...)`` for every layer: the newly computed blocks are stored back on a
    background thread (``wait_for_save`` joins it), then ``kdn.model.hf.greedy`` decodes the rest.
 
@@ -74,6 +76,7 @@ from kdn.model.hf import (
     CacheDecoder,
     LayerwiseCache,
     cache_layers,
+    full_cache,
     greedy,
     model_device,
     model_layout,
@@ -148,12 +151,12 @@ class KDNEngine(KVConnector):
         vocab = getattr(mcfg, "vocab_size", None)
         vocab = vocab if isinstance(vocab, int) and vocab > 0 else 256
         ids = [(7 * i + 3) % vocab for i in range(n)]
-        int(CacheDecoder(self.model).forward(ids[:16])[-1].argmax())  # warm-up
-        best = math.inf
+        int(CacheDecoder(self.model, full_cache(self.model)).forward(ids[:16])[-1].argmax())
+        best = math.inf  # (after that warm-up)
         for _ in range(2):
             self._sync()
-            t0 = time.perf_counter()
-            int(CacheDecoder(self.model).forward(ids)[-1].argmax())  # as generate's first token
+            t0 = time.perf_counter()  # as generate's first token:
+            int(CacheDecoder(self.model, full_cache(self.model)).forward(ids)[-1].argmax())
             self._sync()
             best = min(best, time.perf_counter() - t0)
         self.controller.calibrate_prefill(n, best)
@@ -226,6 +229,7 @@ class KDNEngine(KVConnector):
         self._load_failed: BaseException | None = None
         self._rewrite = ""  # the encoding whose blocks failed to load: stored again
         self._saved: dict[int, LayerKV] = {}
+        self._save_refused = False  # a layer not of the prompt's length: nothing stored
         self._store_thread: threading.Thread | None = None
         self._path, self._server = NETWORK, ""
 
@@ -324,9 +328,19 @@ class KDNEngine(KVConnector):
 
     def save_layer(self, i: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Layer i of the prompt's KV, [kv_heads, tokens, channels]; once every layer is in,
-        the blocks kdn lacks are stored on a background thread."""
+        the blocks kdn lacks are stored on a background thread. A layer that does not hold
+        every token of the prompt (a sliding window's cache keeps only its last tokens) is
+        refused, and nothing of the request is stored: its blocks would hold other tokens' KV."""
         c = self.config.chunk_tokens
-        if not self.config.store_back or len(self._ids) // c <= self._loaded_blocks:
+        if (not self.config.store_back or self._save_refused
+                or len(self._ids) // c <= self._loaded_blocks):
+            return
+        if k.shape[-2] != len(self._ids) or v.shape[-2] != len(self._ids):
+            log.warning("kdn: layer %d holds %d tokens' KV, the prompt %d (a sliding-window "
+                        "cache?); nothing of this request is stored", i, k.shape[-2],
+                        len(self._ids))
+            self._save_refused = True
+            self._saved.clear()
             return
         self._saved[i] = self._to_host(k, v)
         if len(self._saved) == self.layout.num_layers:
@@ -422,7 +436,7 @@ class KDNEngine(KVConnector):
         as the forward reaches them) and the next-token logits, on the host: on a GPU the
         queued copies and compute are done."""
         with contextlib.ExitStack() as hooks:
-            cache = None
+            cache = full_cache(self.model)  # every token's KV, also a sliding window's
             if reused:
                 tb = time.perf_counter()
                 cache = hooks.enter_context(LayerwiseCache(self.model, self.wait_for_layer))

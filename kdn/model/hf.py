@@ -7,8 +7,9 @@ quality check and the pruner reach a model through these functions and nowhere e
   ``decoder_layers``, ``ModelParts`` (embedding, decoder blocks, final norm, LM head, rotary);
 * its caches: ``to_transformers`` / ``from_transformers`` convert between a ``KVCache`` and a
   transformers ``DynamicCache`` (views, no copy), and ``LayerwiseCache`` fills a cache layer by
-  layer right before each decoder layer runs, so layer i computes while later layers arrive.
-  One builder (``_new_cache``/``_set_layer``) makes every cache;
+  layer right before each decoder layer runs, so layer i computes while later layers arrive;
+  ``full_cache`` is an empty one keeping every token (a sliding-window model's own keeps only
+  its window). One builder (``_new_cache``/``_set_layer``) makes every cache;
 * building one: ``load_config`` and ``model_from_config`` (a model rebuilt from a saved folder's
   config, as the pruner loads a pruned one) and ``attention_function`` (transformers' attention
   of an implementation, which a replaced attention layer calls);
@@ -153,6 +154,15 @@ def _new_cache(num_layers: int) -> tuple[Any, list[Any]]:
     return cache, list(cache.layers)
 
 
+def full_cache(model: Any) -> Any:
+    """An empty cache that keeps every token's KV in every layer of ``model``. The one
+    transformers makes from a sliding-window model's config (Mistral's ``sliding_window``,
+    Gemma 3's sliding ``layer_types``) keeps only each sliding layer's last window: a cache to
+    store a prompt's KV from must be this one. The model's mask, built from its config, still
+    keeps each layer's attention within its window, so the output is the same."""
+    return _new_cache(len(decoder_layers(model)))[0]
+
+
 def _set_layer(layer: Any, k: torch.Tensor, v: torch.Tensor) -> None:
     """Fill one cache layer with k, v: [1, kv_heads, tokens, channels] (kept as views)."""
     layer.lazy_initialization(k, v)
@@ -244,7 +254,8 @@ def prefill(model: Any, ids: Sequence[int] | torch.Tensor, layout: KVLayout
             ) -> tuple[KVCache, torch.Tensor]:
     """KV of ``ids`` computed alone from position 0, in ``layout.dtype``, and the next-token
     logits after the last id ([vocab])."""
-    out = model(_ids(ids, model_device(model)), use_cache=True, logits_to_keep=1)
+    out = model(_ids(ids, model_device(model)), past_key_values=full_cache(model),
+                use_cache=True, logits_to_keep=1)
     dt = layout.dtype.torch
     layers = [(k[0].to(dt).contiguous(), v[0].to(dt).contiguous())
               for k, v in cache_layers(out.past_key_values)]

@@ -1,0 +1,112 @@
+"""KDNEngine with tiny random models whose own transformers cache does not keep every token:
+sliding-window Mistral and Gemma 3 (sliding and full layers) store every token's KV and a hit
+gives a full prefill's output; a layer of fewer tokens than the prompt is never stored."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import transformers
+
+from kdn import keys
+from kdn.client import Client
+from kdn.engine import EngineConfig, KDNEngine
+from kdn.layout import DType
+from kdn.model import hf
+from kdn.server import ServerConfig, ServerThread
+from tests.test_engine_devices import _Tok
+
+IDS = [int(x) for x in torch.randint(1, 256, (100,), generator=torch.Generator().manual_seed(5))]
+OTHER = [int(x) for x in torch.randint(1, 256, (10,), generator=torch.Generator().manual_seed(9))]
+RAW = EngineConfig(chunk_tokens=32, encodings=(("raw", ""),))
+
+
+def _mistral() -> Any:
+    torch.manual_seed(0)
+    cfg = transformers.MistralConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        sliding_window=48)
+    cfg._attn_implementation = "sdpa"
+    return transformers.MistralForCausalLM(cfg).eval()
+
+
+def _gemma3() -> Any:
+    torch.manual_seed(0)
+    cfg = transformers.Gemma3TextConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+        sliding_window=16, layer_types=["sliding_attention"] * 3 + ["full_attention"])
+    cfg._attn_implementation = "sdpa"
+    return transformers.Gemma3ForCausalLM(cfg).eval()
+
+
+@torch.no_grad()
+def _prefilled(model: Any, ids: list[int], n: int) -> list[int]:
+    """Greedy tokens, each from a forward over the whole sequence so far (no cache at all)."""
+    seq, out = list(ids), []
+    for _ in range(n):
+        out.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
+        seq.append(out[-1])
+    return out
+
+
+@pytest.fixture
+def client(tmp_path: Path) -> Iterator[Client]:
+    cfg = ServerConfig(port=0, data_dir=tmp_path, disk_bytes=0, ram_bytes=256 << 20)
+    with ServerThread(cfg) as st, Client(st.address) as c:
+        yield c
+
+
+def _stored_tokens(engine: KDNEngine, ids: list[int]) -> list[int | None]:
+    """Per block of ``ids``: tokens of its stored raw entry (None: not stored)."""
+    got = []
+    for key in engine._chain(ids):  # noqa: SLF001
+        kv = engine.client.retrieve(keys.variant_key(key, "raw"), layout=engine.layout)
+        got.append(None if kv is None else kv.num_tokens)
+    return got
+
+
+@pytest.mark.parametrize("make", [_mistral, _gemma3])
+def test_a_sliding_window_models_hit_matches_a_full_prefill(client: Client, make: Any) -> None:
+    model = make()
+    engine = KDNEngine(model, _Tok(), client, RAW)
+    first = engine.generate(IDS, max_new_tokens=8)
+    assert first.token_ids == _prefilled(model, IDS, 8)  # the full cache changes nothing
+    assert first.store_thread is not None
+    first.store_thread.join(60)
+    assert _stored_tokens(engine, IDS) == [32, 32, 32]  # every block whole, the window's too
+    shared = IDS[:32] + OTHER  # block 0 only: its KV from before the window
+    hit = engine.generate(shared, max_new_tokens=8, force="raw")
+    assert hit.timings.reused_tokens == 32 and not hit.timings.load_error
+    assert hit.token_ids == _prefilled(model, shared, 8)
+    whole = engine.generate(IDS, max_new_tokens=8, force="raw")
+    assert whole.timings.reused_tokens == 96 and whole.token_ids == first.token_ids
+
+
+def test_a_layer_not_of_the_prompts_length_is_not_stored(
+        client: Client, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cache that keeps a window (the model's own, as the engine ran before) is refused in
+    ``save_layer``: nothing of the request is stored, and the output is the prefill's."""
+    from transformers import DynamicCache
+
+    model = _mistral()
+    monkeypatch.setattr("kdn.engine.engine.full_cache",
+                        lambda m: DynamicCache(config=m.config))  # keeps 47 tokens
+    engine = KDNEngine(model, _Tok(), client, RAW)
+    got = engine.generate(IDS, max_new_tokens=4)
+    assert got.token_ids == _prefilled(model, IDS, 4)
+    assert got.store_thread is None
+    assert _stored_tokens(engine, IDS) == [None, None, None]
+
+
+def test_prefill_keeps_every_tokens_kv_of_a_sliding_window_model() -> None:
+    model = _mistral()
+    layout = hf.model_layout(model, DType.FLOAT32)
+    kv, logits = hf.prefill(model, IDS, layout)
+    assert kv.num_tokens == len(IDS)
+    assert int(logits.argmax()) == _prefilled(model, IDS, 1)[0]
