@@ -22,7 +22,7 @@ from tests.test_engine_devices import _Tok
 
 IDS = [int(x) for x in torch.randint(1, 256, (100,), generator=torch.Generator().manual_seed(5))]
 OTHER = [int(x) for x in torch.randint(1, 256, (10,), generator=torch.Generator().manual_seed(9))]
-RAW = EngineConfig(chunk_tokens=32, encodings=(("raw", ""),))
+RAW = EngineConfig(chunk_tokens=32, encodings=(("raw", ""),), calibrate=False)
 
 
 def _mistral() -> Any:
@@ -110,3 +110,48 @@ def test_prefill_keeps_every_tokens_kv_of_a_sliding_window_model() -> None:
     kv, logits = hf.prefill(model, IDS, layout)
     assert kv.num_tokens == len(IDS)
     assert int(logits.argmax()) == _prefilled(model, IDS, 1)[0]
+
+
+def _llama(seed: int) -> Any:
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    cfg._attn_implementation = "sdpa"
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+def test_checkpoints_in_folders_of_one_name_do_not_share_kv(
+        client: Client, tmp_path: Path) -> None:
+    """Two fine-tunes of one config saved as run1/final and run2/final: each engine's keys name
+    its own folder, so the second never loads the first one's KV."""
+    for run, seed in (("run1", 0), ("run2", 1)):
+        _llama(seed).save_pretrained(tmp_path / run / "final")
+    a, b = (transformers.LlamaForCausalLM.from_pretrained(tmp_path / run / "final").eval()
+            for run in ("run1", "run2"))
+    ea, eb = KDNEngine(a, _Tok(), client, RAW), KDNEngine(b, _Tok(), client, RAW)
+    assert ea.layout.model_fingerprint != eb.layout.model_fingerprint
+    stored = ea.generate(IDS, max_new_tokens=6)
+    assert stored.store_thread is not None
+    stored.store_thread.join(60)
+    got = eb.generate(IDS, max_new_tokens=6, force="raw")
+    assert got.timings.reused_tokens == 0
+    assert got.token_ids == _prefilled(b, IDS, 6)
+    # the same folder by another path is the same weights; a named id is taken as given
+    again = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "run2" / ".." / "run1"
+                                                          / "final")
+    assert hf.model_layout(again).fingerprint == ea.layout.fingerprint
+    named = EngineConfig(chunk_tokens=32, encodings=(("raw", ""),), weights_id="ft-1")
+    ids = {KDNEngine(m, _Tok(), client, named).layout.fingerprint for m in (a, b)}
+    assert len(ids) == 1 and ea.layout.fingerprint not in ids  # named alike: one
+
+
+def test_the_default_weights_id() -> None:
+    model = _llama(0)
+    assert hf.default_weights_id(model) == ""  # built from a config: nothing to tell
+    model.name_or_path = "org/some-model"
+    assert hf.default_weights_id(model) == "org/some-model"
+    model.config._commit_hash = "0123abcd"
+    assert hf.default_weights_id(model) == "org/some-model@0123abcd"
+    with pytest.raises(ValueError, match="weights_id"):
+        EngineConfig(weights_id=3)  # type: ignore[arg-type]

@@ -36,6 +36,12 @@ class EngineConfig:
     model's own: ``default_chunk_tokens`` of its KV layout."""
     namespace: str = keys.DEFAULT_NAMESPACE
     """Namespace the engine's blocks live in."""
+    weights_id: str | None = None
+    """Which weights the model holds, part of its layout's fingerprint and so of every key
+    (as ``KDNConnectorConfig.weights_id``): checkpoints that share a config (fine-tunes) must
+    differ in it. None (default): ``kdn.model.hf.default_weights_id``, the folder the model
+    was loaded from (resolved, absolute) or its hub id and revision; name the weights
+    yourself to share their KV between machines whose folders lie at different paths."""
     kv_dtype: DType | None = None
     """dtype KV is stored in; None (default) = the model's own dtype, which keeps
     ``lossless`` exact (fp16 and bf16 models store fp16 and bf16 KV)."""
@@ -76,6 +82,8 @@ class EngineConfig:
                              f"{self.chunk_tokens}")
         if self.calibration_tokens < 1:
             raise ValueError(f"calibration_tokens must be >= 1, got {self.calibration_tokens}")
+        if self.weights_id is not None and not isinstance(self.weights_id, str):
+            raise ValueError(f"weights_id must be a string or None, got {self.weights_id!r}")
         if self.encodings is not None and not self.encodings:
             raise ValueError("encodings must name at least one (mode, level), or be None "
                              "(the device's defaults)")

@@ -3,7 +3,8 @@
 Model side only (the storage side never imports it). The engine, the blender, RAG, the codec's
 quality check and the pruner reach a model through these functions and nowhere else:
 
-* what the model is: ``model_layout`` (its ``KVLayout``, pruned layouts included),
+* what the model is: ``model_layout`` (its ``KVLayout``, pruned layouts included; its
+  weights named by ``default_weights_id`` unless the caller names them),
   ``decoder_layers``, ``ModelParts`` (embedding, decoder blocks, final norm, LM head, rotary);
 * its caches: ``to_transformers`` / ``from_transformers`` convert between a ``KVCache`` and a
   transformers ``DynamicCache`` (views, no copy), and ``LayerwiseCache`` fills a cache layer by
@@ -70,9 +71,29 @@ def place(model: Any, device: torch.device | str | None) -> Any:
     return model.to(torch.device(device) if device is not None else default_device())
 
 
-def model_layout(model: Any, kv_dtype: DType | None = None) -> KVLayout:
-    """The layout of the KV ``model`` computes, stored as ``kv_dtype`` (default: the model's)."""
-    weights_id = Path(str(getattr(model, "name_or_path", "") or "")).name
+def default_weights_id(model: Any) -> str:
+    """Which weights ``model`` holds, as far as where transformers loaded them from tells: a
+    local folder's resolved absolute path; a hub id with the revision it resolved to
+    (``config._commit_hash``) where known; "" for a model built from a config. Checkpoints of
+    one config in folders of the same name (``run1/final``, ``run2/final``) differ in it. The
+    same folder at another path on another machine differs too: name the weights yourself
+    (``EngineConfig.weights_id``) to share their KV across machines."""
+    name = str(getattr(model, "name_or_path", "") or "")
+    if not name:
+        return ""
+    folder = Path(name).expanduser()
+    if folder.exists():  # what transformers loads first, before asking the hub
+        return str(folder.resolve())
+    revision = getattr(getattr(model, "config", None), "_commit_hash", None)
+    return f"{name}@{revision}" if revision else name
+
+
+def model_layout(model: Any, kv_dtype: DType | None = None, weights_id: str | None = None
+                 ) -> KVLayout:
+    """The layout of the KV ``model`` computes, stored as ``kv_dtype`` (default: the model's);
+    ``weights_id`` names its weights in the fingerprint (None: ``default_weights_id``)."""
+    if weights_id is None:
+        weights_id = default_weights_id(model)
     dtype = kv_dtype if kv_dtype is not None else DType.of(model_dtype(model))
     return KVLayout.from_config(model.config, dtype=dtype, weights_id=weights_id)
 
