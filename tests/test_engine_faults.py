@@ -5,6 +5,8 @@ with another shape is refused before any of it is decoded."""
 
 from __future__ import annotations
 
+import socket
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -95,6 +97,49 @@ def test_an_unreachable_server_is_computed_around(
     assert got.timings.decision == "recompute" and got.timings.reused_tokens == 0
     assert got.timings.load_error == "ConnectionError: server went away"
     assert got.token_ids == _full(engine)
+
+
+def test_a_stopped_server_is_computed_around(tmp_path: Path) -> None:
+    cfg = ServerConfig(port=0, data_dir=tmp_path, disk_bytes=0, ram_bytes=256 << 20)
+    with ServerThread(cfg) as st, Client(st.address, timeout_s=30) as c:
+        eng = KDNEngine(_model(torch.float32, "cpu"), _Tok(), c,
+                        EngineConfig(chunk_tokens=32, encodings=(("raw", ""),)))
+        first = eng.generate(IDS, max_new_tokens=6)
+        assert first.store_thread is not None
+        first.store_thread.join(60)
+        assert eng.matched_tokens(IDS) == 96
+        st.stop()
+        got = eng.generate(IDS, max_new_tokens=6)
+        assert got.timings.decision == "recompute" and got.timings.reused_tokens == 0
+        assert got.timings.load_error.startswith("Unavailable: ")
+        assert got.token_ids == first.token_ids
+        assert got.store_thread is None  # nothing to store to
+        assert eng.matched_tokens(IDS) == 0
+
+
+def test_a_server_that_never_answers_costs_a_request_the_lookup_deadline() -> None:
+    """A black hole (a socket that takes connections and never answers): neither the new
+    engine, its calibration nor the request waits the client's 5 s deadline, and the prompt is
+    computed whole."""
+    from tests.test_engine_models import _prefilled
+
+    hole = socket.socket()
+    hole.bind(("127.0.0.1", 0))
+    hole.listen(16)
+    try:
+        with Client(f"127.0.0.1:{hole.getsockname()[1]}", timeout_s=5) as c:
+            t0 = time.monotonic()
+            model = _model(torch.float32, "cpu")
+            eng = KDNEngine(model, _Tok(), c,  # the default encodings: asks how it links
+                            EngineConfig(chunk_tokens=32, lookup_timeout_s=0.3))
+            got = eng.generate(IDS, max_new_tokens=6)  # calibrates first: probe not tried
+            assert eng.matched_tokens(IDS) == 0
+            assert time.monotonic() - t0 < 4.5
+        assert got.timings.load_error.split(":")[0] in ("DeadlineExceeded", "Unavailable")
+        assert got.timings.reused_tokens == 0 and got.store_thread is None
+        assert got.token_ids == _prefilled(model, IDS, 6)
+    finally:
+        hole.close()
 
 
 def test_the_models_own_error_is_not_taken_for_a_load_failure(

@@ -371,9 +371,11 @@ class Client:
     @in_its_process
     @traced("kdn.client.lookup")
     def lookup(self, keys: Sequence[bytes], *, namespace: str | None = None,
-               prefix_chain: bool = False, request_id: str | None = None) -> LookupResult:
+               prefix_chain: bool = False, request_id: str | None = None,
+               timeout_s: float | None = None) -> LookupResult:
         """Which ``keys`` are stored, where (``inproc`` for the in-process tier) and how big;
-        with ``prefix_chain`` also how many leading keys are present."""
+        with ``prefix_chain`` also how many leading keys are present. ``timeout_s``: this
+        call's deadline (None: the client's)."""
         ns = self._ns(namespace)
         ks = [check_key(k) for k in keys]
         sizes = [self.local.contains(ns, k) if self.local is not None else None for k in ks]
@@ -382,8 +384,9 @@ class Client:
         if ask or not ks:
             req = pb.LookupRequest(namespace=ns, keys=ask, prefix_chain=prefix_chain)
             md = self.rpc.metadata(request_id)
-            resp = self.rpc.call(lambda: self.rpc.stub.Lookup(req, timeout=self.timeout_s,
-                                                        metadata=md))
+            deadline = self.timeout_s if timeout_s is None else timeout_s
+            resp = self.rpc.call(lambda: self.rpc.stub.Lookup(req, timeout=deadline,
+                                                              metadata=md))
             remote = iter(resp.infos)
             infos = [info or _key_info(next(remote)) for info in infos]
         done = [i for i in infos if i is not None]

@@ -52,6 +52,11 @@ class EngineConfig:
     engine's host or its in-process tier, ``kdn-default`` and ``raw`` across a network."""
     store_back: bool = True
     """Store newly computed blocks after the first token."""
+    lookup_timeout_s: float = 2.0
+    """Deadline of the Lookup that starts each request (and of the first call a calibration
+    or a new engine makes), at most the client's ``timeout_s``: a server that does not answer
+    within it, or can not be reached, is taken as down for that request, whose prompt is then
+    computed whole (``Timings.load_error`` says why) instead of waiting out a call deadline."""
     join_in_process: bool = True
     """A hit whose blocks are all in the client's in-process tier loads as one joined stream
     (``Client.retrieve_joined``); False: one stream per block, joined per layer."""
@@ -80,6 +85,9 @@ class EngineConfig:
         if self.chunk_tokens < 0:
             raise ValueError(f"chunk_tokens must be > 0 (or 0: the model's default), got "
                              f"{self.chunk_tokens}")
+        if not self.lookup_timeout_s > 0 or self.lookup_timeout_s == float("inf"):
+            raise ValueError(f"lookup_timeout_s must be a finite number > 0, got "
+                             f"{self.lookup_timeout_s}")
         if self.calibration_tokens < 1:
             raise ValueError(f"calibration_tokens must be >= 1, got {self.calibration_tokens}")
         if self.weights_id is not None and not isinstance(self.weights_id, str):
@@ -109,8 +117,9 @@ class Timings:
     local_blocks: int = 0
     """Blocks read from the client's in-process tier (no transfer)."""
     load_error: str = ""
-    """Why loading the prefix failed (a block not what the engine stores, damaged, cut off);
-    the prompt was then computed whole, and its blocks stored again."""
+    """Why loading the prefix failed (the server not reached or too slow to answer the
+    lookup; a block not what the engine stores, damaged, cut off); the prompt was then
+    computed whole, and its blocks stored again where the server could be reached."""
 
 
 @dataclass

@@ -22,7 +22,10 @@ Lifecycle of ``KDNEngine.generate(prompt)``:
 
 A load that fails (a block refused, damaged, cut off; the server unreachable) never fails the
 request: the prompt is computed whole (``Timings.load_error`` says why) and its blocks in the
-encoding that failed are stored again, so a damaged block is mended for the next request.
+encoding that failed are stored again, so a damaged block is mended for the next request. A
+server that can not be reached or does not answer the lookup within
+``EngineConfig.lookup_timeout_s`` (2 s, not the client's whole call deadline) costs a request
+that much: its prompt is computed whole and nothing is stored back.
 
 What it stores: ``EngineConfig.encodings``, or by default what pays off on the model's device
 and the path its hits take (``kdn.delivery.default_encodings``: ``lossless`` on a CPU, ``raw``
@@ -46,6 +49,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import hashlib
 import logging
 import math
 import threading
@@ -84,6 +88,9 @@ from kdn.model.hf import (
 
 log = logging.getLogger(__name__)
 
+_PING = hashlib.blake2b(b"kdn/engine/ping", digest_size=32).digest()
+"""The key looked up to learn whether the server answers (``KDNEngine._answers``)."""
+
 
 class KDNEngine(KVConnector):
     """Greedy generation with prefix reuse (module docstring); one request at a time."""
@@ -109,7 +116,8 @@ class KDNEngine(KVConnector):
             self.config = dataclasses.replace(self.config,
                                               chunk_tokens=default_chunk_tokens(self._layout))
         if self.config.encodings is None:
-            path = IN_PROCESS if client.local is not None else self._link()[0]
+            path = (IN_PROCESS if client.local is not None
+                    else self._link()[0] if self._answers() else NETWORK)
             self.config = dataclasses.replace(
                 self.config, encodings=default_encodings(self._device.type, path))
         self._copies = (torch.cuda.Stream(self._device) if self._device.type == "cuda"
@@ -164,11 +172,12 @@ class KDNEngine(KVConnector):
         log.info("calibration: %d tokens prefilled in %.4f s (%.0f tokens/s)", n, best,
                  n / best)
         self._calibrate_decode()
-        path, server = self._link()
-        if self.config.probe_link and path == NETWORK:
-            probe = probe_link(self.client, self.config.namespace)
-            if probe is not None:
-                self.controller.calibrate_link(probe.bytes_per_s, path, server)
+        if self.config.probe_link and self._answers():
+            path, server = self._link()
+            if path == NETWORK:
+                probe = probe_link(self.client, self.config.namespace)
+                if probe is not None:
+                    self.controller.calibrate_link(probe.bytes_per_s, path, server)
         return best
 
     def _calibrate_decode(self) -> None:
@@ -211,6 +220,22 @@ class KDNEngine(KVConnector):
                 gc.collect()
                 gc.freeze()
 
+    def _lookup_timeout(self) -> float:
+        return min(self.config.lookup_timeout_s,
+                   getattr(self.client, "timeout_s", self.config.lookup_timeout_s))
+
+    def _answers(self) -> bool:
+        """Whether the server answers a Lookup of no keys within ``lookup_timeout_s`` (before
+        calls that would wait a whole call deadline on a server that does not answer)."""
+        try:
+            self.client.lookup([_PING], namespace=self.config.namespace,
+                               timeout_s=self._lookup_timeout())
+        except Exception as exc:
+            log.warning("kdn: the server %s does not answer (%s); going on without it",
+                        self.client.address, exc)
+            return False
+        return True
+
     def _link(self) -> tuple[str, str]:
         """(path kind, server address) a hit not in the process takes: the server's host
         when the data plane shares a segment with it, else the network."""
@@ -230,6 +255,7 @@ class KDNEngine(KVConnector):
         self._rewrite = ""  # the encoding whose blocks failed to load: stored again
         self._saved: dict[int, LayerKV] = {}
         self._save_refused = False  # a layer not of the prompt's length: nothing stored
+        self._unreachable = False  # the lookup failed: nothing stored either
         self._store_thread: threading.Thread | None = None
         self._path, self._server = NETWORK, ""
 
@@ -250,7 +276,8 @@ class KDNEngine(KVConnector):
         names = [encoding_name(m, lv) for m, lv in self.encodings]
         asked = {n: [keys.variant_key(k, n) for k in chain] for n in names}
         infos = self.client.lookup([k for n in names for k in asked[n]],
-                                   namespace=self.config.namespace).infos
+                                   namespace=self.config.namespace,
+                                   timeout_s=self._lookup_timeout()).infos
         rows = {name: infos[j * len(chain) : (j + 1) * len(chain)]
                 for j, name in enumerate(names)}
         hits = {name: next((i for i, info in enumerate(row) if not info.present), len(row))
@@ -263,8 +290,16 @@ class KDNEngine(KVConnector):
         return best, stored, local, asked
 
     def matched_tokens(self, token_ids: Sequence[int]) -> int:
+        """Leading tokens stored; 0 where the server can not be reached or does not answer
+        within ``lookup_timeout_s``."""
         chain = self._chain(token_ids)
-        return self._present(chain)[0] * self.config.chunk_tokens if chain else 0
+        if not chain:
+            return 0
+        try:
+            return self._present(chain)[0] * self.config.chunk_tokens
+        except Exception as exc:  # nothing can be loaded from a server that does not answer
+            log.warning("kdn: lookup failed (%s); nothing matched", exc)
+            return 0
 
     def start_load(self, token_ids: Sequence[int], *, force: str | None = None) -> int:
         """Begin loading the reusable prefix; ``force`` (an encoding name or ``recompute``)
@@ -278,7 +313,14 @@ class KDNEngine(KVConnector):
         if not chain or force == RECOMPUTE:
             return 0
         t0 = time.perf_counter()
-        hits, stored, local, asked = self._present(chain)
+        try:
+            hits, stored, local, asked = self._present(chain)
+        except Exception as exc:  # not reached, or too slow: the prompt is computed whole
+            t.lookup_s = time.perf_counter() - t0
+            log.warning("kdn: lookup failed (%s); computing the prompt", exc)
+            t.load_error = f"{type(exc).__name__}: {exc}"
+            self._unreachable = True  # nor is anything stored back
+            return 0
         t.lookup_s = time.perf_counter() - t0
         tokens = hits * c
         self._path, self._server = self._link()
@@ -332,7 +374,7 @@ class KDNEngine(KVConnector):
         every token of the prompt (a sliding window's cache keeps only its last tokens) is
         refused, and nothing of the request is stored: its blocks would hold other tokens' KV."""
         c = self.config.chunk_tokens
-        if (not self.config.store_back or self._save_refused
+        if (not self.config.store_back or self._save_refused or self._unreachable
                 or len(self._ids) // c <= self._loaded_blocks):
             return
         if k.shape[-2] != len(self._ids) or v.shape[-2] != len(self._ids):
@@ -492,7 +534,8 @@ class KDNEngine(KVConnector):
         todo = [(b, mode, level, keys.variant_key(chain[b], encoding_name(mode, level)))
                 for b in range(first_block, len(chain)) for mode, level in self.encodings]
         try:
-            present = self.client.lookup([t[3] for t in todo], namespace=ns).infos
+            present = self.client.lookup([t[3] for t in todo], namespace=ns,
+                                         timeout_s=self._lookup_timeout()).infos
         except Exception as exc:  # storing back is best effort; generation goes on
             log.warning("store-back lookup failed: %s", exc)
             return
