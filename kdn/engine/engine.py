@@ -18,7 +18,9 @@ Lifecycle of ``KDNEngine.generate(prompt)``:
    every token's KV in every layer (``kdn.model.hf.full_cache``): a sliding-window model's own
    keeps only its window, which the model's mask confines each layer to either way;
 4. ``save_layer(i, ...)`` for every layer: the newly computed blocks are stored back on a
-   background thread (``wait_for_save`` joins it), then ``kdn.model.hf.greedy`` decodes the rest.
+   background thread (``kdn.engine.store_back``; ``wait_for_save`` joins it), then
+   ``kdn.model.hf.greedy`` decodes the rest. ``close()`` (or leaving ``with KDNEngine(...)``)
+   waits for every store still running; at exit a hook waits for them a bounded time.
 
 A load that fails (a block refused, damaged, cut off; the server unreachable) never fails the
 request: the prompt is computed whole (``Timings.load_error`` says why) and its blocks in the
@@ -75,6 +77,7 @@ from kdn.delivery import (
 )
 from kdn.engine.config import EngineConfig, Generation, Timings, default_chunk_tokens
 from kdn.engine.connector import KVConnector
+from kdn.engine.store_back import StoreBack
 from kdn.layout import KVLayout
 from kdn.model.hf import (
     CacheDecoder,
@@ -120,8 +123,8 @@ class KDNEngine(KVConnector):
                     else self._link()[0] if self._answers() else NETWORK)
             self.config = dataclasses.replace(
                 self.config, encodings=default_encodings(self._device.type, path))
-        self._copies = (torch.cuda.Stream(self._device) if self._device.type == "cuda"
-                        else None)  # store-back's device-to-host copies, off the decode stream
+        self._saver = StoreBack(client, self._layout, self.config.chunk_tokens, self.encodings,
+                                self.config.namespace, self._device, self._lookup_timeout())
         self._request = threading.Lock()
         self._begin([])
 
@@ -384,41 +387,30 @@ class KDNEngine(KVConnector):
             self._save_refused = True
             self._saved.clear()
             return
-        self._saved[i] = self._to_host(k, v)
+        first, last = self._loaded_blocks * c, (len(self._ids) // c) * c
+        self._saved[i] = self._saver.to_host(k, v, first, last)  # the blocks kdn lacks
         if len(self._saved) == self.layout.num_layers:
             snapshot = [self._saved[j] for j in range(self.layout.num_layers)]
-            ready = None
-            if self._copies is not None:
-                ready = torch.cuda.Event()
-                ready.record(self._copies)
-            self._store_thread = threading.Thread(
-                target=self._store_blocks,
-                args=(self._ids, snapshot, self._loaded_blocks, ready, self._rewrite),
-                daemon=True, name="kdn-store-back")
-            self._store_thread.start()
-
-    def _to_host(self, k: torch.Tensor, v: torch.Tensor) -> LayerKV:
-        """The layer's blocks to store, in host memory: on a GPU, non-blocking copies into
-        pinned buffers on a side stream (ordered after the compute that made them), so decode
-        goes on while they travel; the store thread waits for them."""
-        c = self.config.chunk_tokens
-        first, last = self._loaded_blocks * c, (len(self._ids) // c) * c
-        k, v = k[:, first:last], v[:, first:last]  # only the blocks kdn lacks
-        if self._copies is None:
-            return k, v
-        self._copies.wait_stream(torch.cuda.current_stream(self._device))
-        with torch.cuda.stream(self._copies):
-            out = []
-            for t in (k, v):
-                host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-                host.copy_(t, non_blocking=True)
-                t.record_stream(self._copies)
-                out.append(host)
-        return out[0], out[1]
+            self._store_thread = self._saver.start(self._ids, snapshot, self._loaded_blocks,
+                                                   self._rewrite)
 
     def wait_for_save(self, timeout: float | None = None) -> None:
         if self._store_thread is not None:
             self._store_thread.join(timeout)
+
+    def close(self, timeout: float | None = 60.0) -> bool:
+        """Wait for every store back still running, at most ``timeout`` seconds in all (None:
+        no bound); True when none is left. Without it a process that exits right after
+        ``generate`` keeps its last blocks only as long as the exit hook waits
+        (``kdn.engine.store_back.EXIT_WAIT_S``). The client stays open (it is the caller's),
+        and the engine usable."""
+        return self._saver.join(timeout)
+
+    def __enter__(self) -> KDNEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def finish(self) -> None:
         for s in self._streams:
@@ -517,36 +509,3 @@ class KDNEngine(KVConnector):
                                         local=not remote, path=self._path, server=self._server)
         else:
             self.controller.observe_prefill(t.computed_tokens, t.first_token_compute_s)
-
-    def _store_blocks(self, ids: list[int], snapshot: list[LayerKV], first_block: int,
-                      ready: Any = None, rewrite: str = "") -> None:
-        """Store blocks ``first_block..`` of ``ids`` that kdn lacks; ``snapshot`` holds their
-        layers only (token 0 of the snapshot is token ``first_block * chunk_tokens``);
-        ``ready``: the CUDA event after which the host copies are complete; ``rewrite``: an
-        encoding whose blocks failed to load, stored again even where present (a damaged
-        block, or one written under its key with another shape, is mended)."""
-        if ready is not None:
-            ready.synchronize()
-        c = self.config.chunk_tokens
-        base = first_block * c
-        ns = self.config.namespace
-        chain = keys.prefix_keys(ids, self.layout, ns, c)
-        todo = [(b, mode, level, keys.variant_key(chain[b], encoding_name(mode, level)))
-                for b in range(first_block, len(chain)) for mode, level in self.encodings]
-        try:
-            present = self.client.lookup([t[3] for t in todo], namespace=ns,
-                                         timeout_s=self._lookup_timeout()).infos
-        except Exception as exc:  # storing back is best effort; generation goes on
-            log.warning("store-back lookup failed: %s", exc)
-            return
-        dt = self.layout.dtype.torch
-        for (b, mode, level, key), info in zip(todo, present):
-            if info.present and encoding_name(mode, level) != rewrite:
-                continue
-            lo = b * c - base
-            layers = [(k[:, lo : lo + c].to(dt), v[:, lo : lo + c].to(dt)) for k, v in snapshot]
-            kv = KVCache(self.layout, layers, start_position=b * c)
-            try:
-                self.client.store(key, kv, mode=mode, level=level, namespace=ns)
-            except Exception as exc:  # storing back is best effort; generation goes on
-                log.warning("store-back of block %d (%s) failed: %s", b, mode, exc)

@@ -1,0 +1,170 @@
+"""The engine's save side: a request's newly computed blocks stored on a background thread.
+
+Lifecycle, per request (``KDNEngine.save_layer`` calls it):
+
+1. ``to_host(k, v, first, last)`` for each layer: the tokens of the blocks kdn lacks, in host
+   memory (on a GPU, non-blocking copies into pinned buffers on a side stream, so decode goes
+   on while they travel);
+2. ``start(ids, snapshot, first_block, rewrite)`` once every layer is in: a thread looks the
+   blocks up and stores those missing in each of the engine's encodings. It is one of the
+   object's ``pending`` threads until it ends.
+
+Stores are best effort: a failure is logged and never reaches a request. The threads are
+daemons (a server that hangs must not hang the process's exit), so the process waits for them
+explicitly: ``join`` (``KDNEngine.close``, or leaving ``with KDNEngine(...)``), and at
+interpreter exit a hook joins every live ``StoreBack``'s pending threads for at most
+``EXIT_WAIT_S`` seconds in all. The hook holds them weakly: it keeps no engine alive. It is one
+of ``threading``'s exit hooks, which run before ``concurrent.futures`` stops taking work (the
+codec's pools): an ``atexit`` hook runs after that, when every store would fail.
+"""
+
+from __future__ import annotations
+
+import atexit
+import concurrent.futures.thread  # noqa: F401  (its exit hook first, so ours runs before it)
+import logging
+import threading
+import time
+import weakref
+from typing import Any
+
+import torch
+
+from kdn import keys
+from kdn.cache import KVCache, LayerKV
+from kdn.delivery import encoding_name
+from kdn.layout import KVLayout
+
+log = logging.getLogger(__name__)
+
+EXIT_WAIT_S = 30.0
+"""At interpreter exit, how long the stores still running are waited for, all together."""
+
+_LIVE: weakref.WeakSet[StoreBack] = weakref.WeakSet()
+
+
+class StoreBack:
+    """Stores blocks of ``chunk_tokens`` tokens of ``layout`` through ``client`` in each of
+    ``encodings`` under ``namespace``; the lookup that finds those missing has a deadline of
+    ``lookup_timeout_s``."""
+
+    def __init__(self, client: Any, layout: KVLayout, chunk_tokens: int,
+                 encodings: tuple[tuple[str, str], ...], namespace: str,
+                 device: torch.device, lookup_timeout_s: float) -> None:
+        self.client = client
+        self.layout = layout
+        self.chunk_tokens = chunk_tokens
+        self.encodings = encodings
+        self.namespace = namespace
+        self.device = device
+        self.lookup_timeout_s = lookup_timeout_s
+        self._copies = (torch.cuda.Stream(device) if device.type == "cuda"
+                        else None)  # device-to-host copies, off the decode stream
+        self._pending: set[threading.Thread] = set()
+        self._lock = threading.Lock()
+        _LIVE.add(self)
+
+    @property
+    def pending(self) -> list[threading.Thread]:
+        """The store threads not yet ended."""
+        with self._lock:
+            return list(self._pending)
+
+    def to_host(self, k: torch.Tensor, v: torch.Tensor, first: int, last: int) -> LayerKV:
+        """Tokens ``first..last`` of a layer's k, v ([kv_heads, tokens, channels]) in host
+        memory: on a GPU non-blocking copies into pinned buffers on a side stream, ordered
+        after the compute that made them (``start`` makes the thread wait for them)."""
+        k, v = k[:, first:last], v[:, first:last]
+        if self._copies is None:
+            return k, v
+        self._copies.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._copies):
+            out = []
+            for t in (k, v):
+                host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                host.copy_(t, non_blocking=True)
+                t.record_stream(self._copies)
+                out.append(host)
+        return out[0], out[1]
+
+    def start(self, ids: list[int], snapshot: list[LayerKV], first_block: int,
+              rewrite: str = "") -> threading.Thread:
+        """Store blocks ``first_block..`` of ``ids`` on a new pending thread; ``snapshot``:
+        their layers from ``to_host`` (token 0 of it is token ``first_block *
+        chunk_tokens``); ``rewrite``: an encoding whose blocks failed to load, stored again
+        even where present (a damaged block, or one of another shape under its key, is
+        mended)."""
+        ready = None
+        if self._copies is not None:
+            ready = torch.cuda.Event()
+            ready.record(self._copies)
+        thread = threading.Thread(target=self._run,
+                                  args=(ids, snapshot, first_block, ready, rewrite),
+                                  daemon=True, name="kdn-store-back")
+        with self._lock:
+            self._pending.add(thread)
+        try:
+            thread.start()
+        except BaseException:
+            with self._lock:
+                self._pending.discard(thread)
+            raise
+        return thread
+
+    def join(self, timeout: float | None = None) -> bool:
+        """Wait for the pending stores, at most ``timeout`` seconds in all (None: no bound);
+        True when none is left."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for thread in self.pending:
+            thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        return not self.pending
+
+    def _run(self, ids: list[int], snapshot: list[LayerKV], first_block: int, ready: Any,
+             rewrite: str) -> None:
+        try:
+            self._store(ids, snapshot, first_block, ready, rewrite)
+        except Exception:  # best effort: whatever went wrong is logged, never raised
+            log.exception("store-back failed")
+        finally:
+            with self._lock:
+                self._pending.discard(threading.current_thread())
+
+    def _store(self, ids: list[int], snapshot: list[LayerKV], first_block: int, ready: Any,
+               rewrite: str) -> None:
+        if ready is not None:
+            ready.synchronize()
+        c, ns = self.chunk_tokens, self.namespace
+        base = first_block * c
+        chain = keys.prefix_keys(ids, self.layout, ns, c)
+        todo = [(b, mode, level, keys.variant_key(chain[b], encoding_name(mode, level)))
+                for b in range(first_block, len(chain)) for mode, level in self.encodings]
+        try:
+            present = self.client.lookup([t[3] for t in todo], namespace=ns,
+                                         timeout_s=self.lookup_timeout_s).infos
+        except Exception as exc:  # storing back is best effort; generation goes on
+            log.warning("store-back lookup failed: %s", exc)
+            return
+        dt = self.layout.dtype.torch
+        for (b, mode, level, key), info in zip(todo, present):
+            if info.present and encoding_name(mode, level) != rewrite:
+                continue
+            lo = b * c - base
+            layers = [(k[:, lo : lo + c].to(dt), v[:, lo : lo + c].to(dt)) for k, v in snapshot]
+            kv = KVCache(self.layout, layers, start_position=b * c)
+            try:
+                self.client.store(key, kv, mode=mode, level=level, namespace=ns)
+            except Exception as exc:  # storing back is best effort; generation goes on
+                log.warning("store-back of block %d (%s) failed: %s", b, mode, exc)
+
+
+def _join_at_exit() -> None:
+    """Join every live ``StoreBack``'s pending stores, ``EXIT_WAIT_S`` seconds at most."""
+    deadline = time.monotonic() + EXIT_WAIT_S
+    for saver in list(_LIVE):
+        if not saver.join(max(0.0, deadline - time.monotonic())):
+            log.warning("kdn: %d store-back thread(s) still running at exit; their blocks "
+                        "are not stored", len(saver.pending))
+
+
+_at_thread_exit = getattr(threading, "_register_atexit", atexit.register)
+_at_thread_exit(_join_at_exit)  # run in reverse order: before concurrent.futures' own

@@ -1,0 +1,95 @@
+"""KDNEngine's stores back outlive the request but not the wait for them: ``close()`` (and
+leaving ``with``) joins them within a bound, and a process that exits right after
+``generate`` still stores its blocks (the exit hook), without the hook keeping engines alive."""
+
+from __future__ import annotations
+
+import gc
+import os
+import subprocess
+import sys
+import threading
+import time
+import weakref
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from kdn.client import Client
+from kdn.engine import EngineConfig, KDNEngine
+from kdn.server import ServerConfig, ServerThread
+from tests.test_engine_devices import _model, _Tok
+
+ROOT = Path(__file__).resolve().parent.parent
+IDS = [int(x) for x in torch.randint(1, 256, (100,), generator=torch.Generator().manual_seed(5))]
+CONFIG = EngineConfig(chunk_tokens=32, encodings=(("lossless", ""),), calibrate=False)
+
+CHILD = """
+import sys, time, torch
+from kdn.client import Client
+from kdn.engine import EngineConfig, KDNEngine
+from tests.test_engine_devices import _model, _Tok
+from tests.test_engine_store_back import CONFIG, IDS
+
+client = Client(sys.argv[1])
+store = client.store
+def slow(*args, **kwargs):
+    time.sleep(0.1)  # the blocks are still being stored when the script ends
+    return store(*args, **kwargs)
+client.store = slow
+g = KDNEngine(_model(torch.float32, "cpu"), _Tok(), client, CONFIG).generate(IDS, 1)
+print("storing at exit:", g.store_thread.is_alive())
+"""
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[ServerThread]:
+    cfg = ServerConfig(port=0, data_dir=tmp_path, disk_bytes=0, ram_bytes=256 << 20)
+    with ServerThread(cfg) as st:
+        yield st
+
+
+def test_a_process_that_exits_after_generate_keeps_its_blocks(server: ServerThread) -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-c", CHILD, server.address], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "storing at exit: True" in done.stdout
+    with Client(server.address) as c:
+        assert KDNEngine(_model(torch.float32, "cpu"), _Tok(), c, CONFIG).matched_tokens(IDS) \
+            == 96
+
+
+def test_close_waits_for_the_stores_within_its_bound(
+        server: ServerThread, monkeypatch: pytest.MonkeyPatch) -> None:
+    with Client(server.address) as c:
+        store, release = c.store, threading.Event()
+
+        def held(*args: object, **kwargs: object) -> object:
+            release.wait(30)
+            return store(*args, **kwargs)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(c, "store", held)
+        with KDNEngine(_model(torch.float32, "cpu"), _Tok(), c, CONFIG) as engine:
+            g = engine.generate(IDS, max_new_tokens=1)
+            t0 = time.monotonic()
+            assert not engine.close(timeout=0.2)  # a store hangs: close gives up in time
+            assert time.monotonic() - t0 < 5 and g.store_thread is not None
+            assert g.store_thread.is_alive()
+            release.set()
+        assert not g.store_thread.is_alive()  # leaving ``with`` joined it
+        assert engine.matched_tokens(IDS) == 96
+        assert engine.close()  # nothing left
+
+
+def test_an_engine_with_stores_behind_it_is_not_kept_alive(server: ServerThread) -> None:
+    with Client(server.address) as c:
+        engine = KDNEngine(_model(torch.float32, "cpu"), _Tok(), c, CONFIG)
+        engine.generate(IDS, max_new_tokens=1)
+        assert engine.close()
+        gone = weakref.ref(engine)
+        del engine
+        gc.collect()
+        assert gone() is None
