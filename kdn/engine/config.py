@@ -4,12 +4,15 @@ block size (``default_chunk_tokens``)."""
 
 from __future__ import annotations
 
+import math
 import threading
 from dataclasses import dataclass, field
 
-from kdn import keys
+from kdn.codec.catalog import check_codec
 from kdn.delivery import RECOMPUTE
+from kdn.errors import ConfigError, InvalidArgument
 from kdn.layout import DType, KVLayout
+from kdn.names import check_namespace
 
 CHUNK_TOKENS = 256
 """Tokens per block by default: fine-grained prefix reuse, and a few MiB to tens of MiB per
@@ -19,6 +22,12 @@ MAX_CHUNK_BYTES = 64 << 20
 """A model whose blocks of ``CHUNK_TOKENS`` would be bigger gets fewer tokens per block (a
 power of two), so that each entry streams in frames of a few layers and stays far below the
 server's ``max_entry_bytes`` guard: Llama-3-70B fp16 (320 KiB/token) gets 128."""
+
+MAX_CHUNK_TOKENS = 1 << 16
+"""The most tokens ``EngineConfig.chunk_tokens`` may name: a block is the unit of reuse, and
+one this long is larger than most prompts (and tens of GiB of KV on a large model)."""
+MAX_CALIBRATION_TOKENS = 1 << 17
+"""The most tokens ``EngineConfig.calibration_tokens`` may name: a 128k-token prefill."""
 
 
 def default_chunk_tokens(layout: KVLayout) -> int:
@@ -32,10 +41,12 @@ def default_chunk_tokens(layout: KVLayout) -> int:
 @dataclass(frozen=True)
 class EngineConfig:
     chunk_tokens: int = 0
-    """Tokens per prefix block (the unit of prefix reuse and of storage); 0 (default) = the
-    model's own: ``default_chunk_tokens`` of its KV layout."""
-    namespace: str = keys.DEFAULT_NAMESPACE
-    """Namespace the engine's blocks live in."""
+    """Tokens per prefix block (the unit of prefix reuse and of storage), at most
+    ``MAX_CHUNK_TOKENS``; 0 (default) = the model's own: ``default_chunk_tokens`` of its KV
+    layout."""
+    namespace: str | None = None
+    """Namespace the engine's blocks live in; None or "" (default): the client's
+    (``Client(namespace=...)``, itself ``default`` unless named)."""
     weights_id: str | None = None
     """Which weights the model holds, part of its layout's fingerprint and so of every key
     (as ``KDNConnectorConfig.weights_id``): checkpoints that share a config (fine-tunes) must
@@ -66,7 +77,8 @@ class EngineConfig:
     False: it starts from its prior (``LoadingController.prefill_tok_s``)."""
     calibration_tokens: int = 256
     """Length of the calibration prefill: a typical request's (the speed is taken as linear
-    in tokens: ``kdn.delivery.controller``), capped by the model's context."""
+    in tokens: ``kdn.delivery.controller``), capped by the model's context; at most
+    ``MAX_CALIBRATION_TOKENS``."""
     probe_link: bool = True
     """With ``calibrate``, and when hits come across a network: measure that link's bandwidth
     before the first decision (``kdn.client.probe``: two probe entries read back), so a fresh
@@ -82,19 +94,62 @@ class EngineConfig:
     nothing)."""
 
     def __post_init__(self) -> None:
-        if self.chunk_tokens < 0:
-            raise ValueError(f"chunk_tokens must be > 0 (or 0: the model's default), got "
-                             f"{self.chunk_tokens}")
-        if not self.lookup_timeout_s > 0 or self.lookup_timeout_s == float("inf"):
-            raise ValueError(f"lookup_timeout_s must be a finite number > 0, got "
-                             f"{self.lookup_timeout_s}")
-        if self.calibration_tokens < 1:
-            raise ValueError(f"calibration_tokens must be >= 1, got {self.calibration_tokens}")
+        _whole("chunk_tokens", self.chunk_tokens, 0, MAX_CHUNK_TOKENS)
+        _whole("calibration_tokens", self.calibration_tokens, 1, MAX_CALIBRATION_TOKENS)
+        if (isinstance(self.lookup_timeout_s, bool)
+                or not isinstance(self.lookup_timeout_s, (int, float))
+                or not 0 < self.lookup_timeout_s < math.inf):
+            raise ConfigError(f"lookup_timeout_s: must be a finite number of seconds > 0, got "
+                              f"{self.lookup_timeout_s!r}")
+        if self.namespace:  # None or "": the client's
+            try:
+                check_namespace(self.namespace)
+            except InvalidArgument as exc:
+                raise ConfigError(f"namespace: {exc}") from None
         if self.weights_id is not None and not isinstance(self.weights_id, str):
-            raise ValueError(f"weights_id must be a string or None, got {self.weights_id!r}")
-        if self.encodings is not None and not self.encodings:
-            raise ValueError("encodings must name at least one (mode, level), or be None "
-                             "(the device's defaults)")
+            raise ConfigError(f"weights_id: must be a string or None, got {self.weights_id!r}")
+        if self.kv_dtype is not None:
+            try:
+                object.__setattr__(self, "kv_dtype", DType.of(self.kv_dtype))
+            except InvalidArgument as exc:
+                raise ConfigError(f"kv_dtype: {exc}") from None
+        if self.encodings is not None:
+            object.__setattr__(self, "encodings", _encodings(self.encodings))
+        for name in ("store_back", "join_in_process", "calibrate", "probe_link"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name}: must be True or False, got {getattr(self, name)!r}")
+        if self.freeze_heap is not None and not isinstance(self.freeze_heap, bool):
+            raise ConfigError(f"freeze_heap: must be True, False or None, got "
+                              f"{self.freeze_heap!r}")
+
+
+def _whole(name: str, value: object, low: int, high: int) -> None:
+    """ConfigError unless ``value`` is a whole number (not a bool) in ``low..high``."""
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ConfigError(f"{name}: must be a whole number in {low}..{high}, got {value!r}")
+
+
+def _encodings(given: object) -> tuple[tuple[str, str], ...]:
+    """``given`` as a tuple of (mode, level) pairs, each a codec kdn has
+    (``kdn.codec.catalog.check_codec``); ConfigError naming the first that is not."""
+    if isinstance(given, (str, bytes)) or not isinstance(given, (tuple, list)):
+        raise ConfigError(f"encodings: a sequence of (mode, level) pairs, e.g. "
+                          f"(('raw', ''),), or None; got {given!r}")
+    if not given:
+        raise ConfigError("encodings: must name at least one (mode, level), or be None (the "
+                          "device's defaults)")
+    pairs = []
+    for pair in given:
+        if (not isinstance(pair, (tuple, list)) or len(pair) != 2
+                or not all(isinstance(part, str) for part in pair)):
+            raise ConfigError(f"encodings: each is a (mode, level) pair of strings, e.g. "
+                              f"('raw', '') or ('kdn', 'default'); got {pair!r}")
+        try:
+            check_codec(pair[0], pair[1])
+        except InvalidArgument as exc:
+            raise ConfigError(f"encodings: {tuple(pair)!r}: {exc}") from None
+        pairs.append((pair[0], pair[1]))
+    return tuple(pairs)
 
 
 @dataclass

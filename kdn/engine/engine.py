@@ -105,6 +105,9 @@ class KDNEngine(KVConnector):
         self.tokenizer = tokenizer
         self.client = client
         self.config = config or EngineConfig()
+        if not self.config.namespace:  # the client's
+            self.config = dataclasses.replace(self.config, namespace=getattr(
+                client, "namespace", None) or keys.DEFAULT_NAMESPACE)
         self.controller = controller or LoadingController()
         self._device = model_device(model)
         self.controller.device = self._device.type  # decode speeds are learnt per device
@@ -124,13 +127,19 @@ class KDNEngine(KVConnector):
             self.config = dataclasses.replace(
                 self.config, encodings=default_encodings(self._device.type, path))
         self._saver = StoreBack(client, self._layout, self.config.chunk_tokens, self.encodings,
-                                self.config.namespace, self._device, self._lookup_timeout())
+                                self.namespace, self._device, self._lookup_timeout())
         self._request = threading.Lock()
         self._begin([])
 
     @property
     def layout(self) -> KVLayout:
         return self._layout
+
+    @property
+    def namespace(self) -> str:
+        """The namespace its blocks live in: its config's, or else the client's."""
+        assert self.config.namespace  # resolved in __init__
+        return self.config.namespace
 
     @property
     def encodings(self) -> tuple[tuple[str, str], ...]:
@@ -178,7 +187,7 @@ class KDNEngine(KVConnector):
         if self.config.probe_link and self._answers():
             path, server = self._link()
             if path == NETWORK:
-                probe = probe_link(self.client, self.config.namespace)
+                probe = probe_link(self.client, self.namespace)
                 if probe is not None:
                     self.controller.calibrate_link(probe.bytes_per_s, path, server)
         return best
@@ -231,7 +240,7 @@ class KDNEngine(KVConnector):
         """Whether the server answers a Lookup of no keys within ``lookup_timeout_s`` (before
         calls that would wait a whole call deadline on a server that does not answer)."""
         try:
-            self.client.lookup([_PING], namespace=self.config.namespace,
+            self.client.lookup([_PING], namespace=self.namespace,
                                timeout_s=self._lookup_timeout())
         except Exception as exc:
             log.warning("kdn: the server %s does not answer (%s); going on without it",
@@ -268,7 +277,7 @@ class KDNEngine(KVConnector):
         """Chain keys of the blocks that may be reused (one token is always left to compute)."""
         c = self.config.chunk_tokens
         usable = (len(ids) - 1) // c
-        return keys.prefix_keys(list(ids[: usable * c]), self.layout, self.config.namespace, c)
+        return keys.prefix_keys(list(ids[: usable * c]), self.layout, self.namespace, c)
 
     def _present(self, chain: list[bytes]
                  ) -> tuple[int, dict[str, int], frozenset[str], dict[str, list[bytes]]]:
@@ -279,7 +288,7 @@ class KDNEngine(KVConnector):
         names = [encoding_name(m, lv) for m, lv in self.encodings]
         asked = {n: [keys.variant_key(k, n) for k in chain] for n in names}
         infos = self.client.lookup([k for n in names for k in asked[n]],
-                                   namespace=self.config.namespace,
+                                   namespace=self.namespace,
                                    timeout_s=self._lookup_timeout()).infos
         rows = {name: infos[j * len(chain) : (j + 1) * len(chain)]
                 for j, name in enumerate(names)}
@@ -338,11 +347,11 @@ class KDNEngine(KVConnector):
         try:  # every block must be one of this engine's: its layout, chunk_tokens tokens
             joined = None
             if hits > 1 and decision.choice in local and self.config.join_in_process:
-                joined = self.client.retrieve_joined(blocks, namespace=self.config.namespace,
+                joined = self.client.retrieve_joined(blocks, namespace=self.namespace,
                                                      layout=self.layout, tokens=c,
                                                      device=self._device)
             streams = [joined] if joined is not None else self.client.retrieve_streams(
-                blocks, namespace=self.config.namespace, layout=self.layout, tokens=c,
+                blocks, namespace=self.namespace, layout=self.layout, tokens=c,
                 device=self._device)  # layers land on the model's device
         except Exception as exc:  # unreachable, refused, not a block of ours: recompute
             log.warning("kdn: loading %d blocks failed (%s); computing the prompt", hits, exc)
