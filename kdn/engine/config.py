@@ -1,12 +1,18 @@
 """What a ``KDNEngine`` is told and what it tells back: ``EngineConfig`` (checked when made,
-each field documented), the ``Timings`` of one request and its ``Generation``, and the default
-block size (``default_chunk_tokens``)."""
+each field documented), a request's prompt as token ids (``prompt_ids``, checked), the
+``Timings`` of one request and its ``Generation``, and the default block size
+(``default_chunk_tokens``)."""
 
 from __future__ import annotations
 
 import math
+import operator
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
+
+import torch
 
 from kdn.codec.catalog import check_codec
 from kdn.delivery import RECOMPUTE
@@ -185,3 +191,46 @@ class Generation:
     store_thread: threading.Thread | None = field(default=None, repr=False)
 
 
+def prompt_ids(prompt: str | Sequence[int] | torch.Tensor, tokenizer: Any,
+               vocabulary: int) -> list[int]:
+    """The token ids of one prompt: a text (tokenized by ``tokenizer``, no special tokens
+    added), a sequence of ids, or a tensor of them, 1-D or a batch of one (``[1, tokens]``, what
+    a tokenizer's ``return_tensors="pt"`` gives; ``[[ids]]`` likewise). ValueError for an empty
+    prompt, a batch of several, ids that are not whole numbers, or an id outside
+    ``0..vocabulary-1`` (the model's embedding rows), naming it and where it is."""
+    if isinstance(prompt, str):
+        prompt = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    rows: list[Any]
+    if isinstance(prompt, torch.Tensor):
+        if prompt.is_floating_point() or prompt.is_complex() or prompt.dtype == torch.bool:
+            raise ValueError(f"a prompt tensor holds token ids: an integer dtype, got "
+                             f"{prompt.dtype}")
+        if prompt.dim() not in (1, 2):
+            raise ValueError(f"a prompt tensor is [tokens] or [1, tokens], got "
+                             f"{list(prompt.shape)}")
+        rows = [prompt.tolist()] if prompt.dim() == 1 else prompt.tolist()
+    elif isinstance(prompt, Sequence) and prompt and all(
+            isinstance(p, (Sequence, torch.Tensor)) and not isinstance(p, str) for p in prompt):
+        rows = [list(p) for p in prompt]  # type: ignore[arg-type]  # a batch: [[ids], ...]
+    elif isinstance(prompt, Sequence):
+        rows = [list(prompt)]
+    else:
+        raise ValueError(f"a prompt is a text, token ids or a tensor of them, got "
+                         f"{type(prompt).__name__}")
+    if len(rows) != 1:
+        raise ValueError(f"KDNEngine.generate takes one prompt, got a batch of {len(rows)}: "
+                         "call it once per prompt")
+    ids = []
+    for i, t in enumerate(rows[0]):
+        try:
+            if isinstance(t, bool):
+                raise TypeError
+            ids.append(operator.index(t))
+        except TypeError:
+            raise ValueError(f"token {i} of the prompt is {t!r}, not a token id") from None
+        if not 0 <= ids[-1] < vocabulary:
+            raise ValueError(f"token id {ids[-1]} (token {i} of the prompt) is outside the "
+                             f"model's vocabulary of {vocabulary} (0..{vocabulary - 1})")
+    if not ids:
+        raise ValueError("empty prompt")
+    return ids

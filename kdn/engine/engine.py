@@ -75,7 +75,13 @@ from kdn.delivery import (
     default_encodings,
     encoding_name,
 )
-from kdn.engine.config import EngineConfig, Generation, Timings, default_chunk_tokens
+from kdn.engine.config import (
+    EngineConfig,
+    Generation,
+    Timings,
+    default_chunk_tokens,
+    prompt_ids,
+)
 from kdn.engine.connector import KVConnector
 from kdn.engine.store_back import StoreBack
 from kdn.layout import KVLayout
@@ -87,6 +93,7 @@ from kdn.model.hf import (
     greedy,
     model_device,
     model_layout,
+    prompt_limits,
 )
 
 log = logging.getLogger(__name__)
@@ -129,6 +136,7 @@ class KDNEngine(KVConnector):
         self._saver = StoreBack(client, self._layout, self.config.chunk_tokens, self.encodings,
                                 self.namespace, self._device, self._lookup_timeout())
         self._request = threading.Lock()
+        self._vocabulary = prompt_limits(model)[0]
         self._begin([])
 
     @property
@@ -429,14 +437,19 @@ class KDNEngine(KVConnector):
     # -- generate -------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def generate(self, prompt: str | list[int], max_new_tokens: int = 32, *,
+    def generate(self, prompt: str | Sequence[int] | torch.Tensor, max_new_tokens: int = 32, *,
                  force: str | None = None) -> Generation:
-        """Greedy generation reusing cached prefix blocks. ``force``: an encoding name or
-        ``recompute`` to override the controller for this request."""
-        ids = (self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
-               if isinstance(prompt, str) else list(prompt))
-        if not ids:
-            raise ValueError("empty prompt")
+        """Greedy generation reusing cached prefix blocks. ``prompt``: a text, token ids, or
+        a tensor of them (``[tokens]`` or ``[1, tokens]``; one prompt, each id in the model's
+        vocabulary: ``kdn.engine.config.prompt_ids``). ``max_new_tokens``: at least 1, as in
+        transformers' ``generate`` (ValueError otherwise); decoding stops there or after the
+        tokenizer's EOS. ``force``: an encoding name or ``recompute`` to override the
+        controller for this request."""
+        if (isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int)
+                or max_new_tokens < 1):
+            raise ValueError(f"max_new_tokens must be a whole number >= 1 (as in transformers' "
+                             f"generate), got {max_new_tokens!r}")
+        ids = prompt_ids(prompt, self.tokenizer, self._vocabulary)
         with self._request:
             self._ensure_calibrated()  # before the clock starts: not this request's time
             self._begin(ids)

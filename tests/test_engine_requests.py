@@ -1,0 +1,61 @@
+"""What KDNEngine.generate takes: one prompt (a text, ids, or a tensor of them, a batch of one
+included), ids in the model's vocabulary and at least one new token; anything else is a
+ValueError that names it."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from kdn.client import Client
+from kdn.engine import EngineConfig, KDNEngine
+from kdn.server import ServerConfig, ServerThread
+from tests.test_engine_devices import _model, _Tok
+
+IDS = [int(x) for x in torch.randint(1, 256, (40,), generator=torch.Generator().manual_seed(5))]
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KDNEngine]:
+    data: Path = tmp_path_factory.mktemp("data")
+    cfg = ServerConfig(port=0, data_dir=data, disk_bytes=0, ram_bytes=256 << 20)
+    with ServerThread(cfg) as st, Client(st.address) as c, KDNEngine(
+            _model(torch.float32, "cpu"), _Tok(), c,
+            EngineConfig(chunk_tokens=16, encodings=(("raw", ""),), calibrate=False)) as eng:
+        yield eng
+
+
+@pytest.mark.parametrize("n", [0, -1, 1.5, True])
+def test_fewer_than_one_new_token_is_refused(engine: KDNEngine, n: object) -> None:
+    with pytest.raises(ValueError, match=f"max_new_tokens .*got {n!r}"):
+        engine.generate(IDS, max_new_tokens=n)  # type: ignore[arg-type]
+
+
+def test_a_batch_of_one_is_one_prompt_and_a_batch_of_more_is_refused(engine: KDNEngine) -> None:
+    want = engine.generate(IDS, max_new_tokens=4).token_ids
+    assert len(want) == 4
+    for same in (torch.tensor([IDS]), torch.tensor(IDS), [IDS], tuple(IDS),
+                 [torch.tensor(IDS)]):
+        assert engine.generate(same, max_new_tokens=4).token_ids == want  # type: ignore[arg-type]
+    for batch in (torch.tensor([IDS, IDS]), [IDS, IDS]):
+        with pytest.raises(ValueError, match="one prompt, got a batch of 2"):
+            engine.generate(batch, max_new_tokens=4)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="integer dtype"):
+        engine.generate(torch.tensor(IDS, dtype=torch.float32), max_new_tokens=4)
+    with pytest.raises(ValueError, match=r"\[1, 1, 40\]"):
+        engine.generate(torch.tensor([[IDS]]), max_new_tokens=4)
+
+
+@pytest.mark.parametrize("prompt,named", [
+    (IDS[:-1] + [300], r"token id 300 \(token 39 of the prompt\).*\(0..255\)"),
+    ([-1] + IDS, r"token id -1 \(token 0 "),
+    (IDS[:5] + [2.0], "token 5 of the prompt is 2.0"),
+    ([], "empty prompt"),
+])
+def test_an_id_that_is_not_the_models_is_refused_naming_it(
+        engine: KDNEngine, prompt: list[int], named: str) -> None:
+    with pytest.raises(ValueError, match=named):
+        engine.generate(prompt, max_new_tokens=2)
