@@ -1,6 +1,6 @@
 """What KDNEngine.generate takes: one prompt (a text, ids, or a tensor of them, a batch of one
-included), ids in the model's vocabulary and at least one new token; anything else is a
-ValueError that names it."""
+included), ids in the model's vocabulary, at least one new token, and ``force`` naming one of
+the engine's own choices; anything else is a ValueError that names it."""
 
 from __future__ import annotations
 
@@ -59,3 +59,13 @@ def test_an_id_that_is_not_the_models_is_refused_naming_it(
         engine: KDNEngine, prompt: list[int], named: str) -> None:
     with pytest.raises(ValueError, match=named):
         engine.generate(prompt, max_new_tokens=2)
+
+
+@pytest.mark.parametrize("force", ["bogus", "int8", "lossless", "Raw", ""])
+def test_force_names_one_of_the_engines_choices(engine: KDNEngine, force: str) -> None:
+    with pytest.raises(ValueError, match=r"\['raw', 'recompute'\]"):
+        engine.generate(IDS, max_new_tokens=2, force=force)
+    with pytest.raises(ValueError, match=repr(force)):
+        engine.start_load(IDS, force=force)
+    for ok in ("raw", "recompute", None):
+        assert len(engine.generate(IDS, max_new_tokens=2, force=ok).token_ids) == 2

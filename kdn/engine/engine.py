@@ -240,6 +240,14 @@ class KDNEngine(KVConnector):
                 gc.collect()
                 gc.freeze()
 
+    def _check_force(self, force: str | None) -> None:
+        """ValueError unless ``force`` is None, ``recompute`` or an encoding this engine
+        stores (one it does not would always be a miss: a silent recompute)."""
+        choices = [encoding_name(m, lv) for m, lv in self.encodings] + [RECOMPUTE]
+        if force is not None and force not in choices:
+            raise ValueError(f"force={force!r} is none of this engine's choices {choices} "
+                             "(None: the loading controller's)")
+
     def _lookup_timeout(self) -> float:
         return min(self.config.lookup_timeout_s,
                    getattr(self.client, "timeout_s", self.config.lookup_timeout_s))
@@ -322,8 +330,9 @@ class KDNEngine(KVConnector):
             return 0
 
     def start_load(self, token_ids: Sequence[int], *, force: str | None = None) -> int:
-        """Begin loading the reusable prefix; ``force`` (an encoding name or ``recompute``)
-        overrides the loading controller for this request."""
+        """Begin loading the reusable prefix; ``force`` (one of the engine's encoding names,
+        or ``recompute``) overrides the loading controller for this request."""
+        self._check_force(force)
         self._ensure_calibrated()
         t = self._timings
         c = self.config.chunk_tokens
@@ -443,12 +452,13 @@ class KDNEngine(KVConnector):
         a tensor of them (``[tokens]`` or ``[1, tokens]``; one prompt, each id in the model's
         vocabulary: ``kdn.engine.config.prompt_ids``). ``max_new_tokens``: at least 1, as in
         transformers' ``generate`` (ValueError otherwise); decoding stops there or after the
-        tokenizer's EOS. ``force``: an encoding name or ``recompute`` to override the
-        controller for this request."""
+        tokenizer's EOS. ``force``: one of the engine's encoding names or ``recompute``, to
+        override the controller for this request (ValueError otherwise)."""
         if (isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int)
                 or max_new_tokens < 1):
             raise ValueError(f"max_new_tokens must be a whole number >= 1 (as in transformers' "
                              f"generate), got {max_new_tokens!r}")
+        self._check_force(force)
         ids = prompt_ids(prompt, self.tokenizer, self._vocabulary)
         with self._request:
             self._ensure_calibrated()  # before the clock starts: not this request's time
