@@ -4,6 +4,7 @@ gives a full prefill's output; a layer of fewer tokens than the prompt is never 
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -137,10 +138,14 @@ def test_checkpoints_in_folders_of_one_name_do_not_share_kv(
     got = eb.generate(IDS, max_new_tokens=6, force="raw")
     assert got.timings.reused_tokens == 0
     assert got.token_ids == _prefilled(b, IDS, 6)
-    # the same folder by another path is the same weights; a named id is taken as given
+    # the same weights by another path, or copied elsewhere (another machine), are the same
+    # weights; a named id is taken as given
     again = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "run2" / ".." / "run1"
                                                           / "final")
     assert hf.model_layout(again).fingerprint == ea.layout.fingerprint
+    shutil.copytree(tmp_path / "run1" / "final", tmp_path / "elsewhere" / "final")
+    moved = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "elsewhere" / "final")
+    assert hf.model_layout(moved).fingerprint == ea.layout.fingerprint
     named = EngineConfig(chunk_tokens=32, encodings=(("raw", ""),), weights_id="ft-1")
     ids = {KDNEngine(m, _Tok(), client, named).layout.fingerprint for m in (a, b)}
     assert len(ids) == 1 and ea.layout.fingerprint not in ids  # named alike: one

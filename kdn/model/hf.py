@@ -25,6 +25,8 @@ Shapes: a kdn layer is ``k: [kv_heads, tokens, k_channels]``; transformers cache
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -73,19 +75,84 @@ def place(model: Any, device: torch.device | str | None) -> Any:
 
 def default_weights_id(model: Any) -> str:
     """Which weights ``model`` holds, as far as where transformers loaded them from tells: a
-    local folder's resolved absolute path; a hub id with the revision it resolved to
-    (``config._commit_hash``) where known; "" for a model built from a config. Checkpoints of
-    one config in folders of the same name (``run1/final``, ``run2/final``) differ in it. The
-    same folder at another path on another machine differs too: name the weights yourself
-    (``EngineConfig.weights_id``) to share their KV across machines."""
+    local folder's name and a digest of its weights' bytes (``weights_digest``: the same
+    weights at another path or on another machine share their KV; checkpoints of one config
+    in folders of the same name, ``run1/final`` and ``run2/final``, do not); a hub id with the
+    revision it resolved to (``config._commit_hash``) where known; "" for a model built from a
+    config. Weights changed in memory after loading (an adapter merged) are not seen: name
+    them yourself (``EngineConfig.weights_id``)."""
     name = str(getattr(model, "name_or_path", "") or "")
     if not name:
         return ""
     folder = Path(name).expanduser()
     if folder.exists():  # what transformers loads first, before asking the hub
-        return str(folder.resolve())
+        digest = weights_digest(folder) if folder.is_dir() else None
+        return f"{folder.resolve().name}#{digest}" if digest else str(folder.resolve())
     revision = getattr(getattr(model, "config", None), "_commit_hash", None)
     return f"{name}@{revision}" if revision else name
+
+
+_SAMPLE_BYTES = 4096
+_DIGESTS: dict[tuple[str, ...], str | None] = {}
+
+
+def weights_digest(folder: Path) -> str | None:
+    """A digest of the weights a folder holds, the same on every machine (BLAKE2b): each
+    ``*.safetensors`` file's tensor table (names, dtypes, shapes) and the first 4 KiB of every
+    tensor's bytes (a fine-tune or a merged adapter changes every tensor it touches
+    throughout), each other weight file's size and 4 KiB at 64 evenly spaced places. None
+    where the folder holds no weight file. A few MB read, memoised by the files' sizes and
+    times."""
+    files = sorted(p for pattern in ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.gguf")
+                   for p in folder.glob(pattern) if p.is_file())
+    if not files:
+        return None
+    stats = tuple(f"{p.name}:{st.st_size}:{st.st_mtime_ns}"
+                  for p, st in ((p, p.stat()) for p in files))
+    memo = (str(folder.resolve()), *stats)
+    if memo in _DIGESTS:
+        return _DIGESTS[memo]
+    h = hashlib.blake2b(digest_size=16)
+    for p in files:
+        size = p.stat().st_size
+        h.update(f"{p.name}\0{size}\0".encode())
+        with open(p, "rb") as f:
+            table = _safetensors_table(f, size) if p.suffix == ".safetensors" else None
+            if table is not None:
+                start, tensors = table
+                for tname in sorted(tensors):
+                    info = tensors[tname]
+                    lo, hi = info["data_offsets"]
+                    h.update(f"{tname}\0{info['dtype']}\0{info['shape']}\0".encode())
+                    f.seek(start + lo)
+                    h.update(f.read(min(_SAMPLE_BYTES, hi - lo)))
+            else:
+                for i in range(64):
+                    f.seek(size * i // 64)
+                    h.update(f.read(_SAMPLE_BYTES))
+    _DIGESTS[memo] = digest = h.hexdigest()
+    return digest
+
+
+def _safetensors_table(f: Any, size: int) -> tuple[int, dict[str, Any]] | None:
+    """(where the tensors' bytes start, the tensor table) of a safetensors file; None where it
+    does not parse as one (it is then sampled as any file)."""
+    head = f.read(8)
+    if len(head) < 8:
+        return None
+    n = int.from_bytes(head, "little")
+    if not 2 <= n <= min(size - 8, 100 << 20):
+        return None
+    try:
+        table = json.loads(f.read(n))
+        tensors = {k: v for k, v in table.items() if k != "__metadata__"}
+        for v in tensors.values():
+            lo, hi = v["data_offsets"]
+            if not (isinstance(lo, int) and isinstance(hi, int) and 0 <= lo <= hi):
+                return None
+    except (ValueError, TypeError, KeyError, AttributeError):
+        return None
+    return 8 + n, tensors
 
 
 def model_layout(model: Any, kv_dtype: DType | None = None, weights_id: str | None = None
