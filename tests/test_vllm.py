@@ -183,6 +183,20 @@ def test_numeric_settings_are_checked_at_construction(name: str, value: Any, say
         KDNConnectorConfig.from_extra({name: value})
 
 
+@pytest.mark.parametrize("extra, says", [
+    ({"tp": [0]}, "tp must be (rank, size)"), ({"tp": [2, 2]}, "tp must be (rank, size)"),
+    ({"salt": 5}, "salt must be a string"), ({"weights_id": None}, "weights_id must be a string"),
+    ({"address": 50051}, "address must be a string"),
+    ({"allow_recompute": "yes"}, "allow_recompute must be true or false"),
+    ({"encodings": [1]}, "encodings must be a list of encoding names"),
+    ({"encodings": ["lz4"]}, "encodings: 'lz4': unknown codec mode"),
+])
+def test_other_settings_are_checked_at_construction(extra: dict[str, Any], says: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(says)):
+        KDNConnectorConfig.from_extra(extra)
+    assert KDNConnectorConfig.from_extra({"tp": [1, 2], "encodings": "raw"}).tp == (1, 2)
+
+
 def test_block_runs() -> None:
     assert block_runs([]) == []
     assert block_runs([5, 6, 7, 2, 3, 9]) == [(5, 0, 3), (2, 3, 2), (9, 5, 1)]

@@ -20,7 +20,7 @@ from kdn.client import Client
 from kdn.client.client import TLSOptions
 from kdn.codec.catalog import check_codec
 from kdn.delivery import IN_PROCESS, NETWORK, SAME_HOST, default_encodings, encoding_name
-from kdn.errors import ConfigError, InvalidLayout
+from kdn.errors import ConfigError, InvalidLayout, KDNError
 from kdn.layout import DType, KVLayout, LayerLayout, model_fingerprint
 from kdn.options import StoreOptions
 from kdn.transport.addresses import same_host
@@ -83,8 +83,27 @@ class KDNConnectorConfig:
         _check_number("local_bytes", self.local_bytes, whole=True, positive=False)
         if self.shm_bytes is not None:
             _check_number("shm_bytes", self.shm_bytes, whole=True, positive=False)
+        for name in ("address", "namespace", "salt", "weights_id", "api_key", "tls_ca",
+                     "tls_cert", "tls_key"):
+            if not isinstance(getattr(self, name), str):
+                raise ConfigError(f"{name} must be a string, got {getattr(self, name)!r}")
+        for name in ("allow_recompute", "insecure"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if not isinstance(self.encodings, tuple) or not all(
+                isinstance(e, str) for e in self.encodings):
+            raise ConfigError(f"encodings must be a list of encoding names (e.g. ['raw', "
+                              f"'kdn-default']), got {self.encodings!r}")
         for enc in self.encodings:
-            check_codec(*split_encoding(enc))
+            try:
+                check_codec(*split_encoding(enc))
+            except KDNError as exc:
+                raise ConfigError(f"encodings: {enc!r}: {exc}") from None
+        if self.tp is not None and not (
+                isinstance(self.tp, tuple) and len(self.tp) == 2
+                and all(isinstance(v, int) and not isinstance(v, bool) for v in self.tp)
+                and 0 <= self.tp[0] < self.tp[1]):
+            raise ConfigError(f"tp must be (rank, size) with 0 <= rank < size, got {self.tp!r}")
         keys.check_namespace(self.namespace)
         StoreOptions(ttl_s=self.ttl_s)
 
