@@ -146,6 +146,12 @@ def test_client_settings_are_refused_by_name_and_an_empty_namespace_is_the_defau
     for bad in (-1, 1.5):
         with pytest.raises(InvalidArgument, match="data_connections"):
             Client(server.address, data_connections=bad)  # type: ignore[arg-type]
+    for name, bad in (("streams", -2), ("streams", 2.5), ("shm_bytes", -1),
+                      ("shm_bytes", "1MiB"), ("keep_leases_bytes", 1.5),
+                      ("max_message_bytes", 1000), ("max_message_bytes", 1 << 31),
+                      ("max_message_bytes", True)):
+        with pytest.raises(InvalidArgument, match=name):
+            Client(server.address, **{name: bad})
     kv = random_kv(LAYOUT, 8, seed=4)
     with Client(server.address, namespace="") as c, Client(server.address) as d:
         assert c.namespace == "default"

@@ -138,8 +138,14 @@ class Client:
                 "ca=...) (the server's --tls-cert), or insecure=True (KDN_INSECURE=1) on a "
                 "network you trust")
         self.address = address
+        if not 1024 <= _whole("max_message_bytes", max_message_bytes, "") <= 2**31 - 1:
+            raise InvalidArgument(f"max_message_bytes must be in 1KiB..2GiB-1 (as the server's), "
+                                  f"got {max_message_bytes}")
         self.max_message_bytes = max_message_bytes
-        self.streams = max(1, streams)
+        for name, value in (("shm_bytes", shm_bytes), ("keep_leases_bytes", keep_leases_bytes)):
+            if value is not None:
+                _whole(name, value, "0: none; None: the default")
+        self.streams = max(1, _whole("streams", streams, "0 or 1: one"))
         """gRPC streams one retrieve reads side by side, in layer groups, when the entry comes
         over gRPC and the caller gave its layout (``kdn.client.parallel``)."""
         self.data_connections = _whole("data_connections", data_connections,
@@ -457,7 +463,8 @@ def _whole(name: str, value: object, zero: str) -> int:
     """``value`` when it is a whole number >= 0, else InvalidArgument naming ``name`` (``zero``
     says what 0 means)."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise InvalidArgument(f"{name} must be a whole number >= 0 ({zero}), got {value!r}")
+        says = f" ({zero})" if zero else ""
+        raise InvalidArgument(f"{name} must be a whole number >= 0{says}, got {value!r}")
     return value
 
 
