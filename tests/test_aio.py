@@ -107,3 +107,22 @@ def test_async_with_closes_the_client(server: ServerThread) -> None:
     assert all(p.done() and p.result().stored_bytes for p in pending)
     with pytest.raises(Closed):
         ac.client.stats()
+
+
+def test_a_closed_async_client_refuses_calls_by_kind_and_closes_once(
+        server: ServerThread) -> None:
+    kv = random_kv(LAYOUT, 16, seed=5)
+
+    async def main() -> None:
+        ac = AsyncClient(server.address)
+        await ac.store_async(numbered_key(60), kv)
+        await ac.close()
+        await ac.close()  # a second close does nothing
+        with pytest.raises(Closed):
+            await ac.store_async(numbered_key(61), kv)
+        with pytest.raises(Closed):
+            await ac.flush()
+        with pytest.raises(Closed):
+            await ac.retrieve(numbered_key(60))
+
+    asyncio.run(main())

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from kdn.client.client import Client
 from kdn.client.pending import PendingStore
+from kdn.errors import Closed
 
 if TYPE_CHECKING:
     from kdn.cache import KVCache
@@ -45,8 +46,11 @@ class AsyncClient:
         self._stores = ThreadPoolExecutor(1, thread_name_prefix="kdn-aio-stores")
         """The one thread asynchronous stores are sent, answered and flushed on."""
         self._unanswered: list[PendingStore] = []
+        self._closed = False
 
     async def _on_store_thread(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        if self._closed:
+            raise Closed("the AsyncClient is closed: make a new one")
         ctx = contextvars.copy_context()  # as asyncio.to_thread: the caller's context
         return await asyncio.get_running_loop().run_in_executor(
             self._stores, functools.partial(ctx.run, fn, *args, **kwargs))
@@ -81,10 +85,14 @@ class AsyncClient:
 
     async def close(self) -> None:
         """``Client.close``, once the stores sent are answered (each ``result()`` then has its
-        answer or error); the store thread ends."""
+        answer or error); the store thread ends. Closing again does nothing; any other call
+        after it raises Closed."""
+        if self._closed:
+            return
         try:
             await self._on_store_thread(self.client.close)
         finally:
+            self._closed = True
             self._forget_answered()
             self._stores.shutdown(wait=False)
 
