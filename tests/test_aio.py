@@ -126,3 +126,16 @@ def test_a_closed_async_client_refuses_calls_by_kind_and_closes_once(
             await ac.retrieve(numbered_key(60))
 
     asyncio.run(main())
+
+
+def test_a_client_handed_in_stays_open_for_its_owner(server: ServerThread) -> None:
+    kv = random_kv(LAYOUT, 16, seed=6)
+    with Client(server.address) as c:
+
+        async def main() -> list[Any]:
+            async with AsyncClient(c) as ac:
+                return [await ac.store_async(numbered_key(70 + i), kv) for i in range(3)]
+
+        pending = asyncio.run(main())
+        assert all(p.done() and p.result().stored_bytes for p in pending)  # answered at exit
+        assert c.retrieve(numbered_key(70)).equal(kv)  # type: ignore[union-attr]

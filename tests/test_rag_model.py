@@ -70,7 +70,11 @@ def test_cli_ingest_ask_rm(smol: Any, server: ServerThread, tmp_path: Path,
 
     assert main([*base, "rm", "nile.md"]) == 0
     assert "deleted" in capsys.readouterr().out
-    assert main([*base, "rm", "nile.md"]) == 1
+    capsys.readouterr()
+    assert main([*base, "rm", f"{corpus}/nile.md"]) == 1  # named by its path: told the names
+    err = capsys.readouterr().err
+    assert "not in the manifest" in err and "relative to the ingested folder" in err
+    assert "warsaw.md" in err.split("folder:")[1]  # what is left to name
 
 
 def test_drop_in_answer_exact_at_ratio_one(smol: Any, client: Client) -> None:

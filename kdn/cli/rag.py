@@ -185,6 +185,11 @@ def _rm(ns: argparse.Namespace) -> int:
         deleted = kb.remove(ns.docs)
     for d in missing:
         print(f"kdn rag rm: not in the manifest: {d}", file=sys.stderr)
+    if missing:
+        names = sorted(kb.manifest.documents)
+        shown = ", ".join(names[:8]) + (f" (+{len(names) - 8} more)" if len(names) > 8 else "")
+        print(f"kdn rag rm: documents are named relative to the ingested folder: "
+              f"{shown or 'none ingested'}", file=sys.stderr)
     removed = len(ns.docs) - len(missing)
     if _json(ns):
         print(json.dumps({"removed_documents": removed, "deleted_entries": deleted,

@@ -39,10 +39,13 @@ T = TypeVar("T")
 
 class AsyncClient:
     """asyncio face of a Client (module docstring): ``await AsyncClient(client).retrieve(key)``;
-    ``async with`` closes it."""
+    ``async with`` closes it (and the Client where it made it from an address)."""
 
     def __init__(self, client: Client | str) -> None:
         self.client = client if isinstance(client, Client) else Client(client)
+        self._owns = not isinstance(client, Client)
+        """Whether ``close`` closes the Client too: one made here from an address; a Client
+        handed in stays open for its owner (its stores sent here are answered)."""
         self._stores = ThreadPoolExecutor(1, thread_name_prefix="kdn-aio-stores")
         """The one thread asynchronous stores are sent, answered and flushed on."""
         self._unanswered: list[PendingStore] = []
@@ -84,13 +87,15 @@ class AsyncClient:
             self._forget_answered()
 
     async def close(self) -> None:
-        """``Client.close``, once the stores sent are answered (each ``result()`` then has its
-        answer or error); the store thread ends. Closing again does nothing; any other call
+        """The stores sent answered (each ``result()`` then has its answer or error), the store
+        thread ended, and the Client closed where this AsyncClient made it (from an address;
+        one handed in is its owner's to close). Closing again does nothing; any other call
         after it raises Closed."""
         if self._closed:
             return
         try:
-            await self._on_store_thread(self.client.close)
+            await self._on_store_thread(self.client.close if self._owns
+                                        else self.client.dataplane.settle_async)
         finally:
             self._closed = True
             self._forget_answered()
