@@ -273,6 +273,25 @@ def test_update_and_delete_invalidate_exactly_their_chunks(model: Any, counted: 
     assert not any(stored(client, kb, shared).values())
 
 
+def test_a_renamed_corpus_folder_prunes_what_left_it(model: Any, client: Client,
+                                                    tmp_path: Path) -> None:
+    docs = corpus(tmp_path)
+    kb = make_kb(model, client, tmp_path / "state")
+    kb.ingest(docs)
+    rivers = doc_keys(kb, "sub/rivers.txt")
+    moved = docs.rename(tmp_path / "renamed")
+    (moved / "cats.md").unlink()  # before the first ingest of the new folder
+    rep = kb.ingest(moved)
+    assert rep.removed == 1 and "cats.md" not in kb.manifest.documents
+    assert {d.source for d in kb.manifest.documents.values()} == {str(moved.resolve())}
+    (moved / "sub" / "rivers.txt").unlink()  # after it
+    kb = make_kb(model, client, tmp_path / "state")  # a new process: the state from disk
+    rep = kb.ingest(moved)
+    assert rep.removed == 1 and rep.unchanged == 2
+    assert sorted(kb.manifest.documents) == ["copy.md", "shared.md"]
+    assert not any(stored(client, kb, rivers).values())
+
+
 def test_interrupted_ingest_resumes_without_recomputing(model: Any, counted: Counted,
                                                         client: Client, tmp_path: Path) -> None:
     docs = corpus(tmp_path)

@@ -415,6 +415,7 @@ class KnowledgeBase:
                                                                    self.settings.level)
         self.manifest.settings = self.settings
         rep.documents = len(docs)
+        moved_from = self._claim(docs, origin)
 
         # documents whose text, settings and stored chunks are all unchanged are skipped
         candidates = [d for d in docs if same_settings and d.id in self.manifest.documents
@@ -447,8 +448,8 @@ class KnowledgeBase:
 
         if prune:
             present = {d.id for d in docs}
-            gone = [i for i, d in self.manifest.documents.items()
-                    if d.source == origin and i not in present]
+            gone = [i for i, d in self.manifest.documents.items() if i not in present
+                    and (d.source == origin or d.source in moved_from)]
             rep.removed = len(gone)
             rep.deleted += self.remove(gone, flush=False)
         listed = {d.id for d in docs}
@@ -467,6 +468,21 @@ class KnowledgeBase:
                     rep.stored_bytes += max(c.stored_bytes, held.get(c.key, 0))
         rep.total_s = time.perf_counter() - t0
         return rep
+
+    def _claim(self, docs: Sequence[Document], origin: str) -> set[str]:
+        """Make ``origin`` the source of every listed document the manifest holds (a corpus
+        folder renamed or moved keeps its documents); the earlier sources that no longer exist
+        on disk, whose unlisted documents a prune removes too."""
+        if origin == "api":
+            return set()
+        moved_from: set[str] = set()
+        for d in docs:
+            entry = self.manifest.documents.get(d.id)
+            if entry is not None and entry.source != origin:
+                if entry.source != "api" and not Path(entry.source).exists():
+                    moved_from.add(entry.source)
+                entry.source = origin
+        return moved_from
 
     def _check_settings(self) -> None:
         old = self.manifest.settings
