@@ -313,7 +313,7 @@ def test_settings_changes(model: Any, counted: Counted, client: Client, tmp_path
     state = tmp_path / "state"
     make_kb(model, client, state).ingest(docs)
     other_ns = RagConfig(target_tokens=64, max_tokens=96, namespace="other")
-    with pytest.raises(InvalidArgument, match="another model or namespace"):
+    with pytest.raises(InvalidArgument, match=r"another namespace \('rag' there, 'other'"):
         make_kb(model, client, state, other_ns).ingest(docs)
     # a new codec mode re-encodes every chunk
     calls = counted.calls
@@ -322,6 +322,28 @@ def test_settings_changes(model: Any, counted: Counted, client: Client, tmp_path
     assert rep.computed == len(kb.manifest.keys()) == counted.calls - calls
     info = client.lookup([bytes.fromhex(next(iter(kb.manifest.keys())))], namespace="rag")
     assert info.infos[0].present
+
+
+def test_ask_and_rm_refuse_another_model(model: Any, counted: Counted, client: Client,
+                                         tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    kb = make_kb(model, client, state)
+    kb.ingest(corpus(tmp_path))
+    keys = kb.manifest.keys()
+    other = tiny_llama()
+    other.name_or_path = str(tmp_path / "other")  # same shapes, weights from another folder
+    other.save_pretrained(tmp_path / "other")
+    other_kb = make_kb(other, client, state)
+    calls = counted.calls
+    for call in (lambda: other_kb.ask("Which river flows north?"),
+                 lambda: other_kb.remove(["cats.md"])):
+        with pytest.raises(InvalidArgument, match=r"another model \(layout"):
+            call()
+    assert counted.calls == calls and "cats.md" in other_kb.manifest.documents
+    assert all(stored(client, kb, keys).values())
+    cfg = RagConfig(target_tokens=64, max_tokens=96, namespace="other")
+    with pytest.raises(InvalidArgument, match="another namespace"):
+        make_kb(model, client, state, cfg).ask("Which river flows north?")
 
 
 # -- asking ---------------------------------------------------------------------------------

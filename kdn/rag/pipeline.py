@@ -488,11 +488,17 @@ class KnowledgeBase:
         old = self.manifest.settings
         if old is None:
             return
-        if (old.layout, old.namespace) != (self.settings.layout, self.settings.namespace):
-            raise InvalidArgument(
-                f"{self.state} holds a corpus ingested for another model or namespace "
-                f"(layout {old.layout[:12]}, namespace {old.namespace!r}); use another state "
-                "folder")
+        new = self.settings
+        differ = []
+        if old.layout != new.layout:
+            differ.append(f"model (layout {old.layout[:12]} there, {new.layout[:12]} here: "
+                          "not the same model or weights)")
+        if old.namespace != new.namespace:
+            differ.append(f"namespace ({old.namespace!r} there, {new.namespace!r} here)")
+        if differ:
+            raise InvalidArgument(f"{self.state} holds a corpus ingested with another "
+                                  f"{' and another '.join(differ)}; use the model and namespace "
+                                  "it was ingested with, or another state folder")
 
     def _ingest_chunk(self, chunk: Chunk, sizes: dict[bytes, int], rep: IngestReport,
                       bar: Callable[..., None]) -> ChunkEntry:
@@ -526,6 +532,7 @@ class KnowledgeBase:
 
     def remove(self, doc_ids: Sequence[str], *, flush: bool = True) -> int:
         """Forget documents; delete their chunks' kdn entries no other document uses."""
+        self._check_settings()  # another model's keys are not the entries to delete
         old: set[str] = set()
         for doc_id in doc_ids:
             d = self.manifest.documents.pop(doc_id, None)
@@ -542,6 +549,7 @@ class KnowledgeBase:
 
     def retrieve(self, question: str, k: int | None = None) -> list[Source]:
         """The top-k chunks for ``question``, best first."""
+        self._check_settings()  # another model would recompute and store every chunk anew
         qv = self.embedder.embed([question])[0]
         out = []
         for key, score in self.index.search(qv, k or self.engine.config.top_k):
