@@ -19,7 +19,7 @@ from kdn.errors import InvalidArgument
 from kdn.model import hf
 from kdn.rag import Document, KnowledgeBase, RagConfig, RagEngine, chunk_document, load_corpus
 from kdn.rag.corpus import CHUNK_END, paragraphs, sentences
-from kdn.rag.index import EMBEDDINGS, MANIFEST, VectorIndex
+from kdn.rag.index import EMBEDDINGS, MANIFEST, StateLocked, VectorIndex, state_lock
 
 VOCAB = 128
 
@@ -290,6 +290,28 @@ def test_a_renamed_corpus_folder_prunes_what_left_it(model: Any, client: Client,
     assert rep.removed == 1 and rep.unchanged == 2
     assert sorted(kb.manifest.documents) == ["copy.md", "shared.md"]
     assert not any(stored(client, kb, rivers).values())
+
+
+def test_one_writer_at_a_time_and_each_sees_the_others_updates(model: Any, client: Client,
+                                                              tmp_path: Path) -> None:
+    docs = corpus(tmp_path)
+    more = tmp_path / "more"
+    more.mkdir()
+    (more / "boats.md").write_text("Boats float on the water of the harbour.")
+    state = tmp_path / "state"
+    first, second = make_kb(model, client, state), make_kb(model, client, state)
+    first.ingest(docs)
+    second.ingest(more)  # loaded before first's ingest: its update is kept all the same
+    back = make_kb(model, client, state)
+    assert sorted(back.manifest.documents) == ["boats.md", "cats.md", "copy.md", "shared.md",
+                                               "sub/rivers.txt"]
+    assert set(back.index.keys) == back.manifest.keys()
+    with state_lock(state):  # another process's ingest or rm holds it
+        for call in (lambda: first.ingest(docs), lambda: first.remove(["cats.md"])):
+            with pytest.raises(StateLocked, match=f"another kdn rag command holds {state}"):
+                call()
+        assert first.ask("Which river flows north?").sources  # asking reads without it
+    assert first.remove(["boats.md"]) > 0
 
 
 def test_interrupted_ingest_resumes_without_recomputing(model: Any, counted: Counted,

@@ -2,6 +2,7 @@
 
     <state>/manifest.json            settings + document id -> content hash -> chunk keys
     <state>/embeddings.safetensors   "vectors" [chunks, dim] float32; metadata "keys" (hex)
+    <state>/.lock                    held (``state_lock``) by the one ingest or rm writing it
 
 Both files are written atomically (temporary file, fsync, rename), embeddings first, so a crash
 leaves at worst a manifest naming chunks without a vector (re-embedded on the next ingest, no
@@ -17,7 +18,8 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -25,11 +27,35 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:  # torch loads with the first index, so `kdn rag` checks run before it
     import torch
 
-from kdn.errors import Corrupt, InvalidArgument
+from kdn.errors import Corrupt, InvalidArgument, KDNError, Status
 
 MANIFEST = "manifest.json"
 EMBEDDINGS = "embeddings.safetensors"
+LOCK = ".lock"
 FORMAT = 1
+
+
+class StateLocked(KDNError, status=Status.FAILED_PRECONDITION):
+    """Another ingest or rm is writing the state folder."""
+
+
+@contextmanager
+def state_lock(state: Path) -> Iterator[None]:
+    """Hold ``<state>/.lock`` exclusively (``fcntl.flock``) without waiting: StateLocked when
+    another writer holds it. The lock goes with the process, so a killed writer leaves none."""
+    import fcntl
+
+    state.mkdir(parents=True, exist_ok=True)
+    fd = os.open(state / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise StateLocked(f"another kdn rag command holds {state} (an ingest or rm is "
+                              "writing it); run this one when it has finished") from None
+        yield
+    finally:
+        os.close(fd)
 
 
 class Embedder(Protocol):

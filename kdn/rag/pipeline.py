@@ -38,7 +38,8 @@ references it any more.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -53,7 +54,15 @@ from kdn.errors import InvalidArgument
 from kdn.keys import check_namespace, chunk_key
 from kdn.model import hf
 from kdn.rag.corpus import Chunk, Document, Tokenizer, chunk_document, chunk_ids, load_corpus
-from kdn.rag.index import ChunkEntry, DocEntry, Embedder, Manifest, Settings, VectorIndex
+from kdn.rag.index import (
+    ChunkEntry,
+    DocEntry,
+    Embedder,
+    Manifest,
+    Settings,
+    VectorIndex,
+    state_lock,
+)
 
 PLAIN_HEAD = "Answer the question using the documents below.\n\n"
 PLAIN_TAIL = "Question: {question}\nAnswer:"
@@ -359,10 +368,33 @@ class KnowledgeBase:
         cfg = engine.config
         self.settings = Settings(engine.layout.fingerprint, cfg.namespace, cfg.target_tokens,
                                  cfg.max_tokens, cfg.mode, cfg.level)
+        self._by_key: dict[str, tuple[str, ChunkEntry]] = {}
+        self._writers = 0
+        self._load()
+
+    def _load(self) -> None:
         self.manifest = Manifest.load(self.state)
         self.index = VectorIndex.load(self.state)
-        self._by_key: dict[str, tuple[str, ChunkEntry]] = {}
         self._reindex()
+
+    @contextmanager
+    def _writing(self) -> Iterator[None]:
+        """Hold the state folder's lock and work on its state as on disk now (another process
+        may have written it since this one loaded it); reentrant (ingest's prune removes)."""
+        if self._writers:
+            self._writers += 1
+            try:
+                yield
+            finally:
+                self._writers -= 1
+            return
+        with state_lock(self.state):
+            self._writers = 1
+            try:
+                self._load()
+                yield
+            finally:
+                self._writers = 0
 
     @property
     def embedder(self) -> Embedder:
@@ -398,7 +430,14 @@ class KnowledgeBase:
 
         ``prune``: documents of the same source that are gone are removed (default: yes for a
         folder or file, no for a list of ``Document``s, which adds or updates only).
+        The state folder is locked from loading to the last flush (``StateLocked``: another
+        ingest or rm holds it).
         """
+        with self._writing():
+            return self._ingest(source, prune, progress)
+
+    def _ingest(self, source: Path | str | Sequence[Document], prune: bool | None,
+                progress: bool) -> IngestReport:
         t0 = time.perf_counter()
         rep = IngestReport()
         if isinstance(source, (str, Path)):
@@ -531,7 +570,12 @@ class KnowledgeBase:
         rep.embed_s += time.perf_counter() - te
 
     def remove(self, doc_ids: Sequence[str], *, flush: bool = True) -> int:
-        """Forget documents; delete their chunks' kdn entries no other document uses."""
+        """Forget documents; delete their chunks' kdn entries no other document uses (the
+        state folder locked as by ``ingest``)."""
+        with self._writing():
+            return self._remove(doc_ids, flush)
+
+    def _remove(self, doc_ids: Sequence[str], flush: bool) -> int:
         self._check_settings()  # another model's keys are not the entries to delete
         old: set[str] = set()
         for doc_id in doc_ids:
