@@ -314,6 +314,29 @@ def test_one_writer_at_a_time_and_each_sees_the_others_updates(model: Any, clien
     assert first.remove(["boats.md"]) > 0
 
 
+def test_two_corpora_with_a_file_of_one_name_are_refused(model: Any, client: Client,
+                                                         tmp_path: Path) -> None:
+    a, b = tmp_path / "a", tmp_path / "b"
+    for root, word in ((a, "Alpha"), (b, "Beta")):
+        root.mkdir()
+        (root / "README.md").write_text(f"{word} readme. {word} facts live here.")
+    (a / "notes.md").write_text("Alpha notes.")
+    kb = make_kb(model, client, tmp_path / "state")
+    kb.ingest(a)
+    keys = doc_keys(kb, "README.md")
+    with pytest.raises(InvalidArgument, match=f"README.md: {b.resolve()} and {a.resolve()} "
+                                              "both have a document of this id"):
+        kb.ingest(b)
+    back = make_kb(model, client, tmp_path / "state")
+    assert doc_keys(back, "README.md") == keys and all(stored(client, kb, keys).values())
+    assert back.manifest.documents["README.md"].source == str(a.resolve())
+    (a / "README.md").unlink()  # the file moved from a to b: b's now, a's other file stays
+    rep = kb.ingest(b)
+    assert rep.removed == 0 and sorted(kb.manifest.documents) == ["README.md", "notes.md"]
+    assert kb.manifest.documents["README.md"].source == str(b.resolve())
+    assert kb.manifest.documents["notes.md"].source == str(a.resolve())
+
+
 def test_interrupted_ingest_resumes_without_recomputing(model: Any, counted: Counted,
                                                         client: Client, tmp_path: Path) -> None:
     docs = corpus(tmp_path)

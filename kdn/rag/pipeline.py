@@ -358,7 +358,23 @@ class RagEngine:
 
 
 class KnowledgeBase:
-    """A corpus ingested into kdn with a persisted retrieval index (module docstring)."""
+    """A corpus ingested into kdn with a persisted retrieval index (module docstring).
+
+    One state folder may hold several corpora (folders or files); each document remembers the
+    corpus it came from (its ``source``), and its id is its path relative to that folder. When
+    an ingest lists an id that another source holds:
+
+    * the other source still has it on disk (a folder: the file ``<source>/<id>``; a JSONL or
+      text file: the file exists): two corpora share a name, and the ingest is refused
+      (InvalidArgument naming both) before anything changes;
+    * it does not (the folder was renamed or moved, or the file moved from it to here): the
+      document now belongs to this corpus; and when the other source is gone from disk
+      altogether, a prune removes its documents this corpus does not list too (a moved
+      folder's deleted files).
+
+    Documents given as a list (``ingest([Document, ...])``, source ``api``) replace any id and
+    are taken over by any corpus that lists their id.
+    """
 
     def __init__(self, engine: RagEngine, state: Path | str,
                  embedder: Embedder | None = None) -> None:
@@ -510,17 +526,26 @@ class KnowledgeBase:
 
     def _claim(self, docs: Sequence[Document], origin: str) -> set[str]:
         """Make ``origin`` the source of every listed document the manifest holds (a corpus
-        folder renamed or moved keeps its documents); the earlier sources that no longer exist
-        on disk, whose unlisted documents a prune removes too."""
+        folder renamed or moved keeps its documents), or InvalidArgument when another source
+        still holds one of them (the class docstring's rule); the earlier sources that no
+        longer exist on disk, whose unlisted documents a prune removes too."""
         if origin == "api":
             return set()
+        taken = [(d.id, e) for d in docs if (e := self.manifest.documents.get(d.id)) is not None
+                 and e.source not in (origin, "api")]
+        clash = [(i, e.source) for i, e in taken if _holds(Path(e.source), i)]
+        if clash:
+            doc_id, other = clash[0]
+            more = f" (and {len(clash) - 1} more)" if len(clash) > 1 else ""
+            raise InvalidArgument(
+                f"{doc_id}{more}: {origin} and {other} both have a document of this id (a path "
+                f"relative to its folder) and {self.state} holds {other}'s; ingest one of them "
+                f"into another --state folder, or `kdn rag rm {doc_id}` first")
         moved_from: set[str] = set()
-        for d in docs:
-            entry = self.manifest.documents.get(d.id)
-            if entry is not None and entry.source != origin:
-                if entry.source != "api" and not Path(entry.source).exists():
-                    moved_from.add(entry.source)
-                entry.source = origin
+        for _, entry in taken:
+            if not Path(entry.source).exists():
+                moved_from.add(entry.source)
+            entry.source = origin
         return moved_from
 
     def _check_settings(self) -> None:
@@ -618,6 +643,12 @@ class KnowledgeBase:
         prepared.timings.retrieval_s = retrieval_s
         prepared.timings.ttft_s += retrieval_s
         return self.engine.finish(prepared, sources, max_new_tokens)
+
+
+def _holds(source: Path, doc_id: str) -> bool:
+    """Whether a corpus on disk still has the document ``doc_id``: a folder its file, a file
+    (JSONL or text) by existing."""
+    return (source / doc_id).is_file() if source.is_dir() else source.is_file()
 
 
 def _progress(total: int, enabled: bool) -> Callable[..., None]:
