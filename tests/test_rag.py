@@ -440,6 +440,24 @@ def test_drop_in_answer_matches_full_prefill_at_ratio_one(model: Any, client: Cl
         engine.answer("q", [])
 
 
+def test_chunks_past_the_models_context_are_left_out(client: Client) -> None:
+    short = tiny_llama()
+    short.config.max_position_embeddings = 200
+    engine = RagEngine(short, CharTokenizer(), client, RagConfig(max_new_tokens=4))
+    chunks = [f"Chunk {i} says something about rivers and cats.\n\n" for i in range(5)]
+    room = 200 - len(engine.head) - len(engine.tail.replace("{question}", "Why?")) - 4
+    fit = room // len(chunks[0])
+    assert 0 < fit < len(chunks)
+    ans = engine.answer("Why?", chunks)
+    assert [s.text for s in ans.sources] == chunks[:fit]
+    assert ans.timings.dropped_chunks == len(chunks) - fit
+    assert ans.timings.prompt_tokens + 4 <= 200
+    with pytest.raises(InvalidArgument, match="context of 200 tokens even with one chunk"):
+        engine.answer("Why?" * 60, chunks)
+    with pytest.raises(InvalidArgument, match="context of 200 tokens"):
+        engine.answer("Why?", chunks, max_new_tokens=200)
+
+
 def test_config_validation() -> None:
     with pytest.raises(InvalidArgument):
         RagConfig(top_k=0)

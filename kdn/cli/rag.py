@@ -175,6 +175,9 @@ def _ask(ns: argparse.Namespace) -> int:
           f"blend {t.blend_s:.3f} s -> first token {t.ttft_s:.3f} s; generation "
           f"{t.generate_s:.3f} s; {t.prompt_tokens} prompt tokens, {t.recomputed_tokens} of "
           f"{t.cached_tokens} cached recomputed")
+    if t.dropped_chunks:
+        print(f"{t.dropped_chunks} lower-ranked chunks left out: the prompt would not fit the "
+              "model's context")
     return 0
 
 

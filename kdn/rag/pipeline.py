@@ -141,6 +141,9 @@ class AskTimings:
     cached_tokens: int = 0
     recomputed_tokens: int = 0
     missing_chunks: int = 0
+    dropped_chunks: int = 0
+    """The last (lowest-ranked) chunks left out so the prompt and the answer fit the model's
+    context."""
 
     @property
     def compute_s(self) -> float:
@@ -168,6 +171,8 @@ class Prepared:
     timings: AskTimings
     first_token: int = -1
     """The first generated token (known when TTFT is taken)."""
+    used: int = 0
+    """How many of the chunks (the first ones) the prompt holds; the others did not fit."""
 
 
 @dataclass
@@ -299,11 +304,41 @@ class RagEngine:
 
     # -- answering ------------------------------------------------------------------------------
 
-    def prepare(self, question: str, chunks: Sequence[str]) -> Prepared:
-        """Fetch (or compute) the chunks' KV and blend it with the question: first-token state."""
+    def fitting(self, question: str, chunks: Sequence[str],
+                max_new_tokens: int | None = None) -> int:
+        """How many of ``chunks`` (ranked, best first) fit the model's context together with
+        the head, the question and ``max_new_tokens``; InvalidArgument when not even one."""
+        _, context = hf.prompt_limits(self.model)
+        if context is None:
+            return len(chunks)
+        tail = len(chunk_ids(self.tokenizer, self.tail.replace("{question}", question)))
+        room = context - len(self.head_ids) - tail - (max_new_tokens or self.config.max_new_tokens)
+        used = 0
+        for c in chunks:
+            room -= len(chunk_ids(self.tokenizer, c))
+            if room < 0:
+                break
+            used += 1
+        if chunks and not used:
+            first = len(chunk_ids(self.tokenizer, chunks[0]))
+            raise InvalidArgument(
+                f"the prompt does not fit the model's context of {context} tokens even with one "
+                f"chunk: head {len(self.head_ids)} + chunk {first} + question {tail} + "
+                f"{max_new_tokens or self.config.max_new_tokens} new tokens; ask a shorter "
+                "question or fewer new tokens")
+        return used
+
+    def prepare(self, question: str, chunks: Sequence[str],
+                max_new_tokens: int | None = None) -> Prepared:
+        """Fetch (or compute) the chunks' KV and blend it with the question: first-token state.
+        The last chunks that do not fit the model's context with ``max_new_tokens`` are left
+        out (``fitting``; ``Prepared.used``, ``AskTimings.dropped_chunks``)."""
         cfg = self.config
         t = AskTimings()
         t0 = time.perf_counter()
+        used = self.fitting(question, chunks, max_new_tokens)
+        t.dropped_chunks = len(chunks) - used
+        chunks = chunks[:used]
         ids = [chunk_ids(self.tokenizer, c) for c in chunks]
         chunks_kv = [self.connector() for _ in ids]
         loaded = [c.start_load(i) for c, i in zip(chunks_kv, ids)]
@@ -328,7 +363,7 @@ class RagEngine:
         t.cached_tokens = result.timings.cached_tokens
         t.recomputed_tokens = result.timings.recomputed_tokens
         t.missing_chunks = len(missing)
-        return Prepared(result.kv, result.logits, missing, t, first)
+        return Prepared(result.kv, result.logits, missing, t, first, used)
 
     def finish(self, prepared: Prepared, sources: list[Source],
                max_new_tokens: int | None = None) -> Answer:
@@ -352,8 +387,9 @@ class RagEngine:
         """Answer ``question`` from the given chunk texts (see the module docstring)."""
         if not chunks:
             raise InvalidArgument("answer needs at least one chunk")
-        prepared = self.prepare(question, chunks)
-        sources = [Source(self.key(chunk_ids(self.tokenizer, c)).hex(), c) for c in chunks]
+        prepared = self.prepare(question, chunks, max_new_tokens)
+        sources = [Source(self.key(chunk_ids(self.tokenizer, c)).hex(), c)
+                   for c in chunks[:prepared.used]]
         return self.finish(prepared, sources, max_new_tokens)
 
 
@@ -639,10 +675,10 @@ class KnowledgeBase:
         if not sources:
             raise InvalidArgument("the knowledge base is empty: ingest a corpus first")
         retrieval_s = time.perf_counter() - t0
-        prepared = self.engine.prepare(question, [s.text for s in sources])
+        prepared = self.engine.prepare(question, [s.text for s in sources], max_new_tokens)
         prepared.timings.retrieval_s = retrieval_s
         prepared.timings.ttft_s += retrieval_s
-        return self.engine.finish(prepared, sources, max_new_tokens)
+        return self.engine.finish(prepared, sources[:prepared.used], max_new_tokens)
 
 
 def _holds(source: Path, doc_id: str) -> bool:
