@@ -152,6 +152,34 @@ def test_chunking_packs_paragraphs_and_splits_long_ones() -> None:
         chunk_document(Document("d", "x"), tok, target_tokens=64, max_tokens=32)
 
 
+class ByteTokenizer:
+    """One token per UTF-8 byte, as a byte-level BPE's rarest characters: a window of ids can
+    end inside a character, and decoding it alone gives U+FFFD."""
+
+    def __call__(self, text: str, *, add_special_tokens: bool = False) -> dict[str, list[int]]:
+        return {"input_ids": list(text.encode("utf-8"))}
+
+    def decode(self, ids: list[int], /, *, skip_special_tokens: bool = False) -> str:
+        return bytes(ids).decode("utf-8", errors="replace")
+
+
+def test_cjk_emoji_and_combining_marks_are_chunked_whole() -> None:
+    assert sentences("他来了。她走了！好吗？「是。」然后 Then.") == [
+        "他来了。", "她走了！", "好吗？", "「是。」", "然后 Then."]
+    tok = ByteTokenizer()
+    for text in ("华沙是波兰的首都和最大城市。它位于维斯瓦河畔。" * 40,  # sentences
+                 "华沙是波兰的首都和最大城市" * 40,  # one run-on "sentence": windows
+                 "🙂🚀🎉👍🏽👨\u200d👩\u200d👧" * 40, "e\u0301a\u0308o\u0302" * 200):
+        chunks = chunk_document(Document("d", text), tok, target_tokens=64, max_tokens=96)
+        pieces = [c.text.removesuffix(CHUNK_END) for c in chunks]
+        assert "".join(pieces) == text, "a character was lost, split or added"
+        assert all(c.tokens <= 96 + 2 for c in chunks), [c.tokens for c in chunks]
+        for p in pieces:
+            assert "\ufffd" not in p
+            assert not p[0].startswith(("\u0301", "\u0308", "\u0302", "\u200d", "🏽"))
+            assert not p.endswith("\u200d")
+
+
 def test_load_corpus_folder_and_jsonl(tmp_path: Path) -> None:
     docs = corpus(tmp_path)
     (docs / ".kdn-rag").mkdir()

@@ -8,7 +8,10 @@ Lifecycle:
    "text": ..}``; ``id`` defaults to ``<line number>``, ``title`` is prepended when present).
 2. ``chunk_document(doc, tokenizer, target, limit)`` packs the document's paragraphs (blank-line
    separated) into chunks of about ``target`` tokens. A paragraph longer than ``target`` is
-   split into sentences, a sentence longer than ``limit`` into token windows. A chunk closes
+   split into sentences (after ``.!?`` and a space, or after ``。！？``), a sentence longer
+   than ``limit`` into windows of at most ``target`` tokens, cut in the text between two
+   characters (at a space where there is one near, never inside a character's combining marks
+   or an emoji sequence), so no character is lost or split. A chunk closes
    when the next unit would take it past ``target``, so a chunk passes ``limit`` tokens only
    by the few tokens that joining its units adds.
 3. Each ``Chunk`` carries its text (ending in a blank line, so the next prompt piece starts on
@@ -24,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import unicodedata
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -34,6 +38,10 @@ TEXT_SUFFIXES = (".txt", ".md", ".markdown", ".rst")
 CHUNK_END = "\n\n"
 _PARAGRAPH_RE = re.compile(r"\n[ \t]*\n+")
 _SENTENCE_RE = re.compile(r"(?:(?<=[.!?])|(?<=[.!?][\"')\]]))\s+(?=[\"'(\[]?[A-Z0-9])")
+_CJK_END = "。！？｡"  # ideographic full stop, fullwidth ! and ?, halfwidth ideographic stop
+_CJK_CLOSE = "」』）〕】》〉”’\"')"
+_CJK_SENTENCE_RE = re.compile(f"(?:(?<=[{_CJK_END}])|(?<=[{_CJK_END}][{_CJK_CLOSE}]))"
+                              f"(?=[^{_CJK_CLOSE}])")
 
 
 class Tokenizer(Protocol):
@@ -127,8 +135,68 @@ def paragraphs(text: str) -> list[str]:
 
 
 def sentences(paragraph: str) -> list[str]:
-    """Sentences of a paragraph (split after ``.!?`` before a capital, digit or quote)."""
-    return [s.strip() for s in _SENTENCE_RE.split(paragraph) if s.strip()]
+    """Sentences of a paragraph (split after ``.!?`` and a space before a capital, digit or
+    quote, and after ``。！？｡`` and their closing quotes)."""
+    return [s.strip() for part in _SENTENCE_RE.split(paragraph)
+            for s in _CJK_SENTENCE_RE.split(part) if s.strip()]
+
+
+def _joiner(before: str) -> str:
+    """What joins a sentence to the one ``before`` it: nothing after a CJK one, else a space."""
+    return "" if before.rstrip(_CJK_CLOSE)[-1:] in tuple(_CJK_END) else " "
+
+
+def _inside_cluster(text: str, i: int) -> bool:
+    """Whether a cut before ``text[i]`` would split a user-perceived character: a combining
+    mark, a variation selector, an emoji skin tone or tag, or either side of a zero-width
+    joiner."""
+    c, prev = text[i], text[i - 1]
+    return (unicodedata.category(c) in ("Mn", "Me", "Mc") or c == "\u200d" or prev == "\u200d"
+            or "\ufe00" <= c <= "\ufe0f" or "\U0001f3fb" <= c <= "\U0001f3ff"
+            or "\U000e0020" <= c <= "\U000e007f")
+
+
+def _windows(sentence: str, tokenizer: Tokenizer, target: int,
+             total: int) -> list[tuple[str, int, str]]:
+    """(text, tokens, joiner) of the pieces of a ``total``-token run-on sentence, each at most
+    ``target`` tokens (except a single cluster longer than that), cut between characters:
+    at the last space in the window's second half where there is one (the joiner a space),
+    else between clusters (the joiner empty). Tokenizes about twice the sentence in all."""
+    per_token = len(sentence) / max(1, total)  # characters per token, to guess each cut
+    out: list[tuple[str, int, str]] = []
+    rest, joiner = sentence, ""
+    while rest:
+        cut, sep = _cut(rest, max(1, int(target * per_token)))
+        while cut > 1:
+            n = len(_ids(tokenizer, rest[:cut]))
+            if n <= target:
+                break
+            smaller, smaller_sep = _cut(rest, max(1, min(cut - 1, int(cut * target / n))))
+            if smaller >= cut:  # one cluster longer than a window
+                break
+            cut, sep = smaller, smaller_sep
+        piece = rest[:cut].rstrip()
+        out.append((piece, len(_ids(tokenizer, piece)), joiner))
+        rest, joiner = rest[cut:].lstrip(), sep
+    return out
+
+
+def _cut(text: str, cut: int) -> tuple[int, str]:
+    """Where to cut ``text`` at or before ``cut`` (after, only inside a cluster longer than
+    ``cut``), and the joiner that restores the text there."""
+    if cut >= len(text):
+        return len(text), ""
+    space = max(text.rfind(" ", cut // 2, cut), text.rfind("\n", cut // 2, cut))
+    if space > 0:
+        return space + 1, " "
+    i = cut
+    while i > 0 and _inside_cluster(text, i):
+        i -= 1
+    if i == 0:
+        i = cut
+        while i < len(text) and _inside_cluster(text, i):
+            i += 1
+    return i, ""
 
 
 def chunk_ids(tokenizer: Tokenizer, text: str) -> list[int]:
@@ -148,15 +216,16 @@ def _units(text: str, tokenizer: Tokenizer, target: int, limit: int) -> list[tup
         if n <= target:
             out.append((para, n, "\n\n"))
             continue
-        for j, sent in enumerate(sentences(para)):
-            sep = "\n\n" if j == 0 else " "
+        before = ""
+        for sent in sentences(para):
+            sep = _joiner(before) if before else "\n\n"
+            before = sent
             ids = _ids(tokenizer, sent)
             if len(ids) <= limit:
                 out.append((sent, len(ids), sep))
                 continue
-            for w in range(0, len(ids), target):  # a run-on "sentence": token windows
-                piece = tokenizer.decode(ids[w : w + target], skip_special_tokens=True)
-                out.append((piece, len(ids[w : w + target]), sep if w == 0 else " "))
+            for w, (piece, n, joiner) in enumerate(_windows(sent, tokenizer, target, len(ids))):
+                out.append((piece, n, sep if w == 0 else joiner))  # a run-on "sentence"
     return out
 
 
