@@ -217,6 +217,37 @@ def test_a_corpus_file_that_is_not_utf8_is_named_and_links_out_are_skipped(
         load_corpus(jl)
 
 
+def test_a_manifest_of_the_wrong_shape_is_corrupt(tmp_path: Path) -> None:
+    from kdn.errors import Corrupt
+    from kdn.rag.index import Manifest
+
+    settings = {"layout": "x", "namespace": "rag", "target_tokens": 256, "max_tokens": 384,
+                "mode": "lossless", "level": ""}
+    chunk = {"key": "ab", "tokens": 3, "text": "abc"}
+    doc = {"sha256": "0", "source": "/c", "chunks": [chunk]}
+    good = {"format": 1, "settings": settings, "documents": {"a.md": doc}}
+    (tmp_path / MANIFEST).write_text(json.dumps(good))
+    assert Manifest.load(tmp_path).documents["a.md"].chunks[0].text == "abc"
+    for bad in ([], None, 5, {**good, "documents": []}, {**good, "settings": []},
+                {**good, "settings": {**settings, "target_tokens": "256"}},
+                {**good, "settings": {**settings, "max_tokens": True}},
+                {**good, "documents": {"a.md": []}},
+                {**good, "documents": {"a.md": {**doc, "chunks": {}}}},
+                {**good, "documents": {"a.md": {**doc, "source": None}}},
+                {**good, "documents": {"a.md": {**doc, "chunks": [{**chunk, "tokens": "3"}]}}},
+                {**good, "documents": {"a.md": {**doc, "chunks": ["ab"]}}}):
+        (tmp_path / MANIFEST).write_text(json.dumps(bad))
+        with pytest.raises(Corrupt, match="malformed manifest"):
+            Manifest.load(tmp_path)
+
+
+def test_a_jsonl_line_with_a_lone_surrogate_is_named(tmp_path: Path) -> None:
+    jl = tmp_path / "c.jsonl"
+    jl.write_text('{"id": "a", "text": "fine"}\n{"id": "b", "text": "Hello \\ud800 world."}\n')
+    with pytest.raises(InvalidArgument, match=r"c.jsonl:2: not UTF-8 text"):
+        load_corpus(jl)
+
+
 def test_vector_index_round_trip(tmp_path: Path) -> None:
     idx = VectorIndex()
     v = torch.nn.functional.normalize(torch.randn(5, 8), dim=1)

@@ -120,6 +120,13 @@ def _load_jsonl(path: Path) -> list[Document]:
             raise InvalidArgument(f"{path}:{n}: not JSON: {exc}") from None
         if not isinstance(row, dict) or not isinstance(row.get("text"), str):
             raise InvalidArgument(f"{path}:{n}: expected an object with a string 'text'")
+        try:
+            "".join(v for k in ("id", "title", "text")
+                    if isinstance(v := row.get(k), str)).encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise InvalidArgument(f"{path}:{n}: not UTF-8 text ({exc.reason} "
+                                  f"{exc.object[exc.start:exc.end]!r}: a lone surrogate "
+                                  "escape); fix or leave out the line") from None
         doc_id = str(row.get("id", n))
         if doc_id in docs:
             raise InvalidArgument(f"{path}:{n}: duplicate id {doc_id!r}")

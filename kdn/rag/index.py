@@ -20,7 +20,7 @@ import os
 import tempfile
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -124,13 +124,17 @@ class Manifest:
             return cls()
         try:
             raw = json.loads(path.read_text(encoding="utf-8"))
+            if not isinstance(raw, dict):
+                raise TypeError(f"a JSON object expected, not {type(raw).__name__}")
             if raw.get("format") != FORMAT:
                 raise Corrupt(f"{path}: unknown manifest format {raw.get('format')!r}")
-            settings = Settings(**raw["settings"]) if raw.get("settings") else None
+            settings = Settings(**_fields(raw["settings"], Settings, "settings")) \
+                if raw.get("settings") is not None else None
             docs = {
-                doc_id: DocEntry(d["sha256"], d["source"],
-                                 [ChunkEntry(**c) for c in d["chunks"]])
-                for doc_id, d in raw["documents"].items()
+                doc_id: DocEntry(**_fields(d, DocEntry, f"document {doc_id!r}", chunks=[
+                    ChunkEntry(**_fields(c, ChunkEntry, f"a chunk of {doc_id!r}"))
+                    for c in _of(d, "chunks", list, f"document {doc_id!r}")]))
+                for doc_id, d in _of(raw, "documents", dict, "the manifest").items()
             }
         except (KeyError, TypeError, ValueError) as exc:
             raise Corrupt(f"{path}: malformed manifest: {exc}") from None
@@ -154,6 +158,34 @@ class Manifest:
                 if c.key == key:
                     return doc_id, c
         return None
+
+
+_TYPES = {"str": str, "int": int}
+
+
+def _of(obj: Any, name: str, kind: type, what: str) -> Any:
+    """``obj[name]`` when ``obj`` is an object and it a ``kind``, else TypeError naming it."""
+    if not isinstance(obj, dict):
+        raise TypeError(f"{what} is {type(obj).__name__}, not an object")
+    value = obj[name]
+    if not isinstance(value, kind) or isinstance(value, bool):
+        raise TypeError(f"{what}: {name} is {value!r}, not {kind.__name__}")
+    return value
+
+
+def _fields(obj: Any, cls: type, what: str, **given: Any) -> dict[str, Any]:
+    """The str and int fields of dataclass ``cls`` read from the JSON object ``obj``, each
+    checked (TypeError naming it), plus ``given``; an unknown field is a TypeError too."""
+    if not isinstance(obj, dict):
+        raise TypeError(f"{what} is {type(obj).__name__}, not an object")
+    out = dict(given)
+    for f in fields(cls):
+        kind = _TYPES.get(str(f.type))
+        if kind is not None and (f.name in obj or f.default is MISSING):
+            out[f.name] = _of(obj, f.name, kind, what)
+    if unknown := set(obj) - {f.name for f in fields(cls)}:
+        raise TypeError(f"{what}: unknown fields {sorted(unknown)}")
+    return out
 
 
 # -- embeddings -----------------------------------------------------------------------------
