@@ -517,6 +517,25 @@ def test_chunks_past_the_models_context_are_left_out(client: Client) -> None:
         engine.answer("Why?", chunks, max_new_tokens=200)
 
 
+def test_a_plain_ingest_rerun_takes_the_states_settings() -> None:
+    from kdn.cli.main import build_parser
+    from kdn.cli.rag import ingest_settings
+    from kdn.rag.index import Settings
+
+    def settings(*flags: str, state: Settings | None = None) -> tuple[Any, ...]:
+        ns = build_parser().parse_args(["rag", "ingest", "docs", *flags])
+        ingest_settings(ns, state)
+        return ns.namespace, ns.chunk_tokens, ns.max_chunk_tokens, ns.mode, ns.level
+
+    assert settings() == ("rag", 256, 0, "lossless", "")
+    old = Settings("layout", "team", 16, 20, "kdn", "small")
+    assert settings(state=old) == ("team", 16, 20, "kdn", "small")
+    assert settings("--chunk-tokens", "64", "--mode", "int8", state=old) == (
+        "team", 64, 0, "int8", "")
+    assert settings("--namespace", "x", "--level", "tiny", state=old) == (
+        "x", 16, 20, "kdn", "tiny")
+
+
 def test_config_validation() -> None:
     with pytest.raises(InvalidArgument):
         RagConfig(top_k=0)
@@ -540,6 +559,8 @@ def test_cli_parses_rag_commands() -> None:
                                     "--level", "l2", "--chunk-tokens", "128"])
     assert (ns.cmd, ns.cmd_rag, ns.corpus, ns.mode, ns.level, ns.chunk_tokens) == (
         "rag", "ingest", "docs", "kdn", "l2", 128)
+    ns = build_parser().parse_args(["rag", "ingest", "docs"])
+    assert (ns.namespace, ns.chunk_tokens, ns.mode, ns.level) == (None, None, None, None)
     ns = build_parser().parse_args(["rag", "ask", "why?", "-k", "3"])
     assert (ns.question, ns.k, ns.selection) == ("why?", 3, None)
     ns = build_parser().parse_args(["rag", "ask", "why?", "--selection", "deviation"])

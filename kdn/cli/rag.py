@@ -45,6 +45,7 @@ def _engine(ns: argparse.Namespace) -> Any:
     if ns.cmd_rag == "ingest":
         from kdn.codec.catalog import check_codec
 
+        ingest_settings(ns, settings)
         if not Path(ns.corpus).exists():
             raise _UsageError(f"corpus {ns.corpus} does not exist; pass a folder of .txt/.md "
                               "files or a .jsonl file of {id, text} lines")
@@ -79,6 +80,30 @@ def _engine(ns: argparse.Namespace) -> Any:
         client.close()
         raise
     return kb, client
+
+
+DEFAULTS = {"chunk_tokens": 256, "namespace": "rag", "mode": "lossless"}
+
+
+def ingest_settings(ns: argparse.Namespace, settings: Any) -> None:
+    """Fill the ingest flags not given (None) from the state's settings (as ``ask`` and ``rm``
+    take them), else from ``DEFAULTS``: a plain re-run ingests as the run before. A chunk size
+    given alone takes its own limit (1.5x), a mode given alone its own level."""
+    given_size, given_mode = ns.chunk_tokens is not None, ns.mode is not None
+    if settings is not None:
+        for name, value in (("namespace", settings.namespace),
+                            ("chunk_tokens", settings.target_tokens), ("mode", settings.mode)):
+            if getattr(ns, name) is None:
+                setattr(ns, name, value)
+        if ns.max_chunk_tokens is None and not given_size:
+            ns.max_chunk_tokens = settings.max_tokens
+        if ns.level is None and not given_mode:
+            ns.level = settings.level
+    for name, value in DEFAULTS.items():
+        if getattr(ns, name) is None:
+            setattr(ns, name, value)
+    ns.max_chunk_tokens = ns.max_chunk_tokens or 0
+    ns.level = ns.level or ""
 
 
 def _knowledge_base(ns: argparse.Namespace, client: Any, state: Path, settings: Any) -> Any:
@@ -285,13 +310,17 @@ def register(sub: Any) -> None:
 
     ing = command("ingest", "chunk, embed, prefill and store a corpus")
     ing.add_argument("corpus", help="folder of .txt/.md files, or a .jsonl of {id, text}")
-    ing.add_argument("--chunk-tokens", type=count, default=256, help="target tokens per chunk")
-    ing.add_argument("--max-chunk-tokens", type=count, default=0,
-                     help="hard limit per chunk (default 1.5x the target)")
-    ing.add_argument("--namespace", type=NAMESPACE, default="rag")
-    ing.add_argument("--mode", default="lossless",
-                     help="codec mode: lossless, raw, int8, cachegen, kdn (default lossless)")
-    ing.add_argument("--level", default="",
+    # None: the state's setting (a re-run ingests as the run before), else the default
+    ing.add_argument("--chunk-tokens", type=count, default=None,
+                     help="target tokens per chunk (default: the state's, else 256)")
+    ing.add_argument("--max-chunk-tokens", type=count, default=None,
+                     help="hard limit per chunk (default: the state's, else 1.5x the target)")
+    ing.add_argument("--namespace", type=NAMESPACE, default=None,
+                     help="kdn namespace of the chunks (default: the state's, else rag)")
+    ing.add_argument("--mode", default=None,
+                     help="codec mode: lossless, raw, int8, cachegen, kdn (default: the "
+                     "state's, else lossless)")
+    ing.add_argument("--level", default=None,
                      help="codec level of the kdn mode: near-lossless, high, balanced, default "
                      "(the default), small, compact, tiny")
     ing.add_argument("--no-prune", action="store_true",
