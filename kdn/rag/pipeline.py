@@ -323,7 +323,7 @@ class RagEngine:
             first = len(chunk_ids(self.tokenizer, chunks[0]))
             raise InvalidArgument(
                 f"the prompt does not fit the model's context of {context} tokens even with one "
-                f"chunk: head {len(self.head_ids)} + chunk {first} + question {tail} + "
+                f"chunk: head {len(self.head_ids)} + chunk {first} + question and tail {tail} + "
                 f"{max_new_tokens or self.config.max_new_tokens} new tokens; ask a shorter "
                 "question or fewer new tokens")
         return used
