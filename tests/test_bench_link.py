@@ -15,19 +15,19 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_bench_link_writes_its_report(tmp_path: Path) -> None:
     out = tmp_path / "link.json"
     run = subprocess.run([sys.executable, "-m", "bench.link", "--quick", "--tokens", "256",
-                          "--links", "1,0", "--out", str(out)],
+                          "--links", "0.25,0", "--out", str(out)],
                          cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["device"] and report["torch"]
     rows = report["rows"]
     assert {(r["link_gbps"], r["encoding"]) for r in rows} == {
-        (g, e) for g in (1.0, 0.0)
+        (g, e) for g in (0.25, 0.0)
         for e in ("recompute", "raw", "int8", "kdn-default", "controller")}
     for r in rows:
         assert r["ttft_s"] > 0 and r["prefill_s"] > 0 and r["tokens"] == 256
         assert abs(r["ratio_vs_prefill"] - r["ttft_s"] / r["prefill_s"]) < 1e-9
-    sizes = {r["encoding"]: r["stored_bytes"] for r in rows if r["link_gbps"] == 1.0}
+    sizes = {r["encoding"]: r["stored_bytes"] for r in rows if r["link_gbps"] == 0.25}
     assert sizes["kdn-default"] < sizes["int8"] < sizes["raw"]  # every link, the same bytes
     assert all(r["stored_bytes"] == sizes[r["encoding"]] for r in rows
                if r["encoding"] in sizes and r["encoding"] != "controller")
@@ -39,10 +39,12 @@ def test_bench_link_writes_its_report(tmp_path: Path) -> None:
         assert r["vs_best_fixed"] == r["ttft_s"] / min(
             o["ttft_s"] for o in rows
             if o["link_gbps"] == r["link_gbps"] and o["encoding"] != "controller")
-    # the fresh engine measured its link: 1 Gbit/s = 0.125 GB/s, and far more unthrottled
+    # the fresh engine measured its link: 0.25 Gbit/s = 0.031 GB/s, and far more unthrottled
     probed = {r["link_gbps"]: r["probed_gb_s"] for r in rows if r["encoding"] == "controller"}
-    assert 0.09 < probed[1.0] < 0.16 and probed[0.0] > 0.5, probed
-    # 1 Gbit/s: raw (the most bytes) takes longer than over the unthrottled loopback
-    raw = {r["link_gbps"]: r["ttft_s"] for r in rows if r["encoding"] == "raw"}
-    assert raw[1.0] > raw[0.0]
+    assert 0.0225 < probed[0.25] < 0.04 and probed[0.0] > 0.5, probed
+    # 0.25 Gbit/s: raw's bytes (the most) cross at the link's rate past one 4 MiB burst, several
+    # times what they take over the unthrottled loopback (tens of ms even on a busy host)
+    raw = {r["link_gbps"]: r for r in rows if r["encoding"] == "raw"}
+    assert raw[0.25]["ttft_s"] > 0.8 * (raw[0.25]["stored_bytes"] - (4 << 20)) / 0.03125e9
+    assert raw[0.25]["ttft_s"] > 1.5 * raw[0.0]["ttft_s"], raw
     assert out.with_suffix(".png").exists()
