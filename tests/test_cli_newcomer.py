@@ -350,7 +350,7 @@ def test_an_unchanged_reingest_reports_nothing_computed() -> None:
     """Before: "stored 7.4 MiB" and a time per 1,000 tokens although nothing was computed."""
     pytest.importorskip("torch")
     from kdn.cli.rag import ingest_lines
-    from kdn.rag.pipeline import IngestReport
+    from kdn.rag.knowledge import IngestReport
 
     unchanged = IngestReport(documents=3, unchanged=3, chunks=3, tokens=56,
                              stored_bytes=7_759_462, total_s=0.4)

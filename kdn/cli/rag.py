@@ -109,7 +109,8 @@ def ingest_settings(ns: argparse.Namespace, settings: Any) -> None:
 def _knowledge_base(ns: argparse.Namespace, client: Any, state: Path, settings: Any) -> Any:
     from kdn.model.hf import place
     from kdn.model.models import load_model, quiet_transformers
-    from kdn.rag.pipeline import KnowledgeBase, RagConfig, RagEngine
+    from kdn.rag.knowledge import KnowledgeBase
+    from kdn.rag.pipeline import RagConfig, RagEngine
 
     device = _device(ns)  # before the model loads
     opts: dict[str, Any] = {}

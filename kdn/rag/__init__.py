@@ -7,8 +7,8 @@
     kb.ingest("docs/"); kb.ask("Who ...?")
 
 ``corpus`` loads and chunks documents, ``index`` persists the manifest and embeddings,
-``pipeline`` holds the engine and the knowledge base (``kdn.cli.rag``: the ``kdn rag``
-commands). The
+``pipeline`` holds the engine, ``knowledge`` the knowledge base (``kdn.cli.rag``: the
+``kdn rag`` commands). The
 names below load on first use, so ``kdn rag --help`` does not import torch.
 """
 
@@ -20,18 +20,12 @@ from kdn.lazy import lazy_exports
 
 if TYPE_CHECKING:
     from kdn.rag.corpus import Chunk, Document, chunk_document, load_corpus
-    from kdn.rag.pipeline import (
-        Answer,
-        AskTimings,
-        IngestReport,
-        KnowledgeBase,
-        RagConfig,
-        RagEngine,
-        Source,
-    )
+    from kdn.rag.knowledge import IngestReport, KnowledgeBase
+    from kdn.rag.pipeline import Answer, AskTimings, RagConfig, RagEngine, Source
 
 _HOME = {name: "kdn.rag.pipeline" for name in (
-    "Answer", "AskTimings", "IngestReport", "KnowledgeBase", "RagConfig", "RagEngine", "Source")}
+    "Answer", "AskTimings", "RagConfig", "RagEngine", "Source")}
+_HOME.update({name: "kdn.rag.knowledge" for name in ("IngestReport", "KnowledgeBase")})
 _HOME.update({name: "kdn.rag.corpus" for name in (
     "Chunk", "Document", "chunk_document", "load_corpus")})
 

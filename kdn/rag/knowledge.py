@@ -1,0 +1,371 @@
+"""The knowledge base of ``kdn rag``: a corpus ingested into a state folder (manifest and
+embeddings, ``kdn.rag.index``) and a kdn server (each chunk's KV, prefilled by a
+``kdn.rag.pipeline.RagEngine``), asked by retrieval then blending, and kept in step with the
+corpus as it changes (changed documents redone, removed ones pruned, one writer at a time)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from kdn.errors import InvalidArgument
+from kdn.rag.corpus import Chunk, Document, chunk_document, load_corpus
+from kdn.rag.index import (
+    ChunkEntry,
+    DocEntry,
+    Embedder,
+    Manifest,
+    Settings,
+    VectorIndex,
+    state_lock,
+)
+from kdn.rag.pipeline import Answer, RagEngine, Source
+
+
+@dataclass
+class IngestReport:
+    documents: int = 0
+    changed: int = 0
+    unchanged: int = 0
+    removed: int = 0
+    chunks: int = 0
+    """Chunks of the corpus after the ingest."""
+    computed: int = 0
+    """Chunks prefilled and stored by this ingest."""
+    reused: int = 0
+    """Chunks of changed documents that kdn already held."""
+    tokens: int = 0
+    """Tokens in the corpus's chunks."""
+    computed_tokens: int = 0
+    stored_bytes: int = 0
+    """Bytes kdn holds for the corpus's chunks (this ingest's writes and earlier ones)."""
+    deleted: int = 0
+    """kdn entries deleted (chunks of changed or removed documents no document uses)."""
+    embed_s: float = 0.0
+    prefill_s: float = 0.0
+    store_s: float = 0.0
+    total_s: float = 0.0
+
+    def summary(self) -> str:
+        mib = self.stored_bytes / (1 << 20)
+        return (f"{self.documents} documents ({self.changed} changed, {self.unchanged} unchanged,"
+                f" {self.removed} removed); {self.chunks} chunks, {self.tokens} tokens; computed "
+                f"{self.computed} chunks ({self.computed_tokens} tokens), reused {self.reused}; "
+                f"deleted {self.deleted} entries; kdn holds {mib:.1f} MiB for the corpus; "
+                f"{self.total_s:.1f} s "
+                f"(prefill {self.prefill_s:.1f}, store {self.store_s:.1f}, embed "
+                f"{self.embed_s:.1f})")
+
+
+class KnowledgeBase:
+    """A corpus ingested into kdn with a persisted retrieval index (module docstring).
+
+    One state folder may hold several corpora (folders or files); each document remembers the
+    corpus it came from (its ``source``), and its id is its path relative to that folder. When
+    an ingest lists an id that another source holds:
+
+    * the other source still has it on disk (a folder: the file ``<source>/<id>``; a JSONL or
+      text file: the file exists): two corpora share a name, and the ingest is refused
+      (InvalidArgument naming both) before anything changes;
+    * it does not (the folder was renamed or moved, or the file moved from it to here): the
+      document now belongs to this corpus; and when the other source is gone from disk
+      altogether, a prune removes its documents this corpus does not list too (a moved
+      folder's deleted files).
+
+    Documents given as a list (``ingest([Document, ...])``, source ``api``) replace any id and
+    are taken over by any corpus that lists their id.
+    """
+
+    def __init__(self, engine: RagEngine, state: Path | str,
+                 embedder: Embedder | None = None) -> None:
+        self.engine = engine
+        self.state = Path(state)
+        self._embedder = embedder
+        cfg = engine.config
+        self.settings = Settings(engine.layout.fingerprint, cfg.namespace, cfg.target_tokens,
+                                 cfg.max_tokens, cfg.mode, cfg.level)
+        self._by_key: dict[str, tuple[str, ChunkEntry]] = {}
+        self._writers = 0
+        self._load()
+
+    def _load(self) -> None:
+        self.manifest = Manifest.load(self.state)
+        self.index = VectorIndex.load(self.state)
+        self._reindex()
+
+    @contextmanager
+    def _writing(self) -> Iterator[None]:
+        """Hold the state folder's lock and work on its state as on disk now (another process
+        may have written it since this one loaded it); reentrant (ingest's prune removes)."""
+        if self._writers:
+            self._writers += 1
+            try:
+                yield
+            finally:
+                self._writers -= 1
+            return
+        with state_lock(self.state):
+            self._writers = 1
+            try:
+                self._load()
+                yield
+            finally:
+                self._writers = 0
+
+    @property
+    def embedder(self) -> Embedder:
+        if self._embedder is None:
+            from kdn.model.embed import Embedder as MiniLM
+
+            self._embedder = MiniLM()
+        return self._embedder
+
+    def _reindex(self) -> None:
+        self._by_key = {}
+        for doc_id, d in sorted(self.manifest.documents.items()):
+            for c in d.chunks:
+                self._by_key.setdefault(c.key, (doc_id, c))
+
+    def _flush(self) -> None:
+        self.index.save(self.state)
+        self.manifest.save(self.state)
+
+    def _delete_unreferenced(self, keys: set[str]) -> int:
+        stale = sorted(keys - self.manifest.keys())
+        if not stale:
+            return 0
+        self.engine.client.delete([bytes.fromhex(k) for k in stale],
+                                  namespace=self.engine.config.namespace)
+        return len(stale)
+
+    # -- ingest ---------------------------------------------------------------------------------
+
+    def ingest(self, source: Path | str | Sequence[Document], *, prune: bool | None = None,
+               progress: bool = False) -> IngestReport:
+        """Bring kdn and the index in line with ``source`` (see the module docstring).
+
+        ``prune``: documents of the same source that are gone are removed (default: yes for a
+        folder or file, no for a list of ``Document``s, which adds or updates only).
+        The state folder is locked from loading to the last flush (``StateLocked``: another
+        ingest or rm holds it).
+        """
+        with self._writing():
+            return self._ingest(source, prune, progress)
+
+    def _ingest(self, source: Path | str | Sequence[Document], prune: bool | None,
+                progress: bool) -> IngestReport:
+        t0 = time.perf_counter()
+        rep = IngestReport()
+        if isinstance(source, (str, Path)):
+            docs, origin = load_corpus(source), str(Path(source).resolve())
+        else:
+            docs, origin = list(source), "api"
+        if prune is None:
+            prune = origin != "api"
+        self._check_settings()
+        old = self.manifest.settings
+        same_settings = old == self.settings
+        # a new codec mode or level: every chunk is encoded and stored again
+        reencode = old is not None and (old.mode, old.level) != (self.settings.mode,
+                                                                   self.settings.level)
+        self.manifest.settings = self.settings
+        rep.documents = len(docs)
+        moved_from = self._claim(docs, origin)
+
+        # documents whose text, settings and stored chunks are all unchanged are skipped
+        candidates = [d for d in docs if same_settings and d.id in self.manifest.documents
+                      and self.manifest.documents[d.id].sha256 == d.sha256]
+        keys = sorted({c.key for d in candidates for c in self.manifest.documents[d.id].chunks})
+        held = dict(zip(keys, self.engine.present([bytes.fromhex(k) for k in keys])))
+        unchanged = {d.id for d in candidates
+                     if all(held[c.key] >= 0 for c in self.manifest.documents[d.id].chunks)}
+        changed = [d for d in docs if d.id not in unchanged]
+        rep.unchanged, rep.changed = len(unchanged), len(changed)
+
+        chunked = [(d, chunk_document(d, self.engine.tokenizer, self.settings.target_tokens,
+                                      self.settings.max_tokens)) for d in changed]
+        new_keys = [self.engine.key(c.ids) for _, cs in chunked for c in cs]
+        sizes = {} if reencode else dict(zip(new_keys, self.engine.present(new_keys)))
+        todo = len({k for k in new_keys if sizes.get(k, -1) < 0})
+        bar = _progress(todo, progress)
+        last_flush = time.perf_counter()
+        for doc, chunks in chunked:
+            entries = [self._ingest_chunk(c, sizes, rep, bar) for c in chunks]
+            self._embed_missing(entries, rep)
+            before = self.manifest.documents.get(doc.id)
+            self.manifest.documents[doc.id] = DocEntry(doc.sha256, origin, entries)
+            if before is not None:
+                rep.deleted += self._delete_unreferenced({c.key for c in before.chunks})
+            if time.perf_counter() - last_flush > self.engine.config.flush_s:
+                self._flush()
+                last_flush = time.perf_counter()
+        bar(0, done=True)
+
+        if prune:
+            present = {d.id for d in docs}
+            gone = [i for i, d in self.manifest.documents.items() if i not in present
+                    and (d.source == origin or d.source in moved_from)]
+            rep.removed = len(gone)
+            rep.deleted += self.remove(gone, flush=False)
+        listed = {d.id for d in docs}
+        self._embed_missing([c for i, d in self.manifest.documents.items() if i in listed
+                             for c in d.chunks], rep)
+        self.index.retain(self.manifest.keys())
+        self._flush()
+        self._reindex()
+        counted: set[str] = set()
+        for d in docs:
+            for c in self.manifest.documents[d.id].chunks:
+                rep.chunks += 1
+                rep.tokens += c.tokens
+                if c.key not in counted:
+                    counted.add(c.key)
+                    rep.stored_bytes += max(c.stored_bytes, held.get(c.key, 0))
+        rep.total_s = time.perf_counter() - t0
+        return rep
+
+    def _claim(self, docs: Sequence[Document], origin: str) -> set[str]:
+        """Make ``origin`` the source of every listed document the manifest holds (a corpus
+        folder renamed or moved keeps its documents), or InvalidArgument when another source
+        still holds one of them (the class docstring's rule); the earlier sources that no
+        longer exist on disk, whose unlisted documents a prune removes too."""
+        if origin == "api":
+            return set()
+        taken = [(d.id, e) for d in docs if (e := self.manifest.documents.get(d.id)) is not None
+                 and e.source not in (origin, "api")]
+        clash = [(i, e.source) for i, e in taken if _holds(Path(e.source), i)]
+        if clash:
+            doc_id, other = clash[0]
+            more = f" (and {len(clash) - 1} more)" if len(clash) > 1 else ""
+            raise InvalidArgument(
+                f"{doc_id}{more}: {origin} and {other} both have a document of this id (a path "
+                f"relative to its folder) and {self.state} holds {other}'s; ingest one of them "
+                f"into another --state folder, or `kdn rag rm {doc_id}` first")
+        moved_from: set[str] = set()
+        for _, entry in taken:
+            if not Path(entry.source).exists():
+                moved_from.add(entry.source)
+            entry.source = origin
+        return moved_from
+
+    def _check_settings(self) -> None:
+        old = self.manifest.settings
+        if old is None:
+            return
+        new = self.settings
+        differ = []
+        if old.layout != new.layout:
+            differ.append(f"model (layout {old.layout[:12]} there, {new.layout[:12]} here: "
+                          "not the same model or weights)")
+        if old.namespace != new.namespace:
+            differ.append(f"namespace ({old.namespace!r} there, {new.namespace!r} here)")
+        if differ:
+            raise InvalidArgument(f"{self.state} holds a corpus ingested with another "
+                                  f"{' and another '.join(differ)}; use the model and namespace "
+                                  "it was ingested with, or another state folder")
+
+    def _ingest_chunk(self, chunk: Chunk, sizes: dict[bytes, int], rep: IngestReport,
+                      bar: Callable[..., None]) -> ChunkEntry:
+        key = self.engine.key(chunk.ids)
+        size = sizes.get(key, -1)
+        if size >= 0:
+            rep.reused += 1
+        else:
+            tp = time.perf_counter()
+            kv = self.engine.prefill(chunk.ids)
+            ts = time.perf_counter()
+            size = self.engine.store(key, kv)
+            rep.prefill_s += ts - tp
+            rep.store_s += time.perf_counter() - ts
+            rep.computed += 1
+            rep.computed_tokens += chunk.tokens
+            sizes[key] = size
+            bar(1)
+        return ChunkEntry(key.hex(), chunk.tokens, chunk.text, size)
+
+    def _embed_missing(self, entries: list[ChunkEntry], rep: IngestReport) -> None:
+        todo: dict[str, str] = {}
+        for c in entries:
+            if c.key not in self.index and c.key not in todo:
+                todo[c.key] = c.text
+        if not todo:
+            return
+        te = time.perf_counter()
+        self.index.add(list(todo), self.embedder.embed(list(todo.values())))
+        rep.embed_s += time.perf_counter() - te
+
+    def remove(self, doc_ids: Sequence[str], *, flush: bool = True) -> int:
+        """Forget documents; delete their chunks' kdn entries no other document uses (the
+        state folder locked as by ``ingest``)."""
+        with self._writing():
+            return self._remove(doc_ids, flush)
+
+    def _remove(self, doc_ids: Sequence[str], flush: bool) -> int:
+        self._check_settings()  # another model's keys are not the entries to delete
+        old: set[str] = set()
+        for doc_id in doc_ids:
+            d = self.manifest.documents.pop(doc_id, None)
+            if d is not None:
+                old.update(c.key for c in d.chunks)
+        deleted = self._delete_unreferenced(old)
+        if flush:
+            self.index.retain(self.manifest.keys())
+            self._flush()
+            self._reindex()
+        return deleted
+
+    # -- asking ---------------------------------------------------------------------------------
+
+    def retrieve(self, question: str, k: int | None = None) -> list[Source]:
+        """The top-k chunks for ``question``, best first."""
+        self._check_settings()  # another model would recompute and store every chunk anew
+        qv = self.embedder.embed([question])[0]
+        out = []
+        for key, score in self.index.search(qv, k or self.engine.config.top_k):
+            if key in self._by_key:
+                doc_id, c = self._by_key[key]
+                out.append(Source(key, c.text, doc_id, self._position(doc_id, key), score))
+        return out
+
+    def _position(self, doc_id: str, key: str) -> int:
+        return next(i for i, c in enumerate(self.manifest.documents[doc_id].chunks)
+                    if c.key == key)
+
+    def ask(self, question: str, k: int | None = None,
+            max_new_tokens: int | None = None) -> Answer:
+        """Retrieve, fetch the chunks' KV (computing missing ones), blend, generate."""
+        t0 = time.perf_counter()
+        sources = self.retrieve(question, k)
+        if not sources:
+            raise InvalidArgument("the knowledge base is empty: ingest a corpus first")
+        retrieval_s = time.perf_counter() - t0
+        prepared = self.engine.prepare(question, [s.text for s in sources], max_new_tokens)
+        prepared.timings.retrieval_s = retrieval_s
+        prepared.timings.ttft_s += retrieval_s
+        return self.engine.finish(prepared, sources[:prepared.used], max_new_tokens)
+
+
+def _holds(source: Path, doc_id: str) -> bool:
+    """Whether a corpus on disk still has the document ``doc_id``: a folder its file, a file
+    (JSONL or text) by existing."""
+    return (source / doc_id).is_file() if source.is_dir() else source.is_file()
+
+
+def _progress(total: int, enabled: bool) -> Callable[..., None]:
+    """A tqdm bar over the chunks to compute (on stderr), or a no-op."""
+    if not enabled or total == 0:
+        return lambda n=1, done=False: None
+    from tqdm import tqdm
+
+    bar = tqdm(total=total, unit="chunk", desc="prefill+store", dynamic_ncols=True)
+
+    def update(n: int = 1, done: bool = False) -> None:
+        if n:
+            bar.update(n)
+        if done:
+            bar.close()
+
+    return update
