@@ -146,3 +146,20 @@ class KVCache:
                 for (a, b), (c, d) in zip(self.layers, other.layers)
             )
         )
+
+
+def to_pinned_host(tensors: Sequence[torch.Tensor], side: torch.cuda.Stream
+                   ) -> list[torch.Tensor]:
+    """Copies of CUDA ``tensors`` in new page-locked host tensors, queued on the side stream
+    ``side`` after what the current stream has queued (the compute that wrote them), so the
+    compute stream does not wait for them. Non-blocking: they are done once an event
+    recorded on ``side`` after this call has completed; each source stays alive until then."""
+    side.wait_stream(torch.cuda.current_stream(tensors[0].device))
+    out = []
+    with torch.cuda.stream(side):
+        for t in tensors:
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            host.copy_(t, non_blocking=True)
+            t.record_stream(side)  # not reused by the allocator before the copy ran
+            out.append(host)
+    return out

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from kdn import keys
-from kdn.cache import KVCache, LayerKV
+from kdn.cache import KVCache, LayerKV, to_pinned_host
 from kdn.delivery import encoding_name
 from kdn.layout import KVLayout
 
@@ -77,15 +77,8 @@ class StoreBack:
         k, v = k[:, first:last], v[:, first:last]
         if self._copies is None:
             return k, v
-        self._copies.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self._copies):
-            out = []
-            for t in (k, v):
-                host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-                host.copy_(t, non_blocking=True)
-                t.record_stream(self._copies)
-                out.append(host)
-        return out[0], out[1]
+        hk, hv = to_pinned_host((k, v), self._copies)
+        return hk, hv
 
     def start(self, ids: list[int], snapshot: list[LayerKV], first_block: int,
               rewrite: str = "") -> threading.Thread:

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from kdn import keys
-from kdn.cache import KVCache
+from kdn.cache import KVCache, to_pinned_host
 from kdn.client import Client, LayerStream
 from kdn.errors import InvalidLayout
 from kdn.integrations.vllm_meta import KDNConnectorConfig, LoadSpec, PagedShape, SaveSpec
@@ -288,15 +288,7 @@ class WorkerSide:
             gk = torch.cat([k[b : b + n] for b, _, n in self._save_runs])
             gv = torch.cat([v[b : b + n] for b, _, n in self._save_runs])
         if self._copies is not None:
-            self._copies.wait_stream(torch.cuda.current_stream(kv_layer.device))
-            with torch.cuda.stream(self._copies):
-                host = []
-                for t in (gk, gv):
-                    h = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-                    h.copy_(t, non_blocking=True)
-                    t.record_stream(self._copies)
-                    host.append(h)
-            gk, gv = host[0], host[1]
+            gk, gv = to_pinned_host((gk, gv), self._copies)
         self._gathered[i] = (gk, gv)
 
     def _gatherable(self, spec: SaveSpec) -> bool:
