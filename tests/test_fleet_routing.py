@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import random
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -97,6 +98,88 @@ def test_prefer_holds_while_within_the_bound() -> None:
     assert router.choose(key, load, 0.0, prefer=other)[0] != other
     router.mark(other, live=False)  # a dead preference is no preference
     assert other not in router.choose(key, None, prefer=other)
+
+
+def test_a_new_route_needs_room_and_a_served_one_stays_within_the_bound() -> None:
+    """The bound with the request's size: a node within the bound but without room for the
+    request takes no new route, yet keeps one it served; when no node has room, the first
+    within the bound takes it."""
+    router = Router(NODES[:4], load_bound=1.25)
+    load = LoadMeter(4, half_life_s=1e9)
+    key = KEYS[2]
+    home, second = router.choose(key)[:2]
+    for i in range(4):
+        load.add(i, 100.0 if i == home else 60.0, 0.0)
+    # with a request of 40: the mean is (280 + 40) / 4 = 80, the bound 100
+    assert router.choose(key, load, 0.0, amount=40.0)[0] == second  # no room at home
+    assert router.choose(key, load, 0.0, prefer=home, amount=40.0)[0] == home
+    load.add(home, 1.0, 0.0)  # over the bound now: its route moves on
+    assert router.choose(key, load, 0.0, prefer=home, amount=40.0)[0] == second
+    # a request larger than any room: (281 + 1000) / 4 x 1.25 = 400.3, every node within
+    assert router.choose(key, load, 0.0, amount=1000.0)[0] == home
+
+
+def _turns(conversations: int, seed: int) -> list[tuple[float, int, int]]:
+    """(time s, conversation, blocks) of every turn of ``conversations`` over an hour, in time
+    order: heavy-tailed first prompts and turn counts, each turn's chain the last one's plus a
+    few blocks (the shape of Mooncake's conversation trace, ~80 blocks a second)."""
+    rng = random.Random(seed)
+    out = []
+    for c in range(conversations):
+        t = rng.uniform(0.0, 3600.0)
+        blocks = 1 + int(4 * rng.paretovariate(1.2))
+        for _ in range(min(40, int(rng.paretovariate(1.5)))):
+            out.append((t, c, min(blocks, 256)))
+            t += rng.expovariate(1 / 60)
+            blocks += 1 + int(rng.expovariate(1 / 3))
+    return sorted(out)
+
+
+def test_default_routing_balances_100_nodes_and_keeps_conversations() -> None:
+    """A skewed workload over 100 nodes routed as FleetClient routes it, with FleetConfig's
+    defaults: blocks served per node within 1.3x the mean, and most turns of a conversation
+    on the node of its previous turn. Each node carries some 350 blocks of decayed load here
+    (about a dozen requests), under a per-node load floor of 1,024, which would leave it
+    unbalanced."""
+    config = FleetConfig(nodes=tuple(f"10.1.{i // 200}.{i % 200}:50051" for i in range(100)))
+    router = Router(config.nodes, affinity_blocks=config.affinity_blocks,
+                    load_bound=config.load_bound, load_floor=config.load_floor)
+    load = LoadMeter(len(config.nodes), half_life_s=config.load_half_life_s)
+    affinity = Affinity(config.memo_keys)
+    last: dict[int, int] = {}
+    kept = moved = 0
+    for t, c, n in _turns(4500, seed=0):
+        chain = [hashlib.blake2b(f"{c}/{j}".encode(), digest_size=16).digest()
+                 for j in range(n)]
+        route = router.route_key(chain)
+        node = router.choose(route, load, t, prefer=affinity.get(route), amount=float(n))[0]
+        load.add(node, float(n), t)
+        affinity.remember(chain, node)
+        if c in last:
+            kept += last[c] == node
+            moved += last[c] != node
+        last[c] = node
+    served = load.total
+    assert served.max() / served.mean() <= 1.3, served.max() / served.mean()
+    assert kept / (kept + moved) >= 0.8, kept / (kept + moved)
+
+
+def test_a_quiet_conversation_stays_on_one_of_100_nodes() -> None:
+    """One conversation alone in a fleet of 100 (the default load floor is the fleet's total):
+    every call of it goes to one node, as in a fleet of three."""
+    config = FleetConfig(nodes=tuple(f"10.1.0.{i}:50051" for i in range(100)))
+    router = Router(config.nodes, load_floor=config.load_floor)
+    load = LoadMeter(100, half_life_s=config.load_half_life_s)
+    affinity = Affinity(config.memo_keys)
+    chain = KEYS[:32]
+    went = set()
+    for t in range(7):
+        route = router.route_key(chain)
+        node = router.choose(route, load, float(t), prefer=affinity.get(route), amount=32.0)[0]
+        load.add(node, 32.0, float(t))
+        affinity.remember(chain, node)
+        went.add(node)
+    assert len(went) == 1
 
 
 def test_affinity_is_bounded_and_forgets_a_lost_node() -> None:

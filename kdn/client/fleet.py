@@ -15,14 +15,14 @@ RAM a request warms, so a wrong or lost node costs a Redis read, never a failed 
 Lifecycle of a call: its route key names its first keys (``Router.route_key``); a route key
 that was among the keys of a recent call goes where that call went (``Affinity``: a later turn
 of a conversation follows the earlier, the stores after a lookup land where it went) while that
-node is within the load bound, else the rendezvous order with the load bound picks. The chosen
-node is tried first, then the others in rendezvous order: a node that fails with UNAVAILABLE, a
-deadline or a closed connection is marked down at once (its keys move to their next node) and
-the call goes to the next one. Ahead of the live nodes a call tries those marked down whose
-backoff has passed (``retry_down_s``, doubling while a node keeps failing, at most
-``MAX_RETRY_DOWN_S``), and every node marked down when none is live: a node comes back without
-the health thread too (a hung one costs such a call one ``timeout_s`` per backoff). Nothing
-else is retried here: a bad request fails on its first node.
+node is within the load bound, else the first node in rendezvous order with room for the call
+within the bound. The chosen node is tried first, then the others in rendezvous order: a node
+that fails with UNAVAILABLE, a deadline or a closed connection is marked down at once (its keys
+move to their next node) and the call goes to the next one. Ahead of the live nodes a call
+tries those marked down whose backoff has passed (``retry_down_s``, doubling while a node keeps
+failing, at most ``MAX_RETRY_DOWN_S``), and every node marked down when none is live: a node
+comes back without the health thread too (a hung one costs such a call one ``timeout_s`` per
+backoff). Nothing else is retried here: a bad request fails on its first node.
 
 Copies. A node keeps what it served or stored in its RAM, so a key may sit in several nodes'
 RAM. A store goes to its node (and through it to the shared tier); the other nodes are then told
@@ -92,10 +92,12 @@ class FleetConfig:
     affinity_blocks: int = 4
     """How many leading blocks of a chain name its route (``Router.route_key``)."""
     load_bound: float = 1.25
-    """A node takes a request only while its load stays within this many times the mean."""
+    """A node takes a new route only while its load, with the request, stays within this many
+    times the mean; a route it served before stays while its load is within that
+    (``Router.choose``)."""
     load_floor: float = 1024.0
-    """A node whose load (in keys) is at most this takes a request whatever the mean (a quiet
-    fleet keeps a conversation's calls on one node: ``Router.choose``)."""
+    """While the live nodes' total load (in keys) is at most this, any node takes any request
+    (a quiet fleet keeps a conversation's calls on one node: ``Router.choose``)."""
     load_half_life_s: float = 300.0
     """Half-life of the load a client counts for the work it sent to a node."""
     inflight_weight: float = 4.0

@@ -29,14 +29,25 @@ Affinity. ``Affinity`` remembers which node served each key lately; ``choose(pre
 sends a request whose route key was served before to that node while it is within the load
 bound: a conversation stays where its blocks are, also after it spilled from its first choice.
 
-Load term (consistent hashing with bounded loads, Mirrokni et al.). The first node in that
-order whose load is within ``load_bound`` times the mean load of the live nodes takes it: a
-hot prefix spills to its second choice instead of overloading its first, so no node carries
-much more than ``load_bound`` x the mean. The mean counts the request being placed
-(``amount``), and a node whose load is at most ``load_floor`` is within the bound whatever the
-mean: in a quiet fleet (one conversation) the bound would otherwise send every call of it to
-another node, the lookup to one and its fetch to the next. ``LoadMeter`` holds each node's
-load as work sent to it, decayed with a half-life (plus what nodes report, in a real fleet).
+Load term (consistent hashing with bounded loads, Mirrokni et al.). The bound is
+``cap = load_bound x`` the mean load of the live nodes, the request being placed (``amount``)
+counted. A route goes to the first node in rendezvous order with room for the request (its load
+plus ``amount`` at most ``cap``): a hot prefix spills to its second choice instead of
+overloading its first. A route served before stays on its node (``Affinity``) while that node
+is within the bound (its load at most ``cap``): moving a conversation costs its prefix, read
+again from the shared tier into another node's RAM, so it moves only once its node is over the
+bound, while new work goes only where it fits. When no node has room, the first within the
+bound takes it, else the first in rendezvous order. Room counts the request's size because in
+a large fleet a node's load is a handful of requests (Mooncake's conversation trace over 100
+nodes: some 15 requests' worth each): were the load before the request checked alone, every
+placement could overshoot the bound by a whole request.
+
+Quiet fleet. While the live nodes' total load, with the request, is at most ``load_floor``, any
+node takes any request: with one conversation in the fleet the bound would otherwise send each
+of its calls to another node, the lookup to one and its fetch to the next. The floor counts
+the whole fleet's load: a floor per node would leave a large fleet unbalanced however busy, as
+long as each of its nodes carried less than the floor. ``LoadMeter`` holds each node's load as
+work sent to it, decayed with a half-life (plus what nodes report, in a real fleet).
 
 ``owner(key)`` is plain rendezvous of one key (no load term): the key-hashing policy of the
 simulator, where each block lives on the node its own key picks.
@@ -44,6 +55,7 @@ simulator, where each block lives on the node its own key picks.
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
@@ -129,30 +141,30 @@ class Router:
 
     def choose(self, route: bytes | int, load: LoadMeter | None = None, now: float = 0.0,
                prefer: int | None = None, amount: float = 0.0) -> list[int]:
-        """Live nodes in the order to try for a request with route key ``route`` (bytes, or its
-        ``key_hash``): first ``prefer`` (where the route was served last: ``Affinity``) when it
-        is live and within the load bound, else the first node in rendezvous order that is;
-        then the rest in rendezvous order as fallbacks. Empty when no node is live. A node is
-        within the bound while its load is at most ``load_bound`` x the live nodes' mean with
-        this request's ``amount`` counted, or at most ``load_floor``."""
+        """Live nodes in the order to try for a request of ``amount`` with route key ``route``
+        (bytes, or its ``key_hash``): first ``prefer`` (where the route was served last:
+        ``Affinity``) when it is live and within the load bound, else the first node in
+        rendezvous order with room for the request within the bound (else the first within
+        it); then the rest in rendezvous order as fallbacks. Empty when no node is live.
+        Without ``load``, or in a quiet fleet, there is no bound (module docstring)."""
         order = self.ranking(route)
         if len(order) < 2:
             return order
-        if load is None:
-            within = None
-        else:
+        loads, cap = np.zeros(len(self.nodes)), math.inf  # [nodes]; no bound
+        if load is not None:
             loads = load.values(now)
-            cap = max(self.load_bound * (float(loads[self.live].sum()) + amount)
-                      / int(self.live.sum()), self.load_floor)
-            within = loads <= cap  # [nodes]
-        if prefer is not None and prefer in order and (within is None or within[prefer]):
+            total = float(loads[self.live].sum()) + amount
+            if total > self.load_floor:
+                cap = self.load_bound * total / int(self.live.sum())
+        if prefer is not None and prefer in order and loads[prefer] <= cap:
             order.remove(prefer)
             order.insert(0, prefer)
             return order
-        if within is not None:
-            pick = next((j for j, i in enumerate(order) if within[i]), 0)
-            if pick:
-                order.insert(0, order.pop(pick))
+        pick = next((j for j, i in enumerate(order) if loads[i] + amount <= cap), None)
+        if pick is None:  # no node has room for it: the first within the bound
+            pick = next((j for j, i in enumerate(order) if loads[i] <= cap), 0)
+        if pick:
+            order.insert(0, order.pop(pick))
         return order
 
 
