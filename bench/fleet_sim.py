@@ -11,9 +11,10 @@ Model, per request (``hash_ids``: one id per 512-token block, chained by prefix)
 - routing: ``random`` (a uniform live node), ``key-hash`` (every block to the node its own key
   picks by rendezvous: ``Router.owner``; a request fans out), or ``prefix-affinity``
   (``Router.choose`` on the route key of the first ``affinity_blocks`` blocks with the load
-  bound and ``Affinity``, as ``FleetClient`` does; load = blocks routed, decayed with
-  ``half_life_s`` of trace time: ``LoadMeter``). One router stands for every engine's client:
-  real clients each keep their own ``Affinity`` and agree through rendezvous;
+  bound, the request's blocks as its amount, and ``Affinity``, as ``FleetClient`` does; load =
+  blocks routed, decayed with ``half_life_s`` of trace time: ``LoadMeter``). One router stands
+  for every engine's client: real clients each keep their own ``Affinity`` and agree through
+  rendezvous;
 - lookup: the longest prefix of blocks stored before (the Redis tier holds every block ever
   stored: it is the unbounded cache, so its prefix is the bound). Each block of that prefix is
   a RAM hit when its node's RAM holds it (LRU touch), else a Redis hit, read into that node's
@@ -228,7 +229,8 @@ def simulate(trace: list[Request], sim: Sim) -> dict[str, Any]:
             else:
                 route = h(blocks[min(sim.affinity_blocks, len(blocks)) - 1])
                 node = first_alive(router.choose(route, load, req.t_s,
-                                                 prefer=affinity.get(route)))
+                                                 prefer=affinity.get(route),
+                                                 amount=float(len(blocks))))
                 if node >= 0:
                     affinity.remember([h(b) for b in blocks], node)
             if node < 0:

@@ -19,6 +19,7 @@ from bench.fleet_sim import (
     simulate,
     working_set,
 )
+from kdn.client.routing import Affinity, LoadMeter, Router, key_hash
 
 TRACE = Path(__file__).parent / "data" / "conversation_trace_head.jsonl.gz"
 BLOCK = 64 << 20
@@ -86,6 +87,28 @@ def test_a_node_lost_mid_trace_fails_no_request(trace: list[Request], policy: st
     rec = recovery(lost["windows"], base["windows"], 0.5)  # type: ignore[arg-type]
     assert 0 < rec["worst_window_vs_baseline"] <= rec["first_span_vs_baseline"]
     assert rec["recovered"] == (rec["second_span_vs_baseline"] >= 0.95)
+
+
+@pytest.mark.parametrize("nodes", [3, 30])
+def test_prefix_affinity_routes_as_the_routing_lifecycle_says(trace: list[Request],
+                                                              nodes: int) -> None:
+    """The simulator's prefix-affinity policy is the lifecycle of ``kdn.client.routing`` that
+    FleetClient follows (route key, ``choose`` with the request's blocks as its amount, load
+    added, keys remembered): the blocks each node served, replayed apart, come out the same."""
+    sim = Sim("prefix-affinity", nodes, 0, BLOCK)
+    router = Router([f"node-{i}" for i in range(nodes)], affinity_blocks=sim.affinity_blocks,
+                    load_bound=sim.load_bound, load_floor=sim.load_floor)
+    load = LoadMeter(nodes, half_life_s=sim.half_life_s)
+    affinity = Affinity(1 << 22)
+    for req in trace:
+        chain = [key_hash(b.to_bytes(8, "little")) for b in req.blocks]
+        route = router.route_key(chain)  # type: ignore[arg-type]
+        node = router.choose(route, load, req.t_s, prefer=affinity.get(route),
+                             amount=float(len(chain)))[0]
+        load.add(node, float(len(chain)), req.t_s)
+        affinity.remember(chain, node)
+    row = simulate(trace, sim)
+    assert row["load_max_over_mean"] == load.total.max() / load.total.mean()
 
 
 def test_recovery_reads_spans_after_the_loss() -> None:
