@@ -19,7 +19,14 @@ from kdn.errors import InvalidArgument
 from kdn.model import hf
 from kdn.rag import Document, KnowledgeBase, RagConfig, RagEngine, chunk_document, load_corpus
 from kdn.rag.corpus import CHUNK_END, paragraphs, sentences
-from kdn.rag.index import EMBEDDINGS, MANIFEST, StateLocked, VectorIndex, state_lock
+from kdn.rag.index import (
+    EMBEDDINGS,
+    MANIFEST,
+    StateLocked,
+    VectorIndex,
+    embeddings_name,
+    state_lock,
+)
 
 VOCAB = 128
 
@@ -257,7 +264,7 @@ def test_vector_index_round_trip(tmp_path: Path) -> None:
     idx.retain(["k0", "k1", "k4"])
     idx.save(tmp_path)
     back = VectorIndex.load(tmp_path)
-    assert back.keys == ["k0", "k1", "k4"] and back.dim == 8
+    assert back is not None and back.keys == ["k0", "k1", "k4"] and back.dim == 8
     assert [k for k, _ in back.search(v[0], 1)] == ["k0"]
     assert b"pickle" not in (tmp_path / EMBEDDINGS).read_bytes()[:200]
 
@@ -277,7 +284,8 @@ def test_ingest_then_reingest_computes_nothing(model: Any, counted: Counted, cli
     assert rep.computed == n_keys == counted.calls  # copy.md's chunk is shared.md's: one prefill
     assert rep.computed_tokens > 0 and rep.stored_bytes > 0 and rep.tokens >= rep.computed_tokens
     assert all(stored(client, kb, kb.manifest.keys()).values())
-    assert (state / MANIFEST).exists() and (state / EMBEDDINGS).exists()
+    assert (state / MANIFEST).exists()
+    assert [f.name for f in state.glob("embeddings*")] == [embeddings_name(kb.manifest.generation)]
     assert len(kb.index) == n_keys
     assert "4 documents" in rep.summary()
 

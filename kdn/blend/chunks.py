@@ -40,12 +40,14 @@ class ChunkConnector(KVConnector):
 
     def __init__(self, client: Client, layout: KVLayout, namespace: str, *,
                  mode: str = "lossless", level: str = "",
-                 device: torch.device | str | None = None) -> None:
+                 device: torch.device | str | None = None, salt: str = "") -> None:
         self.client = client
         self.device = device
         """Where loaded layers land (the model's device: a GPU blend gets them there)."""
         self._layout = layout
         self.namespace = namespace
+        self.salt = salt
+        """Salts the chunk's key (``kdn.keys.chunk_key``): "" for none."""
         self.mode, self.level = mode, level
         self.ids: list[int] = []
         self.key = b""
@@ -65,7 +67,7 @@ class ChunkConnector(KVConnector):
         return len(self.ids)
 
     def key_of(self, token_ids: Sequence[int]) -> bytes:
-        return chunk_key(token_ids, self.layout, self.namespace)
+        return chunk_key(token_ids, self.layout, self.namespace, salt=self.salt)
 
     def matched_tokens(self, token_ids: Sequence[int]) -> int:
         present = self.client.contains(self.key_of(token_ids), namespace=self.namespace)

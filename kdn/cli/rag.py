@@ -222,9 +222,13 @@ def _rm(ns: argparse.Namespace) -> int:
     removed = len(ns.docs) - len(missing)
     if _json(ns):
         print(json.dumps({"removed_documents": removed, "deleted_entries": deleted,
-                          "missing": missing}, indent=2))
+                          "kept_entries": kb.kept, "missing": missing}, indent=2))
     else:
         print(f"removed {removed} documents, deleted {deleted} entries")
+    if kb.kept:
+        print(f"kdn rag rm: kept {kb.kept} entries: {ns.state} was written by a kdn whose "
+              "states shared chunk keys, so another state may use them; ingest the corpus "
+              "into a new --state folder to give it keys of its own", file=sys.stderr)
     return 1 if missing else 0
 
 

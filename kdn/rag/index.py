@@ -1,13 +1,21 @@
 """What a RAG state folder persists: the ingest manifest and the chunk embeddings.
 
-    <state>/manifest.json            settings + document id -> content hash -> chunk keys
-    <state>/embeddings.safetensors   "vectors" [chunks, dim] float32; metadata "keys" (hex)
-    <state>/.lock                    held (``state_lock``) by the one ingest or rm writing it
+    <state>/manifest.json                 owner, settings, document id -> hash -> chunk keys,
+                                          retired keys, the embeddings generation
+    <state>/embeddings-<gen>.safetensors  "vectors" [chunks, dim] float32; metadata "keys" (hex)
+    <state>/.lock                         held (``state_lock``) by the one ingest or rm writing it
 
-Both files are written atomically (temporary file, fsync, rename), embeddings first, so a crash
-leaves at worst a manifest naming chunks without a vector (re-embedded on the next ingest, no
-model call) or documents missing from the manifest (re-chunked; their KV, already in kdn, is
-found by a Lookup and not recomputed). No pickle anywhere: JSON and safetensors only.
+A write commits in one step: the embeddings go to a new file (``embeddings_name`` of the next
+generation), then the manifest, naming that generation, replaces the old one (temporary file,
+fsync, rename); the older generation's file is removed after. A reader or a crash sees the
+old manifest with its own embeddings or the new one with its own, never a mix. No pickle
+anywhere: JSON and safetensors only.
+
+``Manifest.owner`` is the state's own identity (random, made by its first ingest): the salt of
+its chunk keys, so two states never share a kdn entry (``kdn.rag.knowledge``). A manifest of
+format 1 (written before states had one) loads as ``shared``: its keys are unsalted and may be
+other states' too. ``retired`` lists keys the state stored and no longer references: deleted
+from kdn after the commit that dropped them, and by the next write when a crash came between.
 
 ``VectorIndex`` holds one unit-norm row per distinct chunk key; ``search`` ranks by dot product
 (cosine similarity of normalized embeddings).
@@ -17,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import tempfile
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -31,8 +40,27 @@ from kdn.errors import Corrupt, InvalidArgument, KDNError, Status
 
 MANIFEST = "manifest.json"
 EMBEDDINGS = "embeddings.safetensors"
+"""The embeddings of generation 0 (every state of manifest format 1)."""
 LOCK = ".lock"
-FORMAT = 1
+FORMAT = 2
+SHARED_FORMAT = 1
+"""Manifests without an owner: their chunk keys are unsalted (``Manifest.shared``)."""
+_OWNER_RE = re.compile(r"[0-9a-f]{32}")
+_EMBEDDINGS_RE = re.compile(r"embeddings(-[1-9][0-9]*)?\.safetensors")
+
+
+def embeddings_name(generation: int) -> str:
+    """The embeddings file of a manifest generation."""
+    return EMBEDDINGS if generation == 0 else f"embeddings-{generation}.safetensors"
+
+
+def remove_other_embeddings(state: Path, generation: int) -> None:
+    """Remove the embeddings files of every generation but ``generation`` (the committed one;
+    the others are a replaced generation or one whose commit a crash stopped)."""
+    keep = embeddings_name(generation)
+    for f in state.iterdir():
+        if f.name != keep and _EMBEDDINGS_RE.fullmatch(f.name):
+            f.unlink(missing_ok=True)
 
 
 class StateLocked(KDNError, status=Status.FAILED_PRECONDITION):
@@ -116,6 +144,20 @@ class DocEntry:
 class Manifest:
     settings: Settings | None = None
     documents: dict[str, DocEntry] = field(default_factory=dict)
+    owner: str = ""
+    """The state's identity (32 hex digits), the salt of its chunk keys; "" until its first
+    ingest, and in a shared state."""
+    shared: bool = False
+    """Written as format 1: the chunk keys are unsalted, so other states may hold them too."""
+    retired: set[str] = field(default_factory=set)
+    """Keys this state stored and no longer references, to delete from kdn."""
+    generation: int = 0
+    """The embeddings file that goes with this manifest (``embeddings_name``)."""
+
+    @property
+    def salt(self) -> str:
+        """What the state's chunk keys are salted with (``kdn.keys.chunk_key``)."""
+        return self.owner
 
     @classmethod
     def load(cls, state: Path) -> Manifest:
@@ -126,8 +168,9 @@ class Manifest:
             raw = json.loads(path.read_text(encoding="utf-8"))
             if not isinstance(raw, dict):
                 raise TypeError(f"a JSON object expected, not {type(raw).__name__}")
-            if raw.get("format") != FORMAT:
-                raise Corrupt(f"{path}: unknown manifest format {raw.get('format')!r}")
+            if raw.get("format") not in (FORMAT, SHARED_FORMAT):
+                raise Corrupt(f"{path}: unknown manifest format {raw.get('format')!r} (this "
+                              f"kdn reads {SHARED_FORMAT} and {FORMAT}; a newer kdn wrote it?)")
             settings = Settings(**_fields(raw["settings"], Settings, "settings")) \
                 if raw.get("settings") is not None else None
             docs = {
@@ -136,28 +179,34 @@ class Manifest:
                     for c in _of(d, "chunks", list, f"document {doc_id!r}")]))
                 for doc_id, d in _of(raw, "documents", dict, "the manifest").items()
             }
+            if raw["format"] == SHARED_FORMAT:
+                return cls(settings, docs, shared=True)
+            owner = _of(raw, "owner", str, "the manifest")
+            if owner and not _OWNER_RE.fullmatch(owner):
+                raise ValueError(f"owner {owner!r} is not 32 lowercase hex digits")
+            shared = _of(raw, "shared", bool, "the manifest")
+            retired = _of(raw, "retired", list, "the manifest")
+            if not all(isinstance(k, str) for k in retired):
+                raise TypeError("retired holds a key that is not a string")
+            generation = _of(raw, "generation", int, "the manifest")
+            if generation < 0:
+                raise ValueError(f"generation {generation} is negative")
+            if docs and not owner and not shared:
+                raise ValueError("documents but neither an owner nor shared keys")
         except (KeyError, TypeError, ValueError) as exc:
             raise Corrupt(f"{path}: malformed manifest: {exc}") from None
-        return cls(settings, docs)
+        return cls(settings, docs, owner, shared, set(retired), generation)
 
     def save(self, state: Path) -> None:
-        doc = {"format": FORMAT,
+        doc = {"format": FORMAT, "owner": self.owner, "shared": self.shared,
+               "generation": self.generation, "retired": sorted(self.retired),
                "settings": asdict(self.settings) if self.settings else None,
                "documents": {k: asdict(v) for k, v in sorted(self.documents.items())}}
         write_atomic(state / MANIFEST, (json.dumps(doc, indent=1) + "\n").encode())
 
-    def keys(self, exclude: str | None = None) -> set[str]:
-        """Every chunk key referenced by a document (other than ``exclude``)."""
-        return {c.key for doc_id, d in self.documents.items() if doc_id != exclude
-                for c in d.chunks}
-
-    def chunk(self, key: str) -> tuple[str, ChunkEntry] | None:
-        """(document id, entry) of the first document holding ``key``."""
-        for doc_id, d in self.documents.items():
-            for c in d.chunks:
-                if c.key == key:
-                    return doc_id, c
-        return None
+    def keys(self) -> set[str]:
+        """Every chunk key referenced by a document."""
+        return {c.key for d in self.documents.values() for c in d.chunks}
 
 
 _TYPES = {"str": str, "int": int}
@@ -168,7 +217,7 @@ def _of(obj: Any, name: str, kind: type, what: str) -> Any:
     if not isinstance(obj, dict):
         raise TypeError(f"{what} is {type(obj).__name__}, not an object")
     value = obj[name]
-    if not isinstance(value, kind) or isinstance(value, bool):
+    if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
         raise TypeError(f"{what}: {name} is {value!r}, not {kind.__name__}")
     return value
 
@@ -192,7 +241,9 @@ def _fields(obj: Any, cls: type, what: str, **given: Any) -> dict[str, Any]:
 
 
 class VectorIndex:
-    """One unit-norm embedding per chunk key; top-k by cosine similarity."""
+    """One unit-norm embedding per chunk key; top-k by cosine similarity. Rows live in a
+    buffer that grows by doubling, so adding a corpus document by document copies each row a
+    bounded number of times."""
 
     def __init__(self, dim: int = 0) -> None:
         import torch
@@ -200,7 +251,7 @@ class VectorIndex:
         self.dim = dim
         self._keys: list[str] = []
         self._row: dict[str, int] = {}
-        self._vectors = torch.empty(0, dim)  # [chunks, dim]
+        self._buffer = torch.empty(0, dim)  # [capacity, dim]; the first len(self) rows used
 
     def __len__(self) -> int:
         return len(self._keys)
@@ -211,6 +262,10 @@ class VectorIndex:
     @property
     def keys(self) -> list[str]:
         return list(self._keys)
+
+    @property
+    def _vectors(self) -> torch.Tensor:
+        return self._buffer[:len(self._keys)]  # [chunks, dim]
 
     def add(self, keys: Sequence[str], vectors: torch.Tensor) -> None:
         """Add or replace the rows of ``keys`` (``vectors``: [len(keys), dim])."""
@@ -223,19 +278,24 @@ class VectorIndex:
         vectors = vectors.detach().to("cpu", torch.float32)
         if not len(self._keys):
             self.dim = int(vectors.shape[1])
-            self._vectors = torch.empty(0, self.dim)
+            self._buffer = torch.empty(0, self.dim)
         if vectors.shape[1] != self.dim:
             raise InvalidArgument(f"vectors have dim {vectors.shape[1]}, the index {self.dim}")
         new: list[tuple[str, torch.Tensor]] = []
         for key, vec in zip(keys, vectors):
             if key in self._row:
-                self._vectors[self._row[key]] = vec
+                self._buffer[self._row[key]] = vec
             else:
                 self._row[key] = len(self._keys) + len(new)
                 new.append((key, vec))
         if new:
+            used, need = len(self._keys), len(self._keys) + len(new)
+            if need > self._buffer.shape[0]:
+                grown = torch.empty(max(need, 2 * self._buffer.shape[0], 64), self.dim)
+                grown[:used] = self._buffer[:used]
+                self._buffer = grown
+            self._buffer[used:need] = torch.stack([v for _, v in new])
             self._keys.extend(k for k, _ in new)
-            self._vectors = torch.cat([self._vectors, torch.stack([v for _, v in new])])
 
     def retain(self, keys: Iterable[str]) -> None:
         """Drop every row whose key is not in ``keys``."""
@@ -244,7 +304,7 @@ class VectorIndex:
         wanted = set(keys)
         keep = [k for k in self._keys if k in wanted]
         rows = torch.tensor([self._row[k] for k in keep], dtype=torch.long)
-        self._vectors = self._vectors[rows] if keep else torch.empty(0, self.dim)
+        self._buffer = self._vectors[rows] if keep else torch.empty(0, self.dim)
         self._keys = keep
         self._row = {k: i for i, k in enumerate(keep)}
 
@@ -258,21 +318,23 @@ class VectorIndex:
         top = torch.topk(scores, min(k, len(self._keys)))
         return [(self._keys[int(i)], float(s)) for s, i in zip(top.values, top.indices)]
 
-    def save(self, state: Path) -> None:
+    def save(self, state: Path, generation: int = 0) -> None:
+        """Write the index as the embeddings of ``generation`` (``embeddings_name``)."""
         from safetensors.torch import save
 
         data = save({"vectors": self._vectors.contiguous()},
                     metadata={"keys": json.dumps(self._keys), "dim": str(self.dim)})
-        write_atomic(state / EMBEDDINGS, data)
+        write_atomic(state / embeddings_name(generation), data)
 
     @classmethod
-    def load(cls, state: Path) -> VectorIndex:
+    def load(cls, state: Path, generation: int = 0) -> VectorIndex | None:
+        """The embeddings of ``generation``, or None when there is no such file."""
         from safetensors import safe_open
 
-        path = state / EMBEDDINGS
+        path = state / embeddings_name(generation)
         index = cls()
         if not path.exists():
-            return index
+            return None
         try:
             with safe_open(str(path), framework="pt") as f:
                 meta: dict[str, Any] = f.metadata() or {}

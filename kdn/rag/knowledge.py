@@ -1,10 +1,35 @@
 """The knowledge base of ``kdn rag``: a corpus ingested into a state folder (manifest and
 embeddings, ``kdn.rag.index``) and a kdn server (each chunk's KV, prefilled by a
 ``kdn.rag.pipeline.RagEngine``), asked by retrieval then blending, and kept in step with the
-corpus as it changes (changed documents redone, removed ones pruned, one writer at a time)."""
+corpus as it changes (changed documents redone, removed ones pruned, one writer at a time).
+
+States that share a server and a namespace (two users, two folders, one corpus ingested
+twice) never share an entry: each state's first ingest gives it an owner id (random, in its
+manifest) that salts its chunk keys (``kdn.keys.chunk_key``), so the entries a state deletes
+(its chunks that no document of its own references any more) are its own and no other state
+references them. kdn has no server-side reference count (pins only stop eviction), and a state
+cannot see the others (they may be on other machines), so the cost is dedup across states:
+one corpus ingested into two states is prefilled and stored twice; inside a state identical
+chunks are stored once. A copy of a state folder has the same owner: it is the same state, and
+the two copies must not both be written.
+
+A state written before states had an owner (manifest format 1) is ``shared``: its keys are
+unsalted, as other such states' are. It is read and written as before, except that nothing is
+deleted from kdn: a chunk it stops referencing is left in kdn (``IngestReport.kept``), since
+another state may use it. Ingesting into a new state folder gives the corpus a state of its own.
+
+A write commits once per flush (``kdn.rag.index``): the manifest is the commit, and kdn entries
+are deleted only after the commit that stopped referencing them (``Manifest.retired``), so a
+crash never leaves the state naming a deleted chunk. An ingest that changes the settings
+(chunk size, codec mode or level) commits only at its end: interrupted, the state is the old
+one, and running the ingest again completes it (the KV it stored is found by a Lookup; only a
+new codec mode is encoded again). With the settings unchanged an ingest commits every
+``RagConfig.flush_s`` seconds too, each document whole, so a rerun resumes where it stopped.
+"""
 
 from __future__ import annotations
 
+import secrets
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -20,9 +45,13 @@ from kdn.rag.index import (
     Manifest,
     Settings,
     VectorIndex,
+    remove_other_embeddings,
     state_lock,
 )
 from kdn.rag.pipeline import Answer, RagEngine, Source
+
+DELETE_BATCH = 4096
+"""Keys per Delete call (128 KiB of keys)."""
 
 
 @dataclass
@@ -44,6 +73,8 @@ class IngestReport:
     """Bytes kdn holds for the corpus's chunks (this ingest's writes and earlier ones)."""
     deleted: int = 0
     """kdn entries deleted (chunks of changed or removed documents no document uses)."""
+    kept: int = 0
+    """Chunks no document uses that a shared state (module docstring) left in kdn."""
     embed_s: float = 0.0
     prefill_s: float = 0.0
     store_s: float = 0.0
@@ -54,7 +85,8 @@ class IngestReport:
         return (f"{self.documents} documents ({self.changed} changed, {self.unchanged} unchanged,"
                 f" {self.removed} removed); {self.chunks} chunks, {self.tokens} tokens; computed "
                 f"{self.computed} chunks ({self.computed_tokens} tokens), reused {self.reused}; "
-                f"deleted {self.deleted} entries; kdn holds {mib:.1f} MiB for the corpus; "
+                f"deleted {self.deleted} entries{_kept(self.kept)}; kdn holds {mib:.1f} MiB "
+                "for the corpus; "
                 f"{self.total_s:.1f} s "
                 f"(prefill {self.prefill_s:.1f}, store {self.store_s:.1f}, embed "
                 f"{self.embed_s:.1f})")
@@ -89,17 +121,26 @@ class KnowledgeBase:
                                  cfg.max_tokens, cfg.mode, cfg.level)
         self._by_key: dict[str, tuple[str, ChunkEntry]] = {}
         self._writers = 0
+        self.kept = 0
+        """Entries the last ``remove`` left in kdn (a shared state: module docstring)."""
         self._load()
 
     def _load(self) -> None:
-        self.manifest = Manifest.load(self.state)
-        self.index = VectorIndex.load(self.state)
+        """Read the manifest and its embeddings (a writer that commits in between replaces
+        both: read them again; embeddings still missing are computed by the next ingest)."""
+        for _ in range(3):
+            self.manifest = Manifest.load(self.state)
+            index = VectorIndex.load(self.state, self.manifest.generation)
+            if index is not None or self.manifest.generation == 0:
+                break
+        self.index = index or VectorIndex()
         self._reindex()
 
     @contextmanager
     def _writing(self) -> Iterator[None]:
         """Hold the state folder's lock and work on its state as on disk now (another process
-        may have written it since this one loaded it); reentrant (ingest's prune removes)."""
+        may have written it since this one loaded it); reentrant (ingest's prune removes). A
+        write that fails leaves this object with the state on disk (the last commit)."""
         if self._writers:
             self._writers += 1
             try:
@@ -112,6 +153,9 @@ class KnowledgeBase:
             try:
                 self._load()
                 yield
+            except BaseException:
+                self._load()
+                raise
             finally:
                 self._writers = 0
 
@@ -129,17 +173,42 @@ class KnowledgeBase:
             for c in d.chunks:
                 self._by_key.setdefault(c.key, (doc_id, c))
 
-    def _flush(self) -> None:
-        self.index.save(self.state)
-        self.manifest.save(self.state)
+    def _own(self) -> None:
+        """Give a new state its owner id, committed before anything is stored under it (an
+        ingest that stops is resumed under the same keys)."""
+        if not self.manifest.owner and not self.manifest.shared:
+            self.manifest.owner = secrets.token_hex(16)
+            self.manifest.save(self.state)
 
-    def _delete_unreferenced(self, keys: set[str]) -> int:
-        stale = sorted(keys - self.manifest.keys())
-        if not stale:
-            return 0
-        self.engine.client.delete([bytes.fromhex(k) for k in stale],
-                                  namespace=self.engine.config.namespace)
-        return len(stale)
+    def _flush(self, hold: set[str] | frozenset[str] = frozenset()) -> tuple[int, int]:
+        """Commit the state (embeddings of the next generation, then the manifest naming it),
+        then delete from kdn the retired keys that no document references and that are not in
+        ``hold``: (deleted, kept), kept being the keys a shared state leaves in kdn instead."""
+        m = self.manifest
+        refs = m.keys()
+        m.retired -= refs
+        stale = m.retired - hold
+        kept = 0
+        if m.shared:
+            kept, m.retired, stale = len(stale), m.retired & hold, set()
+        self.index.retain(refs)
+        generation = m.generation + 1
+        self.index.save(self.state, generation)
+        m.generation = generation
+        m.save(self.state)
+        remove_other_embeddings(self.state, generation)
+        # the server's count: a key a crash kept listed may be gone already
+        keys = [bytes.fromhex(k) for k in sorted(stale)]
+        deleted = sum(self.engine.client.delete(keys[i : i + DELETE_BATCH],
+                                                namespace=self.engine.config.namespace)
+                      for i in range(0, len(keys), DELETE_BATCH))
+        m.retired -= stale
+        return deleted, kept
+
+    @staticmethod
+    def _count(rep: IngestReport, flushed: tuple[int, int]) -> None:
+        rep.deleted += flushed[0]
+        rep.kept += flushed[1]
 
     # -- ingest ---------------------------------------------------------------------------------
 
@@ -166,8 +235,11 @@ class KnowledgeBase:
         if prune is None:
             prune = origin != "api"
         self._check_settings()
+        self._own()
         old = self.manifest.settings
         same_settings = old == self.settings
+        # commits before the end only where the state on disk stays of one set of settings
+        commit_early = old is None or same_settings
         # a new codec mode or level: every chunk is encoded and stored again
         reencode = old is not None and (old.mode, old.level) != (self.settings.mode,
                                                                    self.settings.level)
@@ -187,20 +259,24 @@ class KnowledgeBase:
 
         chunked = [(d, chunk_document(d, self.engine.tokenizer, self.settings.target_tokens,
                                       self.settings.max_tokens)) for d in changed]
-        new_keys = [self.engine.key(c.ids) for _, cs in chunked for c in cs]
+        salt = self.manifest.salt
+        new_keys = [self.engine.key(c.ids, salt) for _, cs in chunked for c in cs]
         sizes = {} if reencode else dict(zip(new_keys, self.engine.present(new_keys)))
         todo = len({k for k in new_keys if sizes.get(k, -1) < 0})
+        # a chunk found held above is not stored again: none of them is deleted before the end
+        # (a chunk that moves to a document further on is retired by the one before)
+        wanted = {k.hex() for k in new_keys}
         bar = _progress(todo, progress)
         last_flush = time.perf_counter()
         for doc, chunks in chunked:
-            entries = [self._ingest_chunk(c, sizes, rep, bar) for c in chunks]
+            entries = [self._ingest_chunk(c, salt, sizes, rep, bar) for c in chunks]
             self._embed_missing(entries, rep)
             before = self.manifest.documents.get(doc.id)
             self.manifest.documents[doc.id] = DocEntry(doc.sha256, origin, entries)
             if before is not None:
-                rep.deleted += self._delete_unreferenced({c.key for c in before.chunks})
-            if time.perf_counter() - last_flush > self.engine.config.flush_s:
-                self._flush()
+                self.manifest.retired.update(c.key for c in before.chunks)
+            if commit_early and time.perf_counter() - last_flush > self.engine.config.flush_s:
+                self._count(rep, self._flush(hold=wanted))
                 last_flush = time.perf_counter()
         bar(0, done=True)
 
@@ -209,12 +285,11 @@ class KnowledgeBase:
             gone = [i for i, d in self.manifest.documents.items() if i not in present
                     and (d.source == origin or d.source in moved_from)]
             rep.removed = len(gone)
-            rep.deleted += self.remove(gone, flush=False)
+            self.remove(gone, flush=False)
         listed = {d.id for d in docs}
         self._embed_missing([c for i, d in self.manifest.documents.items() if i in listed
                              for c in d.chunks], rep)
-        self.index.retain(self.manifest.keys())
-        self._flush()
+        self._count(rep, self._flush())
         self._reindex()
         counted: set[str] = set()
         for d in docs:
@@ -267,9 +342,9 @@ class KnowledgeBase:
                                   f"{' and another '.join(differ)}; use the model and namespace "
                                   "it was ingested with, or another state folder")
 
-    def _ingest_chunk(self, chunk: Chunk, sizes: dict[bytes, int], rep: IngestReport,
-                      bar: Callable[..., None]) -> ChunkEntry:
-        key = self.engine.key(chunk.ids)
+    def _ingest_chunk(self, chunk: Chunk, salt: str, sizes: dict[bytes, int],
+                      rep: IngestReport, bar: Callable[..., None]) -> ChunkEntry:
+        key = self.engine.key(chunk.ids, salt)
         size = sizes.get(key, -1)
         if size >= 0:
             rep.reused += 1
@@ -299,22 +374,21 @@ class KnowledgeBase:
 
     def remove(self, doc_ids: Sequence[str], *, flush: bool = True) -> int:
         """Forget documents; delete their chunks' kdn entries no other document uses (the
-        state folder locked as by ``ingest``)."""
+        state folder locked as by ``ingest``): how many were deleted. With ``flush`` False
+        (ingest's prune) the caller's commit deletes them."""
         with self._writing():
             return self._remove(doc_ids, flush)
 
     def _remove(self, doc_ids: Sequence[str], flush: bool) -> int:
         self._check_settings()  # another model's keys are not the entries to delete
-        old: set[str] = set()
         for doc_id in doc_ids:
             d = self.manifest.documents.pop(doc_id, None)
             if d is not None:
-                old.update(c.key for c in d.chunks)
-        deleted = self._delete_unreferenced(old)
-        if flush:
-            self.index.retain(self.manifest.keys())
-            self._flush()
-            self._reindex()
+                self.manifest.retired.update(c.key for c in d.chunks)
+        if not flush:
+            return 0
+        deleted, self.kept = self._flush()
+        self._reindex()
         return deleted
 
     # -- asking ---------------------------------------------------------------------------------
@@ -342,10 +416,15 @@ class KnowledgeBase:
         if not sources:
             raise InvalidArgument("the knowledge base is empty: ingest a corpus first")
         retrieval_s = time.perf_counter() - t0
-        prepared = self.engine.prepare(question, [s.text for s in sources], max_new_tokens)
+        prepared = self.engine.prepare(question, [s.text for s in sources], max_new_tokens,
+                                       salt=self.manifest.salt)
         prepared.timings.retrieval_s = retrieval_s
         prepared.timings.ttft_s += retrieval_s
         return self.engine.finish(prepared, sources[:prepared.used], max_new_tokens)
+
+
+def _kept(n: int) -> str:
+    return f", kept {n} another state may use" if n else ""
 
 
 def _holds(source: Path, doc_id: str) -> bool:

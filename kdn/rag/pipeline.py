@@ -25,14 +25,16 @@ Two layers:
   Lifecycle of ``ingest(source)``: load and chunk the documents (``kdn.rag.corpus``); a
   document whose text and settings are unchanged and whose chunks kdn still holds (one batched
   Lookup) is skipped without touching the model; for the others each chunk kdn does not hold is
-  prefilled alone and stored, each new chunk is embedded, the manifest entry is replaced, and
-  the document's old chunk keys that no document references any more are deleted from kdn. A
-  document that left the corpus has its unshared chunk keys deleted. State is flushed
-  (embeddings, then manifest) every ``flush_s`` seconds and at the end, so an interrupted
-  ingest resumes where it stopped.
+  prefilled alone and stored, each new chunk is embedded, and the manifest entry is replaced.
+  The state is committed at the end (and every ``flush_s`` seconds while the settings stay
+  the same); after each commit the chunk keys no document references any more (the old
+  chunks of changed documents, the chunks of documents that left the corpus) are deleted from
+  kdn. An interrupted ingest leaves the last commit, and a rerun resumes it
+  (``kdn.rag.knowledge``).
 
-A chunk key shared by two documents (identical chunk text) is deleted only when no document
-references it any more.
+A chunk key shared by two documents of a state (identical chunk text) is deleted only when no
+document references it any more; a knowledge base salts its keys with its state's own id, so
+no other state holds them.
 """
 
 from __future__ import annotations
@@ -219,17 +221,18 @@ class RagEngine:
 
     # -- chunks ---------------------------------------------------------------------------------
 
-    def key(self, ids: Sequence[int]) -> bytes:
-        return chunk_key(ids, self.layout, self.config.namespace)
+    def key(self, ids: Sequence[int], salt: str = "") -> bytes:
+        """A chunk's key; ``salt``: a knowledge base's owner id (its keys are its own)."""
+        return chunk_key(ids, self.layout, self.config.namespace, salt=salt)
 
     def prefill(self, ids: Sequence[int]) -> KVCache:
         """KV of a chunk prefilled alone from position 0."""
         return hf.prefill(self.model, ids, self.layout)[0]
 
-    def connector(self) -> ChunkConnector:
+    def connector(self, salt: str = "") -> ChunkConnector:
         cfg = self.config
         return ChunkConnector(self.client, self.layout, cfg.namespace, mode=cfg.mode,
-                              level=cfg.level, device=hf.model_device(self.model))
+                              level=cfg.level, device=hf.model_device(self.model), salt=salt)
 
     def store(self, key: bytes, kv: KVCache) -> int:
         """Store a chunk's KV; the bytes kdn holds for it."""
@@ -283,10 +286,11 @@ class RagEngine:
         return used
 
     def prepare(self, question: str, chunks: Sequence[str],
-                max_new_tokens: int | None = None) -> Prepared:
+                max_new_tokens: int | None = None, *, salt: str = "") -> Prepared:
         """Fetch (or compute) the chunks' KV and blend it with the question: first-token state.
         The last chunks that do not fit the model's context with ``max_new_tokens`` are left
-        out (``fitting``; ``Prepared.used``, ``AskTimings.dropped_chunks``)."""
+        out (``fitting``; ``Prepared.used``, ``AskTimings.dropped_chunks``). ``salt``: as
+        ``key``'s."""
         cfg = self.config
         t = AskTimings()
         t0 = time.perf_counter()
@@ -294,7 +298,7 @@ class RagEngine:
         t.dropped_chunks = len(chunks) - used
         chunks = chunks[:used]
         ids = [chunk_ids(self.tokenizer, c) for c in chunks]
-        chunks_kv = [self.connector() for _ in ids]
+        chunks_kv = [self.connector(salt) for _ in ids]
         loaded = [c.start_load(i) for c, i in zip(chunks_kv, ids)]
         t.fetch_s = time.perf_counter() - t0
         missing: list[ChunkConnector] = []
