@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from kdn.client import Client
-from kdn.errors import Unavailable
+from kdn.errors import InvalidArgument, Unavailable
 from kdn.rag import KnowledgeBase, RagConfig, chunk_document, load_corpus
 from kdn.rag.index import EMBEDDINGS, MANIFEST, Manifest, embeddings_name
 from tests.test_rag import CharTokenizer, Counted, corpus, make_kb, stored, tiny_llama
@@ -244,3 +244,22 @@ def test_a_manifest_of_format_2_of_the_wrong_shape_is_corrupt(tmp_path: Path) ->
     (tmp_path / MANIFEST).write_text(json.dumps({**good, "format": 3}))
     with pytest.raises(Corrupt, match="unknown manifest format 3"):
         Manifest.load(tmp_path)
+
+
+def test_a_source_with_no_documents_removes_nothing(
+        model: Any, counted: Counted, client: Client, tmp_path: Path) -> None:
+    docs = corpus(tmp_path)
+    kb = make_kb(model, client, tmp_path / "state")
+    kb.ingest(docs)
+    before = doc_keys(kb)
+    away = tmp_path / "away"
+    docs.rename(away)
+    docs.mkdir()  # the folder is there and empty (an unmounted drive's mount point)
+    with pytest.raises(InvalidArgument, match="no documents found.*refusing"):
+        kb.ingest(docs)
+    assert doc_keys(make_kb(model, client, kb.state)) == before
+    assert all(stored(client, kb, kb.manifest.keys()).values())
+    rep = kb.ingest(docs, prune=False)  # told not to prune: nothing to add, nothing removed
+    assert rep.removed == 0 and doc_keys(kb) == before
+    assert kb.remove(sorted(before)) > 0  # removing them is still one command away
+    assert not kb.manifest.documents

@@ -217,7 +217,9 @@ class KnowledgeBase:
         """Bring kdn and the index in line with ``source`` (see the module docstring).
 
         ``prune``: documents of the same source that are gone are removed (default: yes for a
-        folder or file, no for a list of ``Document``s, which adds or updates only).
+        folder or file, no for a list of ``Document``s, which adds or updates only). A
+        folder or file with no documents where the state holds some from it is refused
+        (InvalidArgument: an unmounted drive or a mistyped path empties nothing).
         The state folder is locked from loading to the last flush (``StateLocked``: another
         ingest or rm holds it).
         """
@@ -234,6 +236,13 @@ class KnowledgeBase:
             docs, origin = list(source), "api"
         if prune is None:
             prune = origin != "api"
+        if prune and not docs:
+            held = sum(d.source == origin for d in self.manifest.documents.values())
+            if held:  # an unmounted drive or a wrong path would otherwise empty the state
+                raise InvalidArgument(
+                    f"{source}: no documents found, and this state holds {held} from it; "
+                    "refusing to remove them all (remove them by name with `kdn rag rm`, or "
+                    "ingest with `--no-prune`, prune=False from Python)")
         self._check_settings()
         self._own()
         old = self.manifest.settings
