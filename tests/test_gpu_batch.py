@@ -68,6 +68,13 @@ _IDENTICAL = _PRELUDE + textwrap.dedent('''
         blob = codec.encode(kv, mode, level)
         same(codec.decode(blob), codec.decode(blob, batched=True))
         checked += 1
+    # pruned to a few values per token (1 head x 1 channel...): steps capped at the largest |x|
+    from kdn.layout import KVLayout, LayerLayout
+    lay = KVLayout("pruned-small", (LayerLayout(1, 1, 1), LayerLayout(2, 1, 2),
+                                    LayerLayout(1, 2, 1)), head_dim=2)
+    blob = codec.encode(random_kv(lay, 24, seed=5), "kdn", "tiny")
+    same(codec.decode(blob), codec.decode(blob, batched=True))
+    checked += 1
     # entries written before format 4 (format 3: codes inside zstd; format 2: exact counts)
     # still decode on the device, alone and beside format-4 ones in one decode
     from kdn.codec import entropy
@@ -284,7 +291,7 @@ def _run(script: str) -> list[str]:
 
 
 def test_whole_entry_decode_is_bit_identical_to_the_cpu_decoders() -> None:
-    assert _run(_IDENTICAL)[-2:] == ["ok", "14"]
+    assert _run(_IDENTICAL)[-2:] == ["ok", "15"]
 
 
 def test_damaged_bodies_are_refused_exactly_where_the_cpu_refuses_them() -> None:

@@ -5,7 +5,8 @@ integer symbols laid out as streams, ``[kv_heads * channels, tokens]`` (one row 
 the entropy coder models each row separately), plus whatever side information it needs.
 
     token_absmax(x)             -> [tokens]      CacheGen's per-token scale (max over heads, ch.)
-    token_rms(x)                -> [tokens]      kdn's per-token scale (RMS over heads, ch.)
+    token_rms(x)                -> [tokens]      kdn's per-token scale (RMS over heads, ch.;
+                                                 capped by the absmax: ``modes.kdn``)
     log_scale_symbols(s)        -> [tokens] int  a positive scale as round(16 * log2 s)
     scale_from_symbols(q)       -> [tokens]      2 ** (q / 16), what encoder and decoder both use
     quantize(x, step)           -> streams       round(x / step), step: [tokens] per token

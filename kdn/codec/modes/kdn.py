@@ -5,13 +5,22 @@ Per layer, for K and for V separately (any per-layer channel counts: pruned layo
 1. The first ``sink_tokens`` tokens are stored exactly (the layout's dtype). The first token of
    a sequence is an attention sink with keys/values far from the rest; quantizing it costs more
    quality than all other tokens together (CacheGen bins on SmolLM2-135M: ΔPPL 1.9% -> 0.5%).
-2. Every other token t gets a step = ``step`` x RMS of x[:, t, :] over heads and channels. The
-   RMS is stored as round(16 log2 rms) (~2% resolution) and the encoder quantizes with the
-   stored value, so encoder and decoder agree exactly on the step.
+2. Every other token t gets a step = ``step`` x its scale, the RMS of x[:, t, :] over heads and
+   channels, capped so the step is at most the token's largest |x|: scale = min(rms,
+   absmax / ``step``). The scale is stored as round(16 log2 scale) (~2% resolution) and the
+   encoder quantizes with the stored value, so encoder and decoder agree exactly on the step.
+   The cap is for a token of few values or of near-equal magnitudes (a pruned layer of 1 head
+   x 1 channel, a constant channel): its absmax is close to its RMS, so a step of more than
+   twice the RMS (``compact`` and ``tiny`` values) would round every value of it to 0, and
+   one of 1-2x the RMS would decode it up to 2x too large. Capped, the largest value is a
+   symbol of at least 1, and values of the token's largest magnitude decode to within the
+   scale's 2%. A token of many spread-out values (a real model's layer: 192 per token in
+   SmolLM2-135M) has absmax several times its RMS and keeps ``step`` x RMS. The decoder reads
+   a scale whichever way the encoder chose it.
 3. symbols = round(x / step): an unbounded uniform quantizer (no clipping, no bins). The step
    sets distortion; the entropy coder, not a bin count, sets the size.
 4. Symbols are coded per (head, channel) stream over tokens with its own frequency table
-   (``kdn.codec.entropy``); the per-token log-RMS values are coded as two more streams.
+   (``kdn.codec.entropy``); the per-token log-scale values are coded as two more streams.
 
 Mixed precision by layer sensitivity: a level's steps are scaled by a depth profile, one
 multiplier per equal slice of the relative depth (so it applies to a model of any depth).
@@ -20,10 +29,10 @@ sixth of the layers, measure KL on the real model): keys of the layers at 50-83%
 3-5x more sensitive than the rest; values were 10-50x less sensitive than keys everywhere,
 hence value steps ~3x key steps. Levels are data (``KdnLevel``); the header names the level.
 
-One scale per token and per K/V (log-RMS streams): an entropy-coded uniform quantizer gains
+One scale per token and per K/V (log-scale streams): an entropy-coded uniform quantizer gains
 nothing from rotations or finer scales (the README's codec section lists what was compared).
 
-    body = sections(sink K | sink V | log-RMS streams [2, n] | symbols [heads*(k_ch+v_ch), n])
+    body = sections(sink K | sink V | log-scale streams [2, n] | symbols [heads*(k_ch+v_ch), n])
            with n = tokens - sink tokens
 """
 
@@ -51,6 +60,7 @@ from kdn.codec.quant import (
     quantize,
     scale_from_symbols,
     to_numpy,
+    token_absmax,
     token_rms,
 )
 from kdn.codec.symbols import symbols
@@ -62,9 +72,10 @@ class KdnLevel:
     """One rung of the kdn ladder."""
 
     k_step: float
-    """Key quantizer step, in units of each token's key RMS (over heads and channels)."""
+    """Key quantizer step, in units of each token's key RMS (over heads and channels); a
+    token's step is at most its largest |key| (module docstring, 2.)."""
     v_step: float
-    """Value quantizer step, in units of each token's value RMS."""
+    """Value quantizer step, in units of each token's value RMS; at most its largest |value|."""
     sink_tokens: int = 1
     """Leading tokens stored exactly."""
     k_profile: tuple[float, ...] = (1.0,)
@@ -107,8 +118,8 @@ LEVELS: dict[str, KdnLevel] = {
 
 
 def _quant(x: torch.Tensor, step: float) -> tuple[torch.Tensor, torch.Tensor]:
-    # x: [heads, n, ch] -> (log-RMS symbols [n], symbols [heads * ch, n])
-    q = log_scale_symbols(token_rms(x))
+    # x: [heads, n, ch] -> (log-scale symbols [n], symbols [heads * ch, n])
+    q = log_scale_symbols(torch.minimum(token_rms(x), token_absmax(x) / step))
     return q, quantize(x, scale_from_symbols(q) * step)
 
 

@@ -1,0 +1,155 @@
+"""Lossy codecs on heavily pruned layers: a few K or V values per token.
+
+A pruner may leave a layer 1 head x 1 channel (KVPruner keeps at least one value channel), and
+a layer's values may all have about the same magnitude (a constant channel). Such a token's
+largest |x| is close to its RMS, so a ``kdn`` step of more than twice the RMS (the V steps of
+``compact`` and ``tiny``) rounded all of it to 0 unless the step is capped at the token's
+largest |x| (``kdn.codec.modes.kdn``). These tests hold every lossy level to: finite output,
+no token decoded as zeros, its largest value decoded within half of itself with its sign,
+every value within half the (capped) step, and values of the token's largest magnitude within
+the scale grid wherever the cap applies.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kdn.cache import KVCache
+from kdn.codec import decode, encode
+from kdn.codec.modes import get_mode
+from kdn.codec.modes.cachegen import PARAMS as CACHEGEN
+from kdn.codec.modes.kdn import LEVELS as KDN_LEVELS
+from kdn.errors import InvalidLayout
+from kdn.layout import DType, KVLayout, LayerLayout
+
+SCALE_GRID = 2.0 ** (1 / 32) - 1
+"""Largest relative error of a stored kdn scale (round(16 log2 s)), 2.2%."""
+
+SMALL = [(1, 1, 1), (1, 2, 1), (2, 1, 2), (1, 1, 3), (3, 2, 1), (2, 2, 2), (4, 1, 1)]
+"""(kv_heads, k_channels, v_channels) of the pruned layers, each between two normal ones."""
+
+
+def lossy_codecs() -> list[tuple[str, str]]:
+    return [("cachegen", "")] + [("kdn", lv) for lv in get_mode("kdn").levels]
+
+
+def small_layout(dtype: DType) -> KVLayout:
+    normal = LayerLayout(2, 16, 16)
+    layers = [normal]
+    for h, kc, vc in SMALL:
+        layers += [LayerLayout(h, kc, vc), normal]
+    return KVLayout("pruned-small", tuple(layers), dtype=dtype, head_dim=16)
+
+
+def sweep_layout(dtype: DType) -> KVLayout:
+    """Every (heads, channels) of 1-4 heads and 1-8 channels, K and V alike."""
+    shapes = [(h, c) for h in (1, 2, 3, 4) for c in (1, 2, 3, 4, 8)]
+    return KVLayout("sweep", tuple(LayerLayout(h, c, c) for h, c in shapes), dtype=dtype,
+                    head_dim=8)
+
+
+def values(kind: str, shape: tuple[int, int, int], g: torch.Generator) -> torch.Tensor:
+    """x: [heads, tokens, ch] drawn as ``kind``."""
+    heads, tokens, ch = shape
+    x = torch.randn(shape, generator=g)
+    if kind == "gauss":
+        return x
+    if kind == "outliers":  # a per-channel offset, and one channel in four 20x larger
+        x = x + 2 * torch.randn(1, 1, ch, generator=g)
+        x[:, :, ::4] *= 20
+        return x
+    if kind == "constant":
+        return torch.full(shape, 0.75)
+    if kind == "near-constant":
+        return 0.75 + 0.01 * x
+    if kind == "flat":  # one magnitude, random signs: a token's absmax is its RMS
+        return 0.5 * torch.sign(x)
+    raise ValueError(kind)
+
+
+def cache(layout: KVLayout, kind: str, tokens: int = 40, seed: int = 0) -> KVCache:
+    g = torch.Generator().manual_seed(seed)
+    dt = layout.dtype.torch
+    return KVCache(layout, [
+        (values(kind, (lay.kv_heads, tokens, lay.k_channels), g).to(dt),
+         values(kind, (lay.kv_heads, tokens, lay.v_channels), g).to(dt))
+        for lay in layout.layers])
+
+
+def step_of(mode: str, level: str, x: torch.Tensor, layer: int, num_layers: int,
+            is_key: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(step [1, tokens, 1] the encoder is meant to use before its scale is rounded, whether
+    the cap at the token's largest |x| set it) for x [heads, tokens, ch]."""
+    absmax = x.abs().amax(dim=(0, 2), keepdim=True)
+    if mode == "cachegen":
+        ck, cv = CACHEGEN.levels(layer)
+        return absmax / (ck if is_key else cv), torch.zeros_like(absmax, dtype=torch.bool)
+    k_step, v_step = KDN_LEVELS[level].steps(layer, num_layers)
+    step = x.pow(2).mean(dim=(0, 2), keepdim=True).sqrt() * (k_step if is_key else v_step)
+    return torch.minimum(step, absmax), step >= absmax
+
+
+def by_token(x: torch.Tensor) -> torch.Tensor:
+    """x: [heads, tokens, ch] -> [tokens, heads * ch]."""
+    return x.permute(1, 0, 2).reshape(x.shape[1], -1)
+
+
+def check_small_layers(kv: KVCache, mode: str, level: str) -> None:
+    out = decode(encode(kv, mode, level))
+    sink = KDN_LEVELS[level].sink_tokens if mode == "kdn" else 0
+    n = kv.layout.num_layers
+    for i, ((k, v), (k2, v2)) in enumerate(zip(kv.layers, out.layers)):
+        for x, y, is_key in ((k, k2, True), (v, v2, False)):
+            where = (kv.layout.layers[i], "K" if is_key else "V", mode, level)
+            x, y = x.float()[:, sink:], y.float()[:, sink:]
+            assert torch.isfinite(y).all(), where
+            # the largest value of each token: its sign, within half of itself
+            top = by_token(x).abs().argmax(dim=1, keepdim=True)
+            xt, yt = by_token(x).gather(1, top), by_token(y).gather(1, top)
+            assert ((xt - yt).abs() <= xt.abs() * (0.5 * 1.03) + 1e-6).all(), where
+            step, capped = step_of(mode, level, x, i, n, is_key)
+            eps = x.abs() * 2.0**-7 + 1e-6  # the dtype's own rounding
+            err = (x - y).abs()
+            assert (err <= step / 2 * 1.03 + eps).all(), where
+            # where the step is the token's largest |x|, values of that magnitude are 1 step
+            top_values = capped & (x.abs() == x.abs().amax(dim=(0, 2), keepdim=True))
+            assert (err[top_values] <= (x.abs() * SCALE_GRID * 1.01 + eps)[top_values]).all(), \
+                where
+
+
+@pytest.mark.parametrize("mode,level", lossy_codecs())
+@pytest.mark.parametrize("kind", ["gauss", "outliers", "constant", "near-constant", "flat"])
+@pytest.mark.parametrize("dtype", [DType.FLOAT16, DType.BFLOAT16])
+def test_pruned_layers_of_a_few_values_keep_their_values(mode: str, level: str, kind: str,
+                                                         dtype: DType) -> None:
+    check_small_layers(cache(small_layout(dtype), kind), mode, level)
+
+
+@pytest.mark.parametrize("mode,level", lossy_codecs())
+def test_no_shape_of_up_to_4_heads_and_8_channels_decodes_as_zeros(mode: str, level: str
+                                                                    ) -> None:
+    # equal magnitudes are the hardest case for an RMS-relative step, at every size
+    check_small_layers(cache(sweep_layout(DType.FLOAT16), "flat", tokens=24, seed=1), mode, level)
+    check_small_layers(cache(sweep_layout(DType.FLOAT16), "gauss", tokens=24, seed=2), mode, level)
+
+
+@pytest.mark.parametrize("level", get_mode("kdn").levels)
+def test_a_constant_layer_decodes_to_its_value_where_the_step_reaches_it(level: str) -> None:
+    layout = small_layout(DType.FLOAT16)
+    kv = cache(layout, "constant")
+    out = decode(encode(kv, "kdn", level))
+    n = layout.num_layers
+    for i, ((k, v), (k2, v2)) in enumerate(zip(kv.layers, out.layers)):
+        for x, y, s in zip((k, v), (k2, v2), KDN_LEVELS[level].steps(i, n)):
+            err = (x.float() - y.float()).abs().max().item()
+            # a step of at least the value codes it as one step; a finer one, within half
+            bound = 0.75 * (SCALE_GRID if s >= 1 else s / 2) * 1.03 + 0.75 * 2.0**-10
+            assert err <= bound, (i, level, s, err)
+
+
+def test_a_layer_of_no_channels_is_refused_by_the_layout() -> None:
+    with pytest.raises(InvalidLayout, match="v_channels must be a positive int"):
+        LayerLayout(1, 1, 0)
+    with pytest.raises(InvalidLayout, match="kv_heads must be a positive int"):
+        LayerLayout(0, 1, 1)
