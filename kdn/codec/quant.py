@@ -30,12 +30,25 @@ power of two, so every device computes it bit-identically (no exp2 whose last bi
 
 def token_absmax(x: torch.Tensor) -> torch.Tensor:
     """Max |x| over heads and channels, per token. x: [heads, tokens, ch] -> [tokens] float32."""
-    return x.float().abs().amax(dim=(0, 2))
+    return x.abs().amax(dim=(0, 2)).float()  # exact in any float dtype
 
 
-def token_rms(x: torch.Tensor) -> torch.Tensor:
-    """RMS over heads and channels, per token. x: [heads, tokens, ch] -> [tokens] float32."""
-    return x.float().pow(2).mean(dim=(0, 2)).sqrt()
+def token_rms(x: torch.Tensor, absmax: torch.Tensor | None = None) -> torch.Tensor:
+    """RMS over heads and channels, per token. x: [heads, tokens, ch] -> [tokens] float32.
+
+    Squares of bf16 or float32 values beyond 2**64 overflow float32 (an infinite RMS; their
+    sum over many channels overflows sooner) and those below 2**-63 underflow, so a token whose
+    ``absmax`` (computed when not given) lies outside [2**-48, 2**48] (room for sums of 2**32
+    squares) has its RMS computed on x / absmax and scaled back. float16 values never do."""
+    xf = x.float()
+    rms = xf.pow(2).mean(dim=(0, 2)).sqrt()
+    a = token_absmax(x) if absmax is None else absmax
+    extreme = (a > 2.0**48) | ((a < 2.0**-48) & (a > 0))
+    if bool(extreme.any()):
+        a1 = torch.where(extreme, a, 1.0)
+        scaled = (xf / a1.reshape(1, -1, 1)).pow(2).mean(dim=(0, 2)).sqrt() * a1
+        rms = torch.where(extreme, scaled, rms)
+    return rms
 
 
 def log_scale_symbols(scale: torch.Tensor) -> torch.Tensor:

@@ -119,7 +119,8 @@ LEVELS: dict[str, KdnLevel] = {
 
 def _quant(x: torch.Tensor, step: float) -> tuple[torch.Tensor, torch.Tensor]:
     # x: [heads, n, ch] -> (log-scale symbols [n], symbols [heads * ch, n])
-    q = log_scale_symbols(torch.minimum(token_rms(x), token_absmax(x) / step))
+    absmax = token_absmax(x)
+    q = log_scale_symbols(torch.minimum(token_rms(x, absmax), absmax / step))
     return q, quantize(x, scale_from_symbols(q) * step)
 
 
