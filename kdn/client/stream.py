@@ -166,6 +166,7 @@ class LayerStream:
         self._error: BaseException | None = None
         self._cancel = cancel
         self._lock = threading.Lock()
+        self._check_lock = threading.Lock()
         self._pending: list[Future[None]] = []
         self._reader: threading.Thread | None = None
         if layers is not None:
@@ -352,15 +353,21 @@ class LayerStream:
         return layer
 
     def _checked(self) -> None:
-        """The decode's own check, once: its error fails every layer."""
-        check, self._check = self._check, None
-        if check is None:
+        """The decode's own check, once: its error fails every layer. A thread that comes
+        while another runs it waits for its outcome (no layer is handed out unchecked)."""
+        if self._check is None:
             return
-        try:
-            check()
-        except BaseException as exc:
-            self._layers = [None] * len(self._layers)
-            self._fail(exc)
+        with self._check_lock:
+            check = self._check
+            if check is None:
+                return
+            try:
+                check()
+            except BaseException as exc:
+                self._layers = [None] * len(self._layers)
+                self._fail(exc)
+            finally:
+                self._check = None
 
     def is_ready(self, i: int) -> bool:
         return self._ready[i].is_set() and self._layers[i] is not None

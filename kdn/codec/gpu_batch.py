@@ -32,6 +32,7 @@ slow): that is how CI checks them, launch and synchronisation counts included (`
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -93,10 +94,18 @@ class Decoded:
     """Checks still running beside the kernels (``format.sums_checked_later``: the frames'
     sums), each raising Corrupt on damage: waited for before the flag is read."""
 
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    """Held while checking: the streams of one context share this check (``kdn.client.
+    landing.decoded_together``), and none may see the layers before it is done."""
+
     def check(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The layers, once the checks still running are done and the kernels' error flag is
         read (a synchronisation, the first time): raises Corrupt, every time, where a frame's
         sum did not match or any kernel found damaged bytes."""
+        with self.lock:
+            return self._check()
+
+    def _check(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         waits, self.waits = self.waits, []
         for wait in waits:
             try:

@@ -237,10 +237,10 @@ class KnowledgeBase:
         if prune is None:
             prune = origin != "api"
         if prune and not docs:
-            held = sum(d.source == origin for d in self.manifest.documents.values())
-            if held:  # an unmounted drive or a wrong path would otherwise empty the state
+            holds = sum(d.source == origin for d in self.manifest.documents.values())
+            if holds:  # an unmounted drive or a wrong path would otherwise empty the state
                 raise InvalidArgument(
-                    f"{source}: no documents found, and this state holds {held} from it; "
+                    f"{source}: no documents found, and this state holds {holds} from it; "
                     "refusing to remove them all (remove them by name with `kdn rag rm`, or "
                     "ingest with `--no-prune`, prune=False from Python)")
         self._check_settings()
