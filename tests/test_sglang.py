@@ -36,7 +36,9 @@ from sglang.srt.mem_cache.hicache_storage import (  # noqa: E402
 from bench.sglang import HostPool, file_backend, kdn_backend  # noqa: E402
 from kdn.client.admin import AdminClient  # noqa: E402
 from kdn.client.client import Client  # noqa: E402
-from kdn.errors import InvalidArgument  # noqa: E402
+from kdn.client.received import Fetched  # noqa: E402
+from kdn.codec.format import FRAME_STRUCT, RECORD_BYTES, EncodedParts  # noqa: E402
+from kdn.errors import InvalidArgument, InvalidLayout  # noqa: E402
 from kdn.integrations.sglang import KDNBackendConfig, KDNHiCacheStorage  # noqa: E402
 from kdn.keys import page_key  # noqa: E402
 from kdn.server import ServerThread  # noqa: E402
@@ -212,6 +214,52 @@ def test_pages_do_not_depend_on_the_pool_layout(server: ServerThread, src_layout
             assert torch.equal(dst.kv_of(5 + j), src.kv_of(j))
     finally:
         a.close()
+        b.close()
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_raw_pages_read_back_bit_exact(server: ServerThread, layout: str,
+                                       dtype: torch.dtype) -> None:
+    """``raw`` pages go straight from their frames into the pool (fp16 and bf16: the verbatim
+    path; fp32 records are not element-aligned: the general decode)."""
+    pool = HostPool(layout, 16, seed=4, dtype=dtype, **SMALL)  # type: ignore[arg-type]
+    b = kdn_backend(pool, server.address, mode="raw", namespace="sglang-raw")
+    try:
+        assert b.batch_set_v1(KEYS, pool.indices(range(8))) == [True] * 8
+        got = b.batch_get_v1(KEYS[::-1], pool.indices(range(8, 16)))
+        assert got == [True] * 8
+        for j in range(8):
+            want = pool.kv_of(7 - j)
+            assert pool.kv_of(8 + j).view(torch.uint8).equal(want.view(torch.uint8))
+    finally:
+        b.close()
+
+
+def test_a_raw_record_of_another_shape_is_refused(server: ServerThread) -> None:
+    """A ``raw`` page whose checksums pass (here: bytes the server says it checked) but one of
+    whose layer records declares another shape is refused, naming the layer, and writes
+    nothing into the pool."""
+    pool = HostPool("layer_first", 4, seed=5, **SMALL)  # type: ignore[arg-type]
+    b = kdn_backend(pool, server.address, mode="raw", namespace="sglang-raw")
+    try:
+        pages = b._need_pages()
+        parts = pages.encode(pages.pool_page(0))
+        frame = bytearray(parts.frames[0])
+        rec = RECORD_BYTES + pool.page_size * SMALL["heads"] * SMALL["head_dim"] * 2 * 2
+        at = FRAME_STRUCT.size + rec + 2  # layer 1's record: its token count
+        frame[at : at + 4] = (SMALL["page_size"] + 1).to_bytes(4, "little")
+        got = Fetched(EncodedParts(parts.header, [frame]), "ram", checked=True)
+        target = pages.pool_page(3 * pool.page_size)
+        before = target.clone()
+        with pytest.raises(InvalidLayout, match="layer 1"):
+            pages.place(got, target)
+        assert torch.equal(target, before)
+        intact = Fetched(EncodedParts(parts.header, [bytearray(parts.frames[0])]), "ram",
+                         checked=True)
+        pages.place(intact, target)
+        assert torch.equal(pool.kv_of(3), pool.kv_of(0))
+    finally:
         b.close()
 
 

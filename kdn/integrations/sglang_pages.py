@@ -21,14 +21,15 @@ import torch
 from kdn import codec
 from kdn.cache import KVCache
 from kdn.client.received import Fetched
-from kdn.codec.format import RECORD_BYTES, check_frame, check_frame_prefix
+from kdn.codec.format import RECORD_BYTES, check_frame, check_frame_prefix, record_prefix
 from kdn.errors import KDNError
 from kdn.layout import DType, KVLayout, LayerLayout, model_fingerprint
 
 LAYOUTS = ("layer_first", "page_first", "page_first_direct")
 """Host pool layouts whose pages this backend reads and writes."""
-_RECORD_DTYPE = np.dtype([("heads", "<u2"), ("tokens", "<u4"), ("k", "<u2"), ("v", "<u2"),
-                          ("body", "<u4")])  # a layer record's prefix (kdn.codec.format)
+_INT_VIEW = {2: np.int16, 4: np.int32}
+"""Integer dtype of each element size: numpy views raw bodies as these, torch as the pool's
+dtype (numpy has no bfloat16)."""
 
 
 class HostPages:
@@ -62,6 +63,13 @@ class HostPages:
         self.pool = pool
         self.mode = mode
         self.level = level
+        lay, item = layers[0], self.layout.dtype.itemsize
+        self._k_bytes = lay.kv_heads * self.page_size * lay.k_channels * item
+        """Bytes of one layer's K body in a ``raw`` record (V's are as many: equal dims)."""
+        self._record = np.frombuffer(
+            record_prefix(lay, self.page_size, 2 * self._k_bytes), dtype=np.uint8)
+        """The shape prefix every layer record of a ``raw`` page holds (``_place_verbatim``
+        compares a frame's records with it at once)."""
 
     @property
     def page_bytes(self) -> int:
@@ -136,41 +144,34 @@ class HostPages:
         """A ``raw`` page straight from its frames into the pool: every frame's records are
         checked (structure, and checksums unless the server checked these bytes), then its
         layers' K and V bodies are copied as two strided views per frame, with no tensor per
-        layer. False (nothing written) where the layers' shapes differ."""
+        layer. False (nothing written) where records are not element-aligned (fp32 records:
+        the general path decodes them)."""
         lay = self.layout
-        first_layer = lay.layers[0]
-        if not lay.is_uniform:
+        item, kb = lay.dtype.itemsize, self._k_bytes
+        rec = RECORD_BYTES + 2 * kb
+        if rec % item:
             return False
-        heads, d, p = first_layer.kv_heads, lay.head_dim, self.page_size
-        item = lay.dtype.itemsize
-        kb = heads * p * first_layer.k_channels * item
-        vb = heads * p * first_layer.v_channels * item
-        rec = RECORD_BYTES + kb + vb
-        if rec % item:  # rows would not be element-aligned (fp32 records): the general path
-            return False
-        want = np.array((heads, p, first_layer.k_channels, first_layer.v_channels, kb + vb),
-                        dtype=_RECORD_DTYPE)
+        heads, p, d = lay.layers[0].kv_heads, self.page_size, lay.head_dim
         views = []
         for i, frame in enumerate(got.parts.frames):
             # the frame as a whole is checked here, its records all at once below (a page's
-            # frame holds every layer: one comparison instead of a loop over them)
+            # frame holds every layer: one byte comparison with the page's record prefix
+            # instead of a loop over them)
             payload, first, count = check_frame_prefix(dec.header, i, frame,
                                                        checksum=not got.checked)
             body = np.frombuffer(payload, dtype=np.uint8)
             if len(body) != rec * count:
                 check_frame(dec.header, i, frame, checksum=False)  # says what is wrong
                 return False
-            rows = body.reshape(count, rec)
-            if not (rows[:, :RECORD_BYTES].copy().view(_RECORD_DTYPE) == want).all():
+            rows = body.reshape(count, rec)  # [layers, record]
+            if not (rows[:, :RECORD_BYTES] == self._record).all():
                 check_frame(dec.header, i, frame, checksum=False)  # raises, naming the layer
                 return False
             views.append((first, count, rows))
-        int_view = {2: np.int16, 4: np.int32}[item]
+        as_int, as_torch = _INT_VIEW[item], lay.dtype.torch
         for first, count, rows in views:
-            k = rows[:, RECORD_BYTES : RECORD_BYTES + kb].view(int_view)
-            v = rows[:, RECORD_BYTES + kb :].view(int_view)
-            kt = torch.from_numpy(k).view(lay.dtype.torch).view(count, heads, p, d)
-            vt = torch.from_numpy(v).view(lay.dtype.torch).view(count, heads, p, d)
-            page[0, first : first + count].copy_(kt)
-            page[1, first : first + count].copy_(vt)
+            k = torch.from_numpy(rows[:, RECORD_BYTES : RECORD_BYTES + kb].view(as_int))
+            v = torch.from_numpy(rows[:, RECORD_BYTES + kb :].view(as_int))
+            page[0, first : first + count].copy_(k.view(as_torch).view(count, heads, p, d))
+            page[1, first : first + count].copy_(v.view(as_torch).view(count, heads, p, d))
         return True
