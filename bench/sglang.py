@@ -11,7 +11,10 @@ channels, 64 tokens: 1.47 MB a page), random values, 128 pages a call (SGLang's
     get        the headline: a first read, as HiCache makes it (pages set once, on eviction
                from GPU or host memory, and read once, on a later prefix hit). The batches
                of distinct keys the ``set`` row wrote (5; 2 with ``--quick``) are read once
-               each, in the order written; the timer is around each read alone. kdn
+               each, in the order written, from ``SETTLE_S`` after the last write (for
+               both backends: what a write leaves running, kdn's server faulting memory in
+               ahead of its next stores or the kernel writing HiCacheFile's files back, is
+               the write's, not the read's); the timer is around each read alone. kdn
                ``batch_get_v1`` of the pages into the host pool by index, against
                HiCacheFile's read of the same pages into the same pool (its ``batch_get_v2``
                of the KV pool: the per-page read + copy SGLang does for it)
@@ -45,6 +48,7 @@ contract, which is all either backend touches. The tests use it too.
 from __future__ import annotations
 
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +61,8 @@ LAYERS, HEADS, HEAD_DIM, PAGE = 30, 3, 64, 64
 BATCH = 128
 MODES = ("lossless", "raw", "int8")
 OPS = ("get", "get_again", "set")
+SETTLE_S = 3.0
+"""Seconds between a backend's last write and its first read (module docstring)."""
 
 
 class HostPool:
@@ -213,6 +219,7 @@ def measure(pages: int, repeat: int, tmp: Path, address: str) -> list[dict[str, 
         to_write, to_read = iter(fresh), iter(fresh)
         set_s = timed(lambda put=put, it=to_write: assert_all(put(next(it))), repeat, warmup=0)
         cleared()
+        time.sleep(SETTLE_S)
         first_s = timed(lambda get=get, it=to_read: assert_all(get(next(it))), repeat,
                         warmup=0)  # each batch written once, read once
         got = [read_back()]
