@@ -25,18 +25,20 @@ channels, 64 tokens: 1.47 MB a page), random values, 128 pages a call (SGLang's
     set        ``batch_set_v1`` against HiCacheFile's write of the same pages (new keys each
                time: both backends skip pages they hold)
 
-Columns: ``seconds`` (median of the row's timed calls), ``gb_s`` (page bytes, fp16, moved per
-second), ``ratio_vs_file`` (kdn ``gb_s`` / HiCacheFile's of the same op, this run),
-``stored_vs_fp16`` (the bytes kdn holds per page over the page's fp16 bytes), ``bit_identical``
-(every page read back, by both reads, equals the page written), ``max_abs_err``, ``pages``
-(per call), ``page_bytes``. kdn rows per codec mode: ``lossless`` (the default), ``raw`` and
-``int8``. The kdn server runs in this process (``ServerThread``), RAM tier only, the client on
-its shared segment; HiCacheFile writes to a temporary folder and reads it back from the page
-cache (warm, like kdn's RAM tier). A same-host store is kept in the tenant's read arena while
-the arena's half for stores has room (256 MiB of the default 512 MiB: ``kdn.server.arena``),
-and such a page's first read copies nothing; the modes share one server, so the first mode's
-first batches are there (the ``get`` median is of batches that are not), the other modes'
-not at all, as most pages of a running engine are not.
+Columns: ``seconds`` (median wall time of the row's timed calls), ``gb_s`` (page bytes, fp16,
+moved per second), ``ratio_vs_file`` (kdn ``gb_s`` / HiCacheFile's of the same op, this run),
+``cpu_s`` (median CPU seconds of a call, every thread of this process: kdn's client and
+server, or HiCacheFile and the kernel's work in its calls; steadier than wall time on a
+shared host), ``stored_vs_fp16`` (the bytes kdn holds per page over the page's fp16 bytes),
+``bit_identical`` (every page read back, by both reads, equals the page written),
+``max_abs_err``, ``pages`` (per call), ``page_bytes``. kdn rows per codec mode: ``lossless``
+(the default), ``raw`` and ``int8``. The kdn server runs in this process (``ServerThread``),
+RAM tier only, the client on its shared segment; HiCacheFile writes to a temporary folder and
+reads it back from the page cache (warm, like kdn's RAM tier). A same-host store is kept in
+the tenant's read arena while the arena's half for stores has room (256 MiB of the default
+512 MiB: ``kdn.server.arena``), and such a page's first read copies nothing; the modes share
+one server, so the first mode's first batches are there (the ``get`` median is of batches
+that are not), the other modes' not at all, as most pages of a running engine are not.
 
 ``HostPool`` is the smallest real tensor pool with the page layouts of SGLang's
 ``MHATokenToKVPoolHost`` (its module can not be imported on a CPU-only host: SGLang's config
@@ -49,12 +51,13 @@ from __future__ import annotations
 
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from bench.common import arg_parser, figure, median, print_table, save_figure, timed, write_json
+from bench.common import arg_parser, figure, median, print_table, save_figure, write_json
 from kdn.server import ServerConfig, ServerThread
 
 LAYERS, HEADS, HEAD_DIM, PAGE = 30, 3, 64, 64
@@ -224,7 +227,9 @@ def measure(pages: int, repeat: int, tmp: Path, address: str) -> list[dict[str, 
                         warmup=0)  # each batch written once, read once
         got = [read_back()]
         cleared()
-        again_s = timed(lambda get=get: assert_all(get(keys)), 3 * repeat)  # short: 3x as many
+        # the same batch again: short reads, three times as many
+        again_s = timed(lambda get=get: assert_all(get(keys)), 3 * repeat, warmup=1)
+        got.append(read_back())
         got.append(read_back())
         row: dict[str, Any] = {"backend": name, "pages": pages, "page_bytes": page_bytes}
         if name != "file":
@@ -233,9 +238,9 @@ def measure(pages: int, repeat: int, tmp: Path, address: str) -> list[dict[str, 
             row["max_abs_err"] = max(float((g.float() - want.float()).abs().max()) for g in got)
         row["bit_identical"] = all(torch.equal(g.view(torch.int16), want.view(torch.int16))
                                    for g in got)
-        for op, secs in (("get", first_s), ("get_again", again_s), ("set", set_s)):
-            rows.append({**row, "op": op, "seconds": median(secs),
-                         "gb_s": nbytes / median(secs) / 1e9})
+        for op, (wall, cpu) in (("get", first_s), ("get_again", again_s), ("set", set_s)):
+            rows.append({**row, "op": op, "seconds": median(wall),
+                         "gb_s": nbytes / median(wall) / 1e9, "cpu_s": median(cpu)})
     for b in backends.values():
         if hasattr(b, "close"):
             b.close()
@@ -245,6 +250,21 @@ def measure(pages: int, repeat: int, tmp: Path, address: str) -> list[dict[str, 
     order = {op: i for i, op in enumerate(OPS)}
     rows.sort(key=lambda r: (order[r["op"]], r["backend"] != "file"))
     return rows
+
+
+def timed(fn: Callable[[], object], repeat: int, warmup: int = 0
+          ) -> tuple[list[float], list[float]]:
+    """Wall seconds and CPU seconds (every thread of this process, the kdn server's too) of
+    ``repeat`` calls of ``fn`` after ``warmup`` untimed calls."""
+    for _ in range(warmup):
+        fn()
+    wall, cpu = [], []
+    for _ in range(repeat):
+        t, c = time.perf_counter(), time.process_time()
+        fn()
+        wall.append(time.perf_counter() - t)
+        cpu.append(time.process_time() - c)
+    return wall, cpu
 
 
 def assert_all(done: list[bool]) -> None:
@@ -258,7 +278,7 @@ def run(pages: int, repeat: int, out: Path, threads: int = 1) -> list[dict[str, 
         cfg = ServerConfig(port=0, data_dir=Path(tmp) / "kdn", ram_bytes=6 << 30, disk_bytes=0)
         with ServerThread(cfg) as st:
             rows = measure(pages, repeat, Path(tmp), st.address)
-    cols = ["op", "backend", "pages", "seconds", "gb_s", "ratio_vs_file", "stored_vs_fp16",
+    cols = ["op", "backend", "pages", "seconds", "gb_s", "ratio_vs_file", "cpu_s", "stored_vs_fp16",
             "bit_identical", "max_abs_err"]
     rows = [{**{c: r[c] for c in cols if c in r}, **r} for r in rows]  # table order
     print_table(rows, cols)
