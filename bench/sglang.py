@@ -37,8 +37,9 @@ RAM tier only, the client on its shared segment; HiCacheFile writes to a tempora
 reads it back from the page cache (warm, like kdn's RAM tier). A same-host store is kept in
 the tenant's read arena while the arena's half for stores has room (256 MiB of the default
 512 MiB: ``kdn.server.arena``), and such a page's first read copies nothing; the modes share
-one server, so the first mode's first batches are there (the ``get`` median is of batches
-that are not), the other modes' not at all, as most pages of a running engine are not.
+one server, and the batches written first (the ``get_again`` rows' batch) fill that half: none
+of the batches the ``get`` rows read is there, as most pages of a running engine are not. The
+backends take turns call by call (``measure``), each reading into a page range of its own.
 
 ``HostPool`` is the smallest real tensor pool with the page layouts of SGLang's
 ``MHATokenToKVPoolHost`` (its module can not be imported on a CPU-only host: SGLang's config
@@ -52,6 +53,7 @@ from __future__ import annotations
 import tempfile
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -181,67 +183,89 @@ def file_transfer(keys: list[str], host_indices: torch.Tensor) -> list[Any]:
 
 
 def measure(pages: int, repeat: int, tmp: Path, address: str) -> list[dict[str, Any]]:
+    """Every row. The backends take turns call by call (each batch is written, then read, by
+    one backend after the other), so that a change in the shared host's load meets them all
+    alike; each reads into a page range of its own."""
     from sglang.srt.mem_cache.hicache_storage import PoolName
 
-    pool = HostPool("layer_first", 2 * pages, seed=0)
-    src, dst = pool.indices(range(pages)), pool.indices(range(pages, 2 * pages))
+    names = ["file", *(f"kdn-{mode}" for mode in MODES)]
+    pool = HostPool("layer_first", pages * (1 + len(names)), seed=0)
+    src = pool.indices(range(pages))
+    dsts = {name: range(pages * (1 + i), pages * (2 + i)) for i, name in enumerate(names)}
     page_bytes = 2 * LAYERS * PAGE * HEADS * HEAD_DIM * 2
     nbytes = pages * page_bytes
     want = torch.stack([pool.kv_of(j) for j in range(pages)])
     keys = [f"{j:064x}" for j in range(pages)]
-    rows: list[dict[str, Any]] = []
-    backends: dict[str, Any] = {}
-    backends["file"] = file_backend(pool, tmp / "file")
+    fresh = [[f"{n:04x}{k[4:]}" for k in keys] for n in range(1, repeat + 1)]  # new keys
+    # each call: both backends skip pages they hold
+    backends: dict[str, Any] = {"file": file_backend(pool, tmp / "file")}
     for mode in MODES:
         backends[f"kdn-{mode}"] = kdn_backend(pool, address, mode=mode,
                                               namespace=f"bench-{mode}")
-
-    def cleared() -> None:
-        for j in range(pages, 2 * pages):
-            pool.set_from_flat_data_page(j * PAGE, pool.get_dummy_flat_data_page())
-
-    def read_back() -> torch.Tensor:
-        return torch.stack([pool.kv_of(j) for j in range(pages, 2 * pages)])
-
+    calls: dict[str, tuple[Callable[[list[str]], None], Callable[[list[str]], None]]] = {}
     for name, b in backends.items():
+        dst = pool.indices(dsts[name])
         if name == "file":
-            def put(ks: list[str], b: Any = b) -> list[bool]:
-                return list(b.batch_set_v2(file_transfer(ks, src))[PoolName.KV])
+            def put(ks: list[str], b: Any = b) -> None:
+                assert_all(list(b.batch_set_v2(file_transfer(ks, src))[PoolName.KV]))
 
-            def get(ks: list[str], b: Any = b) -> list[bool]:
-                return list(b.batch_get_v2(file_transfer(ks, dst))[PoolName.KV])
+            def get(ks: list[str], b: Any = b, dst: torch.Tensor = dst) -> None:
+                assert_all(list(b.batch_get_v2(file_transfer(ks, dst))[PoolName.KV]))
         else:
-            def put(ks: list[str], b: Any = b) -> list[bool]:
-                return list(b.batch_set_v1(ks, src))
+            def put(ks: list[str], b: Any = b) -> None:
+                assert_all(b.batch_set_v1(ks, src))
 
-            def get(ks: list[str], b: Any = b) -> list[bool]:
-                return list(b.batch_get_v1(ks, dst))
-        assert_all(put(keys))
-        # new keys each call: both backends skip pages they hold
-        fresh = [[f"{n:04x}{k[4:]}" for k in keys] for n in range(1, repeat + 1)]
-        to_write, to_read = iter(fresh), iter(fresh)
-        set_s = timed(lambda put=put, it=to_write: assert_all(put(next(it))), repeat, warmup=0)
-        cleared()
-        time.sleep(SETTLE_S)
-        first_s = timed(lambda get=get, it=to_read: assert_all(get(next(it))), repeat,
-                        warmup=0)  # each batch written once, read once
-        got = [read_back()]
-        cleared()
-        # the same batch again: short reads, three times as many
-        again_s = timed(lambda get=get: assert_all(get(keys)), 3 * repeat, warmup=1)
-        got.append(read_back())
-        got.append(read_back())
+            def get(ks: list[str], b: Any = b, dst: torch.Tensor = dst) -> None:
+                assert_all(b.batch_get_v1(ks, dst))
+        calls[name] = (put, get)
+        put(keys)
+    times: dict[tuple[str, str], tuple[list[float], list[float]]] = {
+        (op, name): ([], []) for op in OPS for name in names}
+
+    def turns(op: str, batches: list[list[str]], which: int) -> None:
+        for ks in batches:
+            for name in names:
+                wall, cpu = timed(partial(calls[name][which], ks), 1)
+                times[op, name][0].extend(wall)
+                times[op, name][1].extend(cpu)
+
+    def clear() -> None:
+        for name in names:
+            for j in dsts[name]:
+                pool.set_from_flat_data_page(j * PAGE, pool.get_dummy_flat_data_page())
+
+    checks: dict[str, list[tuple[bool, float]]] = {name: [] for name in names}
+
+    def check() -> None:
+        """Each backend's pages read last against the pages written."""
+        for name in names:
+            got = torch.stack([pool.kv_of(j) for j in dsts[name]])
+            checks[name].append((torch.equal(got.view(torch.int16), want.view(torch.int16)),
+                                 float((got.float() - want.float()).abs().max())))
+
+    turns("set", fresh, 0)
+    clear()
+    time.sleep(SETTLE_S)
+    turns("get", fresh, 1)  # each batch written once, read once
+    check()
+    clear()
+    for name in names:  # the same batch again: one warm-up read, then short reads, 3x
+        calls[name][1](keys)  # as many
+    turns("get_again", [keys] * (3 * repeat), 1)
+    check()
+    rows: list[dict[str, Any]] = []
+    for name in names:
+        b = backends[name]
         row: dict[str, Any] = {"backend": name, "pages": pages, "page_bytes": page_bytes}
         if name != "file":
             stored = b.stats().stored_bytes / b.stats().pages_written
             row["stored_vs_fp16"] = stored / page_bytes
-            row["max_abs_err"] = max(float((g.float() - want.float()).abs().max()) for g in got)
-        row["bit_identical"] = all(torch.equal(g.view(torch.int16), want.view(torch.int16))
-                                   for g in got)
-        for op, (wall, cpu) in (("get", first_s), ("get_again", again_s), ("set", set_s)):
+            row["max_abs_err"] = max(err for _, err in checks[name])
+        row["bit_identical"] = all(ok for ok, _ in checks[name])
+        for op in OPS:
+            wall, cpu = times[op, name]
             rows.append({**row, "op": op, "seconds": median(wall),
                          "gb_s": nbytes / median(wall) / 1e9, "cpu_s": median(cpu)})
-    for b in backends.values():
         if hasattr(b, "close"):
             b.close()
     base = {r["op"]: r["gb_s"] for r in rows if r["backend"] == "file"}
