@@ -46,7 +46,8 @@ def test_a_calibrated_encoding_carries_the_overhead_a_hit_of_another_showed() ->
     fresh = _controller()  # the same, without the decision: no last choice to keep
     codec_int8 = fresh.decode_speed("int8")
     assert codec_int8 == pytest.approx(0.83e9)
-    _hit(fresh, "raw", 0.085, 0.115)  # raw's codec alone: 0.03 s of the 0.115
+    for _ in range(2):  # one hit moves an estimate at most twofold; of two, the faster
+        _hit(fresh, "raw", 0.085, 0.115)  # raw's codec alone: 0.03 s of the 0.115
     overhead = 0.115 / KV - 1 / 3.1e9
     assert fresh.overhead_s_b["cpu"] == pytest.approx(overhead)
     assert fresh.decode_speed("int8") == pytest.approx(1 / (1 / 0.83e9 + overhead))
@@ -141,10 +142,11 @@ def test_a_busy_host_does_not_make_the_controller_alternate() -> None:
         transfer, after = (0.085, 0.115) if enc == "raw" else (0.040, 0.195)
         _hit(c, enc, transfer * slow, after * slow)
     # int8 is tried twice, as such (before: int8 looked faster, its calibration's codec time
-    # against raw's whole hit), and never again
-    assert choices == ["raw", "int8", "int8"] + ["raw"] * 37, choices
-    assert reasons[1].startswith("trying int8") and reasons[2].startswith("trying int8")
-    assert c.counts == {"raw": 38, "int8": 2}
+    # against raw's whole hit), then re-tried once ``retry_every`` decisions after
+    assert [i for i, enc in enumerate(choices) if enc != "raw"] == [1, 3, 19], choices
+    assert reasons[1].startswith("trying int8") and reasons[3].startswith("trying int8")
+    assert reasons[19].startswith("re-trying int8")
+    assert c.counts == {"raw": 37, "int8": 3}
 
 
 def test_a_close_encoding_is_tried_once_and_a_far_one_never() -> None:
@@ -162,7 +164,7 @@ def test_a_close_encoding_is_tried_once_and_a_far_one_never() -> None:
         _hit(c, d.choice, *truth[d.choice])
     assert got[0] == ("int8", "fastest")  # the first request: the estimate, never a trial
     assert got[1] == ("raw", "trying")
-    assert [g[0] for g in got[-5:]] == ["raw"] * 5, got  # as the link's estimate catches up
+    assert [g[0] for g in got[-4:]] == ["raw"] * 4, got  # as the link's estimate catches up
     assert c.counts["kdn-default"] == 0
     # seen ``trials`` times, an encoding is not tried again
     assert sum(r == "trying" for _, r in got) <= c.trials

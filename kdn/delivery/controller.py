@@ -19,11 +19,15 @@ which lies between ``max`` (perfect overlap) and the sum (none; ``layers=1``: wh
 sets on a CPU, where receiving, decoding and the model's layers share the same cores). A hit
 is read back through the same formula (``observe_hit``): its decode time is the one that
 reproduces its measured time with its measured transfer. Recomputing
-costs ``tokens / prefill_speed``: linear in tokens. A real prefill also has attention's
-quadratic term, so the rate is measured where it is used: the engine calibrates it with one
-timed prefill of a typical request length (``calibrate_prefill``) before its first decision,
-and every recompute then refines it; far longer prompts than that cost somewhat more per token
-than predicted, far shorter ones (fixed per-forward costs) somewhat more too.
+costs ``tokens`` times the seconds per token of prompts of that length: a short prompt pays
+mostly fixed per-forward costs (8 tokens at a twentieth of the rate of 256 on a CPU), a long
+one attention's quadratic term. So prefills are kept per length class (the power of two at
+or below the length, ``_length_class``: the last ``RECENT`` samples, the fastest of fewer,
+their median of three) and a prompt is predicted from the nearest class with samples: chat
+turns of 8 tokens do not set the speed of a 288-token recompute. The engine calibrates one
+class with the best of three timed prefills of a typical request length
+(``calibrate_prefill``) before its first decision; a real prefill faster than that
+calibration (one that met a busy spell) replaces it at once, being the faster of two.
 
 Speeds start from priors (or the calibration) and follow observations as exponentially
 weighted means, so the controller adapts when a link or the machine changes. Each request's
@@ -47,6 +51,9 @@ change, and not the mix of encodings that crossed it. An encoding's own samples 
 decode time from a hit, its share of a route) reach their running means as the median of
 their last ``RECENT``: a straggler (another job took the cores for one request) would
 otherwise stay in the estimate of the encoding it hit until that encoding is chosen again.
+Before there are ``RECENT`` of a hit's decode samples, one moves the estimate it had (a
+calibration, a prior) at most twofold, to their geometric mean, and two give the faster:
+a fresh engine's first hit that meets a stall does not make loading look ten times slower.
 
 Decisions with hysteresis. Each option's measured cost (seconds per KV byte of a hit per
 encoding and route, ``route_key``; seconds per token of a recompute) is kept as a running
@@ -63,6 +70,19 @@ of it may be a straggler. So once the choice has been seen there, every stored e
 estimate lies within ``explore`` of it and that was seen fewer than ``trials`` times on that
 route is tried, the closest first (``Decision`` says so); the route's last choice stays what
 it was, and later requests weigh both as seen.
+
+Re-trials. An estimate is corrected only by observing its option, so an option never chosen
+(recompute after a calibration that met a busy spell, an encoding after a straggler) could
+stay wrong for good. An option not chosen on a route for ``retry_every`` decisions whose
+estimate is within ``retry_cost`` of the choice's is chosen once instead (at most one such
+re-trial per ``retry_every`` decisions on a route), the longest unseen first; each re-trial
+of an option doubles its gap, up to ``retry_max``, and being chosen resets it. A re-trial of
+recompute where blocks are stored computes the prompt and is observed as a prefill.
+
+Failures. A load that fails (``observe_failure``: a timeout, a block refused) leaves its
+encoding out of that route's decisions for ``retry_every / 4`` decisions, twice as many after
+each further failure, until a hit of it is seen there: a failing load is not paid for on
+every request.
 """
 
 from __future__ import annotations
@@ -144,7 +164,13 @@ def default_encodings(device: str, path: str) -> tuple[tuple[str, str], ...]:
 
 RECENT = 3
 """Samples of an encoding's own hits whose median its running means take (one straggler
-among three changes nothing; a change that lasts shows from the second request on)."""
+among three changes nothing; a change that lasts shows from the second request on); also
+the samples kept per prefill length class."""
+
+
+def _length_class(tokens: int) -> int:
+    """A prefill's length class: the power of two at or below ``tokens`` (8-15 tokens: 3)."""
+    return max(0, tokens.bit_length() - 1)
 
 
 @dataclass
@@ -235,6 +261,14 @@ class LoadingController:
     docstring)."""
     trials: int = 2
     """Hits of a close encoding on a route before the controller stops trying it."""
+    retry_every: int = 16
+    """Re-trials (module docstring): at most one per this many decisions on a route, and an
+    option not chosen there for this many decisions is due; 0 turns re-trials off."""
+    retry_max: int = 256
+    """The longest gap between two re-trials of one option: each re-trial doubles its gap,
+    from ``retry_every`` up to this; being chosen resets it."""
+    retry_cost: float = 3.0
+    """Only an option whose estimate is at most this multiple of the choice's is re-tried."""
     counts: Counter[str] = field(default_factory=Counter)
     spread: dict[str, Spread] = field(default_factory=dict)
     """Measured cost per option (module docstring): ``"<encoding>@<route>"`` (seconds per KV
@@ -255,6 +289,19 @@ class LoadingController:
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _recent: dict[str, list[float]] = field(default_factory=dict, repr=False)
     """The last ``RECENT`` samples per key, for ``_filtered``."""
+    _prefill: dict[int, list[float]] = field(default_factory=dict, repr=False)
+    """Per prefill length class (``_length_class``): its last ``RECENT`` seconds per token."""
+    decisions: Counter[str] = field(default_factory=Counter)
+    """Decisions made per route (not overridden, something stored): the re-trials' clock."""
+    _tried: dict[tuple[str, str], int] = field(default_factory=dict, repr=False)
+    """Per (route, option): the decision at which it was last chosen, kept or tried."""
+    _gap: dict[tuple[str, str], int] = field(default_factory=dict, repr=False)
+    """Per (route, option): decisions before its next re-trial is due."""
+    _retried: dict[str, int] = field(default_factory=dict, repr=False)
+    """Per route: the decision of its last re-trial."""
+    _suspended: dict[tuple[str, str], tuple[int, int]] = field(default_factory=dict, repr=False)
+    """Per (route, encoding) whose load failed: (the decision until which it is left out,
+    the decisions the next failure leaves it out for)."""
 
     def __post_init__(self) -> None:
         if self.bandwidth_b_s is not None:
@@ -268,6 +315,11 @@ class LoadingController:
             raise ValueError(f"explore must be >= 0, got {self.explore}")
         if self.trials < 0:
             raise ValueError(f"trials must be >= 0, got {self.trials}")
+        if self.retry_every < 0 or self.retry_max < self.retry_every:
+            raise ValueError("re-trials need 0 <= retry_every <= retry_max, got "
+                             f"{self.retry_every} and {self.retry_max}")
+        if self.retry_cost < 1.0:
+            raise ValueError(f"retry_cost must be >= 1, got {self.retry_cost}")
 
     def _ewma(self, old: float, new: float) -> float:
         return (1 - self.alpha) * old + self.alpha * new
@@ -312,18 +364,27 @@ class LoadingController:
             path, self.priors_b_s[NETWORK])
 
     def observe_prefill(self, tokens: int, seconds: float) -> None:
+        """A prefill of ``tokens`` tokens took ``seconds``: a sample of its length class
+        (module docstring); the recomputes' spread follows its ratio to the prediction."""
         if tokens > 0 and seconds > 0:
             with self._lock:
-                self.prefill_tok_s = self._ewma(self.prefill_tok_s, tokens / seconds)
-                self.spread.setdefault(RECOMPUTE, Spread()).add(seconds / tokens, self.alpha)
+                predicted = self.prefill_seconds(tokens)
+                self._add_prefill(tokens, seconds)
+                self.spread.setdefault(RECOMPUTE, Spread()).add(seconds / predicted, self.alpha)
 
     def calibrate_prefill(self, tokens: int, seconds: float) -> None:
         """A timed calibration prefill of ``tokens`` tokens: its speed replaces the prior
-        (later prefills refine it as running means)."""
+        and is the first sample of its length class (module docstring)."""
         if tokens > 0 and seconds > 0:
             with self._lock:
                 self.prefill_tok_s = tokens / seconds
                 self.calibrated_tokens = tokens
+                self._add_prefill(tokens, seconds)
+
+    def _add_prefill(self, tokens: int, seconds: float) -> None:
+        got = self._prefill.setdefault(_length_class(tokens), [])
+        got.append(seconds / tokens)
+        del got[:-RECENT]
 
     def calibrate_link(self, bytes_per_s: float, path: str = NETWORK, server: str = "") -> None:
         """A measured bandwidth of ``path`` from ``server`` (``kdn.client.probe``): it replaces
@@ -353,8 +414,18 @@ class LoadingController:
                 or (encoding.split("-")[0], kind) in DECODE_PRIORS_B_S)
 
     def prefill_seconds(self, tokens: int) -> float:
-        """Predicted seconds to prefill ``tokens`` tokens (linear: module docstring)."""
-        return tokens / self.prefill_tok_s if tokens > 0 else 0.0
+        """Predicted seconds to prefill ``tokens`` tokens: at the seconds per token of the
+        nearest length class with samples (the longer of two as near), else at the prior
+        ``prefill_tok_s`` (module docstring)."""
+        if tokens <= 0:
+            return 0.0
+        if not self._prefill:
+            return tokens / self.prefill_tok_s
+        want = _length_class(tokens)
+        near = min(self._prefill, key=lambda c: (abs(c - want), -c))
+        got = self._prefill[near]
+        per_token = min(got) if len(got) < RECENT else statistics.median(got)
+        return tokens * per_token
 
     def observe_ttft(self, predicted_s: float, measured_s: float) -> None:
         """One request's predicted and measured time to first token."""
@@ -380,16 +451,23 @@ class LoadingController:
         is what decisions must weigh), later ones are running means. Where the encoding was
         calibrated, what it cost beyond the codec is learnt as the device's overhead."""
         if kv_bytes > 0 and seconds > 0:
-            key = self._key(encoding, device)
-            with self._lock:
-                old = self.decode_b_s.get(key, kv_bytes / seconds)
-                self.decode_b_s[key] = self._ewma(old, kv_bytes / seconds)
-                codec = self.codec_b_s.get(key)
-                if codec is not None:
-                    dev = device or self.device
-                    extra = max(0.0, seconds / kv_bytes - 1 / codec)
-                    self.overhead_s_b[dev] = self._ewma(self.overhead_s_b.get(dev, extra),
-                                                        extra)
+            self._learn_decode(encoding, kv_bytes / seconds, device, replace=False)
+
+    def _learn_decode(self, encoding: str, rate: float, device: str | None,
+                      replace: bool) -> None:
+        """``encoding`` decodes at ``rate`` (bytes/s of KV, end to end) on ``device``: set so
+        (``replace``) or as a running mean (the first one replaces); with a calibration, what
+        it costs beyond the codec is the device's overhead."""
+        key = self._key(encoding, device)
+        with self._lock:
+            old = self.decode_b_s.get(key, rate)
+            self.decode_b_s[key] = rate if replace else self._ewma(old, rate)
+            codec = self.codec_b_s.get(key)
+            if codec is not None:
+                dev = device or self.device
+                extra = max(0.0, 1 / rate - 1 / codec)
+                self.overhead_s_b[dev] = extra if replace else self._ewma(
+                    self.overhead_s_b.get(dev, extra), extra)
 
     def observe_hit(self, encoding: str, kv_bytes: int, transfer_s: float, seconds: float,
                     local: bool = False, path: str = NETWORK, server: str = "",
@@ -399,20 +477,42 @@ class LoadingController:
         tier (``local``) or over ``path`` from ``server``. Its decode time is what makes
         ``estimate`` reproduce ``seconds`` with that transfer (module docstring: decode-bound,
         ``seconds - transfer_s / layers``; transfer-bound, ``layers`` times what showed after
-        the last byte), learnt as ``observe_decode`` does; the option's spread follows
-        ``seconds``. The bandwidth is ``observe_transfer``'s to learn."""
+        the last byte); the decode speed learnt from it is robust to one straggler (module
+        docstring: one sample moves the estimate at most twofold, two give the faster, three
+        and more their median as a running mean); the option's spread follows ``seconds``.
+        The bandwidth is ``observe_transfer``'s to learn. A hit lifts a suspension of its
+        encoding on that route (``observe_failure``)."""
         if kv_bytes <= 0 or seconds <= 0:
             return
         t, layers = max(0.0, transfer_s), max(1, self.layers)
         after = max(seconds - t, 0.0)
         decode = (t + after - t / layers if after >= t / layers else layers * after)
         key = _option_key(encoding, local, path, server)
+        sample = kv_bytes / max(decode, 1e-6)
         with self._lock:
-            rate = self._filtered(f"decode:{key}@{device or self.device}",
-                                  kv_bytes / max(decode, 1e-6))
-        self.observe_decode(encoding, kv_bytes, kv_bytes / rate, device)
+            got = self._recent.setdefault(f"decode:{key}@{device or self.device}", [])
+            got.append(sample)
+            del got[:-RECENT]
+            if len(got) == 1:  # against what it was thought to be: at most twofold either way
+                before = self.decode_speed(encoding, device)
+                rate = min(2 * before, max(before / 2, math.sqrt(before * sample)))
+            else:  # of two, the faster (a straggler is slow); of more, the median
+                rate = max(got) if len(got) < RECENT else statistics.median(got)
+        self._learn_decode(encoding, rate, device, replace=len(got) < RECENT)
         with self._lock:
             self.spread.setdefault(key, Spread()).add(seconds / kv_bytes, self.alpha)
+            self._suspended.pop((route_key(False, path, server), encoding), None)
+
+    def observe_failure(self, encoding: str, path: str = NETWORK, server: str = "") -> None:
+        """A load of ``encoding`` over ``path`` from ``server`` failed (the prompt was
+        computed whole): the encoding is left out of the next decisions on that route, for
+        twice as many after each further failure (``retry_every`` / 4 first, at most
+        ``retry_max``), until a hit of it is seen there."""
+        route = route_key(False, path, server)
+        with self._lock:
+            now = self.decisions[route]
+            _, gap = self._suspended.get((route, encoding), (0, max(1, self.retry_every // 4)))
+            self._suspended[(route, encoding)] = (now + gap, min(2 * gap, max(1, self.retry_max)))
 
     def decode_speed(self, encoding: str, device: str | None = None) -> float:
         """Decode speed of ``encoding`` on ``device`` (bytes/s) a hit shows: learnt from hits;
@@ -461,6 +561,25 @@ class LoadingController:
         combined = math.hypot(*(self.margin_max if e is None else e for e in errs))
         return min(self.margin_max, max(self.margin_min, combined))
 
+    def _retrial(self, route: str, now: int, est: dict[str, float], kept: str,
+                 reason: str) -> tuple[str, str]:
+        """The option to re-try at decision ``now`` on ``route`` instead of ``kept``, if one
+        is due (module docstring), with the reason; else ``kept`` and ``reason``."""
+        every = self.retry_every
+        if not every or now - self._retried.get(route, -every) < every:
+            return kept, reason
+        due = [o for o in est if o != kept and est[o] <= self.retry_cost * est[kept]
+               and now - self._tried.get((route, o), 0) >= self._gap.get((route, o), every)]
+        if not due:
+            return kept, reason
+        tried = min(due, key=lambda o: self._tried.get((route, o), 0))  # the longest unseen
+        gap = self._gap.get((route, tried), every)
+        with self._lock:
+            self._retried[route] = now
+            self._gap[(route, tried)] = min(2 * gap, self.retry_max)
+        return tried, (f"re-trying {tried} ({est[tried] / est[kept] - 1:+.1%} against {kept}),"
+                       f" not chosen for {now - self._tried.get((route, tried), 0)} decisions")
+
     def choose(self, tokens: int, kv_bytes: int, stored: dict[str, int],
                override: str | None = None, local: frozenset[str] = frozenset(),
                path: str = NETWORK, server: str = "") -> Decision:
@@ -468,18 +587,25 @@ class LoadingController:
         available encoding to its stored size (a missing encoding is simply absent); ``local``
         names the encodings the in-process tier holds; the others come over ``path`` from
         ``server``. Without ``override`` the route's last choice stays unless another
-        option beats it by more than ``margin`` (module docstring)."""
+        option beats it by more than ``margin`` (module docstring). An encoding whose load
+        failed there is left out for a while (``observe_failure``); an option not chosen for
+        a while is re-tried (``retry_every``)."""
+        route = route_key(False, path, server)
+        offered, now = bool(stored), self.decisions[route]
+        if override is None:
+            stored = {enc: size for enc, size in stored.items()
+                      if self._suspended.get((route, enc), (0, 0))[0] <= now}
         est = {enc: self.estimate(enc, size, kv_bytes, enc in local, path, server)
                for enc, size in stored.items()}
         est[RECOMPUTE] = self.prefill_seconds(tokens)
-        route = route_key(False, path, server)
         if override is not None:
             if override != RECOMPUTE and override not in stored:
                 choice, reason = RECOMPUTE, f"override {override!r} not stored; recomputing"
             else:
                 choice, reason = override, "override"
         elif not stored:
-            choice, reason = RECOMPUTE, "nothing stored"
+            choice, reason = RECOMPUTE, ("nothing stored" if not offered else
+                                         "every stored encoding failed to load here lately")
         else:
             choice = min(est, key=lambda k: est[k])
             reason = "fastest estimate"
@@ -501,10 +627,16 @@ class LoadingController:
                           f"{choice}, seen {self._seen(tried, local, path, server)} times "
                           "here")
                 choice = tried
+        if override is None and stored and choice == kept:
+            choice, reason = self._retrial(route, now, est, kept, reason)
         with self._lock:
             self.counts[choice] += 1
             if override is None and stored:
                 self.last_choice[route] = kept  # a trial is not a choice to keep
+                self._tried[(route, choice)] = now
+                self._gap.pop((route, kept), None)
+            if override is None and offered:
+                self.decisions[route] += 1
         log.info("controller: %d tokens -> %s (%s; estimates %s)", tokens, choice, reason,
                  {k: round(v, 4) for k, v in est.items()})
         return Decision(choice, est, reason)

@@ -169,7 +169,7 @@ class KDNEngine(KVConnector):
     @torch.no_grad()
     def calibrate(self) -> float:
         """Time a prefill of ``config.calibration_tokens`` tokens (after a short warm-up
-        forward: one-time costs are not a prefill's; the best of two, the device
+        forward: one-time costs are not a prefill's; the best of three, the device
         synchronised) and give its speed to the controller; returns its seconds."""
         mcfg = getattr(self.model, "config", None)
         n = self.config.calibration_tokens
@@ -181,7 +181,7 @@ class KDNEngine(KVConnector):
         ids = [(7 * i + 3) % vocab for i in range(n)]
         int(CacheDecoder(self.model, full_cache(self.model)).forward(ids[:16])[-1].argmax())
         best = math.inf  # (after that warm-up)
-        for _ in range(2):
+        for _ in range(3):  # a busy spell rarely spans all three
             self._sync()
             t0 = time.perf_counter()  # as generate's first token:
             int(CacheDecoder(self.model, full_cache(self.model)).forward(ids)[-1].argmax())
@@ -488,6 +488,8 @@ class KDNEngine(KVConnector):
                 self.controller.observe_ttft(t.predicted_ttft_s, t.ttft_s)
                 client_metrics.record_ttft(t.decision, t.predicted_ttft_s, t.ttft_s)
                 self._observe(streams, t.decision, reused, t)
+            elif self._rewrite:  # that encoding is left out here for a while
+                self.controller.observe_failure(self._rewrite, self._path, self._server)
             for i, (k, v) in enumerate(cache_layers(decoder.cache)):
                 self.save_layer(i, k[0], v[0])  # [1, kv_heads, tokens, ch] -> batch row 0
             store_thread = self._store_thread
@@ -535,7 +537,7 @@ class KDNEngine(KVConnector):
             # decodes the streams queued finish only by the first token, after the streams
             # said ready; the suffix computed is taken out at the learnt prefill speed
             spent = (t.ttft_s - t.lookup_s - t.transfer_s
-                     - t.computed_tokens / self.controller.prefill_tok_s)
+                     - self.controller.prefill_seconds(t.computed_tokens))
             self.controller.observe_hit(choice, kv_bytes, t.transfer_s,
                                         t.transfer_s + max(t.decode_s, spent, 1e-4),
                                         local=not remote, path=self._path, server=self._server)
