@@ -79,12 +79,13 @@ class EngineConfig:
     """A hit whose blocks are all in the client's in-process tier loads as one joined stream
     (``Client.retrieve_joined``); False: one stream per block, joined per layer."""
     calibrate: bool = True
-    """Time one prefill of ``calibration_tokens`` tokens before the first decision, so the
-    controller starts from this model's prefill speed on this machine (``KDNEngine.calibrate``);
-    False: it starts from its prior (``LoadingController.prefill_tok_s``)."""
+    """Time prefills of ``calibration_tokens`` tokens (the best of three) before the first
+    decision, so the controller starts from this model's prefill speed on this machine
+    (``KDNEngine.calibrate``); False: it starts from its prior
+    (``LoadingController.prefill_tok_s``)."""
     calibration_tokens: int = 256
-    """Length of the calibration prefill: a typical request's (the speed is taken as linear
-    in tokens: ``kdn.delivery.controller``), capped by the model's context; at most
+    """Length of the calibration prefill: a typical request's (the controller keeps the speed
+    per length class: ``kdn.delivery.controller``), capped by the model's context; at most
     ``MAX_CALIBRATION_TOKENS``."""
     probe_link: bool = True
     """With ``calibrate``, and when hits come across a network: measure that link's bandwidth
