@@ -96,7 +96,7 @@ def test_the_controller_learns_decode_speed_per_device() -> None:
 
 
 def test_a_fresh_gpu_controller_knows_the_gpu_decoders_and_a_cpu_one_keeps_its_prior() -> None:
-    from kdn.delivery.controller import DECODE_PRIORS_B_S
+    from kdn.delivery.defaults import DECODE_PRIORS_B_S
 
     gpu = LoadingController(bandwidth_b_s=20e9, prefill_tok_s=3e4, device="cuda")
     cpu = LoadingController(bandwidth_b_s=20e9, prefill_tok_s=3e4, device="cpu")

@@ -1,14 +1,13 @@
 """Delivery policy: which stored encoding to fetch, or whether to recompute."""
 
-from kdn.delivery.controller import (
+from kdn.delivery.controller import Decision, LoadingController
+from kdn.delivery.defaults import (
     IN_PROCESS,
     NETWORK,
     PATH_PRIORS_B_S,
     PATHS,
     RECOMPUTE,
     SAME_HOST,
-    Decision,
-    LoadingController,
     default_encodings,
     encoding_name,
 )
