@@ -366,6 +366,7 @@ class PendingStream:
         self._stream: LayerStream | None = None
         self._error: BaseException | None = None
         self._cancelled = False
+        self._entry = entry
         entry.add_done_callback(self._landed)
 
     def _landed(self, entry: Future[Fetched]) -> None:
@@ -413,7 +414,10 @@ class PendingStream:
             self._stream.settle_copies()
 
     def cancel(self) -> None:
-        """Let go of the entry (its bytes still land: the connection stays in step)."""
+        """Let go of the entry: one still landing is abandoned (``NetPath.start_get_many``
+        shuts its stripe's connection, and the stripe's later entries fail), one landed is
+        let go."""
         self._cancelled = True
+        self._entry.cancel()
         if self._stream is not None:
             self._stream.cancel()

@@ -29,19 +29,26 @@ call: the other stripes are read to their end or their connections closed, and n
 the call is returned; under ``start_get_many`` it fails its entries from the one it failed
 in on (raised from their streams' waits), Unavailable for a dropped connection. A failed
 stripe's connection is closed; the path goes on with new ones.
+
+Every call has one deadline for all of its sends and receives (``kdn.client.deadline``):
+``timeout_s`` from its start, or a thread's ``deadline_within`` if sooner. An entry's future
+cancelled before it landed (``PendingStream.cancel``) shuts its stripe's connection.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import select
 import socket
 import ssl
 import threading
+import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
+from kdn.client.deadline import Until, abandoned, call_cap, unbound
 from kdn.client.fastwire import fast_answer, fast_error
 from kdn.client.parallel import stream_cores
 from kdn.client.perthread import Crowded, PerThread, refused
@@ -49,7 +56,9 @@ from kdn.client.received import MAX_ENTRY_BYTES
 from kdn.codec import EncodedParts
 from kdn.codec.format import HEAD_PREFIX_BYTES, check_frame_prefix, header_size
 from kdn.errors import (
+    Cancelled,
     Corrupt,
+    DeadlineExceeded,
     KDNError,
     TooLarge,
     Unavailable,
@@ -141,6 +150,18 @@ class NetPath:
                 raise
         conn.settimeout(self.timeout_s)
         return conn
+
+    def _until(self, conn: socket.socket, until: float | None) -> socket.socket:
+        """``conn`` bound to end by ``until`` (``kdn.client.deadline.Until``); itself
+        where there is no deadline."""
+        return conn if until is None else cast(socket.socket, Until(conn, until))
+
+    def _deadline(self) -> float | None:
+        """When a call starting now must end: ``timeout_s`` from now, or this thread's
+        ``kdn.client.deadline.deadline_within`` if that is sooner (None: neither)."""
+        own = None if self.timeout_s is None else time.monotonic() + self.timeout_s
+        cap: float | None = call_cap()
+        return cap if own is None else own if cap is None else min(own, cap)
 
     def _conn(self, *, check: bool = False) -> tuple[socket.socket, bool]:
         """(this thread's connection, whether it is new). ``check``: a connection the server
@@ -249,18 +270,22 @@ class NetPath:
                                       f"was answered ({why}); it may or may not be stored"))
 
     def _call(self, op: int, req: pb.GetManyRequest | pb.PutManyRequest,
-              after: Sequence[bytes | memoryview] = ()) -> tuple[socket.socket, bytes]:
+              after: Sequence[bytes | memoryview] = (), until: float | None = None
+              ) -> tuple[socket.socket, bytes]:
         """Send one call and read its answer's body: (the connection, the body), its entries
         (GetMany) still to be read off the connection. A connection the server closed while
         it was idle is opened again once, not one that timed out (a hung server would cost
         another ``timeout_s``); OSError when the path is gone, the error the server answered
-        otherwise."""
+        otherwise. ``until``: the call's deadline (``_deadline``), its connection returned
+        bound to it."""
         if self.has_pending():  # the answers on this connection are theirs first
             self.settle()
+        until = self._deadline() if until is None else until
         body = req.SerializeToString()
         pieces = [FAST_HEAD.pack(len(body), op) + body, *after]
         for attempt in (0, 1):
-            conn, new = self._conn()
+            raw, new = self._conn()
+            conn = self._until(raw, until)
             try:
                 send_pieces(conn, pieces)
                 ok, out = fast_answer(conn)
@@ -283,7 +308,8 @@ class NetPath:
                  ) -> list[pb.StoreResponse]:
         """Store ``items`` in one call (each checked by the server before any is stored)."""
         req, pieces = streamed_put(namespace, self.ticket, items)
-        _, out = self._call(NET_PUT_MANY, req, pieces)
+        conn, out = self._call(NET_PUT_MANY, req, pieces)
+        conn.settimeout(self.timeout_s)  # its next call's
         return put_results(out, len(items))
 
     def stripes(self, count: int) -> int:
@@ -346,10 +372,12 @@ class NetPath:
         bounds = [round(i * len(keys) / n) for i in range(n + 1)]
         runs = [keys[a:b] for a, b in zip(bounds, bounds[1:])]
         conns: list[socket.socket] = []
+        until = self._deadline()
         try:
             news = []
             for run in runs:  # every call sent before any answer is read: served side by side
-                conn, new = self._spare_conn()
+                raw, new = self._spare_conn()
+                conn = self._until(raw, until)
                 conns.append(conn)
                 news.append(new)
                 body = self._get_request(namespace, run, want).SerializeToString()
@@ -363,7 +391,7 @@ class NetPath:
                 refs.append(_refs(out, len(run)))
         except BaseException:
             for conn in conns:  # answers left unread on them: lost
-                self._forget(conn)
+                self._forget(unbound(conn))
             raise
         pool = self._pool()
         got: list[tuple[str, Future[memoryview]] | None] = []
@@ -371,30 +399,42 @@ class NetPath:
             futures: list[Future[memoryview] | None] = [
                 Future() if ref.present else None for ref in stripe]
             got += [None if f is None else (ref.tier, f) for ref, f in zip(stripe, futures)]
+            for f in futures:  # cancelled before it landed: the landing stops there
+                if f is not None:
+                    f.add_done_callback(functools.partial(abandoned, unbound(conn)))
             pool.submit(self._land, conn, [r.length for r in stripe], futures, pinned)
         return got
 
     def _land(self, conn: socket.socket, lengths: list[int],
               futures: list[Future[memoryview] | None], pinned: bool) -> None:
         """One stripe's entries read off ``conn`` into their futures, in order."""
+        raw = unbound(conn)
         for j, (length, fut) in enumerate(zip(lengths, futures)):
             if fut is None:
                 continue
             try:
+                if fut.cancelled():
+                    raise Cancelled("the entry was let go before it landed")
                 fut.set_result(_read_entry(conn, length, pinned, self.landing))
                 self.entry_bytes = length
             except BaseException as exc:
-                self._forget(conn)
-                if isinstance(exc, OSError):
+                self._forget(raw)
+                if isinstance(exc, TimeoutError):
+                    exc = DeadlineExceeded(f"the data path did not bring an entry within "
+                                           f"the call's deadline (timeout_s="
+                                           f"{self.timeout_s}, or the caller's "
+                                           "deadline_within)")
+                elif isinstance(exc, OSError):
                     exc = Unavailable(f"the data path connection dropped inside an entry "
                                       f"({exc}); nothing of it is used")
                 for later in futures[j:]:
-                    if later is not None:
+                    if later is not None and not later.done():
                         later.set_exception(exc)
                 return
+        raw.settimeout(self.timeout_s)
         with self._lock:
-            if conn in self._all:
-                self._spare.append(conn)
+            if raw in self._all:
+                self._spare.append(raw)
 
     def _pool(self) -> ThreadPoolExecutor:
         with self._lock:
@@ -420,16 +460,19 @@ class NetPath:
         conn, out = self._call(NET_GET_MANY, self._get_request(namespace, keys,
                                                                  want))
         try:
-            return self._entries(conn, out, len(keys), pinned)
+            got = self._entries(conn, out, len(keys), pinned)
         except BaseException:
             self._drop()  # whatever of the answer is left unread: the connection is lost
             raise
+        conn.settimeout(self.timeout_s)
+        return got
 
     def _get_stripe(self, namespace: str, keys: Sequence[bytes], want: Expected,
                     pinned: bool) -> list[tuple[memoryview, str] | None]:
         """One stripe's GetMany, on a spare connection of the path's (given back once its
         answer is read whole; closed when the call fails: what is left of it is unread)."""
-        conn, new = self._spare_conn()
+        raw, new = self._spare_conn()
+        conn = self._until(raw, self._deadline())
         try:
             body = self._get_request(namespace, keys, want).SerializeToString()
             send_pieces(conn, [FAST_HEAD.pack(len(body), NET_GET_MANY) + body])
@@ -439,11 +482,12 @@ class NetPath:
                 raise refused(fast_error(out), new)
             got = self._entries(conn, out, len(keys), pinned)
         except BaseException:
-            self._forget(conn)
+            self._forget(raw)
             raise
+        raw.settimeout(self.timeout_s)
         with self._lock:
-            if conn in self._all:  # not closed meanwhile (``close``)
-                self._spare.append(conn)
+            if raw in self._all:  # not closed meanwhile (``close``)
+                self._spare.append(raw)
         return got
 
     def _forget(self, conn: socket.socket) -> None:

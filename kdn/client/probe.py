@@ -15,6 +15,12 @@ measures the path instead:
 3. the bandwidth is the difference of the two sizes over the difference of the two times: what
    one read costs whatever its size (the call, the lookup, the first burst) cancels out.
 
+A probe has a budget (``budget_s``): its calls on the network data path all end within it
+(``kdn.client.deadline.deadline_within``), whatever the client's ``timeout_s``. On a link too
+slow to carry the entries within it, the probe says what the reads showed: the smaller
+entry's own rate where it came in (a lower bound), else its size over the budget spent (an
+upper bound: the link is slower than that).
+
 Probing is best effort: any failure (no server, a read-only tenant, a full quota) returns None
 and the controller keeps its prior.
 """
@@ -23,6 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -30,6 +37,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from kdn.cache import KVCache
+from kdn.client.deadline import deadline_within
+from kdn.errors import DeadlineExceeded
 from kdn.layout import DType, KVLayout, LayerLayout
 
 if TYPE_CHECKING:
@@ -43,6 +52,10 @@ difference large enough that a 100 Gbit/s link still takes milliseconds to carry
 PAUSE_S = 0.06
 """Pause before each read: an egress cap's bucket holds at most 50 ms of its rate, so it is
 full again after this (each read then starts as a hit after a quiet spell would)."""
+
+BUDGET_S = 30.0
+"""Seconds a probe takes at most by default (a 1 Gbit/s link carries its 96 MiB of reads in
+1 s, a 100 Mbit/s one in 8)."""
 
 _LAYERS, _CHANNELS = 8, 128
 PROBE_LAYOUT = KVLayout(
@@ -76,7 +89,7 @@ def _entry(nbytes: int) -> KVCache:
     return KVCache(PROBE_LAYOUT, [(layer, layer) for _ in range(_LAYERS)])
 
 
-def _read(client: Client, key: bytes, namespace: str) -> float:
+def _read(client: Client, key: bytes, namespace: str, until: float) -> float:
     local = client.local
     if local is not None:
         local.discard(namespace, key)
@@ -85,26 +98,47 @@ def _read(client: Client, key: bytes, namespace: str) -> float:
     stream = client.retrieve_streams([key], namespace=namespace, layout=PROBE_LAYOUT)[0]
     if stream is None:
         raise LookupError("a probe entry went missing")
-    for i in range(_LAYERS):
-        stream.wait_for_layer(i)
+    try:
+        for i in range(_LAYERS):
+            stream.wait_for_layer(i, max(0.0, until - time.monotonic()))
+    except TimeoutError:
+        stream.cancel()
+        raise DeadlineExceeded("the probe's budget ran out") from None
     seconds = time.perf_counter() - t0
     if local is not None:
         local.discard(namespace, key)
     return seconds
 
 
-def probe_link(client: Client, namespace: str | None = None, rounds: int = 2
-               ) -> LinkProbe | None:
-    """Measure the path from ``client``'s server to it (module docstring); None when it can
-    not be measured."""
+def probe_link(client: Client, namespace: str | None = None, rounds: int = 2,
+               budget_s: float = BUDGET_S) -> LinkProbe | None:
+    """Measure the path from ``client``'s server to it (module docstring), within
+    ``budget_s`` seconds; None when it can not be measured."""
     ns = namespace or client.namespace
+    until = time.monotonic() + budget_s
+    best: list[float] = []
+    reads_from = math.inf
     try:
-        ks = [probe_key(n) for n in SIZES]
-        present = client.lookup(ks, namespace=ns).infos
-        for n, key, info in zip(SIZES, ks, present):
-            if not info.present:
-                client.store(key, _entry(n), mode="raw", namespace=ns)
-        best = [min(_read(client, key, ns) for _ in range(max(1, rounds))) for key in ks]
+        with deadline_within(budget_s):
+            ks = [probe_key(n) for n in SIZES]
+            present = client.lookup(ks, namespace=ns, timeout_s=budget_s).infos
+            for n, key, info in zip(SIZES, ks, present):
+                if not info.present:
+                    client.store(key, _entry(n), mode="raw", namespace=ns)
+            reads_from = time.monotonic()
+            for key in ks:
+                best.append(min(_read(client, key, ns, until) for _ in range(max(1, rounds))))
+    except (DeadlineExceeded, TimeoutError) as exc:
+        if best:  # the smaller entry came in: its own rate, the read's fixed cost in it
+            rate = SIZES[0] / best[0]
+        elif time.monotonic() > reads_from:  # not even that one: slower than this
+            rate = SIZES[0] / max(until - reads_from, 1e-3)
+        else:
+            log.warning("link probe of %s failed: %s", client.address, exc)
+            return None
+        log.warning("link probe of %s ran out of its %g s budget (%s): about %.3g MB/s",
+                    client.address, budget_s, exc, rate / 1e6)
+        return LinkProbe(rate, 0.0, (best[0] if best else math.inf, math.inf))
     except Exception as exc:  # best effort: the controller keeps its prior
         log.warning("link probe of %s failed: %s", client.address, exc)
         return None

@@ -105,8 +105,9 @@ class RemotePath:
             log.debug("kdn: data path connection refused (%s); this call goes by gRPC", exc)
             return None
         except TimeoutError as exc:
-            raise DeadlineExceeded(f"the network data path did not answer in "
-                                   f"{net.timeout_s:g} s") from exc
+            raise DeadlineExceeded(f"the network data path did not answer within the "
+                                   f"call's deadline (timeout_s={net.timeout_s}, or the "
+                                   "caller's deadline_within)") from exc
         except (OSError, NotFound) as exc:
             if not net.worked:
                 self.lost(exc, net)
@@ -176,6 +177,7 @@ class RemotePath:
             tier, bytes_of = g
             entry: Future[Fetched] = Future()
             bytes_of.add_done_callback(functools.partial(_as_fetched, entry, tier, pinned))
+            entry.add_done_callback(functools.partial(_let_go, bytes_of))
             out.append((tier, entry))
         return out
 
@@ -248,8 +250,19 @@ class RemotePath:
             pass  # the server forgets it at shutdown anyway
 
 
+def _let_go(bytes_of: Future[memoryview], entry: Future[Fetched]) -> None:
+    """An entry cancelled by its reader: its bytes are not landed (``NetPath``)."""
+    if entry.cancelled():
+        bytes_of.cancel()
+
+
 def _as_fetched(entry: Future[Fetched], tier: str, pinned: bool,
                 bytes_of: Future[memoryview]) -> None:
+    if entry.done():  # cancelled by its reader
+        return
+    if bytes_of.cancelled():
+        entry.cancel()
+        return
     exc = bytes_of.exception()
     if exc is not None:
         entry.set_exception(exc)

@@ -1,0 +1,96 @@
+"""Deadlines of calls on the network data path (``kdn.client.netpath``): one per call, for
+all of its sends and receives together, not one per receive.
+
+``NetPath`` binds each call's connection to when the call must end (``Until``: every send and
+receive waits only the time left, TimeoutError once none is): ``timeout_s`` from the call's
+start, or sooner where the calling thread runs inside ``deadline_within`` (a link probe's
+budget). A server that trickles its answer fails the call then, not ``timeout_s`` after its
+last byte. An entry's future cancelled before it landed (``abandoned``) shuts its stripe's
+connection, so the thread landing it stops waiting.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import ssl
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import Future
+from typing import Any
+
+_CAP = threading.local()
+"""This thread's ``deadline_within`` (``until``, ``time.monotonic``)."""
+
+
+@contextlib.contextmanager
+def deadline_within(seconds: float) -> Iterator[None]:
+    """Calls this thread makes on any network data path inside end within ``seconds`` from
+    now in all (TimeoutError, DeadlineExceeded from the client), also where the client's
+    ``timeout_s`` is longer or None. A call already bounded sooner keeps its own."""
+    before = getattr(_CAP, "until", None)
+    until = time.monotonic() + seconds
+    _CAP.until = until if before is None else min(before, until)
+    try:
+        yield
+    finally:
+        _CAP.until = before
+
+
+class Until:
+    """A connection whose sends and receives all end by ``until`` (``time.monotonic``): each
+    waits only the time left (TimeoutError once none is). What is not a send or a receive
+    goes to the connection as is."""
+
+    def __init__(self, conn: socket.socket, until: float) -> None:
+        self.conn, self.until = conn, until
+
+    def _arm(self) -> None:
+        left = self.until - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the call's deadline passed")
+        self.conn.settimeout(left)
+
+    def recv(self, n: int, flags: int = 0) -> bytes:
+        self._arm()
+        return self.conn.recv(n, flags)
+
+    def recv_into(self, buf: Any, n: int = 0, flags: int = 0) -> int:
+        self._arm()
+        return self.conn.recv_into(buf, n, flags)
+
+    def sendmsg(self, buffers: Any) -> int:
+        self._arm()
+        if isinstance(self.conn, ssl.SSLSocket):  # no sendmsg on TLS: each through the records
+            for buf in buffers:
+                self._arm()
+                self.conn.sendall(buf)
+            return sum(memoryview(buf).nbytes for buf in buffers)
+        return self.conn.sendmsg(buffers)
+
+    def sendall(self, data: Any) -> None:
+        self._arm()
+        self.conn.sendall(data)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.conn, name)
+
+
+def call_cap() -> float | None:
+    """This thread's ``deadline_within`` (``time.monotonic``), None outside one."""
+    until: float | None = getattr(_CAP, "until", None)
+    return until
+
+
+def unbound(conn: socket.socket) -> socket.socket:
+    """The connection under a ``Until``."""
+    return conn.conn if isinstance(conn, Until) else conn
+
+
+def abandoned(conn: socket.socket, fut: Future[memoryview]) -> None:
+    """An entry's future done: cancelled (let go before it landed), its stripe's connection
+    is shut, so the thread landing it stops waiting for its bytes."""
+    if fut.cancelled():
+        with contextlib.suppress(OSError):
+            conn.shutdown(socket.SHUT_RDWR)
