@@ -181,7 +181,8 @@ class Timings:
     """Blocks read from the client's in-process tier (no transfer)."""
     load_error: str = ""
     """Why loading the prefix failed (the server not reached or too slow to answer the
-    lookup; a block not what the engine stores, damaged, cut off); the prompt was then
+    lookup; a block not what the engine stores, damaged, cut off, gone since the lookup; the
+    load not in by its deadline: ``kdn.engine.engine.LOAD_DEADLINE_X``); the prompt was then
     computed whole, and its blocks stored again where the server could be reached."""
 
 

@@ -27,7 +27,12 @@ request: the prompt is computed whole (``Timings.load_error`` says why) and its 
 encoding that failed are stored again, so a damaged block is mended for the next request. A
 server that can not be reached or does not answer the lookup within
 ``EngineConfig.lookup_timeout_s`` (2 s, not the client's whole call deadline) costs a request
-that much: its prompt is computed whole and nothing is stored back.
+that much: its prompt is computed whole and nothing is stored back. A load has a deadline of
+its own (``LOAD_DEADLINE_X`` times its predicted TTFT, at least ``lookup_timeout_s``): a server
+that stalls after the lookup costs a request that, after which the load is cancelled and the
+prompt computed whole (``Timings.load_error``: DeadlineExceeded). A block gone between the
+lookup and the load (evicted, deleted) leaves the blocks before it reused and the rest
+computed, and stored again.
 
 What it stores: ``EngineConfig.encodings``, or by default what pays off on the model's device
 and the path its hits take (``kdn.delivery.default_encodings``: ``lossless`` on a CPU, ``raw``
@@ -65,6 +70,7 @@ from kdn import codec, keys
 from kdn.cache import KVCache, LayerKV
 from kdn.client import Client, LayerStream
 from kdn.client import metrics as client_metrics
+from kdn.client.deadline import deadline_within
 from kdn.client.probe import probe_link
 from kdn.delivery import (
     IN_PROCESS,
@@ -84,6 +90,7 @@ from kdn.engine.config import (
 )
 from kdn.engine.connector import KVConnector
 from kdn.engine.store_back import StoreBack
+from kdn.errors import DeadlineExceeded
 from kdn.layout import KVLayout
 from kdn.model.hf import (
     CacheDecoder,
@@ -100,6 +107,15 @@ log = logging.getLogger(__name__)
 
 _PING = hashlib.blake2b(b"kdn/engine/ping", digest_size=32).digest()
 """The key looked up to learn whether the server answers (``KDNEngine._answers``)."""
+LOAD_DEADLINE_X = 4.0
+"""A load not in within this many times its predicted TTFT (and ``lookup_timeout_s``) is
+abandoned and the prompt computed: a server that stalls after the lookup costs a request
+about that, not the client's whole call deadline."""
+MIN_LOAD_DEADLINE_S = 0.25
+"""The shortest deadline a load gets, whatever its prediction."""
+PROBE_BUDGET_X = 5.0
+"""A calibration's link probe (``kdn.client.probe``) takes at most this many times
+``lookup_timeout_s``: a link too slow for its entries is reported slow, not waited for."""
 
 
 class KDNEngine(KVConnector):
@@ -195,7 +211,8 @@ class KDNEngine(KVConnector):
         if self.config.probe_link and self._answers():
             path, server = self._link()
             if path == NETWORK:
-                probe = probe_link(self.client, self.namespace)
+                probe = probe_link(self.client, self.namespace,
+                                   budget_s=PROBE_BUDGET_X * self.config.lookup_timeout_s)
                 if probe is not None:
                     self.controller.calibrate_link(probe.bytes_per_s, path, server)
         return best
@@ -249,8 +266,16 @@ class KDNEngine(KVConnector):
                              "(None: the loading controller's)")
 
     def _lookup_timeout(self) -> float:
-        return min(self.config.lookup_timeout_s,
-                   getattr(self.client, "timeout_s", self.config.lookup_timeout_s))
+        """``lookup_timeout_s``, at most the client's ``timeout_s`` (None: no deadline)."""
+        limit = getattr(self.client, "timeout_s", None)
+        return self.config.lookup_timeout_s if limit is None else min(
+            self.config.lookup_timeout_s, limit)
+
+    def _load_deadline(self, predicted_s: float) -> float:
+        """Seconds the chosen load may take before it is abandoned: ``LOAD_DEADLINE_X`` times
+        its predicted TTFT, at least ``lookup_timeout_s`` and ``MIN_LOAD_DEADLINE_S``."""
+        return max(self.config.lookup_timeout_s, LOAD_DEADLINE_X * predicted_s,
+                   MIN_LOAD_DEADLINE_S)
 
     def _answers(self) -> bool:
         """Whether the server answers a Lookup of no keys within ``lookup_timeout_s`` (before
@@ -280,6 +305,8 @@ class KDNEngine(KVConnector):
         self._streams: list[LayerStream] = []
         self._loaded_blocks = 0
         self._load_failed: BaseException | None = None
+        self._load_until = math.inf  # perf_counter by which every layer must be in
+        self._load_s = 0.0  # the load's deadline, seconds
         self._rewrite = ""  # the encoding whose blocks failed to load: stored again
         self._saved: dict[int, LayerKV] = {}
         self._save_refused = False  # a layer not of the prompt's length: nothing stored
@@ -361,24 +388,43 @@ class KDNEngine(KVConnector):
             return 0
         blocks = (asked[decision.choice][:hits] if decision.choice in asked else  # looked up:
                   [keys.variant_key(k, decision.choice) for k in chain[:hits]])  # not hashed again
+        self._load_s = self._load_deadline(decision.estimates_s[decision.choice]
+                                           + self.controller.prefill_seconds(
+                                               len(token_ids) - tokens))
+        self._load_until = time.perf_counter() + self._load_s
         try:  # every block must be one of this engine's: its layout, chunk_tokens tokens
             joined = None
             if hits > 1 and decision.choice in local and self.config.join_in_process:
                 joined = self.client.retrieve_joined(blocks, namespace=self.namespace,
                                                      layout=self.layout, tokens=c,
                                                      device=self._device)
-            streams = [joined] if joined is not None else self.client.retrieve_streams(
-                blocks, namespace=self.namespace, layout=self.layout, tokens=c,
-                device=self._device)  # layers land on the model's device
+            with deadline_within(self._load_s):  # its network calls end by the load's deadline
+                streams = [joined] if joined is not None else self.client.retrieve_streams(
+                    blocks, namespace=self.namespace, layout=self.layout, tokens=c,
+                    device=self._device)  # layers land on the model's device
         except Exception as exc:  # unreachable, refused, not a block of ours: recompute
             log.warning("kdn: loading %d blocks failed (%s); computing the prompt", hits, exc)
             t.load_error = f"{type(exc).__name__}: {exc}"
-            self._rewrite = decision.choice
+            self._load_until = math.inf
+            # a block refused or damaged is stored again; one the server was slow to send is not
+            self._rewrite = "" if isinstance(exc, DeadlineExceeded) else decision.choice
             return 0
+        present = [s for s in streams if s is not None]
+        if sum(s.blocks for s in present) < hits:  # evicted between lookup and retrieve:
+            lead = next((j for j, s in enumerate(streams) if s is None), 0)  # leading run kept
+            for s in present[lead:]:
+                s.cancel()
+            log.warning("kdn: block %d of %d went missing between lookup and load; the %d "
+                        "before it are reused", lead, hits, lead)
+            if not lead:  # nothing to reuse: counted as what it becomes
+                self._load_until = math.inf
+                t.load_error = (f"NotFound: block 0 of {hits} went missing between the "
+                                "lookup and the load")
+                self.controller.counts[decision.choice] -= 1
+                self.controller.counts[RECOMPUTE] += 1
+                return 0
+            streams, hits, tokens = streams[:lead], lead, lead * c
         self._streams = [s for s in streams if s is not None]
-        if sum(s.blocks for s in self._streams) < hits:  # evicted between lookup and retrieve
-            self.finish()
-            return 0  # (predicted as the full prefill it becomes)
         t.decision = decision.choice
         t.predicted_ttft_s = (t.lookup_s + decision.estimates_s[decision.choice]
                               + self.controller.prefill_seconds(len(token_ids) - tokens))
@@ -386,12 +432,22 @@ class KDNEngine(KVConnector):
         return tokens
 
     def wait_for_layer(self, i: int, timeout: float | None = None) -> LayerKV:
+        """Layer i of the loaded prefix; waits at most ``timeout`` seconds, or, where that is
+        None, until the load's deadline (``_load_deadline``): DeadlineExceeded after it."""
         on = torch.cuda.current_stream(self._device) if self._device.type == "cuda" else None
+        bounded = timeout is None and self._load_until < math.inf
         try:
-            parts = [s.wait_for_layer(i, timeout, stream=on) for s in self._streams]
+            parts = [s.wait_for_layer(i, max(0.0, self._load_until - time.perf_counter())
+                                      if bounded else timeout, stream=on)
+                     for s in self._streams]
         except Exception as exc:  # remembered: ``generate`` then computes the prompt whole
+            if bounded and isinstance(exc, TimeoutError):
+                exc = DeadlineExceeded(
+                    f"layer {i} of the {self._loaded_blocks} blocks loaded was not in within "
+                    f"the load's deadline of {self._load_s:.3g} s (max of lookup_timeout_s, "
+                    f"{LOAD_DEADLINE_X:g} x its predicted TTFT, {MIN_LOAD_DEADLINE_S:g} s)")
             self._load_failed = exc
-            raise
+            raise exc from None
         if len(parts) == 1:
             return parts[0]
         # k: [kv_heads, tokens, k_channels], blocks joined along tokens
@@ -417,6 +473,7 @@ class KDNEngine(KVConnector):
         self._saved[i] = self._saver.to_host(k, v, first, last)  # the blocks kdn lacks
         if len(self._saved) == self.layout.num_layers:
             snapshot = [self._saved[j] for j in range(self.layout.num_layers)]
+            self._saved = {}  # the store thread holds them now, and lets go when it ends
             self._store_thread = self._saver.start(self._ids, snapshot, self._loaded_blocks,
                                                    self._rewrite)
 
@@ -478,7 +535,8 @@ class KDNEngine(KVConnector):
                             failed)
                 t.load_error = f"{type(failed).__name__}: {failed}"
                 self.finish()
-                self._rewrite = t.decision
+                # a damaged block is stored again; one that was only late is not
+                self._rewrite = "" if isinstance(failed, DeadlineExceeded) else t.decision
                 streams, reused, t.decision, self._loaded_blocks = [], 0, RECOMPUTE, 0
                 decoder, logits = self._first_token(ids, 0)
             t.first_token_compute_s = time.perf_counter() - tc  # copies and compute are done
@@ -494,8 +552,12 @@ class KDNEngine(KVConnector):
                 self.save_layer(i, k[0], v[0])  # [1, kv_heads, tokens, ch] -> batch row 0
             store_thread = self._store_thread
             eos = self.tokenizer.eos_token_id
-            new = greedy(decoder, logits, max_new_tokens, set() if eos is None else {int(eos)})
-            self._streams = []
+            try:
+                new = greedy(decoder, logits, max_new_tokens,
+                             set() if eos is None else {int(eos)})
+            finally:
+                self._streams, self._saved = [], {}  # no KV of this prompt outlives it
+                self._load_until = math.inf
         text = self.tokenizer.decode(new, skip_special_tokens=True)
         return Generation(text, new, t, store_thread)
 

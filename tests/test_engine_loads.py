@@ -1,0 +1,132 @@
+"""KDNEngine's loads against a real in-process server: a load that stalls has a deadline of its
+own, a block gone between the lookup and the load leaves the blocks before it reused, a client
+without a deadline works, and no KV of a prompt outlives its request."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from kdn import keys
+from kdn.client import Client
+from kdn.engine import EngineConfig, Generation, KDNEngine
+from kdn.server import ServerConfig, ServerThread
+from tests.test_engine_devices import _model, _Tok
+
+IDS = [int(x) for x in torch.randint(1, 256, (100,), generator=torch.Generator().manual_seed(5))]
+SLOW = 2000
+"""Bytes/s a stalling server sends: the 3 blocks (73 KB) would take 37 s."""
+
+
+def _server(tmp_path: Path, egress: int = 0) -> ServerThread:
+    return ServerThread(ServerConfig(port=0, data_dir=tmp_path, disk_bytes=0,
+                                     ram_bytes=256 << 20, egress_bytes_per_s=egress))
+
+
+def _engine(c: Client, **kw: Any) -> KDNEngine:
+    return KDNEngine(_model(torch.float32, "cpu"), _Tok(), c,
+                     EngineConfig(chunk_tokens=32, encodings=(("raw", ""),), **kw))
+
+
+def _stored(eng: KDNEngine) -> Generation:
+    got = eng.generate(IDS, max_new_tokens=4)
+    assert got.store_thread is not None
+    got.store_thread.join(60)
+    return got
+
+
+def _within(seconds: float, call: Any) -> Any:
+    """``call()``'s result, failing the test where it takes longer than ``seconds`` (the call
+    is left running on a daemon thread)."""
+    out: dict[str, Any] = {}
+    th = threading.Thread(target=lambda: out.setdefault("r", call()), daemon=True)
+    th.start()
+    th.join(seconds)
+    assert not th.is_alive(), f"still running after {seconds} s"
+    return out["r"]
+
+
+def test_a_load_that_stalls_is_abandoned_at_its_deadline(tmp_path: Path) -> None:
+    """The server answers the lookup, then sends the blocks at 2 KB/s: the request costs the
+    load's deadline (here lookup_timeout_s, 0.5 s), not the 37 s the blocks take nor the
+    client's 30 s, and the prompt is computed whole."""
+    with _server(tmp_path, SLOW) as st, Client(st.address, timeout_s=30, shm_bytes=0) as c:
+        eng = _engine(c, lookup_timeout_s=0.5, calibrate=False)
+        first = _stored(eng)
+        t0 = time.monotonic()
+        got = _within(8, lambda: eng.generate(IDS, max_new_tokens=4, force="raw"))
+        assert time.monotonic() - t0 < 5
+        t = got.timings
+        assert t.decision == "recompute" and t.reused_tokens == 0
+        assert t.load_error.startswith("DeadlineExceeded: layer 0 of the 3 blocks loaded")
+        assert "deadline of 0.5 s" in t.load_error
+        assert got.token_ids == first.token_ids
+        assert eng._request.acquire(blocking=False)  # noqa: SLF001  (nothing holds the engine)
+        eng._request.release()  # noqa: SLF001
+        again = _within(8, lambda: eng.generate(IDS, max_new_tokens=4, force="recompute"))
+        assert again.token_ids == first.token_ids
+
+
+def test_a_block_gone_before_the_load_leaves_the_blocks_before_it_reused(
+        tmp_path: Path) -> None:
+    with _server(tmp_path) as st, Client(st.address, shm_bytes=0) as c, \
+            Client(st.address) as other:
+        eng = _engine(c)
+        first = _stored(eng)
+        chain = eng._chain(IDS)  # noqa: SLF001
+        choose = eng.controller.choose
+
+        def evicting(block: int) -> Any:
+            def choose_then_evict(*a: Any, **k: Any) -> Any:
+                d = choose(*a, **k)
+                other.delete(keys.variant_key(chain[block], "raw"), namespace=eng.namespace)
+                return d
+            return choose_then_evict
+
+        eng.controller.choose = evicting(2)  # type: ignore[method-assign]
+        got = eng.generate(IDS, max_new_tokens=4, force="raw")
+        t = got.timings
+        assert (t.decision, t.reused_tokens, t.computed_tokens) == ("raw", 64, 36)
+        assert not t.load_error and got.token_ids == first.token_ids
+        assert got.store_thread is not None
+        got.store_thread.join(60)
+        assert eng.matched_tokens(IDS) == 96  # the missing block stored again
+
+        eng.controller.choose = evicting(0)  # type: ignore[method-assign]
+        counts = dict(eng.controller.counts)
+        got = eng.generate(IDS, max_new_tokens=4, force="raw")
+        t = got.timings
+        assert (t.decision, t.reused_tokens) == ("recompute", 0)
+        assert t.load_error == ("NotFound: block 0 of 3 went missing between the lookup and "
+                                "the load")
+        assert eng.controller.counts["recompute"] == counts.get("recompute", 0) + 1
+        assert eng.controller.counts["raw"] == counts["raw"]
+        assert got.token_ids == first.token_ids
+
+
+def test_a_client_without_a_deadline_serves_the_engine(tmp_path: Path) -> None:
+    with _server(tmp_path) as st, Client(st.address, timeout_s=None) as c:
+        eng = _engine(c)
+        first = _stored(eng)
+        got = eng.generate(IDS, max_new_tokens=4)
+        assert got.timings.reused_tokens == 96 and not got.timings.load_error
+        assert got.token_ids == first.token_ids
+
+
+@pytest.fixture
+def engine(tmp_path: Path) -> Iterator[KDNEngine]:
+    with _server(tmp_path) as st, Client(st.address) as c:
+        yield _engine(c)
+
+
+def test_no_kv_of_a_prompt_outlives_its_request(engine: KDNEngine) -> None:
+    got = engine.generate(IDS, max_new_tokens=4)
+    assert got.store_thread is not None
+    assert not engine._saved  # noqa: SLF001  (the store thread holds them, not the engine)
+    got.store_thread.join(60)
