@@ -73,6 +73,35 @@ def test_a_load_that_stalls_is_abandoned_at_its_deadline(tmp_path: Path) -> None
         assert again.token_ids == first.token_ids
 
 
+def test_a_load_the_server_never_answers_is_abandoned_at_its_deadline(
+        tmp_path: Path) -> None:
+    """The server answers the lookup, then hangs on the read (its GetMany never answers): the
+    request costs the load's deadline, not the client's 30 s."""
+    with _server(tmp_path) as st, Client(st.address, timeout_s=30, shm_bytes=0) as c:
+        eng = _engine(c, lookup_timeout_s=0.5, calibrate=False)
+        first = _stored(eng)
+        reads = st.server.servicer.reads
+        hung = threading.Event()
+        get_sent = reads.get_sent
+
+        def hanging(*a: Any, **k: Any) -> Any:
+            hung.wait(30)
+            return get_sent(*a, **k)
+
+        reads.get_sent = hanging
+        try:
+            t0 = time.monotonic()
+            got = _within(8, lambda: eng.generate(IDS, max_new_tokens=4, force="raw"))
+            assert time.monotonic() - t0 < 5
+        finally:
+            hung.set()
+        t = got.timings
+        assert t.decision == "recompute" and t.reused_tokens == 0
+        assert t.load_error.startswith("DeadlineExceeded: the network data path did not "
+                                       "answer within the call's deadline")
+        assert got.token_ids == first.token_ids
+
+
 def test_a_block_gone_before_the_load_leaves_the_blocks_before_it_reused(
         tmp_path: Path) -> None:
     with _server(tmp_path) as st, Client(st.address, shm_bytes=0) as c, \
