@@ -18,8 +18,9 @@ measures the path instead:
 A probe has a budget (``budget_s``): its calls on the network data path all end within it
 (``kdn.client.deadline.deadline_within``), whatever the client's ``timeout_s``. On a link too
 slow to carry the entries within it, the probe says what the reads showed: the smaller
-entry's own rate where it came in (a lower bound), else its size over the budget spent (an
-upper bound: the link is slower than that).
+entry's own rate where it came in (a lower bound), else its size over the time its reads
+took (an upper bound: the link is slower than that). A read the client's own ``timeout_s``
+ends first is taken the same way.
 
 Probing is best effort: any failure (no server, a read-only tenant, a full quota) returns None
 and the controller keeps its prior.
@@ -132,12 +133,12 @@ def probe_link(client: Client, namespace: str | None = None, rounds: int = 2,
         if best:  # the smaller entry came in: its own rate, the read's fixed cost in it
             rate = SIZES[0] / best[0]
         elif time.monotonic() > reads_from:  # not even that one: slower than this
-            rate = SIZES[0] / max(until - reads_from, 1e-3)
+            rate = SIZES[0] / max(time.monotonic() - reads_from, 1e-3)
         else:
             log.warning("link probe of %s failed: %s", client.address, exc)
             return None
-        log.warning("link probe of %s ran out of its %g s budget (%s): about %.3g MB/s",
-                    client.address, budget_s, exc, rate / 1e6)
+        log.warning("link probe of %s cut short (%s; budget %g s): about %.3g MB/s",
+                    client.address, exc, budget_s, rate / 1e6)
         return LinkProbe(rate, 0.0, (best[0] if best else math.inf, math.inf))
     except Exception as exc:  # best effort: the controller keeps its prior
         log.warning("link probe of %s failed: %s", client.address, exc)
