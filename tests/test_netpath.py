@@ -16,7 +16,8 @@ import pytest
 from kdn import codec
 from kdn.client import Client
 from kdn.client.client import TLSOptions
-from kdn.client.netpath import MAX_ENTRY_BYTES, NetPath
+from kdn.client.netpath import NetPath
+from kdn.client.received import MAX_ENTRY_BYTES
 from kdn.errors import Corrupt, LayoutMismatch
 from kdn.layout import Expected
 from kdn.server import ServerConfig, ServerThread

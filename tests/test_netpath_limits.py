@@ -20,9 +20,9 @@ import grpc
 import pytest
 
 from kdn import codec
-from kdn.client import Client
-from kdn.client import netpath as client_netpath
-from kdn.client.netpath import BATCH_ITEMS, NetPath
+from kdn.client import Client, fastwire
+from kdn.client.fastwire import BATCH_ITEMS
+from kdn.client.netpath import NetPath
 from kdn.errors import DeadlineExceeded, NotFound, TooLarge
 from kdn.server import ServerConfig, ServerThread, batch, fastpath, netpath
 from kdn.transport.wire import FAST_HEAD, NET_GET_MANY, NET_MAX_KEYS, read_exact
@@ -273,7 +273,7 @@ def test_a_put_of_many_small_entries_stays_within_the_first_call_limit(
     assert req.ByteSize() <= netpath.FIRST_BODY
     # and scaled down, on a real server: a fresh connection's first PutMany of many items
     monkeypatch.setattr(netpath, "FIRST_BODY", 16 << 10)
-    monkeypatch.setattr(client_netpath, "BATCH_ITEMS", 200)
+    monkeypatch.setattr(fastwire, "BATCH_ITEMS", 200)
     kv = random_kv(LAYOUT, 1, seed=5)
     items = [(numbered_key(i), kv) for i in range(410)]
     before = _counter(server, "net.PutMany")

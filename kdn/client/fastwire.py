@@ -1,16 +1,26 @@
 """The framing of the data paths' calls (the same-host fast path, ``kdn.server.fastpath``, and
 the network data path, ``kdn.server.netpath``): a request is a u32 body length and a u8 op,
 then the body; an answer a u32 body length and a u8 ok (1) or error (0), then the body (an
-error: its kind and message, NUL between)."""
+error: its kind and message, NUL between); the network data path's streamed PutMany (its
+items' bytes after the request) and GetMany answers (entries after the answer, each landed and
+checked as it arrives)."""
 
 from __future__ import annotations
 
+import select
 import socket
+from collections.abc import Sequence
 from typing import Any
 
-from kdn.errors import KDNError
+from kdn.client.received import MAX_ENTRY_BYTES
+from kdn.codec import EncodedParts
+from kdn.codec.format import HEAD_PREFIX_BYTES, check_frame_prefix, header_size
+from kdn.errors import Corrupt, KDNError, TooLarge
 from kdn.status import error_of
-from kdn.transport.wire import FAST_HEAD, read_exact
+from kdn.transport.buffers import RECEIVED, BufferPool
+from kdn.transport.netio import recv_container
+from kdn.transport.wire import FAST_HEAD, read_exact, recv_into_all
+from kdn.v1 import kdn_pb2 as pb
 
 
 def fast_send(conn: socket.socket, op: int, req: Any) -> None:
@@ -43,3 +53,115 @@ def fast_answer(conn: socket.socket) -> tuple[int, bytes]:
 def fast_error(out: bytes) -> KDNError:
     name, _, message = out.decode("utf-8", "replace").partition("\0")
     return error_of(name, message)
+
+
+FRAME_ALIGN = 64
+"""A read entry's first frame starts at a multiple of this (``kdn.codec.inplace``)."""
+BATCH_ITEMS = 4096
+"""Items one PutMany carries at most: its request (~60 bytes an item) stays within what the
+server reads before a connection's ticket is known (``kdn.server.netpath.FIRST_BODY``)."""
+def streamed_put(namespace: str, segment_id: str,
+                 items: Sequence[tuple[bytes, EncodedParts, pb.StoreOptions]]
+                 ) -> tuple[pb.PutManyRequest, list[bytes | memoryview]]:
+    """A PutMany whose items' bytes follow it on the connection (``kdn.server.streamed``):
+    the request (each item's region: where its bytes lie in what follows) and those pieces."""
+    req = pb.PutManyRequest(namespace=namespace, segment_id=segment_id)
+    pieces: list[bytes | memoryview] = []
+    at = 0
+    for key, parts, opts in items:
+        item = req.items.add(key=key, options=opts)
+        item.region.offset, item.region.length = at, parts.nbytes
+        pieces += [parts.header, *parts.frames]
+        at += parts.nbytes
+    return req, pieces
+
+
+def put_results(answer: bytes, count: int) -> list[pb.StoreResponse]:
+    results = list(pb.PutManyResponse.FromString(answer).results)
+    if len(results) != count:
+        raise Corrupt(f"PutMany answered {len(results)} results for {count} items")
+    return results
+
+
+def batches_of(items: Sequence[tuple[bytes, EncodedParts, pb.StoreOptions]], limit: int
+               ) -> list[list[int]]:
+    """The items' indices in runs of at most ``limit`` bytes and ``BATCH_ITEMS`` items, in
+    order; larger items in none (the caller stores them another way)."""
+    out: list[list[int]] = [[]]
+    size = 0
+    for i, (_, parts, _) in enumerate(items):
+        if parts.nbytes > limit:
+            continue
+        if out[-1] and (size + parts.nbytes > limit or len(out[-1]) >= BATCH_ITEMS):
+            out.append([])
+            size = 0
+        out[-1].append(i)
+        size += parts.nbytes
+    return [b for b in out if b]
+
+
+def closed_by_peer(conn: socket.socket) -> bool:
+    """Whether the other end closed ``conn`` (read without taking anything: an idle
+    connection's only news is its end)."""
+    try:
+        poller = select.poll()  # the socket's timeout would make a peek wait
+        poller.register(conn.fileno(), select.POLLIN)
+        if not poller.poll(0):
+            return False
+        return not socket.socket.recv(conn, 1, socket.MSG_PEEK)  # the raw bytes under TLS
+    except OSError:
+        return True
+
+
+def entry_refs(out: bytes, count: int) -> list[pb.EntryRef]:
+    """The entries of a GetMany answer's body for ``count`` keys, each present one placed
+    right after the one before in the bytes that follow. Corrupt when they are not."""
+    resp = pb.GetManyResponse.FromString(out)
+    if len(resp.entries) != count:
+        raise Corrupt(f"GetMany answered {len(resp.entries)} entries for {count} keys")
+    at = 0
+    for ref in resp.entries:
+        if not ref.present:
+            continue
+        if ref.offset != at or ref.length < HEAD_PREFIX_BYTES:
+            raise Corrupt(f"GetMany placed an entry of {ref.length} bytes at {ref.offset} "
+                          f"of the bytes that follow, not at {at}")
+        if ref.length > MAX_ENTRY_BYTES:  # nothing is allocated for it
+            raise Corrupt(f"GetMany answered an entry of {ref.length} bytes; no server stores "
+                          f"one of more than {MAX_ENTRY_BYTES}")
+        at += ref.length
+    return list(resp.entries)
+
+
+def read_entry(conn: socket.socket, length: int, pinned: bool = False,
+                pool: BufferPool = RECEIVED) -> memoryview:
+    """One entry of ``length`` bytes off ``conn`` into a buffer recycled by ``pool``
+    (page-locked where ``pinned``), placed so that its first frame starts at a multiple of
+    ``FRAME_ALIGN``, each frame checked the moment its last byte lands, while it is in cache
+    (the entry comes back checked: decoding need not hash it again). Corrupt when the header
+    or a frame is damaged or they do not add up to ``length``."""
+    prefix = bytearray(HEAD_PREFIX_BYTES)
+    if not recv_into_all(conn, memoryview(prefix)):
+        raise OSError("the data path closed inside a GetMany's entries")
+    head = header_size(memoryview(prefix))
+    try:
+        room = pinned_room(length + FRAME_ALIGN) if pinned else pool.take(length + FRAME_ALIGN)
+    except MemoryError:
+        raise TooLarge(f"no memory for a GetMany entry of {length} bytes") from None
+    start = -(room.ctypes.data + min(head, length)) % FRAME_ALIGN
+    view = memoryview(room)[start : start + length]  # type: ignore[arg-type]
+    view[:HEAD_PREFIX_BYTES] = prefix
+    fault = recv_container(conn, view, HEAD_PREFIX_BYTES, check_frame_prefix)
+    if fault is not None:
+        raise fault
+    return view
+
+
+def pinned_room(size: int) -> Any:
+    """A page-locked uint8 array of ``size`` bytes (torch's caching host allocator: freed
+    ones are reused, not registered again); a plain one where CUDA is not there."""
+    import torch  # only for entries bound for a CUDA device: torch is loaded then
+
+    if not torch.cuda.is_available():
+        return RECEIVED.take(size)
+    return torch.empty(size, dtype=torch.uint8, pin_memory=True).numpy()

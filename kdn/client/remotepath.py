@@ -13,7 +13,8 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
-from kdn.client.netpath import NetPath, batches_of
+from kdn.client.fastwire import batches_of
+from kdn.client.netpath import NetPath
 from kdn.client.pending import ASYNC_DEPTH, PendingStore
 from kdn.client.perthread import Crowded
 from kdn.client.received import Fetched, fetched
