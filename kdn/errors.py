@@ -98,6 +98,11 @@ class PartlyUnavailable(TierUnavailable):
     fails, the tier stays up for the rest."""
 
 
+class InUse(TierUnavailable):
+    """A tier's files are held by another process (a second server on one disk tier's folder):
+    refused at start, never shared."""
+
+
 class Unavailable(KDNError, status=Status.UNAVAILABLE):
     """The service can not be reached or is shutting down."""
 

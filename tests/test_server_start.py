@@ -3,6 +3,7 @@ gRPC server reflection lets a generic client list and call the services."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +14,7 @@ from google.protobuf import descriptor_pool, message_factory
 
 from kdn import keys
 from kdn.client import Client
+from kdn.errors import InUse
 from kdn.server import ServerConfig, ServerThread
 from tests.helpers import random_kv, uniform_layout
 
@@ -33,6 +35,47 @@ def test_a_second_server_on_a_held_port_is_refused(tmp_path: Path) -> None:
         assert "Traceback" not in run.stderr
         with Client(first.address) as c:  # the first server still answers everything
             assert c.health() == "SERVING"
+
+
+def test_a_second_server_on_a_held_data_dir_is_refused(tmp_path: Path) -> None:
+    """Two servers on one data_dir shared its LMDB environment: the second's map growth made
+    the first's reads fail MDB_MAP_RESIZED, its disk tier went down and its queued writes
+    were dropped (166 of 300 stored entries lost). The second is refused at start, in code
+    and as ``kdn serve`` (one line naming the folder and the holder's pid, exit 1); the
+    first keeps serving every entry; once it stops, the folder opens again with them."""
+    lay = uniform_layout(layers=2, heads=2, dim=8)
+    entries = {keys.chunk_key([i], lay): random_kv(lay, 4, seed=i) for i in range(20)}
+    data = tmp_path / "data"
+    with ServerThread(ServerConfig(port=0, data_dir=data, disk_bytes=64 << 20)) as first:
+        with Client(first.address) as c:
+            for key, kv in entries.items():
+                c.store(key, kv)
+        second = subprocess.Popen([sys.executable, "-m", "kdn", "serve", "--port", "0",
+                                   "--data-port", "-1", "--data-dir", str(data)],
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                  cwd=ROOT)
+        try:
+            _, err = second.communicate(timeout=90)
+        except subprocess.TimeoutExpired:
+            second.kill()
+            raise AssertionError("a second kdn serve on the data_dir started") from None
+        assert second.returncode == 1, err
+        assert err.startswith(f"kdn serve: data_dir {data}: "), err
+        assert f"pid {os.getpid()}" in err and "Traceback" not in err
+        assert len(err.strip().splitlines()) == 1, err
+        with pytest.raises(InUse, match=rf"data_dir {data}: .* \(pid {os.getpid()} holds "):
+            with ServerThread(ServerConfig(port=0, data_dir=data, disk_bytes=64 << 20)):
+                pass
+        with Client(first.address) as c:  # the first server still holds and serves them all
+            assert c.health() == "SERVING"
+            for key, kv in entries.items():
+                back = c.retrieve(key, layout=lay)
+                assert back is not None and back.equal(kv)
+    with ServerThread(ServerConfig(port=0, data_dir=data, disk_bytes=64 << 20)) as again:
+        with Client(again.address) as c:  # from the disk tier: a new server's RAM is empty
+            for key, kv in entries.items():
+                back = c.retrieve(key, layout=lay)
+                assert back is not None and back.equal(kv)
 
 
 def test_reuse_port_shares_a_port_when_asked(tmp_path: Path) -> None:

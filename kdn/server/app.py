@@ -31,7 +31,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from kdn import tracing
-from kdn.errors import ConfigError, KDNError
+from kdn.errors import ConfigError, InUse, KDNError
 from kdn.server.admin import AdminServicer
 from kdn.server.auth import AuthConfig, Authenticator, Role, load_auth, tenants_from_text
 from kdn.server.blend_rpc import Blender
@@ -88,7 +88,7 @@ def _tier(setting: str, make: Callable[[], Tier]) -> Tier:
     ``kdn serve`` prints as one line."""
     try:
         return make()
-    except ConfigError:
+    except (ConfigError, InUse):
         raise
     except (KDNError, ValueError) as exc:
         raise ConfigError(f"{setting}: {exc}") from exc
@@ -105,8 +105,16 @@ def build_store(config: ServerConfig) -> TieredStore:
             capacity_bytes=config.redis_bytes, wait_replicas=config.redis_wait_replicas,
             wait_timeout_s=config.redis_wait_timeout_s))
     if config.disk_bytes:
-        tiers["disk"] = _tier("data_dir", partial(LmdbTier, config.data_dir / "lmdb",
-                                                  capacity_bytes=config.disk_bytes))
+        try:
+            tiers["disk"] = _tier("data_dir", partial(LmdbTier, config.data_dir / "lmdb",
+                                                      capacity_bytes=config.disk_bytes))
+        except BaseException as exc:
+            for tier in tiers.values():  # the RAM tier, a Redis tier's connections
+                tier.close()
+            if isinstance(exc, InUse):  # another server's disk tier (kdn.store.dirlock)
+                raise InUse(f"data_dir {config.data_dir}: {exc}; give each kdn serve its own "
+                            "--data-dir, or stop the one running") from None
+            raise
     return TieredStore(
         [tiers[name] for name in config.tier_order if name in tiers],
         verify=verify_entry, demote=config.demote_on_evict, write_policy=config.write_policy,

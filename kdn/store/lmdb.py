@@ -34,6 +34,9 @@ the tier stays up and serves what it holds; ``healthy`` asks whether it can read
 once it reads again); a full reader table fails that read only. Either is a miss of this tier
 to the caller, never an error of the request.
 
+One process: the tier holds ``kdn.store.dirlock.DirLock`` on its folder from open to
+``close``; a second opener (another process, or this one again) is refused with ``InUse``.
+
 Map growth: the map starts small and doubles up to ``max_map_bytes`` on ``MapFullError``;
 resizing needs every transaction of this process closed, so transactions share a
 readers-writer lock that ``_grow`` takes exclusively. A writer that found the map full grows it
@@ -58,6 +61,7 @@ import lmdb
 
 from kdn.errors import Corrupt, PartlyUnavailable, TierUnavailable, TooLarge
 from kdn.store.base import Tier, TierStats
+from kdn.store.dirlock import DirLock
 
 log = logging.getLogger(__name__)
 
@@ -159,6 +163,7 @@ class LmdbTier(Tier):
         self._rw = _RWLock()
         self._touch_lock = threading.Lock()
         self._touched: dict[bytes, None] = {}
+        self._dir_lock = DirLock(self.path)  # before LMDB opens it: one process per environment
         try:
             self.env = lmdb.open(
                 str(self.path), map_size=min(self.max_map_bytes, initial_map_bytes), subdir=True,
@@ -168,11 +173,16 @@ class LmdbTier(Tier):
             self.meta = self.env.open_db(b"meta")
             self.lru = self.env.open_db(b"lru")
             self.info = self.env.open_db(b"info")
-        except lmdb.Error as exc:
-            raise TierUnavailable(f"can not open LMDB at {self.path}: {exc}") from exc
-        with self.env.begin(db=self.lru) as txn:
-            cur = txn.cursor()
-            self._stamp = _STAMP.unpack(cur.key()[:8])[0] if cur.last() else 0
+            with self.env.begin(db=self.lru) as txn:
+                cur = txn.cursor()
+                self._stamp = _STAMP.unpack(cur.key()[:8])[0] if cur.last() else 0
+        except BaseException as exc:
+            if hasattr(self, "env"):
+                self.env.close()
+            self._dir_lock.release()
+            if isinstance(exc, lmdb.Error):
+                raise TierUnavailable(f"can not open LMDB at {self.path}: {exc}") from exc
+            raise
         self._stamp_lock = threading.Lock()
         self._map_bytes = int(self.env.info()["map_size"])  # changed only by ``_grow``
         self._closed = False
@@ -520,6 +530,7 @@ class LmdbTier(Tier):
             self._closed = True
             with self._rw.exclusive():
                 self.env.close()
+            self._dir_lock.release()
 
     def stats(self) -> TierStats:
         with self._read() as txn:
