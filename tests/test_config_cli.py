@@ -43,11 +43,34 @@ def test_precedence_file_env_flags(tmp_path: Path) -> None:
     ({"env": {"KDN_DEFAULT_TTL_S": "nan"}}, "default_ttl_s: must be a finite number"),
     ({"flags": {"shutdown_grace_s": "inf"}}, "shutdown_grace_s: must be a finite number"),
     ({"flags": {"disk_bytes": "1"}}, "disk_bytes: must be 0 (no disk tier) or at least 1MiB"),
+    # gRPC holds durations in ms as a C int: 25 days were an OverflowError at start, and
+    # 0.4 ms an idle timeout of 0 ms (every connection idle at once)
+    ({"flags": {"idle_timeout_s": "2200000"}}, "idle_timeout_s: must be 0 or in "
+                                               "0.001..2147483.647 seconds"),
+    ({"flags": {"max_connection_age_s": "2147483.648"}}, "max_connection_age_s: must be 0 or"),
+    ({"env": {"KDN_HANDSHAKE_TIMEOUT_S": "1e9"}}, "handshake_timeout_s: must be 0 or in"),
+    ({"flags": {"idle_timeout_s": "0.0004"}}, "idle_timeout_s: must be 0 or in 0.001.."),
+    ({"flags": {"max_connections": str(2**31)}}, "max_connections: must be in 0..2147483647"),
+    ({"flags": {"max_streams_per_connection": "-1"}}, "max_streams_per_connection: must be in"),
 ])
 def test_bad_settings_are_named(source: dict, match: str) -> None:
     with pytest.raises(ConfigError) as info:
         load_config(env=source.get("env", {}), flags=source.get("flags"))
     assert match in str(info.value)
+
+
+def test_the_longest_durations_and_counts_allowed_are_what_grpc_takes() -> None:
+    import grpc
+
+    from kdn.server.app import grpc_options
+
+    top = ServerConfig(idle_timeout_s=2147483.647, max_connection_age_s=2147483.647,
+                       handshake_timeout_s=0.001, max_connections=2**31 - 1,
+                       max_streams_per_connection=2**31 - 1)
+    options = dict(grpc_options(top))
+    assert options["grpc.max_connection_idle_ms"] == 2**31 - 1
+    assert options["grpc.server_handshake_timeout_ms"] == 1
+    grpc.server(None, options=list(options.items()))  # no OverflowError: every value a C int
 
 
 def test_data_dir_from_code_may_be_a_string() -> None:

@@ -30,6 +30,9 @@ MIN_DISK_BYTES = 1 << 20
 """The smallest disk tier: below it LMDB's own pages leave no room for an entry, and every
 write would be refused."""
 
+GRPC_INT_MAX = 2**31 - 1
+"""The largest value of a gRPC channel argument (a C int): a count, or a duration in ms."""
+
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "k": 2**10, "m": 2**20,
           "g": 2**30}
@@ -301,10 +304,16 @@ class ServerConfig:
         if self.egress_bytes_per_s < 0:
             raise ConfigError(
                 f"egress_bytes_per_s: must be >= 0 (0 = unlimited), got {self.egress_bytes_per_s}")
-        for name in ("idle_timeout_s", "max_connection_age_s", "handshake_timeout_s",
-                     "max_connections", "max_streams_per_connection"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"{name}: must be >= 0, got {getattr(self, name)}")
+        for name in ("max_connections", "max_streams_per_connection"):
+            if not 0 <= getattr(self, name) <= GRPC_INT_MAX:
+                raise ConfigError(f"{name}: must be in 0..{GRPC_INT_MAX} (a C int of gRPC's), "
+                                  f"got {getattr(self, name)}")
+        for name in ("idle_timeout_s", "max_connection_age_s", "handshake_timeout_s"):
+            value = getattr(self, name)  # gRPC takes it in whole milliseconds, a C int
+            if value < 0 or int(value * 1000) > GRPC_INT_MAX or 0 < value < 0.001:
+                raise ConfigError(
+                    f"{name}: must be 0 or in 0.001..{GRPC_INT_MAX / 1000} seconds (24.8 "
+                    f"days: gRPC holds it in milliseconds as a 32-bit int), got {value}")
         if not -1 <= self.data_port <= 65535:
             raise ConfigError(f"data_port: must be in -1..65535, got {self.data_port}")
         if not -1 <= self.metrics_port <= 65535:
