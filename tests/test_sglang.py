@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import glob
 import os
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -38,11 +39,11 @@ from kdn.client.admin import AdminClient  # noqa: E402
 from kdn.client.client import Client  # noqa: E402
 from kdn.client.received import Fetched  # noqa: E402
 from kdn.codec.format import FRAME_STRUCT, RECORD_BYTES, EncodedParts  # noqa: E402
-from kdn.errors import InvalidArgument, InvalidLayout  # noqa: E402
+from kdn.errors import ConfigError, InvalidArgument, InvalidLayout  # noqa: E402
 from kdn.integrations.sglang import KDNBackendConfig, KDNHiCacheStorage  # noqa: E402
 from kdn.keys import page_key  # noqa: E402
 from kdn.server import ServerThread  # noqa: E402
-from tests.helpers import random_kv, uniform_layout  # noqa: E402
+from tests.helpers import make_certs, random_kv, uniform_layout  # noqa: E402
 
 LAYOUTS = ["layer_first", "page_first", "page_first_direct"]
 SMALL = {"layers": 3, "heads": 2, "head_dim": 16, "page_size": 4}
@@ -428,6 +429,76 @@ def test_config_and_refusals(server: ServerThread) -> None:
         assert b.batch_set_v1(KEYS[:2], pool.indices([0])) == [False, False]
     finally:
         b.close()
+
+
+@pytest.mark.parametrize("name,value,says", [
+    ("insecure", "false", "true or false"), ("insecure", 1, "true or false"),
+    ("shm_bytes", "1GiB", "a whole number"), ("local_bytes", -5, ">= 0"),
+    ("timeout_s", float("nan"), "a finite number"), ("timeout_s", float("inf"), "a finite number"),
+    ("workers", "4", "a whole number"), ("workers", 0, ">= 1"), ("ttl_s", 1.5, "a whole number"),
+    ("address", 50051, "a string"), ("mode", ["int8"], "a string"), ("salt", None, "a string"),
+])
+def test_settings_are_checked_by_type_naming_the_field(name: str, value: Any, says: str) -> None:
+    """The settings come from JSON: a string ``"false"`` for ``insecure`` turned the
+    plaintext API-key guard off, ``workers: "4"`` was a bare TypeError, NaN a timeout."""
+    with pytest.raises(ConfigError, match=f"^kdn.{name} must be {re.escape(says)}, got "):
+        KDNBackendConfig.from_extra({"kdn": {name: value}})
+
+
+def test_a_string_insecure_does_not_send_the_api_key_in_plaintext() -> None:
+    from bench.sglang import kdn_extra, storage_config
+
+    far = kdn_extra("10.1.2.3:50051", api_key="secret", timeout_s=1.0)
+    with pytest.raises(ConfigError, match="kdn.insecure must be true or false"):
+        KDNHiCacheStorage(storage_config(extra={**far, "kdn": {**far["kdn"], "insecure": "false"}}))
+    with pytest.raises(InvalidArgument, match="refusing to send an API key in plaintext"):
+        KDNHiCacheStorage(storage_config(extra=far))
+
+
+def test_tls_files_turn_tls_on_and_must_exist(server: ServerThread, tmp_path: Path) -> None:
+    """tls_cert/tls_key without tls_ca meant no TLS at all (the pages and the API key went in
+    plaintext): any of the three turns TLS on, trusting the system's roots without tls_ca, as
+    ``kdn admin``'s flags do; a file that is not there is refused when the backend is built."""
+    certs = make_certs(tmp_path)
+    cfg = KDNBackendConfig(tls_cert=str(certs["client.crt"]), tls_key=str(certs["client.key"]))
+    tls = cfg.tls()
+    assert tls is not None and tls.ca is None and tls.cert == certs["client.crt"].read_bytes()
+    pool = HostPool("layer_first", 4, seed=2, **SMALL)  # type: ignore[arg-type]
+    b = kdn_backend(pool, server.address, timeout_s=5.0, tls_cert=str(certs["client.crt"]),
+                    tls_key=str(certs["client.key"]))
+    try:  # the plaintext server is not reached over TLS: nothing stored, nothing read
+        assert b.batch_set_v1(KEYS[:2], pool.indices([0, 1])) == [False, False]
+        assert b.stats().errors >= 1
+    finally:
+        b.close()
+    with Client(server.address) as c:
+        assert c.stats().tiers[0].entries == 0
+    for extra, says in (({"tls_ca": str(tmp_path / "none.crt")}, "kdn.tls_ca: no such file"),
+                        ({"tls_cert": str(certs["client.crt"])}, "kdn.tls_cert and kdn.tls_key"),
+                        ({"tls_cert": str(certs["client.crt"]), "tls_key": str(tmp_path / "k")},
+                         "kdn.tls_key: no such file")):
+        with pytest.raises(ConfigError, match=re.escape(says)):
+            KDNBackendConfig.from_extra({"kdn": extra})
+
+
+def test_an_empty_level_is_the_modes_default(server: ServerThread) -> None:
+    """``level: ""`` is documented as the mode's own level: for ``kdn`` that is ``default``
+    (``KDNBackendConfig(mode="kdn")`` raised "codec mode 'kdn' has no level ''")."""
+    assert KDNBackendConfig(mode="kdn").level == "default"
+    assert KDNBackendConfig(mode="int8").level == ""
+    pool = HostPool("layer_first", 8, seed=3, **SMALL)  # type: ignore[arg-type]
+    plain, named = kdn_backend(pool, server.address, mode="kdn"), \
+        kdn_backend(pool, server.address, mode="kdn", level="default")
+    try:
+        assert plain.kdn_key(KEYS[0]) == named.kdn_key(KEYS[0])
+        assert plain.batch_set_v1(KEYS[:2], pool.indices([0, 1])) == [True, True]
+        assert named.batch_get_v1(KEYS[:2], pool.indices([4, 5])) == [True, True]
+        want = pool.kv_of(0).float()
+        err = (pool.kv_of(4).float() - want).abs().max().item()
+        assert 0 < err < 0.5 * want.abs().max().item()  # kdn-default: near, not exact
+    finally:
+        plain.close()
+        named.close()
 
 
 def test_server_down_is_a_miss_not_an_error(tmp_path: Path) -> None:

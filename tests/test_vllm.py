@@ -37,13 +37,13 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
 
 from kdn import keys  # noqa: E402
 from kdn.client import Client  # noqa: E402
-from kdn.errors import ConfigError, InvalidLayout  # noqa: E402
+from kdn.errors import ConfigError, InvalidLayout, KDNError  # noqa: E402
 from kdn.integrations.vllm import KDNConnector, KDNConnectorConfig  # noqa: E402
 from kdn.integrations.vllm_worker import block_runs  # noqa: E402
 from kdn.server import ServerThread  # noqa: E402
 from kdn.server.app import build_store  # noqa: E402
 from kdn.server.config import ServerConfig  # noqa: E402
-from tests.helpers import eventually  # noqa: E402
+from tests.helpers import eventually, make_certs, random_kv, uniform_layout  # noqa: E402
 from tests.vllm_replay import Replay  # noqa: E402
 
 LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(3)]
@@ -195,6 +195,24 @@ def test_other_settings_are_checked_at_construction(extra: dict[str, Any], says:
     with pytest.raises(ConfigError, match=re.escape(says)):
         KDNConnectorConfig.from_extra(extra)
     assert KDNConnectorConfig.from_extra({"tp": [1, 2], "encodings": "raw"}).tp == (1, 2)
+
+
+def test_tls_files_turn_tls_on_and_must_exist(server: ServerThread, tmp_path: Path) -> None:
+    """tls_cert/tls_key without tls_ca meant a plaintext channel: any of the three turns TLS
+    on (the system's roots without tls_ca, as ``kdn admin``); a missing file is refused."""
+    certs = make_certs(tmp_path)
+    cfg = KDNConnectorConfig.from_extra({"address": server.address, "timeout_s": 5.0,
+                                         "tls_cert": str(certs["client.crt"]),
+                                         "tls_key": str(certs["client.key"])})
+    lay = uniform_layout(layers=2, heads=2, dim=8)
+    with cfg.client() as c, pytest.raises(KDNError):  # TLS to the plaintext server fails
+        c.store(keys.chunk_key([1], lay), random_kv(lay, 4))
+    with Client(server.address) as c:
+        assert c.stats().tiers[0].entries == 0
+    for extra, says in (({"tls_ca": str(tmp_path / "none.crt")}, "tls_ca: no such file"),
+                        ({"tls_key": str(certs["client.key"])}, "tls_cert and tls_key")):
+        with pytest.raises(ConfigError, match=re.escape(says)):
+            KDNConnectorConfig.from_extra(extra)
 
 
 def test_block_runs() -> None:

@@ -17,6 +17,16 @@ LEVELS: dict[str, tuple[str, ...]] = {
     "kdn": ("near-lossless", "high", "balanced", "default", "small", "compact", "tiny"),
 }
 
+DEFAULT_LEVELS: dict[str, str] = {"kdn": "default"}
+"""The level a mode's name alone stands for where it has several (``kdn-default`` is what
+``kdn.delivery`` stores by default); a mode of one level stands for that level, ``""``."""
+
+
+def default_level(mode: str) -> str:
+    """The level ``mode`` alone means: ``DEFAULT_LEVELS``, else ``""`` (an unknown mode too:
+    ``check_codec`` names it)."""
+    return DEFAULT_LEVELS.get(mode, "")
+
 
 def check_codec(mode: str, level: str) -> None:
     """Raise InvalidArgument unless ``mode`` is a known codec mode and ``level`` one of its

@@ -64,7 +64,6 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, fields
-from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
@@ -80,9 +79,16 @@ from sglang.srt.mem_cache.hicache_storage import (
 from kdn import keys
 from kdn.client.admin import AdminClient
 from kdn.client.client import TLSOptions
-from kdn.codec.catalog import check_codec
+from kdn.codec.catalog import check_codec, default_level
 from kdn.delivery import encoding_name
-from kdn.errors import KDNError
+from kdn.errors import ConfigError, KDNError
+from kdn.integrations.settings import (
+    check_bool,
+    check_number,
+    check_string,
+    check_tls_files,
+    tls_options,
+)
 from kdn.integrations.sglang_pages import LAYOUTS, HostPages
 from kdn.layout import KVLayout
 from kdn.options import StoreOptions
@@ -110,11 +116,14 @@ class KDNBackendConfig:
     mode: str = "lossless"
     """Codec mode of each page: ``lossless`` (bit-exact), ``raw``, ``int8``, ``kdn``..."""
     level: str = ""
-    """Codec level (``kdn`` mode: ``default``, ``high``, ``small``...; "" = the mode's own)."""
+    """Codec level (``kdn`` mode: ``default``, ``high``, ``small``...); "" = the mode's default
+    (``kdn.codec.catalog.default_level``: ``kdn``'s ``default``), which ``level`` then holds."""
     api_key: str = ""
     """API key of the kdn tenant; "" reads ``$KDN_API_KEY`` (none when unset)."""
     tls_ca: str = ""
-    """PEM file of the CA to trust; set to use TLS. ``tls_cert``/``tls_key``: mutual TLS."""
+    """PEM file of the CA to trust. Any of ``tls_ca``, ``tls_cert``, ``tls_key`` turns TLS on
+    (without ``tls_ca``: the system's roots); ``tls_cert``/``tls_key``: mutual TLS. The files
+    must exist when the backend is built."""
     tls_cert: str = ""
     tls_key: str = ""
     insecure: bool = False
@@ -138,13 +147,30 @@ class KDNBackendConfig:
     """In-process tier of encoded pages in front of the server (0: none)."""
 
     def __post_init__(self) -> None:
-        if self.workers < 1:
-            raise ValueError(f"kdn.workers must be >= 1, got {self.workers}")
-        if self.timeout_s <= 0:
-            raise ValueError(f"kdn.timeout_s must be > 0, got {self.timeout_s}")
-        check_codec(self.mode, self.level)
-        keys.check_namespace(self.namespace)
-        StoreOptions(ttl_s=self.ttl_s)
+        """Every field's type and range (the values come from JSON); a ``ConfigError``
+        naming the field (``kdn.<name>``) otherwise."""
+        for f in fields(self):
+            name, value = f"kdn.{f.name}", getattr(self, f.name)
+            if f.type in ("str", str):
+                check_string(name, value)
+            elif f.type in ("bool", bool):
+                check_bool(name, value)
+        check_number("kdn.workers", self.workers, whole=True, positive=True)
+        check_number("kdn.timeout_s", self.timeout_s, whole=False, positive=True)
+        check_number("kdn.ttl_s", self.ttl_s, whole=True, positive=False)
+        check_number("kdn.local_bytes", self.local_bytes, whole=True, positive=False)
+        if self.shm_bytes is not None:
+            check_number("kdn.shm_bytes", self.shm_bytes, whole=True, positive=False)
+        if not self.level:
+            object.__setattr__(self, "level", default_level(self.mode))
+        for name, check in (("kdn.mode/kdn.level", lambda: check_codec(self.mode, self.level)),
+                            ("kdn.namespace", lambda: keys.check_namespace(self.namespace)),
+                            ("kdn.ttl_s", lambda: StoreOptions(ttl_s=self.ttl_s))):
+            try:
+                check()
+            except KDNError as exc:
+                raise ConfigError(f"{name}: {exc}") from None
+        check_tls_files("kdn.", self.tls_ca, self.tls_cert, self.tls_key)
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> KDNBackendConfig:
@@ -153,15 +179,11 @@ class KDNBackendConfig:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(given) - known)
         if unknown:
-            raise ValueError(f"unknown kdn backend settings {unknown}; known: {sorted(known)}")
+            raise ConfigError(f"unknown kdn backend settings {unknown}; known: {sorted(known)}")
         return cls(**given)
 
     def tls(self) -> TLSOptions | None:
-        if not self.tls_ca:
-            return None
-        return TLSOptions(ca=Path(self.tls_ca).read_bytes(),
-                          cert=Path(self.tls_cert).read_bytes() if self.tls_cert else None,
-                          key=Path(self.tls_key).read_bytes() if self.tls_key else None)
+        return tls_options(self.tls_ca, self.tls_cert, self.tls_key)
 
 
 @dataclass

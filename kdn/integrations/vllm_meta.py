@@ -7,20 +7,24 @@ per request).
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass, field, fields
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
 from kdn import keys
 from kdn.client import Client
-from kdn.client.client import TLSOptions
 from kdn.codec.catalog import check_codec
 from kdn.delivery import IN_PROCESS, NETWORK, SAME_HOST, default_encodings, encoding_name
 from kdn.errors import ConfigError, InvalidLayout, KDNError
+from kdn.integrations.settings import (
+    check_bool,
+    check_number,
+    check_string,
+    check_tls_files,
+    tls_options,
+)
 from kdn.layout import DType, KVLayout, LayerLayout, model_fingerprint
 from kdn.options import StoreOptions
 from kdn.transport.addresses import same_host
@@ -62,7 +66,8 @@ class KDNConnectorConfig:
     api_key: str = ""
     """API key of the kdn tenant; "" reads ``$KDN_API_KEY`` (none when unset)."""
     tls_ca: str = ""
-    """PEM file of the CA to trust; set to use TLS. ``tls_cert``/``tls_key``: mutual TLS."""
+    """PEM file of the CA to trust. Any of ``tls_ca``, ``tls_cert``, ``tls_key`` turns TLS on
+    (without ``tls_ca``: the system's roots); ``tls_cert``/``tls_key``: mutual TLS."""
     tls_cert: str = ""
     tls_key: str = ""
     insecure: bool = False
@@ -76,20 +81,19 @@ class KDNConnectorConfig:
     tests that run a worker outside vLLM's process groups)."""
 
     def __post_init__(self) -> None:
-        _check_number("chunk_tokens", self.chunk_tokens, whole=True, positive=True)
-        _check_number("timeout_s", self.timeout_s, whole=False, positive=True)
-        _check_number("lookup_threads", self.lookup_threads, whole=True, positive=True)
-        _check_number("prefill_tok_s", self.prefill_tok_s, whole=False, positive=True)
-        _check_number("local_bytes", self.local_bytes, whole=True, positive=False)
+        check_number("chunk_tokens", self.chunk_tokens, whole=True, positive=True)
+        check_number("timeout_s", self.timeout_s, whole=False, positive=True)
+        check_number("lookup_threads", self.lookup_threads, whole=True, positive=True)
+        check_number("prefill_tok_s", self.prefill_tok_s, whole=False, positive=True)
+        check_number("local_bytes", self.local_bytes, whole=True, positive=False)
         if self.shm_bytes is not None:
-            _check_number("shm_bytes", self.shm_bytes, whole=True, positive=False)
+            check_number("shm_bytes", self.shm_bytes, whole=True, positive=False)
         for name in ("address", "namespace", "salt", "weights_id", "api_key", "tls_ca",
                      "tls_cert", "tls_key"):
-            if not isinstance(getattr(self, name), str):
-                raise ConfigError(f"{name} must be a string, got {getattr(self, name)!r}")
+            check_string(name, getattr(self, name))
         for name in ("allow_recompute", "insecure"):
-            if not isinstance(getattr(self, name), bool):
-                raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
+            check_bool(name, getattr(self, name))
+        check_tls_files("", self.tls_ca, self.tls_cert, self.tls_key)
         if not isinstance(self.encodings, tuple) or not all(
                 isinstance(e, str) for e in self.encodings):
             raise ConfigError(f"encodings must be a list of encoding names (e.g. ['raw', "
@@ -122,27 +126,11 @@ class KDNConnectorConfig:
         return cls(**given)
 
     def client(self) -> Client:
-        tls = None
-        if self.tls_ca:
-            tls = TLSOptions(ca=Path(self.tls_ca).read_bytes(),
-                             cert=Path(self.tls_cert).read_bytes() if self.tls_cert else None,
-                             key=Path(self.tls_key).read_bytes() if self.tls_key else None)
+        tls = tls_options(self.tls_ca, self.tls_cert, self.tls_key)
         return Client(self.address, timeout_s=self.timeout_s, namespace=self.namespace,
                       api_key=self.api_key or os.environ.get("KDN_API_KEY") or None, tls=tls,
                       shm_bytes=self.shm_bytes, local_bytes=self.local_bytes,
                       insecure=self.insecure or None)
-
-
-def _check_number(name: str, value: object, *, whole: bool, positive: bool) -> None:
-    """A ConfigError naming ``name`` unless ``value`` is a finite number (an int, not a bool,
-    when ``whole``), > 0 when ``positive``, else >= 0 (JSON gives floats and strings too)."""
-    kind = "a whole number" if whole else "a finite number"
-    if (isinstance(value, bool) or not isinstance(value, int if whole else (int, float))
-            or not math.isfinite(value)):
-        raise ConfigError(f"{name} must be {kind}, got {value!r}")
-    if value < 0 or (positive and value == 0):
-        bound = (">= 1" if whole else "> 0") if positive else ">= 0"
-        raise ConfigError(f"{name} must be {bound}, got {value!r}")
 
 
 def split_encoding(name: str) -> tuple[str, str]:
