@@ -19,7 +19,8 @@ blobs. Each input picks a seed and a strategy:
 Oracles: an exception that is not a ``KDNError`` is a finding; an unmutated seed decodes to its
 tensors; a decode that succeeds returns exactly the layers, shapes, dtype and start position
 the (mutated) header declares, bit-identical to the seed's tensors when nothing that decides
-them changed, finite where the mode guarantees it (kdn: every token after the sinks), and the
+them changed, finite where the mode guarantees it (int8, cachegen: every value; kdn: every
+token after the sinks), and the
 server's structural checks (``parse_container(verify=True)``, ``copy_checked``) accept it too.
 A resealed mutation of a body may decode to other values: once resealed that is the entry its
 writer wrote, not a fault.
@@ -41,6 +42,10 @@ other engineers' jobs, load average 1.2-1.6, so absolute rates are low):
   max_output_size said (MemoryError; found by a 10-minute run at 60 k inputs); raw encode of a
   0-token cache raised TypeError. Run on the code before the fixes, the target finds the NaN
   and the arena within 150 s each.
+- Found by the finite-values oracle of int8 and cachegen (2026-11-29, ``-seed=1``, at 12,430
+  inputs, ~35 s): int8's decoders refused infinite float16 scales but took a NaN one, whose
+  row decoded as NaN on the CPU (and as clamped garbage on the whole-entry decoder);
+  cachegen took a NaN scale as 1. Both now refuse a scale that is not finite.
 """
 
 from __future__ import annotations
@@ -67,6 +72,10 @@ with atheris.instrument_imports(include=["kdn"], exclude=["kdn.codec.rans", "kdn
 import reseal  # noqa: E402  (after kdn is imported instrumented)
 
 SEEDS = reseal.build_seeds()
+QUANTIZED = ("kdn", "int8", "cachegen")
+"""Lossy modes whose every decoded value is a symbol times a scale (kdn: every token after
+its sinks, which it keeps as written): a successful decode of them is finite. raw and
+lossless give back whatever was written, non-finite values included."""
 
 
 def _decode(fdp: atheris.FuzzedDataProvider, header: bytes, frames: list[bytes]
@@ -104,11 +113,12 @@ def _check_decoded(out: KVCache, case: reseal.Case, header: bytes, frames: list[
                                  f"header declares {ks}/{vs}")
         if k.dtype != layout.dtype.torch or v.dtype != layout.dtype.torch:
             raise AssertionError(f"layer {i}: dtype {k.dtype}, header declares {layout.dtype}")
-        if case.entry.codec.mode == "kdn":  # every token after the sinks is quantized: finite
-            sink = KDN_LEVELS[case.entry.codec.level].sink_tokens
+        mode = case.entry.codec.mode
+        if mode in QUANTIZED:  # symbols times finite scales, clamped to the dtype: finite
+            sink = KDN_LEVELS[case.entry.codec.level].sink_tokens if mode == "kdn" else 0
             for x in (k, v):
                 if not torch.isfinite(x[:, sink:].float()).all():
-                    raise AssertionError(f"layer {i}: kdn decoded non-finite values")
+                    raise AssertionError(f"layer {i}: {mode} decoded non-finite values")
     if reseal.signature(case.entry, frames) == case.seed.signature \
             and not reseal.same_tensors(out, case.seed.ref):
         raise AssertionError("decoded other tensors than the seed's, with nothing that "

@@ -281,6 +281,27 @@ _PLANNER_HOSTILE = _PRELUDE + textwrap.dedent('''
 ''')
 
 
+_INT8_SCALES = _PRELUDE + textwrap.dedent('''
+    from kdn.codec.modes import pack_sections, unpack_sections
+    mode = get_mode("int8")
+    header, recs = records(codec.encode(random_kv(uniform_layout(3, 2, 8), 5, seed=3), "int8"))
+    specs = [layer_spec(header.layout, r.layer, r.tokens) for r in recs]
+    for value in (np.nan, np.inf, -np.inf, 65504.0):  # 65504: float16's largest, finite
+        secs = [bytes(x) for x in unpack_sections(recs[1].body, 4, "test")]
+        secs[2] = secs[2][:6] + np.array([value], np.float16).tobytes() + secs[2][8:]
+        bodies = [memoryview(r.body) for r in recs]
+        bodies[1] = memoryview(pack_sections(secs))
+        cpu = torch.device("cpu")
+        for decode in (lambda: mode.decode_layers(bodies, specs, "", cpu).check()[1],
+                       lambda: mode.decode_layer(bodies[1], specs[1], "", cpu)):
+            try:
+                k, v = decode()
+                print("decoded", value, bool(torch.isfinite(v.float()).all()))
+            except Corrupt as exc:
+                print("refused", value, "not finite" in str(exc))
+''')
+
+
 def _run(script: str) -> list[str]:
     pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
@@ -306,6 +327,14 @@ def test_pinned_bodies_of_several_entries_are_copied_where_they_lie() -> None:
 
 def test_hostile_kdn_bodies_end_in_corrupt_or_a_plan_never_a_crash() -> None:
     assert _run(_PLANNER_HOSTILE)[0] == "ok"
+
+
+def test_int8_scales_that_are_not_finite_are_refused_by_both_decoders() -> None:
+    """A NaN float16 scale (which no encoder writes: lossy modes refuse non-finite input)
+    decoded its row as NaN in both int8 decoders, which refused only infinite ones."""
+    out = _run(_INT8_SCALES)
+    assert out == ["refused", "nan", "True"] * 2 + ["refused", "inf", "True"] * 2 \
+        + ["refused", "-inf", "True"] * 2 + ["decoded", "65504.0", "True"] * 2, out
 
 
 def test_a_32_layer_entry_takes_few_launches_and_no_sync_before_its_check() -> None:

@@ -225,10 +225,11 @@ def test_kdn_scale_symbols_beyond_float32_are_refused() -> None:
         codec.decode(_resealed(parts, {0: pack_sections(secs)}))
 
 
-def test_float16_scales_saturate_and_infinite_ones_are_refused() -> None:
+def test_float16_scales_saturate_and_non_finite_ones_are_refused() -> None:
     """int8 and cachegen store float16 scales: bf16/f32 values beyond float16's range made an
-    infinite scale and decoded as NaN (the whole token for cachegen). They now saturate, and a
-    resealed body carrying an infinite scale is refused."""
+    infinite scale and decoded as NaN (the whole token for cachegen). They saturate, and a
+    resealed body carrying a scale no encoder writes is refused: infinite, or NaN (int8
+    decoded a NaN scale's row as NaN, cachegen its token with a step of 1 / c)."""
     layout = KVLayout("big", (LayerLayout(1, 4, 4),), dtype=DType.BFLOAT16, head_dim=4)
     k, v = torch.randn(1, 3, 4).bfloat16(), torch.randn(1, 3, 4).bfloat16()
     k[0, 1, 2], v[0, 1, 1] = 1e5, 1e7
@@ -242,10 +243,11 @@ def test_float16_scales_saturate_and_infinite_ones_are_refused() -> None:
         rec = check_frame(parse_header(parts.header), 0, parts.frames[0])[0]
         secs = _sections(rec.body, 3 if mode == "cachegen" else 4)
         for s in scale_sections:
-            bad = list(secs)
-            bad[s] = struct.pack("<e", float("inf")) + bad[s][2:]
-            with pytest.raises(Corrupt, match="infinite scale"):
-                codec.decode(_resealed(parts, {0: pack_sections(bad)}))
+            for value in (float("nan"), float("inf"), -float("inf")):
+                bad = list(secs)
+                bad[s] = struct.pack("<e", value) + bad[s][2:]
+                with pytest.raises(Corrupt, match=r"a scale is not finite \(inf or NaN\)"):
+                    codec.decode(_resealed(parts, {0: pack_sections(bad)}))
 
 
 def test_declared_tensors_beyond_the_entry_are_refused_before_allocating() -> None:

@@ -64,7 +64,7 @@ __all__ = ["DIRECT", "SPAN_GAP", "STATS", "Decoded", "decode_int8", "decode_kdn"
 BAD = {kernels.BAD_GROUP: "rANS data does not decode",
        kernels.BAD_SCALE: "scale symbols out of range",
        kernels.BAD_TABLE: "entropy table row has no mass",
-       kernels.BAD_INT8: "infinite int8 scale"}
+       kernels.BAD_INT8: "an int8 scale is not finite (inf or NaN)"}
 _NORM_BLOCK = 64
 _SPAN_BLOCK = 1024
 _INT8_BLOCK = 1024

@@ -271,8 +271,8 @@ def int8(buf, p_sec, p_first, s_scales, s_data, s_ch, s_numel, s_out, out, flag,
     bits = (tl.load(buf + sa, mask=m, other=0).to(tl.int16)
             | (tl.load(buf + sa + 1, mask=m, other=0).to(tl.int16) << 8))
     sc = bits.to(tl.float16, bitcast=True).to(tl.float32)
-    inf = tl.max((m & ((bits & 0x7FFF) == 0x7C00)).to(tl.int32), axis=0)
-    tl.atomic_or(flag, _BAD_INT8, mask=inf > 0)
+    bad = tl.max((m & ((bits & 0x7C00) == 0x7C00)).to(tl.int32), axis=0)  # inf or NaN
+    tl.atomic_or(flag, _BAD_INT8, mask=bad > 0)
     val = q.to(tl.float32) * sc
     val = tl.minimum(tl.maximum(val, -top), top)
     tl.store(out + tl.load(s_out + sec) + e, cast(val, out), mask=m)

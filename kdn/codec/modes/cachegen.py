@@ -80,8 +80,9 @@ def _step(raw: memoryview, tokens: int, c: int, device: torch.device, where: str
     if len(raw) != 2 * tokens:
         raise Corrupt(f"{where}: scale section has {len(raw)} bytes for {tokens} tokens")
     scale = from_numpy(np.frombuffer(raw, dtype=np.float16), device).float()
-    if torch.isinf(scale).any():  # never written (``_quant``): it would decode as NaN
-        raise Corrupt(f"{where}: infinite scale")
+    if not torch.isfinite(scale).all():  # never written (``_quant``; lossy modes refuse NaN
+        # and inf input): inf would decode the token as NaN, NaN as values of step 1 / c
+        raise Corrupt(f"{where}: a scale is not finite (inf or NaN)")
     return torch.where(scale > 0, scale, 1.0) / c
 
 

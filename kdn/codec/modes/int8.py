@@ -39,8 +39,9 @@ def _decode(
     if len(scales) != 2 * heads * tokens or len(data) != heads * tokens * ch:
         raise Corrupt(f"{where}: int8 sections have the wrong sizes for {shape}")
     host = np.frombuffer(scales, dtype=np.float16)
-    if np.isinf(host).any():  # never written (``_encode``): it would decode as NaN. Checked
-        raise Corrupt(f"{where}: infinite scale")  # on the host: no GPU sync per layer
+    if not np.isfinite(host).all():  # never written (``_encode``; lossy modes refuse NaN and
+        # inf input): the row would decode as NaN. Checked on the host: no GPU sync per layer
+        raise Corrupt(f"{where}: a scale is not finite (inf or NaN)")
     s = from_numpy(host.reshape(heads, tokens, 1), device)
     q = from_numpy(np.frombuffer(data, dtype=np.int8).reshape(shape), device)
     top = torch.finfo(dtype).max
