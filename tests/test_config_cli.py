@@ -96,6 +96,36 @@ def test_tiers_that_can_not_be_built_are_named_in_one_line(tmp_path: Path) -> No
         build_store(cfg)
 
 
+def test_yaml_null_is_unset_and_a_port_must_be_whole(tmp_path: Path) -> None:
+    """``host: null`` became the host "None" (and a model, a certificate file named "None");
+    ``port: 50051.9`` was cut to 50051 without a word."""
+    f = tmp_path / "kdn.yaml"
+    f.write_text("host: null\nmodel: null\ntls_cert:\ndata_dir: ~\nport: 6000.0\n")
+    cfg = load_config(f, env={})
+    assert (cfg.host, cfg.model, cfg.tls_cert, cfg.data_dir) == \
+        ("127.0.0.1", "", "", ServerConfig().data_dir)
+    assert cfg.port == 6000
+    f.write_text("port: 50051.9\n")
+    with pytest.raises(ConfigError, match=r"port: invalid value 50051.9 \(from .*kdn.yaml\): "
+                                          "not a whole number"):
+        load_config(f, env={})
+
+
+def test_kdn_serve_without_a_disk_tier_says_so(tmp_path: Path) -> None:
+    """The start line said "data in kdn-data" with --disk-bytes 0, where nothing is kept."""
+    for extra, says in ((["--disk-bytes", "0"], "(no disk tier)"),
+                        ([], f"(data in {tmp_path / 'data'})")):
+        proc = _serve(tmp_path, 0, "--data-port", "-1", *extra)
+        try:
+            assert proc.stdout is not None
+            line = proc.stdout.readline()
+            assert line.startswith("kdn serving on 127.0.0.1:") and line.rstrip().endswith(says), \
+                line + (proc.stderr.read() if proc.poll() is not None and proc.stderr else "")
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(30)
+
+
 def test_bad_file(tmp_path: Path) -> None:
     f = tmp_path / "kdn.yaml"
     f.write_text("prot: 1\n")

@@ -4,6 +4,7 @@ gRPC server reflection lets a generic client list and call the services."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +15,7 @@ from google.protobuf import descriptor_pool, message_factory
 
 from kdn import keys
 from kdn.client import Client
-from kdn.errors import InUse
+from kdn.errors import InUse, TooLarge
 from kdn.server import ServerConfig, ServerThread
 from tests.helpers import random_kv, uniform_layout
 
@@ -76,6 +77,30 @@ def test_a_second_server_on_a_held_data_dir_is_refused(tmp_path: Path) -> None:
             for key, kv in entries.items():
                 back = c.retrieve(key, layout=lay)
                 assert back is not None and back.equal(kv)
+
+
+@pytest.mark.parametrize("host,says", [
+    ("999.1.1.1", "the host '999.1.1.1' does not resolve"),
+    ("192.0.2.1", "192.0.2.1 is not an address of this machine"),  # TEST-NET-1
+])
+def test_a_host_that_can_not_be_bound_is_named(tmp_path: Path, host: str, says: str) -> None:
+    """A host that does not resolve, or is no address of this machine, was reported as "is
+    another process (another kdn serve?) on that port?"."""
+    cfg = ServerConfig(host=host, port=0, data_port=-1, data_dir=tmp_path / "d", disk_bytes=0)
+    with pytest.raises(OSError, match=re.escape(f"can not listen on {host}:0: {says}")):
+        with ServerThread(cfg):
+            pass
+
+
+def test_an_entry_larger_than_every_tier_is_too_large_not_internal(tmp_path: Path) -> None:
+    """``--ram-bytes 1 --disk-bytes 0``: every store failed INTERNAL "no tier accepted the
+    entry"; the entry is too large for the tiers (RESOURCE_EXHAUSTED), and the error says so."""
+    lay = uniform_layout(layers=2, heads=2, dim=8)
+    cfg = ServerConfig(port=0, data_dir=tmp_path / "d", ram_bytes=1, disk_bytes=0)
+    with ServerThread(cfg) as server, Client(server.address) as c:
+        with pytest.raises(TooLarge, match="RESOURCE_EXHAUSTED: no tier accepted the entry: it "
+                                           "is larger than each takes .*1-byte budget"):
+            c.store(keys.chunk_key([1], lay), random_kv(lay, 4))
 
 
 def test_reuse_port_shares_a_port_when_asked(tmp_path: Path) -> None:

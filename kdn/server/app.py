@@ -158,16 +158,24 @@ def grpc_options(config: ServerConfig) -> list[tuple[str, int]]:
     ]
 
 
-def port_taken(host: str, port: int) -> bool:
-    """Whether another process listens on ``host:port``: a bind as gRPC makes it
-    (SO_REUSEADDR) that fails with EADDRINUSE on any of the host's addresses."""
+PORT_TAKEN = ("is another process (another kdn serve?) on that port? pick another with --port, "
+              "or set reuse_port to share it on purpose")
+
+
+def bind_problem(host: str, port: int) -> str | None:
+    """Why gRPC could not listen on ``host:port``, found by binding a socket as gRPC does
+    (SO_REUSEADDR) on each of the host's addresses: another process listens on the port on
+    one of them (``PORT_TAKEN``), the host does not resolve, or none of its addresses is one
+    of this machine's; None where a bind works."""
     import errno
     import socket
 
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    except OSError:
-        return False  # an unresolvable host: gRPC's bind reports it
+    except OSError as exc:
+        return (f"the host {host!r} does not resolve ({exc.strerror or exc}); give an address "
+                "of this machine with --host (127.0.0.1; 0.0.0.0 for all)")
+    foreign = []
     for family, kind, proto, _, addr in infos:
         with socket.socket(family, kind, proto) as s:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -175,24 +183,29 @@ def port_taken(host: str, port: int) -> bool:
                 s.bind(addr)
             except OSError as exc:
                 if exc.errno == errno.EADDRINUSE:
-                    return True
-    return False
+                    return PORT_TAKEN
+                if exc.errno == errno.EADDRNOTAVAIL:
+                    foreign.append(str(addr[0]))
+    if foreign and len(foreign) == len(infos):  # gRPC listens where any of them binds
+        return (f"{', '.join(foreign)} is not an address of this machine; give one of its "
+                "addresses with --host (127.0.0.1; 0.0.0.0 for all)")
+    return None
 
 
 def _listen(server: grpc.aio.Server, config: ServerConfig,
             creds: grpc.ServerCredentials | None) -> int:
-    """Bind the port; a port another process holds is a one-line error naming it."""
-    why = (f"can not listen on {config.address}: is another process (another kdn serve?) on "
-           "that port? pick another with --port, or set reuse_port to share it on purpose")
-    if config.port and not config.reuse_port and port_taken(config.host, config.port):
-        raise OSError(why)  # found before gRPC's own attempt, which logs a native error line
+    """Bind the port; a host or port that can not be bound is a one-line error naming it."""
+    why = f"can not listen on {config.address}: "
+    problem = bind_problem(config.host, 0 if config.reuse_port else config.port)
+    if problem:
+        raise OSError(why + problem)  # found before gRPC's own attempt, which logs a native line
     try:
         port = (server.add_secure_port(config.address, creds) if creds is not None
                 else server.add_insecure_port(config.address))
     except RuntimeError as exc:  # grpc: "Failed to bind to address ..."
-        raise OSError(why) from exc
+        raise OSError(why + PORT_TAKEN) from exc
     if port == 0:
-        raise OSError(why)
+        raise OSError(why + PORT_TAKEN)
     return int(port)
 
 
@@ -399,7 +412,8 @@ async def _start(config: ServerConfig, store: TieredStore, auth: Authenticator,
 async def serve(config: ServerConfig, blender: Blender | None = None) -> None:
     server = await start_server(config, blender=blender)
     gc.freeze()  # what start-up made lives as long as the process: no collection scans it
-    print(f"kdn serving on {server.address} (data in {config.data_dir})", flush=True)
+    where = f"data in {config.data_dir}" if config.disk_bytes else "no disk tier"
+    print(f"kdn serving on {server.address} ({where})", flush=True)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, lambda: asyncio.ensure_future(server.stop()))

@@ -413,8 +413,8 @@ def _coerce(name: str, value: Any, source: str) -> Any:
             except ValueError:
                 raise ValueError(f"expected one of {[p.value for p in WritePolicy]}") from None
         if kind in ("int", int):
-            if isinstance(value, bool):
-                raise ValueError("not an integer")
+            if isinstance(value, bool) or isinstance(value, float) and not value.is_integer():
+                raise ValueError("not a whole number")
             return int(value)
         if kind in ("float", float):
             return float(value)
@@ -444,7 +444,8 @@ def load_config(
         for k, v in raw.items():
             if k not in known:
                 raise ConfigError(f"{k}: unknown setting (in {path}); known: {sorted(known)}")
-            values[k] = _coerce(k, v, str(path))
+            if v is not None:  # null (``host:`` alone too): unset, the default
+                values[k] = _coerce(k, v, str(path))
     env = os.environ if env is None else env
     check_variables(env)
     for k, v in env.items():

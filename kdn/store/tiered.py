@@ -64,7 +64,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from functools import partial
 
-from kdn.errors import Corrupt, InvalidArgument, KDNError, TierUnavailable, Unavailable
+from kdn.errors import Corrupt, InvalidArgument, KDNError, TierUnavailable, TooLarge, Unavailable
 from kdn.options import Durability
 from kdn.store.base import EvictHook, Tier, TierStats
 from kdn.store.checked import CheckedStamps
@@ -415,7 +415,7 @@ class TieredStore:
         another took the new: that tier drops its stale copy (``LowerWrites.clear_stale``)."""
         expiry = time.monotonic() + ttl if ttl else 0.0
         head = self.tiers[0]
-        first, errors = "", []
+        first, errors, too_large = "", [], False
         refused: list[Tier] = []  # tiers that did not take it: stale, once another did
         with self.stripe(key):
             self._locks.written(key)  # before any tier has it: promotions in flight stop
@@ -428,6 +428,7 @@ class TieredStore:
         except KDNError as exc:
             errors.append(f"{head.name}: {exc}")
             refused.append(head)
+            too_large = isinstance(exc, TooLarge)
         sync_all = not first or (self.write_policy is WritePolicy.WRITE_THROUGH
                                  and durability is not Durability.MEMORY)
         with self.stripe(key):
@@ -450,7 +451,10 @@ class TieredStore:
         if down:
             raise TierUnavailable(f"no tier accepted the entry ({'; '.join(errors)}); the "
                                   f"{' and '.join(down)} tier does not answer now")
-        if not first:
+        if not first:  # each lower tier refused it for good (a write no retry would take)
+            if too_large:  # larger than the first tier takes, and refused below too
+                raise TooLarge("no tier accepted the entry: it is larger than each takes ("
+                               + "; ".join(errors) + "); raise the tiers' byte budgets")
             raise KDNError("no tier accepted the entry: " + "; ".join(errors))
         return first
 
