@@ -9,7 +9,9 @@ engine.
 from __future__ import annotations
 
 import math
+from dataclasses import fields
 from pathlib import Path
+from typing import Any
 
 from kdn.client.client import TLSOptions
 from kdn.errors import ConfigError
@@ -35,6 +37,16 @@ def check_string(name: str, value: object) -> None:
 def check_bool(name: str, value: object) -> None:
     if not isinstance(value, bool):
         raise ConfigError(f"{name} must be true or false, got {value!r}")
+
+
+def check_field_types(config: Any, prefix: str = "") -> None:
+    """Each ``str`` field of the dataclass ``config`` holds a string and each ``bool`` field a
+    bool (``prefix`` + the field's name in the error)."""
+    for f in fields(config):
+        if f.type in ("str", str):
+            check_string(prefix + f.name, getattr(config, f.name))
+        elif f.type in ("bool", bool):
+            check_bool(prefix + f.name, getattr(config, f.name))
 
 
 def check_tls_files(prefix: str, ca: str, cert: str, key: str) -> None:

@@ -82,13 +82,7 @@ from kdn.client.client import TLSOptions
 from kdn.codec.catalog import check_codec, default_level
 from kdn.delivery import encoding_name
 from kdn.errors import ConfigError, KDNError
-from kdn.integrations.settings import (
-    check_bool,
-    check_number,
-    check_string,
-    check_tls_files,
-    tls_options,
-)
+from kdn.integrations.settings import check_field_types, check_number, check_tls_files, tls_options
 from kdn.integrations.sglang_pages import LAYOUTS, HostPages
 from kdn.layout import KVLayout
 from kdn.options import StoreOptions
@@ -121,9 +115,8 @@ class KDNBackendConfig:
     api_key: str = ""
     """API key of the kdn tenant; "" reads ``$KDN_API_KEY`` (none when unset)."""
     tls_ca: str = ""
-    """PEM file of the CA to trust. Any of ``tls_ca``, ``tls_cert``, ``tls_key`` turns TLS on
-    (without ``tls_ca``: the system's roots); ``tls_cert``/``tls_key``: mutual TLS. The files
-    must exist when the backend is built."""
+    """PEM file of the CA to trust. Any of ``tls_ca``, ``tls_cert``, ``tls_key`` (files that
+    exist) turns TLS on (no ``tls_ca``: the system's roots); ``tls_cert``/``tls_key``: mTLS."""
     tls_cert: str = ""
     tls_key: str = ""
     insecure: bool = False
@@ -147,14 +140,8 @@ class KDNBackendConfig:
     """In-process tier of encoded pages in front of the server (0: none)."""
 
     def __post_init__(self) -> None:
-        """Every field's type and range (the values come from JSON); a ``ConfigError``
-        naming the field (``kdn.<name>``) otherwise."""
-        for f in fields(self):
-            name, value = f"kdn.{f.name}", getattr(self, f.name)
-            if f.type in ("str", str):
-                check_string(name, value)
-            elif f.type in ("bool", bool):
-                check_bool(name, value)
+        """Every field's type and range (JSON values): a ``ConfigError`` naming it otherwise."""
+        check_field_types(self, "kdn.")
         check_number("kdn.workers", self.workers, whole=True, positive=True)
         check_number("kdn.timeout_s", self.timeout_s, whole=False, positive=True)
         check_number("kdn.ttl_s", self.ttl_s, whole=True, positive=False)

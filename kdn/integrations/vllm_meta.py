@@ -18,13 +18,7 @@ from kdn.client import Client
 from kdn.codec.catalog import check_codec
 from kdn.delivery import IN_PROCESS, NETWORK, SAME_HOST, default_encodings, encoding_name
 from kdn.errors import ConfigError, InvalidLayout, KDNError
-from kdn.integrations.settings import (
-    check_bool,
-    check_number,
-    check_string,
-    check_tls_files,
-    tls_options,
-)
+from kdn.integrations.settings import check_field_types, check_number, check_tls_files, tls_options
 from kdn.layout import DType, KVLayout, LayerLayout, model_fingerprint
 from kdn.options import StoreOptions
 from kdn.transport.addresses import same_host
@@ -88,11 +82,7 @@ class KDNConnectorConfig:
         check_number("local_bytes", self.local_bytes, whole=True, positive=False)
         if self.shm_bytes is not None:
             check_number("shm_bytes", self.shm_bytes, whole=True, positive=False)
-        for name in ("address", "namespace", "salt", "weights_id", "api_key", "tls_ca",
-                     "tls_cert", "tls_key"):
-            check_string(name, getattr(self, name))
-        for name in ("allow_recompute", "insecure"):
-            check_bool(name, getattr(self, name))
+        check_field_types(self)  # address, namespace, ..., tls_key; allow_recompute, insecure
         check_tls_files("", self.tls_ca, self.tls_cert, self.tls_key)
         if not isinstance(self.encodings, tuple) or not all(
                 isinstance(e, str) for e in self.encodings):
