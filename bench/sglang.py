@@ -31,15 +31,16 @@ moved per second), ``ratio_vs_file`` (kdn ``gb_s`` / HiCacheFile's of the same o
 server, or HiCacheFile and the kernel's work in its calls; steadier than wall time on a
 shared host), ``stored_vs_fp16`` (the bytes kdn holds per page over the page's fp16 bytes),
 ``bit_identical`` (every page read back, by both reads, equals the page written),
-``max_abs_err``, ``pages`` (per call), ``page_bytes``. kdn rows per codec mode: ``lossless``
-(the default), ``raw`` and ``int8``. The kdn server runs in this process (``ServerThread``),
-RAM tier only, the client on its shared segment; HiCacheFile writes to a temporary folder and
-reads it back from the page cache (warm, like kdn's RAM tier). A same-host store is kept in
-the tenant's read arena while the arena's half for stores has room (256 MiB of the default
-512 MiB: ``kdn.server.arena``), and such a page's first read copies nothing; the modes share
-one server, and the batches written first (the ``get_again`` rows' batch) fill that half: none
-of the batches the ``get`` rows read is there, as most pages of a running engine are not. The
-backends take turns call by call (``measure``), each reading into a page range of its own.
+``max_abs_err``, ``pages`` (per call), ``page_bytes``. kdn rows per codec mode: ``raw`` (the
+backend's default), ``lossless`` and ``int8``. The kdn server runs in this process
+(``ServerThread``), RAM tier only, the client on its shared segment; HiCacheFile writes to a
+temporary folder and reads it back from the page cache (warm, like kdn's RAM tier). A same-host
+store is kept in the tenant's read arena while the arena's half for stores has room (256 MiB of
+the default 512 MiB: ``kdn.server.arena``), and such a page's first read copies nothing; the
+modes share one server, and the batches written first (the ``get_again`` rows' batch) fill that
+half: none of the batches the ``get`` rows read is there, as most pages of a running engine are
+not. The backends take turns call by call (``measure``), each reading into a page range of its
+own.
 
 ``HostPool`` is the smallest real tensor pool with the page layouts of SGLang's
 ``MHATokenToKVPoolHost`` (its module can not be imported on a CPU-only host: SGLang's config

@@ -9,7 +9,7 @@ host pool and the backend. Load this backend with
         --hicache-storage-backend dynamic --hicache-storage-backend-extra-config \\
         '{"backend_name": "kdn", "module_path": "kdn.integrations.sglang",
           "class_name": "KDNHiCacheStorage", "interface_v1": 1,
-          "kdn": {"address": "127.0.0.1:50051", "mode": "lossless"}}'
+          "kdn": {"address": "127.0.0.1:50051"}}'
 
 (``interface_v1`` makes SGLang call the zero-copy ``batch_get_v1``/``batch_set_v1``; the
 ``"kdn"`` object is ``KDNBackendConfig``.)
@@ -39,9 +39,10 @@ decoding one chunk overlaps the server copying the next.
 Pages and their codec (``kdn.integrations.sglang_pages.HostPages``, built by
 ``register_mem_pool_host``): a page is stored as a kdn ``KVCache`` of ``page_size`` tokens (K
 and V ``[heads, tokens, head_dim]`` per layer), encoded with the configured codec mode
-(``lossless`` by default: bit-exact; ``int8`` ≈ 0.52× the bytes of fp16; ``kdn`` levels smaller
-still). The stored bytes
-do not depend on the host pool's memory layout (``layer_first``, ``page_first``,
+(``raw`` by default: the page's own bytes, bit-exact, read back with no decode; ``lossless`` is
+bit-exact too and a little smaller, but its host zstd decode made a first read ~11× slower than
+``raw``'s in ``bench.sglang``; ``int8`` ≈ 0.52× the bytes of fp16; ``kdn`` levels smaller still).
+The stored bytes do not depend on the host pool's memory layout (``layer_first``, ``page_first``,
 ``page_first_direct`` are all read and written), so engines with different layouts share pages.
 Keys are ``kdn.keys.page_key`` over SGLang's page hash, the layout (model, layer count, heads,
 head dim, dtype), the page size, the TP and PP shard, and the configured adapter id and salt,
@@ -107,8 +108,9 @@ class KDNBackendConfig:
     """The kdn server (host:port, or unix:PATH)."""
     namespace: str = "sglang"
     """kdn namespace of the pages."""
-    mode: str = "lossless"
-    """Codec mode of each page: ``lossless`` (bit-exact), ``raw``, ``int8``, ``kdn``..."""
+    mode: str = "raw"
+    """Codec mode of each page: ``raw`` (bit-exact, no decode), ``lossless`` (bit-exact,
+    zstd), ``int8``, ``kdn``..."""
     level: str = ""
     """Codec level (``kdn`` mode: ``default``, ``high``, ``small``...); "" = the mode's default
     (``kdn.codec.catalog.default_level``: ``kdn``'s ``default``), which ``level`` then holds."""
