@@ -142,6 +142,9 @@ def test_bad_settings_and_unsupported_caches_are_refused(kdn_server: ServerThrea
     cfg_ = KDNConnectorConfig.from_extra({"encodings": ["lossless", "kdn-default"]})
     assert cfg_.encodings == ("lossless", "kdn-default")  # JSON lists become tuples
     assert KDNConnectorConfig.from_extra({"encodings": "raw"}).encodings == ("raw",)
+    # a mode alone is its default level, named as the keys name it
+    assert KDNConnectorConfig.from_extra({"encodings": ["kdn", "int8"]}).encodings == (
+        "kdn-default", "int8")
     with pytest.raises(ValueError, match=r"tp \(1, 3\) does not fit tensor_parallel_size 1"):
         KDNConnector(vllm_config(addr, tp=[1, 3]), KVConnectorRole.WORKER, cache_config())
     cfg = vllm_config(addr)

@@ -15,7 +15,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 
 from kdn import keys
 from kdn.client import Client
-from kdn.codec.catalog import check_codec
+from kdn.codec.catalog import check_codec, default_level
 from kdn.delivery import IN_PROCESS, NETWORK, SAME_HOST, default_encodings, encoding_name
 from kdn.errors import ConfigError, InvalidLayout, KDNError
 from kdn.integrations.settings import check_field_types, check_number, check_tls_files, tls_options
@@ -93,6 +93,8 @@ class KDNConnectorConfig:
                 check_codec(*split_encoding(enc))
             except KDNError as exc:
                 raise ConfigError(f"encodings: {enc!r}: {exc}") from None
+        object.__setattr__(self, "encodings",  # "kdn" is "kdn-default", as keys name it
+                           tuple(encoding_name(*split_encoding(e)) for e in self.encodings))
         if self.tp is not None and not (
                 isinstance(self.tp, tuple) and len(self.tp) == 2
                 and all(isinstance(v, int) and not isinstance(v, bool) for v in self.tp)
@@ -124,9 +126,10 @@ class KDNConnectorConfig:
 
 
 def split_encoding(name: str) -> tuple[str, str]:
-    """``"kdn-default"`` -> ``("kdn", "default")``; ``"lossless"`` -> ``("lossless", "")``."""
+    """``"kdn-default"`` -> ``("kdn", "default")``; ``"lossless"`` -> ``("lossless", "")``; a
+    mode alone means its default level (``"kdn"`` -> ``("kdn", "default")``)."""
     mode, _, level = name.partition("-")
-    return mode, level
+    return mode, level or default_level(mode)
 
 
 @dataclass(frozen=True)
