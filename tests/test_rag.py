@@ -577,3 +577,12 @@ def test_cli_parses_rag_commands() -> None:
         build_parser().parse_args(["rag", "ask", "why?", "--selection", "random"])
     ns = build_parser().parse_args(["rag", "rm", "a.md", "b.md"])
     assert ns.docs == ["a.md", "b.md"]
+
+
+def test_a_codec_mode_alone_is_its_default_level_and_unknown_ones_are_refused() -> None:
+    assert RagConfig(mode="kdn").level == "default"  # what `kdn rag ingest --mode kdn` stores
+    assert RagConfig(mode="int8").level == ""
+    with pytest.raises(InvalidArgument, match="unknown codec mode 'zip'"):
+        RagConfig(mode="zip")
+    with pytest.raises(InvalidArgument, match="no level 'l2'"):
+        RagConfig(mode="kdn", level="l2")

@@ -50,6 +50,7 @@ from kdn.blend import BlendConfig, Piece, blend
 from kdn.blend.chunks import ChunkConnector
 from kdn.cache import KVCache
 from kdn.client import Client
+from kdn.codec.catalog import check_codec, default_level
 from kdn.errors import InvalidArgument
 from kdn.keys import check_namespace, chunk_key
 from kdn.model import hf
@@ -74,7 +75,8 @@ class RagConfig:
     mode: str = "lossless"
     """Codec mode chunks are stored in (``lossless`` keeps the model's exact KV)."""
     level: str = ""
-    """Codec level for lossy modes (``kdn``: e.g. ``l2``)."""
+    """Codec level of modes that have several (``kdn``: ``high``, ``small``...; "" is the
+    mode's default, ``kdn``'s ``default``, which ``level`` then holds)."""
     blend_ratio: float = 0.15
     """Fraction of cached chunk tokens the blender recomputes."""
     select_layer: int = 1
@@ -94,6 +96,9 @@ class RagConfig:
 
     def __post_init__(self) -> None:
         check_namespace(self.namespace)
+        if not self.level:
+            object.__setattr__(self, "level", default_level(self.mode))
+        check_codec(self.mode, self.level)  # InvalidArgument naming the mode or level
         if self.top_k < 1:
             raise InvalidArgument(f"top_k must be >= 1, got {self.top_k}")
         if not 8 <= self.target_tokens <= self.max_tokens:
