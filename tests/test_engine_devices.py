@@ -107,7 +107,8 @@ def test_a_hit_slower_than_prefill_teaches_the_controller_to_recompute(
         client: Client, monkeypatch: pytest.MonkeyPatch) -> None:
     """The controller learns a hit's cost end to end (to the first token), not from what the
     streams report: on a GPU the copies they queue finish later (or, as faked here, the
-    retrieve itself is slow). After a hit slower than the model's prefill, it recomputes."""
+    retrieve itself is slow). After hits slower than the model's prefill, it recomputes (two:
+    one straggler alone moves an estimate at most twofold, ``kdn.delivery.controller``)."""
     import time
 
     model = _model(torch.float32, "cpu")
@@ -125,7 +126,8 @@ def test_a_hit_slower_than_prefill_teaches_the_controller_to_recompute(
         return slow_streams(*args, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(client, "retrieve_streams", slow)
-    hit = engine.generate(ids, max_new_tokens=1, force="raw")
-    assert hit.timings.reused_tokens == 96 and hit.timings.ttft_s >= 0.5
+    for _ in range(2):
+        hit = engine.generate(ids, max_new_tokens=1, force="raw")
+        assert hit.timings.reused_tokens == 96 and hit.timings.ttft_s >= 0.5
     again = engine.generate(ids, max_new_tokens=1)
     assert again.timings.decision == "recompute", engine.controller.decode_b_s

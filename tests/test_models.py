@@ -9,6 +9,7 @@ this code's own output.
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -303,3 +304,22 @@ def test_sdpa_and_eager_agree_with_and_without_a_cache(
         a = model(ids[:, 100:], past_key_values=ca, use_cache=True).logits
         b = eager(ids[:, 100:], past_key_values=cb, use_cache=True).logits
         assert torch.allclose(a, b, atol=2e-4, rtol=1e-4)
+
+
+def test_a_crashed_conversions_temp_folder_is_removed_by_the_next_load(tmp_path: Path) -> None:
+    """A conversion killed midway leaves ``.smollm2-135m.tmp-*``; the next
+    ``ensure_smollm2_folder`` removes it once it is older than any running conversion's, and
+    leaves a young one (another process converting right now) alone."""
+    target = smollm2_dir(tmp_path)
+    target.mkdir(parents=True)
+    for name in ("config.json", "model.safetensors", "tokenizer.json"):
+        (target / name).write_text("{}")  # a finished conversion: nothing is converted
+    stale = target.parent / f".{target.name}.tmp-crashed"
+    young = target.parent / f".{target.name}.tmp-running"
+    for d in (stale, young):
+        d.mkdir()
+        (d / "model.safetensors").write_bytes(b"half")
+    old = time.time() - models.STALE_TMP_S - 60
+    os.utime(stale, (old, old))
+    assert models.ensure_smollm2_folder(tmp_path) == target
+    assert not stale.exists() and young.exists()

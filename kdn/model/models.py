@@ -10,8 +10,9 @@ Lifecycle
    the Q4_1 tensors (~25 s on 2 CPU cores); we copy the weights into a model built with
    ``from_config`` from a clean config (no ``quantization_config``), then ``save_pretrained``
    (safetensors) + the tokenizer into a temp folder beside the target and ``rename`` it into
-   place. A crash leaves only a ``.tmp-*`` folder that is never loaded; the final folder
-   exists only when complete. Concurrent converters race harmlessly: the loser discards its
+   place. A crash leaves only a ``.tmp-*`` folder that is never loaded (removed by a later
+   ``ensure_smollm2_folder`` once ``STALE_TMP_S`` old); the final folder exists only when
+   complete. Concurrent converters race harmlessly: the loser discards its
    copy.
 3. Later loads read ``<cache root>/models/smollm2-135m`` (plain transformers folder, ~1 s).
 4. Within one process, ``load_model`` memoises on ``(name_or_path, dtype)`` and returns the
@@ -40,6 +41,7 @@ import shutil
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -134,9 +136,15 @@ def _convert_gguf(gguf: Path, out_dir: Path) -> None:
     steps.close()
 
 
+STALE_TMP_S = 600.0
+"""Age past which a ``.tmp-*`` folder beside the converted one is a crashed conversion's (one
+takes ~25 s), removed by the next ``ensure_smollm2_folder``."""
+
+
 def ensure_smollm2_folder(cache_dir: Path | None = None) -> Path:
     """The converted SmolLM2 folder, converting the packaged GGUF once if it is missing."""
     target = smollm2_dir(cache_dir)
+    _remove_stale(target)
     if _is_complete(target):
         return target
     gguf = packaged_gguf_path()
@@ -149,6 +157,18 @@ def ensure_smollm2_folder(cache_dir: Path | None = None) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def _remove_stale(target: Path) -> None:
+    """Remove the temp folders of conversions into ``target`` that crashed (older than
+    ``STALE_TMP_S``: a running one's is younger)."""
+    now = time.time()
+    for tmp in target.parent.glob(f".{target.name}.tmp-*"):
+        try:
+            if now - tmp.stat().st_mtime > STALE_TMP_S:
+                shutil.rmtree(tmp, ignore_errors=True)
+        except OSError:  # removed by another process meanwhile
+            continue
 
 
 def _make_readable(folder: Path) -> None:
