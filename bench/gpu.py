@@ -24,7 +24,9 @@ attention on a GPU (fp32 on a CPU). For each model and context length, measured 
   ``load_s``, the time until every layer of the context is on the model's device
   (``start_load`` + ``wait_for_layer`` of every layer, synchronised), and the host time of its
   two steps before the device is waited for (``host_start_load_s``, ``host_layers_s``: where
-  they add up to ``load_s``, the host is the bound, not the copy);
+  they add up to ``load_s``, the host is the bound, not the copy), and ``host_phases_s``, the
+  host seconds of each step of a whole-entry GPU decode and its landing within them
+  (``kdn.codec.gpu_source.SECONDS``: ``land.bodies``, ``kdn.tables``, ``kdn.fill`` ...);
 - the limits each row is bound by: pinned host->device copy and device->device copy (GPU), or
   memcpy (CPU): ``load_gb_s`` next to ``limit_gb_s`` gives ``ratio_to_limit``.
 
@@ -61,6 +63,7 @@ from bench.common import (
     kdn_server as common_kdn_server,
 )
 from kdn.client import Client
+from kdn.codec import gpu_source
 from kdn.delivery import encoding_name
 from kdn.engine import EngineConfig, KDNEngine
 
@@ -195,8 +198,10 @@ def measure(model: Any, shape: str, tokens: int, path: str, enc: str, client: Cl
     force = None if enc == DEFAULT else enc  # the defaults' rows: the controller decides
 
     host: dict[str, float] = {}
+    phases: dict[str, float] = {}
 
     def load() -> None:
+        before = dict(gpu_source.SECONDS)
         t0 = time.perf_counter()
         got = engine.start_load(ids, force=force)
         t1 = time.perf_counter()
@@ -207,6 +212,8 @@ def measure(model: Any, shape: str, tokens: int, path: str, enc: str, client: Cl
         engine.finish()
         if t2 - t0 < host.get("start_s", 0.0) + host.get("layers_s", 0.0) or not host:
             host.update(start_s=t1 - t0, layers_s=t2 - t1)
+            phases.clear()
+            phases.update(_phases(before))
 
     load_s = best_s(load, device, runs)
     ttfts: list[float] = []
@@ -222,13 +229,15 @@ def measure(model: Any, shape: str, tokens: int, path: str, enc: str, client: Cl
     print(f"  {shape} {tokens} {path} {enc}: ttft {ttft * 1e3:.1f} ms "
           f"({ttft / prefill_s:.3f}x prefill), load {kv_bytes / load_s / 1e9:.2f} GB/s "
           f"(host: start_load {host['start_s'] * 1e3:.1f} ms, layers "
-          f"{host['layers_s'] * 1e3:.1f} ms)", flush=True)
+          f"{host['layers_s'] * 1e3:.1f} ms" + "".join(
+              f"; {k} {v * 1e3:.1f}" for k, v in phases.items()) + ")", flush=True)
     return {"model": shape, "tokens": tokens, "path": path, "encoding": enc,
             "ttft_s": ttft, "ttft_best_s": min(ttfts), "prefill_s": prefill_s,
             "ratio_vs_prefill": ttft / prefill_s,
             "load_s": load_s, "load_gb_s": kv_bytes / load_s / 1e9,
             "host_start_load_s": host["start_s"], "host_layers_s": host["layers_s"],
-            "limit_gb_s": limit, "ratio_to_limit": kv_bytes / load_s / 1e9 / limit,
+            "host_phases_s": phases, "limit_gb_s": limit,
+            "ratio_to_limit": kv_bytes / load_s / 1e9 / limit,
             "kv_bytes": kv_bytes, "chunk_tokens": engine.config.chunk_tokens,
             "decision": decisions[0], "decisions": decisions,
             "stored_encodings": [encoding_name(m, lv) for m, lv in engine.encodings]}
@@ -335,6 +344,14 @@ def codec_decode(blob: bytes, device: torch.device) -> None:
     from kdn import codec
 
     codec.decode(blob, device=device)
+
+
+def _phases(before: dict[str, float]) -> dict[str, float]:
+    """Host seconds by step of the whole-entry decodes and their landing since ``before`` (a
+    copy of ``kdn.codec.gpu_source.SECONDS``): where ``host_start_load_s`` goes, the rest
+    being lookup, reads and Python around them."""
+    return {k: v - before.get(k, 0.0) for k, v in sorted(gpu_source.SECONDS.items())
+            if v > before.get(k, 0.0)}
 
 
 def _decode_counts(blobs: list[bytes], device: torch.device) -> dict[str, float]:

@@ -157,12 +157,19 @@ _BUDGET = _PRELUDE + textwrap.dedent('''
             self.ops.append(func.__name__)
             return func(*args, **(kwargs or {}))
 
+    from kdn.codec import gpu_source
+
+    steps = {"kdn": ["kdn.count", "kdn.fill", "kdn.launch", "kdn.scan", "kdn.source",
+                     "kdn.tables", "kdn.upload", "kdn.views"],
+             "int8": ["int8.launch", "int8.sections", "int8.source", "int8.upload",
+                      "int8.views"]}
     lay = uniform_layout(32, 1, 4)
     kv = random_kv(lay, 6, seed=1)
     for mode, level, most in (("kdn", "default", 8), ("int8", "", 2)):
         header, recs = records(codec.encode(kv, mode, level, layers_per_frame=0))
         specs = [layer_spec(header.layout, r.layer, r.tokens) for r in recs]
         gpu_batch.STATS.update(launches=0, copies=0, syncs=0)
+        before = dict(gpu_source.SECONDS)
         with Ops() as seen:
             done = get_mode(mode).decode_layers([memoryview(r.body) for r in recs], specs,
                                                 level, torch.device("cpu"))
@@ -170,6 +177,8 @@ _BUDGET = _PRELUDE + textwrap.dedent('''
         assert gpu_batch.STATS["syncs"] == 0 and not synced, (mode, synced)
         launches = gpu_batch.STATS["launches"]
         assert 1 <= launches <= most, (mode, launches)
+        timed = sorted(k for k, v in gpu_source.SECONDS.items() if v > before.get(k, 0.0))
+        assert timed == steps[mode], (mode, timed)  # each step's host time, for bench.gpu
         layers = done.check()
         assert gpu_batch.STATS["syncs"] == 1
         assert len(layers) == 32

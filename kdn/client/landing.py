@@ -94,9 +94,13 @@ def decoded_together(hits: Sequence[Fetched], device: torch.device | str | None,
     mode's whole-entry decoder (``Mode.decode_layers``: a fixed number of launches for any
     number of entries and layers, one check for all, when the first layer is waited for);
     a LayerStream each. None where that does not apply (not CUDA, a mode without such a
-    decoder, entries of different modes, levels or dtypes): then ``stream_of`` each."""
+    decoder, entries of different modes, levels or dtypes): then ``stream_of`` each. Each
+    step's host time is added to ``kdn.codec.gpu_source.SECONDS`` (``land.*``)."""
     if not on_cuda(device) or len(hits) < 2:
         return None
+    from kdn.codec.gpu_source import lap
+
+    t = time.perf_counter()
     decs = [decoder_for(g.parts.header, device, g) for g in hits]
     first = decs[0][0]
     kind = (first.mode.name, first.level, first.header.layout.dtype)
@@ -116,8 +120,10 @@ def decoded_together(hits: Sequence[Fetched], device: torch.device | str | None,
         counts.append(len(got.specs))
     target = decs[0][1]
     pinned = all(pinned_for(g, target, segment) for g in hits)
+    t = lap("land.bodies", t)
     done = decoded_beside(waits, lambda: first.mode.decode_layers(
         bodies, specs, first.level, first.device, pinned=pinned, addresses=addresses))
+    t = lap("land.decode", t)
     if done is None:
         return None  # stream_of each (which checks the sums again: nothing waited for)
     out, at = [], 0
@@ -129,6 +135,7 @@ def decoded_together(hits: Sequence[Fetched], device: torch.device | str | None,
             d, iter(()), g.tier, lambda: None, timings, target,
             layers=done.layers[at : at + n], check=done.check))
         at += n
+    lap("land.streams", t)
     return out
 
 

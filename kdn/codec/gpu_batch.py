@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -52,6 +53,7 @@ from kdn.codec.gpu_source import (
     THREADS,
     Source,
     Staging,
+    lap,
     layer_chunks,
     run_all,
 )
@@ -192,9 +194,12 @@ def decode_kdn(bodies: list[memoryview], specs: list[LayerSpec],
                addresses: list[int] | None = None) -> Decoded | None:
     """``kdn`` bodies of ``specs``' layers (``level_steps``: each layer's K step, V step and
     sink tokens) on ``device``; call ``check()`` on the result before using the tensors. None
-    where a blob is range-coded (format 1: the CPU decodes those)."""
+    where a blob is range-coded (format 1: the CPU decodes those). Each step's host time
+    is added to ``gpu_source.SECONDS`` (``kdn.*``)."""
+    t = time.perf_counter()
     numel, bases, dt = _outputs(specs)
     source = Source(list(bodies), device, pinned, addresses=addresses)
+    t = lap("kdn.source", t)
     buf = source.array
     col = np.array([(s.layout.kv_heads, s.layout.k_channels, s.layout.v_channels, s.tokens,
                      min(st[2], s.tokens), kb, vb)
@@ -226,13 +231,16 @@ def decode_kdn(bodies: list[memoryview], specs: list[LayerSpec],
         big.add(name, np.int32, rows)
     big.add("csrc", np.int64, rows)
     host_big = big.arrays()
+    t = lap("kdn.scan", t)
     tables, tab = _tables(buf, blobs, sizes, host_big["counts"], where, err)
     failed()
+    t = lap("kdn.tables", t)
     args = (buf, sect, blobs, tables, tab, streams, heads, kc, vc, tokens, sink)
     per_layer = np.zeros((len(specs), 12), np.int64)
     run_all(lambda c: plan.count(  # type: ignore[call-arg]
         c[0], c[1], per_layer, *args, dt.itemsize, err), layer_chunks(streams[:, 1]))
     failed()
+    t = lap("kdn.count", t)
     counts = per_layer.sum(axis=0)
     starts = np.cumsum(per_layer, axis=0) - per_layer
     bts, grs, cos, crs, sp = plan.allocate(counts)
@@ -242,6 +250,7 @@ def decode_kdn(bodies: list[memoryview], specs: list[LayerSpec],
     run_all(lambda c: plan.fill(  # type: ignore[call-arg]
         c[0], c[1], starts, *args, kbase, vbase, dt.itemsize, *flat, err), chunks)
     failed()  # a count code out of range (format 3)
+    t = lap("kdn.fill", t)
     out = _output(numel, dt, device)  # every body checked as far as the host checks them
     if source.delta is not None:  # the planner read the bodies elsewhere than the device does
         _to_device(source.delta, counts, bts, grs, sp, per_layer[:, 10],
@@ -275,6 +284,7 @@ def decode_kdn(bodies: list[memoryview], specs: list[LayerSpec],
     sout = torch.empty(max(qat, 1), dtype=torch.float32, device=device)
     flag = dev["flag"]
     top = _TOP[dt]
+    t = lap("kdn.upload", t)
     _launch(kernels.normalize, (int(counts[8]),), dev["counts"], source.tensor, dev["levels"],
             dev["csrc"], dev["tstart"], dev["width"], freq, cum, flag, PREC=rans.PREC,
             BLOCK=_NORM_BLOCK, num_warps=2)
@@ -298,8 +308,11 @@ def decode_kdn(bodies: list[memoryview], specs: list[LayerSpec],
                 num_warps=1)  # a group's 32 lanes are one warp: more groups per SM
     _launch(kernels.spans, (int(counts[10]),), source.tensor, dev["span_src"], dev["span_dst"],
             dev["span_len"], out.view(torch.uint8), BLOCK=_SPAN_BLOCK)
-    return Decoded(_views(out, specs, bases), flag, where,
+    t = lap("kdn.launch", t)
+    done = Decoded(_views(out, specs, bases), flag, where,
                    keep=[source.host, source.tensor, big.host, dev, freq, cum, qout, sout])
+    lap("kdn.views", t)
+    return done
 
 
 def _to_device(delta: np.ndarray, counts: np.ndarray, bts: tuple[np.ndarray, ...],
@@ -366,11 +379,15 @@ def decode_int8(bodies: list[memoryview], specs: list[LayerSpec], device: torch.
                 addresses: list[int] | None = None) -> Decoded:
     """``int8`` bodies of ``specs``' layers on ``device`` in one launch (``check()`` first).
     Each body's four sections (K scales, K data, V scales, V data) are located and checked
-    for all layers at once from the bodies' section tables (``_int8_sections``)."""
+    for all layers at once from the bodies' section tables (``_int8_sections``). Each step's
+    host time is added to ``gpu_source.SECONDS`` (``int8.*``)."""
+    t = time.perf_counter()
     total, bases, dt = _outputs(specs)
     source = Source(list(bodies), device, pinned, host_view=False, addresses=addresses)
+    t = lap("int8.source", t)
     scales_at, data_at, chans, numel, out_at = _int8_sections(bodies, specs, bases,
                                                                source.offsets)
+    t = lap("int8.sections", t)
     out = _output(total, dt, device)  # the bodies' sections fit their layers
     progs = -(-numel // _INT8_BLOCK)
     some = len(progs) > 0
@@ -387,11 +404,15 @@ def decode_int8(bodies: list[memoryview], specs: list[LayerSpec], device: torch.
             "s_out": out_at if some else np.zeros(1, np.int64)}
     dev = upload_many(host, device)
     STATS["copies"] += device.type != "cpu"
+    t = lap("int8.upload", t)
     _launch(kernels.int8, (int(progs.sum()),), source.tensor, dev["p_sec"], dev["p_first"],
             dev["s_scales"], dev["s_data"], dev["s_ch"], dev["s_numel"], dev["s_out"],
             out, dev["flag"], _TOP[dt], BLOCK=_INT8_BLOCK)
-    return Decoded(_views(out, specs, bases), dev["flag"], where,
+    t = lap("int8.launch", t)
+    done = Decoded(_views(out, specs, bases), dev["flag"], where,
                    keep=[source.host, source.tensor, dev])
+    lap("int8.views", t)
+    return done
 
 
 def _int8_sections(bodies: list[memoryview], specs: list[LayerSpec],

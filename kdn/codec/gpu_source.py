@@ -7,6 +7,7 @@ several threads), the planner's arrays laid out in one pinned buffer sent in one
 from __future__ import annotations
 
 import os
+import time
 import warnings
 from typing import Any
 
@@ -18,6 +19,19 @@ from kdn.pools import SharedPool
 STATS = {"launches": 0, "copies": 0, "syncs": 0}
 """Kernel launches, host-to-device copies and host synchronisations of whole-entry decodes
 (counted where they are issued; tests read them to hold the per-entry budget)."""
+
+SECONDS: dict[str, float] = {}
+"""Host seconds spent in each step of whole-entry decodes and of the landing that prepares
+them, by step name (``lap``): where a hit's host time goes on the GPU host, which
+``bench.gpu`` records beside each hit row."""
+
+
+def lap(step: str, since: float) -> float:
+    """Add the time since ``since`` (a ``time.perf_counter()`` reading) to ``step`` in
+    ``SECONDS``; the reading now, to time the next step from."""
+    now = time.perf_counter()
+    SECONDS[step] = SECONDS.get(step, 0.0) + (now - since)
+    return now
 
 SPAN_GAP = 64 << 10
 """Bytes between two bodies of one buffer that a device copy carries along rather than
