@@ -7,7 +7,8 @@
 # For a host whose Python lacks kdn's storage dependencies: wheels in .whl/ are installed into
 # /tmp/site first (no network needed). Real SmolLM2 KV for the GPU/CPU bit-identity test comes
 # from the packaged model, or from $KDN_REAL_KV (default .devdata/real-kv when present), written
-# on a host with the model by `python -m tests.test_gpu_decode DIR`.
+# on a host with the model by `python -m tests.test_gpu_decode DIR`. `scripts/gpu-prepare.sh`
+# makes both here (.whl/ and .devdata/), to be carried: run(carry=[".whl", ".devdata"], ...).
 set -u
 OUT=${OUT:-/tmp/kdn-gpu}
 BUDGET=${1:-240}
