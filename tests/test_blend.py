@@ -24,10 +24,10 @@ from kdn.model.hf import model_layout
 TOL = dict(atol=2e-5, rtol=1e-4)
 
 
-def tiny(family: str, seed: int = 0) -> Any:
+def tiny(family: str, seed: int = 0, layers: int = 4) -> Any:
     import transformers as tf
 
-    common = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+    common = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=layers,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                   max_position_embeddings=256, rope_theta=10000.0, initializer_range=0.2)
     cfg = {
@@ -178,35 +178,38 @@ def test_config_checks() -> None:
 def test_correct_stale_shifts_by_the_mean_change_before_rope() -> None:
     """A pre-RoPE key change shared by a chunk's recomputed tokens moves its stale keys by that
     change rotated to each stale position; values move by their mean change; the chunk's
-    first token does not count in the mean, and nothing outside the chunks moves."""
-    from kdn.blend.blend import correct_stale
+    first token does not count in the mean, and nothing outside the chunks moves. A chunk
+    with fewer than two recomputed tokens after its first is left as it is."""
     from kdn.blend.rope import apply_rope, cos_sin
+    from kdn.blend.stale import correct_stale, stale_plan
 
-    heads, n, ch = 2, 12, 8
+    heads, n, ch = 2, 14, 8
     freqs = inv_freq(RopeSpec(theta=10000.0, rotary_dim=ch))
     cos, sin = (t.float() for t in cos_sin(torch.arange(n), freqs))
     plan = rope_plan(None, ch, ch)
     g = torch.Generator().manual_seed(0)
     k_all, v_all = torch.randn(heads, n, ch, generator=g), torch.randn(heads, n, ch, generator=g)
-    chunk = torch.arange(2, 10)  # positions 0, 1, 10, 11 are text
-    rows = torch.tensor([2, 4, 5, 7, 11])  # 2 is the chunk's first token: not in the mean
+    # positions 0, 1, 10, 11 are text; chunks at [2, 10) and [12, 14)
+    rows = torch.tensor([2, 4, 5, 7, 11, 13])  # 2 is the chunk's first token: not in the mean
     d = torch.randn(heads, 1, ch, generator=g)  # pre-RoPE change shared by 4, 5, 7
-    k = k_all[:, rows] + apply_rope(d.expand(-1, 5, -1), cos[rows], sin[rows], plan)
+    k = k_all[:, rows] + apply_rope(d.expand(-1, 6, -1), cos[rows], sin[rows], plan)
     k[:, 0] += 100.0  # the first token's change must be ignored
     dv = torch.randn(heads, 3, ch, generator=g)  # value changes of 4, 5, 7
     v = v_all[:, rows].clone()
     v[:, 1:4] += dv
     v[:, 0] -= 100.0
+    v[:, 5] += 1.0  # the second chunk has one recomputed token after its first: not corrected
     before_k, before_v = k_all.clone(), v_all.clone()
-    cfg = BlendConfig(correct_k=0.5, correct_v=1.0)
-    correct_stale(cfg, k_all, v_all, k, v, rows, [chunk], cos, sin, plan)
+    chunks = stale_plan(rows, [(2, 10), (12, 14)], n)
+    assert len(chunks) == 1 and chunks[0].stale.tolist() == [3, 6, 8, 9]
+    correct_stale(chunks, k_all, v_all, k, v, cos, sin, plan, correct_k=0.5, correct_v=1.0)
     stale = torch.tensor([3, 6, 8, 9])
     want_k = before_k[:, stale] + 0.5 * apply_rope(d.expand(-1, 4, -1), cos[stale], sin[stale],
                                                    plan)
     torch.testing.assert_close(k_all[:, stale], want_k, **TOL)
     torch.testing.assert_close(v_all[:, stale], before_v[:, stale] + dv.mean(1, keepdim=True),
                                **TOL)
-    untouched = torch.tensor([0, 1, 2, 4, 5, 7, 10, 11])
+    untouched = torch.tensor([0, 1, 2, 4, 5, 7, 10, 11, 12, 13])
     assert torch.equal(k_all[:, untouched], before_k[:, untouched])
     assert torch.equal(v_all[:, untouched], before_v[:, untouched])
 

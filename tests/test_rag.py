@@ -53,7 +53,7 @@ class WordEmbedder:
 
     def embed(self, texts: list[str]) -> torch.Tensor:
         self.calls += 1
-        out = torch.zeros(len(texts), self.dim)
+        out = torch.zeros(len(texts), self.dim, dtype=torch.float32, device="cpu")
         for i, t in enumerate(texts):
             for w in re.findall(r"[a-z]+", t.lower()):
                 h = int.from_bytes(hashlib.blake2b(w.encode(), digest_size=4).digest(), "little")

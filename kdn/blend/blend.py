@@ -44,7 +44,10 @@ per-token Python, no tensor on a default device); stored chunks are copied in fr
 they lie (resident on the device, or streamed: a ``LayerStream`` opened with ``device=``) and
 re-positioned by one rotation per layer covering every chunk (each token by its chunk's
 shift). The selected rows attend through a causal plan built once per pass (``layer.causal``).
-``tests/test_blend_devices.py`` checks it, on a CPU with ``meta`` as the wrong default device.
+No layer reads a tensor back to the host (a sync on a GPU): where the rows, the question's
+rows and the stale tokens lie is found once per pass, a few reads per blend at any depth.
+Scores are float32 whatever torch's default dtype. ``tests/test_blend_devices.py`` checks it,
+on a CPU with ``meta`` as the wrong default device and the host reads counted.
 
 Pipelining: stored K/V of layer i are requested (``wait_for_layer(i)``) right before layer i
 needs them, so later layers keep arriving and decoding while earlier layers compute.
@@ -68,6 +71,7 @@ import torch
 from kdn.blend import layer as blk
 from kdn.blend.rope import RopePlan, apply_rope, cos_sin, reposition, rope_plan
 from kdn.blend.select import budget, deviation, select_tokens
+from kdn.blend.stale import ChunkStale, correct_stale, stale_plan
 from kdn.cache import KVCache, LayerKV
 from kdn.errors import Cancelled, InvalidArgument, InvalidLayout, LayoutMismatch
 from kdn.layout import KVLayout
@@ -299,7 +303,7 @@ def blend(model: Any, pieces: list[Piece], config: BlendConfig | None = None,
     ids = torch.tensor([t for p in pieces for t in p.ids], dtype=torch.long, device=dev)  # [n]
     cached_pos = torch.cat([torch.arange(a, b, device=dev) for a, b, _, _ in ranges]) \
         if ranges else torch.empty(0, dtype=torch.long, device=dev)  # [cached]
-    chunk_positions = [cached_pos[a:b] for a, b in spans]
+    chunk_ranges = [(a, b) for a, b, _, _ in ranges]
     always = torch.ones(n, dtype=torch.bool, device=dev)  # uncached text, and the last token
     for a, b, _, _ in ranges:  # (its hidden state gives the logits)
         always[a:b] = False
@@ -348,19 +352,19 @@ def blend(model: Any, pieces: list[Piece], config: BlendConfig | None = None,
         """Naive concatenation: only ``rows`` computed, over the re-positioned stored K/V of
         every layer (appended to ``placed``). Returns the question's summed attention over
         all layers [n]."""
-        attention = torch.zeros(n, device=dev)
+        attention = torch.zeros(n, dtype=torch.float32, device=dev)
         first = min(cfg.attention_from, n_layers - 1)  # the last layer's queries are not
         counted = (first, max(n_layers - 1, first + 1))  # worth their cost, unless alone
         x = h[rows]
-        on_question = question[rows]
-        q_rows = rows[on_question]
+        asking = question[rows].nonzero().flatten()  # which rows ask: found once, not per layer
+        q_rows = rows[asking]
         mask = blk.causal(rows)  # planned once, every layer attends through it
         for i, layer in layers():
             k_all, v_all = stored(i)
             q, k, v = blk.project_qkv(layer, x, shapes[i], cos[rows], sin[rows], plans[i])
             k_all[:, rows], v_all[:, rows] = k, v
             if counted[0] <= i < counted[1]:
-                attention += question_attention(layer, q[:, on_question], k_all, q_rows)
+                attention += question_attention(layer, q[:, asking], k_all, q_rows)
             x = blk.finish(layer, x, blk.attend(layer, q, k_all, v_all, mask))
             placed.append((k_all, v_all))
         return attention
@@ -382,15 +386,18 @@ def blend(model: Any, pieces: list[Piece], config: BlendConfig | None = None,
         rows = fixed
     elif cfg.query_share >= 1 or heads_only:  # selection known before layer 0
         if scores is None:  # chunk heads fill the budget: no scores needed (EPIC)
-            scores = torch.zeros(int(cached_pos.numel()), device=dev)
+            scores = torch.zeros(int(cached_pos.numel()), dtype=torch.float32, device=dev)
         chosen = select_tokens(scores, spans, cfg.ratio, per_chunk=cfg.per_chunk,
                                head_tokens=cfg.head_tokens)
         recomputed = cached_pos[chosen]
         rows = _union(always, recomputed)
     mask: blk.Causal | None = None  # None: every row, plain causal attention
+    stale: list[ChunkStale] | None = None  # chunks to correct (some tokens keep stored K/V)
+    correcting = bool(cfg.correct_k or cfg.correct_v)
     if rows is not None:
         h = h[rows]
         mask = blk.causal(rows) if rows.numel() < n else None
+        stale = stale_plan(rows, chunk_ranges, n) if correcting and mask is not None else None
     out_layers: list[LayerKV] = []
 
     for i, layer in layers():
@@ -411,11 +418,13 @@ def blend(model: Any, pieces: list[Piece], config: BlendConfig | None = None,
             recomputed = cached_pos[chosen]
             rows = _union(always, recomputed)
             mask = blk.causal(rows) if rows.numel() < n else None
+            stale = stale_plan(rows, chunk_ranges, n) if correcting and mask is not None else None
             q, k, v, h = q[:, rows], k[:, rows], v[:, rows], h[rows]
         else:
             q, k, v = blk.project_qkv(layer, h, shapes[i], cos[rows], sin[rows], plans[i])
-        if (cfg.correct_k or cfg.correct_v) and rows.numel() < n:
-            correct_stale(cfg, k_all, v_all, k, v, rows, chunk_positions, cos, sin, plans[i])
+        if stale is not None:
+            correct_stale(stale, k_all, v_all, k, v, cos, sin, plans[i],
+                          correct_k=cfg.correct_k, correct_v=cfg.correct_v)
         k_all[:, rows], v_all[:, rows] = k, v
         h = blk.finish(layer, h, blk.attend(layer, q, k_all, v_all, mask))
         out_layers.append((k_all, v_all))
@@ -426,33 +435,6 @@ def blend(model: Any, pieces: list[Piece], config: BlendConfig | None = None,
     timings.recomputed_tokens = int(recomputed.numel())
     timings.total_s = time.perf_counter() - t0
     return BlendResult(kv, logits, recomputed, timings)
-
-
-def correct_stale(cfg: BlendConfig, k_all: torch.Tensor, v_all: torch.Tensor,
-                  k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor,
-                  chunks: list[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
-                  plan: RopePlan) -> None:
-    """Shift the stored K/V of every chunk's tokens outside ``rows`` by a fraction of the mean
-    change recomputation made to the chunk's tokens in ``rows`` (its first token, the sink of
-    a chunk computed alone, left out of the mean). Must run before the fresh ``k``/``v``
-    ([kv_heads, rows, ch]) overwrite ``k_all``/``v_all`` [kv_heads, n, ch]."""
-    fresh_mask = torch.zeros(k_all.shape[1], dtype=torch.bool, device=k_all.device)
-    fresh_mask[rows] = True
-    row_of = torch.full((k_all.shape[1],), -1, dtype=torch.long, device=k_all.device)
-    row_of[rows] = torch.arange(rows.numel(), device=k_all.device)
-    for pos in chunks:
-        fresh = pos[1:][fresh_mask[pos[1:]]]
-        stale = pos[~fresh_mask[pos]]
-        if fresh.numel() < 2 or stale.numel() == 0:
-            continue
-        r = row_of[fresh]
-        if cfg.correct_v:
-            dv = (v[:, r] - v_all[:, fresh]).mean(dim=1, keepdim=True)  # [kv_heads, 1, v_ch]
-            v_all[:, stale] += cfg.correct_v * dv
-        if cfg.correct_k:  # undo each fresh token's rotation, average, rotate to each stale one
-            dk = apply_rope(k[:, r] - k_all[:, fresh], cos[fresh], -sin[fresh], plan)
-            shift = dk.mean(dim=1, keepdim=True).expand(-1, stale.numel(), -1)
-            k_all[:, stale] += cfg.correct_k * apply_rope(shift, cos[stale], sin[stale], plan)
 
 
 def _union(always: torch.Tensor, extra: torch.Tensor) -> torch.Tensor:
@@ -479,7 +461,7 @@ def question_attention(layer: Any, q: torch.Tensor, k: torch.Tensor, q_pos: torc
     kk = k.repeat_interleave(heads // k.shape[0], dim=0).transpose(1, 2)  # [h, k_ch, ctx]
     ctx = torch.arange(k.shape[1], device=q.device)
     step = max(1, block // max(1, heads * k.shape[1]))
-    total = torch.zeros(k.shape[1], device=q.device)
+    total = torch.zeros(k.shape[1], dtype=torch.float32, device=q.device)
     for a in range(0, rows, step):
         logits = (q[:, a : a + step] @ kk).float() * float(layer.self_attn.scaling)
         logits.masked_fill_(~(q_pos[a : a + step, None] >= ctx[None, :])[None], float("-inf"))
@@ -496,7 +478,7 @@ def mix(deviation_scores: torch.Tensor, query_scores: torch.Tensor, share: float
     out = deviation_scores.float().clone()
     if take > 0:
         top = torch.topk(query_scores, min(take, n)).indices
-        out[top] = float(out.max()) + 1.0 + query_scores[top]
+        out[top] = out.max() + 1.0 + query_scores[top].float()  # on the device: no read back
     return out
 
 
@@ -504,12 +486,14 @@ def concat_positions(chunks: list[KVCache], plans: list[RopePlan] | None = None,
                      freqs: torch.Tensor | None = None, start: int = 0) -> KVCache:
     """Chunks placed one after another from ``start``, keys re-rotated (no recompute)."""
     layout = chunks[0].layout
+    dev = chunks[0].layers[0][0].device if chunks[0].layers else None  # the keys'
     if freqs is None:
         from kdn.blend.rope import inv_freq
 
         freqs = inv_freq(layout.rope)
+    freqs = freqs.to(dev) if dev is not None else freqs  # moved once, not per layer
     if plans is None:
-        plans = [rope_plan(lay.k_kept, lay.k_channels, layout.rope.rotary_dim)
+        plans = [rope_plan(lay.k_kept, lay.k_channels, layout.rope.rotary_dim, device=dev)
                  for lay in layout.layers]
     placed, pos = [], start
     for c in chunks:

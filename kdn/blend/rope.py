@@ -41,6 +41,8 @@ class RopePlan:
     """[ch] bool: channel lies in the rotary part."""
     plain: bool = False
     """All channels kept, all rotate: the ordinary ``rotate_half`` layout (fast path)."""
+    rotating: bool = True
+    """Some kept channel rotates (``rotates.any()``, known on the host)."""
 
 
 def rope_plan(kept: tuple[int, ...] | None, channels: int, rotary_dim: int,
@@ -73,6 +75,7 @@ def rope_plan(kept: tuple[int, ...] | None, channels: int, rotary_dim: int,
     where_to = torch.device(device) if device is not None else torch.device("cpu")
     return RopePlan(
         plain=orig == list(range(rotary_dim)),
+        rotating=any(rotates),
         column=torch.tensor(column, dtype=torch.long, device=where_to),
         partner=torch.tensor(partner, dtype=torch.long, device=where_to),
         sign=torch.tensor(sign, dtype=torch.float32, device=where_to),
@@ -117,7 +120,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
 
 def reposition(k: torch.Tensor, delta: int, freqs: torch.Tensor, plan: RopePlan) -> torch.Tensor:
     """Keys ``k`` [kv_heads, tokens, ch] rotated at positions p, moved to p + ``delta``."""
-    if delta == 0 or not bool(plan.rotates.any()):
+    if delta == 0 or not plan.rotating:
         return k
     cos, sin = cos_sin(torch.full((1,), delta, dtype=torch.long, device=k.device),
                        freqs)  # [1, rotary_dim]: one angle for all

@@ -49,14 +49,15 @@ def select_tokens(scores: torch.Tensor, spans: list[tuple[int, int]], ratio: flo
         forced[start : min(stop, start + head_tokens)] = True
     picked = forced.clone()
     ranked = scores.float().masked_fill(forced, float("-inf"))
+    heads = [min(head_tokens, stop - start) for start, stop in spans]  # forced, per chunk
     if per_chunk:
-        for start, stop in spans:
-            extra = budget(ratio, stop - start) - int(forced[start:stop].sum())
+        for (start, stop), forced_here in zip(spans, heads):
+            extra = budget(ratio, stop - start) - forced_here
             if extra > 0:
                 top = torch.topk(ranked[start:stop], extra).indices + start
                 picked[top] = True
     else:
-        extra = budget(ratio, n) - int(forced.sum())
+        extra = budget(ratio, n) - sum(heads)
         if extra > 0:
             picked[torch.topk(ranked, extra).indices] = True
     return picked.nonzero().flatten()

@@ -333,8 +333,9 @@ class LayerwiseCache:
 
 
 def _ids(ids: Sequence[int] | torch.Tensor, device: torch.device) -> torch.Tensor:
-    t = ids if isinstance(ids, torch.Tensor) else torch.tensor([int(i) for i in ids])
-    return t.reshape(1, -1).to(device)  # [1, tokens]
+    if isinstance(ids, torch.Tensor):
+        return ids.reshape(1, -1).to(device)  # [1, tokens]
+    return torch.tensor([[int(i) for i in ids]], dtype=torch.long, device=device)
 
 
 @torch.inference_mode()

@@ -242,16 +242,15 @@ def _fields(obj: Any, cls: type, what: str, **given: Any) -> dict[str, Any]:
 
 class VectorIndex:
     """One unit-norm embedding per chunk key; top-k by cosine similarity. Rows live in a
-    buffer that grows by doubling, so adding a corpus document by document copies each row a
-    bounded number of times."""
+    buffer in host memory (float32 on the CPU, whatever torch's default device and the
+    embedder's) that grows by doubling, so adding a corpus document by document copies each
+    row a bounded number of times."""
 
     def __init__(self, dim: int = 0) -> None:
-        import torch
-
         self.dim = dim
         self._keys: list[str] = []
         self._row: dict[str, int] = {}
-        self._buffer = torch.empty(0, dim)  # [capacity, dim]; the first len(self) rows used
+        self._buffer = _host(0, dim)  # [capacity, dim]; the first len(self) rows used
 
     def __len__(self) -> int:
         return len(self._keys)
@@ -278,7 +277,7 @@ class VectorIndex:
         vectors = vectors.detach().to("cpu", torch.float32)
         if not len(self._keys):
             self.dim = int(vectors.shape[1])
-            self._buffer = torch.empty(0, self.dim)
+            self._buffer = _host(0, self.dim)
         if vectors.shape[1] != self.dim:
             raise InvalidArgument(f"vectors have dim {vectors.shape[1]}, the index {self.dim}")
         new: list[tuple[str, torch.Tensor]] = []
@@ -291,7 +290,7 @@ class VectorIndex:
         if new:
             used, need = len(self._keys), len(self._keys) + len(new)
             if need > self._buffer.shape[0]:
-                grown = torch.empty(max(need, 2 * self._buffer.shape[0], 64), self.dim)
+                grown = _host(max(need, 2 * self._buffer.shape[0], 64), self.dim)
                 grown[:used] = self._buffer[:used]
                 self._buffer = grown
             self._buffer[used:need] = torch.stack([v for _, v in new])
@@ -303,18 +302,19 @@ class VectorIndex:
 
         wanted = set(keys)
         keep = [k for k in self._keys if k in wanted]
-        rows = torch.tensor([self._row[k] for k in keep], dtype=torch.long)
-        self._buffer = self._vectors[rows] if keep else torch.empty(0, self.dim)
+        rows = torch.tensor([self._row[k] for k in keep], dtype=torch.long, device="cpu")
+        self._buffer = self._vectors[rows] if keep else _host(0, self.dim)
         self._keys = keep
         self._row = {k: i for i, k in enumerate(keep)}
 
     def search(self, query: torch.Tensor, k: int) -> list[tuple[str, float]]:
-        """The ``k`` keys most similar to ``query`` ([dim]), best first, with their scores."""
+        """The ``k`` keys most similar to ``query`` ([dim], on any device), best first, with
+        their scores."""
         import torch
 
         if not len(self._keys) or k <= 0:
             return []
-        scores = self._vectors @ query.to(torch.float32).reshape(-1)  # [chunks]
+        scores = self._vectors @ query.detach().to("cpu", torch.float32).reshape(-1)  # [chunks]
         top = torch.topk(scores, min(k, len(self._keys)))
         return [(self._keys[int(i)], float(s)) for s, i in zip(top.values, top.indices)]
 
@@ -347,3 +347,10 @@ class VectorIndex:
             raise Corrupt(f"{path}: {len(keys)} keys but {vectors.shape[0]} vectors")
         index.add(keys, vectors)
         return index
+
+
+def _host(rows: int, dim: int) -> torch.Tensor:
+    """An uninitialised [rows, dim] float32 buffer in host memory."""
+    import torch
+
+    return torch.empty(rows, dim, dtype=torch.float32, device="cpu")

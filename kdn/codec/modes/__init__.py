@@ -172,7 +172,7 @@ def tensor_from_bytes(
 ) -> torch.Tensor:
     """Owned tensor of ``shape`` from exactly the right number of raw bytes. ``owned``: ``buf``
     views a new array nothing else holds, so a CPU tensor views it instead of copying it."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = dtype.itemsize
     n = int(np.prod(shape))
     if len(buf) != n * itemsize:
         raise Corrupt(f"expected {n * itemsize} bytes for {shape} {dtype}, got {len(buf)}")
