@@ -376,6 +376,23 @@ def test_decoding_after_a_blend_stays_on_the_device(device: str) -> None:
     assert kv.layers[0][0].device.type == dev.type and len(ours) == len(theirs) == 4
 
 
+def test_continuation_reads_nothing_back_per_token() -> None:
+    """``Continuation.forward`` plans its rows' attention from positions the host knows: a
+    decoding step reads nothing back, at any depth (greedy's one argmax per token aside)."""
+    from kdn.blend.decode import Continuation
+
+    for layers in (4, 12):
+        model = tiny("llama", layers=layers)
+        pieces, _ = _prompt(model, torch.device("cpu"), torch.float32)
+        result = blend(model, pieces, BlendConfig(ratio=0.2))
+        cont = Continuation(model, result.kv, 4)
+        with HostReads() as reads:
+            cont.forward([5])
+            logits = cont.forward([6, 7])
+        assert reads.calls == [], (layers, reads.calls)
+        assert logits.shape[0] == 2 and torch.isfinite(logits).all()
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_rag_ask_keeps_every_tensor_on_the_models_device(client: Client, tmp_path: Path,
                                                          device: str) -> None:

@@ -60,10 +60,11 @@ class Continuation:
         h = self.m.embed(torch.tensor(ids, device=self.k[0].device))  # [t, hidden]
         positions = torch.arange(start, stop, device=h.device)
         cos, sin = self.m.rotary(h[None], positions[None])
+        plan = blk.causal(positions, first=start)  # from host facts: no read back per layer
         for i, layer in enumerate(self.m.layers):
             q, k, v = blk.project_qkv(layer, h, self.shapes[i], cos[0], sin[0], self.plans[i])
             self.k[i][:, start:stop], self.v[i][:, start:stop] = k, v
-            out = blk.attend(layer, q, self.k[i][:, :stop], self.v[i][:, :stop], positions)
+            out = blk.attend(layer, q, self.k[i][:, :stop], self.v[i][:, :stop], plan)
             h = blk.finish(layer, h, out)
         self.length = stop
         return self.m.logits(h)

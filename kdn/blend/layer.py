@@ -73,8 +73,10 @@ class Causal:
     """Per part [1, 1, stop - first, keys] bool: True where a row may attend a key."""
 
 
-def causal(q_positions: torch.Tensor, groups: int = 4) -> Causal:
-    """The attention plan of rows at sorted ``q_positions`` [rows] (on the model's device)."""
+def causal(q_positions: torch.Tensor, groups: int = 4, first: int | None = None) -> Causal:
+    """The attention plan of rows at sorted ``q_positions`` [rows] (on the model's device).
+    ``first``: the rows are the consecutive positions ``first, first + 1, ...``, known on the
+    host, so nothing is read back (otherwise each part's last position is, once)."""
     rows = int(q_positions.numel())
     sections = max(1, min(groups, rows))
     size, extra = divmod(rows, sections)  # the first ``extra`` parts take one row more
@@ -82,16 +84,19 @@ def causal(q_positions: torch.Tensor, groups: int = 4) -> Causal:
     for j in range(sections):
         at += size + (1 if j < extra else 0)
         stops.append(at)
-    last = q_positions[torch.tensor([s - 1 for s in stops], dtype=torch.long,
-                                    device=q_positions.device)].tolist()  # one read back
+    if first is not None:
+        last = [first + s - 1 for s in stops]
+    else:
+        last = q_positions[torch.tensor([s - 1 for s in stops], dtype=torch.long,
+                                        device=q_positions.device)].tolist()  # one read back
     ctx = torch.arange(int(last[-1]) + 1 if rows else 0, device=q_positions.device)
-    parts, masks, first = [], [], 0
+    parts, masks, begin = [], [], 0
     for stop, end in zip(stops, last):
         keys = int(end) + 1
-        pos = q_positions[first:stop]
+        pos = q_positions[begin:stop]
         masks.append((pos[:, None] >= ctx[None, :keys])[None, None])  # [1, 1, part, keys]
-        parts.append((first, stop, keys))
-        first = stop
+        parts.append((begin, stop, keys))
+        begin = stop
     return Causal(tuple(parts), tuple(masks))
 
 
