@@ -40,7 +40,8 @@ from kdn.client.client import Client  # noqa: E402
 from kdn.client.received import Fetched  # noqa: E402
 from kdn.codec.format import FRAME_STRUCT, RECORD_BYTES, EncodedParts  # noqa: E402
 from kdn.errors import ConfigError, InvalidArgument, InvalidLayout  # noqa: E402
-from kdn.integrations.sglang import KDNBackendConfig, KDNHiCacheStorage  # noqa: E402
+from kdn.integrations.sglang import KDNHiCacheStorage  # noqa: E402
+from kdn.integrations.sglang_config import KDNBackendConfig  # noqa: E402
 from kdn.keys import page_key  # noqa: E402
 from kdn.server import ServerThread  # noqa: E402
 from tests.helpers import make_certs, random_kv, uniform_layout  # noqa: E402

@@ -12,7 +12,7 @@ host pool and the backend. Load this backend with
           "kdn": {"address": "127.0.0.1:50051"}}'
 
 (``interface_v1`` makes SGLang call the zero-copy ``batch_get_v1``/``batch_set_v1``; the
-``"kdn"`` object is ``KDNBackendConfig``.)
+``"kdn"`` object is ``KDNBackendConfig``, ``kdn.integrations.sglang_config``.)
 
 Lifecycle, as SGLang drives it:
 
@@ -64,7 +64,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from typing import Any, TypeVar
 
 import torch
@@ -79,11 +79,9 @@ from sglang.srt.mem_cache.hicache_storage import (
 
 from kdn import keys
 from kdn.client.admin import AdminClient
-from kdn.client.client import TLSOptions
-from kdn.codec.catalog import check_codec, default_level
 from kdn.delivery import encoding_name
-from kdn.errors import ConfigError, KDNError
-from kdn.integrations.settings import check_field_types, check_number, check_tls_files, tls_options
+from kdn.errors import KDNError
+from kdn.integrations.sglang_config import KDNBackendConfig
 from kdn.integrations.sglang_pages import LAYOUTS, HostPages
 from kdn.layout import KVLayout
 from kdn.options import StoreOptions
@@ -98,81 +96,6 @@ MIN_CHUNK_PAGES = 8
 MAX_UNREADABLE = 4096
 """Keys of stored pages that did not read back, remembered so that a write replaces them (the
 oldest are forgotten first)."""
-
-
-@dataclass(frozen=True)
-class KDNBackendConfig:
-    """The ``"kdn"`` object of ``--hicache-storage-backend-extra-config``."""
-
-    address: str = "127.0.0.1:50051"
-    """The kdn server (host:port, or unix:PATH)."""
-    namespace: str = "sglang"
-    """kdn namespace of the pages."""
-    mode: str = "raw"
-    """Codec mode of each page: ``raw`` (bit-exact, no decode), ``lossless`` (bit-exact,
-    zstd), ``int8``, ``kdn``..."""
-    level: str = ""
-    """Codec level (``kdn`` mode: ``default``, ``high``, ``small``...); "" = the mode's default
-    (``kdn.codec.catalog.default_level``: ``kdn``'s ``default``), which ``level`` then holds."""
-    api_key: str = ""
-    """API key of the kdn tenant; "" reads ``$KDN_API_KEY`` (none when unset)."""
-    tls_ca: str = ""
-    """PEM file of the CA to trust. Any of ``tls_ca``, ``tls_cert``, ``tls_key`` (files that
-    exist) turns TLS on (no ``tls_ca``: the system's roots); ``tls_cert``/``tls_key``: mTLS."""
-    tls_cert: str = ""
-    tls_key: str = ""
-    insecure: bool = False
-    """Send the API key even in plaintext to a non-loopback server (refused otherwise)."""
-    adapter: str = ""
-    """Id of the LoRA adapter the engine serves with (part of every key)."""
-    salt: str = ""
-    """Opaque salt in every key: engines with different salts never share pages."""
-    weights_id: str = ""
-    """Checkpoint identity (e.g. a revision hash) when ``model_name`` alone is ambiguous."""
-    ttl_s: int = 0
-    """Seconds a stored page lives (0: the server's default)."""
-    timeout_s: float = 30.0
-    """Deadline of each kdn call."""
-    workers: int = field(default_factory=lambda: max(1, min(4, os.cpu_count() or 1)))
-    """Threads a batch's chunks run on (encoding, decoding, calls): one per core, four at most
-    (more threads than cores only take turns, and each turn costs a switch)."""
-    shm_bytes: int | None = None
-    """Client's shared segment (same host); None: the client's default, 0: gRPC only."""
-    local_bytes: int = 0
-    """In-process tier of encoded pages in front of the server (0: none)."""
-
-    def __post_init__(self) -> None:
-        """Every field's type and range (JSON values): a ``ConfigError`` naming it otherwise."""
-        check_field_types(self, "kdn.")
-        check_number("kdn.workers", self.workers, whole=True, positive=True)
-        check_number("kdn.timeout_s", self.timeout_s, whole=False, positive=True)
-        check_number("kdn.ttl_s", self.ttl_s, whole=True, positive=False)
-        check_number("kdn.local_bytes", self.local_bytes, whole=True, positive=False)
-        if self.shm_bytes is not None:
-            check_number("kdn.shm_bytes", self.shm_bytes, whole=True, positive=False)
-        if not self.level:
-            object.__setattr__(self, "level", default_level(self.mode))
-        for name, check in (("kdn.mode/kdn.level", lambda: check_codec(self.mode, self.level)),
-                            ("kdn.namespace", lambda: keys.check_namespace(self.namespace)),
-                            ("kdn.ttl_s", lambda: StoreOptions(ttl_s=self.ttl_s))):
-            try:
-                check()
-            except KDNError as exc:
-                raise ConfigError(f"{name}: {exc}") from None
-        check_tls_files("kdn.", self.tls_ca, self.tls_cert, self.tls_key)
-
-    @classmethod
-    def from_extra(cls, extra: dict[str, Any] | None) -> KDNBackendConfig:
-        """The config in ``extra["kdn"]`` (defaults when absent); unknown names are errors."""
-        given = dict((extra or {}).get("kdn") or {})
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(given) - known)
-        if unknown:
-            raise ConfigError(f"unknown kdn backend settings {unknown}; known: {sorted(known)}")
-        return cls(**given)
-
-    def tls(self) -> TLSOptions | None:
-        return tls_options(self.tls_ca, self.tls_cert, self.tls_key)
 
 
 @dataclass
