@@ -241,10 +241,12 @@ def test_each_request_records_predicted_and_measured_ttft(
 
     from kdn.client import metrics
     from kdn.engine import engine as engine_module
+    from kdn.engine import measure
 
     ticks = itertools.count()
     fake = types.SimpleNamespace(perf_counter=lambda: next(ticks) * 0.01)  # 10 ms a reading
-    monkeypatch.setattr(engine_module, "time", fake)
+    monkeypatch.setattr(engine_module, "time", fake)  # the request's readings
+    monkeypatch.setattr(measure, "time", fake)  # the calibration's
     engine = KDNEngine(_model(hidden=64, layers=2), _Tok(), client,
                        EngineConfig(chunk_tokens=32, store_back=False, calibration_tokens=64))
     engine.calibrate()

@@ -42,10 +42,12 @@ Before its first decision the engine times one calibration prefill of
 ``EngineConfig.calibration_tokens`` tokens (``calibrate``), so the controller knows the model's
 prefill speed on this machine instead of a prior; it times the decode of one random block in
 each stored encoding the controller has no speed for on this device, and, when hits come
-across a network, measures that link (``kdn.client.probe``). Every request records the TTFT the
-controller predicted when it decided and the one measured (``Timings.predicted_ttft_s``,
-``ttft_s``): the controller keeps their running error (``ttft_error``) and, once
-``kdn.client.metrics`` is enabled, both are exported (``kdn_client_ttft_seconds``).
+across a network, measures that link (``kdn.client.probe``). After each request what its load
+or prefill took teaches the controller (``kdn.engine.measure`` holds these measurements). Every
+request records the TTFT the controller predicted when it decided and the one measured
+(``Timings.predicted_ttft_s``, ``ttft_s``): the controller keeps their running error
+(``ttft_error``) and, once ``kdn.client.metrics`` is enabled, both are exported
+(``kdn_client_ttft_seconds``).
 
 Each stored block holds only its own ``chunk_tokens`` tokens (start position i * chunk_tokens)
 under its chained key, so storage stays linear in prompt length.
@@ -66,8 +68,8 @@ from typing import Any
 
 import torch
 
-from kdn import codec, keys
-from kdn.cache import KVCache, LayerKV
+from kdn import keys
+from kdn.cache import LayerKV
 from kdn.client import Client, LayerStream
 from kdn.client import metrics as client_metrics
 from kdn.client.deadline import deadline_within
@@ -89,6 +91,7 @@ from kdn.engine.config import (
     prompt_ids,
 )
 from kdn.engine.connector import KVConnector
+from kdn.engine.measure import observe_request, time_decodes, time_prefill
 from kdn.engine.store_back import StoreBack
 from kdn.errors import DeadlineExceeded
 from kdn.layout import KVLayout
@@ -178,36 +181,20 @@ class KDNEngine(KVConnector):
         controller's ``ttft_error``)."""
         return self.controller.ttft_error
 
-    def _sync(self) -> None:
-        if self._device.type == "cuda":
-            torch.cuda.synchronize(self._device)
-
     @torch.no_grad()
     def calibrate(self) -> float:
-        """Time a prefill of ``config.calibration_tokens`` tokens (after a short warm-up
-        forward: one-time costs are not a prefill's; the best of three, the device
-        synchronised) and give its speed to the controller; returns its seconds."""
-        mcfg = getattr(self.model, "config", None)
-        n = self.config.calibration_tokens
-        limit = getattr(mcfg, "max_position_embeddings", None)
-        if isinstance(limit, int) and limit > 1:
-            n = min(n, limit - 1)
-        vocab = getattr(mcfg, "vocab_size", None)
-        vocab = vocab if isinstance(vocab, int) and vocab > 0 else 256
-        ids = [(7 * i + 3) % vocab for i in range(n)]
-        int(CacheDecoder(self.model, full_cache(self.model)).forward(ids[:16])[-1].argmax())
-        best = math.inf  # (after that warm-up)
-        for _ in range(3):  # a busy spell rarely spans all three
-            self._sync()
-            t0 = time.perf_counter()  # as generate's first token:
-            int(CacheDecoder(self.model, full_cache(self.model)).forward(ids)[-1].argmax())
-            self._sync()
-            best = min(best, time.perf_counter() - t0)
+        """Time a prefill of ``config.calibration_tokens`` tokens and give its speed to the
+        controller (``kdn.engine.measure.time_prefill``: a short warm-up forward, then the
+        best of three, the device synchronised); returns its seconds. Then time the decode of
+        each stored encoding the controller has no speed for on this device
+        (``time_decodes``) and, when hits come across a network, measure that link."""
+        n, best = time_prefill(self.model, self.config.calibration_tokens, self._device)
         self.controller.calibrate_prefill(n, best)
         self._calibrated = True
         log.info("calibration: %d tokens prefilled in %.4f s (%.0f tokens/s)", n, best,
                  n / best)
-        self._calibrate_decode()
+        time_decodes(self.controller, self.encodings, self.layout, self.config.chunk_tokens,
+                     self._device)
         if self.config.probe_link and self._answers():
             path, server = self._link()
             if path == NETWORK:
@@ -216,36 +203,6 @@ class KDNEngine(KVConnector):
                 if probe is not None:
                     self.controller.calibrate_link(probe.bytes_per_s, path, server)
         return best
-
-    def _calibrate_decode(self) -> None:
-        """Time the decode of one block of random KV on the model's device for each stored
-        encoding whose speed there the controller neither knows nor has a prior for."""
-        todo = [(m, lv) for m, lv in self.encodings
-                if not self.controller.knows_decode(encoding_name(m, lv))]
-        if not todo:
-            return
-        layout, c = self.layout, self.config.chunk_tokens
-        g = torch.Generator().manual_seed(c)
-        # k, v: [kv_heads, tokens, channels] per layer, in the stored dtype
-        kv = KVCache(layout, [tuple(torch.randn(lay.kv_heads, c, ch, generator=g)  # type: ignore[misc]
-                                    .to(layout.dtype.torch)
-                                    for ch in (lay.k_channels, lay.v_channels))
-                              for lay in layout.layers])
-        for mode, level in todo:
-            name = encoding_name(mode, level)
-            try:
-                blob = codec.encode(kv, mode, level)
-            except Exception as exc:  # an encoding this layout can not take: no calibration
-                log.warning("decode calibration of %s skipped: %s", name, exc)
-                continue
-            best = math.inf
-            for _ in range(2):
-                self._sync()
-                t0 = time.perf_counter()
-                codec.decode(blob, device=self._device)
-                self._sync()
-                best = min(best, time.perf_counter() - t0)
-            self.controller.calibrate_decode(name, c * layout.bytes_per_token, best)
 
     def _ensure_calibrated(self) -> None:
         if not self._calibrated:
@@ -545,7 +502,8 @@ class KDNEngine(KVConnector):
             if not t.load_error:  # a failed load's time teaches the controller nothing
                 self.controller.observe_ttft(t.predicted_ttft_s, t.ttft_s)
                 client_metrics.record_ttft(t.decision, t.predicted_ttft_s, t.ttft_s)
-                self._observe(streams, t.decision, reused, t)
+                observe_request(self.controller, streams, t.decision, reused, t,
+                                self._path, self._server, self.layout.bytes_per_token)
             elif self._rewrite:  # that encoding is left out here for a while
                 self.controller.observe_failure(self._rewrite, self._path, self._server)
             for i, (k, v) in enumerate(cache_layers(decoder.cache)):
@@ -575,33 +533,3 @@ class KDNEngine(KVConnector):
             logits = decoder.forward(ids[reused:])[-1]
             int(logits.argmax())
         return decoder, logits
-
-    def _observe(self, streams: list[LayerStream], choice: str, reused: int, t: Timings) -> None:
-        t.local_blocks = sum(s.blocks for s in streams if s.in_process)
-        remote = [s for s in streams if not s.in_process]
-        inproc = [s for s in streams if s.in_process]
-        for group, path, server in ((remote, self._path, self._server),
-                                    (inproc, IN_PROCESS, "")):
-            if group:  # each path's bandwidth, from what crossed it
-                start = min(s.timings.started for s in group)
-                last = max(s.timings.last_frame_received for s in group)
-                nbytes = sum(s.timings.bytes_received for s in group)
-                self.controller.observe_transfer(nbytes, max(0.0, last - start), path, server,
-                                                 choice)
-        if streams:
-            start = min(s.timings.started for s in streams)
-            last = max(s.timings.last_frame_received for s in streams)
-            ready = max(max(s.timings.layer_ready.values()) for s in streams)
-            t.transfer_s = max(0.0, last - start)
-            t.decode_s = max(0.0, ready - last)
-            kv_bytes = reused * self.layout.bytes_per_token
-            # what the hit cost beyond the transfer, end to end: on a GPU the copies and
-            # decodes the streams queued finish only by the first token, after the streams
-            # said ready; the suffix computed is taken out at the learnt prefill speed
-            spent = (t.ttft_s - t.lookup_s - t.transfer_s
-                     - self.controller.prefill_seconds(t.computed_tokens))
-            self.controller.observe_hit(choice, kv_bytes, t.transfer_s,
-                                        t.transfer_s + max(t.decode_s, spent, 1e-4),
-                                        local=not remote, path=self._path, server=self._server)
-        else:
-            self.controller.observe_prefill(t.computed_tokens, t.first_token_compute_s)
