@@ -221,20 +221,20 @@ def test_a_staged_entry_without_room_and_without_own_memory_is_closed() -> None:
 
 def test_store_many_of_kvcaches_is_pipelined_and_byte_exact(
         server: ServerThread, monkeypatch: pytest.MonkeyPatch) -> None:
-    from kdn.client import samehost
+    from kdn.client import pipelined
 
-    monkeypatch.setattr(samehost, "PIPE_BYTES", 256 << 10)  # a call every entry or so
+    monkeypatch.setattr(pipelined, "PIPE_BYTES", 256 << 10)  # a call every entry or so
     kvs = [random_kv(LAYOUT, 60 + i, seed=40 + i, start=3 * i) for i in range(10)]
     want = [codec.encode_parts(kv, "raw", layers_per_frame=0).to_bytes() for kv in kvs]
     calls = _encoded_twice(monkeypatch)
     sent: list[int] = []
-    real = samehost.SameHostPath._send_staged  # noqa: SLF001
+    real = pipelined._send_staged  # noqa: SLF001
 
     def spy(*args: object) -> None:
         sent.append(len(args[5]))  # type: ignore[arg-type]
         real(*args)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(samehost.SameHostPath, "_send_staged", staticmethod(spy))
+    monkeypatch.setattr(pipelined, "_send_staged", spy)
     # a segment that holds about four of them at once: the rest wait for room
     with Client(server.address, timeout_s=30, data_path=False, shm_bytes=1 << 20) as c:
         c.store(_key(99), kvs[0], mode="raw")  # attached
@@ -260,9 +260,9 @@ def test_store_many_of_kvcaches_is_pipelined_and_byte_exact(
 
 def test_a_bad_cache_anywhere_in_a_pipelined_batch_stores_nothing(
         server: ServerThread, monkeypatch: pytest.MonkeyPatch) -> None:
-    from kdn.client import samehost
+    from kdn.client import pipelined
 
-    monkeypatch.setattr(samehost, "PIPE_BYTES", 64 << 10)
+    monkeypatch.setattr(pipelined, "PIPE_BYTES", 64 << 10)
     kvs = [random_kv(LAYOUT, 40, seed=70 + i) for i in range(6)]
     wrong = KVCache.__new__(KVCache)
     wrong.layout, wrong.start_position = LAYOUT, 0

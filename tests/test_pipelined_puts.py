@@ -1,4 +1,4 @@
-"""Pipelined same-host stores (kdn.client.samehost.SameHostPath.put_pipelined): a large
+"""Pipelined same-host stores (kdn.client.pipelined.put_pipelined): a large
 ``store_many`` goes as several PutMany calls on the fast path, the next one written while the
 server copies the last. Over a real server: every entry reads back as stored, each call's
 region is freed, an error in one call is raised after every call was answered (the path stays
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import pytest
 
-import kdn.client.samehost as dp
-from kdn.client import Client
+import kdn.client.pipelined as dp
+from kdn.client import Client, samehost
 from kdn.errors import TooLarge
 from kdn.server import ServerConfig, ServerThread
 from tests.helpers import random_kv, uniform_layout
@@ -95,7 +95,8 @@ def test_a_path_that_goes_away_midway_stores_the_rest_by_grpc(
             raise OSError("connection reset")
         return real(conn)
 
-    monkeypatch.setattr(dp, "fast_answer", flaky)
+    monkeypatch.setattr(dp, "fast_answer", flaky)  # the pipelined calls' answers
+    monkeypatch.setattr(samehost, "fast_answer", flaky)  # and the path's other calls'
     with Client(server.address, timeout_s=30, shm_bytes=4 << 20) as c:
         c.store(_key(999), values[0], mode="raw")  # attach first (one answer)
         out = c.store_many([(_key(i), kv) for i, kv in enumerate(values)],

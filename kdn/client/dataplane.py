@@ -42,9 +42,10 @@ from typing import Any, TypeVar
 
 from kdn.client.netpath import NetPath
 from kdn.client.pending import PendingStore
+from kdn.client.pipelined import write_parts
 from kdn.client.received import Fetched, fetched
 from kdn.client.remotepath import RemotePath
-from kdn.client.samehost import SameHostPath, write_parts
+from kdn.client.samehost import SameHostPath
 from kdn.codec import EncodedParts
 from kdn.codec.format import parse_container
 from kdn.errors import (

@@ -13,10 +13,11 @@ over on it (``arena``).
 
 Writes on this path: asynchronous stores (``put_async``: written into the segment and sent
 without waiting; answers read in order on the sending thread's connection) and pipelined
-batches (``put_pipelined``: a ``store_many`` of more than ``PIPE_BYTES`` as several PutMany
-calls of about that size, the next one written into the segment while the server copies the
-last one out; ``put_staged_pipelined`` likewise for entries written into staged entries as
-they go, ``store_many`` of ``KVCache``s).
+batches (``put_pipelined``: a ``store_many`` of more than ``kdn.client.pipelined.PIPE_BYTES``
+as several PutMany calls of about that size, the next one written into the segment while the
+server copies the last one out; ``put_staged_pipelined`` likewise for entries written into
+staged entries as they go, ``store_many`` of ``KVCache``s), on this thread's connection, by
+``kdn.client.pipelined``.
 """
 
 from __future__ import annotations
@@ -32,18 +33,13 @@ from typing import Any
 from kdn.client.fastwire import fast_answer, fast_error, fast_send
 from kdn.client.pending import ASYNC_DEPTH, PendingStore
 from kdn.client.perthread import PerThread
+from kdn.client.pipelined import put_pipelined, put_staged_pipelined, write_parts
 from kdn.codec import EncodedParts
 from kdn.errors import DeadlineExceeded, KDNError, Unavailable
 from kdn.transport.wire import ARENA_SIZE, FAST_ARENA, FAST_HEAD, FAST_PUT_MANY, read_exact
 from kdn.v1 import kdn_pb2 as pb
 
 log = logging.getLogger(__name__)
-
-PIPE_BYTES = 8 << 20
-"""Bytes of entries a pipelined PutMany call carries (``SameHostPath.put_pipelined``)."""
-PIPE_DEPTH = 1
-"""Pipelined PutMany calls sent and not yet answered, besides the one being written."""
-
 
 class SameHostPath:
     """The shared segment, the fast path and the read arena of a client on the server's host
@@ -432,203 +428,31 @@ class SameHostPath:
         pending.resolve(None, error)
         self.threads.mine().failed.append(error)
 
-
-    # -- pipelined batches ----------------------------------------------------------------------
+    # -- pipelined batches (``kdn.client.pipelined``) -------------------------------------------
 
     def put_pipelined(self, namespace: str,
                       items: Sequence[tuple[bytes, EncodedParts, pb.StoreOptions]]
                       ) -> list[pb.StoreResponse | None] | None:
-        """Store ``items`` in PutMany calls of about ``PIPE_BYTES`` on the fast path, the next
-        call's entries written into the segment while the server copies the last call's out
-        (a same-host store is a copy in by the client, then a copy out by the server: one
-        after the other, each core waits on the other). Each answer frees its call's region.
-        Each item's answer, or None for those larger than a call, those the segment had no
-        room for, or those not answered when the path went away (the caller stores them
-        another way). A call's error is raised once every call sent was answered (the calls
-        before and after it stored theirs). None where the batch is not pipelined: no fast
-        path, one item, or ``PIPE_BYTES`` or less in all."""
+        """``pipelined.put_pipelined`` on this thread's fast-path connection: each item's
+        answer, or None for those to store another way; None where the batch is not
+        pipelined (no fast path, one item, ``PIPE_BYTES`` or less in all)."""
         path = self._fast_path
-        if not path or len(items) < 2 or \
-                sum(parts.nbytes for _, parts, _ in items) <= PIPE_BYTES:
+        if not path:
             return None
-        out: list[pb.StoreResponse | None] = [None] * len(items)
         seg, seg_id = self.segment()
-        most = min(seg.size // 4, PIPE_BYTES)
-        batches: list[list[int]] = [[]]
-        size = 0
-        for i, (_, parts, _) in enumerate(items):
-            n = (parts.nbytes + 63) // 64 * 64
-            if parts.nbytes > most:
-                continue
-            if batches[-1] and size + n > PIPE_BYTES:
-                batches.append([])
-                size = 0
-            batches[-1].append(i)
-            size += n
-        pending: deque[tuple[list[int], tuple[int, int]]] = deque()
-        error: KDNError | None = None
-        try:
-            conn = self._fast_conn(path)
-            for batch in batches:
-                if error is not None:
-                    break  # the ones not sent stay unstored: the error is raised
-                total = sum((items[i][1].nbytes + 63) // 64 * 64 for i in batch)
-                start = seg.regions.alloc(total)
-                while start is None and pending:  # room comes back with the answers
-                    error = self._put_answered(conn, pending.popleft(), out, error)
-                    start = seg.regions.alloc(total)
-                if start is None:
-                    break  # the segment is busy with reads: the rest another way
-                req = pb.PutManyRequest(namespace=namespace, segment_id=seg_id)
-                at = start
-                try:  # the region goes back whatever fails before it is sent
-                    for i in batch:
-                        key, parts, opts = items[i]
-                        write_parts(seg, at, parts)
-                        item = req.items.add(key=key, options=opts)
-                        item.region.offset, item.region.length = at, parts.nbytes
-                        at += (parts.nbytes + 63) // 64 * 64
-                except BaseException:
-                    seg.regions.free(start, total)
-                    raise
-                pending.append((batch, (start, total)))
-                fast_send(conn, FAST_PUT_MANY, req)
-                if len(pending) > PIPE_DEPTH:
-                    error = self._put_answered(conn, pending.popleft(), out, error)
-            while pending:
-                error = self._put_answered(conn, pending.popleft(), out, error)
-        except OSError as exc:  # the path went away: the unanswered ones go another way
-            self._fast_lost(exc, path)
-        finally:
-            for _, block in pending:
-                seg.regions.free(*block)
-        if error is not None:
-            raise error
-        return out
+        return put_pipelined(namespace, items, seg, seg_id, lambda: self._fast_conn(path),
+                             lambda exc: self._fast_lost(exc, path))
 
     def put_staged_pipelined(self, namespace: str,
                              items: Sequence[tuple[bytes, pb.StoreOptions]],
                              stage: Callable[[int], Any]) -> list[pb.StoreResponse | None] | None:
-        """Store entries staged one by one as they are sent: ``stage(i)`` writes item ``i``
-        into a staged entry of the segment (``kdn.client.staged.Staged``) and returns it, or
-        None where the segment has no room. Sent in PutMany calls (``seal``: the server makes
-        the sums on its copy) of about ``PIPE_BYTES``, each as soon as its entries are
-        written, ``PIPE_DEPTH`` unanswered at most: the client writes the next call's entries
-        while the server copies the last call's out. A call's entries are closed once it is
-        answered. Each item's answer, or None for those not stored this way (no room even
-        with every call answered, or the path went away before their answer: the caller
-        stores them another way). A call's error is raised once every call sent was answered
-        (no later call is sent). None where there is no fast path."""
+        """``pipelined.put_staged_pipelined`` on this thread's fast-path connection: each
+        item's answer, or None for those to store another way; None where there is no fast
+        path."""
         path = self._fast_path
         seg, seg_id = self.segment()
         if not path or seg is None:
             return None
-        out: list[pb.StoreResponse | None] = [None] * len(items)
-        pending: deque[tuple[list[int], list[Any]]] = deque()
-        error: KDNError | None = None
-        conn = None
-        batch: list[int] = []
-        held: list[Any] = []
-        try:
-            conn = self._fast_conn(path)
-            size = 0
-            for i in range(len(items)):
-                st = stage(i)
-                while st is None and pending:  # room comes back with the answers
-                    error = self._staged_answered(conn, pending.popleft(), out, error)
-                    st = stage(i)
-                if error is not None:
-                    if st is not None:
-                        st.close()
-                    break
-                if st is None:
-                    continue  # no room for it: another way
-                batch.append(i)
-                held.append(st)
-                size += st.nbytes
-                if size >= PIPE_BYTES or i == len(items) - 1:
-                    self._send_staged(conn, namespace, seg, seg_id, items, batch, held)
-                    pending.append((batch, held))
-                    batch, held, size = [], [], 0
-                    if len(pending) > PIPE_DEPTH:
-                        error = self._staged_answered(conn, pending.popleft(), out, error)
-            if batch and error is None:  # the last items had no room but these
-                self._send_staged(conn, namespace, seg, seg_id, items, batch, held)
-                pending.append((batch, held))
-                batch, held = [], []
-            while pending:
-                error = self._staged_answered(conn, pending.popleft(), out, error)
-        except OSError as exc:  # the path went away: the unanswered ones go another way
-            self._fast_lost(exc, path)
-        except BaseException:  # ``stage`` raised: the answers of what was sent are read
-            try:
-                while pending and conn is not None:
-                    self._staged_answered(conn, pending.popleft(), out, None)
-            except OSError as exc:
-                self._fast_lost(exc, path)
-            raise
-        finally:
-            for st in held:
-                st.close()
-            for _, sent in pending:
-                for st in sent:
-                    st.close()
-        if error is not None:
-            raise error
-        return out
-
-    @staticmethod
-    def _send_staged(conn: socket.socket, namespace: str, seg: Any, seg_id: str,
-                     items: Sequence[tuple[bytes, pb.StoreOptions]], batch: list[int],
-                     held: list[Any]) -> None:
-        req = pb.PutManyRequest(namespace=namespace, segment_id=seg_id)
-        for i, st in zip(batch, held):
-            key, opts = items[i]
-            item = req.items.add(key=key, options=opts, seal=True)
-            item.region.offset, item.region.length = st.region(seg)
-        fast_send(conn, FAST_PUT_MANY, req)
-
-    @staticmethod
-    def _staged_answered(conn: socket.socket, sent: tuple[list[int], list[Any]],
-                         out: list[pb.StoreResponse | None], error: KDNError | None
-                         ) -> KDNError | None:
-        """Read the answer to a pipelined PutMany of staged entries, close them, record its
-        results; the first error (kept, not raised: the later answers must still be read)."""
-        batch, held = sent
-        try:
-            ok, body = fast_answer(conn)
-        finally:
-            for st in held:
-                st.close()
-        if not ok:
-            return error or fast_error(body)
-        results = pb.PutManyResponse.FromString(body).results
-        if len(results) != len(batch):
-            return error or KDNError(f"PutMany answered {len(results)} results for "
-                                     f"{len(batch)} entries")
-        for i, r in zip(batch, results):
-            out[i] = r
-        return error
-
-    def _put_answered(self, conn: socket.socket, sent: tuple[list[int], tuple[int, int]],
-                      out: list[pb.StoreResponse | None], error: KDNError | None
-                      ) -> KDNError | None:
-        """Read the answer to a pipelined PutMany, free its region, record its results;
-        the first error (kept, not raised: the later answers must still be read)."""
-        batch, block = sent
-        try:
-            ok, body = fast_answer(conn)
-        finally:
-            self.segment()[0].regions.free(*block)
-        if not ok:
-            return error or fast_error(body)
-        for i, r in zip(batch, pb.PutManyResponse.FromString(body).results):
-            out[i] = r
-        return error
-
-
-def write_parts(seg: Any, at: int, parts: EncodedParts) -> None:
-    """Copy an entry's header and frames into the segment, one after another from ``at``."""
-    for piece in (parts.header, *parts.frames):
-        seg.write(at, piece)
-        at += len(piece)
+        return put_staged_pipelined(namespace, items, stage, seg, seg_id,
+                                    lambda: self._fast_conn(path),
+                                    lambda exc: self._fast_lost(exc, path))
