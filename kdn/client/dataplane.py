@@ -20,11 +20,12 @@ word for it holds that generation (the server zeroes it when the key is written 
 or evicted, before that call answers). An entry under ``SMALL_ENTRY_BYTES`` asked for alone
 comes inside the answer instead (checked by the server as it is sent; no lease, not kept), the
 one key by a shorter path (``get_one``). Before any of that, a small entry the arena's
-directory lists is copied out of the arena with no call at all (``_listed``,
-``kdn.transport.directory``; reported to the server with a later call, ``_report_reads``):
-the first read of a key too. Stores copy the encoded entries into one region, call PutMany,
-and give the region back when the call returns (the server copied them out); a large batch on
-the fast path is pipelined (``SameHostPath.put_pipelined``).
+directory lists is copied out of the arena with no call at all (``kdn.transport.directory``;
+reported to the server with a later call, ``_report_reads``): the first read of a key too.
+How an answer's entries are handed out, and a listed entry read, is ``kdn.client.getmany``.
+Stores copy the encoded entries into one region, call PutMany, and give the region back when
+the call returns (the server copied them out); a large batch on the fast path is pipelined
+(``SameHostPath.put_pipelined``).
 
 A server restart: a GetMany / PutMany naming the segment is answered NOT_FOUND (the new server
 knows no such segment; nothing else answers NOT_FOUND to these calls, a miss is an absent
@@ -40,6 +41,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
+from kdn.client.getmany import inline_entry, listed_entry, place
 from kdn.client.netpath import NetPath
 from kdn.client.pending import PendingStore
 from kdn.client.pipelined import write_parts
@@ -47,16 +49,7 @@ from kdn.client.received import Fetched, fetched
 from kdn.client.remotepath import RemotePath
 from kdn.client.samehost import SameHostPath
 from kdn.codec import EncodedParts
-from kdn.codec.format import parse_container
-from kdn.errors import (
-    Corrupt,
-    KDNError,
-    LayoutMismatch,
-    NotFound,
-    RateLimited,
-    TooLarge,
-    Unavailable,
-)
+from kdn.errors import Corrupt, KDNError, NotFound, RateLimited, TooLarge
 from kdn.layout import Expected
 from kdn.transport.wire import FAST_GET_MANY, FAST_PUT_MANY
 from kdn.v1 import kdn_pb2 as pb
@@ -92,37 +85,8 @@ SMALL_ENTRY_BYTES = 64 << 10
 (``GetManyRequest.inline_below_bytes``, checked by the server on the bytes it sends): no arena
 lease to take, map and give back, no region; ~0.1 ms less a 4 KiB read on both sides. Larger
 ones are leased (no copy). An entry below this size the arena's directory lists is read
-before any of that, with no call (``_listed``); this is the way of one it does not list."""
-
-
-def _inline(ref: pb.EntryRef) -> Fetched:
-    """The entry a GetMany answer carries inline in ``ref`` (a small one asked for through the
-    segment); Corrupt when its bytes are not the length the answer says."""
-    if ref.length != len(ref.data):
-        raise Corrupt(f"GetMany answered {len(ref.data)} bytes inline for an entry of "
-                      f"{ref.length}")
-    return fetched(ref.data, ref.tier, checked=ref.verified, whole=True)
-
-
-def _listed(arena: Any, namespace: str, key: bytes, want: Expected) -> Fetched | None:
-    """``key``'s entry where the read arena's directory lists it (``LeasedArena.find``: no
-    call) and it is what is asked for (its layout, its tokens); None where it is not listed,
-    or it does not check out (the server then answers: a mismatch as the error it is)."""
-    found = arena.find(namespace or "default", key)
-    if found is None:
-        return None
-    got, generation = found
-    try:
-        c = parse_container(got, verify=False)  # checked by the server as it was copied in
-    except KDNError:
-        return None
-    try:
-        want.check(c.header.layout, c.header.entry.tokens)
-    except LayoutMismatch:
-        return None
-    arena.served(generation)
-    return Fetched(EncodedParts(c.header.raw, list(c.frames)), "ram",  # type: ignore[arg-type]
-                   True, True, c.header, got)
+before any of that, with no call (``getmany.listed_entry``); this is the way of one it does
+not list."""
 
 
 REPORT_READS = 1024
@@ -285,7 +249,7 @@ class DataPlane:
         if arena is not None and todo and arena.has_directory and self.same_host.server_alive():
             left = []  # entries the arena's directory lists: read without a call
             for i in todo:
-                listed = _listed(arena, namespace, keys[i], want)
+                listed = listed_entry(arena, namespace, keys[i], want)
                 if listed is None:
                     left.append(i)
                 else:
@@ -339,16 +303,21 @@ class DataPlane:
                 raise
             unviewed = {ref.lease for ref in resp.entries if ref.lease}
             try:
-                again, sizes, used = self._place(resp, todo, out, (namespace, want),
-                                                 keys, seg, block, arena, unviewed, pinned)
+                placed = place(resp, todo, (namespace, want), keys, seg, block, arena,
+                               unviewed, pinned)
             finally:
                 if unviewed and arena is not None:  # not handed out: given back with the next
                     arena.give_back(sorted(unviewed))
+            for i, entry in placed.entries.items():
+                out[i] = entry
+            again, sizes, used = placed.again, placed.sizes, placed.used
             if seg is not None and block is not None:
                 seg.regions.free(used, block[0] + block[1] - used)
             if seg is None and again:  # inline: large entries the message did not hold
                 small = []  # stream (one RetrieveMany for all of them, a message a frame)
                 for i, n in zip(again, sizes):
+                    if n > self.entry_budget:  # streams when alone
+                        self._remember_too_big(namespace, keys[i])
                     if n >= STREAM_ENTRY_BYTES:
                         out[i] = TOO_BIG
                     else:
@@ -379,7 +348,7 @@ class DataPlane:
         seg, seg_id = sh.segment()
         arena = sh.arena
         if arena is not None and arena.has_directory and sh.server_alive():
-            listed = _listed(arena, namespace, key, want)
+            listed = listed_entry(arena, namespace, key, want)
             if listed is not None:
                 self._report_reads(arena)
                 return listed
@@ -417,72 +386,22 @@ class DataPlane:
             if not ref.written:
                 raise Corrupt(f"GetMany answered {len(ref.data)} bytes inline for an entry of "
                               f"{ref.length}")
-            return _inline(ref)
+            return inline_entry(ref)
         if ref is None:
             seg.regions.free(*block)
             raise Corrupt(f"GetMany answered {len(resp.entries)} entries for 1 key")
-        out: list[Fetched | TooBig | None] = [None]
         unviewed = {ref.lease} if ref.lease else set()
         used = block[0]
         try:
-            again, _, used = self._place(resp, [0], out, (namespace, want), [key],
-                                         seg, block, arena, unviewed)
+            placed = place(resp, [0], (namespace, want), [key], seg, block, arena, unviewed)
+            used = placed.used
         finally:
             if unviewed:
                 arena.give_back(sorted(unviewed))
             seg.regions.free(used, block[0] + block[1] - used)
-        if again:  # not written (no room): the general way, with the size it said
+        if placed.again:  # not written (no room): the general way, with the size it said
             return self.get_many(namespace, [key], want, request_id)[0]
-        return out[0]
-
-    def _place(self, resp: pb.GetManyResponse, todo: list[int],
-               out: list[Fetched | TooBig | None], names: tuple[str, Expected],
-               keys: Sequence[bytes],
-               seg: Any, block: tuple[int, int] | None, arena: Any, unviewed: set[int],
-               pinned: bool = False) -> tuple[list[int], list[int], int]:
-        """Hand out one GetMany answer's entries (``out``); (entries to ask again, their sizes,
-        end of the region's used part). ``names``: the namespace and what was asked of the
-        entries (a kept lease answers only reads that ask the same)."""
-        namespace, want = names
-        used = block[0] if block is not None else 0
-        again: list[int] = []
-        sizes: list[int] = []
-        for i, ref in zip(todo, resp.entries):
-            if not ref.present:
-                continue
-            if not ref.written:
-                again.append(i)
-                sizes.append(ref.length)
-                if seg is None and ref.length > self.entry_budget:  # streams when alone
-                    self._remember_too_big(namespace, keys[i])
-                continue
-            if ref.lease:
-                if arena is None:
-                    raise Corrupt("GetMany answered with a lease this client did not ask for")
-                if ref.generation:  # kept before it is viewed: its views then never free it
-                    arena.keep((namespace, keys[i], want), ref.lease, ref.offset,
-                               ref.length, ref.generation_at, ref.generation, ref.tier)
-                try:
-                    view = arena.view(ref.lease, ref.offset, ref.length, pinned=pinned)
-                except ValueError as exc:
-                    if arena.closed:  # the server restarted while this call was answered
-                        raise Unavailable(f"GetMany: {exc}") from None
-                    raise Corrupt(f"GetMany: {exc}") from None
-                unviewed.discard(ref.lease)
-                out[i] = fetched(view, ref.tier, True, ref.verified, pinned=view.readonly)
-            elif seg is not None and len(ref.data):  # small, in the answer (``SMALL_ENTRY_BYTES``)
-                out[i] = _inline(ref)
-            elif seg is not None and block is not None:
-                if ref.offset < used or ref.offset + ref.length > block[0] + block[1]:
-                    raise Corrupt(f"GetMany placed an entry at [{ref.offset}, "
-                                  f"{ref.offset + ref.length}), outside the free part "
-                                  f"[{used}, {block[0] + block[1]}) of its region")
-                out[i] = fetched(seg.owned(ref.offset, ref.length, used), ref.tier, True,
-                                  ref.verified)
-                used = (ref.offset + ref.length + 63) // 64 * 64
-            else:
-                out[i] = fetched(ref.data, ref.tier, whole=True)
-        return again, sizes, used
+        return placed.entries.get(0)
 
     def _remember_too_big(self, namespace: str, key: bytes) -> None:
         """``key`` is larger than one message holds: later reads stream it without asking
@@ -496,7 +415,6 @@ class DataPlane:
     def _get(self, req: pb.GetManyRequest, request_id: str | None) -> pb.GetManyResponse:
         return self._many(FAST_GET_MANY, req, self._stub.GetMany, pb.GetManyResponse,
                           request_id)
-
 
     def put_request(self, req: pb.PutManyRequest, request_id: str | None
                     ) -> pb.PutManyResponse:
