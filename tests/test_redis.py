@@ -15,7 +15,7 @@ import pytest
 from kdn import keys
 from kdn.cache import KVCache
 from kdn.client import Client
-from kdn.errors import KDNError, PartlyUnavailable, Status, Unavailable
+from kdn.errors import KDNError, PartlyUnavailable, Status, TooLarge, Unavailable
 from kdn.options import Durability, StoreOptions
 from kdn.server import ServerConfig, ServerThread
 from kdn.store.redis import PENDING_TTL_S, RedisTier
@@ -72,6 +72,30 @@ def test_evicted_part_is_a_miss_and_cleans_up(redis_server: RedisServer) -> None
     assert tier.get(b"k") is None
     assert r.keys(b"kdn:{k}:*") == [] and tier.stats().corrupt == 1
     tier.close()
+
+
+def test_a_write_redis_refuses_leaves_no_parts(redis_server: RedisServer) -> None:
+    """Out of memory (``noeviction``) part-way through a write's parts: the write fails as
+    TooLarge, the parts it wrote are unlinked (not left holding memory for PENDING_TTL_S,
+    refusing smaller writes meanwhile), and the entry stored before is served whole."""
+    tier = RedisTier(redis_server.url, part_bytes=1024)
+    r = redis_server.client()
+    try:
+        kept = bytes(range(256)) * 20
+        tier.put(b"kept", kept)
+        before = set(r.keys(b"kdn:*"))
+        r.config_set("maxmemory-policy", "noeviction")
+        r.config_set("maxmemory", int(r.info("memory")["used_memory"]) + 64_000)
+        with pytest.raises(TooLarge):
+            tier.put(b"big", b"b" * 400_000)  # 390 parts: Redis refuses some after the first
+        assert set(r.keys(b"kdn:*")) == before
+        assert tier.get(b"big") is None and tier.get(b"kept") == kept
+        tier.put(b"small", b"s" * 30_000)  # fits in what the refused write would have held
+        assert tier.get(b"small") == b"s" * 30_000
+    finally:
+        r.config_set("maxmemory", 0)
+        r.close()
+        tier.close()
 
 
 def test_redis_corrupt_value_served_from_disk(redis_server: RedisServer, tmp_path: Path) -> None:

@@ -15,9 +15,10 @@ exists, sets the manifest and gives the parts the entry's final TTL (or none). A
 fetched manifest ``ver`` reads exactly that version's parts, so two writers racing on one key
 leave one complete version (the last commit); the loser's parts and the replaced version's
 parts expire after ``GRACE_S`` so readers mid-way through them can finish. A writer killed
-before its commit leaves only parts that expire by themselves. A reader that finds a part
-missing re-reads the manifest: a new version means retry; the same version means the part was
-evicted by Redis (``maxmemory``), and the entry is dropped and reported as a miss.
+before its commit leaves only parts that expire by themselves; a write that Redis refused (out
+of memory, a slot moving) unlinks the parts it wrote, where that master answers. A reader that
+finds a part missing re-reads the manifest: a new version means retry; the same version means
+the part was evicted by Redis (``maxmemory``), and the entry is dropped and reported as a miss.
 
 Transport (``kdn.store.redis_transport``): pooled clients, retries on connection and timeout
 errors only, redis-py errors leaving as ``TierUnavailable`` (``TooLarge`` when Redis is out of
@@ -298,23 +299,39 @@ class RedisTier(Tier):
         h = _Header(os.urandom(8), n, total, self.part_bytes)
         view = memoryview(value)
         pkeys = self._part_keys(key, h)
-        if pkeys:
-            def parts(pipe: Any) -> None:
-                for i, pk in enumerate(pkeys, start=1):
-                    pipe.set(pk, view[i * self.part_bytes:(i + 1) * self.part_bytes],
-                             ex=PENDING_TTL_S + int(ttl_s or 0))
-            self.transport.keyed(key, parts)
         manifest = h.pack() + view[:self.part_bytes]
         ttl_ms = int(ttl_s * 1000) if ttl_s else 0
-        if self.wait_replicas:
-            old = self._commit_replicated(key, h, [self._manifest_key(key), *pkeys],
-                                          [manifest, ttl_ms, HEADER_BYTES])
-        else:
-            old = self.transport.script(self._commit, [self._manifest_key(key), *pkeys],
-                                        [manifest, ttl_ms, HEADER_BYTES])
+        try:
+            if pkeys:
+                def parts(pipe: Any) -> None:
+                    for i, pk in enumerate(pkeys, start=1):
+                        pipe.set(pk, view[i * self.part_bytes:(i + 1) * self.part_bytes],
+                                 ex=PENDING_TTL_S + int(ttl_s or 0))
+                self.transport.keyed(key, parts)
+            if self.wait_replicas:
+                old = self._commit_replicated(key, h, [self._manifest_key(key), *pkeys],
+                                              [manifest, ttl_ms, HEADER_BYTES])
+            else:
+                old = self.transport.script(self._commit, [self._manifest_key(key), *pkeys],
+                                            [manifest, ttl_ms, HEADER_BYTES])
+        except KDNError as exc:
+            if pkeys and _answered(exc):
+                self._withdraw_parts(key, h)
+            raise
         if old is not None and _same_version(old, h):
             return  # a commit sent again after a lost reply replaced itself: nothing to drop
         self._expire_parts(key, old, GRACE_S)
+
+    def _withdraw_parts(self, key: bytes, h: _Header) -> None:
+        """Unlink the parts of version ``h`` of a write that failed where Redis answered (out
+        of memory, a part evicted, a slot moving), rather than leave them holding memory for
+        ``PENDING_TTL_S``; with ``noeviction`` they would refuse the next writes meanwhile.
+        Best effort: what is not unlinked still expires by itself."""
+        try:
+            self._expire_parts(key, h.pack(), 0)
+        except KDNError as exc:
+            log.debug("redis: the parts of a failed write of %r stay until they expire: %s",
+                      key, exc)
 
     def _commit_replicated(self, key: bytes, h: _Header, keys: list[bytes], args: list[Any]
                            ) -> bytes | None:
@@ -322,12 +339,13 @@ class RedisTier(Tier):
         master (WAIT covers that connection's writes, and with them everything the master
         replicated before: the parts too). Too few replicas: the entry is withdrawn and the
         write fails (``ReplicasShort``), so that nothing unreplicated is acknowledged."""
-        pipe = self.transport.waiting_client(keys[0]).pipeline(transaction=False)
-        self._commit(keys=keys, args=args, client=pipe)
-        pipe.execute_command("WAIT", self.wait_replicas, int(self.wait_timeout_s * 1000))
+        def build(pipe: Any) -> None:
+            self._commit(keys=keys, args=args, client=pipe)
+            pipe.execute_command("WAIT", self.wait_replicas, int(self.wait_timeout_s * 1000))
+
         # a failed call here (it bypasses the cluster client's retries) has _slot remember the
         # master, and the tier's watcher refresh the map to find a replica promoted in its place
-        old, acked = self.transport.call(pipe.execute)
+        old, acked = self.transport.waited(keys[0], build)
         if int(acked) < self.wait_replicas:
             try:
                 self.transport.script(self._delete, [keys[0]], [HEADER_BYTES, h.ver])
@@ -421,6 +439,14 @@ class RedisTier(Tier):
 
     def close(self) -> None:
         self.transport.close()
+
+
+def _answered(exc: KDNError) -> bool:
+    """Whether Redis answered the call that raised ``exc`` (with a refusal, or with redirects
+    until redis-py gave up), rather than not answering at all: then another call costs no
+    socket timeout."""
+    return isinstance(exc.__cause__, (redis.exceptions.ResponseError,
+                                      redis.exceptions.ClusterError))
 
 
 def _same_version(header: bytes, h: _Header) -> bool:

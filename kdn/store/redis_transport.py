@@ -2,7 +2,7 @@
 
 Lifecycle: ``RedisTier`` (``kdn.store.redis``) builds one ``RedisTransport`` from its config and
 makes every Redis call through it: ``call`` (one command), ``keyed`` (an entry's commands, in
-its slot), ``batch`` (one command per key), ``scan`` (a listing), ``waiting_client`` (a write
+its slot), ``batch`` (one command per key), ``scan`` (a listing), ``waited`` (a write
 followed by ``WAIT``), and ``primaries`` (the health probe). ``close`` runs once, from the
 tier's ``close``.
 
@@ -23,9 +23,11 @@ cluster pipeline would try each command again, one by one). While a master is re
 thread refreshes the cluster map and PINGs it every ``WATCH_S``, so that a replica promoted in
 its place takes its slots at once and a master that answers again is used again. MOVED/ASK (a
 stale map) refresh the map and go through the cluster client. A master whose ``WAIT`` came back
-short of replicas (``ReplicasShort``) takes no write until it has them again. The tier's Lua
-scripts (``script``) are loaded on the key's master alone when it lacks them, so a dead master
-does not fail the others' first writes.
+short of replicas (``ReplicasShort``) takes no write until it has them again; a commit sent
+with its ``WAIT`` (``waited``) that meets a MOVED refreshes the map and goes to the new master.
+A node that lacks one of the tier's Lua scripts (``script``) gets its body (``EVAL``): the key's
+master alone, so a dead master does not fail the others' first writes, or the importing master
+an ASK reaches while a slot is migrated.
 """
 
 from __future__ import annotations
@@ -257,8 +259,10 @@ class RedisTransport:
 
     def script(self, script: Script, keys: list[bytes], args: list[Any]) -> Any:
         """Run a Lua ``script`` (from ``client.register_script``) on ``keys`` (one slot). In a
-        cluster, a master that lacks it gets it loaded alone: redis-py would load it on every
-        master, and fail (with this key's master blamed) while any one of them is dead."""
+        cluster, a node that lacks it gets its body once (``EVAL``, which that node keeps for
+        the next ``EVALSHA``): redis-py would load it on every master, and fail (with this
+        key's master blamed) while any one of them is dead. The node that lacks it may be one
+        no map names: the importing master of a slot being migrated, which an ASK reaches."""
         if not self.cluster:
             return self.call(script, keys=keys, args=args)
         try:
@@ -267,13 +271,7 @@ class RedisTransport:
             pass
         except redis.exceptions.RedisError as exc:
             raise _wrap(exc, self.cluster) from exc
-        assert isinstance(self.client, RedisCluster)
-        try:
-            node = self.client.get_node_from_key(keys[0])
-            self.client.execute_command("SCRIPT LOAD", script.script, target_nodes=node)
-            return self.client.evalsha(script.sha, len(keys), *keys, *args)
-        except redis.exceptions.RedisError as exc:
-            raise _wrap(exc, self.cluster) from exc
+        return self.call(self.client.eval, script.script, len(keys), *keys, *args)
 
     def master_of(self, key: bytes) -> str:
         """The name (``host:port``) of the cluster master that holds ``key``'s slot, as this
@@ -517,6 +515,26 @@ class RedisTransport:
         return found
 
     # -- WAIT -----------------------------------------------------------------------------------
+
+    def waited(self, manifest_key: bytes, build: Callable[[Any], Any]) -> list[Any]:
+        """The commands ``build(pipe)`` queues (a commit, then ``WAIT``), in one pipeline on a
+        ``waiting_client`` connection to the master of ``manifest_key``'s slot. A MOVED (a
+        reshard or failover since the map was read) refreshes the map and sends them once more,
+        to the slot's master now; an ASK (the slot is migrating) or a second MOVED fails with
+        ``PartlyUnavailable``: the write is worth retrying once the slot has moved."""
+        for attempt in (1, 2):
+            pipe = self.waiting_client(manifest_key).pipeline(transaction=False)
+            build(pipe)
+            try:
+                return list(pipe.execute())
+            except redis.exceptions.AskError as exc:  # MovedError is one too
+                if not self.cluster or attempt == 2 \
+                        or not isinstance(exc, redis.exceptions.MovedError):
+                    raise PartlyUnavailable(f"redis: this key's slot is moving ({exc})") from exc
+                self._refresh()
+            except redis.exceptions.RedisError as exc:
+                raise _wrap(exc, self.cluster) from exc
+        raise AssertionError("unreachable")
 
     def waiting_client(self, manifest_key: bytes) -> redis.Redis:
         """A client to the master of ``manifest_key``'s slot whose socket timeout leaves room
