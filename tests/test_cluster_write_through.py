@@ -26,7 +26,7 @@ from kdn.errors import KDNError, PartlyUnavailable
 from kdn.server import ServerConfig, ServerThread
 from kdn.store.ram import RamTier
 from kdn.store.redis import RedisTier
-from kdn.store.tiered import TieredStore
+from kdn.store.tiered import TieredStore, WritePolicy
 from tests.helpers import eventually, random_kv, uniform_layout
 from tests.redis_servers import RedisCluster3, RedisServer
 
@@ -52,15 +52,20 @@ def _restart(node: RedisServer, tier: RedisTier | None = None) -> None:
     """Start ``node`` again (same port, AOF, nodes.conf); wait until it serves its slots
     and (given ``tier``) the tier uses it again."""
     node.start()
+    _restart_wait(node)
+    if tier is not None:
+        assert eventually(lambda: tier.healthy() and tier.masters_down() == [], timeout=20,
+                          interval=0.05)
+
+
+def _restart_wait(node: RedisServer) -> None:
+    """Until ``node`` (started again) serves its slots."""
     c = node.client()
     try:
         assert eventually(lambda: b"cluster_state:ok" in c.execute_command("CLUSTER", "INFO"),
                           timeout=20, interval=0.05)
     finally:
         c.close()
-    if tier is not None:
-        assert eventually(lambda: tier.healthy() and tier.masters_down() == [], timeout=20,
-                          interval=0.05)
 
 
 def _missing(cluster: RedisCluster3, stored: list[bytes]) -> list[bytes]:
@@ -228,3 +233,36 @@ def test_a_dead_master_does_not_fail_the_others_first_writes(cluster: RedisClust
         assert tier.masters_down() == [f"127.0.0.1:{cluster.nodes[0].port}"]
     finally:
         tier.close()
+
+
+def test_the_whole_cluster_lost_and_back(cluster: RedisCluster3) -> None:
+    """Every master killed under a write-behind store: reads of keys not in RAM miss and
+    stores are acknowledged from RAM (redis-py's cluster client raises no ``RedisError`` when
+    no node answers: it must reach the hierarchy as a kdn error, not escape it, nor end the
+    Redis write queue's thread); once the masters are back, every queued copy lands."""
+    store = TieredStore([RamTier(64 << 20), RedisTier(cluster.urls, cluster=True)],
+                        write_policy=WritePolicy.WRITE_BEHIND, probe_interval_s=0.2)
+    redis_tier = store.tiers[1]
+    assert isinstance(redis_tier, RedisTier)
+    before = [b"before-%d" % i for i in range(10)]
+    during = [b"during-%d" % i for i in range(20)]
+    try:
+        for k in before:
+            store.put(k, k * 10)
+        assert store.flush(10)
+        cluster.nodes[0].kill()  # one master known not to answer, then none answers
+        assert redis_tier.healthy() and redis_tier.masters_down()
+        for node in cluster.nodes[1:]:
+            node.kill()
+        for i, k in enumerate(during):
+            store.put(k, k * 10)
+            store.tiers[0].delete(before[i % 10])  # the next read asks Redis
+            assert store.get(before[i % 10]) is None
+        for node in cluster.nodes:
+            node.start()
+        for node in cluster.nodes:
+            _restart_wait(node)
+        assert store.flush(20)
+    finally:
+        store.close()
+    assert _missing(cluster, before + during) == []

@@ -48,7 +48,7 @@ from redis.cluster import RedisCluster
 
 from kdn.errors import KDNError, PartlyUnavailable
 from kdn.store.base import Tier, TierStats
-from kdn.store.redis_transport import RedisTransport, ReplicasShort
+from kdn.store.redis_transport import REDIS_ERRORS, RedisTransport, ReplicasShort
 
 __all__ = ["GRACE_S", "HEADER_BYTES", "PENDING_TTL_S", "RedisTier", "ReplicasShort"]
 
@@ -416,7 +416,7 @@ class RedisTier(Tier):
                 self.degraded = 0 < ok < known
                 return ok > 0
             return bool(self.client.ping())
-        except (redis.exceptions.RedisError, redis.exceptions.RedisClusterException, OSError):
+        except (*REDIS_ERRORS, OSError):
             return False
 
     def stats(self) -> TierStats:
@@ -431,7 +431,7 @@ class RedisTier(Tier):
                 entries += int(self.client.dbsize(**kw))
                 used += int(self.client.info("memory", **kw)["used_memory"])
                 answered += 1
-            except (redis.exceptions.RedisError, OSError):
+            except (*REDIS_ERRORS, OSError):
                 pass
         return TierStats(self.name, entries, used, self.capacity_bytes, c.hits, c.misses,
                          c.evictions, c.corrupt, answered > 0,

@@ -58,6 +58,10 @@ _DOWN = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError,
          redis.exceptions.ReadOnlyError, redis.exceptions.ClusterError)
 
 
+REDIS_ERRORS = (redis.exceptions.RedisError, redis.exceptions.RedisClusterException)
+"""What redis-py raises: its cluster client raises ``RedisClusterException`` (no ``RedisError``)
+when no node of the cluster can be reached, or a slot has no master in its map."""
+
 _REFUSAL = re.compile(r"(?:^|-)(OOM|MISCONF|NOREPLICAS) ")
 """The error codes of Redis refusing a write, at the start of its error or (from a command a
 Lua script called) after a ``-`` inside "Error running script ..."."""
@@ -77,7 +81,13 @@ def _wrap(exc: BaseException, cluster: bool = False) -> KDNError:
     slot's master; the probe decides whether the whole tier is gone), TooLarge when full (OOM,
     also inside a script), PartlyUnavailable when it takes no writes for now but still serves
     reads (MISCONF: its last snapshot failed; NOREPLICAS: min-replicas-to-write unmet: a write
-    is worth retrying later, and the tier is not marked down), else KDNError."""
+    is worth retrying later, and the tier is not marked down), else KDNError. In a cluster, a
+    slot with no master in the map is PartlyUnavailable; no node answering at all (redis-py's
+    ``RedisClusterException``) is TierUnavailable: the probe lifts it once one answers."""
+    if isinstance(exc, redis.exceptions.SlotNotCoveredError):
+        return PartlyUnavailable(f"redis: {exc}")
+    if isinstance(exc, redis.exceptions.RedisClusterException):
+        return TierUnavailable(f"redis: no node of the cluster answers: {exc}")
     if isinstance(exc, _DOWN):
         down = PartlyUnavailable if cluster else TierUnavailable
         return down(f"redis: {type(exc).__name__}: {exc}")
@@ -239,7 +249,7 @@ class RedisTransport:
             try:  # redis-py learns the cluster's map here: some node must answer
                 self.client = _Cluster(startup_nodes=nodes, max_connections=max_connections,
                                        cluster_error_retry_attempts=max(1, retries), **common)
-            except (redis.exceptions.RedisError, redis.exceptions.RedisClusterException) as exc:
+            except REDIS_ERRORS as exc:
                 raise TierUnavailable(f"redis: no node of the cluster answers: {exc}") from exc
         else:
             if len(self.urls) != 1:
@@ -254,7 +264,7 @@ class RedisTransport:
         """``fn(*args, **kwargs)``, a redis-py error leaving as a kdn one (``_wrap``)."""
         try:
             return fn(*args, **kwargs)
-        except redis.exceptions.RedisError as exc:
+        except REDIS_ERRORS as exc:
             raise _wrap(exc, self.cluster) from exc
 
     def script(self, script: Script, keys: list[bytes], args: list[Any]) -> Any:
@@ -269,7 +279,7 @@ class RedisTransport:
             return self.client.evalsha(script.sha, len(keys), *keys, *args)
         except redis.exceptions.NoScriptError:
             pass
-        except redis.exceptions.RedisError as exc:
+        except REDIS_ERRORS as exc:
             raise _wrap(exc, self.cluster) from exc
         return self.call(self.client.eval, script.script, len(keys), *keys, *args)
 
@@ -279,7 +289,7 @@ class RedisTransport:
         assert isinstance(self.client, RedisCluster)
         try:
             return str(self.client.get_node_from_key(self._route(key)).name)
-        except (redis.exceptions.RedisError, redis.exceptions.RedisClusterException) as exc:
+        except REDIS_ERRORS as exc:
             raise PartlyUnavailable(f"redis: no master known for this key's slot: {exc}") \
                 from exc
 
@@ -363,7 +373,7 @@ class RedisTransport:
             try:
                 if node is not None and self.client.ping(target_nodes=node):
                     masters.answered(name)
-            except (redis.exceptions.RedisError, OSError):
+            except (*REDIS_ERRORS, OSError):
                 pass
         for name in masters.short():
             node = primaries.get(name)
@@ -372,7 +382,7 @@ class RedisTransport:
                         "replication", target_nodes=node).get("connected_slaves", 0)) \
                         >= self.wait_replicas:
                     masters.confirmed(name)
-            except (redis.exceptions.RedisError, OSError, ValueError):
+            except (*REDIS_ERRORS, OSError, ValueError):
                 pass
 
     def _refresh(self, avoid: str | None = None) -> None:
@@ -386,7 +396,7 @@ class RedisTransport:
                                    last_failed_node_name=avoid)
             except TypeError:
                 manager.initialize()
-        except (redis.exceptions.RedisError, redis.exceptions.RedisClusterException, OSError):
+        except (*REDIS_ERRORS, OSError):
             pass
 
     def primaries(self) -> tuple[int, int]:
@@ -408,7 +418,7 @@ class RedisTransport:
                     continue
                 try:
                     answers[node.name] = bool(self.client.ping(target_nodes=node))
-                except (redis.exceptions.RedisError, OSError):
+                except (*REDIS_ERRORS, OSError):
                     answers[node.name] = False
 
         ask(self.client.get_primaries())
@@ -532,7 +542,7 @@ class RedisTransport:
                         or not isinstance(exc, redis.exceptions.MovedError):
                     raise PartlyUnavailable(f"redis: this key's slot is moving ({exc})") from exc
                 self._refresh()
-            except redis.exceptions.RedisError as exc:
+            except REDIS_ERRORS as exc:
                 raise _wrap(exc, self.cluster) from exc
         raise AssertionError("unreachable")
 
@@ -543,7 +553,7 @@ class RedisTransport:
         if isinstance(self.client, RedisCluster):
             try:
                 node = self.client.get_node_from_key(manifest_key)
-            except (redis.exceptions.RedisError, redis.exceptions.RedisClusterException) as exc:
+            except REDIS_ERRORS as exc:
                 raise PartlyUnavailable(f"redis: no master known for this key's slot: {exc}") \
                     from exc
             name, where = str(node.name), {"host": node.host, "port": node.port}
@@ -573,7 +583,7 @@ class RedisTransport:
         try:
             got = self.client.config_get("cluster-require-full-coverage",
                                          target_nodes=RedisCluster.PRIMARIES)
-        except (redis.exceptions.RedisError, OSError):
+        except (*REDIS_ERRORS, OSError):
             return  # CONFIG may be off (managed Redis): nothing to say
         values = got.values() if isinstance(got, dict) and "cluster-require-full-coverage" \
             not in got else [got]
@@ -600,5 +610,5 @@ class RedisTransport:
         for c in [self.client, *self._wait_clients.values()]:
             try:
                 c.close()
-            except redis.exceptions.RedisError:
+            except REDIS_ERRORS:
                 pass
