@@ -48,7 +48,8 @@ from redis.cluster import RedisCluster
 
 from kdn.errors import KDNError, PartlyUnavailable
 from kdn.store.base import Tier, TierStats
-from kdn.store.redis_transport import REDIS_ERRORS, RedisTransport, ReplicasShort
+from kdn.store.redis_masters import ReplicasShort
+from kdn.store.redis_transport import REDIS_ERRORS, RedisTransport
 
 __all__ = ["GRACE_S", "HEADER_BYTES", "PENDING_TTL_S", "RedisTier", "ReplicasShort"]
 

@@ -35,7 +35,6 @@ from __future__ import annotations
 import logging
 import re
 import threading
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -48,6 +47,7 @@ from redis.commands.core import Script
 from redis.retry import Retry
 
 from kdn.errors import KDNError, PartlyUnavailable, TierUnavailable, TooLarge
+from kdn.store.redis_masters import Masters, ReplicasShort
 
 log = logging.getLogger(__name__)
 
@@ -104,89 +104,12 @@ WATCH_S = 0.25
 the tier asks it again, and refreshes the cluster map, every ``WATCH_S`` seconds."""
 
 
-class ReplicasShort(PartlyUnavailable):
-    """A write the master took but too few replicas confirmed (``WAIT``); it was withdrawn. Part
-    of the tier (that master's slots; all of a standalone Redis) takes no write that must be
-    confirmed, the rest serves on."""
-
-
 def _unanswered(exc: BaseException) -> bool:
     """Whether ``exc`` (a kdn error wrapping a redis-py one) says the node did not answer: a
     refused, reset or timed-out connection (not a full client-side pool)."""
     cause = exc.__cause__
     return isinstance(cause, (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)) \
         and not isinstance(cause, redis.exceptions.MaxConnectionsError)
-
-
-class _Masters:
-    """Which cluster masters (by node name, ``host:port``) do not answer, or answer but lack the
-    replicas WAIT asks for: the gate every keyed call passes (thread-safe)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._down: dict[str, float] = {}  # name -> since when it does not answer
-        self._short: dict[str, float] = {}  # name -> since when WAIT came back short
-
-    def check(self, name: str, *, write: bool) -> None:
-        """Raise at once when ``name`` does not answer, or (for a write) lacks replicas."""
-        if name in self._down:
-            raise PartlyUnavailable(f"redis: the cluster master {name} of this key's slot does "
-                                    "not answer")
-        if write and name in self._short:
-            raise ReplicasShort(f"redis: the cluster master {name} of this key's slot lacks the "
-                                "replicas to confirm a write")
-
-    def blocked(self, name: str) -> bool:
-        """Whether a read of ``name``'s slots fails at once now."""
-        return name in self._down
-
-    def mark_down(self, name: str) -> bool:
-        """Remember that ``name`` does not answer; True when that is news."""
-        with self._lock:
-            if name in self._down:
-                return False
-            self._down[name] = time.monotonic()
-        log.warning("redis cluster master %s does not answer: its slots' keys fail, the other "
-                    "masters' slots serve on", name)
-        return True
-
-    def mark_short(self, name: str) -> bool:
-        with self._lock:
-            if name in self._short:
-                return False
-            self._short[name] = time.monotonic()
-        log.warning("redis cluster master %s lacks the replicas WAIT asks for: writes to its "
-                    "slots are refused", name)
-        return True
-
-    def answered(self, name: str) -> None:
-        with self._lock:
-            back = self._down.pop(name, None) is not None
-        if back:
-            log.info("redis cluster master %s answers again", name)
-
-    def confirmed(self, name: str) -> None:
-        """``name`` has the replicas WAIT asks for (again)."""
-        with self._lock:
-            back = self._short.pop(name, None) is not None
-        if back:
-            log.info("redis cluster master %s has its replicas again", name)
-
-    def down(self) -> list[str]:
-        with self._lock:
-            return sorted(self._down)
-
-    def short(self) -> list[str]:
-        with self._lock:
-            return sorted(self._short)
-
-    def keep(self, names: set[str]) -> None:
-        """Forget the nodes that are no longer masters (a replica took over; the old master
-        came back as its replica)."""
-        with self._lock:
-            for d in (self._down, self._short):
-                for name in [n for n in d if n not in names]:
-                    del d[name]
 
 
 class _Cluster(RedisCluster):
@@ -234,7 +157,7 @@ class RedisTransport:
         # take up to wait_timeout_s more, runs on connections of its own: waiting_client)
         common: dict[str, Any] = dict(socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
                                       retry=retry, health_check_interval=0)
-        self._masters = _Masters() if cluster else None
+        self._masters = Masters() if cluster else None
         self._wait_clients: dict[str, redis.Redis] = {}
         self._wait_lock = threading.Lock()
         self._watcher: threading.Thread | None = None
