@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import socket
@@ -18,6 +19,7 @@ from kdn.errors import ConfigError
 from kdn.server import ServerConfig, build_store
 from kdn.server.config import load_config, parse_size
 from tests.helpers import pruned_layout, random_kv
+from tests.redis_servers import RedisServer
 
 
 def test_precedence_file_env_flags(tmp_path: Path) -> None:
@@ -81,8 +83,10 @@ def test_data_dir_from_code_may_be_a_string() -> None:
 
 def test_tiers_that_can_not_be_built_are_named_in_one_line(tmp_path: Path) -> None:
     """A Redis Cluster no node of which answers (redis-py learns its map at start), or a Redis
-    budget that can not be set, stops ``kdn serve`` with one line naming redis_url (exit 2),
-    not a traceback; ``build_store`` raises the ConfigError the CLI prints."""
+    that refuses the budget (CONFIG turned off), stops ``kdn serve`` with one line naming
+    redis_url (exit 2), not a traceback; ``build_store`` raises the ConfigError the CLI
+    prints. A Redis that does not answer yet takes the budget once it does (the tier starts
+    down, as without a budget)."""
     url = f"redis://127.0.0.1:{_free_port()}"
     out = subprocess.run([sys.executable, "-m", "kdn", "serve", "--port", "0", "--data-port",
                           "-1", "--data-dir", str(tmp_path / "d"), "--redis-url", url,
@@ -92,8 +96,15 @@ def test_tiers_that_can_not_be_built_are_named_in_one_line(tmp_path: Path) -> No
     assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1
     cfg = ServerConfig(data_dir=tmp_path / "d", redis_url=url, redis_bytes=1 << 30,
                        redis_timeout_s=0.5, redis_retries=0)
-    with pytest.raises(ConfigError, match="redis_url: redis: ConnectionError"):
-        build_store(cfg)
+    store = build_store(cfg)
+    try:
+        assert not next(t for t in store.tiers if t.name == "redis").healthy()
+    finally:
+        store.close()
+    with RedisServer(tmp_path, appendonly=False, extra=("--rename-command", "CONFIG", "")) as r:
+        cfg = dataclasses.replace(cfg, redis_url=r.url)
+        with pytest.raises(ConfigError, match="redis_url: redis: ResponseError: unknown command"):
+            build_store(cfg)
 
 
 def test_yaml_null_is_unset_and_a_port_must_be_whole(tmp_path: Path) -> None:

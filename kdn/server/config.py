@@ -146,7 +146,8 @@ class ServerConfig:
     redis_cluster: bool = False
     """redis_url points at a Redis Cluster (shared by several kdn servers) instead of one server."""
     redis_bytes: int = 0
-    """Memory budget set on Redis (maxmemory per node, allkeys-lru); 0 = keep Redis's own."""
+    """Memory budget set on Redis (maxmemory per master, allkeys-lru; set again on a master
+    that was down at start, restarted or promoted); 0 = keep Redis's own."""
     redis_part_bytes: int = 8 << 20
     """Largest single Redis value; bigger entries are split into parts of this size."""
     redis_timeout_s: float = 1.0

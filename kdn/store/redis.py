@@ -410,15 +410,20 @@ class RedisTier(Tier):
 
     def healthy(self) -> bool:
         """Up while Redis answers; for a cluster, while any master does (``degraded`` says
-        whether some do not: their slots' keys then miss, and writes there are refused)."""
+        whether some do not: their slots' keys then miss, and writes there are refused). With
+        a byte budget, a master that lacks it (down when the tier started, restarted, or
+        promoted) gets it here."""
         try:
             if isinstance(self.client, RedisCluster):
                 ok, known = self.transport.primaries()
                 self.degraded = 0 < ok < known
-                return ok > 0
-            return bool(self.client.ping())
+            else:
+                ok = int(bool(self.client.ping()))
         except (*REDIS_ERRORS, OSError):
             return False
+        if ok and self.capacity_bytes:
+            self.transport.keep_budget()
+        return ok > 0
 
     def stats(self) -> TierStats:
         c = self.counters

@@ -158,6 +158,7 @@ class RedisTransport:
         common: dict[str, Any] = dict(socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
                                       retry=retry, health_check_interval=0)
         self._masters = Masters() if cluster else None
+        self._budget = 0  # bytes: apply_budget's, kept on every master by keep_budget
         self._wait_clients: dict[str, redis.Redis] = {}
         self._wait_lock = threading.Lock()
         self._watcher: threading.Thread | None = None
@@ -517,9 +518,49 @@ class RedisTransport:
                         "keep the other masters' slots serving")
 
     def apply_budget(self, capacity_bytes: int) -> None:
-        """Give Redis the byte budget (per node in a cluster) and an LRU policy over all keys."""
-        kw: dict[str, Any] = {"target_nodes": RedisCluster.PRIMARIES} if self.cluster else {}
-        self.call(self.client.config_set, "maxmemory", str(capacity_bytes), **kw)
+        """Give Redis the byte budget (per master in a cluster) and an LRU policy over all keys,
+        on every master that answers (Redis refusing it, CONFIG turned off, raises); one that
+        does not answer gets it from ``keep_budget`` once it does."""
+        self._budget = capacity_bytes
+        for node in self._budget_nodes():
+            try:
+                self._set_budget(node)
+            except (TierUnavailable, PartlyUnavailable) as exc:
+                if not _unanswered(exc):
+                    raise
+                log.warning("redis %s does not answer: it gets the byte budget once it does",
+                            "Redis" if node is None else node.name)
+                if node is not None:
+                    self._note(node.name, down=True)
+
+    def keep_budget(self) -> None:
+        """Give the byte budget again to each master that answers without it (restarted with
+        its own settings, or a replica promoted since): called by each health probe, one
+        ``CONFIG GET`` per master."""
+        if not self._budget:
+            return
+        for node in self._budget_nodes():
+            if node is not None and self.blocked(node.name):
+                continue
+            kw: dict[str, Any] = {} if node is None else {"target_nodes": node}
+            try:
+                got = self.call(self.client.config_get, "maxmemory*", **kw)
+                if got.get("maxmemory") != str(self._budget) \
+                        or got.get("maxmemory-policy") != "allkeys-lru":
+                    self._set_budget(node)
+                    log.info("redis %s lacked the byte budget (restarted, or promoted): set",
+                             "Redis" if node is None else node.name)
+            except KDNError as exc:
+                log.debug("redis: byte budget not checked: %s", exc)
+
+    def _budget_nodes(self) -> list[ClusterNode | None]:
+        if not isinstance(self.client, RedisCluster):
+            return [None]
+        return list(self.client.get_primaries())
+
+    def _set_budget(self, node: ClusterNode | None) -> None:
+        kw: dict[str, Any] = {} if node is None else {"target_nodes": node}
+        self.call(self.client.config_set, "maxmemory", str(self._budget), **kw)
         self.call(self.client.config_set, "maxmemory-policy", "allkeys-lru", **kw)
 
     def close(self) -> None:

@@ -1,0 +1,88 @@
+"""The Redis tier's byte budget (``redis_bytes``: maxmemory and allkeys-lru, set by kdn) with
+real redis-server processes: a Redis, or a cluster master, that does not answer when the tier
+starts does not stop it (kdn serves on, as without a budget), and every master that answers
+without the budget (down at start, restarted with its own settings, or a replica promoted, once
+the tier's map has it) gets it at the next health probe."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kdn.store.redis import RedisTier
+from tests.helpers import eventually
+from tests.redis_servers import RedisCluster3, RedisServer
+
+pytestmark = pytest.mark.redis
+BUDGET = 64 << 20
+
+
+def _budget_of(node: RedisServer) -> tuple[int, str]:
+    c = node.client()
+    try:
+        got = c.config_get("maxmemory*")
+        return int(got["maxmemory"]), str(got["maxmemory-policy"])
+    finally:
+        c.close()
+
+
+def test_a_standalone_redis_down_at_start_gets_the_budget_once_back(tmp_path: Path) -> None:
+    with RedisServer(tmp_path, appendonly=False) as r:
+        r.kill()
+        tier = RedisTier(r.url, capacity_bytes=BUDGET)
+        try:
+            assert not tier.healthy()
+            r.start()
+            assert tier.healthy()
+            assert _budget_of(r) == (BUDGET, "allkeys-lru")
+            r.kill()
+            r.start()  # its own settings again: no budget
+            assert _budget_of(r) == (0, "noeviction")
+            assert tier.healthy()
+            assert _budget_of(r) == (BUDGET, "allkeys-lru")
+        finally:
+            tier.close()
+
+
+def test_a_cluster_master_down_at_start_gets_the_budget_once_back(tmp_path: Path) -> None:
+    with RedisCluster3(tmp_path / "c") as cluster:
+        lost = cluster.nodes[0]
+        lost.kill()
+        tier = RedisTier(cluster.urls, cluster=True, capacity_bytes=BUDGET)
+        try:
+            assert [_budget_of(n) for n in cluster.nodes[1:]] == [(BUDGET, "allkeys-lru")] * 2
+            assert tier.masters_down() == [f"127.0.0.1:{lost.port}"]
+            lost.start()
+            assert eventually(lambda: tier.healthy() and not tier.masters_down(), timeout=15)
+            assert _budget_of(lost) == (BUDGET, "allkeys-lru")
+        finally:
+            tier.close()
+
+
+def test_a_promoted_replica_gets_the_budget(tmp_path: Path) -> None:
+    with RedisCluster3(tmp_path / "c", replicas=True) as cluster:
+        tier = RedisTier(cluster.urls, cluster=True, capacity_bytes=BUDGET)
+        heir = cluster.replicas[0]
+        try:
+            assert _budget_of(heir) == (0, "noeviction")
+            c = heir.client()
+            try:
+                c.execute_command("CLUSTER", "FAILOVER", "TAKEOVER")  # heir is master now
+                assert eventually(lambda: c.info("replication")["role"] == "master", timeout=15)
+            finally:
+                c.close()
+            old = cluster.nodes[0].client()
+            try:  # once the old master knows, it answers MOVED
+                assert eventually(lambda: old.info("replication")["role"] == "slave", timeout=15)
+            finally:
+                old.close()
+            # the tier learns the new map from the MOVED of its first call there
+            key = next(k for k in (b"k%d" % i for i in range(100))
+                       if tier._master_of(k) == f"127.0.0.1:{cluster.nodes[0].port}")
+            tier.put(key, b"v" * 100)
+            assert tier._master_of(key) == f"127.0.0.1:{heir.port}"
+            assert tier.healthy()
+            assert _budget_of(heir) == (BUDGET, "allkeys-lru")
+        finally:
+            tier.close()
