@@ -432,6 +432,36 @@ def test_a_write_its_part_of_a_tier_did_not_take_is_retried(policy: WritePolicy)
     assert store.counters.get("part.write_dropped") == 1 and not lower.contains(b"x2")
 
 
+class _BuggyTier(RamTier):
+    """A lower tier whose put of key ``bad`` raises what no tier should (a bug, not a kdn
+    error)."""
+
+    name = "buggy"
+
+    def put(self, key: bytes, value: bytes | Framed, *, ttl_s: float | None = None) -> None:
+        if key == b"bad":
+            raise RuntimeError("a bug in the tier")
+        super().put(key, value, ttl_s=ttl_s)
+
+
+def test_a_tier_that_raises_an_unexpected_error_does_not_stop_the_queued_writes() -> None:
+    """Under write-behind a queued write whose tier raised something other than a kdn error
+    ended the writer thread: every later queued write stayed pending, never reached the
+    tier. It is dropped and counted like a refused write, and the writes behind it land."""
+    lower = _BuggyTier(1 << 20)
+    store = TieredStore([RamTier(1 << 20), lower], write_policy=WritePolicy.WRITE_BEHIND)
+    try:
+        store.put(b"bad", b"v0")
+        for i in range(5):
+            store.put(b"k%d" % i, b"w%d" % i)
+        assert store.flush(5), store.queue_depth()
+        assert all(lower.get(b"k%d" % i) == b"w%d" % i for i in range(5))
+        assert not lower.contains(b"bad") and store.counters["buggy.write_dropped"] == 1
+        assert store.get(b"bad") == Hit(b"v0", "ram")  # the acknowledged value still served
+    finally:
+        store.close()
+
+
 class _FailingEnv:
     """An LMDB environment whose read transactions fail as a disk does (``exc``); writes and
     everything else go to the real one."""

@@ -233,7 +233,11 @@ class WriteQueue:
                     self._pop_if(key, item)
                     continue
                 what = f"queued write of {key!r}"
-                got = self.health.attempt(self.tier, partial(self._land, key, item), what)
+                try:
+                    got = self.health.attempt(self.tier, partial(self._land, key, item), what)
+                except Exception:  # a tier's own fault (not a kdn error): the writer lives on
+                    log.exception("tier %s: %s failed unexpectedly", name, what)
+                    got = Fault.FAILED
                 if got is Fault.DOWN:
                     self.count(f"{name}.write_retried", 1)
                     continue  # stays first in line; retried once the tier is up
