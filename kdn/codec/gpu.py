@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from kdn.codec import rans
+from kdn.codec.gpu_source import launch
 from kdn.codec.quant import from_numpy, upload_many
 from kdn.errors import Corrupt, InvalidArgument
 
@@ -132,12 +133,12 @@ def decode_on(blob: bytes | memoryview, rows_n: int, n: int, device: torch.devic
     dev = upload_many(host, device)  # one staging buffer, one copy
     out = dev["out"]
     bad = torch.zeros(groups, dtype=torch.int32, device=device)
-    _decode_kernel[(groups,)](
-        dev["states"], dev["length"], dev["base"], dev["first_bin"], dev["last_bin"],
-        dev["row_lut"],
-        dev["low"], dev["goff"], dev["gwords"], dev["words"], dev["lut"], dev["cum"],
-        dev["freq"], out, bad, streams, int(per_stream["length"].max()),
-        GROUP=rans.GROUP, PREC=rans.PREC, LUT_BITS=rans.LUT_BITS, SEARCH=_SEARCH_STEPS)
+    launch(_decode_kernel, (groups,),  # on the device's current stream, as the copies
+           dev["states"], dev["length"], dev["base"], dev["first_bin"], dev["last_bin"],
+           dev["row_lut"],
+           dev["low"], dev["goff"], dev["gwords"], dev["words"], dev["lut"], dev["cum"],
+           dev["freq"], out, bad, streams, int(per_stream["length"].max()),
+           GROUP=rans.GROUP, PREC=rans.PREC, LUT_BITS=rans.LUT_BITS, SEARCH=_SEARCH_STEPS)
     if bool((bad != 0).any()):
         first = int(torch.nonzero(bad)[0, 0])
         raise Corrupt(f"rANS group {first} does not decode")

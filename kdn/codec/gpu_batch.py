@@ -54,6 +54,7 @@ from kdn.codec.gpu_source import (
     Source,
     Staging,
     lap,
+    launch,
     layer_chunks,
     run_all,
 )
@@ -75,7 +76,7 @@ _FILL_BLOCK = 256
 
 def _launch(kernel: Any, grid: tuple[int, ...], *args: Any, **meta: Any) -> None:
     if all(grid):
-        kernel[grid](*args, **meta)
+        launch(kernel, grid, *args, **meta)
         STATS["launches"] += 1
 
 

@@ -1,7 +1,8 @@
 """How the bytes of a whole-entry GPU decode (``kdn.codec.gpu_batch``) reach the device: the
 bodies (``Source``: copied where they lie when page-locked, else packed into pinned staging by
 several threads), the planner's arrays laid out in one pinned buffer sent in one copy
-(``Staging``), and the staging threads the planner's compiled work runs on (``run_all``).
+(``Staging``), the staging threads the planner's compiled work runs on (``run_all``), and
+the launch of a kernel on its tensors' device (``launch``).
 """
 
 from __future__ import annotations
@@ -39,6 +40,21 @@ start another copy for (``Source``)."""
 DIRECT = {"cuda"}
 """Device types whose pinned bodies are copied where they lie, a copy per run of bodies, when
 they do not lie in one span (tests add "cpu", so that CI runs that path too)."""
+
+
+def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **meta: Any) -> None:
+    """``kernel[grid](*args, **meta)`` on the device of its tensors (``args[0]`` is one).
+    Triton launches on the calling thread's current device and that device's current stream,
+    which need not be the tensors' (a model on cuda:1 in a process whose current device is
+    cuda:0; any worker thread, the current device being per thread): Triton then refuses the
+    pointers ("cannot be accessed from Triton") or, with peer access on, runs the kernel on
+    cuda:0, unordered with the copies queued for it on cuda:1."""
+    device = args[0].device
+    if device.type == "cuda":
+        with torch.cuda.device(device):
+            kernel[grid](*args, **meta)
+    else:  # Triton's interpreter: CPU tensors
+        kernel[grid](*args, **meta)
 
 
 def address(mv: memoryview) -> int:

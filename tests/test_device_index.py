@@ -1,0 +1,138 @@
+"""CUDA work goes to the device of its tensors, never to whatever device is current: a model on
+cuda:1 in a process (or thread: the current device is per thread) whose current device is
+cuda:0, as in a tensor-parallel worker that never calls ``torch.cuda.set_device``, or a worker
+thread of one that does. Checked on the CPU by fakes of a host with two GPUs that record the
+device each call is made on (``torch.cuda.device``, ``torch.cuda.Stream``,
+``cudaHostRegister``); the real thing where a host has two GPUs (``-m gpu``)."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from kdn import codec
+from kdn.codec import entropy
+from tests.helpers import random_kv, uniform_layout
+
+
+@dataclass
+class TwoGPUs:
+    """``torch.cuda``'s device calls on a host with two GPUs, cuda:0 current, contexts only on
+    the devices in ``contexts``; ``cudaHostRegister`` / ``cudaHostUnregister`` recorded with
+    the device current when each was called."""
+
+    contexts: set[int] = field(default_factory=lambda: {1})
+    current: int = 0
+    calls: list[tuple[str, int, int]] = field(default_factory=list)
+    """(call, pointer, current device) of each runtime call."""
+
+    @contextlib.contextmanager
+    def device(self, d: Any) -> Iterator[None]:
+        index = d if isinstance(d, int) else torch.device(d).index
+        before, self.current = self.current, self.current if index is None else index
+        try:
+            yield
+        finally:
+            self.current = before
+
+    def cudaHostRegister(self, ptr: int, size: int, flags: int) -> int:  # noqa: N802
+        self.calls.append(("register", ptr, self.current))
+        return 0
+
+    def cudaHostUnregister(self, ptr: int) -> int:  # noqa: N802
+        self.calls.append(("unregister", ptr, self.current))
+        return 0
+
+    def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: self.current)
+        monkeypatch.setattr(torch.cuda, "device", self.device)
+        monkeypatch.setattr(torch.cuda, "cudart", lambda: self)
+        monkeypatch.setattr(torch._C, "_cuda_hasPrimaryContext", lambda i: i in self.contexts,
+                            raising=False)
+
+
+@dataclass
+class OnCuda1:
+    """What a launch reads of a tensor on cuda:1: its device."""
+
+    device: torch.device = torch.device("cuda", 1)
+
+
+class RecordingKernel:
+    """A Triton kernel's launch (``kernel[grid](*args)``) that records the current device."""
+
+    def __init__(self, gpus: TwoGPUs) -> None:
+        self.gpus, self.launched_on = gpus, []
+
+    def __getitem__(self, grid: tuple[int, ...]) -> Any:
+        return lambda *args, **meta: self.launched_on.append(self.gpus.current)
+
+
+def test_whole_entry_kernels_launch_on_their_tensors_device(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Triton launches on the current device: cuda:0 refuses cuda:1's pointers, or with peer
+    access runs the decode there, unordered with the copies queued on cuda:1."""
+    from kdn.codec import gpu_batch
+
+    gpus = TwoGPUs()
+    gpus.install(monkeypatch)
+    kernel = RecordingKernel(gpus)
+    gpu_batch._launch(kernel, (3,), OnCuda1(), 7, BLOCK=64)
+    gpu_batch._launch(kernel, (0,), OnCuda1())  # an empty grid launches nothing
+    gpu_batch._launch(kernel, (2,), torch.zeros(1))  # the interpreter's CPU tensors: as is
+    assert kernel.launched_on == [1, 0]
+    assert gpus.current == 0  # the caller's current device again
+
+
+def test_the_per_layer_gpu_decoder_launches_through_the_device_guard(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``gpu.decode_on`` (a layer's symbols on a GPU, often on a worker thread, whose current
+    device is cuda:0 whatever the engine set) launches as the whole-entry kernels do."""
+    from kdn.codec import gpu
+
+    launched: list[Any] = []
+    monkeypatch.setattr(gpu, "launch", lambda kernel, grid, *args, **meta: launched.append(
+        (kernel, grid, args[0].device)))
+    sym = np.arange(40, dtype=np.int32).reshape(4, 10) % 7
+    out = gpu.decode_on(entropy.encode_streams(sym, fmt=2), 4, 10, torch.device("cpu"))
+    assert out.shape == (4, 10)
+    assert launched == [(gpu._decode_kernel, (1,), torch.device("cpu"))]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+@pytest.mark.parametrize("mode,level,batched", [("kdn", "default", None), ("int8", "", None),
+                                                ("kdn", "default", False)],
+                         ids=["kdn-whole-entry", "int8-whole-entry", "kdn-per-layer"])
+def test_an_entry_decodes_on_cuda1_with_cuda0_current_from_any_thread(
+        mode: str, level: str, batched: bool | None) -> None:
+    """The real thing: an entry decoded on cuda:1 from this thread (cuda:0 current) and from
+    a new thread, equal to the CPU's decode. Per layer (``batched=False``, blob format 2:
+    ``gpu.decode_on``), the layers decode on the codec's worker threads."""
+    kv = random_kv(uniform_layout(layers=3), 64, seed=3)
+    with entropy.writing_format(2):  # the format ``gpu.decode_on`` takes; any for the rest
+        blob = codec.encode(kv, mode, level)
+    want = codec.decode(blob)
+    torch.cuda.set_device(0)
+    got = [codec.decode(blob, device="cuda:1", batched=batched)]
+    worker = threading.Thread(target=lambda: got.append(
+        codec.decode(blob, device="cuda:1", batched=batched)))
+    worker.start()
+    worker.join()
+    assert len(got) == 2  # the thread's decode raised nothing
+    for kv_dev in got:
+        assert all(k.device == torch.device("cuda", 1) for k, _ in kv_dev.layers)
+        if batched is None:  # the whole-entry decoders: bit-identical to the CPU's
+            assert kv_dev.to("cpu").equal(want)
+        for (kc, vc), (kg, vg) in zip(want.layers, kv_dev.layers, strict=True):
+            torch.testing.assert_close(kg.cpu(), kc)
+            torch.testing.assert_close(vg.cpu(), vc)
