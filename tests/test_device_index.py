@@ -8,6 +8,9 @@ device each call is made on (``torch.cuda.device``, ``torch.cuda.Stream``,
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import gc
+import os
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -18,6 +21,8 @@ import pytest
 import torch
 
 from kdn import codec
+from kdn.client.local import LocalTier
+from kdn.client.shm import LeasedArena, SharedSegment
 from kdn.codec import entropy
 from tests.helpers import random_kv, uniform_layout
 
@@ -106,6 +111,38 @@ def test_the_per_layer_gpu_decoder_launches_through_the_device_guard(
     out = gpu.decode_on(entropy.encode_streams(sym, fmt=2), 4, 10, torch.device("cpu"))
     assert out.shape == (4, 10)
     assert launched == [(gpu._decode_kernel, (1,), torch.device("cpu"))]
+
+
+def _sealed_arena(size: int) -> LeasedArena:
+    fd = os.memfd_create("kdn-test-arena", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    os.ftruncate(fd, size)
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, 0x0010 | fcntl.F_SEAL_SHRINK)  # F_SEAL_FUTURE_WRITE
+    return LeasedArena(fd, size)
+
+
+@pytest.mark.parametrize("contexts,on", [({1}, 1), ({0, 1}, 0), (set(), 0)],
+                         ids=["only-cuda1-has-one", "current-has-one", "none-has-one"])
+@pytest.mark.parametrize("holder", ["segment", "arena", "local-tier"])
+def test_host_memory_is_page_locked_on_a_device_that_has_a_context(
+        monkeypatch: pytest.MonkeyPatch, holder: str, contexts: set[int], on: int) -> None:
+    """``cudaHostRegister`` makes the current device's context where it has none: a process
+    on cuda:1 with cuda:0 current held hundreds of MiB on cuda:0, another rank's GPU. It is
+    made on the current device where that has a context, else on one that has."""
+    gpus = TwoGPUs(contexts=set(contexts))
+    gpus.install(monkeypatch)
+    if holder == "local-tier":
+        parts = codec.encode_parts(random_kv(uniform_layout(), 20), "raw")
+        tier = LocalTier(4 * parts.nbytes)
+        tier.put("ns", b"k" * 32, parts)
+        tier.discard("ns", b"k" * 32)
+        gc.collect()  # the entry's finalizer unregisters it
+    else:
+        held = SharedSegment(1 << 20) if holder == "segment" else _sealed_arena(1 << 20)
+        assert held.register_with_cuda() and held.register_with_cuda()  # once
+        held.close()
+    assert [(c[0], c[2]) for c in gpus.calls] == [("register", on), ("unregister", on)]
+    assert gpus.calls[0][1] == gpus.calls[1][1]
+    assert gpus.current == 0
 
 
 @pytest.mark.gpu

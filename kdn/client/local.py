@@ -46,6 +46,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
+from kdn.client import cudahost
 from kdn.client.received import FRAME_ALIGN, LOCAL_TIER
 from kdn.client.rpc import CLOSED
 from kdn.codec import EncodedParts
@@ -95,7 +96,7 @@ class _Held:
 
 def _unregister(ptr: int) -> None:
     try:
-        torch.cuda.cudart().cudaHostUnregister(ptr)
+        cudahost.unregister(ptr)
     except (RuntimeError, AttributeError):  # CUDA already torn down at exit
         pass
 
@@ -110,7 +111,7 @@ def _pinned(n: int) -> np.ndarray | None:  # type: ignore[type-arg]
     room = mmap.mmap(-1, max(n, 1))
     arr = np.frombuffer(room, dtype=np.uint8, count=n)
     ptr = arr.ctypes.data
-    if int(torch.cuda.cudart().cudaHostRegister(ptr, len(room), 0)) != 0:
+    if not cudahost.register(ptr, len(room)):
         return None
     weakref.finalize(arr, _unregister, ptr)  # runs before the mapping's last reference goes
     return arr

@@ -32,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from kdn.client import cudahost
 from kdn.transport import directory
 from kdn.transport.buffers import MADV_POPULATE_WRITE, own_pages
 from kdn.transport.regions import ALIGN, RegionAllocator
@@ -97,17 +98,14 @@ class SharedSegment:
                 import torch
 
                 if torch.cuda.is_available():
-                    err = torch.cuda.cudart().cudaHostRegister(self.array.ctypes.data, self.size, 0)
-                    self._cuda_registered = int(err) == 0
+                    self._cuda_registered = cudahost.register(self.array.ctypes.data, self.size)
             except (ImportError, RuntimeError, AttributeError):
                 pass
         return self._cuda_registered
 
     def close(self) -> None:
         if self._cuda_registered:
-            import torch
-
-            torch.cuda.cudart().cudaHostUnregister(self.array.ctypes.data)
+            cudahost.unregister(self.array.ctypes.data)
         del self.array
         try:
             self.map.close()
@@ -258,9 +256,8 @@ class LeasedArena:
                 import torch
 
                 if torch.cuda.is_available():
-                    err = torch.cuda.cudart().cudaHostRegister(
+                    self._cuda_registered = cudahost.register(
                         self._source.ctypes.data, self.size, CUDA_HOST_REGISTER_READ_ONLY)
-                    self._cuda_registered = int(err) == 0
             except (ImportError, RuntimeError, AttributeError):
                 pass
         return self._cuda_registered
@@ -452,9 +449,7 @@ class LeasedArena:
             os.close(self._pagemap)
             self._pagemap = None
         if self._cuda_registered:
-            import torch
-
-            torch.cuda.cudart().cudaHostUnregister(self._source.ctypes.data)
+            cudahost.unregister(self._source.ctypes.data)
         kept = self._keep(self.map, in_place, writable=True) & \
             self._keep(self._pristine, read_only, writable=False)
         del self.array, self._source, self._words
