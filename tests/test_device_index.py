@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from kdn import codec
+from kdn.client import stream
 from kdn.client.local import LocalTier
 from kdn.client.shm import LeasedArena, SharedSegment
 from kdn.codec import entropy
@@ -143,6 +144,28 @@ def test_host_memory_is_page_locked_on_a_device_that_has_a_context(
     assert [(c[0], c[2]) for c in gpus.calls] == [("register", on), ("unregister", on)]
     assert gpus.calls[0][1] == gpus.calls[1][1]
     assert gpus.current == 0
+
+
+def test_a_side_stream_of_the_current_device_is_that_devices(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``side_stream(torch.device("cuda"))`` with cuda:1 current: cuda:1's stream, not one
+    filed under cuda:0 that a later cuda:0 retrieve would copy on."""
+    made: list[torch.device] = []
+
+    class Stream:
+        def __init__(self, device: torch.device) -> None:
+            made.append(device)
+            self.device = device
+
+    monkeypatch.setattr(stream, "_SIDE", {})
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    current = stream.side_stream(torch.device("cuda"))
+    first = stream.side_stream(torch.device("cuda", 0))
+    assert current.device == torch.device("cuda", 1)
+    assert first.device == torch.device("cuda", 0)
+    assert stream.side_stream(torch.device("cuda", 1)) is current
+    assert made == [torch.device("cuda", 1), torch.device("cuda", 0)]
 
 
 @pytest.mark.gpu

@@ -79,11 +79,13 @@ def side_stream(device: torch.device, role: str = "copy") -> Any:
     """The process's one stream for host-to-device copies of retrieved layers on ``device``
     (copies share the copy engine anyway; a stream per retrieve made the caching allocator
     keep a pool per stream); ``role="join"``: its one stream for the device-side copies that
-    join staged layers (``landing.joined_stream``), so they overlap the next host copies."""
+    join staged layers (``landing.joined_stream``), so they overlap the next host copies.
+    ``device`` without an index: the current device's (the one its stream is made on)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
     with _SIDE_LOCK:
-        stream = _SIDE.get((device.index or 0, role))
+        stream = _SIDE.get((index, role))
         if stream is None:
-            stream = _SIDE[device.index or 0, role] = torch.cuda.Stream(device)
+            stream = _SIDE[index, role] = torch.cuda.Stream(torch.device("cuda", index))
         return stream
 
 
