@@ -13,6 +13,7 @@ import gc
 import os
 import threading
 from collections.abc import Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,10 +22,11 @@ import pytest
 import torch
 
 from kdn import codec
-from kdn.client import stream
+from kdn.client import landing, stream
 from kdn.client.local import LocalTier
 from kdn.client.shm import LeasedArena, SharedSegment
 from kdn.codec import entropy
+from kdn.codec.api import target_device
 from tests.helpers import random_kv, uniform_layout
 
 
@@ -166,6 +168,53 @@ def test_a_side_stream_of_the_current_device_is_that_devices(
     assert first.device == torch.device("cuda", 0)
     assert stream.side_stream(torch.device("cuda", 1)) is current
     assert made == [torch.device("cuda", 1), torch.device("cuda", 0)]
+
+
+def _current_device_per_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``torch.cuda.current_device`` as CUDA keeps it, per thread: cuda:1 on this one (it set
+    it), cuda:0 on any other."""
+    main = threading.get_ident()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device",
+                        lambda: 1 if threading.get_ident() == main else 0)
+
+
+def _on_a_thread(fn: Any) -> None:
+    worker = threading.Thread(target=fn)
+    worker.start()
+    worker.join()
+
+
+def test_cuda_without_an_index_is_the_naming_threads_device(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """"cuda" resolved where the tensors are made (a decoder's worker thread, the network
+    path's) was that thread's current device, cuda:0, not the caller's cuda:1."""
+    _current_device_per_thread(monkeypatch)
+    assert target_device("cuda", here=False) == torch.device("cuda", 1)
+    assert target_device(torch.device("cuda"), here=False) == torch.device("cuda", 1)
+    elsewhere: list[torch.device] = []
+    _on_a_thread(lambda: elsewhere.append(target_device("cuda", here=False)))
+    assert elsewhere == [torch.device("cuda", 0)]  # each thread's own, none memoised
+    assert target_device("cuda", here=False) == torch.device("cuda", 1)
+    assert target_device("cuda:0", here=False) == torch.device("cuda", 0)  # named: kept
+    assert target_device(None) == torch.device("cpu")
+
+
+def test_an_entry_landing_on_another_thread_goes_to_the_callers_device(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A network hit (``PendingStream``) is made into a stream on the thread that received
+    it: ``retrieve_streams(device="cuda")`` from a thread on cuda:1 put its in-process hits
+    on cuda:1 and its network hits on cuda:0."""
+    _current_device_per_thread(monkeypatch)
+    given: list[Any] = []
+    monkeypatch.setattr(landing, "stream_of",
+                        lambda got, device, timings: given.append(device) or got)
+    entry: Future[Any] = Future()
+    pending = landing.PendingStream(entry, "ram", "cuda", landing.new_timings())
+    fetched = object()
+    _on_a_thread(lambda: entry.set_result(fetched))  # its callbacks run on that thread
+    assert pending.landed(timeout=5) is fetched
+    assert given == [torch.device("cuda", 1)]
 
 
 @pytest.mark.gpu

@@ -365,9 +365,12 @@ class PendingStream:
     def __init__(self, entry: Future[Fetched], tier: str, device: torch.device | str | None,
                  timings: StreamTimings,
                  on_landed: Callable[[Fetched], object] | None = None) -> None:
+        from kdn.codec.api import target_device
+
         self.tier = tier
         self.timings = timings
-        self._device = device
+        # named here: "cuda" is this thread's current device, not the landing thread's
+        self._device = target_device(device, here=False)
         self._on_landed = on_landed
         self._done = threading.Event()
         self._stream: LayerStream | None = None

@@ -70,13 +70,23 @@ def target_device(device: torch.device | str | None, *, here: bool = True) -> to
     """``device`` (None or "": the CPU) as a torch.device; InvalidArgument naming it when
     torch does not know the name ("bogus"), or with ``here`` when this process can not put
     tensors there ("cuda:7" on a host with fewer GPUs, or none: checked where tensors are
-    made, once per name; a plan for a device, ``here=False``, needs none)."""
+    made, once per name; a plan for a device, ``here=False``, needs none). "cuda" with no
+    index, where CUDA is available: the calling thread's current device, by its index, so
+    that threads that decode or land for the caller (whose current device is their own, by
+    default cuda:0) put tensors where the caller meant."""
     if device is None or device == "":
         return _CPU
     memo = here and isinstance(device, (str, int, torch.device))
     got = _DEVICES.get(device) if memo else None
-    if got is not None:
-        return got
+    if got is None:
+        got = _named_device(device, here, memo)
+    if got.type == "cuda" and got.index is None and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return got
+
+
+def _named_device(device: torch.device | str | int, here: bool, memo: bool) -> torch.device:
+    """``target_device``'s parse and check of a name not memoised yet."""
     try:
         got = torch.device(device)  # type: ignore[arg-type]
     except (RuntimeError, TypeError, ValueError):
