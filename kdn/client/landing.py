@@ -133,7 +133,7 @@ def decoded_together(hits: Sequence[Fetched], device: torch.device | str | None,
         timings.bytes_received = g.parts.nbytes
         out.append(tensor_side().LayerStream(  # records come in layer order, frame by frame
             d, iter(()), g.tier, lambda: None, timings, target,
-            layers=done.layers[at : at + n], check=done.check))
+            layers=done.layers[at : at + n], check=done.check, ready=decode_ready(done)))
         at += n
     lap("land.streams", t)
     return out
@@ -171,6 +171,16 @@ def direct_kv(got: Fetched) -> KVCache | None:
     return KVCache.of_views(header.layout, list(layers), int(header.entry.start_position))
 
 
+def decode_ready(done: Any) -> Any:
+    """What a consumer's stream waits for before it uses the layers of a whole-entry GPU
+    decode (``gpu_batch.Decoded``): its kernels, queued on the decoding thread's stream (a
+    landing thread's, a worker's: not the consumer's). None off CUDA."""
+    ready = getattr(done, "ready", None)
+    if ready is None:
+        return None
+    return tensor_side().Copy(ready, (), span=getattr(done, "out", None))
+
+
 def stream_of(got: Fetched, device: torch.device | str | None,
                timings: StreamTimings, segment: Any = None) -> LayerStream:
     """A LayerStream over an entry already in memory (decoded on the worker pool). An entry in
@@ -199,7 +209,8 @@ def stream_of(got: Fetched, device: torch.device | str | None,
         if done is not None:
             timings.bytes_received = got.parts.nbytes
             return tensor_side().LayerStream(dec, iter(()), got.tier, lambda: None, timings,
-                                              target, layers=done.layers, check=done.check)
+                                              target, layers=done.layers, check=done.check,
+                                              ready=decode_ready(done))
     if layers is not None:
         timings.bytes_received = got.parts.nbytes
         return tensor_side().LayerStream(dec, iter(()), got.tier, lambda: None, timings,

@@ -53,9 +53,11 @@ from kdn.codec.gpu_source import (
     THREADS,
     Source,
     Staging,
+    await_ready,
     lap,
     launch,
     layer_chunks,
+    record_ready,
     run_all,
 )
 from kdn.codec.modes import LayerSpec
@@ -101,6 +103,14 @@ class Decoded:
     """Held while checking: the streams of one context share this check (``kdn.client.
     landing.decoded_together``), and none may see the layers before it is done."""
 
+    ready: Any = None
+    """A CUDA event recorded after the kernels, on the stream they were queued on (the
+    decoding thread's current one: ``gpu_source.record_ready``); the check's stream waits for
+    it before reading the flag, and a consumer's stream before using the layers."""
+
+    out: torch.Tensor | None = None
+    """The one buffer every layer views (what a consumer's stream records as in use)."""
+
     def check(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The layers, once the checks still running are done and the kernels' error flag is
         read (a synchronisation, the first time): raises Corrupt, every time, where a frame's
@@ -119,6 +129,7 @@ class Decoded:
                 self.layers = []
         if self.flag is not None:
             STATS["syncs"] += 1
+            await_ready(self.ready, self.flag.device)  # queued on another stream, maybe
             bits = int(self.flag.item())
             self.flag = None
             self.keep.clear()
@@ -309,9 +320,11 @@ def decode_kdn(bodies: list[memoryview], specs: list[LayerSpec],
                 num_warps=1)  # a group's 32 lanes are one warp: more groups per SM
     _launch(kernels.spans, (int(counts[10]),), source.tensor, dev["span_src"], dev["span_dst"],
             dev["span_len"], out.view(torch.uint8), BLOCK=_SPAN_BLOCK)
+    ready = record_ready(device)
     t = lap("kdn.launch", t)
     done = Decoded(_views(out, specs, bases), flag, where,
-                   keep=[source.host, source.tensor, big.host, dev, freq, cum, qout, sout])
+                   keep=[source.host, source.tensor, big.host, dev, freq, cum, qout, sout],
+                   ready=ready, out=out)
     lap("kdn.views", t)
     return done
 
@@ -409,9 +422,10 @@ def decode_int8(bodies: list[memoryview], specs: list[LayerSpec], device: torch.
     _launch(kernels.int8, (int(progs.sum()),), source.tensor, dev["p_sec"], dev["p_first"],
             dev["s_scales"], dev["s_data"], dev["s_ch"], dev["s_numel"], dev["s_out"],
             out, dev["flag"], _TOP[dt], BLOCK=_INT8_BLOCK)
+    ready = record_ready(device)
     t = lap("int8.launch", t)
     done = Decoded(_views(out, specs, bases), dev["flag"], where,
-                   keep=[source.host, source.tensor, dev])
+                   keep=[source.host, source.tensor, dev], ready=ready, out=out)
     lap("int8.views", t)
     return done
 

@@ -27,6 +27,25 @@ them, by step name (``lap``): where a hit's host time goes on the GPU host, whic
 ``bench.gpu`` records beside each hit row."""
 
 
+def record_ready(device: torch.device) -> Any:
+    """An event recorded on this thread's current stream of ``device`` after the work queued
+    there (a whole-entry decode's copies and launches); None off CUDA. A consumer on another
+    stream, or another thread (whose current stream is its own), waits for it before it reads
+    the decode's flag or tensors (``await_ready``)."""
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return event
+
+
+def await_ready(ready: Any, device: torch.device) -> None:
+    """This thread's current stream of ``device`` waits for ``ready`` (``record_ready``) on the
+    device: later work queued there runs after it; the host does not wait."""
+    if ready is not None:
+        torch.cuda.current_stream(device).wait_event(ready)
+
+
 def lap(step: str, since: float) -> float:
     """Add the time since ``since`` (a ``time.perf_counter()`` reading) to ``step`` in
     ``SECONDS``; the reading now, to time the next step from."""
