@@ -238,3 +238,19 @@ def running_nodes(tmp: Path, n: int = 2, **config: Any) -> Iterator[list[Any]]:
     finally:
         for node in nodes:
             node.stop()
+
+
+def all_codecs() -> list[tuple[str, str]]:
+    """Every registered (mode, level) pair."""
+    from kdn.codec import mode_names
+    from kdn.codec.modes import get_mode
+
+    return [(m, lv) for m in mode_names() for lv in get_mode(m).levels]
+
+
+def small_kv() -> KVCache:
+    """A 3-layer cache of 5 tokens, one head, channels 4/2/3: small enough to damage every
+    bit of its container."""
+    layout = KVLayout("tiny", (LayerLayout(1, 4, 3), LayerLayout(1, 2, 4), LayerLayout(1, 3, 2)),
+                      head_dim=4)
+    return random_kv(layout, tokens=5, seed=7)
