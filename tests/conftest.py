@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -42,9 +43,15 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
 
 
 @pytest.fixture
-def server_config(tmp_path: Path) -> ServerConfig:
-    return ServerConfig(port=0, data_dir=tmp_path / "data", ram_bytes=256 << 20,
-                        disk_bytes=512 << 20, shutdown_grace_s=2.0)
+def server_config(tmp_path: Path, request: pytest.FixtureRequest) -> ServerConfig:
+    """Marked ``no_arena``: the server keeps no read arenas, so same-host reads are copied into
+    the client's segment (the path of entries outside the RAM tier and of a full arena;
+    kdn.server.arena)."""
+    config = ServerConfig(port=0, data_dir=tmp_path / "data", ram_bytes=256 << 20,
+                          disk_bytes=512 << 20, shutdown_grace_s=2.0)
+    if request.node.get_closest_marker("no_arena"):
+        return dataclasses.replace(config, shm_arena_bytes=0)
+    return config
 
 
 @pytest.fixture
@@ -56,6 +63,14 @@ def server(server_config: ServerConfig) -> Iterator[ServerThread]:
 @pytest.fixture
 def client(server: ServerThread) -> Iterator[Client]:
     c = Client(server.address, timeout_s=30)
+    yield c
+    c.close()
+
+
+@pytest.fixture
+def shm_client(server: ServerThread) -> Iterator[Client]:
+    """A client of ``server`` with an 8 MiB shared segment (the same-host data plane)."""
+    c = Client(server.address, timeout_s=30, shm_bytes=8 << 20)
     yield c
     c.close()
 

@@ -5,8 +5,6 @@ through the shared segment uses them."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import numpy as np
 import pytest
 import torch
@@ -18,7 +16,6 @@ from kdn.codec import inplace
 from kdn.codec.format import parse_header, seal
 from kdn.errors import Corrupt
 from kdn.layout import DType
-from kdn.server import ServerThread
 from kdn.v1 import kdn_pb2 as pb
 from tests.helpers import pruned_layout, random_kv, uniform_layout
 
@@ -157,13 +154,6 @@ def test_frames_apart_the_plan_does_not_cover_get_none() -> None:
     fp32 = uniform_layout(dtype=DType.FLOAT32)  # first body at byte 30: not 4-byte aligned
     p32 = codec.encode_parts(random_kv(fp32, 8), "raw")
     assert inplace.frame_views(parse_header(p32.header), _apart(p32)) is None
-
-
-@pytest.fixture
-def shm_client(server: ServerThread) -> Iterator[Client]:
-    c = Client(server.address, timeout_s=30, shm_bytes=8 << 20)
-    yield c
-    c.close()
 
 
 def test_retrieve_through_the_segment_views_the_whole_entry_at_once(

@@ -7,7 +7,7 @@ asked for is still checked."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -30,13 +30,6 @@ def _not_listed(monkeypatch: pytest.MonkeyPatch) -> None:
     (``tests/test_directory.py`` covers listed ones)."""
     without_directory(monkeypatch)
 
-
-
-@pytest.fixture
-def shm_client(server: ServerThread) -> Iterator[Client]:
-    c = Client(server.address, timeout_s=30, shm_bytes=8 << 20)
-    yield c
-    c.close()
 
 
 def _counters(c: Client) -> dict[str, int]:
