@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from bench.baselines import RawServer, raw_client
 from bench.common import (
     arg_parser,
     figure,
@@ -36,7 +37,6 @@ from bench.common import (
     timed,
     write_json,
 )
-from bench.roundtrip import RawServer, raw_client
 from kdn import keys
 from kdn.client import Client
 from kdn.codec.modes import get_mode, mode_names

@@ -147,7 +147,7 @@ def gateway_overhead(address: str, clients_list: list[int], requests: int,
     tier.put(b"k", blob)
     tier_s = median(timed(lambda: tier.get(b"k"), 200))
     # transport alone: a bare gRPC service streaming the same bytes (context for the overhead)
-    from bench.roundtrip import RawServer, raw_client
+    from bench.baselines import RawServer, raw_client
 
     raw = RawServer()
     raw_put, raw_get, raw_ch = raw_client(raw.port)

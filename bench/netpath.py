@@ -7,7 +7,7 @@ context (32 layers, 8 KV heads x 128, fp16, ``raw``; blocks of 256 tokens, 32 Mi
 ``KDNEngine`` stores them: 8k tokens = 1 GiB) from a ``kdn serve`` process (RAM tier) over
 loopback, striped over ``--connections`` connections (``Client(data_connections=N)``). Rows:
 
-    raw-tcp-N     the baseline: a bare TCP service (``bench.roundtrip.RawTcp``, a process of
+    raw-tcp-N     the baseline: a bare TCP service (``bench.baselines.RawTcp``, a process of
                   its own) sending the context's bytes as N equal parts, each ``recv_into`` a
                   kept buffer on its own connection (``sendall``/``recv_into``, nothing
                   checked)
@@ -39,8 +39,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from bench.baselines import RawTcp, raw_service
 from bench.common import arg_parser, kdn_server, median, print_table, write_json
-from bench.roundtrip import RawTcp, raw_service
 from kdn import codec
 from kdn.cache import KVCache
 from kdn.client import Client
