@@ -3,7 +3,7 @@
     python fuzz/fuzz_container.py -runs=100000        # or -max_total_time=600
     python fuzz/fuzz_container.py -max_total_time=60 -print_final_stats=1 corpus/   # keep a corpus
 
-Seeds (``fuzz/reseal.py``): every codec mode and level, a pruned layout (layers whose K and V
+Seeds (``fuzz/reseal_seeds.py``): every codec mode and level, a pruned layout (layers whose K and V
 channel counts differ, k_kept/v_kept lists), bf16 and f32 layouts, 0/1/5/1100 tokens, frames
 of one layer and of ``layers_per_frame=0``, version-1 containers and old (format-1) entropy
 blobs. Each input picks a seed and a strategy:
@@ -70,8 +70,9 @@ with atheris.instrument_imports(include=["kdn"], exclude=["kdn.codec.rans", "kdn
     codec.mode_names()  # the mode modules load on first use: here, instrumented
 
 import reseal  # noqa: E402  (after kdn is imported instrumented)
+import reseal_seeds  # noqa: E402  (after kdn is imported instrumented)
 
-SEEDS = reseal.build_seeds()
+SEEDS = reseal_seeds.build_seeds()
 QUANTIZED = ("kdn", "int8", "cachegen")
 """Lossy modes whose every decoded value is a symbol times a scale (kdn: every token after
 its sinks, which it keeps as written): a successful decode of them is finite. raw and
@@ -102,7 +103,7 @@ def _decode(fdp: atheris.FuzzedDataProvider, header: bytes, frames: list[bytes]
 
 
 def _check_decoded(out: KVCache, case: reseal.Case, header: bytes, frames: list[bytes]) -> None:
-    layout, shapes = reseal.declared_shapes(case.entry)
+    layout, shapes = reseal_seeds.declared_shapes(case.entry)
     if out.layout.fingerprint != layout.fingerprint or len(out.layers) != len(shapes):
         raise AssertionError("decoded a layout other than the header's")
     if out.start_position != case.entry.start_position:
@@ -119,8 +120,8 @@ def _check_decoded(out: KVCache, case: reseal.Case, header: bytes, frames: list[
             for x in (k, v):
                 if not torch.isfinite(x[:, sink:].float()).all():
                     raise AssertionError(f"layer {i}: {mode} decoded non-finite values")
-    if reseal.signature(case.entry, frames) == case.seed.signature \
-            and not reseal.same_tensors(out, case.seed.ref):
+    if reseal_seeds.signature(case.entry, frames) == case.seed.signature \
+            and not reseal_seeds.same_tensors(out, case.seed.ref):
         raise AssertionError("decoded other tensors than the seed's, with nothing that "
                              "decides them changed")
     value = b"".join([header, *frames])
@@ -128,7 +129,7 @@ def _check_decoded(out: KVCache, case: reseal.Case, header: bytes, frames: list[
     copies.copy_checked(memoryview(bytearray(len(value))), value)
 
 
-def _reseal(fdp: atheris.FuzzedDataProvider, seed: reseal.Seed) -> None:
+def _reseal(fdp: atheris.FuzzedDataProvider, seed: reseal_seeds.Seed) -> None:
     case = reseal.Case(seed)
     case.mutate(fdp, SEEDS[seed.partner] if seed.partner >= 0 else None)
     try:
@@ -145,7 +146,7 @@ def _reseal(fdp: atheris.FuzzedDataProvider, seed: reseal.Seed) -> None:
         _check_decoded(out, case, header, frames)
 
 
-def _unsealed(fdp: atheris.FuzzedDataProvider, seed: reseal.Seed) -> None:
+def _unsealed(fdp: atheris.FuzzedDataProvider, seed: reseal_seeds.Seed) -> None:
     blob = bytearray(seed.blob)
     for _ in range(fdp.ConsumeIntInRange(1, 4)):
         blob[fdp.ConsumeIntInRange(0, len(blob) - 1)] = fdp.ConsumeIntInRange(0, 255)
@@ -155,11 +156,11 @@ def _unsealed(fdp: atheris.FuzzedDataProvider, seed: reseal.Seed) -> None:
         out = codec.decode(bytes(blob))
     except KDNError:
         return
-    if not reseal.same_tensors(out, seed.ref):
+    if not reseal_seeds.same_tensors(out, seed.ref):
         raise AssertionError("a container damaged under its checksums decoded to other tensors")
 
 
-def _splice(fdp: atheris.FuzzedDataProvider, seed: reseal.Seed) -> None:
+def _splice(fdp: atheris.FuzzedDataProvider, seed: reseal_seeds.Seed) -> None:
     """Frames of two entries of one layout, with their own (stale) sums: refused (version 2)."""
     if seed.partner < 0:
         return
@@ -201,7 +202,7 @@ def one_input(data: bytes) -> None:
         except KDNError:
             return
         header = fmt.parse_header(payload)
-        shapes = reseal.declared_shapes(header.entry)[1]
+        shapes = reseal_seeds.declared_shapes(header.entry)[1]
         if [(tuple(k.shape), tuple(v.shape)) for k, v in out.layers] != shapes:
             raise AssertionError("arbitrary bytes decoded to shapes their header does not declare")
 

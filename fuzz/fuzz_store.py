@@ -12,7 +12,7 @@ as the server builds it, a tenant with a quota, an ``allowed_models`` list and a
 so the servicer gets what it gets from gRPC: hand-encoded frame messages as zero-copy views,
 anything else as generated messages.
 
-An input is a container of ``fuzz/reseal.py`` (every mode and level, pruned and other
+An input is a container of ``fuzz/reseal_seeds.py`` (every mode and level, pruned and other
 layouts, version 1 and 2), mutated and resealed or left as it is, sent as a stream that may
 be mutated too: namespace, key, the header's ``layout_fingerprint``, ``total_bytes`` and
 options (durability values outside the enum included), trailing bytes after the container
@@ -83,8 +83,10 @@ with atheris.instrument_imports(include=["kdn"], exclude=["kdn.codec.rans", "kdn
     codec.mode_names()  # the mode modules load on first use: here, instrumented
 
 import reseal  # noqa: E402  (after kdn is imported instrumented)
+import reseal_bytes  # noqa: E402  (after kdn is imported instrumented)
+import reseal_seeds  # noqa: E402  (after kdn is imported instrumented)
 
-SEEDS = reseal.build_seeds()
+SEEDS = reseal_seeds.build_seeds()
 TENANT = "fuzz"
 QUOTA = 48 << 10
 KEY = bytes(range(32))
@@ -139,7 +141,7 @@ def _header_msg(fdp: atheris.FuzzedDataProvider, header: bytes, value_len: int
     ns = "default"  # mostly the slot, which holds an entry before every input
     if fdp.ConsumeIntInRange(0, 3) == 1:
         ns = fdp.PickValueInList(["", "ns-2", "a/b", "default\n", "x" * 200,
-                                  reseal._text(fdp, ["", "ns"])])
+                                  reseal_bytes.some_text(fdp, ["", "ns"])])
     key = KEY
     if fdp.ConsumeIntInRange(0, 7) == 1:
         key = fdp.ConsumeBytes(fdp.ConsumeIntInRange(0, 40))
@@ -151,42 +153,42 @@ def _header_msg(fdp: atheris.FuzzedDataProvider, header: bytes, value_len: int
         with contextlib.suppress(KDNError):
             msg.layout_fingerprint = fmt.parse_header(header).layout.fingerprint
     elif how == 2:
-        msg.layout_fingerprint = reseal._text(fdp, ["0" * 32, "x"])
+        msg.layout_fingerprint = reseal_bytes.some_text(fdp, ["0" * 32, "x"])
     how = fdp.ConsumeIntInRange(0, 3)
     if how == 1:
         msg.total_bytes = value_len
     elif how == 2:
-        msg.total_bytes = reseal.some_int(fdp, 64, value_len)
+        msg.total_bytes = reseal_bytes.some_int(fdp, 64, value_len)
     if fdp.ConsumeIntInRange(0, 7) == 1:
-        msg.options.durability = reseal.some_int(fdp, 31, 0) if fdp.ConsumeBool() \
+        msg.options.durability = reseal_bytes.some_int(fdp, 31, 0) if fdp.ConsumeBool() \
             else fdp.ConsumeIntInRange(0, 3)  # type: ignore[assignment]
-        msg.options.ttl_seconds = reseal.some_int(fdp, 64) if fdp.ConsumeBool() else 0
+        msg.options.ttl_seconds = reseal_bytes.some_int(fdp, 64) if fdp.ConsumeBool() else 0
         msg.options.pin = fdp.ConsumeBool()
     return msg, ns, key
 
 
 def _stream(fdp: atheris.FuzzedDataProvider, hdr: pb.StoreHeader, frames: list[bytes],
-            partner: reseal.Seed | None) -> tuple[list[bytes], bytes]:
+            partner: reseal_seeds.Seed | None) -> tuple[list[bytes], bytes]:
     """The serialized request messages (a header, then the frames, perhaps mutated) and the
     value they carry."""
     msgs = [pb.StoreRequest(header=hdr).SerializeToString()]
     body = [(i, f) for i, f in enumerate(frames)]
     for _ in range(fdp.ConsumeIntInRange(0, 2)):
         how = fdp.ConsumeIntInRange(0, 6)
-        i = reseal._index(fdp, len(body))
+        i = reseal_bytes.some_index(fdp, len(body))
         if how == 0 and body:
             del body[i]
         elif how == 1 and body:
             body.insert(i, body[i])
         elif how == 2 and len(body) > 1:
-            j = reseal._index(fdp, len(body))
+            j = reseal_bytes.some_index(fdp, len(body))
             body[i], body[j] = body[j], body[i]
         elif how == 3 and body:
-            body[i] = (reseal.some_int(fdp, 32, body[i][0]), body[i][1])
+            body[i] = (reseal_bytes.some_int(fdp, 32, body[i][0]), body[i][1])
         elif how == 4 and partner is not None and i < len(partner.frames) and body:
             body[i] = (body[i][0], partner.frames[i])  # another entry's frame, its own sum
         elif how == 5 and body:
-            body[i] = (body[i][0], body[i][1][: reseal._index(fdp, len(body[i][1]) + 1)])
+            body[i] = (body[i][0], body[i][1][: reseal_bytes.some_index(fdp, len(body[i][1]) + 1)])
     out = []
     for i, f in body:
         if fdp.ConsumeIntInRange(0, 7) == 0:  # another valid encoding: the generated class
@@ -196,11 +198,11 @@ def _stream(fdp: atheris.FuzzedDataProvider, hdr: pb.StoreHeader, frames: list[b
     value = b"".join([hdr.container_header, *(f for _, f in body)])
     extra = fdp.ConsumeIntInRange(0, 15)
     if extra == 1:
-        out.insert(reseal._index(fdp, len(out) + 1), msgs[0])  # a second header
+        out.insert(reseal_bytes.some_index(fdp, len(out) + 1), msgs[0])  # a second header
     elif extra == 2:
-        out.insert(reseal._index(fdp, len(out) + 1), b"")  # a message with no part
+        out.insert(reseal_bytes.some_index(fdp, len(out) + 1), b"")  # a message with no part
     elif extra == 3:
-        out.insert(reseal._index(fdp, len(out) + 1), fdp.ConsumeBytes(32))  # garbage
+        out.insert(reseal_bytes.some_index(fdp, len(out) + 1), fdp.ConsumeBytes(32))  # garbage
     elif extra == 4:
         return out, value  # no header first
     return msgs + out, value
@@ -227,7 +229,7 @@ async def _retrieve(ns: str, key: bytes) -> bytes:
     return b"".join(parts)
 
 
-def _check_stored(seed: reseal.Seed, ns: str, key: bytes, sent: bytes,
+def _check_stored(seed: reseal_seeds.Seed, ns: str, key: bytes, sent: bytes,
                   resp: pb.StoreResponse, before: dict[bytes, bytes], usage: int) -> None:
     skey = store_key(TENANT, ns or "default", key)
     hit = STORE.get(skey)
@@ -249,10 +251,10 @@ def _check_stored(seed: reseal.Seed, ns: str, key: bytes, sent: bytes,
         if sent == seed.blob:
             raise AssertionError(f"seed {seed.name} stored but does not decode") from None
         return  # a resealed body the server took (it checks shapes, not bodies)
-    shapes = reseal.declared_shapes(fmt.parse_header(sent).entry)[1]
+    shapes = reseal_seeds.declared_shapes(fmt.parse_header(sent).entry)[1]
     if [(tuple(k.shape), tuple(v.shape)) for k, v in out.layers] != shapes:
         raise AssertionError("a stored entry decodes to shapes its header does not declare")
-    if sent == seed.blob and not reseal.same_tensors(out, seed.ref):
+    if sent == seed.blob and not reseal_seeds.same_tensors(out, seed.ref):
         raise AssertionError(f"seed {seed.name} stored and decoded to other tensors")
 
 
