@@ -44,6 +44,9 @@ V) change the recovery or the plan.
 
 Each importance/ratio group of step 2 is checkpointed to ``OUT.partial.json``; a run with the
 same settings resumes from it, and a finished run deletes it.
+
+This module runs the study (steps 1-3 and the order of the rest); the measurements of
+steps 4-6 are ``bench.prune_measure``, the targets and the figure ``bench.prune_report``.
 """
 
 from __future__ import annotations
@@ -51,7 +54,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import statistics
 import tempfile
 import time
 from dataclasses import dataclass
@@ -60,12 +62,17 @@ from typing import Any
 
 import torch
 
-from bench.common import figure, print_table, save_figure, write_json
-from kdn.cache import KVCache
-from kdn.codec import decode, encode
-from kdn.codec.modes import get_mode
+from bench.common import print_table, write_json
+from bench.prune_measure import (
+    QUALITY_BAR_PCT,
+    choose_codec,
+    compression,
+    hit_vs_prefill,
+    kdn_answers,
+    speed,
+)
+from bench.prune_report import check_targets, plot
 from kdn.layout import DType
-from kdn.model import hf
 from kdn.model.hf import model_layout
 from kdn.model.models import clear_memo, load_model
 from kdn.prune import (
@@ -82,9 +89,7 @@ from kdn.prune import (
     save_pruned,
 )
 from kdn.prune.evaluate import (
-    QA,
     ArticleSplit,
-    PerplexityCI,
     answers,
     check_disjoint,
     f1_scores,
@@ -97,9 +102,6 @@ from kdn.prune.recover import RecoveryConfig, recover
 RESULTS = Path(__file__).parent / "results"
 COLUMNS = ["ratio", "allocation", "importance", "ppl", "delta_ppl_pct", "recovered_ppl",
            "recovered_delta_ppl_pct", "kv_bytes_per_token"]
-QUALITY_BAR_PCT = 1.0
-PPL_BARS = {0.2: 12.0, 0.5: 50.0}
-F1_BAR = 0.03
 
 
 @dataclass(frozen=True)
@@ -127,148 +129,6 @@ def per_ratio_values(values: list[Any], ratios: list[float], flag: str) -> list[
         raise SystemExit(f"{flag}: give one value or one per ratio ({len(ratios)}), "
                          f"got {len(values)}")
     return values
-
-
-def _codecs() -> list[tuple[str, str, str]]:
-    out = [("lossless", "lossless", ""), ("int8", "int8", ""), ("cachegen", "cachegen", "")]
-    return out + [(f"kdn-{lv}", "kdn", lv) for lv in get_mode("kdn").levels]
-
-
-def _mode_level(codec: str) -> tuple[str, str]:
-    return ("kdn", codec.removeprefix("kdn-")) if codec.startswith("kdn-") else (codec, "")
-
-
-# -- compression ----------------------------------------------------------------------------
-
-
-@torch.inference_mode()
-def _tail_nll(model: Any, kv: KVCache, ids: torch.Tensor) -> tuple[float, int, torch.Tensor]:
-    """(summed NLL, tokens, argmax) of ``ids[1:]`` predicted from ``ids[:-1]`` run on ``kv``."""
-    f32 = [(k.float(), v.float()) for k, v in kv.layers]
-    layout = model_layout(model, DType.FLOAT32)
-    cache = hf.to_transformers(KVCache(layout, f32))
-    logits = model(input_ids=ids[None, :-1], past_key_values=cache, use_cache=True).logits[0]
-    logits = logits.float()
-    nll = torch.nn.functional.cross_entropy(logits, ids[1:], reduction="sum")
-    return float(nll), ids.numel() - 1, logits.argmax(-1)
-
-
-def compression(model: Any, windows: torch.Tensor, ctx: int) -> list[dict[str, Any]]:
-    """Per codec: stored bytes per token of each window's first ``ctx`` tokens (fp16 KV of
-    ``model``'s layout) and the ΔPPL of the rest predicted from the decoded cache against the
-    same from the fp16 cache, with a paired interval over windows."""
-    layout = model_layout(model, DType.FLOAT16)
-    kvs, ref_parts, tops = [], [], []
-    for w in windows:
-        kv, _ = hf.prefill(model, w[:ctx], layout)
-        nll, n, top = _tail_nll(model, kv, w[ctx:])
-        kvs.append(kv)
-        ref_parts.append((nll, n))
-        tops.append(top)
-    base = PerplexityCI(0, 0, 0, 0, 0, tuple(ref_parts))
-    out = []
-    for name, mode, level in _codecs():
-        size, parts, agree = 0, [], 0.0
-        for w, kv, top in zip(windows, kvs, tops):
-            blob = encode(kv, mode, level)
-            back = decode(blob)
-            assert isinstance(back, KVCache)
-            size += len(blob)
-            nll, n, argmax = _tail_nll(model, back, w[ctx:])
-            parts.append((nll, n))
-            agree += float((argmax == top).float().sum())
-        change, lo, hi = paired_change(base, PerplexityCI(0, 0, 0, 0, 0, tuple(parts)),
-                                       boot=1000)
-        out.append({"codec": name, "bytes_per_token": size / (ctx * len(kvs)),
-                    "delta_ppl_pct": change, "delta_ppl_ci": [lo, hi],
-                    "top1": agree / sum(n for _, n in ref_parts)})
-    return out
-
-
-def choose_codec(codecs: list[dict[str, Any]]) -> dict[str, Any]:
-    ok = [c for c in codecs if c["delta_ppl_pct"] <= QUALITY_BAR_PCT]
-    return min(ok or codecs, key=lambda c: c["bytes_per_token"])
-
-
-# -- answers and the engine -------------------------------------------------------------------
-
-
-def kdn_answers(model: Any, tok: Any, qas: list[QA], codec: str, namespace: str,
-                client: Any) -> tuple[list[str], dict[str, Any]]:
-    """Answers through kdn: each context's KV stored (its layout in the key), then retrieved
-    and blended with the question by ``RagEngine``."""
-    from kdn.rag import RagConfig, RagEngine
-
-    mode, level = _mode_level(codec)
-    engine = RagEngine(model, tok, client, RagConfig(namespace=namespace, mode=mode,
-                                                     level=level, max_new_tokens=24))
-    contexts = sorted({c for c, _, _ in qas})
-    stored = engine.ensure(contexts)
-    out, hits, ttft = [], 0, []
-    for context, question, _ in qas:
-        a = engine.answer(question, [context])
-        out.append(a.text)
-        hits += a.timings.missing_chunks == 0
-        ttft.append(a.timings.ttft_s)
-    return out, {"contexts_stored": stored, "answers_from_stored_kv": hits,
-                 "median_ttft_s": statistics.median(ttft), "key_layout": engine.layout.fingerprint}
-
-
-def hit_vs_prefill(models: dict[str, Any], tok: Any, ids: list[int],
-                   codecs: dict[str, str], reps: int) -> dict[str, Any]:
-    """TTFT through KDNEngine of a full prefill (miss, stored back) against a hit of the same
-    prompt (KV from a local kdn server's RAM tier), per model and codec; median of ``reps``
-    rounds, the models interleaved."""
-    from kdn.client import Client
-    from kdn.delivery import encoding_name
-    from kdn.engine import EngineConfig, KDNEngine
-    from kdn.server import ServerConfig, ServerThread
-
-    times: dict[tuple[str, str], dict[str, list[float]]] = {}
-    same: dict[tuple[str, str], bool] = {}
-    with tempfile.TemporaryDirectory() as tmp, ServerThread(ServerConfig(
-            port=0, data_dir=Path(tmp), disk_bytes=0)) as st, Client(st.address) as client:
-        for rep in range(reps):
-            for name, model in models.items():
-                for codec in dict.fromkeys(("lossless", codecs[name])):
-                    cfg = EngineConfig(namespace=f"ttft-{rep}", kv_dtype=DType.FLOAT16,
-                                       encodings=(_mode_level(codec),))
-                    eng = KDNEngine(model, tok, client, cfg)
-                    miss = eng.generate(ids, max_new_tokens=1)
-                    if miss.store_thread is not None:
-                        miss.store_thread.join()
-                    hit = eng.generate(ids, max_new_tokens=1,
-                                       force=encoding_name(*_mode_level(codec)))
-                    t = times.setdefault((name, codec), {"prefill": [], "hit": [], "reused": []})
-                    t["prefill"].append(miss.timings.ttft_s)
-                    t["hit"].append(hit.timings.ttft_s)
-                    t["reused"].append(hit.timings.reused_tokens)
-                    same[(name, codec)] = same.get((name, codec), True) and \
-                        hit.token_ids[:1] == miss.token_ids[:1]
-    out: dict[str, Any] = {"prompt_tokens": len(ids), "reps": reps}
-    for (name, codec), t in times.items():
-        p, h = statistics.median(t["prefill"]), statistics.median(t["hit"])
-        out.setdefault(name, {})[codec] = {
-            "prefill_ttft_s": p, "hit_ttft_s": h, "hit_vs_prefill": h / p,
-            "reused_tokens": min(t["reused"]), "same_first_token": same[(name, codec)]}
-    return out
-
-
-@torch.inference_mode()
-def speed(model: Any, ids: torch.Tensor, new_tokens: int) -> tuple[float, float]:
-    """(prefill tokens/s, decode tokens/s) of one greedy run on ``ids``."""
-    t0 = time.perf_counter()
-    out = model(input_ids=ids[None], use_cache=True, logits_to_keep=1)
-    t1 = time.perf_counter()
-    past, nxt = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
-    for _ in range(new_tokens):
-        out = model(input_ids=nxt, past_key_values=past, use_cache=True)
-        past, nxt = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
-    t2 = time.perf_counter()
-    return ids.numel() / (t1 - t0), new_tokens / (t2 - t1)
-
-
-# -- the run ----------------------------------------------------------------------------------
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -540,7 +400,7 @@ def main(argv: list[str] | None = None) -> None:
                  "stored_codec", "answer_f1", "answer_f1_delta"])
     print_table(speed_rows, ["model", "prefill_tok_s", "decode_tok_s"])
 
-    targets = _targets(args, rows, per_ratio, base, base_f1, fp16_bpt, n_questions)
+    targets = check_targets(args, rows, per_ratio, base, base_f1, fp16_bpt, n_questions)
     for t in targets:
         print(("MET     " if t["met"] else "MISSED  ") + t["target"])
     elapsed = time.perf_counter() - t_start
@@ -576,61 +436,6 @@ def main(argv: list[str] | None = None) -> None:
     folders.cleanup()
 
 
-def _targets(args: Any, rows: list[dict[str, Any]], per_ratio: list[dict[str, Any]],
-             base: PerplexityCI, base_f1: float, fp16_bpt: int, n_questions: int
-             ) -> list[dict[str, Any]]:
-    targets: list[dict[str, Any]] = []
-    if 0.2 in args.ratios:
-        at = {(r["allocation"], r["importance"]): r["ppl"] for r in rows if r["ratio"] == 0.2}
-        ppl_based = {i: p for (a, i), p in at.items() if a == Allocation.PPL.value}
-        best_imp = min(ppl_based, key=lambda i: ppl_based[i])
-        targets.append({
-            "target": "20%: best ppl-based combination beats uniform with the same importance "
-                      "(one-shot)",
-            "met": ppl_based[best_imp] < at[(Allocation.UNIFORM.value, best_imp)],
-            "importance": best_imp, "ppl_based": ppl_based[best_imp],
-            "uniform": at[(Allocation.UNIFORM.value, best_imp)]})
-    targets.append({
-        "target": "KV bytes per token fall by the pruning ratio exactly",
-        "met": all(r["kv_bytes_per_token"] == round(fp16_bpt * (1 - r["ratio"])) for r in rows),
-        "fp16_bytes_per_token": fp16_bpt,
-        "kv_bytes_per_token": {str(r["ratio"]): r["kv_bytes_per_token"] for r in rows}})
-    for r in per_ratio:
-        pct = int(round(r["ratio"] * 100))
-        bar = PPL_BARS.get(r["ratio"])
-        if bar is not None:
-            targets.append({
-                "target": f"{pct}% pruned + recovered within +{bar:g}% of unpruned PPL on "
-                          f"{base.tokens} held-out tokens",
-                "met": r["recovered_delta_ppl_pct"] <= bar,
-                "met_with_confidence": r["recovered_delta_ppl_ci"][1] <= bar,
-                "recovered_ppl": r["recovered_ppl"], "recovered_ppl_ci": r["recovered_ppl_ci"],
-                "unpruned_ppl": base.ppl, "unpruned_ppl_ci": [base.low, base.high],
-                "delta_ppl_pct": r["recovered_delta_ppl_pct"],
-                "delta_ppl_ci": r["recovered_delta_ppl_ci"]})
-        targets.append({
-            "target": f"{pct}%: answer F1 within {F1_BAR} of unpruned ({n_questions} questions, "
-                      "same prompts, greedy)",
-            "met": r["answer_f1_delta"] >= -F1_BAR,
-            "answer_f1": r["answer_f1"], "unpruned_f1": base_f1,
-            "delta": r["answer_f1_delta"], "delta_ci": r["answer_f1_delta_ci"],
-            "through_kdn_delta": r["answer_f1_kdn_delta"]})
-        if r["ratio"] == 0.5:
-            targets.append({
-                "target": "50%: recovery within 30 minutes of wall time on this machine",
-                "met": r["recovery_s"] <= 1800, "recovery_s": r["recovery_s"],
-                "steps": r["recovery_steps"], "stopped_by": r["recovery_stopped_by"]})
-            targets.append({
-                "target": f"50% pruning + the best codec level adding <= {QUALITY_BAR_PCT:g}% "
-                          "ΔPPL on the recovered model <= 1/10 of unpruned fp16 KV",
-                "met": r["stored_bytes_per_token"] <= fp16_bpt / 10,
-                "stored_bytes_per_token": r["stored_bytes_per_token"],
-                "limit": fp16_bpt / 10, "codec": r["stored_codec"],
-                "codec_delta_ppl_pct": r["stored_codec_delta_ppl_pct"],
-                "codec_delta_ppl_ci": r["stored_codec_delta_ppl_ci"]})
-    return targets
-
-
 def _load_checkpoint(path: Path, settings: dict[str, Any]) -> dict[str, Any]:
     """Groups (importance/ratio) measured by an interrupted run with the same settings."""
     try:
@@ -638,83 +443,6 @@ def _load_checkpoint(path: Path, settings: dict[str, Any]) -> dict[str, Any]:
     except (OSError, ValueError):
         return {}
     return dict(doc["groups"]) if doc.get("settings") == settings else {}
-
-
-def plot(path: Path, rows: list[dict[str, Any]], per_ratio: list[dict[str, Any]],
-         base: PerplexityCI, fp16_bpt: int, codecs_of: dict[str, list[dict[str, Any]]],
-         chosen: dict[str, str], f1: dict[str, dict[str, list[float]]],
-         ttft: dict[str, Any]) -> None:
-    fig, (ax, ax_f1, ax_t) = figure(16, 5.2, ncols=3)
-    colors = {"uniform": "tab:gray", "ppl-based": "tab:blue", "rank-based": "tab:orange"}
-    markers = {"l1": "o", "l2": "s", "taylor": "^"}
-    offsets = {"l1": -0.03, "l2": 0.0, "taylor": 0.03}
-    for r in rows:
-        x = r["kv_bytes_per_token"] * (1 + offsets[r["importance"]])
-        ax.scatter(x, r["ppl"], c=colors[r["allocation"]], marker=markers[r["importance"]], s=30,
-                   alpha=0.7)
-    ax.errorbar([fp16_bpt], [base.ppl], yerr=[[base.ppl - base.low], [base.high - base.ppl]],
-                fmt="*", color="black", ms=12, label="unpruned fp16")
-    for r in per_ratio:
-        lo, hi = r["recovered_ppl_ci"]
-        ax.errorbar([r["kv_bytes_per_token"]], [r["recovered_ppl"]],
-                    yerr=[[r["recovered_ppl"] - lo], [hi - r["recovered_ppl"]]], fmt="P",
-                    color="tab:green", ms=10)
-        ax.annotate("", (r["kv_bytes_per_token"], r["recovered_ppl"]),
-                    (r["kv_bytes_per_token"], r["one_shot_ppl"]),
-                    arrowprops={"arrowstyle": "->", "color": "tab:green", "lw": 1})
-        est = r["recovered_ppl"] * (1 + r["stored_codec_delta_ppl_pct"] / 100)
-        ax.scatter(r["stored_bytes_per_token"], est, facecolors="none", edgecolors="tab:green",
-                   s=90, marker="D")
-        ax.annotate(f"{int(r['ratio'] * 100)}% + {r['stored_codec']}",
-                    (r["stored_bytes_per_token"], est), textcoords="offset points",
-                    xytext=(6, 4), fontsize=8)
-    u = next(c for c in codecs_of["unpruned"] if c["codec"] == chosen["unpruned"])
-    ax.scatter(u["bytes_per_token"], base.ppl * (1 + u["delta_ppl_pct"] / 100), marker="D",
-               facecolors="none", edgecolors="black", s=90)
-    ax.annotate(f"unpruned + {u['codec']}", (u["bytes_per_token"], base.ppl),
-                textcoords="offset points", xytext=(6, -12), fontsize=8)
-    for name, c in colors.items():
-        ax.scatter([], [], c=c, label=f"one-shot, {name}")
-    for name, m in markers.items():
-        ax.scatter([], [], c="white", edgecolors="black", marker=m, label=name)
-    ax.errorbar([], [], fmt="P", color="tab:green", label="best one-shot, recovered (95% CI)")
-    ax.scatter([], [], facecolors="none", edgecolors="tab:green", marker="D",
-               label=f"recovered + smallest level within {QUALITY_BAR_PCT:g}% ΔPPL")
-    ax.axvline(fp16_bpt / 10, color="tab:red", ls=":", lw=1, label="1/10 of fp16")
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlabel("KV bytes per token (SmolLM2-135M, 30 layers)")
-    ax.set_ylabel(f"perplexity, {base.tokens} held-out tokens")
-    ax.set_title("KVPruner: perplexity vs KV bytes per token")
-    ax.legend(fontsize=6.5, ncol=2)
-
-    names = list(f1)
-    labels = ["unpruned" if n == "unpruned" else f"{int(float(n) * 100)}% pruned" for n in names]
-    for j, (path_name, color) in enumerate((("prefill", "tab:blue"), ("kdn", "tab:green"))):
-        vals = [sum(f1[n][path_name]) / len(f1[n][path_name]) for n in names]
-        ax_f1.bar([i + 0.38 * (j - 0.5) for i in range(len(names))], vals, width=0.38,
-                  color=color, label="full prefill" if path_name == "prefill"
-                  else "KV from kdn, blended")
-    ax_f1.set_xticks(range(len(names)), labels)
-    ax_f1.set_ylabel(f"SQuAD F1 ({len(f1['unpruned']['prefill'])} held-out questions)")
-    ax_f1.set_title("Answers (greedy, same prompts)")
-    ax_f1.legend(fontsize=8)
-
-    bars: list[tuple[str, float, float]] = []
-    for n in names:
-        for codec, t in ttft[n].items():
-            bars.append((f"{labels[names.index(n)]}\n{codec}", t["prefill_ttft_s"],
-                         t["hit_ttft_s"]))
-    xs = range(len(bars))
-    ax_t.bar([x - 0.2 for x in xs], [b[1] for b in bars], width=0.4, color="tab:gray",
-             label="prefill (miss)")
-    ax_t.bar([x + 0.2 for x in xs], [b[2] for b in bars], width=0.4, color="tab:green",
-             label="kdn hit")
-    ax_t.set_xticks(list(xs), [b[0] for b in bars], fontsize=7)
-    ax_t.set_ylabel(f"TTFT, s ({ttft['prompt_tokens']}-token prompt)")
-    ax_t.set_title("KDNEngine: hit vs prefill")
-    ax_t.legend(fontsize=8)
-    save_figure(fig, path, dpi=110)
 
 
 if __name__ == "__main__":
