@@ -62,6 +62,7 @@ from bench.common import (
 from bench.common import (
     kdn_server as common_kdn_server,
 )
+from bench.gpu_costs import decode_counts, kernel_seconds, phases, profile, sync
 from kdn.client import Client
 from kdn.codec import gpu_source
 from kdn.delivery import encoding_name
@@ -106,11 +107,6 @@ def build(shape: str, device: torch.device, dtype: torch.dtype | None = None) ->
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
     return model.eval()
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 SLOW_S = 8.0
@@ -198,7 +194,7 @@ def measure(model: Any, shape: str, tokens: int, path: str, enc: str, client: Cl
     force = None if enc == DEFAULT else enc  # the defaults' rows: the controller decides
 
     host: dict[str, float] = {}
-    phases: dict[str, float] = {}
+    steps: dict[str, float] = {}
 
     def load() -> None:
         before = dict(gpu_source.SECONDS)
@@ -212,8 +208,8 @@ def measure(model: Any, shape: str, tokens: int, path: str, enc: str, client: Cl
         engine.finish()
         if t2 - t0 < host.get("start_s", 0.0) + host.get("layers_s", 0.0) or not host:
             host.update(start_s=t1 - t0, layers_s=t2 - t1)
-            phases.clear()
-            phases.update(_phases(before))
+            steps.clear()
+            steps.update(phases(before))
 
     load_s = best_s(load, device, runs)
     ttfts: list[float] = []
@@ -230,13 +226,13 @@ def measure(model: Any, shape: str, tokens: int, path: str, enc: str, client: Cl
           f"({ttft / prefill_s:.3f}x prefill), load {kv_bytes / load_s / 1e9:.2f} GB/s "
           f"(host: start_load {host['start_s'] * 1e3:.1f} ms, layers "
           f"{host['layers_s'] * 1e3:.1f} ms" + "".join(
-              f"; {k} {v * 1e3:.1f}" for k, v in phases.items()) + ")", flush=True)
+              f"; {k} {v * 1e3:.1f}" for k, v in steps.items()) + ")", flush=True)
     return {"model": shape, "tokens": tokens, "path": path, "encoding": enc,
             "ttft_s": ttft, "ttft_best_s": min(ttfts), "prefill_s": prefill_s,
             "ratio_vs_prefill": ttft / prefill_s,
             "load_s": load_s, "load_gb_s": kv_bytes / load_s / 1e9,
             "host_start_load_s": host["start_s"], "host_layers_s": host["layers_s"],
-            "host_phases_s": phases, "limit_gb_s": limit,
+            "host_phases_s": steps, "limit_gb_s": limit,
             "ratio_to_limit": kv_bytes / load_s / 1e9 / limit,
             "kv_bytes": kv_bytes, "chunk_tokens": engine.config.chunk_tokens,
             "decision": decisions[0], "decisions": decisions,
@@ -271,15 +267,15 @@ def measure_decode(model: Any, shape: str, tokens: int, enc: str, client: Client
         before = dict(gpu_source.SECONDS)
         _decode_together(blobs, device)
         sync(device)
-        together_phases = _phases(before)
-    counts = _decode_counts(blobs, device)
+        together_phases = phases(before)
+    counts = decode_counts(blobs, device)
     if PROFILE_DECODE:
-        _profile(f"{enc}: codec.decode of each entry",
+        profile(f"{enc}: codec.decode of each entry",
                  lambda: [codec_decode(b, device) for b in blobs], device)
         if device.type == "cuda":
-            _profile(f"{enc}: all entries in one decode",
+            profile(f"{enc}: all entries in one decode",
                      lambda: _decode_together(blobs, device), device)
-    kernel_s = _kernel_s(lambda: [codec.decode(b, device=device) for b in blobs], device)
+    kernel_s = kernel_seconds(lambda: [codec.decode(b, device=device) for b in blobs], device)
     kernel_gb_s = kv_bytes / kernel_s / 1e9 if kernel_s else None
     print(f"  {shape} {tokens} decode {enc} on {device.type}: {decode_s * 1e3:.1f} ms, "
           f"{gb_s:.2f} GB/s (kernels {kernel_gb_s or 0:.1f} GB/s; per entry "
@@ -299,23 +295,6 @@ def measure_decode(model: Any, shape: str, tokens: int, enc: str, client: Client
 
 PROFILE_DECODE = False
 """``--profile-decode``: print where the host's time goes in the decode rows (cProfile)."""
-
-
-def _profile(title: str, fn: Any, device: torch.device) -> None:
-    import cProfile
-    import io
-    import pstats
-
-    sync(device)
-    prof = cProfile.Profile()
-    prof.enable()
-    fn()
-    sync(device)
-    prof.disable()
-    text = io.StringIO()
-    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(14)
-    print(f"  profile, {title}:\n" + "\n".join(
-        line for line in text.getvalue().splitlines()[4:] if line.strip()), flush=True)
 
 
 def _decode_together(blobs: list[bytes] | list[memoryview], device: torch.device,
@@ -353,52 +332,6 @@ def codec_decode(blob: bytes, device: torch.device) -> None:
     from kdn import codec
 
     codec.decode(blob, device=device)
-
-
-def _phases(before: dict[str, float]) -> dict[str, float]:
-    """Host seconds by step of the whole-entry decodes and their landing since ``before`` (a
-    copy of ``kdn.codec.gpu_source.SECONDS``): where ``host_start_load_s`` goes, the rest
-    being lookup, reads and Python around them."""
-    return {k: v - before.get(k, 0.0) for k, v in sorted(gpu_source.SECONDS.items())
-            if v > before.get(k, 0.0)}
-
-
-def _decode_counts(blobs: list[bytes], device: torch.device) -> dict[str, float]:
-    """Kernel launches and host synchronisations per entry of the whole-entry decoder
-    (``kdn.codec.gpu_batch.STATS``); zeros where an encoding does not use it."""
-    from kdn import codec
-
-    if device.type != "cuda":
-        return {"launches": 0.0, "host_syncs": 0.0}
-    from kdn.codec import gpu_batch
-
-    before = dict(gpu_batch.STATS)
-    for b in blobs:
-        codec.decode(b, device=device)
-    sync(device)
-    n = max(len(blobs), 1)
-    return {"launches": (gpu_batch.STATS["launches"] - before["launches"]) / n,
-            "host_syncs": (gpu_batch.STATS["syncs"] - before["syncs"]) / n}
-
-
-def _kernel_s(fn: Any, device: torch.device) -> float | None:
-    """Seconds the device spent in kernels (copies and fills excluded) during ``fn``."""
-    if device.type != "cuda":
-        return None
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    sync(device)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        sync(device)
-    total_us = 0.0
-    for evt in prof.events():
-        name = evt.name.lower()
-        on_device = "cuda" in str(getattr(evt, "device_type", "")).lower()
-        if on_device and "memcpy" not in name and "memset" not in name:
-            total_us += evt.device_time
-    return total_us / 1e6 or None
 
 
 # (tokens, path, encoding) per model, in the order they run: what the targets need first, so a
