@@ -96,9 +96,9 @@ from kdn.server import ServerConfig, ServerThread
 from kdn.transport.buffers import tune_allocator
 
 STREAMS = 4
+"""Streams of the ``grpc-N`` rows (layer groups read side by side, ``kdn.client.parallel``)."""
 REMOTE = ("grpc", "tcp")
 """Paths of a client on another host (timed in turns with the raw services)."""
-"""Streams of the ``grpc-N`` rows (layer groups read side by side, ``kdn.client.parallel``)."""
 RAW_MESSAGE_BYTES = 1 << 20
 """Message size of the ``raw-grpc-1mib`` rows."""
 
