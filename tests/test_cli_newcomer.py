@@ -288,6 +288,29 @@ def test_rag_refuses_an_empty_question(tmp_path: Path,
         assert code == 2 and "the question is empty" in err, err
 
 
+@pytest.mark.parametrize("device,gpus,words", [
+    ("cuda:7", 2, "this host has 2 CUDA devices (cuda:0 to cuda:1)"),
+    ("cuda:1", 1, "this host has 1 CUDA device (cuda:0)"),
+    ("gpu", 1, "'gpu' is not a device; use cpu, cuda or cuda:N"),
+    ("cuda:x", 1, "'cuda:x' is not a device"),
+])
+def test_rag_refuses_a_device_the_host_does_not_have(
+        device: str, gpus: int, words: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A device index past the host's GPUs failed late, in torch, after the model was loaded;
+    a misspelt device ended in torch's RuntimeError, a traceback."""
+    import argparse
+
+    import torch
+
+    from kdn.cli import rag
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    with pytest.raises(rag._UsageError, match=re.escape(words)):  # noqa: SLF001
+        rag._device(argparse.Namespace(device=device))  # noqa: SLF001
+    assert rag._device(argparse.Namespace(device="cuda:0")) == torch.device("cuda", 0)  # noqa: SLF001
+
+
 TINY_RUN = """
 import sys, tempfile
 import torch

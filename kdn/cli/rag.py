@@ -143,9 +143,18 @@ def _device(ns: argparse.Namespace) -> Any:
 
     from kdn.model.hf import default_device
 
-    device = torch.device(ns.device) if ns.device else default_device()
+    try:
+        device = torch.device(ns.device) if ns.device else default_device()
+    except (RuntimeError, ValueError):
+        raise _UsageError(f"--device {ns.device!r} is not a device; use cpu, cuda or cuda:N") \
+            from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise _UsageError(f"--device {ns.device}: this host has no CUDA device")
+    if device.type == "cuda" and device.index is not None \
+            and device.index >= (count := torch.cuda.device_count()):
+        have = "cuda:0" if count == 1 else f"cuda:0 to cuda:{count - 1}"
+        raise _UsageError(f"--device {ns.device}: this host has {count} CUDA device"
+                          f"{'s' if count != 1 else ''} ({have})")
     return device
 
 
