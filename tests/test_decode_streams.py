@@ -16,7 +16,7 @@ import torch
 
 from kdn import codec
 from kdn.client import landing, stream
-from kdn.codec import gpu_batch
+from kdn.codec import entropy, gpu_batch
 from kdn.codec.api import layer_spec
 from kdn.codec.format import check_frame, parse_container
 from kdn.codec.modes import get_mode
@@ -76,6 +76,69 @@ def test_a_consumer_stream_waits_for_the_decode_of_each_stream_it_uses() -> None
     assert got.event == "event" and got.span is out and got.sources == ()
     assert landing.decode_ready(gpu_batch.Decoded([], None)) is None
     assert landing.decode_ready(object()) is None  # a decoder's result of another kind
+
+
+class _Event:
+    def __init__(self) -> None:
+        self.recorded_on: Any = None
+
+    def record(self, on: Any) -> None:
+        self.recorded_on = on
+
+
+def test_a_layer_decoded_on_the_device_by_a_worker_is_awaited_by_the_consumer(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Frames decoded on the device by the codec's worker threads (per layer: cachegen,
+    format-2 kdn blobs) were handed out as they were, queued on the worker's stream: a
+    consumer on its own stream could use them before the kernels ran. Each such layer gets
+    an event on the decoding thread's stream, which ``wait_for_layer`` waits for."""
+    gpu = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "Event", _Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device: f"stream of {device}")
+
+    class OnGpu:
+        device = gpu
+
+    s = stream.LayerStream.__new__(stream.LayerStream)
+    s.device, s._copy_stream, s._events = gpu, "copy stream", {}  # noqa: SLF001
+    k, v = OnGpu(), OnGpu()
+    assert s._place(3, k, v) == (k, v)  # type: ignore[arg-type]  # noqa: SLF001
+    staged = s._events[3]  # noqa: SLF001
+    assert staged.event.recorded_on == "stream of cuda:0" and staged.sources == ()
+    ready = stream.Copy("the decode's event", ())
+    s._events[4] = ready  # noqa: SLF001
+    s._place(4, k, v)  # type: ignore[arg-type]  # noqa: SLF001
+    assert s._events[4] is ready  # a whole-entry decode's event is not replaced  # noqa: SLF001
+    cpu = stream.LayerStream.__new__(stream.LayerStream)
+    cpu.device, cpu._copy_stream, cpu._events = torch.device("cpu"), None, {}  # noqa: SLF001
+    t = torch.zeros(2)
+    cpu._place(0, t, t)  # noqa: SLF001
+    assert cpu._events == {}  # nothing to wait for on the CPU  # noqa: SLF001
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_frames_decoded_by_workers_are_right_on_a_non_default_stream() -> None:
+    """The real thing, per layer: a ``kdn`` entry in blob format 2 read frame by frame by a
+    LayerStream (each frame decoded on the GPU by a codec worker), its layers used on a
+    non-default stream of this thread."""
+    from kdn.codec import StreamDecoder
+    from kdn.transport.wire import Frame, FrameMessage
+
+    kv = random_kv(uniform_layout(layers=3), 40, seed=5)
+    with entropy.writing_format(2):
+        blob = codec.encode(kv, "kdn", "default", layers_per_frame=1)
+    want = codec.decode(blob).layers
+    c = parse_container(blob)
+    frames = iter([FrameMessage(Frame(i, bytes(f))) for i, f in enumerate(c.frames)])
+    got = stream.LayerStream(StreamDecoder(c.header, "cuda"), frames, "ram", lambda: None,
+                             stream.StreamTimings(), "cuda")
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        copies = [tuple(t.cpu() for t in got.wait_for_layer(i)) for i in range(len(want))]
+    for (kc, vc), (kg, vg) in zip(want, copies, strict=True):
+        torch.testing.assert_close(kg, kc)
+        torch.testing.assert_close(vg, vc)
 
 
 @pytest.mark.gpu

@@ -172,11 +172,11 @@ class LayerStream:
         self._pending: list[Future[None]] = []
         self._reader: threading.Thread | None = None
         if layers is not None:
-            self._place_all(layers)
-            if isinstance(ready, list):
+            if isinstance(ready, list):  # what the layers wait for, known before they are placed
                 self._events = dict(enumerate(ready))
             elif ready is not None:
                 self._events = dict.fromkeys(range(n), ready)
+            self._place_all(layers)
         elif inline:
             self._read(frames, inline=True)
         else:
@@ -240,7 +240,14 @@ class LayerStream:
 
     def _place(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> LayerKV:
         if self._copy_stream is None or k.device == self.device:  # decoded where it is used
-            return (k, v) if k.device == self.device else (k.to(self.device), v.to(self.device))
+            kv = (k, v) if k.device == self.device else (k.to(self.device), v.to(self.device))
+            if self.device.type == "cuda" and layer not in self._events:
+                # queued on this thread's stream (a codec worker's, not the consumer's): the
+                # consumer's stream waits for it (``wait_for_layer``)
+                event = torch.cuda.Event()
+                event.record(torch.cuda.current_stream(self.device))
+                self._events[layer] = Copy(event, ())
+            return kv
         with torch.cuda.stream(self._copy_stream):  # views of a registered segment: pinned
             kp = k if self._pinned or k.is_pinned() else k.pin_memory()
             vp = v if self._pinned or v.is_pinned() else v.pin_memory()
