@@ -116,6 +116,33 @@ def test_a_layer_decoded_on_the_device_by_a_worker_is_awaited_by_the_consumer(
     assert cpu._events == {}  # nothing to wait for on the CPU  # noqa: SLF001
 
 
+def test_codec_decode_waits_for_each_workers_stream_on_the_callers(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``codec.decode`` of an entry decoded layer by layer on the codec's threads returned the
+    layers queued on those threads' streams; the caller's stream now waits for each."""
+    from kdn.codec import gpu_source
+
+    made: list[str] = []
+    awaited: list[str] = []
+    lock = threading.Lock()
+
+    def record(device: torch.device) -> str:
+        with lock:
+            made.append(f"{threading.current_thread().name} on {device.type}")
+            return made[-1]
+
+    monkeypatch.setattr(gpu_source, "record_ready", record)
+    monkeypatch.setattr(gpu_source, "await_ready",
+                        lambda ready, device: awaited.append((ready, threading.current_thread())))
+    blob = codec.encode(random_kv(uniform_layout(layers=4), 16, seed=1), "kdn", "default")
+    want = codec.decode(blob)
+    made.clear()
+    awaited.clear()
+    assert codec.decode(blob, device="cpu", batched=False).equal(want)
+    assert len(made) == 4 and sorted(made) == sorted(r for r, _ in awaited)
+    assert all(t is threading.main_thread() for _, t in awaited)  # on the caller's stream
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_frames_decoded_by_workers_are_right_on_a_non_default_stream() -> None:

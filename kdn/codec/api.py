@@ -470,7 +470,8 @@ def decode(buf: bytes | memoryview, *, device: torch.device | str | None = None,
     whole-entry decoder (``Mode.decode_layers``: ``kdn``, ``int8``) decodes every layer in a
     few kernel launches and one synchronisation at the end, the frames' sums computed on a
     worker thread meanwhile and checked before anything is returned (``decode_beside_sums``);
-    elsewhere layers decode in parallel on the codec's thread pool. ``batched`` forces either
+    elsewhere layers decode in parallel on the codec's thread pool (on a GPU, the caller's
+    current stream waits for each worker's, on the device). ``batched`` forces either
     way (True on the CPU runs the GPU kernels under Triton's interpreter: how tests check
     them)."""
     container = parse_container(buf, verify=False)  # frames are checked just below
@@ -484,5 +485,12 @@ def decode(buf: bytes | memoryview, *, device: torch.device | str | None = None,
         recs = unhashed_records(dec.header, container.frames, hashed=True)  # sums waited for
     else:
         recs = [r for i, f in enumerate(container.frames) for r in check_frame(dec.header, i, f)]
-    layers = list(_POOL.get().map(dec.decode_record, recs))
-    return KVCache(dec.header.layout, layers, start)
+    from kdn.codec.gpu_source import await_ready, record_ready
+
+    def here(rec: Any) -> tuple[Any, Any]:  # on a worker: its stream's work, awaited below
+        return dec.decode_record(rec), record_ready(dec.device)
+
+    got = list(_POOL.get().map(here, recs))
+    for _, ready in got:  # the caller's stream waits for every worker's (no host wait)
+        await_ready(ready, dec.device)
+    return KVCache(dec.header.layout, [layer for layer, _ in got], start)
