@@ -387,7 +387,7 @@ class PendingStream:
         self._stream: LayerStream | None = None
         self._error: BaseException | None = None
         self._cancelled = False
-        self._entry = entry
+        self._entry: Future[Fetched] | None = entry
         entry.add_done_callback(self._landed)
 
     def _landed(self, entry: Future[Fetched]) -> None:
@@ -399,6 +399,10 @@ class PendingStream:
                 self._stream = stream_of(got, self._device, self.timings)
         except BaseException as exc:  # raised from the waits
             self._error = exc
+        # the future keeps this callback, so a stream that kept the future would be a cycle:
+        # the entry's buffers (recycled as soon as nothing refers to them) would wait for the
+        # garbage collector, and every hit until then would take fresh memory
+        self._entry = None
         self._done.set()
 
     def landed(self, timeout: float | None = None) -> LayerStream:
@@ -439,6 +443,8 @@ class PendingStream:
         shuts its stripe's connection, and the stripe's later entries fail), one landed is
         let go."""
         self._cancelled = True
-        self._entry.cancel()
+        entry = self._entry
+        if entry is not None:
+            entry.cancel()
         if self._stream is not None:
             self._stream.cancel()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import logging
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any, TypeVar
@@ -178,7 +179,11 @@ class RemotePath:
             tier, bytes_of = g
             entry: Future[Fetched] = Future()
             bytes_of.add_done_callback(functools.partial(_as_fetched, entry, tier, pinned))
-            entry.add_done_callback(functools.partial(_let_go, bytes_of))
+            # weakly: each future keeping the other's callback would be a cycle, and the
+            # entry's buffer (recycled once nothing refers to it) would wait for the garbage
+            # collector while every later hit took fresh memory (the path holds ``bytes_of``
+            # until it is done)
+            entry.add_done_callback(functools.partial(_let_go, weakref.ref(bytes_of)))
             out.append((tier, entry))
         return out
 
@@ -251,10 +256,11 @@ class RemotePath:
             pass  # the server forgets it at shutdown anyway
 
 
-def _let_go(bytes_of: Future[memoryview], entry: Future[Fetched]) -> None:
+def _let_go(bytes_of: weakref.ref[Future[memoryview]], entry: Future[Fetched]) -> None:
     """An entry cancelled by its reader: its bytes are not landed (``NetPath``)."""
-    if entry.cancelled():
-        bytes_of.cancel()
+    landing = bytes_of()
+    if entry.cancelled() and landing is not None:
+        landing.cancel()
 
 
 def _as_fetched(entry: Future[Fetched], tier: str, pinned: bool,

@@ -228,10 +228,11 @@ class StreamDecoder:
         self._offsets: list[int] = []  # layer l's body goes to [offsets[l], offsets[l + 1])
         self._arena: memoryview | None = None  # of the arena they go to, taken on first use
         self._arena_lock = threading.Lock()
-        if self.mode.borrows and not self.borrow and self.device.type == "cpu":
+        if self.mode.borrows and self.device.type == "cpu":
             # verbatim bodies are copied once, into one recycled buffer for the whole entry
             # (kdn.transport.buffers: fresh memory faults page by page) that every layer's
-            # tensors view
+            # tensors view; borrowed bodies too where a tensor can not view them where they
+            # lie (an fp32 body two bytes off its alignment after a 14-byte record prefix)
             lay, t, size = self.header.layout, self.header.tokens, self.header.layout.dtype.itemsize
             ends = list(itertools.accumulate(
                 (lay.layers[i].k_numel(t) + lay.layers[i].v_numel(t)) * size
@@ -269,17 +270,17 @@ class StreamDecoder:
 
     def decode_record(self, rec: LayerRecord) -> tuple[torch.Tensor, torch.Tensor]:
         spec = layer_spec(self.header.layout, rec.layer, rec.tokens)
-        body = rec.body
-        arena = self._arena_view()
+        kv = self.mode.borrow_layer(rec.body, spec, private=self.private) if self.borrow \
+            else None
+        arena = self._arena_view() if kv is None else None
         if arena is not None:
             lo, hi = self._offsets[rec.layer], self._offsets[rec.layer + 1]
-            if len(body) != hi - lo:
-                raise Corrupt(f"layer {rec.layer}: {len(body)} body bytes, expected {hi - lo}")
+            if len(rec.body) != hi - lo:
+                raise Corrupt(f"layer {rec.layer}: {len(rec.body)} body bytes, expected "
+                              f"{hi - lo}")
             place = arena[lo:hi]
-            np.frombuffer(place, dtype=np.uint8)[:] = np.frombuffer(body, dtype=np.uint8)
-            body = place
-        kv = (self.mode.borrow_layer(body, spec, private=self.private and arena is None)
-              if self.borrow or arena is not None else None)
+            np.frombuffer(place, dtype=np.uint8)[:] = np.frombuffer(rec.body, dtype=np.uint8)
+            kv = self.mode.borrow_layer(place, spec)
         k, v = kv if kv is not None else self.mode.decode_layer(rec.body, spec, self.level,
                                                                  self.device)
         if tuple(k.shape) != spec.k_shape or tuple(v.shape) != spec.v_shape:
