@@ -129,3 +129,36 @@ def test_entries_larger_than_a_call_are_stored_too(
                            mode="raw", layers_per_frame=1)
         assert out[0].stored_bytes > small_calls and all(r.stored_bytes for r in out)
         _read_back(c, mixed)
+
+
+@pytest.mark.parametrize("change", [-1, 1])
+def test_an_answer_with_the_wrong_number_of_results_is_an_error(
+        server: ServerThread, small_calls: int, values: list,
+        monkeypatch: pytest.MonkeyPatch, change: int) -> None:
+    """A PutMany answer with one result fewer or more than its call had entries names the
+    mismatch (raised once every call was answered), not taken for entries to store again."""
+    from kdn.errors import KDNError
+    from kdn.v1 import kdn_pb2 as pb
+
+    real = dp.fast_answer
+    answers = [0]
+
+    def miscounted(conn):  # type: ignore[no-untyped-def]
+        ok, body = real(conn)
+        answers[0] += 1
+        if ok and answers[0] == 2:
+            resp = pb.PutManyResponse.FromString(body)
+            if change < 0:
+                del resp.results[-1]
+            else:
+                resp.results.add().CopyFrom(resp.results[0])
+            body = resp.SerializeToString()
+        return ok, body
+
+    with Client(server.address, timeout_s=30, shm_bytes=4 << 20) as c:
+        c.store(_key(999), values[0], mode="raw")  # attach first
+        monkeypatch.setattr(dp, "fast_answer", miscounted)
+        with pytest.raises(KDNError, match=r"PutMany answered \d+ results for \d+ entries"):
+            c.store_many([(_key(i), kv) for i, kv in enumerate(values)],
+                         mode="raw", layers_per_frame=1)
+        assert answers[0] > 2  # the later calls were answered too

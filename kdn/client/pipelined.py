@@ -201,13 +201,7 @@ def _staged_answered(conn: socket.socket, sent: tuple[list[int], list[Any]],
             st.close()
     if not ok:
         return error or fast_error(body)
-    results = pb.PutManyResponse.FromString(body).results
-    if len(results) != len(batch):
-        return error or KDNError(f"PutMany answered {len(results)} results for "
-                                 f"{len(batch)} entries")
-    for i, r in zip(batch, results):
-        out[i] = r
-    return error
+    return _record(batch, pb.PutManyResponse.FromString(body).results, out, error)
 
 
 def _put_answered(conn: socket.socket, seg: Any, sent: tuple[list[int], tuple[int, int]],
@@ -222,6 +216,17 @@ def _put_answered(conn: socket.socket, seg: Any, sent: tuple[list[int], tuple[in
         seg.regions.free(*block)
     if not ok:
         return error or fast_error(body)
-    for i, r in zip(batch, pb.PutManyResponse.FromString(body).results):
+    return _record(batch, pb.PutManyResponse.FromString(body).results, out, error)
+
+
+def _record(batch: list[int], results: Sequence[pb.StoreResponse],
+            out: list[pb.StoreResponse | None], error: KDNError | None) -> KDNError | None:
+    """A pipelined call's results into ``out``; an answer with more or fewer results than
+    the call had entries is the error (none recorded: which entry an answer is for is not
+    known)."""
+    if len(results) != len(batch):
+        return error or KDNError(f"PutMany answered {len(results)} results for "
+                                 f"{len(batch)} entries")
+    for i, r in zip(batch, results):
         out[i] = r
     return error
