@@ -18,7 +18,8 @@ parts expire after ``GRACE_S`` so readers mid-way through them can finish. A wri
 before its commit leaves only parts that expire by themselves; a write that Redis refused (out
 of memory, a slot moving) unlinks the parts it wrote, where that master answers. A reader that
 finds a part missing re-reads the manifest: a new version means retry; the same version means
-the part was evicted by Redis (``maxmemory``), and the entry is dropped and reported as a miss.
+the part was evicted by Redis (``maxmemory``), and the entry is dropped and reported as a miss
+and an eviction (not as damage).
 
 Transport (``kdn.store.redis_transport``): pooled clients, retries on connection and timeout
 errors only, redis-py errors leaving as ``TierUnavailable`` (``TooLarge`` when Redis is out of
@@ -263,8 +264,10 @@ class RedisTier(Tier):
             cur = _Header.parse(now) if now else None
             if cur is not None and cur.ver != h.ver:
                 return _RETRY
-            if cur is not None:
-                self._drop_damaged(key, h, "a part was evicted")
+            if cur is not None:  # Redis evicted a part (maxmemory): an eviction, not damage
+                log.info("redis entry %r lost a part to eviction; dropped", key)
+                self.counters.add("evictions")
+                self._drop(key, h)
             return None
         value = b"".join([first, *parts])
         if len(value) != h.total:
@@ -275,6 +278,10 @@ class RedisTier(Tier):
     def _drop_damaged(self, key: bytes, h: _Header | None, why: str) -> None:
         log.warning("redis entry %r is damaged (%s); dropped", key, why)
         self.counters.add("corrupt")
+        self._drop(key, h)
+
+    def _drop(self, key: bytes, h: _Header | None) -> None:
+        """Delete the entry's manifest (if still version ``h``) and expire its parts."""
         ver = h.ver if h is not None else b""
         old = self.transport.script(self._delete, [self._manifest_key(key)],
                                     [HEADER_BYTES, ver])
