@@ -223,8 +223,18 @@ def test_ratio_one_is_full_prefill(family: str) -> None:
     layout = model_layout(model, DType.FLOAT32)
     pieces, all_ids, _ = prompt(model, layout)
     full, logits = prefill(model, all_ids, layout)
-    got = blend(model, pieces, BlendConfig(ratio=1.0))
+    calls: list[int] = []
+    hooks = [layer.self_attn.q_proj.register_forward_hook(
+        lambda mod, args, out: calls.append(int(args[0].shape[-2])))
+        for layer in model.model.layers]
+    try:
+        got = blend(model, pieces, BlendConfig(ratio=1.0))  # the question rule, by default
+    finally:
+        for h in hooks:
+            h.remove()
     assert got.timings.recomputed_tokens == got.timings.cached_tokens == 70
+    # every token in one pass through the layers: nothing left for a question pass to rank
+    assert calls == [len(all_ids)] * len(model.model.layers)
     assert_kv_close(got.kv, full)
     torch.testing.assert_close(got.logits, logits, **TOL)
 

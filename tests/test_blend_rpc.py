@@ -323,20 +323,21 @@ def test_a_blend_is_paced_by_the_egress_cap(tmp_path: Path) -> None:
 
 def test_blends_whose_callers_are_gone_stop(tmp_path: Path) -> None:
     """Blends wait for the model in turn on the event loop, and one whose caller's deadline
-    passed stops within a layer: of 4 calls given up at 0.5 s (a blend here takes 8 layer
-    passes of 0.1 s), one starts and stops, the others never start."""
+    passed stops within a layer: of 4 calls given up at 0.5 s (a blend of text alone here
+    takes 4 layer passes of 0.2 s: nothing cached, so no question pass), one starts and stops,
+    the others never start."""
     with blending(tmp_path) as (st, c, model):
         passes: list[int] = []
 
         def slow(*_: Any) -> None:
             passes.append(1)
-            time.sleep(0.1)
+            time.sleep(0.2)
 
         for layer in model.model.layers:
             layer.self_attn.q_proj.register_forward_hook(slow)
         pieces = [RemotePiece(ids=ids(100, 1))]
         c.blend(pieces)
-        assert len(passes) == 8  # the question's pass, then the blend's
+        assert len(passes) == 4  # one pass: nothing cached for a question pass to rank
         passes.clear()
         failed: list[Exception] = []
 
@@ -355,7 +356,7 @@ def test_blends_whose_callers_are_gone_stop(tmp_path: Path) -> None:
             t.join()
         time.sleep(1.0)  # what a blend left running would compute meanwhile
         assert len(failed) == 4 and all(isinstance(e, DeadlineExceeded) for e in failed)
-        assert 0 < len(passes) < 8, passes  # stopped, within a pass of the deadline
+        assert 0 < len(passes) < 4, passes  # stopped, within a pass of the deadline
 
 
 def test_a_stored_text_only_blend_of_a_bf16_model_is_served_again(tmp_path: Path) -> None:

@@ -378,6 +378,10 @@ def blend(model: Any, pieces: list[Piece], config: BlendConfig | None = None,
     heads_only = cfg.head_tokens > 0 and (
         all(budget(cfg.ratio, b - a) <= min(cfg.head_tokens, b - a) for a, b in spans)
         if cfg.per_chunk else budget(cfg.ratio, int(cached_pos.numel())) <= heads)
+    # a budget of every cached token (ratio 1) leaves nothing for scores to rank
+    heads_only = heads_only or (
+        all(budget(cfg.ratio, b - a) >= b - a for a, b in spans) if cfg.per_chunk
+        else budget(cfg.ratio, int(cached_pos.numel())) >= int(cached_pos.numel()))
     if cfg.selects and cfg.query_share > 0 and not heads_only:  # the question's attention
         scores = text_pass(fixed, placed)[cached_pos]  # needs a first pass
         # text before the first chunk sees no chunk: the pass computed its K/V exactly
