@@ -228,35 +228,45 @@ class StreamDecoder:
         self._offsets: list[int] = []  # layer l's body goes to [offsets[l], offsets[l + 1])
         self._arena: memoryview | None = None  # of the arena they go to, taken on first use
         self._arena_lock = threading.Lock()
-        if self.mode.borrows and self.device.type == "cpu":
-            # verbatim bodies are copied once, into one recycled buffer for the whole entry
-            # (kdn.transport.buffers: fresh memory faults page by page) that every layer's
-            # tensors view; borrowed bodies too where a tensor can not view them where they
-            # lie (an fp32 body two bytes off its alignment after a 14-byte record prefix)
-            lay, t, size = self.header.layout, self.header.tokens, self.header.layout.dtype.itemsize
-            ends = list(itertools.accumulate(
-                (lay.layers[i].k_numel(t) + lay.layers[i].v_numel(t)) * size
-                for i in range(lay.num_layers)))
-            total = ends[-1] if ends else 0
-            if stored_bytes is not None and total > stored_bytes:
-                raise Corrupt(f"header declares {total} bytes of {self.mode.name} tensors in "
-                              f"an entry of {stored_bytes} bytes")
-            self._offsets = [0, *ends]
+        # verbatim bodies are copied once, into one recycled buffer for the whole entry
+        # (kdn.transport.buffers: fresh memory faults page by page) that every layer's tensors
+        # view; borrowed bodies too where a tensor can not view them where they lie (an fp32
+        # body two bytes off its alignment after a 14-byte record prefix): their offsets are
+        # counted when the first such body comes
+        self._may_arena = self.mode.borrows and self.device.type == "cpu"
+        if self._may_arena and not self.borrow:
+            self._offsets = self._layer_ends(stored_bytes)
+
+    def _layer_ends(self, stored_bytes: int | None) -> list[int]:
+        """Where each layer's tensors start in the arena, and its size last; Corrupt when the
+        header declares more tensor bytes than ``stored_bytes`` (before any allocation)."""
+        lay, t, size = self.header.layout, self.header.tokens, self.header.layout.dtype.itemsize
+        ends = list(itertools.accumulate(
+            (lay.layers[i].k_numel(t) + lay.layers[i].v_numel(t)) * size
+            for i in range(lay.num_layers)))
+        total = ends[-1] if ends else 0
+        if stored_bytes is not None and total > stored_bytes:
+            raise Corrupt(f"header declares {total} bytes of {self.mode.name} tensors in "
+                          f"an entry of {stored_bytes} bytes")
+        return [0, *ends]
 
     def _arena_view(self) -> memoryview | None:
         """The entry's arena, taken when the first layer is decoded into it (not before: a
-        decoder whose entry is decoded whole, ``copy_entry``, takes none); None when no memory
-        holds the declared size (checksummed, but hostile or damaged): layer by layer then,
-        each body's size checked before a copy. Slices of it keep the pooled buffer alive."""
-        if self._arena is None and self._offsets:
+        decoder whose entry is decoded whole, ``copy_entry``, or whose bodies are all viewed
+        where they lie, takes none); None when no memory holds the declared size
+        (checksummed, but hostile or damaged): layer by layer then, each body's size checked
+        before a copy. Slices of it keep the pooled buffer alive."""
+        if self._arena is None and self._may_arena:
             with self._arena_lock:
-                if self._arena is None and self._offsets:
+                if self._arena is None and self._may_arena:
+                    if not self._offsets:
+                        self._offsets = self._layer_ends(None)
                     total = self._offsets[-1]
                     try:
                         buf = inplace.BUFFERS.take(total) if total else np.empty(0, np.uint8)
                         self._arena = memoryview(buf)  # type: ignore[arg-type]
                     except MemoryError:
-                        self._offsets = []
+                        self._may_arena = False
         return self._arena
 
     @property
