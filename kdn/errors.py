@@ -8,7 +8,12 @@ module needs no grpc: the mapping to and from ``grpc.StatusCode`` lives in one p
 
 from __future__ import annotations
 
+import copy
 import enum
+import traceback
+from typing import TypeVar
+
+_E = TypeVar("_E", bound=BaseException)
 
 
 class Status(enum.StrEnum):
@@ -122,3 +127,43 @@ class Cancelled(KDNError, status=Status.CANCELLED):
 
 class ConfigError(KDNError, ValueError, status=Status.INVALID_ARGUMENT):
     """A configuration value is invalid; the message names the setting."""
+
+
+def kept(exc: _E) -> _E:
+    """``exc`` fit to outlive the handler that caught it (kept on an object or a future, for
+    another thread or a later call to raise): its traceback let go, and those of the errors
+    it was raised from or during. A traceback holds its frames, each frame every variable it
+    had (the handler's ``self``, the buffers being read), and the object keeping ``exc`` is
+    among them: a reference cycle, freed only by the garbage collector, with those buffers
+    in it. An error that is no ``KDNError`` (a bug, an OS or transport error) keeps where it
+    was raised as a note, printed with it (``BaseException.add_note``)."""
+    todo: list[BaseException] = [exc]
+    seen: set[int] = set()
+    while todo:
+        e = todo.pop()
+        if id(e) in seen:
+            continue
+        seen.add(id(e))
+        tb = e.__traceback__
+        if tb is not None:
+            if not isinstance(e, KDNError):
+                e.add_note("raised at:\n" + "".join(traceback.format_tb(tb)).rstrip())
+            e.__traceback__ = None
+        todo.extend(x for x in (e.__cause__, e.__context__) if x is not None)
+    return exc
+
+
+def again(exc: _E) -> _E:
+    """An error an object keeps (``kept``), to raise from it once more: a copy of it, so
+    that the traceback gathered on the way up (the frames of whoever holds that object) is
+    the copy's, and no cycle goes through the object; ``exc`` itself where it can not be
+    copied (an error whose arguments are not its constructor's)."""
+    try:
+        out = copy.copy(exc)
+    except Exception:
+        return exc
+    if type(out) is not type(exc):
+        return exc
+    out.__cause__, out.__context__ = exc.__cause__, exc.__context__
+    out.__suppress_context__ = exc.__suppress_context__
+    return out
