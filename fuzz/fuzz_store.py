@@ -113,10 +113,26 @@ class Aborted(Exception):
 
 
 class Context:
-    """The part of ``grpc.aio.ServicerContext`` the handlers use."""
+    """The part of ``grpc.aio.ServicerContext`` the handlers use: an abort (a bad request
+    message), or a status set before the handler returns (``kdn.server.rpc.end_call``)."""
+
+    def __init__(self) -> None:
+        self.code: grpc.StatusCode | None = None
+        self.details = ""
 
     async def abort(self, code: grpc.StatusCode, details: str = "") -> None:
         raise Aborted(code, details)
+
+    def set_code(self, code: grpc.StatusCode) -> None:
+        self.code = code
+
+    def set_details(self, details: str) -> None:
+        self.details = details
+
+    def ended(self) -> None:
+        """The call's end: Aborted where the handler set a status."""
+        if self.code is not None:
+            raise Aborted(self.code, self.details)
 
 
 def _reset() -> None:
@@ -222,10 +238,12 @@ async def _requests(msgs: list[bytes], context: Context) -> AsyncIterator[Any]:
 
 async def _retrieve(ns: str, key: bytes) -> bytes:
     parts: list[bytes] = []
-    async for msg in SERVICER.Retrieve(pb.RetrieveRequest(namespace=ns, key=key), Context()):
+    ctx = Context()
+    async for msg in SERVICER.Retrieve(pb.RetrieveRequest(namespace=ns, key=key), ctx):
         m = retrieve_response(msg) if isinstance(msg, bytes) else msg
         parts.append(bytes(m.header.container_header) if m.WhichOneof("part") == "header"
                      else bytes(m.frame.data))
+    ctx.ended()
     return b"".join(parts)
 
 
@@ -277,6 +295,7 @@ def one_input(data: bytes) -> None:
     try:
         ctx = Context()
         resp = LOOP.run_until_complete(SERVICER.Store(_requests(msgs, ctx), ctx))
+        ctx.ended()
     except Aborted as exc:
         if exc.code not in REFUSED:
             raise AssertionError(f"client input answered {exc}") from None

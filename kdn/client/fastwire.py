@@ -153,7 +153,10 @@ def read_entry(conn: socket.socket, length: int, pinned: bool = False,
     view[:HEAD_PREFIX_BYTES] = prefix
     fault = recv_container(conn, view, HEAD_PREFIX_BYTES, check_frame_prefix)
     if fault is not None:
-        raise fault
+        try:
+            raise fault
+        finally:  # its traceback holds this frame, which would hold it
+            del fault
     return view
 
 

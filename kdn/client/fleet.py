@@ -66,7 +66,7 @@ from kdn.client import metrics
 from kdn.client.admin import AdminClient
 from kdn.client.client import Client, LookupResult, Retry
 from kdn.client.routing import Affinity, LoadMeter, Router
-from kdn.errors import ConfigError, DeadlineExceeded, InvalidArgument, KDNError, Unavailable
+from kdn.errors import ConfigError, DeadlineExceeded, InvalidArgument, KDNError, Unavailable, kept
 from kdn.v1 import kdn_pb2 as pb
 
 if TYPE_CHECKING:
@@ -263,7 +263,7 @@ class FleetClient:
             try:
                 out = fn(self.clients[node])
             except NODE_FAILURES as exc:
-                last = exc
+                last = kept(exc)  # not this frame, which holds it
                 with self._lock:
                     self.failovers += 1
                 metrics.record_fleet_call(self.nodes[node], "failover")

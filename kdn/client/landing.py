@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from kdn.client.parallel import layer_groups
 from kdn.client.received import Fetched
 from kdn.codec.format import parse_header, sums_checked_later
-from kdn.errors import KDNError
+from kdn.errors import KDNError, again, kept
 from kdn.transport.wire import Frame, FrameMessage
 
 if TYPE_CHECKING:  # the tensor side loads on first use: admin tools run without torch
@@ -398,7 +398,7 @@ class PendingStream:
             if not self._cancelled:
                 self._stream = stream_of(got, self._device, self.timings)
         except BaseException as exc:  # raised from the waits
-            self._error = exc
+            self._error = kept(exc)  # its traceback's frames would keep this stream
         # the future keeps this callback, so a stream that kept the future would be a cycle:
         # the entry's buffers (recycled as soon as nothing refers to them) would wait for the
         # garbage collector, and every hit until then would take fresh memory
@@ -410,7 +410,7 @@ class PendingStream:
         if not self._done.wait(timeout):
             raise TimeoutError(f"the entry did not land in {timeout} s")
         if self._error is not None:
-            raise self._error
+            raise again(self._error)  # a copy: its traceback holds the frames that hold this
         if self._stream is None:
             raise KDNError("retrieve cancelled")
         return self._stream

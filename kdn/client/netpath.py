@@ -66,6 +66,8 @@ from kdn.errors import (
     DeadlineExceeded,
     KDNError,
     Unavailable,
+    again,
+    kept,
 )
 from kdn.layout import Expected
 from kdn.transport.buffers import BufferPool
@@ -294,11 +296,16 @@ class NetPath:
                     raise
         if not ok:
             self._drop()  # a refused call may close the connection (kdn.server.netpath)
-            error = refused(fast_error(out), new)
-            if isinstance(error, Crowded):
-                self.threads.mine().refused()
-            raise error
+            raise self._refused(out, new)
         return conn, out
+
+    def _refused(self, out: bytes, new: bool) -> KDNError:
+        """The error a refused call (``out``: its answer's body) raises, counted against
+        this thread's share of the server's calls where it was crowded out."""
+        error = refused(fast_error(out), new)
+        if isinstance(error, Crowded):
+            self.threads.mine().refused()
+        return error
 
     def put_many(self, namespace: str,
                  items: Sequence[tuple[bytes, EncodedParts, pb.StoreOptions]]
@@ -343,16 +350,17 @@ class NetPath:
         try:
             got = self._get_one(namespace, runs[0], want, pinned)
         except BaseException as exc:  # the other stripes still end (or fail) first
-            failed = exc
+            failed = kept(exc)  # its traceback holds this frame, which holds it
         for fut in later:
             try:
                 part = fut.result()
-            except BaseException as exc:
+            except BaseException as exc:  # its traceback holds this frame, which holds
+                kept(exc)  # ``later``, which holds it
                 failed = failed or exc
                 continue
             got += part
         if failed is not None:
-            raise failed
+            raise again(failed)
         return got
 
     def start_get_many(self, namespace: str, keys: Sequence[bytes], want: Expected,
@@ -424,6 +432,7 @@ class NetPath:
                 elif isinstance(exc, OSError):
                     exc = Unavailable(f"the data path connection dropped inside an entry "
                                       f"({exc}); nothing of it is used")
+                kept(exc)  # its traceback holds this frame, which holds the futures
                 for later in futures[j:]:
                     if later is not None and not later.done():
                         later.set_exception(exc)

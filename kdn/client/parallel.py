@@ -24,6 +24,8 @@ import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from kdn.errors import kept
+
 _DONE = object()
 GROUP_MIN_BYTES = 32 << 20
 """Entry bytes per stream below which a retrieve is not split: smaller parts cost more in
@@ -63,7 +65,7 @@ def merged(calls: Sequence[Any], stop: int | None = None) -> Iterator[Any]:
                     call.cancel()
                     break
         except BaseException as exc:  # handed to the consumer
-            out.put(exc)
+            out.put(kept(exc))  # not this frame, which holds ``out``
         finally:
             out.put(_DONE)
 
@@ -78,7 +80,10 @@ def merged(calls: Sequence[Any], stop: int | None = None) -> Iterator[Any]:
             running -= 1
             continue
         if isinstance(msg, BaseException):
-            raise msg
+            try:
+                raise msg
+            finally:  # its traceback holds this frame
+                del msg
         if msg.frame.index in seen:
             continue
         seen.add(msg.frame.index)

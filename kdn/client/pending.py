@@ -10,7 +10,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from kdn.errors import InvalidArgument, KDNError, Unavailable
+from kdn.errors import InvalidArgument, KDNError, Unavailable, again, kept
 from kdn.v1 import kdn_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -58,13 +58,14 @@ class PendingStore:
             self.resolve(None, Unavailable(f"the store of {self.key!r} was not answered; it "
                                            "may or may not be stored"))
         if self._error is not None:
-            raise self._error
+            raise again(self._error)  # a copy: its traceback holds the frames that hold this
         assert self._response is not None
         return self._response
 
     def resolve(self, response: pb.StoreResponse | None, error: KDNError | None) -> None:
         """The server's answer came (``response``), or the store failed (``error``)."""
-        self._response, self._error, self._done = response, error, True
+        self._response, self._done = response, True
+        self._error = kept(error) if error is not None else None  # not the frames it came by
         on_done, self._on_done = self._on_done, None
         if on_done is not None:
             try:  # keeping a copy in the in-process tier: a later call reads this answer,

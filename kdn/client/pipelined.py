@@ -106,7 +106,10 @@ def put_pipelined(namespace: str, items: Sequence[tuple[bytes, EncodedParts, pb.
         for _, block in pending:
             seg.regions.free(*block)
     if error is not None:
-        raise error
+        try:
+            raise error
+        finally:  # its traceback holds this frame
+            del error
     return out
 
 
@@ -173,7 +176,10 @@ def put_staged_pipelined(namespace: str, items: Sequence[tuple[bytes, pb.StoreOp
             for st in sent:
                 st.close()
     if error is not None:
-        raise error
+        try:
+            raise error
+        finally:  # its traceback holds this frame
+            del error
     return out
 
 

@@ -20,7 +20,7 @@ from kdn.client.pending import ASYNC_DEPTH, PendingStore
 from kdn.client.perthread import Crowded
 from kdn.client.received import Fetched, fetched
 from kdn.codec import EncodedParts
-from kdn.errors import DeadlineExceeded, KDNError, NotFound, Unavailable
+from kdn.errors import DeadlineExceeded, KDNError, NotFound, Unavailable, kept
 from kdn.layout import Expected
 from kdn.v1 import kdn_pb2 as pb
 
@@ -278,4 +278,4 @@ def _as_fetched(entry: Future[Fetched], tier: str, pinned: bool,
         entry.set_result(fetched(bytes_of.result(), tier, owned=True, checked=True,
                                  pinned=pinned))
     except BaseException as err:  # a header that does not parse: the entry's error
-        entry.set_exception(err)
+        entry.set_exception(kept(err))  # its traceback holds this frame, which holds ``entry``

@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 import grpc
 
 from kdn import tracing as _tracing
-from kdn.errors import Closed, InvalidArgument
+from kdn.errors import Closed, InvalidArgument, kept
 from kdn.status import from_grpc
 from kdn.transport.metadata import API_KEY_HEADER, REQUEST_ID_HEADER
 from kdn.transport.wire import get_many_response, retrieve_response, serialize_passthrough
@@ -75,7 +75,8 @@ class Retry:
         for attempt in range(self.retries + 1):
             try:
                 return fn()
-            except grpc.RpcError as err:
+            except grpc.RpcError as err:  # the call itself, which the frames it passed hold:
+                kept(err)  # not those frames
                 if err.code() not in self.codes or attempt == self.retries:
                     raise
                 time.sleep(min(self.cap_s, self.base_s * 2**attempt) * (0.5 + random.random()))
@@ -228,8 +229,8 @@ class Rpc:
             raise Closed(CLOSED)
         try:
             return self.retry.call(fn)
-        except grpc.RpcError as err:
-            raise from_grpc(err) from None
+        except grpc.RpcError as err:  # kept as the context of kdn's error: not the frames
+            raise from_grpc(kept(err)) from None  # it passed, which hold the call
 
     def close(self) -> None:
         self.closed = True

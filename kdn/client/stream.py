@@ -38,7 +38,7 @@ from kdn.client.received import LOCAL_TIER
 from kdn.codec import StreamDecoder
 from kdn.codec.api import target_device
 from kdn.codec.inplace import EntryViews, Span
-from kdn.errors import Corrupt, InvalidArgument, KDNError
+from kdn.errors import Corrupt, InvalidArgument, KDNError, again, kept
 from kdn.layout import KVLayout
 from kdn.pools import SharedPool
 from kdn.status import from_grpc
@@ -198,6 +198,7 @@ class LayerStream:
         return self.tier == LOCAL_TIER
 
     def _fail(self, exc: BaseException) -> None:
+        kept(exc)  # its traceback's frames (this stream's among them) would keep the stream
         with self._lock:
             if self._error is None:
                 self._error = exc
@@ -314,8 +315,8 @@ class LayerStream:
             if missing and self._error is None:
                 self._fail(InvalidArgument(f"retrieve stream ended without layers {missing}"))
             self.timings.done = time.perf_counter()
-        except grpc.RpcError as err:
-            self._fail(from_grpc(err))
+        except grpc.RpcError as err:  # the call itself, which ``_cancel`` keeps
+            self._fail(from_grpc(kept(err)))
         except BaseException as exc:
             self._fail(exc)
         if self._error is None:
@@ -346,7 +347,7 @@ class LayerStream:
         layer = self._layers[i]
         if layer is None:
             assert self._error is not None
-            raise self._error
+            raise again(self._error)  # a copy: its traceback holds the frames that hold this
         staged = self._events.get(i)
         if staged is not None:
             current = stream or torch.cuda.current_stream(self.device)

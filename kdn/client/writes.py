@@ -29,7 +29,7 @@ from kdn.client.pending import PendingStore
 from kdn.client.rpc import Rpc, traced
 from kdn.codec import EncodedParts
 from kdn.codec.format import parse_header
-from kdn.errors import InvalidArgument, KDNError, Status, TooLarge
+from kdn.errors import InvalidArgument, KDNError, Status, TooLarge, again
 from kdn.keys import check_key, check_namespace
 from kdn.layout import KVLayout
 from kdn.options import StoreOptions
@@ -304,8 +304,8 @@ class Writer:
         among those answered since the last flush (each also raises from its ``result()``)."""
         self.dataplane.settle_async()
         errors = self.dataplane.take_async_errors()
-        if errors:
-            raise errors[0]
+        if errors:  # a copy: its traceback holds this frame, which holds ``errors``
+            raise again(errors[0])
 
     def stage(self, layout: KVLayout, tokens: int, *, start_position: int = 0) -> Staged:
         """A ``raw`` entry of ``tokens`` tokens of ``layout`` to fill in place and store without

@@ -21,7 +21,7 @@ from kdn.codec.format import (
     header_size,
     parse_header,
 )
-from kdn.errors import Corrupt, InvalidArgument, Truncated
+from kdn.errors import Corrupt, InvalidArgument, Truncated, again, kept
 
 COPY_CHUNK = 2 << 20
 """Bytes ``copy_checked`` copies at a time: each chunk is hashed while it is still in cache
@@ -99,11 +99,11 @@ def copy_checked(dst: memoryview, value: bytes | memoryview, *,
     try:
         run(runs[-1])
     except BaseException as exc:  # raised once every run has ended
-        mine = exc
+        mine = kept(exc)  # not this frame, which holds it
     errors = [f.exception() for f in futures]
     for err in (*errors, mine):
-        if err is not None:
-            raise err
+        if err is not None:  # a copy: this frame holds ``err`` and the futures theirs
+            raise again(kept(err))
     return header
 
 

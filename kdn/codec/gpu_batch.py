@@ -62,7 +62,7 @@ from kdn.codec.gpu_source import (
 )
 from kdn.codec.modes import LayerSpec
 from kdn.codec.quant import SCALE_TABLE, upload_many
-from kdn.errors import Corrupt, InvalidArgument
+from kdn.errors import Corrupt, InvalidArgument, again, kept
 
 __all__ = ["DIRECT", "SPAN_GAP", "STATS", "Decoded", "decode_int8", "decode_kdn"]
 
@@ -125,7 +125,7 @@ class Decoded:
                 wait()
             except Corrupt as exc:
                 if self.error is None:
-                    self.error = exc
+                    self.error = kept(exc)  # not this frame, which holds ``self``
                 self.layers = []
         if self.flag is not None:
             STATS["syncs"] += 1
@@ -138,7 +138,7 @@ class Decoded:
                 self.error = Corrupt(f"{self.where}: {why}")
                 self.layers = []
         if self.error is not None:
-            raise self.error
+            raise again(self.error)  # a copy: its traceback holds the frames that hold this
         return self.layers
 
 

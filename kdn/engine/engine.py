@@ -93,7 +93,7 @@ from kdn.engine.config import (
 from kdn.engine.connector import KVConnector
 from kdn.engine.measure import observe_request, time_decodes, time_prefill
 from kdn.engine.store_back import StoreBack
-from kdn.errors import DeadlineExceeded
+from kdn.errors import DeadlineExceeded, again, kept
 from kdn.layout import KVLayout
 from kdn.model.hf import (
     CacheDecoder,
@@ -403,8 +403,10 @@ class KDNEngine(KVConnector):
                     f"layer {i} of the {self._loaded_blocks} blocks loaded was not in within "
                     f"the load's deadline of {self._load_s:.3g} s (max of lookup_timeout_s, "
                     f"{LOAD_DEADLINE_X:g} x its predicted TTFT, {MIN_LOAD_DEADLINE_S:g} s)")
-            self._load_failed = exc
-            raise exc from None
+            # kept without its traceback (this frame, holding the engine, and the model's
+            # forward, holding its tensors); a copy is raised, whose traceback is its own
+            self._load_failed = kept(exc)
+            raise again(exc) from None
         if len(parts) == 1:
             return parts[0]
         # k: [kv_heads, tokens, k_channels], blocks joined along tokens

@@ -31,7 +31,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from kdn import tracing
-from kdn.errors import ConfigError, InUse, KDNError
+from kdn.errors import ConfigError, InUse, KDNError, again, kept
 from kdn.server.admin import AdminServicer
 from kdn.server.auth import AuthConfig, Authenticator, Role, load_auth, tenants_from_text
 from kdn.server.blend_rpc import Blender
@@ -437,7 +437,7 @@ class ServerThread:
         try:
             self.server = self._loop.run_until_complete(start_server(self.config, self._store))
         except BaseException as exc:  # reported to the starting thread
-            self._error = exc
+            self._error = kept(exc)  # not this frame, which holds ``self``
             self._ready.set()
             return
         self._ready.set()
@@ -447,7 +447,7 @@ class ServerThread:
         self._thread.start()
         self._ready.wait()
         if self._error is not None:
-            raise self._error
+            raise again(self._error)  # a copy: its traceback holds this frame, and ``self``
         return self
 
     @property

@@ -36,7 +36,7 @@ from kdn.errors import KDNError, Status
 from kdn.keys import check_namespace, store_key
 from kdn.server.auth import Principal, current_principal
 from kdn.server.ingest import Ingest
-from kdn.server.rpc import abort
+from kdn.server.rpc import end_call
 from kdn.v1 import kdn_pb2 as pb
 
 
@@ -163,7 +163,7 @@ async def blend_stream(blender: Blender | None, ingest: Ingest, request: pb.Blen
                                         job.combination_key, parts)
             count("blend.computed")
     except KDNError as exc:
-        await abort(context, count, "Blend", exc)
+        end_call(context, count, "Blend", exc)
         return
     total = len(head) + sum(len(f) for f in frames)
     yield pb.RetrieveResponse(header=pb.RetrieveHeader(

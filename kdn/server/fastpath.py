@@ -40,7 +40,7 @@ from collections.abc import Callable
 from functools import partial
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
-from kdn.errors import InvalidArgument, KDNError, NotFound
+from kdn.errors import InvalidArgument, KDNError, NotFound, kept
 from kdn.server.arena import Arenas
 from kdn.server.auth import Principal
 from kdn.server.batch import BatchReads, copy_pool
@@ -101,7 +101,10 @@ was answered: ``kdn.client.puts.ASYNC_DEPTH`` of them at most from one thread)."
 
 
 def _raise(exc: KDNError) -> Reply:
-    raise exc
+    try:
+        raise exc
+    finally:  # its traceback holds this frame
+        del exc
 
 
 def _queued(conn: socket.socket) -> bool:
@@ -271,7 +274,7 @@ class FastPath:
             s.count("fast.PutMany")
             copies = s.puts.copy(principal, req, alone=True)
         except KDNError as exc:
-            return partial(_raise, exc)
+            return partial(_raise, kept(exc))  # not the frames of the copy it came from
         return lambda: Reply(s.puts.finish(principal, req, copies).SerializeToString())
 
     def opened(self, conn: socket.socket) -> socket.socket:

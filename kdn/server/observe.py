@@ -282,6 +282,7 @@ class RequestInterceptor(grpc.aio.ServerInterceptor):
                 raise
             finally:
                 code = self._code(context, exc)
+                exc = None  # its traceback holds this frame
                 self._done(rpc, rid, tenant, t0, code, context)
                 if span is not None:
                     span.set_attribute("kdn.code", code)

@@ -21,7 +21,7 @@ from typing import NamedTuple
 from kdn.codec.copies import copy_checked
 from kdn.codec.format import Header, header_size, parse_container
 from kdn.codec.sealing import copy_sealed
-from kdn.errors import Corrupt, InvalidArgument, KDNError, TooLarge
+from kdn.errors import Corrupt, InvalidArgument, KDNError, TooLarge, kept
 from kdn.keys import store_key
 from kdn.server.arena import Arena, Arenas, Slot
 from kdn.server.auth import Principal
@@ -129,7 +129,7 @@ class PutMany:
                 try:
                     copied[j] = copy_in(j, item)
                 except Exception as exc:  # raised by ``finish`` in its turn
-                    copied[j] = exc
+                    copied[j] = kept(exc)  # not the frames, which hold ``copied``
         return PutCopies(True, copied, homes, checked)
 
     def finish(self, p: Principal, request: pb.PutManyRequest, copies: PutCopies
@@ -143,7 +143,10 @@ class PutMany:
                 return value
             got = copies.values.pop(j)
             if isinstance(got, BaseException):
-                raise got
+                try:
+                    raise got
+                finally:  # its traceback holds this frame, which would hold it
+                    del got
             return got
 
         try:
@@ -192,7 +195,7 @@ class PutMany:
                 try:
                     out[j] = copy_in(j, items[j])
                 except Exception as exc:  # raised by value_of in its turn
-                    out[j] = exc
+                    out[j] = kept(exc)  # not the frames, which hold ``out``
                 j = take(front)
             return out
 

@@ -14,7 +14,7 @@ from kdn.keys import store_key
 from kdn.server.auth import current_principal
 from kdn.server.batch import STREAM_MIN_FRAME_BYTES
 from kdn.server.reader import Reader, expected
-from kdn.server.rpc import abort
+from kdn.server.rpc import end_call
 from kdn.store.framed import Framed
 from kdn.transport.wire import GROUP_INLINE_BYTES, retrieve_headers_message
 from kdn.v1 import kdn_pb2 as pb
@@ -81,7 +81,7 @@ class RetrieveMany:
                     head, sel, memo = self.reader.answer(skey, hit, read_s,
                                                    expected(request))
                 except KDNError as exc:
-                    await abort(context, self.count, "RetrieveMany", exc)
+                    end_call(context, self.count, "RetrieveMany", exc)
                     return
                 yield pb.RetrieveResponse(header=head)
                 for (_, frame), msgs in zip(sel, memo):
@@ -116,7 +116,7 @@ class RetrieveMany:
                     header = self.reader.served(skey, hit, read_s,
                                                 expected(request))
             except KDNError as exc:
-                await abort(context, self.count, "RetrieveMany", exc)
+                end_call(context, self.count, "RetrieveMany", exc)
                 return
             n = len(hit.value) if hit is not None else 0
             whole = hit is not None and n <= budget and (n <= request.inline_max_entry_bytes

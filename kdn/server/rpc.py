@@ -1,5 +1,5 @@
-"""How a servicer answers a ``KDNError``: counted as ``<rpc>.<STATUS>``, then aborted with its
-gRPC status code (``kdn.status.grpc_code``), in one place for every handler."""
+"""How a servicer answers a ``KDNError``: counted as ``<rpc>.<STATUS>``, then the call ended
+with its gRPC status code (``kdn.status.grpc_code``), in one place for every handler."""
 
 from __future__ import annotations
 
@@ -25,15 +25,20 @@ class Counting(Protocol):
     def count(self, name: str, n: int = 1) -> None: ...
 
 
-async def abort(context: grpc.aio.ServicerContext, count: Callable[[str], None], name: str,
-                exc: KDNError) -> None:
-    """Count ``exc`` against RPC ``name`` and abort the call with its status (raises)."""
+def end_call(context: grpc.aio.ServicerContext, count: Callable[[str], None], name: str,
+             exc: KDNError) -> None:
+    """Count ``exc`` against RPC ``name`` and set the call's status to its own; the handler
+    returns right after (a unary one None), and the call ends with that status. Nothing is
+    raised: gRPC's abort raises an error that it keeps with the call, whose traceback holds
+    the handler's frames, which hold the call: a cycle with every variable of those frames
+    in it (the entries read, the request), freed only by the garbage collector."""
     count(f"{name}.{grpc_code(exc).name}")
-    await context.abort(grpc_code(exc), str(exc))
+    context.set_code(grpc_code(exc))
+    context.set_details(str(exc))
 
 
 def rpc(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
-    """A unary-answer handler whose ``KDNError`` aborts the call (``abort``); a streamed
+    """A unary-answer handler whose ``KDNError`` ends the call (``end_call``); a streamed
     request message that is not protobuf is a bad request. While it runs, the call counts
     in the servicer's ``in_flight`` (the load a node reports to fleet clients in Stats'
     ``rpc.in_flight``: ``kdn.client.fleet``)."""
@@ -46,8 +51,8 @@ def rpc(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
             except DecodeError as exc:  # a streamed request message that is not protobuf
                 raise InvalidArgument(f"malformed request message: {exc}") from exc
         except KDNError as exc:
-            await abort(context, self.count, fn.__name__, exc)
-            raise  # unreachable: abort raises
+            end_call(context, self.count, fn.__name__, exc)
+            return None  # type: ignore[return-value]
         finally:
             self.in_flight -= 1
 

@@ -47,7 +47,7 @@ from kdn.server.putmany import PutMany
 from kdn.server.reader import Reader, expected
 from kdn.server.receive import Receiver
 from kdn.server.retrieve_many import RetrieveMany
-from kdn.server.rpc import IN_FLIGHT, abort, rpc
+from kdn.server.rpc import IN_FLIGHT, end_call, rpc
 from kdn.server.segments import Segments
 from kdn.server.usage import Usage
 from kdn.server.wire_memo import WireMemo
@@ -121,13 +121,14 @@ class KDNServicer(pb_grpc.KDNServicer):
 
     async def _answer(self, name: str, context: grpc.aio.ServicerContext,
                       fn: Callable[[Principal], T]) -> T:
-        """Run ``fn(caller)`` on a worker thread; a KDNError aborts with its status."""
+        """Run ``fn(caller)`` on a worker thread; a KDNError ends the call with its status
+        (``end_call``), answering None."""
         principal = current_principal.get()
         try:
             return await asyncio.to_thread(fn, principal)
         except KDNError as exc:
-            await abort(context, self.count, name, exc)
-            raise  # unreachable: abort raises
+            end_call(context, self.count, name, exc)
+            return None  # type: ignore[return-value]
 
     # -- writes ---------------------------------------------------------------------------------
 
@@ -200,7 +201,7 @@ class KDNServicer(pb_grpc.KDNServicer):
                 skey, hit, read_s, expected(request), request.first_layer,
                 request.last_layer, pieces)
         except KDNError as exc:
-            await abort(context, self.count, "Retrieve", exc)
+            end_call(context, self.count, "Retrieve", exc)
             return
         pacer = self.pacer(context) if self.egress.on else None
         yield pb.RetrieveResponse(header=head)

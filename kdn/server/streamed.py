@@ -18,7 +18,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kdn.codec.format import Header, check_frame
-from kdn.errors import InvalidArgument, KDNError, TooLarge
+from kdn.errors import InvalidArgument, KDNError, TooLarge, again
 from kdn.server.auth import Authenticator, Principal
 from kdn.server.putmany import PutMany
 from kdn.server.requests import check_names
@@ -80,8 +80,8 @@ def put_streamed(servicer: Putting, conn: socket.socket, body: bytes,
 
     def value_of(j: int, _: pb.PutItem) -> memoryview:
         fault = faults[j]
-        if fault is not None:
-            raise fault  # named with its item by ``PutMany.put_items``
+        if fault is not None:  # named with its item by ``PutMany.put_items``; a copy, as
+            raise again(fault)  # ``faults`` is in its traceback's frames
         return values[j]
 
     return servicer.puts.put_items(principal, put, value_of)

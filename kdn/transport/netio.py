@@ -14,7 +14,7 @@ from kdn.codec.format import (
     header_size,
     parse_header,
 )
-from kdn.errors import Corrupt, KDNError, Truncated
+from kdn.errors import Corrupt, KDNError, Truncated, kept
 from kdn.transport.wire import recv_into_all
 
 READ_AHEAD = 1 << 20
@@ -65,4 +65,4 @@ def recv_container(conn: socket.socket, view: memoryview, at: int,
     except KDNError as exc:
         if at < n and not recv_into_all(conn, view[at:]):
             raise OSError("the data path closed inside an entry") from None
-        return exc
+        return kept(exc)  # data to its caller: not the frames (``view`` among them) it passed
