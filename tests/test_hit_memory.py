@@ -205,3 +205,26 @@ def test_a_load_failing_in_the_engine_makes_no_reference_cycles(
     found = collected(failing)
     assert kdn_garbage(found) == [], (
         "a failed load's objects were freed only by the garbage collector:\n" + cycles(found))
+
+
+def test_a_new_clients_first_hit_lands_where_an_earlier_clients_entries_lay(
+        server: ServerThread) -> None:
+    """Landing buffers are the process's: a client made after another let go of its hits
+    (an engine restarted in the process, a new server's client) does not fault in fresh
+    memory for its first one."""
+    big = uniform_layout(layers=3, heads=4, dim=64)
+    ks = [numbered_key(100 + i) for i in range(3)]
+    kvs = [random_kv(big, 2048, seed=i) for i in range(3)]  # 3 MiB each: pooled sizes
+    with Client(server.address, timeout_s=30, shm_bytes=0) as first:
+        first.store_many(list(zip(ks, kvs)), mode="raw")
+        first.flush()
+        got = first.fetch_many(ks, layout=big)
+        assert all(g is not None for g in got)
+        del got  # their buffers go back
+    with Client(server.address, timeout_s=30, shm_bytes=0) as second:
+        net = second.dataplane.net()
+        assert net is not None
+        reused = net.landing.reused
+        again = second.retrieve_many(ks, layout=big)
+        assert net.landing.reused - reused == 3
+        assert all(g is not None and g.equal(kv) for g, kv in zip(again, kvs))

@@ -283,8 +283,9 @@ def test_a_context_read_again_lands_in_the_buffers_of_the_last_read(striped: Cli
     first = striped.fetch_many(keys, layout=big)
     assert all(f is not None for f in first)
     net = striped.dataplane.net()
-    assert net is not None and net.landing.reused == 0
+    assert net is not None
+    reused = net.landing.reused
     del first  # nothing views the landed entries any more: their buffers go back
     again = striped.retrieve_many(keys, layout=big)
-    assert net.landing.reused == 3
+    assert net.landing.reused - reused == 3
     assert all(g is not None and g.equal(kv) for g, kv in zip(again, kvs))

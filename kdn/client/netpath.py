@@ -97,11 +97,12 @@ MAX_CONNECTIONS = 32
 """Connections one GetMany may be striped over at most, asked for (the server serves 256
 at once, a thread each)."""
 LANDING_BYTES = 1 << 30
-"""Bytes of landed entries' buffers a path keeps for the next ones once nothing views them
-(an 8k-token Llama-3-8B context): fresh memory is faulted in at 1.2-1.9 GB/s (0.3 while the
-kernel compacts it for huge pages), slower than loopback, so a context read again lands in
-memory that is already there, as a socket loop's kept buffer (the process-wide
-``RECEIVED`` pool keeps 256 MiB)."""
+"""Bytes of landed entries' buffers the process keeps for the next ones once nothing views
+them (an 8k-token Llama-3-8B context): fresh memory is faulted in at 1.2-1.9 GB/s (0.3 while
+the kernel compacts it for huge pages), slower than loopback, so a context read again lands in
+memory that is already there, as a socket loop's kept buffer. One pool for every path of the
+process (``LANDED``): a new client's first hit lands where an earlier one's entries lay."""
+LANDED = BufferPool(LANDING_BYTES)
 
 
 class NetPath:
@@ -120,7 +121,7 @@ class NetPath:
         """Each thread's connection (``kdn.client.perthread``: closed when its thread ends)."""
         self._all: list[socket.socket] = []  # the stripes' connections
         self._spare: list[socket.socket] = []  # those idle
-        self.landing = BufferPool(LANDING_BYTES)
+        self.landing = LANDED
         """Where entries land (host memory; page-locked ones come from torch's caching host
         allocator, which keeps them too)."""
         self._stripers: ThreadPoolExecutor | None = None
