@@ -27,8 +27,8 @@ choice: the least median TTFT of the rows above (recompute included, ``best_fixe
 ``vs_best_fixed_worst`` the largest and ``vs_best_fixed_first`` the fresh engine's first
 request's (issue 52's promise: within 1.10x, and never above 1.05x of ``prefill_s``).
 
-The fresh engine calibrates first (before any row is timed: its probe's reads change how fast
-later hits of the same process run on the 2-core host), then the rows run in ``runs`` rounds,
+The fresh engine calibrates first (before any row is timed, as before a first request: its
+prefill and probe touch the process's memory), then the rows run in ``runs`` rounds,
 each round one request of every row, each row first in turn (what ran just before a request
 changes its time: a recompute's 8 s of compute, a ``kdn-default`` decode's allocations), so
 that a busy spell of the host and the order fall on all rows alike; the forced requests go to

@@ -7,7 +7,7 @@ plane back to gRPC for good (it says so once in the log), except on a path that 
 there the server may have restarted (another port, its tickets forgotten), so the path is asked
 for again once (``RemotePath``), and the call made on the new one. A PutMany's items go from
 their frames straight into the kernel (``kdn.transport.wire.send_pieces``); a GetMany's entries
-are read into one recycled buffer each (``kdn.transport.buffers.RECEIVED``), its first frame at
+are read into one recycled buffer each (the process's ``LANDED`` pool), its first frame at
 a multiple of 64 bytes so decoded tensors view it in place, each frame checked the moment it
 lands (in cache). Each thread calls on a connection of its own, closed when the thread ends
 (``kdn.client.perthread``); a new one the server refuses for its connection limits sends that
