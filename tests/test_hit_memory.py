@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from concurrent.futures import CancelledError
 from typing import Any
 
 import pytest
@@ -18,7 +17,7 @@ import torch
 from kdn import codec
 from kdn.client import Client
 from kdn.codec.api import StreamDecoder
-from kdn.errors import Corrupt, InvalidArgument, KDNError, LayoutMismatch, again, kept
+from kdn.errors import Cancelled, Corrupt, InvalidArgument, LayoutMismatch, again, kept
 from kdn.layout import DType
 from kdn.server import ServerThread
 from kdn.server.streamed import Desynced
@@ -82,7 +81,7 @@ def _failing(c: Client, ks: list[bytes], failure: str) -> Callable[[], None]:
                 s.cancel()
                 try:
                     s.result(timeout=30)
-                except (KDNError, CancelledError):
+                except Cancelled:
                     pass
         return run
     error = Corrupt if failure == "damaged" else LayoutMismatch
@@ -228,3 +227,20 @@ def test_a_new_clients_first_hit_lands_where_an_earlier_clients_entries_lay(
         again = second.retrieve_many(ks, layout=big)
         assert net.landing.reused - reused == 3
         assert all(g is not None and g.equal(kv) for g, kv in zip(again, kvs))
+
+
+def test_a_stream_cancelled_before_its_entry_landed_says_so_as_any_cancelled_stream() -> None:
+    """A network-path stream let go before its entry came raises ``Cancelled`` from its
+    waits, as a cancelled gRPC stream does (not ``concurrent.futures.CancelledError``)."""
+    from concurrent.futures import Future
+
+    from kdn.client.landing import PendingStream, new_timings
+
+    entry: Future = Future()
+    pending = PendingStream(entry, "ram", "cpu", new_timings())
+    pending.cancel()
+    assert entry.cancelled()
+    with pytest.raises(Cancelled, match="retrieve cancelled"):
+        pending.result(timeout=5)
+    with pytest.raises(Cancelled, match="retrieve cancelled"):
+        pending.wait_for_layer(0, timeout=5)

@@ -10,13 +10,13 @@ import math
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future
+from concurrent.futures import CancelledError, Future
 from typing import TYPE_CHECKING, Any
 
 from kdn.client.parallel import layer_groups
 from kdn.client.received import Fetched
 from kdn.codec.format import parse_header, sums_checked_later
-from kdn.errors import KDNError, again, kept
+from kdn.errors import Cancelled, again, kept
 from kdn.transport.wire import Frame, FrameMessage
 
 if TYPE_CHECKING:  # the tensor side loads on first use: admin tools run without torch
@@ -397,6 +397,8 @@ class PendingStream:
                 self._on_landed(got)
             if not self._cancelled:
                 self._stream = stream_of(got, self._device, self.timings)
+        except CancelledError:  # cancelled before it landed: as a LayerStream cancelled
+            self._error = Cancelled("retrieve cancelled")
         except BaseException as exc:  # raised from the waits
             self._error = kept(exc)  # its traceback's frames would keep this stream
         # the future keeps this callback, so a stream that kept the future would be a cycle:
@@ -412,7 +414,7 @@ class PendingStream:
         if self._error is not None:
             raise again(self._error)  # a copy: its traceback holds the frames that hold this
         if self._stream is None:
-            raise KDNError("retrieve cancelled")
+            raise Cancelled("retrieve cancelled")
         return self._stream
 
     @property

@@ -38,7 +38,7 @@ from kdn.client.received import LOCAL_TIER
 from kdn.codec import StreamDecoder
 from kdn.codec.api import target_device
 from kdn.codec.inplace import EntryViews, Span
-from kdn.errors import Corrupt, InvalidArgument, KDNError, again, kept
+from kdn.errors import Cancelled, Corrupt, InvalidArgument, again, kept
 from kdn.layout import KVLayout
 from kdn.pools import SharedPool
 from kdn.status import from_grpc
@@ -400,4 +400,4 @@ class LayerStream:
                 staged.event.synchronize()
                 staged.sources = ()
         self._cancel()
-        self._fail(KDNError("retrieve cancelled"))
+        self._fail(Cancelled("retrieve cancelled"))
