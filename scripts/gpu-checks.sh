@@ -39,7 +39,8 @@ start=$(date +%s)
 KDN_REAL_KV=$REAL_KV timeout 240 $PY -m pytest -m gpu -q -p no:cacheprovider -rs --timeout 200 \
     tests/test_gpu_decode.py tests/test_gpu_batch.py tests/test_engine_devices.py tests/test_dataplane.py \
     tests/test_local_tier.py tests/test_arena.py tests/test_staged.py tests/test_defaults.py \
-    tests/test_decode_streams.py tests/test_device_index.py tests/test_blend_devices.py 2>&1 | tee "$OUT/pytest-gpu.log" | tail -40
+    tests/test_decode_streams.py tests/test_device_index.py tests/test_blend_devices.py \
+    tests/test_hit_memory.py 2>&1 | tee "$OUT/pytest-gpu.log" | tail -40
 echo "pytest -m gpu: $(( $(date +%s) - start )) s"
 start=$(date +%s)
 timeout $(( BUDGET + 150 )) $PY -m bench.gpu --budget-s "$BUDGET" --out "$OUT/gpu.json" "$@" 2>&1 \
