@@ -60,6 +60,24 @@ def test_a_cluster_master_down_at_start_gets_the_budget_once_back(tmp_path: Path
             tier.close()
 
 
+def test_a_master_back_counts_as_back_only_with_its_budget(tmp_path: Path) -> None:
+    """The master that did not answer is reported back (its slots' keys served again) only
+    once it has the byte budget: not before the next health probe gives it, a window in
+    which writes would fill it without a limit."""
+    with RedisCluster3(tmp_path / "c") as cluster:
+        lost = cluster.nodes[0]
+        lost.kill()
+        tier = RedisTier(cluster.urls, cluster=True, capacity_bytes=BUDGET)
+        try:
+            tier.transport.keep_budget = lambda: None  # type: ignore[method-assign]
+            assert tier.masters_down() == [f"127.0.0.1:{lost.port}"]
+            lost.start()
+            assert eventually(lambda: not tier.masters_down(), timeout=15)
+            assert _budget_of(lost) == (BUDGET, "allkeys-lru")
+        finally:
+            tier.close()
+
+
 def test_a_promoted_replica_gets_the_budget(tmp_path: Path) -> None:
     with RedisCluster3(tmp_path / "c", replicas=True) as cluster:
         tier = RedisTier(cluster.urls, cluster=True, capacity_bytes=BUDGET)

@@ -296,6 +296,7 @@ class RedisTransport:
             node = primaries.get(name)
             try:
                 if node is not None and self.client.ping(target_nodes=node):
+                    self._keep_budget_on(node)  # back with its budget, not before it
                     masters.answered(name)
             except (*REDIS_ERRORS, OSError):
                 pass
@@ -353,6 +354,10 @@ class RedisTransport:
         ask(primaries)
         names = {n.name for n in primaries}
         self._masters.keep(names)
+        down = set(self._masters.down())
+        for node in primaries:  # one back gets its budget before it counts as back
+            if answers.get(node.name) and node.name in down:
+                self._keep_budget_on(node)
         for name, ok in answers.items():
             if ok:
                 self._masters.answered(name)
@@ -540,18 +545,23 @@ class RedisTransport:
         if not self._budget:
             return
         for node in self._budget_nodes():
-            if node is not None and self.blocked(node.name):
-                continue
-            kw: dict[str, Any] = {} if node is None else {"target_nodes": node}
-            try:
-                got = self.call(self.client.config_get, "maxmemory*", **kw)
-                if got.get("maxmemory") != str(self._budget) \
-                        or got.get("maxmemory-policy") != "allkeys-lru":
-                    self._set_budget(node)
-                    log.info("redis %s lacked the byte budget (restarted, or promoted): set",
-                             "Redis" if node is None else node.name)
-            except KDNError as exc:
-                log.debug("redis: byte budget not checked: %s", exc)
+            if node is None or not self.blocked(node.name):
+                self._keep_budget_on(node)
+
+    def _keep_budget_on(self, node: ClusterNode | None) -> None:
+        """``keep_budget`` on one master (None: the standalone Redis)."""
+        if not self._budget:
+            return
+        kw: dict[str, Any] = {} if node is None else {"target_nodes": node}
+        try:
+            got = self.call(self.client.config_get, "maxmemory*", **kw)
+            if got.get("maxmemory") != str(self._budget) \
+                    or got.get("maxmemory-policy") != "allkeys-lru":
+                self._set_budget(node)
+                log.info("redis %s lacked the byte budget (restarted, or promoted): set",
+                         "Redis" if node is None else node.name)
+        except KDNError as exc:
+            log.debug("redis: byte budget not checked: %s", exc)
 
     def _budget_nodes(self) -> list[ClusterNode | None]:
         if not isinstance(self.client, RedisCluster):
