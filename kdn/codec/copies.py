@@ -103,7 +103,7 @@ def copy_checked(dst: memoryview, value: bytes | memoryview, *,
     errors = [f.exception() for f in futures]
     for err in (*errors, mine):
         if err is not None:  # a copy: this frame holds ``err`` and the futures theirs
-            raise again(kept(err))
+            raise again(err)
     return header
 
 
