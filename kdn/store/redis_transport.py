@@ -122,6 +122,23 @@ class _Cluster(RedisCluster):
     ERRORS_ALLOW_RETRY = tuple(e for e in RedisCluster.ERRORS_ALLOW_RETRY  # type: ignore[assignment]
                                if e is not redis.exceptions.TimeoutError)
 
+    def command(self, **kwargs: Any) -> Any:
+        """``COMMAND``, which redis-py's client asks of a random master as it starts (to learn
+        where commands name their keys): asked of each master in turn until one answers, so
+        that a stopped master (each try times out) does not stop the client from starting
+        while the others answer."""
+        if "target_nodes" in kwargs:
+            return super().command(**kwargs)
+        first = self.get_default_node()
+        nodes = [first, *(n for n in self.get_primaries() if n is not first)]
+        for i, node in enumerate(n for n in nodes if n is not None):
+            try:
+                return super().command(target_nodes=node, **kwargs)
+            except (redis.exceptions.TimeoutError, redis.exceptions.ConnectionError):
+                if i == len(nodes) - 1:
+                    raise
+        return super().command(**kwargs)  # no map: redis-py says why
+
 
 class RedisTransport:
     """The Redis tier's clients and its view of a cluster's masters (see the module docstring).
@@ -162,6 +179,7 @@ class RedisTransport:
         self._wait_clients: dict[str, redis.Redis] = {}
         self._wait_lock = threading.Lock()
         self._watcher: threading.Thread | None = None
+        self._asking: threading.Thread | None = None  # the watcher's PINGs (``_ask_again``)
         self._stop = threading.Event()
         self._closed = False
         self.client: redis.Redis | RedisCluster
@@ -279,6 +297,10 @@ class RedisTransport:
                 if asking is None or not asking.is_alive():
                     asking = threading.Thread(target=self._ask_again, args=(primaries,),
                                               name="kdn-redis-ask", daemon=True)
+                    with self._wait_lock:
+                        if self._closed:
+                            return
+                        self._asking = asking
                     asking.start()
             except Exception:  # never let the watch end while a master is remembered
                 log.exception("redis cluster watch")
@@ -289,19 +311,24 @@ class RedisTransport:
 
     def _ask_again(self, primaries: dict[str, ClusterNode]) -> None:
         """PING the masters that did not answer; ask those short of replicas how many they
-        have."""
+        have. Once the transport closes, it stops (a call under way then fails on its
+        closed socket: ValueError), and says nothing."""
         assert isinstance(self.client, RedisCluster) and self._masters is not None
         masters = self._masters
         for name in masters.down():
             node = primaries.get(name)
+            if self._stop.is_set():
+                return
             try:
                 if node is not None and self.client.ping(target_nodes=node):
                     self._keep_budget_on(node)  # back with its budget, not before it
                     masters.answered(name)
-            except (*REDIS_ERRORS, OSError):
+            except (*REDIS_ERRORS, OSError, ValueError):
                 pass
         for name in masters.short():
             node = primaries.get(name)
+            if self._stop.is_set():
+                return
             try:
                 if node is not None and int(self.client.info(
                         "replication", target_nodes=node).get("connected_slaves", 0)) \
@@ -581,6 +608,9 @@ class RedisTransport:
             watcher = self._watcher
         if watcher is not None:
             watcher.join(timeout=5)
+        asking = self._asking  # a PING of a stopped master ends within its socket timeout
+        if asking is not None:
+            asking.join(timeout=self.timeout_s * (self.retries + 2))
         for c in [self.client, *self._wait_clients.values()]:
             try:
                 c.close()
