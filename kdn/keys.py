@@ -8,7 +8,10 @@ covers the model fingerprint) and the token ids as little-endian int32:
 * ``prefix_keys``: chained keys over fixed-size token chunks, for prefix reuse. Key i covers
   tokens [0, (i+1) * chunk_tokens): it hashes key i-1 and chunk i's tokens, so a hit on key i
   implies the whole prefix matches.
-* ``text_chunk_key``: tokenize with the model's tokenizer, then ``chunk_key``.
+* ``text_chunk_key``: tokenize with the model's tokenizer, then ``chunk_key``. Keys name token
+  ids, never text: texts that tokenize alike share a key, texts that do not (``"é"`` in NFC
+  and in NFD, ``"<|im_end|>"`` parsed as a special token or spelled out) never do
+  (``kdn.text``: kdn normalizes nothing).
 * ``page_key``: one page of an engine's paged cache, named by the engine's own page hash
   (e.g. SGLang's HiCache keys) plus the layout and the page size.
 
@@ -38,6 +41,7 @@ import numpy as np
 from kdn.errors import InvalidArgument
 from kdn.layout import KVLayout
 from kdn.names import DEFAULT_NAMESPACE, KEY_BYTES, check_key, check_namespace, check_tenant
+from kdn.text import tokenize
 
 DEFAULT_PREFIX_CHUNK = 256
 
@@ -100,16 +104,20 @@ def _scope(adapter: str = "", tp: Shard | None = None, salt: str | bytes = b"",
     ``adapter``: the LoRA (or other) adapter the KV was computed with. ``tp``/``pp``: the
     tensor-/pipeline-parallel shard holding it ((0, 1) is the whole model: the same bytes as no
     shard). ``salt``: an opaque per-request or per-user value (vLLM's ``cache_salt``) that keeps
-    caches apart even inside one namespace."""
+    caches apart even inside one namespace.
+
+    Both are opaque: a str is hashed as UTF-8 with ``surrogatepass``, so any str has a key (a
+    request's ``cache_salt`` decoded from JSON may hold a lone surrogate) and different strs
+    never share one."""
     if not isinstance(adapter, str):
         raise InvalidArgument(f"adapter must be a str, got {type(adapter).__name__}")
     if not isinstance(salt, (str, bytes)):
         raise InvalidArgument(f"salt must be str or bytes, got {type(salt).__name__}")
-    salt_b = salt.encode() if isinstance(salt, str) else bytes(salt)
+    salt_b = salt.encode("utf-8", "surrogatepass") if isinstance(salt, str) else bytes(salt)
     tp_b, pp_b = _shard_bytes("tp", tp), _shard_bytes("pp", pp)
     if not (adapter or tp_b or pp_b or salt_b):
         return ()
-    return (_h(b"kdn/scope/v1", adapter.encode(), tp_b, pp_b, salt_b),)
+    return (_h(b"kdn/scope/v1", adapter.encode("utf-8", "surrogatepass"), tp_b, pp_b, salt_b),)
 
 
 def scope_tag(adapter: str = "", salt: str | bytes = b"") -> str:
@@ -170,8 +178,13 @@ def text_chunk_key(
     text: str, tokenizer: Any, layout: KVLayout, namespace: str = DEFAULT_NAMESPACE, *,
     adapter: str = "", tp: Shard | None = None, salt: str | bytes = b""
 ) -> bytes:
-    """Key of a text chunk: tokenized without special tokens, then ``chunk_key``."""
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    """Key of a text chunk: tokenized without special tokens added (those written in the text
+    are parsed, as the tokenizer does by default: ``kdn.text.tokenize``), then ``chunk_key``.
+    InvalidArgument for a text that is not valid Unicode or gives no tokens."""
+    ids = tokenize(tokenizer, text, "the chunk text")
+    if not ids:
+        raise InvalidArgument(f"the chunk text {text[:40]!r} gives no tokens: a chunk key names "
+                              "the KV of at least one token")
     return chunk_key(ids, layout, namespace, adapter=adapter, tp=tp, salt=salt)
 
 

@@ -17,12 +17,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kdn.layout import KVLayout
+from kdn.text import check_text
 from kdn.v1 import kdn_pb2 as pb
 
 
 @dataclass(frozen=True)
 class RemotePiece:
-    """A run of prompt tokens: a stored chunk (``key`` and its ``ids``) or text (ids or text)."""
+    """A run of prompt tokens: a stored chunk (``key`` and its ``ids``) or text (ids or text).
+    The server tokenizes ``text`` as ``kdn.text.tokenize`` does by default: special tokens
+    written in it (``"<|im_start|>"``) are the tokenizer's; give untrusted text as ``ids``
+    (``kdn.text.tokenize(..., literal=True)``) to keep them plain characters."""
 
     ids: Sequence[int] = field(default_factory=tuple)
     key: bytes = b""
@@ -33,6 +37,8 @@ def blend_request(pieces: Sequence[RemotePiece], *, namespace: str, ratio: float
                   select_layer: int, head_tokens: int, per_chunk: bool, store: bool, mode: str,
                   level: str, layout: KVLayout | None, query_share: float | None = None
                   ) -> pb.BlendRequest:
+    for j, p in enumerate(pieces):
+        check_text(p.text, f"piece {j}'s text")  # protobuf would raise UnicodeEncodeError
     req = pb.BlendRequest(
         namespace=namespace, select_layer=select_layer, head_tokens=head_tokens,
         per_chunk=per_chunk, store=store, mode=mode, level=level,

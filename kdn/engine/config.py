@@ -19,6 +19,7 @@ from kdn.delivery import RECOMPUTE
 from kdn.errors import ConfigError, InvalidArgument
 from kdn.layout import DType, KVLayout
 from kdn.names import check_namespace
+from kdn.text import tokenize
 
 CHUNK_TOKENS = 256
 """Tokens per block by default: fine-grained prefix reuse, and a few MiB to tens of MiB per
@@ -200,9 +201,14 @@ def prompt_ids(prompt: str | Sequence[int] | torch.Tensor, tokenizer: Any,
     added), a sequence of ids, or a tensor of them, 1-D or a batch of one (``[1, tokens]``, what
     a tokenizer's ``return_tensors="pt"`` gives; ``[[ids]]`` likewise). ValueError for an empty
     prompt, a batch of several, ids that are not whole numbers, or an id outside
-    ``0..vocabulary-1`` (the model's embedding rows), naming it and where it is."""
+    ``0..vocabulary-1`` (the model's embedding rows), naming it and where it is, and for a
+    text that is not valid Unicode (a lone surrogate: ``kdn.text.check_text``). Special
+    tokens written in a text are parsed as the tokenizer's (``kdn.text.tokenize``)."""
     if isinstance(prompt, str):
-        prompt = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        try:
+            prompt = tokenize(tokenizer, prompt, "the prompt")
+        except InvalidArgument as exc:
+            raise ValueError(str(exc)) from None
     rows: list[Any]
     if isinstance(prompt, torch.Tensor):
         if prompt.is_floating_point() or prompt.is_complex() or prompt.dtype == torch.bool:

@@ -35,7 +35,7 @@ from typing import Any, Protocol
 import torch
 
 from kdn.cache import KVCache, LayerKV
-from kdn.errors import InvalidLayout
+from kdn.errors import InvalidArgument, InvalidLayout
 from kdn.layout import DType, KVLayout
 
 # -- what the model is -------------------------------------------------------------------------
@@ -342,7 +342,10 @@ def _ids(ids: Sequence[int] | torch.Tensor, device: torch.device) -> torch.Tenso
 def prefill(model: Any, ids: Sequence[int] | torch.Tensor, layout: KVLayout
             ) -> tuple[KVCache, torch.Tensor]:
     """KV of ``ids`` computed alone from position 0, in ``layout.dtype``, and the next-token
-    logits after the last id ([vocab])."""
+    logits after the last id ([vocab]). InvalidArgument for no ids: a forward of nothing has
+    neither KV nor logits."""
+    if (ids.numel() if isinstance(ids, torch.Tensor) else len(ids)) == 0:
+        raise InvalidArgument("prefill needs at least one token id, got none (an empty text?)")
     out = model(_ids(ids, model_device(model)), past_key_values=full_cache(model),
                 use_cache=True, logits_to_keep=1)
     dt = layout.dtype.torch

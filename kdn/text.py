@@ -1,0 +1,81 @@
+"""Texts given to kdn, checked and tokenized the same way at every entry point.
+
+* ``check_text(text, what)``: a ``str`` that UTF-8 can encode, else InvalidArgument naming
+  ``what`` and the first character it cannot encode. A lone surrogate (``"\\ud800"``, or the
+  ``"\\udcff"`` Python makes of a byte that is not UTF-8 in a command-line argument or a file
+  name) is such a character; tokenizers refuse it deep inside with a TypeError.
+* ``tokenize(tokenizer, text, what, literal=...)``: the checked text's token ids, never with
+  special tokens added. Special tokens written out in the text (``"<|im_start|>"``) are the
+  tokenizer's special tokens by default, as a Hugging Face tokenizer parses them: a prompt
+  that spells out its chat template means it. With ``literal`` they are plain text (the
+  characters ``<``, ``|``, ...): what untrusted text (a RAG document, a question) is, so it can
+  not open a chat turn of its own.
+* ``template_ids(tokenizer, template, field, value, what)``: a trusted template with an
+  untrusted value put in place of ``field``: the template's special tokens are parsed, the
+  value's are literal. Equal to ``tokenize(template.replace(field, value))`` wherever the
+  value spells out no special token (a tokenizer splits a text at its special tokens and
+  tokenizes the pieces between them alone, which is what this does).
+
+kdn does not normalize text (no NFC, no newline or BOM changes): a key names token ids, and
+"é" (U+00E9) and "e" + U+0301 are different ids, so different KV and different keys.
+
+This module imports no torch: ``kdn.keys`` uses it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kdn.errors import InvalidArgument
+
+
+def check_text(text: object, what: str) -> str:
+    """``text`` when it is a ``str`` UTF-8 can encode; InvalidArgument naming ``what``, the
+    character and its position otherwise."""
+    if not isinstance(text, str):
+        raise InvalidArgument(f"{what} must be text (str), got {type(text).__name__}")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidArgument(
+            f"{what} is not valid Unicode text: {text[exc.start:exc.end]!r} at character "
+            f"{exc.start} is a lone surrogate, which UTF-8 cannot encode (a byte that is not "
+            "UTF-8, decoded with errors='surrogateescape'?)") from None
+    return text
+
+
+def special_tokens(tokenizer: Any) -> list[str]:
+    """The tokenizer's special tokens written out, longest first ([] where it has none)."""
+    found = getattr(tokenizer, "all_special_tokens", None) or []
+    return sorted({t for t in found if isinstance(t, str) and t}, key=len, reverse=True)
+
+
+def tokenize(tokenizer: Any, text: str, what: str, *, literal: bool = False) -> list[int]:
+    """Token ids of ``text`` (checked by ``check_text``), no special tokens added; with
+    ``literal`` special tokens written in it are plain text (module docstring)."""
+    check_text(text, what)
+    if literal and special_tokens(tokenizer):
+        ids = tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+    else:
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    return [int(t) for t in ids]
+
+
+def template_ids(tokenizer: Any, template: str, field: str, value: str, what: str) -> list[int]:
+    """Token ids of ``template`` with ``value`` in place of every ``field``: the template's
+    special tokens parsed, ``value``'s literal (module docstring)."""
+    check_text(value, what)
+    specials = special_tokens(tokenizer)
+    ids: list[int] = []
+    rest = template
+    while rest:
+        # the next special token of the template, outside the field
+        at, token = min(((rest.find(t), t) for t in specials if t in rest),
+                        key=lambda found: (found[0], -len(found[1])), default=(len(rest), ""))
+        piece = rest[:at].replace(field, value)
+        if piece:
+            ids += tokenize(tokenizer, piece, what, literal=True)
+        if token:
+            ids += tokenize(tokenizer, token, "the template")
+        rest = rest[at + len(token):]
+    return ids

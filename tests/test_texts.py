@@ -1,0 +1,54 @@
+"""Hostile texts at the entry points that take text, without a model (the real tokenizer's
+cases are in test_rag_model.py): a lone surrogate is a kdn error naming where it is, and an
+opaque salt of any str has a key of its own."""
+
+from __future__ import annotations
+
+import pytest
+
+from kdn import keys
+from kdn.client.blend import RemotePiece, blend_request
+from kdn.engine.config import prompt_ids
+from kdn.errors import InvalidArgument
+from kdn.text import check_text
+from tests.helpers import uniform_layout
+
+
+class ByteTokenizer:
+    """One token per UTF-8 byte: as a byte-level BPE, it can not take a lone surrogate."""
+
+    def __call__(self, text: str, *, add_special_tokens: bool = False) -> dict[str, list[int]]:
+        return {"input_ids": list(text.encode("utf-8"))}
+
+
+def test_a_lone_surrogate_is_named_at_each_text_entry_point() -> None:
+    lay, tok = uniform_layout(), ByteTokenizer()
+    with pytest.raises(InvalidArgument, match=r"the chunk text .*'\\udcff' at character 4"):
+        keys.text_chunk_key("caf\u00e9\udcff", tok, lay)
+    with pytest.raises(ValueError, match=r"the prompt .*'\\ud800' at character 0 is a lone"):
+        prompt_ids("\ud800 hello", tok, 256)
+    with pytest.raises(InvalidArgument, match=r"piece 1's text .*lone surrogate"):
+        blend_request([RemotePiece(text="fine"), RemotePiece(text="a\udfffb")], namespace="",
+                      ratio=None, select_layer=1, head_tokens=0, per_chunk=False, store=False,
+                      mode="", level="", layout=None)
+    with pytest.raises(InvalidArgument, match="must be text"):
+        check_text(b"bytes", "the question")
+
+
+def test_a_text_of_no_tokens_has_no_chunk_key() -> None:
+    lay, tok = uniform_layout(), ByteTokenizer()
+    with pytest.raises(InvalidArgument, match="gives no tokens"):
+        keys.text_chunk_key("", tok, lay)
+    assert keys.text_chunk_key(" ", tok, lay) == keys.chunk_key([32], lay)
+
+
+def test_a_salt_or_adapter_of_any_str_has_its_own_keys() -> None:
+    """vLLM's cache_salt comes from a request's JSON, where "\\ud800" is a lone surrogate."""
+    lay, ids = uniform_layout(), list(range(512))
+    chains = [keys.prefix_keys(ids, lay, salt=s) for s in ("\ud800", "\ud801", "", "\ud800x")]
+    assert len({c[0] for c in chains}) == 4 and all(len(c) == 2 for c in chains)
+    # a pair of surrogates is not the character they would pair into
+    assert keys.chunk_key(ids, lay, salt="\ud83d\ude00") != keys.chunk_key(ids, lay, salt="😀")
+    assert keys.chunk_key(ids, lay, adapter="\udcff") != keys.chunk_key(ids, lay, adapter="ÿ")
+    # a salt UTF-8 can encode keeps the key it always had
+    assert keys.chunk_key(ids, lay, salt="é") == keys.chunk_key(ids, lay, salt="é".encode())
