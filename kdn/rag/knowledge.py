@@ -49,6 +49,7 @@ from kdn.rag.index import (
     state_lock,
 )
 from kdn.rag.pipeline import Answer, RagEngine, Source
+from kdn.text import check_text
 
 DELETE_BATCH = 4096
 """Keys per Delete call (128 KiB of keys)."""
@@ -403,7 +404,9 @@ class KnowledgeBase:
     # -- asking ---------------------------------------------------------------------------------
 
     def retrieve(self, question: str, k: int | None = None) -> list[Source]:
-        """The top-k chunks for ``question``, best first."""
+        """The top-k chunks for ``question``, best first (InvalidArgument for a question that
+        is not valid Unicode: ``kdn.text.check_text``)."""
+        check_text(question, "the question")
         self._check_settings()  # another model would recompute and store every chunk anew
         qv = self.embedder.embed([question])[0]
         out = []

@@ -13,7 +13,11 @@ Two layers:
   not hold is prefilled alone now; ``kdn.blend.blend`` composes ``head | chunk 1 | ... |
   chunk n | tail(question)`` layer by layer while later layers still arrive (selective
   recompute, ``blend_ratio``); greedy decoding from the blended KV gives the answer; chunks
-  that were missing are stored last (after the answer, off the TTFT path).
+  that were missing are stored last (after the answer, off the TTFT path). Chunks and the
+  question are untrusted text: special tokens written in them are tokenized as plain
+  characters, while the head's and tail's (the chat template's) are the tokenizer's own
+  (``kdn.text``); a chunk or question that is not valid Unicode, or a chunk of no tokens, is
+  InvalidArgument naming it.
 
 * ``KnowledgeBase`` — a corpus ingested into kdn plus a retrieval index, persisted in a state
   folder (``kdn.rag.index``)::
@@ -55,6 +59,7 @@ from kdn.errors import InvalidArgument
 from kdn.keys import check_namespace, chunk_key
 from kdn.model import hf
 from kdn.rag.corpus import Tokenizer, chunk_ids
+from kdn.text import template_ids, tokenize
 
 PLAIN_HEAD = "Answer the question using the documents below.\n\n"
 PLAIN_TAIL = "Question: {question}\nAnswer:"
@@ -221,7 +226,7 @@ class RagEngine:
             self.head, self.tail = self.config.head, self.config.tail
         else:
             self.head, self.tail = prompt_template(tokenizer)
-        self.head_ids = chunk_ids(tokenizer, self.head)
+        self.head_ids = tokenize(tokenizer, self.head, "the prompt head")
         self.stop = stop_ids(tokenizer)
 
     # -- chunks ---------------------------------------------------------------------------------
@@ -229,6 +234,21 @@ class RagEngine:
     def key(self, ids: Sequence[int], salt: str = "") -> bytes:
         """A chunk's key; ``salt``: a knowledge base's owner id (its keys are its own)."""
         return chunk_key(ids, self.layout, self.config.namespace, salt=salt)
+
+    def chunk_ids(self, chunks: Sequence[str]) -> list[list[int]]:
+        """Each chunk's token ids (``kdn.rag.corpus.chunk_ids``); InvalidArgument naming the
+        first chunk that is not valid Unicode or gives no tokens (there is no KV of nothing)."""
+        out = []
+        for i, c in enumerate(chunks):
+            ids = chunk_ids(self.tokenizer, c, f"chunk {i}")
+            if not ids:
+                raise InvalidArgument(f"chunk {i} ({c!r}) gives no tokens: give chunks of text")
+            out.append(ids)
+        return out
+
+    def tail_ids(self, question: str) -> list[int]:
+        """Token ids of the tail with ``question`` in it (its special tokens as plain text)."""
+        return template_ids(self.tokenizer, self.tail, "{question}", question, "the question")
 
     def prefill(self, ids: Sequence[int]) -> KVCache:
         """KV of a chunk prefilled alone from position 0."""
@@ -255,7 +275,7 @@ class RagEngine:
 
     def ensure(self, chunks: Sequence[str]) -> int:
         """Prefill and store the chunks kdn does not hold; how many were computed."""
-        ids = [chunk_ids(self.tokenizer, c) for c in chunks]
+        ids = self.chunk_ids(chunks)
         keys = [self.key(i) for i in ids]
         computed = 0
         for k, i, size in zip(keys, ids, self.present(keys)):
@@ -273,11 +293,11 @@ class RagEngine:
         _, context = hf.prompt_limits(self.model)
         if context is None:
             return len(chunks)
-        tail = len(chunk_ids(self.tokenizer, self.tail.replace("{question}", question)))
+        tail = len(self.tail_ids(question))
         room = context - len(self.head_ids) - tail - (max_new_tokens or self.config.max_new_tokens)
         used = 0
-        for c in chunks:
-            room -= len(chunk_ids(self.tokenizer, c))
+        for ids in self.chunk_ids(chunks):
+            room -= len(ids)
             if room < 0:
                 break
             used += 1
@@ -302,7 +322,7 @@ class RagEngine:
         used = self.fitting(question, chunks, max_new_tokens)
         t.dropped_chunks = len(chunks) - used
         chunks = chunks[:used]
-        ids = [chunk_ids(self.tokenizer, c) for c in chunks]
+        ids = self.chunk_ids(chunks)
         chunks_kv = [self.connector(salt) for _ in ids]
         loaded = [c.start_load(i) for c, i in zip(chunks_kv, ids)]
         t.fetch_s = time.perf_counter() - t0
@@ -314,7 +334,7 @@ class RagEngine:
                     c.save_layer(layer, k, v)
                 missing.append(c)
         t.prefill_missing_s = time.perf_counter() - tp
-        tail_ids = chunk_ids(self.tokenizer, self.tail.replace("{question}", question))
+        tail_ids = self.tail_ids(question)
         pieces = [Piece(self.head_ids)] + [Piece(i, c) for i, c in zip(ids, chunks_kv)] + [
             Piece(tail_ids)]
         result = blend(self.model, pieces, cfg.blend_config())
