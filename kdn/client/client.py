@@ -10,7 +10,11 @@
 One gRPC channel is created per Client and reused by every call and thread. Every call has a
 deadline: ``timeout_s`` seconds, a number > 0 (default 60), or None for none (``inf`` is None
 too; InvalidArgument for anything else, ``kdn.client.rpc.check_timeout``). Calls that fail
-with UNAVAILABLE are retried with exponential backoff (``Retry``); nothing else is retried.
+with UNAVAILABLE are retried with exponential backoff (``Retry``); nothing else is retried. A
+server that does not answer (stopped, hung, cut off) costs a call its deadline once, on
+whichever path it goes (gRPC, the same-host fast path, the network data path), and ``close``
+gives its calls to the server (segment and ticket given back) ``kdn.client.dataplane.CLOSE_S``
+in all.
 From asyncio code use ``AsyncClient(client)``, which runs the same methods on worker threads:
 there is one copy of the logic.
 

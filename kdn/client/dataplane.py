@@ -41,6 +41,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
+from kdn.client.deadline import deadline_within, time_left
 from kdn.client.getmany import inline_entry, listed_entry, place
 from kdn.client.netpath import NetPath
 from kdn.client.pending import PendingStore
@@ -92,6 +93,9 @@ not list."""
 REPORT_READS = 1024
 """Reads from the arena's directory a client reports in a call of its own at most (they
 ride on its next GetMany before that: ``GetManyRequest.read_listed``)."""
+CLOSE_S = 1.0
+"""Seconds ``DataPlane.close`` gives its calls to the server in all (reads reported, the
+segment and the ticket given back): a server that answers does so in milliseconds."""
 
 
 class TooBig:
@@ -161,11 +165,16 @@ class DataPlane:
         return self.network.path()
 
     def close(self) -> None:
-        arena = self.same_host.arena
-        if arena is not None and self.same_host.server_alive():
-            self._report_reads(arena, at_least=1)
-        self.same_host.close()
-        self.network.close()
+        """Report the arena's reads, give the segment and the network ticket back (calls the
+        server does without: it drops a segment whose client closed it, and a tenant's oldest
+        tickets), and close the connections; those calls end within ``CLOSE_S`` in all, so
+        that a server stopped or cut off holds a closing client no longer."""
+        with deadline_within(CLOSE_S):
+            arena = self.same_host.arena
+            if arena is not None and self.same_host.server_alive():
+                self._report_reads(arena, at_least=1)
+            self.same_host.close()
+            self.network.close()
 
     def _report_reads(self, arena: Any, at_least: int | None = None) -> None:
         """Report the entries read from the arena's directory in a call of its own once
@@ -434,14 +443,15 @@ class DataPlane:
 
     def _many(self, op: int, req: Any, rpc: Callable[..., Any], answer: type[T],
               request_id: str | None) -> T:
-        """One GetMany / PutMany: on the fast path when there is one, else by gRPC."""
+        """One GetMany / PutMany: on the fast path when there is one, else by gRPC (its
+        deadline ``timeout_s``, or this thread's ``deadline_within`` if sooner)."""
         if req.segment_id and self.same_host.fast:
             out = self.same_host.call(op, req)
             if out is not None:
                 return answer.FromString(out)  # type: ignore[attr-defined, no-any-return]
         md = self._metadata(request_id)
         return self._call(  # type: ignore[no-any-return]
-            lambda: rpc(req, timeout=self.timeout_s, metadata=md))
+            lambda: rpc(req, timeout=time_left(self.timeout_s), metadata=md))
 
     # -- writes ---------------------------------------------------------------------------------
 

@@ -1,5 +1,7 @@
-"""Deadlines of calls on the network data path (``kdn.client.netpath``): one per call, for
-all of its sends and receives together, not one per receive.
+"""Deadlines of calls on the data paths: on the network data path (``kdn.client.netpath``)
+one per call, for all of its sends and receives together, not one per receive; on the
+same-host fast path (``kdn.client.samehost``) each send and receive waits ``timeout_s`` at
+most, and the call as a whole ends by ``deadline_within`` where the thread runs inside one.
 
 ``NetPath`` binds each call's connection to when the call must end (``Until``: every send and
 receive waits only the time left, TimeoutError once none is): ``timeout_s`` from the call's
@@ -26,7 +28,8 @@ _CAP = threading.local()
 
 @contextlib.contextmanager
 def deadline_within(seconds: float) -> Iterator[None]:
-    """Calls this thread makes on any network data path inside end within ``seconds`` from
+    """Calls this thread makes on any data path inside (the network data path, the same-host
+    fast path; and the calls that give them back, ``time_left``) end within ``seconds`` from
     now in all (TimeoutError, DeadlineExceeded from the client), also where the client's
     ``timeout_s`` is longer or None. A call already bounded sooner keeps its own."""
     before = getattr(_CAP, "until", None)
@@ -81,6 +84,17 @@ def call_cap() -> float | None:
     """This thread's ``deadline_within`` (``time.monotonic``), None outside one."""
     until: float | None = getattr(_CAP, "until", None)
     return until
+
+
+def time_left(timeout_s: float | None) -> float | None:
+    """The deadline, in seconds from now, of a gRPC call made with ``timeout_s``: less where
+    this thread runs inside ``deadline_within`` (a millisecond once its time is up: the call
+    then fails at once, with DEADLINE_EXCEEDED)."""
+    cap = call_cap()
+    if cap is None:
+        return timeout_s
+    left = max(0.001, cap - time.monotonic())
+    return left if timeout_s is None else min(timeout_s, left)
 
 
 def unbound(conn: socket.socket) -> socket.socket:

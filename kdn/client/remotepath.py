@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
+from kdn.client.deadline import time_left
 from kdn.client.fastwire import batches_of
 from kdn.client.netpath import NetPath
 from kdn.client.pending import ASYNC_DEPTH, PendingStore
@@ -251,7 +252,8 @@ class RemotePath:
         try:
             md = self._metadata(None)
             self._call(lambda: self._stub.Detach(pb.DetachRequest(segment_id=net.ticket),
-                                                 timeout=self.timeout_s, metadata=md))
+                                                 timeout=time_left(self.timeout_s),
+                                                 metadata=md))
         except KDNError:
             pass  # the server forgets it at shutdown anyway
 

@@ -9,7 +9,9 @@ its read arena; the old server's arena, its kept leases and connections are drop
 the server names a fast path (a Unix socket, ``kdn.server.fastpath``): GetMany / PutMany go
 there on a connection per thread (closed when the thread ends: ``kdn.client.perthread``)
 instead of gRPC, and the server's read arena of this tenant (``kdn.server.arena``) is handed
-over on it (``arena``).
+over on it (``arena``). A call there ends within ``timeout_s`` per send and receive, and by the
+thread's ``kdn.client.deadline.deadline_within``; one the server does not answer in time raises
+DeadlineExceeded (not made again by gRPC: one deadline per call) and the path stays.
 
 Writes on this path: asynchronous stores (``put_async``: written into the segment and sent
 without waiting; answers read in order on the sending thread's connection) and pipelined
@@ -22,14 +24,17 @@ staged entries as they go, ``store_many`` of ``KVCache``s), on this thread's con
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
 import threading
+import time
 from collections import deque
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, cast
 
+from kdn.client.deadline import Until, call_cap, time_left
 from kdn.client.fastwire import fast_answer, fast_error, fast_send
 from kdn.client.pending import ASYNC_DEPTH, PendingStore
 from kdn.client.perthread import PerThread
@@ -244,7 +249,8 @@ class SameHostPath:
         try:
             md = self._metadata(None)
             self._call(lambda: self._stub.Detach(pb.DetachRequest(segment_id=seg_id),
-                                                 timeout=self.timeout_s, metadata=md))
+                                                 timeout=time_left(self.timeout_s),
+                                                 metadata=md))
         except KDNError:
             pass  # the server unmaps it at shutdown anyway
         seg.close()
@@ -254,18 +260,36 @@ class SameHostPath:
     def call(self, op: int, req: pb.GetManyRequest | pb.PutManyRequest) -> bytes | None:
         """One call on this thread's fast-path connection (``kdn.server.fastpath``); None when
         the path is gone (the call then goes by gRPC, and so do later ones, until the segment
-        is attached again: ``renew``)."""
+        is attached again: ``renew``); DeadlineExceeded when the server did not answer within
+        the call's deadline (``_fast_failed``)."""
         path = self._fast_path
         try:
-            conn = self._fast_conn(path)
-            fast_send(conn, op, req)
-            ok, out = fast_answer(conn)
+            with self._bounded(self._fast_conn(path)) as conn:
+                fast_send(conn, op, req)
+                ok, out = fast_answer(conn)
         except OSError as exc:
-            self._fast_lost(exc, path)
+            self._fast_failed(exc, path)
             return None
         if not ok:
             raise fast_error(out)
         return out
+
+    @contextlib.contextmanager
+    def _bounded(self, conn: socket.socket) -> Iterator[socket.socket]:
+        """``conn`` for one call: as it is (each send and receive waits ``timeout_s`` at
+        most), or, where the calling thread runs inside ``kdn.client.deadline.
+        deadline_within``, bound to end by then (``Until``), its own timeout given back
+        after."""
+        cap = call_cap()
+        if cap is None:
+            yield conn
+            return
+        until = cap if self.timeout_s is None else min(cap, time.monotonic() + self.timeout_s)
+        try:
+            yield cast(socket.socket, Until(conn, until))
+        finally:
+            with contextlib.suppress(OSError):
+                conn.settimeout(self.timeout_s)
 
     def _fast_conn(self, path: str | None = None, *, settle: bool = True) -> socket.socket:
         """This thread's connection to the fast path ``path`` (default: the current one;
@@ -297,6 +321,19 @@ class SameHostPath:
     def _close_conn(self) -> None:
         """Close this thread's fast-path connection."""
         self.threads.drop(self.threads.peek())
+
+    def _fast_failed(self, exc: OSError, path: str) -> None:
+        """A call on the fast path ``path`` failed on this thread, to go another way (gRPC):
+        ``_fast_lost``; but DeadlineExceeded where it timed out (a server stopped, hung or
+        too slow for the call's deadline): this thread's connection, whose answer may still
+        come, is closed, and the path stays for later calls; the call is not made again by
+        gRPC, which would wait out a whole deadline more."""
+        if isinstance(exc, TimeoutError):
+            self._close_conn()
+            raise DeadlineExceeded(f"the server did not answer on the same-host fast path "
+                                   f"within the call's deadline (timeout_s={self.timeout_s}, "
+                                   "or the caller's deadline_within)") from exc
+        self._fast_lost(exc, path)
 
     def _fast_lost(self, exc: OSError, path: str) -> None:
         """The fast path ``path`` failed on this thread: gRPC from now on, unless the segment
@@ -368,7 +405,7 @@ class SameHostPath:
         except OSError as exc:
             if block is not None:
                 seg.regions.free(*block)
-            self._fast_lost(exc, path)
+            self._fast_failed(exc, path)
             return None
         q.append((pending, block))
         while len(q) > ASYNC_DEPTH:
@@ -441,7 +478,7 @@ class SameHostPath:
             return None
         seg, seg_id = self.segment()
         return put_pipelined(namespace, items, seg, seg_id, lambda: self._fast_conn(path),
-                             lambda exc: self._fast_lost(exc, path))
+                             lambda exc: self._fast_failed(exc, path))
 
     def put_staged_pipelined(self, namespace: str,
                              items: Sequence[tuple[bytes, pb.StoreOptions]],
@@ -455,4 +492,4 @@ class SameHostPath:
             return None
         return put_staged_pipelined(namespace, items, stage, seg, seg_id,
                                     lambda: self._fast_conn(path),
-                                    lambda exc: self._fast_lost(exc, path))
+                                    lambda exc: self._fast_failed(exc, path))
