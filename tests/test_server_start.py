@@ -1,5 +1,6 @@
-"""Start-up truths: a port another process holds is refused (no silent SO_REUSEPORT split), and
-gRPC server reflection lets a generic client list and call the services."""
+"""Start-up truths: a port another process holds is refused (no silent SO_REUSEPORT split),
+gRPC server reflection lets a generic client list and call the services, and a ServerThread
+that stopped (or did not start) leaves none of its event loop behind."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import grpc
@@ -17,7 +19,7 @@ from kdn import keys
 from kdn.client import Client
 from kdn.errors import InUse, TooLarge
 from kdn.server import ServerConfig, ServerThread
-from tests.helpers import random_kv, uniform_layout
+from tests.helpers import eventually, random_kv, uniform_layout
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -148,3 +150,24 @@ def test_health_watch_streams_through_the_interceptor(tmp_path: Path) -> None:
             first = next(stream)
             assert first.status == health_pb2.HealthCheckResponse.SERVING
             stream.cancel()
+
+
+def test_a_stopped_server_thread_leaves_no_thread_behind(tmp_path: Path) -> None:
+    def one(i: int) -> None:
+        with ServerThread(ServerConfig(port=0, data_dir=tmp_path / str(i))) as s, \
+                Client(s.address, shm_bytes=0) as c:
+            assert c.health() == "SERVING"
+
+    def loops() -> list[str]:  # the threads of event loops' to_thread calls
+        return [t.name for t in threading.enumerate() if t.name.startswith("asyncio_")]
+
+    one(0)
+    threads = loops()
+    for i in range(1, 4):
+        one(i)
+    with ServerThread(ServerConfig(port=0, data_dir=tmp_path / "a")) as held:
+        port = int(held.address.rsplit(":", 1)[1])
+        with pytest.raises(OSError, match="can not listen"):
+            ServerThread(ServerConfig(port=port, data_dir=tmp_path / "b")).start()
+    # a loop not closed keeps that thread, and its selector's descriptors, for good
+    assert eventually(lambda: loops() == threads), loops()

@@ -421,7 +421,8 @@ async def serve(config: ServerConfig, blender: Blender | None = None) -> None:
 
 
 class ServerThread:
-    """A server on its own event loop in a daemon thread; ``with ServerThread(cfg) as s:``."""
+    """A server on its own event loop in a daemon thread; ``with ServerThread(cfg) as s:``.
+    The loop is closed once the server stopped (or failed to start): nothing of it stays."""
 
     def __init__(self, config: ServerConfig, store: TieredStore | None = None) -> None:
         self.config = config
@@ -435,13 +436,17 @@ class ServerThread:
     def _run(self) -> None:
         asyncio.set_event_loop(self._loop)
         try:
-            self.server = self._loop.run_until_complete(start_server(self.config, self._store))
-        except BaseException as exc:  # reported to the starting thread
-            self._error = kept(exc)  # not this frame, which holds ``self``
+            try:
+                self.server = self._loop.run_until_complete(start_server(self.config,
+                                                                         self._store))
+            except BaseException as exc:  # reported to the starting thread
+                self._error = kept(exc)  # not this frame, which holds ``self``
+                self._ready.set()
+                return
             self._ready.set()
-            return
-        self._ready.set()
-        self._loop.run_until_complete(self.server.wait())
+            self._loop.run_until_complete(self.server.wait())
+        finally:  # its selector's descriptors, and the thread of its to_thread calls, go
+            self._loop.close()
 
     def start(self) -> ServerThread:
         self._thread.start()
