@@ -1,11 +1,14 @@
 """The Redis tier against real redis-server processes: the parts+manifest scheme under crashes
 and eviction, two kdn servers sharing one Redis Cluster, Redis killed and restarted under a
-running kdn server (degraded health, queued writes, reconnect, nothing acknowledged lost), and
-Redis refusing writes (out of memory, too few replicas, a failed snapshot)."""
+running kdn server (degraded health, queued writes, reconnect, nothing acknowledged lost),
+Redis stopped (SIGSTOP: one timeout per call, not one per retry), and Redis refusing writes
+(out of memory, too few replicas, a failed snapshot)."""
 
 from __future__ import annotations
 
 import shutil
+import signal
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -219,6 +222,44 @@ def test_durability_shared_fails_fast_when_redis_is_down(tmp_path: Path) -> None
         c.store(key, kv)  # the default durability still succeeds (RAM + disk)
         assert time.monotonic() - t0 < 3
         assert c.retrieve(key).equal(kv)  # type: ignore[union-attr]
+
+
+def test_a_stopped_redis_costs_a_call_one_timeout(tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    raised: list[BaseException | None] = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: raised.append(args.exc_value))
+    timeout = 0.5
+    shared = StoreOptions(durability=Durability.SHARED)
+    (k1, kv1), (k2, kv2), (k3, kv3) = _entries(3, start=400).items()
+    with RedisServer(tmp_path) as r:
+        assert r.proc is not None
+        cfg = ServerConfig(port=0, data_dir=tmp_path / "d", redis_url=r.url, disk_bytes=0,
+                           tier_order=("ram", "redis"), redis_timeout_s=timeout,
+                           shutdown_grace_s=1)
+        st = ServerThread(cfg).start()
+        try:
+            with Client(st.address, timeout_s=10, shm_bytes=0) as c:
+                c.store(k1, kv1, options=shared)
+                r.proc.send_signal(signal.SIGSTOP)
+                try:
+                    t0 = time.monotonic()
+                    with pytest.raises(Unavailable, match="redis tier is down"):
+                        c.store(k2, kv2, options=shared)
+                    took = time.monotonic() - t0
+                    # one timeout; each retry of a command that timed out waits another
+                    assert timeout * 0.9 < took < timeout * 1.9, took
+                    t0 = time.monotonic()
+                    with pytest.raises(Unavailable):  # the tier is down now: refused at once
+                        c.store(k3, kv3, options=shared)
+                    assert time.monotonic() - t0 < timeout * 0.5
+                finally:
+                    r.proc.send_signal(signal.SIGCONT)
+                store = st.server.store  # type: ignore[union-attr]
+                assert _eventually(lambda: store.is_up("redis"))  # the probe's PING answered
+                c.store(k3, kv3, options=shared)
+        finally:
+            st.stop()
+    assert raised == []
 
 
 # -- Redis refusing writes ----------------------------------------------------------------------

@@ -153,7 +153,8 @@ class ServerConfig:
     redis_timeout_s: float = 1.0
     """Connect and read timeout of one Redis command attempt, in seconds."""
     redis_retries: int = 2
-    """Retries of a Redis command on connection or timeout errors (exponential backoff)."""
+    """Retries of a Redis command on connection errors (exponential backoff); one that timed
+    out is not sent again (a stopped or cut-off Redis costs a call one ``redis_timeout_s``)."""
     redis_max_connections: int = 32
     """Connection pool size (per node in a cluster)."""
     redis_wait_replicas: int = 0

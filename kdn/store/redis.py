@@ -21,12 +21,13 @@ finds a part missing re-reads the manifest: a new version means retry; the same 
 the part was evicted by Redis (``maxmemory``), and the entry is dropped and reported as a miss
 and an eviction (not as damage).
 
-Transport (``kdn.store.redis_transport``): pooled clients, retries on connection and timeout
-errors only, redis-py errors leaving as ``TierUnavailable`` (``TooLarge`` when Redis is out of
-memory). In a cluster, a master that does not answer fails its slots' keys with
-``PartlyUnavailable`` (reads miss, SHARED stores are refused) while the tier stays up for the
-other masters' slots; ``healthy()`` is true while any master answers and sets ``degraded`` while
-some do not; listings (``keys``) and ``stats`` cover the masters that answer.
+Transport (``kdn.store.redis_transport``): pooled clients, retries on connection errors only
+(a command that timed out is not sent again), redis-py errors leaving as ``TierUnavailable``
+(``TooLarge`` when Redis is out of memory). In a cluster, a master that does not answer fails
+its slots' keys with ``PartlyUnavailable`` (reads miss, SHARED stores are refused) while the
+tier stays up for the other masters' slots; ``healthy()`` is true while any master answers and
+sets ``degraded`` while some do not; listings (``keys``) and ``stats`` cover the masters that
+answer.
 
 ``wait_replicas`` N: each write is committed and then ``WAIT N`` on one connection to the key's
 master (connections of their own, whose socket timeout adds ``wait_timeout_s``); fewer replicas

@@ -8,9 +8,11 @@ tier's ``close``.
 
 Transport: a connection pool (``BlockingConnectionPool`` standalone, per-node pools in a
 cluster), commands retried ``retries`` times with exponential backoff and jitter on connection
-and timeout errors only; every redis-py error leaves as a kdn one (``_wrap``): ``TierUnavailable``
-where Redis does not answer, so the hierarchy can mark the tier down and carry on; ``TooLarge``
-where it is out of memory; ``PartlyUnavailable`` where it answers but takes no writes for now.
+errors only (a command that timed out is not sent again: a Redis that is stopped or cut off
+costs a call one ``timeout_s``); every redis-py error leaves as a kdn one (``_wrap``):
+``TierUnavailable`` where Redis does not answer, so the hierarchy can mark the tier down and
+carry on; ``TooLarge`` where it is out of memory; ``PartlyUnavailable`` where it answers but
+takes no writes for now.
 
 Cluster, one master out (stopped, cut off or killed): its slots' keys fail with
 ``PartlyUnavailable`` (reads miss, SHARED stores are refused) and the tier stays up for the other
@@ -169,7 +171,12 @@ class RedisTransport:
         self.wait_timeout_s = wait_timeout_s
         self._route = route
         self._on_degraded = on_degraded
-        retry = Retry(ExponentialWithJitterBackoff(base=0.02, cap=0.5), retries)
+        # standalone: a command that timed out is not sent again (a stopped or cut-off Redis
+        # would hold the call a whole timeout more each try); refused or reset connections
+        # are. In a cluster the client's own retries decide (``_Cluster``).
+        retry = Retry(ExponentialWithJitterBackoff(base=0.02, cap=0.5), retries) if cluster \
+            else Retry(ExponentialWithJitterBackoff(base=0.02, cap=0.5), retries,
+                       supported_errors=(redis.exceptions.ConnectionError,))
         # the socket timeout bounds how long a stopped master holds a call (a WAIT, which may
         # take up to wait_timeout_s more, runs on connections of its own: waiting_client)
         common: dict[str, Any] = dict(socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
