@@ -1,7 +1,10 @@
-"""Shared builders for tests: layouts (uniform, GQA-like, pruned), random caches, polling."""
+"""Shared builders for tests: layouts (uniform, GQA-like, pruned), random caches, polling,
+stopping a process (SIGSTOP) for good."""
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
 import threading
 import time
@@ -54,6 +57,27 @@ def eventually(cond: Callable[[], bool], timeout: float = 5.0, interval: float =
             return True
         time.sleep(interval)
     return cond()
+
+
+def sigstop(pid: int) -> None:
+    """SIGSTOP process ``pid`` (a hung host: its connections are still taken, nothing answers)
+    and wait until the kernel has stopped every thread of it: the signal takes effect as each
+    runs next, so a call made at once could still be answered."""
+    os.kill(pid, signal.SIGSTOP)
+    tasks = Path(f"/proc/{pid}/task")
+
+    def stopped() -> bool:
+        for task in tasks.iterdir():
+            try:
+                state = (task / "stat").read_text().rsplit(")", 1)[1].split()[0]
+            except (FileNotFoundError, ProcessLookupError):
+                continue  # a thread that ended meanwhile
+            if state not in "tT":
+                return False
+        return True
+
+    if not eventually(stopped, timeout=5, interval=0.002):
+        raise AssertionError(f"process {pid} did not stop within 5 s of SIGSTOP")
 
 
 def make_certs(tmp: Path, clients: tuple[str, ...] = ("engine-1",),

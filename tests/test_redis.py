@@ -23,7 +23,7 @@ from kdn.options import Durability, StoreOptions
 from kdn.server import ServerConfig, ServerThread
 from kdn.store.redis import PENDING_TTL_S, RedisTier
 from kdn.store.tiered import WritePolicy
-from tests.helpers import eventually, random_kv, uniform_layout
+from tests.helpers import eventually, random_kv, sigstop, uniform_layout
 from tests.redis_servers import (  # noqa: F401
     RedisCluster3,
     RedisServer,
@@ -240,7 +240,7 @@ def test_a_stopped_redis_costs_a_call_one_timeout(tmp_path: Path,
         try:
             with Client(st.address, timeout_s=10, shm_bytes=0) as c:
                 c.store(k1, kv1, options=shared)
-                r.proc.send_signal(signal.SIGSTOP)
+                sigstop(r.proc.pid)
                 try:
                     t0 = time.monotonic()
                     with pytest.raises(Unavailable, match="redis tier is down"):
