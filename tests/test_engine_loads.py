@@ -64,8 +64,12 @@ def test_a_load_that_stalls_is_abandoned_at_its_deadline(tmp_path: Path) -> None
         assert time.monotonic() - t0 < 5
         t = got.timings
         assert t.decision == "recompute" and t.reused_tokens == 0
-        assert t.load_error.startswith("DeadlineExceeded: layer 0 of the 3 blocks loaded")
-        assert "deadline of 0.5 s" in t.load_error
+        # the engine's wait for layer 0 and the data path's own deadline end together: either
+        # may say so first
+        assert (t.load_error.startswith("DeadlineExceeded: layer 0 of the 3 blocks loaded")
+                and "deadline of 0.5 s" in t.load_error
+                or t.load_error.startswith("DeadlineExceeded: the data path did not bring an "
+                                           "entry within the call's deadline")), t.load_error
         assert got.token_ids == first.token_ids
         assert eng._request.acquire(blocking=False)  # noqa: SLF001  (nothing holds the engine)
         eng._request.release()  # noqa: SLF001
