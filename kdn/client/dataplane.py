@@ -304,11 +304,11 @@ class DataPlane:
                 for i in todo:
                     out[i] = TOO_BIG
                 return out
-            except BaseException:
+            except BaseException as exc:
                 if arena is not None:
                     arena.give_back(released)
                 if seg is not None and block is not None:
-                    seg.regions.free(*block)
+                    seg.give_back(*block, failed=exc)  # retired where unanswered
                 raise
             unviewed = {ref.lease for ref in resp.entries if ref.lease}
             try:
@@ -378,11 +378,11 @@ class DataPlane:
             body = sh.call(FAST_GET_MANY, req)
         except NotFound:  # the server restarted: get_many attaches again and asks again
             pass
-        except BaseException:
+        except BaseException as exc:
             arena.give_back(released)
-            seg.regions.free(*block)
+            seg.give_back(*block, failed=exc)  # retired where unanswered
             raise
-        if body is None:
+        if body is None:  # the path went (its connection closed): gRPC
             arena.give_back(released)
             seg.regions.free(*block)
             return self.get_many(namespace, [key], want, request_id)[0]
@@ -520,6 +520,7 @@ class DataPlane:
             else:
                 block = (start, total)
         at = block[0] if block is not None else 0
+        sent = False
         try:  # the region goes back whatever fails, the items' making included
             for i in batch:
                 key, parts, opts = items[i]
@@ -530,10 +531,14 @@ class DataPlane:
                     at += (parts.nbytes + 63) // 64 * 64
                 else:
                     item.data = parts.to_bytes()
+            sent = True
             resp = self._put(req, request_id)
-        finally:
-            if seg is not None and block is not None:
-                seg.regions.free(*block)
+        except BaseException as exc:
+            if seg is not None and block is not None:  # retired where sent and unanswered
+                seg.give_back(*block, failed=exc if sent else None)
+            raise
+        if seg is not None and block is not None:
+            seg.regions.free(*block)
         for i, r in zip(batch, resp.results):
             out[i] = r
 

@@ -102,9 +102,16 @@ def put_pipelined(namespace: str, items: Sequence[tuple[bytes, EncodedParts, pb.
             error = _put_answered(conn, seg, pending.popleft(), out, error)
     except OSError as exc:  # the path went away: the unanswered ones go another way
         lost(exc)
+    except BaseException:  # a batch failed to be made: the answers of what was sent are read
+        try:
+            while pending:
+                _put_answered(conn, seg, pending.popleft(), out, None)
+        except OSError as exc:
+            lost(exc)
+        raise
     finally:
-        for _, block in pending:
-            seg.regions.free(*block)
+        for _, block in pending:  # unanswered: the server may still read them
+            seg.regions.retire(*block)
     if error is not None:
         try:
             raise error
@@ -170,11 +177,11 @@ def put_staged_pipelined(namespace: str, items: Sequence[tuple[bytes, pb.StoreOp
             lost(exc)
         raise
     finally:
-        for st in held:
+        for st in held:  # not sent
             st.close()
-        for _, sent in pending:
+        for _, sent in pending:  # unanswered: the server may still read them
             for st in sent:
-                st.close()
+                st.retire()
     if error is not None:
         try:
             raise error
@@ -202,9 +209,12 @@ def _staged_answered(conn: socket.socket, sent: tuple[list[int], list[Any]],
     batch, held = sent
     try:
         ok, body = fast_answer(conn)
-    finally:
+    except BaseException:  # unanswered: the server may still read them
         for st in held:
-            st.close()
+            st.retire()
+        raise
+    for st in held:
+        st.close()
     if not ok:
         return error or fast_error(body)
     return _record(batch, pb.PutManyResponse.FromString(body).results, out, error)
@@ -218,8 +228,10 @@ def _put_answered(conn: socket.socket, seg: Any, sent: tuple[list[int], tuple[in
     batch, block = sent
     try:
         ok, body = fast_answer(conn)
-    finally:
-        seg.regions.free(*block)
+    except BaseException as exc:
+        seg.give_back(*block, failed=exc)  # retired where unanswered
+        raise
+    seg.regions.free(*block)
     if not ok:
         return error or fast_error(body)
     return _record(batch, pb.PutManyResponse.FromString(body).results, out, error)

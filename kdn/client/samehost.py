@@ -403,8 +403,8 @@ class SameHostPath:
             conn = self._fast_conn(path, settle=False)
             fast_send(conn, FAST_PUT_MANY, req)
         except OSError as exc:
-            if block is not None:
-                seg.regions.free(*block)
+            if block is not None:  # part of the call may have reached the server
+                seg.give_back(*block, failed=exc)
             self._fast_failed(exc, path)
             return None
         q.append((pending, block))
@@ -442,13 +442,20 @@ class SameHostPath:
         except OSError as exc:  # the connection went: no answer will come for any of them
             lost = [(pending, block), *q]
             q.clear()
-            for p, b in lost:
+            timed_out = isinstance(exc, TimeoutError)
+            for p, b in lost:  # unanswered: the server may still read them
                 if b is not None and seg is not None:
-                    seg.regions.free(*b)
-                self._failed(p, Unavailable(f"the fast path closed before the store of "
-                                            f"{p.key!r} was answered ({exc}); it may or may "
-                                            "not be stored"))
-            self._fast_lost(exc, self.threads.mine().path)
+                    seg.give_back(*b, failed=exc)
+                self._failed(p, DeadlineExceeded(
+                    f"the server did not answer the store of {p.key!r} on the same-host fast "
+                    f"path within timeout_s={self.timeout_s}; it may or may not be stored")
+                    if timed_out else Unavailable(
+                    f"the fast path closed before the store of {p.key!r} was answered "
+                    f"({exc}); it may or may not be stored"))
+            if timed_out:  # the path stays (``_fast_failed``): this connection goes
+                self._close_conn()
+            else:
+                self._fast_lost(exc, self.threads.mine().path)
             return
         if block is not None and seg is not None:
             seg.regions.free(*block)

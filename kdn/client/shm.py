@@ -20,6 +20,7 @@ pages its caller's views still show become the process's own before the leases g
 from __future__ import annotations
 
 import fcntl
+import logging
 import mmap
 import os
 import secrets
@@ -33,12 +34,23 @@ from typing import Any
 import numpy as np
 
 from kdn.client import cudahost
+from kdn.errors import Cancelled, DeadlineExceeded, KDNError, Unavailable
 from kdn.transport import directory
 from kdn.transport.buffers import MADV_POPULATE_WRITE, own_pages
 from kdn.transport.regions import ALIGN, RegionAllocator
 
+log = logging.getLogger(__name__)
+
 NONCE_BYTES = 16
-__all__ = ["ALIGN", "LeasedArena", "RegionAllocator", "SharedSegment"]
+__all__ = ["ALIGN", "LeasedArena", "RegionAllocator", "SharedSegment", "unanswered"]
+
+
+def unanswered(exc: BaseException) -> bool:
+    """Whether a call that ended with ``exc`` may still be acted on by the server: it did not
+    answer it (a deadline passed, the call was lost or cancelled, or it failed in this process
+    with something other than an error the server sent)."""
+    return not isinstance(exc, KDNError) or isinstance(exc, (DeadlineExceeded, Unavailable,
+                                                             Cancelled))
 
 
 class SharedSegment:
@@ -61,11 +73,26 @@ class SharedSegment:
         self.map[:NONCE_BYTES] = self.nonce
         self.array: np.ndarray[Any, Any] = np.frombuffer(self.map, dtype=np.uint8)
         self.regions = RegionAllocator(NONCE_BYTES, size)
+        self._owned: dict[int, weakref.finalize] = {}  # region start -> what frees it
         self._cuda_registered: bool | None = None
 
     @property
     def pid(self) -> int:
         return os.getpid()
+
+    def give_back(self, offset: int, n: int, failed: BaseException | None = None) -> None:
+        """Free [offset, offset + n), a region a call to the server named, once the call is
+        over: unless it ended with ``failed``, an error that leaves the server free to act on
+        the call still (``unanswered``): then the region is retired, never used again, since
+        the server may yet read it (a store of whatever the region holds by then, under the
+        call's key) or write it (an entry read, over whatever the region holds by then)."""
+        if failed is not None and unanswered(failed):
+            self.regions.retire(offset, n)
+            log.warning("kdn: %d bytes of the shared segment retired: the server did not "
+                        "answer the call that named them (%s), and may still use them; %d "
+                        "retired in all", n, type(failed).__name__, self.regions.retired_bytes())
+        else:
+            self.regions.free(offset, n)
 
     def write(self, offset: int, data: bytes | memoryview) -> None:
         """Copy ``data`` into the segment at ``offset`` (numpy: the GIL is released)."""
@@ -79,8 +106,23 @@ class SharedSegment:
         if start % ALIGN or not start <= offset:
             raise ValueError(f"region start {start} unaligned or after the view at {offset}")
         owner = self.array[offset : offset + n]
-        weakref.finalize(owner, self.regions.free, start, offset + n - start)
+        self._owned[start] = weakref.finalize(owner, self._let_go, start, offset + n - start)
         return memoryview(owner)  # type: ignore[arg-type]
+
+    def _let_go(self, start: int, n: int) -> None:
+        self._owned.pop(start, None)
+        self.regions.free(start, n)
+
+    def retire_owned(self, start: int) -> None:
+        """The region ``owned`` gave out from ``start`` is retired instead of freed when its
+        views die (``give_back``: a call that named it went unanswered)."""
+        fin = self._owned.pop(start, None)
+        got = fin.detach() if fin is not None else None
+        if got is not None:
+            self.regions.retire(*got[2])
+            log.warning("kdn: %d bytes of the shared segment retired: the server did not "
+                        "answer the call that named them, and may still use them; %d "
+                        "retired in all", got[2][1], self.regions.retired_bytes())
 
     def holds(self, view: memoryview) -> bool:
         """Whether ``view`` lies in this segment's memory."""

@@ -162,7 +162,7 @@ class Staged:
         if start is not None:
             pad = (-(start + len(head))) % FRAME_ALIGN
             region = segment.owned(start, room)  # freed once no view of it is left
-            self.segment, self.offset = segment, start + pad
+            self.segment, self.offset, self._start = segment, start + pad, start
             self._view = region[pad : pad + self.nbytes]
         else:  # the client's own memory, its first frame aligned all the same
             own = np.empty(room + ALIGN, dtype=np.uint8)
@@ -260,6 +260,14 @@ class Staged:
             frames.append(self._view[off : off + n])
             off += n
         return EncodedParts(bytes(self._view[: self._head]), frames)  # type: ignore[arg-type]
+
+    def retire(self) -> None:
+        """A store of this entry went unanswered (the server may still read its region):
+        the region is never given back, and the entry is closed (``close``), so that nothing
+        else is stored from those bytes."""
+        if not self.closed and self.segment is not None:
+            self.segment.retire_owned(self._start)
+        self.close()
 
     def close(self) -> None:
         """Give the region back (once no tensor of it is left); the entry can not be stored

@@ -27,6 +27,7 @@ from kdn import codec
 from kdn.client.dataplane import BATCH_BYTES, STREAM_ENTRY_BYTES, TOO_BIG, DataPlane, TooBig
 from kdn.client.pending import PendingStore
 from kdn.client.rpc import Rpc, traced
+from kdn.client.shm import unanswered
 from kdn.codec import EncodedParts
 from kdn.codec.format import parse_header
 from kdn.errors import InvalidArgument, KDNError, Status, TooLarge, again
@@ -419,7 +420,13 @@ class Writer:
                 assert at is not None
                 item = req.items.add(key=key, options=opts, seal=sealing)
                 item.region.offset, item.region.length = at
-            resp = self.dataplane.put_request(req, request_id)
+            try:
+                resp = self.dataplane.put_request(req, request_id)
+            except BaseException as exc:
+                if unanswered(exc):  # the server may still read these regions
+                    for j in batch:
+                        items[j][1].retire()
+                raise
             if len(resp.results) != len(batch):
                 raise KDNError(f"PutMany answered {len(resp.results)} results for "
                                f"{len(batch)} entries")

@@ -18,6 +18,7 @@ class RegionAllocator:
 
     def __init__(self, start: int, end: int) -> None:
         self._free: list[tuple[int, int]] = [(_align(start), end)]  # sorted (begin, end)
+        self._retired = 0
         self._lock = threading.Lock()
 
     def alloc(self, n: int) -> int | None:
@@ -65,6 +66,18 @@ class RegionAllocator:
             if i > 0 and spans[i - 1][1] == spans[i][0]:  # and the left one
                 spans[i - 1] = (spans[i - 1][0], spans[i][1])
                 del spans[i]
+
+    def retire(self, offset: int, n: int) -> None:
+        """Keep [offset, offset + n) (allocated) out of use for good: a range another process
+        may still read or write (named in a call it did not answer; ``SharedSegment.
+        give_back``)."""
+        with self._lock:
+            self._retired += _align(n)
+
+    def retired_bytes(self) -> int:
+        """Bytes kept out of use by ``retire``."""
+        with self._lock:
+            return self._retired
 
     def largest_free(self) -> int:
         """Bytes of the largest free range."""

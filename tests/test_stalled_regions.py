@@ -1,0 +1,95 @@
+"""Regions of the client's shared segment named in a call the server did not answer in time
+are not used again: a server that stalls (SIGSTOP) and then goes on may still read or write
+them, and does, so reusing one for the next entry of the same size would store that entry's
+bytes under the first key (or land another read's bytes in a region being read). A real
+`kdn serve` process (``tests.test_stopped_server.Served``) and a client on its host."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from kdn.client import Client
+from kdn.errors import DeadlineExceeded
+from kdn.transport.regions import RegionAllocator
+from tests.helpers import eventually, random_kv, uniform_layout
+from tests.test_stopped_server import Served
+
+LAY = uniform_layout(layers=2, heads=2, dim=8)
+
+
+def _key(name: str) -> bytes:
+    return hashlib.sha256(name.encode()).digest()
+
+
+@pytest.fixture
+def served(tmp_path: Path) -> Iterator[Served]:
+    s = Served(tmp_path)
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+def _same(a: object, b: object) -> bool:
+    return all(torch.equal(x, y) for (ka, va), (kb, vb) in zip(a.layers, b.layers)  # type: ignore[attr-defined]
+               for x, y in ((ka, kb), (va, vb)))
+
+
+@pytest.mark.parametrize("call", ["store", "store_many", "store_async"])
+def test_a_store_the_server_did_not_answer_keeps_its_region(served: Served, call: str) -> None:
+    """``store`` sends a staged entry by its region, ``store_many`` of several pipelines
+    them, ``store_async`` sends one and reads its answer later."""
+    first, second = random_kv(LAY, 16, seed=1), random_kv(LAY, 16, seed=2)  # the same size
+    with Client(served.address, timeout_s=1.0) as c:
+        c.store(_key("warm"), random_kv(LAY, 16, seed=3), mode="raw")  # the segment attached
+        served.stop()
+        try:  # both requests wait in the stopped server's socket, unanswered
+            for key, kv in ((_key("first"), first), (_key("second"), second)):
+                with pytest.raises(DeadlineExceeded):
+                    if call == "store":
+                        c.store(key, kv, mode="raw")
+                    elif call == "store_async":  # its answer read by result()
+                        c.store_async(key, kv, mode="raw").result()
+                    else:  # several: pipelined
+                        c.store_many([(key, kv), (bytes(31) + key[:1], kv)], mode="raw")
+        finally:
+            served.resume()
+        assert eventually(lambda: c.retrieve(_key("second")) is not None, timeout=10)
+        assert eventually(lambda: c.retrieve(_key("first")) is not None, timeout=10)
+        got = c.retrieve(_key("first"))
+        assert got is not None and _same(got, first), "another entry's bytes under the first key"
+        assert _same(c.retrieve(_key("second")), second)
+
+
+def test_a_read_the_server_did_not_answer_keeps_its_region(served: Served) -> None:
+    """A read names a region the server writes the entry into: one left unanswered is not
+    given to the next call, whose bytes the stalled server's late write would overwrite (a
+    store sent next: the entry read would be stored under the new key)."""
+    a, c_kv = random_kv(LAY, 1024, seed=4), random_kv(LAY, 1024, seed=5)  # 128 KiB: not inline
+    with Client(served.address, timeout_s=1.0) as c:
+        c.store(_key("a"), a, mode="raw")
+        served.stop()
+        try:  # the read, then the store, wait in the stopped server's socket
+            with pytest.raises(DeadlineExceeded):
+                c.retrieve(_key("a"))
+            with pytest.raises(DeadlineExceeded):
+                c.store(_key("c"), c_kv, mode="raw")
+        finally:
+            served.resume()
+        assert eventually(lambda: c.retrieve(_key("c")) is not None, timeout=10)
+        got = c.retrieve(_key("c"))
+        assert got is not None and _same(got, c_kv), "the entry read stored under the new key"
+
+
+def test_retired_ranges_never_come_back() -> None:
+    r = RegionAllocator(0, 1 << 12)
+    at = r.alloc(1024)
+    assert at == 0
+    r.retire(at, 1024)
+    assert r.retired_bytes() == 1024 and r.free_bytes() == (1 << 12) - 1024
+    assert r.alloc(1024) == 1024  # not the retired range
