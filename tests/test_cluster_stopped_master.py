@@ -17,6 +17,7 @@ import pytest
 import redis.cluster
 
 from kdn.store.redis import RedisTier
+from tests.helpers import sigstop
 from tests.redis_servers import RedisCluster3
 
 pytestmark = pytest.mark.redis
@@ -38,7 +39,7 @@ def test_the_tier_starts_while_a_master_is_stopped(tmp_path: Path,
         lost = cluster.nodes[0]
         _stopped_first(monkeypatch, lost.port)
         assert lost.proc is not None
-        lost.proc.send_signal(signal.SIGSTOP)
+        sigstop(lost.proc.pid)
         try:
             tier = RedisTier(cluster.urls, cluster=True, timeout_s=0.5)
             try:
@@ -61,7 +62,7 @@ def test_closing_while_a_stopped_master_is_asked_raises_on_no_thread(
     with RedisCluster3(tmp_path / "c") as cluster:
         lost = cluster.nodes[0]
         assert lost.proc is not None
-        lost.proc.send_signal(signal.SIGSTOP)
+        sigstop(lost.proc.pid)
         try:
             for wait_s in (0.6, 0.9, 1.2):  # the watcher PINGs it every 0.25 s, each 0.5 s
                 tier = RedisTier(cluster.urls, cluster=True, timeout_s=0.5)
