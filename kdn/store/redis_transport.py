@@ -49,6 +49,7 @@ from redis.commands.core import Script
 from redis.retry import Retry
 
 from kdn.errors import KDNError, PartlyUnavailable, TierUnavailable, TooLarge
+from kdn.store.redis_cluster import ClusterClient
 from kdn.store.redis_masters import Masters, ReplicasShort
 
 log = logging.getLogger(__name__)
@@ -114,34 +115,6 @@ def _unanswered(exc: BaseException) -> bool:
         and not isinstance(cause, redis.exceptions.MaxConnectionsError)
 
 
-class _Cluster(RedisCluster):
-    """A cluster client that does not send a command again to a node that timed out (a stopped
-    or cut-off master: every try would wait out the socket timeout again, while the tier fails
-    that master's slots at once from then on); refused connections and CLUSTERDOWN are still
-    retried on a refreshed map, which is how a killed master's keys reach its promoted
-    replica."""
-
-    ERRORS_ALLOW_RETRY = tuple(e for e in RedisCluster.ERRORS_ALLOW_RETRY  # type: ignore[assignment]
-                               if e is not redis.exceptions.TimeoutError)
-
-    def command(self, **kwargs: Any) -> Any:
-        """``COMMAND``, which redis-py's client asks of a random master as it starts (to learn
-        where commands name their keys): asked of each master in turn until one answers, so
-        that a stopped master (each try times out) does not stop the client from starting
-        while the others answer."""
-        if "target_nodes" in kwargs:
-            return super().command(**kwargs)
-        first = self.get_default_node()
-        nodes = [first, *(n for n in self.get_primaries() if n is not first)]
-        for i, node in enumerate(n for n in nodes if n is not None):
-            try:
-                return super().command(target_nodes=node, **kwargs)
-            except (redis.exceptions.TimeoutError, redis.exceptions.ConnectionError):
-                if i == len(nodes) - 1:
-                    raise
-        return super().command(**kwargs)  # no map: redis-py says why
-
-
 class RedisTransport:
     """The Redis tier's clients and its view of a cluster's masters (see the module docstring).
 
@@ -173,7 +146,7 @@ class RedisTransport:
         self._on_degraded = on_degraded
         # standalone: a command that timed out is not sent again (a stopped or cut-off Redis
         # would hold the call a whole timeout more each try); refused or reset connections
-        # are. In a cluster the client's own retries decide (``_Cluster``).
+        # are. In a cluster the client's own retries decide (``redis_cluster.ClusterClient``).
         retry = Retry(ExponentialWithJitterBackoff(base=0.02, cap=0.5), retries) if cluster \
             else Retry(ExponentialWithJitterBackoff(base=0.02, cap=0.5), retries,
                        supported_errors=(redis.exceptions.ConnectionError,))
@@ -196,7 +169,7 @@ class RedisTransport:
                 p = urlparse(u)
                 nodes.append(ClusterNode(p.hostname or "127.0.0.1", p.port or 6379))
             try:  # redis-py learns the cluster's map here: some node must answer
-                self.client = _Cluster(startup_nodes=nodes, max_connections=max_connections,
+                self.client = ClusterClient(startup_nodes=nodes, max_connections=max_connections,
                                        cluster_error_retry_attempts=max(1, retries), **common)
             except REDIS_ERRORS as exc:
                 raise TierUnavailable(f"redis: no node of the cluster answers: {exc}") from exc
