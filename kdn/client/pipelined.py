@@ -111,7 +111,7 @@ def put_pipelined(namespace: str, items: Sequence[tuple[bytes, EncodedParts, pb.
         raise
     finally:
         for _, block in pending:  # unanswered: the server may still read them
-            seg.regions.retire(*block)
+            seg.retire(*block, "a pipelined store")
     if error is not None:
         try:
             raise error

@@ -87,12 +87,16 @@ class SharedSegment:
         the server may yet read it (a store of whatever the region holds by then, under the
         call's key) or write it (an entry read, over whatever the region holds by then)."""
         if failed is not None and unanswered(failed):
-            self.regions.retire(offset, n)
-            log.warning("kdn: %d bytes of the shared segment retired: the server did not "
-                        "answer the call that named them (%s), and may still use them; %d "
-                        "retired in all", n, type(failed).__name__, self.regions.retired_bytes())
+            self.retire(offset, n, type(failed).__name__)
         else:
             self.regions.free(offset, n)
+
+    def retire(self, offset: int, n: int, why: str) -> None:
+        """Keep [offset, offset + n) out of use for good (``give_back``), saying so."""
+        self.regions.retire(offset, n)
+        log.warning("kdn: %d bytes of the shared segment retired: the server did not answer "
+                    "the call that named them (%s), and may still use them; %d retired in all",
+                    n, why, self.regions.retired_bytes())
 
     def write(self, offset: int, data: bytes | memoryview) -> None:
         """Copy ``data`` into the segment at ``offset`` (numpy: the GIL is released)."""
@@ -119,10 +123,8 @@ class SharedSegment:
         fin = self._owned.pop(start, None)
         got = fin.detach() if fin is not None else None
         if got is not None:
-            self.regions.retire(*got[2])
-            log.warning("kdn: %d bytes of the shared segment retired: the server did not "
-                        "answer the call that named them, and may still use them; %d "
-                        "retired in all", got[2][1], self.regions.retired_bytes())
+            at, n = got[2]
+            self.retire(at, n, "a staged entry's store")
 
     def holds(self, view: memoryview) -> bool:
         """Whether ``view`` lies in this segment's memory."""
