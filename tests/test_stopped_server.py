@@ -127,6 +127,32 @@ def test_deadline_within_ends_a_fast_path_call(served: Served) -> None:
     assert took < 1.5, took  # not the client's timeout_s (twice: fast path, then gRPC)
 
 
+@pytest.mark.parametrize("path", ["same-host", "network-path", "grpc"])
+def test_deadline_within_ends_a_new_clients_first_calls(served: Served, path: str) -> None:
+    """A client's first call attaches (the segment, the network data path's ticket): that
+    call, and the lookups and gRPC reads and stores beside it, end by ``deadline_within`` too,
+    not after the client's ``timeout_s``."""
+    opts: dict[str, Any] = {"same-host": {}, "network-path": {"shm_bytes": 0},
+                            "grpc": {"shm_bytes": 0, "data_path": False}}[path]
+    key = keys.chunk_key([4, len(path)], LAY)
+    with Client(served.address, timeout_s=6.0, **opts) as c:
+        assert c.lookup([key]).infos[0].present is False  # the channel is up
+        served.stop()
+        try:
+            for what, call in (("read", lambda: c.retrieve_many([key])),
+                               ("lookup", lambda: c.lookup([key])),
+                               ("stream", lambda: c.fetch(key)),
+                               ("store", lambda: c.store(key, KV))):
+                with deadline_within(0.5):
+                    took, exc = _costs(call)
+                assert isinstance(exc, DeadlineExceeded), (what, exc)
+                assert took < 1.5, (what, took)  # not the client's 6 s
+        finally:
+            served.resume()
+        c.store(key, KV)  # the client goes on once the server answers
+        assert c.retrieve(key) is not None
+
+
 @pytest.mark.parametrize("shm", [True, False], ids=["same-host", "network-path"])
 def test_closing_a_client_of_a_stopped_server_is_bounded(
         served: Served, raised: list[BaseException | None], shm: bool) -> None:

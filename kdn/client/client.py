@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from kdn import tracing as _tracing
 from kdn.client.blend import RemotePiece, blend_request
 from kdn.client.dataplane import DataPlane
+from kdn.client.deadline import time_left
 from kdn.client.pending import PendingStore
 from kdn.client.reads import Reader
 from kdn.client.received import LOCAL_TIER, Fetched
@@ -394,7 +395,7 @@ class Client:
         if ask or not ks:
             req = pb.LookupRequest(namespace=ns, keys=ask, prefix_chain=prefix_chain)
             md = self.rpc.metadata(request_id)
-            deadline = self.timeout_s if timeout_s is None else timeout_s
+            deadline = time_left(self.timeout_s if timeout_s is None else timeout_s)
             resp = self.rpc.call(lambda: self.rpc.stub.Lookup(req, timeout=deadline,
                                                               metadata=md))
             remote = iter(resp.infos)

@@ -1,7 +1,8 @@
 """Deadlines of calls on the data paths: on the network data path (``kdn.client.netpath``)
 one per call, for all of its sends and receives together, not one per receive; on the
 same-host fast path (``kdn.client.samehost``) each send and receive waits ``timeout_s`` at
-most, and the call as a whole ends by ``deadline_within`` where the thread runs inside one.
+most, and the call as a whole ends by ``deadline_within`` where the thread runs inside one;
+gRPC calls are given the time left of it as their deadline (``time_left``).
 
 ``NetPath`` binds each call's connection to when the call must end (``Until``: every send and
 receive waits only the time left, TimeoutError once none is): ``timeout_s`` from the call's
@@ -28,10 +29,11 @@ _CAP = threading.local()
 
 @contextlib.contextmanager
 def deadline_within(seconds: float) -> Iterator[None]:
-    """Calls this thread makes on any data path inside (the network data path, the same-host
-    fast path; and the calls that give them back, ``time_left``) end within ``seconds`` from
-    now in all (TimeoutError, DeadlineExceeded from the client), also where the client's
-    ``timeout_s`` is longer or None. A call already bounded sooner keeps its own."""
+    """Calls this thread makes to the server inside end within ``seconds`` from now in all
+    (TimeoutError, DeadlineExceeded from the client), also where the client's ``timeout_s``
+    is longer or None: on the data paths (the network data path, the same-host fast path) and
+    over gRPC (``time_left``: the Attach of a client's first call, lookups, reads, stores and
+    the calls that give them back). A call already bounded sooner keeps its own."""
     before = getattr(_CAP, "until", None)
     until = time.monotonic() + seconds
     _CAP.until = until if before is None else min(before, until)

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from kdn.client import parallel
 from kdn.client.dataplane import STREAM_ENTRY_BYTES, DataPlane, TooBig
+from kdn.client.deadline import time_left
 from kdn.client.landing import (
     PendingStream,
     decoded_together,
@@ -111,10 +112,11 @@ class Reader:
         if not isinstance(got, TooBig):
             return got
         md = self.rpc.metadata(request_id)
+        deadline = time_left(self.rpc.timeout_s)  # sooner inside deadline_within
         ticket = self.ticket(req.namespace, req.key)
 
         def run() -> Fetched:
-            stream = self.rpc.retrieve_call(ask_pieces(req), timeout=self.rpc.timeout_s,
+            stream = self.rpc.retrieve_call(ask_pieces(req), timeout=deadline,
                                             metadata=md)
             first = next(stream)
             got = received(first.header, stream)
@@ -179,12 +181,13 @@ class Reader:
         it (``received``), and comes back as a Fetched (handed to ``on_complete`` first); in
         pieces (``ask_pieces``) where it can not be split (one stream, or one core pair)."""
         md = self.rpc.metadata(request_id)
+        deadline = time_left(self.rpc.timeout_s)  # sooner inside deadline_within
         if whole_read and min(self.streams, parallel.stream_cores()) == 1:
             req = ask_pieces(req)
 
         def run() -> LayerStream | Fetched:
             timings = new_timings(started=time.perf_counter())
-            whole = self.rpc.retrieve_call(req, timeout=self.rpc.timeout_s, metadata=md)
+            whole = self.rpc.retrieve_call(req, timeout=deadline, metadata=md)
             calls = [whole]
 
             def cancel() -> None:
@@ -208,7 +211,7 @@ class Reader:
                     part = pb.RetrieveRequest()
                     part.CopyFrom(req)
                     part.first_layer, part.last_layer = first, last
-                    calls.append(start(part, timeout=self.rpc.timeout_s, metadata=md))
+                    calls.append(start(part, timeout=deadline, metadata=md))
                 firsts = [next(call).header for call in calls[1:]]
             except BaseException:
                 cancel()
@@ -254,10 +257,11 @@ class Reader:
         and hand its frames to a LayerStream, once the header has arrived. ``on_complete``
         gets the whole entry once its last frame has arrived."""
         md = self.rpc.metadata(request_id)
+        deadline = time_left(self.rpc.timeout_s)  # sooner inside deadline_within
 
         def run() -> LayerStream:
             timings = new_timings(started=time.perf_counter())
-            call = start(request, timeout=self.rpc.timeout_s, metadata=md)
+            call = start(request, timeout=deadline, metadata=md)
             try:  # the call cancelled where no stream takes it (a device not here, ...)
                 first = next(call)
                 timings.header = time.perf_counter()
@@ -369,10 +373,11 @@ class Reader:
             req.inline_max_entry_bytes = STREAM_ENTRY_BYTES - 1
             req.inline_budget_bytes = min(GROUP_INLINE_BYTES, self.dataplane.inline_budget)
         md = self.rpc.metadata(request_id)
+        deadline = time_left(self.rpc.timeout_s)  # sooner inside deadline_within
         tickets = [self.ticket(ns, k) for k in keys]
         try:
             got = self.rpc.call(lambda: received_many(len(keys), self.rpc.retrieve_many_call(
-                req, timeout=self.rpc.timeout_s, metadata=md)))
+                req, timeout=deadline, metadata=md)))
         except KDNError as exc:
             if exc.status is not Status.UNIMPLEMENTED:
                 raise

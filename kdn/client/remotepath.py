@@ -68,7 +68,7 @@ class RemotePath:
         md = self._metadata(None)
         try:
             resp = self._call(lambda: self._stub.Attach(
-                pb.AttachRequest(remote=True), timeout=self.timeout_s, metadata=md))
+                pb.AttachRequest(remote=True), timeout=time_left(self.timeout_s), metadata=md))
         except (Unavailable, DeadlineExceeded):
             raise
         except KDNError as exc:  # no data path there, or an older server

@@ -116,7 +116,7 @@ class SameHostPath:
         req = pb.AttachRequest(pid=seg.pid, fd=seg.fd, size=seg.size, nonce=seg.nonce)
         md = self._metadata(None)
         try:
-            resp = self._call(lambda: self._stub.Attach(req, timeout=self.timeout_s,
+            resp = self._call(lambda: self._stub.Attach(req, timeout=time_left(self.timeout_s),
                                                         metadata=md))
         except (Unavailable, DeadlineExceeded):
             raise
@@ -176,7 +176,7 @@ class SameHostPath:
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             try:
-                conn.settimeout(self.timeout_s)
+                conn.settimeout(time_left(self.timeout_s))
                 conn.connect("\0" + fast_path)
                 conn.sendall(FAST_HEAD.pack(len(body), FAST_ARENA) + body)
                 first, fds, _, _ = socket.recv_fds(conn, FAST_HEAD.size + ARENA_SIZE.size, 1)

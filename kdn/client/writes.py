@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, TypeGuard, TypeVar, cast
 
 from kdn import codec
 from kdn.client.dataplane import BATCH_BYTES, STREAM_ENTRY_BYTES, TOO_BIG, DataPlane, TooBig
+from kdn.client.deadline import time_left
 from kdn.client.pending import PendingStore
 from kdn.client.rpc import Rpc, traced
 from kdn.client.shm import unanswered
@@ -104,7 +105,8 @@ class Writer:
             self._check_frames(parts)
             md = self.rpc.metadata(request_id)
             resp = self.rpc.call(lambda: self.rpc.store_call(
-                store_messages(ns, key, parts, opts), timeout=self.rpc.timeout_s, metadata=md))
+                store_messages(ns, key, parts, opts), timeout=time_left(self.rpc.timeout_s),
+                metadata=md))
             write.keep(parts)
             return resp
 
@@ -233,7 +235,7 @@ class Writer:
             resp = self.rpc.call(lambda: self.rpc.store_many_call(
                 iter(grouped) if grouped is not None else
                 (m for key, parts, opts in items for m in store_messages(ns, key, parts, opts)),
-                timeout=self.rpc.timeout_s, metadata=md))
+                timeout=time_left(self.rpc.timeout_s), metadata=md))
         except KDNError as exc:
             if grouped is not None and exc.status is Status.INVALID_ARGUMENT:
                 self._store_many_grouped = False
