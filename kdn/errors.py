@@ -56,6 +56,12 @@ class InvalidArgument(KDNError, status=Status.INVALID_ARGUMENT):
     """The request itself is malformed: bad key, bad shape, unknown codec, truncated stream."""
 
 
+class InvalidRequest(InvalidArgument, ValueError):
+    """A model-side request refused before any work (``KDNEngine.generate``: its prompt,
+    ``max_new_tokens``, ``force``, a prompt that does not fit the model's context): kdn's
+    InvalidArgument, and the ValueError transformers' ``generate`` raises for the same."""
+
+
 class InvalidLayout(InvalidArgument):
     """A layout is inconsistent, or tensors do not match the layout they claim."""
 

@@ -1,6 +1,8 @@
 """What KDNEngine.generate takes: one prompt (a text, ids, or a tensor of them, a batch of one
-included), ids in the model's vocabulary, at least one new token, and ``force`` naming one of
-the engine's own choices; anything else is a ValueError that names it."""
+included), ids in the model's vocabulary, at least one new token, a prompt and new tokens that
+fit the model's context, and ``force`` naming one of the engine's own choices; anything else
+is an InvalidRequest that names it (kdn's InvalidArgument, and a ValueError as transformers'
+generate raises), before anything is computed or stored."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import torch
 
 from kdn.client import Client
 from kdn.engine import EngineConfig, KDNEngine
+from kdn.errors import InvalidArgument
 from kdn.server import ServerConfig, ServerThread
 from tests.test_engine_devices import _model, _Tok
 
@@ -30,8 +33,32 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KDNEngine]:
 
 @pytest.mark.parametrize("n", [0, -1, 1.5, True])
 def test_fewer_than_one_new_token_is_refused(engine: KDNEngine, n: object) -> None:
-    with pytest.raises(ValueError, match=f"max_new_tokens .*got {n!r}"):
+    with pytest.raises(InvalidArgument, match=f"max_new_tokens .*got {n!r}") as raised:
         engine.generate(IDS, max_new_tokens=n)  # type: ignore[arg-type]
+    assert isinstance(raised.value, ValueError)  # as transformers' generate refuses it
+
+
+def test_a_prompt_past_the_models_context_is_refused_before_anything_is_stored(
+        engine: KDNEngine) -> None:
+    """A prompt longer than max_position_embeddings was computed (positions the model was
+    never trained on) and its blocks stored for reuse; so were new tokens past it."""
+    context = engine.model.config.max_position_embeddings
+    chunk = engine.config.chunk_tokens
+    ids = [int(x) for x in torch.randint(
+        1, 256, (context + 1,), generator=torch.Generator().manual_seed(7))]
+    with pytest.raises(InvalidArgument, match=f"prompt of {context + 1} tokens is longer than "
+                       f"the model's context of {context} tokens") as raised:
+        engine.generate(ids, max_new_tokens=1)
+    assert isinstance(raised.value, ValueError)
+    fits = ids[: context - 4]
+    with pytest.raises(InvalidArgument, match=f"prompt of {context - 4} tokens and "
+                       f"max_new_tokens=5 need {context + 1} positions.*context of {context} "
+                       "tokens.*at most 4 new tokens"):
+        engine.generate(fits, max_new_tokens=5)
+    assert engine.matched_tokens(ids) == 0  # no block of either prompt was stored
+    assert len(engine.generate(fits, max_new_tokens=4).token_ids) == 4
+    engine.wait_for_save(30)
+    assert engine.matched_tokens(fits) == (len(fits) - 1) // chunk * chunk
 
 
 def test_a_batch_of_one_is_one_prompt_and_a_batch_of_more_is_refused(engine: KDNEngine) -> None:
@@ -41,11 +68,11 @@ def test_a_batch_of_one_is_one_prompt_and_a_batch_of_more_is_refused(engine: KDN
                  [torch.tensor(IDS)]):
         assert engine.generate(same, max_new_tokens=4).token_ids == want  # type: ignore[arg-type]
     for batch in (torch.tensor([IDS, IDS]), [IDS, IDS]):
-        with pytest.raises(ValueError, match="one prompt, got a batch of 2"):
+        with pytest.raises(InvalidArgument, match="one prompt, got a batch of 2"):
             engine.generate(batch, max_new_tokens=4)  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="integer dtype"):
+    with pytest.raises(InvalidArgument, match="integer dtype"):
         engine.generate(torch.tensor(IDS, dtype=torch.float32), max_new_tokens=4)
-    with pytest.raises(ValueError, match=r"\[1, 1, 40\]"):
+    with pytest.raises(InvalidArgument, match=r"\[1, 1, 40\]"):
         engine.generate(torch.tensor([[IDS]]), max_new_tokens=4)
 
 
@@ -57,15 +84,15 @@ def test_a_batch_of_one_is_one_prompt_and_a_batch_of_more_is_refused(engine: KDN
 ])
 def test_an_id_that_is_not_the_models_is_refused_naming_it(
         engine: KDNEngine, prompt: list[int], named: str) -> None:
-    with pytest.raises(ValueError, match=named):
+    with pytest.raises(InvalidArgument, match=named):
         engine.generate(prompt, max_new_tokens=2)
 
 
 @pytest.mark.parametrize("force", ["bogus", "int8", "lossless", "Raw", ""])
 def test_force_names_one_of_the_engines_choices(engine: KDNEngine, force: str) -> None:
-    with pytest.raises(ValueError, match=r"\['raw', 'recompute'\]"):
+    with pytest.raises(InvalidArgument, match=r"\['raw', 'recompute'\]"):
         engine.generate(IDS, max_new_tokens=2, force=force)
-    with pytest.raises(ValueError, match=repr(force)):
+    with pytest.raises(InvalidArgument, match=repr(force)):
         engine.start_load(IDS, force=force)
     for ok in ("raw", "recompute", None):
         assert len(engine.generate(IDS, max_new_tokens=2, force=ok).token_ids) == 2

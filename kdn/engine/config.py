@@ -16,7 +16,7 @@ import torch
 
 from kdn.codec.catalog import check_codec
 from kdn.delivery import RECOMPUTE
-from kdn.errors import ConfigError, InvalidArgument
+from kdn.errors import ConfigError, InvalidArgument, InvalidRequest
 from kdn.layout import DType, KVLayout
 from kdn.names import check_namespace
 from kdn.text import tokenize
@@ -199,24 +199,25 @@ def prompt_ids(prompt: str | Sequence[int] | torch.Tensor, tokenizer: Any,
                vocabulary: int) -> list[int]:
     """The token ids of one prompt: a text (tokenized by ``tokenizer``, no special tokens
     added), a sequence of ids, or a tensor of them, 1-D or a batch of one (``[1, tokens]``, what
-    a tokenizer's ``return_tensors="pt"`` gives; ``[[ids]]`` likewise). ValueError for an empty
-    prompt, a batch of several, ids that are not whole numbers, or an id outside
-    ``0..vocabulary-1`` (the model's embedding rows), naming it and where it is, and for a
-    text that is not valid Unicode (a lone surrogate: ``kdn.text.check_text``). Special
-    tokens written in a text are parsed as the tokenizer's (``kdn.text.tokenize``)."""
+    a tokenizer's ``return_tensors="pt"`` gives; ``[[ids]]`` likewise). InvalidRequest (an
+    InvalidArgument and a ValueError) for an empty prompt, a batch of several, ids that are not
+    whole numbers, or an id outside ``0..vocabulary-1`` (the model's embedding rows), naming
+    it and where it is, and for a text that is not valid Unicode (a lone surrogate:
+    ``kdn.text.check_text``). Special tokens written in a text are parsed as the tokenizer's
+    (``kdn.text.tokenize``)."""
     if isinstance(prompt, str):
         try:
             prompt = tokenize(tokenizer, prompt, "the prompt")
         except InvalidArgument as exc:
-            raise ValueError(str(exc)) from None
+            raise InvalidRequest(str(exc)) from None
     rows: list[Any]
     if isinstance(prompt, torch.Tensor):
         if prompt.is_floating_point() or prompt.is_complex() or prompt.dtype == torch.bool:
-            raise ValueError(f"a prompt tensor holds token ids: an integer dtype, got "
-                             f"{prompt.dtype}")
+            raise InvalidRequest(f"a prompt tensor holds token ids: an integer dtype, got "
+                                 f"{prompt.dtype}")
         if prompt.dim() not in (1, 2):
-            raise ValueError(f"a prompt tensor is [tokens] or [1, tokens], got "
-                             f"{list(prompt.shape)}")
+            raise InvalidRequest(f"a prompt tensor is [tokens] or [1, tokens], got "
+                                 f"{list(prompt.shape)}")
         rows = [prompt.tolist()] if prompt.dim() == 1 else prompt.tolist()
     elif isinstance(prompt, Sequence) and prompt and all(
             isinstance(p, (Sequence, torch.Tensor)) and not isinstance(p, str) for p in prompt):
@@ -224,11 +225,11 @@ def prompt_ids(prompt: str | Sequence[int] | torch.Tensor, tokenizer: Any,
     elif isinstance(prompt, Sequence):
         rows = [list(prompt)]
     else:
-        raise ValueError(f"a prompt is a text, token ids or a tensor of them, got "
-                         f"{type(prompt).__name__}")
+        raise InvalidRequest(f"a prompt is a text, token ids or a tensor of them, got "
+                             f"{type(prompt).__name__}")
     if len(rows) != 1:
-        raise ValueError(f"KDNEngine.generate takes one prompt, got a batch of {len(rows)}: "
-                         "call it once per prompt")
+        raise InvalidRequest(f"KDNEngine.generate takes one prompt, got a batch of {len(rows)}: "
+                             "call it once per prompt")
     ids = []
     for i, t in enumerate(rows[0]):
         try:
@@ -236,10 +237,25 @@ def prompt_ids(prompt: str | Sequence[int] | torch.Tensor, tokenizer: Any,
                 raise TypeError
             ids.append(operator.index(t))
         except TypeError:
-            raise ValueError(f"token {i} of the prompt is {t!r}, not a token id") from None
+            raise InvalidRequest(f"token {i} of the prompt is {t!r}, not a token id") from None
         if not 0 <= ids[-1] < vocabulary:
-            raise ValueError(f"token id {ids[-1]} (token {i} of the prompt) is outside the "
-                             f"model's vocabulary of {vocabulary} (0..{vocabulary - 1})")
+            raise InvalidRequest(f"token id {ids[-1]} (token {i} of the prompt) is outside the "
+                                 f"model's vocabulary of {vocabulary} (0..{vocabulary - 1})")
     if not ids:
-        raise ValueError("empty prompt")
+        raise InvalidRequest("empty prompt")
     return ids
+
+
+def check_fits(tokens: int, max_new_tokens: int, context: int | None) -> None:
+    """InvalidRequest unless a prompt of ``tokens`` tokens and ``max_new_tokens`` generated
+    after it fit a model's ``context`` (its max_position_embeddings; None: no limit): past it
+    the model meets positions it was never trained on, and its KV is stored for reuse."""
+    if context is None or tokens + max_new_tokens <= context:
+        return
+    if tokens > context:
+        raise InvalidRequest(f"the prompt of {tokens} tokens is longer than the model's context "
+                             f"of {context} tokens (max_position_embeddings): shorten it")
+    raise InvalidRequest(f"the prompt of {tokens} tokens and max_new_tokens={max_new_tokens} "
+                         f"need {tokens + max_new_tokens} positions, more than the model's "
+                         f"context of {context} tokens (max_position_embeddings): ask for at "
+                         f"most {context - tokens} new tokens or shorten the prompt")

@@ -87,13 +87,14 @@ from kdn.engine.config import (
     EngineConfig,
     Generation,
     Timings,
+    check_fits,
     default_chunk_tokens,
     prompt_ids,
 )
 from kdn.engine.connector import KVConnector
 from kdn.engine.measure import observe_request, time_decodes, time_prefill
 from kdn.engine.store_back import StoreBack
-from kdn.errors import DeadlineExceeded, again, kept
+from kdn.errors import DeadlineExceeded, InvalidRequest, again, kept
 from kdn.layout import KVLayout
 from kdn.model.hf import (
     CacheDecoder,
@@ -155,7 +156,7 @@ class KDNEngine(KVConnector):
         self._saver = StoreBack(client, self._layout, self.config.chunk_tokens, self.encodings,
                                 self.namespace, self._device, self._lookup_timeout())
         self._request = threading.Lock()
-        self._vocabulary = prompt_limits(model)[0]
+        self._vocabulary, self._context = prompt_limits(model)
         self._begin([])
 
     @property
@@ -215,11 +216,11 @@ class KDNEngine(KVConnector):
                 gc.freeze()
 
     def _check_force(self, force: str | None) -> None:
-        """ValueError unless ``force`` is None, ``recompute`` or an encoding this engine
+        """InvalidRequest unless ``force`` is None, ``recompute`` or an encoding this engine
         stores (one it does not would always be a miss: a silent recompute)."""
         choices = [encoding_name(m, lv) for m, lv in self.encodings] + [RECOMPUTE]
         if force is not None and force not in choices:
-            raise ValueError(f"force={force!r} is none of this engine's choices {choices} "
+            raise InvalidRequest(f"force={force!r} is none of this engine's choices {choices} "
                              "(None: the loading controller's)")
 
     def _lookup_timeout(self) -> float:
@@ -467,15 +468,19 @@ class KDNEngine(KVConnector):
         """Greedy generation reusing cached prefix blocks. ``prompt``: a text, token ids, or
         a tensor of them (``[tokens]`` or ``[1, tokens]``; one prompt, each id in the model's
         vocabulary: ``kdn.engine.config.prompt_ids``). ``max_new_tokens``: at least 1, as in
-        transformers' ``generate`` (ValueError otherwise); decoding stops there or after the
-        tokenizer's EOS. ``force``: one of the engine's encoding names or ``recompute``, to
-        override the controller for this request (ValueError otherwise)."""
+        transformers' ``generate``; decoding stops there or after the tokenizer's EOS. The
+        prompt and ``max_new_tokens`` together fit the model's context
+        (``kdn.engine.config.check_fits``). ``force``: one of the engine's encoding names or
+        ``recompute``, to override the controller for this request. Each of these is checked
+        before anything is looked up, computed or stored: InvalidRequest (an InvalidArgument
+        and a ValueError) naming what is wrong."""
         if (isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int)
                 or max_new_tokens < 1):
-            raise ValueError(f"max_new_tokens must be a whole number >= 1 (as in transformers' "
-                             f"generate), got {max_new_tokens!r}")
+            raise InvalidRequest(f"max_new_tokens must be a whole number >= 1 (as in "
+                                 f"transformers' generate), got {max_new_tokens!r}")
         self._check_force(force)
         ids = prompt_ids(prompt, self.tokenizer, self._vocabulary)
+        check_fits(len(ids), max_new_tokens, self._context)
         with self._request:
             self._ensure_calibrated()  # before the clock starts: not this request's time
             self._begin(ids)
