@@ -486,16 +486,23 @@ NOT_KEPT = NotKept()
 
 def is_staged(kv: object) -> TypeGuard[Staged]:
     """Whether ``kv`` is a ``kdn.client.staged.Staged`` (none exists before that module, which
-    needs torch, was imported)."""
-    mod = sys.modules.get("kdn.client.staged")
-    return mod is not None and isinstance(kv, mod.Staged)
+    needs torch, was imported: ``_instance``)."""
+    return _instance(kv, "kdn.client.staged", "Staged")
 
 
 def is_kv(kv: object) -> TypeGuard[KVCache]:
     """Whether ``kv`` is a ``kdn.cache.KVCache`` (none exists before that module, which needs
-    torch, was imported)."""
-    mod = sys.modules.get("kdn.cache")
-    return mod is not None and isinstance(kv, mod.KVCache)
+    torch, was imported: ``_instance``)."""
+    return _instance(kv, "kdn.cache", "KVCache")
+
+
+def _instance(obj: object, module: str, name: str) -> bool:
+    """Whether ``obj`` is an instance of class ``name`` of ``module``, without importing it.
+    A module another thread is still importing is in ``sys.modules`` before its classes are
+    made (a first raw store imports ``kdn.client.staged``): until ``name`` is there, no
+    instance of it exists."""
+    cls = getattr(sys.modules.get(module), name, None)
+    return cls is not None and isinstance(obj, cls)
 
 
 E = TypeVar("E")
