@@ -72,6 +72,42 @@ def test_what_is_not_a_kv_cache_is_refused_by_name(server: ServerThread,
 
 
 @pytest.mark.parametrize("options", CLIENTS)
+def test_store_many_takes_key_entry_pairs_each_key_once(server: ServerThread,
+                                                       options: dict[str, Any]) -> None:
+    """A key given twice in one store_many was taken, and which entry the server kept
+    depended on the path (over gRPC alone the first of a small and a large one, elsewhere
+    the last); a dict, a (key, entry, x) triple or a bare KVCache was a ValueError or
+    TypeError from unpacking, and ``options`` as a dict an AttributeError."""
+    old, a, b = (random_kv(LAYOUT, n, seed=10 + n) for n in (4, 8, 600))
+    x, y = numbered_key(20), numbered_key(21)
+    with Client(server.address, timeout_s=30, **options) as c:
+        c.store(x, old)
+        for mode in ("raw", "lossless"):
+            with pytest.raises(InvalidArgument, match=f"key {x.hex()} is items 0 and 2 of one "
+                               "store_many"):
+                c.store_many([(x, a), (y, b), (x, b)], mode=mode)
+            for bad, match in (({x: a}, "list of .key, entry. pairs, got dict .a dict: list"),
+                               ([(y, a, 1)], "item 0 of store_many must be a .key, entry. "
+                                             "pair, got a tuple of 3"),
+                               ([(y, a), a], "item 1 .*got KVCache")):
+                with pytest.raises(InvalidArgument, match=match):
+                    c.store_many(bad, mode=mode)  # type: ignore[arg-type]
+            opts: Any = {"ttl_s": 5}
+            bad_options = "options must be a kdn.StoreOptions.*got dict"
+            with pytest.raises(InvalidArgument, match=bad_options):
+                c.store(y, a, mode=mode, options=opts)
+            with pytest.raises(InvalidArgument, match=bad_options):
+                c.store_many([(y, a)], mode=mode, options=opts)
+            with pytest.raises(InvalidArgument, match=bad_options):
+                c.store_async(y, a, mode=mode, options=opts).result()
+        c.flush()
+        assert c.retrieve(x).equal(old)  # type: ignore[union-attr]
+        assert c.retrieve(y) is None
+        assert [r.stored_bytes > 0 for r in c.store_many(iter([(x, a), (y, b)]))] == [True] * 2
+        assert c.retrieve(x).equal(a) and c.retrieve(y).equal(b)  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("options", CLIENTS)
 def test_read_arguments_are_refused_by_name(server: ServerThread,
                                             options: dict[str, Any]) -> None:
     """tokens=-1 was a ValueError, a device torch does not know or that is not here a

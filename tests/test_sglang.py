@@ -201,6 +201,18 @@ def test_v2_extra_pools_are_not_stored(pair: Pair) -> None:
     assert res == {PoolName.KV: [True] * 3, PoolName.MAMBA: [False]}
 
 
+def test_a_page_named_twice_in_one_write_is_stored_once(pair: Pair) -> None:
+    """One batch naming a page twice is answered as HiCacheFile answers it (every page
+    stored, read back byte for byte), its page sent once: one ``store_many`` takes each key
+    once."""
+    p = pair
+    keys = [KEYS[0], KEYS[1], KEYS[0]]
+    assert p.set_pages(keys, [0, 1, 0]) == [True] * 3
+    assert p.kdn.stats().pages_written == 2
+    assert p.get_pages(keys, [8, 9, 10]) == [True] * 3
+    assert p.exists_prefix(KEYS[:2]) == 2
+
+
 @pytest.mark.parametrize("src_layout,dst_layout", [("page_first", "layer_first"),
                                                     ("layer_first", "page_first_direct")])
 def test_pages_do_not_depend_on_the_pool_layout(server: ServerThread, src_layout: str,

@@ -240,7 +240,8 @@ class Client:
                    options: StoreOptions | None = None, layers_per_frame: int = 0,
                    request_id: str | None = None) -> list[pb.StoreResponse]:
         """Store many entries in as few calls as fit (``Writer.store_many``). Each call's items
-        are all checked before any is stored: a bad item raises and stores none of them."""
+        are all checked before any is stored: a bad item (not a (key, entry) pair, a key given
+        twice) raises and stores none of them."""
         return self._writes.store_many(items, mode=mode, level=level, namespace=namespace,
                                        options=options, layers_per_frame=layers_per_frame,
                                        request_id=request_id)

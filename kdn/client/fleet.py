@@ -66,6 +66,7 @@ from kdn.client import metrics
 from kdn.client.admin import AdminClient
 from kdn.client.client import Client, LookupResult, Retry
 from kdn.client.routing import Affinity, LoadMeter, Router
+from kdn.client.writes import check_items
 from kdn.errors import ConfigError, DeadlineExceeded, InvalidArgument, KDNError, Unavailable, kept
 from kdn.v1 import kdn_pb2 as pb
 
@@ -408,6 +409,7 @@ class FleetClient:
 
     def store_many(self, items: Sequence[tuple[bytes, Any]], **kw: Any
                    ) -> list[pb.StoreResponse]:
+        items = check_items(items)  # pairs, each key once: before any node is asked
         keys = [k for k, _ in items]
         return self._stored(keys, lambda c: c.store_many(items, **kw), kw.get("namespace"))
 

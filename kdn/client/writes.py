@@ -20,7 +20,7 @@ Staged entries (``kdn.client.staged``) in the client's segment are stored by whe
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, TypeGuard, TypeVar, cast
 
 from kdn import codec
@@ -83,7 +83,7 @@ class Writer:
         """Store ``kv`` (encoded here with ``mode``/``level`` unless already encoded); TTL, pin
         and durability come from ``options`` (defaults: ``StoreOptions()``). Frames hold
         ``layers_per_frame`` layers, or with 0 enough to fill ``codec.FRAME_TARGET_BYTES``."""
-        key, kv = check_key(key), check_entry(kv)
+        key, kv, options = check_key(key), check_entry(kv), check_options(options)
         if is_staged(kv):
             return self._store_staged(self._ns(namespace), [(key, kv)], options, request_id)[0]
         st = self._written_staged(kv, mode, level, layers_per_frame)
@@ -134,7 +134,7 @@ class Writer:
         none of them."""
         ns = self._ns(namespace)
         # every item checked before anything is written or sent
-        items = [(check_key(k), check_entry(kv)) for k, kv in items]
+        items, options = check_items(items), check_options(options)
         if len(items) > 1 and self.dataplane.same_host.fast and all(
                 self._writable(kv, mode, level, layers_per_frame) is not None
                 for _, kv in items):  # every one validated before any is written
@@ -273,7 +273,7 @@ class Writer:
         reads see them), or by ``flush()``, which raises the first error since the last flush.
         A staged entry must not be written again until its store is answered (the server
         copies what it holds then)."""
-        key, kv = check_key(key), check_entry(kv)
+        key, kv, options = check_key(key), check_entry(kv), check_options(options)
         ns = self._ns(namespace)
         opts = wire_options(options)
         parts: EncodedParts | None = None
@@ -516,6 +516,41 @@ def check_entry(kv: E) -> E:
         raise InvalidArgument(f"expected a KVCache (or EncodedParts, Staged) to store, got "
                               f"{type(kv).__name__}")
     return kv
+
+
+def check_items(items: object) -> list[tuple[bytes, KVCache | EncodedParts | Staged]]:
+    """``store_many``'s items as (key, entry) pairs, each checked as ``store`` checks its
+    own, else InvalidArgument naming the first that is not: something other than a pair,
+    or a key given twice (which of its entries a server ends up holding would depend on the
+    path each took)."""
+    if isinstance(items, (dict, str, bytes, bytearray, memoryview)) or not isinstance(
+            items, Iterable):
+        hint = " (a dict: list(d.items()))" if isinstance(items, dict) else ""
+        raise InvalidArgument(f"store_many takes a list of (key, entry) pairs, got "
+                              f"{type(items).__name__}{hint}")
+    out: list[tuple[bytes, KVCache | EncodedParts | Staged]] = []
+    seen: dict[bytes, int] = {}
+    for j, item in enumerate(items):
+        if not isinstance(item, (tuple, list)) or len(item) != 2:
+            what = (f"a {type(item).__name__} of {len(item)}" if isinstance(item, (tuple, list))
+                    else type(item).__name__)
+            raise InvalidArgument(f"item {j} of store_many must be a (key, entry) pair, got "
+                                  f"{what}")
+        key = check_key(item[0])
+        if key in seen:
+            raise InvalidArgument(f"key {key.hex()} is items {seen[key]} and {j} of one "
+                                  "store_many: give each key once")
+        seen[key] = j
+        out.append((key, check_entry(item[1])))
+    return out
+
+
+def check_options(options: object) -> StoreOptions | None:
+    """``options`` when it is None or a ``StoreOptions``, else InvalidArgument."""
+    if options is not None and not isinstance(options, StoreOptions):
+        raise InvalidArgument(f"options must be a kdn.StoreOptions (StoreOptions(ttl_s=..., "
+                              f"pin=..., durability=...)), got {type(options).__name__}")
+    return options
 
 
 def encoded(kv: KVCache | EncodedParts | Staged, mode: str, level: str,

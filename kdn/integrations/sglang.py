@@ -270,7 +270,7 @@ class KDNHiCacheStorage(HiCacheStorage):
 
     def _write(self, keys_: Sequence[str], pages: Callable[[int], torch.Tensor]) -> list[bool]:
         """Store pages ``keys_`` from the page views ``pages(j)`` (those already stored are not
-        sent again); per page: stored."""
+        sent again, a page named twice is sent once); per page: stored."""
         if not keys_:
             return []
         start = time.perf_counter()
@@ -282,7 +282,9 @@ class KDNHiCacheStorage(HiCacheStorage):
             logger.exception("kdn: storing %d pages failed", len(keys_))
             self._count(errors=1)
             return [False] * len(keys_)
-        todo = [j for j, p in enumerate(present) if not p]
+        first: dict[bytes, int] = {}  # a page named twice in one batch is stored once
+        todo = [j for j, p in enumerate(present)
+                if not p and first.setdefault(kdn[j], j) == j]
 
         def chunk(span: range) -> list[tuple[int, bool]]:
             idx = [todo[t] for t in span]
@@ -303,6 +305,9 @@ class KDNHiCacheStorage(HiCacheStorage):
         for part in self._concurrently(chunk, len(todo)):
             for j, ok in part:
                 done[j] = ok
+        for j, k in enumerate(kdn):
+            if not present[j]:
+                done[j] = done[first[k]]
         stored = sum(1 for j in todo if done[j])
         nbytes = stored * self.page_bytes
         self._count(pages_written=stored, pages_skipped=len(keys_) - len(todo),
