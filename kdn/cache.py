@@ -12,7 +12,9 @@ Conversions to and from transformers caches live in the adapter (``kdn.model.hf.
 from __future__ import annotations
 
 import builtins
-from collections.abc import Sequence
+import contextlib
+import operator
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +23,9 @@ from kdn.errors import InvalidLayout
 from kdn.layout import KVLayout
 
 LayerKV = tuple[torch.Tensor, torch.Tensor]
+
+MAX_POSITION = 2**63 - 1
+"""The largest ``start_position``: positions are int64 in torch (RoPE tables, position ids)."""
 
 
 @dataclass
@@ -32,7 +37,15 @@ class KVCache:
     start_position: int = 0
 
     def __post_init__(self) -> None:
+        if not isinstance(self.layout, KVLayout):
+            raise InvalidLayout(f"layout must be a KVLayout, got {type(self.layout).__name__}")
+        if isinstance(self.layers, torch.Tensor) or not isinstance(self.layers, Iterable):
+            raise InvalidLayout(f"layers must be a list of (K, V) pairs of tensors, one per "
+                                f"layer, got {type(self.layers).__name__}")
         self.layers = list(self.layers)
+        if not isinstance(self.start_position, (int, float)):  # numpy's, torch's integers
+            with contextlib.suppress(TypeError):
+                self.start_position = operator.index(self.start_position)
         self.validate()
 
     @classmethod
@@ -45,33 +58,41 @@ class KVCache:
         return kv
 
     def validate(self) -> None:
-        """Raise InvalidLayout unless every tensor matches the layout."""
+        """Raise InvalidLayout unless ``start_position`` is a whole number in [0, 2**63) and
+        every layer is a (K, V) pair of tensors that matches the layout."""
         if len(self.layers) != self.layout.num_layers:
             raise InvalidLayout(
                 f"cache has {len(self.layers)} layers, layout declares {self.layout.num_layers}"
             )
-        if self.start_position < 0:
-            raise InvalidLayout(f"start_position must be >= 0, got {self.start_position}")
+        sp = self.start_position
+        if isinstance(sp, bool) or not isinstance(sp, int) or not 0 <= sp <= MAX_POSITION:
+            raise InvalidLayout(f"start_position must be a whole number in [0, 2**63), got "
+                                f"{sp!r}")
         tokens = None
         dtype = self.layout.dtype.torch
-        for i, ((k, v), lay) in enumerate(zip(self.layers, self.layout.layers)):
-            ks, vs = k.shape, v.shape  # torch.Size: a tuple (one call each, this runs per hit)
+        for i, (pair, lay) in enumerate(zip(self.layers, self.layout.layers)):
+            # what is not a pair of tensors is named where a check fails (``_not_tensors``):
+            # this runs per cache made, and a numpy array has a shape too
+            try:
+                k, v = pair
+                ks, vs = k.shape, v.shape  # torch.Size: a tuple (one call each)
+            except (TypeError, ValueError, AttributeError):
+                raise InvalidLayout(_not_tensors(i, pair) or f"layer {i}: no shape") from None
             t = ks[1] if len(ks) == 3 else -1
             if ks != (lay.kv_heads, t, lay.k_channels):
-                raise InvalidLayout(f"layer {i}: K has shape {tuple(ks)}, expected "
-                                    f"{(lay.kv_heads, t, lay.k_channels)}")
+                raise InvalidLayout(_not_tensors(i, pair) or f"layer {i}: K has shape "
+                                    f"{tuple(ks)}, expected {(lay.kv_heads, t, lay.k_channels)}")
             if vs != (lay.kv_heads, t, lay.v_channels):
-                raise InvalidLayout(f"layer {i}: V has shape {tuple(vs)}, expected "
-                                    f"{(lay.kv_heads, t, lay.v_channels)}")
+                raise InvalidLayout(_not_tensors(i, pair) or f"layer {i}: V has shape "
+                                    f"{tuple(vs)}, expected {(lay.kv_heads, t, lay.v_channels)}")
             if tokens is None:
                 tokens = t
             elif t != tokens:
                 raise InvalidLayout(f"layer {i} holds {t} tokens, layer 0 holds {tokens}")
             if k.dtype != dtype or v.dtype != dtype:
-                raise InvalidLayout(
-                    f"layer {i}: dtype {k.dtype}/{v.dtype}, "
-                    f"layout declares {self.layout.dtype.value}"
-                )
+                raise InvalidLayout(_not_tensors(i, pair) or f"layer {i}: dtype "
+                                    f"{k.dtype}/{v.dtype}, layout declares "
+                                    f"{self.layout.dtype.value}")
 
     @property
     def num_tokens(self) -> int:
@@ -146,6 +167,20 @@ class KVCache:
                 for (a, b), (c, d) in zip(self.layers, other.layers)
             )
         )
+
+
+def _not_tensors(i: int, pair: object) -> str:
+    """Why layer ``i``'s ``pair`` is not a (K, V) pair of torch tensors; "" when it is."""
+    if not isinstance(pair, (tuple, list, torch.Tensor)) or len(pair) != 2:
+        size = f" of {len(pair)}" if isinstance(pair, (tuple, list, torch.Tensor)) else ""
+        return f"layer {i} must be a (K, V) pair of tensors, got {type(pair).__name__}{size}"
+    k, v = pair
+    if isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor):
+        return ""
+    hint = (" (a numpy array: torch.from_numpy(it))"
+            if "numpy" in (type(k).__module__, type(v).__module__) else "")
+    return (f"layer {i}: K and V must be torch tensors, got {type(k).__name__} and "
+            f"{type(v).__name__}{hint}")
 
 
 def to_pinned_host(tensors: Sequence[torch.Tensor], side: torch.cuda.Stream

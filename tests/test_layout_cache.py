@@ -7,10 +7,12 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from kdn import codec
 from kdn.cache import KVCache
 from kdn.errors import InvalidLayout
 from kdn.layout import DType, KVLayout, LayerLayout
@@ -123,6 +125,44 @@ def test_cache_validates_shapes_and_dtype() -> None:
         KVCache(lay, [(k.float(), v.float()) for k, v in good.layers])
     with pytest.raises(InvalidLayout, match="layers"):
         KVCache(lay, good.layers[:1])
+
+
+def test_a_cache_of_what_is_not_tensors_or_of_a_position_that_is_not_whole_is_named() -> None:
+    """numpy arrays were refused as "dtype float16/float16, layout declares float16", lists
+    were an AttributeError and a (K, V, x) triple a ValueError from unpacking, a layout
+    given as a str an AttributeError; start_position=1.5 and True were taken (then a
+    TypeError from protobuf at store), 2**70 a ValueError from protobuf."""
+    lay = uniform_layout(layers=2)
+    good = random_kv(lay, 5)
+    k0, v0 = good.layers[0]
+    bad_layers = [
+        ([(k0.numpy(), v0.numpy()), good.layers[1]],
+         r"layer 0: K and V must be torch tensors, got ndarray and ndarray \(a numpy array: "
+         r"torch.from_numpy\(it\)\)"),
+        ([good.layers[0], (k0.tolist(), v0)], "layer 1: K and V must be torch tensors, got list"),
+        ([(k0, v0, v0), good.layers[1]], "layer 0 must be a .K, V. pair of tensors, got tuple "
+                                         "of 3"),
+        ([good.layers[0], (k0,)], "layer 1 must be a .K, V. pair of tensors, got tuple of 1"),
+        ([good.layers[0], 3], "layer 1 must be a .K, V. pair of tensors, got int"),
+    ]
+    for layers, match in bad_layers:
+        with pytest.raises(InvalidLayout, match=match):
+            KVCache(lay, layers)  # type: ignore[arg-type]
+    with pytest.raises(InvalidLayout, match="layers must be a list of .K, V. pairs"):
+        KVCache(lay, None)  # type: ignore[arg-type]
+    with pytest.raises(InvalidLayout, match="layout must be a KVLayout, got str"):
+        KVCache("test-model", good.layers)  # type: ignore[arg-type]
+    for position in (1.5, True, -1, 2**70, "3"):
+        with pytest.raises(InvalidLayout, match=r"start_position must be a whole number in "
+                           rf"\[0, 2\*\*63\), got {position!r}"):
+            KVCache(lay, good.layers, position)  # type: ignore[arg-type]
+    good.start_position = 2.5  # type: ignore[assignment]  # set after it was made
+    with pytest.raises(InvalidLayout, match="got 2.5"):
+        codec.encode(good)
+    for whole in (torch.tensor(7), np.int64(7), 7):
+        kv = KVCache(lay, good.layers, whole)  # type: ignore[arg-type]
+        assert type(kv.start_position) is int and kv.start_position == 7
+        assert codec.decode(codec.encode(kv, mode="raw")).equal(kv)
 
 
 def test_slice_and_concat() -> None:

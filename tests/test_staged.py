@@ -287,6 +287,17 @@ def test_stage_refuses_what_has_no_entry() -> None:
         Staged(uniform_layout(dtype=DType.FLOAT32), 4)
     with pytest.raises(InvalidArgument):
         Staged(LAYOUT, 4, start_position=-1)
+    # 1.5 tokens was a TypeError from the frame plan; a bool or fractional position, or one
+    # past int64, a TypeError or ValueError from protobuf
+    for tokens in (1.5, True, "4"):
+        with pytest.raises(InvalidArgument, match=f"whole number of tokens.*got {tokens!r}"):
+            Staged(LAYOUT, tokens)  # type: ignore[arg-type]
+    for position in (0.5, True, 2**70):
+        with pytest.raises(InvalidArgument, match=f"start_position must be a whole number.*"
+                           f"got {position!r}"):
+            Staged(LAYOUT, 4, start_position=position)  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgument, match="layout must be a KVLayout, got str"):
+        Staged("test-model", 4)  # type: ignore[arg-type]
     st = Staged(LAYOUT, 4)
     assert not st.closed and len(st.layers) == LAYOUT.num_layers
     assert st.layers[0][0].shape == torch.Size([2, 4, 16])

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 import torch
 
+from kdn.cache import MAX_POSITION
 from kdn.codec import inplace
 from kdn.codec.api import frame_spans
 from kdn.codec.format import (
@@ -69,10 +70,15 @@ def skeleton(layout: KVLayout, tokens: int, start_position: int = 0
     record prefix, and the bytes of all its frames. The frames are sized as ``encode_parts``
     sizes them (``layers_per_frame=0``), so a sealed staged entry is byte for byte what
     ``encode_parts(kv, "raw", layers_per_frame=0)`` writes for the same tensors."""
-    if tokens <= 0:
-        raise InvalidArgument(f"a staged entry needs at least one token, got {tokens}")
-    if start_position < 0:
-        raise InvalidArgument(f"start_position must be >= 0, got {start_position}")
+    if not isinstance(layout, KVLayout):
+        raise InvalidArgument(f"layout must be a KVLayout, got {type(layout).__name__}")
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens <= 0:
+        raise InvalidArgument(f"a staged entry needs a whole number of tokens, at least one, "
+                              f"got {tokens!r}")
+    if (isinstance(start_position, bool) or not isinstance(start_position, int)
+            or not 0 <= start_position <= MAX_POSITION):
+        raise InvalidArgument(f"start_position must be a whole number in [0, 2**63), got "
+                              f"{start_position!r}")
     plan = _plan(layout, tokens)
     return _header(layout, tokens, start_position), plan.prefixes, plan.frames_bytes
 
