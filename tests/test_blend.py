@@ -173,6 +173,50 @@ def test_config_checks() -> None:
         BlendConfig(correct_k=1.5)
     with pytest.raises(InvalidArgument, match="correct_v"):
         BlendConfig(correct_v=-0.5)
+    # a str or None ratio was a TypeError from the comparison, True taken as 1, 1.5 layers
+    # or head tokens taken (then a TypeError slicing, mid-blend)
+    for field, bad in (("ratio", "0.5"), ("ratio", None), ("ratio", True),
+                       ("select_layer", 1.5), ("head_tokens", 2.5), ("attention_from", "3"),
+                       ("per_chunk", 1)):
+        with pytest.raises(InvalidArgument, match=f"{field} must be .*got {bad!r}"):
+            BlendConfig(**{field: bad})
+
+
+def test_pieces_and_config_that_are_not_the_models_are_named_before_any_layer() -> None:
+    """Ids outside the vocabulary were an IndexError from the embedding; float ids (1.7, or
+    a float tensor) were truncated to other tokens, a text a ValueError from int(); a blend
+    longer than the model's context ran (the server's Blend refused it, blend() did not); a
+    dict config or a list for a piece an AttributeError."""
+    model = tiny("llama")
+    layout = model_layout(model, DType.FLOAT32)
+    a, q = ids(12, seed=1), ids(5, seed=2)
+    chunk, _ = prefill(model, a, layout)
+    context = model.config.max_position_embeddings
+    for pieces, match in (
+            ([Piece(a, chunk), Piece(q[:-1] + [96])],
+             r"piece 1: token id 96 is outside the model's vocabulary of 96 \(0..95\), at "
+             "token 4"),
+            ([Piece(a, chunk), Piece([-1] + q)], "piece 1: token id -1 .*, at token 0"),
+            ([Piece(a, chunk), Piece(ids(context - 11, seed=3))],
+             f"Blend of {context + 1} tokens exceeds the model's context of {context}"),
+            ([Piece(a, chunk), q], "piece 1 must be a kdn.blend.Piece, got list")):
+        with pytest.raises(InvalidArgument, match=match):
+            blend(model, pieces)  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgument, match="config must be a kdn.blend.BlendConfig"):
+        blend(model, [Piece(a, chunk), Piece(q)], {"ratio": 0.5})  # type: ignore[arg-type]
+    for bad, match in (([1.7, 2.0], "token 0 is 1.7, not a token id"),
+                       ([3, True], "token 1 is True"),
+                       ("hello", "a list of whole numbers, got str"),
+                       (torch.tensor([1.0, 2.0]), r"1-D integer tensor, got torch.float32"),
+                       (torch.tensor([q]), r"1-D integer tensor, got torch.int64 of shape "
+                                           r"\[1, 5\]")):
+        with pytest.raises(InvalidArgument, match=match):
+            Piece(bad)  # type: ignore[arg-type]
+    fits = ids(context - 12, seed=3)
+    want = blend(model, [Piece(a, chunk), Piece(fits)])
+    for same in (torch.tensor(fits), tuple(fits)):
+        got = blend(model, [Piece(torch.tensor(a), chunk), Piece(same)])  # type: ignore[arg-type]
+        assert got.kv.num_tokens == context and torch.equal(got.logits, want.logits)
 
 
 def test_correct_stale_shifts_by_the_mean_change_before_rope() -> None:

@@ -61,6 +61,7 @@ layer i-1), and the second pass then runs from memory.
 
 from __future__ import annotations
 
+import numbers
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
@@ -75,7 +76,13 @@ from kdn.blend.stale import ChunkStale, correct_stale, stale_plan
 from kdn.cache import KVCache, LayerKV
 from kdn.errors import Cancelled, InvalidArgument, InvalidLayout, LayoutMismatch
 from kdn.layout import KVLayout
-from kdn.model.hf import ModelParts, model_layout
+from kdn.model.hf import (
+    ModelParts,
+    check_vocabulary,
+    model_layout,
+    prompt_limits,
+    token_ids,
+)
 
 
 class LayerSource(Protocol):
@@ -115,7 +122,7 @@ class Piece:
     """Position the stored keys were rotated at (0 for a chunk prefilled alone)."""
 
     def __post_init__(self) -> None:
-        self.ids = [int(t) for t in self.ids]
+        self.ids = token_ids(self.ids, "a piece")
         if not self.ids:
             raise InvalidArgument("a piece needs at least one token")
         if self.kv is None:
@@ -169,19 +176,17 @@ class BlendConfig:
     value change."""
 
     def __post_init__(self) -> None:
-        if not 0.0 <= self.ratio <= 1.0:
-            raise InvalidArgument(f"ratio must be in [0, 1], got {self.ratio}")
-        if self.select_layer < 1:
-            raise InvalidArgument(f"select_layer must be >= 1, got {self.select_layer}")
-        if not 0.0 <= self.query_share <= 1.0:
-            raise InvalidArgument(f"query_share must be in [0, 1], got {self.query_share}")
-        if self.attention_from < 0:
-            raise InvalidArgument(f"attention_from must be >= 0, got {self.attention_from}")
-        for name in ("correct_k", "correct_v"):
-            if not 0.0 <= getattr(self, name) <= 1.0:
-                raise InvalidArgument(f"{name} must be in [0, 1], got {getattr(self, name)}")
-        if self.head_tokens < 0:
-            raise InvalidArgument(f"head_tokens must be >= 0, got {self.head_tokens}")
+        for name in ("ratio", "query_share", "correct_k", "correct_v"):
+            value = getattr(self, name)
+            if (isinstance(value, bool) or not isinstance(value, numbers.Real)
+                    or not 0.0 <= float(value) <= 1.0):
+                raise InvalidArgument(f"{name} must be a number in [0, 1], got {value!r}")
+        for name, low in (("select_layer", 1), ("attention_from", 0), ("head_tokens", 0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
+                raise InvalidArgument(f"{name} must be a whole number >= {low}, got {value!r}")
+        if not isinstance(self.per_chunk, bool):
+            raise InvalidArgument(f"per_chunk must be a bool, got {self.per_chunk!r}")
 
     @property
     def selects(self) -> bool:
@@ -270,6 +275,8 @@ def blend(model: Any, pieces: list[Piece], config: BlendConfig | None = None,
     ``cancelled()``, asked before each layer, stops the blend (Cancelled) once true: a server
     stops a blend whose caller has gone within one layer."""
     cfg = config or BlendConfig()
+    if not isinstance(cfg, BlendConfig):
+        raise InvalidArgument(f"config must be a kdn.blend.BlendConfig, got {type(cfg).__name__}")
     t0 = time.perf_counter()
     m = ModelParts.of(model)
 
@@ -281,6 +288,14 @@ def blend(model: Any, pieces: list[Piece], config: BlendConfig | None = None,
 
     if not pieces:
         raise InvalidArgument("nothing to blend")
+    vocabulary, context = prompt_limits(model)
+    for j, p in enumerate(pieces):
+        if not isinstance(p, Piece):
+            raise InvalidArgument(f"piece {j} must be a kdn.blend.Piece, got {type(p).__name__}")
+        check_vocabulary(p.ids, vocabulary, f"piece {j}")
+    if context is not None and (total := sum(len(p.ids) for p in pieces)) > context:
+        raise InvalidArgument(f"Blend of {total} tokens exceeds the model's context of "
+                              f"{context} (max_position_embeddings)")
     layout = blend_layout(model, pieces)
     n_layers = layout.num_layers
     if len(m.layers) != n_layers:

@@ -40,7 +40,7 @@ from kdn.codec.format import Header, check_frame, parse_header, split_frames
 from kdn.errors import InvalidArgument, LayoutMismatch, NotFound, TooLarge
 from kdn.keys import check_key, check_namespace, chunk_key
 from kdn.layout import DType, KVLayout
-from kdn.model.hf import model_device, model_layout, place, prompt_limits
+from kdn.model.hf import check_vocabulary, model_device, model_layout, place, prompt_limits
 from kdn.v1 import kdn_pb2 as pb
 
 MAX_PIECES = 256
@@ -208,9 +208,6 @@ def token_ids(request: pb.BlendRequest, model: Any, tok: Any) -> list[list[int]]
             fits(total)
         if not ids:
             raise InvalidArgument(f"piece {j} has neither token_ids nor text")
-        bad = next((t for t in ids if not 0 <= t < vocabulary), None)
-        if bad is not None:
-            raise InvalidArgument(f"piece {j}: token id {bad} is outside the model's "
-                                  f"vocabulary of {vocabulary} (0..{vocabulary - 1})")
+        check_vocabulary(ids, vocabulary, f"piece {j}")
         out.append(ids)
     return out

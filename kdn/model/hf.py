@@ -174,6 +174,36 @@ def prompt_limits(model: Any) -> tuple[int, int | None]:
     return vocabulary, context if isinstance(context, int) and context > 0 else None
 
 
+def token_ids(values: object, what: str) -> list[int]:
+    """``values`` (a sequence of whole numbers, or a 1-D integer tensor of them) as a list of
+    ints; InvalidArgument naming ``what`` otherwise: a text, a batch, a float or a bool is
+    no token id (``int(1.7)`` would quietly be another token)."""
+    if isinstance(values, torch.Tensor):
+        if values.dim() != 1 or values.is_floating_point() or values.is_complex() \
+                or values.dtype == torch.bool:
+            raise InvalidArgument(f"{what}: token ids are a 1-D integer tensor, got "
+                                  f"{values.dtype} of shape {list(values.shape)}")
+        return [int(t) for t in values.tolist()]
+    if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
+        raise InvalidArgument(f"{what}: token ids are a list of whole numbers, got "
+                              f"{type(values).__name__}")
+    out = []
+    for i, t in enumerate(values):
+        if isinstance(t, (bool, float)) or not hasattr(t, "__index__"):
+            raise InvalidArgument(f"{what}: token {i} is {t!r}, not a token id")
+        out.append(t.__index__())
+    return out
+
+
+def check_vocabulary(ids: Sequence[int], vocabulary: int, what: str) -> None:
+    """InvalidArgument naming ``what`` and the first id of ``ids`` outside
+    ``0..vocabulary-1`` (the model's embedding rows), if any."""
+    if ids and (min(ids) < 0 or max(ids) >= vocabulary):
+        i, bad = next((i, t) for i, t in enumerate(ids) if not 0 <= t < vocabulary)
+        raise InvalidArgument(f"{what}: token id {bad} is outside the model's vocabulary of "
+                              f"{vocabulary} (0..{vocabulary - 1}), at token {i}")
+
+
 @dataclass(frozen=True)
 class ModelParts:
     """The modules of a transformers causal LM that kdn drives one by one."""
