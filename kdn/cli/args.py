@@ -65,6 +65,14 @@ def count(text: str) -> int:
     return value
 
 
+def at_least_one(text: str) -> int:
+    """A ``count`` of one or more (an option whose 0 would mean nothing, or the default)."""
+    value = count(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {text!r}")
+    return value
+
+
 def fraction(text: str) -> float:
     try:
         value = float(text)

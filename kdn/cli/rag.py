@@ -314,7 +314,7 @@ exit codes: 0 ok, 1 failure (server unreachable, a document not in the manifest)
 
 def register(sub: Any) -> None:
     """Add ``rag`` with its subcommands to the ``kdn`` subparsers ``sub``."""
-    from kdn.cli.args import NAMESPACE, count, fraction
+    from kdn.cli.args import NAMESPACE, at_least_one, count, fraction
 
     common = argparse.ArgumentParser(add_help=False)
     _options(common, suppress=True)
@@ -350,8 +350,10 @@ def register(sub: Any) -> None:
 
     ask = command("ask", "answer a question from the ingested corpus")
     ask.add_argument("question")
-    ask.add_argument("-k", "--k", type=count, default=0, help="chunks to retrieve (default 4)")
-    ask.add_argument("--max-new-tokens", type=count, default=0)
+    ask.add_argument("-k", "--k", type=at_least_one, default=None,
+                     help="chunks to retrieve (default 4)")
+    ask.add_argument("--max-new-tokens", type=at_least_one, default=None,
+                     help="tokens the answer holds at most (default 32)")
     ask.add_argument("--ratio", type=fraction, default=None,
                      help="blend recompute ratio, 0..1 (default 0.15)")
     ask.add_argument("--selection", choices=["question", "deviation"], default=None,

@@ -48,7 +48,7 @@ from kdn.rag.index import (
     remove_other_embeddings,
     state_lock,
 )
-from kdn.rag.pipeline import Answer, RagEngine, Source
+from kdn.rag.pipeline import Answer, RagEngine, Source, check_count
 from kdn.text import check_text
 
 DELETE_BATCH = 4096
@@ -407,6 +407,8 @@ class KnowledgeBase:
         """The top-k chunks for ``question``, best first (InvalidArgument for a question that
         is not valid Unicode: ``kdn.text.check_text``)."""
         check_text(question, "the question")
+        if k is not None:
+            check_count("k", k, " (None: RagConfig.top_k)")
         self._check_settings()  # another model would recompute and store every chunk anew
         qv = self.embedder.embed([question])[0]
         out = []
@@ -423,6 +425,7 @@ class KnowledgeBase:
     def ask(self, question: str, k: int | None = None,
             max_new_tokens: int | None = None) -> Answer:
         """Retrieve, fetch the chunks' KV (computing missing ones), blend, generate."""
+        self.engine.config.new_tokens(max_new_tokens)  # before anything is retrieved
         t0 = time.perf_counter()
         sources = self.retrieve(question, k)
         if not sources:

@@ -67,6 +67,11 @@ _DOCS, _QUESTION = "\x00kdn-docs\x00", "\x00kdn-question\x00"
 LOOKUP_BATCH = 512
 
 
+def check_count(name: str, value: object, hint: str = "") -> None:
+    """InvalidArgument naming ``name`` unless ``value`` is a whole number >= 1 (not a bool)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise InvalidArgument(f"{name} must be a whole number >= 1{hint}, got {value!r}")
+
 @dataclass(frozen=True)
 class RagConfig:
     top_k: int = 4
@@ -104,18 +109,24 @@ class RagConfig:
         if not self.level:
             object.__setattr__(self, "level", default_level(self.mode))
         check_codec(self.mode, self.level)  # InvalidArgument naming the mode or level
-        if self.top_k < 1:
-            raise InvalidArgument(f"top_k must be >= 1, got {self.top_k}")
+        for name in ("top_k", "target_tokens", "max_tokens", "max_new_tokens"):
+            check_count(name, getattr(self, name))
         if not 8 <= self.target_tokens <= self.max_tokens:
             raise InvalidArgument(f"need 8 <= target_tokens <= max_tokens, got "
                                   f"{self.target_tokens}, {self.max_tokens}")
-        if self.max_new_tokens < 1:
-            raise InvalidArgument(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if (self.head is None) != (self.tail is None):
             raise InvalidArgument("set both head and tail, or neither")
         if self.tail is not None and "{question}" not in self.tail:
             raise InvalidArgument("tail must contain {question}")
         self.blend_config()  # validates
+
+    def new_tokens(self, max_new_tokens: int | None) -> int:
+        """Tokens a request generates at most: ``max_new_tokens``, or with None this config's
+        (``check_count``: 0, 2.5 or True are not taken for it)."""
+        if max_new_tokens is None:
+            return self.max_new_tokens
+        check_count("max_new_tokens", max_new_tokens, " (None: RagConfig.max_new_tokens)")
+        return max_new_tokens
 
     def blend_config(self) -> BlendConfig:
         return BlendConfig(ratio=self.blend_ratio, select_layer=self.select_layer,
@@ -290,11 +301,12 @@ class RagEngine:
                 max_new_tokens: int | None = None) -> int:
         """How many of ``chunks`` (ranked, best first) fit the model's context together with
         the head, the question and ``max_new_tokens``; InvalidArgument when not even one."""
+        new = self.config.new_tokens(max_new_tokens)
         _, context = hf.prompt_limits(self.model)
         if context is None:
             return len(chunks)
         tail = len(self.tail_ids(question))
-        room = context - len(self.head_ids) - tail - (max_new_tokens or self.config.max_new_tokens)
+        room = context - len(self.head_ids) - tail - new
         used = 0
         for ids in self.chunk_ids(chunks):
             room -= len(ids)
@@ -306,7 +318,7 @@ class RagEngine:
             raise InvalidArgument(
                 f"the prompt does not fit the model's context of {context} tokens even with one "
                 f"chunk: head {len(self.head_ids)} + chunk {first} + question and tail {tail} + "
-                f"{max_new_tokens or self.config.max_new_tokens} new tokens; ask a shorter "
+                f"{new} new tokens; ask a shorter "
                 "question or fewer new tokens")
         return used
 
@@ -317,6 +329,9 @@ class RagEngine:
         out (``fitting``; ``Prepared.used``, ``AskTimings.dropped_chunks``). ``salt``: as
         ``key``'s."""
         cfg = self.config
+        if isinstance(chunks, (str, bytes)):  # each character would be a chunk
+            raise InvalidArgument(f"chunks must be a list of texts, got one "
+                                  f"{type(chunks).__name__}: [text] for a single chunk")
         t = AskTimings()
         t0 = time.perf_counter()
         used = self.fitting(question, chunks, max_new_tokens)
@@ -354,7 +369,7 @@ class RagEngine:
         t = prepared.timings
         tg = time.perf_counter()
         decoder = hf.CacheDecoder(self.model, hf.to_transformers(prepared.kv))
-        out = hf.greedy(decoder, prepared.logits, max_new_tokens or self.config.max_new_tokens,
+        out = hf.greedy(decoder, prepared.logits, self.config.new_tokens(max_new_tokens),
                         self.stop)
         t.generate_s = time.perf_counter() - tg
         ts = time.perf_counter()
@@ -368,7 +383,7 @@ class RagEngine:
     def answer(self, question: str, chunks: Sequence[str],
                max_new_tokens: int | None = None) -> Answer:
         """Answer ``question`` from the given chunk texts (see the module docstring)."""
-        if not chunks:
+        if isinstance(chunks, Sequence) and not chunks:
             raise InvalidArgument("answer needs at least one chunk")
         prepared = self.prepare(question, chunks, max_new_tokens)
         sources = [Source(self.key(chunk_ids(self.tokenizer, c)).hex(), c)
