@@ -65,8 +65,8 @@ import yaml
 from kdn.client import metrics
 from kdn.client.admin import AdminClient
 from kdn.client.client import Client, LookupResult, Retry
+from kdn.client.entries import check_items
 from kdn.client.routing import Affinity, LoadMeter, Router
-from kdn.client.writes import check_items
 from kdn.errors import ConfigError, DeadlineExceeded, InvalidArgument, KDNError, Unavailable, kept
 from kdn.v1 import kdn_pb2 as pb
 

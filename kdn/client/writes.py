@@ -19,13 +19,13 @@ Staged entries (``kdn.client.staged``) in the client's segment are stored by whe
 
 from __future__ import annotations
 
-import sys
-from collections.abc import Iterable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any, TypeGuard, TypeVar, cast
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any, cast
 
 from kdn import codec
 from kdn.client.dataplane import BATCH_BYTES, STREAM_ENTRY_BYTES, TOO_BIG, DataPlane, TooBig
 from kdn.client.deadline import time_left
+from kdn.client.entries import check_entry, check_items, check_options, is_kv, is_staged
 from kdn.client.pending import PendingStore
 from kdn.client.rpc import Rpc, traced
 from kdn.client.shm import unanswered
@@ -482,75 +482,6 @@ class NotKept:
 
 
 NOT_KEPT = NotKept()
-
-
-def is_staged(kv: object) -> TypeGuard[Staged]:
-    """Whether ``kv`` is a ``kdn.client.staged.Staged`` (none exists before that module, which
-    needs torch, was imported: ``_instance``)."""
-    return _instance(kv, "kdn.client.staged", "Staged")
-
-
-def is_kv(kv: object) -> TypeGuard[KVCache]:
-    """Whether ``kv`` is a ``kdn.cache.KVCache`` (none exists before that module, which needs
-    torch, was imported: ``_instance``)."""
-    return _instance(kv, "kdn.cache", "KVCache")
-
-
-def _instance(obj: object, module: str, name: str) -> bool:
-    """Whether ``obj`` is an instance of class ``name`` of ``module``, without importing it.
-    A module another thread is still importing is in ``sys.modules`` before its classes are
-    made (a first raw store imports ``kdn.client.staged``): until ``name`` is there, no
-    instance of it exists."""
-    cls = getattr(sys.modules.get(module), name, None)
-    return cls is not None and isinstance(obj, cls)
-
-
-E = TypeVar("E")
-
-
-def check_entry(kv: E) -> E:
-    """``kv`` when it is what a store takes (a ``KVCache``, ``EncodedParts`` or a ``Staged``
-    entry), else InvalidArgument: checked before a batch writes or sends anything (a staged
-    item went before a bad one was found)."""
-    if not (is_kv(kv) or isinstance(kv, EncodedParts) or is_staged(kv)):
-        raise InvalidArgument(f"expected a KVCache (or EncodedParts, Staged) to store, got "
-                              f"{type(kv).__name__}")
-    return kv
-
-
-def check_items(items: object) -> list[tuple[bytes, KVCache | EncodedParts | Staged]]:
-    """``store_many``'s items as (key, entry) pairs, each checked as ``store`` checks its
-    own, else InvalidArgument naming the first that is not: something other than a pair,
-    or a key given twice (which of its entries a server ends up holding would depend on the
-    path each took)."""
-    if isinstance(items, (dict, str, bytes, bytearray, memoryview)) or not isinstance(
-            items, Iterable):
-        hint = " (a dict: list(d.items()))" if isinstance(items, dict) else ""
-        raise InvalidArgument(f"store_many takes a list of (key, entry) pairs, got "
-                              f"{type(items).__name__}{hint}")
-    out: list[tuple[bytes, KVCache | EncodedParts | Staged]] = []
-    seen: dict[bytes, int] = {}
-    for j, item in enumerate(items):
-        if not isinstance(item, (tuple, list)) or len(item) != 2:
-            what = (f"a {type(item).__name__} of {len(item)}" if isinstance(item, (tuple, list))
-                    else type(item).__name__)
-            raise InvalidArgument(f"item {j} of store_many must be a (key, entry) pair, got "
-                                  f"{what}")
-        key = check_key(item[0])
-        if key in seen:
-            raise InvalidArgument(f"key {key.hex()} is items {seen[key]} and {j} of one "
-                                  "store_many: give each key once")
-        seen[key] = j
-        out.append((key, check_entry(item[1])))
-    return out
-
-
-def check_options(options: object) -> StoreOptions | None:
-    """``options`` when it is None or a ``StoreOptions``, else InvalidArgument."""
-    if options is not None and not isinstance(options, StoreOptions):
-        raise InvalidArgument(f"options must be a kdn.StoreOptions (StoreOptions(ttl_s=..., "
-                              f"pin=..., durability=...)), got {type(options).__name__}")
-    return options
 
 
 def encoded(kv: KVCache | EncodedParts | Staged, mode: str, level: str,
