@@ -8,6 +8,7 @@ import copy
 from dataclasses import replace
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -173,8 +174,7 @@ def test_config_checks() -> None:
         BlendConfig(correct_k=1.5)
     with pytest.raises(InvalidArgument, match="correct_v"):
         BlendConfig(correct_v=-0.5)
-    # a str or None ratio was a TypeError from the comparison, True taken as 1, 1.5 layers
-    # or head tokens taken (then a TypeError slicing, mid-blend)
+    # neither a str, None or a bool for a share, nor a fraction of a layer or of a token
     for field, bad in (("ratio", "0.5"), ("ratio", None), ("ratio", True),
                        ("select_layer", 1.5), ("head_tokens", 2.5), ("attention_from", "3"),
                        ("per_chunk", 1)):
@@ -183,10 +183,10 @@ def test_config_checks() -> None:
 
 
 def test_pieces_and_config_that_are_not_the_models_are_named_before_any_layer() -> None:
-    """Ids outside the vocabulary were an IndexError from the embedding; float ids (1.7, or
-    a float tensor) were truncated to other tokens, a text a ValueError from int(); a blend
-    longer than the model's context ran (the server's Blend refused it, blend() did not); a
-    dict config or a list for a piece an AttributeError."""
+    """Ids outside the vocabulary, float ids (1.7, a float tensor or array: never truncated
+    to other tokens), a text, a blend longer than the model's context, a dict config or a
+    list for a piece: each InvalidArgument naming it. Lists, tuples, integer tensors and
+    integer numpy arrays of ids blend alike."""
     model = tiny("llama")
     layout = model_layout(model, DType.FLOAT32)
     a, q = ids(12, seed=1), ids(5, seed=2)
@@ -208,13 +208,14 @@ def test_pieces_and_config_that_are_not_the_models_are_named_before_any_layer() 
                        ([3, True], "token 1 is True"),
                        ("hello", "a list of whole numbers, got str"),
                        (torch.tensor([1.0, 2.0]), r"1-D integer tensor, got torch.float32"),
+                       (np.array([1.0, 2.0]), r"1-D integer array, got float64"),
                        (torch.tensor([q]), r"1-D integer tensor, got torch.int64 of shape "
                                            r"\[1, 5\]")):
         with pytest.raises(InvalidArgument, match=match):
             Piece(bad)  # type: ignore[arg-type]
     fits = ids(context - 12, seed=3)
     want = blend(model, [Piece(a, chunk), Piece(fits)])
-    for same in (torch.tensor(fits), tuple(fits)):
+    for same in (torch.tensor(fits), tuple(fits), np.array(fits, np.int32)):
         got = blend(model, [Piece(torch.tensor(a), chunk), Piece(same)])  # type: ignore[arg-type]
         assert got.kv.num_tokens == context and torch.equal(got.logits, want.logits)
 

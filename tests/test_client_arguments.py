@@ -74,10 +74,9 @@ def test_what_is_not_a_kv_cache_is_refused_by_name(server: ServerThread,
 @pytest.mark.parametrize("options", CLIENTS)
 def test_store_many_takes_key_entry_pairs_each_key_once(server: ServerThread,
                                                        options: dict[str, Any]) -> None:
-    """A key given twice in one store_many was taken, and which entry the server kept
-    depended on the path (over gRPC alone the first of a small and a large one, elsewhere
-    the last); a dict, a (key, entry, x) triple or a bare KVCache was a ValueError or
-    TypeError from unpacking, and ``options`` as a dict an AttributeError."""
+    """A key given twice in one store_many (which entry would be kept would depend on the
+    path), an item that is a dict, a (key, entry, x) triple or a bare KVCache, and
+    ``options`` as a dict: each InvalidArgument naming it, before anything is stored."""
     old, a, b = (random_kv(LAYOUT, n, seed=10 + n) for n in (4, 8, 600))
     x, y = numbered_key(20), numbered_key(21)
     with Client(server.address, timeout_s=30, **options) as c:

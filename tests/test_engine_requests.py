@@ -40,8 +40,8 @@ def test_fewer_than_one_new_token_is_refused(engine: KDNEngine, n: object) -> No
 
 def test_a_prompt_past_the_models_context_is_refused_before_anything_is_stored(
         engine: KDNEngine) -> None:
-    """A prompt longer than max_position_embeddings was computed (positions the model was
-    never trained on) and its blocks stored for reuse; so were new tokens past it."""
+    """A prompt longer than max_position_embeddings (positions the model was never trained
+    on), or new tokens past it, is refused naming both lengths; no block of it is stored."""
     context = engine.model.config.max_position_embeddings
     chunk = engine.config.chunk_tokens
     ids = [int(x) for x in torch.randint(

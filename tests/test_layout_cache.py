@@ -128,10 +128,9 @@ def test_cache_validates_shapes_and_dtype() -> None:
 
 
 def test_a_cache_of_what_is_not_tensors_or_of_a_position_that_is_not_whole_is_named() -> None:
-    """numpy arrays were refused as "dtype float16/float16, layout declares float16", lists
-    were an AttributeError and a (K, V, x) triple a ValueError from unpacking, a layout
-    given as a str an AttributeError; start_position=1.5 and True were taken (then a
-    TypeError from protobuf at store), 2**70 a ValueError from protobuf."""
+    """numpy arrays (named as numpy, with the torch.from_numpy hint), lists, a (K, V, x)
+    triple, a layout given as a str, and a start_position of 1.5, True or 2**70: each
+    refused when the cache is made, naming what is wrong."""
     lay = uniform_layout(layers=2)
     good = random_kv(lay, 5)
     k0, v0 = good.layers[0]

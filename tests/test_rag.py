@@ -558,7 +558,7 @@ def test_config_validation() -> None:
     with pytest.raises(InvalidArgument, match="query_share"):
         RagConfig(query_share=1.5)
     assert RagConfig(query_share=0.0).blend_config().query_share == 0.0
-    # top_k=2.5 or True and max_new_tokens=1.5 were taken; target_tokens="256" a TypeError
+    # whole numbers >= 1 only: no fraction, bool, text or zero
     for field, bad in (("top_k", 2.5), ("top_k", True), ("max_new_tokens", 1.5),
                        ("target_tokens", "256"), ("max_new_tokens", 0)):
         with pytest.raises(InvalidArgument, match=f"{field} must be a whole number >= 1, got "
@@ -568,9 +568,9 @@ def test_config_validation() -> None:
 
 def test_a_request_of_no_tokens_or_of_one_text_for_its_chunks_is_refused_before_any_work(
         model: Any, counted: Counted, client: Client, tmp_path: Path) -> None:
-    """answer(..., max_new_tokens=0) answered with the config's 4 tokens, -3 and True with
-    one, 2.5 with three; ask(k=0) retrieved the config's top_k; a text given for the chunk
-    list was cut into one chunk per character, each prefilled and stored."""
+    """answer(..., max_new_tokens=0 / -3 / True / 2.5), ask(k=0) and a text given for the
+    chunk list (which would be one chunk per character, each prefilled and stored) are
+    refused before anything is retrieved or computed."""
     kb = make_kb(model, client, tmp_path / "state")
     kb.ingest(corpus(tmp_path))
     engine = kb.engine

@@ -287,8 +287,7 @@ def test_stage_refuses_what_has_no_entry() -> None:
         Staged(uniform_layout(dtype=DType.FLOAT32), 4)
     with pytest.raises(InvalidArgument):
         Staged(LAYOUT, 4, start_position=-1)
-    # 1.5 tokens was a TypeError from the frame plan; a bool or fractional position, or one
-    # past int64, a TypeError or ValueError from protobuf
+    # a whole number of tokens; a whole position in [0, 2**63)
     for tokens in (1.5, True, "4"):
         with pytest.raises(InvalidArgument, match=f"whole number of tokens.*got {tokens!r}"):
             Staged(LAYOUT, tokens)  # type: ignore[arg-type]

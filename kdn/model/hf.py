@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 
 from kdn.cache import KVCache, LayerKV
@@ -175,9 +176,14 @@ def prompt_limits(model: Any) -> tuple[int, int | None]:
 
 
 def token_ids(values: object, what: str) -> list[int]:
-    """``values`` (a sequence of whole numbers, or a 1-D integer tensor of them) as a list of
-    ints; InvalidArgument naming ``what`` otherwise: a text, a batch, a float or a bool is
-    no token id (``int(1.7)`` would quietly be another token)."""
+    """``values`` (a sequence of whole numbers, or a 1-D integer tensor or numpy array of
+    them) as a list of ints; InvalidArgument naming ``what`` otherwise: a text, a batch, a
+    float or a bool is no token id (``int(1.7)`` would quietly be another token)."""
+    if isinstance(values, np.ndarray):
+        if values.ndim != 1 or values.dtype.kind not in "iu":
+            raise InvalidArgument(f"{what}: token ids are a 1-D integer array, got "
+                                  f"{values.dtype} of shape {list(values.shape)}")
+        return [int(t) for t in values.tolist()]
     if isinstance(values, torch.Tensor):
         if values.dim() != 1 or values.is_floating_point() or values.is_complex() \
                 or values.dtype == torch.bool:
