@@ -10,6 +10,7 @@ import stat
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -92,3 +93,67 @@ def test_the_readme_python_api_block_runs_as_written(tmp_path: Path) -> None:
         # the first block's layout is the one the engine keys by: its chunk is the engine's
         assert scope["engine"].layout == kv.layout  # type: ignore[attr-defined]
         scope["client"].close()  # type: ignore[attr-defined]
+
+
+def _package_map() -> list[tuple[str, str]]:
+    """The README's Package map as (where, what) cells."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = readme.split("## Package map", 1)[1].split("\n## ", 1)[0]
+    rows = [line.split(" | ", 1) for line in section.splitlines()
+            if line.startswith("| `")]
+    return [(where.removeprefix("| "), what) for where, what in rows]
+
+
+def _named(where: str, what: str) -> set[Path]:
+    """The files a row's ``where`` cell names, and the ``x.py`` files and ``x/`` folders its
+    ``what`` cell names (relative to the row's folder unless they hold a ``/`` inside)."""
+    places = re.findall(r"`([^`]+)`", where)
+    base = places[0] if places[0].endswith("/") else places[0].rsplit("/", 1)[0] + "/"
+    out = {ROOT / p for p in places if not p.endswith("/") and "*" not in p}
+    for name in re.findall(r"`([\w./-]+(?:\.py|/))`", what):
+        out.add(ROOT / name if "/" in name.rstrip("/") else ROOT / base / name)
+    return out
+
+
+def test_the_package_map_names_every_module_and_only_modules_that_exist() -> None:
+    rows = _package_map()
+    assert len(rows) >= 20
+    named = set().union(*(_named(where, what) for where, what in rows))
+    missing = sorted(str(p.relative_to(ROOT)) for p in named if not p.exists())
+    assert not missing, f"the Package map names what does not exist: {missing}"
+    modules = [p for p in (ROOT / "kdn").rglob("*.py")
+               if p.name not in ("__init__.py", "__main__.py")
+               and ROOT / "kdn" / "v1" not in p.parents]
+    unnamed = sorted(str(p.relative_to(ROOT)) for p in modules
+                     if p not in named and p.parent not in named)  # `modes/`: its modules
+    assert not unnamed, f"modules the Package map does not name: {unnamed}"
+
+
+def test_the_readme_data_plane_block_runs_as_written(tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    from kdn import Client, keys
+    from tests.helpers import random_kv, uniform_layout
+
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = readme.split("## Data plane", 1)[1].split("\n## ", 1)[0]
+    (code,) = re.findall(r"```python\n(.*?)```", section, flags=re.S)
+    layout, tokens = uniform_layout(layers=4, heads=2, dim=64), 16  # what "as above" names
+    kv1, kv2 = random_kv(layout, tokens, seed=1), random_kv(layout, tokens, seed=2)
+    k1, k2, k3, key = (keys.chunk_key([i], layout) for i in range(4))
+    blocks = [(keys.chunk_key([9, i], layout), random_kv(layout, tokens, seed=9 + i))
+              for i in range(3)]
+    scope: dict[str, Any] = dict(
+        Client=Client, layout=layout, tokens=tokens, kv1=kv1, kv2=kv2, k1=k1, k2=k2, k3=k3,
+        key=key, block_keys=[k1, k2], blocks=blocks, gpu_layers=list(kv1.layers))
+    with ServerThread(ServerConfig(port=0, data_dir=tmp_path / "data")) as server:
+        exec(compile(code.replace("127.0.0.1:50051", server.address),  # noqa: S102
+                     "README.md#data-plane", "exec"), scope)
+        client = scope["client"]
+        assert [kv is None for kv in scope["kvs"]] == [False, False, True]
+        assert len(scope["streams"]) == 2 and None not in scope["streams"]
+        staged = client.retrieve(key, layout=layout, tokens=tokens)  # filled in place
+        assert staged is not None
+        assert all(torch.equal(a, b) for got, want in zip(staged.layers, kv1.layers)
+                   for a, b in zip(got, want))
+        assert all(i.present for i in client.lookup([k for k, _ in blocks]).infos)
+        client.close()

@@ -175,7 +175,7 @@ class Client:
             self.local = None
         """The in-process tier (``kdn.client.local``), when ``local_bytes`` is set."""
         # without a shared segment, batches go by the server's network data path where it
-        # offers one (``data_path``; plaintext servers only: kdn.server.netpath)
+        # offers one (``data_path``; over TLS where the channel has it: kdn.server.netpath)
         self.dataplane = DataPlane(self.rpc.stub, self.rpc.call, self.rpc.metadata,
                                    timeout_s, shm_bytes, max_message_bytes, keep_leases_bytes,
                                    data_host(address) if data_path else "",
