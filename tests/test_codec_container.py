@@ -181,3 +181,22 @@ def test_record_specs_are_each_records_layer_spec_for_any_length() -> None:
         got = record_specs(c.header.layout, recs)
         assert got == [layer_spec(layout, r.layer, tokens) for r in recs]
         assert [s.tokens for s in got] == [tokens] * layout.num_layers
+
+
+def test_decode_takes_any_contiguous_buffer_of_an_entrys_bytes_and_names_what_is_not() -> None:
+    """bytes, bytearray, a memoryview (also a 2-D one) and a numpy array of the entry's bytes
+    decode alike; a str, None, a list of ints or an int is InvalidArgument
+    naming what was given, not a TypeError or a "truncated" header."""
+    import numpy as np
+    import torch
+
+    kv = random_kv(uniform_layout(layers=2), 6)
+    blob = encode(kv, "raw")
+    for same in (bytearray(blob), memoryview(blob), np.frombuffer(blob, np.uint8),
+                 memoryview(np.frombuffer(blob, np.uint8)).cast("B", (1, len(blob)))):
+        got = decode(same)  # type: ignore[arg-type]
+        assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+                   for a, b in zip(got.layers, kv.layers))
+    for bad in (blob.decode("latin-1"), None, list(blob[:20]), 5):
+        with pytest.raises(InvalidArgument, match=f"bytes-like buffer.*got {type(bad).__name__}"):
+            decode(bad)  # type: ignore[arg-type]

@@ -484,7 +484,13 @@ def decode(buf: bytes | memoryview, *, device: torch.device | str | None = None,
     elsewhere layers decode in parallel on the codec's thread pool (on a GPU, the caller's
     current stream waits for each worker's, on the device). ``batched`` forces either
     way (True on the CPU runs the GPU kernels under Triton's interpreter: how tests check
-    them)."""
+    them). InvalidArgument where ``buf`` is no contiguous buffer of bytes (a str, None, a list)."""
+    if not isinstance(buf, (bytes, bytearray)):
+        try:  # a numpy array, an mmap, a memoryview: any contiguous buffer, as its bytes
+            buf = memoryview(buf).cast("B")
+        except TypeError:
+            raise InvalidArgument(f"codec.decode takes a stored entry's bytes (a contiguous "
+                                  f"bytes-like buffer), got {type(buf).__name__}") from None
     container = parse_container(buf, verify=False)  # frames are checked just below
     dec = StreamDecoder(container.header, device, stored_bytes=len(buf))
     start = int(container.header.entry.start_position)
