@@ -263,6 +263,27 @@ def test_a_value_put_as_verified_is_not_hashed_on_its_first_read(tmp_path: Path)
         store.close()
 
 
+def test_checked_stamps_stay_as_many_as_the_ram_tier_holds() -> None:
+    """A server storing new keys for weeks: the stamps of values RAM evicted are swept out, so
+    the memo of checked stamps stays near what the RAM tier holds, not one per key ever stored;
+    the values RAM still holds stay answered from memory without a hash."""
+    ram = RamTier(64 << 10)  # ~60 entries of 1 KiB
+    store = TieredStore([ram], verify=check)
+    try:
+        value = entry(1000)
+        written = [i.to_bytes(4, "little") * 8 for i in range(25_000)]
+        for key in written:
+            store.put(key, value, verified=True)
+        kept = sum(store._checked.stamp("ram", k) is not None for k in written)  # noqa: SLF001
+        held = sum(ram.contains(k) for k in written)
+        assert 0 < held < 100
+        # swept each time it doubles what it kept (SWEEP_MIN, 4,096, at least)
+        assert kept <= 2 * 4096, f"{kept} stamps kept for {held} entries held"
+        assert store.get_in_memory(written[-1]) == Hit(value, "ram")
+    finally:
+        store.close()
+
+
 def test_an_entry_no_tier_took_while_one_is_down_is_unavailable(
         make: Callable[..., TieredStore], tmp_path: Path) -> None:
     """An entry too large for RAM while the disk tier, which may hold it, does not answer

@@ -110,7 +110,7 @@ class TieredStore:
         self.probe_interval_s = probe_interval_s
         self.flush_timeout_s = flush_timeout_s
         self._pins: set[bytes] = set()
-        self._checked = CheckedStamps()
+        self._checked = CheckedStamps(self._held_stamp)
         self._lock = threading.Lock()
         self._locks = KeyLocks()
         self.counters: dict[str, int] = {}
@@ -266,6 +266,10 @@ class TieredStore:
         if q is not None and q.peek(key) is not None:
             return 0
         return tier.stamp(key, expiring=expiring, value=value)
+
+    def _held_stamp(self, tier: str, key: bytes) -> int:
+        """The stamp of the value ``tier`` holds for ``key`` now (0: none; ``CheckedStamps``)."""
+        return next((t.stamp(key, expiring=True) for t in self.tiers if t.name == tier), 0)
 
     def distrust(self, key: bytes) -> None:
         """Forget that ``key``'s values were checked: its next read hashes them again (and a
