@@ -194,6 +194,30 @@ def test_redis_killed_and_restarted(redis_server: RedisServer, tmp_path: Path) -
             assert c.retrieve(key).equal(kv)  # type: ignore[union-attr]
 
 
+def test_the_write_queue_of_a_stopped_redis_stays_within_its_byte_budget(
+        redis_server: RedisServer, tmp_path: Path) -> None:
+    """Redis stopped, its write queue full: a store's copy for Redis is dropped and a delete
+    of Redis's older copy waits in its place. The same keys stored again must not turn those
+    deletes into queued values past the queue's budget (a server whose clients store keys
+    again while Redis is down held every value in memory: gigabytes within minutes)."""
+    budget = 1 << 20
+    cfg = ServerConfig(port=0, data_dir=tmp_path / "d", redis_url=redis_server.url,
+                       disk_bytes=0, ram_bytes=64 << 20, redis_timeout_s=0.3,
+                       write_queue_entries=4, write_queue_bytes=budget, shutdown_grace_s=2)
+    entries = _entries(24, start=500, tokens=256)  # 128 KiB raw each: 3 MiB in all
+    with ServerThread(cfg) as st, Client(st.address, timeout_s=10) as c:
+        redis_server.kill()
+        assert _eventually(lambda: c.health("kdn.v1.KDN") == "NOT_SERVING")
+        for _ in range(2):
+            for key, kv in entries.items():
+                c.store(key, kv, mode="raw")
+        counters = c.stats().counters
+        assert counters["store.redis.write_dropped"] >= 20
+        assert 0 < counters["store.redis.queued_bytes"] <= budget, counters
+        for key, kv in entries.items():
+            assert c.retrieve(key).equal(kv)  # type: ignore[union-attr]
+
+
 def test_redis_restart_keeps_shared_entries(redis_server: RedisServer, tmp_path: Path) -> None:
     cfg = ServerConfig(port=0, data_dir=tmp_path / "d", redis_url=redis_server.url,
                        disk_bytes=0, write_policy=WritePolicy.WRITE_BEHIND,

@@ -293,6 +293,8 @@ class KDNServicer(pb_grpc.KDNServicer):
                          "buffers.created": self.buffers.created,
                          "buffers.free_bytes": self.buffers.free_bytes})
         counters.update({f"store.{k}.queued": v for k, v in self.store.queue_depth().items()})
+        counters.update({f"store.{k}.queued_bytes": v
+                         for k, v in self.store.queue_bytes().items()})
         counters["store.degraded"] = int(self.store.degraded)
         counters[IN_FLIGHT] = max(0, self.in_flight - 1)  # not this Stats call
         return pb.StatsResponse(

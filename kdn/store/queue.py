@@ -102,14 +102,19 @@ class WriteQueue:
             return self.pending.get(key)
 
     def offer(self, key: bytes, item: PendingWrite) -> bool:
-        """Queue ``item`` for ``key`` (replacing an older one); False when the queue is full."""
+        """Queue ``item`` for ``key`` (replacing an older one); False when the queue is full:
+        it would hold more than ``max_bytes``, or a write would take a place past
+        ``max_entries`` (a new key, or one whose pending delete, ``mark_stale``, may sit past
+        it: only deletes go there)."""
         with self.cond:
             old = self.pending.get(key)
-            if old is None and (len(self.pending) >= self.max_entries
-                                or self.bytes + item.nbytes > self.max_bytes):
+            held = old.nbytes if old is not None else 0
+            takes_place = old is None or old.value is None and item.value is not None
+            if takes_place and len(self.pending) >= self.max_entries \
+                    or self.bytes - held + item.nbytes > self.max_bytes:
                 return False
             if old is not None:
-                self.bytes -= old.nbytes
+                self.bytes -= held
             self.pending[key] = item
             self.bytes += item.nbytes
             self.cond.notify_all()

@@ -523,6 +523,10 @@ class TieredStore:
     def queue_depth(self) -> dict[str, int]:
         return {name: len(q) for name, q in self._queues.items()}
 
+    def queue_bytes(self) -> dict[str, int]:
+        """Bytes of the values each lower tier's write queue holds (at most its ``max_bytes``)."""
+        return {name: q.bytes for name, q in self._queues.items()}
+
     def parts_down(self) -> dict[str, list[str]]:
         """For each tier that is up, the parts of it that do not answer now, if any (a Redis
         Cluster's masters, as ``host:port``; their keys miss and refuse SHARED stores)."""
