@@ -8,30 +8,32 @@ stamp at once. ``forget`` (``TieredStore.distrust``) makes the next read of a ke
 values again. A stamp names one write's value, so a later write of the key (a new stamp) is
 checked again.
 
-The memo stays the size of what the tiers hold: once it has grown to twice its size after
-the last sweep (and at least ``SWEEP_MIN`` stamps), ``remember`` sweeps out every stamp its
-tier no longer holds (the value was evicted, deleted, expired or overwritten), so a server
-that stores new keys for weeks keeps as many stamps as its RAM tier keeps entries, not one per
-key it ever stored.
+The memo stays the size of what the tiers hold: past ``KEEP`` stamps, each ``remember`` also
+looks at the ``LOOK`` stamps remembered longest ago and drops those their tier no longer holds
+(the value was evicted, deleted, expired or overwritten), putting the others last in line. So
+a server that stores new keys for weeks keeps about as many stamps as its RAM tier keeps
+entries, not one per key it ever stored, at a constant cost per call.
 """
 
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
 
-SWEEP_MIN = 4096
-"""Stamps below which the memo is never swept (a sweep asks the tier about each one)."""
+KEEP = 1024
+"""Stamps kept without looking whether their values are still held."""
+LOOK = 2
+"""Oldest stamps each ``remember`` looks at past ``KEEP`` (more than the one it adds, so the
+stamps of values gone are dropped faster than new ones come)."""
 
 
 class CheckedStamps:
     """(tier name, key) -> the stamp of the value of that key last verified in that tier."""
 
-    def __init__(self, held: Callable[[str, bytes], int], sweep_min: int = SWEEP_MIN) -> None:
+    def __init__(self, held: Callable[[str, bytes], int]) -> None:
         self.held = held
-        self.sweep_min = sweep_min
-        self._stamps: dict[tuple[str, bytes], int] = {}
-        self._sweep_at = sweep_min
+        self._stamps: OrderedDict[tuple[str, bytes], int] = OrderedDict()  # oldest first
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -45,15 +47,11 @@ class CheckedStamps:
         """The value of ``key`` in ``tier`` that carries ``stamp`` passed ``verify``."""
         with self._lock:
             self._stamps[(tier, key)] = stamp
-            if len(self._stamps) >= self._sweep_at:
-                self._sweep()
-
-    def _sweep(self) -> None:
-        """Drop the stamps of values their tier no longer holds; the caller holds the lock."""
-        gone = [tk for tk, s in self._stamps.items() if self.held(*tk) != s]
-        for tk in gone:
-            del self._stamps[tk]
-        self._sweep_at = max(self.sweep_min, 2 * len(self._stamps))
+            self._stamps.move_to_end((tier, key))
+            for _ in range(LOOK if len(self._stamps) > KEEP else 0):
+                oldest, was = self._stamps.popitem(last=False)
+                if self.held(*oldest) == was:
+                    self._stamps[oldest] = was  # still its tier's value: last in line
 
     def forget(self, key: bytes, tiers: Iterable[str]) -> None:
         """Forget ``key``'s checked stamps in each of ``tiers``."""
