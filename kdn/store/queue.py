@@ -10,11 +10,12 @@ a delete makes them stale). The hierarchy calls ``wake`` when the tier comes bac
 ``wait_empty`` to flush, and at shutdown ``close`` with a deadline, then ``join``.
 
 The queue holds the newest pending item per key, oldest key first, bounded by ``max_entries``
-and ``max_bytes``; ``offer`` answers False when a new key does not fit (the hierarchy then
-writes synchronously or drops the write with a counter, queueing a delete in its place:
-``mark_stale``). The writer lands items while the tier is up, each under its key's stripe lock
-(the same lock the hierarchy's synchronous writes of that key hold, so an older queued value
-never lands over a newer one). A write that finds the tier down stays first in line
+and ``max_bytes``; ``offer`` answers False when an item does not fit: a new key, a write in
+place of a pending delete (deletes alone may pass ``max_entries``), or a larger value (the
+hierarchy then writes synchronously or drops the write with a counter, queueing a delete in
+its place: ``mark_stale``). The writer lands items while the tier is up, each under its key's
+stripe lock (the same lock the hierarchy's synchronous writes of that key hold, so an older
+queued value never lands over a newer one). A write that finds the tier down stays first in line
 (``<tier>.write_retried``) and is retried once the tier is back; one that finds its part of the
 tier down (``Fault.PARTLY``) is retried after a backoff (``RETRY_S`` doubling up to
 ``RETRY_MAX_S``; ``<tier>.write_retried``, a WARNING at most every ``WARN_EVERY_S``) while the
