@@ -18,7 +18,7 @@ from kdn.client import Client
 from kdn.errors import InvalidArgument
 from kdn.model import hf
 from kdn.rag import Document, KnowledgeBase, RagConfig, RagEngine, chunk_document, load_corpus
-from kdn.rag.corpus import CHUNK_END, paragraphs, sentences
+from kdn.rag.corpus import CHUNK_END, chunk_ids, paragraphs, sentences
 from kdn.rag.index import (
     EMBEDDINGS,
     MANIFEST,
@@ -542,3 +542,31 @@ def test_a_plain_ingest_rerun_takes_the_states_settings() -> None:
         "team", 64, 0, "int8", "")
     assert settings("--namespace", "x", "--level", "tiny", state=old) == (
         "x", 16, 20, "kdn", "tiny")
+
+
+def test_a_request_of_no_tokens_or_of_one_text_for_its_chunks_is_refused_before_any_work(
+        model: Any, counted: Counted, client: Client, tmp_path: Path) -> None:
+    """answer(..., max_new_tokens=0 / -3 / True / 2.5), ask(k=0) and a text given for the
+    chunk list (which would be one chunk per character, each prefilled and stored) are
+    refused before anything is retrieved or computed."""
+    kb = make_kb(model, client, tmp_path / "state")
+    kb.ingest(corpus(tmp_path))
+    engine = kb.engine
+    question, chunks = "Which river flows north?", ["The Nile flows north.", "Cats purr."]
+    calls = counted.calls
+    for bad in (0, -3, 2.5, True):
+        named = f"max_new_tokens must be a whole number >= 1 .None: RagConfig.max_new_tokens., " \
+                f"got {bad!r}"
+        with pytest.raises(InvalidArgument, match=named):
+            engine.answer(question, chunks, max_new_tokens=bad)  # type: ignore[arg-type]
+        with pytest.raises(InvalidArgument, match=named):
+            kb.ask(question, max_new_tokens=bad)  # type: ignore[arg-type]
+        with pytest.raises(InvalidArgument, match=f"k must be a whole number >= 1 .None: "
+                                                  f"RagConfig.top_k., got {bad!r}"):
+            kb.ask(question, k=bad)  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgument, match="chunks must be a list of texts, got one str"):
+        engine.answer(question, chunks[0])
+    assert counted.calls == calls  # nothing was computed
+    assert not client.contains(engine.key(chunk_ids(engine.tokenizer, "T")), namespace="rag")
+    assert len(engine.answer(question, chunks, max_new_tokens=2).token_ids) <= 2
+    assert len(kb.ask(question, k=1, max_new_tokens=1).sources) == 1

@@ -1,32 +1,12 @@
-"""kdn.rag's arguments, on the tiny model and real in-process server of ``tests.test_rag``:
-``RagConfig`` settings, a request's token counts and chunk list, and the ``kdn rag`` command
-line, each refused before any work where it is not what it must be."""
+"""kdn.rag's settings and command line: ``RagConfig``'s fields and the ``kdn rag`` parser,
+each refused where it is not what it must be (a request's own arguments: ``tests.test_rag``)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
-from typing import Any
-
 import pytest
 
-from kdn.client import Client
 from kdn.errors import InvalidArgument
 from kdn.rag import RagConfig
-from kdn.rag.corpus import chunk_ids
-from tests.test_rag import Counted, corpus, make_kb, tiny_llama
-
-
-@pytest.fixture(scope="module")
-def model() -> Any:
-    return tiny_llama()
-
-
-@pytest.fixture
-def counted(model: Any) -> Iterator[Counted]:
-    c = Counted(model)
-    yield c
-    model._forward_pre_hooks.clear()
 
 
 def test_config_validation() -> None:
@@ -49,34 +29,6 @@ def test_config_validation() -> None:
         with pytest.raises(InvalidArgument, match=f"{field} must be a whole number >= 1, got "
                                                   f"{bad!r}"):
             RagConfig(**{field: bad})
-
-
-def test_a_request_of_no_tokens_or_of_one_text_for_its_chunks_is_refused_before_any_work(
-        model: Any, counted: Counted, client: Client, tmp_path: Path) -> None:
-    """answer(..., max_new_tokens=0 / -3 / True / 2.5), ask(k=0) and a text given for the
-    chunk list (which would be one chunk per character, each prefilled and stored) are
-    refused before anything is retrieved or computed."""
-    kb = make_kb(model, client, tmp_path / "state")
-    kb.ingest(corpus(tmp_path))
-    engine = kb.engine
-    question, chunks = "Which river flows north?", ["The Nile flows north.", "Cats purr."]
-    calls = counted.calls
-    for bad in (0, -3, 2.5, True):
-        named = f"max_new_tokens must be a whole number >= 1 .None: RagConfig.max_new_tokens., " \
-                f"got {bad!r}"
-        with pytest.raises(InvalidArgument, match=named):
-            engine.answer(question, chunks, max_new_tokens=bad)  # type: ignore[arg-type]
-        with pytest.raises(InvalidArgument, match=named):
-            kb.ask(question, max_new_tokens=bad)  # type: ignore[arg-type]
-        with pytest.raises(InvalidArgument, match=f"k must be a whole number >= 1 .None: "
-                                                  f"RagConfig.top_k., got {bad!r}"):
-            kb.ask(question, k=bad)  # type: ignore[arg-type]
-    with pytest.raises(InvalidArgument, match="chunks must be a list of texts, got one str"):
-        engine.answer(question, chunks[0])
-    assert counted.calls == calls  # nothing was computed
-    assert not client.contains(engine.key(chunk_ids(engine.tokenizer, "T")), namespace="rag")
-    assert len(engine.answer(question, chunks, max_new_tokens=2).token_ids) <= 2
-    assert len(kb.ask(question, k=1, max_new_tokens=1).sources) == 1
 
 
 def test_cli_parses_rag_commands() -> None:
