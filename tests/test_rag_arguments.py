@@ -16,8 +16,10 @@ def test_config_validation() -> None:
         RagConfig(head="x")
     with pytest.raises(InvalidArgument):
         RagConfig(head="x", tail="no placeholder")
-    with pytest.raises(InvalidArgument):
-        RagConfig(blend_ratio=2.0)
+    for bad in (2.0, -0.1, True, "0.5"):
+        with pytest.raises(InvalidArgument, match=f"blend_ratio must be a number in \\[0, 1\\], "
+                                                  f"got {bad!r}"):
+            RagConfig(blend_ratio=bad)  # type: ignore[arg-type]
     with pytest.raises(InvalidArgument):
         RagConfig(namespace="bad ns")
     with pytest.raises(InvalidArgument, match="query_share"):

@@ -72,6 +72,7 @@ def check_count(name: str, value: object, hint: str = "") -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise InvalidArgument(f"{name} must be a whole number >= 1{hint}, got {value!r}")
 
+
 @dataclass(frozen=True)
 class RagConfig:
     top_k: int = 4
@@ -118,7 +119,10 @@ class RagConfig:
             raise InvalidArgument("set both head and tail, or neither")
         if self.tail is not None and "{question}" not in self.tail:
             raise InvalidArgument("tail must contain {question}")
-        self.blend_config()  # validates
+        ratio = self.blend_ratio  # BlendConfig's ``ratio``, named as this config names it
+        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 <= ratio <= 1:
+            raise InvalidArgument(f"blend_ratio must be a number in [0, 1], got {ratio!r}")
+        self.blend_config()  # validates the rest
 
     def new_tokens(self, max_new_tokens: int | None) -> int:
         """Tokens a request generates at most: ``max_new_tokens``, or with None this config's
