@@ -475,69 +475,6 @@ def test_a_request_whose_lookup_failed_is_still_saved(tmp_path: Path) -> None:
             w.shutdown()
 
 
-def test_metadata_the_worker_can_not_follow_is_a_failure_not_an_error(
-        kdn_server: ServerThread) -> None:
-    """A LoadSpec with block ids outside the cache (negative ones too), a block table shorter
-    than its tokens, or no keys for this rank: its blocks are reported failed (vLLM recomputes
-    them), nothing is written or counted loaded, nothing is raised into the forward pass. A
-    SaveSpec of blocks outside the cache, or one whose store fails on the saver thread: logged
-    and counted in save_errors, nothing raised, nothing stored."""
-    from kdn.integrations.vllm_meta import KDNConnectorMetadata, LoadSpec, SaveSpec
-
-    s, w = both(kdn_server.address, encodings=["raw"])
-    assert w.worker is not None
-    rp = fp16_replay(s, w)
-    try:
-        p = prompt(13, 41)
-        assert answered(rp, rp.new_request("seed", p)) == 0
-        rp.step()
-        w.worker.wait_saves(30)
-        chain = [keys.variant_key(k, "raw") for k in keys.prefix_keys(p, s.layout, "vllm", CHUNK)]
-        free = rp.free[:4]  # blocks no request holds
-
-        def step(meta: KDNConnectorMetadata) -> set[int]:
-            w.bind_connector_metadata(meta)
-            try:
-                w.start_load_kv(None)  # type: ignore[arg-type]
-                for name in LAYERS:
-                    w.wait_for_layer_load(name)
-                    w.save_kv_layer(name, rp.kv[name], None)  # type: ignore[arg-type]
-                w.wait_for_save()
-                return w.get_block_ids_with_load_errors()
-            finally:
-                w.clear_connector_metadata()
-
-        loads = {
-            "past the cache": ([chain[:1]], CHUNK, [BLOCKS - 1, BLOCKS]),
-            "negative": ([chain[:1]], CHUNK, [-1, free[0]]),
-            "short table": ([chain[:2]], 2 * CHUNK, free[:3]),
-            "no keys for this rank": ([], CHUNK, free[:2]),
-        }
-        before = {n: t.clone() for n, t in rp.kv.items()}
-        for what, (ks, end, ids) in loads.items():
-            failed = step(KDNConnectorMetadata(loads=[LoadSpec("x", ks, 0, 0, end, ids)]))
-            assert failed == set(ids), what
-        assert all(torch.equal(rp.kv[n].view(torch.int16), t.view(torch.int16))
-                   for n, t in before.items())
-        assert w.worker.stats.blocks_loaded == 0
-
-        other = keys.prefix_keys(prompt(14, 41), s.layout, "vllm", CHUNK)
-        saved = w.worker.stats.chunks_saved
-        for n, spec in enumerate([SaveSpec("y", [other[:1]], 0, [BLOCKS + 1, BLOCKS + 2]),
-                                  SaveSpec("y", [other[:1]], 0, [-2, free[0]]),
-                                  SaveSpec("y", [[b"not a key"]], 0, free[:2])], start=1):
-            assert not step(KDNConnectorMetadata(saves=[spec]))
-            w.worker.wait_saves(30)  # raises what the saver thread raised
-            assert w.worker.stats.save_errors == n
-        assert w.worker.stats.chunks_saved == saved
-        with Client(kdn_server.address) as c:
-            assert not c.lookup([keys.variant_key(other[0], "raw")], namespace="vllm"
-                                ).infos[0].present
-    finally:
-        s.shutdown()
-        w.shutdown()
-
-
 def test_without_encodings_the_connector_stores_what_pays_off_where_it_runs() -> None:
     """``encodings`` left out: ``raw`` on a GPU beside kdn (or with the in-process tier),
     ``kdn-default`` and ``raw`` across a network, ``lossless`` on a CPU; the scheduler and

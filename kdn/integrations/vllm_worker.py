@@ -363,11 +363,18 @@ class WorkerSide:
         ns = self.config.namespace
         for enc in self.shape.encodings:
             mode, _, level = enc.partition("-")
-            todo = [(keys.variant_key(base, enc), kv) for _, base, kv in items]
+            first: dict[bytes, int] = {}  # a chunk two requests of one step save: stored once
+            todo: list[tuple[bytes, KVCache]] = []
+            fix: set[bytes] = set()
+            for j, (_, base, entry) in enumerate(items):
+                key = keys.variant_key(base, enc)
+                if first.setdefault(key, j) == j:
+                    todo.append((key, entry))
+                if j in mend:
+                    fix.add(key)
             try:
                 present = self.client.lookup([k for k, _ in todo], namespace=ns).infos
-                todo_new = [t for j, (t, info) in enumerate(zip(todo, present))
-                            if not info.present or j in mend]
+                todo_new = [t for t, info in zip(todo, present) if not info.present or t[0] in fix]
                 self.stats.chunks_skipped += len(todo) - len(todo_new)
                 if todo_new:
                     self.client.store_many(todo_new, mode=mode, level=level, namespace=ns,

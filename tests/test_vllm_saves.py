@@ -1,0 +1,116 @@
+"""What vLLM's scheduler tells the kdn connector's worker to save, and the worker does: chunks
+two requests of one step computed are stored once, and metadata it can not follow is a
+counted failure, never an error in the forward pass (vLLM's classes and the replay of
+``tests.test_vllm``)."""
+
+from __future__ import annotations
+
+import torch
+
+from kdn import keys
+from kdn.client import Client
+from kdn.server import ServerThread
+from tests import test_vllm as base  # skipped with it where vLLM is not installed
+from tests.test_vllm import BLOCKS, CHUNK, LAYERS, answered, both, fp16_replay, prompt
+
+kdn_server = base.kdn_server
+
+
+def test_metadata_the_worker_can_not_follow_is_a_failure_not_an_error(
+        kdn_server: ServerThread) -> None:
+    """A LoadSpec with block ids outside the cache (negative ones too), a block table shorter
+    than its tokens, or no keys for this rank: its blocks are reported failed (vLLM recomputes
+    them), nothing is written or counted loaded, nothing is raised into the forward pass. A
+    SaveSpec of blocks outside the cache, or one whose store fails on the saver thread: logged
+    and counted in save_errors, nothing raised, nothing stored."""
+    from kdn.integrations.vllm_meta import KDNConnectorMetadata, LoadSpec, SaveSpec
+
+    s, w = both(kdn_server.address, encodings=["raw"])
+    assert w.worker is not None
+    rp = fp16_replay(s, w)
+    try:
+        p = prompt(13, 41)
+        assert answered(rp, rp.new_request("seed", p)) == 0
+        rp.step()
+        w.worker.wait_saves(30)
+        chain = [keys.variant_key(k, "raw") for k in keys.prefix_keys(p, s.layout, "vllm", CHUNK)]
+        free = rp.free[:4]  # blocks no request holds
+
+        def step(meta: KDNConnectorMetadata) -> set[int]:
+            w.bind_connector_metadata(meta)
+            try:
+                w.start_load_kv(None)  # type: ignore[arg-type]
+                for name in LAYERS:
+                    w.wait_for_layer_load(name)
+                    w.save_kv_layer(name, rp.kv[name], None)  # type: ignore[arg-type]
+                w.wait_for_save()
+                return w.get_block_ids_with_load_errors()
+            finally:
+                w.clear_connector_metadata()
+
+        loads = {
+            "past the cache": ([chain[:1]], CHUNK, [BLOCKS - 1, BLOCKS]),
+            "negative": ([chain[:1]], CHUNK, [-1, free[0]]),
+            "short table": ([chain[:2]], 2 * CHUNK, free[:3]),
+            "no keys for this rank": ([], CHUNK, free[:2]),
+        }
+        before = {n: t.clone() for n, t in rp.kv.items()}
+        for what, (ks, end, ids) in loads.items():
+            failed = step(KDNConnectorMetadata(loads=[LoadSpec("x", ks, 0, 0, end, ids)]))
+            assert failed == set(ids), what
+        assert all(torch.equal(rp.kv[n].view(torch.int16), t.view(torch.int16))
+                   for n, t in before.items())
+        assert w.worker.stats.blocks_loaded == 0
+
+        other = keys.prefix_keys(prompt(14, 41), s.layout, "vllm", CHUNK)
+        saved = w.worker.stats.chunks_saved
+        for n, spec in enumerate([SaveSpec("y", [other[:1]], 0, [BLOCKS + 1, BLOCKS + 2]),
+                                  SaveSpec("y", [other[:1]], 0, [-2, free[0]]),
+                                  SaveSpec("y", [[b"not a key"]], 0, free[:2])], start=1):
+            assert not step(KDNConnectorMetadata(saves=[spec]))
+            w.worker.wait_saves(30)  # raises what the saver thread raised
+            assert w.worker.stats.save_errors == n
+        assert w.worker.stats.chunks_saved == saved
+        with Client(kdn_server.address) as c:
+            assert not c.lookup([keys.variant_key(other[0], "raw")], namespace="vllm"
+                                ).infos[0].present
+    finally:
+        s.shutdown()
+        w.shutdown()
+
+
+def test_a_chunk_two_requests_of_one_step_save_is_stored_once(kdn_server: ServerThread) -> None:
+    """Two requests of one step that computed the same chunk (the same prefix, each in blocks
+    of its own) save it as one entry; the step's other chunks are saved with it, and nothing
+    is counted a save error (a store_many naming a key twice is refused whole)."""
+    from kdn.integrations.vllm_meta import KDNConnectorMetadata, SaveSpec
+
+    s, w = both(kdn_server.address, encodings=["raw"])
+    assert w.worker is not None
+    rp = fp16_replay(s, w)
+    try:
+        shared, alone = (keys.prefix_keys(prompt(seed, 2 * CHUNK), s.layout, "vllm", CHUNK)
+                         for seed in (21, 22))
+        per = CHUNK // rp.block_size  # blocks a chunk
+        free = rp.free[: 3 * per]
+        meta = KDNConnectorMetadata(saves=[
+            SaveSpec("a", [shared[:1]], 0, free[:per]),
+            SaveSpec("b", [shared[:1]], 0, free[per : 2 * per]),
+            SaveSpec("c", [alone[:1]], 0, free[2 * per :])])
+        w.bind_connector_metadata(meta)
+        try:
+            for name in LAYERS:
+                w.save_kv_layer(name, rp.kv[name], None)  # type: ignore[arg-type]
+            w.wait_for_save()
+        finally:
+            w.clear_connector_metadata()
+        w.worker.wait_saves(30)
+        assert w.worker.stats.save_errors == 0
+        assert w.worker.stats.chunks_saved == 2
+        with Client(kdn_server.address) as c:
+            got = c.lookup([keys.variant_key(k, "raw") for k in (shared[0], alone[0])],
+                           namespace="vllm").infos
+        assert [i.present for i in got] == [True, True]
+    finally:
+        s.shutdown()
+        w.shutdown()
