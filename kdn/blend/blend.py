@@ -61,7 +61,6 @@ layer i-1), and the second pass then runs from memory.
 
 from __future__ import annotations
 
-import numbers
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
@@ -74,6 +73,7 @@ from kdn.blend.rope import RopePlan, apply_rope, cos_sin, reposition, rope_plan
 from kdn.blend.select import budget, deviation, select_tokens
 from kdn.blend.stale import ChunkStale, correct_stale, stale_plan
 from kdn.cache import KVCache, LayerKV
+from kdn.checks import share, whole
 from kdn.errors import Cancelled, InvalidArgument, InvalidLayout, LayoutMismatch
 from kdn.layout import KVLayout
 from kdn.model.hf import (
@@ -177,14 +177,9 @@ class BlendConfig:
 
     def __post_init__(self) -> None:
         for name in ("ratio", "query_share", "correct_k", "correct_v"):
-            value = getattr(self, name)
-            if (isinstance(value, bool) or not isinstance(value, numbers.Real)
-                    or not 0.0 <= float(value) <= 1.0):
-                raise InvalidArgument(f"{name} must be a number in [0, 1], got {value!r}")
+            share(name, getattr(self, name))
         for name, low in (("select_layer", 1), ("attention_from", 0), ("head_tokens", 0)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
-                raise InvalidArgument(f"{name} must be a whole number >= {low}, got {value!r}")
+            whole(name, getattr(self, name), low)
         if not isinstance(self.per_chunk, bool):
             raise InvalidArgument(f"per_chunk must be a bool, got {self.per_chunk!r}")
 

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from kdn import tracing as _tracing
+from kdn.checks import whole
 from kdn.client.blend import RemotePiece, blend_request
 from kdn.client.dataplane import DataPlane
 from kdn.client.deadline import time_left
@@ -468,10 +469,7 @@ class Client:
 def _whole(name: str, value: object, zero: str) -> int:
     """``value`` when it is a whole number >= 0, else InvalidArgument naming ``name`` (``zero``
     says what 0 means)."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        says = f" ({zero})" if zero else ""
-        raise InvalidArgument(f"{name} must be a whole number >= 0{says}, got {value!r}")
-    return value
+    return whole(name, value, 0, f" ({zero})" if zero else "")
 
 
 def _key_info(info: pb.KeyInfo) -> KeyInfo:

@@ -70,6 +70,7 @@ import torch
 
 from kdn import keys
 from kdn.cache import LayerKV
+from kdn.checks import whole
 from kdn.client import Client, LayerStream
 from kdn.client import metrics as client_metrics
 from kdn.client.deadline import deadline_within
@@ -474,10 +475,8 @@ class KDNEngine(KVConnector):
         ``recompute``, to override the controller for this request. Each of these is checked
         before anything is looked up, computed or stored: InvalidRequest (an InvalidArgument
         and a ValueError) naming what is wrong."""
-        if (isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int)
-                or max_new_tokens < 1):
-            raise InvalidRequest(f"max_new_tokens must be a whole number >= 1 (as in "
-                                 f"transformers' generate), got {max_new_tokens!r}")
+        whole("max_new_tokens", max_new_tokens, 1, " (as in transformers' generate)",
+              InvalidRequest)
         self._check_force(force)
         ids = prompt_ids(prompt, self.tokenizer, self._vocabulary)
         check_fits(len(ids), max_new_tokens, self._context)

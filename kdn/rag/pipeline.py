@@ -53,6 +53,7 @@ import torch
 from kdn.blend import BlendConfig, Piece, blend
 from kdn.blend.chunks import ChunkConnector
 from kdn.cache import KVCache
+from kdn.checks import share, whole
 from kdn.client import Client
 from kdn.codec.catalog import check_codec, default_level
 from kdn.errors import InvalidArgument
@@ -69,8 +70,7 @@ LOOKUP_BATCH = 512
 
 def check_count(name: str, value: object, hint: str = "") -> None:
     """InvalidArgument naming ``name`` unless ``value`` is a whole number >= 1 (not a bool)."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise InvalidArgument(f"{name} must be a whole number >= 1{hint}, got {value!r}")
+    whole(name, value, 1, hint)
 
 
 @dataclass(frozen=True)
@@ -119,9 +119,7 @@ class RagConfig:
             raise InvalidArgument("set both head and tail, or neither")
         if self.tail is not None and "{question}" not in self.tail:
             raise InvalidArgument("tail must contain {question}")
-        ratio = self.blend_ratio  # BlendConfig's ``ratio``, named as this config names it
-        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 <= ratio <= 1:
-            raise InvalidArgument(f"blend_ratio must be a number in [0, 1], got {ratio!r}")
+        share("blend_ratio", self.blend_ratio)  # BlendConfig's ``ratio``, named as here
         self.blend_config()  # validates the rest
 
     def new_tokens(self, max_new_tokens: int | None) -> int:
