@@ -46,6 +46,11 @@ other engineers' jobs, load average 1.2-1.6, so absolute rates are low):
   inputs, ~35 s): int8's decoders refused infinite float16 scales but took a NaN one, whose
   row decoded as NaN on the CPU (and as clamped garbage on the whole-entry decoder);
   cachegen took a NaN scale as 1. Both now refuse a scale that is not finite.
+- Found by the suite's run (2026-11-30, ``-seed=1``, at ~11,600 inputs): a resealed kdn
+  header declaring 33,554,432 tokens over a 4 KB frame of 302 layers; the range decoder ran
+  12 s and reached 3.2 GB on its first layer before refusing it. ``entropy.parse_tables`` now
+  refuses a payload shorter than its tables' information bound for the declared symbols (and
+  a row whose end bins count nothing) before any decoding.
 """
 
 from __future__ import annotations

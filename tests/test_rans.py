@@ -200,3 +200,69 @@ def test_writing_format_sets_what_every_encode_writes_and_puts_it_back() -> None
     assert struct.unpack_from("<I", encode_streams(sym))[0] == RANS_NIBBLE_MARK
     with pytest.raises(ValueError, match="not 1"):
         encode_streams(sym, fmt=1)
+
+
+def _most_compressible(rows: int, n: int, seed: int) -> np.ndarray:
+    """Rows whose likeliest bin holds all but one or two symbols (a single outlier at one end):
+    the fewest payload bits per symbol any row wider than one can cost."""
+    rng = np.random.default_rng(seed)
+    sym = np.zeros((rows, n), np.int32)
+    for r in range(rows):
+        sym[r, int(rng.integers(0, n))] = 1 + r % 3
+        if r % 2:
+            sym[r, int(rng.integers(0, n))] = -1
+    return sym
+
+
+@pytest.mark.parametrize("fmt", [1, 2, 3, 4])
+def test_the_most_compressible_rows_still_decode(fmt: int) -> None:
+    """The payload bound of ``parse_tables`` refuses no blob an encoder writes, down to rows of
+    one outlier in 400k symbols (each symbol then costs ~0.006 bits)."""
+    for rows, n in ((1, 400_000), (6, 100_003), (64, 2_000)):
+        sym = _most_compressible(rows, n, seed=rows)
+        blob = _format1(sym) if fmt == 1 else encode_streams(sym, fmt=fmt)
+        assert (decode_streams(blob, rows, n) == sym).all(), (fmt, rows, n, len(blob))
+
+
+def _declaring(blob: bytes, rows: int, n: int, fmt: int) -> bytes:
+    """``blob``'s tables over a payload shaped for ``n`` symbols a row but carrying none: for
+    rANS the fewest, longest streams (blocks of 2**20) with zero states and no words."""
+    if fmt == 1:
+        tlen = struct.unpack_from("<I", blob)[0]
+        return blob[: 4 + tlen] + bytes(8)
+    streams = rows * -(-n // (1 << 20))
+    groups = -(-streams // 32)
+    return (blob[: _rans_section(blob)] + struct.pack("<II", 1 << 20, groups)
+            + bytes(4 * streams + 4 * groups))
+
+
+@pytest.mark.parametrize("fmt", [1, 4])
+def test_a_payload_too_short_for_the_symbols_it_declares_is_refused_before_decoding(
+        fmt: int) -> None:
+    """A header may declare millions of tokens over a payload of a few bytes: refused from the
+    tables' own information bound, before a decoder runs over every declared symbol (the
+    range coder took 12 s and 3 GB to refuse a fuzzed layer of 33M tokens)."""
+    import time
+
+    sym = np.tile(np.array([[0, 1, 1, 2]], np.int32), (2, 64))
+    blob = _format1(sym) if fmt == 1 else encode_streams(sym)
+    n = 1 << 22
+    started = time.perf_counter()
+    with pytest.raises(Corrupt, match="too short for 4194304 symbols"):
+        decode_streams(_declaring(blob, 2, n, fmt), 2, n)
+    assert time.perf_counter() - started < 0.5
+
+
+def test_a_table_row_whose_end_bins_count_nothing_is_refused() -> None:
+    """An encoder's row spans its smallest to its largest symbol, so both end bins count: a
+    row whose end bin counts nothing could put every symbol in one bin at no cost."""
+    sym = _sym(4, 300, seed=14)
+    blob = encode_streams(sym, fmt=2)
+    tlen = struct.unpack_from("<I", blob, 4)[0]
+    tables = bytearray(zstandard.ZstdDecompressor().decompress(blob[8 : 8 + tlen]))
+    width0 = struct.unpack_from("<H", tables, 8)[0]
+    tables[16 + width0 - 1] = 0  # the first row's last bin
+    packed = zstandard.ZstdCompressor().compress(bytes(tables))
+    bad = blob[:4] + struct.pack("<I", len(packed)) + packed + blob[8 + tlen :]
+    with pytest.raises(Corrupt, match="end symbols"):
+        decode_streams(bad, 4, 300)

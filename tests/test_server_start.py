@@ -158,11 +158,11 @@ def test_a_stopped_server_thread_leaves_no_thread_behind(tmp_path: Path) -> None
                 Client(s.address, shm_bytes=0) as c:
             assert c.health() == "SERVING"
 
-    def loops() -> list[str]:  # the threads of event loops' to_thread calls
-        return [t.name for t in threading.enumerate() if t.name.startswith("asyncio_")]
+    def loops() -> set[threading.Thread]:  # the threads of event loops' to_thread calls
+        return {t for t in threading.enumerate() if t.name.startswith("asyncio_")}
 
     one(0)
-    threads = loops()
+    threads = loops()  # may still end (one(0)'s own, or an earlier test's): not a leak
     for i in range(1, 4):
         one(i)
     with ServerThread(ServerConfig(port=0, data_dir=tmp_path / "a")) as held:
@@ -170,4 +170,4 @@ def test_a_stopped_server_thread_leaves_no_thread_behind(tmp_path: Path) -> None
         with pytest.raises(OSError, match="can not listen"):
             ServerThread(ServerConfig(port=port, data_dir=tmp_path / "b")).start()
     # a loop not closed keeps that thread, and its selector's descriptors, for good
-    assert eventually(lambda: loops() == threads), loops()
+    assert eventually(lambda: loops() <= threads), loops() - threads

@@ -209,7 +209,33 @@ def parse_tables(buf: bytes | memoryview, streams: int, n: int
         if len(counts) and int(counts.max()) >= len(LOG_LEVELS):
             raise Corrupt("entropy table code out of range")
         counts = COUNT_OF_CODE[counts]
+    _check_payload(width, counts, n, len(mv) - at - tlen - clen)
     return lo, width, counts, mv[at + tlen + clen :] if fmt > 1 else None
+
+
+def _check_payload(width: np.ndarray, counts: np.ndarray, n: int, payload: int) -> None:
+    """Corrupt for tables no encoder wrote, or a payload too short for ``n`` symbols of them,
+    before a decoder spends time or memory on them.
+
+    A row wider than one spans its smallest to its largest symbol, both occurring: both end
+    bins count >= 1. With counts <= 255 its likeliest bin then has a share of at most 255/256,
+    so each of its symbols costs at least log2(256/255) bits (0.0056): one payload byte holds
+    at most ~1,400 of a row's symbols. A header may declare a layer of millions of tokens over
+    a few hundred bytes; range or rANS decoding it would take seconds and gigabytes to end in
+    an error. Half the information bound, less 64 bits a row, is asked: coders' rounding and
+    final states never fall that far short (``test_hostile``)."""
+    starts = np.concatenate([[0], np.cumsum(width)[:-1]]).astype(np.int64)
+    coded = width > 1
+    if not coded.any():
+        return
+    c = counts.astype(np.int64)
+    if (c[starts[coded]] == 0).any() or (c[(starts + width - 1)[coded]] == 0).any():
+        raise Corrupt("entropy table row does not count its own end symbols")
+    share = np.maximum.reduceat(c, starts)[coded] / np.add.reduceat(c, starts)[coded]
+    bits = 0.5 * n * float(-np.log2(share).sum()) - 64 * int(coded.sum())
+    if 8 * payload < bits:
+        raise Corrupt(f"entropy payload of {payload} bytes is too short for {n} symbols a "
+                      f"row under its tables (at least {bits / 8:.0f} bytes)")
 
 
 def decode_streams(buf: bytes | memoryview, streams: int, n: int) -> np.ndarray:
