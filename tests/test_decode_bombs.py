@@ -1,0 +1,127 @@
+"""Entries that decode to far more than they store: a compressed mode is no bound on its
+decoded size (a constant cache costs its tables alone), so a few kilobytes under a resealed
+header may declare a million tokens. Decoding to the host, such an entry is refused as
+TooLarge before anything is allocated, where the host could not hold it; the store, the
+server and the reader's other entries are untouched."""
+
+from __future__ import annotations
+
+import struct
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from kdn import codec
+from kdn.cache import KVCache
+from kdn.client import Client
+from kdn.codec import api
+from kdn.codec import format as fmt
+from kdn.errors import TooLarge
+from kdn.server import ServerConfig, ServerThread
+from tests.helpers import random_kv, uniform_layout
+
+GOOD, BOMB = bytes(range(32)), bytes(range(1, 33))
+_RECORD = struct.Struct("<HIHHI")  # kv_heads, tokens, k_channels, v_channels, body length
+
+
+def declaring(kv: KVCache, tokens: int, mode: str = "kdn", level: str = "default"
+              ) -> codec.EncodedParts:
+    """``kv`` encoded, then its header and every layer record rewritten to declare ``tokens``
+    tokens, every checksum recomputed (what a writer that lies would store). Its bodies stay
+    valid for constant layers: their entropy rows cost no payload at any length."""
+    blob = codec.encode(kv, mode, level)
+    entry = fmt.parse_header(blob).entry
+    entry.tokens = tokens
+    frames, at = [], fmt.header_size(blob)
+    for _ in entry.frames:
+        length = fmt.FRAME_STRUCT.unpack_from(blob, at)[4]
+        frame = bytearray(blob[at : at + fmt.FRAME_PREFIX_BYTES + length])
+        at += fmt.FRAME_PREFIX_BYTES + length
+        rec = fmt.FRAME_PREFIX_BYTES
+        while rec < len(frame):
+            fields = list(_RECORD.unpack_from(frame, rec))
+            fields[1] = tokens
+            _RECORD.pack_into(frame, rec, *fields)
+            rec += _RECORD.size + fields[4]
+        frames.append(bytes(frame))
+    header, sealed = fmt.seal(entry, frames)
+    return codec.EncodedParts(header, sealed)
+
+
+def _constant(layers: int = 32, heads: int = 8, dim: int = 64, tokens: int = 64) -> KVCache:
+    layout = uniform_layout(layers, heads, dim, model="bomb")
+    z = torch.zeros(heads, tokens, dim, dtype=torch.float16)
+    return KVCache(layout, [(z, z) for _ in range(layers)], 0)
+
+
+def test_a_small_entry_declaring_more_than_the_host_holds_is_refused_before_decoding(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    parts = declaring(_constant(), 8192)  # 0.5 GiB decoded, ~90 KB stored
+    declared = 32 * 8 * 8192 * 64 * 2 * 2
+    assert parts.nbytes < declared / 1000
+    monkeypatch.setattr(api, "host_room", lambda: declared // 4)
+    with pytest.raises(TooLarge, match=r"decodes to 0\.5 GiB \(8192 tokens\)"):
+        codec.decode(parts.to_bytes())
+    with pytest.raises(TooLarge):
+        codec.StreamDecoder(parts.header)
+    monkeypatch.setattr(api, "host_room", lambda: declared * 4)
+    small = declaring(_constant(tokens=16), 512)  # within room: decodes as declared
+    assert codec.decode(small.to_bytes()).equal(_constant(tokens=512))
+
+
+def test_an_entry_declaring_a_terabyte_is_refused_on_any_host(tmp_path: Path) -> None:
+    """256 layers at the per-layer limit: 1 TiB declared, which no host has available. Run in
+    a child with its address space capped, so that a decoder without the check fails there
+    (MemoryError) instead of having the kernel kill the test run."""
+    parts = declaring(_constant(layers=256, heads=1, dim=4, tokens=16), (4 << 30) // 16)
+    path = tmp_path / "bomb.kdn"
+    path.write_bytes(parts.to_bytes())
+    child = textwrap.dedent(f"""
+        import resource, sys
+        from kdn import codec
+        from kdn.errors import TooLarge
+        with open("/proc/self/status") as f:
+            vm = next(int(x.split()[1]) * 1024 for x in f if x.startswith("VmSize:"))
+        resource.setrlimit(resource.RLIMIT_AS, (vm + (3 << 30), resource.RLIM_INFINITY))
+        try:
+            codec.decode(open({str(path)!r}, "rb").read())
+        except TooLarge as exc:
+            print("TooLarge", exc)
+        except MemoryError:
+            print("MemoryError")
+        """)
+    out = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True,
+                         timeout=300, cwd=Path(__file__).resolve().parents[1])
+    assert out.stdout.startswith("TooLarge the entry decodes to 1024.0 GiB"), \
+        (out.stdout, out.stderr[-2000:])
+
+
+@pytest.mark.parametrize("shm_bytes", [0, 64 << 20], ids=["grpc", "same-host"])
+def test_a_reader_is_refused_a_stored_bomb_and_keeps_its_other_entries(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, shm_bytes: int) -> None:
+    """A real server stores the lying entry (its structure is sound); a client retrieving it
+    gets TooLarge, not a decode that takes the host down; its other entries, the bomb's own
+    bytes and the server are as they were. An engine asking for the block's token count is
+    refused earlier, by the shape (``Expected``)."""
+    from kdn.errors import LayoutMismatch
+
+    kv = random_kv(uniform_layout(32, 8, 64, model="bomb"), tokens=32)
+    parts = declaring(_constant(), 8192)
+    monkeypatch.setattr(api, "host_room", lambda: 256 << 20)
+    with ServerThread(ServerConfig(port=0, data_dir=tmp_path / "d")) as server, \
+            Client(server.address, shm_bytes=shm_bytes) as client:
+        client.store(GOOD, kv, mode="kdn", level="default")
+        client.store(BOMB, parts)
+        with pytest.raises(TooLarge, match="decodes to 0.5 GiB"):
+            client.retrieve(BOMB)
+        with pytest.raises(LayoutMismatch, match="8192 tokens"):
+            client.retrieve(BOMB, tokens=64)
+        fetched = client.fetch(BOMB)
+        assert fetched is not None and fetched.parts.to_bytes() == parts.to_bytes()
+        got = client.retrieve(GOOD)
+        assert got is not None and got.num_tokens == 32
+        assert client.health() == "SERVING"
