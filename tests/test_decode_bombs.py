@@ -18,8 +18,8 @@ import torch
 from kdn import codec
 from kdn.cache import KVCache
 from kdn.client import Client
-from kdn.codec import api
 from kdn.codec import format as fmt
+from kdn.codec import room
 from kdn.errors import TooLarge
 from kdn.server import ServerConfig, ServerThread
 from tests.helpers import random_kv, uniform_layout
@@ -63,12 +63,12 @@ def test_a_small_entry_declaring_more_than_the_host_holds_is_refused_before_deco
     parts = declaring(_constant(), 8192)  # 0.5 GiB decoded, ~90 KB stored
     declared = 32 * 8 * 8192 * 64 * 2 * 2
     assert parts.nbytes < declared / 1000
-    monkeypatch.setattr(api, "host_room", lambda: declared // 4)
+    monkeypatch.setattr(room, "host_room", lambda: declared // 4)
     with pytest.raises(TooLarge, match=r"decodes to 0\.5 GiB \(8192 tokens\)"):
         codec.decode(parts.to_bytes())
     with pytest.raises(TooLarge):
         codec.StreamDecoder(parts.header)
-    monkeypatch.setattr(api, "host_room", lambda: declared * 4)
+    monkeypatch.setattr(room, "host_room", lambda: declared * 4)
     small = declaring(_constant(tokens=16), 512)  # within room: decodes as declared
     assert codec.decode(small.to_bytes()).equal(_constant(tokens=512))
 
@@ -111,7 +111,7 @@ def test_a_reader_is_refused_a_stored_bomb_and_keeps_its_other_entries(
 
     kv = random_kv(uniform_layout(32, 8, 64, model="bomb"), tokens=32)
     parts = declaring(_constant(), 8192)
-    monkeypatch.setattr(api, "host_room", lambda: 256 << 20)
+    monkeypatch.setattr(room, "host_room", lambda: 256 << 20)
     with ServerThread(ServerConfig(port=0, data_dir=tmp_path / "d")) as server, \
             Client(server.address, shm_bytes=shm_bytes) as client:
         client.store(GOOD, kv, mode="kdn", level="default")
@@ -125,3 +125,22 @@ def test_a_reader_is_refused_a_stored_bomb_and_keeps_its_other_entries(
         got = client.retrieve(GOOD)
         assert got is not None and got.num_tokens == 32
         assert client.health() == "SERVING"
+
+
+@pytest.mark.parametrize("limit", ["4294967296", "max"])
+def test_a_containers_memory_limit_bounds_the_room(tmp_path: Path, limit: str,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """In a memory cgroup (a container, a pod), the room is its limit less its use, with page
+    cache counted as free; a cgroup without a limit ("max") leaves the host's MemAvailable."""
+    (tmp_path / "memory.max").write_text(limit + "\n")
+    (tmp_path / "memory.current").write_text(str(3 << 30) + "\n")
+    (tmp_path / "memory.stat").write_text(f"anon {2 << 30}\nfile {512 << 20}\nkernel 1024\n")
+    monkeypatch.setattr(room, "_CGROUPS", ((str(tmp_path / "memory.max"),
+                                            str(tmp_path / "memory.current"),
+                                            str(tmp_path / "memory.stat"), "file"),))
+    monkeypatch.setattr(room, "_meminfo", lambda: 64 << 30)
+    assert room.host_room() == ((3 << 29) if limit != "max" else 64 << 30)
+    if limit != "max":
+        with pytest.raises(TooLarge, match="decodes to 2.0 GiB .* 1.5 GiB of memory available"):
+            room.check_room(2 << 30, 65536)
+    room.check_room(1 << 30, 32768)

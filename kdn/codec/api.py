@@ -35,7 +35,8 @@ from kdn.codec.format import (
 )
 from kdn.codec.layouts import BoundedMemo, layout_to_proto
 from kdn.codec.modes import LayerSpec, Mode, check_finite, get_mode, mode_names
-from kdn.errors import Corrupt, InvalidArgument, KDNError, TooLarge
+from kdn.codec.room import check_room
+from kdn.errors import Corrupt, InvalidArgument, KDNError
 from kdn.layout import KVLayout
 from kdn.pools import SharedPool
 from kdn.transport.wire import frame_message_head
@@ -478,39 +479,6 @@ def unhashed_records(header: Header, frames: Sequence[bytes | memoryview], *,
         for i, f in enumerate(frames):
             check_frame(header, i, f, checksum=not hashed, records=False)
         raise
-
-
-ROOM_CHECKED_BYTES = 256 << 20
-"""Entries declaring fewer decoded bytes than this are decoded without asking the host."""
-
-
-def host_room() -> int | None:
-    """Bytes of memory this host can give without swapping (Linux: MemAvailable), or None
-    where it does not say."""
-    try:
-        with open("/proc/meminfo", "rb") as f:
-            for line in f:
-                if line.startswith(b"MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, AttributeError):
-        return None
-
-
-def check_room(declared: int, tokens: int) -> None:
-    """TooLarge where an entry whose header declares ``declared`` bytes of decoded tensors
-    could not be held in host memory. A compressed entry is no bound on what it decodes to:
-    tens of kilobytes of a constant cache can declare a million tokens (68 GB for 32 layers
-    of 8 heads of 64 channels); decoded, such an entry had the kernel kill the reader."""
-    if declared < ROOM_CHECKED_BYTES:
-        return
-    room = host_room()
-    if room is not None and declared > room:
-        raise TooLarge(f"the entry decodes to {declared / 2**30:.1f} GiB ({tokens} tokens); "
-                       f"this host has {room / 2**30:.1f} GiB of memory available")
 
 
 def decode(buf: bytes | memoryview, *, device: torch.device | str | None = None,
