@@ -125,6 +125,20 @@ def test_model_labels_stay_bounded_and_carry_no_directories() -> None:
     assert len({usage._model(f"m{i}", "") for i in range(MAX_MODELS)}) == MAX_MODELS
 
 
+def test_remembered_facts_share_their_label_strings() -> None:
+    """Up to 100k keys' facts are remembered: entries of one encoding and model hold one
+    string of each, not a copy per key (~6 MB of the ~32 MB at the cap)."""
+    from kdn import codec
+    from kdn.codec.format import parse_header
+    from kdn.server.usage import Usage
+
+    blob = codec.encode(random_kv(uniform_layout(2, 1, 4), tokens=4), "kdn", "default")
+    usage = Usage()
+    facts = [usage._remember(f"/{i:064x}".encode(), parse_header(blob)) for i in range(2)]
+    assert facts[0][2] == "kdn-default" and facts[0][2] is facts[1][2]
+    assert facts[0][1] is facts[1][1]
+
+
 def test_log_lines_carry_the_request_id(tmp_path: Path, caplog: pytest.LogCaptureFixture
                                         ) -> None:
     from kdn.server.logs import JsonLines, _RequestId

@@ -38,6 +38,7 @@ last ``MAX_REMEMBERED`` keys): a read path that does not parse headers, GetMany,
 from __future__ import annotations
 
 import bisect
+import sys
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable
@@ -132,8 +133,10 @@ class Usage:
 
     def _remember(self, skey: bytes, header: Header) -> Facts:
         codec = header.entry.codec
-        encoding = f"{codec.mode}-{codec.level}" if codec.level else codec.mode
-        model = model_label(header.layout.model_name or header.layout.model_fingerprint[:16])
+        # interned: the 100k remembered facts share a few strings, not one copy each
+        encoding = sys.intern(f"{codec.mode}-{codec.level}" if codec.level else codec.mode)
+        model = sys.intern(model_label(header.layout.model_name
+                                       or header.layout.model_fingerprint[:16]))
         tenant = split_store_key(skey)[0]
         with self._lock:
             facts = (header.tokens, self._model(model, tenant), encoding)
