@@ -147,11 +147,12 @@ def _disk_full(data_file: Path) -> Iterator[None]:
         signal.signal(signal.SIGXFSZ, handler)
 
 
-def test_a_full_disk_fails_writes_but_keeps_serving_reads(tmp_path: Path) -> None:
+def test_a_full_disk_fails_writes_but_keeps_serving_reads(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """The disk full: a DISK store fails (UNAVAILABLE) and leaves nothing, a DEFAULT store is
-    acknowledged (RAM) and its disk write retried until there is room again; meanwhile the
-    entries on disk are served and the tier is never marked down (no flapping with the
-    probe)."""
+    acknowledged (RAM) and its disk write retried until there is room again (the queue's
+    warning names why the disk did not take it); meanwhile the entries on disk are served and
+    the tier is never marked down (no flapping with the probe)."""
     ram = RamTier(1 << 20)
     disk = LmdbTier(tmp_path, capacity_bytes=1 << 30, initial_map_bytes=64 << 20)
     store = TieredStore([ram, disk], probe_interval_s=0.05)
@@ -161,7 +162,10 @@ def test_a_full_disk_fails_writes_but_keeps_serving_reads(tmp_path: Path) -> Non
         with _disk_full(tmp_path / "data.mdb"):
             with pytest.raises(TierUnavailable, match="disk tier write failed"):
                 store.put(b"new", b"n" * 300_000, durability=Durability.DISK)
-            assert store.put(b"new2", b"m" * 300_000) == "ram"
+            with caplog.at_level(logging.WARNING, logger="kdn.store.queue"):
+                assert store.put(b"new2", b"m" * 300_000) == "ram"
+            assert any("disk tier write failed" in r.getMessage() for r in caplog.records
+                       if r.name == "kdn.store.queue"), caplog.text
             ram.delete(b"old1")
             hit = store.get(b"old1")
             assert hit is not None and hit.tier == "disk" and hit.value == bytes([1]) * 100_000

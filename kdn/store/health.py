@@ -14,8 +14,9 @@ Calls into a tier go through ``attempt`` (or ``guard``, for callers to whom a fa
 miss): ``TierUnavailable`` marks the tier down, any other ``KDNError`` is logged, and the caller
 gets a ``Fault`` (or None) instead of an exception, so one failing tier never fails a request
 that others can serve. ``PartlyUnavailable`` (a Redis Cluster slot whose master does not answer,
-or a write that too few replicas confirmed) fails that call only (``Fault.PARTLY``: a write is
-worth retrying), counted as ``<tier>.partly_unavailable``: the tier stays up for its other keys
+a write that too few replicas confirmed, a full disk) fails that call only (``Fault.PARTLY``: a
+write is worth retrying), counted as ``<tier>.partly_unavailable``, its message kept in
+``refused`` (the write queue's warning names it): the tier stays up for its other keys
 (``Tier.degraded`` says it is not whole), and only the probe (no master answers at all) marks it
 down. With ``reraise`` (a
 write the client must see acknowledged) the tier is still marked down on ``TierUnavailable``,
@@ -57,6 +58,9 @@ class TierHealth:
         self._count = count
         self._on_up = on_up
         self._up = {t.name: True for t in tiers}
+        self.refused: dict[str, str] = {}
+        """tier -> the message of the latest ``PartlyUnavailable`` it raised (why a write was
+        not taken: a disk full, a Redis cluster master that does not answer)."""
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -134,6 +138,7 @@ class TierHealth:
             return fn()
         except PartlyUnavailable as exc:  # this key's part of the tier: the rest serves on
             self._count(f"{tier.name}.partly_unavailable", 1)
+            self.refused[tier.name] = str(exc)
             if reraise:
                 raise
             log.debug("tier %s: %s: %s", tier.name, what, exc)

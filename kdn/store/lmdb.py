@@ -27,7 +27,16 @@ replaced), writes would go to a file no restart opens: ``healthy`` then answers 
 probe marks the tier down) and every write, checked once committed, raises ``TierUnavailable``
 (nothing is acknowledged).
 
-Failed writes: a write LMDB fails (the disk full, an I/O error) raises ``PartlyUnavailable``:
+File truncated: LMDB maps the data file and reads its pages in place, so a page past the file's
+end (a truncated copy, a file cut short on a full disk) is a SIGBUS that kills the process, not
+an error. The tier checks the file's size against the last page LMDB has in use: at open, a
+shorter file is refused with ``TierUnavailable`` naming both sizes (``kdn serve`` then exits
+with that line, not with a crash at its first read of a lost page), and ``healthy`` answers
+False once the file is cut short while open (the probe marks the tier down, and reads go to
+the other tiers; a read in the probe interval before that still meets the lost page).
+
+Failed writes: a write LMDB fails (the disk full, an I/O error) raises ``PartlyUnavailable``
+naming the filesystem's free bytes (LMDB says "Input/output error" for a full disk too):
 that write fails (a DISK store is UNAVAILABLE, a queued one is retried with a backoff), while
 the tier stays up and serves what it holds; ``healthy`` asks whether it can read. Failed reads
 (``_read_failed``): an I/O error or a damaged file takes the tier down (its probe brings it back
@@ -173,6 +182,10 @@ class LmdbTier(Tier):
             self.meta = self.env.open_db(b"meta")
             self.lru = self.env.open_db(b"lru")
             self.info = self.env.open_db(b"info")
+            short = self._truncated()
+            if short:
+                raise TierUnavailable(f"can not open LMDB at {self.path}: {short}; move the "
+                                      "folder aside to start with an empty disk tier")
             with self.env.begin(db=self.lru) as txn:
                 cur = txn.cursor()
                 self._stamp = _STAMP.unpack(cur.key()[:8])[0] if cur.last() else 0
@@ -237,11 +250,39 @@ class LmdbTier(Tier):
                                   "removed or replaced while open; entries written now would be "
                                   "lost at restart (restart the server)")
 
+    def _truncated(self) -> str:
+        """Why the data file is shorter than the pages LMDB has in use (reading one past its
+        end is a SIGBUS: see the module docstring); "" where it is not."""
+        try:
+            size = os.stat(self.path / "data.mdb").st_size
+        except OSError:
+            return ""  # no file at the path: ``_check_file``'s case
+        need = (int(self.env.info()["last_pgno"]) + 1) * int(self.env.stat()["psize"])
+        if size >= need:
+            return ""
+        return (f"its data file {self.path / 'data.mdb'} holds {size} bytes, but its pages "
+                f"reach {need}: the file was truncated")
+
+    def _room(self, need: int) -> str:
+        """The free bytes of the data folder's filesystem, in words, "the disk is full" where
+        they are fewer than a write of ``need`` bytes takes (with 1 MiB for LMDB's pages): a
+        full disk reaches LMDB's caller as ``mdb_txn_commit: Input/output error``."""
+        try:
+            st = os.statvfs(self.path)
+        except OSError as exc:
+            return f"the free space of {self.path}'s filesystem is not known: {exc}"
+        free = st.f_bavail * st.f_frsize
+        full = "the disk is full: " if free < need + (1 << 20) else ""
+        return f"{full}{free} bytes free on the filesystem of {self.path}"
+
     def healthy(self) -> bool:
-        """Whether it serves reads: open, a read transaction works, and its data file is still
+        """Whether it serves reads: open, a read transaction works, its data file is still
         the one opened (see ``_check_file``: the probe marks the tier down, and DISK stores
-        fail, once its directory is deleted). A disk too full to write is no reason."""
+        fail, once its directory is deleted) and not cut short (``_truncated``). A disk too
+        full to write is no reason."""
         if self._closed or self._data_file() != self._file_id:
+            return False
+        if self._truncated():
             return False
         try:
             with self._read() as txn:
@@ -400,7 +441,8 @@ class LmdbTier(Tier):
             except lmdb.MapFullError:
                 pass
             except lmdb.Error as exc:  # the disk full, an I/O error: see the module docstring
-                raise PartlyUnavailable(f"disk tier write failed: {exc}") from exc
+                raise PartlyUnavailable(f"disk tier write failed: {exc} ({self._room(need)})"
+                                        ) from exc
             finally:
                 self._rw.release_shared()
             self._grow(seen, need)

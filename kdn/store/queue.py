@@ -168,9 +168,10 @@ class WriteQueue:
             if now - self._warned_at < WARN_EVERY_S and self._warned_at:
                 return
             n, self._unwarned, self._warned_at = self._unwarned, 0, now
-        log.warning("tier %s: %d write(s) not taken by a part of the tier that does not answer "
-                    "(the last: %s); queued, retried until they land (%d queued now)",
-                    self.tier.name, n, what, len(self.pending))
+        log.warning("tier %s: %d write(s) not taken by a part of the tier that does not take "
+                    "writes now (the last: %s: %s); queued, retried until they land (%d queued "
+                    "now)", self.tier.name, n, what,
+                    self.health.refused.get(self.tier.name, "no answer"), len(self.pending))
 
     def discard(self, key: bytes) -> PendingWrite | None:
         with self.cond:

@@ -1,0 +1,161 @@
+"""The disk tier's storage misbehaving under a real ``kdn serve``: its filesystem full (a
+tmpfs of its own, mounted in a user and mount namespace: skipped where that is not allowed),
+its data file cut short (a page past the file's end is a SIGBUS in LMDB's map, which kills
+the process), refused writes that reach a same-host client as the server's answer. Real
+processes, real LMDB files, real clients."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from kdn import keys
+from kdn.cache import KVCache
+from kdn.client import Client, Retry
+from kdn.errors import KDNError, Status, TierUnavailable
+from kdn.options import Durability, StoreOptions
+from kdn.store.lmdb import LmdbTier
+
+from .helpers import eventually, random_kv, uniform_layout
+
+LAYOUT = uniform_layout(layers=4, heads=8, dim=64)
+TOKENS = 256  # a 1 MiB entry in raw
+
+
+def _entries(n: int, tag: int) -> dict[bytes, KVCache]:
+    return {keys.chunk_key([i, tag], LAYOUT): random_kv(LAYOUT, TOKENS, seed=i) for i in range(n)}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _serve(data: Path, port: int, *, tmpfs_bytes: int = 0) -> subprocess.Popen[str]:
+    """``kdn serve`` on ``data``; with ``tmpfs_bytes``, on a tmpfs of that size mounted at
+    ``data`` in a mount namespace of its own."""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    cmd = [sys.executable, "-m", "kdn", "serve", "--port", str(port), "--ram-bytes", "4MiB",
+           "--data-dir", str(data)]
+    if tmpfs_bytes:
+        data.mkdir()
+        cmd = ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c",
+               f'mount -t tmpfs -o size={tmpfs_bytes} tmpfs "$0" && exec "$@"', str(data), *cmd]
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True)
+
+
+def _serving(address: str, proc: subprocess.Popen[str]) -> bool:
+    """Whether ``kdn serve`` answers SERVING before it exits (or 30 s pass)."""
+    end = time.monotonic() + 30
+    while time.monotonic() < end and proc.poll() is None:
+        try:
+            with Client(address, timeout_s=1, shm_bytes=0, data_path=False,
+                        retry=Retry(retries=0)) as probe:
+                if probe.health() == "SERVING":
+                    return True
+        except KDNError:
+            time.sleep(0.05)
+    return False
+
+
+def test_a_full_filesystem_is_named_and_what_is_stored_stays_served(tmp_path: Path) -> None:
+    """The disk tier's filesystem (24 MiB) fills: a DISK store past it is UNAVAILABLE naming the
+    full disk and its free bytes (LMDB's own words are "Input/output error"), the entries
+    stored before are served bit-identical, the server stays SERVING, and once entries are
+    deleted the freed pages take DISK stores again."""
+    if shutil.which("unshare") is None:
+        pytest.skip("no unshare(1)")
+    data = tmp_path / "data"
+    port = _free_port()
+    address = f"127.0.0.1:{port}"
+    proc = _serve(data, port, tmpfs_bytes=24 << 20)
+    try:
+        if not _serving(address, proc):
+            pytest.skip(f"no tmpfs in a mount namespace here: {proc.stderr.read()[-300:]}"
+                        if proc.stderr else "no tmpfs")
+        disk = StoreOptions(durability=Durability.DISK)
+        stored: dict[bytes, KVCache] = {}
+        with Client(address, timeout_s=10) as c:
+            for k, kv in _entries(40, tag=3).items():  # 40 MiB: past the filesystem
+                try:
+                    c.store(k, kv, mode="raw", options=disk)
+                except KDNError as exc:
+                    refusal = exc
+                    break
+                stored[k] = kv
+            else:
+                raise AssertionError("40 MiB stored on a 24 MiB filesystem")
+            assert refusal.status is Status.UNAVAILABLE, refusal
+            assert "the disk is full" in str(refusal) and "bytes free on the filesystem of" \
+                in str(refusal), refusal
+            assert len(stored) >= 10 and c.health("kdn.v1.KDN") == "SERVING"
+            assert all(c.retrieve(k).equal(kv) for k, kv in stored.items())  # type: ignore[union-attr]
+            gone = list(stored)[: len(stored) // 2]
+            assert c.delete(gone) == len(gone)
+            for k, kv in list(_entries(len(gone) - 2, tag=4).items()):
+                c.store(k, kv, mode="raw", options=disk)
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def test_a_data_file_cut_short_is_refused_not_read_into_a_crash(tmp_path: Path) -> None:
+    """``data.mdb`` truncated under a running server: the probe marks the disk tier down and
+    reads go to the other tiers (LMDB's lost pages, read, are a SIGBUS that kills the server);
+    at restart the file is refused with one line naming it, instead of a server that starts,
+    serves, and dies at its first read of a lost page, restart after restart."""
+    data = tmp_path / "data"
+    port = _free_port()
+    address = f"127.0.0.1:{port}"
+    stored = _entries(24, tag=1)
+    proc = _serve(data, port)
+    try:
+        assert _serving(address, proc), proc.stderr.read() if proc.stderr else ""
+        with Client(address, timeout_s=5) as c:
+            for k, kv in stored.items():
+                c.store(k, kv, mode="raw")
+            (data_file,) = data.rglob("data.mdb")
+            os.truncate(data_file, data_file.stat().st_size // 4)
+            assert eventually(lambda: c.health("kdn.v1.KDN") == "NOT_SERVING", timeout=5)
+            served = 0
+            for k, kv in stored.items():
+                got = c.retrieve(k)  # from RAM, or a miss: never a read of the lost pages
+                assert proc.poll() is None, f"kdn serve died reading: {proc.returncode}"
+                if got is not None:
+                    assert got.equal(kv)
+                    served += 1
+            assert served < len(stored)  # the disk tier's entries are misses now
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    again = _serve(data, port)
+    try:
+        _, err = again.communicate(timeout=30)
+    finally:
+        again.kill()
+    assert again.returncode == 2, err
+    assert "was truncated" in err and str(data_file) in err and "Traceback" not in err, err
+
+
+def test_a_truncated_file_is_named_with_both_sizes(tmp_path: Path) -> None:
+    tier = LmdbTier(tmp_path, capacity_bytes=64 << 20, sync=False)
+    for i in range(16):
+        tier.put(b"k%d" % i, os.urandom(100_000))
+    tier.close()
+    size = (tmp_path / "data.mdb").stat().st_size
+    os.truncate(tmp_path / "data.mdb", size // 2)
+    with pytest.raises(TierUnavailable, match=f"holds {size // 2} bytes, but its pages reach "
+                                              f"{size}: the file was truncated"):
+        LmdbTier(tmp_path, capacity_bytes=64 << 20)
+    os.truncate(tmp_path / "data.mdb", size)  # its pages back (as zeros): it opens again
+    LmdbTier(tmp_path, capacity_bytes=64 << 20).close()
+
