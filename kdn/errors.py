@@ -45,6 +45,10 @@ class KDNError(Exception):
     """
 
     status: Status = Status.INTERNAL
+    answered: bool = False
+    """Whether a server sent this error as its answer to a call (``kdn.status.error_of``):
+    the call is over on the server, which acts on it no more. False for an error this process
+    made, whatever its status (a lost connection is UNAVAILABLE too)."""
 
     def __init_subclass__(cls, status: Status | None = None, **kwargs: object) -> None:
         super().__init_subclass__(**kwargs)

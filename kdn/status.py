@@ -44,10 +44,12 @@ def grpc_code(exc: BaseException) -> grpc.StatusCode:
 
 
 def error_of(status: str, message: str) -> KDNError:
-    """The kdn error for a status name (e.g. from the fast path) and its message."""
+    """The kdn error a server answered with on the same-host fast path or the network data
+    path: its status name and message (``answered``: the call is over on the server)."""
     code = grpc.StatusCode.__members__.get(status, grpc.StatusCode.UNKNOWN)
     out = _BY_CODE.get(code, KDNError)(f"{code.name}: {message}")
     out.status = Status.__members__.get(code.name, Status.UNKNOWN)
+    out.answered = True
     return out
 
 

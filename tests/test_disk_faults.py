@@ -21,6 +21,7 @@ from kdn.cache import KVCache
 from kdn.client import Client, Retry
 from kdn.errors import KDNError, Status, TierUnavailable
 from kdn.options import Durability, StoreOptions
+from kdn.server import ServerConfig, ServerThread
 from kdn.store.lmdb import LmdbTier
 
 from .helpers import eventually, random_kv, uniform_layout
@@ -159,3 +160,23 @@ def test_a_truncated_file_is_named_with_both_sizes(tmp_path: Path) -> None:
     os.truncate(tmp_path / "data.mdb", size)  # its pages back (as zeros): it opens again
     LmdbTier(tmp_path, capacity_bytes=64 << 20).close()
 
+
+def test_stores_the_disk_tier_refuses_keep_the_clients_shared_segment(tmp_path: Path) -> None:
+    """A DISK store the disk tier refuses (its folder deleted under the server: UNAVAILABLE)
+    is the server's answer: the same-host client's region for it is free again, not retired
+    as if the server might still read it (each refusal kept an entry's bytes of the segment
+    out of use for good, until the segment was used up)."""
+    disk = StoreOptions(durability=Durability.DISK)
+    cfg = ServerConfig(port=0, data_dir=tmp_path / "data", shutdown_grace_s=1)
+    refused = _entries(12, tag=2)
+    with ServerThread(cfg) as st, Client(st.address, timeout_s=10, shm_bytes=16 << 20) as c:
+        seg, _ = c.dataplane.segment()
+        assert seg is not None and c.dataplane.same_host.fast
+        shutil.rmtree(tmp_path / "data")
+        for k, kv in refused.items():
+            with pytest.raises(KDNError) as info:
+                c.store(k, kv, mode="raw", options=disk)
+            assert info.value.status is Status.UNAVAILABLE, info.value
+            assert "disk tier" in str(info.value)
+        assert seg.regions.retired_bytes() == 0
+        assert seg.regions.largest_free() >= 15 << 20

@@ -48,7 +48,11 @@ __all__ = ["ALIGN", "LeasedArena", "RegionAllocator", "SharedSegment", "unanswer
 def unanswered(exc: BaseException) -> bool:
     """Whether a call that ended with ``exc`` may still be acted on by the server: it did not
     answer it (a deadline passed, the call was lost or cancelled, or it failed in this process
-    with something other than an error the server sent)."""
+    with something other than an error the server sent). An error the server answered with
+    (``KDNError.answered``: a disk tier that refused the write is UNAVAILABLE too) is an
+    answer: the server is done with the call's regions."""
+    if isinstance(exc, KDNError) and exc.answered:
+        return False
     return not isinstance(exc, KDNError) or isinstance(exc, (DeadlineExceeded, Unavailable,
                                                              Cancelled))
 
