@@ -40,16 +40,21 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _serve(data: Path, port: int, *, tmpfs_bytes: int = 0) -> subprocess.Popen[str]:
+def _serve(data: Path, port: int, *, tmpfs_bytes: int = 0, fill: Path | None = None
+           ) -> subprocess.Popen[str]:
     """``kdn serve`` on ``data``; with ``tmpfs_bytes``, on a tmpfs of that size mounted at
-    ``data`` in a mount namespace of its own."""
+    ``data`` in a mount namespace of its own, which a file written there fills to the last
+    byte once ``fill`` exists (outside it: the test's side of the namespace)."""
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     cmd = [sys.executable, "-m", "kdn", "serve", "--port", str(port), "--ram-bytes", "4MiB",
            "--data-dir", str(data)]
     if tmpfs_bytes:
         data.mkdir()
+        filler = ('(while [ ! -e "$1" ]; do kill -0 $$ 2>/dev/null || exit 0; sleep 0.05; '
+                  'done; dd if=/dev/zero of="$0/filler" bs=64k 2>/dev/null; touch "$1.done") & ')
         cmd = ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c",
-               f'mount -t tmpfs -o size={tmpfs_bytes} tmpfs "$0" && exec "$@"', str(data), *cmd]
+               f'mount -t tmpfs -o size={tmpfs_bytes} tmpfs "$0" && {filler}shift && exec "$@"',
+               str(data), str(fill or data / "never"), *cmd]
     return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             text=True)
 
@@ -69,24 +74,36 @@ def _serving(address: str, proc: subprocess.Popen[str]) -> bool:
 
 
 def test_a_full_filesystem_is_named_and_what_is_stored_stays_served(tmp_path: Path) -> None:
-    """The disk tier's filesystem (24 MiB) fills: a DISK store past it is UNAVAILABLE naming the
-    full disk and its free bytes (LMDB's own words are "Input/output error"), the entries
-    stored before are served bit-identical, the server stays SERVING, and once entries are
-    deleted the freed pages take DISK stores again."""
+    """The disk tier's filesystem (24 MiB) under the default 16 GiB budget: the budget is cut
+    to what the filesystem holds, so 40 MiB of DISK stores all land, the oldest evicted. Then
+    another file fills the filesystem: a DISK store past it is UNAVAILABLE naming the full disk
+    and its free bytes (LMDB's own words are "Input/output error"), the entries stored before
+    are served bit-identical, the server stays SERVING, and once entries are deleted the freed
+    pages take DISK stores again."""
     if shutil.which("unshare") is None:
         pytest.skip("no unshare(1)")
-    data = tmp_path / "data"
+    data, fill = tmp_path / "data", tmp_path / "fill"
     port = _free_port()
     address = f"127.0.0.1:{port}"
-    proc = _serve(data, port, tmpfs_bytes=24 << 20)
+    proc = _serve(data, port, tmpfs_bytes=24 << 20, fill=fill)
     try:
         if not _serving(address, proc):
             pytest.skip(f"no tmpfs in a mount namespace here: {proc.stderr.read()[-300:]}"
                         if proc.stderr else "no tmpfs")
         disk = StoreOptions(durability=Durability.DISK)
-        stored: dict[bytes, KVCache] = {}
         with Client(address, timeout_s=10) as c:
-            for k, kv in _entries(40, tag=3).items():  # 40 MiB: past the filesystem
+            first = _entries(40, tag=2)
+            for k, kv in first.items():  # 40 MiB on a 24 MiB filesystem: the oldest go
+                c.store(k, kv, mode="raw", options=disk)
+            last = list(first)[-6:]
+            assert all(c.retrieve(k).equal(first[k]) for k in last)  # type: ignore[union-attr]
+            budget = c.stats().tiers[-1].capacity_bytes
+            assert 8 << 20 < budget <= 18 << 20, budget
+            assert c.delete(list(first)) >= 8
+            fill.touch()
+            assert eventually(lambda: fill.with_suffix(".done").exists(), timeout=10)
+            stored: dict[bytes, KVCache] = {}
+            for k, kv in _entries(40, tag=3).items():
                 try:
                     c.store(k, kv, mode="raw", options=disk)
                 except KDNError as exc:
@@ -94,15 +111,18 @@ def test_a_full_filesystem_is_named_and_what_is_stored_stays_served(tmp_path: Pa
                     break
                 stored[k] = kv
             else:
-                raise AssertionError("40 MiB stored on a 24 MiB filesystem")
+                raise AssertionError("40 MiB stored on a full filesystem")
             assert refusal.status is Status.UNAVAILABLE, refusal
             assert "the disk is full" in str(refusal) and "bytes free on the filesystem of" \
                 in str(refusal), refusal
-            assert len(stored) >= 10 and c.health("kdn.v1.KDN") == "SERVING"
-            assert all(c.retrieve(k).equal(kv) for k, kv in stored.items())  # type: ignore[union-attr]
-            gone = list(stored)[: len(stored) // 2]
+            assert len(stored) >= 4 and c.health("kdn.v1.KDN") == "SERVING"
+            got = {k: c.retrieve(k) for k in stored}  # the oldest may have been evicted
+            assert all(g is None or g.equal(stored[k]) for k, g in got.items())
+            assert all(got[k] is not None for k in list(stored)[-4:])
+            held = [k for k in stored if got[k] is not None]
+            gone = held[: len(held) // 2 + 1]
             assert c.delete(gone) == len(gone)
-            for k, kv in list(_entries(len(gone) - 2, tag=4).items()):
+            for k, kv in list(_entries(len(gone) - 1, tag=4).items()):
                 c.store(k, kv, mode="raw", options=disk)
     finally:
         proc.terminate()

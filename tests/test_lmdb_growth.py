@@ -175,3 +175,31 @@ def test_a_full_disk_fails_writes_but_keeps_serving_reads(
         assert not disk.contains(b"new")
     finally:
         store.close()
+
+
+def test_a_budget_its_filesystem_can_not_hold_is_cut_to_fit(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+        ) -> None:
+    """A 16 GiB budget (the default) over a filesystem with 40 MiB free: the tier takes 75% of
+    the room (free bytes plus its data file), says so, and evicts its oldest entries at that
+    budget instead of filling the disk; a budget the filesystem holds is kept as given."""
+    from kdn.store import diskroom
+
+    monkeypatch.setattr(diskroom, "free_bytes", lambda path: 40 << 20)
+    with caplog.at_level(logging.WARNING, logger="kdn.store.lmdb"):
+        tier = LmdbTier(tmp_path / "a", capacity_bytes=16 << 30)
+    try:
+        assert tier.capacity_bytes == int((40 << 20) * 0.75)  # a new tier: no data file yet
+        assert "disk_bytes (17179869184 bytes) is more than its filesystem holds" in caplog.text
+        for i in range(40):  # 40 MiB: past the cut budget, evicting, never past it
+            tier.put(b"k%03d" % i, bytes(1 << 20))
+        assert tier.stats().bytes <= tier.capacity_bytes and tier.get(b"k039") is not None
+    finally:
+        tier.close()
+    held = (tmp_path / "a" / "data.mdb").stat().st_size
+    again = LmdbTier(tmp_path / "a", capacity_bytes=16 << 30)  # its file's pages count as room
+    assert again.capacity_bytes == int(((40 << 20) + held) * 0.75) > tier.capacity_bytes
+    again.close()
+    kept = LmdbTier(tmp_path / "b", capacity_bytes=8 << 20)
+    assert kept.capacity_bytes == 8 << 20
+    kept.close()

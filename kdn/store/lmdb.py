@@ -17,7 +17,8 @@ copy-on-write B+tree with ``sync``/``metasync``): once it returns the entry surv
 power loss, and a transaction interrupted by SIGKILL leaves no trace, so no partial entry is
 ever readable.
 
-Byte budget: a put that would push ``used`` over ``capacity_bytes`` evicts the entries with the
+Byte budget: ``capacity_bytes``, cut where its filesystem could not hold it (with a warning:
+``kdn.store.diskroom``). A put that would push ``used`` over it evicts the entries with the
 oldest access stamps in the same transaction, skipping keys the hierarchy marks ``protected``
 (pins). Access stamps are approximate LRU: a ``get`` records the key in memory and the stamps
 are written with the next write transaction (and at ``close``), so reads never pay for a write.
@@ -71,6 +72,7 @@ import lmdb
 from kdn.errors import Corrupt, PartlyUnavailable, TierUnavailable, TooLarge
 from kdn.store.base import Tier, TierStats
 from kdn.store.dirlock import DirLock
+from kdn.store.diskroom import describe, fitted
 
 log = logging.getLogger(__name__)
 
@@ -165,7 +167,9 @@ class LmdbTier(Tier):
             raise ValueError(f"capacity_bytes must be > 0, got {capacity_bytes}")
         self.path = Path(path)
         self.path.mkdir(parents=True, exist_ok=True)
-        self.capacity_bytes = capacity_bytes
+        self.capacity_bytes, cut = fitted(self.path, capacity_bytes)
+        if cut:
+            log.warning("%s", cut)
         self.max_map_bytes = max_map_bytes or (2 * capacity_bytes + _MIN_MAP)
         if protected is not None:
             self.protected = protected
@@ -262,18 +266,6 @@ class LmdbTier(Tier):
             return ""
         return (f"its data file {self.path / 'data.mdb'} holds {size} bytes, but its pages "
                 f"reach {need}: the file was truncated")
-
-    def _room(self, need: int) -> str:
-        """The free bytes of the data folder's filesystem, in words, "the disk is full" where
-        they are fewer than a write of ``need`` bytes takes (with 1 MiB for LMDB's pages): a
-        full disk reaches LMDB's caller as ``mdb_txn_commit: Input/output error``."""
-        try:
-            st = os.statvfs(self.path)
-        except OSError as exc:
-            return f"the free space of {self.path}'s filesystem is not known: {exc}"
-        free = st.f_bavail * st.f_frsize
-        full = "the disk is full: " if free < need + (1 << 20) else ""
-        return f"{full}{free} bytes free on the filesystem of {self.path}"
 
     def healthy(self) -> bool:
         """Whether it serves reads: open, a read transaction works, its data file is still
@@ -441,8 +433,8 @@ class LmdbTier(Tier):
             except lmdb.MapFullError:
                 pass
             except lmdb.Error as exc:  # the disk full, an I/O error: see the module docstring
-                raise PartlyUnavailable(f"disk tier write failed: {exc} ({self._room(need)})"
-                                        ) from exc
+                raise PartlyUnavailable(f"disk tier write failed: {exc} "
+                                        f"({describe(self.path, need)})") from exc
             finally:
                 self._rw.release_shared()
             self._grow(seen, need)

@@ -1,0 +1,56 @@
+"""The room the disk tier's filesystem has: what a budget may take, and why a write failed.
+
+LMDB's data file grows page by page as entries land, and pages freed by deletes are reused,
+but a file never gives its pages back, and copy-on-write with readers open may hold a write's
+old pages a while: a file may reach well past the bytes live in it. A budget that the
+filesystem can not hold never evicts: once the disk is full every new write fails instead of
+evicting the oldest entries. ``fitted`` cuts a budget to ``FIT`` of the room there is when the
+tier opens (the free bytes plus the data file's own), and says so."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+FIT = 0.75
+"""Share of the filesystem's room a disk tier's budget may take (module docstring)."""
+MIN_BUDGET = 1 << 20
+
+
+def free_bytes(path: Path) -> int | None:
+    """Bytes an unprivileged writer may still add to ``path``'s filesystem (None: unknown)."""
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+def fitted(path: Path, budget: int) -> tuple[int, str]:
+    """(the budget a disk tier at ``path`` takes, the warning where it is less than
+    ``budget``, else "")."""
+    free = free_bytes(path)
+    if free is None:
+        return budget, ""
+    try:
+        held = os.stat(path / "data.mdb").st_size
+    except OSError:
+        held = 0
+    fit = max(MIN_BUDGET, int((free + held) * FIT))
+    if budget <= fit:
+        return budget, ""
+    return fit, (f"disk tier {path}: disk_bytes ({budget} bytes) is more than its filesystem "
+                 f"holds ({free} bytes free, {held} in its data file); its budget is {fit} "
+                 f"bytes ({FIT:.0%} of that room), so the oldest entries are evicted before "
+                 f"the disk fills")
+
+
+def describe(path: Path, need: int) -> str:
+    """The free bytes of ``path``'s filesystem, in words, "the disk is full" where they are
+    fewer than a write of ``need`` bytes takes (with 1 MiB for LMDB's pages): a full disk
+    reaches LMDB's caller as ``mdb_txn_commit: Input/output error``."""
+    free = free_bytes(path)
+    if free is None:
+        return f"the free space of {path}'s filesystem is not known"
+    full = "the disk is full: " if free < need + (1 << 20) else ""
+    return f"{full}{free} bytes free on the filesystem of {path}"
