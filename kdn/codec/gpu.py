@@ -15,8 +15,6 @@ under ``TRITON_INTERPRET=1`` (exact, slow): that is how CI checks it against the
 
 from __future__ import annotations
 
-import struct
-
 import numpy as np
 import torch
 import triton
@@ -92,22 +90,13 @@ def decode_on(blob: bytes | memoryview, rows_n: int, n: int, device: torch.devic
     lo, width, counts, section = parse_tables(blob, rows_n, n)
     if section is None:
         raise InvalidArgument("only format-2 (rANS) entropy blobs decode on the GPU")
-    filled = np.repeat(lo.astype(np.int32)[:, None], n, axis=1).reshape(-1)  # constant rows
     if n == 0:
         return torch.empty((rows_n, 0), dtype=torch.int32, device=device)
     mv = memoryview(section)
-    if len(mv) < 8:
-        raise Corrupt("rANS section truncated")
-    block, groups = struct.unpack_from("<II", mv, 0)
-    if block == 0 or block > 1 << 20:
-        raise Corrupt(f"rANS block of {block} symbols")
+    block, groups, streams = rans.check_section(mv, width, n)
+    filled = np.repeat(lo.astype(np.int32)[:, None], n, axis=1).reshape(-1)  # constant rows
     rows, blks = rans.plan(width, n, block)
-    streams = len(rows)
-    if groups != -(-streams // rans.GROUP):
-        raise Corrupt(f"rANS section declares {groups} groups for {streams} streams")
     need = 8 + 4 * streams + 4 * groups
-    if len(mv) < need or (len(mv) - need) % 2:
-        raise Corrupt("rANS section sizes do not add up")
     if streams == 0:
         return from_numpy(filled, device).view(rows_n, n)
     states = np.frombuffer(mv, dtype="<u4", count=streams, offset=8).astype(np.int64)

@@ -248,22 +248,36 @@ def encode(sym: np.ndarray, lo: np.ndarray, width: np.ndarray, counts: np.ndarra
                      gwords.astype("<u4").tobytes(), words.astype("<u2").tobytes()])
 
 
-def decode(mv: memoryview, lo: np.ndarray, width: np.ndarray, counts: np.ndarray,
-           rows_n: int, n: int) -> np.ndarray:
-    """Inverse of ``encode``: the [rows, n] int32 matrix (raises Corrupt on bad bytes)."""
+MAX_BLOCK = 1 << 20
+"""The most symbols a stored block may declare."""
+
+
+def check_section(mv: memoryview, width: np.ndarray, n: int) -> tuple[int, int, int]:
+    """(block, groups, streams) of a rANS section for rows of ``width`` over ``n`` symbols,
+    Corrupt unless its block, group count and sizes agree. Counted, not planned: a block of
+    1 over a header's millions of tokens declares a stream per symbol, whose plan (16 bytes a
+    stream) would be sized before the section's 4 state bytes a stream are found missing."""
     if len(mv) < _U32.size:
         raise Corrupt("rANS section truncated")
     block, groups = _U32.unpack_from(mv, 0)
-    if block == 0 or block > 1 << 20:
+    if block == 0 or block > MAX_BLOCK:
         raise Corrupt(f"rANS block of {block} symbols")
-    rows, blks = plan(width, n, block)
-    streams = len(rows)
+    streams = int(np.count_nonzero(width > 1)) * (-(-n // block))
     if groups != -(-streams // GROUP):
         raise Corrupt(f"rANS section declares {groups} groups for {streams} streams")
-    off = _U32.size
-    need = off + 4 * streams + 4 * groups
+    need = _U32.size + 4 * streams + 4 * groups
     if len(mv) < need or (len(mv) - need) % 2:
         raise Corrupt("rANS section sizes do not add up")
+    return block, groups, streams
+
+
+def decode(mv: memoryview, lo: np.ndarray, width: np.ndarray, counts: np.ndarray,
+           rows_n: int, n: int) -> np.ndarray:
+    """Inverse of ``encode``: the [rows, n] int32 matrix (raises Corrupt on bad bytes)."""
+    block, groups, streams = check_section(mv, width, n)
+    rows, blks = plan(width, n, block)
+    off = _U32.size
+    need = off + 4 * streams + 4 * groups
     states = np.frombuffer(mv, dtype="<u4", count=streams, offset=off).astype(np.int64)
     gwords = np.frombuffer(mv, dtype="<u4", count=groups, offset=off + 4 * streams
                            ).astype(np.int64)

@@ -1,0 +1,80 @@
+"""Hostile bytes behind resealed checksums, one decoder stage at a time: what a decoder spends
+before it refuses a blob stays in proportion to the bytes stored (the whole-container cases
+and the fuzz targets are in test_hostile.py)."""
+
+from __future__ import annotations
+
+import struct
+import tracemalloc
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+import torch
+
+from kdn.codec import rans
+from kdn.codec.entropy import RANS_NIBBLE_MARK, decode_streams, encode_streams, parse_tables
+from kdn.errors import Corrupt
+
+
+def _header_end(blob: bytes) -> int:
+    """Where a format-4 blob's rANS section starts (after its tables and codes)."""
+    mark, tlen, clen = struct.unpack_from("<III", blob)
+    assert mark == RANS_NIBBLE_MARK
+    return 12 + tlen + clen
+
+
+def _one_stream_per_symbol(n: int) -> bytes:
+    """A blob of one row that is 0 but once (the cheapest a row wider than one codes), its rANS
+    section declaring blocks of one symbol over ``n`` tokens: as many streams as symbols, with
+    the group count that agrees, but payload bytes for the information bound only, not the 4
+    state bytes each stream needs."""
+    sym = np.zeros((1, 4096), np.int32)
+    sym[0, 7] = 1
+    head = encode_streams(sym)[: _header_end(encode_streams(sym))]
+    groups = -(-n // rans.GROUP)
+    return head + struct.pack("<II", 1, groups) + bytes(n // 64)
+
+
+def _cpu() -> Callable[[bytes, int], object]:
+    return lambda blob, n: decode_streams(blob, 1, n)
+
+
+def _gpu_on_cpu() -> Callable[[bytes, int], object]:
+    gpu = pytest.importorskip("kdn.codec.gpu")  # Triton: the checks run before any kernel
+    return lambda blob, n: gpu.decode_on(blob, 1, n, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("decoder", [_cpu, _gpu_on_cpu], ids=["cpu", "gpu"])
+def test_a_section_of_more_streams_than_its_bytes_hold_is_refused_unplanned(
+        decoder: Callable[[], Callable[[bytes, int], object]]) -> None:
+    """Blocks of one symbol over a header's 4M tokens declare 4M streams; the 64 KB blob holds
+    none of their states. Refused from the counts, before the decoder's plan of 16 bytes a
+    stream (64 MB here; a 12 KB blob declaring 33M tokens took 6.8 s and 770 MB to refuse)."""
+    decode = decoder()
+    n = 1 << 22
+    blob = _one_stream_per_symbol(n)
+    assert len(blob) < 70_000
+    tracemalloc.start()
+    try:
+        with pytest.raises(Corrupt, match="sizes do not add up"):
+            decode(blob, n)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 * len(blob), f"{peak} bytes traced refusing a {len(blob)}-byte blob"
+
+
+def test_a_section_of_one_symbol_blocks_that_holds_its_streams_decodes() -> None:
+    """The counted check takes what ``rans.encode`` writes with any block, down to 1."""
+    rng = np.random.default_rng(3)
+    sym = np.clip(np.round(rng.normal(0, 2, (3, 50))), -9, 9).astype(np.int32)
+    sym[1] = 4  # a constant row: no streams
+    blob = encode_streams(sym)
+    head = blob[: _header_end(blob)]
+    lo, width, counts, _ = parse_tables(blob, 3, 50)
+    for block in (1, 7, 50, 1 << 20):
+        section = rans.encode(sym, lo, width, counts, block=block)
+        assert rans.check_section(memoryview(section), width, 50)[0] == block
+        assert (decode_streams(head + section, 3, 50) == sym).all(), block
+
