@@ -51,6 +51,13 @@ other engineers' jobs, load average 1.2-1.6, so absolute rates are low):
   12 s and reached 3.2 GB on its first layer before refusing it. ``entropy.parse_tables`` now
   refuses a payload shorter than its tables' information bound for the declared symbols (and
   a row whose end bins count nothing) before any decoding.
+- Found by a 5-minute run (2026-11-30, ``-seed=2``, a 7 s slow unit): a resealed 1-token
+  cachegen entry (constant symbol rows: no payload) declaring 33,554,432 tokens over 9 layers
+  made [rows, tokens] symbols (4 s, +512 MB) before its 2-byte scale sections were found short;
+  cachegen checks the scales first. Found reading for amplification (2026-11-30): a rANS
+  section of 1-symbol blocks declared a stream a token, planned at 16 bytes a stream before its
+  4 state bytes a stream were found missing (12 KB, 33M tokens: 6.8 s, 770 MB);
+  ``rans.check_section`` counts them first.
 """
 
 from __future__ import annotations

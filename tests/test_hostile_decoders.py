@@ -12,9 +12,20 @@ import numpy as np
 import pytest
 import torch
 
+from kdn import codec
+from kdn.cache import KVCache
 from kdn.codec import rans
 from kdn.codec.entropy import RANS_NIBBLE_MARK, decode_streams, encode_streams, parse_tables
+from kdn.codec.format import (
+    FRAME_SEED,
+    build_frame,
+    build_record,
+    check_frame,
+    parse_container,
+    seal,
+)
 from kdn.errors import Corrupt
+from kdn.layout import DType, KVLayout, LayerLayout
 
 
 def _header_end(blob: bytes) -> int:
@@ -78,3 +89,38 @@ def test_a_section_of_one_symbol_blocks_that_holds_its_streams_decodes() -> None
         assert rans.check_section(memoryview(section), width, 50)[0] == block
         assert (decode_streams(head + section, 3, 50) == sym).all(), block
 
+
+def _declaring_tokens(blob: bytes, tokens: int) -> bytes:
+    """``blob`` (one layer a frame) with its header and every record declaring ``tokens``,
+    its bodies as they are, every checksum recomputed."""
+    container = parse_container(blob)
+    header = container.header
+    frames = []
+    for i, frame in enumerate(container.frames):
+        rec = check_frame(header, i, frame)[0]
+        frames.append(build_frame(FRAME_SEED, i, rec.layer, [
+            build_record(header.layout.layers[rec.layer], tokens, bytes(rec.body))]))
+    entry = header.entry
+    entry.tokens = tokens
+    h, sealed = seal(entry, frames)
+    return b"".join([h, *sealed])
+
+
+def test_cachegen_refuses_scales_short_of_the_declared_tokens_before_its_symbols() -> None:
+    """A 1-token cachegen entry codes every symbol row as a constant (no payload): resealed to
+    declare 1M tokens, its 2-byte scale sections can not be those tokens' (2 bytes a token).
+    Refused from their lengths, before [rows, tokens] symbols are made (128 MB here; a fuzzed
+    entry of 9 such layers took 4 s and 512 MB to refuse at 33M tokens)."""
+    layout = KVLayout("hostile-cachegen", (LayerLayout(2, 8, 8),), dtype=DType.FLOAT32,
+                      head_dim=8)
+    kv = KVCache(layout, [(torch.randn(2, 1, 8), torch.randn(2, 1, 8))])
+    blob = _declaring_tokens(codec.encode(kv, "cachegen", layers_per_frame=1), 1 << 20)
+    assert len(blob) < 1000
+    tracemalloc.start()
+    try:
+        with pytest.raises(Corrupt, match="scale section has 2 bytes for 1048576 tokens"):
+            codec.decode(blob)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20, f"{peak} bytes traced refusing a {len(blob)}-byte entry"

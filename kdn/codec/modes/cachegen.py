@@ -113,10 +113,15 @@ class CacheGen(Mode):
         k_raw, v_raw, blob = unpack_sections(body, 3, where)
         heads, tokens = spec.layout.kv_heads, spec.tokens
         k_rows = heads * spec.layout.k_channels
+        # the scales first: 4 stored bytes a token, where constant symbol rows cost none (a
+        # header's millions of tokens over a few bytes are refused before [rows, tokens]
+        # symbols are made)
+        k_step = _step(k_raw, tokens, ck, device, where)
+        v_step = _step(v_raw, tokens, cv, device, where)
         sym = symbols(blob, k_rows + heads * spec.layout.v_channels, tokens, device)
         dt = spec.dtype.torch
-        k = dequantize(sym[:k_rows], _step(k_raw, tokens, ck, device, where), heads, dt)
-        v = dequantize(sym[k_rows:], _step(v_raw, tokens, cv, device, where), heads, dt)
+        k = dequantize(sym[:k_rows], k_step, heads, dt)
+        v = dequantize(sym[k_rows:], v_step, heads, dt)
         return k, v
 
 
