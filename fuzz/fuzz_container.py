@@ -57,7 +57,9 @@ other engineers' jobs, load average 1.2-1.6, so absolute rates are low):
   cachegen checks the scales first. Found reading for amplification (2026-11-30): a rANS
   section of 1-symbol blocks declared a stream a token, planned at 16 bytes a stream before its
   4 state bytes a stream were found missing (12 KB, 33M tokens: 6.8 s, 770 MB);
-  ``rans.check_section`` counts them first.
+  ``rans.check_section`` counts them first. A 0-token kdn or cachegen layer of 65535 heads x
+  65535 + 65535 channels (an entry of 300 bytes the encoder writes) made its 8.6e9 streams'
+  empty tables as arrays: MemoryError; ``parse_tables`` gives views of one value for them.
 """
 
 from __future__ import annotations

@@ -124,3 +124,23 @@ def test_cachegen_refuses_scales_short_of_the_declared_tokens_before_its_symbols
     finally:
         tracemalloc.stop()
     assert peak < 1 << 20, f"{peak} bytes traced refusing a {len(blob)}-byte entry"
+
+
+@pytest.mark.parametrize("mode", ["kdn", "cachegen"])
+def test_an_entry_of_no_tokens_decodes_without_tables_for_its_streams(mode: str) -> None:
+    """A 0-token layer of 4096 heads x 4096 + 4096 channels is 33.5M entropy streams of no
+    symbol: its tables were made as arrays (400 MB for a ~300-byte entry; a layer of 65535
+    heads x 65535 + 65535 channels, which a header may declare, raised MemoryError)."""
+    layout = KVLayout("hostile-wide", (LayerLayout(4096, 4096, 4096),), head_dim=4096)
+    empty = torch.zeros(4096, 0, 4096, dtype=torch.float16)
+    blob = codec.encode(KVCache(layout, [(empty, empty)]), mode,
+                        "default" if mode == "kdn" else "")
+    assert len(blob) < 1000
+    tracemalloc.start()
+    try:
+        out = codec.decode(blob)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert [tuple(t.shape) for t in out.layers[0]] == [(4096, 0, 4096)] * 2
+    assert peak < 1 << 20, f"{peak} bytes traced decoding a {len(blob)}-byte entry"

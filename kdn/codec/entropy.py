@@ -183,8 +183,10 @@ def parse_tables(buf: bytes | memoryview, streams: int, n: int
     if n == 0:
         if tlen or len(mv) != 4:
             raise Corrupt("entropy blob of an empty stream set is not empty")
-        empty = np.zeros(streams, dtype=np.int32)
-        return empty, np.ones(streams, dtype=np.int64), np.zeros(0, np.uint8), None
+        # read-only views of one value: a header's 65535 heads x 131070 channels of 0 tokens
+        # are 8.6e9 streams, whose tables as arrays would be 100 GB for no symbol
+        return (np.broadcast_to(np.int32(0), (streams,)),
+                np.broadcast_to(np.int64(1), (streams,)), np.zeros(0, np.uint8), None)
     fmt = FORMAT_OF_MARK.get(tlen, 1)
     at = {1: 4, 2: 8, 3: 8, 4: 12}[fmt]  # where the zstd-packed tables start
     if len(mv) < at:
