@@ -112,7 +112,7 @@ def decode_on(blob: bytes | memoryview, rows_n: int, n: int, device: torch.devic
     per_stream = {
         "length": np.minimum(block, n - begin), "base": rows * n + begin,
         "first_bin": starts[rows], "last_bin": starts[rows] + width.astype(np.int64)[rows] - 1,
-        "row_lut": rows << rans.LUT_BITS,
+        "row_lut": rans.lut_bases(width, rows),
         "low": lo.astype(np.int32)[rows],
     }
     host = {"states": states, "goff": np.concatenate([[0], np.cumsum(gwords)[:-1]]),

@@ -100,25 +100,36 @@ bin with a short forward scan (most buckets hold one bin)."""
 
 
 @numba.njit(cache=True, nogil=True)
-def _lookup(width: np.ndarray, cum: np.ndarray, freq: np.ndarray, lut: np.ndarray) -> None:
-    b = 0
+def _lookup(coded: np.ndarray, starts: np.ndarray, width: np.ndarray, cum: np.ndarray,
+            freq: np.ndarray, lut: np.ndarray) -> None:
     buckets = 1 << LUT_BITS
-    for r in range(width.shape[0]):
-        a = b
+    for i in range(coded.shape[0]):
+        r = coded[i]
+        a = starts[r]
+        end = starts[r] + width[r] - 1
         for k in range(buckets):
             slot = k << (PREC - LUT_BITS)
-            while a < b + width[r] - 1 and cum[a] + freq[a] <= slot:
+            while a < end and cum[a] + freq[a] <= slot:
                 a += 1
-            lut[r * buckets + k] = a
-        b += width[r]
+            lut[i * buckets + k] = a
 
 
 def lookup(width: np.ndarray, cum: np.ndarray, freq: np.ndarray) -> np.ndarray:
-    """[rows * 2**LUT_BITS] int64: for each row and bucket, the bin holding the bucket's first
-    slot (absolute bin index into the flattened tables)."""
-    lut = np.empty(len(width) << LUT_BITS, dtype=np.int64)
-    _lookup(width.astype(np.int64), cum, freq, lut)
+    """[coded rows * 2**LUT_BITS] int64: for each row wider than one (the rows that have
+    streams, in order: ``lut_bases``) and bucket, the bin holding the bucket's first slot
+    (absolute bin index into the flattened tables). Constant rows get none: they decode
+    nothing, and may be millions of rows whose tables zstd stores in a few bytes."""
+    width = width.astype(np.int64)
+    coded = np.flatnonzero(width > 1)
+    starts = np.concatenate([[0], np.cumsum(width)[:-1]]).astype(np.int64)
+    lut = np.empty(len(coded) << LUT_BITS, dtype=np.int64)
+    _lookup(coded, starts, width, cum, freq, lut)
     return lut
+
+
+def lut_bases(width: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """Where the ``lookup`` buckets of each stream's row (``plan``'s ``rows``) start."""
+    return np.searchsorted(np.flatnonzero(width > 1), rows).astype(np.int64) << LUT_BITS
 
 
 def plan(width: np.ndarray, n: int, block: int = BLOCK) -> tuple[np.ndarray, np.ndarray]:
@@ -165,8 +176,8 @@ def _encode_group(sym: np.ndarray, rows: np.ndarray, blks: np.ndarray, first: in
 @numba.njit(cache=True, nogil=True)
 def _decode_groups(states: np.ndarray, gwords: np.ndarray, goff: np.ndarray, words: np.ndarray,
                    rows: np.ndarray, blks: np.ndarray, n: int, block: int, group: int,
-                   starts: np.ndarray, lut: np.ndarray, freq: np.ndarray, cum: np.ndarray,
-                   lo: np.ndarray, out: np.ndarray, bad: np.ndarray) -> None:
+                   starts: np.ndarray, lut: np.ndarray, bases: np.ndarray, freq: np.ndarray,
+                   cum: np.ndarray, lo: np.ndarray, out: np.ndarray, bad: np.ndarray) -> None:
     """Decode every group into ``out`` [rows, n]; ``bad[g]`` != 0 marks a group
     whose bytes are inconsistent (read past its words, left words, or a final state != L)."""
     streams = rows.shape[0]
@@ -194,7 +205,7 @@ def _decode_groups(states: np.ndarray, gwords: np.ndarray, goff: np.ndarray, wor
             length[j] = min(block, n - begin)
             base[j] = r * n + begin
             first_bin[j] = starts[r]
-            row_lut[j] = r << LUT_BITS
+            row_lut[j] = bases[s]
             low[j] = lo[r]
         for t in range(steps):
             for j in range(lanes):
@@ -290,8 +301,8 @@ def decode(mv: memoryview, lo: np.ndarray, width: np.ndarray, counts: np.ndarray
     out = np.repeat(lo.astype(np.int32)[:, None], n, axis=1)  # width-1 rows: constant
     bad = np.zeros(max(groups, 1), dtype=np.int8)
     _decode_groups(states, gwords, goff, words.astype(np.uint16), rows, blks, n, block, GROUP,
-                   starts, lookup(width, cum, freq).astype(np.int32), freq.astype(np.int32),
-                   cum.astype(np.int32), lo.astype(np.int64),
+                   starts, lookup(width, cum, freq).astype(np.int32), lut_bases(width, rows),
+                   freq.astype(np.int32), cum.astype(np.int32), lo.astype(np.int64),
                    out.reshape(-1), bad)
     if bad.any():
         raise Corrupt(f"rANS group {int(np.flatnonzero(bad)[0])} does not decode")
