@@ -166,3 +166,34 @@ def test_constant_rows_cost_no_lookup_tables(fmt: int) -> None:
         tracemalloc.stop()
     assert (out == sym).all()
     assert peak < 128 * rows, f"{peak} bytes traced decoding {rows} rows of {n} symbols"
+
+
+def test_tables_of_more_streams_than_the_host_holds_are_refused_before_reading_them(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A decoder holds ~66 bytes of tables and models a stream (row), whatever its tokens: 4M
+    constant rows of one token (a 2 MB blob, 8 MB of symbols) took 5 s and 264 MB. Rows past
+    what the host could hold are TooLarge before any table is read (a layer of 2e9 rows of one
+    token is within the 4 GiB layer limit, and would need ~130 GB)."""
+    import zstandard
+
+    from kdn.codec import room
+    from kdn.codec.entropy import TABLE_BYTES_PER_STREAM, pack_nibbles
+    from kdn.errors import TooLarge
+
+    rows = 4_000_000
+    bounds = np.zeros(rows, "<i2").tobytes() + np.ones(rows, "<u2").tobytes()
+    packed = zstandard.ZstdCompressor().compress(bounds)
+    codes = pack_nibbles(np.full(rows, 15, np.uint8))
+    blob = (struct.pack("<III", RANS_NIBBLE_MARK, len(packed), len(codes)) + packed + codes
+            + struct.pack("<II", 1024, 0))
+    assert rows * TABLE_BYTES_PER_STREAM > room.ROOM_CHECKED_BYTES
+    monkeypatch.setattr(room, "host_room", lambda: 200 << 20)
+    tracemalloc.start()
+    try:
+        with pytest.raises(TooLarge, match=r"needs entropy tables of 0\.3 GiB \(1 tokens\)"):
+            decode_streams(blob, rows, 1)
+        assert tracemalloc.get_traced_memory()[1] < 1 << 20
+    finally:
+        tracemalloc.stop()
+    small = encode_streams(np.zeros((3, 5), np.int32))
+    assert (decode_streams(small, 3, 5) == 0).all()  # few rows: the host is not asked

@@ -35,10 +35,14 @@ import numpy as np
 import zstandard
 
 from kdn.codec import rans
+from kdn.codec.room import check_room
 from kdn.codec.zstd import decompress
 from kdn.errors import Corrupt, InvalidArgument
 
 _U32 = struct.Struct("<I")
+TABLE_BYTES_PER_STREAM = 80
+"""Host memory a decoder's tables and models take per stream: bounds, widths, bins, the
+normalized model and bucket table (~65 bytes), rounded up."""
 _Categorical = constriction.stream.model.Categorical
 MAX_WIDTH = 1 << 15
 _ZSTD_LEVEL = 9
@@ -187,6 +191,9 @@ def parse_tables(buf: bytes | memoryview, streams: int, n: int
         # are 8.6e9 streams, whose tables as arrays would be 100 GB for no symbol
         return (np.broadcast_to(np.int32(0), (streams,)),
                 np.broadcast_to(np.int64(1), (streams,)), np.zeros(0, np.uint8), None)
+    # a decoder holds ~TABLE_BYTES_PER_STREAM of tables and models a stream (row), whatever
+    # its tokens: 2e9 rows of one token declare 4 GiB decoded but need ~130 GB of them
+    check_room(streams * TABLE_BYTES_PER_STREAM, n, "needs entropy tables of")
     fmt = FORMAT_OF_MARK.get(tlen, 1)
     at = {1: 4, 2: 8, 3: 8, 4: 12}[fmt]  # where the zstd-packed tables start
     if len(mv) < at:

@@ -34,12 +34,11 @@ from kdn.codec.entropy import (
     RANS_MARK,
     RANS_NIBBLE_MARK,
 )
+from kdn.codec.rans import GROUP, MAX_BLOCK
 from kdn.codec.zstd import capacity
 
 _capacity = numba.njit(cache=True, nogil=True)(capacity)
 
-GROUP = 32
-MAX_BLOCK = 1 << 20
 FORMAT_1 = 4
 WHY = {1: "sections do not add up to the body", 2: "empty stream set is not empty",
        3: "entropy blob truncated", FORMAT_1: "range-coded (format 1) blob",

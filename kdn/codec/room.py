@@ -71,12 +71,13 @@ def host_room() -> int | None:
     return min(rooms) if rooms else None
 
 
-def check_room(declared: int, tokens: int) -> None:
+def check_room(declared: int, tokens: int, what: str = "decodes to") -> None:
     """TooLarge where an entry whose header declares ``declared`` bytes of decoded tensors (of
-    ``tokens`` tokens) could not be held in this process's memory."""
+    ``tokens`` tokens), or of a decoder's working memory (``what`` says which), could not be
+    held in this process's memory."""
     if declared < ROOM_CHECKED_BYTES:
         return
     room = host_room()
     if room is not None and declared > room:
-        raise TooLarge(f"the entry decodes to {declared / 2**30:.1f} GiB ({tokens} tokens); "
+        raise TooLarge(f"the entry {what} {declared / 2**30:.1f} GiB ({tokens} tokens); "
                        f"this host has {room / 2**30:.1f} GiB of memory available")
