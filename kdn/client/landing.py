@@ -411,7 +411,9 @@ class PendingStream:
         """The stream once the entry is in; its error if it failed."""
         if not self._done.wait(timeout):
             raise TimeoutError(f"the entry did not land in {timeout} s")
-        if self._error is not None:
+        if self._error is not None:  # let go by the caller: whatever ended it (its stripe
+            if self._cancelled:      # shut by this or another stream's cancel), Cancelled
+                raise Cancelled("retrieve cancelled")
             raise again(self._error)  # a copy: its traceback holds the frames that hold this
         if self._stream is None:
             raise Cancelled("retrieve cancelled")
