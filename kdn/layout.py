@@ -187,9 +187,10 @@ class KVLayout:
         """Every layer has the same shape (computed once per layout object)."""
         return all(layer == self.layers[0] for layer in self.layers)
 
-    @property
+    @functools.cached_property
     def bytes_per_token(self) -> int:
-        """Uncompressed bytes one token's K and V occupy across all layers."""
+        """Uncompressed bytes one token's K and V occupy across all layers (computed once per
+        layout object)."""
         per = sum(lay.kv_heads * (lay.k_channels + lay.v_channels) for lay in self.layers)
         return per * self.dtype.itemsize
 

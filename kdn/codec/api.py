@@ -238,18 +238,16 @@ class StreamDecoder:
         if self._may_arena and not self.borrow:
             self._offsets = self._layer_ends(stored_bytes)
         elif self.device.type == "cpu" and not self.mode.borrows:
-            check_room(self._ends()[-1], self.header.tokens)
-
-    def _ends(self) -> list[int]:
-        """Where each layer's decoded tensors end, one after another (0 first)."""
-        lay, t, size = self.header.layout, self.header.tokens, self.header.layout.dtype.itemsize
-        return [0, *itertools.accumulate((lay.layers[i].k_numel(t) + lay.layers[i].v_numel(t))
-                                         * size for i in range(lay.num_layers))]
+            check_room(self.header.layout.bytes_per_token * self.header.tokens,
+                       self.header.tokens)
 
     def _layer_ends(self, stored_bytes: int | None) -> list[int]:
         """Where each layer's tensors start in the arena, and its size last; Corrupt when the
         header declares more tensor bytes than ``stored_bytes`` (before any allocation)."""
-        ends = self._ends()[1:]
+        lay, t, size = self.header.layout, self.header.tokens, self.header.layout.dtype.itemsize
+        ends = list(itertools.accumulate(
+            (lay.layers[i].k_numel(t) + lay.layers[i].v_numel(t)) * size
+            for i in range(lay.num_layers)))
         total = ends[-1] if ends else 0
         if stored_bytes is not None and total > stored_bytes:
             raise Corrupt(f"header declares {total} bytes of {self.mode.name} tensors in "
