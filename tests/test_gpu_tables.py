@@ -1,8 +1,9 @@
 """The GPU planner's entropy tables decompressed by its compiled code through the system's
 libzstd (``gpu_plan.inflate``, on the staging threads) or, where there is none, through
 ``zstandard`` (``gpu_batch._tables(..., zstd=False)``): the same staged plan byte for byte, and
-damaged tables refused by both. Kernels are not launched (``gpu_batch._launch`` stubbed): what
-is compared is everything the host stages for them."""
+damaged tables refused by both; and what the host stages grows with blobs and rANS groups,
+not with table rows (the device lays those out). Kernels are not launched
+(``gpu_batch._launch`` stubbed): what is compared is everything the host stages for them."""
 
 from __future__ import annotations
 
@@ -50,13 +51,20 @@ def _bodies(blobs: list[bytes]) -> tuple[list[memoryview], list[Any]]:
 
 def _staged(bodies: list[memoryview], specs: list[Any], level: str, zstd: bool,
             monkeypatch: pytest.MonkeyPatch) -> bytes:
-    """Every byte the host stages for the kernels (tables and per-row arrays), with the
-    tables decompressed one way."""
+    """Every byte the host stages for the kernels (the tables, and the per-blob, per-group and
+    sink span arrays it uploads), with the tables decompressed one way."""
     monkeypatch.setattr(plan, "HAVE_ZSTD", zstd)
     done = get_mode("kdn").decode_layers(bodies, specs, level, torch.device("cpu"))
     staged = bytes(done.keep[2].numpy())  # the staging buffer (Staging.host)
+    dev = done.keep[3]  # the device arrays by name: those the kernels write are left out
+    staged += b"".join(bytes(dev[name].numpy()) for name in sorted(dev)
+                       if name not in _WRITTEN and not name.endswith(("coded", "c_blob",
+                                                                      "c_row")))
     done.check()
     return staged
+
+
+_WRITTEN = {"lo", "width", "tstart", "depth", "csrc", "flag"}
 
 
 def test_libzstd_and_zstandard_stage_the_same_plan(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -115,3 +123,33 @@ def test_damaged_tables_end_the_same_either_way(monkeypatch: pytest.MonkeyPatch)
                                   got[1] if isinstance(got[1], str) else "planned")
         outcomes["refused" if got[0] == "Corrupt" else "planned"] += 1
     assert outcomes["refused"] >= 20, outcomes
+
+
+def test_the_host_stages_per_blob_and_group_not_per_table_row(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """An entry of wide layers (8 heads x 128 channels: 2,048 table rows a symbols' blob):
+    beyond the decompressed tables, the host stages under 2 bytes a row (per-blob descriptors,
+    rANS groups of 32 streams, sink spans); laying out each row on the host cost 28."""
+    seen = {"staged": 0, "uploaded": 0}
+    send, upload = gpu_batch.Staging.send, gpu_batch.upload_many
+
+    def sent(self: Any) -> Any:
+        seen["staged"] += self.total
+        return send(self)
+
+    def uploaded(host: dict[str, Any], device: Any) -> Any:
+        seen["uploaded"] += sum(a.nbytes for a in host.values())
+        return upload(host, device)
+
+    monkeypatch.setattr(gpu_batch.Staging, "send", sent)
+    monkeypatch.setattr(gpu_batch, "upload_many", uploaded)
+    for level in ("default", "high"):
+        blob = codec.encode(random_kv(uniform_layout(4, 8, 128), 40, seed=9), "kdn", level)
+        bodies, specs = _bodies([blob])
+        seen.update(staged=0, uploaded=0)
+        done = get_mode("kdn").decode_layers(bodies, specs, level, torch.device("cpu"))
+        done.check()
+        rows = 4 * (2 + 2 * 8 * 128)  # a log-scale row per K and V, a row per head channel
+        assert seen["staged"] >= 4 * rows  # the tables: lo and width, u16 each, a row
+        extra = seen["staged"] - 4 * rows + seen["uploaded"]
+        assert extra < 2 * rows + 4096, (level, extra, rows)

@@ -12,8 +12,10 @@
    lie: an entry each for the blocks of a context; other memory is packed into pinned staging
    first) and one packed metadata buffer (tables, per-blob and per-group descriptors, the
    error flag's zeroed word).
-3. Launches, independent of the layer count: ``_normalize`` (every table row's counts to
-   rANS frequencies, as ``rans.normalize``), ``_rans`` over the log-scale blobs (int32 symbols
+3. Launches, independent of the layer count: ``rows`` (every blob's table rows laid out from
+   its tables: lowest symbol, width, first bin, search depth, where its counts lie, and the
+   lists of coded and constant rows; the host plans per blob, not per row), ``_normalize``
+   (every table row's counts to rANS frequencies, as ``rans.normalize``), ``_rans`` over the log-scale blobs (int32 symbols
    and their scales), ``_rans`` over the symbol blobs with dequantisation fused (symbol x
    scale x level step, straight into the destination dtype and the [heads, tokens, channels]
    layout), ``_spans`` for the exact sink tokens; ``int8`` is one ``_int8`` launch. Constant
@@ -72,6 +74,7 @@ BAD = {kernels.BAD_GROUP: "rANS data does not decode",
        kernels.BAD_INT8: "an int8 scale is not finite (inf or NaN)"}
 _NORM_BLOCK = 64
 _SPAN_BLOCK = 1024
+_ROWS_BLOCK = 256
 _INT8_BLOCK = 1024
 _FILL_BLOCK = 256
 
@@ -236,46 +239,42 @@ def decode_kdn(bodies: list[memoryview], specs: list[LayerSpec],
     sizes = plan.table_sizes(buf, blobs, streams, err)
     failed()
     present = blobs[:, :, 0] >= 0
-    rows = int(streams[present].sum())
-    big = Staging(device)  # the tables and per-row arrays: written where they are sent from
+    big = Staging(device)  # the tables: written where they are sent from
     big.add("counts", np.uint8, int(sizes[present].sum()))
-    for name in ("lo", "width", "tstart", "depth"):
-        big.add(name, np.int32, rows)
-    big.add("csrc", np.int64, rows)
     host_big = big.arrays()
     t = lap("kdn.scan", t)
     tables, tab = _tables(buf, blobs, sizes, host_big["counts"], where, err)
     failed()
     t = lap("kdn.tables", t)
     args = (buf, sect, blobs, tables, tab, streams, heads, kc, vc, tokens, sink)
-    per_layer = np.zeros((len(specs), 12), np.int64)
+    per_layer = np.zeros((len(specs), 13), np.int64)
     run_all(lambda c: plan.count(  # type: ignore[call-arg]
         c[0], c[1], per_layer, *args, dt.itemsize, err), layer_chunks(streams[:, 1]))
     failed()
     t = lap("kdn.count", t)
     counts = per_layer.sum(axis=0)
     starts = np.cumsum(per_layer, axis=0) - per_layer
-    bts, grs, cos, crs, sp = plan.allocate(counts)
-    flat = (*bts, *grs, *cos, *crs, sp, *(host_big[n] for n in ("lo", "width", "tstart",
-                                                                 "depth", "csrc")))
-    chunks = layer_chunks(per_layer[:, 9] + per_layer[:, 2] + per_layer[:, 3])
+    bts, grs, sp, rd = plan.allocate(counts)
+    chunks = layer_chunks(per_layer[:, 0] + per_layer[:, 1] + per_layer[:, 2]
+                          + per_layer[:, 3] + per_layer[:, 10])
     run_all(lambda c: plan.fill(  # type: ignore[call-arg]
-        c[0], c[1], starts, *args, kbase, vbase, dt.itemsize, *flat, err), chunks)
+        c[0], c[1], starts, per_layer, *args, kbase, vbase, dt.itemsize, *bts, *grs, sp, rd,
+        err), chunks)
     failed()  # a count code out of range (format 3)
     t = lap("kdn.fill", t)
     out = _output(numel, dt, device)  # every body checked as far as the host checks them
     if source.delta is not None:  # the planner read the bodies elsewhere than the device does
-        _to_device(source.delta, counts, bts, grs, sp, per_layer[:, 10],
-                   host_big["csrc"][: int(counts[8])], per_layer[:, 8])
+        _to_device(source.delta, counts, bts, grs, sp, per_layer[:, 10], rd)
     qat = int(counts[11])
     ksteps = np.array([st[0] for st in level_steps], np.float32)
     vsteps = np.array([st[1] for st in level_steps], np.float32)
     host: dict[str, np.ndarray] = {
         "flag": np.zeros(1, np.int32), "table": SCALE_TABLE.numpy(),
         "levels": LOG_LEVELS.astype(np.int32),
-        "span_src": sp[:, 0].copy(), "span_dst": sp[:, 1].copy(), "span_len": sp[:, 2].copy()}
+        "span_src": sp[:, 0].copy(), "span_dst": sp[:, 1].copy(), "span_len": sp[:, 2].copy(),
+        "rd": rd}
     for b, p in enumerate(("s_", "y_")):
-        bt, gr, cr = bts[b], grs[b], crs[b]
+        bt, gr = bts[b], grs[b]
         for name, field_ in _FIELDS.items():
             host[f"{p}b_{name}"] = bt[:, field_].copy()
         host[f"{p}b_kstep"] = ksteps[bt[:, plan.NF]]
@@ -284,12 +283,20 @@ def decode_kdn(bodies: list[memoryview], specs: list[LayerSpec],
         host[f"{p}g_first"] = gr[:, 1].astype(np.int32)
         host[f"{p}g_woff"] = gr[:, 2].copy()
         host[f"{p}g_wcnt"] = gr[:, 3].astype(np.int32)
-        host[f"{p}coded"] = cos[b]
-        host[f"{p}c_blob"] = cr[:, 0].copy()
-        host[f"{p}c_row"] = cr[:, 1].copy()
     dev = {**upload_many(host, device), **big.send()}
     STATS["copies"] += 2 * (device.type != "cpu")
     bins = max(int(counts[9]), 1)  # every row's bins one after another (``tstart``)
+    nrows = max(int(counts[8]), 1)
+    for name in ("lo", "width", "tstart", "depth"):  # laid out by the ``rows`` kernel
+        dev[name] = torch.empty(nrows, dtype=torch.int32, device=device)
+    dev["csrc"] = torch.empty(nrows, dtype=torch.int64, device=device)
+    lists = {}  # each set's coded rows and constant rows (blob, row), set 1's after set 0's
+    for name, (n0, n1) in (("coded", counts[4:6]), ("c_blob", counts[6:8]),
+                           ("c_row", counts[6:8])):
+        whole = torch.empty(int(n0 + n1) + 2, dtype=torch.int32, device=device)
+        lists[name] = int(n0) + 1
+        dev["s_" + name], dev["y_" + name] = whole[: int(n0) + 1], whole[int(n0) + 1 :]
+        dev[name] = whole
     freq = torch.empty(bins, dtype=torch.int32, device=device)
     cum = torch.empty(bins, dtype=torch.int32, device=device)
     qout = torch.empty(max(qat, 1), dtype=torch.int32, device=device)
@@ -297,6 +304,10 @@ def decode_kdn(bodies: list[memoryview], specs: list[LayerSpec],
     flag = dev["flag"]
     top = _TOP[dt]
     t = lap("kdn.upload", t)
+    _launch(kernels.rows, (int(counts[0] + counts[1]),), dev["rd"], dev["counts"], dev["lo"],
+            dev["width"], dev["tstart"], dev["depth"], dev["csrc"], dev["coded"],
+            dev["c_blob"], dev["c_row"], lists["coded"], lists["c_blob"], RD=plan.RD,
+            BLOCK=_ROWS_BLOCK)
     _launch(kernels.normalize, (int(counts[8]),), dev["counts"], source.tensor, dev["levels"],
             dev["csrc"], dev["tstart"], dev["width"], freq, cum, flag, PREC=rans.PREC,
             BLOCK=_NORM_BLOCK, num_warps=2)
@@ -331,19 +342,20 @@ def decode_kdn(bodies: list[memoryview], specs: list[LayerSpec],
 
 def _to_device(delta: np.ndarray, counts: np.ndarray, bts: tuple[np.ndarray, ...],
                grs: tuple[np.ndarray, ...], sp: np.ndarray, spans: np.ndarray,
-               csrc: np.ndarray, rows: np.ndarray) -> None:
+               rd: np.ndarray) -> None:
     """The planner's offsets into the host bytes (each layer's body at its place there) moved
     to the device buffer's (``delta``: [L] device minus host offset of each layer's body;
-    ``counts``: ``count``'s totals; ``spans``, ``rows``: sink spans and table rows per layer):
-    the blobs' rANS states, the groups' words, the sink spans' sources and the rows' count
-    codes (``csrc < 0``: a nibble index, negated)."""
+    ``counts``: ``count``'s totals; ``spans``: sink spans per layer): the blobs' rANS states,
+    the groups' words, the sink spans' sources and the blobs' count codes where they lie in
+    the bodies (format 4: ``rd``'s nibble index)."""
     for b, (bt, gr) in enumerate(zip(bts, grs)):
         nb, ng = int(counts[b]), int(counts[2 + b])
         bt[:nb, plan.STATES] += delta[bt[:nb, plan.NF]]
         gr[:ng, 2] += delta[bt[gr[:ng, 0], plan.NF]]
     sp[: int(counts[10]), 0] += np.repeat(delta, spans)
-    packed = csrc < 0
-    csrc[packed] -= 2 * np.repeat(delta, rows)[packed]
+    blobs = rd[: int(counts[0] + counts[1])]
+    packed = blobs[:, plan.RD_PACKED] != 0
+    blobs[packed, plan.RD_SRC] += 2 * delta[blobs[packed, plan.RD_LAYER]]
 
 
 _FIELDS = {"crow": plan.CROW, "rowbase": plan.ROWBASE, "blocks": plan.BLOCKS,

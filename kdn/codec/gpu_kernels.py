@@ -1,7 +1,8 @@
 """Triton kernels of the whole-entry GPU decoder (``kdn.codec.gpu_batch`` plans and launches
-them; it documents the data they read). Each kernel is one concern: table normalisation,
-rANS decode (log scales, or symbols with dequantisation fused), constant rows, byte spans,
-int8 dequantisation. Damage found sets bits of a device flag (``BAD_*``), never an exception.
+them; it documents the data they read). Each kernel is one concern: table rows laid out,
+table normalisation, rANS decode (log scales, or symbols with dequantisation fused), constant
+rows, byte spans, int8 dequantisation. Damage found sets bits of a device flag (``BAD_*``),
+never an exception.
 """
 
 from __future__ import annotations
@@ -32,6 +33,59 @@ def _counts(counts, src, levels, cs, idx, m):
     byte = tl.load(src + (at >> 1), mask=m & packed, other=0).to(tl.int32)
     code = (byte >> ((at & 1) * 4).to(tl.int32)) & 15
     return tl.where(packed, tl.load(levels + code, mask=m & packed, other=0), whole)
+
+
+@triton.jit
+def _u16(tables, at, m):
+    """u16s (little-endian) of ``tables`` at byte offsets ``at``, as int32."""
+    return (tl.load(tables + at, mask=m, other=0).to(tl.int32)
+            | (tl.load(tables + at + 1, mask=m, other=0).to(tl.int32) << 8))
+
+
+@triton.jit
+def rows(rd, tables, lo, width, tstart, depth, csrc, coded, c_blob, c_row, set1_coded,
+         set1_const, RD: tl.constexpr, BLOCK: tl.constexpr):
+    """One program per blob (``gpu_plan.fill``'s row descriptor ``rd``): each of its table
+    rows' lowest symbol (signed), width, first bin, search depth (bits to search its width)
+    and where its counts lie, from its decompressed tables (lo then width, u16 each); its
+    coded rows (width > 1) listed in order in ``coded``, its constant rows in ``c_blob`` /
+    ``c_row`` (set 1's lists after set 0's: from ``set1_coded`` / ``set1_const`` on)."""
+    d = rd + tl.program_id(0) * RD
+    row0 = tl.load(d + 0)
+    st = tl.load(d + 1)
+    t0 = tl.load(d + 2)
+    bin0 = tl.load(d + 3)
+    src0 = tl.load(d + 4)
+    packed = tl.load(d + 5) != 0
+    second = tl.load(d + 9)
+    cbase = tl.load(d + 6) + second * set1_coded
+    kbase = tl.load(d + 7) + second * set1_const
+    blob = tl.load(d + 8).to(tl.int32)
+    run = tl.load(d + 3) * 0  # int64 running sums
+    crun = run
+    for i0 in range(0, st, BLOCK):
+        i = i0 + tl.arange(0, BLOCK)
+        m = i < st
+        low = _u16(tables, t0 + 2 * i, m)
+        w = _u16(tables, t0 + 2 * st + 2 * i, m)
+        before = run + tl.cumsum(w.to(tl.int64), axis=0) - w
+        r = row0 + i
+        tl.store(lo + r, tl.where(low >= 32768, low - 65536, low), mask=m)
+        tl.store(width + r, w, mask=m)
+        tl.store(tstart + r, (bin0 + before).to(tl.int32), mask=m)
+        tl.store(csrc + r, tl.where(packed, -1 - (src0 + before), src0 + before), mask=m)
+        # ceil(log2 w) for w > 1: the exponent of float(w - 1) (exact below 2 ** 24), plus one
+        bits = (w - 1).to(tl.float32).to(tl.int32, bitcast=True)
+        tl.store(depth + r, tl.where(w > 1, ((bits >> 23) & 255) - 126, 0), mask=m)
+        c = (m & (w > 1)).to(tl.int64)
+        cr = crun + tl.cumsum(c, axis=0) - c  # coded rows before this one in the blob
+        tl.store(coded + cbase + cr, r.to(tl.int32), mask=c != 0)
+        k = kbase + i - cr
+        one = m & (c == 0)
+        tl.store(c_blob + k, blob + 0 * i.to(tl.int32), mask=one)
+        tl.store(c_row + k, r.to(tl.int32), mask=one)
+        run += tl.sum(w.to(tl.int64), axis=0)
+        crun += tl.sum(c, axis=0)
 
 
 @triton.jit

@@ -3,7 +3,10 @@ every layer's sections and entropy blobs in the bodies' bytes, then lay out what
 ``kdn.codec.gpu_kernels`` read. Per call this is a few compiled calls (``count`` and ``fill``
 on several threads, a range of layers each) and one batched zstd call (the blobs' tables,
 decompressed on several threads: lo and width only for format-4 blobs, whose count codes the
-device reads where the bodies landed), not Python per blob.
+device reads where the bodies landed), not Python per blob. The host's work is per blob and
+per rANS group, never per table row: a blob's rows (thousands: one per head and channel) are
+laid out on the device from its decompressed tables (``gpu_kernels.rows``, reading ``fill``'s
+row descriptor of the blob).
 
     walk(payload, first, count, ...)      -> a frame's records' body spans (0: they parse)
     scan(buf, body_at, body_len, n, err)  -> sections [L, 4, 2], blobs [L, 2, 7]
@@ -11,6 +14,7 @@ device reads where the bodies landed), not Python per blob.
     inflate(first, last, ...)             -> a range of layers' tables decompressed (libzstd)
     count(first, last, out, ...)          -> what a range of layers lays out, checked
     fill(first, last, ...)                -> a range of layers into ``allocate``'s arrays
+                                             (blob tables, groups, sink spans, row descriptors)
 
 Checks are those of the CPU decoder (``entropy.parse_tables``, ``rans.decode``,
 ``modes.unpack_sections``): a failed one leaves ``err = [code, layer]`` (``WHY``), and the
@@ -46,10 +50,6 @@ WHY = {1: "sections do not add up to the body", 2: "empty stream set is not empt
        7: "entropy tables are inconsistent", 8: "rANS section does not add up",
        9: "sink tokens have the wrong size", 10: "entropy table code out of range",
        11: "entropy table codes do not fit the tables", 12: "entropy tables do not decode"}
-_DEPTH = np.array([0, 0, *(int(np.ceil(np.log2(w))) for w in range(2, 1 << 16))], np.int8)
-"""Bits to search a row of each width (``w`` bins: the least ``d`` with ``2 ** d >= w``),
-looked up: a loop of a data-dependent length per row mispredicts. Every u16 a table can hold
-has an entry (``count`` has not bounded the widths by ``MAX_WIDTH``)."""
 NF = 15
 """Per-blob fields (columns of ``fill``'s blob tables; column NF: the blob's layer)."""
 CROW, ROWBASE, BLOCKS, BLOCK, N, STREAMS, STATES, HEADS, KC, VC, TOKENS, SINK, KBASE, VBASE, \
@@ -206,8 +206,9 @@ def count(first: int, last: int, out: np.ndarray, buf: np.ndarray, sect: np.ndar
           heads: np.ndarray, kc: np.ndarray, vc: np.ndarray, tokens: np.ndarray,
           sink: np.ndarray, itemsize: int, err: np.ndarray) -> None:
     """Check the blobs' tables and rANS headers of layers [first, last) and count, per layer,
-    what ``fill`` lays out (rows of ``out``, [L, 12], zeros): blobs, groups, coded rows,
-    constant rows of set 0 then set 1, then rows, bins, sink spans, log-scale symbols
+    what ``fill`` lays out (rows of ``out``, [L, 13], zeros): blobs, groups, coded rows,
+    constant rows of set 0 then set 1, then rows, bins, sink spans, log-scale symbols, and
+    the bins of set 0's blob
     (disjoint layer ranges count on threads side by side: nogil).
     ``tables``: every blob's decompressed tables one after another, blob (l, b) at
     ``tab[l, b, 0]`` (``tab[l, b, 1]`` bytes)."""
@@ -275,41 +276,47 @@ def count(first: int, last: int, out: np.ndarray, buf: np.ndarray, sect: np.ndar
             out[lay, 6 + b] += st - coded
             out[lay, 8] += st
             out[lay, 9] += wsum
+            if b == 0:
+                out[lay, 12] = wsum
 
 
 def allocate(sizes: np.ndarray) -> tuple:  # type: ignore[type-arg]
     """The arrays ``fill`` writes, for totals ``sizes`` (``count``'s columns summed): per set
-    (0: log scales, 1: symbols) a blob table [blobs, NF + 1] (column NF: the blob's layer),
-    groups [g, 4] (blob, first stream, word offset, words), coded rows, constant rows [c, 2]
-    (blob, row); sink spans [s, 3] (from, to, bytes). (``fill`` also writes, for every row,
-    lo, width, depth, tstart (the row's first bin: where its frequencies go, every row's
-    bins one after another) and csrc (where its counts lie: ``csrc >= 0``, bytes of
-    ``tables`` from there; else 4-bit codes of format 4, the first at nibble ``-1 - csrc`` of
-    the bodies' bytes, two to a byte, low first) into arrays the caller gives it, sized by
-    rows.)"""
+    (0: log scales, 1: symbols) a blob table [blobs, NF + 1] (column NF: the blob's layer) and
+    groups [g, 4] (blob, first stream, word offset, words); sink spans [s, 3] (from, to,
+    bytes); and every blob's row descriptor [blobs of both sets, RD] (``RD_*``) in row order,
+    from which the ``rows`` kernel lays out every table row on the device."""
     return ((np.zeros((max(sizes[0], 1), NF + 1), np.int64),
              np.zeros((max(sizes[1], 1), NF + 1), np.int64)),
             (np.zeros((max(sizes[2], 1), 4), np.int64), np.zeros((max(sizes[3], 1), 4), np.int64)),
-            (np.zeros(max(sizes[4], 1), np.int32), np.zeros(max(sizes[5], 1), np.int32)),
-            (np.zeros((max(sizes[6], 1), 2), np.int32), np.zeros((max(sizes[7], 1), 2), np.int32)),
-            np.zeros((max(sizes[10], 1), 3), np.int64))
+            np.zeros((max(sizes[10], 1), 3), np.int64),
+            np.zeros((max(sizes[0] + sizes[1], 1), RD), np.int64))
+
+
+RD = 11
+"""Columns of a blob's row descriptor (``fill``): its first row, rows, where its tables lie
+in the decompressed tables (lo then width, u16 each), its first bin, where its first row's
+counts lie (bytes of the tables; format 4: a nibble of the bodies' bytes), whether they are
+nibbles, its first coded row's and first constant row's index in its set's lists, the blob's
+index in its set, the set, its layer."""
+RD_ROW, RD_ROWS, RD_T0, RD_BIN, RD_SRC, RD_PACKED, RD_CODED, RD_CONST, RD_BLOB, RD_SET, \
+    RD_LAYER = range(RD)
 
 
 @numba.njit(cache=True, nogil=True)
-def fill(first: int, last: int, starts: np.ndarray, buf: np.ndarray, sect: np.ndarray,
-         blobs: np.ndarray, tables: np.ndarray, tab: np.ndarray, streams: np.ndarray,
-         heads: np.ndarray, kc: np.ndarray, vc: np.ndarray, tokens: np.ndarray,
-         sink: np.ndarray, kbase: np.ndarray, vbase: np.ndarray, itemsize: int,
-         bt0: np.ndarray, bt1: np.ndarray, gr0: np.ndarray, gr1: np.ndarray, co0: np.ndarray,
-         co1: np.ndarray, cr0: np.ndarray, cr1: np.ndarray, sp: np.ndarray, lo: np.ndarray,
-         width: np.ndarray, tstart: np.ndarray, depth: np.ndarray, csrc: np.ndarray,
-         err: np.ndarray) -> None:
+def fill(first: int, last: int, starts: np.ndarray, per_layer: np.ndarray, buf: np.ndarray,
+         sect: np.ndarray, blobs: np.ndarray, tables: np.ndarray, tab: np.ndarray,
+         streams: np.ndarray, heads: np.ndarray, kc: np.ndarray, vc: np.ndarray,
+         tokens: np.ndarray, sink: np.ndarray, kbase: np.ndarray, vbase: np.ndarray,
+         itemsize: int, bt0: np.ndarray, bt1: np.ndarray, gr0: np.ndarray, gr1: np.ndarray,
+         sp: np.ndarray, rd: np.ndarray, err: np.ndarray) -> None:
     """Layers [first, last) into ``allocate``'s arrays, each at the place ``starts`` (the
-    exclusive running sums of ``count``'s rows) gives it: disjoint layer ranges fill on
-    threads side by side (nogil). A format-3 blob's count codes are replaced in ``tables`` by
-    the counts they stand for (``entropy.LOG_LEVELS``); a code out of range sets ``err``.
-    A format-4 blob's codes are left where they lie (``csrc``)."""
-    bts, grs, cos, crs = (bt0, bt1), (gr0, gr1), (co0, co1), (cr0, cr1)
+    exclusive running sums of ``count``'s rows ``per_layer``) gives it: disjoint layer ranges
+    fill on threads side by side (nogil). Work per blob and per group, none per table row
+    (the device lays those out: ``rd``). A format-3 blob's count codes are replaced in
+    ``tables`` by the counts they stand for (``entropy.LOG_LEVELS``); a code out of range sets
+    ``err``. A format-4 blob's codes are left where they lie."""
+    bts, grs = (bt0, bt1), (gr0, gr1)
     ib = np.zeros(2, np.int64)
     ig = np.zeros(2, np.int64)
     ic = np.zeros(2, np.int64)
@@ -342,36 +349,29 @@ def fill(first: int, last: int, starts: np.ndarray, buf: np.ndarray, sect: np.nd
             t0 = tab[lay, b, 0]
             so = blobs[lay, b, 2]
             block, groups = _u32(buf, so), _u32(buf, so + 4)
-            bt, gr, co, cr = bts[b], grs[b], cos[b], crs[b]
+            bt, gr = bts[b], grs[b]
             k = ib[b]
-            coded = 0
-            src = t0 + 4 * st
+            coded = per_layer[lay, 4 + b]
+            wsum = per_layer[lay, 12] if b == 0 else per_layer[lay, 9] - per_layer[lay, 12]
             packed = blobs[lay, b, 4] == 4
-            nib = 2 * blobs[lay, b, 5]
             if blobs[lay, b, 4] == 3:
-                for j in range(src, t0 + tab[lay, b, 1]):
+                for j in range(t0 + 4 * st, t0 + tab[lay, b, 1]):
                     c = tables[j]
                     if c >= len(LOG_LEVELS):
                         err[0], err[1] = 10, lay
                     tables[j] = COUNT_OF_CODE[c]
-            for i in range(st):
-                r = row + i
-                lo[r] = np.int16(_u16(tables, t0 + 2 * i))
-                w = _u16(tables, t0 + 2 * st + 2 * i)
-                width[r] = w
-                tstart[r] = place
-                csrc[r] = -1 - nib if packed else src
-                place += w
-                nib += w
-                depth[r] = _DEPTH[w]
-                src += w
-                if w > 1:
-                    co[ic[b] + coded] = r
-                    coded += 1
-                else:
-                    cr[ik[b], 0] = k
-                    cr[ik[b], 1] = r
-                    ik[b] += 1
+            d = rd[ib[0] + ib[1]]
+            d[RD_ROW] = row
+            d[RD_ROWS] = st
+            d[RD_T0] = t0
+            d[RD_BIN] = place
+            d[RD_SRC] = 2 * blobs[lay, b, 5] if packed else t0 + 4 * st
+            d[RD_PACKED] = packed
+            d[RD_CODED] = ic[b]
+            d[RD_CONST] = ik[b]
+            d[RD_BLOB] = k
+            d[RD_SET] = b
+            d[RD_LAYER] = lay
             blocks = (n + block - 1) // block
             bt[k, CROW] = ic[b]
             bt[k, ROWBASE] = row
@@ -400,7 +400,9 @@ def fill(first: int, last: int, starts: np.ndarray, buf: np.ndarray, sect: np.nd
                 wat += 2 * c
                 ig[b] += 1
             ic[b] += coded
+            ik[b] += st - coded
             ib[b] += 1
+            place += wsum
             row += st
         qat += 2 * n
 
