@@ -64,3 +64,22 @@ def test_bench_heap_quick_compares_the_heap_as_is_with_it_frozen(tmp_path: Path)
     for r in (as_is, frozen, format3):
         assert r["hits"] == 12 and r["blocks"] == 8 and r["kernels"] == "not run"
         assert 0 < r["hit_p50_ms"] <= r["hit_p90_ms"] <= r["hit_max_ms"]
+
+
+def test_bench_plan_host_quick_times_every_host_step(tmp_path: Path) -> None:
+    """``bench.plan_host --quick``: the host's steps of a whole-entry GPU decode of a context,
+    each timed, kernels counted and not launched, next to a memcpy of the same bytes."""
+    out = tmp_path / "plan_host.json"
+    run = subprocess.run([sys.executable, "-m", "bench.plan_host", "--quick", "--out",
+                          str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = {r["encoding"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"kdn-default", "int8"}
+    for enc, steps, launches in (("kdn-default", {"kdn.tables", "kdn.count", "kdn.fill"}, 5),
+                                 ("int8", {"int8.sections"}, 1)):
+        r = rows[enc]
+        assert r["entries"] == 8 and r["layers"] == 8 * 30, r
+        assert steps <= set(r["phases_s"]) and r["launches"] == launches, r
+        assert abs(r["host_s"] - r["bodies_s"] - r["plan_s"]) < 1e-9
+        assert sum(r["phases_s"].values()) <= r["plan_s"] + 1e-6
+        assert r["memcpy_s"] > 0 and r["ratio_to_memcpy"] == r["host_s"] / r["memcpy_s"]
