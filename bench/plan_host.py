@@ -14,9 +14,10 @@ depend on the device, and the device's share is ``bench.gpu``'s (a GPU host).
 
 Each row: one context of ``tokens`` in blocks of 256 tokens (the engine's chunk), KV of the
 model's real shape (random values: the planner's work follows the layout, not the values),
-every entry framed as clients store it (frames of about 1 MiB), all in one buffer as in the
-server's read arena; the best of ``--runs`` (7) of ``bodies_s`` (the walk) and ``plan_s``
-(``decode_layers``), ``host_s`` their sum, and ``phases_s`` the steps
+every entry framed as clients store it (frames of about 1 MiB) and viewed as the read arena
+gives it (an array of its own over the arena's one buffer); the best of ``--runs`` (7) of
+``bodies_s`` (the walk) and ``plan_s`` (``decode_layers``; the copies to the device are not
+made: a GPU's copy engine makes them), ``host_s`` their sum, and ``phases_s`` the steps
 (``kdn.codec.gpu_source.SECONDS``). The baseline, measured in the same run: ``memcpy_s``, one
 thread copying the stored bytes once (the least host work that touches each byte), and
 ``ratio_to_memcpy``.
@@ -49,7 +50,9 @@ ENCODINGS = (("kdn", "default"), ("int8", ""))
 
 @contextmanager
 def host_only() -> Iterator[list[int]]:
-    """Whole-entry decodes whose kernels are counted, not launched (restored after)."""
+    """Whole-entry decodes whose kernels are counted, not launched, and whose pinned bodies
+    are taken as on a GPU (``gpu_source.DIRECT``), their copies to the "device" not made (on a
+    GPU the copy engine makes them, not the host); all restored after."""
     launches = [0]
     kept = gpu_batch._launch  # noqa: SLF001
 
@@ -57,10 +60,17 @@ def host_only() -> Iterator[list[int]]:
         launches[0] += all(grid)
 
     gpu_batch._launch = count  # noqa: SLF001
+    copy = gpu_source.queue_copy
+    gpu_source.queue_copy = lambda dst, src: None  # a GPU's copy engine's work, not the host's
+    direct = "cpu" in gpu_source.DIRECT
+    gpu_source.DIRECT.add("cpu")  # pinned bodies taken as a GPU takes them (read in place)
     try:
         yield launches
     finally:
         gpu_batch._launch = kept  # noqa: SLF001
+        gpu_source.queue_copy = copy
+        if not direct:
+            gpu_source.DIRECT.discard("cpu")
 
 
 def context(shape: str, tokens: int, mode: str, level: str) -> tuple[bytearray, list[int]]:
@@ -81,9 +91,10 @@ def context(shape: str, tokens: int, mode: str, level: str) -> tuple[bytearray, 
 
 def measure(shape: str, tokens: int, mode: str, level: str, runs: int) -> dict[str, Any]:
     buf, sizes = context(shape, tokens, mode, level)
-    view = memoryview(buf)
+    arena = np.frombuffer(buf, np.uint8)
     ends = np.cumsum(sizes)
-    entries = [view[e - n : e] for n, e in zip(sizes, ends.tolist())]
+    # each entry a view of its own array over the one buffer, as the read arena gives them
+    entries = [memoryview(arena[e - n : e]) for n, e in zip(sizes, ends.tolist())]
     dec = get_mode(mode)
     device = torch.device("cpu")
     best: dict[str, Any] = {}

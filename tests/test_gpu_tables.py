@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from kdn import codec
-from kdn.codec import entropy, gpu_batch
+from kdn.codec import entropy, gpu_batch, gpu_source
 from kdn.codec import gpu_plan as plan
-from kdn.codec.api import record_specs
+from kdn.codec.api import entry_bodies, record_specs
 from kdn.codec.format import check_frame, parse_container
 from kdn.codec.modes import get_mode, pack_sections, unpack_sections
 from kdn.errors import Corrupt
@@ -153,3 +153,37 @@ def test_the_host_stages_per_blob_and_group_not_per_table_row(
         assert seen["staged"] >= 4 * rows  # the tables: lo and width, u16 each, a row
         extra = seen["staged"] - 4 * rows + seen["uploaded"]
         assert extra < 2 * rows + 4096, (level, extra, rows)
+
+
+def test_entries_viewed_apart_in_one_buffer_are_planned_where_they_lie(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The read arena gives each entry as an array of its own over its one mapping: the
+    planner reads a context's bodies there (a 780 MB copy at 32k tokens of 8B shape when it
+    took them for bodies of several buffers), and its plan is the one of bodies given as
+    views of one buffer."""
+    import numpy as np
+
+    monkeypatch.setattr(gpu_source, "DIRECT", {"cuda", "cpu"})  # pinned bodies as on a GPU
+    blobs = [codec.encode(random_kv(uniform_layout(3, 2, 8), 30 + e, seed=e), "kdn", "default")
+             for e in range(3)]
+    gap = 3 * gpu_source.SPAN_GAP + (2 << 20)  # far apart: not one span, copied a run each
+    one = bytearray(sum(len(b) + gap for b in blobs))
+    arena = np.frombuffer(one, np.uint8)
+    plans = {}
+    for how in ("arena views", "views of one buffer"):
+        bodies, addresses, specs, at = [], [], [], 0
+        for b in blobs:
+            one[at : at + len(b)] = b
+            view = (memoryview(arena[at : at + len(b)]) if how == "arena views"
+                    else memoryview(one)[at : at + len(b)])
+            c = parse_container(view, verify=False)
+            got = entry_bodies(c.header, c.frames, hashed=True)
+            bodies += got.bodies
+            addresses += got.addresses
+            specs += got.specs
+            at += len(b) + gap
+        source = gpu_source.Source(bodies, torch.device("cpu"), True, addresses=addresses)
+        assert source.array.ctypes.data == arena.ctypes.data, how  # no copy: read in place
+        assert len(source.host) == len(blobs)  # a device copy per entry
+        plans[how] = _staged(bodies, specs, "default", True, monkeypatch)
+    assert plans["arena views"] == plans["views of one buffer"]

@@ -15,11 +15,12 @@
 3. Launches, independent of the layer count: ``rows`` (every blob's table rows laid out from
    its tables: lowest symbol, width, first bin, search depth, where its counts lie, and the
    lists of coded and constant rows; the host plans per blob, not per row), ``_normalize``
-   (every table row's counts to rANS frequencies, as ``rans.normalize``), ``_rans`` over the log-scale blobs (int32 symbols
-   and their scales), ``_rans`` over the symbol blobs with dequantisation fused (symbol x
-   scale x level step, straight into the destination dtype and the [heads, tokens, channels]
-   layout), ``_spans`` for the exact sink tokens; ``int8`` is one ``_int8`` launch. Constant
-   rows (one symbol value, no coded stream) get ``_fill`` launches only when there are any.
+   (every table row's counts to rANS frequencies, as ``rans.normalize``), ``_rans`` over the
+   log-scale blobs (int32 symbols and their scales), ``_rans`` over the symbol blobs with
+   dequantisation fused (symbol x scale x level step, straight into the destination dtype
+   and the [heads, tokens, channels] layout), ``_spans`` for the exact sink tokens; ``int8``
+   is one ``_int8`` launch. Constant rows (one symbol value, no coded stream) get ``_fill``
+   launches only when there are any.
 4. Kernels that find damaged bytes set bits of a device flag; ``Decoded.check`` reads it once,
    when the consumer needs the tensors (one synchronisation per entry, not per layer), and
    raises Corrupt: no wrong KV is handed over.

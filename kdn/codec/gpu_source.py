@@ -76,6 +76,13 @@ def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **meta: Any) -> None:
         kernel[grid](*args, **meta)
 
 
+def queue_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst`` filled from ``src``: a copy queued on the current stream (non-blocking from
+    pinned memory to a GPU). ``bench.plan_host`` counts these instead, to time the host's share
+    of a decode on a host whose "device" copies would be memcpys."""
+    dst.copy_(src, non_blocking=True)
+
+
 def address(mv: memoryview) -> int:
     return int(np.frombuffer(mv, dtype=np.uint8).ctypes.data) if len(mv) else 0
 
@@ -90,8 +97,9 @@ class Source:
     one copy where the bodies lie in one span, else one copy per run of neighbouring bodies
     (``DIRECT``: each entry of a context is typically one run), with nothing copied on the
     host. The planner then reads the bodies where they lie too (``host_view``: one buffer
-    holds them all), and ``to_device`` maps its offsets to the device buffer's; bodies in
-    several buffers are copied into one host array for it (the ``kdn`` planner reads one
+    holds them all: views of views, such as the read arena's entries, count as the buffer
+    they view, ``_owners``), and ``to_device`` maps its offsets to the device buffer's; bodies
+    in several buffers are copied into one host array for it (the ``kdn`` planner reads one
     buffer; ``int8``'s needs none: ``host_view=False``). Other memory is first copied into a
     pinned staging buffer by several threads (a copy from pageable memory runs at a fraction
     of the link's rate and blocks the host throughout). ``addresses``: where each body lies,
@@ -100,7 +108,8 @@ class Source:
     def __init__(self, bodies: list[memoryview], device: torch.device,
                  pinned: bool = False, *, host_view: bool = True,
                  addresses: list[int] | None = None) -> None:
-        owners = {id(b.obj) for b in bodies}
+        owner = _owners(bodies)
+        owners = set(map(id, owner))
         addr = addresses if addresses is not None else [address(b) for b in bodies]
         sizes = [len(b) for b in bodies]
         nonempty = [i for i, n in enumerate(sizes) if n]
@@ -108,15 +117,15 @@ class Source:
         hi = max((addr[i] + sizes[i] for i in nonempty), default=0)
         start, whole = -1, np.empty(0, np.uint8)
         if len(owners) == 1 and nonempty:
-            whole = _whole(bodies[nonempty[0]])
+            whole = owner[nonempty[0]]
             start = lo - int(whole.ctypes.data)
         host: np.ndarray | None = None
         in_whole = 0 <= start and start + hi - lo <= len(whole)
         one_span = in_whole and hi - lo <= 2 * sum(sizes) + (1 << 20)
         self.delta: np.ndarray | None = None
         if pinned and not one_span and nonempty and device.type in DIRECT:
-            self._direct(bodies, addr, sizes, nonempty, device, whole if in_whole else None,
-                         host_view)
+            self._direct(bodies, owner, addr, sizes, nonempty, device,
+                         whole if in_whole else None, host_view)
             return
         stage = device.type == "cuda" and not (pinned and one_span)  # copied anyway: pinned
         if one_span:
@@ -140,16 +149,17 @@ class Source:
         self.tensor = t.to(device, non_blocking=True) if device.type != "cpu" else t
         STATS["copies"] += device.type != "cpu"
 
-    def _direct(self, bodies: list[memoryview], addr: list[int], sizes: list[int],
+    def _direct(self, bodies: list[memoryview], owner: list[np.ndarray], addr: list[int],
+                sizes: list[int],
                 nonempty: list[int], device: torch.device, whole: np.ndarray | None,
                 host_view: bool) -> None:
         """One device copy per run of bodies that lie within ``SPAN_GAP`` of each other in
         one buffer, read where they lie."""
-        order = sorted(nonempty, key=lambda i: (id(bodies[i].obj), addr[i]))
+        order = sorted(nonempty, key=lambda i: (id(owner[i]), addr[i]))
         runs: list[tuple[list[int], int, int]] = []  # (bodies, start address, end address)
         for i in order:
             r = runs[-1] if runs else None
-            if (r is not None and bodies[i].obj is bodies[r[0][0]].obj
+            if (r is not None and owner[i] is owner[r[0][0]]
                     and addr[i] <= r[2] + SPAN_GAP):
                 r[0].append(i)
                 runs[-1] = (r[0], r[1], max(r[2], addr[i] + sizes[i]))
@@ -158,7 +168,7 @@ class Source:
         self.offsets = [0] * len(bodies)
         at, sources = 0, []
         for members, a, b in runs:
-            base = _whole(bodies[members[0]])
+            base = owner[members[0]]
             off = a - int(base.ctypes.data)
             if 0 <= off and off + (b - a) <= len(base):
                 sources.append((at, base[off : off + (b - a)]))
@@ -174,7 +184,7 @@ class Source:
         held = []
         for d, src in sources:
             t = _tensor(src)
-            out[d : d + len(src)].copy_(t, non_blocking=True)
+            queue_copy(out[d : d + len(src)], t)
             held.append(t)
         STATS["copies"] += len(sources)
         if whole is not None and host_view:  # the planner reads the one buffer in place
@@ -202,6 +212,46 @@ def _packing(bodies: list[memoryview]
         offsets.append(total)
         total += len(b)
     return pieces, offsets, total
+
+
+def _owners(bodies: list[memoryview]) -> list[np.ndarray]:
+    """The whole buffer each body lies in, as bytes: the same array for bodies of one buffer,
+    however they were viewed. Views of numpy views (each entry of the read arena is an array
+    of its own over the arena's mapping) are traced to the memory they view, so that the
+    bodies of a context's entries are seen to lie in one buffer: the planner reads them
+    there, where it would otherwise copy them all into one host array first."""
+    seen: dict[int, np.ndarray] = {}
+    out = []
+    for b in bodies:
+        obj = b.obj
+        got = seen.get(id(obj))
+        if got is None:
+            got = seen[id(obj)] = _whole(b)
+            root = _root(obj)
+            if root is not obj:
+                try:
+                    whole = np.frombuffer(root, dtype=np.uint8)  # type: ignore[call-overload]
+                except (TypeError, ValueError, BufferError):  # not one run of bytes
+                    whole = None
+                if whole is not None:  # the same array for every view of this memory
+                    got = seen[id(obj)] = seen.setdefault(id(root), whole)
+        out.append(got)
+    return out
+
+
+def _root(obj: Any) -> Any:
+    """What a numpy view's memory is: up its chain of bases to the buffer that exports it (an
+    mmap, bytes), or to the last array where the base above exports none (a tensor's)."""
+    root = obj
+    while isinstance(root, np.ndarray) and root.base is not None:
+        up = root.base
+        if not isinstance(up, np.ndarray):
+            try:
+                memoryview(up)
+            except TypeError:
+                break
+        root = up
+    return root
 
 
 def _whole(body: memoryview) -> np.ndarray:
