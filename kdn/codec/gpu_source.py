@@ -150,9 +150,8 @@ class Source:
         STATS["copies"] += device.type != "cpu"
 
     def _direct(self, bodies: list[memoryview], owner: list[np.ndarray], addr: list[int],
-                sizes: list[int],
-                nonempty: list[int], device: torch.device, whole: np.ndarray | None,
-                host_view: bool) -> None:
+                sizes: list[int], nonempty: list[int], device: torch.device,
+                whole: np.ndarray | None, host_view: bool) -> None:
         """One device copy per run of bodies that lie within ``SPAN_GAP`` of each other in
         one buffer, read where they lie."""
         order = sorted(nonempty, key=lambda i: (id(owner[i]), addr[i]))
