@@ -61,7 +61,7 @@ def rows(rd, tables, lo, width, tstart, depth, csrc, coded, c_blob, c_row, set1_
     cbase = tl.load(d + 6) + second * set1_coded
     kbase = tl.load(d + 7) + second * set1_const
     blob = tl.load(d + 8).to(tl.int32)
-    run = tl.load(d + 3) * 0  # int64 running sums
+    run = bin0 * 0  # int64 running sums
     crun = run
     for i0 in range(0, st, BLOCK):
         i = i0 + tl.arange(0, BLOCK)
