@@ -191,11 +191,13 @@ _DIRECT = _PRELUDE + textwrap.dedent('''
     # pinned bodies that do not lie in one span are copied where they lie, a copy per run of
     # neighbouring bodies (one per entry here), and the kdn planner reads them in place where
     # one buffer holds them all: the same tensors as the CPU decoder, and damage refused
+    # (one encoding a run, each in a process and time limit of its own: the test puts it in
+    # place of MODES)
     gpu_batch.DIRECT.add("cpu")
     lay = uniform_layout(3, 2, 8)
     rng = np.random.default_rng(5)
     runs = 0
-    for mode, level in (("kdn", "default"), ("kdn", "high"), ("int8", "")):
+    for mode, level in MODES:
         entries = [codec.encode(random_kv(lay, 20 + 7 * e, seed=e, start=40 * e), mode, level)
                    for e in range(4)]
         want = [l for b in entries for l in codec.decode(b).layers]
@@ -335,8 +337,14 @@ def test_damaged_bodies_are_refused_exactly_where_the_cpu_refuses_them() -> None
     assert int(out[-2]) + int(out[-1]) == 24, out       # ...and the rest decodes identically
 
 
-def test_pinned_bodies_of_several_entries_are_copied_where_they_lie() -> None:
-    assert _run(_DIRECT)[-2:] == ["ok", "7"]
+@pytest.mark.parametrize(("mode", "level", "runs"),
+                         [("kdn", "default", 3), ("kdn", "high", 2), ("int8", "", 2)])
+def test_pinned_bodies_of_several_entries_are_copied_where_they_lie(
+        mode: str, level: str, runs: int) -> None:
+    script = _DIRECT.replace("for mode, level in MODES:", f"for mode, level in (({mode!r}, "
+                             f"{level!r}),):", 1)
+    assert script != _DIRECT
+    assert _run(script)[-2:] == ["ok", str(runs)]
 
 
 def test_hostile_kdn_bodies_end_in_corrupt_or_a_plan_never_a_crash() -> None:
