@@ -144,3 +144,63 @@ def test_a_containers_memory_limit_bounds_the_room(tmp_path: Path, limit: str,
         with pytest.raises(TooLarge, match="decodes to 2.0 GiB .* 1.5 GiB of memory available"):
             room.check_room(2 << 30, 65536)
     room.check_room(1 << 30, 32768)
+
+
+def _fake_cuda(monkeypatch: pytest.MonkeyPatch, free: int, reserved: int, allocated: int
+               ) -> torch.device:
+    """A CUDA device whose driver reports ``free`` bytes and whose caching allocator holds
+    ``reserved`` bytes, ``allocated`` of them in use (no GPU needed)."""
+    dev = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d=None: (free, 80 << 30))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d=None: reserved)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda d=None: allocated)
+    return dev
+
+
+def test_the_room_on_a_cuda_device_is_what_is_free_and_what_torch_holds_unused(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    dev = _fake_cuda(monkeypatch, free=1 << 30, reserved=3 << 30, allocated=2 << 30)
+    assert room.device_room(dev) == 2 << 30
+    assert room.device_room(torch.device("cpu")) is None
+    monkeypatch.setattr(room, "host_room", lambda: 64 << 30)  # the host's room is not asked
+    with pytest.raises(TooLarge, match=r"decodes to 3\.0 GiB .* device cuda:0 has 2\.0 GiB"):
+        room.check_room(3 << 30, 49152, device=dev)
+    room.check_room(2 << 30, 32768, device=dev)
+
+
+def test_a_decoder_to_a_cuda_device_asks_the_device_before_allocating(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CUDA-target decode of the lying entry ended in torch's out-of-memory error: the
+    decoder now asks the device for room (a stand-in device here), as a host decode asks the
+    host."""
+    from kdn.codec import api
+
+    parts = declaring(_constant(), 8192)  # 0.5 GiB decoded
+    dev = _fake_cuda(monkeypatch, free=128 << 20, reserved=0, allocated=0)
+    monkeypatch.setattr(api, "target_device", lambda d: dev)
+    monkeypatch.setattr(room, "host_room", lambda: 64 << 30)
+    with pytest.raises(TooLarge, match=r"decodes to 0\.5 GiB \(8192 tokens\); device cuda:0"):
+        codec.StreamDecoder(parts.header, "cuda")
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d=None: (1 << 30, 80 << 30))
+    assert codec.StreamDecoder(parts.header, "cuda").device == dev  # room enough: no refusal
+
+
+def test_the_whole_entry_decoder_asks_for_room_before_planning(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The whole-entry (GPU) decoder, given the lying entry's bodies, refuses them as TooLarge
+    from their specs alone, before any copy, plan or launch (the CPU stands in for the device:
+    the same call asks the host)."""
+    from kdn.codec import gpu_batch
+    from kdn.codec.api import layer_spec
+    from kdn.codec.modes import get_mode
+
+    parts = declaring(_constant(), 8192)
+    c = fmt.parse_container(parts.to_bytes())
+    recs = [r for i, f in enumerate(c.frames) for r in fmt.check_frame(c.header, i, f)]
+    specs = [layer_spec(c.header.layout, r.layer, r.tokens) for r in recs]
+    monkeypatch.setattr(room, "host_room", lambda: 256 << 20)
+    gpu_batch.STATS.update(launches=0, copies=0, syncs=0)
+    with pytest.raises(TooLarge, match=r"decodes to 0\.5 GiB \(8192 tokens\); this host"):
+        get_mode("kdn").decode_layers([memoryview(r.body) for r in recs], specs, "default",
+                                      torch.device("cpu"))
+    assert gpu_batch.STATS == {"launches": 0, "copies": 0, "syncs": 0}

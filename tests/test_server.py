@@ -15,6 +15,7 @@ import pytest
 from kdn import codec, keys
 from kdn.cache import KVCache
 from kdn.client import AsyncClient, Client
+from kdn.codec import api
 from kdn.codec.format import build_header, build_record, frame_with_sum, parse_header
 from kdn.errors import InvalidArgument, LayoutMismatch, TooLarge
 from kdn.layout import DType, LayerLayout
@@ -263,6 +264,19 @@ def test_layout_for_another_model(tmp_path: Path, client: Client,
         with pytest.raises(LayoutMismatch, match="not served here"):
             c.store(keys.chunk_key([1], other), random_kv(other, 4))
         assert c.retrieve(key).equal(kv)  # type: ignore[union-attr]
+
+
+def test_an_entry_of_no_tokens_is_refused(server: ServerThread, client: Client,
+                                          stored: tuple[bytes, KVCache]) -> None:
+    """A key for nothing (no prefill to skip) is refused by the encoder and by the server
+    (from a client that skips the encoder), under a stored entry's key: that entry stays."""
+    empty = random_kv(stored[1].layout, 0)
+    with pytest.raises(InvalidArgument, match="holds no tokens"):
+        client.store(stored[0], empty)
+    parts = api._encode_unchecked(empty, "raw", "", 1, False)  # noqa: SLF001
+    hdr = pb.StoreHeader(key=stored[0], container_header=parts.header)
+    _store_refused(server, hdr, list(parts.frames), "holds no tokens")
+    _intact(client, stored)
 
 
 def test_header_layout_fingerprint_must_match(server: ServerThread, client: Client,

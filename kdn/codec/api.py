@@ -158,8 +158,8 @@ def encode_parts(
     (0: sized by ``FRAME_TARGET_BYTES``, see ``frame_spans``). ``wire``: each frame is written
     inside its serialized Store message (``EncodedParts.wire``), which a Store stream sends as
     it is, and the frames are read-only views of those messages instead of ``bytes``.
-    InvalidArgument for anything but a ``KVCache`` of tensors that hold data (not ``meta``),
-    and for a lossy mode, a NaN or inf in it (``kdn.codec.modes``)."""
+    InvalidArgument for anything but a ``KVCache`` of tensors that hold data (not ``meta``) for
+    at least one token, and for a lossy mode, a NaN or inf in it (``kdn.codec.modes``)."""
     codec = get_mode(mode)
     codec.check_level(level)
     if layers_per_frame < 0:
@@ -170,6 +170,16 @@ def encode_parts(
     if any(k.is_meta or v.is_meta for k, v in kv.layers):
         raise InvalidArgument("the KVCache's tensors are on the meta device: they hold no "
                               "values to encode")
+    if kv.num_tokens == 0:
+        raise InvalidArgument("the KVCache holds no tokens: there is no KV of nothing to encode")
+    return _encode_unchecked(kv, mode, level, layers_per_frame, wire)
+
+
+def _encode_unchecked(kv: KVCache, mode: str, level: str, layers_per_frame: int, wire: bool
+                      ) -> EncodedParts:
+    """``encode_parts`` past its checks of ``kv`` (hostile-decoder tests build entries no
+    client can store with it: one of no tokens)."""
+    codec = get_mode(mode)
     layout, tokens = kv.layout, kv.num_tokens
 
     def one(layer: int) -> list[Buffer]:
@@ -237,9 +247,9 @@ class StreamDecoder:
         self._may_arena = self.mode.borrows and self.device.type == "cpu"
         if self._may_arena and not self.borrow:
             self._offsets = self._layer_ends(stored_bytes)
-        elif self.device.type == "cpu" and not self.mode.borrows:
+        elif self.device.type != "cpu" or not self.mode.borrows:
             check_room(self.header.layout.bytes_per_token * self.header.tokens,
-                       self.header.tokens)
+                       self.header.tokens, device=self.device)
 
     def _layer_ends(self, stored_bytes: int | None) -> list[int]:
         """Where each layer's tensors start in the arena, and its size last; Corrupt when the

@@ -65,6 +65,7 @@ from kdn.codec.gpu_source import (
 )
 from kdn.codec.modes import LayerSpec
 from kdn.codec.quant import SCALE_TABLE, upload_many
+from kdn.codec.room import check_room
 from kdn.errors import Corrupt, InvalidArgument, again, kept
 
 __all__ = ["DIRECT", "SPAN_GAP", "STATS", "Decoded", "decode_int8", "decode_kdn"]
@@ -214,6 +215,8 @@ def decode_kdn(bodies: list[memoryview], specs: list[LayerSpec],
     is added to ``gpu_source.SECONDS`` (``kdn.*``)."""
     t = time.perf_counter()
     numel, bases, dt = _outputs(specs)
+    check_room(numel * dt.itemsize, sum(s.tokens for s in specs if s.index == 0),
+               device=device)  # (constant rows cost no bytes: the bodies bound nothing)
     source = Source(list(bodies), device, pinned, addresses=addresses)
     t = lap("kdn.source", t)
     buf = source.array

@@ -1,18 +1,23 @@
-"""Whether the host can hold what an entry decodes to, asked before a decoder allocates.
+"""Whether the host or the device can hold what an entry decodes to, asked before a decoder
+allocates.
 
 A compressed entry bounds nothing about its decoded size: a constant cache costs its entropy
 tables alone, so tens of kilobytes under a header may declare a million tokens (68 GB for 32
-layers of 8 heads of 64 channels). Decoded, such an entry had the kernel kill the reader.
-Decoders to the host ask ``check_room`` first and refuse, as TooLarge, what can not fit.
+layers of 8 heads of 64 channels). Decoded, such an entry had the kernel kill the reader, and
+on a GPU ended in torch's out-of-memory error. Decoders ask ``check_room`` first and refuse,
+as TooLarge, what can not fit where they decode to.
 
 The room is an upper bound of what the process could get, so that nothing that fits is
-refused: the host's MemAvailable, and where the process runs in a memory cgroup (a container,
-a pod) its limit less what it uses, page cache counted as free."""
+refused: on the host, its MemAvailable, and where the process runs in a memory cgroup (a
+container, a pod) its limit less what it uses, page cache counted as free; on a CUDA device,
+what the driver reports free plus what torch's caching allocator holds unused."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
+
+import torch
 
 from kdn.errors import TooLarge
 
@@ -71,13 +76,27 @@ def host_room() -> int | None:
     return min(rooms) if rooms else None
 
 
-def check_room(declared: int, tokens: int, what: str = "decodes to") -> None:
+def device_room(device: torch.device) -> int | None:
+    """Bytes a CUDA ``device`` could still give this process (module docstring), or None for
+    a device that does not say (not CUDA)."""
+    if device.type != "cuda":
+        return None
+    free, _ = torch.cuda.mem_get_info(device)
+    return int(free) + max(0, torch.cuda.memory_reserved(device)
+                           - torch.cuda.memory_allocated(device))
+
+
+def check_room(declared: int, tokens: int, what: str = "decodes to",
+               device: torch.device | None = None) -> None:
     """TooLarge where an entry whose header declares ``declared`` bytes of decoded tensors (of
     ``tokens`` tokens), or of a decoder's working memory (``what`` says which), could not be
-    held in this process's memory."""
+    held in this process's memory (``device``: None or the CPU) or on ``device``."""
     if declared < ROOM_CHECKED_BYTES:
         return
-    room = host_room()
+    if device is None or device.type == "cpu":
+        room, where = host_room(), "this host has"
+    else:
+        room, where = device_room(device), f"device {device} has"
     if room is not None and declared > room:
         raise TooLarge(f"the entry {what} {declared / 2**30:.1f} GiB ({tokens} tokens); "
-                       f"this host has {room / 2**30:.1f} GiB of memory available")
+                       f"{where} {room / 2**30:.1f} GiB of memory available")

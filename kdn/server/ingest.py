@@ -89,8 +89,11 @@ class Ingest:
 
     def check_kind(self, header: Header, layout_fingerprint: str = "") -> None:
         """An entry's codec and model allowed here (and its layout the one the caller named,
-        where it named one)."""
+        where it named one); an entry of no tokens is not (no prefill to skip: a key for
+        nothing, taking a slot)."""
         check_codec(header.mode, header.entry.codec.level)
+        if header.entry.tokens == 0:
+            raise InvalidArgument("the entry holds no tokens: there is no KV of nothing to store")
         if layout_fingerprint and layout_fingerprint != header.layout.fingerprint:
             raise InvalidArgument(
                 f"layout_fingerprint {layout_fingerprint} does not match the container's "
