@@ -6,9 +6,11 @@ bytes under the first key (or land another read's bytes in a region being read).
 
 from __future__ import annotations
 
+import gc
 import hashlib
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -93,3 +95,61 @@ def test_retired_ranges_never_come_back() -> None:
     r.retire(at, 1024)
     assert r.retired_bytes() == 1024 and r.free_bytes() == (1 << 12) - 1024
     assert r.alloc(1024) == 1024  # not the retired range
+    assert r.alloc(3 << 10) is None and r.reclaim() == 0 and r.retired_bytes() == 1024
+
+
+def test_retired_ranges_come_back_once_their_process_is_gone() -> None:
+    """A range retired ``until`` a process is gone is free again once it is, asked when an
+    allocation finds no room (each ``until`` asked once a reclaim), and not before."""
+    r = RegionAllocator(0, 4 << 10)
+    gone = {"a": False, "b": False}
+    asked: list[str] = []
+
+    def until(name: str) -> Any:
+        return lambda: asked.append(name) or gone[name]
+
+    a, b = until("a"), until("b")
+    for at in range(4):  # four ranges of 1 KiB: two retired for "a", one for "b", one for good
+        assert r.alloc(1024) == at * 1024
+    r.retire(0, 1024, a)
+    r.retire(1024, 1024, a)
+    r.retire(2048, 1024, b)
+    r.retire(3072, 1024)
+    assert r.alloc(1024) is None and sorted(asked) == ["a", "b"]  # asked, both still there
+    gone["a"] = True
+    assert r.alloc(2048) == 0 and r.retired_bytes() == 2048  # "a"'s two, merged, and only those
+    assert r.alloc_largest(1024) is None  # "b" still runs
+    gone["b"] = True
+    assert r.alloc_largest(4096) == (2048, 1024) and r.retired_bytes() == 1024
+
+
+def test_regions_left_to_a_server_come_back_once_it_has_exited(tmp_path: Path) -> None:
+    """Regions named in calls a stopped server never answered stay retired while it could
+    still act on them (stopped: it may go on), and come back once it has exited and a new
+    server took its place (the client attaches its segment again)."""
+    served = Served(tmp_path / "a")
+    with Client(served.address, timeout_s=1.0) as c:
+        c.store(_key("warm"), random_kv(LAY, 16, seed=3), mode="raw")  # the segment attached
+        seg, _ = c.dataplane.segment()
+        assert seg is not None and seg.server_gone is not None
+        size = seg.regions.free_bytes()
+        served.stop()
+        try:
+            for i in range(3):
+                with pytest.raises(DeadlineExceeded):
+                    c.store(_key(f"lost {i}"), random_kv(LAY, 1024, seed=i), mode="raw")
+            gc.collect()  # the staged entries' views, kept by the errors' tracebacks
+            retired = seg.regions.retired_bytes()
+            assert retired >= 3 * 2 * 2 * 1024 * 16 * 2  # three entries' tensors at least
+            assert seg.regions.reclaim() == 0  # stopped, not gone: they stay out of use
+        finally:
+            served.close()  # SIGCONT then SIGTERM: it may serve them on its way out
+        again = Served(tmp_path / "b", port=served.port)
+        try:
+            assert c.retrieve(_key("warm")) is None  # a new server: the segment attached again
+            assert seg.regions.retired_bytes() == 0
+            assert seg.regions.free_bytes() == size
+            c.store(_key("after"), random_kv(LAY, 16, seed=5), mode="raw")
+            assert c.retrieve(_key("after")) is not None
+        finally:
+            again.close()

@@ -40,8 +40,9 @@ class Served:
     """A `kdn serve` subprocess without a read arena (every read is a call on the fast
     path), stopped with ``stopped()`` and let go on again however the block ends."""
 
-    def __init__(self, tmp: Path) -> None:
-        port = free_port()
+    def __init__(self, tmp: Path, port: int | None = None) -> None:
+        port = port or free_port()  # (a port: a server started again where one was)
+        self.port = port
         self.address = f"127.0.0.1:{port}"
         env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
         self.proc = subprocess.Popen(

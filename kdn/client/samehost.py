@@ -125,6 +125,7 @@ class SameHostPath:
             return False
         if resp.fast_path:
             self._arena, self._arena_conn = self._open_arena(resp.segment_id, resp.fast_path)
+            seg.server_gone = self._watch(resp.fast_path)
         self._fast_path = resp.fast_path
         self.server_seals = resp.seals
         # the id last: a thread that reads it reads this server's fast path and arena too
@@ -147,9 +148,12 @@ class SameHostPath:
             log.info("kdn: the server knows no segment %s (it restarted?); attaching again",
                      seg_id)
             self._let_go()
+            seg.server_gone = None  # until the new server is known
             if not self._attach_segment(seg):
                 self._segment, self._segment_id = None, ""
                 self._dropped.append(seg)  # views of it may still be read: closed at close
+            else:
+                seg.reclaim()  # what the old server left unanswered, where it has exited
 
     def _let_go(self) -> None:
         """Drop what the attached server lent: its read arena (closed; views of it stay
@@ -162,6 +166,21 @@ class SameHostPath:
         if conn is not None:
             conn.close()
         self._fast_path = ""
+
+    def _watch(self, fast_path: str) -> Callable[[], bool] | None:
+        """Whether the server process behind ``fast_path`` has exited (``shm.server_watch``
+        of a connection made to ask), or None where that is not known."""
+        from kdn.client.shm import server_watch
+
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            conn.settimeout(time_left(self.timeout_s))
+            conn.connect("\0" + fast_path)
+            return server_watch(conn)
+        except OSError:
+            return None
+        finally:
+            conn.close()
 
     def _open_arena(self, seg_id: str, fast_path: str) -> tuple[Any, socket.socket | None]:
         """The server's read arena of this tenant (``kdn.server.arena``), handed over the fast

@@ -24,10 +24,13 @@ import logging
 import mmap
 import os
 import secrets
+import select
+import socket
+import struct
 import threading
 import weakref
 from collections import OrderedDict, deque
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,6 +60,26 @@ def unanswered(exc: BaseException) -> bool:
                                                              Cancelled))
 
 
+def server_watch(conn: socket.socket) -> Callable[[], bool] | None:
+    """Whether the process at the other end of the Unix connection ``conn`` (a server) has
+    exited, asked without waiting (a pidfd of it, closed with the function); None where that
+    can not be known (no pidfd, a process of another pid namespace, this very process)."""
+    try:
+        pid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                  struct.calcsize("3i")))[0]
+        if pid <= 0 or pid == os.getpid():
+            return None
+        fd = os.pidfd_open(pid)
+    except (OSError, AttributeError):  # no SO_PEERCRED or pidfd_open here
+        return None
+
+    def gone() -> bool:
+        return bool(select.select([fd], [], [], 0)[0])  # readable once the process exited
+
+    weakref.finalize(gone, os.close, fd)
+    return gone
+
+
 class SharedSegment:
     """A sealed memfd mapped into this process, carved into regions (module docstring)."""
 
@@ -79,6 +102,9 @@ class SharedSegment:
         self.regions = RegionAllocator(NONCE_BYTES, size)
         self._owned: dict[int, weakref.finalize] = {}  # region start -> what frees it
         self._cuda_registered: bool | None = None
+        self.server_gone: Callable[[], bool] | None = None
+        """Whether the server process the segment is attached to now has exited
+        (``server_watch``; None: not known): regions retired meanwhile come back then."""
 
     @property
     def pid(self) -> int:
@@ -87,20 +113,33 @@ class SharedSegment:
     def give_back(self, offset: int, n: int, failed: BaseException | None = None) -> None:
         """Free [offset, offset + n), a region a call to the server named, once the call is
         over: unless it ended with ``failed``, an error that leaves the server free to act on
-        the call still (``unanswered``): then the region is retired, never used again, since
-        the server may yet read it (a store of whatever the region holds by then, under the
-        call's key) or write it (an entry read, over whatever the region holds by then)."""
+        the call still (``unanswered``): then the region is retired, not used again while
+        that server process runs, since it may yet read it (a store of whatever the region
+        holds by then, under the call's key) or write it (an entry read, over whatever the
+        region holds by then)."""
         if failed is not None and unanswered(failed):
             self.retire(offset, n, type(failed).__name__)
         else:
             self.regions.free(offset, n)
 
     def retire(self, offset: int, n: int, why: str) -> None:
-        """Keep [offset, offset + n) out of use for good (``give_back``), saying so."""
-        self.regions.retire(offset, n)
+        """Keep [offset, offset + n) out of use (``give_back``) until the server process
+        that may use it has exited (``server_gone``; for good where that is not known),
+        saying so."""
+        self._retire(offset, n, why, self.server_gone)
+
+    def _retire(self, offset: int, n: int, why: str, until: Callable[[], bool] | None) -> None:
+        self.regions.retire(offset, n, until)
         log.warning("kdn: %d bytes of the shared segment retired: the server did not answer "
-                    "the call that named them (%s), and may still use them; %d retired in all",
-                    n, why, self.regions.retired_bytes())
+                    "the call that named them (%s), and may still use them until it exits; %d "
+                    "retired in all", n, why, self.regions.retired_bytes())
+
+    def reclaim(self) -> None:
+        """Take back the regions retired while attached to a server that has exited since."""
+        back = self.regions.reclaim()
+        if back:
+            log.info("kdn: %d retired bytes of the shared segment in use again: the server "
+                     "that might have used them has exited", back)
 
     def write(self, offset: int, data: bytes | memoryview) -> None:
         """Copy ``data`` into the segment at ``offset`` (numpy: the GIL is released)."""
@@ -123,12 +162,15 @@ class SharedSegment:
 
     def retire_owned(self, start: int) -> None:
         """The region ``owned`` gave out from ``start`` is retired instead of freed when its
-        views die (``give_back``: a call that named it went unanswered)."""
+        views die (``give_back``: a call that named it went unanswered): until the server
+        that may use it has exited, as ``retire``."""
         fin = self._owned.pop(start, None)
         got = fin.detach() if fin is not None else None
         if got is not None:
-            at, n = got[2]
-            self.retire(at, n, "a staged entry's store")
+            owner, _, (at, n), _ = got
+            later = weakref.finalize(owner, self._retire, at, n, "a staged entry's store",
+                                     self.server_gone)  # (this server's, not a later one's)
+            later.atexit = False
 
     def holds(self, view: memoryview) -> bool:
         """Whether ``view`` lies in this segment's memory."""

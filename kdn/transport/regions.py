@@ -5,6 +5,7 @@ with it."""
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 ALIGN = 64
 
@@ -18,11 +19,16 @@ class RegionAllocator:
 
     def __init__(self, start: int, end: int) -> None:
         self._free: list[tuple[int, int]] = [(_align(start), end)]  # sorted (begin, end)
-        self._retired = 0
+        self._retired: list[tuple[int, int, Callable[[], bool] | None]] = []
         self._lock = threading.Lock()
 
     def alloc(self, n: int) -> int | None:
-        """Offset of a free range of ``n`` bytes, or None when none is that large."""
+        """Offset of a free range of ``n`` bytes, or None when none is that large (retired
+        ranges that may come back, asked first: ``reclaim``)."""
+        got = self._alloc(n)
+        return got if got is not None or not self.reclaim() else self._alloc(n)
+
+    def _alloc(self, n: int) -> int | None:
         need = _align(max(n, 1))
         with self._lock:
             for i, (b, e) in enumerate(self._free):
@@ -34,7 +40,11 @@ class RegionAllocator:
         return None
 
     def alloc_largest(self, cap: int) -> tuple[int, int] | None:
-        """(offset, size) of the largest free range, at most ``cap`` bytes; None when full."""
+        """(offset, size) of the largest free range, at most ``cap`` bytes; None when full.
+        Where the largest is short of ``cap``, retired ranges that may come back are asked
+        first (``reclaim``)."""
+        if self.largest_free() < _align(cap):
+            self.reclaim()
         with self._lock:
             if not self._free:
                 return None
@@ -67,17 +77,33 @@ class RegionAllocator:
                 spans[i - 1] = (spans[i - 1][0], spans[i][1])
                 del spans[i]
 
-    def retire(self, offset: int, n: int) -> None:
-        """Keep [offset, offset + n) (allocated) out of use for good: a range another process
-        may still read or write (named in a call it did not answer; ``SharedSegment.
-        give_back``)."""
+    def retire(self, offset: int, n: int, until: Callable[[], bool] | None = None) -> None:
+        """Keep [offset, offset + n) (allocated) out of use: a range another process may
+        still read or write (named in a call it did not answer; ``SharedSegment.give_back``).
+        ``until``: whether that process is gone now (asked by ``reclaim``; the range is then
+        free again); None: out of use for good."""
         with self._lock:
-            self._retired += _align(n)
+            self._retired.append((offset, _align(n), until))
+
+    def reclaim(self) -> int:
+        """Free the retired ranges whose ``until`` says their process is gone (each asked
+        once); the bytes freed."""
+        with self._lock:
+            asks = {id(u): u for _, _, u in self._retired if u is not None}
+        if not asks:
+            return 0
+        gone = {key for key, until in asks.items() if until()}
+        with self._lock:
+            back = [r for r in self._retired if r[2] is not None and id(r[2]) in gone]
+            self._retired = [r for r in self._retired if r not in back]
+        for offset, n, _ in back:
+            self.free(offset, n)
+        return sum(n for _, n, _ in back)
 
     def retired_bytes(self) -> int:
         """Bytes kept out of use by ``retire``."""
         with self._lock:
-            return self._retired
+            return sum(n for _, n, _ in self._retired)
 
     def largest_free(self) -> int:
         """Bytes of the largest free range."""
