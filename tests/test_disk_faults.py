@@ -181,6 +181,36 @@ def test_a_truncated_file_is_named_with_both_sizes(tmp_path: Path) -> None:
     LmdbTier(tmp_path, capacity_bytes=64 << 20).close()
 
 
+def test_a_zeroed_data_file_is_named_damaged_with_what_to_do(tmp_path: Path) -> None:
+    """A data file overwritten with zeros (a disk or a program that wrote over it) is refused
+    as damaged, naming its folder and what to do about it (it only said "File is not an LMDB
+    file", restart after restart), by the tier and by ``kdn serve`` in one line; once the
+    folder is moved aside, the server starts with an empty disk tier."""
+    data = tmp_path / "data"
+    LmdbTier(data / "lmdb", capacity_bytes=64 << 20).close()
+    (data_file,) = data.rglob("data.mdb")
+    data_file.write_bytes(bytes(data_file.stat().st_size))
+    with pytest.raises(TierUnavailable, match=r"its data file is damaged \(.*\); move the "
+                                              r"folder aside to start with an empty disk tier"):
+        LmdbTier(data / "lmdb", capacity_bytes=64 << 20)
+    port = _free_port()
+    again = _serve(data, port)
+    try:
+        _, err = again.communicate(timeout=60)
+    finally:
+        again.kill()
+    assert again.returncode == 2, err
+    assert "damaged" in err and str(data_file.parent) in err and "Traceback" not in err, err
+    assert len(err.strip().splitlines()) == 1, err
+    (data / "lmdb").rename(tmp_path / "aside")
+    proc = _serve(data, port)
+    try:
+        assert _serving(f"127.0.0.1:{port}", proc), proc.stderr.read() if proc.stderr else ""
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
 def test_stores_the_disk_tier_refuses_keep_the_clients_shared_segment(tmp_path: Path) -> None:
     """A DISK store the disk tier refuses (its folder deleted under the server: UNAVAILABLE)
     is the server's answer: the same-host client's region for it is free again, not retired

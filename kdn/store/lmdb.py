@@ -105,6 +105,9 @@ def _read_failed(exc: lmdb.Error) -> TierUnavailable:
 _STAMP = struct.Struct(">Q")
 _USED = b"used"
 _MAX_TOUCHED = 1 << 16
+_DAMAGED = (lmdb.InvalidError, lmdb.CorruptedError, lmdb.PageNotFoundError,
+            lmdb.VersionMismatchError)
+"""What LMDB raises opening a data file that is not (or no longer) one it wrote."""
 
 
 class _RWLock:
@@ -197,6 +200,10 @@ class LmdbTier(Tier):
             if hasattr(self, "env"):
                 self.env.close()
             self._dir_lock.release()
+            if isinstance(exc, _DAMAGED):  # (zeroed, overwritten, another program's file)
+                raise TierUnavailable(f"can not open LMDB at {self.path}: its data file is "
+                                      f"damaged ({exc}); move the folder aside to start with "
+                                      "an empty disk tier") from exc
             if isinstance(exc, lmdb.Error):
                 raise TierUnavailable(f"can not open LMDB at {self.path}: {exc}") from exc
             raise
