@@ -11,7 +11,9 @@ hierarchy (which wakes that tier's write queue). ``degraded`` is true while any 
 ``local_ok`` while every tier on this machine (all but the ``remote`` ones) is up.
 
 Calls into a tier go through ``attempt`` (or ``guard``, for callers to whom a failed call is a
-miss): ``TierUnavailable`` marks the tier down, any other ``KDNError`` is logged, and the caller
+miss): ``TierUnavailable`` marks the tier down, any other ``KDNError`` is logged (a WARNING for
+the first of its kind on its tier each ``WARN_EVERY_S``, saying how many went unsaid since: a
+Redis out of memory refuses every write, each a line), and the caller
 gets a ``Fault`` (or None) instead of an exception, so one failing tier never fails a request
 that others can serve. ``PartlyUnavailable`` (a Redis Cluster slot whose master does not answer,
 a write that too few replicas confirmed, a full disk) fails that call only (``Fault.PARTLY``: a
@@ -28,6 +30,7 @@ from __future__ import annotations
 import enum
 import logging
 import threading
+import time
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -39,6 +42,8 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 Count = Callable[[str, int], None]
 """``count(name, n)``: add ``n`` to the hierarchy's counter ``name``."""
+WARN_EVERY_S = 60.0
+"""A tier's failed calls of one kind (its error's type) are a WARNING at most this often."""
 
 
 class Fault(enum.Enum):
@@ -63,6 +68,8 @@ class TierHealth:
         not taken: a disk full, a Redis cluster master that does not answer)."""
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._warned: dict[tuple[str, str], tuple[float, int]] = {}  # (until, unsaid since)
+        self._warned_lock = threading.Lock()
 
     # -- marks ----------------------------------------------------------------------------------
 
@@ -151,8 +158,21 @@ class TierHealth:
         except KDNError as exc:
             if reraise:
                 raise
-            log.warning("tier %s: %s failed: %s", tier.name, what, exc)
+            self._warn(tier.name, what, exc)
             return Fault.FAILED
+
+    def _warn(self, name: str, what: str, exc: KDNError) -> None:
+        """A failed call logged: a WARNING where it is the first of its kind (tier, error
+        type) in ``WARN_EVERY_S``, naming how many such went unsaid since; else at DEBUG."""
+        now, kind = time.monotonic(), (name, type(exc).__name__)
+        with self._warned_lock:
+            until, unsaid = self._warned.get(kind, (0.0, 0))
+            self._warned[kind] = (until, unsaid + 1) if now < until else (now + WARN_EVERY_S, 0)
+        if now < until:
+            log.debug("tier %s: %s failed: %s", name, what, exc)
+            return
+        log.warning("tier %s: %s failed: %s%s", name, what, exc,
+                    f" ({unsaid} more such failures since the last warning)" if unsaid else "")
 
     def guard(self, tier: Tier, fn: Callable[[], T], what: str) -> T | None:
         """``fn()``, or None when it failed (a miss, to the caller)."""
