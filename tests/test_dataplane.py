@@ -279,6 +279,7 @@ def test_the_gpu_bound_batch_read_returns_every_entry_in_order(
     in-process hits and server reads mixed, groups sized by the first entry, a miss, every
     entry back whole and in order."""
     from kdn.client import reads as client_mod
+    from kdn.codec import gpu_source
 
     monkeypatch.setattr(client_mod, "on_cuda", lambda device: True)
     lay = uniform_layout(layers=4, heads=2, dim=64)
@@ -289,8 +290,12 @@ def test_the_gpu_bound_batch_read_returns_every_entry_in_order(
         assert c.local is not None and 0 < c.local.stats.entries < len(kvs)
         hits = c.local.stats.hits
         keys = [_key(60 + i) for i in range(9)] + [_key(99)]
+        before = dict(gpu_source.SECONDS)
         streams = c.retrieve_streams(keys, layout=lay, device="cpu")
+        steps = {k: v - before.get(k, 0.0) for k, v in gpu_source.SECONDS.items()}
         assert streams[-1] is None and len(streams) == 10
         for s, kv in zip(streams, kvs):
             assert s is not None and s.result().equal(kv)
         assert c.local.stats.hits > hits  # some came from the tier, the rest from the server
+        # the host's time of each step is kept for bench.gpu's rows (host_phases_s)
+        assert all(steps.get(f"read.{k}", 0.0) > 0 for k in ("entries", "streams", "settle"))

@@ -482,7 +482,10 @@ class Reader:
         segment, and each group's regions and leases go back once its copies are done (the
         group before is settled after the next one is asked for: two in flight), so a context
         larger than the segment and the arena never falls back to streams. The first group, one
-        entry, gives the size the others are counted by."""
+        entry, gives the size the others are counted by. Each step's host time is added to
+        ``kdn.codec.gpu_source.SECONDS`` (``read.*``; the decode's own: ``land.*``)."""
+        from kdn.codec.gpu_source import lap
+
         layout, tokens = shape
         want = Expected.of(layout, tokens)
         out: list[LayerStream | None] = [None] * len(ks)
@@ -495,11 +498,13 @@ class Reader:
                 out[j] = stream_of(hit, device, new_timings(started=started), seg)
         budget, size, done = max(1, seg.size // 4), 0, 0
         held: list[LayerStream | None] = []
+        t = time.perf_counter()
         while done < len(rest):
             group = rest[done:done + (max(1, budget // size) if size else 1)]
             done += len(group)
             got = self._entries(ns, [ks[j] for j in group], want, request_id, pinned=True,
                                   in_process=False)
+            t = lap("read.entries", t)
             streams: list[LayerStream | None] = []
             hits = [(j, g) for j, g in zip(group, got) if isinstance(g, Fetched)]
             together = decoded_together([g for _, g in hits], device, started, seg)
@@ -516,10 +521,12 @@ class Reader:
                                                     tokens=tokens, device=device,
                                                     request_id=request_id)
                 streams.append(out[j])
+            t = lap("read.streams", t)  # (decoded together: land.*, inside this)
             for st in held:
                 if st is not None:
                     st.settle_copies()
             held = streams
+            t = lap("read.settle", t)
         return out  # the last group's copies run on while the caller starts
 
     @settles
