@@ -276,7 +276,7 @@ def test_layers_viewing_one_span_are_copied_as_one() -> None:
 def test_the_gpu_bound_batch_read_returns_every_entry_in_order(
         server: ServerThread, monkeypatch: pytest.MonkeyPatch) -> None:
     """``retrieve_streams`` bound for a GPU (faked: its grouped path run into CPU tensors):
-    in-process hits and server reads mixed, groups sized by the first entry, a miss, every
+    in-process hits and server reads mixed, groups sized by the entries' size, a miss, every
     entry back whole and in order."""
     from kdn.client import reads as client_mod
     from kdn.codec import gpu_source
@@ -299,3 +299,51 @@ def test_the_gpu_bound_batch_read_returns_every_entry_in_order(
         assert c.local.stats.hits > hits  # some came from the tier, the rest from the server
         # the host's time of each step is kept for bench.gpu's rows (host_phases_s)
         assert all(steps.get(f"read.{k}", 0.0) > 0 for k in ("entries", "streams", "settle"))
+
+
+@pytest.mark.parametrize(("arena", "mode"), [(0, "raw"), (64 << 20, "raw"),
+                                             (64 << 20, "kdn")])
+def test_a_gpu_bound_read_waits_only_for_copies_that_hold_the_segment(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, arena: int, mode: str) -> None:
+    """``retrieve_streams`` bound for a GPU (faked) reads in groups of about a quarter of the
+    segment, the first sized by the entries' raw size (it was one entry, whatever the size);
+    entries the server copies into the segment (no read arena) are waited for, oldest first,
+    to keep half of it free for the next group; entries the read arena lends hold no room of
+    the segment, and nothing is waited for before the call returns (a wait for the group
+    before each was a host synchronisation per group on a GPU)."""
+    from kdn.client import reads as client_mod
+    from kdn.client.stream import LayerStream
+
+    monkeypatch.setattr(client_mod, "on_cuda", lambda device: True)
+    asked: list[int] = []
+    settled: list[int] = []
+    entries = client_mod.Reader._entries  # noqa: SLF001
+    monkeypatch.setattr(client_mod.Reader, "_entries",
+                        lambda self, ns, ks, *a, **kw: asked.append(len(ks))
+                        or entries(self, ns, ks, *a, **kw))
+    settle = LayerStream.settle_copies
+    monkeypatch.setattr(LayerStream, "settle_copies",
+                        lambda self: settled.append(len(asked)) or settle(self))
+    lay = uniform_layout(layers=4, heads=2, dim=64)  # fp16: 2 KiB a token
+    kvs = [random_kv(lay, 128, seed=80 + i) for i in range(12)]  # 256 KiB each raw
+    cfg = ServerConfig(port=0, data_dir=tmp_path / "d", disk_bytes=0, shm_arena_bytes=arena)
+    with ServerThread(cfg) as st, Client(st.address, timeout_s=30, shm_bytes=4 << 20) as c:
+        for i, kv in enumerate(kvs):
+            c.store(_key(80 + i), kv, mode=mode, level="default" if mode == "kdn" else "")
+        streams = c.retrieve_streams([_key(80 + i) for i in range(12)], layout=lay,
+                                     tokens=128, device="cpu")
+        waited = list(settled)
+        for s, kv in zip(streams, kvs):
+            assert s is not None
+            got = s.result()
+            assert got.equal(kv) if mode == "raw" else got.num_tokens == 128
+    assert asked[0] == 3  # 1 MiB of raw entries of 256 KiB and their headers
+    assert sum(asked) == 12
+    if arena == 0:  # every group's 0.75 MiB in the segment: before the third group is
+        # asked for, the first one's three streams are waited for; before the fourth, the
+        # second's
+        assert asked == [3, 3, 3, 3] and waited == [2] * 3 + [3] * 3, (asked, waited)
+    else:
+        assert waited == [], (asked, waited)
+        if mode == "kdn":  # groups sized by the largest entry read, after the first
+            assert len(asked) == 2, asked

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import time
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -478,12 +479,13 @@ class Reader:
         """``retrieve_streams`` of keys ``ks`` bound for a GPU (``seg``: the shared segment;
         ``shape``: the layout and tokens every entry must have).
         The host bytes are only copy sources. In-process hits hold nothing of the server's: all
-        their copies are queued at once. The rest is read in groups that fill a quarter of the
-        segment, and each group's regions and leases go back once its copies are done (the
-        group before is settled after the next one is asked for: two in flight), so a context
-        larger than the segment and the arena never falls back to streams. The first group, one
-        entry, gives the size the others are counted by. Each step's host time is added to
-        ``kdn.codec.gpu_source.SECONDS`` (``read.*``; the decode's own: ``land.*``)."""
+        their copies are queued at once. The rest is read in groups of about a quarter of the
+        segment (the first sized by the raw size, the most any encoding takes; then by the
+        largest entry read). Entries copied into the segment hold its room until their copies
+        are done: before a group is asked for, the oldest are waited for (``settle_copies``)
+        until half the segment is left, so a context larger than the segment and the arena
+        never falls back to streams; entries lent from the read arena hold none (no wait).
+        Host time of each step: ``gpu_source.SECONDS`` (``read.*``; the decode's: ``land.*``)."""
         from kdn.codec.gpu_source import lap
 
         layout, tokens = shape
@@ -496,24 +498,31 @@ class Reader:
                 rest.append(j)
             else:
                 out[j] = stream_of(hit, device, new_timings(started=started), seg)
-        budget, size, done = max(1, seg.size // 4), 0, 0
-        held: list[LayerStream | None] = []
-        t = time.perf_counter()
+        budget, done = max(1, seg.size // 4), 0
+        size = layout.bytes_per_token * tokens * 101 // 100 + (64 << 10) \
+            if layout is not None and tokens else 0  # raw, its headers and frames at most
+        held: deque[tuple[list[LayerStream | None], int]] = deque()  # (streams, bytes in seg)
+        in_seg, seen, t = 0, 0, time.perf_counter()
         while done < len(rest):
+            while held and in_seg > budget:  # half the segment left for the next group
+                old, n = held.popleft()
+                in_seg -= n
+                for st in filter(None, old):
+                    st.settle_copies()
+            t = lap("read.settle", t)
             group = rest[done:done + (max(1, budget // size) if size else 1)]
             done += len(group)
             got = self._entries(ns, [ks[j] for j in group], want, request_id, pinned=True,
                                   in_process=False)
-            t = lap("read.entries", t)
-            streams: list[LayerStream | None] = []
+            t, streams, n = lap("read.entries", t), [], 0
             hits = [(j, g) for j, g in zip(group, got) if isinstance(g, Fetched)]
             together = decoded_together([g for _, g in hits], device, started, seg)
             for (j, _), one in zip(hits, together or []):
                 out[j] = one
             for j, g in zip(group, got):
                 if isinstance(g, Fetched):
-                    size = max(size, len(g.container) if g.container is not None
-                               else sum(map(len, g.parts.frames)))
+                    seen, n = max(seen, g.parts.nbytes), n + g.parts.nbytes * (
+                        g.container is None or seg.holds(g.container))  # (not the arena's)
                     if out[j] is None:
                         out[j] = stream_of(g, device, new_timings(started=started), seg)
                 elif g is not None:  # too large for the segment: its own stream
@@ -521,12 +530,9 @@ class Reader:
                                                     tokens=tokens, device=device,
                                                     request_id=request_id)
                 streams.append(out[j])
+            held.append((streams, n))
+            in_seg, size = in_seg + n, seen or size
             t = lap("read.streams", t)  # (decoded together: land.*, inside this)
-            for st in held:
-                if st is not None:
-                    st.settle_copies()
-            held = streams
-            t = lap("read.settle", t)
         return out  # the last group's copies run on while the caller starts
 
     @settles
@@ -558,14 +564,11 @@ class Reader:
                 for f in self.fetch_many(keys, namespace=namespace, layout=layout,
                                          tokens=tokens, request_id=request_id)]
 
-
     def _retrieve_request(self, key: bytes, namespace: str | None, want: Expected
                           ) -> pb.RetrieveRequest:
         return pb.RetrieveRequest(namespace=self._ns(namespace), key=check_key(key),
                                   expect_layout_fingerprint=want.fingerprint,
                                   expect_tokens=want.tokens)
-
-    # -- blend ----------------------------------------------------------------------------------
 
 
 def layer_window(first_layer: int, last_layer: int) -> tuple[int, int]:
