@@ -26,7 +26,7 @@ from reseal_bytes import (
 
 from kdn import codec
 from kdn.cache import KVCache
-from kdn.codec import entropy
+from kdn.codec import api, entropy
 from kdn.codec import format as fmt
 from kdn.codec.layouts import layout_from_proto
 from kdn.codec.modes import get_mode
@@ -48,7 +48,8 @@ MODE_LEVELS = [(m, lv) for m in codec.mode_names() for lv in get_mode(m).levels]
 ALL_LEVELS = sorted({lv for _, lv in MODE_LEVELS})
 
 # (layout, tokens, modes) of the seeds; None: every mode and level. 1100 tokens: two rANS
-# blocks per row; 1 token: kdn's sink only (empty entropy streams); 0 tokens: empty layers.
+# blocks per row; 1 token: kdn's sink only (empty entropy streams); 0 tokens: empty layers
+# (which no client stores, and a hostile one may send: built past the encoder's check).
 SHAPES: list[tuple[KVLayout, int, tuple[str, ...] | None]] = [
     (PRUNED, 5, None),
     (SMALL_BF16, 3, None),
@@ -158,7 +159,8 @@ def build_seeds() -> list[Seed]:
                 pair = []
                 for g in (1, 2):
                     kv = _kv(layout, tokens, g)
-                    parts = codec.encode_parts(kv, mode, level, layers_per_frame=lpf)
+                    parts = codec.encode_parts(kv, mode, level, layers_per_frame=lpf) \
+                        if tokens else api._encode_unchecked(kv, mode, level, lpf, False)  # noqa: SLF001
                     pair.append(_seed(f"{name}/{g}", mode, parts.header, parts.frames, kv))
                 pair[0].partner, pair[1].partner = len(seeds) + 1, len(seeds)
                 seeds += pair

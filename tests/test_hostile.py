@@ -198,12 +198,20 @@ def _sections(body: memoryview, count: int) -> list[bytes]:
     return [bytes(s) for s in unpack_sections(body, count, "test")]
 
 
-def test_raw_encodes_an_empty_cache() -> None:
-    """0 tokens: ``tensor_view`` could not cast an empty tensor (TypeError from encode)."""
+def test_an_empty_cache_is_refused_by_encode_and_decoded_where_one_comes() -> None:
+    """0 tokens: ``tensor_view`` could not cast an empty tensor (TypeError from encode). A
+    cache of no tokens is refused by ``encode`` as what it is (InvalidArgument); an entry of
+    none, which an older kdn or a hostile writer may have stored, decodes in every mode."""
+    from kdn.codec import api
+    from kdn.errors import InvalidArgument
+
     empty = random_kv(pruned_layout(), 0)
     for mode in codec.mode_names():
         level = codec.get_mode(mode).levels[0]
-        back = codec.decode(codec.encode(empty, mode, level))
+        with pytest.raises(InvalidArgument, match="holds no tokens"):
+            codec.encode(empty, mode, level)
+        blob = api._encode_unchecked(empty, mode, level, 1, False).to_bytes()  # noqa: SLF001
+        back = codec.decode(blob)
         assert [tuple(k.shape) for k, _ in back.layers] == \
             [tuple(k.shape) for k, _ in empty.layers]
 
