@@ -146,20 +146,24 @@ def test_a_containers_memory_limit_bounds_the_room(tmp_path: Path, limit: str,
     room.check_room(1 << 30, 32768)
 
 
-def _fake_cuda(monkeypatch: pytest.MonkeyPatch, free: int, reserved: int, allocated: int
-               ) -> torch.device:
-    """A CUDA device whose driver reports ``free`` bytes and whose caching allocator holds
-    ``reserved`` bytes, ``allocated`` of them in use (no GPU needed)."""
+class _Props:
+    def __init__(self, total: int) -> None:
+        self.total_memory = total
+
+
+def _fake_cuda(monkeypatch: pytest.MonkeyPatch, total: int, allocated: int) -> torch.device:
+    """A CUDA device of ``total`` bytes of which this process's tensors hold ``allocated``
+    (no GPU needed); the driver is not to be asked (a call a hit would wait on)."""
     dev = torch.device("cuda", 0)
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d=None: (free, 80 << 30))
-    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d=None: reserved)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d=None: _Props(total))
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda d=None: allocated)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d=None: pytest.fail("asked"))
     return dev
 
 
-def test_the_room_on_a_cuda_device_is_what_is_free_and_what_torch_holds_unused(
+def test_the_room_on_a_cuda_device_is_its_memory_less_what_this_process_holds(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    dev = _fake_cuda(monkeypatch, free=1 << 30, reserved=3 << 30, allocated=2 << 30)
+    dev = _fake_cuda(monkeypatch, total=5 << 30, allocated=3 << 30)
     assert room.device_room(dev) == 2 << 30
     assert room.device_room(torch.device("cpu")) is None
     monkeypatch.setattr(room, "host_room", lambda: 64 << 30)  # the host's room is not asked
@@ -176,12 +180,12 @@ def test_a_decoder_to_a_cuda_device_asks_the_device_before_allocating(
     from kdn.codec import api
 
     parts = declaring(_constant(), 8192)  # 0.5 GiB decoded
-    dev = _fake_cuda(monkeypatch, free=128 << 20, reserved=0, allocated=0)
+    dev = _fake_cuda(monkeypatch, total=1 << 30, allocated=(1 << 30) - (128 << 20))
     monkeypatch.setattr(api, "target_device", lambda d: dev)
     monkeypatch.setattr(room, "host_room", lambda: 64 << 30)
     with pytest.raises(TooLarge, match=r"decodes to 0\.5 GiB \(8192 tokens\); device cuda:0"):
         codec.StreamDecoder(parts.header, "cuda")
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d=None: (1 << 30, 80 << 30))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda d=None: 0)
     assert codec.StreamDecoder(parts.header, "cuda").device == dev  # room enough: no refusal
 
 
@@ -204,3 +208,17 @@ def test_the_whole_entry_decoder_asks_for_room_before_planning(
         get_mode("kdn").decode_layers([memoryview(r.body) for r in recs], specs, "default",
                                       torch.device("cpu"))
     assert gpu_batch.STATS == {"launches": 0, "copies": 0, "syncs": 0}
+
+
+def test_a_device_out_of_memory_at_the_whole_entry_output_is_too_large(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the room does not count (other processes' memory on the device) can still leave
+    the output's allocation short: torch's out-of-memory error there is TooLarge too."""
+    from kdn.codec import gpu_batch
+
+    def short(*args: object, **kwargs: object) -> torch.Tensor:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
+
+    monkeypatch.setattr(gpu_batch.torch, "empty", short)
+    with pytest.raises(TooLarge, match=r"decode to 1\.0 GiB, more than device cpu has free"):
+        gpu_batch._output(1 << 29, torch.float16, torch.device("cpu"))  # noqa: SLF001

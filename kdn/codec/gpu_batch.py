@@ -66,7 +66,7 @@ from kdn.codec.gpu_source import (
 from kdn.codec.modes import LayerSpec
 from kdn.codec.quant import SCALE_TABLE, upload_many
 from kdn.codec.room import check_room
-from kdn.errors import Corrupt, InvalidArgument, again, kept
+from kdn.errors import Corrupt, InvalidArgument, TooLarge, again, kept
 
 __all__ = ["DIRECT", "SPAN_GAP", "STATS", "Decoded", "decode_int8", "decode_kdn"]
 
@@ -181,7 +181,13 @@ def _distinct(specs: list[LayerSpec]) -> dict[int, LayerSpec]:
 
 
 def _output(numel: int, dt: torch.dtype, device: torch.device) -> torch.Tensor:
-    return torch.empty(max(numel, 1), dtype=dt, device=device)
+    """The tensor every layer's K and V are decoded into; TooLarge where the device has not
+    the room (``check_room`` asked before: what other processes hold is not counted there)."""
+    try:
+        return torch.empty(max(numel, 1), dtype=dt, device=device)
+    except torch.OutOfMemoryError as exc:
+        raise TooLarge(f"the entries decode to {numel * dt.itemsize / 2**30:.1f} GiB, more "
+                       f"than device {device} has free now") from exc
 
 
 def _views(out: torch.Tensor, specs: list[LayerSpec], bases: list[tuple[int, int]]

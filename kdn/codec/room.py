@@ -10,7 +10,9 @@ as TooLarge, what can not fit where they decode to.
 The room is an upper bound of what the process could get, so that nothing that fits is
 refused: on the host, its MemAvailable, and where the process runs in a memory cgroup (a
 container, a pod) its limit less what it uses, page cache counted as free; on a CUDA device,
-what the driver reports free plus what torch's caching allocator holds unused."""
+its memory less what this process's tensors hold (torch's own counts: no call to the driver,
+which a hit would wait on; what other processes hold there is not counted, and an allocation
+it leaves short of room fails as TooLarge where it is made: ``gpu_batch``)."""
 
 from __future__ import annotations
 
@@ -77,13 +79,12 @@ def host_room() -> int | None:
 
 
 def device_room(device: torch.device) -> int | None:
-    """Bytes a CUDA ``device`` could still give this process (module docstring), or None for
-    a device that does not say (not CUDA)."""
+    """Bytes a CUDA ``device`` could give this process at most (module docstring), or None
+    for a device that does not say (not CUDA)."""
     if device.type != "cuda":
         return None
-    free, _ = torch.cuda.mem_get_info(device)
-    return int(free) + max(0, torch.cuda.memory_reserved(device)
-                           - torch.cuda.memory_allocated(device))
+    total = torch.cuda.get_device_properties(device).total_memory
+    return max(0, int(total) - torch.cuda.memory_allocated(device))
 
 
 def check_room(declared: int, tokens: int, what: str = "decodes to",
