@@ -73,8 +73,10 @@ def server_watch(conn: socket.socket) -> Callable[[], bool] | None:
     except (OSError, AttributeError):  # no SO_PEERCRED or pidfd_open here
         return None
 
-    def gone() -> bool:
-        return bool(select.select([fd], [], [], 0)[0])  # readable once the process exited
+    def gone() -> bool:  # (poll, not select: any descriptor number)
+        ask = select.poll()
+        ask.register(fd, select.POLLIN)
+        return bool(ask.poll(0))  # readable once the process exited
 
     weakref.finalize(gone, os.close, fd)
     return gone
