@@ -18,7 +18,7 @@ from kdn.cache import KVCache
 from kdn.client import Client
 from kdn.client.stream import LayerStream
 from kdn.engine import EngineConfig, KDNEngine
-from kdn.errors import Corrupt
+from kdn.errors import Corrupt, TooLarge
 from kdn.server import ServerConfig, ServerThread
 from tests.helpers import count_decoders
 from tests.test_engine_devices import _model, _Tok
@@ -153,3 +153,32 @@ def test_the_models_own_error_is_not_taken_for_a_load_failure(
     with pytest.raises(RuntimeError, match="out of memory"):
         engine.generate(IDS, max_new_tokens=6, force="raw")
     monkeypatch.setattr(engine.model, "forward", forward)
+
+
+@pytest.mark.parametrize("error", [TooLarge("the entries decode to 1.0 GiB, more than device "
+                                            "cuda:0 has free now"),
+                                   Corrupt("frame 1 checksum mismatch")])
+def test_a_load_too_large_for_here_leaves_the_encoding_out_but_keeps_its_blocks(
+        engine: KDNEngine, monkeypatch: pytest.MonkeyPatch, error: Exception) -> None:
+    """A load refused as TooLarge (the device, or the host, short of room for it) is computed
+    whole and its encoding left out for a while, as any failed load; its blocks, which nothing
+    is wrong with, are not stored again (a damaged one is)."""
+    failures: list[str] = []
+    rewrites: list[str] = []
+    observe, start = engine.controller.observe_failure, engine._saver.start  # noqa: SLF001
+
+    def refuse(*args: object, **kwargs: object) -> object:
+        raise error
+
+    monkeypatch.setattr(engine.client, "retrieve_streams", refuse)
+    monkeypatch.setattr(engine.controller, "observe_failure",
+                        lambda enc, *a: failures.append(enc) or observe(enc, *a))
+    monkeypatch.setattr(engine._saver, "start",  # noqa: SLF001
+                        lambda *a: rewrites.append(a[-1]) or start(*a))
+    got = engine.generate(IDS, max_new_tokens=6, force="raw")
+    monkeypatch.undo()
+    assert got.timings.decision == "recompute" and got.timings.reused_tokens == 0
+    assert got.timings.load_error.startswith(type(error).__name__)
+    assert got.token_ids == _full(engine)
+    assert failures == ["raw"]
+    assert rewrites == ["" if isinstance(error, TooLarge) else "raw"]

@@ -95,7 +95,7 @@ from kdn.engine.config import (
 from kdn.engine.connector import KVConnector
 from kdn.engine.measure import observe_request, time_decodes, time_prefill
 from kdn.engine.store_back import StoreBack
-from kdn.errors import DeadlineExceeded, InvalidRequest, again, kept
+from kdn.errors import DeadlineExceeded, InvalidRequest, TooLarge, again, kept
 from kdn.layout import KVLayout
 from kdn.model.hf import (
     CacheDecoder,
@@ -266,7 +266,8 @@ class KDNEngine(KVConnector):
         self._load_failed: BaseException | None = None
         self._load_until = math.inf  # perf_counter by which every layer must be in
         self._load_s = 0.0  # the load's deadline, seconds
-        self._rewrite = ""  # the encoding whose blocks failed to load: stored again
+        self._failed = ""  # the encoding whose blocks failed to load: left out for a while
+        self._rewrite = ""  # the one whose blocks are stored again (damaged, refused, missing)
         self._saved: dict[int, LayerKV] = {}
         self._save_refused = False  # a layer not of the prompt's length: nothing stored
         self._unreachable = False  # the lookup failed: nothing stored either
@@ -314,6 +315,14 @@ class KDNEngine(KVConnector):
         except Exception as exc:  # nothing can be loaded from a server that does not answer
             log.warning("kdn: lookup failed (%s); nothing matched", exc)
             return 0
+
+    def _load_failure(self, exc: BaseException, encoding: str) -> None:
+        """A load of ``encoding``'s blocks failed with ``exc``: the encoding is left out for a
+        while unless the server was only slow to send; its blocks are stored again unless
+        they were only late or too large for the memory here (nothing wrong with them)."""
+        late = isinstance(exc, DeadlineExceeded)
+        self._failed = "" if late else encoding
+        self._rewrite = "" if late or isinstance(exc, TooLarge) else encoding
 
     def start_load(self, token_ids: Sequence[int], *, force: str | None = None) -> int:
         """Begin loading the reusable prefix; ``force`` (one of the engine's encoding names,
@@ -365,8 +374,7 @@ class KDNEngine(KVConnector):
             log.warning("kdn: loading %d blocks failed (%s); computing the prompt", hits, exc)
             t.load_error = f"{type(exc).__name__}: {exc}"
             self._load_until = math.inf
-            # a block refused or damaged is stored again; one the server was slow to send is not
-            self._rewrite = "" if isinstance(exc, DeadlineExceeded) else decision.choice
+            self._load_failure(exc, decision.choice)
             return 0
         present = [s for s in streams if s is not None]
         if sum(s.blocks for s in present) < hits:  # evicted between lookup and retrieve:
@@ -498,8 +506,7 @@ class KDNEngine(KVConnector):
                             failed)
                 t.load_error = f"{type(failed).__name__}: {failed}"
                 self.finish()
-                # a damaged block is stored again; one that was only late is not
-                self._rewrite = "" if isinstance(failed, DeadlineExceeded) else t.decision
+                self._load_failure(failed, t.decision)
                 streams, reused, t.decision, self._loaded_blocks = [], 0, RECOMPUTE, 0
                 decoder, logits = self._first_token(ids, 0)
             t.first_token_compute_s = time.perf_counter() - tc  # copies and compute are done
@@ -510,8 +517,8 @@ class KDNEngine(KVConnector):
                 client_metrics.record_ttft(t.decision, t.predicted_ttft_s, t.ttft_s)
                 observe_request(self.controller, streams, t.decision, reused, t,
                                 self._path, self._server, self.layout.bytes_per_token)
-            elif self._rewrite:  # that encoding is left out here for a while
-                self.controller.observe_failure(self._rewrite, self._path, self._server)
+            elif self._failed:  # that encoding is left out here for a while
+                self.controller.observe_failure(self._failed, self._path, self._server)
             for i, (k, v) in enumerate(cache_layers(decoder.cache)):
                 self.save_layer(i, k[0], v[0])  # [1, kv_heads, tokens, ch] -> batch row 0
             store_thread = self._store_thread
