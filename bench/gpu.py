@@ -267,18 +267,15 @@ def measure_decode(model: Any, shape: str, tokens: int, enc: str, client: Client
         if device.type == "cuda" else None
     together_phases: dict[str, float] = {}
     arena_s, arena_phases = None, {}
-    if together_s is not None:  # where the host's time goes in one more such decode
-        before = dict(gpu_source.SECONDS)
-        _decode_together(blobs, device)
-        sync(device)
-        together_phases = phases(before)
+    if together_s is not None:
+        together_phases = _host_steps(lambda: _decode_together(blobs, device), device)
         pinned, views = in_pinned(blobs)  # as a hit from the read arena finds them
-        arena_s = best_s(lambda: _decode_together(views, device, pinned=True, checked=True),
-                         device, runs)
-        before = dict(gpu_source.SECONDS)
-        _decode_together(views, device, pinned=True, checked=True)
-        sync(device)
-        arena_phases = phases(before)
+
+        def from_arena() -> None:
+            _decode_together(views, device, pinned=True, checked=True)
+
+        arena_s = best_s(from_arena, device, runs)
+        arena_phases = _host_steps(from_arena, device)
         del pinned, views
     counts = decode_counts(blobs, device)
     if PROFILE_DECODE:
@@ -307,6 +304,14 @@ def measure_decode(model: Any, shape: str, tokens: int, enc: str, client: Client
             "entries": len(blobs),
             "limit_gb_s": limit, "ratio_to_limit": gb_s / limit, "kv_bytes": kv_bytes,
             "chunk_tokens": engine.config.chunk_tokens}
+
+
+def _host_steps(decode: Any, device: torch.device) -> dict[str, float]:
+    """Where the host's time goes in one more ``decode()`` (``gpu_source.SECONDS``)."""
+    before = dict(gpu_source.SECONDS)
+    decode()
+    sync(device)
+    return phases(before)
 
 
 def in_pinned(blobs: list[bytes]) -> tuple[torch.Tensor, list[memoryview]]:

@@ -59,6 +59,16 @@ def _serve(data: Path, port: int, *, tmpfs_bytes: int = 0, fill: Path | None = N
                             text=True)
 
 
+def _refused_at_start(data: Path, port: int) -> tuple[int | None, str]:
+    """``kdn serve`` on ``data`` run until it exits: its exit code and what it printed."""
+    proc = _serve(data, port)
+    try:
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    return proc.returncode, err
+
+
 def _serving(address: str, proc: subprocess.Popen[str]) -> bool:
     """Whether ``kdn serve`` answers SERVING before it exits (or 30 s pass)."""
     end = time.monotonic() + 30
@@ -158,12 +168,8 @@ def test_a_data_file_cut_short_is_refused_not_read_into_a_crash(tmp_path: Path) 
     finally:
         proc.terminate()
         proc.wait(30)
-    again = _serve(data, port)
-    try:
-        _, err = again.communicate(timeout=30)
-    finally:
-        again.kill()
-    assert again.returncode == 2, err
+    code, err = _refused_at_start(data, port)
+    assert code == 2, err
     assert "was truncated" in err and str(data_file) in err and "Traceback" not in err, err
 
 
@@ -194,12 +200,8 @@ def test_a_zeroed_data_file_is_named_damaged_with_what_to_do(tmp_path: Path) -> 
                                               r"folder aside to start with an empty disk tier"):
         LmdbTier(data / "lmdb", capacity_bytes=64 << 20)
     port = _free_port()
-    again = _serve(data, port)
-    try:
-        _, err = again.communicate(timeout=60)
-    finally:
-        again.kill()
-    assert again.returncode == 2, err
+    code, err = _refused_at_start(data, port)
+    assert code == 2, err
     assert "damaged" in err and str(data_file.parent) in err and "Traceback" not in err, err
     assert len(err.strip().splitlines()) == 1, err
     (data / "lmdb").rename(tmp_path / "aside")
