@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -123,14 +124,17 @@ def test_yaml_null_is_unset_and_a_port_must_be_whole(tmp_path: Path) -> None:
 
 
 def test_kdn_serve_without_a_disk_tier_says_so(tmp_path: Path) -> None:
-    """The start line said "data in kdn-data" with --disk-bytes 0, where nothing is kept."""
-    for extra, says in ((["--disk-bytes", "0"], "(no disk tier)"),
-                        ([], f"(data in {tmp_path / 'data'})")):
+    """The start line said "data in kdn-data" with --disk-bytes 0, where nothing is kept. With
+    a disk tier it names the folder and the budget the tier took (cut where the disk holds
+    less)."""
+    for extra, says in ((["--disk-bytes", "0"], r"\(no disk tier\)$"),
+                        (["--disk-bytes", "64MiB"],
+                         re.escape(f"(data in {tmp_path / 'data'}, up to 64 MiB)") + "$")):
         proc = _serve(tmp_path, 0, "--data-port", "-1", *extra)
         try:
             assert proc.stdout is not None
-            line = proc.stdout.readline()
-            assert line.startswith("kdn serving on 127.0.0.1:") and line.rstrip().endswith(says), \
+            line = proc.stdout.readline().rstrip()
+            assert line.startswith("kdn serving on 127.0.0.1:") and re.search(says, line), \
                 line + (proc.stderr.read() if proc.poll() is not None and proc.stderr else "")
         finally:
             proc.send_signal(signal.SIGTERM)

@@ -203,3 +203,29 @@ def test_a_budget_its_filesystem_can_not_hold_is_cut_to_fit(
     kept = LmdbTier(tmp_path / "b", capacity_bytes=8 << 20)
     assert kept.capacity_bytes == 8 << 20
     kept.close()
+
+
+@pytest.mark.parametrize("disk_bytes", [None, 8 << 30], ids=["default", "set"])
+def test_the_default_budget_is_cut_quietly_and_a_set_one_with_a_warning(
+        disk_bytes: int | None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A server's default 16 GiB budget on a disk with less room is cut without a warning:
+    nobody asked for it, and every start of ``kdn serve`` printed one above its ready line
+    (CI's disk once had 22 GB free; the ready line now shows the budget taken). A budget one
+    set is cut with the warning. Both are cut to the same room; the default's cut is logged at
+    DEBUG."""
+    from kdn.server import ServerConfig, build_store
+    from kdn.store import diskroom
+
+    monkeypatch.setattr(diskroom, "free_bytes", lambda path: 40 << 20)
+    given = {} if disk_bytes is None else {"disk_bytes": disk_bytes}
+    with caplog.at_level(logging.DEBUG, logger="kdn.store.lmdb"):
+        store = build_store(ServerConfig(data_dir=tmp_path / "data", **given))
+    try:
+        (tier,) = [t for t in store.tiers if isinstance(t, LmdbTier)]
+        assert tier.capacity_bytes == int((40 << 20) * 0.75)
+        cut = [r for r in caplog.records if "is more than its filesystem holds" in r.getMessage()]
+        assert len(cut) == 1, caplog.text
+        assert cut[0].levelno == (logging.DEBUG if disk_bytes is None else logging.WARNING)
+    finally:
+        store.close()

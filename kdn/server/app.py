@@ -35,7 +35,7 @@ from kdn.errors import ConfigError, InUse, KDNError, again, kept
 from kdn.server.admin import AdminServicer
 from kdn.server.auth import AuthConfig, Authenticator, Role, load_auth, tenants_from_text
 from kdn.server.blend_rpc import Blender
-from kdn.server.config import ServerConfig
+from kdn.server.config import DEFAULT_DISK_BYTES, ServerConfig
 from kdn.server.fastpath import FastPath
 from kdn.server.ingest import recount_usage
 from kdn.server.netpath import NetPath
@@ -107,7 +107,9 @@ def build_store(config: ServerConfig) -> TieredStore:
     if config.disk_bytes:
         try:
             tiers["disk"] = _tier("data_dir", partial(LmdbTier, config.data_dir / "lmdb",
-                                                      capacity_bytes=config.disk_bytes))
+                                                      capacity_bytes=config.disk_bytes,
+                                                      quiet_cut=config.disk_bytes
+                                                      == DEFAULT_DISK_BYTES))
         except BaseException as exc:
             for tier in tiers.values():  # the RAM tier, a Redis tier's connections
                 tier.close()
@@ -412,7 +414,12 @@ async def _start(config: ServerConfig, store: TieredStore, auth: Authenticator,
 async def serve(config: ServerConfig, blender: Blender | None = None) -> None:
     server = await start_server(config, blender=blender)
     gc.freeze()  # what start-up made lives as long as the process: no collection scans it
-    where = f"data in {config.data_dir}" if config.disk_bytes else "no disk tier"
+    where = "no disk tier"
+    for tier in server.store.tiers:
+        if isinstance(tier, LmdbTier):  # its budget as taken: cut where the disk holds less
+            cap = tier.capacity_bytes
+            size = f"{cap / 2**30:.1f} GiB" if cap >= 2**30 else f"{cap >> 20} MiB"
+            where = f"data in {config.data_dir}, up to {size}"
     print(f"kdn serving on {server.address} ({where})", flush=True)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

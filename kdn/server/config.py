@@ -27,6 +27,7 @@ from kdn.transport.addresses import is_loopback
 
 TIER_NAMES = ("ram", "redis", "disk")
 MIN_DISK_BYTES = 1 << 20
+DEFAULT_DISK_BYTES = 16 << 30
 """The smallest disk tier: below it LMDB's own pages leave no room for an entry, and every
 write would be refused."""
 
@@ -138,8 +139,10 @@ class ServerConfig:
     fills stores at the speed of a copy, not of the kernel's page faults); 0 = off. At most a
     quarter of ram_bytes; grown from the first large store on, up to ram_bytes plus this in
     all, and kept."""
-    disk_bytes: int = 16 << 30
-    """Byte budget of the LMDB disk tier (0 = no disk tier; else at least 1MiB)."""
+    disk_bytes: int = DEFAULT_DISK_BYTES
+    """Byte budget of the LMDB disk tier (0 = no disk tier; else at least 1MiB). Cut to 75% of
+    the room its filesystem has where it holds less (kdn.store.diskroom): quietly for this
+    default (the ready line shows the budget taken), with a warning for a budget one set."""
     redis_url: str = ""
     """Redis URL for the shared tier (redis://host:port/db); empty = no Redis tier. With
     redis_cluster, comma-separated URLs of cluster nodes to discover the cluster from."""

@@ -17,7 +17,8 @@ copy-on-write B+tree with ``sync``/``metasync``): once it returns the entry surv
 power loss, and a transaction interrupted by SIGKILL leaves no trace, so no partial entry is
 ever readable.
 
-Byte budget: ``capacity_bytes``, cut where its filesystem could not hold it (with a warning:
+Byte budget: ``capacity_bytes``, cut where its filesystem could not hold it (with a warning, or
+at DEBUG for ``quiet_cut``: a budget nobody set, which ``kdn serve``'s ready line shows as taken;
 ``kdn.store.diskroom``). A put that would push ``used`` over it evicts the entries with the
 oldest access stamps in the same transaction, skipping keys the hierarchy marks ``protected``
 (pins). Access stamps are approximate LRU: a ``get`` records the key in memory and the stamps
@@ -161,6 +162,7 @@ class LmdbTier(Tier):
         initial_map_bytes: int = _START_MAP,
         protected: Callable[[bytes], bool] | None = None,
         part_bytes: int = PART_BYTES,
+        quiet_cut: bool = False,
     ) -> None:
         super().__init__()
         if not 0 < part_bytes < 1 << 32:
@@ -171,8 +173,8 @@ class LmdbTier(Tier):
         self.path = Path(path)
         self.path.mkdir(parents=True, exist_ok=True)
         self.capacity_bytes, cut = fitted(self.path, capacity_bytes)
-        if cut:
-            log.warning("%s", cut)
+        if cut:  # a budget nobody set (the server's default) is cut without a warning
+            log.log(logging.DEBUG if quiet_cut else logging.WARNING, "%s", cut)
         self.max_map_bytes = max_map_bytes or (2 * capacity_bytes + _MIN_MAP)
         if protected is not None:
             self.protected = protected
