@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import hashlib
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -123,15 +124,43 @@ def test_retired_ranges_come_back_once_their_process_is_gone() -> None:
     assert r.alloc_largest(4096) == (2048, 1024) and r.retired_bytes() == 1024
 
 
-def test_regions_left_to_a_server_come_back_once_it_has_exited(tmp_path: Path) -> None:
+@pytest.mark.parametrize("arena", ["0", "16MiB"], ids=["no-arena", "arena"])
+def test_regions_left_to_a_server_come_back_once_it_has_exited(
+        tmp_path: Path, arena: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Regions named in calls a stopped server never answered stay retired while it could
     still act on them (stopped: it may go on), and come back once it has exited and a new
-    server took its place (the client attaches its segment again)."""
-    served = Served(tmp_path / "a")
+    server took its place (the client attaches its segment again). The server is watched
+    through the read arena's connection where it keeps one, else through one made to ask."""
+    from kdn.client import samehost
+
+    made: list[int] = []  # sockets the same-host path opens
+    watches: list[int] = []  # of them, those its watch of the server opened
+
+    class _Sockets:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(socket, name)
+
+        def socket(self, *args: Any) -> socket.socket:
+            made.append(args[0])
+            return socket.socket(*args)
+
+    def watch(path: samehost.SameHostPath, *args: Any) -> Any:
+        before = len(made)
+        try:
+            return real(path, *args)
+        finally:
+            watches.append(len(made) - before)
+
+    real = samehost.SameHostPath._watch  # noqa: SLF001
+    monkeypatch.setattr(samehost, "socket", _Sockets())
+    monkeypatch.setattr(samehost.SameHostPath, "_watch", watch)
+    served = Served(tmp_path / "a", arena=arena)
     with Client(served.address, timeout_s=1.0) as c:
         c.store(_key("warm"), random_kv(LAY, 16, seed=3), mode="raw")  # the segment attached
         seg, _ = c.dataplane.segment()
         assert seg is not None and seg.server_gone is not None
+        # the watch asks over the arena's kept connection, else over one of its own
+        assert watches == [0 if arena != "0" else 1], (watches, made)
         size = seg.regions.free_bytes()
         served.stop()
         try:
@@ -144,7 +173,7 @@ def test_regions_left_to_a_server_come_back_once_it_has_exited(tmp_path: Path) -
             assert seg.regions.reclaim() == 0  # stopped, not gone: they stay out of use
         finally:
             served.close()  # SIGCONT then SIGTERM: it may serve them on its way out
-        again = Served(tmp_path / "b", port=served.port)
+        again = Served(tmp_path / "b", port=served.port, arena=arena)
         try:
             assert c.retrieve(_key("warm")) is None  # a new server: the segment attached again
             assert seg.regions.retired_bytes() == 0

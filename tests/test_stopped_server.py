@@ -38,16 +38,17 @@ SHARED_POOLS = ("kdn-codec", "kdn-recv")  # process-wide (kdn.pools), not a clie
 
 class Served:
     """A `kdn serve` subprocess without a read arena (every read is a call on the fast
-    path), stopped with ``stopped()`` and let go on again however the block ends."""
+    path; ``arena``: its size where it has one), stopped with ``stopped()`` and let go on
+    again however the block ends."""
 
-    def __init__(self, tmp: Path, port: int | None = None) -> None:
+    def __init__(self, tmp: Path, port: int | None = None, arena: str = "0") -> None:
         port = port or free_port()  # (a port: a server started again where one was)
         self.port = port
         self.address = f"127.0.0.1:{port}"
         env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kdn", "serve", "--port", str(port), "--ram-bytes", "64MiB",
-             "--shm-arena-bytes", "0", "--data-dir", str(tmp / "data")],
+             "--shm-arena-bytes", arena, "--data-dir", str(tmp / "data")],
             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         _wait_serving(self.address, self.proc)
 

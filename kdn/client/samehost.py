@@ -125,7 +125,7 @@ class SameHostPath:
             return False
         if resp.fast_path:
             self._arena, self._arena_conn = self._open_arena(resp.segment_id, resp.fast_path)
-            seg.server_gone = self._watch(resp.fast_path)
+            seg.server_gone = self._watch(resp.fast_path, self._arena_conn)
         self._fast_path = resp.fast_path
         self.server_seals = resp.seals
         # the id last: a thread that reads it reads this server's fast path and arena too
@@ -167,11 +167,14 @@ class SameHostPath:
             conn.close()
         self._fast_path = ""
 
-    def _watch(self, fast_path: str) -> Callable[[], bool] | None:
+    def _watch(self, fast_path: str, kept: socket.socket | None) -> Callable[[], bool] | None:
         """Whether the server process behind ``fast_path`` has exited (``shm.server_watch``
-        of a connection made to ask), or None where that is not known."""
+        of ``kept``, the read arena's connection, else of one made to ask), or None where
+        that is not known."""
         from kdn.client.shm import server_watch
 
+        if kept is not None:
+            return server_watch(kept)
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             conn.settimeout(time_left(self.timeout_s))
