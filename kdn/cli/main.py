@@ -272,7 +272,8 @@ def _add_serve(sub: Any) -> None:
         flag = {"nargs": "?", "const": "true", "metavar": "true|false"} \
             if name in booleans else {}  # --tracing alone means --tracing true
         serve.add_argument("--" + name.replace("_", "-"), dest=name, default=None,
-                           help=f"{doc} (default: {default})", **flag)
+                           help=f"{doc} (default: {default})".replace("%", "%%"),
+                           **flag)  # (argparse formats help with %: a "75%" is written as-is)
     serve.set_defaults(func=_serve)
 
 
