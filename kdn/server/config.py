@@ -27,9 +27,10 @@ from kdn.transport.addresses import is_loopback
 
 TIER_NAMES = ("ram", "redis", "disk")
 MIN_DISK_BYTES = 1 << 20
-DEFAULT_DISK_BYTES = 16 << 30
 """The smallest disk tier: below it LMDB's own pages leave no room for an entry, and every
 write would be refused."""
+DEFAULT_DISK_BYTES = 16 << 30
+"""The disk tier's budget where none is set: cut quietly where the disk holds less."""
 
 GRPC_INT_MAX = 2**31 - 1
 """The largest value of a gRPC channel argument (a C int): a count, or a duration in ms."""
