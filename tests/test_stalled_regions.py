@@ -155,30 +155,33 @@ def test_regions_left_to_a_server_come_back_once_it_has_exited(
     monkeypatch.setattr(samehost, "socket", _Sockets())
     monkeypatch.setattr(samehost.SameHostPath, "_watch", watch)
     served = Served(tmp_path / "a", arena=arena)
-    with Client(served.address, timeout_s=1.0) as c:
-        c.store(_key("warm"), random_kv(LAY, 16, seed=3), mode="raw")  # the segment attached
-        seg, _ = c.dataplane.segment()
-        assert seg is not None and seg.server_gone is not None
-        # the watch asks over the arena's kept connection, else over one of its own
-        assert watches == [0 if arena != "0" else 1], (watches, made)
-        size = seg.regions.free_bytes()
-        served.stop()
-        try:
-            for i in range(3):
-                with pytest.raises(DeadlineExceeded):
-                    c.store(_key(f"lost {i}"), random_kv(LAY, 1024, seed=i), mode="raw")
-            gc.collect()  # the staged entries' views, kept by the errors' tracebacks
-            retired = seg.regions.retired_bytes()
-            assert retired >= 3 * 2 * 2 * 1024 * 16 * 2  # three entries' tensors at least
-            assert seg.regions.reclaim() == 0  # stopped, not gone: they stay out of use
-        finally:
-            served.close()  # SIGCONT then SIGTERM: it may serve them on its way out
-        again = Served(tmp_path / "b", port=served.port, arena=arena)
-        try:
-            assert c.retrieve(_key("warm")) is None  # a new server: the segment attached again
-            assert seg.regions.retired_bytes() == 0
-            assert seg.regions.free_bytes() == size
-            c.store(_key("after"), random_kv(LAY, 16, seed=5), mode="raw")
-            assert c.retrieve(_key("after")) is not None
-        finally:
-            again.close()
+    try:  # (closed again on the way out however the test ends: close is idempotent)
+        with Client(served.address, timeout_s=1.0) as c:
+            c.store(_key("warm"), random_kv(LAY, 16, seed=3), mode="raw")  # the segment attached
+            seg, _ = c.dataplane.segment()
+            assert seg is not None and seg.server_gone is not None
+            # the watch asks over the arena's kept connection, else over one of its own
+            assert watches == [0 if arena != "0" else 1], (watches, made)
+            size = seg.regions.free_bytes()
+            served.stop()
+            try:
+                for i in range(3):
+                    with pytest.raises(DeadlineExceeded):
+                        c.store(_key(f"lost {i}"), random_kv(LAY, 1024, seed=i), mode="raw")
+                gc.collect()  # the staged entries' views, kept by the errors' tracebacks
+                retired = seg.regions.retired_bytes()
+                assert retired >= 3 * 2 * 2 * 1024 * 16 * 2  # three entries' tensors at least
+                assert seg.regions.reclaim() == 0  # stopped, not gone: they stay out of use
+            finally:
+                served.close()  # SIGCONT then SIGTERM: it may serve them on its way out
+            again = Served(tmp_path / "b", port=served.port, arena=arena)
+            try:
+                assert c.retrieve(_key("warm")) is None  # a new server: the segment attached again
+                assert seg.regions.retired_bytes() == 0
+                assert seg.regions.free_bytes() == size
+                c.store(_key("after"), random_kv(LAY, 16, seed=5), mode="raw")
+                assert c.retrieve(_key("after")) is not None
+            finally:
+                again.close()
+    finally:
+        served.close()
