@@ -31,6 +31,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from kdn import tracing
+from kdn.cli.output import human_size
 from kdn.errors import ConfigError, InUse, KDNError, again, kept
 from kdn.server.admin import AdminServicer
 from kdn.server.auth import AuthConfig, Authenticator, Role, load_auth, tenants_from_text
@@ -417,9 +418,7 @@ async def serve(config: ServerConfig, blender: Blender | None = None) -> None:
     where = "no disk tier"
     for tier in server.store.tiers:
         if isinstance(tier, LmdbTier):  # its budget as taken: cut where the disk holds less
-            cap = tier.capacity_bytes
-            size = f"{cap / 2**30:.1f} GiB" if cap >= 2**30 else f"{cap >> 20} MiB"
-            where = f"data in {config.data_dir}, up to {size}"
+            where = f"data in {config.data_dir}, up to {human_size(tier.capacity_bytes)}"
     print(f"kdn serving on {server.address} ({where})", flush=True)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
