@@ -1,10 +1,13 @@
 """Checks of the numbers a caller passes, one rule each, so every entry point words a refusal
-alike: a whole number from a lower bound (``whole``), and a share in [0, 1] (``share``). A bool
-is neither (``True`` is not 1 layer or a 100% ratio), nor is a text."""
+alike: a whole number from a lower bound (``whole``), a share in [0, 1] (``share``), a span of
+seconds (``seconds``) and token ids (``token_ids``). A bool is none of them (``True`` is not 1
+layer or a 100% ratio), nor is a text, nor, for the whole ones, a float (``int(1.7)`` would
+quietly be another token)."""
 
 from __future__ import annotations
 
 import numbers
+from collections.abc import Sequence
 
 from kdn.errors import InvalidArgument
 
@@ -25,3 +28,33 @@ def share(name: str, value: object) -> float:
             or not 0.0 <= float(value) <= 1.0):
         raise InvalidArgument(f"{name} must be a number in [0, 1], got {value!r}")
     return float(value)
+
+
+def seconds(name: str, value: object) -> float:
+    """``value`` as a float when it is a finite number of seconds >= 0; else InvalidArgument
+    naming ``name`` (NaN would compare false with every clock, and never come)."""
+    if (isinstance(value, bool) or not isinstance(value, numbers.Real)
+            or not 0.0 <= float(value) < float("inf")):
+        raise InvalidArgument(f"{name} must be a finite number of seconds >= 0, got {value!r}")
+    return float(value)
+
+
+def token_ids(values: object, what: str) -> list[int]:
+    """``values`` as a list of ints: a sequence of whole numbers, or an array or tensor of them
+    (anything with ``tolist``, which must give such a list: 1-D, an integer dtype);
+    InvalidArgument naming ``what`` otherwise: a text or bytes, a batch, a float or a bool is
+    no token id. Imports nothing: the client's requests use it without torch."""
+    if isinstance(values, (str, bytes, bytearray, memoryview)):
+        raise InvalidArgument(f"{what}: token ids are a list of whole numbers, got "
+                              f"{type(values).__name__}")
+    if not isinstance(values, Sequence) and callable(getattr(values, "tolist", None)):
+        values = values.tolist()  # type: ignore[attr-defined]  # numpy, torch: Python numbers
+    if not isinstance(values, Sequence):
+        raise InvalidArgument(f"{what}: token ids are a list of whole numbers, got "
+                              f"{type(values).__name__}")
+    out = []
+    for i, t in enumerate(values):
+        if isinstance(t, (bool, float)) or not hasattr(t, "__index__"):
+            raise InvalidArgument(f"{what}: token {i} is {t!r}, not a token id")
+        out.append(t.__index__())
+    return out

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 
 import numpy as np
 
+from kdn.checks import whole
 from kdn.errors import InvalidArgument
 from kdn.layout import KVLayout
 from kdn.names import DEFAULT_NAMESPACE, KEY_BYTES, check_key, check_namespace, check_tenant
@@ -84,13 +85,23 @@ Shard = tuple[int, int]
 """(rank, size) of one tensor- or pipeline-parallel shard; (0, 1) is the whole model."""
 
 
+def _u32(name: str, value: object) -> int:
+    """``value`` when it is a whole number in [1, 2**32) (it is hashed as 4 bytes);
+    InvalidArgument naming ``name`` otherwise (``kdn.checks.whole``: 2.5, "2", True are not)."""
+    got = whole(name, value, 1)
+    if got >= 1 << 32:
+        raise InvalidArgument(f"{name} must be below 2**32, got {got}")
+    return got
+
+
 def _shard_bytes(name: str, shard: Shard | None) -> bytes:
     if shard is None:
         return b""
     try:
-        rank, size = (int(x) for x in shard)
+        rank, size = shard
     except (TypeError, ValueError):
         raise InvalidArgument(f"{name} must be (rank, size), got {shard!r}") from None
+    rank, size = whole(f"{name}'s rank", rank), _u32(f"{name}'s size", size)
     if size < 1 or not 0 <= rank < size:
         raise InvalidArgument(f"{name} must be (rank, size) with 0 <= rank < size, got {shard!r}")
     return b"" if size == 1 else rank.to_bytes(4, "little") + size.to_bytes(4, "little")
@@ -155,8 +166,7 @@ def prefix_keys(
     """Chained keys of each full ``chunk_tokens`` block of the prefix; a partial tail has none.
     ``adapter``/``tp``/``salt`` enter the chain's root, so they change every link."""
     check_namespace(namespace)
-    if chunk_tokens <= 0:
-        raise InvalidArgument(f"chunk_tokens must be > 0, got {chunk_tokens}")
+    chunk_tokens = _u32("chunk_tokens", chunk_tokens)
     raw = _token_bytes(token_ids)
     step = chunk_tokens * 4
     prev = _h(
@@ -198,8 +208,7 @@ def page_key(page_hash: str | bytes, layout: KVLayout, namespace: str = DEFAULT_
     str (encodable as UTF-8) or bytes: anything else is refused rather than converted (``bytes``
     of an int is that many zero bytes)."""
     check_namespace(namespace)
-    if page_tokens <= 0:
-        raise InvalidArgument(f"page_tokens must be > 0, got {page_tokens}")
+    page_tokens = _u32("page_tokens", page_tokens)
     if isinstance(page_hash, str):
         try:
             raw = page_hash.encode()
@@ -227,6 +236,9 @@ def variant_key(key: bytes, encoding: str) -> bytes:
     ``Client.store(key, kv)`` is found; other encodings (``kdn.delivery.encoding_name``, e.g.
     ``kdn-default``, ``int8``) get derived keys."""
     key = check_key(key)
+    if not isinstance(encoding, str) or not encoding:
+        raise InvalidArgument(f"encoding must be an encoding's name (kdn.delivery.encoding_name),"
+                              f" got {encoding!r}")
     if encoding == "lossless":
         return key
     return _h(b"kdn/variant/v1", key, encoding.encode())

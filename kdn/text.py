@@ -4,6 +4,9 @@
   ``what`` and the first character it cannot encode. A lone surrogate (``"\\ud800"``, or the
   ``"\\udcff"`` Python makes of a byte that is not UTF-8 in a command-line argument or a file
   name) is such a character; tokenizers refuse it deep inside with a TypeError.
+* ``check_texts(texts, what)``: several texts (a list, a tuple, any iterable that is not
+  itself a text), each checked by ``check_text``; a single ``str`` or ``bytes`` is refused, not
+  taken as a sequence of one-character texts.
 * ``tokenize(tokenizer, text, what, literal=...)``: the checked text's token ids, never with
   special tokens added. Special tokens written out in the text (``"<|im_start|>"``) are the
   tokenizer's special tokens by default, as a Hugging Face tokenizer parses them: a prompt
@@ -42,6 +45,21 @@ def check_text(text: object, what: str) -> str:
             f"{exc.start} is a lone surrogate, which UTF-8 cannot encode (a byte that is not "
             "UTF-8, decoded with errors='surrogateescape'?)") from None
     return text
+
+
+def check_texts(texts: object, what: str, each: str = "text") -> list[str]:
+    """``texts`` as a list of texts that ``check_text`` takes, the i-th named ``f"{each} {i}"``
+    when it is not; InvalidArgument naming ``what`` for one ``str`` or ``bytes`` in place of
+    several (each character would be one) or for anything that is not a collection."""
+    if isinstance(texts, (str, bytes, bytearray, memoryview)):
+        raise InvalidArgument(f"{what} must be a list of texts, got one "
+                              f"{type(texts).__name__}: [{each}] for a single {each}")
+    try:
+        got = list(texts)  # type: ignore[call-overload]
+    except TypeError:
+        raise InvalidArgument(f"{what} must be a list of texts, got "
+                              f"{type(texts).__name__}") from None
+    return [check_text(t, f"{each} {i}") for i, t in enumerate(got)]
 
 
 def special_tokens(tokenizer: Any) -> list[str]:

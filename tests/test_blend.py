@@ -213,6 +213,13 @@ def test_pieces_and_config_that_are_not_the_models_are_named_before_any_layer() 
                                            r"\[1, 5\]")):
         with pytest.raises(InvalidArgument, match=match):
             Piece(bad)  # type: ignore[arg-type]
+    for kv in ("chunk", {"layers": []}, torch.zeros(4)):  # a tensor has a .layout of its own
+        with pytest.raises(InvalidArgument, match=f"a piece's kv is a KVCache, a LayerSource .*"
+                                                  f"got {type(kv).__name__}"):
+            Piece(a, kv)  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgument, match="pieces must be a list of kdn.blend.Piece, got "
+                                              "generator"):
+        blend(model, (p for p in [Piece(a, chunk), Piece(q)]))  # type: ignore[arg-type]
     fits = ids(context - 12, seed=3)
     want = blend(model, [Piece(a, chunk), Piece(fits)])
     for same in (torch.tensor(fits), tuple(fits), np.array(fits, np.int32)):

@@ -12,6 +12,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -65,6 +66,18 @@ def request(pieces: list[RemotePiece], **options: Any) -> pb.BlendRequest:
     kw: dict[str, Any] = dict(namespace="default", ratio=None, select_layer=0, head_tokens=0,
                               per_chunk=False, store=False, mode="", level="", layout=None)
     return blend_request(pieces, **(kw | options))
+
+
+def test_a_remote_pieces_ids_are_token_ids_not_what_int_makes_of_them() -> None:
+    """The wire's ids are uint32: the request was built with ``int(t)`` (1.7 sent as 1, True
+    as 1, the text "12" as tokens 1 and 2), which the server can not tell from real ids."""
+    for bad, match in (([1.7, 2.2], "piece 0's ids: token 0 is 1.7, not a token id"),
+                       ([3, True], "token 1 is True"), ("12", "got str"), (b"ab", "got bytes"),
+                       (torch.tensor([1.0]), "token 0 is 1.0"), (7, "got int")):
+        with pytest.raises(InvalidArgument, match=match):
+            request([RemotePiece(ids=bad)])  # type: ignore[arg-type]
+    for same in ([5, 6], (5, 6), torch.tensor([5, 6]), np.array([5, 6], np.int32)):
+        assert list(request([RemotePiece(ids=same)]).pieces[0].token_ids) == [5, 6]
 
 
 def held(st: ServerThread, tenant: str) -> dict[bytes, int]:

@@ -251,3 +251,15 @@ def test_pages_made_the_processs_own_keep_their_bytes_when_the_file_changes(
     del shown
     view.close()
     server.close()
+
+
+def test_a_size_the_host_can_not_allocate_is_too_large_not_a_memory_error() -> None:
+    """A Store header may declare more bytes than the host has (up to max_entry_bytes, set
+    large): numpy's MemoryError reached the peer as UNKNOWN with numpy's text; it is TooLarge
+    (RESOURCE_EXHAUSTED), naming the size."""
+    from kdn.errors import TooLarge
+
+    pool = BufferPool(keep_bytes=64 << 20)
+    with pytest.raises(TooLarge, match=f"{1 << 52} bytes can not be allocated on this host"):
+        pool.take(1 << 52)  # 4 PiB
+    assert len(pool.take(MIN_BYTES)) == MIN_BYTES  # the pool still serves

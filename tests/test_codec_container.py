@@ -37,8 +37,10 @@ def test_frames_sized_for_the_wire() -> None:
         (0, 1), (1, 1), (2, 1)]
     assert len(encode_parts(small, "raw", layers_per_frame=3).frames) == 4
     assert len(encode_parts(small, "lossless", layers_per_frame=0).frames) <= 3
-    with pytest.raises(InvalidArgument):
-        encode_parts(small, "raw", layers_per_frame=-1)
+    for bad in (-1, 1.5, "1", True):  # a TypeError each, or a protobuf error in a frame span
+        with pytest.raises(InvalidArgument, match=f"layers_per_frame must be a whole number >= 0 "
+                                                  f".*got {bad!r}"):
+            encode_parts(small, "raw", layers_per_frame=bad)  # type: ignore[arg-type]
 
 
 # ------------------------------------------------------------------ entry binding (version 2)

@@ -98,6 +98,16 @@ def test_a_bad_item_stores_nothing_of_its_batch(shm_client: Client) -> None:
     assert shm_client.retrieve(_key(5)).equal(old)  # type: ignore[union-attr]
     with pytest.raises(InvalidArgument, match="key must be 32 bytes"):
         shm_client.store_many([(b"short", old)])
+    # an empty region (a ValueError inside: UNKNOWN over gRPC, the fast path's connection
+    # dropped with no answer) is refused naming the item, nothing of the batch stored
+    req = pb.PutManyRequest(segment_id=seg_id, items=[
+        pb.PutItem(key=_key(6), region=pb.Region(offset=4096, length=len(good))),
+        pb.PutItem(key=_key(7), region=pb.Region(offset=4096, length=0))])
+    with pytest.raises(grpc.RpcError) as err:
+        stub.PutMany(req)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "item 1: its region is empty" in (err.value.details() or "")
+    assert shm_client.fetch(_key(6)) is None
     ch.close()
 
 

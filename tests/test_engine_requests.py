@@ -74,6 +74,9 @@ def test_a_batch_of_one_is_one_prompt_and_a_batch_of_more_is_refused(engine: KDN
         engine.generate(torch.tensor(IDS, dtype=torch.float32), max_new_tokens=4)
     with pytest.raises(InvalidArgument, match=r"\[1, 1, 40\]"):
         engine.generate(torch.tensor([[IDS]]), max_new_tokens=4)
+    for text in (b"Paris is", bytearray(b"Paris"), [b"Paris is"]):  # bytes' items pass for ids
+        with pytest.raises(InvalidArgument, match="holding bytes: decode them to text"):
+            engine.generate(text, max_new_tokens=4)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("prompt,named", [

@@ -339,6 +339,32 @@ def test_pieces_join_per_entry_and_a_broken_one_is_counted_once() -> None:
                                                r"\(2 bytes in\)"):
         p.add(item(b, 2, b"bb", False))  # another entry's piece
     assert p.add(item(a, 0, b"x", True)) is None and p.add(item(a, 1, b"y", False)) == b"xy"
+    assert not p.end() and p.abandoned == 1
+    assert p.add(item(b, 0, b"half", True)) is None
+    assert p.end() and p.abandoned == 2  # the stream ended inside b
+
+
+def test_an_import_that_ends_inside_a_value_counts_it_rejected(tmp_path: Path) -> None:
+    """An Import stream whose last value never got its last piece: that value is rejected
+    (it was in neither count), the whole one before it imported."""
+    import grpc
+
+    from kdn.v1 import kdn_pb2 as pb
+    from kdn.v1 import kdn_pb2_grpc as pb_grpc
+
+    lay = uniform_layout(layers=2, heads=2, dim=8)
+    kv = random_kv(lay, 4)
+    with ServerThread(ServerConfig(port=0, data_dir=tmp_path / "d", disk_bytes=0)) as st:
+        with Client(st.address) as c:
+            c.store(keys.chunk_key([1], lay), kv, mode="raw")
+            whole = c.fetch(keys.chunk_key([1], lay)).parts.to_bytes()  # type: ignore[union-attr]
+            c.delete(keys.chunk_key([1], lay))
+        items = [pb.ImportItem(namespace="default", key=keys.chunk_key([1], lay), value=whole),
+                 pb.ImportItem(namespace="default", key=keys.chunk_key([2], lay),
+                               value=whole[:10], more=True)]
+        with grpc.insecure_channel(st.address) as ch:
+            got = pb_grpc.KDNAdminStub(ch).Import(iter(items), timeout=30)
+        assert (got.imported, got.rejected) == (1, 1)
 
 
 def test_an_old_client_gets_whole_values_and_imports_fit_a_smaller_server(

@@ -78,6 +78,34 @@ def test_bad_tokens_and_keys() -> None:
         keys.check_key(b"short")
 
 
+def test_the_numbers_hashed_into_a_key_are_whole() -> None:
+    """Block sizes and shard coordinates go into a key as 4-byte words: 2.5, "2", True or 2**40
+    were an AttributeError, a TypeError, 1 or an OverflowError, and a rank of 0.5 the key of
+    rank 0."""
+    lay = uniform_layout()
+    for bad, match in ((2.5, "chunk_tokens must be a whole number >= 1, got 2.5"),
+                       ("2", "chunk_tokens must be a whole number >= 1, got '2'"),
+                       (True, "chunk_tokens must be a whole number >= 1, got True"),
+                       (0, "chunk_tokens must be a whole number >= 1, got 0"),
+                       (2**40, r"chunk_tokens must be below 2\*\*32")):
+        with pytest.raises(InvalidArgument, match=match):
+            keys.prefix_keys([1, 2, 3, 4], lay, chunk_tokens=bad)  # type: ignore[arg-type]
+    for bad in (4.0, True, -1):
+        with pytest.raises(InvalidArgument, match="page_tokens must be a whole number >= 1"):
+            keys.page_key("h", lay, page_tokens=bad)  # type: ignore[arg-type]
+    for tp, match in (((0.5, 2), "tp's rank must be a whole number >= 0, got 0.5"),
+                      ((0, 2.0), "tp's size must be a whole number >= 1, got 2.0"),
+                      ((0, "2"), "tp's size must be a whole number"), ((1,), r"\(rank, size\)"),
+                      ((2, 2), "0 <= rank < size")):
+        with pytest.raises(InvalidArgument, match=match):
+            keys.chunk_key([1], lay, tp=tp)  # type: ignore[arg-type]
+    assert keys.chunk_key([1], lay, tp=(1, 2)) != keys.chunk_key([1], lay, tp=(0, 2))
+    k = keys.chunk_key([1], lay)
+    for bad in (None, b"int8", ""):
+        with pytest.raises(InvalidArgument, match="encoding must be an encoding's name"):
+            keys.variant_key(k, bad)  # type: ignore[arg-type]
+
+
 def test_store_key_format_and_split() -> None:
     key = bytes(range(32))
     assert keys.store_key("", "default", key) == b"default/" + key.hex().encode()

@@ -187,6 +187,18 @@ def test_cjk_emoji_and_combining_marks_are_chunked_whole() -> None:
             assert not p.endswith("\u200d")
 
 
+def test_a_cluster_longer_than_a_chunk_is_cut_inside_it() -> None:
+    """Letters chained by zero-width joiners, or a letter under thousands of combining marks,
+    are one "cluster" by the joiner rule: no character people read, yet each was one chunk of
+    any length (26,999 tokens, past the model's context, with max_tokens 96)."""
+    tok = ByteTokenizer()
+    for text in ("\u200d".join("abcdefghij" * 100), "a" + "\u0301" * 1500):
+        chunks = chunk_document(Document("d", text), tok, target_tokens=64, max_tokens=96)
+        assert len(chunks) > 10
+        assert all(c.tokens <= 96 + 2 for c in chunks), [c.tokens for c in chunks]
+        assert "".join(c.text.removesuffix(CHUNK_END) for c in chunks) == text
+
+
 def test_load_corpus_folder_and_jsonl(tmp_path: Path) -> None:
     docs = corpus(tmp_path)
     (docs / ".kdn-rag").mkdir()
@@ -202,6 +214,14 @@ def test_load_corpus_folder_and_jsonl(tmp_path: Path) -> None:
                                                                            "text": "y"}))
     with pytest.raises(InvalidArgument, match="duplicate"):
         load_corpus(jl)
+    jl.write_text(json.dumps({"id": None, "text": "x"}) + "\n" + json.dumps({"id": 7,
+                                                                               "text": "y"}))
+    assert [d.id for d in load_corpus(jl)] == ["1", "7"]  # null: the line number
+    for bad in (True, {"a": 1}, [1, 2], 1.5):  # were the ids "True", "{'a': 1}", ...
+        jl.write_text(json.dumps({"id": bad, "text": "x"}))
+        with pytest.raises(InvalidArgument, match=f"c.jsonl:1: 'id' must be a string or a whole "
+                                                  f"number .*got {re.escape(repr(bad))}"):
+            load_corpus(jl)
     with pytest.raises(InvalidArgument):
         load_corpus(tmp_path / "missing")
 
@@ -566,6 +586,15 @@ def test_a_request_of_no_tokens_or_of_one_text_for_its_chunks_is_refused_before_
             kb.ask(question, k=bad)  # type: ignore[arg-type]
     with pytest.raises(InvalidArgument, match="chunks must be a list of texts, got one str"):
         engine.answer(question, chunks[0])
+    for call in (engine.ensure, lambda c: engine.fitting(question, c)):
+        with pytest.raises(InvalidArgument, match="chunks must be a list of texts, got one str"):
+            call("xyz")  # each character would be a chunk, prefilled and stored
+    with pytest.raises(InvalidArgument, match="chunk 1 must be text .str., got int"):
+        engine.ensure(["ok", 7])  # type: ignore[list-item]
+    docs = sorted(kb.manifest.documents)
+    with pytest.raises(InvalidArgument, match="doc_ids must be a list of texts, got one str"):
+        kb.remove(docs[0] + docs[1])  # the ids of its characters would be removed
+    assert sorted(kb.manifest.documents) == docs
     assert counted.calls == calls  # nothing was computed
     assert not client.contains(engine.key(chunk_ids(engine.tokenizer, "T")), namespace="rag")
     assert len(engine.answer(question, chunks, max_new_tokens=2).token_ids) <= 2

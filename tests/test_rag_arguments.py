@@ -25,6 +25,10 @@ def test_config_validation() -> None:
     with pytest.raises(InvalidArgument, match="query_share"):
         RagConfig(query_share=1.5)
     assert RagConfig(query_share=0.0).blend_config().query_share == 0.0
+    for bad in ("5", float("nan"), -1.0, float("inf"), True):  # "5" failed the ingest midway
+        with pytest.raises(InvalidArgument, match=f"flush_s must be a finite number of seconds "
+                                                  f">= 0, got {bad!r}"):
+            RagConfig(flush_s=bad)  # type: ignore[arg-type]
     # whole numbers >= 1 only: no fraction, bool, text or zero
     for field, bad in (("top_k", 2.5), ("top_k", True), ("max_new_tokens", 1.5),
                        ("target_tokens", "256"), ("max_new_tokens", 0)):

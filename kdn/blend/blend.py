@@ -62,7 +62,7 @@ layer i-1), and the second pass then runs from memory.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
@@ -130,6 +130,9 @@ class Piece:
         if isinstance(self.kv, KVCache):
             self.start_position = self.kv.start_position
             self.kv = Resident(self.kv)
+        elif not callable(getattr(self.kv, "wait_for_layer", None)):
+            raise InvalidArgument(f"a piece's kv is a KVCache, a LayerSource (a LayerStream, a "
+                                  f"ChunkConnector) or None, got {type(self.kv).__name__}")
         header = getattr(getattr(self.kv, "decoder", None), "header", None)
         if header is not None:  # a LayerStream: tokens and position come with its header
             self.start_position = int(header.entry.start_position)
@@ -281,6 +284,9 @@ def blend(model: Any, pieces: list[Piece], config: BlendConfig | None = None,
                 raise Cancelled("blend stopped: its caller is gone")
             yield i, layer
 
+    if not isinstance(pieces, Sequence):  # a generator would pass for pieces, then run dry
+        raise InvalidArgument(f"pieces must be a list of kdn.blend.Piece, got "
+                              f"{type(pieces).__name__}")
     if not pieces:
         raise InvalidArgument("nothing to blend")
     vocabulary, context = prompt_limits(model)

@@ -29,7 +29,7 @@ from kdn.client.exportfile import (
     read_records,
     scan,
 )
-from kdn.errors import InvalidArgument, PermissionDenied, Unauthenticated
+from kdn.errors import Corrupt, InvalidArgument, PermissionDenied, Unauthenticated
 from kdn.names import check_key, check_key_prefix, check_namespace, check_tenant
 from kdn.status import from_grpc
 from kdn.transport.pieces import Pieces, cut, piece_bytes
@@ -187,6 +187,9 @@ class AdminClient(Client):
                         progress(out.records, total)
             except grpc.RpcError as exc:
                 raise from_grpc(exc) from None
+            if pieces.end():  # not a whole export: no end marker for it
+                raise Corrupt("the Export stream ended inside a value (its last piece never "
+                              "came); export again")
             out.finish()
         finally:
             out.close()

@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from kdn.checks import token_ids
 from kdn.layout import KVLayout
 from kdn.text import check_text
 from kdn.v1 import kdn_pb2 as pb
@@ -37,14 +38,16 @@ def blend_request(pieces: Sequence[RemotePiece], *, namespace: str, ratio: float
                   select_layer: int, head_tokens: int, per_chunk: bool, store: bool, mode: str,
                   level: str, layout: KVLayout | None, query_share: float | None = None
                   ) -> pb.BlendRequest:
+    ids = []
     for j, p in enumerate(pieces):
         check_text(p.text, f"piece {j}'s text")  # protobuf would raise UnicodeEncodeError
+        ids.append(token_ids(p.ids, f"piece {j}'s ids"))  # uint32 on the wire: not int(1.7)
     req = pb.BlendRequest(
         namespace=namespace, select_layer=select_layer, head_tokens=head_tokens,
         per_chunk=per_chunk, store=store, mode=mode, level=level,
         expect_layout_fingerprint=layout.fingerprint if layout is not None else "",
-        pieces=[pb.BlendPiece(chunk_key=p.key, token_ids=[int(t) for t in p.ids], text=p.text)
-                for p in pieces],
+        pieces=[pb.BlendPiece(chunk_key=p.key, token_ids=i, text=p.text)
+                for p, i in zip(pieces, ids)],
     )
     if ratio is not None:
         req.ratio = ratio

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from kdn.cache import KVCache
+from kdn.checks import whole
 from kdn.codec import inplace
 from kdn.codec.format import (
     FRAME_SEED,
@@ -36,7 +37,7 @@ from kdn.codec.format import (
 from kdn.codec.layouts import BoundedMemo, layout_to_proto
 from kdn.codec.modes import LayerSpec, Mode, check_finite, get_mode, mode_names
 from kdn.codec.room import check_room
-from kdn.errors import Corrupt, InvalidArgument, KDNError
+from kdn.errors import Corrupt, InvalidArgument, KDNError, TooLarge
 from kdn.layout import KVLayout
 from kdn.pools import SharedPool
 from kdn.transport.wire import frame_message_head
@@ -162,8 +163,8 @@ def encode_parts(
     at least one token, and for a lossy mode, a NaN or inf in it (``kdn.codec.modes``)."""
     codec = get_mode(mode)
     codec.check_level(level)
-    if layers_per_frame < 0:
-        raise InvalidArgument(f"layers_per_frame must be >= 0, got {layers_per_frame}")
+    layers_per_frame = whole("layers_per_frame", layers_per_frame, 0, " (0: frames of about "
+                             "FRAME_TARGET_BYTES)")
     if not isinstance(kv, KVCache):
         raise InvalidArgument(f"expected a KVCache, got {type(kv).__name__}")
     kv.validate()
@@ -279,7 +280,7 @@ class StreamDecoder:
                     try:
                         buf = inplace.BUFFERS.take(total) if total else np.empty(0, np.uint8)
                         self._arena = memoryview(buf)  # type: ignore[arg-type]
-                    except MemoryError:
+                    except (MemoryError, TooLarge):  # (the pool's word for MemoryError)
                         self._may_arena = False
         return self._arena
 

@@ -195,16 +195,24 @@ class Generation:
     store_thread: threading.Thread | None = field(default=None, repr=False)
 
 
+_BYTES = (bytes, bytearray, memoryview)
+"""Not a prompt: their items are whole numbers, yet they are encoded text, not token ids."""
+
+
 def prompt_ids(prompt: str | Sequence[int] | torch.Tensor, tokenizer: Any,
                vocabulary: int) -> list[int]:
     """The token ids of one prompt: a text (tokenized by ``tokenizer``, no special tokens
     added), a sequence of ids, or a tensor of them, 1-D or a batch of one (``[1, tokens]``, what
     a tokenizer's ``return_tensors="pt"`` gives; ``[[ids]]`` likewise). InvalidRequest (an
     InvalidArgument and a ValueError) for an empty prompt, a batch of several, ids that are not
-    whole numbers, or an id outside ``0..vocabulary-1`` (the model's embedding rows), naming
-    it and where it is, and for a text that is not valid Unicode (a lone surrogate:
-    ``kdn.text.check_text``). Special tokens written in a text are parsed as the tokenizer's
-    (``kdn.text.tokenize``)."""
+    whole numbers, bytes (encoded text, whose items would pass for ids), or an id outside
+    ``0..vocabulary-1`` (the model's embedding rows), naming it and where it is, and for a
+    text that is not valid Unicode (a lone surrogate: ``kdn.text.check_text``). Special tokens
+    written in a text are parsed as the tokenizer's (``kdn.text.tokenize``)."""
+    if isinstance(prompt, _BYTES) or (isinstance(prompt, Sequence) and not isinstance(
+            prompt, str) and len(prompt) and isinstance(prompt[0], _BYTES)):  # ([b"..."])
+        raise InvalidRequest(f"a prompt is a text (str), token ids or a tensor of them, got "
+                             f"{type(prompt).__name__} holding bytes: decode them to text")
     if isinstance(prompt, str):
         try:
             prompt = tokenize(tokenizer, prompt, "the prompt")

@@ -35,6 +35,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from kdn import checks
 from kdn.cache import KVCache, LayerKV
 from kdn.errors import InvalidArgument, InvalidLayout
 from kdn.layout import DType, KVLayout
@@ -178,7 +179,8 @@ def prompt_limits(model: Any) -> tuple[int, int | None]:
 def token_ids(values: object, what: str) -> list[int]:
     """``values`` (a sequence of whole numbers, or a 1-D integer tensor or numpy array of
     them) as a list of ints; InvalidArgument naming ``what`` otherwise: a text, a batch, a
-    float or a bool is no token id (``int(1.7)`` would quietly be another token)."""
+    float or a bool is no token id (``kdn.checks.token_ids``, with the array's or tensor's
+    dtype and shape named here)."""
     if isinstance(values, np.ndarray):
         if values.ndim != 1 or values.dtype.kind not in "iu":
             raise InvalidArgument(f"{what}: token ids are a 1-D integer array, got "
@@ -190,15 +192,7 @@ def token_ids(values: object, what: str) -> list[int]:
             raise InvalidArgument(f"{what}: token ids are a 1-D integer tensor, got "
                                   f"{values.dtype} of shape {list(values.shape)}")
         return [int(t) for t in values.tolist()]
-    if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
-        raise InvalidArgument(f"{what}: token ids are a list of whole numbers, got "
-                              f"{type(values).__name__}")
-    out = []
-    for i, t in enumerate(values):
-        if isinstance(t, (bool, float)) or not hasattr(t, "__index__"):
-            raise InvalidArgument(f"{what}: token {i} is {t!r}, not a token id")
-        out.append(t.__index__())
-    return out
+    return checks.token_ids(values, what)
 
 
 def check_vocabulary(ids: Sequence[int], vocabulary: int, what: str) -> None:

@@ -5,13 +5,15 @@ Lifecycle:
 1. ``load_corpus(path)`` reads the documents: every ``.txt``/``.md``/``.markdown``/``.rst``
    file under a folder (hidden files and folders skipped; the document id is the path
    relative to the folder, with ``/``), or every line of a ``.jsonl`` file (``{"id": ..,
-   "text": ..}``; ``id`` defaults to ``<line number>``, ``title`` is prepended when present).
+   "text": ..}``; ``id``, a string or a whole number, defaults to ``<line number>`` when absent
+   or null; ``title`` is prepended when present).
 2. ``chunk_document(doc, tokenizer, target, limit)`` packs the document's paragraphs (blank-line
    separated) into chunks of about ``target`` tokens. A paragraph longer than ``target`` is
    split into sentences (after ``.!?`` and a space, or after ``。！？``), a sentence longer
    than ``limit`` into windows of at most ``target`` tokens, cut in the text between two
    characters (at a space where there is one near, never inside a character's combining marks
-   or an emoji sequence), so no character is lost or split. A chunk closes
+   or an emoji sequence unless that "character" is longer than a window: ``_cut``), so no
+   character is lost or split. A chunk closes
    when the next unit would take it past ``target``, so a chunk passes ``limit`` tokens only
    by the few tokens that joining its units adds.
 3. Each ``Chunk`` carries its text (ending in a blank line, so the next prompt piece starts on
@@ -145,7 +147,13 @@ def _load_jsonl(path: Path) -> list[Document]:
             raise InvalidArgument(f"{path}:{n}: not UTF-8 text ({exc.reason} "
                                   f"{exc.object[exc.start:exc.end]!r}: a lone surrogate "
                                   "escape); fix or leave out the line") from None
-        doc_id = str(row.get("id", n))
+        got = row.get("id")
+        if got is None:  # absent or null: the line number
+            got = n
+        elif isinstance(got, bool) or not isinstance(got, (str, int)):
+            raise InvalidArgument(f"{path}:{n}: 'id' must be a string or a whole "
+                                  f"number (or left out: the line number), got {got!r}")
+        doc_id = str(got)
         if doc_id in docs:
             raise InvalidArgument(f"{path}:{n}: duplicate id {doc_id!r}")
         title = row.get("title")
@@ -184,7 +192,7 @@ def _inside_cluster(text: str, i: int) -> bool:
 def _windows(sentence: str, tokenizer: Tokenizer, target: int,
              total: int) -> list[tuple[str, int, str]]:
     """(text, tokens, joiner) of the pieces of a ``total``-token run-on sentence, each at most
-    ``target`` tokens (except a single cluster longer than that), cut between characters:
+    ``target`` tokens, cut between characters (``_cut``):
     at the last space in the window's second half where there is one (the joiner a space),
     else between clusters (the joiner empty). Tokenizes about twice the sentence in all."""
     per_token = len(sentence) / max(1, total)  # characters per token, to guess each cut
@@ -207,8 +215,10 @@ def _windows(sentence: str, tokenizer: Tokenizer, target: int,
 
 
 def _cut(text: str, cut: int) -> tuple[int, str]:
-    """Where to cut ``text`` at or before ``cut`` (after, only inside a cluster longer than
-    ``cut``), and the joiner that restores the text there."""
+    """Where to cut ``text`` at or before ``cut``, and the joiner that restores the text there:
+    between clusters, or at ``cut`` inside a cluster longer than ``cut`` characters (no
+    character people read is: it takes letters chained by zero-width joiners, or thousands of
+    stacked combining marks, which must not make one chunk past the model's context)."""
     if cut >= len(text):
         return len(text), ""
     space = max(text.rfind(" ", cut // 2, cut), text.rfind("\n", cut // 2, cut))
@@ -217,11 +227,7 @@ def _cut(text: str, cut: int) -> tuple[int, str]:
     i = cut
     while i > 0 and _inside_cluster(text, i):
         i -= 1
-    if i == 0:
-        i = cut
-        while i < len(text) and _inside_cluster(text, i):
-            i += 1
-    return i, ""
+    return (i if i > 0 else cut), ""  # a "cluster" as long as a window is cut inside
 
 
 def chunk_ids(tokenizer: Tokenizer, text: str, what: str = "a chunk") -> list[int]:

@@ -49,7 +49,7 @@ from kdn.rag.index import (
     state_lock,
 )
 from kdn.rag.pipeline import Answer, RagEngine, Source, check_count
-from kdn.text import check_text
+from kdn.text import check_text, check_texts
 
 DELETE_BATCH = 4096
 """Keys per Delete call (128 KiB of keys)."""
@@ -385,9 +385,11 @@ class KnowledgeBase:
     def remove(self, doc_ids: Sequence[str], *, flush: bool = True) -> int:
         """Forget documents; delete their chunks' kdn entries no other document uses (the
         state folder locked as by ``ingest``): how many were deleted. With ``flush`` False
-        (ingest's prune) the caller's commit deletes them."""
+        (ingest's prune) the caller's commit deletes them. One ``str`` is refused
+        (InvalidArgument), not taken as the ids of its characters."""
+        ids = check_texts(doc_ids, "doc_ids", "doc_id")
         with self._writing():
-            return self._remove(doc_ids, flush)
+            return self._remove(ids, flush)
 
     def _remove(self, doc_ids: Sequence[str], flush: bool) -> int:
         self._check_settings()  # another model's keys are not the entries to delete

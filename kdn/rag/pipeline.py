@@ -53,14 +53,14 @@ import torch
 from kdn.blend import BlendConfig, Piece, blend
 from kdn.blend.chunks import ChunkConnector
 from kdn.cache import KVCache
-from kdn.checks import share, whole
+from kdn.checks import seconds, share, whole
 from kdn.client import Client
 from kdn.codec.catalog import check_codec, default_level
 from kdn.errors import InvalidArgument
 from kdn.keys import check_namespace, chunk_key
 from kdn.model import hf
 from kdn.rag.corpus import Tokenizer, chunk_ids
-from kdn.text import template_ids, tokenize
+from kdn.text import check_texts, template_ids, tokenize
 
 PLAIN_HEAD = "Answer the question using the documents below.\n\n"
 PLAIN_TAIL = "Question: {question}\nAnswer:"
@@ -120,6 +120,7 @@ class RagConfig:
         if self.tail is not None and "{question}" not in self.tail:
             raise InvalidArgument("tail must contain {question}")
         share("blend_ratio", self.blend_ratio)  # BlendConfig's ``ratio``, named as here
+        seconds("flush_s", self.flush_s)
         self.blend_config()  # validates the rest
 
     def new_tokens(self, max_new_tokens: int | None) -> int:
@@ -252,7 +253,7 @@ class RagEngine:
         """Each chunk's token ids (``kdn.rag.corpus.chunk_ids``); InvalidArgument naming the
         first chunk that is not valid Unicode or gives no tokens (there is no KV of nothing)."""
         out = []
-        for i, c in enumerate(chunks):
+        for i, c in enumerate(check_texts(chunks, "chunks", "chunk")):
             ids = chunk_ids(self.tokenizer, c, f"chunk {i}")
             if not ids:
                 raise InvalidArgument(f"chunk {i} ({c!r}) gives no tokens: give chunks of text")
@@ -303,6 +304,7 @@ class RagEngine:
                 max_new_tokens: int | None = None) -> int:
         """How many of ``chunks`` (ranked, best first) fit the model's context together with
         the head, the question and ``max_new_tokens``; InvalidArgument when not even one."""
+        chunks = check_texts(chunks, "chunks", "chunk")
         new = self.config.new_tokens(max_new_tokens)
         _, context = hf.prompt_limits(self.model)
         if context is None:
@@ -331,9 +333,7 @@ class RagEngine:
         out (``fitting``; ``Prepared.used``, ``AskTimings.dropped_chunks``). ``salt``: as
         ``key``'s."""
         cfg = self.config
-        if isinstance(chunks, (str, bytes)):  # each character would be a chunk
-            raise InvalidArgument(f"chunks must be a list of texts, got one "
-                                  f"{type(chunks).__name__}: [text] for a single chunk")
+        chunks = check_texts(chunks, "chunks", "chunk")  # (one str: each character a chunk)
         t = AskTimings()
         t0 = time.perf_counter()
         used = self.fitting(question, chunks, max_new_tokens)

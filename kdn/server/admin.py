@@ -340,6 +340,7 @@ class AdminServicer(pb_grpc.KDNAdminServicer):
                 resp.imported += 1
             else:
                 resp.skipped += 1
+        pieces.end()  # the stream may end inside a value
         resp.rejected += pieces.abandoned  # values whose last piece never came
         return resp
 

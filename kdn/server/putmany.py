@@ -103,6 +103,9 @@ class PutMany:
         def copy_in(j: int, item: pb.PutItem) -> bytes | memoryview:
             # a copy, checked as it is made (one pass): later changes by the client can not
             start, stop = region_span(seg, item.region)  # slip past
+            if stop == start:
+                raise InvalidArgument(f"item {j}: its region is empty: an entry holds at least "
+                                      "its container header")
             src = memoryview(seg.array[start:stop])  # type: ignore[arg-type]
             home = arena.reserve(stop - start, header_size(src)) \
                 if arena is not None and stop - start >= ARENA_STORE_BYTES else None

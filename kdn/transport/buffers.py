@@ -40,6 +40,7 @@ from typing import Any
 
 import numpy as np
 
+from kdn.errors import TooLarge
 from kdn.pools import SharedPool
 
 MIN_BYTES = 1 << 20
@@ -101,9 +102,16 @@ class BufferPool:
         ``MIN_BYTES``: a plain array). ``written_now``: the caller writes all of it at once
         (bytes it already has), so new memory is faulted in whole first (``populate``); never
         for a size a peer declared, which it may not send (the memory would be taken for
-        nothing)."""
+        nothing). TooLarge where the host can not allocate it."""
         if size <= 0:
             raise ValueError(f"buffer size must be > 0, got {size}")
+        try:
+            return self._take(size, written_now)
+        except MemoryError:  # numpy's _ArrayMemoryError too: not a bare UNKNOWN to the peer
+            raise TooLarge(f"{size} bytes can not be allocated on this host now (a value "
+                           "that large, or memory short)") from None
+
+    def _take(self, size: int, written_now: bool) -> np.ndarray[Any, Any]:
         if size < MIN_BYTES:
             return np.empty(size, dtype=np.uint8)
         if self.ahead is not None:

@@ -51,8 +51,16 @@ class Pieces:
         self._size = 0
         self._name: tuple[str, str, bytes] | None = None  # the value being joined
         self.abandoned = 0
-        """Values whose pieces stopped before their last (the next entry began): for the
-        caller to count as refused."""
+        """Values whose pieces stopped before their last (the next entry began, or the
+        stream ended: ``end``): for the caller to count as refused."""
+
+    def end(self) -> bool:
+        """The stream ended: whether a value was left unfinished (its last piece never came),
+        which is then counted ``abandoned`` too."""
+        cut_off = self._name is not None
+        self.abandoned += cut_off
+        self._parts, self._size, self._name = [], 0, None
+        return cut_off
 
     def add(self, item: Piece) -> bytes | None:
         """The whole value when ``item`` is its last piece, else None. A piece at offset 0
