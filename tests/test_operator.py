@@ -194,6 +194,26 @@ def test_rate_limit_and_quota(secured: ServerThread) -> None:
         c.store(k2, random_kv(LAY, 32), mode="raw")  # room again
 
 
+@pytest.mark.parametrize("path", ["same-host", "grpc", "data-path"])
+def test_a_batch_past_the_quota_stores_nothing_of_it(secured: ServerThread, path: str) -> None:
+    """store_many of 3 entries of ~16 KiB under a 30 KiB quota: the first fitted and stayed
+    stored (and charged) while the call answered RESOURCE_EXHAUSTED, on every way a batch
+    goes (the same-host PutMany, gRPC's StoreMany, the data path's streamed PutMany)."""
+    opts = {"same-host": {}, "grpc": {"shm_bytes": 0, "data_path": False},
+            "data-path": {"shm_bytes": 0, "data_path": True}}[path]
+    with Client(secured.address, api_key="key-small", **opts) as c:  # type: ignore[arg-type]
+        ks = [keys.chunk_key([i, 7], LAY) for i in range(3)]
+        before = sum(t.bytes for t in c.stats().tenants)
+        with pytest.raises(TooLarge, match="quota"):
+            c.store_many([(k, random_kv(LAY, 32, seed=i)) for i, k in enumerate(ks)],
+                         mode="raw")
+        assert [c.fetch(k) for k in ks] == [None] * 3
+        assert sum(t.bytes for t in c.stats().tenants) == before  # nothing charged
+        c.store_many([(ks[0], random_kv(LAY, 32))], mode="raw")  # one fits
+        assert c.fetch(ks[0]) is not None
+        c.delete(ks[0])
+
+
 def test_metrics_and_request_ids(secured: ServerThread, caplog: pytest.LogCaptureFixture
                                  ) -> None:
     key = keys.chunk_key([3], LAY)

@@ -113,6 +113,20 @@ class Ingest:
 
     # -- commit ---------------------------------------------------------------------------------
 
+    def check_room(self, principal: Principal, sizes: dict[bytes, int], what: str) -> None:
+        """TooLarge, before any entry of a batch is stored, when storing each key of ``sizes``
+        (store key -> the size its last item in the batch has) would take the tenant past its
+        quota even once the entries they replace are given back: a batch that does not fit
+        stores nothing. (Each ``commit`` charges again, exactly: writes racing the batch may
+        still refuse a later item.)"""
+        room = self.auth.room(principal)
+        if room is None or sum(sizes.values()) <= room:
+            return
+        grows = sum(n - self.store.presence(k).size for k, n in sizes.items())
+        if grows > room:
+            raise TooLarge(f"tenant {principal.tenant!r} quota: this {what} adds {grows} bytes, "
+                           f"{room} left; nothing of it was stored")
+
     def commit(self, principal: Principal, skey: bytes, value: bytes | memoryview | Framed,
                opts: pb.StoreOptions, header: Header | None = None,
                in_arena: tuple[Arena, Slot] | None = None) -> pb.StoreResponse:

@@ -95,6 +95,7 @@ class PutMany:
         if seg is None:
             return PutCopies(False, {}, {}, {})
         self.sizes(request)  # sizes first: nothing is copied for a batch that is refused
+        self.within_quota(p, request)  # (nor for one past the quota)
         split = {} if alone else split_one(len(request.items))
         arena = self.arenas.get(p.tenant)
         homes: dict[int, tuple[Arena, Slot]] = {}  # item -> the arena slot it was copied into
@@ -218,13 +219,12 @@ class PutMany:
             raise TooLarge(f"PutMany of {total} bytes; at most {MAX_BATCH_BYTES} per call")
         return total
 
-    def growth(self, p: Principal, request: pb.PutManyRequest) -> int:
-        """The bytes ``request`` would add to its tenant's stored bytes once every item is
-        in: per key, its last item's length less the size of the entry it replaces."""
+    def within_quota(self, p: Principal, request: pb.PutManyRequest) -> None:
+        """TooLarge when ``request``'s items (their regions' lengths) would take the tenant
+        past its quota (``Ingest.check_room``): before their bytes are read or copied."""
         ns = request.namespace or "default"
-        last = {item.key: item.region.length for item in request.items}
-        return sum(n - self.ingest.store.presence(store_key(p.tenant, ns, key)).size
-                   for key, n in last.items())
+        self.ingest.check_room(p, {store_key(p.tenant, ns, item.key): item.region.length
+                                   for item in request.items}, "PutMany")
 
     def put_items(self, p: Principal, request: pb.PutManyRequest,
                   value_of: Callable[[int, pb.PutItem], bytes | memoryview],
@@ -232,7 +232,8 @@ class PutMany:
                   sealing: bool = False, checked: dict[int, Checked] | None = None
                   ) -> pb.PutManyResponse:
         """Check every item (its bytes from ``value_of``, which verifies them: Corrupt when
-        they fail) before any is stored, then store them in order. ``homes``: items whose
+        they fail) and the tenant's quota for all of them (``Ingest.check_room``) before any
+        is stored, then store them in order. ``homes``: items whose
         value lives in an arena slot (published with their put). ``sealing``: ``value_of``
         seals the items that ask for it (``PutItem.seal``; segment items only). ``checked``:
         items checked already on the bytes ``value_of`` returns (``copy``)."""
@@ -260,6 +261,7 @@ class PutMany:
                 raise type(exc)(f"item {j}: {exc}") from exc
             self.ingest.checked(header, seconds)
             items.append((skey, value, header))
+        self.ingest.check_room(p, {skey: len(value) for skey, value, _ in items}, "PutMany")
         out = pb.PutManyResponse()
         for j, ((skey, value, header), item) in enumerate(zip(items, request.items)):
             out.results.append(self.ingest.commit(p, skey, value, item.options, header,

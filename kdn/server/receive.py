@@ -180,7 +180,12 @@ class Receiver:
                       ) -> list[pb.StoreResponse]:
         """Commit checked entries, in order: on the event loop's thread where the store is a
         dict put (the hand-off to a worker thread and back costs more than the put itself),
-        else on a worker thread."""
+        else on a worker thread. None of them when they do not fit the tenant's quota
+        together (``Ingest.check_room``)."""
+        if len(entries) > 1:
+            self.ingest.check_room(principal, {e.skey: len(e.value) for e in entries},
+                                   "StoreMany")
+
         def run() -> list[pb.StoreResponse]:
             return [self.ingest.commit(principal, e.skey, e.value, e.options, e.header)
                     for e in entries]

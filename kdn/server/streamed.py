@@ -71,7 +71,7 @@ def put_streamed(servicer: Putting, conn: socket.socket, body: bytes,
     try:
         principal = owner(put.segment_id)
         servicer.auth.admit(principal)
-        _within_quota(servicer, principal, put, total)
+        servicer.puts.within_quota(principal, put)  # before the items are read into memory
     except KDNError:
         _drain(conn, total)
         raise
@@ -85,20 +85,6 @@ def put_streamed(servicer: Putting, conn: socket.socket, body: bytes,
         return values[j]
 
     return servicer.puts.put_items(principal, put, value_of)
-
-
-def _within_quota(servicer: Putting, principal: Principal, put: pb.PutManyRequest,
-                  total: int) -> None:
-    """TooLarge, before the items are read into memory, when they would take the tenant past
-    its quota even once the entries they replace are given back (the commit charges each
-    item again, exactly)."""
-    room = servicer.auth.room(principal)
-    if room is None or total <= room:
-        return
-    grows = servicer.puts.growth(principal, put)
-    if grows > room:
-        raise TooLarge(f"tenant {principal.tenant!r} quota: this PutMany adds {grows} bytes, "
-                       f"{room} left")
 
 
 def _payload(puts: PutMany, put: pb.PutManyRequest) -> int:
