@@ -107,7 +107,7 @@ def test_a_connection_that_names_no_ticket_in_time_is_closed(server: ServerThrea
 
 def test_the_oldest_pending_connections_make_room(server: ServerThread, remote: Client,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(netpath, "MAX_PENDING", 4)
+    monkeypatch.setattr(fastpath, "MAX_PENDING", 4)
     ticket = data_ticket(remote)
     hogs = []
     for _ in range(6):  # accepted in turn, oldest first
@@ -133,7 +133,7 @@ def test_a_request_is_bounded_until_its_ticket_is_known(server: ServerThread,
                                                        remote: Client) -> None:
     ticket = data_ticket(remote)
     conn = data_connect(server)
-    conn.sendall(FAST_HEAD.pack(netpath.FIRST_BODY + 1, NET_GET_MANY))
+    conn.sendall(FAST_HEAD.pack(fastpath.FIRST_BODY + 1, NET_GET_MANY))
     assert _closed_within(conn, 5)  # refused before any of its body is read
     conn.close()
     conn = data_connect(server)
@@ -148,7 +148,7 @@ def test_a_request_is_bounded_until_its_ticket_is_known(server: ServerThread,
 
 def test_one_ticket_holds_a_bounded_share_of_the_connections(
         server: ServerThread, remote: Client, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(netpath, "MAX_PER_TICKET", 2)
+    monkeypatch.setattr(netpath.NetPath, "max_per_owner", 2)
     ticket = data_ticket(remote)
     held = [data_connect(server) for _ in range(2)]
     for conn in held:
@@ -157,7 +157,7 @@ def test_one_ticket_holds_a_bounded_share_of_the_connections(
     ok, out = _get(extra, ticket, []) or (1, b"")
     assert ok == 0 and b"at most 2" in out
     held[0].close()  # a slot of the ticket's frees up as one of its connections ends
-    assert eventually(lambda: _path(server)._per_ticket.get(ticket) == 1)
+    assert eventually(lambda: _path(server)._per_owner.get(ticket) == 1)
     assert (_get(extra, ticket, []) or (0, b""))[0] == 1
     with Client(server.address, shm_bytes=0) as other:  # another ticket is not held back
         conn = data_connect(server)
@@ -270,9 +270,9 @@ def test_a_put_of_many_small_entries_stays_within_the_first_call_limit(
         item = req.items.add(key=numbered_key(i), options=pb.StoreOptions(
             ttl_seconds=1 << 40, pin=True, durability=pb.DURABILITY_SHARED))
         item.region.offset, item.region.length = 1 << 40, 1 << 33
-    assert req.ByteSize() <= netpath.FIRST_BODY
+    assert req.ByteSize() <= fastpath.FIRST_BODY
     # and scaled down, on a real server: a fresh connection's first PutMany of many items
-    monkeypatch.setattr(netpath, "FIRST_BODY", 16 << 10)
+    monkeypatch.setattr(fastpath, "FIRST_BODY", 16 << 10)
     monkeypatch.setattr(fastwire, "BATCH_ITEMS", 200)
     kv = random_kv(LAYOUT, 1, seed=5)
     items = [(numbered_key(i), kv) for i in range(410)]
@@ -288,7 +288,7 @@ def test_a_pending_connection_is_evicted_mid_handshake(tmp_path: Path,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """Under TLS a silent connection waits inside its handshake; eviction still ends it (a
     shutdown of its socket through a duplicate descriptor)."""
-    monkeypatch.setattr(netpath, "MAX_PENDING", 2)
+    monkeypatch.setattr(fastpath, "MAX_PENDING", 2)
     certs = make_certs(tmp_path)
     cfg = ServerConfig(port=0, data_dir=tmp_path / "d", tls_cert=str(certs["server.crt"]),
                        tls_key=str(certs["server.key"]))
@@ -324,7 +324,7 @@ def test_a_tenant_member_minting_tickets_takes_back_its_own(
         conn = data_connect(server)  # named once, then let go
         assert (_get(conn, idle, []) or (0, b""))[0] == 1
         conn.close()
-        assert eventually(lambda: idle not in _path(server)._per_ticket)
+        assert eventually(lambda: idle not in _path(server)._per_owner)
         minted = [attach(pb.AttachRequest(remote=True), timeout=10).segment_id
                   for _ in range(40)]
     owners = server.server.servicer.segments

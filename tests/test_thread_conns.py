@@ -66,12 +66,12 @@ def test_short_lived_threads_leave_no_connection_behind(server: ServerThread,
         assert all(g is not None and g.equal(KV) for g in got)
     if shm_bytes == 0:
         assert server.server.net_path is not None
-        assert eventually(lambda: not server.server.net_path._per_ticket)  # type: ignore
+        assert eventually(lambda: not server.server.net_path._per_owner)  # type: ignore
 
 
 def test_a_connection_past_the_tickets_limit_sends_its_calls_by_grpc(
         server: ServerThread, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(netpath, "MAX_PER_TICKET", 2)
+    monkeypatch.setattr(netpath.NetPath, "max_per_owner", 2)
     with Client(server.address, timeout_s=30, shm_bytes=0) as c:
         c.store(numbered_key(0), KV, mode="raw")  # this thread holds one of the two
         c.store(numbered_key(1), KV, mode="raw")

@@ -378,7 +378,8 @@ async def _start(config: ServerConfig, store: TieredStore, auth: Authenticator,
     reflection.enable_server_reflection((*REFLECTED, reflection.SERVICE_NAME), server)
     port = _listen(server, config, creds)
     await server.start()
-    fast_path = FastPath(servicer)  # same-host GetMany / PutMany without gRPC
+    fast_path = FastPath(servicer,  # same-host GetMany / PutMany without gRPC
+                         first_call_s=config.handshake_timeout_s)
     net_path: NetPath | None = None
     try:
         servicer.fast_path_name = fast_path.name

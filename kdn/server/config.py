@@ -231,8 +231,9 @@ class ServerConfig:
     handshake_timeout_s: float = 10.0
     """Close a connection that has not finished its TLS handshake and HTTP/2 preface this long
     after it opened (one that never says a word would otherwise hold a slot for 120 s); on the
-    network data path, one whose first call has not named a live ticket by then, and any
-    call whose request is not whole this long after its first byte."""
+    network data path and the same-host fast path, one whose first call has not named a live
+    ticket or segment by then, and any call whose request is not whole this long after its
+    first byte."""
     max_streams_per_connection: int = 256
     """Most calls in flight on one client connection (HTTP/2 concurrent streams); a client
     past it waits for one to end (0 = gRPC's own limit)."""

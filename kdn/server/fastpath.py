@@ -20,10 +20,24 @@ Who may call: the socket is in Linux's abstract namespace (no file), so any loca
 connect; a call is served only when its ``segment_id`` names an attached segment, and the call
 then acts as the caller that attached it (with its tenant's rate limit and quota). A segment id
 is 128 random bits handed only to the authenticated client that attached the segment, so it is
-the capability; requests without one are refused. Calls here do not pass the gRPC interceptor:
-they are counted (``fast.<rpc>``, and by status code and latency in
-``kdn_fastpath_requests_total`` / ``kdn_fastpath_request_seconds``, ``kdn.server.usage``) but
-have no access-log line.
+the capability; requests without one are refused.
+
+Holding a connection (both paths; the network data path, ``kdn.server.netpath``, names a
+ticket where this one names a segment): until one of its calls names a live segment a
+connection is *pending*: its first call must arrive within ``first_call_s`` (the server's
+``handshake_timeout_s``), its body may hold at most ``FIRST_BODY`` bytes, and at most
+``MAX_PENDING`` connections are pending at once (a new one past that closes the oldest: a
+client names its segment in its first call, so only connections that sit silent lose out).
+Once admitted, each call's request must still arrive whole within ``first_call_s`` of its
+first byte (a body that stops short holds no memory for long); at most ``max_connections``
+are admitted at once and ``max_per_owner`` of one segment's (a client holds one per thread
+that calls), so that no one client holds every slot; an admitted connection may then stay
+silent ``idle_s`` between calls (0 here: a same-host client keeps one to learn of the
+server's exit). Each connection is a thread: these bounds are the server's threads too.
+
+Calls here do not pass the gRPC interceptor: they are counted (``fast.<rpc>``, and by status
+code and latency in ``kdn_fastpath_requests_total`` / ``kdn_fastpath_request_seconds``,
+``kdn.server.usage``) but have no access-log line.
 
 Lifecycle: the server starts one ``FastPath`` (a listening thread) once it listens, and closes
 it at shutdown; each connection is served by its own daemon thread.
@@ -32,6 +46,7 @@ it at shutdown; each connection is served by its own daemon thread.
 from __future__ import annotations
 
 import logging
+import os
 import secrets
 import socket
 import threading
@@ -40,7 +55,7 @@ from collections.abc import Callable
 from functools import partial
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
-from kdn.errors import InvalidArgument, KDNError, NotFound, kept
+from kdn.errors import InvalidArgument, KDNError, NotFound, TooLarge, kept
 from kdn.server.arena import Arenas
 from kdn.server.auth import Principal
 from kdn.server.batch import BatchReads, copy_pool
@@ -54,7 +69,6 @@ from kdn.transport.wire import (
     FAST_GET_MANY,
     FAST_HEAD,
     FAST_PUT_MANY,
-    read_exact,
     send_pieces,
     serialize_passthrough,
 )
@@ -67,6 +81,15 @@ log = logging.getLogger(__name__)
 _RPCS = {FAST_GET_MANY: "GetMany", FAST_PUT_MANY: "PutMany", FAST_ARENA: "Arena"}
 MAX_BODY = 64 << 20
 """Largest request accepted (descriptors only: entries travel in the segment)."""
+MAX_PENDING = 64
+"""Connections at once that have not yet named a live segment (or ticket); a new one past
+it closes the oldest."""
+FIRST_BODY = 1 << 20
+"""Largest request body read before the connection's segment (or ticket) is known (a GetMany
+of ~25,000 keys); later calls may send up to ``MAX_BODY``."""
+FIRST_CALL_S = 10.0
+"""Seconds for a new connection's handshake and first call, and for any call's request once
+its first byte came (default of ``first_call_s``)."""
 
 
 class Handlers(Putting, Protocol):
@@ -90,6 +113,29 @@ class Reply(NamedTuple):
     after: tuple[bytes | memoryview, ...] = ()
     pacer: Pacer | None = None
     """The egress cap that paces sending them (``kdn.server.egress``); None: none."""
+
+
+class _Peer:
+    """A connection's state: its socket as accepted (the key of the path's tables) and its
+    descriptor, the time by which its first call must have arrived (0: evicted), and the
+    segment (or ticket) that admitted it (None while pending)."""
+
+    __slots__ = ("conn", "fd", "deadline", "ticket")
+
+    def __init__(self, conn: socket.socket, deadline: float) -> None:
+        self.conn, self.fd, self.deadline = conn, conn.fileno(), deadline
+        self.ticket: str | None = None
+
+    def cut(self) -> None:
+        """End the connection's reads and writes (its thread then closes it): a shutdown
+        of the socket through a duplicate of its descriptor, which works mid-handshake too
+        (called under the path's lock, while the connection's own descriptor is open)."""
+        self.deadline = 0.0
+        try:
+            with socket.socket(fileno=os.dup(self.fd)) as dup:
+                dup.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
 
 
 ACCEPT_PAUSE_S = 0.05
@@ -123,13 +169,22 @@ class FastPath:
 
     kind = "fast"
     """The label of this path's counters (``fast.<rpc>``, ``fast.<status>``)."""
-    max_connections = 0
-    """Connections served at once at most (0: no limit); past it new ones are closed."""
+    max_connections = 1024
+    """Connections admitted at once (module docstring); past it a new one is refused."""
+    max_per_owner = 256
+    """Connections one segment (or ticket) may hold admitted at once."""
     grouped = True
     """Whether PutMany calls queued on a connection are copied together (``_put_group``)."""
 
-    def __init__(self, servicer: Handlers) -> None:
+    def __init__(self, servicer: Handlers, *, idle_s: float = 0.0,
+                 first_call_s: float = FIRST_CALL_S) -> None:
         self.servicer = servicer
+        self.idle_s, self.first_call_s = idle_s, first_call_s or FIRST_CALL_S
+        self._peers: dict[socket.socket, _Peer] = {}  # by the socket as accepted
+        self._pending: dict[socket.socket, _Peer] = {}  # those not admitted, oldest first
+        self._per_owner: dict[str, int] = {}
+        self._admitted = 0
+        self._here = threading.local()  # the peer of the connection this thread serves
         self._sock = self.listen()
         self._conns: set[socket.socket] = set()
         self._lock = threading.Lock()
@@ -174,12 +229,30 @@ class FastPath:
                              daemon=True).start()
 
     def _room(self, conn: socket.socket) -> bool:
-        """Whether a new connection is served (under ``_lock``): ``max_connections``."""
-        return not self.max_connections or len(self._conns) < self.max_connections
+        """Whether a new connection is served (under ``_lock``), pending from now: the
+        module docstring's bounds."""
+        if self._admitted >= self.max_connections \
+                or len(self._peers) >= self.max_connections + 2 * MAX_PENDING:
+            return False
+        peer = _Peer(conn, time.monotonic() + self.first_call_s)
+        self._peers[conn] = self._pending[conn] = peer
+        if len(self._pending) > MAX_PENDING:  # the oldest silent one makes room
+            self._pending.pop(next(iter(self._pending))).cut()
+            self.servicer.count(f"{self.kind}.evicted_connections")
+        return True
 
     def _gone(self, conn: socket.socket) -> None:
         """A connection's serving ended (under ``_lock``; ``conn`` as accepted)."""
         self._conns.discard(conn)
+        peer = self._peers.pop(conn, None)
+        self._pending.pop(conn, None)
+        if peer is not None and peer.ticket is not None:
+            self._admitted -= 1
+            left = self._per_owner.get(peer.ticket, 0) - 1
+            if left > 0:
+                self._per_owner[peer.ticket] = left
+            else:
+                self._per_owner.pop(peer.ticket, None)
 
     def _serve(self, conn: socket.socket) -> None:
         accepted = conn
@@ -212,15 +285,69 @@ class FastPath:
             conn.close()
 
     def _read_call(self, conn: socket.socket) -> tuple[int, bytes] | None:
-        """The next call on ``conn`` (op, body); None once it closed."""
-        head = read_exact(conn, FAST_HEAD.size)
-        if head is None:
+        """The next call on ``conn`` (op, body), read within the limits of the module
+        docstring (``socket.timeout`` past them, which ends the connection); None once it
+        closed."""
+        peer: _Peer = self._here.peer
+        admitted = peer.ticket is not None
+        if admitted:
+            conn.settimeout(self.idle_s or None)
+        else:
+            left = peer.deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"no call named a live {self.names} in time")
+            conn.settimeout(left)
+        first = conn.recv(1)  # waiting for a call
+        if not first:
             return None
-        n, op = FAST_HEAD.unpack(head)
-        if n > MAX_BODY:
-            raise InvalidArgument(f"{self.kind}-path request of {n} bytes (limit {MAX_BODY})")
-        body = read_exact(conn, n)
+        by = time.monotonic() + self.first_call_s
+        if not admitted:
+            by = min(by, peer.deadline)
+        rest = _recv_by(conn, FAST_HEAD.size - 1, by)
+        if rest is None:
+            return None
+        n, op = FAST_HEAD.unpack(first + rest)
+        limit = MAX_BODY if admitted else FIRST_BODY
+        if n > limit:
+            raise InvalidArgument(f"{self.kind}-path request of {n} bytes (limit {limit}"
+                                  + ("" if admitted else f" before a call names a live "
+                                     f"{self.names}") + ")")
+        body = _recv_by(conn, n, by)
+        conn.settimeout(self.idle_s or None)  # a PutMany's items, the answer's sends
         return None if body is None else (op, body)
+
+    names = "segment"
+    """What a call names to be served: a segment here, a ticket on the network path."""
+    path_name = "fast path"
+    """The path in a refusal's words."""
+
+    def owner_of(self, name: str) -> Principal:
+        """The caller a call naming ``name`` (a segment id) acts as."""
+        return self.servicer.segments.owner(name)
+
+    def _owner(self, name: str) -> Principal:
+        """The caller ``name`` acts as (``owner_of``), and the connection admitted by it if
+        it was not yet (TooLarge past ``max_connections`` or ``max_per_owner``). A call run
+        off its connection's thread (the later half of a PutMany group, its connection
+        admitted by the first) admits nothing."""
+        principal = self.owner_of(name)
+        peer: _Peer | None = getattr(self._here, "peer", None)
+        if peer is None or peer.ticket is not None:
+            return principal
+        with self._lock:
+            mine = self._per_owner.get(name, 0)
+            if mine >= self.max_per_owner:
+                raise TooLarge(f"this {self.names} holds {mine} {self.path_name} connections "
+                               f"already (at most {self.max_per_owner})")
+            if self._admitted >= self.max_connections:
+                raise TooLarge(f"the {self.path_name} serves {self.max_connections} "
+                               "connections at once")
+            if self._pending.pop(peer.conn, None) is None:
+                raise TimeoutError("closed while pending")
+            peer.ticket = name
+            self._per_owner[name] = mine + 1
+            self._admitted += 1
+        return principal
 
     def _answer(self, conn: socket.socket, op: int, call: Callable[[], Reply],
                 started: float) -> bool:
@@ -278,7 +405,14 @@ class FastPath:
         return lambda: Reply(s.puts.finish(principal, req, copies).SerializeToString())
 
     def opened(self, conn: socket.socket) -> socket.socket:
-        """A new connection set up, as it is served (a unix socket: as it is)."""
+        """A new connection set up, as it is served: its first call due by its deadline
+        (a subclass wraps it: TLS)."""
+        with self._lock:
+            peer = self._peers.get(conn)
+        if peer is None or not peer.deadline:
+            raise OSError("closed before it was served (pending too long, or many pending)")
+        self._here.peer = peer
+        conn.settimeout(max(peer.deadline - time.monotonic(), 1e-3))  # the TLS handshake too
         return conn
 
     @staticmethod
@@ -296,7 +430,7 @@ class FastPath:
     def _arena(self, body: bytes) -> tuple[int, int]:
         """(descriptor, size) of the read arena of the tenant that attached segment ``body``."""
         s = self.servicer
-        principal = s.segments.owner(body.decode("utf-8", "replace"))
+        principal = self._owner(body.decode("utf-8", "replace"))
         s.auth.admit(principal)
         arena = s.arenas.get(principal.tenant)
         if arena is None:
@@ -319,7 +453,7 @@ class FastPath:
         check_names(req)  # the same name rules as over gRPC (kdn.server.requests)
         if not req.segment_id:
             raise NotFound("fast-path calls must name an attached segment")
-        principal = s.segments.owner(req.segment_id)
+        principal = self._owner(req.segment_id)
         s.auth.admit(principal)
         return req, principal
 
@@ -347,3 +481,19 @@ class FastPath:
             except OSError:
                 pass
             c.close()
+
+
+def _recv_by(conn: socket.socket, n: int, by: float) -> bytes | None:
+    """``n`` bytes from ``conn`` by the monotonic time ``by`` (``socket.timeout`` past it),
+    or None when it closed first."""
+    buf = bytearray()
+    while len(buf) < n:
+        left = by - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("a request that did not arrive whole in time")
+        conn.settimeout(left)
+        chunk = conn.recv(min(n - len(buf), 1 << 20))
+        if not chunk:
+            return None
+        buf += chunk
+    return bytes(buf)
