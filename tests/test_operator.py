@@ -214,6 +214,26 @@ def test_a_batch_past_the_quota_stores_nothing_of_it(secured: ServerThread, path
         c.delete(ks[0])
 
 
+def test_a_store_past_the_quota_is_refused_from_its_header(secured: ServerThread) -> None:
+    """A Store header declaring more than the tenant's quota is refused before its frames are
+    received (it was received and buffered whole, then refused at commit): the stream ends
+    after the header here, and the answer is the quota, not a truncated entry."""
+    from kdn import codec
+    from kdn.transport.metadata import API_KEY_HEADER
+    from kdn.v1 import kdn_pb2 as pb
+    from kdn.v1 import kdn_pb2_grpc as pb_grpc
+
+    parts = codec.encode_parts(random_kv(LAY, 32), "raw")
+    head = pb.StoreHeader(namespace="default", key=keys.chunk_key([9], LAY),
+                          container_header=parts.header, total_bytes=100 << 20)
+    with grpc.insecure_channel(secured.address) as ch:
+        with pytest.raises(grpc.RpcError) as err:
+            pb_grpc.KDNStub(ch).Store(iter([pb.StoreRequest(header=head)]), timeout=30,
+                                      metadata=((API_KEY_HEADER, "key-small"),))
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "quota: this Store adds 104857600 bytes" in (err.value.details() or "")
+
+
 def test_metrics_and_request_ids(secured: ServerThread, caplog: pytest.LogCaptureFixture
                                  ) -> None:
     key = keys.chunk_key([3], LAY)

@@ -203,6 +203,7 @@ class Receiver:
         checking = time.perf_counter() - t0  # the checks' time, for kdn_entry_check_seconds
         declared = head.total_bytes
         self.ingest.check_size(declared)
+        self.ingest.check_room(principal, {skey: declared}, "Store")  # before it is received
         # An entry is kept as the frames it arrives in, each a view of its message
         # (kdn.store.framed): no copy into one buffer, and a Retrieve can send those very
         # messages back. Past ``framed_limit`` (declared; half the heap the allocator keeps)
