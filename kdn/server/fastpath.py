@@ -28,8 +28,9 @@ connection is *pending*: its first call must arrive within ``first_call_s`` (the
 ``handshake_timeout_s``), its body may hold at most ``FIRST_BODY`` bytes, and at most
 ``MAX_PENDING`` connections are pending at once (a new one past that closes the oldest: a
 client names its segment in its first call, so only connections that sit silent lose out).
-Once admitted, each call's request must still arrive whole within ``first_call_s`` of its
-first byte (a body that stops short holds no memory for long); at most ``max_connections``
+Once admitted, on the network path each call's request must still arrive whole within
+``first_call_s`` of its first byte (a body that stops short holds no memory for long; here
+an admitted caller is a tenant's own client, read as it sends); at most ``max_connections``
 are admitted at once and ``max_per_owner`` of one segment's (a client holds one per thread
 that calls), so that no one client holds every slot; an admitted connection may then stay
 silent ``idle_s`` between calls (0 here: a same-host client keeps one to learn of the
@@ -69,6 +70,7 @@ from kdn.transport.wire import (
     FAST_GET_MANY,
     FAST_HEAD,
     FAST_PUT_MANY,
+    read_exact,
     send_pieces,
     serialize_passthrough,
 )
@@ -120,11 +122,11 @@ class _Peer:
     descriptor, the time by which its first call must have arrived (0: evicted), and the
     segment (or ticket) that admitted it (None while pending)."""
 
-    __slots__ = ("conn", "fd", "deadline", "ticket")
+    __slots__ = ("conn", "fd", "deadline", "owner")
 
     def __init__(self, conn: socket.socket, deadline: float) -> None:
         self.conn, self.fd, self.deadline = conn, conn.fileno(), deadline
-        self.ticket: str | None = None
+        self.owner: str | None = None
 
     def cut(self) -> None:
         """End the connection's reads and writes (its thread then closes it): a shutdown
@@ -175,6 +177,10 @@ class FastPath:
     """Connections one segment (or ticket) may hold admitted at once."""
     grouped = True
     """Whether PutMany calls queued on a connection are copied together (``_put_group``)."""
+    timed_when_admitted = False
+    """Whether an admitted connection's requests must still arrive whole within
+    ``first_call_s`` of their first byte (the network path's peers; a same-host client that
+    named its segment is read as it sends, with the fewest system calls)."""
 
     def __init__(self, servicer: Handlers, *, idle_s: float = 0.0,
                  first_call_s: float = FIRST_CALL_S) -> None:
@@ -246,13 +252,13 @@ class FastPath:
         self._conns.discard(conn)
         peer = self._peers.pop(conn, None)
         self._pending.pop(conn, None)
-        if peer is not None and peer.ticket is not None:
+        if peer is not None and peer.owner is not None:
             self._admitted -= 1
-            left = self._per_owner.get(peer.ticket, 0) - 1
+            left = self._per_owner.get(peer.owner, 0) - 1
             if left > 0:
-                self._per_owner[peer.ticket] = left
+                self._per_owner[peer.owner] = left
             else:
-                self._per_owner.pop(peer.ticket, None)
+                self._per_owner.pop(peer.owner, None)
 
     def _serve(self, conn: socket.socket) -> None:
         accepted = conn
@@ -289,7 +295,17 @@ class FastPath:
         docstring (``socket.timeout`` past them, which ends the connection); None once it
         closed."""
         peer: _Peer = self._here.peer
-        admitted = peer.ticket is not None
+        admitted = peer.owner is not None
+        if admitted and not self.timed_when_admitted:  # blocking: the fewest system calls
+            head = read_exact(conn, FAST_HEAD.size)
+            if head is None:
+                return None
+            n, op = FAST_HEAD.unpack(head)
+            if n > MAX_BODY:
+                raise InvalidArgument(f"{self.kind}-path request of {n} bytes (limit "
+                                      f"{MAX_BODY})")
+            body = read_exact(conn, n)
+            return None if body is None else (op, body)
         if admitted:
             conn.settimeout(self.idle_s or None)
         else:
@@ -332,7 +348,7 @@ class FastPath:
         admitted by the first) admits nothing."""
         principal = self.owner_of(name)
         peer: _Peer | None = getattr(self._here, "peer", None)
-        if peer is None or peer.ticket is not None:
+        if peer is None or peer.owner is not None:
             return principal
         with self._lock:
             mine = self._per_owner.get(name, 0)
@@ -344,7 +360,7 @@ class FastPath:
                                "connections at once")
             if self._pending.pop(peer.conn, None) is None:
                 raise TimeoutError("closed while pending")
-            peer.ticket = name
+            peer.owner = name
             self._per_owner[name] = mine + 1
             self._admitted += 1
         return principal

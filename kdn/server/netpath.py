@@ -76,6 +76,7 @@ class NetPath(FastPath):
     max_connections = MAX_CONNECTIONS
     max_per_owner = MAX_PER_TICKET
     names = "ticket"
+    timed_when_admitted = True
     path_name = "data path"
 
     def __init__(self, servicer: Handlers, host: str, port: int,
