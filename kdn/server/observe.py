@@ -242,8 +242,7 @@ class RequestInterceptor(grpc.aio.ServerInterceptor):
             self.metrics.auth_failures.labels(reason).inc()
         self.audit.log(reason, context.peer(), rid)
 
-    def _done(self, rpc: str, rid: str, tenant: str, t0: float, code: str,
-              context: grpc.aio.ServicerContext) -> None:
+    def _done(self, rpc: str, rid: str, tenant: str, t0: float, code: str, peer: str) -> None:
         seconds = time.perf_counter() - t0
         if self.metrics is not None:
             self.metrics.requests.labels(rpc, code).inc()
@@ -251,19 +250,20 @@ class RequestInterceptor(grpc.aio.ServerInterceptor):
         if access_log.isEnabledFor(logging.INFO):
             access_log.info(json.dumps({
                 "rpc": rpc, "code": code, "ms": round(seconds * 1e3, 3), "request_id": rid,
-                "tenant": tenant, "peer": context.peer(),
+                "tenant": tenant, "peer": peer,
             }))
 
     @staticmethod
     def _code(context: grpc.aio.ServicerContext, exc: BaseException | None) -> str:
+        """The call's status name. A call its client cancelled is not asked: its context may
+        be gone in gRPC's core (``context.peer()`` of a cancelled stream crashed the process
+        with SIGSEGV)."""
+        if isinstance(exc, (asyncio.CancelledError, GeneratorExit)):
+            return "CANCELLED"
         code = context.code() if hasattr(context, "code") else None
         if isinstance(code, grpc.StatusCode):
             return code.name
-        if exc is None:
-            return "OK"
-        if isinstance(exc, (asyncio.CancelledError, GeneratorExit)):
-            return "CANCELLED"
-        return "UNKNOWN"
+        return "OK" if exc is None else "UNKNOWN"
 
     @contextlib.asynccontextmanager
     async def _observed(self, context: grpc.aio.ServicerContext, rpc: str, md: Any,
@@ -274,7 +274,8 @@ class RequestInterceptor(grpc.aio.ServerInterceptor):
         with tracing.span(f"kdn.server.{rpc}", md if tracing.enabled() else None,
                           rpc=rpc) as span:  # the client's trace continues here (if on)
             rid, tenant = await self._enter(context, md, open_call)
-            exc: BaseException | None = None
+            peer = context.peer() if access_log.isEnabledFor(logging.INFO) else ""  # now,
+            exc: BaseException | None = None  # while the call is alive (``_code``)
             try:
                 yield
             except BaseException as e:
@@ -283,7 +284,7 @@ class RequestInterceptor(grpc.aio.ServerInterceptor):
             finally:
                 code = self._code(context, exc)
                 exc = None  # its traceback holds this frame
-                self._done(rpc, rid, tenant, t0, code, context)
+                self._done(rpc, rid, tenant, t0, code, peer)
                 if span is not None:
                     span.set_attribute("kdn.code", code)
                     span.set_attribute("kdn.tenant", tenant)
