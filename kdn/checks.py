@@ -7,6 +7,7 @@ quietly be another token)."""
 from __future__ import annotations
 
 import numbers
+import reprlib
 from collections.abc import Sequence
 
 from kdn.errors import InvalidArgument
@@ -58,3 +59,14 @@ def token_ids(values: object, what: str) -> list[int]:
             raise InvalidArgument(f"{what}: token {i} is {t!r}, not a token id")
         out.append(t.__index__())
     return out
+
+
+_SHOWN = reprlib.Repr()
+_SHOWN.maxlevel, _SHOWN.maxstring, _SHOWN.maxlong, _SHOWN.maxother = 2, 60, 40, 60
+_SHOWN.maxlist = _SHOWN.maxtuple = _SHOWN.maxdict = _SHOWN.maxset = 4
+
+
+def shown(value: object) -> str:
+    """``repr(value)`` cut short for an error line: a value from a file may be a YAML alias
+    bomb (a few hundred bytes whose full repr takes gigabytes) or 400 digits."""
+    return _SHOWN.repr(value)

@@ -35,6 +35,12 @@ def _load(tmp_path: Path, text: str) -> object:
     ("tenants:\n  a: {api_keys: [k1], quota_bytes: -1}\n", r"quota_bytes: must be"),
     ("tenants:\n  a: {api_keys: [k1], quota_bytes: true}\n", r"quota_bytes: a number"),
     ("tenants:\n  a: {api_keys: [k1]}\nadmins: [a]\n", r"unknown settings \['admins'\]"),
+    ("tenants:\n  a: {api_keys: [\u043a\u043b\u044e\u0447]}\n", r"api_keys\[0\] must be "
+     "printable ASCII"),  # no client can send it
+    # an OverflowError traceback; and a quota past 2**64 started, then broke every Stats
+    ("tenants:\n  a: {api_keys: [k1], burst: 1" + "0" * 400 + "}\n", r"burst: "),
+    ("tenants:\n  a: {api_keys: [k1], quota_bytes: 100000000TiB}\n", r"quota_bytes: at most"),
+    ("tenants:\n  a: {api_keys: [k1], quota_bytes: 1" + "0" * 30 + "}\n", r"quota_bytes: at"),
 ])
 def test_odd_tenants_files_are_refused_naming_the_field(tmp_path: Path, text: str,
                                                         why: str) -> None:

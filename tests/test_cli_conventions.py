@@ -244,3 +244,36 @@ def test_serve_help_shows_each_settings_doc_as_written(capsys: pytest.CaptureFix
     assert any("%" in doc for doc in docs)  # the case this is about is among them
     for doc in docs:
         assert re.sub(r"\s+", " ", doc[:60]).strip() in shown, doc
+
+
+def test_admin_refuses_what_it_can_not_send_in_one_line_before_any_call(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A --tls-ca that is not PEM ("None: no start line"), a port of non-ASCII digits (taken,
+    then "unreachable", exit 1) and an API key no gRPC header can carry (gRPC's own log lines
+    and "INTERNAL: Invalid metadata") are usage errors naming what is wrong (exit 2)."""
+    from kdn.client.client import TLSOptions
+    from kdn.errors import InvalidArgument
+
+    not_pem = tmp_path / "ca.crt"
+    not_pem.write_text("hello\n")
+    for args, says in (
+            (["--tls-ca", str(not_pem)], f"{not_pem}: not a PEM file (no '-----BEGIN' line)"),
+            (["--address", "127.0.0.1:\u0665\u0660"], "port must be in 1..65535"),
+            (["--api-key", "\u043a\u043b\u044e\u0447"], "api_key must be printable ASCII")):
+        address = [] if "--address" in args else ["--address", "127.0.0.1:1"]
+        try:
+            code = cli(["admin", "stats", *address, *args])
+        except SystemExit as exc:  # argparse's refusal
+            code = int(exc.code or 0)
+        assert code == 2
+        err = capsys.readouterr().err
+        assert says in err and len(err.strip().splitlines()) == 1, err
+        assert "insecure" not in err
+    with pytest.raises(InvalidArgument, match="TLS: ca is not PEM"):
+        TLSOptions(ca=b"hello")
+    with pytest.raises(InvalidArgument, match="api_key must be printable ASCII"):
+        Client("127.0.0.1:1", api_key=" key")
+    monkeypatch.setattr(sys, "stdout", None)  # started with stdout closed (`>&-`)
+    assert cli(["admin", "fleet", "--nodes", "127.0.0.1:1", "--timeout", "1"]) == 1
+

@@ -55,6 +55,12 @@ def test_precedence_file_env_flags(tmp_path: Path) -> None:
     ({"flags": {"idle_timeout_s": "0.0004"}}, "idle_timeout_s: must be 0 or in 0.001.."),
     ({"flags": {"max_connections": str(2**31)}}, "max_connections: must be in 0..2147483647"),
     ({"flags": {"max_streams_per_connection": "-1"}}, "max_streams_per_connection: must be in"),
+    # 400 digits were an OverflowError traceback; 2**64 and more started, then broke Stats
+    ({"env": {"KDN_RAM_BYTES": "1" + "0" * 400}}, "ram_bytes: invalid value '1000"),
+    ({"env": {"KDN_RAM_BYTES": "1" + "0" * 400 + "GiB"}}, "at most 9223372036854775807 bytes"),
+    ({"env": {"KDN_RAM_BYTES": "100000000TiB"}}, "at most 9223372036854775807 bytes (8 EiB)"),
+    ({"flags": {"max_connections": "1" + "0" * 400}}, "max_connections: must be in"),
+    ({"flags": {"idle_timeout_s": "1" + "0" * 400}}, "idle_timeout_s: must be"),
 ])
 def test_bad_settings_are_named(source: dict, match: str) -> None:
     with pytest.raises(ConfigError) as info:
@@ -151,6 +157,41 @@ def test_bad_file(tmp_path: Path) -> None:
         load_config(f, env={})
     with pytest.raises(ConfigError, match="config file"):
         load_config(tmp_path / "missing.yaml", env={})
+    f.write_bytes(b"port: 50051\nhost: \xff\xfe\n")  # a UnicodeDecodeError traceback
+    with pytest.raises(ConfigError, match="not UTF-8 text"):
+        load_config(f, env={})
+    f.write_text("port: 50051\n? [a, b]\n: 1\n")  # a list as a key: a TypeError traceback
+    with pytest.raises(ConfigError, match="(?s)not valid YAML.*unhashable key"):
+        load_config(f, env={})
+
+
+@pytest.mark.parametrize("text,match", [
+    ("data_dir: [a, b]\n", r"data_dir: invalid value \['a', 'b'\] .* expected a path"),  # a
+    ("host: [x]\n", r"host: invalid value \['x'\] .* expected text"),  # folder "['a', 'b']"
+    ("idle_timeout_s: true\n", "idle_timeout_s: invalid value True .* expected a number"),
+    ("port: {a: 1}\n", "port: invalid value {'a': 1} .* expected a whole number"),
+    ("allowed_models: [[a]]\n", "allowed_models: invalid value .* a list of names"),
+])
+def test_a_setting_of_the_wrong_shape_is_refused_not_turned_into_text(
+        tmp_path: Path, text: str, match: str) -> None:
+    f = tmp_path / "kdn.yaml"
+    f.write_text(text)
+    with pytest.raises(ConfigError, match=match):
+        load_config(f, env={})
+
+
+def test_a_yaml_alias_bomb_is_refused_in_one_short_line(tmp_path: Path) -> None:
+    """Nine levels of ten aliases: 10**9 items once written out; the error printed the value
+    whole (gigabytes, a MemoryError after half a minute)."""
+    lines = ["a0: &a0 [x, x, x, x, x, x, x, x, x, x]"]
+    for i in range(1, 10):
+        lines.append(f"a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 10) + "]")
+    f = tmp_path / "kdn.yaml"
+    f.write_text("\n".join(lines[:-1]) + "\nhost: " + lines[-1].split(": ", 1)[1] + "\n")
+    t0 = time.monotonic()
+    with pytest.raises(ConfigError) as info:
+        load_config(f, env={})
+    assert time.monotonic() - t0 < 10 and len(str(info.value)) < 1000
 
 
 def test_parse_size() -> None:
@@ -159,6 +200,10 @@ def test_parse_size() -> None:
     assert parse_size(42) == 42
     with pytest.raises(ValueError):
         parse_size("12 parsecs")
+    assert parse_size((1 << 63) - 1) == (1 << 63) - 1
+    for bad in (1 << 63, "8EiB", "1" + "0" * 400, [1], {"a": 1}):
+        with pytest.raises(ValueError):
+            parse_size(bad)
 
 
 def _free_port() -> int:

@@ -387,8 +387,9 @@ def test_admin_fleet_usage_and_a_node_down(tmp_path: Path, monkeypatch: pytest.M
     monkeypatch.delenv("KDN_FLEET", raising=False)
     assert main(["admin", "fleet"]) == 2
     assert "no nodes given" in capsys.readouterr().err
-    assert main(["admin", "fleet", "--nodes", "nohost"]) == 2
-    assert "not host:port: nohost" in capsys.readouterr().err
+    for bad in ("nohost", "127.0.0.1:99999", "127.0.0.1:\u0665\u0660"):  # (Arabic digits)
+        assert main(["admin", "fleet", "--nodes", bad]) == 2
+        assert f"node {bad!r} is not host:port" in capsys.readouterr().err
     f = tmp_path / "fleet.yaml"
     f.write_text("nodes: []\n")
     assert main(["admin", "fleet", "--fleet-file", str(f)]) == 2
@@ -397,6 +398,10 @@ def test_admin_fleet_usage_and_a_node_down(tmp_path: Path, monkeypatch: pytest.M
     assert main(["admin", "fleet", "--timeout", "1", "-o", "json"]) == 1
     rows = json.loads(capsys.readouterr().out)
     assert [(r["node"], r["status"]) for r in rows] == [("127.0.0.1:1", "DOWN")]
+    assert rows[0]["ram_bytes"] is None and rows[0]["error"]  # every field, None: unknown
+    assert main(["admin", "fleet", "--timeout", "1"]) == 1  # a table (was KeyError: ram_bytes)
+    out = capsys.readouterr().out
+    assert "127.0.0.1:1" in out and "DOWN" in out
 
 
 def test_admin_fleet_tables_print_sizes_as_people_read_them(

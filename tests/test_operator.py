@@ -173,6 +173,19 @@ def test_an_admin_reaches_tenants_entries_by_key(secured: ServerThread,
     assert "only admins can" in capsys.readouterr().err
 
 
+def test_a_fleet_node_that_refuses_the_caller_is_a_row_not_the_end_of_the_view(
+        secured: ServerThread) -> None:
+    """A node answering UNAUTHENTICATED aborted ``kdn admin fleet`` (exit 2, "or pass
+    --insecure"); it is a row of its own, every field there, the refusal its error."""
+    from kdn.client.fleet import fleet_view
+
+    rows = fleet_view([secured.address, secured.address], timeout_s=5)
+    assert [r["status"] for r in rows] == ["REFUSED"] * 2
+    assert rows[0]["error"].startswith("UNAUTHENTICATED") and rows[0]["ram_bytes"] is None
+    ok = fleet_view([secured.address], timeout_s=5, api_key="key-a")
+    assert ok[0]["status"] == "SERVING" and ok[0]["error"] == ""
+
+
 def test_rate_limit_and_quota(secured: ServerThread) -> None:
     with Client(secured.address, api_key="key-slow", retry=None) as c:
         outcomes = []

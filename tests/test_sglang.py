@@ -475,6 +475,17 @@ def test_settings_are_checked_by_type_naming_the_field(name: str, value: Any, sa
         KDNBackendConfig.from_extra({"kdn": {name: value}})
 
 
+def test_settings_that_are_not_an_object_or_are_past_any_range_are_named() -> None:
+    """``"kdn": "host:port"`` was a bare ValueError, ``[["workers", 2]]`` taken as an object,
+    and ``workers: 10**400`` an OverflowError traceback."""
+    for got in ("127.0.0.1:50051", [["workers", 2]], 7):
+        with pytest.raises(ConfigError, match="kdn: the backend's settings are a JSON object"):
+            KDNBackendConfig.from_extra({"kdn": got})
+    for name in ("workers", "shm_bytes", "ttl_s", "timeout_s"):
+        with pytest.raises(ConfigError, match=f"kdn.{name} must be a"):
+            KDNBackendConfig.from_extra({"kdn": {name: 10**400}})
+
+
 def test_a_string_insecure_does_not_send_the_api_key_in_plaintext() -> None:
     from bench.sglang import kdn_extra, storage_config
 

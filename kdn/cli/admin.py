@@ -41,8 +41,13 @@ def admin_client(ns: argparse.Namespace) -> Any:
 
     tls = None
     if ns.tls_ca or ns.tls_cert or ns.tls_key:
+        paired = bool(ns.tls_cert) == bool(ns.tls_key)  # (else TLSOptions says so first)
+
         def read(p: str | None) -> bytes | None:
-            return Path(p).read_bytes() if p else None
+            data = Path(p).read_bytes() if p else None
+            if paired and data is not None and b"-----BEGIN " not in data:
+                raise UsageError(f"{p}: not a PEM file (no '-----BEGIN' line)")
+            return data
 
         tls = TLSOptions(ca=read(ns.tls_ca), cert=read(ns.tls_cert), key=read(ns.tls_key),
                          server_name=ns.tls_server_name or "")
@@ -312,7 +317,7 @@ def _fleet_nodes(ns: argparse.Namespace) -> list[str]:
 
 def _fleet(ns: argparse.Namespace) -> int:
     """Every node of a fleet: health, RAM hit ratio, bytes, load (``kdn.client.fleet``)."""
-    from kdn.client.fleet import fleet_view
+    from kdn.client.fleet import fleet_view, node_address
     from kdn.errors import ConfigError
 
     prog = "kdn admin fleet"
@@ -325,9 +330,11 @@ def _fleet(ns: argparse.Namespace) -> int:
         error(prog, "no nodes given", "pass --nodes HOST:PORT,... or --fleet-file FILE, or "
               "set $KDN_FLEET")
         return EXIT_USAGE
-    bad = [a for a in nodes if not a.rpartition(":")[2].isdigit()]
-    if bad:
-        error(prog, f"not host:port: {', '.join(bad)}")
+    try:
+        for a in nodes:
+            node_address(a)  # the fleet's own rule (a port of ASCII digits in 1..65535)
+    except ConfigError as exc:
+        error(prog, exc)
         return EXIT_USAGE
     rows = fleet_view(nodes, timeout_s=ns.timeout,
                       api_key=ns.api_key or os.environ.get("KDN_API_KEY") or None,
@@ -335,7 +342,8 @@ def _fleet(ns: argparse.Namespace) -> int:
     if ns.output == "json":
         dump_json(rows)
     else:
-        table([{**r, "ram_size": human_size(r["ram_bytes"])} for r in rows],
+        table([{**r, "ram_size": "" if r["ram_bytes"] is None else human_size(r["ram_bytes"])}
+               for r in rows],
               ["node", "status", "ram_entries", "ram_size", "ram_hit_ratio", "redis_hits",
                "in_flight", "error"])
     return EXIT_OK if all(r["status"] == "SERVING" for r in rows) else EXIT_FAILED
@@ -344,6 +352,12 @@ def _fleet(ns: argparse.Namespace) -> int:
 ADMIN = {"stats": _stats, "health": _health, "lookup": _lookup, "delete": _delete,
          "evict": _evict, "pin": _pin, "unpin": _unpin, "ls": _ls, "inspect": _inspect,
          "verify": _verify, "export": _export, "import": _import, "gc": _gc}
+
+
+def _key_hint(exc: KDNError) -> str:
+    """The hint for a client refused before any call: --insecure only where the refusal is
+    an API key that would travel in plaintext."""
+    return "or pass --insecure" if "plaintext" in str(exc) else ""
 
 
 def _hint(exc: KDNError, ns: argparse.Namespace) -> str:
@@ -365,16 +379,19 @@ def run(ns: argparse.Namespace) -> int:
     if ns.admin_cmd == "fleet":  # many nodes, each with its own client
         try:
             return _fleet(ns)
-        except KDNError as exc:  # an API key that would travel in plaintext
-            error(prog, exc, "or pass --insecure")
+        except KDNError as exc:  # an API key that would travel in plaintext, or is no header
+            error(prog, exc, _key_hint(exc))
             return EXIT_USAGE
     try:
         client = admin_client(ns)
     except OSError as exc:  # a TLS file that can not be read
         error(prog, f"{exc.filename}: {exc.strerror}", "check the --tls-* paths")
         return EXIT_USAGE
-    except KDNError as exc:  # an API key that would travel in plaintext
-        error(prog, exc, "or pass --insecure")
+    except UsageError as exc:  # one that is not PEM
+        error(prog, exc, "check the --tls-* paths")
+        return EXIT_USAGE
+    except KDNError as exc:  # an API key that would travel in plaintext, or is no header
+        error(prog, exc, _key_hint(exc))
         return EXIT_USAGE
     try:
         return int(ADMIN[ns.admin_cmd](client, ns))

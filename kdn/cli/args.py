@@ -97,7 +97,7 @@ def address(text: str) -> str:
             f"address {text!r} has no port; write HOST:PORT, e.g. 127.0.0.1:50051")
     if host.startswith("[") != host.endswith("]") or any(c.isspace() for c in host):
         raise argparse.ArgumentTypeError(f"address {text!r}: malformed host {host!r}")
-    if not port.isdigit() or not 1 <= int(port) <= 65535:
+    if not (port.isascii() and port.isdigit()) or not 1 <= int(port) <= 65535:
         raise argparse.ArgumentTypeError(f"address {text!r}: port must be in 1..65535, "
                                          f"got {port!r}")
     return text

@@ -295,7 +295,8 @@ def main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
     try:
         code = int(ns.func(ns))
-        sys.stdout.flush()
+        if sys.stdout is not None:  # (None: started with stdout closed, `>&-`)
+            sys.stdout.flush()
         return code
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

@@ -60,7 +60,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
-import yaml
 
 from kdn.client import metrics
 from kdn.client.admin import AdminClient
@@ -69,6 +68,7 @@ from kdn.client.entries import check_items
 from kdn.client.routing import Affinity, LoadMeter, Router
 from kdn.errors import ConfigError, DeadlineExceeded, InvalidArgument, KDNError, Unavailable, kept
 from kdn.v1 import kdn_pb2 as pb
+from kdn.yamlfiles import load_yaml_file
 
 if TYPE_CHECKING:
     from kdn.cache import KVCache
@@ -154,12 +154,7 @@ class FleetConfig:
     @classmethod
     def from_file(cls, path: Path, **overrides: Any) -> FleetConfig:
         """A YAML file: ``nodes: [host:port, ...]`` and any other field by name."""
-        try:
-            data = yaml.safe_load(Path(path).read_text())
-        except OSError as exc:
-            raise ConfigError(f"fleet file {path}: {exc.strerror}") from None
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"fleet file {path}: not valid YAML: {exc}") from None
+        data = load_yaml_file(Path(path), "fleet file")  # (a key twice: refused)
         if not isinstance(data, dict) or "nodes" not in data:
             raise ConfigError(f"fleet file {path}: expected a mapping with `nodes: [host:port, "
                               "...]`")
@@ -466,15 +461,24 @@ class FleetClient:
         self.close()
 
 
+_UNKNOWN = dict.fromkeys(("ram_entries", "ram_bytes", "ram_hit_ratio", "redis_hits",
+                          "redis_healthy", "in_flight", "version"))
+"""A node's fields that only its Stats tell (None where it did not answer them)."""
+
+
 def node_view(client: Client) -> dict[str, Any]:
     """One node as ``kdn admin fleet`` shows it, from its Stats: status (``SERVING``,
-    ``DEGRADED``, or ``DOWN`` when it does not answer), RAM entries, bytes and hit ratio, Redis
-    hits, calls in flight, and the error of a node that did not answer."""
+    ``DEGRADED``, ``DOWN`` when it does not answer, ``REFUSED`` when it refuses this caller),
+    RAM entries, bytes and hit ratio, Redis hits, calls in flight, and the error of a node
+    that did not answer (every row has every field: None where unknown)."""
     row: dict[str, Any] = {"node": client.address}
     try:
         s = client.stats()
     except (Unavailable, DeadlineExceeded, OSError) as exc:
-        return {**row, "status": "DOWN", "error": str(exc).splitlines()[0][:120]}
+        return {**row, "status": "DOWN", **_UNKNOWN, "error": str(exc).splitlines()[0][:120]}
+    except KDNError as exc:  # it answered, refusing: a key it does not know, a wrong role
+        return {**row, "status": "REFUSED", **_UNKNOWN,
+                "error": f"{exc.status.value}: {str(exc).splitlines()[0][:100]}"}
     tiers = {t.name: t for t in s.tiers}
     ram = tiers.get("ram")
     redis = tiers.get("redis")
@@ -486,7 +490,7 @@ def node_view(client: Client) -> dict[str, Any]:
             "redis_hits": redis.hits if redis is not None else None,
             "redis_healthy": redis.healthy if redis is not None else None,
             "in_flight": int(s.counters.get("rpc.in_flight", 0)),
-            "version": s.version}
+            "version": s.version, "error": ""}
 
 
 def fleet_view(addresses: Sequence[str], *, timeout_s: float = 5.0,

@@ -98,6 +98,10 @@ class TLSOptions:
             raise InvalidArgument("TLS: a client certificate and its private key go together "
                                   f"(given: {'the certificate' if self.cert else 'the key'} "
                                   "only)")
+        for name in ("ca", "cert", "key"):  # (gRPC's own word: "None: no start line")
+            data = getattr(self, name)
+            if data is not None and b"-----BEGIN " not in data:
+                raise InvalidArgument(f"TLS: {name} is not PEM (no '-----BEGIN' line)")
 
     def credentials(self) -> grpc.ChannelCredentials:
         return grpc.ssl_channel_credentials(root_certificates=self.ca, private_key=self.key,
@@ -167,6 +171,10 @@ class Rpc:
         self._options = options
         self.channel = self._new_channel()
         self._group_calls: list[Any] = []
+        if api_key and not (isinstance(api_key, str) and api_key.isascii()
+                            and api_key.isprintable() and api_key.strip() == api_key):
+            raise InvalidArgument("api_key must be printable ASCII with no leading or trailing "
+                                  "space (it travels as a gRPC header value)")  # (not shown)
         self._auth: tuple[tuple[str, str], ...] = (
             ((API_KEY_HEADER, api_key),) if api_key else ())
         self._local = threading.local()

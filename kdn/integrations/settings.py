@@ -13,6 +13,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
+from kdn.checks import shown
 from kdn.client.client import TLSOptions
 from kdn.errors import ConfigError
 
@@ -22,8 +23,9 @@ def check_number(name: str, value: object, *, whole: bool, positive: bool) -> No
     when ``whole``), > 0 when ``positive``, else >= 0 (JSON gives floats and strings too)."""
     kind = "a whole number" if whole else "a finite number"
     if (isinstance(value, bool) or not isinstance(value, int if whole else (int, float))
-            or not math.isfinite(value)):
-        raise ConfigError(f"{name} must be {kind}, got {value!r}")
+            or isinstance(value, float) and not math.isfinite(value)
+            or isinstance(value, int) and abs(value) > 1 << 63):  # (10**400: isfinite fails)
+        raise ConfigError(f"{name} must be {kind}, got {shown(value)}")
     if value < 0 or (positive and value == 0):
         bound = (">= 1" if whole else "> 0") if positive else ">= 0"
         raise ConfigError(f"{name} must be {bound}, got {value!r}")

@@ -81,7 +81,11 @@ class KDNBackendConfig:
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> KDNBackendConfig:
         """The config in ``extra["kdn"]`` (defaults when absent); unknown names are errors."""
-        given = dict((extra or {}).get("kdn") or {})
+        got = (extra or {}).get("kdn") or {}
+        if not isinstance(got, dict):  # dict() of a list of pairs, or of a str, is no config
+            raise ConfigError(f"kdn: the backend's settings are a JSON object ({{\"address\": "
+                              f"...}}), got {type(got).__name__}")
+        given = dict(got)
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(given) - known)
         if unknown:

@@ -150,7 +150,7 @@ def load_auth(path: Path | str) -> AuthConfig:
                    egress_bytes_per_s: 125MB}
           ops:    {api_keys: ["sha256:9f86d0..."], role: admin}
     """
-    from kdn.server.config import load_yaml_file
+    from kdn.yamlfiles import load_yaml_file
 
     path = Path(path)
     raw = load_yaml_file(path, "auth file")
@@ -165,7 +165,7 @@ def tenants_from_text(text: str) -> AuthConfig:
     """The ``auth_tenants`` setting: a tenants mapping as YAML/JSON text, keys as digests."""
     import yaml
 
-    from kdn.server.config import parse_yaml
+    from kdn.yamlfiles import parse_yaml
 
     try:
         tenants = parse_yaml(text)
@@ -183,7 +183,8 @@ def _number(spec: dict[str, Any], field: str, where: str, *, whole: bool = True,
             size: bool = False) -> float:
     """``spec[field]`` (0 when absent) as a finite number >= 0 (0: no limit), whole where
     ``whole``, a size like 10GiB where ``size``; ConfigError naming it otherwise."""
-    from kdn.server.config import parse_size
+    from kdn.checks import shown
+    from kdn.server.config import MAX_SIZE, parse_size
 
     value = spec.get(field, 0)
     try:
@@ -192,8 +193,10 @@ def _number(spec: dict[str, Any], field: str, where: str, *, whole: bool = True,
         got = parse_size(value) if size and isinstance(value, str) else float(value)
         if not math.isfinite(got) or got < 0 or (whole and got != int(got)):
             raise ValueError(f"must be a finite{' whole' if whole else ''} number >= 0 "
-                             f"(0 = no limit), got {value!r}")
-    except (TypeError, ValueError) as exc:
+                             f"(0 = no limit), got {shown(value)}")
+        if got > MAX_SIZE:  # (carried in 64-bit fields: a tenant's Stats)
+            raise ValueError(f"at most {MAX_SIZE}, got {shown(value)}")
+    except (TypeError, ValueError, OverflowError) as exc:  # float() of 400 digits
         raise ConfigError(f"{where}: {field}: {exc}") from None
     return got
 
@@ -241,6 +244,9 @@ def parse_tenants(tenants: Any, where_all: str, *, digests_only: bool = False) -
                 # value) or a number (012345 reads as 5349): never a key by accident
                 raise ConfigError(f"{where}: api_keys[{i}] must be a non-empty string (quote "
                                   f"a key that looks like a number), got {k!r}")
+            if not (k.isascii() and k.isprintable()):  # no client can send it (a gRPC header)
+                raise ConfigError(f"{where}: api_keys[{i}] must be printable ASCII: a key "
+                                  "travels as a gRPC header value")
             if digests_only and not k.startswith("sha256:"):
                 raise ConfigError(f"{where}: api_keys here must be sha256:HEX digests (printf "
                                   "%s KEY | sha256sum), never the keys themselves")

@@ -19,11 +19,11 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-import yaml
-
+from kdn.checks import shown
 from kdn.errors import ConfigError
 from kdn.store.tiered import WritePolicy
 from kdn.transport.addresses import is_loopback
+from kdn.yamlfiles import load_yaml_file
 
 TIER_NAMES = ("ram", "redis", "disk")
 MIN_DISK_BYTES = 1 << 20
@@ -65,45 +65,31 @@ def check_private(name: str, path: Path) -> None:
             st.st_uid)
 
 
+MAX_SIZE = (1 << 63) - 1
+"""The largest size a setting takes (8 EiB): sizes travel in 64-bit fields (Stats), and no
+budget comes near it; past it is a typo."""
+
+
 def parse_size(value: object) -> int:
+    """Bytes of a size setting: a whole number or a size like 512MiB, at most ``MAX_SIZE``;
+    ValueError otherwise."""
     if isinstance(value, bool):
         raise ValueError("a size, not a boolean")
     if isinstance(value, int):
-        return value
-    m = _SIZE_RE.match(str(value))
-    if not m or m.group(2).lower() not in _UNITS:
-        raise ValueError(f"expected a size like 512MiB or 1073741824, got {value!r}")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+        got = value
+    else:
+        m = _SIZE_RE.match(str(value)) if isinstance(value, (str, float)) else None
+        if not m or m.group(2).lower() not in _UNITS:
+            raise ValueError(f"expected a size like 512MiB or 1073741824, got {shown(value)}")
+        number = float(m.group(1)) * _UNITS[m.group(2).lower()]
+        if not number <= MAX_SIZE:  # (inf, from 400 digits)
+            raise ValueError(f"at most {MAX_SIZE} bytes (8 EiB), got {shown(value)}")
+        got = int(number)
+    if got > MAX_SIZE:
+        raise ValueError(f"at most {MAX_SIZE} bytes (8 EiB), got {shown(value)}")
+    return got
 
 
-class _UniqueKeys(yaml.SafeLoader):
-    """YAML's safe loader, refusing a mapping that names a key twice (where the last one
-    would win silently: a tenant defined twice, its role changed by the second)."""
-
-    def construct_mapping(self, node: Any, deep: bool = False) -> Any:
-        seen: set[Any] = set()
-        for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=deep)
-            if isinstance(key, (str, int, float, bool)) and key in seen:
-                raise yaml.constructor.ConstructorError(
-                    None, None, f"{key!r} is defined twice", key_node.start_mark)
-            seen.add(key)
-        return super().construct_mapping(node, deep=deep)
-
-
-def parse_yaml(text: str) -> Any:
-    """``yaml.safe_load`` that refuses a key defined twice in one mapping (yaml.YAMLError)."""
-    return yaml.load(text, Loader=_UniqueKeys)  # noqa: S506  # a SafeLoader
-
-
-def load_yaml_file(path: Path, what: str) -> Any:
-    """The parsed YAML in ``path`` ({} when empty); a ConfigError names it as ``{what} {path}``."""
-    try:
-        return parse_yaml(path.read_text()) or {}
-    except OSError as exc:
-        raise ConfigError(f"{what} {path}: {exc.strerror}") from None
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{what} {path}: not valid YAML: {exc}") from None
 
 
 @dataclass(frozen=True)
@@ -262,6 +248,10 @@ class ServerConfig:
         for f in fields(self):  # NaN would pass every range check below; inf is no duration
             if f.type in ("float", float) and not math.isfinite(getattr(self, f.name)):
                 raise ConfigError(f"{f.name}: must be a finite number, got {getattr(self, f.name)}")
+        for name in sorted(_SIZE_FIELDS):  # 64-bit fields carry them (Stats)
+            if isinstance(getattr(self, name), int) and getattr(self, name) > MAX_SIZE:
+                raise ConfigError(f"{name}: at most {MAX_SIZE} bytes (8 EiB), got "
+                                  f"{getattr(self, name)}")
         if not self.host:
             raise ConfigError("host: must not be empty")
         if not 0 <= self.port <= 65535:
@@ -398,6 +388,8 @@ _SIZE_FIELDS = {"ram_bytes", "wire_memo_bytes", "shm_arena_bytes", "prefault_byt
                 "disk_bytes",
                 "max_message_bytes", "max_entry_bytes", "redis_bytes", "redis_part_bytes",
                 "write_queue_bytes", "egress_bytes_per_s"}
+_KINDS = {"int": "a whole number", "float": "a number", "Path": "a path", "str": "text"}
+"""What a setting of each type takes, in a refusal's words."""
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
 
@@ -419,20 +411,27 @@ def _coerce(name: str, value: Any, source: str) -> Any:
                 return WritePolicy(str(value).strip().lower())
             except ValueError:
                 raise ValueError(f"expected one of {[p.value for p in WritePolicy]}") from None
+        if str(kind).startswith("tuple"):
+            items = value if isinstance(value, (list, tuple)) else [value]
+            if not all(isinstance(v, (str, int, float)) for v in items):
+                raise ValueError("expected a list of names")
+            items = [p for v in items for p in str(v).split(",")]
+            return tuple(v.strip() for v in items if v.strip())
+        if not isinstance(value, (str, int, float)) or isinstance(value, bool) \
+                and kind not in ("str", str):  # a list, a mapping: never str() of it
+            raise ValueError(f"expected {_KINDS.get(str(kind), 'a value')}")
         if kind in ("int", int):
-            if isinstance(value, bool) or isinstance(value, float) and not value.is_integer():
+            if isinstance(value, float) and not value.is_integer():
                 raise ValueError("not a whole number")
             return int(value)
         if kind in ("float", float):
             return float(value)
         if kind in ("Path", Path):
             return Path(os.path.expanduser(str(value)))
-        if str(kind).startswith("tuple"):
-            items = value if isinstance(value, (list, tuple)) else str(value).split(",")
-            return tuple(str(v).strip() for v in items if str(v).strip())
         return str(value)
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(f"{name}: invalid value {value!r} (from {source}): {exc}") from None
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise ConfigError(f"{name}: invalid value {shown(value)} (from {source}): "
+                          f"{exc}") from None
 
 
 def load_config(

@@ -1,0 +1,47 @@
+"""Settings files in YAML, read one way everywhere (``kdn serve --config``, its tenants file,
+a fleet file): YAML's safe loader, refusing a key named twice in one mapping (where the last
+would win silently: a tenant defined twice, its role changed by the second), and every failure
+a ConfigError naming the file (unreadable, not UTF-8, not YAML)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from kdn.checks import shown
+from kdn.errors import ConfigError
+
+
+class _UniqueKeys(yaml.SafeLoader):
+    """YAML's safe loader, refusing a mapping that names a key twice (where the last one
+    would win silently: a tenant defined twice, its role changed by the second)."""
+
+    def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if isinstance(key, (str, int, float, bool)):  # (a list key: refused by YAML's
+                if key in seen:  # own construct_mapping, "found unhashable key")
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"{shown(key)} is defined twice", key_node.start_mark)
+                seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+def parse_yaml(text: str) -> Any:
+    """``yaml.safe_load`` that refuses a key defined twice in one mapping (yaml.YAMLError)."""
+    return yaml.load(text, Loader=_UniqueKeys)  # noqa: S506  # a SafeLoader
+
+
+def load_yaml_file(path: Path, what: str) -> Any:
+    """The parsed YAML in ``path`` ({} when empty); a ConfigError names it as ``{what} {path}``."""
+    try:
+        return parse_yaml(Path(path).read_text(encoding="utf-8")) or {}
+    except OSError as exc:
+        raise ConfigError(f"{what} {path}: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{what} {path}: not UTF-8 text (byte {exc.start})") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{what} {path}: not valid YAML: {exc}") from None
