@@ -10,11 +10,14 @@ submits there waits forever (a ``multiprocessing`` worker's ``codec.encode`` hun
 kdn keeps beyond the life of one object is a ``SharedPool``; an ``os.register_at_fork`` hook
 makes each forget its executor in the child (dropped, not shut down: its threads are the
 parent's, not there to join), so the child's first ``get`` starts threads of its own. The
-parent's pools are untouched.
+parent's pools are untouched. The same hook keeps the child's garbage collector off what it
+inherited (``gc.freeze``): the parent's garbage holds gRPC objects that crash a child that
+frees them.
 """
 
 from __future__ import annotations
 
+import gc
 import os
 import threading
 import weakref
@@ -54,6 +57,11 @@ _POOLS: weakref.WeakSet[SharedPool] = weakref.WeakSet()
 
 
 def _after_fork_in_child() -> None:
+    # What the child inherited is the parent's, garbage included: reference cycles of a
+    # closed Client hold gRPC objects whose deallocation crashes a fork child (SIGSEGV under
+    # the child's first collection: a multiprocessing worker's codec.encode died and its
+    # Pool waited forever). The child's collector leaves them be (the memory stays shared).
+    gc.freeze()
     for pool in list(_POOLS):
         pool._forget()
 
