@@ -249,6 +249,7 @@ def test_the_listener_outlives_a_failed_accept(monkeypatch: pytest.MonkeyPatch) 
 
     monkeypatch.setattr(fastpath, "ACCEPT_PAUSE_S", 0.01)
     path = Path_(Servicer())  # type: ignore[arg-type]
+    listener.theirs.send(b"x")  # (a connection gets its thread once it speaks)
     assert eventually(lambda: len(served) == 1)  # accepted after three failures
     assert counts == {"fast.accept_errors": 3}
     path.close()

@@ -46,9 +46,11 @@ it at shutdown; each connection is served by its own daemon thread.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import secrets
+import selectors
 import socket
 import threading
 import time
@@ -191,6 +193,7 @@ class FastPath:
         self._per_owner: dict[str, int] = {}
         self._admitted = 0
         self._here = threading.local()  # the peer of the connection this thread serves
+        self._door = _Door(self)
         self._sock = self.listen()
         self._conns: set[socket.socket] = set()
         self._lock = threading.Lock()
@@ -231,8 +234,27 @@ class FastPath:
                     self.servicer.count(f"{self.kind}.refused_connections")
                     continue
                 self._conns.add(conn)
-            threading.Thread(target=self._serve, args=(conn,), name=f"kdn-{self.kind}",
-                             daemon=True).start()
+            self._door.wait_for(conn)
+
+    def _arrived(self, conn: socket.socket, now: float) -> None:
+        """A pending connection the door held spoke (or ended, or was cut): served by a
+        thread of its own from now, unless it was cut or is past its deadline."""
+        with self._lock:
+            peer = self._peers.get(conn)
+            late = peer is None or not peer.deadline or peer.deadline <= now
+            if late:
+                self._gone(conn)
+        if late:
+            conn.close()
+            return
+        threading.Thread(target=self._serve, args=(conn,), name=f"kdn-{self.kind}",
+                         daemon=True).start()
+
+    def _due(self, conn: socket.socket) -> float:
+        """When the door lets ``conn`` go unheard (its deadline; 0: now)."""
+        with self._lock:
+            peer = self._peers.get(conn)
+        return peer.deadline if peer is not None else 0.0
 
     def _room(self, conn: socket.socket) -> bool:
         """Whether a new connection is served (under ``_lock``), pending from now: the
@@ -486,6 +508,7 @@ class FastPath:
         with self._lock:
             self._closed = True
             conns, self._conns = list(self._conns), set()
+        self._door.close()
         try:  # wakes the accepting thread: a listener closed under it would accept once more
             self._sock.shutdown(socket.SHUT_RDWR)
         except OSError:
@@ -497,6 +520,67 @@ class FastPath:
             except OSError:
                 pass
             c.close()
+
+
+class _Door:
+    """Where pending connections wait for their first byte with no thread of their own: one
+    thread polls them all (a thread each for 1,000 silent strangers, made and ended while a
+    client was being served, doubled its p99), hands one that speaks to ``FastPath._arrived``
+    and closes one whose deadline passed."""
+
+    def __init__(self, path: FastPath) -> None:
+        self._path = path
+        self._sel = selectors.DefaultSelector()
+        self._wake, self._bell = socket.socketpair()
+        self._wake.setblocking(False)
+        self._sel.register(self._wake, selectors.EVENT_READ)
+        self._new: list[socket.socket] = []
+        self._lock = threading.Lock()
+        self._closed = False
+        threading.Thread(target=self._run, name=f"kdn-{path.kind}-door", daemon=True).start()
+
+    def wait_for(self, conn: socket.socket) -> None:
+        with self._lock:
+            self._new.append(conn)
+        self._ring()
+
+    def close(self) -> None:
+        self._closed = True
+        self._ring()
+
+    def _ring(self) -> None:
+        with contextlib.suppress(OSError):
+            self._bell.send(b"\0")
+
+    def _run(self) -> None:
+        waiting: dict[socket.socket, float] = {}  # conn -> its deadline
+        try:
+            while not self._closed:
+                soonest = min(waiting.values(), default=time.monotonic() + 1.0)
+                events = self._sel.select(max(0.0, min(soonest - time.monotonic(), 1.0)))
+                with contextlib.suppress(BlockingIOError, InterruptedError):
+                    while self._wake.recv(4096):  # before the new are taken: a ring after
+                        pass  # this is for one taken now or next time round
+                with self._lock:
+                    new, self._new = self._new, []
+                for conn in new:
+                    with contextlib.suppress(ValueError, OSError):  # (closed meanwhile)
+                        self._sel.register(conn, selectors.EVENT_READ)
+                        waiting[conn] = self._path._due(conn)
+                now = time.monotonic()
+                heard = [c for c in waiting if any(k.fileobj is c for k, _ in events)]
+                late = [c for c, due in waiting.items() if due <= now and c not in heard]
+                for done in (*heard, *late):
+                    del waiting[done]
+                    with contextlib.suppress(KeyError, ValueError, OSError):
+                        self._sel.unregister(done)
+                    self._path._arrived(done, now)
+        finally:
+            for conn in waiting:
+                conn.close()
+            self._sel.close()
+            self._wake.close()
+            self._bell.close()
 
 
 def _recv_by(conn: socket.socket, n: int, by: float) -> bytes | None:
