@@ -193,11 +193,11 @@ class FastPath:
         self._per_owner: dict[str, int] = {}
         self._admitted = 0
         self._here = threading.local()  # the peer of the connection this thread serves
-        self._door = _Door(self)
         self._sock = self.listen()
         self._conns: set[socket.socket] = set()
         self._lock = threading.Lock()
         self._closed = False
+        self._door = _Door(self)  # (once listening: a port taken leaves no thread behind)
         threading.Thread(target=self._accept, name=f"kdn-{self.kind}-accept", daemon=True
                          ).start()
 
