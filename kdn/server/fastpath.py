@@ -46,11 +46,8 @@ it at shutdown; each connection is served by its own daemon thread.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
 import secrets
-import selectors
 import socket
 import threading
 import time
@@ -62,6 +59,7 @@ from kdn.errors import InvalidArgument, KDNError, NotFound, TooLarge, kept
 from kdn.server.arena import Arenas
 from kdn.server.auth import Principal
 from kdn.server.batch import BatchReads, copy_pool
+from kdn.server.door import Door, Peer, recv_by
 from kdn.server.egress import Egress, Pacer
 from kdn.server.requests import check_names
 from kdn.server.segments import Segments
@@ -119,29 +117,6 @@ class Reply(NamedTuple):
     """The egress cap that paces sending them (``kdn.server.egress``); None: none."""
 
 
-class _Peer:
-    """A connection's state: its socket as accepted (the key of the path's tables) and its
-    descriptor, the time by which its first call must have arrived (0: evicted), and the
-    segment (or ticket) that admitted it (None while pending)."""
-
-    __slots__ = ("conn", "fd", "deadline", "owner")
-
-    def __init__(self, conn: socket.socket, deadline: float) -> None:
-        self.conn, self.fd, self.deadline = conn, conn.fileno(), deadline
-        self.owner: str | None = None
-
-    def cut(self) -> None:
-        """End the connection's reads and writes (its thread then closes it): a shutdown
-        of the socket through a duplicate of its descriptor, which works mid-handshake too
-        (called under the path's lock, while the connection's own descriptor is open)."""
-        self.deadline = 0.0
-        try:
-            with socket.socket(fileno=os.dup(self.fd)) as dup:
-                dup.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-
-
 ACCEPT_PAUSE_S = 0.05
 """Seconds the listener waits after a failed ``accept`` (out of descriptors: they free up as
 connections end) before it accepts again."""
@@ -188,8 +163,8 @@ class FastPath:
                  first_call_s: float = FIRST_CALL_S) -> None:
         self.servicer = servicer
         self.idle_s, self.first_call_s = idle_s, first_call_s or FIRST_CALL_S
-        self._peers: dict[socket.socket, _Peer] = {}  # by the socket as accepted
-        self._pending: dict[socket.socket, _Peer] = {}  # those not admitted, oldest first
+        self._peers: dict[socket.socket, Peer] = {}  # by the socket as accepted
+        self._pending: dict[socket.socket, Peer] = {}  # those not admitted, oldest first
         self._per_owner: dict[str, int] = {}
         self._admitted = 0
         self._here = threading.local()  # the peer of the connection this thread serves
@@ -197,7 +172,7 @@ class FastPath:
         self._conns: set[socket.socket] = set()
         self._lock = threading.Lock()
         self._closed = False
-        self._door = _Door(self)  # (once listening: a port taken leaves no thread behind)
+        self._door = Door(self.kind, self._due, self._arrived)  # (once listening)
         threading.Thread(target=self._accept, name=f"kdn-{self.kind}-accept", daemon=True
                          ).start()
 
@@ -262,7 +237,7 @@ class FastPath:
         if self._admitted >= self.max_connections \
                 or len(self._peers) >= self.max_connections + 2 * MAX_PENDING:
             return False
-        peer = _Peer(conn, time.monotonic() + self.first_call_s)
+        peer = Peer(conn, time.monotonic() + self.first_call_s)
         self._peers[conn] = self._pending[conn] = peer
         if len(self._pending) > MAX_PENDING:  # the oldest silent one makes room
             self._pending.pop(next(iter(self._pending))).cut()
@@ -316,7 +291,7 @@ class FastPath:
         """The next call on ``conn`` (op, body), read within the limits of the module
         docstring (``socket.timeout`` past them, which ends the connection); None once it
         closed."""
-        peer: _Peer = self._here.peer
+        peer: Peer = self._here.peer
         admitted = peer.owner is not None
         if admitted and not self.timed_when_admitted:  # blocking: the fewest system calls
             head = read_exact(conn, FAST_HEAD.size)
@@ -341,7 +316,7 @@ class FastPath:
         by = time.monotonic() + self.first_call_s
         if not admitted:
             by = min(by, peer.deadline)
-        rest = _recv_by(conn, FAST_HEAD.size - 1, by)
+        rest = recv_by(conn, FAST_HEAD.size - 1, by)
         if rest is None:
             return None
         n, op = FAST_HEAD.unpack(first + rest)
@@ -350,7 +325,7 @@ class FastPath:
             raise InvalidArgument(f"{self.kind}-path request of {n} bytes (limit {limit}"
                                   + ("" if admitted else f" before a call names a live "
                                      f"{self.names}") + ")")
-        body = _recv_by(conn, n, by)
+        body = recv_by(conn, n, by)
         conn.settimeout(self.idle_s or None)  # a PutMany's items, the answer's sends
         return None if body is None else (op, body)
 
@@ -369,7 +344,7 @@ class FastPath:
         off its connection's thread (the later half of a PutMany group, its connection
         admitted by the first) admits nothing."""
         principal = self.owner_of(name)
-        peer: _Peer | None = getattr(self._here, "peer", None)
+        peer: Peer | None = getattr(self._here, "peer", None)
         if peer is None or peer.owner is not None:
             return principal
         with self._lock:
@@ -520,80 +495,3 @@ class FastPath:
             except OSError:
                 pass
             c.close()
-
-
-class _Door:
-    """Where pending connections wait for their first byte with no thread of their own: one
-    thread polls them all (a thread each for 1,000 silent strangers, made and ended while a
-    client was being served, doubled its p99), hands one that speaks to ``FastPath._arrived``
-    and closes one whose deadline passed."""
-
-    def __init__(self, path: FastPath) -> None:
-        self._path = path
-        self._sel = selectors.DefaultSelector()
-        self._wake, self._bell = socket.socketpair()
-        self._wake.setblocking(False)
-        self._sel.register(self._wake, selectors.EVENT_READ)
-        self._new: list[socket.socket] = []
-        self._lock = threading.Lock()
-        self._closed = False
-        threading.Thread(target=self._run, name=f"kdn-{path.kind}-door", daemon=True).start()
-
-    def wait_for(self, conn: socket.socket) -> None:
-        with self._lock:
-            self._new.append(conn)
-        self._ring()
-
-    def close(self) -> None:
-        self._closed = True
-        self._ring()
-
-    def _ring(self) -> None:
-        with contextlib.suppress(OSError):
-            self._bell.send(b"\0")
-
-    def _run(self) -> None:
-        waiting: dict[socket.socket, float] = {}  # conn -> its deadline
-        try:
-            while not self._closed:
-                soonest = min(waiting.values(), default=time.monotonic() + 1.0)
-                events = self._sel.select(max(0.0, min(soonest - time.monotonic(), 1.0)))
-                with contextlib.suppress(BlockingIOError, InterruptedError):
-                    while self._wake.recv(4096):  # before the new are taken: a ring after
-                        pass  # this is for one taken now or next time round
-                with self._lock:
-                    new, self._new = self._new, []
-                for conn in new:
-                    with contextlib.suppress(ValueError, OSError):  # (closed meanwhile)
-                        self._sel.register(conn, selectors.EVENT_READ)
-                        waiting[conn] = self._path._due(conn)
-                now = time.monotonic()
-                heard = [c for c in waiting if any(k.fileobj is c for k, _ in events)]
-                late = [c for c, due in waiting.items() if due <= now and c not in heard]
-                for done in (*heard, *late):
-                    del waiting[done]
-                    with contextlib.suppress(KeyError, ValueError, OSError):
-                        self._sel.unregister(done)
-                    self._path._arrived(done, now)
-        finally:
-            for conn in waiting:
-                conn.close()
-            self._sel.close()
-            self._wake.close()
-            self._bell.close()
-
-
-def _recv_by(conn: socket.socket, n: int, by: float) -> bytes | None:
-    """``n`` bytes from ``conn`` by the monotonic time ``by`` (``socket.timeout`` past it),
-    or None when it closed first."""
-    buf = bytearray()
-    while len(buf) < n:
-        left = by - time.monotonic()
-        if left <= 0:
-            raise TimeoutError("a request that did not arrive whole in time")
-        conn.settimeout(left)
-        chunk = conn.recv(min(n - len(buf), 1 << 20))
-        if not chunk:
-            return None
-        buf += chunk
-    return bytes(buf)
