@@ -254,7 +254,24 @@ def store_key(tenant: str, namespace: str, key: bytes) -> bytes:
 
 
 def split_store_key(skey: bytes) -> tuple[str, str, bytes]:
-    """(tenant, namespace, key) of a tier key made by ``store_key``; tenant "" when unscoped."""
-    ns, _, hexkey = skey.decode().rpartition("/")
+    """(tenant, namespace, key) of a tier key made by ``store_key``; tenant "" when unscoped.
+    ValueError for one no ``store_key`` made (``parse_store_key``)."""
+    got = parse_store_key(skey)
+    if got is None:
+        raise ValueError(f"not a kdn tier key: {skey[:80]!r}")
+    return got
+
+
+def parse_store_key(skey: bytes) -> tuple[str, str, bytes] | None:
+    """``split_store_key``'s answer, or None for a tier key no ``store_key`` made: one that
+    something else wrote into a shared tier (a Redis key under kdn's prefix), which listings
+    skip rather than fail on (it broke Stats and ``kdn admin ls`` for every caller)."""
+    try:
+        ns, sep, hexkey = skey.decode("ascii").rpartition("/")
+        key = bytes.fromhex(hexkey) if sep and len(hexkey) == 2 * KEY_BYTES else b""
+    except (UnicodeDecodeError, ValueError):
+        return None
+    if not key or not ns:
+        return None
     tenant, _, namespace = ns.rpartition(":")
-    return tenant, namespace, bytes.fromhex(hexkey)
+    return tenant, namespace, key

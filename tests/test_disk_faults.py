@@ -187,6 +187,49 @@ def test_a_truncated_file_is_named_with_both_sizes(tmp_path: Path) -> None:
     LmdbTier(tmp_path, capacity_bytes=64 << 20).close()
 
 
+def test_a_file_cut_to_its_meta_pages_is_refused_not_a_sigbus(tmp_path: Path) -> None:
+    """Cut to 8 KiB (its two meta pages) or 16 KiB, the data file killed the opening process
+    with SIGBUS: opening a database read its root page, past the end, before the size was
+    checked. Opened in a child here, so that a SIGBUS fails the test, not the run."""
+    tier = LmdbTier(tmp_path, capacity_bytes=64 << 20, sync=False)
+    for i in range(20):
+        tier.put(b"k%d" % i, os.urandom(5_000))
+    tier.close()
+    for cut in (16384, 8192, 7547):
+        os.truncate(tmp_path / "data.mdb", cut)
+        probe = subprocess.run(
+            [sys.executable, "-c", "import sys\nfrom kdn.store.lmdb import LmdbTier\n"
+             "from kdn.errors import TierUnavailable\n"
+             f"try:\n    LmdbTier({str(tmp_path)!r}, capacity_bytes=64 << 20)\n"
+             "except TierUnavailable as e:\n    print(e)\n"],
+            capture_output=True, text=True, timeout=60,
+            env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+        assert probe.returncode == 0, (cut, probe.returncode, probe.stderr[-500:])
+        assert f"holds {cut} bytes" in probe.stdout and "was truncated" in probe.stdout
+
+
+def test_a_meta_record_of_another_length_is_a_miss_not_an_error(tmp_path: Path) -> None:
+    """One damaged meta record raised struct.error out of get, contains, keys and the
+    tier's stats: every read of it, and admin ls, verify, stats and gc, failed as UNKNOWN.
+    It reads as an entry expired long ago: a miss, listed nowhere, the others served."""
+    import lmdb
+
+    tier = LmdbTier(tmp_path, capacity_bytes=64 << 20, sync=False)
+    tier.put(b"bad", b"v" * 4000)
+    tier.put(b"good", b"w" * 4000)
+    tier.close()
+    env = lmdb.open(str(tmp_path), max_dbs=4)
+    meta = env.open_db(b"meta")
+    with env.begin(write=True, db=meta) as txn:
+        txn.put(b"bad", b"\x01" * 7)  # neither record length
+    env.close()
+    tier = LmdbTier(tmp_path, capacity_bytes=64 << 20, sync=False)
+    assert tier.get(b"bad") is None and not tier.contains(b"bad")
+    assert tier.get(b"good") == b"w" * 4000
+    assert list(tier.keys()) == [b"good"] and tier.stats().name == "disk"
+    tier.close()
+
+
 def test_a_zeroed_data_file_is_named_damaged_with_what_to_do(tmp_path: Path) -> None:
     """A data file overwritten with zeros (a disk or a program that wrote over it) is refused
     as damaged, naming its folder and what to do about it (it only said "File is not an LMDB

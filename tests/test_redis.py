@@ -80,6 +80,28 @@ def test_evicted_part_is_a_miss_counted_as_an_eviction_and_cleans_up(
     tier.close()
 
 
+def test_a_manifest_whose_part_count_does_not_fit_its_length_is_damage(
+        redis_server: RedisServer) -> None:
+    """A manifest rewritten to declare 2**32-1 parts for 4,000 bytes made a read build (and a
+    server hold) that many part keys at once: gigabytes, the call never answered. A part count
+    that is not the one its length takes is damage: a miss, counted, dropped."""
+    tier = RedisTier(redis_server.url, part_bytes=1024)
+    tier.put(b"k", b"x" * 4000)
+    r = redis_server.client()
+    mk = next(k for k in r.keys(b"kdn:{k}:*") if k.endswith(b":m"))
+    for parts in (2**32 - 1, 3, 5, 0):  # 4,000 bytes in parts of 1,024 are 4
+        tier.put(b"k", b"x" * 4000)
+        m = bytearray(r.get(mk))
+        m[16:20] = parts.to_bytes(4, "little")
+        r.set(mk, bytes(m))
+        t0 = time.monotonic()
+        assert tier.get(b"k") is None and time.monotonic() - t0 < 5
+    assert tier.stats().corrupt == 4
+    tier.put(b"k", b"y" * 4000)
+    assert tier.get(b"k") == b"y" * 4000  # the key is written and read again
+    tier.close()
+
+
 def test_a_write_redis_refuses_leaves_no_parts(redis_server: RedisServer) -> None:
     """Out of memory (``noeviction``) part-way through a write's parts: the write fails as
     TooLarge, the parts it wrote are unlinked (not left holding memory for PENDING_TTL_S,
@@ -216,6 +238,29 @@ def test_the_write_queue_of_a_stopped_redis_stays_within_its_byte_budget(
         assert 0 < counters["store.redis.queued_bytes"] <= budget, counters
         for key, kv in entries.items():
             assert c.retrieve(key).equal(kv)  # type: ignore[union-attr]
+
+
+def test_a_key_kdn_did_not_write_into_redis_is_skipped_by_listings(
+        redis_server: RedisServer, tmp_path: Path) -> None:
+    """One key under kdn's prefix that kdn never wrote (another tool's, a hand-made one)
+    made every listing fail: ``kdn admin ls --namespace``, verify, export and Stats answered
+    UNKNOWN (ValueError, UnicodeDecodeError) for every caller. Listings skip it."""
+    from kdn.client.admin import AdminClient
+
+    cfg = ServerConfig(port=0, data_dir=tmp_path / "d", redis_url=redis_server.url,
+                       disk_bytes=0)
+    key = keys.chunk_key([1], LAYOUT)
+    r = redis_server.client()
+    with ServerThread(cfg) as st, AdminClient(st.address) as c:
+        c.store(key, random_kv(LAYOUT, 4), options=StoreOptions(durability=Durability.SHARED))
+        for stray in (b"kdn:{default/zz}:m", b"kdn:{default/\xff00}:m", b"kdn:{:m"):
+            r.set(stray, b"x")
+        assert [e.key for e in c.ls(namespace="default")] == [key]
+        c.evict([key], tier="ram")  # now only Redis holds it
+        assert [e.key for e in c.ls(namespace="default")] == [key]
+        done = [p for p in c.verify(dry_run=True) if p.done]
+        assert done and all(p.corrupt == 0 for p in done)
+    r.close()
 
 
 def test_redis_restart_keeps_shared_entries(redis_server: RedisServer, tmp_path: Path) -> None:

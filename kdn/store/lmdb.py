@@ -89,10 +89,19 @@ def _part_key(key: bytes, i: int) -> bytes:
     return key + b"\x00" + _PART.pack(i)
 
 
+_DAMAGED_META = (0, 1.0, 0, 0.0)
+"""What a meta record of neither length (damage in the file) reads as: an entry of 0 bytes that
+expired long ago, so a miss everywhere, listed nowhere and swept as expired entries are (its
+unpacking raised struct.error into every read, listing, Stats and verify)."""
+
+
 def _unmeta(raw: bytes | memoryview) -> tuple[int, float, int, float]:
-    """(size, expiry, stamp, written: 0.0 when unknown) of a meta record of either length."""
+    """(size, expiry, stamp, written: 0.0 when unknown) of a meta record of either length;
+    ``_DAMAGED_META`` for any other."""
     if len(raw) == _META_V1.size:
         return (*_META_V1.unpack(raw), 0.0)
+    if len(raw) != _META.size:
+        return _DAMAGED_META
     return _META.unpack(raw)  # type: ignore[no-any-return]
 def _read_failed(exc: lmdb.Error) -> TierUnavailable:
     """What a read LMDB failed raises: a reader table full (more reads at once than
@@ -187,14 +196,14 @@ class LmdbTier(Tier):
                 str(self.path), map_size=min(self.max_map_bytes, initial_map_bytes), subdir=True,
                 max_dbs=4, sync=sync, metasync=sync, readahead=False, max_readers=512,
             )
+            short = self._truncated()  # before any database is opened: opening one reads
+            if short:  # its root page, which may lie past the end (SIGBUS)
+                raise TierUnavailable(f"can not open LMDB at {self.path}: {short}; move the "
+                                      "folder aside to start with an empty disk tier")
             self.entries = self.env.open_db(b"entries")
             self.meta = self.env.open_db(b"meta")
             self.lru = self.env.open_db(b"lru")
             self.info = self.env.open_db(b"info")
-            short = self._truncated()
-            if short:
-                raise TierUnavailable(f"can not open LMDB at {self.path}: {short}; move the "
-                                      "folder aside to start with an empty disk tier")
             with self.env.begin(db=self.lru) as txn:
                 cur = txn.cursor()
                 self._stamp = _STAMP.unpack(cur.key()[:8])[0] if cur.last() else 0

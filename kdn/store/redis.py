@@ -118,8 +118,9 @@ class _Header:
         if len(raw) < HEADER_BYTES:
             return None
         magic, fmt, ver, parts, total, part_bytes = _HDR.unpack_from(raw)
-        if magic != _MAGIC or fmt != 1 or parts < 1 or part_bytes < 1:
-            return None
+        if magic != _MAGIC or fmt != 1 or part_bytes < 1 \
+                or parts != max(1, -(-total // part_bytes)):  # as written: a part count of
+            return None  # 2**32 made a read ask for (and hold) as many part keys at once
         return cls(ver, parts, total, part_bytes)
 
 

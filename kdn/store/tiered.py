@@ -65,6 +65,7 @@ from contextlib import contextmanager
 from functools import partial
 
 from kdn.errors import Corrupt, InvalidArgument, KDNError, TierUnavailable, TooLarge, Unavailable
+from kdn.keys import parse_store_key
 from kdn.options import Durability
 from kdn.store.base import EvictHook, Tier, TierStats
 from kdn.store.checked import CheckedStamps
@@ -503,10 +504,12 @@ class TieredStore:
                    for q in self._queues.values())
 
     def keys(self, prefix: bytes = b"") -> list[bytes]:
-        """Sorted keys starting with ``prefix`` held by any reachable tier (admin listing)."""
+        """Sorted keys starting with ``prefix`` held by any reachable tier (admin listing);
+        a key no ``kdn.keys.store_key`` made (another program's, in a shared Redis) is not
+        one of them."""
 
         def listed(tier: Tier) -> list[bytes]:
-            return list(tier.keys(prefix))
+            return [k for k in tier.keys(prefix) if parse_store_key(k) is not None]
 
         found: set[bytes] = set()
         for t in self.tiers:
