@@ -130,9 +130,11 @@ def make_certs(tmp: Path, clients: tuple[str, ...] = ("engine-1",),
     return out
 
 
-def churn(writer: Any, key: bytes, versions: Sequence[KVCache], stop: threading.Event) -> None:
+def churn(writer: Any, key: bytes, versions: Sequence[KVCache], stop: threading.Event,
+          written: list[int] | None = None) -> None:
     """Store ``versions`` under ``key`` in turn with ``writer`` (a Client), deleting it every
-    seventh time, until ``stop`` is set: the writer side of the read races."""
+    seventh time, until ``stop`` is set: the writer side of the read races. ``written[0]``
+    counts the writes and deletes done."""
     i = 0
     while not stop.is_set():
         i += 1
@@ -140,6 +142,8 @@ def churn(writer: Any, key: bytes, versions: Sequence[KVCache], stop: threading.
             writer.delete(key)
         else:
             writer.store(key, versions[i % len(versions)], mode="raw")
+        if written is not None:
+            written[0] = i
 
 
 def count_staging_copies(monkeypatch: Any) -> list[int]:
@@ -192,13 +196,26 @@ def read_while_churned(writer: Any, reader: Any, key: bytes, versions: Sequence[
     """``reads`` retrieves of ``key`` by ``reader`` while ``writer`` stores ``versions`` under
     it in turn and deletes it now and then (``churn``): the version each read returned (-1: a
     miss). AssertionError at the first read that is not one stored version, whole. ``touch``:
-    the reader writes into a tensor of every read (its own pages, never the next read's)."""
+    the reader writes into a tensor of every read (its own pages, never the next read's).
+    Reads go on past ``reads`` until the writer has made 8 writes (60 s at most): reads that
+    need no call (the arena's directory) can all be done before a loaded host's first store
+    lands, and then race nothing."""
     stop = threading.Event()
-    thread = threading.Thread(target=churn, args=(writer, key, versions, stop))
+    written, failed = [0], []
+
+    def writes() -> None:
+        try:
+            churn(writer, key, versions, stop, written)
+        except BaseException as exc:  # raised by the reading thread, at its end
+            failed.append(exc)
+
+    thread = threading.Thread(target=writes)
     seen: list[int] = []
     thread.start()
+    deadline = time.monotonic() + 60
     try:
-        for _ in range(reads):
+        while len(seen) < reads or (written[0] < 8 and time.monotonic() < deadline
+                                    and thread.is_alive()):
             got = reader.retrieve(key, layout=layout)
             if got is None:
                 seen.append(-1)
@@ -211,6 +228,8 @@ def read_while_churned(writer: Any, reader: Any, key: bytes, versions: Sequence[
     finally:
         stop.set()
         thread.join()
+    if failed:
+        raise failed[0]
     return seen
 
 
