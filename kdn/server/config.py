@@ -90,8 +90,6 @@ def parse_size(value: object) -> int:
     return got
 
 
-
-
 @dataclass(frozen=True)
 class ServerConfig:
     """Everything ``kdn serve`` needs. Field docstrings are shown by ``kdn serve --help``."""
