@@ -41,7 +41,14 @@ import numpy as np
 from kdn.checks import whole
 from kdn.errors import InvalidArgument
 from kdn.layout import KVLayout
-from kdn.names import DEFAULT_NAMESPACE, KEY_BYTES, check_key, check_namespace, check_tenant
+from kdn.names import (
+    DEFAULT_NAMESPACE,
+    KEY_BYTES,
+    check_key,
+    check_namespace,
+    check_tenant,
+    parse_store_key,
+)
 from kdn.text import tokenize
 
 DEFAULT_PREFIX_CHUNK = 256
@@ -260,18 +267,3 @@ def split_store_key(skey: bytes) -> tuple[str, str, bytes]:
     if got is None:
         raise ValueError(f"not a kdn tier key: {skey[:80]!r}")
     return got
-
-
-def parse_store_key(skey: bytes) -> tuple[str, str, bytes] | None:
-    """``split_store_key``'s answer, or None for a tier key no ``store_key`` made: one that
-    something else wrote into a shared tier (a Redis key under kdn's prefix), which listings
-    skip rather than fail on (it broke Stats and ``kdn admin ls`` for every caller)."""
-    try:
-        ns, sep, hexkey = skey.decode("ascii").rpartition("/")
-        key = bytes.fromhex(hexkey) if sep and len(hexkey) == 2 * KEY_BYTES else b""
-    except (UnicodeDecodeError, ValueError):
-        return None
-    if not key or not ns:
-        return None
-    tenant, _, namespace = ns.rpartition(":")
-    return tenant, namespace, key

@@ -103,3 +103,19 @@ def parse_hex_prefix(text: str) -> bytes:
         raise InvalidArgument(f"key prefix {_shown(text)} is malformed: an even number of hex "
                               f"digits, at most {2 * KEY_BYTES}")
     return bytes.fromhex(text)
+
+
+def parse_store_key(skey: bytes) -> tuple[str, str, bytes] | None:
+    """``kdn.keys.split_store_key``'s answer, or None for a tier key no ``store_key`` made:
+    one that something else wrote into a shared tier (a Redis key under kdn's prefix), which
+    listings skip rather than fail on (it broke Stats and ``kdn admin ls`` for every caller).
+    Here, not in ``kdn.keys``: the store reads it, and ``kdn --help`` loads no numpy."""
+    try:
+        ns, sep, hexkey = skey.decode("ascii").rpartition("/")
+        key = bytes.fromhex(hexkey) if sep and len(hexkey) == 2 * KEY_BYTES else b""
+    except (UnicodeDecodeError, ValueError):
+        return None
+    if not key:
+        return None
+    tenant, _, namespace = ns.rpartition(":")
+    return tenant, namespace, key

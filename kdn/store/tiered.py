@@ -65,7 +65,7 @@ from contextlib import contextmanager
 from functools import partial
 
 from kdn.errors import Corrupt, InvalidArgument, KDNError, TierUnavailable, TooLarge, Unavailable
-from kdn.keys import parse_store_key
+from kdn.names import parse_store_key
 from kdn.options import Durability
 from kdn.store.base import EvictHook, Tier, TierStats
 from kdn.store.checked import CheckedStamps
