@@ -57,6 +57,36 @@ def test_engine_follows_the_connector_lifecycle(client: Client) -> None:
     assert hit.token_ids == first.token_ids
 
 
+def test_each_start_load_begins_a_request_of_its_own(client: Client) -> None:
+    """An engine wrapping kdn drives the protocol alone (no ``generate``): what ``save_layer``
+    stores after ``start_load(b)`` is b's KV under b's keys, also right after a request of
+    another prompt; a wait with no load under way, or for a layer the model lacks, is
+    refused by name."""
+    model = tiny("llama")
+    engine = KDNEngine(model, CharTokenizer(), client,
+                       EngineConfig(chunk_tokens=16, calibrate=False, namespace="own"),
+                       LoadingController(decode_b_s={"lossless@cpu": 1e9}))
+    a, b = ids(40, seed=11), ids(40, seed=12)
+    engine.generate(a, max_new_tokens=2, force="recompute")
+    engine.wait_for_save(30)
+    assert engine.matched_tokens(a) == 32
+    assert engine.start_load(b, force="recompute") == 0
+    with pytest.raises(InvalidArgument, match="no load is under way"):
+        engine.wait_for_layer(0)
+    full, _ = hf.prefill(model, b, engine.layout)
+    for i, (k, v) in enumerate(full.layers):
+        engine.save_layer(i, k, v)
+    engine.wait_for_save(30)
+    assert engine.matched_tokens(b) == 32
+    assert engine.start_load(b) == 32
+    for bad in (-1, engine.layout.num_layers, 1.0):
+        with pytest.raises(InvalidArgument, match="layer must be a whole number"):
+            engine.wait_for_layer(bad)  # type: ignore[arg-type]
+    k, _ = engine.wait_for_layer(0, timeout=30)
+    assert torch.equal(k, full.layers[0][0][:, :32])  # b's own KV, under b's keys
+    engine.finish()
+
+
 def test_layerwise_cache_fills_each_layer_right_before_it_runs() -> None:
     model = tiny("llama")
     layout = hf.model_layout(model)

@@ -20,6 +20,7 @@ from typing import Any
 import grpc
 
 from kdn.client.client import Client
+from kdn.client.deadline import time_left
 from kdn.client.exportfile import (
     MAGIC,
     ExportWriter,
@@ -108,12 +109,15 @@ class AdminClient(Client):
             req = pb.ListRequest(namespace=namespace, key_prefix=key_prefix,
                                  model_fingerprint=model, tenant=tenant, limit=limit,
                                  page_token=token)
-            resp = self.rpc.call(functools.partial(self._admin.List, req, timeout=self.timeout_s,
-                                                metadata=md))
+            resp = self.rpc.call(functools.partial(self._list, req, md))
             yield from resp.entries
             token = resp.next_page_token
             if not token:
                 return
+
+    def _list(self, req: pb.ListRequest, md: tuple[tuple[str, str], ...]) -> pb.ListResponse:
+        return self._admin.List(req, timeout=time_left(self.timeout_s),  # type: ignore[no-any-return]
+                                metadata=md)
 
     def inspect(self, key: bytes, namespace: str = "default", *, tenant: str = "",
                 request_id: str | None = None) -> pb.EntryInfo:
@@ -122,7 +126,8 @@ class AdminClient(Client):
         req = pb.InspectRequest(namespace=check_namespace(namespace or self.namespace),
                                 key=check_key(key), tenant=self.scoped(tenant, request_id))
         md = self.metadata(request_id)
-        return self.rpc.call(lambda: self._admin.Inspect(req, timeout=self.timeout_s, metadata=md))
+        return self.rpc.call(lambda: self._admin.Inspect(req, timeout=time_left(self.timeout_s),
+                                                            metadata=md))
 
     def _keys(self, rpc: Callable[..., pb.CountResponse], keys: list[bytes], namespace: str,
               tier: str, tenant: str, request_id: str | None) -> int:
@@ -130,7 +135,8 @@ class AdminClient(Client):
                              keys=[check_key(k) for k in keys],
                              tier=tier, tenant=self.scoped(tenant, request_id))
         md = self.metadata(request_id)
-        return int(self.rpc.call(lambda: rpc(req, timeout=self.timeout_s, metadata=md)).count)
+        return int(self.rpc.call(lambda: rpc(req, timeout=time_left(self.timeout_s),
+                                                   metadata=md)).count)
 
     def evict(self, keys: list[bytes], namespace: str = "default", tier: str = "", *,
               tenant: str = "", request_id: str | None = None) -> int:
@@ -148,12 +154,12 @@ class AdminClient(Client):
                request_id: str | None = None) -> Iterator[pb.VerifyProgress]:
         md = self.metadata(request_id)
         return iter(self.rpc.call(lambda: list(self._admin.Verify(
-            pb.VerifyRequest(dry_run=dry_run), timeout=self.timeout_s, metadata=md))))
+            pb.VerifyRequest(dry_run=dry_run), timeout=time_left(self.timeout_s), metadata=md))))
 
     def gc(self, *, request_id: str | None = None) -> pb.GcResponse:
         md = self.metadata(request_id)
-        return self.rpc.call(lambda: self._admin.Gc(pb.GcRequest(), timeout=self.timeout_s,
-                                                 metadata=md))
+        return self.rpc.call(lambda: self._admin.Gc(
+            pb.GcRequest(), timeout=time_left(self.timeout_s), metadata=md))
 
     # -- export / import ------------------------------------------------------------------------
 
@@ -218,8 +224,8 @@ class AdminClient(Client):
         def send(items: list[pb.ImportItem]) -> None:
             def call() -> pb.ImportResponse:
                 # a fresh iterator per attempt, so a retried call sends every item again
-                return self._admin.Import(iter(items), timeout=self.timeout_s,  # type: ignore[no-any-return]
-                                          metadata=md)
+                return self._admin.Import(  # type: ignore[no-any-return]
+                    iter(items), timeout=time_left(self.timeout_s), metadata=md)
 
             resp = self.rpc.call(call)
             total.imported += resp.imported

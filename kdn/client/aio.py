@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from kdn.client.client import Client
 from kdn.client.pending import PendingStore
-from kdn.errors import Closed
+from kdn.errors import Closed, Corrupt
 
 if TYPE_CHECKING:
     from kdn.cache import KVCache
@@ -114,6 +114,17 @@ class AsyncClient:
 
         async def call(*args: Any, **kwargs: Any) -> Any:
             await self._answered()
-            return await asyncio.to_thread(fn, *args, **kwargs)
+            return await asyncio.to_thread(_no_stop, fn, *args, **kwargs)
 
         return call
+
+
+def _no_stop(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``fn(...)``, a StopIteration escaping it raised as Corrupt: asyncio can not set one on
+    a future (the awaiting coroutine would wait for ever). kdn's reads raise none of their
+    own; one from a stream cut short is a server's fault."""
+    try:
+        return fn(*args, **kwargs)
+    except StopIteration:
+        raise Corrupt(f"{getattr(fn, '__name__', 'call')}: a stream of the server's answer "
+                      "ended early") from None

@@ -46,7 +46,7 @@ from kdn.client.received import LOCAL_TIER, Fetched
 from kdn.client.rpc import Retry, Rpc, TLSOptions, check_timeout, settles, traced
 from kdn.client.writes import Writer
 from kdn.codec import EncodedParts
-from kdn.errors import InvalidArgument
+from kdn.errors import Corrupt, InvalidArgument
 from kdn.keys import DEFAULT_NAMESPACE, check_key, check_namespace
 from kdn.layout import KVLayout
 from kdn.names import check_tenant, request_namespace
@@ -397,9 +397,11 @@ class Client:
         if ask or not ks:
             req = pb.LookupRequest(namespace=ns, keys=ask, prefix_chain=prefix_chain)
             md = self.rpc.metadata(request_id)
-            deadline = time_left(self.timeout_s if timeout_s is None else timeout_s)
-            resp = self.rpc.call(lambda: self.rpc.stub.Lookup(req, timeout=deadline,
-                                                              metadata=md))
+            budget = self.timeout_s if timeout_s is None else timeout_s
+            resp = self.rpc.call(lambda: self.rpc.stub.Lookup(
+                req, timeout=time_left(budget), metadata=md), timeout_s=budget)
+            if len(resp.infos) != len(ask):  # (too few: a bare StopIteration below)
+                raise Corrupt(f"Lookup answered {len(resp.infos)} keys of the {len(ask)} asked")
             remote = iter(resp.infos)
             infos = [info or _key_info(next(remote)) for info in infos]
         done = [i for i in infos if i is not None]
@@ -427,7 +429,7 @@ class Client:
         try:
             md = self.rpc.metadata(request_id)
             return int(self.rpc.call(lambda: self.rpc.stub.Delete(
-                req, timeout=self.timeout_s, metadata=md)).deleted)
+                req, timeout=time_left(self.timeout_s), metadata=md)).deleted)
         finally:
             for write in writes:
                 write.end()
@@ -453,7 +455,7 @@ class Client:
     def stats(self, *, request_id: str | None = None) -> pb.StatsResponse:
         md = self.rpc.metadata(request_id)
         return self.rpc.call(lambda: self.rpc.stub.Stats(
-            pb.StatsRequest(), timeout=self.timeout_s, metadata=md))
+            pb.StatsRequest(), timeout=time_left(self.timeout_s), metadata=md))
 
     @in_its_process
     def health(self, service: str = "") -> str:
@@ -462,7 +464,7 @@ class Client:
 
         # the stub made inside the call: on a closed channel making one crashed the process
         resp = self.rpc.call(lambda: health_pb2_grpc.HealthStub(self.rpc.channel).Check(
-            health_pb2.HealthCheckRequest(service=service), timeout=self.timeout_s))
+            health_pb2.HealthCheckRequest(service=service), timeout=time_left(self.timeout_s)))
         return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
 
 

@@ -14,9 +14,10 @@ from concurrent.futures import CancelledError, Future
 from typing import TYPE_CHECKING, Any
 
 from kdn.client.parallel import layer_groups
-from kdn.client.received import Fetched
+from kdn.client.received import Fetched, as_expected
 from kdn.codec.format import parse_header, sums_checked_later
 from kdn.errors import Cancelled, again, kept
+from kdn.layout import Expected
 from kdn.transport.wire import Frame, FrameMessage
 
 if TYPE_CHECKING:  # the tensor side loads on first use: admin tools run without torch
@@ -363,6 +364,10 @@ def copy_groups(specs: tuple[tuple[tuple[int, ...], tuple[int, ...], int], ...],
     return out
 
 
+ANY = Expected()
+"""What a read that asks nothing of its entries expects."""
+
+
 class PendingStream:
     """A LayerStream of an entry still landing (``NetPath.start_get_many``): made the moment
     its bytes are in and checked (``stream_of``, on the thread that received them: for a GPU
@@ -375,7 +380,8 @@ class PendingStream:
 
     def __init__(self, entry: Future[Fetched], tier: str, device: torch.device | str | None,
                  timings: StreamTimings,
-                 on_landed: Callable[[Fetched], object] | None = None) -> None:
+                 on_landed: Callable[[Fetched], object] | None = None,
+                 want: Expected = ANY) -> None:
         from kdn.codec.api import target_device
 
         self.tier = tier
@@ -383,6 +389,7 @@ class PendingStream:
         # named here: "cuda" is this thread's current device, not the landing thread's
         self._device = target_device(device, here=False)
         self._on_landed = on_landed
+        self._want = want  # what the entry must be (``as_expected``), checked as it lands
         self._done = threading.Event()
         self._stream: LayerStream | None = None
         self._error: BaseException | None = None
@@ -392,7 +399,7 @@ class PendingStream:
 
     def _landed(self, entry: Future[Fetched]) -> None:
         try:
-            got = entry.result()
+            got = as_expected(self._want, entry.result())
             if self._on_landed is not None:
                 self._on_landed(got)
             if not self._cancelled:
@@ -426,6 +433,10 @@ class PendingStream:
     @property
     def num_tokens(self) -> int:
         return self.landed().num_tokens
+
+    @property
+    def start_position(self) -> int:
+        return self.landed().start_position
 
     def wait_for_layer(self, i: int, timeout: float | None = None, *,
                        stream: Any = None) -> Any:

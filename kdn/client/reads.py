@@ -35,15 +35,18 @@ from kdn.client.parallel import layer_groups, merged
 from kdn.client.received import (
     LOCAL_TIER,
     Fetched,
+    as_expected,
     ask_pieces,
+    header_of,
     keeps_messages,
+    layer_window,
     received,
     received_many,
 )
 from kdn.client.rpc import Rpc, settles, traced
 from kdn.codec import EncodedParts
 from kdn.codec.format import parse_container, parse_header
-from kdn.errors import InvalidArgument, KDNError, NotFound, Status
+from kdn.errors import KDNError, NotFound, Status
 from kdn.keys import check_key, check_namespace
 from kdn.layout import Expected, KVLayout
 from kdn.transport.wire import GROUP_INLINE_BYTES
@@ -113,14 +116,12 @@ class Reader:
         if not isinstance(got, TooBig):
             return got
         md = self.rpc.metadata(request_id)
-        deadline = time_left(self.rpc.timeout_s)  # sooner inside deadline_within
         ticket = self.ticket(req.namespace, req.key)
 
         def run() -> Fetched:
-            stream = self.rpc.retrieve_call(ask_pieces(req), timeout=deadline,
-                                            metadata=md)
-            first = next(stream)
-            got = received(first.header, stream)
+            stream = self.rpc.retrieve_call(ask_pieces(req),
+                                            timeout=time_left(self.rpc.timeout_s), metadata=md)
+            got = as_expected(want, received(header_of(stream), stream))
             self.remember(req.namespace, req.key, ticket, got.parts)
             return got
 
@@ -182,12 +183,12 @@ class Reader:
         it (``received``), and comes back as a Fetched (handed to ``on_complete`` first); in
         pieces (``ask_pieces``) where it can not be split (one stream, or one core pair)."""
         md = self.rpc.metadata(request_id)
-        deadline = time_left(self.rpc.timeout_s)  # sooner inside deadline_within
         if whole_read and min(self.streams, parallel.stream_cores()) == 1:
             req = ask_pieces(req)
 
         def run() -> LayerStream | Fetched:
             timings = new_timings(started=time.perf_counter())
+            deadline = time_left(self.rpc.timeout_s)  # this attempt's: sooner after a retry
             whole = self.rpc.retrieve_call(req, timeout=deadline, metadata=md)
             calls = [whole]
 
@@ -196,9 +197,11 @@ class Reader:
                     call.cancel()
 
             try:
-                head = next(whole).header
+                head = header_of(whole)
                 header = head.container_header
                 parsed = parse_header(header)
+                Expected(req.expect_layout_fingerprint, req.expect_tokens).check(
+                    parsed.layout, parsed.entry.tokens)
                 n = min(self.streams, parsed.layout.num_layers, parallel.stream_cores(),
                         int(head.total_bytes) // max(1, parallel.GROUP_MIN_BYTES))
                 groups = layer_groups(parsed.layout.num_layers, n) if n > 1 else []
@@ -213,7 +216,7 @@ class Reader:
                     part.CopyFrom(req)
                     part.first_layer, part.last_layer = first, last
                     calls.append(start(part, timeout=deadline, metadata=md))
-                firsts = [next(call).header for call in calls[1:]]
+                firsts = [header_of(call) for call in calls[1:]]
             except BaseException:
                 cancel()
                 raise
@@ -258,21 +261,23 @@ class Reader:
         and hand its frames to a LayerStream, once the header has arrived. ``on_complete``
         gets the whole entry once its last frame has arrived."""
         md = self.rpc.metadata(request_id)
-        deadline = time_left(self.rpc.timeout_s)  # sooner inside deadline_within
+        want = Expected(getattr(request, "expect_layout_fingerprint", ""),  # (a Blend: any)
+                        getattr(request, "expect_tokens", 0))
 
         def run() -> LayerStream:
             timings = new_timings(started=time.perf_counter())
-            call = start(request, timeout=deadline, metadata=md)
+            call = start(request, timeout=time_left(self.rpc.timeout_s), metadata=md)
             try:  # the call cancelled where no stream takes it (a device not here, ...)
-                first = next(call)
+                head = header_of(call)
                 timings.header = time.perf_counter()
-                dec, target = decoder_for(first.header.container_header, device,
+                dec, target = decoder_for(head.container_header, device,
                                           received=on_complete is None
-                                          and keeps_messages(int(first.header.total_bytes)))
+                                          and keeps_messages(int(head.total_bytes)))
+                want.check(dec.header.layout, dec.header.entry.tokens)
                 frames = call if on_complete is None else _tee(
-                    call, first.header.container_header, on_complete)
-                return tensor_side().LayerStream(dec, frames, first.header.tier,
-                                                  call.cancel, timings, target)
+                    call, head.container_header, on_complete)
+                return tensor_side().LayerStream(dec, frames, head.tier, call.cancel,
+                                                  timings, target)
             except BaseException:
                 call.cancel()
                 raise
@@ -374,11 +379,10 @@ class Reader:
             req.inline_max_entry_bytes = STREAM_ENTRY_BYTES - 1
             req.inline_budget_bytes = min(GROUP_INLINE_BYTES, self.dataplane.inline_budget)
         md = self.rpc.metadata(request_id)
-        deadline = time_left(self.rpc.timeout_s)  # sooner inside deadline_within
         tickets = [self.ticket(ns, k) for k in keys]
         try:
             got = self.rpc.call(lambda: received_many(len(keys), self.rpc.retrieve_many_call(
-                req, timeout=deadline, metadata=md)))
+                req, timeout=time_left(self.rpc.timeout_s), metadata=md)))
         except KDNError as exc:
             if exc.status is not Status.UNIMPLEMENTED:
                 raise
@@ -386,7 +390,7 @@ class Reader:
             return None
         for k, t, g in zip(keys, tickets, got):
             if g is not None:
-                self.remember(ns, k, t, g.parts)
+                self.remember(ns, k, t, as_expected(want, g).parts)
         return got
 
     def _entries(self, ns: str, keys: list[bytes], want: Expected,
@@ -400,15 +404,15 @@ class Reader:
         ask = [j for j, f in enumerate(out) if f is None]
         tickets = {j: self.ticket(ns, keys[j]) for j in ask}
         if len(ask) == 1 and not pinned:  # one key: the short way where it applies
-            one = self.dataplane.get_one(ns, keys[ask[0]], want, request_id)
-            out[ask[0]] = one
+            one = out[ask[0]] = as_expected(want, self.dataplane.get_one(ns, keys[ask[0]], want,
+                                                                       request_id))
             if isinstance(one, Fetched):
                 self.remember(ns, keys[ask[0]], tickets[ask[0]], one.parts)
         elif ask:
             got = self.dataplane.get_many(ns, [keys[j] for j in ask], want, request_id,
                                           pinned=pinned)
             for j, g in zip(ask, got):
-                out[j] = g
+                out[j] = as_expected(want, g)
                 if isinstance(g, Fetched):
                     self.remember(ns, keys[j], tickets[j], g.parts)
         return out
@@ -470,7 +474,8 @@ class Reader:
             if g is not None:
                 keep = (functools.partial(_keep, self.remember, ns, ks[j], tickets[j])
                         if self.local is not None else None)
-                out[j] = PendingStream(g[1], g[0], device, new_timings(started=started), keep)
+                out[j] = PendingStream(g[1], g[0], device, new_timings(started=started), keep,
+                                       want)
         return out
 
     def _device_streams(self, ns: str, ks: Sequence[bytes], shape: tuple[KVLayout | None, int],
@@ -569,19 +574,6 @@ class Reader:
         return pb.RetrieveRequest(namespace=self._ns(namespace), key=check_key(key),
                                   expect_layout_fingerprint=want.fingerprint,
                                   expect_tokens=want.tokens)
-
-
-def layer_window(first_layer: int, last_layer: int) -> tuple[int, int]:
-    """The layers ``[first_layer, last_layer)`` a retrieve asks for (``last_layer`` 0: through
-    the last); InvalidArgument naming the argument that is not a whole number >= 0, or for a
-    window with no layer in it."""
-    for name, value in (("first_layer", first_layer), ("last_layer", last_layer)):
-        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 1 << 32:
-            raise InvalidArgument(f"{name} must be a whole number >= 0, got {value!r}")
-    if last_layer and first_layer >= last_layer:
-        raise InvalidArgument(f"first_layer ({first_layer}) must be below last_layer "
-                              f"({last_layer}; 0: through the last layer)")
-    return first_layer, last_layer
 
 
 def _keep(remember: Callable[[str, bytes, int, EncodedParts], object], ns: str, key: bytes,

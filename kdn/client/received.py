@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 from itertools import islice
-from typing import Any
+from typing import Any, TypeVar
 
 from kdn.codec import EncodedParts
 from kdn.codec.copies import FrameCopy
@@ -23,7 +23,8 @@ from kdn.codec.format import (
     parse_container,
     parse_header,
 )
-from kdn.errors import Corrupt, TooLarge
+from kdn.errors import Corrupt, InvalidArgument, TooLarge
+from kdn.layout import Expected
 from kdn.transport.buffers import RECEIVED
 from kdn.transport.wire import piece_fault
 from kdn.v1 import kdn_pb2 as pb
@@ -66,6 +67,33 @@ class Fetched:
         return self.header if self.header is not None else parse_header(self.parts.header)
 
 
+
+
+G = TypeVar("G")
+
+
+def as_expected(want: Expected, got: G) -> G:
+    """``got`` where it is no entry (None, a TooBig) or an entry of what ``want`` asks for;
+    LayoutMismatch otherwise. The server checks what a read expects (``expect_*`` of the
+    request), and the client checks again every entry a server answered before it is used:
+    a server that does not (an older one that knows no ``expect_tokens``, or one at odds
+    with this client) must not hand an engine another shape's KV."""
+    if isinstance(got, Fetched) and (want.fingerprint or want.tokens):
+        header = got.parsed()
+        want.check(header.layout, header.entry.tokens)
+    return got
+
+
+def header_of(stream: Iterator[Any]) -> pb.RetrieveHeader:
+    """The header a Retrieve (or Blend) stream begins with; Corrupt where the stream ends
+    before it, or begins with anything else (a bare StopIteration would end the caller's
+    generator, or leave a future made of the call unanswered)."""
+    msg = next(stream, None)
+    part = None if msg is None else msg.WhichOneof("part")
+    if part != "header":
+        raise Corrupt(f"the stream brought {'nothing' if msg is None else 'a ' + str(part)} "
+                      "where its header was due")
+    return msg.header  # type: ignore[union-attr]
 
 
 FRAME_ALIGN = 64
@@ -118,6 +146,19 @@ def ask_pieces(req: pb.RetrieveRequest) -> pb.RetrieveRequest:
     (``PIECE_BYTES``); an entry it keeps comes one message per frame."""
     req.piece_bytes, req.piece_min_entry_bytes = PIECE_BYTES, KEEP_MESSAGES_BYTES + 1
     return req
+
+
+def layer_window(first_layer: int, last_layer: int) -> tuple[int, int]:
+    """The layers ``[first_layer, last_layer)`` a retrieve asks for (``last_layer`` 0: through
+    the last); InvalidArgument naming the argument that is not a whole number >= 0, or for a
+    window with no layer in it."""
+    for name, value in (("first_layer", first_layer), ("last_layer", last_layer)):
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 1 << 32:
+            raise InvalidArgument(f"{name} must be a whole number >= 0, got {value!r}")
+    if last_layer and first_layer >= last_layer:
+        raise InvalidArgument(f"first_layer ({first_layer}) must be below last_layer "
+                              f"({last_layer}; 0: through the last layer)")
+    return first_layer, last_layer
 
 
 def received(head: pb.RetrieveHeader, frames: Iterator[Any]) -> Fetched:

@@ -17,11 +17,12 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import grpc
 
 from kdn import tracing as _tracing
+from kdn.client.deadline import call_cap, deadline_within
 from kdn.errors import Closed, InvalidArgument, kept
 from kdn.status import from_grpc
 from kdn.transport.metadata import API_KEY_HEADER, REQUEST_ID_HEADER
@@ -72,6 +73,9 @@ class Retry:
     codes: tuple[grpc.StatusCode, ...] = (grpc.StatusCode.UNAVAILABLE,)
 
     def call(self, fn: Callable[[], T]) -> T:
+        """``fn()``, again after a pause while it fails with one of ``codes``; never past this
+        thread's ``deadline_within`` (``Rpc.call``'s: the call's deadline is for all of its
+        attempts together, so no attempt starts, nor pause ends, after it)."""
         for attempt in range(self.retries + 1):
             try:
                 return fn()
@@ -79,7 +83,11 @@ class Retry:
                 kept(err)  # not those frames
                 if err.code() not in self.codes or attempt == self.retries:
                     raise
-                time.sleep(min(self.cap_s, self.base_s * 2**attempt) * (0.5 + random.random()))
+                pause = min(self.cap_s, self.base_s * 2**attempt) * (0.5 + random.random())
+                until = call_cap()
+                if until is not None and time.monotonic() + pause >= until:
+                    raise  # no time left for another attempt
+                time.sleep(pause)
         raise AssertionError("unreachable")
 
 
@@ -230,13 +238,21 @@ class Rpc:
         md = (*self._auth, (REQUEST_ID_HEADER, rid))
         return tuple(_tracing.inject(list(md))) if _tracing.enabled() else md
 
-    def call(self, fn: Callable[[], T]) -> T:
-        """``fn()`` retried as ``retry`` says; a gRPC error raised as kdn's error. Closed
-        once the channel was closed (every call of the client comes here)."""
+    def call(self, fn: Callable[[], T], timeout_s: float | None | Literal[False] = False) -> T:
+        """``fn()`` retried as ``retry`` says, every attempt and pause within one deadline:
+        ``timeout_s`` from now (False: the client's ``timeout_s``; None: none), or this
+        thread's ``deadline_within`` where sooner. ``fn`` gives each gRPC call it makes the
+        time left (``time_left``), not the whole timeout again. A gRPC error is raised as
+        kdn's error. Closed once the channel was closed (every call of the client comes
+        here)."""
         if self.closed:
             raise Closed(CLOSED)
+        budget = self.timeout_s if timeout_s is False else timeout_s
         try:
-            return self.retry.call(fn)
+            if budget is None:
+                return self.retry.call(fn)
+            with deadline_within(budget):
+                return self.retry.call(fn)
         except grpc.RpcError as err:  # kept as the context of kdn's error: not the frames
             raise from_grpc(kept(err)) from None  # it passed, which hold the call
 

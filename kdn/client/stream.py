@@ -193,6 +193,11 @@ class LayerStream:
         return self._tokens
 
     @property
+    def start_position(self) -> int:
+        """The position of the first token (of the first entry, where it holds several)."""
+        return int(self.decoder.header.entry.start_position)
+
+    @property
     def in_process(self) -> bool:
         """The entry came from the client's in-process tier (no transfer)."""
         return self.tier == LOCAL_TIER

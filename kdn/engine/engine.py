@@ -68,7 +68,7 @@ from typing import Any
 
 import torch
 
-from kdn import keys
+from kdn import checks, keys
 from kdn.cache import LayerKV
 from kdn.checks import whole
 from kdn.client import Client, LayerStream
@@ -95,7 +95,14 @@ from kdn.engine.config import (
 from kdn.engine.connector import KVConnector
 from kdn.engine.measure import observe_request, time_decodes, time_prefill
 from kdn.engine.store_back import StoreBack
-from kdn.errors import DeadlineExceeded, InvalidRequest, TooLarge, again, kept
+from kdn.errors import (
+    DeadlineExceeded,
+    InvalidRequest,
+    LayoutMismatch,
+    TooLarge,
+    again,
+    kept,
+)
 from kdn.layout import KVLayout
 from kdn.model.hf import (
     CacheDecoder,
@@ -262,6 +269,7 @@ class KDNEngine(KVConnector):
         self._ids = ids
         self._timings = Timings()
         self._streams: list[LayerStream] = []
+        self._streams_checked = False  # their layouts, tokens and positions (``_check_streams``)
         self._loaded_blocks = 0
         self._load_failed: BaseException | None = None
         self._load_until = math.inf  # perf_counter by which every layer must be in
@@ -325,10 +333,15 @@ class KDNEngine(KVConnector):
         self._rewrite = "" if late or isinstance(exc, TooLarge) else encoding
 
     def start_load(self, token_ids: Sequence[int], *, force: str | None = None) -> int:
-        """Begin loading the reusable prefix; ``force`` (one of the engine's encoding names,
-        or ``recompute``) overrides the loading controller for this request."""
+        """Begin loading the reusable prefix of a new request (what is left of the last one
+        is let go: its loads cancelled, its state forgotten; ``save_layer`` then stores under
+        these ids' keys); ``force`` (one of the engine's encoding names, or ``recompute``)
+        overrides the loading controller for this request."""
         self._check_force(force)
+        token_ids = checks.token_ids(token_ids, "start_load")
         self._ensure_calibrated()
+        self.finish()
+        self._begin(token_ids)
         t = self._timings
         c = self.config.chunk_tokens
         chain = self._chain(token_ids)
@@ -392,6 +405,7 @@ class KDNEngine(KVConnector):
                 return 0
             streams, hits, tokens = streams[:lead], lead, lead * c
         self._streams = [s for s in streams if s is not None]
+        self._streams_checked = False
         t.decision = decision.choice
         t.predicted_ttft_s = (t.lookup_s + decision.estimates_s[decision.choice]
                               + self.controller.prefill_seconds(len(token_ids) - tokens))
@@ -400,13 +414,26 @@ class KDNEngine(KVConnector):
 
     def wait_for_layer(self, i: int, timeout: float | None = None) -> LayerKV:
         """Layer i of the loaded prefix; waits at most ``timeout`` seconds, or, where that is
-        None, until the load's deadline (``_load_deadline``): DeadlineExceeded after it."""
+        None, until the load's deadline (``_load_deadline``): DeadlineExceeded after it.
+        InvalidRequest where no load is under way, or for a layer the model does not have."""
+        n = self.layout.num_layers
+        if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n:
+            raise InvalidRequest(f"wait_for_layer: layer must be a whole number in [0, {n}), "
+                                 f"got {i!r}")
+        if not self._streams:
+            raise InvalidRequest("wait_for_layer: no load is under way (start_load loaded "
+                                 "nothing, or the request is over)")
         on = torch.cuda.current_stream(self._device) if self._device.type == "cuda" else None
         bounded = timeout is None and self._load_until < math.inf
         try:
             parts = [s.wait_for_layer(i, max(0.0, self._load_until - time.perf_counter())
                                       if bounded else timeout, stream=on)
                      for s in self._streams]
+            if not self._streams_checked:  # (each stream's header is in once a layer is)
+                self._check_streams()
+            # k: [kv_heads, tokens, k_channels], blocks joined along tokens
+            out = parts[0] if len(parts) == 1 else (torch.cat([p[0] for p in parts], dim=1),
+                                                    torch.cat([p[1] for p in parts], dim=1))
         except Exception as exc:  # remembered: ``generate`` then computes the prompt whole
             if bounded and isinstance(exc, TimeoutError):
                 exc = DeadlineExceeded(
@@ -417,10 +444,26 @@ class KDNEngine(KVConnector):
             # forward, holding its tensors); a copy is raised, whose traceback is its own
             self._load_failed = kept(exc)
             raise again(exc) from None
-        if len(parts) == 1:
-            return parts[0]
-        # k: [kv_heads, tokens, k_channels], blocks joined along tokens
-        return (torch.cat([p[0] for p in parts], dim=1), torch.cat([p[1] for p in parts], dim=1))
+        return out
+
+    def _check_streams(self) -> None:
+        """LayoutMismatch unless the streams loading hold the blocks asked for, in order: of
+        this engine's layout, ``chunk_tokens`` tokens a block, each starting where its block
+        does. The client checks the layout and tokens of what a server answers; where the
+        positions differ, the server answered another block than the key's (a fault, or a
+        server not to be trusted), and its KV must not reach the model."""
+        c, at = self.config.chunk_tokens, 0
+        for s in self._streams:
+            tokens, start = s.num_tokens, s.start_position
+            if s.layout.fingerprint != self.layout.fingerprint or tokens != s.blocks * c:
+                raise LayoutMismatch(f"a loaded block holds {tokens} tokens of layout "
+                                     f"{s.layout.fingerprint}; the engine's blocks hold "
+                                     f"{c} of {self.layout.fingerprint}")
+            if start != at:
+                raise LayoutMismatch(f"the block loaded for tokens {at}..{at + tokens} holds "
+                                     f"the KV of tokens {start}..{start + tokens}")
+            at += tokens
+        self._streams_checked = True
 
     def save_layer(self, i: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Layer i of the prompt's KV, [kv_heads, tokens, channels]; once every layer is in,
@@ -490,10 +533,9 @@ class KDNEngine(KVConnector):
         check_fits(len(ids), max_new_tokens, self._context)
         with self._request:
             self._ensure_calibrated()  # before the clock starts: not this request's time
-            self._begin(ids)
-            t = self._timings
             start = time.perf_counter()
             reused = self.start_load(ids, force=force)
+            t = self._timings  # (this request's: start_load began it)
             streams = list(self._streams)
             tc = time.perf_counter()
             try:
