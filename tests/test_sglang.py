@@ -392,6 +392,22 @@ def test_a_page_of_another_shape_fails_alone_and_is_stored_again(server: ServerT
         b.close()
 
 
+def test_a_wrong_read_target_is_that_calls_miss_only(server: ServerThread) -> None:
+    """A target of the wrong size, or fewer targets than keys, fails that read alone (Nones,
+    one per key): the stored pages stay present for every caller and read back."""
+    pool = HostPool("layer_first", 16, seed=9, **SMALL)  # type: ignore[arg-type]
+    b = kdn_backend(pool, server.address)
+    try:
+        assert b.batch_set_v1(KEYS[:4], pool.indices(range(4))) == [True] * 4
+        assert b.batch_get([KEYS[1]], [torch.zeros(7, dtype=torch.float16)]) == [None]
+        assert b.batch_get(KEYS[:3], [pool.get_dummy_flat_data_page()]) == [None] * 3
+        assert b.batch_exists(KEYS[:4]) == 4 and b.exists(KEYS[1]) is True
+        assert b.batch_get_v1(KEYS[:4], pool.indices(range(8, 12))) == [True] * 4
+        assert torch.equal(pool.kv_of(9), pool.kv_of(1))
+    finally:
+        b.close()
+
+
 def test_clear_keeps_other_salts_and_adapters_pages(server: ServerThread) -> None:
     """Engines with another salt or adapter never share pages, so one's ``clear`` leaves the
     others' pages; the scope in the stored model name names neither the salt nor the model

@@ -114,3 +114,33 @@ def test_a_chunk_two_requests_of_one_step_save_is_stored_once(kdn_server: Server
     finally:
         s.shutdown()
         w.shutdown()
+
+
+def test_no_chunk_of_a_step_whose_load_failed_is_stored(kdn_server: ServerThread) -> None:
+    """R hits three stored chunks, and the second is gone by the time it loads: that step's
+    forward attends to blocks the failed load left unwritten, so the chunks it computes for R
+    (and for any request sharing those blocks) are not stored; vLLM recomputes R, and the
+    scheduler's mend stores them then, right."""
+    s, w = both(kdn_server.address, encodings=["raw"])
+    assert w.worker is not None
+    rp = fp16_replay(s, w)
+    try:
+        a = prompt(31, 5 * CHUNK + 1)
+        r = a[: 3 * CHUNK] + prompt(32, 2 * CHUNK + 1)
+        assert answered(rp, rp.new_request("seed", a)) == 0
+        rp.step()
+        w.worker.wait_saves(30)
+        assert answered(rp, rp.new_request("R", r)) == 3 * CHUNK
+        chain = [keys.variant_key(k, "raw") for k in keys.prefix_keys(r, s.layout, "vllm",
+                                                                       CHUNK)]
+        with Client(kdn_server.address) as c:
+            assert c.delete(chain[1], namespace="vllm")  # evicted between lookup and load
+            failed = rp.step()
+            w.worker.wait_saves(30)
+            assert failed  # vLLM is told, and recomputes
+            present = [i.present for i in c.lookup(chain[3:5], namespace="vllm").infos]
+        assert present == [False, False]
+        assert w.worker.stats.save_errors == 0  # left out, not failed
+    finally:
+        s.shutdown()
+        w.shutdown()

@@ -257,7 +257,10 @@ class KDNHiCacheStorage(HiCacheStorage):
                     except Exception as err:  # a damaged entry, a wrong target: this page
                         logger.warning("kdn: page %s not usable: %s", keys_[j], err)
                         self._count(errors=1)
-                    self._unreadable_mark(kdn[j], not ok)
+                        if isinstance(err, KDNError):  # the entry's fault, not the target's
+                            self._unreadable_mark(kdn[j], True)
+                    if ok:
+                        self._unreadable_mark(kdn[j], False)
                 out.append(ok)
             return out
 
@@ -422,6 +425,10 @@ class KDNHiCacheStorage(HiCacheStorage):
             logger.error("kdn: batch_get before register_mem_pool_host")
             return [None] * len(keys)
         targets = list(target_locations or [None] * len(keys))
+        if len(targets) != len(keys):
+            logger.error("kdn: batch_get of %d keys with %d target locations", len(keys),
+                         len(targets))
+            return [None] * len(keys)
         flats = [t if t is not None else pages.new_flat_page() for t in targets]
         done = self._read(keys, lambda j: pages.flat_page(flats[j]))
         return [f if ok else None for f, ok in zip(flats, done)]

@@ -40,7 +40,7 @@ import torch
 from kdn import keys
 from kdn.cache import KVCache, to_pinned_host
 from kdn.client import Client, LayerStream
-from kdn.errors import InvalidLayout
+from kdn.errors import InvalidLayout, LayoutMismatch
 from kdn.integrations.vllm_meta import KDNConnectorConfig, LoadSpec, PagedShape, SaveSpec
 from kdn.options import StoreOptions
 
@@ -62,6 +62,9 @@ class _Piece:
     index: torch.Tensor | None
     """The block ids on a GPU, when they are not one run (one scatter kernel)."""
     ok: bool = True
+    at: int = 0
+    """The position of the chunk's first token: where its stored KV must start."""
+    checked: bool = False
 
 
 def block_runs(ids: list[int]) -> list[tuple[int, int, int]]:
@@ -106,6 +109,9 @@ class WorkerSide:
         self._pieces: list[_Piece] = []
         self._placed: set[int] = set()
         self._failed: set[int] = set()
+        self._step_failed: tuple[set[str], set[int]] = (set(), set())
+        """The requests and blocks whose loads failed this step: its forward read blocks that
+        hold no KV of theirs."""
         self._gathered: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._save_ids: torch.Tensor | None = None
         self._saving: list[SaveSpec] = []
@@ -165,7 +171,7 @@ class WorkerSide:
             if why:  # a bug upstream; vLLM recomputes what it named
                 log.warning("kdn: load of request %s refused: %s", spec.req_id, why)
                 end = -(-max(0, spec.end_token) // b)
-                self._fail(spec.block_ids[max(0, spec.start_token) // b : end])
+                self._fail(spec.block_ids[max(0, spec.start_token) // b : end], spec.req_id)
                 continue
             ks = spec.keys_by_rank[self.rank]
             spans = []
@@ -180,15 +186,15 @@ class WorkerSide:
             except Exception as exc:  # unreachable, refused: every block of it recomputed
                 log.warning("kdn: load of request %s failed: %s", spec.req_id, exc)
                 streams = [None] * len(ks)
-            for stream, (first, last, ids) in zip(streams, spans):
+            for j, (stream, (first, last, ids)) in enumerate(zip(streams, spans)):
                 if stream is None:
-                    self._fail(ids)
+                    self._fail(ids, spec.req_id)
                 elif ids:
                     runs = block_runs(ids)
                     index = (torch.tensor(ids).to(self.device)
                              if len(runs) > 1 and self.device.type == "cuda" else None)
                     self._pieces.append(_Piece(spec.req_id, stream, first, last, ids, runs,
-                                               index))
+                                               index, at=(spec.first_chunk + j) * c))
 
     def _unplaceable(self, spec: LoadSpec) -> str:
         """Why ``spec`` can not be placed into this worker's cache ("": it can)."""
@@ -212,7 +218,10 @@ class WorkerSide:
         out = [i for i in used if not 0 <= i < self.num_blocks]
         return f"block ids {out[:4]} outside [0, {self.num_blocks})" if out else ""
 
-    def _fail(self, ids: list[int]) -> None:
+    def _fail(self, ids: list[int], req_id: str) -> None:
+        if ids:
+            self._step_failed[0].add(req_id)
+            self._step_failed[1].update(ids)
         self._failed.update(ids)
         self.stats.blocks_failed += len(ids)
 
@@ -229,10 +238,14 @@ class WorkerSide:
                 continue
             try:
                 k, v = p.stream.wait_for_layer(i, self.config.timeout_s, stream=on)
+                if not p.checked and p.stream.start_position != p.at:  # another chunk's KV
+                    raise LayoutMismatch(f"the chunk at token {p.at} was answered with the KV "
+                                         f"of tokens from {p.stream.start_position}")
+                p.checked = True
             except Exception as exc:  # damaged, cut off, timed out: this chunk is recomputed
                 log.warning("kdn: chunk of request %s failed at layer %d: %s", p.req_id, i, exc)
                 p.ok = False
-                self._fail(p.block_ids)
+                self._fail(p.block_ids, p.req_id)
                 continue
             n = len(p.block_ids)
             for src, dst in ((k, kc), (v, vc)):
@@ -315,8 +328,15 @@ class WorkerSide:
         self._release()
         gathered, self._gathered, self._save_ids = self._gathered, {}, None
         saving, self._saving = self._saving, []
+        (requests, blocks), self._step_failed = self._step_failed, (set(), set())
         if not gathered or saves is None:
             return
+        dropped = {s.req_id for s in saving if s.req_id in requests or blocks & set(s.block_ids)}
+        if dropped:  # computed over blocks a failed load left unwritten: wrong KV. vLLM
+            # recomputes them (and the scheduler's mend stores them then); a request that
+            # shares those blocks through vLLM's prefix cache is mended the same way
+            log.info("kdn: the loads of requests %s failed this step; their saves are not "
+                     "stored", sorted(dropped))
         if len(gathered) != self.layout.num_layers:
             log.warning("kdn: %d of %d layers saved this step; chunks not stored",
                         len(gathered), self.layout.num_layers)
@@ -328,19 +348,22 @@ class WorkerSide:
         layers = [gathered[i] for i in range(self.layout.num_layers)]
         with self._lock:
             self._saves = [f for f in self._saves if not f.done()]
-            self._saves.append(self._saver.submit(self._store, saving, layers, ready))
+            self._saves.append(self._saver.submit(self._store, saving, layers, ready,
+                                                  dropped))
 
     def _store(self, saves: list[SaveSpec], layers: list[tuple[torch.Tensor, torch.Tensor]],
-               ready: Any) -> None:
+               ready: Any, dropped: set[str]) -> None:
         """The saver thread's work: nothing is raised (a failed save is a later miss)."""
         try:
-            self._store_chunks(saves, layers, ready)
+            self._store_chunks(saves, layers, ready, dropped)
         except Exception as exc:
             self._save_failed("kdn: saving the chunks of requests %s failed: %s",
                               sorted({s.req_id for s in saves}), exc)
 
-    def _store_chunks(self, saves: list[SaveSpec],
-                      layers: list[tuple[torch.Tensor, torch.Tensor]], ready: Any) -> None:
+    def _store_chunks(self, saves: list[SaveSpec], layers: list[tuple[torch.Tensor, torch.Tensor]],
+                      ready: Any, dropped: set[str]) -> None:
+        """The chunks of ``saves`` (their blocks gathered in ``layers``, in order), but
+        those of requests ``dropped``."""
         if ready is not None:
             ready.synchronize()
         c, b = self.shape.chunk_tokens, self.shape.block_size
@@ -350,6 +373,9 @@ class WorkerSide:
         items: list[tuple[int, bytes, KVCache]] = []
         mend: set[int] = set()  # chunks stored even where kdn holds them
         for s in saves:
+            if s.req_id in dropped:
+                row += len(s.block_ids)
+                continue
             for j, base in enumerate(s.keys_by_rank[self.rank]):
                 r = row + j * per
                 kv = [(k[r : r + per].reshape(c, heads, d).transpose(0, 1),  # [H, C, D]
