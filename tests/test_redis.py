@@ -6,6 +6,7 @@ Redis stopped (SIGSTOP: one timeout per call, not one per retry), and Redis refu
 
 from __future__ import annotations
 
+import os
 import shutil
 import signal
 import threading
@@ -63,6 +64,36 @@ def test_uncommitted_parts_are_invisible_and_expire(redis_server: RedisServer) -
     tier.put(b"k", b"z" * 3000)
     assert all(0 < r.ttl(k) <= 10 for k in committed)  # grace for readers mid-way
     tier.close()
+
+
+def test_a_commit_redis_never_answered_is_withdrawn_once_it_answers(
+        redis_server: RedisServer) -> None:
+    """Redis stopped with a commit in its socket: the write fails (no answer in time), and
+    Redis runs the commit when it runs again. That version is withdrawn as soon as Redis
+    answers (here by the next read; else the next write of the key, or the health probe), so
+    a write reported failed is never served: the key is a miss. A write stopped at its parts
+    (its commit never sent) leaves the previous value served, and its parts go at once."""
+    assert redis_server.proc is not None
+    tier = RedisTier(redis_server.url, part_bytes=1024, timeout_s=0.3, retries=0)
+    try:
+        tier.put(b"k", b"1" * 100)
+        tier.put(b"big", b"1" * 5000)
+        sigstop(redis_server.proc.pid)
+        try:
+            for key, size in ((b"k", 100), (b"big", 5000)):
+                with pytest.raises(KDNError):
+                    tier.put(key, b"2" * size)
+        finally:
+            os.kill(redis_server.proc.pid, signal.SIGCONT)
+        r = redis_server.client()
+        assert _eventually(lambda: (r.get(tier._manifest_key(b"k")) or b"").endswith(b"2"))
+        assert tier.get(b"k") is None
+        assert tier.get(b"big") == b"1" * 5000
+        assert len(r.keys(b"kdn:{big}:*")) == 5  # its manifest and 4 parts: no others
+        tier.put(b"k", b"3" * 100)  # the key is written as ever after
+        assert tier.get(b"k") == b"3" * 100
+    finally:
+        tier.close()
 
 
 def test_evicted_part_is_a_miss_counted_as_an_eviction_and_cleans_up(

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -154,6 +156,26 @@ def test_ttl_per_entry_and_default(make: Callable[..., TieredStore]) -> None:
     assert not store.lookup([b"t"])[0].present
     ttl = store.tiers[1].ttl_remaining(b"d")
     assert ttl is not None and 20 < ttl <= 30
+
+
+def test_gc_sweeps_expired_entries_out_of_the_disk_tier(tmp_path: Path) -> None:
+    """An expired disk entry is in no listing and has no size, yet holds its bytes until a
+    read of its key: the sweep (``kdn admin gc``) finds it in the meta table and frees them;
+    a live entry, and one put again since it expired, stay."""
+    disk = LmdbTier(tmp_path / "lmdb", capacity_bytes=8 << 20)
+    try:
+        disk.put(b"old", b"x" * 1000, ttl_s=0.05)
+        disk.put(b"again", b"y" * 100, ttl_s=0.05)
+        disk.put(b"live", b"z" * 10)
+        time.sleep(0.1)
+        disk.put(b"again", b"w" * 50)
+        assert sorted(disk.keys()) == [b"again", b"live"]
+        assert disk.stats().bytes == 3 + 1000 + 5 + 50 + 4 + 10
+        assert disk.sweep_expired() == (1, 1003)
+        assert (disk.stats().entries, disk.stats().bytes) == (2, 5 + 50 + 4 + 10)
+        assert disk.sweep_expired() == (0, 0)
+    finally:
+        disk.close()
 
 
 def test_disk_budget_is_approximate_lru(make: Callable[..., TieredStore]) -> None:
@@ -306,6 +328,30 @@ def test_lookup_and_delete(make: Callable[..., TieredStore]) -> None:
         (True, "disk", 18), (True, "ram", 28), (False, "", 0)]
     assert store.delete(b"a") and not store.delete(b"c")
     assert store.get(b"a") is None
+
+
+def test_a_read_in_a_deletes_window_does_not_bring_the_entry_back(
+        make: Callable[..., TieredStore], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A read that begins once the delete has taken the RAM copy, and finds the disk copy
+    before it goes, promotes it into RAM: the delete takes that copy too, and no later read
+    serves the deleted entry."""
+    store = make()
+    ram, disk = store.tiers
+    store.put(b"a", entry(100))
+    gone = disk.delete
+    readers: list[threading.Thread] = []
+
+    def delete_with_a_read_first(key: bytes) -> bool:
+        reader = threading.Thread(target=store.get, args=(key,))
+        reader.start()
+        readers.append(reader)
+        assert eventually(lambda: ram.contains(key))  # promoted (its stripe step waits)
+        return gone(key)
+
+    monkeypatch.setattr(disk, "delete", delete_with_a_read_first)
+    assert store.delete(b"a")
+    readers[0].join(10)
+    assert store.get(b"a") is None and not ram.contains(b"a")
 
 
 # -- through the server ------------------------------------------------------------------------

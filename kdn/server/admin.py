@@ -352,16 +352,12 @@ class AdminServicer(pb_grpc.KDNAdminServicer):
         def run() -> pb.GcResponse:
             resp = pb.GcResponse()
             for tier in self.store.tiers:
-                for k in list(tier.keys(b"")):
-                    try:
-                        left = tier.ttl_remaining(k)
-                        size = tier.size_of(k)
-                        expired = size is None or (left is not None and left <= 0)
-                        if expired and tier.delete(k):
-                            resp.removed += 1
-                            resp.freed_bytes += size or 0
-                    except KDNError:
-                        continue
+                try:
+                    removed, freed = tier.sweep_expired()
+                except KDNError:  # a tier down: swept another time
+                    continue
+                resp.removed += removed
+                resp.freed_bytes += freed
             recount_usage(self.store, self.auth)
             return resp
 

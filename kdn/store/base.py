@@ -210,6 +210,17 @@ class Tier(abc.ABC):
         """Keys starting with ``prefix`` (admin listing; may be slow)."""
         return iter(())
 
+    def sweep_expired(self) -> tuple[int, int]:
+        """Remove the entries whose time to live has passed (``kdn admin gc``): (entries
+        removed, bytes freed). A tier that keeps expired entries out of ``keys`` and
+        ``size_of`` sweeps them its own way."""
+        removed = freed = 0
+        for k in list(self.keys(b"")):
+            left, size = self.ttl_remaining(k), self.size_of(k)
+            if (size is None or (left is not None and left <= 0)) and self.delete(k):
+                removed, freed = removed + 1, freed + (size or 0)
+        return removed, freed
+
     def healthy(self) -> bool:
         """Whether the tier answers right now (a remote tier probes its server)."""
         return True

@@ -74,6 +74,7 @@ from kdn.errors import Corrupt, PartlyUnavailable, TierUnavailable, TooLarge
 from kdn.store.base import Tier, TierStats
 from kdn.store.dirlock import DirLock
 from kdn.store.diskroom import describe, fitted
+from kdn.store.locks import RWLock
 
 log = logging.getLogger(__name__)
 
@@ -120,43 +121,6 @@ _DAMAGED = (lmdb.InvalidError, lmdb.CorruptedError, lmdb.PageNotFoundError,
 """What LMDB raises opening a data file that is not (or no longer) one it wrote."""
 
 
-class _RWLock:
-    """Many readers or one writer; a waiting writer blocks new readers (no starvation)."""
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition(threading.Lock())
-        self._readers = 0
-        self._writer = False
-        self._waiting = 0
-
-    def acquire_shared(self) -> None:
-        with self._cond:
-            while self._writer or self._waiting:
-                self._cond.wait()
-            self._readers += 1
-
-    def release_shared(self) -> None:
-        with self._cond:
-            self._readers -= 1
-            if not self._readers and self._waiting:
-                self._cond.notify_all()
-
-    @contextmanager
-    def exclusive(self) -> Iterator[None]:
-        with self._cond:
-            self._waiting += 1
-            while self._writer or self._readers:
-                self._cond.wait()
-            self._waiting -= 1
-            self._writer = True
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._writer = False
-                self._cond.notify_all()
-
-
 class LmdbTier(Tier):
     name = "disk"
     durable = True
@@ -187,7 +151,7 @@ class LmdbTier(Tier):
         self.max_map_bytes = max_map_bytes or (2 * capacity_bytes + _MIN_MAP)
         if protected is not None:
             self.protected = protected
-        self._rw = _RWLock()
+        self._rw = RWLock()
         self._touch_lock = threading.Lock()
         self._touched: dict[bytes, None] = {}
         self._dir_lock = DirLock(self.path)  # before LMDB opens it: one process per environment
@@ -412,6 +376,22 @@ class LmdbTier(Tier):
                     if self._live(m, now) is not None:
                         out.append(key)
         return iter(out)
+
+    def sweep_expired(self) -> tuple[int, int]:
+        """Expired entries are in no listing (``keys``) and have no size: found in the meta
+        table, and removed in one write where they are still expired then."""
+        now = time.time()
+        with self._read() as txn:
+            expired = [(bytes(k), _unmeta(m)[0]) for k, m in txn.cursor(db=self.meta)
+                       if self._live(m, now) is None]
+        freed = [0]
+
+        def remove(txn: lmdb.Transaction) -> int:
+            gone = [(k, n) for k, n in expired if self._remove_expired(txn, k)]
+            freed[0] = sum(len(k) + n for k, n in gone)
+            return len(gone)
+
+        return (self._write(remove, 0), freed[0]) if expired else (0, 0)
 
     # -- writes ---------------------------------------------------------------------------------
 

@@ -15,6 +15,9 @@ store; nothing is ever added or freed, so a key always maps to the same lock.
                          deletes of one entry charge and refund it exactly once); the store never
                          takes it, so it is always the outer lock
     all_entries_locked   every entry lock, taken in one order (a recount of usage from the tiers)
+
+``RWLock``: many readers or one writer (the disk tier's transactions against its map's
+growth).
 """
 
 from __future__ import annotations
@@ -63,3 +66,40 @@ class KeyLocks:
         finally:
             for lock in reversed(self._entry_locks):
                 lock.release()
+
+
+class RWLock:
+    """Many readers or one writer; a waiting writer blocks new readers (no starvation)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._readers = 0
+        self._writer = False
+        self._waiting = 0
+
+    def acquire_shared(self) -> None:
+        with self._cond:
+            while self._writer or self._waiting:
+                self._cond.wait()
+            self._readers += 1
+
+    def release_shared(self) -> None:
+        with self._cond:
+            self._readers -= 1
+            if not self._readers and self._waiting:
+                self._cond.notify_all()
+
+    @contextmanager
+    def exclusive(self) -> Iterator[None]:
+        with self._cond:
+            self._waiting += 1
+            while self._writer or self._readers:
+                self._cond.wait()
+            self._waiting -= 1
+            self._writer = True
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._writer = False
+                self._cond.notify_all()

@@ -38,9 +38,11 @@ master fail at once until it has N replicas connected again.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import struct
+import threading
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -162,6 +164,12 @@ class RedisTier(Tier):
         self.client: redis.Redis | RedisCluster = self.transport.client
         self._commit = self.client.register_script(_COMMIT)
         self._delete = self.client.register_script(_DELETE)
+        self._unsure: dict[bytes, _Header] = {}
+        """By key, the version of a commit sent that got no answer (Redis stopped, cut off):
+        the write was reported failed, yet Redis may run the commit once it runs again. Each
+        is withdrawn (that version only) as soon as Redis answers: before the next read or
+        write of its key, and at each health probe (``_settle``)."""
+        self._unsure_lock = threading.Lock()
         if capacity_bytes:
             self.transport.apply_budget(capacity_bytes)
         if cluster:
@@ -213,6 +221,7 @@ class RedisTier(Tier):
         return None if ms is None or ms < 0 else ms / 1000.0
 
     def get(self, key: bytes) -> bytes | None:
+        self._settle([key])
         mkey = self._manifest_key(key)
         with self.transport.slot(key):
             for _ in range(_READ_ATTEMPTS):
@@ -226,6 +235,7 @@ class RedisTier(Tier):
         return value  # type: ignore[return-value]
 
     def get_many(self, keys: list[bytes]) -> list[bytes | None]:
+        self._settle(keys)
         manifests = self.transport.batch(lambda p, k: p.get(self._manifest_key(k)), keys)
         out: list[bytes | None] = []
         for k, m in zip(keys, manifests):
@@ -300,6 +310,7 @@ class RedisTier(Tier):
     # -- writes ---------------------------------------------------------------------------------
 
     def put(self, key: bytes, value: bytes, *, ttl_s: float | None = None) -> None:
+        self._settle([key])
         with self.transport.slot(key, write=True):
             self._put(key, value, ttl_s)
 
@@ -327,10 +338,30 @@ class RedisTier(Tier):
         except KDNError as exc:
             if pkeys and _answered(exc):
                 self._withdraw_parts(key, h)
+            elif not _answered(exc):  # the commit may be in Redis's socket, run when it runs
+                with self._unsure_lock:
+                    self._unsure[key] = h
             raise
         if old is not None and _same_version(old, h):
             return  # a commit sent again after a lost reply replaced itself: nothing to drop
         self._expire_parts(key, old, GRACE_S)
+
+    def _settle(self, keys: list[bytes] | None = None) -> None:
+        """Withdraw the unanswered commits (``_unsure``) of ``keys`` (None: all): each entry
+        deleted where it is still that version, its parts unlinked. TierUnavailable where Redis
+        still does not answer (they stay, for the next try)."""
+        if not self._unsure:
+            return
+        with self._unsure_lock:
+            todo = [(k, h) for k, h in self._unsure.items() if keys is None or k in keys]
+        for k, h in todo:
+            with self.transport.slot(k, write=True):
+                self.transport.script(self._delete, [self._manifest_key(k)],
+                                      [HEADER_BYTES, h.ver])
+            self._withdraw_parts(k, h)
+            with self._unsure_lock:
+                if self._unsure.get(k) is h:
+                    del self._unsure[k]
 
     def _withdraw_parts(self, key: bytes, h: _Header) -> None:
         """Unlink the parts of version ``h`` of a write that failed where Redis answered (out
@@ -378,13 +409,21 @@ class RedisTier(Tier):
                 small.append((k, v))
         if not small:
             return
+        self._settle([k for k, _ in small])
         ttl_ms = int(ttl_s * 1000) if ttl_s else 0
         pipe = self.client.pipeline(transaction=False)
+        sent: dict[bytes, _Header] = {}
         for k, v in small:
-            manifest = _Header(os.urandom(8), 1, len(v), self.part_bytes).pack() + v
-            self._commit(keys=[self._manifest_key(k)], args=[manifest, ttl_ms, HEADER_BYTES],
+            h = sent[k] = _Header(os.urandom(8), 1, len(v), self.part_bytes)
+            self._commit(keys=[self._manifest_key(k)], args=[h.pack() + v, ttl_ms, HEADER_BYTES],
                          client=pipe)
-        olds = self.transport.call(pipe.execute)
+        try:
+            olds = self.transport.call(pipe.execute)
+        except KDNError as exc:
+            if not _answered(exc):  # as ``_put``'s commit
+                with self._unsure_lock:
+                    self._unsure.update(sent)
+            raise
         for (k, _), old in zip(small, olds):
             self._expire_parts(k, old, GRACE_S)
 
@@ -432,6 +471,9 @@ class RedisTier(Tier):
             return False
         if ok and self.capacity_bytes:
             self.transport.keep_budget()
+        if ok:
+            with contextlib.suppress(KDNError):  # (not all of them answer yet: next probe)
+                self._settle()
         return ok > 0
 
     def stats(self) -> TierStats:

@@ -472,6 +472,12 @@ class TieredStore:
         with self.stripe(key):
             for tier in self.tiers[1:]:
                 found = self._lower.delete(tier, key) or found
+            # a read that began after the count above missed the head and may have found a
+            # lower tier's copy before it went: its promotion (``_promote``, checked against
+            # the count) is refused from here on, and one made already is deleted here
+            self._locks.written(key)
+            if len(self.tiers) > 1:
+                self._health.guard(head, partial(head.delete, key), "delete")
         return found
 
     def _demote_from(self, tier: Tier) -> EvictHook:
