@@ -5,6 +5,7 @@ version 1 read and resealed), header limits, and the frame record walk and its m
 from __future__ import annotations
 
 import pytest
+import xxhash
 
 from kdn.codec import (
     FRAME_TARGET_BYTES,
@@ -83,10 +84,16 @@ def test_version_1_entries_stay_readable_and_seal_rewrites_them_bound() -> None:
         decode(b"".join([h2, frames2[0], b.frames[1], *frames2[2:]]))
 
 
-def test_an_unknown_container_version_is_named() -> None:
+def test_an_unknown_container_version_is_named_and_a_damaged_one_is_corrupt() -> None:
+    """A header of a version this kdn does not read (a newer kdn's: its checksum holds) is
+    named; one whose version field was damaged (its checksum fails) is Corrupt, as damage
+    anywhere else is (a tier then drops that copy and reads the next one down)."""
     a, _ = _same_shape_pair()
     head = bytearray(a.header)
     head[4] = 9  # version field
+    with pytest.raises(Corrupt, match="checksum mismatch"):
+        decode(bytes(head) + b"".join(a.frames))
+    head[-8:] = xxhash.xxh3_64_intdigest(bytes(head[:-8])).to_bytes(8, "little")
     with pytest.raises(InvalidArgument, match="unsupported container version 9"):
         decode(bytes(head) + b"".join(a.frames))
 

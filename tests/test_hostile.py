@@ -34,7 +34,7 @@ from kdn.codec.format import (
 )
 from kdn.codec.layouts import layout_from_proto, layout_to_proto
 from kdn.codec.modes import pack_sections, unpack_sections
-from kdn.errors import Corrupt, InvalidLayout, KDNError
+from kdn.errors import Corrupt, InvalidArgument, InvalidLayout, KDNError
 from kdn.layout import DType, KVLayout, LayerLayout
 from kdn.options import Durability
 from kdn.server import ServerThread
@@ -233,21 +233,26 @@ def test_kdn_scale_symbols_beyond_float32_are_refused() -> None:
         codec.decode(_resealed(parts, {0: pack_sections(secs)}))
 
 
-def test_float16_scales_saturate_and_non_finite_ones_are_refused() -> None:
-    """int8 and cachegen store float16 scales: bf16/f32 values beyond float16's range made an
-    infinite scale and decoded as NaN (the whole token for cachegen). They saturate, and a
-    resealed body carrying a scale no encoder writes is refused: infinite, or NaN (int8
-    decoded a NaN scale's row as NaN, cachegen its token with a step of 1 / c)."""
+def test_values_past_float16_scales_are_refused_and_non_finite_scales_too() -> None:
+    """int8 and cachegen store float16 scales: bf16/f32 values beyond their reach made an
+    infinite scale and decoded as NaN (the whole token for cachegen), then came back clipped
+    (1e30 as 8.3e6): they are refused at encode, naming the layer, up to the largest value
+    each codes within its error (``max_abs``). A resealed body carrying a scale no encoder
+    writes is refused: infinite, or NaN (int8 decoded a NaN scale's row as NaN, cachegen its
+    token with a step of 1 / c)."""
     layout = KVLayout("big", (LayerLayout(1, 4, 4),), dtype=DType.BFLOAT16, head_dim=4)
     k, v = torch.randn(1, 3, 4).bfloat16(), torch.randn(1, 3, 4).bfloat16()
-    k[0, 1, 2], v[0, 1, 1] = 1e5, 1e7
-    kv = KVCache(layout, [(k, v)])
     for mode, scale_sections in (("cachegen", (0, 1)), ("int8", (0, 2))):
-        parts = codec.encode_parts(kv, mode, layers_per_frame=1)
+        top = codec.get_mode(mode).max_abs
+        k[0, 1, 2] = 2 * top
+        with pytest.raises(InvalidArgument, match=f"layer 0: K holds a value of magnitude .* "
+                                                  f"past the .* lossy mode '{mode}'"):
+            codec.encode_parts(KVCache(layout, [(k, v)]), mode)
+        k[0, 1, 2] = top / 2
+        parts = codec.encode_parts(KVCache(layout, [(k, v)]), mode, layers_per_frame=1)
         out = codec.decode(parts.to_bytes())
-        for x in out.layers[0]:
-            assert torch.isfinite(x.float()).all(), mode
-        assert out.layers[0][0][0, 1, 2] >= 65504  # saturated, not NaN
+        torch.testing.assert_close(out.layers[0][0][0, 1, 2].float(), k[0, 1, 2].float(),
+                                   rtol=0.01, atol=0)
         rec = check_frame(parse_header(parts.header), 0, parts.frames[0])[0]
         secs = _sections(rec.body, 3 if mode == "cachegen" else 4)
         for s in scale_sections:
@@ -313,6 +318,12 @@ def test_zstd_frames_declaring_huge_sizes_are_refused_before_allocating() -> Non
     lying = _lying_zstd(tables, 1 << 45)
     secs[3] = blob[:4] + struct.pack("<I", len(lying)) + blob[8:12] + lying + blob[12 + n :]
     with pytest.raises(Corrupt, match="zstd frame declares"):
+        codec.decode(_resealed(parts, {0: pack_sections(secs)}))
+    # a frame that declares no size: no kdn encoder writes one, and a GPU's decoder, which
+    # sizes its buffers from the declared sizes, refuses it: so does the CPU (one answer)
+    unsized = zstandard.ZstdCompressor(write_content_size=False).compress(tables)
+    secs[3] = blob[:4] + struct.pack("<I", len(unsized)) + blob[8:12] + unsized + blob[12 + n :]
+    with pytest.raises(Corrupt, match="zstd frame declares no size"):
         codec.decode(_resealed(parts, {0: pack_sections(secs)}))
 
 

@@ -186,7 +186,7 @@ def _encode_unchecked(kv: KVCache, mode: str, level: str, layers_per_frame: int,
     def one(layer: int) -> list[Buffer]:
         k, v = kv.layers[layer]
         if not codec.lossless:
-            check_finite(k, v, layer, mode)
+            check_finite(k, v, layer, mode, codec.max_abs)
         body = codec.encode_layer(k, v, layer_spec(layout, layer, tokens), level)
         return record_parts(layout.layers[layer], tokens, body)
 

@@ -44,9 +44,14 @@ def capacity(data: Any, at: int, end: int) -> int:
 
 def decompress(data: bytes | memoryview, limit: int, where: str) -> bytes:
     """The single zstd frame ``data`` decompressed, at most ``limit`` bytes; Corrupt if it
-    declares more (or more than its blocks can regenerate: ``capacity``) or does not decode."""
+    declares more (or more than its blocks can regenerate: ``capacity``), declares no size
+    (kdn writes every frame in one piece, its size declared; a GPU's decoder sizes its
+    buffers from it, and the same bytes must give the same answer on both), or does not
+    decode."""
     try:
         declared = zstandard.frame_content_size(data)
+        if declared < 0:
+            raise Corrupt(f"{where}: zstd frame declares no size")
         mv = memoryview(data).cast("B")
         limit = min(limit, capacity(mv, zstandard.frame_header_size(mv), len(mv)))
         if declared > limit:

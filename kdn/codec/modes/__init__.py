@@ -13,7 +13,9 @@ Non-finite values: a lossless mode keeps every value bit for bit, NaN and inf in
 mode quantizes by scales that a NaN or an inf makes meaningless (a NaN became a symbol of
 INT32_MIN; an inf zeroed its whole token), so ``encode_parts`` refuses such a layer before a
 lossy mode sees it (``check_finite``: InvalidArgument naming the layer). A cache holding one
-is a model's bug; store it ``lossless`` or ``raw`` to keep it as it is.
+is a model's bug; store it ``lossless`` or ``raw`` to keep it as it is. So is one holding a
+magnitude past the mode's ``max_abs`` (``int8`` and ``cachegen`` keep float16 scales: a bf16
+or fp32 value beyond their reach came back clipped).
 """
 
 from __future__ import annotations
@@ -57,6 +59,9 @@ class Mode(abc.ABC):
     name: ClassVar[str]
     levels: ClassVar[tuple[str, ...]] = ("",)
     lossless: ClassVar[bool] = False
+    max_abs: ClassVar[float] = math.inf
+    """The largest magnitude the mode codes within its error (its scales' format bounds
+    them); ``encode_parts`` refuses a layer holding a larger one (``check_finite``)."""
     borrows: ClassVar[bool] = False
     """Whether ``borrow_layer`` views bodies in place (the mode stores tensors verbatim)."""
 
@@ -101,13 +106,20 @@ class Mode(abc.ABC):
         return None
 
 
-def check_finite(k: torch.Tensor, v: torch.Tensor, layer: int, mode: str) -> None:
+def check_finite(k: torch.Tensor, v: torch.Tensor, layer: int, mode: str,
+                 max_abs: float = math.inf) -> None:
     """InvalidArgument when layer ``layer``'s K or V holds a NaN or an inf, which lossy mode
-    ``mode`` can not code (module docstring)."""
+    ``mode`` can not code (module docstring), or a value of magnitude past ``max_abs`` (the
+    mode's ``max_abs``: it would come back clipped, not within the mode's error)."""
     for name, x in (("K", k), ("V", v)):
-        if x.numel() and not bool(torch.isfinite(x).all()):
+        top = float(x.abs().amax()) if x.numel() else 0.0  # (NaN where one is: amax keeps it)
+        if not math.isfinite(top):
             raise InvalidArgument(f"layer {layer}: {name} holds NaN or inf, which lossy mode "
                                   f"{mode!r} can not code (lossless and raw keep them)")
+        if top > max_abs:
+            raise InvalidArgument(f"layer {layer}: {name} holds a value of magnitude {top:.4g}, "
+                                  f"past the {max_abs:.4g} lossy mode {mode!r} codes (its "
+                                  "scales are float16; lossless and raw keep it)")
 
 
 _MODES: dict[str, Mode] = {}

@@ -88,6 +88,7 @@ def _step(raw: memoryview, tokens: int, c: int, device: torch.device, where: str
 
 class CacheGen(Mode):
     name = "cachegen"
+    max_abs = F16_MAX  # a token's float16 scale is its largest magnitude
 
     def params(self, level: str) -> dict[str, str]:
         p = PARAMS

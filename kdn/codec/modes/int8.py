@@ -50,6 +50,7 @@ def _decode(
 
 class Int8(Mode):
     name = "int8"
+    max_abs = 127.0 * float(torch.finfo(torch.float16).max)  # a float16 scale of 1/127 of it
 
     def params(self, level: str) -> dict[str, str]:
         return {"scale": "absmax per (head, token)", "bits": "8"}
