@@ -144,3 +144,32 @@ def test_no_chunk_of_a_step_whose_load_failed_is_stored(kdn_server: ServerThread
     finally:
         s.shutdown()
         w.shutdown()
+
+
+def test_a_chunk_answered_with_another_positions_kv_is_recomputed(
+        kdn_server: ServerThread) -> None:
+    """Chunk 1's key holds chunk 0's entry (the same shape, the KV of other positions: a
+    fault, or a server not to be trusted): its blocks are reported failed (vLLM recomputes
+    them), the other chunks load, and nothing of it reaches the cache as chunk 1's."""
+    s, w = both(kdn_server.address, encodings=["raw"])
+    assert w.worker is not None
+    rp = fp16_replay(s, w)
+    try:
+        p = prompt(41, 5 * CHUNK + 1)
+        assert answered(rp, rp.new_request("seed", p)) == 0
+        rp.step()
+        w.worker.wait_saves(30)
+        chain = [keys.variant_key(k, "raw") for k in keys.prefix_keys(p, s.layout, "vllm",
+                                                                       CHUNK)]
+        with Client(kdn_server.address) as c:
+            first = c.fetch(chain[0], namespace="vllm")
+            assert first is not None
+            c.store(chain[1], first.parts, namespace="vllm")
+        assert answered(rp, rp.new_request("r", p)) == 5 * CHUNK
+        ids = rp.reqs["r"].block_ids
+        per = CHUNK // rp.block_size
+        assert rp.step() == set(ids[per : 2 * per])
+        assert w.worker.stats.blocks_loaded == 4 * per
+    finally:
+        s.shutdown()
+        w.shutdown()
