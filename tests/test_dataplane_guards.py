@@ -54,6 +54,17 @@ def test_attach_refuses_what_is_not_the_clients_sealed_segment(server: ServerThr
             stub.Attach(req)
         assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         assert match in (err.value.details() or "")
+    # a segment still being made, sealed and sized before its nonce was written, read as
+    # zeros: the segment holds its nonce before it has its size, and zeros name none
+    half_made = os.memfd_create("kdn-test", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    os.ftruncate(half_made, 1 << 20)
+    fcntl.fcntl(half_made, fcntl.F_ADD_SEALS,
+                fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+    with pytest.raises(grpc.RpcError, match="a nonce of zeros names no segment"):
+        stub.Attach(pb.AttachRequest(pid=os.getpid(), fd=half_made, size=1 << 20,
+                                     nonce=bytes(16)))
+    assert os.pread(seg.fd, 16, 0) == seg.nonce
+    os.close(half_made)
     unsealed = os.memfd_create("kdn-test", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     os.ftruncate(unsealed, 1 << 20)
     os.pwrite(unsealed, seg.nonce, 0)

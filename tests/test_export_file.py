@@ -62,6 +62,7 @@ def test_export_resumes_only_with_its_own_filters(server: ServerThread, tmp_path
     mixed = tmp_path / "mixed.kdnx"
     code, out, _ = _cli(["admin", "export", str(mixed), *a], capsys)
     assert code == 0 and json.loads(out)["entries"] == sum(NAMESPACES.values())
+    assert mixed.stat().st_mode & 0o777 == 0o600  # every tenant's entries: its writer's alone
     # the case: another filter into that file was "resumed" with every namespace
     before = mixed.read_bytes()
     code, out, err = _cli(["admin", "export", str(mixed), "--namespace", "rag", *a], capsys)

@@ -229,3 +229,22 @@ def test_the_default_budget_is_cut_quietly_and_a_set_one_with_a_warning(
         assert cut[0].levelno == (logging.DEBUG if disk_bytes is None else logging.WARNING)
     finally:
         store.close()
+
+
+def test_the_disk_tier_is_private_to_the_servers_user(tmp_path: Path) -> None:
+    """Every tenant's KV is in the disk tier's files, and a tenant reads only its own through
+    the server: the folder is its user's alone (0700), the files too (0600), also a folder an
+    older kdn left open to others."""
+    older = tmp_path / "older"
+    older.mkdir(mode=0o755)
+    older.chmod(0o755)
+    (older / "data.mdb").touch(mode=0o644)
+    for path in (tmp_path / "new", older):
+        tier = LmdbTier(path, capacity_bytes=1 << 20)
+        try:
+            tier.put(b"k", b"v" * 100)
+            assert path.stat().st_mode & 0o777 == 0o700
+            for name in ("data.mdb", "lock.mdb"):
+                assert (path / name).stat().st_mode & 0o777 == 0o600, name
+        finally:
+            tier.close()

@@ -131,6 +131,8 @@ def test_typed_subjects_match_only_their_kind(tmp_path: Path) -> None:
     by_dns = issue(c, "b2", "else", dns=("engine-b.example",))  # DNS names ignore case
     by_mail = issue(c, "o", "ops-person", email=("ops@kdn.test",))
     lookalike = issue(c, "x", "not-root", dns=("root-console",))  # DNS, not the CN
+    spelled = issue(c, "z", "not-root", dns=("cn:root-console",))  # a name that spells one
+    spelled_cn = issue(c, "w", "uri:spiffe://kdn.test/ns/a/sa/engine")
     near_spiffe = issue(c, "y", "y", uri=("spiffe://kdn.test/ns/a/sa/engine-2",))
     with ServerThread(cfg) as st:
         with Client(st.address, tls=spiffe, retry=None) as a:
@@ -142,7 +144,7 @@ def test_typed_subjects_match_only_their_kind(tmp_path: Path) -> None:
             assert b2.retrieve(key) is not None  # team-b again, by its DNS SAN
         with AdminClient(st.address, tls=by_mail, retry=None) as ops:
             assert sorted(e.tenant for e in ops.ls()) == ["team-a", "team-b"]
-        for who in (lookalike, near_spiffe):
+        for who in (lookalike, near_spiffe, spelled, spelled_cn):
             with Client(st.address, tls=who, retry=None) as x:
                 with pytest.raises(Unauthenticated, match="is no tenant's"):
                     x.lookup([key])

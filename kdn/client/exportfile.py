@@ -263,7 +263,8 @@ class ExportWriter:
         if path.is_dir():
             raise IsADirectoryError(21, "is a directory", str(path))
         if not path.exists() or path.stat().st_size == 0:
-            new = open(path, "wb")
+            # private to its writer, as the disk tier is: it may hold every tenant's entries
+            new = os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb")
             new.write(MAGIC + encode_filter(filt))
             return cls(path, new, 0, b"")
         s = summary(path)

@@ -90,7 +90,9 @@ class SharedSegment:
             raise ValueError(f"a shared segment needs more than {4 * ALIGN} bytes, got {size}")
         self.size = size
         self.fd = os.memfd_create("kdn-client", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-        try:
+        self.nonce = secrets.token_bytes(NONCE_BYTES)
+        try:  # the nonce first: never a segment of its size (and seals) that a zero nonce opens
+            os.pwrite(self.fd, self.nonce, 0)
             os.ftruncate(self.fd, size)
             fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS,
                         fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
@@ -98,8 +100,6 @@ class SharedSegment:
         except BaseException:
             os.close(self.fd)
             raise
-        self.nonce = secrets.token_bytes(NONCE_BYTES)
-        self.map[:NONCE_BYTES] = self.nonce
         self.array: np.ndarray[Any, Any] = np.frombuffer(self.map, dtype=np.uint8)
         self.regions = RegionAllocator(NONCE_BYTES, size)
         self._owned: dict[int, weakref.finalize] = {}  # region start -> what frees it

@@ -128,10 +128,16 @@ def subject_key(kind: str, value: str) -> str:
     return f"{kind}:{value}"
 
 
+def _typed(spec: str) -> bool:
+    """Whether ``spec`` names its kind (``cn:``, ``dns:``, ...)."""
+    kind, sep, _ = spec.partition(":")
+    return bool(sep) and kind.lower() in SUBJECT_KINDS
+
+
 def _subject_spec(spec: str) -> str:
     """A ``subjects`` entry in lookup form (``ValueError`` when malformed)."""
-    kind, sep, value = spec.partition(":")
-    if sep and kind.lower() in SUBJECT_KINDS:
+    kind, _, value = spec.partition(":")
+    if _typed(spec):
         if not value:
             raise ValueError("empty name")
         return subject_key(kind.lower(), value)
@@ -350,15 +356,17 @@ class Authenticator:
 
     def by_certificate(self, identities: Sequence[tuple[str, str]]) -> set[tuple[str, Role]]:
         """The (tenant, role) pairs the ``subjects`` give a certificate with these names."""
-        found = set()
+        found: set[tuple[str, Role]] = set()
         for kind, value in identities:
+            specs = []
             try:
-                typed = subject_key(kind, value)
+                specs.append(subject_key(kind, value))
             except ValueError:  # not an IP address after all: only its bare form can match
-                typed = value
-            for spec in (typed, value):
-                if spec in self.config.subjects:
-                    found.add(self.config.subjects[spec])
+                pass
+            if not _typed(value):  # a bare entry is never typed (``_subject_spec``): a name
+                specs.append(value)  # that spells one ("cn:ops" as a DNS name) is not it
+            found.update(self.config.subjects[spec] for spec in specs
+                         if spec in self.config.subjects)
         return found
 
     def admit(self, principal: Principal) -> None:

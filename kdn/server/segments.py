@@ -147,6 +147,8 @@ class Segments:
         tenant = principal.tenant
         if len(nonce) != NONCE_BYTES:
             raise InvalidArgument(f"nonce must be {NONCE_BYTES} bytes, got {len(nonce)}")
+        if not any(nonce):  # what a segment holds before its client writes its nonce
+            raise InvalidArgument("a nonce of zeros names no segment")
         if not NONCE_BYTES < size <= MAX_SEGMENT_BYTES:
             raise InvalidArgument(f"segment size {size} outside ({NONCE_BYTES}, "
                                   f"{MAX_SEGMENT_BYTES}]")

@@ -104,6 +104,21 @@ def _unmeta(raw: bytes | memoryview) -> tuple[int, float, int, float]:
     if len(raw) != _META.size:
         return _DAMAGED_META
     return _META.unpack(raw)  # type: ignore[no-any-return]
+def _private(path: Path) -> None:
+    """Take group and others' access away from ``path`` (the disk tier's folder and files:
+    every tenant's KV is in them, and a tenant reads only its own through the server)."""
+    mode = path.stat().st_mode
+    if mode & 0o077:
+        try:
+            path.chmod(mode & 0o700)
+        except OSError as exc:  # not this user's to change: said, and left as it is
+            log.warning("%s is open to other users (mode %o) and can not be made private: "
+                        "%s", path, mode & 0o777, exc)
+            return
+        log.warning("%s was open to other users (mode %o); made private to kdn's user", path,
+                    mode & 0o777)
+
+
 def _read_failed(exc: lmdb.Error) -> TierUnavailable:
     """What a read LMDB failed raises: a reader table full (more reads at once than
     ``max_readers``) fails that read only (``PartlyUnavailable``); anything else (an I/O error,
@@ -144,7 +159,8 @@ class LmdbTier(Tier):
         if capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes must be > 0, got {capacity_bytes}")
         self.path = Path(path)
-        self.path.mkdir(parents=True, exist_ok=True)
+        self.path.mkdir(parents=True, exist_ok=True, mode=0o700)
+        _private(self.path)
         self.capacity_bytes, cut = fitted(self.path, capacity_bytes)
         if cut:  # a budget nobody set (the server's default) is cut without a warning
             log.log(logging.DEBUG if quiet_cut else logging.WARNING, "%s", cut)
@@ -159,7 +175,10 @@ class LmdbTier(Tier):
             self.env = lmdb.open(
                 str(self.path), map_size=min(self.max_map_bytes, initial_map_bytes), subdir=True,
                 max_dbs=4, sync=sync, metasync=sync, readahead=False, max_readers=512,
+                mode=0o600,
             )
+            for name in ("data.mdb", "lock.mdb"):  # (made by an older kdn: world-readable)
+                _private(self.path / name)
             short = self._truncated()  # before any database is opened: opening one reads
             if short:  # its root page, which may lie past the end (SIGBUS)
                 raise TierUnavailable(f"can not open LMDB at {self.path}: {short}; move the "
