@@ -11,8 +11,10 @@ from pathlib import Path
 import pytest
 
 from kdn.cache import KVCache
+from kdn.client.admin import AdminClient
 from kdn.client.client import Client
 from kdn.client.fleet import FleetClient, FleetConfig
+from kdn.errors import DeadlineExceeded
 from kdn.server import ServerThread
 from tests.helpers import random_kv, running_nodes, uniform_layout
 from tests.redis_servers import RedisServer
@@ -78,3 +80,65 @@ def test_a_delete_reaches_every_node_and_a_missing_one_is_remembered(
         assert f.delete(KEY) == 1
         assert [r["stale"] for r in f.nodes_report()] == [0, 1]
         assert not f.router.live[1] and read(nodes[0]) is None
+
+
+def test_stale_keys_stay_stale_until_their_evict_is_done(
+        nodes: list[ServerThread], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A node coming back drops its stale copies before it is marked live; while it does,
+    the keys are still listed stale, so a call on another thread meanwhile evicts them too
+    before it reads there (it found none and read the old value)."""
+    v1, v2 = (random_kv(LAY, 4, seed=s) for s in (1, 2))
+    with fleet([n.address for n in nodes]) as f:
+        f.store(KEY, v1)
+        other = 1 - f._last.node
+        assert read(nodes[other]).equal(v1)  # type: ignore[union-attr]
+        f._mark(other, False)
+        f.store(KEY, v2)
+        seen: list[int] = []
+        evict = f.clients[other].evict
+
+        def watched(*args: object, **kwargs: object) -> int:
+            seen.append(f.nodes_report()[other]["stale"])
+            return evict(*args, **kwargs)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(f.clients[other], "evict", watched)
+        assert f.check_health() == [True, True]
+        assert seen == [1] and f.nodes_report()[other]["stale"] == 0
+        assert read(nodes[other]).equal(v2)  # type: ignore[union-attr]
+
+
+def test_a_pinned_copy_keeps_only_itself_stale(nodes: list[ServerThread]) -> None:
+    """An overwrite of two keys, one of them pinned in the other node's RAM: that node
+    refuses the Evict of both; the unpinned key is evicted alone, and it serves the new
+    value."""
+    pinned = hashlib.blake2b(b"pinned", digest_size=32).digest()
+    old, new = ([(pinned, random_kv(LAY, 4, seed=s)), (KEY, random_kv(LAY, 4, seed=s + 1))]
+                for s in (1, 3))
+    with fleet([n.address for n in nodes]) as f:
+        f.store_many(old)
+        other = 1 - f._last.node
+        with AdminClient(nodes[other].address, shm_bytes=0) as c:
+            assert all(x is not None for x in c.retrieve_many([pinned, KEY]))
+            assert c.pin([pinned], "default") == 1
+        f.store_many(new)
+        assert read(nodes[other]).equal(new[1][1])  # type: ignore[union-attr]
+        assert f.nodes_report()[other]["stale"] == 0
+
+
+def test_a_store_whose_deadline_passed_is_not_sent_to_another_node(
+        nodes: list[ServerThread], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its node may apply it yet (hung, then back), after a newer store elsewhere: the error
+    is raised, the node marked down, and the other nodes drop their copies (it may land)."""
+    kv = random_kv(LAY, 4, seed=1)
+    with fleet([n.address for n in nodes]) as f:
+        f.store(KEY, kv)
+        home, sent = f._last.node, []
+
+        def late(*args: object, **kwargs: object) -> None:
+            raise DeadlineExceeded("the node did not answer in time")
+
+        monkeypatch.setattr(f.clients[home], "store", late)
+        monkeypatch.setattr(f.clients[1 - home], "store", lambda *a, **kw: sent.append(a))
+        with pytest.raises(DeadlineExceeded):
+            f.store(KEY, random_kv(LAY, 4, seed=2))
+        assert sent == [] and not f.router.live[home]

@@ -18,11 +18,13 @@ of a conversation follows the earlier, the stores after a lookup land where it w
 node is within the load bound, else the first node in rendezvous order with room for the call
 within the bound. The chosen node is tried first, then the others in rendezvous order: a node
 that fails with UNAVAILABLE, a deadline or a closed connection is marked down at once (its keys
-move to their next node) and the call goes to the next one. Ahead of the live nodes a call
-tries those marked down whose backoff has passed (``retry_down_s``, doubling while a node keeps
-failing, at most ``MAX_RETRY_DOWN_S``), and every node marked down when none is live: a node
-comes back without the health thread too (a hung one costs such a call one ``timeout_s`` per
-backoff). Nothing else is retried here: a bad request fails on its first node.
+move to their next node) and the call goes to the next one, but for a store whose deadline
+passed: its node may apply it yet, after a newer store elsewhere, so its error is raised. Ahead
+of the live nodes a call tries those marked down whose backoff has passed (``retry_down_s``,
+doubling while a node keeps failing, at most ``MAX_RETRY_DOWN_S``), and every node marked down
+when none is live: a node comes back without the health thread too (a hung one costs such a
+call one ``timeout_s`` per backoff). Nothing else is retried here: a bad request fails on its
+first node.
 
 Copies. A node keeps what it served or stored in its RAM, so a key may sit in several nodes'
 RAM. A store goes to its node (and through it to the shared tier); the other nodes are then told
@@ -248,8 +250,11 @@ class FleetClient:
         metrics.record_fleet_node(self.nodes[node], live, float(self.load.values(
             time.monotonic())[node]))
 
-    def call(self, keys: Sequence[bytes], fn: Callable[[Client], T]) -> T:
-        """``fn(client)`` on the node ``keys`` route to; on a node failure, on the next."""
+    def call(self, keys: Sequence[bytes], fn: Callable[[Client], T], *,
+             write: bool = False) -> T:
+        """``fn(client)`` on the node ``keys`` route to; on a node failure, on the next. A
+        ``write`` whose deadline passed is not sent on: its node may apply it yet (hung, then
+        back), after a newer write elsewhere; the error is raised (its outcome unknown)."""
         last: Exception | None = None
         for node in self._candidates(keys):
             down = not self.router.live[node]
@@ -264,6 +269,9 @@ class FleetClient:
                     self.failovers += 1
                 metrics.record_fleet_call(self.nodes[node], "failover")
                 self._mark(node, False)
+                if write and isinstance(exc, DeadlineExceeded):
+                    self._last.node = node
+                    raise
                 continue
             if down:
                 self._mark(node, True)
@@ -288,21 +296,42 @@ class FleetClient:
 
     def _drop_stale(self, node: int) -> bool:
         """Evict ``node``'s stale keys from its RAM tier; False when the node did not answer
-        (those not sent are kept). A refusal (a pinned copy, a node without a RAM tier) is
-        logged and forgotten: nothing sent again would change it."""
-        while self.stale[node]:
+        (what is not evicted is kept). Keys leave ``stale`` once evicted, not before: a call
+        on another thread meanwhile still finds them, and evicts them too before it reads
+        there. A refusal (a pinned copy, a node without a RAM tier) is logged and forgotten:
+        nothing sent again would change it; a batch refused is sent again a key at a time,
+        so that one pinned key does not keep the others' stale copies."""
+        while True:
             with self._lock:
-                (ns, tenant), keys = self.stale[node].popitem()
+                if not self.stale[node]:
+                    return True
+                (ns, tenant), keys = next(iter(self.stale[node].items()))
+                batch = sorted(keys)
             try:
-                self.clients[node].evict(sorted(keys), ns, "ram", tenant=tenant)
+                self._evict(node, batch, ns, tenant)
             except NODE_FAILURES:
-                with self._lock:
-                    self.stale[node].setdefault((ns, tenant), set()).update(keys)
                 return False
-            except KDNError as exc:
-                log.warning("fleet node %s kept %d stale RAM copies: %s", self.nodes[node],
-                            len(keys), exc)
-        return True
+            with self._lock:
+                left = self.stale[node].get((ns, tenant))
+                if left is not None:
+                    left.difference_update(batch)
+                    if not left:
+                        del self.stale[node][(ns, tenant)]
+
+    def _evict(self, node: int, keys: list[bytes], ns: str, tenant: str) -> None:
+        """Evict ``keys`` from ``node``'s RAM, one at a time where the batch is refused."""
+        try:
+            self.clients[node].evict(keys, ns, "ram", tenant=tenant)
+            return
+        except KDNError as exc:
+            if isinstance(exc, NODE_FAILURES) or len(keys) == 1:
+                if not isinstance(exc, NODE_FAILURES):
+                    log.warning("fleet node %s kept a stale RAM copy: %s", self.nodes[node],
+                                exc)
+                    return
+                raise
+        for key in keys:
+            self._evict(node, [key], ns, tenant)
 
     def _candidates(self, keys: Sequence[bytes]) -> list[int]:
         """Nodes to try for a call on ``keys``: those marked down whose ``retry_at`` has passed
@@ -412,10 +441,18 @@ class FleetClient:
                 namespace: str | None) -> T:
         """A store on the node ``keys`` route to; then every other node drops its RAM copy of
         them (it would serve the value this replaced: ``drop_copies``)."""
-        out = self.call(keys, fn)
+        try:
+            out = self.call(keys, fn, write=True)
+        except DeadlineExceeded:  # its outcome unknown: it may land yet, and the others'
+            self._drop_elsewhere(keys, namespace)  # copies would then be stale
+            raise
+        self._drop_elsewhere(keys, namespace)
+        return out
+
+    def _drop_elsewhere(self, keys: Sequence[bytes], namespace: str | None) -> None:
+        """Every node but the one this thread's latest call went to drops ``keys``."""
         home = self._last.node
         self.drop_copies(keys, [i for i in range(len(self.nodes)) if i != home], namespace)
-        return out
 
     def delete(self, key: bytes | Sequence[bytes], *, namespace: str | None = None,
                tenant: str = "", **kw: Any) -> int:

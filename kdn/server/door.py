@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import select
 import selectors
 import socket
 import threading
@@ -114,3 +115,14 @@ def recv_by(conn: socket.socket, n: int, by: float) -> bytes | None:
             return None
         buf += chunk
     return bytes(buf)
+
+
+def hung_up(conn: socket.socket) -> bool:
+    """Whether the client closed its end of ``conn``: it gave up on its call (its deadline
+    passed). A write is not applied then (as gRPC drops a call its client cancelled): a
+    server that was stopped or slow would otherwise apply it late, after the client reported
+    it failed and perhaps wrote a newer value elsewhere."""
+    poller = select.poll()
+    poller.register(conn.fileno(), select.POLLRDHUP)  # (POLLHUP, POLLERR: always reported)
+    return any(ev & (select.POLLRDHUP | select.POLLHUP | select.POLLERR)
+               for _, ev in poller.poll(0))

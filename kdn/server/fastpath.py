@@ -55,11 +55,11 @@ from collections.abc import Callable
 from functools import partial
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
-from kdn.errors import InvalidArgument, KDNError, NotFound, TooLarge, kept
+from kdn.errors import Cancelled, InvalidArgument, KDNError, NotFound, TooLarge, kept
 from kdn.server.arena import Arenas
 from kdn.server.auth import Principal
 from kdn.server.batch import BatchReads, copy_pool
-from kdn.server.door import Door, Peer, recv_by
+from kdn.server.door import Door, Peer, hung_up, recv_by
 from kdn.server.egress import Egress, Pacer
 from kdn.server.requests import check_names
 from kdn.server.segments import Segments
@@ -392,8 +392,8 @@ class FastPath:
         one copies the earlier half and then stores and answers it. False when the connection
         must end."""
         half = (len(group) + 1) // 2
-        later = copy_pool().submit(lambda: [self._put_first(b) for b, _ in group[half:]])
-        calls = [self._put_first(b) for b, _ in group[:half]]
+        later = copy_pool().submit(lambda: [self._put_first(b, conn) for b, _ in group[half:]])
+        calls = [self._put_first(b, conn) for b, _ in group[:half]]
         for (_, started), call in zip(group[:half], calls):
             if not self._answer(conn, FAST_PUT_MANY, call, started):
                 later.result()
@@ -403,7 +403,7 @@ class FastPath:
                 return False
         return True
 
-    def _put_first(self, body: bytes) -> Callable[[], Reply]:
+    def _put_first(self, body: bytes, conn: socket.socket) -> Callable[[], Reply]:
         """A PutMany call's first half (parsed, checked, its entries copied out of the
         segment: ``PutMany.copy``), on this thread alone; its second half (stored,
         answered), or the error the first raised."""
@@ -415,7 +415,12 @@ class FastPath:
             copies = s.puts.copy(principal, req, alone=True)
         except KDNError as exc:
             return partial(_raise, kept(exc))  # not the frames of the copy it came from
-        return lambda: Reply(s.puts.finish(principal, req, copies).SerializeToString())
+
+        def finish() -> Reply:
+            _live(conn)
+            return Reply(s.puts.finish(principal, req, copies).SerializeToString())
+
+        return finish
 
     def opened(self, conn: socket.socket) -> socket.socket:
         """A new connection set up, as it is served: its first call due by its deadline
@@ -438,7 +443,7 @@ class FastPath:
         if op == FAST_ARENA:
             fd, size = self._arena(body)
             return Reply(ARENA_SIZE.pack(size), (fd,))
-        return Reply(self._handle(op, body))
+        return Reply(self._handle(op, body, conn))
 
     def _arena(self, body: bytes) -> tuple[int, int]:
         """(descriptor, size) of the read arena of the tenant that attached segment ``body``."""
@@ -470,13 +475,14 @@ class FastPath:
         s.auth.admit(principal)
         return req, principal
 
-    def _handle(self, op: int, body: bytes) -> bytes:
+    def _handle(self, op: int, body: bytes, conn: socket.socket) -> bytes:
         s = self.servicer
         req, principal = self._request(op, body)
         if isinstance(req, pb.GetManyRequest):
             s.count("fast.GetMany")
             return serialize_passthrough(s.reads.get_many(principal, req))
         s.count("fast.PutMany")
+        _live(conn)
         return s.puts.put(principal, req).SerializeToString()
 
     def close(self) -> None:
@@ -495,3 +501,10 @@ class FastPath:
             except OSError:
                 pass
             c.close()
+
+
+def _live(conn: socket.socket) -> None:
+    """Cancelled where the client closed ``conn`` before its PutMany was stored: it gave up
+    on the call, and a write it was told failed is not applied late (``door.hung_up``)."""
+    if hung_up(conn):
+        raise Cancelled("the client closed the connection before its PutMany was stored")
