@@ -30,6 +30,7 @@ new codec mode is encoded again). With the settings unchanged an ingest commits 
 from __future__ import annotations
 
 import secrets
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -120,8 +121,12 @@ class KnowledgeBase:
         cfg = engine.config
         self.settings = Settings(engine.layout.fingerprint, cfg.namespace, cfg.target_tokens,
                                  cfg.max_tokens, cfg.mode, cfg.level)
-        self._by_key: dict[str, tuple[str, ChunkEntry]] = {}
-        self._writers = 0
+        self._by_key: dict[str, tuple[str, ChunkEntry, int]] = {}
+        """Each chunk key's document, entry and position in it, as of the last commit (a
+        whole new dict each time: a reader holds one state, not a manifest changing under
+        it)."""
+        self._write = threading.RLock()  # one writer thread at a time in this process
+        self._writers = 0  # how deep the writing thread is (its prune's removes)
         self.kept = 0
         """Entries the last ``remove`` left in kdn (a shared state: module docstring)."""
         self._load()
@@ -141,24 +146,26 @@ class KnowledgeBase:
     def _writing(self) -> Iterator[None]:
         """Hold the state folder's lock and work on its state as on disk now (another process
         may have written it since this one loaded it); reentrant (ingest's prune removes). A
-        write that fails leaves this object with the state on disk (the last commit)."""
-        if self._writers:
-            self._writers += 1
-            try:
-                yield
-            finally:
-                self._writers -= 1
-            return
-        with state_lock(self.state):
-            self._writers = 1
-            try:
-                self._load()
-                yield
-            except BaseException:
-                self._load()
-                raise
-            finally:
-                self._writers = 0
+        write that fails leaves this object with the state on disk (the last commit). A
+        write from another thread of this process waits for this one to end."""
+        with self._write:
+            if self._writers:
+                self._writers += 1
+                try:
+                    yield
+                finally:
+                    self._writers -= 1
+                return
+            with state_lock(self.state):
+                self._writers = 1
+                try:
+                    self._load()
+                    yield
+                except BaseException:
+                    self._load()
+                    raise
+                finally:
+                    self._writers = 0
 
     @property
     def embedder(self) -> Embedder:
@@ -169,10 +176,11 @@ class KnowledgeBase:
         return self._embedder
 
     def _reindex(self) -> None:
-        self._by_key = {}
+        by_key: dict[str, tuple[str, ChunkEntry, int]] = {}
         for doc_id, d in sorted(self.manifest.documents.items()):
-            for c in d.chunks:
-                self._by_key.setdefault(c.key, (doc_id, c))
+            for i, c in enumerate(d.chunks):
+                by_key.setdefault(c.key, (doc_id, c, i))
+        self._by_key = by_key
 
     def _own(self) -> None:
         """Give a new state its owner id, committed before anything is stored under it (an
@@ -413,16 +421,12 @@ class KnowledgeBase:
             check_count("k", k, " (None: RagConfig.top_k)")
         self._check_settings()  # another model would recompute and store every chunk anew
         qv = self.embedder.embed([question])[0]
-        out = []
+        out, by_key = [], self._by_key  # one state, whatever a writer does meanwhile
         for key, score in self.index.search(qv, k or self.engine.config.top_k):
-            if key in self._by_key:
-                doc_id, c = self._by_key[key]
-                out.append(Source(key, c.text, doc_id, self._position(doc_id, key), score))
+            if key in by_key:
+                doc_id, c, position = by_key[key]
+                out.append(Source(key, c.text, doc_id, position, score))
         return out
-
-    def _position(self, doc_id: str, key: str) -> int:
-        return next(i for i, c in enumerate(self.manifest.documents[doc_id].chunks)
-                    if c.key == key)
 
     def ask(self, question: str, k: int | None = None,
             max_new_tokens: int | None = None) -> Answer:
