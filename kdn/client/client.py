@@ -254,7 +254,8 @@ class Client:
                     ) -> PendingStore:
         """``store`` without waiting for the server's answer (``Writer.store_async``): its
         answer is read by ``result()``, by this thread's next call of this client, or by
-        ``flush()``."""
+        ``flush()`` (``close`` too). A process that exits without either may lose it: the
+        server drops a store whose client left before it got to it."""
         return self._writes.store_async(key, kv, mode=mode, level=level, namespace=namespace,
                                         options=options, layers_per_frame=layers_per_frame)
 
