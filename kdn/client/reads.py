@@ -270,10 +270,11 @@ class Reader:
             try:  # the call cancelled where no stream takes it (a device not here, ...)
                 head = header_of(call)
                 timings.header = time.perf_counter()
+                parsed = parse_header(head.container_header)  # (remembered: parsed once)
+                want.check(parsed.layout, parsed.entry.tokens)  # before a decoder is made
                 dec, target = decoder_for(head.container_header, device,
                                           received=on_complete is None
                                           and keeps_messages(int(head.total_bytes)))
-                want.check(dec.header.layout, dec.header.entry.tokens)
                 frames = call if on_complete is None else _tee(
                     call, head.container_header, on_complete)
                 return tensor_side().LayerStream(dec, frames, head.tier, call.cancel,
