@@ -22,6 +22,7 @@ import enum
 import functools
 import hashlib
 import json
+import operator
 import sys
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -110,13 +111,12 @@ class LayerLayout:
     def __post_init__(self) -> None:
         for name in ("kv_heads", "k_channels", "v_channels"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise InvalidLayout(f"{name} must be a positive int, got {value!r}")
-        for name, kept, n in (
-            ("k_kept", self.k_kept, self.k_channels),
-            ("v_kept", self.v_kept, self.v_channels),
-        ):
-            if kept is None:
+        for name, n in (("k_kept", self.k_channels), ("v_kept", self.v_channels)):
+            kept = _indices(name, getattr(self, name))
+            object.__setattr__(self, name, kept)  # numpy / torch integers as ints: one
+            if kept is None:  # fingerprint, one key, whatever built the layout
                 continue
             if len(kept) != n:
                 raise InvalidLayout(f"{name} lists {len(kept)} channels but the layer has {n}")
@@ -128,6 +128,23 @@ class LayerLayout:
 
     def v_numel(self, tokens: int) -> int:
         return self.kv_heads * tokens * self.v_channels
+
+
+def _indices(name: str, kept: object) -> tuple[int, ...] | None:
+    """``kept`` as a tuple of Python ints (a sequence of integers of any kind: numpy's,
+    0-d tensors), or None; InvalidLayout naming ``name`` for anything else."""
+    if kept is None:
+        return None
+    try:
+        if isinstance(kept, (str, bytes)):
+            raise TypeError("text")
+        out = tuple(operator.index(c) for c in kept)  # type: ignore[attr-defined]
+        if any(isinstance(c, bool) for c in kept):  # type: ignore[attr-defined]
+            raise TypeError("bool")
+    except TypeError:
+        raise InvalidLayout(f"{name} must be a sequence of channel indices (integers), got "
+                            f"{type(kept).__name__}") from None
+    return out
 
 
 @dataclass(frozen=True)
@@ -159,6 +176,13 @@ class KVLayout:
                     raise InvalidLayout(
                         f"layer {i}: kept channel {kept[-1]} >= head_dim {self.head_dim}"
                     )
+
+    def __getstate__(self) -> dict[str, Any]:
+        """The fields, not the cached hash: a string's hash is salted per process."""
+        return {k: v for k, v in self.__dict__.items() if k != "_hash"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
 
     def __hash__(self) -> int:
         """The fields' hash, computed once per layout object (layouts key many memos: the

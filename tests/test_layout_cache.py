@@ -96,12 +96,41 @@ def test_a_pruned_config_lists_each_layer_and_keeps_whole_rotary_pairs() -> None
 
 @pytest.mark.parametrize("bad", [
     dict(kv_heads=0, k_channels=4, v_channels=4),
+    dict(kv_heads=True, k_channels=4, v_channels=4),
     dict(kv_heads=1, k_channels=4, v_channels=4, k_kept=(0, 1, 2)),
     dict(kv_heads=1, k_channels=2, v_channels=4, k_kept=(1, 0)),
+    dict(kv_heads=1, k_channels=2, v_channels=4, k_kept=(0.0, 1.0)),
+    dict(kv_heads=1, k_channels=2, v_channels=4, k_kept="01"),
+    dict(kv_heads=1, k_channels=2, v_channels=4, k_kept=(False, True)),
 ])
 def test_layer_layout_rejects_nonsense(bad: dict) -> None:
     with pytest.raises(InvalidLayout):
         LayerLayout(**bad)
+
+
+def test_kept_channels_of_any_integer_kind_make_one_layout() -> None:
+    """Indices from numpy (``np.flatnonzero(mask)``), 0-d tensors or a list are the layout
+    of Python ints: one fingerprint (one key), and entries that decode (their fingerprint
+    written one way, checked another, was refused as a damaged header)."""
+    mask = np.array([1, 0, 1, 1, 0, 0, 1, 0], dtype=bool)
+    ints = KVLayout("m", (LayerLayout(2, 4, 4, (0, 2, 3, 6), None),), head_dim=8)
+    for kept in (tuple(np.flatnonzero(mask)), [0, 2, 3, 6],
+                 tuple(torch.tensor([0, 2, 3, 6]))):
+        lay = KVLayout("m", (LayerLayout(2, 4, 4, kept, None),), head_dim=8)  # type: ignore[arg-type]
+        assert lay == ints and lay.fingerprint == ints.fingerprint
+        assert hash(lay) == hash(ints)
+        kv = random_kv(lay, 3)
+        assert codec.decode(codec.encode(kv, "raw")).equal(kv)
+
+
+def test_a_layout_hashes_alike_in_another_process() -> None:
+    """The cached hash does not travel with a layout's state (what a multiprocessing queue
+    sends: a string's hash is salted per process): it is computed again where it lands."""
+    import copy
+
+    lay = pruned_layout()
+    hash(lay)
+    assert "_hash" not in lay.__getstate__() and "_hash" not in copy.deepcopy(lay).__dict__
 
 
 def test_kept_channels_must_fit_head_dim() -> None:
