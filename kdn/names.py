@@ -28,6 +28,11 @@ import re
 from kdn.errors import InvalidArgument
 
 KEY_BYTES = 32
+MAX_CALL_KEYS = 16384
+"""Names one request may list (``keys`` of a Lookup, Delete, GetMany, RetrieveMany, an admin
+keys call: 4M tokens of 256-token blocks): more is refused before the call is served (each
+key costs the server about a kilobyte while it is answered), and the client sends a longer
+list in calls of this many."""
 DEFAULT_NAMESPACE = "default"
 NAMESPACE_PATTERN = r"[A-Za-z0-9][A-Za-z0-9._\-]{0,63}"
 TENANT_PATTERN = r"[a-z0-9][a-z0-9_\-]{0,31}"

@@ -31,7 +31,13 @@ from kdn.client.exportfile import (
     scan,
 )
 from kdn.errors import Corrupt, InvalidArgument, PermissionDenied, Unauthenticated
-from kdn.names import check_key, check_key_prefix, check_namespace, check_tenant
+from kdn.names import (
+    MAX_CALL_KEYS,
+    check_key,
+    check_key_prefix,
+    check_namespace,
+    check_tenant,
+)
 from kdn.status import from_grpc
 from kdn.transport.pieces import Pieces, cut, piece_bytes
 from kdn.v1 import kdn_pb2 as pb
@@ -131,12 +137,15 @@ class AdminClient(Client):
 
     def _keys(self, rpc: Callable[..., pb.CountResponse], keys: list[bytes], namespace: str,
               tier: str, tenant: str, request_id: str | None) -> int:
-        req = pb.KeysRequest(namespace=check_namespace(namespace or self.namespace),
-                             keys=[check_key(k) for k in keys],
-                             tier=tier, tenant=self.scoped(tenant, request_id))
-        md = self.metadata(request_id)
-        return int(self.rpc.call(lambda: rpc(req, timeout=time_left(self.timeout_s),
-                                                   metadata=md)).count)
+        ns, ks = check_namespace(namespace or self.namespace), [check_key(k) for k in keys]
+        scope, md = self.scoped(tenant, request_id), self.metadata(request_id)
+        count = 0
+        for at in range(0, max(len(ks), 1), MAX_CALL_KEYS):  # at most so many a call
+            req = pb.KeysRequest(namespace=ns, keys=ks[at : at + MAX_CALL_KEYS], tier=tier,
+                                 tenant=scope)
+            count += int(self.rpc.call(lambda req=req: rpc(  # type: ignore[misc]
+                req, timeout=time_left(self.timeout_s), metadata=md)).count)
+        return count
 
     def evict(self, keys: list[bytes], namespace: str = "default", tier: str = "", *,
               tenant: str = "", request_id: str | None = None) -> int:

@@ -49,7 +49,7 @@ from kdn.codec import EncodedParts
 from kdn.errors import Corrupt, InvalidArgument
 from kdn.keys import DEFAULT_NAMESPACE, check_key, check_namespace
 from kdn.layout import KVLayout
-from kdn.names import check_tenant, request_namespace
+from kdn.names import MAX_CALL_KEYS, check_tenant, request_namespace
 from kdn.options import StoreOptions
 from kdn.transport.addresses import data_host, same_host
 from kdn.transport.buffers import tune_allocator
@@ -396,14 +396,19 @@ class Client:
         infos = [KeyInfo(True, LOCAL_TIER, s) if s is not None else None for s in sizes]
         ask = [k for k, info in zip(ks, infos) if info is None]
         if ask or not ks:
-            req = pb.LookupRequest(namespace=ns, keys=ask, prefix_chain=prefix_chain)
             md = self.rpc.metadata(request_id)
             budget = self.timeout_s if timeout_s is None else timeout_s
-            resp = self.rpc.call(lambda: self.rpc.stub.Lookup(
-                req, timeout=time_left(budget), metadata=md), timeout_s=budget)
-            if len(resp.infos) != len(ask):  # (too few: a bare StopIteration below)
-                raise Corrupt(f"Lookup answered {len(resp.infos)} keys of the {len(ask)} asked")
-            remote = iter(resp.infos)
+            answered: list[pb.KeyInfo] = []
+            for at in range(0, max(len(ask), 1), MAX_CALL_KEYS):  # (none: one call all the same)
+                part = ask[at : at + MAX_CALL_KEYS]
+                req = pb.LookupRequest(namespace=ns, keys=part, prefix_chain=prefix_chain)
+                resp = self.rpc.call(lambda req=req: self.rpc.stub.Lookup(  # type: ignore[misc]
+                    req, timeout=time_left(budget), metadata=md), timeout_s=budget)
+                if len(resp.infos) != len(part):  # (too few: a bare StopIteration below)
+                    raise Corrupt(f"Lookup answered {len(resp.infos)} keys of the {len(part)} "
+                                  "asked")
+                answered.extend(resp.infos)
+            remote = iter(answered)
             infos = [info or _key_info(next(remote)) for info in infos]
         done = [i for i in infos if i is not None]
         hits = next((j for j, i in enumerate(done) if not i.present), len(done))
@@ -429,8 +434,13 @@ class Client:
             if self.local is not None and not tenant else []
         try:
             md = self.rpc.metadata(request_id)
-            return int(self.rpc.call(lambda: self.rpc.stub.Delete(
-                req, timeout=time_left(self.timeout_s), metadata=md)).deleted)
+            deleted = 0
+            for at in range(0, max(len(keys), 1), MAX_CALL_KEYS):  # at most so many a call
+                part = pb.DeleteRequest(namespace=req.namespace, tenant=req.tenant,
+                                        keys=req.keys[at : at + MAX_CALL_KEYS])
+                deleted += int(self.rpc.call(lambda part=part: self.rpc.stub.Delete(  # type: ignore[misc]
+                    part, timeout=time_left(self.timeout_s), metadata=md)).deleted)
+            return deleted
         finally:
             for write in writes:
                 write.end()

@@ -52,6 +52,7 @@ from kdn.client.samehost import SameHostPath
 from kdn.codec import EncodedParts
 from kdn.errors import Corrupt, KDNError, NotFound, RateLimited, TooLarge
 from kdn.layout import Expected
+from kdn.names import MAX_CALL_KEYS
 from kdn.transport.wire import FAST_GET_MANY, FAST_PUT_MANY
 from kdn.v1 import kdn_pb2 as pb
 
@@ -267,13 +268,15 @@ class DataPlane:
             if not todo:
                 self._report_reads(arena)
         need = FIRST_REGION  # what the next call's region should hold (sizes learnt so far)
-        while todo:
+        rest: list[int] = []  # asked for by a later call (a server takes so many keys a call)
+        while todo or rest:
+            todo, rest = (todo + rest)[:MAX_CALL_KEYS], (todo + rest)[MAX_CALL_KEYS:]
             region = pb.Region(length=self.inline_budget if len(todo) > 1 else self.entry_budget)
             block: tuple[int, int] | None = None
             if seg is not None:
                 block = seg.regions.alloc_largest(need)
                 if block is None:  # every region is still being read: stream the rest
-                    for i in todo:
+                    for i in todo + rest:
                         out[i] = TOO_BIG
                     return out
                 region = pb.Region(offset=block[0], length=block[1])
@@ -301,7 +304,7 @@ class DataPlane:
                 if seg is not None or isinstance(exc, RateLimited):
                     raise
                 self._inline_ok = False  # the server's messages are smaller: stream instead
-                for i in todo:
+                for i in todo + rest:
                     out[i] = TOO_BIG
                 return out
             except BaseException as exc:

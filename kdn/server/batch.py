@@ -158,12 +158,25 @@ class BatchReads:
         # (a checked copy, its stamp), to list
         inline: dict[int, bytes | memoryview | list[bytes | memoryview]] = {}  # entry number
         # -> its bytes (or their pieces), joined in
+        seen: dict[bytes, Hit | FramedHit | None] = {}  # a key asked for again: read once
+        first = self.store.tiers[0].name if self.store.tiers else ""
+        crowded = False  # an entry found no room: the next ones' sizes are asked first
         for skey in skeys:
             ref = out.entries.add()
             started = time.perf_counter()
+            if crowded and skey not in seen:  # one without room: its size, not its bytes
+                found = self.store.presence(skey)
+                if not found.present:
+                    continue
+                elsewhere = seg is not None and (found.size <= request.inline_below_bytes or
+                                                 request.lease and found.tier == first)
+                if not elsewhere and cursor + found.size > end:  # (small, or leased: no room
+                    ref.present, ref.tier, ref.length = True, found.tier, found.size  # needed)
+                    continue
             # inline: a RAM value kept as the frames it came in stays so unless it is sent
             # (joined, it would no longer go out as the messages it came in: Retrieve)
-            hit = self._hit(skey, want, framed=seg is None)
+            hit = seen[skey] if skey in seen else seen.setdefault(
+                skey, self._hit(skey, want, framed=seg is None))
             if hit is None:
                 continue
             value = hit.value
@@ -191,6 +204,7 @@ class BatchReads:
                 continue
             if cursor + len(value) > end or seg is None and \
                     0 < request.inline_max_entry_bytes < len(value) and _streams_well(value):
+                crowded = crowded or cursor + len(value) > end
                 continue  # no room (the client asks again with a region of ref.length), or
                 # too large to inline (the client streams it: RetrieveMany); its read is
                 # counted by the call that brings it

@@ -13,7 +13,7 @@ repeated fields included), with the rules of ``kdn.names``:
 
     namespace   a namespace ("" = the default namespace, or every namespace in a listing)
     tenant      a tenant ("" = every tenant)
-    key, keys   a key
+    key, keys   a key (at most ``kdn.names.MAX_CALL_KEYS`` keys in one request)
     chunk_key   a key ("" = a text piece)
     key_prefix  a key prefix
 
@@ -34,7 +34,13 @@ from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 
 from kdn.errors import InvalidArgument
-from kdn.names import check_key, check_key_prefix, check_namespace, check_tenant
+from kdn.names import (
+    MAX_CALL_KEYS,
+    check_key,
+    check_key_prefix,
+    check_namespace,
+    check_tenant,
+)
 
 
 def _optional(rule: Callable[[Any], object]) -> Callable[[Any], object]:
@@ -112,6 +118,9 @@ def _plan(desc: Any) -> _Plan | None:
 def _check(msg: Message, plan: _Plan, where: str) -> None:
     for name, repeated, rule in plan.names:
         value = getattr(msg, name)
+        if repeated and len(value) > MAX_CALL_KEYS:
+            raise InvalidArgument(f"{where}{name}: {len(value)} names in one call; at most "
+                                  f"{MAX_CALL_KEYS} (kdn's client sends more in several)")
         for i, v in enumerate(value if repeated else (value,)):
             try:
                 rule(v)

@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kdn.names import MAX_CALL_KEYS
 from kdn.v1 import kdn_pb2 as pb
 
 _LEN = 2  # protobuf wire type for length-delimited fields
@@ -434,9 +435,9 @@ NET_GET_MANY, NET_PUT_MANY = 4, 5
 """The network data path's calls (``kdn.server.netpath``): a GetMany whose answer is followed
 by the present entries' bytes, a PutMany followed by its items' bytes (``PutItem.region``:
 where each lies in them, one after another)."""
-NET_MAX_KEYS = 16384
-"""Keys one data path GetMany may ask for (4M tokens of 256-token blocks); a client asking
-for more stripes them over calls (``kdn.client.netpath.NetPath.stripes``)."""
+NET_MAX_KEYS = MAX_CALL_KEYS
+"""Keys one data path GetMany may ask for (as any call: ``kdn.names.MAX_CALL_KEYS``); a client
+asking for more stripes them over calls (``kdn.client.netpath.NetPath.stripes``)."""
 SEND_PIECES = 512
 """Buffers one ``sendmsg`` hands the kernel at most (IOV_MAX is 1024 on Linux)."""
 
