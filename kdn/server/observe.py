@@ -169,9 +169,11 @@ class AuditLog:
 
 
 class RequestInterceptor(grpc.aio.ServerInterceptor):
-    def __init__(self, auth: Authenticator, metrics: Metrics | None = None) -> None:
+    def __init__(self, auth: Authenticator, metrics: Metrics | None = None, *,
+                 idle_s: float = 0.0) -> None:
         self.auth = auth
         self.metrics = metrics
+        self.idle_s = idle_s  # a stream that moves no message this long ends (module docstring)
         self.audit = AuditLog()
         self._parsers: dict[str, tuple[Callable[[bytes], Any], Callable[[bytes], Any]]] = {}
 
@@ -204,13 +206,12 @@ class RequestInterceptor(grpc.aio.ServerInterceptor):
             got = self._parsers[method] = (deserialize, checked(deserialize, rpc))
         return got[1]
 
-    @staticmethod
-    async def _request(request: Any, context: grpc.aio.ServicerContext, streaming: bool
+    async def _request(self, request: Any, context: grpc.aio.ServicerContext, streaming: bool
                        ) -> Any:
         """The request for the handler: a ``BadRequest`` is answered INVALID_ARGUMENT (for a
         stream, when the handler reaches it)."""
         if streaming:
-            return _checked_stream(request, context)
+            return _checked_stream(request, context, self.idle_s)
         if isinstance(request, BadRequest):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
         return request
@@ -299,22 +300,44 @@ class RequestInterceptor(grpc.aio.ServerInterceptor):
 
     def _stream(self, fn: Callable[..., Any], rpc: str, md: Any, open_call: bool,
                 streaming: bool) -> Callable[..., Any]:
-        async def wrapper(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        async def wrapper(request: Any, context: grpc.aio.ServicerContext) -> None:
             async with self._observed(context, rpc, md, open_call):
                 out = fn(await self._request(request, context, streaming), context)
                 if inspect.isawaitable(out):  # a handler that answers with context.write()
                     await out  # (grpc's own health Watch): it has written what it sends
                     return
-                async for item in out:
-                    yield item
+                try:
+                    async for item in out:  # each written once the client took the last one
+                        try:
+                            async with asyncio.timeout(self.idle_s or None):
+                                await context.write(item)
+                        except TimeoutError:
+                            await out.aclose()  # what it holds goes now
+                            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                                f"{rpc}: the client took no message for "
+                                                f"{self.idle_s:g} s (the server's "
+                                                "idle_timeout_s); the call is ended")
+                finally:
+                    await out.aclose()
 
         return wrapper
 
 
-async def _checked_stream(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext
-                          ) -> AsyncIterator[Any]:
-    """A request stream that ends the call with INVALID_ARGUMENT at a ``BadRequest``."""
-    async for request in requests:
+async def _checked_stream(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext,
+                          idle_s: float = 0.0) -> AsyncIterator[Any]:
+    """A request stream that ends the call with INVALID_ARGUMENT at a ``BadRequest``, and
+    with DEADLINE_EXCEEDED where no request comes for ``idle_s`` (0: no bound)."""
+    it = aiter(requests)
+    while True:
+        try:
+            async with asyncio.timeout(idle_s or None):
+                request = await anext(it)
+        except StopAsyncIteration:
+            return
+        except TimeoutError:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                f"no message came for {idle_s:g} s (the server's "
+                                "idle_timeout_s); the call is ended")
         if isinstance(request, BadRequest):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
         yield request

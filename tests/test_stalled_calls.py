@@ -1,0 +1,94 @@
+"""A streamed call that stops moving is ended after the server's ``idle_timeout_s`` (the
+request interceptor, ``kdn.server.observe``): a read whose client stops reading held what it
+read (a disk entry's copy, a RetrieveMany's run: hundreds of MB a stream) for as long as the
+client liked, and gRPC's idle timeout counts only connections with no stream open; a write
+whose client stops sending held what it had sent. Each now ends DEADLINE_EXCEEDED, naming
+why, and stores nothing; a slow but moving call is not ended."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from kdn import codec
+from kdn.client import Client
+from kdn.server import ServerConfig, ServerThread
+from kdn.transport.wire import frame_message
+from kdn.v1 import kdn_pb2 as pb
+from kdn.v1 import kdn_pb2_grpc as pb_grpc
+from tests.helpers import numbered_key, random_kv, uniform_layout
+
+LAY = uniform_layout(layers=8, heads=8, dim=128)
+
+
+@pytest.fixture
+def quick(tmp_path: Path) -> Iterator[ServerThread]:
+    cfg = ServerConfig(port=0, data_dir=tmp_path, disk_bytes=0, idle_timeout_s=1.0)
+    with ServerThread(cfg) as st:
+        yield st
+
+
+def _stub(st: ServerThread) -> tuple[grpc.Channel, pb_grpc.KDNStub]:
+    ch = grpc.insecure_channel(st.address, options=[
+        ("grpc.max_receive_message_length", 256 << 20)])
+    return ch, pb_grpc.KDNStub(ch)
+
+
+def test_a_read_its_client_stopped_reading_is_ended(quick: ServerThread) -> None:
+    with Client(quick.address) as c:
+        c.store(numbered_key(1), random_kv(LAY, 4096), mode="raw")  # 64 MiB, many messages
+    for rpc, request in (("Retrieve", pb.RetrieveRequest(key=numbered_key(1))),
+                         ("RetrieveMany", pb.RetrieveManyRequest(keys=[numbered_key(1)] * 4))):
+        ch, stub = _stub(quick)
+        with ch:
+            call = getattr(stub, rpc)(request)
+            next(call)
+            time.sleep(1.6)  # reads nothing (the connection is let go 1 s after: idle)
+            with pytest.raises(grpc.RpcError) as err:
+                for _ in call:
+                    pass
+            assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED, rpc
+            assert f"{rpc}: the client took no message for 1 s" in (err.value.details() or "")
+
+
+def test_a_write_its_client_stopped_sending_is_ended_and_stores_nothing(
+        quick: ServerThread) -> None:
+    parts = codec.encode_parts(random_kv(LAY, 256), "raw", layers_per_frame=1)
+    head = pb.StoreRequest(header=pb.StoreHeader(
+        key=numbered_key(2), container_header=parts.header,
+        total_bytes=len(parts.header) + sum(len(f) for f in parts.frames)))
+    go_on = threading.Event()
+
+    def requests() -> Iterator[pb.StoreRequest]:
+        yield head
+        yield pb.StoreRequest.FromString(frame_message(0, parts.frames[0]))
+        go_on.wait(10)  # stops sending, the call left open
+
+    ch, stub = _stub(quick)
+    with ch:
+        t0 = time.perf_counter()
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Store(requests(), timeout=30)
+        go_on.set()
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert "no message came for 1 s" in (err.value.details() or "")
+        assert time.perf_counter() - t0 < 5
+    with Client(quick.address) as c:
+        assert not c.lookup([numbered_key(2)]).infos[0].present
+
+
+def test_a_slow_but_moving_read_is_not_ended(quick: ServerThread) -> None:
+    with Client(quick.address) as c:
+        c.store(numbered_key(3), random_kv(LAY, 512), mode="raw")  # 8 MiB, a message a frame
+    ch, stub = _stub(quick)
+    with ch:
+        got = 0
+        for _msg in stub.Retrieve(pb.RetrieveRequest(key=numbered_key(3)), timeout=30):
+            got += 1
+            time.sleep(0.4)  # slower than a fast client, faster than the bound
+        assert got > 3
