@@ -21,11 +21,12 @@ class Peer:
     descriptor, the time by which its first call must have arrived (0: evicted), and the
     segment (or ticket) that admitted it (None while pending)."""
 
-    __slots__ = ("conn", "fd", "deadline", "owner")
+    __slots__ = ("conn", "fd", "deadline", "owner", "tenant")
 
     def __init__(self, conn: socket.socket, deadline: float) -> None:
         self.conn, self.fd, self.deadline = conn, conn.fileno(), deadline
         self.owner: str | None = None
+        self.tenant = ""  # (of the owner, once admitted)
 
     def cut(self) -> None:
         """End the connection's reads and writes (its thread then closes it): a shutdown

@@ -31,10 +31,12 @@ client names its segment in its first call, so only connections that sit silent 
 Once admitted, on the network path each call's request must still arrive whole within
 ``first_call_s`` of its first byte (a body that stops short holds no memory for long; here
 an admitted caller is a tenant's own client, read as it sends); at most ``max_connections``
-are admitted at once and ``max_per_owner`` of one segment's (a client holds one per thread
-that calls), so that no one client holds every slot; an admitted connection may then stay
-silent ``idle_s`` between calls (0 here: a same-host client keeps one to learn of the
-server's exit). Each connection is a thread: these bounds are the server's threads too.
+are admitted at once, ``max_per_owner`` of one segment's (a client holds one per thread
+that calls) and, where callers are authenticated, ``TENANT_SHARE`` percent of them one
+tenant's, so that no one client, nor one tenant's, holds every slot; an admitted
+connection may then stay silent ``idle_s`` between calls (0 here: a same-host client keeps
+one to learn of the server's exit). Each connection is a thread: these bounds are the
+server's threads too.
 
 Calls here do not pass the gRPC interceptor: they are counted (``fast.<rpc>``, and by status
 code and latency in ``kdn_fastpath_requests_total`` / ``kdn_fastpath_request_seconds``,
@@ -141,6 +143,12 @@ def _queued(conn: socket.socket) -> bool:
         return False
 
 
+TENANT_SHARE = 75
+"""Percent of ``max_connections`` one tenant's clients may hold admitted at once, where the
+server authenticates its callers (a tenant asking for more segments or tickets, each within
+``max_per_owner``, does not take every slot)."""
+
+
 class FastPath:
     """The unix socket listener (see the module docstring). The network data path
     (``kdn.server.netpath.NetPath``) serves its own transport by overriding ``listen``,
@@ -166,6 +174,7 @@ class FastPath:
         self._peers: dict[socket.socket, Peer] = {}  # by the socket as accepted
         self._pending: dict[socket.socket, Peer] = {}  # those not admitted, oldest first
         self._per_owner: dict[str, int] = {}
+        self._per_tenant: dict[str, int] = {}  # admitted, by tenant (auth on: module docstring)
         self._admitted = 0
         self._here = threading.local()  # the peer of the connection this thread serves
         self._sock = self.listen()
@@ -251,11 +260,12 @@ class FastPath:
         self._pending.pop(conn, None)
         if peer is not None and peer.owner is not None:
             self._admitted -= 1
-            left = self._per_owner.get(peer.owner, 0) - 1
-            if left > 0:
-                self._per_owner[peer.owner] = left
-            else:
-                self._per_owner.pop(peer.owner, None)
+            for table, name in ((self._per_owner, peer.owner), (self._per_tenant, peer.tenant)):
+                left = table.get(name, 0) - 1
+                if left > 0:
+                    table[name] = left
+                else:
+                    table.pop(name, None)
 
     def _serve(self, conn: socket.socket) -> None:
         accepted = conn
@@ -352,13 +362,20 @@ class FastPath:
             if mine >= self.max_per_owner:
                 raise TooLarge(f"this {self.names} holds {mine} {self.path_name} connections "
                                f"already (at most {self.max_per_owner})")
+            tenant, share = principal.tenant, self.max_connections * TENANT_SHARE // 100
+            ours = self._per_tenant.get(tenant, 0)
+            if tenant and ours >= share:  # (no auth: every caller is tenant "")
+                raise TooLarge(f"tenant {tenant!r} holds {ours} {self.path_name} connections "
+                               f"already (at most {share}, so that other tenants' clients "
+                               "find room)")
             if self._admitted >= self.max_connections:
                 raise TooLarge(f"the {self.path_name} serves {self.max_connections} "
                                "connections at once")
             if self._pending.pop(peer.conn, None) is None:
                 raise TimeoutError("closed while pending")
-            peer.owner = name
+            peer.owner, peer.tenant = name, tenant
             self._per_owner[name] = mine + 1
+            self._per_tenant[tenant] = ours + 1
             self._admitted += 1
         return principal
 
