@@ -34,8 +34,9 @@ def quick(tmp_path: Path) -> Iterator[ServerThread]:
 
 
 def _stub(st: ServerThread) -> tuple[grpc.Channel, pb_grpc.KDNStub]:
-    ch = grpc.insecure_channel(st.address, options=[
-        ("grpc.max_receive_message_length", 256 << 20)])
+    ch = grpc.insecure_channel(st.address, options=[  # windows that do not grow: a client
+        ("grpc.max_receive_message_length", 256 << 20), ("grpc.http2.bdp_probe", 0)])  # that
+    # stops reading stops the sending (a grown one took in a whole test entry unread)
     return ch, pb_grpc.KDNStub(ch)
 
 
@@ -92,3 +93,41 @@ def test_a_slow_but_moving_read_is_not_ended(quick: ServerThread) -> None:
             got += 1
             time.sleep(0.4)  # slower than a fast client, faster than the bound
         assert got > 3
+
+
+def test_writes_being_received_hold_a_bounded_amount_at_once(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each Store that declares its bytes counts them while they arrive: past the server's
+    ``max_receiving`` (its RAM budget, at least MIN_RECEIVING) a new one is refused at its
+    header, RESOURCE_EXHAUSTED, until those in flight are in (each passed its own quota
+    check: six stopped Stores held six times the quota)."""
+    from kdn.server import ingest
+
+    monkeypatch.setattr(ingest, "MIN_RECEIVING", 1 << 20)
+    parts = codec.encode_parts(random_kv(LAY, 128), "raw", layers_per_frame=1)  # 4 MiB
+    total = len(parts.header) + sum(len(f) for f in parts.frames)
+
+    def stream(key: bytes, stop: threading.Event | None) -> Iterator[pb.StoreRequest]:
+        yield pb.StoreRequest(header=pb.StoreHeader(key=key, container_header=parts.header,
+                                                    total_bytes=total))
+        for i, frame in enumerate(parts.frames):
+            yield pb.StoreRequest.FromString(frame_message(i, frame))
+            if stop is not None and i == 0:
+                stop.wait(20)  # the rest only once told
+
+    cfg = ServerConfig(port=0, data_dir=tmp_path, disk_bytes=64 << 20, ram_bytes=6 << 20)
+    with ServerThread(cfg) as st:
+        ch, stub = _stub(st)
+        with ch:
+            stop = threading.Event()
+            slow = stub.Store.future(stream(numbered_key(4), stop), timeout=30)
+            time.sleep(0.5)  # its header is in: its bytes are counted
+            with pytest.raises(grpc.RpcError) as err:
+                stub.Store(stream(numbered_key(5), None), timeout=30)
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "the server is receiving" in (err.value.details() or "")
+            stop.set()
+            slow.result(30)
+            stub.Store(stream(numbered_key(5), None), timeout=30)  # room again
+        with Client(st.address) as c:
+            assert all(i.present for i in c.lookup([numbered_key(4), numbered_key(5)]).infos)

@@ -19,7 +19,9 @@ and what left the store without a caller (expiry, eviction).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
 
 from kdn.codec.catalog import check_codec
 from kdn.codec.format import Header, parse_header
@@ -35,6 +37,10 @@ from kdn.store.base import Tier
 from kdn.store.framed import Framed
 from kdn.store.tiered import TieredStore
 from kdn.v1 import kdn_pb2 as pb
+
+MIN_RECEIVING = 1 << 30
+"""The least ``Ingest.max_receiving`` (a server of a small RAM tier still takes large
+entries, written to its lower tiers)."""
 
 
 class Ingest:
@@ -53,6 +59,38 @@ class Ingest:
         self.count = count
         self._durabilities = {d.value for d in Durability  # those some tier here meets
                               if any(t.satisfies(d) for t in store.tiers)}
+        self.max_receiving = max(config.ram_bytes, MIN_RECEIVING)
+        """Bytes the writes being received may declare at once (``receiving``)."""
+        self._receiving: dict[str, int] = {}  # by tenant
+        self._receiving_lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def receiving(self, principal: Principal, nbytes: int, what: str) -> Iterator[None]:
+        """Count ``nbytes`` a write is receiving while it does: TooLarge (nothing of it
+        read) where the writes being received would declare more than ``max_receiving`` in
+        all, or, where callers are authenticated, one tenant's more than half of it. Each
+        write's bytes are its own tenant's quota's (``check_room``); these bound what many
+        writes that send slowly, or stop, hold at once (a stopped one ends after the
+        server's ``idle_timeout_s``)."""
+        tenant = principal.tenant
+        with self._receiving_lock:
+            everyone, ours = sum(self._receiving.values()), self._receiving.get(tenant, 0)
+            bound = self.max_receiving // 2 if tenant else self.max_receiving
+            if everyone + nbytes > self.max_receiving or ours + nbytes > bound:
+                whose = f", {ours} of them tenant {tenant!r}'s" if tenant else ""
+                raise TooLarge(f"this {what} of {nbytes} bytes: the server is receiving "
+                               f"{everyone} bytes of writes already{whose} (at most {bound}); "
+                               "try again when they are in")
+            self._receiving[tenant] = ours + nbytes
+        try:
+            yield
+        finally:
+            with self._receiving_lock:
+                left = self._receiving.get(tenant, 0) - nbytes
+                if left > 0:
+                    self._receiving[tenant] = left
+                else:
+                    self._receiving.pop(tenant, None)
 
     # -- checks ---------------------------------------------------------------------------------
 

@@ -212,16 +212,18 @@ class Receiver:
         # the copy. Entries under MIN_FRAMED_BYTES are joined once at the end.
         if (declared >= MIN_BYTES or form == _GROUPED) and declared < len(header.raw):
             raise InvalidArgument(f"total_bytes {declared} is smaller than the header")
-        whole = None
-        if declared > framed_limit(kept_free_bytes()):
-            whole = memoryview(self.buffers.take(declared))  # type: ignore[arg-type]
-            whole[: len(header.raw)] = header.raw
-        checks: deque[asyncio.Future[float]] = deque()
-        try:
-            return await self._frames(it, head, skey, header, whole, checking, checks, form)
-        finally:
-            if checks:  # nothing writes into the buffer once this returns or raises
-                await asyncio.gather(*checks, return_exceptions=True)
+        with self.ingest.receiving(principal, declared, "Store"):  # while it arrives
+            whole = None
+            if declared > framed_limit(kept_free_bytes()):
+                whole = memoryview(self.buffers.take(declared))  # type: ignore[arg-type]
+                whole[: len(header.raw)] = header.raw
+            checks: deque[asyncio.Future[float]] = deque()
+            try:
+                return await self._frames(it, head, skey, header, whole, checking, checks,
+                                          form)
+            finally:
+                if checks:  # nothing writes into the buffer once this returns or raises
+                    await asyncio.gather(*checks, return_exceptions=True)
 
     async def _frames(self, it: AsyncIterator[Any], head: pb.StoreHeader, skey: bytes,
                       header: Header, whole: memoryview | None, checking: float,

@@ -13,6 +13,7 @@ carry) raises ``Desynced``: answered, then the connection closes.
 
 from __future__ import annotations
 
+import contextlib
 import socket
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
@@ -69,15 +70,17 @@ def put_streamed(servicer: Putting, conn: socket.socket, body: bytes,
     except KDNError as exc:  # its items' length is unknown
         raise Desynced(exc) from None
     total = _payload(servicer.puts, put)  # Desynced when it can not be skipped
-    try:
-        principal = owner(put.segment_id)
-        servicer.auth.admit(principal)
-        servicer.puts.within_quota(principal, put)  # before the items are read into memory
-    except KDNError:
-        _drain(conn, total)
-        raise
-    servicer.count(f"{label}.PutMany")
-    values, faults = _received(conn, put, servicer.puts.buffers)  # in step again from here
+    with contextlib.ExitStack() as held:
+        try:
+            principal = owner(put.segment_id)
+            servicer.auth.admit(principal)
+            servicer.puts.within_quota(principal, put)  # before the items are read
+            held.enter_context(servicer.puts.ingest.receiving(principal, total, "PutMany"))
+        except KDNError:
+            _drain(conn, total)
+            raise
+        servicer.count(f"{label}.PutMany")
+        values, faults = _received(conn, put, servicer.puts.buffers)  # in step from here
 
     def value_of(j: int, _: pb.PutItem) -> memoryview:
         fault = faults[j]
