@@ -98,12 +98,9 @@ def test_a_slow_but_moving_read_is_not_ended(quick: ServerThread) -> None:
 def test_writes_being_received_hold_a_bounded_amount_at_once(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Each Store that declares its bytes counts them while they arrive: past the server's
-    ``max_receiving`` (its RAM budget, at least MIN_RECEIVING) a new one is refused at its
+    ``max_receiving`` (its RAM budget, or one entry of its largest size) a new one is refused at its
     header, RESOURCE_EXHAUSTED, until those in flight are in (each passed its own quota
     check: six stopped Stores held six times the quota)."""
-    from kdn.server import ingest
-
-    monkeypatch.setattr(ingest, "MIN_RECEIVING", 1 << 20)
     parts = codec.encode_parts(random_kv(LAY, 128), "raw", layers_per_frame=1)  # 4 MiB
     total = len(parts.header) + sum(len(f) for f in parts.frames)
 
@@ -115,7 +112,8 @@ def test_writes_being_received_hold_a_bounded_amount_at_once(
             if stop is not None and i == 0:
                 stop.wait(20)  # the rest only once told
 
-    cfg = ServerConfig(port=0, data_dir=tmp_path, disk_bytes=64 << 20, ram_bytes=6 << 20)
+    cfg = ServerConfig(port=0, data_dir=tmp_path, disk_bytes=64 << 20, ram_bytes=6 << 20,
+                       max_entry_bytes=5 << 20)
     with ServerThread(cfg) as st:
         ch, stub = _stub(st)
         with ch:

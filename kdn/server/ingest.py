@@ -38,10 +38,6 @@ from kdn.store.framed import Framed
 from kdn.store.tiered import TieredStore
 from kdn.v1 import kdn_pb2 as pb
 
-MIN_RECEIVING = 1 << 30
-"""The least ``Ingest.max_receiving`` (a server of a small RAM tier still takes large
-entries, written to its lower tiers)."""
-
 
 class Ingest:
     """Checks and commits entries for ``store`` (see the module docstring); ``count`` counts
@@ -59,8 +55,9 @@ class Ingest:
         self.count = count
         self._durabilities = {d.value for d in Durability  # those some tier here meets
                               if any(t.satisfies(d) for t in store.tiers)}
-        self.max_receiving = max(config.ram_bytes, MIN_RECEIVING)
-        """Bytes the writes being received may declare at once (``receiving``)."""
+        self.max_receiving = max(config.ram_bytes, config.max_entry_bytes)
+        """Bytes the writes being received may declare at once (``receiving``): the RAM
+        budget, or one entry of the largest size taken where that is more."""
         self._receiving: dict[str, int] = {}  # by tenant
         self._receiving_lock = threading.Lock()
 
@@ -68,14 +65,16 @@ class Ingest:
     def receiving(self, principal: Principal, nbytes: int, what: str) -> Iterator[None]:
         """Count ``nbytes`` a write is receiving while it does: TooLarge (nothing of it
         read) where the writes being received would declare more than ``max_receiving`` in
-        all, or, where callers are authenticated, one tenant's more than half of it. Each
+        all, or, where callers are authenticated, one tenant's more than half of it (or one
+        entry of ``max_entry_bytes``, where that is more). Each
         write's bytes are its own tenant's quota's (``check_room``); these bound what many
         writes that send slowly, or stop, hold at once (a stopped one ends after the
         server's ``idle_timeout_s``)."""
         tenant = principal.tenant
         with self._receiving_lock:
             everyone, ours = sum(self._receiving.values()), self._receiving.get(tenant, 0)
-            bound = self.max_receiving // 2 if tenant else self.max_receiving
+            bound = max(self.max_receiving // 2, self.config.max_entry_bytes) if tenant \
+                else self.max_receiving
             if everyone + nbytes > self.max_receiving or ours + nbytes > bound:
                 whose = f", {ours} of them tenant {tenant!r}'s" if tenant else ""
                 raise TooLarge(f"this {what} of {nbytes} bytes: the server is receiving "
