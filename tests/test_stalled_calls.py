@@ -129,3 +129,38 @@ def test_writes_being_received_hold_a_bounded_amount_at_once(
             stub.Store(stream(numbered_key(5), None), timeout=30)  # room again
         with Client(st.address) as c:
             assert all(i.present for i in c.lookup([numbered_key(4), numbered_key(5)]).infos)
+
+
+def test_an_import_counts_the_pieces_it_holds(tmp_path: Path) -> None:
+    """An Import joins a value's pieces before it checks it: those pieces count as bytes
+    being received (a slow Import held up to max_entry_bytes a stream, counted nowhere), so
+    a Store past the budget meanwhile is refused, and they are let go with the value."""
+    parts = codec.encode_parts(random_kv(LAY, 128), "raw", layers_per_frame=1)  # 4 MiB
+    value = parts.to_bytes()
+    go_on = threading.Event()
+
+    def pieces() -> Iterator[pb.ImportItem]:
+        half = len(value) // 2
+        yield pb.ImportItem(key=numbered_key(6), value=value[:half], more=True)
+        go_on.wait(20)
+        yield pb.ImportItem(key=numbered_key(6), value=value[half:], offset=half)
+
+    def store(key: bytes) -> Iterator[pb.StoreRequest]:
+        yield pb.StoreRequest(header=pb.StoreHeader(key=key, container_header=parts.header,
+                                                    total_bytes=len(value)))
+        for i, frame in enumerate(parts.frames):
+            yield pb.StoreRequest.FromString(frame_message(i, frame))
+
+    cfg = ServerConfig(port=0, data_dir=tmp_path, disk_bytes=64 << 20, ram_bytes=5 << 20,
+                       max_entry_bytes=5 << 20)
+    with ServerThread(cfg) as st:
+        ch, stub = _stub(st)
+        with ch:
+            imported = pb_grpc.KDNAdminStub(ch).Import.future(pieces(), timeout=30)
+            time.sleep(0.5)  # its first half is in: 2 MiB held
+            with pytest.raises(grpc.RpcError) as err:
+                stub.Store(store(numbered_key(7)), timeout=30)  # 4 MiB more: past 5 MiB
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            go_on.set()
+            assert imported.result(30).imported == 1
+            stub.Store(store(numbered_key(7)), timeout=30)  # the pieces were let go

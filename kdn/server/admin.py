@@ -327,19 +327,32 @@ class AdminServicer(pb_grpc.KDNAdminServicer):
         principal = current_principal.get()
         assert self.ingest is not None  # the server builds the admin servicer with it
         pieces = Pieces(limit=self.ingest.config.max_entry_bytes)
-        async for item in request_iterator:
-            try:
-                value = pieces.add(item)
-                if value is None:  # more pieces of it follow
-                    continue
-                done = await asyncio.to_thread(self._import_one, principal, item, value)
-            except (Corrupt, InvalidArgument, LayoutMismatch, PermissionDenied, TooLarge):
-                resp.rejected += 1  # this entry's fault (damaged, not allowed here, another
-                continue  # tenant's, past the quota): the rest go on
-            if done:
-                resp.imported += 1
-            else:
-                resp.skipped += 1
+        held = 0  # the bytes of the value being joined, counted as received (``reserve``)
+        try:
+            async for item in request_iterator:
+                try:
+                    if item.offset == 0 and held:  # a value left unfinished: dropped
+                        self.ingest.release(principal, held)
+                        held = 0
+                    self.ingest.reserve(principal, len(item.value), "Import")
+                    held += len(item.value)
+                    value = pieces.add(item)
+                    if value is None:  # more pieces of it follow
+                        continue
+                    self.ingest.release(principal, held)
+                    held = 0
+                    done = await asyncio.to_thread(self._import_one, principal, item, value)
+                except (Corrupt, InvalidArgument, LayoutMismatch, PermissionDenied, TooLarge):
+                    self.ingest.release(principal, held)  # (its pieces are dropped)
+                    held = 0
+                    resp.rejected += 1  # this entry's fault (damaged, not allowed here,
+                    continue  # another tenant's, past the quota): the rest go on
+                if done:
+                    resp.imported += 1
+                else:
+                    resp.skipped += 1
+        finally:
+            self.ingest.release(principal, held)
         pieces.end()  # the stream may end inside a value
         resp.rejected += pieces.abandoned  # values whose last piece never came
         return resp

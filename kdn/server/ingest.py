@@ -63,13 +63,21 @@ class Ingest:
 
     @contextlib.contextmanager
     def receiving(self, principal: Principal, nbytes: int, what: str) -> Iterator[None]:
-        """Count ``nbytes`` a write is receiving while it does: TooLarge (nothing of it
-        read) where the writes being received would declare more than ``max_receiving`` in
-        all, or, where callers are authenticated, one tenant's more than half of it (or one
-        entry of ``max_entry_bytes``, where that is more). Each
-        write's bytes are its own tenant's quota's (``check_room``); these bound what many
-        writes that send slowly, or stop, hold at once (a stopped one ends after the
-        server's ``idle_timeout_s``)."""
+        """Count ``nbytes`` a write is receiving while it does (``reserve``, then
+        ``release``)."""
+        self.reserve(principal, nbytes, what)
+        try:
+            yield
+        finally:
+            self.release(principal, nbytes)
+
+    def reserve(self, principal: Principal, nbytes: int, what: str) -> None:
+        """Count ``nbytes`` more that a write is receiving: TooLarge (nothing counted) where
+        the writes being received would hold more than ``max_receiving`` in all, or, where
+        callers are authenticated, one tenant's more than half of it (or one entry of
+        ``max_entry_bytes``, where that is more). Each write's bytes are its own tenant's
+        quota's (``check_room``); these bound what many writes that send slowly, or stop,
+        hold at once (a stopped one ends after the server's ``idle_timeout_s``)."""
         tenant = principal.tenant
         with self._receiving_lock:
             everyone, ours = sum(self._receiving.values()), self._receiving.get(tenant, 0)
@@ -81,15 +89,15 @@ class Ingest:
                                f"{everyone} bytes of writes already{whose} (at most {bound}); "
                                "try again when they are in")
             self._receiving[tenant] = ours + nbytes
-        try:
-            yield
-        finally:
-            with self._receiving_lock:
-                left = self._receiving.get(tenant, 0) - nbytes
-                if left > 0:
-                    self._receiving[tenant] = left
-                else:
-                    self._receiving.pop(tenant, None)
+
+    def release(self, principal: Principal, nbytes: int) -> None:
+        """``nbytes`` a write was receiving are in (or dropped)."""
+        with self._receiving_lock:
+            left = self._receiving.get(principal.tenant, 0) - nbytes
+            if left > 0:
+                self._receiving[principal.tenant] = left
+            else:
+                self._receiving.pop(principal.tenant, None)
 
     # -- checks ---------------------------------------------------------------------------------
 
