@@ -322,16 +322,14 @@ class FleetClient:
         """Evict ``keys`` from ``node``'s RAM, one at a time where the batch is refused."""
         try:
             self.clients[node].evict(keys, ns, "ram", tenant=tenant)
-            return
-        except KDNError as exc:
-            if isinstance(exc, NODE_FAILURES) or len(keys) == 1:
-                if not isinstance(exc, NODE_FAILURES):
-                    log.warning("fleet node %s kept a stale RAM copy: %s", self.nodes[node],
-                                exc)
-                    return
-                raise
-        for key in keys:
-            self._evict(node, [key], ns, tenant)
+        except NODE_FAILURES:
+            raise
+        except KDNError as exc:  # refused (a pinned copy, a node without a RAM tier)
+            if len(keys) == 1:
+                log.warning("fleet node %s kept a stale RAM copy: %s", self.nodes[node], exc)
+                return
+            for key in keys:
+                self._evict(node, [key], ns, tenant)
 
     def _candidates(self, keys: Sequence[bytes]) -> list[int]:
         """Nodes to try for a call on ``keys``: those marked down whose ``retry_at`` has passed
