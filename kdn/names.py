@@ -24,8 +24,12 @@ This module imports no torch: the CLI and the server's request checks use it alo
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator, Sequence
+from typing import TypeVar
 
 from kdn.errors import InvalidArgument
+
+T = TypeVar("T")
 
 KEY_BYTES = 32
 MAX_CALL_KEYS = 16384
@@ -33,6 +37,13 @@ MAX_CALL_KEYS = 16384
 keys call: 4M tokens of 256-token blocks): more is refused before the call is served (each
 key costs the server about a kilobyte while it is answered), and the client sends a longer
 list in calls of this many."""
+
+
+def call_batches(keys: Sequence[T]) -> Iterator[Sequence[T]]:
+    """``keys`` in runs of at most ``MAX_CALL_KEYS``, a call each (one, empty, for none: a
+    call of no keys still checks its namespace)."""
+    for at in range(0, max(len(keys), 1), MAX_CALL_KEYS):
+        yield keys[at : at + MAX_CALL_KEYS]
 DEFAULT_NAMESPACE = "default"
 NAMESPACE_PATTERN = r"[A-Za-z0-9][A-Za-z0-9._\-]{0,63}"
 TENANT_PATTERN = r"[a-z0-9][a-z0-9_\-]{0,31}"

@@ -32,7 +32,7 @@ from kdn.client.exportfile import (
 )
 from kdn.errors import Corrupt, InvalidArgument, PermissionDenied, Unauthenticated
 from kdn.names import (
-    MAX_CALL_KEYS,
+    call_batches,
     check_key,
     check_key_prefix,
     check_namespace,
@@ -140,9 +140,8 @@ class AdminClient(Client):
         ns, ks = check_namespace(namespace or self.namespace), [check_key(k) for k in keys]
         scope, md = self.scoped(tenant, request_id), self.metadata(request_id)
         count = 0
-        for at in range(0, max(len(ks), 1), MAX_CALL_KEYS):  # at most so many a call
-            req = pb.KeysRequest(namespace=ns, keys=ks[at : at + MAX_CALL_KEYS], tier=tier,
-                                 tenant=scope)
+        for batch in call_batches(ks):
+            req = pb.KeysRequest(namespace=ns, keys=batch, tier=tier, tenant=scope)
             count += int(self.rpc.call(lambda req=req: rpc(  # type: ignore[misc]
                 req, timeout=time_left(self.timeout_s), metadata=md)).count)
         return count

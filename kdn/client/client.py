@@ -49,7 +49,7 @@ from kdn.codec import EncodedParts
 from kdn.errors import Corrupt, InvalidArgument
 from kdn.keys import DEFAULT_NAMESPACE, check_key, check_namespace
 from kdn.layout import KVLayout
-from kdn.names import MAX_CALL_KEYS, check_tenant, request_namespace
+from kdn.names import call_batches, check_tenant, request_namespace
 from kdn.options import StoreOptions
 from kdn.transport.addresses import data_host, same_host
 from kdn.transport.buffers import tune_allocator
@@ -399,8 +399,7 @@ class Client:
             md = self.rpc.metadata(request_id)
             budget = self.timeout_s if timeout_s is None else timeout_s
             answered: list[pb.KeyInfo] = []
-            for at in range(0, max(len(ask), 1), MAX_CALL_KEYS):  # (none: one call all the same)
-                part = ask[at : at + MAX_CALL_KEYS]
+            for part in call_batches(ask):
                 req = pb.LookupRequest(namespace=ns, keys=part, prefix_chain=prefix_chain)
                 resp = self.rpc.call(lambda req=req: self.rpc.stub.Lookup(  # type: ignore[misc]
                     req, timeout=time_left(budget), metadata=md), timeout_s=budget)
@@ -435,9 +434,8 @@ class Client:
         try:
             md = self.rpc.metadata(request_id)
             deleted = 0
-            for at in range(0, max(len(keys), 1), MAX_CALL_KEYS):  # at most so many a call
-                part = pb.DeleteRequest(namespace=req.namespace, tenant=req.tenant,
-                                        keys=req.keys[at : at + MAX_CALL_KEYS])
+            for batch in call_batches(req.keys):
+                part = pb.DeleteRequest(namespace=req.namespace, tenant=req.tenant, keys=batch)
                 deleted += int(self.rpc.call(lambda part=part: self.rpc.stub.Delete(  # type: ignore[misc]
                     part, timeout=time_left(self.timeout_s), metadata=md)).deleted)
             return deleted

@@ -49,7 +49,7 @@ from kdn.codec.format import parse_container, parse_header
 from kdn.errors import KDNError, NotFound, Status
 from kdn.keys import check_key, check_namespace
 from kdn.layout import Expected, KVLayout
-from kdn.names import MAX_CALL_KEYS
+from kdn.names import MAX_CALL_KEYS, call_batches
 from kdn.transport.wire import GROUP_INLINE_BYTES
 from kdn.v1 import kdn_pb2 as pb
 
@@ -346,10 +346,9 @@ class Reader:
         ks = [check_key(k) for k in keys]
         want = Expected.of(layout, tokens)
         if len(ks) > MAX_CALL_KEYS:  # a server takes at most so many a call
-            return [g for at in range(0, len(ks), MAX_CALL_KEYS)
-                    for g in self.fetch_many(ks[at : at + MAX_CALL_KEYS], namespace=ns,
-                                             layout=layout, tokens=tokens,
-                                             request_id=request_id)]
+            return [g for batch in call_batches(ks)
+                    for g in self.fetch_many(batch, namespace=ns, layout=layout,
+                                             tokens=tokens, request_id=request_id)]
         if len(ks) > 1 and not self.dataplane.direct and self._retrieve_many_ok:
             local = [self.in_process(ns, k, want) for k in ks]
             ask = [j for j, g in enumerate(local) if g is None]

@@ -15,6 +15,8 @@ import threading
 import time
 from collections.abc import Callable
 
+from kdn.errors import Cancelled
+
 
 class Peer:
     """A connection's state: its socket as accepted (the key of the path's tables) and its
@@ -127,3 +129,10 @@ def hung_up(conn: socket.socket) -> bool:
     poller.register(conn.fileno(), select.POLLRDHUP)  # (POLLHUP, POLLERR: always reported)
     return any(ev & (select.POLLRDHUP | select.POLLHUP | select.POLLERR)
                for _, ev in poller.poll(0))
+
+
+def still_there(conn: socket.socket, what: str) -> None:
+    """Cancelled where the client closed ``conn`` before its ``what`` was stored
+    (``hung_up``)."""
+    if hung_up(conn):
+        raise Cancelled(f"the client closed the connection before its {what} was stored")

@@ -57,11 +57,11 @@ from collections.abc import Callable
 from functools import partial
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
-from kdn.errors import Cancelled, InvalidArgument, KDNError, NotFound, TooLarge, kept
+from kdn.errors import InvalidArgument, KDNError, NotFound, TooLarge, kept
 from kdn.server.arena import Arenas
 from kdn.server.auth import Principal
 from kdn.server.batch import BatchReads, copy_pool
-from kdn.server.door import Door, Peer, hung_up, recv_by
+from kdn.server.door import Door, Peer, recv_by, still_there
 from kdn.server.egress import Egress, Pacer
 from kdn.server.requests import check_names
 from kdn.server.segments import Segments
@@ -434,7 +434,7 @@ class FastPath:
             return partial(_raise, kept(exc))  # not the frames of the copy it came from
 
         def finish() -> Reply:
-            _live(conn)
+            still_there(conn, "PutMany")  # (its client gone: not applied late)
             return Reply(s.puts.finish(principal, req, copies).SerializeToString())
 
         return finish
@@ -499,7 +499,7 @@ class FastPath:
             s.count("fast.GetMany")
             return serialize_passthrough(s.reads.get_many(principal, req))
         s.count("fast.PutMany")
-        _live(conn)
+        still_there(conn, "PutMany")  # (its client gone: not applied late)
         return s.puts.put(principal, req).SerializeToString()
 
     def close(self) -> None:
@@ -518,10 +518,3 @@ class FastPath:
             except OSError:
                 pass
             c.close()
-
-
-def _live(conn: socket.socket) -> None:
-    """Cancelled where the client closed ``conn`` before its PutMany was stored: it gave up
-    on the call, and a write it was told failed is not applied late (``door.hung_up``)."""
-    if hung_up(conn):
-        raise Cancelled("the client closed the connection before its PutMany was stored")

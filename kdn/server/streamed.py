@@ -19,9 +19,9 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kdn.codec.format import Header, check_frame
-from kdn.errors import Cancelled, InvalidArgument, KDNError, TooLarge, again
+from kdn.errors import InvalidArgument, KDNError, TooLarge, again
 from kdn.server.auth import Authenticator, Principal
-from kdn.server.door import hung_up
+from kdn.server.door import still_there
 from kdn.server.putmany import PutMany
 from kdn.server.requests import check_names
 from kdn.transport.netio import recv_container
@@ -88,8 +88,7 @@ def put_streamed(servicer: Putting, conn: socket.socket, body: bytes,
             raise again(fault)  # ``faults`` is in its traceback's frames
         return values[j]
 
-    if hung_up(conn):  # its client gave up: not applied late (``hung_up``)
-        raise Cancelled("the client closed the connection before its PutMany was stored")
+    still_there(conn, "PutMany")  # its client gone: not applied late
     return servicer.puts.put_items(principal, put, value_of)
 
 
