@@ -15,7 +15,7 @@ import pytest
 
 from kdn.client import Client
 from kdn.errors import InvalidArgument, Unavailable
-from kdn.rag import KnowledgeBase, RagConfig, chunk_document, load_corpus
+from kdn.rag import Document, KnowledgeBase, RagConfig, chunk_document, load_corpus
 from kdn.rag.index import EMBEDDINGS, MANIFEST, Manifest, embeddings_name
 from tests.test_rag import CharTokenizer, Counted, corpus, make_kb, stored, tiny_llama
 
@@ -263,3 +263,40 @@ def test_a_source_with_no_documents_removes_nothing(
     assert rep.removed == 0 and doc_keys(kb) == before
     assert kb.remove(sorted(before)) > 0  # removing them is still one command away
     assert not kb.manifest.documents
+
+
+@pytest.mark.parametrize("writer", ["another object", "this object"])
+def test_an_ask_answers_from_the_last_commit_and_stores_only_what_it_lists(
+        model: Any, client: Client, tmp_path: Path, writer: str) -> None:
+    """A KnowledgeBase loaded before another one (another process's `kdn rag rm`) removed a
+    document kept answering from it; and an ask that computed a chunk stored it even when the
+    document was removed meanwhile, an entry no manifest named, which nothing deleted."""
+    state = tmp_path / "state"
+    asker = make_kb(model, client, state)
+    asker.ingest([Document("a", "Cats purr when content."),
+                  Document("b", "Rivers flow to the sea.")])
+    gone = [c.key for c in asker.manifest.documents["a"].chunks]
+    make_kb(model, client, state).remove(["a"])
+    ans = asker.ask("Do cats purr?", k=1)
+    assert [s.doc_id for s in ans.sources] == ["b"]
+    assert not any(stored(client, asker, gone).values())
+
+    asker.ingest([Document("a", "Cats purr when content.")])  # back, and its KV lost
+    client.delete([bytes.fromhex(k) for k in gone], namespace="rag")
+    remover = make_kb(model, client, state) if writer == "another object" else asker
+    removed: list[int] = []
+
+    def remove_once(*_: Any) -> None:  # while the ask computes the missing chunk
+        if not removed:
+            removed.append(remover.remove(["a"]))
+
+    hook = model.register_forward_pre_hook(remove_once)
+    try:
+        ans = asker.ask("Do cats purr?", k=1)
+    finally:
+        hook.remove()
+    assert removed and [s.doc_id for s in ans.sources] == ["a"]
+    assert ans.timings.missing_chunks == 1
+    assert not any(stored(client, asker, gone).values())
+    consistent(client, asker)
+

@@ -87,3 +87,20 @@ def test_a_second_writer_thread_waits_for_the_first(
     keys = [bytes.fromhex(c.key) for d in base.manifest.documents.values() for c in d.chunks]
     ns = base.engine.config.namespace
     assert all(i.present for i in client.lookup(keys, namespace=ns).infos)
+
+
+def test_an_ask_during_an_ingest_ranks_only_committed_chunks(
+        kb: tuple[KnowledgeBase, SlowEmbedder]) -> None:
+    """The ingest's new chunks, added to the live index before their commit, were ranked into
+    the top k and then dropped as not committed: an ask of k=1 found no source at all ("the
+    knowledge base is empty")."""
+    base, embedder = kb
+    base.ingest([Document("cats", "Cats purr when content. Cats sleep most of the day.")])
+    t = _meanwhile(base, embedder, [Document("dogs", "Dogs bark at the mailman."),
+                                    Document("slow", "The zebra has stripes.")])
+    try:
+        during = base.ask("Do dogs bark at the mailman?", k=1)
+    finally:
+        t.join(60)
+    assert [s.doc_id for s in during.sources] == ["cats"]
+    assert [s.doc_id for s in base.retrieve("Do dogs bark at the mailman?", k=1)] == ["dogs"]

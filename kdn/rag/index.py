@@ -18,7 +18,8 @@ other states' too. ``retired`` lists keys the state stored and no longer referen
 from kdn after the commit that dropped them, and by the next write when a crash came between.
 
 ``VectorIndex`` holds one unit-norm row per distinct chunk key; ``search`` ranks by dot product
-(cosine similarity of normalized embeddings).
+(cosine similarity of normalized embeddings). It has one writer; readers search an
+``IndexView`` of it (the rows of one commit, taken in one step).
 """
 
 from __future__ import annotations
@@ -310,13 +311,11 @@ class VectorIndex:
     def search(self, query: torch.Tensor, k: int) -> list[tuple[str, float]]:
         """The ``k`` keys most similar to ``query`` ([dim], on any device), best first, with
         their scores."""
-        import torch
+        return self.view().search(query, k)
 
-        if not len(self._keys) or k <= 0:
-            return []
-        scores = self._vectors @ query.detach().to("cpu", torch.float32).reshape(-1)  # [chunks]
-        top = torch.topk(scores, min(k, len(self._keys)))
-        return [(self._keys[int(i)], float(s)) for s, i in zip(top.values, top.indices)]
+    def view(self) -> IndexView:
+        """The rows as they are now, for readers while this index changes (``IndexView``)."""
+        return IndexView(tuple(self._keys), self._vectors)
 
     def save(self, state: Path, generation: int = 0) -> None:
         """Write the index as the embeddings of ``generation`` (``embeddings_name``)."""
@@ -347,6 +346,31 @@ class VectorIndex:
             raise Corrupt(f"{path}: {len(keys)} keys but {vectors.shape[0]} vectors")
         index.add(keys, vectors)
         return index
+
+
+@dataclass(frozen=True)
+class IndexView:
+    """A ``VectorIndex``'s rows as they were when taken: searched by readers while a writer
+    adds rows to the index and drops others (an added row lands past the view's rows or in a
+    new buffer, a dropped one leaves the view's buffer as it was), so a score always goes
+    with its own key, and only the keys of the view are ranked."""
+
+    keys: tuple[str, ...]
+    vectors: torch.Tensor  # [len(keys), dim], float32 on the host
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def search(self, query: torch.Tensor, k: int) -> list[tuple[str, float]]:
+        """The ``k`` keys most similar to ``query`` ([dim], on any device), best first, with
+        their scores."""
+        import torch
+
+        if not self.keys or k <= 0:
+            return []
+        scores = self.vectors @ query.detach().to("cpu", torch.float32).reshape(-1)  # [chunks]
+        top = torch.topk(scores, min(k, len(self.keys)))
+        return [(self.keys[int(i)], float(s)) for s, i in zip(top.values, top.indices)]
 
 
 def _host(rows: int, dim: int) -> torch.Tensor:

@@ -25,6 +25,14 @@ crash never leaves the state naming a deleted chunk. An ingest that changes the 
 one, and running the ingest again completes it (the KV it stored is found by a Lookup; only a
 new codec mode is encoded again). With the settings unchanged an ingest commits every
 ``RagConfig.flush_s`` seconds too, each document whole, so a rerun resumes where it stopped.
+
+Readers (``retrieve``, ``ask``) use the last commit as one snapshot: its chunks and an
+``IndexView`` of their embeddings, which a writer thread of the same object replaces at each
+commit, before it deletes what the commit retired. A commit by another process (or another
+KnowledgeBase on the folder) is read before the next retrieval: its manifest file is another
+one. A chunk an ask had to compute is stored only where the last commit still lists it, so a
+document removed meanwhile does not come back into kdn, where nothing would delete it (a
+commit by another process between that check and the store can still make one).
 """
 
 from __future__ import annotations
@@ -37,12 +45,15 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from kdn.blend.chunks import ChunkConnector
 from kdn.errors import InvalidArgument
 from kdn.rag.corpus import Chunk, Document, chunk_document, load_corpus
 from kdn.rag.index import (
+    MANIFEST,
     ChunkEntry,
     DocEntry,
     Embedder,
+    IndexView,
     Manifest,
     Settings,
     VectorIndex,
@@ -54,6 +65,19 @@ from kdn.text import check_text, check_texts
 
 DELETE_BATCH = 4096
 """Keys per Delete call (128 KiB of keys)."""
+
+
+@dataclass(frozen=True)
+class _Commit:
+    """The state as of one commit, what readers (``retrieve``, ``ask``) use: replaced in one
+    step, so a reader holds one commit whatever a writer does meanwhile."""
+
+    index: IndexView
+    by_key: dict[str, tuple[str, ChunkEntry, int]]
+    """Each chunk key's document, entry and position in it."""
+    salt: str
+    stamp: tuple[int, int, int] | None
+    """The manifest file this commit was read from or written as (``_stamp``)."""
 
 
 @dataclass
@@ -121,10 +145,7 @@ class KnowledgeBase:
         cfg = engine.config
         self.settings = Settings(engine.layout.fingerprint, cfg.namespace, cfg.target_tokens,
                                  cfg.max_tokens, cfg.mode, cfg.level)
-        self._by_key: dict[str, tuple[str, ChunkEntry, int]] = {}
-        """Each chunk key's document, entry and position in it, as of the last commit (a
-        whole new dict each time: a reader holds one state, not a manifest changing under
-        it)."""
+        self._committed: _Commit  # what readers use (``_publish``)
         self._write = threading.RLock()  # one writer thread at a time in this process
         self._writers = 0  # how deep the writing thread is (its prune's removes)
         self.kept = 0
@@ -135,12 +156,26 @@ class KnowledgeBase:
         """Read the manifest and its embeddings (a writer that commits in between replaces
         both: read them again; embeddings still missing are computed by the next ingest)."""
         for _ in range(3):
+            stamp = _stamp(self.state)  # before the read: a commit after it is seen as one
             self.manifest = Manifest.load(self.state)
             index = VectorIndex.load(self.state, self.manifest.generation)
             if index is not None or self.manifest.generation == 0:
                 break
         self.index = index or VectorIndex()
-        self._reindex()
+        self._publish(stamp)
+
+    def _refresh(self) -> None:
+        """Read the state again when its manifest on disk is not the one this object last
+        read or wrote (another process or KnowledgeBase committed since: a document it removed
+        is not answered from). Not while a thread of this process writes: that writer's
+        commits are the newest, and it publishes them itself."""
+        if not self._write.acquire(blocking=False):
+            return
+        try:
+            if not self._writers and _stamp(self.state) != self._committed.stamp:
+                self._load()
+        finally:
+            self._write.release()
 
     @contextmanager
     def _writing(self) -> Iterator[None]:
@@ -175,12 +210,14 @@ class KnowledgeBase:
             self._embedder = MiniLM()
         return self._embedder
 
-    def _reindex(self) -> None:
+    def _publish(self, stamp: tuple[int, int, int] | None) -> None:
+        """Make the manifest and index as committed (read, or written as ``stamp``) what
+        readers use, in one assignment."""
         by_key: dict[str, tuple[str, ChunkEntry, int]] = {}
         for doc_id, d in sorted(self.manifest.documents.items()):
             for i, c in enumerate(d.chunks):
                 by_key.setdefault(c.key, (doc_id, c, i))
-        self._by_key = by_key
+        self._committed = _Commit(self.index.view(), by_key, self.manifest.salt, stamp)
 
     def _own(self) -> None:
         """Give a new state its owner id, committed before anything is stored under it (an
@@ -205,6 +242,7 @@ class KnowledgeBase:
         self.index.save(self.state, generation)
         m.generation = generation
         m.save(self.state)
+        self._publish(_stamp(self.state))  # readers leave the retired keys before they go
         remove_other_embeddings(self.state, generation)
         # the server's count: a key a crash kept listed may be gone already
         keys = [bytes.fromhex(k) for k in sorted(stale)]
@@ -308,7 +346,6 @@ class KnowledgeBase:
         self._embed_missing([c for i, d in self.manifest.documents.items() if i in listed
                              for c in d.chunks], rep)
         self._count(rep, self._flush())
-        self._reindex()
         counted: set[str] = set()
         for d in docs:
             for c in self.manifest.documents[d.id].chunks:
@@ -408,7 +445,6 @@ class KnowledgeBase:
         if not flush:
             return 0
         deleted, self.kept = self._flush()
-        self._reindex()
         return deleted
 
     # -- asking ---------------------------------------------------------------------------------
@@ -416,32 +452,76 @@ class KnowledgeBase:
     def retrieve(self, question: str, k: int | None = None) -> list[Source]:
         """The top-k chunks for ``question``, best first (InvalidArgument for a question that
         is not valid Unicode: ``kdn.text.check_text``)."""
+        return self._retrieve(question, k)[1]
+
+    def _retrieve(self, question: str, k: int | None) -> tuple[_Commit, list[Source]]:
+        """The last commit (read again when another one is on disk: ``_refresh``) and its
+        top-k chunks for ``question``."""
         check_text(question, "the question")
         if k is not None:
             check_count("k", k, " (None: RagConfig.top_k)")
         self._check_settings()  # another model would recompute and store every chunk anew
+        self._refresh()
+        commit = self._committed  # one commit, whatever a writer does meanwhile
         qv = self.embedder.embed([question])[0]
-        out, by_key = [], self._by_key  # one state, whatever a writer does meanwhile
-        for key, score in self.index.search(qv, k or self.engine.config.top_k):
-            if key in by_key:
-                doc_id, c, position = by_key[key]
+        out = []
+        for key, score in commit.index.search(qv, k or self.engine.config.top_k):
+            if key in commit.by_key:
+                doc_id, c, position = commit.by_key[key]
                 out.append(Source(key, c.text, doc_id, position, score))
-        return out
+        return commit, out
 
     def ask(self, question: str, k: int | None = None,
             max_new_tokens: int | None = None) -> Answer:
-        """Retrieve, fetch the chunks' KV (computing missing ones), blend, generate."""
+        """Retrieve from the last commit (another process's too), fetch the chunks' KV
+        (computing missing ones), blend, generate; then store the computed chunks the state
+        still lists (``_store_listed``)."""
         self.engine.config.new_tokens(max_new_tokens)  # before anything is retrieved
         t0 = time.perf_counter()
-        sources = self.retrieve(question, k)
+        commit, sources = self._retrieve(question, k)
         if not sources:
             raise InvalidArgument("the knowledge base is empty: ingest a corpus first")
         retrieval_s = time.perf_counter() - t0
         prepared = self.engine.prepare(question, [s.text for s in sources], max_new_tokens,
-                                       salt=self.manifest.salt)
+                                       salt=commit.salt)
         prepared.timings.retrieval_s = retrieval_s
         prepared.timings.ttft_s += retrieval_s
-        return self.engine.finish(prepared, sources[:prepared.used], max_new_tokens)
+        computed, prepared.missing = prepared.missing, []
+        answer = self.engine.finish(prepared, sources[:prepared.used], max_new_tokens)
+        ts = time.perf_counter()
+        self._store_listed(computed)
+        answer.timings.store_s = time.perf_counter() - ts
+        return answer
+
+    def _store_listed(self, chunks: list[ChunkConnector]) -> None:
+        """Store the chunks an ask computed whose keys the state's last commit (on disk now)
+        still lists. A chunk of a document removed or changed since the ask retrieved it is
+        not stored: no manifest names it, so no rm or ingest would ever delete it. Nothing is
+        stored while a thread of this process writes the state (its commit may drop them);
+        the next ask computes them again."""
+        if not chunks or not self._write.acquire(blocking=False):
+            return
+        try:
+            if self._writers:
+                return
+            self._refresh()
+            listed = self._committed.by_key
+            for chunk in chunks:
+                if chunk.key.hex() in listed:
+                    chunk.wait_for_save()
+        finally:
+            self._write.release()
+
+
+def _stamp(state: Path) -> tuple[int, int, int] | None:
+    """The identity of the state's manifest file (inode, size, modification time), None when
+    there is none: a commit replaces the file (``kdn.rag.index.write_atomic``), so another
+    stamp is another commit."""
+    try:
+        st = (state / MANIFEST).stat()
+    except FileNotFoundError:
+        return None
+    return st.st_ino, st.st_size, st.st_mtime_ns
 
 
 def _kept(n: int) -> str:
