@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from kdn.client import Client
-from kdn.errors import InvalidArgument, Unavailable
+from kdn.errors import Corrupt, InvalidArgument, Unavailable
 from kdn.rag import Document, KnowledgeBase, RagConfig, chunk_document, load_corpus
 from kdn.rag.index import EMBEDDINGS, MANIFEST, Manifest, embeddings_name
 from tests.test_rag import CharTokenizer, Counted, corpus, make_kb, stored, tiny_llama
@@ -300,3 +300,30 @@ def test_an_ask_answers_from_the_last_commit_and_stores_only_what_it_lists(
     assert not any(stored(client, asker, gone).values())
     consistent(client, asker)
 
+
+def test_a_lost_embeddings_file_is_said_and_an_ingest_embeds_every_document(
+        model: Any, client: Client, tmp_path: Path) -> None:
+    """Without its embeddings file a state loaded as empty: ask said "the knowledge base is
+    empty", and an ingest of one corpus embedded its documents only, so another corpus's
+    were never retrieved again."""
+    state, a, b = tmp_path / "state", tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    (a / "cats.md").write_text("Cats purr when content.")
+    (b / "rivers.md").write_text("The Nile river flows north into the sea.")
+    kb = make_kb(model, client, state)
+    kb.ingest(a)
+    kb.ingest(b)
+    for f in state.glob("embeddings*"):
+        f.unlink()
+    lost = make_kb(model, client, state)
+    with pytest.raises(Corrupt, match="2 of the 2 chunks .* have no embedding"):
+        lost.ask("Which river flows north?")
+    lost.remove(["nothing"])  # a write that embeds nothing still says so
+    with pytest.raises(Corrupt, match="have no embedding"):
+        make_kb(model, client, state).retrieve("Which river flows north?")
+    again = make_kb(model, client, state)
+    again.ingest(a)
+    got = [s.doc_id for s in again.retrieve("Which river flows north into the sea?", k=5)]
+    assert sorted(got) == ["cats.md", "rivers.md"]
+    consistent(client, again)

@@ -32,7 +32,9 @@ commit, before it deletes what the commit retired. A commit by another process (
 KnowledgeBase on the folder) is read before the next retrieval: its manifest file is another
 one. A chunk an ask had to compute is stored only where the last commit still lists it, so a
 document removed meanwhile does not come back into kdn, where nothing would delete it (a
-commit by another process between that check and the store can still make one).
+commit by another process between that check and the store can still make one). An ingest
+embeds every document of the state that has no embedding (an embeddings file lost); until
+then ``retrieve`` refuses (Corrupt), as it would miss them.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kdn.blend.chunks import ChunkConnector
-from kdn.errors import InvalidArgument
+from kdn.errors import Corrupt, InvalidArgument
 from kdn.rag.corpus import Chunk, Document, chunk_document, load_corpus
 from kdn.rag.index import (
     MANIFEST,
@@ -57,6 +59,7 @@ from kdn.rag.index import (
     Manifest,
     Settings,
     VectorIndex,
+    embeddings_name,
     remove_other_embeddings,
     state_lock,
 )
@@ -78,6 +81,8 @@ class _Commit:
     salt: str
     stamp: tuple[int, int, int] | None
     """The manifest file this commit was read from or written as (``_stamp``)."""
+    unembedded: str = ""
+    """Why chunks the manifest lists have no embedding ("": all have one)."""
 
 
 @dataclass
@@ -154,7 +159,8 @@ class KnowledgeBase:
 
     def _load(self) -> None:
         """Read the manifest and its embeddings (a writer that commits in between replaces
-        both: read them again; embeddings still missing are computed by the next ingest)."""
+        both: read them again). Embeddings still missing (a lost file) are computed by the
+        next ingest; until then ``retrieve`` says so (Corrupt)."""
         for _ in range(3):
             stamp = _stamp(self.state)  # before the read: a commit after it is seen as one
             self.manifest = Manifest.load(self.state)
@@ -217,7 +223,16 @@ class KnowledgeBase:
         for doc_id, d in sorted(self.manifest.documents.items()):
             for i, c in enumerate(d.chunks):
                 by_key.setdefault(c.key, (doc_id, c, i))
-        self._committed = _Commit(self.index.view(), by_key, self.manifest.salt, stamp)
+        lacking = sum(key not in self.index for key in by_key)
+        unembedded = ""
+        if lacking:
+            name = embeddings_name(self.manifest.generation)
+            unembedded = (f"{self.state}: {lacking} of the {len(by_key)} chunks its manifest "
+                          f"lists have no embedding ({name} is missing or from another "
+                          "state); ingest a corpus into it again to embed them (`kdn rag "
+                          "ingest`, which embeds every document of the state)")
+        self._committed = _Commit(self.index.view(), by_key, self.manifest.salt, stamp,
+                                  unembedded)
 
     def _own(self) -> None:
         """Give a new state its owner id, committed before anything is stored under it (an
@@ -342,9 +357,9 @@ class KnowledgeBase:
                     and (d.source == origin or d.source in moved_from)]
             rep.removed = len(gone)
             self.remove(gone, flush=False)
-        listed = {d.id for d in docs}
-        self._embed_missing([c for i, d in self.manifest.documents.items() if i in listed
-                             for c in d.chunks], rep)
+        # every document of the state, other corpora's too (their embeddings may be lost)
+        self._embed_missing([c for d in self.manifest.documents.values() for c in d.chunks],
+                            rep)
         self._count(rep, self._flush())
         counted: set[str] = set()
         for d in docs:
@@ -463,6 +478,8 @@ class KnowledgeBase:
         self._check_settings()  # another model would recompute and store every chunk anew
         self._refresh()
         commit = self._committed  # one commit, whatever a writer does meanwhile
+        if commit.unembedded:
+            raise Corrupt(commit.unembedded)
         qv = self.embedder.embed([question])[0]
         out = []
         for key, score in commit.index.search(qv, k or self.engine.config.top_k):
