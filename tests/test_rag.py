@@ -188,7 +188,7 @@ def test_a_manifest_of_the_wrong_shape_is_corrupt(tmp_path: Path) -> None:
 
     settings = {"layout": "x", "namespace": "rag", "target_tokens": 256, "max_tokens": 384,
                 "mode": "lossless", "level": ""}
-    chunk = {"key": "ab", "tokens": 3, "text": "abc"}
+    chunk = {"key": "ab" * 32, "tokens": 3, "text": "abc"}
     doc = {"sha256": "0", "source": "/c", "chunks": [chunk]}
     good = {"format": 1, "settings": settings, "documents": {"a.md": doc}}
     (tmp_path / MANIFEST).write_text(json.dumps(good))

@@ -228,14 +228,20 @@ def test_keys_a_failed_delete_left_are_deleted_by_the_next_write(model: Any, cli
 def test_a_manifest_of_format_2_of_the_wrong_shape_is_corrupt(tmp_path: Path) -> None:
     from kdn.errors import Corrupt
 
-    doc = {"sha256": "0", "source": "/c", "chunks": [{"key": "ab", "tokens": 3, "text": "abc"}]}
-    good = {"format": 2, "owner": "0f" * 16, "shared": False, "retired": ["cd"],
+    key, old = "ab" * 32, "cd" * 32
+    doc = {"sha256": "0", "source": "/c", "chunks": [{"key": key, "tokens": 3, "text": "abc"}]}
+    good = {"format": 2, "owner": "0f" * 16, "shared": False, "retired": [old],
             "generation": 3, "settings": None, "documents": {"a.md": doc}}
     (tmp_path / MANIFEST).write_text(json.dumps(good))
     m = Manifest.load(tmp_path)
-    assert (m.owner, m.shared, m.retired, m.generation) == ("0f" * 16, False, {"cd"}, 3)
+    assert (m.owner, m.shared, m.retired, m.generation) == ("0f" * 16, False, {old}, 3)
+    # a key that is not hex failed later, in bytes.fromhex (a bad retired one at every write)
+    not_keys = ["Z" * 64, "AB" * 32, "ab" * 31, "not-a-key"]
     for bad in ({**good, "owner": "0F" * 16}, {**good, "owner": 5}, {**good, "shared": 0},
                 {**good, "retired": "cd"}, {**good, "retired": [1]},
+                *({**good, "retired": [k]} for k in not_keys),
+                *({**good, "documents": {"a.md": {**doc, "chunks": [
+                    {"key": k, "tokens": 3, "text": "abc"}]}}} for k in not_keys),
                 {**good, "generation": -1}, {**good, "generation": "3"},
                 {**good, "owner": ""}, {k: v for k, v in good.items() if k != "owner"}):
         (tmp_path / MANIFEST).write_text(json.dumps(bad))

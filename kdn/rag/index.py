@@ -38,6 +38,7 @@ if TYPE_CHECKING:  # torch loads with the first index, so `kdn rag` checks run b
     import torch
 
 from kdn.errors import Corrupt, InvalidArgument, KDNError, Status
+from kdn.names import KEY_BYTES
 
 MANIFEST = "manifest.json"
 EMBEDDINGS = "embeddings.safetensors"
@@ -47,6 +48,7 @@ FORMAT = 2
 SHARED_FORMAT = 1
 """Manifests without an owner: their chunk keys are unsalted (``Manifest.shared``)."""
 _OWNER_RE = re.compile(r"[0-9a-f]{32}")
+_KEY_RE = re.compile(f"[0-9a-f]{{{2 * KEY_BYTES}}}")
 _EMBEDDINGS_RE = re.compile(r"embeddings(-[1-9][0-9]*)?\.safetensors")
 
 
@@ -180,6 +182,8 @@ class Manifest:
                     for c in _of(d, "chunks", list, f"document {doc_id!r}")]))
                 for doc_id, d in _of(raw, "documents", dict, "the manifest").items()
             }
+            for doc_id, d in docs.items():
+                _check_keys([c.key for c in d.chunks], f"document {doc_id!r}")
             if raw["format"] == SHARED_FORMAT:
                 return cls(settings, docs, shared=True)
             owner = _of(raw, "owner", str, "the manifest")
@@ -189,6 +193,7 @@ class Manifest:
             retired = _of(raw, "retired", list, "the manifest")
             if not all(isinstance(k, str) for k in retired):
                 raise TypeError("retired holds a key that is not a string")
+            _check_keys(retired, "retired")
             generation = _of(raw, "generation", int, "the manifest")
             if generation < 0:
                 raise ValueError(f"generation {generation} is negative")
@@ -211,6 +216,14 @@ class Manifest:
 
 
 _TYPES = {"str": str, "int": int}
+
+
+def _check_keys(keys: Iterable[str], what: str) -> None:
+    """ValueError naming ``what`` unless every key is a chunk key's hex (lowercase)."""
+    for key in keys:
+        if not _KEY_RE.fullmatch(key):
+            raise ValueError(f"{what}: key {key[:80]!r} is not {2 * KEY_BYTES} lowercase hex "
+                             "digits")
 
 
 def _of(obj: Any, name: str, kind: type, what: str) -> Any:
