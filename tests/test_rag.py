@@ -213,6 +213,23 @@ def test_a_jsonl_line_with_a_lone_surrogate_is_named(tmp_path: Path) -> None:
         load_corpus(jl)
 
 
+def test_jsonl_lines_end_at_newlines_only(tmp_path: Path) -> None:
+    """U+2028, U+2029 and U+0085 may stand unescaped in a JSON string (json.dumps writes them
+    so with ensure_ascii=False): str.splitlines cut the line there, and it was "not JSON"."""
+    texts = ["first line\u2028second line", "para\u2029next", "a\x85b"]
+    jl = tmp_path / "c.jsonl"
+    jl.write_text("".join(json.dumps({"id": str(i), "text": t}, ensure_ascii=False) + "\r\n"
+                          for i, t in enumerate(texts)), encoding="utf-8")
+    assert [d.text for d in load_corpus(jl)] == texts
+
+
+def test_a_jsonl_id_past_pythons_digits_limit_is_named(tmp_path: Path) -> None:
+    jl = tmp_path / "c.jsonl"
+    jl.write_text('{"id": "ok", "text": "fine"}\n{"id": ' + "9" * 5000 + ', "text": "t"}\n')
+    with pytest.raises(InvalidArgument, match=r"c.jsonl:2: a value that can not be read"):
+        load_corpus(jl)  # was a raw ValueError (int's 4300 digits limit)
+
+
 def test_vector_index_round_trip(tmp_path: Path) -> None:
     idx = VectorIndex()
     v = torch.nn.functional.normalize(torch.randn(5, 8), dim=1)

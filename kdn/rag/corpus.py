@@ -4,9 +4,9 @@ Lifecycle:
 
 1. ``load_corpus(path)`` reads the documents: every ``.txt``/``.md``/``.markdown``/``.rst``
    file under a folder (hidden files and folders skipped; the document id is the path
-   relative to the folder, with ``/``), or every line of a ``.jsonl`` file (``{"id": ..,
-   "text": ..}``; ``id``, a string or a whole number, defaults to ``<line number>`` when absent
-   or null; ``title`` is prepended when present).
+   relative to the folder, with ``/``), or every line (ended by ``\n``; a U+2028 is text) of a
+   ``.jsonl`` file (``{"id": .., "text": ..}``; ``id``, a string or a whole number, defaults
+   to ``<line number>`` when absent or null; ``title`` is prepended when present).
 2. ``chunk_document(doc, tokenizer, target, limit)`` packs the document's paragraphs (blank-line
    separated) into chunks of about ``target`` tokens. A paragraph longer than ``target`` is
    split into sentences (after ``.!?`` and a space, or after ``。！？``), a sentence longer
@@ -131,13 +131,17 @@ def _text(f: Path) -> str:
 
 def _load_jsonl(path: Path) -> list[Document]:
     docs: dict[str, Document] = {}
-    for n, line in enumerate(_text(path).splitlines(), 1):
+    # lines end at "\n" only: U+2028, U+2029 and U+0085 (str.splitlines' too) may stand
+    # unescaped in a JSON string
+    for n, line in enumerate(_text(path).split("\n"), 1):
         if not line.strip():
             continue
         try:
             row = json.loads(line)
         except json.JSONDecodeError as exc:
             raise InvalidArgument(f"{path}:{n}: not JSON: {exc}") from None
+        except ValueError as exc:  # a number past Python's digits limit
+            raise InvalidArgument(f"{path}:{n}: a value that can not be read: {exc}") from None
         if not isinstance(row, dict) or not isinstance(row.get("text"), str):
             raise InvalidArgument(f"{path}:{n}: expected an object with a string 'text'")
         try:
