@@ -83,6 +83,30 @@ def test_cli_ingest_ask_rm(smol: Any, server: ServerThread, tmp_path: Path,
     assert "warsaw.md" in err.split("folder:")[1]  # what is left to name
 
 
+def test_cli_shows_documents_escaped_and_counts_each_removed_once(
+        server: ServerThread, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A document is untrusted text: `kdn rag ask` printed its name and text raw (ESC [2J
+    cleared the terminal, OSC 52 wrote the clipboard); `rm a a` reported 2 documents."""
+    corpus = tmp_path / "docs"
+    corpus.mkdir()
+    (corpus / "nile\x1b[8m.md").write_text(
+        "The Nile flows north into the Mediterranean Sea.\x1b[2J\x1b]52;c;ZWNobw==\x07")
+    (corpus / "warsaw.md").write_text(DOCS["warsaw.md"])
+    base = ["rag", "--address", server.address, "--state", str(tmp_path / "state")]
+    assert main([*base, "ingest", str(corpus), "--chunk-tokens", "24"]) == 0
+    capsys.readouterr()
+    assert main([*base, "ask", "Where does the Nile flow?", "-k", "1",
+                 "--max-new-tokens", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "\x1b" not in out and "\x07" not in out
+    assert "nile\\x1b[8m.md #0" in out and "Sea.\\x1b[2J\\x1b]52;c;ZWNobw==\\x07" in out
+    assert main([*base, "--json", "rm", "nile\x1b[8m.md", "nile\x1b[8m.md",
+                 "gone\x1b[2J.md"]) == 1
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["removed_documents"] == 1
+    assert "\x1b" not in captured.err and "gone\\x1b[2J.md" in captured.err
+
+
 def test_drop_in_answer_exact_at_ratio_one(smol: Any, client: Client) -> None:
     model, tok = smol
     engine = RagEngine(model, tok, client, RagConfig(blend_ratio=1.0, max_new_tokens=6))

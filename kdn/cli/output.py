@@ -62,6 +62,13 @@ def cell(value: Any) -> str:
     return text if text.isprintable() else ascii(text)[1:-1]
 
 
+def text_lines(value: str) -> str:
+    """Text of several lines (a model's answer) for a terminal: each line as a ``cell``
+    (control characters escaped: no escape sequence from a document reaches the terminal),
+    the line breaks kept."""
+    return "\n".join(cell(line) for line in value.split("\n"))
+
+
 def table(rows: Sequence[dict[str, Any]], columns: Sequence[str] | None = None, *,
           empty: str = "(none)") -> None:
     """``rows`` as left-aligned columns under a header line (``columns``: which, in order)."""

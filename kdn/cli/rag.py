@@ -198,6 +198,8 @@ def ingest_lines(report: Any) -> list[str]:
 
 
 def _ask(ns: argparse.Namespace) -> int:
+    from kdn.cli.output import cell, text_lines
+
     kb, client = _engine(ns)
     _say(ns, "retrieving, fetching and blending, then generating ...")
     with client:
@@ -207,11 +209,11 @@ def _ask(ns: argparse.Namespace) -> int:
         print(json.dumps({"answer": ans.text, "sources": [asdict(s) for s in ans.sources],
                           "timings": {**asdict(t), "compute_s": t.compute_s}}, indent=2))
         return 0
-    print(ans.text)
+    print(text_lines(ans.text))  # documents are untrusted text: their escapes are shown
     print("\nsources:")
     for i, s in enumerate(ans.sources, 1):
-        snippet = " ".join(s.text.split())[:90]
-        print(f"  [{i}] {s.doc_id} #{s.chunk_index} (score {s.score:.3f}): {snippet}...")
+        snippet = cell(" ".join(s.text.split())[:90])
+        print(f"  [{i}] {cell(s.doc_id)} #{s.chunk_index} (score {s.score:.3f}): {snippet}...")
     print(f"\ntiming: retrieval {t.retrieval_s:.3f} s, KV fetch {t.fetch_s:.3f} s, "
           f"missing prefill {t.prefill_missing_s:.3f} s ({t.missing_chunks} chunks), "
           f"blend {t.blend_s:.3f} s -> first token {t.ttft_s:.3f} s; generation "
@@ -224,18 +226,22 @@ def _ask(ns: argparse.Namespace) -> int:
 
 
 def _rm(ns: argparse.Namespace) -> int:
+    from kdn.cli.output import cell
+
     kb, client = _engine(ns)
+    named = list(dict.fromkeys(ns.docs))  # a document named twice is removed once
     with client:
-        missing = [d for d in ns.docs if d not in kb.manifest.documents]
-        deleted = kb.remove(ns.docs)
+        missing = [d for d in named if d not in kb.manifest.documents]
+        deleted = kb.remove(named)
     for d in missing:
-        print(f"kdn rag rm: not in the manifest: {d}", file=sys.stderr)
+        print(f"kdn rag rm: not in the manifest: {cell(d)}", file=sys.stderr)
     if missing:
         names = sorted(kb.manifest.documents)
-        shown = ", ".join(names[:8]) + (f" (+{len(names) - 8} more)" if len(names) > 8 else "")
+        shown = ", ".join(cell(n) for n in names[:8]) + (
+            f" (+{len(names) - 8} more)" if len(names) > 8 else "")
         print(f"kdn rag rm: documents are named relative to the ingested folder: "
               f"{shown or 'none ingested'}", file=sys.stderr)
-    removed = len(ns.docs) - len(missing)
+    removed = len(named) - len(missing)
     if _json(ns):
         print(json.dumps({"removed_documents": removed, "deleted_entries": deleted,
                           "kept_entries": kb.kept, "missing": missing}, indent=2))
