@@ -3,6 +3,8 @@ each refused where it is not what it must be (a request's own arguments: ``tests
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from kdn.errors import InvalidArgument
@@ -68,3 +70,18 @@ def test_a_codec_mode_alone_is_its_default_level_and_unknown_ones_are_refused() 
         RagConfig(mode="zip")
     with pytest.raises(InvalidArgument, match="no level 'l2'"):
         RagConfig(mode="kdn", level="l2")
+
+
+@pytest.mark.parametrize("sizes", [["--chunk-tokens", "4"],
+                                   ["--chunk-tokens", "64", "--max-chunk-tokens", "10"]])
+def test_chunk_sizes_ragconfig_refuses_are_usage_errors_before_any_call(
+        sizes: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """They were found by RagConfig after the server's health call and the model load, and
+    exited 1 (failed) instead of 2 (usage). No server listens on the address: the check comes
+    before the first call."""
+    from kdn.cli.main import main
+
+    (tmp_path / "a.md").write_text("Cats purr.")
+    assert main(["rag", "--address", "127.0.0.1:1", "--state", str(tmp_path / "state"),
+                 "ingest", str(tmp_path), *sizes]) == 2
+    assert "need 8 <= target_tokens <= max_tokens" in capsys.readouterr().err

@@ -55,7 +55,13 @@ def _engine(ns: argparse.Namespace) -> Any:
             check_codec(ns.mode, ns.level)
         except KDNError as exc:
             raise _UsageError(str(exc)) from None
-        from kdn.rag.corpus import load_corpus
+        from kdn.rag.corpus import chunk_limit, load_corpus
+
+        try:
+            chunk_limit(ns.chunk_tokens, ns.max_chunk_tokens or None)  # RagConfig's check
+        except KDNError as exc:
+            raise _UsageError(f"{exc} (--chunk-tokens is the target, --max-chunk-tokens the "
+                              "limit: 1.5x the target when not given)") from None
 
         load_corpus(ns.corpus)  # a corpus it can not read is said before the models load
         # (read twice: little beside embedding and prefilling every chunk)
@@ -116,6 +122,7 @@ def ingest_settings(ns: argparse.Namespace, settings: Any) -> None:
 def _knowledge_base(ns: argparse.Namespace, client: Any, state: Path, settings: Any) -> Any:
     from kdn.model.hf import place
     from kdn.model.models import load_model, quiet_transformers
+    from kdn.rag.corpus import chunk_limit
     from kdn.rag.knowledge import KnowledgeBase
     from kdn.rag.pipeline import RagConfig, RagEngine
 
@@ -126,7 +133,7 @@ def _knowledge_base(ns: argparse.Namespace, client: Any, state: Path, settings: 
                     max_tokens=settings.max_tokens, mode=settings.mode, level=settings.level)
     else:
         opts = dict(namespace=ns.namespace, target_tokens=ns.chunk_tokens,
-                    max_tokens=ns.max_chunk_tokens or ns.chunk_tokens + ns.chunk_tokens // 2,
+                    max_tokens=chunk_limit(ns.chunk_tokens, ns.max_chunk_tokens or None),
                     mode=ns.mode, level=ns.level)
     if getattr(ns, "k", None):
         opts["top_k"] = ns.k

@@ -265,13 +265,21 @@ def _units(text: str, tokenizer: Tokenizer, target: int, limit: int) -> list[tup
     return out
 
 
+def chunk_limit(target_tokens: int, max_tokens: int | None = None) -> int:
+    """The hard limit of chunks of about ``target_tokens``: ``max_tokens``, or with None 1.5x
+    the target; InvalidArgument unless 8 <= target <= limit (``RagConfig`` and ``kdn rag
+    ingest`` check their sizes with it)."""
+    limit = max_tokens if max_tokens is not None else target_tokens + target_tokens // 2
+    if not 8 <= target_tokens <= limit:
+        raise InvalidArgument(f"need 8 <= target_tokens <= max_tokens, got {target_tokens}, "
+                              f"{limit}")
+    return limit
+
+
 def chunk_document(doc: Document, tokenizer: Tokenizer, target_tokens: int = 256,
                    max_tokens: int | None = None) -> list[Chunk]:
     """Split ``doc`` on paragraph, then sentence boundaries into chunks of ~``target_tokens``."""
-    limit = max_tokens if max_tokens is not None else target_tokens + target_tokens // 2
-    if target_tokens < 8 or limit < target_tokens:
-        raise InvalidArgument(f"need 8 <= target_tokens <= max_tokens, got {target_tokens}, "
-                              f"{limit}")
+    limit = chunk_limit(target_tokens, max_tokens)
     texts: list[str] = []
     cur, cur_tokens = "", 0
     for unit, n, sep in _units(doc.text, tokenizer, target_tokens, limit):

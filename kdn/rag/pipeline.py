@@ -59,7 +59,7 @@ from kdn.codec.catalog import check_codec, default_level
 from kdn.errors import InvalidArgument
 from kdn.keys import check_namespace, chunk_key
 from kdn.model import hf
-from kdn.rag.corpus import Tokenizer, chunk_ids
+from kdn.rag.corpus import Tokenizer, chunk_ids, chunk_limit
 from kdn.text import check_texts, template_ids, tokenize
 
 PLAIN_HEAD = "Answer the question using the documents below.\n\n"
@@ -112,9 +112,7 @@ class RagConfig:
         check_codec(self.mode, self.level)  # InvalidArgument naming the mode or level
         for name in ("top_k", "target_tokens", "max_tokens", "max_new_tokens"):
             check_count(name, getattr(self, name))
-        if not 8 <= self.target_tokens <= self.max_tokens:
-            raise InvalidArgument(f"need 8 <= target_tokens <= max_tokens, got "
-                                  f"{self.target_tokens}, {self.max_tokens}")
+        chunk_limit(self.target_tokens, self.max_tokens)
         if (self.head is None) != (self.tail is None):
             raise InvalidArgument("set both head and tail, or neither")
         if self.tail is not None and "{question}" not in self.tail:
