@@ -160,3 +160,54 @@ def test_the_default_weights_id() -> None:
     assert hf.default_weights_id(model) == "org/some-model@0123abcd"
     with pytest.raises(ValueError, match="weights_id"):
         EngineConfig(weights_id=3)  # type: ignore[arg-type]
+
+
+def test_checkpoints_in_subfolders_of_one_root_do_not_share_kv(
+        client: Client, tmp_path: Path) -> None:
+    """from_pretrained(root, subfolder=...) leaves name_or_path at the root, which holds no
+    weights: each checkpoint is named by its loaded parameters, never by the root's path."""
+    root = tmp_path / "root"
+    for sub, seed in (("ckpt-a", 0), ("ckpt-b", 1)):
+        _llama(seed).save_pretrained(root / sub)
+    a, b, a2 = (transformers.LlamaForCausalLM.from_pretrained(root, subfolder=sub).eval()
+                for sub in ("ckpt-a", "ckpt-b", "ckpt-a"))
+    ea, eb = KDNEngine(a, _Tok(), client, RAW), KDNEngine(b, _Tok(), client, RAW)
+    assert ea.layout.model_fingerprint != eb.layout.model_fingerprint
+    assert hf.model_layout(a2).fingerprint == ea.layout.fingerprint  # the same weights again
+    stored = ea.generate(IDS, max_new_tokens=6)
+    assert stored.store_thread is not None
+    stored.store_thread.join(60)
+    got = eb.generate(IDS, max_new_tokens=6, force="raw")
+    assert got.timings.reused_tokens == 0
+    assert got.token_ids == _prefilled(b, IDS, 6)
+
+
+def test_a_folder_of_several_gguf_files_names_no_weights(tmp_path: Path) -> None:
+    """Which GGUF file of a folder a load took (gguf_file=) is not recorded: such a folder's
+    files name no one checkpoint; one GGUF file alone does."""
+    (tmp_path / "m.Q4_1.gguf").write_bytes(b"GGUF" + bytes(100))
+    assert hf.weights_digest(tmp_path) is not None
+    (tmp_path / "m.Q8_0.gguf").write_bytes(b"GGUF" + bytes(200))
+    assert hf.weights_digest(tmp_path) is None
+    model = _llama(0)
+    model.name_or_path = str(tmp_path)
+    assert hf.default_weights_id(model) == f"params#{hf.parameters_digest(model)}"
+    assert hf.parameters_digest(model) != hf.parameters_digest(_llama(1))
+
+
+def test_a_hub_checkpoint_in_a_subfolder_names_its_parameters(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A hub snapshot (in the local hub cache) with no weights at its root was loaded with
+    subfolder=: its id adds the parameters' digest; one with its weights at the root keeps
+    name@revision."""
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
+    snapshots = tmp_path / "models--org--m" / "snapshots"
+    _llama(0).save_pretrained(snapshots / "abc" / "sub")
+    model = _llama(0)
+    model.name_or_path, model.config._commit_hash = "org/m", "abc"
+    assert hf.default_weights_id(model) == f"org/m@abc#params-{hf.parameters_digest(model)}"
+    _llama(0).save_pretrained(snapshots / "def")
+    model.config._commit_hash = "def"
+    assert hf.default_weights_id(model) == "org/m@def"

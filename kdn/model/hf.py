@@ -81,17 +81,57 @@ def default_weights_id(model: Any) -> str:
     weights at another path or on another machine share their KV; checkpoints of one config
     in folders of the same name, ``run1/final`` and ``run2/final``, do not); a hub id with the
     revision it resolved to (``config._commit_hash``) where known; "" for a model built from a
-    config. Weights changed in memory after loading (an adapter merged) are not seen: name
-    them yourself (``EngineConfig.weights_id``)."""
+    config. Transformers records no ``subfolder=`` nor ``gguf_file=`` of a load: where the
+    folder (or the hub snapshot in the local cache) holds no weight file of its own, or
+    several GGUF files, the id is a digest of the loaded parameters instead
+    (``parameters_digest``), so checkpoints in subfolders of one root, or GGUF variants of one
+    folder, do not share their KV. Weights changed in memory after loading (an adapter merged)
+    are not seen: name them yourself (``EngineConfig.weights_id``)."""
     name = str(getattr(model, "name_or_path", "") or "")
     if not name:
         return ""
     folder = Path(name).expanduser()
     if folder.exists():  # what transformers loads first, before asking the hub
-        digest = weights_digest(folder) if folder.is_dir() else None
-        return f"{folder.resolve().name}#{digest}" if digest else str(folder.resolve())
+        if not folder.is_dir():
+            return str(folder.resolve())
+        digest = weights_digest(folder)
+        return f"{folder.resolve().name}#{digest}" if digest \
+            else f"params#{parameters_digest(model)}"
     revision = getattr(getattr(model, "config", None), "_commit_hash", None)
-    return f"{name}@{revision}" if revision else name
+    if not revision:
+        return name
+    snapshot = _hub_snapshot(name, str(revision))
+    if snapshot is not None and weights_digest(snapshot) is None:
+        return f"{name}@{revision}#params-{parameters_digest(model)}"
+    return f"{name}@{revision}"
+
+
+def _hub_snapshot(name: str, revision: str) -> Path | None:
+    """The folder of hub model ``name`` at ``revision`` in the default local hub cache; None
+    where it is not there (another ``cache_dir``, or no such model)."""
+    try:
+        from huggingface_hub import constants
+    except ImportError:
+        return None
+    folder = Path(constants.HF_HUB_CACHE) / f"models--{name.replace('/', '--')}" / \
+        "snapshots" / revision
+    return folder if folder.is_dir() else None
+
+
+def parameters_digest(model: Any) -> str:
+    """A digest of the parameters ``model`` holds (BLAKE2b): each one's name, dtype and shape
+    and its first 4 KiB of bytes (one copy from the device), the same on every machine and
+    device. A parameter not materialised (the meta device) counts by its name and shape."""
+    h = hashlib.blake2b(digest_size=16)
+    samples: list[torch.Tensor] = []
+    for pname, p in sorted(model.named_parameters(), key=lambda item: item[0]):
+        h.update(f"{pname}\0{p.dtype}\0{list(p.shape)}\0".encode())
+        if p.device.type != "meta" and p.numel():
+            flat = p.detach().reshape(-1)[: max(1, _SAMPLE_BYTES // p.element_size())]
+            samples.append(flat.contiguous().view(torch.uint8))
+    if samples:
+        h.update(torch.cat([t.to(samples[0].device) for t in samples]).cpu().numpy().tobytes())
+    return h.hexdigest()
 
 
 _SAMPLE_BYTES = 4096
@@ -103,11 +143,12 @@ def weights_digest(folder: Path) -> str | None:
     ``*.safetensors`` file's tensor table (names, dtypes, shapes) and the first 4 KiB of every
     tensor's bytes (a fine-tune or a merged adapter changes every tensor it touches
     throughout), each other weight file's size and 4 KiB at 64 evenly spaced places. None
-    where the folder holds no weight file. A few MB read, memoised by the files' sizes and
-    times."""
+    where the folder holds no weight file, or a GGUF file beside other weight files (a load
+    picks one of them by ``gguf_file=``, which the model does not record). A few MB read,
+    memoised by the files' sizes and times."""
     files = sorted(p for pattern in ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.gguf")
                    for p in folder.glob(pattern) if p.is_file())
-    if not files:
+    if not files or (len(files) > 1 and any(p.suffix == ".gguf" for p in files)):
         return None
     stats = tuple(f"{p.name}:{st.st_size}:{st.st_mtime_ns}"
                   for p, st in ((p, p.stat()) for p in files))
