@@ -7,11 +7,13 @@ controller is fed synthetic observations, no clocks."""
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
 
 from kdn.delivery import NETWORK, RECOMPUTE, LoadingController
+from kdn.errors import ConfigError
 
 # 2048 tokens of a SmolLM2-shaped model in fp32 on a 2-core CPU, over an unthrottled loopback
 # (bench.link, 2026-11-28): 94 MB of KV, int8 half of it; a hit costs its transfer and then
@@ -181,6 +183,44 @@ def test_bad_settings_are_refused_by_name() -> None:
         LoadingController(explore=-0.1)
     with pytest.raises(ValueError, match="trials"):
         LoadingController(trials=-1)
+
+
+@pytest.mark.parametrize("bad", [0.0, -1e9, math.nan, math.inf])
+def test_speeds_and_priors_that_are_not_finite_and_positive_are_refused(bad: float) -> None:
+    """A speed of 0 made the engine's first decision divide by zero; a negative one made
+    every recompute look free; NaN made every comparison false."""
+    for name in ("bandwidth_b_s", "prefill_tok_s"):
+        with pytest.raises(ConfigError, match=name):
+            LoadingController(**{name: bad})  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="priors_b_s"):
+        LoadingController(priors_b_s={NETWORK: bad})
+    with pytest.raises(ConfigError, match="explore"):
+        LoadingController(explore=math.nan)
+    with pytest.raises(ConfigError, match="retry_cost"):
+        LoadingController(retry_cost=bad)
+
+
+@pytest.mark.parametrize("bad", [math.inf, math.nan, 0.0, -1.0])
+def test_observations_that_are_not_finite_and_positive_are_ignored(bad: float) -> None:
+    """An infinite or NaN time (a clock that jumped) used to stay in the means for good: two
+    infinite hits set a decode speed of 0 and every later choice divided by it."""
+    c = _controller()
+    before = _choose(c), c.decode_speed("raw"), c.bandwidth(NETWORK, SERVER)
+    for _ in range(3):
+        c.observe_hit("raw", KV, 0.05, bad, path=NETWORK, server=SERVER)
+        if not math.isfinite(bad):  # a transfer of 0 s is a hit from memory
+            c.observe_hit("raw", KV, bad, 0.2, path=NETWORK, server=SERVER)
+        c.observe_decode("raw", KV, bad)
+        c.calibrate_decode("raw", KV, bad)
+        c.observe_transfer(KV, bad, NETWORK, SERVER, "raw")
+        c.calibrate_link(bad, NETWORK, SERVER)
+        c.observe_prefill(2048, bad)
+        c.calibrate_prefill(2048, bad)
+        c.observe_ttft(0.5, bad)
+        c.observe_ttft(bad if bad else -1.0, 0.5)  # a prediction may be 0, not below
+    assert (_choose(c), c.decode_speed("raw"), c.bandwidth(NETWORK, SERVER)) == before
+    assert c.prefill_seconds(2048) == pytest.approx(2048 / 290.0)
+    assert c.ttft_requests == 0 and c.ttft_error == 0.0
 
 
 def test_each_encoding_crosses_a_route_at_its_own_share_of_its_bandwidth() -> None:

@@ -102,6 +102,7 @@ from kdn.delivery.defaults import (
     RECOMPUTE,
     SAME_HOST,
 )
+from kdn.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +110,12 @@ RECENT = 3
 """Samples of an encoding's own hits whose median its running means take (one straggler
 among three changes nothing; a change that lasts shows from the second request on); also
 the samples kept per prefill length class."""
+
+
+def _measured(*values: float) -> bool:
+    """Every value is finite and above 0: an observation worth learning from (an infinite
+    or NaN time, from a clock that jumped or a failed timer, would stay in the means)."""
+    return all(math.isfinite(v) and v > 0 for v in values)
 
 
 def _length_class(tokens: int) -> int:
@@ -247,22 +254,29 @@ class LoadingController:
     the decisions the next failure leaves it out for)."""
 
     def __post_init__(self) -> None:
+        speeds = {"prefill_tok_s": self.prefill_tok_s, **{
+            f"priors_b_s[{k!r}]": v for k, v in self.priors_b_s.items()}}
+        if self.bandwidth_b_s is not None:
+            speeds["bandwidth_b_s"] = self.bandwidth_b_s
+        for name, value in speeds.items():
+            if not _measured(value):
+                raise ConfigError(f"{name} must be a finite speed above 0, got {value}")
         if self.bandwidth_b_s is not None:
             self.priors_b_s[SAME_HOST] = self.priors_b_s[NETWORK] = self.bandwidth_b_s
         if not 0.0 <= self.alpha <= 1.0:
-            raise ValueError(f"alpha must lie in [0, 1], got {self.alpha}")
+            raise ConfigError(f"alpha must lie in [0, 1], got {self.alpha}")
         if not 0.0 <= self.margin_min <= self.margin_max < 1.0:
-            raise ValueError("margins must satisfy 0 <= margin_min <= margin_max < 1, got "
-                             f"{self.margin_min} and {self.margin_max}")
-        if self.explore < 0:
-            raise ValueError(f"explore must be >= 0, got {self.explore}")
+            raise ConfigError("margins must satisfy 0 <= margin_min <= margin_max < 1, got "
+                              f"{self.margin_min} and {self.margin_max}")
+        if not (math.isfinite(self.explore) and self.explore >= 0):
+            raise ConfigError(f"explore must be finite and >= 0, got {self.explore}")
         if self.trials < 0:
-            raise ValueError(f"trials must be >= 0, got {self.trials}")
+            raise ConfigError(f"trials must be >= 0, got {self.trials}")
         if self.retry_every < 0 or self.retry_max < self.retry_every:
-            raise ValueError("re-trials need 0 <= retry_every <= retry_max, got "
-                             f"{self.retry_every} and {self.retry_max}")
-        if self.retry_cost < 1.0:
-            raise ValueError(f"retry_cost must be >= 1, got {self.retry_cost}")
+            raise ConfigError("re-trials need 0 <= retry_every <= retry_max, got "
+                              f"{self.retry_every} and {self.retry_max}")
+        if not (math.isfinite(self.retry_cost) and self.retry_cost >= 1.0):
+            raise ConfigError(f"retry_cost must be finite and >= 1, got {self.retry_cost}")
 
     def _ewma(self, old: float, new: float) -> float:
         return (1 - self.alpha) * old + self.alpha * new
@@ -280,7 +294,7 @@ class LoadingController:
         """``nbytes`` crossed ``path`` (from ``server``, where known) in ``seconds``: both
         the path kind's estimate and the server's follow it; with the ``encoding`` they
         carried, its share of that path (``transfer_fits``) too."""
-        if nbytes > 0 and seconds > 0:
+        if _measured(nbytes, seconds):
             rate = nbytes / seconds
             fit = _option_key(encoding, path == IN_PROCESS, path, server)
             with self._lock:
@@ -309,7 +323,7 @@ class LoadingController:
     def observe_prefill(self, tokens: int, seconds: float) -> None:
         """A prefill of ``tokens`` tokens took ``seconds``: a sample of its length class
         (module docstring); the recomputes' spread follows its ratio to the prediction."""
-        if tokens > 0 and seconds > 0:
+        if _measured(tokens, seconds):
             with self._lock:
                 predicted = self.prefill_seconds(tokens)
                 self._add_prefill(tokens, seconds)
@@ -318,7 +332,7 @@ class LoadingController:
     def calibrate_prefill(self, tokens: int, seconds: float) -> None:
         """A timed calibration prefill of ``tokens`` tokens: its speed replaces the prior
         and is the first sample of its length class (module docstring)."""
-        if tokens > 0 and seconds > 0:
+        if _measured(tokens, seconds):
             with self._lock:
                 self.prefill_tok_s = tokens / seconds
                 self.calibrated_tokens = tokens
@@ -332,7 +346,7 @@ class LoadingController:
     def calibrate_link(self, bytes_per_s: float, path: str = NETWORK, server: str = "") -> None:
         """A measured bandwidth of ``path`` from ``server`` (``kdn.client.probe``): it replaces
         the prior for the path kind and the server (later retrieves refine it)."""
-        if bytes_per_s > 0:
+        if _measured(bytes_per_s):
             with self._lock:
                 self.bandwidths_b_s[path] = bytes_per_s
                 if server:
@@ -344,7 +358,7 @@ class LoadingController:
         alone): it replaces the prior until the first hit decoded in it is seen
         (``observe_decode``), with what hits of other encodings showed they cost beyond
         their codec added (``overhead_s_b``)."""
-        if kv_bytes > 0 and seconds > 0:
+        if _measured(kv_bytes, seconds):
             with self._lock:
                 self.codec_b_s[self._key(encoding, device)] = kv_bytes / seconds
 
@@ -372,7 +386,7 @@ class LoadingController:
 
     def observe_ttft(self, predicted_s: float, measured_s: float) -> None:
         """One request's predicted and measured time to first token."""
-        if measured_s > 0:
+        if _measured(measured_s) and 0 <= predicted_s < math.inf:
             with self._lock:
                 self.ttft_requests += 1
                 self.ttft_abs_ratio_sum += abs(predicted_s / measured_s - 1)
@@ -393,7 +407,7 @@ class LoadingController:
         ``device``: the first replaces the calibration or prior (what a hit costs end to end
         is what decisions must weigh), later ones are running means. Where the encoding was
         calibrated, what it cost beyond the codec is learnt as the device's overhead."""
-        if kv_bytes > 0 and seconds > 0:
+        if _measured(kv_bytes, seconds):
             self._learn_decode(encoding, kv_bytes / seconds, device, replace=False)
 
     def _learn_decode(self, encoding: str, rate: float, device: str | None,
@@ -425,7 +439,7 @@ class LoadingController:
         and more their median as a running mean); the option's spread follows ``seconds``.
         The bandwidth is ``observe_transfer``'s to learn. A hit lifts a suspension of its
         encoding on that route (``observe_failure``)."""
-        if kv_bytes <= 0 or seconds <= 0:
+        if not (_measured(kv_bytes, seconds) and math.isfinite(transfer_s)):
             return
         t, layers = max(0.0, transfer_s), max(1, self.layers)
         after = max(seconds - t, 0.0)
