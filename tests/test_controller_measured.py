@@ -271,3 +271,22 @@ def test_each_request_records_predicted_and_measured_ttft(
         pytest.approx(error)
     assert engine.ttft_error == pytest.approx(error)
     assert engine.controller.last_ttft == (got.predicted_ttft_s, got.ttft_s)
+
+
+def test_a_clock_that_does_not_advance_leaves_the_prior_and_generates(
+        client: Client, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under a frozen clock (a time-freezing test tool) the calibration takes 0 s: its speed is
+    not learnt, the engine counts as calibrated and every request still generates (the log
+    line of the calibration divided by that 0)."""
+    from kdn.engine import engine as engine_module
+    from kdn.engine import measure
+
+    frozen = types.SimpleNamespace(perf_counter=lambda: 100.0)
+    monkeypatch.setattr(engine_module, "time", frozen)
+    monkeypatch.setattr(measure, "time", frozen)
+    engine = KDNEngine(_model(hidden=64, layers=2), _Tok(), client,
+                       EngineConfig(chunk_tokens=32, store_back=False, calibration_tokens=64))
+    prior = engine.controller.prefill_tok_s
+    for _ in range(2):
+        assert len(engine.generate(_ids(40), max_new_tokens=2).token_ids) == 2
+    assert engine.controller.prefill_tok_s == prior and engine.controller.calibrated_tokens == 0

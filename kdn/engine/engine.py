@@ -201,7 +201,7 @@ class KDNEngine(KVConnector):
         self.controller.calibrate_prefill(n, best)
         self._calibrated = True
         log.info("calibration: %d tokens prefilled in %.4f s (%.0f tokens/s)", n, best,
-                 n / best)
+                 n / best if best > 0 else math.inf)  # a clock that did not advance
         time_decodes(self.controller, self.encodings, self.layout, self.config.chunk_tokens,
                      self._device)
         if self.config.probe_link and self._answers():
