@@ -16,6 +16,7 @@ import transformers
 from kdn import keys
 from kdn.client import Client
 from kdn.engine import EngineConfig, KDNEngine
+from kdn.errors import InvalidArgument
 from kdn.layout import DType
 from kdn.model import hf
 from kdn.server import ServerConfig, ServerThread
@@ -211,3 +212,20 @@ def test_a_hub_checkpoint_in_a_subfolder_names_its_parameters(
     _llama(0).save_pretrained(snapshots / "def")
     model.config._commit_hash = "def"
     assert hf.default_weights_id(model) == "org/m@def"
+
+
+@pytest.mark.parametrize("make", [
+    lambda: transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=256, n_embd=64, n_layer=2, n_head=4, n_positions=512)),
+    lambda: transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4))], ids=["gpt2", "gpt-neox"])
+def test_a_model_not_llama_like_is_refused_by_name(client: Client, make: Any) -> None:
+    """GPT-2 and GPT-NeoX decoders have no embed_tokens nor layers: the engine refuses them,
+    naming the class and what it needs (an AttributeError came from deep inside before)."""
+    model = make().eval()
+    name = type(model).__name__
+    with pytest.raises(InvalidArgument, match=f"{name} is not a model kdn drives.*embed_tokens"):
+        KDNEngine(model, _Tok(), client, RAW)
+    with pytest.raises(InvalidArgument, match=name):
+        hf.decoder_layers(model)

@@ -137,6 +137,7 @@ class KDNEngine(KVConnector):
                  config: EngineConfig | None = None,
                  controller: LoadingController | None = None) -> None:
         self.model = model
+        self._vocabulary, self._context = prompt_limits(model)  # InvalidArgument: unsupported
         self.tokenizer = tokenizer
         self.client = client
         self.config = config or EngineConfig()
@@ -164,7 +165,6 @@ class KDNEngine(KVConnector):
         self._saver = StoreBack(client, self._layout, self.config.chunk_tokens, self.encodings,
                                 self.namespace, self._device, self._lookup_timeout())
         self._request = threading.Lock()
-        self._vocabulary, self._context = prompt_limits(model)
         self._begin([])
 
     @property

@@ -44,7 +44,17 @@ from kdn.layout import DType, KVLayout
 
 
 def _inner(model: Any) -> Any:
-    return model.get_decoder() if hasattr(model, "get_decoder") else model.model
+    """The decoder of a Llama-like causal LM (its ``embed_tokens``, ``layers``, ``norm``,
+    ``rotary_emb``); InvalidArgument naming the model's class for any other (GPT-2,
+    GPT-NeoX, Falcon: their blocks name and run these parts their own ways)."""
+    inner = model.get_decoder() if hasattr(model, "get_decoder") \
+        else getattr(model, "model", None)
+    if not (hasattr(inner, "embed_tokens") and hasattr(inner, "layers")):
+        raise InvalidArgument(
+            f"{type(model).__name__} is not a model kdn drives: kdn needs a Llama-like "
+            "transformers causal LM (Llama, Mistral, Qwen2, Gemma, ...) whose decoder has "
+            f"embed_tokens and layers, and its decoder {type(inner).__name__} has not")
+    return inner
 
 
 def _text_config(model: Any) -> Any:
@@ -211,7 +221,8 @@ def model_layout(model: Any, kv_dtype: DType | None = None, weights_id: str | No
 def prompt_limits(model: Any) -> tuple[int, int | None]:
     """(vocabulary, context) of ``model``: a token id lies in 0..vocabulary-1 (the rows of its
     input embeddings), and a prompt holds at most ``context`` tokens (the config's
-    max_position_embeddings; None where it names none)."""
+    max_position_embeddings; None where it names none). InvalidArgument for a model kdn
+    does not drive (not Llama-like: ``_inner``)."""
     context = getattr(_text_config(model), "max_position_embeddings", None)
     vocabulary = int(_inner(model).embed_tokens.num_embeddings)
     return vocabulary, context if isinstance(context, int) and context > 0 else None
