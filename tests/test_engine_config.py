@@ -28,6 +28,8 @@ from tests.test_engine_devices import _model, _Tok
     ("encodings", (("raw", None),), "pair"),
     ("encodings", "raw", "pairs"),
     ("encodings", (), "at least one"),
+    ("encodings", (("raw", ""), ("raw", "")), "twice"),
+    ("encodings", (("kdn", "default"), ("raw", ""), ["kdn", "default"]), "'default'"),
     ("chunk_tokens", -1, "-1"),
     ("chunk_tokens", 1.5, "1.5"),
     ("chunk_tokens", True, "True"),

@@ -141,7 +141,8 @@ def _whole(name: str, value: object, low: int, high: int) -> None:
 
 def _encodings(given: object) -> tuple[tuple[str, str], ...]:
     """``given`` as a tuple of (mode, level) pairs, each a codec kdn has
-    (``kdn.codec.catalog.check_codec``); ConfigError naming the first that is not."""
+    (``kdn.codec.catalog.check_codec``) and named once; ConfigError naming the first that is
+    not."""
     if isinstance(given, (str, bytes)) or not isinstance(given, (tuple, list)):
         raise ConfigError(f"encodings: a sequence of (mode, level) pairs, e.g. "
                           f"(('raw', ''),), or None; got {given!r}")
@@ -158,6 +159,8 @@ def _encodings(given: object) -> tuple[tuple[str, str], ...]:
             check_codec(pair[0], pair[1])
         except InvalidArgument as exc:
             raise ConfigError(f"encodings: {tuple(pair)!r}: {exc}") from None
+        if (pair[0], pair[1]) in pairs:  # each block would be stored twice under one key
+            raise ConfigError(f"encodings: {tuple(pair)!r} is named twice")
         pairs.append((pair[0], pair[1]))
     return tuple(pairs)
 
