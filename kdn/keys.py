@@ -6,7 +6,8 @@ covers the model fingerprint) and the token ids as little-endian int32:
 * ``chunk_key``: position-free key of a knowledge chunk that may be placed anywhere in a prompt
   (the cache was prefilled with the chunk alone, from position 0).
 * ``prefix_keys``: chained keys over fixed-size token chunks, for prefix reuse. Key i covers
-  tokens [0, (i+1) * chunk_tokens): it hashes key i-1 and chunk i's tokens, so a hit on key i
+  tokens [0, (i+1) * chunk_tokens): it hashes key i-1 and chunk i's tokens (and what else the
+  engine says chunk i's KV depends on: its images, its prompt embeddings), so a hit on key i
   implies the whole prefix matches.
 * ``text_chunk_key``: tokenize with the model's tokenizer, then ``chunk_key``. Keys name token
   ids, never text: texts that tokenize alike share a key, texts that do not (``"é"`` in NFC
@@ -169,11 +170,18 @@ def prefix_keys(
     adapter: str = "",
     tp: Shard | None = None,
     salt: str | bytes = b"",
+    extras: Sequence[bytes] = (),
 ) -> list[bytes]:
     """Chained keys of each full ``chunk_tokens`` block of the prefix; a partial tail has none.
-    ``adapter``/``tp``/``salt`` enter the chain's root, so they change every link."""
+    ``adapter``/``tp``/``salt`` enter the chain's root, so they change every link.
+    ``extras[i]`` (opaque bytes) enters chunk i's link and so every later one: what the KV of
+    chunk i depends on beyond its token ids (an engine's images placed in it, its prompt
+    embeddings). A chunk past the end of ``extras``, or whose extra is empty, has the link it
+    would have without."""
     check_namespace(namespace)
     chunk_tokens = _u32("chunk_tokens", chunk_tokens)
+    if isinstance(extras, (bytes, str)) or not all(isinstance(e, bytes) for e in extras):
+        raise InvalidArgument("extras must be a sequence of bytes, one per chunk")
     raw = _token_bytes(token_ids)
     step = chunk_tokens * 4
     prev = _h(
@@ -186,7 +194,11 @@ def prefix_keys(
     )
     out: list[bytes] = []
     for i in range(len(raw) // step):
-        prev = _h(b"kdn/prefix-link/v1", prev, raw[i * step : (i + 1) * step])
+        part = raw[i * step : (i + 1) * step]
+        if i < len(extras) and extras[i]:
+            prev = _h(b"kdn/prefix-link-extra/v1", prev, part, extras[i])
+        else:
+            prev = _h(b"kdn/prefix-link/v1", prev, part)
         out.append(prev)
     return out
 

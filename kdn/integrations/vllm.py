@@ -49,7 +49,8 @@ Worker (the model runner, around one forward pass):
 Storage: one kdn entry per ``chunk_tokens`` tokens of a prompt (a whole number of vLLM
 blocks), keyed by ``kdn.keys.prefix_keys`` chained over the prompt, so a hit on chunk i
 implies the prefix matches; the layout (model, layer count, KV heads, head size, dtype), the
-chunk size, the request's LoRA adapter, the TP shard and the cache salt are all in the key.
+chunk size, the request's LoRA adapter (name and path), the TP shard, the cache salt and each
+chunk's images and prompt embeddings are all in the key (``kdn.integrations.vllm_keys``).
 Each chunk is stored in every configured encoding; the loading controller
 (``kdn.delivery.LoadingController``) picks which one to load.
 """

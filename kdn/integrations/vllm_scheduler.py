@@ -4,7 +4,8 @@ Lifecycle of one request here:
 
 1. ``matched(request, local_hit)`` (vLLM's ``get_num_new_matched_tokens``): the first call
    submits a ``_Lookup`` to a thread pool and answers None ("ask again later"); the pool hashes
-   the request's chunks into keys (every TP rank's), asks the server in one batched Lookup
+   the request's chunks into keys (every TP rank's; with its adapter, images, prompt
+   embeddings and salt: ``kdn.integrations.vllm_keys``), asks the server in one batched Lookup
    which of them it holds in each configured encoding, and lets the loading controller pick
    the encoding to load. Later calls answer from the finished lookup: the hit tokens beyond
    ``local_hit`` (0 when the server could not answer: the keys are still made, so the
@@ -32,6 +33,7 @@ from typing import TYPE_CHECKING
 from kdn import keys
 from kdn.client import Client
 from kdn.delivery import NETWORK, RECOMPUTE, SAME_HOST, LoadingController
+from kdn.integrations.vllm_keys import request_chains
 from kdn.integrations.vllm_meta import (
     KDNConnectorConfig,
     KDNConnectorMetadata,
@@ -105,20 +107,8 @@ class SchedulerSide:
 
     # -- lookups ------------------------------------------------------------------------------
 
-    def _chains(self, token_ids: list[int], request: Request) -> list[list[bytes]]:
-        lora = getattr(request, "lora_request", None)
-        adapter = str(getattr(lora, "lora_name", "") or "") if lora is not None else ""
-        salt = self.config.salt
-        cache_salt = getattr(request, "cache_salt", None)
-        if cache_salt:
-            salt = f"{salt}\x00{cache_salt}"
-        size = self.shape.tp_size
-        return [keys.prefix_keys(token_ids, self.shape.layout, self.config.namespace,
-                                 self.shape.chunk_tokens, adapter=adapter, tp=(r, size),
-                                 salt=salt) for r in range(size)]
-
     def _lookup(self, token_ids: list[int], request: Request) -> _Found:
-        chains = self._chains(token_ids, request)
+        chains = request_chains(request, token_ids, self.shape, self.config)
         n = len(chains[0])
         usable = max(0, (len(token_ids) - 1) // self.shape.chunk_tokens)  # >= 1 token computed
         if not n:
