@@ -18,7 +18,7 @@ from kdn.cache import KVCache
 from kdn.client import Client
 from kdn.client.stream import LayerStream
 from kdn.engine import EngineConfig, KDNEngine
-from kdn.errors import Corrupt, TooLarge
+from kdn.errors import Corrupt, LayoutMismatch, TooLarge
 from kdn.server import ServerConfig, ServerThread
 from tests.helpers import count_decoders
 from tests.test_engine_devices import _model, _Tok
@@ -182,3 +182,34 @@ def test_a_load_too_large_for_here_leaves_the_encoding_out_but_keeps_its_blocks(
     assert got.token_ids == _full(engine)
     assert failures == ["raw"]
     assert rewrites == ["" if isinstance(error, TooLarge) else "raw"]
+
+
+def test_a_block_failing_through_the_connector_protocol_is_stored_again(
+        engine: KDNEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An engine wrapping kdn drives the protocol itself: start_load, wait_for_layer until one
+    fails, then the whole prompt's KV to save_layer. Every block is stored again (the bad one
+    mended), the controller learns the failure, and later layers raise it again."""
+    from kdn.model import hf
+
+    chain = [keys.variant_key(k, "raw") for k in engine._chain(IDS)]  # noqa: SLF001
+    block0 = engine.client.retrieve(chain[0], layout=engine.layout)
+    engine.client.store(chain[1], block0, mode="raw")  # block 1's key holds block 0's KV
+    failures: list[str] = []
+    observe = engine.controller.observe_failure
+    monkeypatch.setattr(engine.controller, "observe_failure",
+                        lambda enc, *a: failures.append(enc) or observe(enc, *a))
+    assert engine.start_load(IDS, force="raw") == 96
+    with pytest.raises(LayoutMismatch, match="holds the KV of tokens 0..32"):
+        engine.wait_for_layer(0)
+    with pytest.raises(LayoutMismatch, match="holds the KV of tokens 0..32"):
+        engine.wait_for_layer(1)
+    assert failures == ["raw"]
+    kv, _ = hf.prefill(engine.model, IDS, engine.layout)
+    for i, (k, v) in enumerate(kv.layers):
+        engine.save_layer(i, k, v)
+    engine.wait_for_save(60)
+    engine.finish()
+    assert engine.start_load(IDS, force="raw") == 96
+    for i in range(engine.layout.num_layers):
+        engine.wait_for_layer(i)  # every block loads: the bad one was stored again
+    engine.finish()

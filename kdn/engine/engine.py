@@ -325,12 +325,18 @@ class KDNEngine(KVConnector):
             return 0
 
     def _load_failure(self, exc: BaseException, encoding: str) -> None:
-        """A load of ``encoding``'s blocks failed with ``exc``: the encoding is left out for a
-        while unless the server was only slow to send; its blocks are stored again unless
-        they were only late or too large for the memory here (nothing wrong with them)."""
+        """A load of ``encoding``'s blocks failed with ``exc``: the prompt is computed whole,
+        so ``save_layer`` stores every block, not only those after the ones that were meant to
+        load; the encoding is left out for a while (the controller learns it) unless the
+        server was only slow to send; its blocks are stored again unless they were only late
+        or too large for the memory here (nothing wrong with them)."""
         late = isinstance(exc, DeadlineExceeded)
         self._failed = "" if late else encoding
         self._rewrite = "" if late or isinstance(exc, TooLarge) else encoding
+        self._loaded_blocks = 0
+        self._timings.load_error = f"{type(exc).__name__}: {exc}"
+        if self._failed:
+            self.controller.observe_failure(self._failed, self._path, self._server)
 
     def start_load(self, token_ids: Sequence[int], *, force: str | None = None) -> int:
         """Begin loading the reusable prefix of a new request (what is left of the last one
@@ -385,7 +391,6 @@ class KDNEngine(KVConnector):
                     device=self._device)  # layers land on the model's device
         except Exception as exc:  # unreachable, refused, not a block of ours: recompute
             log.warning("kdn: loading %d blocks failed (%s); computing the prompt", hits, exc)
-            t.load_error = f"{type(exc).__name__}: {exc}"
             self._load_until = math.inf
             self._load_failure(exc, decision.choice)
             return 0
@@ -415,11 +420,16 @@ class KDNEngine(KVConnector):
     def wait_for_layer(self, i: int, timeout: float | None = None) -> LayerKV:
         """Layer i of the loaded prefix; waits at most ``timeout`` seconds, or, where that is
         None, until the load's deadline (``_load_deadline``): DeadlineExceeded after it.
-        InvalidRequest where no load is under way, or for a layer the model does not have."""
+        InvalidRequest where no load is under way, or for a layer the model does not have.
+        Once a layer failed the load is over (its streams cancelled, the caller computes the
+        prompt whole, ``save_layer`` stores every block: ``_load_failure``), and every later
+        call raises that failure again."""
         n = self.layout.num_layers
         if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n:
             raise InvalidRequest(f"wait_for_layer: layer must be a whole number in [0, {n}), "
                                  f"got {i!r}")
+        if self._load_failed is not None:
+            raise again(self._load_failed)
         if not self._streams:
             raise InvalidRequest("wait_for_layer: no load is under way (start_load loaded "
                                  "nothing, or the request is over)")
@@ -443,6 +453,9 @@ class KDNEngine(KVConnector):
             # kept without its traceback (this frame, holding the engine, and the model's
             # forward, holding its tensors); a copy is raised, whose traceback is its own
             self._load_failed = kept(exc)
+            self.finish()
+            self._load_until = math.inf
+            self._load_failure(exc, self._timings.decision)
             raise again(exc) from None
         return out
 
@@ -545,11 +558,8 @@ class KDNEngine(KVConnector):
                 if failed is None:  # the model's own error, not the load's
                     raise
                 log.warning("kdn: a block failed while loading (%s); computing the prompt",
-                            failed)
-                t.load_error = f"{type(failed).__name__}: {failed}"
-                self.finish()
-                self._load_failure(failed, t.decision)
-                streams, reused, t.decision, self._loaded_blocks = [], 0, RECOMPUTE, 0
+                            failed)  # (wait_for_layer recorded it: _load_failure)
+                streams, reused, t.decision = [], 0, RECOMPUTE
                 decoder, logits = self._first_token(ids, 0)
             t.first_token_compute_s = time.perf_counter() - tc  # copies and compute are done
             t.ttft_s = time.perf_counter() - start
@@ -559,8 +569,6 @@ class KDNEngine(KVConnector):
                 client_metrics.record_ttft(t.decision, t.predicted_ttft_s, t.ttft_s)
                 observe_request(self.controller, streams, t.decision, reused, t,
                                 self._path, self._server, self.layout.bytes_per_token)
-            elif self._failed:  # that encoding is left out here for a while
-                self.controller.observe_failure(self._failed, self._path, self._server)
             for i, (k, v) in enumerate(cache_layers(decoder.cache)):
                 self.save_layer(i, k[0], v[0])  # [1, kv_heads, tokens, ch] -> batch row 0
             store_thread = self._store_thread
