@@ -85,6 +85,12 @@ def test_each_start_load_begins_a_request_of_its_own(client: Client) -> None:
     k, _ = engine.wait_for_layer(0, timeout=30)
     assert torch.equal(k, full.layers[0][0][:, :32])  # b's own KV, under b's keys
     engine.finish()
+    # token ids matched_tokens refuses as start_load does: bools (read as 0/1 they would
+    # match another prompt's blocks), a batch ([1, tokens]: it matched nothing)
+    for what in ([True, False] * 20, torch.tensor([b])):
+        for call in (engine.matched_tokens, engine.start_load):
+            with pytest.raises(InvalidArgument, match=f"{call.__name__}: token"):
+                call(what)  # type: ignore[arg-type]
 
 
 def test_layerwise_cache_fills_each_layer_right_before_it_runs() -> None:

@@ -314,8 +314,9 @@ class KDNEngine(KVConnector):
 
     def matched_tokens(self, token_ids: Sequence[int]) -> int:
         """Leading tokens stored; 0 where the server can not be reached or does not answer
-        within ``lookup_timeout_s``."""
-        chain = self._chain(token_ids)
+        within ``lookup_timeout_s``. InvalidArgument for what ``start_load`` refuses (bools,
+        a batch: ``checks.token_ids``)."""
+        chain = self._chain(checks.token_ids(token_ids, "matched_tokens"))
         if not chain:
             return 0
         try:
