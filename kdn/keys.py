@@ -53,6 +53,10 @@ from kdn.names import (
 from kdn.text import tokenize
 
 DEFAULT_PREFIX_CHUNK = 256
+MAX_PREFIX_CHUNK = 1 << 16
+"""The most tokens an engine's prefix chunk may hold (``EngineConfig.chunk_tokens``, vLLM's
+connector's): a chunk is the unit of reuse, and one this long is larger than most prompts
+(and tens of GiB of KV on a large model)."""
 
 if TYPE_CHECKING:
     import torch

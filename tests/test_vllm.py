@@ -133,8 +133,11 @@ def test_vllms_factory_loads_the_connector_by_module_path(kdn_server: ServerThre
 
 def test_bad_settings_and_unsupported_caches_are_refused(kdn_server: ServerThread) -> None:
     addr = kdn_server.address
-    with pytest.raises(ValueError, match="unknown kdn connector settings.*chunk_size"):
+    with pytest.raises(ConfigError, match="unknown kdn connector settings.*chunk_size"):
         KDNConnectorConfig.from_extra({"chunk_size": 8})
+    for extra in ("127.0.0.1:50051", 5, ["address"], [["address", "10.0.0.1:1"]]):
+        with pytest.raises(ConfigError, match="kdn's settings are a JSON object"):
+            KDNConnectorConfig.from_extra(extra)  # type: ignore[arg-type]
     with pytest.raises(Exception, match="unknown codec mode 'zip'"):
         KDNConnectorConfig.from_extra({"encodings": ["zip"]})
     with pytest.raises(ValueError, match="chunk_tokens must be >= 1"):
@@ -193,6 +196,9 @@ def test_numeric_settings_are_checked_at_construction(name: str, value: Any, say
     ({"allow_recompute": "yes"}, "allow_recompute must be true or false"),
     ({"encodings": [1]}, "encodings must be a list of encoding names"),
     ({"encodings": ["lz4"]}, "encodings: 'lz4': unknown codec mode"),
+    ({"ttl_s": -1}, "ttl_s must be >= 0"), ({"ttl_s": "60"}, "ttl_s must be a whole number"),
+    ({"namespace": "a/b"}, "namespace: namespace 'a/b' is malformed"),
+    ({"chunk_tokens": 2**40}, "chunk_tokens must be <= 65536"),
 ])
 def test_other_settings_are_checked_at_construction(extra: dict[str, Any], says: str) -> None:
     with pytest.raises(ConfigError, match=re.escape(says)):

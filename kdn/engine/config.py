@@ -17,6 +17,7 @@ import torch
 from kdn.codec.catalog import check_codec
 from kdn.delivery import RECOMPUTE
 from kdn.errors import ConfigError, InvalidArgument, InvalidRequest
+from kdn.keys import MAX_PREFIX_CHUNK
 from kdn.layout import DType, KVLayout
 from kdn.names import check_namespace
 from kdn.text import tokenize
@@ -30,7 +31,7 @@ MAX_CHUNK_BYTES = 64 << 20
 power of two), so that each entry streams in frames of a few layers and stays far below the
 server's ``max_entry_bytes`` guard: Llama-3-70B fp16 (320 KiB/token) gets 128."""
 
-MAX_CHUNK_TOKENS = 1 << 16
+MAX_CHUNK_TOKENS = MAX_PREFIX_CHUNK
 """The most tokens ``EngineConfig.chunk_tokens`` may name: a block is the unit of reuse, and
 one this long is larger than most prompts (and tens of GiB of KV on a large model)."""
 MAX_CALIBRATION_TOKENS = 1 << 17

@@ -41,7 +41,8 @@ class KDNConnectorConfig:
     (``kdn.delivery.default_encodings``): on a GPU ``raw`` from a server on this host or the
     in-process tier, ``kdn-default`` and ``raw`` across a network; ``lossless`` on a CPU."""
     chunk_tokens: int = 256
-    """Tokens per kdn entry (the unit of reuse); rounded down to whole vLLM blocks."""
+    """Tokens per kdn entry (the unit of reuse), at most ``keys.MAX_PREFIX_CHUNK``; rounded
+    down to whole vLLM blocks."""
     salt: str = ""
     """Opaque salt in every key, beside each request's own ``cache_salt``."""
     weights_id: str = ""
@@ -76,6 +77,10 @@ class KDNConnectorConfig:
 
     def __post_init__(self) -> None:
         check_number("chunk_tokens", self.chunk_tokens, whole=True, positive=True)
+        if self.chunk_tokens > keys.MAX_PREFIX_CHUNK:
+            raise ConfigError(f"chunk_tokens must be <= {keys.MAX_PREFIX_CHUNK}, got "
+                              f"{self.chunk_tokens}")
+        check_number("ttl_s", self.ttl_s, whole=True, positive=False)
         check_number("timeout_s", self.timeout_s, whole=False, positive=True)
         check_number("lookup_threads", self.lookup_threads, whole=True, positive=True)
         check_number("prefill_tok_s", self.prefill_tok_s, whole=False, positive=True)
@@ -100,16 +105,24 @@ class KDNConnectorConfig:
                 and all(isinstance(v, int) and not isinstance(v, bool) for v in self.tp)
                 and 0 <= self.tp[0] < self.tp[1]):
             raise ConfigError(f"tp must be (rank, size) with 0 <= rank < size, got {self.tp!r}")
-        keys.check_namespace(self.namespace)
-        StoreOptions(ttl_s=self.ttl_s)
+        for name, check in (("namespace", lambda: keys.check_namespace(self.namespace)),
+                            ("ttl_s", lambda: StoreOptions(ttl_s=self.ttl_s))):
+            try:
+                check()
+            except KDNError as exc:
+                raise ConfigError(f"{name}: {exc}") from None
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> KDNConnectorConfig:
+        if extra is not None and not isinstance(extra, dict):  # dict() of pairs is no config
+            raise ConfigError(f"kv_connector_extra_config: kdn's settings are a JSON object "
+                              f"({{\"address\": ...}}), got {type(extra).__name__}")
         given = dict(extra or {})
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(given) - known)
         if unknown:
-            raise ValueError(f"unknown kdn connector settings {unknown}; known: {sorted(known)}")
+            raise ConfigError(f"unknown kdn connector settings {unknown}; known: "
+                              f"{sorted(known)}")
         if isinstance(given.get("encodings"), str):
             given["encodings"] = (given["encodings"],)
         for name in ("encodings", "tp"):
