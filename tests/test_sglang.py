@@ -493,10 +493,15 @@ def test_settings_are_checked_by_type_naming_the_field(name: str, value: Any, sa
 
 def test_settings_that_are_not_an_object_or_are_past_any_range_are_named() -> None:
     """``"kdn": "host:port"`` was a bare ValueError, ``[["workers", 2]]`` taken as an object,
-    and ``workers: 10**400`` an OverflowError traceback."""
-    for got in ("127.0.0.1:50051", [["workers", 2]], 7):
+    ``"kdn": ""`` (or 0, false, []) the defaults, and ``workers: 10**400`` an OverflowError
+    traceback."""
+    for got in ("127.0.0.1:50051", [["workers", 2]], 7, "", [], 0, False, None):
         with pytest.raises(ConfigError, match="kdn: the backend's settings are a JSON object"):
-            KDNBackendConfig.from_extra({"kdn": got})
+            KDNBackendConfig.from_extra({"kdn": got})  # (falsy ones were the defaults)
+    for extra in ("kdn", [1], 5):  # (an AttributeError)
+        with pytest.raises(ConfigError, match="the backend's extra config is a JSON object"):
+            KDNBackendConfig.from_extra(extra)  # type: ignore[arg-type]
+    assert KDNBackendConfig.from_extra({"other": 1}) == KDNBackendConfig.from_extra(None)
     for name in ("workers", "shm_bytes", "ttl_s", "timeout_s"):
         with pytest.raises(ConfigError, match=f"kdn.{name} must be a"):
             KDNBackendConfig.from_extra({"kdn": {name: 10**400}})

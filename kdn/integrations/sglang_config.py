@@ -81,8 +81,11 @@ class KDNBackendConfig:
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> KDNBackendConfig:
         """The config in ``extra["kdn"]`` (defaults when absent); unknown names are errors."""
-        got = (extra or {}).get("kdn") or {}
-        if not isinstance(got, dict):  # dict() of a list of pairs, or of a str, is no config
+        if extra is not None and not isinstance(extra, dict):
+            raise ConfigError(f"the backend's extra config is a JSON object ({{\"kdn\": "
+                              f"{{...}}}}), got {type(extra).__name__}")
+        got = (extra or {}).get("kdn", {})
+        if not isinstance(got, dict):  # "", 0, false are no config, nor dict() of pairs
             raise ConfigError(f"kdn: the backend's settings are a JSON object ({{\"address\": "
                               f"...}}), got {type(got).__name__}")
         given = dict(got)
