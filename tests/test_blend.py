@@ -503,6 +503,35 @@ def test_a_chunk_not_of_the_model_is_refused_before_any_layer() -> None:
     assert blend(pruned, [Piece(q)]).kv.layout == model_layout(pruned)
 
 
+def test_a_source_whose_layers_are_not_its_tokens_is_refused() -> None:
+    """A LayerSource handing back K/V of another shape than the chunk's (1 token or 1 head
+    for 10 tokens: copy_ would broadcast it over them; 5 tokens: a bare RuntimeError), or a
+    piece whose ids changed after it was built, is InvalidLayout naming the piece and layer."""
+    model = tiny("llama")
+    layout = model_layout(model, DType.FLOAT32)
+    a, q = ids(10, seed=1), ids(5, seed=2)
+    kv, _ = prefill(model, a, layout)
+
+    class Cut:
+        def __init__(self, take: Any) -> None:
+            self.layout, self.take = layout, take
+
+        def wait_for_layer(self, i: int, timeout: float | None = None) -> Any:
+            return tuple(self.take(t) for t in kv.layers[i])
+
+    for take, match in ((lambda t: t[:, :1], r"piece 1: layer 0's K has shape \(2, 1, 16\), "
+                                             r"expected \(2, 10, 16\)"),
+                        (lambda t: t[:1], r"piece 1: layer 0's K has shape \(1, 10, 16\)"),
+                        (lambda t: t[:, :5], r"piece 1: layer 0's K has shape \(2, 5, 16\)")):
+        with pytest.raises(InvalidLayout, match=match):
+            blend(model, [Piece(q), Piece(a, Cut(take)), Piece(q)], BlendConfig(ratio=0.15))
+    grown = Piece(a, kv)
+    grown.ids = a + q
+    with pytest.raises(InvalidLayout, match=r"piece 0: layer 0's K has shape \(2, 10, 16\), "
+                                            r"expected \(2, 15, 16\)"):
+        blend(model, [grown, Piece(q)], BlendConfig(ratio=0.15))
+
+
 # -- streamed chunks ----------------------------------------------------------------------------
 
 

@@ -10,7 +10,8 @@ Lifecycle of ``blend(model, pieces, config)``:
 0. layouts: every chunk must hold KV of this model (``blend_layout``: its model fingerprint,
    head dimension, RoPE and each layer's heads and kept K/V channels are the model's; only
    the dtype may differ, one for all chunks), checked before anything is computed. The result
-   has the model's layout, in the chunks' dtype (the model's when there is no chunk).
+   has the model's layout, in the chunks' dtype (the model's when there is no chunk). Each
+   layer a chunk hands over must then be [kv_heads, its tokens, channels] (InvalidLayout).
 1. positions: piece j starts where piece j-1 ended; a chunk's stored keys are re-rotated by
    that offset (``rope.reposition``), exactly as if computed there.
 2. selection, one of two rules (``query_share`` mixes them):
@@ -75,7 +76,7 @@ from kdn.blend.stale import ChunkStale, correct_stale, stale_plan
 from kdn.cache import KVCache, LayerKV
 from kdn.checks import share, whole
 from kdn.errors import Cancelled, InvalidArgument, InvalidLayout, LayoutMismatch
-from kdn.layout import KVLayout
+from kdn.layout import KVLayout, LayerLayout
 from kdn.model.hf import (
     ModelParts,
     check_vocabulary,
@@ -246,6 +247,19 @@ def check_chunk_layout(chunk: KVLayout, model: KVLayout, what: str = "chunk") ->
                              f"{model.fingerprint}")
 
 
+def check_layer_kv(k: Any, v: Any, lay: LayerLayout, tokens: int, what: str, i: int) -> None:
+    """InvalidLayout, naming ``what`` and layer ``i``, unless ``k``/``v`` are tensors of
+    [kv_heads, tokens, k/v channels] as ``lay`` declares (shapes are host facts: no sync)."""
+    for name, t, ch in (("K", k, lay.k_channels), ("V", v, lay.v_channels)):
+        want = (lay.kv_heads, tokens, ch)
+        if not isinstance(t, torch.Tensor):
+            raise InvalidLayout(f"{what}: layer {i}'s {name} must be a torch tensor, got "
+                                f"{type(t).__name__}")
+        if tuple(t.shape) != want:
+            raise InvalidLayout(f"{what}: layer {i}'s {name} has shape {tuple(t.shape)}, "
+                                f"expected {want} ([kv_heads, tokens, channels])")
+
+
 def blend_layout(model: Any, pieces: list[Piece]) -> KVLayout:
     """The layout of ``blend(model, pieces)``'s result: the model's, in the chunks' dtype (the
     model's when no piece is a chunk). LayoutMismatch, naming the piece, unless every chunk is
@@ -309,10 +323,12 @@ def blend(model: Any, pieces: list[Piece], config: BlendConfig | None = None,
     n = sum(len(p.ids) for p in pieces)
     ranges: list[tuple[int, int, LayerSource, int]] = []  # chunk: [start, stop), source, shift
     spans: list[tuple[int, int]] = []  # each chunk's [start, stop) among cached tokens
+    owners: list[int] = []  # each chunk's piece index, for errors
     pos, seen = 0, 0
-    for p in pieces:
+    for j, p in enumerate(pieces):
         if p.source is not None:
             ranges.append((pos, pos + len(p.ids), p.source, pos - p.start_position))
+            owners.append(j)
             spans.append((seen, seen + len(p.ids)))
             seen += len(p.ids)
         pos += len(p.ids)
@@ -354,8 +370,9 @@ def blend(model: Any, pieces: list[Piece], config: BlendConfig | None = None,
         # k: [kv_heads, n, k_ch], v: [kv_heads, n, v_ch], in the model's dtype on its device
         k_all = torch.zeros(lay.kv_heads, n, lay.k_channels, dtype=m.dtype, device=dev)
         v_all = torch.zeros(lay.kv_heads, n, lay.v_channels, dtype=m.dtype, device=dev)
-        for a, b, src, _ in ranges:
+        for j, (a, b, src, _) in zip(owners, ranges):
             k, v = src.wait_for_layer(i)
+            check_layer_kv(k, v, lay, b - a, f"piece {j}", i)  # copy_ would broadcast
             k_all[:, a:b].copy_(k)  # from wherever the chunk lies, in whatever dtype
             v_all[:, a:b].copy_(v)
         if moved:
