@@ -148,6 +148,13 @@ def test_concat_positions_places_chunks() -> None:
     freqs = inv_freq(layout.rope)
     torch.testing.assert_close(out.layers[0][0][:, 3:], reposition(b.layers[0][0], 5, freqs,
                                                                     plan))
+    # a chunk of another layout (RoPE, model) is not re-rotated with the first one's plan
+    other = replace(layout, model_fingerprint="n", rope=RopeSpec(theta=5e5, rotary_dim=4))
+    c = KVCache(other, b.layers)
+    with pytest.raises(InvalidLayout, match="chunk 2's layout .* is not chunk 0's"):
+        concat_positions([a, b, c])
+    with pytest.raises(InvalidLayout, match="at least one chunk"):
+        concat_positions([])
 
 
 # -- selection ------------------------------------------------------------------------------

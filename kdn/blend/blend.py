@@ -521,8 +521,17 @@ def mix(deviation_scores: torch.Tensor, query_scores: torch.Tensor, share: float
 
 def concat_positions(chunks: list[KVCache], plans: list[RopePlan] | None = None,
                      freqs: torch.Tensor | None = None, start: int = 0) -> KVCache:
-    """Chunks placed one after another from ``start``, keys re-rotated (no recompute)."""
+    """Chunks placed one after another from ``start``, keys re-rotated (no recompute).
+    All must share one layout (each is re-rotated with its RoPE and kept channels): else
+    InvalidLayout naming the chunk, as ``KVCache.concat``."""
+    if not chunks:
+        raise InvalidLayout("concat_positions needs at least one chunk")
     layout = chunks[0].layout
+    for j, c in enumerate(chunks[1:], 1):
+        if c.layout.fingerprint != layout.fingerprint:
+            raise InvalidLayout(f"concat_positions: chunk {j}'s layout {c.layout.fingerprint} "
+                                f"is not chunk 0's {layout.fingerprint}: chunks to join share "
+                                f"one layout")
     dev = chunks[0].layers[0][0].device if chunks[0].layers else None  # the keys'
     if freqs is None:
         from kdn.blend.rope import inv_freq
