@@ -25,12 +25,13 @@ from kdn.model.hf import model_layout
 TOL = dict(atol=2e-5, rtol=1e-4)
 
 
-def tiny(family: str, seed: int = 0, layers: int = 4) -> Any:
+def tiny(family: str, seed: int = 0, layers: int = 4, **config: Any) -> Any:
     import transformers as tf
 
     common = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=layers,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                  max_position_embeddings=256, rope_theta=10000.0, initializer_range=0.2)
+                  max_position_embeddings=256, rope_theta=10000.0, initializer_range=0.2,
+                  **config)
     cfg = {
         "llama": lambda: tf.LlamaConfig(**common),
         "qwen2": lambda: tf.Qwen2Config(**common),
@@ -584,6 +585,34 @@ def test_continuation_matches_transformers(family: str) -> None:
             cache = o.past_key_values
             want.append(int(o.logits[0, -1].argmax()))
     assert hf.greedy(Continuation(model, kv, room=6), logits, 6) == want
+
+
+def test_a_sliding_window_is_blended_within_it_and_refused_past_it() -> None:
+    """The blender attends over the whole context: a sliding-window model (Mistral's window of
+    8) blends and continues a prompt of up to 8 tokens as its own forward does, and refuses a
+    longer one (InvalidArgument naming the window); a window no layer uses (Qwen2 below
+    max_window_layers) is no window."""
+    from kdn.blend.decode import Continuation
+
+    model = tiny("mistral", sliding_window=8)
+    layout = model_layout(model, DType.FLOAT32)
+    a, q = ids(5, seed=1), ids(3, seed=2)
+    chunk, _ = prefill(model, a, layout)
+    _, logits = prefill(model, a + q, layout)
+    got = blend(model, [Piece(a, chunk), Piece(q)], BlendConfig(ratio=1.0))
+    torch.testing.assert_close(got.logits, logits, **TOL)
+    with pytest.raises(InvalidArgument, match="Blend of 9 tokens exceeds the model's sliding "
+                                              "attention window of 8"):
+        blend(model, [Piece(a, chunk), Piece(q + [5])], BlendConfig(ratio=1.0))
+    cont = Continuation(model, got.kv, room=4)
+    with pytest.raises(InvalidArgument, match="continuation of 9 tokens exceeds .* window of 8"):
+        cont.forward([5])
+    with pytest.raises(InvalidArgument, match="prompt of 10 tokens exceeds .* window of 8"):
+        Continuation(model, KVCache.concat([chunk, chunk]), room=1)
+    unused = tiny("qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=4)
+    assert unused.config.sliding_window == 8
+    assert hf.attention_window(unused) is None
+    blend(unused, [Piece(ids(20, seed=3))], BlendConfig(ratio=0.0))
 
 
 @pytest.mark.parametrize("share", [1.0, 0.0])

@@ -39,6 +39,9 @@ Lifecycle of ``blend(model, pieces, config)``:
 The question rule is the default because it recomputes the tokens the answer reads, where
 deviation picks the tokens whose K/V moved (bench/README.md, blend, has the comparison).
 
+Attention is full (causal) in every layer: a sliding-window model blends prompts no longer
+than its window (``kdn.model.hf.attention_window``; InvalidArgument past it).
+
 Devices: everything runs on the model's device, in the model's dtype. Token ids, positions,
 masks, RoPE angles and selections are made there from per-piece facts the host holds (no
 per-token Python, no tensor on a default device); stored chunks are copied in from wherever
@@ -79,7 +82,9 @@ from kdn.errors import Cancelled, InvalidArgument, InvalidLayout, LayoutMismatch
 from kdn.layout import KVLayout, LayerLayout
 from kdn.model.hf import (
     ModelParts,
+    attention_window,
     check_vocabulary,
+    check_window,
     model_layout,
     prompt_limits,
     token_ids,
@@ -311,6 +316,7 @@ def blend(model: Any, pieces: list[Piece], config: BlendConfig | None = None,
     if context is not None and (total := sum(len(p.ids) for p in pieces)) > context:
         raise InvalidArgument(f"Blend of {total} tokens exceeds the model's context of "
                               f"{context} (max_position_embeddings)")
+    check_window(attention_window(model), sum(len(p.ids) for p in pieces), "Blend")
     layout = blend_layout(model, pieces)
     n_layers = layout.num_layers
     if len(m.layers) != n_layers:

@@ -3,7 +3,8 @@
 ``Continuation`` copies a prompt's ``KVCache`` once into preallocated per-layer buffers and
 then runs new tokens through the decoder layers (``kdn.blend.layer``), writing their K/V in
 place. Unlike growing a transformers ``DynamicCache`` (which copies the whole cache on every
-token), a step costs only the new token's work, and it runs pruned layouts too.
+token), a step costs only the new token's work, and it runs pruned layouts too. Its attention
+is full: a sliding-window model continues only within its window (InvalidArgument past it).
 
     cont = Continuation(model, result.kv, room=16)
     logits = cont.forward(answer_ids)          # [tokens, vocab], teacher-forced
@@ -22,7 +23,7 @@ import torch
 from kdn.blend import layer as blk
 from kdn.blend.rope import rope_plan
 from kdn.cache import KVCache
-from kdn.model.hf import ModelParts
+from kdn.model.hf import ModelParts, attention_window, check_window
 
 
 class Continuation:
@@ -34,6 +35,8 @@ class Continuation:
         self.length = kv.num_tokens
         if kv.start_position != 0:
             raise ValueError("a continuation needs the KV of a whole prompt (start position 0)")
+        self.window = attention_window(model)
+        check_window(self.window, self.length, "a continuation's prompt")
         cap = self.length + room
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
@@ -57,6 +60,7 @@ class Continuation:
         start, stop = self.length, self.length + t
         if stop > self.k[0].shape[1]:
             raise ValueError(f"no room for {t} more tokens")
+        check_window(self.window, stop, "a continuation")
         h = self.m.embed(torch.tensor(ids, device=self.k[0].device))  # [t, hidden]
         positions = torch.arange(start, stop, device=h.device)
         cos, sin = self.m.rotary(h[None], positions[None])

@@ -5,7 +5,8 @@ quality check and the pruner reach a model through these functions and nowhere e
 
 * what the model is: ``model_layout`` (its ``KVLayout``, pruned layouts included; its
   weights named by ``default_weights_id`` unless the caller names them),
-  ``decoder_layers``, ``ModelParts`` (embedding, decoder blocks, final norm, LM head, rotary);
+  ``decoder_layers``, ``ModelParts`` (embedding, decoder blocks, final norm, LM head, rotary),
+  ``prompt_limits`` and ``attention_window`` (a sliding window, which the blender refuses past);
 * its caches: ``to_transformers`` / ``from_transformers`` convert between a ``KVCache`` and a
   transformers ``DynamicCache`` (views, no copy), and ``LayerwiseCache`` fills a cache layer by
   layer right before each decoder layer runs, so layer i computes while later layers arrive;
@@ -226,6 +227,31 @@ def prompt_limits(model: Any) -> tuple[int, int | None]:
     context = getattr(_text_config(model), "max_position_embeddings", None)
     vocabulary = int(_inner(model).embed_tokens.num_embeddings)
     return vocabulary, context if isinstance(context, int) and context > 0 else None
+
+
+def attention_window(model: Any) -> int | None:
+    """The sliding window of ``model``'s attention (Mistral's ``sliding_window``, the
+    sliding layers a ``layer_types`` names: Qwen2's, Gemma 3's): a token attends to the last
+    this many tokens only. None where every layer attends to the whole prompt. A prompt of at
+    most this many tokens attends alike either way."""
+    cfg = _text_config(model)
+    window = getattr(cfg, "sliding_window", None)
+    if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
+        return None
+    types = getattr(cfg, "layer_types", None)
+    if types is not None and not any("sliding" in str(t) for t in types):
+        return None  # a window named, used by no layer (Qwen2 below max_window_layers)
+    return window
+
+
+def check_window(window: int | None, tokens: int, what: str) -> None:
+    """InvalidArgument unless ``tokens`` fit a model's sliding ``window`` (``attention_window``;
+    None: no window): the blender's layers attend over the whole context, so past the window
+    they would not compute what the model does. ``what`` names the prompt."""
+    if window is not None and tokens > window:
+        raise InvalidArgument(f"{what} of {tokens} tokens exceeds the model's sliding attention "
+                              f"window of {window} tokens: kdn blends and continues with full "
+                              f"attention only")
 
 
 def token_ids(values: object, what: str) -> list[int]:
