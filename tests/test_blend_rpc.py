@@ -185,6 +185,11 @@ def test_a_blend_is_bounded_by_its_pieces_and_the_models_context(tmp_path: Path)
         with pytest.raises((TooLarge, InvalidArgument)):
             blender.plan(request(pieces), read_chunk, 4)
     assert reads == [b"text"]  # only the text that had to be counted; no chunk was read
+    reads.clear()  # a text too long for the context's tokens is not handed to the tokenizer
+    with pytest.raises(InvalidArgument, match="piece 1: a text of 15105 characters can not fit "
+                                              "the 236 tokens left of the model's context"):
+        blender.plan(request([chunk, RemotePiece(text="x" * (236 * 64 + 1))]), read_chunk, 4)
+    assert reads == []
     reads.clear()
     job = blender.plan(request([chunk] * 3 + [RemotePiece(text="hi")]), read_chunk, 4)
     assert reads == [b"text", ka] and len(job.pieces) == 4

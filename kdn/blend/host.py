@@ -8,8 +8,9 @@ looking up and storing combinations, streaming the answer.
 Lifecycle of one Blend request on the model side:
 
 1. ``plan(request, read_chunk, max_pieces)``, on a worker thread: the model is loaded on first
-   use (``kdn.model.models.load_model``, memoised); the pieces (``max_pieces``) and tokens (the
-   model's context) are bounded first; text pieces are tokenized (or taken as ids); each
+   use (``kdn.model.models.load_model``, memoised); the pieces (``max_pieces``), tokens (the
+   model's context) and text characters (``MAX_CHARS_PER_TOKEN`` a token of it) are bounded
+   first; text pieces are tokenized (or taken as ids); each
    chunk's stored entry is read through ``read_chunk``, once however many pieces name it, and
    each piece's ids must hash to its key (``kdn.keys.chunk_key`` under the chunk's stored
    layout), so the KV and the ids agree; each chunk's layout must be this model's, kept
@@ -45,6 +46,12 @@ from kdn.v1 import kdn_pb2 as pb
 
 MAX_PIECES = 256
 """Most pieces of one blend, unless the server says otherwise (``max_blend_pieces``)."""
+
+MAX_CHARS_PER_TOKEN = 64
+"""Most characters a text may hold for each token of the model's context left to it: a text
+is refused past it before it is tokenized (tokenizing a request's 256 MiB of text took
+minutes and gigabytes, to find it longer than the context). Real text is 3 to 5 characters
+a token; whitespace runs a few dozen."""
 
 
 class StoredChunk:
@@ -185,7 +192,9 @@ class ModelBlender:
 def token_ids(request: pb.BlendRequest, model: Any, tok: Any) -> list[list[int]]:
     """Each piece's token ids (a text's tokenized by ``tok``), every one in ``model``'s
     vocabulary (an id past it would index past the embeddings). Their count is checked
-    against the model's context before any text is tokenized, and again after each text is."""
+    against the model's context before any text is tokenized, and again after each text is;
+    a text longer than ``MAX_CHARS_PER_TOKEN`` characters a token of the context left is
+    refused before it is tokenized."""
     vocabulary, context = prompt_limits(model)
 
     def fits(tokens: int) -> None:
@@ -203,6 +212,12 @@ def token_ids(request: pb.BlendRequest, model: Any, tok: Any) -> list[list[int]]
         if p.text:
             if tok is None:
                 raise InvalidArgument(f"piece {j}: text given but this server has no tokenizer")
+            if context is not None and len(p.text) > (context - total) * MAX_CHARS_PER_TOKEN:
+                raise InvalidArgument(
+                    f"piece {j}: a text of {len(p.text)} characters can not fit the "
+                    f"{context - total} tokens left of the model's context of {context} "
+                    f"(max_position_embeddings; at most {MAX_CHARS_PER_TOKEN} characters a "
+                    f"token)")
             ids = [int(t) for t in tok(p.text, add_special_tokens=False)["input_ids"]]
             total += len(ids)
             fits(total)
