@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from kdn import codec
-from kdn.blend import BlendConfig, blend
+from kdn.blend import BlendConfig, Piece, blend
 from kdn.blend.host import ModelBlender
 from kdn.blend.key import combination_key
 from kdn.cache import KVCache
@@ -125,6 +125,33 @@ def test_blend_rpc_composes_stores_and_hits(server_config: Any) -> None:
             c.blend(bad)
         counters = c.stats().counters
         assert counters["blend.hit"] == 1 and counters["blend.computed"] == 3
+
+
+def test_a_ratio_is_read_as_the_caller_wrote_it(tmp_path: Path) -> None:
+    """ratio and query_share travel as 32-bit floats (0.1 arrives as 0.10000000149): the
+    server reads the shortest decimal of each, so the Blend equals the in-process one (over
+    25 cached tokens the widened 0.1 recomputed 3 tokens, 0.1 recomputes 2) and the
+    combination key is the one the caller computes."""
+    with blending(tmp_path) as (st, c, model):
+        layout = model_layout(model, DType.FLOAT32)
+        a, b, q = ids(10, 1), ids(15, 2), ids(5, 3)
+        kv = {tuple(x): prefill(model, x, layout)[0] for x in (a, b)}
+        remote = [RemotePiece(ids=x, key=chunk_key(x, layout)) for x in (a, b)]
+        for x, r in zip((a, b), remote):
+            c.store(r.key, kv[tuple(x)])
+        remote.append(RemotePiece(ids=q))
+        cfg = BlendConfig(ratio=0.1, query_share=0.7)
+        want = blend(model, [Piece(a, kv[tuple(a)]), Piece(b, kv[tuple(b)]), Piece(q)], cfg)
+        assert len(want.recomputed) == 2
+        assert c.blend(remote, ratio=0.1, query_share=0.7).equal(want.kv)
+        assert st.server is not None
+        entries = {r.key: codec.encode(kv[tuple(x)]) for x, r in zip((a, b), remote)}
+        job = st.server.servicer.blender.plan(
+            request(remote, ratio=0.1, query_share=0.7, store=True), entries.get)
+        assert job.config == cfg
+        named = [(r.key, list(r.ids)) for r in remote[:2]] + [(b"", q)]
+        assert job.combination_key == combination_key(named, want.kv.layout.fingerprint, cfg,
+                                                      "default")
 
 
 def test_a_stored_blend_is_charged_to_the_tenant_and_refused_past_its_quota(

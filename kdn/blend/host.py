@@ -18,7 +18,8 @@ Lifecycle of one Blend request on the model side:
    dtype may differ). The result is named by the layout blend() gives it, the model's
    (``blend_layout``), never by a chunk's. With ``request.store`` the plan names the
    combination's content key (``kdn.blend.key.combination_key``), which the server looks up
-   before running.
+   before running. ``ratio`` and ``query_share`` travel as 32-bit floats: each is read as
+   the shortest decimal of its float32 (``sent``), the number the caller wrote.
 2. ``job.run()``: ``kdn.blend.blend`` runs, decoding each chunk's layer from the stored frames
    right before the blend loop needs it; one blend runs at a time per blender (the model is
    shared); the result is encoded (``mode``/``level``, default lossless).
@@ -26,6 +27,7 @@ Lifecycle of one Blend request on the model side:
 
 from __future__ import annotations
 
+import struct
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -149,10 +151,10 @@ class ModelBlender:
         model, tok = self.model()
         default = BlendConfig()
         cfg = BlendConfig(
-            ratio=request.ratio if request.HasField("ratio") else default.ratio,
+            ratio=sent(request.ratio) if request.HasField("ratio") else default.ratio,
             select_layer=request.select_layer or default.select_layer,
             head_tokens=request.head_tokens, per_chunk=request.per_chunk,
-            query_share=(request.query_share if request.HasField("query_share")
+            query_share=(sent(request.query_share) if request.HasField("query_share")
                          else default.query_share))
         mode = request.mode or "lossless"
         codec.get_mode(mode).check_level(request.level)
@@ -187,6 +189,18 @@ class ModelBlender:
             encoding = mode if not request.level else f"{mode}-{request.level}"
             job.combination_key = combination_key(named, layout.fingerprint, cfg, ns, encoding)
         return job
+
+
+def sent(value: float) -> float:
+    """The number a caller sent as the protobuf ``float`` (32 bits) ``value``: the shortest
+    decimal that reads back as that float32 (0.1 arrives as 0.10000000149011612: the budget
+    would round otherwise than in-process, and the combination key would be another)."""
+    bits = struct.pack("<f", value)
+    for digits in range(1, 10):  # 9 significant digits tell every float32 apart
+        near = float(f"{value:.{digits}g}")
+        if struct.pack("<f", near) == bits:
+            return near
+    return value
 
 
 def token_ids(request: pb.BlendRequest, model: Any, tok: Any) -> list[list[int]]:

@@ -368,7 +368,9 @@ class Client:
                      request_id: str | None = None) -> LayerStream:
         """Start a Blend of ``pieces`` on the server (see ``kdn.client.blend``); the blended KV
         arrives layer by layer. ``stream.tier`` is "blend" when computed now, or the tier a
-        stored combination (``store=True``) was read from."""
+        stored combination (``store=True``) was read from. ``ratio`` and ``query_share``
+        travel as 32-bit floats, read by the server as the shortest decimal of each: 0.1 is
+        0.1, 1/3 is 0.33333334 (up to 7 significant digits arrive as written)."""
         req = blend_request(pieces, namespace=self._ns(namespace), ratio=ratio,
                             select_layer=select_layer, head_tokens=head_tokens,
                             per_chunk=per_chunk, store=store, mode=mode, level=level,
