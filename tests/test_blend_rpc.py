@@ -80,6 +80,36 @@ def test_a_remote_pieces_ids_are_token_ids_not_what_int_makes_of_them() -> None:
         assert list(request([RemotePiece(ids=same)]).pieces[0].token_ids) == [5, 6]
 
 
+def test_blend_options_are_refused_by_name() -> None:
+    """Each Blend option of the wrong kind or out of the wire's range is InvalidArgument
+    naming it (they escaped as protobuf's ValueError, TypeError or AttributeError)."""
+    for options, match in (({"select_layer": -1}, "select_layer must be a whole number >= 0"),
+                           ({"select_layer": True}, "select_layer must be a whole number"),
+                           ({"head_tokens": 2**32}, "head_tokens must be at most 4294967295"),
+                           ({"head_tokens": 1.5}, "head_tokens must be a whole number"),
+                           ({"per_chunk": "yes"}, "per_chunk must be a bool, got 'yes'"),
+                           ({"store": 1}, "store must be a bool, got 1"),
+                           ({"ratio": "0.2"}, r"ratio must be a number in \[0, 1\], got '0.2'"),
+                           ({"ratio": 1.5}, r"ratio must be a number in \[0, 1\]"),
+                           ({"query_share": "x"}, "query_share must be a number in"),
+                           ({"layout": "a-fingerprint"}, "layout must be a kdn.layout.KVLayout"),
+                           ({"mode": 5}, "mode must be a str, got 5"),
+                           ({"mode": "zip"}, "unknown codec mode 'zip'"),
+                           ({"mode": "kdn", "level": "x"}, "codec mode 'kdn' has no level 'x'")):
+        with pytest.raises(InvalidArgument, match=match):
+            request([RemotePiece(ids=[3, 4])], **options)
+    for key, match in (("ab" * 32, "piece 1's key must be 32 bytes .*got str"),
+                       (b"abc", "piece 1's key must be 32 bytes .*got 3")):
+        with pytest.raises(InvalidArgument, match=match):
+            request([RemotePiece(ids=[3]), RemotePiece(ids=[3], key=key)])  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgument, match="piece 0 must be a kdn.client.blend.RemotePiece"):
+        request([[3, 4]])  # type: ignore[list-item]
+    req = request([RemotePiece(ids=[3], key=bytes(32)), RemotePiece(ids=[4])], ratio=0.5,
+                  select_layer=2, head_tokens=1, per_chunk=True, mode="kdn", level="small")
+    assert req.pieces[0].chunk_key == bytes(32) and req.pieces[1].chunk_key == b""
+    assert (req.select_layer, req.head_tokens, req.per_chunk) == (2, 1, True)
+
+
 def held(st: ServerThread, tenant: str) -> dict[bytes, int]:
     """The keys ``tenant`` holds in the store, with their sizes."""
     assert st.server is not None

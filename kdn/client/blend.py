@@ -16,10 +16,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kdn.checks import token_ids
+from kdn.checks import share, shown, token_ids, whole
+from kdn.codec.catalog import check_codec
+from kdn.errors import InvalidArgument
 from kdn.layout import KVLayout
+from kdn.names import check_key
 from kdn.text import check_text
 from kdn.v1 import kdn_pb2 as pb
+
+UINT32_MAX = 2**32 - 1
 
 
 @dataclass(frozen=True)
@@ -38,16 +43,42 @@ def blend_request(pieces: Sequence[RemotePiece], *, namespace: str, ratio: float
                   select_layer: int, head_tokens: int, per_chunk: bool, store: bool, mode: str,
                   level: str, layout: KVLayout | None, query_share: float | None = None
                   ) -> pb.BlendRequest:
-    ids = []
+    """The request of a Blend; each option is checked here (InvalidArgument naming it), not
+    left to protobuf (a ValueError or TypeError naming none)."""
+    for name, value in (("ratio", ratio), ("query_share", query_share)):
+        if value is not None:
+            share(name, value)
+    for name, number, hint in (("select_layer", select_layer, " (0: the default)"),
+                               ("head_tokens", head_tokens, "")):
+        if whole(name, number, 0, hint) > UINT32_MAX:  # uint32 on the wire
+            raise InvalidArgument(f"{name} must be at most {UINT32_MAX}, got {number!r}")
+    for name, flag in (("per_chunk", per_chunk), ("store", store)):
+        if not isinstance(flag, bool):
+            raise InvalidArgument(f"{name} must be a bool, got {shown(flag)}")
+    for name, text in (("mode", mode), ("level", level)):
+        if not isinstance(text, str):
+            raise InvalidArgument(f"{name} must be a str, got {shown(text)}")
+    check_codec(mode or "lossless", level)
+    if layout is not None and not isinstance(layout, KVLayout):
+        raise InvalidArgument(f"layout must be a kdn.layout.KVLayout or None, got "
+                              f"{type(layout).__name__}")
+    ids, keys = [], []
     for j, p in enumerate(pieces):
+        if not isinstance(p, RemotePiece):
+            raise InvalidArgument(f"piece {j} must be a kdn.client.blend.RemotePiece, got "
+                                  f"{type(p).__name__}")
         check_text(p.text, f"piece {j}'s text")  # protobuf would raise UnicodeEncodeError
         ids.append(token_ids(p.ids, f"piece {j}'s ids"))  # uint32 on the wire: not int(1.7)
+        try:
+            keys.append(check_key(p.key) if p.key != b"" else b"")  # b"": text
+        except InvalidArgument as e:
+            raise InvalidArgument(f"piece {j}'s {e}") from None
     req = pb.BlendRequest(
         namespace=namespace, select_layer=select_layer, head_tokens=head_tokens,
         per_chunk=per_chunk, store=store, mode=mode, level=level,
         expect_layout_fingerprint=layout.fingerprint if layout is not None else "",
-        pieces=[pb.BlendPiece(chunk_key=p.key, token_ids=i, text=p.text)
-                for p, i in zip(pieces, ids)],
+        pieces=[pb.BlendPiece(chunk_key=k, token_ids=i, text=p.text)
+                for p, i, k in zip(pieces, ids, keys)],
     )
     if ratio is not None:
         req.ratio = ratio
