@@ -184,6 +184,30 @@ def test_a_ratio_is_read_as_the_caller_wrote_it(tmp_path: Path) -> None:
                                                       "default")
 
 
+def test_a_model_folder_that_does_not_load_is_named(tmp_path: Path) -> None:
+    """A folder that is no model is refused at start (``model_problem``: no config.json naming
+    a model_type); one that passes but does not load (no weights) fails each Blend as
+    FAILED_PRECONDITION naming the model, not UNKNOWN with transformers' ValueError."""
+    from kdn.cli.args import model_problem
+
+    folder = tmp_path / "model"
+    folder.mkdir()
+    assert "is not a transformers model folder" in str(model_problem(str(folder)))
+    (folder / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
+    assert "naming a model_type" in str(model_problem(str(folder)))
+    (folder / "config.json").write_text("{")
+    assert "its config.json can not be read" in str(model_problem(str(folder)))
+    (folder / "config.json").write_text('{"model_type": "llama"}')  # and no weights
+    assert model_problem(str(folder)) is None
+    with blending(tmp_path) as (st, c, _):
+        assert st.server is not None
+        st.server.servicer.blender = ModelBlender(name=str(folder))
+        for _ in range(2):  # not memoised as loaded: each Blend says why
+            with pytest.raises(LayoutMismatch, match=f"the server's model '{folder}' can not "
+                                                      "be loaded: OSError"):
+                c.blend([RemotePiece(ids=[3, 4])])
+
+
 def test_a_stored_blend_is_charged_to_the_tenant_and_refused_past_its_quota(
         tmp_path: Path) -> None:
     """A stored combination is charged like a Store (a delete refunds exactly it); one past

@@ -156,6 +156,7 @@ def test_options_anywhere_and_typed_json(live: tuple[ServerThread, str],
      "(given: the key only)"),
     (["serve", "--port", "99999"], 2, "port"),
     (["serve", "--model", "org/some-model"], 2, "is neither 'smollm2-135m'"),
+    (["serve", "--model", "{tmp}"], 2, "is not a transformers model folder"),
 ])
 def test_user_mistakes_are_one_line_and_exit_codes(argv: list[str], code: int, words: str,
                                                    tmp_path: Path) -> None:

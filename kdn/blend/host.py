@@ -40,7 +40,14 @@ from kdn.blend.blend import BlendConfig, Piece, blend, blend_layout, check_chunk
 from kdn.blend.key import combination_key
 from kdn.cache import LayerKV
 from kdn.codec.format import Header, check_frame, parse_header, split_frames
-from kdn.errors import InvalidArgument, LayoutMismatch, NotFound, TooLarge
+from kdn.errors import (
+    InvalidArgument,
+    KDNError,
+    LayoutMismatch,
+    NotFound,
+    Status,
+    TooLarge,
+)
 from kdn.keys import check_key, check_namespace, chunk_key
 from kdn.layout import DType, KVLayout
 from kdn.model.hf import check_vocabulary, model_device, model_layout, place, prompt_limits
@@ -54,6 +61,11 @@ MAX_CHARS_PER_TOKEN = 64
 is refused past it before it is tokenized (tokenizing a request's 256 MiB of text took
 minutes and gigabytes, to find it longer than the context). Real text is 3 to 5 characters
 a token; whitespace runs a few dozen."""
+
+
+class ModelUnavailable(KDNError, status=Status.FAILED_PRECONDITION):
+    """The model a blender names can not be loaded (a folder that is no model, files missing):
+    no Blend can run until the server's model is fixed."""
 
 
 class StoredChunk:
@@ -124,11 +136,18 @@ class ModelBlender:
         self.lock = threading.Lock()
 
     def model(self) -> tuple[Any, Any]:
-        """(model, tokenizer), loading the named model on first use."""
+        """(model, tokenizer), loading the named model on first use; ModelUnavailable naming
+        it where it can not be loaded (each Blend tries again)."""
         if self._loaded is None:
             from kdn.model.models import load_model
 
-            model, tok = load_model(self.name)
+            try:
+                model, tok = load_model(self.name)
+            except KDNError:
+                raise
+            except Exception as exc:  # transformers' ValueError, OSError of missing files, ...
+                raise ModelUnavailable(f"the server's model {self.name!r} can not be loaded: "
+                                       f"{type(exc).__name__}: {exc}") from exc
             self._loaded = (place(model, self.device), tok)
         return self._loaded
 

