@@ -296,6 +296,28 @@ def test_token_ids_outside_the_vocabulary_are_refused_naming_the_piece(tmp_path:
         assert c.blend([chunk, RemotePiece(ids=[0, 95])]).num_tokens == 22
 
 
+def test_an_entry_of_another_dtype_than_its_key_is_named_so() -> None:
+    """A float16 entry stored under the float32 key of the same ids is a LayoutMismatch naming
+    both dtypes (it blamed the ids, which are the key's); ids that are not the key's are still
+    InvalidArgument naming them."""
+    model = tiny("llama")
+    l32, l16 = model_layout(model, DType.FLOAT32), model_layout(model, DType.FLOAT16)
+    a = ids(10, 1)
+    kv = prefill(model, a, l32)[0]
+    entry = codec.encode(KVCache(l16, [(k.half(), v.half()) for k, v in kv.layers]))
+    key = chunk_key(a, l32)
+    blender = ModelBlender(model, None)
+    with pytest.raises(LayoutMismatch, match="piece 0: the entry stored under chunk_key holds "
+                                             "float16 KV .* its key names the float32 layout"):
+        blender.plan(request([RemotePiece(ids=a, key=key), RemotePiece(ids=[3])]),
+                     {key: entry}.get)
+    with pytest.raises(InvalidArgument, match="piece 0: token_ids do not match chunk_key"):
+        blender.plan(request([RemotePiece(ids=a[:-1] + [3], key=key)]), {key: entry}.get)
+    key16 = chunk_key(a, l16)
+    job = blender.plan(request([RemotePiece(ids=a, key=key16)]), {key16: entry}.get)
+    assert job.tokens == 10
+
+
 def test_a_chunk_naming_the_model_with_other_shapes_is_a_layout_mismatch(tmp_path: Path) -> None:
     """A container that names the server's model but holds other K/V shapes (heads, channels,
     layers) is refused as LayoutMismatch naming the piece, by both selection rules."""

@@ -13,7 +13,8 @@ Lifecycle of one Blend request on the model side:
    first; text pieces are tokenized (or taken as ids); each
    chunk's stored entry is read through ``read_chunk``, once however many pieces name it, and
    each piece's ids must hash to its key (``kdn.keys.chunk_key`` under the chunk's stored
-   layout), so the KV and the ids agree; each chunk's layout must be this model's, kept
+   layout), so the KV and the ids agree (an entry under the key of its ids in another dtype
+   is a LayoutMismatch saying so); each chunk's layout must be this model's, kept
    channels, head_dim and RoPE included (``kdn.blend.blend.check_chunk_layout``; only the
    dtype may differ). The result is named by the layout blend() gives it, the model's
    (``blend_layout``), never by a chunk's. With ``request.store`` the plan names the
@@ -30,7 +31,7 @@ from __future__ import annotations
 import struct
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -195,7 +196,7 @@ class ModelBlender:
                 src = sources[key] = StoredChunk(value, model_device(model))
             check_chunk_layout(src.layout, own, f"piece {j}")
             if chunk_key(ids, src.layout, ns) != key:
-                raise InvalidArgument(f"piece {j}: token_ids do not match chunk_key")
+                raise key_mismatch(j, ids, key, src.layout, own, ns)
             pieces.append(Piece(ids, src))
             named.append((key, ids))
         layout = blend_layout(model, pieces)  # what blend() computes: the model's, not a chunk's
@@ -208,6 +209,23 @@ class ModelBlender:
             encoding = mode if not request.level else f"{mode}-{request.level}"
             job.combination_key = combination_key(named, layout.fingerprint, cfg, ns, encoding)
         return job
+
+
+def key_mismatch(j: int, ids: list[int], key: bytes, stored: KVLayout, own: KVLayout,
+                 namespace: str) -> KDNError:
+    """Why piece ``j``'s ``key`` is not ``chunk_key`` of its ``ids`` under the layout of the
+    entry stored there: the key is that of the ids in another dtype (LayoutMismatch: the entry
+    holds KV of another layout than its key names), else the ids are not the key's."""
+    for dtype in DType:
+        other = replace(own, dtype=dtype)
+        if dtype is not stored.dtype and chunk_key(ids, other, namespace) == key:
+            return LayoutMismatch(f"piece {j}: the entry stored under chunk_key holds "
+                                  f"{stored.dtype.value} KV (layout {stored.fingerprint}), "
+                                  f"its key names the {dtype.value} layout "
+                                  f"{other.fingerprint}: it was stored under another "
+                                  f"layout's key")
+    return InvalidArgument(f"piece {j}: token_ids do not match chunk_key (under the stored "
+                           f"entry's layout {stored.fingerprint}, {stored.dtype.value})")
 
 
 def sent(value: float) -> float:
