@@ -93,3 +93,33 @@ def test_an_engine_with_stores_behind_it_is_not_kept_alive(server: ServerThread)
         del engine
         gc.collect()
         assert gone() is None
+
+
+def test_blocks_computed_over_a_lossy_prefix_are_stored_in_lossy_encodings_only(
+        server: ServerThread) -> None:
+    """After a kdn-default hit of A, the blocks of B computed over that approximate KV are not
+    the model's exact KV: they go into kdn-default only, so a raw hit stays exact (they were
+    stored as raw too, and a later raw hit gave other tokens than recomputing)."""
+    from kdn import keys
+
+    gen = torch.Generator().manual_seed(11)
+    a, b, c = (torch.randint(1, 256, (n,), generator=gen).tolist() for n in (64, 64, 40))
+    config = EngineConfig(chunk_tokens=16, encodings=(("kdn", "default"), ("raw", "")),
+                          calibrate=False)
+    with Client(server.address) as client:
+        engine = KDNEngine(_model(torch.float32, "cpu"), _Tok(), client, config)
+        engine.generate(a + [1], max_new_tokens=1, force="recompute")
+        engine.close()
+        hit = engine.generate(a + b + [1], max_new_tokens=1, force="kdn-default")
+        engine.close()
+        assert hit.timings.reused_tokens == 64
+        chain = keys.prefix_keys(a + b, engine.layout, engine.namespace, 16)
+        present = client.lookup([keys.variant_key(k, enc) for k in chain[4:]
+                                 for enc in ("raw", "kdn-default")],
+                                namespace=engine.namespace).infos
+        assert [i.present for i in present] == [False, True] * 4  # B: lossy copies only
+        ref = engine.generate(a + b + c, max_new_tokens=8, force="recompute").token_ids
+        raw = engine.generate(a + b + c, max_new_tokens=8, force="raw")
+        engine.close()
+    assert raw.timings.reused_tokens == 160  # every block: the recompute stored them exactly
+    assert raw.token_ids == ref

@@ -173,3 +173,33 @@ def test_a_chunk_answered_with_another_positions_kv_is_recomputed(
     finally:
         s.shutdown()
         w.shutdown()
+
+
+def test_chunks_computed_over_a_lossy_load_are_stored_in_lossy_encodings_only(
+        kdn_server: ServerThread) -> None:
+    """R loads its first three chunks as kdn-default: the chunks it computes over them hold an
+    approximation of the model's KV, so they are stored as kdn-default only; raw keeps exact
+    KV (they were stored as raw too, and a later raw hit carried the approximation on)."""
+    s, w = both(kdn_server.address, encodings=["kdn-default", "raw"], allow_recompute=False)
+    assert w.worker is not None
+    rp = fp16_replay(s, w)
+    try:
+        a = prompt(41, 5 * CHUNK + 1)
+        r = a[: 3 * CHUNK] + prompt(42, 2 * CHUNK + 1)
+        assert answered(rp, rp.new_request("seed", a)) == 0
+        rp.step()
+        w.worker.wait_saves(30)
+        chain = keys.prefix_keys(r, s.layout, "vllm", CHUNK)
+        with Client(kdn_server.address) as c:
+            for k in chain[:3]:  # only the lossy copies of the shared prefix are left
+                assert c.delete(keys.variant_key(k, "raw"), namespace="vllm")
+            assert answered(rp, rp.new_request("R", r)) == 3 * CHUNK
+            assert not rp.step()
+            w.worker.wait_saves(30)
+            got = c.lookup([keys.variant_key(k, e) for k in chain[3:5]
+                            for e in ("raw", "kdn-default")], namespace="vllm").infos
+        assert [i.present for i in got] == [False, True, False, True]
+        assert w.worker.stats.save_errors == 0
+    finally:
+        s.shutdown()
+        w.shutdown()

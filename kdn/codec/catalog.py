@@ -17,6 +17,9 @@ LEVELS: dict[str, tuple[str, ...]] = {
     "kdn": ("near-lossless", "high", "balanced", "default", "small", "compact", "tiny"),
 }
 
+EXACT_MODES = frozenset({"raw", "lossless"})
+"""The modes that give back the KV they were given, bit for bit; the others approximate it."""
+
 DEFAULT_LEVELS: dict[str, str] = {"kdn": "default"}
 """The level a mode's name alone stands for where it has several (``kdn-default`` is what
 ``kdn.delivery`` stores by default); a mode of one level stands for that level, ``""``."""

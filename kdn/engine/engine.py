@@ -501,7 +501,7 @@ class KDNEngine(KVConnector):
             snapshot = [self._saved[j] for j in range(self.layout.num_layers)]
             self._saved = {}  # the store thread holds them now, and lets go when it ends
             self._store_thread = self._saver.start(self._ids, snapshot, self._loaded_blocks,
-                                                   self._rewrite)
+                                                   self._rewrite, self._timings.decision)
 
     def wait_for_save(self, timeout: float | None = None) -> None:
         if self._store_thread is not None:

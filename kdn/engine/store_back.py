@@ -5,9 +5,12 @@ Lifecycle, per request (``KDNEngine.save_layer`` calls it):
 1. ``to_host(k, v, first, last)`` for each layer: the tokens of the blocks kdn lacks, in host
    memory (on a GPU, non-blocking copies into pinned buffers on a side stream, so decode goes
    on while they travel);
-2. ``start(ids, snapshot, first_block, rewrite)`` once every layer is in: a thread looks the
-   blocks up and stores those missing in each of the engine's encodings. It is one of the
-   object's ``pending`` threads until it ends.
+2. ``start(ids, snapshot, first_block, rewrite, loaded)`` once every layer is in: a thread
+   looks the blocks up and stores those missing in each of the engine's encodings. It is one
+   of the object's ``pending`` threads until it ends. Blocks computed over a prefix that was
+   loaded in a lossy encoding (``loaded``: ``kdn-*``, ``int8``, ``cachegen``) are not the
+   model's exact KV: they are stored in the lossy encodings only, so that what ``raw`` and
+   ``lossless`` hold is always exact (a later exact hit would carry the approximation on).
 
 Stores are best effort: a failure is logged and never reaches a request. The threads are
 daemons (a server that hangs must not hang the process's exit), so the process waits for them
@@ -32,6 +35,7 @@ import torch
 
 from kdn import keys
 from kdn.cache import KVCache, LayerKV, to_pinned_host
+from kdn.codec.catalog import EXACT_MODES
 from kdn.delivery import encoding_name
 from kdn.layout import KVLayout
 
@@ -81,18 +85,20 @@ class StoreBack:
         return hk, hv
 
     def start(self, ids: list[int], snapshot: list[LayerKV], first_block: int,
-              rewrite: str = "") -> threading.Thread:
+              rewrite: str = "", loaded: str = "") -> threading.Thread:
         """Store blocks ``first_block..`` of ``ids`` on a new pending thread; ``snapshot``:
         their layers from ``to_host`` (token 0 of it is token ``first_block *
         chunk_tokens``); ``rewrite``: an encoding whose blocks failed to load, stored again
         even where present (a damaged block, or one of another shape under its key, is
-        mended)."""
+        mended); ``loaded``: the encoding blocks ``..first_block`` came in (a lossy one
+        leaves the exact encodings out)."""
         ready = None
         if self._copies is not None:
             ready = torch.cuda.Event()
             ready.record(self._copies)
         thread = threading.Thread(target=self._run,
-                                  args=(ids, snapshot, first_block, ready, rewrite),
+                                  args=(ids, snapshot, first_block, ready, rewrite,
+                                        self._exact_allowed(first_block, loaded)),
                                   daemon=True, name="kdn-store-back")
         with self._lock:
             self._pending.add(thread)
@@ -112,10 +118,15 @@ class StoreBack:
             thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
         return not self.pending
 
+    @staticmethod
+    def _exact_allowed(first_block: int, loaded: str) -> bool:
+        """Whether blocks computed after ``first_block`` loaded blocks in ``loaded`` are exact."""
+        return first_block == 0 or loaded.partition("-")[0] in EXACT_MODES
+
     def _run(self, ids: list[int], snapshot: list[LayerKV], first_block: int, ready: Any,
-             rewrite: str) -> None:
+             rewrite: str, exact: bool) -> None:
         try:
-            self._store(ids, snapshot, first_block, ready, rewrite)
+            self._store(ids, snapshot, first_block, ready, rewrite, exact)
         except Exception:  # best effort: whatever went wrong is logged, never raised
             log.exception("store-back failed")
         finally:
@@ -123,14 +134,17 @@ class StoreBack:
                 self._pending.discard(threading.current_thread())
 
     def _store(self, ids: list[int], snapshot: list[LayerKV], first_block: int, ready: Any,
-               rewrite: str) -> None:
+               rewrite: str, exact: bool) -> None:
         if ready is not None:
             ready.synchronize()
         c, ns = self.chunk_tokens, self.namespace
         base = first_block * c
         chain = keys.prefix_keys(ids, self.layout, ns, c)
         todo = [(b, mode, level, keys.variant_key(chain[b], encoding_name(mode, level)))
-                for b in range(first_block, len(chain)) for mode, level in self.encodings]
+                for b in range(first_block, len(chain)) for mode, level in self.encodings
+                if exact or mode not in EXACT_MODES]
+        if not todo:
+            return
         try:
             present = self.client.lookup([t[3] for t in todo], namespace=ns,
                                          timeout_s=self.lookup_timeout_s).infos

@@ -239,6 +239,10 @@ class SaveSpec:
     mend: bool = False
     """Stored even where kdn holds them: a load of these chunks failed (damaged, or written
     with another shape), and they were recomputed."""
+    exact: bool = True
+    """Computed over exact KV. False: the request loaded its first chunks in a lossy encoding
+    (``kdn-*``, ``int8``, ``cachegen``), so these hold an approximation and are stored in the
+    lossy encodings only (what ``raw`` and ``lossless`` hold stays exact)."""
 
 
 @dataclass

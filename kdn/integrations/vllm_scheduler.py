@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 
 from kdn import keys
 from kdn.client import Client
+from kdn.codec.catalog import EXACT_MODES
 from kdn.delivery import NETWORK, RECOMPUTE, SAME_HOST, LoadingController
 from kdn.integrations.vllm_keys import request_chains
 from kdn.integrations.vllm_meta import (
@@ -82,6 +83,8 @@ class _Tracked:
     block_ids: list[int] = field(default_factory=list)
     mend: bool = False
     """A load of its failed: its chunks are saved even where kdn holds them."""
+    exact: bool = True
+    """No chunk of it was loaded in a lossy encoding (``SaveSpec.exact``)."""
 
 
 class SchedulerSide:
@@ -189,6 +192,7 @@ class SchedulerSide:
         tracked.block_ids = list(block_ids)
         if num_external <= 0:
             return
+        tracked.exact = tracked.exact and found.encoding.partition("-")[0] in EXACT_MODES
         c = self.shape.chunk_tokens
         start = look.local_hit if look is not None else 0
         end = start + num_external
@@ -240,7 +244,8 @@ class SchedulerSide:
                 continue
             first = t.next_save
             out.append(SaveSpec(rid, [chain[first:last] for chain in t.chains], first,
-                                t.block_ids[first * c // b : last * c // b], t.mend))
+                                t.block_ids[first * c // b : last * c // b], t.mend,
+                                t.exact))
             t.next_save = last
         return out
 

@@ -40,6 +40,7 @@ import torch
 from kdn import keys
 from kdn.cache import KVCache, to_pinned_host
 from kdn.client import Client, LayerStream
+from kdn.codec.catalog import EXACT_MODES
 from kdn.errors import InvalidLayout, LayoutMismatch
 from kdn.integrations.vllm_meta import KDNConnectorConfig, LoadSpec, PagedShape, SaveSpec
 from kdn.options import StoreOptions
@@ -372,6 +373,7 @@ class WorkerSide:
         row = 0
         items: list[tuple[int, bytes, KVCache]] = []
         mend: set[int] = set()  # chunks stored even where kdn holds them
+        approximate: set[int] = set()  # chunks computed over a lossy load: no exact encoding
         for s in saves:
             if s.req_id in dropped:
                 row += len(s.block_ids)
@@ -385,6 +387,8 @@ class WorkerSide:
                                                                                + j) * c)))
                 if s.mend:
                     mend.add(len(items) - 1)
+                if not s.exact:
+                    approximate.add(len(items) - 1)
             row += len(s.block_ids)
         ns = self.config.namespace
         for enc in self.shape.encodings:
@@ -393,6 +397,8 @@ class WorkerSide:
             todo: list[tuple[bytes, KVCache]] = []
             fix: set[bytes] = set()
             for j, (_, base, entry) in enumerate(items):
+                if j in approximate and mode in EXACT_MODES:
+                    continue
                 key = keys.variant_key(base, enc)
                 if first.setdefault(key, j) == j:
                     todo.append((key, entry))
