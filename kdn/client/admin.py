@@ -39,6 +39,7 @@ from kdn.names import (
     check_tenant,
 )
 from kdn.status import from_grpc
+from kdn.transport.metadata import EXPORT_SKIPPED_HEADER
 from kdn.transport.pieces import Pieces, cut, piece_bytes
 from kdn.v1 import kdn_pb2 as pb
 from kdn.v1 import kdn_pb2_grpc as pb_grpc
@@ -176,8 +177,9 @@ class AdminClient(Client):
                   request_id: str | None = None) -> int:
         """Export into ``path``, or resume an interrupted export there (same filters; a
         finished file is left as it is); returns the records in the file. The end marker is
-        written only when the listing is done. ``tenant``: admins only, this tenant's entries
-        ("": every entry the caller sees)."""
+        written only when the listing is done. Corrupt, the file finished, where the server
+        left entries out (no tier held a good copy of them). ``tenant``: admins only, this
+        tenant's entries ("": every entry the caller sees)."""
         key_prefix = _listing(namespace, key_prefix)
         tenant = self.scoped(tenant, request_id)
         out = ExportWriter.open(Path(path), Filter(namespace, key_prefix, tenant))
@@ -207,6 +209,12 @@ class AdminClient(Client):
             out.finish()
         finally:
             out.close()
+        skipped = sum(int(v) for k, v in stream.trailing_metadata() or ()
+                      if k == EXPORT_SKIPPED_HEADER and str(v).isdigit())
+        if skipped:
+            raise Corrupt(f"{skipped} entries were left out of {path}: no tier of the server "
+                          f"holds a good copy of them (the file holds the other {out.records}; "
+                          "kdn admin verify removes the damaged ones)")
         return out.records
 
     def import_from(self, path: Path, progress: Callable[[int, int], None] | None = None,

@@ -8,12 +8,15 @@ tenant, and an admin's import restores each to it (a backup of a server with ten
 as it was); a tenant's import stores its own entries (and those recorded with no tenant) under
 its tenant and refuses other tenants'.
 Handlers are thin: the hierarchy (``TieredStore``) does the work, tiers are read directly where
-an operation must not promote (listing, verifying, exporting).
+an operation must not promote (listing, verifying, exporting). An export is whole or says it is
+not: refused (UNAVAILABLE) while a tier does not answer, each entry's first good copy sent (a
+damaged one: the next tier's), and those with none anywhere counted in its trailers.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import replace
@@ -29,6 +32,7 @@ from kdn.errors import (
     LayoutMismatch,
     NotFound,
     PermissionDenied,
+    TierUnavailable,
     TooLarge,
 )
 from kdn.keys import split_store_key, store_key
@@ -46,10 +50,12 @@ from kdn.server.rpc import rpc
 from kdn.status import grpc_code
 from kdn.store.base import Tier
 from kdn.store.tiered import TieredStore
+from kdn.transport.metadata import EXPORT_SKIPPED_HEADER
 from kdn.transport.pieces import Pieces, cut, piece_bytes
 from kdn.v1 import kdn_pb2 as pb
 from kdn.v1 import kdn_pb2_grpc as pb_grpc
 
+log = logging.getLogger(__name__)
 LIST_LIMIT = 1000
 VERIFY_REPORT_EVERY = 256
 
@@ -272,11 +278,57 @@ class AdminServicer(pb_grpc.KDNAdminServicer):
                 tier.delete(key)
             return True
 
+    def _whole(self) -> None:
+        """TierUnavailable unless every tier answers, every part of it: an export now would
+        leave out the entries only the others hold, and be taken for a whole backup."""
+        down = [t.name for t in self.store.tiers if not self.store.is_up(t.name)]
+        down += [f"{name} ({', '.join(parts)})"
+                 for name, parts in self.store.parts_down().items()]
+        if down:
+            raise TierUnavailable(f"tier {', '.join(down)} does not answer: an export now "
+                                  "would leave out the entries only it holds; export again "
+                                  "once it is back (kdn admin health)")
+
+    def _export_keys(self, scope: tuple[bytes, str], key_prefix: bytes) -> list[bytes]:
+        self._whole()
+        keys = self._visible(scope, key_prefix)
+        self._whole()  # a tier that failed while listing: its keys are not all there
+        return keys
+
+    def _good_copy(self, skey: bytes) -> tuple[bytes | None, bool]:
+        """The entry's first copy in read order that passes verification (no promotion), and
+        whether a damaged copy was found: (None, True) where no tier holds a good one,
+        (None, False) where none holds it (deleted since the listing). A tier that does not
+        answer raises TierUnavailable (the export is not whole)."""
+        damaged = False
+        for t in self.store.tiers:
+            if not self.store.is_up(t.name):
+                self._whole()
+            try:
+                value = t.get(skey)
+                if value is None:
+                    continue
+                parse_container(value, verify=True)
+                return bytes(value), damaged
+            except Corrupt as exc:
+                damaged = True
+                t.counters.add("corrupt")
+                log.warning("export: the copy of %s in tier %s is damaged (%s); reading the "
+                            "next tier's", skey.decode(errors="replace"), t.name, exc)
+            except TierUnavailable as exc:
+                self.store.mark_down(t.name, exc)
+                raise TierUnavailable(f"tier {t.name} failed during the export ({exc}); "
+                                      "export again once it is back") from None
+        return None, damaged
+
     async def Export(self, request: pb.ExportRequest,
                      context: grpc.aio.ServicerContext) -> AsyncIterator[pb.ExportItem]:
+        """Every visible entry's first good copy, in key order. Refused (UNAVAILABLE) while a
+        tier does not answer; an entry with no good copy anywhere is left out and counted in
+        the trailer ``EXPORT_SKIPPED_HEADER`` (the caller must not take the file as whole)."""
         try:
             scope = self._scope(request.namespace, request.tenant)
-            keys = await asyncio.to_thread(self._visible, scope, request.key_prefix)
+            keys = await asyncio.to_thread(self._export_keys, scope, request.key_prefix)
         except KDNError as exc:
             await context.abort(grpc_code(exc), str(exc))
             return
@@ -286,20 +338,26 @@ class AdminServicer(pb_grpc.KDNAdminServicer):
                              request.piece_bytes))  # a larger value: in pieces (the
                 if request.piece_bytes else 1 << 62)  # caller's limit too); a caller that
         # names none joins no pieces: it gets each value whole (too large: the call fails)
-        for i, k in enumerate(keys):
-            got = await asyncio.to_thread(self._read, k)
-            if got is None:
-                continue
+        total, skipped = len(keys), 0
+        for k in keys:
             try:
-                parse_container(got[0], verify=True)
-            except Corrupt:
-                self.count("export.skipped_corrupt")
+                value, damaged = await asyncio.to_thread(self._good_copy, k)
+            except KDNError as exc:
+                await context.abort(grpc_code(exc), str(exc))
+                return
+            if value is None:
+                if damaged:
+                    skipped += 1
+                    self.count("export.skipped_corrupt")
                 continue
             tenant, namespace, key = split_store_key(k)
-            for at, piece, more in cut(bytes(got[0]), size):
+            for at, piece, more in cut(value, size):
                 yield pb.ExportItem(tenant=tenant, namespace=namespace, key=key, value=piece,
-                                    cursor=k, total=len(keys) if i == at == 0 else 0,
-                                    offset=at, more=more)
+                                    cursor=k, total=total, offset=at, more=more)
+                total = 0  # in the first item only
+        if skipped:  # (the request id is there already: kept)
+            context.set_trailing_metadata((*(context.trailing_metadata() or ()),
+                                           (EXPORT_SKIPPED_HEADER, str(skipped))))
 
     def _import_one(self, principal: Principal, item: pb.ImportItem, value: bytes) -> bool:
         """Store one imported entry as a Store would (its checks, its tenant's quota, the
