@@ -18,6 +18,7 @@ from kdn.client.admin import AdminClient
 from kdn.client.exportfile import (
     MAGIC_V1,
     MAGIC_V2,
+    MAGIC_V3,
     ExportWriter,
     Filter,
     Record,
@@ -107,6 +108,7 @@ def test_import_refuses_a_cut_off_foreign_or_damaged_file(
     with AdminClient(server.address) as c:
         c.export_to(full)
     data = full.read_bytes()
+    mid = len(data) // 2  # inside a value
     fresh = tmp_path / "fresh"
     with ServerThread(ServerConfig(port=0, data_dir=fresh)) as target:
         a = ["--address", target.address]
@@ -117,7 +119,7 @@ def test_import_refuses_a_cut_off_foreign_or_damaged_file(
             "no end marker": (data[:-18], "without its end marker"),
             "foreign": (b"PK\x03\x04 a zip file, not an export", "is not a kdn export file"),
             "empty": (b"", "is not a kdn export file"),
-            "flipped byte": (data[:40] + bytes([data[40] ^ 1]) + data[41:], "checksum"),
+            "flipped byte": (data[:mid] + bytes([data[mid] ^ 1]) + data[mid + 1:], "checksum"),
         }
         for name, (content, words) in cases.items():
             bad = tmp_path / f"{name}.kdnx"
@@ -134,15 +136,17 @@ def test_import_refuses_a_cut_off_foreign_or_damaged_file(
                                    "rejected": 0}
 
 
-def test_format_1_and_2_files_still_import(server: ServerThread, tmp_path: Path) -> None:
+def test_format_1_2_and_3_files_still_import(server: ServerThread, tmp_path: Path) -> None:
     with AdminClient(server.address) as c:
         c.export_to(tmp_path / "new.kdnx", "kb")
         new = read_records(tmp_path / "new.kdnx")[0]
-        v1, v2 = tmp_path / "v1.kdnx", tmp_path / "v2.kdnx"
+        v1, v2, v3 = tmp_path / "v1.kdnx", tmp_path / "v2.kdnx", tmp_path / "v3.kdnx"
         v1.write_bytes(MAGIC_V1 + b"".join(encode_record(r, 1) for r in new))
         v2.write_bytes(MAGIC_V2 + encode_filter(Filter("kb"), 2)
                        + b"".join(encode_record(r, 2) for r in new) + encode_end(len(new)))
-        for old, version in ((v1, 1), (v2, 2)):
+        v3.write_bytes(MAGIC_V3 + encode_filter(Filter("kb"), 3)
+                       + b"".join(encode_record(r, 3) for r in new) + encode_end(len(new)))
+        for old, version in ((v1, 1), (v2, 2), (v3, 3)):
             assert [(r.key, r.value, r.tenant) for r in read_records(old)[0]] == \
                 [(r.key, r.value, "") for r in new]
             assert c.import_from(old).skipped == NAMESPACES["kb"]

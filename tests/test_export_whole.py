@@ -1,23 +1,37 @@
 """An export is a whole backup or says it is not: a damaged copy is replaced by the next tier's
 good one, an entry with no good copy anywhere fails the export (the file finished with the
-others, exit 1), and a tier that does not answer refuses the export (UNAVAILABLE, no end
-marker) rather than leaving out the entries only it holds."""
+others, exit 1), a tier that does not answer refuses the export (UNAVAILABLE, no end marker)
+rather than leaving out the entries only it holds, and a file is resumed only from the server
+that began it. A restored entry keeps its time to live and its pin."""
 
 from __future__ import annotations
 
 import json
+import time
+from dataclasses import replace
 from pathlib import Path
 
+import grpc
 import pytest
 
-from kdn import keys
+from kdn import StoreOptions, keys
 from kdn.cli.main import main as cli
 from kdn.client import Client
 from kdn.client.admin import AdminClient
-from kdn.client.exportfile import read_records, summary
-from kdn.errors import Corrupt, Unavailable
+from kdn.client.exportfile import (
+    MAGIC,
+    Filter,
+    encode_end,
+    encode_filter,
+    encode_record,
+    read_records,
+    summary,
+)
+from kdn.errors import Corrupt, InvalidArgument, Unavailable
 from kdn.server import ServerConfig, ServerThread
 from kdn.store.base import Tier
+from kdn.v1 import kdn_pb2 as pb
+from kdn.v1 import kdn_pb2_grpc as pb_grpc
 from tests.helpers import random_kv, uniform_layout
 from tests.redis_servers import RedisServer
 
@@ -88,3 +102,63 @@ def test_an_export_while_a_tier_is_down_is_refused(tmp_path: Path) -> None:
             assert a.export_to(tmp_path / "backup.kdnx") == 4
         assert json.dumps(sorted(r.key.hex() for r in read_records(
             tmp_path / "backup.kdnx")[0])) == json.dumps(sorted(k.hex() for k in ks))
+
+
+def test_an_export_resumes_only_from_the_server_that_began_it(tmp_path: Path) -> None:
+    path = tmp_path / "a.kdnx"
+    with ServerThread(ServerConfig(port=0, data_dir=tmp_path / "a")) as a, \
+            ServerThread(ServerConfig(port=0, data_dir=tmp_path / "b")) as b:
+        for st, seed in ((a, 100), (b, 200)):
+            with Client(st.address, shm_bytes=0) as c:
+                for i in range(4):
+                    c.store(keys.chunk_key([seed + i], LAY), random_kv(LAY, 8, seed=seed + i))
+        with AdminClient(a.address) as ca:
+            ca.export_to(path)
+        whole = path.read_bytes()
+        path.write_bytes(whole[:len(whole) // 2])  # interrupted
+        with AdminClient(b.address) as cb:
+            for content in (whole[:len(whole) // 2], whole):  # unfinished, finished
+                path.write_bytes(content)
+                with pytest.raises(InvalidArgument, match=f"server at '{a.address}', not"):
+                    cb.export_to(path)
+                assert path.read_bytes() == content  # untouched
+        with AdminClient(a.address) as ca:  # its own server resumes it
+            path.write_bytes(whole[:len(whole) // 2])
+            assert ca.export_to(path) == 4
+        assert path.read_bytes() == whole
+
+
+def test_a_restored_entry_keeps_its_time_to_live_and_pin(tmp_path: Path) -> None:
+    ks = [keys.chunk_key([i, 5], LAY) for i in range(3)]
+    with ServerThread(ServerConfig(port=0, data_dir=tmp_path / "src")) as src:
+        with Client(src.address, shm_bytes=0) as c:
+            c.store(ks[0], random_kv(LAY, 8, seed=0), options=StoreOptions(ttl_s=60))
+            c.store(ks[1], random_kv(LAY, 8, seed=1), options=StoreOptions(pin=True))
+            c.store(ks[2], random_kv(LAY, 8, seed=2), options=StoreOptions(ttl_s=60))
+        with AdminClient(src.address) as a:
+            a.export_to(tmp_path / "backup.kdnx")
+    recs = {r.key: r for r in read_records(tmp_path / "backup.kdnx")[0]}
+    assert 55 < recs[ks[0]].expires_at - time.time() <= 60 and not recs[ks[0]].pinned
+    assert recs[ks[1]].expires_at == 0 and recs[ks[1]].pinned
+    # the third expired since the export (a file written then: its expiry in the past)
+    old = [r if r.key != ks[2] else replace(r, expires_at=time.time() - 1)
+           for r in recs.values()]
+    (tmp_path / "old.kdnx").write_bytes(MAGIC + encode_filter(summary(
+        tmp_path / "backup.kdnx").filter or Filter(), source="src")
+        + b"".join(encode_record(r) for r in old) + encode_end(len(old)))
+    with ServerThread(ServerConfig(port=0, data_dir=tmp_path / "dst")) as dst:
+        with AdminClient(dst.address) as a:
+            resp = a.import_from(tmp_path / "old.kdnx")
+            assert (resp.imported, resp.skipped, resp.rejected) == (2, 1, 0)
+            assert a.inspect(ks[1]).pinned and not a.inspect(ks[0]).pinned
+        ram = _tier(dst, "ram")
+        left = ram.ttl_remaining(keys.store_key("", "default", ks[0]))
+        assert left is not None and 50 < left <= 60
+        assert ram.ttl_remaining(keys.store_key("", "default", ks[1])) is None
+        with Client(dst.address, shm_bytes=0) as c:
+            assert c.retrieve(ks[2]) is None
+        with grpc.insecure_channel(dst.address) as ch:  # a time to live no store could have
+            got = pb_grpc.KDNAdminStub(ch).Import(iter([pb.ImportItem(
+                namespace="default", key=ks[2], value=recs[ks[2]].value, ttl_seconds=ttl)
+                for ttl in (-1.0, float("nan"), 1e300)]), timeout=30)
+        assert (got.imported, got.rejected) == (0, 3)

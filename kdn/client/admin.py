@@ -1,8 +1,9 @@
 """Operator client for the ``KDNAdmin`` service: health, listing, keys, verify, gc, and
 export/import through the export file (``kdn.client.exportfile``: its format and lifecycle).
 
-Exports resume: an export into a file it wrote before, with the same filters, continues after
-the file's last complete record. Imports read the file twice, one record in memory at a time:
+Exports resume: an export into a file it wrote before, with the same filters and from the same
+server (the address as given: a server restarted there resumes it), continues after the file's
+last complete record. Imports read the file twice, one record in memory at a time:
 first every checksum and name (a bad or unfinished file sends nothing), then the entries in
 batches. Imports are idempotent (entries already present with identical bytes are skipped by
 the server), so re-running an interrupted import finishes it. Records carry their entry's
@@ -13,6 +14,7 @@ older files, which record none) under its tenant and has the server reject other
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -182,7 +184,8 @@ class AdminClient(Client):
         tenant's entries ("": every entry the caller sees)."""
         key_prefix = _listing(namespace, key_prefix)
         tenant = self.scoped(tenant, request_id)
-        out = ExportWriter.open(Path(path), Filter(namespace, key_prefix, tenant))
+        out = ExportWriter.open(Path(path), Filter(namespace, key_prefix, tenant),
+                                source=self.address)
         if out.complete:
             return out.records
         try:
@@ -198,7 +201,9 @@ class AdminClient(Client):
                     value = pieces.add(item)
                     if value is None:
                         continue
-                    out.write(Record(item.namespace, item.key, item.cursor, value, item.tenant))
+                    expires = time.time() + item.ttl_seconds if item.ttl_seconds else 0.0
+                    out.write(Record(item.namespace, item.key, item.cursor, value, item.tenant,
+                                     expires, item.pinned))
                     if progress:
                         progress(out.records, total)
             except grpc.RpcError as exc:
@@ -220,7 +225,9 @@ class AdminClient(Client):
     def import_from(self, path: Path, progress: Callable[[int, int], None] | None = None,
                     batch: int = 64, *, request_id: str | None = None) -> pb.ImportResponse:
         """Import an export file. The whole file is checked first (checksums, names, its end
-        marker), one record at a time, so a bad, cut off or foreign file sends nothing."""
+        marker), one record at a time, so a bad, cut off or foreign file sends nothing. Each
+        entry is stored with the time to live it had left (one expired since the export is
+        counted ``skipped``, not sent) and pinned where it was."""
         path = Path(path)
         n, tenanted = 0, ""
         for n, (_, r) in enumerate(scan(path), 1):
@@ -253,8 +260,13 @@ class AdminClient(Client):
         largest = min(piece_bytes(self.max_message_bytes), IMPORT_PIECE_BYTES)  # a larger
         # value goes in pieces: small enough for a server whose messages are smaller
         for _, r in scan(path):
+            ttl = r.expires_at - time.time() if r.expires_at else 0.0
+            if r.expires_at and ttl <= 0:  # expired since the export: as if deleted
+                total.skipped += 1
+                continue
             items += [pb.ImportItem(tenant=r.tenant, namespace=r.namespace, key=r.key,
-                                    value=piece, offset=at, more=more)
+                                    value=piece, offset=at, more=more, ttl_seconds=ttl,
+                                    pin=r.pinned)
                       for at, piece, more in cut(r.value, largest)]
             size += len(r.value)
             records += 1

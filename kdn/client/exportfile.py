@@ -1,25 +1,29 @@
 """The export file of ``kdn admin export`` / ``import``: verified entries, one record each, read
 and written as a stream (one record in memory at a time, however large the file).
 
-Format 3 (written now)::
+Format 4 (written now)::
 
-    file    = b"KDNX3\\n" filter record* end
+    file    = b"KDNX4\\n" filter record* end
     filter  = u16 len(tenant) | tenant | u16 len(namespace) | namespace
-              | u16 len(key_prefix) | key_prefix | u64 xxh3_64
+              | u16 len(key_prefix) | key_prefix | u16 len(source) | source | u64 xxh3_64
     record  = u16 len(tenant) | tenant | u16 len(namespace) | namespace | u16 len(key) | key
-              | u16 len(cursor) | cursor | u64 len(value) | value
+              | u16 len(cursor) | cursor | u64 expires_ms | u8 pinned | u64 len(value) | value
               | u64 xxh3_64 of everything before it in the record
     end     = u16 0xFFFF | u64 records | u64 xxh3_64 of the ten bytes before it
 
 A record's tenant is the entry's ("" the unscoped key space of a server without tenants), so an
 admin's backup of a server with tenants restores each entry to its tenant; the filter's tenant
-is the one an admin's export was narrowed to ("" every tenant the caller sees). Formats 2
-(``KDNX2``) and 1 (``KDNX1``) are read only: format 2 is format 3 without the tenants, format 1
-is format 2 without the filter and the end marker; their records, tenant "", are imported into
-the importer's tenant.
+is the one an admin's export was narrowed to ("" every tenant the caller sees). ``source`` is
+the server's address as the exporting client was given it: the cursors of a file belong to that
+server's listing. ``expires_ms``: when the entry expires (unix milliseconds, 0 never); ``pinned``
+1 for a pinned entry. Formats 3 (``KDNX3``), 2 and 1 are read only: format 3 is format 4 without
+the source, expiries and pins, format 2 is format 3 without the tenants, format 1 is format 2
+without the filter and the end marker; their records, tenant "", are imported into the
+importer's tenant.
 
 Lifecycle: ``ExportWriter.open`` starts a file, or resumes one: a file written with other
-filters is refused (its cursor belongs to another listing), a finished one (with its end
+filters, or from another server, is refused (its cursor belongs to another listing; a server
+restarted at the same address resumes it), a finished one (with its end
 marker) is left as it is, a torn last record is cut off and the export goes on after the last
 complete record's cursor; ``finish`` writes the end marker. ``scan`` reads a file for import
 and raises ``Corrupt`` on a foreign file, a bad checksum, or a format-2 file without its end
@@ -43,11 +47,13 @@ from kdn.errors import Corrupt, InvalidArgument
 
 MAGIC_V1 = b"KDNX1\n"
 MAGIC_V2 = b"KDNX2\n"
-MAGIC = b"KDNX3\n"
-VERSION = 3
-_MAGICS = {MAGIC_V1: 1, MAGIC_V2: 2, MAGIC: VERSION}
+MAGIC_V3 = b"KDNX3\n"
+MAGIC = b"KDNX4\n"
+VERSION = 4
+_MAGICS = {MAGIC_V1: 1, MAGIC_V2: 2, MAGIC_V3: 3, MAGIC: VERSION}
 _H = struct.Struct("<H")
 _Q = struct.Struct("<Q")
+_META = struct.Struct("<QB")  # a format 4 record's expires_ms, pinned
 _END = 0xFFFF  # never a tenant's or namespace's length (at most 32 and 64 bytes)
 
 
@@ -59,6 +65,9 @@ class Record:
     value: bytes
     tenant: str = ""
     """The entry's tenant ("": none recorded, or the unscoped key space)."""
+    expires_at: float = 0.0
+    """Unix seconds the entry expires at (0: never, or not recorded)."""
+    pinned: bool = False
 
 
 @dataclass(frozen=True)
@@ -76,25 +85,29 @@ class Filter:
             (f", tenant {self.tenant!r}" if self.tenant else "")
 
 
-def _fields(*values: bytes, value: bytes | None = None) -> bytes:
-    """``values`` each after its u16 length, then ``value`` after its u64 length (a record's),
-    then the xxh3_64 of it all."""
-    body = b"".join(_H.pack(len(v)) + v for v in values)
+def _fields(*values: bytes, fixed: bytes = b"", value: bytes | None = None) -> bytes:
+    """``values`` each after its u16 length, ``fixed``, then ``value`` after its u64 length (a
+    record's), then the xxh3_64 of it all."""
+    body = b"".join(_H.pack(len(v)) + v for v in values) + fixed
     if value is not None:
         body += _Q.pack(len(value)) + value
     return body + _Q.pack(xxhash.xxh3_64_intdigest(body))
 
 
 def encode_record(r: Record, version: int = VERSION) -> bytes:
-    """``r`` as a record of a file of format ``version`` (an older one drops the tenant)."""
+    """``r`` as a record of a file of format ``version`` (an older one drops the expiry and
+    pin, then the tenant)."""
     tenant = (r.tenant.encode(),) if version >= 3 else ()
-    return _fields(*tenant, r.namespace.encode(), r.key, r.cursor, value=r.value)
+    meta = _META.pack(max(0, round(r.expires_at * 1000)), r.pinned) if version >= 4 else b""
+    return _fields(*tenant, r.namespace.encode(), r.key, r.cursor, fixed=meta, value=r.value)
 
 
-def encode_filter(f: Filter, version: int = VERSION) -> bytes:
-    """``f`` as the filter of a file of format ``version`` (format 2's has no tenant)."""
+def encode_filter(f: Filter, version: int = VERSION, source: str = "") -> bytes:
+    """``f`` (and the ``source`` server) as the header of a file of format ``version``
+    (format 3's has no source, format 2's no tenant)."""
     tenant = (f.tenant.encode(),) if version >= 3 else ()
-    return _fields(*tenant, f.namespace.encode(), f.key_prefix)
+    src = (source.encode(),) if version >= 4 else ()
+    return _fields(*tenant, f.namespace.encode(), f.key_prefix, *src)
 
 
 def encode_end(records: int) -> bytes:
@@ -139,6 +152,8 @@ class Scan:
 
     version: int
     filter: Filter | None
+    source: str = ""
+    """The server the file was exported from (format 4; "" not recorded)."""
     records: int = 0
     good: int = 0
     last_cursor: bytes = b""
@@ -176,6 +191,7 @@ def _records(path: Path, f: BinaryIO, scan: Scan) -> Iterator[Record]:
             ns = _field(f, _H, parts)
             key = _field(f, _H, parts)
             cursor = _field(f, _H, parts)
+            meta = _take(f, _META.size, parts) if scan.version >= 4 else _META.pack(0, 0)
             value = _field(f, _Q, parts)
             (want,) = _Q.unpack(_take(f, _Q.size, []))
         except _Torn:
@@ -193,7 +209,8 @@ def _records(path: Path, f: BinaryIO, scan: Scan) -> Iterator[Record]:
         scan.records += 1
         scan.good = f.tell()
         scan.last_cursor = cursor
-        yield Record(names[0], key, cursor, value, names[1])
+        expires_ms, pinned = _META.unpack(meta)
+        yield Record(names[0], key, cursor, value, names[1], expires_ms / 1000, bool(pinned))
 
 
 def _open_scan(path: Path, f: BinaryIO) -> Scan:
@@ -207,13 +224,15 @@ def _open_scan(path: Path, f: BinaryIO) -> Scan:
         tenant = _field(f, _H, parts) if version >= 3 else b""
         ns = _field(f, _H, parts)
         prefix = _field(f, _H, parts)
+        source = _field(f, _H, parts) if version >= 4 else b""
         (want,) = _Q.unpack(_take(f, _Q.size, []))
     except _Torn:
         raise Corrupt(f"{path}: the export file is cut off in its header") from None
     if xxhash.xxh3_64_intdigest(b"".join(parts)) != want:
         raise Corrupt(f"{path}: the export file's header fails its checksum")
-    return Scan(version=version, good=f.tell(), filter=Filter(
-        ns.decode(errors="replace"), prefix, tenant.decode(errors="replace")))
+    return Scan(version=version, good=f.tell(), source=source.decode(errors="replace"),
+                filter=Filter(ns.decode(errors="replace"), prefix,
+                              tenant.decode(errors="replace")))
 
 
 def scan(path: Path, *, complete: bool = True) -> Iterator[tuple[Scan, Record]]:
@@ -249,7 +268,8 @@ def read_records(path: Path) -> tuple[list[Record], int]:
 
 
 class ExportWriter:
-    """Appends records to an export file; ``open`` starts or resumes it for ``filt``."""
+    """Appends records to an export file; ``open`` starts or resumes it for ``filt`` and the
+    ``source`` server (its address as the client was given it)."""
 
     def __init__(self, path: Path, f: BinaryIO | None, records: int, after: bytes) -> None:
         self.path, self._f = path, f
@@ -258,14 +278,14 @@ class ExportWriter:
         self.complete = f is None  # the file holds a finished export: nothing to add
 
     @classmethod
-    def open(cls, path: Path, filt: Filter) -> ExportWriter:
+    def open(cls, path: Path, filt: Filter, source: str = "") -> ExportWriter:
         path = Path(path)
         if path.is_dir():
             raise IsADirectoryError(21, "is a directory", str(path))
         if not path.exists() or path.stat().st_size == 0:
             # private to its writer, as the disk tier is: it may hold every tenant's entries
             new = os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb")
-            new.write(MAGIC + encode_filter(filt))
+            new.write(MAGIC + encode_filter(filt, source=source))
             return cls(path, new, 0, b"")
         s = summary(path)
         if s.version != VERSION:
@@ -276,6 +296,10 @@ class ExportWriter:
             raise InvalidArgument(f"{path} is an export of {s.filter.describe()}, not of "
                                   f"{filt.describe()}; pass the same --namespace/--prefix/"
                                   "--tenant to resume it, or export into a new file")
+        if s.source != source:  # its cursor is in another server's listing
+            raise InvalidArgument(f"{path} is an export of the server at {s.source!r}, not "
+                                  f"{source!r}; resume it with that --address, or export "
+                                  "into a new file")
         if s.ended:  # finished: left as it is (a new export goes into a new file)
             return cls(path, None, s.records, s.last_cursor)
         f = open(path, "r+b")

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import AsyncIterator
 from dataclasses import replace
@@ -295,21 +296,23 @@ class AdminServicer(pb_grpc.KDNAdminServicer):
         self._whole()  # a tier that failed while listing: its keys are not all there
         return keys
 
-    def _good_copy(self, skey: bytes) -> tuple[bytes | None, bool]:
-        """The entry's first copy in read order that passes verification (no promotion), and
-        whether a damaged copy was found: (None, True) where no tier holds a good one,
-        (None, False) where none holds it (deleted since the listing). A tier that does not
-        answer raises TierUnavailable (the export is not whole)."""
+    def _good_copy(self, skey: bytes) -> tuple[bytes | None, bool, float]:
+        """The entry's first copy in read order that passes verification (no promotion),
+        whether a damaged copy was found, and the seconds until that copy expires (0: never):
+        (None, True, 0) where no tier holds a good one, (None, False, 0) where none holds it
+        (deleted or expired since the listing). A tier that does not answer raises
+        TierUnavailable (the export is not whole)."""
         damaged = False
         for t in self.store.tiers:
             if not self.store.is_up(t.name):
-                self._whole()
+                self._whole()  # raises: its copy may be the only one
             try:
                 value = t.get(skey)
-                if value is None:
+                left = t.ttl_remaining(skey) if value is not None else None
+                if value is None or (left is not None and left <= 0):
                     continue
                 parse_container(value, verify=True)
-                return bytes(value), damaged
+                return bytes(value), damaged, left or 0.0
             except Corrupt as exc:
                 damaged = True
                 t.counters.add("corrupt")
@@ -319,7 +322,7 @@ class AdminServicer(pb_grpc.KDNAdminServicer):
                 self.store.mark_down(t.name, exc)
                 raise TierUnavailable(f"tier {t.name} failed during the export ({exc}); "
                                       "export again once it is back") from None
-        return None, damaged
+        return None, damaged, 0.0
 
     async def Export(self, request: pb.ExportRequest,
                      context: grpc.aio.ServicerContext) -> AsyncIterator[pb.ExportItem]:
@@ -341,7 +344,7 @@ class AdminServicer(pb_grpc.KDNAdminServicer):
         total, skipped = len(keys), 0
         for k in keys:
             try:
-                value, damaged = await asyncio.to_thread(self._good_copy, k)
+                value, damaged, ttl = await asyncio.to_thread(self._good_copy, k)
             except KDNError as exc:
                 await context.abort(grpc_code(exc), str(exc))
                 return
@@ -351,9 +354,11 @@ class AdminServicer(pb_grpc.KDNAdminServicer):
                     self.count("export.skipped_corrupt")
                 continue
             tenant, namespace, key = split_store_key(k)
+            pinned = self.store.is_pinned(k)
             for at, piece, more in cut(value, size):
                 yield pb.ExportItem(tenant=tenant, namespace=namespace, key=key, value=piece,
-                                    cursor=k, total=total, offset=at, more=more)
+                                    cursor=k, total=total, offset=at, more=more,
+                                    ttl_seconds=ttl, pinned=pinned)
                 total = 0  # in the first item only
         if skipped:  # (the request id is there already: kept)
             context.set_trailing_metadata((*(context.trailing_metadata() or ()),
@@ -375,7 +380,11 @@ class AdminServicer(pb_grpc.KDNAdminServicer):
             existing = self._read(skey)
             if existing is not None and existing[0] == value:
                 return False
-        self.ingest.commit(owner, skey, value, pb.StoreOptions(), header)
+        if not (math.isfinite(item.ttl_seconds) and 0 <= item.ttl_seconds < 1 << 53):
+            raise InvalidArgument(f"ttl_seconds {item.ttl_seconds} is not a number of seconds "
+                                  ">= 0")
+        options = pb.StoreOptions(ttl_seconds=math.ceil(item.ttl_seconds), pin=item.pin)
+        self.ingest.commit(owner, skey, value, options, header)
         return True
 
     @rpc

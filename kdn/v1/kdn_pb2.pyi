@@ -615,7 +615,7 @@ class ExportRequest(_message.Message):
     def __init__(self, namespace: _Optional[str] = ..., key_prefix: _Optional[bytes] = ..., after: _Optional[bytes] = ..., tenant: _Optional[str] = ..., piece_bytes: _Optional[int] = ...) -> None: ...
 
 class ExportItem(_message.Message):
-    __slots__ = ("namespace", "key", "value", "cursor", "total", "tenant", "offset", "more")
+    __slots__ = ("namespace", "key", "value", "cursor", "total", "tenant", "offset", "more", "ttl_seconds", "pinned")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     KEY_FIELD_NUMBER: _ClassVar[int]
     VALUE_FIELD_NUMBER: _ClassVar[int]
@@ -624,6 +624,8 @@ class ExportItem(_message.Message):
     TENANT_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     MORE_FIELD_NUMBER: _ClassVar[int]
+    TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PINNED_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     key: bytes
     value: bytes
@@ -632,23 +634,29 @@ class ExportItem(_message.Message):
     tenant: str
     offset: int
     more: bool
-    def __init__(self, namespace: _Optional[str] = ..., key: _Optional[bytes] = ..., value: _Optional[bytes] = ..., cursor: _Optional[bytes] = ..., total: _Optional[int] = ..., tenant: _Optional[str] = ..., offset: _Optional[int] = ..., more: _Optional[bool] = ...) -> None: ...
+    ttl_seconds: float
+    pinned: bool
+    def __init__(self, namespace: _Optional[str] = ..., key: _Optional[bytes] = ..., value: _Optional[bytes] = ..., cursor: _Optional[bytes] = ..., total: _Optional[int] = ..., tenant: _Optional[str] = ..., offset: _Optional[int] = ..., more: _Optional[bool] = ..., ttl_seconds: _Optional[float] = ..., pinned: _Optional[bool] = ...) -> None: ...
 
 class ImportItem(_message.Message):
-    __slots__ = ("namespace", "key", "value", "tenant", "offset", "more")
+    __slots__ = ("namespace", "key", "value", "tenant", "offset", "more", "ttl_seconds", "pin")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     KEY_FIELD_NUMBER: _ClassVar[int]
     VALUE_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     MORE_FIELD_NUMBER: _ClassVar[int]
+    TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PIN_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     key: bytes
     value: bytes
     tenant: str
     offset: int
     more: bool
-    def __init__(self, namespace: _Optional[str] = ..., key: _Optional[bytes] = ..., value: _Optional[bytes] = ..., tenant: _Optional[str] = ..., offset: _Optional[int] = ..., more: _Optional[bool] = ...) -> None: ...
+    ttl_seconds: float
+    pin: bool
+    def __init__(self, namespace: _Optional[str] = ..., key: _Optional[bytes] = ..., value: _Optional[bytes] = ..., tenant: _Optional[str] = ..., offset: _Optional[int] = ..., more: _Optional[bool] = ..., ttl_seconds: _Optional[float] = ..., pin: _Optional[bool] = ...) -> None: ...
 
 class ImportResponse(_message.Message):
     __slots__ = ("imported", "skipped", "rejected")
