@@ -154,6 +154,19 @@ def test_format_1_2_and_3_files_still_import(server: ServerThread, tmp_path: Pat
                 c.export_to(old, "kb")  # another format: no resume
 
 
+def test_an_export_file_is_private_whatever_was_there_before(tmp_path: Path) -> None:
+    touched = tmp_path / "touched.kdnx"  # an empty file made by hand (umask 022)
+    touched.touch(mode=0o644)
+    touched.chmod(0o644)
+    out = ExportWriter.open(touched, Filter())
+    out.write(Record("kb", b"k" * 32, b"c", b"v"))
+    out.close()
+    assert touched.stat().st_mode & 0o777 == 0o600
+    touched.chmod(0o644)  # an unfinished one made readable since: private again on resuming
+    ExportWriter.open(touched, Filter()).close()
+    assert touched.stat().st_mode & 0o777 == 0o600
+
+
 def test_the_file_is_read_one_record_at_a_time(tmp_path: Path) -> None:
     """Import's two passes and a resume's scan hold one record, not the file (the old reader
     took the whole file into memory)."""

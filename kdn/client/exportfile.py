@@ -285,6 +285,7 @@ class ExportWriter:
         if not path.exists() or path.stat().st_size == 0:
             # private to its writer, as the disk tier is: it may hold every tenant's entries
             new = os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb")
+            os.fchmod(new.fileno(), 0o600)  # a file there before (empty) kept its mode
             new.write(MAGIC + encode_filter(filt, source=source))
             return cls(path, new, 0, b"")
         s = summary(path)
@@ -303,6 +304,7 @@ class ExportWriter:
         if s.ended:  # finished: left as it is (a new export goes into a new file)
             return cls(path, None, s.records, s.last_cursor)
         f = open(path, "r+b")
+        os.fchmod(f.fileno(), 0o600)  # whatever mode it was given since
         f.truncate(s.good)  # a torn record goes; the export goes on after the last one
         f.seek(s.good)
         return cls(path, f, s.records, s.last_cursor)
