@@ -5,16 +5,18 @@ leaves no node's RAM serving the old value, also a node this client had marked d
 from __future__ import annotations
 
 import hashlib
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from kdn import keys
 from kdn.cache import KVCache
 from kdn.client.admin import AdminClient
 from kdn.client.client import Client
 from kdn.client.fleet import FleetClient, FleetConfig
-from kdn.errors import DeadlineExceeded
+from kdn.errors import DeadlineExceeded, TooLarge
 from kdn.server import ServerThread
 from tests.helpers import random_kv, running_nodes, uniform_layout
 from tests.redis_servers import RedisServer
@@ -142,3 +144,60 @@ def test_a_store_whose_deadline_passed_is_not_sent_to_another_node(
         with pytest.raises(DeadlineExceeded):
             f.store(KEY, random_kv(LAY, 4, seed=2))
         assert sent == [] and not f.router.live[home]
+
+
+def test_node_clients_in_process_copies_go_with_a_store_or_delete_elsewhere(
+        nodes: list[ServerThread]) -> None:
+    """Node clients with an in-process tier: an overwrite (or delete) through one node drops
+    the key from every node client's tier, so a read routed to another never serves the value
+    it replaced from its process's copy."""
+    v1, v2 = (random_kv(LAY, 4, seed=s) for s in (1, 2))
+    options = {"local_bytes": 64 << 20, "shm_bytes": 0}
+    with FleetClient(FleetConfig(nodes=tuple(n.address for n in nodes), health_interval_s=0,
+                                 load_bound=100.0, client_options=options)) as f:
+        f.store(KEY, v1)
+        home = f._last.node
+        assert f.retrieve(KEY).equal(v1)  # type: ignore[union-attr]  # (home's client keeps it)
+        f._mark(home, False)
+        f.store(KEY, v2)  # through the other node
+        assert f._last.node != home and f.check_health() == [True, True]
+        f._mark(1 - home, False)  # reads go home again
+        assert f.retrieve(KEY).equal(v2)  # type: ignore[union-attr]
+        assert f._last.node == home
+        f._mark(home, False)
+        f._mark(1 - home, True)
+        assert f.delete(KEY) == 1  # through the other node: home's client's copy goes too
+        f._mark(home, True)
+        f._mark(1 - home, False)
+        assert f.retrieve(KEY) is None and f._last.node == home
+
+
+def test_an_evict_refused_for_now_keeps_its_keys_stale(tmp_path: Path) -> None:
+    """A node that answers the evict of its stale copies RESOURCE_EXHAUSTED (its tenant's
+    rate limit) keeps the keys stale and is not read until it drops them (it served the
+    overwritten value: the refusal was taken for a pinned key's)."""
+    auth = tmp_path / "tenants.yaml"
+    auth.write_text('tenants:\n  team: {api_keys: ["k"], rate_rps: 1, burst: 3}\n')
+    auth.chmod(0o600)
+    v1, v2 = (random_kv(LAY, 4, seed=s) for s in (1, 2))
+    opts = {"api_key": "k", "shm_bytes": 0}
+    with RedisServer(tmp_path / "redis") as redis, running_nodes(
+            tmp_path, redis_url=redis.url, tier_order=("ram", "redis"),
+            auth_file=str(auth)) as ns, \
+            FleetClient(FleetConfig(nodes=tuple(n.address for n in ns), health_interval_s=0,
+                                    load_bound=100.0, client_options=opts)) as f:
+        f.store(KEY, v1)
+        other = 1 - f._last.node
+        time.sleep(1.0)  # the buckets full again
+        with Client(ns[other].address, **opts) as c:
+            assert c.retrieve(KEY).equal(v1)  # type: ignore[union-attr]  # in its RAM
+            with pytest.raises(TooLarge):
+                for _ in range(5):  # the tenant is busy on that node meanwhile
+                    c.lookup([KEY])
+        f.store(KEY, v2)  # acknowledged by home; the other node refuses the evict for now
+        assert f.nodes_report()[other]["stale"] == 1 and not f.router.live[other]
+        time.sleep(1.0)  # a token again: the node drops its copy before it is live again
+        f._mark(other, True)
+        assert f.router.live[other] and f.nodes_report()[other]["stale"] == 0
+        ram = next(t for t in ns[other].server.store.tiers if t.name == "ram")
+        assert not ram.contains(keys.store_key("team", "default", KEY))  # v1 is gone

@@ -30,9 +30,11 @@ Copies. A node keeps what it served or stored in its RAM, so a key may sit in se
 RAM. A store goes to its node (and through it to the shared tier); the other nodes are then told
 to drop their RAM copy of the stored keys (an Evict of their ``ram`` tier, ``drop_copies``). A
 delete goes to every configured node, also those marked down. A node that can not be reached
-for either keeps the keys in ``stale`` and stays marked down: before it is marked live again
-(a health check, or a call that tries it again) it drops them from its RAM, and a node that
-can not do that stays down. ``nodes_report`` counts each node's ``stale`` keys.
+for either, or refuses the evict for now (rate-limited), keeps the keys in ``stale`` and stays
+marked down: before it is marked live again (a health check, or a call that tries it again) it
+drops them from its RAM, and a node that can not do that stays down. ``nodes_report`` counts
+each node's ``stale`` keys. Node clients with an in-process tier (``client_options``'
+``local_bytes``) drop the keys of every store and delete from each of them.
 
 Membership is the config's list of addresses (``FleetConfig.from_file``: YAML ``nodes:``).
 A health thread asks every node for Stats each ``health_interval_s``: an answer marks it live
@@ -56,7 +58,8 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -68,7 +71,16 @@ from kdn.client.admin import AdminClient
 from kdn.client.client import Client, LookupResult, Retry
 from kdn.client.entries import check_items
 from kdn.client.routing import Affinity, LoadMeter, Router
-from kdn.errors import ConfigError, DeadlineExceeded, InvalidArgument, KDNError, Unavailable, kept
+from kdn.errors import (
+    ConfigError,
+    DeadlineExceeded,
+    InvalidArgument,
+    KDNError,
+    PermissionDenied,
+    Unavailable,
+    kept,
+)
+from kdn.names import check_namespace
 from kdn.v1 import kdn_pb2 as pb
 from kdn.yamlfiles import load_yaml_file
 
@@ -181,7 +193,9 @@ class FleetClient:
     """Routes ``Client`` calls across the nodes of a fleet (module docstring)."""
 
     local: None = None
-    """No in-process tier (``Client.local``): a fleet client's reads come from the nodes."""
+    """No in-process tier of its own (``Client.local``). Node clients given ``local_bytes`` in
+    ``client_options`` keep one each; a store or delete through any node drops the key from
+    all of them (``_locals_dropped``), so none serves a value overwritten through another."""
 
     def __init__(self, config: FleetConfig) -> None:
         self.config = config
@@ -295,12 +309,14 @@ class FleetClient:
                 self._mark(node, False)
 
     def _drop_stale(self, node: int) -> bool:
-        """Evict ``node``'s stale keys from its RAM tier; False when the node did not answer
-        (what is not evicted is kept). Keys leave ``stale`` once evicted, not before: a call
-        on another thread meanwhile still finds them, and evicts them too before it reads
-        there. A refusal (a pinned copy, a node without a RAM tier) is logged and forgotten:
-        nothing sent again would change it; a batch refused is sent again a key at a time,
-        so that one pinned key does not keep the others' stale copies."""
+        """Evict ``node``'s stale keys from its RAM tier; False when the node did not answer,
+        or refused for now (rate-limited, busy: what is not evicted is kept, and tried again
+        before the node is read). Keys leave ``stale`` once evicted, not before: a call on
+        another thread meanwhile still finds them, and evicts them too before it reads there.
+        A refusal for good (a pinned copy, a node without a RAM tier, a caller not allowed) is
+        logged and forgotten: nothing sent again would change it; a batch refused so is sent
+        again a key at a time, so that one pinned key does not keep the others' stale
+        copies."""
         while True:
             with self._lock:
                 if not self.stale[node]:
@@ -309,7 +325,10 @@ class FleetClient:
                 batch = sorted(keys)
             try:
                 self._evict(node, batch, ns, tenant)
-            except NODE_FAILURES:
+            except (*NODE_FAILURES, KDNError) as exc:
+                if not isinstance(exc, NODE_FAILURES):
+                    log.warning("fleet node %s did not drop its stale RAM copies (%s); it is "
+                                "not read until it does", self.nodes[node], exc)
                 return False
             with self._lock:
                 left = self.stale[node].get((ns, tenant))
@@ -319,12 +338,12 @@ class FleetClient:
                         del self.stale[node][(ns, tenant)]
 
     def _evict(self, node: int, keys: list[bytes], ns: str, tenant: str) -> None:
-        """Evict ``keys`` from ``node``'s RAM, one at a time where the batch is refused."""
+        """Evict ``keys`` from ``node``'s RAM, one at a time where the batch is refused for
+        good; any other error is raised (the keys stay stale)."""
         try:
             self.clients[node].evict(keys, ns, "ram", tenant=tenant)
-        except NODE_FAILURES:
-            raise
-        except KDNError as exc:  # refused (a pinned copy, a node without a RAM tier)
+        except (InvalidArgument, PermissionDenied) as exc:  # refused for good (a pinned
+            # copy, a node without a RAM tier); not a rate limit, nor a node that is busy
             if len(keys) == 1:
                 log.warning("fleet node %s kept a stale RAM copy: %s", self.nodes[node], exc)
                 return
@@ -439,13 +458,27 @@ class FleetClient:
                 namespace: str | None) -> T:
         """A store on the node ``keys`` route to; then every other node drops its RAM copy of
         them (it would serve the value this replaced: ``drop_copies``)."""
-        try:
-            out = self.call(keys, fn, write=True)
-        except DeadlineExceeded:  # its outcome unknown: it may land yet, and the others'
-            self._drop_elsewhere(keys, namespace)  # copies would then be stale
-            raise
-        self._drop_elsewhere(keys, namespace)
+        with self._locals_dropped(keys, namespace):
+            try:
+                out = self.call(keys, fn, write=True)
+            except DeadlineExceeded:  # its outcome unknown: it may land yet, and the others'
+                self._drop_elsewhere(keys, namespace)  # copies would then be stale
+                raise
+            self._drop_elsewhere(keys, namespace)
         return out
+
+    @contextmanager
+    def _locals_dropped(self, keys: Sequence[bytes], namespace: str | None) -> Iterator[None]:
+        """While a store or delete of ``keys`` runs: a write of them begun on every node
+        client's in-process tier, so their copies go now and none read meanwhile is kept
+        (``kdn.client.local``; the storing node's own copy neither: read again, it is)."""
+        writes = [c.local.write(check_namespace(namespace or c.namespace), k)
+                  for c in self.clients if c.local is not None for k in keys]
+        try:
+            yield
+        finally:
+            for w in writes:
+                w.end()
 
     def _drop_elsewhere(self, keys: Sequence[bytes], namespace: str | None) -> None:
         """Every node but the one this thread's latest call went to drops ``keys``."""
@@ -460,6 +493,12 @@ class FleetClient:
         the first); Unavailable when none was reached (the shared tier's copy is still
         there)."""
         keys = [key] if isinstance(key, (bytes, bytearray)) else list(key)
+        if tenant:  # another tenant's entries: never in the in-process tiers (the caller's)
+            return self._delete(keys, namespace, tenant, **kw)
+        with self._locals_dropped(keys, namespace):
+            return self._delete(keys, namespace, tenant, **kw)
+
+    def _delete(self, keys: list[bytes], namespace: str | None, tenant: str, **kw: Any) -> int:
         done: list[int] = []
         down = [node for node in range(len(self.clients)) if not self.router.live[node]]
         if len(down) == len(self.clients):
