@@ -416,3 +416,23 @@ def test_an_old_client_gets_whole_values_and_imports_fit_a_smaller_server(
         got = c.import_from(path)
         assert (got.imported, got.rejected) == (1, 0)
         assert c.retrieve(key).equal(kv)  # type: ignore[union-attr]
+
+
+def test_a_value_refused_inside_its_pieces_is_counted_once(tmp_path: Path) -> None:
+    """A value past what the server receives at once, refused at one of its middle pieces:
+    its later pieces are dropped without a word (each was refused again, one count each), and
+    the entry after it goes in."""
+    lay = uniform_layout(layers=4, heads=4, dim=64)
+    big, small = keys.chunk_key([1], lay), keys.chunk_key([2], lay)
+    with ServerThread(ServerConfig(port=0, data_dir=tmp_path / "src")) as st:
+        with Client(st.address, shm_bytes=0) as c:
+            c.store(big, random_kv(lay, 512, seed=1))  # about 1.7 MB
+            c.store(small, random_kv(lay, 8, seed=2))
+        with AdminClient(st.address) as a:
+            a.export_to(tmp_path / "e.kdnx")
+    cfg = ServerConfig(port=0, data_dir=tmp_path / "dst", ram_bytes=1 << 20,
+                       max_entry_bytes=1 << 20)
+    with ServerThread(cfg) as t, AdminClient(t.address, max_message_bytes=64 << 10) as a:
+        got = a.import_from(tmp_path / "e.kdnx")
+        assert (got.imported, got.rejected) == (1, 1)
+        assert a.contains(small) and not a.contains(big)

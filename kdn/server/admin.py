@@ -395,8 +395,12 @@ class AdminServicer(pb_grpc.KDNAdminServicer):
         assert self.ingest is not None  # the server builds the admin servicer with it
         pieces = Pieces(limit=self.ingest.config.max_entry_bytes)
         held = 0  # the bytes of the value being joined, counted as received (``reserve``)
+        refused: tuple[str, str, bytes] | None = None  # a value refused before its last piece
         try:
             async for item in request_iterator:
+                if item.offset and refused == (item.tenant, item.namespace, bytes(item.key)):
+                    continue  # its later pieces: dropped, the value counted once
+                refused = None
                 try:
                     if item.offset == 0 and held:  # a value left unfinished: dropped
                         self.ingest.release(principal, held)
@@ -412,6 +416,9 @@ class AdminServicer(pb_grpc.KDNAdminServicer):
                 except (Corrupt, InvalidArgument, LayoutMismatch, PermissionDenied, TooLarge):
                     self.ingest.release(principal, held)  # (its pieces are dropped)
                     held = 0
+                    if item.more:
+                        pieces.drop()
+                        refused = (item.tenant, item.namespace, bytes(item.key))
                     resp.rejected += 1  # this entry's fault (damaged, not allowed here,
                     continue  # another tenant's, past the quota): the rest go on
                 if done:

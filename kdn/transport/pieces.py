@@ -62,6 +62,11 @@ class Pieces:
         self._parts, self._size, self._name = [], 0, None
         return cut_off
 
+    def drop(self) -> None:
+        """Forget the value being joined (the caller refused it and counts it so), not
+        ``abandoned``."""
+        self._parts, self._size, self._name = [], 0, None
+
     def add(self, item: Piece) -> bytes | None:
         """The whole value when ``item`` is its last piece, else None. A piece at offset 0
         begins a value (one unfinished before it is ``abandoned``); a later piece must
