@@ -6,6 +6,7 @@ delete, evict, pin, unpin, ls, inspect, verify, export, import, gc, fleet), each
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -276,11 +277,22 @@ def _export(client: Any, ns: argparse.Namespace) -> int:
                              progress=bar, tenant=ns.tenant)
     finally:
         bar.close()
-    if ns.output == "json":
-        dump_json({"file": ns.file, "entries": n})
-    else:
-        fields([("file", ns.file), ("entries", n)])
+    with contextlib.redirect_stdout(sys.stderr) if _is_stdout(ns.file) else \
+            contextlib.nullcontext():  # `export /dev/stdout > f`: the summary is not the file's
+        if ns.output == "json":
+            dump_json({"file": ns.file, "entries": n})
+        else:
+            fields([("file", ns.file), ("entries", n)])
     return EXIT_OK
+
+
+def _is_stdout(file: str) -> bool:
+    """Whether ``file`` is what standard output writes to (``/dev/stdout``, ``/dev/fd/1``, the
+    file ``>`` sent it to, the pipe it goes into)."""
+    try:
+        return os.path.samestat(os.stat(file), os.fstat(sys.stdout.fileno()))
+    except (OSError, ValueError, AttributeError):  # no such file; stdout closed or not a file
+        return False
 
 
 def _import(client: Any, ns: argparse.Namespace) -> int:

@@ -1,0 +1,64 @@
+"""``kdn admin`` where its files, pipes and terminal are not the plain ones: an export into
+standard output (``export /dev/stdout > backup.kdnx``) is an export file and nothing else, a
+server's error text reaches the terminal escaped, and a server that never answers ends an
+export after ``--timeout``."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kdn import keys
+from kdn.cli.main import main as cli
+from kdn.client import Client
+from kdn.server import ServerConfig, ServerThread
+from tests.helpers import random_kv, uniform_layout
+
+ROOT = Path(__file__).resolve().parent.parent
+LAY = uniform_layout(layers=2, heads=2, dim=8)
+ENV = {k: v for k, v in os.environ.items() if not k.startswith("KDN_")}
+
+
+def kdn(*argv: str, **kwargs: object) -> subprocess.CompletedProcess[bytes]:
+    """``python -m kdn ARGV`` in a process of its own (its stdout is a real file or pipe)."""
+    return subprocess.run([sys.executable, "-m", "kdn", *argv], cwd=ROOT, env=ENV, timeout=60,
+                          **kwargs)  # type: ignore[call-overload, no-any-return]
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A server holding 5 entries in namespace ``kb``; its address."""
+    tmp = tmp_path_factory.mktemp("operator_io")
+    with ServerThread(ServerConfig(port=0, data_dir=tmp / "data", disk_bytes=0)) as server:
+        with Client(server.address) as c:
+            for i in range(5):
+                c.store(keys.chunk_key([i, 1], LAY), random_kv(LAY, 8, seed=i), namespace="kb")
+        yield server.address
+
+
+def test_an_export_into_stdout_is_the_export_file_alone(live: str, tmp_path: Path) -> None:
+    """``export /dev/stdout > f`` and ``export /dev/stdout | cat > f``: the summary goes to
+    stderr (it overwrote the file's header, or followed its end marker), and ``f`` imports."""
+    to_file = tmp_path / "to_file.kdnx"
+    with open(to_file, "wb") as f:
+        done = kdn("admin", "export", "/dev/stdout", "--address", live, stdout=f,
+                   stderr=subprocess.PIPE)
+    assert done.returncode == 0, done.stderr
+    assert b"entries: 5" in done.stderr
+    to_pipe = tmp_path / "to_pipe.kdnx"
+    with open(to_pipe, "wb") as f:
+        cat = subprocess.Popen(["cat"], stdin=subprocess.PIPE, stdout=f)
+        done = kdn("admin", "export", "/dev/stdout", "--address", live, "-o", "json",
+                   stdout=cat.stdin, stderr=subprocess.PIPE)
+        assert cat.stdin is not None
+        cat.stdin.close()
+        cat.wait(timeout=30)
+    assert done.returncode == 0, done.stderr
+    assert b'"entries": 5' in done.stderr
+    for path in (to_file, to_pipe):
+        assert cli(["admin", "import", str(path), "--address", live]) == 0, path
