@@ -62,3 +62,34 @@ def test_an_export_into_stdout_is_the_export_file_alone(live: str, tmp_path: Pat
     assert b'"entries": 5' in done.stderr
     for path in (to_file, to_pipe):
         assert cli(["admin", "import", str(path), "--address", live]) == 0, path
+
+
+def test_a_servers_error_text_reaches_the_terminal_escaped(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """A peer whose error details hold terminal escapes (a window title, clear screen,
+    colours): the error line shows them escaped, as table cells do."""
+    from concurrent import futures
+
+    import grpc
+
+    evil = "boom\x1b]0;PWNED\x07\x1b[2J\x1b[31mRED\x1b[0m\u00e9"
+
+    class Refuse(grpc.GenericRpcHandler):
+        def service(self, details: object) -> grpc.RpcMethodHandler:
+            def unary(req: bytes, ctx: grpc.ServicerContext) -> None:
+                ctx.abort(grpc.StatusCode.INTERNAL, evil)
+            return grpc.unary_unary_rpc_method_handler(unary)
+
+    server = grpc.server(futures.ThreadPoolExecutor(2))
+    server.add_generic_rpc_handlers((Refuse(),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        code = cli(["admin", "stats", "--address", f"127.0.0.1:{port}", "--timeout", "5"])
+    finally:
+        server.stop(0)
+    err = capsys.readouterr().err
+    assert code == 1
+    assert "\x1b" not in err and "\x07" not in err, ascii(err)
+    assert "boom\\x1b]0;PWNED\\x07\\x1b[2J" in err and "\u00e9" in err, err
+    assert len(err.splitlines()) == 1

@@ -1,8 +1,9 @@
 """What ``kdn`` commands print: typed JSON (``-o json``) or aligned tables (``-o table``).
 
 JSON keeps types: 64-bit counters are numbers (protobuf's ``MessageToDict`` writes them as
-strings), bytes are hex, enums their names, absent messages ``null``. Tables escape control
-characters so that one value stays on one line. Nothing here imports grpc or torch.
+strings), bytes are hex, enums their names, absent messages ``null``. Tables and error lines
+escape control characters so that one value stays on one line and a server's text can not
+drive the terminal. Nothing here imports grpc or torch.
 """
 
 from __future__ import annotations
@@ -123,6 +124,9 @@ def human_size(n: int | None) -> str:
 
 
 def error(prog: str, message: object, hint: str = "") -> None:
-    """One line on stderr: ``prog: message`` and, when given, what to do (``; hint``)."""
-    text = " ".join(str(message).split())  # one line, whatever the message held
+    """One line on stderr: ``prog: message`` and, when given, what to do (``; hint``). The
+    message is on one line whatever it held, and control characters in it (a server's error
+    text: a terminal's escape sequences) are shown escaped, as in a table cell."""
+    text = "".join(c if c.isprintable() else ascii(c)[1:-1]
+                   for c in " ".join(str(message).split()))
     print(f"{prog}: {text}" + (f"; {hint}" if hint else ""), file=sys.stderr)
