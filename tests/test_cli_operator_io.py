@@ -93,3 +93,40 @@ def test_a_servers_error_text_reaches_the_terminal_escaped(
     assert "\x1b" not in err and "\x07" not in err, ascii(err)
     assert "boom\\x1b]0;PWNED\\x07\\x1b[2J" in err and "\u00e9" in err, err
     assert len(err.splitlines()) == 1
+
+
+def test_an_export_from_a_server_that_never_answers_ends_after_timeout(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A server that takes the Export call and sends nothing (a hung node): the export ends
+    after ``--timeout`` (the stream has no deadline in all, but each item one), exit 1."""
+    import threading
+    import time
+    from concurrent import futures
+
+    import grpc
+
+    release = threading.Event()
+
+    class Silent(grpc.GenericRpcHandler):
+        def service(self, details: object) -> grpc.RpcMethodHandler:
+            def stream(req: bytes, ctx: grpc.ServicerContext) -> Iterator[bytes]:
+                release.wait(30)
+                return iter(())
+            return grpc.unary_stream_rpc_method_handler(stream)
+
+    server = grpc.server(futures.ThreadPoolExecutor(2))
+    server.add_generic_rpc_handlers((Silent(),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        t0 = time.monotonic()
+        code = cli(["admin", "export", str(tmp_path / "x.kdnx"), "--address",
+                    f"127.0.0.1:{port}", "--timeout", "1"])
+        took = time.monotonic() - t0
+    finally:
+        release.set()
+        server.stop(0)
+    err = capsys.readouterr().err
+    assert code == 1, err
+    assert took < 10, took
+    assert "sent nothing for 1 seconds" in err and "raise --timeout" in err, err

@@ -3,17 +3,22 @@ export/import through the export file (``kdn.client.exportfile``: its format and
 
 Exports resume: an export into a file it wrote before, with the same filters and from the same
 server (the address as given: a server restarted there resumes it), continues after the file's
-last complete record. Imports read the file twice, one record in memory at a time:
-first every checksum and name (a bad or unfinished file sends nothing), then the entries in
-batches. Imports are idempotent (entries already present with identical bytes are skipped by
-the server), so re-running an interrupted import finishes it. Records carry their entry's
-tenant: an admin's import restores each to it, a tenant's import stores its own (and those of
-older files, which record none) under its tenant and has the server reject other tenants'.
+last complete record. The Export stream has no deadline in all (it runs as long as there are
+entries); each of its items must come within the client's ``timeout_s`` of being waited for,
+so a server that stops sending ends it (DeadlineExceeded).
+
+Imports read the file twice, one record in memory at a time: first every checksum and name (a
+bad or unfinished file sends nothing), then the entries in batches. Imports are idempotent
+(entries already present with identical bytes are skipped by the server), so re-running an
+interrupted import finishes it. Records carry their entry's tenant: an admin's import restores
+each to it, a tenant's import stores its own (and those of older files, which record none) under
+its tenant and has the server reject other tenants'.
 """
 
 from __future__ import annotations
 
 import functools
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -32,7 +37,13 @@ from kdn.client.exportfile import (
     read_records,
     scan,
 )
-from kdn.errors import Corrupt, InvalidArgument, PermissionDenied, Unauthenticated
+from kdn.errors import (
+    Corrupt,
+    DeadlineExceeded,
+    InvalidArgument,
+    PermissionDenied,
+    Unauthenticated,
+)
 from kdn.names import (
     call_batches,
     check_key,
@@ -74,6 +85,47 @@ def _tenant(tenant: str) -> str:
     """A request's tenant filter, checked: "" (the caller's own, or in a listing all it sees),
     or a tenant name."""
     return check_tenant(tenant) if tenant else ""
+
+
+class _IdleDeadline:
+    """A streamed gRPC call (``call``: its iterator, with ``cancel``) whose messages each come
+    within ``seconds`` of being waited for, the first included: ``items`` yields them, and the
+    call is cancelled (``fired``) once one is waited for longer. The time the caller spends
+    on a message (writing it to a slow file) does not count. ``seconds`` None: no limit."""
+
+    def __init__(self, call: Any, seconds: float | None) -> None:
+        self._call, self._seconds = call, seconds
+        self._since: float | None = None  # when the wait for the next message began
+        self._done = threading.Event()
+        self.fired = False
+
+    def items(self) -> Iterator[Any]:
+        if self._seconds is not None:
+            threading.Thread(target=self._watch, name="kdn-idle-deadline", daemon=True).start()
+        try:
+            while True:
+                self._since = time.monotonic()
+                try:
+                    item = next(self._call)
+                except StopIteration:
+                    return
+                finally:
+                    self._since = None
+                yield item
+        finally:
+            self._done.set()
+
+    def _watch(self) -> None:
+        assert self._seconds is not None
+        while True:
+            since = self._since
+            left = self._seconds if since is None else since + self._seconds - time.monotonic()
+            if left <= 0:
+                self.fired = True
+                self._call.cancel()
+                return
+            if self._done.wait(left):
+                return
 
 
 class AdminClient(Client):
@@ -181,7 +233,9 @@ class AdminClient(Client):
         finished file is left as it is); returns the records in the file. The end marker is
         written only when the listing is done. Corrupt, the file finished, where the server
         left entries out (no tier held a good copy of them). ``tenant``: admins only, this
-        tenant's entries ("": every entry the caller sees)."""
+        tenant's entries ("": every entry the caller sees). The stream has no deadline in all;
+        each of its items must come within ``timeout_s`` (DeadlineExceeded: the server stopped
+        sending)."""
         key_prefix = _listing(namespace, key_prefix)
         tenant = self.scoped(tenant, request_id)
         out = ExportWriter.open(Path(path), Filter(namespace, key_prefix, tenant),
@@ -193,10 +247,11 @@ class AdminClient(Client):
                                    tenant=tenant,
                                    piece_bytes=piece_bytes(self.max_message_bytes))
             stream = self._admin.Export(req, timeout=None, metadata=self.metadata(request_id))
+            idle = _IdleDeadline(stream, self.timeout_s)  # no deadline for all: one per item
             total = 0
             pieces = Pieces()  # a value larger than a message comes in pieces
             try:
-                for item in stream:
+                for item in idle.items():
                     total = total or int(item.total) + out.records
                     value = pieces.add(item)
                     if value is None:
@@ -207,6 +262,9 @@ class AdminClient(Client):
                     if progress:
                         progress(out.records, total)
             except grpc.RpcError as exc:
+                if idle.fired:
+                    raise DeadlineExceeded(f"the Export stream sent nothing for {self.timeout_s:g}"
+                                           " seconds") from None
                 raise from_grpc(exc) from None
             if pieces.end():  # not a whole export: no end marker for it
                 raise Corrupt("the Export stream ended inside a value (its last piece never "
