@@ -1,7 +1,8 @@
 """Settings files in YAML, read one way everywhere (``kdn serve --config``, its tenants file,
 a fleet file): YAML's safe loader, refusing a key named twice in one mapping (where the last
 would win silently: a tenant defined twice, its role changed by the second), and every failure
-a ConfigError naming the file (unreadable, not UTF-8, not YAML)."""
+a ConfigError naming the file (unreadable, larger than ``MAX_FILE_BYTES``, not UTF-8, not
+YAML)."""
 
 from __future__ import annotations
 
@@ -35,10 +36,21 @@ def parse_yaml(text: str) -> Any:
     return yaml.load(text, Loader=_UniqueKeys)  # noqa: S506  # a SafeLoader
 
 
+MAX_FILE_BYTES = 4 << 20
+"""A settings file larger than this is refused unread (tens of thousands of tenants fit; a
+device given by mistake, ``--config /dev/zero``, never ends)."""
+
+
 def load_yaml_file(path: Path, what: str) -> Any:
-    """The parsed YAML in ``path`` ({} when empty); a ConfigError names it as ``{what} {path}``."""
+    """The parsed YAML in ``path`` ({} when empty); a ConfigError names it as ``{what} {path}``.
+    A pipe or ``/dev/stdin`` is read as a file is, up to ``MAX_FILE_BYTES``."""
     try:
-        return parse_yaml(Path(path).read_text(encoding="utf-8")) or {}
+        with open(path, "rb") as f:
+            data = f.read(MAX_FILE_BYTES + 1)
+        if len(data) > MAX_FILE_BYTES:
+            raise ConfigError(f"{what} {path}: larger than {MAX_FILE_BYTES >> 20} MiB; "
+                              "is it a settings file?")
+        return parse_yaml(data.decode("utf-8")) or {}
     except OSError as exc:
         raise ConfigError(f"{what} {path}: {exc.strerror}") from None
     except UnicodeDecodeError as exc:

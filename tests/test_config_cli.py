@@ -165,6 +165,24 @@ def test_bad_file(tmp_path: Path) -> None:
         load_config(f, env={})
 
 
+def test_a_settings_file_that_never_ends_is_refused_unread(tmp_path: Path) -> None:
+    """``--config /dev/zero`` (or a fleet file): read up to a bound and refused, naming it (it
+    grew until memory ran out: a MemoryError traceback); a pipe is still read as a file."""
+    from kdn.client.fleet import FleetConfig
+
+    with pytest.raises(ConfigError, match="config file /dev/zero: larger than 4 MiB"):
+        load_config(Path("/dev/zero"), env={})
+    with pytest.raises(ConfigError, match="fleet file /dev/zero: larger than 4 MiB"):
+        FleetConfig.from_file(Path("/dev/zero"))
+    r, w = os.pipe()
+    os.write(w, b"port: 50123\n")
+    os.close(w)
+    try:
+        assert load_config(Path(f"/dev/fd/{r}"), env={}).port == 50123
+    finally:
+        os.close(r)
+
+
 @pytest.mark.parametrize("text,match", [
     ("data_dir: [a, b]\n", r"data_dir: invalid value \['a', 'b'\] .* expected a path"),  # a
     ("host: [x]\n", r"host: invalid value \['x'\] .* expected text"),  # folder "['a', 'b']"
