@@ -130,3 +130,18 @@ def test_an_export_from_a_server_that_never_answers_ends_after_timeout(
     assert code == 1, err
     assert took < 10, took
     assert "sent nothing for 1 seconds" in err and "raise --timeout" in err, err
+
+
+def test_only_a_reader_that_left_is_taken_for_a_closed_pipe(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``| head`` exits 0 quietly (``test_cli_newcomer``), but only where standard output is
+    what broke: a broken pipe of another connection is not mistaken for it."""
+    from kdn.cli.main import _stdout_gone
+
+    r, w = os.pipe()
+    with open(w, "w") as out:
+        monkeypatch.setattr(sys, "stdout", out)
+        assert not _stdout_gone()  # a reader is there
+        os.close(r)
+        assert _stdout_gone()
+        monkeypatch.undo()

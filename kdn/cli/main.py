@@ -301,10 +301,28 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
-    except BrokenPipeError:  # `kdn admin ls | head`: the reader left; nothing to report
+    except BrokenPipeError as exc:
+        if not _stdout_gone():  # a connection of the command's own: its failure
+            error("kdn", exc)
+            return EXIT_FAILED
+        # `kdn admin ls | head`: the reader left, which is no failure of the command (`health`
+        # exits 1 only for a server that is not SERVING); nothing to report
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())  # the exit's own flush must not fail again
-        return EXIT_FAILED
+        return EXIT_OK
+
+
+def _stdout_gone() -> bool:
+    """Whether standard output is a pipe or socket whose reader has left (a write to it
+    fails with EPIPE): poll reports an error or a hang-up on it."""
+    import select
+
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(ev & (select.POLLERR | select.POLLHUP) for _, ev in poller.poll(0))
+    except (OSError, ValueError, AttributeError):  # no poll here; stdout closed or not a file
+        return False
 
 
 if __name__ == "__main__":
