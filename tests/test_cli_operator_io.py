@@ -145,3 +145,27 @@ def test_only_a_reader_that_left_is_taken_for_a_closed_pipe(
         os.close(r)
         assert _stdout_gone()
         monkeypatch.undo()
+
+
+def test_fleet_takes_the_tls_options_as_every_admin_command(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``kdn admin fleet --tls-ca CA``: the node is SERVING, as ``health`` with the same
+    options says (the options were ignored: DOWN, exit 1); a TLS file missing is a usage
+    error naming it."""
+    from tests.helpers import make_certs
+
+    certs = make_certs(tmp_path)
+    cfg = ServerConfig(port=0, data_dir=tmp_path / "d", disk_bytes=0,
+                       tls_cert=str(certs["server.crt"]), tls_key=str(certs["server.key"]))
+    with ServerThread(cfg) as server:
+        tls = ["--tls-ca", str(certs["ca.crt"]), "--timeout", "5"]
+        assert cli(["admin", "health", "--address", server.address, *tls]) == 0
+        capsys.readouterr()
+        code = cli(["admin", "fleet", "--nodes", server.address, *tls, "-o", "json"])
+        out = capsys.readouterr()
+        assert code == 0, out
+        assert '"status": "SERVING"' in out.out
+        missing = str(tmp_path / "nope.crt")
+        assert cli(["admin", "fleet", "--nodes", server.address, "--tls-ca", missing]) == 2
+        err = capsys.readouterr().err
+        assert missing in err and "--tls-*" in err and len(err.splitlines()) == 1, err

@@ -36,25 +36,30 @@ from kdn.errors import (
 )
 
 
-def admin_client(ns: argparse.Namespace) -> Any:
-    from kdn.client.admin import AdminClient
+def tls_options(ns: argparse.Namespace) -> Any:
+    """The ``TLSOptions`` the --tls-* options name (their files read), None without them."""
     from kdn.client.client import TLSOptions
 
-    tls = None
-    if ns.tls_ca or ns.tls_cert or ns.tls_key:
-        paired = bool(ns.tls_cert) == bool(ns.tls_key)  # (else TLSOptions says so first)
+    if not (ns.tls_ca or ns.tls_cert or ns.tls_key):
+        return None
+    paired = bool(ns.tls_cert) == bool(ns.tls_key)  # (else TLSOptions says so first)
 
-        def read(p: str | None) -> bytes | None:
-            data = Path(p).read_bytes() if p else None
-            if paired and data is not None and b"-----BEGIN " not in data:
-                raise UsageError(f"{p}: not a PEM file (no '-----BEGIN' line)")
-            return data
+    def read(p: str | None) -> bytes | None:
+        data = Path(p).read_bytes() if p else None
+        if paired and data is not None and b"-----BEGIN " not in data:
+            raise UsageError(f"{p}: not a PEM file (no '-----BEGIN' line)")
+        return data
 
-        tls = TLSOptions(ca=read(ns.tls_ca), cert=read(ns.tls_cert), key=read(ns.tls_key),
-                         server_name=ns.tls_server_name or "")
+    return TLSOptions(ca=read(ns.tls_ca), cert=read(ns.tls_cert), key=read(ns.tls_key),
+                      server_name=ns.tls_server_name or "")
+
+
+def admin_client(ns: argparse.Namespace) -> Any:
+    from kdn.client.admin import AdminClient
+
     return AdminClient(ns.address, timeout_s=ns.timeout,
-                       api_key=ns.api_key or os.environ.get("KDN_API_KEY") or None, tls=tls,
-                       shm_bytes=0, insecure=ns.insecure or None)
+                       api_key=ns.api_key or os.environ.get("KDN_API_KEY") or None,
+                       tls=tls_options(ns), shm_bytes=0, insecure=ns.insecure or None)
 
 
 class UsageError(Exception):
@@ -327,7 +332,7 @@ def _fleet_nodes(ns: argparse.Namespace) -> list[str]:
     return [a.strip() for a in os.environ.get("KDN_FLEET", "").split(",") if a.strip()]
 
 
-def _fleet(ns: argparse.Namespace) -> int:
+def _fleet(ns: argparse.Namespace, tls: Any) -> int:
     """Every node of a fleet: health, RAM hit ratio, bytes, load (``kdn.client.fleet``)."""
     from kdn.client.fleet import fleet_view, node_address
     from kdn.errors import ConfigError
@@ -350,7 +355,7 @@ def _fleet(ns: argparse.Namespace) -> int:
         return EXIT_USAGE
     rows = fleet_view(nodes, timeout_s=ns.timeout,
                       api_key=ns.api_key or os.environ.get("KDN_API_KEY") or None,
-                      insecure=ns.insecure or None)
+                      tls=tls, insecure=ns.insecure or None)
     if ns.output == "json":
         dump_json(rows)
     else:
@@ -388,13 +393,9 @@ def run(ns: argparse.Namespace) -> int:
     prog = f"kdn admin {ns.admin_cmd}"
     if not check_environment(prog):
         return EXIT_USAGE
-    if ns.admin_cmd == "fleet":  # many nodes, each with its own client
-        try:
-            return _fleet(ns)
-        except KDNError as exc:  # an API key that would travel in plaintext, or is no header
-            error(prog, exc, _key_hint(exc))
-            return EXIT_USAGE
     try:
+        if ns.admin_cmd == "fleet":  # many nodes, each with its own client
+            return _fleet(ns, tls_options(ns))
         client = admin_client(ns)
     except OSError as exc:  # a TLS file that can not be read
         error(prog, f"{exc.filename}: {exc.strerror}", "check the --tls-* paths")
