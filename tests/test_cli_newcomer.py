@@ -97,6 +97,7 @@ BAD = [  # (argv, words in the one stderr line)
     (["admin", "import", "{tmp}", *NO_SERVER], "is a directory"),
     (["admin", "import", "/nonexistent/x.kdnx", *NO_SERVER], "no such file"),
     (["admin", "gc", "extra", *NO_SERVER], "unrecognized arguments: extra"),
+    (["admin", "fleet", "--nodes", "127.0.0.1:1", "--fleet-file", "{tmp}"], "pass one of them"),
     (["rag"], "required: COMMAND"),
     (["rag", "ingest", *NO_SERVER], "required: corpus"),
     (["rag", "ingest", "/nonexistent/docs", "--state", "{tmp}", *NO_SERVER], "does not exist"),

@@ -322,7 +322,12 @@ def _gc(client: Any, ns: argparse.Namespace) -> int:
 
 
 def _fleet_nodes(ns: argparse.Namespace) -> list[str]:
-    """The fleet's addresses: --nodes, else --fleet-file's ``nodes:``, else $KDN_FLEET."""
+    """The fleet's addresses: --nodes, else --fleet-file's ``nodes:``, else $KDN_FLEET (both
+    options: a ConfigError, as one would be ignored)."""
+    from kdn.errors import ConfigError
+
+    if ns.nodes and ns.fleet_file:
+        raise ConfigError("--nodes and --fleet-file both name the fleet; pass one of them")
     if ns.nodes:
         return [a.strip() for arg in ns.nodes for a in arg.split(",") if a.strip()]
     if ns.fleet_file:
