@@ -88,6 +88,34 @@ def test_data_dir_from_code_may_be_a_string() -> None:
         ServerConfig(data_dir=5)  # type: ignore[arg-type]
 
 
+def _has_ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _has_ipv6_loopback(), reason="this host has no IPv6 loopback")
+@pytest.mark.parametrize("host", ["::1", "[::1]"])
+def test_an_ipv6_host_is_listened_on(host: str, tmp_path: Path) -> None:
+    """``--host ::1`` (or ``[::1]``): the server listens on [::1]:PORT and serves (the address
+    was '::1:0', which gRPC read as another; the brackets went to getaddrinfo)."""
+    from kdn.server import ServerThread
+
+    config = ServerConfig(host=host, port=0, data_dir=tmp_path / "d", disk_bytes=0)
+    assert config.host == "::1" and config.address == "[::1]:0"
+    with ServerThread(config) as server:
+        assert server.address.startswith("[::1]:")
+        with Client(server.address, timeout_s=10) as c:
+            lay = pruned_layout()
+            key, kv = keys.chunk_key([1, 2], lay), random_kv(lay, 4)
+            c.store(key, kv)
+            got = c.retrieve(key)
+            assert got is not None and got.equal(kv)
+
+
 def test_tiers_that_can_not_be_built_are_named_in_one_line(tmp_path: Path) -> None:
     """A Redis Cluster no node of which answers (redis-py learns its map at start), or a Redis
     that refuses the budget (CONFIG turned off), stops ``kdn serve`` with one line naming

@@ -47,7 +47,7 @@ from kdn.store.lmdb import LmdbTier
 from kdn.store.ram import RamTier
 from kdn.store.redis import RedisTier
 from kdn.store.tiered import TieredStore
-from kdn.transport.addresses import is_loopback
+from kdn.transport.addresses import host_port, is_loopback
 from kdn.transport.buffers import server_trim_bytes, tune_allocator
 from kdn.transport.wire import serialize_passthrough, store_request
 from kdn.v1 import kdn_pb2_grpc as pb_grpc
@@ -234,7 +234,7 @@ class Server:
 
     @property
     def address(self) -> str:
-        return f"{self.config.host}:{self.port}"
+        return host_port(self.config.host, self.port)
 
     async def wait(self) -> None:
         await self._stopped.wait()
@@ -404,8 +404,8 @@ async def _start(config: ServerConfig, store: TieredStore, auth: Authenticator,
         await server.stop(0)
         raise
     task = asyncio.ensure_future(_watch_health(store, health_servicer))
-    log.info("kdn server listening on %s:%d (tiers: %s; tls: %s; auth: %s; metrics: %s; "
-             "data path: %s)", config.host, port, ", ".join(t.name for t in store.tiers),
+    log.info("kdn server listening on %s (tiers: %s; tls: %s; auth: %s; metrics: %s; "
+             "data path: %s)", host_port(config.host, port), ", ".join(t.name for t in store.tiers),
              "mutual" if config.tls_client_ca else ("on" if creds else "off"),
              "on" if auth.enabled else "off",
              f"{config.metrics_host}:{metrics_port}" if metrics_port >= 0 else "off",

@@ -22,7 +22,7 @@ from urllib.parse import urlparse
 from kdn.checks import shown
 from kdn.errors import ConfigError
 from kdn.store.tiered import WritePolicy
-from kdn.transport.addresses import is_loopback
+from kdn.transport.addresses import host_port, is_loopback
 from kdn.yamlfiles import load_yaml_file
 
 TIER_NAMES = ("ram", "redis", "disk")
@@ -95,7 +95,7 @@ class ServerConfig:
     """Everything ``kdn serve`` needs. Field docstrings are shown by ``kdn serve --help``."""
 
     host: str = "127.0.0.1"
-    """Address to listen on."""
+    """Address to listen on (an IPv6 one as ::1 or [::1])."""
     port: int = 50051
     """TCP port to listen on (0 = any free port)."""
     data_port: int = 0
@@ -250,6 +250,10 @@ class ServerConfig:
             if isinstance(getattr(self, name), int) and getattr(self, name) > MAX_SIZE:
                 raise ConfigError(f"{name}: at most {MAX_SIZE} bytes (8 EiB), got "
                                   f"{getattr(self, name)}")
+        for name in ("host", "metrics_host"):  # [::1], as in an address: the host is ::1
+            value = getattr(self, name)
+            if isinstance(value, str) and value.startswith("[") and value.endswith("]"):
+                object.__setattr__(self, name, value[1:-1])
         if not self.host:
             raise ConfigError("host: must not be empty")
         if not 0 <= self.port <= 65535:
@@ -379,7 +383,8 @@ class ServerConfig:
 
     @property
     def address(self) -> str:
-        return f"{self.host}:{self.port}"
+        """``host:port`` for gRPC (an IPv6 host in brackets)."""
+        return host_port(self.host, self.port)
 
 
 _SIZE_FIELDS = {"ram_bytes", "wire_memo_bytes", "shm_arena_bytes", "prefault_bytes",

@@ -18,6 +18,13 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def host_port(host: str, port: int) -> str:
+    """``host:port`` as gRPC reads it: an IPv6 address in brackets (``[::1]:50051``; ``::1:50051``
+    names another address)."""
+    host = host.strip("[]")
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 def _target_hosts(address: str) -> list[str] | None:
     """The hosts a gRPC target names (``host:port``, ``[v6]:port``, a bare host, behind a
     ``dns:``, ``ipv4:`` or ``ipv6:`` scheme, several in a list), or None for a target naming
