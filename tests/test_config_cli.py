@@ -281,6 +281,22 @@ def _serve(tmp_path: Path, port: int, *extra: str) -> subprocess.Popen:
     )
 
 
+def test_kdn_serve_stops_gracefully_on_a_sigterm_right_after_its_ready_line(
+        tmp_path: Path) -> None:
+    """A supervisor that stops the server as soon as it printed "kdn serving on": a graceful
+    stop, exit 0 (the handler came after the line: killed by the signal, exit -15)."""
+    for i in range(5):  # (a race: not every try lost it)
+        proc = _serve(tmp_path / str(i), 0, "--disk-bytes", "0", "--log-level", "WARNING")
+        try:
+            assert proc.stdout is not None
+            assert proc.stdout.readline().startswith("kdn serving on")
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(30) == 0
+        finally:
+            proc.kill()
+            proc.communicate()
+
+
 def test_kdn_serve_process_graceful_shutdown_and_restart(tmp_path: Path) -> None:
     port = _free_port()
     address = f"127.0.0.1:{port}"

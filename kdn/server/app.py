@@ -421,10 +421,10 @@ async def serve(config: ServerConfig, blender: Blender | None = None) -> None:
     for tier in server.store.tiers:
         if isinstance(tier, LmdbTier):  # its budget as taken: cut where the disk holds less
             where = f"data in {config.data_dir}, up to {human_size(tier.capacity_bytes)}"
-    print(f"kdn serving on {server.address} ({where})", flush=True)
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, lambda: asyncio.ensure_future(server.stop()))
+    for sig in (signal.SIGINT, signal.SIGTERM):  # before the ready line: a supervisor may
+        loop.add_signal_handler(sig, lambda: asyncio.ensure_future(server.stop()))  # stop it
+    print(f"kdn serving on {server.address} ({where})", flush=True)  # once it reads the line
     await server.wait()
 
 
