@@ -86,6 +86,12 @@ def test_data_dir_from_code_may_be_a_string() -> None:
     assert ServerConfig(data_dir="some/where").data_dir == Path("some/where")
     with pytest.raises(ConfigError, match="data_dir: expected a folder's path"):
         ServerConfig(data_dir=5)  # type: ignore[arg-type]
+    for source in ({"env": {"KDN_DATA_DIR": ""}}, {"flags": {"data_dir": " "}}):
+        with pytest.raises(ConfigError, match="data_dir: .* must not be empty"):  # not the
+            load_config(env=source.get("env", {}), flags=source.get("flags"))  # current folder
+    with pytest.raises(ConfigError, match="data_dir: must not be empty"):
+        ServerConfig(data_dir="")
+    assert ServerConfig(data_dir=".").data_dir == Path(".")  # said so: taken
 
 
 def _has_ipv6_loopback() -> bool:

@@ -242,6 +242,9 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.data_dir, (str, os.PathLike)):
             raise ConfigError(f"data_dir: expected a folder's path, got {self.data_dir!r}")
+        if isinstance(self.data_dir, str) and not self.data_dir.strip():  # KDN_DATA_DIR= (an
+            raise ConfigError("data_dir: must not be empty (it would be the current folder); "
+                              "give a folder's path, . for the current one")  # unset variable)
         object.__setattr__(self, "data_dir", Path(self.data_dir))  # a str: as a flag gives it
         for f in fields(self):  # NaN would pass every range check below; inf is no duration
             if f.type in ("float", float) and not math.isfinite(getattr(self, f.name)):
@@ -430,6 +433,9 @@ def _coerce(name: str, value: Any, source: str) -> Any:
         if kind in ("float", float):
             return float(value)
         if kind in ("Path", Path):
+            if not str(value).strip():  # KDN_DATA_DIR= (a variable set from an unset one)
+                raise ValueError("must not be empty (it would be the current folder); give a "
+                                 "folder's path, . for the current one")
             return Path(os.path.expanduser(str(value)))
         return str(value)
     except (TypeError, ValueError, OverflowError) as exc:
