@@ -220,6 +220,8 @@ def test_a_settings_file_that_never_ends_is_refused_unread(tmp_path: Path) -> No
 @pytest.mark.parametrize("text,match", [
     ("data_dir: [a, b]\n", r"data_dir: invalid value \['a', 'b'\] .* expected a path"),  # a
     ("host: [x]\n", r"host: invalid value \['x'\] .* expected text"),  # folder "['a', 'b']"
+    ("host: true\n", "host: invalid value True .* expected text"),  # the text "True"
+    ("data_dir: no\n", "data_dir: invalid value False .* expected a path"),  # a folder "False"
     ("idle_timeout_s: true\n", "idle_timeout_s: invalid value True .* expected a number"),
     ("port: {a: 1}\n", "port: invalid value {'a': 1} .* expected a whole number"),
     ("allowed_models: [[a]]\n", "allowed_models: invalid value .* a list of names"),

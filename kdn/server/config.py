@@ -423,9 +423,9 @@ def _coerce(name: str, value: Any, source: str) -> Any:
                 raise ValueError("expected a list of names")
             items = [p for v in items for p in str(v).split(",")]
             return tuple(v.strip() for v in items if v.strip())
-        if not isinstance(value, (str, int, float)) or isinstance(value, bool) \
-                and kind not in ("str", str):  # a list, a mapping: never str() of it
-            raise ValueError(f"expected {_KINDS.get(str(kind), 'a value')}")
+        if not isinstance(value, (str, int, float)) or isinstance(value, bool):  # a list, a
+            raise ValueError(f"expected {_KINDS.get(str(kind), 'a value')}")  # mapping, YAML's
+        # true (host: true was the text "True"): never str() of it
         if kind in ("int", int):
             if isinstance(value, float) and not value.is_integer():
                 raise ValueError("not a whole number")
