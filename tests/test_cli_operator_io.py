@@ -169,3 +169,22 @@ def test_fleet_takes_the_tls_options_as_every_admin_command(
         assert cli(["admin", "fleet", "--nodes", server.address, "--tls-ca", missing]) == 2
         err = capsys.readouterr().err
         assert missing in err and "--tls-*" in err and len(err.splitlines()) == 1, err
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="no /dev/full here")
+def test_a_file_that_can_not_be_written_is_a_failure_naming_it(
+        live: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """An export whose disk filled (/dev/full): exit 1, the file named (exit 2, usage, and
+    ``[Errno 28] ...`` alone); an import of a pipe: refused as no regular file, not "no such
+    file"; a folder that does not exist is still a usage mistake."""
+    assert cli(["admin", "export", "/dev/full", "--address", live]) == 1
+    err = capsys.readouterr().err
+    assert "kdn admin export: /dev/full: No space left on device" in err, err
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    assert cli(["admin", "import", str(fifo), "--address", live]) == 2
+    err = capsys.readouterr().err
+    assert f"{fifo}: not a regular file" in err and "no such file" not in err, err
+    missing = tmp_path / "nowhere" / "x.kdnx"
+    assert cli(["admin", "export", str(missing), "--address", live]) == 2
+    assert str(missing) in capsys.readouterr().err

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import os
 import sys
 from pathlib import Path
@@ -303,8 +304,11 @@ def _is_stdout(file: str) -> bool:
 def _import(client: Any, ns: argparse.Namespace) -> int:
     if Path(ns.file).is_dir():
         raise IsADirectoryError(21, "is a directory, not an export file", ns.file)
-    if not Path(ns.file).is_file():
+    if not Path(ns.file).exists():
         raise FileNotFoundError(2, "no such file", ns.file)
+    if not Path(ns.file).is_file():  # a pipe, /dev/stdin: its records would be gone
+        raise UsageError(f"{ns.file}: not a regular file (import reads it twice: checks "
+                         "first, then sends); save it to a file first")
     bar = _progress("import", ns)
     try:
         resp = client.import_from(Path(ns.file), progress=bar)
@@ -394,6 +398,12 @@ def _hint(exc: KDNError, ns: argparse.Namespace) -> str:
     return ""
 
 
+_PATH_MISTAKES = {errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.EACCES, errno.EPERM,
+                  errno.ENAMETOOLONG, errno.ELOOP}
+"""The errors of a file the user named wrongly (exit 2); another OSError is a failure of the
+command (exit 1: the disk filled while it wrote)."""
+
+
 def run(ns: argparse.Namespace) -> int:
     prog = f"kdn admin {ns.admin_cmd}"
     if not check_environment(prog):
@@ -425,7 +435,9 @@ def run(ns: argparse.Namespace) -> int:
     except BrokenPipeError:
         raise  # main's: a reader that left is no error of this command
     except OSError as exc:  # the export/import file
-        error(prog, f"{exc.filename}: {exc.strerror}" if exc.filename else str(exc))
-        return EXIT_USAGE
+        name = exc.filename or getattr(ns, "file", None)
+        error(prog, f"{name}: {exc.strerror or exc}" if name else str(exc))
+        # a path that is wrong is a usage mistake; a disk that filled, an I/O error: a failure
+        return EXIT_USAGE if exc.errno in _PATH_MISTAKES else EXIT_FAILED
     finally:
         client.close()
