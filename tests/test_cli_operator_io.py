@@ -188,3 +188,27 @@ def test_a_file_that_can_not_be_written_is_a_failure_naming_it(
     missing = tmp_path / "nowhere" / "x.kdnx"
     assert cli(["admin", "export", str(missing), "--address", live]) == 2
     assert str(missing) in capsys.readouterr().err
+
+
+def test_a_tls_mismatch_is_one_line_that_says_so(tmp_path: Path,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """A CA that did not sign the server's certificate: one line (gRPC's native log lines,
+    one per try, came first), its hint about TLS, not "is a kdn server listening?"; plaintext
+    to a TLS-only server: a hint to pass --tls-ca."""
+    from tests.helpers import make_certs
+
+    certs = make_certs(tmp_path)
+    cfg = ServerConfig(port=0, data_dir=tmp_path / "d", disk_bytes=0,
+                       tls_cert=str(certs["server.crt"]), tls_key=str(certs["server.key"]))
+    env = {k: v for k, v in ENV.items() if not k.startswith("GRPC_")}
+    with ServerThread(cfg) as server:
+        done = subprocess.run([sys.executable, "-m", "kdn", "admin", "stats", "--address",
+                               server.address, "--tls-ca", str(certs["client.crt"]),
+                               "--timeout", "5"], cwd=ROOT, env=env, timeout=60,
+                              capture_output=True, text=True)
+        assert done.returncode == 1
+        assert len(done.stderr.splitlines()) == 1, done.stderr
+        assert "the TLS handshake failed: check --tls-ca" in done.stderr, done.stderr
+        assert cli(["admin", "stats", "--address", server.address, "--timeout", "5"]) == 1
+        err = capsys.readouterr().err
+        assert "does it take TLS only? (pass --tls-ca" in err, err

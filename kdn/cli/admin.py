@@ -388,6 +388,13 @@ def _key_hint(exc: KDNError) -> str:
 
 def _hint(exc: KDNError, ns: argparse.Namespace) -> str:
     if isinstance(exc, Unavailable):
+        said = str(exc).lower()
+        if "handshake" in said or "certificate" in said:
+            return ("the TLS handshake failed: check --tls-ca (the CA that signed the server's "
+                    "certificate) and --tls-server-name")
+        if "socket closed" in said and not ns.tls_ca:
+            return ("the server closed the connection: does it take TLS only? (pass --tls-ca; "
+                    "else set --address or $KDN_ADDRESS)")
         return f"is a kdn server listening on {ns.address}? (set --address or $KDN_ADDRESS)"
     if isinstance(exc, DeadlineExceeded):
         return "the server did not answer in time; raise --timeout"

@@ -293,6 +293,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # before grpc is imported: its native log lines (a failed TLS handshake's, one per try)
+    # are not the one line a command prints; GRPC_VERBOSITY=INFO (or DEBUG) shows them
+    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
     ns = build_parser().parse_args(argv)
     try:
         code = int(ns.func(ns))
