@@ -212,3 +212,20 @@ def test_a_tls_mismatch_is_one_line_that_says_so(tmp_path: Path,
         assert cli(["admin", "stats", "--address", server.address, "--timeout", "5"]) == 1
         err = capsys.readouterr().err
         assert "does it take TLS only? (pass --tls-ca" in err, err
+
+
+def test_a_bad_address_from_the_environment_names_the_variable(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """A malformed $KDN_ADDRESS is refused naming it (it read "argument --address", which the
+    user had not passed); an --address given wins over it."""
+    monkeypatch.setenv("KDN_ADDRESS", "garbage")
+    with pytest.raises(SystemExit) as exited:
+        cli(["admin", "stats"])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2
+    assert "$KDN_ADDRESS: address 'garbage' has no port" in err and "--address:" not in err
+    assert len(err.splitlines()) == 1, err
+    with pytest.raises(SystemExit) as exited:  # the flag's own mistake still names the flag
+        cli(["admin", "stats", "--address", "nope"])
+    assert "argument --address: address 'nope'" in capsys.readouterr().err
+    assert cli(["admin", "stats", "--address", "127.0.0.1:1", "--timeout", "1"]) == 1

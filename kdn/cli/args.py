@@ -4,6 +4,7 @@ on the command line is a usage error (exit 2, the rule in the message), not a se
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -104,6 +105,44 @@ def address(text: str) -> str:
 
 
 address.__name__ = "address"
+
+
+class FromEnv(str):
+    """An option's default read from the environment variable ``variable``: a malformed value
+    is refused naming the variable (``BadVariable``), not the option the user did not pass."""
+
+    variable: str
+
+    def __new__(cls, value: str, variable: str) -> FromEnv:
+        self = super().__new__(cls, value)
+        self.variable = variable
+        return self
+
+
+class BadVariable(Exception):
+    """A malformed ``FromEnv`` default: ``_Parser`` prints it as a usage error of its own."""
+
+
+def env_default(variable: str, fallback: str) -> str:
+    """The option's default: ``$variable`` (a ``FromEnv``) where set, else ``fallback``."""
+    value = os.environ.get(variable)
+    return FromEnv(value, variable) if value is not None else fallback
+
+
+def checked(kind: Callable[[str], str]) -> Callable[[str], str]:
+    """The argparse ``type`` ``kind``, whose refusal of a ``FromEnv`` default names its
+    variable (``$KDN_ADDRESS: address 'x' has no port``) in a ``BadVariable``."""
+
+    def parse(text: str) -> str:
+        if isinstance(text, FromEnv):
+            try:
+                return kind(str(text))
+            except argparse.ArgumentTypeError as exc:
+                raise BadVariable(f"${text.variable}: {exc}") from None
+        return kind(text)
+
+    parse.__name__ = kind.__name__
+    return parse
 
 
 def key_or_prefix(text: str) -> str:

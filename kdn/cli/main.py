@@ -18,9 +18,12 @@ from typing import Any, NoReturn
 
 from kdn.cli.admin import run as run_admin
 from kdn.cli.args import (
+    BadVariable,
     add_output_options,
     address,
+    checked,
     count,
+    env_default,
     key_or_prefix,
     model_problem,
     positive,
@@ -55,7 +58,10 @@ class _Parser(argparse.ArgumentParser):
     def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
         """Arguments a command does not know are refused by that command's parser, which
         names it (``kdn admin stats: unrecognized arguments: --bogus``), not by ``kdn``'s."""
-        ns, extra = super().parse_known_args(args, namespace)
+        try:
+            ns, extra = super().parse_known_args(args, namespace)
+        except BadVariable as exc:  # a default from the environment: no option to name
+            self.error(str(exc))
         if extra:
             self.error(f"unrecognized arguments: {' '.join(extra)}")
         return ns, extra
@@ -73,8 +79,8 @@ def _admin_options(p: argparse.ArgumentParser, *, suppress: bool) -> None:
         return argparse.SUPPRESS if suppress else value
 
     g = p.add_argument_group("connection")
-    g.add_argument("--address", type=address,
-                   default=default(os.environ.get("KDN_ADDRESS", DEFAULT_ADDRESS)),
+    g.add_argument("--address", type=checked(address),
+                   default=default(env_default("KDN_ADDRESS", DEFAULT_ADDRESS)),
                    help=f"server host:port (default: $KDN_ADDRESS or {DEFAULT_ADDRESS})")
     g.add_argument("--timeout", type=positive, default=default(30.0),
                    help="seconds per call (default: 30)")
