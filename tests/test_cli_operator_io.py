@@ -225,6 +225,10 @@ def test_a_bad_address_from_the_environment_names_the_variable(
     assert exited.value.code == 2
     assert "$KDN_ADDRESS: address 'garbage' has no port" in err and "--address:" not in err
     assert len(err.splitlines()) == 1, err
+    with pytest.raises(SystemExit) as exited:  # kdn rag reads the same variable
+        cli(["rag", "ask", "a question"])
+    assert exited.value.code == 2
+    assert "kdn rag: $KDN_ADDRESS: address 'garbage'" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exited:  # the flag's own mistake still names the flag
         cli(["admin", "stats", "--address", "nope"])
     assert "argument --address: address 'nope'" in capsys.readouterr().err

@@ -291,7 +291,7 @@ def _run(ns: argparse.Namespace) -> int:
 def _options(p: argparse.ArgumentParser, *, suppress: bool) -> None:
     """The options every ``rag`` command takes: on the group with their defaults, repeated on
     each subcommand with ``suppress`` so they are read wherever they stand."""
-    from kdn.cli.args import add_output_options, address, positive
+    from kdn.cli.args import add_output_options, address, checked, env_default, positive
 
     def default(value: Any) -> Any:
         return argparse.SUPPRESS if suppress else value
@@ -300,8 +300,8 @@ def _options(p: argparse.ArgumentParser, *, suppress: bool) -> None:
     g.add_argument("--state", default=default(os.environ.get("KDN_RAG_STATE", ".kdn-rag")),
                    help="state folder: manifest + embeddings (default: $KDN_RAG_STATE or "
                    ".kdn-rag)")
-    g.add_argument("--address", type=address, default=default(os.environ.get("KDN_ADDRESS",
-                                                               "127.0.0.1:50051")),
+    g.add_argument("--address", type=checked(address),
+                   default=default(env_default("KDN_ADDRESS", "127.0.0.1:50051")),
                    help="server host:port (default: $KDN_ADDRESS or 127.0.0.1:50051)")
     g.add_argument("--timeout", type=positive, default=default(60.0),
                    help="seconds per call (default: 60)")
