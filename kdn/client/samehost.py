@@ -9,7 +9,10 @@ its read arena; the old server's arena, its kept leases and connections are drop
 the server names a fast path (a Unix socket, ``kdn.server.fastpath``): GetMany / PutMany go
 there on a connection per thread (closed when the thread ends: ``kdn.client.perthread``)
 instead of gRPC, and the server's read arena of this tenant (``kdn.server.arena``) is handed
-over on it (``arena``). A call there ends within ``timeout_s`` per send and receive, and by the
+over on it (``arena``). The path's name is in Linux's abstract namespace (no permissions: once
+the server's listener is gone, any local process may bind it), so each connection made to it
+must be accepted by the process seen listening there at attach (its pid and uid,
+``SO_PEERCRED``); another one sends the client to gRPC. A call there ends within ``timeout_s`` per send and receive, and by the
 thread's ``kdn.client.deadline.deadline_within``; one the server does not answer in time raises
 DeadlineExceeded (not made again by gRPC: one deadline per call) and the path stays.
 
@@ -66,6 +69,9 @@ class SameHostPath:
         self._arena: Any = None  # kdn.client.shm.LeasedArena, where the server lends one
         self._arena_conn: socket.socket | None = None  # the connection it came on (kept open)
         self._fast_path = ""
+        self._server: tuple[int, int] | None = None
+        """(pid, uid) of the process that listened on the fast path at attach
+        (``shm.peer_of``): a later connection to another is refused (``_fast_conn``)."""
         self.threads = PerThread()
         """Each thread's fast-path connection (``kdn.client.perthread``: closed when its
         thread ends) and the asynchronous stores sent on it."""
@@ -123,10 +129,14 @@ class SameHostPath:
         except KDNError as exc:  # another host or container, no permission, an older server
             log.info("kdn: the server can not map this client's memory (%s); using gRPC", exc)
             return False
-        if resp.fast_path:
-            self._arena, self._arena_conn = self._open_arena(resp.segment_id, resp.fast_path)
-            seg.server_gone = self._watch(resp.fast_path, self._arena_conn)
-        self._fast_path = resp.fast_path
+        fast_path = resp.fast_path
+        if fast_path:
+            self._arena, self._arena_conn = self._open_arena(resp.segment_id, fast_path)
+            seg.server_gone = self._watch(fast_path, self._arena_conn)
+            if self._server is None:
+                log.info("kdn: the fast path did not answer at attach; using gRPC")
+                fast_path = ""
+        self._fast_path = fast_path
         self.server_seals = resp.seals
         # the id last: a thread that reads it reads this server's fast path and arena too
         self._segment, self._segment_id = seg, resp.segment_id
@@ -170,15 +180,19 @@ class SameHostPath:
     def _watch(self, fast_path: str, kept: socket.socket | None) -> Callable[[], bool] | None:
         """Whether the server process behind ``fast_path`` has exited (``shm.server_watch``
         of ``kept``, the read arena's connection, else of one made to ask), or None where
-        that is not known."""
-        from kdn.client.shm import server_watch
+        that is not known. Who that process is (``_server``) is learnt from the same
+        connection: the server listens on ``fast_path`` while it answers ``Attach``."""
+        from kdn.client.shm import peer_of, server_watch
 
+        self._server = None
         if kept is not None:
+            self._server = peer_of(kept)
             return server_watch(kept)
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             conn.settimeout(time_left(self.timeout_s))
             conn.connect("\0" + fast_path)
+            self._server = peer_of(conn)
             return server_watch(conn)
         except OSError:
             return None
@@ -334,11 +348,25 @@ class SameHostPath:
             try:
                 conn.settimeout(self.timeout_s)
                 conn.connect("\0" + path)
+                self._check_server(conn)
             except OSError:
                 conn.close()
                 raise
             self.threads.hold(held, conn, path)
         return conn
+
+    def _check_server(self, conn: socket.socket) -> None:
+        """OSError (the fast path is then given up: gRPC) where the process that accepted
+        ``conn`` is not the server seen at attach (``_server``): the path's name is in the
+        abstract namespace, which has no permissions; once the server's listener is gone any
+        local process may bind it and answer with entries of its own."""
+        from kdn.client.shm import peer_of
+
+        peer = peer_of(conn)
+        if peer is None or peer != self._server:
+            log.warning("kdn: the same-host fast path is held by another process (pid, uid "
+                        "%s, not the server's %s); using gRPC", peer, self._server)
+            raise OSError("the fast path is not held by the server attached")
 
     def _close_conn(self) -> None:
         """Close this thread's fast-path connection."""

@@ -60,17 +60,31 @@ def unanswered(exc: BaseException) -> bool:
                                                              Cancelled))
 
 
+def peer_of(conn: socket.socket) -> tuple[int, int] | None:
+    """(pid, uid) of the process at the other end of the Unix connection ``conn``, as the
+    kernel saw it connect (``SO_PEERCRED``: pid 0 for a process of another pid namespace);
+    None where that can not be asked."""
+    try:
+        pid, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                          struct.calcsize("3i")))
+    except (OSError, AttributeError):  # no SO_PEERCRED here
+        return None
+    return pid, uid
+
+
 def server_watch(conn: socket.socket) -> Callable[[], bool] | None:
     """Whether the process at the other end of the Unix connection ``conn`` (a server) has
     exited, asked without waiting (a pidfd of it, closed with the function); None where that
     can not be known (no pidfd, a process of another pid namespace, this very process)."""
+    peer = peer_of(conn)
+    if peer is None:
+        return None
     try:
-        pid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
-                                                  struct.calcsize("3i")))[0]
+        pid = peer[0]
         if pid <= 0 or pid == os.getpid():
             return None
         fd = os.pidfd_open(pid)
-    except (OSError, AttributeError):  # no SO_PEERCRED or pidfd_open here
+    except (OSError, AttributeError):  # no pidfd_open here
         return None
 
     def gone() -> bool:  # (poll, not select: any descriptor number)
