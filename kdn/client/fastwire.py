@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import select
 import socket
+import ssl
 from collections.abc import Sequence
 from typing import Any
 
@@ -100,16 +101,18 @@ def batches_of(items: Sequence[tuple[bytes, EncodedParts, pb.StoreOptions]], lim
     return [b for b in out if b]
 
 
-def closed_by_peer(conn: socket.socket) -> bool:
-    """Whether the other end closed ``conn`` (read without taking anything: an idle
-    connection's only news is its end)."""
+def unusable(conn: socket.socket) -> bool:
+    """Whether the idle connection ``conn`` (every answer asked for read) may not carry
+    another call: the other end closed it, or sent bytes no call asked for (a server out of
+    step: answers do not name their keys, so the next call would take them as its own).
+    Asked without waiting and without taking anything."""
+    if isinstance(conn, ssl.SSLSocket) and conn.pending():
+        return True  # decrypted already, not read
     try:
         poller = select.poll()  # the socket's timeout would make a peek wait
         poller.register(conn.fileno(), select.POLLIN)
-        if not poller.poll(0):
-            return False
-        return not socket.socket.recv(conn, 1, socket.MSG_PEEK)  # the raw bytes under TLS
-    except OSError:
+        return bool(poller.poll(0))  # its end, or bytes: either way not this call's
+    except (OSError, ValueError):  # closed here
         return True
 
 

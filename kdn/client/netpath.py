@@ -49,13 +49,13 @@ from typing import Any, TypeVar, cast
 
 from kdn.client.deadline import Until, abandoned, call_cap, unbound
 from kdn.client.fastwire import (
-    closed_by_peer,
     entry_refs,
     fast_answer,
     fast_error,
     put_results,
     read_entry,
     streamed_put,
+    unusable,
 )
 from kdn.client.parallel import stream_cores
 from kdn.client.perthread import Crowded, PerThread, refused
@@ -164,12 +164,13 @@ class NetPath:
         return cap if own is None else own if cap is None else min(own, cap)
 
     def _conn(self, *, check: bool = False) -> tuple[socket.socket, bool]:
-        """(this thread's connection, whether it is new). ``check``: a connection the server
-        closed while it was idle (a restart, its idle timeout) is opened again first.
+        """(this thread's connection, whether it is new). ``check`` (no answer is due on it):
+        a connection the server closed while it was idle (a restart, its idle timeout), or
+        that holds bytes no call asked for (``fastwire.unusable``), is opened again first.
         Crowded where the server refused this thread a connection a moment ago."""
         held = self.threads.mine()
         conn = held.conn
-        if conn is not None and check and closed_by_peer(conn):
+        if conn is not None and check and unusable(conn):
             self._drop_conn_only()
             conn = None
         if conn is not None:
@@ -200,8 +201,8 @@ class NetPath:
         body = req.SerializeToString()
         held = self.threads.mine()
         q = held.pending
-        if held.conn is not None and not q and closed_by_peer(held.conn):
-            self._drop_conn_only()  # nothing unanswered on it: it may have gone idle
+        if held.conn is not None and not q and unusable(held.conn):
+            self._drop_conn_only()  # nothing unanswered on it: closed, or out of step
         if held.conn is None:
             return None
         try:
@@ -276,15 +277,15 @@ class NetPath:
         (GetMany) still to be read off the connection. A connection the server closed while
         it was idle is opened again once, not one that timed out (a hung server would cost
         another ``timeout_s``); OSError when the path is gone, the error the server answered
-        otherwise. ``until``: the call's deadline (``_deadline``), its connection returned
-        bound to it."""
+        otherwise; a connection holding bytes no call asked for is not used. ``until``: the
+        call's deadline (``_deadline``), its connection returned bound to it."""
         if self.has_pending():  # the answers on this connection are theirs first
             self.settle()
         until = self._deadline() if until is None else until
         body = req.SerializeToString()
         pieces = [FAST_HEAD.pack(len(body), op) + body, *after]
         for attempt in (0, 1):
-            raw, new = self._conn()
+            raw, new = self._conn(check=True)
             conn = self._until(raw, until)
             try:
                 send_pieces(conn, pieces)
@@ -455,7 +456,7 @@ class NetPath:
         with self._lock:
             while self._spare:
                 conn = self._spare.pop()
-                if not closed_by_peer(conn):  # the server's idle timeout, a restart
+                if not unusable(conn):  # the server's idle timeout, a restart, out of step
                     return conn, False
                 self._all.remove(conn)
                 conn.close()

@@ -38,7 +38,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any, cast
 
 from kdn.client.deadline import Until, call_cap, time_left
-from kdn.client.fastwire import fast_answer, fast_error, fast_send
+from kdn.client.fastwire import fast_answer, fast_error, fast_send, unusable
 from kdn.client.pending import ASYNC_DEPTH, PendingStore
 from kdn.client.perthread import PerThread
 from kdn.client.pipelined import put_pipelined, put_staged_pipelined, write_parts
@@ -331,14 +331,15 @@ class SameHostPath:
         """This thread's connection to the fast path ``path`` (default: the current one;
         calls on it are answered in order; with ``settle``, after this thread's asynchronous
         stores' answers are read). A connection to another path (a server before a restart:
-        ``renew``) is closed first."""
+        ``renew``), or one with no answer due that holds bytes no call asked for (a server out
+        of step: ``fastwire.unusable``) or was closed, is closed first."""
         if path is None:
             path = self._fast_path
         if settle and self.has_pending():
             self.settle()
         held = self.threads.mine()
         conn = held.conn
-        if conn is not None and held.path != path:
+        if conn is not None and (held.path != path or (not held.pending and unusable(conn))):
             self._close_conn()
             conn = None
         if conn is None:
