@@ -10,19 +10,25 @@ import contextlib
 import socket
 import threading
 from collections.abc import Callable, Iterator
+from concurrent import futures
+from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 
 from kdn import codec
 from kdn.client import Client
 from kdn.client.netpath import NetPath
+from kdn.errors import Corrupt
 from kdn.layout import Expected
-from kdn.server import ServerThread
+from kdn.server import ServerConfig, ServerThread
 from kdn.server.fastpath import FastPath
-from kdn.transport.wire import FAST_GET_MANY, FAST_HEAD, NET_PUT_MANY, read_exact
+from kdn.transport.wire import FAST_GET_MANY, FAST_HEAD, FAST_PUT_MANY, NET_PUT_MANY, read_exact
 from kdn.v1 import kdn_pb2 as pb
+from kdn.v1 import kdn_pb2_grpc as pb_grpc
 from tests.helpers import numbered_key, random_kv, uniform_layout
+from tests.test_lying_server import OPTIONS, Lying
 
 LAYOUT = uniform_layout()
 A, B = numbered_key(1), numbered_key(2)
@@ -75,17 +81,46 @@ def _get_answer(entries: list[bytes]) -> bytes:
     return FAST_HEAD.pack(len(body), 1) + body + b"".join(entries)
 
 
+class Ticketing(Lying):
+    """A lying server (``tests.test_lying_server``) that hands a client without a segment a
+    ticket to the data path at ``data_port``."""
+
+    data_port = 0
+
+    def Attach(self, req: Any, context: grpc.ServicerContext) -> Any:  # noqa: N802
+        if not req.remote or not self.data_port:
+            context.abort(grpc.StatusCode.UNIMPLEMENTED, "no shared segment through this one")
+        return pb.AttachResponse(data_port=self.data_port, segment_id="t" * 32)
+
+
+@pytest.fixture
+def ticketing(tmp_path: Path) -> Iterator[tuple[Ticketing, str]]:
+    """(the servicer, its address), a real server behind it."""
+    cfg = ServerConfig(port=0, data_dir=tmp_path, disk_bytes=0, ram_bytes=64 << 20)
+    with ServerThread(cfg) as real:
+        servicer = Ticketing(real.address)
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=OPTIONS)
+        pb_grpc.add_KDNServicer_to_server(servicer, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        server.start()
+        try:
+            yield servicer, f"127.0.0.1:{port}"
+        finally:
+            server.stop(0)
+            servicer.channel.close()
+
+
 @contextlib.contextmanager
-def fast_answers(monkeypatch: pytest.MonkeyPatch,
-                 change: Callable[[int, Any], Any]) -> Iterator[dict[str, bool]]:
-    """The same-host fast path's GetMany replies passed through ``change(op, reply)`` while
-    the flag yielded is on."""
+def fast_answers(monkeypatch: pytest.MonkeyPatch, change: Callable[[int, Any], Any],
+                 ops: tuple[int, ...] = (FAST_GET_MANY,)) -> Iterator[dict[str, bool]]:
+    """The same-host fast path's replies to calls of ``ops`` passed through
+    ``change(op, reply)`` while the flag yielded is on."""
     on = {"on": False}
     real = FastPath.call
 
     def call(self: FastPath, conn: socket.socket, op: int, body: bytes) -> Any:
         reply = real(self, conn, op, body)
-        return change(op, reply) if on["on"] and op == FAST_GET_MANY else reply
+        return change(op, reply) if on["on"] and op in ops else reply
 
     monkeypatch.setattr(FastPath, "call", call)
     yield on
@@ -132,3 +167,85 @@ def test_a_fast_path_connection_out_of_step_is_not_used_again(
         for _ in range(2):
             assert c.retrieve(B).equal(kv_b)  # type: ignore[union-attr]
             assert c.retrieve(A).equal(kv_a)  # type: ignore[union-attr]
+
+
+# -- answers that are not what they say ------------------------------------------------------
+
+NOT_A_MESSAGE = b"\x0a\xff\xff\xff\xff\xff\xff"  # a field cut off
+
+
+def test_a_network_answer_that_is_no_message_is_corrupt(
+        ticketing: tuple[Ticketing, str]) -> None:
+    def garbage(op: int, req: Any, conn: socket.socket) -> None:
+        conn.sendall(FAST_HEAD.pack(len(NOT_A_MESSAGE), 1) + NOT_A_MESSAGE)
+
+    servicer, address = ticketing
+    kv = random_kv(LAYOUT, 16, seed=1)
+    with scripted(garbage) as servicer.data_port:
+        with Client(address, timeout_s=5, shm_bytes=0) as c:
+            for call in (lambda: c.fetch(A), lambda: c.fetch_many([A, B]),
+                         lambda: c.retrieve_streams([A, B], layout=LAYOUT),
+                         lambda: c.store(A, kv, mode="raw"),
+                         lambda: c.store_many([(A, kv), (B, kv)], mode="raw")):
+                with pytest.raises(Corrupt, match="not a valid message"):
+                    call()
+            c.store_async(A, kv, mode="raw")
+            with pytest.raises(Corrupt, match="not a valid message"):
+                c.flush()
+
+
+@pytest.mark.no_arena
+def test_a_fast_path_answer_that_is_no_message_is_corrupt_and_frees_its_region(
+        server: ServerThread, monkeypatch: pytest.MonkeyPatch) -> None:
+    kv = random_kv(LAYOUT, 16, seed=1)
+    with fast_answers(monkeypatch, lambda op, reply: reply._replace(body=NOT_A_MESSAGE),
+                      (FAST_GET_MANY, FAST_PUT_MANY)) as on, \
+            Client(server.address, timeout_s=10, shm_bytes=8 << 20) as c:
+        c.store(A, kv, mode="raw")
+        seg = c.dataplane.segment()[0]
+        free = seg.regions.largest_free()
+        on["on"] = True
+        for call in (lambda: c.fetch(A), lambda: c.fetch_many([A, B]),
+                     lambda: c.fetch(A), lambda: c.store(B, kv, mode="raw")):
+            with pytest.raises(Corrupt, match="not a valid message"):
+                call()
+        c.store_async(B, kv, mode="raw")
+        with pytest.raises(Corrupt, match="not a valid message"):
+            c.flush()
+        assert seg.regions.retired_bytes() == 0  # answered: the server is done with them
+        assert seg.regions.largest_free() == free
+        on["on"] = False
+        assert c.retrieve(A).equal(kv)  # type: ignore[union-attr]
+
+
+@pytest.mark.no_arena
+def test_a_fast_path_answer_short_of_entries_or_placing_one_outside_is_corrupt(
+        server: ServerThread, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fewer entries than keys (none is a miss: which entry is whose is not known), or one
+    placed outside its region: Corrupt, and the region comes back whole."""
+    how = {"lie": "short"}
+
+    def lie(op: int, reply: Any) -> Any:
+        resp = pb.GetManyResponse.FromString(reply.body)
+        if how["lie"] == "short":
+            del resp.entries[-1]
+        else:
+            resp.entries[-1].offset = 1 << 40
+        return reply._replace(body=resp.SerializeToString())
+
+    with fast_answers(monkeypatch, lie) as on, \
+            Client(server.address, timeout_s=10, shm_bytes=8 << 20) as c:
+        kv_a, kv_b = random_kv(LAYOUT, 16, seed=1), random_kv(LAYOUT, 16, seed=2)
+        c.store(A, kv_a, mode="raw")
+        c.store(B, kv_b, mode="raw")
+        seg = c.dataplane.segment()[0]
+        free = seg.regions.largest_free()
+        on["on"] = True
+        for how["lie"], match in (("short", "1 entries for 2 keys"), ("outside", "outside")):
+            for _ in range(2):
+                with pytest.raises(Corrupt, match=match):
+                    c.fetch_many([A, B])
+        on["on"] = False
+        assert seg.regions.retired_bytes() == 0 and seg.regions.largest_free() == free
+        got = c.fetch_many([A, B])
+        assert all(g is not None for g in got)

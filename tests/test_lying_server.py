@@ -38,7 +38,8 @@ LONG, OTHER, FINE, J = (numbered_key(i) for i in range(4))
 class Lying(pb_grpc.KDNServicer):
     """Forwards to ``upstream`` with no expectations of the entries read (as a server that
     checks none), reading ``swap[key]`` where a read names ``key``; ``short_lookup``: one
-    info fewer than the keys asked; ``headless``: a Retrieve ends at once, OK;
+    info fewer than the keys asked; ``short_getmany``: one entry fewer than the keys asked;
+    ``headless``: a Retrieve ends at once, OK;
     ``unavailable_after_s``: every Lookup fails UNAVAILABLE after that long."""
 
     def __init__(self, upstream: str) -> None:
@@ -46,6 +47,7 @@ class Lying(pb_grpc.KDNServicer):
         self.stub = pb_grpc.KDNStub(self.channel)
         self.swap: dict[bytes, bytes] = {}
         self.short_lookup = False
+        self.short_getmany = False
         self.headless = False
         self.unavailable_after_s: float | None = None
         self.lookups = 0
@@ -84,7 +86,10 @@ class Lying(pb_grpc.KDNServicer):
         return resp
 
     def GetMany(self, req: Any, context: grpc.ServicerContext) -> Any:  # noqa: N802
-        return self._forward("GetMany", self._read(req), context)
+        resp = self._forward("GetMany", self._read(req), context)
+        if self.short_getmany:
+            del resp.entries[-1]
+        return resp
 
     def Retrieve(self, req: Any, context: grpc.ServicerContext) -> Iterator[Any]:  # noqa: N802
         if self.headless:
@@ -180,16 +185,18 @@ def test_an_engine_answered_another_blocks_kv_computes_the_prompt(
 
 def test_answers_cut_short_are_corrupt_also_to_the_async_client(
         lying: tuple[Lying, str, str]) -> None:
-    """A Lookup answering fewer keys than asked, a Retrieve ending before its header: Corrupt,
-    and the AsyncClient's awaits end with it (a StopIteration can not be set on a future:
-    the await never ended)."""
+    """A Lookup or GetMany answering fewer keys than asked, a Retrieve ending before its
+    header: Corrupt, and the AsyncClient's awaits end with it (a StopIteration can not be set
+    on a future: the await never ended)."""
     servicer, address, real = lying
     with Client(real) as c:
         c.store(FINE, random_kv(uniform_layout(), 8), mode="raw")
-    servicer.short_lookup = servicer.headless = True
+    servicer.short_lookup = servicer.headless = servicer.short_getmany = True
     with Client(address) as c:
         with pytest.raises(Corrupt, match="Lookup answered 1 keys of the 2 asked"):
             c.lookup([FINE, J])
+        with pytest.raises(Corrupt, match="GetMany answered 0 entries for 1 keys"):
+            c.fetch(FINE)  # not a miss
         with pytest.raises(Corrupt, match="where its header was due"):
             c.retrieve_stream(FINE)
 

@@ -41,7 +41,10 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
+from google.protobuf.message import Message
+
 from kdn.client.deadline import deadline_within, time_left
+from kdn.client.fastwire import parsed
 from kdn.client.getmany import inline_entry, listed_entry, place
 from kdn.client.netpath import NetPath
 from kdn.client.pending import PendingStore
@@ -56,7 +59,7 @@ from kdn.names import MAX_CALL_KEYS
 from kdn.transport.wire import FAST_GET_MANY, FAST_PUT_MANY
 from kdn.v1 import kdn_pb2 as pb
 
-T = TypeVar("T")
+T = TypeVar("T", bound=Message)
 
 INLINE_SLACK = 1 << 20
 """Bytes kept free of entries in an inline message (protobuf framing, the other fields)."""
@@ -389,7 +392,11 @@ class DataPlane:
             arena.give_back(released)
             seg.regions.free(*block)
             return self.get_many(namespace, [key], want, request_id)[0]
-        resp = pb.GetManyResponse.FromString(body)
+        try:
+            resp = parsed(pb.GetManyResponse, body)
+        except Corrupt:  # answered: the server is done with the region
+            seg.regions.free(*block)
+            raise
         ref = resp.entries[0] if len(resp.entries) == 1 else None
         if ref is not None and not ref.lease and (not ref.present or len(ref.data)):
             seg.regions.free(*block)
@@ -403,14 +410,12 @@ class DataPlane:
             seg.regions.free(*block)
             raise Corrupt(f"GetMany answered {len(resp.entries)} entries for 1 key")
         unviewed = {ref.lease} if ref.lease else set()
-        used = block[0]
-        try:
+        try:  # (what it did not hand out of the region, it frees where it raises)
             placed = place(resp, [0], (namespace, want), [key], seg, block, arena, unviewed)
-            used = placed.used
         finally:
             if unviewed:
                 arena.give_back(sorted(unviewed))
-            seg.regions.free(used, block[0] + block[1] - used)
+        seg.regions.free(placed.used, block[0] + block[1] - placed.used)
         if placed.again:  # not written (no room): the general way, with the size it said
             return self.get_many(namespace, [key], want, request_id)[0]
         return placed.entries.get(0)
@@ -451,7 +456,7 @@ class DataPlane:
         if req.segment_id and self.same_host.fast:
             out = self.same_host.call(op, req)
             if out is not None:
-                return answer.FromString(out)  # type: ignore[attr-defined, no-any-return]
+                return parsed(answer, out)
         md = self._metadata(request_id)
         return self._call(  # type: ignore[no-any-return]
             lambda: rpc(req, timeout=time_left(self.timeout_s), metadata=md))

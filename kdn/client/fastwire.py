@@ -11,7 +11,9 @@ import select
 import socket
 import ssl
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeVar
+
+from google.protobuf.message import DecodeError, Message
 
 from kdn.client.received import MAX_ENTRY_BYTES
 from kdn.codec import EncodedParts
@@ -22,6 +24,8 @@ from kdn.transport.buffers import RECEIVED, BufferPool
 from kdn.transport.netio import recv_container
 from kdn.transport.wire import FAST_HEAD, read_exact, recv_into_all
 from kdn.v1 import kdn_pb2 as pb
+
+M = TypeVar("M", bound=Message)
 
 
 def fast_send(conn: socket.socket, op: int, req: Any) -> None:
@@ -51,6 +55,16 @@ def fast_answer(conn: socket.socket) -> tuple[int, bytes]:
     return ok, out
 
 
+def parsed(kind: type[M], body: bytes) -> M:
+    """The answer ``body`` read as a ``kind`` message; Corrupt where it is not one (a damaged
+    or hostile answer: the call is over, answered)."""
+    try:
+        return kind.FromString(body)
+    except DecodeError as exc:
+        raise Corrupt(f"the data path answered a {kind.DESCRIPTOR.name} that is not a "
+                      f"valid message ({exc})") from None
+
+
 def fast_error(out: bytes) -> KDNError:
     name, _, message = out.decode("utf-8", "replace").partition("\0")
     return error_of(name, message)
@@ -78,7 +92,7 @@ def streamed_put(namespace: str, segment_id: str,
 
 
 def put_results(answer: bytes, count: int) -> list[pb.StoreResponse]:
-    results = list(pb.PutManyResponse.FromString(answer).results)
+    results = list(parsed(pb.PutManyResponse, answer).results)
     if len(results) != count:
         raise Corrupt(f"PutMany answered {len(results)} results for {count} items")
     return results
@@ -119,7 +133,7 @@ def unusable(conn: socket.socket) -> bool:
 def entry_refs(out: bytes, count: int) -> list[pb.EntryRef]:
     """The entries of a GetMany answer's body for ``count`` keys, each present one placed
     right after the one before in the bytes that follow. Corrupt when they are not."""
-    resp = pb.GetManyResponse.FromString(out)
+    resp = parsed(pb.GetManyResponse, out)
     if len(resp.entries) != count:
         raise Corrupt(f"GetMany answered {len(resp.entries)} entries for {count} keys")
     at = 0

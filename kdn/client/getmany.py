@@ -77,43 +77,54 @@ def place(resp: pb.GetManyResponse, todo: list[int], names: tuple[str, Expected]
     answers only reads that ask the same); ``seg``/``block``: the segment and the region the
     call named (None: inline); ``arena``: the read arena where leases were asked for; each
     lease viewed is taken out of ``unviewed`` (the caller gives the rest back). ``pinned``:
-    leased entries are viewed through the arena's mapping registered with CUDA."""
+    leased entries are viewed through the arena's mapping registered with CUDA. Corrupt
+    when the answer holds more or fewer entries than keys asked for (which entry is whose is
+    then not known), or places one where it can not be. The part of the region not handed
+    out is the caller's to free (from ``Placed.used``) when this returns; where it raises,
+    it is freed here (the server answered: it is done with the region)."""
     namespace, want = names
     used = block[0] if block is not None else 0
     entries: dict[int, Fetched] = {}
     again: list[int] = []
     sizes: list[int] = []
-    for i, ref in zip(todo, resp.entries):
-        if not ref.present:
-            continue
-        if not ref.written:
-            again.append(i)
-            sizes.append(ref.length)
-            continue
-        if ref.lease:
-            if arena is None:
-                raise Corrupt("GetMany answered with a lease this client did not ask for")
-            if ref.generation:  # kept before it is viewed: its views then never free it
-                arena.keep((namespace, keys[i], want), ref.lease, ref.offset,
-                           ref.length, ref.generation_at, ref.generation, ref.tier)
-            try:
-                view = arena.view(ref.lease, ref.offset, ref.length, pinned=pinned)
-            except ValueError as exc:
-                if arena.closed:  # the server restarted while this call was answered
-                    raise Unavailable(f"GetMany: {exc}") from None
-                raise Corrupt(f"GetMany: {exc}") from None
-            unviewed.discard(ref.lease)
-            entries[i] = fetched(view, ref.tier, True, ref.verified, pinned=view.readonly)
-        elif seg is not None and len(ref.data):  # small, in the answer (``SMALL_ENTRY_BYTES``)
-            entries[i] = inline_entry(ref)
-        elif seg is not None and block is not None:
-            if ref.offset < used or ref.offset + ref.length > block[0] + block[1]:
-                raise Corrupt(f"GetMany placed an entry at [{ref.offset}, "
-                              f"{ref.offset + ref.length}), outside the free part "
-                              f"[{used}, {block[0] + block[1]}) of its region")
-            entries[i] = fetched(seg.owned(ref.offset, ref.length, used), ref.tier, True,
-                                 ref.verified)
-            used = (ref.offset + ref.length + 63) // 64 * 64
-        else:
-            entries[i] = fetched(ref.data, ref.tier, whole=True)
+    try:
+        if len(resp.entries) != len(todo):
+            raise Corrupt(f"GetMany answered {len(resp.entries)} entries for {len(todo)} keys")
+        for i, ref in zip(todo, resp.entries):
+            if not ref.present:
+                continue
+            if not ref.written:
+                again.append(i)
+                sizes.append(ref.length)
+                continue
+            if ref.lease:
+                if arena is None:
+                    raise Corrupt("GetMany answered with a lease this client did not ask for")
+                if ref.generation:  # kept before it is viewed: its views then never free it
+                    arena.keep((namespace, keys[i], want), ref.lease, ref.offset,
+                               ref.length, ref.generation_at, ref.generation, ref.tier)
+                try:
+                    view = arena.view(ref.lease, ref.offset, ref.length, pinned=pinned)
+                except ValueError as exc:
+                    if arena.closed:  # the server restarted while this call was answered
+                        raise Unavailable(f"GetMany: {exc}") from None
+                    raise Corrupt(f"GetMany: {exc}") from None
+                unviewed.discard(ref.lease)
+                entries[i] = fetched(view, ref.tier, True, ref.verified, pinned=view.readonly)
+            elif seg is not None and len(ref.data):  # small, in the answer (``SMALL_ENTRY_BYTES``)
+                entries[i] = inline_entry(ref)
+            elif seg is not None and block is not None:
+                if ref.offset < used or ref.offset + ref.length > block[0] + block[1]:
+                    raise Corrupt(f"GetMany placed an entry at [{ref.offset}, "
+                                  f"{ref.offset + ref.length}), outside the free part "
+                                  f"[{used}, {block[0] + block[1]}) of its region")
+                entries[i] = fetched(seg.owned(ref.offset, ref.length, used), ref.tier, True,
+                                     ref.verified)
+                used = (ref.offset + ref.length + 63) // 64 * 64
+            else:
+                entries[i] = fetched(ref.data, ref.tier, whole=True)
+    except BaseException:
+        if seg is not None and block is not None:
+            seg.regions.free(used, block[0] + block[1] - used)
+        raise
     return Placed(entries, again, sizes, used)

@@ -24,9 +24,9 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kdn.client.fastwire import fast_answer, fast_error, fast_send
+from kdn.client.fastwire import fast_answer, fast_error, fast_send, parsed
 from kdn.codec import EncodedParts
-from kdn.errors import KDNError
+from kdn.errors import Corrupt, KDNError
 from kdn.transport.wire import FAST_PUT_MANY
 from kdn.v1 import kdn_pb2 as pb
 
@@ -217,7 +217,11 @@ def _staged_answered(conn: socket.socket, sent: tuple[list[int], list[Any]],
         st.close()
     if not ok:
         return error or fast_error(body)
-    return _record(batch, pb.PutManyResponse.FromString(body).results, out, error)
+    try:
+        results = parsed(pb.PutManyResponse, body).results
+    except Corrupt as exc:
+        return error or exc
+    return _record(batch, results, out, error)
 
 
 def _put_answered(conn: socket.socket, seg: Any, sent: tuple[list[int], tuple[int, int]],
@@ -234,7 +238,11 @@ def _put_answered(conn: socket.socket, seg: Any, sent: tuple[list[int], tuple[in
     seg.regions.free(*block)
     if not ok:
         return error or fast_error(body)
-    return _record(batch, pb.PutManyResponse.FromString(body).results, out, error)
+    try:
+        results = parsed(pb.PutManyResponse, body).results
+    except Corrupt as exc:
+        return error or exc
+    return _record(batch, results, out, error)
 
 
 def _record(batch: list[int], results: Sequence[pb.StoreResponse],

@@ -38,12 +38,12 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any, cast
 
 from kdn.client.deadline import Until, call_cap, time_left
-from kdn.client.fastwire import fast_answer, fast_error, fast_send, unusable
+from kdn.client.fastwire import fast_answer, fast_error, fast_send, parsed, unusable
 from kdn.client.pending import ASYNC_DEPTH, PendingStore
 from kdn.client.perthread import PerThread
 from kdn.client.pipelined import put_pipelined, put_staged_pipelined, write_parts
 from kdn.codec import EncodedParts
-from kdn.errors import DeadlineExceeded, KDNError, Unavailable
+from kdn.errors import Corrupt, DeadlineExceeded, KDNError, Unavailable
 from kdn.transport.wire import ARENA_SIZE, FAST_ARENA, FAST_HEAD, FAST_PUT_MANY, read_exact
 from kdn.v1 import kdn_pb2 as pb
 
@@ -513,7 +513,11 @@ class SameHostPath:
         if not ok:
             self._failed(pending, fast_error(body))
             return
-        results = pb.PutManyResponse.FromString(body).results
+        try:
+            results = parsed(pb.PutManyResponse, body).results
+        except Corrupt as exc:
+            self._failed(pending, exc)
+            return
         if len(results) != 1:
             self._failed(pending, KDNError(f"PutMany answered {len(results)} results for 1"))
             return
