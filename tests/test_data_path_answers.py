@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterator
 from concurrent import futures
 from pathlib import Path
@@ -20,7 +21,7 @@ import pytest
 from kdn import codec
 from kdn.client import Client
 from kdn.client.netpath import NetPath
-from kdn.errors import Corrupt
+from kdn.errors import Corrupt, DeadlineExceeded
 from kdn.layout import Expected
 from kdn.server import ServerConfig, ServerThread
 from kdn.server.fastpath import FastPath
@@ -249,3 +250,86 @@ def test_a_fast_path_answer_short_of_entries_or_placing_one_outside_is_corrupt(
         assert seg.regions.retired_bytes() == 0 and seg.regions.largest_free() == free
         got = c.fetch_many([A, B])
         assert all(g is not None for g in got)
+
+
+# -- answers trickled ------------------------------------------------------------------------
+
+
+def _trickle(conn: socket.socket, data: bytes) -> None:
+    """``data`` a byte every 0.2 s (each receive well within any timeout), until cut."""
+    with contextlib.suppress(OSError):
+        for i in range(len(data)):
+            conn.sendall(data[i : i + 1])
+            time.sleep(0.2)
+
+
+def _ends_within(seconds: float, call: Callable[[], object]) -> BaseException | None:
+    """What ``call`` raised (None: nothing), checked to end within ``seconds``."""
+    out: dict[str, BaseException | None] = {}
+
+    def run() -> None:
+        try:
+            call()
+            out["error"] = None
+        except BaseException as exc:  # noqa: BLE001  (handed to the test)
+            out["error"] = exc
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(seconds)
+    assert not t.is_alive(), f"still waiting after {seconds} s"
+    return out["error"]
+
+
+def test_a_trickled_network_answer_to_a_store_async_ends_at_its_deadline(
+        ticketing: tuple[Ticketing, str]) -> None:
+    slow = {"on": False}
+
+    def put(op: int, req: Any, conn: socket.socket) -> None:
+        body = pb.PutManyResponse(results=[pb.StoreResponse() for _ in req.items]
+                                  ).SerializeToString() + b"\x12\x00" * 50  # 100 bytes more
+        answer = FAST_HEAD.pack(len(body), 1) + body
+        _trickle(conn, answer) if slow["on"] else conn.sendall(answer)
+
+    servicer, address = ticketing
+    kv = random_kv(LAYOUT, 16, seed=1)
+    with scripted(put) as servicer.data_port, \
+            Client(address, timeout_s=1.0, shm_bytes=0) as c:
+        def stores() -> None:
+            c.store(A, kv, mode="raw")  # this thread's connection to the data path
+            slow["on"] = True
+            c.store_async(B, kv, mode="raw")
+            c.flush()
+
+        assert isinstance(_ends_within(3.0, stores), DeadlineExceeded)
+
+
+@pytest.mark.no_arena
+def test_a_trickled_fast_path_answer_ends_at_the_calls_deadline(
+        server: ServerThread, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A read, and an asynchronous store's answer: ``timeout_s`` for the whole answer, not
+    for each of its bytes."""
+    on = {"on": False}
+    real = FastPath._answer
+
+    def answer(self: FastPath, conn: socket.socket, op: int, call: Callable[[], Any],
+               started: float) -> bool:
+        if not on["on"] or op not in (FAST_GET_MANY, FAST_PUT_MANY):
+            return real(self, conn, op, call, started)
+        reply = call()
+        _trickle(conn, FAST_HEAD.pack(len(reply.body), 1) + reply.body)
+        return True
+
+    monkeypatch.setattr(FastPath, "_answer", answer)
+    kv = random_kv(LAYOUT, 16, seed=1)
+    with Client(server.address, timeout_s=1.0, shm_bytes=8 << 20) as c:
+        c.store(A, kv, mode="raw")
+        assert c.dataplane.same_host.fast
+        on["on"] = True
+
+        def store() -> None:
+            c.store_async(B, kv, mode="raw")
+            c.flush()
+
+        assert isinstance(_ends_within(3.0, store), DeadlineExceeded)
+        assert isinstance(_ends_within(3.0, lambda: c.fetch(A)), DeadlineExceeded)

@@ -1,15 +1,14 @@
 """Deadlines of calls on the data paths: on the network data path (``kdn.client.netpath``)
-one per call, for all of its sends and receives together, not one per receive; on the
-same-host fast path (``kdn.client.samehost``) each send and receive waits ``timeout_s`` at
-most, and the call as a whole ends by ``deadline_within`` where the thread runs inside one;
-gRPC calls are given the time left of it as their deadline (``time_left``).
+and the same-host fast path (``kdn.client.samehost``) one per call, for all of its sends and
+receives together, not one per receive; gRPC calls are given the time left of
+``deadline_within`` as their deadline (``time_left``).
 
-``NetPath`` binds each call's connection to when the call must end (``Until``: every send and
-receive waits only the time left, TimeoutError once none is): ``timeout_s`` from the call's
-start, or sooner where the calling thread runs inside ``deadline_within`` (a link probe's
-budget). A server that trickles its answer fails the call then, not ``timeout_s`` after its
-last byte. An entry's future cancelled before it landed (``abandoned``) shuts its stripe's
-connection, so the thread landing it stops waiting.
+``NetPath`` (``SameHostPath`` likewise) binds each call's connection to when the call must
+end (``Until``: every send and receive waits only the time left, TimeoutError once none is):
+``timeout_s`` from the call's start, or sooner where the calling thread runs inside
+``deadline_within`` (a link probe's budget). A server that trickles its answer fails the call
+then, not ``timeout_s`` after its last byte. An entry's future cancelled before it landed
+(``abandoned``) shuts its stripe's connection, so the thread landing it stops waiting.
 """
 
 from __future__ import annotations
@@ -64,6 +63,10 @@ class Until:
     def recv_into(self, buf: Any, n: int = 0, flags: int = 0) -> int:
         self._arm()
         return self.conn.recv_into(buf, n, flags)
+
+    def recvmsg(self, bufsize: int, ancbufsize: int = 0, flags: int = 0) -> Any:
+        self._arm()
+        return self.conn.recvmsg(bufsize, ancbufsize, flags)
 
     def sendmsg(self, buffers: Any) -> int:
         self._arm()

@@ -31,7 +31,8 @@ in on (raised from their streams' waits), Unavailable for a dropped connection. 
 stripe's connection is closed; the path goes on with new ones.
 
 Every call has one deadline for all of its sends and receives (``kdn.client.deadline``):
-``timeout_s`` from its start, or a thread's ``deadline_within`` if sooner. An entry's future
+``timeout_s`` from its start, or a thread's ``deadline_within`` if sooner; an asynchronous
+store's answer is read within the same from when it is waited for. An entry's future
 cancelled before it landed (``PendingStream.cancel``) shuts its stripe's connection.
 """
 
@@ -239,10 +240,11 @@ class NetPath:
         try:
             if conn is None:
                 raise OSError("the data path connection closed")
-            ok, out = fast_answer(conn)
+            ok, out = fast_answer(self._until(conn, self._deadline()))  # as a call's
+            conn.settimeout(self.timeout_s)
         except OSError as exc:
             self._drop_conn_only()
-            self._lose_pending(str(exc))
+            self._lose_pending(str(exc), timed_out=isinstance(exc, TimeoutError))
             return
         q.popleft()
         self.worked = True
@@ -261,14 +263,19 @@ class NetPath:
         pending.resolve(None, error)
         self.threads.mine().failed.append(error)
 
-    def _lose_pending(self, why: str) -> None:
-        """No answer will come for this thread's unanswered stores: each fails UNAVAILABLE."""
+    def _lose_pending(self, why: str, timed_out: bool = False) -> None:
+        """No answer will come for this thread's unanswered stores: each fails UNAVAILABLE
+        (DEADLINE_EXCEEDED where ``timed_out``: the server did not answer in time)."""
         held = self.threads.peek()
         q = held.pending if held is not None else None
         while q:
             p = q.popleft()
-            self._fail(p, Unavailable(f"the data path closed before the store of {p.key!r} "
-                                      f"was answered ({why}); it may or may not be stored"))
+            self._fail(p, DeadlineExceeded(
+                f"the data path did not answer the store of {p.key!r} within the call's "
+                f"deadline (timeout_s={self.timeout_s}); it may or may not be stored")
+                if timed_out else Unavailable(
+                f"the data path closed before the store of {p.key!r} was answered ({why}); "
+                "it may or may not be stored"))
 
     def _call(self, op: int, req: pb.GetManyRequest | pb.PutManyRequest,
               after: Sequence[bytes | memoryview] = (), until: float | None = None

@@ -12,9 +12,11 @@ instead of gRPC, and the server's read arena of this tenant (``kdn.server.arena`
 over on it (``arena``). The path's name is in Linux's abstract namespace (no permissions: once
 the server's listener is gone, any local process may bind it), so each connection made to it
 must be accepted by the process seen listening there at attach (its pid and uid,
-``SO_PEERCRED``); another one sends the client to gRPC. A call there ends within ``timeout_s`` per send and receive, and by the
-thread's ``kdn.client.deadline.deadline_within``; one the server does not answer in time raises
-DeadlineExceeded (not made again by gRPC: one deadline per call) and the path stays.
+``SO_PEERCRED``); another one sends the client to gRPC. A call there ends within ``timeout_s``
+of its start, all of its sends and receives together (a server that trickles its answer does
+not hold it longer), or by the thread's ``kdn.client.deadline.deadline_within`` if sooner; one
+the server does not answer in time raises DeadlineExceeded (not made again by gRPC: one
+deadline per call) and the path stays. An asynchronous store's answer is read likewise.
 
 Writes on this path: asynchronous stores (``put_async``: written into the segment and sent
 without waiting; answers read in order on the sending thread's connection) and pipelined
@@ -214,14 +216,15 @@ class SameHostPath:
             try:
                 conn.settimeout(time_left(self.timeout_s))
                 conn.connect("\0" + fast_path)
-                conn.sendall(FAST_HEAD.pack(len(body), FAST_ARENA) + body)
-                first, fds, _, _ = socket.recv_fds(conn, FAST_HEAD.size + ARENA_SIZE.size, 1)
-                head = first[: FAST_HEAD.size]
-                if len(head) < FAST_HEAD.size:
-                    head += read_exact(conn, FAST_HEAD.size - len(head)) or b""
-                n, ok = FAST_HEAD.unpack(head)
-                body_in = first[FAST_HEAD.size :]
-                body_in += read_exact(conn, n - len(body_in)) or b""
+                with self._bounded(conn) as call:  # one deadline for the whole exchange
+                    call.sendall(FAST_HEAD.pack(len(body), FAST_ARENA) + body)
+                    first, fds, _, _ = socket.recv_fds(call, FAST_HEAD.size + ARENA_SIZE.size, 1)
+                    head = first[: FAST_HEAD.size]
+                    if len(head) < FAST_HEAD.size:
+                        head += read_exact(call, FAST_HEAD.size - len(head)) or b""
+                    n, ok = FAST_HEAD.unpack(head)
+                    body_in = first[FAST_HEAD.size :]
+                    body_in += read_exact(call, n - len(body_in)) or b""
             finally:
                 if ok and len(fds) == 1 and len(body_in) == ARENA_SIZE.size:
                     conn.settimeout(None)  # kept open, blocking: ``server_alive`` peeks it
@@ -312,20 +315,26 @@ class SameHostPath:
 
     @contextlib.contextmanager
     def _bounded(self, conn: socket.socket) -> Iterator[socket.socket]:
-        """``conn`` for one call: as it is (each send and receive waits ``timeout_s`` at
-        most), or, where the calling thread runs inside ``kdn.client.deadline.
-        deadline_within``, bound to end by then (``Until``), its own timeout given back
-        after."""
-        cap = call_cap()
-        if cap is None:
+        """``conn`` for one call, bound to end (``Until``: all its sends and receives
+        together) ``timeout_s`` from now, or by the calling thread's ``kdn.client.deadline.
+        deadline_within`` if sooner; its own timeout given back after. As it is where there
+        is neither."""
+        until = self._until()
+        if until is None:
             yield conn
             return
-        until = cap if self.timeout_s is None else min(cap, time.monotonic() + self.timeout_s)
         try:
             yield cast(socket.socket, Until(conn, until))
         finally:
             with contextlib.suppress(OSError):
                 conn.settimeout(self.timeout_s)
+
+    def _until(self) -> float | None:
+        """When a call starting now must end (``time.monotonic``): ``timeout_s`` from now,
+        or this thread's ``deadline_within`` if sooner; None where there is neither."""
+        cap = call_cap()
+        own = None if self.timeout_s is None else time.monotonic() + self.timeout_s
+        return own if cap is None else cap if own is None else min(own, cap)
 
     def _fast_conn(self, path: str | None = None, *, settle: bool = True) -> socket.socket:
         """This thread's connection to the fast path ``path`` (default: the current one;
@@ -489,7 +498,8 @@ class SameHostPath:
             conn = self.threads.mine().conn
             if conn is None:
                 raise OSError("the fast path is gone")
-            ok, body = fast_answer(conn)
+            with self._bounded(conn) as bounded:
+                ok, body = fast_answer(bounded)
         except OSError as exc:  # the connection went: no answer will come for any of them
             lost = [(pending, block), *q]
             q.clear()
