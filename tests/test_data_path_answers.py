@@ -333,3 +333,33 @@ def test_a_trickled_fast_path_answer_ends_at_the_calls_deadline(
 
         assert isinstance(_ends_within(3.0, store), DeadlineExceeded)
         assert isinstance(_ends_within(3.0, lambda: c.fetch(A)), DeadlineExceeded)
+
+
+# -- answers larger than the call can bring --------------------------------------------------
+
+EMPTY_REFS = b"\x0a\x00" * (2 << 20)  # 2M empty entries: ~100 MB once parsed
+
+
+def test_a_network_answer_larger_than_its_call_can_bring_is_not_read() -> None:
+    def huge(op: int, req: Any, conn: socket.socket) -> None:
+        conn.sendall(FAST_HEAD.pack(len(EMPTY_REFS), 1) + EMPTY_REFS)
+
+    with scripted(huge) as port:
+        net = NetPath("127.0.0.1", port, "t" * 32, 5)
+        try:
+            with pytest.raises(OSError, match="at most 65792 for the call"):
+                net.get_many("default", [A], Expected())
+        finally:
+            net.close()
+
+
+@pytest.mark.no_arena
+def test_a_fast_path_answer_larger_than_its_call_can_bring_is_not_read(
+        server: ServerThread, monkeypatch: pytest.MonkeyPatch) -> None:
+    kv = random_kv(LAYOUT, 16, seed=1)
+    with fast_answers(monkeypatch, lambda op, reply: reply._replace(body=EMPTY_REFS)) as on, \
+            Client(server.address, timeout_s=10, shm_bytes=8 << 20) as c:
+        c.store(A, kv, mode="raw")
+        on["on"] = True
+        assert c.retrieve(A).equal(kv)  # type: ignore[union-attr]  (by gRPC)
+        assert not c.dataplane.same_host.fast

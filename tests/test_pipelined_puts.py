@@ -89,11 +89,11 @@ def test_a_path_that_goes_away_midway_stores_the_rest_by_grpc(
     real = dp.fast_answer
     answers = [0]
 
-    def flaky(conn):  # type: ignore[no-untyped-def]
+    def flaky(conn, *bound):  # type: ignore[no-untyped-def]
         answers[0] += 1
         if answers[0] == 3:
             raise OSError("connection reset")
-        return real(conn)
+        return real(conn, *bound)
 
     monkeypatch.setattr(dp, "fast_answer", flaky)  # the pipelined calls' answers
     monkeypatch.setattr(samehost, "fast_answer", flaky)  # and the path's other calls'
@@ -143,8 +143,8 @@ def test_an_answer_with_the_wrong_number_of_results_is_an_error(
     real = dp.fast_answer
     answers = [0]
 
-    def miscounted(conn):  # type: ignore[no-untyped-def]
-        ok, body = real(conn)
+    def miscounted(conn, *bound):  # type: ignore[no-untyped-def]
+        ok, body = real(conn, *bound)
         answers[0] += 1
         if ok and answers[0] == 2:
             resp = pb.PutManyResponse.FromString(body)

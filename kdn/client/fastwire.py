@@ -37,18 +37,33 @@ MAX_ANSWER_BYTES = 256 << 20
 """Largest answer body a data-path call takes (entry refs, an error's text: the entries' bytes
 follow it, bounded on their own, ``MAX_ENTRY_BYTES``); a larger declared one is damage or a
 hostile peer, refused before it is read."""
+REF_BYTES = 256
+"""Bytes one key's ``EntryRef`` (one item's ``StoreResponse``) takes in an answer at most,
+its inline entry aside: about 60 today, the rest room for fields a newer server adds."""
+ANSWER_SLACK = 64 << 10
+"""Bytes an answer may hold besides its keys' (an error's text)."""
 
 
-def fast_answer(conn: socket.socket) -> tuple[int, bytes]:
+def answer_bound(count: int, inline: int = 0) -> int:
+    """The largest answer body a call of ``count`` keys (or items) can bring: ``REF_BYTES``
+    each, and ``inline`` more each where small entries come inside the answer
+    (``GetManyRequest.inline_below_bytes``), ``ANSWER_SLACK`` besides; at most
+    ``MAX_ANSWER_BYTES``. A larger one is not read: parsed, a body of empty entries takes
+    ~50 times its size."""
+    return min(MAX_ANSWER_BYTES, count * (REF_BYTES + inline) + ANSWER_SLACK)
+
+
+def fast_answer(conn: socket.socket, most: int = MAX_ANSWER_BYTES) -> tuple[int, bytes]:
     """(ok, body) of the next answer on a fast-path connection; OSError when it closed or
-    declared an answer past ``MAX_ANSWER_BYTES`` (the connection is not usable after it)."""
+    declared an answer past ``most`` bytes (``answer_bound``; the connection is not usable
+    after it)."""
     head = read_exact(conn, FAST_HEAD.size)
     if head is None:
         raise OSError("the fast path closed the connection")
     n, ok = FAST_HEAD.unpack(head)
-    if n > MAX_ANSWER_BYTES:
-        raise OSError(f"the data path declared an answer of {n} bytes (at most "
-                      f"{MAX_ANSWER_BYTES})")
+    if n > most:
+        raise OSError(f"the data path declared an answer of {n} bytes (at most {most} for "
+                      "the call)")
     out = read_exact(conn, n)
     if out is None:
         raise OSError("the fast path closed the connection")

@@ -50,6 +50,7 @@ from typing import Any, TypeVar, cast
 
 from kdn.client.deadline import Until, abandoned, call_cap, unbound
 from kdn.client.fastwire import (
+    answer_bound,
     entry_refs,
     fast_answer,
     fast_error,
@@ -240,7 +241,8 @@ class NetPath:
         try:
             if conn is None:
                 raise OSError("the data path connection closed")
-            ok, out = fast_answer(self._until(conn, self._deadline()))  # as a call's
+            ok, out = fast_answer(self._until(conn, self._deadline()),  # as a call's
+                                  answer_bound(1))
             conn.settimeout(self.timeout_s)
         except OSError as exc:
             self._drop_conn_only()
@@ -291,12 +293,14 @@ class NetPath:
         until = self._deadline() if until is None else until
         body = req.SerializeToString()
         pieces = [FAST_HEAD.pack(len(body), op) + body, *after]
+        most = answer_bound(len(req.items) if isinstance(req, pb.PutManyRequest)
+                            else len(req.keys))
         for attempt in (0, 1):
             raw, new = self._conn(check=True)
             conn = self._until(raw, until)
             try:
                 send_pieces(conn, pieces)
-                ok, out = fast_answer(conn)
+                ok, out = fast_answer(conn, most)
                 self.worked = True
                 break
             except OSError as exc:
@@ -398,7 +402,7 @@ class NetPath:
                 send_pieces(conn, [FAST_HEAD.pack(len(body), NET_GET_MANY) + body])
             refs = []
             for conn, new, run in zip(conns, news, runs):
-                ok, out = fast_answer(conn)
+                ok, out = fast_answer(conn, answer_bound(len(run)))
                 self.worked = True
                 if not ok:
                     raise refused(fast_error(out), new)
@@ -491,7 +495,7 @@ class NetPath:
         try:
             body = self._get_request(namespace, keys, want).SerializeToString()
             send_pieces(conn, [FAST_HEAD.pack(len(body), NET_GET_MANY) + body])
-            ok, out = fast_answer(conn)
+            ok, out = fast_answer(conn, answer_bound(len(keys)))
             self.worked = True
             if not ok:
                 raise refused(fast_error(out), new)

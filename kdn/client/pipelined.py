@@ -24,7 +24,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kdn.client.fastwire import fast_answer, fast_error, fast_send, parsed
+from kdn.client.fastwire import answer_bound, fast_answer, fast_error, fast_send, parsed
 from kdn.codec import EncodedParts
 from kdn.errors import Corrupt, KDNError
 from kdn.transport.wire import FAST_PUT_MANY
@@ -208,7 +208,7 @@ def _staged_answered(conn: socket.socket, sent: tuple[list[int], list[Any]],
     results; the first error (kept, not raised: the later answers must still be read)."""
     batch, held = sent
     try:
-        ok, body = fast_answer(conn)
+        ok, body = fast_answer(conn, answer_bound(len(batch)))
     except BaseException:  # unanswered: the server may still read them
         for st in held:
             st.retire()
@@ -231,7 +231,7 @@ def _put_answered(conn: socket.socket, seg: Any, sent: tuple[list[int], tuple[in
     results; the first error (kept, not raised: the later answers must still be read)."""
     batch, block = sent
     try:
-        ok, body = fast_answer(conn)
+        ok, body = fast_answer(conn, answer_bound(len(batch)))
     except BaseException as exc:
         seg.give_back(*block, failed=exc)  # retired where unanswered
         raise

@@ -40,7 +40,14 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any, cast
 
 from kdn.client.deadline import Until, call_cap, time_left
-from kdn.client.fastwire import fast_answer, fast_error, fast_send, parsed, unusable
+from kdn.client.fastwire import (
+    answer_bound,
+    fast_answer,
+    fast_error,
+    fast_send,
+    parsed,
+    unusable,
+)
 from kdn.client.pending import ASYNC_DEPTH, PendingStore
 from kdn.client.perthread import PerThread
 from kdn.client.pipelined import put_pipelined, put_staged_pipelined, write_parts
@@ -305,7 +312,9 @@ class SameHostPath:
         try:
             with self._bounded(self._fast_conn(path)) as conn:
                 fast_send(conn, op, req)
-                ok, out = fast_answer(conn)
+                ok, out = fast_answer(conn, answer_bound(
+                    len(req.items) if isinstance(req, pb.PutManyRequest) else len(req.keys),
+                    0 if isinstance(req, pb.PutManyRequest) else req.inline_below_bytes))
         except OSError as exc:
             self._fast_failed(exc, path)
             return None
@@ -499,7 +508,7 @@ class SameHostPath:
             if conn is None:
                 raise OSError("the fast path is gone")
             with self._bounded(conn) as bounded:
-                ok, body = fast_answer(bounded)
+                ok, body = fast_answer(bounded, answer_bound(1))
         except OSError as exc:  # the connection went: no answer will come for any of them
             lost = [(pending, block), *q]
             q.clear()
