@@ -21,7 +21,7 @@ import pytest
 from kdn import codec
 from kdn.client import Client
 from kdn.client.netpath import NetPath
-from kdn.errors import Corrupt, DeadlineExceeded
+from kdn.errors import Corrupt, DeadlineExceeded, TooLarge
 from kdn.layout import Expected
 from kdn.server import ServerConfig, ServerThread
 from kdn.server.fastpath import FastPath
@@ -363,3 +363,28 @@ def test_a_fast_path_answer_larger_than_its_call_can_bring_is_not_read(
         on["on"] = True
         assert c.retrieve(A).equal(kv)  # type: ignore[union-attr]  (by gRPC)
         assert not c.dataplane.same_host.fast
+
+
+def test_page_locked_memory_refused_for_an_entry_is_too_large(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """An entry bound for a CUDA device for which CUDA has no page-locked memory: TooLarge
+    (kdn's error tree), not torch's RuntimeError."""
+    import torch
+
+    real_empty = torch.empty
+
+    def empty(*args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("pin_memory"):
+            raise torch.OutOfMemoryError("CUDA error: out of memory (cudaHostAlloc)")
+        return real_empty(*args, **kwargs)
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch, "empty", empty)
+    entry = _entry(1)
+    with scripted(lambda op, req, conn: conn.sendall(_get_answer([entry]))) as port:
+        net = NetPath("127.0.0.1", port, "t" * 32, 5)
+        try:
+            with pytest.raises(TooLarge, match="no page-locked memory"):
+                net.get_many("default", [A], Expected(), pinned=True)
+        finally:
+            net.close()

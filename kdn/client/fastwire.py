@@ -178,8 +178,8 @@ def read_entry(conn: socket.socket, length: int, pinned: bool = False,
     head = header_size(memoryview(prefix))
     try:
         room = pinned_room(length + FRAME_ALIGN) if pinned else pool.take(length + FRAME_ALIGN)
-    except MemoryError:
-        raise TooLarge(f"no memory for a GetMany entry of {length} bytes") from None
+    except MemoryError as exc:
+        raise TooLarge(f"no memory for a GetMany entry of {length} bytes ({exc})") from None
     start = -(room.ctypes.data + min(head, length)) % FRAME_ALIGN
     view = memoryview(room)[start : start + length]  # type: ignore[arg-type]
     view[:HEAD_PREFIX_BYTES] = prefix
@@ -194,9 +194,13 @@ def read_entry(conn: socket.socket, length: int, pinned: bool = False,
 
 def pinned_room(size: int) -> Any:
     """A page-locked uint8 array of ``size`` bytes (torch's caching host allocator: freed
-    ones are reused, not registered again); a plain one where CUDA is not there."""
+    ones are reused, not registered again); a plain one where CUDA is not there. MemoryError
+    where CUDA refuses it (torch raises a RuntimeError: out of page-locked memory)."""
     import torch  # only for entries bound for a CUDA device: torch is loaded then
 
     if not torch.cuda.is_available():
         return RECEIVED.take(size)
-    return torch.empty(size, dtype=torch.uint8, pin_memory=True).numpy()
+    try:
+        return torch.empty(size, dtype=torch.uint8, pin_memory=True).numpy()
+    except RuntimeError as exc:  # torch.OutOfMemoryError among them
+        raise MemoryError(f"no page-locked memory: {exc}") from None
