@@ -13,7 +13,9 @@ The start position of a particular cache's first token is a property of that cac
 (``KVCache.start_position``), not of the layout: the same layout serves chunks at any position.
 
 A layout is frozen and hashable; ``fingerprint`` is a stable content hash (same value in every
-process and on every machine) that keys and stored entries carry.
+process and on every machine) that keys and stored entries carry. Each field is held as one type
+(theta a float, counts and channels ints, keys_rotated a bool), whatever kind of number built it,
+so layouts that compare equal have one fingerprint; what is none of these is InvalidLayout.
 """
 
 from __future__ import annotations
@@ -22,11 +24,14 @@ import enum
 import functools
 import hashlib
 import json
+import math
+import numbers
 import operator
 import sys
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from kdn.checks import shown as _shown
 from kdn.errors import InvalidArgument, InvalidLayout, LayoutMismatch
 
 if TYPE_CHECKING:
@@ -90,10 +95,23 @@ class RopeSpec:
     """Whether stored keys already carry RoPE at their positions (transformers caches do)."""
 
     def __post_init__(self) -> None:
-        if self.theta <= 0:
-            raise InvalidLayout(f"rope theta must be > 0, got {self.theta}")
-        if self.rotary_dim < 0 or self.rotary_dim % 2:
-            raise InvalidLayout(f"rope rotary_dim must be even and >= 0, got {self.rotary_dim}")
+        # each field as the one Python type the fingerprint writes it as: theta=500000 and
+        # 500000.0 compare equal, and must be one layout (one key, entries that decode)
+        theta = self.theta
+        if isinstance(theta, bool) or not isinstance(theta, numbers.Real):
+            raise InvalidLayout(f"rope theta must be a number > 0, got {_shown(theta)}")
+        theta = _float(theta)
+        if not 0 < theta < math.inf:
+            raise InvalidLayout(f"rope theta must be a finite number > 0, got {_shown(theta)}")
+        object.__setattr__(self, "theta", theta)
+        rotary_dim = _count("rope rotary_dim", self.rotary_dim, 0)
+        if rotary_dim % 2:
+            raise InvalidLayout(f"rope rotary_dim must be even and >= 0, got {rotary_dim}")
+        object.__setattr__(self, "rotary_dim", rotary_dim)
+        _text("rope scaling", self.scaling)
+        if not isinstance(self.keys_rotated, bool):
+            raise InvalidLayout(f"rope keys_rotated must be True or False, got "
+                                f"{_shown(self.keys_rotated)}")
 
 
 @dataclass(frozen=True)
@@ -110,9 +128,7 @@ class LayerLayout:
 
     def __post_init__(self) -> None:
         for name in ("kv_heads", "k_channels", "v_channels"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise InvalidLayout(f"{name} must be a positive int, got {value!r}")
+            object.__setattr__(self, name, _count(name, getattr(self, name), 1))
         for name, n in (("k_kept", self.k_channels), ("v_kept", self.v_channels)):
             kept = _indices(name, getattr(self, name))
             object.__setattr__(self, name, kept)  # numpy / torch integers as ints: one
@@ -122,6 +138,8 @@ class LayerLayout:
                 raise InvalidLayout(f"{name} lists {len(kept)} channels but the layer has {n}")
             if any(b <= a for a, b in zip(kept, kept[1:])) or (kept and kept[0] < 0):
                 raise InvalidLayout(f"{name} must be strictly ascending non-negative indices")
+            if kept and kept[-1] >= _U32:
+                raise InvalidLayout(f"{name} must list channels below 2**32, got {kept[-1]}")
 
     def k_numel(self, tokens: int) -> int:
         return self.kv_heads * tokens * self.k_channels
@@ -147,6 +165,45 @@ def _indices(name: str, kept: object) -> tuple[int, ...] | None:
     return out
 
 
+_U32 = 1 << 32
+"""Counts and channel indices are uint32 in the container's header."""
+
+
+def _count(name: str, value: object, low: int) -> int:
+    """``value`` as an int when it is a whole number (of any integer kind: numpy's, a 0-d
+    tensor) in [low, 2**32); else InvalidLayout naming ``name`` (8.0, "8", True are none)."""
+    what = "a positive int" if low == 1 else f"an int >= {low}"
+    try:
+        if isinstance(value, bool):
+            raise TypeError("bool")
+        got = operator.index(value)  # type: ignore[call-overload]
+    except TypeError:
+        raise InvalidLayout(f"{name} must be {what}, got {_shown(value)}") from None
+    if not low <= got < _U32:
+        raise InvalidLayout(f"{name} must be {what} below 2**32, got {_shown(got)}")
+    return got
+
+
+def _float(value: numbers.Real) -> float:
+    try:
+        return float(value)
+    except OverflowError:  # an int past float's range
+        return math.inf
+
+
+def _text(name: str, value: object) -> str:
+    """``value`` when it is a str that UTF-8 can hold (the header is protobuf); else
+    InvalidLayout naming ``name``."""
+    if not isinstance(value, str):
+        raise InvalidLayout(f"{name} must be a str, got {type(value).__name__}")
+    try:
+        value.encode()
+    except UnicodeEncodeError as exc:
+        raise InvalidLayout(f"{name} is not valid Unicode: {exc.reason} at {exc.start}"
+                            ) from None
+    return value
+
+
 @dataclass(frozen=True)
 class KVLayout:
     """Shape of a model's KV cache, layer by layer."""
@@ -162,14 +219,29 @@ class KVLayout:
     """Human-readable model name; informational, not part of the fingerprint."""
 
     def __post_init__(self) -> None:
-        if not self.model_fingerprint:
+        if not _text("model_fingerprint", self.model_fingerprint):
             raise InvalidLayout("model_fingerprint must not be empty")
+        if not isinstance(self.model_name, str):
+            raise InvalidLayout(f"model_name must be a str, got {type(self.model_name).__name__}")
+        # informational: a model folder whose name is not UTF-8 (os.fsdecode's surrogates in
+        # _name_or_path, an engine's model path) is shown with those bytes escaped, not
+        # refused, nor carried into a header protobuf can not write
+        object.__setattr__(self, "model_name",
+                           self.model_name.encode("utf-8", "backslashreplace").decode())
+        if isinstance(self.layers, (str, bytes)) or not hasattr(self.layers, "__iter__"):
+            raise InvalidLayout(f"layers must be a sequence of LayerLayout, got "
+                                f"{type(self.layers).__name__}")
+        object.__setattr__(self, "layers", tuple(self.layers))
         if not self.layers:
             raise InvalidLayout("a layout needs at least one layer")
-        object.__setattr__(self, "layers", tuple(self.layers))
+        for i, layer in enumerate(self.layers):
+            if not isinstance(layer, LayerLayout):
+                raise InvalidLayout(f"layer {i} must be a LayerLayout, got "
+                                    f"{type(layer).__name__}")
+        if not isinstance(self.rope, RopeSpec):
+            raise InvalidLayout(f"rope must be a RopeSpec, got {type(self.rope).__name__}")
         object.__setattr__(self, "dtype", DType.of(self.dtype))
-        if self.head_dim < 0:
-            raise InvalidLayout(f"head_dim must be >= 0, got {self.head_dim}")
+        object.__setattr__(self, "head_dim", _count("head_dim", self.head_dim, 0))
         for i, layer in enumerate(self.layers):
             for kept in (layer.k_kept, layer.v_kept):
                 if kept and self.head_dim and kept[-1] >= self.head_dim:
