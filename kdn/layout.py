@@ -317,36 +317,47 @@ class KVLayout:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> KVLayout:
+        """The layout ``to_dict`` described; InvalidLayout for a description that is not one.
+        Values are taken as they are, not converted: the fields' own checks refuse what is
+        not whole (kv_heads 2.7), not a bool ("false") or not a text (null), as they do for
+        a layout made in code."""
+        if not isinstance(d, dict):
+            raise InvalidLayout(f"malformed layout description: a mapping is needed, got "
+                                f"{type(d).__name__}")
         try:
             rope = d.get("rope", {})
+            if not isinstance(rope, dict):
+                raise InvalidLayout(f"rope must be a mapping, got {type(rope).__name__}")
+            layers = d["layers"]
+            if not isinstance(layers, (list, tuple)):
+                raise InvalidLayout(f"layers must be a list, got {type(layers).__name__}")
             return cls(
-                model_fingerprint=str(d["model_fingerprint"]),
-                model_name=str(d.get("model_name", "")),
+                model_fingerprint=d["model_fingerprint"],
+                model_name=d.get("model_name", ""),
                 dtype=DType.of(d.get("dtype", "float16")),
-                head_dim=int(d.get("head_dim", 0)),
+                head_dim=d.get("head_dim", 0),
                 rope=RopeSpec(
-                    theta=float(rope.get("theta", 10000.0)),
-                    rotary_dim=int(rope.get("rotary_dim", 0)),
-                    scaling=str(rope.get("scaling", "")),
-                    keys_rotated=bool(rope.get("keys_rotated", True)),
+                    theta=rope.get("theta", 10000.0),
+                    rotary_dim=rope.get("rotary_dim", 0),
+                    scaling=rope.get("scaling", ""),
+                    keys_rotated=rope.get("keys_rotated", True),
                 ),
                 layers=tuple(
                     LayerLayout(
-                        kv_heads=int(lay["kv_heads"]),
-                        k_channels=int(lay["k_channels"]),
-                        v_channels=int(lay["v_channels"]),
-                        k_kept=tuple(int(c) for c in lay["k_kept"])
-                        if lay.get("k_kept") is not None
-                        else None,
-                        v_kept=tuple(int(c) for c in lay["v_kept"])
-                        if lay.get("v_kept") is not None
-                        else None,
+                        kv_heads=lay["kv_heads"],
+                        k_channels=lay["k_channels"],
+                        v_channels=lay["v_channels"],
+                        k_kept=lay.get("k_kept"),
+                        v_kept=lay.get("v_kept"),
                     )
-                    for lay in d["layers"]
+                    for lay in layers
                 ),
             )
-        except (KeyError, TypeError, ValueError) as exc:
+        except InvalidLayout as exc:
             raise InvalidLayout(f"malformed layout description: {exc}") from exc
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise InvalidLayout(f"malformed layout description: {type(exc).__name__}: {exc}"
+                                ) from exc
 
     @functools.cached_property
     def fingerprint(self) -> str:

@@ -98,3 +98,41 @@ def test_a_model_folder_whose_name_is_not_utf8_names_a_layout_that_encodes() -> 
     kv = KVCache(lay, [(torch.randn(1, 3, 16).half(), torch.randn(1, 3, 16).half())])
     assert codec.decode(codec.encode(kv, "raw")).equal(kv)
 
+
+def _described(**change: Any) -> Any:
+    d = KVLayout("m", (LayerLayout(2, 8, 8, k_kept=tuple(range(8))),), head_dim=16).to_dict()
+    for path, value in change.items():
+        *parents, last = path.split("__")
+        at = d
+        for p in parents:
+            at = at[int(p)] if p.isdigit() else at[p]
+        at[last] = value
+    return d
+
+
+@pytest.mark.parametrize("desc, field", [
+    (_described(layers__0__kv_heads=2.7), "kv_heads"),
+    (_described(layers__0__kv_heads=2.0), "kv_heads"),
+    (_described(layers__0__k_kept=[0.5, 1, 2, 3, 4, 5, 6, 7]), "k_kept"),
+    (_described(rope__keys_rotated="false"), "keys_rotated"),
+    (_described(model_fingerprint=None), "model_fingerprint"),
+    (_described(model_name=7), "model_name"),
+    (_described(rope=None), "rope"),
+    (_described(layers={"kv_heads": 2}), "layers"),
+    (_described(layers=[[2, 8, 8]]), "malformed"),
+    (_described(head_dim="16"), "head_dim"),
+    ([_described()], "mapping"),
+    (None, "mapping"),
+])
+def test_a_description_is_read_as_it_is_not_converted(desc: Any, field: str) -> None:
+    """int(2.7) was 2 heads, bool("false") True, str(None) the model "None"; a null rope or a
+    list escaped as AttributeError."""
+    with pytest.raises(InvalidLayout, match=field):
+        KVLayout.from_dict(desc)
+
+
+def test_a_description_round_trips() -> None:
+    for lay in (pruned_layout(), uniform_layout(),
+                KVLayout("m", L, rope=RopeSpec(500000.0, 8, '{"factor":2.0}', False))):
+        assert KVLayout.from_dict(lay.to_dict()) == lay
+        assert KVLayout.from_dict(lay.to_dict()).fingerprint == lay.fingerprint
