@@ -65,11 +65,13 @@ TokenIds: TypeAlias = "Sequence[int] | torch.Tensor"
 
 
 def _token_bytes(token_ids: Sequence[int] | torch.Tensor) -> bytes:
-    """Token ids as little-endian int32 bytes (a tensor on any device, or any int sequence;
-    no torch needed for the latter)."""
+    """Token ids of one sequence as little-endian int32 bytes (a tensor on any device, or any
+    int sequence; no torch needed for the latter). A tensor or array is 1-D, or [1, n] (an
+    engine's batch of one); InvalidArgument for a batch of more (hashed flattened, two
+    prompts had the key of their concatenation) or a scalar."""
     ids: Any = token_ids
     if hasattr(ids, "detach"):  # a torch tensor
-        ids = ids.detach().reshape(-1).cpu().numpy()
+        ids = ids.detach().cpu().numpy()
     if isinstance(ids, (list, tuple)):  # converted in C without inferring a dtype first
         try:
             ids = np.frombuffer(array.array("q", ids), dtype=np.int64)
@@ -77,7 +79,12 @@ def _token_bytes(token_ids: Sequence[int] | torch.Tensor) -> bytes:
             raise InvalidArgument(f"token ids must be integers: {exc}") from None
         except OverflowError:
             raise InvalidArgument("token ids must be in [0, 2**31)") from None
-    t = np.asarray(ids).reshape(-1)
+    t = np.asarray(ids)
+    if t.ndim == 2 and t.shape[0] == 1:
+        t = t[0]  # [1, n]: one sequence
+    if t.ndim != 1:
+        raise InvalidArgument(f"token ids must be one sequence (1-D, or [1, n]), got shape "
+                              f"{list(t.shape)}")
     if t.size and not np.issubdtype(t.dtype, np.integer):
         raise InvalidArgument(f"token ids must be integers, got {t.dtype}")
     if t.size and (int(t.min()) < 0 or int(t.max()) >= 2**31):
@@ -153,14 +160,19 @@ def scope_tag(adapter: str = "", salt: str | bytes = b"") -> str:
 def chunk_key(token_ids: TokenIds, layout: KVLayout, namespace: str = DEFAULT_NAMESPACE, *,
               adapter: str = "", tp: Shard | None = None, salt: str | bytes = b"") -> bytes:
     """Position-free key of a chunk's KV (prefilled alone, from position 0). ``adapter``,
-    ``tp`` and ``salt`` scope it to an engine's adapter, shard and salt (see ``_scope``)."""
+    ``tp`` and ``salt`` scope it to an engine's adapter, shard and salt (see ``_scope``).
+    InvalidArgument for no tokens: a chunk key names the KV of at least one."""
     check_namespace(namespace)
+    raw = _token_bytes(token_ids)
+    if not raw:
+        raise InvalidArgument("chunk_key of no tokens: a chunk key names the KV of at least "
+                              "one token")
     return _h(
         b"kdn/chunk/v1",
         namespace.encode(),
         layout.model_fingerprint.encode(),
         layout.fingerprint.encode(),
-        _token_bytes(token_ids),
+        raw,
         *_scope(adapter, tp, salt),
     )
 

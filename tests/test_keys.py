@@ -137,3 +137,24 @@ def test_same_key_in_processes_with_different_hash_seeds() -> None:
     here = (keys.chunk_key(list(range(50)), lay, "ns").hex() + " "
             + keys.prefix_keys(list(range(600)), lay)[-1].hex())
     assert outs == {here}
+
+
+def test_keys_name_one_sequence_of_at_least_one_token() -> None:
+    """A batch was hashed flattened: the key of two prompts was the key of their
+    concatenation; an engine's [1, n] input_ids is one sequence; no tokens has no chunk key."""
+    lay = uniform_layout()
+    want = keys.chunk_key([1, 2, 3], lay)
+    chain = keys.prefix_keys([1, 2, 3], lay, chunk_tokens=1)
+    for one in (torch.tensor([[1, 2, 3]]), np.array([[1, 2, 3]])):
+        assert keys.chunk_key(one, lay) == want
+        assert keys.prefix_keys(one, lay, chunk_tokens=1) == chain
+    for batch in (torch.tensor([[1, 2, 3], [4, 5, 6]]), np.array([[1, 2, 3], [4, 5, 6]]),
+                  torch.tensor(7), np.ones((1, 1, 3), dtype=np.int64)):
+        with pytest.raises(InvalidArgument, match="one sequence"):
+            keys.chunk_key(batch, lay)
+        with pytest.raises(InvalidArgument, match="one sequence"):
+            keys.prefix_keys(batch, lay, chunk_tokens=1)
+    for none in ([], (), torch.tensor([], dtype=torch.long), np.zeros((1, 0), dtype=np.int64)):
+        with pytest.raises(InvalidArgument, match="at least one token"):
+            keys.chunk_key(none, lay)
+    assert keys.prefix_keys([], lay, chunk_tokens=1) == []
