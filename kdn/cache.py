@@ -158,15 +158,30 @@ class KVCache:
         )
 
     def equal(self, other: KVCache) -> bool:
-        """Bit-exact equality of layout, positions and every tensor."""
+        """Bit-exact equality of layout, positions and every tensor: the bits are compared,
+        not the values (-0.0 is not 0.0, a NaN equals the same NaN)."""
         return (
             self.layout.fingerprint == other.layout.fingerprint
             and self.start_position == other.start_position
             and all(
-                torch.equal(a, c) and torch.equal(b, d)
+                _same_bits(a, c) and _same_bits(b, d)
                 for (a, b), (c, d) in zip(self.layers, other.layers)
             )
         )
+
+
+_BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """``a`` and ``b`` have one dtype, one shape and the same bits (``torch.equal`` compares
+    values: 0.0 == -0.0, NaN != NaN)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if a.dtype.is_floating_point:
+        bits = _BITS[a.element_size()]
+        a, b = a.view(bits), b.view(bits)
+    return torch.equal(a, b)
 
 
 def _not_tensors(i: int, pair: object) -> str:

@@ -205,6 +205,27 @@ def test_slice_and_concat() -> None:
         KVCache.concat([a, random_kv(uniform_layout(), 3)])
 
 
+@pytest.mark.parametrize("dtype", list(DType))
+def test_equal_compares_bits_not_values(dtype: DType) -> None:
+    """torch.equal is value equality: a cache of -0.0 was 'bit-exactly' equal to one of 0.0
+    (a codec that lost the sign of zero passed), and a cache holding a NaN was not equal to
+    itself nor to its bit-exact lossless round trip."""
+    lay = uniform_layout(layers=2, dim=8, dtype=dtype)
+    kv = random_kv(lay, 4)
+    zeros, negative = kv.layers[0][0].clone(), kv.layers[0][0].clone()
+    zeros[0, 0, 0], negative[0, 0, 0] = 0.0, -0.0
+    a = KVCache(lay, [(zeros, kv.layers[0][1]), kv.layers[1]])
+    assert not a.equal(KVCache(lay, [(negative, kv.layers[0][1]), kv.layers[1]]))
+    zeros[1, 2, 3] = float("nan")
+    assert a.equal(a)
+    for mode in ("raw", "lossless"):
+        assert codec.decode(codec.encode(a, mode)).equal(a)
+    other = zeros.clone()
+    other.view(torch.int16 if dtype.itemsize == 2 else torch.int32)[1, 2, 3] += 1  # another NaN
+    assert torch.isnan(other[1, 2, 3])
+    assert not a.equal(KVCache(lay, [(other, kv.layers[0][1]), kv.layers[1]]))
+
+
 def test_transformers_roundtrip_shares_storage_and_continues_generation() -> None:
     torch.manual_seed(0)
     cfg = tiny_config()
