@@ -28,9 +28,12 @@ MAX_POSITION = 2**63 - 1
 """The largest ``start_position``: positions are int64 in torch (RoPE tables, position ids)."""
 
 
-@dataclass
+@dataclass(eq=False)
 class KVCache:
-    """Keys and values of one sequence, layer by layer, in the shapes ``layout`` declares."""
+    """Keys and values of one sequence, layer by layer, in the shapes ``layout`` declares.
+
+    ``==`` is identity (a cache is its tensors: the dataclass's field comparison asked torch
+    for the truth of a tensor, a RuntimeError); ``equal`` compares contents bit for bit."""
 
     layout: KVLayout
     layers: list[LayerKV]

@@ -226,6 +226,14 @@ def test_equal_compares_bits_not_values(dtype: DType) -> None:
     assert not a.equal(KVCache(lay, [(other, kv.layers[0][1]), kv.layers[1]]))
 
 
+def test_caches_compare_by_identity() -> None:
+    """The dataclass's == compared layer lists of tensors: a raw RuntimeError ('Boolean value
+    of Tensor ... is ambiguous') for any two caches, also for ``kv in caches``."""
+    a, b = random_kv(uniform_layout(), 4, seed=1), random_kv(uniform_layout(), 4, seed=2)
+    assert a == a and a != b and a in [b, a] and b not in [a]
+    assert len({a, b, a}) == 2
+
+
 def test_transformers_roundtrip_shares_storage_and_continues_generation() -> None:
     torch.manual_seed(0)
     cfg = tiny_config()
