@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import numbers
 import operator
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from kdn.errors import InvalidLayout
+from kdn.errors import InvalidArgument, InvalidLayout
 from kdn.layout import KVLayout
 
 LayerKV = tuple[torch.Tensor, torch.Tensor]
@@ -118,6 +119,9 @@ class KVCache:
         """Tokens [start, stop) as views (no copy); positions follow the slice."""
         n = self.num_tokens
         stop = n if stop is None else stop
+        for name, at in (("start", start), ("stop", stop)):
+            if isinstance(at, bool) or not isinstance(at, numbers.Integral):
+                raise InvalidArgument(f"slice {name} must be a whole number, got {at!r}")
         if not 0 <= start <= stop <= n:
             raise InvalidLayout(f"token range [{start}, {stop}) outside a cache of {n} tokens")
         return KVCache(
@@ -137,6 +141,10 @@ class KVCache:
         """Join caches along tokens; all must share one layout. Positions follow the first part."""
         if not parts:
             raise InvalidLayout("concat needs at least one cache")
+        for i, p in enumerate(parts):
+            if not isinstance(p, KVCache):
+                raise InvalidArgument(f"concat joins KVCaches; part {i} is "
+                                      f"{type(p).__name__}")
         layout = parts[0].layout
         for p in parts[1:]:
             if p.layout.fingerprint != layout.fingerprint:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import numbers
 import reprlib
 from collections.abc import Sequence
+from typing import Any
 
 from kdn.errors import InvalidArgument
 
@@ -26,8 +27,8 @@ def share(name: str, value: object) -> float:
     """``value`` as a float when it is a number in [0, 1]; else InvalidArgument naming
     ``name``."""
     if (isinstance(value, bool) or not isinstance(value, numbers.Real)
-            or not 0.0 <= float(value) <= 1.0):
-        raise InvalidArgument(f"{name} must be a number in [0, 1], got {value!r}")
+            or not 0.0 <= to_float(value) <= 1.0):
+        raise InvalidArgument(f"{name} must be a number in [0, 1], got {shown(value)}")
     return float(value)
 
 
@@ -35,9 +36,18 @@ def seconds(name: str, value: object) -> float:
     """``value`` as a float when it is a finite number of seconds >= 0; else InvalidArgument
     naming ``name`` (NaN would compare false with every clock, and never come)."""
     if (isinstance(value, bool) or not isinstance(value, numbers.Real)
-            or not 0.0 <= float(value) < float("inf")):
-        raise InvalidArgument(f"{name} must be a finite number of seconds >= 0, got {value!r}")
+            or not 0.0 <= to_float(value) < float("inf")):
+        raise InvalidArgument(f"{name} must be a finite number of seconds >= 0, got "
+                              f"{shown(value)}")
     return float(value)
+
+
+def to_float(value: Any) -> float:
+    """``float(value)``, an int past float's range as that infinity (not OverflowError)."""
+    try:
+        return float(value)
+    except OverflowError:
+        return float("inf") if value > 0 else float("-inf")
 
 
 def token_ids(values: object, what: str) -> list[int]:

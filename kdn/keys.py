@@ -92,6 +92,13 @@ def _token_bytes(token_ids: Sequence[int] | torch.Tensor) -> bytes:
     return t.astype("<i4").tobytes()
 
 
+def _layout_bytes(layout: KVLayout) -> tuple[bytes, bytes]:
+    """The model and layout fingerprints a key hashes; InvalidArgument for no KVLayout."""
+    if not isinstance(layout, KVLayout):
+        raise InvalidArgument(f"layout must be a KVLayout, got {type(layout).__name__}")
+    return layout.model_fingerprint.encode(), layout.fingerprint.encode()
+
+
 def _h(*parts: bytes) -> bytes:
     """BLAKE2b of the parts, each preceded by its length (8 bytes, little-endian)."""
     framed: list[bytes] = []
@@ -170,8 +177,7 @@ def chunk_key(token_ids: TokenIds, layout: KVLayout, namespace: str = DEFAULT_NA
     return _h(
         b"kdn/chunk/v1",
         namespace.encode(),
-        layout.model_fingerprint.encode(),
-        layout.fingerprint.encode(),
+        *_layout_bytes(layout),
         raw,
         *_scope(adapter, tp, salt),
     )
@@ -196,15 +202,15 @@ def prefix_keys(
     would have without."""
     check_namespace(namespace)
     chunk_tokens = _u32("chunk_tokens", chunk_tokens)
-    if isinstance(extras, (bytes, str)) or not all(isinstance(e, bytes) for e in extras):
+    if not isinstance(extras, Sequence) or isinstance(extras, (bytes, str)) \
+            or not all(isinstance(e, bytes) for e in extras):
         raise InvalidArgument("extras must be a sequence of bytes, one per chunk")
     raw = _token_bytes(token_ids)
     step = chunk_tokens * 4
     prev = _h(
         b"kdn/prefix/v1",
         namespace.encode(),
-        layout.model_fingerprint.encode(),
-        layout.fingerprint.encode(),
+        *_layout_bytes(layout),
         chunk_tokens.to_bytes(4, "little"),
         *_scope(adapter, tp, salt),
     )
@@ -258,8 +264,7 @@ def page_key(page_hash: str | bytes, layout: KVLayout, namespace: str = DEFAULT_
     return _h(
         b"kdn/page/v1",
         namespace.encode(),
-        layout.model_fingerprint.encode(),
-        layout.fingerprint.encode(),
+        *_layout_bytes(layout),
         page_tokens.to_bytes(4, "little"),
         raw,
         *_scope(adapter, tp, salt, pp),
@@ -276,7 +281,12 @@ def variant_key(key: bytes, encoding: str) -> bytes:
                               f" got {encoding!r}")
     if encoding == "lossless":
         return key
-    return _h(b"kdn/variant/v1", key, encoding.encode())
+    try:
+        name = encoding.encode()
+    except UnicodeEncodeError:
+        raise InvalidArgument(f"encoding must be an encoding's name, got {encoding!r}, which "
+                              f"is not valid Unicode") from None
+    return _h(b"kdn/variant/v1", key, name)
 
 
 def store_key(tenant: str, namespace: str, key: bytes) -> bytes:

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from kdn.checks import shown as _shown
+from kdn.checks import to_float
 from kdn.errors import InvalidArgument, InvalidLayout, LayoutMismatch
 
 if TYPE_CHECKING:
@@ -100,7 +101,7 @@ class RopeSpec:
         theta = self.theta
         if isinstance(theta, bool) or not isinstance(theta, numbers.Real):
             raise InvalidLayout(f"rope theta must be a number > 0, got {_shown(theta)}")
-        theta = _float(theta)
+        theta = to_float(theta)
         if not 0 < theta < math.inf:
             raise InvalidLayout(f"rope theta must be a finite number > 0, got {_shown(theta)}")
         object.__setattr__(self, "theta", theta)
@@ -176,19 +177,12 @@ def _count(name: str, value: object, low: int) -> int:
     try:
         if isinstance(value, bool):
             raise TypeError("bool")
-        got = operator.index(value)  # type: ignore[call-overload]
+        got = operator.index(value)  # type: ignore[arg-type]
     except TypeError:
         raise InvalidLayout(f"{name} must be {what}, got {_shown(value)}") from None
     if not low <= got < _U32:
         raise InvalidLayout(f"{name} must be {what} below 2**32, got {_shown(got)}")
     return got
-
-
-def _float(value: numbers.Real) -> float:
-    try:
-        return float(value)
-    except OverflowError:  # an int past float's range
-        return math.inf
 
 
 def _text(name: str, value: object) -> str:

@@ -215,6 +215,18 @@ def encode(kv: KVCache, mode: str = "lossless", level: str = "", *, layers_per_f
     return encode_parts(kv, mode, level, layers_per_frame=layers_per_frame).to_bytes()
 
 
+def _bytes_like(what: str, buf: object) -> bytes | memoryview:
+    """``buf`` itself, or as a byte view (a bytearray, a numpy array, an mmap: any contiguous
+    buffer); InvalidArgument starting with ``what`` for anything else (a str, None, a list)."""
+    if isinstance(buf, bytes):
+        return buf
+    try:
+        return memoryview(buf).cast("B")  # type: ignore[arg-type]
+    except TypeError:
+        raise InvalidArgument(f"{what} (a contiguous bytes-like buffer), got "
+                              f"{type(buf).__name__}") from None
+
+
 class StreamDecoder:
     """Decodes the frames of one container as they arrive, in any order, independently."""
 
@@ -231,7 +243,8 @@ class StreamDecoder:
         ``stored_bytes``: the whole entry's size, where known: a mode that stores tensors
         verbatim can not declare more tensor bytes than that (Corrupt before any allocation)."""
         self.checked = checked
-        self.header = header if isinstance(header, Header) else parse_header(header)
+        self.header = header if isinstance(header, Header) else parse_header(
+            _bytes_like("StreamDecoder takes a container header", header))
         self.device = target_device(device)
         self.private = private and self.device.type == "cpu"
         self.borrow = (borrow or private) and self.device.type == "cpu"
@@ -354,6 +367,8 @@ class StreamDecoder:
         self, index: int, frame: bytes | memoryview
     ) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
         """Verify frame ``index`` and decode its layers: [(layer, K, V), ...]."""
+        index = whole("frame index", index)
+        frame = _bytes_like(f"frame {index} must be bytes", frame)
         recs = check_frame(self.header, index, frame, checksum=not self.checked)
         return [(r.layer, *self.decode_record(r)) for r in recs]
 
@@ -500,12 +515,7 @@ def decode(buf: bytes | memoryview, *, device: torch.device | str | None = None,
     current stream waits for each worker's, on the device). ``batched`` forces either
     way (True on the CPU runs the GPU kernels under Triton's interpreter: how tests check
     them). InvalidArgument where ``buf`` is no contiguous buffer of bytes (a str, None, a list)."""
-    if not isinstance(buf, (bytes, bytearray)):
-        try:  # a numpy array, an mmap, a memoryview: any contiguous buffer, as its bytes
-            buf = memoryview(buf).cast("B")
-        except TypeError:
-            raise InvalidArgument(f"codec.decode takes a stored entry's bytes (a contiguous "
-                                  f"bytes-like buffer), got {type(buf).__name__}") from None
+    buf = _bytes_like("codec.decode takes a stored entry's bytes", buf)
     container = parse_container(buf, verify=False)  # frames are checked just below
     dec = StreamDecoder(container.header, device, stored_bytes=len(buf))
     start = int(container.header.entry.start_position)

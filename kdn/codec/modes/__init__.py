@@ -135,7 +135,7 @@ def get_mode(name: str) -> Mode:
     _load_builtin()
     try:
         return _MODES[name]
-    except KeyError:
+    except (KeyError, TypeError):  # TypeError: a list, a dict (unhashable)
         raise InvalidArgument(
             f"unknown codec mode {name!r}; known modes: {sorted(_MODES)}"
         ) from None
