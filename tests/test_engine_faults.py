@@ -174,7 +174,7 @@ def test_a_load_too_large_for_here_leaves_the_encoding_out_but_keeps_its_blocks(
     monkeypatch.setattr(engine.controller, "observe_failure",
                         lambda enc, *a: failures.append(enc) or observe(enc, *a))
     monkeypatch.setattr(engine._saver, "start",  # noqa: SLF001
-                        lambda *a: rewrites.append(a[-1]) or start(*a))
+                        lambda *a: rewrites.append(a[3]) or start(*a))  # a[3]: rewrite
     got = engine.generate(IDS, max_new_tokens=6, force="raw")
     monkeypatch.undo()
     assert got.timings.decision == "recompute" and got.timings.reused_tokens == 0
