@@ -119,6 +119,7 @@ def test_blocks_computed_over_a_lossy_prefix_are_stored_in_lossy_encodings_only(
                                 namespace=engine.namespace).infos
         assert [i.present for i in present] == [False, True] * 4  # B: lossy copies only
         ref = engine.generate(a + b + c, max_new_tokens=8, force="recompute").token_ids
+        engine.close()  # its blocks stored
         raw = engine.generate(a + b + c, max_new_tokens=8, force="raw")
         engine.close()
     assert raw.timings.reused_tokens == 160  # every block: the recompute stored them exactly
