@@ -6,7 +6,8 @@ damaged entry's error comes from its result() and from flush(), the stores aroun
 staged entry goes by where it lies; a remote client sends them on its network data path the
 same way (a client with neither path stores synchronously); result()
 on another thread before the answer is refused; a fast path that breaks under unanswered
-stores fails them with UNAVAILABLE and the client carries on over gRPC."""
+stores fails them with UNAVAILABLE and the client carries on over gRPC. An operator call
+(AdminClient's inspect, pin, ls, ...) and stats/health read the answers first too."""
 
 from __future__ import annotations
 
@@ -16,9 +17,11 @@ import pytest
 
 from kdn import codec
 from kdn.client import Client
+from kdn.client.admin import AdminClient
 from kdn.client.pending import ASYNC_DEPTH
 from kdn.codec import EncodedParts
 from kdn.errors import InvalidArgument, Unavailable
+from kdn.options import StoreOptions
 from kdn.server import ServerThread
 from tests.helpers import numbered_key as _key
 from tests.helpers import random_kv, uniform_layout
@@ -58,6 +61,26 @@ def test_a_later_call_reads_the_answers_first_so_reads_see_the_stores(
         p3 = c.store_async(_key(3), old, mode="raw")
         infos = c.lookup([_key(3)]).infos
         assert p3.done() and infos[0].present
+
+
+def test_operator_calls_read_the_answers_first(server: ServerThread) -> None:
+    kv = random_kv(LAYOUT, 64, seed=5)
+    with AdminClient(server.address, timeout_s=30, data_path=False) as a:
+        calls = [("inspect", lambda k: a.inspect(k).key == k),
+                 ("pin", lambda k: a.pin([k]) == 1),
+                 ("unpin", lambda k: a.unpin([k]) == 1),
+                 ("ls", lambda k: k in [e.key for e in a.ls(key_prefix=k)]),
+                 ("evict", lambda k: a.evict([k]) >= 1),
+                 ("stats", lambda k: a.stats() is not None),
+                 ("health", lambda k: a.health() == "SERVING"),
+                 ("gc", lambda k: a.gc() is not None)]
+        for i, (name, call) in enumerate(calls):
+            p = a.store_async(_key(300 + i), kv, mode="raw",
+                              options=StoreOptions(pin=name == "unpin"))
+            assert not p.done()
+            assert call(_key(300 + i)), name
+            assert p.done(), name  # read before the call was made
+            assert p.result().stored_bytes > 0
 
 
 def test_a_damaged_entry_fails_alone_and_flush_raises_it(server: ServerThread) -> None:

@@ -37,6 +37,7 @@ from kdn.client.exportfile import (
     read_records,
     scan,
 )
+from kdn.client.rpc import settles
 from kdn.errors import (
     Corrupt,
     DeadlineExceeded,
@@ -159,6 +160,7 @@ class AdminClient(Client):
         return {"status": status, "server": services.pop(""), "services": services,
                 "tiers": tiers, "parts_down": parts_down}
 
+    @settles
     def ls(self, namespace: str = "", key_prefix: bytes = b"", model: str = "",
            tenant: str = "", limit: int = 0, *,
            request_id: str | None = None) -> Iterator[pb.EntryInfo]:
@@ -180,6 +182,7 @@ class AdminClient(Client):
         return self._admin.List(req, timeout=time_left(self.timeout_s),  # type: ignore[no-any-return]
                                 metadata=md)
 
+    @settles
     def inspect(self, key: bytes, namespace: str = "default", *, tenant: str = "",
                 request_id: str | None = None) -> pb.EntryInfo:
         """One entry, its layout included. ``tenant`` (here and in ``evict``, ``pin``,
@@ -190,6 +193,7 @@ class AdminClient(Client):
         return self.rpc.call(lambda: self._admin.Inspect(req, timeout=time_left(self.timeout_s),
                                                             metadata=md))
 
+    @settles
     def _keys(self, rpc: Callable[..., pb.CountResponse], keys: list[bytes], namespace: str,
               tier: str, tenant: str, request_id: str | None) -> int:
         ns, ks = check_namespace(namespace or self.namespace), [check_key(k) for k in keys]
@@ -213,12 +217,14 @@ class AdminClient(Client):
               request_id: str | None = None) -> int:
         return self._keys(self._admin.Unpin, keys, namespace, "", tenant, request_id)
 
+    @settles
     def verify(self, dry_run: bool = False, *,
                request_id: str | None = None) -> Iterator[pb.VerifyProgress]:
         md = self.metadata(request_id)
         return iter(self.rpc.call(lambda: list(self._admin.Verify(
             pb.VerifyRequest(dry_run=dry_run), timeout=time_left(self.timeout_s), metadata=md))))
 
+    @settles
     def gc(self, *, request_id: str | None = None) -> pb.GcResponse:
         md = self.metadata(request_id)
         return self.rpc.call(lambda: self._admin.Gc(
@@ -226,6 +232,7 @@ class AdminClient(Client):
 
     # -- export / import ------------------------------------------------------------------------
 
+    @settles
     def export_to(self, path: Path, namespace: str = "", key_prefix: bytes = b"",
                   progress: Callable[[int, int], None] | None = None, *, tenant: str = "",
                   request_id: str | None = None) -> int:
@@ -280,6 +287,7 @@ class AdminClient(Client):
                           "kdn admin verify removes the damaged ones)")
         return out.records
 
+    @settles
     def import_from(self, path: Path, progress: Callable[[int, int], None] | None = None,
                     batch: int = 64, *, request_id: str | None = None) -> pb.ImportResponse:
         """Import an export file. The whole file is checked first (checksums, names, its end

@@ -463,12 +463,14 @@ class Client:
         return tenant
 
     @in_its_process
+    @settles
     def stats(self, *, request_id: str | None = None) -> pb.StatsResponse:
         md = self.rpc.metadata(request_id)
         return self.rpc.call(lambda: self.rpc.stub.Stats(
             pb.StatsRequest(), timeout=time_left(self.timeout_s), metadata=md))
 
     @in_its_process
+    @settles
     def health(self, service: str = "") -> str:
         """The standard gRPC health status name (SERVING, NOT_SERVING, ...)."""
         from grpc_health.v1 import health_pb2, health_pb2_grpc
