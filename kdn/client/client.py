@@ -43,10 +43,18 @@ from kdn.client.deadline import time_left
 from kdn.client.pending import PendingStore
 from kdn.client.reads import Reader
 from kdn.client.received import LOCAL_TIER, Fetched
-from kdn.client.rpc import Retry, Rpc, TLSOptions, check_timeout, settles, traced
+from kdn.client.rpc import (
+    CLOSED,
+    Retry,
+    Rpc,
+    TLSOptions,
+    check_timeout,
+    settles,
+    traced,
+)
 from kdn.client.writes import Writer
 from kdn.codec import EncodedParts
-from kdn.errors import Corrupt, InvalidArgument
+from kdn.errors import Closed, Corrupt, InvalidArgument
 from kdn.keys import DEFAULT_NAMESPACE, check_key, check_namespace
 from kdn.layout import KVLayout
 from kdn.names import call_batches, check_tenant, request_namespace
@@ -75,13 +83,21 @@ F = TypeVar("F", bound=Callable[..., Any])
 def in_its_process(fn: F) -> F:
     """A method of ``Client`` that raises InvalidArgument, before it touches anything, in a
     child of ``fork()`` (module docstring): there the channel would hang and the segment is
-    the parent's."""
+    the parent's. A call that fails once ``close`` began on another thread raises Closed:
+    whatever broke under it (its connection, its segment, its channel) broke for the close."""
     @functools.wraps(fn)
     def call(self: Client, *args: Any, **kwargs: Any) -> Any:
         if os.getpid() != self.pid:
             raise InvalidArgument("a Client cannot be used after fork(): make a new one in "
                                   "the child")
-        return fn(self, *args, **kwargs)
+        try:
+            return fn(self, *args, **kwargs)
+        except Closed:
+            raise
+        except Exception:
+            if self.closing:
+                raise Closed(CLOSED) from None
+            raise
     return call  # type: ignore[return-value]
 
 
@@ -129,6 +145,8 @@ class Client:
     ) -> None:
         self.pid = os.getpid()
         """The process this client belongs to (module docstring)."""
+        self.closing = False
+        """``close`` began: a call that fails from now on raises Closed (``in_its_process``)."""
         if tracing:  # OpenTelemetry spans per call, the trace carried to the server
             _tracing.enable()
         tune_allocator()  # received messages must not fault in fresh pages (kdn.transport.buffers)
@@ -201,12 +219,13 @@ class Client:
     def close(self) -> None:
         """Close the channels, give the segment back and empty the in-process tier, after
         this thread's asynchronous stores are answered (another thread's: ``flush`` there
-        first). Any call after it raises Closed. Nothing in a child of ``fork()``: they are
-        the parent's."""
+        first). Any call after it, or cut short by it on another thread, raises Closed.
+        Nothing in a child of ``fork()``: they are the parent's."""
         if os.getpid() != self.pid:
             return
         if self.dataplane.has_pending():
             self.dataplane.settle_async()
+        self.closing = True
         self.dataplane.close()
         self.rpc.close()
         if self.local is not None:

@@ -8,7 +8,8 @@ yet. ``hold`` records a connection the thread opened, ``drop`` closes it. A thre
 takes its thread-local storage with it: the ``Held`` dies and a finalizer closes its
 connection, so a client shared by short-lived threads holds a connection per live thread, not
 one per thread it ever served (the server admits ``kdn.server.netpath.MAX_PER_TICKET`` of a
-ticket's at once). ``close`` closes every thread's (the client closed).
+ticket's at once). ``close`` shuts down and closes every thread's (the client closed), and
+one a thread opens after it.
 
 A server that refuses a thread's new connection for its limits (RESOURCE_EXHAUSTED on its
 first call) makes the path raise ``Crowded``: that call goes by gRPC, and so do the thread's
@@ -89,6 +90,8 @@ class PerThread:
         self._local = threading.local()
         self._open: dict[int, socket.socket] = {}  # token -> a live thread's connection
         self._tokens = itertools.count()
+        self._lock = threading.Lock()  # ``hold`` against ``close``
+        self._closed = False
 
     def mine(self) -> Held:
         """The calling thread's ``Held``, made on first use."""
@@ -103,10 +106,17 @@ class PerThread:
         return getattr(self._local, "held", None)
 
     def hold(self, held: Held, conn: socket.socket, path: str = "") -> None:
-        """``conn`` is now ``held``'s connection (to ``path``); one it had is closed."""
+        """``conn`` is now ``held``'s connection (to ``path``); one it had is closed.
+        OSError, ``conn`` closed, once the path was closed (a thread that connected as
+        ``close`` ran: nothing would close it, and its calls would wait on it)."""
         self.drop(held)
-        held.conn, held.path = conn, path
-        self._open[held.token] = conn
+        with self._lock:
+            if not self._closed:
+                held.conn, held.path = conn, path
+                self._open[held.token] = conn
+                return
+        conn.close()
+        raise OSError("the data path was closed")
 
     def drop(self, held: Held | None) -> None:
         """Close ``held``'s connection, if it has one."""
@@ -122,10 +132,18 @@ class PerThread:
         return len(self._open)
 
     def close(self) -> None:
-        """Close every thread's connection (a thread's next use of it fails: OSError)."""
+        """Close every thread's connection (a thread's next use of it fails: OSError). Each
+        is shut down first: a thread waiting on it for an answer wakes (closed alone, the
+        wait lasted to its deadline)."""
+        with self._lock:
+            self._closed = True
         while True:
             try:
                 _, conn = self._open.popitem()
             except KeyError:
                 return
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass  # not connected any more
             conn.close()

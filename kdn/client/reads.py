@@ -242,7 +242,7 @@ class Reader:
             try:  # (a device not here: InvalidArgument)
                 dec, target = decoder_for(header, device, received=on_complete is None
                                           and keeps_messages(int(head.total_bytes)))
-                frames = merged(calls, stop) if len(calls) > 1 else whole
+                frames = self.rpc.frames(merged(calls, stop) if len(calls) > 1 else whole)
                 if on_complete is not None:
                     frames = _tee(frames, header, on_complete)
                 return tensor_side().LayerStream(dec, frames, head.tier, cancel, timings,
@@ -276,8 +276,8 @@ class Reader:
                 dec, target = decoder_for(head.container_header, device,
                                           received=on_complete is None
                                           and keeps_messages(int(head.total_bytes)))
-                frames = call if on_complete is None else _tee(
-                    call, head.container_header, on_complete)
+                frames = self.rpc.frames(call) if on_complete is None else _tee(
+                    self.rpc.frames(call), head.container_header, on_complete)
                 return tensor_side().LayerStream(dec, frames, head.tier, call.cancel,
                                                   timings, target)
             except BaseException:

@@ -15,7 +15,7 @@ import ssl
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
@@ -254,7 +254,23 @@ class Rpc:
             with deadline_within(budget):
                 return self.retry.call(fn)
         except grpc.RpcError as err:  # kept as the context of kdn's error: not the frames
+            if self.closed:  # cancelled by close() on another thread
+                raise Closed(CLOSED) from None
             raise from_grpc(kept(err)) from None  # it passed, which hold the call
+        except ValueError:
+            if self.closed:  # gRPC's refusal of a channel closed as the call began
+                raise Closed(CLOSED) from None
+            raise
+
+    def frames(self, stream: Iterator[T]) -> Iterator[T]:
+        """The messages of a streamed call (a Retrieve's frames), read after ``call``
+        returned: one cut by ``close`` on another thread raises Closed, as ``call`` does."""
+        try:
+            yield from stream
+        except (grpc.RpcError, ValueError):
+            if self.closed:
+                raise Closed(CLOSED) from None
+            raise
 
     def close(self) -> None:
         self.closed = True

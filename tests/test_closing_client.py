@@ -1,0 +1,77 @@
+"""A Client closed while other threads call it: their calls fail with Closed, kdn's error of a
+closed client, on every path (gRPC, the same-host fast path, the network data path, a stream of
+frames cut by the close). gRPC's own ValueError ("Cannot invoke RPC on closed channel!")
+escaped, a call cut off in flight was KDNError CANCELLED, a store through the segment was
+NotFound ("no attached segment"), and a read waiting on its network data path connection
+waited for its whole deadline."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import pytest
+
+from kdn.client import Client
+from kdn.errors import Closed
+from kdn.server import ServerThread
+from kdn.v1 import kdn_pb2 as pb
+from tests.helpers import numbered_key, random_kv, uniform_layout
+
+LAYOUT = uniform_layout()
+
+
+def test_a_call_whose_channel_closes_as_it_begins_is_closed(server: ServerThread) -> None:
+    c = Client(server.address, timeout_s=30, shm_bytes=0, data_path=False)
+
+    def closing() -> Any:  # close() on another thread, between the check and the call
+        c.close()
+        return c.rpc.stub.Lookup(pb.LookupRequest(keys=[numbered_key(1)]), timeout=5)
+
+    with pytest.raises(Closed, match="closed"):
+        c.rpc.call(closing)
+
+
+@pytest.mark.parametrize("options", [dict(shm_bytes=0, data_path=False), dict(shm_bytes=8 << 20),
+                                     dict(shm_bytes=0)], ids=["grpc", "same-host", "network"])
+def test_calls_cut_by_close_on_another_thread_raise_closed(
+        server: ServerThread, options: dict[str, Any]) -> None:
+    kv = random_kv(LAYOUT, 64, seed=1)
+    other: list[str] = []
+    closed = 0
+    end = time.monotonic() + 2.5
+    while time.monotonic() < end:
+        c = Client(server.address, timeout_s=20, **options)
+        c.store(numbered_key(1), kv, mode="raw")
+        stop = threading.Event()
+
+        def work(j: int, c: Client = c, stop: threading.Event = stop) -> None:
+            nonlocal closed
+            calls = [lambda: c.lookup([numbered_key(1)]),
+                     lambda: c.fetch_many([numbered_key(1), numbered_key(2)]),
+                     lambda: c.store(numbered_key(3), kv, mode="raw"),
+                     lambda: c.retrieve_stream(numbered_key(1), layout=LAYOUT).result(),  # type: ignore[union-attr]
+                     lambda: c.store_many([(numbered_key(5), kv), (numbered_key(6), kv)],
+                                          mode="raw")]
+            while not stop.is_set():
+                try:
+                    calls[j]()
+                except Closed:
+                    closed += 1
+                except Exception as exc:  # noqa: BLE001 - what the test is about
+                    other.append(f"{type(exc).__name__}: {exc}")
+
+        threads = [threading.Thread(target=work, args=(j,)) for j in range(5)]
+        for t in threads:
+            t.start()
+        time.sleep(0.05)
+        started = time.monotonic()
+        c.close()
+        time.sleep(0.02)
+        stop.set()
+        for t in threads:
+            t.join()
+        assert time.monotonic() - started < 5, "a call waited past the close"
+    assert not other, other[:3]
+    assert closed
