@@ -100,3 +100,32 @@ def test_a_connection_past_the_tickets_limit_sends_its_calls_by_grpc(
         assert c.dataplane.net() is net  # the path stays for the calls it admits
         refusals = server.server.servicer.counters.get("net.RESOURCE_EXHAUSTED", 0)
         assert refusals >= 3  # three threads were refused a connection, at least once each
+
+
+@pytest.mark.parametrize("shm_bytes", [0, 4 << 20], ids=["network", "same-host"])
+def test_a_thread_that_ends_with_unanswered_stores_has_them_settled(
+        server: ServerThread, shm_bytes: int) -> None:
+    """Their answers were never read: each PendingStore stayed unanswered for good (result()
+    elsewhere refused), the in-process tier counted its key's write as in flight for ever,
+    and on the same-host path its region of the segment was never freed."""
+    with Client(server.address, timeout_s=30, shm_bytes=shm_bytes, local_bytes=8 << 20) as c:
+        c.store(numbered_key(0), KV, mode="raw")
+        seg = c.dataplane.segment()[0]
+        free = seg.regions.free_bytes() if seg is not None else 0
+        pending: list[object] = []
+
+        def sends() -> None:
+            c.store(numbered_key(1), KV, mode="raw")  # the thread's connection opened
+            pending.extend(c.store_async(numbered_key(10 + i), KV, mode="raw")
+                           for i in range(3))
+
+        for _ in range(2):
+            assert _in_thread(sends) is None
+        assert not all(p.done() for p in pending)  # type: ignore[attr-defined]
+        assert eventually(lambda: all(p.done() for p in pending))  # type: ignore[attr-defined]
+        assert all(p.result().stored_bytes > 0 for p in pending)  # type: ignore[attr-defined]
+        assert not c.local._writing
+        if seg is not None:
+            assert eventually(lambda: seg.regions.free_bytes() == free)
+        assert c.retrieve(numbered_key(10), layout=LAYOUT) is not None
+        assert c.lookup([numbered_key(10)]).infos[0].in_process  # kept, as a store is

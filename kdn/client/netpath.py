@@ -44,6 +44,7 @@ import socket
 import ssl
 import threading
 import time
+from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar, cast
@@ -64,7 +65,6 @@ from kdn.client.perthread import Crowded, PerThread, refused
 from kdn.codec import EncodedParts
 from kdn.errors import (
     Cancelled,
-    Corrupt,
     DeadlineExceeded,
     KDNError,
     Unavailable,
@@ -119,7 +119,7 @@ class NetPath:
         self.connections = max(0, min(connections, MAX_CONNECTIONS))
         """Connections a GetMany of several keys is striped over; 0: chosen by size
         (``stripes``)."""
-        self.threads = PerThread()
+        self.threads = PerThread(self._orphaned)
         """Each thread's connection (``kdn.client.perthread``: closed when its thread ends)."""
         self._all: list[socket.socket] = []  # the stripes' connections
         self._spare: list[socket.socket] = []  # those idle
@@ -250,13 +250,25 @@ class NetPath:
             return
         q.popleft()
         self.worked = True
-        if not ok:
-            self._fail(pending, fast_error(out))
-            return
-        try:
-            pending.resolve(put_results(out, 1)[0], None)
-        except Corrupt as exc:
-            self._fail(pending, exc)
+        error = pending.answer(ok, out)
+        if error is not None:
+            self.threads.mine().failed.append(error)
+
+    def _orphaned(self, conn: socket.socket | None, q: deque[Any]) -> None:
+        """The stores a thread sent and left unanswered as it ended (``kdn.client.
+        perthread``; on a thread of their own): their answers read on its connection
+        (``conn``; None: closed with the client)."""
+        while q:
+            try:
+                if conn is None:
+                    raise OSError("the client was closed")
+                ok, out = fast_answer(self._until(conn, self._deadline()), answer_bound(1))
+            except OSError as exc:
+                while q:
+                    p = q.popleft()
+                    p.resolve(None, self._unanswered(p, str(exc), isinstance(exc, TimeoutError)))
+                return
+            q.popleft().answer(ok, out)
 
     def _drop_conn_only(self) -> None:
         self.threads.drop(self.threads.peek())
@@ -272,12 +284,15 @@ class NetPath:
         q = held.pending if held is not None else None
         while q:
             p = q.popleft()
-            self._fail(p, DeadlineExceeded(
-                f"the data path did not answer the store of {p.key!r} within the call's "
-                f"deadline (timeout_s={self.timeout_s}); it may or may not be stored")
-                if timed_out else Unavailable(
-                f"the data path closed before the store of {p.key!r} was answered ({why}); "
-                "it may or may not be stored"))
+            self._fail(p, self._unanswered(p, why, timed_out))
+
+    def _unanswered(self, p: Any, why: str, timed_out: bool) -> KDNError:
+        return DeadlineExceeded(
+            f"the data path did not answer the store of {p.key!r} within the call's "
+            f"deadline (timeout_s={self.timeout_s}); it may or may not be stored") \
+            if timed_out else Unavailable(
+            f"the data path closed before the store of {p.key!r} was answered ({why}); "
+            "it may or may not be stored")
 
     def _call(self, op: int, req: pb.GetManyRequest | pb.PutManyRequest,
               after: Sequence[bytes | memoryview] = (), until: float | None = None

@@ -10,7 +10,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from kdn.errors import InvalidArgument, KDNError, Unavailable, again, kept
+from kdn.client.fastwire import fast_error, put_results
+from kdn.errors import Corrupt, InvalidArgument, KDNError, Unavailable, again, kept
 from kdn.v1 import kdn_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -61,6 +62,21 @@ class PendingStore:
             raise again(self._error)  # a copy: its traceback holds the frames that hold this
         assert self._response is not None
         return self._response
+
+    def answer(self, ok: int, body: bytes) -> KDNError | None:
+        """Resolve with the answer to its one-item PutMany (``ok``, ``body``: ``kdn.client.
+        fastwire.fast_answer``'s); its error where it failed."""
+        error = None if ok else fast_error(body)
+        if error is None:
+            try:
+                response = put_results(body, 1)[0]
+            except Corrupt as exc:
+                error = exc
+            else:
+                self.resolve(response, None)
+                return None
+        self.resolve(None, error)
+        return error
 
     def resolve(self, response: pb.StoreResponse | None, error: KDNError | None) -> None:
         """The server's answer came (``response``), or the store failed (``error``)."""

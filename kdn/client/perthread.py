@@ -8,8 +8,11 @@ yet. ``hold`` records a connection the thread opened, ``drop`` closes it. A thre
 takes its thread-local storage with it: the ``Held`` dies and a finalizer closes its
 connection, so a client shared by short-lived threads holds a connection per live thread, not
 one per thread it ever served (the server admits ``kdn.server.netpath.MAX_PER_TICKET`` of a
-ticket's at once). ``close`` shuts down and closes every thread's (the client closed), and
-one a thread opens after it.
+ticket's at once). Stores the thread sent and left unanswered are settled first, on a thread
+of their own, by the path's ``orphaned(conn, pending)``: their answers read on the connection
+where it still stands (their regions of a segment come back), each failed otherwise; where
+the path itself is gone, each fails UNAVAILABLE. ``close`` shuts down and closes every
+thread's connection (the client closed), and one a thread opens after it.
 
 A server that refuses a thread's new connection for its limits (RESOURCE_EXHAUSTED on its
 first call) makes the path raise ``Crowded``: that call goes by gRPC, and so do the thread's
@@ -20,14 +23,18 @@ refused again.
 from __future__ import annotations
 
 import itertools
+import logging
 import socket
 import threading
 import time
 import weakref
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
-from kdn.errors import KDNError, TooLarge
+from kdn.errors import KDNError, TooLarge, Unavailable
+
+log = logging.getLogger(__name__)
 
 CROWDED_S = 1.0
 """Seconds a thread whose new connection the server refused calls by gRPC before it opens
@@ -76,17 +83,51 @@ class Held:
         self.crowded_until = time.monotonic() + CROWDED_S
 
 
-def _close(open_: dict[int, socket.socket], token: int) -> None:
-    """A ``Held`` died (its thread ended): its connection goes too."""
+Orphaned = Callable[[socket.socket | None, deque[Any]], None]
+"""A path's ``orphaned(conn, pending)``: settle the stores a dead thread left unanswered on
+``conn`` (None: closed with the client), emptying ``pending`` (module docstring)."""
+
+
+def _close(open_: dict[int, socket.socket], token: int, pending: deque[Any],
+           orphaned: weakref.WeakMethod[Orphaned] | None) -> None:
+    """A ``Held`` died (its thread ended): its connection goes too, once the stores sent on
+    it and left unanswered are settled (module docstring)."""
     conn = open_.pop(token, None)
-    if conn is not None:
-        conn.close()
+    settle = orphaned() if orphaned is not None and pending else None
+    if settle is not None:
+        try:  # not here: a finalizer may run on any thread, inside any of its calls
+            threading.Thread(target=_settle, args=(settle, conn, pending), daemon=True,
+                             name="kdn-orphaned-stores").start()
+            return
+        except RuntimeError:  # the interpreter is shutting down
+            pass
+    _settle(None, conn, pending)
+
+
+def _settle(settle: Orphaned | None, conn: socket.socket | None, pending: deque[Any]) -> None:
+    try:
+        if settle is not None:
+            settle(conn, pending)
+    except Exception as exc:  # noqa: BLE001 - nobody to raise it to: the rest fail below
+        log.warning("kdn: the stores of a thread that ended were not settled: %s", exc)
+    finally:
+        if conn is not None:
+            conn.close()
+        while pending:
+            item = pending.popleft()
+            store = item[0] if isinstance(item, tuple) else item  # (PendingStore, region)
+            store.resolve(None, Unavailable(
+                f"the thread that sent the store of {store.key!r} ended before its answer was "
+                "read; it may or may not be stored"))
 
 
 class PerThread:
-    """Each thread's ``Held`` on one path (module docstring)."""
+    """Each thread's ``Held`` on one path (module docstring). ``orphaned``: the path's method
+    that settles a dead thread's unanswered stores (held weakly: a dead client's threads
+    settle nothing)."""
 
-    def __init__(self) -> None:
+    def __init__(self, orphaned: Orphaned | None = None) -> None:
+        self._orphaned = weakref.WeakMethod(orphaned) if orphaned is not None else None
         self._local = threading.local()
         self._open: dict[int, socket.socket] = {}  # token -> a live thread's connection
         self._tokens = itertools.count()
@@ -98,7 +139,8 @@ class PerThread:
         held: Held | None = getattr(self._local, "held", None)
         if held is None:
             held = self._local.held = Held(next(self._tokens))
-            weakref.finalize(held, _close, self._open, held.token)
+            weakref.finalize(held, _close, self._open, held.token, held.pending,
+                             self._orphaned).atexit = False  # (its fds go with the process)
         return held
 
     def peek(self) -> Held | None:

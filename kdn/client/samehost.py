@@ -45,14 +45,13 @@ from kdn.client.fastwire import (
     fast_answer,
     fast_error,
     fast_send,
-    parsed,
     unusable,
 )
 from kdn.client.pending import ASYNC_DEPTH, PendingStore
 from kdn.client.perthread import PerThread
 from kdn.client.pipelined import put_pipelined, put_staged_pipelined, write_parts
 from kdn.codec import EncodedParts
-from kdn.errors import Corrupt, DeadlineExceeded, KDNError, Unavailable
+from kdn.errors import DeadlineExceeded, KDNError, Unavailable
 from kdn.transport.wire import ARENA_SIZE, FAST_ARENA, FAST_HEAD, FAST_PUT_MANY, read_exact
 from kdn.v1 import kdn_pb2 as pb
 
@@ -81,9 +80,9 @@ class SameHostPath:
         self._server: tuple[int, int] | None = None
         """(pid, uid) of the process that listened on the fast path at attach
         (``shm.peer_of``): a later connection to another is refused (``_fast_conn``)."""
-        self.threads = PerThread()
+        self.threads = PerThread(self._orphaned)
         """Each thread's fast-path connection (``kdn.client.perthread``: closed when its
-        thread ends) and the asynchronous stores sent on it."""
+        thread ends, its stores settled first) and the asynchronous stores sent on it."""
         self._dropped: list[Any] = []  # segments a new server could not map (closed at close)
         self.server_seals = False
         """The server seals staged entries (``AttachResponse.seals``)."""
@@ -510,41 +509,58 @@ class SameHostPath:
             with self._bounded(conn) as bounded:
                 ok, body = fast_answer(bounded, answer_bound(1))
         except OSError as exc:  # the connection went: no answer will come for any of them
-            lost = [(pending, block), *q]
+            failed = self.threads.mine().failed
+            failed += self._lost([(pending, block), *q], seg, exc)
             q.clear()
-            timed_out = isinstance(exc, TimeoutError)
-            for p, b in lost:  # unanswered: the server may still read them
-                if b is not None and seg is not None:
-                    seg.give_back(*b, failed=exc)
-                self._failed(p, DeadlineExceeded(
-                    f"the server did not answer the store of {p.key!r} on the same-host fast "
-                    f"path within timeout_s={self.timeout_s}; it may or may not be stored")
-                    if timed_out else Unavailable(
-                    f"the fast path closed before the store of {p.key!r} was answered "
-                    f"({exc}); it may or may not be stored"))
-            if timed_out:  # the path stays (``_fast_failed``): this connection goes
-                self._close_conn()
+            if isinstance(exc, TimeoutError):  # the path stays (``_fast_failed``): this
+                self._close_conn()  # connection goes
             else:
                 self._fast_lost(exc, self.threads.mine().path)
             return
         if block is not None and seg is not None:
             seg.regions.free(*block)
-        if not ok:
-            self._failed(pending, fast_error(body))
-            return
-        try:
-            results = parsed(pb.PutManyResponse, body).results
-        except Corrupt as exc:
-            self._failed(pending, exc)
-            return
-        if len(results) != 1:
-            self._failed(pending, KDNError(f"PutMany answered {len(results)} results for 1"))
-            return
-        pending.resolve(results[0], None)
+        error = pending.answer(ok, body)
+        if error is not None:
+            self.threads.mine().failed.append(error)
 
-    def _failed(self, pending: PendingStore, error: KDNError) -> None:
-        pending.resolve(None, error)
-        self.threads.mine().failed.append(error)
+    def _lost(self, lost: list[tuple[PendingStore, tuple[int, int] | None]], seg: Any,
+              exc: OSError) -> list[KDNError]:
+        """Fail stores whose answers will not come (``exc``: why), their regions given back
+        (retired: the server may still read them); their errors."""
+        errors: list[KDNError] = []
+        for p, b in lost:
+            if b is not None and seg is not None:
+                seg.give_back(*b, failed=exc)
+            errors.append(DeadlineExceeded(
+                f"the server did not answer the store of {p.key!r} on the same-host fast "
+                f"path within timeout_s={self.timeout_s}; it may or may not be stored")
+                if isinstance(exc, TimeoutError) else Unavailable(
+                f"the fast path closed before the store of {p.key!r} was answered "
+                f"({exc}); it may or may not be stored"))
+            p.resolve(None, errors[-1])
+        return errors
+
+    def _orphaned(self, conn: socket.socket | None,
+                  q: deque[tuple[PendingStore, tuple[int, int] | None]]) -> None:
+        """The stores a thread sent and left unanswered as it ended (``kdn.client.
+        perthread``; on a thread of their own): their answers read on its connection
+        (``conn``; None: closed with the client), so that their regions come back."""
+        seg = self._segment
+        while q:
+            pending, block = q[0]
+            try:
+                if conn is None:
+                    raise OSError("the client was closed")
+                with self._bounded(conn) as bounded:
+                    ok, body = fast_answer(bounded, answer_bound(1))
+            except OSError as exc:
+                self._lost(list(q), seg, exc)
+                q.clear()
+                return
+            q.popleft()
+            if block is not None and seg is not None:
+                seg.regions.free(*block)
+            pending.answer(ok, body)
 
     # -- pipelined batches (``kdn.client.pipelined``) -------------------------------------------
 
@@ -574,3 +590,4 @@ class SameHostPath:
         return put_staged_pipelined(namespace, items, stage, seg, seg_id,
                                     lambda: self._fast_conn(path),
                                     lambda exc: self._fast_failed(exc, path))
+
