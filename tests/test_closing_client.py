@@ -3,10 +3,14 @@ closed client, on every path (gRPC, the same-host fast path, the network data pa
 frames cut by the close). gRPC's own ValueError ("Cannot invoke RPC on closed channel!")
 escaped, a call cut off in flight was KDNError CANCELLED, a store through the segment was
 NotFound ("no attached segment"), and a read waiting on its network data path connection
-waited for its whole deadline."""
+waited for its whole deadline. A same-host client dropped without close() closes its
+segment's descriptors (and its read arena's), so the server reaps the segment: they stayed
+open, the segment attached and counted against the tenant's for the process's life."""
 
 from __future__ import annotations
 
+import gc
+import os
 import threading
 import time
 from typing import Any
@@ -75,3 +79,20 @@ def test_calls_cut_by_close_on_another_thread_raise_closed(
         assert time.monotonic() - started < 5, "a call waited past the close"
     assert not other, other[:3]
     assert closed
+
+
+def test_a_same_host_client_dropped_unclosed_gives_its_segment_back(server: ServerThread) -> None:
+    segments = server.server.servicer.segments
+    kv = random_kv(LAYOUT, 16, seed=2)
+    gc.collect()
+    fds = len(os.listdir("/proc/self/fd"))
+    for i in range(4):
+        c = Client(server.address, timeout_s=30, shm_bytes=1 << 20)
+        c.store(numbered_key(i), kv, mode="raw")
+        assert c.retrieve(numbered_key(i), layout=LAYOUT) is not None  # the arena mapped
+        assert c.dataplane.attached
+        del c
+        gc.collect()
+    segments.reap()
+    assert len(segments) == 0
+    assert len(os.listdir("/proc/self/fd")) <= fds + 2

@@ -104,6 +104,7 @@ class SharedSegment:
             raise ValueError(f"a shared segment needs more than {4 * ALIGN} bytes, got {size}")
         self.size = size
         self.fd = os.memfd_create("kdn-client", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        self._close_fd = weakref.finalize(self, os.close, self.fd)  # or when dropped unclosed
         self.nonce = secrets.token_bytes(NONCE_BYTES)
         try:  # the nonce first: never a segment of its size (and seals) that a zero nonce opens
             os.pwrite(self.fd, self.nonce, 0)
@@ -112,7 +113,7 @@ class SharedSegment:
                         fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
             self.map = mmap.mmap(self.fd, size)
         except BaseException:
-            os.close(self.fd)
+            self._close_fd()
             raise
         self.array: np.ndarray[Any, Any] = np.frombuffer(self.map, dtype=np.uint8)
         self.regions = RegionAllocator(NONCE_BYTES, size)
@@ -217,7 +218,7 @@ class SharedSegment:
             self.map.close()
         except BufferError:  # views still alive: the mapping goes when they do
             pass
-        os.close(self.fd)
+        self._close_fd()
 
 
 PAGE = mmap.PAGESIZE
@@ -311,6 +312,8 @@ class LeasedArena:
             self._pagemap: int | None = os.open("/proc/self/pagemap", os.O_RDONLY | os.O_CLOEXEC)
         except OSError:
             self._pagemap = None  # every released range is then reset whole
+        else:  # at close, or when the arena dies unclosed (a client dropped without close)
+            self._close_pagemap = weakref.finalize(self, os.close, self._pagemap)
 
     def view(self, lease: int, offset: int, length: int, *, pinned: bool = False
              ) -> memoryview:
@@ -552,8 +555,8 @@ class LeasedArena:
             in_place = [(offset, length) for offset, (_, length) in self._live.items()]
             read_only = list(self._shown)
         if self._pagemap is not None:
-            os.close(self._pagemap)
             self._pagemap = None
+            self._close_pagemap()
         if self._cuda_registered:
             cudahost.unregister(self._source.ctypes.data)
         kept = self._keep(self.map, in_place, writable=True) & \
