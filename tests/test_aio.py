@@ -139,3 +139,14 @@ def test_a_client_handed_in_stays_open_for_its_owner(server: ServerThread) -> No
         pending = asyncio.run(main())
         assert all(p.done() and p.result().stored_bytes for p in pending)  # answered at exit
         assert c.retrieve(numbered_key(70)).equal(kv)  # type: ignore[union-attr]
+
+        async def after_close() -> None:  # the AsyncClient's calls, not its Client's
+            ac = AsyncClient(c)
+            await ac.close()
+            with pytest.raises(Closed):
+                await ac.retrieve(numbered_key(70))
+            with pytest.raises(Closed):
+                await ac.stats()
+
+        asyncio.run(after_close())
+        assert c.retrieve(numbered_key(70)) is not None

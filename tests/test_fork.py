@@ -1,7 +1,9 @@
 """kdn in a child of fork() (a multiprocessing worker's start): the codec and every shared
 thread pool work there as in the parent (``kdn.pools``: the child makes its own threads); a
 Client made by the parent refuses every call there at once with InvalidArgument, instead of
-hanging on a channel the child can not use, and a Client made in the child works."""
+hanging on a channel the child can not use, and a Client made in the child works. So does an
+AsyncClient made by the parent (its calls were queued for a store thread the child does not
+have, and never returned)."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from collections.abc import Callable
 import pytest
 
 from kdn import codec
-from kdn.client import Client
+from kdn.client import AsyncClient, Client
 from kdn.client import stream as client_stream
 from kdn.codec import gpu_source
 from kdn.codec.format import parse_header, sums_checked_later
@@ -162,3 +164,26 @@ def test_a_parents_client_refuses_in_the_child_and_a_new_one_works(
         assert got is not None and got.equal(kv2)
         c.store(numbered_key(3), kv)
         assert c.lookup([numbered_key(3)]).infos[0].present
+
+
+def test_a_parents_async_client_refuses_in_the_child(server: ServerThread) -> None:
+    import asyncio
+
+    kv = random_kv(LAYOUT, 16, seed=3)
+    ac = AsyncClient(Client(server.address, timeout_s=5))
+
+    async def parent() -> None:
+        await ac.store_async(numbered_key(1), kv)  # the store thread started
+        await ac.flush()
+
+    asyncio.run(parent())
+    try:
+        for call in (lambda: ac.store_async(numbered_key(2), kv), ac.flush,
+                     lambda: ac.retrieve(numbered_key(1))):
+            out = in_child(lambda call=call: str(asyncio.run(call())))  # type: ignore[misc]
+            assert out.startswith("InvalidArgument: an AsyncClient cannot be used after fork")
+        assert in_child(lambda: str(asyncio.run(ac.close()))) == "None"  # nothing there
+        assert asyncio.run(ac.retrieve(numbered_key(1))) is not None  # the parent's works
+    finally:
+        asyncio.run(ac.close())
+        ac.client.close()

@@ -13,7 +13,8 @@ it: ``store_async``, ``flush``, ``close``) all run on one thread of the AsyncCli
 executor, after the stores it sent are answered (as a Client's calls on one thread do: a read
 then sees them). A store's ``result()`` is read once ``flush`` (or ``close``) returned; its
 ``done()`` any time. The worker thread's ``last_request_id`` is not the caller's: pass
-``request_id`` to correlate.
+``request_id`` to correlate. As a Client, an AsyncClient belongs to the process that made it:
+in a child of ``fork()`` its calls raise InvalidArgument (``close`` does nothing there).
 """
 
 from __future__ import annotations
@@ -21,13 +22,14 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import functools
+import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from kdn.client.client import Client
 from kdn.client.pending import PendingStore
-from kdn.errors import Closed, Corrupt
+from kdn.errors import Closed, Corrupt, InvalidArgument
 
 if TYPE_CHECKING:
     from kdn.cache import KVCache
@@ -50,10 +52,19 @@ class AsyncClient:
         """The one thread asynchronous stores are sent, answered and flushed on."""
         self._unanswered: list[PendingStore] = []
         self._closed = False
+        self._pid = os.getpid()  # its store thread is not in a child of fork()
 
-    async def _on_store_thread(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    def _usable(self) -> None:
+        """Closed once closed; InvalidArgument in a child of ``fork()``, as a Client's calls
+        (its store thread is the parent's: a call queued for it never ran)."""
+        if os.getpid() != self._pid:
+            raise InvalidArgument("an AsyncClient cannot be used after fork(): make a new "
+                                  "one in the child")
         if self._closed:
             raise Closed("the AsyncClient is closed: make a new one")
+
+    async def _on_store_thread(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        self._usable()
         ctx = contextvars.copy_context()  # as asyncio.to_thread: the caller's context
         return await asyncio.get_running_loop().run_in_executor(
             self._stores, functools.partial(ctx.run, fn, *args, **kwargs))
@@ -90,8 +101,8 @@ class AsyncClient:
         """The stores sent answered (each ``result()`` then has its answer or error), the store
         thread ended, and the Client closed where this AsyncClient made it (from an address;
         one handed in is its owner's to close). Closing again does nothing; any other call
-        after it raises Closed."""
-        if self._closed:
+        after it raises Closed. Nothing in a child of ``fork()``: the Client is the parent's."""
+        if self._closed or os.getpid() != self._pid:
             return
         try:
             await self._on_store_thread(self.client.close if self._owns
@@ -113,6 +124,7 @@ class AsyncClient:
             return fn
 
         async def call(*args: Any, **kwargs: Any) -> Any:
+            self._usable()  # (a Client handed in stays open after close)
             await self._answered()
             return await asyncio.to_thread(_no_stop, fn, *args, **kwargs)
 
