@@ -266,3 +266,42 @@ def test_puts_queued_on_a_connection_are_copied_together_and_answered_one_by_one
         for key, want in ((70, kvs[3]), (71, kvs[1]), (74, kvs[1])):
             got = c.retrieve(_key(key), layout=LAYOUT)
             assert got is not None and got.equal(want), key
+
+
+def test_a_store_seen_done_on_another_thread_has_its_error() -> None:
+    """resolve() marked the store done before it recorded the error: a thread that saw
+    done() could read result() as an AssertionError (under -O: None, a failed store answered)."""
+    import sys
+    import time
+
+    from kdn.client.pending import PendingStore
+
+    seen: list[str] = []
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        end = time.monotonic() + 3
+        while time.monotonic() < end and not seen:
+            stores = [PendingStore(None, b"k" * 32) for _ in range(2000)]
+            for p in stores:
+                p._thread = -1  # read as from another thread: result() does not settle
+
+            def read(stores: list[PendingStore] = stores) -> None:
+                for p in stores:
+                    while not p.done():
+                        pass
+                    try:
+                        seen.append(f"answered {p.result()!r}")
+                    except InvalidArgument:
+                        pass
+                    except BaseException as exc:  # noqa: BLE001 - what the test is about
+                        seen.append(repr(exc))
+
+            t = threading.Thread(target=read)
+            t.start()
+            for p in stores:
+                p.resolve(None, InvalidArgument("damaged"))
+            t.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert not seen, seen[:3]

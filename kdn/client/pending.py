@@ -79,9 +79,11 @@ class PendingStore:
         return error
 
     def resolve(self, response: pb.StoreResponse | None, error: KDNError | None) -> None:
-        """The server's answer came (``response``), or the store failed (``error``)."""
-        self._response, self._done = response, True
+        """The server's answer came (``response``), or the store failed (``error``). Done
+        last: another thread that sees ``done()`` reads both."""
+        self._response = response
         self._error = kept(error) if error is not None else None  # not the frames it came by
+        self._done = True
         on_done, self._on_done = self._on_done, None
         if on_done is not None:
             try:  # keeping a copy in the in-process tier: a later call reads this answer,
