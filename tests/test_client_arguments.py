@@ -163,7 +163,8 @@ def test_a_closed_client_refuses_every_call(server: ServerThread,
         lambda: c.retrieve_stream(k), lambda: c.retrieve_many([k]),
         lambda: c.retrieve_streams([k, k]), lambda: c.fetch(k), lambda: c.fetch_many([k]),
         lambda: c.lookup([k]), lambda: c.contains(k), lambda: c.delete(k),
-        lambda: c.stats(), lambda: c.health()]
+        lambda: c.stats(), lambda: c.health(), c.flush, lambda: c.stage(LAYOUT, 4),
+        lambda: c.retrieve_joined([k, k])]  # (these three answered: None, a Staged, None)
     for call in calls:
         with pytest.raises(Closed, match="closed"):
             call()

@@ -83,13 +83,16 @@ F = TypeVar("F", bound=Callable[..., Any])
 def in_its_process(fn: F) -> F:
     """A method of ``Client`` that raises InvalidArgument, before it touches anything, in a
     child of ``fork()`` (module docstring): there the channel would hang and the segment is
-    the parent's. A call that fails once ``close`` began on another thread raises Closed:
-    whatever broke under it (its connection, its segment, its channel) broke for the close."""
+    the parent's. Closed once ``close`` began, and for a call that fails after it began on
+    another thread: whatever broke under it (its connection, its segment, its channel) broke
+    for the close."""
     @functools.wraps(fn)
     def call(self: Client, *args: Any, **kwargs: Any) -> Any:
         if os.getpid() != self.pid:
             raise InvalidArgument("a Client cannot be used after fork(): make a new one in "
                                   "the child")
+        if self.closing:  # (calls answered without the server too: flush, stage, ...)
+            raise Closed(CLOSED)
         try:
             return fn(self, *args, **kwargs)
         except Closed:
