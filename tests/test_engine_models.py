@@ -123,6 +123,16 @@ def _llama(seed: int) -> Any:
     return transformers.LlamaForCausalLM(cfg).eval()
 
 
+def _not_shared(ea: KDNEngine, eb: KDNEngine, b: Any) -> None:
+    """What ``ea`` stores, ``eb`` (of model ``b``) does not load: it computes its own tokens."""
+    stored = ea.generate(IDS, max_new_tokens=6)
+    assert stored.store_thread is not None
+    stored.store_thread.join(60)
+    got = eb.generate(IDS, max_new_tokens=6, force="raw")
+    assert got.timings.reused_tokens == 0
+    assert got.token_ids == _prefilled(b, IDS, 6)
+
+
 def test_checkpoints_in_folders_of_one_name_do_not_share_kv(
         client: Client, tmp_path: Path) -> None:
     """Two fine-tunes of one config saved as run1/final and run2/final: each engine's keys name
@@ -133,12 +143,7 @@ def test_checkpoints_in_folders_of_one_name_do_not_share_kv(
             for run in ("run1", "run2"))
     ea, eb = KDNEngine(a, _Tok(), client, RAW), KDNEngine(b, _Tok(), client, RAW)
     assert ea.layout.model_fingerprint != eb.layout.model_fingerprint
-    stored = ea.generate(IDS, max_new_tokens=6)
-    assert stored.store_thread is not None
-    stored.store_thread.join(60)
-    got = eb.generate(IDS, max_new_tokens=6, force="raw")
-    assert got.timings.reused_tokens == 0
-    assert got.token_ids == _prefilled(b, IDS, 6)
+    _not_shared(ea, eb, b)
     # the same weights by another path, or copied elsewhere (another machine), are the same
     # weights; a named id is taken as given
     again = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "run2" / ".." / "run1"
@@ -175,12 +180,7 @@ def test_checkpoints_in_subfolders_of_one_root_do_not_share_kv(
     ea, eb = KDNEngine(a, _Tok(), client, RAW), KDNEngine(b, _Tok(), client, RAW)
     assert ea.layout.model_fingerprint != eb.layout.model_fingerprint
     assert hf.model_layout(a2).fingerprint == ea.layout.fingerprint  # the same weights again
-    stored = ea.generate(IDS, max_new_tokens=6)
-    assert stored.store_thread is not None
-    stored.store_thread.join(60)
-    got = eb.generate(IDS, max_new_tokens=6, force="raw")
-    assert got.timings.reused_tokens == 0
-    assert got.token_ids == _prefilled(b, IDS, 6)
+    _not_shared(ea, eb, b)
 
 
 def test_a_folder_of_several_gguf_files_names_no_weights(tmp_path: Path) -> None:

@@ -15,7 +15,6 @@ import grpc
 import pytest
 
 from kdn import StoreOptions, keys
-from kdn.cli.main import main as cli
 from kdn.client import Client
 from kdn.client.admin import AdminClient
 from kdn.client.exportfile import (
@@ -34,6 +33,7 @@ from kdn.v1 import kdn_pb2 as pb
 from kdn.v1 import kdn_pb2_grpc as pb_grpc
 from tests.helpers import random_kv, uniform_layout
 from tests.redis_servers import RedisServer
+from tests.test_export_file import _cli
 
 LAY = uniform_layout(layers=2, heads=2, dim=8)
 
@@ -46,15 +46,6 @@ def _damage(tier: Tier, skey: bytes) -> None:
     bad = bytearray(tier.get(skey) or b"")
     bad[len(bad) // 2] ^= 0xFF
     tier.put(skey, bytes(bad))
-
-
-def _cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
-    try:
-        code = cli(argv)
-    except SystemExit as exc:
-        code = int(exc.code or 0)
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 def test_a_damaged_copy_is_exported_from_the_next_tier_and_none_good_fails(
