@@ -167,6 +167,76 @@ def test_a_brute_force_is_counted_in_full_and_logged_in_part(
     assert 10 <= len(lines) < 200  # the log is bounded; the counter has them all
 
 
+def _varint(n: int) -> bytes:
+    out = b""
+    while n > 0x7F:
+        out, n = out + bytes([n & 0x7F | 0x80]), n >> 7
+    return out + bytes([n])
+
+
+def test_a_caller_without_a_key_is_refused_before_its_request_is_read(tmp_path: Path) -> None:
+    """Authentication reads the call's metadata alone: keyless 64 MiB Lookup requests are
+    refused without the server reading and parsing them (its peak memory grew by each whole
+    message, several times over: 4 x 128 MiB took 1.1 GiB)."""
+    from bench.common import free_port, port_open, process, wait_until
+
+    port = free_port()
+    cmd = [sys.executable, "-m", "kdn", "serve", "--port", str(port), "--data-dir",
+           str(tmp_path / "d"), "--disk-bytes", "0", "--ram-bytes", "64MiB",
+           "--auth-file", str(_auth_file(tmp_path))]
+
+    def peak_mib(pid: int) -> int:
+        status = Path(f"/proc/{pid}/status").read_text().splitlines()
+        return int(next(x for x in status if x.startswith("VmHWM")).split()[1]) >> 10
+
+    size = 64 << 20
+    payload = b"\x7a" + _varint(size) + bytes(size)  # an unknown bytes field of a request
+    with process(cmd, tmp_path / "server.log") as proc:
+        wait_until(lambda: port_open(port), "kdn serve", proc)
+        with Client(f"127.0.0.1:{port}", api_key="key-a", retry=None) as ok:
+            ok.lookup([keys.chunk_key([7], LAY)])  # warm: its first call's memory is not ours
+        before = peak_mib(proc.pid)
+        for rpc in ("Lookup", "Lookup", "Retrieve"):  # (Retrieve answers a stream)
+            with grpc.insecure_channel(f"127.0.0.1:{port}", options=[
+                    ("grpc.max_send_message_length", 1 << 30)]) as ch:
+                with pytest.raises(grpc.RpcError) as err:
+                    if rpc == "Retrieve":
+                        list(ch.unary_stream(f"/kdn.v1.KDN/{rpc}")(payload, timeout=30))
+                    else:
+                        ch.unary_unary(f"/kdn.v1.KDN/{rpc}")(payload, timeout=30)
+                assert err.value.code() is grpc.StatusCode.UNAUTHENTICATED
+        grown = peak_mib(proc.pid) - before
+    assert grown < 32, f"the server's peak memory grew by {grown} MiB"
+
+
+def test_calls_refused_by_a_rate_limit_are_recorded(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A tenant's call past its rate limit is answered RESOURCE_EXHAUSTED, and counted in
+    kdn_requests_total with an access-log line, as admitted calls are (it was on neither)."""
+    auth = _auth_file(tmp_path, 'tenants:\n  slow: {api_keys: ["key-s"], rate_rps: 0.01, '
+                                'burst: 2}\n')
+    cfg = ServerConfig(port=0, data_dir=tmp_path / "d", auth_file=str(auth), metrics_port=0,
+                       disk_bytes=0)
+    codes = []
+    with caplog.at_level(logging.INFO, logger="kdn.access"), ServerThread(cfg) as st, \
+            grpc.insecure_channel(st.address) as ch:
+        for _ in range(5):
+            try:
+                ch.unary_unary("/kdn.v1.KDN/Stats")(b"", metadata=(("x-kdn-api-key", "key-s"),),
+                                                    timeout=10)
+                codes.append("OK")
+            except grpc.RpcError as exc:
+                codes.append(exc.code().name)
+        assert st.server is not None
+        text = urllib.request.urlopen(f"http://127.0.0.1:{st.server.metrics_port}/metrics",
+                                      timeout=10).read().decode()
+    assert codes == ["OK"] * 2 + ["RESOURCE_EXHAUSTED"] * 3
+    assert 'kdn_requests_total{code="RESOURCE_EXHAUSTED",rpc="Stats"} 3.0' in text
+    lines = [json.loads(r.getMessage()) for r in caplog.records if r.name == "kdn.access"]
+    assert [(x["code"], x["tenant"]) for x in lines if x["rpc"] == "Stats"] == \
+        [("OK", "slow")] * 2 + [("RESOURCE_EXHAUSTED", "slow")] * 3
+
+
 # ------------------------------------------------------------- connection limits
 
 

@@ -324,12 +324,7 @@ class Authenticator:
         An API key, when sent, decides alone. Raises ``AuthFailed``."""
         if self.open:
             return ANONYMOUS
-        supplied = None
-        for k, v in metadata or ():
-            if k == API_KEY_HEADER:
-                supplied = v.decode() if isinstance(v, bytes) else str(v)
-            elif k == "authorization" and str(v).lower().startswith("bearer "):
-                supplied = str(v)[7:]
+        supplied = self.supplied_key(metadata)
         if supplied:
             d = digest(supplied)
             for known, (tenant, role) in self.config.keys.items():
@@ -353,6 +348,18 @@ class Authenticator:
                                  "certificate (mtls_role: none)", "certificate_not_enough")
             return Principal("", self.mtls_role)
         raise AuthFailed(f"missing API key (metadata {API_KEY_HEADER!r})", "missing_key")
+
+    @staticmethod
+    def supplied_key(metadata: Sequence[tuple[str, Any]] | None) -> str | None:
+        """The API key a call's ``metadata`` carries (``x-kdn-api-key`` or ``authorization:
+        Bearer``; the last one sent), or None."""
+        supplied = None
+        for k, v in metadata or ():
+            if k == API_KEY_HEADER:
+                supplied = v.decode() if isinstance(v, bytes) else str(v)
+            elif k == "authorization" and str(v).lower().startswith("bearer "):
+                supplied = str(v)[7:]
+        return supplied
 
     def by_certificate(self, identities: Sequence[tuple[str, str]]) -> set[tuple[str, Role]]:
         """The (tenant, role) pairs the ``subjects`` give a certificate with these names."""

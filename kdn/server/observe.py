@@ -2,11 +2,15 @@
 
 Lifecycle: ``start_server`` builds one ``Metrics`` (its own Prometheus registry, served over
 HTTP when ``metrics_port`` is set) and one ``RequestInterceptor``. For every RPC the interceptor
-wraps the handler: it identifies the caller (``Authenticator.identify``), applies the tenant's
-rate limit, publishes the principal in ``kdn.server.auth.current_principal`` for the handler,
-then times the call and records its status code, and writes one structured (JSON) access-log
-line carrying the request id the client sent in ``x-request-id`` (or a fresh one), which is
-also returned in the trailing metadata.
+identifies the caller (``Authenticator.identify``) and applies the tenant's rate limit from the
+call's metadata, before gRPC reads its request: a refused call gets a handler that answers it
+and never reads the request (under mutual TLS a call without an API key is identified in the
+handler wrapper instead, where its certificate is known). The wrapper publishes the principal
+in ``kdn.server.auth.current_principal`` for the handler, times the call and records its status
+code (a call refused by its rate limit too; an unauthenticated one goes to
+``kdn_auth_failures_total`` and the rate-limited ``kdn.audit`` log instead), and writes one
+structured (JSON) access-log line carrying the request id the client sent in ``x-request-id``
+(or a fresh one), which is also returned in the trailing metadata.
 
 Every method's request deserializer is wrapped (``kdn.server.requests.checked``): a request
 message that does not parse, or that holds a malformed namespace, tenant or key, is answered
@@ -37,7 +41,7 @@ from prometheus_client.registry import Collector
 from kdn import tracing
 from kdn.errors import KDNError
 from kdn.server import logs
-from kdn.server.auth import Authenticator, AuthFailed, current_principal
+from kdn.server.auth import Authenticator, AuthFailed, Principal, current_principal
 from kdn.server.requests import BadRequest, checked
 from kdn.status import grpc_code
 from kdn.transport.metadata import REQUEST_ID_HEADER
@@ -47,6 +51,8 @@ OPEN_SERVICES = ("grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflect
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 """A caller's ``x-request-id`` kept as it is (else one is made): it is on every log line of
 the call, so never free text (no spaces, newlines or brackets to forge a line with)."""
+_Admission = tuple[Principal | None, KDNError | None]
+"""A call's caller and why it is refused, or None (``RequestInterceptor._admission``)."""
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5,
                     10, 30)
 
@@ -186,6 +192,9 @@ class RequestInterceptor(grpc.aio.ServerInterceptor):
         service, _, rpc = method.lstrip("/").partition("/")
         open_call = service in OPEN_SERVICES
         md = details.invocation_metadata or ()  # type: ignore[attr-defined]
+        admission = (None, None) if open_call else self._admission(md)
+        if admission[1] is not None:  # refused on its metadata: its request is never read
+            return self._refusing(handler, rpc, md, admission)
         if handler.request_deserializer is not None:
             handler = handler._replace(
                 request_deserializer=self._checked(method, rpc, handler.request_deserializer))
@@ -194,8 +203,40 @@ class RequestInterceptor(grpc.aio.ServerInterceptor):
                            ("unary_stream", self._stream), ("stream_stream", self._stream)):
             fn = getattr(handler, kind)
             if fn:
-                return handler._replace(**{kind: wrap(fn, rpc, md, open_call, streaming)})
+                return handler._replace(**{kind: wrap(fn, rpc, md, open_call, streaming,
+                                                      admission)})
         return handler
+
+    def _admission(self, md: Any) -> _Admission:
+        """The caller and, where it is refused (not authenticated, or past its tenant's rate
+        limit), why: decided from the call's metadata alone, before gRPC reads its request (a
+        keyless caller made the server read and parse messages of up to max_message_bytes
+        only to refuse them). (None, None) where only the client certificate can decide
+        (mutual TLS and no API key: the certificate is known to the handler's context)."""
+        if self.auth.mtls and not self.auth.supplied_key(md):
+            return None, None
+        try:
+            principal = self.auth.identify(md)
+        except AuthFailed as exc:
+            return None, exc
+        try:
+            self.auth.admit(principal)
+        except KDNError as exc:
+            return principal, exc
+        return principal, None
+
+    def _refusing(self, handler: Any, rpc: str, md: Any, admission: _Admission) -> Any:
+        """A handler that answers the refusal in ``admission`` (as ``_observed`` does) and
+        never reads the request: a request-streaming one that does not iterate its requests
+        (gRPC reads a unary request whole, and parses it, before its handler runs)."""
+        async def refuse(requests: Any, context: grpc.aio.ServicerContext) -> None:
+            async with self._observed(context, rpc, md, False, admission):
+                pass  # (not reached: ``_observed`` aborts the call)
+
+        make = (grpc.stream_stream_rpc_method_handler if handler.response_streaming
+                else grpc.stream_unary_rpc_method_handler)
+        return make(refuse, request_deserializer=None,
+                    response_serializer=handler.response_serializer)
 
     def _checked(self, method: str, rpc: str, deserialize: Callable[[bytes], Any]
                  ) -> Callable[[bytes], Any]:
@@ -216,26 +257,35 @@ class RequestInterceptor(grpc.aio.ServerInterceptor):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
         return request
 
-    async def _enter(self, context: grpc.aio.ServicerContext, md: Any, open_call: bool
-                     ) -> tuple[str, str]:
+    @staticmethod
+    def _request_id(context: grpc.aio.ServicerContext, md: Any) -> str:
         rid = next((str(v) for k, v in md if k == REQUEST_ID_HEADER), "")
         if not _REQUEST_ID.fullmatch(rid):  # on every log line: never the caller's free text
             rid = uuid.uuid4().hex
         context.set_trailing_metadata(((REQUEST_ID_HEADER, rid),))
         logs.request_id.set(rid)  # on every log line this call's handler writes
-        if open_call:
-            return rid, ""
-        try:
-            principal = self.auth.identify(md, _identities(context) if self.auth.mtls else ())
-        except AuthFailed as exc:
-            self._refused(context, rid, exc.reason)
-            await context.abort(grpc_code(exc), str(exc))
-        try:
-            self.auth.admit(principal)
-        except KDNError as exc:
-            await context.abort(grpc_code(exc), str(exc))
-        current_principal.set(principal)
-        return rid, principal.tenant
+        return rid
+
+    async def _enter(self, context: grpc.aio.ServicerContext, rid: str, md: Any,
+                     admission: _Admission) -> tuple[Principal, KDNError | None]:
+        """The caller and why it is refused past authentication (its rate limit), or None;
+        an unauthenticated one is counted, audited and aborted here."""
+        principal, refusal = admission
+        if principal is None and refusal is None:  # mutual TLS, no key: the certificate
+            try:
+                principal = self.auth.identify(md, _identities(context))
+            except AuthFailed as exc:
+                refusal = exc
+            else:
+                try:
+                    self.auth.admit(principal)
+                except KDNError as exc:
+                    refusal = exc
+        if isinstance(refusal, AuthFailed):
+            self._refused(context, rid, refusal.reason)
+            await context.abort(grpc_code(refusal), str(refusal))
+        assert principal is not None  # (only an AuthFailed leaves the caller unknown)
+        return principal, refusal
 
     def _refused(self, context: grpc.aio.ServicerContext, rid: str, reason: str) -> None:
         """Count a failed authentication and log it (rate-limited; the peer, never the key)."""
@@ -268,16 +318,24 @@ class RequestInterceptor(grpc.aio.ServerInterceptor):
 
     @contextlib.asynccontextmanager
     async def _observed(self, context: grpc.aio.ServicerContext, rpc: str, md: Any,
-                        open_call: bool) -> AsyncIterator[None]:
-        """Admit the caller (a refused one is aborted and not recorded), then time the call
-        and record its outcome, also when it raises or is cancelled."""
+                        open_call: bool, admission: _Admission) -> AsyncIterator[None]:
+        """Admit the caller (an unauthenticated one is aborted and not recorded here: it is
+        ``kdn_auth_failures_total`` and the audit log), then time the call and record its
+        outcome, also when it is refused by its rate limit, raises or is cancelled."""
         t0 = time.perf_counter()
         with tracing.span(f"kdn.server.{rpc}", md if tracing.enabled() else None,
                           rpc=rpc) as span:  # the client's trace continues here (if on)
-            rid, tenant = await self._enter(context, md, open_call)
+            rid = self._request_id(context, md)
+            tenant, refusal = "", None
+            if not open_call:
+                principal, refusal = await self._enter(context, rid, md, admission)
+                tenant = principal.tenant
+                current_principal.set(principal)
             peer = context.peer() if access_log.isEnabledFor(logging.INFO) else ""  # now,
             exc: BaseException | None = None  # while the call is alive (``_code``)
             try:
+                if refusal is not None:  # past the tenant's rate limit: answered, recorded
+                    await context.abort(grpc_code(refusal), str(refusal))
                 yield
             except BaseException as e:
                 exc = e
@@ -291,17 +349,17 @@ class RequestInterceptor(grpc.aio.ServerInterceptor):
                     span.set_attribute("kdn.tenant", tenant)
 
     def _unary(self, fn: Callable[..., Any], rpc: str, md: Any, open_call: bool,
-               streaming: bool) -> Callable[..., Any]:
+               streaming: bool, admission: _Admission) -> Callable[..., Any]:
         async def wrapper(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            async with self._observed(context, rpc, md, open_call):
+            async with self._observed(context, rpc, md, open_call, admission):
                 return await fn(await self._request(request, context, streaming), context)
 
         return wrapper
 
     def _stream(self, fn: Callable[..., Any], rpc: str, md: Any, open_call: bool,
-                streaming: bool) -> Callable[..., Any]:
+                streaming: bool, admission: _Admission) -> Callable[..., Any]:
         async def wrapper(request: Any, context: grpc.aio.ServicerContext) -> None:
-            async with self._observed(context, rpc, md, open_call):
+            async with self._observed(context, rpc, md, open_call, admission):
                 out = fn(await self._request(request, context, streaming), context)
                 if inspect.isawaitable(out):  # a handler that answers with context.write()
                     await out  # (grpc's own health Watch): it has written what it sends
