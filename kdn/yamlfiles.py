@@ -2,7 +2,7 @@
 a fleet file): YAML's safe loader, refusing a key named twice in one mapping (where the last
 would win silently: a tenant defined twice, its role changed by the second), and every failure
 a ConfigError naming the file (unreadable, larger than ``MAX_FILE_BYTES``, not UTF-8, not
-YAML)."""
+YAML; for a file of secrets, a tenants file, what and where without quoting its lines)."""
 
 from __future__ import annotations
 
@@ -41,9 +41,22 @@ MAX_FILE_BYTES = 4 << 20
 device given by mistake, ``--config /dev/zero``, never ends)."""
 
 
-def load_yaml_file(path: Path, what: str) -> Any:
+def yaml_problem(exc: yaml.YAMLError) -> str:
+    """What is wrong in YAML text and where (line and column), without the lines PyYAML's own
+    message quotes: for text that holds secrets (a tenants file's API keys)."""
+    if isinstance(exc, yaml.MarkedYAMLError):
+        mark = exc.problem_mark or exc.context_mark
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        return "; ".join(p for p in (exc.context, exc.problem) if p) + where
+    if isinstance(exc, yaml.reader.ReaderError):
+        return f"a character YAML does not allow at position {exc.position}"
+    return "malformed YAML"
+
+
+def load_yaml_file(path: Path, what: str, *, secret: bool = False) -> Any:
     """The parsed YAML in ``path`` ({} when empty); a ConfigError names it as ``{what} {path}``.
-    A pipe or ``/dev/stdin`` is read as a file is, up to ``MAX_FILE_BYTES``."""
+    A pipe or ``/dev/stdin`` is read as a file is, up to ``MAX_FILE_BYTES``. Where ``secret``,
+    a YAML error says what and where (``yaml_problem``), quoting none of the file's lines."""
     try:
         with open(path, "rb") as f:
             data = f.read(MAX_FILE_BYTES + 1)
@@ -56,4 +69,5 @@ def load_yaml_file(path: Path, what: str) -> Any:
     except UnicodeDecodeError as exc:
         raise ConfigError(f"{what} {path}: not UTF-8 text (byte {exc.start})") from None
     except yaml.YAMLError as exc:
-        raise ConfigError(f"{what} {path}: not valid YAML: {exc}") from None
+        problem = yaml_problem(exc) if secret else str(exc)
+        raise ConfigError(f"{what} {path}: not valid YAML: {problem}") from None

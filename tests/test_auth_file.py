@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from kdn.errors import ConfigError
-from kdn.server.auth import digest, load_auth
+from kdn.server.auth import digest, load_auth, tenants_from_text
 
 DIGEST = "sha256:" + digest("secret-a")
 
@@ -23,7 +23,7 @@ def _load(tmp_path: Path, text: str) -> object:
 
 @pytest.mark.parametrize("text,why", [
     ("tenants:\n  ops:\n    role: admin\n    api_keys:\n      -\n",
-     r"tenant 'ops': api_keys\[0\] must be a non-empty string .* got None"),
+     r"tenant 'ops': api_keys\[0\] must be a non-empty string .* got null"),
     ("tenants:\n  a: {api_keys: [012345]}\n", r"api_keys\[0\] must be a non-empty string"),
     ("tenants:\n  a: {api_keys: ['']}\n", r"api_keys\[0\] must be a non-empty string"),
     ("tenants:\n  a: {api_keys: ['sha256:xyz']}\n", r"api_keys\[0\]: malformed"),
@@ -57,3 +57,21 @@ def test_a_plain_file_loads_as_written(tmp_path: Path) -> None:
     policy = cfg.policies["a"]  # type: ignore[attr-defined]
     assert (policy.rate_rps, policy.burst, policy.quota_bytes, policy.egress_bytes_per_s) \
         == (2.5, 4, 1 << 30, 125_000_000)
+
+
+@pytest.mark.parametrize("text,why", [
+    ('tenants:\n  a: {api_keys: ["s3cr3t-key-a"], rate_rps: 50\n  b: {api_keys: ["s3cr3t-b"]}\n',
+     r"not valid YAML: .*expected ',' or '}', but got ':' at line 3, column 4$"),
+    ('tenants:\n  a: {api_keys: ["s3cr3t-key-a" ,, ]}\n',
+     r"not valid YAML: .*found ',' at line 2, column 34$"),
+    ("tenants:\n  a: {api_keys: [98127361823761]}\n", r"api_keys\[0\] .* got a number$"),
+])
+def test_errors_about_a_tenants_file_never_quote_its_keys(tmp_path: Path, text: str,
+                                                           why: str) -> None:
+    """PyYAML's message quotes the lines around a problem, and a key written as a number was
+    echoed: the message says what and where, and leaves the keys out (a tenants file, and
+    the same text as auth_tenants)."""
+    for load in (lambda: _load(tmp_path, text), lambda: tenants_from_text(text)):
+        with pytest.raises(ConfigError, match=why) as err:
+            load()
+        assert "s3cr3t" not in str(err.value) and "98127361823761" not in str(err.value)

@@ -159,7 +159,7 @@ def load_auth(path: Path | str) -> AuthConfig:
     from kdn.yamlfiles import load_yaml_file
 
     path = Path(path)
-    raw = load_yaml_file(path, "auth file")
+    raw = load_yaml_file(path, "auth file", secret=True)  # (errors quote none of its keys)
     unknown = sorted(map(str, set(raw) - {"tenants"})) if isinstance(raw, dict) else []
     if unknown:
         raise ConfigError(f"auth file {path}: unknown settings {unknown} (only 'tenants')")
@@ -171,12 +171,12 @@ def tenants_from_text(text: str) -> AuthConfig:
     """The ``auth_tenants`` setting: a tenants mapping as YAML/JSON text, keys as digests."""
     import yaml
 
-    from kdn.yamlfiles import parse_yaml
+    from kdn.yamlfiles import parse_yaml, yaml_problem
 
     try:
         tenants = parse_yaml(text)
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"auth_tenants: not valid YAML: {exc}") from None
+    except yaml.YAMLError as exc:  # (what and where: never the text, which may hold keys)
+        raise ConfigError(f"auth_tenants: not valid YAML: {yaml_problem(exc)}") from None
     if isinstance(tenants, dict) and "tenants" in tenants:
         tenants = tenants["tenants"]
     return parse_tenants(tenants, "auth_tenants", digests_only=True)
@@ -248,8 +248,11 @@ def parse_tenants(tenants: Any, where_all: str, *, digests_only: bool = False) -
         for i, k in enumerate(api_keys):
             if not isinstance(k, str) or not k.strip():  # YAML null (an unset template
                 # value) or a number (012345 reads as 5349): never a key by accident
+                got = ("null" if k is None else "blank" if isinstance(k, str) else "a number"
+                       if isinstance(k, (int, float)) else f"a {type(k).__name__}")  # (never
+                # the value: it may be the key)
                 raise ConfigError(f"{where}: api_keys[{i}] must be a non-empty string (quote "
-                                  f"a key that looks like a number), got {k!r}")
+                                  f"a key that looks like a number), got {got}")
             if not (k.isascii() and k.isprintable()):  # no client can send it (a gRPC header)
                 raise ConfigError(f"{where}: api_keys[{i}] must be printable ASCII: a key "
                                   "travels as a gRPC header value")
