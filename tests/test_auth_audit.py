@@ -47,8 +47,12 @@ def _auth_file(tmp: Path, text: str = TENANTS) -> Path:
     return path
 
 
+def _scrape_text(port: int) -> str:
+    return urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+
+
 def _scrape(port: int) -> dict[str, float]:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    text = _scrape_text(port)
     return {line.split("{")[1].split("}")[0].split('"')[1]: float(line.rsplit(" ", 1)[1])
             for line in text.splitlines() if line.startswith("kdn_auth_failures_total{")}
 
@@ -228,8 +232,7 @@ def test_calls_refused_by_a_rate_limit_are_recorded(
             except grpc.RpcError as exc:
                 codes.append(exc.code().name)
         assert st.server is not None
-        text = urllib.request.urlopen(f"http://127.0.0.1:{st.server.metrics_port}/metrics",
-                                      timeout=10).read().decode()
+        text = _scrape_text(st.server.metrics_port)
     assert codes == ["OK"] * 2 + ["RESOURCE_EXHAUSTED"] * 3
     assert 'kdn_requests_total{code="RESOURCE_EXHAUSTED",rpc="Stats"} 3.0' in text
     lines = [json.loads(r.getMessage()) for r in caplog.records if r.name == "kdn.access"]
@@ -386,5 +389,32 @@ def test_idle_connections_without_a_key_are_closed_by_a_real_server(tmp_path: Pa
             assert eventually(lambda: sum(_closed(s) for s in socks) == len(socks), timeout=20,
                               interval=0.5), sum(_closed(s) for s in socks)
             assert ok.lookup([key]).infos[0].present is False
+        for s in socks:
+            s.close()
+
+
+def test_the_metrics_port_closes_unfinished_requests_and_caps_connections(
+        tmp_path: Path) -> None:
+    """/metrics connections whose request is not whole within handshake_timeout_s are closed,
+    and those past MAX_CONNECTIONS at once are closed unserved (prometheus_client's own
+    server kept each open for ever, a thread each)."""
+    from kdn.server.metrics_http import MAX_CONNECTIONS
+
+    cfg = ServerConfig(port=0, data_dir=tmp_path / "d", metrics_port=0, disk_bytes=0,
+                       handshake_timeout_s=3)
+    with ServerThread(cfg) as st:
+        assert st.server is not None
+        port = st.server.metrics_port
+        socks = []
+        for _ in range(MAX_CONNECTIONS + 4):
+            s = socket.create_connection(("127.0.0.1", port))
+            s.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")  # never the blank line
+            socks.append(s)
+            time.sleep(0.01)  # (accepted in order)
+        assert eventually(lambda: all(_closed(s) for s in socks[MAX_CONNECTIONS:]), timeout=2,
+                          interval=0.1)
+        assert not any(_closed(s) for s in socks[:MAX_CONNECTIONS])  # (their 3 s not over)
+        assert eventually(lambda: all(_closed(s) for s in socks), timeout=6, interval=0.2)
+        assert "kdn_requests_total" in _scrape_text(port)  # served again
         for s in socks:
             s.close()

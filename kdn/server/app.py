@@ -393,7 +393,8 @@ async def _start(config: ServerConfig, store: TieredStore, auth: Authenticator,
             await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
         metrics_port = -1
         if config.metrics_port >= 0:
-            metrics_port = metrics.serve_http(config.metrics_host, config.metrics_port)
+            metrics_port = metrics.serve_http(config.metrics_host, config.metrics_port,
+                                              request_s=config.handshake_timeout_s)
     except BaseException:
         fast_path.close()
         if net_path is not None:

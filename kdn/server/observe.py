@@ -42,6 +42,7 @@ from kdn import tracing
 from kdn.errors import KDNError
 from kdn.server import logs
 from kdn.server.auth import Authenticator, AuthFailed, Principal, current_principal
+from kdn.server.metrics_http import MetricsHTTPServer
 from kdn.server.requests import BadRequest, checked
 from kdn.status import grpc_code
 from kdn.transport.metadata import REQUEST_ID_HEADER
@@ -117,24 +118,22 @@ class Metrics:
                                      "ran: authentication failed, by reason", ["reason"],
                                      registry=self.registry)
         self.registry.register(_SourceCollector(sources))
-        self._http: Any = None
+        self._http: MetricsHTTPServer | None = None
 
-    def serve_http(self, host: str, port: int) -> int:
-        """Expose /metrics; returns the bound port."""
-        from prometheus_client import start_http_server
-
+    def serve_http(self, host: str, port: int, *, request_s: float = 10.0) -> int:
+        """Expose /metrics; returns the bound port. A connection's request must be whole
+        within ``request_s`` (0: 10 s); few are served at once (``kdn.server.metrics_http``)."""
         try:
-            server, _thread = start_http_server(port, addr=host, registry=self.registry)
+            server = MetricsHTTPServer(host, port, self.registry, request_s=request_s or 10.0)
         except OSError as exc:
             raise OSError(exc.errno, f"can not listen on the metrics port {host}:{port}: "
                           f"{exc.strerror}; pick another with --metrics-port") from None
         self._http = server
-        return int(server.server_port)
+        return server.port
 
     def close(self) -> None:
         if self._http is not None:
-            self._http.shutdown()
-            self._http.server_close()
+            self._http.close()
             self._http = None
 
 
