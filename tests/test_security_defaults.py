@@ -118,6 +118,12 @@ def test_secrets_readable_by_others_are_refused(tmp_path: Path, monkeypatch: pyt
     with caplog.at_level(logging.INFO, logger="kdn.server.config"):
         ServerConfig(**tls)  # type: ignore[arg-type]
     assert any("is read through its group" in r.getMessage() for r in caplog.records)
+    for mode in (0o660, 0o620, 0o670, 0o610):  # but never written through it (PostgreSQL too)
+        certs["server.key"].chmod(mode)
+        with pytest.raises(ConfigError, match=rf"tls_key: .* can be written or run by its group "
+                                              rf"\(mode {oct(mode)}\); its owner should run "
+                                              rf"chmod 640"):
+            ServerConfig(**tls)  # type: ignore[arg-type]
     certs["server.key"].chmod(0o644)
     with pytest.raises(ConfigError, match="can be read by other users"):  # others: never
         ServerConfig(**tls)  # type: ignore[arg-type]

@@ -47,9 +47,10 @@ def check_private(name: str, path: Path) -> None:
     Any access for other users is refused. Access for the file's group is refused too when
     the file belongs to the server's own user (the group then serves nobody but other users);
     when another user owns it (root, as Kubernetes mounts secrets with an ``fsGroup``, or a
-    configuration manager), the group is how this server reads it and it is accepted, as
-    PostgreSQL accepts a root-owned key of mode 0640. The error is one line naming the file
-    and the fix.
+    configuration manager), the group is how this server reads it and reading is accepted, as
+    PostgreSQL accepts a root-owned key of mode 0640 at most: a group that may write it (or
+    run it) is refused (anyone in it could add an admin key of their own). The error is one
+    line naming the file and the fix.
     """
     st = path.stat()
     mode = st.st_mode & 0o777
@@ -59,6 +60,9 @@ def check_private(name: str, path: Path) -> None:
     if mode & 0o070 and st.st_uid == os.geteuid():
         raise ConfigError(f"{name}: {path} can be read by its group (mode {oct(mode)}) though "
                           f"this server's user owns it; run chmod 600 {path}")
+    if mode & 0o030:
+        raise ConfigError(f"{name}: {path} can be written or run by its group (mode "
+                          f"{oct(mode)}); its owner should run chmod 640 {path}")
     if mode & 0o070:
         logging.getLogger("kdn.server.config").info(
             "%s: %s is read through its group (mode %s, owner uid %d)", name, path, oct(mode),
