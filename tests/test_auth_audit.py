@@ -109,6 +109,26 @@ def test_failed_authentications_are_logged_and_counted(
     assert digest("wrong-key-123") not in text  # nor its digest
 
 
+def test_keyless_health_probes_are_counted_apart_and_not_audited(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """``kdn admin health`` without a key (the shipped container probes) calls Stats: refused
+    as ever, but counted as reason ``probe`` with no audit warning (each probe was a
+    missing_key failure and a warning); a keyless Lookup is still a missing_key failure."""
+    from kdn.cli.main import main as cli
+
+    cfg = ServerConfig(port=0, data_dir=tmp_path / "d", auth_file=str(_auth_file(tmp_path)),
+                       metrics_port=0, disk_bytes=0)
+    with caplog.at_level(logging.WARNING, logger="kdn.audit"), ServerThread(cfg) as st:
+        assert [cli(["admin", "health", "--address", st.address]) for _ in range(3)] == [0] * 3
+        assert st.server is not None
+        assert _scrape(st.server.metrics_port) == {"probe": 3.0}
+        assert _audit(caplog) == []
+        with Client(st.address, retry=None) as cl, pytest.raises(Unauthenticated):
+            cl.lookup([keys.chunk_key([8], LAY)])
+        assert _scrape(st.server.metrics_port) == {"probe": 3.0, "missing_key": 1.0}
+    assert [x["reason"] for x in _audit(caplog)] == ["missing_key"]
+
+
 def test_failed_certificate_identities_are_counted_by_reason(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     c = make_certs(tmp_path, clients=("stranger",))

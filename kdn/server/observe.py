@@ -48,6 +48,8 @@ from kdn.status import grpc_code
 from kdn.transport.metadata import REQUEST_ID_HEADER
 
 access_log = logging.getLogger("kdn.access")
+PROBE_RPC = "Stats"
+"""The RPC ``kdn admin health`` calls: without any key, a container's health probe."""
 OPEN_SERVICES = ("grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection")
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 """A caller's ``x-request-id`` kept as it is (else one is made): it is on every log line of
@@ -159,6 +161,12 @@ class AuditLog:
         self._allowance, self._stamp, self._dropped = per_second, time.monotonic(), 0
         self._log = logging.getLogger("kdn.audit")
 
+    def probe(self, peer: str, request_id: str) -> None:
+        """A keyless health probe (``RequestInterceptor._refused``): a DEBUG line, if any."""
+        if self._log.isEnabledFor(logging.DEBUG):
+            self._log.debug(json.dumps({"event": "auth_failed", "reason": "probe",
+                                        "peer": peer, "request_id": request_id}))
+
     def log(self, reason: str, peer: str, request_id: str) -> None:
         now = time.monotonic()
         self._allowance = min(self.per_second,
@@ -265,7 +273,7 @@ class RequestInterceptor(grpc.aio.ServerInterceptor):
         logs.request_id.set(rid)  # on every log line this call's handler writes
         return rid
 
-    async def _enter(self, context: grpc.aio.ServicerContext, rid: str, md: Any,
+    async def _enter(self, context: grpc.aio.ServicerContext, rpc: str, rid: str, md: Any,
                      admission: _Admission) -> tuple[Principal, KDNError | None]:
         """The caller and why it is refused past authentication (its rate limit), or None;
         an unauthenticated one is counted, audited and aborted here."""
@@ -281,16 +289,24 @@ class RequestInterceptor(grpc.aio.ServerInterceptor):
                 except KDNError as exc:
                     refusal = exc
         if isinstance(refusal, AuthFailed):
-            self._refused(context, rid, refusal.reason)
+            self._refused(context, rid, refusal.reason, rpc)
             await context.abort(grpc_code(refusal), str(refusal))
         assert principal is not None  # (only an AuthFailed leaves the caller unknown)
         return principal, refusal
 
-    def _refused(self, context: grpc.aio.ServicerContext, rid: str, reason: str) -> None:
-        """Count a failed authentication and log it (rate-limited; the peer, never the key)."""
+    def _refused(self, context: grpc.aio.ServicerContext, rid: str, reason: str, rpc: str
+                 ) -> None:
+        """Count a failed authentication and log it (rate-limited; the peer, never the key).
+        A Stats call without any key is a health probe (``kdn admin health`` in a container's
+        health check): counted as reason ``probe`` and logged at DEBUG only, so that probes
+        every few seconds neither look like failed logins nor crowd them out of the log."""
+        probe = reason == "missing_key" and rpc == PROBE_RPC
         if self.metrics is not None:
-            self.metrics.auth_failures.labels(reason).inc()
-        self.audit.log(reason, context.peer(), rid)
+            self.metrics.auth_failures.labels("probe" if probe else reason).inc()
+        if probe:
+            self.audit.probe(context.peer(), rid)
+        else:
+            self.audit.log(reason, context.peer(), rid)
 
     def _done(self, rpc: str, rid: str, tenant: str, t0: float, code: str, peer: str) -> None:
         seconds = time.perf_counter() - t0
@@ -327,7 +343,7 @@ class RequestInterceptor(grpc.aio.ServerInterceptor):
             rid = self._request_id(context, md)
             tenant, refusal = "", None
             if not open_call:
-                principal, refusal = await self._enter(context, rid, md, admission)
+                principal, refusal = await self._enter(context, rpc, rid, md, admission)
                 tenant = principal.tenant
                 current_principal.set(principal)
             peer = context.peer() if access_log.isEnabledFor(logging.INFO) else ""  # now,
