@@ -292,14 +292,18 @@ def _serve(tmp_path: Path, port: int, *extra: str) -> subprocess.Popen:
 def test_kdn_serve_stops_gracefully_on_a_sigterm_right_after_its_ready_line(
         tmp_path: Path) -> None:
     """A supervisor that stops the server as soon as it printed "kdn serving on": a graceful
-    stop, exit 0 (the handler came after the line: killed by the signal, exit -15)."""
-    for i in range(5):  # (a race: not every try lost it)
+    stop, exit 0 (the handler came after the line: killed by the signal, exit -15). SIGHUP
+    (a closing terminal's) too, saying so (it killed the server outright, exit -1)."""
+    for i, sig in enumerate([signal.SIGTERM] * 3 + [signal.SIGHUP] * 2):  # (a race: not
         proc = _serve(tmp_path / str(i), 0, "--disk-bytes", "0", "--log-level", "WARNING")
-        try:
+        try:  # every try lost it)
             assert proc.stdout is not None
             assert proc.stdout.readline().startswith("kdn serving on")
-            proc.send_signal(signal.SIGTERM)
+            proc.send_signal(sig)
             assert proc.wait(30) == 0
+            if sig is signal.SIGHUP:
+                assert proc.stderr is not None and "SIGHUP: stopping gracefully" in \
+                    proc.stderr.read()
         finally:
             proc.kill()
             proc.communicate()

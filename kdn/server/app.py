@@ -4,7 +4,8 @@
     await server.wait()                   # until stop() (or a signal in ``serve``)
     await server.stop()                   # in-flight RPCs get shutdown_grace_s; store closes
 
-``serve(config)`` is what ``kdn serve`` runs: start, install SIGINT/SIGTERM handlers, wait, stop.
+``serve(config)`` is what ``kdn serve`` runs: start, install SIGINT/SIGTERM/SIGHUP handlers (each
+a graceful stop), wait, stop.
 ``ServerThread`` runs a server on its own event loop in a background thread (tests, benchmarks).
 
 Health (the standard gRPC health service): ``""`` is SERVING while the local tiers (RAM, disk)
@@ -415,6 +416,16 @@ async def _start(config: ServerConfig, store: TieredStore, auth: Authenticator,
                   metrics_port, admin, fast_path, net_path)
 
 
+def _stopping(server: Server, sig: signal.Signals) -> None:
+    """A graceful stop on SIGINT, SIGTERM and SIGHUP (a closing terminal's; it killed the
+    server outright). SIGHUP reloads nothing: the tenants file's keys also live on in
+    segments, tickets and egress caps made from it, so it is read at start only."""
+    if sig is signal.SIGHUP:
+        log.warning("SIGHUP: stopping gracefully (the tenants file is read at start only: a "
+                    "restart reloads it)")
+    asyncio.ensure_future(server.stop())
+
+
 async def serve(config: ServerConfig, blender: Blender | None = None) -> None:
     server = await start_server(config, blender=blender)
     gc.freeze()  # what start-up made lives as long as the process: no collection scans it
@@ -423,8 +434,8 @@ async def serve(config: ServerConfig, blender: Blender | None = None) -> None:
         if isinstance(tier, LmdbTier):  # its budget as taken: cut where the disk holds less
             where = f"data in {config.data_dir}, up to {human_size(tier.capacity_bytes)}"
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):  # before the ready line: a supervisor may
-        loop.add_signal_handler(sig, lambda: asyncio.ensure_future(server.stop()))  # stop it
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # before the ready line: a
+        loop.add_signal_handler(sig, _stopping, server, sig)  # supervisor may stop it at once
     print(f"kdn serving on {server.address} ({where})", flush=True)  # once it reads the line
     await server.wait()
 
