@@ -37,6 +37,9 @@ def _load(tmp_path: Path, text: str) -> object:
     ("tenants:\n  a: {api_keys: [k1]}\nadmins: [a]\n", r"unknown settings \['admins'\]"),
     ("tenants:\n  a: {api_keys: [\u043a\u043b\u044e\u0447]}\n", r"api_keys\[0\] must be "
      "printable ASCII"),  # no client can send it
+    ("tenants:\n  a: {api_keys: ['key-a ']}\n", r"api_keys\[0\] must be printable ASCII "
+     "with no leading or trailing whitespace"),  # kdn's client never sends it
+    ("tenants:\n  a: {api_keys: [' key-a']}\n", r"no leading or trailing whitespace"),
     # an OverflowError traceback; and a quota past 2**64 started, then broke every Stats
     ("tenants:\n  a: {api_keys: [k1], burst: 1" + "0" * 400 + "}\n", r"burst: "),
     ("tenants:\n  a: {api_keys: [k1], quota_bytes: 100000000TiB}\n", r"quota_bytes: at most"),
@@ -75,3 +78,14 @@ def test_errors_about_a_tenants_file_never_quote_its_keys(tmp_path: Path, text: 
         with pytest.raises(ConfigError, match=why) as err:
             load()
         assert "s3cr3t" not in str(err.value) and "98127361823761" not in str(err.value)
+
+
+def test_auth_tenants_text_refuses_what_a_tenants_file_refuses() -> None:
+    """The same text as auth_tenants (KDN_AUTH_TENANTS) and as --auth-file: a misspelt second
+    section ('tenant:' holding the admin) was dropped silently from the former."""
+    text = (f'tenants:\n  a: {{api_keys: ["{DIGEST}"]}}\n'
+            f'tenant:\n  ops: {{api_keys: ["sha256:{digest("k2")}"], role: admin}}\n')
+    with pytest.raises(ConfigError, match=r"auth_tenants: unknown settings \['tenant'\] "
+                                          r"\(only 'tenants'\)"):
+        tenants_from_text(text)
+    assert sorted(tenants_from_text(text.split("tenant:\n")[0]).policies) == ["a"]

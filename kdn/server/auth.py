@@ -177,7 +177,10 @@ def tenants_from_text(text: str) -> AuthConfig:
         tenants = parse_yaml(text)
     except yaml.YAMLError as exc:  # (what and where: never the text, which may hold keys)
         raise ConfigError(f"auth_tenants: not valid YAML: {yaml_problem(exc)}") from None
-    if isinstance(tenants, dict) and "tenants" in tenants:
+    if isinstance(tenants, dict) and "tenants" in tenants:  # a whole tenants file: as
+        unknown = sorted(map(str, set(tenants) - {"tenants"}))  # ``load_auth``, nothing else
+        if unknown:
+            raise ConfigError(f"auth_tenants: unknown settings {unknown} (only 'tenants')")
         tenants = tenants["tenants"]
     return parse_tenants(tenants, "auth_tenants", digests_only=True)
 
@@ -253,9 +256,10 @@ def parse_tenants(tenants: Any, where_all: str, *, digests_only: bool = False) -
                 # the value: it may be the key)
                 raise ConfigError(f"{where}: api_keys[{i}] must be a non-empty string (quote "
                                   f"a key that looks like a number), got {got}")
-            if not (k.isascii() and k.isprintable()):  # no client can send it (a gRPC header)
-                raise ConfigError(f"{where}: api_keys[{i}] must be printable ASCII: a key "
-                                  "travels as a gRPC header value")
+            if not (k.isascii() and k.isprintable()) or k.strip() != k:  # no client can
+                raise ConfigError(f"{where}: api_keys[{i}] must be printable ASCII with no "
+                                  "leading or trailing whitespace: a key travels as a gRPC "
+                                  "header value")  # send it (a gRPC header; kdn's client)
             if digests_only and not k.startswith("sha256:"):
                 raise ConfigError(f"{where}: api_keys here must be sha256:HEX digests (printf "
                                   "%s KEY | sha256sum), never the keys themselves")
