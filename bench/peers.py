@@ -109,7 +109,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import arg_parser, figure, print_table, save_figure, write_json
-from bench.peers_kdn import KDN_RAM_GIB, Kdn, kdn_server, parse_opts
+from bench.peers_kdn import SERVER_RAM_GIB, Kdn, kdn_server, parse_opts
 from bench.peers_measure import Fill, measure
 from bench.peers_systems import MIB, LMCache, Mooncake, System, lmcache_server
 
@@ -313,7 +313,7 @@ def main(argv: list[str] | None = None) -> None:
     write_json(ns.out, "peers", rows, runs=runs, summary=summ, skipped=skipped,
                kdn_client_opts=ns.kdn_client_opts or [""],
                kdn_server_args=ns.kdn_server_args or [""], fill_gib=ns.fill_gib,
-               kdn_ram_gib=KDN_RAM_GIB,
+               kdn_ram_gib=SERVER_RAM_GIB,
                kdn_layers_per_frame=ns.kdn_layers_per_frame,
                wall_s=wall_s, other_processes_cpu_s=others_s,
                payload="Llama-3-8B-shaped fp16 KV (32 layers x 8 KV heads x 128), random; "

@@ -25,7 +25,7 @@ from kdn.layout import KVLayout, LayerLayout
 STAGED_BYTES = 128 * MIB
 """Bytes of staged entries kdn fills per size (one per entry up to this; beyond, entry i
 stores staged entry i modulo their number)."""
-KDN_RAM_GIB = 6
+SERVER_RAM_GIB = 6
 """kdn's RAM tier in this benchmark."""
 
 
@@ -50,7 +50,7 @@ def parse_opts(text: str) -> dict[str, Any]:
 
 @contextmanager
 def kdn_server(tmp: Path, extra: list[str]) -> Iterator[str]:
-    with common_kdn_server(tmp / f"kdn-{free_port()}", "--ram-bytes", f"{KDN_RAM_GIB}GiB",
+    with common_kdn_server(tmp / f"kdn-{free_port()}", "--ram-bytes", f"{SERVER_RAM_GIB}GiB",
                            "--max-message-bytes", str(256 * MIB),
                            "--max-entry-bytes", str(1 << 30), *extra) as address:
         yield address

@@ -383,3 +383,28 @@ def test_help_shows_values_as_one_writes_them() -> None:
         flags = {name: default if default != '""' else ""}
         assert getattr(load_config(env={}, flags=flags), name) == \
             getattr(ServerConfig(), name), name
+
+
+def test_every_kdn_variable_the_code_or_docs_name_is_known() -> None:
+    """Each ``KDN_*`` environment variable kdn's code, scripts or docs read or name is a server
+    setting or one of ``OTHER_VARIABLES``: ``kdn serve``/``admin``/``rag`` refuse any other as
+    a typo (KDN_MALLOC_TUNING and KDN_REAL_KV, documented, stopped them with exit 2)."""
+    import dataclasses
+    import re
+    import subprocess
+
+    from kdn.server.config import OTHER_VARIABLES, ServerConfig, check_variables
+
+    root = Path(__file__).resolve().parents[1]
+    files = subprocess.run(["git", "ls-files", "kdn", "scripts", "bench", "deploy", "*.md",
+                            "*.yml", "*.yaml"], cwd=root, capture_output=True, text=True,
+                           check=True).stdout.split()
+    named: set[str] = set()
+    for f in files:
+        text = (root / f).read_text(errors="replace")
+        named |= set(re.findall(r"""[$"']\{?(KDN_[A-Z][A-Z0-9_]*[A-Z0-9])\b""", text))
+        named |= set(re.findall(r"\b(KDN_[A-Z][A-Z0-9_]*[A-Z0-9])=", text))  # KDN_X=value
+    settings = {"KDN_" + f.name.upper() for f in dataclasses.fields(ServerConfig)}
+    assert {"KDN_MALLOC_TUNING", "KDN_ADDRESS", "KDN_DATA_DIR"} <= named  # the scan sees them
+    assert sorted(named - settings - OTHER_VARIABLES) == []
+    check_variables(dict.fromkeys(named, "1"))

@@ -491,6 +491,7 @@ OTHER_VARIABLES = frozenset({
     "KDN_RAG_STATE", "KDN_CACHE_DIR",              # kdn rag, the model cache
     "KDN_TORCH_INDEX", "KDN_BOOTSTRAP_DRY_RUN",    # scripts/bootstrap.sh
     "KDN_TORCH_SPEC", "KDN_EXTRAS", "KDN_SKIP_SLIM", "KDN_PEERS_REEXEC",  # scripts, tests
+    "KDN_MALLOC_TUNING", "KDN_REAL_KV",           # the allocator's tuning, GPU checks' KV
 })
 """``KDN_*`` variables that are not server settings (any other one is refused as a typo)."""
 
