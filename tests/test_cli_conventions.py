@@ -273,6 +273,10 @@ def test_admin_refuses_what_it_can_not_send_in_one_line_before_any_call(
         assert "insecure" not in err
     with pytest.raises(InvalidArgument, match="TLS: ca is not PEM"):
         TLSOptions(ca=b"hello")
+    with pytest.raises(InvalidArgument, match=r"TLS: ca is the PEM's bytes .*a file's path"):
+        TLSOptions(ca="/etc/kdn/ca.pem")  # (a raw TypeError)
+    pem = "-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n"
+    assert TLSOptions(ca=pem).ca == pem.encode()  # PEM read as text is taken as its bytes
     with pytest.raises(InvalidArgument, match="api_key must be printable ASCII"):
         Client("127.0.0.1:1", api_key=" key")
     monkeypatch.setattr(sys, "stdout", None)  # started with stdout closed (`>&-`)

@@ -17,6 +17,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from os import PathLike
 from typing import Any, Literal, TypeVar
 
 import grpc
@@ -108,6 +109,14 @@ class TLSOptions:
                                   "only)")
         for name in ("ca", "cert", "key"):  # (gRPC's own word: "None: no start line")
             data = getattr(self, name)
+            if isinstance(data, str) and "-----BEGIN " in data:  # PEM read as text
+                data = data.encode("ascii", "replace")
+                object.__setattr__(self, name, data)
+            elif data is not None and not isinstance(data, (bytes, bytearray)):
+                raise InvalidArgument(
+                    f"TLS: {name} is the PEM's bytes (open(path, 'rb').read()), not a "
+                    f"{type(data).__name__}" + (" (a file's path?)" if isinstance(
+                        data, (str, PathLike)) else ""))
             if data is not None and b"-----BEGIN " not in data:
                 raise InvalidArgument(f"TLS: {name} is not PEM (no '-----BEGIN' line)")
 
