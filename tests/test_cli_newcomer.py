@@ -383,5 +383,7 @@ def test_an_unchanged_reingest_reports_nothing_computed() -> None:
     assert "computed 0 chunks" in line and "kdn holds 7.4 MiB for the corpus" in line
     assert "stored" not in line
     changed = dataclasses.replace(unchanged, changed=3, unchanged=0, computed=3,
-                                  computed_tokens=56, total_s=5.6)
-    assert ingest_lines(changed)[1] == "ingest time per 1,000 tokens computed: 100.00 s"
+                                  computed_tokens=2000, total_s=5.6)
+    assert ingest_lines(changed)[1] == "ingest time per 1,000 tokens computed: 2.80 s"
+    few = dataclasses.replace(changed, computed_tokens=31, total_s=2.6)
+    assert len(ingest_lines(few)) == 1  # 31 tokens' fixed costs are no rate (it read 83.87 s)
