@@ -11,6 +11,7 @@ from kdn import keys
 from kdn.client import Client
 from kdn.server import ServerThread
 from tests import test_vllm as base  # skipped with it where vLLM is not installed
+from tests.helpers import random_kv
 from tests.test_vllm import BLOCKS, CHUNK, LAYERS, answered, both, fp16_replay, prompt
 
 kdn_server = base.kdn_server
@@ -203,3 +204,127 @@ def test_chunks_computed_over_a_lossy_load_are_stored_in_lossy_encodings_only(
     finally:
         s.shutdown()
         w.shutdown()
+
+
+def test_chunks_that_attended_over_a_failed_load_are_not_stored(
+        kdn_server: ServerThread) -> None:
+    """B computes its chunks 4 and 5 over blocks vLLM's prefix cache shares with A, which loads
+    them from kdn this step; A's chunk 2 fails to load, so B's new KV is wrong too, and is not
+    stored (only A's saves were dropped: B, aborted before vLLM recomputed it, left wrong
+    chunks that a later request D with B's prompt loaded as a clean hit)."""
+    from tests.test_vllm import BLOCK, DIM, HEADS
+    from tests.vllm_replay import Replay, Req
+
+    class Attending(Replay):
+        """New tokens' KV depends on the KV they attend to: over a wrong prefix it is -9."""
+
+        def _write(self, r: Req, layer: int, lo: int, hi: int) -> None:
+            k, v = self._kv(self.layers[layer])
+            have = [k[r.block_ids[p // BLOCK], p % BLOCK] for p in range(lo)]
+            if lo and not torch.equal(torch.stack(have),
+                                      self.expected(r.prompt, layer, 0, lo)[0]):
+                for p in range(lo, hi):
+                    k[r.block_ids[p // BLOCK], p % BLOCK] = -9.0
+                    v[r.block_ids[p // BLOCK], p % BLOCK] = -9.0
+                return
+            super()._write(r, layer, lo, hi)
+
+    s, w = both(kdn_server.address, encodings=["raw"])
+    assert w.worker is not None
+    rp = Attending(s, w, layers=LAYERS, blocks=BLOCKS, block_size=BLOCK, heads=HEADS,
+                   head_dim=DIM, dtype=torch.float16)
+    try:
+        p = prompt(51, 4 * CHUNK + 1)
+        assert answered(rp, rp.new_request("seed", p)) == 0
+        rp.step()
+        w.worker.wait_saves(30)
+        rp.reqs.pop("seed")
+        s.scheduler.finished("seed")
+        assert answered(rp, rp.new_request("A", p[: 4 * CHUNK] + prompt(52, 5))) == 4 * CHUNK
+        b_prompt = p[: 4 * CHUNK] + prompt(53, 2 * CHUNK + 1)
+        b = rp.new_request("B", b_prompt)
+        per = CHUNK // BLOCK
+        assert answered(rp, b, local_blocks=rp.reqs["A"].block_ids[: 4 * per]) == 0
+        chain = keys.prefix_keys(p, s.layout, "vllm", CHUNK)
+        with Client(kdn_server.address) as c:  # A's chunk 2: another shape under its key
+            c.store(keys.variant_key(chain[2], "raw"),
+                    random_kv(s.layout, 3 * CHUNK), mode="raw", namespace="vllm")
+            assert rp.step()  # A's load failed
+            w.worker.wait_saves(30)
+            b_chain = keys.prefix_keys(b_prompt, s.layout, "vllm", CHUNK)
+            got = c.lookup([keys.variant_key(k, "raw") for k in b_chain[4:6]],
+                           namespace="vllm").infos
+        assert [i.present for i in got] == [False, False]
+    finally:
+        s.shutdown()
+        w.shutdown()
+
+
+def test_chunks_saved_over_another_ranks_failed_load_are_forgotten_when_the_request_ends(
+        kdn_server: ServerThread) -> None:
+    """TP 2: rank 1 fails to load A's chunk 2 (evicted since the lookup); the attention's
+    all-reduce makes A's new KV of that step wrong on rank 0 too, which rank 0, knowing only
+    its own loads, stores. A ends before vLLM recomputes it: the scheduler has every rank
+    delete those chunks, so a later request stores them right (rank 0 kept its wrong chunks
+    4 and 5 as present, and a third request loaded them as a clean hit)."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from tests.test_vllm import BLOCK, DIM, HEADS, cache_config, vllm_config
+    from tests.vllm_replay import Replay, Req
+
+    class Reduced(Replay):
+        """The requests in ``poisoned`` compute wrong KV (-9) on every rank this step."""
+
+        poisoned: set[str] = set()
+
+        def _write(self, r: Req, layer: int, lo: int, hi: int) -> None:
+            if r.request.request_id not in self.poisoned:
+                return super()._write(r, layer, lo, hi)
+            k, v = self._kv(self.layers[layer])
+            for p in range(lo, hi):
+                k[r.block_ids[p // BLOCK], p % BLOCK] = -9.0
+                v[r.block_ids[p // BLOCK], p % BLOCK] = -9.0
+
+    addr, kcc = kdn_server.address, cache_config()
+    s = KVConnectorFactory.create_connector(vllm_config(addr, 2, encodings=["raw"]),
+                                            KVConnectorRole.SCHEDULER, kcc)
+    ws = [KVConnectorFactory.create_connector(vllm_config(addr, 2, encodings=["raw"],
+                                                          tp=[r, 2]),
+                                              KVConnectorRole.WORKER, kcc) for r in (0, 1)]
+    rp = Reduced(s, ws, layers=LAYERS, blocks=BLOCKS, block_size=BLOCK, heads=HEADS,
+                 head_dim=DIM, dtype=torch.float16)
+
+    def step() -> set[int]:
+        failed = rp.step()
+        for w in ws:
+            w.worker.wait_saves(30)
+        return failed
+
+    try:
+        p = prompt(61, 4 * CHUNK + 1)
+        assert answered(rp, rp.new_request("seed", p)) == 0
+        step()
+        pa = p[: 4 * CHUNK] + prompt(62, 2 * CHUNK + 1)  # loads chunks 0-3, computes 4, 5
+        a = rp.new_request("A", pa)
+        assert answered(rp, a) == 4 * CHUNK
+        chain1 = keys.prefix_keys(p, s.layout, "vllm", CHUNK, tp=(1, 2))
+        with Client(addr) as c:
+            assert c.delete(keys.variant_key(chain1[2], "raw"), namespace="vllm")
+        rp.poisoned = {"A"}
+        assert step()  # rank 1's load failed
+        rp.poisoned = set()
+        s.request_finished(a, rp.reqs["A"].block_ids)  # A ends before its recompute
+        rp.free.extend(rp.reqs.pop("A").block_ids)
+        assert answered(rp, rp.new_request("C", pa)) == 2 * CHUNK
+        step()
+        assert answered(rp, rp.new_request("E", pa)) == 6 * CHUNK
+        step()
+        for rank in (0, 1):
+            rp.rank = rank
+            have, want = rp.blocks_of("E"), rp.want("E")
+            assert torch.equal(have.view(torch.int16), want.view(torch.int16)), rank
+    finally:
+        s.shutdown()
+        for w in ws:
+            w.shutdown()

@@ -167,6 +167,8 @@ class KDNConnector(KVConnectorBase_V1, SupportsHMA):
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, KDNConnectorMetadata)
+        if meta.forget:
+            self._work().forget(meta.forget)
         self._work().start_load(meta.loads)
 
     def wait_for_layer_load(self, layer_name: str) -> None:

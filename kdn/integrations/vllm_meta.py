@@ -239,6 +239,10 @@ class SaveSpec:
     mend: bool = False
     """Stored even where kdn holds them: a load of these chunks failed (damaged, or written
     with another shape), and they were recomputed."""
+    attended: list[int] = field(default_factory=list)
+    """Every block the chunks' tokens attended over: the request's block table up to their
+    end (also blocks vLLM's prefix cache shares with a request loading them this step). A
+    load that failed into any of them this step, on this rank, makes the chunks wrong."""
     exact: bool = True
     """Computed over exact KV. False: the request loaded its first chunks in a lossy encoding
     (``kdn-*``, ``int8``, ``cachegen``), so these hold an approximation and are stored in the
@@ -252,3 +256,8 @@ class KDNConnectorMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
     preempted: set[str] = field(default_factory=set)
+    forget: list[list[bytes]] = field(default_factory=list)
+    """Per TP rank: base keys of chunks that may hold KV computed over a load that failed on
+    some rank (each rank knows only its own failures, and the attention's all-reduce spreads
+    them) and that were not stored again before their request ended: every encoding of them
+    is deleted, after the saves handed off before it."""

@@ -85,6 +85,9 @@ class _Tracked:
     """A load of its failed: its chunks are saved even where kdn holds them."""
     exact: bool = True
     """No chunk of it was loaded in a lossy encoding (``SaveSpec.exact``)."""
+    suspect_end: int = 0
+    """Chunks ``next_save..suspect_end`` were saved in a step whose load failed (on some
+    rank): wrong on any rank until stored again, and forgotten if it ends first."""
 
 
 class SchedulerSide:
@@ -107,6 +110,7 @@ class SchedulerSide:
         self._lookups: dict[str, _Lookup] = {}
         self._tracked: dict[str, _Tracked] = {}
         self._loads: list[LoadSpec] = []
+        self._forget: list[list[list[bytes]]] = []
 
     # -- lookups ------------------------------------------------------------------------------
 
@@ -207,6 +211,10 @@ class SchedulerSide:
     def build(self, so: SchedulerOutput) -> KDNConnectorMetadata:
         meta = KDNConnectorMetadata(loads=self._loads, preempted=set(so.preempted_req_ids or ()))
         self._loads = []
+        if self._forget:
+            meta.forget = [[k for ranks in self._forget for k in ranks[r]]
+                           for r in range(len(self._forget[0]))]
+            self._forget = []
         done_by: dict[str, int] = {}
         for new in so.scheduled_new_reqs:
             t = self._tracked.get(new.req_id)
@@ -245,7 +253,7 @@ class SchedulerSide:
             first = t.next_save
             out.append(SaveSpec(rid, [chain[first:last] for chain in t.chains], first,
                                 t.block_ids[first * c // b : last * c // b], t.mend,
-                                t.exact))
+                                exact=t.exact, attended=t.block_ids[: last * c // b]))
             t.next_save = last
         return out
 
@@ -261,6 +269,7 @@ class SchedulerSide:
         for t in self._tracked.values():
             first = next((i for i, blk in enumerate(t.block_ids) if blk in bad), None)
             if first is not None:
+                t.suspect_end = max(t.suspect_end, t.next_save)
                 t.next_save, t.mend = min(t.next_save, first * b // c), True
 
     def finished(self, req_id: str) -> None:
@@ -268,7 +277,10 @@ class SchedulerSide:
             look = self._lookups.pop(req_id, None)
         if look is not None:
             look.future.cancel()
-        self._tracked.pop(req_id, None)
+        t = self._tracked.pop(req_id, None)
+        if t is not None and t.next_save < t.suspect_end:  # ended before its chunks were
+            # stored again: another rank may have stored them computed over the failed load
+            self._forget.append([chain[t.next_save : t.suspect_end] for chain in t.chains])
 
     def pending(self) -> int:
         """Lookups not yet consumed (for tests and metrics)."""

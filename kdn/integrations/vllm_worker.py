@@ -324,6 +324,25 @@ class WorkerSide:
         with self._lock:  # also counted on the saver thread
             self.stats.save_errors += 1
 
+    def forget(self, keys_by_rank: list[list[bytes]]) -> None:
+        """Delete this rank's chunks of ``keys_by_rank`` in every encoding, on the saver
+        thread after the saves handed to it before (``KDNConnectorMetadata.forget``)."""
+        if self.rank >= len(keys_by_rank) or not keys_by_rank[self.rank]:
+            return
+        doomed = [keys.variant_key(k, e) for k in keys_by_rank[self.rank]
+                  for e in self.shape.encodings]
+        with self._lock:
+            self._saves.append(self._saver.submit(self._delete, doomed))
+
+    def _delete(self, doomed: list[bytes]) -> None:
+        try:
+            self.client.delete(doomed, namespace=self.config.namespace)
+            log.info("kdn: %d chunks that may hold KV computed over a failed load were "
+                     "deleted", len(doomed))
+        except Exception as exc:  # best effort, as saves
+            self._save_failed("kdn: deleting %d chunks computed over a failed load failed: "
+                              "%s", len(doomed), exc)
+
     def end_step(self, saves: list[SaveSpec] | None = None) -> None:
         """vLLM's ``wait_for_save``: the step's loads end, its saves go to the background."""
         self._release()
@@ -332,10 +351,12 @@ class WorkerSide:
         (requests, blocks), self._step_failed = self._step_failed, (set(), set())
         if not gathered or saves is None:
             return
-        dropped = {s.req_id for s in saving if s.req_id in requests or blocks & set(s.block_ids)}
+        dropped = {s.req_id for s in saving if s.req_id in requests
+                   or blocks & set(s.attended or s.block_ids)}
         if dropped:  # computed over blocks a failed load left unwritten: wrong KV. vLLM
-            # recomputes them (and the scheduler's mend stores them then); a request that
-            # shares those blocks through vLLM's prefix cache is mended the same way
+            # recomputes them (and the scheduler's mend stores them then); so for a request
+            # that attended over those blocks through vLLM's prefix cache: not stored, also
+            # where it ends before a recompute (aborted)
             log.info("kdn: the loads of requests %s failed this step; their saves are not "
                      "stored", sorted(dropped))
         if len(gathered) != self.layout.num_layers:
