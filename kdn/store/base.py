@@ -199,7 +199,9 @@ class Tier(abc.ABC):
         return [self.size_of(k) for k in keys]
 
     def ttl_remaining(self, key: bytes) -> float | None:
-        """Seconds until ``key`` expires; None when it has no expiry (or is absent)."""
+        """Seconds until ``key`` expires; None only when the tier holds it with no expiry; 0.0
+        when it is absent or expired (a read that raced its expiry: nothing is left to keep).
+        A tier that keeps no times to live answers None."""
         return None
 
     def written_at(self, key: bytes) -> float | None:

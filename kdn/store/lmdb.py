@@ -380,7 +380,9 @@ class LmdbTier(Tier):
 
     def ttl_remaining(self, key: bytes) -> float | None:
         m = self._meta(key)
-        return None if m is None or not m[1] else max(0.0, m[1] - time.time())
+        if m is None:
+            return 0.0  # absent, or expired (``Tier.ttl_remaining``)
+        return None if not m[1] else max(0.0, m[1] - time.time())
 
     def keys(self, prefix: bytes = b"") -> Iterator[bytes]:
         out = []

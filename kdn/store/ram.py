@@ -124,7 +124,9 @@ class RamTier(Tier):
 
     def ttl_remaining(self, key: bytes) -> float | None:
         with self._lock:
-            if not self._live(key) or key not in self._expiry:
+            if not self._live(key):
+                return 0.0  # absent, or expired (``Tier.ttl_remaining``)
+            if key not in self._expiry:
                 return None
             return max(0.0, self._expiry[key] - time.monotonic())
 

@@ -218,7 +218,9 @@ class RedisTier(Tier):
     def ttl_remaining(self, key: bytes) -> float | None:
         with self.transport.slot(key):
             ms = self.transport.call(self.client.pttl, self._manifest_key(key))
-        return None if ms is None or ms < 0 else ms / 1000.0
+        if ms == -1:  # held with no expiry; -2: absent (expired since a read), 0: its last ms
+            return None
+        return 0.0 if ms is None or ms < 0 else ms / 1000.0
 
     def get(self, key: bytes) -> bytes | None:
         self._settle([key])

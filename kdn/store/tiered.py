@@ -17,7 +17,8 @@ a new stamp (``kdn.store.checked`` remembers the stamps checked).
 A value still in a tier's write queue is served as if the tier held it
 (a pending delete hides what the tier holds). A hit below the first tier is promoted: into the
 first tier (RAM) at once, into other tiers above it through their write queues, keeping the
-entry's remaining TTL, unless the key was written or deleted since the read began (its
+entry's remaining TTL (one that expired since its read is a miss there, never promoted with
+no TTL), unless the key was written or deleted since the read began (its
 generation, ``kdn.store.locks``): an older value never lands over an acknowledged one.
 
 Writes always go to the first tier, then to each lower tier either synchronously or through
@@ -70,7 +71,7 @@ from kdn.options import Durability
 from kdn.store.base import EvictHook, Tier, TierStats
 from kdn.store.checked import CheckedStamps
 from kdn.store.framed import Framed
-from kdn.store.health import TierHealth
+from kdn.store.health import Fault, TierHealth
 from kdn.store.hits import FramedHit, Hit, Presence, WritePolicy
 from kdn.store.locks import KeyLocks
 from kdn.store.lower import LowerWrites
@@ -223,8 +224,14 @@ class TieredStore:
                 if stamp:  # this very value was checked: its later reads are not re-hashed
                     self._checked.remember(tier.name, key, stamp)
             if i > 0:
-                ttl = guard(tier, partial(tier.ttl_remaining, key), "ttl_remaining")
-                self._promote(i, key, value, ttl, seen)
+                ttl = self._health.attempt(tier, partial(tier.ttl_remaining, key),
+                                           "ttl_remaining")
+                if isinstance(ttl, Fault):  # its time to live unknown: served, not promoted
+                    self.count("promotions_skipped")
+                elif ttl is not None and ttl <= 0:
+                    continue  # expired since the read (a miss there), never kept for ever
+                else:
+                    self._promote(i, key, value, ttl, seen)
             return Hit(value, tier.name, stamp)
         return None
 
