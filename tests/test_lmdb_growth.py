@@ -248,3 +248,22 @@ def test_the_disk_tier_is_private_to_the_servers_user(tmp_path: Path) -> None:
                 assert (path / name).stat().st_mode & 0o777 == 0o600, name
         finally:
             tier.close()
+
+
+def test_a_smaller_budget_at_restart_evicts_the_oldest_and_takes_writes(tmp_path: Path) -> None:
+    """Reopened with a budget smaller than the data there (and its map ceiling below the data
+    file), the tier evicts its oldest entries down to the budget at once and writes go on (all
+    were refused, map full, for good)."""
+    tier = LmdbTier(tmp_path / "l", capacity_bytes=64 << 20, initial_map_bytes=1 << 20)
+    for i in range(80):
+        tier.put(b"k/%03d" % i, os.urandom(VALUE * 8))
+    tier.close()
+    small = LmdbTier(tmp_path / "l", capacity_bytes=4 << 20, initial_map_bytes=1 << 20)
+    try:
+        assert small.stats().bytes <= 4 << 20
+        assert not small.contains(b"k/000") and small.contains(b"k/079")
+        for i in range(40):
+            small.put(b"n/%03d" % i, os.urandom(VALUE * 4))
+        assert small.contains(b"n/039") and small.stats().bytes <= 4 << 20
+    finally:
+        small.close()

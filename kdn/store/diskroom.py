@@ -5,12 +5,16 @@ but a file never gives its pages back, and copy-on-write with readers open may h
 old pages a while: a file may reach well past the bytes live in it. A budget that the
 filesystem can not hold never evicts: once the disk is full every new write fails instead of
 evicting the oldest entries. ``fitted`` cuts a budget to ``FIT`` of the room there is when the
-tier opens (the free bytes plus the data file's own), and says so."""
+tier opens (the free bytes plus the data file's own), and says so. ``make_private`` keeps the
+tier's folder and files to kdn's user."""
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 FIT = 0.75
 """Share of the filesystem's room a disk tier's budget may take (module docstring)."""
@@ -54,3 +58,18 @@ def describe(path: Path, need: int) -> str:
         return f"the free space of {path}'s filesystem is not known"
     full = "the disk is full: " if free < need + (1 << 20) else ""
     return f"{full}{free} bytes free on the filesystem of {path}"
+
+
+def make_private(path: Path) -> None:
+    """Take group and others' access away from ``path`` (the disk tier's folder and files:
+    every tenant's KV is in them, and a tenant reads only its own through the server)."""
+    mode = path.stat().st_mode
+    if mode & 0o077:
+        try:
+            path.chmod(mode & 0o700)
+        except OSError as exc:  # not this user's to change: said, and left as it is
+            log.warning("%s is open to other users (mode %o) and can not be made private: "
+                        "%s", path, mode & 0o777, exc)
+            return
+        log.warning("%s was open to other users (mode %o); made private to kdn's user", path,
+                    mode & 0o777)

@@ -48,6 +48,9 @@ to the caller, never an error of the request.
 One process: the tier holds ``kdn.store.dirlock.DirLock`` on its folder from open to
 ``close``; a second opener (another process, or this one again) is refused with ``InUse``.
 
+Smaller budget: a tier opened holding more than ``capacity_bytes`` (a restart with a smaller
+``disk_bytes``) evicts its oldest entries down to it at once, and its map may pass that file.
+
 Map growth: the map starts small and doubles up to ``max_map_bytes`` on ``MapFullError``;
 resizing needs every transaction of this process closed, so transactions share a
 readers-writer lock that ``_grow`` takes exclusively. A writer that found the map full grows it
@@ -73,7 +76,7 @@ import lmdb
 from kdn.errors import Corrupt, PartlyUnavailable, TierUnavailable, TooLarge
 from kdn.store.base import Tier, TierStats
 from kdn.store.dirlock import DirLock
-from kdn.store.diskroom import describe, fitted
+from kdn.store.diskroom import describe, fitted, make_private
 from kdn.store.locks import RWLock
 
 log = logging.getLogger(__name__)
@@ -104,21 +107,6 @@ def _unmeta(raw: bytes | memoryview) -> tuple[int, float, int, float]:
     if len(raw) != _META.size:
         return _DAMAGED_META
     return _META.unpack(raw)  # type: ignore[no-any-return]
-def _private(path: Path) -> None:
-    """Take group and others' access away from ``path`` (the disk tier's folder and files:
-    every tenant's KV is in them, and a tenant reads only its own through the server)."""
-    mode = path.stat().st_mode
-    if mode & 0o077:
-        try:
-            path.chmod(mode & 0o700)
-        except OSError as exc:  # not this user's to change: said, and left as it is
-            log.warning("%s is open to other users (mode %o) and can not be made private: "
-                        "%s", path, mode & 0o777, exc)
-            return
-        log.warning("%s was open to other users (mode %o); made private to kdn's user", path,
-                    mode & 0o777)
-
-
 def _read_failed(exc: lmdb.Error) -> TierUnavailable:
     """What a read LMDB failed raises: a reader table full (more reads at once than
     ``max_readers``) fails that read only (``PartlyUnavailable``); anything else (an I/O error,
@@ -160,7 +148,7 @@ class LmdbTier(Tier):
             raise ValueError(f"capacity_bytes must be > 0, got {capacity_bytes}")
         self.path = Path(path)
         self.path.mkdir(parents=True, exist_ok=True, mode=0o700)
-        _private(self.path)
+        make_private(self.path)
         self.capacity_bytes, cut = fitted(self.path, capacity_bytes)
         if cut:  # a budget nobody set (the server's default) is cut without a warning
             log.log(logging.DEBUG if quiet_cut else logging.WARNING, "%s", cut)
@@ -178,7 +166,7 @@ class LmdbTier(Tier):
                 mode=0o600,
             )
             for name in ("data.mdb", "lock.mdb"):  # (made by an older kdn: world-readable)
-                _private(self.path / name)
+                make_private(self.path / name)
             short = self._truncated()  # before any database is opened: opening one reads
             if short:  # its root page, which may lie past the end (SIGBUS)
                 raise TierUnavailable(f"can not open LMDB at {self.path}: {short}; move the "
@@ -203,8 +191,26 @@ class LmdbTier(Tier):
             raise
         self._stamp_lock = threading.Lock()
         self._map_bytes = int(self.env.info()["map_size"])  # changed only by ``_grow``
+        # room past a file a larger budget left: deletes take fresh pages first (copy-on-write)
+        room = 0 if max_map_bytes else _MIN_MAP
+        self.max_map_bytes = max(self.max_map_bytes, self._map_bytes + room)
         self._closed = False
         self._file_id = self._data_file()  # the file opened; see ``healthy``
+        self._fit_budget()
+
+    def _fit_budget(self) -> None:
+        """At open: evict the oldest entries of a tier holding more than ``capacity_bytes``
+        (left by a larger budget), in one write transaction, so writes fit again."""
+        with self._read() as txn:
+            used = self._used(txn)
+        if used <= self.capacity_bytes:
+            return
+        log.warning("disk tier %s: holds %d bytes, over its %d-byte budget; evicting its "
+                    "oldest entries", self.path, used, self.capacity_bytes)
+        try:
+            self._write(lambda txn: self._evict(txn, keep=set()), 0)
+        except (TooLarge, PartlyUnavailable) as exc:  # the tier opens; its writes may fail
+            log.warning("disk tier %s: eviction down to its budget failed: %s", self.path, exc)
 
     # -- helpers --------------------------------------------------------------------------------
 
