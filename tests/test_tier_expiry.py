@@ -53,3 +53,20 @@ def test_ttl_remaining_tells_no_expiry_from_absent(tmp_path: Path) -> None:
         assert ram.ttl_remaining(b"brief") == 0.0 and disk.ttl_remaining(b"brief") == 0.0
     finally:
         disk.close()
+
+
+def test_a_pin_ends_with_its_entry(tmp_path: Path) -> None:
+    """A pinned entry that expired leaves no pin behind: the key stored again without ``pin``
+    is not pinned (it was, and could never be evicted); a live pinned entry stored again keeps
+    its pin."""
+    store = TieredStore([RamTier(1 << 20), LmdbTier(tmp_path / "lmdb", capacity_bytes=8 << 20)])
+    try:
+        store.put(b"p", b"a" * 10, pin=True, ttl_s=0.1)
+        store.put(b"live", b"b" * 10, pin=True)
+        time.sleep(0.2)
+        assert store.get(b"p") is None
+        store.put(b"p", b"c" * 10)
+        store.put(b"live", b"d" * 10)
+        assert not store.is_pinned(b"p") and store.is_pinned(b"live")
+    finally:
+        store.close()

@@ -43,7 +43,8 @@ queued in the write's place (reads skip the tier's copy meanwhile).
 Eviction: tiers evict on their own budget (RAM: LRU; disk: approximate LRU) but skip keys
 for which ``protected`` (wired here to the pin set) answers true. Evictions from a tier that
 ``reports_evictions`` are demoted to the first lower tier that does not hold the entry (through
-its queue) when ``demote`` is set. Pins live in this process's memory.
+its queue) when ``demote`` is set. Pins live in this process's memory; a pin outlives no
+entry: a store without ``pin`` of a key no tier holds (its pinned entry expired) drops it.
 
 Key-level ordering: synchronous lower-tier writes, deletes and queue flushes of one key hold
 that key's stripe lock (``kdn.store.locks``), so an older queued value never lands over a newer
@@ -402,6 +403,9 @@ class TieredStore:
                                           or not self.tiers[0].takes_framed):
             value = value.joined()
         was_pinned = self.is_pinned(key)
+        if was_pinned and not pin and not self.presence(key).present:
+            self.unpin(key)  # its entry expired (or left): a new one is not pinned by it
+            was_pinned = False
         if pin:
             self.pin(key)
         try:
