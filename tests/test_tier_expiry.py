@@ -70,3 +70,13 @@ def test_a_pin_ends_with_its_entry(tmp_path: Path) -> None:
         assert not store.is_pinned(b"p") and store.is_pinned(b"live")
     finally:
         store.close()
+
+
+def test_the_ram_sweep_counts_what_it_removes() -> None:
+    ram = RamTier(1 << 20)
+    for i in range(5):
+        ram.put(b"e/%d" % i, b"x" * 100, ttl_s=0.05)
+    ram.put(b"keep", b"y" * 10)
+    time.sleep(0.1)
+    assert ram.sweep_expired() == (5, 500)
+    assert list(ram.keys()) == [b"keep"] and ram.used_bytes == 10

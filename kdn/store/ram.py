@@ -188,6 +188,18 @@ class RamTier(Tier):
         with self._lock:
             return self._remove(key) is not None
 
+    def sweep_expired(self) -> tuple[int, int]:
+        """Remove the entries whose time to live has passed, counted as removed under the
+        lock (``Tier.sweep_expired``'s reads would drop them uncounted first)."""
+        removed = freed = 0
+        with self._lock:
+            now = time.monotonic()
+            for key in [k for k, exp in self._expiry.items() if exp <= now]:
+                value = self._remove(key)
+                if value is not None:
+                    removed, freed = removed + 1, freed + len(value)
+        return removed, freed
+
     def keys(self, prefix: bytes = b"") -> Iterator[bytes]:
         with self._lock:
             snapshot = list(self._data)
