@@ -153,3 +153,27 @@ def test_a_restored_entry_keeps_its_time_to_live_and_pin(tmp_path: Path) -> None
                 namespace="default", key=ks[2], value=recs[ks[2]].value, ttl_seconds=ttl)
                 for ttl in (-1.0, float("nan"), 1e300)]), timeout=30)
         assert (got.imported, got.rejected) == (0, 3)
+
+
+def test_a_verify_while_a_tier_is_down_verifies_the_others_and_says_so(tmp_path: Path) -> None:
+    """Redis down: verify checks the RAM and disk tiers (their damaged copies removed) and
+    then fails as Unavailable naming redis (it failed UNKNOWN with TierUnavailable's class,
+    and the tiers after redis were never verified)."""
+    with RedisServer(tmp_path / "redis") as redis, ServerThread(ServerConfig(
+            port=0, data_dir=tmp_path / "n", redis_url=redis.url,
+            tier_order=("ram", "redis", "disk"))) as st:
+        ks = [keys.chunk_key([i], LAY) for i in range(3)]
+        with Client(st.address, shm_bytes=0) as c:
+            for i, k in enumerate(ks):
+                c.store(k, random_kv(LAY, 8, seed=i))
+        st.server.store.flush()
+        skeys = [keys.store_key("", "default", k) for k in ks]
+        ram, disk = _tier(st, "ram"), _tier(st, "disk")
+        _damage(ram, skeys[0])
+        _damage(disk, skeys[1])
+        redis.kill()
+        with AdminClient(st.address) as a, pytest.raises(
+                Unavailable, match="tier redis does not answer: not verified"):
+            a.verify()
+        assert ram.get(skeys[0]) is None and disk.get(skeys[1]) is None  # verified: removed
+        assert ram.get(skeys[2]) is not None and disk.get(skeys[2]) is not None

@@ -246,8 +246,16 @@ class AdminServicer(pb_grpc.KDNAdminServicer):
             require_admin()
         except KDNError as exc:
             await context.abort(grpc_code(exc), str(exc))
+        down: list[str] = []  # not verified: said at the end, once the others are
         for tier in self.store.tiers:
-            keys = await asyncio.to_thread(_all_keys, tier)
+            try:
+                if not self.store.is_up(tier.name):
+                    raise TierUnavailable("marked down")
+                keys = await asyncio.to_thread(_all_keys, tier)
+            except KDNError as exc:
+                log.warning("verify: tier %s does not answer (%s); not verified", tier.name, exc)
+                down.append(tier.name)
+                continue
             prog = pb.VerifyProgress(tier=tier.name, total=len(keys))
             for i, k in enumerate(keys):
                 bad = await asyncio.to_thread(self._verify_one, tier, k, request.dry_run)
@@ -261,6 +269,10 @@ class AdminServicer(pb_grpc.KDNAdminServicer):
                     del prog.corrupt_keys[:]
             prog.done = True
             yield prog
+        if down:
+            gone = TierUnavailable(f"tier {', '.join(down)} does not answer: not verified "
+                                   "(the others were); verify again once it is back")
+            await context.abort(grpc_code(gone), str(gone))
 
     def _verify_one(self, tier: Tier, key: bytes, dry_run: bool) -> bool:
         try:
