@@ -20,6 +20,11 @@ LEVELS: dict[str, tuple[str, ...]] = {
 EXACT_MODES = frozenset({"raw", "lossless"})
 """The modes that give back the KV they were given, bit for bit; the others approximate it."""
 
+
+def exact(encoding: str) -> bool:
+    """Whether ``encoding`` (``mode`` or ``mode-level``) is of one of ``EXACT_MODES``."""
+    return encoding.partition("-")[0] in EXACT_MODES
+
 DEFAULT_LEVELS: dict[str, str] = {"kdn": "default"}
 """The level a mode's name alone stands for where it has several (``kdn-default`` is what
 ``kdn.delivery`` stores by default); a mode of one level stands for that level, ``""``."""

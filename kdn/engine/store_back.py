@@ -36,6 +36,7 @@ import torch
 from kdn import keys
 from kdn.cache import KVCache, LayerKV, to_pinned_host
 from kdn.codec.catalog import EXACT_MODES
+from kdn.codec.catalog import exact as exact_encoding
 from kdn.delivery import encoding_name
 from kdn.layout import KVLayout
 
@@ -121,7 +122,7 @@ class StoreBack:
     @staticmethod
     def _exact_allowed(first_block: int, loaded: str) -> bool:
         """Whether blocks computed after ``first_block`` loaded blocks in ``loaded`` are exact."""
-        return first_block == 0 or loaded.partition("-")[0] in EXACT_MODES
+        return first_block == 0 or exact_encoding(loaded)
 
     def _run(self, ids: list[int], snapshot: list[LayerKV], first_block: int, ready: Any,
              rewrite: str, exact: bool) -> None:

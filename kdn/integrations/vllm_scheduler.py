@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 
 from kdn import keys
 from kdn.client import Client
-from kdn.codec.catalog import EXACT_MODES
+from kdn.codec.catalog import exact
 from kdn.delivery import NETWORK, RECOMPUTE, SAME_HOST, LoadingController
 from kdn.integrations.vllm_keys import request_chains
 from kdn.integrations.vllm_meta import (
@@ -196,7 +196,7 @@ class SchedulerSide:
         tracked.block_ids = list(block_ids)
         if num_external <= 0:
             return
-        tracked.exact = tracked.exact and found.encoding.partition("-")[0] in EXACT_MODES
+        tracked.exact = tracked.exact and exact(found.encoding)
         c = self.shape.chunk_tokens
         start = look.local_hit if look is not None else 0
         end = start + num_external
