@@ -88,7 +88,11 @@ class TooLarge(KDNError, status=Status.RESOURCE_EXHAUSTED):
 
 
 class RateLimited(TooLarge):
-    """A tenant exceeded its request rate."""
+    """A tenant exceeded its request rate. A server's message for it begins with ``MARK``, which
+    is how a client tells it from another RESOURCE_EXHAUSTED answer (``kdn.status``): back off and
+    retry, rather than send less."""
+
+    MARK = "rate limited: "
 
 
 class Unauthenticated(KDNError, status=Status.UNAUTHENTICATED):

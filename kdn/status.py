@@ -17,6 +17,7 @@ from kdn.errors import (
     LayoutMismatch,
     NotFound,
     PermissionDenied,
+    RateLimited,
     Status,
     TooLarge,
     Unauthenticated,
@@ -36,6 +37,14 @@ _BY_CODE: dict[grpc.StatusCode, type[KDNError]] = {
 }
 
 
+def _kind(code: grpc.StatusCode, details: str) -> type[KDNError]:
+    """The kind of a server's answer: its code's, or the narrower kind that shares the code
+    and marks its message (a rate limit is RESOURCE_EXHAUSTED, as a size limit is)."""
+    if code is grpc.StatusCode.RESOURCE_EXHAUSTED and details.startswith(RateLimited.MARK):
+        return RateLimited
+    return _BY_CODE.get(code, KDNError)
+
+
 def grpc_code(exc: BaseException) -> grpc.StatusCode:
     """The status code a server answers for ``exc``."""
     if isinstance(exc, KDNError):
@@ -47,7 +56,7 @@ def error_of(status: str, message: str) -> KDNError:
     """The kdn error a server answered with on the same-host fast path or the network data
     path: its status name and message (``answered``: the call is over on the server)."""
     code = grpc.StatusCode.__members__.get(status, grpc.StatusCode.UNKNOWN)
-    out = _BY_CODE.get(code, KDNError)(f"{code.name}: {message}")
+    out = _kind(code, message)(f"{code.name}: {message}")
     out.status = Status.__members__.get(code.name, Status.UNKNOWN)
     out.answered = True
     return out
@@ -57,7 +66,6 @@ def from_grpc(err: grpc.RpcError) -> KDNError:
     """The kdn error a client raises for a failed RPC."""
     code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
     details = err.details() if hasattr(err, "details") else str(err)
-    kind = _BY_CODE.get(code, KDNError)
-    out = kind(f"{code.name}: {details}")
+    out = _kind(code, details or "")(f"{code.name}: {details}")
     out.status = Status.__members__.get(code.name, Status.UNKNOWN)
     return out

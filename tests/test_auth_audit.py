@@ -25,12 +25,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kdn import keys
 from kdn.client import Client
 from kdn.client.client import TLSOptions
-from kdn.errors import Unauthenticated
+from kdn.errors import RateLimited, TooLarge, Unauthenticated
 from kdn.server import ServerConfig, ServerThread
 from kdn.server.app import grpc_options
 from kdn.server.auth import digest
 from kdn.server.observe import AuditLog
-from tests.helpers import eventually, make_certs, uniform_layout
+from tests.helpers import eventually, make_certs, random_kv, uniform_layout
 from tests.test_mtls_identity import issue
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -269,6 +269,29 @@ def test_calls_refused_by_a_rate_limit_are_recorded(
         assert eventually(lambda: refused(_scrape_text(st.server.metrics_port)) - before == 3
                           and len(logged()) == 5, timeout=10)
     assert logged() == [("OK", "slow")] * 2 + [("RESOURCE_EXHAUSTED", "slow")] * 3
+
+
+@pytest.mark.parametrize("data_path", [False, True])
+def test_a_rate_limit_reaches_the_client_as_rate_limited(tmp_path: Path, data_path: bool) -> None:
+    """A call refused by the tenant's rate limit raises RateLimited, over gRPC and over the
+    data path (it was TooLarge, the kind a client answers by sending less, and a GetMany
+    refused so over gRPC was taken for entries too large for a message); a size refusal
+    stays TooLarge."""
+    auth = _auth_file(tmp_path, 'tenants:\n  slow: {api_keys: ["key-s"], rate_rps: 0.01, '
+                                'burst: 3}\n')
+    cfg = ServerConfig(port=0, data_dir=tmp_path / "d", auth_file=str(auth), disk_bytes=0,
+                       max_entry_bytes=1 << 16)
+    keys_ = [bytes([i]) * 32 for i in range(3)]
+    with ServerThread(cfg) as st, Client(st.address, api_key="key-s", shm_bytes=0,
+                                         data_path=data_path) as c:
+        with pytest.raises(TooLarge) as big:  # (one call of the burst)
+            c.store(keys_[0], random_kv(uniform_layout(), 1024), mode="raw")
+        assert not isinstance(big.value, RateLimited)
+        c.store_many([(k, random_kv(uniform_layout(), 16, seed=i))
+                      for i, k in enumerate(keys_)], mode="raw")
+        with pytest.raises(RateLimited, match="exceeded 0.01 requests/s"):
+            for _ in range(4):
+                assert all(f is not None for f in c.fetch_many(keys_))
 
 
 # ------------------------------------------------------------- connection limits

@@ -389,7 +389,7 @@ class Authenticator:
             with self._lock:
                 ok = bucket.take()
             if not ok:
-                raise RateLimited(f"tenant {principal.tenant!r} exceeded "
+                raise RateLimited(f"{RateLimited.MARK}tenant {principal.tenant!r} exceeded "
                                   f"{bucket.rate:g} requests/s")
 
     # -- byte quotas ----------------------------------------------------------------------------
