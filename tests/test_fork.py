@@ -187,3 +187,44 @@ def test_a_parents_async_client_refuses_in_the_child(server: ServerThread) -> No
     finally:
         asyncio.run(ac.close())
         ac.client.close()
+
+
+@pytest.mark.parametrize("remote", [False, True], ids=["same-host", "remote"])
+def test_a_fork_leaves_another_threads_unanswered_stores_to_the_parent(
+        server: ServerThread, remote: bool) -> None:
+    """A thread's stores sent and not yet answered when another thread forks are answered in
+    the parent, each with its own answer: the child, where that thread is gone, settled them
+    as a dead thread's and read their answers off the connection it shares with the parent
+    (the parent's flush then waited its whole deadline, and reported stored entries as maybe
+    not stored)."""
+    import threading
+
+    extra = {"shm_bytes": 0} if remote else {}
+    kvs = [random_kv(LAYOUT, 16, seed=10 + i) for i in range(5)]
+    with Client(server.address, timeout_s=4, **extra) as c:  # type: ignore[arg-type]
+        c.store(numbered_key(0), kvs[0])  # attached (same host) / connected
+        sent, go, out = threading.Event(), threading.Event(), {}
+
+        def worker() -> None:
+            for i in range(1, 5):
+                c.store_async(numbered_key(i), kvs[i], mode="raw")
+            sent.set()
+            go.wait()
+            t0 = time.monotonic()
+            try:
+                c.flush()
+                out["flush"] = "ok"
+            except Exception as exc:  # noqa: BLE001
+                out["flush"] = f"{type(exc).__name__}: {exc}"
+            out["s"] = time.monotonic() - t0
+
+        t = threading.Thread(target=worker)
+        t.start()
+        assert sent.wait(10)
+        assert in_child(lambda: time.sleep(0.5) or "ok") == "ok"
+        go.set()
+        t.join(10)
+        assert out.get("flush") == "ok" and out["s"] < 2, out
+        for i in range(1, 5):
+            got = c.retrieve(numbered_key(i), layout=LAYOUT)
+            assert got is not None and got.equal(kvs[i])

@@ -11,8 +11,12 @@ one per thread it ever served (the server admits ``kdn.server.netpath.MAX_PER_TI
 ticket's at once). Stores the thread sent and left unanswered are settled first, on a thread
 of their own, by the path's ``orphaned(conn, pending)``: their answers read on the connection
 where it still stands (their regions of a segment come back), each failed otherwise; where
-the path itself is gone, each fails UNAVAILABLE. ``close`` shuts down and closes every
-thread's connection (the client closed), and one a thread opens after it.
+the path itself is gone, each fails UNAVAILABLE. In a child of ``fork()`` (whose threads but
+the forking one are gone, and their ``Held`` with them) nothing is settled: the connections
+and the stores are the parent's, and an answer read in the child is lost to the parent (or
+handed to another of its stores); the child only closes its copy of the connection.
+``close`` shuts down and closes every thread's connection (the client closed), and one a
+thread opens after it.
 
 A server that refuses a thread's new connection for its limits (RESOURCE_EXHAUSTED on its
 first call) makes the path raise ``Crowded``: that call goes by gRPC, and so do the thread's
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import socket
 import threading
 import time
@@ -89,10 +94,15 @@ Orphaned = Callable[[socket.socket | None, deque[Any]], None]
 
 
 def _close(open_: dict[int, socket.socket], token: int, pending: deque[Any],
-           orphaned: weakref.WeakMethod[Orphaned] | None) -> None:
+           orphaned: weakref.WeakMethod[Orphaned] | None, pid: int) -> None:
     """A ``Held`` died (its thread ended): its connection goes too, once the stores sent on
-    it and left unanswered are settled (module docstring)."""
+    it and left unanswered are settled (module docstring); in a child of ``fork()`` (not
+    ``pid``, whose thread it was) the child's copy of the connection is closed, no more."""
     conn = open_.pop(token, None)
+    if os.getpid() != pid:
+        if conn is not None:
+            conn.close()  # (the child's descriptor: the parent's connection stands)
+        return
     settle = orphaned() if orphaned is not None and pending else None
     if settle is not None:
         try:  # not here: a finalizer may run on any thread, inside any of its calls
@@ -140,7 +150,7 @@ class PerThread:
         if held is None:
             held = self._local.held = Held(next(self._tokens))
             weakref.finalize(held, _close, self._open, held.token, held.pending,
-                             self._orphaned).atexit = False  # (its fds go with the process)
+                             self._orphaned, os.getpid()).atexit = False  # (fds: the process')
         return held
 
     def peek(self) -> Held | None:
