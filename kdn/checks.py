@@ -19,8 +19,21 @@ def whole(name: str, value: object, low: int = 0, hint: str = "",
     """``value`` as an int when it is a whole number >= ``low``; else ``error`` naming
     ``name`` (``hint``: what follows the bound, e.g. what 0 or None means)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
-        raise error(f"{name} must be a whole number >= {low}{hint}, got {value!r}")
+        raise error(f"{name} must be a whole number >= {low}{hint}, got {value!r}"
+                    f"{not_an_int(value)}")
     return int(value)
+
+
+def not_an_int(value: object) -> str:
+    """What follows a refusal of ``value`` as a whole number where it holds one in another
+    type (``1.0``: a whole number, but a float)."""
+    if isinstance(value, numbers.Real) and not isinstance(value, bool | numbers.Integral):
+        try:
+            if float(value).is_integer():
+                return f" (an int is needed, not {type(value).__name__})"
+        except (OverflowError, ValueError):
+            pass
+    return ""
 
 
 def share(name: str, value: object) -> float:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from kdn.checks import not_an_int
 from kdn.errors import InvalidArgument
 
 _MAX_TTL_S = 2**64 - 1  # the wire field is a uint64
@@ -40,7 +41,8 @@ class StoreOptions:
 
     def __post_init__(self) -> None:
         if isinstance(self.ttl_s, bool) or not isinstance(self.ttl_s, int):
-            raise InvalidArgument(f"ttl_s must be a whole number of seconds, got {self.ttl_s!r}")
+            raise InvalidArgument(f"ttl_s must be a whole number of seconds, got {self.ttl_s!r}"
+                                  f"{not_an_int(self.ttl_s)}")
         if not 0 <= self.ttl_s <= _MAX_TTL_S:
             raise InvalidArgument(f"ttl_s must be in [0, 2**64), got {self.ttl_s}")
         if not isinstance(self.pin, bool):

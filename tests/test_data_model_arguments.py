@@ -12,6 +12,7 @@ import pytest
 from kdn import checks, codec, keys
 from kdn.cache import KVCache
 from kdn.errors import InvalidArgument
+from kdn.options import StoreOptions
 from tests.helpers import random_kv, uniform_layout
 
 LAY = uniform_layout(layers=2, dim=8)
@@ -33,6 +34,9 @@ CALLS: dict[str, tuple[Callable[[], Any], str]] = {
     "kv.slice(None)": (lambda: KV.slice(None), "start must be a whole number"),
     "kv.slice(1.5)": (lambda: KV.slice(1.5), "start must be a whole number"),
     "kv.slice(0, 2.0)": (lambda: KV.slice(0, 2.0), "stop must be a whole number"),
+    "whole(2.0)": (lambda: checks.whole("n", 2.0), r"got 2\.0 \(an int is needed, not float\)"),
+    "StoreOptions(ttl_s=60.0)": (lambda: StoreOptions(ttl_s=60.0),
+                                 r"got 60\.0 \(an int is needed, not float\)"),
     "StreamDecoder(None)": (lambda: codec.StreamDecoder(None), "container header"),
     "StreamDecoder('x')": (lambda: codec.StreamDecoder("x"), "container header"),
     "decode_frame(0, None)": (lambda: codec.StreamDecoder(PARTS.header).decode_frame(0, None),
