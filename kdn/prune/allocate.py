@@ -29,6 +29,7 @@ import enum
 import math
 from collections.abc import Sequence
 
+from kdn.checks import whole
 from kdn.errors import InvalidArgument
 
 
@@ -118,11 +119,18 @@ def removal_counts(ratios: Sequence[float], units: int, total: int | None = None
 
     Floors of ``ratio·units`` first, then one unit at a time to the block furthest below its
     share (largest remainder; ties to the lower index), never above ``max_per_block``
-    (default ``units - 1``: every block keeps at least one unit).
+    (default ``units - 1``: every block keeps at least one unit). InvalidArgument for a ratio
+    outside [0, 1] (or NaN) and for a ``total`` or ``max_per_block`` that is not a whole number
+    >= 0: a negative count would drop channels from the wrong end.
     """
-    limit = units - 1 if max_per_block is None else min(max_per_block, units - 1)
+    units = whole("units", units, 1)
+    for i, r in enumerate(ratios):
+        if not 0.0 <= r <= 1.0:  # NaN too
+            raise InvalidArgument(f"block {i}: removal ratio must be in [0, 1], got {r}")
+    limit = units - 1 if max_per_block is None else \
+        min(whole("max_per_block", max_per_block), units - 1)
     want = [r * units for r in ratios]
-    total = round(sum(want)) if total is None else total
+    total = round(sum(want)) if total is None else whole("total", total)
     if total > limit * len(ratios) or total < 0:
         raise InvalidArgument(f"can not remove {total} of {units} units in {len(ratios)} blocks")
     counts = [min(limit, math.floor(x + 1e-9)) for x in want]

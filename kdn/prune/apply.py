@@ -33,6 +33,7 @@ removed channels had zero weights gives the unpruned model's logits exactly.
 from __future__ import annotations
 
 import json
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -102,8 +103,15 @@ def kept_from_scores(pair_scores: torch.Tensor, v_scores: torch.Tensor, k_pairs_
     """One block's kept K and V channels: drop the lowest-scoring pairs / channels.
 
     pair_scores: [head_dim/2]; v_scores: [head_dim]. Ties go to the lower index (kept first).
+    A count must be a whole number that leaves at least one pair / channel (InvalidArgument).
     """
     half = pair_scores.shape[0]
+    for name, count, units in (("k_pairs_removed", k_pairs_removed, half),
+                               ("v_removed", v_removed, v_scores.shape[0])):
+        if isinstance(count, bool) or not isinstance(count, numbers.Integral) \
+                or not 0 <= count < units:
+            raise InvalidArgument(f"{name} must be a whole number in [0, {units}), got "
+                                  f"{count!r}")
     order_k = sorted(range(half), key=lambda c: (float(pair_scores[c]), c))
     low = sorted(order_k[k_pairs_removed:])
     order_v = sorted(range(v_scores.shape[0]), key=lambda c: (float(v_scores[c]), c))
@@ -113,6 +121,10 @@ def kept_from_scores(pair_scores: torch.Tensor, v_scores: torch.Tensor, k_pairs_
 def plan_from_counts(scores: ChannelScores, k_pairs_removed: Sequence[int],
                      v_removed: Sequence[int]) -> PrunePlan:
     """Plan removing ``k_pairs_removed[i]`` rotary pairs and ``v_removed[i]`` V channels."""
+    layers = int(scores.k.shape[0])
+    if len(k_pairs_removed) != layers or len(v_removed) != layers:
+        raise InvalidArgument(f"need one K and one V count per block ({layers}), got "
+                              f"{len(k_pairs_removed)} and {len(v_removed)}")
     pairs = scores.pair_scores()
     kept = [kept_from_scores(pairs[i], scores.v[i], k_pairs_removed[i], v_removed[i])
             for i in range(scores.k.shape[0])]

@@ -1,0 +1,50 @@
+"""KVPruner's refusals of what would prune, score or train by a number that is not one: a
+negative or NaN block ratio, a NaN sensitivity or ε, calibration text too short to predict a
+token, an interval level outside (0, 1), an infinite learning rate, an already-pruned model,
+a malformed ``kdn_pruned`` in a saved config. Each is an error of kdn's tree naming the
+problem, never a plan that quietly prunes the wrong channels or a model whose weights went
+NaN."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kdn.errors import InvalidArgument
+from kdn.prune import channel_scores, plan_from_counts, removal_counts
+from kdn.prune.apply import kept_from_scores
+from tests.test_prune import HD, LAYERS, tiny
+
+NAN, INF = float("nan"), float("inf")
+
+
+# -- counts ------------------------------------------------------------------------------------
+
+
+def test_removal_counts_refuse_ratios_outside_0_1_and_totals_that_are_not_whole() -> None:
+    for ratios in ([-0.25, 0.75], [NAN, 0.5], [INF, 0.0], [0.5, 1.5]):
+        with pytest.raises(InvalidArgument, match="ratio must be in"):
+            removal_counts(ratios, 8)
+    for total in (NAN, 2.5, -1, True):
+        with pytest.raises(InvalidArgument, match="total"):
+            removal_counts([0.25, 0.25], 8, total)  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgument, match="max_per_block"):
+        removal_counts([0.25, 0.25], 8, max_per_block=-1)
+    assert removal_counts([0.0, 0.5], 8) == [0, 4]
+
+
+def test_a_block_count_outside_its_units_is_refused_not_read_as_a_slice() -> None:
+    pairs, vs = torch.arange(8.0), torch.arange(16.0)
+    for k, v in ((-2, 0), (8, 0), (0, -1), (0, 16), (1.0, 0)):
+        with pytest.raises(InvalidArgument, match="removed must be a whole number"):
+            kept_from_scores(pairs, vs, k, v)  # type: ignore[arg-type]
+    kk, vk = kept_from_scores(pairs, vs, 0, 0)
+    assert len(kk) == 16 and len(vk) == 16
+    scores = channel_scores(tiny(), "l1")
+    with pytest.raises(InvalidArgument, match="one K and one V count per block"):
+        plan_from_counts(scores, [1] * (LAYERS - 1), [1] * LAYERS)
+    plan = plan_from_counts(scores, [1] * LAYERS, [2] * LAYERS)
+    assert all(len(k) == HD - 2 and len(v) == HD - 2 for k, v in zip(plan.k_kept, plan.v_kept))
+    assert not math.isnan(plan.kept_fraction())
