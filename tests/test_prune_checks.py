@@ -48,3 +48,24 @@ def test_a_block_count_outside_its_units_is_refused_not_read_as_a_slice() -> Non
     plan = plan_from_counts(scores, [1] * LAYERS, [2] * LAYERS)
     assert all(len(k) == HD - 2 and len(v) == HD - 2 for k, v in zip(plan.k_kept, plan.v_kept))
     assert not math.isnan(plan.kept_fraction())
+
+
+# -- recovery ----------------------------------------------------------------------------------
+
+
+def test_recovery_refuses_a_non_finite_lr_and_a_diverging_loss_leaves_the_model_as_it_was(
+        ) -> None:
+    pytest.importorskip("peft")
+    from kdn.prune.recover import recover
+    from tests.test_prune_recovery import _pruned, _same, _train, _with
+
+    for bad in ({"lr": INF}, {"lr": NAN}, {"steps": 2.5}, {"steps": NAN}, {"warmup": 1.5},
+                {"batch": True}, {"max_seconds": NAN}):
+        with pytest.raises(InvalidArgument):
+            _with(**bad)
+    model, before = _pruned(), _pruned()
+    with pytest.raises(InvalidArgument, match="not finite"):
+        recover(model, _train(), _with(lr=1e30, steps=4))
+    assert _same(model, before)
+    assert not any("lora_" in name for name, _ in model.named_parameters())
+    assert all(bool(torch.isfinite(p).all()) for p in model.parameters())

@@ -38,7 +38,9 @@ Lifecycle of ``recover``:
    judges its first step at the pace of the run it resumes); the state is written every
    ``save_every`` steps and at the end (temp files renamed into place).
 5. The adapters are merged into the weights and peft's wrappers removed: the caller's model
-   object is the recovered model, same modules, same shapes.
+   object is the recovered model, same modules, same shapes. A step whose loss (or whose
+   adapters) is not finite, or any other error, stops the run before that: the adapters are
+   dropped unmerged and the model is left as it was (InvalidArgument for the loss).
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ from typing import Any
 
 import torch
 
+from kdn.checks import whole
 from kdn.errors import InvalidArgument
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -99,12 +102,13 @@ class RecoveryConfig:
 
     def __post_init__(self) -> None:
         for name in ("steps", "rank", "alpha", "batch", "seq_len", "save_every"):
-            if getattr(self, name) <= 0:
-                raise InvalidArgument(f"{name} must be > 0, got {getattr(self, name)}")
-        if not self.lr > 0 or not self.max_seconds > 0:
-            raise InvalidArgument("lr and max_seconds must be > 0")
-        if self.warmup < 0:
-            raise InvalidArgument(f"warmup must be >= 0, got {self.warmup}")
+            whole(name, getattr(self, name), 1)
+        whole("warmup", self.warmup)
+        whole("seed", self.seed)
+        if not 0 < self.lr < math.inf:
+            raise InvalidArgument(f"lr must be a finite number > 0, got {self.lr}")
+        if not self.max_seconds > 0:
+            raise InvalidArgument(f"max_seconds must be > 0, got {self.max_seconds}")
         if not self.answer_weight > 0 or not math.isfinite(self.answer_weight):
             raise InvalidArgument(f"answer_weight must be > 0, got {self.answer_weight}")
         if not 0.0 <= self.distill <= 1.0:
@@ -228,42 +232,13 @@ def recover(model: Any, train_ids: torch.Tensor, config: RecoveryConfig | None =
         report.seconds = float(saved["seconds"])
         report.losses = [float(x) for x in saved["losses"]]
     bar = _bar(cfg.steps, report.steps) if progress is True else None
-    t0, prior, first = time.perf_counter(), report.seconds, report.steps
-    device = next(model.parameters()).device
     peft_model.train()
     try:
-        for step in range(report.steps, cfg.steps):
-            # checked before the step (a resumed run may be past the bound already), and a step
-            # that would cross it at this run's pace is not started: the bound is kept
-            # (a resumed run's first step is judged at the pace of the run it resumes)
-            pace = (report.seconds - prior) / (step - first) if step > first else (
-                report.seconds / report.steps if report.steps else 0.0)
-            if report.seconds + pace > cfg.max_seconds:
-                report.stopped_by = "time"
-                break
-            for group in opt.param_groups:
-                group["lr"] = cfg.lr_at(step)
-            batch, marked = _windows(ids, cfg, step, mask)
-            weights = None if marked is None or cfg.answer_weight == 1.0 else \
-                torch.where(marked, cfg.answer_weight, 1.0).to(device)
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.bf16):
-                loss = _loss(peft_model, teacher, batch.to(device), cfg.distill, weights,
-                             marked.to(device) if cfg.answer_ce and marked is not None
-                             else None, cfg.answer_ce)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            opt.step()
-            report.losses.append(float(loss.detach()))
-            report.steps = step + 1
-            report.seconds = prior + time.perf_counter() - t0
-            if bar is not None:
-                bar.set_postfix(loss=f"{report.losses[-1]:.3f}")
-                bar.update(1)
-            elif callable(progress):
-                progress(report.steps, cfg.steps, report.losses[-1], report.seconds)
-            if state_dir is not None and report.steps % cfg.save_every == 0:
-                _save_state(peft_model, opt, params, state_dir, cfg, text, report)
+        _train(peft_model, opt, params, ids, mask, cfg, report, teacher, state_dir, text,
+               progress, bar)
+    except BaseException:
+        peft_model.unload()  # the adapters dropped unmerged: the caller's weights as they were
+        raise
     finally:
         if bar is not None:
             bar.close()
@@ -276,6 +251,56 @@ def recover(model: Any, train_ids: torch.Tensor, config: RecoveryConfig | None =
         p.requires_grad_(False)
     model.eval()
     return report
+
+
+def _train(peft_model: Any, opt: torch.optim.Optimizer, params: Sequence[torch.Tensor],
+           ids: torch.Tensor, mask: torch.Tensor | None, cfg: RecoveryConfig,
+           report: RecoveryReport, teacher: Any, state_dir: Path | None, text: str,
+           progress: Callable[[int, int, float, float], None] | bool, bar: Any) -> None:
+    """``recover``'s training loop (its steps 3 and 4), updating ``report``; a loss or an
+    adapter that is not finite is refused (InvalidArgument) before it reaches the weights."""
+    t0, prior, first = time.perf_counter(), report.seconds, report.steps
+    device = next(peft_model.parameters()).device
+    for step in range(report.steps, cfg.steps):
+        # checked before the step (a resumed run may be past the bound already), and a step
+        # that would cross it at this run's pace is not started: the bound is kept
+        # (a resumed run's first step is judged at the pace of the run it resumes)
+        pace = (report.seconds - prior) / (step - first) if step > first else (
+            report.seconds / report.steps if report.steps else 0.0)
+        if report.seconds + pace > cfg.max_seconds:
+            report.stopped_by = "time"
+            break
+        for group in opt.param_groups:
+            group["lr"] = cfg.lr_at(step)
+        batch, marked = _windows(ids, cfg, step, mask)
+        weights = None if marked is None or cfg.answer_weight == 1.0 else \
+            torch.where(marked, cfg.answer_weight, 1.0).to(device)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.bf16):
+            loss = _loss(peft_model, teacher, batch.to(device), cfg.distill, weights,
+                         marked.to(device) if cfg.answer_ce and marked is not None
+                         else None, cfg.answer_ce)
+        value = float(loss.detach())
+        if not math.isfinite(value):
+            raise InvalidArgument(f"recovery loss is {value} at step {step} (lr {cfg.lr} too "
+                                  "high, or the model's outputs are not finite); the model is "
+                                  "left as it was")
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        if not all(bool(torch.isfinite(p).all()) for p in params):
+            raise InvalidArgument(f"recovery step {step} made the adapters non-finite (lr "
+                                  f"{cfg.lr} too high?); the model is left as it was")
+        report.losses.append(value)
+        report.steps = step + 1
+        report.seconds = prior + time.perf_counter() - t0
+        if bar is not None:
+            bar.set_postfix(loss=f"{report.losses[-1]:.3f}")
+            bar.update(1)
+        elif callable(progress):
+            progress(report.steps, cfg.steps, report.losses[-1], report.seconds)
+        if state_dir is not None and report.steps % cfg.save_every == 0:
+            _save_state(peft_model, opt, params, state_dir, cfg, text, report)
 
 
 def _loss(model: Any, teacher: Any, batch: torch.Tensor, distill: float,
