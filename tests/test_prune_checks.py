@@ -69,3 +69,33 @@ def test_recovery_refuses_a_non_finite_lr_and_a_diverging_loss_leaves_the_model_
     assert _same(model, before)
     assert not any("lora_" in name for name, _ in model.named_parameters())
     assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
+
+
+# -- calibration -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("calib", [torch.tensor([5]), torch.tensor([], dtype=torch.long),
+                                   torch.tensor([[5], [6]]), torch.tensor([5.0, 6.0, 7.0]),
+                                   torch.tensor([5, 96, 7]), torch.tensor([-1, 5, 6])])
+def test_calibration_text_that_predicts_no_token_is_refused(calib: torch.Tensor) -> None:
+    from kdn.prune import PruneConfig, TailRunner, kvprune
+
+    model = tiny()
+    for alloc in ("ppl-based", "rank-based", "uniform"):
+        with pytest.raises(InvalidArgument, match="calibration ids"):
+            kvprune(model, calib, PruneConfig(0.3, alloc, "l1"))
+    with pytest.raises(InvalidArgument, match="calibration ids"):
+        channel_scores(model, "taylor", calib)
+    with pytest.raises(InvalidArgument, match="calibration ids"):
+        TailRunner(model, calib)
+
+
+def test_sensitivities_of_a_model_whose_outputs_are_not_finite_are_refused() -> None:
+    from kdn.prune import block_sensitivity
+
+    model = tiny()
+    scores = channel_scores(model, "l1")
+    with torch.no_grad():
+        model.lm_head.weight[0, 0] = NAN
+    with pytest.raises(InvalidArgument, match="not finite"):
+        block_sensitivity(model, torch.tensor([5, 6, 7, 8]), scores, 0.25)

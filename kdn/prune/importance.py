@@ -80,6 +80,27 @@ class ChannelScores:
         return self.k[:, :half] + self.k[:, half:]
 
 
+def calibration_ids(model: Any, calib_ids: Any) -> torch.Tensor:
+    """``calib_ids`` ([tokens] or [batch, tokens]) as [batch, tokens] on the model's device;
+    InvalidArgument unless it is an integer tensor of ids in the model's vocabulary with at
+    least 2 tokens a row (one token predicts none: its loss would be the mean of nothing)."""
+    if not torch.is_tensor(calib_ids) or calib_ids.dtype == torch.bool \
+            or calib_ids.dtype.is_floating_point or calib_ids.dtype.is_complex:
+        what = calib_ids.dtype if torch.is_tensor(calib_ids) else type(calib_ids).__name__
+        raise InvalidArgument(f"calibration ids must be an integer tensor of token ids, got "
+                              f"{what}")
+    if calib_ids.dim() not in (1, 2) or calib_ids.shape[-1] < 2 or calib_ids.numel() == 0:
+        raise InvalidArgument(f"calibration ids must be [tokens] or [batch, tokens] with at "
+                              f"least 2 tokens a row, got {tuple(calib_ids.shape)}")
+    vocab = int(model.config.get_text_config().vocab_size
+                if hasattr(model.config, "get_text_config") else model.config.vocab_size)
+    low, high = int(calib_ids.min()), int(calib_ids.max())
+    if low < 0 or high >= vocab:
+        raise InvalidArgument(f"calibration ids must lie in [0, {vocab}) (the model's "
+                              f"vocabulary), got [{low}, {high}]")
+    return calib_ids.reshape(-1, calib_ids.shape[-1]).to(model.device)
+
+
 def attention_modules(model: Any) -> list[Any]:
     """``self_attn`` of every decoder block, in order."""
     return [layer.self_attn for layer in decoder_layers(model)]
@@ -105,6 +126,8 @@ def channel_scores(model: Any, importance: Importance | str,
     backward pass of the next-token loss; the model's parameters are left unchanged.
     """
     importance = Importance(importance)
+    if calib_ids is not None:
+        calib_ids = calibration_ids(model, calib_ids)
     geo = Geometry.of(model)
     attns = attention_modules(model)
     grads = _taylor_grads(model, attns, calib_ids) if importance is Importance.TAYLOR else None
@@ -135,7 +158,7 @@ def _taylor_grads(model: Any, attns: list[Any], calib_ids: torch.Tensor | None
     """dL/dW of every attention projection on the calibration text (one backward pass)."""
     if calib_ids is None:
         raise InvalidArgument("Taylor importance needs calibration ids")
-    ids = calib_ids.reshape(-1, calib_ids.shape[-1]).to(model.device)
+    ids = calibration_ids(model, calib_ids)
     params = {id(p): p.requires_grad for p in model.parameters()}
     watched = [getattr(a, n).weight for a in attns for n in ("q_proj", "k_proj", "v_proj",
                                                              "o_proj")]

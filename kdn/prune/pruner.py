@@ -19,7 +19,13 @@ import torch
 from kdn.errors import InvalidArgument
 from kdn.prune.allocate import Allocation, block_ratios, default_cap, removal_counts
 from kdn.prune.apply import PrunePlan, plan_from_counts, prune_model
-from kdn.prune.importance import ChannelScores, Geometry, Importance, channel_scores
+from kdn.prune.importance import (
+    ChannelScores,
+    Geometry,
+    Importance,
+    calibration_ids,
+    channel_scores,
+)
 from kdn.prune.sensitivity import Sensitivity, block_sensitivity
 
 
@@ -116,6 +122,7 @@ def kvprune(model: Any, calib_ids: torch.Tensor, config: PruneConfig, *,
             inplace: bool = False) -> PruneResult:
     """Prune ``model``'s KV channels per ``config`` (one shot, no fine-tuning)."""
     geo = Geometry.of(model)
+    calib_ids = calibration_ids(model, calib_ids)
     if scores is None:
         scores = channel_scores(model, config.importance, calib_ids)
     if config.allocation is not Allocation.UNIFORM and sensitivity is None:

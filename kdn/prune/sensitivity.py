@@ -26,7 +26,8 @@ import torch.nn.functional as F
 from kdn.model.hf import ModelParts, decoder_layers
 from kdn.prune.allocate import removal_counts
 from kdn.prune.apply import head_rows, kept_from_scores
-from kdn.prune.importance import ChannelScores, Geometry, attention_modules
+from kdn.errors import InvalidArgument
+from kdn.prune.importance import ChannelScores, Geometry, attention_modules, calibration_ids
 
 
 @dataclass(frozen=True)
@@ -44,7 +45,7 @@ class TailRunner:
     def __init__(self, model: Any, calib_ids: torch.Tensor) -> None:
         self.model = model
         self.layers = list(decoder_layers(model))
-        self.ids = calib_ids.reshape(-1, calib_ids.shape[-1]).to(model.device)
+        self.ids = calibration_ids(model, calib_ids)
         self.inputs: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
 
         def grab(_mod: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -75,7 +76,8 @@ class TailRunner:
         logits = ModelParts.of(self.model).logits(h).float()
         loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
                                self.ids[:, 1:].reshape(-1))
-        return math.exp(float(loss))
+        nll = float(loss)
+        return math.exp(nll) if nll < 709.0 else math.inf  # past float's range: inf
 
 
 @contextmanager
@@ -107,6 +109,9 @@ def block_sensitivity(model: Any, calib_ids: torch.Tensor, scores: ChannelScores
     geo = Geometry.of(model)
     runner = runner or TailRunner(model, calib_ids)
     base = runner.ppl_from(0)
+    if not math.isfinite(base):
+        raise InvalidArgument(f"calibration perplexity of the unpruned model is {base}: the "
+                              "model's outputs on the calibration text are not finite")
     half = geo.head_dim // 2
     k_pairs = removal_counts([ratio], half, max_per_block=half - 1)[0]
     v_chans = removal_counts([ratio], geo.head_dim)[0]
@@ -115,5 +120,9 @@ def block_sensitivity(model: Any, calib_ids: torch.Tensor, scores: ChannelScores
     for i in range(geo.layers):
         kk, vk = kept_from_scores(pairs[i], scores.v[i], k_pairs, v_chans)
         with masked_block(model, i, kk, vk):
-            deltas.append(runner.ppl_from(i) - base)
+            delta = runner.ppl_from(i) - base
+        if math.isnan(delta):
+            raise InvalidArgument(f"block {i} pruned alone gives a calibration perplexity "
+                                  "that is not a number")
+        deltas.append(delta)
     return Sensitivity(ratio, base, tuple(deltas))
