@@ -99,3 +99,21 @@ def test_sensitivities_of_a_model_whose_outputs_are_not_finite_are_refused() -> 
         model.lm_head.weight[0, 0] = NAN
     with pytest.raises(InvalidArgument, match="not finite"):
         block_sensitivity(model, torch.tensor([5, 6, 7, 8]), scores, 0.25)
+
+
+# -- allocation --------------------------------------------------------------------------------
+
+
+def test_a_nan_or_infinite_eps_and_nan_sensitivities_are_refused() -> None:
+    from kdn.prune import PruneConfig, block_ratios
+
+    for eps in (NAN, INF, 0.0, -1.0):
+        with pytest.raises(InvalidArgument, match="eps"):
+            PruneConfig(0.3, "ppl-based", eps=eps)
+        with pytest.raises(InvalidArgument, match="eps"):
+            block_ratios("ppl-based", 0.3, 4, [0.1, 0.2, 0.3, 0.4], eps=eps)
+    for alloc in ("ppl-based", "rank-based"):
+        with pytest.raises(InvalidArgument, match="block 0: sensitivity"):
+            block_ratios(alloc, 0.3, 4, [NAN, 0.1, 0.2, 0.3])
+        ratios = block_ratios(alloc, 0.3, 4, [INF, 0.1, 0.2, -INF])  # inf: most sensitive
+        assert sum(ratios) == pytest.approx(1.2) and ratios[0] == min(ratios)

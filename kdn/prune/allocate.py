@@ -55,6 +55,14 @@ def _check(ratio: float, cap: float, n: int) -> None:
         raise InvalidArgument("need at least one block")
 
 
+def _check_deltas(delta_ppl: Sequence[float]) -> None:
+    """NaN orders and weighs nothing; an infinite ΔPPL (a block whose pruning overflows the
+    perplexity) is the most sensitive and stays."""
+    for i, d in enumerate(delta_ppl):
+        if math.isnan(d):
+            raise InvalidArgument(f"block {i}: sensitivity (ΔPPL) is NaN")
+
+
 def uniform_ratios(n: int, ratio: float) -> list[float]:
     _check(ratio, max(ratio, 1e-12), n)
     return [ratio] * n
@@ -65,6 +73,9 @@ def ppl_ratios(delta_ppl: Sequence[float], ratio: float, cap: float,
     """PPL-based rule, mean-scaled and capped (water filling); see the module docstring."""
     n = len(delta_ppl)
     _check(ratio, cap, n)
+    _check_deltas(delta_ppl)
+    if not 0 < eps < math.inf:
+        raise InvalidArgument(f"eps must be a finite number > 0, got {eps}")
     w = [1.0 / (math.exp(min(d, 700.0)) + eps) for d in delta_ppl]
     out = [0.0] * n
     free = set(range(n))
@@ -88,6 +99,7 @@ def rank_ratios(delta_ppl: Sequence[float], ratio: float, cap: float) -> list[fl
     """Rank-based rule: least sensitive blocks first, each up to ``cap``."""
     n = len(delta_ppl)
     _check(ratio, cap, n)
+    _check_deltas(delta_ppl)
     out = [0.0] * n
     budget = ratio * n
     for i in sorted(range(n), key=lambda j: (delta_ppl[j], j)):

@@ -11,6 +11,7 @@ that sweep allocations pass them in to avoid recomputing them.
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,8 +57,8 @@ class PruneConfig:
             raise InvalidArgument(f"ratio must be in [0, 1), got {self.ratio}")
         if self.cap is not None and not self.ratio <= self.cap <= 1.0:
             raise InvalidArgument(f"cap must be in [ratio, 1], got {self.cap}")
-        if self.eps <= 0:
-            raise InvalidArgument(f"eps must be > 0, got {self.eps}")
+        if not 0 < self.eps < math.inf:
+            raise InvalidArgument(f"eps must be a finite number > 0, got {self.eps}")
         if not 0.0 <= self.k_share <= 1.0:
             raise InvalidArgument(f"k_share must be in [0, 1], got {self.k_share}")
         for name, r in (("K", self.k_ratio), ("V", self.v_ratio)):
