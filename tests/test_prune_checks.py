@@ -117,3 +117,24 @@ def test_a_nan_or_infinite_eps_and_nan_sensitivities_are_refused() -> None:
             block_ratios(alloc, 0.3, 4, [NAN, 0.1, 0.2, 0.3])
         ratios = block_ratios(alloc, 0.3, 4, [INF, 0.1, 0.2, -INF])  # inf: most sensitive
         assert sum(ratios) == pytest.approx(1.2) and ratios[0] == min(ratios)
+
+
+# -- evaluation --------------------------------------------------------------------------------
+
+
+def test_an_interval_level_outside_0_1_or_no_resamples_is_refused() -> None:
+    from kdn.prune import evaluate as ev
+
+    parts = [(10.0, 5), (12.0, 5), (11.0, 5)]
+    ci = ev.interval(parts, boot=200)
+    for bad in ({"level": 1.5}, {"level": -1.0}, {"level": NAN}, {"level": 1.0},
+                {"level": "0.9"}, {"boot": 0}, {"boot": 2.5}, {"boot": True}):
+        kw = {"boot": 200, **bad}
+        with pytest.raises(InvalidArgument, match="level|boot"):
+            ev.interval(parts, **kw)  # type: ignore[arg-type]
+        with pytest.raises(InvalidArgument, match="level|boot"):
+            ev.paired_change(ci, ci, **kw)  # type: ignore[arg-type]
+        with pytest.raises(InvalidArgument, match="level|boot"):
+            ev.paired_f1_change([0.0, 1.0], [1.0, 1.0], **kw)  # type: ignore[arg-type]
+    assert ci.low <= ci.ppl <= ci.high
+    assert ev.interval(parts, boot=1, level=0.5).windows == 3

@@ -20,6 +20,7 @@ overlap far more than their difference varies.
 from __future__ import annotations
 
 import math
+import numbers
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -27,6 +28,7 @@ from typing import Any
 
 import torch
 
+from kdn.checks import whole
 from kdn.errors import InvalidArgument
 from kdn.model.data import SquadArticle, load_squad_dev, squad_f1
 
@@ -229,11 +231,13 @@ def _rows(windows: torch.Tensor, length: int = 256) -> torch.Tensor:
 def perplexity_ci(model: Any, windows: torch.Tensor, *, boot: int = 2000, seed: int = 0,
                   level: float = 0.95) -> PerplexityCI:
     """Perplexity over ``windows`` and its bootstrap interval (windows resampled)."""
+    _check_bootstrap(boot, level)
     return interval(window_nll(model, windows), boot=boot, seed=seed, level=level)
 
 
 def interval(parts: Sequence[tuple[float, int]], *, boot: int = 2000, seed: int = 0,
              level: float = 0.95) -> PerplexityCI:
+    _check_bootstrap(boot, level)
     if len(parts) < 2:
         raise InvalidArgument("need at least two windows for an interval")
     nll, tok = sum(p[0] for p in parts), sum(p[1] for p in parts)
@@ -247,6 +251,7 @@ def paired_change(base: PerplexityCI, other: PerplexityCI, *, boot: int = 2000, 
                   level: float = 0.95) -> tuple[float, float, float]:
     """(change, low, high) of ``other.ppl / base.ppl - 1`` in percent, the interval from
     resampling the same windows for both (they must be measured on the same windows)."""
+    _check_bootstrap(boot, level)
     a, b = base.parts, other.parts
     if len(a) != len(b) or [n for _, n in a] != [n for _, n in b] or len(a) < 2:
         raise InvalidArgument("a paired change needs both models measured on the same windows")
@@ -261,6 +266,15 @@ def paired_change(base: PerplexityCI, other: PerplexityCI, *, boot: int = 2000, 
 def _draws(n: int, boot: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(n) for _ in range(n)] for _ in range(boot)]
+
+
+def _check_bootstrap(boot: int, level: float) -> None:
+    """InvalidArgument unless ``boot`` is a whole number >= 1 and ``level`` in (0, 1): every
+    interval here takes the quantiles ``(1 ∓ level) / 2`` of ``boot`` resamples."""
+    whole("boot", boot, 1)
+    if isinstance(level, bool) or not isinstance(level, numbers.Real) \
+            or not 0.0 < level < 1.0:  # NaN too
+        raise InvalidArgument(f"level must be a number in (0, 1), got {level!r}")
 
 
 def _quantiles(samples: list[float], level: float) -> tuple[float, float]:
@@ -332,6 +346,7 @@ def mean_f1(preds: Sequence[str], qas: Sequence[QA]) -> float:
 def paired_f1_change(base: Sequence[float], other: Sequence[float], *, boot: int = 2000,
                      seed: int = 0, level: float = 0.95) -> tuple[float, float, float]:
     """(mean F1 change, low, high): the same questions resampled for both."""
+    _check_bootstrap(boot, level)
     if len(base) != len(other) or len(base) < 2:
         raise InvalidArgument("a paired F1 change needs the same questions for both")
     diffs = [b - a for a, b in zip(base, other)]
