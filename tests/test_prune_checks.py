@@ -138,3 +138,40 @@ def test_an_interval_level_outside_0_1_or_no_resamples_is_refused() -> None:
             ev.paired_f1_change([0.0, 1.0], [1.0, 1.0], **kw)  # type: ignore[arg-type]
     assert ci.low <= ci.ppl <= ci.high
     assert ev.interval(parts, boot=1, level=0.5).windows == 3
+
+
+# -- a pruned model ----------------------------------------------------------------------------
+
+
+def test_an_already_pruned_model_is_refused_before_it_is_scored() -> None:
+    from kdn.prune import (
+        PruneConfig,
+        block_sensitivity,
+        kvprune,
+        prune_model,
+        zero_pruned_channels,
+    )
+    from tests.test_prune import ids, random_plan
+
+    scores = channel_scores(tiny(), "l1")
+    model = prune_model(tiny(), random_plan())
+    for alloc in ("uniform", "ppl-based"):
+        with pytest.raises(InvalidArgument, match="already pruned"):
+            kvprune(model, ids(32), PruneConfig(0.2, alloc, "l1"))
+    with pytest.raises(InvalidArgument, match="already pruned"):
+        channel_scores(model, "taylor", ids(32))
+    with pytest.raises(InvalidArgument, match="already pruned"):
+        block_sensitivity(model, ids(32), scores, 0.2)
+    with pytest.raises(InvalidArgument, match="already pruned"):
+        zero_pruned_channels(model, random_plan())
+
+
+def test_zeroing_a_plan_of_another_shape_is_refused() -> None:
+    from kdn.prune import PrunePlan, zero_pruned_channels
+
+    model = tiny()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    for plan in (PrunePlan.full(LAYERS - 1, HD), PrunePlan.full(LAYERS, HD // 2)):
+        with pytest.raises(InvalidArgument, match="model has"):
+            zero_pruned_channels(model, plan)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())

@@ -44,9 +44,13 @@ from torch import nn
 
 from kdn.errors import InvalidArgument, InvalidLayout
 from kdn.model.hf import attention_function, decoder_layers, load_config, model_from_config
-from kdn.prune.importance import ChannelScores, Geometry, attention_modules
-
-PRUNED_KEY = "kdn_pruned"
+from kdn.prune.importance import (
+    PRUNED_KEY,
+    ChannelScores,
+    Geometry,
+    attention_modules,
+    check_unpruned,
+)
 
 
 @dataclass(frozen=True)
@@ -245,14 +249,20 @@ def _slice_linear(lin: nn.Linear, *, rows: list[int] | None = None,
     return out
 
 
-def prune_model(model: Any, plan: PrunePlan) -> Any:
-    """Prune ``model`` in place to ``plan`` (its attention must be unpruned); returns it."""
+def _geometry_for(model: Any, plan: PrunePlan) -> Geometry:
+    """The geometry of ``model``, unpruned and of ``plan``'s layers and head_dim (else
+    InvalidArgument)."""
     geo = Geometry.of(model)
     if plan.num_layers != geo.layers or plan.head_dim != geo.head_dim:
         raise InvalidArgument(f"plan for {plan.num_layers} layers x head_dim {plan.head_dim}; "
                               f"model has {geo.layers} x {geo.head_dim}")
-    if getattr(model.config, PRUNED_KEY, None) is not None:
-        raise InvalidArgument("model is already pruned; prune the original model")
+    check_unpruned(model)
+    return geo
+
+
+def prune_model(model: Any, plan: PrunePlan) -> Any:
+    """Prune ``model`` in place to ``plan`` (its attention must be unpruned); returns it."""
+    geo = _geometry_for(model, plan)
     for layer, kk, vk in zip(decoder_layers(model), plan.k_kept, plan.v_kept):
         attn: Any = layer.self_attn
         layer.self_attn = PrunedAttention(attn, kk, vk, geo.head_dim)
@@ -272,8 +282,9 @@ def zero_pruned_channels(model: Any, plan: PrunePlan) -> None:
 
     The result computes what the pruned model computes (same scale; zero K channels add nothing
     to q·k, zero V channels add nothing to the output): a reference for exactness tests.
+    InvalidArgument for a pruned model or a plan of another layer count or head_dim.
     """
-    geo = Geometry.of(model)
+    geo = _geometry_for(model, plan)
     for attn, kk, vk in zip(attention_modules(model), plan.k_kept, plan.v_kept):
         for name, heads, kept, dim in (("q_proj", geo.heads, kk, 0),
                                        ("k_proj", geo.kv_heads, kk, 0),

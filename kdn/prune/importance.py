@@ -34,6 +34,16 @@ import torch
 from kdn.errors import InvalidArgument
 from kdn.model.hf import decoder_layers
 
+PRUNED_KEY = "kdn_pruned"
+"""The config attribute a pruned model records its kept channels in (``kdn.prune.apply``)."""
+
+
+def check_unpruned(model: Any) -> None:
+    """InvalidArgument when ``model`` is already pruned: scores, sensitivities and plans are of
+    the original head dimension, which a pruned model's projections no longer have."""
+    if getattr(model.config, PRUNED_KEY, None) is not None:
+        raise InvalidArgument("model is already pruned; prune the original model")
+
 
 class Importance(enum.Enum):
     """Channel importance metrics (KVPruner Phase B)."""
@@ -126,6 +136,7 @@ def channel_scores(model: Any, importance: Importance | str,
     backward pass of the next-token loss; the model's parameters are left unchanged.
     """
     importance = Importance(importance)
+    check_unpruned(model)
     if calib_ids is not None:
         calib_ids = calibration_ids(model, calib_ids)
     geo = Geometry.of(model)

@@ -26,6 +26,7 @@ from kdn.prune.importance import (
     Importance,
     calibration_ids,
     channel_scores,
+    check_unpruned,
 )
 from kdn.prune.sensitivity import Sensitivity, block_sensitivity
 
@@ -122,6 +123,7 @@ def kvprune(model: Any, calib_ids: torch.Tensor, config: PruneConfig, *,
             scores: ChannelScores | None = None, sensitivity: Sensitivity | None = None,
             inplace: bool = False) -> PruneResult:
     """Prune ``model``'s KV channels per ``config`` (one shot, no fine-tuning)."""
+    check_unpruned(model)
     geo = Geometry.of(model)
     calib_ids = calibration_ids(model, calib_ids)
     if scores is None:

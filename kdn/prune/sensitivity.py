@@ -23,11 +23,17 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from kdn.errors import InvalidArgument
 from kdn.model.hf import ModelParts, decoder_layers
 from kdn.prune.allocate import removal_counts
 from kdn.prune.apply import head_rows, kept_from_scores
-from kdn.errors import InvalidArgument
-from kdn.prune.importance import ChannelScores, Geometry, attention_modules, calibration_ids
+from kdn.prune.importance import (
+    ChannelScores,
+    Geometry,
+    attention_modules,
+    calibration_ids,
+    check_unpruned,
+)
 
 
 @dataclass(frozen=True)
@@ -106,6 +112,7 @@ def masked_block(model: Any, block: int, k_kept: tuple[int, ...], v_kept: tuple[
 def block_sensitivity(model: Any, calib_ids: torch.Tensor, scores: ChannelScores, ratio: float,
                       runner: TailRunner | None = None) -> Sensitivity:
     """ΔPPL_i (perplexity points) of pruning block i alone at ``ratio``."""
+    check_unpruned(model)
     geo = Geometry.of(model)
     runner = runner or TailRunner(model, calib_ids)
     base = runner.ppl_from(0)
