@@ -390,7 +390,7 @@ class KVLayout:
         rotary_dim = int(head_dim * partial) // 2 * 2
         pruned = getattr(cfg, "kdn_pruned", None)  # written by kdn.prune: per-layer kept channels
         layers = [LayerLayout(kv_heads, len(k_kept), len(v_kept), k_kept, v_kept)
-                  for k_kept, v_kept in _pruned_kept(pruned, n_layers)] if pruned is not None \
+                  for k_kept, v_kept in pruned_kept(pruned, n_layers)] if pruned is not None \
             else [LayerLayout(kv_heads, head_dim, head_dim)] * n_layers
         name = str(getattr(cfg, "_name_or_path", "") or getattr(cfg, "model_type", ""))
         layout = cls(
@@ -406,19 +406,46 @@ class KVLayout:
         return layout
 
 
-def _pruned_kept(pruned: Any, n_layers: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
-    """(k_kept, v_kept) of each layer from a config's ``kdn_pruned``; InvalidLayout unless it
-    lists both, as whole numbers, for exactly ``n_layers`` layers."""
-    try:
-        kept = {name: [tuple(int(c) for c in layer) for layer in pruned[name]]
-                for name in ("k_kept", "v_kept")}
-    except (KeyError, TypeError, ValueError) as exc:
-        raise InvalidLayout(f"malformed kdn_pruned: {exc!r}") from exc
+def pruned_kept(pruned: Any, n_layers: int | None = None
+                ) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """(k_kept, v_kept) of each layer from a config's ``kdn_pruned``; InvalidLayout naming the
+    field unless it is a mapping listing both, each layer a list of whole numbers (not 1.5,
+    1.0 or true), for the same number of layers (exactly ``n_layers`` when given)."""
+    if not isinstance(pruned, dict):
+        raise InvalidLayout(f"malformed kdn_pruned: a mapping, got {type(pruned).__name__}")
+    kept: dict[str, list[tuple[int, ...]]] = {}
+    for name in ("k_kept", "v_kept"):
+        if name not in pruned:
+            raise InvalidLayout(f"malformed kdn_pruned: no {name}")
+        layers = pruned[name]
+        if not isinstance(layers, (list, tuple)):
+            raise InvalidLayout(f"malformed kdn_pruned: {name} must list each layer's "
+                                f"channels, got {_shown(layers)}")
+        kept[name] = [_channels(f"{name} layer {i}", layer) for i, layer in enumerate(layers)]
+    want = len(kept["k_kept"]) if n_layers is None else n_layers
     for name, per_layer in kept.items():
-        if len(per_layer) != n_layers:
+        if len(per_layer) != want:
             raise InvalidLayout(f"kdn_pruned lists {name} for {len(per_layer)} layers, the "
-                                f"model has {n_layers}")
+                                f"model has {want}")
     return list(zip(kept["k_kept"], kept["v_kept"]))
+
+
+def _channels(name: str, layer: object) -> tuple[int, ...]:
+    """One layer's kept channels from ``kdn_pruned``: a list of whole numbers (any integer
+    kind), else InvalidLayout naming ``name`` and the value that is none."""
+    if not isinstance(layer, (list, tuple)):
+        raise InvalidLayout(f"malformed kdn_pruned: {name} must list channel indices, got "
+                            f"{_shown(layer)}")
+    out = []
+    for c in layer:
+        try:
+            if isinstance(c, bool):
+                raise TypeError("bool")
+            out.append(operator.index(c))
+        except TypeError:
+            raise InvalidLayout(f"malformed kdn_pruned: {name} holds {_shown(c)}, not a "
+                                "channel index (a whole number)") from None
+    return tuple(out)
 
 
 def _check_rotary_pairs(i: int, k_kept: tuple[int, ...], rotary_dim: int) -> None:

@@ -80,8 +80,12 @@ def test_a_pruned_config_lists_each_layer_and_keeps_whole_rotary_pairs() -> None
             {"k_kept": [[0, 8], [1, 2, 10], [3, 11]], "v_kept": [[1]] * 3},
         "layer 0: kdn_pruned k_kept keeps rotary channel 12 without its RoPE partner 4":
             {"k_kept": [[12], [1, 9], [3, 11]], "v_kept": [[1]] * 3},
-        "malformed kdn_pruned: KeyError": {"k_kept": pairs},
-        "malformed kdn_pruned: ValueError": {"k_kept": [["a", "b"]] * 3, "v_kept": [[1]] * 3},
+        "malformed kdn_pruned: no v_kept": {"k_kept": pairs},
+        "malformed kdn_pruned: k_kept layer 0 holds 'a'": {"k_kept": [["a", "b"]] * 3,
+                                                           "v_kept": [[1]] * 3},
+        "malformed kdn_pruned: k_kept layer 1 holds 9.0": {"k_kept": [[0, 8], [1, 9.0], [2, 10]],
+                                                           "v_kept": [[1]] * 3},
+        "malformed kdn_pruned: v_kept must list": {"k_kept": pairs, "v_kept": None},
     }
     for msg, pruned in bad.items():
         cfg = tiny_config()

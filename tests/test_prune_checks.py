@@ -7,7 +7,9 @@ NaN."""
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -175,3 +177,43 @@ def test_zeroing_a_plan_of_another_shape_is_refused() -> None:
         with pytest.raises(InvalidArgument, match="model has"):
             zero_pruned_channels(model, plan)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_a_malformed_kdn_pruned_is_refused_naming_the_field(tmp_path: Path) -> None:
+    import shutil
+
+    from kdn.errors import InvalidLayout
+    from kdn.layout import KVLayout
+    from kdn.model.hf import load_config
+    from kdn.prune import PrunePlan, load_pruned, prune_model, save_pruned
+    from tests.test_prune import random_plan
+
+    model = prune_model(tiny(5), random_plan(5))
+    good = save_pruned(model, tmp_path / "good")
+    fingerprint = KVLayout.from_config(model.config).fingerprint
+    assert KVLayout.from_config(load_pruned(good).config).fingerprint == fingerprint
+    kk = [list(k) for k in random_plan(5).k_kept]
+    cases = {
+        "no v_kept": lambda p: p.pop("v_kept"),
+        "k_kept must list": lambda p: p.__setitem__("k_kept", None),
+        "k_kept layer 0 holds 0.5": lambda p: p.__setitem__(
+            "k_kept", [[c + 0.5 for c in kk[0]]] + kk[1:]),
+        r"v_kept layer 2 holds \d+\.0": lambda p: p.__setitem__(
+            "v_kept", p["v_kept"][:2] + [[float(c) for c in p["v_kept"][2]]] + p["v_kept"][3:]),
+        "k_kept layer 1 holds True": lambda p: p.__setitem__(
+            "k_kept", [kk[0], [True] + kk[1][1:]] + kk[2:]),
+        "head_dim_original": lambda p: p.__setitem__("head_dim_original", 16.5),
+    }
+    for i, (msg, mutate) in enumerate(cases.items()):
+        folder = tmp_path / f"bad{i}"
+        shutil.copytree(good, folder)
+        cfg = json.loads((folder / "config.json").read_text())
+        mutate(cfg["kdn_pruned"])
+        (folder / "config.json").write_text(json.dumps(cfg))
+        with pytest.raises(InvalidLayout, match=msg):
+            load_pruned(folder)
+        with pytest.raises(InvalidLayout, match=msg):
+            PrunePlan.from_config(cfg["kdn_pruned"], HD)
+        if msg != "head_dim_original":  # the layout reads the model's head_dim
+            with pytest.raises(InvalidLayout, match=msg):
+                KVLayout.from_config(load_config(folder))

@@ -42,7 +42,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from kdn.checks import whole
 from kdn.errors import InvalidArgument, InvalidLayout
+from kdn.layout import pruned_kept
 from kdn.model.hf import attention_function, decoder_layers, load_config, model_from_config
 from kdn.prune.importance import (
     PRUNED_KEY,
@@ -92,9 +94,12 @@ class PrunePlan:
 
     @classmethod
     def from_config(cls, d: dict[str, Any], head_dim: int) -> PrunePlan:
-        return cls(int(d.get("head_dim_original", head_dim)),
-                   tuple(tuple(int(c) for c in k) for k in d["k_kept"]),
-                   tuple(tuple(int(c) for c in v) for v in d["v_kept"]))
+        """The plan a config's ``kdn_pruned`` records (InvalidLayout naming a malformed
+        field: a missing list, a channel that is not a whole number)."""
+        kept = pruned_kept(d)
+        original = whole("kdn_pruned head_dim_original", d.get("head_dim_original", head_dim),
+                         2, error=InvalidLayout)
+        return cls(original, tuple(k for k, _ in kept), tuple(v for _, v in kept))
 
     @classmethod
     def full(cls, layers: int, head_dim: int) -> PrunePlan:
