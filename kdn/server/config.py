@@ -21,6 +21,7 @@ from urllib.parse import urlparse
 
 from kdn.checks import shown
 from kdn.errors import ConfigError
+from kdn.store.redis_urls import cluster_urls
 from kdn.store.tiered import WritePolicy
 from kdn.transport.addresses import host_port, is_loopback
 from kdn.yamlfiles import load_yaml_file
@@ -134,7 +135,8 @@ class ServerConfig:
     default (the ready line shows the budget taken), with a warning for a budget one set."""
     redis_url: str = ""
     """Redis URL for the shared tier (redis://host:port/db); empty = no Redis tier. With
-    redis_cluster, comma-separated URLs of cluster nodes to discover the cluster from."""
+    redis_cluster, comma-separated URLs of cluster nodes to discover the cluster from: each with
+    the same user, password and scheme (rediss:// for TLS), database 0, no unix:// socket."""
     redis_cluster: bool = False
     """redis_url points at a Redis Cluster (shared by several kdn servers) instead of one server."""
     redis_bytes: int = 0
@@ -347,6 +349,8 @@ class ServerConfig:
             raise ConfigError("redis_url: several URLs need redis_cluster: true")
         if self.redis_cluster and not self.redis_url:
             raise ConfigError("redis_cluster: set, but redis_url names no cluster node")
+        if self.redis_cluster:  # no unix://, no database but 0, one login and TLS for all
+            cluster_urls(self.redis_urls)
         if self.redis_bytes < 0:
             raise ConfigError(f"redis_bytes: must be >= 0, got {self.redis_bytes}")
         if not 1 << 10 <= self.redis_part_bytes <= 512 << 20:

@@ -224,7 +224,8 @@ class Tier(abc.ABC):
         return removed, freed
 
     def healthy(self) -> bool:
-        """Whether the tier answers right now (a remote tier probes its server)."""
+        """Whether the tier answers right now (a remote tier probes its server); a tier may
+        raise ``TierUnavailable`` instead, its message saying why (the probe logs it)."""
         return True
 
     def parts_down(self) -> list[str]:

@@ -106,14 +106,15 @@ class TierHealth:
     def probe(self) -> None:
         """Ask every tier whether it answers and update the up/down marks."""
         for tier in self.tiers:
+            why: KDNError | str = "health probe failed"
             try:
                 ok = tier.healthy()
-            except KDNError:
-                ok = False
+            except KDNError as exc:  # its message says why (a Redis refusing kdn's login)
+                ok, why = False, exc
             if ok:
                 self.mark_up(tier.name)
             else:
-                self.mark_down(tier.name, "health probe failed")
+                self.mark_down(tier.name, why)
 
     def start(self, interval_s: float) -> None:
         """Start the probe thread: ``probe`` every ``interval_s`` seconds until ``stop``."""

@@ -52,8 +52,9 @@ from redis.cluster import RedisCluster
 
 from kdn.errors import KDNError, PartlyUnavailable
 from kdn.store.base import Tier, TierStats
+from kdn.store.redis_errors import REDIS_ERRORS, said, wrap
 from kdn.store.redis_masters import ReplicasShort
-from kdn.store.redis_transport import REDIS_ERRORS, RedisTransport
+from kdn.store.redis_transport import RedisTransport
 
 __all__ = ["GRACE_S", "HEADER_BYTES", "PENDING_TTL_S", "RedisTier", "ReplicasShort"]
 
@@ -462,14 +463,19 @@ class RedisTier(Tier):
         """Up while Redis answers; for a cluster, while any master does (``degraded`` says
         whether some do not: their slots' keys then miss, and writes there are refused). With
         a byte budget, a master that lacks it (down when the tier started, restarted, or
-        promoted) gets it here."""
+        promoted) gets it here. A standalone Redis that refuses kdn's login or TLS raises
+        ``TierUnavailable`` saying so."""
         try:
             if isinstance(self.client, RedisCluster):
                 ok, known = self.transport.primaries()
                 self.degraded = 0 < ok < known
             else:
                 ok = int(bool(self.client.ping()))
-        except (*REDIS_ERRORS, OSError):
+        except REDIS_ERRORS as exc:
+            if said(exc):  # a refused login or TLS: the probe's log says so
+                raise wrap(exc) from exc
+            return False
+        except OSError:
             return False
         if ok and self.capacity_bytes:
             self.transport.keep_budget()

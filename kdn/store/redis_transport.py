@@ -9,10 +9,12 @@ tier's ``close``.
 Transport: a connection pool (``BlockingConnectionPool`` standalone, per-node pools in a
 cluster), commands retried ``retries`` times with exponential backoff and jitter on connection
 errors only (a command that timed out is not sent again: a Redis that is stopped or cut off
-costs a call one ``timeout_s``); every redis-py error leaves as a kdn one (``_wrap``):
-``TierUnavailable`` where Redis does not answer, so the hierarchy can mark the tier down and
-carry on; ``TooLarge`` where it is out of memory; ``PartlyUnavailable`` where it answers but
-takes no writes for now.
+costs a call one ``timeout_s``); every redis-py error leaves as a kdn one
+(``kdn.store.redis_errors``): ``TierUnavailable`` where Redis does not answer (or refuses kdn's
+login or TLS), so the hierarchy can mark the tier down and carry on; ``TooLarge`` where it is
+out of memory; ``PartlyUnavailable`` where it answers but takes no writes for now, or where
+every pooled connection stayed busy past ``timeout_s``. A cluster's client takes the user,
+password and TLS of its URLs (``kdn.store.redis_urls``), and so do its WAIT clients.
 
 Cluster, one master out (stopped, cut off or killed): its slots' keys fail with
 ``PartlyUnavailable`` (reads miss, SHARED stores are refused) and the tier stays up for the other
@@ -35,12 +37,10 @@ an ASK reaches while a slot is migrated.
 from __future__ import annotations
 
 import logging
-import re
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
-from urllib.parse import urlparse
 
 import redis
 from redis.backoff import ExponentialWithJitterBackoff
@@ -48,71 +48,17 @@ from redis.cluster import ClusterNode, RedisCluster
 from redis.commands.core import Script
 from redis.retry import Retry
 
-from kdn.errors import KDNError, PartlyUnavailable, TierUnavailable, TooLarge
+from kdn.errors import KDNError, PartlyUnavailable, TierUnavailable
 from kdn.store.redis_cluster import ClusterClient
+from kdn.store.redis_errors import REDIS_ERRORS, access_refused, unanswered, wrap
 from kdn.store.redis_masters import Masters, ReplicasShort
+from kdn.store.redis_urls import cluster_urls
 
 log = logging.getLogger(__name__)
-
-_DOWN = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError,
-         redis.exceptions.ClusterDownError, redis.exceptions.BusyLoadingError,
-         redis.exceptions.TryAgainError, redis.exceptions.MaxConnectionsError,
-         redis.exceptions.MasterDownError, redis.exceptions.SlotNotCoveredError,
-         redis.exceptions.ReadOnlyError, redis.exceptions.ClusterError)
-
-
-REDIS_ERRORS = (redis.exceptions.RedisError, redis.exceptions.RedisClusterException)
-"""What redis-py raises: its cluster client raises ``RedisClusterException`` (no ``RedisError``)
-when no node of the cluster can be reached, or a slot has no master in its map."""
-
-_REFUSAL = re.compile(r"(?:^|-)(OOM|MISCONF|NOREPLICAS) ")
-"""The error codes of Redis refusing a write, at the start of its error or (from a command a
-Lua script called) after a ``-`` inside "Error running script ..."."""
-
-
-def _refusal(exc: BaseException) -> str | None:
-    """The code of a write Redis refused (``_REFUSAL``), or None. redis-py strips the OOM code
-    from the message of the ``OutOfMemoryError`` it raises for a plain command."""
-    if isinstance(exc, redis.exceptions.OutOfMemoryError):
-        return "OOM"
-    found = _REFUSAL.search(str(exc))
-    return found.group(1) if found else None
-
-
-def _wrap(exc: BaseException, cluster: bool = False) -> KDNError:
-    """TierUnavailable when Redis can not be reached (PartlyUnavailable in a cluster: one
-    slot's master; the probe decides whether the whole tier is gone), TooLarge when full (OOM,
-    also inside a script), PartlyUnavailable when it takes no writes for now but still serves
-    reads (MISCONF: its last snapshot failed; NOREPLICAS: min-replicas-to-write unmet: a write
-    is worth retrying later, and the tier is not marked down), else KDNError. In a cluster, a
-    slot with no master in the map is PartlyUnavailable; no node answering at all (redis-py's
-    ``RedisClusterException``) is TierUnavailable: the probe lifts it once one answers."""
-    if isinstance(exc, redis.exceptions.SlotNotCoveredError):
-        return PartlyUnavailable(f"redis: {exc}")
-    if isinstance(exc, redis.exceptions.RedisClusterException):
-        return TierUnavailable(f"redis: no node of the cluster answers: {exc}")
-    if isinstance(exc, _DOWN):
-        down = PartlyUnavailable if cluster else TierUnavailable
-        return down(f"redis: {type(exc).__name__}: {exc}")
-    code = _refusal(exc)
-    if code == "OOM":
-        return TooLarge(f"redis is out of memory: {exc}")
-    if code is not None:
-        return PartlyUnavailable(f"redis takes no writes now ({code}): {exc}")
-    return KDNError(f"redis: {type(exc).__name__}: {exc}")
-
 
 WATCH_S = 0.25
 """While a cluster master is known not to answer (or, with WAIT, to lack replicas), a thread of
 the tier asks it again, and refreshes the cluster map, every ``WATCH_S`` seconds."""
-
-
-def _unanswered(exc: BaseException) -> bool:
-    """Whether ``exc`` (a kdn error wrapping a redis-py one) says the node did not answer: a
-    refused, reset or timed-out connection (not a full client-side pool)."""
-    cause = exc.__cause__
-    return isinstance(cause, (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)) \
-        and not isinstance(cause, redis.exceptions.MaxConnectionsError)
 
 
 class RedisTransport:
@@ -163,16 +109,18 @@ class RedisTransport:
         self._stop = threading.Event()
         self._closed = False
         self.client: redis.Redis | RedisCluster
+        self._node_options: dict[str, Any] = {}  # a cluster's, for the WAIT clients' pools
         if cluster:
-            nodes = []
-            for u in self.urls:
-                p = urlparse(u)
-                nodes.append(ClusterNode(p.hostname or "127.0.0.1", p.port or 6379))
+            given = cluster_urls(self.urls)  # user, password, TLS: every node's, as a URL's
+            self._node_options = given.pool_options()
+            nodes = [ClusterNode(host, port) for host, port in given.nodes]
             try:  # redis-py learns the cluster's map here: some node must answer
-                self.client = ClusterClient(startup_nodes=nodes, max_connections=max_connections,
-                                       cluster_error_retry_attempts=max(1, retries), **common)
+                self.client = ClusterClient(
+                    startup_nodes=nodes, cluster_error_retry_attempts=max(1, retries),
+                    **{**common, "max_connections": max_connections, **given.options})
             except REDIS_ERRORS as exc:
-                raise TierUnavailable(f"redis: no node of the cluster answers: {exc}") from exc
+                why = access_refused(exc) or "no node of the cluster answers"
+                raise TierUnavailable(f"redis: {why}: {exc}") from exc
         else:
             if len(self.urls) != 1:
                 raise ValueError("a standalone Redis tier takes exactly one URL")
@@ -187,7 +135,7 @@ class RedisTransport:
         try:
             return fn(*args, **kwargs)
         except REDIS_ERRORS as exc:
-            raise _wrap(exc, self.cluster) from exc
+            raise wrap(exc, self.cluster) from exc
 
     def script(self, script: Script, keys: list[bytes], args: list[Any]) -> Any:
         """Run a Lua ``script`` (from ``client.register_script``) on ``keys`` (one slot). In a
@@ -202,7 +150,7 @@ class RedisTransport:
         except redis.exceptions.NoScriptError:
             pass
         except REDIS_ERRORS as exc:
-            raise _wrap(exc, self.cluster) from exc
+            raise wrap(exc, self.cluster) from exc
         return self.call(self.client.eval, script.script, len(keys), *keys, *args)
 
     def master_of(self, key: bytes) -> str:
@@ -230,7 +178,7 @@ class RedisTransport:
             self._note(name, short=True)
             raise
         except PartlyUnavailable as exc:
-            if _unanswered(exc):
+            if unanswered(exc):
                 self._note(name, down=True)
             raise
 
@@ -394,7 +342,7 @@ class RedisTransport:
         try:
             got = list(self.call(pipe.execute, raise_on_error=False))
         except PartlyUnavailable as exc:
-            if _unanswered(exc):
+            if unanswered(exc):
                 self._note(master, down=True)
             raise
         if any(isinstance(g, (redis.exceptions.MovedError, redis.exceptions.AskError))
@@ -405,7 +353,7 @@ class RedisTransport:
             return list(self.call(cpipe.execute))
         for g in got:
             if isinstance(g, Exception):
-                raise _wrap(g, self.cluster) from g
+                raise wrap(g, self.cluster) from g
         return got
 
     def keyed(self, key: bytes, build: Callable[[Any], Any]) -> list[Any]:
@@ -455,7 +403,7 @@ class RedisTransport:
             try:
                 found += self.call(lambda c=client: list(c.scan_iter(match=pattern, count=1000)))
             except PartlyUnavailable as exc:
-                if not _unanswered(exc):
+                if not unanswered(exc):
                     raise
                 self._note(node.name, down=True)
         return found
@@ -479,7 +427,7 @@ class RedisTransport:
                     raise PartlyUnavailable(f"redis: this key's slot is moving ({exc})") from exc
                 self._refresh()
             except REDIS_ERRORS as exc:
-                raise _wrap(exc, self.cluster) from exc
+                raise wrap(exc, self.cluster) from exc
         raise AssertionError("unreachable")
 
     def waiting_client(self, manifest_key: bytes) -> redis.Redis:
@@ -505,7 +453,8 @@ class RedisTransport:
                     socket_connect_timeout=self.timeout_s, retry=retry,
                     health_check_interval=0, max_connections=self.max_connections,
                     timeout=self.timeout_s)
-                pool = redis.BlockingConnectionPool(**where, **kw) if where else \
+                pool = redis.BlockingConnectionPool(**where, **{**kw, **self._node_options}) \
+                    if where else \
                     redis.BlockingConnectionPool.from_url(self.urls[0], **kw)
                 got = self._wait_clients[name] = redis.Redis(connection_pool=pool)
         return got
@@ -532,13 +481,19 @@ class RedisTransport:
     def apply_budget(self, capacity_bytes: int) -> None:
         """Give Redis the byte budget (per master in a cluster) and an LRU policy over all keys,
         on every master that answers (Redis refusing it, CONFIG turned off, raises); one that
-        does not answer gets it from ``keep_budget`` once it does."""
+        does not answer, or refuses kdn's login or TLS (said), gets it from ``keep_budget``
+        once it does."""
         self._budget = capacity_bytes
         for node in self._budget_nodes():
             try:
                 self._set_budget(node)
             except (TierUnavailable, PartlyUnavailable) as exc:
-                if not _unanswered(exc):
+                refused = access_refused(exc.__cause__) if exc.__cause__ else None
+                if refused is not None:
+                    log.warning("redis%s: %s; it gets the byte budget once it lets kdn in",
+                                "" if node is None else f" {node.name}", refused)
+                    continue
+                if not unanswered(exc):
                     raise
                 log.warning("redis %s does not answer: it gets the byte budget once it does",
                             "Redis" if node is None else node.name)
