@@ -143,7 +143,8 @@ class ServerConfig:
     """Memory budget set on Redis (maxmemory per master, allkeys-lru; set again on a master
     that was down at start, restarted or promoted); 0 = keep Redis's own."""
     redis_part_bytes: int = 8 << 20
-    """Largest single Redis value; bigger entries are split into parts of this size."""
+    """Largest single Redis value; bigger entries are split into parts of this size (cut to
+    512MiB less a manifest's 40-byte header, the most one Redis value holds by default)."""
     redis_timeout_s: float = 1.0
     """Connect and read timeout of one Redis command attempt, in seconds."""
     redis_retries: int = 2

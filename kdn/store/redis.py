@@ -7,7 +7,9 @@ when it holds ``{`` or ``}``; one tag puts all of an entry's keys in one cluster
     kdn:{T}:<ver>:<i>    part i >= 1 of the value written as version <ver> (16 hex chars)
 
 Header: magic ``KDNM``, format 1, ``ver`` (8 random bytes), part count, total length, part size.
-A value no larger than ``part_bytes`` is one key: the manifest holds it whole.
+A value no larger than ``part_bytes`` is one key: the manifest holds it whole. ``part_bytes`` is
+cut to ``MAX_BULK_BYTES`` (Redis's ``proto-max-bulk-len``) less the header, so that a manifest
+is a value Redis takes.
 
 Writes are made visible atomically. ``put`` writes parts 1.. under a fresh ``ver`` with a
 provisional expiry (``PENDING_TTL_S``), then one Lua script checks that every part still
@@ -50,13 +52,14 @@ import redis
 import xxhash
 from redis.cluster import RedisCluster
 
-from kdn.errors import KDNError, PartlyUnavailable
+from kdn.errors import KDNError, PartlyUnavailable, TooLarge
 from kdn.store.base import Tier, TierStats
 from kdn.store.redis_errors import REDIS_ERRORS, said, wrap
 from kdn.store.redis_masters import ReplicasShort
 from kdn.store.redis_transport import RedisTransport
 
-__all__ = ["GRACE_S", "HEADER_BYTES", "PENDING_TTL_S", "RedisTier", "ReplicasShort"]
+__all__ = ["GRACE_S", "HEADER_BYTES", "MAX_BULK_BYTES", "PENDING_TTL_S", "RedisTier",
+           "ReplicasShort"]
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +67,10 @@ _HDR = struct.Struct("<4sB3x8sIQQ4x")  # magic, format, ver, parts, total, part_
 HEADER_BYTES = _HDR.size
 _MAGIC = b"KDNM"
 PENDING_TTL_S = 600
+MAX_BULK_BYTES = 512 << 20
+"""The longest value Redis takes in one command by default (``proto-max-bulk-len``): a
+manifest, header and first part, stays within it, so a part holds at most this less
+``HEADER_BYTES`` (a longer one breaks the connection: the tier would be marked down)."""
 GRACE_S = 10
 _READ_ATTEMPTS = 4
 
@@ -144,6 +151,7 @@ class RedisTier(Tier):
         prefix: bytes = b"kdn:",
         wait_replicas: int = 0,
         wait_timeout_s: float = 1.0,
+        max_bulk_bytes: int = MAX_BULK_BYTES,
     ) -> None:
         super().__init__()
         self.wait_replicas = wait_replicas
@@ -152,7 +160,8 @@ class RedisTier(Tier):
             raise ValueError(f"part_bytes must be >= 1024, got {part_bytes}")
         self.urls = [urls] if isinstance(urls, str) else list(urls)
         self.cluster = cluster
-        self.part_bytes = part_bytes
+        # a manifest (header + first part) is one value: within Redis's proto-max-bulk-len
+        self.part_bytes = max(1024, min(part_bytes, max_bulk_bytes - HEADER_BYTES))
         self.capacity_bytes = capacity_bytes
         self.prefix = prefix
         self.timeout_s = timeout_s
@@ -313,9 +322,17 @@ class RedisTier(Tier):
     # -- writes ---------------------------------------------------------------------------------
 
     def put(self, key: bytes, value: bytes, *, ttl_s: float | None = None) -> None:
+        self._fits(len(value))
         self._settle([key])
         with self.transport.slot(key, write=True):
             self._put(key, value, ttl_s)
+
+    def _fits(self, size: int) -> None:
+        """``TooLarge`` for an entry larger than the byte budget (per master in a cluster):
+        Redis would evict its own parts before the commit."""
+        if self.capacity_bytes and size > self.capacity_bytes:
+            raise TooLarge(f"redis: the entry's {size} bytes exceed the Redis tier's byte budget "
+                           f"(redis_bytes {self.capacity_bytes})")
 
     def _put(self, key: bytes, value: bytes, ttl_s: float | None) -> None:
         total = len(value)
@@ -344,6 +361,12 @@ class RedisTier(Tier):
             elif not _answered(exc):  # the commit may be in Redis's socket, run when it runs
                 with self._unsure_lock:
                     self._unsure[key] = h
+            if "KDNPART" in str(exc.__cause__ or ""):  # evicted by the writes that followed
+                raise TooLarge(f"redis: a part of the entry's {total} bytes was evicted before "
+                               "its commit: Redis has no room for it beside what it holds (its "
+                               "maxmemory, redis_bytes"
+                               f"{f' {self.capacity_bytes}' if self.capacity_bytes else ''})"
+                               ) from exc
             raise
         if old is not None and _same_version(old, h):
             return  # a commit sent again after a lost reply replaced itself: nothing to drop
@@ -405,6 +428,9 @@ class RedisTier(Tier):
 
     def put_many(self, items: Iterable[tuple[bytes, bytes]], *, ttl_s: float | None = None) -> None:
         small: list[tuple[bytes, bytes]] = []
+        items = list(items)
+        for _, v in items:  # before any is written
+            self._fits(len(v))
         for k, v in items:
             if len(v) > self.part_bytes or self.cluster or self.wait_replicas:
                 self.put(k, v, ttl_s=ttl_s)
