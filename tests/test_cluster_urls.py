@@ -1,18 +1,22 @@
 """What a Redis Cluster's URLs carry reaches every connection of the Redis tier: the password
 (the cluster client and its WAIT clients alike), TLS (``rediss://``); what a cluster can not
 take (``unix://``, a database other than 0, URLs that differ in their login) is refused with a
-ConfigError naming redis_url. Real redis-server processes, a cluster asking for a password."""
+ConfigError naming redis_url, as is a cluster node given as a standalone Redis. Real
+redis-server processes, a cluster asking for a password."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
 import pytest
+import redis
 from redis.connection import SSLConnection
 
 from kdn.errors import ConfigError, TierUnavailable
+from kdn.server.app import build_store
 from kdn.server.config import ServerConfig
 from kdn.store.redis import RedisTier
+from kdn.store.redis_errors import wrap
 from kdn.store.redis_urls import cluster_urls
 from tests.redis_servers import RedisCluster3
 
@@ -77,3 +81,15 @@ def test_what_a_cluster_can_not_take_is_refused(urls: str, what: str) -> None:
     with pytest.raises(ConfigError, match=what):
         RedisTier(urls.split(","), cluster=True)
     ServerConfig(redis_url=urls.split(",")[0])  # a standalone Redis takes them
+
+
+def test_a_cluster_node_taken_for_a_standalone_redis_is_refused(
+        locked_cluster: RedisCluster3) -> None:
+    url = _urls(locked_cluster, ":pw")[0]
+    with pytest.raises(ConfigError, match="redis_url: .*Redis Cluster; set redis_cluster: true"):
+        RedisTier(url)
+    with pytest.raises(ConfigError, match="redis_cluster: true"):
+        build_store(ServerConfig(redis_url=url, disk_bytes=0))
+    # one the check at start missed (down then): its MOVED says the same
+    got = wrap(redis.exceptions.MovedError("3999 127.0.0.1:7001"))
+    assert "set redis_cluster: true" in str(got)

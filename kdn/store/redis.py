@@ -23,6 +23,9 @@ finds a part missing re-reads the manifest: a new version means retry; the same 
 the part was evicted by Redis (``maxmemory``), and the entry is dropped and reported as a miss
 and an eviction (not as damage).
 
+A node of a Redis Cluster given as a standalone Redis (``cluster`` false) is refused at start
+(``ConfigError``: it would send two thirds of the keys away with MOVED) where it answers then.
+
 Transport (``kdn.store.redis_transport``): pooled clients, retries on connection errors only
 (a command that timed out is not sent again), redis-py errors leaving as ``TierUnavailable``
 (``TooLarge`` when Redis is out of memory). In a cluster, a master that does not answer fails
@@ -52,7 +55,7 @@ import redis
 import xxhash
 from redis.cluster import RedisCluster
 
-from kdn.errors import KDNError, PartlyUnavailable, TooLarge
+from kdn.errors import ConfigError, KDNError, PartlyUnavailable, TooLarge
 from kdn.store.base import Tier, TierStats
 from kdn.store.redis_errors import REDIS_ERRORS, said, wrap
 from kdn.store.redis_masters import ReplicasShort
@@ -172,6 +175,12 @@ class RedisTier(Tier):
             timeout_s=timeout_s, retries=retries, max_connections=max_connections,
             wait_replicas=wait_replicas, wait_timeout_s=wait_timeout_s)
         self.client: redis.Redis | RedisCluster = self.transport.client
+        if not cluster:
+            try:
+                self.transport.check_standalone()
+            except ConfigError:
+                self.transport.close()
+                raise
         self._commit = self.client.register_script(_COMMIT)
         self._delete = self.client.register_script(_DELETE)
         self._unsure: dict[bytes, _Header] = {}

@@ -9,7 +9,8 @@ saying so (``access_refused``: no answer comes until redis_url is fixed); every 
 connection of this client busy past the pool's wait (``pool_full``) is ``PartlyUnavailable``:
 Redis answers, this call is worth retrying, the tier is not marked down; out of memory is
 ``TooLarge``; a write Redis takes no more for now (MISCONF, NOREPLICAS) is
-``PartlyUnavailable``; anything else is a plain ``KDNError``.
+``PartlyUnavailable``; a cluster node's MOVED to a client that takes it for a standalone Redis
+is a ``KDNError`` saying to set redis_cluster; anything else is a plain ``KDNError``.
 """
 
 from __future__ import annotations
@@ -113,6 +114,9 @@ def wrap(exc: BaseException, cluster: bool = False) -> KDNError:
     ``RedisClusterException``) is TierUnavailable: the probe lifts it once one answers."""
     if isinstance(exc, redis.exceptions.SlotNotCoveredError):
         return PartlyUnavailable(f"redis: {exc}")
+    if isinstance(exc, redis.exceptions.MovedError) and not cluster:
+        return KDNError(f"redis: this Redis is a node of a Redis Cluster, which sent the key to "
+                        f"another node (MOVED {exc}): set redis_cluster: true")
     refused = access_refused(exc) if isinstance(
         exc, (redis.exceptions.ConnectionError, redis.exceptions.RedisClusterException)) \
         else None

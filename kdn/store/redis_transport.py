@@ -48,7 +48,7 @@ from redis.cluster import ClusterNode, RedisCluster
 from redis.commands.core import Script
 from redis.retry import Retry
 
-from kdn.errors import KDNError, PartlyUnavailable, TierUnavailable
+from kdn.errors import ConfigError, KDNError, PartlyUnavailable, TierUnavailable
 from kdn.store.redis_cluster import ClusterClient
 from kdn.store.redis_errors import REDIS_ERRORS, access_refused, unanswered, wrap
 from kdn.store.redis_masters import Masters, ReplicasShort
@@ -460,6 +460,18 @@ class RedisTransport:
         return got
 
     # -- server settings ------------------------------------------------------------------------
+
+    def check_standalone(self) -> None:
+        """Refuse a node of a Redis Cluster taken for a standalone Redis (``ConfigError``): it
+        answers every command, and sends the keys of the other masters' slots away (MOVED).
+        A Redis that does not answer now is not checked."""
+        try:
+            enabled = str(self.client.info("cluster").get("cluster_enabled", 0))
+        except (*REDIS_ERRORS, OSError):
+            return
+        if enabled == "1":
+            raise ConfigError("redis_url: it names a node of a Redis Cluster; set redis_cluster: "
+                              "true (and list the cluster's nodes)")
 
     def check_coverage(self) -> None:
         """Warn when the cluster stops every key while one slot is uncovered (Redis's default
