@@ -11,6 +11,8 @@ A value no larger than ``part_bytes`` is one key: the manifest holds it whole. `
 cut to ``MAX_BULK_BYTES`` (Redis's ``proto-max-bulk-len``) less the header, so that a manifest
 is a value Redis takes.
 
+A time to live longer than ``MAX_TTL_S`` is held as none (no expiry here).
+
 Writes are made visible atomically. ``put`` writes parts 1.. under a fresh ``ver`` with a
 provisional expiry (``PENDING_TTL_S``), then one Lua script checks that every part still
 exists, sets the manifest and gives the parts the entry's final TTL (or none). A reader that
@@ -61,8 +63,8 @@ from kdn.store.redis_errors import REDIS_ERRORS, said, wrap
 from kdn.store.redis_masters import ReplicasShort
 from kdn.store.redis_transport import RedisTransport
 
-__all__ = ["GRACE_S", "HEADER_BYTES", "MAX_BULK_BYTES", "PENDING_TTL_S", "RedisTier",
-           "ReplicasShort"]
+__all__ = ["GRACE_S", "HEADER_BYTES", "MAX_BULK_BYTES", "MAX_TTL_S", "PENDING_TTL_S",
+           "RedisTier", "ReplicasShort"]
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +77,9 @@ MAX_BULK_BYTES = 512 << 20
 manifest, header and first part, stays within it, so a part holds at most this less
 ``HEADER_BYTES`` (a longer one breaks the connection: the tier would be marked down)."""
 GRACE_S = 10
+MAX_TTL_S = 10**10
+"""The longest time to live the tier gives an entry (over 300 years); a longer one is held with
+no expiry (Lua writes a number of 10**14 ms or more as ``1e+14``, which ``SET PX`` refuses)."""
 _READ_ATTEMPTS = 4
 
 # KEYS: manifest, parts...; ARGV: manifest bytes, ttl ms (0 = none), header length.
@@ -350,13 +355,13 @@ class RedisTier(Tier):
         view = memoryview(value)
         pkeys = self._part_keys(key, h)
         manifest = h.pack() + view[:self.part_bytes]
-        ttl_ms = int(ttl_s * 1000) if ttl_s else 0
+        ttl_ms = _ttl_ms(ttl_s)
         try:
             if pkeys:
                 def parts(pipe: Any) -> None:
                     for i, pk in enumerate(pkeys, start=1):
                         pipe.set(pk, view[i * self.part_bytes:(i + 1) * self.part_bytes],
-                                 ex=PENDING_TTL_S + int(ttl_s or 0))
+                                 ex=PENDING_TTL_S + ttl_ms // 1000)
                 self.transport.keyed(key, parts)
             if self.wait_replicas:
                 old = self._commit_replicated(key, h, [self._manifest_key(key), *pkeys],
@@ -448,7 +453,7 @@ class RedisTier(Tier):
         if not small:
             return
         self._settle([k for k, _ in small])
-        ttl_ms = int(ttl_s * 1000) if ttl_s else 0
+        ttl_ms = _ttl_ms(ttl_s)
         pipe = self.client.pipeline(transaction=False)
         sent: dict[bytes, _Header] = {}
         for k, v in small:
@@ -539,6 +544,14 @@ class RedisTier(Tier):
 
     def close(self) -> None:
         self.transport.close()
+
+
+def _ttl_ms(ttl_s: float | None) -> int:
+    """An entry's time to live in ms as the commit takes it: 0 for none, and for one longer
+    than ``MAX_TTL_S``; at least 1 ms for any other."""
+    if not ttl_s or ttl_s > MAX_TTL_S:
+        return 0
+    return max(1, int(ttl_s * 1000))
 
 
 def _answered(exc: KDNError) -> bool:
