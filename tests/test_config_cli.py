@@ -125,8 +125,8 @@ def test_an_ipv6_host_is_listened_on(host: str, tmp_path: Path) -> None:
 def test_tiers_that_can_not_be_built_are_named_in_one_line(tmp_path: Path) -> None:
     """A Redis Cluster no node of which answers (redis-py learns its map at start), or a Redis
     that refuses the budget (CONFIG turned off), stops ``kdn serve`` with one line naming
-    redis_url (exit 2), not a traceback; ``build_store`` raises the ConfigError the CLI
-    prints. A Redis that does not answer yet takes the budget once it does (the tier starts
+    redis_url, or redis_bytes (exit 2), not a traceback; ``build_store`` raises the ConfigError
+    the CLI prints. A Redis that does not answer yet takes the budget once it does (the tier starts
     down, as without a budget)."""
     url = f"redis://127.0.0.1:{_free_port()}"
     out = subprocess.run([sys.executable, "-m", "kdn", "serve", "--port", "0", "--data-port",
@@ -144,7 +144,7 @@ def test_tiers_that_can_not_be_built_are_named_in_one_line(tmp_path: Path) -> No
         store.close()
     with RedisServer(tmp_path, appendonly=False, extra=("--rename-command", "CONFIG", "")) as r:
         cfg = dataclasses.replace(cfg, redis_url=r.url)
-        with pytest.raises(ConfigError, match="redis_url: redis: ResponseError: unknown command"):
+        with pytest.raises(ConfigError, match="^redis_bytes: .*ResponseError: unknown command"):
             build_store(cfg)
 
 

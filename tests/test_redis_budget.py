@@ -2,14 +2,19 @@
 real redis-server processes: a Redis, or a cluster master, that does not answer when the tier
 starts does not stop it (kdn serves on, as without a budget), and every master that answers
 without the budget (down at start, restarted with its own settings, or a replica promoted, once
-the tier's map has it) gets it at the next health probe."""
+the tier's map has it) gets it at the next health probe. A Redis that answers but takes no budget
+(CONFIG turned off) stops the server naming redis_bytes."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 
+from kdn.errors import ConfigError
+from kdn.server.app import build_store
+from kdn.server.config import ServerConfig
 from kdn.store.redis import RedisTier
 from tests.helpers import eventually
 from tests.redis_servers import RedisCluster3, RedisServer
@@ -104,3 +109,12 @@ def test_a_promoted_replica_gets_the_budget(tmp_path: Path) -> None:
             assert _budget_of(heir) == (BUDGET, "allkeys-lru")
         finally:
             tier.close()
+
+
+def test_a_redis_without_config_names_redis_bytes(tmp_path: Path) -> None:
+    with RedisServer(tmp_path, appendonly=False, extra=("--rename-command", "CONFIG", "")) as r:
+        cfg = ServerConfig(redis_url=r.url, redis_bytes=BUDGET, disk_bytes=0,
+                           data_dir=tmp_path / "data")
+        with pytest.raises(ConfigError, match="^redis_bytes: .*CONFIG.*set redis_bytes to 0"):
+            build_store(cfg)
+        build_store(dataclasses.replace(cfg, redis_bytes=0)).close()  # without it: serves

@@ -57,7 +57,7 @@ import redis
 import xxhash
 from redis.cluster import RedisCluster
 
-from kdn.errors import ConfigError, KDNError, PartlyUnavailable, TooLarge
+from kdn.errors import KDNError, PartlyUnavailable, TooLarge
 from kdn.store.base import Tier, TierStats
 from kdn.store.redis_errors import REDIS_ERRORS, said, wrap
 from kdn.store.redis_masters import ReplicasShort
@@ -180,12 +180,6 @@ class RedisTier(Tier):
             timeout_s=timeout_s, retries=retries, max_connections=max_connections,
             wait_replicas=wait_replicas, wait_timeout_s=wait_timeout_s)
         self.client: redis.Redis | RedisCluster = self.transport.client
-        if not cluster:
-            try:
-                self.transport.check_standalone()
-            except ConfigError:
-                self.transport.close()
-                raise
         self._commit = self.client.register_script(_COMMIT)
         self._delete = self.client.register_script(_DELETE)
         self._unsure: dict[bytes, _Header] = {}
@@ -194,8 +188,14 @@ class RedisTier(Tier):
         is withdrawn (that version only) as soon as Redis answers: before the next read or
         write of its key, and at each health probe (``_settle``)."""
         self._unsure_lock = threading.Lock()
-        if capacity_bytes:
-            self.transport.apply_budget(capacity_bytes)
+        try:
+            if not cluster:
+                self.transport.check_standalone()
+            if capacity_bytes:
+                self.transport.apply_budget(capacity_bytes)
+        except KDNError:
+            self.transport.close()
+            raise
         if cluster:
             self.transport.check_coverage()
 

@@ -492,14 +492,16 @@ class RedisTransport:
 
     def apply_budget(self, capacity_bytes: int) -> None:
         """Give Redis the byte budget (per master in a cluster) and an LRU policy over all keys,
-        on every master that answers (Redis refusing it, CONFIG turned off, raises); one that
-        does not answer, or refuses kdn's login or TLS (said), gets it from ``keep_budget``
-        once it does."""
+        on every master that answers (Redis refusing it, CONFIG turned off, raises
+        ``ConfigError`` naming redis_bytes); one that does not answer, or refuses kdn's login
+        or TLS (said), gets it from ``keep_budget`` once it does."""
         self._budget = capacity_bytes
         for node in self._budget_nodes():
             try:
                 self._set_budget(node)
-            except (TierUnavailable, PartlyUnavailable) as exc:
+            except KDNError as exc:
+                if not isinstance(exc, TierUnavailable):  # CONFIG off, or refused
+                    raise self._budget_refused(node, exc) from exc
                 refused = access_refused(exc.__cause__) if exc.__cause__ else None
                 if refused is not None:
                     log.warning("redis%s: %s; it gets the byte budget once it lets kdn in",
@@ -511,6 +513,13 @@ class RedisTransport:
                             "Redis" if node is None else node.name)
                 if node is not None:
                     self._note(node.name, down=True)
+
+    @staticmethod
+    def _budget_refused(node: ClusterNode | None, exc: KDNError) -> ConfigError:
+        return ConfigError(f"redis_bytes: Redis{'' if node is None else ' ' + node.name} "
+                           f"answers but does not take the byte budget (CONFIG SET maxmemory: "
+                           f"{exc}); set redis_bytes to 0 and give Redis its maxmemory and "
+                           "maxmemory-policy allkeys-lru yourself")
 
     def keep_budget(self) -> None:
         """Give the byte budget again to each master that answers without it (restarted with
