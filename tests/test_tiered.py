@@ -16,7 +16,7 @@ import xxhash
 
 from kdn import keys
 from kdn.client import Client
-from kdn.errors import Corrupt, InvalidArgument, PartlyUnavailable, TierUnavailable
+from kdn.errors import Corrupt, InvalidArgument, KDNError, PartlyUnavailable, TierUnavailable
 from kdn.options import StoreOptions
 from kdn.server import ServerConfig, ServerThread
 from kdn.store.framed import Framed
@@ -496,6 +496,37 @@ def test_a_write_its_part_of_a_tier_did_not_take_is_retried(policy: WritePolicy)
     store.put(b"x2", b"v2")
     store.close()
     assert store.counters.get("part.write_dropped") == 1 and not lower.contains(b"x2")
+
+
+class _RefusingTier(RamTier):
+    """A lower tier, named ``refusing``, that refuses every write and delete of keys starting
+    with ``r`` (as a Redis refuses a key for good)."""
+
+    name = "refusing"
+
+    def put(self, key: bytes, value: bytes | Framed, *, ttl_s: float | None = None) -> None:
+        if key.startswith(b"r"):
+            raise KDNError("refused")
+        super().put(key, value, ttl_s=ttl_s)
+
+    def delete(self, key: bytes) -> bool:
+        if key.startswith(b"r"):
+            raise KDNError("refused")
+        return super().delete(key)
+
+
+def test_a_refused_write_and_the_delete_in_its_place_are_counted_once_each() -> None:
+    """The write is ``write_dropped``; the delete of the stale copy queued in its place, refused
+    too, is ``delete_dropped`` (it was counted as a second dropped write)."""
+    lower = _RefusingTier(1 << 20)
+    store = TieredStore([RamTier(1 << 20), lower])
+    try:
+        store.put(b"r1", b"v1")
+        assert store.flush(5)
+        assert eventually(lambda: store.counters.get("refusing.delete_dropped") == 1)
+        assert store.counters.get("refusing.write_dropped") == 1, store.counters
+    finally:
+        store.close()
 
 
 class _BuggyTier(RamTier):

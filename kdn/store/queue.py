@@ -21,9 +21,10 @@ tier down (``Fault.PARTLY``) is retried after a backoff (``RETRY_S`` doubling up
 ``RETRY_MAX_S``; ``<tier>.write_retried``, a WARNING at most every ``WARN_EVERY_S``) while the
 keys behind it land; one the tier refuses otherwise is dropped (``<tier>.write_dropped``) and a
 delete of the key queued in its place, so the tier's older copy is never served after the newer
-value was acknowledged. After ``close`` the writer drains everything while the tier is up (a
-write waiting out its backoff is tried again until the deadline); what is left at the deadline
-for a tier, or a part of it, still down is dropped and counted.
+value was acknowledged (a delete the tier refuses is dropped as ``<tier>.delete_dropped``).
+After ``close`` the writer drains everything while the tier is up (a write waiting out its
+backoff is tried again until the deadline); what is left at the deadline for a tier, or a part
+of it, still down is dropped and counted.
 """
 
 from __future__ import annotations
@@ -252,8 +253,10 @@ class WriteQueue:
                     self._defer(key, what)  # its part of the tier is down: retried later
                     continue
                 if got is Fault.FAILED:
-                    self.count(f"{name}.write_dropped", 1)
-                    if item.value is not None:  # refused: the older copy must go instead
+                    if item.value is None:  # a delete refused: the older copy may be served
+                        self.count(f"{name}.delete_dropped", 1)
+                    else:  # refused: the older copy must go instead
+                        self.count(f"{name}.write_dropped", 1)
                         self._pop_if(key, item)
                         self.mark_stale(key)
                         continue
