@@ -8,6 +8,7 @@ the tier's map has it) gets it at the next health probe. A Redis that answers bu
 from __future__ import annotations
 
 import dataclasses
+import logging
 from pathlib import Path
 
 import pytest
@@ -118,3 +119,27 @@ def test_a_redis_without_config_names_redis_bytes(tmp_path: Path) -> None:
         with pytest.raises(ConfigError, match="^redis_bytes: .*CONFIG.*set redis_bytes to 0"):
             build_store(cfg)
         build_store(dataclasses.replace(cfg, redis_bytes=0)).close()  # without it: serves
+
+
+def test_two_servers_with_other_budgets_do_not_take_turns(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Each probe set its own budget again: the budget flipped at every probe (a lower one
+    evicting at once), logged as a Redis that lacked it. The one found holding another's keeps
+    it, said once."""
+    with RedisServer(tmp_path, appendonly=False) as r, \
+            caplog.at_level(logging.INFO, logger="kdn.store.redis_transport"):
+        a = RedisTier(r.url, capacity_bytes=BUDGET)
+        b = RedisTier(r.url, capacity_bytes=2 * BUDGET)
+        try:
+            for _ in range(3):
+                assert a.healthy() and b.healthy()
+                assert _budget_of(r) == (2 * BUDGET, "allkeys-lru")
+            said = [m.getMessage() for m in caplog.records]
+            assert not any("lacked" in m for m in said), said
+            assert sum(f"redis_bytes {BUDGET}" in m for m in said) == 1, said
+            r.kill()
+            r.start()  # its own settings again: the budget is given back
+            assert a.healthy() and _budget_of(r) == (BUDGET, "allkeys-lru")
+        finally:
+            a.close()
+            b.close()

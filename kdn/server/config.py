@@ -141,7 +141,8 @@ class ServerConfig:
     """redis_url points at a Redis Cluster (shared by several kdn servers) instead of one server."""
     redis_bytes: int = 0
     """Memory budget set on Redis (maxmemory per master, allkeys-lru; set again on a master
-    that was down at start, restarted or promoted); 0 = keep Redis's own."""
+    that was down at start, restarted or promoted); 0 = keep Redis's own. kdn servers sharing a
+    Redis set the same one: a master found holding another is left with it, and said once."""
     redis_part_bytes: int = 8 << 20
     """Largest single Redis value; bigger entries are split into parts of this size (cut to
     512MiB less a manifest's 40-byte header, the most one Redis value holds by default)."""

@@ -102,6 +102,7 @@ class RedisTransport:
                                       retry=retry, health_check_interval=0)
         self._masters = Masters() if cluster else None
         self._budget = 0  # bytes: apply_budget's, kept on every master by keep_budget
+        self._others: dict[str, str] = {}  # master -> another client's maxmemory, said once
         self._wait_clients: dict[str, redis.Redis] = {}
         self._wait_lock = threading.Lock()
         self._watcher: threading.Thread | None = None
@@ -524,7 +525,9 @@ class RedisTransport:
     def keep_budget(self) -> None:
         """Give the byte budget again to each master that answers without it (restarted with
         its own settings, or a replica promoted since): called by each health probe, one
-        ``CONFIG GET`` per master."""
+        ``CONFIG GET`` per master. A master that holds another budget (another kdn server's,
+        with another redis_bytes) keeps it, and a warning says so once: two servers setting
+        theirs in turn would change it at every probe."""
         if not self._budget:
             return
         for node in self._budget_nodes():
@@ -536,13 +539,23 @@ class RedisTransport:
         if not self._budget:
             return
         kw: dict[str, Any] = {} if node is None else {"target_nodes": node}
+        name = "Redis" if node is None else node.name
         try:
             got = self.call(self.client.config_get, "maxmemory*", **kw)
-            if got.get("maxmemory") != str(self._budget) \
-                    or got.get("maxmemory-policy") != "allkeys-lru":
+            held = str(got.get("maxmemory"))
+            if held not in ("0", str(self._budget)):  # another's budget: left, said once
+                if self._others.get(name) != held:
+                    self._others[name] = held
+                    log.warning("redis %s holds maxmemory %s, not this server's redis_bytes "
+                                "%d: another client set it (a kdn server sharing this Redis "
+                                "with another redis_bytes?); left as it is: give every kdn "
+                                "server sharing a Redis the same redis_bytes",
+                                name, held, self._budget)
+                return
+            self._others.pop(name, None)
+            if held != str(self._budget) or got.get("maxmemory-policy") != "allkeys-lru":
                 self._set_budget(node)
-                log.info("redis %s lacked the byte budget (restarted, or promoted): set",
-                         "Redis" if node is None else node.name)
+                log.info("redis %s lacked the byte budget (restarted, or promoted): set", name)
         except KDNError as exc:
             log.debug("redis: byte budget not checked: %s", exc)
 
