@@ -285,7 +285,9 @@ def test_a_server_that_went_away_is_not_read_from(config: ServerConfig) -> None:
 def test_reads_from_the_directory_are_counted_by_the_server(
         st: ServerThread, monkeypatch: pytest.MonkeyPatch) -> None:
     """The server never sees a read from the directory; the client reports them: with its next
-    GetMany, in a call of its own once ``REPORT_READS`` wait, and when it closes."""
+    GetMany, in a call of its own once ``REPORT_READS`` wait, and when it closes. Each is a
+    hit of the RAM tier (kdn_tier_hits_total: they were not, and the RAM hit ratio of a
+    same-host workload read 0), and no reading of the store's read time."""
     monkeypatch.setattr(dataplane, "REPORT_READS", 4)
     kvs = [random_kv(LAYOUT, 20, seed=i) for i in range(4)]
 
@@ -293,10 +295,17 @@ def test_reads_from_the_directory_are_counted_by_the_server(
         assert st.server is not None
         return int(dict(st.server.servicer.counters).get("arena.listed_reads", 0))
 
+    def ram() -> tuple[int, int]:  # the RAM tier's hits, and readings of its read time
+        assert st.server is not None
+        hits = next(t.hits for t in st.server.store.stats() if t.name == "ram")
+        times = st.server.servicer.usage.reads.data.get("ram")
+        return hits, int(times[-1]) if times else 0
+
     with Client(st.address, timeout_s=30, shm_bytes=1 << 20) as writer:
         for i, kv in enumerate(kvs):
             writer.store(_key(i), kv, mode="raw")
         reader = Client(st.address, timeout_s=30, shm_bytes=1 << 20)
+        before = ram()
         assert reader.fetch(_key(99)) is None  # attached, then the entries listed
         for i, kv in enumerate(kvs):
             writer.store(_key(i), kv, mode="raw")
@@ -314,6 +323,7 @@ def test_reads_from_the_directory_are_counted_by_the_server(
         assert listed_reads() == 6
         assert st.server is not None  # each counted as a hit served (no other read hit)
         assert dict(st.server.servicer.counters).get("getmany.hit", 0) == 6
+        assert ram() == (before[0] + 6, before[1])
 
 
 def test_an_import_over_a_listed_entry_is_what_the_next_read_sees(

@@ -47,7 +47,7 @@ from kdn.server.auth import (
     require_admin,
 )
 from kdn.server.ingest import Ingest, delete_entry, recount_usage
-from kdn.server.rpc import rpc
+from kdn.server.rpc import Counters, rpc
 from kdn.status import grpc_code
 from kdn.store.base import Tier
 from kdn.store.tiered import TieredStore
@@ -76,15 +76,17 @@ class AdminServicer(pb_grpc.KDNAdminServicer):
     """Calls running now (``kdn.server.rpc.rpc``)."""
 
     def __init__(self, store: TieredStore, auth: Authenticator,
-                 arenas: Arenas | None = None, ingest: Ingest | None = None) -> None:
+                 arenas: Arenas | None = None, ingest: Ingest | None = None,
+                 counters: Counters | None = None) -> None:
         self.store = store
         self.auth = auth
         self.arenas = arenas  # the servicer's read arenas: an evicted key's copy is dropped
         self.ingest = ingest  # the one write path: Import's entries go in as a Store's do
-        self.counters: dict[str, int] = {}
+        self.counters = counters if counters is not None else Counters()
+        """Its event counts: the KDN servicer's (``kdn.server.app``), so Stats has them."""
 
     def count(self, name: str, n: int = 1) -> None:
-        self.counters[name] = self.counters.get(name, 0) + n
+        self.counters.add(name, n)
 
     # -- scoping --------------------------------------------------------------------------------
 

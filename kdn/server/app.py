@@ -361,10 +361,10 @@ async def _start(config: ServerConfig, store: TieredStore, auth: Authenticator,
     await asyncio.to_thread(recount_usage, store, auth)
     servicer = KDNServicer(config, store, auth)
     servicer.blender = blender
-    admin = AdminServicer(store, auth, servicer.arenas, servicer.ingest)
+    admin = AdminServicer(store, auth, servicer.arenas, servicer.ingest, servicer.counters)
     metrics = Metrics(lambda: {
         "tiers": store.stats(), "queues": store.queue_depth(),
-        "counters": {**servicer.counters, **admin.counters,
+        "counters": {**servicer.counters.snapshot(),
                      **{f"store.{k}": v for k, v in store.counters.items()}},
         "usage": servicer.usage, "in_flight": servicer.in_flight + admin.in_flight,
     })

@@ -293,16 +293,20 @@ class BatchReads:
         call, as served (``GetManyRequest.read_listed``): those of slots its tenant's arena
         still lists (a generation is unique in the arena: a client can not count another
         tenant's entries, nor ones it never could have read; a slot dropped since its read
-        is not counted), as hits, bytes and usage. ``arena.listed_reads``: every reported
-        one."""
+        is not counted), as hits (the RAM tier's: its entries are what an arena lists),
+        bytes and usage; not as reads of the store, which made none (``kdn_tier_read_seconds``).
+        ``arena.listed_reads``: every reported one."""
         self.count("arena.listed_reads", len(generations))
         arena = self.arenas.existing(p.tenant)
         if arena is None:
             return
+        ram = next((t for t in self.store.tiers if t.name == "ram"), None)
         for skey, value in arena.listed_entries(generations):
-            self.usage.served(skey, value, "ram", 0.0)
+            self.usage.served(skey, value, "ram", None)
             self.count("getmany.hit")
             self.count("bytes_out", len(value))
+            if ram is not None:
+                ram.counters.add("hits")
 
     def _leased(self, p: Principal, seg: Segment, ref: pb.EntryRef, skey: bytes, hit: Hit
                 ) -> bool:

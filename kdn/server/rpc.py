@@ -4,6 +4,7 @@ with its gRPC status code (``kdn.status.grpc_code``), in one place for every han
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol, TypeVar
 
@@ -15,6 +16,26 @@ from kdn.status import grpc_code
 
 T = TypeVar("T")
 IN_FLIGHT = "rpc.in_flight"
+
+
+class Counters(dict[str, int]):
+    """A server's event counts (``<rpc>.<STATUS>``, ``bytes_out``, ...), one set for its
+    servicers, the Stats answer and ``/metrics`` alike: bumped from the event loop, its
+    worker threads and the data paths' threads at once, so under a lock (unlocked, a
+    read-modify-write lost counts under load)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._lock = threading.Lock()
+
+    def add(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self[name] = self.get(name, 0) + n
+
+    def snapshot(self) -> dict[str, int]:
+        """The counts now, as a plain dict (iterating the live one may meet a new name)."""
+        with self._lock:
+            return dict(self)
 
 
 class Counting(Protocol):

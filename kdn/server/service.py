@@ -47,7 +47,7 @@ from kdn.server.putmany import PutMany
 from kdn.server.reader import Reader, expected
 from kdn.server.receive import Receiver
 from kdn.server.retrieve_many import RetrieveMany
-from kdn.server.rpc import IN_FLIGHT, end_call, rpc
+from kdn.server.rpc import IN_FLIGHT, Counters, end_call, rpc
 from kdn.server.segments import Segments
 from kdn.server.usage import Usage
 from kdn.server.wire_memo import WireMemo
@@ -84,7 +84,7 @@ class KDNServicer(pb_grpc.KDNServicer):
         self.config = config
         self.store = store
         self.auth = auth or Authenticator(AuthConfig())
-        self.counters: dict[str, int] = {}
+        self.counters = Counters()  # AdminServicer's too (kdn.server.app)
         self.started = time.time()
         self.segments = Segments()
         # same-host reads: each tenant's hottest RAM-tier entries, leased (kdn.server.arena)
@@ -112,7 +112,7 @@ class KDNServicer(pb_grpc.KDNServicer):
                              self.usage.paced)
 
     def count(self, name: str, n: int = 1) -> None:
-        self.counters[name] = self.counters.get(name, 0) + n
+        self.counters.add(name, n)
 
     def pacer(self, context: grpc.aio.ServicerContext) -> Pacer | None:
         """The pacing of this call's answer (None: no egress cap applies to it)."""
@@ -283,7 +283,7 @@ class KDNServicer(pb_grpc.KDNServicer):
         down = self.store.parts_down()  # remembered by the tiers' watchers: no calls out
         if self._tenant_scoped():
             return self._tenant_view(tiers, down, await asyncio.to_thread(self._tenant_stats))
-        counters = dict(self.counters)
+        counters = self.counters.snapshot()
         counters.update({f"store.{k}": v for k, v in self.store.counters.items()})
         counters.update({"wire_memo.hits": self.wire_memo.hits,
                          "wire_memo.misses": self.wire_memo.misses,

@@ -188,12 +188,13 @@ class Usage:
                 self.requested_tokens[(tenant, model)] = \
                     self.requested_tokens.get((tenant, model), 0) + facts[0]
 
-    def served(self, skey: bytes, value: Any, tier: str, read_s: float,
+    def served(self, skey: bytes, value: Any, tier: str, read_s: float | None,
                header: Header | None = None) -> None:
         facts = self._facts_of(skey, value, header)
         tenant = split_store_key(skey)[0]
         with self._lock:
-            self.reads.observe(tier, read_s)
+            if read_s is not None:  # (None: a read the store did not make)
+                self.reads.observe(tier, read_s)
             tokens, model, encoding = facts if facts is not None else (0, UNKNOWN, "")
             key = (tenant, model, "hit")
             self.requested[key] = self.requested.get(key, 0) + 1

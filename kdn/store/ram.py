@@ -86,10 +86,10 @@ class RamTier(Tier):
         bytes replace it, under the same stamp)."""
         with self._lock:
             if not self._live(key):
-                self.counters.misses += 1
+                self.counters.add("misses")
                 return None
             self._data.move_to_end(key)
-            self.counters.hits += 1
+            self.counters.add("hits")
             value, stamp = self._data[key], self._stamps[key]
         if framed or not isinstance(value, Framed):
             return value, stamp  # type: ignore[return-value]
@@ -177,7 +177,7 @@ class RamTier(Tier):
             value = self._remove(key)
             assert value is not None
             out.append((key, value, expiry))
-            self.counters.evictions += 1
+            self.counters.add("evictions")
         if self._bytes > self.capacity_bytes:
             # Only protected entries remain: refuse the newcomer rather than break a pin.
             self._remove(keep)
