@@ -122,6 +122,11 @@ class InUse(TierUnavailable):
     refused at start, never shared."""
 
 
+class DiskFull(TierUnavailable):
+    """A disk tier's filesystem has no room for the files it needs to open (refused at start:
+    a server error, not a bad configuration)."""
+
+
 class Unavailable(KDNError, status=Status.UNAVAILABLE):
     """The service can not be reached or is shutting down."""
 

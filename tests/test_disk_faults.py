@@ -275,3 +275,44 @@ def test_stores_the_disk_tier_refuses_keep_the_clients_shared_segment(tmp_path: 
             assert "disk tier" in str(info.value)
         assert seg.regions.retired_bytes() == 0
         assert seg.regions.largest_free() >= 15 << 20
+
+
+@pytest.mark.parametrize("free_pages", [0, 1])
+def test_a_filesystem_full_at_first_start_is_one_line_naming_it(tmp_path: Path,
+                                                               free_pages: int) -> None:
+    """``kdn serve`` on a full filesystem (none free: the data folder's lock can not be written;
+    a page free: LMDB's lock file can not be had whole) exits 1 with one line saying the disk
+    is full and naming the folder. It was a SIGBUS inside ``lmdb.open`` (LMDB's sparse lock
+    file, written through its map: exit -7, no word), a bare "No space left on device", or
+    "bad configuration" (exit 2)."""
+    if shutil.which("unshare") is None:
+        pytest.skip("no unshare(1)")
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    count = 256 - free_pages if free_pages else 1 << 20  # a 1 MiB tmpfs of 4 KiB pages
+    proc = subprocess.run(
+        ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c",
+         'mount -t tmpfs -o size=1m tmpfs "$0" || exit 99; '
+         'dd if=/dev/zero of="$0/filler" bs=4096 count="$1" 2>/dev/null; shift; exec "$@"',
+         str(mnt), str(count), sys.executable, "-m", "kdn", "serve", "--port", "0",
+         "--data-dir", str(mnt / "data")],
+        env=env, capture_output=True, text=True, timeout=60)
+    if proc.returncode == 99:
+        pytest.skip(f"no tmpfs in a mount namespace here: {proc.stderr[-300:]}")
+    line = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == 1, (proc.returncode, proc.stderr[-2000:])
+    assert "the disk is full" in line and f"data_dir {mnt / 'data'}" in line, line
+    assert ("kdn.lock" if free_pages == 0 else "lock.mdb") in line, line
+
+
+def test_the_lock_file_is_allocated_whole(tmp_path: Path) -> None:
+    """LMDB's reader table (``lock.mdb``, written through a map) has every block on disk once
+    the tier opens: made sparse, a read transaction whose slot falls on a page never allocated
+    is a SIGBUS once the filesystem is full."""
+    tier = LmdbTier(tmp_path / "lmdb", capacity_bytes=1 << 20)
+    try:
+        st = os.stat(tmp_path / "lmdb" / "lock.mdb")
+        assert st.st_size >= 512 * 64 and st.st_blocks * 512 >= st.st_size, st
+    finally:
+        tier.close()

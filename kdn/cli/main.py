@@ -100,7 +100,7 @@ def _admin_options(p: argparse.ArgumentParser, *, suppress: bool) -> None:
 
 
 def _serve(ns: argparse.Namespace) -> int:
-    from kdn.errors import ConfigError, InUse
+    from kdn.errors import ConfigError, DiskFull, InUse
     from kdn.server.config import describe, load_config
 
     flags = {name: getattr(ns, name, None) for name, _, _ in describe()}
@@ -129,7 +129,7 @@ def _serve(ns: argparse.Namespace) -> int:
     except ConfigError as exc:  # found at start-up: TLS files that do not make a pair, ...
         error("kdn serve", f"bad configuration: {exc}")
         return EXIT_USAGE
-    except InUse as exc:  # the data folder of another server's disk tier
+    except (InUse, DiskFull) as exc:  # another server's data folder, or its disk full
         error("kdn serve", str(exc))
         return EXIT_FAILED
     except OSError as exc:  # a port taken, a data folder that can not be written

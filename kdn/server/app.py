@@ -33,7 +33,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from kdn import tracing
 from kdn.cli.output import human_size
-from kdn.errors import ConfigError, InUse, KDNError, again, kept
+from kdn.errors import ConfigError, DiskFull, InUse, KDNError, again, kept
 from kdn.server.admin import AdminServicer
 from kdn.server.auth import AuthConfig, Authenticator, Role, load_auth, tenants_from_text
 from kdn.server.blend_rpc import Blender
@@ -87,10 +87,11 @@ class _FastFrames:
 def _tier(setting: str, make: Callable[[], Tier]) -> Tier:
     """``make()``; where that fails (an LMDB that does not open, a Redis Cluster or a budget
     no node takes, a URL redis-py refuses) a ``ConfigError`` naming ``setting``, which
-    ``kdn serve`` prints as one line."""
+    ``kdn serve`` prints as one line; a disk tier's folder in use or its disk full are no
+    configuration's fault and go on as they are."""
     try:
         return make()
-    except (ConfigError, InUse):
+    except (ConfigError, InUse, DiskFull):
         raise
     except (KDNError, ValueError) as exc:
         raise ConfigError(f"{setting}: {exc}") from exc
@@ -118,6 +119,9 @@ def build_store(config: ServerConfig) -> TieredStore:
             if isinstance(exc, InUse):  # another server's disk tier (kdn.store.dirlock)
                 raise InUse(f"data_dir {config.data_dir}: {exc}; give each kdn serve its own "
                             "--data-dir, or stop the one running") from None
+            if isinstance(exc, DiskFull):
+                raise DiskFull(f"data_dir {config.data_dir}: {exc}; free room there, or "
+                               "give kdn serve another --data-dir") from None
             raise
     return TieredStore(
         [tiers[name] for name in config.tier_order if name in tiers],

@@ -13,17 +13,20 @@ goes down, and the writes queued for it are dropped.
 How: ``fcntl.flock(LOCK_EX | LOCK_NB)`` on ``<path>/kdn.lock``. A flock belongs to the open
 file, so a second opener in the same process is refused as well (LMDB forbids opening one
 environment twice in a process). The holder writes its pid into the file for the refusal's
-message; the lock, not the file, decides: a file left by a process that died holds nothing.
-The file is never removed (a removed lock file would let two processes lock two files).
+message (no room for it is ``DiskFull``, the lock let go); the lock, not the file, decides: a
+file left by a process that died holds nothing. The file is never removed (a removed lock
+file would let two processes lock two files).
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 from pathlib import Path
 
-from kdn.errors import InUse
+from kdn.errors import DiskFull, InUse
+from kdn.store.diskroom import describe
 
 LOCK_NAME = "kdn.lock"
 
@@ -44,8 +47,14 @@ class DirLock:
         except BaseException:
             os.close(fd)
             raise
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        except OSError as exc:
+            os.close(fd)  # (and its lock)
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise DiskFull(f"can not write {self.path}: {describe(path, 0)}") from None
+            raise OSError(exc.errno, exc.strerror, str(self.path)) from None
         self._fd: int | None = fd
 
     def release(self) -> None:

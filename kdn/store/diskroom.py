@@ -56,8 +56,15 @@ def describe(path: Path, need: int) -> str:
     free = free_bytes(path)
     if free is None:
         return f"the free space of {path}'s filesystem is not known"
-    full = "the disk is full: " if free < need + (1 << 20) else ""
+    full = "the disk is full: " if is_full(path, need, free) else ""
     return f"{full}{free} bytes free on the filesystem of {path}"
+
+
+def is_full(path: Path, need: int, free: int | None = None) -> bool:
+    """Whether ``path``'s filesystem (``free`` bytes free, asked where None) lacks room for a
+    write of ``need`` bytes with 1 MiB for LMDB's pages (False where its room is unknown)."""
+    free = free_bytes(path) if free is None else free
+    return free is not None and free < need + (1 << 20)
 
 
 def make_private(path: Path) -> None:

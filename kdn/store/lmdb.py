@@ -37,13 +37,18 @@ with that line, not with a crash at its first read of a lost page), and ``health
 False once the file is cut short while open (the probe marks the tier down, and reads go to
 the other tiers; a read in the probe interval before that still meets the lost page).
 
+Full disk at open: the lock file (LMDB's reader table, written through a map) is allocated
+whole before LMDB opens it (``kdn.store.lmdbfiles``): no room for it, or for LMDB's first
+pages, is ``DiskFull`` naming the folder and the free bytes (a sparse lock file was a SIGBUS at
+open, or at a later read once the disk filled).
+
 Failed writes: a write LMDB fails (the disk full, an I/O error) raises ``PartlyUnavailable``
 naming the filesystem's free bytes (LMDB says "Input/output error" for a full disk too):
 that write fails (a DISK store is UNAVAILABLE, a queued one is retried with a backoff), while
 the tier stays up and serves what it holds; ``healthy`` asks whether it can read. Failed reads
-(``_read_failed``): an I/O error or a damaged file takes the tier down (its probe brings it back
-once it reads again); a full reader table fails that read only. Either is a miss of this tier
-to the caller, never an error of the request.
+(``kdn.store.lmdbfiles.read_failed``): an I/O error or a damaged file takes the tier down
+(its probe brings it back once it reads again); a full reader table fails that read only.
+Either is a miss of this tier to the caller, never an error of the request.
 
 One process: the tier holds ``kdn.store.dirlock.DirLock`` on its folder from open to
 ``close``; a second opener (another process, or this one again) is refused with ``InUse``.
@@ -77,6 +82,7 @@ from kdn.errors import Corrupt, PartlyUnavailable, TierUnavailable, TooLarge
 from kdn.store.base import Tier, TierStats
 from kdn.store.dirlock import DirLock
 from kdn.store.diskroom import describe, fitted, make_private
+from kdn.store.lmdbfiles import MAX_READERS, open_failed, read_failed, reserve_lock
 from kdn.store.locks import RWLock
 
 log = logging.getLogger(__name__)
@@ -107,22 +113,9 @@ def _unmeta(raw: bytes | memoryview) -> tuple[int, float, int, float]:
     if len(raw) != _META.size:
         return _DAMAGED_META
     return _META.unpack(raw)  # type: ignore[no-any-return]
-def _read_failed(exc: lmdb.Error) -> TierUnavailable:
-    """What a read LMDB failed raises: a reader table full (more reads at once than
-    ``max_readers``) fails that read only (``PartlyUnavailable``); anything else (an I/O error,
-    a damaged file) takes the tier down until its probe reads again (``TierUnavailable``)."""
-    if isinstance(exc, lmdb.ReadersFullError):
-        return PartlyUnavailable(f"disk tier read refused: {exc}")
-    return TierUnavailable(f"disk tier read failed: {exc}")
-
-
 _STAMP = struct.Struct(">Q")
 _USED = b"used"
 _MAX_TOUCHED = 1 << 16
-_DAMAGED = (lmdb.InvalidError, lmdb.CorruptedError, lmdb.PageNotFoundError,
-            lmdb.VersionMismatchError)
-"""What LMDB raises opening a data file that is not (or no longer) one it wrote."""
-
 
 class LmdbTier(Tier):
     name = "disk"
@@ -160,9 +153,10 @@ class LmdbTier(Tier):
         self._touched: dict[bytes, None] = {}
         self._dir_lock = DirLock(self.path)  # before LMDB opens it: one process per environment
         try:
+            reserve_lock(self.path, MAX_READERS)  # (a sparse one is a SIGBUS on a full disk)
             self.env = lmdb.open(
                 str(self.path), map_size=min(self.max_map_bytes, initial_map_bytes), subdir=True,
-                max_dbs=4, sync=sync, metasync=sync, readahead=False, max_readers=512,
+                max_dbs=4, sync=sync, metasync=sync, readahead=False, max_readers=MAX_READERS,
                 mode=0o600,
             )
             for name in ("data.mdb", "lock.mdb"):  # (made by an older kdn: world-readable)
@@ -182,12 +176,8 @@ class LmdbTier(Tier):
             if hasattr(self, "env"):
                 self.env.close()
             self._dir_lock.release()
-            if isinstance(exc, _DAMAGED):  # (zeroed, overwritten, another program's file)
-                raise TierUnavailable(f"can not open LMDB at {self.path}: its data file is "
-                                      f"damaged ({exc}); move the folder aside to start with "
-                                      "an empty disk tier") from exc
             if isinstance(exc, lmdb.Error):
-                raise TierUnavailable(f"can not open LMDB at {self.path}: {exc}") from exc
+                raise open_failed(self.path, exc) from exc
             raise
         self._stamp_lock = threading.Lock()
         self._map_bytes = int(self.env.info()["map_size"])  # changed only by ``_grow``
@@ -236,7 +226,7 @@ class LmdbTier(Tier):
             with self.env.begin() as txn:
                 yield txn
         except lmdb.Error as exc:
-            raise _read_failed(exc) from exc
+            raise read_failed(exc) from exc
         finally:
             self._rw.release_shared()
 
@@ -303,7 +293,7 @@ class LmdbTier(Tier):
                     return None
                 size, expiry, _, _ = _unmeta(raw)
         except lmdb.Error as exc:
-            raise _read_failed(exc) from exc
+            raise read_failed(exc) from exc
         finally:
             self._rw.release_shared()
         if expiry and expiry <= time.time():
@@ -333,7 +323,7 @@ class LmdbTier(Tier):
                     else:
                         value = self._value(txn, key, size)
         except lmdb.Error as exc:
-            raise _read_failed(exc) from exc
+            raise read_failed(exc) from exc
         finally:
             self._rw.release_shared()
         if value is None:
