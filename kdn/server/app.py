@@ -2,7 +2,8 @@
 
     server = await start_server(config)   # listening; server.port is the bound port
     await server.wait()                   # until stop() (or a signal in ``serve``)
-    await server.stop()                   # in-flight RPCs get shutdown_grace_s; store closes
+    await server.stop()                   # in-flight calls (gRPC, fast path, data path) get
+                                          # shutdown_grace_s; then the store closes
 
 ``serve(config)`` is what ``kdn serve`` runs: start, install SIGINT/SIGTERM/SIGHUP handlers (each
 a graceful stop), wait, stop.
@@ -250,11 +251,14 @@ class Server:
         if self.health_task is not None:
             self.health_task.cancel()
         await self.health.enter_graceful_shutdown()
-        await self.grpc_server.stop(self.config.shutdown_grace_s if grace is None else grace)
-        if self.fast_path is not None:
-            self.fast_path.close()
-        if self.net_path is not None:
-            self.net_path.close()
+        grace = self.config.shutdown_grace_s if grace is None else grace
+        paths = [p for p in (self.fast_path, self.net_path) if p is not None]
+        for path in paths:  # no new call on any path; those in flight are answered in the grace
+            path.stop_accepting()
+        await asyncio.gather(self.grpc_server.stop(grace),
+                             *(asyncio.to_thread(path.drain, grace) for path in paths))
+        for path in paths:
+            path.close()
         self.servicer.segments.close()
         self.servicer.arenas.close()
         self.servicer.heap.close()

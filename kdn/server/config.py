@@ -237,7 +237,7 @@ class ServerConfig:
     metrics_port: int = -1
     """Port of the /metrics endpoint (-1 = off, 0 = any free port)."""
     shutdown_grace_s: float = 10.0
-    """Seconds in-flight RPCs get to finish on shutdown."""
+    """Seconds in-flight calls (gRPC, fast path, data path) get to finish on shutdown."""
     log_level: str = "INFO"
     """Python logging level name."""
     tracing: bool = False

@@ -42,8 +42,12 @@ Calls here do not pass the gRPC interceptor: they are counted (``fast.<rpc>``, a
 code and latency in ``kdn_fastpath_requests_total`` / ``kdn_fastpath_request_seconds``,
 ``kdn.server.usage``) but have no access-log line.
 
-Lifecycle: the server starts one ``FastPath`` (a listening thread) once it listens, and closes
-it at shutdown; each connection is served by its own daemon thread.
+Lifecycle: the server starts one ``FastPath`` (a listening thread) once it listens; each
+connection is served by its own daemon thread. At shutdown ``stop_accepting`` closes the
+listener, the pending connections and those waiting for a call (a call whose first bytes come
+later is not read: its client hears the connection close, and nothing of it is applied);
+``drain`` waits up to the server's ``shutdown_grace_s`` for the calls in flight to be answered,
+as gRPC's do; ``close`` then closes what is left.
 """
 
 from __future__ import annotations
@@ -180,6 +184,8 @@ class FastPath:
         self._sock = self.listen()
         self._conns: set[socket.socket] = set()
         self._lock = threading.Lock()
+        self._busy: set[socket.socket] = set()  # (as accepted) in a call, not yet answered
+        self._answered = threading.Condition(self._lock)  # each time ``_busy`` empties
         self._closed = False
         self._door = Door(self.kind, self._due, self._arrived)  # (once listening)
         threading.Thread(target=self._accept, name=f"kdn-{self.kind}-accept", daemon=True
@@ -256,6 +262,7 @@ class FastPath:
     def _gone(self, conn: socket.socket) -> None:
         """A connection's serving ended (under ``_lock``; ``conn`` as accepted)."""
         self._conns.discard(conn)
+        self._call_ends(conn)
         peer = self._peers.pop(conn, None)
         self._pending.pop(conn, None)
         if peer is not None and peer.owner is not None:
@@ -272,7 +279,7 @@ class FastPath:
         try:
             conn = self.opened(conn)
             ahead: tuple[int, bytes] | None = None  # a call read while gathering PutManys
-            while (call := ahead or self._read_call(conn)) is not None:
+            while (call := ahead or self._next_call(accepted, conn)) is not None:
                 ahead = None
                 op, body = call
                 started = time.perf_counter()
@@ -297,6 +304,32 @@ class FastPath:
                 self._gone(accepted)
             conn.close()
 
+    def _next_call(self, accepted: socket.socket, conn: socket.socket
+                   ) -> tuple[int, bytes] | None:
+        """The next call on a connection whose calls so far were answered; None once it
+        closed, or the path stopped taking calls."""
+        with self._lock:
+            self._call_ends(accepted)
+            if self._closed:
+                return None
+        return self._read_call(conn)
+
+    def _call_begins(self, conn: socket.socket) -> bool:
+        """Whether a call whose first bytes came on ``conn`` (as accepted) is read and served
+        (a stop's ``drain`` waits for it): not once the path stopped taking calls, unless its
+        connection is in a call already (PutManys sent one after another, gathered)."""
+        with self._lock:
+            if conn not in self._busy and self._closed:
+                return False
+            self._busy.add(conn)
+            return True
+
+    def _call_ends(self, conn: socket.socket) -> None:
+        """``conn``'s calls were answered, or it ended (under ``_lock``)."""
+        self._busy.discard(conn)
+        if not self._busy:
+            self._answered.notify_all()
+
     def _read_call(self, conn: socket.socket) -> tuple[int, bytes] | None:
         """The next call on ``conn`` (op, body), read within the limits of the module
         docstring (``socket.timeout`` past them, which ends the connection); None once it
@@ -305,7 +338,7 @@ class FastPath:
         admitted = peer.owner is not None
         if admitted and not self.timed_when_admitted:  # blocking: the fewest system calls
             head = read_exact(conn, FAST_HEAD.size)
-            if head is None:
+            if head is None or not self._call_begins(peer.conn):
                 return None
             n, op = FAST_HEAD.unpack(head)
             if n > MAX_BODY:
@@ -321,7 +354,7 @@ class FastPath:
                 raise TimeoutError(f"no call named a live {self.names} in time")
             conn.settimeout(left)
         first = conn.recv(1)  # waiting for a call
-        if not first:
+        if not first or not self._call_begins(peer.conn):
             return None
         by = time.monotonic() + self.first_call_s
         if not admitted:
@@ -502,19 +535,42 @@ class FastPath:
         still_there(conn, "PutMany")  # (its client gone: not applied late)
         return s.puts.put(principal, req).SerializeToString()
 
-    def close(self) -> None:
+    def stop_accepting(self) -> None:
+        """Take no new connection nor call: the listener, the pending connections and those
+        waiting for a call are closed; the calls in flight go on (``drain``). Idempotent."""
         with self._lock:
-            self._closed = True
-            conns, self._conns = list(self._conns), set()
+            first, self._closed = not self._closed, True
+            idle = [c for c in self._conns if c not in self._busy]
+        if not first:
+            return
         self._door.close()
         try:  # wakes the accepting thread: a listener closed under it would accept once more
             self._sock.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
         self._sock.close()
+        for c in idle:
+            _cut(c)
+
+    def drain(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for the calls in flight to be answered (after
+        ``stop_accepting``); whether they all were."""
+        with self._answered:
+            return self._answered.wait_for(lambda: not self._busy, max(timeout_s, 0.0))
+
+    def close(self) -> None:
+        """``stop_accepting``, and every connection closed, calls in flight or not."""
+        self.stop_accepting()
+        with self._lock:
+            conns, self._conns = list(self._conns), set()
         for c in conns:
-            try:
-                c.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            c.close()
+            _cut(c)
+
+
+def _cut(conn: socket.socket) -> None:
+    """Close ``conn``, waking a thread blocked on it."""
+    try:
+        conn.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    conn.close()
