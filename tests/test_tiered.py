@@ -16,7 +16,14 @@ import xxhash
 
 from kdn import keys
 from kdn.client import Client
-from kdn.errors import Corrupt, InvalidArgument, KDNError, PartlyUnavailable, TierUnavailable
+from kdn.errors import (
+    Corrupt,
+    InvalidArgument,
+    KDNError,
+    PartlyUnavailable,
+    TierUnavailable,
+    TooLarge,
+)
 from kdn.options import StoreOptions
 from kdn.server import ServerConfig, ServerThread
 from kdn.store.framed import Framed
@@ -602,3 +609,24 @@ def test_a_disk_read_that_fails_is_a_miss_of_that_tier_never_an_error(
     assert store.is_up(disk.name)
     hit = store.get(b"d" * 32)
     assert hit is not None and bytes(hit.value) == on_disk
+
+
+def test_a_default_store_the_disk_refuses_for_pinned_room_is_acked_with_a_warning(
+        make: Callable[..., TieredStore], caplog: pytest.LogCaptureFixture) -> None:
+    """Write-through, a disk tier full of pinned entries: a DEFAULT store smaller than
+    ``disk_bytes`` is acknowledged from RAM (as one larger than ``disk_bytes`` is: README), and
+    the warning says why, its size, and that the store is kept as a MEMORY one (a restart
+    loses it); a DISK store of it fails."""
+    store = make(ram=1 << 20, disk=60_000)
+    ram, disk = store.tiers
+    for i in range(5):
+        store.put(b"pin/%d" % i, entry(10_000), pin=True)
+    value = entry(20_000)
+    with caplog.at_level("WARNING", logger="kdn.store.health"):
+        assert store.put(b"new", value) == "ram"
+    assert ram.get(b"new") == value and not disk.contains(b"new")
+    said = [r.getMessage() for r in caplog.records if "b'new'" in r.getMessage()]
+    assert said and "full of pinned entries" in said[0] and f"({len(value)} bytes)" in said[0] \
+        and "kept as a MEMORY store is: a restart loses it" in said[0], said
+    with pytest.raises(TooLarge):
+        store.put(b"new2", value, durability=Durability.DISK)

@@ -30,7 +30,7 @@ import logging
 from collections.abc import Callable
 from functools import partial
 
-from kdn.errors import TierUnavailable
+from kdn.errors import TierUnavailable, TooLarge
 from kdn.store.base import Tier
 from kdn.store.framed import Framed, contiguous
 from kdn.store.health import Fault, TierHealth
@@ -50,18 +50,21 @@ class LowerWrites:
 
     def write(self, tier: Tier, key: bytes, value: bytes | Framed, ttl: float | None,
               expiry: float, sync: bool, required: bool,
-              refused: list[Tier] | None = None) -> bool:
+              refused: list[Tier] | None = None, acked: bool = False) -> bool:
         """Write to ``tier`` (caller holds the key's stripe); True if written now.
 
         A ``required`` write that fails raises (after marking the tier down if it is); the
         others fall back to the tier's queue, or are dropped: counted, and ``tier`` added to
         ``refused`` for the caller to ``clear_stale`` once it knows another tier took the value
         (without a list, at once). A ``Framed`` value is joined first: lower tiers and their
-        queues hold one buffer.
+        queues hold one buffer. ``acked``: the store is acknowledged should this tier refuse it
+        for room (``TooLarge``), which its warning then says (``_acked_without``).
         """
         flat = contiguous(value)
         q = self._queues[tier.name]
         write = partial(tier.put, key, flat, ttl_s=ttl)
+        if acked:
+            write = partial(_acked_without, write, len(flat), tier.name)
         what = f"write of {key!r}"
         up = self._health.is_up(tier.name)
         if sync and up:
@@ -137,3 +140,15 @@ class LowerWrites:
         self._count(f"{tier.name}.delete_dropped")
         log.error("tier %s: the delete of %r could not be queued (the queue is full); the "
                   "tier may serve an older copy of it once it is back", tier.name, key)
+
+
+def _acked_without(write: Callable[[], None], size: int, name: str) -> None:
+    """``write()``, its refusal for room (larger than the tier's budget, or its room held by
+    pinned entries) saying that the store is acknowledged without it (a write-through DEFAULT
+    store a durable tier refused: kept as a MEMORY store is)."""
+    try:
+        write()
+    except TooLarge as exc:
+        raise TooLarge(f"{exc}; the write-through store ({size} bytes) is acknowledged "
+                       f"without the {name} tier's copy, kept as a MEMORY store is: a restart "
+                       "loses it") from None

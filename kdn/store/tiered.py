@@ -36,9 +36,12 @@ queued and retried by the queue's writer once the tier is back, or dropped with 
 a synchronous write (or delete) that found the key's part of the tier down (``Fault.PARTLY``: a
 Redis Cluster master that does not answer): queued and retried with a backoff until it lands
 (``<tier>.write_retried``), or dropped and counted when the queue is full. A write the tier
-refuses otherwise (too large, out of memory) is dropped and counted too. A tier that did not
-take a write keeps no older copy to serve later: it is deleted there at once, or a delete is
-queued in the write's place (reads skip the tier's copy meanwhile).
+refuses otherwise (too large, out of memory) is dropped and counted too; a write-through
+DEFAULT store a durable tier refuses for room (larger than its budget, or its room held by
+pinned entries) is so acknowledged without it, kept as a MEMORY store is, and the tier's
+warning names its size and says so. A tier that did not take a write keeps no older copy to
+serve later: it is deleted there at once, or a delete is queued in the write's place (reads
+skip the tier's copy meanwhile).
 
 Eviction: tiers evict on their own budget (RAM: LRU; disk: approximate LRU) but skip keys
 for which ``protected`` (wired here to the pin set) answers true. Evictions from a tier that
@@ -451,8 +454,10 @@ class TieredStore:
             for tier in self.tiers[1:]:
                 if tier is required and first:
                     continue  # written first, above
+                acked = first == head.name and durability is Durability.DEFAULT \
+                    and tier.durable and self.write_policy is WritePolicy.WRITE_THROUGH
                 took = self._lower.write(tier, key, value, ttl, expiry, sync_all, False,
-                                         refused)
+                                         refused, acked)
                 if took and not first:
                     first = tier.name
             for tier in refused if first else ():  # their older copies: never served again
