@@ -1,6 +1,7 @@
 """Settings files in YAML, read one way everywhere (``kdn serve --config``, its tenants file,
 a fleet file): YAML's safe loader, refusing a key named twice in one mapping (where the last
-would win silently: a tenant defined twice, its role changed by the second), and every failure
+would win silently: a tenant defined twice, its role changed by the second; merge keys, ``<<:
+*anchor``, are taken), and every failure
 a ConfigError naming the file (unreadable, larger than ``MAX_FILE_BYTES``, not UTF-8, not
 YAML; for a file of secrets, a tenants file, what and where without quoting its lines)."""
 
@@ -14,21 +15,31 @@ import yaml
 from kdn.checks import shown
 from kdn.errors import ConfigError
 
+_MERGE = "tag:yaml.org,2002:merge"
+
 
 class _UniqueKeys(yaml.SafeLoader):
     """YAML's safe loader, refusing a mapping that names a key twice (where the last one
-    would win silently: a tenant defined twice, its role changed by the second)."""
+    would win silently: a tenant defined twice, its role changed by the second). Merge keys
+    (``<<: *anchor``) are YAML's as ever: the keys a mapping names itself win over those it
+    merges, and only those it names itself are checked, before merging (which rewrites the
+    mapping's node, in place, once: also where it is merged into another first)."""
 
-    def construct_mapping(self, node: Any, deep: bool = False) -> Any:
-        seen: set[Any] = set()
-        for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=deep)
-            if isinstance(key, (str, int, float, bool)):  # (a list key: refused by YAML's
-                if key in seen:  # own construct_mapping, "found unhashable key")
-                    raise yaml.constructor.ConstructorError(
-                        None, None, f"{shown(key)} is defined twice", key_node.start_mark)
-                seen.add(key)
-        return super().construct_mapping(node, deep=deep)
+    def flatten_mapping(self, node: Any) -> None:
+        checked: set[Any] = self.__dict__.setdefault("_checked", set())
+        if node not in checked:
+            checked.add(node)
+            seen: set[Any] = set()
+            for key_node, _ in node.value:
+                if key_node.tag == _MERGE:
+                    continue
+                key = self.construct_object(key_node)
+                if isinstance(key, (str, int, float, bool)):  # (a list key: refused by YAML's
+                    if key in seen:  # own construct_mapping, "found unhashable key")
+                        raise yaml.constructor.ConstructorError(
+                            None, None, f"{shown(key)} is defined twice", key_node.start_mark)
+                    seen.add(key)
+        super().flatten_mapping(node)
 
 
 def parse_yaml(text: str) -> Any:

@@ -51,6 +51,25 @@ def test_odd_tenants_files_are_refused_naming_the_field(tmp_path: Path, text: st
         _load(tmp_path, text)
 
 
+def test_merge_keys_share_settings_and_a_key_named_twice_is_still_refused(
+        tmp_path: Path) -> None:
+    """YAML merge keys (``<<: *anchor``) load as ``yaml.safe_load`` reads them, the keys a
+    tenant names itself winning (they were refused as a tag no constructor knows); a key a
+    mapping names twice itself is refused as before, also beside a merge key, and also in a
+    mapping merged into another before its own turn came."""
+    cfg = _load(tmp_path, "tenants:\n  a: &limits {api_keys: [k1], rate_rps: 100, burst: 200}\n"
+                          "  b:\n    <<: *limits\n    api_keys: [k2]\n    burst: 300\n")
+    policies = cfg.policies  # type: ignore[attr-defined]
+    assert (policies["a"].rate_rps, policies["a"].burst) == (100, 200)
+    assert (policies["b"].rate_rps, policies["b"].burst) == (100, 300)
+    from kdn.yamlfiles import parse_yaml
+    assert parse_yaml("x: &x {p: 1}\nl:\n  m: &y {<<: *x, q: 2}\ne: {<<: *y, r: 3}\n")[
+        "e"] == {"p": 1, "q": 2, "r": 3}
+    with pytest.raises(ConfigError, match="'burst' is defined twice"):
+        _load(tmp_path, "tenants:\n  a: &limits {api_keys: [k1], rate_rps: 100}\n"
+                        "  b: {<<: *limits, api_keys: [k2], burst: 1, burst: 2}\n")
+
+
 def test_a_plain_file_loads_as_written(tmp_path: Path) -> None:
     cfg = _load(tmp_path, f"tenants:\n  a: {{api_keys: ['k-1'], rate_rps: 2.5, burst: 4, "
                           f"quota_bytes: 1GiB, egress_bytes_per_s: 125MB}}\n"
