@@ -258,6 +258,17 @@ def test_parse_size() -> None:
     for bad in (1 << 63, "8EiB", "1" + "0" * 400, [1], {"a": 1}):
         with pytest.raises(ValueError):
             parse_size(bad)
+    assert parse_size(2.0) == 2 and parse_size("1.5KB") == 1500
+
+
+@pytest.mark.parametrize("value", [1.5, 0.5, "1.5", "0.5B"])
+def test_a_fraction_of_a_byte_is_refused(value: object) -> None:
+    """A byte count with a fraction and no unit above bytes (YAML's ``ram_bytes: 1.5``) is
+    refused; it was cut to a whole byte (1.5: 1 byte; 0.5: "got 0")."""
+    with pytest.raises(ValueError, match="a whole number of bytes"):
+        parse_size(value)
+    with pytest.raises(ConfigError, match="ram_bytes: .*a whole number of bytes"):
+        load_config(None, env={"KDN_RAM_BYTES": str(value)})
 
 
 def _free_port() -> int:

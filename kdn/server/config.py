@@ -76,8 +76,8 @@ budget comes near it; past it is a typo."""
 
 
 def parse_size(value: object) -> int:
-    """Bytes of a size setting: a whole number or a size like 512MiB, at most ``MAX_SIZE``;
-    ValueError otherwise."""
+    """Bytes of a size setting: a whole number or a size like 512MiB or 1.5GiB (a fraction
+    only with a unit above bytes), at most ``MAX_SIZE``; ValueError otherwise."""
     if isinstance(value, bool):
         raise ValueError("a size, not a boolean")
     if isinstance(value, int):
@@ -86,7 +86,11 @@ def parse_size(value: object) -> int:
         m = _SIZE_RE.match(str(value)) if isinstance(value, (str, float)) else None
         if not m or m.group(2).lower() not in _UNITS:
             raise ValueError(f"expected a size like 512MiB or 1073741824, got {shown(value)}")
-        number = float(m.group(1)) * _UNITS[m.group(2).lower()]
+        unit = _UNITS[m.group(2).lower()]
+        number = float(m.group(1)) * unit
+        if unit == 1 and not number.is_integer():  # (YAML's 1.5: 1 byte, 0.5: 0 bytes)
+            raise ValueError(f"a whole number of bytes, or a size with a unit like 1.5GiB; got "
+                             f"{shown(value)}")
         if not number <= MAX_SIZE:  # (inf, from 400 digits)
             raise ValueError(f"at most {MAX_SIZE} bytes (8 EiB), got {shown(value)}")
         got = int(number)
