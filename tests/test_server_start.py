@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 import subprocess
 import sys
 import threading
@@ -110,6 +111,24 @@ def test_reuse_port_shares_a_port_when_asked(tmp_path: Path) -> None:
         port = int(one.address.rsplit(":", 1)[1])
         with ServerThread(ServerConfig(port=port, data_dir=tmp_path / "b", reuse_port=True)):
             pass
+
+
+def test_reuse_port_on_a_port_held_unshared_says_so(tmp_path: Path,
+                                                   capfd: pytest.CaptureFixture[str]) -> None:
+    """``reuse_port`` on a port another process holds without SO_REUSEPORT: the error says the
+    port is not shared (it advised to "set reuse_port", which was set), found before gRPC's own
+    attempt (whose native add_port.cc line came first)."""
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        cfg = ServerConfig(port=port, data_port=-1, data_dir=tmp_path / "d", disk_bytes=0,
+                           reuse_port=True)
+        with pytest.raises(OSError, match="does not share it") as info:
+            with ServerThread(cfg):
+                pass
+    assert "set reuse_port" not in str(info.value)
+    assert "add_port" not in capfd.readouterr().err
 
 
 def test_reflection_lists_and_calls_the_services(tmp_path: Path) -> None:

@@ -169,13 +169,21 @@ def grpc_options(config: ServerConfig) -> list[tuple[str, int]]:
 
 PORT_TAKEN = ("is another process (another kdn serve?) on that port? pick another with --port, "
               "or set reuse_port to share it on purpose")
+PORT_NOT_SHARED = ("another process holds that port and does not share it (reuse_port shares a "
+                   "port only among processes of one user that all set it, as kdn serve with "
+                   "reuse_port: true does); pick another with --port, or stop that process")
 
 
-def bind_problem(host: str, port: int) -> str | None:
+def _taken(reuse_port: bool) -> str:
+    return PORT_NOT_SHARED if reuse_port else PORT_TAKEN
+
+
+def bind_problem(host: str, port: int, reuse_port: bool = False) -> str | None:
     """Why gRPC could not listen on ``host:port``, found by binding a socket as gRPC does
-    (SO_REUSEADDR) on each of the host's addresses: another process listens on the port on
-    one of them (``PORT_TAKEN``), the host does not resolve, or none of its addresses is one
-    of this machine's; None where a bind works."""
+    (SO_REUSEADDR, and SO_REUSEPORT for ``reuse_port``) on each of the host's addresses:
+    another process listens on the port on one of them (``PORT_TAKEN``; with ``reuse_port``,
+    one that does not share it: ``PORT_NOT_SHARED``), the host does not resolve, or none of
+    its addresses is one of this machine's; None where a bind works."""
     import errno
     import socket
 
@@ -188,11 +196,13 @@ def bind_problem(host: str, port: int) -> str | None:
     for family, kind, proto, _, addr in infos:
         with socket.socket(family, kind, proto) as s:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if reuse_port:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
             try:
                 s.bind(addr)
             except OSError as exc:
                 if exc.errno == errno.EADDRINUSE:
-                    return PORT_TAKEN
+                    return _taken(reuse_port)
                 if exc.errno == errno.EADDRNOTAVAIL:
                     foreign.append(str(addr[0]))
     if foreign and len(foreign) == len(infos):  # gRPC listens where any of them binds
@@ -205,16 +215,16 @@ def _listen(server: grpc.aio.Server, config: ServerConfig,
             creds: grpc.ServerCredentials | None) -> int:
     """Bind the port; a host or port that can not be bound is a one-line error naming it."""
     why = f"can not listen on {config.address}: "
-    problem = bind_problem(config.host, 0 if config.reuse_port else config.port)
+    problem = bind_problem(config.host, config.port, config.reuse_port)
     if problem:
         raise OSError(why + problem)  # found before gRPC's own attempt, which logs a native line
     try:
         port = (server.add_secure_port(config.address, creds) if creds is not None
                 else server.add_insecure_port(config.address))
     except RuntimeError as exc:  # grpc: "Failed to bind to address ..."
-        raise OSError(why + PORT_TAKEN) from exc
+        raise OSError(why + _taken(config.reuse_port)) from exc
     if port == 0:
-        raise OSError(why + PORT_TAKEN)
+        raise OSError(why + _taken(config.reuse_port))
     return int(port)
 
 
