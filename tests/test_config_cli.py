@@ -248,6 +248,24 @@ def test_a_yaml_alias_bomb_is_refused_in_one_short_line(tmp_path: Path) -> None:
     assert time.monotonic() - t0 < 10 and len(str(info.value)) < 1000
 
 
+def test_a_variable_overriding_a_file_setting_is_a_warning(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The server image's ENV (KDN_PORT, KDN_METRICS_PORT, ...) beats a mounted config file;
+    each setting of the file a variable overrides is a warning naming both (it was silent: the
+    file's metrics_port: -1 left /metrics open). A variable equal to the file's value, or one
+    a flag overrides in turn, says nothing."""
+    f = tmp_path / "kdn.yaml"
+    f.write_text("port: 6000\nmetrics_port: -1\nram_bytes: 64MiB\n")
+    with caplog.at_level("WARNING", logger="kdn.server.config"):
+        cfg = load_config(f, env={"KDN_PORT": "50051", "KDN_METRICS_PORT": "9464",
+                                  "KDN_RAM_BYTES": "64MiB"}, flags={"port": 7000})
+    assert (cfg.port, cfg.metrics_port) == (7000, 9464)
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1, said
+    assert said[0].startswith("metrics_port: $KDN_METRICS_PORT ('9464') overrides -1 in ") \
+        and str(f) in said[0], said
+
+
 def test_parse_size() -> None:
     assert parse_size("512MiB") == 512 << 20
     assert parse_size("1.5GiB") == int(1.5 * (1 << 30))

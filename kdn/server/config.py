@@ -462,9 +462,12 @@ def load_config(
     env: Mapping[str, str] | None = None,
     flags: Mapping[str, Any] | None = None,
 ) -> ServerConfig:
-    """Merge defaults, a YAML file, KDN_* variables and flags into a validated ServerConfig."""
+    """Merge defaults, a YAML file, KDN_* variables and flags into a validated ServerConfig.
+    A variable that overrides another value the file sets is logged as a WARNING naming both
+    (a container image's ENV defaults beat a mounted file: its ``metrics_port: -1`` ignored)."""
     known = {f.name for f in fields(ServerConfig)}
     values: dict[str, Any] = {}
+    from_file: dict[str, Any] = {}
     if file is not None:
         path = Path(file)
         raw = load_yaml_file(path, "config file")
@@ -474,7 +477,7 @@ def load_config(
             if k not in known:
                 raise ConfigError(f"{k}: unknown setting (in {path}); known: {sorted(known)}")
             if v is not None:  # null (``host:`` alone too): unset, the default
-                values[k] = _coerce(k, v, str(path))
+                values[k] = from_file[k] = _coerce(k, v, str(path))
     env = os.environ if env is None else env
     check_variables(env)
     for k, v in env.items():
@@ -482,6 +485,12 @@ def load_config(
             continue
         name = k[4:].lower()
         values[name] = _coerce(name, v, f"${k}")
+        if name in from_file and from_file[name] != values[name] \
+                and (flags or {}).get(name) is None:
+            logging.getLogger("kdn.server.config").warning(
+                "%s: $%s (%s) overrides %s in %s (the environment beats the config file: "
+                "unset $%s to take the file's)", name, k, shown(v), shown(from_file[name]),
+                file, k)
     for k, v in (flags or {}).items():
         if v is None:
             continue
