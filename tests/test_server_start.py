@@ -131,6 +131,26 @@ def test_reuse_port_on_a_port_held_unshared_says_so(tmp_path: Path,
     assert "add_port" not in capfd.readouterr().err
 
 
+def test_a_ram_budget_past_the_hosts_memory_is_a_warning(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """``ram_bytes`` (with the wire memo and a read arena) more than the host's memory (or its
+    cgroup's limit) is said at start, as a disk budget past its filesystem is (it was taken
+    silently: the kernel, not an eviction, bounded it); one that fits says nothing."""
+    from kdn.server.app import build_store, host_memory
+
+    memory = host_memory()
+    if memory is None:
+        pytest.skip("this host does not say its memory")
+    for ram, said in ((memory * 2, True), (64 << 20, False)):
+        caplog.clear()
+        with caplog.at_level("WARNING"):
+            build_store(ServerConfig(data_dir=tmp_path / "d", ram_bytes=ram,
+                                     disk_bytes=0)).close()
+        warned = [r.getMessage() for r in caplog.records if "ram_bytes" in r.getMessage()]
+        assert bool(warned) is said, warned
+        assert not said or "more than this host's memory" in warned[0]
+
+
 def test_reflection_lists_and_calls_the_services(tmp_path: Path) -> None:
     from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
         ProtoReflectionDescriptorDatabase,

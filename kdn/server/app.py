@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import os
 import signal
 import ssl
 import threading
@@ -98,8 +99,40 @@ def _tier(setting: str, make: Callable[[], Tier]) -> Tier:
         raise ConfigError(f"{setting}: {exc}") from exc
 
 
+def host_memory() -> int | None:
+    """Bytes of memory this machine has, or its memory cgroup's limit where lower (a
+    container, a pod); None where neither says."""
+    try:
+        sizes = [os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")]
+    except (OSError, ValueError):
+        sizes = []
+    for limit in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            text = Path(limit).read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit() and int(text) < 1 << 60:  # "max", or v1's ~2**63: no limit
+            sizes.append(int(text))
+    return min(sizes) if sizes else None
+
+
+def check_memory(config: ServerConfig) -> None:
+    """Warn where ``ram_bytes``, with the wire memo and one tenant's read arena on top of it,
+    is more than ``host_memory``: the RAM tier would not evict before the kernel kills the
+    server (SIGKILL: MEMORY and write-behind entries lost), as ``fitted`` cuts a disk budget."""
+    memory = host_memory()
+    extra = min(config.wire_memo_bytes, config.ram_bytes // 4) \
+        + min(config.shm_arena_bytes, config.ram_bytes // 4)  # (as KDNServicer takes them)
+    if memory is not None and config.ram_bytes + extra > memory:
+        log.warning("ram_bytes (%s, and %s for the wire memo and a tenant's read arena) is more "
+                    "than this host's memory (%s): the kernel would kill the server before its "
+                    "RAM tier evicts; lower ram_bytes", human_size(config.ram_bytes),
+                    human_size(extra), human_size(memory))
+
+
 def build_store(config: ServerConfig) -> TieredStore:
-    """The tier hierarchy the config describes, in ``tier_order``."""
+    """The tier hierarchy the config describes, in ``tier_order``; ``check_memory`` first."""
+    check_memory(config)
     tiers: dict[str, Tier] = {"ram": RamTier(config.ram_bytes)}
     if config.redis_url:  # first: where it fails, no LMDB environment is left open
         tiers["redis"] = _tier("redis_url", partial(
