@@ -105,6 +105,12 @@ class KDNConnector(KVConnectorBase_V1, SupportsHMA):
         if par.pipeline_parallel_size > 1:
             raise NotImplementedError("kdn's vLLM connector does not support pipeline "
                                       "parallelism yet")
+        dcp = int(getattr(par, "decode_context_parallel_size", 1) or 1)
+        pcp = int(getattr(par, "prefill_context_parallel_size", 1) or 1)
+        if dcp > 1 or pcp > 1:  # a scheduler block then spans block_size * cp tokens
+            raise NotImplementedError(
+                "kdn's vLLM connector does not support context parallelism yet "
+                f"(decode_context_parallel_size {dcp}, prefill_context_parallel_size {pcp})")
         model = vllm_config.model_config.model if vllm_config.model_config else "unknown"
         self.tp_size = int(par.tensor_parallel_size)
         dev = getattr(vllm_config.device_config, "device_type", "") or "cuda"
