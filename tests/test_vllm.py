@@ -157,6 +157,14 @@ def test_bad_settings_and_unsupported_caches_are_refused(kdn_server: ServerThrea
         KDNConnector(cfg, KVConnectorRole.WORKER, cache_config(spec=sliding))
     with pytest.raises(InvalidLayout, match="unsupported dtype"):
         KDNConnector(cfg, KVConnectorRole.WORKER, cache_config(torch.float8_e4m3fn))
+    with pytest.raises(ConfigError, match="chunk_tokens 2 is less than one vLLM block of 4"):
+        KDNConnector(vllm_config(addr, chunk_tokens=2), KVConnectorRole.WORKER, cache_config())
+    for cp in ("decode_context_parallel_size", "prefill_context_parallel_size"):
+        cp_cfg = vllm_config(addr)
+        setattr(cp_cfg.parallel_config, cp, 2)  # (vLLM's own CP checks need a GPU)
+        for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
+            with pytest.raises(NotImplementedError, match=f"context parallelism.*{cp} 2"):
+                KDNConnector(cp_cfg, role, cache_config())
     s, w = both(addr)
     try:
         with pytest.raises(InvalidLayout, match="KV cache of shape"):

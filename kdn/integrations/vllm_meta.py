@@ -42,7 +42,7 @@ class KDNConnectorConfig:
     in-process tier, ``kdn-default`` and ``raw`` across a network; ``lossless`` on a CPU."""
     chunk_tokens: int = 256
     """Tokens per kdn entry (the unit of reuse), at most ``keys.MAX_PREFIX_CHUNK``; rounded
-    down to whole vLLM blocks."""
+    down to whole vLLM blocks (fewer than one block is refused at start)."""
     salt: str = ""
     """Opaque salt in every key, beside each request's own ``cache_salt``."""
     weights_id: str = ""
@@ -182,8 +182,9 @@ def default_connector_encodings(config: KDNConnectorConfig, device: str) -> tupl
 def paged_shape(kv_cache_config: KVCacheConfig, config: KDNConnectorConfig, model: str,
                 tp_size: int = 1, device: str = "cuda") -> PagedShape:
     """The ``PagedShape`` of vLLM's ``KVCacheConfig``: one group of full-attention layers (K
-    and V per token) is supported; ``config.chunk_tokens`` is rounded down to whole blocks;
-    the encodings are the config's, or ``default_connector_encodings`` on ``device``."""
+    and V per token) is supported; ``config.chunk_tokens`` is rounded down to whole blocks
+    (a ``ConfigError`` when it is less than one); the encodings are the config's, or
+    ``default_connector_encodings`` on ``device``."""
     groups = kv_cache_config.kv_cache_groups
     if len(groups) != 1:
         raise NotImplementedError(
@@ -204,7 +205,10 @@ def paged_shape(kv_cache_config: KVCacheConfig, config: KDNConnectorConfig, mode
     layout = KVLayout(fp, layers, dtype=DType.of(spec.dtype),  # type: ignore[attr-defined]
                       head_dim=k_dim, model_name=model)
     block = int(spec.block_size)
-    chunk = max(1, config.chunk_tokens // block) * block
+    if config.chunk_tokens < block:
+        raise ConfigError(f"chunk_tokens {config.chunk_tokens} is less than one vLLM block of "
+                          f"{block} tokens; set chunk_tokens to a multiple of {block}")
+    chunk = config.chunk_tokens // block * block
     encodings = (tuple(encoding_name(*split_encoding(e)) for e in config.encodings)
                  or default_connector_encodings(config, device))
     return PagedShape(layout, block, chunk, names, encodings, tp_size)
