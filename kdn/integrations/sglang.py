@@ -339,15 +339,40 @@ class KDNHiCacheStorage(HiCacheStorage):
         """Bytes of one page in the host pool (K and V, every layer)."""
         return self._need_pages().page_bytes
 
-    def _host_pages(self, n: int, host_indices: torch.Tensor) -> list[int] | None:
+    def _host_pages(self, n: int, host_indices: torch.Tensor) -> list[int | None] | None:
         """First token slot of each of ``n`` pages in ``host_indices`` (None when its size is
-        not ``n`` pages)."""
-        if host_indices is None or host_indices.numel() != n * self.page_size:
+        not ``n`` pages); a page whose slots are not ``page_size`` consecutive ones from a
+        multiple of ``page_size`` within the host pool is None (logged)."""
+        p = self.page_size
+        if host_indices is None or host_indices.numel() != n * p:
             logger.error("kdn: %s host indices for %d pages of %d tokens",
-                         None if host_indices is None else host_indices.numel(), n,
-                         self.page_size)
+                         None if host_indices is None else host_indices.numel(), n, p)
             return None
-        return [int(i) for i in host_indices.reshape(-1)[:: self.page_size].tolist()]
+        idx = host_indices.reshape(n, p).to("cpu", torch.int64)  # [pages, P]
+        first = idx[:, 0]
+        ok = (idx == first[:, None] + torch.arange(p)).all(1) & (first % p == 0) & \
+            (first >= 0) & (first + p <= self._need_pages().slots)
+        bad = (~ok).nonzero().flatten().tolist()
+        if bad:
+            logger.error("kdn: %d of %d pages' host indices are not %d consecutive slots from "
+                         "a page boundary within the host pool of %d slots (page %d: %s)",
+                         len(bad), n, p, self._need_pages().slots, bad[0],
+                         idx[bad[0]].tolist())
+            self._count(errors=1)
+        return [int(f) if good else None for f, good in zip(first.tolist(), ok.tolist())]
+
+    def _pool_io(self, keys_: list[str], starts: list[int | None],
+                 io: Callable[[Sequence[str], Callable[[int], torch.Tensor]], list[bool]]
+                 ) -> list[bool]:
+        """``io`` (``_read`` or ``_write``) over the pages at ``starts`` in the host pool;
+        False for a page without a valid start (``_host_pages``)."""
+        pages = self._need_pages()
+        good = [(j, s) for j, s in enumerate(starts) if s is not None]
+        got = io([keys_[j] for j, _ in good], lambda t: pages.pool_page(good[t][1]))
+        out = [False] * len(keys_)
+        for (j, _), ok in zip(good, got):
+            out[j] = ok
+        return out
 
     # -- the zero-copy interface (v1) -----------------------------------------------------------
 
@@ -362,7 +387,7 @@ class KDNHiCacheStorage(HiCacheStorage):
         starts = self._host_pages(len(keys), host_indices)
         if starts is None:
             return [False] * len(keys)
-        return self._read(keys, lambda j: pages.pool_page(starts[j]))
+        return self._pool_io(keys, starts, self._read)
 
     def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor,
                      extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
@@ -374,7 +399,7 @@ class KDNHiCacheStorage(HiCacheStorage):
         starts = self._host_pages(len(keys), host_indices)
         if starts is None:
             return [False] * len(keys)
-        return self._write(keys, lambda j: pages.pool_page(starts[j]))
+        return self._pool_io(keys, starts, self._write)
 
     # -- the pool-transfer interface (v2): the KV pool ------------------------------------------
 

@@ -22,7 +22,7 @@ from kdn import codec
 from kdn.cache import KVCache
 from kdn.client.received import Fetched
 from kdn.codec.format import RECORD_BYTES, check_frame, check_frame_prefix, record_prefix
-from kdn.errors import KDNError
+from kdn.errors import InvalidArgument, KDNError
 from kdn.layout import DType, KVLayout, LayerLayout, model_fingerprint
 
 LAYOUTS = ("layer_first", "page_first", "page_first_direct")
@@ -72,6 +72,16 @@ class HostPages:
         compares a frame's records with it at once)."""
 
     @property
+    def slots(self) -> int:
+        """Token slots of the host pool (pages × ``P``), from its ``kv_buffer``'s shape."""
+        shape = self.pool.kv_buffer.shape
+        if self.pool.layout == "layer_first":  # [2, L, size, H, D]
+            return int(shape[2])
+        if self.pool.layout == "page_first":  # [2, size, L, H, D]
+            return int(shape[1])
+        return int(shape[1]) * self.page_size  # page_first_direct: [2, pages, L, P, H, D]
+
+    @property
     def page_bytes(self) -> int:
         """Bytes of one page in the host pool (K and V, every layer)."""
         return self.layout.bytes_per_token * self.page_size
@@ -109,6 +119,11 @@ class HostPages:
         return KVCache(self.layout, [(page[0, i], page[1, i]) for i in range(page.shape[1])])
 
     def encode(self, page: torch.Tensor) -> codec.EncodedParts:
+        """Encode a page view ``[2, L, H, P, D]``; a view of another token count (a page cut
+        short by the pool's end) is refused, never stored under a page's key."""
+        if page.dim() != 5 or page.shape[3] != self.page_size:
+            raise InvalidArgument(f"page view of shape {list(page.shape)} does not hold "
+                                  f"{self.page_size} tokens")
         # raw: one frame per page (a page is read whole, and each frame costs a structure
         # check and two strided copies on its way into the pool); the other modes decode a
         # frame's layers in turn, so their frames stay small enough to decode side by side

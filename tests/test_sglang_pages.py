@@ -1,0 +1,54 @@
+"""The kdn HiCache backend's host indices and its quiet paths, against a real kdn server: a page
+whose host indices do not name one whole page of the host pool is refused alone (never a short
+or wrong page stored under its key), a server that is down is a warning without a traceback,
+and reading a ``raw`` page prints no torch warning.
+
+Skipped when sglang is not installed (``scripts/bootstrap.sh test`` installs it).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+pytest.importorskip("sglang.srt.mem_cache.hicache_storage")
+
+from bench.sglang import HostPool, kdn_backend  # noqa: E402
+from kdn.errors import InvalidArgument  # noqa: E402
+from kdn.server import ServerThread  # noqa: E402
+
+SMALL = {"layers": 3, "heads": 2, "head_dim": 16, "page_size": 4}
+KEYS = [f"{j:02d}" + "cd" * 31 for j in range(4)]  # SGLang's page keys are hex digests
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct"])
+def test_host_indices_outside_one_whole_page_are_refused_alone(
+        server: ServerThread, layout: str, caplog: pytest.LogCaptureFixture) -> None:
+    """Indices past the pool's end (a 2-token view), off a page boundary (page_first_direct
+    stored page 0 for them) or not consecutive: that page is False, nothing stored under its
+    key, the batch's good page stored; a read into such indices writes nothing."""
+    src = HostPool(layout, 16, seed=7, **SMALL)  # type: ignore[arg-type]  # 64 slots
+    dst = HostPool(layout, 16, **SMALL)  # type: ignore[arg-type]
+    a, b = kdn_backend(src, server.address), kdn_backend(dst, server.address)
+    try:
+        bad = [torch.arange(62, 66), torch.arange(2, 6), torch.tensor([8, 9, 11, 10]),
+               torch.arange(-4, 0)]
+        for idx in bad:
+            with caplog.at_level(logging.ERROR, logger="kdn.integrations.sglang"):
+                got = a.batch_set_v1([KEYS[0], KEYS[1]], torch.cat([src.indices([3]), idx]))
+            assert got == [True, False], idx
+            assert "consecutive slots from a page boundary" in caplog.text
+            assert b.batch_exists([KEYS[1]]) == 0
+        before = dst.kv_buffer.clone()
+        assert b.batch_get_v1([KEYS[0]], torch.arange(62, 66)) == [False]
+        assert torch.equal(dst.kv_buffer.view(torch.int16), before.view(torch.int16))
+        assert b.batch_get_v1([KEYS[0]], dst.indices([5])) == [True]
+        assert torch.equal(dst.kv_of(5), src.kv_of(3))
+        pages = a._need_pages()
+        with pytest.raises(InvalidArgument, match="does not hold 4 tokens"):
+            pages.encode(pages.pool_page(0)[:, :, :, :2])
+    finally:
+        a.close()
+        b.close()
