@@ -52,3 +52,16 @@ def test_host_indices_outside_one_whole_page_are_refused_alone(
     finally:
         a.close()
         b.close()
+
+
+def test_a_write_with_the_server_down_is_one_warning_line(
+        caplog: pytest.LogCaptureFixture) -> None:
+    pool = HostPool("page_first", 8, seed=8, **SMALL)  # type: ignore[arg-type]
+    b = kdn_backend(pool, "127.0.0.1:1", timeout_s=2.0, shm_bytes=0)  # nothing listens there
+    try:
+        with caplog.at_level(logging.INFO, logger="kdn.integrations.sglang"):
+            assert b.batch_set_v1(KEYS[:2], pool.indices([0, 1])) == [False, False]
+        logged = [r for r in caplog.records if r.name == "kdn.integrations.sglang"]
+        assert logged and all(r.levelno == logging.WARNING and not r.exc_info for r in logged)
+    finally:
+        b.close()

@@ -281,8 +281,9 @@ class KDNHiCacheStorage(HiCacheStorage):
             kdn = self.kdn_keys(keys_)
             present = [i.present and not self._is_unreadable(k)
                        for k, i in zip(kdn, self.client.lookup(kdn).infos)]
-        except Exception:
-            logger.exception("kdn: storing %d pages failed", len(keys_))
+        except Exception as err:  # a KDNError (server down...) is routine: no traceback
+            logger.warning("kdn: storing %d pages failed: %s", len(keys_), err,
+                           exc_info=not isinstance(err, KDNError))
             self._count(errors=1)
             return [False] * len(keys_)
         first: dict[bytes, int] = {}  # a page named twice in one batch is stored once
