@@ -9,6 +9,7 @@ Skipped when sglang is not installed (``scripts/bootstrap.sh test`` installs it)
 from __future__ import annotations
 
 import logging
+import warnings
 
 import pytest
 import torch
@@ -63,5 +64,21 @@ def test_a_write_with_the_server_down_is_one_warning_line(
             assert b.batch_set_v1(KEYS[:2], pool.indices([0, 1])) == [False, False]
         logged = [r for r in caplog.records if r.name == "kdn.integrations.sglang"]
         assert logged and all(r.levelno == logging.WARNING and not r.exc_info for r in logged)
+    finally:
+        b.close()
+
+
+def test_a_raw_page_read_prints_no_torch_warning(server: ServerThread) -> None:
+    """``raw`` pages read from the in-process tier are read-only bytes viewed by torch only as
+    copy sources: torch's "not writable" warning is not the engine's to see."""
+    pool = HostPool("layer_first", 8, seed=9, **SMALL)  # type: ignore[arg-type]
+    b = kdn_backend(pool, server.address, namespace="quiet", local_bytes=1 << 20)
+    try:
+        assert b.batch_set_v1(KEYS[:2], pool.indices([0, 1])) == [True, True]
+        with warnings.catch_warnings(record=True) as got:
+            warnings.simplefilter("always")
+            assert b.batch_get_v1(KEYS[:2], pool.indices([4, 5])) == [True, True]
+        assert not [w for w in got if "not writable" in str(w.message)]
+        assert torch.equal(pool.kv_of(4), pool.kv_of(0))
     finally:
         b.close()

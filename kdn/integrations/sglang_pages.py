@@ -13,6 +13,7 @@ D]`` per layer) encoded in the backend's codec mode and level.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import numpy as np
@@ -184,9 +185,13 @@ class HostPages:
                 return False
             views.append((first, count, rows))
         as_int, as_torch = _INT_VIEW[item], lay.dtype.torch
-        for first, count, rows in views:
-            k = torch.from_numpy(rows[:, RECORD_BYTES : RECORD_BYTES + kb].view(as_int))
-            v = torch.from_numpy(rows[:, RECORD_BYTES + kb :].view(as_int))
+        with warnings.catch_warnings():  # read-only bytes: torch says it can not protect
+            warnings.simplefilter("ignore", UserWarning)  # them; they are copy sources only
+            bodies = [(first, count,
+                       torch.from_numpy(rows[:, RECORD_BYTES : RECORD_BYTES + kb].view(as_int)),
+                       torch.from_numpy(rows[:, RECORD_BYTES + kb :].view(as_int)))
+                      for first, count, rows in views]
+        for first, count, k, v in bodies:
             page[0, first : first + count].copy_(k.view(as_torch).view(count, heads, p, d))
             page[1, first : first + count].copy_(v.view(as_torch).view(count, heads, p, d))
         return True
