@@ -87,6 +87,36 @@ def arg_parser(doc: str | None, name: str, quick_help: str | None = None
     return ap
 
 
+def number_list(kind: Callable[[str], float], least: float = 0.0, above: bool = True
+                ) -> Callable[[str], list[Any]]:
+    """An argparse ``type=`` for a comma-separated list of ``kind`` (int or float) numbers, each
+    above ``least`` (``above=False``: at least ``least``); a bad one is a usage error naming it
+    (empty: an empty list, the default)."""
+    def parse(text: str) -> list[Any]:
+        out = []
+        for part in filter(None, (p.strip() for p in text.split(","))):
+            try:
+                x = kind(part)
+            except ValueError:
+                raise argparse.ArgumentTypeError(
+                    f"{part!r} is not {'a whole number' if kind is int else 'a number'}"
+                ) from None
+            if x != x or (x <= least if above else x < least):
+                raise argparse.ArgumentTypeError(
+                    f"{part!r} must be {'above' if above else 'at least'} {least:g}")
+            out.append(x)
+        return out
+
+    return parse
+
+
+def existing_file(text: str) -> Path:
+    """An argparse ``type=`` for a file that must exist; a missing one is a usage error."""
+    if not Path(text).is_file():
+        raise argparse.ArgumentTypeError(f"no such file: {text!r}")
+    return Path(text)
+
+
 def figure(width: float = 7.0, height: float = 4.5, ncols: int = 1) -> tuple[Any, Any]:
     """A headless matplotlib figure and its axes, ``ncols`` side by side (Agg backend; nothing
     needs a display)."""

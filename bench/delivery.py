@@ -295,8 +295,11 @@ def main(argv: list[str] | None = None) -> None:
     ap = arg_parser(__doc__, "delivery")
     ap.add_argument("--no-redis", action="store_true", help="skip the Redis paths")
     ap.add_argument("--only", choices=["agreement"],
-                    help="run one section and merge it into the existing --out file")
+                    help="run one section and merge it into the existing --out file "
+                         "(its time as agreement_when)")
     ns = ap.parse_args(argv)
+    if ns.only and not ns.out.is_file():  # checked before minutes of measuring
+        ap.error(f"--only merges into an existing --out; no such file: {str(ns.out)!r}")
     model, tok = load_model("smollm2-135m")
     kdn_level = best_kdn_level()
     encodings = (("lossless", ""),) + ((kdn_level,) if kdn_level else ())
@@ -307,6 +310,7 @@ def main(argv: list[str] | None = None) -> None:
             new = agreement_rows(model, tok, Path(tmp), 512, 32, encodings)
         doc = json.loads(ns.out.read_text())
         doc["rows"] = [r for r in doc["rows"] if r.get("section") != "agreement"] + new
+        doc["agreement_when"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         ns.out.write_text(json.dumps(doc, indent=2) + "\n")
         return
     sizes = [512] if ns.quick else [512, 2048, 4096]

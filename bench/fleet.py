@@ -203,14 +203,17 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     save_figure(fig, path)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = arg_parser(__doc__, "fleet", "first 2000 requests, fewer RAM sizes, 120 real requests")
     ap.add_argument("--trace", type=Path,
                     default=Path(__file__).resolve().parents[2] / "shared" / "traces"
                     / "conversation_trace.jsonl")
     ap.add_argument("--codec-json", type=Path, default=Path("bench/results/codec.json"))
     ap.add_argument("--skip-real", action="store_true", help="the simulation only")
-    ns = ap.parse_args()
+    ns = ap.parse_args(argv)
+    for opt, path in (("--trace", ns.trace), ("--codec-json", ns.codec_json)):
+        if not path.is_file():  # the defaults too (argparse checks only what is given)
+            ap.error(f"{opt}: no such file: {str(path)!r}")
     trace = load_trace(ns.trace, 2000 if ns.quick else 0)
     ratio = kdn_default_ratio(ns.codec_json)
     t0 = time.perf_counter()

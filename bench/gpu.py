@@ -3,7 +3,7 @@
     python -m bench.gpu [--quick] [--out bench/results/gpu_h100.json]
 
 Results are kept one file per machine (``gpu_h100.json``, ``gpu_h200.json``, ``gpu_cpu.json``);
-``--merge`` joins a machine's runs into its file.
+``--merge`` joins a machine's runs of one dtype into its file.
 
 Models of the real shapes with random weights (no weights travel; timing does not depend on
 them): Llama-3-8B (32 layers, 8 KV heads x 128, GQA) and SmolLM2-135M, fp16 with sdpa
@@ -55,6 +55,7 @@ from bench.common import (
     arg_parser,
     figure,
     machine,
+    number_list,
     print_table,
     save_figure,
     write_json,
@@ -494,9 +495,10 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
 
 
 def merge(sources: list[str], out: Path) -> dict[str, Any]:
-    """One report from several runs on one kind of device (``FILE[:LABEL]`` each, oldest
-    first): per (model, tokens, path, encoding), the row of the latest run that has it, naming
-    its run by when it ran; every run's limits and time are kept under ``runs``."""
+    """One report from several runs on one kind of device and dtype (``FILE[:LABEL]`` each,
+    oldest first; other devices or dtypes are refused): per (model, tokens, path, encoding),
+    the row of the latest run that has it, naming its run by when it ran; every run's limits,
+    time, dtype and torch are kept under ``runs``."""
     runs: dict[str, Any] = {}
     rows: dict[tuple[Any, ...], dict[str, Any]] = {}
     docs = []
@@ -505,11 +507,15 @@ def merge(sources: list[str], out: Path) -> dict[str, Any]:
         doc = json.loads(Path(name).read_text())
         docs.append(doc)
         tag = doc["when"]  # a run is named by when it ran
-        named = {old: run["when"] for old, run in doc.get("runs", {}).items()}
+        # (the runs of older merged reports hold no "when": their keys say it)
+        named = {old: run.get("when", old) for old, run in doc.get("runs", {}).items()}
         if named:  # a merged report: its runs and each row's own run kept
-            runs.update({named[old]: run for old, run in doc["runs"].items()})
+            runs.update({named[old]: {"dtype": doc["dtype"], "torch": doc["torch"], **run,
+                                      "when": named[old]}
+                         for old, run in doc["runs"].items()})
         else:
             runs[tag] = {"when": doc["when"], "limits": doc["limits"], "label": label,
+                         "dtype": doc["dtype"], "torch": doc["torch"],
                          "server": doc.get("server"), "skipped": doc.get("skipped", [])}
         for r in doc["rows"]:
             section = "decode on the device" if r["path"] == "decode" else "hits"
@@ -518,6 +524,9 @@ def merge(sources: list[str], out: Path) -> dict[str, Any]:
     devices = {d["device"] for d in docs}
     if len(devices) != 1:
         raise SystemExit(f"runs from different devices can not be merged: {sorted(devices)}")
+    dtypes = {r["dtype"] for r in runs.values()}
+    if len(dtypes) != 1:
+        raise SystemExit(f"runs of different dtypes can not be merged: {sorted(dtypes)}")
     merged = sorted(rows.values(), key=lambda r: (r["model"], r["tokens"], r["path"] == "decode",
                                                   r["path"], r["encoding"]))
     last = docs[-1]
@@ -543,7 +552,7 @@ def main(argv: list[str] | None = None) -> None:
                          "entries of 2-byte KV are viewed in place on a CPU too)")
     ap.add_argument("--merge", nargs="+", metavar="FILE[:LABEL]",
                     help="write --out from these runs' JSON instead of measuring (oldest first)")
-    ap.add_argument("--tokens", default="",
+    ap.add_argument("--tokens", default=[], type=number_list(int),
                     help="comma-separated context lengths to run (default: every one)")
     ap.add_argument("--profile-decode", action="store_true",
                     help="print where the host's time goes in the decode rows (cProfile)")
@@ -551,6 +560,8 @@ def main(argv: list[str] | None = None) -> None:
     global PROFILE_DECODE
     PROFILE_DECODE = ns.profile_decode
     if ns.merge:
+        if missing := [m for m in ns.merge if not Path(m.partition(":")[0]).is_file()]:
+            ap.error(f"--merge: no such file: {', '.join(missing)}")
         merge(ns.merge, ns.out)
         return
     if ns.quick:
@@ -566,11 +577,20 @@ def main(argv: list[str] | None = None) -> None:
                                        for e in [*ENCODINGS, DEFAULT]]}, 5
     encs = set(filter(None, ns.encodings.split(",")))
     paths = set(filter(None, ns.paths.split(",")))
-    lengths = {int(t) for t in ns.tokens.split(",") if t}
+    lengths = set(ns.tokens)
+    for what, asked, col in (("--encodings", encs, 2), ("--paths", paths, 1),
+                             ("--tokens", lengths, 0)):
+        has = {str(c[col]) for cs in plan.values() for c in cs}
+        if unknown := sorted(set(map(str, asked)) - has):
+            ap.error(f"{what}: this run's plan has no {', '.join(unknown)} (it has "
+                     f"{', '.join(sorted(has))})")
     plan = {m: [c for c in cases if (not encs or c[2] in encs) and (not paths or c[1] in paths)
                 and (not lengths or c[0] in lengths)]
             for m, cases in plan.items()}
-    run({m: cases for m, cases in plan.items() if cases}, runs, ns.out, ns.budget_s, ns.dtype)
+    plan = {m: cases for m, cases in plan.items() if cases}
+    if not plan:
+        ap.error("no case of this run's plan has all of --encodings, --paths and --tokens")
+    run(plan, runs, ns.out, ns.budget_s, ns.dtype)
 
 
 if __name__ == "__main__":

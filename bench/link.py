@@ -38,7 +38,8 @@ The blocks are computed and encoded once (into the first server), read back as c
 and put into each later server through a same-host client, so every link serves the same
 bytes. Rows: ``link_gbps`` (0 = unthrottled), ``encoding`` (or ``recompute`` /
 ``controller``), ``decision``, ``ttft_s``, ``prefill_s``, ``ratio_vs_prefill``,
-``stored_bytes``, ``load_gb_s`` (stored bytes over the hit's median TTFT, for the hits);
+``stored_bytes``, ``load_gb_s`` (stored bytes over the hit's median TTFT, for the hits; for
+the controller's where every round chose the same, else null);
 ``ratio_vs_prefill`` = median TTFT / ``prefill_s`` (the model's own best-of-three prefill).
 The plot (``--out`` with ``.png``): TTFT / prefill against link bandwidth, one line per
 encoding and the controller's points, labelled with its first choice (and its last, where
@@ -57,7 +58,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from bench.common import arg_parser, figure, machine, print_table, save_figure, write_json
+from bench.common import (
+    arg_parser,
+    figure,
+    machine,
+    number_list,
+    print_table,
+    save_figure,
+    write_json,
+)
 from bench.common import kdn_server as common_kdn_server
 from bench.gpu import SHAPES, _Ids, _ids, best_s, build, model_dtype
 from kdn import keys
@@ -162,7 +171,11 @@ def measure(model: Any, address: str, ns: str, ids: list[int], gbps: float,
                      "predicted_s": [t.predicted_ttft_s for t in got], "measured_s": each,
                      "probed_gb_s": probed / 1e9,
                      "learnt_gb_s": fresh.controller.bandwidth(NETWORK, c.address) / 1e9,
-                     "stored_bytes": stored.get(got[0].decision, 0)})
+                     "stored_bytes": stored.get(got[0].decision, 0),
+                     # as the forced rows', where every round made the same choice
+                     "load_gb_s": stored[got[0].decision] / statistics.median(each) / 1e9
+                     if got[0].decision in stored and len({t.decision for t in got}) == 1
+                     else None})
     for r in rows:
         r.update(prefill_s=prefill_s, ratio_vs_prefill=r["ttft_s"] / prefill_s)
         print(f"  {gbps:g} Gbit/s, {tokens} tokens, {r['encoding']:>11}: "
@@ -245,10 +258,11 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     ap = arg_parser(__doc__, "gpu_link", "SmolLM2 shape, 1024 tokens, 1 and 10 Gbit/s")
-    ap.add_argument("--links", default="",
+    ap.add_argument("--links", default=[], type=number_list(float, 0.0, above=False),
                     help="comma-separated link rates in Gbit/s, 0 = unthrottled "
                          "(default 1,10,25,100,0)")
-    ap.add_argument("--tokens", default="", help="comma-separated context lengths")
+    ap.add_argument("--tokens", default=[], type=number_list(int),
+                    help="comma-separated context lengths")
     ap.add_argument("--runs", type=int, default=0,
                     help="rounds per link (every row once a round; default 5, 2 with --quick)")
     ns = ap.parse_args(argv)
@@ -256,9 +270,8 @@ def main(argv: list[str] | None = None) -> None:
         ap.error(f"--runs must be >= 0, got {ns.runs}")
     cuda = torch.cuda.is_available()
     shape = "llama3-8b" if cuda and not ns.quick else "smollm2-135m"
-    lengths = [int(t) for t in ns.tokens.split(",") if t] or (
-        [1024] if ns.quick else [8192, 32768] if cuda else [2048])
-    links = [float(g) for g in ns.links.split(",") if g] or (
+    lengths = ns.tokens or ([1024] if ns.quick else [8192, 32768] if cuda else [2048])
+    links = ns.links or (
         [1.0, 10.0] if ns.quick else list(LINKS_GBPS))
     run(shape, lengths, links, ns.runs or (2 if ns.quick else 5), ns.out)
 

@@ -131,6 +131,9 @@ def _wait_closed(socks: list[socket.socket], deadline_s: float) -> tuple[int, fl
     return len(socks) - len(open_), last
 
 
+MODES = ("plaintext", "tls", "fastpath")
+
+
 def run_mode(mode: str, idle: int, calls: int, rounds: int, idle_timeout_s: float
              ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     lay = uniform_layout(layers=4, heads=8, dim=64)
@@ -199,18 +202,23 @@ def run_mode(mode: str, idle: int, calls: int, rounds: int, idle_timeout_s: floa
     return rows, facts
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = arg_parser(__doc__, "security", "100 idle connections, 100 calls, 1 round")
     ap.add_argument("--idle", type=int, default=1000)
     ap.add_argument("--calls", type=int, default=500)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--idle-timeout-s", type=float, default=10.0)
-    ap.add_argument("--modes", default="plaintext,tls,fastpath")
-    args = ap.parse_args()
+    ap.add_argument("--modes", default=",".join(MODES),
+                    help=f"comma-separated, of {', '.join(MODES)}")
+    args = ap.parse_args(argv)
+    modes = [m for m in args.modes.split(",") if m]
+    if not modes or (unknown := [m for m in modes if m not in MODES]):
+        ap.error(f"--modes: {'unknown ' + ', '.join(unknown) if modes else 'none given'} "
+                 f"(known: {', '.join(MODES)})")
     idle, calls, rounds = (100, 100, 1) if args.quick else (args.idle, args.calls, args.rounds)
     rows, facts = [], {}
     load = os.getloadavg()  # the machine may be shared: a busy one widens p99 both ways
-    for mode in args.modes.split(","):
+    for mode in modes:
         got, facts[mode] = run_mode(mode, idle, calls, rounds, args.idle_timeout_s)
         rows += got
         f = facts[mode]

@@ -12,7 +12,8 @@ same work on the same bytes, measured in alternating rounds so that machine nois
 Lookup rows: ``contains`` latency with 10^3, 10^5 and 10^6 keys present (each key count in
 its own tier instance: its own dict, its own Redis database, its own LMDB environment).
 
-WAIT rows (``--wait-only`` runs just these, merged into ``--out``): the latency a Redis write
+WAIT rows (``--wait-only`` runs just these, merged into ``--out``, its ``meta`` naming their
+``wait_ops`` and ``wait_quick``): the latency a Redis write
 pays for ``redis_wait_replicas`` 1, each master with one replica on this host: RedisTier puts
 (standalone, and a 3+3 cluster) next to redis-py SET and SET + WAIT 1, and a client's SHARED
 Store through a kdn server, WAIT 0 and 1 in alternating rounds.
@@ -459,24 +460,27 @@ def print_wait(rows: list[dict[str, object]]) -> None:
               f"{r['p99_vs_no_wait']:5.2f}")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--wait-only", action="store_true",
                     help="only the WAIT rows, merged into an existing --out file")
     ap.add_argument("--quick", action="store_true", help="fewer operations (noisier)")
     ap.add_argument("--out", type=Path, required=True, help="JSON results file")
     ap.add_argument("--png", type=Path, default=None, help="plot (default: --out with .png)")
-    ns = ap.parse_args()
+    ns = ap.parse_args(argv)
     n_ops = {MiB: 100 if ns.quick else 400, 32 * MiB: 10 if ns.quick else 40}
     probes, reps = (2_000, 3) if ns.quick else (10_000, 5)
     n_wait = 60 if ns.quick else 600
+    wait_ops = {str(k): v for k, v in {4096: n_wait, MiB: max(20, n_wait // 3)}.items()}
     if ns.wait_only:
         with tempfile.TemporaryDirectory(prefix="kdn-bench-") as tmp:
             wrows = wait_rows(Path(tmp), n_wait)
         print_wait(wrows)
         done = json.loads(ns.out.read_text()) if ns.out.exists() else {}
         done["wait"] = wrows
-        done.setdefault("meta", {})["wait_when"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+        # what this WAIT run was, not the run whose file it joins (whose "quick" is its own)
+        done.setdefault("meta", {}).update(wait_when=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                                           wait_ops=wait_ops, wait_quick=ns.quick)
         ns.out.write_text(json.dumps(done, indent=2) + "\n")
         print(f"wrote {ns.out}")
         return
@@ -522,7 +526,7 @@ def main() -> None:
                     "redis": "redis-py SET/GET, same server",
                     "disk": "lmdb put/get, same flags (sync, metasync)"},
             "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "wait_ops": {str(k): v for k, v in {4096: n_wait, MiB: max(20, n_wait // 3)}.items()},
+            "wait_ops": wait_ops, "wait_quick": ns.quick,
         },
         "rows": [asdict(r) for r in rows],
         "wait": wrows,

@@ -48,6 +48,10 @@ def test_bench_link_writes_its_report(tmp_path: Path) -> None:
         vs = [x / best["ttft_s"] for x in r["measured_s"]]
         assert r["vs_best_fixed_first"] == vs[0] and r["vs_best_fixed_worst"] == max(vs)
         assert r["vs_best_fixed"] == pytest.approx(sum(vs) / 2)  # the median of two
+        # its load rate as the forced rows', where both rounds made the same choice
+        same = len(set(r["decisions"])) == 1 and r["decision"] != "recompute"
+        assert r["load_gb_s"] == (pytest.approx(r["stored_bytes"] / r["ttft_s"] / 1e9)
+                                  if same else None), r
     # the fresh engine measured its link: 0.25 Gbit/s = 0.031 GB/s, and several times that
     # unthrottled (loopback: GB/s on a quiet host, 0.48 seen on a busy one)
     probed = {r["link_gbps"]: r["probed_gb_s"] for r in rows if r["encoding"] == "controller"}
