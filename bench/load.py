@@ -6,7 +6,9 @@ overhead of a 1 MiB retrieve at 1, 8 and 64 clients.
 
 Gateway overhead = kdn's retrieve latency for a 1 MiB entry (undecoded fetch: the client's own
 decode is not gateway work) minus the RAM tier's own read latency for the same value, measured
-in this run; ``beyond_raw_grpc_p50_ms`` is the same latency minus a bare gRPC service's. Rows
+in this run (``gateway_overhead_p50_ms_1client``); ``beyond_raw_grpc_p50_ms`` is the same
+latency minus a bare gRPC service's (``gateway_beyond_raw_grpc_p50_ms_1client``, what the
+≤ 1 ms target is judged by). Rows
 for each path: ``grpc`` (a client on another host, gRPC only), ``tcp`` (the same client on
 the server's network data path) and ``shm`` (the shared segment).
 """
@@ -225,6 +227,7 @@ def main(argv: list[str] | None = None) -> None:
     write_json(ns.out, "load", rows, clients=ns.clients, duration_s=seconds, errors=errors,
                rss_growth_pct=growth, rss_samples=rss,
                gateway_overhead_p50_ms_1client=gw[0]["overhead_p50_ms"],
+               gateway_beyond_raw_grpc_p50_ms_1client=gw[0]["beyond_raw_grpc_p50_ms"],
                gateway_overhead_p99_ms_64clients=gw[2]["overhead_p99_ms"], gateway=gw,
                pid=os.getpid())
     plot(rss, ns.out.with_suffix(".png"))

@@ -148,3 +148,14 @@ def test_bench_tiers_wait_only_says_how_its_wait_rows_ran(
     assert doc["meta"]["wait_quick"] is True
     assert doc["meta"]["wait_ops"] == {"4096": 60, str(1 << 20): 20}
 
+
+def test_committed_results_hold_the_fields_the_readmes_quote() -> None:
+    load = json.loads((RESULTS / "load.json").read_text())
+    first = load["gateway"][0]
+    assert (first["path"], first["clients"]) == ("grpc", 1)
+    assert load["gateway_beyond_raw_grpc_p50_ms_1client"] == first["beyond_raw_grpc_p50_ms"]
+    assert load["gateway_overhead_p50_ms_1client"] == first["overhead_p50_ms"]
+    link = json.loads((RESULTS / "gpu_link_cpu.json").read_text())
+    for r in link["rows"]:
+        if r["decision"] != "recompute":
+            assert "load_gb_s" in r, r
