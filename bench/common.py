@@ -110,13 +110,6 @@ def number_list(kind: Callable[[str], float], least: float = 0.0, above: bool = 
     return parse
 
 
-def existing_file(text: str) -> Path:
-    """An argparse ``type=`` for a file that must exist; a missing one is a usage error."""
-    if not Path(text).is_file():
-        raise argparse.ArgumentTypeError(f"no such file: {text!r}")
-    return Path(text)
-
-
 def figure(width: float = 7.0, height: float = 4.5, ncols: int = 1) -> tuple[Any, Any]:
     """A headless matplotlib figure and its axes, ``ncols`` side by side (Agg backend; nothing
     needs a display)."""
