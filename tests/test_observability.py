@@ -66,6 +66,22 @@ def test_tokens_and_entries_are_counted_on_every_read_path(tmp_path: Path) -> No
     assert _sample(text, "kdn_entry_check_seconds_sum", encoding="raw") > 0
 
 
+def test_a_retrieve_counts_every_byte_of_the_entry_it_sends(tmp_path: Path) -> None:
+    """``bytes_out`` of a Retrieve stream is the entry's size, header and frames, as a GetMany
+    of the same entry counts it (the stream counted its frames only)."""
+    cfg = ServerConfig(port=0, data_dir=tmp_path / "d")
+    kv, key = random_kv(LAY, 8), keys.chunk_key([1], LAY)
+    with ServerThread(cfg) as st, Client(st.address, shm_bytes=0, data_path=False) as c:
+        assert st.server is not None
+        c.store(key, kv, mode="raw")
+        out = [st.server.servicer.counters.get("bytes_out", 0)]
+        assert c.retrieve_stream(key).result() is not None  # the Retrieve stream
+        out.append(st.server.servicer.counters.get("bytes_out", 0))
+        assert c.retrieve(key) is not None  # GetMany
+        out.append(st.server.servicer.counters.get("bytes_out", 0))
+    assert out[1] - out[0] == out[2] - out[1] > 0
+
+
 def test_a_remote_read_that_learns_an_entry_is_large_counts_it_once(tmp_path: Path) -> None:
     """An entry too large for one inline message is read alone as a GetMany that learns its
     size, then a Retrieve stream; in a batch, by one grouped RetrieveMany. Each read counts

@@ -205,7 +205,7 @@ class KDNServicer(pb_grpc.KDNServicer):
             return
         pacer = self.pacer(context) if self.egress.on else None
         yield pb.RetrieveResponse(header=head)
-        sent = 0
+        sent = len(head.container_header)  # the entry's bytes: its header, then frames (as GetMany)
         try:
             for (_, frame), msgs in zip(sel, memo):
                 for msg in msgs:
