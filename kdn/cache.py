@@ -21,12 +21,9 @@ from dataclasses import dataclass
 import torch
 
 from kdn.errors import InvalidArgument, InvalidLayout
-from kdn.layout import KVLayout
+from kdn.layout import MAX_POSITION, KVLayout
 
 LayerKV = tuple[torch.Tensor, torch.Tensor]
-
-MAX_POSITION = 2**63 - 1
-"""The largest ``start_position``: positions are int64 in torch (RoPE tables, position ids)."""
 
 
 @dataclass(eq=False)
@@ -62,8 +59,9 @@ class KVCache:
         return kv
 
     def validate(self) -> None:
-        """Raise InvalidLayout unless ``start_position`` is a whole number in [0, 2**63) and
-        every layer is a (K, V) pair of tensors that matches the layout."""
+        """Raise InvalidLayout unless ``start_position`` is a whole number in [0, 2**63) (its
+        last token's position too) and every layer is a (K, V) pair of tensors that matches
+        the layout."""
         if len(self.layers) != self.layout.num_layers:
             raise InvalidLayout(
                 f"cache has {len(self.layers)} layers, layout declares {self.layout.num_layers}"
@@ -97,6 +95,9 @@ class KVCache:
                 raise InvalidLayout(_not_tensors(i, pair) or f"layer {i}: dtype "
                                     f"{k.dtype}/{v.dtype}, layout declares "
                                     f"{self.layout.dtype.value}")
+        if tokens is not None and sp + tokens - 1 > MAX_POSITION:
+            raise InvalidLayout(f"start_position {sp} with {tokens} tokens puts the last past "
+                                f"the largest position, 2**63 - 1")
 
     @property
     def num_tokens(self) -> int:

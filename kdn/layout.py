@@ -41,6 +41,11 @@ if TYPE_CHECKING:
     TorchDType = torch.dtype
 
 
+MAX_POSITION = 2**63 - 1
+"""The largest position a token may have (a cache's ``start_position`` and its last token's):
+positions are int64 in torch (RoPE tables, position ids)."""
+
+
 _TORCH_DTYPES: dict[str, TorchDType] = {}
 
 

@@ -461,6 +461,36 @@ def test_shapes_the_frame_fields_can_not_hold_are_refused(monkeypatch: pytest.Mo
         fmt.frame_prefix(0, 0, 1, 1 << 32, 0)
 
 
+def test_positions_past_int64_are_refused_by_every_reader(hostile_server: ServerThread,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """A container declaring start_position 2**64 - 1 was refused by codec.decode (its
+    KVCache) but stored by the server and handed out by Client.retrieve, whose fast path
+    builds the cache unvalidated. The header is refused now, so the server refuses it on
+    store; a start whose last token passes 2**63 - 1 too, and a KVCache so placed."""
+    parts = codec.encode_parts(KV, "raw")
+    tokens = KV.num_tokens
+    monkeypatch.setattr(fmt, "_HEADERS", type(fmt._HEADERS)(16))
+    for start in (2**64 - 1, 2**63, 2**63 - tokens + 1):
+        entry = pb.EntryHeader()
+        entry.CopyFrom(parse_header(parts.header).entry)
+        entry.start_position = start
+        h, frames = seal(entry, list(parts.frames))
+        with pytest.raises(InvalidLayout, match="positions must stay within"):
+            codec.decode(b"".join([h, *frames]))
+        with Client(hostile_server.address) as c:
+            key = keys.chunk_key([9, start % 1000], KV.layout)
+            with pytest.raises(InvalidArgument, match="positions must stay within"):
+                c.store(key, codec.EncodedParts(h, frames))
+            assert not c.contains(key)
+    entry = pb.EntryHeader()
+    entry.CopyFrom(parse_header(parts.header).entry)
+    entry.start_position = 2**63 - tokens  # its last token at 2**63 - 1: kept
+    h, frames = seal(entry, list(parts.frames))
+    assert codec.decode(b"".join([h, *frames])).start_position == 2**63 - tokens
+    with pytest.raises(InvalidLayout, match="last past the largest position"):
+        KVCache(KV.layout, KV.layers, 2**63 - tokens + 1)
+
+
 @pytest.mark.parametrize("mode,level", [("kdn", "default"), ("int8", "")])
 def test_the_whole_entry_decode_checks_bodies_before_allocating(
         mode: str, level: str, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -295,6 +295,8 @@ def test_stage_refuses_what_has_no_entry() -> None:
         with pytest.raises(InvalidArgument, match=f"start_position must be a whole number.*"
                            f"got {position!r}"):
             Staged(LAYOUT, 4, start_position=position)  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgument, match="last past the largest position"):
+        Staged(LAYOUT, 4, start_position=2**63 - 3)
     with pytest.raises(InvalidArgument, match="layout must be a KVLayout, got str"):
         Staged("test-model", 4)  # type: ignore[arg-type]
     st = Staged(LAYOUT, 4)

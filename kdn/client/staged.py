@@ -79,6 +79,9 @@ def skeleton(layout: KVLayout, tokens: int, start_position: int = 0
             or not 0 <= start_position <= MAX_POSITION):
         raise InvalidArgument(f"start_position must be a whole number in [0, 2**63), got "
                               f"{start_position!r}")
+    if start_position + tokens - 1 > MAX_POSITION:
+        raise InvalidArgument(f"start_position {start_position} with {tokens} tokens puts the "
+                              f"last past the largest position, 2**63 - 1")
     plan = _plan(layout, tokens)
     return _header(layout, tokens, start_position), plan.prefixes, plan.frames_bytes
 

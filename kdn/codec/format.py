@@ -44,7 +44,7 @@ import xxhash
 
 from kdn.codec.layouts import BoundedMemo, layout_of
 from kdn.errors import Corrupt, InvalidArgument, InvalidLayout, Truncated
-from kdn.layout import KVLayout, LayerLayout
+from kdn.layout import MAX_POSITION, KVLayout, LayerLayout
 from kdn.pools import SharedPool
 from kdn.v1 import kdn_pb2 as pb
 
@@ -218,7 +218,12 @@ def header_shape(buf: bytes | memoryview) -> tuple[KVLayout, int]:
 
 def _check_fields(entry: pb.EntryHeader, layout: KVLayout) -> None:
     """InvalidLayout for a header whose shapes the frames' fields can not hold (a record's
-    heads and channels are 16-bit, its tokens 32-bit; frame indices and layers 16-bit)."""
+    heads and channels are 16-bit, its tokens 32-bit; frame indices and layers 16-bit), or
+    whose tokens' positions pass ``MAX_POSITION`` (int64: no ``KVCache`` may hold them)."""
+    start = entry.start_position
+    if start + max(entry.tokens, 1) - 1 > MAX_POSITION:  # (a start past it, too)
+        raise InvalidLayout(f"container header declares start_position {start} and "
+                            f"{entry.tokens} tokens: positions must stay within [0, 2**63)")
     if entry.tokens > 0xFFFFFFFF or len(entry.frames) > 0xFFFF or layout.num_layers > 0xFFFF:
         raise InvalidLayout(f"container header declares {entry.tokens} tokens, "
                             f"{len(entry.frames)} frames, {layout.num_layers} layers: more "
