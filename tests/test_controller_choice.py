@@ -198,6 +198,59 @@ def test_speeds_and_priors_that_are_not_finite_and_positive_are_refused(bad: flo
         LoadingController(explore=math.nan)
     with pytest.raises(ConfigError, match="retry_cost"):
         LoadingController(retry_cost=bad)
+    for name in ("bandwidths_b_s", "decode_b_s", "codec_b_s"):  # 0 or inf: ZeroDivisionError
+        with pytest.raises(ConfigError, match=name):
+            LoadingController(**{name: {"raw@cpu": bad}})  # type: ignore[arg-type]
+    if bad != 0.0:  # no overhead is an overhead
+        with pytest.raises(ConfigError, match="overhead_s_b"):
+            LoadingController(overhead_s_b={"cpu": bad})
+
+
+def test_a_speed_whose_inverse_is_infinite_is_refused_and_no_overhead_is_one() -> None:
+    for name in ("prefill_tok_s", "bandwidth_b_s"):
+        with pytest.raises(ConfigError, match=name):
+            LoadingController(**{name: 5e-324})  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="codec_b_s"):
+        LoadingController(codec_b_s={"raw@cpu": 5e-324})
+    c = LoadingController(overhead_s_b={"cpu": 0.0}, codec_b_s={"raw@cpu": 1e9})
+    assert c.choose(256, 256 * 4096, {"raw": 256 * 4096}).choice == "raw"
+
+
+def test_a_time_too_small_to_invert_is_ignored() -> None:
+    """A duration of 5e-324 s passes as finite and above 0, but its rate is infinite: the
+    bandwidth became inf, then NaN, and every estimate NaN for good; a calibrated decode
+    speed of inf made choose divide by zero. Such an observation is ignored now."""
+    c = _controller()
+    before = _choose(c), c.decode_speed("raw"), c.bandwidth(NETWORK, SERVER)
+    tiny = 5e-324
+    for _ in range(3):
+        c.observe_transfer(KV, tiny, NETWORK, SERVER, "raw")
+        c.observe_transfer(KV, tiny, NETWORK, SERVER)
+        c.calibrate_decode("raw", KV, tiny)
+        c.observe_decode("raw", KV, tiny)
+        c.observe_hit("raw", KV, 0.05, tiny, path=NETWORK, server=SERVER)
+        c.calibrate_link(tiny, NETWORK, SERVER)
+        c.observe_prefill(2048, tiny)
+        c.calibrate_prefill(2048, tiny)
+        c.observe_ttft(0.5, tiny)
+    assert (_choose(c), c.decode_speed("raw"), c.bandwidth(NETWORK, SERVER)) == before
+    assert c.prefill_seconds(2048) == pytest.approx(2048 / 290.0)
+    assert c.ttft_requests == 0
+    assert all(math.isfinite(v) for v in c.choose(2048, KV, STORED).estimates_s.values())
+
+
+def test_estimates_of_zero_give_a_reason_not_a_division_by_zero() -> None:
+    """An entry of no bytes and a prompt of no tokens estimate 0 s: the reasons that compare
+    estimates (trying a close encoding, keeping the last choice, a re-trial) divided by it."""
+    reasons = set()
+    for trials in (2, 0):  # trying a close encoding; re-trials
+        c = LoadingController(retry_every=1, retry_max=1, trials=trials)
+        c.observe_hit("raw", 1, 0.0, 0.001)
+        for _ in range(4):
+            got = c.choose(0, 0, {"raw": 0, "int8": 0})
+            assert got.estimates_s == {"raw": 0.0, "int8": 0.0, RECOMPUTE: 0.0}
+            reasons.add(got.reason.split(" ")[0])
+    assert {"trying", "re-trying"} <= reasons
 
 
 @pytest.mark.parametrize("bad", [math.inf, math.nan, 0.0, -1.0])

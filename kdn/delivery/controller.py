@@ -22,7 +22,7 @@ reproduces its measured time with its measured transfer. Recomputing
 costs ``tokens`` times the seconds per token of prompts of that length: a short prompt pays
 mostly fixed per-forward costs (8 tokens at a twentieth of the rate of 256 on a CPU), a long
 one attention's quadratic term. So prefills are kept per length class (the power of two at
-or below the length, ``_length_class``: the last ``RECENT`` samples, the fastest of fewer,
+or below the length, ``length_class``: the last ``RECENT`` samples, the fastest of fewer,
 their median of three) and a prompt is predicted from the nearest class with samples: chat
 turns of 8 tokens do not set the speed of a 288-token recompute. The engine calibrates one
 class with the best of three timed prefills of a typical request length
@@ -102,51 +102,18 @@ from kdn.delivery.defaults import (
     RECOMPUTE,
     SAME_HOST,
 )
+from kdn.delivery.measures import (
+    RECENT,
+    Spread,
+    length_class,
+    measured,
+    rate_of,
+    relative,
+    speed,
+)
 from kdn.errors import ConfigError
 
 log = logging.getLogger(__name__)
-
-RECENT = 3
-"""Samples of an encoding's own hits whose median its running means take (one straggler
-among three changes nothing; a change that lasts shows from the second request on); also
-the samples kept per prefill length class."""
-
-
-def _measured(*values: float) -> bool:
-    """Every value is finite and above 0: an observation worth learning from (an infinite
-    or NaN time, from a clock that jumped or a failed timer, would stay in the means)."""
-    return all(math.isfinite(v) and v > 0 for v in values)
-
-
-def _length_class(tokens: int) -> int:
-    """A prefill's length class: the power of two at or below ``tokens`` (8-15 tokens: 3)."""
-    return max(0, tokens.bit_length() - 1)
-
-
-@dataclass
-class Spread:
-    """A running mean of one option's measured cost and of its observations' absolute
-    deviation from that mean (both exponentially weighted)."""
-
-    mean: float = 0.0
-    dev: float = 0.0
-    n: int = 0
-    """Observations so far."""
-
-    def add(self, x: float, alpha: float) -> None:
-        if self.n == 0:
-            self.mean = x
-        else:
-            self.dev = (1 - alpha) * self.dev + alpha * abs(x - self.mean)
-            self.mean = (1 - alpha) * self.mean + alpha * x
-        self.n += 1
-
-    @property
-    def relative_error(self) -> float | None:
-        """Mean deviation over mean (0.1: one observation is typically 10% off the mean);
-        None before two observations."""
-        return self.dev / self.mean if self.n >= 2 and self.mean > 0 else None
-
 
 def route_key(local: bool, path: str, server: str) -> str:
     """Where a hit comes from: the in-process tier, or ``path`` from ``server``."""
@@ -240,7 +207,7 @@ class LoadingController:
     _recent: dict[str, list[float]] = field(default_factory=dict, repr=False)
     """The last ``RECENT`` samples per key, for ``_filtered``."""
     _prefill: dict[int, list[float]] = field(default_factory=dict, repr=False)
-    """Per prefill length class (``_length_class``): its last ``RECENT`` seconds per token."""
+    """Per prefill length class (``length_class``): its last ``RECENT`` seconds per token."""
     decisions: Counter[str] = field(default_factory=Counter)
     """Decisions made per route (not overridden, something stored): the re-trials' clock."""
     _tried: dict[tuple[str, str], int] = field(default_factory=dict, repr=False)
@@ -255,12 +222,16 @@ class LoadingController:
 
     def __post_init__(self) -> None:
         speeds = {"prefill_tok_s": self.prefill_tok_s, **{
-            f"priors_b_s[{k!r}]": v for k, v in self.priors_b_s.items()}}
+            f"{name}[{k!r}]": v for name in ("priors_b_s", "bandwidths_b_s", "decode_b_s",
+                                             "codec_b_s") for k, v in getattr(self, name).items()}}
         if self.bandwidth_b_s is not None:
             speeds["bandwidth_b_s"] = self.bandwidth_b_s
         for name, value in speeds.items():
-            if not _measured(value):
+            if not speed(value):
                 raise ConfigError(f"{name} must be a finite speed above 0, got {value}")
+        for dev, value in self.overhead_s_b.items():
+            if not (math.isfinite(value) and value >= 0):
+                raise ConfigError(f"overhead_s_b[{dev!r}] must be finite and >= 0, got {value}")
         if self.bandwidth_b_s is not None:
             self.priors_b_s[SAME_HOST] = self.priors_b_s[NETWORK] = self.bandwidth_b_s
         if not 0.0 <= self.alpha <= 1.0:
@@ -293,23 +264,27 @@ class LoadingController:
                          server: str = "", encoding: str = "") -> None:
         """``nbytes`` crossed ``path`` (from ``server``, where known) in ``seconds``: both
         the path kind's estimate and the server's follow it; with the ``encoding`` they
-        carried, its share of that path (``transfer_fits``) too."""
-        if _measured(nbytes, seconds):
-            rate = nbytes / seconds
-            fit = _option_key(encoding, path == IN_PROCESS, path, server)
-            with self._lock:
-                # the route learns the rate as if its share were 1: the encodings' mix does
-                # not move it, a change of the link does
-                olds = {path: self.bandwidth(path)}
-                if server:
-                    olds[f"{path}@{server}"] = self.bandwidth(path, server)
-                link = rate / self.transfer_fits.get(fit, 1.0) if encoding else rate
-                for key, old in olds.items():
-                    self.bandwidths_b_s[key] = self._ewma(old, link)
-                if encoding:
-                    share = self._filtered("share:" + fit, rate / self.bandwidth(path, server))
-                    self.transfer_fits[fit] = self._ewma(self.transfer_fits.get(fit, share),
-                                                         share)
+        carried, its share of that path (``transfer_fits``) too. A rate, bandwidth or share
+        that is no ``speed`` (a time of 5e-324 s) is ignored, as other bad observations are."""
+        rate = rate_of(nbytes, seconds)
+        if rate is None:
+            return
+        fit = _option_key(encoding, path == IN_PROCESS, path, server)
+        with self._lock:
+            # the route learns the rate as if its share were 1: the encodings' mix does
+            # not move it, a change of the link does
+            olds = {path: self.bandwidth(path)}
+            if server:
+                olds[f"{path}@{server}"] = self.bandwidth(path, server)
+            link = rate / self.transfer_fits.get(fit, 1.0) if encoding else rate
+            new = {key: self._ewma(old, link) for key, old in olds.items()}
+            share = rate / new[f"{path}@{server}" if server else path]
+            if not all(speed(v) for v in (link, share, *new.values())):
+                return
+            self.bandwidths_b_s.update(new)
+            if encoding:
+                share = self._filtered("share:" + fit, share)
+                self.transfer_fits[fit] = self._ewma(self.transfer_fits.get(fit, share), share)
 
     def bandwidth(self, path: str = NETWORK, server: str = "") -> float:
         """Bandwidth (bytes/s) of ``path`` from ``server``: learnt for that server, else for
@@ -323,7 +298,7 @@ class LoadingController:
     def observe_prefill(self, tokens: int, seconds: float) -> None:
         """A prefill of ``tokens`` tokens took ``seconds``: a sample of its length class
         (module docstring); the recomputes' spread follows its ratio to the prediction."""
-        if _measured(tokens, seconds):
+        if rate_of(tokens, seconds) is not None:
             with self._lock:
                 predicted = self.prefill_seconds(tokens)
                 self._add_prefill(tokens, seconds)
@@ -332,21 +307,22 @@ class LoadingController:
     def calibrate_prefill(self, tokens: int, seconds: float) -> None:
         """A timed calibration prefill of ``tokens`` tokens: its speed replaces the prior
         and is the first sample of its length class (module docstring)."""
-        if _measured(tokens, seconds):
+        tok_s = rate_of(tokens, seconds)
+        if tok_s is not None:
             with self._lock:
-                self.prefill_tok_s = tokens / seconds
+                self.prefill_tok_s = tok_s
                 self.calibrated_tokens = tokens
                 self._add_prefill(tokens, seconds)
 
     def _add_prefill(self, tokens: int, seconds: float) -> None:
-        got = self._prefill.setdefault(_length_class(tokens), [])
+        got = self._prefill.setdefault(length_class(tokens), [])
         got.append(seconds / tokens)
         del got[:-RECENT]
 
     def calibrate_link(self, bytes_per_s: float, path: str = NETWORK, server: str = "") -> None:
         """A measured bandwidth of ``path`` from ``server`` (``kdn.client.probe``): it replaces
         the prior for the path kind and the server (later retrieves refine it)."""
-        if _measured(bytes_per_s):
+        if speed(bytes_per_s):
             with self._lock:
                 self.bandwidths_b_s[path] = bytes_per_s
                 if server:
@@ -358,9 +334,10 @@ class LoadingController:
         alone): it replaces the prior until the first hit decoded in it is seen
         (``observe_decode``), with what hits of other encodings showed they cost beyond
         their codec added (``overhead_s_b``)."""
-        if _measured(kv_bytes, seconds):
+        codec = rate_of(kv_bytes, seconds)
+        if codec is not None:
             with self._lock:
-                self.codec_b_s[self._key(encoding, device)] = kv_bytes / seconds
+                self.codec_b_s[self._key(encoding, device)] = codec
 
     def knows_decode(self, encoding: str, device: str | None = None) -> bool:
         """A decode speed of ``encoding`` on ``device`` was seen or calibrated, or its mode
@@ -378,7 +355,7 @@ class LoadingController:
             return 0.0
         if not self._prefill:
             return tokens / self.prefill_tok_s
-        want = _length_class(tokens)
+        want = length_class(tokens)
         near = min(self._prefill, key=lambda c: (abs(c - want), -c))
         got = self._prefill[near]
         per_token = min(got) if len(got) < RECENT else statistics.median(got)
@@ -386,7 +363,8 @@ class LoadingController:
 
     def observe_ttft(self, predicted_s: float, measured_s: float) -> None:
         """One request's predicted and measured time to first token."""
-        if _measured(measured_s) and 0 <= predicted_s < math.inf:
+        if (measured(measured_s) and 0 <= predicted_s < math.inf
+                and math.isfinite(predicted_s / measured_s)):
             with self._lock:
                 self.ttft_requests += 1
                 self.ttft_abs_ratio_sum += abs(predicted_s / measured_s - 1)
@@ -407,8 +385,9 @@ class LoadingController:
         ``device``: the first replaces the calibration or prior (what a hit costs end to end
         is what decisions must weigh), later ones are running means. Where the encoding was
         calibrated, what it cost beyond the codec is learnt as the device's overhead."""
-        if _measured(kv_bytes, seconds):
-            self._learn_decode(encoding, kv_bytes / seconds, device, replace=False)
+        rate = rate_of(kv_bytes, seconds)
+        if rate is not None:
+            self._learn_decode(encoding, rate, device, replace=False)
 
     def _learn_decode(self, encoding: str, rate: float, device: str | None,
                       replace: bool) -> None:
@@ -439,7 +418,7 @@ class LoadingController:
         and more their median as a running mean); the option's spread follows ``seconds``.
         The bandwidth is ``observe_transfer``'s to learn. A hit lifts a suspension of its
         encoding on that route (``observe_failure``)."""
-        if not (_measured(kv_bytes, seconds) and math.isfinite(transfer_s)):
+        if rate_of(kv_bytes, seconds) is None or not math.isfinite(transfer_s):
             return
         t, layers = max(0.0, transfer_s), max(1, self.layers)
         after = max(seconds - t, 0.0)
@@ -534,7 +513,8 @@ class LoadingController:
         with self._lock:
             self._retried[route] = now
             self._gap[(route, tried)] = min(2 * gap, self.retry_max)
-        return tried, (f"re-trying {tried} ({est[tried] / est[kept] - 1:+.1%} against {kept}),"
+        gain = relative(est[tried], est[kept])
+        return tried, (f"re-trying {tried} ({gain:+.1%} against {kept}),"
                        f" not chosen for {now - self._tried.get((route, tried), 0)} decisions")
 
     def choose(self, tokens: int, kv_bytes: int, stored: dict[str, int],
@@ -570,7 +550,8 @@ class LoadingController:
             if last is not None and last != choice and last in est:
                 m = self.margin(last, choice, local, path, server)
                 if est[choice] > (1 - m) * est[last]:
-                    reason = (f"kept {last}: {choice} is {1 - est[choice] / est[last]:.1%} "
+                    gain = -relative(est[choice], est[last])
+                    reason = (f"kept {last}: {choice} is {gain:.1%} "
                               f"faster, within the estimates' error ({m:.1%})")
                     choice = last
         kept = choice
@@ -580,7 +561,7 @@ class LoadingController:
                       and est[enc] <= (1 + self.explore) * est[choice]]
             if unseen:
                 tried = min(unseen, key=lambda k: est[k])
-                reason = (f"trying {tried}: {est[tried] / est[choice] - 1:+.1%} against "
+                reason = (f"trying {tried}: {relative(est[tried], est[choice]):+.1%} against "
                           f"{choice}, seen {self._seen(tried, local, path, server)} times "
                           "here")
                 choice = tried
