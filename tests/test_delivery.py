@@ -8,7 +8,7 @@ import pytest
 
 from kdn import keys
 from kdn.client import Client
-from kdn.errors import KDNError
+from kdn.errors import InvalidArgument, KDNError
 from kdn.server import ServerConfig, ServerThread
 from tests.helpers import random_kv, uniform_layout
 
@@ -48,6 +48,38 @@ def test_layer_window_and_errors(tmp_path: Path) -> None:
         with pytest.raises(KDNError, match="without layers"):
             stream.wait_for_layer(0, timeout=30)
         assert c.retrieve_stream(keys.chunk_key([9], lay)) is None
+
+
+def test_a_layer_index_outside_the_stream_is_refused(tmp_path: Path) -> None:
+    """wait_for_layer(-1) handed out the last layer's K/V and is_ready(-1) was True; an index
+    past the last layer was a bare IndexError; a window starting past the last layer gave a
+    stream whose every wait said it ended without layers. Each is InvalidArgument now,
+    naming the index and the layer count."""
+    cfg = ServerConfig(port=0, data_dir=tmp_path, disk_bytes=0)
+    lay = uniform_layout(layers=4)
+    kv = random_kv(lay, tokens=8)
+    key = keys.chunk_key([10], lay)
+    with ServerThread(cfg) as st, Client(st.address, shm_bytes=0, data_path=False) as c:
+        c.store(key, kv, mode="lossless")
+        stream = c.retrieve_stream(key)
+        assert stream is not None
+        assert stream.wait_for_layer(3, timeout=30)[0].equal(kv.layers[3][0])
+        for bad in (-1, 4, 1.0, True):
+            with pytest.raises(InvalidArgument, match=f"layer index .*below 4.*got {bad!r}"):
+                stream.wait_for_layer(bad, timeout=30)  # type: ignore[arg-type]
+            with pytest.raises(InvalidArgument, match="below 4"):
+                stream.is_ready(bad)  # type: ignore[arg-type]
+        for first, last in ((4, 0), (9, 0), (4, 6)):
+            with pytest.raises(InvalidArgument, match=f"first_layer {first} is past the "
+                               "entry's 4 layers"):
+                c.retrieve_stream(key, first_layer=first, last_layer=last)
+        [pending] = c.retrieve_streams([key])
+        assert pending is not None
+        with pytest.raises(InvalidArgument, match="below 4"):
+            pending.wait_for_layer(-1, timeout=30)
+        with pytest.raises(InvalidArgument, match="layer index"):
+            pending.is_ready(-1)
+        assert pending.wait_for_layer(0, timeout=30)[1].equal(kv.layers[0][1])
 
 
 def test_cancel_and_deadline_stop_server_work(tmp_path: Path) -> None:

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import CancelledError, Future
 from typing import TYPE_CHECKING, Any
 
+from kdn.checks import whole
 from kdn.client.parallel import layer_groups
 from kdn.client.received import Fetched, as_expected
 from kdn.codec.format import parse_header, sums_checked_later
@@ -443,6 +444,9 @@ class PendingStream:
         return self.landed(timeout).wait_for_layer(i, timeout, stream=stream)
 
     def is_ready(self, i: int) -> bool:
+        """Layer i is decoded: InvalidArgument for an index below 0 (or, once the entry
+        landed, past its layers), as a LayerStream's."""
+        whole("layer index", i)
         return self._stream is not None and self._stream.is_ready(i)
 
     def result(self, timeout: float | None = None) -> Any:

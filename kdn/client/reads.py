@@ -38,6 +38,7 @@ from kdn.client.received import (
     as_expected,
     ask_pieces,
     header_of,
+    in_window,
     keeps_messages,
     layer_window,
     received,
@@ -273,6 +274,7 @@ class Reader:
                 timings.header = time.perf_counter()
                 parsed = parse_header(head.container_header)  # (remembered: parsed once)
                 want.check(parsed.layout, parsed.entry.tokens)  # before a decoder is made
+                in_window(getattr(request, "first_layer", 0), parsed.layout.num_layers)
                 dec, target = decoder_for(head.container_header, device,
                                           received=on_complete is None
                                           and keeps_messages(int(head.total_bytes)))

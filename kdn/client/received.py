@@ -161,6 +161,14 @@ def layer_window(first_layer: int, last_layer: int) -> tuple[int, int]:
     return first_layer, last_layer
 
 
+def in_window(first_layer: int, layers: int) -> None:
+    """InvalidArgument where a window starting at ``first_layer`` holds none of an entry's
+    ``layers`` (a stream of no layers, whose every wait would fail)."""
+    if first_layer >= layers:
+        raise InvalidArgument(f"first_layer {first_layer} is past the entry's {layers} layers "
+                              f"(0 to {layers - 1})")
+
+
 def received(head: pb.RetrieveHeader, frames: Iterator[Any]) -> Fetched:
     """A Retrieve stream's entry, each frame checked as it lands: kept in its messages up to
     ``KEEP_MESSAGES_BYTES`` (the frames are views of them, hashed where they lie,

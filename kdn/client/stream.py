@@ -33,6 +33,7 @@ import grpc
 import torch
 
 from kdn.cache import KVCache
+from kdn.checks import whole
 from kdn.client import metrics as client_metrics
 from kdn.client.received import LOCAL_TIER
 from kdn.codec import StreamDecoder
@@ -344,7 +345,9 @@ class LayerStream:
         """Layer i's (K, V) once decoded; raises the stream's error if it failed. On a GPU
         the layer is ready for work queued on ``stream`` (default: the current stream; a
         caller waiting for many streams passes it, as looking it up costs more than the
-        rest of this call)."""
+        rest of this call). InvalidArgument for an index outside [0, layers)."""
+        if type(i) is not int or not 0 <= i < len(self._ready):  # (-1 was the last layer)
+            self._index(i)
         if not self._ready[i].wait(timeout):
             raise TimeoutError(f"layer {i} not ready after {timeout} s")
         if self._check is not None:
@@ -384,7 +387,20 @@ class LayerStream:
             finally:
                 self._check = None
 
+    def _index(self, i: object) -> int:
+        """``i`` as a layer index of this stream; else InvalidArgument naming it and the
+        stream's layer count."""
+        n = len(self._ready)
+        within = f" and below {n}, the stream's layers"
+        index = whole("layer index", i, hint=within)
+        if index >= n:
+            raise InvalidArgument(f"layer index must be a whole number >= 0{within}, got "
+                                  f"{index}")
+        return index
+
     def is_ready(self, i: int) -> bool:
+        """Layer i is decoded (InvalidArgument for an index outside [0, layers))."""
+        i = self._index(i)
         return self._ready[i].is_set() and self._layers[i] is not None
 
     def result(self, timeout: float | None = None) -> KVCache:
