@@ -255,3 +255,27 @@ def test_byte_planes_are_the_transpose_of_the_elements(itemsize: int) -> None:
     k, v = got.layers[0]
     k.fill_(0)  # writable, and V is not a view of the same bytes
     assert got.layers[0][1].equal(kv.layers[0][1]) and decode(blob).equal(kv)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_dequantize_in_token_chunks_is_bit_identical_to_the_whole_layer(
+        dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CPU dequantizes a layer chunk by chunk of tokens, into its output (or a view of
+    it, after a sink): bit for bit what products over the whole layer, their clamp and a
+    permuted copy gave, saturating at the dtype's top alike."""
+    from kdn.codec import quant
+
+    torch.manual_seed(3)
+    heads, ch, tokens = 3, 5, 1001
+    sym = torch.randint(-32000, 32000, (heads * ch, tokens), dtype=torch.int32)
+    step = torch.rand(tokens) * 4 + 1e-3
+    step[::7] = 2.0**120  # past float16's and bfloat16's top: clamped, not inf
+    top = torch.finfo(dtype).max
+    whole = (sym.float().reshape(heads, ch, tokens) * step.reshape(1, 1, tokens)
+             ).clamp(-top, top).permute(0, 2, 1).to(dtype).contiguous()
+    monkeypatch.setattr(quant, "DEQUANTIZE_CHUNK_BYTES", 4 * heads * ch * 64)  # 16 chunks
+    got = quant.dequantize(sym, step, heads, dtype)
+    assert got.shape == whole.shape and got.is_contiguous() and torch.equal(got, whole)
+    into = torch.full((heads, tokens + 4, ch), 7.0, dtype=dtype)
+    quant.dequantize(sym, step, heads, dtype, out=into[:, 4:])
+    assert torch.equal(into[:, 4:], whole) and bool((into[:, :4] == 7).all())

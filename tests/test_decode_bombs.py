@@ -222,3 +222,66 @@ def test_a_device_out_of_memory_at_the_whole_entry_output_is_too_large(
     monkeypatch.setattr(gpu_batch.torch, "empty", short)
     with pytest.raises(TooLarge, match=r"decode to 1\.0 GiB, more than device cpu has free"):
         gpu_batch._output(1 << 29, torch.float16, torch.device("cpu"))  # noqa: SLF001
+
+
+def test_the_room_asked_counts_the_decoders_working_memory(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A kdn or cachegen layer decodes through int32 symbols (twice its float16 output) and
+    float32 products: an entry checked against its output alone passed a host with room for
+    the output, then grew the process by ~5 times that. The room asked now counts the
+    decoders' working memory, as many layers of it as decode at once; verbatim modes none."""
+    from kdn.codec import api
+
+    monkeypatch.setattr(api, "DECODERS", 2)
+    parts = declaring(_constant(), 8192)  # 0.5 GiB decoded: 32 layers of 8 heads x 128
+    declared = 32 * 8 * 8192 * 64 * 2 * 2
+    work = 2 * (4 * 8 * 8192 * 128 + 2 * codec.quant.DEQUANTIZE_CHUNK_BYTES) \
+        + api.DECODER_CODE_BYTES
+    monkeypatch.setattr(room, "host_room", lambda: declared + work - 1)
+    with pytest.raises(TooLarge, match=r"decodes to 0\.5 GiB \(8192 tokens\), and its decoders "
+                       r"0\.1 GiB more at once"):
+        codec.StreamDecoder(parts.header)
+    monkeypatch.setattr(room, "host_room", lambda: declared + work)
+    codec.StreamDecoder(parts.header)
+    raw = declaring(_constant(), 8192, "lossless", "")
+    monkeypatch.setattr(room, "host_room", lambda: declared + 2 * declared // 32 - 1)
+    with pytest.raises(TooLarge, match="its decoders"):
+        codec.StreamDecoder(raw.header)
+
+
+def test_a_cpu_decode_stays_within_the_room_it_asked(tmp_path: Path) -> None:
+    """The decode's growth, measured in a child (its high-water mark reset first), within
+    what ``StreamDecoder`` asked the host for: the output, the symbols and one chunk of
+    products per layer (the whole layer's products, clamp and permuted copy took ~4 times
+    the output more)."""
+    if not Path("/proc/self/clear_refs").exists():
+        pytest.skip("needs Linux's /proc/self/clear_refs")
+    child = textwrap.dedent("""
+        import sys, torch
+        from kdn import codec
+        from kdn.cache import KVCache
+        from kdn.codec import api, room
+        from kdn.layout import KVLayout, LayerLayout
+        lay = KVLayout("m", (LayerLayout(8, 64, 64),), head_dim=64)
+        z = torch.zeros(8, 60000, 64, dtype=torch.float16)  # 117 MiB decoded
+        blob = codec.encode(KVCache(lay, [(z, z)], 0), sys.argv[1], sys.argv[2])
+        del z
+        codec.decode(codec.encode(KVCache(lay, [(torch.ones(8, 4, 64).half(),) * 2], 0),
+                                  sys.argv[1], sys.argv[2]))  # the decoder's code loaded
+        asked = []
+        room.check_room = lambda declared, *a, work=0, **k: asked.append(declared + work)
+        api.check_room = room.check_room
+        def status(name):
+            return next(int(x.split()[1]) for x in open("/proc/self/status")
+                        if x.startswith(name)) * 1024
+        open("/proc/self/clear_refs", "w").write("5")  # the high-water mark reset
+        base = status("VmRSS:")
+        out = codec.decode(blob)
+        print(status("VmHWM:") - base, asked[0])
+        """)
+    for mode, level in (("kdn", "default"), ("cachegen", "")):
+        out = subprocess.run([sys.executable, "-c", child, mode, level], capture_output=True,
+                             text=True, timeout=120, cwd=Path(__file__).resolve().parents[1])
+        assert out.returncode == 0, out.stderr[-2000:]
+        grew, asked = map(int, out.stdout.split())
+        assert grew <= asked, (mode, grew >> 20, asked >> 20)

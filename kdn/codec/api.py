@@ -56,7 +56,15 @@ __all__ = [
     "parse_header",
 ]
 
-_POOL = SharedPool(max(2, os.cpu_count() or 2), "kdn-codec")
+DECODERS = max(2, os.cpu_count() or 2)
+"""Layers decoded at once on the CPU, at most: the codec's pool and a stream's (``kdn-recv``)
+have this many threads."""
+_POOL = SharedPool(DECODERS, "kdn-codec")
+DECODER_CODE_BYTES = 64 << 20
+"""What a CPU decoder adds besides its layers' working memory: its first use in a process
+loads code (numba's rANS decoder from its cache, torch's kernels) and a layer's small
+buffers (per-token steps, sinks): 18 to 30 MiB measured, counted twice over with any working
+memory (the room check can not tell a first use)."""
 FRAME_TARGET_BYTES = 1 << 20
 """With ``layers_per_frame=0`` a frame takes consecutive layers until it holds this many bytes
 (so a layer this large is a frame of its own). A frame travels as one gRPC message, and Python
@@ -263,7 +271,17 @@ class StreamDecoder:
             self._offsets = self._layer_ends(stored_bytes)
         elif self.device.type != "cpu" or not self.mode.borrows:
             check_room(self.header.layout.bytes_per_token * self.header.tokens,
-                       self.header.tokens, device=self.device)
+                       self.header.tokens, device=self.device, work=self._work_bytes())
+
+    def _work_bytes(self) -> int:
+        """What the CPU decoders hold beyond the tensors while they run: the widest layer's
+        working memory (``Mode.decode_work_bytes``), once per layer decoded at once."""
+        if self.device.type != "cpu":
+            return 0
+        lay, size = self.header.layout, self.header.layout.dtype.itemsize
+        elements = lay.widest_token_bytes[1] // size * self.header.tokens
+        per_layer = self.mode.decode_work_bytes(elements, size)
+        return min(lay.num_layers, DECODERS) * per_layer + DECODER_CODE_BYTES if per_layer else 0
 
     def _layer_ends(self, stored_bytes: int | None) -> list[int]:
         """Where each layer's tensors start in the arena, and its size last; Corrupt when the

@@ -76,14 +76,33 @@ def quantize(x: torch.Tensor, step: torch.Tensor, limit: int = 32000) -> torch.T
     return sym.to(torch.int32).permute(0, 2, 1).reshape(heads * ch, tokens)
 
 
+DEQUANTIZE_CHUNK_BYTES = 4 << 20
+"""float32 products a CPU ``dequantize`` holds at once: it goes through the tokens in chunks of
+about this size, each written straight into the output, so a layer's working memory beyond
+its symbols and its output stays this (whole-layer products, their clamp and a permuted copy
+had a decode hold ~4 times its output on top of it)."""
+
+
 def dequantize(
-    sym: torch.Tensor, step: torch.Tensor, heads: int, dtype: torch.dtype
+    sym: torch.Tensor, step: torch.Tensor, heads: int, dtype: torch.dtype,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Inverse of ``quantize``: sym [heads * ch, tokens], step [tokens] -> [heads, tokens, ch]."""
+    """Inverse of ``quantize``: sym [heads * ch, tokens], step [tokens] -> [heads, tokens, ch],
+    written into ``out`` where given (a view of that shape: the tokens of a layer after its
+    sink). On the CPU token by token chunk (``DEQUANTIZE_CHUNK_BYTES``); bit for bit the same."""
     rows, tokens = sym.shape
-    x = sym.float().reshape(heads, rows // heads, tokens) * step.reshape(1, 1, tokens)
+    ch = rows // heads
+    if out is None:
+        out = torch.empty(heads, tokens, ch, dtype=dtype, device=sym.device)
     top = torch.finfo(dtype).max  # rounding up near the top of float16 must not give inf
-    return x.clamp(-top, top).permute(0, 2, 1).to(dtype).contiguous()
+    per = tokens if sym.device.type != "cpu" else max(1, DEQUANTIZE_CHUNK_BYTES // (4 * rows or 1))
+    by_channel = sym.reshape(heads, ch, tokens)
+    for t0 in range(0, tokens, per):
+        t1 = min(tokens, t0 + per)
+        x = by_channel[:, :, t0:t1].float()  # [heads, ch, chunk]
+        x.mul_(step[t0:t1].reshape(1, 1, -1)).clamp_(-top, top)
+        out[:, t0:t1].copy_(x.permute(0, 2, 1))
+    return out
 
 
 def to_numpy(t: torch.Tensor) -> np.ndarray:

@@ -5,7 +5,9 @@ A compressed entry bounds nothing about its decoded size: a constant cache costs
 tables alone, so tens of kilobytes under a header may declare a million tokens (68 GB for 32
 layers of 8 heads of 64 channels). Decoded, such an entry had the kernel kill the reader, and
 on a GPU ended in torch's out-of-memory error. Decoders ask ``check_room`` first and refuse,
-as TooLarge, what can not fit where they decode to.
+as TooLarge, what can not fit where they decode to; on the CPU with what the decoders hold
+while they run (``Mode.decode_work_bytes``: a kdn or cachegen layer's int32 symbols, twice its
+float16 output), for as many layers as decode at once (``StreamDecoder``).
 
 The room is an upper bound of what the process could get, so that nothing that fits is
 refused: on the host, its MemAvailable, and where the process runs in a memory cgroup (a
@@ -88,16 +90,18 @@ def device_room(device: torch.device) -> int | None:
 
 
 def check_room(declared: int, tokens: int, what: str = "decodes to",
-               device: torch.device | None = None) -> None:
+               device: torch.device | None = None, work: int = 0) -> None:
     """TooLarge where an entry whose header declares ``declared`` bytes of decoded tensors (of
-    ``tokens`` tokens), or of a decoder's working memory (``what`` says which), could not be
-    held in this process's memory (``device``: None or the CPU) or on ``device``."""
-    if declared < ROOM_CHECKED_BYTES:
+    ``tokens`` tokens), or of a decoder's working memory (``what`` says which), with ``work``
+    bytes more that its decoders hold while they run, could not be held in this process's
+    memory (``device``: None or the CPU) or on ``device``."""
+    if declared + work < ROOM_CHECKED_BYTES:
         return
     if device is None or device.type == "cpu":
         room, where = host_room(), "this host has"
     else:
         room, where = device_room(device), f"device {device} has"
-    if room is not None and declared > room:
-        raise TooLarge(f"the entry {what} {declared / 2**30:.1f} GiB ({tokens} tokens); "
+    if room is not None and declared + work > room:
+        more = f", and its decoders {work / 2**30:.1f} GiB more at once" if work else ""
+        raise TooLarge(f"the entry {what} {declared / 2**30:.1f} GiB ({tokens} tokens){more}; "
                        f"{where} {room / 2**30:.1f} GiB of memory available")

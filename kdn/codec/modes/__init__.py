@@ -97,6 +97,12 @@ class Mode(abc.ABC):
         where each body lies (``codec.api.entry_bodies``), else found from the views."""
         return None
 
+    def decode_work_bytes(self, elements: int, itemsize: int) -> int:
+        """Bytes a CPU ``decode_layer`` of a layer of ``elements`` K and V elements of
+        ``itemsize`` bytes holds at its peak besides its output and its body: what
+        ``StreamDecoder`` checks room for, times the layers decoded at once."""
+        return 0
+
     def borrow_layer(self, body: memoryview, spec: LayerSpec, *, private: bool = False
                      ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """CPU tensors that view ``body``'s bytes in place (no copy), for modes that store

@@ -29,7 +29,14 @@ import torch
 
 from kdn.codec.entropy import encode_streams
 from kdn.codec.modes import LayerSpec, Mode, pack_sections, register, unpack_sections
-from kdn.codec.quant import dequantize, from_numpy, quantize, to_numpy, token_absmax
+from kdn.codec.quant import (
+    DEQUANTIZE_CHUNK_BYTES,
+    dequantize,
+    from_numpy,
+    quantize,
+    to_numpy,
+    token_absmax,
+)
 from kdn.codec.symbols import symbols
 from kdn.errors import Corrupt, InvalidArgument
 
@@ -105,6 +112,10 @@ class CacheGen(Mode):
         v_scale, v_sym = _quant(v, cv)
         streams = to_numpy(torch.cat([k_sym, v_sym]))  # [heads * (k_ch + v_ch), tokens]
         return pack_sections([k_scale, v_scale, encode_streams(streams)])
+
+    def decode_work_bytes(self, elements: int, itemsize: int) -> int:
+        # its int32 symbols; a chunk of float32 products and their conversion
+        return 4 * elements + 2 * DEQUANTIZE_CHUNK_BYTES
 
     def decode_layer(
         self, body: memoryview, spec: LayerSpec, level: str, device: torch.device

@@ -45,7 +45,8 @@ def _decode(
     s = from_numpy(host.reshape(heads, tokens, 1), device)
     q = from_numpy(np.frombuffer(data, dtype=np.int8).reshape(shape), device)
     top = torch.finfo(dtype).max
-    return (q.float() * s.float()).clamp(-top, top).to(dtype)
+    x = q.float()  # [heads, tokens, ch]: the products in place, one float32 copy of K or V
+    return x.mul_(s.float()).clamp_(-top, top).to(dtype)
 
 
 class Int8(Mode):
@@ -57,6 +58,9 @@ class Int8(Mode):
 
     def encode_layer(self, k: torch.Tensor, v: torch.Tensor, spec: LayerSpec, level: str) -> bytes:
         return pack_sections(_encode(k) + _encode(v))
+
+    def decode_work_bytes(self, elements: int, itemsize: int) -> int:
+        return 4 * elements  # float32 products of K, then of V
 
     def decode_layer(
         self, body: memoryview, spec: LayerSpec, level: str, device: torch.device

@@ -54,6 +54,7 @@ from kdn.codec.modes import (
     unpack_sections,
 )
 from kdn.codec.quant import (
+    DEQUANTIZE_CHUNK_BYTES,
     LOG_SCALE_MAX,
     dequantize,
     log_scale_symbols,
@@ -146,6 +147,10 @@ class Kdn(Mode):
             encode_streams(streams),
         ])
 
+    def decode_work_bytes(self, elements: int, itemsize: int) -> int:
+        # its int32 symbols; a chunk of float32 products and their conversion
+        return 4 * elements + 2 * DEQUANTIZE_CHUNK_BYTES
+
     def decode_layer(
         self, body: memoryview, spec: LayerSpec, level: str, device: torch.device
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -167,9 +172,13 @@ class Kdn(Mode):
         if q.numel() and (q.abs().max() > LOG_SCALE_MAX or not torch.isfinite(k_steps).all()
                           or not torch.isfinite(v_steps).all()):
             raise Corrupt(f"{where}: scale symbols out of range")
-        k = dequantize(sym[: heads * kc], k_steps, heads, dt)  # [heads, n, kc]
-        v = dequantize(sym[heads * kc :], v_steps, heads, dt)
-        return torch.cat([k_sink, k], dim=1), torch.cat([v_sink, v], dim=1)
+        # each written into its layer after the sink: no second copy of the layer
+        k = torch.empty(heads, s + n, kc, dtype=dt, device=device)  # [heads, tokens, kc]
+        v = torch.empty(heads, s + n, vc, dtype=dt, device=device)
+        k[:, :s], v[:, :s] = k_sink, v_sink
+        dequantize(sym[: heads * kc], k_steps, heads, dt, out=k[:, s:])
+        dequantize(sym[heads * kc :], v_steps, heads, dt, out=v[:, s:])
+        return k, v
 
     def decode_layers(self, bodies: list[memoryview], specs: list[LayerSpec], level: str,
                       device: torch.device, *, pinned: bool = False,

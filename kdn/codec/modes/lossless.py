@@ -52,6 +52,9 @@ class Lossless(Mode):
         raw = shuffle(tensor_bytes(k) + tensor_bytes(v), spec.dtype.itemsize)
         return zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(raw)
 
+    def decode_work_bytes(self, elements: int, itemsize: int) -> int:
+        return elements * itemsize  # the decompressed bytes, before they are unshuffled
+
     def decode_layer(
         self, body: memoryview, spec: LayerSpec, level: str, device: torch.device
     ) -> tuple[torch.Tensor, torch.Tensor]:
