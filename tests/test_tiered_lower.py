@@ -1,0 +1,187 @@
+"""The hierarchy's lower tiers failing or refusing: a part of a tier that does not answer, a
+tier that refuses writes and deletes for good, one that raises what no tier should, an LMDB
+whose reads fail, a disk tier whose room is pinned. The policies themselves:
+tests/test_tiered.py."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import lmdb
+import pytest
+
+from kdn.errors import KDNError, PartlyUnavailable, TooLarge
+from kdn.store.framed import Framed
+from kdn.store.lmdb import LmdbTier
+from kdn.store.ram import RamTier
+from kdn.store.tiered import Durability, Hit, TieredStore, WritePolicy
+from tests import test_tiered
+from tests.helpers import eventually
+from tests.test_tiered import entry
+
+make = test_tiered.make  # the stores' fixture: RAM over LMDB, each value self-checking
+
+
+class _PartlyTier(RamTier):
+    """A second in-memory tier, named ``part``, whose keys starting with ``x`` are on a part
+    that does not answer while ``out`` is set (as a dead Redis Cluster master's slots)."""
+
+    name = "part"
+
+    def __init__(self) -> None:
+        super().__init__(1 << 20)
+        self.out = True
+
+    def put(self, key: bytes, value: bytes | Framed, *, ttl_s: float | None = None) -> None:
+        if self.out and key.startswith(b"x"):
+            raise PartlyUnavailable("this key's part does not answer")
+        super().put(key, value, ttl_s=ttl_s)
+
+
+@pytest.mark.parametrize("policy", list(WritePolicy))
+def test_a_write_its_part_of_a_tier_did_not_take_is_retried(policy: WritePolicy) -> None:
+    """Write-through copies and queued writes a part of the lower tier does not take are
+    queued, retried and land once it answers, while the keys behind them land at once; none
+    is dropped. A store still waiting at shutdown is dropped and counted."""
+    lower = _PartlyTier()
+    store = TieredStore([RamTier(1 << 20), lower], write_policy=policy, flush_timeout_s=0.5)
+    store.put(b"x1", b"v1")
+    store.put(b"a1", b"w1")
+    store.put(b"a2", b"w2")
+    assert eventually(lambda: lower.contains(b"a1") and lower.contains(b"a2"))
+    assert store.queue_depth()["part"] == 1 and not lower.contains(b"x1")
+    assert store.get(b"x1") == Hit(b"v1", "ram")
+    assert store.counters["part.write_retried"] >= 1
+    lower.out = False
+    assert store.flush(5) and lower.get(b"x1") == b"v1"
+    lower.out = True
+    store.put(b"x2", b"v2")
+    store.close()
+    assert store.counters.get("part.write_dropped") == 1 and not lower.contains(b"x2")
+
+
+class _RefusingTier(RamTier):
+    """A lower tier, named ``refusing``, that refuses every write and delete of keys starting
+    with ``r`` (as a Redis refuses a key for good)."""
+
+    name = "refusing"
+
+    def put(self, key: bytes, value: bytes | Framed, *, ttl_s: float | None = None) -> None:
+        if key.startswith(b"r"):
+            raise KDNError("refused")
+        super().put(key, value, ttl_s=ttl_s)
+
+    def delete(self, key: bytes) -> bool:
+        if key.startswith(b"r"):
+            raise KDNError("refused")
+        return super().delete(key)
+
+
+def test_a_refused_write_and_the_delete_in_its_place_are_counted_once_each() -> None:
+    """The write is ``write_dropped``; the delete of the stale copy queued in its place, refused
+    too, is ``delete_dropped`` (it was counted as a second dropped write)."""
+    lower = _RefusingTier(1 << 20)
+    store = TieredStore([RamTier(1 << 20), lower])
+    try:
+        store.put(b"r1", b"v1")
+        assert store.flush(5)
+        assert eventually(lambda: store.counters.get("refusing.delete_dropped") == 1)
+        assert store.counters.get("refusing.write_dropped") == 1, store.counters
+    finally:
+        store.close()
+
+
+class _BuggyTier(RamTier):
+    """A lower tier whose put of key ``bad`` raises what no tier should (a bug, not a kdn
+    error)."""
+
+    name = "buggy"
+
+    def put(self, key: bytes, value: bytes | Framed, *, ttl_s: float | None = None) -> None:
+        if key == b"bad":
+            raise RuntimeError("a bug in the tier")
+        super().put(key, value, ttl_s=ttl_s)
+
+
+def test_a_tier_that_raises_an_unexpected_error_does_not_stop_the_queued_writes() -> None:
+    """Under write-behind a queued write whose tier raised something other than a kdn error
+    ended the writer thread: every later queued write stayed pending, never reached the
+    tier. It is dropped and counted like a refused write, and the writes behind it land."""
+    lower = _BuggyTier(1 << 20)
+    store = TieredStore([RamTier(1 << 20), lower], write_policy=WritePolicy.WRITE_BEHIND)
+    try:
+        store.put(b"bad", b"v0")
+        for i in range(5):
+            store.put(b"k%d" % i, b"w%d" % i)
+        assert store.flush(5), store.queue_depth()
+        assert all(lower.get(b"k%d" % i) == b"w%d" % i for i in range(5))
+        assert not lower.contains(b"bad") and store.counters["buggy.write_dropped"] == 1
+        assert store.get(b"bad") == Hit(b"v0", "ram")  # the acknowledged value still served
+    finally:
+        store.close()
+
+
+class _FailingEnv:
+    """An LMDB environment whose read transactions fail as a disk does (``exc``); writes and
+    everything else go to the real one."""
+
+    def __init__(self, env: object, exc: Exception) -> None:
+        self._env, self.exc, self.failing = env, exc, True
+
+    def begin(self, *args: object, **kw: object) -> object:
+        if self.failing and not kw.get("write"):
+            raise self.exc
+        return self._env.begin(*args, **kw)  # type: ignore[attr-defined]
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._env, name)
+
+
+@pytest.mark.parametrize("exc, down", [(lmdb.DiskError("EIO"), True),
+                                       (lmdb.CorruptedError("bad page"), True),
+                                       (lmdb.ReadersFullError("full"), False)])
+def test_a_disk_read_that_fails_is_a_miss_of_that_tier_never_an_error(
+        make: Callable[..., TieredStore], exc: Exception, down: bool) -> None:
+    """A read LMDB fails (an I/O error, a damaged file, too many readers at once) is a miss of
+    the disk tier, with the tier marked down where the whole tier is in doubt; values in RAM
+    are served on, and once the disk reads again its entries come back."""
+    store = make(ram=1 << 20)
+    in_ram, on_disk = entry(100, 1), entry(100, 2)
+    store.put(b"r" * 32, in_ram)
+    store.put(b"d" * 32, on_disk)
+    disk = store.tiers[1]
+    assert isinstance(disk, LmdbTier)
+    store.tiers[0].delete(b"d" * 32)  # only the disk holds it
+    failing = _FailingEnv(disk.env, exc)
+    disk.env = failing  # type: ignore[assignment]
+    assert store.get(b"d" * 32) is None  # a miss, not lmdb's exception
+    assert not store.lookup([b"d" * 32])[0].present
+    hit = store.get(b"r" * 32)
+    assert hit is not None and bytes(hit.value) == in_ram
+    assert store.is_up(disk.name) != down
+    failing.failing = False
+    store.probe()
+    assert store.is_up(disk.name)
+    hit = store.get(b"d" * 32)
+    assert hit is not None and bytes(hit.value) == on_disk
+
+
+def test_a_default_store_the_disk_refuses_for_pinned_room_is_acked_with_a_warning(
+        make: Callable[..., TieredStore], caplog: pytest.LogCaptureFixture) -> None:
+    """Write-through, a disk tier full of pinned entries: a DEFAULT store smaller than
+    ``disk_bytes`` is acknowledged from RAM (as one larger than ``disk_bytes`` is: README), and
+    the warning says why, its size, and that the store is kept as a MEMORY one (a restart
+    loses it); a DISK store of it fails."""
+    store = make(ram=1 << 20, disk=60_000)
+    ram, disk = store.tiers
+    for i in range(5):
+        store.put(b"pin/%d" % i, entry(10_000), pin=True)
+    value = entry(20_000)
+    with caplog.at_level("WARNING", logger="kdn.store.health"):
+        assert store.put(b"new", value) == "ram"
+    assert ram.get(b"new") == value and not disk.contains(b"new")
+    said = [r.getMessage() for r in caplog.records if "b'new'" in r.getMessage()]
+    assert said and "full of pinned entries" in said[0] and f"({len(value)} bytes)" in said[0] \
+        and "kept as a MEMORY store is: a restart loses it" in said[0], said
+    with pytest.raises(TooLarge):
+        store.put(b"new2", value, durability=Durability.DISK)
