@@ -159,13 +159,31 @@ def test_checkpoints_in_folders_of_one_name_do_not_share_kv(
 
 def test_the_default_weights_id() -> None:
     model = _llama(0)
-    assert hf.default_weights_id(model) == ""  # built from a config: nothing to tell
+    # built from a config: its parameters tell
+    assert hf.default_weights_id(model) == f"params#{hf.parameters_digest(model)}"
     model.name_or_path = "org/some-model"
     assert hf.default_weights_id(model) == "org/some-model"
     model.config._commit_hash = "0123abcd"
     assert hf.default_weights_id(model) == "org/some-model@0123abcd"
     with pytest.raises(ValueError, match="weights_id"):
         EngineConfig(weights_id=3)  # type: ignore[arg-type]
+
+
+def test_models_built_from_one_config_do_not_share_kv(client: Client) -> None:
+    """Two models built from one config and given their weights by load_state_dict (as
+    training code does) name no folder: each is named by its parameters, and the same weights
+    loaded again are the same model."""
+    a, b = (_llama(0).eval() for _ in range(2))
+    b.load_state_dict(_llama(1).state_dict())
+    ea, eb = KDNEngine(a, _Tok(), client, RAW), KDNEngine(b, _Tok(), client, RAW)
+    assert ea.layout.model_fingerprint != eb.layout.model_fingerprint
+    again = _llama(2)
+    again.load_state_dict(a.state_dict())
+    assert hf.model_layout(again).fingerprint == ea.layout.fingerprint
+    with torch.no_grad():  # weights changed in place after it was named (a training step)
+        next(again.parameters()).add_(1.0)
+    assert hf.model_layout(again).fingerprint != ea.layout.fingerprint
+    _not_shared(ea, eb, b)
 
 
 def test_checkpoints_in_subfolders_of_one_root_do_not_share_kv(

@@ -61,7 +61,8 @@ class EngineConfig:
     differ in it. None (default): ``kdn.model.hf.default_weights_id``, the name of the folder
     the model was loaded from and a digest of its weights' bytes (the same weights at any path
     share their KV), or its hub id and revision (with a digest of the loaded parameters where
-    the load took a ``subfolder=`` or one of several GGUF files); name the weights yourself
+    the load took a ``subfolder=`` or one of several GGUF files, and alone for a model built
+    from a config and given its weights by ``load_state_dict``); name the weights yourself
     where they changed after loading (an adapter merged in memory)."""
     kv_dtype: DType | None = None
     """dtype KV is stored in; None (default) = the model's own dtype, which keeps

@@ -26,8 +26,10 @@ Shapes: a kdn layer is ``k: [kv_heads, tokens, k_channels]``; transformers cache
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -91,16 +93,19 @@ def default_weights_id(model: Any) -> str:
     local folder's name and a digest of its weights' bytes (``weights_digest``: the same
     weights at another path or on another machine share their KV; checkpoints of one config
     in folders of the same name, ``run1/final`` and ``run2/final``, do not); a hub id with the
-    revision it resolved to (``config._commit_hash``) where known; "" for a model built from a
-    config. Transformers records no ``subfolder=`` nor ``gguf_file=`` of a load: where the
+    revision it resolved to (``config._commit_hash``) where known; for a model built from a
+    config (its weights given by ``load_state_dict``, as training code does), a digest of its
+    parameters (``parameters_digest``: two such models of one config do not share their KV).
+    Transformers records no ``subfolder=`` nor ``gguf_file=`` of a load: where the
     folder (or the hub snapshot in the local cache) holds no weight file of its own, or
     several GGUF files, the id is a digest of the loaded parameters instead
     (``parameters_digest``), so checkpoints in subfolders of one root, or GGUF variants of one
-    folder, do not share their KV. Weights changed in memory after loading (an adapter merged)
-    are not seen: name them yourself (``EngineConfig.weights_id``)."""
+    folder, do not share their KV. Weights changed in memory after loading (an adapter merged;
+    for a digest of the parameters, a change through ``.data``, which their version counters
+    do not count) are not seen: name them yourself (``EngineConfig.weights_id``)."""
     name = str(getattr(model, "name_or_path", "") or "")
     if not name:
-        return ""
+        return f"params#{parameters_digest(model)}"
     folder = Path(name).expanduser()
     if folder.exists():  # what transformers loads first, before asking the hub
         if not folder.is_dir():
@@ -132,19 +137,32 @@ def _hub_snapshot(name: str, revision: str) -> Path | None:
 def parameters_digest(model: Any) -> str:
     """A digest of the parameters ``model`` holds (BLAKE2b): each one's name, dtype and shape
     and its first 4 KiB of bytes (one copy from the device), the same on every machine and
-    device. A parameter not materialised (the meta device) counts by its name and shape."""
+    device. A parameter not materialised (the meta device) counts by its name and shape.
+    Memoised per model until a parameter is replaced or changed in place (its version
+    counter), so a model named by it (every blend of one built from a config) reads nothing
+    back from its device again."""
+    params = sorted(model.named_parameters(), key=lambda item: item[0])
+    stamp = tuple((pname, p.data_ptr(), p._version, p.dtype, p.shape) for pname, p in params)
+    memo = _PARAMETER_DIGESTS.get(model)
+    if memo is not None and memo[0] == stamp:
+        return memo[1]
     h = hashlib.blake2b(digest_size=16)
     samples: list[torch.Tensor] = []
-    for pname, p in sorted(model.named_parameters(), key=lambda item: item[0]):
+    for pname, p in params:
         h.update(f"{pname}\0{p.dtype}\0{list(p.shape)}\0".encode())
         if p.device.type != "meta" and p.numel():
             flat = p.detach().reshape(-1)[: max(1, _SAMPLE_BYTES // p.element_size())]
             samples.append(flat.contiguous().view(torch.uint8))
     if samples:
         h.update(torch.cat([t.to(samples[0].device) for t in samples]).cpu().numpy().tobytes())
-    return h.hexdigest()
+    digest = h.hexdigest()
+    with contextlib.suppress(TypeError):  # (a model that takes no weak reference: not kept)
+        _PARAMETER_DIGESTS[model] = (stamp, digest)
+    return digest
 
 
+_PARAMETER_DIGESTS: weakref.WeakKeyDictionary[Any, tuple[tuple[Any, ...], str]] = \
+    weakref.WeakKeyDictionary()
 _SAMPLE_BYTES = 4096
 _DIGESTS: dict[tuple[str, ...], str | None] = {}
 
