@@ -78,9 +78,12 @@ def token_ids(values: object, what: str) -> list[int]:
                               f"{type(values).__name__}")
     out = []
     for i, t in enumerate(values):
-        if isinstance(t, (bool, float)) or not hasattr(t, "__index__"):
-            raise InvalidArgument(f"{what}: token {i} is {t!r}, not a token id")
-        out.append(t.__index__())
+        try:  # a tensor has __index__, which refuses one of a float or of several elements
+            if isinstance(t, (bool, float)) or not hasattr(t, "__index__"):
+                raise TypeError
+            out.append(t.__index__())
+        except TypeError:
+            raise InvalidArgument(f"{what}: token {i} is {shown(t)}, not a token id") from None
     return out
 
 

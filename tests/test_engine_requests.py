@@ -65,7 +65,7 @@ def test_a_batch_of_one_is_one_prompt_and_a_batch_of_more_is_refused(engine: KDN
     want = engine.generate(IDS, max_new_tokens=4).token_ids
     assert len(want) == 4
     for same in (torch.tensor([IDS]), torch.tensor(IDS), [IDS], tuple(IDS),
-                 [torch.tensor(IDS)]):
+                 [torch.tensor(IDS)], list(torch.tensor(IDS))):  # (the last: 0-d tensors)
         assert engine.generate(same, max_new_tokens=4).token_ids == want  # type: ignore[arg-type]
     for batch in (torch.tensor([IDS, IDS]), [IDS, IDS]):
         with pytest.raises(InvalidArgument, match="one prompt, got a batch of 2"):
@@ -89,6 +89,26 @@ def test_an_id_that_is_not_the_models_is_refused_naming_it(
         engine: KDNEngine, prompt: list[int], named: str) -> None:
     with pytest.raises(InvalidArgument, match=named):
         engine.generate(prompt, max_new_tokens=2)
+
+
+@pytest.mark.parametrize("ids,named", [
+    (list(torch.tensor([IDS])), r"token 0 is tensor\(\["),  # a batch as a list of tensors
+    (IDS[:3] + [torch.tensor(2.0)], r"token 3 is tensor\(2\.\)"),
+    (IDS[:3] + [torch.tensor([4, 5])], r"token 3 is tensor\(\[4, 5\]\)"),
+])
+def test_the_connector_refuses_what_is_no_token_id_naming_it(
+        engine: KDNEngine, ids: list[object], named: str) -> None:
+    for call in (engine.matched_tokens, engine.start_load):
+        with pytest.raises(InvalidArgument, match=named):
+            call(ids)  # type: ignore[arg-type]
+    assert engine.matched_tokens(list(torch.tensor(IDS))) >= 0  # 0-d integer tensors are ids
+
+
+def test_save_layer_refuses_a_layer_the_model_does_not_have(engine: KDNEngine) -> None:
+    k = torch.zeros(2, len(IDS), 16)
+    for i in (3, 7, -1, True, 1.0):
+        with pytest.raises(InvalidArgument, match=rf"save_layer: layer .*\[0, 3\), got {i!r}"):
+            engine.save_layer(i, k, k)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("force", ["bogus", "int8", "lossless", "Raw", ""])

@@ -1,5 +1,6 @@
 """What a ``KDNEngine`` is told and what it tells back: ``EngineConfig`` (checked when made,
 each field documented), a request's prompt as token ids (``prompt_ids``, checked), the
+checks of what a request asks (``check_fits``, ``check_force``, ``check_layer``), the
 ``Timings`` of one request and its ``Generation``, and the default block size
 (``default_chunk_tokens``)."""
 
@@ -234,7 +235,8 @@ def prompt_ids(prompt: str | Sequence[int] | torch.Tensor, tokenizer: Any,
                                  f"{list(prompt.shape)}")
         rows = [prompt.tolist()] if prompt.dim() == 1 else prompt.tolist()
     elif isinstance(prompt, Sequence) and prompt and all(
-            isinstance(p, (Sequence, torch.Tensor)) and not isinstance(p, str) for p in prompt):
+            (isinstance(p, Sequence) and not isinstance(p, str))
+            or (isinstance(p, torch.Tensor) and p.dim() >= 1) for p in prompt):
         rows = [list(p) for p in prompt]  # type: ignore[arg-type]  # a batch: [[ids], ...]
     elif isinstance(prompt, Sequence):
         rows = [list(prompt)]
@@ -273,3 +275,20 @@ def check_fits(tokens: int, max_new_tokens: int, context: int | None) -> None:
                          f"need {tokens + max_new_tokens} positions, more than the model's "
                          f"context of {context} tokens (max_position_embeddings): ask for at "
                          f"most {context - tokens} new tokens or shorten the prompt")
+
+
+def check_force(force: str | None, choices: list[str]) -> None:
+    """InvalidRequest unless ``force`` is None or one of an engine's ``choices`` (its
+    encodings' names and ``recompute``): one it does not store would always be a miss, a
+    silent recompute."""
+    if force is not None and force not in choices:
+        raise InvalidRequest(f"force={force!r} is none of this engine's choices {choices} "
+                             "(None: the loading controller's)")
+
+
+def check_layer(i: object, layers: int, what: str) -> None:
+    """InvalidRequest, starting ``what: ``, unless ``i`` is a layer of a model of ``layers``
+    layers: a whole number in ``0..layers-1``."""
+    if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < layers:
+        raise InvalidRequest(f"{what}: layer must be a whole number in [0, {layers}), got "
+                             f"{i!r}")

@@ -89,6 +89,8 @@ from kdn.engine.config import (
     Generation,
     Timings,
     check_fits,
+    check_force,
+    check_layer,
     default_chunk_tokens,
     prompt_ids,
 )
@@ -224,12 +226,7 @@ class KDNEngine(KVConnector):
                 gc.freeze()
 
     def _check_force(self, force: str | None) -> None:
-        """InvalidRequest unless ``force`` is None, ``recompute`` or an encoding this engine
-        stores (one it does not would always be a miss: a silent recompute)."""
-        choices = [encoding_name(m, lv) for m, lv in self.encodings] + [RECOMPUTE]
-        if force is not None and force not in choices:
-            raise InvalidRequest(f"force={force!r} is none of this engine's choices {choices} "
-                             "(None: the loading controller's)")
+        check_force(force, [encoding_name(m, lv) for m, lv in self.encodings] + [RECOMPUTE])
 
     def _lookup_timeout(self) -> float:
         """``lookup_timeout_s``, at most the client's ``timeout_s`` (None: no deadline)."""
@@ -425,10 +422,7 @@ class KDNEngine(KVConnector):
         Once a layer failed the load is over (its streams cancelled, the caller computes the
         prompt whole, ``save_layer`` stores every block: ``_load_failure``), and every later
         call raises that failure again."""
-        n = self.layout.num_layers
-        if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n:
-            raise InvalidRequest(f"wait_for_layer: layer must be a whole number in [0, {n}), "
-                                 f"got {i!r}")
+        check_layer(i, self.layout.num_layers, "wait_for_layer")
         if self._load_failed is not None:
             raise again(self._load_failed)
         if not self._streams:
@@ -483,7 +477,9 @@ class KDNEngine(KVConnector):
         """Layer i of the prompt's KV, [kv_heads, tokens, channels]; once every layer is in,
         the blocks kdn lacks are stored on a background thread. A layer that does not hold
         every token of the prompt (a sliding window's cache keeps only its last tokens) is
-        refused, and nothing of the request is stored: its blocks would hold other tokens' KV."""
+        refused, and nothing of the request is stored: its blocks would hold other tokens' KV.
+        InvalidRequest for a layer the model does not have."""
+        check_layer(i, self.layout.num_layers, "save_layer")
         c = self.config.chunk_tokens
         if (not self.config.store_back or self._save_refused or self._unreachable
                 or len(self._ids) // c <= self._loaded_blocks):
