@@ -41,6 +41,8 @@ from tests.test_engine_devices import _model, _Tok
     ("lookup_timeout_s", math.inf, "inf"),
     ("lookup_timeout_s", 0, "0"),
     ("lookup_timeout_s", True, "True"),
+    ("lookup_timeout_s", 1e300, "1e+300"),  # no deadline a call can carry
+    ("lookup_timeout_s", 86400.5, "a day"),
     ("namespace", "bad space", "'bad space'"),
     ("namespace", "a" * 100, "malformed"),
     ("kv_dtype", "fp16", "'fp16'"),
@@ -58,6 +60,20 @@ def test_good_settings_are_taken_in_one_form() -> None:
                        kv_dtype="float16", lookup_timeout_s=1)  # type: ignore[arg-type]
     assert cfg.encodings == (("raw", ""), ("kdn", "default")) and cfg.kv_dtype is DType.FLOAT16
     assert EngineConfig(namespace="").namespace == "" and EngineConfig().namespace is None
+    assert EngineConfig(lookup_timeout_s=86400).lookup_timeout_s == 86400
+
+
+def test_a_lookup_and_a_load_wait_no_longer_than_the_clients_deadline(tmp_path: Path) -> None:
+    """lookup_timeout_s (a day at most) is capped by the client's timeout_s, for the lookup
+    and for the least a load is given alike."""
+    cfg = ServerConfig(port=0, data_dir=tmp_path, disk_bytes=0, ram_bytes=256 << 20)
+    with ServerThread(cfg) as st, Client(st.address, timeout_s=0.5) as c:
+        engine = KDNEngine(_model(torch.float32, "cpu"), _Tok(), c, EngineConfig(
+            chunk_tokens=32, encodings=(("raw", ""),), calibrate=False, lookup_timeout_s=86400))
+        assert engine._lookup_timeout() == 0.5 and engine._load_deadline(0.0) == 0.5
+        engine.generate(list(range(1, 70)), max_new_tokens=1)
+        engine.wait_for_save(30)
+        assert engine.matched_tokens(list(range(1, 70))) == 64
 
 
 def test_the_engine_stores_in_its_clients_namespace(tmp_path: Path) -> None:

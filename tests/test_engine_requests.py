@@ -52,13 +52,27 @@ def test_a_prompt_past_the_models_context_is_refused_before_anything_is_stored(
     assert isinstance(raised.value, ValueError)
     fits = ids[: context - 4]
     with pytest.raises(InvalidArgument, match=f"prompt of {context - 4} tokens and "
-                       f"max_new_tokens=5 need {context + 1} positions.*context of {context} "
-                       "tokens.*at most 4 new tokens"):
-        engine.generate(fits, max_new_tokens=5)
+                       f"max_new_tokens=6 need {context + 1} positions.*context of {context} "
+                       "tokens.*at most 5 new tokens"):
+        engine.generate(fits, max_new_tokens=6)
     assert engine.matched_tokens(ids) == 0  # no block of either prompt was stored
-    assert len(engine.generate(fits, max_new_tokens=4).token_ids) == 4
+    # the last new token is never fed back: it takes no position
+    assert len(engine.generate(fits, max_new_tokens=5).token_ids) == 5
     engine.wait_for_save(30)
     assert engine.matched_tokens(fits) == (len(fits) - 1) // chunk * chunk
+
+
+def test_a_prompt_of_the_whole_context_gets_its_one_token(engine: KDNEngine) -> None:
+    """As from transformers' generate: the first new token needs only the prompt's positions."""
+    context = engine.model.config.max_position_embeddings
+    ids = [int(x) for x in torch.randint(
+        1, 256, (context,), generator=torch.Generator().manual_seed(8))]
+    with torch.no_grad():
+        want = int(engine.model(torch.tensor([ids])).logits[0, -1].argmax())
+    assert engine.generate(ids, max_new_tokens=1).token_ids == [want]
+    engine.wait_for_save(30)
+    with pytest.raises(InvalidArgument, match="at most 1 new tokens"):
+        engine.generate(ids, max_new_tokens=2)
 
 
 def test_a_batch_of_one_is_one_prompt_and_a_batch_of_more_is_refused(engine: KDNEngine) -> None:

@@ -6,7 +6,6 @@ checks of what a request asks (``check_fits``, ``check_force``, ``check_layer``)
 
 from __future__ import annotations
 
-import math
 import operator
 import threading
 from collections.abc import Sequence
@@ -37,6 +36,9 @@ MAX_CHUNK_TOKENS = MAX_PREFIX_CHUNK
 one this long is larger than most prompts (and tens of GiB of KV on a large model)."""
 MAX_CALIBRATION_TOKENS = 1 << 17
 """The most tokens ``EngineConfig.calibration_tokens`` may name: a 128k-token prefill."""
+MAX_LOOKUP_TIMEOUT_S = 86400.0
+"""The longest ``EngineConfig.lookup_timeout_s`` (a day): a longer one is no deadline a
+call can carry (gRPC's and the clock's arithmetic overflow)."""
 
 
 def default_chunk_tokens(layout: KVLayout) -> int:
@@ -79,7 +81,8 @@ class EngineConfig:
     """Deadline of the Lookup that starts each request (and of the first call a calibration
     or a new engine makes), at most the client's ``timeout_s``: a server that does not answer
     within it, or can not be reached, is taken as down for that request, whose prompt is then
-    computed whole (``Timings.load_error`` says why) instead of waiting out a call deadline."""
+    computed whole (``Timings.load_error`` says why) instead of waiting out a call deadline.
+    At most ``MAX_LOOKUP_TIMEOUT_S``."""
     join_in_process: bool = True
     """A hit whose blocks are all in the client's in-process tier loads as one joined stream
     (``Client.retrieve_joined``); False: one stream per block, joined per layer."""
@@ -111,9 +114,9 @@ class EngineConfig:
         _whole("calibration_tokens", self.calibration_tokens, 1, MAX_CALIBRATION_TOKENS)
         if (isinstance(self.lookup_timeout_s, bool)
                 or not isinstance(self.lookup_timeout_s, (int, float))
-                or not 0 < self.lookup_timeout_s < math.inf):
-            raise ConfigError(f"lookup_timeout_s: must be a finite number of seconds > 0, got "
-                              f"{self.lookup_timeout_s!r}")
+                or not 0 < self.lookup_timeout_s <= MAX_LOOKUP_TIMEOUT_S):
+            raise ConfigError(f"lookup_timeout_s: must be a number of seconds > 0 and at most "
+                              f"{MAX_LOOKUP_TIMEOUT_S:g} (a day), got {self.lookup_timeout_s!r}")
         if self.namespace:  # None or "": the client's
             try:
                 check_namespace(self.namespace)
@@ -265,16 +268,19 @@ def prompt_ids(prompt: str | Sequence[int] | torch.Tensor, tokenizer: Any,
 def check_fits(tokens: int, max_new_tokens: int, context: int | None) -> None:
     """InvalidRequest unless a prompt of ``tokens`` tokens and ``max_new_tokens`` generated
     after it fit a model's ``context`` (its max_position_embeddings; None: no limit): past it
-    the model meets positions it was never trained on, and its KV is stored for reuse."""
-    if context is None or tokens + max_new_tokens <= context:
+    the model meets positions it was never trained on, and its KV is stored for reuse. The
+    last new token is never fed back, so it takes no position: a prompt of the whole context
+    still gets one token, as from transformers' ``generate``."""
+    if context is None or tokens + max_new_tokens - 1 <= context:
         return
     if tokens > context:
         raise InvalidRequest(f"the prompt of {tokens} tokens is longer than the model's context "
                              f"of {context} tokens (max_position_embeddings): shorten it")
     raise InvalidRequest(f"the prompt of {tokens} tokens and max_new_tokens={max_new_tokens} "
-                         f"need {tokens + max_new_tokens} positions, more than the model's "
-                         f"context of {context} tokens (max_position_embeddings): ask for at "
-                         f"most {context - tokens} new tokens or shorten the prompt")
+                         f"need {tokens + max_new_tokens - 1} positions (the last new token "
+                         f"takes none), more than the model's context of {context} tokens "
+                         f"(max_position_embeddings): ask for at most {context - tokens + 1} "
+                         f"new tokens or shorten the prompt")
 
 
 def check_force(force: str | None, choices: list[str]) -> None:

@@ -237,8 +237,7 @@ class KDNEngine(KVConnector):
     def _load_deadline(self, predicted_s: float) -> float:
         """Seconds the chosen load may take before it is abandoned: ``LOAD_DEADLINE_X`` times
         its predicted TTFT, at least ``lookup_timeout_s`` and ``MIN_LOAD_DEADLINE_S``."""
-        return max(self.config.lookup_timeout_s, LOAD_DEADLINE_X * predicted_s,
-                   MIN_LOAD_DEADLINE_S)
+        return max(self._lookup_timeout(), LOAD_DEADLINE_X * predicted_s, MIN_LOAD_DEADLINE_S)
 
     def _answers(self) -> bool:
         """Whether the server answers a Lookup of no keys within ``lookup_timeout_s`` (before
