@@ -173,8 +173,8 @@ def test_a_load_too_large_for_here_leaves_the_encoding_out_but_keeps_its_blocks(
     monkeypatch.setattr(engine.client, "retrieve_streams", refuse)
     monkeypatch.setattr(engine.controller, "observe_failure",
                         lambda enc, *a: failures.append(enc) or observe(enc, *a))
-    monkeypatch.setattr(engine._saver, "start",  # noqa: SLF001
-                        lambda *a: rewrites.append(a[3]) or start(*a))  # a[3]: rewrite
+    monkeypatch.setattr(engine._saver, "start",  # noqa: SLF001  (a[3]: rewrite)
+                        lambda *a, **kw: rewrites.append(a[3]) or start(*a, **kw))
     got = engine.generate(IDS, max_new_tokens=6, force="raw")
     monkeypatch.undo()
     assert got.timings.decision == "recompute" and got.timings.reused_tokens == 0

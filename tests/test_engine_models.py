@@ -4,6 +4,7 @@ gives a full prefill's output; a layer of fewer tokens than the prompt is never 
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -55,6 +56,32 @@ def _prefilled(model: Any, ids: list[int], n: int) -> list[int]:
         out.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
         seq.append(out[-1])
     return out
+
+
+def _longrope() -> Any:
+    """A Phi-3-128k-like model: LongRoPE's short factors up to 32 positions, long past them."""
+    torch.manual_seed(0)
+    factors = {"short_factor": [1.0] * 8, "long_factor": [8.0] * 8}
+    cfg = transformers.Phi3Config(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+        original_max_position_embeddings=32, pad_token_id=0,
+        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, **factors,
+                         "original_max_position_embeddings": 32})
+    cfg._attn_implementation = "sdpa"
+    return transformers.Phi3ForCausalLM(cfg).eval()
+
+
+@torch.no_grad()
+def _first_logits(engine: KDNEngine, ids: list[int]) -> tuple[int, torch.Tensor]:
+    """(tokens reused, next-token logits) of ``ids`` through the connector protocol."""
+    reused = engine.start_load(ids, force="raw")
+    if not reused:
+        return 0, hf.CacheDecoder(engine.model, hf.full_cache(engine.model)).forward(ids)[-1]
+    with hf.LayerwiseCache(engine.model, engine.wait_for_layer) as cache:
+        logits = hf.CacheDecoder(engine.model, cache).forward(ids[reused:])[-1]
+    engine.finish()
+    return reused, logits
 
 
 @pytest.fixture
@@ -155,6 +182,28 @@ def test_checkpoints_in_folders_of_one_name_do_not_share_kv(
     named = EngineConfig(chunk_tokens=32, encodings=(("raw", ""),), weights_id="ft-1")
     ids = {KDNEngine(m, _Tok(), client, named).layout.fingerprint for m in (a, b)}
     assert len(ids) == 1 and ea.layout.fingerprint not in ids  # named alike: one
+
+
+def test_a_longrope_models_blocks_are_keyed_by_the_prompts_length_regime(
+        client: Client) -> None:
+    """A LongRoPE model rotates a prompt past original_max_position_embeddings with its long
+    factors: a block stored from a short prompt is other KV than that block of a long one,
+    and is not its hit; a long prompt's block is, exactly."""
+    model = _longrope()
+    assert hf.length_regime(model, 32) == b"" and hf.length_regime(model, 33) != b""
+    assert hf.length_regime(_llama(0), 500) == b""
+    engine = KDNEngine(model, _Tok(), client, dataclasses.replace(RAW, chunk_tokens=16))
+    engine.generate(IDS[:20], max_new_tokens=1)  # block 0, short factors
+    engine.wait_for_save(30)
+    assert engine.matched_tokens(IDS[:32]) == 16 and engine.matched_tokens(IDS) == 0
+    with torch.no_grad():
+        own = model(torch.tensor([IDS])).logits[0, -1]
+    reused, logits = _first_logits(engine, IDS)  # computed whole
+    assert reused == 0 and float((logits - own).abs().max()) < 1e-4
+    engine.generate(IDS, max_new_tokens=1)  # stores its blocks, long factors
+    engine.wait_for_save(30)
+    reused, logits = _first_logits(engine, IDS)
+    assert reused == 96 and float((logits - own).abs().max()) < 1e-4
 
 
 def test_the_default_weights_id() -> None:

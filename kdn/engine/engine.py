@@ -112,6 +112,7 @@ from kdn.model.hf import (
     cache_layers,
     full_cache,
     greedy,
+    length_regime,
     model_device,
     model_layout,
     prompt_limits,
@@ -281,10 +282,12 @@ class KDNEngine(KVConnector):
     # -- the connector protocol -----------------------------------------------------------------
 
     def _chain(self, ids: Sequence[int]) -> list[bytes]:
-        """Chain keys of the blocks that may be reused (one token is always left to compute)."""
+        """Chain keys of the blocks that may be reused (one token is always left to compute);
+        what their KV depends on beyond the ids (``length_regime``) enters them."""
         c = self.config.chunk_tokens
         usable = (len(ids) - 1) // c
-        return keys.prefix_keys(list(ids[: usable * c]), self.layout, self.namespace, c)
+        return keys.prefix_keys(list(ids[: usable * c]), self.layout, self.namespace, c,
+                                extras=[length_regime(self.model, len(ids))])
 
     def _present(self, chain: list[bytes]
                  ) -> tuple[int, dict[str, int], frozenset[str], dict[str, list[bytes]]]:
@@ -495,8 +498,9 @@ class KDNEngine(KVConnector):
         if len(self._saved) == self.layout.num_layers:
             snapshot = [self._saved[j] for j in range(self.layout.num_layers)]
             self._saved = {}  # the store thread holds them now, and lets go when it ends
-            self._store_thread = self._saver.start(self._ids, snapshot, self._loaded_blocks,
-                                                   self._rewrite, self._timings.decision)
+            self._store_thread = self._saver.start(
+                self._ids, snapshot, self._loaded_blocks, self._rewrite, self._timings.decision,
+                extras=[length_regime(self.model, len(self._ids))])
 
     def wait_for_save(self, timeout: float | None = None) -> None:
         if self._store_thread is not None:

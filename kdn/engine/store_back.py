@@ -11,6 +11,8 @@ Lifecycle, per request (``KDNEngine.save_layer`` calls it):
    loaded in a lossy encoding (``loaded``: ``kdn-*``, ``int8``, ``cachegen``) are not the
    model's exact KV: they are stored in the lossy encodings only, so that what ``raw`` and
    ``lossless`` hold is always exact (a later exact hit would carry the approximation on).
+   The blocks' keys carry ``start``'s ``extras``: what their KV depends on beyond the ids, a
+   LongRoPE model's prompt length (``kdn.model.hf.length_regime``).
 
 Stores are best effort: a failure is logged and never reaches a request. The threads are
 daemons (a server that hangs must not hang the process's exit), so the process waits for them
@@ -29,6 +31,7 @@ import logging
 import threading
 import time
 import weakref
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -86,20 +89,23 @@ class StoreBack:
         return hk, hv
 
     def start(self, ids: list[int], snapshot: list[LayerKV], first_block: int,
-              rewrite: str = "", loaded: str = "") -> threading.Thread:
+              rewrite: str = "", loaded: str = "", extras: Sequence[bytes] = ()
+              ) -> threading.Thread:
         """Store blocks ``first_block..`` of ``ids`` on a new pending thread; ``snapshot``:
         their layers from ``to_host`` (token 0 of it is token ``first_block *
         chunk_tokens``); ``rewrite``: an encoding whose blocks failed to load, stored again
         even where present (a damaged block, or one of another shape under its key, is
         mended); ``loaded``: the encoding blocks ``..first_block`` came in (a lossy one
-        leaves the exact encodings out)."""
+        leaves the exact encodings out); ``extras``: those of the request's chain keys
+        (``keys.prefix_keys``)."""
         ready = None
         if self._copies is not None:
             ready = torch.cuda.Event()
             ready.record(self._copies)
         thread = threading.Thread(target=self._run,
                                   args=(ids, snapshot, first_block, ready, rewrite,
-                                        self._exact_allowed(first_block, loaded)),
+                                        self._exact_allowed(first_block, loaded),
+                                        list(extras)),
                                   daemon=True, name="kdn-store-back")
         with self._lock:
             self._pending.add(thread)
@@ -125,9 +131,9 @@ class StoreBack:
         return first_block == 0 or exact_encoding(loaded)
 
     def _run(self, ids: list[int], snapshot: list[LayerKV], first_block: int, ready: Any,
-             rewrite: str, exact: bool) -> None:
+             rewrite: str, exact: bool, extras: list[bytes]) -> None:
         try:
-            self._store(ids, snapshot, first_block, ready, rewrite, exact)
+            self._store(ids, snapshot, first_block, ready, rewrite, exact, extras)
         except Exception:  # best effort: whatever went wrong is logged, never raised
             log.exception("store-back failed")
         finally:
@@ -135,12 +141,12 @@ class StoreBack:
                 self._pending.discard(threading.current_thread())
 
     def _store(self, ids: list[int], snapshot: list[LayerKV], first_block: int, ready: Any,
-               rewrite: str, exact: bool) -> None:
+               rewrite: str, exact: bool, extras: list[bytes]) -> None:
         if ready is not None:
             ready.synchronize()
         c, ns = self.chunk_tokens, self.namespace
         base = first_block * c
-        chain = keys.prefix_keys(ids, self.layout, ns, c)
+        chain = keys.prefix_keys(ids, self.layout, ns, c, extras=extras)
         todo = [(b, mode, level, keys.variant_key(chain[b], encoding_name(mode, level)))
                 for b in range(first_block, len(chain)) for mode, level in self.encodings
                 if exact or mode not in EXACT_MODES]

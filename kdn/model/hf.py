@@ -4,7 +4,8 @@ Model side only (the storage side never imports it). The engine, the blender, RA
 quality check and the pruner reach a model through these functions and nowhere else:
 
 * what the model is: ``model_layout`` (its ``KVLayout``, pruned layouts included; its
-  weights named by ``default_weights_id`` unless the caller names them),
+  weights named by ``default_weights_id`` unless the caller names them), ``length_regime``
+  (what a prompt's KV depends on beyond its ids: its length, for a LongRoPE model),
   ``decoder_layers``, ``ModelParts`` (embedding, decoder blocks, final norm, LM head, rotary),
   ``prompt_limits`` and ``attention_window`` (a sliding window, which the blender refuses past);
 * its caches: ``to_transformers`` / ``from_transformers`` convert between a ``KVCache`` and a
@@ -235,6 +236,30 @@ def model_layout(model: Any, kv_dtype: DType | None = None, weights_id: str | No
         weights_id = default_weights_id(model)
     dtype = kv_dtype if kv_dtype is not None else DType.of(model_dtype(model))
     return KVLayout.from_config(model.config, dtype=dtype, weights_id=weights_id)
+
+
+def length_regime(model: Any, tokens: int) -> bytes:
+    """What the KV of a prompt of ``tokens`` tokens depends on beyond its tokens' ids, to enter
+    its blocks' keys (``keys.prefix_keys``' ``extras``); b"" for most models. A LongRoPE model
+    (rope_type ``longrope``: Phi-3/3.5-*-128k, Phi-4-mini) rotates every position of a forward
+    with its short factors while the sequence is at most ``original_max_position_embeddings``
+    long and with its long factors past it (transformers' ``dynamic_rope_update``): a block
+    of a prompt past that length is other KV than the same block of a shorter prompt. (Dynamic
+    NTK scaling changes the rotation only past ``max_position_embeddings``, which no prompt
+    with its new tokens reaches: ``kdn.engine.config.check_fits``.)"""
+    cfg = _text_config(model)
+    params = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+    per_type = params if params and all(isinstance(p, dict) for p in params.values()) \
+        else {"": params}  # rope parameters per layer type (full, sliding attention), or one
+    long = []
+    for name, p in sorted(per_type.items()):
+        if not isinstance(p, dict) or (p.get("rope_type") or p.get("type")) != "longrope":
+            continue
+        limit = p.get("original_max_position_embeddings") or getattr(
+            cfg, "original_max_position_embeddings", None) or 0
+        if tokens > int(limit):
+            long.append(f"{name}>{int(limit)}")
+    return ("kdn/longrope-long:" + ",".join(long)).encode() if long else b""
 
 
 def prompt_limits(model: Any) -> tuple[int, int | None]:
