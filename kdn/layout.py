@@ -373,12 +373,16 @@ class KVLayout:
         *,
         dtype: torch.dtype | str | DType = DType.FLOAT16,
         weights_id: str = "",
+        computed_in: torch.dtype | str | DType | None = None,
     ) -> KVLayout:
         """Layout of an ordinary (or kdn-pruned) transformers decoder config.
 
         ``weights_id`` distinguishes checkpoints that share a config (e.g. fine-tunes). It is not
         derived from ``_name_or_path``: a local path differs between machines, and the same
-        model must give the same fingerprint everywhere.
+        model must give the same fingerprint everywhere. ``computed_in``: the dtype the model
+        computes its KV in, where it matters (``kdn.model.hf.model_layout``'s ``exact``); it
+        enters the model fingerprint only where it is not ``dtype`` (the KV was converted), so
+        the usual layout, stored as computed, keeps its fingerprint.
         """
         cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
         n_layers = int(cfg.num_hidden_layers)
@@ -398,8 +402,12 @@ class KVLayout:
                   for k_kept, v_kept in pruned_kept(pruned, n_layers)] if pruned is not None \
             else [LayerLayout(kv_heads, head_dim, head_dim)] * n_layers
         name = str(getattr(cfg, "_name_or_path", "") or getattr(cfg, "model_type", ""))
+        computed = "" if computed_in is None else computed_in.value if isinstance(
+            computed_in, DType) else str(computed_in).removeprefix("torch.")
         layout = cls(
-            model_fingerprint=model_fingerprint(config, weights_id=weights_id),
+            model_fingerprint=model_fingerprint(
+                config, weights_id=weights_id,
+                computed_in="" if computed == DType.of(dtype).value else computed),
             model_name=name,
             layers=tuple(layers),
             dtype=DType.of(dtype),
@@ -514,11 +522,15 @@ class Expected(NamedTuple):
             raise LayoutMismatch(f"{what} holds {tokens} tokens, caller expects {self.tokens}")
 
 
-def model_fingerprint(config: Any, *, weights_id: str = "") -> str:
-    """Stable digest of a model config's architecture fields plus a weights identity."""
+def model_fingerprint(config: Any, *, weights_id: str = "", computed_in: str = "") -> str:
+    """Stable digest of a model config's architecture fields plus a weights identity, and the
+    dtype the KV was computed in where it is not the one it is stored in ("": the same)."""
     d = config.to_dict() if hasattr(config, "to_dict") else dict(config)
     d = {k: v for k, v in d.items() if k not in _VOLATILE_CONFIG_KEYS}
-    return _digest({"config": d, "weights": weights_id})
+    named: dict[str, Any] = {"config": d, "weights": weights_id}
+    if computed_in:
+        named["computed_in"] = computed_in
+    return _digest(named)
 
 
 def _canon(obj: Any) -> str:

@@ -206,6 +206,23 @@ def test_a_longrope_models_blocks_are_keyed_by_the_prompts_length_regime(
     assert reused == 96 and float((logits - own).abs().max()) < 1e-4
 
 
+def test_kv_computed_in_another_dtype_is_no_exact_hit(client: Client) -> None:
+    """A bf16 model whose engine stores fp32 KV does not write the fp32 model's keys (its
+    KV is not what the fp32 model computes), nor the reverse; a layout stored as computed
+    keeps the fingerprint it had, which the blender's checks use."""
+    fp32, bf16 = _llama(0), _llama(0).to(torch.bfloat16)
+    writer = KDNEngine(bf16, _Tok(), client, dataclasses.replace(RAW, kv_dtype=DType.FLOAT32))
+    reader = KDNEngine(fp32, _Tok(), client, RAW)
+    assert writer.layout.fingerprint != reader.layout.fingerprint
+    assert reader.layout == hf.model_layout(fp32)  # the usual case: unchanged
+    assert KDNEngine(bf16, _Tok(), client, RAW).layout == hf.model_layout(bf16)
+    down = KDNEngine(fp32, _Tok(), client, dataclasses.replace(RAW, kv_dtype=DType.BFLOAT16))
+    assert down.layout.fingerprint != hf.model_layout(bf16).fingerprint
+    assert down.layout == dataclasses.replace(hf.model_layout(fp32), dtype=DType.BFLOAT16,
+                                              model_fingerprint=down.layout.model_fingerprint)
+    _not_shared(writer, reader, fp32)
+
+
 def test_the_default_weights_id() -> None:
     model = _llama(0)
     # built from a config: its parameters tell

@@ -150,7 +150,8 @@ class KDNEngine(KVConnector):
         self.controller = controller or LoadingController()
         self._device = model_device(model)
         self.controller.device = self._device.type  # decode speeds are learnt per device
-        self._layout = model_layout(model, self.config.kv_dtype, self.config.weights_id)
+        self._layout = model_layout(model, self.config.kv_dtype, self.config.weights_id,
+                                    exact=True)  # KV another dtype computed is not a raw hit
         # a hit's layers pipeline where the device decodes while the host receives; on a CPU
         # the receive, the decode and the model share the cores, and bench.link measured
         # transfer and decode adding up there

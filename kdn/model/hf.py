@@ -228,14 +228,21 @@ def _safetensors_table(f: Any, size: int) -> tuple[int, dict[str, Any]] | None:
     return 8 + n, tensors
 
 
-def model_layout(model: Any, kv_dtype: DType | None = None, weights_id: str | None = None
-                 ) -> KVLayout:
+def model_layout(model: Any, kv_dtype: DType | None = None, weights_id: str | None = None,
+                 *, exact: bool = False) -> KVLayout:
     """The layout of the KV ``model`` computes, stored as ``kv_dtype`` (default: the model's);
-    ``weights_id`` names its weights in the fingerprint (None: ``default_weights_id``)."""
+    ``weights_id`` names its weights in the fingerprint (None: ``default_weights_id``).
+    ``exact``: the layout of blocks held as exactly what this model computes (the engine's):
+    where ``kv_dtype`` is not the dtype the model computes in, that dtype enters the
+    fingerprint (``KVLayout.from_config``'s ``computed_in``), so KV a bf16 model computed is
+    never an exact hit of the fp32 model of the same weights, nor the reverse. Without it (the
+    blender, which takes chunks of any dtype) a layout names the model alone."""
     if weights_id is None:
         weights_id = default_weights_id(model)
     dtype = kv_dtype if kv_dtype is not None else DType.of(model_dtype(model))
-    return KVLayout.from_config(model.config, dtype=dtype, weights_id=weights_id)
+    computed = str(model_dtype(model)).removeprefix("torch.") if exact else None
+    return KVLayout.from_config(model.config, dtype=dtype, weights_id=weights_id,
+                                computed_in=computed)
 
 
 def length_regime(model: Any, tokens: int) -> bytes:
