@@ -50,9 +50,10 @@ def _gemma3() -> Any:
 
 @torch.no_grad()
 def _prefilled(model: Any, ids: list[int], n: int) -> list[int]:
-    """Greedy tokens, each from a forward over the whole sequence so far (no cache at all)."""
-    seq, out = list(ids), []
-    for _ in range(n):
+    """Greedy tokens, each from a forward over the whole sequence so far (no cache at all),
+    up to an end token of the model's (as transformers' generate)."""
+    seq, out, stop = list(ids), [], hf.stop_tokens(model, _Tok())
+    while len(out) < n and not (out and out[-1] in stop):
         out.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
         seq.append(out[-1])
     return out

@@ -75,6 +75,23 @@ def test_a_prompt_of_the_whole_context_gets_its_one_token(engine: KDNEngine) -> 
         engine.generate(ids, max_new_tokens=2)
 
 
+def test_decoding_stops_at_every_end_token_of_the_model(engine: KDNEngine) -> None:
+    """transformers' generate stops at each id of generation_config.eos_token_id (a chat
+    model's end-of-turn tokens), not only at the tokenizer's EOS; so does the engine."""
+    gen = engine.model.generation_config
+    before, gen.eos_token_id = gen.eos_token_id, None
+    try:
+        free = engine.generate(IDS, max_new_tokens=8, force="recompute").token_ids
+        assert len(free) == 8
+        never = next(t for t in range(256) if t not in free)
+        gen.eos_token_id = [never, free[2]]
+        assert engine.generate(IDS, max_new_tokens=8).token_ids == free[: free.index(free[2]) + 1]
+        gen.eos_token_id = free[1]
+        assert engine.generate(IDS, max_new_tokens=8).token_ids == free[: free.index(free[1]) + 1]
+    finally:
+        gen.eos_token_id = before
+
+
 def test_a_batch_of_one_is_one_prompt_and_a_batch_of_more_is_refused(engine: KDNEngine) -> None:
     want = engine.generate(IDS, max_new_tokens=4).token_ids
     assert len(want) == 4

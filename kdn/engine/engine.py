@@ -116,6 +116,7 @@ from kdn.model.hf import (
     model_device,
     model_layout,
     prompt_limits,
+    stop_tokens,
 )
 
 log = logging.getLogger(__name__)
@@ -534,7 +535,8 @@ class KDNEngine(KVConnector):
         """Greedy generation reusing cached prefix blocks. ``prompt``: a text, token ids, or
         a tensor of them (``[tokens]`` or ``[1, tokens]``; one prompt, each id in the model's
         vocabulary: ``kdn.engine.config.prompt_ids``). ``max_new_tokens``: at least 1, as in
-        transformers' ``generate``; decoding stops there or after the tokenizer's EOS. The
+        transformers' ``generate``; decoding stops there or after an end token, as there
+        (``kdn.model.hf.stop_tokens``: the model's generation_config and tokenizer's EOS). The
         prompt and ``max_new_tokens`` together fit the model's context
         (``kdn.engine.config.check_fits``). ``force``: one of the engine's encoding names or
         ``recompute``, to override the controller for this request. Each of these is checked
@@ -573,10 +575,9 @@ class KDNEngine(KVConnector):
             for i, (k, v) in enumerate(cache_layers(decoder.cache)):
                 self.save_layer(i, k[0], v[0])  # [1, kv_heads, tokens, ch] -> batch row 0
             store_thread = self._store_thread
-            eos = self.tokenizer.eos_token_id
             try:
                 new = greedy(decoder, logits, max_new_tokens,
-                             set() if eos is None else {int(eos)})
+                             stop_tokens(self.model, self.tokenizer))
             finally:
                 self._streams, self._saved = [], {}  # no KV of this prompt outlives it
                 self._load_until = math.inf

@@ -19,7 +19,7 @@ quality check and the pruner reach a model through these functions and nowhere e
 * running it: ``prefill`` (KV of a token run computed alone, and its next-token logits),
   ``CacheDecoder`` (a transformers cache extended by the model's forward) and ``greedy``, the
   one greedy decoding loop of the package; it drives any ``Decoder`` (``CacheDecoder``, or the
-  blender's preallocated ``kdn.blend.decode.Continuation``).
+  blender's preallocated ``kdn.blend.decode.Continuation``) until ``stop_tokens``.
 
 Shapes: a kdn layer is ``k: [kv_heads, tokens, k_channels]``; transformers caches hold
 ``[batch, kv_heads, tokens, channels]``.
@@ -540,6 +540,21 @@ class CacheDecoder:
                          **extra)
         self.cache = out.past_key_values
         return out.logits[0]  # type: ignore[no-any-return]
+
+
+def stop_tokens(model: Any, tokenizer: Any) -> frozenset[int]:
+    """The ids greedy decoding stops after, as transformers' ``generate``: every id of the
+    model's ``generation_config.eos_token_id`` (an id or a list: a chat model's end-of-turn
+    tokens, Llama-3.1-Instruct's three) and the tokenizer's ``eos_token_id``."""
+    found: set[int] = set()
+    for eos in (getattr(getattr(model, "generation_config", None), "eos_token_id", None),
+                getattr(tokenizer, "eos_token_id", None)):
+        if isinstance(eos, torch.Tensor):
+            eos = eos.reshape(-1).tolist()
+        for t in eos if isinstance(eos, (list, tuple)) else [eos]:
+            if t is not None and not isinstance(t, bool):
+                found.add(int(t))
+    return frozenset(found)
 
 
 @torch.no_grad()
