@@ -4,6 +4,7 @@ leaving ``with``) joins them within a bound, and a process that exits right afte
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import os
 import subprocess
@@ -124,3 +125,38 @@ def test_blocks_computed_over_a_lossy_prefix_are_stored_in_lossy_encodings_only(
         engine.close()
     assert raw.timings.reused_tokens == 160  # every block: the recompute stored them exactly
     assert raw.token_ids == ref
+
+
+def test_a_server_that_stops_during_a_store_back_drops_the_rest_with_one_warning(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+        ) -> None:
+    """The server stops after the store-back's lookup: the first store finds it gone, and the
+    request's other blocks are dropped with one warning, not each tried in turn."""
+    cfg = ServerConfig(port=0, data_dir=tmp_path, disk_bytes=0, ram_bytes=64 << 20,
+                       shutdown_grace_s=0.2)
+    st = ServerThread(cfg).start()
+    try:
+        with Client(st.address, timeout_s=5) as c:
+            engine = KDNEngine(_model(torch.float32, "cpu"), _Tok(), c, dataclasses.replace(
+                CONFIG, chunk_tokens=4))
+            assert engine.generate(IDS[:8], max_new_tokens=1).store_thread is not None
+            assert engine.close(30)
+            looked_up, calls = c.lookup, []
+
+            def lookup_then_stop(*args: object, **kw: object) -> object:
+                out = looked_up(*args, **kw)  # type: ignore[arg-type]
+                calls.append(1)
+                if len(calls) == 2:  # the store-back's lookup (after the request's)
+                    st.stop()
+                return out
+
+            monkeypatch.setattr(c, "lookup", lookup_then_stop)
+            caplog.clear()
+            engine.generate(IDS, max_new_tokens=1)  # 23 blocks to store
+            t0 = time.monotonic()
+            assert engine.close(20) and time.monotonic() - t0 < 10
+    finally:
+        st.stop()
+    store_back = [r.getMessage() for r in caplog.records if r.name == "kdn.engine.store_back"]
+    assert len(store_back) == 1, store_back
+    assert "the request's 22 other stores are dropped" in store_back[0]

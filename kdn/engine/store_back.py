@@ -14,7 +14,9 @@ Lifecycle, per request (``KDNEngine.save_layer`` calls it):
    The blocks' keys carry ``start``'s ``extras``: what their KV depends on beyond the ids, a
    LongRoPE model's prompt length (``kdn.model.hf.length_regime``).
 
-Stores are best effort: a failure is logged and never reaches a request. The threads are
+Stores are best effort: a failure is logged and never reaches a request; once a store finds
+the server unreachable or too slow (Unavailable, DeadlineExceeded), the request's remaining
+blocks are dropped with one warning, not each tried in turn. The threads are
 daemons (a server that hangs must not hang the process's exit), so the process waits for them
 explicitly: ``join`` (``KDNEngine.close``, or leaving ``with KDNEngine(...)``), and at
 interpreter exit a hook joins every live ``StoreBack``'s pending threads for at most
@@ -41,6 +43,7 @@ from kdn.cache import KVCache, LayerKV, to_pinned_host
 from kdn.codec.catalog import EXACT_MODES
 from kdn.codec.catalog import exact as exact_encoding
 from kdn.delivery import encoding_name
+from kdn.errors import DeadlineExceeded, Unavailable
 from kdn.layout import KVLayout
 
 log = logging.getLogger(__name__)
@@ -159,7 +162,7 @@ class StoreBack:
             log.warning("store-back lookup failed: %s", exc)
             return
         dt = self.layout.dtype.torch
-        for (b, mode, level, key), info in zip(todo, present):
+        for j, ((b, mode, level, key), info) in enumerate(zip(todo, present)):
             if info.present and encoding_name(mode, level) != rewrite:
                 continue
             lo = b * c - base
@@ -167,6 +170,13 @@ class StoreBack:
             kv = KVCache(self.layout, layers, start_position=b * c)
             try:
                 self.client.store(key, kv, mode=mode, level=level, namespace=ns)
+            except (Unavailable, DeadlineExceeded) as exc:  # the rest would wait as long
+                left = sum(1 for (_, m, lv, _), i in zip(todo[j + 1 :], present[j + 1 :])
+                           if not i.present or encoding_name(m, lv) == rewrite)
+                log.warning("store-back of block %d (%s) failed: %s; the server does not "
+                            "answer, so the request's %d other stores are dropped", b, mode,
+                            exc, left)
+                return
             except Exception as exc:  # storing back is best effort; generation goes on
                 log.warning("store-back of block %d (%s) failed: %s", b, mode, exc)
 
