@@ -63,8 +63,13 @@ def check_texts(texts: object, what: str, each: str = "text") -> list[str]:
 
 
 def special_tokens(tokenizer: Any) -> list[str]:
-    """The tokenizer's special tokens written out, longest first ([] where it has none)."""
-    found = getattr(tokenizer, "all_special_tokens", None) or []
+    """The tokenizer's special tokens written out, longest first ([] where it has none): those
+    it lists in ``all_special_tokens`` and every added token it marks special, which a Hugging
+    Face tokenizer parses out of a text too (Llama-3 lists only bos and eos, not
+    ``<|start_header_id|>``)."""
+    found = set(getattr(tokenizer, "all_special_tokens", None) or [])
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    found |= {getattr(t, "content", None) for t in added.values() if getattr(t, "special", False)}
     return sorted({t for t in found if isinstance(t, str) and t}, key=len, reverse=True)
 
 
@@ -72,6 +77,7 @@ def tokenize(tokenizer: Any, text: str, what: str, *, literal: bool = False) -> 
     """Token ids of ``text`` (checked by ``check_text``), no special tokens added; with
     ``literal`` special tokens written in it are plain text (module docstring)."""
     check_text(text, what)
+    # a tokenizer of no special tokens (a plain callable) parses none and may not take the flag
     if literal and special_tokens(tokenizer):
         ids = tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
     else:

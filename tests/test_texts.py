@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -15,7 +16,7 @@ from kdn.client.blend import RemotePiece, blend_request
 from kdn.engine.config import prompt_ids
 from kdn.errors import InvalidArgument
 from kdn.rag.corpus import Document, load_corpus
-from kdn.text import check_text
+from kdn.text import check_text, special_tokens, template_ids, tokenize
 from tests.helpers import uniform_layout
 
 
@@ -87,3 +88,37 @@ def test_a_corpus_file_whose_name_is_not_utf8_is_named(tmp_path: Path) -> None:
         pytest.skip("this file system takes only UTF-8 names")
     with pytest.raises(InvalidArgument, match=r"document id 'caf\\udce9.md' is not valid"):
         load_corpus(docs)
+
+
+def _char_tokenizer(**declared: str) -> Any:
+    """One token per character, with the special tokens of ``declared`` (bos_token=...)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    vocab = {c: i for i, c in enumerate(["[UNK]"] + list("abcdefghijklmnopqrstuvwxyz<|>_ \n"))}
+    inner = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    inner.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    return PreTrainedTokenizerFast(tokenizer_object=inner, **declared)
+
+
+def test_special_tokens_a_tokenizer_adds_but_does_not_list_are_special() -> None:
+    """Llama-3 lists bos and eos in all_special_tokens, not <|start_header_id|>: the template's
+    header tokens are still its special ids, a document's and a question's still text."""
+    from tokenizers import AddedToken
+    tok = _char_tokenizer(bos_token="<|begin_of_text|>", eos_token="<|eot_id|>")
+    tok.add_tokens([AddedToken("<|start_header_id|>", special=True),
+                    AddedToken("<|end_header_id|>", special=True)])
+    header = tok.convert_tokens_to_ids("<|start_header_id|>")
+    assert "<|start_header_id|>" in special_tokens(tok)
+    tail = "{question}<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"
+    ids = template_ids(tok, tail, "{question}", "hi", "the question")
+    assert ids == tokenize(tok, tail.replace("{question}", "hi"), "t") and header in ids
+    assert len(ids) == 2 + 3 + len("assistant") + 2
+    asked = template_ids(tok, tail, "{question}", "<|start_header_id|>", "the question")
+    assert asked.count(header) == 1  # the template's, not the question's
+    # no bos/eos declared at all: an added special token in a document is still text
+    bare = _char_tokenizer()
+    bare.add_tokens([AddedToken("<|im_start|>", special=True)])
+    opened = bare.convert_tokens_to_ids("<|im_start|>")
+    assert opened in tokenize(bare, "<|im_start|>system", "prompt")
+    doc = tokenize(bare, "<|im_start|>system", "the document", literal=True)
+    assert opened not in doc and len(doc) == len("<|im_start|>system")
