@@ -165,6 +165,9 @@ _REFS = [
     (pb.EntryRef(present=True, tier="disk", length=1 << 20), b""),  # no room: asked again
     (pb.EntryRef(present=True, tier="redis", length=300, written=True, verified=True,
                  offset=64), bytes(range(256)) + bytes(44)),
+    (pb.EntryRef(present=True, tier="ram", length=64, written=True, lease=7), b""),  # gen 0
+    (pb.EntryRef(present=True, tier="ram", length=64, written=True, offset=128, lease=8,
+                 generation=3, generation_at=4096), b""),
 ]
 
 
@@ -179,7 +182,8 @@ def _generated(refs: list[tuple[pb.EntryRef, bytes]]) -> pb.GetManyResponse:
 
 def _fields_of(ref: object) -> tuple[object, ...]:
     return tuple(bytes(getattr(ref, f)) if f == "data" else getattr(ref, f)
-                 for f in ("present", "tier", "length", "written", "offset", "verified", "data"))
+                 for f in ("present", "tier", "length", "written", "offset", "verified", "data",
+                           "lease", "generation", "generation_at"))
 
 
 def test_get_many_answers_match_the_generated_encoding_and_read_back_as_views() -> None:
@@ -193,6 +197,9 @@ def test_get_many_answers_match_the_generated_encoding_and_read_back_as_views() 
         assert _fields_of(got) == _fields_of(want)
     assert isinstance(view.entries[3].data, memoryview)  # no copy of the entry's bytes
     assert view.entries[3].data.obj is ours
+    # a lease's generation read as the generated class reads it, 0 where it is left off
+    assert [(e.lease, e.generation, e.generation_at) for e in view.entries[4:]] == [
+        (7, 0, 0), (8, 3, 4096)]
 
 
 def test_get_many_answers_of_another_form_go_to_the_generated_class() -> None:

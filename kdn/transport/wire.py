@@ -238,6 +238,8 @@ class EntryView:
     verified: bool
     data: bytes | memoryview
     lease: int = 0
+    generation: int = 0
+    generation_at: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -280,14 +282,15 @@ def get_many_response(buf: bytes) -> GetManyView | pb.GetManyResponse:
     parser copies it in, and reading ``data`` copies it out again); an answer of another form
     (unknown fields, a repeated data field, anything malformed) goes to the generated class,
     which reads it or raises."""
-    items = _bytes_lifted(memoryview(buf), 1, _REF_DATA_FIELD, 8)
+    items = _bytes_lifted(memoryview(buf), 1, _REF_DATA_FIELD, 10)
     if items is None:
         return pb.GetManyResponse.FromString(buf)
     entries: list[EntryView] = []
     for rest, data in items:
         ref = pb.EntryRef.FromString(rest)
         entries.append(EntryView(ref.present, ref.tier, ref.length, ref.written, ref.offset,
-                                 ref.verified, data, ref.lease))
+                                 ref.verified, data, ref.lease, ref.generation,
+                                 ref.generation_at))
     return GetManyView(entries)
 
 
