@@ -50,6 +50,8 @@ TENANT_PATTERN = r"[a-z0-9][a-z0-9_\-]{0,31}"
 _NAMESPACE = re.compile(NAMESPACE_PATTERN)
 _TENANT = re.compile(TENANT_PATTERN)
 _HEX = re.compile(r"(?:[0-9a-fA-F]{2})*")
+_STORE_KEY = re.compile(  # kdn.keys.store_key's form, whole: lowercase hex, names that pass
+    f"(?:({TENANT_PATTERN}):)?({NAMESPACE_PATTERN})/([0-9a-f]{{{2 * KEY_BYTES}}})".encode())
 _SHOWN = 80
 """Characters of a refused name quoted in an error message."""
 
@@ -125,13 +127,13 @@ def parse_store_key(skey: bytes) -> tuple[str, str, bytes] | None:
     """``kdn.keys.split_store_key``'s answer, or None for a tier key no ``store_key`` made:
     one that something else wrote into a shared tier (a Redis key under kdn's prefix), which
     listings skip rather than fail on (it broke Stats and ``kdn admin ls`` for every caller).
-    Here, not in ``kdn.keys``: the store reads it, and ``kdn --help`` loads no numpy."""
-    try:
-        ns, sep, hexkey = skey.decode("ascii").rpartition("/")
-        key = bytes.fromhex(hexkey) if sep and len(hexkey) == 2 * KEY_BYTES else b""
-    except (UnicodeDecodeError, ValueError):
+    Here, not in ``kdn.keys``: the store reads it, and ``kdn --help`` loads no numpy.
+
+    Exactly the keys ``store_key`` makes: a tenant and a namespace that pass their checks and
+    ``2 * KEY_BYTES`` lowercase hex digits, nothing else (not uppercase hex, which would alias
+    the lowercase key, nor hex with spaces that ``bytes.fromhex`` skips)."""
+    found = _STORE_KEY.fullmatch(skey)
+    if found is None:
         return None
-    if not key:
-        return None
-    tenant, _, namespace = ns.rpartition(":")
-    return tenant, namespace, key
+    tenant, namespace, hexkey = found.groups()
+    return (tenant or b"").decode(), namespace.decode(), bytes.fromhex(hexkey.decode())

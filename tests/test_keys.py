@@ -12,6 +12,7 @@ import torch
 
 from kdn import keys
 from kdn.errors import InvalidArgument
+from kdn.names import parse_store_key
 from tests.helpers import pruned_layout, uniform_layout
 
 
@@ -119,6 +120,21 @@ def test_store_key_format_and_split() -> None:
         keys.store_key("team-a", "a/b", key)
     with pytest.raises(InvalidArgument, match="32 bytes"):
         keys.store_key("team-a", "docs", b"short")
+
+
+def test_a_tier_key_no_store_key_made_is_not_split() -> None:
+    """Only store_key's own form splits: a tier key another writer left in a shared tier
+    splits to nothing, not to a short key, an alias of a real key or names no check takes."""
+    h = "ab" * 32
+    assert parse_store_key(b"default/" + h.encode()) == ("", "default", bytes.fromhex(h))
+    for foreign in (b"default/" + ("00" * 21 + " " * 22).encode(),  # 21 bytes of hex
+                    b"default/" + h.upper().encode(),  # the lowercase key's triple again
+                    b"Bad NS!/" + h.encode(), b"/" + h.encode(), b"a:b:c/" + h.encode(),
+                    b"T:x/" + h.encode(), b":x/" + h.encode(), b"default/" + h.encode() + b"\n",
+                    b"default/" + h[:-2].encode(), b"d\xc3\xa9/" + h.encode()):
+        assert parse_store_key(foreign) is None, foreign
+        with pytest.raises(ValueError, match="not a kdn tier key"):
+            keys.split_store_key(foreign)
 
 
 def test_same_key_in_processes_with_different_hash_seeds() -> None:
