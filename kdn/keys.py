@@ -71,6 +71,9 @@ def _token_bytes(token_ids: Sequence[int] | torch.Tensor) -> bytes:
     prompts had the key of their concatenation) or a scalar."""
     ids: Any = token_ids
     if hasattr(ids, "detach"):  # a torch tensor
+        if ids.dtype.is_floating_point or ids.dtype.is_complex:
+            # refused here: numpy has no bfloat16, and .numpy() fails a raw TypeError on it
+            raise InvalidArgument(f"token ids must be integers, got {ids.dtype}")
         ids = ids.detach().cpu().numpy()
     if isinstance(ids, (list, tuple)):  # converted in C without inferring a dtype first
         try:

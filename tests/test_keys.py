@@ -66,7 +66,11 @@ def test_bad_tokens_and_keys() -> None:
     in_range = r"\[0, 2\*\*31\)"
     for bad, match in (([1, 2.5], "integers"), ((3, "4"), "integers"), ([1, 2**31], in_range),
                        ([2**70], in_range), ([5, -2], in_range),
-                       (np.array([1.0, 2.0]), "integers")):
+                       (np.array([1.0, 2.0]), "integers"),
+                       (torch.tensor([1, 2], dtype=torch.bfloat16), "integers, got torch.bf"),
+                       (torch.tensor([1, 2], dtype=torch.float16), "integers"),
+                       (torch.tensor([1, 2], dtype=torch.complex64), "integers"),
+                       (torch.tensor([True, False]), "integers")):
         with pytest.raises(InvalidArgument, match=match):
             keys.prefix_keys(bad, lay, chunk_tokens=1)  # type: ignore[arg-type]
     # a list, a tuple, an int64 array and a tensor of the same ids: the same keys
