@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 from google.protobuf.message import DecodeError
 
+from kdn.errors import InvalidArgument
 from kdn.transport.wire import (
     MIN_PIECE_BYTES,
     GetManyView,
@@ -42,6 +43,8 @@ def test_frame_message_matches_generated_encoding(index: int, size: int) -> None
 
 def test_varint() -> None:
     assert varint(0) == b"\x00" and varint(1) == b"\x01" and varint(300) == b"\xac\x02"
+    with pytest.raises(InvalidArgument, match="at least 0, got -1"):
+        varint(-1)  # not a loop without end
 
 
 def test_frame_message_is_also_a_store_request() -> None:

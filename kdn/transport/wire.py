@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kdn.errors import InvalidArgument
 from kdn.names import MAX_CALL_KEYS
 from kdn.v1 import kdn_pb2 as pb
 
@@ -62,6 +63,8 @@ class FrameMessage:
 
 
 def varint(n: int) -> bytes:
+    if n < 0:  # shifting a negative number right never reaches 0
+        raise InvalidArgument(f"a varint holds a count of at least 0, got {n}")
     out = bytearray()
     while True:
         b = n & 0x7F
