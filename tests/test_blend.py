@@ -190,6 +190,20 @@ def test_config_checks() -> None:
             BlendConfig(**{field: bad})
 
 
+def test_the_combination_key_covers_the_stale_correction() -> None:
+    """A blend with its stale tokens corrected is other KV: another key. The default's key is
+    the one it always was (a stored blend stays a hit)."""
+    from kdn.blend.key import combination_key
+    pieces = [(b"\x01" * 32, [1, 2]), (b"", [3, 4, 5])]
+    default = combination_key(pieces, "lay", BlendConfig(), "default")
+    assert default.hex() == "02346d0a53fa02a2db4b23ca1b40426a21566601335010fe2c24a406d8b21b73"
+    assert combination_key(pieces, "lay", BlendConfig(correct_k=0.0, correct_v=-0.0),
+                           "default") == default
+    corrected = {combination_key(pieces, "lay", BlendConfig(correct_k=k, correct_v=v), "default")
+                 for k, v in ((0.5, 0.0), (0.0, 0.5), (0.5, 0.5), (1.0, 0.5))}
+    assert len(corrected) == 4 and default not in corrected
+
+
 def test_pieces_and_config_that_are_not_the_models_are_named_before_any_layer() -> None:
     """Ids outside the vocabulary, float ids (1.7, a float tensor or array: never truncated
     to other tokens), a text, a blend longer than the model's context, a dict config or a

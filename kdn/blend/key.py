@@ -33,4 +33,7 @@ def combination_key(pieces: Sequence[tuple[bytes, Sequence[int]]], layout_finger
     for key, ids in pieces:
         part(b"chunk" if key else b"text")
         part(bytes(key) if key else struct.pack(f"<{len(ids)}i", *ids))
+    if config.correct_k or config.correct_v:  # after the pieces, so keys without it stay
+        part(b"correct")
+        part(struct.pack("<dd", config.correct_k, config.correct_v))
     return h.digest()
