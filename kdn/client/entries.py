@@ -1,6 +1,7 @@
 """What a store takes, checked before anything is written or sent: an entry (``check_entry``:
 a ``KVCache``, ``EncodedParts`` or ``Staged``), a batch of (key, entry) pairs with each key
-once (``check_items``), and ``StoreOptions`` (``check_options``). ``is_kv`` and ``is_staged``
+once (``check_items``), ``StoreOptions`` (``check_options``) and the codec an entry is encoded
+with (``check_encoding``). ``is_kv`` and ``is_staged``
 tell the kinds apart without importing torch (``kdn.client`` loads without it).
 """
 
@@ -10,7 +11,9 @@ import sys
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, TypeGuard, TypeVar
 
+from kdn.checks import whole
 from kdn.codec import EncodedParts
+from kdn.codec.catalog import check_codec
 from kdn.errors import InvalidArgument
 from kdn.keys import check_key
 from kdn.options import StoreOptions
@@ -86,3 +89,11 @@ def check_options(options: object) -> StoreOptions | None:
         raise InvalidArgument(f"options must be a kdn.StoreOptions (StoreOptions(ttl_s=..., "
                               f"pin=..., durability=...)), got {type(options).__name__}")
     return options
+
+
+def check_encoding(mode: str, level: str, layers_per_frame: int) -> None:
+    """Raise InvalidArgument unless ``mode``/``level`` name a codec and ``layers_per_frame`` is
+    a whole number >= 0: checked before a store writes or sends anything (a batch's staged
+    items were stored before its other entries were encoded and a mistyped mode found)."""
+    check_codec(mode, level)
+    whole("layers_per_frame", layers_per_frame, 0, " (0: frames of about FRAME_TARGET_BYTES)")

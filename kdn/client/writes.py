@@ -25,7 +25,14 @@ from typing import TYPE_CHECKING, Any, cast
 from kdn import codec
 from kdn.client.dataplane import BATCH_BYTES, STREAM_ENTRY_BYTES, TOO_BIG, DataPlane, TooBig
 from kdn.client.deadline import time_left
-from kdn.client.entries import check_entry, check_items, check_options, is_kv, is_staged
+from kdn.client.entries import (
+    check_encoding,
+    check_entry,
+    check_items,
+    check_options,
+    is_kv,
+    is_staged,
+)
 from kdn.client.pending import PendingStore
 from kdn.client.rpc import Rpc, traced
 from kdn.client.shm import unanswered
@@ -84,6 +91,7 @@ class Writer:
         and durability come from ``options`` (defaults: ``StoreOptions()``). Frames hold
         ``layers_per_frame`` layers, or with 0 enough to fill ``codec.FRAME_TARGET_BYTES``."""
         key, kv, options = check_key(key), check_entry(kv), check_options(options)
+        check_encoding(mode, level, layers_per_frame)
         if is_staged(kv):
             return self._store_staged(self._ns(namespace), [(key, kv)], options, request_id)[0]
         st = self._written_staged(kv, mode, level, layers_per_frame)
@@ -135,6 +143,7 @@ class Writer:
         ns = self._ns(namespace)
         # every item checked before anything is written or sent
         items, options = check_items(items), check_options(options)
+        check_encoding(mode, level, layers_per_frame)
         if len(items) > 1 and self.dataplane.same_host.fast and all(
                 self._writable(kv, mode, level, layers_per_frame) is not None
                 for _, kv in items):  # every one validated before any is written
@@ -274,6 +283,7 @@ class Writer:
         A staged entry must not be written again until its store is answered (the server
         copies what it holds then)."""
         key, kv, options = check_key(key), check_entry(kv), check_options(options)
+        check_encoding(mode, level, layers_per_frame)
         ns = self._ns(namespace)
         opts = wire_options(options)
         parts: EncodedParts | None = None
