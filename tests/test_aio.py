@@ -7,6 +7,7 @@ client on the server's host, the network data path of one without a segment."""
 from __future__ import annotations
 
 import asyncio
+import threading
 from typing import Any
 
 import pytest
@@ -150,3 +151,46 @@ def test_a_client_handed_in_stays_open_for_its_owner(server: ServerThread) -> No
 
         asyncio.run(after_close())
         assert c.retrieve(numbered_key(70)) is not None
+
+
+class GatedClient(Client):
+    """A Client whose ``store_async`` waits at ``gate`` once it runs (``entered`` set)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.entered, self.gate = threading.Event(), threading.Event()
+
+    def store_async(self, *args: Any, **kwargs: Any) -> Any:
+        self.entered.set()
+        assert self.gate.wait(10)
+        return super().store_async(*args, **kwargs)
+
+
+@PATHS
+def test_a_cancelled_async_store_is_answered_before_a_later_call(
+        server: ServerThread, path: dict[str, Any]) -> None:
+    """A store_async whose await was cancelled still ran on the store thread, but the next
+    call did not wait for it: ``store(key, new)`` was stored first and the cancelled store of
+    ``old`` overwrote it."""
+    old, new = random_kv(LAYOUT, 64, seed=1), random_kv(LAYOUT, 64, seed=2)
+    key = numbered_key(40)
+
+    async def main() -> None:
+        c = GatedClient(server.address, timeout_s=30, **path)
+        ac = AsyncClient(c)
+        sent = asyncio.ensure_future(ac.store_async(key, old, mode="raw"))
+        assert await asyncio.to_thread(c.entered.wait, 10)
+        sent.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await sent
+        later = asyncio.ensure_future(ac.store(key, new, mode="raw"))
+        await asyncio.sleep(0.2)  # the later store, not waiting, would be stored by now
+        c.gate.set()
+        await later
+        await ac.flush()
+        got = await ac.retrieve(key, layout=LAYOUT)
+        assert got is not None and got.equal(new)
+        await ac.close()
+        c.close()
+
+    asyncio.run(main())

@@ -10,11 +10,12 @@ Each call runs the Client's method on a worker thread, so the logic exists once.
 bound to the thread that makes them (an asynchronous store is answered on the thread that sent
 it: ``store_async``, ``flush``, ``close``) all run on one thread of the AsyncClient's own, so
 ``flush`` and ``close`` answer every store it sent; the other calls run on the loop's default
-executor, after the stores it sent are answered (as a Client's calls on one thread do: a read
-then sees them). A store's ``result()`` is read once ``flush`` (or ``close``) returned; its
-``done()`` any time. The worker thread's ``last_request_id`` is not the caller's: pass
-``request_id`` to correlate. As a Client, an AsyncClient belongs to the process that made it:
-in a child of ``fork()`` its calls raise InvalidArgument (``close`` does nothing there).
+executor, after the stores it sent are answered (one whose await was cancelled too: it still
+runs on that thread), as a Client's calls on one thread do (a read then sees them). A store's
+``result()`` is read once ``flush`` (or ``close``) returned; its ``done()`` any time. The worker
+thread's ``last_request_id`` is not the caller's: pass ``request_id`` to correlate. As a
+Client, an AsyncClient belongs to the process that made it: in a child of ``fork()`` its calls
+raise InvalidArgument (``close`` does nothing there).
 """
 
 from __future__ import annotations
@@ -51,6 +52,11 @@ class AsyncClient:
         self._stores = ThreadPoolExecutor(1, thread_name_prefix="kdn-aio-stores")
         """The one thread asynchronous stores are sent, answered and flushed on."""
         self._unanswered: list[PendingStore] = []
+        self._abandoned = False
+        """Whether a ``store_async`` whose await was cancelled may have sent a store since the
+        last wait: it runs on the store thread all the same, its PendingStore never handed
+        back (a later call would otherwise run beside it, and a later write of its key lose
+        to it)."""
         self._closed = False
         self._pid = os.getpid()  # its store thread is not in a child of fork()
 
@@ -72,8 +78,13 @@ class AsyncClient:
     async def _answered(self) -> None:
         """Wait until the stores sent so far are answered (their errors kept for ``flush``)."""
         self._unanswered = [p for p in self._unanswered if not p.done()]
-        if self._unanswered:
-            await self._on_store_thread(self.client.dataplane.settle_async)
+        if self._unanswered or self._abandoned:  # queued behind every store sent so far
+            self._abandoned = False
+            try:
+                await self._on_store_thread(self.client.dataplane.settle_async)
+            except BaseException:
+                self._abandoned = True  # (cancelled itself: the next call waits again)
+                raise
             self._forget_answered()
 
     def _forget_answered(self) -> None:
@@ -84,7 +95,11 @@ class AsyncClient:
                           **options: Any) -> PendingStore:
         """``Client.store_async`` (its options) on the AsyncClient's store thread: sent, not
         waited for."""
-        pending = await self._on_store_thread(self.client.store_async, key, kv, **options)
+        try:
+            pending = await self._on_store_thread(self.client.store_async, key, kv, **options)
+        except asyncio.CancelledError:  # it may still run (and send) on the store thread
+            self._abandoned = True
+            raise
         if not pending.done():
             self._unanswered.append(pending)
         return pending
