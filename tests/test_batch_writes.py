@@ -5,13 +5,16 @@ the caller's item."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
 
+from kdn import codec
 from kdn.client import Client
-from kdn.errors import InvalidArgument
-from kdn.server import ServerThread
+from kdn.codec import EncodedParts
+from kdn.errors import InvalidArgument, TooLarge
+from kdn.server import ServerConfig, ServerThread
 from tests.helpers import numbered_key, random_kv, uniform_layout
 
 LAYOUT = uniform_layout()
@@ -44,3 +47,59 @@ def test_a_bad_mode_stores_nothing_of_the_batch(server: ServerThread,
         c.flush()
         assert [i.present for i in c.lookup([a, b]).infos] == [False, False]
         st.close()
+
+
+@pytest.mark.parametrize("options", PATHS)
+def test_a_damaged_entry_stores_nothing_of_a_batch_of_several_calls(
+        server: ServerThread, options: dict[str, Any]) -> None:
+    """50 entries of ~390 KB, the last with a damaged frame: the batch goes in several calls
+    through the segment and over gRPC, and the calls before the last were stored (42 and 43
+    of 50), the error naming the item by its index in its call ("item 7")."""
+    good = codec.encode_parts(random_kv(uniform_layout(layers=4, heads=2, dim=64), 190,
+                                        seed=1), "raw")
+    frame = bytearray(good.frames[-1])
+    frame[-5] ^= 0xFF
+    bad = EncodedParts(good.header, [*good.frames[:-1], bytes(frame)])
+    keys = [numbered_key(i) for i in range(50)]
+    items: list[tuple[bytes, Any]] = [(k, good) for k in keys[:-1]] + [(keys[-1], bad)]
+    with Client(server.address, timeout_s=30, **options) as c:
+        with pytest.raises(InvalidArgument, match=r"item 49: corrupt input: frame \d+: checksum"):
+            c.store_many(items)
+        assert not any(i.present for i in c.lookup(keys).infos)
+        short = EncodedParts(good.header, [])
+        with pytest.raises(InvalidArgument, match="item 1: corrupt input: 0 frames"):
+            c.store_many([(keys[0], good), (keys[1], short)])
+        assert not any(i.present for i in c.lookup(keys).infos)
+        c.store_many(items[:-1])
+        assert all(i.present for i in c.lookup(keys[:-1]).infos)
+
+
+@pytest.mark.parametrize("options", PATHS)
+def test_an_entry_the_server_refuses_stores_nothing_of_the_batch(
+        server_config: ServerConfig, options: dict[str, Any]) -> None:
+    """An entry over the server's max_entry_bytes between two small ones: over gRPC the small
+    ones went by PutMany and the large one was stored on its own after them, so the refusal
+    left them stored (through the segment, none)."""
+    layout = uniform_layout(layers=4, heads=2, dim=64)
+    small, big = random_kv(layout, 16, seed=1), random_kv(layout, 2600, seed=2)  # big: 5.3 MB
+    keys = [numbered_key(i) for i in range(3)]
+    config = dataclasses.replace(server_config, max_entry_bytes=3 << 20)
+    with ServerThread(config) as server, \
+            Client(server.address, timeout_s=30, **options) as c:
+        with pytest.raises(TooLarge):
+            c.store_many(list(zip(keys, [small, big, small])), mode="raw")
+        assert not any(i.present for i in c.lookup(keys).infos)
+
+
+def test_a_small_message_limit_still_sends_a_batch_inline(server: ServerThread) -> None:
+    """A client of max_message_bytes 1 MiB kept 1 byte of it for entries: each entry of a
+    batch was stored on its own."""
+    kvs = [random_kv(LAYOUT, 8, seed=i) for i in range(4)]
+    keys = [numbered_key(i) for i in range(4)]
+    with Client(server.address, timeout_s=30, shm_bytes=0, data_path=False,
+                max_message_bytes=1 << 20) as c:
+        assert c.dataplane.put_inline_most >= 512 << 10
+        c.store_many(list(zip(keys, kvs)))
+        assert all(got is not None and got.equal(kv)
+                   for got, kv in zip(c.retrieve_many(keys), kvs))
+

@@ -62,7 +62,9 @@ from kdn.v1 import kdn_pb2 as pb
 T = TypeVar("T", bound=Message)
 
 INLINE_SLACK = 1 << 20
-"""Bytes kept free of entries in an inline message (protobuf framing, the other fields)."""
+"""Bytes kept free of entries in an inline message (protobuf framing, the other fields), at
+most a quarter of the message limit (a client of ``max_message_bytes`` of 1 MiB or less had
+an inline budget of 1 byte: every entry of a batch stored on its own)."""
 FIRST_REGION = 64 << 20
 """Bytes a GetMany may fill at most before sizes are known: the rest of the segment stays free
 for other threads; an entry larger than this comes in a second call, into a region of its
@@ -128,7 +130,8 @@ class DataPlane:
         self._call = call
         self._metadata = metadata
         self.timeout_s = timeout_s
-        self.inline_budget = max(1, min(INLINE_BYTES, max_message_bytes - INLINE_SLACK))
+        self.inline_budget = max(1, min(INLINE_BYTES, max_message_bytes
+                                        - min(INLINE_SLACK, max_message_bytes // 4)))
         self.entry_budget = min(INLINE_ENTRY_BYTES, self.inline_budget)
         """Bytes an inline answer carries for an entry asked for alone."""
         self._lock = threading.Lock()
@@ -467,7 +470,9 @@ class DataPlane:
                                                              pb.StoreOptions]],
                  request_id: str | None) -> list[pb.StoreResponse | TooBig]:
         """Store every item (each checked by the server before any is stored, per call);
-        TOO_BIG for items no batch can carry."""
+        TOO_BIG for items no batch can carry, and for every item of a batch sent inline
+        (no segment, the network data path not taking it) that one of them is too large
+        for: none is sent then."""
         seg_id = self.segment()[1]
         try:
             return self._put_many(namespace, items, request_id)
@@ -496,7 +501,9 @@ class DataPlane:
                     out[i] = r
                 return out
         limit = min(seg.size // 2, BATCH_BYTES) if seg is not None else self.inline_budget
-        most = limit if seg is not None else min(limit, PUT_INLINE_BYTES)  # one item
+        most = limit if seg is not None else self.put_inline_most  # one item
+        if seg is None and len(items) > 1 and any(p.nbytes > most for _, p, _ in items):
+            return out  # inline calls can't carry it whole: none sent (the caller streams it)
         batch: list[int] = []
         size = 0
         for i, (_, parts, _) in enumerate(items):
@@ -549,6 +556,11 @@ class DataPlane:
             seg.regions.free(*block)
         for i, r in zip(batch, resp.results):
             out[i] = r
+
+    @property
+    def put_inline_most(self) -> int:
+        """Bytes of one entry an inline PutMany carries at most (a larger one is TOO_BIG)."""
+        return min(self.inline_budget, PUT_INLINE_BYTES)
 
     # -- asynchronous stores (``Client.store_async``) -------------------------------------------
 

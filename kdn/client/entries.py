@@ -1,8 +1,9 @@
 """What a store takes, checked before anything is written or sent: an entry (``check_entry``:
 a ``KVCache``, ``EncodedParts`` or ``Staged``), a batch of (key, entry) pairs with each key
-once (``check_items``), ``StoreOptions`` (``check_options``) and the codec an entry is encoded
-with (``check_encoding``). ``is_kv`` and ``is_staged``
-tell the kinds apart without importing torch (``kdn.client`` loads without it).
+once (``check_items``), ``StoreOptions`` (``check_options``), the codec an entry is encoded
+with (``check_encoding``), and a batch's entries encoded elsewhere (``check_encoded``).
+``is_kv`` and ``is_staged`` tell the kinds apart without importing torch (``kdn.client`` loads
+without it).
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from typing import TYPE_CHECKING, TypeGuard, TypeVar
 from kdn.checks import whole
 from kdn.codec import EncodedParts
 from kdn.codec.catalog import check_codec
-from kdn.errors import InvalidArgument
+from kdn.codec.format import check_frame, parse_header
+from kdn.errors import Corrupt, InvalidArgument, KDNError
 from kdn.keys import check_key
 from kdn.options import StoreOptions
 
@@ -97,3 +99,26 @@ def check_encoding(mode: str, level: str, layers_per_frame: int) -> None:
     items were stored before its other entries were encoded and a mistyped mode found)."""
     check_codec(mode, level)
     whole("layers_per_frame", layers_per_frame, 0, " (0: frames of about FRAME_TARGET_BYTES)")
+
+
+def check_encoded(items: list[tuple[bytes, KVCache | EncodedParts | Staged]]) -> None:
+    """Each ``EncodedParts`` of a batch (encoded elsewhere: this client's own encodings are
+    sound by construction) checked as the server checks it, its header, frame count and each
+    frame's sum and records, else the server's error naming the caller's item (Corrupt as
+    InvalidArgument): a batch split over several calls is checked whole before the first (a
+    damaged last entry left the calls before its own stored, and was named by its index in
+    that call)."""
+    for j, (_, kv) in enumerate(items):
+        if not isinstance(kv, EncodedParts):
+            continue
+        try:
+            header = parse_header(kv.header)
+            if len(kv.frames) != len(header.entry.frames):
+                raise Corrupt(f"{len(kv.frames)} frames, its header lists "
+                              f"{len(header.entry.frames)}")
+            for i, frame in enumerate(kv.frames):
+                check_frame(header, i, frame, records=False)
+        except Corrupt as exc:
+            raise InvalidArgument(f"item {j}: corrupt input: {exc}") from exc
+        except KDNError as exc:
+            raise type(exc)(f"item {j}: {exc}") from exc

@@ -5,13 +5,15 @@ A store encodes here (unless given an encoded or staged entry) and goes through 
 (``kdn.client.dataplane``: PutMany through the shared segment on the server's host, the network
 data path on another, else inline gRPC), or as a Store stream (its header, then each frame in
 the message the encoder wrote it in, ``encode_parts(wire=True)``: sent as it is, no copy). A
-remote ``store_many`` sends a batch's entries of ``STREAM_ENTRY_BYTES`` or more by one
-StoreMany stream: entries one after another in that form, or grouped for a server that said it
-reads that form (``StoreManyResponse.reads_grouped``): every entry's header in one message,
-then every entry's frames, each entry's ``total_bytes`` telling the server where its frames
-end. Every entry stored is kept in the in-process tier, where there is one, once the server
-took it, and only where the tier's order says it is what the server holds (``kdn.client.local``:
-each store is a ``LocalTier.write`` begun before it is sent).
+remote ``store_many`` sends a batch's entries of ``STREAM_ENTRY_BYTES`` or more (or more than
+an inline PutMany carries, even one) by one StoreMany stream, before the rest (a whole batch
+where the inline calls can't carry it and nothing else took it): entries one after another in
+that form, or grouped for a server that said it reads that form
+(``StoreManyResponse.reads_grouped``): every entry's header in one message, then every entry's
+frames, each entry's ``total_bytes`` telling the server where its frames end. Every entry
+stored is kept in the in-process tier, where there is one, once the server took it, and only
+where the tier's order says it is what the server holds (``kdn.client.local``: each store is a
+``LocalTier.write`` begun before it is sent).
 
 Staged entries (``kdn.client.staged``) in the client's segment are stored by where they lie
 (PutMany items the server seals on its copy); the others are sealed here and sent as any entry.
@@ -26,6 +28,7 @@ from kdn import codec
 from kdn.client.dataplane import BATCH_BYTES, STREAM_ENTRY_BYTES, TOO_BIG, DataPlane, TooBig
 from kdn.client.deadline import time_left
 from kdn.client.entries import (
+    check_encoded,
     check_encoding,
     check_entry,
     check_items,
@@ -138,12 +141,16 @@ class Writer:
         """Store many entries in as few calls as fit (see ``fetch_many``): through the shared
         segment on the server's host, else entries of ``STREAM_ENTRY_BYTES`` or more in one
         StoreMany stream (a message a frame) and the rest inline (PutMany, many a message).
-        Each call's items are all checked before any is stored: a bad item raises and stores
-        none of them."""
+        Each call's items are all checked before any is stored, those encoded elsewhere here
+        (``check_encoded``) before the first of several calls: a bad item raises and stores
+        none of them. A later call the server refuses for what it alone knows (quota, room,
+        ``max_entry_bytes``) leaves the earlier calls' entries stored."""
         ns = self._ns(namespace)
         # every item checked before anything is written or sent
         items, options = check_items(items), check_options(options)
         check_encoding(mode, level, layers_per_frame)
+        if len(items) > 1:  # checked whole: the batch may go in several calls
+            check_encoded(items)
         if len(items) > 1 and self.dataplane.same_host.fast and all(
                 self._writable(kv, mode, level, layers_per_frame) is not None
                 for _, kv in items):  # every one validated before any is written
@@ -196,9 +203,10 @@ class Writer:
                    request_id: str | None) -> list[pb.StoreResponse | TooBig]:
         """``enc`` sent in batches (``_store_many``): each one's answer, or TooBig where no
         batch carried it."""
+        most = min(STREAM_ENTRY_BYTES - 1, self.dataplane.put_inline_most)
         large = [j for j, (_, parts, _) in enumerate(enc)
-                 if parts.nbytes >= STREAM_ENTRY_BYTES] if not self.dataplane.direct else []
-        if len(large) > 1 and self._store_many_ok:  # remote: a batch's large entries stream
+                 if parts.nbytes > most] if not self.dataplane.direct else []
+        if large and len(enc) > 1 and self._store_many_ok:  # remote: large entries stream
             streamed = self._store_streamed(ns, [enc[j] for j in large], request_id)
             if streamed is not None:
                 rest = sorted(set(range(len(enc))) - set(large))
@@ -209,7 +217,12 @@ class Writer:
                 for j, r2 in zip(rest, done_rest):
                     done[j] = r2
                 return done
-        return self.dataplane.put_many(ns, enc, request_id)
+        done = self.dataplane.put_many(ns, enc, request_id)
+        if len(enc) > 1 and self._store_many_ok and all(isinstance(r, TooBig) for r in done):
+            streamed = self._store_streamed(ns, enc, request_id)  # none sent: all in one
+            if streamed is not None:
+                return list(streamed)
+        return done
 
     def _stored_many(self, ns: str, enc: list[tuple[bytes, EncodedParts, pb.StoreOptions]],
                      done: list[pb.StoreResponse | TooBig], writes: list[Any],
