@@ -103,3 +103,21 @@ def test_a_small_message_limit_still_sends_a_batch_inline(server: ServerThread) 
         assert all(got is not None and got.equal(kv)
                    for got, kv in zip(c.retrieve_many(keys), kvs))
 
+
+def test_the_data_path_stays_after_the_server_refuses_an_entry(
+        server_config: ServerConfig, caplog: pytest.LogCaptureFixture) -> None:
+    """The server answers an entry over its max_entry_bytes and closes the connection while
+    the rest comes: the client, still sending, read ECONNRESET as a dead path and went by
+    gRPC for every later call."""
+    layout = uniform_layout(layers=4, heads=2, dim=64)
+    small, big = random_kv(layout, 16, seed=1), random_kv(layout, 2600, seed=2)
+    keys = [numbered_key(i) for i in range(4)]
+    config = dataclasses.replace(server_config, max_entry_bytes=3 << 20)
+    with ServerThread(config) as server, \
+            Client(server.address, timeout_s=30, shm_bytes=0) as c:
+        c.store_many([(keys[0], small), (keys[1], small)], mode="raw")
+        assert c.dataplane.direct
+        with pytest.raises(TooLarge, match="max_entry_bytes"):
+            c.store_many([(keys[2], small), (keys[3], big)], mode="raw")
+        assert c.dataplane.direct and "unusable" not in caplog.text
+        assert [i.present for i in c.lookup(keys).infos] == [True, True, False, False]

@@ -314,8 +314,8 @@ class NetPath:
             raw, new = self._conn(check=True)
             conn = self._until(raw, until)
             try:
-                send_pieces(conn, pieces)
-                ok, out = fast_answer(conn, most)
+                sent = self._sent(conn, pieces, most)
+                ok, out = fast_answer(conn, most) if sent is None else sent
                 self.worked = True
                 break
             except OSError as exc:
@@ -326,6 +326,27 @@ class NetPath:
             self._drop()  # a refused call may close the connection (kdn.server.netpath)
             raise self._refused(out, new)
         return conn, out
+
+    @staticmethod
+    def _sent(conn: socket.socket, pieces: Sequence[bytes | memoryview], most: int
+              ) -> tuple[int, bytes] | None:
+        """``pieces`` sent on ``conn``: None, or where the sending failed, the refusal the
+        server answered before it closed (an entry over its ``max_entry_bytes``: answered
+        and closed as the rest came, ``kdn.server.netpath``); the send's OSError where there
+        is none to read (the path gave up for good on a refused entry)."""
+        try:
+            send_pieces(conn, pieces)
+            return None
+        except TimeoutError:
+            raise
+        except OSError as exc:
+            try:
+                ok, out = fast_answer(conn, most)
+            except (OSError, KDNError):
+                raise exc from None
+            if ok:
+                raise
+            return ok, out
 
     def _refused(self, out: bytes, new: bool) -> KDNError:
         """The error a refused call (``out``: its answer's body) raises, counted against
