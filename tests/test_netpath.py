@@ -213,6 +213,9 @@ def test_an_unknown_ticket_is_refused_and_the_connection_stays_in_step(
         server: ServerThread, remote: Client) -> None:
     good = data_ticket(remote)
     conn = data_connect(server)
+    head, payload = _put_call(good, [(numbered_key(3), _entry(3))])  # admitted by its ticket
+    conn.sendall(head + payload)  # (not yet admitted, the connection would close: netpath)
+    assert (_answer(conn) or (0, b""))[0] == 1
     head, payload = _put_call("0" * 32, [(numbered_key(1), _entry(1))])
     conn.sendall(head + payload)
     ok, body = _answer(conn) or (1, b"")

@@ -25,7 +25,7 @@ from kdn.client.fastwire import BATCH_ITEMS
 from kdn.client.netpath import NetPath
 from kdn.errors import DeadlineExceeded, NotFound, TooLarge
 from kdn.server import ServerConfig, ServerThread, batch, fastpath, netpath
-from kdn.transport.wire import FAST_HEAD, NET_GET_MANY, NET_MAX_KEYS, read_exact
+from kdn.transport.wire import FAST_HEAD, NET_GET_MANY, NET_MAX_KEYS, NET_PUT_MANY, read_exact
 from kdn.v1 import kdn_pb2 as pb
 from tests.helpers import (
     data_connect,
@@ -143,6 +143,36 @@ def test_a_request_is_bounded_until_its_ticket_is_known(server: ServerThread,
     assert ok == 0 and out.startswith(b"INVALID_ARGUMENT\0")  # as any request (MAX_CALL_KEYS)
     assert f"{NET_MAX_KEYS + 1} names in one call; at most {NET_MAX_KEYS}".encode() in out
     assert (_get(conn, ticket, []) or (0, b""))[0] == 1  # in step: served on
+    conn.close()
+
+
+def test_a_put_naming_no_ticket_is_answered_and_closed_before_its_items(
+        server: ServerThread, remote: Client) -> None:
+    """A PutMany naming no live ticket on a connection none admitted declares 2 GiB of
+    items: answered NOT_FOUND at once and closed, its items not waited for; one from an
+    admitted connection has its items read and dropped, the connection in step."""
+    _path(server).first_call_s = 1.0
+    put = pb.PutManyRequest(segment_id="0" * 32)
+    item = put.items.add(key=numbered_key(1))
+    item.region.offset, item.region.length = 0, (1 << 31) - 1
+    conn = data_connect(server)
+    body = put.SerializeToString()
+    conn.sendall(FAST_HEAD.pack(len(body), NET_PUT_MANY) + body)
+    head = read_exact(conn, FAST_HEAD.size)
+    assert head is not None
+    n, ok = FAST_HEAD.unpack(head)
+    assert ok == 0 and (read_exact(conn, n) or b"").startswith(b"NOT_FOUND\0")
+    assert _closed_within(conn, 5)
+    conn.close()
+    conn = data_connect(server)
+    assert (_get(conn, data_ticket(remote), []) or (0, b""))[0] == 1  # admitted
+    item.region.length = 1000
+    body = put.SerializeToString()
+    conn.sendall(FAST_HEAD.pack(len(body), NET_PUT_MANY) + body + bytes(1000))
+    head = read_exact(conn, FAST_HEAD.size)
+    assert head is not None and FAST_HEAD.unpack(head)[1] == 0
+    assert read_exact(conn, FAST_HEAD.unpack(head)[0]) is not None
+    assert (_get(conn, data_ticket(remote), []) or (0, b""))[0] == 1  # in step
     conn.close()
 
 

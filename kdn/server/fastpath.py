@@ -412,6 +412,12 @@ class FastPath:
             self._admitted += 1
         return principal
 
+    def _pending_by(self) -> float:
+        """The deadline of the first call of the connection this thread serves while none
+        admitted it; 0 once one did."""
+        peer: Peer = self._here.peer
+        return peer.deadline if peer.owner is None else 0.0
+
     def _answer(self, conn: socket.socket, op: int, call: Callable[[], Reply],
                 started: float) -> bool:
         """Send ``call``'s reply (or the error it raised) on ``conn``; False when the

@@ -23,7 +23,8 @@ in: no copy in Python on either side), and the client checks each frame as it la
 an egress cap (``kdn.server.egress``) in slices, each when the cap allows. A
 call refused before its items arrived
 has them read and dropped, so the connection stays in step; one whose items can not be
-skipped (more than a PutMany may carry) is answered, then the connection closes.
+skipped (more than a PutMany may carry), or that names no live ticket on a connection not yet
+admitted, is answered, then the connection closes.
 
 Who may call: anyone who can reach the port and names a live ticket; a ticket is 128 random
 bits handed only to the authenticated client that asked (``Segments.ticket``), and a call acts
@@ -128,5 +129,6 @@ class NetPath(FastPath):
             return Reply(answer.SerializeToString(), after=tuple(pieces), pacer=pacer)
         if op != NET_PUT_MANY:
             raise Desynced(InvalidArgument(f"unknown data path op {op}"))
-        return Reply(put_streamed(s, conn, body, self._owner, "net").SerializeToString())
+        return Reply(put_streamed(s, conn, body, self._owner, "net", self._pending_by
+                                  ).SerializeToString())
 

@@ -8,18 +8,22 @@ passed, by the code every PutMany form shares (``kdn.server.putmany.PutMany.put_
 
 A call refused before its items arrived has them read and dropped, so the connection stays in
 step; one whose items can not be skipped (unparsable, misplaced, more than a PutMany may
-carry) raises ``Desynced``: answered, then the connection closes.
+carry) raises ``Desynced``: answered, then the connection closes. So does one naming no live
+ticket on a connection that none admitted yet (its items are not waited for: a pending
+connection is bounded by its first call's deadline); one refused admission on such a
+connection has its items dropped only until that deadline.
 """
 
 from __future__ import annotations
 
 import contextlib
 import socket
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kdn.codec.format import Header, check_frame
-from kdn.errors import InvalidArgument, KDNError, TooLarge, again
+from kdn.errors import InvalidArgument, KDNError, NotFound, TooLarge, again
 from kdn.server.auth import Authenticator, Principal
 from kdn.server.door import still_there
 from kdn.server.putmany import PutMany
@@ -62,9 +66,11 @@ def parse_request(cls: Any, body: bytes) -> Any:
 
 
 def put_streamed(servicer: Putting, conn: socket.socket, body: bytes,
-                 owner: Callable[[str], Principal], label: str) -> pb.PutManyResponse:
+                 owner: Callable[[str], Principal], label: str,
+                 pending: Callable[[], float]) -> pb.PutManyResponse:
     """One PutMany (``body``) whose items follow on ``conn``, acting as ``owner`` of its
-    ``segment_id``; counted as ``<label>.PutMany``."""
+    ``segment_id``; counted as ``<label>.PutMany``. ``pending``: the deadline of ``conn``'s
+    first call while no call admitted it (0 once one did)."""
     try:
         put = parse_request(pb.PutManyRequest, body)
     except KDNError as exc:  # its items' length is unknown
@@ -73,6 +79,15 @@ def put_streamed(servicer: Putting, conn: socket.socket, body: bytes,
     with contextlib.ExitStack() as held:
         try:
             principal = owner(put.segment_id)
+        except NotFound as exc:  # no live ticket: a pending connection is not held longer
+            if pending():
+                raise Desynced(exc) from None
+            _drain(conn, total)
+            raise
+        except KDNError:
+            _drain(conn, total, pending())
+            raise
+        try:
             servicer.auth.admit(principal)
             servicer.puts.within_quota(principal, put)  # before the items are read
             held.enter_context(servicer.puts.ingest.receiving(principal, total, "PutMany"))
@@ -131,11 +146,19 @@ def _check_stored(header: Header, index: int, frame: memoryview) -> None:
     check_frame(header, index, frame, records=False)  # what Store checks of each frame
 
 
-def _drain(conn: socket.socket, n: int) -> None:
-    """Read and drop ``n`` bytes (a refused call's items)."""
+def _drain(conn: socket.socket, n: int, by: float = 0.0) -> None:
+    """Read and drop ``n`` bytes (a refused call's items), by the monotonic time ``by`` where
+    it is not 0 (``TimeoutError`` past it, which ends the connection)."""
     buf = memoryview(bytearray(min(n, DRAIN_BYTES)))
+    before = conn.gettimeout()  # (the answer's sends)
     while n > 0:
+        if by:
+            left = by - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("a refused call's items did not arrive in time")
+            conn.settimeout(left)
         got = conn.recv_into(buf, min(n, len(buf)))
         if not got:
             raise OSError("the connection closed inside a PutMany's items")
         n -= got
+    conn.settimeout(before)
