@@ -374,8 +374,7 @@ class BatchReads:
         def one(item: tuple[pb.EntryRef, bytes, Hit, int]) -> Corrupt | None:
             _, _, hit, at = item
             try:
-                copy_checked(memoryview(seg.array[at : at + len(hit.value)]),  # type: ignore[arg-type]
-                             hit.value, **split)
+                copy_checked(seg.span(at, at + len(hit.value)), hit.value, **split)
                 return None
             except Corrupt as exc:
                 return exc
@@ -409,8 +408,7 @@ class BatchReads:
                 not _same_shape(again.value, hit.value):
             return None
         try:
-            copy_checked(memoryview(seg.array[at : at + len(hit.value)]),  # type: ignore[arg-type]
-                         again.value)
+            copy_checked(seg.span(at, at + len(hit.value)), again.value)
             return again
         except Corrupt as second:
             self._distrust(skey, second)

@@ -38,6 +38,9 @@ connection may then stay silent ``idle_s`` between calls (0 here: a same-host cl
 one to learn of the server's exit). Each connection is a thread: these bounds are the
 server's threads too.
 
+A call that fails not on purpose (a bug, not a ``KDNError``) is answered INTERNAL and logged
+with its traceback, and its connection then closes (its stream may be out of step).
+
 Calls here do not pass the gRPC interceptor: they are counted (``fast.<rpc>``, and by status
 code and latency in ``kdn_fastpath_requests_total`` / ``kdn_fastpath_request_seconds``,
 ``kdn.server.usage``) but have no access-log line.
@@ -131,7 +134,7 @@ GROUP_CALLS = 8
 was answered: ``kdn.client.puts.ASYNC_DEPTH`` of them at most from one thread)."""
 
 
-def _raise(exc: KDNError) -> Reply:
+def _raise(exc: Exception) -> Reply:
     try:
         raise exc
     finally:  # its traceback holds this frame
@@ -425,7 +428,10 @@ class FastPath:
         code, last = "OK", False
         try:
             reply, ok = call(), 1
-        except KDNError as exc:
+        except OSError:  # the connection's: it ends
+            raise
+        except Exception as raised:
+            exc = raised if isinstance(raised, KDNError) else self._internal(op, raised)
             self.servicer.count(f"{self.kind}.{exc.status.value}")
             reply = Reply(f"{exc.status.value}\0{exc}".encode())
             ok, code, last = 0, exc.status.value, isinstance(exc, Desynced)
@@ -440,6 +446,12 @@ class FastPath:
         else:
             conn.sendall(answer)
         return not last
+
+    def _internal(self, op: int, bug: Exception) -> Desynced:
+        """What a call that failed not on purpose answers (INTERNAL, the connection closed
+        after it: its stream may be out of step), logged with its traceback."""
+        log.error("%s-path %s failed", self.kind, self.rpc_name(op), exc_info=bug)
+        return Desynced(KDNError(f"internal error: {type(bug).__name__}: {bug}"))
 
     def _put_group(self, conn: socket.socket, group: list[tuple[bytes, float]]) -> bool:
         """PutMany calls a client sent one after another without waiting (``store_async``),
@@ -469,7 +481,7 @@ class FastPath:
             assert isinstance(req, pb.PutManyRequest)
             s.count("fast.PutMany")
             copies = s.puts.copy(principal, req, alone=True)
-        except KDNError as exc:
+        except Exception as exc:  # (a bug's: answered INTERNAL, by ``_answer``)
             return partial(_raise, kept(exc))  # not the frames of the copy it came from
 
         def finish() -> Reply:

@@ -107,7 +107,7 @@ class PutMany:
             if stop == start:
                 raise InvalidArgument(f"item {j}: its region is empty: an entry holds at least "
                                       "its container header")
-            src = memoryview(seg.array[start:stop])  # type: ignore[arg-type]
+            src = seg.span(start, stop)
             home = arena.reserve(stop - start, header_size(src)) \
                 if arena is not None and stop - start >= ARENA_STORE_BYTES else None
             if home is not None:  # into the arena: the RAM tier keeps it there and same-host

@@ -58,12 +58,22 @@ class Segment:
     client closed it or exited, and then the segment is detached (``Segments.reap``)."""
     size: int
     view: mmap.mmap
-    array: np.ndarray[Any, Any]
-    """The whole segment as uint8, for copies that release the GIL."""
+    array: np.ndarray[Any, Any] | None
+    """The whole segment as uint8, for copies that release the GIL (``span``); None once
+    detached."""
     leases: dict[int, Slot] = field(default_factory=dict)
     """Read-arena slots this segment's client holds, by lease number (``kdn.server.arena``)."""
     lease_lock: threading.Lock = field(default_factory=threading.Lock)
     detached: bool = False
+
+    def span(self, start: int, stop: int) -> memoryview:
+        """Its bytes [start, stop) as a view (a copy into or out of it releases the GIL; the
+        mapping stays while the view does); NotFound once the segment was detached, as a call
+        copying may find it."""
+        array = self.array
+        if array is None:
+            raise NotFound("segment detached during the call")
+        return memoryview(array[start:stop])  # type: ignore[arg-type]
 
     def hold(self, slot: Slot) -> int:
         """Record a lease on ``slot`` (already counted by its arena); its number. On a
@@ -238,7 +248,7 @@ class Segments:
     @staticmethod
     def _unmap(seg: Segment) -> None:
         seg.release_all()  # its client is gone: its arena leases with it
-        del seg.array
+        seg.array = None  # a copy still running holds a view (``span``)
         try:
             seg.view.close()
         except BufferError:  # a copy still holds a view: the mapping goes with it
