@@ -13,9 +13,10 @@ from pathlib import Path
 
 import pytest
 
+from kdn import codec
 from kdn.client import Client
 from kdn.server import ServerConfig, ServerThread, fastpath
-from kdn.transport.wire import FAST_GET_MANY, FAST_HEAD, read_exact
+from kdn.transport.wire import FAST_GET_MANY, FAST_HEAD, FAST_PUT_MANY, read_exact
 from kdn.v1 import kdn_pb2 as pb
 from tests.helpers import eventually, random_kv
 from tests.test_dataplane import LAYOUT, _key
@@ -115,3 +116,32 @@ def test_a_named_segment_admits_its_connections_within_their_bound(
         assert _get(again, seg_id)[0] == 1
         for s in (again, extra, *held):
             s.close()
+
+
+def test_putmanys_sent_together_are_not_stored_past_the_bound(
+        served: ServerThread, monkeypatch: pytest.MonkeyPatch) -> None:
+    """PutManys queued on a connection not yet admitted are not copied together: each is
+    refused as alone (the later half of a group ran where nothing was admitted, and was
+    stored past ``max_per_owner``)."""
+    with Client(served.address, shm_bytes=4 << 20) as c:
+        seg, seg_id = c.dataplane.segment()
+        monkeypatch.setattr(fastpath.FastPath, "max_per_owner",
+                            _path(served)._per_owner.get(seg_id, 0))  # at its bound
+        value = codec.encode_parts(random_kv(LAYOUT, 16, seed=1), "raw").to_bytes()
+        seg.write(1 << 20, value)
+        calls = b""
+        for i in (1, 2, 3, 4):
+            put = pb.PutManyRequest(segment_id=seg_id)
+            item = put.items.add(key=_key(i))
+            item.region.offset, item.region.length = 1 << 20, len(value)
+            body = put.SerializeToString()
+            calls += FAST_HEAD.pack(len(body), FAST_PUT_MANY) + body
+        s = _connect(served)
+        s.sendall(calls)  # queued together: grouped, were it admitted
+        for _ in range(4):
+            head = read_exact(s, FAST_HEAD.size)
+            assert head is not None
+            n, ok = FAST_HEAD.unpack(head)
+            assert ok == 0 and (read_exact(s, n) or b"").startswith(b"RESOURCE_EXHAUSTED")
+        assert not any(c.contains(_key(i)) for i in (1, 2, 3, 4))
+        s.close()

@@ -286,7 +286,8 @@ class FastPath:
                 ahead = None
                 op, body = call
                 started = time.perf_counter()
-                if op == FAST_PUT_MANY and self.grouped and _queued(conn):
+                if op == FAST_PUT_MANY and self.grouped and self._here.peer.owner is not None \
+                        and _queued(conn):  # (admitted: a group's later half admits nothing)
                     group = [(body, started)]  # the PutManys sent before this one's answer
                     while len(group) < GROUP_CALLS and _queued(conn):
                         nxt = self._read_call(conn)
@@ -454,11 +455,11 @@ class FastPath:
         return Desynced(KDNError(f"internal error: {type(bug).__name__}: {bug}"))
 
     def _put_group(self, conn: socket.socket, group: list[tuple[bytes, float]]) -> bool:
-        """PutMany calls a client sent one after another without waiting (``store_async``),
-        answered in order as each alone would be (each stored whole or refused whole), but
-        copied out of the segment two at a time: the later half on the copy thread while this
-        one copies the earlier half and then stores and answers it. False when the connection
-        must end."""
+        """PutMany calls a client sent one after another without waiting (``store_async``)
+        on a connection already admitted, answered in order as each alone would be (each
+        stored whole or refused whole), but copied out of the segment two at a time: the later
+        half on the copy thread while this one copies the earlier half and then stores and
+        answers it. False when the connection must end."""
         half = (len(group) + 1) // 2
         later = copy_pool().submit(lambda: [self._put_first(b, conn) for b, _ in group[half:]])
         calls = [self._put_first(b, conn) for b, _ in group[:half]]
