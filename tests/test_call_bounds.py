@@ -6,12 +6,14 @@ entry 800 times took the server's worker threads for seconds, and every other ca
 
 from __future__ import annotations
 
+import dataclasses
+
 import grpc
 import pytest
 
 from kdn.client import Client
 from kdn.names import MAX_CALL_KEYS
-from kdn.server import ServerThread, batch
+from kdn.server import ServerConfig, ServerThread, batch
 from kdn.v1 import kdn_pb2 as pb
 from kdn.v1 import kdn_pb2_grpc as pb_grpc
 from tests.helpers import numbered_key, random_kv, uniform_layout
@@ -33,6 +35,21 @@ def test_a_request_of_too_many_keys_is_refused_before_it_is_served(
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, name
             assert f"{len(KEYS)} names in one call; at most {MAX_CALL_KEYS}" in \
                 (err.value.details() or ""), name
+
+        with pytest.raises(grpc.RpcError) as err:  # keys in items, one each
+            stub.PutMany(pb.PutManyRequest(items=[pb.PutItem(key=k) for k in KEYS]))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert f"items: {len(KEYS)} keys in one call; at most {MAX_CALL_KEYS}" in \
+            (err.value.details() or "")
+
+
+def test_the_client_stores_a_long_list_in_several_calls(server_config: ServerConfig) -> None:
+    kv = random_kv(uniform_layout(layers=1, heads=1, dim=2), 1)
+    with ServerThread(dataclasses.replace(server_config, disk_bytes=0)) as st, \
+            Client(st.address, timeout_s=30) as c:  # PutMany through its segment
+        results = c.store_many([(k, kv) for k in KEYS], mode="raw")
+        assert len(results) == len(KEYS)
+        assert all(i.present for i in c.lookup([KEYS[0], KEYS[-1]]).infos)
 
 
 def test_the_client_sends_a_long_key_list_in_several_calls(client: Client) -> None:

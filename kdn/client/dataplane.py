@@ -510,7 +510,7 @@ class DataPlane:
             n = parts.nbytes
             if n > most:
                 continue
-            if batch and size + n > limit:
+            if batch and (size + n > limit or len(batch) >= MAX_CALL_KEYS):
                 self._put_batch(namespace, items, batch, out, request_id)
                 batch, size = [], 0
             batch.append(i)

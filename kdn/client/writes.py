@@ -44,6 +44,7 @@ from kdn.codec.format import parse_header
 from kdn.errors import InvalidArgument, KDNError, Status, TooLarge, again
 from kdn.keys import check_key, check_namespace
 from kdn.layout import KVLayout
+from kdn.names import MAX_CALL_KEYS
 from kdn.options import StoreOptions
 from kdn.transport.wire import frame_message
 from kdn.v1 import kdn_pb2 as pb
@@ -423,10 +424,11 @@ class Writer:
                       options: StoreOptions | None, request_id: str | None
                       ) -> list[pb.StoreResponse]:
         """``store``/``store_many`` of staged entries: those in the client's segment by
-        where they lie (PutMany items the server seals on its copy, one call per ``BATCH_BYTES``),
-        the others sealed here and sent as any entries; with an in-process tier (which keeps the
-        bytes) or a server that does not seal (``AttachResponse.seals``), those in the segment are
-        sealed here first and the server checks them as any store."""
+        where they lie (PutMany items the server seals on its copy, one call per ``BATCH_BYTES``
+        or ``MAX_CALL_KEYS`` items), the others sealed here and sent as any entries; with an
+        in-process tier (which keeps the bytes) or a server that does not seal
+        (``AttachResponse.seals``), those in the segment are sealed here first and the server
+        checks them as any store."""
         opts = wire_options(options)
         items = [(check_key(key), st) for key, st in items]
         seg, seg_id = self.dataplane.segment()
@@ -468,7 +470,7 @@ class Writer:
                     continue
                 if not sealing:  # sealed here: the tier keeps these bytes, or the server can't
                     kept[j] = st.sealed()
-                if batch and size + st.nbytes > BATCH_BYTES:
+                if batch and (size + st.nbytes > BATCH_BYTES or len(batch) >= MAX_CALL_KEYS):
                     send()
                     batch, size = [], 0
                 writes[j] = self.writing(ns, key)

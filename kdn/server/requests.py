@@ -13,7 +13,8 @@ repeated fields included), with the rules of ``kdn.names``:
 
     namespace   a namespace ("" = the default namespace, or every namespace in a listing)
     tenant      a tenant ("" = every tenant)
-    key, keys   a key (at most ``kdn.names.MAX_CALL_KEYS`` keys in one request)
+    key, keys   a key (at most ``kdn.names.MAX_CALL_KEYS`` keys in one request: in ``keys``,
+                or in the repeated messages holding a ``key`` each, PutMany's items)
     chunk_key   a key ("" = a text piece)
     key_prefix  a key prefix
 
@@ -129,7 +130,11 @@ def _check(msg: Message, plan: _Plan, where: str) -> None:
                 raise InvalidArgument(f"{at}: {exc}" if at != name else str(exc)) from None
     for name, repeated, sub in plan.subs:
         if repeated:
-            for i, m in enumerate(getattr(msg, name)):
+            items = getattr(msg, name)
+            if len(items) > MAX_CALL_KEYS and any(n[0] == "key" for n in sub.names):
+                raise InvalidArgument(f"{where}{name}: {len(items)} keys in one call; at most "
+                                      f"{MAX_CALL_KEYS} (kdn's client sends more in several)")
+            for i, m in enumerate(items):
                 _check(m, sub, f"{where}{name}[{i}].")
         elif msg.HasField(name):
             _check(getattr(msg, name), sub, f"{where}{name}.")
