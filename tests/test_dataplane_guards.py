@@ -117,7 +117,8 @@ def test_a_bad_item_stores_nothing_of_its_batch(shm_client: Client) -> None:
     with pytest.raises(grpc.RpcError) as err:
         stub.PutMany(req)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "item 1: its region is empty" in (err.value.details() or "")
+    details = err.value.details() or ""
+    assert "item 1: its region is empty" in details and details.count("item 1") == 1
     assert shm_client.fetch(_key(6)) is None
     ch.close()
 

@@ -105,8 +105,8 @@ class PutMany:
             # a copy, checked as it is made (one pass): later changes by the client can not
             start, stop = region_span(seg, item.region)  # slip past
             if stop == start:
-                raise InvalidArgument(f"item {j}: its region is empty: an entry holds at least "
-                                      "its container header")
+                raise InvalidArgument("its region is empty: an entry holds at least its "  # named
+                                      "container header")  # with its item by ``put_items``
             src = seg.span(start, stop)
             home = arena.reserve(stop - start, header_size(src)) \
                 if arena is not None and stop - start >= ARENA_STORE_BYTES else None
