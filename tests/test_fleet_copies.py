@@ -16,7 +16,7 @@ from kdn.cache import KVCache
 from kdn.client.admin import AdminClient
 from kdn.client.client import Client
 from kdn.client.fleet import FleetClient, FleetConfig
-from kdn.errors import DeadlineExceeded, TooLarge
+from kdn.errors import DeadlineExceeded, InvalidArgument, TooLarge
 from kdn.server import ServerThread
 from tests.helpers import random_kv, running_nodes, uniform_layout
 from tests.redis_servers import RedisServer
@@ -201,3 +201,40 @@ def test_an_evict_refused_for_now_keeps_its_keys_stale(tmp_path: Path) -> None:
         assert f.router.live[other] and f.nodes_report()[other]["stale"] == 0
         ram = next(t for t in ns[other].server.store.tiers if t.name == "ram")
         assert not ram.contains(keys.store_key("team", "default", KEY))  # v1 is gone
+
+
+def test_a_node_refusing_the_delete_keeps_its_keys_stale_and_the_others_delete(
+        tmp_path: Path) -> None:
+    """A node that answers the delete RESOURCE_EXHAUSTED (its tenant's rate limit) is marked
+    down with the keys stale, and the nodes after it are still sent the delete (the first
+    refusal ended the delete: the key's home, never sent it, served the deleted value). When
+    every node refuses, the first refusal is raised; a bad key is refused before any node."""
+    auth = tmp_path / "tenants.yaml"
+    auth.write_text('tenants:\n  team: {api_keys: ["k"], rate_rps: 1, burst: 6}\n')
+    auth.chmod(0o600)
+    opts = {"api_key": "k", "shm_bytes": 0}
+
+    def drain(node: ServerThread) -> None:
+        with Client(node.address, **opts) as c, pytest.raises(TooLarge):
+            for _ in range(10):
+                c.lookup([KEY])
+
+    with RedisServer(tmp_path / "redis") as redis, running_nodes(
+            tmp_path, redis_url=redis.url, tier_order=("ram", "redis"),
+            auth_file=str(auth)) as ns, \
+            FleetClient(FleetConfig(nodes=tuple(n.address for n in ns), health_interval_s=0,
+                                    load_bound=100.0, client_options=opts)) as f:
+        key = next(k for k in (hashlib.blake2b(b"%d" % i, digest_size=32).digest()
+                               for i in range(100)) if f.order([k])[0] == 1)
+        f.store(key, random_kv(LAY, 4, seed=1))  # in node 1's RAM (and Redis)
+        drain(ns[0])
+        assert f.delete(key) == 1  # node 0 refuses; node 1, after it, deletes
+        assert [(r["live"], r["stale"]) for r in f.nodes_report()] == [(False, 1), (True, 0)]
+        assert f.retrieve(key) is None and f._last.node == 1
+        with pytest.raises(InvalidArgument):
+            f.delete(b"short")
+        time.sleep(1.0)
+        drain(ns[1])
+        with pytest.raises(TooLarge):  # node 0 (marked down) is not waited for; node 1 refuses
+            f.delete(KEY)
+        assert [r["stale"] for r in f.nodes_report()] == [2, 1] and not any(f.router.live)

@@ -30,11 +30,11 @@ Copies. A node keeps what it served or stored in its RAM, so a key may sit in se
 RAM. A store goes to its node (and through it to the shared tier); the other nodes are then told
 to drop their RAM copy of the stored keys (an Evict of their ``ram`` tier, ``drop_copies``). A
 delete goes to every configured node, also those marked down. A node that can not be reached
-for either, or refuses the evict for now (rate-limited), keeps the keys in ``stale`` and stays
-marked down: before it is marked live again (a health check, or a call that tries it again) it
-drops them from its RAM, and a node that can not do that stays down. ``nodes_report`` counts
-each node's ``stale`` keys. Node clients with an in-process tier (``client_options``'
-``local_bytes``) drop the keys of every store and delete from each of them.
+for either, refuses the delete, or refuses the evict for now (rate-limited), keeps the keys in
+``stale`` and stays marked down: before it is marked live again (a health check, or a call
+that tries it again) it drops them from its RAM, and a node that can not do that stays down.
+``nodes_report`` counts each node's ``stale`` keys. Node clients with an in-process tier
+(``client_options``' ``local_bytes``) drop the keys of every store and delete from each of them.
 
 Membership is the config's list of addresses (``FleetConfig.from_file``: YAML ``nodes:``).
 A health thread asks every node for Stats each ``health_interval_s``: an answer marks it live
@@ -80,7 +80,7 @@ from kdn.errors import (
     Unavailable,
     kept,
 )
-from kdn.names import check_namespace
+from kdn.names import check_key, check_namespace
 from kdn.v1 import kdn_pb2 as pb
 from kdn.yamlfiles import load_yaml_file
 
@@ -489,10 +489,13 @@ class FleetClient:
                tenant: str = "", **kw: Any) -> int:
         """Delete from every live node (each may hold a RAM copy); a node marked down is not
         waited for: it drops its copies before it is marked live again (``drop_copies``), as
-        one not reached does. The most any node deleted (the shared tier's copy is deleted by
-        the first); Unavailable when none was reached (the shared tier's copy is still
-        there)."""
-        keys = [key] if isinstance(key, (bytes, bytearray)) else list(key)
+        one not reached does, or one that refuses the delete (rate-limited, not allowed: it is
+        marked down). The most any node deleted (the shared tier's copy is deleted by the
+        first); when none deleted, the first refusal, else Unavailable (none was reached: the
+        shared tier's copy is still there). A request this process refuses (a bad key) is
+        raised before any node is sent it."""
+        keys = [check_key(k) for k in ([key] if isinstance(key, (bytes, bytearray)) else key)]
+        check_namespace(namespace or self.clients[0].namespace)  # refused here, not per node
         if tenant:  # another tenant's entries: never in the in-process tiers (the caller's)
             return self._delete(keys, namespace, tenant, **kw)
         with self._locals_dropped(keys, namespace):
@@ -504,6 +507,7 @@ class FleetClient:
         if len(down) == len(self.clients):
             down = []  # none is live: each is tried
         self.drop_copies(keys, down, namespace, tenant)
+        refused: KDNError | None = None
         for node, c in enumerate(self.clients):
             if node in down:
                 continue  # a hung node would cost every delete a deadline
@@ -512,6 +516,14 @@ class FleetClient:
             except NODE_FAILURES:
                 self._mark(node, False)
                 self.drop_copies(keys, [node], namespace, tenant)
+            except KDNError as exc:  # refused: the others delete on, it keeps its copies
+                log.warning("fleet node %s refused the delete (%s); it is not read until it "
+                            "drops its copies", self.nodes[node], exc)
+                refused = refused or kept(exc)
+                self._mark(node, False)
+                self.drop_copies(keys, [node], namespace, tenant)
+        if not done and refused is not None:
+            raise refused
         if not done:
             raise Unavailable(f"no node of the fleet answered the delete ({len(self.nodes)} "
                               "configured): each drops its copies when it is back")
