@@ -17,6 +17,7 @@ from kdn.client.admin import AdminClient
 from kdn.client.client import Client
 from kdn.client.fleet import FleetClient, FleetConfig
 from kdn.errors import DeadlineExceeded, InvalidArgument, TooLarge
+from kdn.names import MAX_CALL_KEYS
 from kdn.server import ServerThread
 from tests.helpers import random_kv, running_nodes, uniform_layout
 from tests.redis_servers import RedisServer
@@ -238,3 +239,27 @@ def test_a_node_refusing_the_delete_keeps_its_keys_stale_and_the_others_delete(
         with pytest.raises(TooLarge):  # node 0 (marked down) is not waited for; node 1 refuses
             f.delete(KEY)
         assert [r["stale"] for r in f.nodes_report()] == [2, 1] and not any(f.router.live)
+
+
+def test_stale_keys_leave_in_calls_so_a_refused_call_keeps_only_its_own(tmp_path: Path) -> None:
+    """A node that missed more keys than one Evict call takes drops them a call at a time: a
+    call refused for now (the rate limit) keeps stale only the keys not yet evicted (all of
+    them were kept, and every attempt began again at the first call: the node never came
+    back)."""
+    auth = tmp_path / "tenants.yaml"
+    auth.write_text('tenants:\n  team: {api_keys: ["k"], rate_rps: 0.25, burst: 2}\n')
+    auth.chmod(0o600)
+    missed = [hashlib.blake2b(b"%d" % i, digest_size=32).digest()
+              for i in range(2 * MAX_CALL_KEYS + 5)]
+    with RedisServer(tmp_path / "redis") as redis, running_nodes(
+            tmp_path, redis_url=redis.url, tier_order=("ram", "redis"),
+            auth_file=str(auth)) as ns, \
+            FleetClient(FleetConfig(nodes=tuple(n.address for n in ns), health_interval_s=0,
+                                    client_options={"api_key": "k", "shm_bytes": 0})) as f:
+        f._mark(1, False)
+        f.drop_copies(missed, [1])
+        f._mark(1, True)  # two calls evicted, the third refused for now
+        assert f.nodes_report()[1]["stale"] == 5 and not f.router.live[1]
+        time.sleep(4.1)  # a token again
+        f._mark(1, True)
+        assert f.nodes_report()[1]["stale"] == 0 and f.router.live[1]

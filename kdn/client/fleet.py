@@ -54,6 +54,7 @@ is not offered: it answers None, and the engine falls back to ``retrieve_streams
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import threading
@@ -80,7 +81,7 @@ from kdn.errors import (
     Unavailable,
     kept,
 )
-from kdn.names import check_key, check_namespace
+from kdn.names import MAX_CALL_KEYS, check_key, check_namespace
 from kdn.v1 import kdn_pb2 as pb
 from kdn.yamlfiles import load_yaml_file
 
@@ -207,7 +208,8 @@ class FleetClient:
                         for a in config.nodes]
         self.stale: list[dict[tuple[str, str], set[bytes]]] = [{} for _ in config.nodes]
         """Per node, (namespace, tenant) -> keys whose RAM copy it must drop before it is
-        marked live again: it missed their store or delete (module docstring, Copies)."""
+        marked live again: it missed their store or delete (module docstring, Copies). No
+        bound: a node down for long gathers every key written meanwhile."""
         self.calls = [0] * len(config.nodes)
         """Calls each node answered (for the fleet view)."""
         self.failovers = 0
@@ -316,13 +318,14 @@ class FleetClient:
         A refusal for good (a pinned copy, a node without a RAM tier, a caller not allowed) is
         logged and forgotten: nothing sent again would change it; a batch refused so is sent
         again a key at a time, so that one pinned key does not keep the others' stale
-        copies."""
+        copies. Keys go in calls of ``MAX_CALL_KEYS``, each leaving ``stale`` once done: a call
+        refused for now keeps only its own and later keys, not those already evicted."""
         while True:
             with self._lock:
                 if not self.stale[node]:
                     return True
                 (ns, tenant), keys = next(iter(self.stale[node].items()))
-                batch = sorted(keys)
+                batch = sorted(itertools.islice(keys, MAX_CALL_KEYS))
             try:
                 self._evict(node, batch, ns, tenant)
             except (*NODE_FAILURES, KDNError) as exc:
