@@ -390,6 +390,13 @@ def test_admin_fleet_usage_and_a_node_down(tmp_path: Path, monkeypatch: pytest.M
     for bad in ("nohost", "127.0.0.1:99999", "127.0.0.1:\u0665\u0660"):  # (Arabic digits)
         assert main(["admin", "fleet", "--nodes", bad]) == 2
         assert f"node {bad!r} is not host:port" in capsys.readouterr().err
+    # one node twice is refused as FleetConfig and --fleet-file refuse it (it showed two rows)
+    assert main(["admin", "fleet", "--nodes", "127.0.0.1:1,127.0.0.1:1"]) == 2
+    assert "listed twice" in capsys.readouterr().err
+    monkeypatch.setenv("KDN_FLEET", "localhost:1,127.0.0.1:1")
+    assert main(["admin", "fleet"]) == 2
+    assert "are one node" in capsys.readouterr().err
+    monkeypatch.delenv("KDN_FLEET")
     f = tmp_path / "fleet.yaml"
     f.write_text("nodes: []\n")
     assert main(["admin", "fleet", "--fleet-file", str(f)]) == 2

@@ -343,7 +343,7 @@ def _fleet_nodes(ns: argparse.Namespace) -> list[str]:
 
 def _fleet(ns: argparse.Namespace, tls: Any) -> int:
     """Every node of a fleet: health, RAM hit ratio, bytes, load (``kdn.client.fleet``)."""
-    from kdn.client.fleet import fleet_view, node_address
+    from kdn.client.fleet import FleetConfig, fleet_view
     from kdn.errors import ConfigError
 
     prog = "kdn admin fleet"
@@ -356,9 +356,8 @@ def _fleet(ns: argparse.Namespace, tls: Any) -> int:
         error(prog, "no nodes given", "pass --nodes HOST:PORT,... or --fleet-file FILE, or "
               "set $KDN_FLEET")
         return EXIT_USAGE
-    try:
-        for a in nodes:
-            node_address(a)  # the fleet's own rule (a port of ASCII digits in 1..65535)
+    try:  # the fleet's own rules: host:port, a port in 1..65535, no node listed twice
+        nodes = list(FleetConfig(nodes=tuple(nodes)).nodes)
     except ConfigError as exc:
         error(prog, exc)
         return EXIT_USAGE
