@@ -7,9 +7,9 @@
     kb.ingest("docs/"); kb.ask("Who ...?")
 
 ``corpus`` loads and chunks documents, ``index`` persists the manifest and embeddings,
-``pipeline`` holds the engine, ``knowledge`` the knowledge base (``kdn.cli.rag``: the
-``kdn rag`` commands). The
-names below load on first use, so ``kdn rag --help`` does not import torch.
+``pipeline`` holds the engine, ``knowledge`` the knowledge base (``report`` what its ingest
+reports; ``kdn.cli.rag``: the ``kdn rag`` commands). The names below load on first use, so
+``kdn rag --help`` does not import torch.
 """
 
 from __future__ import annotations
@@ -20,12 +20,13 @@ from kdn.lazy import lazy_exports
 
 if TYPE_CHECKING:
     from kdn.rag.corpus import Chunk, Document, chunk_document, load_corpus
-    from kdn.rag.knowledge import IngestReport, KnowledgeBase
+    from kdn.rag.knowledge import KnowledgeBase
     from kdn.rag.pipeline import Answer, AskTimings, RagConfig, RagEngine, Source
+    from kdn.rag.report import IngestReport
 
 _HOME = {name: "kdn.rag.pipeline" for name in (
     "Answer", "AskTimings", "RagConfig", "RagEngine", "Source")}
-_HOME.update({name: "kdn.rag.knowledge" for name in ("IngestReport", "KnowledgeBase")})
+_HOME.update({"KnowledgeBase": "kdn.rag.knowledge", "IngestReport": "kdn.rag.report"})
 _HOME.update({name: "kdn.rag.corpus" for name in (
     "Chunk", "Document", "chunk_document", "load_corpus")})
 
