@@ -1,7 +1,8 @@
 """What a RAG state folder persists: the ingest manifest and the chunk embeddings.
 
     <state>/manifest.json                 owner, settings, document id -> hash -> chunk keys,
-                                          retired keys, the embeddings generation
+                                          retired keys, the embeddings generation, whether a
+                                          re-encode is under way
     <state>/embeddings-<gen>.safetensors  "vectors" [chunks, dim] float32; metadata "keys" (hex)
     <state>/.lock                         held (``state_lock``) by the one ingest or rm writing it
 
@@ -156,6 +157,10 @@ class Manifest:
     """Keys this state stored and no longer references, to delete from kdn."""
     generation: int = 0
     """The embeddings file that goes with this manifest (``embeddings_name``)."""
+    reencoding: bool = False
+    """An ingest to another codec mode or level began storing (under the same keys) and has
+    not completed: kdn may hold either encoding of any chunk, so the next ingest stores every
+    document again whatever its settings."""
 
     @property
     def salt(self) -> str:
@@ -199,13 +204,17 @@ class Manifest:
                 raise ValueError(f"generation {generation} is negative")
             if docs and not owner and not shared:
                 raise ValueError("documents but neither an owner nor shared keys")
+            reencoding = raw.get("reencoding", False)  # absent before kdn recorded it
+            if not isinstance(reencoding, bool):
+                raise TypeError(f"reencoding is {reencoding!r}, not bool")
         except (KeyError, TypeError, ValueError) as exc:
             raise Corrupt(f"{path}: malformed manifest: {exc}") from None
-        return cls(settings, docs, owner, shared, set(retired), generation)
+        return cls(settings, docs, owner, shared, set(retired), generation, reencoding)
 
     def save(self, state: Path) -> None:
         doc = {"format": FORMAT, "owner": self.owner, "shared": self.shared,
                "generation": self.generation, "retired": sorted(self.retired),
+               "reencoding": self.reencoding,
                "settings": asdict(self.settings) if self.settings else None,
                "documents": {k: asdict(v) for k, v in sorted(self.documents.items())}}
         write_atomic(state / MANIFEST, (json.dumps(doc, indent=1) + "\n").encode())

@@ -20,11 +20,16 @@ another state may use it. Ingesting into a new state folder gives the corpus a s
 
 A write commits once per flush (``kdn.rag.index``): the manifest is the commit, and kdn entries
 are deleted only after the commit that stopped referencing them (``Manifest.retired``), so a
-crash never leaves the state naming a deleted chunk. An ingest that changes the settings
-(chunk size, codec mode or level) commits only at its end: interrupted, the state is the old
-one, and running the ingest again completes it (the KV it stored is found by a Lookup; only a
-new codec mode is encoded again). With the settings unchanged an ingest commits every
-``RagConfig.flush_s`` seconds too, each document whole, so a rerun resumes where it stopped.
+crash never leaves the state naming a deleted chunk. Before an ingest stores anything, the
+keys it is about to store are committed as retired (``_write_ahead``): a crash leaves no entry
+that no later write would delete. An ingest that changes the settings (chunk size, codec mode
+or level) commits only at its end: interrupted, the state is the old one, and running the
+ingest again completes it (the KV it stored is found by a Lookup; only a new codec mode is
+encoded again). A new codec mode or level stores under the same keys, replacing the entries
+the old state lists, so its ingest first marks the manifest (``Manifest.reencoding``): until an
+ingest completes, the next one stores every chunk again, in whichever mode it is run. With
+the settings unchanged an ingest commits every ``RagConfig.flush_s`` seconds too, each
+document whole, so a rerun resumes where it stopped.
 
 Readers (``retrieve``, ``ask``) use the last commit as one snapshot: its chunks and an
 ``IndexView`` of their embeddings, which a writer thread of the same object replaces at each
@@ -274,15 +279,17 @@ class KnowledgeBase:
         same_settings = old == self.settings
         # commits before the end only where the state on disk stays of one set of settings
         commit_early = old is None or same_settings
-        # a new codec mode or level: every chunk is encoded and stored again
-        reencode = old is not None and (old.mode, old.level) != (self.settings.mode,
-                                                                   self.settings.level)
+        # a new codec mode or level, or one an interrupted ingest began storing: every chunk is
+        # encoded and stored again
+        reencode = self.manifest.reencoding or old is not None and (
+            (old.mode, old.level) != (self.settings.mode, self.settings.level))
         self.manifest.settings = self.settings
         rep.documents = len(docs)
         moved_from = self._claim(docs, origin)
 
         # documents whose text, settings and stored chunks are all unchanged are skipped
-        candidates = [d for d in docs if same_settings and d.id in self.manifest.documents
+        candidates = [d for d in docs if same_settings and not reencode
+                      and d.id in self.manifest.documents
                       and self.manifest.documents[d.id].sha256 == d.sha256]
         keys = sorted({c.key for d in candidates for c in self.manifest.documents[d.id].chunks})
         held = dict(zip(keys, self.engine.present([bytes.fromhex(k) for k in keys])))
@@ -296,7 +303,9 @@ class KnowledgeBase:
         salt = self.manifest.salt
         new_keys = [self.engine.key(c.ids, salt) for _, cs in chunked for c in cs]
         sizes = {} if reencode else dict(zip(new_keys, self.engine.present(new_keys)))
-        todo = len({k for k in new_keys if sizes.get(k, -1) < 0})
+        missing = {k.hex() for k in new_keys if sizes.get(k, -1) < 0}
+        todo = len(missing)
+        self._write_ahead(missing, reencode)
         # a chunk found held above is not stored again: none of them is deleted before the end
         # (a chunk that moves to a document further on is retired by the one before)
         wanted = {k.hex() for k in new_keys}
@@ -323,6 +332,7 @@ class KnowledgeBase:
         # every document of the state, other corpora's too (their embeddings may be lost)
         self._embed_missing([c for d in self.manifest.documents.values() for c in d.chunks],
                             rep)
+        self.manifest.reencoding = False  # every chunk of this ingest stored in its settings
         self._count(rep, self._flush())
         counted: set[str] = set()
         for d in docs:
@@ -334,6 +344,23 @@ class KnowledgeBase:
                     rep.stored_bytes += max(c.stored_bytes, held.get(c.key, 0))
         rep.total_s = time.perf_counter() - t0
         return rep
+
+    def _write_ahead(self, keys: set[str], reencode: bool) -> None:
+        """Commit what a crash while storing must leave known, before anything is stored: the
+        ``keys`` about to be stored, retired until a commit references them (so a rerun
+        deletes those no document uses any more), and a re-encode under way
+        (``Manifest.reencoding``), since stores replace the entries the last commit lists. The
+        manifest on disk (the last commit) gets them, as does this object's."""
+        if self.manifest.shared:  # it deletes nothing from kdn
+            keys = set()
+        if not keys - self.manifest.retired and (self.manifest.reencoding or not reencode):
+            return
+        last = Manifest.load(self.state)
+        last.retired |= keys
+        last.reencoding |= reencode
+        last.save(self.state)
+        self.manifest.retired |= keys
+        self.manifest.reencoding |= reencode
 
     def _claim(self, docs: Sequence[Document], origin: str) -> set[str]:
         """Make ``origin`` the source of every listed document the manifest holds (a corpus

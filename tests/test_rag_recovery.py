@@ -1,0 +1,76 @@
+"""RAG state folders after a crash, against a real in-process kdn server: an interrupted codec
+change is completed by the next ingest whatever its mode, and chunks stored before a crash are
+deleted once no document uses them. The tiny random Llama, character tokenizer and
+bag-of-words embedder of ``test_rag``."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kdn.client import Client
+from kdn.client.admin import AdminClient
+from kdn.rag.index import Manifest
+from kdn.server import ServerThread
+from tests.test_rag import CONFIG, Counted, corpus, make_kb, tiny_llama
+
+
+@pytest.fixture(scope="module")
+def model() -> Any:
+    return tiny_llama()
+
+
+@pytest.fixture
+def counted(model: Any) -> Iterator[Counted]:
+    c = Counted(model)
+    yield c
+    model._forward_pre_hooks.clear()
+
+
+def held_modes(server: ServerThread, keys: set[str]) -> set[str]:
+    with AdminClient(server.address, timeout_s=30) as admin:
+        return {e.codec_mode for e in admin.ls(namespace="rag") if e.key.hex() in keys}
+
+
+def test_an_interrupted_codec_change_is_stored_again_by_the_next_ingest(
+        model: Any, counted: Counted, client: Client, server: ServerThread,
+        tmp_path: Path) -> None:
+    docs = corpus(tmp_path)
+    state = tmp_path / "state"
+    make_kb(model, client, state).ingest(docs)  # lossless
+    counted.fail_after = counted.calls + 3  # int8 replaces three entries, then the crash
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        make_kb(model, client, state, dataclasses.replace(CONFIG, mode="int8")).ingest(docs)
+    counted.fail_after = None
+    m = Manifest.load(state)
+    assert m.settings is not None and m.settings.mode == "lossless" and m.reencoding
+    assert held_modes(server, m.keys()) == {"int8", "lossless"}
+
+    rep = make_kb(model, client, state).ingest(docs)  # back to the state's own mode
+    m = Manifest.load(state)
+    assert rep.unchanged == 0 and not m.reencoding
+    assert held_modes(server, m.keys()) == {"lossless"}
+    assert make_kb(model, client, state).ingest(docs).unchanged == rep.documents
+
+
+def test_chunks_stored_before_a_crash_are_deleted_once_no_document_uses_them(
+        model: Any, counted: Counted, client: Client, server: ServerThread,
+        tmp_path: Path) -> None:
+    docs = corpus(tmp_path)
+    state = tmp_path / "state"
+    counted.fail_after = counted.calls + 4  # stored four chunks, committed none
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        make_kb(model, client, state).ingest(docs)
+    counted.fail_after = None
+    for f in docs.rglob("*.*"):  # every document changes before the rerun
+        if f.suffix in (".md", ".txt"):
+            f.write_text(f.read_text().replace("a", "o"))
+    kb = make_kb(model, client, state)
+    kb.ingest(docs)
+    kb.remove(sorted(kb.manifest.documents))
+    with AdminClient(server.address, timeout_s=30) as admin:
+        assert list(admin.ls(namespace="rag")) == []
