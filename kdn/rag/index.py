@@ -91,9 +91,26 @@ def state_lock(state: Path) -> Iterator[None]:
 
 
 class Embedder(Protocol):
-    """``kdn.model.embed.Embedder`` or anything with its ``embed``: texts -> [n, dim] unit rows."""
+    """``kdn.model.embed.Embedder`` or anything with its ``embed``: texts -> [n, dim] unit rows;
+    ``name`` (a str) and ``dim`` (an int), where it has them, identify it (``embedder_name``)."""
 
     def embed(self, texts: list[str]) -> torch.Tensor: ...
+
+
+DEFAULT_EMBEDDER = "all-MiniLM-L6-v2"
+"""The name of the embedder a knowledge base makes when given none (``kdn.model.embed``'s
+``MINILM_NAME``, not imported here: it loads transformers)."""
+
+
+def embedder_name(embedder: object | None) -> str:
+    """What a state records of the embedder of its embeddings: its ``name`` where it has one,
+    else its class's module and name; None is the default embedder."""
+    if embedder is None:
+        return DEFAULT_EMBEDDER
+    name = getattr(embedder, "name", None)
+    if isinstance(name, str) and name:
+        return name
+    return f"{type(embedder).__module__}.{type(embedder).__qualname__}"
 
 
 def write_atomic(path: Path, data: bytes) -> None:
@@ -125,6 +142,9 @@ class Settings:
     max_tokens: int
     mode: str
     level: str
+    embedder: str = ""
+    """The embedder of the state's embeddings (``embedder_name``): another one is refused.
+    "" in a state written before kdn recorded it (one of the embeddings' dimension is taken)."""
 
 
 @dataclass(frozen=True)
@@ -390,6 +410,9 @@ class IndexView:
 
         if not self.keys or k <= 0:
             return []
+        if query.numel() != self.vectors.shape[1]:
+            raise Corrupt(f"a {query.numel()}-dim query, but the state's embeddings are "
+                          f"{self.vectors.shape[1]}-dim: they come from another embedder")
         scores = self.vectors @ query.detach().to("cpu", torch.float32).reshape(-1)  # [chunks]
         top = torch.topk(scores, min(k, len(self.keys)))
         return [(self.keys[int(i)], float(s)) for s, i in zip(top.values, top.indices)]

@@ -31,6 +31,10 @@ ingest completes, the next one stores every chunk again, in whichever mode it is
 the settings unchanged an ingest commits every ``RagConfig.flush_s`` seconds too, each
 document whole, so a rerun resumes where it stopped.
 
+The state records the name of the embedder of its embeddings (``Settings.embedder``): an
+ingest or retrieval with another one (or, in a state written before it was recorded, one of
+another dimension) is refused (InvalidArgument) before anything is prefilled or searched.
+
 Readers (``retrieve``, ``ask``) use the last commit as one snapshot: its chunks and an
 ``IndexView`` of their embeddings, which a writer thread of the same object replaces at each
 commit, before it deletes what the commit retired. A commit by another process (or another
@@ -49,7 +53,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from kdn.blend.chunks import ChunkConnector
@@ -64,6 +68,7 @@ from kdn.rag.index import (
     Manifest,
     Settings,
     VectorIndex,
+    embedder_name,
     embeddings_name,
     remove_other_embeddings,
     state_lock,
@@ -117,7 +122,7 @@ class KnowledgeBase:
         self._embedder = embedder
         cfg = engine.config
         self.settings = Settings(engine.layout.fingerprint, cfg.namespace, cfg.target_tokens,
-                                 cfg.max_tokens, cfg.mode, cfg.level)
+                                 cfg.max_tokens, cfg.mode, cfg.level, embedder_name(embedder))
         self._committed: _Commit  # what readers use (``_publish``)
         self._write = threading.RLock()  # one writer thread at a time in this process
         self._writers = 0  # how deep the writing thread is (its prune's removes)
@@ -274,8 +279,11 @@ class KnowledgeBase:
                     "refusing to remove them all (remove them by name with `kdn rag rm`, or "
                     "ingest with `--no-prune`, prune=False from Python)")
         self._check_settings()
+        self._check_embedder()
         self._own()
         old = self.manifest.settings
+        if old is not None and not old.embedder:  # not recorded: the checks above took it
+            old = replace(old, embedder=self.settings.embedder)
         same_settings = old == self.settings
         # commits before the end only where the state on disk stays of one set of settings
         commit_early = old is None or same_settings
@@ -402,6 +410,23 @@ class KnowledgeBase:
                                   f"{' and another '.join(differ)}; use the model and namespace "
                                   "it was ingested with, or another state folder")
 
+    def _check_embedder(self) -> None:
+        """InvalidArgument unless this object's embedder is the one the state's embeddings
+        came from (``Settings.embedder``; in a state that did not record it, one of their
+        dimension), before anything is prefilled or searched."""
+        old, name = self.manifest.settings, self.settings.embedder
+        if old is not None and old.embedder and old.embedder != name:
+            raise InvalidArgument(f"{self.state} was embedded by {old.embedder!r}, not by this "
+                                  f"knowledge base's {name!r} (their vectors do not compare); "
+                                  "use that embedder, or another state folder")
+        if len(self.index) and (self._embedder is not None or old is None or not old.embedder):
+            dim = getattr(self.embedder, "dim", None)
+            if isinstance(dim, int) and dim != self.index.dim:
+                raise InvalidArgument(f"{self.state} holds {self.index.dim}-dim embeddings, "
+                                      f"this knowledge base's embedder ({name!r}) makes "
+                                      f"{dim}-dim ones; use the embedder it was ingested "
+                                      "with, or another state folder")
+
     def _ingest_chunk(self, chunk: Chunk, salt: str, sizes: dict[bytes, int],
                       rep: IngestReport, bar: Callable[..., None]) -> ChunkEntry:
         key = self.engine.key(chunk.ids, salt)
@@ -467,6 +492,7 @@ class KnowledgeBase:
             check_count("k", k, " (None: RagConfig.top_k)")
         self._check_settings()  # another model would recompute and store every chunk anew
         self._refresh()
+        self._check_embedder()
         commit = self._committed  # one commit, whatever a writer does meanwhile
         if commit.unembedded:
             raise Corrupt(commit.unembedded)
