@@ -231,16 +231,17 @@ def test_a_jsonl_id_past_pythons_digits_limit_is_named(tmp_path: Path) -> None:
 
 
 def test_vector_index_round_trip(tmp_path: Path) -> None:
+    k = [f"{i:064x}" for i in range(5)]  # chunk keys' hex
     idx = VectorIndex()
     v = torch.nn.functional.normalize(torch.randn(5, 8), dim=1)
-    idx.add([f"k{i}" for i in range(5)], v)
-    idx.add(["k1"], v[4:5])  # replace
-    assert idx.search(v[4], 2)[0][0] in ("k1", "k4")
-    idx.retain(["k0", "k1", "k4"])
+    idx.add(k, v)
+    idx.add([k[1]], v[4:5])  # replace
+    assert idx.search(v[4], 2)[0][0] in (k[1], k[4])
+    idx.retain([k[0], k[1], k[4]])
     idx.save(tmp_path)
     back = VectorIndex.load(tmp_path)
-    assert back is not None and back.keys == ["k0", "k1", "k4"] and back.dim == 8
-    assert [k for k, _ in back.search(v[0], 1)] == ["k0"]
+    assert back is not None and back.keys == [k[0], k[1], k[4]] and back.dim == 8
+    assert [key for key, _ in back.search(v[0], 1)] == [k[0]]
     assert b"pickle" not in (tmp_path / EMBEDDINGS).read_bytes()[:200]
 
 

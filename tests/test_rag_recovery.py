@@ -1,8 +1,8 @@
 """RAG state folders after a crash or in another's hands, against a real in-process kdn server:
 an interrupted codec change is completed by the next ingest whatever its mode, chunks stored
-before a crash are deleted once no document uses them, and another embedder is refused before
-any work. The tiny random Llama, character tokenizer and bag-of-words embedder of
-``test_rag``."""
+before a crash are deleted once no document uses them, another embedder is refused before any
+work, damaged files are Corrupt, and a killed commit's temporary files go. The tiny random
+Llama, character tokenizer and bag-of-words embedder of ``test_rag``."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+from safetensors.torch import save
 
 from kdn.client import Client
 from kdn.client.admin import AdminClient
@@ -23,7 +24,9 @@ from kdn.rag.index import (
     MANIFEST,
     IndexView,
     Manifest,
+    VectorIndex,
     embedder_name,
+    embeddings_name,
 )
 from kdn.server import ServerThread
 from tests.test_rag import CONFIG, Counted, WordEmbedder, corpus, make_kb, tiny_llama
@@ -132,3 +135,40 @@ def test_the_default_embedder_is_named_without_loading_it() -> None:
 
     assert embedder_name(None) == DEFAULT_EMBEDDER == MINILM_NAME
     assert embedder_name(WordEmbedder()) == "tests.test_rag.WordEmbedder"
+
+
+def test_damaged_state_files_are_corrupt(tmp_path: Path) -> None:
+    (tmp_path / MANIFEST).write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(Corrupt, match="nested too deeply"):
+        Manifest.load(tmp_path)
+    key = "ab" * 32
+    cases: list[tuple[Any, torch.Tensor, str]] = [
+        ([key, key], torch.ones(2, 4), "a key is listed twice"),
+        ([[key], key], torch.ones(2, 4), "keys is not a list of strings"),
+        ([key, "cd" * 31], torch.ones(2, 4), "is not 64 lowercase hex digits"),
+        (key, torch.ones(64, 4), "keys is not a list of strings"),
+        ({key: 0}, torch.ones(1, 4), "keys is not a list of strings"),
+        ([key, "cd" * 32], torch.ones(2, 4, 1), r"2 keys but vectors of shape \[2, 4, 1\]"),
+        ([key], torch.ones(4), r"1 keys but vectors of shape \[4\]"),
+    ]
+    for keys, vectors, what in cases:
+        (tmp_path / embeddings_name(1)).write_bytes(
+            save({"vectors": vectors}, metadata={"keys": json.dumps(keys)}))
+        with pytest.raises(Corrupt, match=f"{embeddings_name(1)}: .*{what}"):
+            VectorIndex.load(tmp_path, 1)
+
+
+def test_a_killed_commits_temporary_files_are_removed_by_the_next_write(
+        model: Any, client: Client, tmp_path: Path) -> None:
+    docs = corpus(tmp_path)
+    state = tmp_path / "state"
+    kb = make_kb(model, client, state)
+    kb.ingest(docs)
+    left = [".embeddings-2.safetensors.k45nvtyl", ".manifest.json.a_b1c2d3",
+            ".embeddings.safetensors.x"]
+    for name in left:
+        (state / name).write_bytes(b"partial")
+    (state / ".notes").write_text("not kdn's")
+    kb.remove(["cats.md"])
+    assert sorted(f.name for f in state.iterdir() if f.name.startswith(".")) == [".lock",
+                                                                                  ".notes"]

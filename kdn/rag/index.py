@@ -18,6 +18,9 @@ format 1 (written before states had one) loads as ``shared``: its keys are unsal
 other states' too. ``retired`` lists keys the state stored and no longer references: deleted
 from kdn after the commit that dropped them, and by the next write when a crash came between.
 
+A commit a crash stopped leaves its temporary files (``write_atomic``'s ``.<name>.<random>``);
+the next commit removes them with the replaced generations (``remove_other_embeddings``).
+
 ``VectorIndex`` holds one unit-norm row per distinct chunk key; ``search`` ranks by dot product
 (cosine similarity of normalized embeddings). It has one writer; readers search an
 ``IndexView`` of it (the rows of one commit, taken in one step).
@@ -51,6 +54,8 @@ SHARED_FORMAT = 1
 _OWNER_RE = re.compile(r"[0-9a-f]{32}")
 _KEY_RE = re.compile(f"[0-9a-f]{{{2 * KEY_BYTES}}}")
 _EMBEDDINGS_RE = re.compile(r"embeddings(-[1-9][0-9]*)?\.safetensors")
+_TEMP_RE = re.compile(r"\.(manifest\.json|embeddings(-[1-9][0-9]*)?\.safetensors)\.[a-z0-9_]+")
+"""``write_atomic``'s temporary files (``tempfile.mkstemp``'s prefix + random suffix)."""
 
 
 def embeddings_name(generation: int) -> str:
@@ -60,10 +65,12 @@ def embeddings_name(generation: int) -> str:
 
 def remove_other_embeddings(state: Path, generation: int) -> None:
     """Remove the embeddings files of every generation but ``generation`` (the committed one;
-    the others are a replaced generation or one whose commit a crash stopped)."""
+    the others are a replaced generation or one whose commit a crash stopped), and the
+    temporary files of writes a crash stopped (``write_atomic``'s). Only the writer holding
+    the state's lock calls it."""
     keep = embeddings_name(generation)
     for f in state.iterdir():
-        if f.name != keep and _EMBEDDINGS_RE.fullmatch(f.name):
+        if f.name != keep and (_EMBEDDINGS_RE.fullmatch(f.name) or _TEMP_RE.fullmatch(f.name)):
             f.unlink(missing_ok=True)
 
 
@@ -229,6 +236,8 @@ class Manifest:
                 raise TypeError(f"reencoding is {reencoding!r}, not bool")
         except (KeyError, TypeError, ValueError) as exc:
             raise Corrupt(f"{path}: malformed manifest: {exc}") from None
+        except RecursionError:
+            raise Corrupt(f"{path}: malformed manifest: nested too deeply") from None
         return cls(settings, docs, owner, shared, set(retired), generation, reencoding)
 
     def save(self, state: Path) -> None:
@@ -381,11 +390,20 @@ class VectorIndex:
                 meta: dict[str, Any] = f.metadata() or {}
                 vectors = f.get_tensor("vectors")
             keys = json.loads(meta["keys"])
-            index.dim = int(meta.get("dim", vectors.shape[1]))
+            index.dim = int(meta.get("dim", vectors.shape[-1]))
         except Exception as exc:  # safetensors raises its own error types
             raise Corrupt(f"{path}: unreadable embeddings: {exc}") from None
-        if len(keys) != vectors.shape[0]:
-            raise Corrupt(f"{path}: {len(keys)} keys but {vectors.shape[0]} vectors")
+        if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
+            raise Corrupt(f"{path}: malformed embeddings: keys is not a list of strings")
+        try:
+            _check_keys(keys, "embeddings")
+        except ValueError as exc:
+            raise Corrupt(f"{path}: malformed embeddings: {exc}") from None
+        if len(set(keys)) != len(keys):
+            raise Corrupt(f"{path}: malformed embeddings: a key is listed twice")
+        if vectors.dim() != 2 or len(keys) != vectors.shape[0]:
+            raise Corrupt(f"{path}: {len(keys)} keys but vectors of shape "
+                          f"{list(vectors.shape)} (one row per key expected)")
         index.add(keys, vectors)
         return index
 
