@@ -1,7 +1,8 @@
 """Egress caps (kdn.server.egress) against a real server on loopback: a read of a known size
 under a per-connection cap takes at least size/cap, over gRPC and over the network data path;
-a default server is not slowed; a tenant's cap is shared by its clients; bad values are
-refused at start-up."""
+a default server is not slowed; a tenant's cap is shared by its clients; a read cut off by
+its deadline holds back none of the tenant's later reads; bad values are refused at
+start-up."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import grpc
 import pytest
 
 from kdn.client import Client
-from kdn.errors import ConfigError
+from kdn.errors import ConfigError, DeadlineExceeded
 from kdn.keys import store_key
 from kdn.server import ServerConfig, ServerThread
 from kdn.server.auth import tenants_from_text
@@ -138,6 +139,31 @@ def test_a_tenant_cap_is_shared_by_its_clients(server_config: ServerConfig,
         usage = st.server.servicer.usage
         assert usage.egress_delayed_bytes["team-a"] > 0
         assert usage.egress_wait_s["team-a"] > 0
+
+
+def test_a_read_cut_off_by_its_deadline_gives_its_unsent_bytes_back(
+        server_config: ServerConfig, tmp_path: Path) -> None:
+    auth = tmp_path / "tenants.yaml"
+    auth.write_text("tenants:\n  team-a: {api_keys: [key-a], egress_bytes_per_s: 1MB}\n")
+    auth.chmod(0o600)
+    cfg = dataclasses.replace(server_config, auth_file=str(auth), data_port=-1)
+    with ServerThread(cfg) as st:
+        with Client(st.address, timeout_s=30, api_key="key-a") as c:
+            for i in (*range(20), 99):  # 20 of ~400 KB: inline GetManys of ~2 MB, ~2 s each
+                c.store(numbered_key(i), random_kv(LAYOUT, 2 if i == 99 else 96, seed=i),
+                        mode="raw")
+        with Client(st.address, timeout_s=0.3, shm_bytes=0, api_key="key-a") as c:
+            c.lookup([numbered_key(0)])
+            with pytest.raises(DeadlineExceeded):
+                c.fetch_many([numbered_key(i) for i in range(20)], layout=LAYOUT)
+        time.sleep(0.2)  # the server has seen the call end
+        with Client(st.address, timeout_s=1.0, shm_bytes=0, api_key="key-a") as c:
+            t0 = time.perf_counter()
+            assert c.fetch(numbered_key(99), layout=LAYOUT) is not None
+            assert time.perf_counter() - t0 < 0.5  # not behind the cut-off read's bytes
+        usage = st.server.servicer.usage
+        assert usage.egress_delayed_bytes.get("team-a", 0) == 0  # only bytes sent count
+        assert usage.egress_cancelled_bytes["team-a"] > 1_500_000
 
 
 def test_units_and_bad_values_are_refused_at_start_up() -> None:

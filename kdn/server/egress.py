@@ -16,6 +16,9 @@ GetMany's entries, sent in slices of at most a burst). The same-host path moves 
 Lifecycle: the servicer holds one ``Egress``; a read asks it for a ``Pacer`` (None when neither
 cap applies: an unlimited server pays one attribute test per call, nothing per byte), and calls
 ``pace`` (threads) or ``apace`` (the event loop) with each piece's size before sending it.
+Bytes that then do not leave are given back (``refund``): a call cancelled while ``apace``
+waits (its deadline passed, its client went away), a data-path send that fails; so a read cut
+short holds back none of the tenant's later reads, and only bytes sent count as delayed.
 Connections are named by their peer address; their buckets are kept for the last
 ``MAX_CONNECTIONS`` connections seen (a forgotten one starts again with a full bucket).
 """
@@ -55,6 +58,12 @@ class Bucket:
             self.stamp = now
             return -self.level / self.rate if self.level < 0 else 0.0
 
+    def refund(self, n: int) -> None:
+        """Give back ``n`` bytes taken by ``reserve`` that will not leave (their read ended
+        while it waited), so later reads do not wait for them."""
+        with self._lock:
+            self.level = min(self.capacity, self.level + n)
+
 
 class Pacer:
     """One read's pacing: the buckets that apply to it (its connection's, its tenant's)."""
@@ -65,22 +74,34 @@ class Pacer:
         """The largest piece to send in one go."""
 
     def _delay(self, n: int) -> float:
-        wait = max(b.reserve(n) for b in self._buckets)
-        if wait > 0:
-            self._egress.delayed(self._tenant, n, wait)
-        return wait
+        return max(b.reserve(n) for b in self._buckets)
+
+    def refund(self, n: int) -> None:
+        """Give ``n`` paced bytes that will not be sent back to every bucket."""
+        for b in self._buckets:
+            b.refund(n)
 
     def pace(self, n: int) -> None:
-        """Wait (this thread) until ``n`` more bytes may leave."""
+        """Wait (this thread) until ``n`` more bytes may leave; if they then cannot be sent,
+        the caller ``refund``s them."""
         wait = self._delay(n)
         if wait > 0:
             time.sleep(wait)
+            self._egress.delayed(self._tenant, n, wait)
 
     async def apace(self, n: int) -> None:
-        """Wait (the event loop) until ``n`` more bytes may leave."""
+        """Wait (the event loop) until ``n`` more bytes may leave. A call cancelled while it
+        waits (its deadline, its client gone) sends none of them: they are refunded, counted
+        as ``egress.cancelled``, and not counted as delayed."""
         wait = self._delay(n)
         if wait > 0:
-            await asyncio.sleep(wait)
+            try:
+                await asyncio.sleep(wait)
+            except asyncio.CancelledError:
+                self.refund(n)
+                self._egress.cancelled(self._tenant, n)
+                raise
+            self._egress.delayed(self._tenant, n, wait)
 
     def send(self, conn: socket.socket, pieces: Sequence[bytes | memoryview]) -> None:
         """Send ``pieces`` on ``conn`` in order, in slices of at most ``slice`` bytes, each
@@ -95,24 +116,32 @@ class Pacer:
                 size += len(part)
                 view = view[len(part):]
                 if size >= self.slice:
-                    self.pace(size)
-                    send_pieces(conn, batch)
+                    self._send(conn, batch, size)
                     batch, size = [], 0
         if batch:
-            self.pace(size)
+            self._send(conn, batch, size)
+
+    def _send(self, conn: socket.socket, batch: list[memoryview], size: int) -> None:
+        self.pace(size)
+        try:
             send_pieces(conn, batch)
+        except OSError:  # the connection is gone: these bytes did not leave
+            self.refund(size)
+            raise
 
 
 class Egress:
     """The server's egress caps (module docstring); ``on`` is False when there are none.
-    ``delayed`` is called with what waited (``kdn.server.usage.Usage.paced``)."""
+    ``delayed`` is called with what waited and was then sent (``kdn.server.usage.Usage.paced``),
+    ``cancelled`` with what a call ended while it waited (``Usage.pace_cancelled``)."""
 
     def __init__(self, connection_rate: int, tenant_rates: Mapping[str, int],
-                 delayed: Callable[[str, int, float], None]) -> None:
+                 delayed: Callable[[str, int, float], None],
+                 cancelled: Callable[[str, int], None] = lambda tenant, n: None) -> None:
         self.connection_rate = connection_rate
         self._tenants = {t: Bucket(r) for t, r in tenant_rates.items() if r > 0}
         self.on = bool(connection_rate or self._tenants)
-        self.delayed = delayed
+        self.delayed, self.cancelled = delayed, cancelled
         self._connections: OrderedDict[str, Bucket] = OrderedDict()
         self._lock = threading.Lock()
 

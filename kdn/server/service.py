@@ -109,7 +109,7 @@ class KDNServicer(pb_grpc.KDNServicer):
         self.blend_turn = asyncio.Lock()  # one Blend runs the model at a time
         self.egress = Egress(config.egress_bytes_per_s,
                              {t: p.egress_bytes_per_s for t, p in policies.items()},
-                             self.usage.paced)
+                             self.usage.paced, self.usage.pace_cancelled)
 
     def count(self, name: str, n: int = 1) -> None:
         self.counters.add(name, n)

@@ -18,6 +18,8 @@ time:
     kdn_fastpath_request_seconds{rpc}              (both bypass gRPC and its interceptor)
     kdn_egress_delayed_bytes_total{tenant}         bytes an egress cap held back before sending
     kdn_egress_wait_seconds_total{tenant}          and the time they waited (kdn.server.egress)
+    kdn_egress_cancelled_bytes_total{tenant}       bytes held back until their call ended (its
+                                                   deadline or its client gone), never sent
 
 The token hit ratio by tenant or model is ``kdn_tokens_served_total`` over
 ``kdn_tokens_requested_total`` (LMCache's hit tokens over requested tokens). A read names a
@@ -115,6 +117,7 @@ class Usage:
         self.fast_seconds = _Histogram()  # by rpc
         self.egress_delayed_bytes: dict[str, int] = {}  # by tenant
         self.egress_wait_s: dict[str, float] = {}  # by tenant
+        self.egress_cancelled_bytes: dict[str, int] = {}  # by tenant
 
     # -- facts of an entry --------------------------------------------------------------------
 
@@ -220,6 +223,13 @@ class Usage:
             self.egress_delayed_bytes[tenant] = self.egress_delayed_bytes.get(tenant, 0) + nbytes
             self.egress_wait_s[tenant] = self.egress_wait_s.get(tenant, 0.0) + seconds
 
+    def pace_cancelled(self, tenant: str, nbytes: int) -> None:
+        """A call of ``tenant`` ended (its deadline, its client gone) while an egress cap held
+        ``nbytes`` of it back: they were never sent."""
+        with self._lock:
+            self.egress_cancelled_bytes[tenant] = \
+                self.egress_cancelled_bytes.get(tenant, 0) + nbytes
+
     # -- metrics --------------------------------------------------------------------------------
 
     def families(self) -> Iterable[Any]:
@@ -235,6 +245,7 @@ class Usage:
             calls = dict(self.fast_calls)
             fast = {r: list(h) for r, h in self.fast_seconds.data.items()}
             delayed, waited = dict(self.egress_delayed_bytes), dict(self.egress_wait_s)
+            cancelled = dict(self.egress_cancelled_bytes)
         for name, what, data in (
                 ("kdn_tokens_requested", "Tokens of the entries reads asked for (a miss on a "
                  "key never stored here adds none: its size is unknown)", asked),
@@ -279,7 +290,9 @@ class Usage:
                 ("kdn_egress_delayed_bytes", "Bytes an egress cap (egress_bytes_per_s) held "
                  "back before sending them", delayed),
                 ("kdn_egress_wait_seconds", "Time the bytes an egress cap held back waited",
-                 waited)):
+                 waited),
+                ("kdn_egress_cancelled_bytes", "Bytes an egress cap held back until their call "
+                 "ended (its deadline, its client gone): never sent", cancelled)):
             fam = CounterMetricFamily(name, what, labels=["tenant"])
             for tenant, v in data3.items():
                 fam.add_metric([tenant], float(v))
