@@ -1,8 +1,8 @@
 """Egress caps (kdn.server.egress) against a real server on loopback: a read of a known size
-under a per-connection cap takes at least size/cap, over gRPC and over the network data path;
-a default server is not slowed; a tenant's cap is shared by its clients; a read cut off by
-its deadline holds back none of the tenant's later reads; bad values are refused at
-start-up."""
+under a per-connection cap takes at least size/cap, over gRPC and over the network data path,
+as an export does; a default server is not slowed; a tenant's cap is shared by its clients; a
+read cut off by its deadline holds back none of the tenant's later reads; bad values are
+refused at start-up."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import grpc
 import pytest
 
 from kdn.client import Client
+from kdn.client.admin import AdminClient
 from kdn.errors import ConfigError, DeadlineExceeded
 from kdn.keys import store_key
 from kdn.server import ServerConfig, ServerThread
@@ -97,6 +98,20 @@ def test_a_read_under_a_connection_cap_takes_size_over_cap(capped: ServerThread,
     assert elapsed < 3 * size / CAP + 1.0  # paced, not stalled
     delayed = capped.server.servicer.usage.egress_delayed_bytes
     assert delayed.get("", 0) > 0
+
+
+@pytest.mark.parametrize("capped", [{}], indirect=True)
+def test_an_export_under_a_connection_cap_takes_size_over_cap(capped: ServerThread,
+                                                              tmp_path: Path) -> None:
+    _store(capped, 1)
+    size = _entry_bytes(capped, numbered_key(0), None)
+    with AdminClient(capped.address, timeout_s=30, shm_bytes=0) as c:
+        c.lookup([numbered_key(0)])
+        t0 = time.perf_counter()
+        assert c.export_to(tmp_path / "out.kdnx") == 1
+        elapsed = time.perf_counter() - t0
+    assert elapsed >= 0.8 * size / CAP, (elapsed, size)
+    assert capped.server.servicer.usage.egress_delayed_bytes.get("", 0) > 0
 
 
 def test_a_default_server_is_not_slowed(server: ServerThread) -> None:

@@ -46,6 +46,7 @@ from kdn.server.auth import (
     current_principal,
     require_admin,
 )
+from kdn.server.egress import Egress
 from kdn.server.ingest import Ingest, delete_entry, recount_usage
 from kdn.server.rpc import Counters, rpc
 from kdn.status import grpc_code
@@ -77,13 +78,15 @@ class AdminServicer(pb_grpc.KDNAdminServicer):
 
     def __init__(self, store: TieredStore, auth: Authenticator,
                  arenas: Arenas | None = None, ingest: Ingest | None = None,
-                 counters: Counters | None = None) -> None:
+                 counters: Counters | None = None, egress: Egress | None = None) -> None:
         self.store = store
         self.auth = auth
         self.arenas = arenas  # the servicer's read arenas: an evicted key's copy is dropped
         self.ingest = ingest  # the one write path: Import's entries go in as a Store's do
         self.counters = counters if counters is not None else Counters()
         """Its event counts: the KDN servicer's (``kdn.server.app``), so Stats has them."""
+        self.egress = egress
+        """The KDN servicer's egress caps: Export's items are paced as any read's."""
 
     def count(self, name: str, n: int = 1) -> None:
         self.counters.add(name, n)
@@ -356,6 +359,8 @@ class AdminServicer(pb_grpc.KDNAdminServicer):
                 if request.piece_bytes else 1 << 62)  # caller's limit too); a caller that
         # names none joins no pieces: it gets each value whole (too large: the call fails)
         total, skipped = len(keys), 0
+        pacer = self.egress.pacer(current_principal.get().tenant, context.peer()) \
+            if self.egress is not None and self.egress.on else None  # as any read's
         for k in keys:
             try:
                 value, damaged, ttl = await asyncio.to_thread(self._good_copy, k)
@@ -370,9 +375,12 @@ class AdminServicer(pb_grpc.KDNAdminServicer):
             tenant, namespace, key = split_store_key(k)
             pinned = self.store.is_pinned(k)
             for at, piece, more in cut(value, size):
-                yield pb.ExportItem(tenant=tenant, namespace=namespace, key=key, value=piece,
-                                    cursor=k, total=total, offset=at, more=more,
-                                    ttl_seconds=ttl, pinned=pinned)
+                item = pb.ExportItem(tenant=tenant, namespace=namespace, key=key, value=piece,
+                                     cursor=k, total=total, offset=at, more=more,
+                                     ttl_seconds=ttl, pinned=pinned)
+                if pacer is not None:
+                    await pacer.apace(item.ByteSize())
+                yield item
                 total = 0  # in the first item only
         if skipped:  # (the request id is there already: kept)
             context.set_trailing_metadata((*(context.trailing_metadata() or ()),

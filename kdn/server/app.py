@@ -412,7 +412,8 @@ async def _start(config: ServerConfig, store: TieredStore, auth: Authenticator,
     await asyncio.to_thread(recount_usage, store, auth)
     servicer = KDNServicer(config, store, auth)
     servicer.blender = blender
-    admin = AdminServicer(store, auth, servicer.arenas, servicer.ingest, servicer.counters)
+    admin = AdminServicer(store, auth, servicer.arenas, servicer.ingest, servicer.counters,
+                          servicer.egress)
     metrics = Metrics(lambda: {
         "tiers": store.stats(), "queues": store.queue_depth(),
         "counters": {**servicer.counters.snapshot(),

@@ -8,10 +8,11 @@ cap sets the pace). A bucket holds at most ``BURST_BYTES`` (or 50 ms of its rate
 so the bytes leave smoothly rather than in seconds-long bursts. A gRPC message is paced whole
 (a frame, up to ``max_message_bytes``): its wait comes before it, then it leaves at once.
 
-Who paces: the gRPC reads (Retrieve, RetrieveMany and Blend each message before it is
-yielded, an inline GetMany its whole answer before it returns) and the network data path (its
-GetMany's entries, sent in slices of at most a burst). The same-host path moves no bytes over a link
-(entries are copied into the client's segment or leased from the arena) and is not paced.
+Who paces: the gRPC reads (Retrieve, RetrieveMany, Blend and the admin's Export each message
+before it is yielded, an inline GetMany its whole answer before it returns) and the network
+data path (its GetMany's entries, sent in slices of at most a burst). The same-host path moves
+no bytes over a link (entries are copied into the client's segment or leased from the arena)
+and is not paced.
 
 Lifecycle: the servicer holds one ``Egress``; a read asks it for a ``Pacer`` (None when neither
 cap applies: an unlimited server pays one attribute test per call, nothing per byte), and calls
