@@ -1,8 +1,9 @@
 """Egress caps (kdn.server.egress) against a real server on loopback: a read of a known size
 under a per-connection cap takes at least size/cap, over gRPC and over the network data path,
-as an export does; a default server is not slowed; a tenant's cap is shared by its clients; a
-read cut off by its deadline holds back none of the tenant's later reads; bad values are
-refused at start-up."""
+as an export does; two clients of one process have a cap each; a default server is not
+slowed; a tenant's cap is shared by its clients; a read cut off by its deadline holds back
+none of the tenant's later reads; bad values are refused at start-up.
+"""
 
 from __future__ import annotations
 
@@ -154,6 +155,17 @@ def test_a_tenant_cap_is_shared_by_its_clients(server_config: ServerConfig,
         usage = st.server.servicer.usage
         assert usage.egress_delayed_bytes["team-a"] > 0
         assert usage.egress_wait_s["team-a"] > 0
+
+
+@pytest.mark.parametrize("capped", [{"data_port": -1}], indirect=True)
+def test_two_clients_of_one_process_each_have_a_connection_cap(capped: ServerThread) -> None:
+    _store(capped, 1)
+    with Client(capped.address, timeout_s=30, shm_bytes=0) as a, \
+            Client(capped.address, timeout_s=30, shm_bytes=0) as b:
+        for c in (a, b):
+            assert c.fetch(numbered_key(0), layout=LAYOUT) is not None
+        # one bucket per connection the server saw: the two did not share one (and its cap)
+        assert len(capped.server.servicer.egress._connections) == 2
 
 
 def test_a_read_cut_off_by_its_deadline_gives_its_unsent_bytes_back(

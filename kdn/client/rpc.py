@@ -1,8 +1,9 @@
-"""How a ``Client`` calls its server: one gRPC channel (``Rpc``), reused by every call and
-thread, every call with a deadline and retried with backoff only for the named status codes
-(``Retry``), its metadata (the API key, ``x-request-id``, the trace), and the channel's TLS
-(``TLSOptions``). ``traced`` and ``settles`` wrap the client's calls: each first reads this
-thread's asynchronous stores' answers, and ``traced`` puts a span around it when tracing is on.
+"""How a ``Client`` calls its server: one gRPC channel (``Rpc``) on a connection of its own
+(not shared with the process's other Clients), reused by every call and thread, every call
+with a deadline and retried with backoff only for the named status codes (``Retry``), its
+metadata (the API key, ``x-request-id``, the trace), and the channel's TLS (``TLSOptions``).
+``traced`` and ``settles`` wrap the client's calls: each first reads this thread's
+asynchronous stores' answers, and ``traced`` puts a span around it when tracing is on.
 """
 
 from __future__ import annotations
@@ -181,6 +182,9 @@ class Rpc:
             ("grpc.max_send_message_length", max_message_bytes),
             ("grpc.initial_reconnect_backoff_ms", RECONNECT_MS),
             ("grpc.max_reconnect_backoff_ms", RECONNECT_MS),
+            # its own connection: in grpc's shared pool every Client of the process to one
+            # server (any tenant) had one, and one connection's egress cap between them
+            ("grpc.use_local_subchannel_pool", 1),
         ]
         if tls is not None and tls.server_name:
             options.append(("grpc.ssl_target_name_override", tls.server_name))
@@ -215,8 +219,8 @@ class Rpc:
         self._extra_channels: list[grpc.Channel] = []
         self.closed = False
 
-    def _new_channel(self, *extra: tuple[str, int | str]) -> grpc.Channel:
-        options = [*self._options, *extra]
+    def _new_channel(self) -> grpc.Channel:
+        options = self._options
         if self._tls is None:
             return grpc.insecure_channel(self.address, options=options)
         return grpc.secure_channel(self.address, self._tls.credentials(), options=options)
@@ -226,7 +230,7 @@ class Rpc:
         the client's own channel)."""
         with self._lock:
             while len(self._group_calls) < n - 1:
-                ch = self._new_channel(("grpc.use_local_subchannel_pool", 1))
+                ch = self._new_channel()
                 self._extra_channels.append(ch)
                 self._group_calls.append(ch.unary_stream(
                     "/kdn.v1.KDN/Retrieve",
