@@ -8,8 +8,12 @@ One model of a real shape with random weights (``bench.gpu``'s: Llama-3-8B on a 
 SmolLM2-135M on a CPU), one remote client on the server's network data path (no shared
 segment: what an engine on another host gets), and a kdn server process per link rate whose
 egress cap (``kdn serve --egress-bytes-per-s``: ``kdn.server.egress``) emulates the link on
-loopback: 1 / 10 / 25 / 100 Gbit/s, and 0 = unthrottled. For each context length, measured in
-this run:
+loopback: 1 / 10 / 25 / 100 Gbit/s, and 0 = unthrottled. That cap is per connection, so the
+client reads over one (``link_client``: one data-path connection, one gRPC stream a read;
+by default it stripes a batch over up to one connection per two cores, each with a cap of
+its own); a batch of more than ``kdn.client.netpath.STRIPE_MAX_BYTES`` of entries still
+takes one connection per that many bytes, which ``achieved_gb_s`` would show. For each
+context length, measured in this run:
 
 - ``recompute``: the engine's own TTFT when it recomputes the whole prompt;
 - ``raw``, ``int8``, ``kdn-default``: a hit forced to that encoding (every block of the context
@@ -39,7 +43,9 @@ and put into each later server through a same-host client, so every link serves 
 bytes. Rows: ``link_gbps`` (0 = unthrottled), ``encoding`` (or ``recompute`` /
 ``controller``), ``decision``, ``ttft_s``, ``prefill_s``, ``ratio_vs_prefill``,
 ``stored_bytes``, ``load_gb_s`` (stored bytes over the hit's median TTFT, for the hits; for
-the controller's where every round chose the same, else null);
+the controller's where every round chose the same, else null), ``achieved_gb_s`` (as
+``load_gb_s`` over the median transfer time instead: the rate the bytes came at, GB/s, to
+hold against ``link_gbps``, Gbit/s);
 ``ratio_vs_prefill`` = median TTFT / ``prefill_s`` (the model's own best-of-three prefill).
 The plot (``--out`` with ``.png``): TTFT / prefill against link bandwidth, one line per
 encoding and the controller's points, labelled with its first choice (and its last, where
@@ -85,6 +91,19 @@ def _server(tmp: Path, name: str, gbps: float, ram: str) -> AbstractContextManag
     return common_kdn_server(tmp / name, "--ram-bytes", ram, "--egress-bytes-per-s",
                              str(rate), "--max-message-bytes", str(512 << 20),
                              "--max-entry-bytes", str(8 << 30), wait_s=120)
+
+
+def link_client(address: str) -> Client:
+    """The remote client the rows are measured with: the link's cap is per connection, so it
+    reads over one (module docstring)."""
+    return Client(address, shm_bytes=0, max_message_bytes=512 << 20, data_connections=1,
+                  streams=1)
+
+
+def _achieved_gb_s(stored: int, timings: list[Any]) -> float | None:
+    """Stored bytes over the median transfer time (GB/s); None with no transfer."""
+    transfer = statistics.median(t.transfer_s for t in timings)
+    return stored / transfer / 1e9 if stored and transfer > 0 else None
 
 
 def _engine(model: Any, client: Client, namespace: str, **config: Any) -> KDNEngine:
@@ -133,7 +152,7 @@ def measure(model: Any, address: str, ns: str, ids: list[int], gbps: float,
     tokens = len(ids) - 1
     choices = (RECOMPUTE, *(encoding_name(m, lv) for m, lv in ENCODINGS))
     base = {"link_gbps": gbps, "tokens": tokens}
-    with Client(address, shm_bytes=0, max_message_bytes=512 << 20) as c:
+    with link_client(address) as c:
         assert not c.dataplane.attached, "the link rows need a client off the server's host"
         forced = _engine(model, c, ns, calibrate=False, store_back=False)
         fresh = _engine(model, c, ns, store_back=False)
@@ -157,7 +176,9 @@ def measure(model: Any, address: str, ns: str, ids: list[int], gbps: float,
                          "best_s": min(each), "measured_s": each,
                          "stored_bytes": stored.get(choice, 0),
                          "load_gb_s": stored[choice] / median / 1e9 if choice in stored
-                         else None})
+                         else None,
+                         "achieved_gb_s": _achieved_gb_s(stored.get(choice, 0),
+                                                         timings[choice])})
         got = timings["controller"]
         each = [t.ttft_s for t in got]
         fixed = min(rows, key=lambda r: r["ttft_s"])
@@ -175,7 +196,9 @@ def measure(model: Any, address: str, ns: str, ids: list[int], gbps: float,
                      # as the forced rows', where every round made the same choice
                      "load_gb_s": stored[got[0].decision] / statistics.median(each) / 1e9
                      if got[0].decision in stored and len({t.decision for t in got}) == 1
-                     else None})
+                     else None,
+                     "achieved_gb_s": _achieved_gb_s(stored.get(got[0].decision, 0), got)
+                     if len({t.decision for t in got}) == 1 else None})
     for r in rows:
         r.update(prefill_s=prefill_s, ratio_vs_prefill=r["ttft_s"] / prefill_s)
         print(f"  {gbps:g} Gbit/s, {tokens} tokens, {r['encoding']:>11}: "
