@@ -150,7 +150,7 @@ def test_remembered_facts_share_their_label_strings() -> None:
 
     blob = codec.encode(random_kv(uniform_layout(2, 1, 4), tokens=4), "kdn", "default")
     usage = Usage()
-    facts = [usage._remember(f"/{i:064x}".encode(), parse_header(blob)) for i in range(2)]
+    facts = [usage._remember(f"default/{i:064x}".encode(), parse_header(blob)) for i in range(2)]
     assert facts[0][2] == "kdn-default" and facts[0][2] is facts[1][2]
     assert facts[0][1] is facts[1][1]
 
