@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,19 +28,10 @@ from kdn.rag.index import (
     embeddings_name,
 )
 from kdn.server import ServerThread
-from tests.test_rag import CONFIG, Counted, WordEmbedder, corpus, make_kb, tiny_llama
+from tests import test_rag
+from tests.test_rag import CONFIG, Counted, WordEmbedder, corpus, make_kb
 
-
-@pytest.fixture(scope="module")
-def model() -> Any:
-    return tiny_llama()
-
-
-@pytest.fixture
-def counted(model: Any) -> Iterator[Counted]:
-    c = Counted(model)
-    yield c
-    model._forward_pre_hooks.clear()
+model, counted = test_rag.model, test_rag.counted  # its tiny Llama, prefills counted
 
 
 def held_modes(server: ServerThread, keys: set[str]) -> set[str]:
