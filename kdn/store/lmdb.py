@@ -517,17 +517,18 @@ class LmdbTier(Tier):
             self._evict(txn, keep={k for k, _ in batch})
 
     def _evict(self, txn: lmdb.Transaction, keep: set[bytes]) -> None:
-        """Remove the oldest-stamped unprotected entries until ``used`` fits the budget."""
-        used = self._used(txn)
+        """Remove the oldest-stamped entries, unprotected or expired (a pin outlives no
+        entry), until ``used`` fits the budget."""
+        used, now = self._used(txn), time.time()
         victims: list[bytes] = []
         cur = txn.cursor(db=self.lru)
         for lk in cur.iternext(keys=True, values=False):
             if used <= self.capacity_bytes:
                 break
             key = bytes(lk[8:])
-            if key in keep or self.protected(key):
-                continue
             meta = txn.get(key, db=self.meta)
+            if key in keep or self.protected(key) and self._live(meta, now) is not None:
+                continue
             if meta is not None:
                 used -= len(key) + _unmeta(meta)[0]
                 victims.append(key)

@@ -4,10 +4,11 @@ Values are immutable ``bytes`` and are returned as stored (no copy); a value sto
 frames it arrived in (``kdn.store.framed.Framed``) is joined on its first read by anyone but a
 reader asking for frames (``get_stamped(framed=True)``), and the joined bytes take its place.
 When a put would exceed ``capacity_bytes`` the least recently used entries are removed; the
-hierarchy decides which entries may not be removed (``protected``, e.g. pins) and what happens
-to removed ones (``on_evict(key, value, ttl_s)``, e.g. demotion to disk; called outside the
-lock, with the seconds the entry had left or None). Entries larger than the whole budget are
-refused.
+hierarchy decides which entries may not be removed (``protected``, e.g. pins, unless their
+time to live has passed) and what happens to removed ones (``on_evict(key, value, ttl_s)``, e.g.
+demotion to disk; called outside the lock, with the seconds the entry had left or None).
+Entries larger than the whole budget are refused, and so is a put for which protected entries
+leave too little room: before anything is removed, so the key's previous value stays.
 """
 
 from __future__ import annotations
@@ -145,6 +146,11 @@ class RamTier(Tier):
         with self._lock:
             if not still():  # asked under the lock every put takes: atomic with the put
                 return False
+            old = self._data.get(key)
+            over = self._bytes - (0 if old is None else len(old)) + len(value) \
+                - self.capacity_bytes
+            if over > 0:  # refused before anything is removed: the old value stays served
+                evicted = self._evict_locked(over, keep=key)
             self._remove(key)
             self._data[key] = value
             self._stamps[key] = next(self._next_stamp)
@@ -152,8 +158,6 @@ class RamTier(Tier):
             if ttl_s:
                 self._expiry[key] = time.monotonic() + ttl_s
             self._bytes += len(value)
-            if self._bytes > self.capacity_bytes:
-                evicted = self._evict_locked(keep=key)
         if self.on_evict is not None:
             now = time.monotonic()
             for k, v, exp in evicted:
@@ -162,26 +166,35 @@ class RamTier(Tier):
                 self.on_evict(k, v, exp - now if exp else None)
         return True
 
-    def _evict_locked(self, keep: bytes) -> list[tuple[bytes, bytes | Framed, float]]:
-        out: list[tuple[bytes, bytes | Framed, float]] = []
+    def _evict_locked(self, need: int,
+                      keep: bytes) -> list[tuple[bytes, bytes | Framed, float]]:
+        """Remove entries other than ``keep`` to free ``need`` bytes, in LRU order: expired
+        ones (pinned or not: a pin outlives no entry) and unprotected ones. Chosen first and
+        removed only once they free enough: else TooLarge, and nothing is removed."""
+        now = time.monotonic()
+        victims: list[bytes] = []
         skipped: list[bytes] = []
-        while self._bytes > self.capacity_bytes and self._data:
-            key = next(iter(self._data))
-            if key == keep or self.protected(key):
-                self._data.move_to_end(key)
-                skipped.append(key)
-                if len(skipped) > len(self._data):
-                    break  # everything left is protected
+        for key in self._data:
+            if need <= 0:
+                break
+            if key == keep:
                 continue
+            if self.protected(key) and self._expiry.get(key, now + 1.0) > now:
+                skipped.append(key)
+                continue
+            victims.append(key)
+            need -= len(self._data[key])
+        if need > 0:
+            raise TooLarge("RAM tier is full of pinned entries; unpin or raise ram budget")
+        for key in skipped:
+            self._data.move_to_end(key)  # not looked at again by the next eviction
+        out: list[tuple[bytes, bytes | Framed, float]] = []
+        for key in victims:
             expiry = self._expiry.get(key, 0.0)
             value = self._remove(key)
             assert value is not None
             out.append((key, value, expiry))
             self.counters.add("evictions")
-        if self._bytes > self.capacity_bytes:
-            # Only protected entries remain: refuse the newcomer rather than break a pin.
-            self._remove(keep)
-            raise TooLarge("RAM tier is full of pinned entries; unpin or raise ram budget")
         return out
 
     def delete(self, key: bytes) -> bool:
