@@ -5,6 +5,7 @@ tests/test_tiered.py."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import lmdb
@@ -185,3 +186,23 @@ def test_a_default_store_the_disk_refuses_for_pinned_room_is_acked_with_a_warnin
         and "kept as a MEMORY store is: a restart loses it" in said[0], said
     with pytest.raises(TooLarge):
         store.put(b"new2", value, durability=Durability.DISK)
+
+
+def test_a_queued_overwrite_that_expires_deletes_the_older_copy() -> None:
+    """An overwrite with a TTL its part of the lower tier did not take expires while queued: a
+    delete takes its place, so the lower tier's older value never comes back."""
+    lower = _PartlyTier()
+    lower.out = False
+    store = TieredStore([RamTier(1 << 20), lower])
+    try:
+        store.put(b"x1", b"old")
+        assert lower.get(b"x1") == b"old"
+        lower.out = True
+        store.put(b"x1", b"new", ttl_s=0.2)
+        assert store.queue_depth()["part"] == 1
+        time.sleep(0.3)
+        lower.out = False
+        assert store.flush(5)
+        assert not lower.contains(b"x1") and store.get(b"x1") is None
+    finally:
+        store.close()

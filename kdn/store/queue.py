@@ -21,7 +21,8 @@ tier down (``Fault.PARTLY``) is retried after a backoff (``RETRY_S`` doubling up
 ``RETRY_MAX_S``; ``<tier>.write_retried``, a WARNING at most every ``WARN_EVERY_S``) while the
 keys behind it land; one the tier refuses otherwise is dropped (``<tier>.write_dropped``) and a
 delete of the key queued in its place, so the tier's older copy is never served after the newer
-value was acknowledged (a delete the tier refuses is dropped as ``<tier>.delete_dropped``).
+value was acknowledged (a delete the tier refuses is dropped as ``<tier>.delete_dropped``). A
+write whose time to live passes while queued is replaced by a delete, for the same reason.
 After ``close`` the writer drains everything while the tier is up (a write waiting out its
 backoff is tried again until the deadline); what is left at the deadline for a tier, or a part
 of it, still down is dropped and counted.
@@ -200,6 +201,16 @@ class WriteQueue:
                 self.bytes -= item.nbytes
                 self.cond.notify_all()
 
+    def _expire(self, key: bytes, item: PendingWrite) -> None:
+        """Put a delete of ``key`` in place of ``item``, a write whose time to live passed
+        while queued (where it is still pending: not replaced meanwhile)."""
+        with self.cond:
+            if self.pending.get(key) is item:
+                self.pending[key] = PendingWrite(None)
+                self.later.pop(key, None)
+                self.bytes -= item.nbytes
+                self.cond.notify_all()
+
     def wake(self) -> None:
         """Tell the writer the tier is back up."""
         with self.cond:
@@ -237,8 +248,8 @@ class WriteQueue:
                 item = self.peek(key)
                 if item is None:
                     continue
-                if item.expired(time.monotonic()):
-                    self._pop_if(key, item)
+                if item.value is not None and item.expired(time.monotonic()):
+                    self._expire(key, item)  # the tier's older copy must not come back
                     continue
                 what = f"queued write of {key!r}"
                 try:
