@@ -136,7 +136,8 @@ def test_evicted_framed_values_are_demoted_as_one_buffer(tmp_path: Path) -> None
         assert isinstance(ram.get_stamped(b"b", framed=True)[0], bytes)  # type: ignore[index]
         assert disk.get(b"b") == parts.to_bytes()
         assert ram.on_evict is not None
-        ram.on_evict(b"c", _framed(parts), None)  # as the tier calls it when it evicts
+        # as the tier calls it when it evicts
+        ram.on_evict(b"c", _framed(parts), None, ram.generation(b"c"))
         both.flush(5)
         assert disk.get(b"c") == parts.to_bytes()
     finally:

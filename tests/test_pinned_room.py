@@ -37,7 +37,7 @@ def test_a_store_refused_for_pinned_entries_removes_nothing() -> None:
 def test_a_refused_ram_put_demotes_nothing() -> None:
     evicted: list[bytes] = []
     ram = RamTier(1000, protected=lambda k: k == b"pinned",
-                  on_evict=lambda k, v, ttl: evicted.append(k))
+                  on_evict=lambda k, v, ttl, gen: evicted.append(k))
     ram.put(b"pinned", b"p" * 600)
     ram.put(b"a", b"a" * 300)
     with pytest.raises(TooLarge):

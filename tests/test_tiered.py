@@ -125,6 +125,32 @@ def test_ram_eviction_demotes_instead_of_dropping(make: Callable[..., TieredStor
         assert not ram.contains(k) and disk.get(k) == v
 
 
+def test_a_delete_between_an_eviction_and_its_demotion_is_not_undone(
+        make: Callable[..., TieredStore]) -> None:
+    """RAM evicts K; K is deleted (acknowledged) before the eviction's demotion runs: the
+    demotion sees the key's generation moved and writes nothing back."""
+    store = make(ram=20_000)
+    ram, disk = store.tiers
+    ram.put(b"K", entry(9000))  # only RAM holds it: its eviction is demoted
+    demote, evicted, go = ram.on_evict, threading.Event(), threading.Event()
+    assert demote is not None
+
+    def held(*args: object) -> None:  # the demotion, called once the delete is done
+        evicted.set()
+        go.wait(5)
+        demote(*args)  # type: ignore[arg-type]
+
+    ram.on_evict = held
+    t = threading.Thread(target=store.put, args=(b"X", entry(15_000)))
+    t.start()
+    assert evicted.wait(5)
+    store.delete(b"K")
+    go.set()
+    t.join()
+    assert store.flush(5)
+    assert store.get(b"K") is None and not disk.contains(b"K")
+
+
 def test_no_demotion_when_disabled(make: Callable[..., TieredStore]) -> None:
     store = make(ram=40_000, demote=False)
     ram, disk = store.tiers

@@ -33,11 +33,14 @@ Traits: each tier class says what it is, and the hierarchy chooses by these, nev
                         other tiers are given one buffer
 
 Hooks set by the hierarchy after construction: ``protected(key)``: a tier that evicts on its own
-never evicts a key for which it answers true (pins); ``on_evict(key, value, ttl_s)``: called by
-a tier that ``reports_evictions`` for each entry it evicted, outside its locks, with the seconds
-the entry had left (None = no expiry); ``on_event(name, n)``: a tier reports ``n`` more of an
-event of its own (the disk tier's ``map_grown``, ``map_full``), which the hierarchy counts as
-``<tier>.<name>`` with its other counters (``kdn admin stats``, ``kdn_events``).
+never evicts a key for which it answers true (pins); ``on_evict(key, value, ttl_s, generation)``:
+called by a tier that ``reports_evictions`` for each entry it evicted, outside its locks, with
+the seconds the entry had left (None = no expiry) and what ``generation(key)`` (the
+hierarchy's count of the key's writes and deletes) answered under the lock it evicted it under,
+so a demotion is skipped for a key written or deleted since; ``on_event(name, n)``: a tier
+reports ``n`` more of an event of its own (the disk tier's ``map_grown``, ``map_full``), which
+the hierarchy counts as ``<tier>.<name>`` with its other counters (``kdn admin stats``,
+``kdn_events``).
 
 A miss is ``None``. A tier that can not be reached raises ``TierUnavailable``; one that can not
 hold an entry raises ``TooLarge``. Tiers never raise other exception types on purpose.
@@ -94,9 +97,14 @@ def _uncounted(name: str, n: int) -> None:
     return None
 
 
-EvictHook = Callable[[bytes, bytes | Framed, float | None], None]
-"""``on_evict(key, value, ttl_s)``: an entry a tier evicted, with its remaining seconds or None
-(the RAM tier's value may be ``Framed``: ``kdn.store.framed.contiguous`` joins it)."""
+def _no_generation(key: bytes) -> int:
+    return 0
+
+
+EvictHook = Callable[[bytes, bytes | Framed, float | None, int], None]
+"""``on_evict(key, value, ttl_s, generation)``: an entry a tier evicted, with its remaining
+seconds or None and the key's ``generation`` when it was evicted (the RAM tier's value may be
+``Framed``: ``kdn.store.framed.contiguous`` joins it)."""
 
 
 class Tier(abc.ABC):
@@ -113,6 +121,7 @@ class Tier(abc.ABC):
         self.counters = TierCounters()
         self.protected: Callable[[bytes], bool] = _never
         self.on_evict: EvictHook | None = None
+        self.generation: Callable[[bytes], int] = _no_generation
         self.on_event: Callable[[str, int], None] = _uncounted
         self.degraded = False
         """Up, but part of the tier does not answer (set by ``healthy``; a Redis Cluster with

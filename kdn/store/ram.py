@@ -5,10 +5,11 @@ frames it arrived in (``kdn.store.framed.Framed``) is joined on its first read b
 reader asking for frames (``get_stamped(framed=True)``), and the joined bytes take its place.
 When a put would exceed ``capacity_bytes`` the least recently used entries are removed; the
 hierarchy decides which entries may not be removed (``protected``, e.g. pins, unless their
-time to live has passed) and what happens to removed ones (``on_evict(key, value, ttl_s)``, e.g.
-demotion to disk; called outside the lock, with the seconds the entry had left or None).
-Entries larger than the whole budget are refused, and so is a put for which protected entries
-leave too little room: before anything is removed, so the key's previous value stays.
+time to live has passed) and what happens to removed ones (``on_evict``, e.g. demotion to disk;
+called outside the lock, with the seconds the entry had left or None and the key's
+``generation`` read under it). Entries larger than the whole budget are refused, and so is a
+put for which protected entries leave too little room: before anything is removed, so the
+key's previous value stays.
 """
 
 from __future__ import annotations
@@ -142,7 +143,7 @@ class RamTier(Tier):
         if len(value) > self.capacity_bytes:
             raise TooLarge(f"entry of {len(value)} bytes exceeds the RAM tier's "
                            f"{self.capacity_bytes}-byte budget")
-        evicted: list[tuple[bytes, bytes | Framed, float]] = []
+        evicted: list[tuple[bytes, bytes | Framed, float, int]] = []
         with self._lock:
             if not still():  # asked under the lock every put takes: atomic with the put
                 return False
@@ -160,14 +161,14 @@ class RamTier(Tier):
             self._bytes += len(value)
         if self.on_evict is not None:
             now = time.monotonic()
-            for k, v, exp in evicted:
+            for k, v, exp, gen in evicted:
                 if exp and exp <= now:
                     continue
-                self.on_evict(k, v, exp - now if exp else None)
+                self.on_evict(k, v, exp - now if exp else None, gen)
         return True
 
     def _evict_locked(self, need: int,
-                      keep: bytes) -> list[tuple[bytes, bytes | Framed, float]]:
+                      keep: bytes) -> list[tuple[bytes, bytes | Framed, float, int]]:
         """Remove entries other than ``keep`` to free ``need`` bytes, in LRU order: expired
         ones (pinned or not: a pin outlives no entry) and unprotected ones. Chosen first and
         removed only once they free enough: else TooLarge, and nothing is removed."""
@@ -188,12 +189,12 @@ class RamTier(Tier):
             raise TooLarge("RAM tier is full of pinned entries; unpin or raise ram budget")
         for key in skipped:
             self._data.move_to_end(key)  # not looked at again by the next eviction
-        out: list[tuple[bytes, bytes | Framed, float]] = []
+        out: list[tuple[bytes, bytes | Framed, float, int]] = []
         for key in victims:
             expiry = self._expiry.get(key, 0.0)
             value = self._remove(key)
             assert value is not None
-            out.append((key, value, expiry))
+            out.append((key, value, expiry, self.generation(key)))
             self.counters.add("evictions")
         return out
 

@@ -46,7 +46,8 @@ skip the tier's copy meanwhile).
 Eviction: tiers evict on their own budget (RAM: LRU; disk: approximate LRU) but skip keys
 for which ``protected`` (wired here to the pin set) answers true. Evictions from a tier that
 ``reports_evictions`` are demoted to the first lower tier that does not hold the entry (through
-its queue) when ``demote`` is set. Pins live in this process's memory; a pin outlives no
+its queue) when ``demote`` is set, unless the key was written or deleted since its eviction
+(its generation, handed to ``on_evict``). Pins live in this process's memory; a pin outlives no
 entry: a store without ``pin`` of a key no tier holds (its pinned entry expired) drops it.
 
 Key-level ordering: synchronous lower-tier writes, deletes and queue flushes of one key hold
@@ -124,6 +125,7 @@ class TieredStore:
         self._health = TierHealth(tiers, count=self.count, on_up=self._tier_back)
         for tier in tiers:
             tier.protected = self.is_pinned
+            tier.generation = self._locks.generation
             tier.on_event = partial(self._tier_event, tier.name)
             if demote and tier.reports_evictions:
                 tier.on_evict = self._demote_from(tier)
@@ -499,9 +501,11 @@ class TieredStore:
     def _demote_from(self, tier: Tier) -> EvictHook:
         below = self.tiers[self.tiers.index(tier) + 1:]
 
-        def demote(key: bytes, value: bytes | Framed, ttl: float | None) -> None:
+        def demote(key: bytes, value: bytes | Framed, ttl: float | None, seen: int) -> None:
             expiry = time.monotonic() + ttl if ttl else 0.0
             with self.stripe(key):
+                if self._locks.generation(key) != seen:
+                    return  # written or deleted since its eviction: its value is not the key's
                 for lower in below:
                     if not self.is_up(lower.name):
                         continue
