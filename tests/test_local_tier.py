@@ -3,6 +3,7 @@ checked on every use, visible to lookup, the engine's timings and the loading co
 
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 
 import numpy as np
@@ -18,6 +19,7 @@ from kdn.delivery import LoadingController
 from kdn.engine import EngineConfig, KDNEngine
 from kdn.errors import InvalidLayout, LayoutMismatch
 from kdn.layout import DType, Expected, KVLayout
+from kdn.options import StoreOptions
 from kdn.server import ServerThread
 from tests.helpers import (
     count_staging_copies,
@@ -144,6 +146,22 @@ def test_hits_cost_no_call_to_the_server(server: ServerThread, shm: int | None,
         assert c.lookup([_key(3)]).infos[0].tier == "inproc"
         c.delete(_key(3))
         assert c.retrieve(_key(3)) is None
+
+
+@pytest.mark.parametrize("shm", [None, 0], ids=["segment", "stream"])
+def test_an_entry_stored_with_a_ttl_leaves_the_tier_when_it_expires(
+        server: ServerThread, shm: int | None) -> None:
+    with Client(server.address, shm_bytes=shm, local_bytes=8 << 20) as c:
+        kv = random_kv(LAYOUT, 12, seed=3)
+        c.store(_key(1), kv, options=StoreOptions(ttl_s=1))
+        c.store_many([(_key(2), kv)], options=StoreOptions(ttl_s=1))
+        c.store(_key(3), kv)
+        assert [i.tier for i in c.lookup([_key(1), _key(2), _key(3)]).infos] == ["inproc"] * 3
+        time.sleep(1.1)
+        infos = c.lookup([_key(1), _key(2), _key(3)]).infos
+        assert [i.present for i in infos[:2]] == [False, False] and infos[2].tier == "inproc"
+        assert c.retrieve(_key(1)) is None and c.retrieve(_key(2)) is None
+        assert c.local.stats.entries == 1
 
 
 def test_damaged_entries_are_never_kept(server: ServerThread) -> None:

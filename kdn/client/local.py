@@ -9,7 +9,8 @@ the same key space (namespace, key) as the client's calls. Lifecycle:
 * read first by ``fetch``, ``retrieve``, ``retrieve_stream(s)`` and reported by ``lookup``
   (tier ``inproc``): a hit costs no call to the server;
 * ``delete`` drops the key here too; the least recently used entries go when the byte budget
-  is exceeded;
+  is exceeded; an entry this client stored with a time to live (``StoreOptions.ttl_s``) goes
+  once it passed, counted from when the store began (so never later than on the server);
 * emptied by the client's ``close()``: a read of it after that is refused (``Closed``), as any
   call of a closed client is.
 
@@ -30,7 +31,9 @@ live in pinned host memory (each entry its own mapping registered with CUDA, its
 to pages: the byte budget is what is pinned) and are the source of a GPU-bound hit's
 host-to-device copy, with no pass over them first, so it can run at the pinned limit. kdn keys
 name content (a hash of the tokens and the layout), so an entry does not change under its key;
-an entry deleted on the server by another client stays usable here until it is evicted.
+an entry deleted on the server by another client stays usable here until it is evicted, and so
+does one whose time to live this client was not told (read from the server, or stored without
+``ttl_s`` on a server with a ``default_ttl_s``: the server does not say when they expire).
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from __future__ import annotations
 import logging
 import mmap
 import threading
+import time
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -92,6 +96,8 @@ class _Held:
 
     buf: np.ndarray  # type: ignore[type-arg]
     hit: LocalHit
+    expiry: float = 0.0
+    """Monotonic seconds when it expires; 0: not known to (a stored entry without ``ttl_s``)."""
 
 
 def _unregister(ptr: int) -> None:
@@ -132,18 +138,21 @@ class LocalWrite:
     the server took it, ``end`` once it is answered either way (again: nothing). A context
     manager that ends it."""
 
-    __slots__ = ("tier", "namespace", "key", "ticket", "ended")
+    __slots__ = ("tier", "namespace", "key", "ticket", "expiry", "ended")
 
-    def __init__(self, tier: LocalTier, namespace: str, key: bytes, ticket: int) -> None:
+    def __init__(self, tier: LocalTier, namespace: str, key: bytes, ticket: int,
+                 expiry: float = 0.0) -> None:
         self.tier, self.namespace, self.key = tier, namespace, key
         self.ticket = ticket
         """Its stamp; 0 where another write of the key was in flight when it began."""
+        self.expiry = expiry
+        """When a store with a time to live expires, counted from its start (0: none)."""
         self.ended = False
 
     def keep(self, parts: EncodedParts) -> bool:
         """Keep ``parts``, stored by this write, where no later write of the key began."""
         return bool(self.ticket) and self.tier.put(self.namespace, self.key, parts,
-                                                   self.ticket)
+                                                   self.ticket, self.expiry)
 
     def end(self) -> None:
         if not self.ended:
@@ -174,10 +183,12 @@ class LocalTier:
         self._writing: dict[tuple[str, bytes], int] = {}  # writes in flight, by key
         self.closed = False
 
-    def write(self, namespace: str, key: bytes) -> LocalWrite:
-        """A store or delete of the key is about to be sent (module docstring): its copy here
-        goes now; the write's ``keep`` and ``end`` follow its answer."""
+    def write(self, namespace: str, key: bytes, ttl_s: float = 0.0) -> LocalWrite:
+        """A store (with ``ttl_s``: its time to live) or delete of the key is about to be sent
+        (module docstring): its copy here goes now; the write's ``keep`` and ``end`` follow
+        its answer."""
         k = (namespace, key)
+        expiry = time.monotonic() + ttl_s if ttl_s else 0.0
         with self._lock:
             self._drop(k)
             self._clock += 1
@@ -187,7 +198,7 @@ class LocalTier:
                 self._floor = max(self._floor, self._stamps.popitem(last=False)[1])
             alone = k not in self._writing
             self._writing[k] = self._writing.get(k, 0) + 1
-            return LocalWrite(self, namespace, key, self._clock if alone else 0)
+            return LocalWrite(self, namespace, key, self._clock if alone else 0, expiry)
 
     def _ended(self, k: tuple[str, bytes]) -> None:
         with self._lock:
@@ -215,7 +226,7 @@ class LocalTier:
         with self._lock:
             if self.closed:
                 raise Closed(CLOSED)
-            held = self._entries.get((namespace, key))
+            held = self._held((namespace, key))
             if held is None:
                 self.stats.misses += 1
                 return None
@@ -228,17 +239,26 @@ class LocalTier:
         with self._lock:
             if self.closed:
                 raise Closed(CLOSED)
-            held = self._entries.get((namespace, key))
+            held = self._held((namespace, key))
             return None if held is None else int(held.buf.nbytes)
 
+    def _held(self, k: tuple[str, bytes]) -> _Held | None:
+        """The key's entry unless it expired (then dropped). Call with the lock."""
+        held = self._entries.get(k)
+        if held is not None and held.expiry and held.expiry <= time.monotonic():
+            self._drop(k)
+            return None
+        return held
+
     def put(self, namespace: str, key: bytes, parts: EncodedParts,
-            ticket: int | None = None) -> bool:
-        """Keep a checked copy of the entry; False when it is larger than the tier or fails
-        its check (then nothing of it is kept, and an older copy under the key goes too), or
-        when a write of the key began after ``ticket`` was taken (``read_ticket``, a write's;
-        0: not kept; None: no such check)."""
+            ticket: int | None = None, expiry: float = 0.0) -> bool:
+        """Keep a checked copy of the entry until ``expiry`` (monotonic; 0: no end); False
+        when it is larger than the tier or fails its check (then nothing of it is kept, and an
+        older copy under the key goes too), when it expired already, or when a write of the
+        key began after ``ticket`` was taken (``read_ticket``, a write's; 0: not kept; None:
+        no such check)."""
         n = parts.nbytes
-        if n > self.capacity_bytes or ticket == 0:
+        if n > self.capacity_bytes or ticket == 0 or expiry and expiry <= time.monotonic():
             return False
         head = len(parts.header)
         room = _host_buffer(n + FRAME_ALIGN)
@@ -264,7 +284,7 @@ class LocalTier:
         whole = out.toreadonly()
         c = parse_container(whole, verify=False)  # once: a hit hands out these views
         held = _Held(buf, LocalHit(EncodedParts(c.header.raw, list(c.frames)),  # type: ignore[arg-type]
-                                   whole, c.header, {}))
+                                   whole, c.header, {}), expiry)
         with self._lock:
             if self.closed:  # a store answered as its client was closed
                 return False

@@ -72,11 +72,12 @@ class Writer:
     def _ns(self, namespace: str | None) -> str:
         return check_namespace(namespace or self.namespace)
 
-    def writing(self, namespace: str, key: bytes) -> Any:
-        """The in-process tier's ``LocalWrite`` of a store of ``key`` about to be sent (its
-        copy there goes now; ``keep`` once stored, ``end`` once answered), or ``NOT_KEPT``
-        without a tier."""
-        return NOT_KEPT if self.local is None else self.local.write(namespace, key)
+    def writing(self, namespace: str, key: bytes, opts: pb.StoreOptions) -> Any:
+        """The in-process tier's ``LocalWrite`` of a store of ``key`` with ``opts`` about to
+        be sent (its copy there goes now; ``keep`` once stored, ``end`` once answered), or
+        ``NOT_KEPT`` without a tier."""
+        return NOT_KEPT if self.local is None else \
+            self.local.write(namespace, key, opts.ttl_seconds)
 
     @traced("kdn.client.store")
     def store(
@@ -108,7 +109,7 @@ class Writer:
         parts = encoded(kv, mode, level, layers_per_frame)
         opts = wire_options(options)
         ns = self._ns(namespace)
-        with self.writing(ns, key) as write:
+        with self.writing(ns, key, opts) as write:
             if self.dataplane.direct:  # through the shared segment (same host) or data path
                 done = self.dataplane.put_many(ns, [(key, parts, opts)], request_id)[0]
                 if not isinstance(done, TooBig):
@@ -192,7 +193,7 @@ class Writer:
         opts = wire_options(options)
         enc = [(check_key(k), encoded(kv, mode, level, layers_per_frame), opts)
                for k, kv in items]
-        writes = [self.writing(ns, k) for k, _, _ in enc]
+        writes = [self.writing(ns, k, o) for k, _, o in enc]
         try:
             return self._stored_many(ns, enc, self._sent_many(ns, enc, request_id), writes,
                                      options, request_id)
@@ -307,7 +308,7 @@ class Writer:
             got = self.dataplane.put_async(ns, key, opts, staged=kv)
         else:
             parts = kept = encoded(kv, mode, level, layers_per_frame)
-            write = self.writing(ns, key)
+            write = self.writing(ns, key, opts)
 
             def on_done(stored: bool) -> None:
                 if stored:
@@ -473,7 +474,7 @@ class Writer:
                 if batch and (size + st.nbytes > BATCH_BYTES or len(batch) >= MAX_CALL_KEYS):
                     send()
                     batch, size = [], 0
-                writes[j] = self.writing(ns, key)
+                writes[j] = self.writing(ns, key, opts)
                 batch.append(j)
                 size += st.nbytes
             if batch:
