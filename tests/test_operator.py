@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,7 +13,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from kdn import keys
+from kdn import StoreOptions, keys
 from kdn.cli.main import main as cli
 from kdn.client import Client
 from kdn.client.admin import AdminClient, read_records
@@ -468,3 +469,25 @@ def test_event_counts_are_exact_under_threads_and_stats_has_the_admins(tmp_path:
         text = urllib.request.urlopen(f"http://127.0.0.1:{st.server.metrics_port}/metrics",
                                       timeout=10).read().decode()
         assert 'kdn_events_total{event="Evict.INVALID_ARGUMENT"} 1.0' in text
+
+
+def test_a_pin_whose_entry_expired_is_dropped_by_evict_and_gc(tmp_path: Path) -> None:
+    """A pinned entry that expired leaves its pin in the server's pin set until something asks:
+    evict of the key is not refused as pinned, and gc drops every such pin."""
+    lay = uniform_layout(layers=1, heads=1, dim=8)
+    cfg = ServerConfig(port=0, data_dir=tmp_path / "d", disk_bytes=8 << 20)
+    with ServerThread(cfg) as st, AdminClient(st.address, shm_bytes=0) as c:
+        assert st.server is not None
+        store = st.server.store
+        a, b, live = (keys.chunk_key([i], lay) for i in (1, 2, 3))
+        for k in (a, b):
+            c.store(k, random_kv(lay, 4), mode="raw", options=StoreOptions(ttl_s=1, pin=True))
+        c.store(live, random_kv(lay, 4), mode="raw", options=StoreOptions(pin=True))
+        assert len(store.pinned()) == 3
+        time.sleep(1.1)
+        assert c.evict([a]) == 0  # its entry expired: not refused as pinned
+        assert len(store.pinned()) == 2
+        c.gc()
+        assert len(store.pinned()) == 1
+        with pytest.raises(Exception, match="pinned"):
+            c.evict([live])

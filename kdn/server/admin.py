@@ -217,6 +217,7 @@ class AdminServicer(pb_grpc.KDNAdminServicer):
         if tier is None:
             raise InvalidArgument(f"no tier named {name!r}; tiers: "
                                   f"{[t.name for t in self.store.tiers]}")
+        await asyncio.to_thread(self._drop_gone_pins, skeys)  # expired ones: pinned no more
         if any(self.store.is_pinned(k) for k in skeys):
             raise InvalidArgument("pinned entries can not be evicted; unpin them first")
         n = await asyncio.to_thread(lambda: sum(delete_entry(self.store, self.auth, k, tier)
@@ -467,10 +468,22 @@ class AdminServicer(pb_grpc.KDNAdminServicer):
                     continue
                 resp.removed += removed
                 resp.freed_bytes += freed
+            self._drop_gone_pins(self.store.pinned())
             recount_usage(self.store, self.auth)
             return resp
 
         return await asyncio.to_thread(run)
+
+    def _drop_gone_pins(self, skeys: list[bytes]) -> None:
+        """Unpin those of ``skeys`` that are pinned but no tier holds (their entry expired or
+        left: a pin outlives no entry), asked under each key's entry lock, as stores pin; only
+        while every tier is up."""
+        if all(self.store.is_up(t.name) for t in self.store.tiers):
+            for k in skeys:
+                if self.store.is_pinned(k):
+                    with self.store.entry_lock(k):
+                        if not self.store.presence(k).present:
+                            self.store.unpin(k)
 
 
 def _matches(parts: tuple[str, str, bytes], namespace: str, hex_prefix: str) -> bool:

@@ -44,11 +44,11 @@ serve later: it is deleted there at once, or a delete is queued in the write's p
 skip the tier's copy meanwhile).
 
 Eviction: tiers evict on their own budget (RAM: LRU; disk: approximate LRU) but skip keys
-for which ``protected`` (wired here to the pin set) answers true. Evictions from a tier that
-``reports_evictions`` are demoted to the first lower tier that does not hold the entry (through
-its queue) when ``demote`` is set, unless the key was written or deleted since its eviction
-(its generation, handed to ``on_evict``). Pins live in this process's memory; a pin outlives no
-entry: a store without ``pin`` of a key no tier holds (its pinned entry expired) drops it.
+for which ``protected`` (wired here to the pin set) answers true, their time to live left.
+Evictions from a tier that ``reports_evictions`` are demoted to the first lower tier that does
+not hold the entry (through its queue) when ``demote`` is set, unless the key was written or
+deleted since (its generation, handed to ``on_evict``). Pins live in this process's memory and
+outlive no entry: a store without ``pin`` of a key no tier holds drops its pin, as gc does.
 
 Key-level ordering: synchronous lower-tier writes, deletes and queue flushes of one key hold
 that key's stripe lock (``kdn.store.locks``), so an older queued value never lands over a newer
@@ -201,6 +201,10 @@ class TieredStore:
     def unpin(self, key: bytes) -> None:
         with self._lock:
             self._pins.discard(key)
+
+    def pinned(self) -> list[bytes]:
+        with self._lock:
+            return list(self._pins)
 
     # -- reads ----------------------------------------------------------------------------------
 
