@@ -398,6 +398,35 @@ def test_a_mistyped_variable_is_refused_with_the_setting_it_meant() -> None:
     assert cfg.port == 7
 
 
+def test_kubernetes_service_links_are_not_settings(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A pod beside a Service named kdn gets KDN_SERVICE_HOST, KDN_PORT=tcp://IP:PORT,
+    KDN_PORT_<N>_TCP... (service links): they were refused as settings (`kdn serve` exit 2,
+    and `kdn admin health`, the probes, too); now skipped, and KDN_PORT of that form is not
+    the port (the file's is), with a warning naming enableServiceLinks."""
+    ip = "10.96.0.42"
+    links = {"KDN_SERVICE_HOST": ip, "KDN_SERVICE_PORT": "50051",
+             "KDN_SERVICE_PORT_GRPC": "50051", "KDN_PORT": f"tcp://{ip}:50051"}
+    for port in (50051, 9464):
+        base = f"KDN_PORT_{port}_TCP"
+        links.update({base: f"tcp://{ip}:{port}", base + "_PROTO": "tcp",
+                      base + "_PORT": str(port), base + "_ADDR": ip})
+    from kdn.server.config import check_variables
+
+    check_variables(links)
+    f = tmp_path / "kdn.yaml"
+    f.write_text("port: 50071\n")
+    with caplog.at_level("WARNING", logger="kdn.server.config"):
+        cfg = load_config(f, env={**links, "KDN_DATA_PORT": "50075"})
+    assert (cfg.port, cfg.data_port) == (50071, 50075)
+    assert any("enableServiceLinks: false" in r.getMessage() for r in caplog.records)
+    assert load_config(env=links).port == 50051  # the default
+    with pytest.raises(ConfigError, match=r"\$KDN_SERVICE_HOSTS: no such setting"):
+        load_config(env={"KDN_SERVICE_HOSTS": ip})
+    with pytest.raises(ConfigError, match=r"port: invalid value"):
+        load_config(env={"KDN_PORT": "http://10.0.0.1:50051/x"})
+
+
 def test_help_shows_values_as_one_writes_them() -> None:
     from kdn.server.config import ServerConfig, describe, format_size
 

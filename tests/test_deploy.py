@@ -250,6 +250,9 @@ def test_kubernetes_manifests_pass_the_schema_check_and_kdns_own_loaders() -> No
     assert cfg.host == "0.0.0.0" and cfg.metrics_host == "0.0.0.0" and cfg.auth_tenants
     assert pod["terminationGracePeriodSeconds"] > 2 * cfg.shutdown_grace_s
     assert pod["securityContext"]["runAsUser"] == 10001  # the image's user
+    # the Service kdn's links (KDN_PORT=tcp://IP:50051, KDN_PORT_50051_TCP...) are not
+    # injected: they would replace the image's KDN_PORT
+    assert pod["enableServiceLinks"] is False
     assert any(m["mountPath"] == str(cfg.data_dir) for m in c["volumeMounts"])
     # liveness is `kdn admin health`, readiness `... --ready`, both on the server's port
     live = build_parser().parse_args(c["livenessProbe"]["exec"]["command"][1:])

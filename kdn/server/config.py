@@ -1,6 +1,8 @@
 """Server configuration: one frozen dataclass, one loader for YAML file + KDN_* env + flags.
 
 Precedence (later wins): defaults < YAML file < ``KDN_<FIELD>`` environment variables < flags.
+Any other ``KDN_*`` variable is refused, save those of ``kdn.server.variables`` (the clients'
+and scripts', and Kubernetes' service links for a Service named kdn).
 Every value is validated at start-up; an error names the setting and where it came from.
 Sizes accept plain byte counts or units: ``512MiB``, ``2GB``, ``1.5GiB``.
 """
@@ -21,6 +23,8 @@ from urllib.parse import urlparse
 
 from kdn.checks import shown
 from kdn.errors import ConfigError
+from kdn.server import variables
+from kdn.server.variables import LINKS_HINT, OTHER_VARIABLES, kubernetes_link
 from kdn.store.redis_urls import cluster_urls
 from kdn.store.tiered import WritePolicy
 from kdn.transport.addresses import host_port, is_loopback
@@ -483,6 +487,11 @@ def load_config(
     for k, v in env.items():
         if not k.startswith("KDN_") or k in OTHER_VARIABLES:
             continue
+        if kubernetes_link(k, v):
+            if k == "KDN_PORT":  # it replaced the image's KDN_PORT: the file's or the default
+                logging.getLogger("kdn.server.config").warning(
+                    "port: $KDN_PORT (%s) is not taken as the port: it is %s", v, LINKS_HINT)
+            continue
         name = k[4:].lower()
         values[name] = _coerce(name, v, f"${k}")
         if name in from_file and from_file[name] != values[name] \
@@ -505,31 +514,12 @@ def load_config(
         raise ConfigError(str(exc)) from None
 
 
-OTHER_VARIABLES = frozenset({
-    "KDN_ADDRESS", "KDN_API_KEY", "KDN_FLEET",     # clients and the admin CLI
-    "KDN_RAG_STATE", "KDN_CACHE_DIR",              # kdn rag, the model cache
-    "KDN_TORCH_INDEX", "KDN_BOOTSTRAP_DRY_RUN",    # scripts/bootstrap.sh
-    "KDN_TORCH_SPEC", "KDN_EXTRAS", "KDN_SKIP_SLIM", "KDN_PEERS_REEXEC",  # scripts, tests
-    "KDN_MALLOC_TUNING", "KDN_REAL_KV",           # the allocator's tuning, GPU checks' KV
-})
-"""``KDN_*`` variables that are not server settings (any other one is refused as a typo)."""
-
-
 def check_variables(env: Mapping[str, str]) -> None:
-    """Refuse a ``KDN_*`` variable that is neither a server setting nor one of
-    ``OTHER_VARIABLES`` (a misspelling would otherwise be ignored), naming the nearest one.
-    ``kdn serve``, ``kdn admin`` and ``kdn rag`` all check their environment this way."""
-    known = {f.name for f in fields(ServerConfig)}
-    for k in sorted(env):
-        if not k.startswith("KDN_") or k in OTHER_VARIABLES or k[4:].lower() in known:
-            continue
-        import difflib
-
-        names = sorted(known | {v[4:].lower() for v in OTHER_VARIABLES})
-        near = difflib.get_close_matches(k[4:].lower(), names, n=1)
-        hint = f"did you mean KDN_{near[0].upper()}? " if near else ""
-        raise ConfigError(f"${k}: no such setting; {hint}`kdn serve --help` lists them "
-                          "(each is KDN_ plus its name in capitals)")
+    """Refuse a ``KDN_*`` variable that is neither a server setting, one of
+    ``OTHER_VARIABLES`` nor a Kubernetes service link (a misspelling would otherwise be
+    ignored), naming the nearest one (``kdn.server.variables``). ``kdn serve``, ``kdn admin``
+    and ``kdn rag`` all check their environment this way."""
+    variables.check_variables(env, (f.name for f in fields(ServerConfig)))
 
 
 def format_size(n: int) -> str:
