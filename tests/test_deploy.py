@@ -314,3 +314,68 @@ def test_the_image_pins_every_server_dependency_within_its_range() -> None:
     assert "COPY deploy/constraints-server.txt" in docker
     ignore = (ROOT / "deploy" / "Dockerfile.dockerignore").read_text()
     assert "!deploy/constraints-server.txt" in ignore.splitlines()
+
+
+def _self_signed(tmp: Path, dns: str) -> tuple[Path, Path]:
+    """A self-signed server certificate naming ``dns`` only (not 127.0.0.1), and its key."""
+    import datetime
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, dns)])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name)
+            .public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(days=1))
+            .not_valid_after(now + datetime.timedelta(days=2))
+            .add_extension(x509.SubjectAlternativeName([x509.DNSName(dns)]), critical=False)
+            .sign(key, hashes.SHA256()))
+    (tmp / "tls.crt").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    (tmp / "tls.key").write_bytes(key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+        serialization.NoEncryption()))
+    (tmp / "tls.key").chmod(0o600)
+    return tmp / "tls.crt", tmp / "tls.key"
+
+
+def test_every_health_probe_passes_on_a_tls_server(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The files say: to serve other hosts set KDN_TLS_CERT/KDN_TLS_KEY. The probes (the
+    Dockerfile's HEALTHCHECK, the compose healthchecks, the Kubernetes liveness and readiness
+    probes) dialled 127.0.0.1 in plaintext: a healthy TLS server was reported dead. `kdn
+    admin` on a loopback address now trusts $KDN_TLS_CERT and expects its name; a certificate
+    from a CA passes as a chain that holds the CA."""
+    from kdn.cli.main import main
+    from kdn.server import ServerConfig, ServerThread
+    from tests.helpers import make_certs
+
+    docker = re.sub(r"\\\n", " ", (ROOT / "deploy" / "Dockerfile").read_text())
+    probes = [re.search(r"^HEALTHCHECK .* CMD (.*)$", docker, re.M).group(1)]  # type: ignore[union-attr]
+    probes += [s["healthcheck"]["test"][1].replace("$$", "$")
+               for path in (SINGLE, CLUSTER) for s in kdn_services(load(path)).values()]
+    sts = next(d for d in _kube_docs() if d["kind"] == "StatefulSet")
+    (c,) = sts["spec"]["template"]["spec"]["containers"]
+    kube = [c[p]["exec"]["command"] for p in ("livenessProbe", "readinessProbe")]
+    certs = make_certs(tmp_path)
+    chain = tmp_path / "chain.crt"  # the server's certificate, then its CA's
+    chain.write_bytes(certs["server.crt"].read_bytes() + certs["ca.crt"].read_bytes())
+    for cert, key in (_self_signed(tmp_path, "kdn.example.internal"),
+                      (chain, certs["server.key"])):
+        cfg = ServerConfig(port=0, data_port=-1, data_dir=tmp_path / "d", disk_bytes=0,
+                           tls_cert=str(cert), tls_key=str(key))
+        with ServerThread(cfg) as st:
+            port = st.address.rpartition(":")[2]
+            env = {"KDN_PORT": port, "KDN_TLS_CERT": str(cert), "KDN_TLS_KEY": str(key)}
+            for name, value in env.items():
+                monkeypatch.setenv(name, value)
+            runs = [_expand(p, env) for p in probes] + [
+                [w.replace(":50051", f":{port}") for w in k] for k in kube]
+            for words in runs:
+                assert words[:3] == ["kdn", "admin", "health"], words
+                assert main(words[1:]) == 0, (cert.name, words)
+            monkeypatch.delenv("KDN_TLS_CERT")  # plaintext against TLS: still refused
+            assert main(runs[0][1:]) == 1

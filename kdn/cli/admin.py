@@ -55,12 +55,42 @@ def tls_options(ns: argparse.Namespace) -> Any:
                       server_name=ns.tls_server_name or "")
 
 
+def own_certificate(address: str, server_name: str | None) -> Any:
+    """Without --tls-* options, for a command run beside the server (the deploy files' health
+    probes, in its container): TLS trusting ``$KDN_TLS_CERT`` (the server's certificate:
+    self-signed, or a chain that holds its CA) and expecting a name it carries, when
+    ``address`` is on this machine and the variable is set; else None (plaintext). A server
+    under mutual TLS (``tls_client_ca``) wants a client certificate too: pass --tls-ca,
+    --tls-cert and --tls-key (so does one whose CA the file lacks: --tls-ca)."""
+    from kdn.client.client import TLSOptions
+    from kdn.transport.addresses import is_loopback
+
+    path = os.environ.get("KDN_TLS_CERT", "").strip()
+    host = address.rpartition(":")[0].strip("[]")
+    if not path or not is_loopback(host):
+        return None
+    pem = Path(os.path.expanduser(path)).read_bytes()
+    if not server_name:
+        import ssl
+
+        try:  # the certificate's names: (("DNS", "kdn.example"), ("IP Address", ...), ...)
+            cert = ssl._ssl._test_decode_cert(  # type: ignore[attr-defined]
+                os.path.expanduser(path))
+        except (AttributeError, ssl.SSLError, OSError):
+            cert = {}
+        names = [v for _, v in cert.get("subjectAltName", ())] or [
+            v for rdn in cert.get("subject", ()) for k, v in rdn if k == "commonName"]
+        server_name = "" if not names or host in names else names[0]
+    return TLSOptions(ca=pem, server_name=server_name)
+
+
 def admin_client(ns: argparse.Namespace) -> Any:
     from kdn.client.admin import AdminClient
 
     return AdminClient(ns.address, timeout_s=ns.timeout,
                        api_key=ns.api_key or os.environ.get("KDN_API_KEY") or None,
-                       tls=tls_options(ns), shm_bytes=0, insecure=ns.insecure or None)
+                       tls=tls_options(ns) or own_certificate(ns.address, ns.tls_server_name),
+                       shm_bytes=0, insecure=ns.insecure or None)
 
 
 class UsageError(Exception):

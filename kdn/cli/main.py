@@ -85,7 +85,9 @@ def _admin_options(p: argparse.ArgumentParser, *, suppress: bool) -> None:
     g.add_argument("--timeout", type=positive, default=default(30.0),
                    help="seconds per call (default: 30)")
     g.add_argument("--api-key", default=default(None), help="API key (default: $KDN_API_KEY)")
-    g.add_argument("--tls-ca", default=default(None), help="PEM CA to trust (enables TLS)")
+    g.add_argument("--tls-ca", default=default(None),
+                   help="PEM CA to trust (enables TLS; default for a loopback --address: "
+                        "$KDN_TLS_CERT, the server's own certificate, where set)")
     g.add_argument("--tls-cert", default=default(None), help="client certificate (mutual TLS)")
     g.add_argument("--tls-key", default=default(None), help="client private key (mutual TLS)")
     g.add_argument("--tls-server-name", default=default(None),
