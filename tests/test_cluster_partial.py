@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from kdn import keys
+from kdn.cli.main import main
 from kdn.client import Client
 from kdn.client.admin import AdminClient
 from kdn.errors import KDNError
@@ -175,6 +176,8 @@ def test_a_stopped_master_takes_out_its_slots_only(tmp_path: Path,
                 assert eventually(lambda: cluster.failed(victim), timeout=15, interval=0.1)
                 time.sleep(1.0)  # and a while after the cluster's failure mark
                 report = admin.health_report()
+                probe = ["admin", "health", "--timeout", "5", "--address", server.address]
+                exits = (main(probe), main([*probe, "--ready"]))
                 down = _redis(server).masters_down()
                 assert server.server is not None
                 parts = server.server.store.parts_down()
@@ -204,6 +207,10 @@ def test_a_stopped_master_takes_out_its_slots_only(tmp_path: Path,
         assert report["services"]["kdn.v1.KDN"] == "SERVING"  # not down: degraded
         assert down == [f"127.0.0.1:{victim.port}"] and parts == {"redis": down}
         assert report["parts_down"] == {"redis": down}  # what kdn admin health prints
+        assert exits == (0, 1)  # live, not ready: as the README's cluster section says
+        readme = " ".join((Path(__file__).parents[1] / "README.md").read_text().split())
+        assert "`DEGRADED` with the silent masters (exit 0: the server is live; `--ready` " \
+               "exits 1)" in readme
         assert listing_s < 0.5 and stored
         assert all(keys.store_key("", "default", k) in listed for k, _ in stored)
         assert eventually(lambda: admin.health_report()["status"] == "SERVING", timeout=15)
