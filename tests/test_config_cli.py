@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import re
 import signal
@@ -262,8 +263,36 @@ def test_a_variable_overriding_a_file_setting_is_a_warning(
     assert (cfg.port, cfg.metrics_port) == (7000, 9464)
     said = [r.getMessage() for r in caplog.records]
     assert len(said) == 1, said
-    assert said[0].startswith("metrics_port: $KDN_METRICS_PORT ('9464') overrides -1 in ") \
+    assert said[0].startswith("metrics_port: $KDN_METRICS_PORT (9464) overrides -1 in ") \
         and str(f) in said[0], said
+
+
+def test_the_override_warnings_come_in_the_logs_format(tmp_path: Path) -> None:
+    """Under log_format: json every line kdn serve logs is JSON: the override warnings were
+    logged before logging was set up (a bare text line in the stream), a path shown as
+    PosixPath('/data'); now they come after, as values are written."""
+    f = tmp_path / "kdn.yaml"
+    f.write_text(f"data_dir: {tmp_path / 'file'}\nram_bytes: 64MiB\nlog_format: json\n"
+                 "data_port: -1\nmetrics_port: -1\ndisk_bytes: 0\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KDN_")}
+    env["KDN_DATA_DIR"] = str(tmp_path / "env")
+    proc = subprocess.Popen([sys.executable, "-m", "kdn", "serve", "--config", str(f),
+                             "--port", "0"], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stderr is not None
+        assert proc.stdout.readline().startswith("kdn serving on")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+        lines = proc.stderr.read().splitlines()
+    finally:
+        proc.kill()
+        proc.wait()
+    logged = [json.loads(line) for line in lines]  # each line JSON
+    (warning,) = [r for r in logged if r["logger"] == "kdn.server.config"]
+    assert warning["level"] == "WARNING" and warning["msg"].startswith(
+        f"data_dir: $KDN_DATA_DIR ({tmp_path / 'env'}) overrides {tmp_path / 'file'} in "), \
+        warning
 
 
 def test_parse_size() -> None:

@@ -106,8 +106,9 @@ def _serve(ns: argparse.Namespace) -> int:
     from kdn.server.config import describe, load_config
 
     flags = {name: getattr(ns, name, None) for name, _, _ in describe()}
+    notes: list[str] = []  # warnings, logged once logging has the configured format
     try:
-        config = load_config(ns.config, flags=flags)
+        config = load_config(ns.config, flags=flags, notes=notes)
     except ConfigError as exc:
         error("kdn serve", f"bad configuration: {exc}", "see kdn serve --help")
         return EXIT_USAGE
@@ -116,11 +117,14 @@ def _serve(ns: argparse.Namespace) -> int:
         return EXIT_USAGE
 
     import asyncio
+    import logging
 
     from kdn.server.app import serve
     from kdn.server.logs import configure
 
     configure(config.log_level, config.log_format)
+    for line in notes:
+        logging.getLogger("kdn.server.config").warning("%s", line)
     blender = None
     if config.model:  # the model side of the Blend RPC; the model loads on the first Blend
         from kdn.blend.host import ModelBlender

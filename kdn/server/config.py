@@ -465,10 +465,14 @@ def load_config(
     file: Path | str | None = None,
     env: Mapping[str, str] | None = None,
     flags: Mapping[str, Any] | None = None,
+    notes: list[str] | None = None,
 ) -> ServerConfig:
     """Merge defaults, a YAML file, KDN_* variables and flags into a validated ServerConfig.
-    A variable that overrides another value the file sets is logged as a WARNING naming both
-    (a container image's ENV defaults beat a mounted file: its ``metrics_port: -1`` ignored)."""
+    A variable that overrides another value the file sets is a warning naming both (a
+    container image's ENV defaults beat a mounted file: its ``metrics_port: -1`` ignored):
+    appended to ``notes`` where given (``kdn serve`` logs them once its logging is set up, in
+    its format), else logged as a WARNING."""
+    said: list[str] = [] if notes is None else notes
     known = {f.name for f in fields(ServerConfig)}
     values: dict[str, Any] = {}
     from_file: dict[str, Any] = {}
@@ -489,23 +493,25 @@ def load_config(
             continue
         if kubernetes_link(k, v):
             if k == "KDN_PORT":  # it replaced the image's KDN_PORT: the file's or the default
-                logging.getLogger("kdn.server.config").warning(
-                    "port: $KDN_PORT (%s) is not taken as the port: it is %s", v, LINKS_HINT)
+                said.append(f"port: $KDN_PORT ({v}) is not taken as the port: it is "
+                            f"{LINKS_HINT}")
             continue
         name = k[4:].lower()
         values[name] = _coerce(name, v, f"${k}")
         if name in from_file and from_file[name] != values[name] \
                 and (flags or {}).get(name) is None:
-            logging.getLogger("kdn.server.config").warning(
-                "%s: $%s (%s) overrides %s in %s (the environment beats the config file: "
-                "unset $%s to take the file's)", name, k, shown(v), shown(from_file[name]),
-                file, k)
+            said.append(f"{name}: ${k} ({_brief(name, values[name])}) overrides "
+                        f"{_brief(name, from_file[name])} in {file} (the environment beats "
+                        f"the config file: unset ${k} to take the file's)")
     for k, v in (flags or {}).items():
         if v is None:
             continue
         if k not in known:
             raise ConfigError(f"{k}: unknown setting")
         values[k] = _coerce(k, v, f"--{k.replace('_', '-')}")
+    if notes is None:
+        for line in said:
+            logging.getLogger("kdn.server.config").warning("%s", line)
     try:
         return ServerConfig(**values)
     except ConfigError:
@@ -540,6 +546,13 @@ def _shown(name: str, value: Any) -> str:
     if isinstance(value, enum.Enum):
         return str(value.value)
     return str(value) if value != "" else '""'
+
+
+def _brief(name: str, value: Any) -> str:
+    """``value`` as help shows it (a path as written, a size with its unit); a text (a
+    tenants file's, a list of URLs) cut at 60 characters."""
+    text = _shown(name, value)
+    return text if not isinstance(value, str) or len(text) <= 60 else text[:57] + "..."
 
 
 def _field_docs() -> dict[str, str]:
