@@ -45,6 +45,29 @@ def test_region_allocator_reuses_and_merges() -> None:
     assert regions.alloc(1) is None
 
 
+def test_a_region_allocator_whose_end_is_not_aligned_keeps_within_it() -> None:
+    regions = RegionAllocator(16, 1000)  # 1000: 15 whole blocks and 40 bytes
+    assert regions.free_bytes() == 1000 // 64 * 64 - 64
+    off, size = regions.alloc_largest(10_000)  # type: ignore[misc]
+    assert off + size <= 1000
+    regions.free(off, size)  # given back whole: nothing reaches past the end
+    assert regions.alloc_largest(10_000) == (off, size)
+    assert RegionAllocator(16, 40).alloc(1) is None  # no whole block after the start
+
+
+def test_a_segment_of_unaligned_size_serves_reads_after_a_miss(server: ServerThread) -> None:
+    with Client(server.address, timeout_s=30, shm_bytes=100_000) as c:
+        keys = [_key(i) for i in range(3)]
+        for i, k in enumerate(keys):
+            c.store(k, random_kv(LAYOUT, 16, seed=i), mode="raw")
+        assert c.dataplane.attached
+        for _ in range(2):  # a miss gives the segment's tail back, then reads go through it
+            assert c.retrieve_streams([_key(99)], layout=LAYOUT, tokens=16) == [None]
+            for i, s in enumerate(c.retrieve_streams(keys, layout=LAYOUT, tokens=16)):
+                assert s is not None
+                assert torch_equal(s.wait_for_layer(3), random_kv(LAYOUT, 16, seed=i).layers[3])
+
+
 def test_store_and_retrieve_through_the_segment(shm_client: Client) -> None:
     kv = random_kv(LAYOUT, 40, seed=1)
     shm_client.store(_key(1), kv, mode="raw")

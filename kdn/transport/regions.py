@@ -15,10 +15,14 @@ def _align(n: int) -> int:
 
 
 class RegionAllocator:
-    """First-fit allocation of aligned byte ranges in [start, end); thread-safe."""
+    """First-fit allocation of aligned byte ranges in [start, end); thread-safe. Only whole
+    ALIGN-byte blocks are handed out: an ``end`` that is not a multiple of ALIGN is rounded
+    down (the tail short of a block is left unused, so no range given back, rounded up to a
+    block, reaches past ``end``)."""
 
     def __init__(self, start: int, end: int) -> None:
-        self._free: list[tuple[int, int]] = [(_align(start), end)]  # sorted (begin, end)
+        begin, end = _align(start), end // ALIGN * ALIGN
+        self._free: list[tuple[int, int]] = [(begin, end)] if end > begin else []  # sorted
         self._retired: list[tuple[int, int, Callable[[], bool] | None]] = []
         self._lock = threading.Lock()
 
