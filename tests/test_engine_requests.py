@@ -6,6 +6,7 @@ generate raises), before anything is computed or stored."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -140,6 +141,27 @@ def test_save_layer_refuses_a_layer_the_model_does_not_have(engine: KDNEngine) -
     for i in (3, 7, -1, True, 1.0):
         with pytest.raises(InvalidArgument, match=rf"save_layer: layer .*\[0, 3\), got {i!r}"):
             engine.save_layer(i, k, k)  # type: ignore[arg-type]
+
+
+def test_save_layer_refuses_kv_not_of_the_layers_shape_and_stores_what_is(
+        engine: KDNEngine) -> None:
+    """K/V with the batch dimension kept, or other heads or channels, are refused naming the
+    shape expected (they passed, and the store-back thread died on them: nothing stored)."""
+    ids = [int(x) for x in torch.randint(1, 256, (50,), generator=torch.Generator().manual_seed(9))]
+    lay = engine.layout.layers[0]
+    heads, ch, n = lay.kv_heads, lay.k_channels, len(ids)
+    engine.start_load(ids)
+    for shape in ((1, heads, n, ch), (heads + 1, n, ch), (heads, n, ch // 2), (n, ch)):
+        with pytest.raises(InvalidArgument, match=rf"save_layer: layer 0's K has shape "
+                           rf"{re.escape(str(shape))}, expected .*\[{heads}, tokens, {ch}\]"):
+            engine.save_layer(0, torch.zeros(shape), torch.zeros(heads, n, ch))
+    with pytest.raises(InvalidArgument, match="layer 0's V must be a torch tensor"):
+        engine.save_layer(0, torch.zeros(heads, n, ch), [[0.0]])  # type: ignore[arg-type]
+    for i in range(engine.layout.num_layers):
+        engine.save_layer(i, torch.randn(heads, n, ch), torch.randn(heads, n, ch))
+    engine.wait_for_save()
+    engine.finish()
+    assert engine.matched_tokens(ids) == 48  # every whole block of 16
 
 
 @pytest.mark.parametrize("force", ["bogus", "int8", "lossless", "Raw", ""])

@@ -298,3 +298,20 @@ def check_layer(i: object, layers: int, what: str) -> None:
     if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < layers:
         raise InvalidRequest(f"{what}: layer must be a whole number in [0, {layers}), got "
                              f"{i!r}")
+
+
+def check_saved_layer(i: object, k: object, v: object, layout: KVLayout, what: str) -> None:
+    """``check_layer``, then InvalidRequest, starting ``what: ``, unless ``k`` and ``v`` are
+    tensors of [kv_heads, tokens, k/v channels] as layer ``i`` of ``layout`` declares (any
+    number of tokens: a layer short of the prompt is the caller's to judge)."""
+    check_layer(i, layout.num_layers, what)
+    assert isinstance(i, int)
+    lay = layout.layers[i]
+    for name, t, ch in (("K", k, lay.k_channels), ("V", v, lay.v_channels)):
+        if not isinstance(t, torch.Tensor):
+            raise InvalidRequest(f"{what}: layer {i}'s {name} must be a torch tensor, got "
+                                 f"{type(t).__name__}")
+        if t.dim() != 3 or t.shape[0] != lay.kv_heads or t.shape[2] != ch:
+            raise InvalidRequest(f"{what}: layer {i}'s {name} has shape {tuple(t.shape)}, "
+                                 f"expected [kv_heads, tokens, channels] = [{lay.kv_heads}, "
+                                 f"tokens, {ch}]")

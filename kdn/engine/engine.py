@@ -91,6 +91,7 @@ from kdn.engine.config import (
     check_fits,
     check_force,
     check_layer,
+    check_saved_layer,
     default_chunk_tokens,
     prompt_ids,
 )
@@ -478,12 +479,11 @@ class KDNEngine(KVConnector):
         self._streams_checked = True
 
     def save_layer(self, i: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Layer i of the prompt's KV, [kv_heads, tokens, channels]; once every layer is in,
-        the blocks kdn lacks are stored on a background thread. A layer that does not hold
-        every token of the prompt (a sliding window's cache keeps only its last tokens) is
-        refused, and nothing of the request is stored: its blocks would hold other tokens' KV.
-        InvalidRequest for a layer the model does not have."""
-        check_layer(i, self.layout.num_layers, "save_layer")
+        """Layer i of the prompt's KV, [kv_heads, tokens, channels] (InvalidRequest if not, or
+        for a layer the model lacks); once every layer is in, the blocks kdn lacks are stored
+        on a background thread. A layer short of the prompt's tokens (a sliding window's cache
+        keeps only its last ones) is refused: nothing of the request is stored (wrong KV)."""
+        check_saved_layer(i, k, v, self.layout, "save_layer")
         c = self.config.chunk_tokens
         if (not self.config.store_back or self._save_refused or self._unreachable
                 or len(self._ids) // c <= self._loaded_blocks):
