@@ -160,3 +160,46 @@ def test_a_server_that_stops_during_a_store_back_drops_the_rest_with_one_warning
     store_back = [r.getMessage() for r in caplog.records if r.name == "kdn.engine.store_back"]
     assert len(store_back) == 1, store_back
     assert "the request's 22 other stores are dropped" in store_back[0]
+
+
+def test_a_client_closed_during_a_store_back_drops_the_rest_with_one_warning(
+        server: ServerThread, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The client is closed as the first block is stored: that store is refused Closed, and
+    the request's other blocks are dropped with one warning (each was tried, and warned)."""
+    c = Client(server.address, timeout_s=5)
+    engine = KDNEngine(_model(torch.float32, "cpu"), _Tok(), c, dataclasses.replace(
+        CONFIG, chunk_tokens=4))
+    store = c.store
+
+    def close_then_store(*args: object, **kw: object) -> object:
+        c.close()
+        return store(*args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(c, "store", close_then_store)
+    caplog.clear()
+    engine.generate(IDS, max_new_tokens=1)  # 25 blocks to store
+    assert engine.close(20)
+    store_back = [r.getMessage() for r in caplog.records if r.name == "kdn.engine.store_back"]
+    assert len(store_back) == 1, store_back
+    assert "the client was closed, so the request's 24 other stores are dropped" in store_back[0]
+
+
+def test_blocks_past_the_tenants_quota_are_refused_once_per_encoding(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A tenant whose quota holds no block: the first block of each encoding is refused
+    (TooLarge), and its encoding's other blocks are not sent, one warning each."""
+    auth = tmp_path / "tenants.yaml"
+    auth.write_text("tenants:\n  t: {api_keys: [key-t], quota_bytes: 1000}\n")
+    auth.chmod(0o600)
+    cfg = ServerConfig(port=0, data_dir=tmp_path / "data", disk_bytes=0, ram_bytes=64 << 20,
+                       auth_file=str(auth))
+    with ServerThread(cfg) as st, Client(st.address, timeout_s=5, api_key="key-t") as c:
+        engine = KDNEngine(_model(torch.float32, "cpu"), _Tok(), c, dataclasses.replace(
+            CONFIG, chunk_tokens=4, encodings=(("raw", ""), ("lossless", ""))))
+        caplog.clear()
+        engine.generate(IDS, max_new_tokens=1)  # 25 blocks in each encoding
+        assert engine.close(20)
+    store_back = [r.getMessage() for r in caplog.records if r.name == "kdn.engine.store_back"]
+    assert len(store_back) == 2, store_back
+    assert all("quota" in m and "other blocks in" in m for m in store_back), store_back

@@ -15,8 +15,10 @@ Lifecycle, per request (``KDNEngine.save_layer`` calls it):
    LongRoPE model's prompt length (``kdn.model.hf.length_regime``).
 
 Stores are best effort: a failure is logged and never reaches a request; once a store finds
-the server unreachable or too slow (Unavailable, DeadlineExceeded), the request's remaining
-blocks are dropped with one warning, not each tried in turn. The threads are
+the server unreachable or too slow (Unavailable, DeadlineExceeded) or the client closed
+(Closed), the request's remaining blocks are dropped with one warning, not each tried in turn;
+a block refused as too large (TooLarge: past the server's entry limit or the tenant's quota,
+not RateLimited) ends the stores of its encoding (the others are as large). The threads are
 daemons (a server that hangs must not hang the process's exit), so the process waits for them
 explicitly: ``join`` (``KDNEngine.close``, or leaving ``with KDNEngine(...)``), and at
 interpreter exit a hook joins every live ``StoreBack``'s pending threads for at most
@@ -43,7 +45,7 @@ from kdn.cache import KVCache, LayerKV, to_pinned_host
 from kdn.codec.catalog import EXACT_MODES
 from kdn.codec.catalog import exact as exact_encoding
 from kdn.delivery import encoding_name
-from kdn.errors import DeadlineExceeded, Unavailable
+from kdn.errors import Closed, DeadlineExceeded, RateLimited, TooLarge, Unavailable
 from kdn.layout import KVLayout
 
 log = logging.getLogger(__name__)
@@ -162,21 +164,31 @@ class StoreBack:
             log.warning("store-back lookup failed: %s", exc)
             return
         dt = self.layout.dtype.torch
+        refused: set[str] = set()  # encodings whose blocks the server refused as too large
         for j, ((b, mode, level, key), info) in enumerate(zip(todo, present)):
-            if info.present and encoding_name(mode, level) != rewrite:
+            name = encoding_name(mode, level)
+            if (info.present and name != rewrite) or name in refused:
                 continue
             lo = b * c - base
             layers = [(k[:, lo : lo + c].to(dt), v[:, lo : lo + c].to(dt)) for k, v in snapshot]
             kv = KVCache(self.layout, layers, start_position=b * c)
             try:
                 self.client.store(key, kv, mode=mode, level=level, namespace=ns)
-            except (Unavailable, DeadlineExceeded) as exc:  # the rest would wait as long
+            except (Unavailable, DeadlineExceeded, Closed) as exc:  # the rest would fail too
                 left = sum(1 for (_, m, lv, _), i in zip(todo[j + 1 :], present[j + 1 :])
                            if not i.present or encoding_name(m, lv) == rewrite)
-                log.warning("store-back of block %d (%s) failed: %s; the server does not "
-                            "answer, so the request's %d other stores are dropped", b, mode,
-                            exc, left)
+                why = ("the client was closed" if isinstance(exc, Closed)
+                       else "the server does not answer")
+                log.warning("store-back of block %d (%s) failed: %s; %s, so the request's %d "
+                            "other stores are dropped", b, mode, exc, why, left)
                 return
+            except TooLarge as exc:
+                if isinstance(exc, RateLimited):  # for now: the next block may be taken
+                    log.warning("store-back of block %d (%s) failed: %s", b, mode, exc)
+                    continue
+                refused.add(name)  # its other blocks are as large: refused as well
+                log.warning("store-back of block %d (%s) failed: %s; the request's other "
+                            "blocks in %s are not sent", b, mode, exc, name)
             except Exception as exc:  # storing back is best effort; generation goes on
                 log.warning("store-back of block %d (%s) failed: %s", b, mode, exc)
 
