@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from kdn import keys
 from kdn.client import Client
 from kdn.engine import EngineConfig, KDNEngine
 from kdn.server import ServerConfig, ServerThread
@@ -29,6 +30,7 @@ CONFIG = EngineConfig(chunk_tokens=32, encodings=(("lossless", ""),), calibrate=
 
 CHILD = """
 import sys, time, torch
+from kdn import keys
 from kdn.client import Client
 from kdn.engine import EngineConfig, KDNEngine
 from tests.test_engine_devices import _model, _Tok
@@ -203,3 +205,23 @@ def test_blocks_past_the_tenants_quota_are_refused_once_per_encoding(
     store_back = [r.getMessage() for r in caplog.records if r.name == "kdn.engine.store_back"]
     assert len(store_back) == 2, store_back
     assert all("quota" in m and "other blocks in" in m for m in store_back), store_back
+
+
+def test_blocks_the_server_lost_are_stored_back_though_the_in_process_tier_holds_them(
+        server: ServerThread) -> None:
+    """A's client keeps copies in its in-process tier; the server loses the blocks (deleted
+    through B). A computing the prompt again stores them back for B: the local copies serve
+    no other process (they counted as present, and nothing was stored)."""
+    with Client(server.address, local_bytes=16 << 20) as a, Client(server.address) as b:
+        ea, eb = (KDNEngine(_model(torch.float32, "cpu"), _Tok(), c, CONFIG) for c in (a, b))
+        ea.generate(IDS, max_new_tokens=1)
+        assert ea.close(30) and eb.matched_tokens(IDS) == 96
+        chain = keys.prefix_keys(IDS, eb.layout, eb.namespace, CONFIG.chunk_tokens)
+        stored = [keys.variant_key(k, "lossless") for k in chain]
+        assert b.delete(stored) == 3
+        assert [i.tier for i in a.lookup(stored).infos] == ["inproc"] * 3
+        assert not any(i.present for i in a.lookup(stored, server_only=True).infos)
+        assert eb.matched_tokens(IDS) == 0 and ea.matched_tokens(IDS) == 96  # A's local copies
+        ea.generate(IDS, max_new_tokens=1, force="recompute")
+        assert ea.close(30)
+        assert eb.matched_tokens(IDS) == 96

@@ -410,13 +410,15 @@ class Client:
     @traced("kdn.client.lookup")
     def lookup(self, keys: Sequence[bytes], *, namespace: str | None = None,
                prefix_chain: bool = False, request_id: str | None = None,
-               timeout_s: float | None = None) -> LookupResult:
+               timeout_s: float | None = None, server_only: bool = False) -> LookupResult:
         """Which ``keys`` are stored, where (``inproc`` for the in-process tier) and how big;
         with ``prefix_chain`` also how many leading keys are present. ``timeout_s``: this
-        call's deadline (None: the client's)."""
+        call's deadline (None: the client's); ``server_only``: the in-process tier is not
+        asked (what the server holds, for other processes)."""
         ns = self._ns(namespace)
         ks = [check_key(k) for k in keys]
-        sizes = [self.local.contains(ns, k) if self.local is not None else None for k in ks]
+        asks_local = self.local is not None and not server_only
+        sizes = [self.local.contains(ns, k) if asks_local else None for k in ks]
         infos = [KeyInfo(True, LOCAL_TIER, s) if s is not None else None for s in sizes]
         ask = [k for k, info in zip(ks, infos) if info is None]
         if ask or not ks:

@@ -6,7 +6,8 @@ Lifecycle, per request (``KDNEngine.save_layer`` calls it):
    memory (on a GPU, non-blocking copies into pinned buffers on a side stream, so decode goes
    on while they travel);
 2. ``start(ids, snapshot, first_block, rewrite, loaded)`` once every layer is in: a thread
-   looks the blocks up and stores those missing in each of the engine's encodings. It is one
+   looks the blocks up and stores those the server lacks in each of the engine's encodings
+   (a copy in the client's in-process tier serves no other process: it does not count). It is one
    of the object's ``pending`` threads until it ends. Blocks computed over a prefix that was
    loaded in a lossy encoding (``loaded``: ``kdn-*``, ``int8``, ``cachegen``) are not the
    model's exact KV: they are stored in the lossy encodings only, so that what ``raw`` and
@@ -158,7 +159,7 @@ class StoreBack:
         if not todo:
             return
         try:
-            present = self.client.lookup([t[3] for t in todo], namespace=ns,
+            present = self.client.lookup([t[3] for t in todo], namespace=ns, server_only=True,
                                          timeout_s=self.lookup_timeout_s).infos
         except Exception as exc:  # storing back is best effort; generation goes on
             log.warning("store-back lookup failed: %s", exc)
