@@ -5,7 +5,9 @@ escaped, a call cut off in flight was KDNError CANCELLED, a store through the se
 NotFound ("no attached segment"), and a read waiting on its network data path connection
 waited for its whole deadline. A same-host client dropped without close() closes its
 segment's descriptors (and its read arena's), so the server reaps the segment: they stayed
-open, the segment attached and counted against the tenant's for the process's life."""
+open, the segment attached and counted against the tenant's for the process's life; so did
+one whose thread left a store_async unanswered (the store held its path, and the thread's
+finalizer its unanswered stores): that store fails Unavailable."""
 
 from __future__ import annotations
 
@@ -13,12 +15,13 @@ import gc
 import os
 import threading
 import time
+import weakref
 from typing import Any
 
 import pytest
 
 from kdn.client import Client
-from kdn.errors import Closed
+from kdn.errors import Closed, Unavailable
 from kdn.server import ServerThread
 from kdn.v1 import kdn_pb2 as pb
 from tests.helpers import numbered_key, random_kv, uniform_layout
@@ -96,3 +99,28 @@ def test_a_same_host_client_dropped_unclosed_gives_its_segment_back(server: Serv
     segments.reap()
     assert len(segments) == 0
     assert len(os.listdir("/proc/self/fd")) <= fds + 2
+
+
+@pytest.mark.parametrize("shm_bytes", [1 << 20, 0], ids=["same-host", "network"])
+def test_a_client_dropped_with_a_store_unanswered_is_let_go(server: ServerThread,
+                                                            shm_bytes: int) -> None:
+    segments = server.server.servicer.segments
+    kv = random_kv(LAYOUT, 16, seed=3)
+    gc.collect()
+    fds = len(os.listdir("/proc/self/fd"))
+    left = []
+    for i in range(3):
+        c = Client(server.address, timeout_s=30, shm_bytes=shm_bytes)
+        c.store(numbered_key(i), kv, mode="raw")  # (the network path: its connection opened)
+        left.append(c.store_async(numbered_key(10 + i), kv, mode="raw"))  # not answered yet
+        assert not left[-1].done()
+        dropped = weakref.ref(c)
+        del c
+        gc.collect()
+        assert dropped() is None, "a dropped client was kept by its unanswered store"
+    segments.reap()
+    assert len(segments) == 0
+    assert len(os.listdir("/proc/self/fd")) <= fds + 2
+    for p in left:
+        with pytest.raises(Unavailable):
+            p.result()

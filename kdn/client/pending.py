@@ -1,12 +1,18 @@
 """``PendingStore``: the handle ``Client.store_async`` gives back, answered later by the data
 path that sent the store (``kdn.client.samehost`` or ``kdn.client.netpath``), which reads the
 answers on the sending thread's connection in order and hands each to its store (``resolve``).
+
+A store holds its path weakly: the path's unanswered stores are kept where its thread's
+connection is (``kdn.client.perthread``), whose finalizer outlives the path, and a store that
+held the path would keep a client dropped without ``close()`` (its segment, its connections)
+for as long as its thread lives. A store whose client is gone by then fails UNAVAILABLE.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -33,7 +39,8 @@ class PendingStore:
                  on_done: Callable[[bool], object] | None = None) -> None:
         """``path``: the data path that sent it (its ``settle(until)`` reads the answer);
         ``on_done``: called once with whether it was stored, when it is answered or fails."""
-        self.key, self._path, self._on_done = key, path, on_done
+        self.key, self._on_done = key, on_done
+        self._path = weakref.ref(path) if path is not None else None  # (module docstring)
         self._thread = threading.get_ident()
         self._response: pb.StoreResponse | None = None
         self._error: KDNError | None = None
@@ -54,7 +61,9 @@ class PendingStore:
             if threading.get_ident() != self._thread:
                 raise InvalidArgument("an asynchronous store is answered on the thread that "
                                       "sent it: read result() there, or after its flush()")
-            self._path.settle(self)
+            path = self._path() if self._path is not None else None
+            if path is not None:
+                path.settle(self)
         if not self._done:  # its connection is gone and nothing holds its answer any more
             self.resolve(None, Unavailable(f"the store of {self.key!r} was not answered; it "
                                            "may or may not be stored"))

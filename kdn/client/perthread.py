@@ -11,7 +11,8 @@ one per thread it ever served (the server admits ``kdn.server.netpath.MAX_PER_TI
 ticket's at once). Stores the thread sent and left unanswered are settled first, on a thread
 of their own, by the path's ``orphaned(conn, pending)``: their answers read on the connection
 where it still stands (their regions of a segment come back), each failed otherwise; where
-the path itself is gone, each fails UNAVAILABLE. In a child of ``fork()`` (whose threads but
+the path itself is gone (a client dropped without ``close()``: its stores hold it weakly,
+``kdn.client.pending``), each fails UNAVAILABLE. In a child of ``fork()`` (whose threads but
 the forking one are gone, and their ``Held`` with them) nothing is settled: the connections
 and the stores are the parent's, and an answer read in the child is lost to the parent (or
 handed to another of its stores); the child only closes its copy of the connection.
@@ -127,8 +128,8 @@ def _settle(settle: Orphaned | None, conn: socket.socket | None, pending: deque[
             item = pending.popleft()
             store = item[0] if isinstance(item, tuple) else item  # (PendingStore, region)
             store.resolve(None, Unavailable(
-                f"the thread that sent the store of {store.key!r} ended before its answer was "
-                "read; it may or may not be stored"))
+                f"the thread that sent the store of {store.key!r} ended (or its client was "
+                "dropped unclosed) before its answer was read; it may or may not be stored"))
 
 
 class PerThread:
