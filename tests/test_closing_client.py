@@ -7,7 +7,10 @@ waited for its whole deadline. A same-host client dropped without close() closes
 segment's descriptors (and its read arena's), so the server reaps the segment: they stayed
 open, the segment attached and counted against the tenant's for the process's life; so did
 one whose thread left a store_async unanswered (the store held its path, and the thread's
-finalizer its unanswered stores): that store fails Unavailable."""
+finalizer its unanswered stores): that store fails Unavailable. Stores another thread sent
+asynchronously that the server answered before close() read their answers (they failed
+Unavailable, "the fast path closed before the store ... was answered", the answers unread
+in the socket), whether that thread reads them after the close or ends first."""
 
 from __future__ import annotations
 
@@ -124,3 +127,52 @@ def test_a_client_dropped_with_a_store_unanswered_is_let_go(server: ServerThread
     for p in left:
         with pytest.raises(Unavailable):
             p.result()
+
+
+@pytest.mark.parametrize("shm_bytes", [8 << 20, 0], ids=["same-host", "network"])
+def test_stores_answered_before_close_read_their_answers(server: ServerThread,
+                                                          shm_bytes: int) -> None:
+    kv = random_kv(LAYOUT, 64, seed=4)
+    c = Client(server.address, timeout_s=10, shm_bytes=shm_bytes)
+    closed = threading.Event()
+    kept: list[Any] = []
+    got: list[str] = []
+
+    def send(first: int, read: bool) -> None:
+        c.store(numbered_key(first), kv, mode="raw")  # (the network path: its connection)
+        pending = [c.store_async(numbered_key(first + 1 + i), kv, mode="raw") for i in range(3)]
+        closed.wait(10)
+        if not read:  # the thread ends: its stores are read as it goes
+            kept.extend(pending)
+            return
+        for p in pending:
+            try:
+                p.result()
+                got.append("ok")
+            except Exception as exc:  # noqa: BLE001 - what the test is about
+                got.append(f"{type(exc).__name__}: {exc}")
+
+    threads = [threading.Thread(target=send, args=(30, True)),
+               threading.Thread(target=send, args=(40, False))]
+    for t in threads:
+        t.start()
+    keys = [numbered_key(f + 1 + i) for f in (30, 40) for i in range(3)]
+    with Client(server.address, shm_bytes=0, data_path=False) as v:
+        end = time.monotonic() + 5
+        while not all(i.present for i in v.lookup(keys).infos) and time.monotonic() < end:
+            time.sleep(0.02)
+    time.sleep(0.2)  # stored: their answers are sent, unread in the sockets
+    c.close()
+    closed.set()
+    for t in threads:
+        t.join()
+    end = time.monotonic() + 5
+    while not all(p.done() for p in kept) and time.monotonic() < end:
+        time.sleep(0.01)
+    for p in kept:
+        try:
+            p.result()
+            got.append("ok")
+        except Exception as exc:  # noqa: BLE001
+            got.append(f"{type(exc).__name__}: {exc}")
+    assert got == ["ok"] * 6

@@ -222,7 +222,8 @@ class Client:
     def close(self) -> None:
         """Close the channels, give the segment back and empty the in-process tier, after
         this thread's asynchronous stores are answered (another thread's: ``flush`` there
-        first). Any call after it, or cut short by it on another thread, raises Closed.
+        first; those the server answered before it still read their answers). Any call after
+        it, or cut short by it on another thread, raises Closed.
         Nothing in a child of ``fork()``: they are the parent's."""
         if os.getpid() != self.pid:
             return

@@ -65,6 +65,7 @@ from kdn.client.perthread import Crowded, PerThread, refused
 from kdn.codec import EncodedParts
 from kdn.errors import (
     Cancelled,
+    Closed,
     DeadlineExceeded,
     KDNError,
     Unavailable,
@@ -287,10 +288,13 @@ class NetPath:
             self._fail(p, self._unanswered(p, why, timed_out))
 
     def _unanswered(self, p: Any, why: str, timed_out: bool) -> KDNError:
+        """The error of a store whose answer will not come (Closed: cut by ``close``)."""
         return DeadlineExceeded(
             f"the data path did not answer the store of {p.key!r} within the call's "
             f"deadline (timeout_s={self.timeout_s}); it may or may not be stored") \
-            if timed_out else Unavailable(
+            if timed_out else Closed(
+            f"the client was closed before the store of {p.key!r} was answered; it may or "
+            "may not be stored") if self.threads.closed else Unavailable(
             f"the data path closed before the store of {p.key!r} was answered ({why}); "
             "it may or may not be stored")
 

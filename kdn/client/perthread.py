@@ -17,7 +17,10 @@ the forking one are gone, and their ``Held`` with them) nothing is settled: the 
 and the stores are the parent's, and an answer read in the child is lost to the parent (or
 handed to another of its stores); the child only closes its copy of the connection.
 ``close`` shuts down and closes every thread's connection (the client closed), and one a
-thread opens after it.
+thread opens after it; but a connection with stores sent on it and not answered yet is only
+shut down, the answers the server sent before it left to be read (shut down, it holds those
+and no more: a read past them ends at once), by its thread's next call or as the thread ends,
+which closes it; the stores whose answers never came fail Closed (``closed``).
 
 A server that refuses a thread's new connection for its limits (RESOURCE_EXHAUSTED on its
 first call) makes the path raise ``Crowded``: that call goes by gRPC, and so do the thread's
@@ -141,6 +144,7 @@ class PerThread:
         self._orphaned = weakref.WeakMethod(orphaned) if orphaned is not None else None
         self._local = threading.local()
         self._open: dict[int, socket.socket] = {}  # token -> a live thread's connection
+        self._held: weakref.WeakValueDictionary[int, Held] = weakref.WeakValueDictionary()
         self._tokens = itertools.count()
         self._lock = threading.Lock()  # ``hold`` against ``close``
         self._closed = False
@@ -167,6 +171,7 @@ class PerThread:
             if not self._closed:
                 held.conn, held.path = conn, path
                 self._open[held.token] = conn
+                self._held[held.token] = held
                 return
         conn.close()
         raise OSError("the data path was closed")
@@ -184,19 +189,25 @@ class PerThread:
         """Connections open, one per thread that holds one."""
         return len(self._open)
 
+    @property
+    def closed(self) -> bool:
+        """Whether ``close`` ran: a store whose answer did not come was cut by it."""
+        return self._closed
+
     def close(self) -> None:
         """Close every thread's connection (a thread's next use of it fails: OSError). Each
         is shut down first: a thread waiting on it for an answer wakes (closed alone, the
-        wait lasted to its deadline)."""
+        wait lasted to its deadline). One with unanswered stores is only shut down: the
+        answers already come are read by its thread, which closes it (module docstring)."""
         with self._lock:
             self._closed = True
-        while True:
-            try:
-                _, conn = self._open.popitem()
-            except KeyError:
-                return
+        for token, conn in list(self._open.items()):
             try:
                 conn.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass  # not connected any more
+            held = self._held.get(token)
+            if held is not None and held.conn is conn and held.pending:
+                continue
+            self._open.pop(token, None)
             conn.close()

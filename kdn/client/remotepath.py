@@ -52,6 +52,7 @@ class RemotePath:
         self._net: NetPath | None = None
         self._tried = not host
         self._local = threading.local()  # the path holding this thread's unanswered stores
+        self._closed: NetPath | None = None  # kept: a thread's answers come as it ends
 
     def path(self) -> NetPath | None:
         """The network data path, where the server offers one (asked once); None otherwise."""
@@ -249,6 +250,7 @@ class RemotePath:
         if net is None:
             return
         net.close()
+        self._closed = net  # (its threads' stores: read as each ends, ``kdn.client.perthread``)
         try:
             md = self._metadata(None)
             self._call(lambda: self._stub.Detach(pb.DetachRequest(segment_id=net.ticket),

@@ -51,7 +51,7 @@ from kdn.client.pending import ASYNC_DEPTH, PendingStore
 from kdn.client.perthread import PerThread
 from kdn.client.pipelined import put_pipelined, put_staged_pipelined, write_parts
 from kdn.codec import EncodedParts
-from kdn.errors import DeadlineExceeded, KDNError, Unavailable
+from kdn.errors import Closed, DeadlineExceeded, KDNError, Unavailable
 from kdn.transport.wire import ARENA_SIZE, FAST_ARENA, FAST_HEAD, FAST_PUT_MANY, read_exact
 from kdn.v1 import kdn_pb2 as pb
 
@@ -526,7 +526,7 @@ class SameHostPath:
     def _lost(self, lost: list[tuple[PendingStore, tuple[int, int] | None]], seg: Any,
               exc: OSError) -> list[KDNError]:
         """Fail stores whose answers will not come (``exc``: why), their regions given back
-        (retired: the server may still read them); their errors."""
+        (retired: the server may still read them); their errors (Closed: cut by ``close``)."""
         errors: list[KDNError] = []
         for p, b in lost:
             if b is not None and seg is not None:
@@ -534,7 +534,9 @@ class SameHostPath:
             errors.append(DeadlineExceeded(
                 f"the server did not answer the store of {p.key!r} on the same-host fast "
                 f"path within timeout_s={self.timeout_s}; it may or may not be stored")
-                if isinstance(exc, TimeoutError) else Unavailable(
+                if isinstance(exc, TimeoutError) else Closed(
+                f"the client was closed before the store of {p.key!r} was answered; it may "
+                "or may not be stored") if self.threads.closed else Unavailable(
                 f"the fast path closed before the store of {p.key!r} was answered "
                 f"({exc}); it may or may not be stored"))
             p.resolve(None, errors[-1])
