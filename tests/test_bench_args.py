@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 import bench.delivery
+import bench.disk_writes
 import bench.fleet
 import bench.gpu
 import bench.link
@@ -32,6 +33,8 @@ def _usage_error(capsys: pytest.CaptureFixture[str], main: Any, argv: list[str])
 
 @pytest.mark.parametrize("main, argv, named", [
     (bench.gpu.main, ["--tokens", "abc"], "'abc' is not a whole number"),
+    (bench.disk_writes.main, ["--entries", "0"], "--entries must be >= 1"),
+    (bench.disk_writes.main, ["--clients", "1,x"], "'x' is not a whole number"),
     (bench.gpu.main, ["--tokens", "0"], "'0' must be above 0"),
     (bench.gpu.main, ["--merge", "/nonexistent/run.json:label"], "/nonexistent/run.json"),
     (bench.link.main, ["--links", "abc"], "'abc' is not a number"),

@@ -12,16 +12,17 @@ databases, all updated in the same write transaction:
              hold NUL, so the names can not meet)
     info     b"used" -> u64, the sum of len(key) + len(value) over all entries
 
-Crash safety: each ``put``/``put_many``/``delete`` is one committed write transaction (LMDB's
-copy-on-write B+tree with ``sync``/``metasync``): once it returns the entry survives SIGKILL or
-power loss, and a transaction interrupted by SIGKILL leaves no trace, so no partial entry is
-ever readable.
+Crash safety: each ``put``/``put_many``/``delete`` is committed in one write transaction (LMDB's
+copy-on-write B+tree with ``sync``/``metasync``), alone or with the writes other threads made at
+once, each nested in it so that one that fails is rolled back alone (group commit:
+``kdn.store.lmdbgroup``): once it returns the entry survives SIGKILL or power loss, and a
+transaction interrupted by SIGKILL leaves no trace, so no partial entry is ever readable.
 
 Byte budget: ``capacity_bytes``, cut where its filesystem could not hold it (with a warning, or
 at DEBUG for ``quiet_cut``: a budget nobody set, which ``kdn serve``'s ready line shows as taken;
 ``kdn.store.diskroom``). A put that would push ``used`` over it evicts the entries with the
-oldest access stamps in the same transaction, skipping keys the hierarchy marks ``protected``
-(pins). Access stamps are approximate LRU: a ``get`` records the key in memory and the stamps
+oldest access stamps in the same transaction, skipping live keys the hierarchy marks
+``protected`` (pins; an expired pinned entry goes like any other). Access stamps are approximate LRU: a ``get`` records the key in memory and the stamps
 are written with the next write transaction (and at ``close``), so reads never pay for a write.
 
 Files gone: where the data file is no longer the one opened (its directory deleted, the file
@@ -58,11 +59,11 @@ Smaller budget: a tier opened holding more than ``capacity_bytes`` (a restart wi
 
 Map growth: the map starts small and doubles up to ``max_map_bytes`` on ``MapFullError``;
 resizing needs every transaction of this process closed, so transactions share a
-readers-writer lock that ``_grow`` takes exclusively. A writer that found the map full grows it
-only if it is still the size that writer saw: when several writers find it full at once, the
-first grows it and the others retry in the larger map (each growth is logged at INFO and
-reported as the ``map_grown`` event). A write refused at ``max_map_bytes`` is logged as a
-WARNING, reported as ``map_full``, and its ``TooLarge`` names the bytes stored and the budget.
+readers-writer lock that ``_grow`` takes exclusively. Writes are committed by one thread at a
+time (a group's leader): it grows the map it found full and runs the write again (each
+growth is logged at INFO and reported as the ``map_grown`` event). A write refused at
+``max_map_bytes`` is logged as a WARNING, reported as ``map_full``, and its ``TooLarge`` names
+the bytes stored and the budget.
 """
 
 from __future__ import annotations
@@ -83,6 +84,7 @@ from kdn.store.base import Tier, TierStats
 from kdn.store.dirlock import DirLock
 from kdn.store.diskroom import describe, fitted, make_private
 from kdn.store.lmdbfiles import MAX_READERS, open_failed, read_failed, reserve_lock
+from kdn.store.lmdbgroup import GroupCommit, Run
 from kdn.store.locks import RWLock
 
 log = logging.getLogger(__name__)
@@ -151,6 +153,7 @@ class LmdbTier(Tier):
         self._rw = RWLock()
         self._touch_lock = threading.Lock()
         self._touched: dict[bytes, None] = {}
+        self._group = GroupCommit(self._transact)
         self._dir_lock = DirLock(self.path)  # before LMDB opens it: one process per environment
         try:
             reserve_lock(self.path, MAX_READERS)  # (a sparse one is a SIGBUS on a full disk)
@@ -434,27 +437,34 @@ class LmdbTier(Tier):
         self._write(lambda txn: None, 0)
 
     def _write(self, body: Callable[[lmdb.Transaction], int | None], need: int) -> int:
-        """Run ``body`` in a write transaction (retried in a grown map where it was full);
-        its result once committed to the file a restart opens (``_check_file``)."""
+        """Run ``body`` in a write transaction, maybe shared (``kdn.store.lmdbgroup``); its
+        result once committed to the file a restart opens (``_check_file``)."""
         self._check_open()
+        try:
+            done = self._group.submit(body, need)
+        except lmdb.Error as exc:  # the disk full, an I/O error: see the module docstring
+            raise PartlyUnavailable(f"disk tier write failed: {exc} "
+                                    f"({describe(self.path, need)})") from exc
+        self._check_file()  # a stat: the commit is only durable in the file still at its path
+        return done
+
+    def _transact(self, run: Run, need: int) -> None:
+        """``run`` in one committed write transaction, retried in a grown map where it was full
+        (called by a group's leader: one at a time, ``kdn.store.lmdbgroup``)."""
         while True:
             self._rw.acquire_shared()
             seen = self._map_bytes  # fixed while the lock is shared
             try:
+                self._check_open()
                 with self.env.begin(write=True) as txn:
                     self._apply_touches(txn)
-                    done = body(txn) or 0
-                break
+                    run(self.env, txn)
+                return
             except lmdb.MapFullError:
                 pass
-            except lmdb.Error as exc:  # the disk full, an I/O error: see the module docstring
-                raise PartlyUnavailable(f"disk tier write failed: {exc} "
-                                        f"({describe(self.path, need)})") from exc
             finally:
                 self._rw.release_shared()
             self._grow(seen, need)
-        self._check_file()  # a stat: the commit is only durable in the file still at its path
-        return done
 
     def _apply_touches(self, txn: lmdb.Transaction) -> None:
         with self._touch_lock:
@@ -517,8 +527,7 @@ class LmdbTier(Tier):
             self._evict(txn, keep={k for k, _ in batch})
 
     def _evict(self, txn: lmdb.Transaction, keep: set[bytes]) -> None:
-        """Remove the oldest-stamped entries, unprotected or expired (a pin outlives no
-        entry), until ``used`` fits the budget."""
+        """Remove the oldest-stamped entries, unprotected or expired, until ``used`` fits."""
         used, now = self._used(txn), time.time()
         victims: list[bytes] = []
         cur = txn.cursor(db=self.lru)
