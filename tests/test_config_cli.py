@@ -41,8 +41,8 @@ def test_precedence_file_env_flags(tmp_path: Path) -> None:
     ({"flags": {"ram_bytes": "lots"}}, "ram_bytes: invalid value 'lots' (from --ram-bytes)"),
     ({"flags": {"log_level": "LOUD"}}, "log_level"),
     ({"flags": {"redis_url": "localhost:6379"}}, "redis_url"),
-    ({"flags": {"redis_url": "redis://127.0.0.1:notaport"}}, "redis_url: 'redis://127.0.0.1:no"),
-    ({"flags": {"redis_url": "redis://[::1"}}, "redis_url: 'redis://[::1' is not a valid URL"),
+    ({"flags": {"redis_url": "redis://127.0.0.1:notaport"}}, "redis_url: redis://127.0.0.1:no"),
+    ({"flags": {"redis_url": "redis://[::1"}}, "redis_url: redis://[::1 is not a valid URL"),
     ({"flags": {"redis_timeout_s": "nan"}}, "redis_timeout_s: must be a finite number"),
     ({"env": {"KDN_DEFAULT_TTL_S": "nan"}}, "default_ttl_s: must be a finite number"),
     ({"flags": {"shutdown_grace_s": "inf"}}, "shutdown_grace_s: must be a finite number"),
@@ -67,6 +67,24 @@ def test_bad_settings_are_named(source: dict, match: str) -> None:
     with pytest.raises(ConfigError) as info:
         load_config(env=source.get("env", {}), flags=source.get("flags"))
     assert match in str(info.value)
+
+
+@pytest.mark.parametrize("url", [
+    "redis://:PW@127.0.0.1:0", "redis://u:PW@127.0.0.1:notaport", "redis://:PW@[::1:6379",
+    "http://u:PW@127.0.0.1:6379", "redis://127.0.0.1:6379/1?PassWord=PW&x=1",
+    ["redis://:PW@127.0.0.1:6379"],  # a YAML list: "invalid value" showed it
+])
+def test_a_redis_password_is_in_no_configuration_error(url: object) -> None:
+    """A refused redis_url is shown without its password, the one in a ``?password=`` query
+    option too (the URL was repr'd whole, and ``kdn serve`` printed it to the console)."""
+    flags = {"redis_url": url, "redis_cluster": "true"}
+    with pytest.raises(ConfigError, match="^redis_url: ") as info:
+        load_config(env={}, flags=flags)
+    assert "PW" not in str(info.value)
+    if isinstance(url, str):
+        with pytest.raises(ConfigError) as info:
+            ServerConfig(redis_url=url, redis_cluster=True)
+        assert "PW" not in str(info.value) and "***" in str(info.value)
 
 
 def test_the_longest_durations_and_counts_allowed_are_what_grpc_takes() -> None:

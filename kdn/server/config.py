@@ -25,7 +25,7 @@ from kdn.checks import shown
 from kdn.errors import ConfigError
 from kdn.server import variables
 from kdn.server.variables import LINKS_HINT, OTHER_VARIABLES, kubernetes_link
-from kdn.store.redis_urls import cluster_urls
+from kdn.store.redis_urls import cluster_urls, shown_url
 from kdn.store.tiered import WritePolicy
 from kdn.transport.addresses import host_port, is_loopback
 from kdn.yamlfiles import load_yaml_file
@@ -346,15 +346,20 @@ class ServerConfig:
             raise ConfigError(f"log_format: expected text or json, got {self.log_format!r}")
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
             raise ConfigError(f"log_level: unknown level {self.log_level!r}")
-        for url in self.redis_urls:
+        if not isinstance(self.redis_url, str):  # never its value: it may hold a password
+            raise ConfigError(f"redis_url: expected text (comma-separated URLs), got a "
+                              f"{type(self.redis_url).__name__}")
+        for url in self.redis_urls:  # shown_url: the URL without its password
             if not url.startswith(("redis://", "rediss://", "unix://")):
-                raise ConfigError(f"redis_url: expected redis://host:port, got {url!r}")
+                raise ConfigError(f"redis_url: expected redis://host:port, got {shown_url(url)}")
             try:  # raises for a port that is no number or out of range, an unclosed [IPv6]
                 port = urlparse(url).port
             except ValueError as exc:
-                raise ConfigError(f"redis_url: {url!r} is not a valid URL: {exc}") from None
+                raise ConfigError(f"redis_url: {shown_url(url)} is not a valid URL: {exc}") \
+                    from None
             if port == 0:
-                raise ConfigError(f"redis_url: {url!r} names port 0, which no server listens on")
+                raise ConfigError(f"redis_url: {shown_url(url)} names port 0, which no server "
+                                  "listens on")
         if len(self.redis_urls) > 1 and not self.redis_cluster:
             raise ConfigError("redis_url: several URLs need redis_cluster: true")
         if self.redis_cluster and not self.redis_url:
@@ -457,7 +462,7 @@ def _coerce(name: str, value: Any, source: str) -> Any:
             return Path(os.path.expanduser(str(value)))
         return str(value)
     except (TypeError, ValueError, OverflowError) as exc:
-        raise ConfigError(f"{name}: invalid value {shown(value)} (from {source}): "
+        raise ConfigError(f"{name}: invalid value {_in_error(name, value)} (from {source}): "
                           f"{exc}") from None
 
 
@@ -549,10 +554,22 @@ def _shown(name: str, value: Any) -> str:
 
 
 def _brief(name: str, value: Any) -> str:
-    """``value`` as help shows it (a path as written, a size with its unit); a text (a
-    tenants file's, a list of URLs) cut at 60 characters."""
+    """``value`` as help shows it (a path as written, a size with its unit; a ``redis_url``
+    without its passwords); a text (a tenants file's, a list of URLs) cut at 60 characters."""
     text = _shown(name, value)
+    if name == "redis_url" and isinstance(value, str):
+        text = ",".join(shown_url(u) for u in value.split(","))
     return text if not isinstance(value, str) or len(text) <= 60 else text[:57] + "..."
+
+
+def _in_error(name: str, value: Any) -> str:
+    """``value`` of setting ``name`` as an error shows it: ``shown``, but a ``redis_url``
+    without its passwords (``shown_url``), and only the type of one that is no text."""
+    if name != "redis_url":
+        return shown(value)
+    if not isinstance(value, str):
+        return f"(a {type(value).__name__})"
+    return shown(",".join(shown_url(u) for u in value.split(",")))
 
 
 def _field_docs() -> dict[str, str]:

@@ -12,13 +12,14 @@ the same login and TLS).
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from redis.connection import SSLConnection, parse_url
 
 from kdn.errors import ConfigError
 
-__all__ = ["ClusterURLs", "cluster_urls"]
+__all__ = ["ClusterURLs", "cluster_urls", "shown_url"]
 
 class ClusterURLs:
     """A cluster's startup ``nodes`` (host, port) and the connection ``options`` (redis-py
@@ -37,8 +38,13 @@ class ClusterURLs:
         return out
 
 
-def _shown(url: str) -> str:
-    """``url`` without its password, for an error message."""
+_QUERY_PASSWORD = re.compile(r"([?&]password=)[^&#]*", re.IGNORECASE)
+
+
+def shown_url(url: str) -> str:
+    """``url`` for an error message or a log line: without its user and password (``***`` in
+    their place), nor a ``?password=`` query option's value (redis-py takes one there too)."""
+    url = _QUERY_PASSWORD.sub(r"\1***", url)
     head, at, tail = url.rpartition("@")
     return f"{head.split('://')[0]}://***@{tail}" if at else url
 
@@ -52,12 +58,12 @@ def cluster_urls(urls: list[str]) -> ClusterURLs:
         try:
             got = parse_url(url)
         except ValueError as exc:
-            raise ConfigError(f"redis_url: {_shown(url)} is not a Redis URL: {exc}") from None
+            raise ConfigError(f"redis_url: {shown_url(url)} is not a Redis URL: {exc}") from None
         if url.startswith("unix://"):
-            raise ConfigError(f"redis_url: {_shown(url)} is a unix socket; a Redis Cluster's "
+            raise ConfigError(f"redis_url: {shown_url(url)} is a unix socket; a Redis Cluster's "
                               "nodes are reached by host and port (redis:// or rediss://)")
         if got.get("db", 0) != 0:
-            raise ConfigError(f"redis_url: {_shown(url)} names database {got['db']}; a Redis "
+            raise ConfigError(f"redis_url: {shown_url(url)} names database {got['db']}; a Redis "
                               "Cluster has database 0 only")
         got.pop("db", None)
         if got.pop("connection_class", None) is SSLConnection:
