@@ -3,14 +3,17 @@
 Turned on per process (``kdn serve --tracing true``; ``Client(tracing=True)``) when the
 ``opentelemetry-api`` package is installed (the ``tracing`` extra); kdn only uses the API, so
 the exporter and sampling are the application's own ``TracerProvider`` (OTLP, Jaeger, ...),
-as OpenTelemetry intends. A process with no provider of its own (``kdn serve``) gets one
-from the standard environment when it names an exporter: ``OTEL_TRACES_EXPORTER=otlp``
-(OTLP over gRPC: ``opentelemetry-sdk`` and ``opentelemetry-exporter-otlp-proto-grpc``
-installed; ``OTEL_EXPORTER_OTLP_*`` say where), ``otlp_proto_http`` (with
-``opentelemetry-exporter-otlp-proto-http``), or ``console``; ``OTEL_SERVICE_NAME`` defaults
-to ``kdn``. Running under ``opentelemetry-instrument`` works as well (its provider is then the
-process's). The client injects W3C ``traceparent`` into each call's metadata and opens a span
-per call; the server continues that trace with a span per RPC, and every tier call it makes
+as OpenTelemetry intends: a ``Client`` never installs one. ``kdn serve``, a process with no
+provider of its own, gets one from the standard environment when it names an exporter
+(``enable(from_env=True)``): ``OTEL_TRACES_EXPORTER=otlp`` (OTLP over gRPC:
+``opentelemetry-sdk`` and ``opentelemetry-exporter-otlp-proto-grpc`` installed;
+``OTEL_EXPORTER_OTLP_*`` say where), ``otlp_proto_http`` (with
+``opentelemetry-exporter-otlp-proto-http``), or ``console``; its service is named by
+``OTEL_SERVICE_NAME`` or ``OTEL_RESOURCE_ATTRIBUTES``, else ``kdn``. Running under
+``opentelemetry-instrument`` works as well (its provider is then the process's). The client
+injects W3C ``traceparent`` into each call's metadata and opens a span per call; the server
+continues that trace with a span per RPC (from ``traceparent`` only: a caller's
+``tracestate`` and ``baggage`` are not read, nor logged), and every tier call it makes
 (``kdn.store.health.TierHealth.attempt``) is a child span named
 ``kdn.tier.<tier>.<operation>``. Off, each hook is one global lookup.
 """
@@ -27,14 +30,17 @@ _tracer: Any = None
 log = logging.getLogger(__name__)
 
 
-def enable() -> bool:
-    """Start making spans (False, and nothing changes, when opentelemetry is absent)."""
+def enable(from_env: bool = False) -> bool:
+    """Start making spans (False, and nothing changes, when opentelemetry is absent);
+    ``from_env`` (``kdn serve``'s own process): install the provider the environment names
+    (``_provider_from_env``), where the process has none."""
     global _tracer
     try:
         from opentelemetry import trace
     except ImportError:
         return False
-    _provider_from_env()
+    if from_env:
+        _provider_from_env()
     _tracer = trace.get_tracer("kdn")
     return True
 
@@ -60,7 +66,10 @@ def _provider_from_env() -> None:
         log.warning("OTEL_TRACES_EXPORTER=%s: spans need the opentelemetry-sdk package; "
                     "none are exported", ",".join(names))
         return
-    attributes = {} if os.environ.get("OTEL_SERVICE_NAME") else {"service.name": "kdn"}
+    named = os.environ.get("OTEL_SERVICE_NAME") or "service.name" in [  # as the SDK reads it
+        item.split("=", 1)[0].strip()
+        for item in os.environ.get("OTEL_RESOURCE_ATTRIBUTES", "").split(",") if "=" in item]
+    attributes = {} if named else {"service.name": "kdn"}
     provider = TracerProvider(resource=Resource.create(attributes))
     for name in names:
         found = list(entry_points(group="opentelemetry_traces_exporter", name=name))
@@ -91,10 +100,13 @@ def span(name: str, metadata: Sequence[tuple[str, Any]] | None = None,
         yield None
         return
     ctx = None
-    if metadata is not None:
-        from opentelemetry import propagate
+    if metadata is not None:  # traceparent only: the caller's tracestate or baggage, malformed,
+        from opentelemetry.trace.propagation.tracecontext import (  # was a WARNING echoing
+            TraceContextTextMapPropagator,  # it, each call, before any API key was checked
+        )
 
-        ctx = propagate.extract({str(k): str(v) for k, v in metadata})
+        parent = [str(v) for k, v in metadata if k == "traceparent"][:1]
+        ctx = TraceContextTextMapPropagator().extract({"traceparent": parent[0]} if parent else {})
     with _tracer.start_as_current_span(name, context=ctx) as current:
         for key, value in attributes.items():
             current.set_attribute(f"kdn.{key}", value)

@@ -76,3 +76,76 @@ def test_nothing_is_traced_unless_asked(tmp_path: Path, spans: InMemorySpanExpor
         c.retrieve(key)
     assert not tracing.enabled()
     assert not [s for s in spans.get_finished_spans() if s.name.startswith("kdn.")]
+
+
+def test_a_callers_tracestate_and_baggage_are_not_read(tmp_path: Path, spans: InMemorySpanExporter,
+                                                       caplog: pytest.LogCaptureFixture) -> None:
+    """The server continues a trace from ``traceparent`` alone: a caller's malformed
+    ``tracestate`` and ``baggage`` (an unauthenticated one's too) made OpenTelemetry WARNING
+    lines echoing kilobytes of them, one per call."""
+    import grpc
+
+    auth = tmp_path / "t.yaml"
+    auth.write_text('tenants:\n  a: {api_keys: ["key-a"]}\n')
+    auth.chmod(0o600)
+    parent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    cfg = ServerConfig(port=0, data_dir=tmp_path / "d", disk_bytes=0, auth_file=str(auth),
+                       tracing=True)
+    with ServerThread(cfg) as st, grpc.insecure_channel(st.address) as channel:
+        call = channel.unary_unary("/kdn.v1.KDN/Lookup")
+        for api_key in ("wrong", "key-a"):
+            try:
+                call(b"", timeout=10, metadata=(
+                    ("x-kdn-api-key", api_key), ("traceparent", parent),
+                    ("tracestate", "x=" + "HOSTILE" * 900),
+                    ("baggage", ",".join(f"k{i}=v" for i in range(200)))))
+            except grpc.RpcError as exc:  # the wrong key's
+                assert exc.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert not [r for r in caplog.records if r.name.startswith("opentelemetry")]
+    assert "HOSTILE" not in caplog.text
+    served = [s for s in spans.get_finished_spans() if s.name == "kdn.server.Lookup"]
+    assert served and all(s.context.trace_id == 0x0af7651916cd43dd8448eb211c80319c
+                          for s in served[-1:])
+
+
+def _run(code: str, **env: str) -> str:
+    import os
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60, env={**os.environ, **env})
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
+def test_a_client_leaves_the_tracer_provider_to_the_application() -> None:
+    """``Client(tracing=True)`` uses the API only: with ``OTEL_TRACES_EXPORTER`` set (for the
+    application's own SDK set-up) it installed kdn's provider, and the application's was
+    refused; ``kdn serve``'s process gets the one the environment names."""
+    code = ("from opentelemetry import trace\nfrom kdn.client import Client\n"
+            "Client('127.0.0.1:1', tracing=True, data_path=False, shm_bytes=0).close()\n"
+            "print(type(trace.get_tracer_provider()).__name__)")
+    assert _run(code, OTEL_TRACES_EXPORTER="console") == "ProxyTracerProvider"
+
+
+@pytest.mark.parametrize("env,name", [
+    ({}, "kdn"), ({"OTEL_SERVICE_NAME": "svc-a"}, "svc-a"),
+    ({"OTEL_RESOURCE_ATTRIBUTES": "service.name=svc-b,deployment.environment=prod"}, "svc-b"),
+])
+def test_kdn_serves_service_name_is_the_environments(env: dict[str, str], name: str) -> None:
+    """``service.name`` from ``OTEL_RESOURCE_ATTRIBUTES`` was overridden with ``kdn``."""
+    code = ("from opentelemetry import trace\nfrom kdn import tracing\n"
+            "assert tracing.enable(from_env=True)\n"
+            "print(trace.get_tracer_provider().resource.attributes['service.name'])")
+    env = {"OTEL_SERVICE_NAME": "", "OTEL_RESOURCE_ATTRIBUTES": "", **env}
+    assert _run(code, OTEL_TRACES_EXPORTER="console", **env) == name
+
+
+def test_tracing_without_opentelemetry_is_refused_by_a_client() -> None:
+    """``Client(tracing=True)`` without the ``tracing`` extra traced nothing, silently."""
+    code = ("import sys\nsys.modules['opentelemetry'] = None\nfrom kdn.client import Client\n"
+            "from kdn.errors import ConfigError\ntry:\n"
+            "    Client('127.0.0.1:1', tracing=True, data_path=False, shm_bytes=0)\n"
+            "except ConfigError as exc:\n    print(exc)\n")
+    assert "pip install 'kdn[tracing]'" in _run(code)

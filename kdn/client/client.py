@@ -54,7 +54,7 @@ from kdn.client.rpc import (
 )
 from kdn.client.writes import Writer
 from kdn.codec import EncodedParts
-from kdn.errors import Closed, Corrupt, InvalidArgument
+from kdn.errors import Closed, ConfigError, Corrupt, InvalidArgument
 from kdn.keys import DEFAULT_NAMESPACE, check_key, check_namespace
 from kdn.layout import KVLayout
 from kdn.names import call_batches, check_tenant, request_namespace
@@ -150,8 +150,9 @@ class Client:
         """The process this client belongs to (module docstring)."""
         self.closing = False
         """``close`` began: a call that fails from now on raises Closed (``in_its_process``)."""
-        if tracing:  # OpenTelemetry spans per call, the trace carried to the server
-            _tracing.enable()
+        if tracing and not _tracing.enable():  # spans per call, the trace carried to the server
+            raise ConfigError("tracing: needs the opentelemetry-api package (pip install "
+                              "'kdn[tracing]')")
         tune_allocator()  # received messages must not fault in fresh pages (kdn.transport.buffers)
         if insecure is None:
             insecure = os.environ.get("KDN_INSECURE", "").strip().lower() in (

@@ -479,6 +479,8 @@ def _stopping(server: Server, sig: signal.Signals) -> None:
 
 
 async def serve(config: ServerConfig, blender: Blender | None = None) -> None:
+    if config.tracing:  # kdn serve's process: the provider OTEL_TRACES_EXPORTER names
+        tracing.enable(from_env=True)
     server = await start_server(config, blender=blender)
     gc.freeze()  # what start-up made lives as long as the process: no collection scans it
     where = "no disk tier"
