@@ -61,6 +61,32 @@ def test_a_write_its_part_of_a_tier_did_not_take_is_retried(policy: WritePolicy)
     assert store.counters.get("part.write_dropped") == 1 and not lower.contains(b"x2")
 
 
+class _PartlyDeletesTier(_PartlyTier):
+    """``part``, whose deletes of keys starting with ``x`` its dead part does not take."""
+
+    def delete(self, key: bytes) -> bool:
+        if self.out and key.startswith(b"x"):
+            raise PartlyUnavailable("this key's part does not answer")
+        return super().delete(key)
+
+
+def test_deletes_that_could_not_be_queued_are_one_error_line(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """With the tier's queue full, each key of a delete that could not be queued was an ERROR
+    line of its own (one Delete of 16,384 keys: 16,384 lines); now one, then one at most every
+    ``WARN_EVERY_S`` saying how many went unsaid, each counted as ``delete_dropped``."""
+    store = TieredStore([RamTier(1 << 20), _PartlyDeletesTier()], queue_entries=1,
+                        flush_timeout_s=0.5)
+    try:
+        with caplog.at_level("ERROR", logger="kdn.store.lower"):
+            for i in range(50):
+                store.delete(b"x%d" % i)
+        lines = [r for r in caplog.records if "could not be queued" in r.getMessage()]
+        assert len(lines) == 1 and store.counters["part.delete_dropped"] == 49
+    finally:
+        store.close()
+
+
 class _RefusingTier(RamTier):
     """A lower tier, named ``refusing``, that refuses every write and delete of keys starting
     with ``r`` (as a Redis refuses a key for good)."""

@@ -21,19 +21,22 @@ A write that found the tier, or the key's part of it (``Fault.PARTLY``: a Redis 
 that does not answer), down is queued and retried until it lands (``<tier>.write_retried``); a
 full queue falls back to a synchronous write where the tier is up; what none of that lands is
 dropped and counted (``<tier>.write_dropped``), and a delete that can not be queued either is
-counted (``<tier>.delete_dropped``) and logged.
+counted (``<tier>.delete_dropped``) and logged: an ERROR per tier at most every
+``WARN_EVERY_S``, saying how many went unsaid since (one Delete of many keys was a line each).
 """
 
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from collections.abc import Callable
 from functools import partial
 
 from kdn.errors import TierUnavailable, TooLarge
 from kdn.store.base import Tier
 from kdn.store.framed import Framed, contiguous
-from kdn.store.health import Fault, TierHealth
+from kdn.store.health import WARN_EVERY_S, Fault, TierHealth
 from kdn.store.queue import PendingWrite, WriteQueue
 
 log = logging.getLogger(__name__)
@@ -47,6 +50,8 @@ class LowerWrites:
         self._health = health
         self._queues = queues
         self._count = count
+        self._unsaid_lock = threading.Lock()
+        self._unsaid: dict[str, tuple[float, int]] = {}  # tier: (next ERROR's time, unsaid)
 
     def write(self, tier: Tier, key: bytes, value: bytes | Framed, ttl: float | None,
               expiry: float, sync: bool, required: bool,
@@ -138,8 +143,17 @@ class LowerWrites:
 
     def _stale_kept(self, tier: Tier, key: bytes) -> None:
         self._count(f"{tier.name}.delete_dropped")
+        now = time.monotonic()
+        with self._unsaid_lock:
+            until, unsaid = self._unsaid.get(tier.name, (0.0, 0))
+            self._unsaid[tier.name] = (until, unsaid + 1) if now < until else \
+                (now + WARN_EVERY_S, 0)
+        if now < until:
+            return
         log.error("tier %s: the delete of %r could not be queued (the queue is full); the "
-                  "tier may serve an older copy of it once it is back", tier.name, key)
+                  "tier may serve an older copy of it once it is back%s", tier.name, key,
+                  f" ({unsaid} more such deletes since the last such line, "
+                  f"{tier.name}.delete_dropped counts them)" if unsaid else "")
 
 
 def _acked_without(write: Callable[[], None], size: int, name: str) -> None:
