@@ -167,6 +167,14 @@ def test_tiers_that_can_not_be_built_are_named_in_one_line(tmp_path: Path) -> No
             build_store(cfg)
 
 
+def test_a_redis_url_option_redis_py_does_not_take_is_named(tmp_path: Path) -> None:
+    """``?socket_timeuot=1`` (a typo) was a TypeError traceback from ``kdn serve``, exit 1."""
+    cfg = ServerConfig(data_dir=tmp_path / "d", disk_bytes=0,
+                       redis_url=f"redis://127.0.0.1:{_free_port()}?socket_timeuot=1")
+    with pytest.raises(ConfigError, match="^redis_url: .*'socket_timeuot'"):
+        build_store(cfg)
+
+
 def test_yaml_null_is_unset_and_a_port_must_be_whole(tmp_path: Path) -> None:
     """``host: null`` became the host "None" (and a model, a certificate file named "None");
     ``port: 50051.9`` was cut to 50051 without a word."""

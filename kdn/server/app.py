@@ -88,15 +88,18 @@ class _FastFrames:
 
 def _tier(setting: str, make: Callable[[], Tier]) -> Tier:
     """``make()``; where that fails (an LMDB that does not open, a Redis Cluster or a budget
-    no node takes, a URL redis-py refuses) a ``ConfigError`` naming ``setting``, which
-    ``kdn serve`` prints as one line; a disk tier's folder in use or its disk full are no
-    configuration's fault and go on as they are."""
+    no node takes, a URL redis-py refuses, or a query option of it redis-py's connections do
+    not take: a TypeError) a ``ConfigError`` naming ``setting``, which ``kdn serve`` prints as
+    one line; a disk tier's folder in use or its disk full are no configuration's fault and go
+    on as they are."""
     try:
         return make()
     except (ConfigError, InUse, DiskFull):
         raise
     except (KDNError, ValueError) as exc:
         raise ConfigError(f"{setting}: {exc}") from exc
+    except TypeError as exc:  # redis://h:p?socket_timeuot=1: a keyword no connection takes
+        raise ConfigError(f"{setting}: an option it names is not taken: {exc}") from exc
 
 
 def host_memory() -> int | None:
