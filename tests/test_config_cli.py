@@ -87,6 +87,17 @@ def test_a_redis_password_is_in_no_configuration_error(url: object) -> None:
         assert "PW" not in str(info.value) and "***" in str(info.value)
 
 
+@pytest.mark.parametrize("name,value", [("insecure", "false"), ("tracing", "false"),
+                                        ("reuse_port", 0), ("log_level", 10),
+                                        ("log_format", None)])
+def test_settings_from_code_are_of_their_type(name: str, value: object) -> None:
+    """ServerConfig from code: insecure="false" was true (API keys in plaintext off loopback
+    taken), log_level=10 an AttributeError; load_config reads text as the CLI does."""
+    with pytest.raises(ConfigError, match=f"^{name}: expected "):
+        ServerConfig(**{name: value})  # type: ignore[arg-type]
+    assert load_config(env={}, flags={"insecure": "false"}).insecure is False
+
+
 def test_the_longest_durations_and_counts_allowed_are_what_grpc_takes() -> None:
     import grpc
 

@@ -262,6 +262,12 @@ class ServerConfig:
             raise ConfigError("data_dir: must not be empty (it would be the current folder); "
                               "give a folder's path, . for the current one")  # unset variable)
         object.__setattr__(self, "data_dir", Path(self.data_dir))  # a str: as a flag gives it
+        for f in fields(self):  # from code, insecure="false" was true: no text for a bool
+            value = getattr(self, f.name)
+            if f.type in ("bool", bool) and not isinstance(value, bool):
+                raise ConfigError(f"{f.name}: expected true or false (a bool), got {shown(value)}")
+            if f.name in ("log_level", "log_format") and not isinstance(value, str):
+                raise ConfigError(f"{f.name}: expected a name, got {shown(value)}")
         for f in fields(self):  # NaN would pass every range check below; inf is no duration
             if f.type in ("float", float) and not math.isfinite(getattr(self, f.name)):
                 raise ConfigError(f"{f.name}: must be a finite number, got {getattr(self, f.name)}")
