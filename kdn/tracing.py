@@ -15,7 +15,10 @@ injects W3C ``traceparent`` into each call's metadata and opens a span per call;
 continues that trace with a span per RPC (from ``traceparent`` only: a caller's
 ``tracestate`` and ``baggage`` are not read, nor logged), and every tier call it makes
 (``kdn.store.health.TierHealth.attempt``) is a child span named
-``kdn.tier.<tier>.<operation>``. Off, each hook is one global lookup.
+``kdn.tier.<tier>.<operation>``. Off, each hook is one global lookup. The same-host fast
+path and the network data path (a default ``Client``'s stores and reads) carry no trace: their
+calls make client spans only, no server or tier spans (``data_path=False, shm_bytes=0`` sends
+every call over gRPC, traced end to end).
 """
 
 from __future__ import annotations
