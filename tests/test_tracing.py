@@ -82,7 +82,8 @@ def test_a_callers_tracestate_and_baggage_are_not_read(tmp_path: Path, spans: In
                                                        caplog: pytest.LogCaptureFixture) -> None:
     """The server continues a trace from ``traceparent`` alone: a caller's malformed
     ``tracestate`` and ``baggage`` (an unauthenticated one's too) made OpenTelemetry WARNING
-    lines echoing kilobytes of them, one per call."""
+    lines echoing kilobytes of them, one per call. An unauthenticated call's span has its
+    ``kdn.code``."""
     import grpc
 
     auth = tmp_path / "t.yaml"
@@ -104,8 +105,8 @@ def test_a_callers_tracestate_and_baggage_are_not_read(tmp_path: Path, spans: In
     assert not [r for r in caplog.records if r.name.startswith("opentelemetry")]
     assert "HOSTILE" not in caplog.text
     served = [s for s in spans.get_finished_spans() if s.name == "kdn.server.Lookup"]
-    assert served and all(s.context.trace_id == 0x0af7651916cd43dd8448eb211c80319c
-                          for s in served[-1:])
+    assert [s.context.trace_id for s in served] == [0x0af7651916cd43dd8448eb211c80319c] * 2
+    assert served[0].attributes.get("kdn.code") == "UNAUTHENTICATED"  # it had none
 
 
 def _run(code: str, **env: str) -> str:

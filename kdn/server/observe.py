@@ -335,15 +335,21 @@ class RequestInterceptor(grpc.aio.ServerInterceptor):
     async def _observed(self, context: grpc.aio.ServicerContext, rpc: str, md: Any,
                         open_call: bool, admission: _Admission) -> AsyncIterator[None]:
         """Admit the caller (an unauthenticated one is aborted and not recorded here: it is
-        ``kdn_auth_failures_total`` and the audit log), then time the call and record its
-        outcome, also when it is refused by its rate limit, raises or is cancelled."""
+        ``kdn_auth_failures_total`` and the audit log; its span has ``kdn.code`` only), then
+        time the call and record its outcome, also when it is refused by its rate limit,
+        raises or is cancelled."""
         t0 = time.perf_counter()
         with tracing.span(f"kdn.server.{rpc}", md if tracing.enabled() else None,
                           rpc=rpc) as span:  # the client's trace continues here (if on)
             rid = self._request_id(context, md)
             tenant, refusal = "", None
             if not open_call:
-                principal, refusal = await self._enter(context, rpc, rid, md, admission)
+                try:
+                    principal, refusal = await self._enter(context, rpc, rid, md, admission)
+                except BaseException as e:  # unauthenticated: aborted, its span says so too
+                    if span is not None:
+                        span.set_attribute("kdn.code", self._code(context, e))
+                    raise
                 tenant = principal.tenant
                 current_principal.set(principal)
             peer = context.peer() if access_log.isEnabledFor(logging.INFO) else ""  # now,
