@@ -177,13 +177,17 @@ def test_log_lines_carry_the_request_id(tmp_path: Path, caplog: pytest.LogCaptur
 def test_a_request_id_that_is_free_text_is_replaced(tmp_path: Path,
                                                     caplog: pytest.LogCaptureFixture) -> None:
     """A caller's request id is on every log line of its call: one that could forge the
-    front of a line (spaces, brackets, control characters, 7,000 characters) is replaced."""
+    front of a line (spaces, brackets, control characters, 7,000 characters) is replaced
+    (a Client refuses to send one: a raw gRPC caller's)."""
+    import grpc
+
     forged = "x] 2026-11-29 ERROR kdn.server [forged"
     with caplog.at_level(logging.INFO, logger="kdn.access"):
-        with ServerThread(ServerConfig(port=0, data_dir=tmp_path / "d")) as st:
-            with Client(st.address) as c:
-                for rid in (forged, "y" * 7000, "ok-id_1.2:3"):
-                    c.lookup([keys.chunk_key([1], LAY)], request_id=rid)
+        with ServerThread(ServerConfig(port=0, data_dir=tmp_path / "d")) as st, \
+                grpc.insecure_channel(st.address) as channel:
+            lookup = channel.unary_unary("/kdn.v1.KDN/Lookup")
+            for rid in (forged, "y" * 7000, "ok-id_1.2:3"):
+                lookup(b"", metadata=(("x-request-id", rid),), timeout=10)
     import json
 
     seen = [json.loads(r.getMessage())["request_id"] for r in caplog.records

@@ -121,6 +121,14 @@ def test_request_ids_per_call_and_per_thread(client: Client) -> None:
     assert client.last_request_id not in ("", "main-1")  # a fresh id per call
 
 
+@pytest.mark.parametrize("rid", ["order/42", "job 7", "r" * 129, "a\nb", "héllo"])
+def test_a_request_id_the_server_would_not_keep_is_refused(client: Client, rid: str) -> None:
+    """The server logs another id for one it does not keep (the caller's last_request_id
+    was not the logged one); a newline or a non-ASCII letter was INTERNAL 'Invalid metadata'."""
+    with pytest.raises(InvalidArgument, match="^request_id .* is malformed"):
+        client.lookup([keys.chunk_key([7], uniform_layout())], request_id=rid)
+
+
 def test_store_options(client: Client) -> None:
     lay = uniform_layout()
     key = keys.chunk_key([8], lay)

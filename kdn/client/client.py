@@ -19,7 +19,8 @@ From asyncio code use ``AsyncClient(client)``, which runs the same methods on wo
 there is one copy of the logic.
 
 Every RPC method takes ``request_id`` (sent as ``x-request-id``, logged by the server; a fresh
-one when None, the same for all retries of the call). ``last_request_id`` is the id of the
+one when None, the same for all retries of the call; 1-128 ASCII letters, digits and ``._:-``,
+as the server keeps it, else InvalidArgument). ``last_request_id`` is the id of the
 calling thread's latest call, so threads sharing a Client never see each other's ids.
 
 A Client belongs to the process that made it: its channel, its connections and its shared

@@ -24,10 +24,11 @@ from typing import Any, Literal, TypeVar
 import grpc
 
 from kdn import tracing as _tracing
+from kdn.checks import shown
 from kdn.client.deadline import call_cap, deadline_within
 from kdn.errors import Closed, InvalidArgument, kept
 from kdn.status import from_grpc
-from kdn.transport.metadata import API_KEY_HEADER, REQUEST_ID_HEADER
+from kdn.transport.metadata import API_KEY_HEADER, REQUEST_ID, REQUEST_ID_HEADER
 from kdn.transport.wire import get_many_response, retrieve_response, serialize_passthrough
 from kdn.v1 import kdn_pb2 as pb
 from kdn.v1 import kdn_pb2_grpc as pb_grpc
@@ -245,7 +246,11 @@ class Rpc:
 
     def metadata(self, request_id: str | None = None) -> tuple[tuple[str, str], ...]:
         """Metadata of one call: the API key and ``request_id`` (a fresh one when None), which
-        becomes this thread's ``last_request_id``."""
+        becomes this thread's ``last_request_id``; InvalidArgument for one the server would
+        not keep (``REQUEST_ID``: it would log another than the caller's)."""
+        if request_id and not (isinstance(request_id, str) and REQUEST_ID.fullmatch(request_id)):
+            raise InvalidArgument(f"request_id {shown(request_id)} is malformed: 1-128 "
+                                  "characters of ASCII letters, digits and . _ : -")
         rid = request_id or uuid.uuid4().hex[:16]
         self._local.request_id = rid
         md = (*self._auth, (REQUEST_ID_HEADER, rid))

@@ -27,7 +27,6 @@ import contextlib
 import inspect
 import json
 import logging
-import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterable
@@ -45,15 +44,12 @@ from kdn.server.auth import Authenticator, AuthFailed, Principal, current_princi
 from kdn.server.metrics_http import MetricsHTTPServer
 from kdn.server.requests import BadRequest, checked
 from kdn.status import grpc_code
-from kdn.transport.metadata import REQUEST_ID_HEADER
+from kdn.transport.metadata import REQUEST_ID, REQUEST_ID_HEADER
 
 access_log = logging.getLogger("kdn.access")
 PROBE_RPC = "Stats"
 """The RPC ``kdn admin health`` calls: without any key, a container's health probe."""
 OPEN_SERVICES = ("grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection")
-_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
-"""A caller's ``x-request-id`` kept as it is (else one is made): it is on every log line of
-the call, so never free text (no spaces, newlines or brackets to forge a line with)."""
 _Admission = tuple[Principal | None, KDNError | None]
 """A call's caller and why it is refused, or None (``RequestInterceptor._admission``)."""
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5,
@@ -267,7 +263,7 @@ class RequestInterceptor(grpc.aio.ServerInterceptor):
     @staticmethod
     def _request_id(context: grpc.aio.ServicerContext, md: Any) -> str:
         rid = next((str(v) for k, v in md if k == REQUEST_ID_HEADER), "")
-        if not _REQUEST_ID.fullmatch(rid):  # on every log line: never the caller's free text
+        if not REQUEST_ID.fullmatch(rid):  # on every log line: never the caller's free text
             rid = uuid.uuid4().hex
         context.set_trailing_metadata(((REQUEST_ID_HEADER, rid),))
         logs.request_id.set(rid)  # on every log line this call's handler writes
