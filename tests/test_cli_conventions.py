@@ -294,3 +294,49 @@ def test_admin_refuses_what_it_can_not_send_in_one_line_before_any_call(
     monkeypatch.setattr(sys, "stdout", None)  # started with stdout closed (`>&-`)
     assert cli(["admin", "fleet", "--nodes", "127.0.0.1:1", "--timeout", "1"]) == 1
 
+
+
+def _raw_grpc_call(port: int, headers: list[tuple[bytes, bytes]]) -> None:
+    """A Lookup over plain HTTP/2 with ``headers`` as given (no gRPC library checks them)."""
+    import socket
+    import struct
+
+    def frame(kind: int, flags: int, stream: int, payload: bytes) -> bytes:
+        return struct.pack(">I", len(payload))[1:] + bytes([kind, flags]) + \
+            struct.pack(">I", stream) + payload
+
+    def literal(name: bytes, value: bytes) -> bytes:  # HPACK, no indexing, lengths < 127
+        return b"\x00" + bytes([len(name)]) + name + bytes([len(value)]) + value
+
+    block = b"".join(literal(k, v) for k, v in [
+        (b":method", b"POST"), (b":scheme", b"http"), (b":path", b"/kdn.v1.KDN/Lookup"),
+        (b":authority", b"127.0.0.1"), (b"content-type", b"application/grpc"),
+        (b"te", b"trailers"), *headers])
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+        s.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + frame(4, 0, 0, b"") +
+                  frame(1, 0x4, 1, block) + frame(0, 0x1, 1, b"\x00" * 5))
+        s.settimeout(1)  # the answer comes at once; the connection stays open
+        with contextlib.suppress(OSError):
+            while s.recv(65536):
+                pass
+
+
+def test_kdn_serve_in_json_writes_json_lines_only(tmp_path: Path) -> None:
+    """A caller's malformed ``grpc-timeout`` header made gRPC's C core write a plain-text
+    ERROR line to ``kdn serve``'s stderr, one per call, amid ``--log-format json``'s lines."""
+    import os
+    import signal
+
+    env = {k: v for k, v in os.environ.items() if k != "GRPC_VERBOSITY"}
+    p = subprocess.Popen([sys.executable, "-m", "kdn", "serve", "--port", "0", "--disk-bytes",
+                          "0", "--data-dir", str(tmp_path / "d"), "--log-format", "json",
+                          "--log-level", "WARNING"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        found = re.search(r":(\d+)", p.stdout.readline() if p.stdout else "")
+        assert found, "no ready line"
+        _raw_grpc_call(int(found.group(1)), [(b"grpc-timeout", b"bogus")])
+    finally:
+        p.send_signal(signal.SIGTERM)
+        _, err = p.communicate(timeout=30)
+    assert all(line.startswith("{") for line in err.splitlines()), err

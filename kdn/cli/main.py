@@ -306,8 +306,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     # before grpc is imported: its native log lines (a failed TLS handshake's, one per try)
-    # are not the one line a command prints; GRPC_VERBOSITY=INFO (or DEBUG) shows them
-    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+    # are not the one line a command prints; GRPC_VERBOSITY=INFO (or DEBUG) shows them. A
+    # server's: none (a caller's malformed header was a plain-text ERROR line on stderr each
+    # call, amid --log-format json's lines); kdn logs what it serves itself
+    command = (sys.argv[1:] if argv is None else argv)[:1]
+    os.environ.setdefault("GRPC_VERBOSITY", "NONE" if command == ["serve"] else "ERROR")
     ns = build_parser().parse_args(argv)
     try:
         code = int(ns.func(ns))
