@@ -304,6 +304,19 @@ def test_a_variable_overriding_a_file_setting_is_a_warning(
         and str(f) in said[0], said
 
 
+def test_an_overriding_redis_url_is_warned_of_without_its_password(tmp_path: Path) -> None:
+    """The override warning names both URLs, as connections show them: without passwords
+    (it printed a KDN_REDIS_URL whole, password and all, into the server's log)."""
+    f = tmp_path / "kdn.yaml"
+    f.write_text("redis_url: redis://:filesecret@127.0.0.1:6390/0\n")
+    notes: list[str] = []
+    cfg = load_config(f, env={"KDN_REDIS_URL": "redis://:envsecret@127.0.0.1:6391/0"},
+                      notes=notes)
+    assert "envsecret" in cfg.redis_url
+    assert len(notes) == 1 and "6391" in notes[0] and "6390" in notes[0], notes
+    assert "secret" not in notes[0], notes
+
+
 def test_the_override_warnings_come_in_the_logs_format(tmp_path: Path) -> None:
     """Under log_format: json every line kdn serve logs is JSON: the override warnings were
     logged before logging was set up (a bare text line in the stream), a path shown as
