@@ -480,6 +480,53 @@ def test_blends_whose_callers_are_gone_stop(tmp_path: Path) -> None:
         assert 0 < len(passes) < 4, passes  # stopped, within a pass of the deadline
 
 
+def test_blends_waiting_for_the_model_hold_no_chunks_past_a_few(tmp_path: Path) -> None:
+    """A plan holds the bytes of the chunk entries it names until its blend ends: every call
+    planned at once and then waited for the model, so memory grew with the callers waiting
+    (each up to the model's context of KV). At most PLANNED calls are planned or blending."""
+    from kdn.server.blend_rpc import PLANNED
+
+    with blending(tmp_path) as (st, c, model):
+        chunk, layout = ids(40, 1), model_layout(model, DType.FLOAT32)
+        c.store(chunk_key(chunk, layout), prefill(model, chunk, layout)[0])
+        pieces = [RemotePiece(ids=chunk, key=chunk_key(chunk, layout)), RemotePiece(ids=ids(6, 2))]
+        blender = st.server.servicer.blender  # type: ignore[union-attr]
+        held, most, lock = [0], [0], threading.Lock()
+        plan = blender.plan
+
+        def counted_plan(*args: Any, **kwargs: Any) -> Any:
+            job = plan(*args, **kwargs)
+            run = job.run
+
+            def counted_run(*a: Any, **kw: Any) -> Any:
+                time.sleep(0.1)  # the model busy: the other calls wait
+                try:
+                    return run(*a, **kw)
+                finally:
+                    with lock:
+                        held[0] -= 1
+            with lock:
+                held[0] += 1
+                most[0] = max(most[0], held[0])
+            job.run = counted_run
+            return job
+
+        blender.plan = counted_plan
+        answers: list[Any] = []
+
+        def call() -> None:
+            with Client(st.address, timeout_s=60, api_key="key-a") as caller:
+                answers.append(caller.blend(pieces))
+
+        callers = [threading.Thread(target=call) for _ in range(PLANNED + 4)]
+        for t in callers:
+            t.start()
+        for t in callers:
+            t.join()
+        assert len(answers) == PLANNED + 4  # every call answered
+        assert most[0] <= PLANNED, most
+
+
 def test_a_stored_text_only_blend_of_a_bf16_model_is_served_again(tmp_path: Path) -> None:
     """A blend of text alone computes KV in the model's own dtype: its plan names that layout,
     so the stored combination is what the next call finds (the plan named float32 before, and

@@ -14,7 +14,10 @@ I/O around the blender:
    is seen to hold the planned prompt's tokens in the planned layout (else it is computed
    again and overwritten);
 3. otherwise ``job.run()`` computes and encodes the blend on a worker thread, one blend at a
-   time (waiting on the event loop, not in a thread) and stopped when its call is; the result is
+   time (waiting on the event loop, not in a thread) and stopped when its call is. A plan holds
+   its chunk entries' bytes until its blend ends, so at most ``PLANNED`` calls are planned or
+   blending at once; others wait their turn to plan, holding nothing but their request. The
+   result is
    stored under the combination key when asked, through the one write path every Store takes
    (``kdn.server.ingest.Ingest``: size and codec checks, the tenant's quota, the memoised
    messages and arena copies of an older value dropped, usage counted), and streamed back as
@@ -38,6 +41,11 @@ from kdn.server.auth import Principal, current_principal
 from kdn.server.ingest import Ingest
 from kdn.server.rpc import end_call
 from kdn.v1 import kdn_pb2 as pb
+
+PLANNED = 4
+"""Blend calls planned at once (each holds the bytes of the chunk entries it names, up to the
+model's context of KV, until its blend ends): calls queued for the model are bounded by this,
+not by how many clients wait."""
 
 
 class NoModel(KDNError):
@@ -127,11 +135,11 @@ async def run_in_turn(job: BlendJob, turn: asyncio.Lock) -> EncodedParts:
 
 
 async def blend_stream(blender: Blender | None, ingest: Ingest, request: pb.BlendRequest,
-                       context: grpc.aio.ServicerContext, turn: asyncio.Lock
-                       ) -> AsyncIterator[pb.RetrieveResponse]:
+                       context: grpc.aio.ServicerContext, turn: asyncio.Lock,
+                       planned: asyncio.Semaphore) -> AsyncIterator[pb.RetrieveResponse]:
     """The Blend RPC's answer, blended by ``blender`` (None: this server does not blend) from
-    chunks of ``ingest.store``, one blend at a time (``turn``); a result asked to be stored
-    goes through ``ingest``."""
+    chunks of ``ingest.store``, one blend at a time (``turn``), planned by at most ``PLANNED``
+    calls at once (``planned``); a result asked to be stored goes through ``ingest``."""
     store, count = ingest.store, ingest.count
     try:
         if blender is None:
@@ -145,23 +153,25 @@ async def blend_stream(blender: Blender | None, ingest: Ingest, request: pb.Blen
             hit = store.get(store_key(tenant, ns, key))
             return None if hit is None else bytes(hit.value)
 
-        job = await asyncio.to_thread(blender.plan, request, read_chunk,
-                                      ingest.config.max_blend_pieces)
-        skey = store_key(tenant, ns, job.combination_key) if job.combination_key else b""
-        hit = await asyncio.to_thread(store.get, skey) if skey else None
-        stored = None if hit is None else combination_of(job, hit.value)
-        if hit is not None and stored is not None:
-            count("blend.hit")
-            (head, frames), tier = stored, hit.tier
-        else:
-            if hit is not None:  # not this prompt's KV: computed again, and overwritten
-                count("blend.stale")
-            parts = await run_in_turn(job, turn)
-            head, frames, tier = parts.header, [bytes(f) for f in parts.frames], "blend"
-            if skey:
-                await asyncio.to_thread(store_result, ingest, principal, ns,
-                                        job.combination_key, parts)
-            count("blend.computed")
+        async with planned:  # (the module docstring: a plan holds its chunks' bytes)
+            job = await asyncio.to_thread(blender.plan, request, read_chunk,
+                                          ingest.config.max_blend_pieces)
+            skey = store_key(tenant, ns, job.combination_key) if job.combination_key else b""
+            hit = await asyncio.to_thread(store.get, skey) if skey else None
+            stored = None if hit is None else combination_of(job, hit.value)
+            if hit is not None and stored is not None:
+                count("blend.hit")
+                (head, frames), tier = stored, hit.tier
+            else:
+                if hit is not None:  # not this prompt's KV: computed again, and overwritten
+                    count("blend.stale")
+                parts = await run_in_turn(job, turn)
+                head, frames, tier = parts.header, [bytes(f) for f in parts.frames], "blend"
+                if skey:
+                    await asyncio.to_thread(store_result, ingest, principal, ns,
+                                            job.combination_key, parts)
+                count("blend.computed")
+            del job, hit  # its chunks' bytes: let go before the turn to plan is
     except KDNError as exc:
         end_call(context, count, "Blend", exc)
         return

@@ -39,7 +39,7 @@ from kdn.server.auth import (
     current_principal,
 )
 from kdn.server.batch import BatchReads
-from kdn.server.blend_rpc import Blender, blend_stream
+from kdn.server.blend_rpc import PLANNED, Blender, blend_stream
 from kdn.server.config import ServerConfig
 from kdn.server.egress import Egress, Pacer
 from kdn.server.ingest import Ingest, delete_entry
@@ -107,6 +107,7 @@ class KDNServicer(pb_grpc.KDNServicer):
         self.retrieve_many = RetrieveMany(self.reader, self.count)
         policies = self.auth.config.policies
         self.blend_turn = asyncio.Lock()  # one Blend runs the model at a time
+        self.blend_plans = asyncio.Semaphore(PLANNED)  # ... and a few wait for it, planned
         self.egress = Egress(config.egress_bytes_per_s,
                              {t: p.egress_bytes_per_s for t, p in policies.items()},
                              self.usage.paced, self.usage.pace_cancelled)
@@ -236,7 +237,7 @@ class KDNServicer(pb_grpc.KDNServicer):
                     context: grpc.aio.ServicerContext) -> AsyncIterator[pb.RetrieveResponse]:
         pacer = self.pacer(context) if self.egress.on else None  # as any read of an entry
         async for msg in blend_stream(self.blender, self.ingest, request, context,
-                                      self.blend_turn):
+                                      self.blend_turn, self.blend_plans):
             if pacer is not None:
                 await pacer.apace(msg.ByteSize())
             yield msg
