@@ -194,3 +194,58 @@ def test_a_cancelled_async_store_is_answered_before_a_later_call(
         c.close()
 
     asyncio.run(main())
+
+
+class GatedWrites(Client):
+    """A Client whose first ``store`` or ``delete`` waits for ``gate`` (``left`` once it ran)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.entered, self.gate, self.left = threading.Event(), threading.Event(), \
+            threading.Event()
+
+    def _gated(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        if self.entered.is_set():
+            return fn(*args, **kwargs)
+        self.entered.set()
+        assert self.gate.wait(10)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self.left.set()
+
+    def store(self, *args: Any, **kwargs: Any) -> Any:
+        return self._gated(super().store, *args, **kwargs)
+
+    def delete(self, *args: Any, **kwargs: Any) -> Any:
+        return self._gated(super().delete, *args, **kwargs)
+
+
+@pytest.mark.parametrize("cancelled", ["store", "delete"])
+def test_a_cancelled_write_runs_before_a_later_call(server: ServerThread, cancelled: str) -> None:
+    """A store (or delete) whose await was cancelled ran on its worker thread all the same,
+    after a later store of its key: the old value came back (the newer one was deleted)."""
+    old, new = random_kv(LAYOUT, 32, seed=3), random_kv(LAYOUT, 16, seed=4)
+    key = numbered_key(41)
+
+    async def main() -> None:
+        c = GatedWrites(server.address, timeout_s=30)
+        ac = AsyncClient(c)
+        await ac.retrieve(key, layout=LAYOUT)  # (the data paths opened)
+        first = asyncio.ensure_future(ac.store(key, old, mode="raw") if cancelled == "store"
+                                      else ac.delete(key))
+        assert await asyncio.to_thread(c.entered.wait, 10)
+        first.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        later = asyncio.ensure_future(ac.store(key, new, mode="raw"))
+        await asyncio.wait([later], timeout=1)  # not waiting, it would be stored by now
+        c.gate.set()
+        await later
+        assert await asyncio.to_thread(c.left.wait, 10)  # the cancelled one has run
+        got = await ac.retrieve(key, layout=LAYOUT)
+        assert got is not None and got.equal(new)
+        await ac.close()
+        c.close()
+
+    asyncio.run(main())

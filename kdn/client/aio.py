@@ -11,11 +11,13 @@ bound to the thread that makes them (an asynchronous store is answered on the th
 it: ``store_async``, ``flush``, ``close``) all run on one thread of the AsyncClient's own, so
 ``flush`` and ``close`` answer every store it sent; the other calls run on the loop's default
 executor, after the stores it sent are answered (one whose await was cancelled too: it still
-runs on that thread), as a Client's calls on one thread do (a read then sees them). A store's
-``result()`` is read once ``flush`` (or ``close``) returned; its ``done()`` any time. The worker
-thread's ``last_request_id`` is not the caller's: pass ``request_id`` to correlate. As a
-Client, an AsyncClient belongs to the process that made it: in a child of ``fork()`` its calls
-raise InvalidArgument (``close`` does nothing there).
+runs on that thread), and after each ``store``, ``store_many`` or ``delete`` whose await was
+cancelled has run (it still runs: a later write of its key would lose to it), as a Client's
+calls on one thread do (a read then sees them). A store's ``result()`` is read once ``flush``
+(or ``close``) returned; its ``done()`` any time. The worker thread's ``last_request_id`` is not
+the caller's: pass ``request_id`` to correlate. As a Client, an AsyncClient belongs to the
+process that made it: in a child of ``fork()`` its calls raise InvalidArgument (``close`` does
+nothing there).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import contextvars
 import functools
 import os
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from kdn.client.client import Client
@@ -57,6 +59,10 @@ class AsyncClient:
         last wait: it runs on the store thread all the same, its PendingStore never handed
         back (a later call would otherwise run beside it, and a later write of its key lose
         to it)."""
+        self._writing: list[Future[None]] = []
+        """Calls that change what the server holds (``WRITES``) whose await was cancelled: each
+        still runs on its worker thread, and a later call waits for it (a later write of its
+        key would otherwise lose to it, a later delete be undone by it)."""
         self._closed = False
         self._pid = os.getpid()  # its store thread is not in a child of fork()
 
@@ -76,7 +82,12 @@ class AsyncClient:
             self._stores, functools.partial(ctx.run, fn, *args, **kwargs))
 
     async def _answered(self) -> None:
-        """Wait until the stores sent so far are answered (their errors kept for ``flush``)."""
+        """Wait until the stores sent so far are answered (their errors kept for ``flush``),
+        and the writes whose await was cancelled have run."""
+        self._writing = [f for f in self._writing if not f.done()]
+        if self._writing:  # (cancelled itself: the next call waits again)
+            await asyncio.wait([asyncio.wrap_future(f) for f in self._writing])
+            self._writing = [f for f in self._writing if not f.done()]
         self._unanswered = [p for p in self._unanswered if not p.done()]
         if self._unanswered or self._abandoned:  # queued behind every store sent so far
             self._abandoned = False
@@ -141,9 +152,40 @@ class AsyncClient:
         async def call(*args: Any, **kwargs: Any) -> Any:
             self._usable()  # (a Client handed in stays open after close)
             await self._answered()
-            return await asyncio.to_thread(_no_stop, fn, *args, **kwargs)
+            if name not in WRITES:
+                return await asyncio.to_thread(_no_stop, fn, *args, **kwargs)
+            ran: Future[None] = Future()
+            ran.set_running_or_notify_cancel()
+            ctx = contextvars.copy_context()  # as asyncio.to_thread: the caller's context
+            running = asyncio.get_running_loop().run_in_executor(
+                None, functools.partial(ctx.run, _ran, ran, fn, *args, **kwargs))
+            try:  # shielded: once asked for, it runs, and ``ran`` tells when it has
+                return await asyncio.shield(running)
+            except asyncio.CancelledError:
+                running.add_done_callback(_retrieved)
+                self._writing.append(ran)
+                raise
 
         return call
+
+
+WRITES = frozenset({"store", "store_many", "delete"})
+"""The Client's calls that change what the server holds: one whose await was cancelled is
+waited for by the AsyncClient's later calls."""
+
+
+def _ran(ran: Future[None], fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``_no_stop(fn, ...)``; ``ran`` done when it returned or raised."""
+    try:
+        return _no_stop(fn, *args, **kwargs)
+    finally:
+        ran.set_result(None)
+
+
+def _retrieved(done: asyncio.Future[Any]) -> None:
+    """Its error read (a cancelled write's: its caller gave up on it)."""
+    if not done.cancelled():
+        done.exception()
 
 
 def _no_stop(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
