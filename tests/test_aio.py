@@ -249,3 +249,49 @@ def test_a_cancelled_write_runs_before_a_later_call(server: ServerThread, cancel
         c.close()
 
     asyncio.run(main())
+
+
+class GatedFlush(Client):
+    """A Client whose first ``flush`` waits for ``gate`` (``left`` once it ran)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.gate, self.left = threading.Event(), threading.Event()
+
+    def flush(self) -> None:
+        if self.left.is_set():
+            return super().flush()
+        assert self.gate.wait(10)
+        try:
+            super().flush()
+        finally:
+            self.left.set()
+
+
+@PATHS
+def test_a_cancelled_flush_leaves_its_error_to_the_next(server: ServerThread,
+                                                       path: dict[str, Any]) -> None:
+    """A flush whose await was cancelled still ran and took the stores' errors, raising them
+    where nobody read them: the next flush succeeded although a store was refused."""
+    kv = random_kv(LAYOUT, 16, seed=5)
+
+    async def main() -> None:
+        c = GatedFlush(server.address, timeout_s=30, **path)
+        ac = AsyncClient(c)
+        c.gate.set()
+        await ac.store_async(numbered_key(51), kv, mode="raw")
+        await ac.flush()  # (the data paths opened)
+        c.gate.clear()
+        c.left.clear()
+        await ac.store_async(numbered_key(50), damaged(kv))
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(ac.flush(), 0.1)
+        c.gate.set()
+        assert await asyncio.to_thread(c.left.wait, 10)  # it ran, taking the error
+        with pytest.raises(InvalidArgument, match="corrupt"):
+            await ac.flush()
+        await ac.flush()  # reported once
+        await ac.close()
+        c.close()
+
+    asyncio.run(main())

@@ -63,6 +63,9 @@ class AsyncClient:
         """Calls that change what the server holds (``WRITES``) whose await was cancelled: each
         still runs on its worker thread, and a later call waits for it (a later write of its
         key would otherwise lose to it, a later delete be undone by it)."""
+        self._flushing: Future[None] | None = None
+        """A flush whose await was cancelled: it still runs and takes the stores' errors; the
+        next flush waits for it and raises its error."""
         self._closed = False
         self._pid = os.getpid()  # its store thread is not in a child of fork()
 
@@ -117,11 +120,28 @@ class AsyncClient:
 
     async def flush(self) -> None:
         """``Client.flush``: every store sent by ``store_async`` answered; the first error
-        among those answered since the last flush is raised."""
+        among those answered since the last flush is raised (by the next flush where the one
+        that took it was cancelled)."""
+        self._usable()
         try:
-            await self._on_store_thread(self.client.flush)
+            kept, self._flushing = self._flushing, None
+            if kept is not None:  # its error first: it was taken before this flush's
+                await self._flushed(kept)
+            await self._flushed(self._stores.submit(contextvars.copy_context().run,
+                                                    self.client.flush))
         finally:
             self._forget_answered()
+
+    async def _flushed(self, flushing: Future[None]) -> None:
+        """Wait for ``flushing`` (a ``Client.flush`` on the store thread), raise its error;
+        cancelled, it is kept for the next ``flush``: it still runs and takes the errors."""
+        waited = asyncio.wrap_future(flushing)
+        try:
+            await asyncio.shield(waited)
+        except asyncio.CancelledError:
+            waited.add_done_callback(_retrieved)
+            self._flushing = flushing
+            raise
 
     async def close(self) -> None:
         """The stores sent answered (each ``result()`` then has its answer or error), the store
