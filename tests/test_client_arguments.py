@@ -14,6 +14,7 @@ import torch
 from kdn import codec
 from kdn.cache import KVCache
 from kdn.client import Client
+from kdn.codec import EncodedParts
 from kdn.errors import Closed, InvalidArgument
 from kdn.server import ServerThread
 from tests.helpers import numbered_key, random_kv, uniform_layout
@@ -69,6 +70,28 @@ def test_what_is_not_a_kv_cache_is_refused_by_name(server: ServerThread,
         codec.encode(meta)
     with pytest.raises(InvalidArgument, match="expected a KVCache, got NoneType"):
         codec.encode(None)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("options", CLIENTS)
+def test_encoded_parts_of_the_wrong_kind_are_refused_by_name(server: ServerThread,
+                                                              options: dict[str, Any]) -> None:
+    """EncodedParts of str frames, or of None, were a raw TypeError from deep in each path
+    (over gRPC alone "UNKNOWN: Exception iterating requests!"), and a header that is not a
+    kdn container was that UNKNOWN KDNError over gRPC alone (InvalidArgument elsewhere)."""
+    good = codec.encode_parts(random_kv(LAYOUT, 8, seed=3), "raw")
+    bad = [(EncodedParts(good.header, ["x"] * len(good.frames)), "frame 0 must be bytes, got str"),
+           (EncodedParts(None, None), "header must be bytes, got NoneType"),  # type: ignore[arg-type]
+           (EncodedParts(good.header, None), "frames must be a list of bytes, got NoneType"),  # type: ignore[arg-type]
+           (EncodedParts(b"junk" * 8, good.frames), "corrupt input")]
+    with Client(server.address, timeout_s=30, **options) as c:
+        for parts, match in bad:
+            with pytest.raises(InvalidArgument, match=match):
+                c.store(numbered_key(1), parts)
+            with pytest.raises(InvalidArgument, match=match):
+                c.store_async(numbered_key(1), parts).result()
+            with pytest.raises(InvalidArgument, match=match):
+                c.store_many([(numbered_key(2), good), (numbered_key(1), parts)])
+        assert not any(i.present for i in c.lookup([numbered_key(1), numbered_key(2)]).infos)
 
 
 @pytest.mark.parametrize("options", CLIENTS)

@@ -48,14 +48,42 @@ def _instance(obj: object, module: str, name: str) -> bool:
     return cls is not None and isinstance(obj, cls)
 
 
-def check_entry(kv: E) -> E:
-    """``kv`` when it is what a store takes (a ``KVCache``, ``EncodedParts`` or a ``Staged``
-    entry), else InvalidArgument: checked before a batch writes or sends anything (a staged
-    item went before a bad one was found)."""
-    if not (is_kv(kv) or isinstance(kv, EncodedParts) or is_staged(kv)):
-        raise InvalidArgument(f"expected a KVCache (or EncodedParts, Staged) to store, got "
-                              f"{type(kv).__name__}")
+def check_entry(kv: E, what: str = "") -> E:
+    """``kv`` when it is what a store takes (a ``KVCache``, ``EncodedParts`` of bytes or a
+    ``Staged`` entry), else InvalidArgument (naming ``what``, a batch's item): checked before
+    a batch writes or sends anything (a staged item went before a bad one was found; an
+    EncodedParts of str frames was a TypeError from deep in a data path)."""
+    if isinstance(kv, EncodedParts):
+        _check_parts(kv, f"{what}: " if what else "")
+    elif not (is_kv(kv) or is_staged(kv)):
+        raise InvalidArgument(f"{what + ': ' if what else ''}expected a KVCache (or "
+                              f"EncodedParts, Staged) to store, got {type(kv).__name__}")
     return kv
+
+
+def _check_parts(parts: EncodedParts, where: str) -> None:
+    """InvalidArgument unless ``parts`` holds a bytes-like header and a list of bytes-like
+    frames."""
+    if not _bytes_like(parts.header):
+        raise InvalidArgument(f"{where}EncodedParts.header must be bytes, got "
+                              f"{type(parts.header).__name__}")
+    if not isinstance(parts.frames, (list, tuple)):
+        raise InvalidArgument(f"{where}EncodedParts.frames must be a list of bytes, got "
+                              f"{type(parts.frames).__name__}")
+    for i, frame in enumerate(parts.frames):
+        if not _bytes_like(frame):
+            raise InvalidArgument(f"{where}EncodedParts frame {i} must be bytes, got "
+                                  f"{type(frame).__name__}")
+
+
+def _bytes_like(obj: object) -> bool:
+    if isinstance(obj, (bytes, bytearray, memoryview)):
+        return True
+    try:
+        memoryview(obj)  # type: ignore[arg-type]
+    except TypeError:
+        return False
+    return True
 
 
 def check_items(items: object) -> list[tuple[bytes, KVCache | EncodedParts | Staged]]:
@@ -81,7 +109,7 @@ def check_items(items: object) -> list[tuple[bytes, KVCache | EncodedParts | Sta
             raise InvalidArgument(f"key {key.hex()} is items {seen[key]} and {j} of one "
                                   "store_many: give each key once")
         seen[key] = j
-        out.append((key, check_entry(item[1])))
+        out.append((key, check_entry(item[1], f"item {j}")))
     return out
 
 

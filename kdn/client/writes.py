@@ -21,6 +21,7 @@ Staged entries (``kdn.client.staged``) in the client's segment are stored by whe
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
@@ -41,7 +42,7 @@ from kdn.client.rpc import Rpc, traced
 from kdn.client.shm import unanswered
 from kdn.codec import EncodedParts
 from kdn.codec.format import parse_header
-from kdn.errors import InvalidArgument, KDNError, Status, TooLarge, again
+from kdn.errors import Corrupt, InvalidArgument, KDNError, Status, TooLarge, again
 from kdn.keys import check_key, check_namespace
 from kdn.layout import KVLayout
 from kdn.names import MAX_CALL_KEYS
@@ -258,7 +259,8 @@ class Writer:
         try:
             resp = self.rpc.call(lambda: self.rpc.store_many_call(
                 iter(grouped) if grouped is not None else
-                (m for key, parts, opts in items for m in store_messages(ns, key, parts, opts)),
+                itertools.chain.from_iterable([store_messages(ns, key, parts, opts)
+                                               for key, parts, opts in items]),
                 timeout=time_left(self.rpc.timeout_s), metadata=md))
         except KDNError as exc:
             if grouped is not None and exc.status is Status.INVALID_ARGUMENT:
@@ -530,11 +532,15 @@ def wire_options(options: StoreOptions | None) -> pb.StoreOptions:
 
 def store_header(namespace: str, key: bytes, parts: EncodedParts,
                  options: pb.StoreOptions) -> pb.StoreHeader:
-    """The header of one entry on a Store (or StoreMany) stream."""
+    """The header of one entry on a Store (or StoreMany) stream; InvalidArgument for a
+    container header that does not parse (as the server answers it)."""
+    try:
+        fingerprint = parse_header(parts.header).layout.fingerprint
+    except Corrupt as exc:
+        raise InvalidArgument(f"corrupt input: {exc}") from exc
     return pb.StoreHeader(
         namespace=namespace, key=key, container_header=parts.header,
-        layout_fingerprint=parse_header(parts.header).layout.fingerprint,
-        total_bytes=parts.nbytes, options=options)
+        layout_fingerprint=fingerprint, total_bytes=parts.nbytes, options=options)
 
 
 def frame_messages(parts: EncodedParts) -> Iterator[bytes]:
@@ -548,9 +554,10 @@ def frame_messages(parts: EncodedParts) -> Iterator[bytes]:
 def store_messages(namespace: str, key: bytes, parts: EncodedParts,
                    options: pb.StoreOptions) -> Iterator[pb.StoreRequest | bytes]:
     """The messages of one entry on a Store (or StoreMany) stream: its header, then its
-    frames (``frame_messages``)."""
-    yield pb.StoreRequest(header=store_header(namespace, key, parts, options))
-    yield from frame_messages(parts)
+    frames (``frame_messages``). The header is made here, before the stream is handed to a
+    call: an error raised while grpc iterates it is lost to "Exception iterating requests"."""
+    head = pb.StoreRequest(header=store_header(namespace, key, parts, options))
+    return itertools.chain((head,), frame_messages(parts))
 
 
 GROUP_HEADER_BYTES = 4 << 20
