@@ -40,6 +40,17 @@ def test_a_timeout_is_a_number_of_seconds_or_none(server: ServerThread) -> None:
         assert c.timeout_s == 5.0
 
 
+def test_a_per_call_timeout_is_checked_as_the_clients(server: ServerThread) -> None:
+    """``lookup(timeout_s=...)`` took 0, -1 and NaN (DeadlineExceeded at once) and "abc" (a raw
+    TypeError); inf is no deadline."""
+    with Client(server.address, timeout_s=30) as c:
+        for bad in (0, -1, math.nan, "abc", True):
+            with pytest.raises(InvalidArgument, match="timeout_s"):
+                c.lookup([numbered_key(1)], timeout_s=bad)  # type: ignore[arg-type]
+        for good in (5, 0.5, math.inf):
+            assert not c.lookup([numbered_key(1)], timeout_s=good).infos[0].present
+
+
 CLIENTS = [{}, {"shm_bytes": 0}, {"shm_bytes": 0, "data_path": False},
            {"local_bytes": 1 << 20}]
 """The ways a client reads and writes: through the shared segment (same host), the network

@@ -416,8 +416,10 @@ class Client:
                timeout_s: float | None = None, server_only: bool = False) -> LookupResult:
         """Which ``keys`` are stored, where (``inproc`` for the in-process tier) and how big;
         with ``prefix_chain`` also how many leading keys are present. ``timeout_s``: this
-        call's deadline (None: the client's); ``server_only``: the in-process tier is not
-        asked (what the server holds, for other processes)."""
+        call's deadline (None: the client's; else a number of seconds > 0, inf: none);
+        ``server_only``: the in-process tier is not asked (what the server holds, for other
+        processes)."""
+        budget = self.timeout_s if timeout_s is None else check_timeout("timeout_s", timeout_s)
         ns = self._ns(namespace)
         ks = [check_key(k) for k in keys]
         asks_local = self.local is not None and not server_only
@@ -426,7 +428,6 @@ class Client:
         ask = [k for k, info in zip(ks, infos) if info is None]
         if ask or not ks:
             md = self.rpc.metadata(request_id)
-            budget = self.timeout_s if timeout_s is None else timeout_s
             answered: list[pb.KeyInfo] = []
             for part in call_batches(ask):
                 req = pb.LookupRequest(namespace=ns, keys=part, prefix_chain=prefix_chain)
