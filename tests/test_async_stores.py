@@ -103,6 +103,30 @@ def test_a_damaged_entry_fails_alone_and_flush_raises_it(server: ServerThread) -
         assert not c.contains(_key(21))
 
 
+@pytest.mark.parametrize("options", [{"data_path": False}, {"shm_bytes": 0},
+                                     {"shm_bytes": 0, "data_path": False}],
+                         ids=["same-host", "network", "grpc-only"])
+def test_a_refused_store_is_reported_by_flush_on_every_path(
+        server: ServerThread, options: dict[str, object]) -> None:
+    """Over gRPC alone (and the network data path's first call, stored as ``store``) the
+    refusal was raised by store_async itself; through the segment only by flush(). A bad
+    argument is raised by the call on every path."""
+    good = codec.encode_parts(random_kv(LAYOUT, 16, seed=40), "raw")
+    frame = bytearray(good.frames[-1])
+    frame[-3] ^= 0x10
+    bad = EncodedParts(good.header, [*good.frames[:-1], bytes(frame)])
+    with Client(server.address, timeout_s=30, **options) as c:  # type: ignore[arg-type]
+        with pytest.raises(InvalidArgument, match="key"):
+            c.store_async("k", good)  # type: ignore[arg-type]
+        p = c.store_async(_key(60), bad)
+        with pytest.raises(InvalidArgument, match="corrupt"):
+            c.flush()
+        c.flush()  # reported once
+        with pytest.raises(InvalidArgument, match="corrupt"):
+            p.result()
+        assert not c.contains(_key(60))
+
+
 def test_staged_and_remote_async_stores(server: ServerThread) -> None:
     kvs = [random_kv(LAYOUT, 64, seed=30 + i) for i in range(2)]
     with Client(server.address, timeout_s=30, data_path=False) as c:

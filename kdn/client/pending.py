@@ -53,6 +53,13 @@ class PendingStore:
         p._response, p._done = response, True
         return p
 
+    @classmethod
+    def failed(cls, key: bytes, error: KDNError) -> PendingStore:
+        """One stored synchronously that failed with ``error``."""
+        p = cls(None, key)
+        p.resolve(None, error)
+        return p
+
     def done(self) -> bool:
         return self._done
 
@@ -99,3 +106,11 @@ class PendingStore:
                 on_done(error is None)  # and must not fail for it
             except Exception as exc:  # noqa: BLE001
                 log.warning("kdn: the in-process tier did not keep %r: %s", self.key, exc)
+
+
+class Refused(threading.local):
+    """The errors of a thread's ``store_async`` calls stored as ``store`` (no path to send
+    them ahead) since its last ``flush``, which raises them as it raises the others'."""
+
+    def __init__(self) -> None:
+        self.errors: list[KDNError] = []

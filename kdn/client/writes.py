@@ -37,12 +37,12 @@ from kdn.client.entries import (
     is_kv,
     is_staged,
 )
-from kdn.client.pending import PendingStore
+from kdn.client.pending import PendingStore, Refused
 from kdn.client.rpc import Rpc, traced
 from kdn.client.shm import unanswered
 from kdn.codec import EncodedParts
 from kdn.codec.format import parse_header
-from kdn.errors import Corrupt, InvalidArgument, KDNError, Status, TooLarge, again
+from kdn.errors import Closed, Corrupt, InvalidArgument, KDNError, Status, TooLarge, again
 from kdn.keys import check_key, check_namespace
 from kdn.layout import KVLayout
 from kdn.names import MAX_CALL_KEYS
@@ -69,6 +69,7 @@ class Writer:
         self.max_message_bytes = max_message_bytes
         self._store_many_ok = True  # False once a server answered UNIMPLEMENTED (older)
         self._store_many_grouped = False  # True once a server said it reads grouped StoreMany
+        self._refused = Refused()
 
     def _ns(self, namespace: str | None) -> str:
         return check_namespace(namespace or self.namespace)
@@ -293,12 +294,13 @@ class Writer:
         staged entry: named where it lies) and the call sent on this thread's fast-path
         connection; on another host its bytes go on this thread's network data path
         connection; at most ``ASYNC_DEPTH`` unanswered either way. Without either path, or
-        without room, it is stored as ``store`` does and comes back answered. The server
-        checks it as any store. Its answer is read by ``result()``, by this thread's next
-        call of this client (every call waits for the thread's earlier stores first, so its
-        reads see them), or by ``flush()``, which raises the first error since the last flush.
-        A staged entry must not be written again until its store is answered (the server
-        copies what it holds then)."""
+        without room, it is stored as ``store`` does and comes back answered (refused: its
+        error raised as any's, not by this call). The server checks it as any store. Its
+        answer is read by ``result()``, by this thread's next call of this client (every call
+        waits for the thread's earlier stores first, so its reads see them), or by
+        ``flush()``, which raises the first error since the last flush. A staged entry must
+        not be written again until its store is answered (the server copies what it holds
+        then)."""
         key, kv, options = check_key(key), check_entry(kv), check_options(options)
         check_encoding(mode, level, layers_per_frame)
         ns = self._ns(namespace)
@@ -325,15 +327,22 @@ class Writer:
                 if got is None:  # not sent: the store below is the key's write
                     write.end()
         if got is None:
-            return PendingStore.answered(key, self.store(
-                key, parts if parts is not None else kv, namespace=ns, options=options))
+            try:
+                return PendingStore.answered(key, self.store(
+                    key, parts if parts is not None else kv, namespace=ns, options=options))
+            except Closed:
+                raise
+            except KDNError as exc:  # refused: reported as a store sent ahead is (flush)
+                self._refused.errors.append(exc)
+                return PendingStore.failed(key, exc)
         return got
 
     def flush(self) -> None:
         """Wait for this thread's asynchronous stores (``store_async``); raise the first error
         among those answered since the last flush (each also raises from its ``result()``)."""
         self.dataplane.settle_async()
-        errors = self.dataplane.take_async_errors()
+        errors, self._refused.errors = self._refused.errors, []
+        errors += self.dataplane.take_async_errors()
         if errors:  # a copy: its traceback holds this frame, which holds ``errors``
             raise again(errors[0])
 
