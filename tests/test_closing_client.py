@@ -176,3 +176,30 @@ def test_stores_answered_before_close_read_their_answers(server: ServerThread,
         except Exception as exc:  # noqa: BLE001
             got.append(f"{type(exc).__name__}: {exc}")
     assert got == ["ok"] * 6
+
+
+def test_streams_cut_by_close_on_the_network_path_raise_closed(server: ServerThread) -> None:
+    """Entries still landing on the network data path when the client closed raised
+    Unavailable ("the data path connection dropped inside an entry (Bad file descriptor)"),
+    where gRPC's streams raise Closed."""
+    layout = uniform_layout(layers=8, heads=8, dim=64)
+    keys = [numbered_key(10 + i) for i in range(4)]
+    with Client(server.address, timeout_s=30) as c:
+        c.store_many([(k, random_kv(layout, 256, seed=i)) for i, k in enumerate(keys)],
+                     mode="raw")
+    seen: list[str] = []
+    for _ in range(4):
+        c = Client(server.address, timeout_s=20, shm_bytes=0)
+        c.retrieve(keys[0])  # (the data path opened)
+        streams = c.retrieve_streams(keys, layout=layout)
+        c.close()
+        for s in streams:
+            assert s is not None
+            try:
+                s.result(timeout=10)
+            except Closed:
+                seen.append("Closed")
+            except Exception as exc:  # noqa: BLE001 - what the test is about
+                seen.append(f"{type(exc).__name__}: {exc}")
+    assert all(s == "Closed" for s in seen), seen[:3]
+    assert seen  # (some were cut short)

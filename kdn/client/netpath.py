@@ -27,8 +27,9 @@ host-to-device copy per entry reads them where they lie. A stripe that fails (it
 connection dropped inside an entry, a damaged or wrong answer) fails the whole ``get_many``
 call: the other stripes are read to their end or their connections closed, and nothing of
 the call is returned; under ``start_get_many`` it fails its entries from the one it failed
-in on (raised from their streams' waits), Unavailable for a dropped connection. A failed
-stripe's connection is closed; the path goes on with new ones.
+in on (raised from their streams' waits), Unavailable for a dropped connection (Closed for
+one the client's ``close`` shut). A failed stripe's connection is closed; the path goes on
+with new ones.
 
 Every call has one deadline for all of its sends and receives (``kdn.client.deadline``):
 ``timeout_s`` from its start, or a thread's ``deadline_within`` if sooner; an asynchronous
@@ -133,6 +134,7 @@ class NetPath:
         """The size of the last entry this path brought (what ``stripes`` counts with)."""
         self.worked = False
         """The server answered a call on this path (a later failure may be a restart)."""
+        self.closed_by: KDNError | None = None
 
     def _open(self) -> socket.socket:
         """A new connection for a stripe (kept in ``_all`` until closed)."""
@@ -482,6 +484,8 @@ class NetPath:
                                            f"the call's deadline (timeout_s="
                                            f"{self.timeout_s}, or the caller's "
                                            "deadline_within)")
+                elif isinstance(exc, OSError) and self.closed_by is not None:
+                    exc = again(self.closed_by)  # shut by the client's close, not the network
                 elif isinstance(exc, OSError):
                     exc = Unavailable(f"the data path connection dropped inside an entry "
                                       f"({exc}); nothing of it is used")
@@ -574,7 +578,10 @@ class NetPath:
             self.entry_bytes = ref.length
         return got
 
-    def close(self) -> None:
+    def close(self, closed_by: KDNError | None = None) -> None:
+        """Close the connections; ``closed_by``: the error an entry still landing raises (the
+        client's Closed), else Unavailable (the path was lost)."""
+        self.closed_by = closed_by
         with self._lock:
             conns, self._all, self._spare = self._all, [], []
             pool, self._stripers = self._stripers, None

@@ -20,8 +20,9 @@ from kdn.client.netpath import NetPath
 from kdn.client.pending import ASYNC_DEPTH, PendingStore
 from kdn.client.perthread import Crowded
 from kdn.client.received import Fetched, fetched
+from kdn.client.rpc import CLOSED
 from kdn.codec import EncodedParts
-from kdn.errors import DeadlineExceeded, KDNError, NotFound, Unavailable, kept
+from kdn.errors import Closed, DeadlineExceeded, KDNError, NotFound, Unavailable, kept
 from kdn.layout import Expected
 from kdn.v1 import kdn_pb2 as pb
 
@@ -249,7 +250,7 @@ class RemotePath:
         net, self._net, self._tried = self._net, None, True
         if net is None:
             return
-        net.close()
+        net.close(Closed(CLOSED))  # (an entry still landing: cut short by the client's close)
         self._closed = net  # (its threads' stores: read as each ends, ``kdn.client.perthread``)
         try:
             md = self._metadata(None)
