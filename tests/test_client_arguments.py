@@ -13,7 +13,7 @@ import torch
 
 from kdn import codec
 from kdn.cache import KVCache
-from kdn.client import Client
+from kdn.client import AsyncClient, Client
 from kdn.codec import EncodedParts
 from kdn.errors import Closed, InvalidArgument
 from kdn.server import ServerThread
@@ -208,8 +208,14 @@ def test_a_closed_client_refuses_every_call(server: ServerThread,
 
 def test_client_settings_are_refused_by_name_and_an_empty_namespace_is_the_default(
         server: ServerThread) -> None:
-    """local_bytes=-1 was a ValueError, 1.5 and True were taken as tier sizes; namespace=""
-    (the default, as in a request) was refused."""
+    """An address of None or an int was an AttributeError; local_bytes=-1 was a ValueError,
+    1.5 and True were taken as tier sizes; namespace="" (the default, as in a request) was
+    refused."""
+    for bad in (None, 50051, b"127.0.0.1:50051"):  # an AttributeError (rstrip), a TypeError
+        with pytest.raises(InvalidArgument, match="address must be a string"):
+            Client(bad)  # type: ignore[arg-type]
+        with pytest.raises(InvalidArgument, match="address must be a string"):
+            AsyncClient(bad)  # type: ignore[arg-type]
     for bad in (-1, 1.5, True, "10"):
         with pytest.raises(InvalidArgument, match="local_bytes"):
             Client(server.address, local_bytes=bad)  # type: ignore[arg-type]

@@ -158,6 +158,9 @@ class Client:
         if insecure is None:
             insecure = os.environ.get("KDN_INSECURE", "").strip().lower() in (
                 "1", "true", "yes", "on")
+        if not isinstance(address, str):
+            raise InvalidArgument(f"address must be a string HOST:PORT, e.g. 127.0.0.1:50051; "
+                                  f"got {type(address).__name__}")
         if ":" not in address.rstrip(":"):  # gRPC would dial a bare host on port 443
             raise InvalidArgument(f"address {address!r} has no port; write HOST:PORT, e.g. "
                                   "127.0.0.1:50051")
