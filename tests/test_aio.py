@@ -7,6 +7,7 @@ client on the server's host, the network data path of one without a segment."""
 from __future__ import annotations
 
 import asyncio
+import copy
 import threading
 from typing import Any
 
@@ -295,3 +296,15 @@ def test_a_cancelled_flush_leaves_its_error_to_the_next(server: ServerThread,
         c.close()
 
     asyncio.run(main())
+
+
+def test_an_async_client_without_its_client_has_no_attributes(server: ServerThread) -> None:
+    """``copy.copy(ac)`` (an instance made without ``__init__``, then asked for
+    ``__setstate__``) recursed in ``__getattr__`` until RecursionError."""
+    ac = AsyncClient(Client(server.address, timeout_s=30))
+    twin = copy.copy(ac)
+    assert twin.client is ac.client
+    bare = AsyncClient.__new__(AsyncClient)
+    with pytest.raises(AttributeError, match="retrieve"):
+        bare.retrieve  # noqa: B018
+    ac.client.close()

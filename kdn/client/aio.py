@@ -165,6 +165,9 @@ class AsyncClient:
         await self.close()
 
     def __getattr__(self, name: str) -> Callable[..., Any]:
+        # (an instance copy.copy made has no client yet: looked up here, it recursed for ever)
+        if name.startswith("__") or "client" not in self.__dict__:
+            raise AttributeError(f"'AsyncClient' object has no attribute {name!r}")
         fn = getattr(self.client, name)
         if not callable(fn):
             return fn
