@@ -532,10 +532,9 @@ def load_config(
 
 
 def check_variables(env: Mapping[str, str]) -> None:
-    """Refuse a ``KDN_*`` variable that is neither a server setting, one of
-    ``OTHER_VARIABLES`` nor a Kubernetes service link (a misspelling would otherwise be
-    ignored), naming the nearest one (``kdn.server.variables``). ``kdn serve``, ``kdn admin``
-    and ``kdn rag`` all check their environment this way."""
+    """Refuse a ``KDN_*`` variable that is no server setting, ``OTHER_VARIABLES`` nor Kubernetes
+    service link (a misspelling would be ignored), naming the nearest (``kdn.server.variables``);
+    ``kdn serve``, ``kdn admin`` and ``kdn rag`` all check their environment this way."""
     variables.check_variables(env, (f.name for f in fields(ServerConfig)))
 
 
@@ -562,9 +561,7 @@ def _shown(name: str, value: Any) -> str:
 def _brief(name: str, value: Any) -> str:
     """``value`` as help shows it (a path as written, a size with its unit; a ``redis_url``
     without its passwords); a text (a tenants file's, a list of URLs) cut at 60 characters."""
-    text = _shown(name, value)
-    if name == "redis_url" and isinstance(value, str):
-        text = ",".join(shown_url(u) for u in value.split(","))
+    text = shown_url(str(value)) if name == "redis_url" else _shown(name, value)
     return text if not isinstance(value, str) or len(text) <= 60 else text[:57] + "..."
 
 
@@ -575,7 +572,7 @@ def _in_error(name: str, value: Any) -> str:
         return shown(value)
     if not isinstance(value, str):
         return f"(a {type(value).__name__})"
-    return shown(",".join(shown_url(u) for u in value.split(",")))
+    return shown(shown_url(value))
 
 
 def _field_docs() -> dict[str, str]:

@@ -21,9 +21,9 @@ transaction interrupted by SIGKILL leaves no trace, so no partial entry is ever 
 Byte budget: ``capacity_bytes``, cut where its filesystem could not hold it (with a warning, or
 at DEBUG for ``quiet_cut``: a budget nobody set, which ``kdn serve``'s ready line shows as taken;
 ``kdn.store.diskroom``). A put that would push ``used`` over it evicts the entries with the
-oldest access stamps in the same transaction, skipping live keys the hierarchy marks
-``protected`` (pins; an expired pinned entry goes like any other). Access stamps are approximate LRU: a ``get`` records the key in memory and the stamps
-are written with the next write transaction (and at ``close``), so reads never pay for a write.
+oldest access stamps in the same transaction, skipping live keys marked ``protected`` (pins).
+Access stamps are approximate LRU: a ``get`` records the key in memory and the stamps are
+written with the next write transaction (and at ``close``), so reads never pay for a write.
 
 Files gone: where the data file is no longer the one opened (its directory deleted, the file
 replaced), writes would go to a file no restart opens: ``healthy`` then answers False (the

@@ -42,8 +42,11 @@ _QUERY_PASSWORD = re.compile(r"([?&]password=)[^&#]*", re.IGNORECASE)
 
 
 def shown_url(url: str) -> str:
-    """``url`` for an error message or a log line: without its user and password (``***`` in
-    their place), nor a ``?password=`` query option's value (redis-py takes one there too)."""
+    """``url`` (or a comma-separated list of them) for an error message or a log line: without
+    user and password (``***`` in their place), nor a ``?password=`` query option's value
+    (redis-py takes one there too)."""
+    if "," in url:
+        return ",".join(shown_url(u) for u in url.split(","))
     url = _QUERY_PASSWORD.sub(r"\1***", url)
     head, at, tail = url.rpartition("@")
     return f"{head.split('://')[0]}://***@{tail}" if at else url
