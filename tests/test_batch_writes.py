@@ -50,6 +50,24 @@ def test_a_bad_mode_stores_nothing_of_the_batch(server: ServerThread,
 
 
 @pytest.mark.parametrize("options", PATHS)
+def test_an_entry_the_codec_refuses_stores_nothing_of_the_batch(
+        server: ServerThread, options: dict[str, Any]) -> None:
+    """A KVCache the codec refuses (a NaN under a lossy mode) was found only after the
+    batch's staged items had been stored."""
+    a, b = numbered_key(1), numbered_key(2)
+    with Client(server.address, timeout_s=30, **options) as c:
+        st = c.stage(LAYOUT, 8)
+        st.write(random_kv(LAYOUT, 8, seed=1))
+        kv = random_kv(LAYOUT, 8, seed=2)
+        kv.layers[0][0][0, 0, 0] = float("nan")
+        with pytest.raises(InvalidArgument, match="NaN"):
+            c.store_many([(a, st), (b, kv)], mode="int8")
+        c.flush()
+        assert [i.present for i in c.lookup([a, b]).infos] == [False, False]
+        st.close()
+
+
+@pytest.mark.parametrize("options", PATHS)
 def test_a_damaged_entry_stores_nothing_of_a_batch_of_several_calls(
         server: ServerThread, options: dict[str, Any]) -> None:
     """50 entries of ~390 KB, the last with a damaged frame: the batch goes in several calls

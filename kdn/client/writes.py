@@ -179,17 +179,18 @@ class Writer:
                     mode: str, level: str, ns: str, options: StoreOptions | None,
                     layers_per_frame: int, request_id: str | None) -> list[pb.StoreResponse]:
         staged = [j for j, (_, kv) in enumerate(items) if is_staged(kv)]
-        if staged:  # sent where they lie; the rest as below
+        if staged:  # sent where they lie; the rest as below, each encoded before any is sent
+            rest = [j for j, (_, kv) in enumerate(items) if not is_staged(kv)]
+            encoded_rest = [(items[j][0], encoded(items[j][1], mode, level, layers_per_frame))
+                            for j in rest]  # one the codec refuses raises with none stored
             out: list[pb.StoreResponse | None] = [None] * len(items)
             done_staged = self._store_staged(ns, [items[j] for j in staged],  # type: ignore[misc]
                                              options, request_id)
             for j, r in zip(staged, done_staged):
                 out[j] = r
-            rest = [j for j in range(len(items)) if out[j] is None]
-            for j, r in zip(rest, self.store_many(
-                    [items[j] for j in rest], mode=mode, level=level, namespace=ns,
-                    options=options, layers_per_frame=layers_per_frame,
-                    request_id=request_id) if rest else []):
+            for j, r in zip(rest, self._store_many(
+                    encoded_rest, mode, level, ns, options, layers_per_frame,
+                    request_id) if rest else []):
                 out[j] = r
             return out  # type: ignore[return-value]
         opts = wire_options(options)
