@@ -9,6 +9,8 @@ layer: a ``raw`` KVCache in default frames is written straight into the segment 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 import kdn.client.pipelined as dp
@@ -66,8 +68,6 @@ def test_an_error_in_one_call_is_raised_once_all_were_answered(
     auth = tmp_path / "tenants.yaml"
     auth.write_text("tenants:\n  t: {api_keys: [key-t], quota_bytes: 120000}\n")
     auth.chmod(0o600)
-    import dataclasses
-
     with ServerThread(dataclasses.replace(server_config, auth_file=str(auth))) as st, \
             Client(st.address, timeout_s=30, shm_bytes=4 << 20, api_key="key-t") as c:
         with pytest.raises(TooLarge, match="quota"):
@@ -162,3 +162,38 @@ def test_an_answer_with_the_wrong_number_of_results_is_an_error(
             c.store_many([(_key(i), kv) for i, kv in enumerate(values)],
                          mode="raw", layers_per_frame=1)
         assert answers[0] > 2  # the later calls were answered too
+
+
+@pytest.mark.parametrize(("mode", "admitted"), [("lossless", False), ("lossless", True),
+                                               ("raw", True)])
+def test_a_batch_of_many_small_entries_goes_in_calls_a_server_takes(
+        server_config: ServerConfig, monkeypatch: pytest.MonkeyPatch, mode: str,
+        admitted: bool) -> None:
+    """Calls were cut by bytes alone: ``PIPE_BYTES`` of entries of a few hundred bytes is
+    more keys than a server takes in one call (``MAX_CALL_KEYS``: the batch was refused
+    INVALID_ARGUMENT), and a first call of that many a body larger than a connection not yet
+    admitted may send (the server closed it). Encoded entries (``put_pipelined``) on a fresh
+    connection and on one a store was admitted on, KVCaches written into the segment
+    (``put_staged_pipelined``, once the client knows the fast path)."""
+    from kdn import codec
+    from kdn.layout import KVLayout, LayerLayout
+    from kdn.names import MAX_CALL_KEYS
+    from kdn.options import Durability, StoreOptions
+
+    monkeypatch.setattr(dp, "PIPE_BYTES", 6 << 20)  # fewer entries, still more than a call's
+    tiny = KVLayout("tiny", (LayerLayout(1, 4, 4),), head_dim=4)
+    kv = random_kv(tiny, 1, seed=1)
+    entry = kv if mode == "raw" else codec.encode_parts(kv, mode)
+    n = (6 << 20) // codec.encode_parts(kv, mode).nbytes + 1000
+    assert n > MAX_CALL_KEYS + 1000
+    keys = [_key(i) for i in range(n)]
+    options = StoreOptions(ttl_s=10**9, durability=Durability.MEMORY)
+    config = dataclasses.replace(server_config, disk_bytes=0)  # RAM alone: fast
+    with ServerThread(config) as st, Client(st.address, timeout_s=30) as c:
+        if admitted:
+            c.store(_key(n), kv, mode=mode)
+        before = _calls(c)
+        out = c.store_many([(k, entry) for k in keys], mode=mode, options=options)
+        assert len(out) == n and all(r.stored_bytes > 0 for r in out)
+        assert _calls(c) - before >= 2  # pipelined, not stored another way
+        assert all(i.present for i in c.lookup(keys[-10:]).infos)

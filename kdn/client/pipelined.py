@@ -2,8 +2,10 @@
 
 A same-host store is a copy in by the client, then a copy out by the server: one after the
 other, each core waits on the other. Here a batch goes as several PutMany calls of about
-``PIPE_BYTES``, the next call's entries written into the shared segment while the server
-copies the last call's out, ``PIPE_DEPTH`` calls unanswered besides the one being written:
+``PIPE_BYTES`` (and at most ``kdn.names.MAX_CALL_KEYS`` entries, the first call
+``fastwire.BATCH_ITEMS``: ``call_items``), the next call's entries written into the shared
+segment while the server copies the last call's out, ``PIPE_DEPTH`` calls unanswered besides
+the one being written:
 
 * ``put_pipelined``: encoded entries (``EncodedParts``) copied into a region of the segment
   per call (``write_parts``), each region freed by its call's answer;
@@ -24,9 +26,17 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kdn.client.fastwire import answer_bound, fast_answer, fast_error, fast_send, parsed
+from kdn.client.fastwire import (
+    BATCH_ITEMS,
+    answer_bound,
+    fast_answer,
+    fast_error,
+    fast_send,
+    parsed,
+)
 from kdn.codec import EncodedParts
 from kdn.errors import Corrupt, KDNError
+from kdn.names import MAX_CALL_KEYS
 from kdn.transport.wire import FAST_PUT_MANY
 from kdn.v1 import kdn_pb2 as pb
 
@@ -34,6 +44,14 @@ PIPE_BYTES = 8 << 20
 """Bytes of entries a pipelined PutMany call carries (``put_pipelined``)."""
 PIPE_DEPTH = 1
 """Pipelined PutMany calls sent and not yet answered, besides the one being written."""
+
+
+def call_items(sent: int) -> int:
+    """Entries a pipelined call may carry after ``sent`` calls: as many as a server takes in
+    one (``MAX_CALL_KEYS``), the first ``BATCH_ITEMS``, its request within what a server
+    reads on a connection not yet admitted (``kdn.server.fastpath.FIRST_BODY``: a longer
+    one closed the connection)."""
+    return BATCH_ITEMS if sent == 0 else MAX_CALL_KEYS
 
 
 def write_parts(seg: Any, at: int, parts: EncodedParts) -> None:
@@ -63,7 +81,8 @@ def put_pipelined(namespace: str, items: Sequence[tuple[bytes, EncodedParts, pb.
         n = (parts.nbytes + 63) // 64 * 64
         if parts.nbytes > most:
             continue
-        if batches[-1] and size + n > PIPE_BYTES:
+        if batches[-1] and (size + n > PIPE_BYTES
+                            or len(batches[-1]) >= call_items(len(batches) - 1)):
             batches.append([])
             size = 0
         batches[-1].append(i)
@@ -140,7 +159,7 @@ def put_staged_pipelined(namespace: str, items: Sequence[tuple[bytes, pb.StoreOp
     held: list[Any] = []
     try:
         conn = connect()
-        size = 0
+        size = calls = 0
         for i in range(len(items)):
             st = stage(i)
             while st is None and pending:  # room comes back with the answers
@@ -155,10 +174,10 @@ def put_staged_pipelined(namespace: str, items: Sequence[tuple[bytes, pb.StoreOp
             batch.append(i)
             held.append(st)
             size += st.nbytes
-            if size >= PIPE_BYTES or i == len(items) - 1:
+            if size >= PIPE_BYTES or len(batch) >= call_items(calls) or i == len(items) - 1:
                 _send_staged(conn, namespace, seg, seg_id, items, batch, held)
                 pending.append((batch, held))
-                batch, held, size = [], [], 0
+                batch, held, size, calls = [], [], 0, calls + 1
                 if len(pending) > PIPE_DEPTH:
                     error = _staged_answered(conn, pending.popleft(), out, error)
         if batch and error is None:  # the last items had no room but these
