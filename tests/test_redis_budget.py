@@ -112,6 +112,24 @@ def test_a_promoted_replica_gets_the_budget(tmp_path: Path) -> None:
             tier.close()
 
 
+def test_a_redis_restarted_with_a_maxmemory_of_its_own_gets_the_budget_back(
+        tmp_path: Path) -> None:
+    """A maxmemory from Redis's own config file (read again at each restart, under its own
+    policy) was taken for another kdn server's budget and kept, noeviction with it."""
+    with RedisServer(tmp_path, appendonly=False,
+                     extra=("--maxmemory", "200mb", "--maxmemory-policy", "noeviction")) as r:
+        tier = RedisTier(r.url, capacity_bytes=BUDGET)
+        try:
+            assert _budget_of(r) == (BUDGET, "allkeys-lru")
+            r.kill()
+            r.start()  # its own settings again
+            assert _budget_of(r) == (200 << 20, "noeviction")
+            assert tier.healthy()
+            assert _budget_of(r) == (BUDGET, "allkeys-lru")
+        finally:
+            tier.close()
+
+
 def test_a_redis_without_config_names_redis_bytes(tmp_path: Path) -> None:
     with RedisServer(tmp_path, appendonly=False, extra=("--rename-command", "CONFIG", "")) as r:
         cfg = ServerConfig(redis_url=r.url, redis_bytes=BUDGET, disk_bytes=0,

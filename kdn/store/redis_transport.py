@@ -525,9 +525,11 @@ class RedisTransport:
     def keep_budget(self) -> None:
         """Give the byte budget again to each master that answers without it (restarted with
         its own settings, or a replica promoted since): called by each health probe, one
-        ``CONFIG GET`` per master. A master that holds another budget (another kdn server's,
-        with another redis_bytes) keeps it, and a warning says so once: two servers setting
-        theirs in turn would change it at every probe."""
+        ``CONFIG GET`` per master. A master that holds another budget under kdn's policy
+        (allkeys-lru: another kdn server's, with another redis_bytes) keeps it, and a warning
+        says so once: two servers setting theirs in turn would change it at every probe. A
+        maxmemory under another policy is Redis's own (its config file's, read again at a
+        restart) and is replaced."""
         if not self._budget:
             return
         for node in self._budget_nodes():
@@ -543,7 +545,8 @@ class RedisTransport:
         try:
             got = self.call(self.client.config_get, "maxmemory*", **kw)
             held = str(got.get("maxmemory"))
-            if held not in ("0", str(self._budget)):  # another's budget: left, said once
+            if held not in ("0", str(self._budget)) and \
+                    got.get("maxmemory-policy") == "allkeys-lru":  # another kdn's: left, said once
                 if self._others.get(name) != held:
                     self._others[name] = held
                     log.warning("redis %s holds maxmemory %s, not this server's redis_bytes "
