@@ -227,6 +227,24 @@ def test_k_share_moves_the_removal_between_keys_and_values() -> None:
         PruneConfig(0.6, k_share=0.9)  # K's ratio 1.08
 
 
+def test_a_k_share_that_scales_a_block_past_whole_is_capped_not_refused() -> None:
+    """K's part of the ratio over the ratio (here 0.6 / 0.4) scaled a sensitive-free block's
+    ratio past 1, which removal_counts refuses: a valid PruneConfig raised InvalidArgument.
+    The block is capped instead, and K and V still remove their whole parts."""
+    from kdn.prune.importance import ChannelScores
+    from kdn.prune.sensitivity import Sensitivity
+
+    geo = Geometry(layers=4, heads=2, kv_heads=2, head_dim=16)
+    g = torch.Generator().manual_seed(0)
+    scores = ChannelScores(Importance.L2, torch.rand(4, 16, generator=g, dtype=torch.float64),
+                           torch.rand(4, 16, generator=g, dtype=torch.float64))
+    sens = Sensitivity(ratio=0.4, base_ppl=10.0, delta_ppl=(0.1, 0.2, 0.3, 5.0))
+    plan, _ = make_plan(geo, scores, PruneConfig(0.4, "rank-based", k_share=0.75), sens)
+    k_removed = sum(16 - len(k) for k in plan.k_kept)  # in pairs of channels
+    v_removed = sum(16 - len(v) for v in plan.v_kept)
+    assert (k_removed, v_removed) == (2 * round(0.6 * 4 * 8), round(0.2 * 4 * 16))
+
+
 def test_save_load_round_trip(tmp_path: Path) -> None:
     model = prune_model(tiny(5), random_plan(5))
     folder = save_pruned(model, tmp_path / "pruned")

@@ -109,9 +109,11 @@ def make_plan(geo: Geometry, scores: ChannelScores, config: PruneConfig,
 def _counts(ratios: list[float], units: int, part: float, config: PruneConfig,
             layers: int) -> list[int]:
     """Units of one kind (K pairs or V channels) to remove per block: round(part × layers ×
-    units) in all, spread as the block ratios are (scaled by part / ratio, caps too)."""
+    units) in all, spread as the block ratios are (scaled by part / ratio, caps too; a
+    block's scaled ratio at most 1: the cap bounds its count, the total is kept)."""
     scale = part / config.ratio if config.ratio else 1.0
-    return removal_counts([r * scale for r in ratios], units, round(part * layers * units),
+    return removal_counts([min(1.0, r * scale) for r in ratios], units,
+                          round(part * layers * units),
                           max_per_block=_cap_units(min(1.0, config.block_cap * scale), units))
 
 
