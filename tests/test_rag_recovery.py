@@ -127,6 +127,49 @@ def test_the_default_embedder_is_named_without_loading_it() -> None:
     assert embedder_name(WordEmbedder()) == "tests.test_rag.WordEmbedder"
 
 
+def test_one_model_is_one_embedder_wherever_its_files_lie(tmp_path: Path) -> None:
+    """An Embedder given a folder was named by its path: the bundled model given explicitly,
+    or its files copied elsewhere, was 'another embedder' and its states were refused."""
+    import shutil
+
+    from kdn.model.embed import MINILM_NAME, MODEL_FILES, minilm_model_dir, model_name
+
+    try:
+        bundled = minilm_model_dir()
+    except FileNotFoundError:
+        pytest.skip("the bundled embedding model is not installed")
+    assert model_name(bundled) == MINILM_NAME
+    copies = [tmp_path / n for n in ("a", "b", "c")]
+    for folder in copies:
+        folder.mkdir()
+        for name in MODEL_FILES:
+            if (bundled / name).is_file():
+                shutil.copy(bundled / name, folder / name)
+    assert model_name(copies[0]) == MINILM_NAME
+    for folder in copies[1:]:  # other settings: another model, the same in both folders
+        config = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({**config, "layer_norm_eps": 1e-6}))
+    other = model_name(copies[1])
+    assert other.startswith("blake2b:") and other == model_name(copies[2])
+
+
+class Renamed(WordEmbedder):
+    """``WordEmbedder`` under a new name, its old one among ``former_names``."""
+
+    name = "blake2b:0123"
+    former_names = ("tests.test_rag.WordEmbedder",)
+
+
+def test_a_state_naming_the_embedder_as_kdn_named_it_before_is_taken(
+        model: Any, client: Client, tmp_path: Path) -> None:
+    docs = corpus(tmp_path)
+    state = tmp_path / "state"
+    make_kb(model, client, state).ingest(docs)
+    rep = make_kb(model, client, state, embedder=Renamed()).ingest(docs)
+    assert rep.unchanged == rep.documents  # the same settings: nothing embedded again
+    assert Manifest.load(state).settings.embedder == "blake2b:0123"  # type: ignore[union-attr]
+
+
 def test_damaged_state_files_are_corrupt(tmp_path: Path) -> None:
     (tmp_path / MANIFEST).write_text("[" * 100_000 + "]" * 100_000)
     with pytest.raises(Corrupt, match="nested too deeply"):

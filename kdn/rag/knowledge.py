@@ -282,7 +282,8 @@ class KnowledgeBase:
         self._check_embedder()
         self._own()
         old = self.manifest.settings
-        if old is not None and not old.embedder:  # not recorded: the checks above took it
+        if old is not None and (not old.embedder or old.embedder in self._former_names()):
+            # not recorded, or recorded by a name kdn gave it before: the checks above took it
             old = replace(old, embedder=self.settings.embedder)
         same_settings = old == self.settings
         # commits before the end only where the state on disk stays of one set of settings
@@ -410,12 +411,19 @@ class KnowledgeBase:
                                   f"{' and another '.join(differ)}; use the model and namespace "
                                   "it was ingested with, or another state folder")
 
+    def _former_names(self) -> tuple[str, ...]:
+        """Names a state written by an older kdn recorded of this embedder
+        (``kdn.model.embed.Embedder.former_names``: its folder)."""
+        names = getattr(self._embedder, "former_names", ())
+        return tuple(n for n in names if isinstance(n, str) and n)
+
     def _check_embedder(self) -> None:
         """InvalidArgument unless this object's embedder is the one the state's embeddings
         came from (``Settings.embedder``; in a state that did not record it, one of their
         dimension), before anything is prefilled or searched."""
         old, name = self.manifest.settings, self.settings.embedder
-        if old is not None and old.embedder and old.embedder != name:
+        if old is not None and old.embedder and old.embedder != name and \
+                old.embedder not in self._former_names():
             raise InvalidArgument(f"{self.state} was embedded by {old.embedder!r}, not by this "
                                   f"knowledge base's {name!r} (their vectors do not compare); "
                                   "use that embedder, or another state folder")
