@@ -16,7 +16,7 @@ from kdn.cache import KVCache
 from kdn.client.admin import AdminClient
 from kdn.client.client import Client
 from kdn.client.fleet import FleetClient, FleetConfig
-from kdn.errors import DeadlineExceeded, InvalidArgument, TooLarge
+from kdn.errors import DeadlineExceeded, InvalidArgument, PermissionDenied, TooLarge
 from kdn.names import MAX_CALL_KEYS
 from kdn.server import ServerThread
 from tests.helpers import random_kv, running_nodes, uniform_layout
@@ -239,6 +239,26 @@ def test_a_node_refusing_the_delete_keeps_its_keys_stale_and_the_others_delete(
         with pytest.raises(TooLarge):  # node 0 (marked down) is not waited for; node 1 refuses
             f.delete(KEY)
         assert [r["stale"] for r in f.nodes_report()] == [2, 1] and not any(f.router.live)
+
+
+def test_a_delete_the_caller_may_not_make_is_raised_with_no_node_marked_down(
+        tmp_path: Path) -> None:
+    """Another tenant's keys deleted by a non-admin: every node refuses PERMISSION_DENIED,
+    and each was marked down with the key stale (one caller mistake took the fleet out of
+    routing and its next read missed)."""
+    auth = tmp_path / "tenants.yaml"
+    auth.write_text('tenants:\n  team: {api_keys: ["k"]}\n  other: {api_keys: ["o"]}\n')
+    auth.chmod(0o600)
+    with running_nodes(tmp_path, auth_file=str(auth)) as ns, FleetClient(FleetConfig(
+            nodes=tuple(n.address for n in ns), health_interval_s=0,
+            client_options={"api_key": "k", "shm_bytes": 0})) as f:
+        value = random_kv(LAY, 4, seed=1)
+        f.store(KEY, value)
+        with pytest.raises(PermissionDenied, match="only admins"):
+            f.delete(KEY, tenant="other")
+        assert [(r["live"], r["stale"]) for r in f.nodes_report()] == [(True, 0)] * len(ns)
+        got = f.retrieve(KEY)
+        assert got is not None and got.equal(value)
 
 
 def test_stale_keys_leave_in_calls_so_a_refused_call_keeps_only_its_own(tmp_path: Path) -> None:

@@ -30,7 +30,8 @@ Copies. A node keeps what it served or stored in its RAM, so a key may sit in se
 RAM. A store goes to its node (and through it to the shared tier); the other nodes are then told
 to drop their RAM copy of the stored keys (an Evict of their ``ram`` tier, ``drop_copies``). A
 delete goes to every configured node, also those marked down. A node that can not be reached
-for either, refuses the delete, or refuses the evict for now (rate-limited), keeps the keys in
+for either, refuses the delete (not as the caller's mistake that every node would refuse:
+``CALLER_REFUSALS``), or refuses the evict for now (rate-limited), keeps the keys in
 ``stale`` and stays marked down: before it is marked live again (a health check, or a call
 that tries it again) it drops them from its RAM, and a node that can not do that stays down.
 ``nodes_report`` counts each node's ``stale`` keys. Node clients with an in-process tier
@@ -78,6 +79,7 @@ from kdn.errors import (
     InvalidArgument,
     KDNError,
     PermissionDenied,
+    Unauthenticated,
     Unavailable,
     kept,
 )
@@ -95,6 +97,8 @@ T = TypeVar("T")
 NODE_FAILURES = (Unavailable, DeadlineExceeded, OSError)
 """What a node that is gone raises (the fallback's trigger: gRPC's UNAVAILABLE or deadline, a
 closed data-path connection); nothing else moves a call."""
+CALLER_REFUSALS = (PermissionDenied, Unauthenticated, InvalidArgument)
+"""Refusals no later try changes (not allowed, not logged in, a bad request): ``delete``."""
 MAX_RETRY_DOWN_S = 60.0
 """The longest a call waits before it tries a node marked down again."""
 
@@ -492,11 +496,10 @@ class FleetClient:
                tenant: str = "", **kw: Any) -> int:
         """Delete from every live node (each may hold a RAM copy); a node marked down is not
         waited for: it drops its copies before it is marked live again (``drop_copies``), as
-        one not reached does, or one that refuses the delete (rate-limited, not allowed: it is
-        marked down). The most any node deleted (the shared tier's copy is deleted by the
-        first); when none deleted, the first refusal, else Unavailable (none was reached: the
-        shared tier's copy is still there). A request this process refuses (a bad key) is
-        raised before any node is sent it."""
+        one not reached does, or one that refuses the delete (rate-limited: it is marked
+        down). The most any node deleted (the shared tier's copy is deleted by the first);
+        when none deleted, the first refusal, else Unavailable. A bad key is refused before
+        any node is sent it, a ``CALLER_REFUSALS`` answered before any deleted raised as is."""
         keys = [check_key(k) for k in ([key] if isinstance(key, (bytes, bytearray)) else key)]
         check_namespace(namespace or self.clients[0].namespace)  # refused here, not per node
         if tenant:  # another tenant's entries: never in the in-process tiers (the caller's)
@@ -520,6 +523,8 @@ class FleetClient:
                 self._mark(node, False)
                 self.drop_copies(keys, [node], namespace, tenant)
             except KDNError as exc:  # refused: the others delete on, it keeps its copies
+                if isinstance(exc, CALLER_REFUSALS) and not done:
+                    raise  # the caller's mistake, as every node would say
                 log.warning("fleet node %s refused the delete (%s); it is not read until it "
                             "drops its copies", self.nodes[node], exc)
                 refused = refused or kept(exc)
