@@ -456,3 +456,37 @@ def test_one_tenant_holds_a_bounded_share_of_the_connections(
         assert (_get(conn, data_ticket(b), []) or (0, b""))[0] == 1  # tenant b finds room
         for c, _ in (*held, (conn, None)):
             c.close()
+
+
+def test_a_rate_limited_first_call_is_raised_not_sent_again_by_grpc(
+        server_config: ServerConfig, tmp_path: Path) -> None:
+    """A thread's first data path call refused for its tenant's rate limit was taken for a
+    connection the server had no room for (Crowded): sent again by gRPC (the tenant's bucket
+    asked twice) and the thread kept off the data path for CROWDED_S."""
+    from kdn.errors import RateLimited
+
+    auth = tmp_path / "tenants.yaml"
+    auth.write_text("tenants:\n  t: {api_keys: [key-t], rate_rps: 0.5, burst: 8}\n")
+    auth.chmod(0o600)
+    config = dataclasses.replace(server_config, auth_file=str(auth), disk_bytes=0)
+    with ServerThread(config) as st, \
+            Client(st.address, timeout_s=30, shm_bytes=0, api_key="key-t", retry=None) as c:
+        c.store(numbered_key(1), random_kv(LAYOUT, 16), mode="raw")
+        assert c.fetch_many([numbered_key(1)])[0] is not None  # the ticket, this thread's
+        with pytest.raises(RateLimited):
+            for _ in range(20):
+                c.lookup([numbered_key(1)])
+        seen: list[Any] = []
+
+        def first_call() -> None:  # a new thread: a new connection
+            try:
+                c.fetch_many([numbered_key(1)])
+            except Exception as exc:  # noqa: BLE001 - checked below
+                seen.append(exc)
+            path = c.dataplane.net()
+            seen.append(path is not None and path.threads.mine().crowded)
+
+        t = threading.Thread(target=first_call)
+        t.start()
+        t.join()
+        assert isinstance(seen[0], RateLimited) and seen[1] is False

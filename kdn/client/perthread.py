@@ -23,9 +23,9 @@ and no more: a read past them ends at once), by its thread's next call or as the
 which closes it; the stores whose answers never came fail Closed (``closed``).
 
 A server that refuses a thread's new connection for its limits (RESOURCE_EXHAUSTED on its
-first call) makes the path raise ``Crowded``: that call goes by gRPC, and so do the thread's
-calls for ``CROWDED_S`` after (``Held.crowded``) rather than each opening a connection to be
-refused again.
+first call, not the tenant's rate limit) makes the path raise ``Crowded``: that call goes by
+gRPC, and so do the thread's calls for ``CROWDED_S`` after (``Held.crowded``) rather than each
+opening a connection to be refused again.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from kdn.errors import KDNError, TooLarge, Unavailable
+from kdn.errors import KDNError, RateLimited, TooLarge, Unavailable
 
 log = logging.getLogger(__name__)
 
@@ -64,8 +64,11 @@ class Crowded(TooLarge):
 
 def refused(error: KDNError, new: bool) -> KDNError:
     """The error a server answered to a call; Crowded where it refused the call's ``new``
-    connection (RESOURCE_EXHAUSTED on a connection's first call: gRPC instead)."""
-    return Crowded.of(error) if new and isinstance(error, TooLarge) else error
+    connection (RESOURCE_EXHAUSTED on a connection's first call: gRPC instead). RateLimited
+    stays itself: the tenant's requests are over its rate on every path (sent again by
+    gRPC, the call asked the tenant's bucket twice)."""
+    crowded = new and isinstance(error, TooLarge) and not isinstance(error, RateLimited)
+    return Crowded.of(error) if crowded else error
 
 
 class Held:
