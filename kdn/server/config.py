@@ -150,7 +150,7 @@ class ServerConfig:
     redis_bytes: int = 0
     """Memory budget set on Redis (maxmemory per master, allkeys-lru; set again on a master
     that was down at start, restarted or promoted); 0 = keep Redis's own. kdn servers sharing a
-    Redis set the same one: a master found holding another is left with it, and said once."""
+    Redis set the same one: a master holding another under allkeys-lru is left so (said once)."""
     redis_part_bytes: int = 8 << 20
     """Largest single Redis value; bigger entries are split into parts of this size (cut to
     512MiB less a manifest's 40-byte header, the most one Redis value holds by default)."""
