@@ -63,11 +63,12 @@ def to_float(value: Any) -> float:
         return float("inf") if value > 0 else float("-inf")
 
 
-def token_ids(values: object, what: str) -> list[int]:
+def token_ids(values: object, what: str, below: int | None = None) -> list[int]:
     """``values`` as a list of ints: a sequence of whole numbers, or an array or tensor of them
     (anything with ``tolist``, which must give such a list: 1-D, an integer dtype);
     InvalidArgument naming ``what`` otherwise: a text or bytes, a batch, a float or a bool is
-    no token id. Imports nothing: the client's requests use it without torch."""
+    no token id, nor, given ``below``, one outside [0, below) (``2**32``: a uint32 on the
+    wire). Imports nothing: the client's requests use it without torch."""
     if isinstance(values, (str, bytes, bytearray, memoryview)):
         raise InvalidArgument(f"{what}: token ids are a list of whole numbers, got "
                               f"{type(values).__name__}")
@@ -84,7 +85,15 @@ def token_ids(values: object, what: str) -> list[int]:
             out.append(t.__index__())
         except TypeError:
             raise InvalidArgument(f"{what}: token {i} is {shown(t)}, not a token id") from None
+        if below is not None and not 0 <= out[-1] < below:
+            raise InvalidArgument(f"{what}: token {i} is {shown(out[-1])}, not in [0, "
+                                  f"{below_shown(below)})")
     return out
+
+
+def below_shown(bound: int) -> str:
+    """A bound as a power of two where it is one (``2**32``), else in digits."""
+    return f"2**{bound.bit_length() - 1}" if bound > 1 and bound & (bound - 1) == 0 else str(bound)
 
 
 _SHOWN = reprlib.Repr()

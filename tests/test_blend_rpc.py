@@ -80,6 +80,17 @@ def test_a_remote_pieces_ids_are_token_ids_not_what_int_makes_of_them() -> None:
         assert list(request([RemotePiece(ids=same)]).pieces[0].token_ids) == [5, 6]
 
 
+def test_a_remote_pieces_ids_outside_uint32_are_refused_naming_the_piece() -> None:
+    """An id below 0 or from 2**32 passed the check and reached protobuf, a raw ValueError
+    ('Value out of range') naming neither the piece nor the token."""
+    for bad, match in (([-1], r"piece 1's ids: token 0 is -1, not in \[0, 2\*\*32\)"),
+                       ([3, 2**32], r"piece 1's ids: token 1 is 4294967296, not in"),
+                       (torch.tensor([4, -5]), "token 1 is -5")):
+        with pytest.raises(InvalidArgument, match=match):
+            request([RemotePiece(ids=[3]), RemotePiece(ids=bad)])  # type: ignore[arg-type]
+    assert list(request([RemotePiece(ids=[0, 2**32 - 1])]).pieces[0].token_ids) == [0, 2**32 - 1]
+
+
 def test_blend_options_are_refused_by_name() -> None:
     """Each Blend option of the wrong kind or out of the wire's range is InvalidArgument
     naming it (they escaped as protobuf's ValueError, TypeError or AttributeError)."""

@@ -68,7 +68,7 @@ def blend_request(pieces: Sequence[RemotePiece], *, namespace: str, ratio: float
             raise InvalidArgument(f"piece {j} must be a kdn.client.blend.RemotePiece, got "
                                   f"{type(p).__name__}")
         check_text(p.text, f"piece {j}'s text")  # protobuf would raise UnicodeEncodeError
-        ids.append(token_ids(p.ids, f"piece {j}'s ids"))  # uint32 on the wire: not int(1.7)
+        ids.append(token_ids(p.ids, f"piece {j}'s ids", UINT32_MAX + 1))  # uint32 on the wire
         try:
             keys.append(check_key(p.key) if p.key != b"" else b"")  # b"": text
         except InvalidArgument as e:
