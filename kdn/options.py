@@ -7,9 +7,10 @@ The client turns a ``StoreOptions`` into the wire's ``kdn.v1.StoreOptions``; the
 from __future__ import annotations
 
 import enum
+import numbers
 from dataclasses import dataclass
 
-from kdn.checks import not_an_int
+from kdn.checks import shown, whole
 from kdn.errors import InvalidArgument
 
 _MAX_TTL_S = 2**64 - 1  # the wire field is a uint64
@@ -37,20 +38,28 @@ class StoreOptions:
     pin: bool = False
     """Never evict the entry while it is pinned."""
     durability: Durability = Durability.DEFAULT
-    """Where the entry must be before the store is acknowledged."""
+    """Where the entry must be before the store is acknowledged (its name, ``"disk"``, or
+    value is taken too; a bool is not)."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.ttl_s, bool) or not isinstance(self.ttl_s, int):
-            raise InvalidArgument(f"ttl_s must be a whole number of seconds, got {self.ttl_s!r}"
-                                  f"{not_an_int(self.ttl_s)}")
-        if not 0 <= self.ttl_s <= _MAX_TTL_S:
+        whole("ttl_s", self.ttl_s, 0, " (seconds; 0: the server's default)")  # numpy's too
+        if self.ttl_s > _MAX_TTL_S:
             raise InvalidArgument(f"ttl_s must be in [0, 2**64), got {self.ttl_s}")
+        object.__setattr__(self, "ttl_s", int(self.ttl_s))
         if not isinstance(self.pin, bool):
             raise InvalidArgument(f"pin must be a bool, got {self.pin!r}")
-        try:
-            durability = Durability(self.durability)
-        except ValueError:
-            raise InvalidArgument(
-                f"durability must be one of {[d.name for d in Durability]}, got {self.durability!r}"
-            ) from None
-        object.__setattr__(self, "durability", durability)
+        object.__setattr__(self, "durability", _durability(self.durability))
+
+
+def _durability(value: object) -> Durability:
+    """``value`` as a Durability: one, its value (a whole number, not a bool: ``True`` is not
+    "durable", it would be MEMORY) or its name in any case; else InvalidArgument."""
+    try:
+        if isinstance(value, str):
+            return Durability[value.upper()]
+        if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+            return Durability(int(value))
+    except (KeyError, ValueError):
+        pass
+    raise InvalidArgument(f"durability must be a kdn.Durability or one of "
+                          f"{[d.name for d in Durability]}, got {shown(value)}")

@@ -8,6 +8,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -16,6 +17,7 @@ from kdn.cache import KVCache
 from kdn.client import AsyncClient, Client
 from kdn.codec import EncodedParts
 from kdn.errors import Closed, InvalidArgument
+from kdn.options import Durability, StoreOptions
 from kdn.server import ServerThread
 from tests.helpers import numbered_key, random_kv, uniform_layout
 
@@ -233,3 +235,21 @@ def test_client_settings_are_refused_by_name_and_an_empty_namespace_is_the_defau
         assert c.namespace == "default"
         c.store(numbered_key(5), kv)
         assert d.retrieve(numbered_key(5), namespace="default").equal(kv)  # type: ignore[union-attr]
+
+
+def test_store_options_take_a_durability_not_a_bool_and_numpy_seconds() -> None:
+    """durability=True was Durability.MEMORY (the least durable: a bool is an int), False
+    DEFAULT and 2.0 DISK, while "DISK" was refused by a message listing the names; ttl_s
+    refused numpy's np.int64(5)."""
+    for bad in (True, False, 2.0, 7, "fast", None):
+        with pytest.raises(InvalidArgument, match="durability must be a kdn.Durability or one "
+                                                  "of .'DEFAULT', 'MEMORY', 'DISK', 'SHARED'."):
+            StoreOptions(durability=bad)  # type: ignore[arg-type]
+    for same in (Durability.DISK, 2, np.int64(2), "DISK", "disk"):
+        assert StoreOptions(durability=same).durability is Durability.DISK  # type: ignore[arg-type]
+    assert StoreOptions(ttl_s=np.int64(5)).ttl_s == 5 and type(StoreOptions(ttl_s=5).ttl_s) is int
+    for bad in (True, 5.0, -1, "5"):
+        with pytest.raises(InvalidArgument, match="ttl_s must be a whole number >= 0"):
+            StoreOptions(ttl_s=bad)  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgument, match=r"ttl_s must be in \[0, 2\*\*64\)"):
+        StoreOptions(ttl_s=2**64)
