@@ -64,6 +64,9 @@ if TYPE_CHECKING:
 TokenIds: TypeAlias = "Sequence[int] | torch.Tensor"
 
 
+_BOOLS = frozenset((bool, np.bool_))
+
+
 def _token_bytes(token_ids: Sequence[int] | torch.Tensor) -> bytes:
     """Token ids of one sequence as little-endian int32 bytes (a tensor on any device, or any
     int sequence; no torch needed for the latter). A tensor or array is 1-D, or [1, n] (an
@@ -76,6 +79,8 @@ def _token_bytes(token_ids: Sequence[int] | torch.Tensor) -> bytes:
             raise InvalidArgument(f"token ids must be integers, got {ids.dtype}")
         ids = ids.detach().cpu().numpy()
     if isinstance(ids, (list, tuple)):  # converted in C without inferring a dtype first
+        if not _BOOLS.isdisjoint(map(type, ids)):  # refused as a bool tensor or array is
+            raise InvalidArgument("token ids must be integers, got a bool")
         try:
             ids = np.frombuffer(array.array("q", ids), dtype=np.int64)
         except TypeError as exc:

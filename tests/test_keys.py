@@ -70,7 +70,8 @@ def test_bad_tokens_and_keys() -> None:
                        (torch.tensor([1, 2], dtype=torch.bfloat16), "integers, got torch.bf"),
                        (torch.tensor([1, 2], dtype=torch.float16), "integers"),
                        (torch.tensor([1, 2], dtype=torch.complex64), "integers"),
-                       (torch.tensor([True, False]), "integers")):
+                       (torch.tensor([True, False]), "integers"),
+                       ([True, False], "integers, got a bool"), ((3, np.True_), "a bool")):
         with pytest.raises(InvalidArgument, match=match):
             keys.prefix_keys(bad, lay, chunk_tokens=1)  # type: ignore[arg-type]
     # a list, a tuple, an int64 array and a tensor of the same ids: the same keys
