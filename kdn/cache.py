@@ -24,6 +24,7 @@ from kdn.errors import InvalidArgument, InvalidLayout
 from kdn.layout import MAX_POSITION, KVLayout
 
 LayerKV = tuple[torch.Tensor, torch.Tensor]
+_DENSE = torch.strided
 
 
 @dataclass(eq=False)
@@ -60,8 +61,8 @@ class KVCache:
 
     def validate(self) -> None:
         """Raise InvalidLayout unless ``start_position`` is a whole number in [0, 2**63) (its
-        last token's position too) and every layer is a (K, V) pair of tensors that matches
-        the layout."""
+        last token's position too) and every layer is a (K, V) pair of dense tensors on one
+        device that matches the layout (layers may lie on different devices)."""
         if len(self.layers) != self.layout.num_layers:
             raise InvalidLayout(
                 f"cache has {len(self.layers)} layers, layout declares {self.layout.num_layers}"
@@ -95,6 +96,12 @@ class KVCache:
                 raise InvalidLayout(_not_tensors(i, pair) or f"layer {i}: dtype "
                                     f"{k.dtype}/{v.dtype}, layout declares "
                                     f"{self.layout.dtype.value}")
+            if k.layout is not _DENSE or v.layout is not _DENSE:  # the codec's views need it
+                raise InvalidLayout(f"layer {i}: K and V must be dense (torch.strided) tensors, "
+                                    f"got {k.layout}/{v.layout} (to_dense() makes one)")
+            if k.device != v.device:
+                raise InvalidLayout(f"layer {i}: K is on {k.device}, V on {v.device}; a "
+                                    f"layer's K and V are on one device")
         if tokens is not None and sp + tokens - 1 > MAX_POSITION:
             raise InvalidLayout(f"start_position {sp} with {tokens} tokens puts the last past "
                                 f"the largest position, 2**63 - 1")

@@ -160,6 +160,23 @@ def test_cache_validates_shapes_and_dtype() -> None:
         KVCache(lay, good.layers[:1])
 
 
+def test_a_cache_holds_dense_tensors_each_layers_pair_on_one_device() -> None:
+    """A sparse K or V made a valid cache, and the codec failed a raw RuntimeError
+    ('unsupported memory format option Contiguous') or NotImplementedError ('aten::amax')."""
+    lay = uniform_layout(layers=2)
+    good = random_kv(lay, 5)
+    k1, v1 = good.layers[1]
+    dense = r"layer 1: K and V must be dense \(torch.strided\) tensors, got "
+    for layer1, match in (((k1.to_sparse(), v1), dense + "torch.sparse_coo/torch.strided"),
+                          ((k1, v1.to_sparse_csr()), dense + "torch.strided/torch.sparse_csr"),
+                          ((k1, v1.to("meta")), "layer 1: K is on cpu, V on meta; a layer's K "
+                                                "and V are on one device")):
+        with pytest.raises(InvalidLayout, match=match):
+            KVCache(lay, [good.layers[0], layer1])
+    mixed = KVCache(lay, [good.layers[0], (k1.to("meta"), v1.to("meta"))])  # layers may differ
+    assert mixed.layers[1][0].device.type == "meta"
+
+
 def test_a_cache_of_what_is_not_tensors_or_of_a_position_that_is_not_whole_is_named() -> None:
     """numpy arrays (named as numpy, with the torch.from_numpy hint), lists, a (K, V, x)
     triple, a layout given as a str, and a start_position of 1.5, True or 2**70: each
