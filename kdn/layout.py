@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from kdn.checks import shown as _shown
-from kdn.checks import to_float
+from kdn.checks import to_float, whole
 from kdn.errors import InvalidArgument, InvalidLayout, LayoutMismatch
 
 if TYPE_CHECKING:
@@ -504,12 +504,14 @@ class Expected(NamedTuple):
     @classmethod
     def of(cls, layout: KVLayout | None, tokens: int = 0) -> Expected:
         """What a read's ``layout`` and ``tokens`` arguments ask for; InvalidArgument naming
-        the one that is not a KVLayout or None, or a whole number of tokens >= 0 (0: any)."""
+        the one that is not a KVLayout or None, or a whole number of tokens in [0, 2**32)
+        (0: any)."""
         if layout is not None and not isinstance(layout, KVLayout):
             raise InvalidArgument(f"layout must be a KVLayout or None, got "
                                   f"{type(layout).__name__}")
-        if isinstance(tokens, bool) or not isinstance(tokens, int) or not 0 <= tokens < 1 << 32:
-            raise InvalidArgument(f"tokens must be a whole number >= 0 (0: any), got {tokens!r}")
+        tokens = whole("tokens", tokens, 0, " (0: any)")  # numpy's ints too
+        if tokens >= 1 << 32:  # a uint32 on the wire
+            raise InvalidArgument(f"tokens must be below 2**32, got {tokens}")
         return cls(layout.fingerprint if layout is not None else "", tokens)
 
     def check(self, layout: KVLayout, tokens: int, what: str = "entry") -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import grpc
+import numpy as np
 import pytest
 
 from kdn.client import Client
@@ -113,3 +114,15 @@ def test_expected_says_what_differs() -> None:
         want.check(LAYOUT, 31)
     with pytest.raises(InvalidArgument, match="tokens must be a whole number >= 0"):
         Expected.of(LAYOUT, -1)
+
+
+def test_expected_tokens_are_any_whole_number_below_2_to_the_32() -> None:
+    """np.int64(5) was refused as 'not a whole number', and 2**32 by the same message, which
+    never named the bound."""
+    assert Expected.of(LAYOUT, np.int64(5)) == Expected.of(LAYOUT, 5)  # type: ignore[arg-type]
+    assert type(Expected.of(None, np.uint32(2**32 - 1)).tokens) is int  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgument, match=r"tokens must be below 2\*\*32, got 4294967296"):
+        Expected.of(LAYOUT, 2**32)
+    for bad in (True, 5.0, "5", None):
+        with pytest.raises(InvalidArgument, match="tokens must be a whole number >= 0 .0: any."):
+            Expected.of(LAYOUT, bad)  # type: ignore[arg-type]
