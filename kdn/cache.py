@@ -145,8 +145,12 @@ class KVCache:
         return self.slice(start, max(start, stop))
 
     @staticmethod
-    def concat(parts: Sequence[KVCache]) -> KVCache:
-        """Join caches along tokens; all must share one layout. Positions follow the first part."""
+    def concat(parts: Iterable[KVCache]) -> KVCache:
+        """Join caches along tokens; all must share one layout, and each layer one device.
+        Positions follow the first part."""
+        if isinstance(parts, (KVCache, torch.Tensor)) or not isinstance(parts, Iterable):
+            raise InvalidArgument(f"concat joins a list of KVCaches, got {type(parts).__name__}")
+        parts = list(parts)  # a generator too
         if not parts:
             raise InvalidLayout("concat needs at least one cache")
         for i, p in enumerate(parts):
@@ -157,6 +161,11 @@ class KVCache:
         for p in parts[1:]:
             if p.layout.fingerprint != layout.fingerprint:
                 raise InvalidLayout("concat of caches with different layouts")
+        for j, p in enumerate(parts[1:], 1):
+            for i, ((k, _), (k0, _)) in enumerate(zip(p.layers, parts[0].layers)):
+                if k.device != k0.device:  # torch.cat's raw RuntimeError otherwise
+                    raise InvalidArgument(f"concat of caches on different devices: part {j}'s "
+                                          f"layer {i} is on {k.device}, part 0's on {k0.device}")
         if len(parts) == 1:
             return parts[0]
         layers = [
@@ -176,11 +185,13 @@ class KVCache:
             self.start_position,
         )
 
-    def equal(self, other: KVCache) -> bool:
+    def equal(self, other: object) -> bool:
         """Bit-exact equality of layout, positions and every tensor: the bits are compared,
-        not the values (-0.0 is not 0.0, a NaN equals the same NaN)."""
+        not the values (-0.0 is not 0.0, a NaN equals the same NaN). What is not a KVCache
+        is not equal."""
         return (
-            self.layout.fingerprint == other.layout.fingerprint
+            isinstance(other, KVCache)
+            and self.layout.fingerprint == other.layout.fingerprint
             and self.start_position == other.start_position
             and all(
                 _same_bits(a, c) and _same_bits(b, d)

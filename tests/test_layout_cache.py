@@ -14,7 +14,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from kdn import codec
 from kdn.cache import KVCache
-from kdn.errors import InvalidLayout
+from kdn.errors import InvalidArgument, InvalidLayout
 from kdn.layout import DType, KVLayout, LayerLayout
 from kdn.model import hf
 from tests.helpers import pruned_layout, random_kv, uniform_layout
@@ -224,6 +224,22 @@ def test_slice_and_concat() -> None:
         kv.slice(5, 30)
     with pytest.raises(InvalidLayout, match="different layouts"):
         KVCache.concat([a, random_kv(uniform_layout(), 3)])
+
+
+def test_concat_takes_any_iterable_on_one_device_and_equal_any_object() -> None:
+    """concat of a generator was a TypeError ('not subscriptable'), of parts on two devices
+    torch.cat's RuntimeError, and kv.equal(None) an AttributeError ('layout')."""
+    kv = random_kv(uniform_layout(layers=2), 6)
+    assert KVCache.concat(p for p in (kv[:2], kv[2:])).equal(kv)
+    on_meta = kv[3:].to("meta")
+    with pytest.raises(InvalidArgument, match="concat of caches on different devices: part 1's "
+                                              "layer 0 is on meta, part 0's on cpu"):
+        KVCache.concat([kv[:3], on_meta])
+    for bad in (kv, 3, None):
+        with pytest.raises(InvalidArgument, match="concat joins a list of KVCaches, got"):
+            KVCache.concat(bad)  # type: ignore[arg-type]
+    for other in (None, kv.layers, "kv"):
+        assert not kv.equal(other)
 
 
 @pytest.mark.parametrize("dtype", list(DType))
