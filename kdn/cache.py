@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kdn.checks import is_bool
 from kdn.errors import InvalidArgument, InvalidLayout
 from kdn.layout import MAX_POSITION, KVLayout
 
@@ -45,8 +46,8 @@ class KVCache:
             raise InvalidLayout(f"layers must be a list of (K, V) pairs of tensors, one per "
                                 f"layer, got {type(self.layers).__name__}")
         self.layers = list(self.layers)
-        if not isinstance(self.start_position, (int, float)):  # numpy's, torch's integers
-            with contextlib.suppress(TypeError):
+        if not isinstance(self.start_position, (int, float)) and not is_bool(self.start_position):
+            with contextlib.suppress(TypeError):  # numpy's, torch's integers
                 self.start_position = operator.index(self.start_position)
         self.validate()
 

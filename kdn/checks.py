@@ -1,8 +1,8 @@
 """Checks of the numbers a caller passes, one rule each, so every entry point words a refusal
 alike: a whole number from a lower bound (``whole``), a share in [0, 1] (``share``), a span of
 seconds (``seconds``) and token ids (``token_ids``). A bool is none of them (``True`` is not 1
-layer or a 100% ratio), nor is a text, nor, for the whole ones, a float (``int(1.7)`` would
-quietly be another token)."""
+layer or a 100% ratio; ``is_bool`` also knows numpy's and a 0-d tensor of one), nor is a text,
+nor, for the whole ones, a float (``int(1.7)`` would quietly be another token)."""
 
 from __future__ import annotations
 
@@ -22,6 +22,12 @@ def whole(name: str, value: object, low: int = 0, hint: str = "",
         raise error(f"{name} must be a whole number >= {low}{hint}, got {value!r}"
                     f"{not_an_int(value)}")
     return int(value)
+
+
+def is_bool(value: object) -> bool:
+    """Whether ``value`` is a bool: Python's, numpy's or a 0-d tensor of one (whose
+    ``__index__`` gives 0 or 1, so ``operator.index`` takes it for a number)."""
+    return isinstance(value, bool) or str(getattr(value, "dtype", "")) in ("bool", "torch.bool")
 
 
 def not_an_int(value: object) -> str:
@@ -80,7 +86,8 @@ def token_ids(values: object, what: str, below: int | None = None) -> list[int]:
     out = []
     for i, t in enumerate(values):
         try:  # a tensor has __index__, which refuses one of a float or of several elements
-            if isinstance(t, (bool, float)) or not hasattr(t, "__index__"):
+            if (isinstance(t, float) or not hasattr(t, "__index__")
+                    or (type(t) is not int and is_bool(t))):
                 raise TypeError
             out.append(t.__index__())
         except TypeError:

@@ -31,8 +31,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from kdn.checks import is_bool, to_float, whole
 from kdn.checks import shown as _shown
-from kdn.checks import to_float, whole
 from kdn.errors import InvalidArgument, InvalidLayout, LayoutMismatch
 
 if TYPE_CHECKING:
@@ -163,7 +163,7 @@ def _indices(name: str, kept: object) -> tuple[int, ...] | None:
         if isinstance(kept, (str, bytes)):
             raise TypeError("text")
         out = tuple(operator.index(c) for c in kept)  # type: ignore[attr-defined]
-        if any(isinstance(c, bool) for c in kept):  # type: ignore[attr-defined]
+        if any(is_bool(c) for c in kept):  # type: ignore[attr-defined]
             raise TypeError("bool")
     except TypeError:
         raise InvalidLayout(f"{name} must be a sequence of channel indices (integers), got "
@@ -180,7 +180,7 @@ def _count(name: str, value: object, low: int) -> int:
     tensor) in [low, 2**32); else InvalidLayout naming ``name`` (8.0, "8", True are none)."""
     what = "a positive int" if low == 1 else f"an int >= {low}"
     try:
-        if isinstance(value, bool):
+        if is_bool(value):
             raise TypeError("bool")
         got = operator.index(value)  # type: ignore[arg-type]
     except TypeError:
@@ -452,7 +452,7 @@ def _channels(name: str, layer: object) -> tuple[int, ...]:
     out = []
     for c in layer:
         try:
-            if isinstance(c, bool):
+            if is_bool(c):
                 raise TypeError("bool")
             out.append(operator.index(c))
         except TypeError:

@@ -12,10 +12,10 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from kdn import codec
+from kdn import checks, codec
 from kdn.cache import KVCache
 from kdn.errors import InvalidArgument, InvalidLayout
-from kdn.layout import DType, KVLayout, LayerLayout
+from kdn.layout import DType, KVLayout, LayerLayout, _channels
 from kdn.model import hf
 from tests.helpers import pruned_layout, random_kv, uniform_layout
 
@@ -125,6 +125,25 @@ def test_kept_channels_of_any_integer_kind_make_one_layout() -> None:
         assert hash(lay) == hash(ints)
         kv = random_kv(lay, 3)
         assert codec.decode(codec.encode(kv, "raw")).equal(kv)
+
+
+def test_a_0d_bool_tensor_is_no_count_channel_position_or_token() -> None:
+    """torch.tensor(True) has __index__ (1): it was taken as 1 head, channel 1, position 1
+    and token 1 where True and numpy's bools are refused."""
+    yes, no = torch.tensor(True), torch.tensor(False)
+    for bad in (dict(kv_heads=yes, k_channels=4, v_channels=4),
+                dict(kv_heads=1, k_channels=2, v_channels=4, k_kept=(no, yes))):
+        with pytest.raises(InvalidLayout, match="got"):
+            LayerLayout(**bad)  # type: ignore[arg-type]
+    with pytest.raises(InvalidLayout, match="malformed kdn_pruned: .* holds tensor.True."):
+        _channels("k_kept", [0, yes])
+    lay = uniform_layout(layers=1)
+    with pytest.raises(InvalidLayout, match=r"start_position must be a whole number .*tensor"):
+        KVCache(lay, random_kv(lay, 2).layers, yes)  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgument, match="ids: token 1 is tensor.True., not a token id"):
+        checks.token_ids([torch.tensor(3), yes], "ids")
+    assert checks.token_ids([torch.tensor(3), np.int64(4)], "ids") == [3, 4]
+    assert LayerLayout(torch.tensor(2), 4, 4).kv_heads == 2  # type: ignore[arg-type]
 
 
 def test_a_layout_hashes_alike_in_another_process() -> None:
