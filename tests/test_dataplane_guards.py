@@ -65,9 +65,13 @@ def test_attach_refuses_what_is_not_the_clients_sealed_segment(server: ServerThr
                                      nonce=bytes(16)))
     assert os.pread(seg.fd, 16, 0) == seg.nonce
     os.close(half_made)
-    unsealed = os.memfd_create("kdn-test", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    unsealed = os.memfd_create("kdn-client", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     os.ftruncate(unsealed, 1 << 20)
     os.pwrite(unsealed, seg.nonce, 0)
+    with pytest.raises(grpc.RpcError, match="not sealed"):
+        stub.Attach(pb.AttachRequest(pid=os.getpid(), fd=unsealed, size=1 << 20,
+                                     nonce=seg.nonce))
+    fcntl.fcntl(unsealed, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)  # not all the client's
     with pytest.raises(grpc.RpcError, match="not sealed"):
         stub.Attach(pb.AttachRequest(pid=os.getpid(), fd=unsealed, size=1 << 20,
                                      nonce=seg.nonce))
@@ -86,6 +90,33 @@ def test_attach_refuses_what_is_not_the_clients_sealed_segment(server: ServerThr
     ch.close()
     os.close(unsealed)
     seg.close()
+
+
+def test_attach_opens_only_a_kdn_client_memfd(server: ServerThread, tmp_path: Path) -> None:
+    """pid, fd and nonce are the caller's word and the server opens the descriptor with its own
+    rights: a memfd of another program (sealed, its first bytes known to the caller), a file,
+    a pipe are refused before anything is mapped or written."""
+    ch, stub = _stub(server)
+    nonce = b"KNOWN-HEADER-v1!"
+    other = os.memfd_create("wl_shm", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    os.ftruncate(other, 1 << 20)
+    os.pwrite(other, nonce, 0)
+    fcntl.fcntl(other, fcntl.F_ADD_SEALS,
+                fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+    plain = tmp_path / "kdn-client"
+    plain.write_bytes(nonce + bytes((1 << 20) - 16))
+    fd = os.open(plain, os.O_RDWR)
+    rd, wr = os.pipe()
+    for target in (other, fd, rd):
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Attach(pb.AttachRequest(pid=os.getpid(), fd=target, size=1 << 20,
+                                         nonce=nonce))
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "not a kdn client segment" in (err.value.details() or "")
+    assert os.pread(other, 32, 0) == nonce + bytes(16)
+    ch.close()
+    for each in (other, fd, rd, wr):
+        os.close(each)
 
 
 def test_a_bad_item_stores_nothing_of_its_batch(shm_client: Client) -> None:

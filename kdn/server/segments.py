@@ -1,12 +1,20 @@
 """Client segments and data path tickets: what a same-host or remote batch call names.
 
-Lifecycle of a segment: the client creates a sealed memfd (``F_SEAL_SHRINK``: it can not
-shrink, so the server's mapping never faults), writes 16 random bytes at its start, and calls
-``Attach(pid, fd, size, nonce)``. The server opens ``/proc/<pid>/fd/<fd>``, checks the seals,
-the size and the nonce, maps it, and returns a random ``segment_id`` bound to the calling
-tenant. ``GetMany``/``PutMany`` name the segment and a region in it; ``Detach`` (or server
-shutdown) unmaps it. A server that can not open the segment (another host, another container,
-no permission) answers FAILED_PRECONDITION and the client keeps using gRPC.
+Lifecycle of a segment: the client creates a memfd named ``kdn-client`` sealed against
+shrinking, growing and more seals (``F_SEAL_SHRINK``: the server's mapping never faults), writes
+16 random bytes at its start, and calls ``Attach(pid, fd, size, nonce)``. The server opens
+``/proc/<pid>/fd/<fd>``, checks the name, the seals, the size and the nonce, maps it, and
+returns a random ``segment_id`` bound to the calling tenant. ``GetMany``/``PutMany`` name the
+segment and a region in it; ``Detach`` (or server shutdown) unmaps it. A server that can not
+open the segment (another host, another container, no permission) answers FAILED_PRECONDITION
+and the client keeps using gRPC.
+
+What is trusted: pid, fd and nonce are the caller's word, and the server opens the descriptor
+with its own rights (often more than the caller's: root, or kdn's user). So it opens only a
+regular memfd of the client's name and seals (``open_client_memfd``; never a device, a pipe or
+another file: O_NOCTTY and O_NONBLOCK besides), and maps it only when its first bytes are the
+nonce. Another process's memfd passes only if it took the client's name and seals and the caller
+knows its first 16 bytes: kdn's client writes random ones there.
 
 Tenancy: a segment is looked up by (tenant, segment_id); another tenant's id is NOT_FOUND. The
 server writes a tenant's entries only into that tenant's segments and reads stores only from
@@ -23,6 +31,7 @@ import hmac
 import mmap
 import os
 import secrets
+import stat
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
@@ -41,6 +50,10 @@ MAX_SEGMENTS_PER_TENANT = 256
 MAX_TICKETS_PER_TENANT = 4096
 """Network data path tickets a tenant holds at most (``Segments.ticket``)."""
 MAX_SEGMENT_BYTES = 64 << 30
+CLIENT_MEMFD = "kdn-client"
+"""The name ``kdn.client.shm.SharedSegment`` gives its memfd; Attach opens nothing else."""
+CLIENT_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+"""The seals that client sets: Attach requires them all."""
 
 
 class SegmentUnavailable(KDNError):
@@ -169,16 +182,8 @@ class Segments:
             raise TooLarge(f"tenant holds {mine} attached segments (at most "
                            f"{MAX_SEGMENTS_PER_TENANT}); detach one first")
         path = f"/proc/{int(pid)}/fd/{int(fd)}"
+        handle = open_client_memfd(path)
         try:
-            handle = os.open(path, os.O_RDWR | os.O_CLOEXEC)
-        except OSError as exc:
-            raise SegmentUnavailable(f"can not open the client's segment: {exc.strerror}") \
-                from None
-        try:
-            seals = fcntl.fcntl(handle, fcntl.F_GET_SEALS)
-            if not seals & fcntl.F_SEAL_SHRINK:
-                raise SegmentUnavailable("the segment is not sealed against shrinking "
-                                         "(F_SEAL_SHRINK)")
             inode = os.fstat(handle).st_ino
             if os.fstat(handle).st_size != size:
                 raise SegmentUnavailable(f"the segment has {os.fstat(handle).st_size} bytes, "
@@ -262,6 +267,50 @@ class Segments:
 
     def __len__(self) -> int:
         return len(self._by_id)
+
+
+def _memfd_name(path: str) -> str:
+    """What ``path`` (a ``/proc/.../fd/N`` link) names; SegmentUnavailable when it is not a
+    memfd kdn's client made (``CLIENT_MEMFD``)."""
+    try:
+        target = os.readlink(path)
+    except OSError as exc:
+        raise SegmentUnavailable(f"can not open the client's segment: {exc.strerror}") \
+            from None
+    if target.removesuffix(" (deleted)") != "/memfd:" + CLIENT_MEMFD:
+        raise SegmentUnavailable(f"the descriptor names {target[:100]!r}, not a kdn client "
+                                 f"segment (a memfd named {CLIENT_MEMFD!r})")
+    return target
+
+
+def open_client_memfd(path: str) -> int:
+    """``path`` (``/proc/<pid>/fd/<fd>``) opened read-write, checked to be a kdn client's
+    segment (module docstring): a memfd of the client's name, a regular file, sealed as the
+    client seals it (``CLIENT_SEALS``). Its name is checked before it is opened (nothing else
+    is opened with the server's rights) and again on what was opened (the descriptor number
+    may have been reused in between); SegmentUnavailable for anything else."""
+    _memfd_name(path)
+    try:
+        handle = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOCTTY | os.O_NONBLOCK)
+    except OSError as exc:
+        raise SegmentUnavailable(f"can not open the client's segment: {exc.strerror}") \
+            from None
+    try:
+        if not stat.S_ISREG(os.fstat(handle).st_mode):
+            raise SegmentUnavailable("the descriptor is not a regular file")
+        _memfd_name(f"/proc/self/fd/{handle}")
+        seals = fcntl.fcntl(handle, fcntl.F_GET_SEALS)
+        if seals & CLIENT_SEALS != CLIENT_SEALS:
+            raise SegmentUnavailable("the segment is not sealed as a kdn client seals it "
+                                     "(F_SEAL_SHRINK, F_SEAL_GROW and F_SEAL_SEAL)")
+    except OSError as exc:
+        os.close(handle)
+        raise SegmentUnavailable(f"can not check the client's segment: {exc.strerror}") \
+            from None
+    except BaseException:
+        os.close(handle)
+        raise
+    return handle
 
 
 def region_span(seg: Segment, region: pb.Region) -> tuple[int, int]:
