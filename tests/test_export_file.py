@@ -5,6 +5,7 @@ sent), and both stream the file one record at a time."""
 from __future__ import annotations
 
 import json
+import os
 import tracemalloc
 from collections.abc import Iterator
 from pathlib import Path
@@ -165,6 +166,35 @@ def test_an_export_file_is_private_whatever_was_there_before(tmp_path: Path) -> 
     touched.chmod(0o644)  # an unfinished one made readable since: private again on resuming
     ExportWriter.open(touched, Filter()).close()
     assert touched.stat().st_mode & 0o777 == 0o600
+
+
+def test_an_export_goes_into_no_other_users_file(tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """A file another user made first (empty, or an unfinished export it crafted; or a link to
+    one) stays that user's to read whatever mode kdn gives it: refused before anything is
+    written or cut off. A link to nothing makes nothing."""
+    unfinished = tmp_path / "unfinished.kdnx"
+    out = ExportWriter.open(unfinished, Filter("kb"))
+    out.write(Record("kb", b"k" * 32, b"c", b"v"))
+    out.close()
+    empty = tmp_path / "empty.kdnx"
+    empty.touch(mode=0o644)
+    before = {p: p.read_bytes() for p in (unfinished, empty)}
+    link = tmp_path / "link.kdnx"
+    link.symlink_to(empty)
+    someone_else = os.geteuid() + 1
+    with monkeypatch.context() as m:
+        m.setattr("kdn.client.exportfile.os.geteuid", lambda: someone_else)
+        for path in (unfinished, empty, link):
+            with pytest.raises(InvalidArgument, match="not by this user.*export into a new"):
+                ExportWriter.open(path, Filter("kb"))
+    dangling = tmp_path / "dangling.kdnx"
+    dangling.symlink_to(tmp_path / "elsewhere.kdnx")
+    with pytest.raises(InvalidArgument, match="is a link to nothing"):
+        ExportWriter.open(dangling, Filter("kb"))
+    assert {p: p.read_bytes() for p in before} == before
+    assert empty.stat().st_mode & 0o777 == 0o644
+    assert not (tmp_path / "elsewhere.kdnx").exists()
 
 
 def test_the_file_is_read_one_record_at_a_time(tmp_path: Path) -> None:

@@ -23,18 +23,19 @@ importer's tenant.
 
 Lifecycle: ``ExportWriter.open`` starts a file, or resumes one: a file written with other
 filters, or from another server, is refused (its cursor belongs to another listing; a server
-restarted at the same address resumes it), a finished one (with its end
-marker) is left as it is, a torn last record is cut off and the export goes on after the last
-complete record's cursor; ``finish`` writes the end marker. ``scan`` reads a file for import
-and raises ``Corrupt`` on a foreign file, a bad checksum, or a format-2 file without its end
-marker (an export that did not finish: cut off, or still running): never a silent partial
-import.
+restarted at the same address resumes it), a finished one (with its end marker) is left as it
+is, a torn last record is cut off and the export goes on after the last complete record's
+cursor; ``finish`` writes the end marker. A new file is made mode 0600; a file of another user's
+(its owner could read every tenant's entries) is refused. ``scan`` reads a file for import and
+raises ``Corrupt`` on a foreign file, a bad checksum, or a format-2 file without its end marker
+(an export that did not finish: cut off, or still running): never a silent partial import.
 """
 
 from __future__ import annotations
 
 import io
 import os
+import stat
 import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -255,10 +256,40 @@ def summary(path: Path) -> Scan:
     """Read the whole file (one record at a time) without raising for an unfinished one."""
     path = Path(path)
     with open(path, "rb") as f:
-        s = _open_scan(path, f)
-        for _ in _records(path, f, s):
-            pass
+        return _summary(path, f)
+
+
+def _summary(path: Path, f: BinaryIO) -> Scan:
+    f.seek(0)
+    s = _open_scan(path, f)
+    for _ in _records(path, f, s):
+        pass
     return s
+
+
+def _open_own(path: Path) -> BinaryIO:
+    """``path`` opened to read and write: made (mode 0600) where nothing is there, else a
+    regular file of this user's, or another kind (``/dev/stdout``, a pipe, ``/dev/null``) of
+    this user's or root's. Another user's file (made there first: it stays readable by its
+    owner whatever mode kdn gives it) is refused before anything is written or cut off; a link
+    is followed only to what is there (never made through one)."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     0o600)
+    except FileExistsError:
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOCTTY)
+        except FileNotFoundError:  # a link to nothing
+            raise InvalidArgument(f"{path} is a link to nothing; export into a file of your "
+                                  "own") from None
+    st = os.fstat(fd)
+    regular = stat.S_ISREG(st.st_mode)
+    if st.st_uid != os.geteuid() and (regular or st.st_uid != 0):
+        os.close(fd)
+        raise InvalidArgument(f"{path} is owned by uid {st.st_uid}, not by this user (uid "
+                              f"{os.geteuid()}): an export may hold every tenant's entries; "
+                              "export into a new file")
+    return os.fdopen(fd, "r+b" if regular else "wb")
 
 
 def read_records(path: Path) -> tuple[list[Record], int]:
@@ -282,28 +313,35 @@ class ExportWriter:
         path = Path(path)
         if path.is_dir():
             raise IsADirectoryError(21, "is a directory", str(path))
-        if not path.exists() or path.stat().st_size == 0:
-            # private to its writer, as the disk tier is: it may hold every tenant's entries
-            new = os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb")
-            os.fchmod(new.fileno(), 0o600)  # a file there before (empty) kept its mode
-            new.write(MAGIC + encode_filter(filt, source=source))
-            return cls(path, new, 0, b"")
-        s = summary(path)
-        if s.version != VERSION:
-            raise InvalidArgument(f"{path} was written by an older kdn (format {s.version}) and "
-                                  "can not be resumed; export into a new file")
-        if s.filter != filt:
-            assert s.filter is not None
-            raise InvalidArgument(f"{path} is an export of {s.filter.describe()}, not of "
-                                  f"{filt.describe()}; pass the same --namespace/--prefix/"
-                                  "--tenant to resume it, or export into a new file")
-        if s.source != source:  # its cursor is in another server's listing
-            raise InvalidArgument(f"{path} is an export of the server at {s.source!r}, not "
-                                  f"{source!r}; resume it with that --address, or export "
-                                  "into a new file")
+        f = _open_own(path)
+        try:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):  # /dev/stdout, a pipe
+                f.write(MAGIC + encode_filter(filt, source=source))
+                return cls(path, f, 0, b"")
+            if os.fstat(f.fileno()).st_size == 0:
+                os.fchmod(f.fileno(), 0o600)  # private to its writer, as the disk tier is
+                f.write(MAGIC + encode_filter(filt, source=source))
+                return cls(path, f, 0, b"")
+            s = _summary(path, f)
+            if s.version != VERSION:
+                raise InvalidArgument(f"{path} was written by an older kdn (format "
+                                      f"{s.version}) and can not be resumed; export into a "
+                                      "new file")
+            if s.filter != filt:
+                assert s.filter is not None
+                raise InvalidArgument(f"{path} is an export of {s.filter.describe()}, not of "
+                                      f"{filt.describe()}; pass the same --namespace/--prefix/"
+                                      "--tenant to resume it, or export into a new file")
+            if s.source != source:  # its cursor is in another server's listing
+                raise InvalidArgument(f"{path} is an export of the server at {s.source!r}, "
+                                      f"not {source!r}; resume it with that --address, or "
+                                      "export into a new file")
+        except BaseException:
+            f.close()
+            raise
         if s.ended:  # finished: left as it is (a new export goes into a new file)
+            f.close()
             return cls(path, None, s.records, s.last_cursor)
-        f = open(path, "r+b")
         os.fchmod(f.fileno(), 0o600)  # whatever mode it was given since
         f.truncate(s.good)  # a torn record goes; the export goes on after the last one
         f.seek(s.good)
