@@ -20,6 +20,7 @@ import pytest
 
 from kdn.errors import TierUnavailable, TooLarge
 from kdn.options import Durability
+from kdn.store.dirlock import DirLock
 from kdn.store.lmdb import LmdbTier
 from kdn.store.ram import RamTier
 from kdn.store.tiered import TieredStore, WritePolicy
@@ -248,6 +249,41 @@ def test_the_disk_tier_is_private_to_the_servers_user(tmp_path: Path) -> None:
                 assert (path / name).stat().st_mode & 0o777 == 0o600, name
         finally:
             tier.close()
+
+
+def test_a_disk_tier_another_user_made_first_is_refused(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A folder or file another user made there first (``kdn serve`` started in a shared
+    folder) would stay readable by that user whatever mode kdn gives it, and a link planted
+    for a file kdn opens (``kdn.lock`` is cut and written) leads anywhere: refused, naming the
+    path and its owner, before any is opened."""
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    me = os.geteuid()
+    someone_else = me + 1
+    with monkeypatch.context() as m:
+        m.setattr("kdn.store.diskroom.os.geteuid", lambda: someone_else)
+        with pytest.raises(TierUnavailable, match=f"{theirs} is owned by uid {me}, "
+                                                  f"not by kdn's user \\(uid {someone_else}"):
+            LmdbTier(theirs, capacity_bytes=1 << 20)
+    precious = tmp_path / "precious.conf"
+    precious.write_text("precious\n")
+    for name in ("kdn.lock", "lock.mdb", "data.mdb"):
+        planted = tmp_path / name.replace(".", "-")
+        planted.mkdir()
+        (planted / name).symlink_to(precious)
+        with pytest.raises(TierUnavailable, match=f"{planted / name} is not a file"):
+            LmdbTier(planted, capacity_bytes=1 << 20)
+    with pytest.raises(OSError):  # and the lock, alone, opens no link either
+        DirLock(tmp_path / "kdn-lock")
+    assert precious.read_text() == "precious\n"
+    if os.geteuid() == 0:  # a file of another user's in kdn's own folder
+        mixed = tmp_path / "mixed"
+        mixed.mkdir()
+        (mixed / "data.mdb").touch()
+        os.chown(mixed / "data.mdb", 65534, 65534)
+        with pytest.raises(TierUnavailable, match="data.mdb is owned by uid 65534"):
+            LmdbTier(mixed, capacity_bytes=1 << 20)
 
 
 def test_a_smaller_budget_at_restart_evicts_the_oldest_and_takes_writes(tmp_path: Path) -> None:

@@ -6,13 +6,17 @@ old pages a while: a file may reach well past the bytes live in it. A budget tha
 filesystem can not hold never evicts: once the disk is full every new write fails instead of
 evicting the oldest entries. ``fitted`` cuts a budget to ``FIT`` of the room there is when the
 tier opens (the free bytes plus the data file's own), and says so. ``make_private`` keeps the
-tier's folder and files to kdn's user."""
+tier's folder and files to kdn's user, and refuses them where another user owns them."""
 
 from __future__ import annotations
 
 import logging
 import os
+import stat
+from collections.abc import Iterable
 from pathlib import Path
+
+from kdn.errors import TierUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -67,14 +71,43 @@ def is_full(path: Path, need: int, free: int | None = None) -> bool:
     return free is not None and free < need + (1 << 20)
 
 
-def make_private(path: Path) -> None:
-    """Take group and others' access away from ``path`` (the disk tier's folder and files:
-    every tenant's KV is in them, and a tenant reads only its own through the server)."""
+def make_private(path: Path, files: Iterable[str] = ()) -> None:
+    """Keep ``path`` (the disk tier's folder) and the ``files`` in it that are there to kdn's
+    user: every tenant's KV is in them, and a tenant reads only its own through the server.
+    The folder, then each file, must be kdn's user's (one another user made first stays
+    readable by it, whatever its mode) and each file a regular file, not a link (a link
+    planted there leads LMDB or the lock anywhere): else ``TierUnavailable`` naming the path
+    and its owner. Group and others' access is taken away, the folder's first (then no other
+    user adds a file to it)."""
+    _checked(path, os.stat(path), folder=True)
+    _take_access(path)
+    for name in files:
+        try:
+            st = os.lstat(path / name)
+        except FileNotFoundError:
+            continue
+        _checked(path / name, st, folder=False)
+        _take_access(path / name)
+
+
+def _checked(path: Path, st: os.stat_result, *, folder: bool) -> None:
+    kind = stat.S_ISDIR if folder else stat.S_ISREG
+    if not kind(st.st_mode):
+        raise TierUnavailable(f"disk tier: {path} is not a {'folder' if folder else 'file'} "
+                              f"(mode {st.st_mode:o}); move it aside")
+    if st.st_uid != os.geteuid():
+        raise TierUnavailable(f"disk tier: {path} is owned by uid {st.st_uid}, not by kdn's "
+                              f"user (uid {os.geteuid()}): that user could read every "
+                              "tenant's entries; move it aside, or give kdn serve a "
+                              "--data-dir of its own")
+
+
+def _take_access(path: Path) -> None:
     mode = path.stat().st_mode
     if mode & 0o077:
         try:
             path.chmod(mode & 0o700)
-        except OSError as exc:  # not this user's to change: said, and left as it is
+        except OSError as exc:  # (a read-only filesystem): said, and left as it is
             log.warning("%s is open to other users (mode %o) and can not be made private: "
                         "%s", path, mode & 0o777, exc)
             return

@@ -81,7 +81,7 @@ import lmdb
 
 from kdn.errors import Corrupt, PartlyUnavailable, TierUnavailable, TooLarge
 from kdn.store.base import Tier, TierStats
-from kdn.store.dirlock import DirLock
+from kdn.store.dirlock import LOCK_NAME, DirLock
 from kdn.store.diskroom import describe, fitted, make_private
 from kdn.store.lmdbfiles import MAX_READERS, open_failed, read_failed, reserve_lock
 from kdn.store.lmdbgroup import GroupCommit, Run
@@ -143,7 +143,7 @@ class LmdbTier(Tier):
             raise ValueError(f"capacity_bytes must be > 0, got {capacity_bytes}")
         self.path = Path(path)
         self.path.mkdir(parents=True, exist_ok=True, mode=0o700)
-        make_private(self.path)
+        make_private(self.path, ("data.mdb", "lock.mdb", LOCK_NAME))  # before any opens
         self.capacity_bytes, cut = fitted(self.path, capacity_bytes)
         if cut:  # a budget nobody set (the server's default) is cut without a warning
             log.log(logging.DEBUG if quiet_cut else logging.WARNING, "%s", cut)
@@ -162,8 +162,7 @@ class LmdbTier(Tier):
                 max_dbs=4, sync=sync, metasync=sync, readahead=False, max_readers=MAX_READERS,
                 mode=0o600,
             )
-            for name in ("data.mdb", "lock.mdb"):  # (made by an older kdn: world-readable)
-                make_private(self.path / name)
+            make_private(self.path, ("data.mdb", "lock.mdb"))  # as LMDB made them (0600)
             short = self._truncated()  # before any database is opened: opening one reads
             if short:  # its root page, which may lie past the end (SIGBUS)
                 raise TierUnavailable(f"can not open LMDB at {self.path}: {short}; move the "

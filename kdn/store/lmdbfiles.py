@@ -48,7 +48,7 @@ def reserve_lock(path: Path, max_readers: int) -> None:
     for ``max_readers`` readers; ``DiskFull`` where its filesystem has no room for them."""
     lock = path / "lock.mdb"
     size = lock_bytes(max_readers)
-    fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
     try:
         size = max(size, os.fstat(fd).st_size)
         os.posix_fallocate(fd, 0, size)
