@@ -95,6 +95,31 @@ def test_a_client_does_not_send_a_key_in_plaintext_off_this_host(
     assert "--insecure" in run.stderr and "secret" not in run.stderr
 
 
+def test_secrets_another_ordinary_user_owns_are_refused(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An auth file or TLS key owned by a user other than the server's or root: that user
+    could rewrite it and give itself an admin key, whatever its mode. Refused, naming the
+    owner; the server's user and root own it (a configuration manager runs as root)."""
+    auth = _auth_file(tmp_path, TENANTS, mode=0o600)
+    certs = make_certs(tmp_path)
+    key = certs["server.key"]
+    if os.geteuid() == 0:  # root: give them to nobody
+        for path in (auth, key):
+            os.chown(path, 65534, 65534)
+        owner = 65534
+    else:  # the suite's user owns them: the server runs as another one
+        owner = os.geteuid()
+        monkeypatch.setattr("kdn.server.secretfile.os.geteuid", lambda: owner + 1)
+    for mode in (0o600, 0o640):
+        for path in (auth, key):
+            path.chmod(mode)
+        with pytest.raises(ConfigError, match=rf"auth_file: {auth} is owned by uid {owner}, "
+                                              rf"neither this server's user .* nor root"):
+            ServerConfig(auth_file=str(auth))
+        with pytest.raises(ConfigError, match=rf"tls_key: .* is owned by uid {owner}"):
+            ServerConfig(tls_cert=str(certs["server.crt"]), tls_key=str(key))
+
+
 def test_secrets_readable_by_others_are_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                caplog: pytest.LogCaptureFixture) -> None:
     auth = _auth_file(tmp_path, TENANTS, mode=0o644)
@@ -111,23 +136,24 @@ def test_secrets_readable_by_others_are_refused(tmp_path: Path, monkeypatch: pyt
     with pytest.raises(ConfigError, match=r"tls_key: .* can be read by its group \(mode 0o640\) "
                                           r"though this server's user owns it; run chmod 600"):
         ServerConfig(**tls)  # type: ignore[arg-type]
-    # owned by another user (root, as Kubernetes mounts secrets with an fsGroup): the group is
-    # how this server reads it, as PostgreSQL accepts a root-owned key of mode 0640
-    someone_else = os.geteuid() + 1
-    monkeypatch.setattr("kdn.server.config.os.geteuid", lambda: someone_else)
-    with caplog.at_level(logging.INFO, logger="kdn.server.config"):
-        ServerConfig(**tls)  # type: ignore[arg-type]
-    assert any("is read through its group" in r.getMessage() for r in caplog.records)
-    for mode in (0o660, 0o620, 0o670, 0o610):  # but never written through it (PostgreSQL too)
-        certs["server.key"].chmod(mode)
-        with pytest.raises(ConfigError, match=rf"tls_key: .* can be written or run by its group "
-                                              rf"\(mode {oct(mode)}\); its owner should run "
-                                              rf"chmod 640"):
+    # owned by root (as Kubernetes mounts secrets with an fsGroup), the server another user:
+    # the group is how this server reads it, as PostgreSQL accepts a root-owned key of mode
+    # 0640 (only where the suite runs as root can the key be root's)
+    if os.geteuid() == 0:
+        monkeypatch.setattr("kdn.server.config.os.geteuid", lambda: 1)
+        with caplog.at_level(logging.INFO, logger="kdn.server.config"):
             ServerConfig(**tls)  # type: ignore[arg-type]
-    certs["server.key"].chmod(0o644)
-    with pytest.raises(ConfigError, match="can be read by other users"):  # others: never
-        ServerConfig(**tls)  # type: ignore[arg-type]
-    monkeypatch.undo()
+        assert any("is read through its group" in r.getMessage() for r in caplog.records)
+        for mode in (0o660, 0o620, 0o670, 0o610):  # never written through it (PostgreSQL too)
+            certs["server.key"].chmod(mode)
+            with pytest.raises(ConfigError, match=rf"tls_key: .* can be written or run by its "
+                                                  rf"group \(mode {oct(mode)}\); its owner "
+                                                  rf"should run chmod 640"):
+                ServerConfig(**tls)  # type: ignore[arg-type]
+        certs["server.key"].chmod(0o644)
+        with pytest.raises(ConfigError, match="can be read by other users"):  # others: never
+            ServerConfig(**tls)  # type: ignore[arg-type]
+        monkeypatch.undo()
     auth.chmod(0o660)  # the real command: one line, exit 2, the fix named
     run = subprocess.run([sys.executable, "-m", "kdn", "serve", "--port", "0", "--auth-file",
                           str(auth), "--data-dir", str(tmp_path / "d")], capture_output=True,

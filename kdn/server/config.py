@@ -24,6 +24,7 @@ from urllib.parse import urlparse
 from kdn.checks import shown
 from kdn.errors import ConfigError
 from kdn.server import variables
+from kdn.server.secretfile import check_private
 from kdn.server.variables import LINKS_HINT, OTHER_VARIABLES, kubernetes_link
 from kdn.store.redis_urls import cluster_urls, shown_url
 from kdn.store.tiered import WritePolicy
@@ -44,34 +45,6 @@ _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "k": 2**10, "m": 2**20,
           "g": 2**30}
 _SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
-
-
-def check_private(name: str, path: Path) -> None:
-    """Refuse a secret file (the auth file, the TLS private key) that others may read.
-
-    Any access for other users is refused. Access for the file's group is refused too when
-    the file belongs to the server's own user (the group then serves nobody but other users);
-    when another user owns it (root, as Kubernetes mounts secrets with an ``fsGroup``, or a
-    configuration manager), the group is how this server reads it and reading is accepted, as
-    PostgreSQL accepts a root-owned key of mode 0640 at most: a group that may write it (or
-    run it) is refused (anyone in it could add an admin key of their own). The error is one
-    line naming the file and the fix.
-    """
-    st = path.stat()
-    mode = st.st_mode & 0o777
-    if mode & 0o007:
-        raise ConfigError(f"{name}: {path} can be read by other users (mode {oct(mode)}); "
-                          f"run chmod 600 {path}")
-    if mode & 0o070 and st.st_uid == os.geteuid():
-        raise ConfigError(f"{name}: {path} can be read by its group (mode {oct(mode)}) though "
-                          f"this server's user owns it; run chmod 600 {path}")
-    if mode & 0o030:
-        raise ConfigError(f"{name}: {path} can be written or run by its group (mode "
-                          f"{oct(mode)}); its owner should run chmod 640 {path}")
-    if mode & 0o070:
-        logging.getLogger("kdn.server.config").info(
-            "%s: %s is read through its group (mode %s, owner uid %d)", name, path, oct(mode),
-            st.st_uid)
 
 
 MAX_SIZE = (1 << 63) - 1

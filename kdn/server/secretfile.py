@@ -1,0 +1,48 @@
+"""Who may own and read a secret file the server is given: the auth file, the TLS private key.
+
+``check_private`` runs at start-up (``ServerConfig``); its refusal is one ``ConfigError`` line
+naming the file and the fix, which ``kdn serve`` prints before exiting.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+from kdn.errors import ConfigError
+
+log = logging.getLogger("kdn.server.config")
+
+
+def check_private(name: str, path: Path) -> None:
+    """Refuse a secret file (the auth file, the TLS private key) that others may read or write.
+
+    Its owner must be the server's user or root: another user could rewrite it and give
+    itself an admin key (a configuration manager writing it runs as root). Any access for
+    other users is refused. Access for the file's group is refused too when the file belongs
+    to the server's own user (the group then serves nobody but other users); when root owns it
+    (as Kubernetes mounts secrets with an ``fsGroup``, or a configuration manager), the group
+    is how this server reads it and reading is accepted, as PostgreSQL accepts a root-owned
+    key of mode 0640 at most: a group that may write it (or run it) is refused (anyone in it
+    could add an admin key of their own).
+    """
+    st = path.stat()
+    mode = st.st_mode & 0o777
+    me = os.geteuid()
+    if st.st_uid not in (me, 0):
+        raise ConfigError(f"{name}: {path} is owned by uid {st.st_uid}, neither this server's "
+                          f"user (uid {me}) nor root: that user could rewrite it; run chown "
+                          f"{me} {path}")
+    if mode & 0o007:
+        raise ConfigError(f"{name}: {path} can be read by other users (mode {oct(mode)}); "
+                          f"run chmod 600 {path}")
+    if mode & 0o070 and st.st_uid == me:
+        raise ConfigError(f"{name}: {path} can be read by its group (mode {oct(mode)}) though "
+                          f"this server's user owns it; run chmod 600 {path}")
+    if mode & 0o030:
+        raise ConfigError(f"{name}: {path} can be written or run by its group (mode "
+                          f"{oct(mode)}); its owner should run chmod 640 {path}")
+    if mode & 0o070:
+        log.info("%s: %s is read through its group (mode %s, owner uid %d)", name, path,
+                 oct(mode), st.st_uid)
