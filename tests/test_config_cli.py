@@ -20,6 +20,7 @@ from kdn.client import Client
 from kdn.errors import ConfigError
 from kdn.server import ServerConfig, build_store
 from kdn.server.config import load_config, parse_size
+from kdn.store.tiered import WritePolicy
 from tests.helpers import pruned_layout, random_kv
 from tests.redis_servers import RedisServer
 
@@ -122,6 +123,17 @@ def test_data_dir_from_code_may_be_a_string() -> None:
     with pytest.raises(ConfigError, match="data_dir: must not be empty"):
         ServerConfig(data_dir="")
     assert ServerConfig(data_dir=".").data_dir == Path(".")  # said so: taken
+
+
+def test_a_write_policy_from_code_may_be_its_value() -> None:
+    """ServerConfig(write_policy="write-through") was refused "expected one of
+    ['write-through', 'write-behind'], got 'write-through'"; the value is its member."""
+    for policy in WritePolicy:
+        got = ServerConfig(write_policy=policy.value)  # type: ignore[arg-type]
+        assert got.write_policy is policy and type(got.write_policy) is WritePolicy
+    for bad in ("write-around", "WRITE-THROUGH", 1, None, ["write-through"]):
+        with pytest.raises(ConfigError, match="^write_policy: expected one of"):
+            ServerConfig(write_policy=bad)  # type: ignore[arg-type]
 
 
 def _has_ipv6_loopback() -> bool:

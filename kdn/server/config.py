@@ -371,9 +371,10 @@ class ServerConfig:
         for name, on in (("redis", bool(self.redis_url)), ("disk", self.disk_bytes > 0)):
             if on and name not in order:
                 raise ConfigError(f"tier_order: the {name} tier is configured but not listed")
-        if not isinstance(self.write_policy, WritePolicy):
+        if self.write_policy not in list(WritePolicy):  # (a str of a member's value is taken)
             raise ConfigError(f"write_policy: expected one of {[p.value for p in WritePolicy]}, "
                               f"got {self.write_policy!r}")
+        object.__setattr__(self, "write_policy", WritePolicy(self.write_policy))
         if self.write_queue_entries < 1:
             raise ConfigError(
                 f"write_queue_entries: must be >= 1, got {self.write_queue_entries}")
