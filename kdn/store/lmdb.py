@@ -447,9 +447,10 @@ class LmdbTier(Tier):
         self._check_file()  # a stat: the commit is only durable in the file still at its path
         return done
 
-    def _transact(self, run: Run, need: int) -> None:
+    def _transact(self, run: Run, need: int, quiet: bool = False) -> None:
         """``run`` in one committed write transaction, retried in a grown map where it was full
-        (called by a group's leader: one at a time, ``kdn.store.lmdbgroup``)."""
+        (called by a group's leader: one at a time, ``kdn.store.lmdbgroup``; ``quiet``: a map
+        full at its maximum is not reported, as ``_grow`` says)."""
         while True:
             self._rw.acquire_shared()
             seen = self._map_bytes  # fixed while the lock is shared
@@ -463,7 +464,7 @@ class LmdbTier(Tier):
                 pass
             finally:
                 self._rw.release_shared()
-            self._grow(seen, need)
+            self._grow(seen, need, quiet)
 
     def _apply_touches(self, txn: lmdb.Transaction) -> None:
         with self._touch_lock:
@@ -547,10 +548,9 @@ class LmdbTier(Tier):
             self._remove(txn, key)
         self.counters.add("evictions", len(victims))
 
-    def _grow(self, seen: int, need: int) -> None:
-        """Grow the map a write of ``need`` bytes found full at ``seen`` bytes, unless another
-        writer grew it meanwhile (the write is then retried as it is); ``TooLarge`` at
-        ``max_map_bytes``."""
+    def _grow(self, seen: int, need: int, quiet: bool) -> None:
+        """Grow the map a write of ``need`` bytes found full at ``seen`` bytes (unless another
+        writer did); ``TooLarge`` at ``max_map_bytes``, reported unless ``quiet``."""
         with self._rw.exclusive():
             self._check_open()
             size = self._map_bytes
@@ -560,10 +560,11 @@ class LmdbTier(Tier):
             with self.env.begin(db=self.info) as txn:
                 used = self._used(txn)
             if new <= size:
-                self.on_event("map_full", 1)
-                log.warning("disk tier %s: map full at its %d-byte maximum with %d of %d bytes "
-                            "stored; a write of %d bytes refused", self.path, size, used,
-                            self.capacity_bytes, need)
+                if not quiet:  # (a group's try: each of its writes is run again, alone)
+                    self.on_event("map_full", 1)
+                    log.warning("disk tier %s: map full at its %d-byte maximum with %d of %d "
+                                "bytes stored; a write of %d bytes refused", self.path, size,
+                                used, self.capacity_bytes, need)
                 raise TooLarge(f"disk tier map is at its {self.max_map_bytes}-byte maximum: "
                                f"{used} bytes stored of a {self.capacity_bytes}-byte budget, "
                                f"a write of {need} bytes does not fit")

@@ -20,7 +20,8 @@ transaction nested in the group's (``begin(write=True, parent=txn)``), so a body
 (too large, no room among pinned entries, an LMDB error) is rolled back and fails alone, and
 the others commit. A group that fails as a whole (its commit failed: the disk full, an I/O
 error; the map full at its maximum; the tier closed) commits nothing, and each of its writes
-is run again in a transaction of its own, so each lands or fails on its own.
+is run again in a transaction of its own, so each lands or fails on its own (a map full at
+its maximum is reported by those, once each, not by the group's try: ``transact``'s ``quiet``).
 """
 
 from __future__ import annotations
@@ -76,7 +77,7 @@ def _nested(group: list[_Write], env: lmdb.Environment, txn: lmdb.Transaction) -
 class GroupCommit:
     """Writes of many threads committed in shared transactions (the module docstring)."""
 
-    def __init__(self, transact: Callable[[Run, int], None]) -> None:
+    def __init__(self, transact: Callable[[Run, int, bool], None]) -> None:
         self._transact = transact
         self._cond = threading.Condition()
         self._queue: deque[_Write] = deque()
@@ -127,12 +128,12 @@ class GroupCommit:
     def _commit(self, group: list[_Write]) -> None:
         if len(group) > 1:
             try:
-                self._transact(partial(_nested, group), sum(w.need for w in group))
+                self._transact(partial(_nested, group), sum(w.need for w in group), True)
                 return
             except Exception:  # nothing committed: each on its own (module docstring)
                 pass
         for w in group:
             try:
-                self._transact(partial(_alone, w), w.need)
+                self._transact(partial(_alone, w), w.need, False)
             except Exception as exc:
                 w.error = exc
