@@ -434,6 +434,44 @@ def test_ask_and_rm_refuse_another_model(model: Any, counted: Counted, client: C
         make_kb(model, client, state, cfg).ask("Which river flows north?")
 
 
+def test_a_state_an_older_kdn_ingested_is_named_as_such(model: Any, counted: Counted,
+                                                        client: Client, tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A state an older kdn ingested, when it named this model's weights otherwise ("" for a
+    model built from a config), is refused as such, to be ingested again into a new folder
+    (not as 'not the same model or weights'); one whose manifest records no config and weights
+    id but the layout of today's is ingested on as before, nothing computed again."""
+    docs, state = corpus(tmp_path), tmp_path / "state"
+
+    def as_older_kdn() -> None:  # a manifest written before kdn recorded config and weights
+        raw = json.loads((state / MANIFEST).read_text())
+        del raw["settings"]["config"], raw["settings"]["weights"]
+        (state / MANIFEST).write_text(json.dumps(raw))
+
+    with monkeypatch.context() as m:
+        m.setattr(hf, "default_weights_id", lambda _: "")
+        make_kb(model, client, state).ingest(docs)
+    as_older_kdn()
+    kb = make_kb(model, client, state)
+    calls = counted.calls
+    for call in (lambda: kb.ask("Which river flows north?"), lambda: kb.ingest(docs),
+                 lambda: kb.remove(["cats.md"])):
+        with pytest.raises(InvalidArgument, match=r"an older kdn named this model .*changed on "
+                                                  r"upgrade.*ingest the corpus again into a new"):
+            call()
+    assert counted.calls == calls and "cats.md" in kb.manifest.documents
+
+    fresh = tmp_path / "fresh"
+    state = fresh / "state"
+    make_kb(model, client, state).ingest(corpus(fresh))
+    as_older_kdn()
+    calls = counted.calls
+    rep = make_kb(model, client, state).ingest(fresh / "docs")
+    assert (rep.changed, rep.computed, counted.calls) == (0, 0, calls)
+    settings = json.loads((state / MANIFEST).read_text())["settings"]
+    assert settings["config"] and settings["weights"].startswith("params#")
+
+
 # -- asking ---------------------------------------------------------------------------------
 
 

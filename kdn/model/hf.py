@@ -123,6 +123,24 @@ def default_weights_id(model: Any) -> str:
     return f"{name}@{revision}"
 
 
+def former_weights_ids(model: Any) -> tuple[str, ...]:
+    """What older kdn named ``model``'s weights by default (``default_weights_id`` before it
+    named them as it does now): "" (a model built from a config), the name it was loaded by and
+    that name's last part (a folder's name, a hub id's), a folder resolved, a hub id with its
+    revision. An entry or a RAG state whose layout names one of these was written by an older
+    kdn for a model of this config loaded by this name: the fingerprint changed, not the model
+    (unless other weights went by the same name, as any two built from one config did)."""
+    name = str(getattr(model, "name_or_path", "") or "")
+    ids = ["", name, Path(name).name]
+    folder = Path(name).expanduser()
+    if name and folder.exists():
+        ids.append(str(folder.resolve()))
+    revision = getattr(getattr(model, "config", None), "_commit_hash", None)
+    if name and revision:
+        ids.append(f"{name}@{revision}")
+    return tuple(dict.fromkeys(ids))
+
+
 def _hub_snapshot(name: str, revision: str) -> Path | None:
     """The folder of hub model ``name`` at ``revision`` in the default local hub cache; None
     where it is not there (another ``cache_dir``, or no such model)."""

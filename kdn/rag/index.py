@@ -152,6 +152,12 @@ class Settings:
     embedder: str = ""
     """The embedder of the state's embeddings (``embedder_name``): another one is refused.
     "" in a state written before kdn recorded it (one of the embeddings' dimension is taken)."""
+    config: str = ""
+    """The layout fingerprint with no weights named (``RagEngine.config_fingerprint``), and
+    ``weights`` the weights id ``layout`` names: together they tell another checkpoint of one
+    config, or one kdn named otherwise, from another model. "" in a state written before kdn
+    recorded them."""
+    weights: str = ""
 
 
 @dataclass(frozen=True)

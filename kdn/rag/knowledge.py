@@ -34,6 +34,9 @@ document whole, so a rerun resumes where it stopped.
 The state records the name of the embedder of its embeddings (``Settings.embedder``): an
 ingest or retrieval with another one (or, in a state written before it was recorded, one of
 another dimension) is refused (InvalidArgument) before anything is prefilled or searched.
+It records the model too (``Settings.layout``, ``config``, ``weights``): a state of another
+model or namespace is refused, and one an older kdn ingested before it named this model
+otherwise (``hf.former_weights_ids``) is refused saying so, to be ingested again.
 
 Readers (``retrieve``, ``ask``) use the last commit as one snapshot: its chunks and an
 ``IndexView`` of their embeddings, which a writer thread of the same object replaces at each
@@ -122,7 +125,8 @@ class KnowledgeBase:
         self._embedder = embedder
         cfg = engine.config
         self.settings = Settings(engine.layout.fingerprint, cfg.namespace, cfg.target_tokens,
-                                 cfg.max_tokens, cfg.mode, cfg.level, embedder_name(embedder))
+                                 cfg.max_tokens, cfg.mode, cfg.level, embedder_name(embedder),
+                                 engine.config_fingerprint, engine.weights_id)
         self._committed: _Commit  # what readers use (``_publish``)
         self._write = threading.RLock()  # one writer thread at a time in this process
         self._writers = 0  # how deep the writing thread is (its prune's removes)
@@ -285,6 +289,8 @@ class KnowledgeBase:
         if old is not None and (not old.embedder or old.embedder in self._former_names()):
             # not recorded, or recorded by a name kdn gave it before: the checks above took it
             old = replace(old, embedder=self.settings.embedder)
+        if old is not None and not old.config and old.layout == self.settings.layout:
+            old = replace(old, config=self.settings.config, weights=self.settings.weights)
         same_settings = old == self.settings
         # commits before the end only where the state on disk stays of one set of settings
         commit_early = old is None or same_settings
@@ -401,15 +407,28 @@ class KnowledgeBase:
             return
         new = self.settings
         differ = []
-        if old.layout != new.layout:
+        renamed = old.layout != new.layout and old.layout in self.engine.former_layouts()
+        if renamed:
+            differ.append(f"model name (layout {old.layout[:12]} there, {new.layout[:12]} here:"
+                          " an older kdn named this model and its weights otherwise)")
+        elif old.layout != new.layout and old.config and old.config == new.config:
+            differ.append(f"model (layout {old.layout[:12]} there, {new.layout[:12]} here: "
+                          f"weights {old.weights!r} there, {new.weights!r} here, of one config:"
+                          " other weights, or these as another kdn version named them)")
+        elif old.layout != new.layout:
             differ.append(f"model (layout {old.layout[:12]} there, {new.layout[:12]} here: "
                           "not the same model or weights)")
         if old.namespace != new.namespace:
             differ.append(f"namespace ({old.namespace!r} there, {new.namespace!r} here)")
         if differ:
-            raise InvalidArgument(f"{self.state} holds a corpus ingested with another "
-                                  f"{' and another '.join(differ)}; use the model and namespace "
-                                  "it was ingested with, or another state folder")
+            again = f"`kdn rag ingest CORPUS --state NEW_FOLDER`, then remove {self.state}"
+            raise InvalidArgument(
+                f"{self.state} holds a corpus ingested with another "
+                f"{' and another '.join(differ)}; " + (
+                    "kdn's fingerprint of the model changed on upgrade, so its stored chunks "
+                    f"are misses: ingest the corpus again into a new state folder ({again})"
+                    if renamed else "use the model and namespace it was ingested with, or "
+                    f"another state folder (the same model under another kdn version: {again})"))
 
     def _former_names(self) -> tuple[str, ...]:
         """Names a state written by an older kdn recorded of this embedder

@@ -233,13 +233,21 @@ class RagEngine:
         self.tokenizer = tokenizer
         self.client = client
         self.config = config or RagConfig()
-        self.layout = hf.model_layout(model)
+        self.weights_id = hf.default_weights_id(model)
+        self.layout = hf.model_layout(model, weights_id=self.weights_id)
+        # its layout with no weights named: the model's config and KV layout alone
+        self.config_fingerprint = hf.model_layout(model, weights_id="").fingerprint
         if self.config.head is not None and self.config.tail is not None:
             self.head, self.tail = self.config.head, self.config.tail
         else:
             self.head, self.tail = prompt_template(tokenizer)
         self.head_ids = tokenize(tokenizer, self.head, "the prompt head")
         self.stop = stop_ids(tokenizer)
+
+    def former_layouts(self) -> set[str]:
+        """Layout fingerprints older kdn gave this model (``hf.former_weights_ids``)."""
+        return {hf.model_layout(self.model, weights_id=w).fingerprint
+                for w in hf.former_weights_ids(self.model)}
 
     # -- chunks ---------------------------------------------------------------------------------
 
