@@ -463,6 +463,32 @@ def test_write_times_are_recorded_and_old_meta_records_still_read(tmp_path: Path
     disk.close()
 
 
+def test_a_promotion_keeps_the_age_of_the_copy_it_came_from(
+        make: Callable[..., TieredStore]) -> None:
+    """A hit on disk promoted into RAM keeps the disk copy's write time; one whose write time
+    no tier recorded (an old meta record) stays unknown there, not the time of the read."""
+    import struct
+
+    store = make()
+    ram, disk = store.tiers
+    assert isinstance(disk, LmdbTier)
+    long_ago = time.time() - 1000
+    for key, written in ((b"dated", (long_ago,)), (b"undated", ())):
+        store.put(key, entry(100))
+        with disk.env.begin(write=True) as txn:  # its write time, or none (24 bytes)
+            size, expiry, stamp, _ = struct.unpack("<QdQd", txn.get(key, db=disk.meta))
+            txn.put(key, struct.pack("<QdQ" + "d" * len(written), size, expiry, stamp,
+                                     *written), db=disk.meta)
+        ram.delete(key)
+        hit = store.get(key)
+        assert hit is not None and hit.tier == "disk" and ram.contains(key)  # promoted
+    assert ram.written_at(b"dated") == disk.written_at(b"dated") == long_ago
+    assert ram.written_at(b"undated") is None and disk.written_at(b"undated") is None
+    assert store.counters["promotions"] == 2
+    store.put(b"dated", entry(100))  # a write is dated now again
+    assert time.time() - (ram.written_at(b"dated") or 0) < 60
+
+
 def test_disk_values_larger_than_one_record_are_split_and_joined(tmp_path: Path) -> None:
     """LMDB holds at most 4 GiB - 1 per record: bigger values are split into records of
     ``part_bytes`` (small here), read back whole, and every record goes with the entry."""

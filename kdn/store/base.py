@@ -167,12 +167,14 @@ class Tier(abc.ABC):
         return sum(self.delete(k) for k in keys)
 
     def put_while(self, key: bytes, value: bytes, still: Callable[[], bool], *,
-                  ttl_s: float | None = None) -> bool:
+                  ttl_s: float | None = None, written_at: float | None = None) -> bool:
         """``put`` where ``still()`` answers true just before (a promotion, while no write of
         the key came since its read); whether it put. A tier that ``reports_evictions`` asks
         ``still`` and puts under one lock of its own (its evictions' demotions take the
         hierarchy's key locks, so the hierarchy can not hold one around the put); others are
-        called under the key's stripe lock."""
+        called under the key's stripe lock. ``written_at``: when the promoted copy was
+        written (unix seconds; None: not known), which RAM keeps as the entry's
+        (``written_at``), so a promotion leaves its age as it was; others ignore it."""
         if not still():
             return False
         self.put(key, value, ttl_s=ttl_s)

@@ -8,7 +8,8 @@ A tier that raises ``TierUnavailable`` is marked down (``mark_down``; counted as
 ``<tier>.down``) and skipped by reads and writes until the probe thread, which asks every tier
 ``healthy()`` each ``probe_interval_s``, sees it answer again; ``on_up(name)`` then tells the
 hierarchy (which wakes that tier's write queue). ``degraded`` is true while any tier is down;
-``local_ok`` while every tier on this machine (all but the ``remote`` ones) is up.
+``local_ok`` while every tier on this machine (all but the ``remote`` ones) is up. ``stats``
+gives every tier's (``Tier.stats``), ``healthy`` only while it is marked up.
 
 Calls into a tier go through ``attempt`` (or ``guard``, for callers to whom a failed call is a
 miss): ``TierUnavailable`` marks the tier down, any other ``KDNError`` is logged (a WARNING for
@@ -27,6 +28,7 @@ and the error goes on to the caller.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import logging
 import threading
@@ -36,7 +38,7 @@ from typing import TypeVar
 
 from kdn import tracing
 from kdn.errors import KDNError, PartlyUnavailable, TierUnavailable
-from kdn.store.base import Tier
+from kdn.store.base import Tier, TierStats
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -91,6 +93,18 @@ class TierHealth:
     def marks(self) -> dict[str, bool]:
         """A copy of the marks: tier name -> up."""
         return dict(self._up)
+
+    def stats(self) -> list[TierStats]:
+        """Every tier's stats (its counters alone where it is down or did not answer),
+        ``healthy`` only while it is marked up."""
+        out = []
+        for t in self.tiers:
+            st = self.guard(t, t.stats, "stats") if self.is_up(t.name) else None
+            if st is None:
+                c = t.counters
+                st = TierStats(t.name, 0, 0, 0, c.hits, c.misses, c.evictions, c.corrupt, False)
+            out.append(dataclasses.replace(st, healthy=st.healthy and self.is_up(t.name)))
+        return out
 
     @property
     def degraded(self) -> bool:

@@ -133,10 +133,12 @@ class RamTier(Tier):
             return max(0.0, self._expiry[key] - time.monotonic())
 
     def put(self, key: bytes, value: bytes | Framed, *, ttl_s: float | None = None) -> None:
-        self.put_while(key, value, lambda: True, ttl_s=ttl_s)  # type: ignore[arg-type]
+        self.put_while(key, value, lambda: True, ttl_s=ttl_s,  # type: ignore[arg-type]
+                       written_at=time.time())
 
     def put_while(self, key: bytes, value: bytes | Framed,  # type: ignore[override]
-                  still: Callable[[], bool], *, ttl_s: float | None = None) -> bool:
+                  still: Callable[[], bool], *, ttl_s: float | None = None,
+                  written_at: float | None = None) -> bool:
         if not (isinstance(value, (bytes, Framed)) or isinstance(value, memoryview)
                 and value.readonly and value.contiguous and value.format == "B"):
             value = bytes(value)  # a read-only byte view is kept as it is (no copy)
@@ -155,7 +157,8 @@ class RamTier(Tier):
             self._remove(key)
             self._data[key] = value
             self._stamps[key] = next(self._next_stamp)
-            self._written[key] = time.time()
+            if written_at is not None:  # else its age is not known (``_remove`` forgot it)
+                self._written[key] = written_at
             if ttl_s:
                 self._expiry[key] = time.monotonic() + ttl_s
             self._bytes += len(value)

@@ -16,10 +16,11 @@ checked on its first read and its later reads are not hashed again, until a writ
 a new stamp (``kdn.store.checked`` remembers the stamps checked).
 A value still in a tier's write queue is served as if the tier held it
 (a pending delete hides what the tier holds). A hit below the first tier is promoted: into the
-first tier (RAM) at once, into other tiers above it through their write queues, keeping the
-entry's remaining TTL (one that expired since its read is a miss there, never promoted with
-no TTL), unless the key was written or deleted since the read began (its
-generation, ``kdn.store.locks``): an older value never lands over an acknowledged one.
+first tier (RAM) at once, with the write time of the copy it came from (``Tier.written_at``),
+into other tiers above it through their write queues, keeping the entry's remaining TTL (one
+that expired since its read is a miss there, never promoted with no TTL), unless the key was
+written or deleted since the read began (its generation, ``kdn.store.locks``): an older value
+never lands over an acknowledged one.
 
 Writes always go to the first tier, then to each lower tier either synchronously or through
 that tier's write queue. Which lower tiers are written synchronously:
@@ -62,7 +63,6 @@ The first tier's abilities are asked through the tier contract, never by its cla
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
 import time
@@ -220,7 +220,7 @@ class TieredStore:
                 now = time.monotonic()
                 if item.expired(now) or not self._verified(tier, key, item.value, queued=True):
                     continue
-                self._promote(i, key, item.value, item.ttl(now), seen)
+                self._promote(i, key, item.value, item.ttl(now), seen, time.time())
                 return Hit(item.value, tier.name)
             if not self.is_up(tier.name):
                 continue
@@ -240,8 +240,9 @@ class TieredStore:
                     self.count("promotions_skipped")
                 elif ttl is not None and ttl <= 0:
                     continue  # expired since the read (a miss there), never kept for ever
-                else:
-                    self._promote(i, key, value, ttl, seen)
+                else:  # kept with the age of its copy there (None: not known)
+                    at = guard(tier, partial(tier.written_at, key), "written_at")
+                    self._promote(i, key, value, ttl, seen, at)
             return Hit(value, tier.name, stamp)
         return None
 
@@ -314,10 +315,12 @@ class TieredStore:
                         self._health.guard(tier, partial(tier.delete, key), "delete")
             return False
 
-    def _promote(self, i: int, key: bytes, value: bytes, ttl: float | None, seen: int) -> None:
+    def _promote(self, i: int, key: bytes, value: bytes, ttl: float | None, seen: int,
+                 at: float | None) -> None:
         """Copy a hit in tier ``i`` into the tiers above it, unless ``key`` was written or
         deleted since its read began (``seen``: its generation then): an older value never
-        lands over a newer one that was acknowledged meanwhile."""
+        lands over a newer one that was acknowledged meanwhile. The first tier keeps ``at``,
+        when the copy was written (None: not known), as the entry's write time."""
         if i == 0:
             return
         head = self.tiers[0]
@@ -326,7 +329,7 @@ class TieredStore:
         def still() -> bool:  # writes count themselves (under the stripe) before any tier
             return self._locks.generation(key) == seen
 
-        put = partial(head.put_while, key, value, still, ttl_s=ttl)
+        put = partial(head.put_while, key, value, still, ttl_s=ttl, written_at=at)
         if head.reports_evictions:  # asked and put under the tier's own lock
             done = self._health.guard(head, put, "put")
         else:
@@ -570,14 +573,7 @@ class TieredStore:
         return out
 
     def stats(self) -> list[TierStats]:
-        out = []
-        for t in self.tiers:
-            st = self._health.guard(t, t.stats, "stats") if self.is_up(t.name) else None
-            if st is None:
-                c = t.counters
-                st = TierStats(t.name, 0, 0, 0, c.hits, c.misses, c.evictions, c.corrupt, False)
-            out.append(dataclasses.replace(st, healthy=st.healthy and self.is_up(t.name)))
-        return out
+        return self._health.stats()
 
     def close(self) -> None:
         """Flush the write queues, stop the probe, close the tiers.
