@@ -13,9 +13,10 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import lmdb
 import pytest
 
-from kdn.errors import PartlyUnavailable, TooLarge
+from kdn.errors import PartlyUnavailable, TierUnavailable, TooLarge
 from kdn.store.lmdb import LmdbTier
 from tests.helpers import eventually
 
@@ -193,4 +194,67 @@ def test_a_single_writer_commits_each_write_alone(tmp_path: Path) -> None:
         tier.delete(b"k0")
         assert commits(tier) - before == 21
     finally:
+        tier.close()
+
+
+def test_evictions_of_a_group_run_again_are_counted_once(tmp_path: Path) -> None:
+    """A group whose write filled the map is run again in a grown one: its evictions were
+    counted by each run (10 counted for 8 made here); they are counted once committed."""
+    tier = LmdbTier(tmp_path, capacity_bytes=700 << 10, initial_map_bytes=1 << 20)
+    try:
+        for i in range(6):
+            tier.put(b"k%d" % i, bytes([i]) * (100 << 10))
+        before = tier.counters.evictions
+        grown: list[str] = []
+        tier.on_event = lambda name, n: grown.append(name)
+        with grouped(tier) as queue:
+            queue(lambda: tier.put(b"A", b"A" * (250 << 10)))  # evicts two
+            queue(lambda: tier.put(b"B", b"B" * (500 << 10)))  # fills the map: run again
+        assert "map_grown" in grown
+        made = 6 + 3 - len(set(tier.keys()))
+        assert tier.counters.evictions - before == made
+    finally:
+        tier.close()
+
+
+def test_an_interrupted_leader_fails_only_the_writes_it_left(tmp_path: Path) -> None:
+    """The group's commit fails, its writes are run again alone, and an interrupt hits the
+    leader (one of the group's writers) on the last: every write of the group was failed with a
+    bare RuntimeError, those committed alone too (stored, yet reported failed). Those stand;
+    the one left fails as TierUnavailable, and the interrupt reaches the leader."""
+    tier = LmdbTier(tmp_path, capacity_bytes=1 << 20)
+    real, calls = tier._transact, []  # noqa: SLF001
+
+    def faulty(run: object, need: int, quiet: bool = False) -> None:
+        calls.append(need)
+        if len(calls) == 2:  # the group's transaction
+            raise lmdb.Error("mdb_txn_commit: Input/output error")
+        if len(calls) == 5:  # its third write, run alone
+            raise KeyboardInterrupt
+        real(run, need, quiet)  # type: ignore[arg-type]
+
+    tier._group._transact = faulty  # type: ignore[assignment]  # noqa: SLF001
+
+    def putting(name: str) -> Callable[[], None]:
+        return lambda: tier.put(name.encode(), name.encode() * 8)
+    errors: dict[str, BaseException] = {}
+    try:
+        with tier._rw.exclusive():  # noqa: SLF001
+            lead = threading.Thread(target=catching(errors, "lead", lambda: tier.put(b"L", b"x")))
+            lead.start()
+            assert eventually(lambda: tier._group.queued == 0 and tier._group._leading)  # noqa: SLF001
+            writers = []
+            for name in "ABC":
+                n = tier._group.queued  # noqa: SLF001
+                writers.append(threading.Thread(target=catching(errors, name, putting(name))))
+                writers[-1].start()
+                assert eventually(lambda n=n: tier._group.queued == n + 1)  # noqa: SLF001
+        for t in [lead, *writers]:
+            t.join(10)
+        led = [n for n, e in errors.items() if isinstance(e, KeyboardInterrupt)]
+        assert len(led) == 1 and set(errors) <= {"C", *led}, errors
+        assert isinstance(errors["C"], (TierUnavailable, KeyboardInterrupt)), errors
+        assert [tier.get(k) is not None for k in (b"A", b"B", b"C")] == [True, True, False]
+    finally:
+        tier._group._transact = real  # type: ignore[assignment]  # noqa: SLF001
         tier.close()

@@ -200,7 +200,7 @@ class LmdbTier(Tier):
         log.warning("disk tier %s: holds %d bytes, over its %d-byte budget; evicting its "
                     "oldest entries", self.path, used, self.capacity_bytes)
         try:
-            self._write(lambda txn: self._evict(txn, keep=set()), 0)
+            self.counters.add("evictions", self._write(lambda txn: self._evict(txn, set()), 0))
         except (TooLarge, PartlyUnavailable) as exc:  # the tier opens; its writes may fail
             log.warning("disk tier %s: eviction down to its budget failed: %s", self.path, exc)
 
@@ -423,7 +423,8 @@ class LmdbTier(Tier):
         if need > self.capacity_bytes:
             raise TooLarge(f"{need} bytes exceed the disk tier's {self.capacity_bytes}-byte budget")
         expiry = time.time() + ttl_s if ttl_s else 0.0
-        self._write(lambda txn: self._put_txn(txn, batch, expiry), need)
+        evicted = self._write(lambda txn: self._put_txn(txn, batch, expiry), need)
+        self.counters.add("evictions", evicted)  # once committed (a group's body may run twice)
 
     def delete(self, key: bytes) -> bool:
         return self.delete_many([key]) > 0
@@ -449,8 +450,7 @@ class LmdbTier(Tier):
 
     def _transact(self, run: Run, need: int, quiet: bool = False) -> None:
         """``run`` in one committed write transaction, retried in a grown map where it was full
-        (called by a group's leader: one at a time, ``kdn.store.lmdbgroup``; ``quiet``: a map
-        full at its maximum is not reported, as ``_grow`` says)."""
+        (by a group's leader, one at a time: ``kdn.store.lmdbgroup``; ``quiet``: see ``_grow``)."""
         while True:
             self._rw.acquire_shared()
             seen = self._map_bytes  # fixed while the lock is shared
@@ -507,7 +507,7 @@ class LmdbTier(Tier):
         return self._remove(txn, key)
 
     def _put_txn(self, txn: lmdb.Transaction, batch: list[tuple[bytes, bytes]],
-                 expiry: float) -> None:
+                 expiry: float) -> int:
         now = time.time()
         for k, v in batch:
             self._remove(txn, k)
@@ -523,11 +523,11 @@ class LmdbTier(Tier):
             txn.put(_STAMP.pack(stamp) + k, b"", db=self.lru)
             used = self._used(txn) + len(k) + len(v)
             txn.put(_USED, used.to_bytes(8, "little"), db=self.info)
-        if self._used(txn) > self.capacity_bytes:
-            self._evict(txn, keep={k for k, _ in batch})
+        return self._evict(txn, {k for k, _ in batch}) if self._used(txn) > self.capacity_bytes \
+            else 0
 
-    def _evict(self, txn: lmdb.Transaction, keep: set[bytes]) -> None:
-        """Remove the oldest-stamped entries, unprotected or expired, until ``used`` fits."""
+    def _evict(self, txn: lmdb.Transaction, keep: set[bytes]) -> int:
+        """Remove the oldest entries, unprotected or expired, until ``used`` fits; how many."""
         used, now = self._used(txn), time.time()
         victims: list[bytes] = []
         cur = txn.cursor(db=self.lru)
@@ -546,7 +546,7 @@ class LmdbTier(Tier):
                            f"{self.capacity_bytes} bytes); unpin or raise disk_bytes")
         for key in victims:
             self._remove(txn, key)
-        self.counters.add("evictions", len(victims))
+        return len(victims)
 
     def _grow(self, seen: int, need: int, quiet: bool) -> None:
         """Grow the map a write of ``need`` bytes found full at ``seen`` bytes (unless another

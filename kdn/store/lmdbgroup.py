@@ -33,6 +33,8 @@ from functools import partial
 
 import lmdb
 
+from kdn.errors import TierUnavailable
+
 GROUP_BYTES = 32 << 20
 """Most bytes one group takes (a write of more is a group of its own): LMDB holds a
 transaction's dirty pages in memory, up to a limit, until its commit."""
@@ -44,13 +46,14 @@ Run = Callable[[lmdb.Environment, lmdb.Transaction], None]
 class _Write:
     """One queued write: its body, the bytes it adds, and once run its result or error."""
 
-    __slots__ = ("body", "need", "done", "error", "settled")
+    __slots__ = ("body", "need", "done", "error", "committed", "settled")
 
     def __init__(self, body: Body, need: int) -> None:
         self.body = body
         self.need = need
         self.done = 0
         self.error: Exception | None = None
+        self.committed = False  # its transaction committed: it stands, whatever comes after
         self.settled = False  # set under the condition once its transaction is over
 
 
@@ -105,7 +108,8 @@ class GroupCommit:
                     self._commit(group)
                 except BaseException as exc:  # (an interrupt): no writer left waiting
                     for g in group:
-                        g.error = g.error or RuntimeError(f"disk tier write abandoned: {exc!r}")
+                        if not g.committed and g.error is None:
+                            g.error = TierUnavailable(f"disk tier write abandoned: {exc!r}")
                     raise
                 finally:
                     self._cond.acquire()
@@ -129,11 +133,14 @@ class GroupCommit:
         if len(group) > 1:
             try:
                 self._transact(partial(_nested, group), sum(w.need for w in group), True)
+                for w in group:
+                    w.committed = w.error is None
                 return
             except Exception:  # nothing committed: each on its own (module docstring)
                 pass
         for w in group:
             try:
                 self._transact(partial(_alone, w), w.need, False)
+                w.committed = True
             except Exception as exc:
                 w.error = exc
