@@ -4,8 +4,9 @@ One program decodes one group (``rans.GROUP`` streams as lanes), stepping its la
 their symbols in lockstep exactly as the CPU decoder does; the lanes that renormalise on a step
 take consecutive words from the group's interleaved word run (an exclusive prefix sum over the
 lanes gives each its word). Symbols are found from the same lookup table (the bucket's first
-bin) by a fixed-length branchless search inside the bucket. Output: the int32 symbol matrix in
-device memory; the codec mode dequantises it there with torch.
+bin) by a branchless search inside the bucket, as many steps as the group's widest row needs
+(bins that never occur take no slots, so a bucket can span a whole row). Output: the int32
+symbol matrix in device memory; the codec mode dequantises it there with torch.
 
 ``decode_on(blob, rows, n, device)`` takes a format-2 entropy blob (``entropy.RANS_MARK``);
 tables are parsed on the host (a few KB), states and words go to the device with one copy each.
@@ -25,14 +26,11 @@ from kdn.codec.gpu_source import launch
 from kdn.codec.quant import from_numpy, upload_many
 from kdn.errors import Corrupt, InvalidArgument
 
-_SEARCH_STEPS = 9  # ceil(log2(2 ** (PREC - LUT_BITS) + 1)): bins a bucket can span, searched
-
 
 @triton.jit
-def _decode_kernel(states, length, base, first_bin, last_bin, row_lut, low, goff, gwords, words,
-                   lut, cum, freq, out, bad, streams, steps,
-                   GROUP: tl.constexpr, PREC: tl.constexpr, LUT_BITS: tl.constexpr,
-                   SEARCH: tl.constexpr):
+def _decode_kernel(states, length, base, first_bin, last_bin, row_lut, low, depth, goff, gwords,
+                   words, lut, cum, freq, out, bad, streams, steps,
+                   GROUP: tl.constexpr, PREC: tl.constexpr, LUT_BITS: tl.constexpr):
     g = tl.program_id(0)
     lane = tl.arange(0, GROUP)
     s = g * GROUP + lane
@@ -44,6 +42,7 @@ def _decode_kernel(states, length, base, first_bin, last_bin, row_lut, low, goff
     lb = tl.load(last_bin + s, mask=live, other=0)
     rl = tl.load(row_lut + s, mask=live, other=0)
     lo = tl.load(low + s, mask=live, other=0)
+    dep = tl.max(tl.load(depth + s, mask=live, other=0), axis=0)
     ptr = tl.load(goff + g)
     end = ptr + tl.load(gwords + g)
     err = g * 0
@@ -56,7 +55,7 @@ def _decode_kernel(states, length, base, first_bin, last_bin, row_lut, low, goff
                         tl.load(lut + rl + bucket + 1, mask=act & (bucket < (1 << LUT_BITS) - 1),
                                 other=0))
         size = last - a + 1
-        for _ in range(SEARCH):  # the last bin of [a, last] whose cum <= slot
+        for _ in range(dep):  # the last bin of [a, last] whose cum <= slot
             half = size >> 1
             probe = a + half
             ok = act & (half > 0) & (tl.load(cum + probe, mask=act & (half > 0),
@@ -114,6 +113,8 @@ def decode_on(blob: bytes | memoryview, rows_n: int, n: int, device: torch.devic
         "first_bin": starts[rows], "last_bin": starts[rows] + width.astype(np.int64)[rows] - 1,
         "row_lut": rans.lut_bases(width, rows),
         "low": lo.astype(np.int32)[rows],
+        # ceil(log2 width): steps that narrow any bucket of the row (at most its width) to a bin
+        "depth": np.ceil(np.log2(np.maximum(width[rows], 1).astype(np.float64))).astype(np.int32),
     }
     host = {"states": states, "goff": np.concatenate([[0], np.cumsum(gwords)[:-1]]),
             "gwords": gwords, "words": words, "lut": lut, "cum": cum, "freq": freq,
@@ -125,9 +126,9 @@ def decode_on(blob: bytes | memoryview, rows_n: int, n: int, device: torch.devic
     launch(_decode_kernel, (groups,),  # on the device's current stream, as the copies
            dev["states"], dev["length"], dev["base"], dev["first_bin"], dev["last_bin"],
            dev["row_lut"],
-           dev["low"], dev["goff"], dev["gwords"], dev["words"], dev["lut"], dev["cum"],
-           dev["freq"], out, bad, streams, int(per_stream["length"].max()),
-           GROUP=rans.GROUP, PREC=rans.PREC, LUT_BITS=rans.LUT_BITS, SEARCH=_SEARCH_STEPS)
+           dev["low"], dev["depth"], dev["goff"], dev["gwords"], dev["words"], dev["lut"],
+           dev["cum"], dev["freq"], out, bad, streams, int(per_stream["length"].max()),
+           GROUP=rans.GROUP, PREC=rans.PREC, LUT_BITS=rans.LUT_BITS)
     if bool((bad != 0).any()):
         first = int(torch.nonzero(bad)[0, 0])
         raise Corrupt(f"rANS group {first} does not decode")
