@@ -39,9 +39,10 @@ from kdn.codec.entropy import (
     RANS_NIBBLE_MARK,
 )
 from kdn.codec.rans import GROUP, MAX_BLOCK
-from kdn.codec.zstd import capacity
+from kdn.codec.zstd import capacity, frame_end
 
 _capacity = numba.njit(cache=True, nogil=True)(capacity)
+_frame_end = numba.njit(cache=True, nogil=True)(frame_end)
 
 FORMAT_1 = 4
 WHY = {1: "sections do not add up to the body", 2: "empty stream set is not empty",
@@ -49,7 +50,8 @@ WHY = {1: "sections do not add up to the body", 2: "empty stream set is not empt
        5: "entropy blob sections do not add up", 6: "zstd frame declares no or too large a size",
        7: "entropy tables are inconsistent", 8: "rANS section does not add up",
        9: "sink tokens have the wrong size", 10: "entropy table code out of range",
-       11: "entropy table codes do not fit the tables", 12: "entropy tables do not decode"}
+       11: "entropy table codes do not fit the tables", 12: "entropy tables do not decode",
+       15: "entropy tables have bytes after their zstd frame"}
 NF = 15
 """Per-blob fields (columns of ``fill``'s blob tables; column NF: the blob's layer)."""
 CROW, ROWBASE, BLOCKS, BLOCK, N, STREAMS, STATES, HEADS, KC, VC, TOKENS, SINK, KBASE, VBASE, \
@@ -137,7 +139,9 @@ def table_sizes(buf: np.ndarray, blobs: np.ndarray, streams: np.ndarray, err: np
     streams where the codes lie outside: format 4) and by what its frame's blocks can
     regenerate (``zstd.capacity``). The caller stages every blob's tables at once: without the
     second bound, small frames that lie about their size made it reserve each blob's most
-    (2 GiB for a 32-layer entry of 440 KB) before decompressing any."""
+    (2 GiB for a 32-layer entry of 440 KB) before decompressing any. Bytes after the frame
+    (inside the blob's table length) are refused, as the CPU decoder refuses them: libzstd
+    and ``zstandard``'s batch call would each take them their own way."""
     layers = blobs.shape[0]
     out = np.zeros((layers, 2), np.int64)
     for lay in range(layers):
@@ -165,6 +169,10 @@ def table_sizes(buf: np.ndarray, blobs: np.ndarray, streams: np.ndarray, err: np
             bound = 4 if blobs[lay, b, 4] == 4 else 4 + MAX_WIDTH
             if v < 0 or v > min(streams[lay, b] * bound, _capacity(buf, p + size, at + ln)):
                 err[0], err[1] = 6, lay
+                return out
+            stop = _frame_end(buf, p + size, at + ln)
+            if stop >= 0 and stop + 4 * ((fhd >> 2) & 1) < at + ln:  # one frame, as the CPU
+                err[0], err[1] = 15, lay
                 return out
             out[lay, b] = v
     return out

@@ -42,12 +42,26 @@ def capacity(data: Any, at: int, end: int) -> int:
     return total
 
 
+def frame_end(data: Any, at: int, end: int) -> int:
+    """Where the blocks of a zstd frame, ``data[at:end]`` from its first block on, end (read
+    from their 3-byte headers, as ``capacity``; its checksum, where its header asks for one,
+    follows), or -1 where they are cut short by ``end``."""
+    while at + 3 <= end:
+        head = data[at] + 256 * data[at + 1] + 65536 * data[at + 2]
+        at += 3 + (1 if (head >> 1 & 3) == 1 else head >> 3)
+        if at > end:
+            break
+        if head & 1:
+            return at
+    return -1
+
+
 def decompress(data: bytes | memoryview, limit: int, where: str) -> bytes:
     """The single zstd frame ``data`` decompressed, at most ``limit`` bytes; Corrupt if it
     declares more (or more than its blocks can regenerate: ``capacity``), declares no size
     (kdn writes every frame in one piece, its size declared; a GPU's decoder sizes its
-    buffers from it, and the same bytes must give the same answer on both), or does not
-    decode."""
+    buffers from it, and the same bytes must give the same answer on both), does not decode,
+    or has bytes after its frame."""
     try:
         declared = zstandard.frame_content_size(data)
         if declared < 0:
@@ -57,6 +71,7 @@ def decompress(data: bytes | memoryview, limit: int, where: str) -> bytes:
         if declared > limit:
             raise Corrupt(f"{where}: zstd frame declares {declared} bytes, at most {limit} "
                           "expected")
-        return zstandard.ZstdDecompressor().decompress(data, max_output_size=limit)
+        return zstandard.ZstdDecompressor().decompress(data, max_output_size=limit,
+                                                       allow_extra_data=False)
     except zstandard.ZstdError as exc:
         raise Corrupt(f"{where}: zstd data does not decode: {exc}") from exc
