@@ -252,6 +252,50 @@ def test_a_cancelled_write_runs_before_a_later_call(server: ServerThread, cancel
     asyncio.run(main())
 
 
+def test_a_cancelled_write_runs_before_a_later_async_store(server: ServerThread) -> None:
+    """``store_async`` and ``flush`` did not wait for a store whose await was cancelled, as
+    the other calls do: ``store_async(key, new)`` and ``flush`` were answered, then the
+    cancelled store of ``old`` ran over it. ``close`` waits for it too."""
+    old, new = random_kv(LAYOUT, 32, seed=5), random_kv(LAYOUT, 16, seed=6)
+    key = numbered_key(42)
+
+    async def main() -> None:
+        c = GatedWrites(server.address, timeout_s=30)
+        ac = AsyncClient(c)
+        await ac.retrieve(key, layout=LAYOUT)  # (the data paths opened)
+        first = asyncio.ensure_future(ac.store(key, old, mode="raw"))
+        assert await asyncio.to_thread(c.entered.wait, 10)
+        first.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await first
+
+        async def later() -> None:
+            await ac.store_async(key, new, mode="raw")
+            await ac.flush()
+
+        sent = asyncio.ensure_future(later())
+        await asyncio.wait([sent], timeout=1)  # not waiting, it would be flushed by now
+        c.gate.set()
+        await sent
+        assert c.left.is_set()  # the cancelled one has run
+        got = await ac.retrieve(key, layout=LAYOUT)
+        assert got is not None and got.equal(new)
+        c.left.clear()
+        c.entered.clear()
+        c.gate.clear()
+        again = asyncio.ensure_future(ac.delete(key))
+        assert await asyncio.to_thread(c.entered.wait, 10)
+        again.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await again
+        threading.Timer(0.5, c.gate.set).start()
+        await ac.close()
+        assert c.left.is_set()  # close waited for the cancelled delete
+        c.close()
+
+    asyncio.run(main())
+
+
 class GatedFlush(Client):
     """A Client whose first ``flush`` waits for ``gate`` (``left`` once it ran)."""
 

@@ -11,9 +11,10 @@ bound to the thread that makes them (an asynchronous store is answered on the th
 it: ``store_async``, ``flush``, ``close``) all run on one thread of the AsyncClient's own, so
 ``flush`` and ``close`` answer every store it sent; the other calls run on the loop's default
 executor, after the stores it sent are answered (one whose await was cancelled too: it still
-runs on that thread), and after each ``store``, ``store_many`` or ``delete`` whose await was
-cancelled has run (it still runs: a later write of its key would lose to it), as a Client's
-calls on one thread do (a read then sees them). A store's ``result()`` is read once ``flush``
+runs on that thread). Every call, ``store_async`` and ``flush`` too (``close`` for a bounded
+time), waits until each ``store``, ``store_many`` or ``delete`` whose await was cancelled has
+run (it still runs: a later write of its key would lose to it), as a Client's calls on one
+thread do (a read then sees them). A store's ``result()`` is read once ``flush``
 (or ``close``) returned; its ``done()`` any time. The worker thread's ``last_request_id`` is not
 the caller's: pass ``request_id`` to correlate. As a Client, an AsyncClient belongs to the
 process that made it: in a child of ``fork()`` its calls raise InvalidArgument (``close`` does
@@ -87,10 +88,7 @@ class AsyncClient:
     async def _answered(self) -> None:
         """Wait until the stores sent so far are answered (their errors kept for ``flush``),
         and the writes whose await was cancelled have run."""
-        self._writing = [f for f in self._writing if not f.done()]
-        if self._writing:  # (cancelled itself: the next call waits again)
-            await asyncio.wait([asyncio.wrap_future(f) for f in self._writing])
-            self._writing = [f for f in self._writing if not f.done()]
+        await self._writes_ran()
         self._unanswered = [p for p in self._unanswered if not p.done()]
         if self._unanswered or self._abandoned:  # queued behind every store sent so far
             self._abandoned = False
@@ -101,6 +99,15 @@ class AsyncClient:
                 raise
             self._forget_answered()
 
+    async def _writes_ran(self, timeout_s: float | None = None) -> None:
+        """Wait until the writes whose await was cancelled have run (at most ``timeout_s``);
+        cancelled itself, the next call waits again."""
+        self._writing = [f for f in self._writing if not f.done()]
+        if self._writing:
+            await asyncio.wait([asyncio.wrap_future(f) for f in self._writing],
+                               timeout=timeout_s)
+            self._writing = [f for f in self._writing if not f.done()]
+
     def _forget_answered(self) -> None:
         """(Those sent meanwhile, after the wait on the store thread, are kept.)"""
         self._unanswered = [p for p in self._unanswered if not p.done()]
@@ -108,7 +115,10 @@ class AsyncClient:
     async def store_async(self, key: bytes, kv: KVCache | EncodedParts | Staged,
                           **options: Any) -> PendingStore:
         """``Client.store_async`` (its options) on the AsyncClient's store thread: sent, not
-        waited for."""
+        waited for, after the writes whose await was cancelled have run (a store of their
+        key would lose to them)."""
+        self._usable()
+        await self._writes_ran()
         try:
             pending = await self._on_store_thread(self.client.store_async, key, kv, **options)
         except asyncio.CancelledError:  # it may still run (and send) on the store thread
@@ -121,8 +131,9 @@ class AsyncClient:
     async def flush(self) -> None:
         """``Client.flush``: every store sent by ``store_async`` answered; the first error
         among those answered since the last flush is raised (by the next flush where the one
-        that took it was cancelled)."""
+        that took it was cancelled); the writes whose await was cancelled have run too."""
         self._usable()
+        await self._writes_ran()
         try:
             kept, self._flushing = self._flushing, None
             if kept is not None:  # its error first: it was taken before this flush's
@@ -146,11 +157,14 @@ class AsyncClient:
     async def close(self) -> None:
         """The stores sent answered (each ``result()`` then has its answer or error), the store
         thread ended, and the Client closed where this AsyncClient made it (from an address;
-        one handed in is its owner's to close). Closing again does nothing; any other call
-        after it raises Closed. Nothing in a child of ``fork()``: the Client is the parent's."""
+        one handed in is its owner's to close), after the writes whose await was cancelled
+        have run (waited for at most the Client's ``timeout_s``, else CLOSE_WAIT_S). Closing
+        again does nothing; any other call after it raises Closed. Nothing in a child of
+        ``fork()``: the Client is the parent's."""
         if self._closed or os.getpid() != self._pid:
             return
         try:
+            await self._writes_ran(self.client.timeout_s or CLOSE_WAIT_S)
             await self._on_store_thread(self.client.close if self._owns
                                         else self.client.dataplane.settle_async)
         finally:
@@ -191,6 +205,10 @@ class AsyncClient:
 
         return call
 
+
+CLOSE_WAIT_S = 60.0
+"""How long ``close`` waits for the writes whose await was cancelled, for a Client without
+a deadline (``timeout_s`` None)."""
 
 WRITES = frozenset({"store", "store_many", "delete"})
 """The Client's calls that change what the server holds: one whose await was cancelled is
