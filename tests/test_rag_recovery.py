@@ -153,6 +153,26 @@ def test_one_model_is_one_embedder_wherever_its_files_lie(tmp_path: Path) -> Non
     assert other.startswith("blake2b:") and other == model_name(copies[2])
 
 
+def test_a_model_saved_in_shards_is_named_by_its_weights(tmp_path: Path) -> None:
+    """A model saved in shards (``model-00001-of-00002.safetensors`` and its index) had none
+    of its weights in its name: two folders of one config and other weights (a fine-tune)
+    were one embedder, and a state of one was taken by the other."""
+    from kdn.model.embed import model_name
+
+    folders = [tmp_path / n for n in ("a", "b", "c")]
+    for i, folder in enumerate(folders):
+        folder.mkdir()
+        (folder / "config.json").write_text('{"model_type": "bert"}')
+        (folder / "model.safetensors.index.json").write_text('{"weight_map": {}}')
+        for shard in (1, 2):
+            weights = bytes([shard, min(i, 1)]) * 64  # b and c: the same weights
+            (folder / f"model-0000{shard}-of-00002.safetensors").write_bytes(weights)
+    names = [model_name(folder) for folder in folders]
+    assert names[0] != names[1] == names[2]
+    (folders[2] / "pytorch_model-00001-of-00001.bin").write_bytes(b"other")
+    assert model_name(folders[2]) != names[1]
+
+
 class Renamed(WordEmbedder):
     """``WordEmbedder`` under a new name, its old one among ``former_names``."""
 

