@@ -316,9 +316,11 @@ def test_the_image_pins_every_server_dependency_within_its_range() -> None:
     assert "!deploy/constraints-server.txt" in ignore.splitlines()
 
 
-def _self_signed(tmp: Path, dns: str) -> tuple[Path, Path]:
-    """A self-signed server certificate naming ``dns`` only (not 127.0.0.1), and its key."""
+def _self_signed(tmp: Path, dns: str, ip: str = "") -> tuple[Path, Path]:
+    """A self-signed server certificate naming ``dns`` only (not 127.0.0.1), or the address
+    ``ip`` only where given (``dns`` its common name), and its key."""
     import datetime
+    import ipaddress
 
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
@@ -332,7 +334,9 @@ def _self_signed(tmp: Path, dns: str) -> tuple[Path, Path]:
             .public_key(key.public_key()).serial_number(x509.random_serial_number())
             .not_valid_before(now - datetime.timedelta(days=1))
             .not_valid_after(now + datetime.timedelta(days=2))
-            .add_extension(x509.SubjectAlternativeName([x509.DNSName(dns)]), critical=False)
+            .add_extension(x509.SubjectAlternativeName(
+                [x509.IPAddress(ipaddress.ip_address(ip)) if ip else x509.DNSName(dns)]),
+                critical=False)
             .sign(key, hashes.SHA256()))
     (tmp / "tls.crt").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
     (tmp / "tls.key").write_bytes(key.private_bytes(
@@ -379,3 +383,27 @@ def test_every_health_probe_passes_on_a_tls_server(
                 assert main(words[1:]) == 0, (cert.name, words)
             monkeypatch.delenv("KDN_TLS_CERT")  # plaintext against TLS: still refused
             assert main(runs[0][1:]) == 1
+
+
+def test_the_probe_expects_an_ipv6_loopback_certificate_by_its_address(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A certificate whose only name is the IP ::1: `kdn admin health --address [::1]:PORT`
+    trusting $KDN_TLS_CERT compared '::1' with Python's '0:0:0:0:0:0:0:1', found no match and
+    expected that text as a name, which no IP SAN matches ('Hostname Verification Check
+    failed'; --tls-ca passed)."""
+    import socket
+
+    from kdn.cli.main import main
+    from kdn.server import ServerConfig, ServerThread
+
+    try:
+        socket.socket(socket.AF_INET6).bind(("::1", 0))
+    except OSError:
+        pytest.skip("no IPv6 loopback here")
+    cert, key = _self_signed(tmp_path, "kdn", ip="::1")
+    cfg = ServerConfig(host="::1", port=0, data_port=-1, data_dir=tmp_path / "d",
+                       disk_bytes=0, tls_cert=str(cert), tls_key=str(key))
+    with ServerThread(cfg) as st:
+        address = f"[::1]:{st.address.rpartition(':')[2]}"
+        monkeypatch.setenv("KDN_TLS_CERT", str(cert))
+        assert main(["admin", "health", "--timeout", "5", "--address", address]) == 0

@@ -78,10 +78,30 @@ def own_certificate(address: str, server_name: str | None) -> Any:
                 os.path.expanduser(path))
         except (AttributeError, ssl.SSLError, OSError):
             cert = {}
-        names = [v for _, v in cert.get("subjectAltName", ())] or [
-            v for rdn in cert.get("subject", ()) for k, v in rdn if k == "commonName"]
-        server_name = "" if not names or host in names else names[0]
+        server_name = _name_to_expect(host, list(cert.get("subjectAltName", ())), [
+            v for rdn in cert.get("subject", ()) for k, v in rdn if k == "commonName"])
     return TLSOptions(ca=pem, server_name=server_name)
+
+
+def _name_to_expect(host: str, sans: list[tuple[str, str]], common: list[str]) -> str:
+    """The name to expect of a certificate with ``sans`` (its subjectAltName: ("DNS", name)
+    and ("IP Address", ip) pairs; else its ``common`` names) on ``host``: "" where ``host`` is
+    among them (an IP compared as an address: Python writes ::1 as 0:0:0:0:0:0:0:1), else its
+    first DNS name, else "" (an IP's rendering given as the name is matched by no IP SAN)."""
+    import ipaddress
+
+    def ip(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+        try:
+            return ipaddress.ip_address(text.strip())
+        except ValueError:
+            return None
+
+    names = [v for k, v in sans if k in ("DNS", "IP Address")] if sans else common
+    dns = [n for n in names if ip(n) is None]
+    ips = {ip(n) for n in names} - {None}
+    if (ip(host) is not None and ip(host) in ips) or host.lower() in (n.lower() for n in dns):
+        return ""
+    return dns[0] if dns else ""
 
 
 def admin_client(ns: argparse.Namespace) -> Any:
