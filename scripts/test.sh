@@ -1,14 +1,24 @@
 #!/usr/bin/env bash
 # Install kdn with its test tools into .venv, then lint, type-check and run the whole suite.
-# Extra args go to pytest (e.g. scripts/test.sh -k server); a path among them is read from the
-# folder this is called from (cd tests; ../scripts/test.sh test_x.py), though pytest runs in the
-# repository.
+# Extra args go to pytest (e.g. scripts/test.sh -k server); a test path among them is read from
+# the folder this is called from (cd tests; ../scripts/test.sh test_x.py), though pytest runs in
+# the repository. An option's value (-k server, --deselect x) is passed as it is.
 set -euo pipefail
 here="$PWD"
 cd "$(dirname "$0")/.."
 args=()
+value=0
 for a in "$@"; do  # tests/test_x.py[::test_name] relative to the caller: made absolute
-  if [[ "$here" != "$PWD" && "$a" != /* && "$a" != -* && -e "$here/${a%%::*}" ]]; then
+  if ((value)); then
+    value=0
+  elif [[ "$a" == -* ]]; then
+    case "$a" in
+      -k | -m | -p | -c | -o | -W | -r | --deselect | --ignore | --ignore-glob | --rootdir | \
+      --basetemp | --confcutdir | --junitxml | --junit-xml | --maxfail | --tb | --durations | \
+      --randomly-seed | --override-ini | --log-level | --log-file | --import-mode) value=1 ;;
+    esac
+  elif [[ "$here" != "$PWD" && "$a" != /* && -e "$here/${a%%::*}" ]] &&
+    [[ "$a" == *.py || "$a" == *::* || "${here#"$PWD"}/$a/" == */tests/* ]]; then
     a="$here/$a"
   fi
   args+=("$a")

@@ -96,6 +96,10 @@ def test_the_scripts_read_relative_paths_from_the_callers_folder(tmp_path: Path)
     assert said == (f"python {repo} -m pytest -q -p randomly "
                     f"{work}/tests/test_x.py::test_a -k x")
     assert run("test.sh").endswith("-m pytest -q -p randomly")
+    (work / "server").mkdir()  # an option's value, or a folder not of tests: passed as it is
+    (work / "slow").write_text("")
+    said = run("test.sh", "-k", "server", "-m", "slow", "--deselect=server", "server", "tests")
+    assert said.endswith(f"-k server -m slow --deselect=server server {work}/tests")
 
 
 def _python_api_block(which: int = 0) -> str:
