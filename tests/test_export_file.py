@@ -6,9 +6,13 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import tempfile
+import traceback
 import tracemalloc
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -195,6 +199,59 @@ def test_an_export_goes_into_no_other_users_file(tmp_path: Path,
     assert {p: p.read_bytes() for p in before} == before
     assert empty.stat().st_mode & 0o777 == 0o644
     assert not (tmp_path / "elsewhere.kdnx").exists()
+
+
+def _as_an_ordinary_user(fn: Any) -> None:
+    """``fn()``, in a child as uid 65534 where this is root (whose writes no mode denies)."""
+    if os.geteuid() != 0:
+        fn()
+        return
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            os.setgid(65534)
+            os.setuid(65534)
+            fn()
+            code = 0
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_a_finished_read_only_export_is_left_as_it_is() -> None:
+    """An export file its user made read-only (0444) to keep it was a raw PermissionError on
+    a second run (the file was opened to write first): a finished one is complete, one that
+    must be written is refused, nothing changed."""
+    folder = Path(tempfile.mkdtemp())
+    folder.chmod(0o777)
+
+    def run() -> None:
+        finished, unfinished, empty = (folder / f"{n}.kdnx" for n in ("f", "u", "e"))
+        for path in (finished, unfinished):
+            out = ExportWriter.open(path, Filter("kb"))
+            out.write(Record("kb", b"k" * 32, b"c", b"v"))
+            if path == finished:
+                out.finish()
+            out.close()
+        empty.touch()
+        before = {p: p.read_bytes() for p in (finished, unfinished, empty)}
+        for path in before:
+            path.chmod(0o444)
+        again = ExportWriter.open(finished, Filter("kb"))
+        assert again.complete and again.records == 1
+        for path in (unfinished, empty):
+            with pytest.raises(InvalidArgument, match="read-only and holds no finished"):
+                ExportWriter.open(path, Filter("kb"))
+        assert {p: p.read_bytes() for p in before} == before
+
+    try:
+        _as_an_ordinary_user(run)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def test_the_file_is_read_one_record_at_a_time(tmp_path: Path) -> None:

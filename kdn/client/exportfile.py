@@ -24,8 +24,9 @@ importer's tenant.
 Lifecycle: ``ExportWriter.open`` starts a file, or resumes one: a file written with other
 filters, or from another server, is refused (its cursor belongs to another listing; a server
 restarted at the same address resumes it), a finished one (with its end marker) is left as it
-is, a torn last record is cut off and the export goes on after the last complete record's
-cursor; ``finish`` writes the end marker. A new file is made mode 0600; a file of another user's
+is (made read-only too; an unfinished read-only one is refused), a torn last record is cut
+off and the export goes on after the last complete record's cursor; ``finish`` writes the end
+marker. A new file is made mode 0600; a file of another user's
 (its owner could read every tenant's entries) is refused. ``scan`` reads a file for import and
 raises ``Corrupt`` on a foreign file, a bad checksum, or a format-2 file without its end marker
 (an export that did not finish: cut off, or still running): never a silent partial import.
@@ -272,7 +273,10 @@ def _open_own(path: Path) -> BinaryIO:
     regular file of this user's, or another kind (``/dev/stdout``, a pipe, ``/dev/null``) of
     this user's or root's. Another user's file (made there first: it stays readable by its
     owner whatever mode kdn gives it) is refused before anything is written or cut off; a link
-    is followed only to what is there (never made through one)."""
+    is followed only to what is there (never made through one). A regular file this user may
+    not write (made read-only to keep it: a finished export) is opened to read only, not
+    through a link: ``ExportWriter.open`` refuses it where it must be written."""
+    writable = True
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
                      0o600)
@@ -282,6 +286,8 @@ def _open_own(path: Path) -> BinaryIO:
         except FileNotFoundError:  # a link to nothing
             raise InvalidArgument(f"{path} is a link to nothing; export into a file of your "
                                   "own") from None
+        except PermissionError as denied:
+            fd, writable = _open_to_read(path, denied), False
     st = os.fstat(fd)
     regular = stat.S_ISREG(st.st_mode)
     if st.st_uid != os.geteuid() and (regular or st.st_uid != 0):
@@ -289,7 +295,21 @@ def _open_own(path: Path) -> BinaryIO:
         raise InvalidArgument(f"{path} is owned by uid {st.st_uid}, not by this user (uid "
                               f"{os.geteuid()}): an export may hold every tenant's entries; "
                               "export into a new file")
-    return os.fdopen(fd, "r+b" if regular else "wb")
+    return os.fdopen(fd, "rb" if not writable else "r+b" if regular else "wb")
+
+
+def _open_to_read(path: Path, denied: PermissionError) -> int:
+    """``path``, a regular file, opened to read only (never through a link, without blocking
+    on a pipe); else ``denied`` raised."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC |
+                     os.O_NOCTTY)
+    except OSError:
+        raise denied from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise denied
+    return fd
 
 
 def read_records(path: Path) -> tuple[list[Record], int]:
@@ -318,6 +338,11 @@ class ExportWriter:
             if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):  # /dev/stdout, a pipe
                 f.write(MAGIC + encode_filter(filt, source=source))
                 return cls(path, f, 0, b"")
+            if not f.writable() and (os.fstat(f.fileno()).st_size == 0 or
+                                     not _summary(path, f).ended):
+                raise InvalidArgument(f"{path} is read-only and holds no finished export: "
+                                      "make it writable (chmod u+w) to resume it, or export "
+                                      "into a new file")
             if os.fstat(f.fileno()).st_size == 0:
                 os.fchmod(f.fileno(), 0o600)  # private to its writer, as the disk tier is
                 f.write(MAGIC + encode_filter(filt, source=source))
