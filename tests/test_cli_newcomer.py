@@ -74,6 +74,9 @@ BAD = [  # (argv, words in the one stderr line)
     (["rag", "ask", "hi", "--bogus"], "kdn rag ask: unrecognized arguments: --bogus"),
     (["admin", "stats", "--address", "127.0.0.1:99999"], "port must be in 1..65535"),
     (["admin", "stats", "--address", "127.0.0.1:0"], "port must be in 1..65535"),
+    (["admin", "stats", "--address", "\udcff:1"], "lone surrogate"),  # argv byte 0xff
+    (["serve", "--host", "\udcff", "--port", "0"], "host: host '\\udcff' is not a host name"),
+    (["serve", "--metrics-host", "[\udcff]"], "metrics_host: host '\\udcff'"),
     (["admin", "stats", "--timeout", "1e12", *NO_SERVER], "at most 1000000 seconds"),
     (["admin", "stats", "--timeout", "0", *NO_SERVER], "must be > 0"),
     (["admin", "stats", "-o", "yaml", *NO_SERVER], "invalid choice: 'yaml'"),

@@ -317,6 +317,11 @@ def test_the_client_names_a_newcomers_mistakes() -> None:
     for bare in ("localhost", "10.0.0.5", "localhost:"):  # gRPC would dial port 443
         with pytest.raises(InvalidArgument, match="has no port; write HOST:PORT"):
             Client(bare)
+    for bad in ("\udcff:50051", "ipv4:127.0.0.1:1,\udcff:2", "unix:/tmp/\udcff"):
+        with pytest.raises(InvalidArgument, match="lone surrogate"):  # not gRPC's UnicodeError
+            Client(bad)
+    with pytest.raises(InvalidArgument, match="label empty or too long"):
+        Client("a" * 64 + ".example:50051")
     with pytest.raises(InvalidArgument, match=r"bytes\.fromhex"):
         check_key("ab" * 32)  # a key as ``kdn admin ls`` prints it
     with pytest.raises(InvalidArgument, match="list of keys"):

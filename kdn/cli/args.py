@@ -11,6 +11,7 @@ from pathlib import Path
 from kdn.cli.output import OUTPUTS
 from kdn.errors import InvalidArgument
 from kdn.names import check_namespace, check_tenant, parse_hex_key, parse_hex_prefix
+from kdn.transport.addresses import address_problem
 
 
 def name_type(check: Callable[[str], object], what: str, *, empty: bool = False
@@ -87,7 +88,9 @@ def fraction(text: str) -> float:
 def address(text: str) -> str:
     """A server address: ``host:port`` (``[v6]:port``) with a port in 1..65535, or a
     ``unix:PATH`` / ``unix-abstract:NAME`` socket. A bare host is refused rather than dialled on
-    gRPC's default port 443."""
+    gRPC's default port 443, text that is not UTF-8 or a host IDNA cannot encode as malformed."""
+    if problem := address_problem(text):
+        raise argparse.ArgumentTypeError(problem)
     if text.startswith(("unix:", "unix-abstract:")):
         if text.partition(":")[2].lstrip("/"):
             return text

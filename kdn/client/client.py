@@ -60,7 +60,7 @@ from kdn.keys import DEFAULT_NAMESPACE, check_key, check_namespace
 from kdn.layout import KVLayout
 from kdn.names import call_batches, check_tenant, request_namespace
 from kdn.options import StoreOptions
-from kdn.transport.addresses import data_host, same_host
+from kdn.transport.addresses import address_problem, data_host, same_host
 from kdn.transport.buffers import tune_allocator
 from kdn.v1 import kdn_pb2 as pb
 
@@ -161,6 +161,8 @@ class Client:
         if not isinstance(address, str):
             raise InvalidArgument(f"address must be a string HOST:PORT, e.g. 127.0.0.1:50051; "
                                   f"got {type(address).__name__}")
+        if problem := address_problem(address):
+            raise InvalidArgument(problem)
         if ":" not in address.rstrip(":"):  # gRPC would dial a bare host on port 443
             raise InvalidArgument(f"address {address!r} has no port; write HOST:PORT, e.g. "
                                   "127.0.0.1:50051")

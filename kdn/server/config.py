@@ -28,7 +28,7 @@ from kdn.server.secretfile import check_private
 from kdn.server.variables import LINKS_HINT, OTHER_VARIABLES, kubernetes_link
 from kdn.store.redis_urls import cluster_urls, shown_url
 from kdn.store.tiered import WritePolicy
-from kdn.transport.addresses import host_port, is_loopback
+from kdn.transport.addresses import host_port, is_loopback, listen_host
 from kdn.yamlfiles import load_yaml_file
 
 TIER_NAMES = ("ram", "redis", "disk")
@@ -249,9 +249,8 @@ class ServerConfig:
                 raise ConfigError(f"{name}: at most {MAX_SIZE} bytes (8 EiB), got "
                                   f"{getattr(self, name)}")
         for name in ("host", "metrics_host"):  # [::1], as in an address: the host is ::1
-            value = getattr(self, name)
-            if isinstance(value, str) and value.startswith("[") and value.endswith("]"):
-                object.__setattr__(self, name, value[1:-1])
+            if isinstance(value := getattr(self, name), str):
+                object.__setattr__(self, name, listen_host(value, name))
         if not self.host:
             raise ConfigError("host: must not be empty")
         if not 0 <= self.port <= 65535:

@@ -1,10 +1,48 @@
 """Whether an address keeps traffic on this machine: the server's listening host (plaintext
 without an API key is refused elsewhere) and the client's target (same host: the shared-memory
-data plane)."""
+data plane). ``host_problem`` and ``address_problem`` say why a host or a target cannot be
+dialled or listened on (a byte that is not UTF-8, decoded into a lone surrogate, which gRPC and
+getaddrinfo's IDNA codec fail on with a raw UnicodeError); ``listen_host`` checks a server's."""
 
 from __future__ import annotations
 
 import ipaddress
+
+from kdn.errors import ConfigError
+
+
+def host_problem(host: str) -> str | None:
+    """Why ``host`` names no host (text IDNA cannot encode: a lone surrogate, an empty or a
+    too long label), or None. ASCII names, IP addresses and Unicode names (``例え.jp``) pass."""
+    try:
+        host.encode("idna")
+    except UnicodeError as exc:
+        reason = str(exc.__cause__ or exc).removeprefix("UnicodeError: ")
+        return f"host {host!r} is not a host name a resolver takes ({reason})"
+    return None
+
+
+def address_problem(address: str) -> str | None:
+    """Why the gRPC target ``address`` cannot be dialled (text UTF-8 cannot encode, a host
+    ``host_problem`` refuses), or None; the port and the rest are its callers' to check."""
+    try:
+        address.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return (f"address {address!r}: {address[exc.start:exc.end]!r} at character {exc.start} "
+                "is a lone surrogate, not text (a byte that is not UTF-8?)")
+    if address.startswith(("unix:", "unix-abstract:")):
+        return None
+    return next(filter(None, map(host_problem, _target_hosts(address) or ())), None)
+
+
+def listen_host(host: str, name: str) -> str:
+    """The server option ``name``'s ``host`` without brackets (``[::1]``, as in an address,
+    is ``::1``); ConfigError when ``host_problem`` refuses it."""
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if problem := host_problem(host):
+        raise ConfigError(f"{name}: {problem}")
+    return host
 
 
 def is_loopback(host: str) -> bool:
