@@ -24,6 +24,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kdn import keys
 from kdn.client import Client
+from kdn.client.admin import AdminClient
 from kdn.client.client import TLSOptions
 from kdn.errors import RateLimited, TooLarge, Unauthenticated
 from kdn.server import ServerConfig, ServerThread
@@ -110,7 +111,8 @@ def test_failed_authentications_are_logged_and_counted(
 
 
 def test_keyless_health_probes_are_counted_apart_and_not_audited(
-        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+        tmp_path: Path, caplog: pytest.LogCaptureFixture,
+        capsys: pytest.CaptureFixture[str]) -> None:
     """``kdn admin health`` without a key (the shipped container probes) calls Stats: refused
     as ever, but counted as reason ``probe`` with no audit warning (each probe was a
     missing_key failure and a warning); a keyless Lookup is still a missing_key failure."""
@@ -126,6 +128,15 @@ def test_keyless_health_probes_are_counted_apart_and_not_audited(
         with Client(st.address, retry=None) as cl, pytest.raises(Unauthenticated):
             cl.lookup([keys.chunk_key([8], LAY)])
         assert _scrape(st.server.metrics_port) == {"probe": 3.0, "missing_key": 1.0}
+        # the probe says the tiers are hidden, not that there are none (a DEGRADED one unseen)
+        with AdminClient(st.address, retry=None) as anon:
+            report = anon.health_report()
+        assert report["tiers"] is None and report["tiers_hidden"] == "no API key"
+        with AdminClient(st.address, api_key="key-a", retry=None) as keyed:
+            assert keyed.health_report()["tiers_hidden"] is None
+        capsys.readouterr()
+        assert cli(["admin", "health", "--address", st.address]) == 0
+        assert "tiers hidden: no API key" in capsys.readouterr().err
     assert [x["reason"] for x in _audit(caplog)] == ["missing_key"]
 
 

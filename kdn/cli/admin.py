@@ -189,6 +189,9 @@ def _health(client: Any, ns: argparse.Namespace) -> int:
                   "not_answering": ", ".join(down.get(n, [])) or None}
                  for n, s in (report["tiers"] or {}).items()]
         table(rows, ["name", "kind", "status", "not_answering"])
+        if report["tiers_hidden"]:  # a keyless probe: a DEGRADED tier goes unseen
+            print(f"tiers hidden: {report['tiers_hidden']} (--api-key shows them)",
+                  file=sys.stderr)
     if ns.ready:  # readiness: every service and tier SERVING
         return EXIT_OK if report["status"] == "SERVING" else EXIT_FAILED
     return EXIT_OK if report["server"] == "SERVING" else EXIT_FAILED  # liveness

@@ -145,20 +145,25 @@ class AdminClient(Client):
         each tier's (from Stats: ``SERVING``, ``DEGRADED`` while part of a Redis Cluster
         answers, ``NOT_SERVING``), ``parts_down``: per degraded tier, the parts that do not
         answer (a cluster's masters, ``host:port``), and ``status``: ``SERVING`` when every one
-        of them is, ``DEGRADED`` when the others are and some tier is, else ``NOT_SERVING``."""
+        of them is, ``DEGRADED`` when the others are and some tier is, else ``NOT_SERVING``.
+        Tiers are Stats', which auth refuses without a key (a container's probe): then
+        ``tiers`` is None and ``tiers_hidden`` says why, and a ``DEGRADED`` tier goes unseen
+        (``kdn.v1.KDN`` still goes NOT_SERVING while a tier is down)."""
         services = {name: self.health(name) for name in ("", SERVICE)}
         parts_down: dict[str, list[str]] | None = None
+        hidden = None
         try:
             listed = self.stats(request_id=request_id).tiers
             tiers: dict[str, str] | None = {t.name: _tier_status(t) for t in listed}
             parts_down = {t.name: list(t.parts_down) for t in listed if t.parts_down}
-        except (Unauthenticated, PermissionDenied):  # no key (a container's health check):
-            tiers = None  # kdn.v1.KDN still goes NOT_SERVING while a tier is down
+        except (Unauthenticated, PermissionDenied) as exc:
+            tiers, hidden = None, "no API key" if isinstance(exc, Unauthenticated) and \
+                not self.rpc.has_key else f"{type(exc).__name__}: {exc}"
         states = {*services.values(), *(tiers or {}).values()}
         status = "SERVING" if states == {"SERVING"} else \
             "DEGRADED" if states == {"SERVING", "DEGRADED"} else "NOT_SERVING"
         return {"status": status, "server": services.pop(""), "services": services,
-                "tiers": tiers, "parts_down": parts_down}
+                "tiers": tiers, "parts_down": parts_down, "tiers_hidden": hidden}
 
     @settles
     def ls(self, namespace: str = "", key_prefix: bytes = b"", model: str = "",

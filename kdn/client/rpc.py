@@ -220,6 +220,11 @@ class Rpc:
         self._extra_channels: list[grpc.Channel] = []
         self.closed = False
 
+    @property
+    def has_key(self) -> bool:
+        """Whether calls carry an API key."""
+        return bool(self._auth)
+
     def _new_channel(self) -> grpc.Channel:
         options = self._options
         if self._tls is None:
