@@ -10,12 +10,12 @@ map size it grew to), so two processes writing one environment do not share it s
 second's map growth makes the first's transactions fail with MDB_MAP_RESIZED, its disk tier
 goes down, and the writes queued for it are dropped.
 
-How: ``fcntl.flock(LOCK_EX | LOCK_NB)`` on ``<path>/kdn.lock`` (never a link to it). A flock
-belongs to the open file, so a second opener in the same process is refused as well (LMDB
-forbids opening one environment twice in a process). The holder writes its pid into the file for
-the refusal's message (no room for it is ``DiskFull``, the lock let go); the lock, not the file,
-decides: a file left by a process that died holds nothing. The file is never removed (a removed
-lock file would let two processes lock two files).
+How: ``fcntl.flock(LOCK_EX | LOCK_NB)`` on ``<path>/kdn.lock`` (never a link to it; made 0600, as
+the environment's files). A flock belongs to the open file, so a second opener in the same process
+is refused as well (LMDB forbids opening one environment twice in a process). The holder writes its
+pid into the file for the refusal's message (no room for it is ``DiskFull``, the lock let go); the
+lock, not the file, decides: a file left by a process that died holds nothing. The file is never
+removed (a removed lock file would let two processes lock two files).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ class DirLock:
 
     def __init__(self, path: Path) -> None:
         self.path = path / LOCK_NAME
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
