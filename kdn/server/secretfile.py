@@ -21,7 +21,8 @@ def check_private(name: str, path: Path) -> None:
     Its owner must be the server's user or root: another user could rewrite it and give
     itself an admin key (a configuration manager writing it runs as root). Any access for
     other users is refused. Access for the file's group is refused too when the file belongs
-    to the server's own user (the group then serves nobody but other users); when root owns it
+    to the server's own user, root for a server run as root (the group then serves nobody but
+    other users); when root owns it and the server runs as another user
     (as Kubernetes mounts secrets with an ``fsGroup``, or a configuration manager), the group
     is how this server reads it and reading is accepted, as PostgreSQL accepts a root-owned
     key of mode 0640 at most: a group that may write it (or run it) is refused (anyone in it
