@@ -93,7 +93,7 @@ BAD = [  # (argv, words in the one stderr line)
     (["admin", "delete", "g" * 64, *NO_SERVER], "is malformed"),
     (["admin", "evict", KEY, "--tier", "nosuch", *NO_SERVER], "invalid choice: 'nosuch'"),
     (["admin", "pin", *NO_SERVER], "required: KEY"),
-    (["admin", "unpin", KEY, "--namespace", "", *NO_SERVER], "is malformed"),
+    (["admin", "unpin", KEY, "--namespace", "a b", *NO_SERVER], "is malformed"),
     (["admin", "verify", "--dry-run=1", *NO_SERVER], "ignored explicit argument"),
     (["admin", "export", *NO_SERVER], "required: FILE"),
     (["admin", "export", "{tmp}", *NO_SERVER], "is a directory"),
@@ -172,6 +172,25 @@ def test_keys_by_unique_prefix_as_ls_prints_them(live: tuple[str, list[str]],
     assert (code, out.strip()) == (0, "deleted: 2"), err
     code, out, err = run(["admin", "delete", hexes[2][:10], *a], capsys)
     assert (code, out.strip()) == (0, "deleted: 1"), err
+
+
+def test_an_empty_namespace_is_default_as_in_the_clients(
+        live: tuple[str, list[str]], capsys: pytest.CaptureFixture[str]) -> None:
+    """``--namespace ""`` of a per-key command is ``default``, as ``Client(namespace="")``
+    (it was refused as malformed, exit 2); to ls it is every namespace."""
+    address, hexes = live
+    key = keys.chunk_key([7, 7], LAY_A)
+    with Client(address, namespace="") as c:
+        c.store(key, random_kv(LAY_A, 8), mode="raw")
+    try:
+        a = ["--address", address, "--namespace", ""]
+        code, out, err = run(["admin", "inspect", key.hex(), *a, "-o", "json"], capsys)
+        assert code == 0 and json.loads(out)["namespace"] == "default", err
+        code, out, err = run(["admin", "ls", *a, "-o", "json"], capsys)
+        assert code == 0 and {e["namespace"] for e in json.loads(out)} == {
+            "default", "kb", "other"}, err
+    finally:
+        assert run(["admin", "delete", key.hex(), *a], capsys)[0] == 0
 
 
 def test_ls_model_and_limit_do_what_the_help_says(live: tuple[str, list[str]],

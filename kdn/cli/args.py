@@ -10,18 +10,25 @@ from pathlib import Path
 
 from kdn.cli.output import OUTPUTS
 from kdn.errors import InvalidArgument
-from kdn.names import check_namespace, check_tenant, parse_hex_key, parse_hex_prefix
+from kdn.names import (
+    DEFAULT_NAMESPACE,
+    check_namespace,
+    check_tenant,
+    parse_hex_key,
+    parse_hex_prefix,
+)
 from kdn.transport.addresses import address_problem
 
 
-def name_type(check: Callable[[str], object], what: str, *, empty: bool = False
+def name_type(check: Callable[[str], object], what: str, *, empty: str | None = None
               ) -> Callable[[str], str]:
     """An argparse ``type`` that checks the argument with ``check`` and returns it unchanged;
-    with ``empty`` "" passes too (a filter that means "all")."""
+    with ``empty`` "" is that instead ("": a filter that means "all"; "default": a namespace,
+    as "" is in every RPC and client)."""
 
     def parse(text: str) -> str:
-        if empty and text == "":
-            return text
+        if empty is not None and text == "":
+            return empty
         try:
             check(text)
         except InvalidArgument as exc:
@@ -32,11 +39,11 @@ def name_type(check: Callable[[str], object], what: str, *, empty: bool = False
     return parse
 
 
-NAMESPACE = name_type(check_namespace, "namespace")
-NAMESPACE_FILTER = name_type(check_namespace, "namespace", empty=True)
-TENANT_FILTER = name_type(check_tenant, "tenant", empty=True)
+NAMESPACE = name_type(check_namespace, "namespace", empty=DEFAULT_NAMESPACE)
+NAMESPACE_FILTER = name_type(check_namespace, "namespace", empty="")
+TENANT_FILTER = name_type(check_tenant, "tenant", empty="")
 HEX_KEY = name_type(parse_hex_key, "key")
-HEX_PREFIX = name_type(parse_hex_prefix, "key prefix", empty=True)
+HEX_PREFIX = name_type(parse_hex_prefix, "key prefix", empty="")
 
 
 MAX_SECONDS = 10**6
