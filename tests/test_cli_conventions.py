@@ -21,7 +21,7 @@ from kdn.cli.main import build_parser
 from kdn.cli.main import main as cli
 from kdn.client import Client
 from kdn.server import ServerConfig, ServerThread
-from tests.helpers import random_kv, uniform_layout
+from tests.helpers import make_certs, random_kv, uniform_layout
 from tests.redis_servers import RedisServer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -270,8 +270,14 @@ def test_admin_refuses_what_it_can_not_send_in_one_line_before_any_call(
 
     not_pem = tmp_path / "ca.crt"
     not_pem.write_text("hello\n")
+    (tmp_path / "pki").mkdir()
+    certs = make_certs(tmp_path / "pki")  # a key for a certificate: gRPC's "None: no start line"
+    key = certs["server.key"]
     for args, says in (
             (["--tls-ca", str(not_pem)], f"{not_pem}: not a PEM file (no '-----BEGIN' line)"),
+            (["--tls-ca", str(key)], f"{key} (--tls-ca): holds no certificate"),
+            (["--tls-ca", str(certs["ca.crt"]), "--tls-cert", str(certs["server.crt"]),
+              "--tls-key", str(certs["server.crt"])], "(--tls-key): holds no private key"),
             (["--address", "127.0.0.1:\u0665\u0660"], "port must be in 1..65535"),
             (["--api-key", "\u043a\u043b\u044e\u0447"], "api_key must be printable ASCII")):
         address = [] if "--address" in args else ["--address", "127.0.0.1:1"]
@@ -285,6 +291,13 @@ def test_admin_refuses_what_it_can_not_send_in_one_line_before_any_call(
         assert "insecure" not in err
     with pytest.raises(InvalidArgument, match="TLS: ca is not PEM"):
         TLSOptions(ca=b"hello")
+    with pytest.raises(InvalidArgument, match="TLS: ca holds no certificate .*a private key"):
+        TLSOptions(ca=key.read_bytes())  # (a raw ssl.SSLError from Client)
+    with pytest.raises(InvalidArgument, match="TLS: cert holds no certificate"):
+        TLSOptions(cert=key.read_bytes(), key=key.read_bytes())
+    damaged = b"-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n"
+    with pytest.raises(InvalidArgument, match="TLS: ca is not a certificate the ssl module"):
+        Client("127.0.0.1:1", tls=TLSOptions(ca=damaged))
     with pytest.raises(InvalidArgument, match=r"TLS: ca is the PEM's bytes .*a file's path"):
         TLSOptions(ca="/etc/kdn/ca.pem")  # (a raw TypeError)
     pem = "-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n"

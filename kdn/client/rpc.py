@@ -94,6 +94,19 @@ class Retry:
         raise AssertionError("unreachable")
 
 
+def pem_problem(name: str, data: bytes) -> str | None:
+    """Why the PEM ``data`` is not what the TLS option ``name`` holds (``ca`` and ``cert``:
+    a certificate, ``key``: a private key), or None: given one for the other, gRPC and the ssl
+    module say only "no start line"."""
+    if name == "key":
+        return None if b"PRIVATE KEY-----" in data else \
+            "holds no private key (no '-----BEGIN ... PRIVATE KEY-----' line)"
+    if b"-----BEGIN CERTIFICATE-----" in data:
+        return None
+    return ("holds no certificate (no '-----BEGIN CERTIFICATE-----' line" +
+            ("; it is a private key" if b"PRIVATE KEY-----" in data else "") + ")")
+
+
 @dataclass(frozen=True)
 class TLSOptions:
     """TLS for the channel: trust ``ca`` (PEM); present ``cert``/``key`` for mutual TLS."""
@@ -121,6 +134,8 @@ class TLSOptions:
                         data, (str, PathLike)) else ""))
             if data is not None and b"-----BEGIN " not in data:
                 raise InvalidArgument(f"TLS: {name} is not PEM (no '-----BEGIN' line)")
+            if data is not None and (problem := pem_problem(name, data)):
+                raise InvalidArgument(f"TLS: {name} {problem}")
 
     def credentials(self) -> grpc.ChannelCredentials:
         return grpc.ssl_channel_credentials(root_certificates=self.ca, private_key=self.key,
@@ -130,7 +145,12 @@ class TLSOptions:
         """(context, expected name) for the server's network data path: the same trust as
         the channel (``ca``, else the system's roots). No client certificate is shown there:
         its calls name a ticket the channel's authenticated caller was given."""
-        ctx = ssl.create_default_context(cadata=self.ca.decode() if self.ca else None)
+        try:
+            ctx = ssl.create_default_context(cadata=self.ca.decode("ascii", "replace")
+                                             if self.ca else None)
+        except ssl.SSLError as exc:  # a damaged certificate
+            raise InvalidArgument(f"TLS: ca is not a certificate the ssl module reads "
+                                  f"({exc.reason or exc})") from None
         ctx.minimum_version = ssl.TLSVersion.TLSv1_2
         return ctx, self.server_name
 
