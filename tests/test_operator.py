@@ -169,6 +169,13 @@ def test_an_admin_reaches_tenants_entries_by_key(secured: ServerThread,
         assert code == 0 and json.loads(out) == {word: 1}, (cmd, out)
     code, out = _run(capsys, "ls", *ops_cli)
     assert [r["tenant"] for r in json.loads(out)] == ["team-b"]
+    # the prefix ls printed, without --tenant: the admin's own key space, and the tenant named
+    assert cli(["admin", "inspect", key.hex()[:8], *ops_cli]) == 1
+    assert "it is tenant team-b's; add --tenant team-b" in capsys.readouterr().err
+    with AdminClient(secured.address, api_key="key-ops") as ops:
+        ops.store(key, kvs["key-a"])  # its own copy too: that is the one acted on
+    code, out = _run(capsys, "inspect", key.hex()[:8], *ops_cli)
+    assert code == 0 and json.loads(out)["tenant"] == "ops"
     a_cli = ["--address", secured.address, "--api-key", "key-a"]
     assert cli(["admin", "delete", key.hex(), "--tenant", "team-b", *a_cli]) == 1
     assert "only admins can" in capsys.readouterr().err

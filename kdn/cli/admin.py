@@ -124,16 +124,21 @@ def resolve(client: Any, text: str, namespace: str, tenant: str = "") -> bytes:
     """The key ``text`` names in ``namespace`` (of ``tenant``: admins): itself when whole (64
     hex digits), else the one stored key it is a prefix of (as git's short hashes; an admin's
     listing without a tenant shows the same key once per tenant). No match: NotFound (exit 1);
-    several: a UsageError naming them (exit 2)."""
+    several: a UsageError naming them (exit 2). A key only other tenants hold (an admin's
+    listing shows every tenant's; the command acts in its own key space without --tenant):
+    NotFound naming the tenants and the --tenant to add."""
     from kdn.names import KEY_BYTES
 
     if len(text) == 2 * KEY_BYTES:
         return bytes.fromhex(text)
     found: list[str] = []
+    owners: set[str] = set()
     for e in client.ls(namespace, bytes.fromhex(text[: len(text) // 2 * 2]), tenant=tenant,
                        limit=16):
         if e.key.hex().startswith(text) and e.key.hex() not in found:
             found.append(e.key.hex())
+        if e.key.hex().startswith(text):
+            owners.add(e.tenant)
         if len(found) > 3:
             break
     if not found:
@@ -142,7 +147,13 @@ def resolve(client: Any, text: str, namespace: str, tenant: str = "") -> bytes:
         raise UsageError(f"key prefix {text} is ambiguous in namespace {namespace!r}: "
                          f"{', '.join(found[:3])}{', ...' if len(found) > 3 else ''}; "
                          "give more digits")
-    return bytes.fromhex(found[0])
+    key = bytes.fromhex(found[0])
+    if not tenant and owners - {""} and not client.lookup([key], namespace=namespace).infos[
+            0].present:  # listed in other tenants' key spaces only
+        named = sorted(owners)
+        raise NotFound(f"no entry {found[0]} in namespace {namespace!r} of your tenant: it is "
+                       f"tenant {', '.join(named)}'s; add --tenant {named[0]}")
+    return key
 
 
 def _keys(client: Any, ns: argparse.Namespace) -> list[bytes]:
