@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -148,3 +149,42 @@ def test_a_refused_store_leaves_nothing_and_a_failed_overwrite_keeps_the_old_val
             assert _usage(again, "team-a") == used
             assert again.server is not None
             assert again.server.store.keys(b"team-a:") == data_keys
+
+
+def test_usage_is_not_recounted_down_while_a_tier_holding_entries_is_down(
+        tmp_path: Path) -> None:
+    """Entries only Redis holds stay charged while Redis is down, through a Gc and a restart
+    (their bytes given back, the tenant stored past its quota once Redis answered), and the
+    usage is counted exactly again once it is back."""
+    auth = tmp_path / "tenants.yaml"
+    auth.write_text(TENANTS % digest("key-ops"))
+    auth.chmod(0o600)
+    kv = random_kv(LAY, 16, seed=1)
+    shared = StoreOptions(durability=Durability.SHARED)
+    with RedisServer(tmp_path / "redis") as redis_server:
+        cfg = ServerConfig(port=0, data_dir=tmp_path / "d", disk_bytes=0, auth_file=str(auth),
+                           redis_url=redis_server.url, redis_timeout_s=0.3, redis_retries=0)
+        k = [keys.chunk_key([i], LAY) for i in range(3)]
+        with ServerThread(cfg) as server, \
+                Client(server.address, api_key="key-b", retry=None, shm_bytes=0) as c, \
+                AdminClient(server.address, api_key="key-ops", retry=None, shm_bytes=0) as a:
+            for key in k:
+                c.store(key, kv, mode="raw", options=shared)
+            assert server.server is not None
+            used = _usage(server, "team-b")
+            a.evict(k[:2], tier="ram", tenant="team-b")  # only Redis holds them now
+            redis_server.kill()
+            assert not a.gc().usage_recounted
+            assert _usage(server, "team-b") == used
+        with ServerThread(cfg) as again:  # started with Redis down: what RAM holds, nothing
+            assert again.server is not None
+            assert not again.server.servicer.auth.usage_whole
+            redis_server.start()
+            deadline = time.monotonic() + 5
+            while not again.server.servicer.auth.usage_whole:  # Redis back: counted again
+                assert time.monotonic() < deadline
+                again.server.store.probe()
+                time.sleep(0.05)
+            assert _usage(again, "team-b") == _stored_bytes(again, "team-b") > 0
+            with AdminClient(again.address, api_key="key-ops", retry=None, shm_bytes=0) as a:
+                assert a.gc().usage_recounted

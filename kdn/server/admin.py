@@ -469,7 +469,7 @@ class AdminServicer(pb_grpc.KDNAdminServicer):
                 resp.removed += removed
                 resp.freed_bytes += freed
             self._drop_gone_pins(self.store.pinned())
-            recount_usage(self.store, self.auth)
+            resp.usage_recounted = recount_usage(self.store, self.auth)  # not with a tier down
             return resp
 
         return await asyncio.to_thread(run)

@@ -413,6 +413,8 @@ async def start_server(config: ServerConfig, store: TieredStore | None = None,
 async def _start(config: ServerConfig, store: TieredStore, auth: Authenticator,
                  creds: grpc.ServerCredentials | None, blender: Blender | None) -> Server:
     await asyncio.to_thread(recount_usage, store, auth)
+    store.on_back.append(lambda _: auth.usage_whole or recount_usage(store, auth))  # counted
+    # with a tier down (here or by a Gc): counted again once none is
     servicer = KDNServicer(config, store, auth)
     servicer.blender = blender
     admin = AdminServicer(store, auth, servicer.arenas, servicer.ingest, servicer.counters,

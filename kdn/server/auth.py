@@ -313,6 +313,10 @@ class Authenticator:
         self._buckets = {t: _Bucket(p.rate_rps, p.burst) for t, p in config.policies.items()
                          if p.rate_rps > 0}
         self._usage: dict[str, int] = {}
+        self.usage_whole = True
+        """Whether every tenant's usage was last counted with every tier up
+        (``kdn.server.ingest.recount_usage``); while not, the server recounts once none is
+        down."""
         self._lock = threading.Lock()
 
     @property

@@ -231,11 +231,23 @@ def delete_entry(store: TieredStore, auth: Authenticator, skey: bytes,
     return bool(found)
 
 
-def recount_usage(store: TieredStore, auth: Authenticator) -> None:
+def recount_usage(store: TieredStore, auth: Authenticator) -> bool:
     """Set every tenant's usage to the bytes its entries hold in the tiers, with no entry
-    changing meanwhile: at start-up, and after ``Gc`` (TTL expiries and capacity evictions
-    leave the store without a caller, so only a recount gives their bytes back)."""
+    changing meanwhile: at start-up, after ``Gc`` (TTL expiries and capacity evictions leave the
+    store without a caller, so only a recount gives their bytes back), and once every tier is
+    up again after one that was not (``kdn.server.app``). True where every tier answered.
+
+    A tier that is down may hold entries the tenant is charged for and no other tier does: a
+    count without them would give their bytes back, and the tenant could store them over again
+    once it answers. So while any tier is down (before or during the count) a tenant's usage is
+    only raised to what was counted, never lowered (at start-up, from nothing: what the tiers
+    that answer hold), and ``auth.usage_whole`` is false until a count with every tier up."""
     with store.all_entries_locked():
-        for tenant in auth.config.policies:
-            keys = store.keys(f"{tenant}:".encode())
-            auth.set_usage(tenant, sum(p.size for p in store.lookup(keys)))
+        whole = not store.degraded
+        counted = {tenant: sum(p.size for p in store.lookup(store.keys(f"{tenant}:".encode())))
+                   for tenant in auth.config.policies}
+        whole = whole and not store.degraded  # none went down while listed (skipped)
+        for tenant, nbytes in counted.items():
+            auth.set_usage(tenant, nbytes if whole else max(nbytes, auth.usage(tenant)))
+        auth.usage_whole = whole
+    return whole

@@ -122,6 +122,7 @@ class TieredStore:
         self._locks = KeyLocks()
         self.counters: dict[str, int] = {}
         self._closing = False
+        self.on_back: list[Callable[[str], object]] = []  # told the name of a tier back up
         self._health = TierHealth(tiers, count=self.count, on_up=self._tier_back)
         for tier in tiers:
             tier.protected = self.is_pinned
@@ -185,6 +186,8 @@ class TieredStore:
         return self._health.local_ok
 
     def _tier_back(self, name: str) -> None:
+        for hook in self.on_back:  # on the probe's thread, the tier marked up
+            hook(name)
         q = self._queues.get(name)
         if q is not None:
             q.wake()

@@ -673,12 +673,14 @@ class GcRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GcResponse(_message.Message):
-    __slots__ = ("removed", "freed_bytes")
+    __slots__ = ("removed", "freed_bytes", "usage_recounted")
     REMOVED_FIELD_NUMBER: _ClassVar[int]
     FREED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    USAGE_RECOUNTED_FIELD_NUMBER: _ClassVar[int]
     removed: int
     freed_bytes: int
-    def __init__(self, removed: _Optional[int] = ..., freed_bytes: _Optional[int] = ...) -> None: ...
+    usage_recounted: bool
+    def __init__(self, removed: _Optional[int] = ..., freed_bytes: _Optional[int] = ..., usage_recounted: _Optional[bool] = ...) -> None: ...
 
 class BlendPiece(_message.Message):
     __slots__ = ("chunk_key", "token_ids", "text")
