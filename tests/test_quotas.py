@@ -188,3 +188,26 @@ def test_usage_is_not_recounted_down_while_a_tier_holding_entries_is_down(
             assert _usage(again, "team-b") == _stored_bytes(again, "team-b") > 0
             with AdminClient(again.address, api_key="key-ops", retry=None, shm_bytes=0) as a:
                 assert a.gc().usage_recounted
+
+
+@pytest.mark.parametrize("path", [{"shm_bytes": 0, "data_path": False}, {"shm_bytes": 0}, {}],
+                         ids=["grpc", "data-path", "shared-segment"])
+def test_a_batch_that_fits_the_quota_is_stored_whole_though_an_item_alone_would_not(
+        tmp_path: Path, path: dict[str, object]) -> None:
+    """A tenant at its quota stores a batch that shrinks two entries around a new one: the
+    new one alone is past the quota, the batch is not (it was refused after its first item)."""
+    auth = tmp_path / "tenants.yaml"
+    auth.write_text('tenants:\n  team-a: {api_keys: ["key-a"], quota_bytes: 6666}\n')
+    auth.chmod(0o600)
+    big, small = random_kv(LAY, 16, seed=1), random_kv(LAY, 4, seed=2)  # raw: 2222, 686 bytes
+    k = [keys.chunk_key([i], LAY) for i in range(4)]
+    with ServerThread(ServerConfig(port=0, auth_file=str(auth), data_dir=tmp_path / "d")) as s, \
+            Client(s.address, api_key="key-a", retry=None, **path) as c:  # type: ignore[arg-type]
+        for key in k[:3]:
+            c.store(key, big, mode="raw")
+        assert _usage(s, "team-a") == 6666
+        c.store_many([(k[1], small), (k[3], big), (k[0], small)], mode="raw")
+        assert _usage(s, "team-a") == _stored_bytes(s, "team-a") == 2 * 686 + 2 * 2222
+        with pytest.raises(TooLarge, match="nothing of it was stored"):  # one that does not fit
+            c.store_many([(k[0], big), (k[1], big), (k[2], small)], mode="raw")
+        assert _stored_bytes(s, "team-a") == 2 * 686 + 2 * 2222

@@ -419,14 +419,16 @@ class Authenticator:
         with self._lock:
             return max(0, policy.quota_bytes - self._usage.get(principal.tenant, 0))
 
-    def charge(self, principal: Principal, delta: int) -> None:
-        """Add ``delta`` stored bytes to the tenant; refuse growth past its quota."""
+    def charge(self, principal: Principal, delta: int, over: int = 0) -> None:
+        """Add ``delta`` stored bytes to the tenant; refuse growth past its quota (plus
+        ``over``: bytes a batch gives back once its later items are in)."""
         if not principal.tenant:
             return
         policy = self.config.policies.get(principal.tenant)
         with self._lock:
             now = self._usage.get(principal.tenant, 0)
-            if delta > 0 and policy and policy.quota_bytes and now + delta > policy.quota_bytes:
+            if delta > 0 and policy and policy.quota_bytes \
+                    and now + delta > policy.quota_bytes + over:
                 raise TooLarge(f"tenant {principal.tenant!r} quota of {policy.quota_bytes} "
                                f"bytes exceeded ({now} stored, {delta} more requested)")
             self._usage[principal.tenant] = max(0, now + delta)

@@ -158,28 +158,41 @@ class Ingest:
 
     # -- commit ---------------------------------------------------------------------------------
 
-    def check_room(self, principal: Principal, sizes: dict[bytes, int], what: str) -> None:
-        """TooLarge, before any entry of a batch is stored, when storing each key of ``sizes``
-        (store key -> the size its last item in the batch has) would take the tenant past its
+    def check_room(self, principal: Principal, sizes: list[tuple[bytes, int]],
+                   what: str) -> list[int]:
+        """TooLarge, before any entry of a batch is stored, when storing its items (``sizes``:
+        store key and size, in the order they are committed) would take the tenant past its
         quota even once the entries they replace are given back: a batch that does not fit
-        stores nothing. (Each ``commit`` charges again, exactly: writes racing the batch may
-        still refuse a later item.)"""
+        stores nothing. Else, for each item, the bytes its ``commit`` may take the tenant past
+        the quota by: what the batch's later items give back (an overwrite that shrinks, after a
+        new entry), so that a batch that fits is never refused part stored. (Each ``commit``
+        charges again, exactly: writes racing the batch may still refuse a later item.)"""
         room = self.auth.room(principal)
-        if room is None or sum(sizes.values()) <= room:
-            return
-        grows = sum(n - self.store.presence(k).size for k, n in sizes.items())
+        if room is None or sum(n for _, n in sizes) <= room:
+            return [0] * len(sizes)
+        held: dict[bytes, int] = {}  # store key -> its size once the batch's items so far are in
+        grown: list[int] = []  # the batch's growth once each item is in
+        for k, n in sizes:
+            before = held[k] if k in held else self.store.presence(k).size
+            held[k] = n
+            grown.append((grown[-1] if grown else 0) + n - before)
+        grows = grown[-1]
         if grows > room:
             raise TooLarge(f"tenant {principal.tenant!r} quota: this {what} adds {grows} bytes, "
                            f"{room} left; nothing of it was stored")
+        return [max(0, g - grows) for g in grown]
 
     def commit(self, principal: Principal, skey: bytes, value: bytes | memoryview | Framed,
                opts: pb.StoreOptions, header: Header | None = None,
-               in_arena: tuple[Arena, Slot] | None = None) -> pb.StoreResponse:
+               in_arena: tuple[Arena, Slot] | None = None, over: int = 0
+               ) -> pb.StoreResponse:
         """Charge the tenant and put a checked entry.
 
         Under the entry's lock: the size it replaces is read, growth is charged (refused past
         the quota) before the put and refunded when the put fails; shrinkage is refunded after
         the put succeeds. Concurrent overwrites and deletes of one key thus count it once.
+        ``over``: the bytes growth may go past the quota by (``check_room``: a batch's later
+        items give them back).
         ``in_arena``: the arena slot ``value`` lies in (a same-host PutMany), published with
         the put so that same-host reads find it there."""
         self.wire_memo.drop(skey)  # the old value's messages: never sent again (a new stamp)
@@ -187,7 +200,7 @@ class Ingest:
             replaced = self.store.presence(skey)
             delta = len(value) - replaced.size
             if delta > 0:
-                self.auth.charge(principal, delta)
+                self.auth.charge(principal, delta, over)
             try:
                 # a read-only byte view (PutMany) is stored as it is: tiers read any buffer
                 tier = self.store.put(skey, value,  # type: ignore[arg-type]

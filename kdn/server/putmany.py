@@ -223,8 +223,8 @@ class PutMany:
         """TooLarge when ``request``'s items (their regions' lengths) would take the tenant
         past its quota (``Ingest.check_room``): before their bytes are read or copied."""
         ns = request.namespace or "default"
-        self.ingest.check_room(p, {store_key(p.tenant, ns, item.key): item.region.length
-                                   for item in request.items}, "PutMany")
+        self.ingest.check_room(p, [(store_key(p.tenant, ns, item.key), item.region.length)
+                                   for item in request.items], "PutMany")
 
     def put_items(self, p: Principal, request: pb.PutManyRequest,
                   value_of: Callable[[int, pb.PutItem], bytes | memoryview],
@@ -233,7 +233,8 @@ class PutMany:
                   ) -> pb.PutManyResponse:
         """Check every item (its bytes from ``value_of``, which verifies them: Corrupt when
         they fail) and the tenant's quota for all of them (``Ingest.check_room``) before any
-        is stored, then store them in order. ``homes``: items whose
+        is stored, then store them in order (each within what the batch gives back later:
+        ``Ingest.check_room``). ``homes``: items whose
         value lives in an arena slot (published with their put). ``sealing``: ``value_of``
         seals the items that ask for it (``PutItem.seal``; segment items only). ``checked``:
         items checked already on the bytes ``value_of`` returns (``copy``)."""
@@ -261,9 +262,10 @@ class PutMany:
                 raise type(exc)(f"item {j}: {exc}") from exc
             self.ingest.checked(header, seconds)
             items.append((skey, value, header))
-        self.ingest.check_room(p, {skey: len(value) for skey, value, _ in items}, "PutMany")
+        over = self.ingest.check_room(p, [(skey, len(value)) for skey, value, _ in items],
+                                      "PutMany")
         out = pb.PutManyResponse()
         for j, ((skey, value, header), item) in enumerate(zip(items, request.items)):
             out.results.append(self.ingest.commit(p, skey, value, item.options, header,
-                                            (homes or {}).get(j)))
+                                                  (homes or {}).get(j), over[j]))
         return out

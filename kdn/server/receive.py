@@ -181,14 +181,13 @@ class Receiver:
         """Commit checked entries, in order: on the event loop's thread where the store is a
         dict put (the hand-off to a worker thread and back costs more than the put itself),
         else on a worker thread. None of them when they do not fit the tenant's quota
-        together (``Ingest.check_room``)."""
-        if len(entries) > 1:
-            self.ingest.check_room(principal, {e.skey: len(e.value) for e in entries},
-                                   "StoreMany")
+        together, each within what later ones give back (``Ingest.check_room``)."""
+        over = self.ingest.check_room(principal, [(e.skey, len(e.value)) for e in entries],
+                                      "StoreMany") if len(entries) > 1 else [0]
 
         def run() -> list[pb.StoreResponse]:
-            return [self.ingest.commit(principal, e.skey, e.value, e.options, e.header)
-                    for e in entries]
+            return [self.ingest.commit(principal, e.skey, e.value, e.options, e.header,
+                                       over=n) for e, n in zip(entries, over)]
 
         return run() if self.ingest.store.memory_only else await asyncio.to_thread(run)
 
@@ -203,7 +202,7 @@ class Receiver:
         checking = time.perf_counter() - t0  # the checks' time, for kdn_entry_check_seconds
         declared = head.total_bytes
         self.ingest.check_size(declared)
-        self.ingest.check_room(principal, {skey: declared}, "Store")  # before it is received
+        self.ingest.check_room(principal, [(skey, declared)], "Store")  # before it is received
         # An entry is kept as the frames it arrives in, each a view of its message
         # (kdn.store.framed): no copy into one buffer, and a Retrieve can send those very
         # messages back. Past ``framed_limit`` (declared; half the heap the allocator keeps)
