@@ -395,7 +395,7 @@ def test_a_put_past_the_quota_is_refused_before_its_items_are_read(
         assert received == [3] and _counter(st, "net.PutMany") == 1
         c.store_many([(numbered_key(i), kv) for i, kv in enumerate(kvs[3:])], mode="raw")
         assert received == [3, 3]  # 200 KB in, 100 KB left: replaces 200 KB, grows by 0
-        with pytest.raises(TooLarge, match="this PutMany adds"):
+        with pytest.raises(TooLarge, match="this batch of 6 entries adds"):
             c.store_many([(numbered_key(10 + i), kv) for i, kv in enumerate(kvs)], mode="raw")
         assert received == [3, 3]  # refused before a byte of its items was kept
         assert not c.contains(numbered_key(10))

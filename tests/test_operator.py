@@ -252,7 +252,7 @@ def test_a_store_past_the_quota_is_refused_from_its_header(secured: ServerThread
             pb_grpc.KDNStub(ch).Store(iter([pb.StoreRequest(header=head)]), timeout=30,
                                       metadata=((API_KEY_HEADER, "key-small"),))
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert "quota: this Store adds 104857600 bytes" in (err.value.details() or "")
+    assert "quota: this entry adds 104857600 bytes" in (err.value.details() or "")
 
 
 def test_metrics_and_request_ids(secured: ServerThread, caplog: pytest.LogCaptureFixture

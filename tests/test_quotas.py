@@ -211,3 +211,31 @@ def test_a_batch_that_fits_the_quota_is_stored_whole_though_an_item_alone_would_
         with pytest.raises(TooLarge, match="nothing of it was stored"):  # one that does not fit
             c.store_many([(k[0], big), (k[1], big), (k[2], small)], mode="raw")
         assert _stored_bytes(s, "team-a") == 2 * 686 + 2 * 2222
+
+
+def test_a_single_store_is_refused_in_the_same_words_on_every_path(tmp_path: Path) -> None:
+    """Client.store past max_entry_bytes or the quota reads alike through gRPC, the same-host
+    fast path and the network data path (the last two named "item 0" of a "PutMany")."""
+    auth = tmp_path / "tenants.yaml"
+    auth.write_text('tenants:\n  team-a: {api_keys: ["key-a"], quota_bytes: 40KiB}\n')
+    auth.chmod(0o600)
+    cfg = ServerConfig(port=0, data_dir=tmp_path / "d", auth_file=str(auth), disk_bytes=0,
+                       max_entry_bytes=30000)
+    paths = ({"shm_bytes": 0, "data_path": False}, {"shm_bytes": 8 << 20}, {"shm_bytes": 0})
+    said: list[list[str]] = []
+    with ServerThread(cfg) as s:
+        for n, path in enumerate(paths):
+            with Client(s.address, api_key="key-a", retry=None,
+                        **path) as c:  # type: ignore[arg-type]
+                got = []
+                for kv in (random_kv(LAY, 400, seed=2), random_kv(LAY, 200, seed=3)):
+                    try:  # too large; then one that fits alone, and past the quota twice
+                        c.store(keys.chunk_key([n, 1], LAY), kv, mode="raw")
+                        c.store(keys.chunk_key([n, 2], LAY), kv, mode="raw")
+                    except TooLarge as e:
+                        got.append(str(e))
+                c.delete([keys.chunk_key([n, 1], LAY)])
+                said.append(got)
+    assert "exceeds max_entry_bytes 30000" in said[0][0]
+    assert "tenant 'team-a' quota: this entry adds" in said[0][1]
+    assert said[1] == said[0] and said[2] == said[0]

@@ -158,8 +158,7 @@ class Ingest:
 
     # -- commit ---------------------------------------------------------------------------------
 
-    def check_room(self, principal: Principal, sizes: list[tuple[bytes, int]],
-                   what: str) -> list[int]:
+    def check_room(self, principal: Principal, sizes: list[tuple[bytes, int]]) -> list[int]:
         """TooLarge, before any entry of a batch is stored, when storing its items (``sizes``:
         store key and size, in the order they are committed) would take the tenant past its
         quota even once the entries they replace are given back: a batch that does not fit
@@ -178,7 +177,8 @@ class Ingest:
             grown.append((grown[-1] if grown else 0) + n - before)
         grows = grown[-1]
         if grows > room:
-            raise TooLarge(f"tenant {principal.tenant!r} quota: this {what} adds {grows} bytes, "
+            raise TooLarge(f"tenant {principal.tenant!r} quota: this {written(len(sizes))} "
+                           f"adds {grows} bytes, "
                            f"{room} left; nothing of it was stored")
         return [max(0, g - grows) for g in grown]
 
@@ -230,6 +230,12 @@ class Ingest:
         if header is not None:
             self.usage.stored(skey, header, len(value))
         return pb.StoreResponse(stored_bytes=len(value), tier=tier, replaced=replaced.present)
+
+
+def written(n: int) -> str:
+    """A write of ``n`` entries in its caller's words, whichever call carried it: "entry", or
+    "batch of n entries"."""
+    return "entry" if n == 1 else f"batch of {n} entries"
 
 
 def delete_entry(store: TieredStore, auth: Authenticator, skey: bytes,

@@ -26,7 +26,7 @@ from kdn.keys import store_key
 from kdn.server.arena import Arena, Arenas, Slot
 from kdn.server.auth import Principal
 from kdn.server.batch import COPY_THREADS, MAX_BATCH_BYTES, copy_pool, split_one
-from kdn.server.ingest import Ingest
+from kdn.server.ingest import Ingest, written
 from kdn.server.segments import Segments, region_span
 from kdn.transport.buffers import BufferPool
 from kdn.v1 import kdn_pb2 as pb
@@ -212,11 +212,12 @@ class PutMany:
         """The bytes of ``request``'s items (their regions); TooLarge past the limits."""
         for j, item in enumerate(request.items):
             if item.region.length > self.ingest.config.max_entry_bytes:
-                raise TooLarge(f"item {j}: entry of {item.region.length} bytes exceeds "
+                raise TooLarge(f"{_item(j, request)}entry of {item.region.length} bytes exceeds "
                                f"max_entry_bytes {self.ingest.config.max_entry_bytes}")
         total = sum(item.region.length for item in request.items)
         if total > MAX_BATCH_BYTES:
-            raise TooLarge(f"PutMany of {total} bytes; at most {MAX_BATCH_BYTES} per call")
+            raise TooLarge(f"this {written(len(request.items))} of {total} bytes: at most "
+                           f"{MAX_BATCH_BYTES} per call")
         return total
 
     def within_quota(self, p: Principal, request: pb.PutManyRequest) -> None:
@@ -224,7 +225,7 @@ class PutMany:
         past its quota (``Ingest.check_room``): before their bytes are read or copied."""
         ns = request.namespace or "default"
         self.ingest.check_room(p, [(store_key(p.tenant, ns, item.key), item.region.length)
-                                   for item in request.items], "PutMany")
+                                   for item in request.items])
 
     def put_items(self, p: Principal, request: pb.PutManyRequest,
                   value_of: Callable[[int, pb.PutItem], bytes | memoryview],
@@ -242,8 +243,8 @@ class PutMany:
         items: list[tuple[bytes, bytes | memoryview, Header]] = []
         for j, item in enumerate(request.items):
             if item.seal and not sealing:
-                raise InvalidArgument(f"item {j}: seal applies to an entry in a shared segment "
-                                      "only (this one's bytes came with the call)")
+                raise InvalidArgument(f"{_item(j, request)}seal applies to an entry in a "
+                                      "shared segment only (this one's bytes came with the call)")
             t0 = time.perf_counter()
             try:
                 value = value_of(j, item)
@@ -257,15 +258,20 @@ class PutMany:
                     skey, header = self.ingest.check_header(p.tenant, hdr)
                     seconds = time.perf_counter() - t0
             except Corrupt as exc:
-                raise InvalidArgument(f"item {j}: corrupt input: {exc}") from exc
+                raise InvalidArgument(f"{_item(j, request)}corrupt input: {exc}") from exc
             except KDNError as exc:
-                raise type(exc)(f"item {j}: {exc}") from exc
+                raise type(exc)(f"{_item(j, request)}{exc}") from exc
             self.ingest.checked(header, seconds)
             items.append((skey, value, header))
-        over = self.ingest.check_room(p, [(skey, len(value)) for skey, value, _ in items],
-                                      "PutMany")
+        over = self.ingest.check_room(p, [(skey, len(value)) for skey, value, _ in items])
         out = pb.PutManyResponse()
         for j, ((skey, value, header), item) in enumerate(zip(items, request.items)):
             out.results.append(self.ingest.commit(p, skey, value, item.options, header,
                                                   (homes or {}).get(j), over[j]))
         return out
+
+
+def _item(j: int, request: pb.PutManyRequest) -> str:
+    """What an error about item ``j`` begins with: its index, where the call has more than one
+    (a single store's error reads as it does through ``Store``)."""
+    return f"item {j}: " if len(request.items) > 1 else ""

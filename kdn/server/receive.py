@@ -182,8 +182,8 @@ class Receiver:
         dict put (the hand-off to a worker thread and back costs more than the put itself),
         else on a worker thread. None of them when they do not fit the tenant's quota
         together, each within what later ones give back (``Ingest.check_room``)."""
-        over = self.ingest.check_room(principal, [(e.skey, len(e.value)) for e in entries],
-                                      "StoreMany") if len(entries) > 1 else [0]
+        over = self.ingest.check_room(principal, [(e.skey, len(e.value)) for e in entries]) \
+            if len(entries) > 1 else [0]
 
         def run() -> list[pb.StoreResponse]:
             return [self.ingest.commit(principal, e.skey, e.value, e.options, e.header,
@@ -202,7 +202,7 @@ class Receiver:
         checking = time.perf_counter() - t0  # the checks' time, for kdn_entry_check_seconds
         declared = head.total_bytes
         self.ingest.check_size(declared)
-        self.ingest.check_room(principal, [(skey, declared)], "Store")  # before it is received
+        self.ingest.check_room(principal, [(skey, declared)])  # before it is received
         # An entry is kept as the frames it arrives in, each a view of its message
         # (kdn.store.framed): no copy into one buffer, and a Retrieve can send those very
         # messages back. Past ``framed_limit`` (declared; half the heap the allocator keeps)
@@ -211,7 +211,7 @@ class Receiver:
         # the copy. Entries under MIN_FRAMED_BYTES are joined once at the end.
         if (declared >= MIN_BYTES or form == _GROUPED) and declared < len(header.raw):
             raise InvalidArgument(f"total_bytes {declared} is smaller than the header")
-        with self.ingest.receiving(principal, declared, "Store"):  # while it arrives
+        with self.ingest.receiving(principal, declared, "entry"):  # while it arrives
             whole = None
             if declared > framed_limit(kept_free_bytes()):
                 whole = memoryview(self.buffers.take(declared))  # type: ignore[arg-type]

@@ -26,6 +26,7 @@ from kdn.codec.format import Header, check_frame
 from kdn.errors import InvalidArgument, KDNError, NotFound, TooLarge, again
 from kdn.server.auth import Authenticator, Principal
 from kdn.server.door import still_there
+from kdn.server.ingest import written
 from kdn.server.putmany import PutMany
 from kdn.server.requests import check_names
 from kdn.transport.netio import recv_container
@@ -90,7 +91,8 @@ def put_streamed(servicer: Putting, conn: socket.socket, body: bytes,
         try:
             servicer.auth.admit(principal)
             servicer.puts.within_quota(principal, put)  # before the items are read
-            held.enter_context(servicer.puts.ingest.receiving(principal, total, "PutMany"))
+            held.enter_context(servicer.puts.ingest.receiving(
+                principal, total, written(len(put.items))))
         except KDNError:
             _drain(conn, total)
             raise
