@@ -203,3 +203,38 @@ def test_streams_cut_by_close_on_the_network_path_raise_closed(server: ServerThr
                 seen.append(f"{type(exc).__name__}: {exc}")
     assert all(s == "Closed" for s in seen), seen[:3]
     assert seen  # (some were cut short)
+
+
+def test_close_leaves_another_live_threads_connection_to_it(server: ServerThread) -> None:
+    """close() closed every thread's data-path connection: under a thread inside a call,
+    the descriptor's number could go to a connection opened meanwhile (the server's, in this
+    process), and the call read there until its deadline (20 s, now and then under load).
+    Another live thread's connection is only shut down; that thread closes it."""
+    kv = random_kv(LAYOUT, 16, seed=5)
+    c = Client(server.address, timeout_s=20, shm_bytes=0)
+    c.store(numbered_key(1), kv, mode="raw")
+    used, go_on, seen = threading.Event(), threading.Event(), []
+
+    def worker() -> None:
+        c.fetch_many([numbered_key(1)])  # (its connection opened)
+        used.set()
+        go_on.wait(10)
+        try:
+            c.fetch_many([numbered_key(1)])
+        except Closed:
+            seen.append("Closed")
+
+    t = threading.Thread(target=worker)
+    t.start()
+    assert used.wait(10)
+    net = c.dataplane.network._net
+    assert net is not None
+    theirs = [h.conn for h in list(net.threads._held.values()) if h.thread is t]  # noqa: SLF001
+    assert len(theirs) == 1 and theirs[0] is not None
+    c.close()
+    assert theirs[0].fileno() != -1  # shut down, not closed: its number stays its own
+    assert theirs[0].recv(1) == b""  # (shut down: a read ends at once)
+    go_on.set()
+    t.join(10)
+    assert seen == ["Closed"]
+    assert theirs[0].fileno() == -1  # closed by its thread

@@ -16,11 +16,15 @@ the path itself is gone (a client dropped without ``close()``: its stores hold i
 the forking one are gone, and their ``Held`` with them) nothing is settled: the connections
 and the stores are the parent's, and an answer read in the child is lost to the parent (or
 handed to another of its stores); the child only closes its copy of the connection.
-``close`` shuts down and closes every thread's connection (the client closed), and one a
-thread opens after it; but a connection with stores sent on it and not answered yet is only
-shut down, the answers the server sent before it left to be read (shut down, it holds those
-and no more: a read past them ends at once), by its thread's next call or as the thread ends,
-which closes it; the stores whose answers never came fail Closed (``closed``).
+``close`` shuts down every thread's connection (the client closed), and refuses one a thread
+opens after it. It closes only the calling thread's own and those of threads that ended: a
+connection another live thread holds is only shut down, for that thread to close (its next
+call, its call under way failing, or its end). Closed under a thread still inside a call,
+its descriptor's number could be given to a connection opened meanwhile (the server's, in
+this process) and the call's read wait there for its deadline, or read another's bytes. So
+a connection with stores sent on it and not answered yet keeps the answers the server sent
+before it (shut down, it holds those and no more: a read past them ends at once), read by its
+thread; the stores whose answers never came fail Closed (``closed``).
 
 A server that refuses a thread's new connection for its limits (RESOURCE_EXHAUSTED on its
 first call, not the tenant's rate limit) makes the path raise ``Crowded``: that call goes by
@@ -76,10 +80,12 @@ class Held:
     leads to (``SameHostPath``: a server before a restart has another), the stores sent on it
     not yet answered, and the errors of those answered since they were last taken."""
 
-    __slots__ = ("token", "conn", "path", "pending", "failed", "crowded_until", "__weakref__")
+    __slots__ = ("token", "conn", "path", "pending", "failed", "crowded_until", "thread",
+                 "__weakref__")
 
     def __init__(self, token: int) -> None:
         self.token = token
+        self.thread = threading.current_thread()  # (the one whose thread-local holds it)
         self.conn: socket.socket | None = None
         self.path = ""
         self.pending: deque[Any] = deque()
@@ -198,19 +204,20 @@ class PerThread:
         return self._closed
 
     def close(self) -> None:
-        """Close every thread's connection (a thread's next use of it fails: OSError). Each
-        is shut down first: a thread waiting on it for an answer wakes (closed alone, the
-        wait lasted to its deadline). One with unanswered stores is only shut down: the
-        answers already come are read by its thread, which closes it (module docstring)."""
+        """Shut down every thread's connection (a thread's next use of it fails: OSError; one
+        waiting on it for an answer wakes), and close the calling thread's and those of
+        threads gone; another live thread's is closed by that thread (module docstring)."""
         with self._lock:
             self._closed = True
+        me = threading.current_thread()
         for token, conn in list(self._open.items()):
             try:
                 conn.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass  # not connected any more
             held = self._held.get(token)
-            if held is not None and held.conn is conn and held.pending:
+            if held is not None and held.conn is conn and (
+                    held.pending or held.thread is not me and held.thread.is_alive()):
                 continue
             self._open.pop(token, None)
             conn.close()
