@@ -102,6 +102,18 @@ def time_left(timeout_s: float | None) -> float | None:
     return left if timeout_s is None else min(timeout_s, left)
 
 
+def wait_end(timeout: float | None) -> float | None:
+    """When (``time.monotonic``) a wait of ``timeout`` seconds from now ends; None: never.
+    A call that waits several times (``LayerStream.result``) gives each ``wait_left``, so
+    its timeout bounds the whole call, not each wait."""
+    return None if timeout is None else time.monotonic() + timeout
+
+
+def wait_left(end: float | None) -> float | None:
+    """The seconds left until ``end`` (``wait_end``), at least 0; None for no end."""
+    return None if end is None else max(0.0, end - time.monotonic())
+
+
 def unbound(conn: socket.socket) -> socket.socket:
     """The connection under a ``Until``."""
     return conn.conn if isinstance(conn, Until) else conn

@@ -14,6 +14,7 @@ from concurrent.futures import CancelledError, Future
 from typing import TYPE_CHECKING, Any
 
 from kdn.checks import whole
+from kdn.client.deadline import wait_end, wait_left
 from kdn.client.parallel import layer_groups
 from kdn.client.received import Fetched, as_expected
 from kdn.codec.format import parse_header, sums_checked_later
@@ -441,7 +442,11 @@ class PendingStream:
 
     def wait_for_layer(self, i: int, timeout: float | None = None, *,
                        stream: Any = None) -> Any:
-        return self.landed(timeout).wait_for_layer(i, timeout, stream=stream)
+        end = wait_end(timeout)  # one timeout for the whole call: the landing and the layer
+        try:
+            return self.landed(timeout).wait_for_layer(i, wait_left(end), stream=stream)
+        except TimeoutError:
+            raise TimeoutError(f"layer {i} not ready after {timeout} s") from None
 
     def is_ready(self, i: int) -> bool:
         """Layer i is decoded: InvalidArgument for an index below 0 (or, once the entry
@@ -450,7 +455,8 @@ class PendingStream:
         return self._stream is not None and self._stream.is_ready(i)
 
     def result(self, timeout: float | None = None) -> Any:
-        return self.landed(timeout).result(timeout)
+        end = wait_end(timeout)
+        return self.landed(timeout).result(wait_left(end))
 
     def settle_copies(self) -> None:
         self._done.wait()

@@ -35,6 +35,7 @@ import torch
 from kdn.cache import KVCache
 from kdn.checks import whole
 from kdn.client import metrics as client_metrics
+from kdn.client.deadline import wait_end, wait_left
 from kdn.client.received import LOCAL_TIER
 from kdn.codec import StreamDecoder
 from kdn.codec.api import target_device
@@ -409,10 +410,17 @@ class LayerStream:
                 and None not in self._layers:  # decoded before the stream was returned
             layers: list[LayerKV] = self._layers  # type: ignore[assignment]
         else:
+            end = wait_end(timeout)  # the whole call, not each of its waits
             if self._reader is not None:  # one wake-up once every frame is in, not one per
                 self._reader.join(timeout)  # layer (each a switch of the GIL between this
                 # thread and the reader: 6.2 ms against 3.1 for 30 frames of 380 KB)
-            layers = [self.wait_for_layer(i, timeout) for i in range(len(self._layers))]
+            layers = []
+            for i in range(len(self._layers)):
+                try:
+                    layers.append(self.wait_for_layer(i, wait_left(end)))
+                except TimeoutError:
+                    raise TimeoutError(f"the stream's layers not ready after {timeout} s"
+                                       ) from None
         return KVCache(self.layout, layers, int(self.decoder.header.entry.start_position))
 
     def cancel(self) -> None:
