@@ -1,17 +1,22 @@
 """The waits of a layer stream: a timeout bounds the whole call (``LayerStream.result``
-waits for its reader and then for each layer, all within it)."""
+waits for its reader and then for each layer, all within it); streams let go leave the
+others of their call whole."""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
+from kdn.client import Client, netpath
 from kdn.client.stream import LayerStream, StreamTimings
 from kdn.codec import StreamDecoder, encode_parts
+from kdn.server import ServerThread
 from kdn.transport.wire import Frame, FrameMessage
-from tests.helpers import random_kv, uniform_layout
+from tests.helpers import numbered_key, random_kv, uniform_layout
 
 
 def _slow_stream(layers: int, gap_s: float) -> LayerStream:
@@ -37,3 +42,40 @@ def test_result_times_out_once_its_timeout_is_spent_not_once_per_layer() -> None
         stream.result(timeout=0.5)
     assert time.monotonic() - t0 < 1.0
     stream.cancel()
+
+
+@pytest.mark.parametrize("connections", [1, 2])
+def test_streams_let_go_leave_the_kept_streams_of_their_stripe_whole(
+        server: ServerThread, connections: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An engine keeps the leading streams of a context whose block went missing and lets
+    the rest go: each let go shut its stripe's whole connection, and the kept streams on it
+    failed (Unavailable: the data path connection dropped inside an entry). The let-go
+    entries are read and dropped while a kept one of the stripe is still to come."""
+    remote = Client(server.address, timeout_s=30, shm_bytes=0, data_connections=connections)
+    layout = uniform_layout(layers=4, heads=2, dim=64)
+    kvs = [random_kv(layout, tokens=256, seed=i) for i in range(8)]
+    ks = [numbered_key(i) for i in range(8)]
+    remote.store_many([(k, kv) for j, (k, kv) in enumerate(zip(ks, kvs)) if j != 3],
+                      mode="raw")
+    remote.flush()
+    gate = threading.Event()
+    real = netpath.read_entry
+
+    def held(*args: Any) -> Any:  # no entry lands before the streams are let go
+        assert gate.wait(10)
+        return real(*args)
+
+    monkeypatch.setattr(netpath, "read_entry", held)
+    streams = remote.retrieve_streams(ks)
+    assert streams[3] is None
+    for s in [streams[0], *streams[4:]]:
+        assert s is not None
+        s.cancel()
+    gate.set()
+    for j in (1, 2):
+        s = streams[j]
+        assert s is not None
+        assert s.result(timeout=10).equal(kvs[j])
+    again = remote.retrieve_streams(ks[5:6])[0]  # the path goes on
+    assert again is not None and again.result(timeout=10).equal(kvs[5])
+    remote.close()

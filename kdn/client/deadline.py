@@ -8,18 +8,21 @@ end (``Until``: every send and receive waits only the time left, TimeoutError on
 ``timeout_s`` from the call's start, or sooner where the calling thread runs inside
 ``deadline_within`` (a link probe's budget). A server that trickles its answer fails the call
 then, not ``timeout_s`` after its last byte. An entry's future cancelled before it landed
-(``abandoned``) shuts its stripe's connection, so the thread landing it stops waiting.
+(``abandoned``) shuts its stripe's connection, so the thread landing it stops waiting, once
+no other entry of the stripe is awaited; until then the let-go entries are read and dropped.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import socket
 import ssl
 import threading
 import time
+import weakref
 from collections.abc import Iterator
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from typing import Any
 
 _CAP = threading.local()
@@ -119,9 +122,36 @@ def unbound(conn: socket.socket) -> socket.socket:
     return conn.conn if isinstance(conn, Until) else conn
 
 
-def abandoned(conn: socket.socket, fut: Future[memoryview]) -> None:
-    """An entry's future done: cancelled (let go before it landed), its stripe's connection
-    is shut, so the thread landing it stops waiting for its bytes."""
-    if fut.cancelled():
+def watch_stripe(conn: socket.socket, stripe: list[Future[memoryview] | None]) -> None:
+    """``abandoned`` called with each entry's future of a stripe once it is done (they are
+    held weakly there: a future's callbacks holding the stripe would be a cycle, which keeps
+    the landed entries' buffers until a collection)."""
+    weak = [None if f is None else weakref.ref(f) for f in stripe]
+    for f in stripe:
+        if f is not None:
+            f.add_done_callback(functools.partial(abandoned, conn, weak))
+
+
+def abandoned(conn: socket.socket, stripe: list[weakref.ref[Future[memoryview]] | None],
+              fut: Future[memoryview]) -> None:
+    """An entry's future done: cancelled (let go before it landed) while every other entry
+    of its stripe is done too (landed, failed or let go), the stripe's connection is shut, so
+    the thread landing it stops waiting for its bytes. While another entry of the stripe is
+    still awaited the connection stays: the landing thread reads the bytes of those let go
+    and drops them (``awaited_after``, ``deliver``)."""
+    futures = [ref() for ref in stripe if ref is not None]  # None: let go, so done
+    if fut.cancelled() and all(f is None or f.done() for f in futures):
         with contextlib.suppress(OSError):
             conn.shutdown(socket.SHUT_RDWR)
+
+
+def awaited_after(stripe: list[Future[memoryview] | None], j: int) -> bool:
+    """An entry of the stripe after its ``j``-th is still awaited (its future not done)."""
+    return any(f is not None and not f.done() for f in stripe[j + 1:])
+
+
+def deliver(fut: Future[memoryview], data: memoryview) -> None:
+    """``data`` as ``fut``'s result; dropped where the future was let go (cancelled) while
+    its bytes came."""
+    with contextlib.suppress(InvalidStateError):
+        fut.set_result(data)

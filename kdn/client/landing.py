@@ -465,8 +465,8 @@ class PendingStream:
 
     def cancel(self) -> None:
         """Let go of the entry: one still landing is abandoned (``NetPath.start_get_many``
-        shuts its stripe's connection, and the stripe's later entries fail), one landed is
-        let go."""
+        reads and drops its bytes while another entry of its stripe is awaited, else shuts
+        the stripe's connection), one landed is let go."""
         self._cancelled = True
         entry = self._entry
         if entry is not None:

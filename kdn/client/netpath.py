@@ -34,12 +34,12 @@ with new ones.
 Every call has one deadline for all of its sends and receives (``kdn.client.deadline``):
 ``timeout_s`` from its start, or a thread's ``deadline_within`` if sooner; an asynchronous
 store's answer is read within the same from when it is waited for. An entry's future
-cancelled before it landed (``PendingStream.cancel``) shuts its stripe's connection.
+cancelled before it landed (``PendingStream.cancel``) shuts its stripe's connection once no
+other entry of the stripe is awaited (until then its bytes are read and dropped).
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 import socket
 import ssl
@@ -50,7 +50,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar, cast
 
-from kdn.client.deadline import Until, abandoned, call_cap, unbound
+from kdn.client.deadline import Until, awaited_after, call_cap, deliver, unbound, watch_stripe
 from kdn.client.fastwire import (
     answer_bound,
     entry_refs,
@@ -459,9 +459,7 @@ class NetPath:
             futures: list[Future[memoryview] | None] = [
                 Future() if ref.present else None for ref in stripe]
             got += [None if f is None else (ref.tier, f) for ref, f in zip(stripe, futures)]
-            for f in futures:  # cancelled before it landed: the landing stops there
-                if f is not None:
-                    f.add_done_callback(functools.partial(abandoned, unbound(conn)))
+            watch_stripe(unbound(conn), futures)  # all let go: the landing stops there
             pool.submit(self._land, conn, [r.length for r in stripe], futures, pinned)
         return got
 
@@ -473,9 +471,11 @@ class NetPath:
             if fut is None:
                 continue
             try:
-                if fut.cancelled():
+                if fut.cancelled() and not awaited_after(futures, j):
                     raise Cancelled("the entry was let go before it landed")
-                fut.set_result(read_entry(conn, length, pinned, self.landing))
+                # let go with later entries awaited: read and dropped (the connection stays)
+                deliver(fut, read_entry(conn, length, pinned and not fut.cancelled(),
+                                        self.landing))
                 self.entry_bytes = length
             except BaseException as exc:
                 self._forget(raw)
