@@ -11,22 +11,26 @@ from typing import Any
 
 import pytest
 
-from kdn.client import Client, netpath
+from kdn.client import Client, netpath, stream
 from kdn.client.stream import LayerStream, StreamTimings
 from kdn.codec import StreamDecoder, encode_parts
+from kdn.errors import Cancelled
 from kdn.server import ServerThread
 from kdn.transport.wire import Frame, FrameMessage
 from tests.helpers import numbered_key, random_kv, uniform_layout
 
 
-def _slow_stream(layers: int, gap_s: float) -> LayerStream:
-    """A stream whose link brings one frame (one layer) every ``gap_s`` seconds."""
+def _slow_stream(layers: int, gap_s: float, sent: list[int] | None = None) -> LayerStream:
+    """A stream whose link brings one frame (one layer) every ``gap_s`` seconds (their
+    indexes appended to ``sent``)."""
     parts = encode_parts(random_kv(uniform_layout(layers=layers), tokens=16), "lossless",
                          layers_per_frame=1)
 
     def frames() -> Iterator[FrameMessage]:
         for i, f in enumerate(parts.frames):
             time.sleep(gap_s)
+            if sent is not None:
+                sent.append(i)
             yield FrameMessage(Frame(i, bytes(f)))
 
     return LayerStream(StreamDecoder(parts.header), frames(), "ram", lambda: None,
@@ -42,6 +46,32 @@ def test_result_times_out_once_its_timeout_is_spent_not_once_per_layer() -> None
         stream.result(timeout=0.5)
     assert time.monotonic() - t0 < 1.0
     stream.cancel()
+
+
+def test_a_cancelled_stream_decodes_no_more_of_its_frames() -> None:
+    """A stream whose call cancel does not stop (same-host frames, already in memory) went
+    on decoding every frame on its reader thread, also at exit, under the interpreter's
+    finalizing (the process aborted: 'terminate called without an active exception')."""
+    sent: list[int] = []
+    s = _slow_stream(layers=20, gap_s=0.05, sent=sent)
+    s.wait_for_layer(0, timeout=10)
+    s.cancel()
+    assert s._reader is not None
+    s._reader.join(10)
+    assert len(sent) < 5
+    with pytest.raises(Cancelled):
+        s.wait_for_layer(19, timeout=1)
+
+
+def test_at_exit_the_streams_still_read_are_stopped_and_their_readers_joined() -> None:
+    s = _slow_stream(layers=20, gap_s=0.1)
+    s.wait_for_layer(0, timeout=10)
+    t0 = time.monotonic()
+    stream.stop_readers(wait_s=5)
+    assert s._reader is not None and not s._reader.is_alive()
+    assert time.monotonic() - t0 < 1.0
+    with pytest.raises(Cancelled, match="exiting"):
+        s.result(timeout=1)
 
 
 @pytest.mark.parametrize("connections", [1, 2])

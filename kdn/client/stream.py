@@ -15,11 +15,15 @@ non-blocking transfers on a side stream; ``wait_for_layer`` makes the caller's c
 wait for that layer's copy event instead of blocking the host.
 
 An error anywhere (wire, checksum, decode) is raised from every pending and later wait.
-``cancel()`` cancels the RPC so the server stops sending.
+``cancel()`` cancels the RPC so the server stops sending, and the reader decodes no more of
+its frames (nor do the workers). At exit every stream still read is stopped so, and its
+reader joined (``STOP_WAIT_S`` at most): a torch decode on a daemon thread while the
+interpreter finalizes aborts the process.
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import threading
@@ -51,6 +55,11 @@ _POOL = SharedPool(max(2, os.cpu_count() or 2), "kdn-recv")
 _DONE = threading.Event()
 """The readiness of a layer that was ready when its stream was made (one event, set)."""
 _DONE.set()
+STOP_WAIT_S = 5.0
+"""Seconds the exit waits, in all, for the readers of streams still read (``stop_readers``)."""
+_OPEN: set[LayerStream] = set()
+"""The streams whose reader thread runs."""
+_OPEN_LOCK = threading.Lock()
 
 
 def pool() -> ThreadPoolExecutor:
@@ -184,6 +193,8 @@ class LayerStream:
         else:
             self._reader = threading.Thread(target=self._read, args=(frames,), daemon=True,
                                             name="kdn-retrieve")
+            with _OPEN_LOCK:
+                _OPEN.add(self)
             self._reader.start()
 
     @property
@@ -214,6 +225,8 @@ class LayerStream:
                 ev.set()
 
     def _decode(self, index: int, data: bytes) -> None:
+        if self._error is not None:  # cancelled or failed: nothing of it is used
+            return
         t0 = time.perf_counter()
         try:
             for layer, k, v in self.decoder.decode_frame(index, data):
@@ -302,6 +315,8 @@ class LayerStream:
     def _read(self, frames: Iterator[Any], inline: bool = False) -> None:
         try:
             for msg in frames:
+                if self._error is not None:  # cancelled (or failed): no more decoding
+                    break
                 data = msg.frame.data
                 if msg.frame.offset:  # a layer stream never asks for frames in pieces
                     raise Corrupt(f"frame {msg.frame.index} came in pieces (offset "
@@ -326,6 +341,9 @@ class LayerStream:
             self._fail(from_grpc(kept(err)))
         except BaseException as exc:
             self._fail(exc)
+        finally:
+            with _OPEN_LOCK:
+                _OPEN.discard(self)
         if self._error is None:
             self._record()
 
@@ -430,3 +448,25 @@ class LayerStream:
                 staged.sources = ()
         self._cancel()
         self._fail(Cancelled("retrieve cancelled"))
+
+
+def stop_readers(wait_s: float = STOP_WAIT_S) -> None:
+    """Stop every stream still read (its call cancelled, its frames no more decoded; its
+    waits raise Cancelled) and join their readers, ``wait_s`` seconds in all: run at exit,
+    before the interpreter finalizes under their torch decodes."""
+    with _OPEN_LOCK:
+        streams = list(_OPEN)
+    for stream in streams:
+        stream._fail(Cancelled("retrieve stopped: the process is exiting"))
+        try:
+            stream._cancel()
+        except Exception:  # a call already ended
+            logging.getLogger("kdn.client").debug("stream cancel at exit", exc_info=True)
+    end = time.monotonic() + wait_s
+    for stream in streams:
+        if stream._reader is not None:
+            stream._reader.join(max(0.0, end - time.monotonic()))
+
+
+# run in reverse order: before concurrent.futures' own (which waits for the queued decodes)
+getattr(threading, "_register_atexit", atexit.register)(stop_readers)
