@@ -8,7 +8,7 @@ import pytest
 
 from kdn import keys
 from kdn.client import Client
-from kdn.errors import InvalidArgument, KDNError
+from kdn.errors import InvalidArgument
 from kdn.server import ServerConfig, ServerThread
 from tests.helpers import random_kv, uniform_layout
 
@@ -45,8 +45,14 @@ def test_layer_window_and_errors(tmp_path: Path) -> None:
         for i in (2, 3):
             k, v = stream.wait_for_layer(i, timeout=30)
             assert k.equal(kv.layers[i][0])
-        with pytest.raises(KDNError, match="without layers"):
-            stream.wait_for_layer(0, timeout=30)
+        # outside the window: said so (it said "stream ended without layers [0, 1, 4, 5]",
+        # as a damaged answer would), and result() (every layer) likewise
+        for outside in (0, 5):
+            with pytest.raises(InvalidArgument, match=rf"layer {outside} is outside the "
+                                                      r"requested window \[2, 4\)"):
+                stream.wait_for_layer(outside, timeout=30)
+        with pytest.raises(InvalidArgument, match=r"only layers \[2, 4\)"):
+            stream.result(timeout=30)
         assert c.retrieve_stream(keys.chunk_key([9], lay)) is None
 
 

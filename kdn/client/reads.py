@@ -274,14 +274,14 @@ class Reader:
                 timings.header = time.perf_counter()
                 parsed = parse_header(head.container_header)  # (remembered: parsed once)
                 want.check(parsed.layout, parsed.entry.tokens)  # before a decoder is made
-                in_window(getattr(request, "first_layer", 0), parsed.layout.num_layers)
+                window = in_window(request, parsed.layout.num_layers)
                 dec, target = decoder_for(head.container_header, device,
                                           received=on_complete is None
                                           and keeps_messages(int(head.total_bytes)))
                 frames = self.rpc.frames(call) if on_complete is None else _tee(
                     self.rpc.frames(call), head.container_header, on_complete)
-                return tensor_side().LayerStream(dec, frames, head.tier, call.cancel,
-                                                  timings, target)
+                return tensor_side().LayerStream(dec, frames, head.tier, call.cancel, timings,
+                                                  target, window=window)
             except BaseException:
                 call.cancel()
                 raise

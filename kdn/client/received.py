@@ -161,12 +161,17 @@ def layer_window(first_layer: int, last_layer: int) -> tuple[int, int]:
     return first_layer, last_layer
 
 
-def in_window(first_layer: int, layers: int) -> None:
-    """InvalidArgument where a window starting at ``first_layer`` holds none of an entry's
-    ``layers`` (a stream of no layers, whose every wait would fail)."""
+def in_window(request: Any, layers: int) -> tuple[int, int]:
+    """The layers ``[first, end)`` of an entry's ``layers`` that ``request`` asks for (its
+    ``first_layer``, ``last_layer``; a request without them: every layer). InvalidArgument
+    where the window holds none of them (a stream of no layers, whose every wait would
+    fail)."""
+    first_layer = int(getattr(request, "first_layer", 0))
+    last_layer = int(getattr(request, "last_layer", 0))
     if first_layer >= layers:
         raise InvalidArgument(f"first_layer {first_layer} is past the entry's {layers} layers "
                               f"(0 to {layers - 1})")
+    return first_layer, min(last_layer or layers, layers)
 
 
 def received(head: pb.RetrieveHeader, frames: Iterator[Any]) -> Fetched:

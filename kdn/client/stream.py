@@ -144,7 +144,8 @@ class LayerStream:
                  device: torch.device | str | None = None, *, inline: bool = False,
                  layers: list[LayerKV] | Span | None = None, pinned: bool = False,
                  ready: Copy | list[Copy] | None = None, blocks: int = 1,
-                 tokens: int = 0, check: Callable[[], object] | None = None) -> None:
+                 tokens: int = 0, check: Callable[[], object] | None = None,
+                 window: tuple[int, int] | None = None) -> None:
         """``inline``: the frames are in memory and decode cheaply (borrowed raw bodies: only
         checksums to verify): decode them here, before returning, instead of on threads.
         ``layers``: every layer decoded already (``StreamDecoder.view_entry``), or the span of
@@ -156,7 +157,10 @@ class LayerStream:
         used, or one per layer (layers that land in groups). ``blocks``: stored entries this
         stream holds, ``tokens`` their tokens (``landing.joined_stream``: a whole context in
         one stream; default one entry's). ``check``: run once, before any layer is handed
-        out (the device decoder's error flag, ``kdn.codec.gpu_batch.Decoded.check``)."""
+        out (the device decoder's error flag, ``kdn.codec.gpu_batch.Decoded.check``).
+        ``window``: the layers ``[first, end)`` the call asked for (``first_layer``,
+        ``last_layer``): the stream brings only those, a wait for another is InvalidArgument
+        naming the window."""
         self.decoder = decoder
         self._check = check
         self.device = target_device(device or decoder.device)  # InvalidArgument: not here
@@ -173,6 +177,7 @@ class LayerStream:
         self._tokens = tokens or decoder.header.tokens
         n = decoder.header.layout.num_layers
         self._layers: list[LayerKV | None] = [None] * n
+        self._window = window if window is not None and window != (0, n) else None
         # decoded before this returns: nothing to wait for (an error is raised by the wait)
         self._ready = ([_DONE] * n if inline or layers is not None
                        else [threading.Event() for _ in range(n)])
@@ -333,7 +338,8 @@ class LayerStream:
             self.timings.last_frame_received = time.perf_counter()
             for fut in self._pending:
                 fut.result()
-            missing = [i for i, lay in enumerate(self._layers) if lay is None]
+            missing = [i for i in range(*self._window or (0, len(self._layers)))
+                       if self._layers[i] is None]  # (those outside the window: not asked)
             if missing and self._error is None:
                 self._fail(InvalidArgument(f"retrieve stream ended without layers {missing}"))
             self.timings.done = time.perf_counter()
@@ -367,6 +373,10 @@ class LayerStream:
         rest of this call). InvalidArgument for an index outside [0, layers)."""
         if type(i) is not int or not 0 <= i < len(self._ready):  # (-1 was the last layer)
             self._index(i)
+        if self._window is not None and not self._window[0] <= i < self._window[1]:
+            raise InvalidArgument(f"layer {i} is outside the requested window "
+                                  f"[{self._window[0]}, {self._window[1]}) (first_layer, "
+                                  "last_layer): the stream does not bring it")
         if not self._ready[i].wait(timeout):
             raise TimeoutError(f"layer {i} not ready after {timeout} s")
         if self._check is not None:
@@ -423,6 +433,10 @@ class LayerStream:
         return self._ready[i].is_set() and self._layers[i] is not None
 
     def result(self, timeout: float | None = None) -> KVCache:
+        if self._window is not None:
+            raise InvalidArgument(f"result() is every layer, and this stream brings only "
+                                  f"layers [{self._window[0]}, {self._window[1]}) "
+                                  "(first_layer, last_layer): wait_for_layer each of those")
         self._checked()
         if self._reader is None and self._error is None and not self._events \
                 and None not in self._layers:  # decoded before the stream was returned
