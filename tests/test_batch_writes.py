@@ -50,6 +50,25 @@ def test_a_bad_mode_stores_nothing_of_the_batch(server: ServerThread,
 
 
 @pytest.mark.parametrize("options", PATHS)
+def test_a_mode_alone_stores_with_its_default_level(server: ServerThread,
+                                                   options: dict[str, Any]) -> None:
+    """mode="kdn" without a level was refused ("has no level ''"), though the catalog says
+    kdn alone means kdn-default; each store is encoded at that level now."""
+    a, b, c3 = numbered_key(3), numbered_key(4), numbered_key(5)
+    kv = random_kv(LAYOUT, 8, seed=3)
+    want = codec.decode(codec.encode(kv, "kdn", "default"))
+    with Client(server.address, timeout_s=30, **options) as c:
+        c.store(a, kv, mode="kdn")
+        c.store_many([(b, kv)], mode="kdn")
+        c.store_async(c3, kv, mode="kdn").result()
+        c.flush()
+        for key in (a, b, c3):
+            got = c.retrieve(key)
+            assert got is not None and got.equal(want)
+        assert codec.encode(kv, "kdn") == codec.encode(kv, "kdn", "default")
+
+
+@pytest.mark.parametrize("options", PATHS)
 def test_an_entry_the_codec_refuses_stores_nothing_of_the_batch(
         server: ServerThread, options: dict[str, Any]) -> None:
     """A KVCache the codec refuses (a NaN under a lossy mode) was found only after the

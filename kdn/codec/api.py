@@ -18,6 +18,7 @@ import torch
 from kdn.cache import KVCache
 from kdn.checks import whole
 from kdn.codec import inplace
+from kdn.codec.catalog import default_level
 from kdn.codec.format import (
     FRAME_SEED,
     Buffer,
@@ -168,9 +169,10 @@ def encode_parts(
     inside its serialized Store message (``EncodedParts.wire``), which a Store stream sends as
     it is, and the frames are read-only views of those messages instead of ``bytes``.
     InvalidArgument for anything but a ``KVCache`` of tensors that hold data (not ``meta``) for
-    at least one token, and for a lossy mode, a NaN or inf in it (``kdn.codec.modes``)."""
+    at least one token, and for a lossy mode, a NaN or inf in it (``kdn.codec.modes``).
+    ``level`` ``""``: the level ``mode`` alone means (``catalog.DEFAULT_LEVELS``)."""
     codec = get_mode(mode)
-    codec.check_level(level)
+    level = codec.check_level(level or default_level(mode))
     layers_per_frame = whole("layers_per_frame", layers_per_frame, 0, " (0: frames of about "
                              "FRAME_TARGET_BYTES)")
     if not isinstance(kv, KVCache):

@@ -38,7 +38,9 @@ def default_level(mode: str) -> str:
 
 def check_codec(mode: str, level: str) -> None:
     """Raise InvalidArgument unless ``mode`` is a known codec mode and ``level`` one of its
-    levels (the same messages as ``kdn.codec.modes.get_mode(...).check_level``)."""
+    levels (the same messages as ``kdn.codec.modes.get_mode(...).check_level``); ``""``: the
+    level the mode alone means (``default_level``)."""
+    level = level or default_level(mode)
     levels = LEVELS.get(mode)
     if levels is None:
         raise InvalidArgument(f"unknown codec mode {mode!r}; known modes: {sorted(LEVELS)}")
