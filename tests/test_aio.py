@@ -222,6 +222,16 @@ class GatedWrites(Client):
         return self._gated(super().delete, *args, **kwargs)
 
 
+async def cancel_once_running(c: GatedWrites, write: Any) -> None:
+    """Start ``write`` (an AsyncClient call on ``c``), and cancel its await once it runs on
+    its worker thread (held at ``c``'s gate)."""
+    first = asyncio.ensure_future(write)
+    assert await asyncio.to_thread(c.entered.wait, 10)
+    first.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await first
+
+
 @pytest.mark.parametrize("cancelled", ["store", "delete"])
 def test_a_cancelled_write_runs_before_a_later_call(server: ServerThread, cancelled: str) -> None:
     """A store (or delete) whose await was cancelled ran on its worker thread all the same,
@@ -233,12 +243,8 @@ def test_a_cancelled_write_runs_before_a_later_call(server: ServerThread, cancel
         c = GatedWrites(server.address, timeout_s=30)
         ac = AsyncClient(c)
         await ac.retrieve(key, layout=LAYOUT)  # (the data paths opened)
-        first = asyncio.ensure_future(ac.store(key, old, mode="raw") if cancelled == "store"
-                                      else ac.delete(key))
-        assert await asyncio.to_thread(c.entered.wait, 10)
-        first.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await first
+        await cancel_once_running(c, ac.store(key, old, mode="raw") if cancelled == "store"
+                                  else ac.delete(key))
         later = asyncio.ensure_future(ac.store(key, new, mode="raw"))
         await asyncio.wait([later], timeout=1)  # not waiting, it would be stored by now
         c.gate.set()
@@ -263,11 +269,7 @@ def test_a_cancelled_write_runs_before_a_later_async_store(server: ServerThread)
         c = GatedWrites(server.address, timeout_s=30)
         ac = AsyncClient(c)
         await ac.retrieve(key, layout=LAYOUT)  # (the data paths opened)
-        first = asyncio.ensure_future(ac.store(key, old, mode="raw"))
-        assert await asyncio.to_thread(c.entered.wait, 10)
-        first.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await first
+        await cancel_once_running(c, ac.store(key, old, mode="raw"))
 
         async def later() -> None:
             await ac.store_async(key, new, mode="raw")

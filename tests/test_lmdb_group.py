@@ -55,6 +55,24 @@ def grouped(tier: LmdbTier) -> Iterator[Callable[[Callable[[], None]], None]]:
         assert not t.is_alive()
 
 
+def put_at_once(tier: LmdbTier, items: dict[bytes, bytes], per: int) -> None:
+    """``THREADS`` threads put ``items`` (keys ``t<thread>-<i>``, ``per`` each), starting at
+    once."""
+    start = threading.Barrier(THREADS)
+
+    def writer(t: int) -> None:
+        start.wait()
+        for i in range(per):
+            key = b"t%d-%d" % (t, i)
+            tier.put(key, items[key])
+
+    threads = [threading.Thread(target=writer, args=(t,)) for t in range(THREADS)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+
+
 def catching(errors: dict[str, BaseException], name: str, write: Callable[[], object]
              ) -> Callable[[], None]:
     def run() -> None:
@@ -71,20 +89,8 @@ def test_concurrent_puts_share_commits_and_all_land_accounted(tmp_path: Path) ->
     tier = LmdbTier(tmp_path, capacity_bytes=64 << 20)
     per = 60
     items = {b"t%d-%d" % (t, i): value(t * per + i) for t in range(THREADS) for i in range(per)}
-    start = threading.Barrier(THREADS)
     before = commits(tier)
-
-    def writer(t: int) -> None:
-        start.wait()
-        for i in range(per):
-            key = b"t%d-%d" % (t, i)
-            tier.put(key, items[key])
-
-    threads = [threading.Thread(target=writer, args=(t,)) for t in range(THREADS)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
+    put_at_once(tier, items, per)
     done = commits(tier) - before
     assert done < len(items), f"{done} transactions for {len(items)} writes: none shared"
     total = sum(len(k) + len(v) for k, v in items.items())
@@ -159,21 +165,9 @@ def test_budget_eviction_under_concurrent_puts(tmp_path: Path) -> None:
         for k, v in pins.items():
             tier.put(k, v)
         per = 40
-        start = threading.Barrier(THREADS)
         items = {b"t%d-%d" % (t, i): value(t * per + i) for t in range(THREADS)
                  for i in range(per)}
-
-        def writer(t: int) -> None:
-            start.wait()
-            for i in range(per):
-                key = b"t%d-%d" % (t, i)
-                tier.put(key, items[key])
-
-        threads = [threading.Thread(target=writer, args=(t,)) for t in range(THREADS)]
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join()
+        put_at_once(tier, items, per)
         held = {k: tier.get(k) for k in tier.keys()}
         assert all(held.get(k) == v for k, v in pins.items())
         assert all(v == (pins.get(k) or items[k]) for k, v in held.items())
