@@ -210,7 +210,7 @@ def test_a_stopped_master_takes_out_its_slots_only(tmp_path: Path,
         assert exits == (0, 1)  # live, not ready: as the README's cluster section says
         readme = " ".join((Path(__file__).parents[1] / "README.md").read_text().split())
         assert "`DEGRADED` with the silent masters (exit 0: the server is live; `--ready` " \
-               "exits 1)" in readme
+               "with an API key exits 1)" in readme  # (auth off here: any caller's)
         assert listing_s < 0.5 and stored
         assert all(keys.store_key("", "default", k) in listed for k, _ in stored)
         assert eventually(lambda: admin.health_report()["status"] == "SERVING", timeout=15)
