@@ -210,3 +210,20 @@ def test_an_engine_whose_server_stops_after_its_lookup_computes_after_the_load_d
     assert got.token_ids == first.token_ids
     assert took < 5.0, took  # the load's deadline (~1 s), not the client's 10 s (twice)
     assert raised == []
+
+
+def test_a_grpc_call_past_its_deadline_names_timeout_s(served: Served) -> None:
+    """A gRPC call the stopped server never answers fails DeadlineExceeded naming the
+    client's ``timeout_s`` (gRPC's own text was only 'Deadline Exceeded': nothing said which
+    setting to raise)."""
+    with Client(served.address, timeout_s=0.75, shm_bytes=0, data_path=False) as c:
+        c.lookup([keys.chunk_key([3, 1], LAY)])  # connected while it answers
+        served.stop()
+        try:
+            for call in (lambda: c.lookup([keys.chunk_key([3, 2], LAY)]),
+                         lambda: c.store(keys.chunk_key([3, 3], LAY), KV)):
+                _, exc = _costs(call)
+                assert isinstance(exc, DeadlineExceeded), exc
+                assert "timeout_s=0.75 s" in str(exc), exc
+        finally:
+            served.resume()

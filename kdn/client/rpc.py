@@ -299,7 +299,7 @@ class Rpc:
         except grpc.RpcError as err:  # kept as the context of kdn's error: not the frames
             if self.closed:  # cancelled by close() on another thread
                 raise Closed(CLOSED) from None
-            raise from_grpc(kept(err)) from None  # it passed, which hold the call
+            raise from_grpc(kept(err), budget) from None  # it passed, which hold the call
         except ValueError:
             if self.closed:  # gRPC's refusal of a channel closed as the call began
                 raise Closed(CLOSED) from None
