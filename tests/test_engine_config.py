@@ -45,6 +45,8 @@ from tests.test_engine_devices import _model, _Tok
     ("lookup_timeout_s", 86400.5, "a day"),
     ("namespace", "bad space", "'bad space'"),
     ("namespace", "a" * 100, "malformed"),
+    ("weights_id", "", "names no weights"),  # not the default: two checkpoints would share keys
+    ("weights_id", "  ", "names no weights"),
     ("kv_dtype", "fp16", "'fp16'"),
     ("store_back", "yes", "'yes'"),
     ("freeze_heap", 1, "1"),

@@ -66,7 +66,8 @@ class EngineConfig:
     share their KV), or its hub id and revision (with a digest of the loaded parameters where
     the load took a ``subfolder=`` or one of several GGUF files, and alone for a model built
     from a config and given its weights by ``load_state_dict``); name the weights yourself
-    where they changed after loading (an adapter merged in memory)."""
+    where they changed after loading (an adapter merged in memory). An empty or blank name
+    is refused: it names no weights."""
     kv_dtype: DType | None = None
     """dtype KV is stored in; None (default) = the model's own dtype, which keeps
     ``lossless`` exact (fp16 and bf16 models store fp16 and bf16 KV)."""
@@ -124,6 +125,10 @@ class EngineConfig:
                 raise ConfigError(f"namespace: {exc}") from None
         if self.weights_id is not None and not isinstance(self.weights_id, str):
             raise ConfigError(f"weights_id: must be a string or None, got {self.weights_id!r}")
+        if self.weights_id is not None and not self.weights_id.strip():
+            raise ConfigError(f"weights_id: {self.weights_id!r} names no weights (checkpoints "
+                              "of one config would share keys); name them, or leave it None "
+                              "for kdn.model.hf.default_weights_id")
         if self.kv_dtype is not None:
             try:
                 object.__setattr__(self, "kv_dtype", DType.of(self.kv_dtype))
