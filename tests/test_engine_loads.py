@@ -1,5 +1,5 @@
 """KDNEngine's loads against a real in-process server: a load that stalls has a deadline of its
-own, a block gone between the lookup and the load leaves the blocks before it reused, a client
+own (and, once late, is left out for a while), a block gone between the lookup and the load leaves the blocks before it reused, a client
 without a deadline works, and no KV of a prompt outlives its request."""
 
 from __future__ import annotations
@@ -75,6 +75,23 @@ def test_a_load_that_stalls_is_abandoned_at_its_deadline(tmp_path: Path) -> None
         eng._request.release()  # noqa: SLF001
         again = _within(8, lambda: eng.generate(IDS, max_new_tokens=4, force="recompute"))
         assert again.token_ids == first.token_ids
+
+
+def test_a_load_past_its_deadline_leaves_its_encoding_out_for_a_while(tmp_path: Path) -> None:
+    """The controller chose the hit (its link prior is fast), the link is slow: the late load
+    is a failure to the controller, so the next requests compute the prompt without waiting
+    for the same load to miss its deadline again (each paid the deadline and a prefill)."""
+    with _server(tmp_path, SLOW) as st, Client(st.address, timeout_s=30, shm_bytes=0) as c:
+        eng = _engine(c, lookup_timeout_s=0.5, calibrate=False)
+        first = _stored(eng)
+        late = _within(8, lambda: eng.generate(IDS, max_new_tokens=4)).timings
+        assert late.load_error.startswith("DeadlineExceeded"), late.load_error
+        for _ in range(2):
+            got = _within(8, lambda: eng.generate(IDS, max_new_tokens=4))
+            t = got.timings
+            assert (t.decision, t.load_error) == ("recompute", ""), t
+            assert got.token_ids == first.token_ids
+        assert eng.controller.counts["raw"] == 1
 
 
 def test_a_load_the_server_never_answers_is_abandoned_at_its_deadline(

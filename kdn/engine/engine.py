@@ -29,8 +29,9 @@ server that can not be reached or does not answer the lookup within
 ``EngineConfig.lookup_timeout_s`` (2 s, not the client's whole call deadline) costs a request
 that much: its prompt is computed whole and nothing is stored back. A load has a deadline of
 its own (``LOAD_DEADLINE_X`` times its predicted TTFT, at least ``lookup_timeout_s``): a server
-that stalls after the lookup costs a request that, after which the load is cancelled and the
-prompt computed whole (``Timings.load_error``: DeadlineExceeded). A block gone between the
+that stalls after the lookup costs a request that, after which the load is cancelled, the
+prompt computed whole (``Timings.load_error``: DeadlineExceeded) and the encoding left out for
+a while, as a failed load's (``LoadingController.observe_failure``). A block gone between the
 lookup and the load (evicted, deleted) leaves the blocks before it reused and the rest
 computed, and stored again.
 
@@ -274,7 +275,6 @@ class KDNEngine(KVConnector):
         self._load_failed: BaseException | None = None
         self._load_until = math.inf  # perf_counter by which every layer must be in
         self._load_s = 0.0  # the load's deadline, seconds
-        self._failed = ""  # the encoding whose blocks failed to load: left out for a while
         self._rewrite = ""  # the one whose blocks are stored again (damaged, refused, missing)
         self._saved: dict[int, LayerKV] = {}
         self._save_refused = False  # a layer not of the prompt's length: nothing stored
@@ -330,16 +330,15 @@ class KDNEngine(KVConnector):
     def _load_failure(self, exc: BaseException, encoding: str) -> None:
         """A load of ``encoding``'s blocks failed with ``exc``: the prompt is computed whole,
         so ``save_layer`` stores every block, not only those after the ones that were meant to
-        load; the encoding is left out for a while (the controller learns it) unless the
-        server was only slow to send; its blocks are stored again unless they were only late
-        or too large for the memory here (nothing wrong with them)."""
+        load; the encoding is left out for a while (the controller learns it), also where it
+        was only late (else a link that got too slow for it costs every request its deadline
+        and a prefill); its blocks are stored again unless they were only late or too large
+        for the memory here (nothing wrong with them)."""
         late = isinstance(exc, DeadlineExceeded)
-        self._failed = "" if late else encoding
         self._rewrite = "" if late or isinstance(exc, TooLarge) else encoding
         self._loaded_blocks = 0
         self._timings.load_error = f"{type(exc).__name__}: {exc}"
-        if self._failed:
-            self.controller.observe_failure(self._failed, self._path, self._server)
+        self.controller.observe_failure(encoding, self._path, self._server)
 
     def start_load(self, token_ids: Sequence[int], *, force: str | None = None) -> int:
         """Begin loading the reusable prefix of a new request (what is left of the last one
