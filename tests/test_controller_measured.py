@@ -273,6 +273,36 @@ def test_each_request_records_predicted_and_measured_ttft(
     assert engine.controller.last_ttft == (got.predicted_ttft_s, got.ttft_s)
 
 
+def test_a_request_whose_lookup_failed_records_its_ttft_too() -> None:
+    """With the server down every request is computed whole, and slow: the TTFT histogram
+    still counts each one (as ``recompute``), while the controller learns nothing from them."""
+    import socket
+
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from kdn.client import metrics
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    registry = CollectorRegistry()
+    assert metrics.enable(registry)
+    try:
+        with Client(f"127.0.0.1:{port}", timeout_s=2) as c:
+            engine = KDNEngine(_model(hidden=64, layers=2), _Tok(), c,
+                               EngineConfig(chunk_tokens=32, calibrate=False,
+                                            lookup_timeout_s=0.2))
+            for _ in range(2):
+                assert engine.generate(_ids(100), max_new_tokens=1).timings.load_error
+        text = generate_latest(registry).decode()
+    finally:
+        metrics.disable()
+    for kind in ("predicted", "measured"):
+        assert _sample(text, "kdn_client_ttft_seconds_count", decision="recompute",
+                       kind=kind) == 2
+    assert engine.controller.ttft_requests == 0
+
+
 def test_a_clock_that_does_not_advance_leaves_the_prior_and_generates(
         client: Client, monkeypatch: pytest.MonkeyPatch) -> None:
     """Under a frozen clock (a time-freezing test tool) the calibration takes 0 s: its speed is

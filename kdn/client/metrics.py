@@ -25,7 +25,8 @@ web framework's /metrics, vLLM's own endpoint):
 
 ``source`` is where the entry came from (``inproc``, the server's ``ram``/``redis``/``disk``,
 or ``blend``); ``encoding`` is the codec's mode-level, ``decision`` an encoding name or
-``recompute``. All are bounded sets. An engine calls ``record_ttft`` once per request. Each finished
+``recompute``. All are bounded sets. An engine calls ``record_ttft`` once per request, also
+for one whose lookup or load failed (its decision then ``recompute``). Each finished
 ``LayerStream`` (every read path ends in one) calls ``record(stream)``; while off, that is one
 global lookup.
 """

@@ -566,9 +566,9 @@ class KDNEngine(KVConnector):
             t.first_token_compute_s = time.perf_counter() - tc  # copies and compute are done
             t.ttft_s = time.perf_counter() - start
             t.reused_tokens, t.computed_tokens = reused, len(ids) - reused
+            client_metrics.record_ttft(t.decision, t.predicted_ttft_s, t.ttft_s)  # every one
             if not t.load_error:  # a failed load's time teaches the controller nothing
                 self.controller.observe_ttft(t.predicted_ttft_s, t.ttft_s)
-                client_metrics.record_ttft(t.decision, t.predicted_ttft_s, t.ttft_s)
                 observe_request(self.controller, streams, t.decision, reused, t,
                                 self._path, self._server, self.layout.bytes_per_token)
             for i, (k, v) in enumerate(cache_layers(decoder.cache)):
