@@ -12,7 +12,7 @@ import random
 
 import pytest
 
-from kdn.delivery import NETWORK, RECOMPUTE, LoadingController
+from kdn.delivery import IN_PROCESS, NETWORK, PATH_PRIORS_B_S, RECOMPUTE, LoadingController
 from kdn.errors import ConfigError
 
 # 2048 tokens of a SmolLM2-shaped model in fp32 on a 2-core CPU, over an unthrottled loopback
@@ -183,6 +183,21 @@ def test_bad_settings_are_refused_by_name() -> None:
         LoadingController(explore=-0.1)
     with pytest.raises(ValueError, match="trials"):
         LoadingController(trials=-1)
+
+
+def test_priors_of_some_paths_keep_the_others_and_change_no_callers_dict() -> None:
+    """A priors_b_s without ``network`` made the first decision raise KeyError('network'); a
+    bandwidth_b_s was written into the caller's dict (PATH_PRIORS_B_S itself, when passed);
+    a name that is no path kind was ignored."""
+    defaults = dict(PATH_PRIORS_B_S)
+    ctl = LoadingController(priors_b_s={IN_PROCESS: 30e9})
+    assert ctl.bandwidth(IN_PROCESS) == 30e9 and ctl.bandwidth(NETWORK) == defaults[NETWORK]
+    assert ctl.choose(1000, 10**8, {"raw": 10**8}, local=frozenset({"raw"})).choice == "raw"
+    LoadingController(priors_b_s=PATH_PRIORS_B_S, bandwidth_b_s=1e6)
+    assert PATH_PRIORS_B_S == defaults
+    assert LoadingController().bandwidth(NETWORK) == defaults[NETWORK]
+    with pytest.raises(ConfigError, match="priors_b_s names no path kind: netwrok"):
+        LoadingController(priors_b_s={"netwrok": 1e9})
 
 
 @pytest.mark.parametrize("bad", [0.0, -1e9, math.nan, math.inf])

@@ -99,6 +99,7 @@ from kdn.delivery.defaults import (
     IN_PROCESS,
     NETWORK,
     PATH_PRIORS_B_S,
+    PATHS,
     RECOMPUTE,
     SAME_HOST,
 )
@@ -143,7 +144,8 @@ class LoadingController:
     """One prior for every link (same-host and network paths; the in-process tier has no
     link) until retrieves over it are observed; None (default): ``PATH_PRIORS_B_S``."""
     priors_b_s: dict[str, float] = field(default_factory=lambda: dict(PATH_PRIORS_B_S))
-    """Bandwidth prior (bytes/s) per path kind (``PATHS``)."""
+    """Bandwidth prior (bytes/s) per path kind (``PATHS``); a kind not named keeps
+    ``PATH_PRIORS_B_S``'s. The controller keeps a copy (the caller's dict is left as it was)."""
     bandwidths_b_s: dict[str, float] = field(default_factory=dict)
     """Learnt bandwidth (bytes/s) per path kind (``"same-host"``) and per path kind and
     server (``"network@host:port"``): a new server starts from what its kind showed."""
@@ -221,6 +223,11 @@ class LoadingController:
     the decisions the next failure leaves it out for)."""
 
     def __post_init__(self) -> None:
+        unknown = sorted(map(str, set(self.priors_b_s) - set(PATHS)))
+        if unknown:
+            raise ConfigError(f"priors_b_s names no path kind: {', '.join(unknown)} (the kinds "
+                              f"are {', '.join(PATHS)})")
+        self.priors_b_s = {**PATH_PRIORS_B_S, **self.priors_b_s}
         speeds = {"prefill_tok_s": self.prefill_tok_s, **{
             f"{name}[{k!r}]": v for name in ("priors_b_s", "bandwidths_b_s", "decode_b_s",
                                              "codec_b_s") for k, v in getattr(self, name).items()}}
