@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import random
+import threading
 
 import pytest
 
@@ -307,3 +308,20 @@ def test_each_encoding_crosses_a_route_at_its_own_share_of_its_bandwidth() -> No
         _hit(c, "raw", KV / 0.625e9, 0.115)  # the link halves, seen through raw only
     later = c.choose(2048, KV, STORED, path=NETWORK, server=SERVER).estimates_s
     assert later["int8"] - 0.195 > 1.4 * (est["int8"] - 0.195)  # int8's transfer follows
+
+
+def test_a_prediction_waits_for_a_length_class_being_added() -> None:
+    """One controller shared by threads (two engines, a scheduler beside a worker): a
+    prediction read the length classes while another thread's prefill added one (RuntimeError:
+    dictionary changed size during iteration, out of choose)."""
+    ctl = LoadingController()
+    ctl.observe_prefill(256, 0.5)
+    got: list[float] = []
+    with ctl._lock:  # noqa: SLF001  (as observe_prefill holds it while it adds a class)
+        reader = threading.Thread(target=lambda: got.append(ctl.prefill_seconds(512)))
+        reader.start()
+        reader.join(0.2)
+        assert reader.is_alive() and not got
+        ctl._add_prefill(512, 0.25)  # noqa: SLF001
+    reader.join(5)
+    assert got == [pytest.approx(0.25)]

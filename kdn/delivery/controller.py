@@ -163,7 +163,9 @@ class LoadingController:
     """Per device: seconds per KV byte a hit costs beyond its codec (module docstring),
     learnt from hits of calibrated encodings."""
     device: str = "cpu"
-    """Where the engine decodes (its model's device type): the key's default device."""
+    """Where the engine decodes (its model's device type): the key's default device. Each
+    ``KDNEngine`` sets it and ``layers`` to its model's, so engines sharing one controller
+    (threads may) must run on one kind of device and layer count."""
     layers: int = 1
     """Layers over which a hit's transfer and decode overlap (the engine sets its model's on
     a GPU); 1 adds them up."""
@@ -307,7 +309,7 @@ class LoadingController:
         (module docstring); the recomputes' spread follows its ratio to the prediction."""
         if rate_of(tokens, seconds) is not None:
             with self._lock:
-                predicted = self.prefill_seconds(tokens)
+                predicted = self._prefill_seconds(tokens)
                 self._add_prefill(tokens, seconds)
                 self.spread.setdefault(RECOMPUTE, Spread()).add(seconds / predicted, self.alpha)
 
@@ -358,6 +360,11 @@ class LoadingController:
         """Predicted seconds to prefill ``tokens`` tokens: at the seconds per token of the
         nearest length class with samples (the longer of two as near), else at the prior
         ``prefill_tok_s`` (module docstring)."""
+        with self._lock:  # another thread may be adding a length class
+            return self._prefill_seconds(tokens)
+
+    def _prefill_seconds(self, tokens: int) -> float:
+        """``prefill_seconds``, with the lock held."""
         if tokens <= 0:
             return 0.0
         if not self._prefill:
