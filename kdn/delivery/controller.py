@@ -47,7 +47,9 @@ same link slower than raw bytes do. So each encoding's transfers also keep, per 
 rate over the route's bandwidth (``transfer_fits``, a running mean, 1 until seen), and the
 route learns each rate divided by its encoding's share: an encoding's transfer is estimated
 at its share of the route's bandwidth, which follows the link whichever encoding shows a
-change, and not the mix of encodings that crossed it. An encoding's own samples (its
+change, and not the mix of encodings that crossed it. Shares are relative: the fastest
+encoding seen on a route has 1, and the route's bandwidth is the rate it crosses at (an
+encoding not yet seen there, or a new server of its kind, is estimated at that). An encoding's own samples (its
 decode time from a hit, its share of a route) reach their running means as the median of
 their last ``RECENT``: a straggler (another job took the cores for one request) would
 otherwise stay in the estimate of the encoding it hit until that encoding is chosen again.
@@ -273,27 +275,47 @@ class LoadingController:
                          server: str = "", encoding: str = "") -> None:
         """``nbytes`` crossed ``path`` (from ``server``, where known) in ``seconds``: both
         the path kind's estimate and the server's follow it; with the ``encoding`` they
-        carried, its share of that path (``transfer_fits``) too. A rate, bandwidth or share
-        that is no ``speed`` (a time of 5e-324 s) is ignored, as other bad observations are."""
+        carried, its share of that path (``transfer_fits``) too, kept relative to the route's
+        fastest encoding (``_relative_shares``). A rate, bandwidth or share that is no
+        ``speed`` (a time of 5e-324 s) is ignored, as other bad observations are."""
         rate = rate_of(nbytes, seconds)
         if rate is None:
             return
-        fit = _option_key(encoding, path == IN_PROCESS, path, server)
+        route = route_key(path == IN_PROCESS, path, server)
+        fit = f"{encoding}@{route}"
+        own = f"{path}@{server}" if server else path
         with self._lock:
-            # the route learns the rate as if its share were 1: the encodings' mix does
-            # not move it, a change of the link does
+            # the route learns the rate divided by the encoding's share: the encodings' mix
+            # does not move it, a change of the link does
             olds = {path: self.bandwidth(path)}
             if server:
-                olds[f"{path}@{server}"] = self.bandwidth(path, server)
+                olds[own] = self.bandwidth(path, server)
             link = rate / self.transfer_fits.get(fit, 1.0) if encoding else rate
             new = {key: self._ewma(old, link) for key, old in olds.items()}
-            share = rate / new[f"{path}@{server}" if server else path]
+            share = rate / new[own]
             if not all(speed(v) for v in (link, share, *new.values())):
                 return
             self.bandwidths_b_s.update(new)
             if encoding:
                 share = self._filtered("share:" + fit, share)
                 self.transfer_fits[fit] = self._ewma(self.transfer_fits.get(fit, share), share)
+                self._relative_shares(route, own)
+
+    def _relative_shares(self, route: str, own: str) -> None:
+        """Scale ``route``'s shares so that its fastest encoding's is 1, and its bandwidth
+        (``own``) by as much: each encoding's estimate stays, while the bandwidth is what the
+        fastest one crosses at. Else a link that changed shows in the share of the encoding
+        that saw it first, and the bandwidth (an unseen encoding's, a new server's) stays
+        where the prior or the probe left it. With the lock held."""
+        fits = [k for k in self.transfer_fits if k.split("@", 1)[1] == route]
+        top = max(self.transfer_fits[k] for k in fits)
+        scaled = self.bandwidths_b_s[own] * top
+        if top == 1.0 or not speed(scaled):
+            return
+        self.bandwidths_b_s[own] = scaled
+        for k in fits:
+            self.transfer_fits[k] /= top
+            self._recent["share:" + k] = [x / top for x in self._recent.get("share:" + k, [])]
 
     def bandwidth(self, path: str = NETWORK, server: str = "") -> float:
         """Bandwidth (bytes/s) of ``path`` from ``server``: learnt for that server, else for
