@@ -1,6 +1,7 @@
 """KDNEngine's loads against a real in-process server: a load that stalls has a deadline of its
-own (and, once late, is left out for a while), a block gone between the lookup and the load leaves the blocks before it reused, a client
-without a deadline works, and no KV of a prompt outlives its request."""
+own (and, once late, is left out for a while), a block gone between the lookup and the load
+leaves the blocks before it reused, a client without a deadline works, and no KV of a prompt
+outlives its request."""
 
 from __future__ import annotations
 

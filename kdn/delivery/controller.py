@@ -49,10 +49,11 @@ route learns each rate divided by its encoding's share: an encoding's transfer i
 at its share of the route's bandwidth, which follows the link whichever encoding shows a
 change, and not the mix of encodings that crossed it. Shares are relative: the fastest
 encoding seen on a route has 1, and the route's bandwidth is the rate it crosses at (an
-encoding not yet seen there, or a new server of its kind, is estimated at that). An encoding's own samples (its
-decode time from a hit, its share of a route) reach their running means as the median of
-their last ``RECENT``: a straggler (another job took the cores for one request) would
-otherwise stay in the estimate of the encoding it hit until that encoding is chosen again.
+encoding not yet seen there, or a new server of its kind, is estimated at that). An
+encoding's own samples (its decode time from a hit, its share of a route) reach their
+running means as the median of their last ``RECENT``: a straggler (another job took the
+cores for one request) would otherwise stay in the estimate of the encoding it hit until
+that encoding is chosen again.
 Before there are ``RECENT`` of a hit's decode samples, one moves the estimate it had (a
 calibration, a prior) at most twofold, to their geometric mean, and two give the faster:
 a fresh engine's first hit that meets a stall does not make loading look ten times slower.
@@ -101,9 +102,11 @@ from kdn.delivery.defaults import (
     IN_PROCESS,
     NETWORK,
     PATH_PRIORS_B_S,
-    PATHS,
     RECOMPUTE,
     SAME_HOST,
+    option_key,
+    path_priors,
+    route_key,
 )
 from kdn.delivery.measures import (
     RECENT,
@@ -117,19 +120,6 @@ from kdn.delivery.measures import (
 from kdn.errors import ConfigError
 
 log = logging.getLogger(__name__)
-
-def route_key(local: bool, path: str, server: str) -> str:
-    """Where a hit comes from: the in-process tier, or ``path`` from ``server``."""
-    if local:
-        return IN_PROCESS
-    return f"{path}@{server}" if server else path
-
-
-def _option_key(option: str, local: bool, path: str, server: str) -> str:
-    """Where ``option``'s measured cost is kept in ``spread``: an encoding per route, a
-    recompute wherever it ran."""
-    return option if option == RECOMPUTE else f"{option}@{route_key(local, path, server)}"
-
 
 @dataclass(frozen=True)
 class Decision:
@@ -227,11 +217,7 @@ class LoadingController:
     the decisions the next failure leaves it out for)."""
 
     def __post_init__(self) -> None:
-        unknown = sorted(map(str, set(self.priors_b_s) - set(PATHS)))
-        if unknown:
-            raise ConfigError(f"priors_b_s names no path kind: {', '.join(unknown)} (the kinds "
-                              f"are {', '.join(PATHS)})")
-        self.priors_b_s = {**PATH_PRIORS_B_S, **self.priors_b_s}
+        self.priors_b_s = path_priors(self.priors_b_s)
         speeds = {"prefill_tok_s": self.prefill_tok_s, **{
             f"{name}[{k!r}]": v for name in ("priors_b_s", "bandwidths_b_s", "decode_b_s",
                                              "codec_b_s") for k, v in getattr(self, name).items()}}
@@ -303,10 +289,8 @@ class LoadingController:
 
     def _relative_shares(self, route: str, own: str) -> None:
         """Scale ``route``'s shares so that its fastest encoding's is 1, and its bandwidth
-        (``own``) by as much: each encoding's estimate stays, while the bandwidth is what the
-        fastest one crosses at. Else a link that changed shows in the share of the encoding
-        that saw it first, and the bandwidth (an unseen encoding's, a new server's) stays
-        where the prior or the probe left it. With the lock held."""
+        (``own``) by as much (module docstring): each encoding's estimate stays, the bandwidth
+        follows a changed link. With the lock held."""
         fits = [k for k in self.transfer_fits if k.split("@", 1)[1] == route]
         top = max(self.transfer_fits[k] for k in fits)
         scaled = self.bandwidths_b_s[own] * top
@@ -459,7 +443,7 @@ class LoadingController:
         t, layers = max(0.0, transfer_s), max(1, self.layers)
         after = max(seconds - t, 0.0)
         decode = (t + after - t / layers if after >= t / layers else layers * after)
-        key = _option_key(encoding, local, path, server)
+        key = option_key(encoding, local, path, server)
         sample = kv_bytes / max(decode, 1e-6)
         with self._lock:
             got = self._recent.setdefault(f"decode:{key}@{device or self.device}", [])
@@ -507,7 +491,7 @@ class LoadingController:
         (module docstring)."""
         if local:
             path, server = IN_PROCESS, ""
-        share = self.transfer_fits.get(_option_key(encoding, local, path, server), 1.0)
+        share = self.transfer_fits.get(option_key(encoding, local, path, server), 1.0)
         transfer = stored_bytes / (self.bandwidth(path, server) * share)
         decode = kv_bytes / self.decode_speed(encoding)
         return max(transfer, decode) + min(transfer, decode) / max(1, self.layers)
@@ -516,12 +500,12 @@ class LoadingController:
               server: str = "") -> float | None:
         """Relative scatter of ``option``'s measured cost on that route (an encoding) or of
         the recomputes: None before two observations."""
-        got = self.spread.get(_option_key(option, local, path, server))
+        got = self.spread.get(option_key(option, local, path, server))
         return got.relative_error if got is not None else None
 
     def _seen(self, option: str, local: frozenset[str], path: str, server: str) -> int:
         """Times ``option`` was observed on its route (a recompute: anywhere)."""
-        got = self.spread.get(_option_key(option, option in local, path, server))
+        got = self.spread.get(option_key(option, option in local, path, server))
         return got.n if got is not None else 0
 
     def margin(self, a: str, b: str, local: frozenset[str] = frozenset(),

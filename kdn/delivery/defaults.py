@@ -1,9 +1,12 @@
 """What the loading controller assumes before it has measured anything, and what an engine
-stores where its config names no encoding: the options' names, the kinds of path a hit takes,
+stores where its config names no encoding: the options' names, the kinds of path a hit takes
+(and the keys of a route, ``route_key``, and of an option on it, ``option_key``),
 decode-speed and bandwidth priors, and the default encodings per device and path
 (``kdn.delivery.controller`` learns from there)."""
 
 from __future__ import annotations
+
+from kdn.errors import ConfigError
 
 RECOMPUTE = "recompute"
 
@@ -45,6 +48,29 @@ of a pinned host-to-device copy, tens of GB/s; 20 GB/s is a low memcpy figure). 
 (2.6-7.6 GB/s for 1-256 MiB) and below the same-host GPU hits of ``bench.gpu`` (36-46 GB/s
 on an H100), which are learnt once seen. Network: 0.5 GB/s (4 Gbit/s), the controller's
 former single link prior."""
+
+
+def path_priors(given: dict[str, float]) -> dict[str, float]:
+    """A copy of ``PATH_PRIORS_B_S`` with the priors ``given`` for some path kinds; a name
+    that is no path kind is a ConfigError."""
+    unknown = sorted(map(str, set(given) - set(PATHS)))
+    if unknown:
+        raise ConfigError(f"priors_b_s names no path kind: {', '.join(unknown)} (the kinds "
+                          f"are {', '.join(PATHS)})")
+    return {**PATH_PRIORS_B_S, **given}
+
+
+def route_key(local: bool, path: str, server: str) -> str:
+    """Where a hit comes from: the in-process tier, or ``path`` from ``server``."""
+    if local:
+        return IN_PROCESS
+    return f"{path}@{server}" if server else path
+
+
+def option_key(option: str, local: bool, path: str, server: str) -> str:
+    """Where the controller keeps what it learnt of ``option``: an encoding per route, a
+    recompute wherever it ran."""
+    return option if option == RECOMPUTE else f"{option}@{route_key(local, path, server)}"
 
 
 def default_encodings(device: str, path: str) -> tuple[tuple[str, str], ...]:
