@@ -205,3 +205,30 @@ def test_subjects_in_the_tenants_file_are_checked() -> None:
     assert auth.by_certificate([("cn", "plain")]) == {("t", Role.TENANT)}
     assert auth.by_certificate([("dns", "ops")]) == set()  # typed: its kind only
     assert auth.by_certificate([("cn", "ops")]) == {("o", Role.ADMIN)}
+
+
+def test_a_certificate_of_the_unscoped_key_space_sees_only_its_own(tmp_path: Path) -> None:
+    """Without a tenants file a certificate is a tenant of the unscoped key space (""), whose
+    tier keys have no tenant part: ls, export and stats show it its own entries only, not
+    those named tenants stored (under a tenants file before, or another server on the tier),
+    and no server-wide counts."""
+    c = make_certs(tmp_path, clients=("engine-1",))
+    path = tmp_path / "tenants.yaml"
+    path.write_text('tenants:\n  secret-co: {api_keys: ["key-a"]}\n')
+    path.chmod(0o600)
+    base = dict(port=0, data_dir=tmp_path / "d", disk_bytes=64 << 20,
+                tls_cert=str(c["server.crt"]), tls_key=str(c["server.key"]))
+    theirs, mine, kv = keys.chunk_key([7], LAY), keys.chunk_key([8], LAY), random_kv(LAY, 4)
+    with ServerThread(ServerConfig(auth_file=str(path), **base)) as st:  # type: ignore[arg-type]
+        with Client(st.address, api_key="key-a", retry=None,
+                    tls=TLSOptions(ca=c["ca.crt"].read_bytes())) as a:
+            a.store(theirs, kv, namespace="private")
+    with ServerThread(ServerConfig(tls_client_ca=str(c["ca.crt"]), **base)) as st:  # type: ignore[arg-type]
+        with AdminClient(st.address, tls=_mtls(c, "engine-1"), retry=None) as cl:
+            cl.store(mine, kv)
+            assert [(e.tenant, e.key) for e in cl.ls()] == [("", mine)]
+            assert cl.export_to(tmp_path / "x.kdnx") == 1
+            stats = cl.stats()
+            assert set(stats.counters) <= {"rpc.in_flight"}, stats.counters
+            assert all(t.entries == 0 for t in stats.tiers)
+            assert [(t.tenant, t.entries) for t in stats.tenants] == [("", 1)]

@@ -58,6 +58,8 @@ from kdn.v1 import kdn_pb2 as pb
 from kdn.v1 import kdn_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
+Scope = tuple[bytes, str, str | None]
+"""A listing's tier-key prefix, namespace and tenant (``AdminServicer._scope``)."""
 LIST_LIMIT = 1000
 VERIFY_REPORT_EVERY = 256
 
@@ -93,27 +95,29 @@ class AdminServicer(pb_grpc.KDNAdminServicer):
 
     # -- scoping --------------------------------------------------------------------------------
 
-    def _scope(self, namespace: str, tenant: str) -> tuple[bytes, str]:
+    def _scope(self, namespace: str, tenant: str) -> Scope:
         """What a listing or export of ``namespace`` ("" all) and ``tenant`` ("" all the
-        caller sees) may show: a tier-key prefix, and the namespace every key must have
-        besides ("" none). An admin without ``tenant`` sees every tenant, so its namespace
-        filter matches that namespace in each (which no one prefix can say); anyone else
-        sees one tenant (another one: admins only, PermissionDenied)."""
+        caller sees) may show: a tier-key prefix, the namespace every key must have besides
+        ("" none), and the tenant every key must belong to (None: any). An admin without
+        ``tenant`` sees every tenant, so its namespace filter matches that namespace in each
+        (which no one prefix can say); anyone else sees one tenant (another one: admins only,
+        PermissionDenied), the unscoped key space ("") included: its keys have no tenant part,
+        so no prefix alone keeps the named tenants' keys out of it."""
         p = current_principal.get()
         if namespace:
             check_namespace(namespace)
         if p.is_admin and not tenant:
-            return b"", namespace
+            return b"", namespace, None
         scope = acting_tenant(p, tenant)
         head = scope + ":" if scope else ""
-        return (head + namespace + "/" if namespace else head).encode(), ""
+        return (head + namespace + "/" if namespace else head).encode(), "", scope
 
-    def _visible(self, scope: tuple[bytes, str], key_prefix: bytes) -> list[bytes]:
-        prefix, namespace = scope
+    def _visible(self, scope: Scope, key_prefix: bytes) -> list[bytes]:
+        prefix, namespace, tenant = scope
         keys = self.store.keys(prefix)
         hp = check_key_prefix(key_prefix).hex()
-        if namespace or hp:
-            keys = [k for k in keys if _matches(split_store_key(k), namespace, hp)]
+        if namespace or hp or tenant is not None:
+            keys = [k for k in keys if _matches(split_store_key(k), namespace, hp, tenant)]
         return keys
 
     def _read(self, skey: bytes) -> tuple[bytes, list[str]] | None:
@@ -308,7 +312,7 @@ class AdminServicer(pb_grpc.KDNAdminServicer):
                                   "would leave out the entries only it holds; export again "
                                   "once it is back (kdn admin health)")
 
-    def _export_keys(self, scope: tuple[bytes, str], key_prefix: bytes) -> list[bytes]:
+    def _export_keys(self, scope: Scope, key_prefix: bytes) -> list[bytes]:
         self._whole()
         keys = self._visible(scope, key_prefix)
         self._whole()  # a tier that failed while listing: its keys are not all there
@@ -486,10 +490,12 @@ class AdminServicer(pb_grpc.KDNAdminServicer):
                             self.store.unpin(k)
 
 
-def _matches(parts: tuple[str, str, bytes], namespace: str, hex_prefix: str) -> bool:
-    """Whether a tier key's (tenant, namespace, key) is in ``namespace`` ("" any) and starts
-    with ``hex_prefix``."""
-    return (not namespace or parts[1] == namespace) and parts[2].hex().startswith(hex_prefix)
+def _matches(parts: tuple[str, str, bytes], namespace: str, hex_prefix: str,
+             tenant: str | None = None) -> bool:
+    """Whether a tier key's (tenant, namespace, key) is ``tenant``'s (None any), in
+    ``namespace`` ("" any) and starts with ``hex_prefix``."""
+    return ((tenant is None or parts[0] == tenant) and (not namespace or parts[1] == namespace)
+            and parts[2].hex().startswith(hex_prefix))
 
 
 def _all_keys(tier: Tier) -> list[bytes]:

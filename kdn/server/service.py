@@ -314,10 +314,11 @@ class KDNServicer(pb_grpc.KDNServicer):
         )
 
     def _tenant_scoped(self) -> bool:
-        """Whether the caller sees only its own share of the server (a tenant that is not an
-        admin, where keys are checked): its entries, and the tiers' health."""
+        """Whether the caller sees only its own share of the server (one that is not an admin,
+        where callers are identified: by a key, or by a certificate under mutual TLS, the
+        unscoped key space's too): its entries, and the tiers' health."""
         p = current_principal.get()
-        return self.auth.enabled and not p.is_admin
+        return not self.auth.open and not p.is_admin
 
     def _tenant_view(self, tiers: list[TierStats], down: dict[str, list[str]],
                      tenants: list[pb.TenantStats]) -> pb.StatsResponse:
@@ -338,10 +339,12 @@ class KDNServicer(pb_grpc.KDNServicer):
     def _tenant_stats(self) -> list[pb.TenantStats]:
         """Entries and bytes per tenant: the caller's own, or every tenant for an admin."""
         p = current_principal.get()
-        if not self.auth.enabled:
+        if p.is_admin and not self.auth.enabled:
             return []
         prefix = f"{p.tenant}:".encode() if p.tenant and not p.is_admin else b""
         keys = self.store.keys(prefix)
+        if not p.is_admin:  # the unscoped key space's prefix (b"") is every tenant's too
+            keys = [k for k in keys if split_store_key(k)[0] == p.tenant]
         sizes = self.store.lookup(keys)
         out: dict[str, pb.TenantStats] = {}
         for k, pr in zip(keys, sizes):
