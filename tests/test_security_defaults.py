@@ -162,6 +162,43 @@ def test_secrets_readable_by_others_are_refused(tmp_path: Path, monkeypatch: pyt
     assert len(run.stderr.strip().splitlines()) == 1 and "Traceback" not in run.stderr
 
 
+def test_files_that_say_who_is_who_are_refused_when_others_may_write_them(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The client-CA bundle decides which certificates are admins (a CA added to it signs
+    one), the config file which auth file and mtls_role: others may read them, but one that
+    its group or other users may write, or another ordinary user owns, is refused."""
+    from kdn.server.config import load_config
+    from kdn.server.secretfile import check_trusted
+
+    certs = make_certs(tmp_path)
+    ca = certs["ca.crt"]
+    mtls = dict(tls_cert=str(certs["server.crt"]), tls_key=str(certs["server.key"]),
+                tls_client_ca=str(ca))
+    conf = tmp_path / "kdn.yaml"
+    conf.write_text(f"tls_client_ca: {ca}\n")
+    for path in (ca, conf):
+        path.chmod(0o644)  # readable by all: accepted
+    load_config(conf, env={}, flags={k: v for k, v in mtls.items() if k != "tls_client_ca"})
+    for mode, who in ((0o666, "other users"), (0o646, "other users"), (0o664, "its group")):
+        ca.chmod(mode)
+        with pytest.raises(ConfigError, match=rf"tls_client_ca: {ca} can be written by {who} "
+                                              rf"\(mode {oct(mode)}\).* chmod 644 {ca}"):
+            ServerConfig(**mtls)  # type: ignore[arg-type]
+        conf.chmod(mode)
+        with pytest.raises(ConfigError, match=rf"config file: {conf} can be written by {who}"):
+            load_config(conf, env={})
+    ca.chmod(0o644)
+    owner = os.geteuid()
+    if owner == 0:  # root: give it to nobody
+        os.chown(ca, 65534, 65534)
+        owner = 65534
+    else:  # the suite's user owns it: the server runs as another one
+        monkeypatch.setattr("kdn.server.secretfile.os.geteuid", lambda: owner + 1)
+    with pytest.raises(ConfigError, match=rf"tls_client_ca: {ca} is owned by uid {owner}, "
+                                          rf"neither this server's user .* nor root"):
+        check_trusted("tls_client_ca", ca)
+
+
 def test_tenants_from_an_environment_variable_hold_digests_only(tmp_path: Path) -> None:
     env = {"KDN_AUTH_TENANTS": '{team-a: {api_keys: ["sha256:' + digest("key-a") + '"]}}'}
     from kdn.server.config import load_config

@@ -24,7 +24,7 @@ from urllib.parse import urlparse
 from kdn.checks import shown
 from kdn.errors import ConfigError
 from kdn.server import variables
-from kdn.server.secretfile import check_private
+from kdn.server.secretfile import check_private, check_trusted
 from kdn.server.variables import LINKS_HINT, OTHER_VARIABLES, kubernetes_link
 from kdn.store.redis_urls import cluster_urls, shown_url
 from kdn.store.tiered import WritePolicy
@@ -287,6 +287,8 @@ class ServerConfig:
         for name in ("auth_file", "tls_key"):  # secrets: API keys (or digests), private key
             if getattr(self, name):
                 check_private(name, Path(getattr(self, name)))
+        if self.tls_client_ca:  # its CAs say who a certificate is, an admin too
+            check_trusted("tls_client_ca", Path(self.tls_client_ca))
         if self.auth_file and self.auth_tenants:
             raise ConfigError("auth_tenants: set it or auth_file, not both")
         if self.mtls_role not in ("tenant", "admin", "none"):
@@ -463,6 +465,7 @@ def load_config(
     if file is not None:
         path = Path(file)
         raw = load_yaml_file(path, "config file")
+        check_trusted("config file", path)
         if not isinstance(raw, dict):
             raise ConfigError(f"config file {path}: expected a mapping of settings")
         for k, v in raw.items():

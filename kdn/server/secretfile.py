@@ -1,7 +1,9 @@
-"""Who may own and read a secret file the server is given: the auth file, the TLS private key.
+"""Who may own and read a secret file the server is given (the auth file, the TLS private key),
+and who may write a file it trusts (the client-CA bundle, the config file).
 
-``check_private`` runs at start-up (``ServerConfig``); its refusal is one ``ConfigError`` line
-naming the file and the fix, which ``kdn serve`` prints before exiting.
+``check_private`` and ``check_trusted`` run at start-up (``ServerConfig``, ``load_config``);
+a refusal is one ``ConfigError`` line naming the file and the fix, which ``kdn serve`` prints
+before exiting.
 """
 
 from __future__ import annotations
@@ -13,6 +15,25 @@ from pathlib import Path
 from kdn.errors import ConfigError
 
 log = logging.getLogger("kdn.server.config")
+
+
+def check_trusted(name: str, path: Path) -> None:
+    """Refuse a file that decides who is who (the client-CA bundle: a CA added to it signs
+    certificates a tenants file's ``subjects:`` or ``mtls_role`` make admins; the config file)
+    that a user other than the server's own or root may write: one owned by another user, or
+    writable by its group or other users. Reading it is open to anyone (it holds no secret)."""
+    st = path.stat()
+    mode = st.st_mode & 0o777
+    me = os.geteuid()
+    if st.st_uid not in (me, 0):
+        raise ConfigError(f"{name}: {path} is owned by uid {st.st_uid}, neither this server's "
+                          f"user (uid {me}) nor root: that user could rewrite it; run chown "
+                          f"{me} {path}")
+    if mode & 0o022:
+        raise ConfigError(f"{name}: {path} can be written by "
+                          f"{'other users' if mode & 0o002 else 'its group'} (mode "
+                          f"{oct(mode)}), who could rewrite it; its owner should run "
+                          f"chmod 644 {path}")
 
 
 def check_private(name: str, path: Path) -> None:
