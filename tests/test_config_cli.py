@@ -19,7 +19,7 @@ from kdn import keys
 from kdn.client import Client
 from kdn.errors import ConfigError
 from kdn.server import ServerConfig, build_store
-from kdn.server.config import load_config, parse_size
+from kdn.server.config import _WHO_MAY_ENTER, load_config, parse_size
 from kdn.store.tiered import WritePolicy
 from tests.helpers import pruned_layout, random_kv
 from tests.redis_servers import RedisServer
@@ -471,6 +471,31 @@ def test_kdn_serve_rejects_bad_config(tmp_path: Path) -> None:
     assert out.returncode == 2 and "ram_bytes" in out.stderr and "KDN_RAM_BYTES" in out.stderr
 
 
+@pytest.mark.parametrize("name", ["auth_file", "auth_tenants", "tls_client_ca"])
+def test_a_setting_that_lets_callers_in_given_empty_fails_closed(name: str,
+                                                                 tmp_path: Path) -> None:
+    """KDN_AUTH_TENANTS= (a Secret that came out empty) was read as unset: the server started
+    with authentication off. Empty or blank, from a variable, the file or a flag, it is
+    refused naming the setting; unset (or YAML null) still means none."""
+    var = f"KDN_{name.upper()}"
+    for value in ("", "  "):
+        with pytest.raises(ConfigError, match=rf"{name}: \${var} is given but empty"):
+            load_config(env={var: value})
+        with pytest.raises(ConfigError, match=rf"{name}: --{name.replace('_', '-')} is given "
+                                              "but empty"):
+            load_config(env={}, flags={name: value})
+    conf = tmp_path / "kdn.yaml"
+    conf.write_text(f'{name}: ""\n')
+    with pytest.raises(ConfigError, match=rf"{name}: {conf} is given but empty"):
+        load_config(conf, env={})
+    conf.write_text(f"{name}:\n")
+    assert getattr(load_config(conf, env={}), name) == ""
+    out = subprocess.run([sys.executable, "-m", "kdn", "serve", "--port", "0"],
+                         capture_output=True, text=True, timeout=60,
+                         env={**os.environ, var: ""})
+    assert out.returncode == 2 and f"${var} is given but empty" in out.stderr, out.stderr
+
+
 def test_admin_against_nothing_fails_cleanly() -> None:
     out = subprocess.run([sys.executable, "-m", "kdn", "admin", "--address",
                           f"127.0.0.1:{_free_port()}", "--timeout", "2", "health"],
@@ -529,6 +554,8 @@ def test_help_shows_values_as_one_writes_them() -> None:
     assert "api_keys" in shown["auth_file"][1] and "kdn/server" not in shown["auth_file"][1]
     assert format_size(3 << 20) == "3MiB" and format_size(1000) == "1000"
     for name, default, _ in describe():  # what help shows parses back to the default
+        if name in _WHO_MAY_ENTER:  # "" is unset there: given empty, it is refused
+            continue
         flags = {name: default if default != '""' else ""}
         assert getattr(load_config(env={}, flags=flags), name) == \
             getattr(ServerConfig(), name), name

@@ -168,8 +168,8 @@ class ServerConfig:
     auth_file: str = ""
     """YAML file of tenants: `tenants: {NAME: {api_keys: [KEY or "sha256:HEX"], subjects:
     [client certificate names: cn:|dns:|uri:|email:|ip:NAME], role: tenant|admin, rate_rps: N,
-    burst: N, quota_bytes: 10GiB, egress_bytes_per_s: 125MB}}` (mode 600); empty = no
-    authentication."""
+    burst: N, quota_bytes: 10GiB, egress_bytes_per_s: 125MB}}` (mode 600); unset = no
+    authentication (given empty, it is refused)."""
     auth_tenants: str = ""
     """The tenants as YAML or JSON text, in the auth file's `tenants:` format but with API keys
     as "sha256:HEX" digests only (for an environment variable: KDN_AUTH_TENANTS; a digest is
@@ -404,8 +404,17 @@ _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
 
 
+_WHO_MAY_ENTER = ("auth_file", "auth_tenants", "tls_client_ca")
+"""Settings that let callers in only by name: one given empty (a Secret that came out empty,
+a template that rendered nothing) is refused, not read as unset (no authentication)."""
+
+
 def _coerce(name: str, value: Any, source: str) -> Any:
     kind = {f.name: f.type for f in fields(ServerConfig)}[name]
+    if name in _WHO_MAY_ENTER and isinstance(value, str) and not value.strip():
+        raise ConfigError(f"{name}: {source} is given but empty, which would turn "
+                          f"{'mutual TLS' if name == 'tls_client_ca' else 'authentication'} "
+                          f"off; give it a value, or unset it to serve without")
     try:
         if name in _SIZE_FIELDS:
             return parse_size(value)
