@@ -3,7 +3,8 @@ a fleet file): YAML's safe loader, refusing a key named twice in one mapping (wh
 would win silently: a tenant defined twice, its role changed by the second; merge keys, ``<<:
 *anchor``, are taken), and every failure
 a ConfigError naming the file (unreadable, larger than ``MAX_FILE_BYTES``, not UTF-8, not
-YAML; for a file of secrets, a tenants file, what and where without quoting its lines)."""
+YAML, a value its tag can not make such as ``!!int abc``, nested too deeply; for a file of
+secrets, a tenants file, what and where without quoting its lines)."""
 
 from __future__ import annotations
 
@@ -41,10 +42,33 @@ class _UniqueKeys(yaml.SafeLoader):
                     seen.add(key)
         super().flatten_mapping(node)
 
+    def construct_object(self, node: Any, deep: bool = False) -> Any:
+        """A value its tag can not make (``!!int sk-...``, ``!!float fast``, an unquoted date
+        that is none, 2024-02-30) is a ConstructorError at its line and column, naming the
+        tag: PyYAML raised the ValueError of ``int()`` and the like, which quotes the value."""
+        try:
+            return super().construct_object(node, deep)
+        except yaml.YAMLError:
+            raise
+        except (ValueError, KeyError, AttributeError, TypeError, OverflowError) as exc:
+            tag = str(node.tag).replace("tag:yaml.org,2002:", "!!")
+            raise yaml.constructor.ConstructorError(
+                None, None, f"a value YAML can not read as {tag} ({type(exc).__name__}; "
+                "quote it to make it text)", node.start_mark) from None
+
 
 def parse_yaml(text: str) -> Any:
-    """``yaml.safe_load`` that refuses a key defined twice in one mapping (yaml.YAMLError)."""
-    return yaml.load(text, Loader=_UniqueKeys)  # noqa: S506  # a SafeLoader
+    """``yaml.safe_load`` that refuses a key defined twice in one mapping; every failure is a
+    yaml.YAMLError (a value its tag can not make, nesting too deep for the parser too), whose
+    message quotes no value (``yaml_problem``)."""
+    try:
+        return yaml.load(text, Loader=_UniqueKeys)  # noqa: S506  # a SafeLoader
+    except RecursionError:
+        raise yaml.constructor.ConstructorError(
+            None, None, "nested too deeply", None) from None
+    except (ValueError, KeyError, AttributeError, TypeError, OverflowError) as exc:
+        raise yaml.constructor.ConstructorError(
+            None, None, f"a value YAML can not read ({type(exc).__name__})", None) from None
 
 
 MAX_FILE_BYTES = 4 << 20

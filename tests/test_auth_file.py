@@ -87,6 +87,14 @@ def test_a_plain_file_loads_as_written(tmp_path: Path) -> None:
     ('tenants:\n  a: {api_keys: ["s3cr3t-key-a" ,, ]}\n',
      r"not valid YAML: .*found ',' at line 2, column 34$"),
     ("tenants:\n  a: {api_keys: [98127361823761]}\n", r"api_keys\[0\] .* got a number$"),
+    # a tag the value does not fit, and a date that is none: PyYAML raised int()'s ValueError,
+    # quoting the key, in a traceback; nesting past Python's recursion limit: RecursionError
+    ("tenants:\n  a: {api_keys: [!!int s3cr3t-key-a]}\n",
+     r"not valid YAML: a value YAML can not read as !!int .* at line 2, column 18$"),
+    ("tenants:\n  a: {api_keys: ['s3cr3t'], rate_rps: !!float s3cr3t}\n", r"as !!float"),
+    ("tenants:\n  a: {api_keys: [!!bool s3cr3t]}\n", r"as !!bool"),
+    ("tenants:\n  a: {api_keys: [2024-02-30]}\n", r"as !!timestamp .* quote it"),
+    ("tenants: " + "[" * 3000 + "]" * 3000 + "\n", r"not valid YAML: nested too deeply$"),
 ])
 def test_errors_about_a_tenants_file_never_quote_its_keys(tmp_path: Path, text: str,
                                                            why: str) -> None:
