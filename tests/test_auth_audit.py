@@ -140,6 +140,36 @@ def test_keyless_health_probes_are_counted_apart_and_not_audited(
     assert [x["reason"] for x in _audit(caplog)] == ["missing_key"]
 
 
+def test_health_ready_with_a_refused_key_is_not_ready(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A readiness probe whose key was revoked checks no tier: ``--ready`` exits 1 saying the
+    key was refused and where it came from, never the key (it exited 0, '--api-key shows
+    them', though one was given); keyless it still goes by the services."""
+    from kdn.cli.main import main as cli
+
+    monkeypatch.delenv("KDN_API_KEY", raising=False)
+    cfg = ServerConfig(port=0, data_dir=tmp_path / "d", auth_file=str(_auth_file(tmp_path)),
+                       disk_bytes=0)
+    with ServerThread(cfg) as st:
+        with AdminClient(st.address, api_key="revoked-key-9", retry=None) as stale:
+            hidden = stale.health_report()["tiers_hidden"]
+        assert hidden.startswith("the API key was refused") and "revoked" not in hidden
+        capsys.readouterr()
+        base = ["admin", "health", "--address", st.address]
+        assert cli([*base, "--ready", "--api-key", "revoked-key-9"]) == 1
+        err = capsys.readouterr().err
+        assert "API key was refused" in err and "check the key --api-key gives" in err
+        assert "--api-key shows them" not in err and "revoked-key-9" not in err
+        assert cli([*base, "--api-key", "revoked-key-9"]) == 0  # liveness: the server answers
+        monkeypatch.setenv("KDN_API_KEY", "revoked-key-9")
+        assert cli([*base, "--ready", "-o", "json"]) == 1
+        monkeypatch.setenv("KDN_API_KEY", "key-a")
+        assert cli([*base, "--ready"]) == 0
+        monkeypatch.delenv("KDN_API_KEY")
+        assert cli([*base, "--ready"]) == 0  # a keyless probe: the services decide
+
+
 def test_failed_certificate_identities_are_counted_by_reason(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     c = make_certs(tmp_path, clients=("stranger",))

@@ -191,7 +191,10 @@ def _stats(client: Any, ns: argparse.Namespace) -> int:
 
 
 def _health(client: Any, ns: argparse.Namespace) -> int:
+    from kdn.client.admin import NO_KEY
+
     report = client.health_report()
+    keyless = report["tiers_hidden"] == NO_KEY  # a probe: a DEGRADED tier goes unseen
     if ns.output == "json":
         dump_json(report)
     else:
@@ -203,11 +206,14 @@ def _health(client: Any, ns: argparse.Namespace) -> int:
                   "not_answering": ", ".join(down.get(n, [])) or None}
                  for n, s in (report["tiers"] or {}).items()]
         table(rows, ["name", "kind", "status", "not_answering"])
-        if report["tiers_hidden"]:  # a keyless probe: a DEGRADED tier goes unseen
-            print(f"tiers hidden: {report['tiers_hidden']} (--api-key shows them)",
-                  file=sys.stderr)
-    if ns.ready:  # readiness: every service and tier SERVING
-        return EXIT_OK if report["status"] == "SERVING" else EXIT_FAILED
+        if report["tiers_hidden"]:
+            given = "--api-key" if ns.api_key else "$KDN_API_KEY"
+            print(f"tiers hidden: {report['tiers_hidden']}" + (
+                " (--api-key shows them)" if keyless else f"; check the key {given} gives"),
+                file=sys.stderr)
+    if ns.ready:  # readiness: every service and tier SERVING; a refused key checked none
+        ok = report["status"] == "SERVING" and (report["tiers"] is not None or keyless)
+        return EXIT_OK if ok else EXIT_FAILED
     return EXIT_OK if report["server"] == "SERVING" else EXIT_FAILED  # liveness
 
 

@@ -66,6 +66,8 @@ this client's; its default is 256 MiB)."""
 
 
 SERVICE = "kdn.v1.KDN"  # the service whose health turns NOT_SERVING while a tier is down
+NO_KEY = "no API key"
+"""``health_report``'s ``tiers_hidden`` where no key was sent (a probe: the services decide)."""
 
 
 def _tier_status(tier: pb.TierStats) -> str:
@@ -147,8 +149,9 @@ class AdminClient(Client):
         answer (a cluster's masters, ``host:port``), and ``status``: ``SERVING`` when every one
         of them is, ``DEGRADED`` when the others are and some tier is, else ``NOT_SERVING``.
         Tiers are Stats', which auth refuses without a key (a container's probe): then
-        ``tiers`` is None and ``tiers_hidden`` says why, and a ``DEGRADED`` tier goes unseen
-        (``kdn.v1.KDN`` still goes NOT_SERVING while a tier is down)."""
+        ``tiers`` is None and ``tiers_hidden`` says why (``NO_KEY``; or that the key sent was
+        refused, a revoked one: then nothing says whether the tiers serve), and a ``DEGRADED``
+        tier goes unseen (``kdn.v1.KDN`` still goes NOT_SERVING while a tier is down)."""
         services = {name: self.health(name) for name in ("", SERVICE)}
         parts_down: dict[str, list[str]] | None = None
         hidden = None
@@ -157,8 +160,8 @@ class AdminClient(Client):
             tiers: dict[str, str] | None = {t.name: _tier_status(t) for t in listed}
             parts_down = {t.name: list(t.parts_down) for t in listed if t.parts_down}
         except (Unauthenticated, PermissionDenied) as exc:
-            tiers, hidden = None, "no API key" if isinstance(exc, Unauthenticated) and \
-                not self.rpc.has_key else f"{type(exc).__name__}: {exc}"
+            tiers, hidden = None, NO_KEY if isinstance(exc, Unauthenticated) and \
+                not self.rpc.has_key else f"the API key was refused ({exc})"
         states = {*services.values(), *(tiers or {}).values()}
         status = "SERVING" if states == {"SERVING"} else \
             "DEGRADED" if states == {"SERVING", "DEGRADED"} else "NOT_SERVING"
