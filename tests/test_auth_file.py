@@ -32,6 +32,7 @@ def _load(tmp_path: Path, text: str) -> object:
     ("tenants:\n  a: {api_keys: [k1], rate_rps: .nan}\n", r"rate_rps: must be a finite"),
     ("tenants:\n  a: {api_keys: [k1], rate_rps: -5}\n", r"rate_rps: must be a finite"),
     ("tenants:\n  a: {api_keys: [k1], burst: 2.9}\n", r"burst: must be a finite whole"),
+    ("tenants:\n  a: {api_keys: [k1], burst: 2}\n", r"tenant 'a': burst needs rate_rps"),
     ("tenants:\n  a: {api_keys: [k1], quota_bytes: -1}\n", r"quota_bytes: must be"),
     ("tenants:\n  a: {api_keys: [k1], quota_bytes: true}\n", r"quota_bytes: a number"),
     ("tenants:\n  a: {api_keys: [k1]}\nadmins: [a]\n", r"unknown settings \['admins'\]"),

@@ -207,6 +207,40 @@ def test_subjects_in_the_tenants_file_are_checked() -> None:
     assert auth.by_certificate([("cn", "ops")]) == {("o", Role.ADMIN)}
 
 
+def test_certificate_settings_a_server_would_ignore_are_refused(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A tenant named only by ``subjects`` on a server that asks no client certificate could
+    never enter (its clients got 'missing API key'): the start is refused naming it and
+    tls_client_ca; subjects beside API keys are a warning. ``mtls_role`` beside a tenants file,
+    or without mutual TLS, did nothing: refused naming it."""
+    import logging
+
+    c = make_certs(tmp_path)
+    tls = dict(port=0, data_dir=tmp_path / "d", disk_bytes=0, tls_cert=str(c["server.crt"]),
+               tls_key=str(c["server.key"]))
+    path = tmp_path / "tenants.yaml"
+    path.write_text('tenants:\n  engines: {subjects: ["cn:engine-1"]}\n'
+                    '  ops: {api_keys: ["key-ops"], role: admin}\n')
+    path.chmod(0o600)
+    with pytest.raises(ConfigError, match=r"tenant 'engines': named only by subjects .* set "
+                                          r"tls_client_ca"):
+        ServerThread(ServerConfig(auth_file=str(path), **tls)).start()  # type: ignore[arg-type]
+    path.write_text('tenants:\n  engines: {subjects: ["cn:engine-1"], api_keys: ["key-e"]}\n')
+    with caplog.at_level(logging.WARNING, logger="kdn.server"), \
+            ServerThread(ServerConfig(auth_file=str(path), **tls)):  # type: ignore[arg-type]
+        pass
+    assert any("subjects of tenants engines go unused" in r.getMessage()
+               for r in caplog.records)
+    for role in ("admin", "none"):
+        with pytest.raises(ConfigError, match=rf"mtls_role: {role} applies only without a "
+                                              r"tenants file \(auth_file is set"):
+            ServerConfig(auth_file=str(path), tls_client_ca=str(c["ca.crt"]), mtls_role=role,
+                         **tls)  # type: ignore[arg-type]
+        with pytest.raises(ConfigError, match=rf"mtls_role: {role} applies only under mutual "
+                                              "TLS; set tls_client_ca"):
+            ServerConfig(mtls_role=role, **tls)  # type: ignore[arg-type]
+
+
 def test_a_certificate_of_the_unscoped_key_space_sees_only_its_own(tmp_path: Path) -> None:
     """Without a tenants file a certificate is a tenant of the unscoped key space (""), whose
     tier keys have no tenant part: ls, export and stats show it its own entries only, not

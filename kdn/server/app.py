@@ -37,7 +37,14 @@ from kdn import tracing
 from kdn.cli.output import human_size
 from kdn.errors import ConfigError, DiskFull, InUse, KDNError, again, kept
 from kdn.server.admin import AdminServicer
-from kdn.server.auth import AuthConfig, Authenticator, Role, load_auth, tenants_from_text
+from kdn.server.auth import (
+    AuthConfig,
+    Authenticator,
+    Role,
+    certificates_unasked,
+    load_auth,
+    tenants_from_text,
+)
 from kdn.server.blend_rpc import Blender
 from kdn.server.config import DEFAULT_DISK_BYTES, ServerConfig
 from kdn.server.fastpath import FastPath
@@ -393,6 +400,9 @@ async def start_server(config: ServerConfig, store: TieredStore | None = None,
                          AuthConfig(),
                          mtls=bool(config.tls_client_ca),
                          mtls_role=None if config.mtls_role == "none" else Role(config.mtls_role))
+    if not auth.mtls and (unasked := certificates_unasked(auth.config)):
+        log.warning("subjects of tenants %s go unused: this server asks no client certificate "
+                    "(no tls_client_ca), so they enter by API key only", ", ".join(unasked))
     if not is_loopback(config.host):
         if auth.enabled and not config.tls_cert and config.insecure:
             log.warning("insecure: API keys travel in plaintext to %s:%d (auth on, TLS off); "

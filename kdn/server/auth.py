@@ -268,12 +268,32 @@ def parse_tenants(tenants: Any, where_all: str, *, digests_only: bool = False) -
                 raise ConfigError(f"{where}: api_keys[{i}]: malformed (sha256: and 64 hex "
                                   "digits) or duplicate api key")
             keys[d] = (name, role)
+        rate_rps, burst = _number(spec, "rate_rps", where, whole=False), _number(spec, "burst",
+                                                                                 where)
+        if burst and not rate_rps:
+            raise ConfigError(f"{where}: burst needs rate_rps (the rate its bucket refills at; "
+                              "without one the tenant is not limited)")
         policies[name] = TenantPolicy(
-            rate_rps=_number(spec, "rate_rps", where, whole=False),
-            burst=int(_number(spec, "burst", where)),
+            rate_rps=rate_rps,
+            burst=int(burst),
             quota_bytes=int(_number(spec, "quota_bytes", where, size=True)),
             egress_bytes_per_s=int(_number(spec, "egress_bytes_per_s", where, size=True)))
     return AuthConfig(enabled=True, keys=keys, policies=policies, subjects=subjects)
+
+
+def certificates_unasked(config: AuthConfig) -> list[str]:
+    """For a server that asks no client certificate (no ``tls_client_ca``): the tenants whose
+    ``subjects`` will never be matched (beside their API keys). A tenant named only by
+    ``subjects`` could never enter: ConfigError naming it."""
+    by_subject = sorted({t for t, _ in config.subjects.values()})
+    with_keys = {t for t, _ in config.keys.values()}
+    never = [t for t in by_subject if t not in with_keys]
+    if never:
+        raise ConfigError(f"tenant{'s' * (len(never) > 1)} {', '.join(map(repr, never))}: "
+                          "named only by subjects "
+                          "(client certificate names), which this server does not ask for; set "
+                          "tls_client_ca (mutual TLS) or give them api_keys")
+    return by_subject
 
 
 class _Bucket:

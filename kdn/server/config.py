@@ -184,7 +184,8 @@ class ServerConfig:
     """Role under mutual TLS without a tenants file of a client that sends no API key:
     tenant (the unscoped key space, no admin RPCs), admin, or none (refused). Never admin
     unless set so. With a tenants file, its `subjects` (certificate CN or SAN, e.g.
-    "uri:spiffe://...") name tenants and other certificates need an API key."""
+    "uri:spiffe://...") name tenants and other certificates need an API key (admin or none
+    there is refused)."""
     insecure: bool = False
     """Accept API keys over plaintext on a non-loopback host (auth on, TLS off). Without it such
     a server refuses to start; with it, it warns at every start."""
@@ -293,6 +294,13 @@ class ServerConfig:
             raise ConfigError("auth_tenants: set it or auth_file, not both")
         if self.mtls_role not in ("tenant", "admin", "none"):
             raise ConfigError(f"mtls_role: expected tenant, admin or none, got {self.mtls_role!r}")
+        if self.mtls_role != "tenant" and (self.auth_file or self.auth_tenants):
+            raise ConfigError(f"mtls_role: {self.mtls_role} applies only without a tenants file "
+                              f"({'auth_file' if self.auth_file else 'auth_tenants'} is set: "
+                              "its tenants' subjects say who a certificate is)")
+        if self.mtls_role != "tenant" and not self.tls_client_ca:
+            raise ConfigError(f"mtls_role: {self.mtls_role} applies only under mutual TLS; set "
+                              "tls_client_ca")
         if (self.auth_file or self.auth_tenants) and not self.tls_cert and not self.insecure and \
                 not is_loopback(self.host):
             raise ConfigError(
