@@ -353,3 +353,24 @@ def test_kdn_serve_in_json_writes_json_lines_only(tmp_path: Path) -> None:
         p.send_signal(signal.SIGTERM)
         _, err = p.communicate(timeout=30)
     assert all(line.startswith("{") for line in err.splitlines()), err
+
+
+def test_an_api_key_starting_with_a_dash_is_taken(tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """One ``secrets.token_urlsafe`` key in 64 starts with '-', which argparse took for an
+    option: ``--api-key -Xq...`` was 'expected one argument'. It is the key now, and the
+    example tenants file makes hex keys; a key left out is still named missing."""
+    key = "-Xq3v9s0o2uQd8Zb1rT4yLw6mN5pK7jH0gF2eD4cB6a"
+    auth = tmp_path / "tenants.yaml"
+    auth.write_text(f'tenants:\n  ops: {{api_keys: ["{key}"], role: admin}}\n')
+    auth.chmod(0o600)
+    with ServerThread(ServerConfig(port=0, data_dir=tmp_path / "d", disk_bytes=0,
+                                   auth_file=str(auth))) as st:
+        capsys.readouterr()
+        assert cli(["admin", "stats", "--address", st.address, "--api-key", key]) == 0
+        with pytest.raises(SystemExit) as out:
+            cli(["admin", "stats", "--api-key", "--address", st.address])
+        assert out.value.code == 2
+        assert "--api-key: expected one argument" in capsys.readouterr().err
+    example = (ROOT / "deploy" / "tenants.example.yaml").read_text()
+    assert "token_hex(32)" in example and "token_urlsafe" not in example

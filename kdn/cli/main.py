@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any, NoReturn
@@ -304,6 +305,28 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+_OPTION = re.compile(r"--?[a-z][a-z-]*")
+
+
+def _keys_joined(argv: list[str]) -> list[str]:
+    """``--api-key KEY`` as ``--api-key=KEY``: argparse takes a value starting with '-' for an
+    option (a key of ``secrets.token_urlsafe``, one in 64, was 'expected one argument'). A
+    next word that looks like an option (``--api-key --address ...``, the key left out) stays
+    apart, for argparse to say the key is missing."""
+    out: list[str] = []
+    words = iter(argv)
+    for word in words:
+        if word == "--":
+            out += [word, *words]
+        elif word == "--api-key":
+            value = next(words, None)
+            out += [word] if value is None else [word, value] if _OPTION.fullmatch(value) \
+                else [f"{word}={value}"]
+        else:
+            out.append(word)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     # before grpc is imported: its native log lines (a failed TLS handshake's, one per try)
     # are not the one line a command prints; GRPC_VERBOSITY=INFO (or DEBUG) shows them. A
@@ -311,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
     # call, amid --log-format json's lines); kdn logs what it serves itself
     command = (sys.argv[1:] if argv is None else argv)[:1]
     os.environ.setdefault("GRPC_VERBOSITY", "NONE" if command == ["serve"] else "ERROR")
-    ns = build_parser().parse_args(argv)
+    ns = build_parser().parse_args(_keys_joined(sys.argv[1:] if argv is None else argv))
     try:
         code = int(ns.func(ns))
         if sys.stdout is not None:  # (None: started with stdout closed, `>&-`)
