@@ -6,8 +6,10 @@ authentications and connection limits: test_auth_audit.py.)"""
 
 from __future__ import annotations
 
+import grp
 import logging
 import os
+import pwd
 import socket
 import subprocess
 import sys
@@ -179,6 +181,8 @@ def test_files_that_say_who_is_who_are_refused_when_others_may_write_them(
     for path in (ca, conf):
         path.chmod(0o644)  # readable by all: accepted
     load_config(conf, env={}, flags={k: v for k, v in mtls.items() if k != "tls_client_ca"})
+    shared = grp.struct_group(("staff", "x", ca.stat().st_gid, ["someone-else"]))
+    monkeypatch.setattr("kdn.server.secretfile.grp.getgrgid", lambda gid: shared)
     for mode, who in ((0o666, "other users"), (0o646, "other users"), (0o664, "its group")):
         ca.chmod(mode)
         with pytest.raises(ConfigError, match=rf"tls_client_ca: {ca} can be written by {who} "
@@ -187,6 +191,7 @@ def test_files_that_say_who_is_who_are_refused_when_others_may_write_them(
         conf.chmod(mode)
         with pytest.raises(ConfigError, match=rf"config file: {conf} can be written by {who}"):
             load_config(conf, env={})
+    monkeypatch.undo()
     ca.chmod(0o644)
     owner = os.geteuid()
     if owner == 0:  # root: give it to nobody
@@ -197,6 +202,33 @@ def test_files_that_say_who_is_who_are_refused_when_others_may_write_them(
     with pytest.raises(ConfigError, match=rf"tls_client_ca: {ca} is owned by uid {owner}, "
                                           rf"neither this server's user .* nor root"):
         check_trusted("tls_client_ca", ca)
+
+
+def test_a_trusted_file_its_owners_private_group_may_write_is_taken(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under umask 002 (a user-private group each, as Debian and Ubuntu give their users) a
+    config file or client-CA bundle is made mode 0664: its group is its owner alone, so it is
+    taken; the same mode with another member in the group, or writable by all, is refused."""
+    from kdn.server.secretfile import check_trusted
+
+    conf = tmp_path / "kdn.yaml"
+    conf.write_text("port: 0\n")
+    conf.chmod(0o664)
+    st = conf.stat()
+    me = pwd.getpwuid(st.st_uid)
+    own = grp.struct_group((me.pw_name, "x", st.st_gid, []))
+    monkeypatch.setattr("kdn.server.secretfile.pwd.getpwuid",
+                        lambda uid: pwd.struct_passwd((*me[:3], st.st_gid, *me[4:])))
+    monkeypatch.setattr("kdn.server.secretfile.grp.getgrgid", lambda gid: own)
+    check_trusted("config file", conf)  # its own group: taken
+    monkeypatch.setattr("kdn.server.secretfile.grp.getgrgid", lambda gid: grp.struct_group(
+        (me.pw_name, "x", st.st_gid, ["someone-else"])))
+    with pytest.raises(ConfigError, match="can be written by its group"):
+        check_trusted("config file", conf)
+    monkeypatch.setattr("kdn.server.secretfile.grp.getgrgid", lambda gid: own)
+    conf.chmod(0o666)
+    with pytest.raises(ConfigError, match="can be written by other users"):
+        check_trusted("config file", conf)
 
 
 def test_tenants_from_an_environment_variable_hold_digests_only(tmp_path: Path) -> None:

@@ -8,8 +8,10 @@ before exiting.
 
 from __future__ import annotations
 
+import grp
 import logging
 import os
+import pwd
 from pathlib import Path
 
 from kdn.errors import ConfigError
@@ -21,7 +23,10 @@ def check_trusted(name: str, path: Path) -> None:
     """Refuse a file that decides who is who (the client-CA bundle: a CA added to it signs
     certificates a tenants file's ``subjects:`` or ``mtls_role`` make admins; the config file)
     that a user other than the server's own or root may write: one owned by another user, or
-    writable by its group or other users. Reading it is open to anyone (it holds no secret)."""
+    writable by other users, or by a group other than its owner's own (a user-private group,
+    as umask 002 systems give each user: named as its owner, the owner's primary group, no
+    other member; OpenSSH as Debian builds it accepts the same). Reading it is open to anyone
+    (it holds no secret)."""
     st = path.stat()
     mode = st.st_mode & 0o777
     me = os.geteuid()
@@ -29,11 +34,22 @@ def check_trusted(name: str, path: Path) -> None:
         raise ConfigError(f"{name}: {path} is owned by uid {st.st_uid}, neither this server's "
                           f"user (uid {me}) nor root: that user could rewrite it; run chown "
                           f"{me} {path}")
-    if mode & 0o022:
+    if mode & 0o022 and not (mode & 0o002 == 0 and owners_own_group(st.st_uid, st.st_gid)):
         raise ConfigError(f"{name}: {path} can be written by "
                           f"{'other users' if mode & 0o002 else 'its group'} (mode "
                           f"{oct(mode)}), who could rewrite it; its owner should run "
                           f"chmod 644 {path}")
+
+
+def owners_own_group(uid: int, gid: int) -> bool:
+    """Whether group ``gid`` is user ``uid``'s private group, no one else's (see
+    ``check_trusted``); False where either is unknown to the system."""
+    try:
+        owner, group = pwd.getpwuid(uid), grp.getgrgid(gid)
+    except KeyError:
+        return False
+    return (owner.pw_gid == gid and group.gr_name == owner.pw_name
+            and not set(group.gr_mem) - {owner.pw_name})
 
 
 def check_private(name: str, path: Path) -> None:
