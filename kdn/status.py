@@ -66,15 +66,15 @@ GRPC_OWN_DEADLINE = "Deadline Exceeded"
 """The details gRPC's client gives a call its own deadline ended (the server's aborts say more)."""
 
 
-def from_grpc(err: grpc.RpcError, timeout_s: float | None = None) -> KDNError:
+def from_grpc(err: grpc.RpcError, deadline: str | None = None) -> KDNError:
     """The kdn error a client raises for a failed RPC; one that ran past the client's own
-    deadline names ``timeout_s`` (the deadline it was given), which gRPC's text does not."""
+    deadline says which (``deadline``: what set it, e.g. "timeout_s=5 s"), which gRPC's
+    text does not."""
     code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
     details = err.details() if hasattr(err, "details") else str(err)
-    if (code == grpc.StatusCode.DEADLINE_EXCEEDED and timeout_s is not None
+    if (code == grpc.StatusCode.DEADLINE_EXCEEDED and deadline is not None
             and details == GRPC_OWN_DEADLINE):
-        details = (f"the server did not answer within the client's deadline (timeout_s="
-                   f"{timeout_s:g} s); raise timeout_s where calls this large are expected")
+        details = f"the server did not answer within the client's deadline ({deadline})"
     out = _kind(code, details or "")(f"{code.name}: {details}")
     out.status = Status.__members__.get(code.name, Status.UNKNOWN)
     return out

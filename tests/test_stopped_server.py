@@ -225,5 +225,10 @@ def test_a_grpc_call_past_its_deadline_names_timeout_s(served: Served) -> None:
                 _, exc = _costs(call)
                 assert isinstance(exc, DeadlineExceeded), exc
                 assert "timeout_s=0.75 s" in str(exc), exc
+            with deadline_within(0.3):  # sooner than timeout_s: the caller's, not timeout_s
+                _, exc = _costs(lambda: c.lookup([keys.chunk_key([3, 4], LAY)]))
+            assert isinstance(exc, DeadlineExceeded), exc
+            assert "deadline of the call around it" in str(exc) and "timeout_s" not in str(
+                exc), exc
         finally:
             served.resume()

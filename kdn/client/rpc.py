@@ -94,6 +94,16 @@ class Retry:
         raise AssertionError("unreachable")
 
 
+def _which_deadline(budget: float | None, outer: float | None, start: float) -> str | None:
+    """What set the deadline of a call that began at ``start``: the client's ``timeout_s``
+    (``budget``) or the sooner deadline of the call around it (``outer``, ``call_cap``)."""
+    if outer is not None and (budget is None or outer < start + budget):
+        return (f"{max(0.0, outer - start):.3g} s left of the deadline of the call around "
+                f"it, set by its caller")
+    return None if budget is None else (
+        f"timeout_s={budget:g} s; raise timeout_s where calls this large are expected")
+
+
 def pem_problem(name: str, data: bytes) -> str | None:
     """Why the PEM ``data`` is not what the TLS option ``name`` holds (``ca`` and ``cert``:
     a certificate, ``key``: a private key), or None: given one for the other, gRPC and the ssl
@@ -291,6 +301,7 @@ class Rpc:
         if self.closed:
             raise Closed(CLOSED)
         budget = self.timeout_s if timeout_s is False else timeout_s
+        outer, start = call_cap(), time.monotonic()
         try:
             if budget is None:
                 return self.retry.call(fn)
@@ -299,7 +310,7 @@ class Rpc:
         except grpc.RpcError as err:  # kept as the context of kdn's error: not the frames
             if self.closed:  # cancelled by close() on another thread
                 raise Closed(CLOSED) from None
-            raise from_grpc(kept(err), budget) from None  # it passed, which hold the call
+            raise from_grpc(kept(err), _which_deadline(budget, outer, start)) from None
         except ValueError:
             if self.closed:  # gRPC's refusal of a channel closed as the call began
                 raise Closed(CLOSED) from None
