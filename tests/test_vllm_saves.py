@@ -12,7 +12,7 @@ from kdn.client import Client
 from kdn.server import ServerThread
 from tests import test_vllm as base  # skipped with it where vLLM is not installed
 from tests.helpers import random_kv
-from tests.test_vllm import BLOCKS, CHUNK, LAYERS, answered, both, fp16_replay, prompt
+from tests.test_vllm import BLOCK, BLOCKS, CHUNK, LAYERS, answered, both, fp16_replay, prompt
 
 kdn_server = base.kdn_server
 
@@ -201,6 +201,60 @@ def test_chunks_computed_over_a_lossy_load_are_stored_in_lossy_encodings_only(
                             for e in ("raw", "kdn-default")], namespace="vllm").infos
         assert [i.present for i in got] == [False, True, False, True]
         assert w.worker.stats.save_errors == 0
+    finally:
+        s.shutdown()
+        w.shutdown()
+
+
+def test_blocks_shared_from_a_lossy_load_are_stored_in_lossy_encodings_only(
+        kdn_server: ServerThread) -> None:
+    """A loads its prefix as int8; B shares those blocks through vLLM's prefix cache and loads
+    nothing itself: the chunks it saves (those copied from A's blocks and those computed over
+    them) are stored as int8 only, raw keeps exact KV (B's saves went to raw as exact). A
+    block vLLM later hands out anew is exact again."""
+    seeding, sw = both(kdn_server.address, encodings=["int8"])
+    seed = fp16_replay(seeding, sw)
+    p = prompt(45, 5 * CHUNK + 1)
+    try:
+        assert answered(seed, seed.new_request("seed", p)) == 0
+        seed.step()
+        assert sw.worker is not None
+        sw.worker.wait_saves(30)
+    finally:
+        seeding.shutdown()
+        sw.shutdown()
+    s, w = both(kdn_server.address, encodings=["int8", "raw"])
+    assert w.worker is not None
+    rp = fp16_replay(s, w)
+    try:
+        assert answered(rp, rp.new_request("A", p)) == 5 * CHUNK
+        rp.step()
+        shared = rp.reqs["A"].block_ids[: 4 * CHUNK // BLOCK]
+        b = p[: 4 * CHUNK] + prompt(46, CHUNK + 1)
+        assert answered(rp, rp.new_request("B", b), local_blocks=shared) == 0
+        rp.step()
+        w.worker.wait_saves(30)
+        chain = keys.prefix_keys(b, s.layout, "vllm", CHUNK)
+        with Client(kdn_server.address) as c:
+            got = c.lookup([keys.variant_key(k, e) for k in chain for e in ("raw", "int8")],
+                           namespace="vllm").infos
+        assert [i.present for i in got] == [False, True] * 5
+        # blocks handed out anew to an exact request hold exact KV again
+        for rid in ("A", "B"):
+            done = rp.reqs.pop(rid)
+            s.request_finished(done.request, done.block_ids)
+            rp.free.extend(blk for blk in done.block_ids if blk not in rp.free)
+        rp.free.sort(key=lambda blk: blk not in shared)  # A's lossy blocks first
+        q = prompt(47, 5 * CHUNK + 1)
+        assert answered(rp, rp.new_request("C", q)) == 0
+        assert set(shared) <= set(rp.reqs["C"].block_ids)
+        rp.step()
+        w.worker.wait_saves(30)
+        with Client(kdn_server.address) as c:
+            got = c.lookup([keys.variant_key(k, "raw")
+                            for k in keys.prefix_keys(q, s.layout, "vllm", CHUNK)],
+                           namespace="vllm").infos
+        assert all(i.present for i in got)
     finally:
         s.shutdown()
         w.shutdown()

@@ -249,8 +249,9 @@ class SaveSpec:
     load that failed into any of them this step, on this rank, makes the chunks wrong."""
     exact: bool = True
     """Computed over exact KV. False: the request loaded its first chunks in a lossy encoding
-    (``kdn-*``, ``int8``, ``cachegen``), so these hold an approximation and are stored in the
-    lossy encodings only (what ``raw`` and ``lossless`` hold stays exact)."""
+    (``kdn-*``, ``int8``, ``cachegen``), or some of ``attended`` hold KV so loaded (by another
+    request, shared through vLLM's prefix cache), so these hold an approximation and are
+    stored in the lossy encodings only (what ``raw`` and ``lossless`` hold stays exact)."""
 
 
 @dataclass

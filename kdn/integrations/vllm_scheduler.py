@@ -20,6 +20,10 @@ Lifecycle of one request here:
 
 A preempted request loses its blocks (its block table restarts when vLLM resumes it) and is
 looked up again when vLLM asks, so chunks it saved before the preemption are loaded back.
+
+Blocks loaded in a lossy encoding, and those computed over them, are remembered until vLLM
+hands them out anew: a request sharing any of them through vLLM's prefix cache stores its
+chunks in the lossy encodings only (``SaveSpec.exact``), as one that loaded them itself.
 """
 
 from __future__ import annotations
@@ -84,7 +88,8 @@ class _Tracked:
     mend: bool = False
     """A load of its failed: its chunks are saved even where kdn holds them."""
     exact: bool = True
-    """No chunk of it was loaded in a lossy encoding (``SaveSpec.exact``)."""
+    """No chunk of it was loaded in a lossy encoding, nor does it share (vLLM's prefix cache)
+    blocks another request loaded so (``SaveSpec.exact``)."""
     suspect_end: int = 0
     """Chunks ``next_save..suspect_end`` were saved in a step whose load failed (on some
     rank): wrong on any rank until stored again, and forgotten if it ends first."""
@@ -111,6 +116,10 @@ class SchedulerSide:
         self._tracked: dict[str, _Tracked] = {}
         self._loads: list[LoadSpec] = []
         self._forget: list[list[list[bytes]]] = []
+        # blocks whose KV is not exact (loaded in a lossy encoding, or computed over such
+        # blocks): a request sharing one through vLLM's prefix cache saves no exact encoding;
+        # a block vLLM hands out anew (past a request's prefix hit) is written afresh
+        self._lossy: set[int] = set()
 
     # -- lookups ------------------------------------------------------------------------------
 
@@ -194,11 +203,18 @@ class SchedulerSide:
             tracked.chains = found.chains
             tracked.next_save = max(tracked.next_save, found.stored_chunks)
         tracked.block_ids = list(block_ids)
+        start = look.local_hit if look is not None else 0
+        shared = start // self.shape.block_size  # blocks of vLLM's own prefix hit
+        self._lossy.difference_update(block_ids[shared:])  # handed out anew: written afresh
+        if num_external > 0:
+            tracked.exact = tracked.exact and exact(found.encoding)
+        if tracked.exact and not self._lossy.isdisjoint(block_ids[:shared]):
+            tracked.exact = False  # it shares blocks another request loaded lossily
+        if not tracked.exact:
+            self._lossy.update(block_ids)
         if num_external <= 0:
             return
-        tracked.exact = tracked.exact and exact(found.encoding)
         c = self.shape.chunk_tokens
-        start = look.local_hit if look is not None else 0
         end = start + num_external
         first, last = start // c, -(-end // c)
         self._loads.append(LoadSpec(
@@ -232,6 +248,10 @@ class SchedulerSide:
                 t.block_ids = list(added[0]) if added is not None else []
             elif added is not None:
                 t.block_ids.extend(added[0])
+                if t.exact:  # new blocks, written afresh
+                    self._lossy.difference_update(added[0])
+                else:
+                    self._lossy.update(added[0])
             done_by[rid] = cached.num_computed_tokens[i] + so.num_scheduled_tokens.get(rid, 0)
         for rid in meta.preempted:
             t = self._tracked.get(rid)
@@ -251,9 +271,11 @@ class SchedulerSide:
             if last <= t.next_save:
                 continue
             first = t.next_save
+            attended = t.block_ids[: last * c // b]
             out.append(SaveSpec(rid, [chain[first:last] for chain in t.chains], first,
                                 t.block_ids[first * c // b : last * c // b], t.mend,
-                                exact=t.exact, attended=t.block_ids[: last * c // b]))
+                                exact=t.exact and self._lossy.isdisjoint(attended),
+                                attended=attended))
             t.next_save = last
         return out
 
