@@ -382,3 +382,31 @@ def test_chunks_saved_over_another_ranks_failed_load_are_forgotten_when_the_requ
         s.shutdown()
         for w in ws:
             w.shutdown()
+
+
+def test_a_request_preempted_and_resumed_in_one_step_saves_its_later_chunks(
+        kdn_server: ServerThread) -> None:
+    """vLLM's reset_prefix_cache(reset_running_requests=True) preempts a request between steps
+    and the next step resumes it, listing it as preempted too: its new block table is kept,
+    and the chunks it computes then are saved (the preemption was applied after the resume,
+    its table left empty, and none of its later chunks was stored)."""
+    s, w = both(kdn_server.address, encodings=["raw"])
+    assert w.worker is not None
+    rp = fp16_replay(s, w)
+    try:
+        p = prompt(61, 5 * CHUNK + 1)
+        assert answered(rp, rp.new_request("a", p)) == 0
+        rp.step(budget={"a": CHUNK + CHUNK // 2})  # chunk 0 saved
+        w.worker.wait_saves(30)
+        rp.preempt("a")
+        assert answered(rp, rp.reqs["a"].request, resumed=True) == CHUNK
+        rp.step()
+        w.worker.wait_saves(30)
+        with Client(kdn_server.address) as c:
+            got = c.lookup([keys.variant_key(k, "raw")
+                            for k in keys.prefix_keys(p, s.layout, "vllm", CHUNK)],
+                           namespace="vllm").infos
+        assert [i.present for i in got] == [True] * 5
+    finally:
+        s.shutdown()
+        w.shutdown()

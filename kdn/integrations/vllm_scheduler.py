@@ -231,6 +231,11 @@ class SchedulerSide:
             meta.forget = [[k for ranks in self._forget for k in ranks[r]]
                            for r in range(len(self._forget[0]))]
             self._forget = []
+        for rid in meta.preempted:  # first: a request resumed in this same step (vLLM's
+            # reset_prefix_cache preempts between steps) takes its new block table below
+            t = self._tracked.get(rid)
+            if t is not None:
+                t.block_ids = []
         done_by: dict[str, int] = {}
         for new in so.scheduled_new_reqs:
             t = self._tracked.get(new.req_id)
@@ -253,10 +258,6 @@ class SchedulerSide:
                 else:
                     self._lossy.update(added[0])
             done_by[rid] = cached.num_computed_tokens[i] + so.num_scheduled_tokens.get(rid, 0)
-        for rid in meta.preempted:
-            t = self._tracked.get(rid)
-            if t is not None:
-                t.block_ids = []
         if self.save:
             meta.saves = self._saves(done_by)
         return meta
