@@ -47,6 +47,12 @@ def with_embeds(rid: str, seed: int) -> Request:
                    None, prompt_embeds=emb, prompt_is_token_ids=mask)
 
 
+def only_embeds(rid: str, seed: int) -> Request:
+    """A prompt given as embeddings only (no token ids: vLLM's are 0s)."""
+    emb = torch.randn(len(PROMPT), 16, generator=torch.Generator().manual_seed(seed))
+    return Request(rid, None, SamplingParams(max_tokens=4), None, prompt_embeds=emb)
+
+
 def with_adapter(rid: str, name: str, path: str) -> Request:
     return Request(rid, list(PROMPT), SamplingParams(max_tokens=4), None,
                    lora_request=LoRARequest(name, 1, path))
@@ -61,6 +67,7 @@ CASES: dict[str, tuple[Callable[[str], Request], Callable[[str], Request]]] = {
     "image position": (lambda r: with_image(r, "hash-of-A"),
                        lambda r: with_image(r, "hash-of-A", offset=4)),
     "prompt embeds": (lambda r: with_embeds(r, 1), lambda r: with_embeds(r, 2)),
+    "prompt embeds only": (lambda r: only_embeds(r, 1), lambda r: only_embeds(r, 2)),
     "adapter path": (lambda r: with_adapter(r, "sql", "/adapters/sql-v1"),
                      lambda r: with_adapter(r, "sql", "/adapters/sql-v2")),
     "adapter framing": (lambda r: with_adapter(r, "a:b", "c"),

@@ -44,7 +44,7 @@ class Req:
 
     @property
     def prompt(self) -> list[int]:
-        return list(self.request.prompt_token_ids or ())
+        return list(self.request.all_token_ids[: self.request.num_prompt_tokens])
 
 
 class Replay:
@@ -158,8 +158,7 @@ class Replay:
         ext = self.ask(request, len(local) * self.block_size)
         if ext is None:
             return None
-        prompt = list(request.prompt_token_ids or ())
-        need = -(-len(prompt) // self.block_size) - len(local)
+        need = -(-request.num_prompt_tokens // self.block_size) - len(local)
         ids = local + [self.free.pop(0) for _ in range(need)]
         blocks = KVCacheBlocks((tuple(KVCacheBlock(i) for i in ids),))
         self.sched.update_state_after_alloc(request, blocks, ext)

@@ -195,7 +195,7 @@ class SchedulerSide:
                 raise RuntimeError(f"request {rid}: {num_external} external tokens allocated "
                                    "without a finished kdn lookup")
             return
-        prompt = len(request.prompt_token_ids or ())
+        prompt = request.num_prompt_tokens  # also of a prompt given as embeddings only
         tracked = self._tracked.get(rid)
         if tracked is None:
             tracked = self._tracked[rid] = _Tracked(prompt, found.chains, found.stored_chunks)
