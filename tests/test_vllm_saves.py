@@ -410,3 +410,30 @@ def test_a_request_preempted_and_resumed_in_one_step_saves_its_later_chunks(
     finally:
         s.shutdown()
         w.shutdown()
+
+
+def test_a_connector_cache_reset_loads_nothing_stored_before_it(
+        kdn_server: ServerThread) -> None:
+    """vLLM's reset_prefix_cache(reset_connector=True), after a weight update: reset_cache
+    says True only because nothing stored before is loaded again (it returned the base's
+    None, which vLLM counts as done, and the old weights' KV went on being loaded); what is
+    computed after the reset is stored and hit under the new keys."""
+    s, w = both(kdn_server.address, encodings=["raw"])
+    assert w.worker is not None and s.scheduler is not None
+    rp = fp16_replay(s, w)
+    try:
+        p = prompt(71, 5 * CHUNK + 1)
+        assert answered(rp, rp.new_request("before", p)) == 0
+        rp.step()
+        w.worker.wait_saves(30)
+        assert answered(rp, rp.new_request("hit", p)) == 5 * CHUNK
+        rp.step()
+        assert s.reset_cache() is True
+        assert not s.scheduler._tracked and not s.scheduler.pending()
+        assert answered(rp, rp.new_request("after", p)) == 0
+        rp.step()
+        w.worker.wait_saves(30)
+        assert answered(rp, rp.new_request("again", p)) == 5 * CHUNK
+    finally:
+        s.shutdown()
+        w.shutdown()

@@ -30,6 +30,8 @@ Scheduler (``vllm.v1.core.sched.scheduler.Scheduler``):
    whose every token is computed by the end of this step and that kdn lacks.
 4. ``update_connector_output``, ``request_finished`` (the request's state is dropped; blocks are
    never held: saves copy the blocks out during the step), ``take_events``.
+5. ``reset_cache`` (``reset_prefix_cache(reset_connector=True)``, after a weight update): keys
+   take a new random epoch, so nothing stored before is loaded again.
 
 Worker (the model runner, around one forward pass):
 
@@ -225,6 +227,14 @@ class KDNConnector(KVConnectorBase_V1, SupportsHMA):
                          ) -> tuple[bool, dict[str, Any] | None]:
         self._sched().finished(request.request_id)
         return False, None
+
+    def reset_cache(self) -> bool:
+        """vLLM's ``reset_prefix_cache(reset_connector=True)`` (after a weight update): later
+        keys take a new random epoch (``SchedulerSide.reset``), so no chunk stored before is
+        loaded again (the workers hold nothing keyed otherwise)."""
+        if self.scheduler is not None:
+            self.scheduler.reset()
+        return True
 
     def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]
                                     ) -> tuple[bool, dict[str, Any] | None]:

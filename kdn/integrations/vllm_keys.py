@@ -10,7 +10,8 @@ token ids, one chain per TP rank, with:
   by its hash (``identifier``) and its offset from the chunk's start; the hash of the chunk's
   prompt embeddings and of which of its positions they fill (vLLM writes 0 at embedded
   positions of the token ids); the request's ``cache_salt``, in chunk 0's (so in every link);
-* the connector's ``salt`` in the chain's root.
+* the connector's ``salt`` in the chain's root, and after vLLM's ``reset_cache`` (new weights)
+  the random ``epoch`` the scheduler drew then.
 
 A request with none of these has the keys plain ``prefix_keys`` gives.
 """
@@ -103,11 +104,15 @@ def chunk_extras(request: Request, num_tokens: int, chunk_tokens: int) -> list[b
 
 
 def request_chains(request: Request, token_ids: list[int], shape: PagedShape,
-                   config: KDNConnectorConfig) -> list[list[bytes]]:
-    """Per TP rank: the keys of each full chunk of ``token_ids`` (module docstring)."""
+                   config: KDNConnectorConfig, epoch: bytes = b"") -> list[list[bytes]]:
+    """Per TP rank: the keys of each full chunk of ``token_ids`` (module docstring);
+    ``epoch`` (b"": none) is mixed into the salt."""
     c = shape.chunk_tokens
     extras = chunk_extras(request, len(token_ids), c)
     adapter = adapter_name(request)
+    salt: str | bytes = config.salt
+    if epoch:
+        salt = _framed(b"epoch", _text(config.salt), epoch)
     return [keys.prefix_keys(token_ids, shape.layout, config.namespace, c, adapter=adapter,
-                             tp=(r, shape.tp_size), salt=config.salt, extras=extras)
+                             tp=(r, shape.tp_size), salt=salt, extras=extras)
             for r in range(shape.tp_size)]

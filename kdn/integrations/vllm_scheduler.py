@@ -18,6 +18,11 @@ Lifecycle of one request here:
    the step and that kdn did not hold, go into the step's ``KDNConnectorMetadata``.
 4. ``finished(req_id)``: the state is dropped.
 
+``reset()`` (vLLM's ``reset_cache``, after a weight update) draws a random epoch that enters
+every later key, so nothing stored before it is loaded again; lookups in flight and requests'
+save plans are dropped (vLLM preempts running requests in such a reset; resumed, they are
+looked up again under the new keys).
+
 A preempted request loses its blocks (its block table restarts when vLLM resumes it) and is
 looked up again when vLLM asks, so chunks it saved before the preemption are loaded back.
 
@@ -29,6 +34,7 @@ chunks in the lossy encodings only (``SaveSpec.exact``), as one that loaded them
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -120,11 +126,12 @@ class SchedulerSide:
         # blocks): a request sharing one through vLLM's prefix cache saves no exact encoding;
         # a block vLLM hands out anew (past a request's prefix hit) is written afresh
         self._lossy: set[int] = set()
+        self._epoch = b""  # reset(): drawn anew, mixed into every key
 
     # -- lookups ------------------------------------------------------------------------------
 
-    def _lookup(self, token_ids: list[int], request: Request) -> _Found:
-        chains = request_chains(request, token_ids, self.shape, self.config)
+    def _lookup(self, token_ids: list[int], request: Request, epoch: bytes) -> _Found:
+        chains = request_chains(request, token_ids, self.shape, self.config, epoch)
         n = len(chains[0])
         usable = max(0, (len(token_ids) - 1) // self.shape.chunk_tokens)  # >= 1 token computed
         if not n:
@@ -172,7 +179,8 @@ class SchedulerSide:
             look = self._lookups.get(rid)
             if look is None:
                 ids = list(request.all_token_ids)
-                look = self._lookups[rid] = _Lookup(self._pool.submit(self._lookup, ids, request))
+                look = self._lookups[rid] = _Lookup(self._pool.submit(self._lookup, ids, request,
+                                                                      self._epoch))
             look.local_hit = local_hit
         if not look.future.done():
             return None
@@ -304,6 +312,16 @@ class SchedulerSide:
         if t is not None and t.next_save < t.suspect_end:  # ended before its chunks were
             # stored again: another rank may have stored them computed over the failed load
             self._forget.append([chain[t.next_save : t.suspect_end] for chain in t.chains])
+
+    def reset(self) -> None:
+        """vLLM's ``reset_cache`` (module docstring): what kdn holds is not read again."""
+        with self._lock:
+            self._epoch = os.urandom(16)
+            rids = set(self._lookups) | set(self._tracked)
+        for rid in rids:
+            self.finished(rid)
+        log.info("kdn: cache reset (vLLM reset_cache): chunks stored before are no longer "
+                 "looked up; this engine's new keys are its own until it restarts")
 
     def pending(self) -> int:
         """Lookups not yet consumed (for tests and metrics)."""
