@@ -98,3 +98,24 @@ def test_a_raw_page_read_prints_no_torch_warning(server: ServerThread,
         assert torch.equal(pool.kv_of(4), pool.kv_of(0))
     finally:
         b.close()
+
+
+def test_clear_drops_the_pages_of_the_in_process_tier(server: ServerThread) -> None:
+    """``clear`` with ``local_bytes`` on: a page the server no longer holds (deleted by
+    another client, or evicted) but the in-process tier still does is gone too (``ls`` on the
+    server did not find it, and exists and batch_get_v1 went on reading it after clear)."""
+    from kdn.client.admin import AdminClient
+
+    pool = HostPool("page_first", 16, seed=3, **SMALL)  # type: ignore[arg-type]
+    b = kdn_backend(pool, server.address, namespace="cleared", local_bytes=1 << 20)
+    try:
+        assert b.batch_set_v1(KEYS, pool.indices([0, 1, 2, 3])) == [True] * 4
+        with AdminClient(server.address) as other:
+            assert other.delete([b.kdn_key(KEYS[1])], namespace="cleared") == 1
+        assert b.exists(KEYS[1])  # the in-process tier's copy
+        assert b.clear() is True
+        assert [b.exists(k) for k in KEYS] == [False] * 4
+        assert b.batch_get_v1(KEYS[1:2], pool.indices([5])) == [False]
+        assert b.client.local is not None and b.client.local.stats.entries == 0
+    finally:
+        b.close()

@@ -8,9 +8,10 @@ the same key space (namespace, key) as the client's calls. Lifecycle:
   shared segment);
 * read first by ``fetch``, ``retrieve``, ``retrieve_stream(s)`` and reported by ``lookup``
   (tier ``inproc``): a hit costs no call to the server;
-* ``delete`` drops the key here too; the least recently used entries go when the byte budget
-  is exceeded; an entry this client stored with a time to live (``StoreOptions.ttl_s``) goes
-  once it passed, counted from when the store began (so never later than on the server);
+* ``delete`` drops the key here too (``discard_where``: an engine's clear of its own); the
+  least recently used entries go when the byte budget is exceeded; an entry this client
+  stored with a time to live (``StoreOptions.ttl_s``) goes once it passed, counted from when
+  the store began (so never later than on the server);
 * emptied by the client's ``close()``: a read of it after that is refused (``Closed``), as any
   call of a closed client is.
 
@@ -44,6 +45,7 @@ import threading
 import time
 import weakref
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -305,6 +307,16 @@ class LocalTier:
     def discard(self, namespace: str, key: bytes) -> None:
         with self._lock:
             self._drop((namespace, key))
+
+    def discard_where(self, namespace: str, match: Callable[[Header], bool]) -> int:
+        """Drop the namespace's entries whose header ``match`` accepts (an engine's clear of
+        its own, e.g. one model's); the count dropped."""
+        with self._lock:
+            gone = [k for k, held in self._entries.items()
+                    if k[0] == namespace and match(held.hit.header)]
+            for k in gone:
+                self._drop(k)
+        return len(gone)
 
     def _drop(self, k: tuple[str, bytes]) -> None:
         """The key's copy gone. Call with the lock."""

@@ -505,9 +505,15 @@ class KDNHiCacheStorage(HiCacheStorage):
     def clear(self) -> bool:
         """Delete every page of this model, adapter and salt in the namespace (all shards, like
         HiCacheFile's clear of its whole folder): engines with another adapter or salt keep
-        theirs, told apart by the scope in the stored model name (``HostPages``)."""
+        theirs, told apart by the scope in the stored model name (``HostPages``). The pages
+        the client's in-process tier holds go too, also those the server evicted already."""
         if self.layout is None:
             return True
+        layout = self.layout
+        if self.client.local is not None:
+            self.client.local.discard_where(
+                self.config.namespace, lambda h: h.layout.model_fingerprint
+                == layout.model_fingerprint and h.layout.model_name == layout.model_name)
         try:
             found = [e.key for e in self.client.ls(
                 namespace=self.config.namespace, model=self.layout.model_fingerprint)
