@@ -5,11 +5,18 @@ counted failure, never an error in the forward pass (vLLM's classes and the repl
 
 from __future__ import annotations
 
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
 import torch
 
 from kdn import keys
 from kdn.client import Client
 from kdn.server import ServerThread
+from kdn.server.app import build_store
+from kdn.server.config import ServerConfig
 from tests import test_vllm as base  # skipped with it where vLLM is not installed
 from tests.helpers import random_kv
 from tests.test_vllm import BLOCK, BLOCKS, CHUNK, LAYERS, answered, both, fp16_replay, prompt
@@ -437,3 +444,52 @@ def test_a_connector_cache_reset_loads_nothing_stored_before_it(
     finally:
         s.shutdown()
         w.shutdown()
+
+
+@pytest.mark.parametrize("cap,extra,stored", [
+    ("bytes", {"save_backlog_bytes": 5000}, 1),  # one step's chunk is 3072 bytes
+    ("steps", {}, 8),  # vllm_worker.SAVE_BACKLOG_STEPS
+])
+def test_saves_past_the_backlog_are_dropped_while_the_server_is_slow(
+        tmp_path: Path, cap: str, extra: dict[str, Any], stored: int) -> None:
+    """The server holds every call of the saver: each step's gathered KV waited, the backlog
+    grew without end. Past save_backlog_bytes, or 8 steps waiting, a step's saves are dropped
+    and counted in save_errors; once the server answers, the waiting ones are stored and the
+    next step saves again."""
+    cfg = ServerConfig(port=0, data_dir=tmp_path / "data", ram_bytes=64 << 20, disk_bytes=0,
+                       shutdown_grace_s=1.0)
+    store = build_store(cfg)
+    gate = threading.Event()
+    gate.set()
+    real = store.lookup
+
+    def held(skeys: Any) -> Any:
+        assert gate.wait(30)
+        return real(skeys)
+
+    store.lookup = held  # type: ignore[method-assign]
+    with ServerThread(cfg, store) as st:
+        s, w = both(st.address, encodings=["raw"], **extra)
+        assert w.worker is not None
+        rp = fp16_replay(s, w)
+        try:
+            prompts = [prompt(80 + i, CHUNK + 1) for i in range(11)]
+            for i, p in enumerate(prompts):
+                assert answered(rp, rp.new_request(f"r{i}", p)) == 0
+            gate.clear()
+            for i in range(10):  # one request's chunk completes per step
+                rp.step(budget={f"r{j}": CHUNK + 1 if j == i else 0 for j in range(11)})
+            assert w.worker.stats.save_errors == 10 - stored
+            gate.set()
+            w.worker.wait_saves(30)
+            rp.step()  # r10's chunk
+            w.worker.wait_saves(30)
+            with Client(st.address) as c:
+                got = c.lookup([keys.variant_key(keys.prefix_keys(p, s.layout, "vllm", CHUNK)[0],
+                                                 "raw") for p in prompts], namespace="vllm").infos
+            assert [i.present for i in got] == [True] * stored + [False] * (10 - stored) + [True]
+            assert w.worker.stats.save_errors == 10 - stored
+        finally:
+            gate.set()
+            s.shutdown()
+            w.shutdown()

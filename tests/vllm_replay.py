@@ -190,7 +190,8 @@ class Replay:
 
     def step(self, budget: dict[str, int] | None = None) -> set[int]:
         """One engine step over every admitted request still short of its prompt; ``budget``
-        caps the tokens scheduled per request (chunked prefill). Returns the failed blocks."""
+        caps the tokens scheduled per request (chunked prefill; 0: not this step). Returns the
+        failed blocks."""
         budget = budget or {}
         news, cached = [], CachedRequestData.make_empty()
         sched: dict[str, int] = {}
@@ -199,6 +200,8 @@ class Replay:
             if left <= 0 or not r.block_ids:
                 continue
             n = min(left, budget.get(rid, left))
+            if n <= 0:  # a budget of 0: not scheduled this step
+                continue
             sched[rid] = n
             if r.is_new:
                 news.append(NewRequestData(

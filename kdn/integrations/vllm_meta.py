@@ -53,6 +53,10 @@ class KDNConnectorConfig:
     """Deadline of each kdn call, and of a layer's wait during a load."""
     lookup_threads: int = 2
     """Threads the scheduler's lookups run on."""
+    save_backlog_bytes: int = 1 << 30
+    """Gathered KV (bytes, each worker) the saves waiting on a slow server may hold; a step's
+    saves past it (or past ``SAVE_BACKLOG_STEPS`` steps waiting) are dropped, counted in
+    ``save_errors`` (a later miss). One step's saves always go when none wait."""
     allow_recompute: bool = False
     """Let the loading controller decline a hit when it predicts prefilling is faster (its
     prefill speed is then ``prefill_tok_s``); False: every hit is loaded."""
@@ -83,6 +87,7 @@ class KDNConnectorConfig:
         check_number("ttl_s", self.ttl_s, whole=True, positive=False)
         check_number("timeout_s", self.timeout_s, whole=False, positive=True)
         check_number("lookup_threads", self.lookup_threads, whole=True, positive=True)
+        check_number("save_backlog_bytes", self.save_backlog_bytes, whole=True, positive=True)
         check_number("prefill_tok_s", self.prefill_tok_s, whole=False, positive=True)
         check_number("local_bytes", self.local_bytes, whole=True, positive=False)
         if self.shm_bytes is not None:

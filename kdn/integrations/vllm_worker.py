@@ -23,7 +23,10 @@ Lifecycle, once per step (the model runner's calls):
 5. ``end_step()`` (vLLM's ``wait_for_save``): layers the model did not wait for are placed,
    the step's streams are let go, and the gathered chunks are handed to a background thread
    that encodes them in every configured encoding and stores those kdn lacks (a failure there
-   is logged and counted in ``save_errors``, never raised).
+   is logged and counted in ``save_errors``, never raised). While the server is slow, at most
+   ``SAVE_BACKLOG_STEPS`` steps and ``save_backlog_bytes`` of gathered KV wait for it; a step's
+   saves past that are dropped (counted in ``save_errors``, a warning at most every
+   ``SHED_WARN_S``).
 6. ``take_failed()``: block ids that failed to load since the last call.
 """
 
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -46,6 +50,11 @@ from kdn.integrations.vllm_meta import KDNConnectorConfig, LoadSpec, PagedShape,
 from kdn.options import StoreOptions
 
 log = logging.getLogger(__name__)
+
+SAVE_BACKLOG_STEPS = 8
+"""Steps whose saves may wait for the saver thread (each holds its gathered KV)."""
+SHED_WARN_S = 10.0
+"""Seconds between warnings of saves dropped past the backlog."""
 
 
 @dataclass
@@ -121,6 +130,9 @@ class WorkerSide:
         self._copies: Any = None
         self._saver = ThreadPoolExecutor(1, thread_name_prefix="kdn-vllm-save")
         self._saves: list[Future[None]] = []
+        self._backlog = 0  # bytes of gathered KV handed to the saver and not yet stored
+        self._shed = 0  # steps' saves dropped since the last warning
+        self._shed_warned = 0.0
         self._lock = threading.Lock()
         self._options = StoreOptions(ttl_s=self.config.ttl_s)
 
@@ -368,19 +380,41 @@ class WorkerSide:
             ready = torch.cuda.Event()
             ready.record(self._copies)
         layers = [gathered[i] for i in range(self.layout.num_layers)]
+        size = sum(k.nbytes + v.nbytes for k, v in layers)
         with self._lock:
             self._saves = [f for f in self._saves if not f.done()]
+            if self._saves and (len(self._saves) >= SAVE_BACKLOG_STEPS or self._backlog
+                                + size > self.config.save_backlog_bytes):
+                self._shed_step(saving, size)
+                return
+            self._backlog += size
             self._saves.append(self._saver.submit(self._store, saving, layers, ready,
-                                                  dropped))
+                                                  dropped, size))
+
+    def _shed_step(self, saving: list[SaveSpec], size: int) -> None:
+        """The step's saves dropped: the saver is behind (a slow server). Call with the lock."""
+        self.stats.save_errors += 1
+        self._shed += 1
+        now = time.monotonic()
+        if now - self._shed_warned >= SHED_WARN_S:
+            log.warning("kdn: the saves of %d steps were dropped (the latest: requests %s, "
+                        "%d bytes): the server is slow, %d steps (%d bytes) still wait for it "
+                        "(at most %d steps and save_backlog_bytes %d)", self._shed,
+                        sorted({s.req_id for s in saving}), size, len(self._saves),
+                        self._backlog, SAVE_BACKLOG_STEPS, self.config.save_backlog_bytes)
+            self._shed, self._shed_warned = 0, now
 
     def _store(self, saves: list[SaveSpec], layers: list[tuple[torch.Tensor, torch.Tensor]],
-               ready: Any, dropped: set[str]) -> None:
+               ready: Any, dropped: set[str], size: int = 0) -> None:
         """The saver thread's work: nothing is raised (a failed save is a later miss)."""
         try:
             self._store_chunks(saves, layers, ready, dropped)
         except Exception as exc:
             self._save_failed("kdn: saving the chunks of requests %s failed: %s",
                               sorted({s.req_id for s in saves}), exc)
+        finally:
+            with self._lock:
+                self._backlog -= size
 
     def _store_chunks(self, saves: list[SaveSpec], layers: list[tuple[torch.Tensor, torch.Tensor]],
                       ready: Any, dropped: set[str]) -> None:
