@@ -191,7 +191,7 @@ NAN, INF = float("nan"), float("inf")
     ("chunk_tokens", "256", "a whole number"), ("chunk_tokens", True, "a whole number"),
     ("chunk_tokens", 1.5, "a whole number"), ("chunk_tokens", 256.0, "a whole number"),
     ("local_bytes", -1, ">= 0"), ("shm_bytes", 0.5, "a whole number"),
-    ("save_backlog_bytes", 0, ">= 1"),
+    ("save_backlog_bytes", 0, ">= 1"), ("lookup_timeout_s", 0, "> 0"),
 ])
 def test_numeric_settings_are_checked_at_construction(name: str, value: Any, says: str) -> None:
     with pytest.raises(ConfigError, match=f"^{name} must be {re.escape(says)}, got "):

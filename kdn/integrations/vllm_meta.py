@@ -53,6 +53,10 @@ class KDNConnectorConfig:
     """Deadline of each kdn call, and of a layer's wait during a load."""
     lookup_threads: int = 2
     """Threads the scheduler's lookups run on."""
+    lookup_timeout_s: float = 2.0
+    """Deadline of a request's lookup (at most ``timeout_s``); one that passes it makes
+    lookups answer misses at once for ``10 * lookup_timeout_s`` (a silent server held every
+    waiting request for its own deadline, one after another)."""
     save_backlog_bytes: int = 1 << 30
     """Gathered KV (bytes, each worker) the saves waiting on a slow server may hold; a step's
     saves past it (or past ``SAVE_BACKLOG_STEPS`` steps waiting) are dropped, counted in
@@ -87,6 +91,7 @@ class KDNConnectorConfig:
         check_number("ttl_s", self.ttl_s, whole=True, positive=False)
         check_number("timeout_s", self.timeout_s, whole=False, positive=True)
         check_number("lookup_threads", self.lookup_threads, whole=True, positive=True)
+        check_number("lookup_timeout_s", self.lookup_timeout_s, whole=False, positive=True)
         check_number("save_backlog_bytes", self.save_backlog_bytes, whole=True, positive=True)
         check_number("prefill_tok_s", self.prefill_tok_s, whole=False, positive=True)
         check_number("local_bytes", self.local_bytes, whole=True, positive=False)

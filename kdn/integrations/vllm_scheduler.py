@@ -9,7 +9,10 @@ Lifecycle of one request here:
    which of them it holds in each configured encoding, and lets the loading controller pick
    the encoding to load. Later calls answer from the finished lookup: the hit tokens beyond
    ``local_hit`` (0 when the server could not answer: the keys are still made, so the
-   request's chunks are saved from chunk 0 on). Nothing here waits on the server.
+   request's chunks are saved from chunk 0 on). Nothing here waits on the server. A lookup
+   has ``lookup_timeout_s``; once one passes it, lookups answer 0 without asking for
+   ``BACKOFF_TIMES`` that long (a silent server would hold each waiting request for its own
+   deadline, ``lookup_threads`` at a time).
 2. ``allocated(request, block_ids, n)``: the lookup is consumed; with ``n > 0`` a ``LoadSpec``
    is queued for the next step. The request's ``_Tracked`` state (prompt length, keys, blocks,
    the next chunk to save) starts here.
@@ -36,14 +39,17 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kdn import keys
 from kdn.client import Client
+from kdn.client.deadline import deadline_within
 from kdn.codec.catalog import exact
 from kdn.delivery import NETWORK, RECOMPUTE, SAME_HOST, LoadingController
+from kdn.errors import DeadlineExceeded
 from kdn.integrations.vllm_keys import request_chains
 from kdn.integrations.vllm_meta import (
     KDNConnectorConfig,
@@ -60,6 +66,10 @@ if TYPE_CHECKING:
 
 
 log = logging.getLogger(__name__)
+
+BACKOFF_TIMES = 10
+"""After a lookup timed out (a silent server), lookups answer misses at once for this many
+``lookup_timeout_s``."""
 
 
 @dataclass
@@ -127,6 +137,7 @@ class SchedulerSide:
         # a block vLLM hands out anew (past a request's prefix hit) is written afresh
         self._lossy: set[int] = set()
         self._epoch = b""  # reset(): drawn anew, mixed into every key
+        self._down_until = 0.0  # monotonic: lookups answer misses until then (BACKOFF_TIMES)
 
     # -- lookups ------------------------------------------------------------------------------
 
@@ -136,13 +147,16 @@ class SchedulerSide:
         usable = max(0, (len(token_ids) - 1) // self.shape.chunk_tokens)  # >= 1 token computed
         if not n:
             return _Found(chains, 0, RECOMPUTE, 0)
+        if time.monotonic() < self._down_until:  # the server did not answer lately
+            return _Found(chains, 0, RECOMPUTE, 0)
         encs = self.shape.encodings
         asked = [keys.variant_key(k, e) for e in encs for chain in chains for k in chain]
         try:
-            infos = self.client.lookup(asked, namespace=self.config.namespace).infos
+            with deadline_within(self.config.lookup_timeout_s):
+                infos = self.client.lookup(asked, namespace=self.config.namespace).infos
         except Exception as exc:  # the server unreachable or failing: a miss, never an error;
             # the chains are known, so the chunks are still saved once computed
-            log.warning("kdn: lookup of request %s failed: %s", request.request_id, exc)
+            self._failed_lookup(request.request_id, exc)
             return _Found(chains, 0, RECOMPUTE, 0)
         per = len(chains) * n  # one encoding's rows: every rank's chain
         lead: dict[str, int] = {}
@@ -166,6 +180,19 @@ class SchedulerSide:
         if choice == RECOMPUTE and not self.config.allow_recompute:
             choice = min(candidates, key=lambda e: decision.estimates_s[e])
         return _Found(chains, best if choice != RECOMPUTE else 0, choice, stored)
+
+    def _failed_lookup(self, rid: str, exc: Exception) -> None:
+        if not isinstance(exc, (DeadlineExceeded, TimeoutError)):  # an answer, if an error
+            log.warning("kdn: lookup of request %s failed: %s", rid, exc)
+            return
+        backoff = BACKOFF_TIMES * self.config.lookup_timeout_s
+        with self._lock:
+            was_down = time.monotonic() < self._down_until
+            self._down_until = time.monotonic() + backoff
+        if not was_down:
+            log.warning("kdn: the server did not answer the lookup of request %s within "
+                        "lookup_timeout_s (%.3g s): lookups answer misses for %.3g s (%s)",
+                        rid, self.config.lookup_timeout_s, backoff, exc)
 
     def _path(self) -> str:
         try:
