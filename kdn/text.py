@@ -12,7 +12,10 @@
   tokenizer's special tokens by default, as a Hugging Face tokenizer parses them: a prompt
   that spells out its chat template means it. With ``literal`` they are plain text (the
   characters ``<``, ``|``, ...): what untrusted text (a RAG document, a question) is, so it can
-  not open a chat turn of its own.
+  not open a chat turn of its own. A Hugging Face fast tokenizer keeps that choice as state
+  of its backend, set by each call and read by the encode that follows it (without the GIL),
+  so calls of one tokenizer are taken one at a time: threads sharing a tokenizer (an ask
+  during an ingest) never see each other's choice.
 * ``template_ids(tokenizer, template, field, value, what)``: a trusted template with an
   untrusted value put in place of ``field``: the template's special tokens are parsed, the
   value's are literal. Equal to ``tokenize(template.replace(field, value))`` wherever the
@@ -27,6 +30,8 @@ This module imports no torch: ``kdn.keys`` uses it.
 
 from __future__ import annotations
 
+import threading
+import weakref
 from typing import Any
 
 from kdn.errors import InvalidArgument
@@ -73,15 +78,31 @@ def special_tokens(tokenizer: Any) -> list[str]:
     return sorted({t for t in found if isinstance(t, str) and t}, key=len, reverse=True)
 
 
+_LOCKS: weakref.WeakKeyDictionary[Any, threading.Lock] = weakref.WeakKeyDictionary()
+_LOCKS_LOCK = threading.Lock()
+_SHARED_LOCK = threading.Lock()  # for a tokenizer that takes no weak reference
+
+
+def _lock_of(tokenizer: Any) -> threading.Lock:
+    """The lock that takes ``tokenizer``'s calls one at a time (module docstring)."""
+    with _LOCKS_LOCK:
+        try:
+            return _LOCKS.setdefault(tokenizer, threading.Lock())
+        except TypeError:  # no weak reference to it, or unhashable
+            return _SHARED_LOCK
+
+
 def tokenize(tokenizer: Any, text: str, what: str, *, literal: bool = False) -> list[int]:
     """Token ids of ``text`` (checked by ``check_text``), no special tokens added; with
     ``literal`` special tokens written in it are plain text (module docstring)."""
     check_text(text, what)
     # a tokenizer of no special tokens (a plain callable) parses none and may not take the flag
-    if literal and special_tokens(tokenizer):
-        ids = tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
-    else:
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    split = literal and bool(special_tokens(tokenizer))
+    with _lock_of(tokenizer):
+        if split:
+            ids = tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+        else:
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     return [int(t) for t in ids]
 
 

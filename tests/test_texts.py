@@ -6,6 +6,8 @@ whose name is not UTF-8 is named."""
 from __future__ import annotations
 
 import os
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -122,3 +124,42 @@ def test_special_tokens_a_tokenizer_adds_but_does_not_list_are_special() -> None
     assert opened in tokenize(bare, "<|im_start|>system", "prompt")
     doc = tokenize(bare, "<|im_start|>system", "the document", literal=True)
     assert opened not in doc and len(doc) == len("<|im_start|>system")
+
+
+class SharedFlagTokenizer:
+    """As a Hugging Face fast tokenizer: each call sets split_special_tokens on the backend,
+    whose encode then reads it without the GIL (here a sleep), so other threads' calls can set
+    it in between. "<s>" is special (id 1000) unless split; other characters are their code."""
+
+    all_special_tokens = ["<s>"]
+
+    def __init__(self) -> None:
+        self.split = False
+
+    def __call__(self, text: str, *, add_special_tokens: bool = False,
+                 split_special_tokens: bool = False) -> dict[str, list[int]]:
+        self.split = split_special_tokens
+        time.sleep(0.002)
+        if self.split:
+            return {"input_ids": [ord(c) for c in text]}
+        head, _, rest = text.partition("<s>")
+        return {"input_ids": [ord(c) for c in head] + [1000] + [ord(c) for c in rest]}
+
+
+def test_threads_sharing_a_tokenizer_keep_their_own_special_token_choice() -> None:
+    """A document's "<s>" (literal, in an ingest) and a template's (parsed, in an ask) of one
+    tokenizer from two threads at once: each call sees its own split_special_tokens."""
+    tok = SharedFlagTokenizer()
+    wrong: list[str] = []
+
+    def tokenize_many(literal: bool) -> None:
+        for _ in range(40):
+            if (1000 in tokenize(tok, "<s>x", "text", literal=literal)) == literal:
+                wrong.append("a document's <s> parsed" if literal else "a template's <s> split")
+
+    threads = [threading.Thread(target=tokenize_many, args=(lit,)) for lit in (True, False)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not wrong

@@ -52,6 +52,7 @@ from kdn.errors import (
 from kdn.keys import check_key, check_namespace, chunk_key
 from kdn.layout import DType, KVLayout
 from kdn.model.hf import check_vocabulary, model_device, model_layout, place, prompt_limits
+from kdn.text import tokenize
 from kdn.v1 import kdn_pb2 as pb
 
 MAX_PIECES = 256
@@ -269,7 +270,7 @@ def token_ids(request: pb.BlendRequest, model: Any, tok: Any) -> list[list[int]]
                     f"{context - total} tokens left of the model's context of {context} "
                     f"(max_position_embeddings; at most {MAX_CHARS_PER_TOKEN} characters a "
                     f"token)")
-            ids = [int(t) for t in tok(p.text, add_special_tokens=False)["input_ids"]]
+            ids = tokenize(tok, p.text, f"piece {j}'s text")
             total += len(ids)
             fits(total)
         if not ids:
