@@ -281,6 +281,32 @@ def test_embedder_prefers_paraphrase_over_unrelated() -> None:
 
 
 @pytest.mark.model
+def test_embedder_sees_a_long_texts_end_and_keeps_a_short_texts_vector() -> None:
+    """A text past max_seq_length (a chunk of 384 LLM tokens) is embedded whole, in windows:
+    two that differ only past MiniLM's 256 tokens differ, and a question about the end ranks
+    its text first; a text that fits keeps sentence-transformers' vector exactly."""
+    from kdn.model.embed import Embedder, mean_pool
+
+    embedder = Embedder()
+    filler = ", ".join(f"the {w} stood near the {v} in the morning light"
+                       for w, v in zip(["oak", "pine", "elm", "ash"] * 6, ["wall", "gate"] * 12))
+    long = [filler + ", and the capital of Freedonia is Zorbtown.",
+            filler + ", and bananas are a yellow fruit from the tropics."]
+    assert len(embedder.tokenizer(long[0])["input_ids"]) > embedder.max_seq_length
+    short = ["The cat sat on the mat.", "A cat was sitting on the rug."]
+    vecs = embedder.embed(short + long)
+    torch.testing.assert_close(vecs.norm(dim=1), torch.ones(4))
+    question = embedder.embed(["What is the capital of Freedonia?"])[0]
+    assert float(question @ vecs[2]) > float(question @ vecs[3]) + 0.05
+    enc = embedder.tokenizer(short, padding=True, truncation=True,
+                             max_length=embedder.max_seq_length, return_tensors="pt")
+    with torch.inference_mode():
+        hidden = embedder.model(**enc).last_hidden_state
+    reference = torch.nn.functional.normalize(mean_pool(hidden, enc["attention_mask"]), dim=1)
+    assert torch.equal(embedder.embed(short), reference)
+
+
+@pytest.mark.model
 def test_sdpa_and_eager_agree_with_and_without_a_cache(
     smollm2: tuple[PreTrainedModel, PreTrainedTokenizerBase],
 ) -> None:

@@ -12,9 +12,15 @@ Lifecycle
    Its ``name`` (what a RAG state records) is ``MINILM_NAME`` for the bundled model's files
    wherever they lie, else a digest of the folder's model files (``model_name``).
 3. ``Embedder.embed(texts)`` reproduces the sentence-transformers pipeline in ``modules.json``:
-   Transformer (truncate to ``max_seq_length`` = 256) -> mean pooling over non-padding tokens
-   -> L2 normalisation. The result is a float32 ``[n, 384]`` tensor; cosine similarity of two
-   rows is their dot product.
+   Transformer (``max_seq_length`` = 256 tokens with [CLS] and [SEP]) -> mean pooling over
+   non-padding tokens -> L2 normalisation. The result is a float32 ``[n, 384]`` tensor; cosine
+   similarity of two rows is their dot product. A text that fits ``max_seq_length`` gets
+   exactly that vector. A longer one (a RAG chunk may hold 384 of the LLM's tokens), which
+   sentence-transformers would cut at 256, is embedded in windows of ``max_seq_length``
+   tokens overlapping by ``WINDOW_OVERLAP``, the last ending at its end, and gets the mean of
+   the windows' vectors, normalised: its end is seen by retrieval too.
+   The tokenizer is called with the same settings every time (no truncation, no padding),
+   since a fast tokenizer keeps them as backend state that threads embedding at once share.
 """
 
 from __future__ import annotations
@@ -43,6 +49,8 @@ WEIGHT_FILES = ("*.safetensors", "*.bin", "*.index.json")
 ``MODEL_FILES`` by its weights."""
 DEFAULT_MAX_SEQ_LENGTH = 256
 DEFAULT_BATCH_SIZE = 64
+WINDOW_OVERLAP = 32
+"""Tokens that the windows of a text longer than ``max_seq_length`` share with the next."""
 
 
 def minilm_model_dir() -> Path:
@@ -139,19 +147,61 @@ class Embedder:
         """Embedding width (384 for all-MiniLM-L6-v2)."""
         return int(self.model.config.hidden_size)
 
+    def _windows(self, ids: list[int]) -> list[list[int]]:
+        """The model inputs of a text's token ids ``ids`` (special tokens added): ``ids`` for a
+        text that fits ``max_seq_length``, else overlapping windows (module docstring)."""
+        if len(ids) <= self.max_seq_length:
+            return [ids]
+        head, tail = self._wrap
+        body = ids[len(head):len(ids) - len(tail)]
+        room = max(1, self.max_seq_length - len(head) - len(tail))
+        step = max(1, room - WINDOW_OVERLAP)
+        starts = list(range(0, len(body) - room, step)) + [len(body) - room]
+        return [head + body[s:s + room] + tail for s in starts]
+
+    @functools.cached_property
+    def _wrap(self) -> tuple[list[int], list[int]]:
+        """The special token ids the tokenizer puts before and after a text ([CLS], [SEP])."""
+        wrapped = self._ids(["a"], special=True)[0]
+        plain = self._ids(["a"], special=False)[0]
+        for at in range(len(wrapped) - len(plain) + 1):
+            if wrapped[at:at + len(plain)] == plain:
+                return wrapped[:at], wrapped[at + len(plain):]
+        return [], []
+
+    def _ids(self, texts: list[str], *, special: bool = True) -> list[list[int]]:
+        """Token ids of ``texts``, whole (no truncation, no padding)."""
+        # the same settings every call: they are the fast tokenizer's shared backend state
+        return list(self.tokenizer(texts, add_special_tokens=special, truncation=False,
+                                   padding=False, verbose=False)["input_ids"])
+
     @torch.inference_mode()
     def _embed_batch(self, texts: list[str]) -> torch.Tensor:
         """Unit-norm embeddings of one batch."""
-        enc = self.tokenizer(
-            texts,
-            padding=True,
-            truncation=True,
-            max_length=self.max_seq_length,
-            return_tensors="pt",
-        ).to(self.device)
-        hidden = self.model(**enc).last_hidden_state
+        ids = self._ids(texts)
+        windows = [self._windows(t) for t in ids]
+        inputs = [w for ws in windows for w in ws]
+        width = max(len(w) for w in inputs)
+        pad = self.tokenizer.pad_token_id or 0
+        # input_ids, attention_mask: [inputs, width], padded on the right
+        input_ids = torch.tensor([w + [pad] * (width - len(w)) for w in inputs])
+        mask = torch.tensor([[1] * len(w) + [0] * (width - len(w)) for w in inputs])
+        enc = {"input_ids": input_ids, "attention_mask": mask}
+        if "token_type_ids" in self.tokenizer.model_input_names:
+            enc["token_type_ids"] = torch.zeros_like(input_ids)
+        enc = {k: v.to(self.device) for k, v in enc.items()}
+        hidden = self.model(**enc).last_hidden_state  # [inputs, width, dim]
         pooled = mean_pool(hidden, enc["attention_mask"])
-        return torch.nn.functional.normalize(pooled, p=2, dim=1)
+        rows = torch.nn.functional.normalize(pooled, p=2, dim=1)  # [inputs, dim]
+        if len(rows) == len(texts):
+            return rows
+        out, at = [], 0
+        for ws in windows:
+            part = rows[at:at + len(ws)]
+            out.append(part[0] if len(ws) == 1 else
+                       torch.nn.functional.normalize(part.mean(dim=0), p=2, dim=0))
+            at += len(ws)
+        return torch.stack(out)
 
     def embed(self, texts: list[str], batch_size: int = DEFAULT_BATCH_SIZE) -> torch.Tensor:
         """L2-normalised float32 embeddings, one row per text, on CPU: ``[len(texts), dim]``."""
