@@ -307,6 +307,15 @@ def test_embedder_sees_a_long_texts_end_and_keeps_a_short_texts_vector() -> None
 
 
 @pytest.mark.model
+def test_embedder_takes_its_folder_as_a_str() -> None:
+    from kdn.model.embed import MINILM_NAME, Embedder, minilm_model_dir
+
+    embedder = Embedder(str(minilm_model_dir()))
+    assert embedder.model_dir == minilm_model_dir() and embedder.name == MINILM_NAME
+    assert embedder.embed(["a cat"]).shape == (1, 384)
+
+
+@pytest.mark.model
 def test_sdpa_and_eager_agree_with_and_without_a_cache(
     smollm2: tuple[PreTrainedModel, PreTrainedTokenizerBase],
 ) -> None:

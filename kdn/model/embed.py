@@ -124,9 +124,9 @@ def mean_pool(hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tenso
 class Embedder:
     """all-MiniLM-L6-v2 sentence encoder: ``embed(texts) -> [n, 384]`` unit vectors."""
 
-    def __init__(self, model_dir: Path | None = None, *, device: str = "cpu") -> None:
-        self.model_dir: Path = model_dir if model_dir is not None else minilm_model_dir()
-        self.name: str = MINILM_NAME if model_dir is None else model_name(model_dir)
+    def __init__(self, model_dir: Path | str | None = None, *, device: str = "cpu") -> None:
+        self.model_dir: Path = Path(model_dir) if model_dir is not None else minilm_model_dir()
+        self.name: str = MINILM_NAME if model_dir is None else model_name(self.model_dir)
         """What a RAG state records of its embedder (``model_name``)."""
         self.former_names: tuple[str, ...] = () if model_dir is None else (
             str(Path(model_dir).resolve()),)
