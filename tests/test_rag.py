@@ -539,6 +539,22 @@ def test_chunks_past_the_models_context_are_left_out(client: Client) -> None:
         engine.answer("Why?", chunks, max_new_tokens=200)
 
 
+def test_an_ingest_of_chunks_past_the_models_context_is_refused(client: Client,
+                                                                  tmp_path: Path) -> None:
+    """Chunks that can not fit the model's context with the prompt around them are refused
+    before any is prefilled or stored (every ask would fail), naming the chunk size."""
+    short = tiny_llama()
+    short.config.max_position_embeddings = 200
+    big = RagConfig(target_tokens=120, max_tokens=180, max_new_tokens=4)
+    c = Counted(short)
+    kb = make_kb(short, client, tmp_path / "state", big)
+    with pytest.raises(InvalidArgument, match=r"max_tokens 180.*context of 200 tokens"):
+        kb.ingest(corpus(tmp_path))
+    assert c.calls == 0 and not kb.manifest.documents
+    small = make_kb(short, client, tmp_path / "state")  # CONFIG's chunks fit
+    assert small.ingest(tmp_path / "docs").chunks > 0
+
+
 def test_a_plain_ingest_rerun_takes_the_states_settings() -> None:
     from kdn.cli.main import build_parser
     from kdn.cli.rag import ingest_settings

@@ -284,6 +284,7 @@ class KnowledgeBase:
                     "ingest with `--no-prune`, prune=False from Python)")
         self._check_settings()
         self._check_embedder()
+        self.engine.check_chunk_size()
         self._own()
         old = self.manifest.settings
         if old is not None and (not old.embedder or old.embedder in self._former_names()):

@@ -266,6 +266,22 @@ class RagEngine:
             out.append(ids)
         return out
 
+    def check_chunk_size(self) -> None:
+        """InvalidArgument unless a chunk of ``max_tokens`` fits the model's context with the
+        head, the tail (an empty question) and one new token: an ingest of chunks that can
+        not is refused before it prefills any, as no ask could use them."""
+        _, context = hf.prompt_limits(self.model)
+        if context is None:
+            return
+        frame = len(self.head_ids) + len(self.tail_ids("")) + 1
+        if self.config.max_tokens + frame > context:
+            raise InvalidArgument(
+                f"chunks of up to {self.config.max_tokens} tokens (target_tokens "
+                f"{self.config.target_tokens}, max_tokens {self.config.max_tokens}; "
+                "--chunk-tokens and --max-chunk-tokens) do not fit the model's context of "
+                f"{context} tokens with the prompt's head and tail ({frame - 1} tokens) and one "
+                f"new token: make chunks of at most {max(context - frame, 0)} tokens")
+
     def tail_ids(self, question: str) -> list[int]:
         """Token ids of the tail with ``question`` in it (its special tokens as plain text)."""
         return template_ids(self.tokenizer, self.tail, "{question}", question, "the question")
