@@ -79,6 +79,30 @@ def test_chunks_stored_before_a_crash_are_deleted_once_no_document_uses_them(
         assert list(admin.ls(namespace="rag")) == []
 
 
+def test_a_rerun_after_a_crash_before_the_first_commit_keeps_its_namespace(
+        model: Any, counted: Counted, client: Client, server: ServerThread,
+        tmp_path: Path) -> None:
+    """The first ingest of a state stops before its first commit: the keys it stored are
+    listed with the namespace they are in, so a rerun in another one (whose deletes would miss
+    them) is refused, and one in it deletes them once no document uses them."""
+    docs = corpus(tmp_path)
+    state = tmp_path / "state"
+    foo = dataclasses.replace(CONFIG, namespace="foo")
+    counted.fail_after = counted.calls + 4  # stored four chunks, committed none
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        make_kb(model, client, state, foo).ingest(docs)
+    counted.fail_after = None
+    m = Manifest.load(state)
+    assert m.retired and m.settings is not None and m.settings.namespace == "foo"
+    with pytest.raises(InvalidArgument, match="namespace \\('foo' there, 'rag' here\\)"):
+        make_kb(model, client, state).ingest(docs)
+    kb = make_kb(model, client, state, foo)
+    kb.ingest(docs)
+    kb.remove(sorted(kb.manifest.documents))
+    with AdminClient(server.address, timeout_s=30) as admin:
+        assert list(admin.ls(namespace="foo")) == []
+
+
 class Other(WordEmbedder):
     """Another embedder of the same dimension."""
 

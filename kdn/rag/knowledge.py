@@ -21,8 +21,9 @@ another state may use it. Ingesting into a new state folder gives the corpus a s
 A write commits once per flush (``kdn.rag.index``): the manifest is the commit, and kdn entries
 are deleted only after the commit that stopped referencing them (``Manifest.retired``), so a
 crash never leaves the state naming a deleted chunk. Before an ingest stores anything, the
-keys it is about to store are committed as retired (``_write_ahead``): a crash leaves no entry
-that no later write would delete. An ingest that changes the settings (chunk size, codec mode
+keys it is about to store are committed as retired (``_write_ahead``), a new state's settings
+with them: a crash leaves no entry that no later write would delete (nor a rerun in another
+namespace, which is refused). An ingest that changes the settings (chunk size, codec mode
 or level) commits only at its end: interrupted, the state is the old one, and running the
 ingest again completes it (the KV it stored is found by a Lookup; only a new codec mode is
 encoded again). A new codec mode or level stores under the same keys, replacing the entries
@@ -212,8 +213,9 @@ class KnowledgeBase:
                                   unembedded)
 
     def _own(self) -> None:
-        """Give a new state its owner id, committed before anything is stored under it (an
-        ingest that stops is resumed under the same keys)."""
+        """Give a new state its owner id, committed with its settings before anything is
+        stored under it (an ingest that stops is resumed under the same keys; one in another
+        namespace, where the keys it retired would not be deleted, is refused)."""
         if not self.manifest.owner and not self.manifest.shared:
             self.manifest.owner = secrets.token_hex(16)
             self.manifest.save(self.state)
@@ -285,7 +287,6 @@ class KnowledgeBase:
         self._check_settings()
         self._check_embedder()
         self.engine.check_chunk_size()
-        self._own()
         old = self.manifest.settings
         if old is not None and (not old.embedder or old.embedder in self._former_names()):
             # not recorded, or recorded by a name kdn gave it before: the checks above took it
@@ -300,6 +301,7 @@ class KnowledgeBase:
         reencode = self.manifest.reencoding or old is not None and (
             (old.mode, old.level) != (self.settings.mode, self.settings.level))
         self.manifest.settings = self.settings
+        self._own()
         rep.documents = len(docs)
         moved_from = self._claim(docs, origin)
 
@@ -373,6 +375,7 @@ class KnowledgeBase:
             return
         last = Manifest.load(self.state)
         last.retired |= keys
+        last.settings = last.settings or self.manifest.settings  # the namespace they are in
         last.reencoding |= reencode
         last.save(self.state)
         self.manifest.retired |= keys
