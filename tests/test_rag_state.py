@@ -221,8 +221,22 @@ def test_keys_a_failed_delete_left_are_deleted_by_the_next_write(model: Any, cli
     assert back.manifest.retired == set(rivers) and all(stored(client, back, rivers).values())
     assert back.remove(["copy.md"]) == len(rivers)  # copy.md's chunk is shared.md's too
     assert not any(stored(client, back, rivers).values())
-    listed = make_kb(model, client, state).manifest.retired  # deleted after their commit
-    assert listed and not any(stored(client, back, listed).values())
+    assert not make_kb(model, client, state).manifest.retired  # deleted, then unlisted
+
+
+def test_the_retired_keys_on_disk_are_only_those_not_yet_deleted(
+        model: Any, client: Client, tmp_path: Path) -> None:
+    """Each commit's deletes are followed by a commit that stops listing them: a document
+    edited again and again does not grow the manifest (nor each commit's Deletes)."""
+    docs = corpus(tmp_path)
+    state = tmp_path / "state"
+    kb = make_kb(model, client, state)
+    for i in range(3):
+        (docs / "cats.md").write_text(f"Version {i} of the cats document.")
+        assert kb.ingest(docs).deleted == (1 if i else 0)
+        assert not Manifest.load(state).retired and not kb.manifest.retired
+    kb.remove(["cats.md"])
+    assert not Manifest.load(state).retired
 
 
 def test_a_manifest_of_format_2_of_the_wrong_shape_is_corrupt(tmp_path: Path) -> None:

@@ -16,7 +16,8 @@ anywhere: JSON and safetensors only.
 its chunk keys, so two states never share a kdn entry (``kdn.rag.knowledge``). A manifest of
 format 1 (written before states had one) loads as ``shared``: its keys are unsalted and may be
 other states' too. ``retired`` lists keys the state stored and no longer references: deleted
-from kdn after the commit that dropped them, and by the next write when a crash came between.
+from kdn after the commit that dropped them (then a commit stops listing them), and by the next
+write when a crash came between.
 
 A commit a crash stopped leaves its temporary files (``write_atomic``'s ``.<name>.<random>``);
 the next commit removes them with the replaced generations (``remove_other_embeddings``).

@@ -223,7 +223,8 @@ class KnowledgeBase:
     def _flush(self, hold: set[str] | frozenset[str] = frozenset()) -> tuple[int, int]:
         """Commit the state (embeddings of the next generation, then the manifest naming it),
         then delete from kdn the retired keys that no document references and that are not in
-        ``hold``: (deleted, kept), kept being the keys a shared state leaves in kdn instead."""
+        ``hold``, and commit again without them: (deleted, kept), kept being the keys a shared
+        state leaves in kdn instead."""
         m = self.manifest
         refs = m.keys()
         m.retired -= refs
@@ -243,7 +244,10 @@ class KnowledgeBase:
         deleted = sum(self.engine.client.delete(keys[i : i + DELETE_BATCH],
                                                 namespace=self.engine.config.namespace)
                       for i in range(0, len(keys), DELETE_BATCH))
-        m.retired -= stale
+        if stale:  # deleted: the commit on disk stops listing them too
+            m.retired -= stale
+            m.save(self.state)
+            self._publish(_stamp(self.state))
         return deleted, kept
 
     @staticmethod
