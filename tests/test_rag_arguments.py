@@ -85,3 +85,17 @@ def test_chunk_sizes_ragconfig_refuses_are_usage_errors_before_any_call(
     assert main(["rag", "--address", "127.0.0.1:1", "--state", str(tmp_path / "state"),
                  "ingest", str(tmp_path), *sizes]) == 2
     assert "need 8 <= target_tokens <= max_tokens" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name, content", [("notes.pdf", b"%PDF-1.4"),
+                                           ("docs.jsonl", b'{"id": 1}\n')])
+def test_a_corpus_kdn_can_not_read_is_a_usage_error_before_any_call(
+        name: str, content: bytes, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A corpus of the wrong kind (or lines that are no documents) is a usage mistake, as a
+    missing corpus is: exit 2 naming the file, before the server's health call."""
+    from kdn.cli.main import main
+
+    (tmp_path / name).write_bytes(content)
+    assert main(["rag", "--address", "127.0.0.1:1", "--state", str(tmp_path / "state"),
+                 "ingest", str(tmp_path / name)]) == 2
+    assert name in capsys.readouterr().err

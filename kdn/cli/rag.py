@@ -21,12 +21,12 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from kdn.errors import KDNError
+from kdn.errors import InvalidArgument, KDNError
 
 
 class _UsageError(Exception):
-    """A mistake the user can fix (missing corpus, empty state folder, unknown model): one
-    line on stderr and exit 2."""
+    """A mistake the user can fix (missing or unreadable corpus, empty state folder, unknown
+    model): one line on stderr and exit 2."""
 
 
 def _engine(ns: argparse.Namespace) -> Any:
@@ -63,8 +63,10 @@ def _engine(ns: argparse.Namespace) -> Any:
             raise _UsageError(f"{exc} (--chunk-tokens is the target, --max-chunk-tokens the "
                               "limit: 1.5x the target when not given)") from None
 
-        load_corpus(ns.corpus)  # a corpus it can not read is said before the models load
-        # (read twice: little beside embedding and prefilling every chunk)
+        try:  # a corpus it can not read is said before the models load
+            load_corpus(ns.corpus)  # (read twice: little beside embedding and prefilling)
+        except InvalidArgument as exc:  # not a folder, .jsonl or text file; not text
+            raise _UsageError(str(exc)) from None
     if ns.cmd_rag == "ask" and not ns.question.strip():
         raise _UsageError("the question is empty; pass it as one argument, e.g. "
                           "kdn rag ask \"Who wrote the report?\"")
@@ -323,7 +325,7 @@ EXAMPLES = """examples:
   kdn rag rm notes/old.md --state .kdn-rag
 
 exit codes: 0 ok, 1 failure (server unreachable, a document not in the manifest), 2 usage
-(missing corpus, empty state folder, unknown model or codec level)"""
+(missing or unreadable corpus, empty state folder, unknown model or codec level)"""
 
 
 def register(sub: Any) -> None:
