@@ -1,0 +1,27 @@
+"""What pyproject.toml declares matches what kdn imports and what its build needs: dependency
+floors that admit no release kdn fails on, the build backend's floor, the files a wheel and an
+sdist carry. Metadata checks only: nothing is installed."""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+
+from packaging.requirements import Requirement
+
+ROOT = Path(__file__).resolve().parents[1]
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
+
+
+def _requirement(name: str, extra: str | None = None) -> Requirement:
+    project = PYPROJECT["project"]
+    deps = project["optional-dependencies"][extra] if extra else project["dependencies"]
+    return next(r for r in map(Requirement, deps) if r.name == name)
+
+
+def test_redis_floor_has_the_backoff_kdn_imports() -> None:
+    # kdn.store.redis_transport imports redis.backoff.ExponentialWithJitterBackoff, first in
+    # redis-py 5.3.0: with 5.0-5.2 `kdn serve` died at import, even with no Redis tier
+    assert "ExponentialWithJitterBackoff" in (ROOT / "kdn/store/redis_transport.py").read_text()
+    spec = _requirement("redis").specifier
+    assert not spec.contains("5.2.1") and spec.contains("5.3.0")
