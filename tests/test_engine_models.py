@@ -314,3 +314,18 @@ def test_a_model_not_llama_like_is_refused_by_name(client: Client, make: Any) ->
         KDNEngine(model, _Tok(), client, RAW)
     with pytest.raises(InvalidArgument, match=name):
         hf.decoder_layers(model)
+
+
+def test_a_causal_lm_whose_get_decoder_gives_none_is_driven_through_model_model() -> None:
+    """transformers 4.56's LlamaForCausalLM.get_decoder() returned None: kdn refused every Llama
+    ('its decoder NoneType has not'); its decoder is then ``model.model``."""
+
+    class _NoDecoder(transformers.LlamaForCausalLM):  # type: ignore[misc]
+        def get_decoder(self) -> None:
+            return None
+
+    model = _NoDecoder(_llama(0).config).eval()
+    layout = hf.model_layout(model)
+    assert hf.decoder_layers(model) is model.model.layers
+    kv, _ = hf.prefill(model, torch.tensor(IDS[:8]), layout)
+    assert kv.num_tokens == 8

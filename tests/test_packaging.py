@@ -25,3 +25,10 @@ def test_redis_floor_has_the_backoff_kdn_imports() -> None:
     assert "ExponentialWithJitterBackoff" in (ROOT / "kdn/store/redis_transport.py").read_text()
     spec = _requirement("redis").specifier
     assert not spec.contains("5.2.1") and spec.contains("5.3.0")
+
+
+def test_transformers_floor_is_a_release_kdn_runs_on() -> None:
+    # 4.56 and 4.57 were allowed and failed: 4.57.6's DynamicLayer.lazy_initialization takes
+    # the keys alone (hf.to_transformers raised TypeError); 5.0.0 runs the adapter
+    spec = _requirement("transformers", "model").specifier
+    assert not spec.contains("4.57.6") and spec.contains("5.0.0")

@@ -50,9 +50,12 @@ from kdn.layout import DType, KVLayout
 def _inner(model: Any) -> Any:
     """The decoder of a Llama-like causal LM (its ``embed_tokens``, ``layers``, ``norm``,
     ``rotary_emb``); InvalidArgument naming the model's class for any other (GPT-2,
-    GPT-NeoX, Falcon: their blocks name and run these parts their own ways)."""
-    inner = model.get_decoder() if hasattr(model, "get_decoder") \
-        else getattr(model, "model", None)
+    GPT-NeoX, Falcon: their blocks name and run these parts their own ways). ``get_decoder``
+    first, ``model.model`` where it is missing or gives None (as some transformers releases'
+    do for a causal LM)."""
+    inner = model.get_decoder() if hasattr(model, "get_decoder") else None
+    if inner is None:
+        inner = getattr(model, "model", None)
     if not (hasattr(inner, "embed_tokens") and hasattr(inner, "layers")):
         raise InvalidArgument(
             f"{type(model).__name__} is not a model kdn drives: kdn needs a Llama-like "
