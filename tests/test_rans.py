@@ -5,7 +5,11 @@ passed off as right)."""
 
 from __future__ import annotations
 
+import os
 import struct
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -266,3 +270,23 @@ def test_a_table_row_whose_end_bins_count_nothing_is_refused() -> None:
     bad = blob[:4] + struct.pack("<I", len(packed)) + packed + blob[8 + tlen :]
     with pytest.raises(Corrupt, match="end symbols"):
         decode_streams(bad, 4, 300)
+
+
+def test_kernels_compile_where_numba_has_nowhere_to_cache_them(tmp_path: Path) -> None:
+    """numba's cache=True raised RuntimeError 'cannot cache function ...: no locator available'
+    at import where no cache directory is writable (kdn installed read-only, HOME=/nonexistent):
+    every entropy decode died. Here no locator applies (numba's only one asked, the
+    NUMBA_CACHE_DIR one, has no directory): the modules import, their kernels compile
+    uncached."""
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_CACHE_DIR"}
+    env.update(NUMBA_CACHE_LOCATOR_CLASSES="UserProvidedCacheLocator",
+               PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    code = ("import numpy as np\n"
+            "import kdn.codec.entropy, kdn.codec.gpu_plan\n"
+            "from kdn.codec.rans import M, normalize\n"
+            "freq, cum = normalize(np.array([2, 1]), np.array([3, 1, 5]))\n"
+            "assert freq.sum() == 2 * M\n"
+            "print('ok')\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         cwd=tmp_path, timeout=120)
+    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-2000:]

@@ -30,6 +30,7 @@ from typing import Any
 import numba
 import numpy as np
 
+from kdn.codec.compiled import kernel
 from kdn.codec.entropy import (
     COUNT_OF_CODE,
     LOG_LEVELS,
@@ -41,8 +42,8 @@ from kdn.codec.entropy import (
 from kdn.codec.rans import GROUP, MAX_BLOCK
 from kdn.codec.zstd import capacity, frame_end
 
-_capacity = numba.njit(cache=True, nogil=True)(capacity)
-_frame_end = numba.njit(cache=True, nogil=True)(frame_end)
+_capacity = kernel(capacity)
+_frame_end = kernel(frame_end)
 
 FORMAT_1 = 4
 WHY = {1: "sections do not add up to the body", 2: "empty stream set is not empty",
@@ -58,18 +59,18 @@ CROW, ROWBASE, BLOCKS, BLOCK, N, STREAMS, STATES, HEADS, KC, VC, TOKENS, SINK, K
     QBASE = range(NF)
 
 
-@numba.njit(cache=True, nogil=True)
+@kernel
 def _u32(buf: np.ndarray, at: int) -> int:
     return int(np.int64(buf[at]) | (np.int64(buf[at + 1]) << 8) | (np.int64(buf[at + 2]) << 16)
             | (np.int64(buf[at + 3]) << 24))
 
 
-@numba.njit(cache=True, nogil=True)
+@kernel
 def _u16(buf: np.ndarray, at: int) -> int:
     return int(np.int64(buf[at]) | (np.int64(buf[at + 1]) << 8))
 
 
-@numba.njit(cache=True, nogil=True)
+@kernel
 def scan(buf: np.ndarray, body_at: np.ndarray, body_len: np.ndarray, n: np.ndarray,
          err: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Each layer's four sections (offset, length) and each of its two entropy blobs'
@@ -130,7 +131,7 @@ def scan(buf: np.ndarray, body_at: np.ndarray, body_len: np.ndarray, n: np.ndarr
     return sect, blobs
 
 
-@numba.njit(cache=True, nogil=True)
+@kernel
 def table_sizes(buf: np.ndarray, blobs: np.ndarray, streams: np.ndarray, err: np.ndarray
                 ) -> np.ndarray:
     """The content size each blob's zstd frame declares ([L, 2], 0 where no blob), read from
@@ -178,7 +179,7 @@ def table_sizes(buf: np.ndarray, blobs: np.ndarray, streams: np.ndarray, err: np
     return out
 
 
-@numba.njit(cache=True, nogil=True)
+@kernel
 def walk(payload: np.ndarray, first: int, count: int, shapes: np.ndarray, lo: np.ndarray,
          hi: np.ndarray, at: int) -> int:
     """A frame's records as ``format.check_frame`` walks them (a u16 heads, u32 tokens, u16 K
@@ -208,7 +209,7 @@ def walk(payload: np.ndarray, first: int, count: int, shapes: np.ndarray, lo: np
     return 0 if off == end else 1
 
 
-@numba.njit(cache=True, nogil=True)
+@kernel
 def count(first: int, last: int, out: np.ndarray, buf: np.ndarray, sect: np.ndarray,
           blobs: np.ndarray, tables: np.ndarray, tab: np.ndarray, streams: np.ndarray,
           heads: np.ndarray, kc: np.ndarray, vc: np.ndarray, tokens: np.ndarray,
@@ -311,7 +312,7 @@ RD_ROW, RD_ROWS, RD_T0, RD_BIN, RD_SRC, RD_PACKED, RD_CODED, RD_CONST, RD_BLOB, 
     RD_LAYER = range(RD)
 
 
-@numba.njit(cache=True, nogil=True)
+@kernel
 def fill(first: int, last: int, starts: np.ndarray, per_layer: np.ndarray, buf: np.ndarray,
          sect: np.ndarray, blobs: np.ndarray, tables: np.ndarray, tab: np.ndarray,
          streams: np.ndarray, heads: np.ndarray, kc: np.ndarray, vc: np.ndarray,
@@ -441,7 +442,7 @@ if HAVE_ZSTD:  # pointers as integers (uintp): the planner checks every range fi
     _FREE_DCTX: Any = numba.types.ExternalFunction("ZSTD_freeDCtx", _P(_P))
     _DECOMPRESS: Any = numba.types.ExternalFunction("ZSTD_decompressDCtx", _P(_P, _P, _P, _P, _P))
 
-    @numba.njit(cache=True, nogil=True)
+    @kernel
     def _inflate_with(ctx: int, first: int, last: int, buf: np.ndarray, blobs: np.ndarray,
                       sizes: np.ndarray, tab: np.ndarray, into: np.ndarray) -> int:
         """``inflate`` with a decompression context: the first layer that fails, else -1."""
@@ -459,7 +460,7 @@ if HAVE_ZSTD:  # pointers as integers (uintp): the planner checks every range fi
                     return lay
         return -1
 
-    @numba.njit(cache=True, nogil=True)
+    @kernel
     def inflate(first: int, last: int, buf: np.ndarray, blobs: np.ndarray, sizes: np.ndarray,
                 tab: np.ndarray, into: np.ndarray, err: np.ndarray) -> None:
         """The zstd-packed tables of layers [first, last) decompressed, blob (l, b) into

@@ -31,9 +31,9 @@ from __future__ import annotations
 
 import struct
 
-import numba
 import numpy as np
 
+from kdn.codec.compiled import kernel
 from kdn.errors import Corrupt
 
 PREC = 16
@@ -47,7 +47,7 @@ near 1% at 2-3 bits per symbol, and an 8k-token layer still has thousands of str
 _U32 = struct.Struct("<II")
 
 
-@numba.njit(cache=True, nogil=True)
+@kernel
 def _normalize(width: np.ndarray, counts: np.ndarray, freq: np.ndarray, cum: np.ndarray
                ) -> int:
     """Fill ``freq``/``cum`` (see ``normalize``); returns the first row with no mass, or -1."""
@@ -99,7 +99,7 @@ LUT_BITS = 8
 bin with a short forward scan (most buckets hold one bin)."""
 
 
-@numba.njit(cache=True, nogil=True)
+@kernel
 def _lookup(coded: np.ndarray, starts: np.ndarray, width: np.ndarray, cum: np.ndarray,
             freq: np.ndarray, lut: np.ndarray) -> None:
     buckets = 1 << LUT_BITS
@@ -139,7 +139,7 @@ def plan(width: np.ndarray, n: int, block: int = BLOCK) -> tuple[np.ndarray, np.
     return np.repeat(coded, blocks).astype(np.int64), np.tile(np.arange(blocks), len(coded))
 
 
-@numba.njit(cache=True, nogil=True)
+@kernel
 def _encode_group(sym: np.ndarray, rows: np.ndarray, blks: np.ndarray, first: int, last: int,
                   block: int, starts: np.ndarray, freq: np.ndarray, cum: np.ndarray,
                   lo: np.ndarray, states: np.ndarray, out: np.ndarray) -> int:
@@ -173,7 +173,7 @@ def _encode_group(sym: np.ndarray, rows: np.ndarray, blks: np.ndarray, first: in
     return k
 
 
-@numba.njit(cache=True, nogil=True)
+@kernel
 def _decode_groups(states: np.ndarray, gwords: np.ndarray, goff: np.ndarray, words: np.ndarray,
                    rows: np.ndarray, blks: np.ndarray, n: int, block: int, group: int,
                    starts: np.ndarray, lut: np.ndarray, bases: np.ndarray, freq: np.ndarray,
