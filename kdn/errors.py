@@ -144,6 +144,11 @@ class Cancelled(KDNError, status=Status.CANCELLED):
     """The work was stopped: whoever asked for it is gone."""
 
 
+class MissingExtra(KDNError, ModuleNotFoundError, status=Status.FAILED_PRECONDITION):
+    """A package of an optional extra of kdn's (``kdn[model]``) is not installed; the message
+    names what needs it and the command that installs it (``kdn.extras``)."""
+
+
 class ConfigError(KDNError, ValueError, status=Status.INVALID_ARGUMENT):
     """A configuration value is invalid; the message names the setting."""
 

@@ -32,3 +32,12 @@ def test_transformers_floor_is_a_release_kdn_runs_on() -> None:
     # the keys alone (hf.to_transformers raised TypeError); 5.0.0 runs the adapter
     spec = _requirement("transformers", "model").specifier
     assert not spec.contains("4.57.6") and spec.contains("5.0.0")
+
+
+def test_the_model_extra_kdn_checks_is_the_one_declared() -> None:
+    # kdn.extras.MODEL: what the CLI checks before loading a model and what MissingExtra
+    # tells apart from any other missing module (a slim install's 'No module named torch')
+    from kdn.extras import MODEL
+
+    declared = {Requirement(d).name for d in PYPROJECT["project"]["optional-dependencies"]["model"]}
+    assert declared == set(MODEL)

@@ -10,16 +10,19 @@
 decoder layer for a subset of tokens, ``blend`` is the layer-by-layer loop.
 """
 
-from kdn.blend.blend import (
-    BlendConfig,
-    BlendResult,
-    BlendTimings,
-    LayerSource,
-    Piece,
-    Resident,
-    blend,
-    concat_positions,
-)
+from kdn.extras import model_side
+
+with model_side("kdn.blend"):  # kdn[model] not installed: MissingExtra
+    from kdn.blend.blend import (
+        BlendConfig,
+        BlendResult,
+        BlendTimings,
+        LayerSource,
+        Piece,
+        Resident,
+        blend,
+        concat_positions,
+    )
 
 __all__ = [
     "BlendConfig",

@@ -191,11 +191,12 @@ test holds them equal)."""
 def model_problem(name: str) -> str | None:
     """Why ``name`` can not be loaded by ``kdn.model.models.load_model`` (None when it can): the
     packaged model's name or a local transformers folder, never a hub id (no network)."""
-    import importlib.util
+    from kdn.extras import INSTALL_MODEL, missing
 
-    if any(importlib.util.find_spec(m) is None for m in ("torch", "transformers")):
-        return (f"model {name!r} needs torch and transformers, which this install lacks; "
-                "install them with scripts/bootstrap.sh model (the server alone needs neither)")
+    if lacking := missing():
+        return (f"model {name!r} needs kdn's model extra, of which this install lacks "
+                f"{', '.join(lacking)}; install it with {INSTALL_MODEL}; the server alone "
+                "needs none of it")
     if (folder := Path(name).expanduser()).is_dir():
         return folder_problem(folder, name)
     if name == SMOLLM2_NAME:

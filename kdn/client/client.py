@@ -56,6 +56,7 @@ from kdn.client.rpc import (
 from kdn.client.writes import Writer
 from kdn.codec import EncodedParts
 from kdn.errors import Closed, ConfigError, Corrupt, InvalidArgument
+from kdn.extras import model_side
 from kdn.keys import DEFAULT_NAMESPACE, check_key, check_namespace
 from kdn.layout import KVLayout
 from kdn.names import call_batches, check_tenant, request_namespace
@@ -86,7 +87,8 @@ def in_its_process(fn: F) -> F:
     child of ``fork()`` (module docstring): there the channel would hang and the segment is
     the parent's. Closed once ``close`` began, and for a call that fails after it began on
     another thread: whatever broke under it (its connection, its segment, its channel) broke
-    for the close."""
+    for the close. A call reading into tensors without kdn's model extra raises MissingExtra
+    (``kdn.extras``)."""
     @functools.wraps(fn)
     def call(self: Client, *args: Any, **kwargs: Any) -> Any:
         if os.getpid() != self.pid:
@@ -95,7 +97,8 @@ def in_its_process(fn: F) -> F:
         if self.closing:  # (calls answered without the server too: flush, stage, ...)
             raise Closed(CLOSED)
         try:
-            return fn(self, *args, **kwargs)
+            with model_side(f"Client.{fn.__name__}"):
+                return fn(self, *args, **kwargs)
         except Closed:
             raise
         except Exception:

@@ -56,7 +56,10 @@ _TENSOR_SIDE = {"FRAME_TARGET_BYTES", "StreamDecoder", "decode", "encode", "enco
 
 def __getattr__(name: str) -> Any:
     if name in _TENSOR_SIDE:
-        from kdn.codec import api
+        from kdn.extras import model_side
+
+        with model_side(f"kdn.codec.{name}"):
+            from kdn.codec import api
 
         return getattr(api, name)
     import importlib.util

@@ -4,5 +4,12 @@
 of a model kdn drives), ``models`` (the small causal LM tests and benchmarks run on, loaded
 offline), ``data`` (SQuAD dev and English text for evaluation) and ``embed`` (sentence
 embeddings for RAG). This package exports nothing, so importing one of them loads only what
-that module needs.
+that module needs: torch, which each of them does, is imported here, where a missing one is
+MissingExtra naming kdn's model extra (``kdn.extras``).
 """
+
+from kdn.extras import model_side
+
+with model_side("kdn.model"):
+    import torch  # noqa: F401
+

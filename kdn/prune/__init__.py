@@ -11,20 +11,23 @@ block ratios; exact integer counts), ``apply`` (PrunedAttention, plan, save/load
 ``KVLayout.from_config`` records the kept channels and its caches go through kdn unchanged.
 """
 
-from kdn.prune.allocate import Allocation, block_ratios, default_cap, removal_counts
-from kdn.prune.apply import (
-    PrunedAttention,
-    PrunePlan,
-    load_pruned,
-    plan_from_counts,
-    prune_model,
-    pruned_plan,
-    save_pruned,
-    zero_pruned_channels,
-)
-from kdn.prune.importance import ChannelScores, Geometry, Importance, channel_scores
-from kdn.prune.pruner import PruneConfig, PruneResult, kvprune, make_plan
-from kdn.prune.sensitivity import Sensitivity, TailRunner, block_sensitivity
+from kdn.extras import model_side
+
+with model_side("kdn.prune"):  # kdn[model] not installed: MissingExtra
+    from kdn.prune.allocate import Allocation, block_ratios, default_cap, removal_counts
+    from kdn.prune.apply import (
+        PrunedAttention,
+        PrunePlan,
+        load_pruned,
+        plan_from_counts,
+        prune_model,
+        pruned_plan,
+        save_pruned,
+        zero_pruned_channels,
+    )
+    from kdn.prune.importance import ChannelScores, Geometry, Importance, channel_scores
+    from kdn.prune.pruner import PruneConfig, PruneResult, kvprune, make_plan
+    from kdn.prune.sensitivity import Sensitivity, TailRunner, block_sensitivity
 
 __all__ = [
     "Allocation",
