@@ -41,3 +41,12 @@ def test_the_model_extra_kdn_checks_is_the_one_declared() -> None:
 
     declared = {Requirement(d).name for d in PYPROJECT["project"]["optional-dependencies"]["model"]}
     assert declared == set(MODEL)
+
+
+def test_the_build_backend_floor_reads_the_license_field() -> None:
+    # license = "Apache-2.0" (a PEP 639 SPDX string) is read from setuptools 77 on: 68-76 (a
+    # distro's, with --no-build-isolation) failed the build ('project.license must be valid')
+    assert isinstance(PYPROJECT["project"]["license"], str)
+    (backend,) = map(Requirement, PYPROJECT["build-system"]["requires"])
+    assert backend.name == "setuptools"
+    assert not backend.specifier.contains("76.1.0") and backend.specifier.contains("77.0.0")
