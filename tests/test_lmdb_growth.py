@@ -314,3 +314,17 @@ def test_a_smaller_budget_at_restart_evicts_the_oldest_and_takes_writes(tmp_path
         assert small.contains(b"n/039") and small.stats().bytes <= 4 << 20
     finally:
         small.close()
+
+
+def test_a_budget_the_filesystem_holds_past_the_headroom_is_cut_as_such(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A budget between 75% and all of the room (deploy/kdn.example.yaml's 64 GiB on a disk
+    with 68 GiB free) is cut to 75%, and the warning says it is more than 75% of the room, not
+    (as it did) more than the filesystem holds."""
+    from kdn.store import diskroom
+
+    monkeypatch.setattr(diskroom, "free_bytes", lambda path: 40 << 20)
+    budget, warning = diskroom.fitted(tmp_path, 36 << 20)
+    assert budget == int((40 << 20) * 0.75)
+    assert "is more than 75% of the room its filesystem has" in warning, warning
+    assert "more than its filesystem holds" not in warning

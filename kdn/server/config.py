@@ -112,7 +112,7 @@ class ServerConfig:
     all, and kept."""
     disk_bytes: int = DEFAULT_DISK_BYTES
     """Byte budget of the LMDB disk tier (0 = no disk tier; else at least 1MiB). Cut to 75% of
-    the room its filesystem has where it holds less (kdn.store.diskroom): quietly for this
+    the room its filesystem has where it is more (kdn.store.diskroom): quietly for this
     default (the ready line shows the budget taken), with a warning for a budget one set."""
     redis_url: str = ""
     """Redis URL for the shared tier (redis://host:port/db); empty = no Redis tier. With

@@ -4,9 +4,10 @@ LMDB's data file grows page by page as entries land, and pages freed by deletes 
 but a file never gives its pages back, and copy-on-write with readers open may hold a write's
 old pages a while: a file may reach well past the bytes live in it. A budget that the
 filesystem can not hold never evicts: once the disk is full every new write fails instead of
-evicting the oldest entries. ``fitted`` cuts a budget to ``FIT`` of the room there is when the
-tier opens (the free bytes plus the data file's own), and says so. ``make_private`` keeps the
-tier's folder and files to kdn's user, and refuses them where another user owns them."""
+evicting the oldest entries. ``fitted`` cuts a budget past ``FIT`` of the room there is when
+the tier opens (the free bytes plus the data file's own) to that, and says so (whether the
+filesystem would hold the budget given at all). ``make_private`` keeps the tier's folder and
+files to kdn's user, and refuses them where another user owns them."""
 
 from __future__ import annotations
 
@@ -47,10 +48,12 @@ def fitted(path: Path, budget: int) -> tuple[int, str]:
     fit = max(MIN_BUDGET, int((free + held) * FIT))
     if budget <= fit:
         return budget, ""
-    return fit, (f"disk tier {path}: disk_bytes ({budget} bytes) is more than its filesystem "
-                 f"holds ({free} bytes free, {held} in its data file); its budget is {fit} "
-                 f"bytes ({FIT:.0%} of that room), so the oldest entries are evicted before "
-                 f"the disk fills")
+    what = "more than its filesystem holds" if budget > free + held else \
+        f"more than {FIT:.0%} of the room its filesystem has"
+    return fit, (f"disk tier {path}: disk_bytes ({budget} bytes) is {what} ({free} bytes "
+                 f"free, {held} in its data file); its budget is {fit} bytes ({FIT:.0%} of "
+                 f"that room: the data file grows past the entries in it), so the oldest "
+                 f"entries are evicted before the disk fills")
 
 
 def describe(path: Path, need: int) -> str:
