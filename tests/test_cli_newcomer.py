@@ -63,6 +63,10 @@ KEY = "ab" * 32
 BAD = [  # (argv, words in the one stderr line)
     (["nosuch"], "invalid choice: 'nosuch'"),
     ([], "required: COMMAND"),
+    (["--bogus"], "kdn: unrecognized arguments: --bogus"),  # (it said 'required: COMMAND')
+    (["--jsn", "--bogus=1"], "kdn: unrecognized arguments: --jsn --bogus=1"),
+    (["admin", "--bogus"], "kdn admin: unrecognized arguments: --bogus"),
+    (["admin", "--json"], "kdn admin: the following arguments are required: COMMAND"),
     (["serve", "--port", "99999"], "port: must be in 0..65535"),
     (["serve", "--port", "50100", "--data-port", "50100"], "data_port: must differ from port"),
     (["serve", "--ram-bytes", "huge"], "ram_bytes"),
@@ -132,6 +136,13 @@ def test_every_command_is_in_the_bad_argument_table() -> None:
     for cmd in ("ingest", "ask", "rm"):
         assert ("rag", cmd) in covered, cmd
     assert any(a[:1] == ["serve"] for a, _ in BAD)
+
+
+def test_version_is_printed_and_exits_0(capsys: pytest.CaptureFixture[str]) -> None:
+    import kdn
+
+    code, out, err = run(["--version"], capsys)
+    assert (code, out, err) == (0, f"kdn {kdn.__version__}\n", "")
 
 
 def test_keys_by_unique_prefix_as_ls_prints_them(live: tuple[str, list[str]],

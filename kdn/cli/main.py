@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any, NoReturn
 
+from kdn import __version__
 from kdn.cli.admin import run as run_admin
 from kdn.cli.args import (
     BadVariable,
@@ -52,15 +53,31 @@ class _Parser(argparse.ArgumentParser):
     """argparse's parser with a usage error on one line (``kdn admin ls: argument --limit:
     ...; see kdn admin ls --help``), exit code 2, instead of the usage block."""
 
+    given: list[str] = []
+    """The words this parser was given (``parse_known_args``)."""
+
     def error(self, message: str) -> NoReturn:
+        if message.startswith("the following arguments are required") and \
+                (unknown := self._unknown_options()):  # (an unknown option first: its name)
+            message = f"unrecognized arguments: {' '.join(unknown)}"
         error(self.prog, message, f"see {self.prog} --help")
         sys.exit(EXIT_USAGE)
+
+    def _unknown_options(self) -> list[str]:
+        """The options among ``given`` this parser does not know (nor any of its options'
+        abbreviations, which argparse takes): ``kdn --jsn`` is refused naming ``--jsn``, not
+        for the COMMAND it lacks."""
+        words = self.given[:self.given.index("--")] if "--" in self.given else self.given
+        known = list(self._option_string_actions)
+        return [w for w in words if w.startswith("-") and len(w) > 1 and not any(
+            o.startswith(w.partition("=")[0]) for o in known)]
 
     def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
         """Arguments a command does not know are refused by that command's parser, which
         names it (``kdn admin stats: unrecognized arguments: --bogus``), not by ``kdn``'s."""
+        self.given = list(sys.argv[1:] if args is None else args)
         try:
-            ns, extra = super().parse_known_args(args, namespace)
+            ns, extra = super().parse_known_args(self.given, namespace)
         except BadVariable as exc:  # a default from the environment: no option to name
             self.error(str(exc))
         if extra:
@@ -298,6 +315,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="kdn", formatter_class=_Formatter, epilog=_epilog(TOP_EXAMPLES),
         description="kdn: a knowledge delivery network (KV caches for LLMs). Options go "
         "anywhere after their command; `kdn COMMAND --help` lists them.")
+    ap.add_argument("--version", action="version", version=f"kdn {__version__}")
     sub = ap.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
     _add_serve(sub)
     _add_admin(sub)
