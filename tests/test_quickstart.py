@@ -85,6 +85,18 @@ def test_sglang_and_vllm_pins_are_requirement_files_bootstrap_installs_without_d
         assert pins[0].name == name and all(str(p.specifier).startswith("==") for p in pins)
 
 
+def test_the_readme_says_how_pip_alone_gets_the_cpu_torch_bootstrap_installs() -> None:
+    """`pip install '.[model]'` takes PyPI's torch, the CUDA build on Linux (GBs), which the
+    README said no install of kdn pulls: it says to install the CPU build first, the version
+    bootstrap pins, from the index bootstrap uses."""
+    boot = (ROOT / "scripts" / "bootstrap.sh").read_text()
+    (version,) = re.findall(r"^torch_version=(\S+)$", boot, flags=re.M)
+    install = (ROOT / "README.md").read_text().split("## Install", 1)[1].split("\n## ", 1)[0]
+    said = " ".join(install.split())
+    assert (f"pip install torch=={version} --index-url https://download.pytorch.org/whl/cpu"
+            in said), said
+
+
 def test_quickstart_and_test_script_use_the_bootstrap_for_the_models() -> None:
     serve = (ROOT / "scripts" / "serve.sh").read_text()
     assert 'bootstrap.sh "${KDN_EXTRAS-model}"' in serve  # the Quickstart's first command
