@@ -555,25 +555,6 @@ def test_an_ingest_of_chunks_past_the_models_context_is_refused(client: Client,
     assert small.ingest(tmp_path / "docs").chunks > 0
 
 
-def test_a_plain_ingest_rerun_takes_the_states_settings() -> None:
-    from kdn.cli.main import build_parser
-    from kdn.cli.rag import ingest_settings
-    from kdn.rag.index import Settings
-
-    def settings(*flags: str, state: Settings | None = None) -> tuple[Any, ...]:
-        ns = build_parser().parse_args(["rag", "ingest", "docs", *flags])
-        ingest_settings(ns, state)
-        return ns.namespace, ns.chunk_tokens, ns.max_chunk_tokens, ns.mode, ns.level
-
-    assert settings() == ("rag", 256, 0, "lossless", "")
-    old = Settings("layout", "team", 16, 20, "kdn", "small")
-    assert settings(state=old) == ("team", 16, 20, "kdn", "small")
-    assert settings("--chunk-tokens", "64", "--mode", "int8", state=old) == (
-        "team", 64, 0, "int8", "")
-    assert settings("--namespace", "x", "--level", "tiny", state=old) == (
-        "x", 16, 20, "kdn", "tiny")
-
-
 def test_a_request_of_no_tokens_or_of_one_text_for_its_chunks_is_refused_before_any_work(
         model: Any, counted: Counted, client: Client, tmp_path: Path) -> None:
     """answer(..., max_new_tokens=0 / -3 / True / 2.5), ask(k=0) and a text given for the

@@ -4,6 +4,7 @@ each refused where it is not what it must be (a request's own arguments: ``tests
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -99,3 +100,22 @@ def test_a_corpus_kdn_can_not_read_is_a_usage_error_before_any_call(
     assert main(["rag", "--address", "127.0.0.1:1", "--state", str(tmp_path / "state"),
                  "ingest", str(tmp_path / name)]) == 2
     assert name in capsys.readouterr().err
+
+
+def test_a_plain_ingest_rerun_takes_the_states_settings() -> None:
+    from kdn.cli.main import build_parser
+    from kdn.cli.rag import ingest_settings
+    from kdn.rag.index import Settings
+
+    def settings(*flags: str, state: Settings | None = None) -> tuple[Any, ...]:
+        ns = build_parser().parse_args(["rag", "ingest", "docs", *flags])
+        ingest_settings(ns, state)
+        return ns.namespace, ns.chunk_tokens, ns.max_chunk_tokens, ns.mode, ns.level
+
+    assert settings() == ("rag", 256, 0, "lossless", "")
+    old = Settings("layout", "team", 16, 20, "kdn", "small")
+    assert settings(state=old) == ("team", 16, 20, "kdn", "small")
+    assert settings("--chunk-tokens", "64", "--mode", "int8", state=old) == (
+        "team", 64, 0, "int8", "")
+    assert settings("--namespace", "x", "--level", "tiny", state=old) == (
+        "x", 16, 20, "kdn", "tiny")
