@@ -39,6 +39,10 @@ Lifecycle of ``blend(model, pieces, config)``:
 The question rule is the default because it recomputes the tokens the answer reads, where
 deviation picks the tokens whose K/V moved (bench/README.md, blend, has the comparison).
 
+Models: the blender runs each decoder layer itself (``kdn.blend.layer``), so it takes only the
+families it computes exactly (``kdn.model.families.BLENDED``: Llama, Mistral, Qwen2/3, Gemma,
+...); any other is InvalidArgument naming it before anything runs.
+
 Attention is full (causal) in every layer: a sliding-window model blends prompts no longer
 than its window (``kdn.model.hf.attention_window``; InvalidArgument past it).
 
@@ -80,6 +84,7 @@ from kdn.cache import KVCache, LayerKV
 from kdn.checks import share, whole
 from kdn.errors import Cancelled, InvalidArgument, InvalidLayout, LayoutMismatch
 from kdn.layout import KVLayout, LayerLayout
+from kdn.model.families import check_blended
 from kdn.model.hf import (
     ModelParts,
     attention_window,
@@ -295,6 +300,7 @@ def blend(model: Any, pieces: list[Piece], config: BlendConfig | None = None,
     if not isinstance(cfg, BlendConfig):
         raise InvalidArgument(f"config must be a kdn.blend.BlendConfig, got {type(cfg).__name__}")
     t0 = time.perf_counter()
+    check_blended(model, "blend")
     m = ModelParts.of(model)
 
     def layers() -> Iterator[tuple[int, Any]]:

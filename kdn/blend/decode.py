@@ -4,7 +4,8 @@
 then runs new tokens through the decoder layers (``kdn.blend.layer``), writing their K/V in
 place. Unlike growing a transformers ``DynamicCache`` (which copies the whole cache on every
 token), a step costs only the new token's work, and it runs pruned layouts too. Its attention
-is full: a sliding-window model continues only within its window (InvalidArgument past it).
+is full: a sliding-window model continues only within its window (InvalidArgument past it),
+and it takes only the families the blender computes exactly (``kdn.model.families``).
 
     cont = Continuation(model, result.kv, room=16)
     logits = cont.forward(answer_ids)          # [tokens, vocab], teacher-forced
@@ -23,6 +24,7 @@ import torch
 from kdn.blend import layer as blk
 from kdn.blend.rope import rope_plan
 from kdn.cache import KVCache
+from kdn.model.families import check_blended
 from kdn.model.hf import ModelParts, attention_window, check_window
 
 
@@ -30,6 +32,7 @@ class Continuation:
     """A prompt's KV in buffers with ``room`` free token slots, extended by ``forward``."""
 
     def __init__(self, model: Any, kv: KVCache, room: int) -> None:
+        check_blended(model, "a Continuation")
         self.m = ModelParts.of(model)
         layout = kv.layout
         self.length = kv.num_tokens

