@@ -3,9 +3,9 @@
 The blender runs each layer for some rows (tokens) only, with attention over the whole
 context. These functions drive the model's own modules: ``input_layernorm``,
 ``self_attn.{q,k,v,o}_proj`` (biases included, as in qwen2), ``self_attn.{q,k}_norm`` when
-present (qwen3), ``post_attention_layernorm`` and ``mlp``. Nothing here is a copy of a model
-family's code; shapes come from the layout (per-layer K/V channels of pruned models) and the
-tensors. Without a batch dimension throughout:
+present (qwen3), ``post_attention_layernorm`` and ``mlp`` (dense or sparse-MoE). Nothing here
+is a copy of a model family's code; shapes come from the layout (per-layer K/V channels of
+pruned models) and the tensors. Without a batch dimension throughout:
 
     h: [rows, hidden]  q: [heads, rows, k_ch]  k: [kv_heads, rows, k_ch]  v: [kv_heads, rows, v_ch]
 """
@@ -126,6 +126,7 @@ def attend(layer: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 def finish(layer: Any, h: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
-    """Residual stream after the layer: attention output projection, then the MLP block."""
+    """Residual stream after the layer: attention output projection, then the MLP block, given
+    a batch of one (a sparse-MoE block, Mixtral's or Qwen2-MoE's, reads [batch, rows, hidden])."""
     h = h + layer.self_attn.o_proj(attn_out)
-    return h + layer.mlp(layer.post_attention_layernorm(h))
+    return h + layer.mlp(layer.post_attention_layernorm(h)[None])[0]

@@ -24,6 +24,7 @@ from kdn.errors import InvalidArgument
 BLENDED: Mapping[str, Mapping[str, object]] = {
     "llama": {}, "mistral": {}, "ministral": {}, "qwen2": {}, "qwen3": {}, "gemma": {},
     "starcoder2": {}, "nemotron": {}, "seed_oss": {}, "arcee": {},
+    "mixtral": {}, "qwen2_moe": {}, "qwen3_moe": {},
     "stablelm": {"use_parallel_residual": False, "qk_layernorm": False},
     "olmo": {"clip_qkv": None},
 }
