@@ -169,6 +169,28 @@ def test_select_tokens_budgets() -> None:
     assert select_tokens(scores, spans, 0.5, per_chunk=True).tolist() == [1, 3, 5, 7, 9]
     assert select_tokens(scores, spans, 0.0).tolist() == []
     assert select_tokens(scores, spans, 1.0).tolist() == list(range(10))
+    # a token recomputed anyway (skip) is passed over: the budget goes to others
+    assert select_tokens(scores, spans, 0.3, skip=1).tolist() == [3, 5, 7]
+    assert select_tokens(scores, spans, 0.5, per_chunk=True, skip=9).tolist() == [1, 3, 5, 7, 8]
+    assert select_tokens(scores, spans, 0.3, head_tokens=1, skip=4).tolist() == [0, 1, 3]
+    assert select_tokens(scores, spans, 1.0, skip=9).tolist() == list(range(9))
+
+
+def test_a_prompt_ending_in_a_chunk_spends_no_budget_on_its_last_token() -> None:
+    """The prompt's last token is recomputed anyway (its hidden state gives the logits): the
+    selection could also pick it, and one fewer other token was recomputed than
+    recomputed_tokens said."""
+    model = tiny("llama")
+    layout = model_layout(model)
+    q, a, b = ids(5, 1), ids(9, 2), ids(11, 3)
+    ka, kb = prefill(model, a, layout)[0], prefill(model, b, layout)[0]
+    n = len(q) + len(a) + len(b)
+    for cfg in (BlendConfig(ratio=0.3), BlendConfig(ratio=0.5),
+                BlendConfig(ratio=0.3, query_share=0.0),
+                BlendConfig(ratio=0.2, query_share=0.5), BlendConfig(ratio=0.3, per_chunk=True)):
+        r = blend(model, [Piece(q), Piece(a, ka), Piece(b, kb)], cfg)
+        assert n - 1 not in r.recomputed.tolist(), cfg
+        assert len(r.recomputed) == r.timings.recomputed_tokens == round(cfg.ratio * (n - len(q)))
 
 
 def test_config_checks() -> None:

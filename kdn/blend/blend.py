@@ -27,7 +27,8 @@ Lifecycle of ``blend(model, pieces, config)``:
    Each chunk's first ``head_tokens`` can be forced in either way; when they fill the budget
    (EPIC's rule: ``ratio=0, head_tokens=h``) the selection is known before layer 0 and
    neither a first pass nor full layers run.
-3. the selected tokens and the uncached text (and always the prompt's last token) are computed
+3. the selected tokens and the uncached text (and always the prompt's last token, which the
+   selection passes over: the budget goes to others) are computed
    through the remaining layers; their fresh K/V replace the stored ones and they attend over
    the whole context (stored K/V for everything else) with a causal mask. Text before the
    first chunk is final after the first pass and is not computed again.
@@ -208,7 +209,8 @@ class BlendTimings:
     """Time spent getting chunk layers: waiting for ones not yet decoded, and re-positioning."""
     total_s: float = 0.0
     recomputed_tokens: int = 0
-    """Cached tokens recomputed (not counting the uncached text)."""
+    """Cached tokens the selection recomputed (not counting the uncached text, nor the prompt's
+    last token, recomputed anyway)."""
     cached_tokens: int = 0
 
 
@@ -219,7 +221,8 @@ class BlendResult:
     logits: torch.Tensor
     """[vocab] next-token logits after the prompt's last token."""
     recomputed: torch.Tensor
-    """Positions of the cached tokens that were recomputed (sorted)."""
+    """Positions of the cached tokens the selection recomputed (sorted; the prompt's last
+    token, recomputed anyway, is not among them)."""
     timings: BlendTimings = field(default_factory=BlendTimings)
 
 
@@ -427,8 +430,13 @@ def blend(model: Any, pieces: list[Piece], config: BlendConfig | None = None,
     heads_only = heads_only or (
         all(budget(cfg.ratio, b - a) >= b - a for a, b in spans) if cfg.per_chunk
         else budget(cfg.ratio, int(cached_pos.numel())) >= int(cached_pos.numel()))
+    # a chunk that ends the prompt: its last token is recomputed anyway (``always``), so the
+    # selection passes it over and the budget goes to other tokens
+    skip = int(cached_pos.numel()) - 1 if ranges and ranges[-1][1] == n else None
     if cfg.selects and cfg.query_share > 0 and not heads_only:  # the question's attention
         scores = text_pass(fixed, placed)[cached_pos]  # needs a first pass
+        if skip is not None:
+            scores[skip] = float("-inf")  # (nor does mix lift it)
         # text before the first chunk sees no chunk: the pass computed its K/V exactly
         always[: ranges[0][0] if ranges else 0] = False
     if not cfg.selects:
@@ -437,7 +445,7 @@ def blend(model: Any, pieces: list[Piece], config: BlendConfig | None = None,
         if scores is None:  # chunk heads fill the budget: no scores needed (EPIC)
             scores = torch.zeros(int(cached_pos.numel()), dtype=torch.float32, device=dev)
         chosen = select_tokens(scores, spans, cfg.ratio, per_chunk=cfg.per_chunk,
-                               head_tokens=cfg.head_tokens)
+                               head_tokens=cfg.head_tokens, skip=skip)
         recomputed = cached_pos[chosen]
         rows = _union(always, recomputed)
     mask: blk.Causal | None = None  # None: every row, plain causal attention
@@ -463,7 +471,7 @@ def blend(model: Any, pieces: list[Piece], config: BlendConfig | None = None,
             if scores is not None:
                 moved_by = mix(moved_by, scores, cfg.query_share, cfg.ratio)
             chosen = select_tokens(moved_by, spans, cfg.ratio, per_chunk=cfg.per_chunk,
-                                   head_tokens=cfg.head_tokens)
+                                   head_tokens=cfg.head_tokens, skip=skip)
             recomputed = cached_pos[chosen]
             rows = _union(always, recomputed)
             mask = blk.causal(rows) if rows.numel() < n else None

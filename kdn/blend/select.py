@@ -35,29 +35,42 @@ def budget(ratio: float, tokens: int) -> int:
 
 
 def select_tokens(scores: torch.Tensor, spans: list[tuple[int, int]], ratio: float, *,
-                  per_chunk: bool = False, head_tokens: int = 0) -> torch.Tensor:
+                  per_chunk: bool = False, head_tokens: int = 0,
+                  skip: int | None = None) -> torch.Tensor:
     """Sorted indices (into ``scores``) of the cached tokens to recompute.
 
     scores: [cached] deviation of every cached token; spans: each chunk's [start, stop) in that
     index space. The budget is ``ratio`` of all cached tokens; ``head_tokens`` of each chunk
     are always taken and count against it; ``per_chunk`` splits the budget between chunks in
-    proportion to their size instead of taking the global top.
+    proportion to their size instead of taking the global top. ``skip``: a token recomputed
+    anyway (the prompt's last, when a chunk ends the prompt), never taken, so the whole budget
+    goes to others.
     """
     n = int(scores.numel())
     forced = torch.zeros(n, dtype=torch.bool, device=scores.device)
     for start, stop in spans:
         forced[start : min(stop, start + head_tokens)] = True
+    heads = [min(head_tokens, stop - start) for start, stop in spans]  # forced, per chunk
+    # what each chunk has left to rank: its tokens, less its forced ones and the skipped one
+    left = [stop - start - forced_here for (start, stop), forced_here in zip(spans, heads)]
+    if skip is not None:
+        forced[skip] = False
+        for j, (start, stop) in enumerate(spans):
+            if start <= skip < stop:
+                heads[j] -= int(skip < start + head_tokens)
+                left[j] = stop - start - heads[j] - 1
     picked = forced.clone()
     ranked = scores.float().masked_fill(forced, float("-inf"))
-    heads = [min(head_tokens, stop - start) for start, stop in spans]  # forced, per chunk
+    if skip is not None:
+        ranked[skip] = float("-inf")
     if per_chunk:
-        for (start, stop), forced_here in zip(spans, heads):
-            extra = budget(ratio, stop - start) - forced_here
+        for (start, stop), forced_here, room in zip(spans, heads, left):
+            extra = min(budget(ratio, stop - start) - forced_here, room)
             if extra > 0:
                 top = torch.topk(ranked[start:stop], extra).indices + start
                 picked[top] = True
     else:
-        extra = budget(ratio, n) - sum(heads)
+        extra = min(budget(ratio, n) - sum(heads), sum(left))
         if extra > 0:
             picked[torch.topk(ranked, extra).indices] = True
     return picked.nonzero().flatten()
