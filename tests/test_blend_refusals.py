@@ -122,3 +122,17 @@ def test_a_sliding_window_is_blended_within_it_and_refused_past_it() -> None:
     assert unused.config.sliding_window == 8
     assert hf.attention_window(unused) is None
     blend(unused, [Piece(ids(20, seed=3))], BlendConfig(ratio=0.0))
+
+
+def test_select_layer_is_checked_only_by_the_rule_that_reads_it() -> None:
+    """The question rule (the default) selects before layer 0 and never reads select_layer,
+    yet a 1-layer model was refused "select_layer 1 >= 1 layers" with the default config; the
+    deviation rule, which selects at that layer, is still refused past the last layer."""
+    model = tiny("llama", layers=1)
+    a, q = ids(8, 1), ids(4, 2)
+    ka = prefill(model, a, model_layout(model))[0]
+    r = blend(model, [Piece(a, ka), Piece(q)], BlendConfig(ratio=0.25))
+    assert len(r.recomputed) == 2
+    blend(model, [Piece(a, ka), Piece(q)], BlendConfig(ratio=0.0, head_tokens=2))  # EPIC's
+    with pytest.raises(InvalidArgument, match="select_layer 1 >= 1 layers"):
+        blend(model, [Piece(a, ka), Piece(q)], BlendConfig(ratio=0.25, query_share=0.0))

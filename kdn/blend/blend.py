@@ -166,7 +166,9 @@ class BlendConfig:
     ratio: float = 0.15
     """Fraction of cached tokens recomputed through the layers from ``select_layer`` on."""
     select_layer: int = 1
-    """Layer whose K/V deviation selects the tokens; all tokens are computed before it."""
+    """Layer whose K/V deviation selects the tokens; all tokens are computed before it. Read
+    (and checked against the model's layers) only where deviation selects: ``query_share`` < 1
+    and the chunk heads do not fill the budget."""
     head_tokens: int = 0
     """Always recompute each chunk's first this many tokens (they count against the budget)."""
     per_chunk: bool = False
@@ -330,8 +332,6 @@ def blend(model: Any, pieces: list[Piece], config: BlendConfig | None = None,
     n_layers = layout.num_layers
     if len(m.layers) != n_layers:
         raise LayoutMismatch(f"model has {len(m.layers)} layers, its config {n_layers}")
-    if cfg.selects and cfg.select_layer >= n_layers:
-        raise InvalidArgument(f"select_layer {cfg.select_layer} >= {n_layers} layers")
 
     # -- positions (host: per piece, never per token; device: the model's) ----------------------
     dev = m.embed.weight.device
@@ -430,6 +430,9 @@ def blend(model: Any, pieces: list[Piece], config: BlendConfig | None = None,
     heads_only = heads_only or (
         all(budget(cfg.ratio, b - a) >= b - a for a, b in spans) if cfg.per_chunk
         else budget(cfg.ratio, int(cached_pos.numel())) >= int(cached_pos.numel()))
+    if cfg.selects and cfg.query_share < 1 and not heads_only and cfg.select_layer >= n_layers:
+        # (only the deviation rule reads select_layer: the question's selects before layer 0)
+        raise InvalidArgument(f"select_layer {cfg.select_layer} >= {n_layers} layers")
     # a chunk that ends the prompt: its last token is recomputed anyway (``always``), so the
     # selection passes it over and the budget goes to other tokens
     skip = int(cached_pos.numel()) - 1 if ranges and ranges[-1][1] == n else None
