@@ -139,6 +139,29 @@ def test_chunk_connector_loads_saves_and_blends(client: Client) -> None:
     assert other_ns.matched_tokens(chunk) == 0
 
 
+def test_chunk_connector_reports_the_stored_entrys_start_position(client: Client) -> None:
+    """A chunk stored with its keys rotated at position 5 blends through a ChunkConnector as
+    through its LayerStream: re-positioned from 5 (the connector said 0 whatever the entry
+    held, and its keys landed rotated 5 positions too far, without a word)."""
+    from kdn.cache import KVCache
+
+    model = tiny("llama")
+    layout = hf.model_layout(model)
+    chunk, question = ids(8, seed=1), ids(4, seed=2)
+    with torch.no_grad():  # the chunk's KV computed at positions 5..12
+        out = model(torch.tensor([chunk]), position_ids=torch.arange(5, 13)[None],
+                    use_cache=True)
+    at5 = KVCache(layout, hf.from_transformers(out.past_key_values, layout).layers, 5)
+    conn = ChunkConnector(client, layout, "conn5")
+    assert conn.start_position == 0  # nothing loaded yet
+    client.store(conn.key_of(chunk), at5, namespace="conn5")
+    assert conn.start_load(chunk) == len(chunk) and conn.start_position == 5
+    got = blend(model, [Piece(question), Piece(chunk, conn)], BlendConfig(ratio=0.0))
+    conn.finish()
+    full, _ = hf.prefill(model, question + chunk, layout)
+    torch.testing.assert_close(got.kv.layers[0][0], full.layers[0][0], atol=1e-4, rtol=1e-4)
+
+
 def test_one_greedy_loop_drives_every_decoder() -> None:
     from kdn.blend.decode import Continuation
 

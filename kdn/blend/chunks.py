@@ -12,7 +12,9 @@ A chunk is prefilled alone from position 0 and stored under its position-free ke
     result = blend(model, [Piece(head), Piece(ids, chunk), Piece(question)])
     chunk.wait_for_save()                            # stores a computed chunk (after the answer)
 
-A chunk is all or nothing: ``matched_tokens`` is its length when kdn holds it, else 0. Layers
+A chunk is all or nothing: ``matched_tokens`` is its length when kdn holds it, else 0; an
+entry stored with its keys rotated elsewhere says so (``start_position``, from its header), and
+the blend re-positions it from there. Layers
 come from the Retrieve stream (decoded while the blend runs earlier layers) or, for a chunk
 computed here, from the saved layers. Saving is deferred to ``wait_for_save`` so storing never
 competes with the request for compute before the answer is out.
@@ -34,9 +36,7 @@ from kdn.layout import KVLayout
 
 
 class ChunkConnector(KVConnector):
-    """One chunk (see the module docstring); ``start_position`` is always 0."""
-
-    start_position = 0
+    """One chunk (see the module docstring)."""
 
     def __init__(self, client: Client, layout: KVLayout, namespace: str, *,
                  mode: str = "lossless", level: str = "",
@@ -65,6 +65,13 @@ class ChunkConnector(KVConnector):
     @property
     def num_tokens(self) -> int:
         return len(self.ids)
+
+    @property
+    def start_position(self) -> int:
+        """Position the chunk's keys were rotated at: the stored entry's (its header's) when
+        it was loaded, else 0 (a chunk computed here is prefilled alone from position 0).
+        The blender re-positions the keys from it."""
+        return self.stream.start_position if self.stream is not None else 0
 
     def key_of(self, token_ids: Sequence[int]) -> bytes:
         return chunk_key(token_ids, self.layout, self.namespace, salt=self.salt)
