@@ -6,10 +6,11 @@ largest |x| is close to its RMS, so a ``kdn`` step of more than twice the RMS (t
 ``compact`` and ``tiny``) would round all of it to 0 were the step not capped at the token's
 largest |x| (``kdn.codec.modes.kdn``). bf16 and float32 caches may hold values whose squares
 float32 can not hold (|x| beyond ~1e19 or below ~1e-23), so the RMS is taken relative to the
-absmax (``kdn.codec.quant.token_rms``). These tests hold every lossy level to: finite output,
-no token decoded as zeros, its largest value decoded within half of itself with its sign,
-every value within half the (capped) step, and values of the token's largest magnitude within
-the scale grid wherever the cap applies.
+absmax (``kdn.codec.quant.token_rms``). Rows below float16's normal range have int8 and
+cachegen scales raised where the nearest float16 would clip them (``quant.f16_scale``). These
+tests hold every lossy level to: finite output, no token decoded as zeros, its largest value
+decoded within half of itself with its sign, every value within half the (capped) step, and
+values of the token's largest magnitude within the scale grid wherever the cap applies.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from kdn.codec import decode, encode
 from kdn.codec.modes import get_mode
 from kdn.codec.modes.cachegen import PARAMS as CACHEGEN
 from kdn.codec.modes.kdn import LEVELS as KDN_LEVELS
+from kdn.codec.quant import f16_scale
 from kdn.errors import InvalidLayout
 from kdn.layout import DType, KVLayout, LayerLayout
 
@@ -158,6 +160,39 @@ def test_values_whose_squares_float32_can_not_hold_keep_the_levels_step(
         level: str, magnitude: float, dtype: DType) -> None:
     # cachegen stores its scales as float16 (as published): such caches are beyond its range
     check_small_layers(cache(small_layout(dtype), "outliers", magnitude=magnitude), "kdn", level)
+
+
+@pytest.mark.parametrize("mode", ["int8", "cachegen"])
+@pytest.mark.parametrize("magnitude", [1e-3, 1e-5, 1e-6, 1e-8, 1e-10])
+@pytest.mark.parametrize("dtype", [DType.FLOAT16, DType.BFLOAT16, DType.FLOAT32])
+def test_rows_below_float16s_normal_scales_keep_half_a_step(mode: str, magnitude: float,
+                                                            dtype: DType) -> None:
+    # their float16 scales are subnormals: rounded to nearest they clipped the largest values
+    # (1e-5: 15% of them lost) or were 0 (1e-6: the row decoded as zeros)
+    layout = small_layout(dtype)
+    kv = cache(layout, "outliers", magnitude=magnitude)
+    out = decode(encode(kv, mode))
+    for i, ((k, v), (k2, v2)) in enumerate(zip(kv.layers, out.layers)):
+        for x, y, c in zip((k, v), (k2, v2), CACHEGEN.levels(i)):
+            x, y = x.double(), y.double()
+            if mode == "int8":  # step = scale
+                step, per = x.abs().amax(dim=2, keepdim=True) / 127, 1
+            else:  # step = scale / c
+                step, per = x.abs().amax(dim=(0, 2), keepdim=True) / c, c
+            # half a step of a scale within one float16 step (2**-24 here) above the exact one,
+            # and the dtype's own rounding (float16 output: to its subnormals, 2**-24 apart)
+            eps = x.abs() * 2.0**-7 + (2.0**-25 if dtype is DType.FLOAT16 else 0.0)
+            bound = step / 2 * (1 + 2.0**-10) + 2.0**-25 / per + eps
+            assert ((x - y).abs() <= bound).all(), (i, mode, magnitude, dtype)
+
+
+def test_normal_float16_scales_are_the_nearest_float16() -> None:
+    # rows of int8 and cachegen scales in float16's normal range are coded as they always were
+    absmax = torch.logspace(-2.1, 6.9, 200_001, dtype=torch.float32)  # / 127: 2**-14 up
+    assert torch.equal(f16_scale(absmax / 127, absmax, 127.5), (absmax / 127).half())
+    for c in (15, 7):
+        top = absmax[absmax < 65504]
+        assert torch.equal(f16_scale(top, top, (c + 0.5) / c), top.half())
 
 
 def test_a_layer_of_no_channels_is_refused_by_the_layout() -> None:

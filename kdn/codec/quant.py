@@ -9,6 +9,7 @@ the entropy coder models each row separately), plus whatever side information it
                                                  capped by the absmax: ``modes.kdn``)
     log_scale_symbols(s)        -> [tokens] int  a positive scale as round(16 * log2 s)
     scale_from_symbols(q)       -> [tokens]      2 ** (q / 16), what encoder and decoder both use
+    f16_scale(s, absmax, fits)  -> float16       a float16 scale that never clips absmax
     quantize(x, step)           -> streams       round(x / step), step: [tokens] per token
     dequantize(streams, step)   -> x
 """
@@ -64,6 +65,23 @@ def scale_from_symbols(q: torch.Tensor) -> torch.Tensor:
     q = q.to(torch.int32)
     e = ((q >> 4).clamp(-126, 127) + 127) << 23
     return SCALE_TABLE.to(q.device)[q & (LOG_SCALE_RES - 1)] * e.view(torch.float32)
+
+
+F16_MAX = float(torch.finfo(torch.float16).max)
+
+
+def f16_scale(scale: torch.Tensor, absmax: torch.Tensor, fits: float) -> torch.Tensor:
+    """``scale`` (float32, >= 0; values beyond float16's range saturate at its max) as float16,
+    rounded to nearest, then one float16 step up where ``fits`` x the rounded scale is below
+    ``absmax``: where the top symbol plus half a step no longer reaches the largest value, which
+    would clip. Where ``fits`` leaves over 2**-11 of room (float16's rounding: int8's
+    127.5 / 127, cachegen's (c + 0.5) / c below c = 1024) only float16 subnormals (scales below
+    2**-14, coarse) ever need it, so normal scales stay the nearest float16; a scale that
+    underflows to 0 for an ``absmax`` above 0 becomes 2**-24, the smallest float16 (it decoded
+    the values as zeros)."""
+    h = scale.clamp(max=F16_MAX).half()
+    up = (h.float() * fits < absmax) & (h < F16_MAX)
+    return torch.where(up, torch.nextafter(h, torch.full_like(h, float("inf"))), h)
 
 
 def quantize(x: torch.Tensor, step: torch.Tensor, limit: int = 32000) -> torch.Tensor:

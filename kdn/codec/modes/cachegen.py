@@ -31,7 +31,9 @@ from kdn.codec.entropy import encode_streams
 from kdn.codec.modes import LayerSpec, Mode, pack_sections, register, unpack_sections
 from kdn.codec.quant import (
     DEQUANTIZE_CHUNK_BYTES,
+    F16_MAX,
     dequantize,
+    f16_scale,
     from_numpy,
     quantize,
     to_numpy,
@@ -70,14 +72,13 @@ class CacheGenParams:
 PARAMS = CacheGenParams()
 
 
-F16_MAX = float(torch.finfo(torch.float16).max)
-
-
 def _quant(x: torch.Tensor, c: int) -> tuple[bytes, torch.Tensor]:
     # x: [heads, tokens, ch] -> (scale f16 bytes, symbols [heads * ch, tokens])
     # float16 scales: values beyond its range (bf16, f32 caches) saturate instead of an
-    # infinite scale, whose step would decode the whole token as NaN
-    scale = token_absmax(x).clamp(max=F16_MAX).half()
+    # infinite scale, whose step would decode the whole token as NaN; a subnormal one is raised
+    # where the nearest would clip the token's largest value (or be 0 for a token of tiny values)
+    absmax = token_absmax(x)
+    scale = f16_scale(absmax, absmax, (c + 0.5) / c)
     step = torch.where(scale > 0, scale.float(), 1.0) / c  # an all-zero token codes as zeros
     return to_numpy(scale).tobytes(), quantize(x, step, limit=c)
 

@@ -1,7 +1,9 @@
 """``int8``: per-token int8, the simple baseline (8.25 bits per element at 64 channels).
 
 For each (head, token) of K and of V: scale = max |x| over channels / 127 (float16), symbols =
-round(x / scale) as int8. No entropy coding.
+round(x / scale) as int8. No entropy coding. Rows below 127 x 2**-14 (~7.8e-3) have float16
+subnormal scales, raised one float16 step where the nearest would clip (``quant.f16_scale``):
+their error is half a step of up to max |x| / 127 + 2**-24, never a clipped or zeroed row.
 
     body = sections(K scales f16 [heads, tokens] | K int8 [heads, tokens, k_ch]
                     | V scales | V int8)
@@ -15,7 +17,7 @@ import numpy as np
 import torch
 
 from kdn.codec.modes import LayerSpec, Mode, pack_sections, register, unpack_sections
-from kdn.codec.quant import from_numpy, to_numpy
+from kdn.codec.quant import f16_scale, from_numpy, to_numpy
 from kdn.errors import Corrupt
 
 
@@ -24,8 +26,8 @@ def _encode(x: torch.Tensor) -> list[bytes]:
     x = x.float()
     # [heads, tokens, 1]; values beyond 127 x float16's range (bf16, f32) saturate instead of
     # an infinite scale, which would decode the row as NaN
-    top = torch.finfo(torch.float16).max
-    scale = (x.abs().amax(dim=2, keepdim=True) / 127.0).clamp(max=top).half()
+    absmax = x.abs().amax(dim=2, keepdim=True)
+    scale = f16_scale(absmax / 127.0, absmax, 127.5)
     safe = torch.where(scale > 0, scale.float(), 1.0)  # an all-zero row codes as zeros
     q = torch.round(x / safe).clamp(-127, 127).to(torch.int8)
     return [to_numpy(scale).tobytes(), to_numpy(q).tobytes()]
