@@ -6,11 +6,12 @@ largest |x| is close to its RMS, so a ``kdn`` step of more than twice the RMS (t
 ``compact`` and ``tiny``) would round all of it to 0 were the step not capped at the token's
 largest |x| (``kdn.codec.modes.kdn``). bf16 and float32 caches may hold values whose squares
 float32 can not hold (|x| beyond ~1e19 or below ~1e-23), so the RMS is taken relative to the
-absmax (``kdn.codec.quant.token_rms``). Rows below float16's normal range have int8 and
-cachegen scales raised where the nearest float16 would clip them (``quant.f16_scale``). These
-tests hold every lossy level to: finite output, no token decoded as zeros, its largest value
-decoded within half of itself with its sign, every value within half the (capped) step, and
-values of the token's largest magnitude within the scale grid wherever the cap applies.
+absmax (``kdn.codec.quant.token_rms``); smaller still, ``kdn`` steps stop at 2**-124. Rows
+below float16's normal range have int8 and cachegen scales raised where the nearest float16
+would clip them (``quant.f16_scale``). These tests hold every lossy level to: finite output,
+no token decoded as zeros, its largest value decoded within half of itself with its sign,
+every value within half the (capped) step, and values of the token's largest magnitude within
+the scale grid wherever the cap applies.
 """
 
 from __future__ import annotations
@@ -154,12 +155,30 @@ def test_a_constant_layer_decodes_to_its_value_where_the_step_reaches_it(level: 
 
 
 @pytest.mark.parametrize("level", get_mode("kdn").levels)
-@pytest.mark.parametrize("magnitude", [1e-25, 1e-21, 1e21, 1e30])
+@pytest.mark.parametrize("magnitude", [1e-33, 1e-25, 1e-21, 1e21, 1e30])
 @pytest.mark.parametrize("dtype", [DType.BFLOAT16, DType.FLOAT32])
 def test_values_whose_squares_float32_can_not_hold_keep_the_levels_step(
         level: str, magnitude: float, dtype: DType) -> None:
     # cachegen stores its scales as float16 (as published): such caches are beyond its range
     check_small_layers(cache(small_layout(dtype), "outliers", magnitude=magnitude), "kdn", level)
+
+
+@pytest.mark.parametrize("level", get_mode("kdn").levels)
+@pytest.mark.parametrize("dtype", [DType.BFLOAT16, DType.FLOAT32])
+def test_tokens_at_the_bottom_of_float32_are_kept_to_within_2_to_the_minus_125(
+        level: str, dtype: DType) -> None:
+    # scales stop at 2**-124 / step (a step float32 holds as a normal number), not at 1e-30:
+    # tokens of 1e-33 decoded as zeros
+    kv = cache(small_layout(dtype), "outliers", magnitude=1e-37)
+    out = decode(encode(kv, "kdn", level))
+    n = kv.layout.num_layers
+    for i, ((k, v), (k2, v2)) in enumerate(zip(kv.layers, out.layers)):
+        for x, y, is_key in ((k, k2, True), (v, v2, False)):
+            x, y = x.double(), y.double()
+            step, _ = step_of("kdn", level, x, i, n, is_key)
+            bound = step.clamp(min=2.0**-124) / 2 * 1.03 + x.abs() * 2.0**-7
+            assert ((x - y).abs() <= bound).all(), (i, level, dtype)
+            assert (y[:, 1:] != 0).any()
 
 
 @pytest.mark.parametrize("mode", ["int8", "cachegen"])

@@ -7,7 +7,7 @@ the entropy coder models each row separately), plus whatever side information it
     token_absmax(x)             -> [tokens]      CacheGen's per-token scale (max over heads, ch.)
     token_rms(x)                -> [tokens]      kdn's per-token scale (RMS over heads, ch.;
                                                  capped by the absmax: ``modes.kdn``)
-    log_scale_symbols(s)        -> [tokens] int  a positive scale as round(16 * log2 s)
+    log_scale_symbols(s, floor) -> [tokens] int  a positive scale as round(16 * log2 s)
     scale_from_symbols(q)       -> [tokens]      2 ** (q / 16), what encoder and decoder both use
     f16_scale(s, absmax, fits)  -> float16       a float16 scale that never clips absmax
     quantize(x, step)           -> streams       round(x / step), step: [tokens] per token
@@ -52,9 +52,10 @@ def token_rms(x: torch.Tensor, absmax: torch.Tensor | None = None) -> torch.Tens
     return rms
 
 
-def log_scale_symbols(scale: torch.Tensor) -> torch.Tensor:
-    """Integer symbols of positive scales (zeros map to the smallest scale). -> int32."""
-    q = torch.round(torch.log2(scale.float().clamp_min(1e-30)) * LOG_SCALE_RES)
+def log_scale_symbols(scale: torch.Tensor, floor: float = 2.0**-125) -> torch.Tensor:
+    """Integer symbols of positive scales, those below ``floor`` (zeros too) raised to it; 2**-125
+    is the smallest scale a symbol stands for (``LOG_SCALE_MAX``). -> int32."""
+    q = torch.round(torch.log2(scale.float().clamp_min(floor)) * LOG_SCALE_RES)
     return q.clamp(-LOG_SCALE_MAX, LOG_SCALE_MAX).to(torch.int32)
 
 

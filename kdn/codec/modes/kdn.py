@@ -16,7 +16,10 @@ Per layer, for K and for V separately (any per-layer channel counts: pruned layo
    symbol of at least 1, and values of the token's largest magnitude decode to within the
    scale's 2%. A token of many spread-out values (a real model's layer: 192 per token in
    SmolLM2-135M) has absmax several times its RMS and keeps ``step`` x RMS. The decoder reads
-   a scale whichever way the encoder chose it.
+   a scale whichever way the encoder chose it. Scales are at least 2**-124 / ``step`` (and
+   2**-125, the smallest a symbol holds) so that steps stay normal float32 numbers, which a GPU
+   flushing subnormals multiplies as the CPU does: a float32 or bf16 token of values below
+   about 1e-36 is kept to within 2**-125 (~2e-38), not to its RMS.
 3. symbols = round(x / step): an unbounded uniform quantizer (no clipping, no bins). The step
    sets distortion; the entropy coder, not a bin count, sets the size.
 4. Symbols are coded per (head, channel) stream over tokens with its own frequency table
@@ -121,7 +124,8 @@ LEVELS: dict[str, KdnLevel] = {
 def _quant(x: torch.Tensor, step: float) -> tuple[torch.Tensor, torch.Tensor]:
     # x: [heads, n, ch] -> (log-scale symbols [n], symbols [heads * ch, n])
     absmax = token_absmax(x)
-    q = log_scale_symbols(torch.minimum(token_rms(x, absmax), absmax / step))
+    floor = max(2.0**-125, 2.0**-124 / step)  # a step stays a normal float32 (module doc, 2.)
+    q = log_scale_symbols(torch.minimum(token_rms(x, absmax), absmax / step), floor)
     return q, quantize(x, scale_from_symbols(q) * step)
 
 
