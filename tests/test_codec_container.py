@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import xxhash
 
+from kdn.cache import KVCache
 from kdn.codec import (
     FRAME_TARGET_BYTES,
     EncodedParts,
@@ -100,7 +101,8 @@ def test_an_unknown_container_version_is_named_and_a_damaged_one_is_corrupt() ->
 def test_a_header_declaring_a_layer_past_the_limit_is_refused_naming_that_layer() -> None:
     """The per-layer size limit holds for the widest layer wherever it lies (a pruned layout's
     widest layer need not be its first), checked once per header from the layout's widest."""
-    from kdn.codec.format import MAX_LAYER_BYTES, build_header, parse_header
+    from kdn.codec.format import build_header, parse_header
+    from kdn.codec.layouts import MAX_LAYER_BYTES
     from kdn.errors import InvalidLayout
 
     lay = KVLayout("widest-in-the-middle", (LayerLayout(2, 4, 4, tuple(range(4)), tuple(range(4))),
@@ -114,6 +116,42 @@ def test_a_header_declaring_a_layer_past_the_limit_is_refused_naming_that_layer(
     entry.tokens += 1
     with pytest.raises(InvalidLayout, match=r"layer 1 declares .* layer limit"):
         parse_header(build_header(entry))
+
+
+def test_encode_refuses_a_layer_past_the_limit_that_every_decoder_would_refuse() -> None:
+    """The limit held at encode, before any layer is encoded (an entry of a layer over 4 GiB
+    decoded, 1M tokens of 8 heads x 128 fp16 channels, was written whole, then unreadable):
+    tokens of stride 0, no memory, one past the limit in layer 1, the widest."""
+    import torch
+
+    from kdn.codec.layouts import MAX_LAYER_BYTES
+    from kdn.errors import InvalidLayout
+
+    lay = KVLayout("wide", (LayerLayout(2, 16, 16), LayerLayout(8, 128, 128)), head_dim=128)
+    tokens = MAX_LAYER_BYTES // (8 * 256 * 2) + 1
+    one = torch.zeros(1, 1, 1, dtype=torch.float16)
+    kv = KVCache(lay, [(one.expand(h, tokens, c), one.expand(h, tokens, c))
+                       for h, c in ((2, 16), (8, 128))])
+    for mode in ("raw", "int8", "kdn"):
+        with pytest.raises(InvalidLayout, match=rf"layer 1 declares {(tokens * 4096)} bytes of "
+                                                rf"K and V for {tokens} tokens, over the "
+                                                rf"{MAX_LAYER_BYTES}-byte layer limit"):
+            encode(kv, mode)
+
+
+def test_an_entry_at_the_layer_limit_is_encoded_and_decoded(monkeypatch: pytest.MonkeyPatch
+                                                            ) -> None:
+    """What encode writes, decode reads, at the limit (lowered here) and one token past it."""
+    from kdn.codec import layouts
+    from kdn.errors import InvalidLayout
+
+    monkeypatch.setattr(layouts, "MAX_LAYER_BYTES", 64 << 10)
+    lay = uniform_layout(layers=2, heads=2, dim=64)  # 512 bytes of K and V a token
+    at = random_kv(lay, tokens=128, seed=4)
+    for mode in ("raw", "kdn"):
+        assert decode(encode(at, mode)).num_tokens == 128
+        with pytest.raises(InvalidLayout, match="65536-byte layer limit"):
+            encode(random_kv(lay, tokens=129, seed=4), mode)
 
 
 def _walk_outcome(header: object, frame: bytes, records: bool) -> object:

@@ -35,7 +35,7 @@ from kdn.codec.format import (
     record_parts,
     sums_checked_later,
 )
-from kdn.codec.layouts import BoundedMemo, layout_to_proto
+from kdn.codec.layouts import BoundedMemo, check_layer_bytes, layout_to_proto
 from kdn.codec.modes import LayerSpec, Mode, check_finite, get_mode, mode_names
 from kdn.codec.room import check_room
 from kdn.errors import Corrupt, InvalidArgument, KDNError, TooLarge
@@ -169,7 +169,8 @@ def encode_parts(
     inside its serialized Store message (``EncodedParts.wire``), which a Store stream sends as
     it is, and the frames are read-only views of those messages instead of ``bytes``.
     InvalidArgument for anything but a ``KVCache`` of tensors that hold data (not ``meta``) for
-    at least one token, and for a lossy mode, a NaN or inf in it (``kdn.codec.modes``).
+    at least one token, and for a lossy mode, a NaN or inf in it (``kdn.codec.modes``);
+    InvalidLayout for a layer past the decoders' limit (``layouts.check_layer_bytes``).
     ``level`` ``""``: the level ``mode`` alone means (``catalog.DEFAULT_LEVELS``)."""
     codec = get_mode(mode)
     level = codec.check_level(level or default_level(mode))
@@ -183,6 +184,7 @@ def encode_parts(
                               "values to encode")
     if kv.num_tokens == 0:
         raise InvalidArgument("the KVCache holds no tokens: there is no KV of nothing to encode")
+    check_layer_bytes(kv.layout, kv.num_tokens)  # before any layer is encoded
     return _encode_unchecked(kv, mode, level, layers_per_frame, wire)
 
 

@@ -42,7 +42,7 @@ from typing import NamedTuple
 import numpy as np
 import xxhash
 
-from kdn.codec.layouts import BoundedMemo, layout_of
+from kdn.codec.layouts import BoundedMemo, check_layer_bytes, layout_of
 from kdn.errors import Corrupt, InvalidArgument, InvalidLayout, Truncated
 from kdn.layout import MAX_POSITION, KVLayout, LayerLayout
 from kdn.pools import SharedPool
@@ -63,9 +63,6 @@ _RECORD = struct.Struct("<HIHHI")  # kv_heads, tokens, k_channels, v_channels, b
 FRAME_PREFIX_BYTES = FRAME_STRUCT.size
 RECORD_BYTES = _RECORD.size
 MAX_HEADER_BYTES = 1 << 20
-MAX_LAYER_BYTES = 4 << 30
-"""Largest decoded layer (K + V) a container may declare: a bound on what a decoder allocates
-for hostile input (a 128k-token layer of a 70B model is ~0.5 GiB)."""
 
 
 # ------------------------------------------------------------------ header
@@ -178,12 +175,7 @@ def parse_header(buf: bytes | memoryview) -> Header:
     except Exception as exc:  # protobuf raises DecodeError, a bare Exception subclass
         raise Corrupt(f"container header does not parse: {exc}") from exc
     layout = layout_of(entry.layout)
-    widest, per_token = layout.widest_token_bytes
-    if per_token * entry.tokens > MAX_LAYER_BYTES:
-        lay = layout.layers[widest]
-        declared = lay.kv_heads * entry.tokens * (lay.k_channels + lay.v_channels)
-        raise InvalidLayout(f"layer {widest} declares {declared} elements for {entry.tokens} "
-                            f"tokens, over the {MAX_LAYER_BYTES}-byte layer limit")
+    check_layer_bytes(layout, entry.tokens)  # the layer limit (MAX_LAYER_BYTES)
     _check_fields(entry, layout)
     if entry.layout_fingerprint != layout.fingerprint:
         raise InvalidLayout("container header layout fingerprint does not match its layout")

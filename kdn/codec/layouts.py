@@ -1,13 +1,29 @@
-"""Layouts in the container's header: ``KVLayout`` to and from its proto message, and the
-bounded memo that keeps parsing a model's (always identical) layout cheap."""
+"""Layouts in the container's header: ``KVLayout`` to and from its proto message, the bounded
+memo that keeps parsing a model's (always identical) layout cheap, and the per-layer size limit
+that both the encoder and every header parse hold a layout and token count to."""
 
 from __future__ import annotations
 
 import threading
 from typing import Generic, TypeVar
 
+from kdn.errors import InvalidLayout
 from kdn.layout import DType, KVLayout, LayerLayout, RopeSpec
 from kdn.v1 import kdn_pb2 as pb
+
+MAX_LAYER_BYTES = 4 << 30
+"""Largest decoded layer (K + V) a container may declare: a bound on what a decoder allocates
+for hostile input (a 128k-token layer of a 70B model is ~0.5 GiB)."""
+
+
+def check_layer_bytes(layout: KVLayout, tokens: int) -> None:
+    """InvalidLayout where ``tokens`` tokens of the layout's widest layer take more than
+    ``MAX_LAYER_BYTES`` decoded: ``format.parse_header`` refuses such a header, so every
+    decoder and server would, and ``encode`` refuses to write one."""
+    widest, per_token = layout.widest_token_bytes
+    if per_token * tokens > MAX_LAYER_BYTES:
+        raise InvalidLayout(f"layer {widest} declares {per_token * tokens} bytes of K and V for "
+                            f"{tokens} tokens, over the {MAX_LAYER_BYTES}-byte layer limit")
 
 
 def layout_to_proto(layout: KVLayout) -> pb.Layout:
