@@ -2,6 +2,10 @@
 
 The client turns a ``StoreOptions`` into the wire's ``kdn.v1.StoreOptions``; the server hands
 ``Durability`` to the tier hierarchy (``kdn.store.tiered.TieredStore.put``).
+
+``MAX_TTL_S`` (10**10 s, over 300 years) is the longest time to live kdn keeps, one rule for
+every path: a longer one is taken as it (as good as never expiring) by ``StoreOptions``, by the
+server for any client's Store, by ``kdn admin export`` (the file records it) and by Import.
 """
 
 from __future__ import annotations
@@ -13,7 +17,8 @@ from dataclasses import dataclass
 from kdn.checks import shown, whole
 from kdn.errors import InvalidArgument
 
-_MAX_TTL_S = 2**64 - 1  # the wire field is a uint64
+MAX_TTL_S = 10**10
+"""The longest time to live an entry is given (over 300 years); a longer one is cut to it."""
 
 
 class Durability(enum.IntEnum):
@@ -34,7 +39,8 @@ class StoreOptions:
     """How the server keeps one stored entry."""
 
     ttl_s: int = 0
-    """Seconds until the entry expires; 0 = the server's ``default_ttl_s`` (0 there: never)."""
+    """Seconds until the entry expires; 0 = the server's ``default_ttl_s`` (0 there: never).
+    One above ``MAX_TTL_S`` is taken as ``MAX_TTL_S``."""
     pin: bool = False
     """Never evict the entry while it is pinned."""
     durability: Durability = Durability.DEFAULT
@@ -43,9 +49,7 @@ class StoreOptions:
 
     def __post_init__(self) -> None:
         whole("ttl_s", self.ttl_s, 0, " (seconds; 0: the server's default)")  # numpy's too
-        if self.ttl_s > _MAX_TTL_S:
-            raise InvalidArgument(f"ttl_s must be in [0, 2**64), got {self.ttl_s}")
-        object.__setattr__(self, "ttl_s", int(self.ttl_s))
+        object.__setattr__(self, "ttl_s", min(int(self.ttl_s), MAX_TTL_S))
         if not isinstance(self.pin, bool):
             raise InvalidArgument(f"pin must be a bool, got {self.pin!r}")
         object.__setattr__(self, "durability", _durability(self.durability))

@@ -14,7 +14,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from kdn import StoreOptions, keys
+from kdn import StoreOptions, codec, keys
 from kdn.client import Client
 from kdn.client.admin import AdminClient
 from kdn.client.exportfile import (
@@ -27,8 +27,10 @@ from kdn.client.exportfile import (
     summary,
 )
 from kdn.errors import Corrupt, InvalidArgument, Unavailable
+from kdn.options import MAX_TTL_S
 from kdn.server import ServerConfig, ServerThread
 from kdn.store.base import Tier
+from kdn.transport.wire import frame_message
 from kdn.v1 import kdn_pb2 as pb
 from kdn.v1 import kdn_pb2_grpc as pb_grpc
 from tests.helpers import random_kv, uniform_layout
@@ -151,8 +153,50 @@ def test_a_restored_entry_keeps_its_time_to_live_and_pin(tmp_path: Path) -> None
         with grpc.insecure_channel(dst.address) as ch:  # a time to live no store could have
             got = pb_grpc.KDNAdminStub(ch).Import(iter([pb.ImportItem(
                 namespace="default", key=ks[2], value=recs[ks[2]].value, ttl_seconds=ttl)
-                for ttl in (-1.0, float("nan"), 1e300)]), timeout=30)
-        assert (got.imported, got.rejected) == (0, 3)
+                for ttl in (-1.0, float("nan"))]), timeout=30)
+        assert (got.imported, got.rejected) == (0, 2)
+
+
+def test_a_time_to_live_past_the_longest_is_cut_to_it_on_store_export_and_import(
+        tmp_path: Path) -> None:
+    """StoreOptions took up to 2**64 - 1 s, but an export of 2**62 s died in struct.error (and
+    every resume on the same entry) and an import of 10**16 s was refused: one longest time to
+    live, MAX_TTL_S, which each path cuts a longer one to."""
+    ks = [keys.chunk_key([i, 6], LAY) for i in range(3)]
+    with ServerThread(ServerConfig(port=0, data_dir=tmp_path / "src")) as src:
+        with Client(src.address, shm_bytes=0) as c:
+            c.store(ks[0], random_kv(LAY, 8, seed=0), options=StoreOptions(ttl_s=2**62))
+        parts = codec.encode_parts(random_kv(LAY, 8, seed=1), "raw", layers_per_frame=1)
+        head = pb.StoreRequest(header=pb.StoreHeader(  # another client's: any uint64
+            namespace="default", key=ks[1], container_header=parts.header,
+            total_bytes=len(parts.header) + sum(len(f) for f in parts.frames),
+            options=pb.StoreOptions(ttl_seconds=2**64 - 1)))
+        with grpc.insecure_channel(src.address) as ch:
+            pb_grpc.KDNStub(ch).Store(iter([head, *(
+                pb.StoreRequest.FromString(frame_message(i, f))
+                for i, f in enumerate(parts.frames))]), timeout=30)
+        ram = _tier(src, "ram")  # an entry stored before kdn cut them
+        src.server.store.put(keys.store_key("", "default", ks[2]),
+                             ram.get(keys.store_key("", "default", ks[0])) or b"", ttl_s=1e17)
+        for k in ks[:2]:
+            left = ram.ttl_remaining(keys.store_key("", "default", k))
+            assert left is not None and MAX_TTL_S - 60 < left <= MAX_TTL_S
+        with AdminClient(src.address) as a:
+            assert a.export_to(tmp_path / "b.kdnx") == 3
+    for r in read_records(tmp_path / "b.kdnx")[0]:
+        assert MAX_TTL_S - 60 < r.expires_at - time.time() <= MAX_TTL_S
+    far = [replace(r, expires_at=1.8e16) for r in read_records(tmp_path / "b.kdnx")[0]]
+    (tmp_path / "far.kdnx").write_bytes(MAGIC + encode_filter(Filter(), source="src")
+                                        + b"".join(encode_record(r) for r in far)
+                                        + encode_end(len(far)))  # the most a file can say
+    for name in ("b.kdnx", "far.kdnx"):
+        with ServerThread(ServerConfig(port=0, data_dir=tmp_path / f"dst-{name}")) as dst:
+            with AdminClient(dst.address) as a:
+                resp = a.import_from(tmp_path / name)
+                assert (resp.imported, resp.rejected) == (3, 0)
+            for k in ks:
+                left = _tier(dst, "ram").ttl_remaining(keys.store_key("", "default", k))
+                assert left is not None and MAX_TTL_S - 60 < left <= MAX_TTL_S
 
 
 def test_a_verify_while_a_tier_is_down_verifies_the_others_and_says_so(tmp_path: Path) -> None:

@@ -52,6 +52,7 @@ from kdn.names import (
     check_namespace,
     check_tenant,
 )
+from kdn.options import MAX_TTL_S
 from kdn.status import from_grpc
 from kdn.transport.metadata import EXPORT_SKIPPED_HEADER
 from kdn.transport.pieces import Pieces, cut, piece_bytes
@@ -271,7 +272,8 @@ class AdminClient(Client):
                     value = pieces.add(item)
                     if value is None:
                         continue
-                    expires = time.time() + item.ttl_seconds if item.ttl_seconds else 0.0
+                    ttl = min(item.ttl_seconds, MAX_TTL_S)  # (an older server's: any)
+                    expires = time.time() + ttl if ttl else 0.0
                     out.write(Record(item.namespace, item.key, item.cursor, value, item.tenant,
                                      expires, item.pinned))
                     if progress:
@@ -334,7 +336,7 @@ class AdminClient(Client):
         largest = min(piece_bytes(self.max_message_bytes), IMPORT_PIECE_BYTES)  # a larger
         # value goes in pieces: small enough for a server whose messages are smaller
         for _, r in scan(path):
-            ttl = r.expires_at - time.time() if r.expires_at else 0.0
+            ttl = min(r.expires_at - time.time(), MAX_TTL_S) if r.expires_at else 0.0
             if r.expires_at and ttl <= 0:  # expired since the export: as if deleted
                 total.skipped += 1
                 continue

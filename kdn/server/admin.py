@@ -10,7 +10,9 @@ its tenant and refuses other tenants'.
 Handlers are thin: the hierarchy (``TieredStore``) does the work, tiers are read directly where
 an operation must not promote (listing, verifying, exporting). An export is whole or says it is
 not: refused (UNAVAILABLE) while a tier does not answer, each entry's first good copy sent (a
-damaged one: the next tier's), and those with none anywhere counted in its trailers.
+damaged one: the next tier's), and those with none anywhere counted in its trailers. A time
+to live past ``kdn.options.MAX_TTL_S`` (an entry stored before kdn cut them) is exported and
+imported as that.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from kdn.errors import (
 )
 from kdn.keys import split_store_key, store_key
 from kdn.names import check_key_prefix, check_namespace, request_namespace
+from kdn.options import MAX_TTL_S
 from kdn.server.arena import Arenas
 from kdn.server.auth import (
     Authenticator,
@@ -334,7 +337,7 @@ class AdminServicer(pb_grpc.KDNAdminServicer):
                 if value is None or (left is not None and left <= 0):
                     continue
                 parse_container(value, verify=True)
-                return bytes(value), damaged, left or 0.0
+                return bytes(value), damaged, min(left or 0.0, MAX_TTL_S)
             except Corrupt as exc:
                 damaged = True
                 t.counters.add("corrupt")
@@ -407,10 +410,11 @@ class AdminServicer(pb_grpc.KDNAdminServicer):
             existing = self._read(skey)
             if existing is not None and existing[0] == value:
                 return False
-        if not (math.isfinite(item.ttl_seconds) and 0 <= item.ttl_seconds < 1 << 53):
+        if not (math.isfinite(item.ttl_seconds) and item.ttl_seconds >= 0):
             raise InvalidArgument(f"ttl_seconds {item.ttl_seconds} is not a number of seconds "
                                   ">= 0")
-        options = pb.StoreOptions(ttl_seconds=math.ceil(item.ttl_seconds), pin=item.pin)
+        options = pb.StoreOptions(ttl_seconds=math.ceil(min(item.ttl_seconds, MAX_TTL_S)),
+                                  pin=item.pin)
         self.ingest.commit(owner, skey, value, options, header)
         return True
 

@@ -27,7 +27,7 @@ from kdn.codec.catalog import check_codec
 from kdn.codec.format import Header, parse_header
 from kdn.errors import InvalidArgument, LayoutMismatch, TooLarge
 from kdn.keys import split_store_key, store_key
-from kdn.options import Durability
+from kdn.options import MAX_TTL_S, Durability
 from kdn.server.arena import LIST_BELOW_BYTES, Arena, Arenas, Slot, list_small
 from kdn.server.auth import Authenticator, Principal
 from kdn.server.config import ServerConfig
@@ -194,7 +194,8 @@ class Ingest:
         ``over``: the bytes growth may go past the quota by (``check_room``: a batch's later
         items give them back).
         ``in_arena``: the arena slot ``value`` lies in (a same-host PutMany), published with
-        the put so that same-host reads find it there."""
+        the put so that same-host reads find it there. A time to live past ``MAX_TTL_S`` is
+        cut to it (any client's: the wire takes up to 2**64 - 1 s)."""
         self.wire_memo.drop(skey)  # the old value's messages: never sent again (a new stamp)
         with self.store.entry_lock(skey):
             replaced = self.store.presence(skey)
@@ -204,7 +205,8 @@ class Ingest:
             try:
                 # a read-only byte view (PutMany) is stored as it is: tiers read any buffer
                 tier = self.store.put(skey, value,  # type: ignore[arg-type]
-                                      ttl_s=float(opts.ttl_seconds) or None, pin=opts.pin,
+                                      ttl_s=float(min(opts.ttl_seconds, MAX_TTL_S)) or None,
+                                      pin=opts.pin,
                                       durability=Durability(opts.durability), verified=True)
             except BaseException:
                 if delta > 0:

@@ -11,7 +11,9 @@ A value no larger than ``part_bytes`` is one key: the manifest holds it whole. `
 cut to ``MAX_BULK_BYTES`` (Redis's ``proto-max-bulk-len``) less the header, so that a manifest
 is a value Redis takes.
 
-A time to live longer than ``MAX_TTL_S`` is held as none (no expiry here).
+A time to live longer than ``MAX_TTL_S`` (``kdn.options``: 10**10 s, what the server cuts
+longer ones to) is held as none (no expiry here: Lua writes a number of 10**14 ms or more as
+``1e+14``, which ``SET PX`` refuses).
 
 Writes are made visible atomically. ``put`` writes parts 1.. under a fresh ``ver`` with a
 provisional expiry (``PENDING_TTL_S``), then one Lua script checks that every part still
@@ -58,6 +60,7 @@ import xxhash
 from redis.cluster import RedisCluster
 
 from kdn.errors import KDNError, PartlyUnavailable, TooLarge
+from kdn.options import MAX_TTL_S
 from kdn.store.base import Tier, TierStats
 from kdn.store.redis_errors import REDIS_ERRORS, said, wrap
 from kdn.store.redis_masters import ReplicasShort
@@ -77,9 +80,7 @@ MAX_BULK_BYTES = 512 << 20
 manifest, header and first part, stays within it, so a part holds at most this less
 ``HEADER_BYTES`` (a longer one breaks the connection: the tier would be marked down)."""
 GRACE_S = 10
-MAX_TTL_S = 10**10
-"""The longest time to live the tier gives an entry (over 300 years); a longer one is held with
-no expiry (Lua writes a number of 10**14 ms or more as ``1e+14``, which ``SET PX`` refuses)."""
+
 _READ_ATTEMPTS = 4
 
 # KEYS: manifest, parts...; ARGV: manifest bytes, ttl ms (0 = none), header length.
