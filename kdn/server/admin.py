@@ -6,7 +6,8 @@ fleet client drops a node's stale RAM copy so, ``kdn.client.fleet``); the admin 
 tenant and alone may pin, unpin, verify and collect garbage. Exported entries carry their
 tenant, and an admin's import restores each to it (a backup of a server with tenants comes back
 as it was); a tenant's import stores its own entries (and those recorded with no tenant) under
-its tenant and refuses other tenants'.
+its tenant and refuses other tenants'. A server without tenants (no auth file) refuses the
+records of a tenant: no caller of it could read them.
 Handlers are thin: the hierarchy (``TieredStore``) does the work, tiers are read directly where
 an operation must not promote (listing, verifying, exporting). An export is whole or says it is
 not: refused (UNAVAILABLE) while a tier does not answer, each entry's first good copy sent (a
@@ -397,10 +398,15 @@ class AdminServicer(pb_grpc.KDNAdminServicer):
     def _import_one(self, principal: Principal, item: pb.ImportItem, value: bytes) -> bool:
         """Store one imported entry as a Store would (its checks, its tenant's quota, the
         one write path: ``Ingest``); False where the same bytes are there already. Its tenant
-        is the recorded one (another than the caller's: admins only, PermissionDenied), or
-        the caller's where none is recorded (a file of an older kdn, an unscoped server's).
+        is the recorded one (another than the caller's: admins only, PermissionDenied; on a
+        server without tenants, none: InvalidArgument, no caller could read it there), or the
+        caller's where none is recorded (a file of an older kdn, an unscoped server's).
         ``value``: the item's, joined from its pieces."""
         assert self.ingest is not None  # the server builds the admin servicer with it
+        if item.tenant and not self.auth.enabled:
+            raise InvalidArgument(f"the entry is tenant {item.tenant!r}'s and this server has "
+                                  "no tenants (no auth file): no caller could read it here; "
+                                  "import it into a server whose auth file has that tenant")
         owner = replace(principal, tenant=acting_tenant(principal, item.tenant))
         self.ingest.check_size(len(value))
         header = parse_container(value, verify=True).header
