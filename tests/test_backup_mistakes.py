@@ -4,15 +4,27 @@ for a new export, and a refused export leaves no file in the way of the correcte
 
 from __future__ import annotations
 
+import json
+import logging
 from pathlib import Path
+
+import pytest
 
 from kdn import keys
 from kdn.client import Client
 from kdn.client.admin import AdminClient
-from kdn.client.exportfile import read_records
+from kdn.client.exportfile import (
+    MAGIC,
+    Filter,
+    Record,
+    encode_end,
+    encode_filter,
+    encode_record,
+    read_records,
+)
 from kdn.server import ServerConfig, ServerThread
 from tests.helpers import random_kv, uniform_layout
-from tests.test_export_file import _with_tenants
+from tests.test_export_file import _cli, _with_tenants
 
 LAY = uniform_layout(layers=2, heads=2, dim=8)
 
@@ -39,3 +51,35 @@ def test_a_tenants_record_is_rejected_by_a_server_without_tenants(tmp_path: Path
         got = a.import_from(tmp_path / "plain.kdnx")
         assert (got.imported, got.rejected) == (1, 0)
         assert a.retrieve(k).equal(kv)  # type: ignore[union-attr]
+
+
+def test_a_rejected_entrys_reason_is_said(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                          caplog: pytest.LogCaptureFixture) -> None:
+    """Rejected entries were only counted ('rejected: 10', nothing on stderr nor in the
+    server's log): the first few reasons come in the answer, printed on stderr, each is
+    logged by the server."""
+    with ServerThread(ServerConfig(port=0, data_dir=tmp_path / "a")) as st:
+        with Client(st.address, shm_bytes=0) as c:
+            k = keys.chunk_key([1], LAY)
+            c.store(k, random_kv(LAY, 8))
+            good = bytes(c.fetch(k).parts.to_bytes())  # type: ignore[union-attr]
+        bad = good[:-8] + bytes(8)  # its last frame's bytes damaged
+        recs = [Record("default", bytes([i + 1]) * 32, b"c%d" % i, bad) for i in range(10)]
+        path = tmp_path / "damaged.kdnx"
+        path.write_bytes(MAGIC + encode_filter(Filter()) + b"".join(map(encode_record, recs))
+                         + encode_end(len(recs)))
+        caplog.set_level(logging.WARNING, logger="kdn.server.admin")
+        code, out, err = _cli(["admin", "import", str(path), "--address", st.address], capsys)
+        assert code == 1 and out.split() == ["imported:", "0", "skipped:", "0", "rejected:",
+                                             "10"], out
+        lines = err.strip().splitlines()
+        assert len(lines) == 9, err
+        assert lines[0].startswith("kdn admin import: rejected key 0101010101010101 in "
+                                   "'default': ") and "checksum" in lines[0]
+        assert lines[-1] == "kdn admin import: 2 more rejected; the server's log says why"
+        said = [r.getMessage() for r in caplog.records if "import: rejected" in r.getMessage()]
+        assert len(said) == 10 and "0a0a0a0a0a0a0a0a" in said[-1]
+        code, out, _ = _cli(["admin", "import", str(path), "--address", st.address,
+                             "-o", "json"], capsys)
+        got = json.loads(out)
+        assert code == 1 and got["rejected"] == 10 and len(got["reasons"]) == 8

@@ -138,7 +138,7 @@ def test_import_refuses_a_cut_off_foreign_or_damaged_file(
         code, out, err = _cli(["admin", "import", str(full), *a, "-o", "json"], capsys)
         assert code == 0, err
         assert json.loads(out) == {"imported": sum(NAMESPACES.values()), "skipped": 0,
-                                   "rejected": 0}
+                                   "rejected": 0, "reasons": []}
 
 
 def test_format_1_2_and_3_files_still_import(server: ServerThread, tmp_path: Path) -> None:

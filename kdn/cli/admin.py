@@ -388,7 +388,15 @@ def _import(client: Any, ns: argparse.Namespace) -> int:
     finally:
         bar.close()
     d = message_dict(resp)
-    dump_json(d) if ns.output == "json" else fields(d.items())
+    if ns.output == "json":
+        dump_json(d)
+    else:
+        fields((k, v) for k, v in d.items() if k != "reasons")
+    for reason in resp.reasons:  # (json: its "reasons" too)
+        print(f"kdn admin import: rejected {reason}", file=sys.stderr)
+    if resp.rejected > len(resp.reasons):
+        print(f"kdn admin import: {resp.rejected - len(resp.reasons)} more rejected; the "
+              "server's log says why", file=sys.stderr)
     return EXIT_FAILED if resp.rejected else EXIT_OK
 
 

@@ -62,6 +62,7 @@ from kdn.v1 import kdn_pb2_grpc as pb_grpc
 __all__ = ["MAGIC", "AdminClient", "Record", "encode_record", "read_records"]
 IMPORT_BATCH_BYTES = 32 << 20  # one Import call carries at most this much (or 64 records)
 IMPORT_PIECE_BYTES = 16 << 20
+IMPORT_REASONS = 8  # the rejected entries whose reasons an import's answer keeps (the first)
 """An imported value larger than this goes in pieces (a server's messages may be smaller than
 this client's; its default is 256 MiB)."""
 
@@ -303,7 +304,8 @@ class AdminClient(Client):
         """Import an export file. The whole file is checked first (checksums, names, its end
         marker), one record at a time, so a bad, cut off or foreign file sends nothing. Each
         entry is stored with the time to live it had left (one expired since the export is
-        counted ``skipped``, not sent) and pinned where it was."""
+        counted ``skipped``, not sent) and pinned where it was. The answer's ``reasons`` say
+        why the first rejected entries were (``IMPORT_REASONS``; the server logs more)."""
         path = Path(path)
         n, tenanted = 0, ""
         for n, (_, r) in enumerate(scan(path), 1):
@@ -330,6 +332,7 @@ class AdminClient(Client):
             total.imported += resp.imported
             total.skipped += resp.skipped
             total.rejected += resp.rejected
+            total.reasons.extend(resp.reasons[:max(0, IMPORT_REASONS - len(total.reasons))])
 
         items: list[pb.ImportItem] = []
         size = records = done = 0

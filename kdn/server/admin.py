@@ -66,6 +66,11 @@ Scope = tuple[bytes, str, str | None]
 """A listing's tier-key prefix, namespace and tenant (``AdminServicer._scope``)."""
 LIST_LIMIT = 1000
 VERIFY_REPORT_EVERY = 256
+REJECT_REASONS = 8
+"""The rejected entries of one Import call whose reasons its answer carries (the first)."""
+REJECT_LOG_PER_S = 10.0
+"""Rejected imported entries logged a second at most (all calls); the others are counted into
+the next line."""
 
 
 def model_matches(wanted: str, info: pb.EntryInfo) -> bool:
@@ -93,6 +98,7 @@ class AdminServicer(pb_grpc.KDNAdminServicer):
         """Its event counts: the KDN servicer's (``kdn.server.app``), so Stats has them."""
         self.egress = egress
         """The KDN servicer's egress caps: Export's items are paced as any read's."""
+        self._rejects = (REJECT_LOG_PER_S, time.monotonic(), 0)  # allowance, stamp, not logged
 
     def count(self, name: str, n: int = 1) -> None:
         self.counters.add(name, n)
@@ -450,14 +456,16 @@ class AdminServicer(pb_grpc.KDNAdminServicer):
                     self.ingest.release(principal, held)
                     held = 0
                     done = await asyncio.to_thread(self._import_one, principal, item, value)
-                except (Corrupt, InvalidArgument, LayoutMismatch, PermissionDenied, TooLarge):
+                except (Corrupt, InvalidArgument, LayoutMismatch, PermissionDenied,
+                        TooLarge) as exc:
                     self.ingest.release(principal, held)  # (its pieces are dropped)
                     held = 0
                     if item.more:
                         pieces.drop()
                         refused = (item.tenant, item.namespace, bytes(item.key))
                     resp.rejected += 1  # this entry's fault (damaged, not allowed here,
-                    continue  # another tenant's, past the quota): the rest go on
+                    self._rejected(resp, item, exc)  # another tenant's, past the quota): the
+                    continue  # rest go on
                 if done:
                     resp.imported += 1
                 else:
@@ -466,7 +474,26 @@ class AdminServicer(pb_grpc.KDNAdminServicer):
             self.ingest.release(principal, held)
         pieces.end()  # the stream may end inside a value
         resp.rejected += pieces.abandoned  # values whose last piece never came
+        if pieces.abandoned and len(resp.reasons) < REJECT_REASONS:
+            resp.reasons.append(f"{pieces.abandoned} entries whose last piece never came")
         return resp
+
+    def _rejected(self, resp: pb.ImportResponse, item: pb.ImportItem, exc: KDNError) -> None:
+        """Say why an imported entry was rejected: in the answer (the call's first
+        ``REJECT_REASONS``) and in a warning (``REJECT_LOG_PER_S`` a second at most)."""
+        what = f"key {bytes(item.key).hex()[:16]} in {(item.namespace or 'default')[:64]!r}" \
+            + (f" of tenant {item.tenant[:64]!r}" if item.tenant else "")  # (as sent)
+        if len(resp.reasons) < REJECT_REASONS:
+            resp.reasons.append(f"{what}: {exc}")
+        allowance, stamp, dropped = self._rejects
+        now = time.monotonic()
+        allowance = min(REJECT_LOG_PER_S, allowance + (now - stamp) * REJECT_LOG_PER_S)
+        if allowance < 1:
+            self._rejects = (allowance, now, dropped + 1)
+            return
+        self._rejects = (allowance - 1, now, 0)
+        log.warning("import: rejected %s: %s%s", what, exc,
+                    f" ({dropped} more rejected, not logged)" if dropped else "")
 
     @rpc
     async def Gc(self, request: pb.GcRequest,

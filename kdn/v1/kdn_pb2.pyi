@@ -659,14 +659,16 @@ class ImportItem(_message.Message):
     def __init__(self, namespace: _Optional[str] = ..., key: _Optional[bytes] = ..., value: _Optional[bytes] = ..., tenant: _Optional[str] = ..., offset: _Optional[int] = ..., more: _Optional[bool] = ..., ttl_seconds: _Optional[float] = ..., pin: _Optional[bool] = ...) -> None: ...
 
 class ImportResponse(_message.Message):
-    __slots__ = ("imported", "skipped", "rejected")
+    __slots__ = ("imported", "skipped", "rejected", "reasons")
     IMPORTED_FIELD_NUMBER: _ClassVar[int]
     SKIPPED_FIELD_NUMBER: _ClassVar[int]
     REJECTED_FIELD_NUMBER: _ClassVar[int]
+    REASONS_FIELD_NUMBER: _ClassVar[int]
     imported: int
     skipped: int
     rejected: int
-    def __init__(self, imported: _Optional[int] = ..., skipped: _Optional[int] = ..., rejected: _Optional[int] = ...) -> None: ...
+    reasons: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, imported: _Optional[int] = ..., skipped: _Optional[int] = ..., rejected: _Optional[int] = ..., reasons: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class GcRequest(_message.Message):
     __slots__ = ()
