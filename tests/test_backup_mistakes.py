@@ -83,3 +83,25 @@ def test_a_rejected_entrys_reason_is_said(tmp_path: Path, capsys: pytest.Capture
                              "-o", "json"], capsys)
         got = json.loads(out)
         assert code == 1 and got["rejected"] == 10 and len(got["reasons"]) == 8
+
+
+def test_an_export_into_a_finished_file_is_refused(tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """A nightly `kdn admin export FILE` run on last night's finished FILE said 'entries: 1',
+    exit 0, and kept the stale file: refused, one line, the file left as it is."""
+    path = tmp_path / "nightly.kdnx"
+    with ServerThread(ServerConfig(port=0, data_dir=tmp_path / "a")) as st:
+        with Client(st.address, shm_bytes=0) as c:
+            c.store(keys.chunk_key([1], LAY), random_kv(LAY, 8))
+        argv = ["admin", "export", str(path), "--address", st.address]
+        assert _cli(argv, capsys)[0] == 0
+        before = path.read_bytes()
+        with Client(st.address, shm_bytes=0) as c:
+            c.store(keys.chunk_key([2], LAY), random_kv(LAY, 8, seed=2))
+        code, out, err = _cli(argv, capsys)
+        assert code == 1 and out == "" and err == (
+            f"kdn admin export: {path} holds a finished export (1 entries), left as it is; "
+            "export into a new file\n")
+        assert path.read_bytes() == before
+        assert _cli(["admin", "export", str(tmp_path / "new.kdnx"), *argv[3:]], capsys)[0] == 0
+    assert len(read_records(tmp_path / "new.kdnx")[0]) == 2

@@ -100,10 +100,13 @@ def test_an_interrupted_export_resumes_where_it_stopped(server: ServerThread,
         again = read_records(path)[0]
         assert [(r.key, r.value) for r in again] == [(r.key, r.value) for r in whole]
         assert summary(path).ended
-        # a finished export run again is left as it is (a snapshot; new ones: a new file)
+        # a finished export run again is refused, left as it is (a snapshot; it said it was
+        # exported, stale; new ones: a new file)
         finished = path.read_bytes()
         c.store(keys.chunk_key([77], LAY), random_kv(LAY, 8), namespace="kb")
-        assert c.export_to(path, "kb") == NAMESPACES["kb"]
+        with pytest.raises(InvalidArgument, match=r"holds a finished export \(4 entries\), "
+                                                  "left as it is; export into a new file"):
+            c.export_to(path, "kb")
         assert path.read_bytes() == finished
 
 

@@ -247,7 +247,8 @@ class AdminClient(Client):
                   progress: Callable[[int, int], None] | None = None, *, tenant: str = "",
                   request_id: str | None = None) -> int:
         """Export into ``path``, or resume an interrupted export there (same filters; a
-        finished file is left as it is); returns the records in the file. The end marker is
+        finished file is left as it is: InvalidArgument, its entries may be stale, a new
+        export goes into a new file); returns the records in the file. The end marker is
         written only when the listing is done. Corrupt, the file finished, where the server
         left entries out (no tier held a good copy of them). ``tenant``: admins only, this
         tenant's entries ("": every entry the caller sees). The stream has no deadline in all;
@@ -258,7 +259,8 @@ class AdminClient(Client):
         out = ExportWriter.open(Path(path), Filter(namespace, key_prefix, tenant),
                                 source=self.address)
         if out.complete:
-            return out.records
+            raise InvalidArgument(f"{path} holds a finished export ({out.records} entries), "
+                                  "left as it is; export into a new file")
         try:
             req = pb.ExportRequest(namespace=namespace, key_prefix=key_prefix, after=out.after,
                                    tenant=tenant,
