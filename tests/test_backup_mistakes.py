@@ -105,3 +105,23 @@ def test_an_export_into_a_finished_file_is_refused(tmp_path: Path,
         assert path.read_bytes() == before
         assert _cli(["admin", "export", str(tmp_path / "new.kdnx"), *argv[3:]], capsys)[0] == 0
     assert len(read_records(tmp_path / "new.kdnx")[0]) == 2
+
+
+def test_a_refused_export_leaves_no_file_in_the_way(tmp_path: Path,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """An export the server refused outright left FILE holding a header of the refused
+    filters, and the corrected command into it was refused ('is an export of ..., tenant
+    'team-b''): the file it made is removed, an empty one it began emptied again."""
+    path, empty = tmp_path / "mine.kdnx", tmp_path / "empty.kdnx"
+    empty.touch()
+    with _with_tenants(tmp_path, "src") as st:
+        with Client(st.address, api_key="key-a", shm_bytes=0) as c:
+            c.store(keys.chunk_key([1], LAY), random_kv(LAY, 8))
+        a = ["--address", st.address, "--api-key", "key-a"]
+        for p in (path, empty):
+            code, _, err = _cli(["admin", "export", str(p), "--tenant", "team-b", *a], capsys)
+            assert code == 1 and "can not reach tenant 'team-b'" in err, err
+        assert not path.exists() and empty.read_bytes() == b""
+        for p in (path, empty):
+            assert _cli(["admin", "export", str(p), *a], capsys)[0] == 0
+            assert [r.tenant for r in read_records(p)[0]] == ["team-a"]

@@ -290,6 +290,9 @@ class AdminClient(Client):
                 raise Corrupt("the Export stream ended inside a value (its last piece never "
                               "came); export again")
             out.finish()
+        except BaseException:
+            out.abandon()  # refused, or failed before its first entry: no file left behind
+            raise
         finally:
             out.close()
         skipped = sum(int(v) for k, v in stream.trailing_metadata() or ()

@@ -26,7 +26,8 @@ filters, or from another server, is refused (its cursor belongs to another listi
 restarted at the same address resumes it), a finished one (with its end marker) is left as it
 is (made read-only too; an unfinished read-only one is refused), a torn last record is cut
 off and the export goes on after the last complete record's cursor; ``finish`` writes the end
-marker. A new file is made mode 0600; a file of another user's
+marker; ``abandon`` undoes the start of a file no record went into (an export refused:
+the file it made is removed). A new file is made mode 0600; a file of another user's
 (its owner could read every tenant's entries) is refused. ``scan`` reads a file for import and
 raises ``Corrupt`` on a foreign file, a bad checksum, or a format-2 file without its end marker
 (an export that did not finish: cut off, or still running): never a silent partial import.
@@ -268,19 +269,21 @@ def _summary(path: Path, f: BinaryIO) -> Scan:
     return s
 
 
-def _open_own(path: Path) -> BinaryIO:
+def _open_own(path: Path) -> tuple[BinaryIO, bool]:
     """``path`` opened to read and write: made (mode 0600) where nothing is there, else a
     regular file of this user's, or another kind (``/dev/stdout``, a pipe, ``/dev/null``) of
     this user's or root's. Another user's file (made there first: it stays readable by its
     owner whatever mode kdn gives it) is refused before anything is written or cut off; a link
     is followed only to what is there (never made through one). A regular file this user may
     not write (made read-only to keep it: a finished export) is opened to read only, not
-    through a link: ``ExportWriter.open`` refuses it where it must be written."""
-    writable = True
+    through a link: ``ExportWriter.open`` refuses it where it must be written. Also whether
+    this call made it."""
+    writable, made = True, True
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
                      0o600)
     except FileExistsError:
+        made = False
         try:
             fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOCTTY)
         except FileNotFoundError:  # a link to nothing
@@ -295,7 +298,7 @@ def _open_own(path: Path) -> BinaryIO:
         raise InvalidArgument(f"{path} is owned by uid {st.st_uid}, not by this user (uid "
                               f"{os.geteuid()}): an export may hold every tenant's entries; "
                               "export into a new file")
-    return os.fdopen(fd, "rb" if not writable else "r+b" if regular else "wb")
+    return os.fdopen(fd, "rb" if not writable else "r+b" if regular else "wb"), made
 
 
 def _open_to_read(path: Path, denied: PermissionError) -> int:
@@ -322,18 +325,23 @@ class ExportWriter:
     """Appends records to an export file; ``open`` starts or resumes it for ``filt`` and the
     ``source`` server (its address as the client was given it)."""
 
-    def __init__(self, path: Path, f: BinaryIO | None, records: int, after: bytes) -> None:
+    def __init__(self, path: Path, f: BinaryIO | None, records: int, after: bytes,
+                 began: str = "") -> None:
         self.path, self._f = path, f
         self.records = records  # in the file, the resumed ones included
         self.after = after      # the cursor to list after (b"": from the start)
         self.complete = f is None  # the file holds a finished export: nothing to add
+        self.began = began
+        """How ``open`` began a new file, which ``abandon`` undoes: "made" (it was not
+        there), "emptied" (it was an empty file), "" (a resumed or finished one, or not a
+        regular file)."""
 
     @classmethod
     def open(cls, path: Path, filt: Filter, source: str = "") -> ExportWriter:
         path = Path(path)
         if path.is_dir():
             raise IsADirectoryError(21, "is a directory", str(path))
-        f = _open_own(path)
+        f, made = _open_own(path)
         try:
             if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):  # /dev/stdout, a pipe
                 f.write(MAGIC + encode_filter(filt, source=source))
@@ -346,7 +354,7 @@ class ExportWriter:
             if os.fstat(f.fileno()).st_size == 0:
                 os.fchmod(f.fileno(), 0o600)  # private to its writer, as the disk tier is
                 f.write(MAGIC + encode_filter(filt, source=source))
-                return cls(path, f, 0, b"")
+                return cls(path, f, 0, b"", "made" if made else "emptied")
             s = _summary(path, f)
             if s.version != VERSION:
                 raise InvalidArgument(f"{path} was written by an older kdn (format "
@@ -381,6 +389,20 @@ class ExportWriter:
         assert self._f is not None
         self._f.write(encode_end(self.records))
         self._f.flush()
+
+    def abandon(self) -> None:
+        """Undo the start of a file that no record was written to (the export was refused,
+        or failed before its first entry): the file ``open`` made is removed, an empty one
+        it began is emptied again, so that no header of these filters is left in the way of
+        the next export. Anything else is kept (resumed later)."""
+        if self._f is None or not self.began or self.records:
+            return
+        if self.began == "made":
+            self.path.unlink(missing_ok=True)
+        else:
+            self._f.truncate(0)
+        self._f.close()
+        self._f = None
 
     def close(self) -> None:
         if self._f is not None:
