@@ -125,3 +125,29 @@ def test_a_refused_export_leaves_no_file_in_the_way(tmp_path: Path,
         for p in (path, empty):
             assert _cli(["admin", "export", str(p), *a], capsys)[0] == 0
             assert [r.tenant for r in read_records(p)[0]] == ["team-a"]
+
+
+def test_an_entry_refused_at_its_last_piece_is_counted_once(tmp_path: Path) -> None:
+    """A value refused at its last piece (more than the server may be receiving) kept its
+    pieces, and was counted rejected again as abandoned when the next entry began."""
+    import grpc
+
+    from kdn.v1 import kdn_pb2 as pb
+    from kdn.v1 import kdn_pb2_grpc as pb_grpc
+
+    k1, k2 = keys.chunk_key([1], LAY), keys.chunk_key([2], LAY)
+    cfg = ServerConfig(port=0, data_dir=tmp_path / "d", disk_bytes=0, ram_bytes=1 << 20,
+                       max_entry_bytes=1 << 20)
+    with ServerThread(cfg) as st:
+        with Client(st.address, shm_bytes=0) as c:
+            c.store(k2, random_kv(LAY, 8))
+            whole = bytes(c.fetch(k2).parts.to_bytes())  # type: ignore[union-attr]
+            c.delete(k2)
+        half = bytes(600 << 10)  # two: more than the server may be receiving (1 MiB)
+        items = [pb.ImportItem(namespace="default", key=k1, value=half, offset=0, more=True),
+                 pb.ImportItem(namespace="default", key=k1, value=half, offset=len(half)),
+                 pb.ImportItem(namespace="default", key=k2, value=whole)]
+        with grpc.insecure_channel(st.address) as ch:
+            got = pb_grpc.KDNAdminStub(ch).Import(iter(items), timeout=30)
+    assert (got.imported, got.rejected) == (1, 1), got
+    assert len(got.reasons) == 1 and "the server is receiving" in got.reasons[0]

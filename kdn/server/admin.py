@@ -445,9 +445,10 @@ class AdminServicer(pb_grpc.KDNAdminServicer):
                     continue  # its later pieces: dropped, the value counted once
                 refused = None
                 try:
-                    if item.offset == 0 and held:  # a value left unfinished: dropped
-                        self.ingest.release(principal, held)
+                    if item.offset == 0:  # a value left unfinished: dropped, counted
+                        self.ingest.release(principal, held)  # (before this one can fail)
                         held = 0
+                        pieces.end()
                     self.ingest.reserve(principal, len(item.value), "Import")
                     held += len(item.value)
                     value = pieces.add(item)
@@ -458,10 +459,10 @@ class AdminServicer(pb_grpc.KDNAdminServicer):
                     done = await asyncio.to_thread(self._import_one, principal, item, value)
                 except (Corrupt, InvalidArgument, LayoutMismatch, PermissionDenied,
                         TooLarge) as exc:
-                    self.ingest.release(principal, held)  # (its pieces are dropped)
+                    self.ingest.release(principal, held)
                     held = 0
+                    pieces.drop()  # (at its last piece too: never counted abandoned besides)
                     if item.more:
-                        pieces.drop()
                         refused = (item.tenant, item.namespace, bytes(item.key))
                     resp.rejected += 1  # this entry's fault (damaged, not allowed here,
                     self._rejected(resp, item, exc)  # another tenant's, past the quota): the
