@@ -221,12 +221,13 @@ class DataPlane:
         read-only through the arena's mapping registered with CUDA (``LeasedArena.view``), so
         the host-to-device copy reads the server's pages with no copy on the host."""
         seg_id = self.segment()[1]
-        try:
+        with self.network.one_deadline():  # the data path's failure, then gRPC: one deadline
+            try:
+                return self._get_many(namespace, keys, want, request_id, pinned)
+            except NotFound:
+                if not self._renewed(seg_id):
+                    raise
             return self._get_many(namespace, keys, want, request_id, pinned)
-        except NotFound:
-            if not self._renewed(seg_id):
-                raise
-        return self._get_many(namespace, keys, want, request_id, pinned)
 
     def _get_many(self, namespace: str, keys: Sequence[bytes], want: Expected,
                   request_id: str | None, pinned: bool) -> list[Fetched | TooBig | None]:
@@ -474,12 +475,13 @@ class DataPlane:
         (no segment, the network data path not taking it) that one of them is too large
         for: none is sent then."""
         seg_id = self.segment()[1]
-        try:
+        with self.network.one_deadline():
+            try:
+                return self._put_many(namespace, items, request_id)
+            except NotFound:
+                if not self._renewed(seg_id):
+                    raise
             return self._put_many(namespace, items, request_id)
-        except NotFound:
-            if not self._renewed(seg_id):
-                raise
-        return self._put_many(namespace, items, request_id)
 
     def _put_many(self, namespace: str,
                   items: Sequence[tuple[bytes, EncodedParts, pb.StoreOptions]],

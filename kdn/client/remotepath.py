@@ -2,10 +2,13 @@
 (``Attach`` with ``remote``, for a client without a segment), its calls made on this thread's
 ``kdn.client.netpath.NetPath`` connection, given up for gRPC when it fails, asked for again
 once where it worked before (a server restart), a call the server refused a new connection
-for sent by gRPC (``kdn.client.perthread.Crowded``)."""
+for sent by gRPC (``kdn.client.perthread.Crowded``). A call that goes this way has one
+deadline (``one_deadline``) for the path asked for again, the call made again and the gRPC
+call after it failed: a path that breaks costs no call more than its ``timeout_s``."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import threading
@@ -14,7 +17,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
-from kdn.client.deadline import time_left
+from kdn.client.deadline import deadline_within, time_left
 from kdn.client.fastwire import batches_of
 from kdn.client.netpath import NetPath
 from kdn.client.pending import ASYNC_DEPTH, PendingStore
@@ -65,6 +68,15 @@ class RemotePath:
                 self._tried = True  # again by the next call
         return self._net
 
+    def one_deadline(self) -> contextlib.AbstractContextManager[None]:
+        """``deadline_within(timeout_s)`` for a call that may go by this path (it is there, or
+        not asked for yet): what it makes after the path failed (asks for it again, the call
+        again, by gRPC) ends by the call's first deadline, not a fresh one each. Nothing where
+        there is no path or no timeout."""
+        if self.timeout_s is None or (self._tried and self._net is None):
+            return contextlib.nullcontext()
+        return deadline_within(self.timeout_s)
+
     def _ask(self) -> NetPath | None:
         """``Attach`` with ``remote``: the path, or None where the server offers none."""
         md = self._metadata(None)
@@ -101,18 +113,19 @@ class RemotePath:
         """``call(net)``, made once more on the path asked for again where ``net`` had worked
         and failed (``_again``); None where the path failed for good (gRPC then).
         DeadlineExceeded where the server did not answer in ``timeout_s``: one deadline per
-        call, neither asked for again nor made again over gRPC. None too where the server
-        refused this call's new connection (``Crowded``: its connection limits); the path
-        stays for later calls."""
+        call, neither asked for again nor made again over gRPC; a path that never answered
+        at all (a port that takes connections and says nothing) is given up then, later
+        calls go by gRPC. None too where the server refused this call's new connection
+        (``Crowded``: its connection limits); the path stays for later calls."""
         try:
             return call(net)
         except Crowded as exc:
             log.debug("kdn: data path connection refused (%s); this call goes by gRPC", exc)
             return None
         except TimeoutError as exc:
-            raise DeadlineExceeded(f"the network data path did not answer within the "
-                                   f"call's deadline (timeout_s={net.timeout_s}, or the "
-                                   "caller's deadline_within)") from exc
+            if not net.worked:
+                self.lost(exc, net)
+            raise _late(net) from exc
         except (OSError, NotFound) as exc:
             if not net.worked:
                 self.lost(exc, net)
@@ -124,6 +137,8 @@ class RemotePath:
             return call(again)
         except Crowded:
             return None
+        except TimeoutError as exc:  # the call's deadline spent before the path failed:
+            raise _late(again) from exc  # the new path is not judged by what was left
         except (OSError, NotFound) as exc:
             self.lost(exc, again)
             return None
@@ -170,8 +185,9 @@ class RemotePath:
                        ) -> list[tuple[str, Future[Fetched]] | None] | None:
         """``NetPath.start_get_many`` on ``net``, each entry's bytes as a Fetched (checked
         as they landed); None when the path failed (the caller reads another way)."""
-        got = self._on(net, lambda n: n.start_get_many(namespace, keys, want,
-                                                       pinned=pinned))
+        with self.one_deadline():
+            got = self._on(net, lambda n: n.start_get_many(namespace, keys, want,
+                                                           pinned=pinned))
         if got is None:
             return None
         out: list[tuple[str, Future[Fetched]] | None] = []
@@ -259,6 +275,12 @@ class RemotePath:
                                                  metadata=md))
         except KDNError:
             pass  # the server forgets it at shutdown anyway
+
+
+def _late(net: NetPath) -> DeadlineExceeded:
+    return DeadlineExceeded(f"the network data path did not answer within the call's "
+                            f"deadline (timeout_s={net.timeout_s}, or the caller's "
+                            "deadline_within)")
 
 
 def _let_go(bytes_of: weakref.ref[Future[memoryview]], entry: Future[Fetched]) -> None:

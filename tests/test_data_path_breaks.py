@@ -1,0 +1,66 @@
+"""A remote client's network data path failing in the ways of a real network (``tests.relay``
+between the client and a real server's data port): each call still ends by its one deadline,
+whatever it makes after the path failed, and a path that never answered is given up for gRPC.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from kdn.client import Client
+from kdn.errors import DeadlineExceeded
+from kdn.server import ServerThread
+from tests.helpers import numbered_key, random_kv, uniform_layout
+from tests.relay import MUTE, LateReset, Relay
+
+LAYOUT = uniform_layout(layers=2, heads=1, dim=8)
+KEY = numbered_key(1)
+
+
+@pytest.fixture
+def relayed(server: ServerThread) -> Iterator[Relay]:
+    """The server's data path reached through a relay (the port ``Attach`` hands out)."""
+    servicer = server.server.servicer
+    with Relay(servicer.data_port) as relay:
+        servicer.data_port = relay.port
+        yield relay
+
+
+def test_a_path_that_breaks_late_costs_a_call_its_deadline_once(server: ServerThread,
+                                                                 relayed: Relay) -> None:
+    """Every answer comes 0.7 s late as a reset, on a path that had worked: the call made
+    again on a new connection, the path asked for again, the call made there and then by
+    gRPC each took a fresh 1.5 s (2.1 s and more in all); they share the call's one now."""
+    kv = random_kv(LAYOUT, 8, seed=1)
+    with Client(server.address, timeout_s=1.5, shm_bytes=0) as c:
+        c.store(KEY, kv, mode="raw")
+        assert c.dataplane.net() is not None
+        assert c.fetch(KEY) is not None  # the path worked
+        relayed.fault = LateReset(0.7)
+        t0 = time.monotonic()
+        try:
+            got = c.retrieve(KEY, layout=LAYOUT)
+            assert got is not None and got.equal(kv)
+        except DeadlineExceeded:
+            pass
+        assert time.monotonic() - t0 < 1.5 + 0.3
+
+
+def test_a_path_that_never_answered_is_given_up_for_grpc(server: ServerThread,
+                                                         relayed: Relay) -> None:
+    """The data port takes connections and says nothing: the first call fails at its
+    deadline, the client's later calls go by gRPC (each failed DEADLINE_EXCEEDED)."""
+    kv = random_kv(LAYOUT, 8, seed=2)
+    with Client(server.address, timeout_s=30, data_path=False) as writer:
+        writer.store(KEY, kv, mode="raw")
+    relayed.fault = MUTE
+    with Client(server.address, timeout_s=1.0, shm_bytes=0) as c:
+        with pytest.raises(DeadlineExceeded, match="data path"):
+            c.retrieve(KEY, layout=LAYOUT)
+        assert c.dataplane.net() is None
+        for _ in range(2):
+            got = c.retrieve(KEY, layout=LAYOUT)
+            assert got is not None and got.equal(kv)
