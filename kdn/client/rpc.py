@@ -2,6 +2,8 @@
 (not shared with the process's other Clients), reused by every call and thread, every call
 with a deadline and retried with backoff only for the named status codes (``Retry``), its
 metadata (the API key, ``x-request-id``, the trace), and the channel's TLS (``TLSOptions``).
+A connection that calls wait on and that brings nothing is pinged, and replaced where the
+ping goes unanswered (``KEEPALIVE_S``: one that died silently failed every call after it).
 ``traced`` and ``settles`` wrap the client's calls: each first reads this thread's
 asynchronous stores' answers, and ``traced`` puts a span around it when tracing is on.
 """
@@ -42,6 +44,20 @@ RECONNECT_MS = 100
 to that long, every call failing UNAVAILABLE at once). Below the shortest span of a call's
 default retries (``Retry``: 175 ms), so a call made once the server is back reaches it; a
 refused connection costs the client next to nothing."""
+
+
+KEEPALIVE_S = (2.0, 20.0)
+"""Seconds a connection that calls wait on may bring nothing before the client pings the
+server: the client's ``timeout_s`` within these bounds. A ping (gRPC's own too) unanswered
+as long closes the connection, and the next call goes on a new one: a peer gone without a
+reset (a crashed host, dropped NAT state, a proxy that still acks) failed every call
+DEADLINE_EXCEEDED for good. A connection that brings bytes is never pinged."""
+
+
+def keepalive_ms(timeout_s: float | None) -> int:
+    """``KEEPALIVE_S`` for a client of ``timeout_s``, in milliseconds."""
+    low, high = KEEPALIVE_S
+    return int(1000 * (high if timeout_s is None else min(high, max(low, timeout_s))))
 
 
 CLOSED = "this client was closed (Client.close()); make a new Client"
@@ -216,6 +232,9 @@ class Rpc:
             # its own connection: in grpc's shared pool every Client of the process to one
             # server (any tenant) had one, and one connection's egress cap between them
             ("grpc.use_local_subchannel_pool", 1),
+            ("grpc.keepalive_time_ms", keepalive_ms(timeout_s)),  # (only while calls wait)
+            ("grpc.keepalive_timeout_ms", keepalive_ms(timeout_s)),
+            ("grpc.http2.ping_timeout_ms", keepalive_ms(timeout_s)),
         ]
         if tls is not None and tls.server_name:
             options.append(("grpc.ssl_target_name_override", tls.server_name))

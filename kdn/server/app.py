@@ -197,6 +197,9 @@ def grpc_options(config: ServerConfig) -> list[tuple[str, int]]:
         ("grpc.max_receive_message_length", config.max_message_bytes),
         ("grpc.max_send_message_length", config.max_message_bytes),
         ("grpc.so_reuseport", int(config.reuse_port)),
+        # a client pings a connection it has waited on for 2 s or more (kdn.client.rpc.
+        # KEEPALIVE_S): not a strike (gRPC's 5 minutes: GOAWAY on a long silent call)
+        ("grpc.http2.min_ping_interval_without_data_ms", 1000),
         *([("grpc.max_connection_idle_ms", int(config.idle_timeout_s * 1000))]
           if config.idle_timeout_s else []),
         *([("grpc.max_connection_age_ms", int(config.max_connection_age_s * 1000)),

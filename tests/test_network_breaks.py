@@ -1,23 +1,29 @@
-"""A remote client's network data path failing in the ways of a real network (``tests.relay``
-between the client and a real server's data port): each call still ends by its one deadline,
-whatever it makes after the path failed, and a path that never answered is given up for gRPC.
+"""A remote client's connections failing in the ways of a real network (``tests.relay``
+between the client and a real server's ports). The network data path: each call still ends by
+its one deadline, whatever it makes after the path failed, and a path that never answered is
+given up for gRPC. The gRPC channel: a connection that died silently is left for a new one.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterator
 
 import pytest
 
 from kdn.client import Client
-from kdn.errors import DeadlineExceeded
+from kdn.errors import DeadlineExceeded, Unavailable
 from kdn.server import ServerThread
 from tests.helpers import numbered_key, random_kv, uniform_layout
 from tests.relay import MUTE, LateReset, Relay
 
 LAYOUT = uniform_layout(layers=2, heads=1, dim=8)
 KEY = numbered_key(1)
+
+
+def _port(st: ServerThread) -> int:
+    return int(st.address.rsplit(":", 1)[1])
 
 
 @pytest.fixture
@@ -64,3 +70,23 @@ def test_a_path_that_never_answered_is_given_up_for_grpc(server: ServerThread,
         for _ in range(2):
             got = c.retrieve(KEY, layout=LAYOUT)
             assert got is not None and got.equal(kv)
+
+
+def test_a_grpc_connection_that_died_silently_is_left_for_a_new_one(server: ServerThread
+                                                                      ) -> None:
+    """The connection swallows every byte and never closes (a peer gone without a reset):
+    the client's pings go unanswered, the connection is closed, and a call a few seconds
+    later goes on a new one (every call failed DEADLINE_EXCEEDED for good)."""
+    kv = random_kv(LAYOUT, 8, seed=3)
+    with Relay(_port(server)) as relay, \
+            Client(f"127.0.0.1:{relay.port}", timeout_s=2.0, data_path=False,
+                   shm_bytes=0) as c:
+        c.store(KEY, kv, mode="raw")
+        relay.bury()
+        t0 = time.monotonic()
+        got = None
+        while got is None and time.monotonic() - t0 < 8:
+            with contextlib.suppress(DeadlineExceeded, Unavailable):
+                got = c.retrieve(KEY, layout=LAYOUT)
+        assert got is not None and got.equal(kv)
+        assert relay.accepted == 2
