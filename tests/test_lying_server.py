@@ -223,3 +223,20 @@ def test_retries_end_by_the_calls_deadline(lying: tuple[Lying, str, str]) -> Non
             took = time.perf_counter() - t0
             assert took < bound + 0.3, f"{took:.2f} s for a call of {bound} s"
             assert servicer.lookups <= 2
+
+
+def test_an_answer_that_ended_ok_without_a_message_is_unavailable(tmp_path: Path) -> None:
+    """A GetMany that ends OK with no message (what gRPC hands back where the answer's first
+    bytes were damaged on the way): Unavailable, not an AttributeError from deep inside."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2), options=OPTIONS)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("kdn.v1.KDN", {
+        "GetMany": grpc.unary_stream_rpc_method_handler(lambda req, ctx: iter(()))}),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        with Client(f"127.0.0.1:{port}", shm_bytes=0, data_path=False) as c:
+            for read in (c.retrieve, c.fetch):
+                with pytest.raises(Unavailable, match="answer was lost"):
+                    read(FINE)
+    finally:
+        server.stop(0)

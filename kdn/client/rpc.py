@@ -28,7 +28,7 @@ import grpc
 from kdn import tracing as _tracing
 from kdn.checks import shown
 from kdn.client.deadline import call_cap, deadline_within
-from kdn.errors import Closed, InvalidArgument, kept
+from kdn.errors import Closed, InvalidArgument, Unavailable, kept
 from kdn.status import from_grpc
 from kdn.transport.metadata import API_KEY_HEADER, REQUEST_ID, REQUEST_ID_HEADER
 from kdn.transport.wire import get_many_response, retrieve_response, serialize_passthrough
@@ -62,6 +62,9 @@ def keepalive_ms(timeout_s: float | None) -> int:
 
 CLOSED = "this client was closed (Client.close()); make a new Client"
 """What a call on a closed client is refused with (``Closed``)."""
+LOST = ("the server's answer was lost: the call ended OK without a message (damaged on the "
+        "way?); it may or may not have been done")
+"""What a call that ended OK with no answer raises (``Unavailable``)."""
 NO_DEADLINE_S = 1e9
 """A timeout of this many seconds (about 31 years) or more is no deadline: gRPC can not hold a
 deadline so far off (``timeout_s=1e12`` made every call fail DEADLINE_EXCEEDED at once)."""
@@ -316,16 +319,17 @@ class Rpc:
         thread's ``deadline_within`` where sooner. ``fn`` gives each gRPC call it makes the
         time left (``time_left``), not the whole timeout again. A gRPC error is raised as
         kdn's error. Closed once the channel was closed (every call of the client comes
-        here)."""
+        here); Unavailable where a call ended OK with no answer (``LOST``)."""
         if self.closed:
             raise Closed(CLOSED)
         budget = self.timeout_s if timeout_s is False else timeout_s
         outer, start = call_cap(), time.monotonic()
         try:
             if budget is None:
-                return self.retry.call(fn)
-            with deadline_within(budget):
-                return self.retry.call(fn)
+                out = self.retry.call(fn)
+            else:
+                with deadline_within(budget):
+                    out = self.retry.call(fn)
         except grpc.RpcError as err:  # kept as the context of kdn's error: not the frames
             if self.closed:  # cancelled by close() on another thread
                 raise Closed(CLOSED) from None
@@ -334,6 +338,9 @@ class Rpc:
             if self.closed:  # gRPC's refusal of a channel closed as the call began
                 raise Closed(CLOSED) from None
             raise
+        if out is None:  # (gRPC's unary call where its answer's bytes were damaged)
+            raise Unavailable(LOST)
+        return out
 
     def frames(self, stream: Iterator[T]) -> Iterator[T]:
         """The messages of a streamed call (a Retrieve's frames), read after ``call``
