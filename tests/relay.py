@@ -4,6 +4,7 @@ that stops sending, connections that die silently (no reset) while new ones work
 
     with Relay(port) as r:      # r.port: the client's side
         r.fault = LateReset(0.5)  # every chunk from the client: 0.5 s, then both sides reset
+        r.fault = LateReset(0, answers=True)  # the server's next chunk: both sides reset, once
         r.fault = MUTE           # new connections accepted, never answered (not dialled on)
         r.fault = FREEZE         # nothing more forwarded, either way
         r.bury()                 # the connections open now swallow everything; new ones work
@@ -27,9 +28,12 @@ FREEZE = "freeze"
 
 @dataclass(frozen=True)
 class LateReset:
-    """A chunk the client sends is not forwarded: after ``delay_s`` both sides are reset."""
+    """A chunk the client sends is not forwarded: after ``delay_s`` both sides are reset.
+    ``answers``: the next chunk the server sends instead, once (the call was made, its
+    answer lost)."""
 
     delay_s: float
+    answers: bool = False
 
 
 def reset(sock: socket.socket) -> None:
@@ -90,7 +94,9 @@ class Relay:
                 if id(src) in self._buried:
                     continue  # read and dropped, never forwarded
                 fault = self.fault
-                if from_client and isinstance(fault, LateReset):
+                if isinstance(fault, LateReset) and from_client != fault.answers:
+                    if fault.answers:
+                        self.fault = None  # once: the call made again is answered
                     time.sleep(fault.delay_s)
                     reset(src)
                     reset(dst)

@@ -1,7 +1,8 @@
 """A remote client's connections failing in the ways of a real network (``tests.relay``
 between the client and a real server's ports). The network data path: each call still ends by
 its one deadline, whatever it makes after the path failed, and a path that never answered is
-given up for gRPC. The gRPC channel: a connection that died silently is left for a new one.
+given up for gRPC. The gRPC channel: a connection that died silently is left for a new one,
+and a delete whose answer was lost is not made again (it would count nothing).
 """
 
 from __future__ import annotations
@@ -90,3 +91,17 @@ def test_a_grpc_connection_that_died_silently_is_left_for_a_new_one(server: Serv
                 got = c.retrieve(KEY, layout=LAYOUT)
         assert got is not None and got.equal(kv)
         assert relay.accepted == 2
+
+
+def test_a_delete_whose_answer_was_lost_says_so(server: ServerThread) -> None:
+    """The connection resets as the server answers a delete: Unavailable saying the keys
+    may have been deleted (it was made again, found nothing, and said 0 deleted where the
+    first had deleted the key)."""
+    with Relay(_port(server)) as relay, \
+            Client(f"127.0.0.1:{relay.port}", timeout_s=3.0, data_path=False,
+                   shm_bytes=0) as c:
+        c.store(KEY, random_kv(LAYOUT, 8, seed=4), mode="raw")
+        time.sleep(0.2)  # the connection's own frames after the store (window, pings) came
+        relay.fault = LateReset(0, answers=True)
+        with pytest.raises(Unavailable, match="may have been deleted"):
+            c.delete(KEY)  # (reset as the server answers the delete, or acks its bytes)

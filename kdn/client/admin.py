@@ -212,7 +212,9 @@ class AdminClient(Client):
         for batch in call_batches(ks):
             req = pb.KeysRequest(namespace=ns, keys=batch, tier=tier, tenant=scope)
             count += int(self.rpc.call(lambda req=req: rpc(  # type: ignore[misc]
-                req, timeout=time_left(self.timeout_s), metadata=md)).count)
+                req, timeout=time_left(self.timeout_s), metadata=md),
+                once=f"the answer was lost: the keys may have been changed ({count} counted "
+                     "before)").count)
         return count
 
     def evict(self, keys: list[bytes], namespace: str = "default", tier: str = "", *,

@@ -10,7 +10,8 @@
 One gRPC channel is created per Client and reused by every call and thread. Every call has a
 deadline: ``timeout_s`` seconds, a number > 0 (default 60), or None for none (``inf`` is None
 too; InvalidArgument for anything else, ``kdn.client.rpc.check_timeout``). Calls that fail
-with UNAVAILABLE are retried with exponential backoff (``Retry``); nothing else is retried. A
+with UNAVAILABLE are retried with exponential backoff (``Retry``); nothing else is retried,
+and a delete (evict, pin, unpin too) only where it never reached the server (its count). A
 server that does not answer (stopped, hung, cut off) costs a call its deadline once, on
 whichever path it goes (gRPC, the same-host fast path, the network data path), and ``close``
 gives its calls to the server (segment and ticket given back) ``kdn.client.dataplane.CLOSE_S``
@@ -475,7 +476,9 @@ class Client:
             for batch in call_batches(req.keys):
                 part = pb.DeleteRequest(namespace=req.namespace, tenant=req.tenant, keys=batch)
                 deleted += int(self.rpc.call(lambda part=part: self.rpc.stub.Delete(  # type: ignore[misc]
-                    part, timeout=time_left(self.timeout_s), metadata=md)).deleted)
+                    part, timeout=time_left(self.timeout_s), metadata=md),
+                    once=f"the answer was lost: the keys may have been deleted ({deleted} "
+                         "counted before); lookup tells which are left").deleted)
             return deleted
         finally:
             for write in writes:

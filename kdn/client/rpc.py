@@ -94,16 +94,18 @@ class Retry:
     cap_s: float = 2.0
     codes: tuple[grpc.StatusCode, ...] = (grpc.StatusCode.UNAVAILABLE,)
 
-    def call(self, fn: Callable[[], T]) -> T:
+    def call(self, fn: Callable[[], T], unsent_only: bool = False) -> T:
         """``fn()``, again after a pause while it fails with one of ``codes``; never past this
         thread's ``deadline_within`` (``Rpc.call``'s: the call's deadline is for all of its
-        attempts together, so no attempt starts, nor pause ends, after it)."""
+        attempts together, so no attempt starts, nor pause ends, after it). ``unsent_only``:
+        again only where it never reached a server (``never_sent``)."""
         for attempt in range(self.retries + 1):
             try:
                 return fn()
             except grpc.RpcError as err:  # the call itself, which the frames it passed hold:
                 kept(err)  # not those frames
-                if err.code() not in self.codes or attempt == self.retries:
+                if err.code() not in self.codes or attempt == self.retries or (
+                        unsent_only and not never_sent(err)):
                     raise
                 pause = min(self.cap_s, self.base_s * 2**attempt) * (0.5 + random.random())
                 until = call_cap()
@@ -121,6 +123,12 @@ def _which_deadline(budget: float | None, outer: float | None, start: float) -> 
                 f"it, set by its caller")
     return None if budget is None else (
         f"timeout_s={budget:g} s; raise timeout_s where calls this large are expected")
+
+
+def never_sent(err: grpc.RpcError) -> bool:
+    """The failed call never reached a server: no connection could be made (gRPC's own
+    words); a call cut after it was sent (a reset, a lost answer) may have been done."""
+    return "failed to connect to all addresses" in (err.details() or "")
 
 
 def pem_problem(name: str, data: bytes) -> str | None:
@@ -313,26 +321,32 @@ class Rpc:
         md = (*self._auth, (REQUEST_ID_HEADER, rid))
         return tuple(_tracing.inject(list(md))) if _tracing.enabled() else md
 
-    def call(self, fn: Callable[[], T], timeout_s: float | None | Literal[False] = False) -> T:
+    def call(self, fn: Callable[[], T], timeout_s: float | None | Literal[False] = False,
+             once: str = "") -> T:
         """``fn()`` retried as ``retry`` says, every attempt and pause within one deadline:
         ``timeout_s`` from now (False: the client's ``timeout_s``; None: none), or this
         thread's ``deadline_within`` where sooner. ``fn`` gives each gRPC call it makes the
         time left (``time_left``), not the whole timeout again. A gRPC error is raised as
         kdn's error. Closed once the channel was closed (every call of the client comes
-        here); Unavailable where a call ended OK with no answer (``LOST``)."""
+        here); Unavailable where a call ended OK with no answer (``LOST``). ``once``: what
+        the call may have done (a delete, whose count a second try would not give): made
+        again only where it never reached the server, an UNAVAILABLE after it may have says
+        ``once``."""
         if self.closed:
             raise Closed(CLOSED)
         budget = self.timeout_s if timeout_s is False else timeout_s
         outer, start = call_cap(), time.monotonic()
         try:
             if budget is None:
-                out = self.retry.call(fn)
+                out = self.retry.call(fn, bool(once))
             else:
                 with deadline_within(budget):
-                    out = self.retry.call(fn)
+                    out = self.retry.call(fn, bool(once))
         except grpc.RpcError as err:  # kept as the context of kdn's error: not the frames
             if self.closed:  # cancelled by close() on another thread
                 raise Closed(CLOSED) from None
+            if once and err.code() == grpc.StatusCode.UNAVAILABLE and not never_sent(err):
+                raise Unavailable(f"UNAVAILABLE: {err.details()}; {once}") from None
             raise from_grpc(kept(err), _which_deadline(budget, outer, start)) from None
         except ValueError:
             if self.closed:  # gRPC's refusal of a channel closed as the call began
