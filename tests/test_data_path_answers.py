@@ -17,11 +17,13 @@ from typing import Any
 
 import grpc
 import pytest
+import xxhash
 
 from kdn import codec
 from kdn.client import Client
 from kdn.client.netpath import NetPath
-from kdn.errors import Corrupt, DeadlineExceeded, TooLarge
+from kdn.codec.format import header_size
+from kdn.errors import Corrupt, DeadlineExceeded, InvalidArgument, TooLarge
 from kdn.layout import Expected
 from kdn.server import ServerConfig, ServerThread
 from kdn.server.fastpath import FastPath
@@ -193,6 +195,32 @@ def test_a_network_answer_that_is_no_message_is_corrupt(
             c.store_async(A, kv, mode="raw")
             with pytest.raises(Corrupt, match="not a valid message"):
                 c.flush()
+
+
+@pytest.mark.parametrize("damage", [(b"\xfd\x00", Corrupt), (b"\x09\x00", None)],
+                         ids=["damaged", "newer"])
+def test_an_entry_of_a_version_not_read_is_corrupt_where_its_checksum_says_so(
+        ticketing: tuple[Ticketing, str], damage: tuple[bytes, Any]) -> None:
+    """An entry whose header's version field is one this kdn does not read: Corrupt where
+    the header's checksum says it was damaged on the way (it said InvalidArgument, the
+    caller's mistake, from the version alone), InvalidArgument for a newer kdn's."""
+    version, kind = damage
+    entry = bytearray(_entry(1))
+    entry[4:6] = version  # (after the magic)
+    if kind is None:  # a newer kdn's: its checksum made over its own bytes
+        head = header_size(memoryview(_entry(1)))
+        entry[head - 8:head] = xxhash.xxh3_64_intdigest(bytes(entry[:head - 8])).to_bytes(
+            8, "little")
+
+    def answer(op: int, req: Any, conn: socket.socket) -> None:
+        conn.sendall(_get_answer([bytes(entry)]))
+
+    servicer, address = ticketing
+    with scripted(answer) as servicer.data_port, Client(address, timeout_s=5,
+                                                        shm_bytes=0) as c:
+        with pytest.raises(kind or InvalidArgument,
+                           match="checksum" if kind else "unsupported container version 9"):
+            c.fetch(A)
 
 
 @pytest.mark.no_arena

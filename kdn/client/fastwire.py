@@ -17,8 +17,13 @@ from google.protobuf.message import DecodeError, Message
 
 from kdn.client.received import MAX_ENTRY_BYTES
 from kdn.codec import EncodedParts
-from kdn.codec.format import HEAD_PREFIX_BYTES, check_frame_prefix, header_size
-from kdn.errors import Corrupt, KDNError, TooLarge
+from kdn.codec.format import (
+    HEAD_PREFIX_BYTES,
+    MAX_HEADER_BYTES,
+    check_frame_prefix,
+    header_size,
+)
+from kdn.errors import Corrupt, InvalidArgument, KDNError, TooLarge
 from kdn.status import error_of
 from kdn.transport.buffers import RECEIVED, BufferPool
 from kdn.transport.netio import recv_container
@@ -175,7 +180,10 @@ def read_entry(conn: socket.socket, length: int, pinned: bool = False,
     prefix = bytearray(HEAD_PREFIX_BYTES)
     if not recv_into_all(conn, memoryview(prefix)):
         raise OSError("the data path closed inside a GetMany's entries")
-    head = header_size(memoryview(prefix))
+    try:
+        head = header_size(memoryview(prefix))
+    except InvalidArgument:  # a version this kdn does not read: damage or a newer kdn's
+        raise _unread(conn, prefix, length) from None
     try:
         room = pinned_room(length + FRAME_ALIGN) if pinned else pool.take(length + FRAME_ALIGN)
     except MemoryError as exc:
@@ -190,6 +198,20 @@ def read_entry(conn: socket.socket, length: int, pinned: bool = False,
         finally:  # its traceback holds this frame, which would hold it
             del fault
     return view
+
+
+def _unread(conn: socket.socket, prefix: bytearray, length: int) -> KDNError:
+    """The error of an entry whose header (``prefix``: its start) names a version this kdn
+    does not read, once as much of it as a header takes at most is read: Corrupt where its
+    checksum says it was damaged on the way, else InvalidArgument (a newer kdn's)."""
+    rest = bytearray(min(length, HEAD_PREFIX_BYTES + MAX_HEADER_BYTES + 8) - HEAD_PREFIX_BYTES)
+    if not recv_into_all(conn, memoryview(rest)):
+        raise OSError("the data path closed inside a GetMany's entries")
+    try:
+        header_size(memoryview(prefix + rest))
+    except KDNError as exc:
+        return exc
+    return Corrupt("a container header that reads two ways")  # (not reached)
 
 
 def pinned_room(size: int) -> Any:
