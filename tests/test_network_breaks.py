@@ -1,23 +1,25 @@
 """A remote client's connections failing in the ways of a real network (``tests.relay``
 between the client and a real server's ports). The network data path: each call still ends by
-its one deadline, whatever it makes after the path failed, and a path that never answered is
-given up for gRPC. The gRPC channel: a connection that died silently is left for a new one,
-and a delete whose answer was lost is not made again (it would count nothing).
+its one deadline, whatever it makes after the path failed, a path that never answered is given
+up for gRPC, and a call waiting on it ends when the client is closed. The gRPC channel: a
+connection that died silently is left for a new one, and a delete whose answer was lost is not
+made again (it would count nothing).
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from collections.abc import Iterator
 
 import pytest
 
 from kdn.client import Client
-from kdn.errors import DeadlineExceeded, Unavailable
+from kdn.errors import Closed, DeadlineExceeded, Unavailable
 from kdn.server import ServerThread
 from tests.helpers import numbered_key, random_kv, uniform_layout
-from tests.relay import MUTE, LateReset, Relay
+from tests.relay import FREEZE, MUTE, LateReset, Relay
 
 LAYOUT = uniform_layout(layers=2, heads=1, dim=8)
 KEY = numbered_key(1)
@@ -105,3 +107,32 @@ def test_a_delete_whose_answer_was_lost_says_so(server: ServerThread) -> None:
         relay.fault = LateReset(0, answers=True)
         with pytest.raises(Unavailable, match="may have been deleted"):
             c.delete(KEY)  # (reset as the server answers the delete, or acks its bytes)
+
+
+def test_close_ends_a_read_waiting_on_the_data_path(server: ServerThread,
+                                                    relayed: Relay) -> None:
+    """The data path stops answering while ``retrieve_streams`` waits on its connections:
+    the client's ``close`` ends the call with Closed at once (it waited out its timeout_s)."""
+    keys = [numbered_key(i) for i in range(2)]
+    got: list[object] = []
+    with Client(server.address, timeout_s=20, shm_bytes=0) as c:
+        c.store_many([(k, random_kv(LAYOUT, 8, seed=i)) for i, k in enumerate(keys)],
+                     mode="raw")
+        for stream in c.retrieve_streams(keys, layout=LAYOUT):
+            assert stream is not None and stream.result() is not None  # its connections open
+        relayed.fault = FREEZE
+
+        def read() -> None:
+            try:
+                got.append(c.retrieve_streams(keys, layout=LAYOUT))
+            except Exception as exc:
+                got.append(exc)
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        time.sleep(0.3)
+    t0 = time.monotonic()
+    reader.join(5)
+    relayed.fault = None
+    assert time.monotonic() - t0 < 3
+    assert len(got) == 1 and isinstance(got[0], Closed), got

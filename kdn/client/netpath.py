@@ -40,6 +40,7 @@ other entry of the stripe is awaited (until then its bytes are read and dropped)
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import socket
 import ssl
@@ -586,7 +587,9 @@ class NetPath:
             conns, self._all, self._spare = self._all, [], []
             pool, self._stripers = self._stripers, None
         self.threads.close()
-        for conn in conns:
+        for conn in conns:  # shut first: a thread waiting on one wakes (close alone: not)
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
             conn.close()
         if pool is not None:
             pool.shutdown(wait=False)
