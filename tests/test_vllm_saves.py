@@ -267,6 +267,51 @@ def test_blocks_shared_from_a_lossy_load_are_stored_in_lossy_encodings_only(
         w.shutdown()
 
 
+def test_a_lossy_load_leaves_the_exact_blocks_it_shares_exact(kdn_server: ServerThread) -> None:
+    """A computes its prompt exactly; B shares A's first two chunks through vLLM's prefix
+    cache and loads three more as int8; C shares only A's two exact chunks and computes the
+    rest: C's chunks are stored as raw too (B's lossy load marked A's shared blocks lossy,
+    so C saved to int8 only)."""
+    p = prompt(48, 5 * CHUNK + 1)
+    b = p[: 2 * CHUNK] + prompt(49, 3 * CHUNK + 1)
+    c = p[: 2 * CHUNK] + prompt(50, 3 * CHUNK + 1)
+    seeding, sw = both(kdn_server.address, encodings=["int8"])
+    seed = fp16_replay(seeding, sw)
+    try:  # B's chunks as int8 only, from another engine
+        assert answered(seed, seed.new_request("seed", b)) == 0
+        seed.step()
+        assert sw.worker is not None
+        sw.worker.wait_saves(30)
+    finally:
+        seeding.shutdown()
+        sw.shutdown()
+    s, w = both(kdn_server.address, encodings=["int8", "raw"])
+    assert w.worker is not None
+    rp = fp16_replay(s, w)
+    try:
+        with Client(kdn_server.address) as cl:  # A's two chunks: computed by A, not loaded
+            for k in keys.prefix_keys(b, s.layout, "vllm", CHUNK)[:2]:
+                cl.delete(keys.variant_key(k, "int8"), namespace="vllm")
+        assert answered(rp, rp.new_request("A", p)) == 0
+        rp.step()
+        w.worker.wait_saves(30)
+        shared = rp.reqs["A"].block_ids[: 2 * CHUNK // BLOCK]
+        assert answered(rp, rp.new_request("B", b), local_blocks=shared) == 3 * CHUNK
+        rp.step()
+        w.worker.wait_saves(30)
+        assert answered(rp, rp.new_request("C", c), local_blocks=shared) == 0
+        rp.step()
+        w.worker.wait_saves(30)
+        chain = keys.prefix_keys(c, s.layout, "vllm", CHUNK)
+        with Client(kdn_server.address) as cl:
+            got = cl.lookup([keys.variant_key(k, "raw") for k in chain[2:5]],
+                            namespace="vllm").infos
+        assert all(i.present for i in got), [i.present for i in got]
+    finally:
+        s.shutdown()
+        w.shutdown()
+
+
 def test_chunks_that_attended_over_a_failed_load_are_not_stored(
         kdn_server: ServerThread) -> None:
     """B computes its chunks 4 and 5 over blocks vLLM's prefix cache shares with A, which loads

@@ -245,8 +245,8 @@ class SchedulerSide:
             tracked.exact = tracked.exact and exact(found.encoding)
         if tracked.exact and not self._lossy.isdisjoint(block_ids[:shared]):
             tracked.exact = False  # it shares blocks another request loaded lossily
-        if not tracked.exact:
-            self._lossy.update(block_ids)
+        if not tracked.exact:  # its own blocks; those it shares keep what they hold
+            self._lossy.update(block_ids[shared:])
         if num_external <= 0:
             return
         c = self.shape.chunk_tokens
