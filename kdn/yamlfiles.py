@@ -50,7 +50,8 @@ class _UniqueKeys(yaml.SafeLoader):
             return super().construct_object(node, deep)
         except yaml.YAMLError:
             raise
-        except (ValueError, KeyError, AttributeError, TypeError, OverflowError) as exc:
+        except Exception as exc:  # noqa: BLE001 - any constructor's failure (IndexError of an
+            # empty !!int '' too) is the text's, named by its place
             tag = str(node.tag).replace("tag:yaml.org,2002:", "!!")
             raise yaml.constructor.ConstructorError(
                 None, None, f"a value YAML can not read as {tag} ({type(exc).__name__}; "
@@ -66,7 +67,7 @@ def parse_yaml(text: str) -> Any:
     except RecursionError:
         raise yaml.constructor.ConstructorError(
             None, None, "nested too deeply", None) from None
-    except (ValueError, KeyError, AttributeError, TypeError, OverflowError) as exc:
+    except (ValueError, KeyError, AttributeError, TypeError, OverflowError, IndexError) as exc:
         raise yaml.constructor.ConstructorError(
             None, None, f"a value YAML can not read ({type(exc).__name__})", None) from None
 

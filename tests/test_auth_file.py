@@ -95,6 +95,9 @@ def test_a_plain_file_loads_as_written(tmp_path: Path) -> None:
     ("tenants:\n  a: {api_keys: ['s3cr3t'], rate_rps: !!float s3cr3t}\n", r"as !!float"),
     ("tenants:\n  a: {api_keys: [!!bool s3cr3t]}\n", r"as !!bool"),
     ("tenants:\n  a: {api_keys: [2024-02-30]}\n", r"as !!timestamp .* quote it"),
+    # an empty value under a tag: PyYAML's IndexError
+    ("tenants:\n  a: {api_keys: ['s3cr3t'], rate_rps: !!float ''}\n", r"as !!float"),
+    ("tenants:\n  a: {api_keys: ['s3cr3t'], burst: !!int ''}\n", r"as !!int"),
     ("tenants: " + "[" * 3000 + "]" * 3000 + "\n", r"not valid YAML: nested too deeply$"),
 ])
 def test_errors_about_a_tenants_file_never_quote_its_keys(tmp_path: Path, text: str,
