@@ -17,7 +17,7 @@ from safetensors.torch import save
 
 from kdn.client import Client
 from kdn.client.admin import AdminClient
-from kdn.errors import Corrupt, InvalidArgument
+from kdn.errors import Corrupt, InvalidArgument, KDNError
 from kdn.rag.index import (
     DEFAULT_EMBEDDER,
     MANIFEST,
@@ -101,6 +101,27 @@ def test_a_rerun_after_a_crash_before_the_first_commit_keeps_its_namespace(
     kb.remove(sorted(kb.manifest.documents))
     with AdminClient(server.address, timeout_s=30) as admin:
         assert list(admin.ls(namespace="foo")) == []
+
+
+def test_a_first_ingest_that_stored_nothing_binds_the_state_to_nothing(
+        model: Any, client: Client, tmp_path: Path) -> None:
+    """The first ingest of a state fails at its first call to kdn (unreachable), before
+    anything is stored: a rerun in another namespace is taken (the owner's commit had
+    recorded the settings, and the rerun was refused: 'holds a corpus ingested with another
+    namespace', of a state holding nothing)."""
+    docs = corpus(tmp_path)
+    state = tmp_path / "state"
+    dead = Client("127.0.0.1:1", timeout_s=2, retry=None)
+    try:
+        with pytest.raises(KDNError):
+            make_kb(model, dead, state, dataclasses.replace(CONFIG, namespace="foo")).ingest(
+                docs)
+    finally:
+        dead.close()
+    m = Manifest.load(state)
+    assert not m.documents and not m.retired and m.settings is None
+    kb = make_kb(model, client, state)  # namespace "rag"
+    assert kb.ingest(docs).chunks > 0
 
 
 class Other(WordEmbedder):

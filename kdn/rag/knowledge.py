@@ -213,9 +213,11 @@ class KnowledgeBase:
                                   unembedded)
 
     def _own(self) -> None:
-        """Give a new state its owner id, committed with its settings before anything is
-        stored under it (an ingest that stops is resumed under the same keys; one in another
-        namespace, where the keys it retired would not be deleted, is refused)."""
+        """Give a new state its owner id, committed before anything is stored under it (an
+        ingest that stops is resumed under the same keys); its settings are committed with the
+        first keys it is about to store (``_write_ahead``: a rerun in another namespace, where
+        the keys it retired would not be deleted, is refused), not here, so an ingest that
+        failed before storing anything binds the state to nothing."""
         if not self.manifest.owner and not self.manifest.shared:
             self.manifest.owner = secrets.token_hex(16)
             self.manifest.save(self.state)
@@ -304,8 +306,8 @@ class KnowledgeBase:
         # encoded and stored again
         reencode = self.manifest.reencoding or old is not None and (
             (old.mode, old.level) != (self.settings.mode, self.settings.level))
+        self._own()  # before the settings, which bind the state once keys are to be stored
         self.manifest.settings = self.settings
-        self._own()
         rep.documents = len(docs)
         moved_from = self._claim(docs, origin)
 
