@@ -213,23 +213,28 @@ def test_chunks_computed_over_a_lossy_load_are_stored_in_lossy_encodings_only(
         w.shutdown()
 
 
-def test_blocks_shared_from_a_lossy_load_are_stored_in_lossy_encodings_only(
-        kdn_server: ServerThread) -> None:
-    """A loads its prefix as int8; B shares those blocks through vLLM's prefix cache and loads
-    nothing itself: the chunks it saves (those copied from A's blocks and those computed over
-    them) are stored as int8 only, raw keeps exact KV (B's saves went to raw as exact). A
-    block vLLM later hands out anew is exact again."""
-    seeding, sw = both(kdn_server.address, encodings=["int8"])
+def _stored_as_int8(server: ServerThread, ids: list[int]) -> None:
+    """The chunks of prompt ``ids`` stored as int8 only, by another engine."""
+    seeding, sw = both(server.address, encodings=["int8"])
     seed = fp16_replay(seeding, sw)
-    p = prompt(45, 5 * CHUNK + 1)
     try:
-        assert answered(seed, seed.new_request("seed", p)) == 0
+        assert answered(seed, seed.new_request("seed", ids)) == 0
         seed.step()
         assert sw.worker is not None
         sw.worker.wait_saves(30)
     finally:
         seeding.shutdown()
         sw.shutdown()
+
+
+def test_blocks_shared_from_a_lossy_load_are_stored_in_lossy_encodings_only(
+        kdn_server: ServerThread) -> None:
+    """A loads its prefix as int8; B shares those blocks through vLLM's prefix cache and loads
+    nothing itself: the chunks it saves (those copied from A's blocks and those computed over
+    them) are stored as int8 only, raw keeps exact KV (B's saves went to raw as exact). A
+    block vLLM later hands out anew is exact again."""
+    p = prompt(45, 5 * CHUNK + 1)
+    _stored_as_int8(kdn_server, p)
     s, w = both(kdn_server.address, encodings=["int8", "raw"])
     assert w.worker is not None
     rp = fp16_replay(s, w)
@@ -275,16 +280,7 @@ def test_a_lossy_load_leaves_the_exact_blocks_it_shares_exact(kdn_server: Server
     p = prompt(48, 5 * CHUNK + 1)
     b = p[: 2 * CHUNK] + prompt(49, 3 * CHUNK + 1)
     c = p[: 2 * CHUNK] + prompt(50, 3 * CHUNK + 1)
-    seeding, sw = both(kdn_server.address, encodings=["int8"])
-    seed = fp16_replay(seeding, sw)
-    try:  # B's chunks as int8 only, from another engine
-        assert answered(seed, seed.new_request("seed", b)) == 0
-        seed.step()
-        assert sw.worker is not None
-        sw.worker.wait_saves(30)
-    finally:
-        seeding.shutdown()
-        sw.shutdown()
+    _stored_as_int8(kdn_server, b)  # B's chunks as int8 only, from another engine
     s, w = both(kdn_server.address, encodings=["int8", "raw"])
     assert w.worker is not None
     rp = fp16_replay(s, w)

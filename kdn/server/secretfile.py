@@ -19,6 +19,18 @@ from kdn.errors import ConfigError
 log = logging.getLogger("kdn.server.config")
 
 
+def _owned_here(name: str, path: Path) -> tuple[os.stat_result, int]:
+    """``path``'s status and this server's uid, or ConfigError where a user other than this
+    server's or root owns it (that user could rewrite it)."""
+    st = path.stat()
+    me = os.geteuid()
+    if st.st_uid not in (me, 0):
+        raise ConfigError(f"{name}: {path} is owned by uid {st.st_uid}, neither this server's "
+                          f"user (uid {me}) nor root: that user could rewrite it; run chown "
+                          f"{me} {path}")
+    return st, me
+
+
 def check_trusted(name: str, path: Path) -> None:
     """Refuse a file that decides who is who (the client-CA bundle: a CA added to it signs
     certificates a tenants file's ``subjects:`` or ``mtls_role`` make admins; the config file)
@@ -27,13 +39,8 @@ def check_trusted(name: str, path: Path) -> None:
     as umask 002 systems give each user: named as its owner, the owner's primary group, no
     other member; OpenSSH as Debian builds it accepts the same). Reading it is open to anyone
     (it holds no secret)."""
-    st = path.stat()
+    st = _owned_here(name, path)[0]
     mode = st.st_mode & 0o777
-    me = os.geteuid()
-    if st.st_uid not in (me, 0):
-        raise ConfigError(f"{name}: {path} is owned by uid {st.st_uid}, neither this server's "
-                          f"user (uid {me}) nor root: that user could rewrite it; run chown "
-                          f"{me} {path}")
     if mode & 0o022 and not (mode & 0o002 == 0 and owners_own_group(st.st_uid, st.st_gid)):
         raise ConfigError(f"{name}: {path} can be written by "
                           f"{'other users' if mode & 0o002 else 'its group'} (mode "
@@ -65,13 +72,8 @@ def check_private(name: str, path: Path) -> None:
     key of mode 0640 at most: a group that may write it (or run it) is refused (anyone in it
     could add an admin key of their own).
     """
-    st = path.stat()
+    st, me = _owned_here(name, path)
     mode = st.st_mode & 0o777
-    me = os.geteuid()
-    if st.st_uid not in (me, 0):
-        raise ConfigError(f"{name}: {path} is owned by uid {st.st_uid}, neither this server's "
-                          f"user (uid {me}) nor root: that user could rewrite it; run chown "
-                          f"{me} {path}")
     if mode & 0o007:
         raise ConfigError(f"{name}: {path} can be read by other users (mode {oct(mode)}); "
                           f"run chmod 600 {path}")
