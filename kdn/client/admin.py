@@ -213,8 +213,8 @@ class AdminClient(Client):
             req = pb.KeysRequest(namespace=ns, keys=batch, tier=tier, tenant=scope)
             count += int(self.rpc.call(lambda req=req: rpc(  # type: ignore[misc]
                 req, timeout=time_left(self.timeout_s), metadata=md),
-                once=f"the answer was lost: the keys may have been changed ({count} counted "
-                     "before)").count)
+                once=f"it may have reached the server: the keys may have been changed ({count} "
+                     "counted before)").count)
         return count
 
     def evict(self, keys: list[bytes], namespace: str = "default", tier: str = "", *,

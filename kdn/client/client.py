@@ -477,8 +477,8 @@ class Client:
                 part = pb.DeleteRequest(namespace=req.namespace, tenant=req.tenant, keys=batch)
                 deleted += int(self.rpc.call(lambda part=part: self.rpc.stub.Delete(  # type: ignore[misc]
                     part, timeout=time_left(self.timeout_s), metadata=md),
-                    once=f"the answer was lost: the keys may have been deleted ({deleted} "
-                         "counted before); lookup tells which are left").deleted)
+                    once=f"it may have reached the server: the keys may have been deleted "
+                         f"({deleted} counted before); lookup tells which are left").deleted)
             return deleted
         finally:
             for write in writes:

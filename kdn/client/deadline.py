@@ -30,19 +30,21 @@ _CAP = threading.local()
 
 
 @contextlib.contextmanager
-def deadline_within(seconds: float) -> Iterator[None]:
+def deadline_within(seconds: float, own: bool = False) -> Iterator[None]:
     """Calls this thread makes to the server inside end within ``seconds`` from now in all
     (TimeoutError, DeadlineExceeded from the client), also where the client's ``timeout_s``
     is longer or None: on the data paths (the network data path, the same-host fast path) and
     over gRPC (``time_left``: the Attach of a client's first call, lookups, reads, stores and
-    the calls that give them back). A call already bounded sooner keeps its own."""
-    before = getattr(_CAP, "until", None)
+    the calls that give them back). A call already bounded sooner keeps its own. ``own``: the
+    bound is the client's own ``timeout_s`` (``own_cap``), not a caller's."""
+    before, before_own = getattr(_CAP, "until", None), getattr(_CAP, "own", False)
     until = time.monotonic() + seconds
-    _CAP.until = until if before is None else min(before, until)
+    if before is None or until < before:
+        _CAP.until, _CAP.own = until, own
     try:
         yield
     finally:
-        _CAP.until = before
+        _CAP.until, _CAP.own = before, before_own
 
 
 class Until:
@@ -92,6 +94,12 @@ def call_cap() -> float | None:
     """This thread's ``deadline_within`` (``time.monotonic``), None outside one."""
     until: float | None = getattr(_CAP, "until", None)
     return until
+
+
+def own_cap() -> bool:
+    """Whether this thread's ``call_cap`` is the client's own ``timeout_s`` (a call's one
+    deadline, ``RemotePath.one_deadline``), not one its caller set around it."""
+    return bool(getattr(_CAP, "own", False))
 
 
 def time_left(timeout_s: float | None) -> float | None:

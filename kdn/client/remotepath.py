@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
-from kdn.client.deadline import deadline_within, time_left
+from kdn.client.deadline import deadline_within, own_cap, time_left
 from kdn.client.fastwire import batches_of
 from kdn.client.netpath import NetPath
 from kdn.client.pending import ASYNC_DEPTH, PendingStore
@@ -75,7 +75,7 @@ class RemotePath:
         there is no path or no timeout."""
         if self.timeout_s is None or (self._tried and self._net is None):
             return contextlib.nullcontext()
-        return deadline_within(self.timeout_s)
+        return deadline_within(self.timeout_s, own=True)
 
     def _ask(self) -> NetPath | None:
         """``Attach`` with ``remote``: the path, or None where the server offers none."""
@@ -114,16 +114,17 @@ class RemotePath:
         and failed (``_again``); None where the path failed for good (gRPC then).
         DeadlineExceeded where the server did not answer in ``timeout_s``: one deadline per
         call, neither asked for again nor made again over gRPC; a path that never answered
-        at all (a port that takes connections and says nothing) is given up then, later
-        calls go by gRPC. None too where the server refused this call's new connection
+        at all (a port that takes connections and says nothing) in the client's own
+        ``timeout_s`` is given up then (not where a caller's sooner deadline ended the call),
+        later calls go by gRPC. None too where the server refused this call's new connection
         (``Crowded``: its connection limits); the path stays for later calls."""
         try:
             return call(net)
         except Crowded as exc:
             log.debug("kdn: data path connection refused (%s); this call goes by gRPC", exc)
             return None
-        except TimeoutError as exc:
-            if not net.worked:
+        except TimeoutError as exc:  # given up where it never answered in the client's own
+            if not net.worked and own_cap():  # timeout_s, not a caller's shorter deadline
                 self.lost(exc, net)
             raise _late(net) from exc
         except (OSError, NotFound) as exc:

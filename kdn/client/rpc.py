@@ -27,7 +27,7 @@ import grpc
 
 from kdn import tracing as _tracing
 from kdn.checks import shown
-from kdn.client.deadline import call_cap, deadline_within
+from kdn.client.deadline import call_cap, deadline_within, own_cap
 from kdn.errors import Closed, InvalidArgument, Unavailable, kept
 from kdn.status import from_grpc
 from kdn.transport.metadata import API_KEY_HEADER, REQUEST_ID, REQUEST_ID_HEADER
@@ -117,7 +117,8 @@ class Retry:
 
 def _which_deadline(budget: float | None, outer: float | None, start: float) -> str | None:
     """What set the deadline of a call that began at ``start``: the client's ``timeout_s``
-    (``budget``) or the sooner deadline of the call around it (``outer``, ``call_cap``)."""
+    (``budget``) or the sooner deadline a caller set around it (``outer``, ``call_cap``; not
+    the call's own one deadline, ``own_cap``, which is ``timeout_s`` too)."""
     if outer is not None and (budget is None or outer < start + budget):
         return (f"{max(0.0, outer - start):.3g} s left of the deadline of the call around "
                 f"it, set by its caller")
@@ -125,10 +126,17 @@ def _which_deadline(budget: float | None, outer: float | None, start: float) -> 
         f"timeout_s={budget:g} s; raise timeout_s where calls this large are expected")
 
 
+NEVER_SENT = ("failed to connect to all addresses", "errors resolving", "DNS resolution failed",
+              "Name resolution failure")
+"""gRPC's words for a call that found no server: no connection made, no address resolved."""
+
+
 def never_sent(err: grpc.RpcError) -> bool:
-    """The failed call never reached a server: no connection could be made (gRPC's own
-    words); a call cut after it was sent (a reset, a lost answer) may have been done."""
-    return "failed to connect to all addresses" in (err.details() or "")
+    """The failed call never reached a server: no connection could be made, or its host name
+    did not resolve (``NEVER_SENT``, gRPC's own words); a call cut after it was sent (a
+    reset, a lost answer), or one the server answered UNAVAILABLE, may have been done."""
+    details = err.details() or ""
+    return any(words in details for words in NEVER_SENT)
 
 
 def pem_problem(name: str, data: bytes) -> str | None:
@@ -335,7 +343,7 @@ class Rpc:
         if self.closed:
             raise Closed(CLOSED)
         budget = self.timeout_s if timeout_s is False else timeout_s
-        outer, start = call_cap(), time.monotonic()
+        outer, start = (None if own_cap() else call_cap()), time.monotonic()  # a caller's
         try:
             if budget is None:
                 out = self.retry.call(fn, bool(once))
