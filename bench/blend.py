@@ -62,7 +62,7 @@ from typing import Any
 
 import torch
 
-from bench.common import figure, print_table, save_figure, write_json
+from bench.common import figure, positive_int, print_table, save_figure, write_json
 from kdn.blend import BlendConfig, Piece, blend
 from kdn.blend.decode import Continuation
 from kdn.cache import KVCache
@@ -364,7 +364,7 @@ def main() -> None:
                     help="time blending at 8B shape on the device instead (bench.blend_gpu; "
                          "--gpu --help lists its options)")
     ap.add_argument("--quick", action="store_true", help="5 cases")
-    ap.add_argument("--cases", type=int, default=50)
+    ap.add_argument("--cases", type=positive_int, default=50)
     ap.add_argument("--k", type=int, default=3, help="retrieved chunks besides the gold one")
     ap.add_argument("--articles", type=int, default=6)
     ap.add_argument("--min-chunk", type=int, default=448)

@@ -87,6 +87,17 @@ def arg_parser(doc: str | None, name: str, quick_help: str | None = None
     return ap
 
 
+def positive_int(text: str) -> int:
+    """An argparse ``type=`` for a whole number >= 1 (a count of cases, say)."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
+    return n
+
+
 def number_list(kind: Callable[[str], float], least: float = 0.0, above: bool = True
                 ) -> Callable[[str], list[Any]]:
     """An argparse ``type=`` for a comma-separated list of ``kind`` (int or float) numbers, each

@@ -280,7 +280,8 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = arg_parser(__doc__, "gpu_link", "SmolLM2 shape, 1024 tokens, 1 and 10 Gbit/s")
+    ap = arg_parser(__doc__, "gpu_link" if torch.cuda.is_available() else "gpu_link_cpu",
+                    "SmolLM2 shape, 1024 tokens, 1 and 10 Gbit/s")
     ap.add_argument("--links", default=[], type=number_list(float, 0.0, above=False),
                     help="comma-separated link rates in Gbit/s, 0 = unthrottled "
                          "(default 1,10,25,100,0)")

@@ -53,7 +53,7 @@ from typing import Any
 import torch
 
 from bench.blend import HEAD, MAX_NEW, TAIL, Outcome, agreement, f1, full_prefill, prefix_only
-from bench.common import figure, print_table, save_figure, write_json
+from bench.common import figure, positive_int, print_table, save_figure, write_json
 from kdn.client import Client
 from kdn.model import hf
 from kdn.model.data import load_squad_dev
@@ -149,7 +149,7 @@ def run_case(kb: KnowledgeBase, question: str, answers: tuple[str, ...]) -> dict
     pre = prefix_only(model, ids, full.kv.slice(0, prefix), layout)
     finish("prefix-only", pre, pre.ttft_s, c0)
     c0 = time.process_time()
-    prepared = engine.prepare(question, texts)
+    prepared = engine.prepare(question, texts, salt=kb.manifest.salt)  # the keys it stored
     t = prepared.timings
     finish("kdn-blend", Outcome(t.ttft_s, prepared.kv, prepared.logits),
            t.prefill_missing_s + t.blend_s, c0)
@@ -206,7 +206,7 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="1 article of 8 paragraphs, 2 cases")
-    ap.add_argument("--cases", type=int, default=12)
+    ap.add_argument("--cases", type=positive_int, default=12)
     ap.add_argument("--articles", type=int, default=3)
     ap.add_argument("--paragraphs", type=int, default=6, help="first paragraphs per article")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads")

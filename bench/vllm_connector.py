@@ -228,6 +228,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--lookups", type=int, default=0)
     ns = ap.parse_args(argv)
     device = torch.device(ns.device)
+    if ns.tokens < 0 or ns.tokens % CHUNK:
+        ap.error(f"--tokens must be a whole number of {CHUNK}-token chunks, got {ns.tokens}")
     tokens = ns.tokens or (512 if ns.quick else 8192 if device.type == "cuda" else 2048)
     repeat = ns.repeat or (2 if ns.quick else 5)
     rows = []

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+import bench.blend
 import bench.delivery
 import bench.disk_writes
 import bench.fleet
@@ -17,6 +18,7 @@ import bench.gpu
 import bench.link
 import bench.security
 import bench.tiers
+import bench.vllm_connector
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
@@ -38,6 +40,7 @@ def _usage_error(capsys: pytest.CaptureFixture[str], main: Any, argv: list[str])
     (bench.gpu.main, ["--tokens", "0"], "'0' must be above 0"),
     (bench.gpu.main, ["--merge", "/nonexistent/run.json:label"], "/nonexistent/run.json"),
     (bench.link.main, ["--links", "abc"], "'abc' is not a number"),
+    (bench.vllm_connector.main, ["--tokens", "300"], "whole number of 256-token chunks"),
     (bench.link.main, ["--links", "-1"], "'-1' must be at least 0"),
     (bench.link.main, ["--links", "nan"], "'nan' must be at least 0"),
     (bench.link.main, ["--tokens", "x"], "'x' is not a whole number"),
@@ -162,3 +165,11 @@ def test_committed_results_hold_the_fields_the_readmes_quote() -> None:
     for r in link["rows"]:
         if r["decision"] != "recompute":
             assert "load_gb_s" in r, r
+
+
+def test_a_count_of_no_cases_is_a_usage_error(capsys: pytest.CaptureFixture[str],
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """bench.blend --cases 0 ran its setup, then died in a raw UnboundLocalError."""
+    monkeypatch.setattr("sys.argv", ["bench.blend", "--cases", "0"])
+    err = _usage_error(capsys, lambda argv: bench.blend.main(), [])
+    assert "--cases: must be at least 1, got 0" in err
