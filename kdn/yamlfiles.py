@@ -45,7 +45,8 @@ class _UniqueKeys(yaml.SafeLoader):
     def construct_object(self, node: Any, deep: bool = False) -> Any:
         """A value its tag can not make (``!!int sk-...``, ``!!float fast``, an unquoted date
         that is none, 2024-02-30) is a ConstructorError at its line and column, naming the
-        tag: PyYAML raised the ValueError of ``int()`` and the like, which quotes the value."""
+        tag, and quoting no value (PyYAML's own error would be that of ``int()`` and the like,
+        which quotes it: an API key of a tenants file)."""
         try:
             return super().construct_object(node, deep)
         except yaml.YAMLError:

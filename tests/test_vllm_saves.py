@@ -213,6 +213,16 @@ def test_chunks_computed_over_a_lossy_load_are_stored_in_lossy_encodings_only(
         w.shutdown()
 
 
+def _raw_held(server: ServerThread, side: Any, ids: list[int]) -> list[bool]:
+    """Whether each chunk of prompt ``ids`` is stored as ``raw`` (``side``: the scheduler side,
+    whose layout the keys are of)."""
+    with Client(server.address) as c:
+        infos = c.lookup([keys.variant_key(k, "raw")
+                          for k in keys.prefix_keys(ids, side.layout, "vllm", CHUNK)],
+                         namespace="vllm").infos
+    return [i.present for i in infos]
+
+
 def _stored_as_int8(server: ServerThread, ids: list[int]) -> None:
     """The chunks of prompt ``ids`` stored as int8 only, by another engine."""
     seeding, sw = both(server.address, encodings=["int8"])
@@ -262,11 +272,7 @@ def test_blocks_shared_from_a_lossy_load_are_stored_in_lossy_encodings_only(
         assert set(shared) <= set(rp.reqs["C"].block_ids)
         rp.step()
         w.worker.wait_saves(30)
-        with Client(kdn_server.address) as c:
-            got = c.lookup([keys.variant_key(k, "raw")
-                            for k in keys.prefix_keys(q, s.layout, "vllm", CHUNK)],
-                           namespace="vllm").infos
-        assert all(i.present for i in got)
+        assert all(_raw_held(kdn_server, s, q))
     finally:
         s.shutdown()
         w.shutdown()
@@ -298,11 +304,8 @@ def test_a_lossy_load_leaves_the_exact_blocks_it_shares_exact(kdn_server: Server
         assert answered(rp, rp.new_request("C", c), local_blocks=shared) == 0
         rp.step()
         w.worker.wait_saves(30)
-        chain = keys.prefix_keys(c, s.layout, "vllm", CHUNK)
-        with Client(kdn_server.address) as cl:
-            got = cl.lookup([keys.variant_key(k, "raw") for k in chain[2:5]],
-                            namespace="vllm").infos
-        assert all(i.present for i in got), [i.present for i in got]
+        held = _raw_held(kdn_server, s, c)
+        assert all(held[2:5]), held
     finally:
         s.shutdown()
         w.shutdown()
@@ -450,11 +453,7 @@ def test_a_request_preempted_and_resumed_in_one_step_saves_its_later_chunks(
         assert answered(rp, rp.reqs["a"].request, resumed=True) == CHUNK
         rp.step()
         w.worker.wait_saves(30)
-        with Client(kdn_server.address) as c:
-            got = c.lookup([keys.variant_key(k, "raw")
-                            for k in keys.prefix_keys(p, s.layout, "vllm", CHUNK)],
-                           namespace="vllm").infos
-        assert [i.present for i in got] == [True] * 5
+        assert _raw_held(kdn_server, s, p) == [True] * 5
     finally:
         s.shutdown()
         w.shutdown()

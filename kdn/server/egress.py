@@ -6,9 +6,9 @@ connection, and a tenant's ``egress_bytes_per_s`` in the tenants file, shared by
 tenant's connections. Each is a token bucket; a send takes its bytes from both (the stricter
 cap sets the pace). A bucket holds at most ``BURST_BYTES`` (or 1 ms of its rate, if less),
 so the bytes leave smoothly rather than in bursts, and a read after an idle spell comes at
-most 1 ms sooner than the rate says (an emulated link stays true for hits of a few MB: with
-50 ms, a 3 MB hit at "1 Gbit/s" came at 3 Gbit/s). A gRPC message is paced whole
-(a frame, up to ``max_message_bytes``): its wait comes before it, then it leaves at once.
+most 1 ms sooner than the rate says (an emulated link stays true for hits of a few MB). A
+gRPC message is paced whole (a frame, up to ``max_message_bytes``): its wait comes before it,
+then it leaves at once.
 
 Who paces: the gRPC reads (Retrieve, RetrieveMany, Blend and the admin's Export each message
 before it is yielded, an inline GetMany its whole answer before it returns) and the network
