@@ -68,11 +68,14 @@ error, within [``margin_min``, ``margin_max``] (an option seen fewer than twice 
 choice, while a link that really got slower does, within a few requests.
 
 Trying what is close. Before an encoding is seen on a route its estimate rests on the link
-probe and a calibration, both taken once and easily 25% off on a busy host; and one request
-of it may be a straggler. So once the choice has been seen there, every stored encoding whose
-estimate lies within ``explore`` of it and that was seen fewer than ``trials`` times on that
-route is tried, the closest first (``Decision`` says so); the route's last choice stays what
-it was, and later requests weigh both as seen.
+probe and a calibration, both taken once and easily 25% off on a busy host. So once the
+choice has been seen there, every stored encoding whose estimate lies within ``explore`` of it
+and that was seen fewer than ``trials`` times on that route is tried, the closest first
+(``Decision`` says so); the route's last choice stays what it was, and later requests weigh
+both as seen. One trial each: a trial costs up to ``explore`` of a request, and a second one
+(against a straggler in the first) cost more than it saved where two encodings lie 10-25%
+apart, as ``raw`` and ``int8`` do from 10 Gbit/s up on a CPU (``bench.link``); an estimate a
+straggler left wrong is still corrected by the re-trials.
 
 Re-trials. An estimate is corrected only by observing its option, so an option never chosen
 (recompute after a calibration that met a busy spell, an encoding after a straggler) could
@@ -172,8 +175,9 @@ class LoadingController:
     """An encoding seen fewer than ``trials`` times on a route whose estimate lies within this
     fraction of the choice's is tried, after the choice itself was seen there (module
     docstring)."""
-    trials: int = 2
-    """Hits of a close encoding on a route before the controller stops trying it."""
+    trials: int = 1
+    """Hits of a close encoding on a route before the controller stops trying it (module
+    docstring: why one)."""
     retry_every: int = 16
     """Re-trials (module docstring): at most one per this many decisions on a route, and an
     option not chosen there for this many decisions is due; 0 turns re-trials off."""
