@@ -338,6 +338,6 @@ def test_a_prediction_waits_for_a_length_class_being_added() -> None:
         reader.start()
         reader.join(0.2)
         assert reader.is_alive() and not got
-        ctl._add_prefill(512, 0.25)  # noqa: SLF001
+        ctl.prefills.add(512, 0.25)
     reader.join(5)
     assert got == [pytest.approx(0.25)]

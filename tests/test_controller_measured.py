@@ -6,6 +6,7 @@ layers, and every request's predicted and measured TTFT are kept and exported.""
 from __future__ import annotations
 
 import itertools
+import math
 import types
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,6 +25,8 @@ from kdn.delivery import (
     LoadingController,
 )
 from kdn.engine import EngineConfig, KDNEngine
+from kdn.engine.config import Timings
+from kdn.engine.measure import observe_request
 from kdn.server import ServerConfig, ServerThread
 
 
@@ -92,6 +95,55 @@ def test_a_calibrated_controller_predicts_a_prefill_it_then_measures(
     measured = engine.generate(prompt, max_new_tokens=1, force=RECOMPUTE).timings
     assert predicted == pytest.approx(0.240)
     assert measured.first_token_compute_s == pytest.approx(predicted, rel=0.2)
+
+
+def test_calibration_times_one_tokens_forward_after_its_prefill(
+        client: Client, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A hit's suffix (often one token) runs after the whole loaded context and costs at least
+    a forward's fixed part (the weights read once), which a prefill's seconds per token leave
+    out: on a CPU ~60 ms of a 0.12 s hit. The calibration times it after its prefill."""
+    clock = _Clock()
+    model = _model()
+
+    def forward(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if ids is not None:  # 50 ms a forward, then 0.1 ms a token
+            clock.now += 0.05 + 1e-4 * ids.shape[-1]
+
+    model.register_forward_pre_hook(forward, with_kwargs=True)
+    monkeypatch.setattr("kdn.engine.engine.time.perf_counter", clock)
+    engine = KDNEngine(model, _Tok(), client, EngineConfig(
+        chunk_tokens=64, store_back=False, calibration_tokens=256))
+    assert engine.calibrate() == pytest.approx(0.0756)
+    c = engine.controller
+    assert c.prefills.step_s == pytest.approx(0.0501)
+    assert c.prefill_seconds(1) == pytest.approx(0.0756 / 256)  # a prefill's share of a token
+    assert c.suffix_seconds(1) == pytest.approx(0.0501)  # what one token after a context costs
+    assert c.suffix_seconds(4096) == pytest.approx(0.0756 * 16)  # a long one: its prefill
+    assert c.suffix_seconds(0) == 0.0
+
+
+def test_a_hits_suffix_is_not_learnt_as_decode_time() -> None:
+    """What a hit cost beyond its transfer, less its suffix's forward, is its decode: the
+    forward is the same whatever the encoding, and learnt as decode it would also be added to
+    the encodings not yet seen (``overhead_s_b``)."""
+    kv, transfer, decode, step = 94_000_000, 0.04, 0.02, 0.06
+    stream = types.SimpleNamespace(in_process=False, blocks=1, timings=types.SimpleNamespace(
+        started=0.0, last_frame_received=transfer, bytes_received=kv,
+        layer_ready={0: transfer + decode}))
+    learnt = {}
+    for calibrated in (False, True):
+        c = LoadingController(prefill_tok_s=2000.0)
+        if calibrated:
+            c.calibrate_step(step)
+        for bad in (0.0, -1.0, math.inf, math.nan, 5e-324):  # ignored, as bad observations are
+            c.calibrate_step(bad)
+        t = Timings(ttft_s=transfer + decode + step, computed_tokens=1)
+        for _ in range(3):  # three hits: their median, whatever the prior
+            observe_request(c, [stream], "raw", 2048, t, NETWORK, "s:1", kv // 2048)
+        learnt[calibrated] = c.decode_speed("raw")
+    assert learnt[True] == pytest.approx(kv / decode, rel=0.05)
+    assert learnt[False] < kv / (decode + step) * 1.05  # the forward taken for decode time
 
 
 def test_the_first_request_calibrates_unless_turned_off(client: Client) -> None:

@@ -28,6 +28,11 @@ turns of 8 tokens do not set the speed of a 288-token recompute. The engine cali
 class with the best of three timed prefills of a typical request length
 (``calibrate_prefill``) before its first decision; a real prefill faster than that
 calibration (one that met a busy spell) replaces it at once, being the faster of two.
+The tokens a hit leaves to compute (often one) run after the whole loaded context: their
+forward costs at least one token's after the calibration prefill (``calibrate_step``: the
+weights read once, attention over the context), which a prefill's seconds per token leave
+out (``suffix_seconds``; on a CPU ~60 ms of a 0.12 s hit of 2048 tokens). Hits are learnt
+without it, so it does not pass for decode time that other encodings would then carry.
 
 Speeds start from priors (or the calibration) and follow observations as exponentially
 weighted means, so the controller adapts when a link or the machine changes. Each request's
@@ -113,14 +118,14 @@ from kdn.delivery.defaults import (
 )
 from kdn.delivery.measures import (
     RECENT,
+    Prefills,
     Spread,
-    length_class,
+    check_settings,
     measured,
     rate_of,
     relative,
     speed,
 )
-from kdn.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -206,8 +211,9 @@ class LoadingController:
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _recent: dict[str, list[float]] = field(default_factory=dict, repr=False)
     """The last ``RECENT`` samples per key, for ``_filtered``."""
-    _prefill: dict[int, list[float]] = field(default_factory=dict, repr=False)
-    """Per prefill length class (``length_class``): its last ``RECENT`` seconds per token."""
+    prefills: Prefills = field(default_factory=Prefills, repr=False)
+    """The prefills seen, per length class, and one token's forward after a prefill
+    (``kdn.delivery.measures.Prefills``)."""
     decisions: Counter[str] = field(default_factory=Counter)
     """Decisions made per route (not overridden, something stored): the re-trials' clock."""
     _tried: dict[tuple[str, str], int] = field(default_factory=dict, repr=False)
@@ -222,33 +228,9 @@ class LoadingController:
 
     def __post_init__(self) -> None:
         self.priors_b_s = path_priors(self.priors_b_s)
-        speeds = {"prefill_tok_s": self.prefill_tok_s, **{
-            f"{name}[{k!r}]": v for name in ("priors_b_s", "bandwidths_b_s", "decode_b_s",
-                                             "codec_b_s") for k, v in getattr(self, name).items()}}
-        if self.bandwidth_b_s is not None:
-            speeds["bandwidth_b_s"] = self.bandwidth_b_s
-        for name, value in speeds.items():
-            if not speed(value):
-                raise ConfigError(f"{name} must be a finite speed above 0, got {value}")
-        for dev, value in self.overhead_s_b.items():
-            if not (math.isfinite(value) and value >= 0):
-                raise ConfigError(f"overhead_s_b[{dev!r}] must be finite and >= 0, got {value}")
+        check_settings(self)
         if self.bandwidth_b_s is not None:
             self.priors_b_s[SAME_HOST] = self.priors_b_s[NETWORK] = self.bandwidth_b_s
-        if not 0.0 <= self.alpha <= 1.0:
-            raise ConfigError(f"alpha must lie in [0, 1], got {self.alpha}")
-        if not 0.0 <= self.margin_min <= self.margin_max < 1.0:
-            raise ConfigError("margins must satisfy 0 <= margin_min <= margin_max < 1, got "
-                              f"{self.margin_min} and {self.margin_max}")
-        if not (math.isfinite(self.explore) and self.explore >= 0):
-            raise ConfigError(f"explore must be finite and >= 0, got {self.explore}")
-        if self.trials < 0:
-            raise ConfigError(f"trials must be >= 0, got {self.trials}")
-        if self.retry_every < 0 or self.retry_max < self.retry_every:
-            raise ConfigError("re-trials need 0 <= retry_every <= retry_max, got "
-                              f"{self.retry_every} and {self.retry_max}")
-        if not (math.isfinite(self.retry_cost) and self.retry_cost >= 1.0):
-            raise ConfigError(f"retry_cost must be finite and >= 1, got {self.retry_cost}")
 
     def _ewma(self, old: float, new: float) -> float:
         return (1 - self.alpha) * old + self.alpha * new
@@ -319,8 +301,8 @@ class LoadingController:
         (module docstring); the recomputes' spread follows its ratio to the prediction."""
         if rate_of(tokens, seconds) is not None:
             with self._lock:
-                predicted = self._prefill_seconds(tokens)
-                self._add_prefill(tokens, seconds)
+                predicted = self.prefills.seconds(tokens, self.prefill_tok_s)
+                self.prefills.add(tokens, seconds)
                 self.spread.setdefault(RECOMPUTE, Spread()).add(seconds / predicted, self.alpha)
 
     def calibrate_prefill(self, tokens: int, seconds: float) -> None:
@@ -331,12 +313,14 @@ class LoadingController:
             with self._lock:
                 self.prefill_tok_s = tok_s
                 self.calibrated_tokens = tokens
-                self._add_prefill(tokens, seconds)
+                self.prefills.add(tokens, seconds)
 
-    def _add_prefill(self, tokens: int, seconds: float) -> None:
-        got = self._prefill.setdefault(length_class(tokens), [])
-        got.append(seconds / tokens)
-        del got[:-RECENT]
+    def calibrate_step(self, seconds: float) -> None:
+        """A timed forward of one token after a calibration prefill: the least a hit's
+        suffix costs (``suffix_seconds``)."""
+        if measured(seconds) and math.isfinite(1 / seconds):
+            with self._lock:
+                self.prefills.step_s = seconds
 
     def calibrate_link(self, bytes_per_s: float, path: str = NETWORK, server: str = "") -> None:
         """A measured bandwidth of ``path`` from ``server`` (``kdn.client.probe``): it replaces
@@ -371,19 +355,13 @@ class LoadingController:
         nearest length class with samples (the longer of two as near), else at the prior
         ``prefill_tok_s`` (module docstring)."""
         with self._lock:  # another thread may be adding a length class
-            return self._prefill_seconds(tokens)
+            return self.prefills.seconds(tokens, self.prefill_tok_s)
 
-    def _prefill_seconds(self, tokens: int) -> float:
-        """``prefill_seconds``, with the lock held."""
-        if tokens <= 0:
-            return 0.0
-        if not self._prefill:
-            return tokens / self.prefill_tok_s
-        want = length_class(tokens)
-        near = min(self._prefill, key=lambda c: (abs(c - want), -c))
-        got = self._prefill[near]
-        per_token = min(got) if len(got) < RECENT else statistics.median(got)
-        return tokens * per_token
+    def suffix_seconds(self, tokens: int) -> float:
+        """Predicted seconds to compute the ``tokens`` tokens a hit leaves, after its KV: at
+        least one token's forward after a prefill (``calibrate_step``; module docstring)."""
+        with self._lock:
+            return self.prefills.suffix(tokens, self.prefill_tok_s)
 
     def observe_ttft(self, predicted_s: float, measured_s: float) -> None:
         """One request's predicted and measured time to first token."""

@@ -199,13 +199,15 @@ class KDNEngine(KVConnector):
 
     @torch.no_grad()
     def calibrate(self) -> float:
-        """Time a prefill of ``config.calibration_tokens`` tokens and give its speed to the
-        controller (``kdn.engine.measure.time_prefill``: a short warm-up forward, then the
-        best of three, the device synchronised); returns its seconds. Then time the decode of
+        """Time a prefill of ``config.calibration_tokens`` tokens, and one token's forward after
+        it, for the controller (``kdn.engine.measure.time_prefill``: a short warm-up forward,
+        then the best of three, the device synchronised); returns the prefill's seconds. Then
+        time the decode of
         each stored encoding the controller has no speed for on this device
         (``time_decodes``) and, when hits come across a network, measure that link."""
-        n, best = time_prefill(self.model, self.config.calibration_tokens, self._device)
+        n, best, step = time_prefill(self.model, self.config.calibration_tokens, self._device)
         self.controller.calibrate_prefill(n, best)
+        self.controller.calibrate_step(step)
         self._calibrated = True
         log.info("calibration: %d tokens prefilled in %.4f s (%.0f tokens/s)", n, best,
                  n / best if best > 0 else math.inf)  # a clock that did not advance
@@ -378,7 +380,7 @@ class KDNEngine(KVConnector):
         blocks = (asked[decision.choice][:hits] if decision.choice in asked else  # looked up:
                   [keys.variant_key(k, decision.choice) for k in chain[:hits]])  # not hashed again
         self._load_s = self._load_deadline(decision.estimates_s[decision.choice]
-                                           + self.controller.prefill_seconds(
+                                           + self.controller.suffix_seconds(
                                                len(token_ids) - tokens))
         self._load_until = time.perf_counter() + self._load_s
         try:  # every block must be one of this engine's: its layout, chunk_tokens tokens
@@ -415,7 +417,7 @@ class KDNEngine(KVConnector):
         self._streams_checked = False
         t.decision = decision.choice
         t.predicted_ttft_s = (t.lookup_s + decision.estimates_s[decision.choice]
-                              + self.controller.prefill_seconds(len(token_ids) - tokens))
+                              + self.controller.suffix_seconds(len(token_ids) - tokens))
         self._loaded_blocks = hits
         return tokens
 

@@ -3,7 +3,8 @@
 Before its first decision (``KDNEngine.calibrate``):
 
 * ``time_prefill``: the seconds of a prefill of ``EngineConfig.calibration_tokens`` tokens on
-  this machine (the model's own prefill speed instead of a prior);
+  this machine (the model's own prefill speed instead of a prior), and of one token's forward
+  after it (the least a hit's suffix costs);
 * ``time_decodes``: the decode of one random block in each stored encoding the controller has
   no speed for on the model's device.
 
@@ -42,9 +43,11 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_prefill(model: Any, tokens: int, device: torch.device) -> tuple[int, float]:
-    """(tokens, seconds) of a prefill of ``tokens`` tokens (fewer where the model's positions
-    end sooner) after a short warm-up forward: the best of three, ``device`` synchronised."""
+def time_prefill(model: Any, tokens: int, device: torch.device) -> tuple[int, float, float]:
+    """(tokens, seconds, step seconds) of a prefill of ``tokens`` tokens (fewer where the
+    model's positions end sooner) after a short warm-up forward, and of one token's forward
+    after it (what a hit's suffix costs at least: ``LoadingController.calibrate_step``): each
+    the best of three, ``device`` synchronised."""
     mcfg = getattr(model, "config", None)
     n = tokens
     limit = getattr(mcfg, "max_position_embeddings", None)
@@ -54,14 +57,19 @@ def time_prefill(model: Any, tokens: int, device: torch.device) -> tuple[int, fl
     vocab = vocab if isinstance(vocab, int) and vocab > 0 else 256
     ids = [(7 * i + 3) % vocab for i in range(n)]
     int(CacheDecoder(model, full_cache(model)).forward(ids[:16])[-1].argmax())
-    best = math.inf  # (after that warm-up)
+    best = step = math.inf  # (after that warm-up)
     for _ in range(3):  # a busy spell rarely spans all three
         sync(device)
         t0 = time.perf_counter()  # as generate's first token:
-        int(CacheDecoder(model, full_cache(model)).forward(ids)[-1].argmax())
+        decoder = CacheDecoder(model, full_cache(model))
+        int(decoder.forward(ids)[-1].argmax())
         sync(device)
         best = min(best, time.perf_counter() - t0)
-    return n, best
+        t0 = time.perf_counter()  # a hit's suffix of one token, after the context (n + 1
+        int(decoder.forward(ids[:1])[-1].argmax())  # positions: within the model's)
+        sync(device)
+        step = min(step, time.perf_counter() - t0)
+    return n, best, step
 
 
 def time_decodes(controller: LoadingController, encodings: tuple[tuple[str, str], ...],
@@ -123,7 +131,7 @@ def observe_request(controller: LoadingController, streams: list[LayerStream], c
         # decodes the streams queued finish only by the first token, after the streams
         # said ready; the suffix computed is taken out at the learnt prefill speed
         spent = (t.ttft_s - t.lookup_s - t.transfer_s
-                 - controller.prefill_seconds(t.computed_tokens))
+                 - controller.suffix_seconds(t.computed_tokens))
         controller.observe_hit(choice, kv_bytes, t.transfer_s,
                                t.transfer_s + max(t.decode_s, spent, 1e-4),
                                local=not remote, path=path, server=server)
