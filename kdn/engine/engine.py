@@ -200,11 +200,9 @@ class KDNEngine(KVConnector):
     @torch.no_grad()
     def calibrate(self) -> float:
         """Time a prefill of ``config.calibration_tokens`` tokens, and one token's forward after
-        it, for the controller (``kdn.engine.measure.time_prefill``: a short warm-up forward,
-        then the best of three, the device synchronised); returns the prefill's seconds. Then
-        time the decode of
-        each stored encoding the controller has no speed for on this device
-        (``time_decodes``) and, when hits come across a network, measure that link."""
+        it, for the controller (``kdn.engine.measure.time_prefill``); returns the prefill's
+        seconds. Then time the decode of each stored encoding the controller has no speed for
+        on this device (``time_decodes``) and, across a network, measure the link."""
         n, best, step = time_prefill(self.model, self.config.calibration_tokens, self._device)
         self.controller.calibrate_prefill(n, best)
         self.controller.calibrate_step(step)
