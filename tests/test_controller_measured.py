@@ -26,7 +26,7 @@ from kdn.delivery import (
 )
 from kdn.engine import EngineConfig, KDNEngine
 from kdn.engine.config import Timings
-from kdn.engine.measure import observe_request
+from kdn.engine.measure import GROW_X, observe_request, time_prefill
 from kdn.server import ServerConfig, ServerThread
 
 
@@ -121,6 +121,34 @@ def test_calibration_times_one_tokens_forward_after_its_prefill(
     assert c.suffix_seconds(1) == pytest.approx(0.0501)  # what one token after a context costs
     assert c.suffix_seconds(4096) == pytest.approx(0.0756 * 16)  # a long one: its prefill
     assert c.suffix_seconds(0) == 0.0
+
+
+def test_a_gpus_calibration_doubles_its_prefill_while_it_stays_short(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A GPU's speed per token grows with the length (its cores fill up): its calibration
+    also times 2x, 4x... the length while a prefill takes under ``grow_s``, up to ``GROW_X``
+    times it and the model's context, so that a long prompt is predicted from a long class."""
+    clock = _Clock()
+    model = _model(hidden=64, layers=2)  # its context: 1024 positions
+
+    def forward(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if ids is not None:  # 1 ms a forward, then 0.1 ms a token
+            clock.now += 1e-3 + 1e-4 * ids.shape[-1]
+
+    model.register_forward_pre_hook(forward, with_kwargs=True)
+    monkeypatch.setattr("kdn.engine.measure.time.perf_counter", clock)
+    got, step = time_prefill(model, 64, torch.device("cpu"), grow_s=0.05)
+    assert [n for n, _ in got] == [64, 128, 256, 512]  # 512 took 52.2 ms: the last
+    assert [s for _, s in got] == pytest.approx([1e-3 + 1e-4 * n for n in (64, 128, 256, 512)])
+    assert step == pytest.approx(1.1e-3)
+    assert [n for n, _ in time_prefill(model, 64, torch.device("cpu"))[0]] == [64]  # a CPU's
+    assert [n for n, _ in time_prefill(model, 64, torch.device("cpu"), grow_s=9.0)[0]][-1] \
+        == min(64 * GROW_X, model.config.max_position_embeddings - 1)
+    c = LoadingController()
+    for n, seconds in got:
+        c.calibrate_prefill(n, seconds)
+    assert c.prefill_seconds(1000) == pytest.approx(1000 * (1e-3 + 1e-4 * 512) / 512)
 
 
 def test_a_hits_suffix_is_not_learnt_as_decode_time() -> None:

@@ -97,7 +97,7 @@ from kdn.engine.config import (
     prompt_ids,
 )
 from kdn.engine.connector import KVConnector
-from kdn.engine.measure import observe_request, time_decodes, time_prefill
+from kdn.engine.measure import GROW_S, observe_request, time_decodes, time_prefill
 from kdn.engine.store_back import StoreBack
 from kdn.errors import (
     DeadlineExceeded,
@@ -199,16 +199,17 @@ class KDNEngine(KVConnector):
 
     @torch.no_grad()
     def calibrate(self) -> float:
-        """Time a prefill of ``config.calibration_tokens`` tokens, and one token's forward after
-        it, for the controller (``kdn.engine.measure.time_prefill``); returns the prefill's
+        """Time prefills of ``config.calibration_tokens`` tokens (a GPU: longer ones too) and
+        one token after, for the controller (``measure.time_prefill``); returns the first's
         seconds. Then time the decode of each stored encoding the controller has no speed for
-        on this device (``time_decodes``) and, across a network, measure the link."""
-        n, best, step = time_prefill(self.model, self.config.calibration_tokens, self._device)
-        self.controller.calibrate_prefill(n, best)
+        here (``time_decodes``) and, across a network, measure the link."""
+        got, step = time_prefill(self.model, self.config.calibration_tokens, self._device,
+                                 GROW_S if self._device.type == "cuda" else 0.0)
+        for n, seconds in got:  # the shortest first: prefill_tok_s ends at the longest's
+            self.controller.calibrate_prefill(n, seconds)
+            log.info("calibration: %d tokens prefilled in %.4f s", n, seconds)
         self.controller.calibrate_step(step)
         self._calibrated = True
-        log.info("calibration: %d tokens prefilled in %.4f s (%.0f tokens/s)", n, best,
-                 n / best if best > 0 else math.inf)  # a clock that did not advance
         time_decodes(self.controller, self.encodings, self.layout, self.config.chunk_tokens,
                      self._device)
         if self.config.probe_link and self._answers():
@@ -218,7 +219,7 @@ class KDNEngine(KVConnector):
                                    budget_s=PROBE_BUDGET_X * self.config.lookup_timeout_s)
                 if probe is not None:
                     self.controller.calibrate_link(probe.bytes_per_s, path, server)
-        return best
+        return got[0][1]
 
     def _ensure_calibrated(self) -> None:
         if not self._calibrated:

@@ -3,8 +3,9 @@
 Before its first decision (``KDNEngine.calibrate``):
 
 * ``time_prefill``: the seconds of a prefill of ``EngineConfig.calibration_tokens`` tokens on
-  this machine (the model's own prefill speed instead of a prior), and of one token's forward
-  after it (the least a hit's suffix costs);
+  this machine (the model's own prefill speed instead of a prior; on a GPU, of longer ones
+  too while they stay short: ``GROW_S``), and of one token's forward after the longest (the
+  least a hit's suffix costs);
 * ``time_decodes``: the decode of one random block in each stored encoding the controller has
   no speed for on the model's device.
 
@@ -43,33 +44,50 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_prefill(model: Any, tokens: int, device: torch.device) -> tuple[int, float, float]:
-    """(tokens, seconds, step seconds) of a prefill of ``tokens`` tokens (fewer where the
-    model's positions end sooner) after a short warm-up forward, and of one token's forward
-    after it (what a hit's suffix costs at least: ``LoadingController.calibrate_step``): each
-    the best of three, ``device`` synchronised."""
+GROW_S = 0.1
+"""On a GPU the calibration also times prefills of twice, four times... its length while the
+last took under this many seconds (up to ``GROW_X`` times its length, and the model's
+context): a GPU's speed per token at 256 tokens is a fraction of its speed at thousands (its
+cores not yet busy), so a prompt of 8k predicted from 256 tokens would look ~1.5x slower to
+recompute than it is, and a load slower than the prefill could be chosen. On a CPU the speed
+per token changes less with the length and a prefill costs seconds: one length."""
+GROW_X = 32
+
+
+def time_prefill(model: Any, tokens: int, device: torch.device, grow_s: float = 0.0
+                 ) -> tuple[list[tuple[int, float]], float]:
+    """([(tokens, seconds)], step seconds): prefills of ``tokens`` tokens (fewer where the
+    model's positions end sooner), doubled while the last took under ``grow_s`` seconds (at
+    most ``GROW_X`` times ``tokens``; ``GROW_S``), each the best of three after a short
+    warm-up forward, ``device`` synchronised; and one token's forward after the longest (what
+    a hit's suffix costs at least: ``LoadingController.calibrate_step``), the best of three."""
     mcfg = getattr(model, "config", None)
-    n = tokens
     limit = getattr(mcfg, "max_position_embeddings", None)
-    if isinstance(limit, int) and limit > 1:
-        n = min(n, limit - 1)
+    most = limit - 1 if isinstance(limit, int) and limit > 1 else math.inf
     vocab = getattr(mcfg, "vocab_size", None)
     vocab = vocab if isinstance(vocab, int) and vocab > 0 else 256
-    ids = [(7 * i + 3) % vocab for i in range(n)]
-    int(CacheDecoder(model, full_cache(model)).forward(ids[:16])[-1].argmax())
-    best = step = math.inf  # (after that warm-up)
-    for _ in range(3):  # a busy spell rarely spans all three
-        sync(device)
-        t0 = time.perf_counter()  # as generate's first token:
-        decoder = CacheDecoder(model, full_cache(model))
-        int(decoder.forward(ids)[-1].argmax())
-        sync(device)
-        best = min(best, time.perf_counter() - t0)
-        t0 = time.perf_counter()  # a hit's suffix of one token, after the context (n + 1
-        int(decoder.forward(ids[:1])[-1].argmax())  # positions: within the model's)
-        sync(device)
-        step = min(step, time.perf_counter() - t0)
-    return n, best, step
+    n = int(min(tokens, most))
+    int(CacheDecoder(model, full_cache(model)).forward([3] * min(n, 16))[-1].argmax())
+    got: list[tuple[int, float]] = []
+    while True:
+        ids = [(7 * i + 3) % vocab for i in range(n)]
+        best = step = math.inf  # (after that warm-up)
+        for _ in range(3):  # a busy spell rarely spans all three
+            sync(device)
+            t0 = time.perf_counter()  # as generate's first token:
+            decoder = CacheDecoder(model, full_cache(model))
+            int(decoder.forward(ids)[-1].argmax())
+            sync(device)
+            best = min(best, time.perf_counter() - t0)
+            t0 = time.perf_counter()  # a hit's suffix of one token, after the context (n + 1
+            int(decoder.forward(ids[:1])[-1].argmax())  # positions: within the model's)
+            sync(device)
+            step = min(step, time.perf_counter() - t0)
+        got.append((n, best))
+        longer = int(min(2 * n, most, GROW_X * tokens))
+        if not (best < grow_s and longer > n):
+            return got, step
+        n = longer
 
 
 def time_decodes(controller: LoadingController, encodings: tuple[tuple[str, str], ...],
