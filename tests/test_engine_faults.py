@@ -6,6 +6,7 @@ with another shape is refused before any of it is decoded."""
 from __future__ import annotations
 
 import socket
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -213,3 +214,45 @@ def test_a_block_failing_through_the_connector_protocol_is_stored_again(
     for i in range(engine.layout.num_layers):
         engine.wait_for_layer(i)  # every block loads: the bad one was stored again
     engine.finish()
+
+
+def test_a_stalled_load_leaves_another_engine_on_the_same_model_alone(
+        engine: KDNEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two engines share one model, in two threads: A's load stalls after layer 0 (its layer
+    hooks stay on the shared decoder layers for all of its forward) while B serves another
+    prompt. B's forward neither waits for A's layers nor fails with A's failure."""
+    other = [7] * 120
+    with Client(engine.client.address) as c:
+        b = KDNEngine(engine.model, _Tok(), c, EngineConfig(
+            chunk_tokens=32, encodings=(("raw", ""),), calibrate=False))
+        want = b.generate(other, max_new_tokens=2, force="recompute").token_ids
+        inside, released = threading.Event(), threading.Event()
+        wait = LayerStream.wait_for_layer
+
+        def stalled(self: LayerStream, i: int, *args: object, **kwargs: object) -> object:
+            if i >= 1:  # A's forward is past layer 0: its hooks are on the layers
+                inside.set()
+                released.wait(5)
+                raise TimeoutError(f"layer {i} not ready")
+            return wait(self, i, *args, **kwargs)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(LayerStream, "wait_for_layer", stalled)
+        out: dict[str, object] = {}
+        a = threading.Thread(target=lambda: out.setdefault(
+            "a", engine.generate(IDS, max_new_tokens=6, force="raw")), daemon=True)
+        a.start()
+        assert inside.wait(10)
+        try:
+            t0 = time.monotonic()
+            got = b.generate(other, max_new_tokens=2, force="recompute")
+            assert time.monotonic() - t0 < 2.5  # not A's load's wait
+        finally:
+            released.set()
+            a.join(30)
+        monkeypatch.undo()
+    assert got.token_ids == want and not got.timings.load_error
+    t = out["a"].timings  # type: ignore[attr-defined]
+    assert t.decision == "recompute" and t.reused_tokens == 0
+    assert t.load_error.startswith("DeadlineExceeded: layer 1 of the 3 blocks loaded"), \
+        t.load_error
+    assert out["a"].token_ids == _full(engine)  # type: ignore[attr-defined]

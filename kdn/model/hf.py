@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import threading
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -478,6 +479,9 @@ class LayerwiseCache:
     ``fill(i)`` returns layer i's (K, V) as ``[kv_heads, tokens, channels]`` in any dtype and on
     any device; they are converted to the model's. Layer 0 is filled on entry (transformers
     sizes the mask and positions from it); the others by forward pre-hooks, removed on exit.
+    The hooks sit on the model's own layers, so they act only in the thread that entered: a
+    forward of the same model in another thread (another engine's) neither waits for this
+    cache's layers nor sees its failures.
     """
 
     def __init__(self, model: Any, fill: Callable[[int], LayerKV]) -> None:
@@ -487,6 +491,7 @@ class LayerwiseCache:
         self.cache, self._layers = _new_cache(len(self.blocks))
         self._filled = [False] * len(self.blocks)
         self._hooks: list[Any] = []
+        self._owner = 0  # the thread that entered: its forward is the one this cache serves
 
     def _fill(self, i: int) -> None:
         if not self._filled[i]:
@@ -496,9 +501,14 @@ class LayerwiseCache:
                        v.to(self.device, self.dtype).unsqueeze(0))
             self._filled[i] = True
 
+    def _hook(self, i: int) -> None:
+        if threading.get_ident() == self._owner:
+            self._fill(i)
+
     def __enter__(self) -> Any:
+        self._owner = threading.get_ident()
         self._fill(0)
-        self._hooks = [block.register_forward_pre_hook(lambda m, a, i=i: self._fill(i))
+        self._hooks = [block.register_forward_pre_hook(lambda m, a, i=i: self._hook(i))
                        for i, block in enumerate(self.blocks)]
         return self.cache
 
