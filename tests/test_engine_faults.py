@@ -52,15 +52,24 @@ def _healed(engine: KDNEngine, got: object) -> None:
     assert again.token_ids == _full(engine)
 
 
+def _counted_as_recompute(engine: KDNEngine, before: dict[str, int]) -> None:
+    """The request whose raw load failed counts as a recompute, as its timings say, not as
+    a raw hit (the controller counted its choice when it made it)."""
+    assert engine.controller.counts["raw"] == before.get("raw", 0)
+    assert engine.controller.counts["recompute"] == before.get("recompute", 0) + 1
+
+
 def test_a_block_of_another_shape_is_refused_and_stored_again(
         engine: KDNEngine, monkeypatch: pytest.MonkeyPatch) -> None:
     key = keys.variant_key(engine._chain(IDS)[1], "raw")  # noqa: SLF001
     wide = [(torch.randn(2, 5000, 16), torch.randn(2, 5000, 16)) for _ in range(3)]
     engine.client.store(key, KVCache(engine.layout, wide), mode="raw")  # a neighbour's write
     made = count_decoders(monkeypatch)
+    counts = dict(engine.controller.counts)
     got = engine.generate(IDS, max_new_tokens=6, force="raw")
     assert 5000 not in made  # refused before a decoder was made for it
     assert got.timings.decision == "recompute" and got.timings.reused_tokens == 0
+    _counted_as_recompute(engine, counts)
     assert "holds 5000 tokens, caller expects 32" in got.timings.load_error
     assert got.token_ids == _full(engine)
     _healed(engine, got)
@@ -76,10 +85,11 @@ def test_a_load_failing_midway_is_computed_whole(
         return wait(self, i, *args, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(LayerStream, "wait_for_layer", damaged)
-    predictions = engine.controller.ttft_error
+    predictions, counts = engine.controller.ttft_error, dict(engine.controller.counts)
     got = engine.generate(IDS, max_new_tokens=6, force="raw")
     monkeypatch.undo()
     assert got.timings.decision == "recompute" and got.timings.reused_tokens == 0
+    _counted_as_recompute(engine, counts)
     assert got.timings.load_error == "Corrupt: frame 1 checksum mismatch"
     assert got.timings.computed_tokens == len(IDS)
     assert engine.controller.ttft_error == predictions  # a failed load teaches nothing

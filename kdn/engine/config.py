@@ -1,8 +1,8 @@
 """What a ``KDNEngine`` is told and what it tells back: ``EngineConfig`` (checked when made,
 each field documented), a request's prompt as token ids (``prompt_ids``, checked), the
-checks of what a request asks (``check_fits``, ``check_force``, ``check_layer``), the
-``Timings`` of one request and its ``Generation``, and the default block size
-(``default_chunk_tokens``)."""
+checks of what a request asks (``check_fits``, ``check_force``, ``check_layer``) and of the
+blocks a load brings (``check_streams``), the ``Timings`` of one request and its
+``Generation``, and the default block size (``default_chunk_tokens``)."""
 
 from __future__ import annotations
 
@@ -14,9 +14,10 @@ from typing import Any
 
 import torch
 
+from kdn.client import LayerStream
 from kdn.codec.catalog import check_codec
 from kdn.delivery import RECOMPUTE
-from kdn.errors import ConfigError, InvalidArgument, InvalidRequest
+from kdn.errors import ConfigError, InvalidArgument, InvalidRequest, LayoutMismatch
 from kdn.keys import MAX_PREFIX_CHUNK
 from kdn.layout import DType, KVLayout
 from kdn.names import check_namespace
@@ -320,3 +321,22 @@ def check_saved_layer(i: object, k: object, v: object, layout: KVLayout, what: s
             raise InvalidRequest(f"{what}: layer {i}'s {name} has shape {tuple(t.shape)}, "
                                  f"expected [kv_heads, tokens, channels] = [{lay.kv_heads}, "
                                  f"tokens, {ch}]")
+
+
+def check_streams(streams: Sequence[LayerStream], layout: KVLayout, chunk_tokens: int) -> None:
+    """LayoutMismatch unless ``streams`` hold the blocks asked for, in order: of ``layout``,
+    ``chunk_tokens`` tokens a block, each starting where its block does. The client checks the
+    layout and tokens of what a server answers; where the positions differ, the server
+    answered another block than the key's (a fault, or a server not to be trusted), and its KV
+    must not reach the model."""
+    c, at = chunk_tokens, 0
+    for s in streams:
+        tokens, start = s.num_tokens, s.start_position
+        if s.layout.fingerprint != layout.fingerprint or tokens != s.blocks * c:
+            raise LayoutMismatch(f"a loaded block holds {tokens} tokens of layout "
+                                 f"{s.layout.fingerprint}; the engine's blocks hold "
+                                 f"{c} of {layout.fingerprint}")
+        if start != at:
+            raise LayoutMismatch(f"the block loaded for tokens {at}..{at + tokens} holds "
+                                 f"the KV of tokens {start}..{start + tokens}")
+        at += tokens

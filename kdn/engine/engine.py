@@ -24,7 +24,8 @@ Lifecycle of ``KDNEngine.generate(prompt)``:
 
 A load that fails (a block refused, damaged, cut off; the server unreachable) never fails the
 request: the prompt is computed whole (``Timings.load_error`` says why) and its blocks in the
-encoding that failed are stored again, so a damaged block is mended for the next request. A
+encoding that failed are stored again, so a damaged block is mended for the next request; the
+request counts as the recompute it became (``Timings.decision``, the controller's ``counts``). A
 server that can not be reached or does not answer the lookup within
 ``EngineConfig.lookup_timeout_s`` (2 s, not the client's whole call deadline) costs a request
 that much: its prompt is computed whole and nothing is stored back. A load has a deadline of
@@ -93,6 +94,7 @@ from kdn.engine.config import (
     check_force,
     check_layer,
     check_saved_layer,
+    check_streams,
     default_chunk_tokens,
     prompt_ids,
 )
@@ -102,7 +104,6 @@ from kdn.engine.store_back import StoreBack
 from kdn.errors import (
     DeadlineExceeded,
     InvalidRequest,
-    LayoutMismatch,
     TooLarge,
     again,
     kept,
@@ -271,7 +272,7 @@ class KDNEngine(KVConnector):
         self._ids = ids
         self._timings = Timings()
         self._streams: list[LayerStream] = []
-        self._streams_checked = False  # their layouts, tokens and positions (``_check_streams``)
+        self._streams_checked = False  # their layouts, tokens and positions (``check_streams``)
         self._loaded_blocks = 0
         self._load_failed: BaseException | None = None
         self._load_until = math.inf  # perf_counter by which every layer must be in
@@ -339,7 +340,15 @@ class KDNEngine(KVConnector):
         self._rewrite = "" if late or isinstance(exc, TooLarge) else encoding
         self._loaded_blocks = 0
         self._timings.load_error = f"{type(exc).__name__}: {exc}"
+        self._recomputed(encoding)
         self.controller.observe_failure(encoding, self._path, self._server)
+
+    def _recomputed(self, choice: str) -> None:
+        """The load the controller chose (``choice``) ends in the prompt computed whole: the
+        request is counted, and timed, as the recompute it became."""
+        self.controller.counts[choice] -= 1
+        self.controller.counts[RECOMPUTE] += 1
+        self._timings.decision = RECOMPUTE
 
     def start_load(self, token_ids: Sequence[int], *, force: str | None = None) -> int:
         """Begin loading the reusable prefix of a new request (what is left of the last one
@@ -408,8 +417,7 @@ class KDNEngine(KVConnector):
                 self._load_until = math.inf
                 t.load_error = (f"NotFound: block 0 of {hits} went missing between the "
                                 "lookup and the load")
-                self.controller.counts[decision.choice] -= 1
-                self.controller.counts[RECOMPUTE] += 1
+                self._recomputed(decision.choice)
                 return 0
             streams, hits, tokens = streams[:lead], lead, lead * c
         self._streams = [s for s in streams if s is not None]
@@ -440,7 +448,8 @@ class KDNEngine(KVConnector):
                                       if bounded else timeout, stream=on)
                      for s in self._streams]
             if not self._streams_checked:  # (each stream's header is in once a layer is)
-                self._check_streams()
+                check_streams(self._streams, self.layout, self.config.chunk_tokens)
+                self._streams_checked = True
             # k: [kv_heads, tokens, k_channels], blocks joined along tokens
             out = parts[0] if len(parts) == 1 else (torch.cat([p[0] for p in parts], dim=1),
                                                     torch.cat([p[1] for p in parts], dim=1))
@@ -458,25 +467,6 @@ class KDNEngine(KVConnector):
             self._load_failure(exc, self._timings.decision)
             raise again(exc) from None
         return out
-
-    def _check_streams(self) -> None:
-        """LayoutMismatch unless the streams loading hold the blocks asked for, in order: of
-        this engine's layout, ``chunk_tokens`` tokens a block, each starting where its block
-        does. The client checks the layout and tokens of what a server answers; where the
-        positions differ, the server answered another block than the key's (a fault, or a
-        server not to be trusted), and its KV must not reach the model."""
-        c, at = self.config.chunk_tokens, 0
-        for s in self._streams:
-            tokens, start = s.num_tokens, s.start_position
-            if s.layout.fingerprint != self.layout.fingerprint or tokens != s.blocks * c:
-                raise LayoutMismatch(f"a loaded block holds {tokens} tokens of layout "
-                                     f"{s.layout.fingerprint}; the engine's blocks hold "
-                                     f"{c} of {self.layout.fingerprint}")
-            if start != at:
-                raise LayoutMismatch(f"the block loaded for tokens {at}..{at + tokens} holds "
-                                     f"the KV of tokens {start}..{start + tokens}")
-            at += tokens
-        self._streams_checked = True
 
     def save_layer(self, i: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Layer i of the prompt's KV, [kv_heads, tokens, channels] (InvalidRequest if not, or
