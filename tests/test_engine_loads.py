@@ -1,7 +1,8 @@
 """KDNEngine's loads against a real in-process server: a load that stalls has a deadline of its
-own (and, once late, is left out for a while), a block gone between the lookup and the load
-leaves the blocks before it reused, a client without a deadline works, and no KV of a prompt
-outlives its request."""
+own (and, once late, is left out for a while; so is a caller's own wait, and neither stores
+its sound blocks again), a block gone between the lookup and the load leaves the blocks
+before it reused, a client without a deadline works, and no KV of a prompt outlives its
+request."""
 
 from __future__ import annotations
 
@@ -94,6 +95,32 @@ def test_a_load_past_its_deadline_leaves_its_encoding_out_for_a_while(tmp_path: 
             assert got.token_ids == first.token_ids
         assert eng.controller.counts["raw"] == 0  # the late load counts as a recompute
         assert eng.controller.counts["recompute"] == 4
+
+
+def test_a_callers_own_wait_running_out_is_late_and_stores_nothing_again(
+        tmp_path: Path) -> None:
+    """Through the connector protocol a caller's ``wait_for_layer(i, timeout=...)`` runs out
+    (the link is slow, the blocks sound): the load is over, as at the engine's own deadline,
+    and the caller computes and saves the whole prompt; the blocks, present and intact, are
+    not stored again."""
+    from kdn.model import hf
+
+    with _server(tmp_path, SLOW) as st, Client(st.address, timeout_s=30, shm_bytes=0) as c:
+        eng = _engine(c, lookup_timeout_s=5.0, calibrate=False)
+        _stored(eng)
+        stores = c.stats().counters.get("store.ok", 0)
+        assert eng.start_load(IDS, force="raw") == 96
+        for i in (0, 1):  # the second call raises the first's failure again
+            with pytest.raises(TimeoutError, match="layer 0 not ready after 0.05 s"):
+                eng.wait_for_layer(i, timeout=0.05)
+        kv, _ = hf.prefill(eng.model, IDS, eng.layout)
+        for i, (k, v) in enumerate(kv.layers):
+            eng.save_layer(i, k, v)
+        eng.wait_for_save(60)
+        eng.finish()
+        assert c.stats().counters.get("store.ok", 0) == stores
+        assert eng._timings.decision == "recompute"  # noqa: SLF001
+        assert eng.controller.counts["raw"] == 0
 
 
 def test_a_load_the_server_never_answers_is_abandoned_at_its_deadline(

@@ -32,9 +32,10 @@ that much: its prompt is computed whole and nothing is stored back. A load has a
 its own (``LOAD_DEADLINE_X`` times its predicted TTFT, at least ``lookup_timeout_s``): a server
 that stalls after the lookup costs a request that, after which the load is cancelled, the
 prompt computed whole (``Timings.load_error``: DeadlineExceeded) and the encoding left out for
-a while, as a failed load's (``LoadingController.observe_failure``). A block gone between the
-lookup and the load (evicted, deleted) leaves the blocks before it reused and the rest
-computed, and stored again.
+a while, as a failed load's (``LoadingController.observe_failure``), but its blocks, only late,
+are not stored again (nor where a caller's own ``wait_for_layer`` timeout runs out). A block
+gone between the lookup and the load (evicted, deleted) leaves the blocks before it reused and
+the rest computed, and stored again.
 
 What it stores: ``EngineConfig.encodings``, or by default what pays off on the model's device
 and the path its hits take (``kdn.delivery.default_encodings``: ``lossless`` on a CPU, ``raw``
@@ -334,9 +335,10 @@ class KDNEngine(KVConnector):
         so ``save_layer`` stores every block, not only those after the ones that were meant to
         load; the encoding is left out for a while (the controller learns it), also where it
         was only late (else a link that got too slow for it costs every request its deadline
-        and a prefill); its blocks are stored again unless they were only late or too large
-        for the memory here (nothing wrong with them)."""
-        late = isinstance(exc, DeadlineExceeded)
+        and a prefill); its blocks are stored again unless they were only late (the load's
+        deadline, or a caller's ``wait_for_layer`` timeout, passed) or too large for the
+        memory here (nothing wrong with them)."""
+        late = isinstance(exc, (DeadlineExceeded, TimeoutError))
         self._rewrite = "" if late or isinstance(exc, TooLarge) else encoding
         self._loaded_blocks = 0
         self._timings.load_error = f"{type(exc).__name__}: {exc}"
@@ -429,12 +431,13 @@ class KDNEngine(KVConnector):
         return tokens
 
     def wait_for_layer(self, i: int, timeout: float | None = None) -> LayerKV:
-        """Layer i of the loaded prefix; waits at most ``timeout`` seconds, or, where that is
-        None, until the load's deadline (``_load_deadline``): DeadlineExceeded after it.
-        InvalidRequest where no load is under way, or for a layer the model does not have.
-        Once a layer failed the load is over (its streams cancelled, the caller computes the
-        prompt whole, ``save_layer`` stores every block: ``_load_failure``), and every later
-        call raises that failure again."""
+        """Layer i of the loaded prefix; waits at most ``timeout`` seconds (TimeoutError after
+        them), or, where that is None, until the load's deadline (``_load_deadline``):
+        DeadlineExceeded after it. InvalidRequest where no load is under way, or for a layer
+        the model does not have. Once a layer failed or was late the load is over (its
+        streams cancelled, the caller computes the prompt whole, ``save_layer`` stores every
+        block, but a late load's blocks only where missing: ``_load_failure``), and every
+        later call raises that failure again."""
         check_layer(i, self.layout.num_layers, "wait_for_layer")
         if self._load_failed is not None:
             raise again(self._load_failed)
