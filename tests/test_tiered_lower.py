@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import lmdb
 import pytest
@@ -232,3 +233,35 @@ def test_a_queued_overwrite_that_expires_deletes_the_older_copy() -> None:
         assert not lower.contains(b"x1") and store.get(b"x1") is None
     finally:
         store.close()
+
+
+def test_an_overwrite_the_full_disk_refused_deletes_the_older_copy_or_leaves_all(
+        make: Callable[..., TieredStore], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+        ) -> None:
+    """Write-through, the disk full (its writes refused as LMDB refuses them on ENOSPC): a
+    DEFAULT overwrite is acknowledged, its disk copy queued for a retry and the disk's older
+    copy deleted at once, so a shutdown while the disk stays full (its queue dropped) leaves
+    the key missing there, not the overwritten value. An overwrite no tier takes (larger than
+    RAM holds) fails and leaves the previous value on disk."""
+    store = make(ram=64 << 10, flush_timeout_s=0.3)
+    disk = store.tiers[1]
+    old, new = entry(1000), entry(1000)
+    store.put(b"k", old)
+    store.put(b"big", old)
+
+    def full(*_: object, **__: object) -> None:
+        raise PartlyUnavailable("disk tier write failed: No space left on device")
+
+    monkeypatch.setattr(disk, "put_many", full)
+    store.put(b"k", new)
+    assert store.get(b"k").value == new  # type: ignore[union-attr]
+    assert not disk.contains(b"k") and store.queue_depth()["disk"] == 1
+    with pytest.raises(KDNError, match="does not answer now"):
+        store.put(b"big", entry(100 << 10))
+    assert disk.get(b"big") == old and store.queue_depth()["disk"] == 1
+    store.close()
+    again = LmdbTier(tmp_path / "lmdb", capacity_bytes=1 << 20)
+    try:
+        assert again.get(b"k") is None and again.get(b"big") == old
+    finally:
+        again.close()

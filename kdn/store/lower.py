@@ -8,8 +8,9 @@ queue's writer landing an older one, never interleave.
 
     write(tier, key, value, ...)   write now (``sync``) or queue; a ``required`` write raises
                                    when it can not be acknowledged there now; one the tier
-                                   does not take is dropped (counted), its tier listed in
-                                   ``refused`` (else ``clear_stale`` at once)
+                                   does not take is dropped (counted), or queued for a retry
+                                   (``Fault.PARTLY``), its tier listed in ``refused`` (else
+                                   ``clear_stale`` at once)
     delete(tier, key)              delete now, else queue the delete
     clear_stale(tier, key)         a tier did not take the key's new value that another took:
                                    its older copy is deleted now where the tier answers, else a
@@ -18,7 +19,9 @@ queue's writer landing an older one, never interleave.
                                    tier took leaves the previous value served)
 
 A write that found the tier, or the key's part of it (``Fault.PARTLY``: a Redis Cluster master
-that does not answer), down is queued and retried until it lands (``<tier>.write_retried``); a
+that does not answer, a full disk), down is queued and retried until it lands
+(``<tier>.write_retried``); one ``Fault.PARTLY`` kept out also has the tier's older copy deleted
+(``clear_stale``, the queued value kept), as a kill or shutdown drops the queue, not that copy; a
 full queue falls back to a synchronous write where the tier is up; what none of that lands is
 dropped and counted (``<tier>.write_dropped``), and a delete that can not be queued either is
 counted (``<tier>.delete_dropped``) and logged: an ERROR per tier at most every
@@ -59,11 +62,13 @@ class LowerWrites:
         """Write to ``tier`` (caller holds the key's stripe); True if written now.
 
         A ``required`` write that fails raises (after marking the tier down if it is); the
-        others fall back to the tier's queue, or are dropped: counted, and ``tier`` added to
-        ``refused`` for the caller to ``clear_stale`` once it knows another tier took the value
-        (without a list, at once). A ``Framed`` value is joined first: lower tiers and their
-        queues hold one buffer. ``acked``: the store is acknowledged should this tier refuse it
-        for room (``TooLarge``), which its warning then says (``_acked_without``).
+        others fall back to the tier's queue, or are dropped (counted). A dropped one, or one
+        queued for a retry as its part of the tier did not take it (the older copy there would
+        outlive the queue), adds ``tier`` to ``refused`` for the caller to ``clear_stale`` once
+        it knows another tier took the value (without a list, at once). A ``Framed`` value is
+        joined first: lower tiers and their queues hold one buffer. ``acked``: the store is
+        acknowledged should this tier refuse it for room (``TooLarge``), which its warning then
+        says (``_acked_without``).
         """
         flat = contiguous(value)
         q = self._queues[tier.name]
@@ -75,9 +80,12 @@ class LowerWrites:
         if sync and up:
             fault = self._health.attempt(tier, write, what, reraise=required)
             if fault is Fault.PARTLY:  # the key's part of the tier is down: retried later
-                if q.retry_later(key, PendingWrite(flat, expiry), what):
-                    return False
-                self._dropped(tier, key, refused)  # the queue is full
+                if not q.retry_later(key, PendingWrite(flat, expiry), what):
+                    self._dropped(tier, key, refused)  # the queue is full
+                elif refused is None:  # the retry dies with the process, the older copy not
+                    self.clear_stale(tier, key, keep=flat)
+                else:
+                    refused.append(tier)
                 return False
             if fault is Fault.FAILED:  # refused: no retry would take it
                 self._dropped(tier, key, refused)
@@ -107,18 +115,24 @@ class LowerWrites:
         else:
             refused.append(tier)
 
-    def clear_stale(self, tier: Tier, key: bytes) -> None:
+    def clear_stale(self, tier: Tier, key: bytes, keep: object = None) -> None:
         """``tier`` did not take ``key``'s new value, which another tier took (refused it, or
         is down with its queue full; caller holds the stripe): the older copy it may hold must
         not be served later. Deleted now where the tier answers, else a delete is queued
-        (``WriteQueue.mark_stale``: reads skip the tier's copy meanwhile)."""
+        (``WriteQueue.mark_stale``: reads skip the tier's copy meanwhile). A write of this
+        very ``keep`` value queued for a retry (``Fault.PARTLY``: a full disk) stays queued:
+        a kill or a shutdown that drops it leaves the key absent there, not its older value;
+        where the delete fails too, the queued value hides the older copy until it lands."""
         q = self._queues[tier.name]
         if self._health.is_up(tier.name):
             got = self._health.attempt(tier, partial(tier.delete, key),
                                        f"delete of the stale copy of {key!r}")
             if got not in (Fault.DOWN, Fault.PARTLY, Fault.FAILED):
-                q.discard(key)
+                if not _queued(q, key, keep):
+                    q.discard(key)
                 return
+        if _queued(q, key, keep):
+            return
         if not q.mark_stale(key):
             self._stale_kept(tier, key)
 
@@ -154,6 +168,12 @@ class LowerWrites:
                   "tier may serve an older copy of it once it is back%s", tier.name, key,
                   f" ({unsaid} more such deletes since the last such line, "
                   f"{tier.name}.delete_dropped counts them)" if unsaid else "")
+
+
+def _queued(q: WriteQueue, key: bytes, value: object) -> bool:
+    """Whether ``q`` holds a write of this very ``value`` (not None) for ``key``."""
+    item = q.peek(key)
+    return value is not None and item is not None and item.value is value
 
 
 def _acked_without(write: Callable[[], None], size: int, name: str) -> None:

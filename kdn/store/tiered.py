@@ -476,7 +476,7 @@ class TieredStore:
                 if tier is head:
                     self._health.guard(head, partial(head.delete, key), "delete")
                 else:
-                    self._lower.clear_stale(tier, key)
+                    self._lower.clear_stale(tier, key, keep=value)
             # Refused everywhere: withdraw what was queued for later (a tier, or the key's
             # part of it, that does not answer now) and fail as UNAVAILABLE, naming those.
             down = [] if first else [t.name for t in self.tiers[1:] if self._queues[
