@@ -120,5 +120,16 @@ def test_an_overwrite_the_full_disk_did_not_take_never_brings_back_the_older(
         disk.close()
 
 
+@pytest.mark.parametrize("order, case", [("redis,disk", "disk"), ("disk,redis", "shared")])
+def test_a_durable_write_behind_store_is_not_hidden_by_an_older_copy_read_first(
+        tmp_path: Path, redis_server: RedisServer, order: str, case: str) -> None:
+    """Write-behind: a DISK store (RAM, Redis, disk) or a SHARED one (RAM, disk, Redis) is
+    acknowledged once the tier it needs has it; the tier read before that one is written
+    before the answer too. It was only queued, so after a kill it served the older version
+    ahead of the acknowledged one."""
+    got = _crash(case, order, tmp_path / "lmdb", redis_server.url)
+    assert got == {k: _new(k) for k in KEYS}
+
+
 if __name__ == "__main__":
     _child(sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4] if len(sys.argv) > 4 else "")

@@ -26,7 +26,8 @@ Writes always go to the first tier, then to each lower tier either synchronously
 that tier's write queue. Which lower tiers are written synchronously:
 
     write-through  every lower tier, unless the request asks for MEMORY durability
-    write-behind   none, except the tier the request's durability needs
+    write-behind   none, except the tier the request's durability needs and those read before
+                   it (their older copies would be served first after a crash)
     durability     DISK: a ``durable`` tier; SHARED: a ``remote`` one (``Tier.satisfies``); the
                    call fails (nothing is acknowledged) when that tier is missing, down or
                    refuses the entry
@@ -86,8 +87,7 @@ __all__ = ["Durability", "FramedHit", "Hit", "Presence", "TieredStore", "WritePo
 
 log = logging.getLogger(__name__)
 
-# What the error calls the tier a durability level needs when the server has none (the tier
-# itself is found by its traits, ``Tier.satisfies``).
+# The tier a durability needs, as an error names it where there is none (``Tier.satisfies``).
 _NEEDED_TIER = {Durability.DISK: "disk", Durability.SHARED: "redis"}
 
 
@@ -462,14 +462,15 @@ class TieredStore:
             too_large = isinstance(exc, TooLarge)
         sync_all = not first or (self.write_policy is WritePolicy.WRITE_THROUGH
                                  and durability is not Durability.MEMORY)
+        before = self.tiers.index(required)  # the tiers read before it: written now too
         with self.stripe(key):
-            for tier in self.tiers[1:]:
+            for i, tier in enumerate(self.tiers[1:], 1):
                 if tier is required and first:
                     continue  # written first, above
                 acked = first == head.name and durability is Durability.DEFAULT \
                     and tier.durable and self.write_policy is WritePolicy.WRITE_THROUGH
-                took = self._lower.write(tier, key, value, ttl, expiry, sync_all, False,
-                                         refused, acked)
+                took = self._lower.write(tier, key, value, ttl, expiry, sync_all or i < before,
+                                         False, refused, acked)
                 if took and not first:
                     first = tier.name
             for tier in refused if first else ():  # their older copies: never served again
