@@ -69,7 +69,7 @@ def time_prefill(model: Any, tokens: int, device: torch.device, grow_s: float = 
     n = int(min(tokens, most))
     int(CacheDecoder(model, full_cache(model)).forward([3] * min(n, 16))[-1].argmax())
     got: list[tuple[int, float]] = []
-    while True:
+    for _ in range(GROW_X.bit_length()):  # 1, 2, 4... GROW_X times the length at most
         ids = [(7 * i + 3) % vocab for i in range(n)]
         best = step = math.inf  # (after that warm-up)
         for _ in range(3):  # a busy spell rarely spans all three
@@ -86,8 +86,9 @@ def time_prefill(model: Any, tokens: int, device: torch.device, grow_s: float = 
         got.append((n, best))
         longer = int(min(2 * n, most, GROW_X * tokens))
         if not (best < grow_s and longer > n):
-            return got, step
+            break
         n = longer
+    return got, step
 
 
 def time_decodes(controller: LoadingController, encodings: tuple[tuple[str, str], ...],
