@@ -294,6 +294,25 @@ def test_a_read_from_memory_answers_only_for_ram_values_checked_already(tmp_path
         store.close()
 
 
+def test_one_read_of_a_value_not_checked_yet_counts_one_ram_hit(tmp_path: Path) -> None:
+    """A server's read asks ``get_in_memory`` and then ``get``: where the RAM value was not
+    checked yet (promoted from disk, or its stamp dropped from the memo) the probe counts no
+    hit, so each read adds one to the RAM tier's hits."""
+    ram, disk = RamTier(1 << 20), LmdbTier(tmp_path / "l", capacity_bytes=8 << 20)
+    store = TieredStore([ram, disk], verify=check)
+    try:
+        good = entry(3000)
+        store.put(b"k", good)
+        ram.delete(b"k")  # evicted from RAM, still on disk
+        assert store.get(b"k") == Hit(good, "disk")  # promoted into RAM
+        for _ in range(3):  # unchecked, then checked by ``get``, then answered from memory
+            hits = ram.counters.hits
+            assert (store.get_in_memory(b"k") or store.get(b"k")) == Hit(good, "ram")
+            assert ram.counters.hits == hits + 1
+    finally:
+        store.close()
+
+
 def test_a_value_put_as_verified_is_not_hashed_on_its_first_read(tmp_path: Path) -> None:
     store, ram, disk, checked = _counting_store(tmp_path)
     try:

@@ -264,13 +264,14 @@ class TieredStore:
         otherwise: ask ``get`` (on a worker thread). ``framed``: a value held as the frames
         it arrived in comes as they are (a ``FramedHit``), else it is joined (once)."""
         tier = self.tiers[0] if self.tiers else None
-        if tier is None or not tier.in_process or not tier.contains(key):
-            return None  # a miss here is counted once, by ``get``
-        q = self._queues.get(tier.name)
-        if q is not None and q.peek(key) is not None:
+        if tier is None or not tier.in_process:
+            return None
+        q, checked = self._queues.get(tier.name), self._checked.stamp(tier.name, key)
+        if not checked or tier.stamp(key, expiring=True) != checked or \
+                q is not None and q.peek(key) is not None:  # probes count no hit: ``get`` does
             return None
         got = tier.get_stamped(key, framed=framed)
-        if got is None or not got[1] or self._checked.stamp(tier.name, key) != got[1]:
+        if got is None or got[1] != checked:
             return None
         if isinstance(got[0], Framed):
             return FramedHit(got[0], tier.name, got[1])
