@@ -259,6 +259,30 @@ def test_client_load_and_decode_histograms_are_off_until_enabled() -> None:
     assert 'source="redis"' not in text
 
 
+def test_client_metrics_enabled_again_record_into_the_families_made_first() -> None:
+    """``disable`` leaves the families registered: enabling the registry again (after it, or
+    after another registry) records into them, counts kept, not a second registration."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from kdn.client import metrics
+
+    first, other = CollectorRegistry(), CollectorRegistry()
+    try:
+        assert metrics.enable(first)
+        metrics.record(_client_stream("ram"))
+        metrics.disable()
+        metrics.record(_client_stream("ram"))  # off: not counted
+        assert metrics.enable(first)
+        metrics.record(_client_stream("ram"))
+        assert metrics.enable(other) and metrics.enable(first)
+        metrics.record(_client_stream("ram"))
+    finally:
+        metrics.disable()
+    assert _sample(generate_latest(first).decode(), "kdn_client_load_seconds_count",
+                   source="ram") == 3
+    assert 'source="ram"' not in generate_latest(other).decode()
+
+
 def test_client_histograms_on_a_real_retrieve(tmp_path: Path) -> None:
     """Once kdn.client.stream calls ``metrics.record`` (the hook): every read path."""
     from prometheus_client import CollectorRegistry, generate_latest

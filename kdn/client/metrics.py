@@ -34,6 +34,7 @@ global lookup.
 from __future__ import annotations
 
 import threading
+import weakref
 from typing import Any
 
 ERROR_BUCKETS = (0.05, 0.1, 0.2, 0.35, 0.5, 1.0, 2.0, 5.0)
@@ -41,24 +42,29 @@ LOAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05
                 0.5, 1.0, 2.5, 5.0, 10.0)
 
 _lock = threading.Lock()
-_metrics: dict[str, Any] | None = None
-_registry: Any = None
+_metrics: dict[str, Any] | None = None  # the families recorded into now (None: off)
+_made: weakref.WeakKeyDictionary[Any, dict[str, Any]] = weakref.WeakKeyDictionary()
+"""The families registered in each registry enabled so far: a registry takes a name once, so
+enabling it again (after ``disable`` or another registry) takes up the same ones."""
 
 
 def enable(registry: Any = None) -> bool:
     """Record into ``registry`` (default: prometheus_client's global REGISTRY) from now on.
-    Enabling again with the same registry changes nothing; False when prometheus_client is
-    not installed."""
-    global _metrics, _registry
+    Enabling a registry again (also after ``disable`` or another registry) records into the
+    families made the first time, counts kept; False when prometheus_client is not
+    installed."""
+    global _metrics
     try:
         from prometheus_client import REGISTRY, Counter, Gauge, Histogram
     except ImportError:
         return False
     registry = REGISTRY if registry is None else registry
     with _lock:
-        if _metrics is not None and _registry is registry:
+        made = _made.get(registry)
+        if made is not None:
+            _metrics = made
             return True
-        _metrics = {
+        _metrics = _made[registry] = {
             "load": Histogram("kdn_client_load_seconds", "A retrieve, from the call until "
                               "every layer is decoded and ready, by where the entry came from",
                               ["source"], buckets=LOAD_BUCKETS, registry=registry),
@@ -84,12 +90,12 @@ def enable(registry: Any = None) -> bool:
             "fleet_load": Gauge("kdn_fleet_node_load", "The load the fleet's router sees on "
                                 "the node", ["node"], registry=registry),
         }
-        _registry = registry
     return True
 
 
 def disable() -> None:
-    """Stop recording (the families stay registered, with what they counted)."""
+    """Stop recording (the families stay registered, with what they counted: ``enable``
+    records into them again)."""
     global _metrics
     with _lock:
         _metrics = None
