@@ -11,11 +11,14 @@ import re
 import urllib.request
 from pathlib import Path
 
+import grpc
 import pytest
 
 from kdn import keys
 from kdn.client import Client
 from kdn.server import ServerConfig, ServerThread
+from kdn.v1 import kdn_pb2 as pb
+from kdn.v1 import kdn_pb2_grpc as pb_grpc
 from tests.helpers import random_kv, uniform_layout
 
 LAY = uniform_layout(layers=2, heads=2, dim=8, model="model-a")
@@ -64,6 +67,38 @@ def test_tokens_and_entries_are_counted_on_every_read_path(tmp_path: Path) -> No
     assert _sample(text, "kdn_entry_check_seconds_count", encoding="raw") == 1
     assert _sample(text, "kdn_entry_check_seconds_count", encoding="lossless") == 1
     assert _sample(text, "kdn_entry_check_seconds_sum", encoding="raw") > 0
+
+
+def test_a_key_asked_for_twice_in_one_batch_counts_twice_and_is_read_once(tmp_path: Path
+                                                                           ) -> None:
+    """A GetMany naming a key twice (over gRPC and over the network data path): a present
+    key's repeat is a hit and a missing key's a miss, as RetrieveMany counts them; the tier
+    read timed is only the one made."""
+    cfg = ServerConfig(port=0, data_dir=tmp_path / "d", metrics_port=0)
+    k, m = keys.chunk_key([1], LAY), keys.chunk_key([9], LAY)
+    names = [("kdn_entries_requested_total", {"result": "hit"}),
+             ("kdn_entries_requested_total", {"result": "miss"}),
+             ("kdn_tier_read_seconds_count", {"tier": "ram"}),
+             ("kdn_tier_hits_total", {"tier": "ram"})]
+    with ServerThread(cfg) as st, grpc.insecure_channel(st.address) as ch, \
+            Client(st.address, shm_bytes=0) as c:  # the network data path
+        c.store(k, random_kv(LAY, 8), mode="raw")
+        c.retrieve_many([k, m])  # every sample there before the counts
+        by_grpc = pb_grpc.KDNStub(ch).GetMany
+        for way in ("grpc", "data path"):
+            text = _scrape(st)
+            before = [_sample(text, n, **labels) for n, labels in names]
+            if way == "grpc":
+                got = [e.present for e in by_grpc(pb.GetManyRequest(keys=[k, k, m, m]),
+                                                  timeout=30).entries]
+            else:
+                got = [g is not None for g in c.retrieve_many([k, k, m, m])]
+            assert got == [True, True, False, False]
+            text = _scrape(st)
+            hit, miss, timed, read = (_sample(text, n, **labels) - was
+                                      for (n, labels), was in zip(names, before))
+            assert (hit, miss) == (2, 2), way
+            assert timed == read == 1, way
 
 
 def test_a_retrieve_counts_every_byte_of_the_entry_it_sends(tmp_path: Path) -> None:

@@ -175,13 +175,16 @@ class BatchReads:
                     continue
             # inline: a RAM value kept as the frames it came in stays so unless it is sent
             # (joined, it would no longer go out as the messages it came in: Retrieve)
-            hit = seen[skey] if skey in seen else seen.setdefault(
+            repeat = skey in seen  # a key asked for again: counted again, but read once
+            hit = seen[skey] if repeat else seen.setdefault(
                 skey, self._hit(skey, want, framed=seg is None))
             if hit is None:
+                if repeat:
+                    self._missed(skey)
                 continue
             value = hit.value
             ref.present, ref.tier, ref.length = True, hit.tier, len(value)
-            read_s = time.perf_counter() - started
+            read_s = None if repeat else time.perf_counter() - started
             if seg is not None and len(value) <= request.inline_below_bytes:
                 # small: in the answer, checked on the bytes sent (no lease, no region)
                 got = self._inline_copy(skey, cast("Hit", hit))
@@ -240,11 +243,15 @@ class BatchReads:
         hit = (self.store.get_in_memory(skey, framed=True) if framed else None) \
             or self.store.get(skey)
         if hit is None:
-            self.count("getmany.miss")
-            self.usage.missed(skey)
+            self._missed(skey)
             return None
         _check_layout(skey, hit.value, want)
         return hit
+
+    def _missed(self, skey: bytes) -> None:
+        """Count one entry asked for and not found (``getmany.miss``, usage)."""
+        self.count("getmany.miss")
+        self.usage.missed(skey)
 
     def get_sent(self, p: Principal, request: pb.GetManyRequest
                  ) -> tuple[pb.GetManyResponse, list[bytes | memoryview]]:
@@ -266,9 +273,11 @@ class BatchReads:
         for key in request.keys:
             skey = store_key(p.tenant, ns, key)
             ref = out.entries.add()
-            started = time.perf_counter()
-            if skey in seen:
+            started, repeat = time.perf_counter(), skey in seen
+            if repeat:  # counted again, but read once
                 hit = seen[skey]
+                if hit is None:
+                    self._missed(skey)
             else:
                 hit = seen[skey] = self._hit(skey, want, framed=True)
                 if hit is not None and hit.tier != memory:  # read into memory for this answer
@@ -281,7 +290,8 @@ class BatchReads:
             value = hit.value
             ref.present, ref.tier, ref.length, ref.offset = True, hit.tier, len(value), at
             ref.written = True
-            self.usage.served(skey, value, hit.tier, time.perf_counter() - started)
+            self.usage.served(skey, value, hit.tier,
+                              None if repeat else time.perf_counter() - started)
             pieces += [value.header, *value.frames] if isinstance(value, Framed) else [value]
             at += len(value)
             self.count("getmany.hit")
