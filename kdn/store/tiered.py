@@ -13,14 +13,13 @@ returned is checked with ``verify``: one that fails is removed from that tier, c
 damaged value never is. A tier whose values live in this process and can not change in place
 (``Tier.in_process``; RAM: immutable bytes) stamps every write (``Tier.get_stamped``); a value is
 checked on its first read and its later reads are not hashed again, until a write gives the key
-a new stamp (``kdn.store.checked`` remembers the stamps checked).
-A value still in a tier's write queue is served as if the tier held it
-(a pending delete hides what the tier holds). A hit below the first tier is promoted: into the
-first tier (RAM) at once, with the write time of the copy it came from (``Tier.written_at``),
-into other tiers above it through their write queues, keeping the entry's remaining TTL (one
-that expired since its read is a miss there, never promoted with no TTL), unless the key was
-written or deleted since the read began (its generation, ``kdn.store.locks``): an older value
-never lands over an acknowledged one.
+a new stamp (``kdn.store.checked`` remembers the stamps checked). A value still in a tier's
+write queue is served as if the tier held it (a pending delete hides what the tier holds).
+A hit below the first tier is promoted: into the first tier (RAM) at once, with the write
+time of the copy it came from (``Tier.written_at``), into other tiers above it through their
+write queues, keeping the entry's remaining TTL (one that expired since its read is a miss
+there, never promoted with no TTL), unless the key was written or deleted since the read began
+(its generation, ``kdn.store.locks``): an older value never lands over an acknowledged one.
 
 Writes always go to the first tier, then to each lower tier either synchronously or through
 that tier's write queue. Which lower tiers are written synchronously:
