@@ -47,7 +47,6 @@ master fail at once until it has N replicas connected again.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import struct
@@ -248,7 +247,7 @@ class RedisTier(Tier):
         return 0.0 if ms is None or ms < 0 else ms / 1000.0
 
     def get(self, key: bytes) -> bytes | None:
-        self._settle([key])
+        self._settled([key])
         mkey = self._manifest_key(key)
         with self.transport.slot(key):
             for _ in range(_READ_ATTEMPTS):
@@ -262,10 +261,15 @@ class RedisTier(Tier):
         return value  # type: ignore[return-value]
 
     def get_many(self, keys: list[bytes]) -> list[bytes | None]:
-        self._settle(keys)
-        manifests = self.transport.batch(lambda p, k: p.get(self._manifest_key(k)), keys)
+        """The values of ``keys``; a key whose master does not answer (or whose unanswered
+        commit could not be withdrawn yet) reads as absent, the others are served."""
+        unsettled = self._settle(keys)
+        manifests = self.transport.batch(lambda p, k: p.get(self._manifest_key(k)),
+                                         [k for k in keys if k not in unsettled])
+        got = iter(manifests)
         out: list[bytes | None] = []
-        for k, m in zip(keys, manifests):
+        for k in keys:
+            m = None if k in unsettled else next(got)
             try:
                 if m is None:
                     v = None
@@ -338,7 +342,7 @@ class RedisTier(Tier):
 
     def put(self, key: bytes, value: bytes, *, ttl_s: float | None = None) -> None:
         self._fits(len(value))
-        self._settle([key])
+        self._settled([key])
         with self.transport.slot(key, write=True):
             self._put(key, value, ttl_s)
 
@@ -387,22 +391,37 @@ class RedisTier(Tier):
             return  # a commit sent again after a lost reply replaced itself: nothing to drop
         self._expire_parts(key, old, GRACE_S)
 
-    def _settle(self, keys: list[bytes] | None = None) -> None:
+    def _settle(self, keys: list[bytes] | None = None) -> dict[bytes, KDNError]:
         """Withdraw the unanswered commits (``_unsure``) of ``keys`` (None: all): each entry
-        deleted where it is still that version, its parts unlinked. TierUnavailable where Redis
-        still does not answer (they stay, for the next try)."""
+        deleted where it is still that version, its parts unlinked. Each is tried on its own:
+        one whose master still does not answer stays (for the next try) and does not stop the
+        others' (in a cluster, those of the masters that answer). Returns, by key, the error
+        of each left."""
         if not self._unsure:
-            return
+            return {}
+        wanted = None if keys is None else set(keys)
         with self._unsure_lock:
-            todo = [(k, h) for k, h in self._unsure.items() if keys is None or k in keys]
+            todo = [(k, h) for k, h in self._unsure.items() if wanted is None or k in wanted]
+        left: dict[bytes, KDNError] = {}
         for k, h in todo:
-            with self.transport.slot(k, write=True):
-                self.transport.script(self._delete, [self._manifest_key(k)],
-                                      [HEADER_BYTES, h.ver])
+            try:
+                with self.transport.slot(k, write=True):
+                    self.transport.script(self._delete, [self._manifest_key(k)],
+                                          [HEADER_BYTES, h.ver])
+            except KDNError as exc:
+                left[k] = exc
+                continue
             self._withdraw_parts(k, h)
             with self._unsure_lock:
                 if self._unsure.get(k) is h:
                     del self._unsure[k]
+        return left
+
+    def _settled(self, keys: list[bytes]) -> None:
+        """``_settle`` of ``keys``, raising the error of the first left (its master still does
+        not answer): a write or read of it waits until its unanswered commit is withdrawn."""
+        for exc in self._settle(keys).values():
+            raise exc
 
     def _withdraw_parts(self, key: bytes, h: _Header) -> None:
         """Unlink the parts of version ``h`` of a write that failed where Redis answered (out
@@ -453,7 +472,7 @@ class RedisTier(Tier):
                 small.append((k, v))
         if not small:
             return
-        self._settle([k for k, _ in small])
+        self._settled([k for k, _ in small])
         ttl_ms = _ttl_ms(ttl_s)
         pipe = self.client.pipeline(transaction=False)
         sent: dict[bytes, _Header] = {}
@@ -521,8 +540,7 @@ class RedisTier(Tier):
         if ok and self.capacity_bytes:
             self.transport.keep_budget()
         if ok:
-            with contextlib.suppress(KDNError):  # (not all of them answer yet: next probe)
-                self._settle()
+            self._settle()  # those of masters that do not answer yet stay: the next probe
         return ok > 0
 
     def stats(self) -> TierStats:
