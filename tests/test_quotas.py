@@ -7,6 +7,7 @@ value served."""
 from __future__ import annotations
 
 import random
+import signal
 import threading
 import time
 from pathlib import Path
@@ -20,8 +21,9 @@ from kdn.errors import KDNError, TooLarge
 from kdn.options import Durability, StoreOptions
 from kdn.server import ServerConfig, ServerThread
 from kdn.server.auth import digest
-from tests.helpers import random_kv, uniform_layout
-from tests.redis_servers import RedisServer
+from kdn.store.redis import RedisTier
+from tests.helpers import eventually, random_kv, sigstop, uniform_layout
+from tests.redis_servers import RedisCluster3, RedisServer
 
 LAY = uniform_layout(layers=2, heads=2, dim=8)
 TENANTS = """
@@ -188,6 +190,47 @@ def test_usage_is_not_recounted_down_while_a_tier_holding_entries_is_down(
             assert _usage(again, "team-b") == _stored_bytes(again, "team-b") > 0
             with AdminClient(again.address, api_key="key-ops", retry=None, shm_bytes=0) as a:
                 assert a.gc().usage_recounted
+
+
+def test_usage_is_not_recounted_down_while_a_cluster_master_is_down(tmp_path: Path) -> None:
+    """Entries only a stopped Redis Cluster master holds (the tier stays up for the others'
+    slots) stay charged through a Gc, their pins stay, and the usage is counted exactly again
+    once the master answers."""
+    auth = tmp_path / "tenants.yaml"
+    auth.write_text(TENANTS % digest("key-ops"))
+    auth.chmod(0o600)
+    kv = random_kv(LAY, 4, seed=1)
+    with RedisCluster3(tmp_path / "c") as cluster:
+        cfg = ServerConfig(port=0, data_dir=tmp_path / "d", disk_bytes=0, auth_file=str(auth),
+                           redis_url=",".join(cluster.urls), redis_cluster=True,
+                           tier_order=("ram", "redis"), redis_timeout_s=0.3)
+        k = [keys.chunk_key([i], LAY) for i in range(9)]
+        with ServerThread(cfg) as server, \
+                Client(server.address, api_key="key-b", retry=None, shm_bytes=0) as c, \
+                AdminClient(server.address, api_key="key-ops", retry=None, shm_bytes=0) as a:
+            for key in k:
+                c.store(key, kv, mode="raw", options=StoreOptions(durability=Durability.SHARED))
+            assert server.server is not None
+            store, auth_ = server.server.store, server.server.servicer.auth
+            used = _usage(server, "team-b")
+            a.evict(k, tier="ram", tenant="team-b")  # only Redis holds them now
+            tier = next(t for t in store.tiers if isinstance(t, RedisTier))
+            lost = next(n for n in cluster.nodes
+                        if tier._master_of(keys.store_key("team-b", "default", k[0]))  # noqa: SLF001
+                        == f"127.0.0.1:{n.port}")
+            assert lost.proc is not None
+            a.pin([k[0]], tenant="team-b")
+            sigstop(lost.proc.pid)
+            try:
+                store.probe()
+                assert store.parts_down() == {"redis": [f"127.0.0.1:{lost.port}"]}
+                assert not a.gc().usage_recounted
+                assert _usage(server, "team-b") == used
+                assert store.is_pinned(keys.store_key("team-b", "default", k[0]))
+            finally:
+                lost.proc.send_signal(signal.SIGCONT)
+            assert eventually(lambda: (store.probe(), auth_.usage_whole)[1], timeout=8)
+            assert _usage(server, "team-b") == _stored_bytes(server, "team-b") == used
 
 
 @pytest.mark.parametrize("path", [{"shm_bytes": 0, "data_path": False}, {"shm_bytes": 0}, {}],

@@ -51,7 +51,7 @@ from kdn.server.auth import (
     require_admin,
 )
 from kdn.server.egress import Egress
-from kdn.server.ingest import Ingest, delete_entry, recount_usage
+from kdn.server.ingest import Ingest, delete_entry, recount_usage, whole
 from kdn.server.rpc import Counters, rpc
 from kdn.status import grpc_code
 from kdn.store.base import Tier
@@ -519,12 +519,12 @@ class AdminServicer(pb_grpc.KDNAdminServicer):
     def _drop_gone_pins(self, skeys: list[bytes]) -> None:
         """Unpin those of ``skeys`` that are pinned but no tier holds (their entry expired or
         left: a pin outlives no entry), asked under each key's entry lock, as stores pin; only
-        while every tier is up."""
-        if all(self.store.is_up(t.name) for t in self.store.tiers):
+        while every tier is up and whole (a key of a Redis Cluster master down reads absent)."""
+        if whole(self.store):
             for k in skeys:
                 if self.store.is_pinned(k):
                     with self.store.entry_lock(k):
-                        if not self.store.presence(k).present:
+                        if not self.store.presence(k).present and whole(self.store):
                             self.store.unpin(k)
 
 

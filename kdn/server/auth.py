@@ -334,9 +334,9 @@ class Authenticator:
                          if p.rate_rps > 0}
         self._usage: dict[str, int] = {}
         self.usage_whole = True
-        """Whether every tenant's usage was last counted with every tier up
+        """Whether every tenant's usage was last counted with every tier up and whole
         (``kdn.server.ingest.recount_usage``); while not, the server recounts once none is
-        down."""
+        down, nor any part of one."""
         self._lock = threading.Lock()
 
     @property

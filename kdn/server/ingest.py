@@ -258,17 +258,24 @@ def recount_usage(store: TieredStore, auth: Authenticator) -> bool:
     store without a caller, so only a recount gives their bytes back), and once every tier is
     up again after one that was not (``kdn.server.app``). True where every tier answered.
 
-    A tier that is down may hold entries the tenant is charged for and no other tier does: a
-    count without them would give their bytes back, and the tenant could store them over again
-    once it answers. So while any tier is down (before or during the count) a tenant's usage is
-    only raised to what was counted, never lowered (at start-up, from nothing: what the tiers
-    that answer hold), and ``auth.usage_whole`` is false until a count with every tier up."""
+    A tier that is down, or a part of one (a Redis Cluster master), may hold entries the tenant
+    is charged for and no other tier does: a count without them would give their bytes back, and
+    the tenant could store them over again once it answers. So while any is down (before or
+    during the count) a tenant's usage is only raised to what was counted, never lowered (at
+    start-up, from nothing: what the tiers that answer hold), and ``auth.usage_whole`` is false
+    until a count with every tier up and whole (``whole``)."""
     with store.all_entries_locked():
-        whole = not store.degraded
+        all_there = whole(store)
         counted = {tenant: sum(p.size for p in store.lookup(store.keys(f"{tenant}:".encode())))
                    for tenant in auth.config.policies}
-        whole = whole and not store.degraded  # none went down while listed (skipped)
+        all_there = all_there and whole(store)  # none went down while listed (skipped)
         for tenant, nbytes in counted.items():
-            auth.set_usage(tenant, nbytes if whole else max(nbytes, auth.usage(tenant)))
-        auth.usage_whole = whole
-    return whole
+            auth.set_usage(tenant, nbytes if all_there else max(nbytes, auth.usage(tenant)))
+        auth.usage_whole = all_there
+    return all_there
+
+
+def whole(store: TieredStore) -> bool:
+    """Whether every tier is up and every part of each answers (no Redis Cluster master
+    down): a listing of the store then holds every entry."""
+    return not store.degraded and not store.parts_down()

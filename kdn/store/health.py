@@ -7,7 +7,9 @@ write queues have drained. Every tier starts up.
 A tier that raises ``TierUnavailable`` is marked down (``mark_down``; counted as
 ``<tier>.down``) and skipped by reads and writes until the probe thread, which asks every tier
 ``healthy()`` each ``probe_interval_s``, sees it answer again; ``on_up(name)`` then tells the
-hierarchy (which wakes that tier's write queue). ``degraded`` is true while any tier is down;
+hierarchy (which wakes that tier's write queue). A tier that stayed up but was not whole (a part
+down: ``Tier.degraded`` or ``Tier.parts_down``, a Redis Cluster master) is told back the same
+way at the first probe that finds it whole again. ``degraded`` is true while any tier is down;
 ``local_ok`` while every tier on this machine (all but the ``remote`` ones) is up. ``stats``
 gives every tier's (``Tier.stats``), ``healthy`` only while it is marked up.
 
@@ -121,10 +123,14 @@ class TierHealth:
         """Ask every tier whether it answers and update the up/down marks."""
         for tier in self.tiers:
             why: KDNError | str = "health probe failed"
+            parted = tier.degraded or bool(tier.parts_down())  # (found by calls since the last)
             try:
                 ok = tier.healthy()
             except KDNError as exc:  # its message says why (a Redis refusing kdn's login)
                 ok, why = False, exc
+            if ok and parted and self._up[tier.name] \
+                    and not (tier.degraded or tier.parts_down()):
+                self._on_up(tier.name)  # whole again
             if ok:
                 self.mark_up(tier.name)
             else:
