@@ -4,9 +4,9 @@ from several clients. The Redis tier stays up for the slots whose masters answer
 reads of keys there see no error (and no stall beyond one socket timeout), only the lost
 slots' keys miss or refuse SHARED stores (at once, once the master is known not to answer),
 health says DEGRADED (not down), and with `redis_wait_replicas` 1 no acknowledged SHARED store
-is lost. The clusters run with `cluster-require-full-coverage no` (else Redis itself refuses
-every key while a slot is uncovered). The servers keep the default Redis timeout (1 s) and
-retries (2)."""
+is lost; `kdn admin verify` says the lost master's entries were not verified. The clusters
+run with `cluster-require-full-coverage no` (else Redis itself refuses every key while a slot
+is uncovered). The servers keep the default Redis timeout (1 s) and retries (2)."""
 
 from __future__ import annotations
 
@@ -360,3 +360,21 @@ def test_wait_withdraws_a_write_no_replica_confirms(tmp_path: Path) -> None:
         finally:
             rc.close()
             mc.close()
+
+
+def test_verify_with_a_master_down_says_its_entries_were_not_verified(tmp_path: Path) -> None:
+    """`kdn admin verify` while one master is killed (no replica): the entries of the masters
+    that answer are verified, and the call ends UNAVAILABLE naming the lost master, as for a
+    tier that is down (it reported the tier done, a third of its entries left out)."""
+    with RedisCluster3(tmp_path / "c") as cluster:
+        with ServerThread(_config(tmp_path, cluster)) as server, \
+                Client(server.address, retry=None) as c, \
+                AdminClient(server.address, retry=None) as a:
+            for i in range(6):
+                c.store(keys.chunk_key([i], LAY), KV)
+            cluster.nodes[0].kill()
+            assert server.server is not None
+            server.server.store.probe()
+            with pytest.raises(KDNError, match=rf"redis \(127.0.0.1:{cluster.nodes[0].port}\) "
+                                               r"does not answer: not verified"):
+                list(a.verify(dry_run=True))

@@ -289,9 +289,11 @@ class AdminServicer(pb_grpc.KDNAdminServicer):
                     del prog.corrupt_keys[:]
             prog.done = True
             yield prog
+            if parts := tier.parts_down():  # its keys there were not listed: not verified
+                down.append(f"{tier.name} ({', '.join(parts)})")
         if down:
             gone = TierUnavailable(f"tier {', '.join(down)} does not answer: not verified "
-                                   "(the others were); verify again once it is back")
+                                   "(the rest was); verify again once it is back")
             await context.abort(grpc_code(gone), str(gone))
 
     def _verify_one(self, tier: Tier, key: bytes, dry_run: bool) -> bool:
