@@ -1,13 +1,36 @@
 """The Redis Cluster client the Redis tier uses (``kdn.store.redis_transport``): redis-py's,
 made to live with a master that is stopped or cut off (it takes connections, nothing answers)
-rather than killed."""
+rather than killed, and whose calls wait for a free pooled connection (``pool_waited``) as the
+standalone tier's do."""
 
 from __future__ import annotations
 
-from typing import Any
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import redis
 from redis.cluster import RedisCluster
+
+T = TypeVar("T")
+
+
+def pool_waited(wait_s: float, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """``fn(*args, **kwargs)``, made again while it fails because every pooled connection to
+    its node is busy, for up to ``wait_s``; then that error. redis-py's cluster client gives
+    each node a pool that does not wait (``MaxConnectionsError`` at once, nothing sent),
+    where the standalone tier's ``BlockingConnectionPool`` waits its ``timeout``."""
+    deadline = time.monotonic() + wait_s
+    pause = 0.001
+    while True:
+        try:
+            return fn(*args, **kwargs)
+        except redis.exceptions.MaxConnectionsError:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise
+            time.sleep(min(pause, left))
+            pause = min(pause * 2, 0.02)
 
 
 class ClusterClient(RedisCluster):

@@ -7,14 +7,15 @@ followed by ``WAIT``), and ``primaries`` (the health probe). ``close`` runs once
 tier's ``close``.
 
 Transport: a connection pool (``BlockingConnectionPool`` standalone, per-node pools in a
-cluster), commands retried ``retries`` times with exponential backoff and jitter on connection
-errors only (a command that timed out is not sent again: a Redis that is stopped or cut off
-costs a call one ``timeout_s``); every redis-py error leaves as a kdn one
-(``kdn.store.redis_errors``): ``TierUnavailable`` where Redis does not answer (or refuses kdn's
-login or TLS), so the hierarchy can mark the tier down and carry on; ``TooLarge`` where it is
-out of memory; ``PartlyUnavailable`` where it answers but takes no writes for now, or where
-every pooled connection stayed busy past ``timeout_s``. A cluster's client takes the user,
-password and TLS of its URLs (``kdn.store.redis_urls``), and so do its WAIT clients.
+cluster, waited on as long: ``redis_cluster.pool_waited``), commands retried ``retries`` times
+with exponential backoff and jitter on connection errors only (a command that timed out is not
+sent again: a Redis that is stopped or cut off costs a call one ``timeout_s``); every redis-py
+error leaves as a kdn one (``kdn.store.redis_errors``): ``TierUnavailable`` where Redis does not
+answer (or refuses kdn's login or TLS), so the hierarchy can mark the tier down and carry on;
+``TooLarge`` where it is out of memory; ``PartlyUnavailable`` where it answers but takes no
+writes for now, or where every pooled connection stayed busy past ``timeout_s``. A cluster's
+client takes the user, password and TLS of its URLs (``kdn.store.redis_urls``), and so do its
+WAIT clients.
 
 Cluster, one master out (stopped, cut off or killed): its slots' keys fail with
 ``PartlyUnavailable`` (reads miss, SHARED stores are refused) and the tier stays up for the other
@@ -49,7 +50,7 @@ from redis.commands.core import Script
 from redis.retry import Retry
 
 from kdn.errors import ConfigError, KDNError, PartlyUnavailable, TierUnavailable
-from kdn.store.redis_cluster import ClusterClient
+from kdn.store.redis_cluster import ClusterClient, pool_waited
 from kdn.store.redis_errors import REDIS_ERRORS, access_refused, unanswered, wrap
 from kdn.store.redis_masters import Masters, ReplicasShort
 from kdn.store.redis_urls import cluster_urls
@@ -132,9 +133,10 @@ class RedisTransport:
     # -- one call -------------------------------------------------------------------------------
 
     def call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
-        """``fn(*args, **kwargs)``, a redis-py error leaving as a kdn one (``_wrap``)."""
+        """``fn(*args, **kwargs)``, a redis-py error leaving as a kdn one (``wrap``); in a
+        cluster, waiting up to ``timeout_s`` for a free pooled connection (``pool_waited``)."""
         try:
-            return fn(*args, **kwargs)
+            return pool_waited(self.timeout_s if self.cluster else 0, fn, *args, **kwargs)
         except REDIS_ERRORS as exc:
             raise wrap(exc, self.cluster) from exc
 
@@ -147,7 +149,8 @@ class RedisTransport:
         if not self.cluster:
             return self.call(script, keys=keys, args=args)
         try:
-            return self.client.evalsha(script.sha, len(keys), *keys, *args)
+            return pool_waited(self.timeout_s, self.client.evalsha, script.sha, len(keys),
+                               *keys, *args)
         except redis.exceptions.NoScriptError:
             pass
         except REDIS_ERRORS as exc:
