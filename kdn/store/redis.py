@@ -63,6 +63,7 @@ from kdn.options import MAX_TTL_S
 from kdn.store.base import Tier, TierStats
 from kdn.store.redis_errors import REDIS_ERRORS, said, wrap
 from kdn.store.redis_masters import ReplicasShort
+from kdn.store.redis_stats import held
 from kdn.store.redis_transport import RedisTransport
 
 __all__ = ["GRACE_S", "HEADER_BYTES", "MAX_BULK_BYTES", "MAX_TTL_S", "PENDING_TTL_S",
@@ -544,22 +545,13 @@ class RedisTier(Tier):
         return ok > 0
 
     def stats(self) -> TierStats:
+        """What the masters that answer hold (``kdn.store.redis_stats``): entries, not Redis
+        keys; the capacity is the byte budget times the masters."""
         c = self.counters
-        entries = used = answered = 0
-        nodes = self.client.get_primaries() if isinstance(self.client, RedisCluster) else [None]
-        for node in nodes:  # in a cluster, what the masters that answer hold
-            if node is not None and self.transport.blocked(node.name):
-                continue  # known not to answer: no call that waits out the timeout
-            kw: dict[str, Any] = {} if node is None else {"target_nodes": node}
-            try:
-                entries += int(self.client.dbsize(**kw))
-                used += int(self.client.info("memory", **kw)["used_memory"])
-                answered += 1
-            except (*REDIS_ERRORS, OSError):
-                pass
-        return TierStats(self.name, entries, used, self.capacity_bytes, c.hits, c.misses,
-                         c.evictions, c.corrupt, answered > 0,
-                         degraded=0 < answered < len(nodes))
+        entries, used, answered, known = held(self.client, self.transport.blocked, self.prefix)
+        return TierStats(self.name, entries, used, self.capacity_bytes * known, c.hits,
+                         c.misses, c.evictions, c.corrupt, answered > 0,
+                         degraded=0 < answered < known)
 
     def close(self) -> None:
         self.transport.close()
