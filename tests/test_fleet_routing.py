@@ -14,9 +14,10 @@ from pathlib import Path
 
 import pytest
 
+from kdn.client.deadline import deadline_within
 from kdn.client.fleet import FleetClient, FleetConfig
 from kdn.client.routing import Affinity, LoadMeter, Router
-from kdn.errors import ConfigError, InvalidArgument, Unavailable
+from kdn.errors import ConfigError, DeadlineExceeded, InvalidArgument, Unavailable
 from kdn.server import ServerConfig, ServerThread
 from tests.helpers import eventually, random_kv, running_nodes, uniform_layout
 
@@ -365,6 +366,29 @@ def test_a_node_marked_down_comes_back_without_the_health_thread(tmp_path: Path)
             assert fleet.router.live_nodes() == [0, 1]
     with pytest.raises(ConfigError, match="health_interval_s must be a finite number"):
         FleetConfig(nodes=("a:1",), health_interval_s=float("inf"))
+
+
+def test_a_callers_spent_deadline_marks_no_node_down(servers: list[ServerThread]) -> None:
+    """Inside a caller's deadline_within whose time is up, the fleet raises DeadlineExceeded
+    as a Client does: every node stays live, no failover is counted, no other node tried."""
+    config = FleetConfig(nodes=tuple(s.address for s in servers), health_interval_s=0,
+                         client_options={"shm_bytes": 0})
+    with FleetClient(config) as fleet:
+        fleet.store(KEYS[0], KV, mode="raw")
+        calls = list(fleet.calls)
+        for call in (lambda: fleet.fetch(KEYS[0]), lambda: fleet.retrieve_many(KEYS[:2]),
+                     lambda: fleet.store(KEYS[1], KV, mode="raw")):
+            with deadline_within(0.01):
+                time.sleep(0.05)  # (a lookup may yet answer in gRPC's last millisecond)
+                with pytest.raises(DeadlineExceeded):
+                    call()
+        assert fleet.router.live.all() and fleet.failovers == 0 and fleet.calls == calls
+        # the store may land yet: the other node drops its copy before it is read again
+        assert [r["stale"] for r in fleet.nodes_report()] == [i != fleet._last.node
+                                                              for i in range(2)]
+        assert fleet.check_health() == [True, True]
+        assert [r["stale"] for r in fleet.nodes_report()] == [0, 0]
+        assert fleet.fetch(KEYS[0]) is not None
 
 
 def test_health_check_marks_nodes_down_and_back(servers: list[ServerThread],

@@ -102,6 +102,13 @@ def own_cap() -> bool:
     return bool(getattr(_CAP, "own", False))
 
 
+def caller_deadline_passed() -> bool:
+    """Whether this thread runs inside a caller's ``deadline_within`` whose time is up (not
+    the client's own ``timeout_s``, ``own_cap``): a call it ended says nothing of the server."""
+    cap = call_cap()
+    return cap is not None and not own_cap() and time.monotonic() >= cap
+
+
 def time_left(timeout_s: float | None) -> float | None:
     """The deadline, in seconds from now, of a gRPC call made with ``timeout_s``: less where
     this thread runs inside ``deadline_within`` (a millisecond once its time is up: the call

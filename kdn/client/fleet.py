@@ -19,7 +19,10 @@ node is within the load bound, else the first node in rendezvous order with room
 within the bound. The chosen node is tried first, then the others in rendezvous order: a node
 that fails with UNAVAILABLE, a deadline or a closed connection is marked down at once (its keys
 move to their next node) and the call goes to the next one, but for a store whose deadline
-passed: its node may apply it yet, after a newer store elsewhere, so its error is raised. Ahead
+passed: its node may apply it yet, after a newer store elsewhere, so its error is raised. A
+call ended by its caller's ``deadline_within`` (``kdn.client.deadline``) raises
+DeadlineExceeded as a Client does, its node not marked down: the time was the caller's (a
+hung node is then found by the health thread, or by a call without such a deadline). Ahead
 of the live nodes a call tries those marked down whose backoff has passed (``retry_down_s``,
 doubling while a node keeps failing, at most ``MAX_RETRY_DOWN_S``), and every node marked down
 when none is live: a node comes back without the health thread too (a hung one costs such a
@@ -34,8 +37,10 @@ for either, refuses the delete (not as the caller's mistake that every node woul
 ``CALLER_REFUSALS``), or refuses the evict for now (rate-limited), keeps the keys in
 ``stale`` and stays marked down: before it is marked live again (a health check, or a call
 that tries it again) it drops them from its RAM, and a node that can not do that stays down.
-``nodes_report`` counts each node's ``stale`` keys. Node clients with an in-process tier
-(``client_options``' ``local_bytes``) drop the keys of every store and delete from each of them.
+A live node whose evict its caller's ``deadline_within`` left no time for keeps them in
+``stale`` too, and drops them before its next call. ``nodes_report`` counts each node's
+``stale`` keys. Node clients with an in-process tier (``client_options``' ``local_bytes``) drop
+the keys of every store and delete from each of them.
 
 Membership is the config's list of addresses (``FleetConfig.from_file``: YAML ``nodes:``).
 A health thread asks every node for Stats each ``health_interval_s``: an answer marks it live
@@ -68,6 +73,7 @@ import grpc
 from kdn.client import metrics
 from kdn.client.admin import AdminClient
 from kdn.client.client import Client, LookupResult, Retry
+from kdn.client.deadline import caller_deadline_passed
 from kdn.client.entries import check_items
 from kdn.client.fleetconfig import FleetConfig
 from kdn.client.routing import Affinity, LoadMeter, Router
@@ -179,16 +185,20 @@ class FleetClient:
              write: bool = False) -> T:
         """``fn(client)`` on the node ``keys`` route to; on a node failure, on the next. A
         ``write`` whose deadline passed is not sent on: its node may apply it yet (hung, then
-        back), after a newer write elsewhere; the error is raised (its outcome unknown)."""
+        back), after a newer write elsewhere; the error is raised (its outcome unknown). A
+        caller's ``deadline_within`` that ended the call is raised as is (DeadlineExceeded):
+        its node is not marked down, nor another tried."""
         last: Exception | None = None
         for node in self._candidates(keys):
             down = not self.router.live[node]
-            if down and self.stale[node] and not self._drop_stale(node):
-                self._mark(node, False)  # not back: it would serve what it missed
-                continue
+            if self.stale[node] and not self._dropped(node):
+                continue  # it would serve what it missed
             try:
                 out = fn(self.clients[node])
             except NODE_FAILURES as exc:
+                if isinstance(exc, DeadlineExceeded) and caller_deadline_passed():
+                    self._last.node = node  # the caller's time, not the node's: as a Client
+                    raise  # raises it, no node marked down, no other node tried
                 last = kept(exc)  # not this frame, which holds it
                 with self._lock:
                     self.failovers += 1
@@ -204,20 +214,34 @@ class FleetClient:
             self._last.node = node
             metrics.record_fleet_call(self.nodes[node], "ok")
             return out
+        if caller_deadline_passed():
+            raise DeadlineExceeded(f"the caller's deadline_within passed before a node of the "
+                                   f"fleet answered: {last}")
         raise Unavailable(f"no node of the fleet answered ({len(self.nodes)} configured, "
                           f"{len(self.router.live_nodes())} live): {last}")
 
     def drop_copies(self, keys: Sequence[bytes], nodes: Sequence[int],
                     namespace: str | None = None, tenant: str = "") -> None:
         """Have ``nodes`` drop their RAM copies of ``keys`` (they are stale: the entries were
-        overwritten or deleted elsewhere): now on a live node, before it is marked live again
-        on a node marked down or not reached."""
+        overwritten or deleted elsewhere): now on a live node (before its next call where the
+        caller's deadline left no time), before it is marked live again on a node marked down
+        or not reached."""
         for node in nodes:
             ns = namespace or self.clients[node].namespace
             with self._lock:
                 self.stale[node].setdefault((ns, tenant), set()).update(keys)
-            if self.router.live[node] and not self._drop_stale(node):
-                self._mark(node, False)
+            if self.router.live[node]:
+                self._dropped(node)
+
+    def _dropped(self, node: int) -> bool:
+        """Whether ``node`` holds no ``stale`` copies, having dropped them now; one that did
+        not drop them is marked down, but where the caller's ``deadline_within`` left no time
+        to (then they are dropped before its next call)."""
+        if not caller_deadline_passed() and self._drop_stale(node):
+            return True
+        if not caller_deadline_passed():
+            self._mark(node, False)
+        return False
 
     def _drop_stale(self, node: int) -> bool:
         """Evict ``node``'s stale keys from its RAM tier; False when the node did not answer,
