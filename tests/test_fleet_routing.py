@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+import socket
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -366,6 +367,27 @@ def test_a_node_marked_down_comes_back_without_the_health_thread(tmp_path: Path)
             assert fleet.router.live_nodes() == [0, 1]
     with pytest.raises(ConfigError, match="health_interval_s must be a finite number"):
         FleetConfig(nodes=("a:1",), health_interval_s=float("inf"))
+
+
+def test_a_store_does_not_try_a_node_marked_down_while_one_is_live(tmp_path: Path) -> None:
+    """A node that takes connections and answers nothing (hung), marked down: once its
+    backoff has passed a read tries it again, but a store goes to the live node (tried
+    there, it would raise its deadline although a live node could take it)."""
+    with socket.create_server(("127.0.0.1", 0)) as hung, \
+            running_nodes(tmp_path, 1) as (node,):
+        config = FleetConfig(nodes=(f"127.0.0.1:{hung.getsockname()[1]}", node.address),
+                             health_interval_s=0, timeout_s=1.0, retry_down_s=0.01,
+                             client_options={"shm_bytes": 0})
+        with FleetClient(config) as fleet:
+            fleet._mark(0, False)  # as a failed call marks it
+            time.sleep(0.05)  # its backoff passed
+            assert fleet._candidates(KEYS[:1])[0] == 0  # a read tries it first
+            t = time.monotonic()
+            fleet.store(KEYS[0], KV, mode="raw")
+            fleet.store_many([(k, KV) for k in KEYS[1:3]], mode="raw")
+            assert time.monotonic() - t < 0.9 and fleet._last.node == 1
+            assert fleet.router.live_nodes() == [1] and fleet.failovers == 0
+            assert fleet.nodes_report()[0]["stale"] == 3  # dropped before it is read again
 
 
 def test_a_callers_spent_deadline_marks_no_node_down(servers: list[ServerThread]) -> None:

@@ -23,11 +23,12 @@ passed: its node may apply it yet, after a newer store elsewhere, so its error i
 call ended by its caller's ``deadline_within`` (``kdn.client.deadline``) raises
 DeadlineExceeded as a Client does, its node not marked down: the time was the caller's (a
 hung node is then found by the health thread, or by a call without such a deadline). Ahead
-of the live nodes a call tries those marked down whose backoff has passed (``retry_down_s``,
-doubling while a node keeps failing, at most ``MAX_RETRY_DOWN_S``), and every node marked down
-when none is live: a node comes back without the health thread too (a hung one costs such a
-call one ``timeout_s`` per backoff). Nothing else is retried here: a bad request fails on its
-first node.
+of the live nodes a read tries those marked down whose backoff has passed (``retry_down_s``,
+doubling while a node keeps failing, at most ``MAX_RETRY_DOWN_S``), and every call every node
+marked down when none is live: a node comes back without the health thread too (a hung one
+costs such a read one ``timeout_s`` per backoff; a store goes to a live node while there is
+one, as a hung node would raise its deadline). Nothing else is retried here: a bad request
+fails on its first node.
 
 Copies. A node keeps what it served or stored in its RAM, so a key may sit in several nodes'
 RAM. A store goes to its node (and through it to the shared tier); the other nodes are then told
@@ -189,7 +190,7 @@ class FleetClient:
         caller's ``deadline_within`` that ended the call is raised as is (DeadlineExceeded):
         its node is not marked down, nor another tried."""
         last: Exception | None = None
-        for node in self._candidates(keys):
+        for node in self._candidates(keys, write):
             down = not self.router.live[node]
             if self.stale[node] and not self._dropped(node):
                 continue  # it would serve what it missed
@@ -286,14 +287,16 @@ class FleetClient:
             for key in keys:
                 self._evict(node, [key], ns, tenant)
 
-    def _candidates(self, keys: Sequence[bytes]) -> list[int]:
-        """Nodes to try for a call on ``keys``: those marked down whose ``retry_at`` has passed
-        (a call that finds one back marks it live: its keys return to it), then the live ones
-        (``order``); every node marked down when none is live."""
+    def _candidates(self, keys: Sequence[bytes], write: bool = False) -> list[int]:
+        """Nodes to try for a call on ``keys``: for a read those marked down whose
+        ``retry_at`` has passed (a call that finds one back marks it live: its keys return to
+        it), then the live ones (``order``); every node marked down when none is live. A
+        ``write`` tries no node marked down while one is live: one still hung would raise
+        its deadline (``call``) where a live node would have taken it."""
         live = self.order(keys)
         now = time.monotonic()
-        return [i for i in range(len(self.nodes))
-                if not self.router.live[i] and (not live or self.retry_at[i] <= now)] + live
+        return [i for i in range(len(self.nodes)) if not self.router.live[i] and (
+            not live or (not write and self.retry_at[i] <= now))] + live
 
     def client_for(self, keys: Sequence[bytes]) -> Client:
         """The node client ``keys`` route to now (for calls the fleet does not wrap)."""
