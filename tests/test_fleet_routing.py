@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from kdn.client.client import Client, LookupResult
 from kdn.client.deadline import deadline_within
 from kdn.client.fleet import FleetClient, FleetConfig
 from kdn.client.routing import Affinity, LoadMeter, Router
@@ -305,6 +306,31 @@ def _fall_back(servers: list[ServerThread]) -> None:
         with pytest.raises(Unavailable, match="no node of the fleet answered"):
             fleet.lookup(chain)
         assert fleet.failovers == 2
+
+
+def test_keys_and_empty_batches_are_taken_as_a_client_takes_them(
+        servers: list[ServerThread]) -> None:
+    """The fleet keeps Client's signatures: any iterable of keys, a bytearray key, an empty
+    batch answered (not refused); a key that is not one is InvalidArgument, no node down."""
+    config = FleetConfig(nodes=tuple(s.address for s in servers), health_interval_s=0,
+                         client_options={"shm_bytes": 0})
+    with FleetClient(config) as fleet:
+        fleet.store(bytearray(KEYS[0]), KV, mode="raw")
+        home = fleet._last.node
+        with Client(servers[home].address, shm_bytes=0) as client:
+            for c in (client, fleet):
+                assert [i.present for i in c.lookup(iter(KEYS[:2])).infos] == [True, False]
+                assert [g is None for g in c.fetch_many(k for k in KEYS[:2])] == [False, True]
+                assert c.lookup([]) == LookupResult([], 0)
+                for many in ("fetch_many", "retrieve_many", "retrieve_streams", "store_many"):
+                    assert getattr(c, many)([]) == []
+                for name, args in (("fetch", ("ab" * 16,)), ("retrieve", (None,)),
+                                   ("store", ("ab" * 16, KV)),
+                                   ("lookup", ([KEYS[0], b"short"],))):
+                    with pytest.raises(InvalidArgument, match="key must be 32 bytes"):
+                        getattr(c, name)(*args)
+        assert fleet.router.live.all() and fleet.failovers == 0
+        assert fleet.fetch(bytearray(KEYS[0])) is not None
 
 
 def test_a_quiet_conversation_stays_on_one_node(tmp_path: Path) -> None:

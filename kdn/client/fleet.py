@@ -12,23 +12,24 @@ Every node serves every key: from its RAM, else from the shared Redis tier (whic
 reads through and stores through to, as its write policy says). Routing only decides whose
 RAM a request warms, so a wrong or lost node costs a Redis read, never a failed request.
 
-Lifecycle of a call: its route key names its first keys (``Router.route_key``); a route key
-that was among the keys of a recent call goes where that call went (``Affinity``: a later turn
-of a conversation follows the earlier, the stores after a lookup land where it went) while that
-node is within the load bound, else the first node in rendezvous order with room for the call
-within the bound. The chosen node is tried first, then the others in rendezvous order: a node
-that fails with UNAVAILABLE, a deadline or a closed connection is marked down at once (its keys
-move to their next node) and the call goes to the next one, but for a store whose deadline
-passed: its node may apply it yet, after a newer store elsewhere, so its error is raised. A
-call ended by its caller's ``deadline_within`` (``kdn.client.deadline``) raises
-DeadlineExceeded as a Client does, its node not marked down: the time was the caller's (a
-hung node is then found by the health thread, or by a call without such a deadline). Ahead
-of the live nodes a read tries those marked down whose backoff has passed (``retry_down_s``,
-doubling while a node keeps failing, at most ``MAX_RETRY_DOWN_S``), and every call every node
-marked down when none is live: a node comes back without the health thread too (a hung one
-costs such a read one ``timeout_s`` per backoff; a store goes to a live node while there is
-one, as a hung node would raise its deadline). Nothing else is retried here: a bad request
-fails on its first node.
+Lifecycle of a call: its keys are checked as a Client checks them (an empty batch goes to any
+live node, answered as a Client answers it); its route key names its first keys
+(``Router.route_key``); a route key that was among the keys of a recent call goes where that
+call went (``Affinity``: a later turn of a conversation follows the earlier, the stores after a
+lookup land where it went) while that node is within the load bound, else the first node in
+rendezvous order with room for the call within the bound. The chosen node is tried first, then
+the others in rendezvous order: a node that fails with UNAVAILABLE, a deadline or a closed
+connection is marked down at once (its keys move to their next node) and the call goes to the
+next one, but for a store whose deadline passed: its node may apply it yet, after a newer store
+elsewhere, so its error is raised. A call ended by its caller's ``deadline_within``
+(``kdn.client.deadline``) raises DeadlineExceeded as a Client does, its node not marked down:
+the time was the caller's (a hung node is then found by the health thread, or by a call without
+such a deadline). Ahead of the live nodes a read tries those marked down whose backoff has
+passed (``retry_down_s``, doubling while a node keeps failing, at most ``MAX_RETRY_DOWN_S``),
+and every call every node marked down when none is live: a node comes back without the health
+thread too (a hung one costs such a read one ``timeout_s`` per backoff; a store goes to a live
+node while there is one, as a hung node would raise its deadline). Nothing else is retried
+here: a bad request fails on its first node.
 
 Copies. A node keeps what it served or stored in its RAM, so a key may sit in several nodes'
 RAM. A store goes to its node (and through it to the shared tier); the other nodes are then told
@@ -65,7 +66,7 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -151,11 +152,10 @@ class FleetClient:
         return self.router.nodes
 
     def order(self, keys: Sequence[bytes]) -> list[int]:
-        """Node indices to try for a call on ``keys``, the chosen one first."""
-        if not keys:
-            raise InvalidArgument("a routed call needs at least one key")
+        """Node indices to try for a call on ``keys``, the chosen one first (for no keys, an
+        empty batch that any node answers as a Client does: the live nodes in one order)."""
         with self._lock:
-            route = self.router.route_key(keys)
+            route = self.router.route_key(keys) if keys else 0
             return self.router.choose(route, self.load, time.monotonic(),
                                       prefer=self.affinity.get(route), amount=len(keys))
 
@@ -182,20 +182,22 @@ class FleetClient:
         metrics.record_fleet_node(self.nodes[node], live, float(self.load.values(
             time.monotonic())[node]))
 
-    def call(self, keys: Sequence[bytes], fn: Callable[[Client], T], *,
+    def call(self, keys: Iterable[bytes], fn: Callable[[Client, list[bytes]], T], *,
              write: bool = False) -> T:
-        """``fn(client)`` on the node ``keys`` route to; on a node failure, on the next. A
-        ``write`` whose deadline passed is not sent on: its node may apply it yet (hung, then
-        back), after a newer write elsewhere; the error is raised (its outcome unknown). A
-        caller's ``deadline_within`` that ended the call is raised as is (DeadlineExceeded):
-        its node is not marked down, nor another tried."""
+        """``fn(client, keys)`` on the node ``keys`` route to (each key checked first, as a
+        Client checks it); on a node failure, on the next. A ``write`` whose deadline passed
+        is not sent on: its node may apply it yet (hung, then back), after a newer write
+        elsewhere; the error is raised (its outcome unknown). A caller's ``deadline_within``
+        that ended the call is raised as is (DeadlineExceeded): its node is not marked down,
+        nor another tried."""
+        ks = [check_key(k) for k in keys]
         last: Exception | None = None
-        for node in self._candidates(keys, write):
+        for node in self._candidates(ks, write):
             down = not self.router.live[node]
             if self.stale[node] and not self._dropped(node):
                 continue  # it would serve what it missed
             try:
-                out = fn(self.clients[node])
+                out = fn(self.clients[node], ks)
             except NODE_FAILURES as exc:
                 if isinstance(exc, DeadlineExceeded) and caller_deadline_passed():
                     self._last.node = node  # the caller's time, not the node's: as a Client
@@ -211,7 +213,7 @@ class FleetClient:
                 continue
             if down:
                 self._mark(node, True)
-            self._remember(keys, node, float(len(keys)))
+            self._remember(ks, node, float(len(ks)))
             self._last.node = node
             metrics.record_fleet_call(self.nodes[node], "ok")
             return out
@@ -227,7 +229,7 @@ class FleetClient:
         overwritten or deleted elsewhere): now on a live node (before its next call where the
         caller's deadline left no time), before it is marked live again on a node marked down
         or not reached."""
-        for node in nodes:
+        for node in nodes if keys else ():
             ns = namespace or self.clients[node].namespace
             with self._lock:
                 self.stale[node].setdefault((ns, tenant), set()).update(keys)
@@ -358,42 +360,43 @@ class FleetClient:
         return self.last_client.dataplane
 
     def lookup(self, keys: Sequence[bytes], **kw: Any) -> LookupResult:
-        return self.call(keys, lambda c: c.lookup(keys, **kw))
+        return self.call(keys, lambda c, ks: c.lookup(ks, **kw))
 
     def contains(self, key: bytes, **kw: Any) -> bool:
-        return self.call([key], lambda c: c.contains(key, **kw))
+        return self.call([key], lambda c, ks: c.contains(ks[0], **kw))
 
     def fetch(self, key: bytes, **kw: Any) -> Fetched | None:
-        return self.call([key], lambda c: c.fetch(key, **kw))
+        return self.call([key], lambda c, ks: c.fetch(ks[0], **kw))
 
     def fetch_many(self, keys: Sequence[bytes], **kw: Any) -> list[Fetched | None]:
-        return self.call(keys, lambda c: c.fetch_many(keys, **kw))
+        return self.call(keys, lambda c, ks: c.fetch_many(ks, **kw))
 
     def retrieve(self, key: bytes, **kw: Any) -> KVCache | None:
-        return self.call([key], lambda c: c.retrieve(key, **kw))
+        return self.call([key], lambda c, ks: c.retrieve(ks[0], **kw))
 
     def retrieve_many(self, keys: Sequence[bytes], **kw: Any) -> list[KVCache | None]:
-        return self.call(keys, lambda c: c.retrieve_many(keys, **kw))
+        return self.call(keys, lambda c, ks: c.retrieve_many(ks, **kw))
 
     def retrieve_stream(self, key: bytes, **kw: Any) -> LayerStream | None:
-        return self.call([key], lambda c: c.retrieve_stream(key, **kw))
+        return self.call([key], lambda c, ks: c.retrieve_stream(ks[0], **kw))
 
     def retrieve_streams(self, keys: Sequence[bytes], **kw: Any) -> list[LayerStream | None]:
-        return self.call(keys, lambda c: c.retrieve_streams(keys, **kw))
+        return self.call(keys, lambda c, ks: c.retrieve_streams(ks, **kw))
 
     def retrieve_joined(self, keys: Sequence[bytes], **kw: Any) -> None:
         return None
 
     def store(self, key: bytes, kv: Any, **kw: Any) -> pb.StoreResponse:
-        return self._stored([key], lambda c: c.store(key, kv, **kw), kw.get("namespace"))
+        key = check_key(key)
+        return self._stored([key], lambda c, _: c.store(key, kv, **kw), kw.get("namespace"))
 
     def store_many(self, items: Sequence[tuple[bytes, Any]], **kw: Any
                    ) -> list[pb.StoreResponse]:
         items = check_items(items)  # pairs, each key once: before any node is asked
         keys = [k for k, _ in items]
-        return self._stored(keys, lambda c: c.store_many(items, **kw), kw.get("namespace"))
+        return self._stored(keys, lambda c, _: c.store_many(items, **kw), kw.get("namespace"))
 
-    def _stored(self, keys: Sequence[bytes], fn: Callable[[Client], T],
+    def _stored(self, keys: Sequence[bytes], fn: Callable[[Client, list[bytes]], T],
                 namespace: str | None) -> T:
         """A store on the node ``keys`` route to; then every other node drops its RAM copy of
         them (it would serve the value this replaced: ``drop_copies``)."""
