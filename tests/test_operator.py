@@ -498,3 +498,16 @@ def test_a_pin_whose_entry_expired_is_dropped_by_evict_and_gc(tmp_path: Path) ->
         assert len(store.pinned()) == 1
         with pytest.raises(Exception, match="pinned"):
             c.evict([live])
+
+
+def test_admin_key_calls_act_on_the_clients_namespace(tmp_path: Path) -> None:
+    """pin, unpin, inspect and evict without a namespace act on the client's, as store and
+    delete do (they acted on 'default': a count of 0, NotFound, or another entry)."""
+    cfg = ServerConfig(port=0, data_dir=tmp_path / "d", disk_bytes=8 << 20)
+    key = keys.chunk_key([1], LAY)
+    with ServerThread(cfg) as st, AdminClient(st.address, namespace="ns1", shm_bytes=0) as c:
+        c.store(key, random_kv(LAY, 4), mode="raw")
+        assert c.pin([key]) == 1 and c.inspect(key).pinned
+        assert c.unpin([key]) == 1 and c.evict([key]) == 1
+        with pytest.raises(NotFound, match="'default'"):
+            c.inspect(key, "default")

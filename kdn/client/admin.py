@@ -193,10 +193,11 @@ class AdminClient(Client):
                                 metadata=md)
 
     @settles
-    def inspect(self, key: bytes, namespace: str = "default", *, tenant: str = "",
+    def inspect(self, key: bytes, namespace: str | None = None, *, tenant: str = "",
                 request_id: str | None = None) -> pb.EntryInfo:
-        """One entry, its layout included. ``tenant`` (here and in ``evict``, ``pin``,
-        ``unpin``): admins only, that tenant's entry ("": the caller's own)."""
+        """One entry, its layout included. ``namespace`` (here and in ``evict``, ``pin``,
+        ``unpin``): None for the client's; ``tenant``: admins only, that tenant's entry ("": the
+        caller's own)."""
         req = pb.InspectRequest(namespace=check_namespace(namespace or self.namespace),
                                 key=check_key(key), tenant=self.scoped(tenant, request_id))
         md = self.metadata(request_id)
@@ -204,8 +205,8 @@ class AdminClient(Client):
                                                             metadata=md))
 
     @settles
-    def _keys(self, rpc: Callable[..., pb.CountResponse], keys: list[bytes], namespace: str,
-              tier: str, tenant: str, request_id: str | None) -> int:
+    def _keys(self, rpc: Callable[..., pb.CountResponse], keys: list[bytes],
+              namespace: str | None, tier: str, tenant: str, request_id: str | None) -> int:
         ns, ks = check_namespace(namespace or self.namespace), [check_key(k) for k in keys]
         scope, md = self.scoped(tenant, request_id), self.metadata(request_id)
         count = 0
@@ -217,15 +218,15 @@ class AdminClient(Client):
                      "counted before)").count)
         return count
 
-    def evict(self, keys: list[bytes], namespace: str = "default", tier: str = "", *,
+    def evict(self, keys: list[bytes], namespace: str | None = None, tier: str = "", *,
               tenant: str = "", request_id: str | None = None) -> int:
         return self._keys(self._admin.Evict, keys, namespace, tier, tenant, request_id)
 
-    def pin(self, keys: list[bytes], namespace: str = "default", *, tenant: str = "",
+    def pin(self, keys: list[bytes], namespace: str | None = None, *, tenant: str = "",
             request_id: str | None = None) -> int:
         return self._keys(self._admin.Pin, keys, namespace, "", tenant, request_id)
 
-    def unpin(self, keys: list[bytes], namespace: str = "default", *, tenant: str = "",
+    def unpin(self, keys: list[bytes], namespace: str | None = None, *, tenant: str = "",
               request_id: str | None = None) -> int:
         return self._keys(self._admin.Unpin, keys, namespace, "", tenant, request_id)
 
