@@ -215,6 +215,11 @@ def test_affinity_is_bounded_and_forgets_a_lost_node() -> None:
     ({"nodes": (b"a:1",)}, "not host:port"),
     ({"nodes": ("a:\u0661\u0662",)}, "not host:port"),
     ({"nodes": 5}, "non-empty list"),
+    ({"nodes": ("a:1",), "client_options": {"timeout_s": 5}}, "use FleetConfig.timeout_s"),
+    ({"nodes": ("a:1",), "client_options": {"address": "b:2"}}, "may not set 'address'"),
+    ({"nodes": ("a:1",), "client_options": {"retry_count": 2}}, "not an option of Client"),
+    ({"nodes": ("a:1",), "client_options": {"self": 2}}, "not an option of Client"),
+    ({"nodes": ("a:1",), "client_options": [("shm_bytes", 0)]}, "client_options must be a"),
 ])
 def test_bad_fleet_configs_are_refused(kw: dict[str, object], match: str) -> None:
     with pytest.raises(ConfigError, match=match):

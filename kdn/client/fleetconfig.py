@@ -5,14 +5,19 @@ when made; ``FleetConfig.from_file`` reads it from YAML (``nodes:`` and any fiel
 
 from __future__ import annotations
 
+import inspect
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kdn.client.client import Client
 from kdn.client.routing import Router
 from kdn.errors import ConfigError, InvalidArgument
 from kdn.yamlfiles import load_yaml_file
+
+FLEET_SET = {"address": "nodes", "timeout_s": "FleetConfig.timeout_s"}
+"""``Client`` parameters the fleet sets itself, with where a caller sets them."""
 
 
 @dataclass(frozen=True)
@@ -46,7 +51,8 @@ class FleetConfig:
     memo_keys: int = 1 << 16
     """Keys remembered with the node they were routed to (``Affinity``; 0 = none)."""
     client_options: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
-    """Keyword arguments for each node's ``Client`` (api_key, tls, shm_bytes, ...)."""
+    """Keyword arguments for each node's ``Client`` (api_key, tls, shm_bytes, ...), but those
+    the fleet sets itself (``FLEET_SET``)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.nodes, (list, tuple)) or not self.nodes:
@@ -76,6 +82,7 @@ class FleetConfig:
                self.retry_down_s) < 0:
             raise ConfigError("fleet: health_interval_s, inflight_weight, memo_keys and "
                               "retry_down_s must be >= 0")
+        check_client_options(self.client_options)
         try:
             Router(self.nodes, affinity_blocks=self.affinity_blocks, load_bound=self.load_bound,
                    load_floor=self.load_floor)
@@ -94,6 +101,22 @@ class FleetConfig:
         if unknown:
             raise ConfigError(f"fleet file {path}: unknown settings {', '.join(unknown)}")
         return cls(**{**data, **overrides})
+
+
+def check_client_options(options: object) -> None:
+    """ConfigError unless ``options`` is a mapping of ``Client`` keyword arguments other than
+    those the fleet sets itself (``FLEET_SET``)."""
+    if not isinstance(options, dict):
+        raise ConfigError(f"fleet: client_options must be a mapping of Client options, got "
+                          f"{type(options).__name__}")
+    takes = inspect.signature(Client.__init__).parameters
+    for name in options:
+        if name in FLEET_SET:
+            raise ConfigError(f"fleet: client_options may not set {name!r}: the fleet sets it "
+                              f"(use {FLEET_SET[name]})")
+        if name == "self" or name not in takes:
+            raise ConfigError(f"fleet: client_options names {name!r}, which is not an option "
+                              "of Client")
 
 
 def node_address(node: object) -> str:
