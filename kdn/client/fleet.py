@@ -211,7 +211,7 @@ class FleetClient:
                     self._last.node = node
                     raise
                 continue
-            if down:
+            if down and ks:  # an empty batch is answered unsent: it shows nothing of a node
                 self._mark(node, True)
             self._remember(ks, node, float(len(ks)))
             self._last.node = node
