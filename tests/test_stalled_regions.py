@@ -95,6 +95,36 @@ def test_a_read_the_server_did_not_answer_keeps_its_region(served: Served) -> No
         assert _same(c.retrieve(_key("c")), c_kv) and _same(c.retrieve(_key("a")), a)
 
 
+@pytest.mark.parametrize("closed_first", [False, True], ids=["open", "closed-first"])
+def test_a_staged_store_async_left_unanswered_keeps_its_region(served: Served,
+                                                                closed_first: bool) -> None:
+    """A staged entry's ``store_async`` names its region: it is not given to the next staged
+    entry while the store is unanswered (the caller closed the entry meanwhile), and is
+    retired once the store goes unanswered: the entry closed, never stored again."""
+    with Client(served.address, timeout_s=1.0) as c:
+        c.store(_key("warm"), random_kv(LAY, 16, seed=3), mode="raw")  # the segment attached
+        seg, _ = c.dataplane.segment()
+        assert seg is not None and c.dataplane.server_seals
+        st = c.stage(LAY, 64)
+        at = st.offset
+        served.stop()
+        try:
+            pending = c.store_async(_key("first"), st)
+            if closed_first:
+                st.close()
+                gc.collect()
+                with c.stage(LAY, 64) as other:  # the store above still names the region
+                    assert other.offset != at
+            with pytest.raises(DeadlineExceeded):
+                pending.result()
+        finally:
+            served.resume()
+        assert st.closed and seg.regions.retired_bytes() >= st.nbytes
+        gc.collect()
+        with c.stage(LAY, 64) as other:  # a late copy of the first store reads its own bytes
+            assert other.offset != at
+
+
 def test_retired_ranges_never_come_back() -> None:
     r = RegionAllocator(0, 1 << 12)
     at = r.alloc(1024)

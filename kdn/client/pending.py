@@ -26,6 +26,11 @@ ASYNC_DEPTH = 8
 """Asynchronous stores a thread has sent and not had answered; past it each new one first
 reads the oldest answer."""
 
+Sent = tuple["PendingStore", "tuple[int, int] | None", Any]
+"""An asynchronous store sent on a same-host path and not answered yet: its ``PendingStore``,
+the segment's region its bytes were written into (freed when answered) or None, and the staged
+entry it names (``kdn.client.staged.InFlight``: its region kept until answered) or None."""
+
 
 class PendingStore:
     """What ``Client.store_async`` gives back: ``result()`` waits for the server's answer and

@@ -47,7 +47,7 @@ from kdn.client.fastwire import (
     fast_send,
     unusable,
 )
-from kdn.client.pending import ASYNC_DEPTH, PendingStore
+from kdn.client.pending import ASYNC_DEPTH, PendingStore, Sent
 from kdn.client.perthread import PerThread
 from kdn.client.pipelined import put_pipelined, put_staged_pipelined, write_parts
 from kdn.codec import EncodedParts
@@ -265,7 +265,6 @@ class SameHostPath:
         except OSError:
             return False
 
-
     def close(self) -> None:
         """Give the arena's leases and the segment back (``Detach``) and close the connections.
         Views of the arena the caller still holds keep what they show: their pages are made
@@ -413,7 +412,7 @@ class SameHostPath:
 
     # -- asynchronous stores (``Client.store_async``) -------------------------------------------
 
-    def _pending(self) -> deque[tuple[PendingStore, tuple[int, int] | None]]:
+    def _pending(self) -> deque[Sent]:
         return self.threads.mine().pending
 
     def has_pending(self) -> bool:
@@ -425,9 +424,10 @@ class SameHostPath:
                   on_done: Any = None) -> PendingStore | None:
         """Send one store on this thread's fast-path connection without waiting for its
         answer: ``parts`` written into a region of the segment (freed when answered), or a
-        staged entry named where it lies (sealed by the server). None where it can not go
-        this way (no segment or fast path, too large, no room): the caller stores it as
-        ``store`` does."""
+        staged entry named where it lies (sealed by the server; its region kept until then,
+        closed or not, and retired, the entry closed, where no answer comes: ``_lost``). None
+        where it can not go this way (no segment or fast path, too large, no room): the
+        caller stores it as ``store`` does."""
         self.segment()  # attached on first use
         path = self._fast_path  # read before the id: a renewed id comes with its own path
         seg, seg_id = self.segment()
@@ -435,11 +435,11 @@ class SameHostPath:
             return None
         q = self._pending()
         block: tuple[int, int] | None = None
+        lent = staged.lend(seg) if staged is not None else None
         if staged is not None:
-            at = staged.region(seg)
-            if at is None:
+            if lent is None:
                 return None
-            start, length = at
+            start, length = lent.region
         else:
             assert parts is not None
             length = parts.nbytes
@@ -473,9 +473,11 @@ class SameHostPath:
         except OSError as exc:
             if block is not None:  # part of the call may have reached the server
                 seg.give_back(*block, failed=exc)
+            if lent is not None:  # (the entry stays open: stored another way, as it is)
+                seg.retire_owned(lent.start)
             self._fast_failed(exc, path)
             return None
-        q.append((pending, block))
+        q.append((pending, block, lent))
         while len(q) > ASYNC_DEPTH:
             self._settle_one(q)
         return pending
@@ -499,8 +501,8 @@ class SameHostPath:
         failed, held.failed = held.failed, []
         return failed
 
-    def _settle_one(self, q: deque[tuple[PendingStore, tuple[int, int] | None]]) -> None:
-        pending, block = q.popleft()
+    def _settle_one(self, q: deque[Sent]) -> None:
+        pending, block, lent = q.popleft()
         seg = self.segment()[0]
         try:
             conn = self.threads.mine().conn
@@ -510,7 +512,7 @@ class SameHostPath:
                 ok, body = fast_answer(bounded, answer_bound(1))
         except OSError as exc:  # the connection went: no answer will come for any of them
             failed = self.threads.mine().failed
-            failed += self._lost([(pending, block), *q], seg, exc)
+            failed += self._lost([(pending, block, lent), *q], seg, exc)
             q.clear()
             if isinstance(exc, TimeoutError):  # the path stays (``_fast_failed``): this
                 self._close_conn()  # connection goes
@@ -523,14 +525,15 @@ class SameHostPath:
         if error is not None:
             self.threads.mine().failed.append(error)
 
-    def _lost(self, lost: list[tuple[PendingStore, tuple[int, int] | None]], seg: Any,
-              exc: OSError) -> list[KDNError]:
+    def _lost(self, lost: list[Sent], seg: Any, exc: OSError) -> list[KDNError]:
         """Fail stores whose answers will not come (``exc``: why), their regions given back
         (retired: the server may still read them); their errors (Closed: cut by ``close``)."""
         errors: list[KDNError] = []
-        for p, b in lost:
+        for p, b, lent in lost:
             if b is not None and seg is not None:
                 seg.give_back(*b, failed=exc)
+            if lent is not None:
+                lent.lost()
             errors.append(DeadlineExceeded(
                 f"the server did not answer the store of {p.key!r} on the same-host fast "
                 f"path within timeout_s={self.timeout_s}; it may or may not be stored")
@@ -542,14 +545,13 @@ class SameHostPath:
             p.resolve(None, errors[-1])
         return errors
 
-    def _orphaned(self, conn: socket.socket | None,
-                  q: deque[tuple[PendingStore, tuple[int, int] | None]]) -> None:
+    def _orphaned(self, conn: socket.socket | None, q: deque[Sent]) -> None:
         """The stores a thread sent and left unanswered as it ended (``kdn.client.
         perthread``; on a thread of their own): their answers read on its connection
         (``conn``; None: closed with the client), so that their regions come back."""
         seg = self._segment
         while q:
-            pending, block = q[0]
+            pending, block, _ = q[0]
             try:
                 if conn is None:
                     raise OSError("the client was closed")

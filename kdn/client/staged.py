@@ -253,6 +253,13 @@ class Staged:
             return None
         return self.offset, self.nbytes
 
+    def lend(self, segment: Any) -> InFlight | None:
+        """The entry named by a store sent and not answered yet (``region``: where it lies),
+        its region kept from being given back until that answer comes, even where the entry is
+        closed meanwhile; None when it is not staged in ``segment`` and open."""
+        at = self.region(segment)
+        return None if at is None else InFlight(self, segment, self._start, self._view, at)
+
     def _check_open(self) -> None:
         if self.closed:
             raise InvalidArgument("store of a staged entry that was closed")
@@ -285,3 +292,23 @@ class Staged:
             del self._view
             self.layers = []
             self.segment = None
+
+
+class InFlight(NamedTuple):
+    """A staged entry named by a store not answered yet (``Staged.lend``): ``view`` keeps its
+    region from being given back (a ``close`` meanwhile frees it once the answer is read and
+    this is dropped); ``lost`` where no answer will come."""
+
+    staged: Staged
+    segment: Any
+    start: int
+    view: memoryview
+    region: tuple[int, int]
+    """(offset, length) of the entry in its segment."""
+
+    def lost(self) -> None:
+        """The store went unanswered (the server may still read the region): the region is
+        retired, not given back (``SharedSegment.retire_owned``), and the entry is closed,
+        as ``Staged.retire``, closed or not by then."""
+        self.segment.retire_owned(self.start)
+        self.staged.close()

@@ -301,7 +301,8 @@ class Writer:
         waits for the thread's earlier stores first, so its reads see them), or by
         ``flush()``, which raises the first error since the last flush. A staged entry must
         not be written again until its store is answered (the server copies what it holds
-        then)."""
+        then); closed meanwhile, its region is kept until then, and a store not answered
+        closes it and retires the region (``kdn.client.samehost``)."""
         key, kv, options = check_key(key), check_entry(kv), check_options(options)
         check_encoding(mode, level, layers_per_frame)
         ns = self._ns(namespace)

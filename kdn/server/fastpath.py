@@ -552,8 +552,9 @@ class FastPath:
             s.count("fast.GetMany")
             return serialize_passthrough(s.reads.get_many(principal, req))
         s.count("fast.PutMany")
-        still_there(conn, "PutMany")  # (its client gone: not applied late)
-        return s.puts.put(principal, req).SerializeToString()
+        copies = s.puts.copy(principal, req)
+        still_there(conn, "PutMany")  # (its client gone while copying: not applied late)
+        return s.puts.finish(principal, req, copies).SerializeToString()
 
     def stop_accepting(self) -> None:
         """Take no new connection nor call: the listener, the pending connections and those
