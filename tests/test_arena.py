@@ -306,7 +306,7 @@ def test_a_closed_clients_read_only_views_stay_as_they_were_read(
     """A read bound for a GPU views the server's pages read-only (registered with CUDA where
     one exists: faked here); at close they are swapped for a copy, still read-only. Where that
     can not be done, the client keeps its leases (its segment stays attached)."""
-    from kdn.client import shm
+    from kdn.client import forked
     from kdn.client.shm import LeasedArena
 
     monkeypatch.setattr(LeasedArena, "register_with_cuda", lambda self: True)
@@ -314,7 +314,7 @@ def test_a_closed_clients_read_only_views_stay_as_they_were_read(
     segments = tiny.server.servicer.segments
     for swapped in (True, False):
         if not swapped:
-            monkeypatch.setattr(shm, "own_pages", lambda *args, **kwargs: False)
+            monkeypatch.setattr(forked, "own_pages", lambda *args, **kwargs: False)
         with Client(tiny.address, timeout_s=30, shm_bytes=1 << 20) as c:
             c.store(_key(0), values[0], mode="raw")
             bound = c.dataplane.get_many("default", [_key(0)], Expected(), None,

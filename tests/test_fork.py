@@ -7,6 +7,8 @@ have, and never returned)."""
 
 from __future__ import annotations
 
+import dataclasses
+import gc
 import multiprocessing
 import os
 import signal
@@ -21,7 +23,7 @@ from kdn.client import stream as client_stream
 from kdn.codec import gpu_source
 from kdn.codec.format import parse_header, sums_checked_later
 from kdn.errors import InvalidArgument
-from kdn.server import ServerThread
+from kdn.server import ServerConfig, ServerThread
 from kdn.server.batch import copy_pool
 from kdn.transport.buffers import copy_threads
 from tests.helpers import numbered_key, random_kv, uniform_layout
@@ -228,3 +230,49 @@ def test_a_fork_leaves_another_threads_unanswered_stores_to_the_parent(
         for i in range(1, 5):
             got = c.retrieve(numbered_key(i), layout=LAYOUT)
             assert got is not None and got.equal(kvs[i])
+
+
+@pytest.mark.parametrize("arena", [0, 1 << 20], ids=["segment", "arena"])
+def test_results_inherited_by_a_fork_child_stay_as_they_were(
+        server_config: ServerConfig, arena: int) -> None:
+    """What ``retrieve`` returned before a fork views shared memory (the client's segment,
+    or the server's read arena): in the child it is a snapshot (``kdn.client.forked``). The
+    parent reading other entries into the same memory (the entry deleted: its arena slot
+    reused) does not change the child's copy, nor the child writing its copy in place the
+    parent's."""
+    lay = uniform_layout(layers=2, heads=4, dim=64)  # 64 KiB an entry of 64 tokens
+    kvs = [random_kv(lay, 64, seed=20 + i) for i in range(12)]
+    config = dataclasses.replace(server_config, shm_arena_bytes=arena)
+    with ServerThread(config) as st, Client(st.address, timeout_s=10, shm_bytes=8 << 20) as c:
+        c.store_many([(numbered_key(i), kv) for i, kv in enumerate(kvs[:2])], mode="raw")
+        inherited, held = c.retrieve(numbered_key(0)), c.retrieve(numbered_key(1))
+        assert inherited is not None and held is not None and c.dataplane.segment()[0]
+        to_child, to_parent = os.pipe(), os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: never returns into pytest
+            try:
+                for t in (t for layer in held.layers for t in layer):
+                    t.fill_(0)  # its copy of the parent's
+                os.write(to_parent[1], b"w")
+                os.read(to_child[0], 1)  # the parent read other entries meanwhile
+                os.write(to_parent[1], b"1" if inherited.equal(kvs[0]) else b"0")
+            finally:
+                os._exit(0)
+        try:
+            assert os.read(to_parent[0], 1) == b"w"
+            assert held.equal(kvs[1]), "the child's write reached the parent's result"
+            del inherited
+            gc.collect()
+            c.delete(numbered_key(0))
+            for i in range(2, 12):
+                c.store(numbered_key(i), kvs[i], mode="raw")
+                got = c.retrieve(numbered_key(i))  # where the parent's copy of entry 0 was
+                assert got is not None and got.equal(kvs[i])
+            os.write(to_child[1], b"x")
+            same = os.read(to_parent[0], 1)
+        finally:
+            os.kill(pid, signal.SIGKILL)  # (done by now, unless the parent failed first)
+            os.waitpid(pid, 0)
+            for fd in (*to_child, *to_parent):
+                os.close(fd)
+        assert same == b"1", "the child's result changed as the parent read on"

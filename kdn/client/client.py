@@ -26,7 +26,8 @@ calling thread's latest call, so threads sharing a Client never see each other's
 
 A Client belongs to the process that made it: its channel, its connections and its shared
 segment do not survive ``fork()``. In a child, each of its calls raises InvalidArgument at once
-(``close`` does nothing there): the child makes a Client of its own.
+(``close`` does nothing there): the child makes a Client of its own. What it returned before
+the fork is the child's own copy there (``kdn.client.forked``).
 """
 
 from __future__ import annotations

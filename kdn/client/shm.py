@@ -14,7 +14,8 @@ a ``Fetched`` the caller holds, the tensors of a ``raw`` entry decoded in place,
 
 The server's read arena (``LeasedArena``) is viewed in place too; when the client closes, the
 pages its caller's views still show become the process's own before the leases go back
-(``LeasedArena.close``), so what a closed client returned never changes under its caller.
+(``LeasedArena.close``), so what a closed client returned never changes under its caller;
+likewise in a child of ``fork()``, for the views of both (``kdn.client.forked``).
 """
 
 from __future__ import annotations
@@ -36,10 +37,10 @@ from typing import Any
 
 import numpy as np
 
-from kdn.client import cudahost
+from kdn.client import cudahost, forked
+from kdn.client.forked import keep_pages
 from kdn.errors import Cancelled, DeadlineExceeded, KDNError, Unavailable
 from kdn.transport import directory
-from kdn.transport.buffers import MADV_POPULATE_WRITE, own_pages
 from kdn.transport.regions import ALIGN, RegionAllocator
 
 log = logging.getLogger(__name__)
@@ -117,7 +118,9 @@ class SharedSegment:
             raise
         self.array: np.ndarray[Any, Any] = np.frombuffer(self.map, dtype=np.uint8)
         self.regions = RegionAllocator(NONCE_BYTES, size)
+        forked.track(self)  # its views private in a child of fork()
         self._owned: dict[int, weakref.finalize] = {}  # region start -> what frees it
+        self._retiring: dict[int, weakref.finalize] = {}  # ... or retires it (``retire_owned``)
         self._cuda_registered: bool | None = None
         self.server_gone: Callable[[], bool] | None = None
         """Whether the server process the segment is attached to now has exited
@@ -188,6 +191,16 @@ class SharedSegment:
             later = weakref.finalize(owner, self._retire, at, n, "a staged entry's store",
                                      self.server_gone)  # (this server's, not a later one's)
             later.atexit = False
+            self._retiring = {at: f for at, f in self._retiring.items() if f.alive}
+            self._retiring[start] = later
+
+    def make_private(self) -> bool:
+        """In a child of ``fork()`` (``kdn.client.forked``): the pages of the regions that
+        views still show become this process's own (the parent reuses the regions)."""
+        live = [f.peek() for f in (*self._owned.values(), *self._retiring.values())]
+        ranges = [got[2][:2] for got in live if got is not None]
+        return self.map.closed or keep_pages(self.map, ranges, writable=True,
+                                             copy_on_write=False)
 
     def holds(self, view: memoryview) -> bool:
         """Whether ``view`` lies in this segment's memory."""
@@ -314,6 +327,7 @@ class LeasedArena:
             self._pagemap = None  # every released range is then reset whole
         else:  # at close, or when the arena dies unclosed (a client dropped without close)
             self._close_pagemap = weakref.finalize(self, os.close, self._pagemap)
+        forked.track(self)  # its views private in a child of fork()
 
     def view(self, lease: int, offset: int, length: int, *, pinned: bool = False
              ) -> memoryview:
@@ -559,8 +573,7 @@ class LeasedArena:
             self._close_pagemap()
         if self._cuda_registered:
             cudahost.unregister(self._source.ctypes.data)
-        kept = self._keep(self.map, in_place, writable=True) & \
-            self._keep(self._pristine, read_only, writable=False)
+        kept = self._own(in_place, read_only)
         del self.array, self._source, self._words
         for m in (self.map, self._pristine):
             try:
@@ -569,32 +582,14 @@ class LeasedArena:
                 pass
         return kept
 
-    @staticmethod
-    def _keep(mapping: mmap.mmap, ranges: list[tuple[int, int]], *, writable: bool) -> bool:
-        """Make the pages of ``ranges`` (offset, length) of ``mapping`` this process's own,
-        their bytes as they are now: a copy-on-write mapping's (``writable``) are copied on
-        write at once (``MADV_POPULATE_WRITE``: what the process wrote stays), a shared
-        read-only mapping's are swapped for a copy (``own_pages``). The cost, a copy of the
-        pages views still show, is paid once, here: reads copy nothing. False where some
-        could not be."""
-        runs: list[list[int]] = []  # [first page, end page) of the ranges, merged
-        for first, end in sorted((offset // PAGE, (offset + length - 1) // PAGE + 1)
-                                 for offset, length in ranges):
-            if runs and first <= runs[-1][1]:
-                runs[-1][1] = max(runs[-1][1], end)
-            else:
-                runs.append([first, end])
-        if not runs:
+    def _own(self, in_place: list[tuple[int, int]], read_only: list[tuple[int, int]]) -> bool:
+        """``forked.keep_pages`` of the ranges of views in place and of read-only views."""
+        return keep_pages(self.map, in_place, writable=True, copy_on_write=True) & \
+            keep_pages(self._pristine, read_only, writable=False, copy_on_write=False)
+
+    def make_private(self) -> bool:
+        """In a child of ``fork()`` (``kdn.client.forked``): the pages that views still show
+        become this process's own, as at ``close`` (the leases are the parent's)."""
+        if self.closed:  # its views' pages are this process's own already
             return True
-        base = np.frombuffer(mapping, dtype=np.uint8).ctypes.data
-        done = True
-        for first, end in runs:
-            start, n = first * PAGE, (end - first) * PAGE
-            if writable:
-                try:
-                    mapping.madvise(MADV_POPULATE_WRITE, start, n)
-                    continue
-                except OSError:  # a kernel before 5.14: swapped for a copy as below
-                    pass
-            done &= own_pages(base + start, n, writable=writable)
-        return done
+        return self._own([(at, n) for at, (_, n) in list(self._live.items())], list(self._shown))
