@@ -357,7 +357,8 @@ def test_leases_of_a_client_that_exited_are_freed_when_the_arena_is_full(
         got = d.retrieve(_key(2), layout=LAYOUT)
         assert got is not None and got.equal(values[2])
         n = _counters(d)
-    assert n["arena.fills"] == 3 and n["arena.full"] == 1  # full once, then reaped, leased
+    # reaped as its connections closed (``FastPath.ended``), or else when the arena was full
+    assert n["arena.fills"] == 3 and n["arena.full"] <= 1
 
 
 def test_reads_racing_overwrites_and_evictions_of_a_tiny_arena_return_whole_entries(

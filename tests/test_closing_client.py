@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import gc
 import os
+import signal
 import threading
 import time
 import weakref
@@ -27,7 +28,7 @@ from kdn.client import Client
 from kdn.errors import Closed, Unavailable
 from kdn.server import ServerThread
 from kdn.v1 import kdn_pb2 as pb
-from tests.helpers import numbered_key, random_kv, uniform_layout
+from tests.helpers import eventually, numbered_key, random_kv, uniform_layout
 
 LAYOUT = uniform_layout()
 
@@ -112,6 +113,34 @@ def test_a_same_host_client_dropped_unclosed_gives_its_segment_back(server: Serv
     segments.reap()
     assert len(segments) == 0
     assert _fds_settle(fds + 2) <= fds + 2
+
+
+def test_a_killed_same_host_clients_segment_is_detached_when_its_connections_close(
+        server: ServerThread) -> None:
+    """A client killed (SIGKILL: no Detach, no close) leaves its segment mapped by the server,
+    its pages and its arena leases held; it is detached once its fast-path connections close
+    (the kernel closes them as the process dies), not only at some later client's Attach."""
+    segments = server.server.servicer.segments
+    kv = random_kv(LAYOUT, 16, seed=4)
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: a client of its own, killed while it holds the segment
+        try:
+            c = Client(server.address, timeout_s=10, shm_bytes=1 << 20)
+            c.store(numbered_key(1), kv, mode="raw")
+            got = c.retrieve(numbered_key(1), layout=LAYOUT)  # a lease of the arena held
+            os.write(w, b"1" if got is not None and c.dataplane.attached else b"0")
+            time.sleep(60)
+        finally:
+            os._exit(0)
+    try:
+        assert os.read(r, 1) == b"1" and len(segments) == 1
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        os.close(r)
+        os.close(w)
+    assert eventually(lambda: len(segments) == 0), "the killed client's segment stayed"
 
 
 @pytest.mark.parametrize("shm_bytes", [1 << 20, 0], ids=["same-host", "network"])

@@ -120,6 +120,15 @@ def recv_by(conn: socket.socket, n: int, by: float) -> bytes | None:
     return bytes(buf)
 
 
+def queued(conn: socket.socket) -> bool:
+    """Whether ``conn`` has bytes to read now (a call its client sent before the one being
+    served was answered)."""
+    try:
+        return bool(conn.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT))
+    except (BlockingIOError, InterruptedError):
+        return False
+
+
 def hung_up(conn: socket.socket) -> bool:
     """Whether the client closed its end of ``conn``: it gave up on its call (its deadline
     passed). A write is not applied then (as gRPC drops a call its client cancelled): a

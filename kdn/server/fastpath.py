@@ -68,7 +68,7 @@ from kdn.errors import InvalidArgument, KDNError, NotFound, TooLarge, kept
 from kdn.server.arena import Arenas
 from kdn.server.auth import Principal
 from kdn.server.batch import BatchReads, copy_pool
-from kdn.server.door import Door, Peer, recv_by, still_there
+from kdn.server.door import Door, Peer, queued, recv_by, still_there
 from kdn.server.egress import Egress, Pacer
 from kdn.server.requests import check_names
 from kdn.server.segments import Segments
@@ -139,15 +139,6 @@ def _raise(exc: Exception) -> Reply:
         raise exc
     finally:  # its traceback holds this frame
         del exc
-
-
-def _queued(conn: socket.socket) -> bool:
-    """Whether ``conn`` has bytes to read now (a call its client sent before the one being
-    served was answered)."""
-    try:
-        return bool(conn.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT))
-    except (BlockingIOError, InterruptedError):
-        return False
 
 
 TENANT_SHARE = 75
@@ -287,9 +278,9 @@ class FastPath:
                 op, body = call
                 started = time.perf_counter()
                 if op == FAST_PUT_MANY and self.grouped and self._here.peer.owner is not None \
-                        and _queued(conn):  # (admitted: a group's later half admits nothing)
+                        and queued(conn):  # (admitted: a group's later half admits nothing)
                     group = [(body, started)]  # the PutManys sent before this one's answer
-                    while len(group) < GROUP_CALLS and _queued(conn):
+                    while len(group) < GROUP_CALLS and queued(conn):
                         nxt = self._read_call(conn)
                         if nxt is None or nxt[0] != FAST_PUT_MANY:
                             ahead = nxt
@@ -307,6 +298,15 @@ class FastPath:
             with self._lock:
                 self._gone(accepted)
             conn.close()
+            peer = getattr(self._here, "peer", None)
+            if peer is not None and peer.owner is not None:
+                self.ended(peer.owner)
+
+    def ended(self, owner: str) -> None:
+        """A connection admitted by segment ``owner`` closed: the segment is detached where
+        its client exited (``Segments.reap``: a client killed gives no Detach; its leases and
+        pages would stay held until another client attached). A ticket: nothing."""
+        self.servicer.segments.reap(only=(owner,))
 
     def _next_call(self, accepted: socket.socket, conn: socket.socket
                    ) -> tuple[int, bytes] | None:

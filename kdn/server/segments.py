@@ -5,9 +5,10 @@ shrinking, growing and more seals (``F_SEAL_SHRINK``: the server's mapping never
 16 random bytes at its start, and calls ``Attach(pid, fd, size, nonce)``. The server opens
 ``/proc/<pid>/fd/<fd>``, checks the name, the seals, the size and the nonce, maps it, and
 returns a random ``segment_id`` bound to the calling tenant. ``GetMany``/``PutMany`` name the
-segment and a region in it; ``Detach`` (or server shutdown) unmaps it. A server that can not
-open the segment (another host, another container, no permission) answers FAILED_PRECONDITION
-and the client keeps using gRPC.
+segment and a region in it; ``Detach`` (or server shutdown) unmaps it, and so does ``reap``
+once its client exited without one (when a fast-path connection of it closes, or at an
+``Attach``). A server that can not open the segment (another host, another container, no
+permission) answers FAILED_PRECONDITION and the client keeps using gRPC.
 
 What is trusted: pid, fd and nonce are the caller's word, and the server opens the descriptor
 with its own rights (often more than the caller's: root, or kdn's user). So it opens only a
@@ -34,7 +35,7 @@ import secrets
 import stat
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -203,10 +204,11 @@ class Segments:
                                           np.frombuffer(view, dtype=np.uint8))
         return seg_id
 
-    def reap(self) -> int:
-        """Detach the segments whose client exited or closed them without Detach; how many."""
+    def reap(self, only: Collection[str] | None = None) -> int:
+        """Detach the segments (of ids ``only``, when given) whose client exited or closed
+        them without Detach; how many."""
         with self._lock:
-            segs = list(self._by_id.items())
+            segs = [(i, s) for i, s in self._by_id.items() if only is None or i in only]
         gone = []
         for seg_id, seg in segs:
             path, inode = seg.source
