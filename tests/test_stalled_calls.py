@@ -164,3 +164,66 @@ def test_an_import_counts_the_pieces_it_holds(tmp_path: Path) -> None:
             go_on.set()
             assert imported.result(30).imported == 1
             stub.Store(store(numbered_key(7)), timeout=30)  # the pieces were let go
+
+
+def _entry_stream(key: bytes, parts: codec.EncodedParts, declared: int,
+                  stop: threading.Event | None = None, at: int = 0) -> Iterator[pb.StoreRequest]:
+    """A Store stream's messages for ``parts`` declaring ``declared`` bytes; with ``stop``,
+    it waits for it before frame ``at``."""
+    yield pb.StoreRequest(header=pb.StoreHeader(key=key, container_header=parts.header,
+                                                total_bytes=declared))
+    for i, frame in enumerate(parts.frames):
+        if stop is not None and i == at:
+            stop.wait(20)
+        yield pb.StoreRequest.FromString(frame_message(i, frame))
+
+
+def _held_then_refused(tmp_path: Path, slow_call: str,
+                       slow: Iterator[pb.StoreRequest], stop: threading.Event) -> int:
+    """Start ``slow_call`` with ``slow`` (it stops sending at ``stop``), check that a declared
+    4 MiB Store is refused meanwhile past a 6 MiB bound, then let it end: the entries stored
+    by it."""
+    parts = codec.encode_parts(random_kv(LAY, 128), "raw", layers_per_frame=1)  # 4 MiB
+    total = len(parts.header) + sum(len(f) for f in parts.frames)
+    cfg = ServerConfig(port=0, data_dir=tmp_path, disk_bytes=64 << 20, ram_bytes=6 << 20,
+                       max_entry_bytes=5 << 20)
+    with ServerThread(cfg) as st:
+        ch, stub = _stub(st)
+        with ch:
+            held = getattr(stub, slow_call).future(slow, timeout=30)
+            time.sleep(0.5)  # what it sent is in, and counted
+            with pytest.raises(grpc.RpcError) as err:
+                stub.Store(_entry_stream(numbered_key(8), parts, total), timeout=30)
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "the server is receiving" in (err.value.details() or "")
+            stop.set()
+            answer = held.result(30)
+            stub.Store(_entry_stream(numbered_key(8), parts, total), timeout=30)  # room again
+    return len(answer.results) if slow_call == "StoreMany" else 1
+
+
+def test_a_store_declaring_too_few_bytes_counts_its_frames_as_they_arrive(
+        tmp_path: Path) -> None:
+    """A Store that declares under 1 MiB (here 0) may still send up to max_entry_bytes: its
+    frames count as bytes being received as they arrive (four such stopped Stores held 14 MiB
+    against a 6 MiB bound, counted as nothing)."""
+    parts = codec.encode_parts(random_kv(LAY, 128), "raw", layers_per_frame=1)  # 4 MiB
+    stop = threading.Event()
+    _held_then_refused(tmp_path, "Store", _entry_stream(numbered_key(9), parts, 0, stop, 7),
+                       stop)  # 3.5 MiB sent, then it waits
+
+
+def test_a_store_many_counts_its_received_entries_until_they_are_stored(
+        tmp_path: Path) -> None:
+    """A StoreMany's entries stay in memory until all are in and committed: they count as
+    bytes being received until then, not only while each one's own frames arrive."""
+    parts = codec.encode_parts(random_kv(LAY, 32), "raw", layers_per_frame=1)  # 1 MiB
+    total = len(parts.header) + sum(len(f) for f in parts.frames)
+    stop = threading.Event()
+
+    def many() -> Iterator[pb.StoreRequest]:
+        for j in range(4):
+            yield from _entry_stream(numbered_key(20 + j), parts, total)
+        stop.wait(20)  # four whole entries in, then it waits
+
+    assert _held_then_refused(tmp_path, "StoreMany", many(), stop) == 4

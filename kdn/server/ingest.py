@@ -56,7 +56,7 @@ class Ingest:
         self._durabilities = {d.value for d in Durability  # those some tier here meets
                               if any(t.satisfies(d) for t in store.tiers)}
         self.max_receiving = max(config.ram_bytes, config.max_entry_bytes)
-        """Bytes the writes being received may declare at once (``receiving``): the RAM
+        """Bytes the writes being received may hold at once (``receiving``): the RAM
         budget, or one entry of the largest size taken where that is more."""
         self._receiving: dict[str, int] = {}  # by tenant
         self._receiving_lock = threading.Lock()

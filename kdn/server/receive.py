@@ -6,6 +6,10 @@ The server never decodes tensors. A Store stream is checked as it arrives: the c
 shapes against the layout). Only a complete, valid entry is written, in one ``put``; a stream
 that fails, is cancelled or ends early writes nothing, so what was stored before stays intact.
 A StoreMany stream stores none of its entries unless every one passed.
+
+What a stream holds counts as bytes being received (``Ingest.reserve``, ``_Held``) until its
+entries are committed or dropped: each entry's declared ``total_bytes``, more as the frames of
+one that declared less arrive, and a StoreMany's entries received before its last.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from kdn.codec.format import Header, check_frame, declared_length
 from kdn.errors import Corrupt, InvalidArgument, KDNError, TooLarge
 from kdn.server.auth import Principal
 from kdn.server.batch import MAX_BATCH_BYTES
-from kdn.server.ingest import Ingest
+from kdn.server.ingest import Ingest, written
 from kdn.store.framed import MIN_FRAMED_BYTES, Framed, framed_limit
 from kdn.transport.buffers import (
     BACKGROUND_CHECK_BYTES,
@@ -88,6 +92,24 @@ async def _client_bytes(call: Awaitable[T]) -> T:
         raise InvalidArgument(f"corrupt input: {exc}") from exc
 
 
+class _Held:
+    """The bytes one Store or StoreMany stream holds, counted as being received
+    (``Ingest.reserve``; TooLarge past the bound) until ``release``: its entries stay in memory
+    until they are committed, so they count until then."""
+
+    def __init__(self, ingest: Ingest, principal: Principal) -> None:
+        self.ingest, self.principal, self.nbytes = ingest, principal, 0
+
+    def add(self, nbytes: int, what: str) -> None:
+        if nbytes > 0:
+            self.ingest.reserve(self.principal, nbytes, what)
+            self.nbytes += nbytes
+
+    def release(self) -> None:
+        self.ingest.release(self.principal, self.nbytes)
+        self.nbytes = 0
+
+
 class Receiver:
     """Store and StoreMany streams received into entries and committed through ``ingest``;
     large entries are copied into buffers from ``buffers`` as they arrive."""
@@ -119,8 +141,12 @@ class Receiver:
             raise InvalidArgument("empty Store stream: expected a header first") from None
         if isinstance(first, FrameMessage) or first.WhichOneof("part") != "header":
             raise InvalidArgument("Store stream must start with a header")
-        entry = await self._entry(principal, first.header, it, _SINGLE)
-        return (await self._commit(principal, [entry]))[0]
+        held = _Held(self.ingest, principal)
+        try:
+            entry = await self._entry(principal, first.header, it, _SINGLE, held)
+            return (await self._commit(principal, [entry]))[0]
+        finally:
+            held.release()
 
     async def _store_many(self, principal: Principal,
                           request_iterator: AsyncIterator[pb.StoreRequest | FrameMessage]
@@ -131,7 +157,14 @@ class Receiver:
         checked before any is stored (a bad one stores none), at most ``MAX_BATCH_BYTES`` in
         all. The remote form of a batch write; the answer says this server reads the grouped
         form (``reads_grouped``), which a client sends only once told."""
-        it = request_iterator.__aiter__()
+        held = _Held(self.ingest, principal)  # every entry, until committed
+        try:
+            return await self._many(principal, request_iterator.__aiter__(), held)
+        finally:
+            held.release()
+
+    async def _many(self, principal: Principal, it: AsyncIterator[Any], held: _Held
+                    ) -> pb.StoreManyResponse:
         entries: list[Received] = []
         first: pb.StoreRequest | FrameMessage | None = await anext(it, None)
         if first is not None and not isinstance(first, FrameMessage) and \
@@ -141,32 +174,35 @@ class Receiver:
                 raise InvalidArgument(f"StoreMany: a grouped stream of {len(heads)} headers; "
                                       f"from 1 to {MAX_GROUPED_ENTRIES}")
             self._batch_bytes(sum(h.total_bytes for h in heads))
+            held.add(sum(h.total_bytes for h in heads), written(len(heads)))
             for head in heads:
-                entries.append(await self._many_entry(principal, head, it, _GROUPED, entries))
+                entries.append(await self._many_entry(principal, head, it, _GROUPED, entries,
+                                                      held))
             if await anext(it, None) is not None:
                 raise InvalidArgument(f"StoreMany: more after the {len(heads)} grouped entries")
             self.ingest.count("storemany.grouped")
             first = None
-        held = sum(len(e.value) for e in entries)
+        batch = sum(len(e.value) for e in entries)
         while first is not None:  # one header after another
             if isinstance(first, FrameMessage) or first.WhichOneof("part") != "header":
                 raise InvalidArgument("StoreMany: a frame arrived where an entry's header "
                                       "was due")
-            self._batch_bytes(held + first.header.total_bytes)
-            entry = await self._many_entry(principal, first.header, it, _MANY, entries)
-            held += len(entry.value)
-            self._batch_bytes(held)
+            self._batch_bytes(batch + first.header.total_bytes)
+            entry = await self._many_entry(principal, first.header, it, _MANY, entries, held)
+            batch += len(entry.value)
+            self._batch_bytes(batch)
             entries.append(entry)
             first = entry.next
         return pb.StoreManyResponse(results=await self._commit(principal, entries),
                                     reads_grouped=True)
 
     async def _many_entry(self, principal: Principal, head: pb.StoreHeader,
-                          it: AsyncIterator[Any], form: int, before: list[Received]) -> Received:
+                          it: AsyncIterator[Any], form: int, before: list[Received],
+                          held: _Held) -> Received:
         """Entry ``len(before)`` of a StoreMany stream, an error naming it (as PutMany names
         its item)."""
         try:
-            return await self._entry(principal, head, it, form)
+            return await self._entry(principal, head, it, form, held)
         except KDNError as exc:
             raise type(exc)(f"entry {len(before)}: {exc}") from exc
 
@@ -192,11 +228,12 @@ class Receiver:
         return run() if self.ingest.store.memory_only else await asyncio.to_thread(run)
 
     async def _entry(self, principal: Principal, head: pb.StoreHeader, it: AsyncIterator[Any],
-                     form: int) -> Received:
+                     form: int, held: _Held) -> Received:
         """One entry of a Store stream (``head`` its header), received and checked. Its frames
         end with the stream (``_SINGLE``: Store), where the next header begins (``_MANY``:
         StoreMany, ``Received.next``), or once its ``total_bytes`` arrived (``_GROUPED``: a
-        grouped StoreMany, every header sent first)."""
+        grouped StoreMany, every header sent first). Its bytes count in ``held`` (a grouped
+        StoreMany's counted all its entries' at their headers), the stream's to release."""
         t0 = time.perf_counter()
         skey, header = self.ingest.check_header(principal.tenant, head)
         checking = time.perf_counter() - t0  # the checks' time, for kdn_entry_check_seconds
@@ -211,29 +248,32 @@ class Receiver:
         # the copy. Entries under MIN_FRAMED_BYTES are joined once at the end.
         if (declared >= MIN_BYTES or form == _GROUPED) and declared < len(header.raw):
             raise InvalidArgument(f"total_bytes {declared} is smaller than the header")
-        with self.ingest.receiving(principal, declared, "entry"):  # while it arrives
-            whole = None
-            if declared > framed_limit(kept_free_bytes()):
-                whole = memoryview(self.buffers.take(declared))  # type: ignore[arg-type]
-                whole[: len(header.raw)] = header.raw
-            checks: deque[asyncio.Future[float]] = deque()
-            try:
-                return await self._frames(it, head, skey, header, whole, checking, checks,
-                                          form)
-            finally:
-                if checks:  # nothing writes into the buffer once this returns or raises
-                    await asyncio.gather(*checks, return_exceptions=True)
+        if form != _GROUPED:
+            held.add(declared, "entry")
+        whole = None
+        if declared > framed_limit(kept_free_bytes()):
+            whole = memoryview(self.buffers.take(declared))  # type: ignore[arg-type]
+            whole[: len(header.raw)] = header.raw
+        checks: deque[asyncio.Future[float]] = deque()
+        try:
+            return await self._frames(it, head, skey, header, whole, checking, checks, form,
+                                      held)
+        finally:
+            if checks:  # nothing writes into the buffer once this returns or raises
+                await asyncio.gather(*checks, return_exceptions=True)
 
     async def _frames(self, it: AsyncIterator[Any], head: pb.StoreHeader, skey: bytes,
                       header: Header, whole: memoryview | None, checking: float,
-                      checks: deque[asyncio.Future[float]], form: int) -> Received:
+                      checks: deque[asyncio.Future[float]], form: int, held: _Held
+                      ) -> Received:
         """The rest of a Store stream: its frames checked (copied into ``whole``, where there
         is one; frames of ``BACKGROUND_CHECK_BYTES`` or more, or copied ones of
         ``OVERLAP_FRAME_BYTES`` or more, on ``kdn.transport.buffers.copy_threads`` while the next
         one arrives, held in ``checks``, as the event loop's thread would hold up every other
         call), then the entry received: one buffer (``whole``, or joined below
         ``MIN_FRAMED_BYTES``) or ``Framed``. A frame may come in pieces (``Frame.offset``): each is
-        taken once the next frame begins or the stream ends, its pieces joined (or copied)."""
+        taken once the next frame begins or the stream ends, its pieces joined (or copied).
+        An unsized entry's bytes past what it declared count in ``held`` as they arrive."""
         declared, n_frames = head.total_bytes, len(header.entry.frames)
         limit = self.ingest.config.max_entry_bytes
         # kept as frames, or copied into ``whole``; a grouped entry's size tells where it ends
@@ -288,8 +328,10 @@ class Receiver:
                 raise InvalidArgument(f"frame {frame.index} arrived, expected frame {index}")
             if total + len(data) > limit:
                 raise TooLarge(f"entry exceeds max_entry_bytes {limit}")
-            if sized and total + len(data) > declared:
-                raise InvalidArgument(f"frames exceed the declared total_bytes {declared}")
+            if total + len(data) > declared:
+                if sized:
+                    raise InvalidArgument(f"frames exceed the declared total_bytes {declared}")
+                held.add(total + len(data) - max(total, declared), "frame")
             if not frame.offset:
                 if index and not done:
                     finish()
