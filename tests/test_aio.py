@@ -15,6 +15,7 @@ import pytest
 
 from kdn import codec
 from kdn.client import AsyncClient, Client
+from kdn.client.pending import ASYNC_DEPTH
 from kdn.codec import EncodedParts
 from kdn.errors import Closed, InvalidArgument
 from kdn.server import ServerThread
@@ -354,3 +355,17 @@ def test_an_async_client_without_its_client_has_no_attributes(server: ServerThre
     with pytest.raises(AttributeError, match="retrieve"):
         bare.retrieve  # noqa: B018
     ac.client.close()
+
+
+def test_store_async_keeps_only_unanswered_stores(server: ServerThread) -> None:
+    """Every PendingStore store_async handed out was kept until the next flush, answered or
+    not: a producer that never flushed grew without bound."""
+    enc = codec.encode_parts(random_kv(LAYOUT, 16, seed=9), "raw")
+
+    async def main() -> None:
+        async with AsyncClient(server.address) as ac:
+            for i in range(200):
+                await ac.store_async(numbered_key(90 + i % 10), enc)
+            assert len(ac._unanswered) <= 2 * ASYNC_DEPTH
+
+    asyncio.run(main())

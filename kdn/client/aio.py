@@ -125,6 +125,7 @@ class AsyncClient:
             self._abandoned = True
             raise
         if not pending.done():
+            self._forget_answered()  # (kept until answered only: a producer never flushing)
             self._unanswered.append(pending)
         return pending
 
