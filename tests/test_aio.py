@@ -357,6 +357,27 @@ def test_an_async_client_without_its_client_has_no_attributes(server: ServerThre
     ac.client.close()
 
 
+def test_a_flush_waiting_while_close_ran_raises_closed(server: ServerThread) -> None:
+    """A flush waiting for a cancelled write while close ended the store thread raised
+    RuntimeError('cannot schedule new futures after shutdown'), not Closed."""
+    kv = random_kv(LAYOUT, 16, seed=8)
+
+    async def main() -> None:
+        c = GatedWrites(server.address, timeout_s=1)
+        ac = AsyncClient(c)
+        await ac.retrieve(numbered_key(81), layout=LAYOUT)  # (the data paths opened)
+        await cancel_once_running(c, ac.store(numbered_key(81), kv, mode="raw"))
+        flushing = asyncio.ensure_future(ac.flush())  # waits for the cancelled store
+        await asyncio.sleep(0.1)
+        await ac.close()  # waits at most timeout_s for it
+        c.gate.set()
+        with pytest.raises(Closed):
+            await flushing
+        c.close()
+
+    asyncio.run(main())
+
+
 def test_store_async_keeps_only_unanswered_stores(server: ServerThread) -> None:
     """Every PendingStore store_async handed out was kept until the next flush, answered or
     not: a producer that never flushed grew without bound."""

@@ -139,6 +139,7 @@ class AsyncClient:
             kept, self._flushing = self._flushing, None
             if kept is not None:  # its error first: it was taken before this flush's
                 await self._flushed(kept)
+            self._usable()  # (closed while it waited: the store thread is ended)
             await self._flushed(self._stores.submit(contextvars.copy_context().run,
                                                     self.client.flush))
         finally:
