@@ -357,6 +357,32 @@ def test_an_async_client_without_its_client_has_no_attributes(server: ServerThre
     ac.client.close()
 
 
+def test_a_cancelled_close_still_closes_its_client(server: ServerThread) -> None:
+    """A close whose await was cancelled (queued behind a store on the store thread) marked
+    the AsyncClient closed but never closed its Client: a second close did nothing, and the
+    Client stayed open for good."""
+    kv = random_kv(LAYOUT, 16, seed=7)
+
+    async def main() -> None:
+        c = GatedClient(server.address, timeout_s=30)
+        ac = AsyncClient(c)
+        ac._owns = True  # as one made from an address
+        sent = asyncio.ensure_future(ac.store_async(numbered_key(80), kv, mode="raw"))
+        assert await asyncio.to_thread(c.entered.wait, 10)
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(ac.close(), 0.2)
+        with pytest.raises(Closed):
+            await ac.retrieve(numbered_key(80))
+        c.gate.set()
+        pending = await sent
+        await ac.close()  # waits for the first one's work
+        assert pending.done() and pending.result().stored_bytes
+        with pytest.raises(Closed):
+            c.stats()
+
+    asyncio.run(main())
+
+
 def test_a_flush_waiting_while_close_ran_raises_closed(server: ServerThread) -> None:
     """A flush waiting for a cancelled write while close ended the store thread raised
     RuntimeError('cannot schedule new futures after shutdown'), not Closed."""

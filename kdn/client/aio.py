@@ -28,6 +28,7 @@ import contextvars
 import functools
 import os
 from collections.abc import Callable
+from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -67,7 +68,9 @@ class AsyncClient:
         self._flushing: Future[None] | None = None
         """A flush whose await was cancelled: it still runs and takes the stores' errors; the
         next flush waits for it and raises its error."""
-        self._closed = False
+        self._closing: Future[None] | None = None
+        """``close``'s work on the store thread, once asked for (the AsyncClient closed): it runs
+        to its end."""
         self._pid = os.getpid()  # its store thread is not in a child of fork()
 
     def _usable(self) -> None:
@@ -76,7 +79,7 @@ class AsyncClient:
         if os.getpid() != self._pid:
             raise InvalidArgument("an AsyncClient cannot be used after fork(): make a new "
                                   "one in the child")
-        if self._closed:
+        if self._closing is not None:
             raise Closed("the AsyncClient is closed: make a new one")
 
     async def _on_store_thread(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
@@ -160,19 +163,34 @@ class AsyncClient:
         """The stores sent answered (each ``result()`` then has its answer or error), the store
         thread ended, and the Client closed where this AsyncClient made it (from an address;
         one handed in is its owner's to close), after the writes whose await was cancelled
-        have run (waited for at most the Client's ``timeout_s``, else CLOSE_WAIT_S). Closing
-        again does nothing; any other call after it raises Closed. Nothing in a child of
-        ``fork()``: the Client is the parent's."""
-        if self._closed or os.getpid() != self._pid:
+        have run (waited for at most the Client's ``timeout_s``, else CLOSE_WAIT_S). Once
+        asked for, that runs to its end on the store thread, this await cancelled or not;
+        closing again waits for it (quietly: its error is the first close's). Any other call
+        after it raises Closed. Nothing in a child of ``fork()``: the Client is the parent's."""
+        if os.getpid() != self._pid:
             return
-        try:
-            await self._writes_ran(self.client.timeout_s or CLOSE_WAIT_S)
-            await self._on_store_thread(self.client.close if self._owns
-                                        else self.client.dataplane.settle_async)
-        finally:
-            self._closed = True
-            self._forget_answered()
-            self._stores.shutdown(wait=False)
+        first = self._closing is None
+        if self._closing is None:
+            self._closing = self._stores.submit(
+                contextvars.copy_context().run, self._close_on_store_thread, list(self._writing),
+                self.client.timeout_s or CLOSE_WAIT_S)
+            self._stores.shutdown(wait=False)  # (after the close, queued before it)
+        closing = asyncio.wrap_future(self._closing)
+        closing.add_done_callback(_retrieved)  # (raised by the first close only)
+        if first:
+            await asyncio.shield(closing)
+        else:
+            await asyncio.wait([closing])
+        self._forget_answered()
+
+    def _close_on_store_thread(self, writing: list[Future[None]], wait_s: float) -> None:
+        """``close``'s work: ``writing`` (cancelled writes) waited for at most ``wait_s``, then
+        the Client closed (made here) or its stores sent here answered (handed in)."""
+        futures.wait(writing, timeout=wait_s)
+        if self._owns:
+            self.client.close()
+        else:
+            self.client.dataplane.settle_async()
 
     async def __aenter__(self) -> AsyncClient:
         return self
