@@ -277,3 +277,32 @@ def test_close_leaves_another_live_threads_connection_to_it(server: ServerThread
     t.join(10)
     assert seen == ["Closed"]
     assert theirs[0].fileno() == -1  # closed by its thread
+
+
+def test_a_write_cut_by_close_says_its_outcome_is_unknown(server: ServerThread) -> None:
+    """A store cut short by close() on another thread raised the plain Closed of a closed
+    client, although the server may have stored it (it had): it says the outcome is unknown."""
+    kv = random_kv(uniform_layout(layers=8, heads=8, dim=128), 512, seed=2)  # 16 MiB
+    delay, cut = 0.005, []
+    end = time.monotonic() + 5
+    while not cut and time.monotonic() < end:
+        c = Client(server.address, timeout_s=20)
+        c.lookup([numbered_key(7)])  # (the data paths opened)
+        raised: list[str] = []
+
+        def store(c: Client = c, raised: list[str] = raised) -> None:
+            try:
+                c.store(numbered_key(7), kv, mode="raw")
+            except Closed as exc:
+                raised.append(str(exc))
+
+        t = threading.Thread(target=store)
+        t.start()
+        time.sleep(delay)
+        c.close()
+        t.join()
+        delay = delay * 0.7 if not raised else delay * 1.3  # (stored before the close: sooner)
+        # refused before it began (plain), or cut short: the server may have it
+        cut = [m for m in raised if "cut short" in m]
+        assert all(m.endswith("make a new Client") or "may or may not" in m for m in raised)
+    assert cut and "may or may not have reached the server" in cut[0]

@@ -32,7 +32,7 @@ from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from kdn.client.client import Client
+from kdn.client.client import WRITES, Client
 from kdn.client.pending import PendingStore
 from kdn.errors import Closed, Corrupt, InvalidArgument
 
@@ -229,11 +229,6 @@ class AsyncClient:
 CLOSE_WAIT_S = 60.0
 """How long ``close`` waits for the writes whose await was cancelled, for a Client without
 a deadline (``timeout_s`` None)."""
-
-WRITES = frozenset({"store", "store_many", "delete"})
-"""The Client's calls that change what the server holds: one whose await was cancelled is
-waited for by the AsyncClient's later calls."""
-
 
 def _ran(ran: Future[None], fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """``_no_stop(fn, ...)``; ``ran`` done when it returned or raised."""

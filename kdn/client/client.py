@@ -84,13 +84,19 @@ DEFAULT_STREAMS = 1
 F = TypeVar("F", bound=Callable[..., Any])
 
 
+WRITES = frozenset({"store", "store_many", "delete"})
+"""The Client's calls that change what the server holds: one cut short by a close may or may
+not have been done (its Closed says so); ``AsyncClient`` waits for one whose await was
+cancelled."""
+
+
 def in_its_process(fn: F) -> F:
     """A method of ``Client`` that raises InvalidArgument, before it touches anything, in a
     child of ``fork()`` (module docstring): there the channel would hang and the segment is
     the parent's. Closed once ``close`` began, and for a call that fails after it began on
     another thread: whatever broke under it (its connection, its segment, its channel) broke
-    for the close. A call reading into tensors without kdn's model extra raises MissingExtra
-    (``kdn.extras``)."""
+    for the close (a write so cut says it may or may not have been done). A call reading into
+    tensors without kdn's model extra raises MissingExtra (``kdn.extras``)."""
     @functools.wraps(fn)
     def call(self: Client, *args: Any, **kwargs: Any) -> Any:
         if os.getpid() != self.pid:
@@ -101,12 +107,15 @@ def in_its_process(fn: F) -> F:
         try:
             with model_side(f"Client.{fn.__name__}"):
                 return fn(self, *args, **kwargs)
-        except Closed:
-            raise
-        except Exception:
-            if self.closing:
-                raise Closed(CLOSED) from None
-            raise
+        except Exception as exc:
+            if not self.closing:
+                raise
+            if fn.__name__ in WRITES:  # (the server may have done it before the cut)
+                raise Closed(f"{CLOSED}: Client.{fn.__name__} was cut short by the close; it "
+                             "may or may not have reached the server (lookup tells)") from None
+            if isinstance(exc, Closed):
+                raise
+            raise Closed(CLOSED) from None
     return call  # type: ignore[return-value]
 
 
