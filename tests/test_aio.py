@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import os
 import threading
 from typing import Any
 
@@ -414,5 +415,40 @@ def test_store_async_keeps_only_unanswered_stores(server: ServerThread) -> None:
             for i in range(200):
                 await ac.store_async(numbered_key(90 + i % 10), enc)
             assert len(ac._unanswered) <= 2 * ASYNC_DEPTH
+
+    asyncio.run(main())
+
+
+class GatedLookups(Client):
+    """A Client whose ``lookup`` waits for ``gate`` (a hung server's)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.gate = threading.Event()
+
+    def lookup(self, *args: Any, **kwargs: Any) -> Any:
+        assert self.gate.wait(10)
+        return super().lookup(*args, **kwargs)
+
+
+def test_cancelled_calls_hold_the_async_clients_threads_not_the_loops(
+        server: ServerThread) -> None:
+    """Reads whose await was cancelled, still waiting for a hung server, held the threads of
+    the loop's default executor: the application's own ``asyncio.to_thread`` waited for them
+    (until the Client's timeout_s)."""
+
+    async def main() -> None:
+        c = GatedLookups(server.address, timeout_s=30)
+        ac = AsyncClient(c)
+        try:
+            for _ in range(min(32, (os.cpu_count() or 1) + 4) + 2):  # the default executor's
+                with pytest.raises(asyncio.TimeoutError):
+                    await asyncio.wait_for(ac.lookup([numbered_key(82)]), 0.01)
+            assert await asyncio.wait_for(asyncio.to_thread(int, "1"), 3) == 1
+        finally:
+            c.gate.set()
+        assert not (await ac.lookup([numbered_key(82)])).infos[0].present
+        await ac.close()
+        c.close()
 
     asyncio.run(main())

@@ -9,16 +9,18 @@
 Each call runs the Client's method on a worker thread, so the logic exists once. The calls
 bound to the thread that makes them (an asynchronous store is answered on the thread that sent
 it: ``store_async``, ``flush``, ``close``) all run on one thread of the AsyncClient's own, so
-``flush`` and ``close`` answer every store it sent; the other calls run on the loop's default
-executor, after the stores it sent are answered (one whose await was cancelled too: it still
-runs on that thread). Every call, ``store_async`` and ``flush`` too (``close`` for a bounded
-time), waits until each ``store``, ``store_many`` or ``delete`` whose await was cancelled has
-run (it still runs: a later write of its key would lose to it), as a Client's calls on one
-thread do (a read then sees them). A store's ``result()`` is read once ``flush``
-(or ``close``) returned; its ``done()`` any time. The worker thread's ``last_request_id`` is not
-the caller's: pass ``request_id`` to correlate. As a Client, an AsyncClient belongs to the
-process that made it: in a child of ``fork()`` its calls raise InvalidArgument (``close`` does
-nothing there).
+``flush`` and ``close`` answer every store it sent; the other calls run on a pool of its own
+(CALL_THREADS), after the stores it sent are answered (one whose await was cancelled too: it
+still runs on that thread). A call whose await was cancelled is not stopped: it runs until it
+ends (at most the Client's ``timeout_s``) on one of the AsyncClient's threads, not the loop's
+default executor's (the application's). Every call, ``store_async`` and ``flush`` too
+(``close`` for a bounded time), waits until each ``store``, ``store_many`` or ``delete`` whose
+await was cancelled has run (it still runs: a later write of its key would lose to it), as a
+Client's calls on one thread do (a read then sees them). A store's ``result()`` is read once
+``flush`` (or ``close``) returned; its ``done()`` any time. The worker thread's
+``last_request_id`` is not the caller's: pass ``request_id`` to correlate. As a Client, an
+AsyncClient belongs to the process that made it: in a child of ``fork()`` its calls raise
+InvalidArgument (``close`` does nothing there).
 """
 
 from __future__ import annotations
@@ -55,6 +57,8 @@ class AsyncClient:
         handed in stays open for its owner (its stores sent here are answered)."""
         self._stores = ThreadPoolExecutor(1, thread_name_prefix="kdn-aio-stores")
         """The one thread asynchronous stores are sent, answered and flushed on."""
+        self._calls = ThreadPoolExecutor(CALL_THREADS, thread_name_prefix="kdn-aio-calls")
+        """The threads the other calls run on (module docstring)."""
         self._unanswered: list[PendingStore] = []
         self._abandoned = False
         """Whether a ``store_async`` whose await was cancelled may have sent a store since the
@@ -82,11 +86,16 @@ class AsyncClient:
         if self._closing is not None:
             raise Closed("the AsyncClient is closed: make a new one")
 
-    async def _on_store_thread(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    def _submit(self, threads: ThreadPoolExecutor, fn: Callable[..., T], *args: Any,
+                **kwargs: Any) -> asyncio.Future[T]:
+        """``fn(...)`` run on ``threads`` (Closed once closed: they are ended)."""
         self._usable()
         ctx = contextvars.copy_context()  # as asyncio.to_thread: the caller's context
-        return await asyncio.get_running_loop().run_in_executor(
-            self._stores, functools.partial(ctx.run, fn, *args, **kwargs))
+        return asyncio.get_running_loop().run_in_executor(
+            threads, functools.partial(ctx.run, fn, *args, **kwargs))
+
+    async def _on_store_thread(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        return await self._submit(self._stores, fn, *args, **kwargs)
 
     async def _answered(self) -> None:
         """Wait until the stores sent so far are answered (their errors kept for ``flush``),
@@ -175,6 +184,7 @@ class AsyncClient:
                 contextvars.copy_context().run, self._close_on_store_thread, list(self._writing),
                 self.client.timeout_s or CLOSE_WAIT_S)
             self._stores.shutdown(wait=False)  # (after the close, queued before it)
+            self._calls.shutdown(wait=False)  # (the calls running end as they would)
         closing = asyncio.wrap_future(self._closing)
         closing.add_done_callback(_retrieved)  # (raised by the first close only)
         if first:
@@ -210,12 +220,10 @@ class AsyncClient:
             self._usable()  # (a Client handed in stays open after close)
             await self._answered()
             if name not in WRITES:
-                return await asyncio.to_thread(_no_stop, fn, *args, **kwargs)
+                return await self._submit(self._calls, _no_stop, fn, *args, **kwargs)
             ran: Future[None] = Future()
             ran.set_running_or_notify_cancel()
-            ctx = contextvars.copy_context()  # as asyncio.to_thread: the caller's context
-            running = asyncio.get_running_loop().run_in_executor(
-                None, functools.partial(ctx.run, _ran, ran, fn, *args, **kwargs))
+            running = self._submit(self._calls, _ran, ran, fn, *args, **kwargs)
             try:  # shielded: once asked for, it runs, and ``ran`` tells when it has
                 return await asyncio.shield(running)
             except asyncio.CancelledError:
@@ -226,6 +234,9 @@ class AsyncClient:
         return call
 
 
+CALL_THREADS = min(32, (os.cpu_count() or 1) + 4)
+"""Threads an AsyncClient runs its calls on (but the stores': one thread), as many as the
+loop's default executor has."""
 CLOSE_WAIT_S = 60.0
 """How long ``close`` waits for the writes whose await was cancelled, for a Client without
 a deadline (``timeout_s`` None)."""
