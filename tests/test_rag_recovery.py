@@ -1,7 +1,8 @@
 """RAG state folders after a crash or in another's hands, against a real in-process kdn server:
 an interrupted codec change is completed by the next ingest whatever its mode, chunks stored
 before a crash are deleted once no document uses them, another embedder is refused before any
-work, damaged files are Corrupt, and a killed commit's temporary files go. The tiny random
+work, damaged files are Corrupt, a killed commit's temporary files go, and an answer stands when
+kdn refuses to store back the chunks it computed. The tiny random
 Llama, character tokenizer and bag-of-words embedder of ``test_rag``."""
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from kdn.rag.index import (
     embedder_name,
     embeddings_name,
 )
-from kdn.server import ServerThread
+from kdn.server import ServerConfig, ServerThread
 from tests import test_rag
 from tests.test_rag import CONFIG, Counted, WordEmbedder, corpus, make_kb
 
@@ -58,6 +59,26 @@ def test_an_interrupted_codec_change_is_stored_again_by_the_next_ingest(
     assert rep.unchanged == 0 and not m.reencoding
     assert held_modes(server, m.keys()) == {"lossless"}
     assert make_kb(model, client, state).ingest(docs).unchanged == rep.documents
+
+
+def test_an_answer_stands_when_kdn_refuses_its_computed_chunks(
+        model: Any, client: Client, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    docs, state = corpus(tmp_path), tmp_path / "state"
+    make_kb(model, client, state).ingest(docs)
+    question = "Which river flows north in Africa, the Nile?"
+    # a server that lost the data and has less room than one chunk: every store-back is refused
+    small = ServerConfig(port=0, data_dir=tmp_path / "small", ram_bytes=8192, disk_bytes=0,
+                         wire_memo_bytes=0, shm_arena_bytes=0, prefault_bytes=0)
+    with ServerThread(small) as st, Client(st.address, timeout_s=30) as other:
+        kb = make_kb(model, other, state)
+        ans = kb.ask(question)
+        t = ans.timings
+        assert ans.token_ids and t.missing_chunks == len(ans.sources) == t.store_failed
+        assert "not stored in kdn" in caplog.text and "RESOURCE_EXHAUSTED" in caplog.text
+        drop_in = kb.engine.answer(question, [s.text for s in ans.sources])  # RagEngine alone
+        assert drop_in.token_ids == ans.token_ids and drop_in.timings.store_failed == 2
+    # once stored, nothing fails: the count is of refusals only
+    assert make_kb(model, client, state).ask(question).timings.store_failed == 0
 
 
 def test_chunks_stored_before_a_crash_are_deleted_once_no_document_uses_them(

@@ -232,6 +232,9 @@ def _ask(ns: argparse.Namespace) -> int:
     if t.dropped_chunks:
         print(f"{t.dropped_chunks} lower-ranked chunks left out: the prompt would not fit the "
               "model's context")
+    if t.store_failed:
+        print(f"{t.store_failed} computed chunks were not stored in kdn (see the warning): the "
+              "next ask computes them again")
     return 0
 
 

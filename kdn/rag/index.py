@@ -121,6 +121,17 @@ def embedder_name(embedder: object | None) -> str:
     return f"{type(embedder).__module__}.{type(embedder).__qualname__}"
 
 
+def manifest_stamp(state: Path) -> tuple[int, int, int] | None:
+    """The identity of the state's manifest file (inode, size, modification time), None when
+    there is none: a commit replaces the file (``write_atomic``), so another stamp is another
+    commit."""
+    try:
+        st = (state / MANIFEST).stat()
+    except FileNotFoundError:
+        return None
+    return st.st_ino, st.st_size, st.st_mtime_ns
+
+
 def write_atomic(path: Path, data: bytes) -> None:
     """Replace ``path`` with ``data`` so a reader sees the old or the new file, never a mix."""
     path.parent.mkdir(parents=True, exist_ok=True)

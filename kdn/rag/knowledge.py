@@ -64,7 +64,6 @@ from kdn.blend.chunks import ChunkConnector
 from kdn.errors import Corrupt, InvalidArgument
 from kdn.rag.corpus import Chunk, Document, chunk_document, load_corpus
 from kdn.rag.index import (
-    MANIFEST,
     ChunkEntry,
     DocEntry,
     Embedder,
@@ -74,10 +73,11 @@ from kdn.rag.index import (
     VectorIndex,
     embedder_name,
     embeddings_name,
+    manifest_stamp,
     remove_other_embeddings,
     state_lock,
 )
-from kdn.rag.pipeline import Answer, RagEngine, Source, check_count
+from kdn.rag.pipeline import Answer, AskTimings, RagEngine, Source, check_count, store_back
 from kdn.rag.report import IngestReport, progress_bar
 from kdn.text import check_text, check_texts
 
@@ -95,7 +95,7 @@ class _Commit:
     """Each chunk key's document, entry and position in it."""
     salt: str
     stamp: tuple[int, int, int] | None
-    """The manifest file this commit was read from or written as (``_stamp``)."""
+    """The manifest file this commit was read from or written as (``manifest_stamp``)."""
     unembedded: str = ""
     """Why chunks the manifest lists have no embedding ("": all have one)."""
 
@@ -140,7 +140,7 @@ class KnowledgeBase:
         both: read them again). Embeddings still missing (a lost file) are computed by the
         next ingest; until then ``retrieve`` says so (Corrupt)."""
         for _ in range(3):
-            stamp = _stamp(self.state)  # before the read: a commit after it is seen as one
+            stamp = manifest_stamp(self.state)  # before the read: a commit after it is seen as one
             self.manifest = Manifest.load(self.state)
             index = VectorIndex.load(self.state, self.manifest.generation)
             if index is not None or self.manifest.generation == 0:
@@ -156,7 +156,7 @@ class KnowledgeBase:
         if not self._write.acquire(blocking=False):
             return
         try:
-            if not self._writers and _stamp(self.state) != self._committed.stamp:
+            if not self._writers and manifest_stamp(self.state) != self._committed.stamp:
                 self._load()
         finally:
             self._write.release()
@@ -239,7 +239,7 @@ class KnowledgeBase:
         self.index.save(self.state, generation)
         m.generation = generation
         m.save(self.state)
-        self._publish(_stamp(self.state))  # readers leave the retired keys before they go
+        self._publish(manifest_stamp(self.state))  # readers leave the retired keys before they go
         remove_other_embeddings(self.state, generation)
         # the server's count: a key a crash kept listed may be gone already
         keys = [bytes.fromhex(k) for k in sorted(stale)]
@@ -249,7 +249,7 @@ class KnowledgeBase:
         if stale:  # deleted: the commit on disk stops listing them too
             m.retired -= stale
             m.save(self.state)
-            self._publish(_stamp(self.state))
+            self._publish(manifest_stamp(self.state))
         return deleted, kept
 
     @staticmethod
@@ -558,17 +558,16 @@ class KnowledgeBase:
         prepared.timings.ttft_s += retrieval_s
         computed, prepared.missing = prepared.missing, []
         answer = self.engine.finish(prepared, sources[:prepared.used], max_new_tokens)
-        ts = time.perf_counter()
-        self._store_listed(computed)
-        answer.timings.store_s = time.perf_counter() - ts
+        self._store_listed(computed, answer.timings)
         return answer
 
-    def _store_listed(self, chunks: list[ChunkConnector]) -> None:
+    def _store_listed(self, chunks: list[ChunkConnector], t: AskTimings) -> None:
         """Store the chunks an ask computed whose keys the state's last commit (on disk now)
         still lists. A chunk of a document removed or changed since the ask retrieved it is
         not stored: no manifest names it, so no rm or ingest would ever delete it. Nothing is
         stored while a thread of this process writes the state (its commit may drop them);
-        the next ask computes them again."""
+        the next ask computes them again. A store kdn refuses is counted, not raised
+        (``kdn.rag.pipeline.store_back``): the answer is already made."""
         if not chunks or not self._write.acquire(blocking=False):
             return
         try:
@@ -576,22 +575,9 @@ class KnowledgeBase:
                 return
             self._refresh()
             listed = self._committed.by_key
-            for chunk in chunks:
-                if chunk.key.hex() in listed:
-                    chunk.wait_for_save()
+            store_back([c for c in chunks if c.key.hex() in listed], t)
         finally:
             self._write.release()
-
-
-def _stamp(state: Path) -> tuple[int, int, int] | None:
-    """The identity of the state's manifest file (inode, size, modification time), None when
-    there is none: a commit replaces the file (``kdn.rag.index.write_atomic``), so another
-    stamp is another commit."""
-    try:
-        st = (state / MANIFEST).stat()
-    except FileNotFoundError:
-        return None
-    return st.st_ino, st.st_size, st.st_mtime_ns
 
 
 def _holds(source: Path, doc_id: str) -> bool:

@@ -13,9 +13,10 @@ Two layers:
   not hold is prefilled alone now; ``kdn.blend.blend`` composes ``head | chunk 1 | ... |
   chunk n | tail(question)`` layer by layer while later layers still arrive (selective
   recompute, ``blend_ratio``); greedy decoding from the blended KV gives the answer; chunks
-  that were missing are stored last (after the answer, off the TTFT path). Chunks and the
-  question are untrusted text: special tokens written in them are tokenized as plain
-  characters, while the head's and tail's (the chat template's) are the tokenizer's own
+  that were missing are stored last (after the answer, off the TTFT path; one kdn refuses then,
+  full or gone, is logged and counted in ``AskTimings.store_failed``, the answer kept).
+  Chunks and the question are untrusted text: special tokens written in them are tokenized as
+  plain characters, while the head's and tail's (the chat template's) are the tokenizer's own
   (``kdn.text``); a chunk or question that is not valid Unicode, or a chunk of no tokens, is
   InvalidArgument naming it.
 
@@ -43,6 +44,7 @@ no other state holds them.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -56,7 +58,7 @@ from kdn.cache import KVCache
 from kdn.checks import seconds, share, whole
 from kdn.client import Client
 from kdn.codec.catalog import check_codec, default_level
-from kdn.errors import InvalidArgument
+from kdn.errors import Closed, DeadlineExceeded, InvalidArgument, KDNError, Unavailable
 from kdn.keys import check_namespace, chunk_key
 from kdn.model import hf
 from kdn.rag.corpus import Tokenizer, chunk_ids, chunk_limit
@@ -66,6 +68,8 @@ PLAIN_HEAD = "Answer the question using the documents below.\n\n"
 PLAIN_TAIL = "Question: {question}\nAnswer:"
 _DOCS, _QUESTION = "\x00kdn-docs\x00", "\x00kdn-question\x00"
 LOOKUP_BATCH = 512
+
+log = logging.getLogger(__name__)
 
 
 def check_count(name: str, value: object, hint: str = "") -> None:
@@ -150,6 +154,9 @@ class AskTimings:
     """Greedy decoding after the first token."""
     store_s: float = 0.0
     """Storing missing chunks after the answer."""
+    store_failed: int = 0
+    """Missing chunks that were not stored after the answer (kdn refused them or was gone):
+    the answer stands, and the next ask computes them again."""
     prompt_tokens: int = 0
     cached_tokens: int = 0
     recomputed_tokens: int = 0
@@ -396,10 +403,7 @@ class RagEngine:
         out = hf.greedy(decoder, prepared.logits, self.config.new_tokens(max_new_tokens),
                         self.stop)
         t.generate_s = time.perf_counter() - tg
-        ts = time.perf_counter()
-        for chunk in prepared.missing:
-            chunk.wait_for_save()
-        t.store_s = time.perf_counter() - ts
+        store_back(prepared.missing, t)
         text = self.tokenizer.decode([x for x in out if x not in self.stop],
                                      skip_special_tokens=True).strip()
         return Answer(text, out, sources, t)
@@ -413,3 +417,24 @@ class RagEngine:
         sources = [Source(self.key(chunk_ids(self.tokenizer, c)).hex(), c)
                    for c in chunks[:prepared.used]]
         return self.finish(prepared, sources, max_new_tokens)
+
+
+def store_back(chunks: Sequence[ChunkConnector], t: AskTimings) -> None:
+    """Store the chunks an ask computed, after its answer: a cache fill, so a chunk kdn does
+    not take (full, over a quota, gone) is counted in ``t.store_failed`` and logged once, never
+    raised. Once the server is unreachable the rest are not tried (each would wait for it)."""
+    ts = time.perf_counter()
+    error: KDNError | None = None
+    for i, chunk in enumerate(chunks):
+        try:
+            chunk.wait_for_save()
+        except KDNError as exc:
+            error = exc
+            if isinstance(exc, (Unavailable, DeadlineExceeded, Closed)):
+                t.store_failed += len(chunks) - i
+                break
+            t.store_failed += 1
+    t.store_s = time.perf_counter() - ts
+    if error is not None:
+        log.warning("%d of %d computed chunks were not stored in kdn (%s); the answer stands, "
+                    "and the next ask computes them again", t.store_failed, len(chunks), error)
