@@ -11,7 +11,8 @@ references them. kdn has no server-side reference count (pins only stop eviction
 cannot see the others (they may be on other machines), so the cost is dedup across states:
 one corpus ingested into two states is prefilled and stored twice; inside a state identical
 chunks are stored once. A copy of a state folder has the same owner: it is the same state, and
-the two copies must not both be written.
+the two copies must not both be written; asking writes too, so an ask from a stale copy (a
+backup) can store back chunks the live state has retired, and nothing deletes those.
 
 A state written before states had an owner (manifest format 1) is ``shared``: its keys are
 unsalted, as other such states' are. It is read and written as before, except that nothing is
