@@ -102,6 +102,25 @@ def test_a_corpus_kdn_can_not_read_is_a_usage_error_before_any_call(
     assert name in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("cmd", [["ingest", "docs"], ["ask", "Who?"], ["rm", "a.md"]])
+def test_a_tls_ca_that_is_not_pem_is_a_usage_error_naming_it(
+        cmd: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """As under kdn admin: exit 2 naming the file (it exited 1 with 'TLS: ca is not PEM')."""
+    from kdn.cli.main import main
+    from kdn.rag.index import Manifest, Settings
+
+    ca, state, docs = tmp_path / "ca.pem", tmp_path / "state", tmp_path / "docs"
+    ca.write_text("not a certificate\n")
+    docs.mkdir()
+    (docs / "a.md").write_text("Cats purr.")
+    if cmd[0] != "ingest":  # ask and rm want an ingested state
+        state.mkdir()
+        Manifest(Settings("layout", "rag", 16, 20, "lossless", ""), owner="0f" * 16).save(state)
+    assert main(["rag", "--address", "127.0.0.1:1", "--state", str(state), "--tls-ca", str(ca),
+                 cmd[0], *([str(docs)] if cmd[0] == "ingest" else cmd[1:])]) == 2
+    assert f"{ca}: not a PEM file" in capsys.readouterr().err
+
+
 def test_a_plain_ingest_rerun_takes_the_states_settings() -> None:
     from kdn.cli.main import build_parser
     from kdn.cli.rag import ingest_settings

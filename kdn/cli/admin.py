@@ -40,22 +40,31 @@ from kdn.errors import (
 def tls_options(ns: argparse.Namespace) -> Any:
     """The ``TLSOptions`` the --tls-* options name (their files read), None without them."""
     from kdn.client.client import TLSOptions
-    from kdn.client.rpc import pem_problem
 
     if not (ns.tls_ca or ns.tls_cert or ns.tls_key):
         return None
     paired = bool(ns.tls_cert) == bool(ns.tls_key)  # (else TLSOptions says so first)
 
     def read(p: str | None, name: str) -> bytes | None:
-        data = Path(p).read_bytes() if p else None
-        if paired and data is not None and b"-----BEGIN " not in data:
-            raise UsageError(f"{p}: not a PEM file (no '-----BEGIN' line)")
-        if paired and data is not None and (problem := pem_problem(name, data)):
-            raise UsageError(f"{p} (--tls-{name}): {problem}")
-        return data
+        if not p:
+            return None
+        return read_pem(p, name) if paired else Path(p).read_bytes()
 
     return TLSOptions(ca=read(ns.tls_ca, "ca"), cert=read(ns.tls_cert, "cert"),
                       key=read(ns.tls_key, "key"), server_name=ns.tls_server_name or "")
+
+
+def read_pem(path: str, name: str) -> bytes:
+    """The PEM file option --tls-NAME names, read: a UsageError naming the file when it is
+    not PEM or not the kind ``name`` says (``kdn.client.rpc.pem_problem``)."""
+    from kdn.client.rpc import pem_problem
+
+    data = Path(path).read_bytes()
+    if b"-----BEGIN " not in data:
+        raise UsageError(f"{path}: not a PEM file (no '-----BEGIN' line)")
+    if problem := pem_problem(name, data):
+        raise UsageError(f"{path} (--tls-{name}): {problem}")
+    return data
 
 
 def own_certificate(address: str, server_name: str | None) -> Any:

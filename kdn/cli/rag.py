@@ -82,10 +82,14 @@ def _engine(ns: argparse.Namespace) -> Any:
         raise _UsageError(why)
     if ns.device and not re.fullmatch(r"cpu|cuda(:\d+)?", ns.device):
         raise _UsageError(f"--device {ns.device!r} is not a device (cpu, cuda, cuda:1)")
+    from kdn.cli.admin import UsageError, read_pem
     from kdn.client import Client
     from kdn.client.client import TLSOptions
 
-    tls = TLSOptions(ca=Path(ns.tls_ca).read_bytes()) if ns.tls_ca else None
+    try:  # a file that is not PEM is named, as kdn admin names it
+        tls = TLSOptions(ca=read_pem(ns.tls_ca, "ca")) if ns.tls_ca else None
+    except UsageError as exc:
+        raise _UsageError(f"{exc}; check --tls-ca") from None
     client = Client(ns.address, timeout_s=ns.timeout, tls=tls,
                     api_key=ns.api_key or os.environ.get("KDN_API_KEY"))
     try:
