@@ -121,6 +121,25 @@ def test_a_tls_ca_that_is_not_pem_is_a_usage_error_naming_it(
     assert f"{ca}: not a PEM file" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("cmd", [["ingest", "docs"], ["ask", "Who?"], ["rm", "a.md"]])
+def test_an_empty_state_folder_is_a_usage_error_not_the_current_folder(
+        cmd: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """KDN_RAG_STATE= (or --state "") made the current folder the state: ingest wrote its
+    manifest, lock and embeddings there. No server listens: refused before any call."""
+    from kdn.cli.main import build_parser, main
+
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "a.md").write_text("Cats purr.")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("KDN_RAG_STATE", "")
+    assert build_parser().parse_args(["rag", *cmd]).state == ""  # the variable, set but empty
+    for flags in ([], ["--state", ""], ["--state", " "]):
+        assert main(["rag", "--address", "127.0.0.1:1", *flags, *cmd]) == 2
+        assert "must not be empty" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["docs"]
+
+
 def test_a_plain_ingest_rerun_takes_the_states_settings() -> None:
     from kdn.cli.main import build_parser
     from kdn.cli.rag import ingest_settings

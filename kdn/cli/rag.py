@@ -36,6 +36,9 @@ def _engine(ns: argparse.Namespace) -> Any:
     from kdn.cli.args import model_problem, package_problem
     from kdn.rag.index import Manifest
 
+    if not ns.state.strip():  # KDN_RAG_STATE= (an unset variable) wrote into this folder
+        raise _UsageError("the state folder (--state, $KDN_RAG_STATE) must not be empty (it "
+                          "would be the current folder); give a folder's path, . for this one")
     state = Path(ns.state)
     settings = Manifest.load(state).settings
     if ns.cmd_rag != "ingest" and settings is None:
