@@ -291,9 +291,10 @@ def test_segments_of_clients_that_went_away_are_detached(server: ServerThread) -
     subprocess.run([sys.executable, "-c", code], check=True, cwd=root, timeout=120)
     assert server.server is not None
     segments = server.server.servicer.segments
-    assert len(segments) == 1  # still mapped: nobody told the server
+    # no Detach came: its segment goes when its fast-path connection closes (or, at the
+    # latest, at the next Attach: reaped there), whichever the server sees first
     with Client(server.address, shm_bytes=1 << 20) as c:
-        c.store(_key(21), random_kv(LAYOUT, 4))  # attaching reaps the dead client's segment
+        c.store(_key(21), random_kv(LAYOUT, 4))
         assert c.dataplane.attached and len(segments) == 1
 
 
