@@ -318,7 +318,7 @@ class LoadingController:
     def calibrate_step(self, seconds: float) -> None:
         """A timed forward of one token after a calibration prefill: the least a hit's
         suffix costs (``suffix_seconds``)."""
-        if measured(seconds) and math.isfinite(1 / seconds):
+        if rate_of(1, seconds) is not None:  # as the other calibrations' times are checked
             with self._lock:
                 self.prefills.step_s = seconds
 
