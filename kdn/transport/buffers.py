@@ -253,14 +253,13 @@ TRIM_THRESHOLD = 128 << 20
 setting; a server keeps more, ``server_trim_bytes``)."""
 SERVER_TRIM_THRESHOLD = 512 << 20
 """The most free heap a server keeps (``server_trim_bytes``)."""
-SERVER_ARENAS = 4
+SERVER_ARENAS = 2
 """The glibc heaps (arenas) a server's threads allocate from (``tune_allocator``). Each keeps
 up to the trim threshold free, and glibc makes up to eight per core: under six clients storing
 and fetching 16 MiB entries, a server with a 64 MiB RAM tier held 714-921 MiB after four
-rounds, kept once the clients left; with four arenas 452 MiB (one run), with two 355-454 MiB.
-Four, not two: fewer heaps mean more threads waiting on one heap's lock, unmeasured on a
-many-core host. Throughput on two cores with two: 1 MiB entries 922-936 calls/s against
-685-873, 128 KiB and 16 MiB ones within the noise. ``MALLOC_ARENA_MAX`` overrides."""
+rounds, kept once the clients left; with two arenas, 355-454 MiB. Throughput on two cores:
+1 MiB entries 922-936 calls/s against 685-873, 128 KiB and 16 MiB ones within the noise.
+``MALLOC_ARENA_MAX`` in the environment overrides."""
 _tuned: bool | None = None
 _trim = 0  # the trim threshold set in this process (0: none)
 _arenas = 0  # the arenas capped in this process (0: glibc's default)
