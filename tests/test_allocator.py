@@ -72,39 +72,3 @@ def test_a_server_keeps_the_free_heap_its_ram_tier_warrants() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          env=BASE, check=True, timeout=120)
     assert out.stdout.strip() == "300"
-
-
-ARENAS = """
-import ctypes, tempfile, threading
-from kdn.server import ServerConfig, ServerThread
-libc = ctypes.CDLL(None)
-libc.malloc.restype = ctypes.c_void_p
-libc.free.argtypes = [ctypes.c_void_p]
-with tempfile.TemporaryDirectory() as d, ServerThread(ServerConfig(port=0, data_dir=d,
-                                                                   disk_bytes=0)):
-    go = threading.Barrier(16)
-    def alloc():
-        go.wait()
-        libc.free(libc.malloc(1000))
-    threads = [threading.Thread(target=alloc) for _ in range(16)]
-    for t in threads: t.start()
-    for t in threads: t.join()
-    libc.malloc_stats()  # to stderr: an "Arena N:" block per arena
-"""
-
-
-def _arenas(env: dict[str, str]) -> int:
-    out = subprocess.run([sys.executable, "-c", ARENAS], capture_output=True, text=True,
-                         env=env, check=True, timeout=120)
-    return sum(line.startswith("Arena ") for line in out.stderr.splitlines())
-
-
-def test_a_server_allocates_from_few_heaps() -> None:
-    """Each glibc heap (arena) keeps up to the trim threshold free, and glibc makes one per
-    new thread up to eight per core: a loaded server held 0.7-0.9 GiB with a 64 MiB RAM tier,
-    long after its clients left. A server caps them (``SERVER_ARENAS``); sixteen threads
-    allocating at once share them. ``MALLOC_ARENA_MAX`` in the environment is left to glibc."""
-    _glibc()
-    capped = 2  # SERVER_ARENAS
-    assert _arenas({k: v for k, v in BASE.items() if k != "MALLOC_ARENA_MAX"}) <= capped
-    assert _arenas({**BASE, "MALLOC_ARENA_MAX": "64"}) > capped

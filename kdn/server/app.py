@@ -58,7 +58,7 @@ from kdn.store.ram import RamTier
 from kdn.store.redis import RedisTier
 from kdn.store.tiered import TieredStore
 from kdn.transport.addresses import host_port, is_loopback
-from kdn.transport.buffers import SERVER_ARENAS, server_trim_bytes, tune_allocator
+from kdn.transport.buffers import server_trim_bytes, tune_allocator
 from kdn.transport.wire import serialize_passthrough, store_request
 from kdn.v1 import kdn_pb2_grpc as pb_grpc
 
@@ -396,7 +396,7 @@ async def start_server(config: ServerConfig, store: TieredStore | None = None,
                           "'kdn[tracing]')")
     # received Store messages must not fault in fresh pages, nor those of a Store kept as its
     # messages once the entry it replaced is freed (kdn.transport.buffers)
-    tune_allocator(server_trim_bytes(config.ram_bytes), SERVER_ARENAS)
+    tune_allocator(server_trim_bytes(config.ram_bytes))
     creds = _credentials(config)
     auth = Authenticator(load_auth(config.auth_file) if config.auth_file else
                          tenants_from_text(config.auth_tenants) if config.auth_tenants else
