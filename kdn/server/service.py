@@ -205,9 +205,10 @@ class KDNServicer(pb_grpc.KDNServicer):
             end_call(context, self.count, "Retrieve", exc)
             return
         pacer = self.pacer(context) if self.egress.on else None
-        yield pb.RetrieveResponse(header=head)
-        sent = len(head.container_header)  # the entry's bytes: its header, then frames (as GetMany)
-        try:
+        sent = 0  # the entry's bytes: its header, then frames (as GetMany)
+        try:  # a call cancelled at its header counts as cancelled too
+            yield pb.RetrieveResponse(header=head)
+            sent = len(head.container_header)
             for (_, frame), msgs in zip(sel, memo):
                 for msg in msgs:
                     if pacer is not None:
