@@ -58,7 +58,7 @@ from kdn.store.ram import RamTier
 from kdn.store.redis import RedisTier
 from kdn.store.tiered import TieredStore
 from kdn.transport.addresses import host_port, is_loopback
-from kdn.transport.buffers import server_trim_bytes, tune_allocator
+from kdn.transport.buffers import SERVER_ARENAS, server_trim_bytes, tune_allocator
 from kdn.transport.wire import serialize_passthrough, store_request
 from kdn.v1 import kdn_pb2_grpc as pb_grpc
 
@@ -499,6 +499,9 @@ def _stopping(server: Server, sig: signal.Signals) -> None:
 async def serve(config: ServerConfig, blender: Blender | None = None) -> None:
     if config.tracing:  # kdn serve's process: the provider OTEL_TRACES_EXPORTER names
         tracing.enable(from_env=True)
+    # a process of its own: its heaps are capped (an engine's process embedding a server,
+    # ServerThread, keeps glibc's for its own threads)
+    tune_allocator(server_trim_bytes(config.ram_bytes), SERVER_ARENAS)
     server = await start_server(config, blender=blender)
     gc.freeze()  # what start-up made lives as long as the process: no collection scans it
     where = "no disk tier"
