@@ -341,3 +341,17 @@ def test_a_prediction_waits_for_a_length_class_being_added() -> None:
         ctl.prefills.add(512, 0.25)
     reader.join(5)
     assert got == [pytest.approx(0.25)]
+
+
+def test_a_load_recomputed_is_recounted_under_the_controllers_lock() -> None:
+    """Engines sharing a controller recount a load that became a recompute from their own
+    threads, as ``choose`` counts under its lock: an update outside it could be lost."""
+    c = LoadingController()
+    c.counts["raw"] = 1
+    with c._lock:  # as ``choose`` holds it while it counts
+        t = threading.Thread(target=c.recomputed, args=("raw",), daemon=True)
+        t.start()
+        t.join(0.3)
+        assert c.counts["raw"] == 1  # waits for the lock
+    t.join(5)
+    assert (c.counts["raw"], c.counts["recompute"]) == (0, 1)

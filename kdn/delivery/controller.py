@@ -519,6 +519,13 @@ class LoadingController:
         return tried, (f"re-trying {tried} ({gain:+.1%} against {kept}),"
                        f" not chosen for {now - self._tried.get((route, tried), 0)} decisions")
 
+    def recomputed(self, choice: str) -> None:
+        """A load ``choose`` counted as ``choice`` ended in the prompt computed whole: counted
+        as a recompute instead (under the lock: engines may share this controller)."""
+        with self._lock:
+            self.counts[choice] -= 1
+            self.counts[RECOMPUTE] += 1
+
     def choose(self, tokens: int, kv_bytes: int, stored: dict[str, int],
                override: str | None = None, local: frozenset[str] = frozenset(),
                path: str = NETWORK, server: str = "") -> Decision:

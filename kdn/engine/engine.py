@@ -348,8 +348,7 @@ class KDNEngine(KVConnector):
     def _recomputed(self, choice: str) -> None:
         """The load the controller chose (``choice``) ends in the prompt computed whole: the
         request is counted, and timed, as the recompute it became."""
-        self.controller.counts[choice] -= 1
-        self.controller.counts[RECOMPUTE] += 1
+        self.controller.recomputed(choice)
         self._timings.decision = RECOMPUTE
 
     def start_load(self, token_ids: Sequence[int], *, force: str | None = None) -> int:
