@@ -17,6 +17,7 @@ import pytest
 
 from kdn import codec
 from kdn.client import Client
+from kdn.keys import store_key
 from kdn.server import ServerConfig, ServerThread
 from kdn.transport.wire import frame_message
 from kdn.v1 import kdn_pb2 as pb
@@ -227,3 +228,58 @@ def test_a_store_many_counts_its_received_entries_until_they_are_stored(
         stop.wait(20)  # four whole entries in, then it waits
 
     assert _held_then_refused(tmp_path, "StoreMany", many(), stop) == 4
+
+
+
+def _sending_goes_to_zero(st: ServerThread) -> None:
+    sending = st.server.servicer.sending
+    for _ in range(100):
+        if sending.nbytes == 0:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"{sending.nbytes} bytes still counted as being sent")
+
+
+def test_reads_being_sent_hold_a_bounded_amount_of_lower_tier_copies(tmp_path: Path) -> None:
+    """A read from disk is a copy of its own for each reader, held until its answer is sent:
+    stalled readers held one each (24 of a 32 MiB entry: 0.9 GiB on a 64 MiB server). Past
+    the RAM budget of such copies a Retrieve is refused, RESOURCE_EXHAUSTED, naming why, and
+    a GetMany answers the entry unwritten (asked again); one answer is always let in, a RAM
+    hit is never refused, and the count goes back to 0 with the streams."""
+    cfg = ServerConfig(port=0, data_dir=tmp_path, disk_bytes=256 << 20, ram_bytes=8 << 20,
+                       data_port=-1)
+    keys = [numbered_key(10 + i) for i in range(4)]
+    with ServerThread(cfg) as st:
+        with Client(st.address) as c:
+            for k in keys:
+                c.store(k, random_kv(LAY, 96), mode="raw")  # 3 MiB each, 8 frames
+            c.store(numbered_key(20), random_kv(LAY, 8), mode="raw")  # small: stays in RAM
+        ram = st.server.servicer.store.tiers[0]
+        ram.delete(store_key("", "default", keys[0]))  # only on disk
+        ram.delete(store_key("", "default", keys[1]))
+        sending = st.server.servicer.sending
+        ch, stub = _stub(st)
+        with ch:
+            first = stub.Retrieve(pb.RetrieveRequest(key=keys[0]), timeout=30)
+            assert next(first).header.tier == "disk"  # stalled after its header
+            second = stub.RetrieveMany(pb.RetrieveManyRequest(keys=[keys[1]]), timeout=30)
+            assert next(second).header.tier == "disk"
+            assert sending.nbytes > 6 << 20
+            ram.delete(store_key("", "default", keys[0]))  # on disk only (read: promoted)
+            with pytest.raises(grpc.RpcError) as err:
+                next(stub.Retrieve(pb.RetrieveRequest(key=keys[0])))
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "the server is sending" in (err.value.details() or "")
+            ram.delete(store_key("", "default", keys[0]))
+            ref = stub.GetMany(pb.GetManyRequest(keys=[keys[0]])).entries[0]
+            assert ref.present and not ref.written  # the client asks again (or streams it)
+            hot = stub.Retrieve(pb.RetrieveRequest(key=numbered_key(20)), timeout=30)
+            assert next(hot).header.tier == "ram"  # a RAM hit: nothing counted, let in
+            hot.cancel()
+            first.cancel()
+            second.cancel()
+            _sending_goes_to_zero(st)
+            assert len(list(stub.Retrieve(pb.RetrieveRequest(key=keys[0]), timeout=30))) > 1
+        with Client(st.address) as c:
+            assert all(kv is not None for kv in c.fetch_many(keys))  # one after another
+        _sending_goes_to_zero(st)

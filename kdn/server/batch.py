@@ -35,7 +35,7 @@ from kdn.layout import Expected
 from kdn.pools import SharedPool
 from kdn.server.arena import Arenas, list_small
 from kdn.server.auth import Principal
-from kdn.server.reader import expected
+from kdn.server.reader import Sending, expected
 from kdn.server.segments import Segment, Segments, region_span
 from kdn.store.framed import Framed
 from kdn.transport.wire import NET_MAX_KEYS, get_many_message
@@ -128,16 +128,24 @@ class BatchReads:
     from ``store`` for the caller; ``count`` counts the servicer's counters."""
 
     def __init__(self, store: TieredStore, segments: Segments, arenas: Arenas, usage: Usage,
-                 count: Callable[..., None]) -> None:
+                 count: Callable[..., None], sending: Sending) -> None:
         self.store = store
         self.segments = segments
         self.arenas = arenas
         self.usage = usage
         self.count = count
+        self.sending = sending
 
-    def get_many(self, p: Principal, request: pb.GetManyRequest) -> pb.GetManyResponse | bytes:
+    def get_many(self, p: Principal, request: pb.GetManyRequest, sending: int = 0
+                 ) -> pb.GetManyResponse | bytes:
         """The answer; inline, already serialized with the entries joined in
-        (kdn.transport.wire)."""
+        (kdn.transport.wire). Its lower-tier reads count for the answer ``sending``
+        (``Sending``; one past the bound is answered present and not written, which the
+        client asks for again, or streams), which its caller closes once it is sent; 0: one
+        closed when this returns."""
+        if not sending:
+            with self.sending.answer() as ours:
+                return self.get_many(p, request, ours)
         ns = request.namespace or "default"
         skeys = [store_key(p.tenant, ns, k) for k in request.keys]
         seg = self.segments.get(p.tenant, request.segment_id) if request.segment_id else None
@@ -178,6 +186,12 @@ class BatchReads:
             repeat = skey in seen  # a key asked for again: counted again, but read once
             hit = seen[skey] if repeat else seen.setdefault(
                 skey, self._hit(skey, want, framed=seg is None))
+            if hit is not None and not repeat and not self.sending.took(sending, hit):
+                # past the bound of reads being sent (``Sending``): asked again, as an entry
+                # without room is (its copy let go now)
+                ref.present, ref.tier, ref.length = True, hit.tier, len(hit.value)
+                del seen[skey]
+                continue
             if hit is None:
                 if repeat:
                     self._missed(skey)
@@ -253,12 +267,13 @@ class BatchReads:
         self.count("getmany.miss")
         self.usage.missed(skey)
 
-    def get_sent(self, p: Principal, request: pb.GetManyRequest
+    def get_sent(self, p: Principal, request: pb.GetManyRequest, sending: int
                  ) -> tuple[pb.GetManyResponse, list[bytes | memoryview]]:
         """The network data path's GetMany (``kdn.server.netpath``): the answer, and the
         pieces of every present entry's bytes, in order, which follow it on the connection
         (``EntryRef.offset``: where an entry starts in them). Nothing is copied: the pieces
-        are the stored values (a RAM value as the frames it came in)."""
+        are the stored values (a RAM value as the frames it came in); the lower tiers'
+        reads count for the answer ``sending`` until the caller has sent them."""
         if len(request.keys) > NET_MAX_KEYS:
             raise TooLarge(f"GetMany of {len(request.keys)} keys on the data path; at most "
                            f"{NET_MAX_KEYS} per call")
@@ -266,7 +281,7 @@ class BatchReads:
         want = expected(request)
         out = pb.GetManyResponse()
         pieces: list[bytes | memoryview] = []
-        at = held = 0
+        at = 0
         first = self.store.tiers[0] if self.store.tiers else None
         memory = first.name if first is not None and first.in_process else None
         seen: dict[bytes, Hit | FramedHit | None] = {}  # a key asked for again: read once
@@ -281,8 +296,8 @@ class BatchReads:
             else:
                 hit = seen[skey] = self._hit(skey, want, framed=True)
                 if hit is not None and hit.tier != memory:  # read into memory for this answer
-                    held += len(hit.value)
-                    if held > NET_HELD_BYTES:
+                    self.sending.hold(sending, hit)
+                    if self.sending.holds(sending) > NET_HELD_BYTES:
                         raise TooLarge(f"GetMany answer of more than {NET_HELD_BYTES} bytes "
                                        "read from redis or disk; ask for fewer keys per call")
             if hit is None:

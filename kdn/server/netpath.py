@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import socket
 import ssl
+from collections.abc import Callable
 
 from kdn.errors import InvalidArgument
 from kdn.server.auth import Principal
@@ -116,6 +117,12 @@ class NetPath(FastPath):
     def rpc_name(op: int) -> str:
         return _RPCS.get(op, "unknown")
 
+    def _answer(self, conn: socket.socket, op: int, call: Callable[[], Reply],
+                started: float) -> bool:
+        with self.servicer.reads.sending.answer() as sending:  # a GetMany's reads from disk
+            self._here.sending = sending  # or redis: counted until they are sent (``Sending``)
+            return super()._answer(conn, op, call, started)
+
     def call(self, conn: socket.socket, op: int, body: bytes) -> Reply:
         s = self.servicer
         if op == NET_GET_MANY:
@@ -123,7 +130,7 @@ class NetPath(FastPath):
             principal = self._owner(req.segment_id)
             s.auth.admit(principal)
             s.count("net.GetMany")
-            answer, pieces = s.reads.get_sent(principal, req)
+            answer, pieces = s.reads.get_sent(principal, req, self._here.sending)
             pacer = s.egress.pacer(principal.tenant, f"net:{conn.getpeername()}") \
                 if s.egress.on else None
             return Reply(answer.SerializeToString(), after=tuple(pieces), pacer=pacer)

@@ -4,15 +4,24 @@ read counted as served, and the messages that carry the frames a caller asked fo
 A value kept as the frames a Store brought (``kdn.store.framed``) is answered with those very
 messages; any other is split into frames whose messages are memoised or built as they are sent
 (``kdn.server.wire_memo``).
+
+What answers being sent hold of values read from below the RAM tier is bounded (``Sending``):
+a disk or Redis read is a copy of its own for each reader, kept until its answer is sent (a
+client that stops reading keeps it until ``idle_timeout_s``), where a RAM-tier hit shares the
+value the tier holds. Each answer counts its copies from the read until it ends.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import itertools
+import threading
 import time
 from collections.abc import Iterator
 
 from kdn.codec.format import Header, entry_digest, parse_header, split_frames
+from kdn.errors import TooLarge
 from kdn.layout import Expected
 from kdn.server.usage import Usage
 from kdn.server.wire_memo import WireMemo
@@ -30,14 +39,96 @@ def expected(request: pb.RetrieveRequest | pb.RetrieveManyRequest | pb.GetManyRe
     return Expected(request.expect_layout_fingerprint, request.expect_tokens)
 
 
+class Sending:
+    """The bytes of lower-tier copies (values read from below ``store``'s RAM tier) that the
+    answers being sent hold, at most ``limit`` at once; an answer that is the only one holding
+    any is let in whatever its size (one read of a huge entry always is).
+
+    Each answer is a number (``open``, or ``answer``'s block) whose copies count from their
+    read (``hold`` or ``took``) until ``close``; a read for one closed already (its call ended
+    while a worker thread read on) is not counted, nor let in."""
+
+    def __init__(self, store: TieredStore, limit: int) -> None:
+        first = store.tiers[0] if store.tiers else None
+        self._memory = first.name if first is not None and first.in_process else None
+        self.limit = limit
+        self.nbytes = 0
+        """Bytes held now."""
+        self._answers: dict[int, int] = {}  # answer -> the bytes it holds
+        self._numbers = itertools.count(1)
+        self._lock = threading.Lock()
+
+    def cost(self, hit: Hit | FramedHit) -> int:
+        """The bytes an answer holding ``hit`` counts: none for a RAM-tier value (shared)."""
+        return 0 if hit.tier == self._memory else len(hit.value)
+
+    def open(self) -> int:
+        """A new answer, holding nothing yet."""
+        answer = next(self._numbers)
+        with self._lock:
+            self._answers[answer] = 0
+        return answer
+
+    def close(self, answer: int, *_: object) -> None:
+        """``answer`` is sent (or dropped): what it holds is let go."""
+        with self._lock:
+            self.nbytes -= self._answers.pop(answer, 0)
+
+    @contextlib.contextmanager
+    def answer(self) -> Iterator[int]:
+        """An answer (``open``) closed when the block ends."""
+        answer = self.open()
+        try:
+            yield answer
+        finally:
+            self.close(answer)
+
+    def holds(self, answer: int) -> int:
+        """The bytes ``answer`` holds."""
+        return self._answers.get(answer, 0)
+
+    def fits(self, answer: int, hit: Hit | FramedHit) -> bool:
+        """Whether ``hit`` would be let in for ``answer`` now."""
+        own = self._answers.get(answer)
+        return own is not None and (self.nbytes <= own
+                                    or self.nbytes + self.cost(hit) <= self.limit)
+
+    def took(self, answer: int, hit: Hit | FramedHit) -> bool:
+        """Count ``hit``'s copy (``cost``) for ``answer`` until it closes; False (nothing
+        counted) past ``limit`` where other answers hold some, or once it closed."""
+        n = self.cost(hit)
+        with self._lock:
+            if not self.fits(answer, hit):
+                return False
+            self._answers[answer] += n
+            self.nbytes += n
+        return True
+
+    def hold(self, answer: int, hit: Hit | FramedHit) -> None:
+        """``took``, or TooLarge past the bound."""
+        if not self.took(answer, hit):
+            raise TooLarge(f"this read of {len(hit.value)} bytes from disk or redis: the "
+                           f"server is sending {self.nbytes} bytes of such reads already "
+                           f"(at most {self.limit}); try again when they are sent")
+
+    def let_go(self, answer: int) -> None:
+        """What ``answer`` holds so far is sent: let go, the answer kept open."""
+        with self._lock:
+            if answer in self._answers:
+                self.nbytes -= self._answers[answer]
+                self._answers[answer] = 0
+
+
 class Reader:
     """Entries of ``store`` read for a streamed answer, counted in ``usage``, their messages
-    memoised in ``wire_memo``."""
+    memoised in ``wire_memo``; the copies the answers hold bounded by ``sending``."""
 
-    def __init__(self, store: TieredStore, usage: Usage, wire_memo: WireMemo) -> None:
+    def __init__(self, store: TieredStore, usage: Usage, wire_memo: WireMemo,
+                 sending: Sending) -> None:
         self.store = store
         self.usage = usage
         self.wire_memo = wire_memo
+        self.sending = sending
 
     async def read(self, skey: bytes) -> tuple[Hit | FramedHit | None, float]:
         """``skey``'s value (a RAM value checked already on this thread, else through

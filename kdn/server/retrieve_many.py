@@ -64,9 +64,11 @@ class RetrieveMany:
         are small cost ~0.2 ms an entry on the two sides."""
         tenant, ns = current_principal.get().tenant, request.namespace or "default"
         sent = [0]  # entries are read one after another: memory holds one run's answer
+        sending = self.reader.sending
+        answer = sending.open()  # ... its lower-tier copies counted until sent
         try:
             if request.grouped:
-                async for msg in self._runs(request, context, tenant, ns, sent):
+                async for msg in self._runs(request, context, tenant, ns, sent, answer):
                     yield msg
                 return
             for key in request.keys:
@@ -78,6 +80,7 @@ class RetrieveMany:
                         self.usage.missed(skey)
                         yield pb.RetrieveResponse(header=pb.RetrieveHeader(missing=True))
                         continue
+                    sending.hold(answer, hit)
                     head, sel, memo = self.reader.answer(skey, hit, read_s,
                                                    expected(request))
                 except KDNError as exc:
@@ -88,31 +91,43 @@ class RetrieveMany:
                     for msg in msgs:
                         yield msg  # type: ignore[misc]  # waits for flow control, as Retrieve
                     sent[0] += len(frame)
+                sending.let_go(answer)
                 self.count("retrievemany.hit")
         except (asyncio.CancelledError, GeneratorExit):
             self.count("retrievemany.cancelled")
             raise
         finally:
+            sending.close(answer)
             self.count("bytes_out", sent[0])
 
     async def _runs(self, request: pb.RetrieveManyRequest, context: grpc.aio.ServicerContext,
-                    tenant: str, ns: str, sent: list[int]) -> AsyncIterator[bytes]:
+                    tenant: str, ns: str, sent: list[int], answer: int
+                    ) -> AsyncIterator[bytes]:
         """A grouped RetrieveMany's messages: runs of keys, each one ``RetrieveHeaders``
         (an entry of up to ``inline_max_entry_bytes``, or of small frames, whole in its
         header while the run carries under its budget) and then the frames of the run's
         other entries, a message each. A run ends where its message would pass its budget
         (entries carried whole, and the headers: ``HEADER_BYTES`` each and their container
         headers), at ``GROUP_HOLD_BYTES`` of entries still to stream (held in memory
-        meanwhile: a lower tier's reads) or at ``GROUP_KEYS`` keys."""
+        meanwhile: a lower tier's reads) or at ``GROUP_KEYS`` keys. A run's lower-tier copies
+        count for ``answer`` until it is sent; one past the server's bound ends the run first
+        (``kdn.server.reader.Sending``)."""
+        sending = self.reader.sending
         budget = min(request.inline_budget_bytes or GROUP_INLINE_BYTES, GROUP_INLINE_BYTES)
         run: list[tuple[pb.RetrieveHeader, list[bytes | memoryview]]] = []
         streamed: list[tuple[list[tuple[int, bytes | memoryview]], Iterator[list[bytes]]]] = []
-        inline = held = 0  # the run's message: its bytes so far; entries to stream after it
+        inline = held_run = 0  # the run's message's bytes so far; its entries' to stream
         for i, key in enumerate(request.keys):
             skey = store_key(tenant, ns, key)
             try:
                 hit, read_s = await self.reader.read(skey)
                 if hit is not None:
+                    if sending.holds(answer) and not sending.fits(answer, hit):  # the run's
+                        for msg in _run_messages(run, streamed, sent):  # copies go first
+                            yield msg
+                        run, streamed, inline, held_run = [], [], 0, 0
+                        sending.let_go(answer)
+                    sending.hold(answer, hit)
                     header = self.reader.served(skey, hit, read_s,
                                                 expected(request))
             except KDNError as exc:
@@ -126,7 +141,7 @@ class RetrieveMany:
             if run and inline + size > budget:  # it starts the next run
                 for msg in _run_messages(run, streamed, sent):
                     yield msg
-                run, streamed, inline, held = [], [], 0, 0
+                run, streamed, inline, held_run = [], [], 0, 0
             if hit is None:
                 self.count("retrievemany.miss")
                 self.usage.missed(skey)
@@ -142,12 +157,13 @@ class RetrieveMany:
                 head, sel, memo = self.reader.frames_answer(skey, hit, header, 0, 0, 0)
                 run.append((head, []))
                 streamed.append((sel, memo))
-                held += n
+                held_run += n
             inline += size
             if hit is not None:
                 self.count("retrievemany.hit")
-            if inline >= budget or held >= GROUP_HOLD_BYTES or len(run) >= GROUP_KEYS \
+            if inline >= budget or held_run >= GROUP_HOLD_BYTES or len(run) >= GROUP_KEYS \
                     or i == len(request.keys) - 1:
                 for msg in _run_messages(run, streamed, sent):
                     yield msg
-                run, streamed, inline, held = [], [], 0, 0
+                run, streamed, inline, held_run = [], [], 0, 0
+                sending.let_go(answer)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
+from functools import partial
 from typing import TypeVar
 
 import grpc
@@ -44,7 +45,7 @@ from kdn.server.config import ServerConfig
 from kdn.server.egress import Egress, Pacer
 from kdn.server.ingest import Ingest, delete_entry
 from kdn.server.putmany import PutMany
-from kdn.server.reader import Reader, expected
+from kdn.server.reader import Reader, Sending, expected
 from kdn.server.receive import Receiver
 from kdn.server.retrieve_many import RetrieveMany
 from kdn.server.rpc import IN_FLIGHT, Counters, end_call, rpc
@@ -102,8 +103,11 @@ class KDNServicer(pb_grpc.KDNServicer):
                              self.count)
         self.receiver = Receiver(self.ingest, self.buffers)
         self.puts = PutMany(self.ingest, self.segments, self.arenas, self.buffers)
-        self.reads = BatchReads(store, self.segments, self.arenas, self.usage, self.count)
-        self.reader = Reader(store, self.usage, self.wire_memo)
+        # lower-tier copies held by answers being sent: at most the RAM budget (one always)
+        self.sending = Sending(store, config.ram_bytes)
+        self.reads = BatchReads(store, self.segments, self.arenas, self.usage, self.count,
+                                self.sending)
+        self.reader = Reader(store, self.usage, self.wire_memo, self.sending)
         self.retrieve_many = RetrieveMany(self.reader, self.count)
         policies = self.auth.config.policies
         self.blend_turn = asyncio.Lock()  # one Blend runs the model at a time
@@ -151,8 +155,10 @@ class KDNServicer(pb_grpc.KDNServicer):
 
     async def GetMany(self, request: pb.GetManyRequest,
                       context: grpc.aio.ServicerContext) -> pb.GetManyResponse | bytes:
+        sending = self.sending.open()  # an inline answer's lower-tier reads: until it is sent
+        context.add_done_callback(partial(self.sending.close, sending))
         answer = await self._answer("GetMany", context,
-                                    lambda p: self.reads.get_many(p, request))
+                                    lambda p: self.reads.get_many(p, request, sending))
         if self.egress.on and isinstance(answer, bytes):  # inline: the entries are in it
             pacer = self.pacer(context)
             if pacer is not None:
@@ -188,42 +194,45 @@ class KDNServicer(pb_grpc.KDNServicer):
 
     async def Retrieve(self, request: pb.RetrieveRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb.RetrieveResponse]:
-        try:
-            skey = store_key(current_principal.get().tenant, request.namespace or "default",
-                             request.key)
-            hit, read_s = await self.reader.read(skey)
-            if hit is None:
-                self.count("retrieve.miss")
-                self.usage.missed(skey)
-                raise NotFound(f"no entry for key {request.key.hex()} in {request.namespace!r}")
-            pieces = request.piece_bytes if len(hit.value) \
-                >= request.piece_min_entry_bytes else 0
-            head, sel, memo = self.reader.answer(
-                skey, hit, read_s, expected(request), request.first_layer,
-                request.last_layer, pieces)
-        except KDNError as exc:
-            end_call(context, self.count, "Retrieve", exc)
-            return
-        pacer = self.pacer(context) if self.egress.on else None
-        sent = 0  # the entry's bytes: its header, then frames (as GetMany)
-        try:  # a call cancelled at its header counts as cancelled too
-            yield pb.RetrieveResponse(header=head)
-            sent = len(head.container_header)
-            for (_, frame), msgs in zip(sel, memo):
-                for msg in msgs:
-                    if pacer is not None:
-                        await pacer.apace(len(msg))
-                    # Each yield waits for flow control: a slow or cancelled client stops the
-                    # sending here instead of the server buffering the whole entry.
-                    yield msg  # type: ignore[misc]
-                sent += len(frame)
-                self.count("retrieve.frames_sent")
-        except (asyncio.CancelledError, GeneratorExit):
-            self.count("retrieve.cancelled")
-            raise
-        finally:
-            self.count("bytes_out", sent)
-        self.count("retrieve.hit")
+        with self.sending.answer() as sending:  # a lower-tier read's copy: until it ends
+            try:
+                skey = store_key(current_principal.get().tenant,
+                                 request.namespace or "default", request.key)
+                hit, read_s = await self.reader.read(skey)
+                if hit is None:
+                    self.count("retrieve.miss")
+                    self.usage.missed(skey)
+                    raise NotFound(f"no entry for key {request.key.hex()} in "
+                                   f"{request.namespace!r}")
+                self.sending.hold(sending, hit)
+                pieces = request.piece_bytes if len(hit.value) \
+                    >= request.piece_min_entry_bytes else 0
+                head, sel, memo = self.reader.answer(
+                    skey, hit, read_s, expected(request), request.first_layer,
+                    request.last_layer, pieces)
+            except KDNError as exc:
+                end_call(context, self.count, "Retrieve", exc)
+                return
+            pacer = self.pacer(context) if self.egress.on else None
+            sent = 0  # the entry's bytes: its header, then frames (as GetMany)
+            try:  # a call cancelled at its header counts as cancelled too
+                yield pb.RetrieveResponse(header=head)
+                sent = len(head.container_header)
+                for (_, frame), msgs in zip(sel, memo):
+                    for msg in msgs:
+                        if pacer is not None:
+                            await pacer.apace(len(msg))
+                        # Each yield waits for flow control: a slow or cancelled client stops
+                        # the sending here instead of the server buffering the whole entry.
+                        yield msg  # type: ignore[misc]
+                    sent += len(frame)
+                    self.count("retrieve.frames_sent")
+            except (asyncio.CancelledError, GeneratorExit):
+                self.count("retrieve.cancelled")
+                raise
+            finally:
+                self.count("bytes_out", sent)
+            self.count("retrieve.hit")
 
     async def RetrieveMany(self, request: pb.RetrieveManyRequest,
                            context: grpc.aio.ServicerContext
