@@ -463,6 +463,22 @@ def test_a_callers_spent_deadline_marks_no_node_down(servers: list[ServerThread]
         assert fleet.fetch(KEYS[0]) is not None
 
 
+def test_a_delete_its_callers_deadline_ended_marks_no_node_down(tmp_path: Path) -> None:
+    """A delete whose caller's deadline_within ran out while a node was slow to answer raises
+    DeadlineExceeded, as ``call`` does: that node is not marked down (it was marked, as a
+    node gone is), and it drops its copies before it is read again."""
+    with socket.create_server(("127.0.0.1", 0)) as slow, \
+            running_nodes(tmp_path, 1) as (node,):
+        config = FleetConfig(nodes=(f"127.0.0.1:{slow.getsockname()[1]}", node.address),
+                             health_interval_s=0, timeout_s=5.0,
+                             client_options={"shm_bytes": 0})
+        with FleetClient(config) as fleet:
+            with deadline_within(0.3), pytest.raises(DeadlineExceeded):
+                fleet.delete(KEYS[0])
+            assert fleet.router.live.all() and fleet.failovers == 0
+            assert [r["stale"] for r in fleet.nodes_report()] == [1, 1]
+
+
 def test_health_check_marks_nodes_down_and_back(servers: list[ServerThread],
                                                 tmp_path: Path) -> None:
     config = FleetConfig(nodes=(servers[0].address, "127.0.0.1:1"), health_interval_s=0,

@@ -434,7 +434,9 @@ class FleetClient:
         one not reached does, or one that refuses the delete (rate-limited: it is marked
         down). The most any node deleted (the shared tier's copy is deleted by the first);
         when none deleted, the first refusal, else Unavailable. A bad key is refused before
-        any node is sent it, a ``CALLER_REFUSALS`` answered before any deleted raised as is."""
+        any node is sent it, a ``CALLER_REFUSALS`` answered before any deleted raised as is,
+        and so is the caller's ``deadline_within`` that ended it (as ``call``: no node marked
+        down; the nodes it did not reach drop their copies before they are read)."""
         keys = [check_key(k) for k in ([key] if isinstance(key, (bytes, bytearray)) else key)]
         check_namespace(namespace or self.clients[0].namespace)  # refused here, not per node
         if tenant:  # another tenant's entries: never in the in-process tiers (the caller's)
@@ -454,7 +456,13 @@ class FleetClient:
                 continue  # a hung node would cost every delete a deadline
             try:
                 done.append(c.delete(keys, namespace=namespace, tenant=tenant, **kw))
-            except NODE_FAILURES:
+            except NODE_FAILURES as exc:
+                if isinstance(exc, DeadlineExceeded) and caller_deadline_passed():
+                    # the caller's time, not the node's (as ``call``): none marked down; this
+                    # node and those not reached drop their copies before they are read
+                    self.drop_copies(keys, [n for n in range(node, len(self.clients))
+                                            if n not in down], namespace, tenant)
+                    raise
                 self._mark(node, False)
                 self.drop_copies(keys, [node], namespace, tenant)
             except KDNError as exc:  # refused: the others delete on, it keeps its copies
