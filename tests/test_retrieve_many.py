@@ -560,3 +560,17 @@ def test_a_grouped_store_many_refused_as_a_bad_request_goes_again_a_header_per_e
         got = c.fetch_many([k for k, _ in items])
         assert [g.parts.to_bytes() if g else None for g in got] == \
             [p.to_bytes() for _, p in items]
+
+
+def test_a_key_missing_past_a_full_answer_counts_as_a_miss(server: ServerThread) -> None:
+    """A GetMany whose answer filled up asks the store only the later keys' sizes: one not
+    there is a miss all the same (the client does not ask for it again), counted as any."""
+    with Client(server.address) as c:
+        full, absent = bytes(32), b"\x01" * 32
+        c.store(full, random_kv(LAYOUT, 16), mode="raw")
+        before = c.stats().counters.get("getmany.miss", 0)
+        with grpc.insecure_channel(server.address) as ch:
+            answer = pb_grpc.KDNStub(ch).GetMany(pb.GetManyRequest(
+                keys=[full, absent], region=pb.Region(length=1000)))  # no room for one
+        assert [e.present for e in answer.entries] == [True, False]
+        assert c.stats().counters.get("getmany.miss", 0) - before == 1

@@ -174,7 +174,8 @@ class BatchReads:
             started = time.perf_counter()
             if crowded and skey not in seen:  # one without room: its size, not its bytes
                 found = self.store.presence(skey)
-                if not found.present:
+                if not found.present:  # a miss all the same: the client does not ask again
+                    self._missed(skey)
                     continue
                 elsewhere = seg is not None and (found.size <= request.inline_below_bytes or
                                                  request.lease and found.tier == first)
