@@ -1,8 +1,9 @@
 """Checks of the numbers a caller passes, one rule each, so every entry point words a refusal
 alike: a whole number from a lower bound (``whole``), a share in [0, 1] (``share``), a span of
-seconds (``seconds``) and token ids (``token_ids``). A bool is none of them (``True`` is not 1
-layer or a 100% ratio; ``is_bool`` also knows numpy's and a 0-d tensor of one), nor is a text,
-nor, for the whole ones, a float (``int(1.7)`` would quietly be another token)."""
+seconds (``seconds``) and token ids (``token_ids``, ``check_vocabulary``). A bool is none of
+them (``True`` is not 1 layer or a 100% ratio; ``is_bool`` also knows numpy's and a 0-d tensor
+of one), nor is a text, nor, for the whole ones, a float (``int(1.7)`` would quietly be another
+token)."""
 
 from __future__ import annotations
 
@@ -96,6 +97,15 @@ def token_ids(values: object, what: str, below: int | None = None) -> list[int]:
             raise InvalidArgument(f"{what}: token {i} is {shown(out[-1])}, not in [0, "
                                   f"{below_shown(below)})")
     return out
+
+
+def check_vocabulary(ids: Sequence[int], vocabulary: int, what: str) -> None:
+    """InvalidArgument naming ``what`` and the first id of ``ids`` outside
+    ``0..vocabulary-1`` (the model's embedding rows), if any."""
+    if ids and (min(ids) < 0 or max(ids) >= vocabulary):
+        i, bad = next((i, t) for i, t in enumerate(ids) if not 0 <= t < vocabulary)
+        raise InvalidArgument(f"{what}: token id {bad} is outside the model's vocabulary of "
+                              f"{vocabulary} (0..{vocabulary - 1}), at token {i}")
 
 
 def below_shown(bound: int) -> str:

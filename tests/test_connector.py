@@ -4,6 +4,8 @@ layer-by-layer cache. Tiny random Llama on a real gRPC server."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -12,7 +14,7 @@ from kdn.blend.chunks import ChunkConnector
 from kdn.client import Client
 from kdn.delivery import LoadingController
 from kdn.engine import EngineConfig, KDNEngine, KVConnector
-from kdn.errors import InvalidArgument
+from kdn.errors import InvalidArgument, InvalidRequest
 from kdn.layout import DType
 from kdn.model import hf
 from tests.test_blend import ids, tiny
@@ -112,6 +114,36 @@ def test_layerwise_cache_fills_each_layer_right_before_it_runs() -> None:
     ref = hf.CacheDecoder(model, hf.to_transformers(type(kv)(layout, half)))
     torch.testing.assert_close(logits, ref.forward(prompt[20:]))
     assert not model.model.layers[1]._forward_pre_hooks  # hooks removed on exit
+
+
+def test_layerwise_cache_refuses_a_forward_on_another_thread() -> None:
+    """Its layers are filled only on the thread that entered it: a forward there on another
+    thread ran with layers 1.. empty; it is refused, naming why. A forward of the same model
+    on another thread with a cache of its own is let be."""
+    model = tiny("llama")
+    layout = hf.model_layout(model)
+    prompt = ids(30, seed=4)
+    kv, _ = hf.prefill(model, prompt[:20], layout)
+    asked: list[int] = []
+    out: list[object] = []
+
+    def fill(i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        asked.append(i)
+        return kv.layers[i]
+
+    def run(cache: object) -> None:
+        try:
+            out.append(hf.CacheDecoder(model, cache).forward(prompt[20:]))
+        except InvalidRequest as exc:
+            out.append(exc)
+
+    with hf.LayerwiseCache(model, fill) as cache:
+        for other in (cache, hf.to_transformers(kv)):
+            t = threading.Thread(target=run, args=(other,))
+            t.start()
+            t.join(60)
+    assert isinstance(out[0], InvalidRequest) and "another thread" in str(out[0])
+    assert isinstance(out[1], torch.Tensor) and asked == [0]
 
 
 def test_chunk_connector_loads_saves_and_blends(client: Client) -> None:

@@ -82,14 +82,13 @@ from kdn.blend.rope import RopePlan, apply_rope, cos_sin, reposition, rope_plan
 from kdn.blend.select import budget, deviation, select_tokens
 from kdn.blend.stale import ChunkStale, correct_stale, stale_plan
 from kdn.cache import KVCache, LayerKV
-from kdn.checks import share, whole
+from kdn.checks import check_vocabulary, share, whole
 from kdn.errors import Cancelled, InvalidArgument, InvalidLayout, LayoutMismatch
 from kdn.layout import KVLayout, LayerLayout
 from kdn.model.families import check_blended
 from kdn.model.hf import (
     ModelParts,
     attention_window,
-    check_vocabulary,
     check_window,
     model_layout,
     prompt_limits,

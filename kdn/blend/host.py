@@ -42,6 +42,7 @@ from kdn import codec
 from kdn.blend.blend import BlendConfig, Piece, blend, blend_layout, check_chunk_layout
 from kdn.blend.key import combination_key
 from kdn.cache import LayerKV
+from kdn.checks import check_vocabulary
 from kdn.codec.format import Header, check_frame, parse_header, split_frames
 from kdn.errors import (
     InvalidArgument,
@@ -54,7 +55,7 @@ from kdn.errors import (
 from kdn.keys import check_key, check_namespace, chunk_key
 from kdn.layout import DType, KVLayout
 from kdn.model.families import blend_problem, check_blended
-from kdn.model.hf import check_vocabulary, model_device, model_layout, place, prompt_limits
+from kdn.model.hf import model_device, model_layout, place, prompt_limits
 from kdn.text import tokenize
 from kdn.v1 import kdn_pb2 as pb
 

@@ -42,7 +42,7 @@ import torch
 
 from kdn import checks
 from kdn.cache import KVCache, LayerKV
-from kdn.errors import InvalidArgument, InvalidLayout
+from kdn.errors import InvalidArgument, InvalidLayout, InvalidRequest
 from kdn.layout import DType, KVLayout
 
 # -- what the model is -------------------------------------------------------------------------
@@ -345,15 +345,6 @@ def token_ids(values: object, what: str) -> list[int]:
     return checks.token_ids(values, what)
 
 
-def check_vocabulary(ids: Sequence[int], vocabulary: int, what: str) -> None:
-    """InvalidArgument naming ``what`` and the first id of ``ids`` outside
-    ``0..vocabulary-1`` (the model's embedding rows), if any."""
-    if ids and (min(ids) < 0 or max(ids) >= vocabulary):
-        i, bad = next((i, t) for i, t in enumerate(ids) if not 0 <= t < vocabulary)
-        raise InvalidArgument(f"{what}: token id {bad} is outside the model's vocabulary of "
-                              f"{vocabulary} (0..{vocabulary - 1}), at token {i}")
-
-
 @dataclass(frozen=True)
 class ModelParts:
     """The modules of a transformers causal LM that kdn drives one by one."""
@@ -481,7 +472,8 @@ class LayerwiseCache:
     sizes the mask and positions from it); the others by forward pre-hooks, removed on exit.
     The hooks sit on the model's own layers, so they act only in the thread that entered: a
     forward of the same model in another thread (another engine's) neither waits for this
-    cache's layers nor sees its failures.
+    cache's layers nor sees its failures; one in another thread that runs on this very cache
+    is refused (InvalidRequest): its layers would not be filled.
     """
 
     def __init__(self, model: Any, fill: Callable[[int], LayerKV]) -> None:
@@ -501,15 +493,20 @@ class LayerwiseCache:
                        v.to(self.device, self.dtype).unsqueeze(0))
             self._filled[i] = True
 
-    def _hook(self, i: int) -> None:
+    def _hook(self, i: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if threading.get_ident() == self._owner:
             self._fill(i)
+        elif any(a is self.cache for a in (*args, *kwargs.values())):
+            raise InvalidRequest("LayerwiseCache: a forward on another thread than the one "
+                                 "that entered it runs on its cache, whose layers are filled "
+                                 "only on that thread; run the forward inside the with there")
 
     def __enter__(self) -> Any:
         self._owner = threading.get_ident()
         self._fill(0)
-        self._hooks = [block.register_forward_pre_hook(lambda m, a, i=i: self._hook(i))
-                       for i, block in enumerate(self.blocks)]
+        self._hooks = [block.register_forward_pre_hook(
+            lambda m, a, kw, i=i: self._hook(i, a, kw), with_kwargs=True)
+            for i, block in enumerate(self.blocks)]
         return self.cache
 
     def __exit__(self, *exc: object) -> None:
