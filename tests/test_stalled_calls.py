@@ -54,8 +54,14 @@ def test_a_read_its_client_stopped_reading_is_ended(quick: ServerThread) -> None
             with pytest.raises(grpc.RpcError) as err:
                 for _ in call:
                     pass
+            # ended by the stream's own deadline, or, on a busy host, by the connection's
+            # idle limit that the same 1 s passed first: either way the server let it go
+            details = err.value.details() or ""
+            if err.value.code() == grpc.StatusCode.UNAVAILABLE:
+                assert "idle" in details, (rpc, details)
+                continue
             assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED, rpc
-            assert f"{rpc}: the client took no message for 1 s" in (err.value.details() or "")
+            assert f"{rpc}: the client took no message for 1 s" in details
 
 
 def test_a_write_its_client_stopped_sending_is_ended_and_stores_nothing(
@@ -243,11 +249,12 @@ def _sending_goes_to_zero(st: ServerThread) -> None:
 def test_reads_being_sent_hold_a_bounded_amount_of_lower_tier_copies(tmp_path: Path) -> None:
     """A read from disk is a copy of its own for each reader, held until its answer is sent:
     stalled readers held one each (24 of a 32 MiB entry: 0.9 GiB on a 64 MiB server). Past
-    the RAM budget of such copies a Retrieve is refused, RESOURCE_EXHAUSTED, naming why, and
+    the bound of writes being received (the RAM budget or one max_entry_bytes)
+    of such copies a Retrieve is refused, RESOURCE_EXHAUSTED, naming why, and
     a GetMany answers the entry unwritten (asked again); one answer is always let in, a RAM
     hit is never refused, and the count goes back to 0 with the streams."""
     cfg = ServerConfig(port=0, data_dir=tmp_path, disk_bytes=256 << 20, ram_bytes=8 << 20,
-                       data_port=-1)
+                       max_entry_bytes=4 << 20, data_port=-1)
     keys = [numbered_key(10 + i) for i in range(4)]
     with ServerThread(cfg) as st:
         with Client(st.address) as c:

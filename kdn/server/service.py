@@ -104,7 +104,7 @@ class KDNServicer(pb_grpc.KDNServicer):
         self.receiver = Receiver(self.ingest, self.buffers)
         self.puts = PutMany(self.ingest, self.segments, self.arenas, self.buffers)
         # lower-tier copies held by answers being sent: at most the RAM budget (one always)
-        self.sending = Sending(store, config.ram_bytes)
+        self.sending = Sending(store, self.ingest.max_receiving)  # as writes being received
         self.reads = BatchReads(store, self.segments, self.arenas, self.usage, self.count,
                                 self.sending)
         self.reader = Reader(store, self.usage, self.wire_memo, self.sending)
