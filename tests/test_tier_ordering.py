@@ -61,6 +61,44 @@ def test_a_read_in_flight_does_not_promote_the_older_value(store: TieredStore) -
     assert store.counters["promotions_skipped"] == 1
 
 
+def test_a_read_begun_during_an_overwrite_does_not_promote_the_older_value(
+        store: TieredStore) -> None:
+    """The read starts once the put began (its generation raised) but before the new value
+    reached RAM, finds the older copy on disk, and promotes only after the put was
+    acknowledged: the put is under way throughout, so that promotion is refused."""
+    ram, disk = store.tiers
+    store.put(b"k", b"v1")
+    ram.delete(b"k")  # on disk only, as after an eviction
+    read, acked = threading.Event(), threading.Event()
+    real_get, real_put = disk.get_stamped, ram.put
+    out: list[Any] = []
+
+    def slow_get(key: bytes, framed: bool = False) -> Any:
+        got = real_get(key, framed)
+        read.set()
+        acked.wait(10)
+        return got
+
+    def put_after_read(key: bytes, value: Any, **kw: Any) -> None:
+        if value == b"v2":  # the writer, its put under way: a read arrives now
+            reader.start()
+            assert read.wait(10)
+        real_put(key, value, **kw)
+
+    reader = threading.Thread(target=lambda: out.append(store.get(b"k")))
+    disk.get_stamped = slow_get  # type: ignore[method-assign]
+    ram.put = put_after_read  # type: ignore[method-assign]
+    try:
+        store.put(b"k", b"v2")
+    finally:
+        acked.set()
+        reader.join(10)
+        disk.get_stamped, ram.put = real_get, real_put  # type: ignore[method-assign]
+    assert out[0].value == b"v1"  # read before the value landed: the reader's to see
+    assert ram.get(b"k") == b"v2" and store.get(b"k").value == b"v2"  # type: ignore[union-attr]
+    assert store.counters["promotions_skipped"] == 1
+
+
 def test_a_read_in_flight_does_not_bring_back_a_deleted_entry(store: TieredStore) -> None:
     ram, _ = store.tiers
     store.put(b"k", b"v1")

@@ -1,12 +1,20 @@
 """What the hierarchy (``kdn.store.tiered``) answers and is configured with: the write policy,
-a read's hit (bytes, or the frames a RAM value arrived in), a lookup's presence."""
+a read's hit (bytes, or the frames a RAM value arrived in), a lookup's presence and how a
+lookup finds it (``lookup``: in each tier in read order, a queued value as if the tier held
+it, a pending delete hiding what the tier holds)."""
 
 from __future__ import annotations
 
 import enum
+import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 
+from kdn.store.base import Tier
 from kdn.store.framed import Framed
+from kdn.store.health import TierHealth
+from kdn.store.queue import WriteQueue
 
 
 class WritePolicy(enum.StrEnum):
@@ -40,3 +48,35 @@ class Presence:
     present: bool
     tier: str = ""
     size: int = 0
+
+
+def lookup(keys: list[bytes], tiers: Sequence[Tier], queues: Mapping[str, WriteQueue],
+           health: TierHealth) -> list[Presence]:
+    """Where each of ``keys`` is, the first of ``tiers`` holding it (``queues``: the lower
+    tiers' write queues; a tier that is down is not asked)."""
+    out = [Presence(False)] * len(keys)
+    todo = list(range(len(keys)))
+    now = time.monotonic()
+    for tier in tiers:
+        if not todo:
+            break
+        q = queues.get(tier.name)
+        ask = []
+        for i in todo:
+            item = q.peek(keys[i]) if q is not None else None
+            if item is None:
+                ask.append(i)
+            elif item.value is not None and not item.expired(now):
+                out[i] = Presence(True, tier.name, len(item.value))
+        sizes: list[int | None] = [None] * len(ask)
+        if ask and health.is_up(tier.name):
+            got = health.guard(tier, partial(tier.size_many, [keys[i] for i in ask]),
+                               "size_many")
+            if got is not None:
+                sizes = got
+        todo = [i for i in todo if not out[i].present]
+        for i, size in zip(ask, sizes):
+            if size is not None:
+                out[i] = Presence(True, tier.name, size)
+        todo = [i for i in todo if not out[i].present]
+    return out

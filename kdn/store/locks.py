@@ -8,8 +8,14 @@ store; nothing is ever added or freed, so a key always maps to the same lock.
                          hold it, so an older value never lands over a newer one
     generation(key)      a count of the puts and deletes of ``key`` so far (shared by the keys
                          of one of ``GENERATIONS`` slots), raised by ``written`` under the
-                         stripe before a put or delete touches any tier: a read that saw a
-                         value below the first tier promotes it only while no write came since
+                         stripe before a put or delete touches any tier
+    writing(key)         a put of ``key`` under way: its generation is raised as it begins and
+                         again as it ends, and the slot counts it as in flight between
+    settled(key, seen)   whether no put or delete of ``key`` came since its generation was
+                         ``seen`` and none is under way: a read that saw a value below the
+                         first tier promotes it only then (a seqlock: a read that began during
+                         a put, before its value reached the tier read, never promotes the
+                         older value over it once it is acknowledged)
     entry_lock(key)      the callers' lock of ``key`` (the servicers hold it across look up,
                          quota charge and put or delete, so that concurrent overwrites and
                          deletes of one entry charge and refund it exactly once); the store never
@@ -41,6 +47,7 @@ class KeyLocks:
         self._stripes = [threading.Lock() for _ in range(STRIPES)]
         self._entry_locks = [threading.Lock() for _ in range(STRIPES)]
         self._generations = [0] * GENERATIONS
+        self._writing = [0] * GENERATIONS  # puts under way, per generation slot
 
     def stripe(self, key: bytes) -> threading.Lock:
         return self._stripes[xxhash.xxh64_intdigest(key) % STRIPES]
@@ -53,6 +60,28 @@ class KeyLocks:
         slot has the same stripe, ``GENERATIONS`` being a multiple of ``STRIPES``, so no
         count is lost)."""
         self._generations[xxhash.xxh64_intdigest(key) % GENERATIONS] += 1
+
+    @contextmanager
+    def writing(self, key: bytes) -> Iterator[None]:
+        """A put of ``key`` under way (the module docstring); takes the key's stripe at its
+        start and at its end, so the caller holds none."""
+        slot = xxhash.xxh64_intdigest(key) % GENERATIONS
+        with self.stripe(key):
+            self._generations[slot] += 1
+            self._writing[slot] += 1
+        try:
+            yield
+        finally:
+            with self.stripe(key):  # raised before the put counts as done: see ``settled``
+                self._generations[slot] += 1
+                self._writing[slot] -= 1
+
+    def settled(self, key: bytes, seen: int) -> bool:
+        """Whether ``key``'s generation is still ``seen`` and no put of its slot is under way.
+        Asked without the stripe (under a tier's lock): the count of puts is read first, so a
+        put that ended meanwhile is seen by its generation, one that began by either."""
+        slot = xxhash.xxh64_intdigest(key) % GENERATIONS
+        return not self._writing[slot] and self._generations[slot] == seen
 
     def entry_lock(self, key: bytes) -> threading.Lock:
         return self._entry_locks[xxhash.xxh64_intdigest(key) % STRIPES]

@@ -19,7 +19,8 @@ A hit below the first tier is promoted: into the first tier (RAM) at once, with 
 time of the copy it came from (``Tier.written_at``), into other tiers above it through their
 write queues, keeping the entry's remaining TTL (one that expired since its read is a miss
 there, never promoted with no TTL), unless the key was written or deleted since the read began
-(its generation, ``kdn.store.locks``): an older value never lands over an acknowledged one.
+or a put of it is under way (its generation, ``kdn.store.locks``): an older value never lands
+over an acknowledged one.
 
 Writes always go to the first tier, then to each lower tier either synchronously or through
 that tier's write queue. Which lower tiers are written synchronously:
@@ -66,7 +67,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import partial
 
@@ -77,7 +78,7 @@ from kdn.store.base import EvictHook, Tier, TierStats
 from kdn.store.checked import CheckedStamps
 from kdn.store.framed import Framed
 from kdn.store.health import Fault, TierHealth
-from kdn.store.hits import FramedHit, Hit, Presence, WritePolicy
+from kdn.store.hits import FramedHit, Hit, Presence, WritePolicy, lookup
 from kdn.store.locks import KeyLocks
 from kdn.store.lower import LowerWrites
 from kdn.store.queue import PendingWrite, WriteQueue
@@ -329,8 +330,8 @@ class TieredStore:
         head = self.tiers[0]
         expiry = time.monotonic() + ttl if ttl else 0.0
 
-        def still() -> bool:  # writes count themselves (under the stripe) before any tier
-            return self._locks.generation(key) == seen
+        def still() -> bool:  # puts count themselves (under the stripe) before any tier
+            return self._locks.settled(key, seen)  # and after the last, deletes before
 
         put = partial(head.put_while, key, value, still, ttl_s=ttl, written_at=at)
         if head.reports_evictions:  # asked and put under the tier's own lock
@@ -348,7 +349,7 @@ class TieredStore:
                     self._queues[upper.name].offer(key, PendingWrite(value, expiry))
 
     def lookup(self, keys: list[bytes]) -> list[Presence]:
-        return self._lookup(keys, self.tiers)
+        return lookup(keys, self.tiers, self._queues, self._health)
 
     def presence(self, key: bytes) -> Presence:
         """``lookup`` of one key, an ``in_process`` first tier (RAM) asked directly first (what
@@ -361,35 +362,7 @@ class TieredStore:
             if size is not None:
                 return Presence(True, head.name, size)
             tiers = tiers[1:]
-        return self._lookup([key], tiers)[0]
-
-    def _lookup(self, keys: list[bytes], tiers: Sequence[Tier]) -> list[Presence]:
-        out = [Presence(False)] * len(keys)
-        todo = list(range(len(keys)))
-        now = time.monotonic()
-        for tier in tiers:
-            if not todo:
-                break
-            q = self._queues.get(tier.name)
-            ask = []
-            for i in todo:
-                item = q.peek(keys[i]) if q is not None else None
-                if item is None:
-                    ask.append(i)
-                elif item.value is not None and not item.expired(now):
-                    out[i] = Presence(True, tier.name, len(item.value))
-            sizes: list[int | None] = [None] * len(ask)
-            if ask and self.is_up(tier.name):
-                got = self._health.guard(tier, partial(tier.size_many, [keys[i] for i in ask]),
-                                         "size_many")
-                if got is not None:
-                    sizes = got
-            todo = [i for i in todo if not out[i].present]
-            for i, size in zip(ask, sizes):
-                if size is not None:
-                    out[i] = Presence(True, tier.name, size)
-            todo = [i for i in todo if not out[i].present]
-        return out
+        return lookup([key], tiers, self._queues, self._health)[0]
 
     # -- writes ---------------------------------------------------------------------------------
 
@@ -424,7 +397,8 @@ class TieredStore:
         if pin:
             self.pin(key)
         try:
-            tier = self._put(key, value, ttl, required, durability)
+            with self._locks.writing(key):  # no read in flight promotes an older value now
+                tier = self._put(key, value, ttl, required, durability)
         except BaseException:
             if pin and not was_pinned:
                 self.unpin(key)
@@ -448,11 +422,10 @@ class TieredStore:
         head = self.tiers[0]
         first, errors, too_large = "", [], False
         refused: list[Tier] = []  # tiers that did not take it: stale, once another did
-        with self.stripe(key):
-            self._locks.written(key)  # before any tier has it: promotions in flight stop
-            if required is not head:
+        if required is not head:
+            with self.stripe(key):
                 self._lower.write(required, key, value, ttl, expiry, True, True)
-                first = required.name
+            first = required.name
         try:
             head.put(key, value, ttl_s=ttl)  # type: ignore[arg-type]  # Framed: takes_framed
             first = head.name
