@@ -99,6 +99,51 @@ def test_a_read_begun_during_an_overwrite_does_not_promote_the_older_value(
     assert store.counters["promotions_skipped"] == 1
 
 
+def test_a_read_during_a_delete_is_not_served_a_copy_older_than_the_queued_one(
+        tmp_path: Path) -> None:
+    """A delete of a key whose newer value waits in the disk's write queue: a read while the
+    disk's (older) copy is being deleted misses, never gets that older copy."""
+    from kdn.options import Durability
+    from kdn.store.locks import KeyLocks
+
+    s = TieredStore([RamTier(1 << 20), LmdbTier(tmp_path / "lmdb", capacity_bytes=1 << 20)])
+    ram, disk = s.tiers
+    locks = KeyLocks()
+    other = next(k for k in (b"o%d" % i for i in range(100))
+                 if locks.stripe(k) is not locks.stripe(b"k"))
+    busy, release = threading.Event(), threading.Event()
+    real_put, real_delete = disk.put, disk.delete
+    seen: list[Any] = []
+
+    def slow_put(key: bytes, value: bytes, **kw: Any) -> None:
+        if key == other:  # the queue's writer is held on another key (another stripe)
+            busy.set()
+            release.wait(10)
+        real_put(key, value, **kw)
+
+    def read_first(key: bytes) -> bool:
+        reader = threading.Thread(target=lambda: seen.append(s.get(b"k")))
+        reader.start()
+        reader.join(10)
+        return real_delete(key)
+
+    try:
+        s.put(b"k", b"v1")
+        disk.put = slow_put  # type: ignore[method-assign]
+        s.put(other, b"o", durability=Durability.MEMORY)
+        assert busy.wait(10)
+        s.put(b"k", b"v2", durability=Durability.MEMORY)  # queued for the disk
+        disk.delete = read_first  # type: ignore[method-assign]
+        assert s.delete(b"k")
+        assert seen == [None] and ram.get(b"k") is None and s.get(b"k") is None
+        release.set()
+        assert s.flush(10) and disk.get(b"k") is None
+    finally:
+        release.set()
+        disk.put, disk.delete = real_put, real_delete  # type: ignore[method-assign]
+        s.close()
+
+
 def test_a_read_in_flight_does_not_bring_back_a_deleted_entry(store: TieredStore) -> None:
     ram, _ = store.tiers
     store.put(b"k", b"v1")

@@ -11,7 +11,8 @@ queue's writer landing an older one, never interleave.
                                    does not take is dropped (counted), or queued for a retry
                                    (``Fault.PARTLY``), its tier listed in ``refused`` (else
                                    ``clear_stale`` at once)
-    delete(tier, key)              delete now, else queue the delete
+    delete(tier, key)              delete now, else queue the delete (a queued value is
+                                   a pending delete meanwhile, hiding the tier's copy)
     clear_stale(tier, key)         a tier did not take the key's new value that another took:
                                    its older copy is deleted now where the tier answers, else a
                                    delete is queued (reads skip the tier's copy meanwhile); the
@@ -138,10 +139,14 @@ class LowerWrites:
 
     def delete(self, tier: Tier, key: bytes) -> bool:
         """Delete ``key`` from ``tier`` (caller holds its stripe), or queue the delete where
-        the tier, or its part of it, does not answer; whether a value was there (or queued)."""
+        the tier, or its part of it, does not answer; whether a value was there (or queued).
+        A queued value becomes a pending delete first: reads skip the tier's older copy until
+        it is gone (dropping the queued value first let them find that copy meanwhile)."""
         q = self._queues[tier.name]
-        pending = q.discard(key)
+        pending = q.peek(key)
         found = pending is not None and pending.value is not None
+        if found:
+            q.mark_stale(key)  # in place of a queued value: always taken
         if self._health.is_up(tier.name):
             what = f"delete of {key!r}"
             got = self._health.attempt(tier, partial(tier.delete, key), what)
@@ -150,6 +155,7 @@ class LowerWrites:
                     self._stale_kept(tier, key)
                 return found
             if got is not Fault.DOWN and got is not Fault.FAILED:
+                q.discard(key)  # deleted: nothing pending is left to land
                 return bool(got) or found
         if not q.mark_stale(key):
             self._stale_kept(tier, key)
