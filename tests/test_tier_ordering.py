@@ -235,14 +235,15 @@ def test_promotions_that_evict_each_others_keys_do_not_deadlock(tmp_path: Path) 
 def test_an_overwrite_no_tier_takes_leaves_the_previous_value(tmp_path: Path) -> None:
     """Refused by every tier (too large for each): the store fails, and the previous value
     is still served from every tier that held it (only a tier that refused a value another
-    tier took drops its older copy)."""
-    from kdn.errors import KDNError
+    tier took drops its older copy). The error names each tier's refusal and budget."""
+    from kdn.errors import TooLarge
 
-    s = TieredStore([RamTier(1 << 20), LmdbTier(tmp_path / "lmdb", capacity_bytes=1 << 20)])
+    s = TieredStore([RamTier(1 << 20), LmdbTier(tmp_path / "lmdb", capacity_bytes=3 << 19)])
     try:
         ram, disk = s.tiers
         s.put(b"k", b"v1")
-        with pytest.raises(KDNError, match="no tier accepted the entry"):
+        with pytest.raises(TooLarge, match=r"no tier accepted the entry: it is larger than each "
+                           r"takes \(ram: .*1048576-byte budget; disk: .*1572864-byte budget\)"):
             s.put(b"k", b"v2" * (1 << 20))
         assert ram.get(b"k") == b"v1" and disk.get(b"k") == b"v1"
         assert s.get(b"k").value == b"v1"  # type: ignore[union-attr]

@@ -37,7 +37,7 @@ import time
 from collections.abc import Callable
 from functools import partial
 
-from kdn.errors import TierUnavailable, TooLarge
+from kdn.errors import KDNError, TierUnavailable, TooLarge
 from kdn.store.base import Tier
 from kdn.store.framed import Framed, contiguous
 from kdn.store.health import WARN_EVERY_S, Fault, TierHealth
@@ -59,7 +59,8 @@ class LowerWrites:
 
     def write(self, tier: Tier, key: bytes, value: bytes | Framed, ttl: float | None,
               expiry: float, sync: bool, required: bool,
-              refused: list[Tier] | None = None, acked: bool = False) -> bool:
+              refused: list[Tier] | None = None, acked: bool = False,
+              errors: list[tuple[str, KDNError]] | None = None) -> bool:
         """Write to ``tier`` (caller holds the key's stripe); True if written now.
 
         A ``required`` write that fails raises (after marking the tier down if it is); the
@@ -69,13 +70,16 @@ class LowerWrites:
         it knows another tier took the value (without a list, at once). A ``Framed`` value is
         joined first: lower tiers and their queues hold one buffer. ``acked``: the store is
         acknowledged should this tier refuse it for room (``TooLarge``), which its warning then
-        says (``_acked_without``).
+        says (``_acked_without``). ``errors``: a refusal (not the tier, or its part of it, down:
+        those are retried) is added to it, with the tier's name, for the caller's error.
         """
         flat = contiguous(value)
         q = self._queues[tier.name]
         write = partial(tier.put, key, flat, ttl_s=ttl)
         if acked:
             write = partial(_acked_without, write, len(flat), tier.name)
+        if errors is not None:
+            write = partial(_noted, write, tier.name, errors)
         what = f"write of {key!r}"
         up = self._health.is_up(tier.name)
         if sync and up:
@@ -180,6 +184,17 @@ def _queued(q: WriteQueue, key: bytes, value: object) -> bool:
     """Whether ``q`` holds a write of this very ``value`` (not None) for ``key``."""
     item = q.peek(key)
     return value is not None and item is not None and item.value is value
+
+
+def _noted(write: Callable[[], None], name: str, errors: list[tuple[str, KDNError]]) -> None:
+    """``write()``, its refusal added to ``errors`` (``LowerWrites.write``)."""
+    try:
+        write()
+    except TierUnavailable:
+        raise
+    except KDNError as exc:
+        errors.append((name, exc))
+        raise
 
 
 def _acked_without(write: Callable[[], None], size: int, name: str) -> None:

@@ -420,7 +420,7 @@ class TieredStore:
         another took the new: that tier drops its stale copy (``LowerWrites.clear_stale``)."""
         expiry = time.monotonic() + ttl if ttl else 0.0
         head = self.tiers[0]
-        first, errors, too_large = "", [], False
+        first, errors = "", []  # errors: each tier's refusal, in read order
         refused: list[Tier] = []  # tiers that did not take it: stale, once another did
         if required is not head:
             with self.stripe(key):
@@ -430,9 +430,8 @@ class TieredStore:
             head.put(key, value, ttl_s=ttl)  # type: ignore[arg-type]  # Framed: takes_framed
             first = head.name
         except KDNError as exc:
-            errors.append(f"{head.name}: {exc}")
+            errors.append((head.name, exc))
             refused.append(head)
-            too_large = isinstance(exc, TooLarge)
         sync_all = not first or (self.write_policy is WritePolicy.WRITE_THROUGH
                                  and durability is not Durability.MEMORY)
         before = self.tiers.index(required)  # the tiers read before it: written now too
@@ -443,7 +442,7 @@ class TieredStore:
                 acked = first == head.name and durability is Durability.DEFAULT \
                     and tier.durable and self.write_policy is WritePolicy.WRITE_THROUGH
                 took = self._lower.write(tier, key, value, ttl, expiry, sync_all or i < before,
-                                         False, refused, acked)
+                                         False, refused, acked, errors)
                 if took and not first:
                     first = tier.name
             for tier in refused if first else ():  # their older copies: never served again
@@ -455,14 +454,15 @@ class TieredStore:
             # part of it, that does not answer now) and fail as UNAVAILABLE, naming those.
             down = [] if first else [t.name for t in self.tiers[1:] if self._queues[
                 t.name].withdraw(key, value) or not self.is_up(t.name)]
+        why = "; ".join(f"{name}: {exc}" for name, exc in errors)
         if down:
-            raise TierUnavailable(f"no tier accepted the entry ({'; '.join(errors)}); the "
+            raise TierUnavailable(f"no tier accepted the entry ({why}); the "
                                   f"{' and '.join(down)} tier does not answer now")
         if not first:  # each lower tier refused it for good (a write no retry would take)
-            if too_large:  # larger than the first tier takes, and refused below too
-                raise TooLarge("no tier accepted the entry: it is larger than each takes ("
-                               + "; ".join(errors) + "); raise the tiers' byte budgets")
-            raise KDNError("no tier accepted the entry: " + "; ".join(errors))
+            if errors and all(isinstance(exc, TooLarge) for _, exc in errors):
+                raise TooLarge(f"no tier accepted the entry: it is larger than each takes "
+                               f"({why}); raise the tiers' byte budgets")
+            raise KDNError(f"no tier accepted the entry: {why}")
         return first
 
     def delete(self, key: bytes) -> bool:
