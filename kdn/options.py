@@ -42,7 +42,8 @@ class StoreOptions:
     """Seconds until the entry expires; 0 = the server's ``default_ttl_s`` (0 there: never).
     One above ``MAX_TTL_S`` is taken as ``MAX_TTL_S``."""
     pin: bool = False
-    """Never evict the entry while it is pinned."""
+    """Never evict the entry while it is pinned. Kept by the RAM and disk tiers: a pinned store
+    only a Redis tier would take (larger than both) is refused (``TooLarge``)."""
     durability: Durability = Durability.DEFAULT
     """Where the entry must be before the store is acknowledged (its name, ``"disk"``, or
     value is taken too; a bool is not)."""

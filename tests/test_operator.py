@@ -511,3 +511,28 @@ def test_admin_key_calls_act_on_the_clients_namespace(tmp_path: Path) -> None:
         assert c.unpin([key]) == 1 and c.evict([key]) == 1
         with pytest.raises(NotFound, match="'default'"):
             c.inspect(key, "default")
+
+
+@pytest.mark.redis
+def test_pin_of_an_entry_only_redis_holds_is_refused(tmp_path: Path) -> None:
+    """Redis evicts as its maxmemory chooses, pinned or not: an entry only it holds (evicted
+    from RAM, no disk tier) is not pinned, and the store of one only it would take is refused."""
+    from kdn.errors import InvalidArgument
+    from tests.redis_servers import RedisServer
+
+    lay = uniform_layout(layers=1, heads=1, dim=8)
+    with RedisServer(tmp_path / "redis", appendonly=False) as r:
+        cfg = ServerConfig(port=0, data_dir=tmp_path / "d", disk_bytes=0, redis_url=r.url,
+                           ram_bytes=1 << 20, shm_arena_bytes=0)
+        with ServerThread(cfg) as st, AdminClient(st.address, shm_bytes=0) as c:
+            k, big = keys.chunk_key([1], lay), keys.chunk_key([2], lay)
+            c.store(k, random_kv(lay, 4), mode="raw")
+            assert c.evict([k], tier="ram") == 1
+            with pytest.raises(InvalidArgument, match="only by a tier that does not keep pins"):
+                c.pin([k])
+            assert not c.inspect(k).pinned
+            with pytest.raises(TooLarge, match="no tier that keeps pinned entries"):
+                c.store(big, random_kv(lay, 50_000), mode="raw",
+                        options=StoreOptions(pin=True))
+            c.store(big, random_kv(lay, 50_000), mode="raw")  # unpinned: Redis takes it
+            assert c.lookup([big]).infos[0].tier == "redis"

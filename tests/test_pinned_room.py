@@ -1,6 +1,7 @@
 """Room held by pinned entries: a store that pinned entries leave too little room for is
-refused before anything is removed (the key's previous value and other entries stay), and a
-pinned entry whose time to live has passed holds no room (RAM and LMDB)."""
+refused before anything is removed (the key's previous value and other entries stay), a
+pinned entry whose time to live has passed holds no room (RAM and LMDB), and a pinned entry
+only Redis would hold (it evicts under its own budget, pins or not) is refused."""
 
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ from kdn.errors import TooLarge
 from kdn.options import Durability
 from kdn.store.lmdb import LmdbTier
 from kdn.store.ram import RamTier
+from kdn.store.redis import RedisTier
 from kdn.store.tiered import TieredStore
+from tests.redis_servers import RedisServer
 
 
 def test_a_store_refused_for_pinned_entries_removes_nothing() -> None:
@@ -71,3 +74,27 @@ def test_an_expired_pinned_entry_holds_no_disk_room(tmp_path: Path) -> None:
             store.put(b"big", b"b" * 7000, durability=Durability.DISK)
     finally:
         store.close()
+
+
+@pytest.mark.redis
+def test_a_pinned_entry_only_redis_would_hold_is_refused(tmp_path: Path) -> None:
+    with RedisServer(tmp_path, appendonly=False) as r:
+        redis = RedisTier(r.url, capacity_bytes=64 << 20)
+        store = TieredStore([RamTier(1000), redis])
+        try:
+            store.put(b"k", b"1" * 1500)  # unpinned: Redis holds it
+            with pytest.raises(TooLarge, match="no tier that keeps pinned entries took the "
+                               "entry .*the redis tier evicts under its own memory budget"):
+                store.put(b"k", b"2" * 1500, pin=True)
+            assert not store.is_pinned(b"k") and redis.get(b"k") is None
+            assert store.put(b"small", b"s" * 500, pin=True) == "ram"  # RAM keeps its pin
+            assert redis.get(b"small") == b"s" * 500
+        finally:
+            store.close()
+        disk = LmdbTier(tmp_path / "lmdb", capacity_bytes=1 << 20)
+        store = TieredStore([RamTier(1000), RedisTier(r.url), disk])
+        try:  # a disk tier keeps pins: taken there
+            assert store.put(b"k", b"3" * 1500, pin=True) == "redis"
+            assert store.is_pinned(b"k") and disk.get(b"k") == b"3" * 1500
+        finally:
+            store.close()

@@ -246,9 +246,14 @@ class AdminServicer(pb_grpc.KDNAdminServicer):
                   context: grpc.aio.ServicerContext) -> pb.CountResponse:
         skeys = self._admin_keys(request)
         present = await asyncio.to_thread(self.store.lookup, skeys)
-        for k, p in zip(skeys, present):
-            if p.present:
-                self.store.pin(k)
+        held = [k for k, p in zip(skeys, present) if p.present]
+        if loose := await asyncio.to_thread(
+                lambda: [k for k in held if not any(t.keeps_pins for t in self.store.where(k))]):
+            raise InvalidArgument(f"{len(loose)} of the entries are held only by a tier that "
+                                  "does not keep pins (Redis evicts as its maxmemory chooses); "
+                                  "nothing pinned: a read brings one that fits into RAM")
+        for k in held:
+            self.store.pin(k)
         return pb.CountResponse(count=sum(p.present for p in present))
 
     @rpc

@@ -31,16 +31,19 @@ Traits: each tier class says what it is, and the hierarchy chooses by these, nev
     takes_framed        ``put`` keeps a ``Framed`` value as the frames it arrived in
                         (``kdn.store.framed``), and ``get_stamped(framed=True)`` returns it so;
                         other tiers are given one buffer
+    keeps_pins          the tier never evicts a key ``protected`` answers true for (default);
+                        False: Redis, whose server evicts on its own memory budget, so the
+                        hierarchy refuses a pinned entry only such tiers took
 
 Hooks set by the hierarchy after construction: ``protected(key)``: a tier that evicts on its own
-never evicts a key for which it answers true (pins); ``on_evict(key, value, ttl_s, generation)``:
-called by a tier that ``reports_evictions`` for each entry it evicted, outside its locks, with
-the seconds the entry had left (None = no expiry) and what ``generation(key)`` (the
-hierarchy's count of the key's writes and deletes) answered under the lock it evicted it under,
-so a demotion is skipped for a key written or deleted since; ``on_event(name, n)``: a tier
-reports ``n`` more of an event of its own (the disk tier's ``map_grown``, ``map_full``), which
-the hierarchy counts as ``<tier>.<name>`` with its other counters (``kdn admin stats``,
-``kdn_events``).
+never evicts a key for which it answers true (pins; unless it does not ``keeps_pins``);
+``on_evict(key, value, ttl_s, generation)``: called by a tier that ``reports_evictions`` for
+each entry it evicted, outside its locks, with the seconds the entry had left (None = no
+expiry) and what ``generation(key)`` (the hierarchy's count of the key's writes and deletes)
+answered under the lock it evicted it under, so a demotion is skipped for a key written or
+deleted since; ``on_event(name, n)``: a tier reports ``n`` more of an event of its own (the
+disk tier's ``map_grown``, ``map_full``), which the hierarchy counts as ``<tier>.<name>``
+with its other counters (``kdn admin stats``, ``kdn_events``).
 
 A miss is ``None``. A tier that can not be reached raises ``TierUnavailable``; one that can not
 hold an entry raises ``TooLarge``. Tiers never raise other exception types on purpose.
@@ -116,6 +119,7 @@ class Tier(abc.ABC):
     reports_evictions: ClassVar[bool] = False
     in_process: ClassVar[bool] = False
     takes_framed: ClassVar[bool] = False
+    keeps_pins: ClassVar[bool] = True
 
     def __init__(self) -> None:
         self.counters = TierCounters()

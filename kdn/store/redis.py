@@ -25,7 +25,8 @@ before its commit leaves only parts that expire by themselves; a write that Redi
 of memory, a slot moving) unlinks the parts it wrote, where that master answers. A reader that
 finds a part missing re-reads the manifest: a new version means retry; the same version means
 the part was evicted by Redis (``maxmemory``), and the entry is dropped and reported as a miss
-and an eviction (not as damage).
+and an eviction (not as damage). Redis evicts blind to the hierarchy's pins (``keeps_pins``
+false): a pinned entry only this tier took is refused (``kdn.store.tiered``).
 
 A node of a Redis Cluster given as a standalone Redis (``cluster`` false) is refused at start
 (``ConfigError``: it would send two thirds of the keys away with MOVED) where it answers then.
@@ -146,6 +147,7 @@ class _Header:
 class RedisTier(Tier):
     name = "redis"
     remote = True
+    keeps_pins = False  # the server's maxmemory policy evicts what it chooses, pinned or not
 
     def __init__(
         self,

@@ -46,7 +46,9 @@ serve later: it is deleted there at once, or a delete is queued in the write's p
 skip the tier's copy meanwhile).
 
 Eviction: tiers evict on their own budget (RAM: LRU; disk: approximate LRU) but skip keys
-for which ``protected`` (wired here to the pin set) answers true, their time to live left.
+for which ``protected`` (wired here to the pin set) answers true, their time to live left;
+Redis evicts as its server chooses (``Tier.keeps_pins``), so a store of a pinned key that only
+such tiers took is refused (``TooLarge``) and their copies deleted.
 Evictions from a tier that ``reports_evictions`` are demoted to the first lower tier that does
 not hold the entry (through its queue) when ``demote`` is set, unless the key was written or
 deleted since (its generation, handed to ``on_evict``). Pins live in this process's memory and
@@ -398,7 +400,7 @@ class TieredStore:
             self.pin(key)
         try:
             with self._locks.writing(key):  # no read in flight promotes an older value now
-                tier = self._put(key, value, ttl, required, durability)
+                tier = self._put(key, value, ttl, required, durability, pin or was_pinned)
         except BaseException:
             if pin and not was_pinned:
                 self.unpin(key)
@@ -411,24 +413,29 @@ class TieredStore:
         return tier
 
     def _put(self, key: bytes, value: bytes | Framed, ttl: float | None, required: Tier,
-             durability: Durability) -> str:
+             durability: Durability, pinned: bool) -> str:
         """``put`` after its checks. A refused write leaves no trace: the tier that must
         acknowledge is written first (a refusal there raises before any other tier has the
         value), and when every tier refuses, the copies queued for tiers that are down are
         withdrawn (``TierUnavailable`` names them: one may take it once back). A previous value
         stays served, except where a tier that refused the new value held the old one while
-        another took the new: that tier drops its stale copy (``LowerWrites.clear_stale``)."""
+        another took the new: that tier drops its stale copy (``LowerWrites.clear_stale``).
+        A ``pinned`` entry only tiers that do not keep pins took (``Tier.keeps_pins``: Redis)
+        is refused, their copies deleted: it would be evicted there, pinned or not."""
         expiry = time.monotonic() + ttl if ttl else 0.0
         head = self.tiers[0]
         first, errors = "", []  # errors: each tier's refusal, in read order
         refused: list[Tier] = []  # tiers that did not take it: stale, once another did
+        holders: list[Tier] = []  # and those that took it now
         if required is not head:
             with self.stripe(key):
                 self._lower.write(required, key, value, ttl, expiry, True, True)
             first = required.name
+            holders.append(required)
         try:
             head.put(key, value, ttl_s=ttl)  # type: ignore[arg-type]  # Framed: takes_framed
             first = head.name
+            holders.append(head)
         except KDNError as exc:
             errors.append((head.name, exc))
             refused.append(head)
@@ -443,8 +450,16 @@ class TieredStore:
                     and tier.durable and self.write_policy is WritePolicy.WRITE_THROUGH
                 took = self._lower.write(tier, key, value, ttl, expiry, sync_all or i < before,
                                          False, refused, acked, errors)
-                if took and not first:
-                    first = tier.name
+                if took:
+                    first = first or tier.name
+                    holders.append(tier)
+            evicting = [] if not pinned or any(t.keeps_pins for t in holders) else holders
+            for tier in evicting:  # a pin they would not keep: the entry is refused
+                if tier is head:
+                    self._health.guard(head, partial(head.delete, key), "delete")
+                else:
+                    self._lower.clear_stale(tier, key)
+            first = "" if evicting else first
             for tier in refused if first else ():  # their older copies: never served again
                 if tier is head:
                     self._health.guard(head, partial(head.delete, key), "delete")
@@ -458,6 +473,11 @@ class TieredStore:
         if down:
             raise TierUnavailable(f"no tier accepted the entry ({why}); the "
                                   f"{' and '.join(down)} tier does not answer now")
+        if evicting:
+            raise TooLarge(f"no tier that keeps pinned entries took the entry ({why}); the "
+                           f"{' and '.join(t.name for t in evicting)} tier evicts under its "
+                           "own memory budget, pinned or not: store it unpinned, or raise "
+                           "the RAM or disk tier's byte budget")
         if not first:  # each lower tier refused it for good (a write no retry would take)
             if errors and all(isinstance(exc, TooLarge) for _, exc in errors):
                 raise TooLarge(f"no tier accepted the entry: it is larger than each takes "
