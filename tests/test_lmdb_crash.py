@@ -212,3 +212,27 @@ def test_deleted_data_dir_refuses_disk_stores_and_fails_health(tmp_path: Path) -
         tier.put(b"k", b"v")
     with pytest.raises(TierUnavailable):  # its access stamps can not be kept either
         tier.close()
+
+
+def test_a_write_while_the_folder_is_moved_is_rolled_back(tmp_path: Path) -> None:
+    """The folder moved away under an open tier: a write fails, and its transaction is
+    rolled back, not committed into the moved file: once the folder is back (or the tier is
+    opened where it now is) neither a failed overwrite nor a failed new key is there."""
+    tier = LmdbTier(tmp_path / "a" / "lmdb", capacity_bytes=1 << 20)
+    tier.put(b"old", b"v1")
+    os.rename(tmp_path / "a", tmp_path / "b")
+    for key, value in ((b"old", b"v2"), (b"new", b"v3")):
+        with pytest.raises(TierUnavailable, match="removed or replaced"):
+            tier.put(key, value)
+    with pytest.raises(TierUnavailable):
+        tier.delete(b"old")
+    os.rename(tmp_path / "b", tmp_path / "a")
+    assert tier.healthy()
+    assert tier.get(b"old") == b"v1" and tier.get(b"new") is None
+    tier.close()
+    again = LmdbTier(tmp_path / "a" / "lmdb", capacity_bytes=1 << 20)
+    try:
+        assert again.get(b"old") == b"v1" and again.get(b"new") is None
+    finally:
+        again.close()
+

@@ -27,8 +27,10 @@ written with the next write transaction (and at ``close``), so reads never pay f
 
 Files gone: where the data file is no longer the one opened (its directory deleted, the file
 replaced), writes would go to a file no restart opens: ``healthy`` then answers False (the
-probe marks the tier down) and every write, checked once committed, raises ``TierUnavailable``
-(nothing is acknowledged).
+probe marks the tier down) and every write raises ``TierUnavailable`` (nothing is
+acknowledged): checked before its transaction commits, so it is rolled back (the folder moved
+back, or a restart on it where it now is, serves no write reported failed), and once committed
+for a move in between.
 
 File truncated: LMDB maps the data file and reads its pages in place, so a page past the file's
 end (a truncated copy, a file cut short on a full disk) is a SIGBUS that kills the process, not
@@ -83,7 +85,7 @@ from kdn.errors import Corrupt, PartlyUnavailable, TierUnavailable, TooLarge
 from kdn.store.base import Tier, TierStats
 from kdn.store.dirlock import LOCK_NAME, DirLock
 from kdn.store.diskroom import describe, fitted, make_private
-from kdn.store.lmdbfiles import MAX_READERS, open_failed, read_failed, reserve_lock
+from kdn.store.lmdbfiles import MAX_READERS, file_id, open_failed, read_failed, reserve_lock
 from kdn.store.lmdbgroup import GroupCommit, Run
 from kdn.store.locks import RWLock
 
@@ -237,12 +239,7 @@ class LmdbTier(Tier):
             raise TierUnavailable("disk tier is closed")
 
     def _data_file(self) -> tuple[int, int] | None:
-        """(device, inode) of the file at the data file's path now; None where there is none."""
-        try:
-            st = os.stat(self.path / "data.mdb")
-        except OSError:
-            return None
-        return st.st_dev, st.st_ino
+        return file_id(self.path / "data.mdb")
 
     def _check_file(self) -> None:
         """Raise ``TierUnavailable`` where the data file this tier opened is no longer at its
@@ -445,7 +442,7 @@ class LmdbTier(Tier):
         except lmdb.Error as exc:  # the disk full, an I/O error: see the module docstring
             raise PartlyUnavailable(f"disk tier write failed: {exc} "
                                     f"({describe(self.path, need)})") from exc
-        self._check_file()  # a stat: the commit is only durable in the file still at its path
+        self._check_file()  # moved since ``_transact`` checked: in a file no restart opens
         return done
 
     def _transact(self, run: Run, need: int, quiet: bool = False) -> None:
@@ -459,6 +456,7 @@ class LmdbTier(Tier):
                 with self.env.begin(write=True) as txn:
                     self._apply_touches(txn)
                     run(self.env, txn)
+                    self._check_file()  # raised: rolled back (the module docstring)
                 return
             except lmdb.MapFullError:
                 pass

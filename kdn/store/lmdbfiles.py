@@ -11,7 +11,8 @@ naming it (``DiskFull``) at open, and never a crash later.
 Data file: the tier opens LMDB without ``writemap``, so LMDB writes ``data.mdb`` with
 ``pwrite`` (a full disk is an error of that write: ``LmdbTier``'s ``PartlyUnavailable``) and
 maps it read-only, reading only pages it wrote; a file cut short under it is
-``LmdbTier._truncated``'s case.
+``LmdbTier._truncated``'s case. ``file_id`` tells whether the file at its path is still the one
+opened (the folder moved or deleted, the file replaced: ``LmdbTier._check_file``).
 """
 
 from __future__ import annotations
@@ -34,6 +35,15 @@ _NO_ROOM = (errno.ENOSPC, errno.EDQUOT)
 DAMAGED = (lmdb.InvalidError, lmdb.CorruptedError, lmdb.PageNotFoundError,
            lmdb.VersionMismatchError)
 """What LMDB raises opening a data file that is not (or no longer) one it wrote."""
+
+
+def file_id(path: Path) -> tuple[int, int] | None:
+    """(device, inode) of the file at ``path`` now; None where there is none."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
 
 
 def lock_bytes(max_readers: int) -> int:
