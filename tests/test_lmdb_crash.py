@@ -236,3 +236,31 @@ def test_a_write_while_the_folder_is_moved_is_rolled_back(tmp_path: Path) -> Non
     finally:
         again.close()
 
+
+def test_a_file_or_a_dangling_link_where_the_folder_belongs_is_named(tmp_path: Path) -> None:
+    """mkdir said only "File exists"; the error names the path and what it is."""
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+    with pytest.raises(TierUnavailable, match=f"{tmp_path / 'dangling'} is a link to nothing"):
+        LmdbTier(tmp_path / "dangling" / "lmdb", capacity_bytes=1 << 20)
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "lmdb").write_text("a file")
+    with pytest.raises(TierUnavailable, match=f"{tmp_path / 'd' / 'lmdb'} is not a folder"):
+        LmdbTier(tmp_path / "d" / "lmdb", capacity_bytes=1 << 20)
+
+
+def test_a_data_file_that_can_not_be_written_is_an_os_error_naming_it(tmp_path: Path) -> None:
+    """As the lock file's (``kdn serve`` exits 1 naming the file), not "can not open LMDB"
+    (a TierUnavailable, which ``kdn serve`` took for a bad configuration: exit 2)."""
+    LmdbTier(tmp_path / "lmdb", capacity_bytes=1 << 20).close()
+    data = tmp_path / "lmdb" / "data.mdb"
+    data.chmod(0o400)
+    immutable = os.access(data, os.W_OK)  # root: the mode does not stop it
+    if immutable and subprocess.run(["chattr", "+i", str(data)], capture_output=True).returncode:
+        pytest.skip("root, and no chattr +i here")
+    try:
+        with pytest.raises(OSError) as info:
+            LmdbTier(tmp_path / "lmdb", capacity_bytes=1 << 20)
+        assert info.value.filename == str(data) and info.value.errno in (1, 13), info.value
+    finally:
+        if immutable:
+            subprocess.run(["chattr", "-i", str(data)], check=True)

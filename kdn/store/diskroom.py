@@ -6,8 +6,10 @@ old pages a while: a file may reach well past the bytes live in it. A budget tha
 filesystem can not hold never evicts: once the disk is full every new write fails instead of
 evicting the oldest entries. ``fitted`` cuts a budget past ``FIT`` of the room there is when
 the tier opens (the free bytes plus the data file's own) to that, and says so (whether the
-filesystem would hold the budget given at all). ``make_private`` keeps the tier's folder and
-files to kdn's user, and refuses them where another user owns them."""
+filesystem would hold the budget given at all). ``make_folder`` makes the tier's folder,
+naming a file or a link to nothing where it belongs (``mkdir`` said only "File exists");
+``make_private`` keeps the tier's folder and files to kdn's user, and refuses them where
+another user owns them."""
 
 from __future__ import annotations
 
@@ -72,6 +74,18 @@ def is_full(path: Path, need: int, free: int | None = None) -> bool:
     write of ``need`` bytes with 1 MiB for LMDB's pages (False where its room is unknown)."""
     free = free_bytes(path) if free is None else free
     return free is not None and free < need + (1 << 20)
+
+
+def make_folder(path: Path) -> None:
+    """Make the disk tier's folder ``path`` and its parents where missing (kdn's user's only);
+    ``TierUnavailable`` naming what stands where one of them belongs."""
+    try:
+        path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    except FileExistsError as exc:
+        where = exc.filename or str(path)
+        what = "a link to nothing" if not os.path.exists(where) else "not a folder"
+        raise TierUnavailable(f"disk tier: {where} is {what}; move it aside, or give kdn "
+                              "serve another --data-dir") from None
 
 
 def make_private(path: Path, files: Iterable[str] = ()) -> None:

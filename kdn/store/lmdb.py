@@ -84,7 +84,7 @@ import lmdb
 from kdn.errors import Corrupt, PartlyUnavailable, TierUnavailable, TooLarge
 from kdn.store.base import Tier, TierStats
 from kdn.store.dirlock import LOCK_NAME, DirLock
-from kdn.store.diskroom import describe, fitted, make_private
+from kdn.store.diskroom import describe, fitted, make_folder, make_private
 from kdn.store.lmdbfiles import MAX_READERS, file_id, open_failed, read_failed, reserve_lock
 from kdn.store.lmdbgroup import GroupCommit, Run
 from kdn.store.locks import RWLock
@@ -144,7 +144,7 @@ class LmdbTier(Tier):
         if capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes must be > 0, got {capacity_bytes}")
         self.path = Path(path)
-        self.path.mkdir(parents=True, exist_ok=True, mode=0o700)
+        make_folder(self.path)
         make_private(self.path, ("data.mdb", "lock.mdb", LOCK_NAME))  # before any opens
         self.capacity_bytes, cut = fitted(self.path, capacity_bytes)
         if cut:  # a budget nobody set (the server's default) is cut without a warning

@@ -71,12 +71,20 @@ def reserve_lock(path: Path, max_readers: int) -> None:
         os.close(fd)
 
 
-def open_failed(path: Path, exc: lmdb.Error) -> TierUnavailable:
+def open_failed(path: Path, exc: lmdb.Error) -> TierUnavailable | OSError:
     """What an ``lmdb.Error`` opening the environment ``path`` raises: a damaged data file, a
-    disk too full to write LMDB's first pages (``DiskFull``), or LMDB's own words."""
+    data file kdn's user may not write (immutable, another's: an ``OSError`` naming it, as
+    ``reserve_lock``'s for the lock file), a disk too full to write LMDB's first pages
+    (``DiskFull``), or LMDB's own words."""
     if isinstance(exc, DAMAGED):  # (zeroed, overwritten, another program's file)
         return TierUnavailable(f"can not open LMDB at {path}: its data file is damaged ({exc}); "
                                "move the folder aside to start with an empty disk tier")
+    try:  # (LMDB's error names the folder and no errno)
+        os.close(os.open(path / "data.mdb", os.O_RDWR | os.O_CLOEXEC))
+    except FileNotFoundError:
+        pass
+    except OSError as err:
+        return OSError(err.errno, err.strerror, str(path / "data.mdb"))
     if is_full(path, 0):
         return DiskFull(f"can not open LMDB at {path}: {describe(path, 0)} ({exc})")
     return TierUnavailable(f"can not open LMDB at {path}: {exc}")
