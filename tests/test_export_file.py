@@ -175,6 +175,23 @@ def test_an_export_file_is_private_whatever_was_there_before(tmp_path: Path) -> 
     assert touched.stat().st_mode & 0o777 == 0o600
 
 
+def test_a_second_export_into_a_file_being_written_is_refused(tmp_path: Path) -> None:
+    """Two exports into one file at once (a run still going, overlapping crons) each wrote at
+    its own offset, both reported success, and import refused the file: the second is refused
+    while the first holds the file, and resumes it once that one is closed."""
+    path = tmp_path / "backup.kdnx"
+    first = ExportWriter.open(path, Filter())
+    first.write(Record("kb", b"k" * 32, b"c1", b"v"))
+    with pytest.raises(InvalidArgument, match=f"another export is writing {path}"):
+        ExportWriter.open(path, Filter())
+    first.close()
+    second = ExportWriter.open(path, Filter())
+    assert (second.records, second.after) == (1, b"c1")
+    second.finish()
+    second.close()
+    assert [r.cursor for _, r in scan(path)] == [b"c1"]
+
+
 def test_an_export_goes_into_no_other_users_file(tmp_path: Path,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """A file another user made first (empty, or an unfinished export it crafted; or a link to

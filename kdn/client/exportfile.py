@@ -31,10 +31,16 @@ the file it made is removed). A new file is made mode 0600; a file of another us
 (its owner could read every tenant's entries) is refused. ``scan`` reads a file for import and
 raises ``Corrupt`` on a foreign file, a bad checksum, or a format-2 file without its end marker
 (an export that did not finish: cut off, or still running): never a silent partial import.
+
+One writer: ``open`` holds an ``flock`` on a regular file until ``close``; a second export into
+it meanwhile (a run still going, overlapping crons) is refused (each wrote at its own offset).
+``finish`` fsyncs the file and its folder, so an export reported done survives a power loss.
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import io
 import os
 import stat
@@ -315,6 +321,39 @@ def _open_to_read(path: Path, denied: PermissionError) -> int:
     return fd
 
 
+def _lock(path: Path, f: BinaryIO) -> None:
+    """Hold the flock of ``f`` (``path``, a regular file) until it is closed; InvalidArgument
+    where another export holds it, or removed the file meanwhile (it abandoned it)."""
+    try:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise InvalidArgument(f"another export is writing {path}; let it finish, or export "
+                              "into a new file") from None
+    try:
+        there = os.path.samestat(os.fstat(f.fileno()), os.stat(path))
+    except FileNotFoundError:
+        there = False
+    if not there:
+        raise InvalidArgument(f"{path} was removed by another export as this one opened it; "
+                              "run this one again")
+
+
+def _sync_folder(folder: Path) -> None:
+    """fsync ``folder``, so that a file made in it is there after a power loss (a filesystem
+    that can not, or a folder this user may not open, is left as it is)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except PermissionError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:
+            raise
+    finally:
+        os.close(fd)
+
+
 def read_records(path: Path) -> tuple[list[Record], int]:
     """Complete records of a (small) export file and the byte length they cover."""
     s = summary(path)
@@ -346,6 +385,7 @@ class ExportWriter:
             if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):  # /dev/stdout, a pipe
                 f.write(MAGIC + encode_filter(filt, source=source))
                 return cls(path, f, 0, b"")
+            _lock(path, f)
             if not f.writable() and (os.fstat(f.fileno()).st_size == 0 or
                                      not _summary(path, f).ended):
                 raise InvalidArgument(f"{path} is read-only and holds no finished export: "
@@ -389,6 +429,9 @@ class ExportWriter:
         assert self._f is not None
         self._f.write(encode_end(self.records))
         self._f.flush()
+        if stat.S_ISREG(os.fstat(self._f.fileno()).st_mode):  # done only once it is durable
+            os.fsync(self._f.fileno())
+            _sync_folder(self.path.parent)
 
     def abandon(self) -> None:
         """Undo the start of a file that no record was written to (the export was refused,
