@@ -64,6 +64,26 @@ def test_an_export_into_stdout_is_the_export_file_alone(live: str, tmp_path: Pat
         assert cli(["admin", "import", str(path), "--address", live]) == 0, path
 
 
+def test_an_export_into_a_pipe_whose_reader_left_fails(tmp_path: Path) -> None:
+    """``export /dev/stdout | head -c 1000``: exit 1, the file named as cut off. It opened
+    the pipe to read too, so it never had EPIPE and hung once the pipe was full (and an EPIPE
+    was main's quiet exit 0 of ``ls | head``)."""
+    big = uniform_layout(layers=4, heads=8, dim=64)
+    with ServerThread(ServerConfig(port=0, data_dir=tmp_path / "d", disk_bytes=0)) as server:
+        with Client(server.address) as c:
+            for i in range(8):  # 8 x 128 KiB: more than a pipe holds
+                c.store(keys.chunk_key([i, 2], big), random_kv(big, 16, seed=i))
+        head = subprocess.Popen(["head", "-c", "1000"], stdin=subprocess.PIPE,
+                                stdout=subprocess.DEVNULL)
+        assert head.stdin is not None
+        done = kdn("admin", "export", "/dev/stdout", "--address", server.address,
+                   stdout=head.stdin, stderr=subprocess.PIPE)
+        head.stdin.close()
+        head.wait(timeout=10)
+    assert done.returncode == 1, done.stderr
+    assert b"/dev/stdout: its reader left; what it read is cut off" in done.stderr, done.stderr
+
+
 def test_a_servers_error_text_reaches_the_terminal_escaped(
         capsys: pytest.CaptureFixture[str]) -> None:
     """A peer whose error details hold terminal escapes (a window title, clear screen,

@@ -363,6 +363,9 @@ def _export(client: Any, ns: argparse.Namespace) -> int:
     try:
         n = client.export_to(Path(ns.file), ns.namespace, bytes.fromhex(ns.prefix),
                              progress=bar, tenant=ns.tenant)
+    except BrokenPipeError:  # a pipe's reader left: not main's quiet `| head` exit
+        error("kdn admin export", f"{ns.file}: its reader left; what it read is cut off")
+        return EXIT_FAILED
     finally:
         bar.close()
     with contextlib.redirect_stdout(sys.stderr) if _is_stdout(ns.file) else \

@@ -38,7 +38,7 @@ exit codes:
   1  the command ran and found a failure: the server is unreachable or answered an error,
      an entry is absent, verify found corrupt entries, health: the server is not SERVING
      (with --ready: a service or tier is not), an export or import file is damaged
-     or could not be written (a full disk)
+     or could not be written (a full disk, a pipe whose reader left)
   2  usage: an unknown command or option, a malformed value (an address without a port, an
      ambiguous key prefix), a missing file, state folder or model, a bad configuration or a
      misspelt KDN_* variable"""

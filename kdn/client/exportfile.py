@@ -35,6 +35,9 @@ raises ``Corrupt`` on a foreign file, a bad checksum, or a format-2 file without
 One writer: ``open`` holds an ``flock`` on a regular file until ``close``; a second export into
 it meanwhile (a run still going, overlapping crons) is refused (each wrote at its own offset).
 ``finish`` fsyncs the file and its folder, so an export reported done survives a power loss.
+A target that is not a regular file (``/dev/stdout``, a pipe) is opened to write only: a
+writer that is also a reader of its own pipe never has EPIPE once its reader leaves, and
+blocks for good once the pipe is full (``BrokenPipeError`` now: ``kdn admin export`` exits 1).
 """
 
 from __future__ import annotations
@@ -277,21 +280,22 @@ def _summary(path: Path, f: BinaryIO) -> Scan:
 
 def _open_own(path: Path) -> tuple[BinaryIO, bool]:
     """``path`` opened to read and write: made (mode 0600) where nothing is there, else a
-    regular file of this user's, or another kind (``/dev/stdout``, a pipe, ``/dev/null``) of
-    this user's or root's. Another user's file (made there first: it stays readable by its
-    owner whatever mode kdn gives it) is refused before anything is written or cut off; a link
-    is followed only to what is there (never made through one). A regular file this user may
-    not write (made read-only to keep it: a finished export) is opened to read only, not
-    through a link: ``ExportWriter.open`` refuses it where it must be written. Also whether
-    this call made it."""
+    regular file of this user's, or another kind (``/dev/stdout``, a pipe, ``/dev/null``: to
+    write only) of this user's or root's. Another user's file (made there first: it stays
+    readable by its owner whatever mode kdn gives it) is refused before anything is written
+    or cut off; a link is followed only to what is there (never made through one). A regular
+    file this user may not write (made read-only to keep it: a finished export) is opened to
+    read only, not through a link: ``ExportWriter.open`` refuses it where it must be written.
+    Also whether this call made it."""
     writable, made = True, True
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
                      0o600)
     except FileExistsError:
         made = False
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOCTTY)
+        try:  # a pipe to write only (the module docstring)
+            flags = os.O_RDWR if stat.S_ISREG(os.stat(path).st_mode) else os.O_WRONLY
+            fd = os.open(path, flags | os.O_CLOEXEC | os.O_NOCTTY)
         except FileNotFoundError:  # a link to nothing
             raise InvalidArgument(f"{path} is a link to nothing; export into a file of your "
                                   "own") from None
