@@ -157,3 +157,36 @@ def test_a_plain_ingest_rerun_takes_the_states_settings() -> None:
         "team", 64, 0, "int8", "")
     assert settings("--namespace", "x", "--level", "tiny", state=old) == (
         "x", 16, 20, "kdn", "tiny")
+
+
+def test_a_state_write_the_disk_refuses_is_a_failure_naming_the_file(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A manifest the disk has no room for (here a write past RLIMIT_FSIZE: EFBIG, as ENOSPC
+    would be): the OSError names the file, and ``kdn rag`` exits 1 (the command ran and
+    failed), not 2 (a usage mistake) with "[Errno 28] No space left on device" alone."""
+    import resource
+    import signal
+
+    from kdn.cli.main import build_parser
+    from kdn.cli.rag import _run
+    from kdn.rag.index import MANIFEST, write_atomic
+
+    manifest = tmp_path / MANIFEST
+
+    def commit(ns: Any) -> int:  # a command whose state commit meets a full disk
+        handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (4096, hard))
+        try:
+            write_atomic(manifest, b"{}" * 8192)
+        finally:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+            signal.signal(signal.SIGXFSZ, handler)
+        return 0
+
+    ns = build_parser().parse_args(["rag", "--state", str(tmp_path), "ingest", "docs"])
+    ns.rag_func = commit
+    assert _run(ns) == 1
+    err = capsys.readouterr().err
+    assert f"kdn rag ingest: {manifest}: File too large" in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # no temporary file left

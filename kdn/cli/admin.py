@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import errno
 import os
 import sys
 from pathlib import Path
@@ -18,6 +17,7 @@ from kdn.cli.output import (
     EXIT_FAILED,
     EXIT_OK,
     EXIT_USAGE,
+    PATH_MISTAKES,
     dump_json,
     error,
     fields,
@@ -497,12 +497,6 @@ def _hint(exc: KDNError, ns: argparse.Namespace) -> str:
     return ""
 
 
-_PATH_MISTAKES = {errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.EACCES, errno.EPERM,
-                  errno.ENAMETOOLONG, errno.ELOOP}
-"""The errors of a file the user named wrongly (exit 2); another OSError is a failure of the
-command (exit 1: the disk filled while it wrote)."""
-
-
 def run(ns: argparse.Namespace) -> int:
     prog = f"kdn admin {ns.admin_cmd}"
     if not check_environment(prog):
@@ -537,6 +531,6 @@ def run(ns: argparse.Namespace) -> int:
         name = exc.filename or getattr(ns, "file", None)
         error(prog, f"{name}: {exc.strerror or exc}" if name else str(exc))
         # a path that is wrong is a usage mistake; a disk that filled, an I/O error: a failure
-        return EXIT_USAGE if exc.errno in _PATH_MISTAKES else EXIT_FAILED
+        return EXIT_USAGE if exc.errno in PATH_MISTAKES else EXIT_FAILED
     finally:
         client.close()

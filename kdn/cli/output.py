@@ -8,6 +8,7 @@ drive the terminal. Nothing here imports grpc or torch.
 
 from __future__ import annotations
 
+import errno
 import json
 import sys
 from collections.abc import Iterable, Sequence
@@ -15,6 +16,11 @@ from typing import Any
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 """The exit codes (``kdn.cli.main.EXIT_CODES`` says what each means)."""
+
+PATH_MISTAKES = frozenset({errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.EACCES, errno.EPERM,
+                           errno.ENAMETOOLONG, errno.ELOOP})
+"""The errors of a file the user named wrongly (exit 2); another OSError is a failure of the
+command (exit 1: the disk filled while it wrote, an I/O error)."""
 
 OUTPUTS = ("table", "json")
 

@@ -276,7 +276,7 @@ def _rm(ns: argparse.Namespace) -> int:
 
 def _run(ns: argparse.Namespace) -> int:
     from kdn.cli.args import check_environment
-    from kdn.cli.output import error
+    from kdn.cli.output import PATH_MISTAKES, error
     from kdn.errors import Unavailable
 
     prog = f"kdn rag {ns.cmd_rag}"
@@ -296,9 +296,9 @@ def _run(ns: argparse.Namespace) -> int:
         return 1
     except BrokenPipeError:
         raise  # kdn.cli.main's: a reader that left is no error of this command
-    except OSError as exc:  # a corpus or TLS file that can not be read
+    except OSError as exc:  # a corpus or TLS file that can not be read; a state's disk full
         error(prog, f"{exc.filename}: {exc.strerror}" if exc.filename else exc)
-        return 2
+        return 2 if exc.errno in PATH_MISTAKES else 1
 
 
 def _options(p: argparse.ArgumentParser, *, suppress: bool) -> None:

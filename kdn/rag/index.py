@@ -133,7 +133,8 @@ def manifest_stamp(state: Path) -> tuple[int, int, int] | None:
 
 
 def write_atomic(path: Path, data: bytes) -> None:
-    """Replace ``path`` with ``data`` so a reader sees the old or the new file, never a mix."""
+    """Replace ``path`` with ``data`` so a reader sees the old or the new file, never a mix;
+    an OSError (a full disk) names ``path``."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
@@ -142,8 +143,10 @@ def write_atomic(path: Path, data: bytes) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         Path(tmp).unlink(missing_ok=True)
+        if isinstance(exc, OSError) and not exc.filename:
+            raise OSError(exc.errno, exc.strerror, str(path)) from exc
         raise
 
 
