@@ -1,9 +1,9 @@
 """Checks of the numbers a caller passes, one rule each, so every entry point words a refusal
 alike: a whole number from a lower bound (``whole``), a share in [0, 1] (``share``), a span of
-seconds (``seconds``) and token ids (``token_ids``, ``check_vocabulary``). A bool is none of
-them (``True`` is not 1 layer or a 100% ratio; ``is_bool`` also knows numpy's and a 0-d tensor
-of one), nor is a text, nor, for the whole ones, a float (``int(1.7)`` would quietly be another
-token)."""
+seconds (``seconds``), a setting's number within both bounds (``within``), an on/off switch
+(``flag``) and token ids (``token_ids``, ``check_vocabulary``). A bool is none of them (``True``
+is not 1 layer or a 100% ratio; ``is_bool`` also knows numpy's and a 0-d tensor of one), nor is
+a text, nor, for the whole ones, a float (``int(1.7)`` would quietly be another token)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,13 @@ import reprlib
 from collections.abc import Sequence
 from typing import Any
 
-from kdn.errors import InvalidArgument
+from kdn.errors import InvalidArgument, KDNError
+
+MAX_WAIT_S = 86400.0
+"""The longest timeout or interval a setting may name (a day): far longer ones overflow inside
+gRPC, redis-py, threading or the clock (``1e10`` s), and no wait that long is meant."""
+MAX_BYTES = (1 << 63) - 1
+"""The most bytes a size may name: an off_t, and the 64-bit fields of Stats."""
 
 
 def whole(name: str, value: object, low: int = 0, hint: str = "",
@@ -60,6 +66,36 @@ def seconds(name: str, value: object) -> float:
         raise InvalidArgument(f"{name} must be a finite number of seconds >= 0, got "
                               f"{shown(value)}")
     return float(value)
+
+
+def within(name: str, value: object, low: float, high: float, *, whole: bool = False,
+           above: bool = False, unit: str = "",
+           error: type[KDNError] = InvalidArgument) -> Any:
+    """``value`` when it is a finite number in [``low``, ``high``] (above ``low`` when
+    ``above``), an int when ``whole``; else ``error`` naming ``name`` and both bounds. A bool
+    or a text is no number; a setting's upper bound keeps a huge one (a typo, or "no limit")
+    from breaking deep inside redis-py, gRPC or threading."""
+    ok = not isinstance(value, bool) and isinstance(
+        value, numbers.Integral if whole else numbers.Real)
+    if ok:
+        got = to_float(value)  # NaN fails both comparisons
+        ok = (got > low if above else got >= low) and got <= high
+    if not ok:
+        lo, hi = (str(int(b)) if float(b).is_integer() else f"{b:g}" for b in (low, high))
+        span = f"> {lo} and at most {hi}" if above else f"in {lo}..{hi}"
+        raise error(f"{name} must be {'a whole number' if whole else 'a number'} {span}{unit}, "
+                    f"got {shown(value)}{not_an_int(value) if whole else ''}")
+    return int(value) if whole else float(value)  # type: ignore[call-overload]
+
+
+def flag(name: str, value: object, *, none: bool = False,
+         error: type[KDNError] = InvalidArgument) -> bool | None:
+    """``value`` when it is a bool (or None, where ``none`` allows it); else ``error`` naming
+    ``name``: a text "false" (from a settings file) is true to Python."""
+    if not isinstance(value, bool) and not (none and value is None):
+        raise error(f"{name} must be True or False{' or None' if none else ''}, got "
+                    f"{shown(value)}")
+    return value
 
 
 def to_float(value: Any) -> float:

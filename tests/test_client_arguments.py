@@ -237,6 +237,21 @@ def test_client_settings_are_refused_by_name_and_an_empty_namespace_is_the_defau
         assert d.retrieve(numbered_key(5), namespace="default").equal(kv)  # type: ignore[union-attr]
 
 
+def test_a_clients_switches_are_bools(monkeypatch: pytest.MonkeyPatch) -> None:
+    """insecure="false" (a settings file's text) was true: the API key went in plaintext to
+    another host; tracing and data_path alike. AsyncClient and AdminClient make a Client."""
+    from kdn.client.admin import AdminClient
+
+    for name, bad in (("insecure", "false"), ("insecure", 0), ("tracing", "no"),
+                      ("data_path", "0"), ("data_path", None)):
+        for make in (Client, AdminClient):
+            with pytest.raises(InvalidArgument, match=f"^{name} must be True or False"):
+                make("10.1.2.3:50051", api_key="secret", shm_bytes=0, **{name: bad})
+    monkeypatch.delenv("KDN_INSECURE", raising=False)
+    with pytest.raises(InvalidArgument, match="refusing to send an API key in plaintext"):
+        Client("10.1.2.3:50051", api_key="secret", shm_bytes=0, insecure=None)
+
+
 def test_store_options_take_a_durability_not_a_bool_and_numpy_seconds() -> None:
     """durability=True was Durability.MEMORY (the least durable: a bool is an int), False
     DEFAULT and 2.0 DISK, while "DISK" was refused by a message listing the names; ttl_s

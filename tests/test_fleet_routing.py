@@ -220,6 +220,8 @@ def test_affinity_is_bounded_and_forgets_a_lost_node() -> None:
     ({"nodes": ("a:1",), "client_options": {"retry_count": 2}}, "not an option of Client"),
     ({"nodes": ("a:1",), "client_options": {"self": 2}}, "not an option of Client"),
     ({"nodes": ("a:1",), "client_options": [("shm_bytes", 0)]}, "client_options must be a"),
+    ({"nodes": ("a:1",), "client_options": {"insecure": "false"}}, "insecure must be True"),
+    ({"nodes": ("a:1",), "client_options": {"data_path": "no"}}, "data_path must be True"),
 ])
 def test_bad_fleet_configs_are_refused(kw: dict[str, object], match: str) -> None:
     with pytest.raises(ConfigError, match=match):

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from kdn import tracing as _tracing
-from kdn.checks import whole
+from kdn.checks import flag, whole
 from kdn.client.blend import RemotePiece, blend_request
 from kdn.client.dataplane import DataPlane
 from kdn.client.deadline import time_left
@@ -165,6 +165,7 @@ class Client:
         """The process this client belongs to (module docstring)."""
         self.closing = False
         """``close`` began: a call that fails from now on raises Closed (``in_its_process``)."""
+        check_flags(insecure, tracing, data_path)
         if tracing and not _tracing.enable():  # spans per call, the trace carried to the server
             raise ConfigError("tracing: needs the opentelemetry-api package (pip install "
                               "'kdn[tracing]')")
@@ -528,6 +529,15 @@ class Client:
         resp = self.rpc.call(lambda: health_pb2_grpc.HealthStub(self.rpc.channel).Check(
             health_pb2.HealthCheckRequest(service=service), timeout=time_left(self.timeout_s)))
         return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+
+
+def check_flags(insecure: object, tracing: object, data_path: object) -> None:
+    """InvalidArgument naming the first of ``Client``'s switches that is no bool (``insecure``
+    may be None too): ``insecure="false"``, from a settings file, was true, and sent the API
+    key in plaintext off this host."""
+    flag("insecure", insecure, none=True)
+    flag("tracing", tracing)
+    flag("data_path", data_path)
 
 
 def _whole(name: str, value: object, zero: str) -> int:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kdn.client.client import Client
+from kdn.client.client import Client, check_flags
 from kdn.client.routing import Router
 from kdn.errors import ConfigError, InvalidArgument
 from kdn.yamlfiles import load_yaml_file
@@ -117,6 +117,11 @@ def check_client_options(options: object) -> None:
         if name == "self" or name not in takes:
             raise ConfigError(f"fleet: client_options names {name!r}, which is not an option "
                               "of Client")
+    try:  # as each node's Client would, now: insecure="false" was true there
+        check_flags(options.get("insecure"), options.get("tracing", False),
+                    options.get("data_path", True))
+    except InvalidArgument as exc:
+        raise ConfigError(f"fleet: client_options: {exc}") from None
 
 
 def node_address(node: object) -> str:
