@@ -63,6 +63,14 @@ def test_precedence_file_env_flags(tmp_path: Path) -> None:
     ({"env": {"KDN_RAM_BYTES": "100000000TiB"}}, "at most 9223372036854775807 bytes (8 EiB)"),
     ({"flags": {"max_connections": "1" + "0" * 400}}, "max_connections: must be in"),
     ({"flags": {"idle_timeout_s": "1" + "0" * 400}}, "idle_timeout_s: must be"),
+    # redis-py's pool filled memory with 1e12 slots at start; 1e10 s overflowed its sockets
+    # (a traceback at start; with 1e300 s of WAIT, every store failed INTERNAL)
+    ({"flags": {"redis_max_connections": str(10**12)}}, "redis_max_connections must be a "
+                                                        "whole number in 1..65536"),
+    ({"flags": {"redis_timeout_s": "1e10"}}, "redis_timeout_s must be a number > 0 and at "
+                                             "most 86400 seconds"),
+    ({"env": {"KDN_REDIS_WAIT_TIMEOUT_S": "1e300"}}, "redis_wait_timeout_s must be a number"),
+    ({"flags": {"redis_wait_timeout_s": "0"}}, "redis_wait_timeout_s must be a number > 0"),
 ])
 def test_bad_settings_are_named(source: dict, match: str) -> None:
     with pytest.raises(ConfigError) as info:

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from kdn.checks import shown
+from kdn.checks import MAX_BYTES, MAX_WAIT_S, shown, within
 from kdn.errors import ConfigError
 from kdn.server import variables
 from kdn.server.secretfile import check_private, check_trusted
@@ -47,9 +47,11 @@ _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
 _SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 
 
-MAX_SIZE = (1 << 63) - 1
+MAX_SIZE = MAX_BYTES
 """The largest size a setting takes (8 EiB): sizes travel in 64-bit fields (Stats), and no
 budget comes near it; past it is a typo."""
+MAX_REDIS_CONNECTIONS = 1 << 16
+"""The largest ``redis_max_connections``: redis-py's pool holds a slot per connection."""
 
 
 def parse_size(value: object) -> int:
@@ -128,17 +130,18 @@ class ServerConfig:
     """Largest single Redis value; bigger entries are split into parts of this size (cut to
     512MiB less a manifest's 40-byte header, the most one Redis value holds by default)."""
     redis_timeout_s: float = 1.0
-    """Connect and read timeout of one Redis command attempt, in seconds."""
+    """Connect and read timeout of one Redis command attempt, in seconds (at most a day)."""
     redis_retries: int = 2
     """Retries of a Redis command on connection errors (exponential backoff); one that timed
     out is not sent again (a stopped or cut-off Redis costs a call one ``redis_timeout_s``)."""
     redis_max_connections: int = 32
-    """Connection pool size (per node in a cluster)."""
+    """Connection pool size (per node in a cluster), at most 65536."""
     redis_wait_replicas: int = 0
     """Replicas that must hold each write into Redis before it counts as done (Redis WAIT;
     0 = the master's acceptance is enough). A SHARED store then survives its master's loss."""
     redis_wait_timeout_s: float = 1.0
-    """How long a write waits for those replicas before it fails (and is withdrawn)."""
+    """How long a write waits for those replicas before it fails (and is withdrawn), in
+    seconds (at most a day)."""
     tier_order: tuple[str, ...] = TIER_NAMES
     """Read order of the tiers, ram first (e.g. ram,disk,redis); unconfigured tiers are skipped."""
     write_policy: WritePolicy = WritePolicy.WRITE_THROUGH
@@ -359,19 +362,16 @@ class ServerConfig:
         if not 1 << 10 <= self.redis_part_bytes <= 512 << 20:
             raise ConfigError(
                 f"redis_part_bytes: must be in 1KiB..512MiB, got {self.redis_part_bytes}")
-        if self.redis_timeout_s <= 0:
-            raise ConfigError(f"redis_timeout_s: must be > 0, got {self.redis_timeout_s}")
         if not 0 <= self.redis_retries <= 10:
             raise ConfigError(f"redis_retries: must be in 0..10, got {self.redis_retries}")
         if not 0 <= self.redis_wait_replicas <= 16:
             raise ConfigError(
                 f"redis_wait_replicas: must be in 0..16, got {self.redis_wait_replicas}")
-        if self.redis_wait_timeout_s <= 0:
-            raise ConfigError(
-                f"redis_wait_timeout_s: must be > 0, got {self.redis_wait_timeout_s}")
-        if self.redis_max_connections < 1:
-            raise ConfigError(
-                f"redis_max_connections: must be >= 1, got {self.redis_max_connections}")
+        for name in ("redis_timeout_s", "redis_wait_timeout_s"):  # 1e10: redis-py's sockets
+            within(name, getattr(self, name), 0, MAX_WAIT_S, above=True, unit=" seconds",
+                   error=ConfigError)  # overflowed (a crash at start, every store failing)
+        within("redis_max_connections", self.redis_max_connections, 1, MAX_REDIS_CONNECTIONS,
+               whole=True, error=ConfigError)  # 1e12: redis-py's pool filled memory at start
         order = self.tier_order
         unknown = [t for t in order if t not in TIER_NAMES]
         if unknown or len(set(order)) != len(order) or not order or order[0] != "ram":
