@@ -39,6 +39,17 @@ def test_a_callers_short_deadline_leaves_the_network_data_path(server: ServerThr
         assert c.dataplane.network._net is net  # noqa: SLF001  (kept, not given up)
 
 
+def test_a_deadline_within_too_far_off_for_grpc_bounds_nothing(server: ServerThread) -> None:
+    """deadline_within(1e10) around a client with no timeout failed every gRPC call
+    DEADLINE_EXCEEDED at once (gRPC can not hold it), as vLLM's lookups did with a
+    lookup_timeout_s that large; a span of NO_DEADLINE_S or more is no deadline."""
+    with Client(server.address, timeout_s=None, shm_bytes=0) as c:
+        with deadline_within(1e10):
+            assert c.lookup([numbered_key(30)]).infos[0].present is False
+            with deadline_within(0.0005), pytest.raises(DeadlineExceeded):  # inner: still
+                c.fetch_many([numbered_key(30)] * 64)
+
+
 def test_the_clients_own_timeout_is_named_where_it_ended_a_call(
         server_config: ServerConfig, monkeypatch: pytest.MonkeyPatch) -> None:
     keys = [numbered_key(20 + i) for i in range(2)]

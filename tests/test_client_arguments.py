@@ -227,7 +227,8 @@ def test_client_settings_are_refused_by_name_and_an_empty_namespace_is_the_defau
     for name, bad in (("streams", -2), ("streams", 2.5), ("shm_bytes", -1),
                       ("shm_bytes", "1MiB"), ("keep_leases_bytes", 1.5),
                       ("max_message_bytes", 1000), ("max_message_bytes", 1 << 31),
-                      ("max_message_bytes", True)):
+                      ("max_message_bytes", True), ("shm_bytes", 2**63),
+                      ("keep_leases_bytes", 2**64), ("local_bytes", 2**63)):
         with pytest.raises(InvalidArgument, match=name):
             Client(server.address, **{name: bad})
     kv = random_kv(LAYOUT, 8, seed=4)

@@ -483,6 +483,7 @@ def test_config_and_refusals(server: ServerThread) -> None:
     ("timeout_s", float("nan"), "a finite number"), ("timeout_s", float("inf"), "a finite number"),
     ("workers", "4", "a whole number"), ("workers", 0, ">= 1"), ("ttl_s", 1.5, "a whole number"),
     ("address", 50051, "a string"), ("mode", ["int8"], "a string"), ("salt", None, "a string"),
+    ("timeout_s", 1e10, "at most 86400"), ("shm_bytes", 2**63, "at most 9223372036854775807"),
 ])
 def test_settings_are_checked_by_type_naming_the_field(name: str, value: Any, says: str) -> None:
     """The settings come from JSON: a string ``"false"`` for ``insecure`` turned the

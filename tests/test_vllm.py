@@ -192,6 +192,10 @@ NAN, INF = float("nan"), float("inf")
     ("chunk_tokens", 1.5, "a whole number"), ("chunk_tokens", 256.0, "a whole number"),
     ("local_bytes", -1, ">= 0"), ("shm_bytes", 0.5, "a whole number"),
     ("save_backlog_bytes", 0, ">= 1"), ("lookup_timeout_s", 0, "> 0"),
+    # a day at most: 1e10 s overflowed gRPC's and threading's clocks (every lookup failed at
+    # once, every layer's wait raised); 2**63 bytes an off_t
+    ("timeout_s", 1e10, "at most 86400"), ("lookup_timeout_s", 1e10, "at most 86400"),
+    ("shm_bytes", 2**63, "at most 9223372036854775807"),
 ])
 def test_numeric_settings_are_checked_at_construction(name: str, value: Any, says: str) -> None:
     with pytest.raises(ConfigError, match=f"^{name} must be {re.escape(says)}, got "):

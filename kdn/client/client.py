@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from kdn import tracing as _tracing
-from kdn.checks import flag, whole
+from kdn.checks import MAX_BYTES, flag, shown, whole
 from kdn.client.blend import RemotePiece, blend_request
 from kdn.client.dataplane import DataPlane
 from kdn.client.deadline import time_left
@@ -193,7 +193,7 @@ class Client:
         self.max_message_bytes = max_message_bytes
         for name, value in (("shm_bytes", shm_bytes), ("keep_leases_bytes", keep_leases_bytes)):
             if value is not None:
-                _whole(name, value, "0: none; None: the default")
+                _size(name, value, "0: none; None: the default")
         self.streams = max(1, _whole("streams", streams, "0 or 1: one"))
         """gRPC streams one retrieve reads side by side, in layer groups, when the entry comes
         over gRPC and the caller gave its layout (``kdn.client.parallel``)."""
@@ -211,7 +211,7 @@ class Client:
         """The channel and the calls made on it (``kdn.client.rpc``)."""
         if shm_bytes is None:
             shm_bytes = DEFAULT_SHM_BYTES if same_host(address) else 0
-        if _whole("local_bytes", local_bytes, "0: no in-process tier"):
+        if _size("local_bytes", local_bytes, "0: no in-process tier"):
             from kdn.client.local import LocalTier
 
             self.local: Any = LocalTier(local_bytes)
@@ -544,6 +544,15 @@ def _whole(name: str, value: object, zero: str) -> int:
     """``value`` when it is a whole number >= 0, else InvalidArgument naming ``name`` (``zero``
     says what 0 means)."""
     return whole(name, value, 0, f" ({zero})" if zero else "")
+
+
+def _size(name: str, value: object, zero: str) -> int:
+    """``_whole``, at most ``MAX_BYTES`` (2**63 overflowed ``os.ftruncate``: a raw
+    OverflowError at every same-host call)."""
+    got = _whole(name, value, zero)
+    if got > MAX_BYTES:
+        raise InvalidArgument(f"{name} must be at most {MAX_BYTES} bytes, got {shown(value)}")
+    return got
 
 
 def _key_info(info: pb.KeyInfo) -> KeyInfo:

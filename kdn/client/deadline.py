@@ -25,6 +25,10 @@ from collections.abc import Iterator
 from concurrent.futures import Future, InvalidStateError
 from typing import Any
 
+NO_DEADLINE_S = 1e9
+"""A timeout of this many seconds (about 31 years) or more is no deadline: gRPC can not hold a
+deadline so far off (``timeout_s=1e12`` made every call fail DEADLINE_EXCEEDED at once), nor a
+socket or a thread's wait (OverflowError); a ``deadline_within`` so long bounds nothing."""
 _CAP = threading.local()
 """This thread's ``deadline_within`` (``until``, ``time.monotonic``)."""
 
@@ -35,11 +39,12 @@ def deadline_within(seconds: float, own: bool = False) -> Iterator[None]:
     (TimeoutError, DeadlineExceeded from the client), also where the client's ``timeout_s``
     is longer or None: on the data paths (the network data path, the same-host fast path) and
     over gRPC (``time_left``: the Attach of a client's first call, lookups, reads, stores and
-    the calls that give them back). A call already bounded sooner keeps its own. ``own``: the
+    the calls that give them back). A call already bounded sooner keeps its own; ``seconds``
+    of ``NO_DEADLINE_S`` or more bound nothing. ``own``: the
     bound is the client's own ``timeout_s`` (``own_cap``), not a caller's."""
     before, before_own = getattr(_CAP, "until", None), getattr(_CAP, "own", False)
     until = time.monotonic() + seconds
-    if before is None or until < before:
+    if seconds < NO_DEADLINE_S and (before is None or until < before):
         _CAP.until, _CAP.own = until, own
     try:
         yield

@@ -27,7 +27,7 @@ import grpc
 
 from kdn import tracing as _tracing
 from kdn.checks import shown
-from kdn.client.deadline import call_cap, deadline_within, own_cap
+from kdn.client.deadline import NO_DEADLINE_S, call_cap, deadline_within, own_cap
 from kdn.errors import Closed, InvalidArgument, Unavailable, kept
 from kdn.status import from_grpc
 from kdn.transport.metadata import API_KEY_HEADER, REQUEST_ID, REQUEST_ID_HEADER
@@ -65,9 +65,6 @@ CLOSED = "this client was closed (Client.close()); make a new Client"
 LOST = ("the server's answer was lost: the call ended OK without a message (damaged on the "
         "way?); it may or may not have been done")
 """What a call that ended OK with no answer raises (``Unavailable``)."""
-NO_DEADLINE_S = 1e9
-"""A timeout of this many seconds (about 31 years) or more is no deadline: gRPC can not hold a
-deadline so far off (``timeout_s=1e12`` made every call fail DEADLINE_EXCEEDED at once)."""
 
 
 def check_timeout(name: str, value: object) -> float | None:

@@ -13,22 +13,27 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from kdn.checks import shown
+from kdn.checks import MAX_BYTES, shown
 from kdn.client.client import TLSOptions
 from kdn.errors import ConfigError
 
 
-def check_number(name: str, value: object, *, whole: bool, positive: bool) -> None:
+def check_number(name: str, value: object, *, whole: bool, positive: bool,
+                 high: float = MAX_BYTES) -> None:
     """A ConfigError naming ``name`` unless ``value`` is a finite number (an int, not a bool,
-    when ``whole``), > 0 when ``positive``, else >= 0 (JSON gives floats and strings too)."""
+    when ``whole``), > 0 when ``positive``, else >= 0, and at most ``high`` (JSON gives floats
+    and strings too; a size of 2**63 overflowed an off_t, a timeout of 1e10 s threading's and
+    gRPC's clocks: ``MAX_WAIT_S`` for seconds)."""
     kind = "a whole number" if whole else "a finite number"
     if (isinstance(value, bool) or not isinstance(value, int if whole else (int, float))
-            or isinstance(value, float) and not math.isfinite(value)
-            or isinstance(value, int) and abs(value) > 1 << 63):  # (10**400: isfinite fails)
+            or isinstance(value, float) and not math.isfinite(value)):
         raise ConfigError(f"{name} must be {kind}, got {shown(value)}")
     if value < 0 or (positive and value == 0):
         bound = (">= 1" if whole else "> 0") if positive else ">= 0"
-        raise ConfigError(f"{name} must be {bound}, got {value!r}")
+        raise ConfigError(f"{name} must be {bound}, got {shown(value)}")
+    if value > high:  # (an int: 10**400 compares, where float() overflows)
+        top = high if isinstance(high, int) else f"{high:g}"
+        raise ConfigError(f"{name} must be at most {top}, got {shown(value)}")
 
 
 def check_string(name: str, value: object) -> None:

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from kdn import keys
+from kdn.checks import MAX_WAIT_S
 from kdn.client.client import TLSOptions
 from kdn.codec.catalog import check_codec, default_level
 from kdn.errors import ConfigError, KDNError
@@ -49,7 +50,7 @@ class KDNBackendConfig:
     ttl_s: int = 0
     """Seconds a stored page lives (0: the server's default)."""
     timeout_s: float = 30.0
-    """Deadline of each kdn call."""
+    """Deadline of each kdn call (at most a day, ``kdn.checks.MAX_WAIT_S``)."""
     workers: int = field(default_factory=lambda: max(1, min(4, os.cpu_count() or 1)))
     """Threads a batch's chunks run on (encoding, decoding, calls): one per core, four at most
     (more threads than cores only take turns, and each turn costs a switch)."""
@@ -62,7 +63,8 @@ class KDNBackendConfig:
         """Every field's type and range (JSON values): a ``ConfigError`` naming it otherwise."""
         check_field_types(self, "kdn.")
         check_number("kdn.workers", self.workers, whole=True, positive=True)
-        check_number("kdn.timeout_s", self.timeout_s, whole=False, positive=True)
+        check_number("kdn.timeout_s", self.timeout_s, whole=False, positive=True,
+                     high=MAX_WAIT_S)
         check_number("kdn.ttl_s", self.ttl_s, whole=True, positive=False)
         check_number("kdn.local_bytes", self.local_bytes, whole=True, positive=False)
         if self.shm_bytes is not None:

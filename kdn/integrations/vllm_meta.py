@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
 from kdn import keys
+from kdn.checks import MAX_WAIT_S
 from kdn.client import Client
 from kdn.codec.catalog import check_codec, default_level
 from kdn.delivery import IN_PROCESS, NETWORK, SAME_HOST, default_encodings, encoding_name
@@ -50,11 +51,12 @@ class KDNConnectorConfig:
     ttl_s: int = 0
     """Seconds a stored chunk lives (0: the server's default)."""
     timeout_s: float = 30.0
-    """Deadline of each kdn call, and of a layer's wait during a load."""
+    """Deadline of each kdn call, and of a layer's wait during a load (at most a day,
+    ``kdn.checks.MAX_WAIT_S``)."""
     lookup_threads: int = 2
     """Threads the scheduler's lookups run on."""
     lookup_timeout_s: float = 2.0
-    """Deadline of a request's lookup (at most ``timeout_s``); one that passes it makes
+    """Deadline of a request's lookup (at most ``timeout_s``, which cuts it, and a day); one that passes it makes
     lookups answer misses at once for ``10 * lookup_timeout_s`` (a silent server held every
     waiting request for its own deadline, one after another)."""
     save_backlog_bytes: int = 1 << 30
@@ -89,9 +91,10 @@ class KDNConnectorConfig:
             raise ConfigError(f"chunk_tokens must be <= {keys.MAX_PREFIX_CHUNK}, got "
                               f"{self.chunk_tokens}")
         check_number("ttl_s", self.ttl_s, whole=True, positive=False)
-        check_number("timeout_s", self.timeout_s, whole=False, positive=True)
+        check_number("timeout_s", self.timeout_s, whole=False, positive=True, high=MAX_WAIT_S)
         check_number("lookup_threads", self.lookup_threads, whole=True, positive=True)
-        check_number("lookup_timeout_s", self.lookup_timeout_s, whole=False, positive=True)
+        check_number("lookup_timeout_s", self.lookup_timeout_s, whole=False, positive=True,
+                     high=MAX_WAIT_S)
         check_number("save_backlog_bytes", self.save_backlog_bytes, whole=True, positive=True)
         check_number("prefill_tok_s", self.prefill_tok_s, whole=False, positive=True)
         check_number("local_bytes", self.local_bytes, whole=True, positive=False)
