@@ -220,6 +220,10 @@ def test_affinity_is_bounded_and_forgets_a_lost_node() -> None:
     ({"nodes": ("a:1",), "client_options": {"retry_count": 2}}, "not an option of Client"),
     ({"nodes": ("a:1",), "client_options": {"self": 2}}, "not an option of Client"),
     ({"nodes": ("a:1",), "client_options": [("shm_bytes", 0)]}, "client_options must be a"),
+    # 1e10 s: every health check failed at once, or the health thread died (OverflowError)
+    ({"nodes": ("a:1",), "health_timeout_s": 1e10}, "health_timeout_s must be a number > 0 "
+                                                    "and at most 86400 seconds"),
+    ({"nodes": ("a:1",), "health_interval_s": 1e10}, "health_interval_s must be a number in"),
     ({"nodes": ("a:1",), "client_options": {"insecure": "false"}}, "insecure must be True"),
     ({"nodes": ("a:1",), "client_options": {"data_path": "no"}}, "data_path must be True"),
 ])

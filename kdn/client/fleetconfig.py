@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kdn.checks import MAX_WAIT_S, within
 from kdn.client.client import Client, check_flags
 from kdn.client.routing import Router
 from kdn.errors import ConfigError, InvalidArgument
@@ -40,12 +41,12 @@ class FleetConfig:
     inflight_weight: float = 4.0
     """Load, in keys, of one call a node reports in flight (its Stats ``rpc.in_flight``)."""
     health_interval_s: float = 1.0
-    """Seconds between health checks of every node (0 = no health thread)."""
+    """Seconds between health checks of every node (0 = no health thread), at most a day."""
     retry_down_s: float = 2.0
     """Seconds after which a call tries a node marked down again (doubled at each failure in a
     row, at most ``MAX_RETRY_DOWN_S``; 0 = at every call)."""
     health_timeout_s: float = 0.5
-    """Deadline of one health check."""
+    """Deadline of one health check, at most a day."""
     timeout_s: float = 30.0
     """Deadline of a call on one node."""
     memo_keys: int = 1 << 16
@@ -82,6 +83,9 @@ class FleetConfig:
                self.retry_down_s) < 0:
             raise ConfigError("fleet: health_interval_s, inflight_weight, memo_keys and "
                               "retry_down_s must be >= 0")
+        for name, above in (("health_timeout_s", True), ("health_interval_s", False)):
+            within(f"fleet: {name}", getattr(self, name), 0, MAX_WAIT_S, above=above,
+                   unit=" seconds", error=ConfigError)  # 1e10: past gRPC's, threading's clocks
         check_client_options(self.client_options)
         try:
             Router(self.nodes, affinity_blocks=self.affinity_blocks, load_bound=self.load_bound,
