@@ -7,14 +7,16 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import Future
 from typing import Any
 
 import pytest
 
 from kdn.client import Client, netpath, stream
+from kdn.client.landing import PendingStream
 from kdn.client.stream import LayerStream, StreamTimings
 from kdn.codec import StreamDecoder, encode_parts
-from kdn.errors import Cancelled
+from kdn.errors import Cancelled, Unavailable
 from kdn.server import ServerThread
 from kdn.transport.wire import Frame, FrameMessage
 from tests.helpers import numbered_key, random_kv, uniform_layout
@@ -46,6 +48,19 @@ def test_result_times_out_once_its_timeout_is_spent_not_once_per_layer() -> None
         stream.result(timeout=0.5)
     assert time.monotonic() - t0 < 1.0
     stream.cancel()
+
+
+def test_a_wait_too_long_for_threading_is_a_wait_without_end() -> None:
+    """wait_for_layer(i, 1e10) (vLLM's worker passes its config's timeout_s) raised a raw
+    OverflowError, past threading.TIMEOUT_MAX, for each layer not landed yet."""
+    s = _slow_stream(layers=3, gap_s=0.05)
+    assert len(s.wait_for_layer(2, 1e10)) == 2
+    assert len(s.result(timeout=1e10).layers) == 3
+    entry: Future[Any] = Future()  # an entry still landing on the network data path
+    pending = PendingStream(entry, "ram", "cpu", StreamTimings())
+    threading.Timer(0.05, entry.set_exception, (Unavailable("connection dropped"),)).start()
+    with pytest.raises(Unavailable, match="connection dropped"):
+        pending.wait_for_layer(0, 1e10)
 
 
 def test_a_cancelled_stream_decodes_no_more_of_its_frames() -> None:

@@ -125,10 +125,17 @@ def time_left(timeout_s: float | None) -> float | None:
     return left if timeout_s is None else min(timeout_s, left)
 
 
+def wait_span(timeout: float | None) -> float | None:
+    """``timeout`` for a thread's wait: None (no end) where it is ``NO_DEADLINE_S`` or more
+    (1e10 s is past ``threading.TIMEOUT_MAX``: an OverflowError, not a wait)."""
+    return None if timeout is None or timeout >= NO_DEADLINE_S else timeout
+
+
 def wait_end(timeout: float | None) -> float | None:
-    """When (``time.monotonic``) a wait of ``timeout`` seconds from now ends; None: never.
-    A call that waits several times (``LayerStream.result``) gives each ``wait_left``, so
-    its timeout bounds the whole call, not each wait."""
+    """When (``time.monotonic``) a wait of ``timeout`` seconds from now ends; None: never
+    (``wait_span``). A call that waits several times (``LayerStream.result``) gives each
+    ``wait_left``, so its timeout bounds the whole call, not each wait."""
+    timeout = wait_span(timeout)
     return None if timeout is None else time.monotonic() + timeout
 
 

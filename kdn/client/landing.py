@@ -14,7 +14,7 @@ from concurrent.futures import CancelledError, Future
 from typing import TYPE_CHECKING, Any
 
 from kdn.checks import whole
-from kdn.client.deadline import wait_end, wait_left
+from kdn.client.deadline import wait_end, wait_left, wait_span
 from kdn.client.parallel import layer_groups
 from kdn.client.received import Fetched, as_expected
 from kdn.codec.format import parse_header, sums_checked_later
@@ -418,7 +418,7 @@ class PendingStream:
 
     def landed(self, timeout: float | None = None) -> LayerStream:
         """The stream once the entry is in; its error if it failed."""
-        if not self._done.wait(timeout):
+        if not self._done.wait(wait_span(timeout)):
             raise TimeoutError(f"the entry did not land in {timeout} s")
         if self._error is not None:  # let go by the caller: whatever ended it (its stripe
             if self._cancelled:      # shut by this or another stream's cancel), Cancelled
