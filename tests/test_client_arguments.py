@@ -5,6 +5,7 @@ TypeError from protobuf, gRPC or torch; and what it takes (None and inf: no dead
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -251,6 +252,24 @@ def test_a_clients_switches_are_bools(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("KDN_INSECURE", raising=False)
     with pytest.raises(InvalidArgument, match="refusing to send an API key in plaintext"):
         Client("10.1.2.3:50051", api_key="secret", shm_bytes=0, insecure=None)
+
+
+def test_a_retry_is_checked_when_made() -> None:
+    """Retry(retries=-1) made every call raise AssertionError('unreachable'), base_s=-1 a
+    ValueError from the pause, a huge cap_s an OverflowError."""
+    import grpc
+
+    from kdn import Retry
+
+    for kw, match in (({"retries": -1}, "Retry.retries must be a whole number in 0..1000"),
+                      ({"retries": 2.5}, "Retry.retries"), ({"retries": True}, "Retry.retries"),
+                      ({"base_s": -1.0}, "Retry.base_s must be a number in 0..86400 seconds"),
+                      ({"base_s": float("nan")}, "Retry.base_s"), ({"cap_s": 1e300}, "Retry.cap_s"),
+                      ({"codes": ("UNAVAILABLE",)}, "Retry.codes must be grpc.StatusCode")):
+        with pytest.raises(InvalidArgument, match=re.escape(match)):
+            Retry(**kw)  # type: ignore[arg-type]
+    assert Retry(codes=[grpc.StatusCode.UNAVAILABLE]).codes == (grpc.StatusCode.UNAVAILABLE,)
+    assert Retry(retries=0, base_s=0, cap_s=0).retries == 0
 
 
 def test_store_options_take_a_durability_not_a_bool_and_numpy_seconds() -> None:

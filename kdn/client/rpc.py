@@ -26,7 +26,7 @@ from typing import Any, Literal, TypeVar
 import grpc
 
 from kdn import tracing as _tracing
-from kdn.checks import shown
+from kdn.checks import MAX_WAIT_S, shown, within
 from kdn.client.deadline import NO_DEADLINE_S, call_cap, deadline_within, own_cap
 from kdn.errors import Closed, InvalidArgument, Unavailable, kept
 from kdn.status import from_grpc
@@ -82,14 +82,36 @@ def check_timeout(name: str, value: object) -> float | None:
     return None if seconds >= NO_DEADLINE_S else seconds
 
 
+MAX_RETRIES = 1000
+"""The most ``Retry.retries``: a pause is ``base_s * 2**attempt``, a float (past 2**1023 an
+OverflowError), and the call's deadline ends them long before."""
+
+
 @dataclass(frozen=True)
 class Retry:
     """Bounded retries with exponential backoff and jitter, only for the named status codes."""
 
     retries: int = 3
+    """Attempts after the first, at most ``MAX_RETRIES``."""
     base_s: float = 0.05
+    """The first pause, in seconds (doubled at each attempt, with jitter), at most a day."""
     cap_s: float = 2.0
+    """The longest pause, in seconds, at most a day."""
     codes: tuple[grpc.StatusCode, ...] = (grpc.StatusCode.UNAVAILABLE,)
+    """The gRPC status codes retried."""
+
+    def __post_init__(self) -> None:
+        """InvalidArgument naming the field that is not as documented (retries=-1 made every
+        call raise AssertionError, base_s=-1 a ValueError from the pause)."""
+        within("Retry.retries", self.retries, 0, MAX_RETRIES, whole=True)
+        for name in ("base_s", "cap_s"):
+            within(f"Retry.{name}", getattr(self, name), 0, MAX_WAIT_S, unit=" seconds")
+        codes = tuple(self.codes) if isinstance(self.codes, (tuple, list, set, frozenset)) \
+            else (self.codes,)
+        if not all(isinstance(c, grpc.StatusCode) for c in codes):
+            raise InvalidArgument(f"Retry.codes must be grpc.StatusCode values, got "
+                                  f"{shown(self.codes)}")
+        object.__setattr__(self, "codes", codes)
 
     def call(self, fn: Callable[[], T], unsent_only: bool = False) -> T:
         """``fn()``, again after a pause while it fails with one of ``codes``; never past this
