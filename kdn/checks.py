@@ -22,7 +22,7 @@ MAX_BYTES = (1 << 63) - 1
 
 
 def whole(name: str, value: object, low: int = 0, hint: str = "",
-          error: type[InvalidArgument] = InvalidArgument) -> int:
+          error: type[KDNError] = InvalidArgument) -> int:
     """``value`` as an int when it is a whole number >= ``low``; else ``error`` naming
     ``name`` (``hint``: what follows the bound, e.g. what 0 or None means)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:

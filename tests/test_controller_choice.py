@@ -223,6 +223,20 @@ def test_speeds_and_priors_that_are_not_finite_and_positive_are_refused(bad: flo
             LoadingController(overhead_s_b={"cpu": bad})
 
 
+def test_counts_are_whole_numbers_and_a_bool_is_no_speed() -> None:
+    """NaN passed every check of trials, retry_every and retry_max (retry_every=NaN turned
+    re-trials off), 1.5 was taken as a count, and bandwidth_b_s=True as 1 B/s."""
+    for name in ("trials", "retry_every", "retry_max"):
+        for bad in (math.nan, 1.5, True, -1):
+            with pytest.raises(ConfigError, match=f"^{name} must be a whole number >= 0"):
+                LoadingController(**{name: bad})  # type: ignore[arg-type]
+    for name in ("bandwidth_b_s", "prefill_tok_s"):
+        with pytest.raises(ConfigError, match=f"^{name} must be a finite speed"):
+            LoadingController(**{name: True})  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="priors_b_s"):
+        LoadingController(priors_b_s={NETWORK: True})  # type: ignore[dict-item]
+
+
 def test_a_speed_whose_inverse_is_infinite_is_refused_and_no_overhead_is_one() -> None:
     for name in ("prefill_tok_s", "bandwidth_b_s"):
         with pytest.raises(ConfigError, match=name):

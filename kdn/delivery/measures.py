@@ -6,10 +6,12 @@ the running mean and deviation of one option's cost (``Spread``), and which sett
 from __future__ import annotations
 
 import math
+import numbers
 import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
+from kdn.checks import whole
 from kdn.errors import ConfigError
 
 RECENT = 3
@@ -124,8 +126,8 @@ def check_settings(c: Any) -> None:
                                          "codec_b_s") for k, v in getattr(c, name).items()}}
     if c.bandwidth_b_s is not None:
         speeds["bandwidth_b_s"] = c.bandwidth_b_s
-    for name, value in speeds.items():
-        if not speed(value):
+    for name, value in speeds.items():  # True is no speed of 1 B/s
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not speed(value):
             raise ConfigError(f"{name} must be a finite speed above 0, got {value}")
     for dev, value in c.overhead_s_b.items():
         if not (math.isfinite(value) and value >= 0):
@@ -137,9 +139,9 @@ def check_settings(c: Any) -> None:
                           f"{c.margin_min} and {c.margin_max}")
     if not (math.isfinite(c.explore) and c.explore >= 0):
         raise ConfigError(f"explore must be finite and >= 0, got {c.explore}")
-    if c.trials < 0:
-        raise ConfigError(f"trials must be >= 0, got {c.trials}")
-    if c.retry_every < 0 or c.retry_max < c.retry_every:
+    for name in ("trials", "retry_every", "retry_max"):  # NaN failed every check below
+        whole(name, getattr(c, name), 0, error=ConfigError)
+    if c.retry_max < c.retry_every:
         raise ConfigError("re-trials need 0 <= retry_every <= retry_max, got "
                           f"{c.retry_every} and {c.retry_max}")
     if not (math.isfinite(c.retry_cost) and c.retry_cost >= 1.0):
