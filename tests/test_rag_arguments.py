@@ -121,6 +121,23 @@ def test_a_tls_ca_that_is_not_pem_is_a_usage_error_naming_it(
     assert f"{ca}: not a PEM file" in capsys.readouterr().err
 
 
+def test_an_api_key_in_plaintext_to_another_host_is_a_usage_error_naming_the_flags(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """As under kdn admin: exit 2 (it exited 1), hinting kdn rag's --tls-ca and KDN_INSECURE
+    (it named Python's tls=TLSOptions(...) and insecure=True)."""
+    from kdn.cli.main import main
+
+    monkeypatch.delenv("KDN_INSECURE", raising=False)
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "a.md").write_text("Cats purr.")
+    assert main(["rag", "--address", "10.1.2.3:50051", "--api-key", "k", "--state",
+                 str(tmp_path / "state"), "ingest", str(tmp_path / "docs")]) == 2
+    err = capsys.readouterr().err
+    assert "in plaintext to 10.1.2.3:50051: pass --tls-ca" in err and "KDN_INSECURE=1" in err
+    assert "TLSOptions" not in err
+
+
 @pytest.mark.parametrize("cmd", [["ingest", "docs"], ["ask", "Who?"], ["rm", "a.md"]])
 def test_an_empty_state_folder_is_a_usage_error_not_the_current_folder(
         cmd: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,

@@ -93,8 +93,14 @@ def _engine(ns: argparse.Namespace) -> Any:
         tls = TLSOptions(ca=read_pem(ns.tls_ca, "ca")) if ns.tls_ca else None
     except UsageError as exc:
         raise _UsageError(f"{exc}; check --tls-ca") from None
-    client = Client(ns.address, timeout_s=ns.timeout, tls=tls,
-                    api_key=ns.api_key or os.environ.get("KDN_API_KEY"))
+    try:
+        client = Client(ns.address, timeout_s=ns.timeout, tls=tls,
+                        api_key=ns.api_key or os.environ.get("KDN_API_KEY"))
+    except KDNError as exc:  # a bad --address, an API key that would travel in plaintext
+        raise _UsageError(f"refusing to send the API key in plaintext to {ns.address}: pass "
+                          "--tls-ca (the CA of the server's --tls-cert), or set KDN_INSECURE=1 "
+                          "on a network you trust" if "plaintext" in str(exc) else str(exc)
+                          ) from None
     try:
         client.health()  # a server that is down is reported before torch and the models load
         kb = _knowledge_base(ns, client, state, settings)
