@@ -71,11 +71,25 @@ def test_precedence_file_env_flags(tmp_path: Path) -> None:
                                              "most 86400 seconds"),
     ({"env": {"KDN_REDIS_WAIT_TIMEOUT_S": "1e300"}}, "redis_wait_timeout_s must be a number"),
     ({"flags": {"redis_wait_timeout_s": "0"}}, "redis_wait_timeout_s must be a number > 0"),
+    ({"env": {"KDN_METRICS_HOST": ""}}, "metrics_host: must not be empty"),  # (blamed the port)
 ])
 def test_bad_settings_are_named(source: dict, match: str) -> None:
     with pytest.raises(ConfigError) as info:
         load_config(env=source.get("env", {}), flags=source.get("flags"))
     assert match in str(info.value)
+
+
+def test_a_metrics_host_not_of_this_machine_is_named_not_the_port() -> None:
+    """It said 'can not listen on the metrics port ...; pick another with --metrics-port'."""
+    from kdn.server.observe import Metrics
+
+    with pytest.raises(OSError, match="metrics host '192.0.2.1'.*--metrics-host"):
+        Metrics(dict).serve_http("192.0.2.1", 0)  # TEST-NET-1: no machine's own address
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        with pytest.raises(OSError, match="metrics port .*--metrics-port"):
+            Metrics(dict).serve_http("127.0.0.1", taken.getsockname()[1])
 
 
 @pytest.mark.parametrize("url", [

@@ -255,8 +255,9 @@ class ServerConfig:
         for name in ("host", "metrics_host"):  # [::1], as in an address: the host is ::1
             if isinstance(value := getattr(self, name), str):
                 object.__setattr__(self, name, listen_host(value, name))
-        if not self.host:
-            raise ConfigError("host: must not be empty")
+        for name in ("host", "metrics_host"):  # "": an unset variable (KDN_METRICS_HOST=)
+            if not getattr(self, name):
+                raise ConfigError(f"{name}: must not be empty")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"port: must be in 0..65535, got {self.port}")
         if self.ram_bytes <= 0:

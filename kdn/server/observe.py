@@ -24,9 +24,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import inspect
 import json
 import logging
+import socket
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterable
@@ -123,7 +125,11 @@ class Metrics:
         within ``request_s`` (0: 10 s); few are served at once (``kdn.server.metrics_http``)."""
         try:
             server = MetricsHTTPServer(host, port, self.registry, request_s=request_s or 10.0)
-        except OSError as exc:
+        except OSError as exc:  # a host that does not resolve, or is not this machine's
+            if isinstance(exc, socket.gaierror) or exc.errno == errno.EADDRNOTAVAIL:
+                raise OSError(exc.errno, f"can not listen on the metrics host {host!r}: "
+                              f"{exc.strerror}; give an address of this machine with "
+                              "--metrics-host (127.0.0.1; 0.0.0.0 for all)") from None
             raise OSError(exc.errno, f"can not listen on the metrics port {host}:{port}: "
                           f"{exc.strerror}; pick another with --metrics-port") from None
         self._http = server
