@@ -534,6 +534,11 @@ def test_a_mistyped_variable_is_refused_with_the_setting_it_meant() -> None:
     # the variables of kdn's clients and scripts are not settings and pass
     cfg = load_config(env={"KDN_ADDRESS": "10.0.0.1:1", "KDN_API_KEY": "k", "KDN_PORT": "7"})
     assert cfg.port == 7
+    # a setting's name in another case: with KDN_PORT beside it, the environment's order won
+    for env in ({"KDN_port": "3333"}, {"KDN_PORT": "2222", "KDN_Port": "3333"}):
+        with pytest.raises(ConfigError, match=r"\$KDN_[Pp]ort: no such setting; did you mean "
+                                              r"KDN_PORT\?"):
+            load_config(env=env)
 
 
 def test_kubernetes_service_links_are_not_settings(

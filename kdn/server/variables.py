@@ -45,12 +45,13 @@ def kubernetes_link(name: str, value: str) -> bool:
 
 def check_variables(env: Mapping[str, str], settings: Iterable[str]) -> None:
     """Refuse a ``KDN_*`` variable of ``env`` that is neither one of ``settings`` (as
-    ``KDN_<NAME>``), one of ``OTHER_VARIABLES`` nor a Kubernetes service link, naming the
+    ``KDN_<NAME>``, in capitals: ``KDN_port`` beside ``KDN_PORT`` was the environment's order
+    deciding), one of ``OTHER_VARIABLES`` nor a Kubernetes service link, naming the
     nearest one."""
     known = set(settings)
     for k in sorted(env):
-        if not k.startswith("KDN_") or k in OTHER_VARIABLES or k[4:].lower() in known \
-                or kubernetes_link(k, env[k]):
+        if not k.startswith("KDN_") or k in OTHER_VARIABLES or kubernetes_link(k, env[k]) \
+                or k[4:].lower() in known and k[4:].isupper():  # KDN_port: not KDN_PORT's
             continue
         names = sorted(known | {v[4:].lower() for v in OTHER_VARIABLES})
         near = difflib.get_close_matches(k[4:].lower(), names, n=1)
