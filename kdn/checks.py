@@ -7,6 +7,7 @@ a text, nor, for the whole ones, a float (``int(1.7)`` would quietly be another 
 
 from __future__ import annotations
 
+import math
 import numbers
 import reprlib
 from collections.abc import Sequence
@@ -75,8 +76,8 @@ def within(name: str, value: object, low: float, high: float, *, whole: bool = F
     ``above``), an int when ``whole``; else ``error`` naming ``name`` and both bounds. A bool
     or a text is no number; a setting's upper bound keeps a huge one (a typo, or "no limit")
     from breaking deep inside redis-py, gRPC or threading."""
-    ok = not isinstance(value, bool) and isinstance(
-        value, numbers.Integral if whole else numbers.Real)
+    ok, got = not isinstance(value, bool) and isinstance(
+        value, numbers.Integral if whole else numbers.Real), math.nan
     if ok:
         got = to_float(value)  # NaN fails both comparisons
         ok = (got > low if above else got >= low) and got <= high
@@ -85,7 +86,7 @@ def within(name: str, value: object, low: float, high: float, *, whole: bool = F
         span = f"> {lo} and at most {hi}" if above else f"in {lo}..{hi}"
         raise error(f"{name} must be {'a whole number' if whole else 'a number'} {span}{unit}, "
                     f"got {shown(value)}{not_an_int(value) if whole else ''}")
-    return int(value) if whole else float(value)  # type: ignore[call-overload]
+    return int(value) if whole else got  # type: ignore[call-overload]
 
 
 def flag(name: str, value: object, *, none: bool = False,

@@ -11,7 +11,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
-from kdn.checks import whole
+from kdn.checks import to_float, whole
 from kdn.errors import ConfigError
 
 RECENT = 3
@@ -127,7 +127,8 @@ def check_settings(c: Any) -> None:
     if c.bandwidth_b_s is not None:
         speeds["bandwidth_b_s"] = c.bandwidth_b_s
     for name, value in speeds.items():  # True is no speed of 1 B/s
-        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not speed(value):
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not speed(
+                to_float(value)):
             raise ConfigError(f"{name} must be a finite speed above 0, got {value}")
     for dev, value in c.overhead_s_b.items():
         if not (math.isfinite(value) and value >= 0):

@@ -56,9 +56,9 @@ class KDNConnectorConfig:
     lookup_threads: int = 2
     """Threads the scheduler's lookups run on."""
     lookup_timeout_s: float = 2.0
-    """Deadline of a request's lookup (at most ``timeout_s``, which cuts it, and a day); one that passes it makes
-    lookups answer misses at once for ``10 * lookup_timeout_s`` (a silent server held every
-    waiting request for its own deadline, one after another)."""
+    """Deadline of a request's lookup (at most ``timeout_s``, which cuts it, and a day); one
+    that passes it makes lookups answer misses at once for ``10 * lookup_timeout_s`` (a
+    silent server held every waiting request for its own deadline, one after another)."""
     save_backlog_bytes: int = 1 << 30
     """Gathered KV (bytes, each worker) the saves waiting on a slow server may hold; a step's
     saves past it (or past ``SAVE_BACKLOG_STEPS`` steps waiting) are dropped, counted in
