@@ -3,7 +3,9 @@ request interceptor, ``kdn.server.observe``): a read whose client stops reading 
 read (a disk entry's copy, a RetrieveMany's run: hundreds of MB a stream) for as long as the
 client liked, and gRPC's idle timeout counts only connections with no stream open; a write
 whose client stops sending held what it had sent. Each now ends DEADLINE_EXCEEDED, naming
-why, and stores nothing; a slow but moving call is not ended."""
+why, and stores nothing; a slow but moving call is not ended. A unary call whose request
+message never comes whole is ended too (gRPC read it with no bound, the connection held), and
+for the open services (health, reflection: no key needed) sooner, and only small requests."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2
 
 from kdn import codec
 from kdn.client import Client
@@ -88,6 +91,62 @@ def test_a_write_its_client_stopped_sending_is_ended_and_stores_nothing(
         assert time.perf_counter() - t0 < 5
     with Client(quick.address) as c:
         assert not c.lookup([numbered_key(2)]).infos[0].present
+
+
+def _silent(stop: threading.Event) -> Iterator[bytes]:
+    """A request stream that sends nothing until ``stop``: the call's headers only."""
+    stop.wait(20)
+    yield from ()
+
+
+def _never_sent(st: ServerThread, method: str) -> grpc.RpcError:
+    """A unary ``method`` called with its headers only (as a stream that sends nothing): the
+    error it ends with."""
+    stop = threading.Event()
+    ch = grpc.insecure_channel(st.address)
+    with ch:
+        call = ch.stream_unary(method)
+        try:
+            with pytest.raises(grpc.RpcError) as err:
+                call(_silent(stop), timeout=20)
+        finally:
+            stop.set()
+    return err.value
+
+
+def test_a_unary_call_whose_request_never_comes_is_ended(quick: ServerThread) -> None:
+    t0 = time.perf_counter()
+    err = _never_sent(quick, "/kdn.v1.KDN/Lookup")
+    assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert "Lookup: its request message did not come whole within 1 s" in (err.details() or "")
+    assert time.perf_counter() - t0 < 5
+    with Client(quick.address) as c:  # and calls that send theirs are served as before
+        assert not c.lookup([numbered_key(1)]).infos[0].present
+
+
+def test_the_open_services_take_small_requests_that_come_soon(tmp_path: Path) -> None:
+    """Keyless callers of the health service (auth on) are ended after handshake_timeout_s,
+    not idle_timeout_s, and a request over a few KiB is refused."""
+    auth = tmp_path / "tenants.yaml"
+    auth.write_text('tenants:\n  team-a: {api_keys: ["key-a"]}\n')
+    auth.chmod(0o600)
+    cfg = ServerConfig(port=0, data_dir=tmp_path / "d", disk_bytes=0, auth_file=str(auth),
+                       idle_timeout_s=300, handshake_timeout_s=1)
+    with ServerThread(cfg) as st:
+        t0 = time.perf_counter()
+        err = _never_sent(st, "/grpc.health.v1.Health/Check")
+        assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert time.perf_counter() - t0 < 5
+        ch = grpc.insecure_channel(st.address)
+        with ch:
+            check = ch.unary_unary("/grpc.health.v1.Health/Check",
+                                   request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
+                                   response_deserializer=health_pb2.HealthCheckResponse.FromString)
+            assert check(health_pb2.HealthCheckRequest(), timeout=10).status == 1  # SERVING
+            with pytest.raises(grpc.RpcError) as big:
+                check(health_pb2.HealthCheckRequest(service="s" * (16 << 10)), timeout=10)
+            assert big.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "is over the 8192 this service takes" in (big.value.details() or "")
 
 
 def test_a_slow_but_moving_read_is_not_ended(quick: ServerThread) -> None:

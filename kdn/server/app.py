@@ -438,9 +438,8 @@ async def _start(config: ServerConfig, store: TieredStore, auth: Authenticator,
                      **{f"store.{k}": v for k, v in store.counters.items()}},
         "usage": servicer.usage, "in_flight": servicer.in_flight + admin.in_flight,
     })
-    server = grpc.aio.server(options=grpc_options(config),
-                             interceptors=[RequestInterceptor(
-                                 auth, metrics, idle_s=config.idle_timeout_s)])
+    server = grpc.aio.server(options=grpc_options(config), interceptors=[RequestInterceptor(
+        auth, metrics, idle_s=config.idle_timeout_s, open_s=config.handshake_timeout_s)])
     pb_grpc.add_KDNServicer_to_server(servicer, _FastFrames(server))
     pb_grpc.add_KDNAdminServicer_to_server(admin, server)
     health_servicer = health.aio.HealthServicer()

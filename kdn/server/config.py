@@ -199,7 +199,8 @@ class ServerConfig:
     applies (kdn.server.egress). The same-host path is not limited."""
     idle_timeout_s: float = 300.0
     """Close a client connection that carried no call for this long (0 = never); on the
-    network data path, a connection its ticket admitted (kdn.server.netpath)."""
+    network data path, a connection its ticket admitted (kdn.server.netpath). A gRPC call that
+    moves no message this long ends, a unary one whose request is not whole by then too."""
     max_connection_age_s: float = 0.0
     """Ask clients to reconnect once a connection is this old (0 = never; calls in flight get
     30 s more)."""
@@ -210,7 +211,7 @@ class ServerConfig:
     after it opened (one that never says a word would otherwise hold a slot for 120 s); on the
     network data path and the same-host fast path, one whose first call has not named a live
     ticket or segment by then, and any call whose request is not whole this long after its
-    first byte."""
+    first byte; on gRPC, a health or reflection call (no key) whose request is not whole."""
     max_streams_per_connection: int = 256
     """Most calls in flight on one client connection (HTTP/2 concurrent streams); a client
     past it waits for one to end (0 = gRPC's own limit)."""

@@ -17,7 +17,14 @@ message that does not parse, or that holds a malformed namespace, tenant or key,
 INVALID_ARGUMENT with a one-line message (after the caller is admitted), on every RPC, unary
 or streamed, before or instead of its handler.
 
-The standard health service stays open without credentials, so probes need no API key.
+A call that moves no request message for ``idle_s`` (the server's idle_timeout_s) is ended
+DEADLINE_EXCEEDED: a streamed one between messages, a unary one before its request is whole,
+which is read as a request stream of one (gRPC reads a unary request with no bound, and a
+connection with a call open is never idle).
+
+The standard health service stays open without credentials, so probes need no API key; its
+and reflection's requests may hold ``OPEN_MESSAGE_BYTES`` and must be whole within ``open_s``
+(handshake_timeout_s), so a keyless caller holds little for long.
 """
 
 from __future__ import annotations
@@ -52,6 +59,9 @@ access_log = logging.getLogger("kdn.access")
 PROBE_RPC = "Stats"
 """The RPC ``kdn admin health`` calls: without any key, a container's health probe."""
 OPEN_SERVICES = ("grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection")
+OPEN_MESSAGE_BYTES = 8 << 10
+"""The largest request message the open services take (their requests name a service or a
+symbol): a bigger one is answered INVALID_ARGUMENT."""
 _Admission = tuple[Principal | None, KDNError | None]
 """A call's caller and why it is refused, or None (``RequestInterceptor._admission``)."""
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5,
@@ -185,10 +195,11 @@ class AuditLog:
 
 class RequestInterceptor(grpc.aio.ServerInterceptor):
     def __init__(self, auth: Authenticator, metrics: Metrics | None = None, *,
-                 idle_s: float = 0.0) -> None:
+                 idle_s: float = 0.0, open_s: float = 0.0) -> None:
         self.auth = auth
         self.metrics = metrics
         self.idle_s = idle_s  # a stream that moves no message this long ends (module docstring)
+        self.open_s = open_s  # an open service's request must be whole this soon (ditto)
         self.audit = AuditLog()
         self._parsers: dict[str, tuple[Callable[[bytes], Any], Callable[[bytes], Any]]] = {}
 
@@ -205,9 +216,13 @@ class RequestInterceptor(grpc.aio.ServerInterceptor):
         if admission[1] is not None:  # refused on its metadata: its request is never read
             return self._refusing(handler, rpc, md, admission)
         if handler.request_deserializer is not None:
-            handler = handler._replace(
-                request_deserializer=self._checked(method, rpc, handler.request_deserializer))
+            handler = handler._replace(request_deserializer=self._checked(
+                method, rpc, handler.request_deserializer, OPEN_MESSAGE_BYTES if open_call else 0))
         streaming = bool(handler.request_streaming)
+        if not streaming and self._first_s(open_call):  # read as a stream of one: bounded
+            handler = handler._replace(
+                request_streaming=True, unary_unary=None, unary_stream=None,
+                stream_unary=handler.unary_unary, stream_stream=handler.unary_stream)
         for kind, wrap in (("unary_unary", self._unary), ("stream_unary", self._unary),
                            ("unary_stream", self._stream), ("stream_stream", self._stream)):
             fn = getattr(handler, kind)
@@ -247,21 +262,43 @@ class RequestInterceptor(grpc.aio.ServerInterceptor):
         return make(refuse, request_deserializer=None,
                     response_serializer=handler.response_serializer)
 
-    def _checked(self, method: str, rpc: str, deserialize: Callable[[bytes], Any]
-                 ) -> Callable[[bytes], Any]:
-        """``deserialize`` answering malformed messages and names with a ``BadRequest``
-        (``kdn.server.requests``), made once per method."""
+    def _checked(self, method: str, rpc: str, deserialize: Callable[[bytes], Any],
+                 max_bytes: int) -> Callable[[bytes], Any]:
+        """``deserialize`` answering malformed messages and names, and messages over
+        ``max_bytes`` (0: no bound), with a ``BadRequest`` (``kdn.server.requests``), made
+        once per method."""
         got = self._parsers.get(method)
         if got is None or got[0] is not deserialize:
-            got = self._parsers[method] = (deserialize, checked(deserialize, rpc))
+            got = self._parsers[method] = (deserialize, checked(deserialize, rpc, max_bytes))
         return got[1]
 
-    async def _request(self, request: Any, context: grpc.aio.ServicerContext, streaming: bool
-                       ) -> Any:
+    def _first_s(self, open_call: bool) -> float:
+        """How long a unary request may take to arrive whole (0: no bound): ``idle_s``, and
+        for the open services at most ``open_s`` (their callers are not known)."""
+        return min((s for s in (self.idle_s, self.open_s if open_call else 0.0) if s),
+                   default=0.0)
+
+    async def _request(self, request: Any, context: grpc.aio.ServicerContext, streaming: bool,
+                       rpc: str, open_call: bool) -> Any:
         """The request for the handler: a ``BadRequest`` is answered INVALID_ARGUMENT (for a
-        stream, when the handler reaches it)."""
+        stream, when the handler reaches it). A unary request is read from its stream of one
+        here (``intercept_service``), ended DEADLINE_EXCEEDED where it is not whole in time."""
         if streaming:
             return _checked_stream(request, context, self.idle_s)
+        within = self._first_s(open_call)
+        if within:
+            try:
+                async with asyncio.timeout(within):
+                    request = await anext(aiter(request), None)
+            except TimeoutError:
+                await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                    f"{rpc}: its request message did not come whole within "
+                                    f"{within:g} s (the server's idle_timeout_s, or "
+                                    "handshake_timeout_s for an open service); the call is "
+                                    "ended")
+            if request is None:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                    f"{rpc}: the call ended without its request message")
         if isinstance(request, BadRequest):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
         return request
@@ -375,7 +412,8 @@ class RequestInterceptor(grpc.aio.ServerInterceptor):
                streaming: bool, admission: _Admission) -> Callable[..., Any]:
         async def wrapper(request: Any, context: grpc.aio.ServicerContext) -> Any:
             async with self._observed(context, rpc, md, open_call, admission):
-                return await fn(await self._request(request, context, streaming), context)
+                request = await self._request(request, context, streaming, rpc, open_call)
+                return await fn(request, context)
 
         return wrapper
 
@@ -383,7 +421,8 @@ class RequestInterceptor(grpc.aio.ServerInterceptor):
                 streaming: bool, admission: _Admission) -> Callable[..., Any]:
         async def wrapper(request: Any, context: grpc.aio.ServicerContext) -> None:
             async with self._observed(context, rpc, md, open_call, admission):
-                out = fn(await self._request(request, context, streaming), context)
+                out = fn(await self._request(request, context, streaming, rpc, open_call),
+                         context)
                 if inspect.isawaitable(out):  # a handler that answers with context.write()
                     await out  # (grpc's own health Watch): it has written what it sends
                     return

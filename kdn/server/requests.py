@@ -153,10 +153,15 @@ def _first_line(exc: BaseException) -> str:
     return text[0] if text else type(exc).__name__
 
 
-def checked(deserialize: Callable[[bytes], Any], rpc: str) -> Callable[[bytes], Any]:
-    """``deserialize`` returning a ``BadRequest`` for a malformed message or name."""
+def checked(deserialize: Callable[[bytes], Any], rpc: str, max_bytes: int = 0
+            ) -> Callable[[bytes], Any]:
+    """``deserialize`` returning a ``BadRequest`` for a malformed message or name, or for a
+    message over ``max_bytes`` (0: no bound beyond the server's max_message_bytes)."""
 
     def parse(buf: bytes) -> Any:
+        if max_bytes and len(buf) > max_bytes:
+            return BadRequest(f"{rpc} request message of {len(buf)} bytes is over the "
+                              f"{max_bytes} this service takes")
         try:
             msg = deserialize(buf)
         except Exception as exc:  # protobuf's DecodeError, or what a custom parser raises
