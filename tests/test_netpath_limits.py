@@ -287,6 +287,31 @@ def test_the_listener_outlives_a_failed_accept(monkeypatch: pytest.MonkeyPatch) 
         conn.close()
 
 
+def test_a_failed_thread_start_loses_that_connection_only(
+        server: ServerThread, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A connection whose thread can not be started (a pids limit, memory) is closed and
+    counted; the door goes on handing later ones on (it died with the error: later
+    connections were never served nor closed)."""
+    start, fails = threading.Thread.start, [1]
+
+    def failing_start(self: threading.Thread) -> None:
+        if self.name == "kdn-net" and fails[0]:
+            fails[0] -= 1
+            raise RuntimeError("can't start new thread")
+        start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", failing_start)
+    address = ("127.0.0.1", _path(server).port)
+    with socket.create_connection(address) as lost:
+        lost.sendall(b"\0")  # speaks: its thread is started, and fails
+        assert _closed_within(lost, 5)
+    with socket.create_connection(address) as later:
+        later.sendall(FAST_HEAD.pack(1, 99) + b"\0")
+        later.settimeout(5)
+        assert b"unknown data path op 99" in later.recv(4096)
+    assert _counter(server, "net.thread_errors") == 1
+
+
 def test_config_timeouts_reach_the_data_path(server_config: ServerConfig) -> None:
     cfg = dataclasses.replace(server_config, idle_timeout_s=42.0, handshake_timeout_s=3.0)
     with ServerThread(cfg) as st:

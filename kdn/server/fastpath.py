@@ -36,7 +36,7 @@ that calls) and, where callers are authenticated, ``TENANT_SHARE`` percent of th
 tenant's, so that no one client, nor one tenant's, holds every slot; an admitted
 connection may then stay silent ``idle_s`` between calls (0 here: a same-host client keeps
 one to learn of the server's exit). Each connection is a thread: these bounds are the
-server's threads too.
+server's threads too (one whose thread can not start is closed, ``<kind>.thread_errors``).
 
 A call that fails not on purpose (a bug, not a ``KDNError``) is answered INTERNAL and logged
 with its traceback, and its connection then closes (its stream may be out of step).
@@ -68,7 +68,7 @@ from kdn.errors import InvalidArgument, KDNError, NotFound, TooLarge, kept
 from kdn.server.arena import Arenas
 from kdn.server.auth import Principal
 from kdn.server.batch import BatchReads, copy_pool
-from kdn.server.door import Door, Peer, queued, recv_by, still_there
+from kdn.server.door import Door, Peer, cut_conn, queued, recv_by, still_there
 from kdn.server.egress import Egress, Pacer
 from kdn.server.requests import check_names
 from kdn.server.segments import Segments
@@ -181,6 +181,7 @@ class FastPath:
         self._busy: set[socket.socket] = set()  # (as accepted) in a call, not yet answered
         self._answered = threading.Condition(self._lock)  # each time ``_busy`` empties
         self._closed = False
+        self._quiet_until = 0.0  # (``_lost``)
         self._door = Door(self.kind, self._due, self._arrived)  # (once listening)
         threading.Thread(target=self._accept, name=f"kdn-{self.kind}-accept", daemon=True
                          ).start()
@@ -194,7 +195,6 @@ class FastPath:
         return sock
 
     def _accept(self) -> None:
-        quiet_until = 0.0
         while not self._closed:
             try:
                 conn, _ = self._sock.accept()
@@ -203,11 +203,7 @@ class FastPath:
                     return
                 # out of descriptors (EMFILE), memory, a connection reset before it was
                 # taken: this one is lost, the path is not; a pause lets descriptors free up
-                self.servicer.count(f"{self.kind}.accept_errors")
-                if time.monotonic() >= quiet_until:
-                    log.warning("%s path: accepting a connection failed (%s); still "
-                                "listening", self.kind, exc)
-                    quiet_until = time.monotonic() + 60.0
+                self._lost("accept_errors", "accepting a connection", exc)
                 time.sleep(ACCEPT_PAUSE_S)
                 continue
             with self._lock:
@@ -228,11 +224,24 @@ class FastPath:
             late = peer is None or not peer.deadline or peer.deadline <= now
             if late:
                 self._gone(conn)
-        if late:
-            conn.close()
-            return
-        threading.Thread(target=self._serve, args=(conn,), name=f"kdn-{self.kind}",
-                         daemon=True).start()
+        try:
+            if not late:
+                threading.Thread(target=self._serve, args=(conn,), name=f"kdn-{self.kind}",
+                                 daemon=True).start()
+                return
+        except RuntimeError as exc:  # no thread to be had (a pids limit, memory): this one
+            with self._lock:  # connection is lost, not the path
+                self._gone(conn)
+            self._lost("thread_errors", "starting a connection's thread", exc)
+        conn.close()
+
+    def _lost(self, counter: str, what: str, exc: BaseException) -> None:
+        """A connection lost to the host's limits (descriptors, threads, memory): counted,
+        and logged at most once a minute."""
+        self.servicer.count(f"{self.kind}.{counter}")
+        if time.monotonic() >= self._quiet_until:
+            log.warning("%s path: %s failed (%s); still listening", self.kind, what, exc)
+            self._quiet_until = time.monotonic() + 60.0
 
     def _due(self, conn: socket.socket) -> float:
         """When the door lets ``conn`` go unheard (its deadline; 0: now)."""
@@ -571,7 +580,7 @@ class FastPath:
             pass
         self._sock.close()
         for c in idle:
-            _cut(c)
+            cut_conn(c)
 
     def drain(self, timeout_s: float) -> bool:
         """Wait up to ``timeout_s`` for the calls in flight to be answered (after
@@ -585,13 +594,4 @@ class FastPath:
         with self._lock:
             conns, self._conns = list(self._conns), set()
         for c in conns:
-            _cut(c)
-
-
-def _cut(conn: socket.socket) -> None:
-    """Close ``conn``, waking a thread blocked on it."""
-    try:
-        conn.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass
-    conn.close()
+            cut_conn(c)
