@@ -50,6 +50,7 @@ from kdn.server.config import DEFAULT_DISK_BYTES, ServerConfig
 from kdn.server.fastpath import FastPath
 from kdn.server.ingest import recount_usage
 from kdn.server.netpath import NetPath
+from kdn.server.nofile import raise_nofile
 from kdn.server.observe import Metrics, RequestInterceptor
 from kdn.server.service import KDNServicer, verify_entry
 from kdn.store.base import Tier
@@ -501,6 +502,7 @@ async def serve(config: ServerConfig, blender: Blender | None = None) -> None:
     # a process of its own: its heaps are capped (an engine's process embedding a server,
     # ServerThread, keeps glibc's for its own threads)
     tune_allocator(server_trim_bytes(config.ram_bytes), SERVER_ARENAS)
+    raise_nofile(config)  # (its own process's limit too: a connection is a descriptor)
     server = await start_server(config, blender=blender)
     gc.freeze()  # what start-up made lives as long as the process: no collection scans it
     where = "no disk tier"
