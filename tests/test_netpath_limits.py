@@ -129,6 +129,65 @@ def test_the_oldest_pending_connections_make_room(server: ServerThread, remote: 
         hog.close()
 
 
+def test_a_connection_whose_call_is_being_read_is_not_evicted(
+        server: ServerThread, remote: Client, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A connection that spoke is pending until its ticket is checked; silent ones arriving
+    meanwhile evict each other, not it (it was the oldest, and lost its call)."""
+    monkeypatch.setattr(fastpath, "MAX_PENDING", 4)
+    body = pb.GetManyRequest(keys=[numbered_key(1)], segment_id=data_ticket(remote)
+                             ).SerializeToString()
+    speaking = data_connect(server)
+    speaking.sendall(FAST_HEAD.pack(len(body), NET_GET_MANY) + body[:3])  # the rest later
+    time.sleep(0.2)  # heard: its call is being read
+    silent = []
+    for _ in range(6):
+        silent.append(data_connect(server))
+        time.sleep(0.05)
+    assert eventually(lambda: _counter(server, "net.evicted_connections") == 3)
+    assert not _closed_within(speaking, 0.1)
+    speaking.sendall(body[3:])
+    head = read_exact(speaking, FAST_HEAD.size)
+    assert head is not None and FAST_HEAD.unpack(head)[1] == 1  # answered
+    for conn in (speaking, *silent):
+        conn.close()
+
+
+def test_a_new_connection_closed_before_its_answer_is_tried_again(
+        server: ServerThread, remote: Client, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where every pending connection is being read, the oldest makes room: the client whose
+    new connection that was tries once more on a fresh one, and keeps the path (it went by
+    gRPC for good, warning that "the fast path" closed the connection)."""
+    monkeypatch.setattr(fastpath, "MAX_PENDING", 4)
+    remote.store(numbered_key(2), random_kv(LAYOUT, 16, seed=4), mode="raw")
+    owner_of, checking = netpath.NetPath.owner_of, threading.Event()
+
+    def slow_owner_of(self: netpath.NetPath, name: str) -> Any:
+        if not checking.is_set():  # the first call's ticket checked slowly (a busy server)
+            checking.set()
+            time.sleep(1.5)
+        return owner_of(self, name)
+
+    monkeypatch.setattr(netpath.NetPath, "owner_of", slow_owner_of)
+    speaking: list[socket.socket] = []
+
+    def crowd() -> None:  # connections that each send a byte of a call, and no more
+        checking.wait(10)
+        for _ in range(5):
+            speaking.append(data_connect(server))
+            speaking[-1].sendall(b"\0")
+            time.sleep(0.1)
+
+    crowding = threading.Thread(target=crowd)
+    crowding.start()
+    with Client(server.address, shm_bytes=0, timeout_s=30) as fresh:  # its path never worked
+        got = fresh.fetch_many([numbered_key(2)], layout=LAYOUT)[0]
+        crowding.join()
+        assert got is not None
+        assert fresh.dataplane.net() is not None  # still on the data path
+    for conn in speaking:
+        conn.close()
+
+
 def test_a_request_is_bounded_until_its_ticket_is_known(server: ServerThread,
                                                        remote: Client) -> None:
     ticket = data_ticket(remote)

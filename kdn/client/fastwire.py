@@ -64,14 +64,14 @@ def fast_answer(conn: socket.socket, most: int = MAX_ANSWER_BYTES) -> tuple[int,
     after it)."""
     head = read_exact(conn, FAST_HEAD.size)
     if head is None:
-        raise OSError("the fast path closed the connection")
+        raise OSError("the server closed the data path connection")
     n, ok = FAST_HEAD.unpack(head)
     if n > most:
         raise OSError(f"the data path declared an answer of {n} bytes (at most {most} for "
                       "the call)")
     out = read_exact(conn, n)
     if out is None:
-        raise OSError("the fast path closed the connection")
+        raise OSError("the server closed the data path connection")
     return ok, out
 
 

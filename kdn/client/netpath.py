@@ -2,8 +2,9 @@
 the entries' bytes on a TCP connection of this thread's, for a client on another host.
 
 ``DataPlane`` asks for a ticket (``Attach`` with ``remote``) when it has no shared segment and
-sends its batches here once it has one; a connection that can not be made, or breaks, sends the
-plane back to gRPC for good (it says so once in the log), except on a path that worked before:
+sends its batches here once it has one; a connection that can not be made, or breaks (a new
+one the server closed before its answer is tried once more, on a fresh one), sends the plane
+back to gRPC for good (it says so once in the log), except on a path that worked before:
 there the server may have restarted (another port, its tickets forgotten), so the path is asked
 for again once (``RemotePath``), and the call made on the new one. A PutMany's items go from
 their frames straight into the kernel (``kdn.transport.wire.send_pieces``); a GetMany's entries
@@ -305,11 +306,12 @@ class NetPath:
               after: Sequence[bytes | memoryview] = (), until: float | None = None
               ) -> tuple[socket.socket, bytes]:
         """Send one call and read its answer's body: (the connection, the body), its entries
-        (GetMany) still to be read off the connection. A connection the server closed while
-        it was idle is opened again once, not one that timed out (a hung server would cost
-        another ``timeout_s``); OSError when the path is gone, the error the server answered
-        otherwise; a connection holding bytes no call asked for is not used. ``until``: the
-        call's deadline (``_deadline``), its connection returned bound to it."""
+        (GetMany) still to be read off the connection. A connection the server closed (while
+        it was idle, or a new one before its call was read: evicted among silent strangers',
+        ``kdn.server.fastpath``) is opened again once, not one that timed out (a hung server
+        would cost another ``timeout_s``); OSError when the path is gone, the error the
+        server answered otherwise; a connection holding bytes no call asked for is not used.
+        ``until``: the call's deadline (``_deadline``), its connection returned bound to it."""
         if self.has_pending():  # the answers on this connection are theirs first
             self.settle()
         until = self._deadline() if until is None else until
@@ -327,7 +329,7 @@ class NetPath:
                 break
             except OSError as exc:
                 self._drop()
-                if new or attempt or isinstance(exc, TimeoutError):
+                if attempt or isinstance(exc, TimeoutError):
                     raise
         if not ok:
             self._drop()  # a refused call may close the connection (kdn.server.netpath)

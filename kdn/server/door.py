@@ -24,13 +24,15 @@ log = logging.getLogger(__name__)
 
 class Peer:
     """A connection's state: its socket as accepted (the key of the path's tables) and its
-    descriptor, the time by which its first call must have arrived (0: evicted), and the
-    segment (or ticket) that admitted it (None while pending)."""
+    descriptor, the time by which its first call must have arrived (0: evicted), whether
+    it spoke (its first call is being read), and the segment (or ticket) that admitted it
+    (None while pending)."""
 
-    __slots__ = ("conn", "fd", "deadline", "owner", "tenant")
+    __slots__ = ("conn", "fd", "deadline", "heard", "owner", "tenant")
 
     def __init__(self, conn: socket.socket, deadline: float) -> None:
         self.conn, self.fd, self.deadline = conn, conn.fileno(), deadline
+        self.heard = False
         self.owner: str | None = None
         self.tenant = ""  # (of the owner, once admitted)
 

@@ -26,8 +26,8 @@ Holding a connection (both paths; the network data path, ``kdn.server.netpath``,
 ticket where this one names a segment): until one of its calls names a live segment a
 connection is *pending*: its first call must arrive within ``first_call_s`` (the server's
 ``handshake_timeout_s``), its body may hold at most ``FIRST_BODY`` bytes, and at most
-``MAX_PENDING`` connections are pending at once (a new one past that closes the oldest: a
-client names its segment in its first call, so only connections that sit silent lose out).
+``MAX_PENDING`` connections are pending at once (a new one past that closes the oldest silent
+one: a client names its segment in its first call, so only those that sit silent lose out).
 Once admitted, on the network path each call's request must still arrive whole within
 ``first_call_s`` of its first byte (a body that stops short holds no memory for long; here
 an admitted caller is a tenant's own client, read as it sends); at most ``max_connections``
@@ -221,9 +221,11 @@ class FastPath:
         thread of its own from now, unless it was cut or is past its deadline."""
         with self._lock:
             peer = self._peers.get(conn)
-            late = peer is None or not peer.deadline or peer.deadline <= now
+            late = peer is None or peer.deadline <= now  # (deadline 0: cut)
             if late:
                 self._gone(conn)
+            elif peer is not None:
+                peer.heard = True  # (its first call is being read: not evicted, ``_room``)
         try:
             if not late:
                 threading.Thread(target=self._serve, args=(conn,), name=f"kdn-{self.kind}",
@@ -257,8 +259,9 @@ class FastPath:
             return False
         peer = Peer(conn, time.monotonic() + self.first_call_s)
         self._peers[conn] = self._pending[conn] = peer
-        if len(self._pending) > MAX_PENDING:  # the oldest silent one makes room
-            self._pending.pop(next(iter(self._pending))).cut()
+        if len(self._pending) > MAX_PENDING:  # the oldest silent one makes room (the oldest
+            silent = (c for c, p in self._pending.items() if not p.heard and c is not conn)
+            self._pending.pop(next(silent, next(iter(self._pending)))).cut()  # where none is)
             self.servicer.count(f"{self.kind}.evicted_connections")
         return True
 
