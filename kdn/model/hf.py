@@ -50,20 +50,28 @@ from kdn.model.weights import weights_digest as weights_digest
 
 
 def _inner(model: Any) -> Any:
-    """The decoder of a Llama-like causal LM (its ``embed_tokens``, ``layers``, ``norm``,
-    ``rotary_emb``); InvalidArgument naming the model's class for any other (GPT-2,
-    GPT-NeoX, Falcon: their blocks name and run these parts their own ways). ``get_decoder``
-    first, ``model.model`` where it is missing or gives None (as some transformers releases'
-    do for a causal LM)."""
+    """The decoder of a Llama-like causal LM (its ``embed_tokens``, one token embedding,
+    ``layers``, ``norm``, ``rotary_emb``); InvalidArgument naming the model's class for any
+    other (GPT-2, GPT-NeoX, Falcon: their blocks name and run these parts their own ways;
+    Musicgen: an embedding per codebook). ``get_decoder`` first, ``model.model`` where that
+    gives None or no such decoder (as some transformers releases' do for a causal LM; Llama 4's
+    gives the model itself)."""
     inner = model.get_decoder() if hasattr(model, "get_decoder") else None
-    if inner is None:
+    if inner is None or (not _llama_like(inner) and _llama_like(getattr(model, "model", None))):
         inner = getattr(model, "model", None)
-    if not (hasattr(inner, "embed_tokens") and hasattr(inner, "layers")):
+    if not _llama_like(inner):
         raise InvalidArgument(
             f"{type(model).__name__} is not a model kdn drives: kdn needs a Llama-like "
             "transformers causal LM (Llama, Mistral, Qwen2, Gemma, ...) whose decoder has "
-            f"embed_tokens and layers, and its decoder {type(inner).__name__} has not")
+            f"embed_tokens (one token embedding) and layers, and its decoder "
+            f"{type(inner).__name__} has not")
     return inner
+
+
+def _llama_like(inner: Any) -> bool:
+    """Whether ``inner`` has ``layers`` and one token embedding (its ``num_embeddings``)."""
+    embed = getattr(inner, "embed_tokens", None)
+    return isinstance(getattr(embed, "num_embeddings", None), int) and hasattr(inner, "layers")
 
 
 def _text_config(model: Any) -> Any:
