@@ -385,6 +385,12 @@ class KVLayout:
         the usual layout, stored as computed, keeps its fingerprint.
         """
         cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
+        per_layer = sorted(set(getattr(cfg, "per_layer_attributes", None) or ()) & _READ)
+        if per_layer:  # (reading one raises transformers' AmbiguousGlobalPerLayerAttributeError)
+            raise InvalidLayout(
+                f"{getattr(cfg, 'model_type', type(cfg).__name__)} sets {', '.join(per_layer)} "
+                f"per layer (per_layer_config): a kdn layout describes models whose layers "
+                f"share one head size and rotary embedding")
         n_layers = int(cfg.num_hidden_layers)
         n_heads = int(cfg.num_attention_heads)
         kv_heads = int(getattr(cfg, "num_key_value_heads", None) or n_heads)
@@ -417,6 +423,11 @@ class KVLayout:
         for i, lay in enumerate(layout.layers if pruned is not None else ()):
             _check_rotary_pairs(i, lay.k_kept or (), rotary_dim)
         return layout
+
+
+_READ = frozenset({"num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+                   "hidden_size", "rope_parameters", "rope_theta", "partial_rotary_factor"})
+"""The config attributes ``KVLayout.from_config`` reads (none may differ between layers)."""
 
 
 def pruned_kept(pruned: Any, n_layers: int | None = None

@@ -1,6 +1,7 @@
-"""KDNEngine and model families: a decoder with an embedding per codebook (Musicgen) is
-refused with InvalidArgument; Llama 4, whose ``get_decoder()`` gives the model itself, is
-driven through ``model.model`` and served exactly.
+"""KDNEngine and model families: per-layer head sizes (Gemma 4) are InvalidLayout, and a
+decoder with an embedding per codebook (Musicgen) is refused with InvalidArgument; Llama 4,
+whose ``get_decoder()`` gives the model itself, is driven through ``model.model`` and served
+exactly.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ import transformers
 
 from kdn.client import Client
 from kdn.engine import EngineConfig, KDNEngine
-from kdn.errors import InvalidArgument
+from kdn.errors import InvalidArgument, InvalidLayout
+from kdn.layout import KVLayout
 from kdn.server import ServerConfig, ServerThread
 from tests.test_engine_devices import _Tok
 from tests.test_engine_models import _first_logits
@@ -38,6 +40,18 @@ def _built(config_class: Any, model_class: Any, **settings: Any) -> Any:
     cfg = config_class(**SMALL, **settings)
     cfg._attn_implementation = "sdpa"
     return model_class(cfg).eval()
+
+
+def test_per_layer_head_sizes_are_an_invalid_layout(client: Client) -> None:
+    """Gemma 4's config sets head_dim per layer: reading it raised transformers' own error."""
+    model = _built(transformers.Gemma4TextConfig, transformers.Gemma4ForCausalLM,
+                   intermediate_size=128, num_hidden_layers=4, num_key_value_heads=2,
+                   head_dim=16, bos_token_id=1, eos_token_id=2, sliding_window=24,
+                   vocab_size_per_layer_input=256, hidden_size_per_layer_input=8)
+    with pytest.raises(InvalidLayout, match="sets head_dim per layer"):
+        KVLayout.from_config(model.config)
+    with pytest.raises(InvalidLayout, match="sets head_dim per layer"):
+        KDNEngine(model, _Tok(), client, RAW)
 
 
 def test_a_decoder_of_no_single_token_embedding_is_refused(client: Client) -> None:
