@@ -1,7 +1,9 @@
-"""KDNEngine and model families: per-layer head sizes (Gemma 4) are InvalidLayout, and a
-decoder with an embedding per codebook (Musicgen) is refused with InvalidArgument; Llama 4,
-whose ``get_decoder()`` gives the model itself, is driven through ``model.model`` and served
-exactly.
+"""KDNEngine and model families whose cache is not K and V of every token in every layer:
+hybrid (convolution, linear attention), MLA and KV-shared models are refused at construction
+with InvalidArgument naming the model and why (each request raised a raw error before), by
+their config or, where it names nothing, by a probe forward; per-layer head sizes (Gemma 4)
+and a decoder with an embedding per codebook (Musicgen) are refused alike; Llama 4, whose
+``get_decoder()`` gives the model itself, is driven through ``model.model`` and served exactly.
 """
 
 from __future__ import annotations
@@ -40,6 +42,62 @@ def _built(config_class: Any, model_class: Any, **settings: Any) -> Any:
     cfg = config_class(**SMALL, **settings)
     cfg._attn_implementation = "sdpa"
     return model_class(cfg).eval()
+
+
+def _lfm2() -> Any:
+    return _built(transformers.Lfm2Config, transformers.Lfm2ForCausalLM, intermediate_size=128,
+                  num_hidden_layers=4, num_key_value_heads=2,
+                  layer_types=["conv", "full_attention"] * 2)
+
+
+def _deepseek_v3() -> Any:
+    return _built(transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM,
+                  intermediate_size=128, num_hidden_layers=2, num_key_value_heads=4,
+                  kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16,
+                  v_head_dim=16, moe_intermediate_size=32, n_routed_experts=4,
+                  num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
+                  n_group=1, topk_group=1)
+
+
+def _gemma3n() -> Any:
+    return _built(transformers.Gemma3nTextConfig, transformers.Gemma3nForCausalLM,
+                  intermediate_size=[128] * 4, num_hidden_layers=4, num_key_value_heads=2,
+                  head_dim=16, bos_token_id=1, eos_token_id=2, hidden_size_per_layer_input=8,
+                  vocab_size_per_layer_input=256, num_kv_shared_layers=2, sliding_window=24,
+                  laurel_rank=8, layer_types=["sliding_attention", "full_attention"] * 2,
+                  activation_sparsity_pattern=[0.0] * 4)
+
+
+@pytest.mark.parametrize(("make", "why"), [
+    (_lfm2, "layers of type conv"),
+    (_deepseek_v3, "multi-head latent attention"),
+    (_gemma3n, "reuse earlier layers' K and V")], ids=["lfm2", "deepseek-v3", "gemma3n"])
+def test_a_model_whose_cache_is_not_kv_per_layer_is_refused_at_construction(
+        client: Client, make: Any, why: str) -> None:
+    model = make()
+    with pytest.raises(InvalidArgument, match=f"KDNEngine can not run {type(model).__name__}: "
+                                              f".*{why}"):
+        KDNEngine(model, _Tok(), client, RAW)
+
+
+def _llama(**settings: Any) -> Any:
+    return _built(transformers.LlamaConfig, transformers.LlamaForCausalLM,
+                  intermediate_size=128, num_hidden_layers=2, num_key_value_heads=2, **settings)
+
+
+def test_a_cache_unlike_the_config_is_refused_by_the_probe_forward(client: Client) -> None:
+    """A config that names no reason but does not describe the cache (here: a model built with
+    2 KV heads and 2 layers, its config then saying 4 heads, or 3 layers) is refused by the
+    forward of two tokens the engine runs at construction."""
+    model = _llama()
+    model.config.num_key_value_heads = 4
+    with pytest.raises(InvalidArgument, match=r"layer 0 of its cache holds K of \(1, 2, 2, 16\)"):
+        KDNEngine(model, _Tok(), client, RAW)
+    model = _llama()
+    model.config.num_hidden_layers = 3
+    with pytest.raises(InvalidArgument, match="its cache has 2 layers, its config 3"):
+        KDNEngine(model, _Tok(), client, RAW)
+    KDNEngine(_llama(), _Tok(), client, RAW)  # the model as built
 
 
 def test_per_layer_head_sizes_are_an_invalid_layout(client: Client) -> None:

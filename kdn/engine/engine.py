@@ -114,6 +114,7 @@ from kdn.model.hf import (
     CacheDecoder,
     LayerwiseCache,
     cache_layers,
+    check_cache,
     full_cache,
     greedy,
     length_regime,
@@ -157,6 +158,7 @@ class KDNEngine(KVConnector):
         self.controller.device = self._device.type  # decode speeds are learnt per device
         self._layout = model_layout(model, self.config.kv_dtype, self.config.weights_id,
                                     exact=True)  # KV another dtype computed is not a raw hit
+        check_cache(model, self._layout, "KDNEngine")  # InvalidArgument: MLA, SSM layers, ...
         # a hit's layers pipeline where the device decodes while the host receives; on a CPU
         # the receive, the decode and the model share the cores, and bench.link measured
         # transfer and decode adding up there

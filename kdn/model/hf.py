@@ -5,6 +5,7 @@ quality check and the pruner reach a model through these functions and nowhere e
 
 * what the model is: ``model_layout`` (its ``KVLayout``, pruned layouts included; its
   weights named by ``default_weights_id`` unless the caller names them: ``kdn.model.weights``),
+  ``check_cache`` (a model whose cache holds other than K and V per head in every layer refused),
   ``length_regime``
   (what a prompt's KV depends on beyond its ids: its length, for a LongRoPE model),
   ``decoder_layers``, ``ModelParts`` (embedding, decoder blocks, final norm, LM head, rotary),
@@ -41,6 +42,7 @@ from kdn import checks
 from kdn.cache import KVCache, LayerKV
 from kdn.errors import InvalidArgument, InvalidLayout, InvalidRequest
 from kdn.layout import DType, KVLayout
+from kdn.model.families import kv_problem
 from kdn.model.weights import default_weights_id as default_weights_id
 from kdn.model.weights import former_weights_ids as former_weights_ids
 from kdn.model.weights import parameters_digest as parameters_digest
@@ -117,6 +119,47 @@ def model_layout(model: Any, kv_dtype: DType | None = None, weights_id: str | No
     computed = str(model_dtype(model)).removeprefix("torch.") if exact else None
     return KVLayout.from_config(model.config, dtype=dtype, weights_id=weights_id,
                                 computed_in=computed)
+
+
+@torch.inference_mode()
+def check_cache(model: Any, layout: KVLayout, what: str) -> None:
+    """InvalidArgument naming ``what`` (the engine) and ``model``'s class unless its cache
+    holds what ``layout`` describes: K and V of every token per KV head in every layer. Its
+    config may name why not (``kdn.model.families.kv_problem``: multi-head latent attention,
+    KV-shared layers, linear-attention or state-space layers); else a forward of two tokens on
+    a ``full_cache`` tells (any error it raises; a layer missing, empty or of another shape),
+    as every forward the engine runs would. That forward costs about one decode step (the
+    weights read once): ~0.1 s of one CPU core for SmolLM2-135M in fp32."""
+    why = kv_problem(model.config)
+    if why is None:
+        try:
+            decoder = CacheDecoder(model, full_cache(model))
+            decoder.forward([0] * _PROBE_TOKENS)
+            why = _cache_mismatch(cache_layers(decoder.cache), layout)
+        except Exception as exc:  # the model's own error, as its first request would raise
+            why = (f"a forward on a cache of every layer's K and V failed "
+                   f"({type(exc).__name__}: {str(exc)[:200]})")
+    if why is not None:
+        raise InvalidArgument(f"{what} can not run {type(model).__name__}: {why}; kdn stores "
+                              "and reuses K and V of every token in every layer only")
+
+
+_PROBE_TOKENS = 2
+
+
+def _cache_mismatch(layers: list[LayerKV], layout: KVLayout) -> str | None:
+    """How ``layers`` (a cache after ``_PROBE_TOKENS`` tokens) differ from ``layout``'s."""
+    if len(layers) != layout.num_layers:
+        return f"its cache has {len(layers)} layers, its config {layout.num_layers}"
+    for i, ((k, v), lay) in enumerate(zip(layers, layout.layers)):
+        # k: [1, kv_heads, tokens, k_channels]
+        for name, t, ch in (("K", k, lay.k_channels), ("V", v, lay.v_channels)):
+            want = (1, lay.kv_heads, _PROBE_TOKENS, ch)
+            got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            if got != want:
+                return (f"layer {i} of its cache holds {name} of {got}, not of "
+                        f"[batch, kv_heads, tokens, channels] = {list(want)} as its config says")
+    return None
 
 
 def length_regime(model: Any, tokens: int) -> bytes:
