@@ -22,6 +22,7 @@ from kdn.client import Client, Retry
 from kdn.errors import KDNError, Status, TierUnavailable
 from kdn.options import Durability, StoreOptions
 from kdn.server import ServerConfig, ServerThread
+from kdn.server.app import build_store
 from kdn.store.lmdb import LmdbTier
 
 from .helpers import eventually, random_kv, uniform_layout
@@ -316,3 +317,37 @@ def test_the_lock_file_is_allocated_whole(tmp_path: Path) -> None:
         assert st.st_size >= 512 * 64 and st.st_blocks * 512 >= st.st_size, st
     finally:
         tier.close()
+
+
+def test_a_disk_write_that_raises_a_bug_is_a_refusal_not_the_new_value_behind_an_error(
+        tmp_path: Path) -> None:
+    """The disk tier raising what no tier should (a ValueError from inside its library) on a
+    write-through DEFAULT store was the client's INTERNAL error, yet the RAM tier already held
+    the new value and served it. It is the disk's refusal now: the store is acknowledged, the
+    new value served; a DISK store, which the disk must acknowledge, fails naming the tier and
+    leaves the previous value served."""
+    cfg = ServerConfig(port=0, data_dir=tmp_path / "data", ram_bytes=64 << 20,
+                       disk_bytes=64 << 20, shutdown_grace_s=1)
+    store = build_store(cfg)
+    disk, real = store.tiers[1], store.tiers[1].put
+    broken = [False]
+
+    def put(key: bytes, value: bytes, *, ttl_s: float | None = None) -> None:
+        if broken[0]:
+            raise ValueError("a bug inside the library")
+        real(key, value, ttl_s=ttl_s)
+
+    disk.put = put  # type: ignore[method-assign]
+    lay = uniform_layout()
+    key = keys.chunk_key(list(range(8)), lay)
+    old, new, newer = (random_kv(lay, 8, seed=s) for s in (1, 2, 3))
+    with ServerThread(cfg, store) as st, Client(st.address, timeout_s=10, shm_bytes=0) as c:
+        c.store(key, old, mode="raw")
+        broken[0] = True
+        assert c.store(key, new, mode="raw").tier == "ram"
+        back = c.retrieve(key, layout=lay)
+        assert back is not None and back.equal(new)
+        with pytest.raises(KDNError, match="disk tier failed unexpectedly: ValueError"):
+            c.store(key, newer, mode="raw", options=StoreOptions(durability=Durability.DISK))
+        back = c.retrieve(key, layout=lay)
+        assert back is not None and back.equal(new)

@@ -149,6 +149,61 @@ def test_a_tier_that_raises_an_unexpected_error_does_not_stop_the_queued_writes(
         store.close()
 
 
+class _BuggyDiskTier(RamTier):
+    """A durable lower tier, named ``buggy``, whose puts (and deletes, while ``bad_deletes``)
+    of key ``bad`` raise what no tier should (a ValueError, as from inside its client
+    library)."""
+
+    name = "buggy"
+    durable = True
+    bad_deletes = False
+
+    def put(self, key: bytes, value: bytes | Framed, *, ttl_s: float | None = None) -> None:
+        if key == b"bad":
+            raise ValueError("a bug in the tier's library")
+        super().put(key, value, ttl_s=ttl_s)
+
+    def delete(self, key: bytes) -> bool:
+        if key == b"bad" and self.bad_deletes:
+            raise ValueError("a bug in the tier's library")
+        return super().delete(key)
+
+
+def test_an_unexpected_error_of_a_lower_tier_is_its_refusal_after_ram_took_the_value(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A write-through store whose lower tier raised something other than a kdn error failed
+    with it after the RAM tier took the new value: an error, yet readers were served the new
+    value. It is that tier's refusal now: acknowledged from RAM, the tier's copy dropped and
+    its older one deleted, logged once with its traceback. So for a delete: done, the tier's
+    delete queued (and dropped, refused again). A DISK store that tier must acknowledge
+    fails naming it, RAM untouched, and the put counts as under way no more (promotions are
+    not held off)."""
+    lower = _BuggyDiskTier(1 << 20)
+    store = TieredStore([RamTier(1 << 20), lower])
+    try:
+        RamTier.put(lower, b"bad", b"old")
+        assert store.put(b"bad", b"new") == "ram"
+        assert store.get(b"bad") == Hit(b"new", "ram") and not lower.contains(b"bad")
+        assert store.counters["buggy.write_dropped"] == 1
+        bugs = [r for r in caplog.records if r.levelname == "ERROR" and r.exc_info]
+        assert len(bugs) == 1 and "buggy" in bugs[0].getMessage(), caplog.text
+        RamTier.put(lower, b"bad", b"old")
+        lower.bad_deletes = True
+        assert store.delete(b"bad")  # its delete there queued (and refused again: dropped)
+        assert eventually(lambda: store.counters.get("buggy.delete_dropped") == 1)
+        lower.bad_deletes = False
+        store.delete(b"bad")
+        with pytest.raises(KDNError, match="buggy tier failed unexpectedly: ValueError"):
+            store.put(b"bad", b"newer", durability=Durability.DISK)
+        assert store.get(b"bad") is None
+        assert store._locks.settled(b"bad", store._locks.generation(b"bad"))
+        with pytest.raises(KDNError, match="buggy tier failed unexpectedly"):
+            store.put(b"bad", b"x" * 100, durability=Durability.DISK)
+        assert store.flush(5)
+    finally:
+        store.close()
+
+
 class _FailingEnv:
     """An LMDB environment whose read transactions fail as a disk does (``exc``); writes and
     everything else go to the real one."""

@@ -16,7 +16,9 @@ gives every tier's (``Tier.stats``), ``healthy`` only while it is marked up.
 Calls into a tier go through ``attempt`` (or ``guard``, for callers to whom a failed call is a
 miss): ``TierUnavailable`` marks the tier down, any other ``KDNError`` is logged (a WARNING for
 the first of its kind on its tier each ``WARN_EVERY_S``, saying how many went unsaid since: a
-Redis out of memory refuses every write, each a line), and the caller
+Redis out of memory refuses every write, each a line), and so is an error that is no
+``KDNError`` (a bug's, in the tier or its client library: an ERROR with its traceback), a
+refusal of that call like the others (``refusal``; ``failure`` names it), and the caller
 gets a ``Fault`` (or None) instead of an exception, so one failing tier never fails a request
 that others can serve. ``PartlyUnavailable`` (a Redis Cluster slot whose master does not answer,
 a write that too few replicas confirmed, a full disk) fails that call only (``Fault.PARTLY``: a
@@ -25,7 +27,7 @@ write is worth retrying), counted as ``<tier>.partly_unavailable``, its message 
 (``Tier.degraded`` says it is not whole), and only the probe (no master answers at all) marks it
 down. With ``reraise`` (a
 write the client must see acknowledged) the tier is still marked down on ``TierUnavailable``,
-and the error goes on to the caller.
+and the error goes on to the caller (one that is no ``KDNError`` as the ``failure`` naming it).
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ class Fault(enum.Enum):
 
     DOWN = "down"  # the tier raised TierUnavailable and is now marked down
     PARTLY = "partly"  # PartlyUnavailable: this key's part of the tier does not answer now
-    FAILED = "failed"  # the tier raised another KDNError, which was logged
+    FAILED = "failed"  # the tier raised another error, which was logged
 
 
 class TierHealth:
@@ -126,8 +128,8 @@ class TierHealth:
             parted = tier.degraded or bool(tier.parts_down())  # (found by calls since the last)
             try:
                 ok = tier.healthy()
-            except KDNError as exc:  # its message says why (a Redis refusing kdn's login)
-                ok, why = False, exc
+            except Exception as exc:  # its message says why (a Redis refusing kdn's login)
+                ok, why = False, self.refusal(tier.name, "health probe", exc)
             if ok and parted and self._up[tier.name] \
                     and not (tier.degraded or tier.parts_down()):
                 self._on_up(tier.name)  # whole again
@@ -181,10 +183,25 @@ class TierHealth:
                 raise
             self._warn(tier.name, what, exc)
             return Fault.FAILED
+        except Exception as exc:  # not a kdn error: a bug's, in the tier or its library
+            failed = self.refusal(tier.name, what, exc)
+            if reraise:
+                raise failed from exc
+            return Fault.FAILED
 
-    def _warn(self, name: str, what: str, exc: KDNError) -> None:
-        """A failed call logged: a WARNING where it is the first of its kind (tier, error
-        type) in ``WARN_EVERY_S``, naming how many such went unsaid since; else at DEBUG."""
+    def refusal(self, name: str, what: str, exc: Exception) -> KDNError:
+        """``exc``, raised by tier ``name``'s ``what``, as the kdn error a caller counts as the
+        tier's refusal: itself, or (an unexpected error, a bug's) one naming it, the error
+        logged with its traceback (``_warn``)."""
+        if isinstance(exc, KDNError):
+            return exc
+        self._warn(name, what, exc)
+        return failure(name, exc)
+
+    def _warn(self, name: str, what: str, exc: Exception) -> None:
+        """A failed call logged: a WARNING (an ERROR with its traceback where ``exc`` is no
+        kdn error) where it is the first of its kind (tier, error type) in ``WARN_EVERY_S``,
+        naming how many such went unsaid since; else at DEBUG."""
         now, kind = time.monotonic(), (name, type(exc).__name__)
         with self._warned_lock:
             until, unsaid = self._warned.get(kind, (0.0, 0))
@@ -192,10 +209,20 @@ class TierHealth:
         if now < until:
             log.debug("tier %s: %s failed: %s", name, what, exc)
             return
-        log.warning("tier %s: %s failed: %s%s", name, what, exc,
-                    f" ({unsaid} more such failures since the last warning)" if unsaid else "")
+        bug = not isinstance(exc, KDNError)
+        log.log(logging.ERROR if bug else logging.WARNING, "tier %s: %s failed%s: %s%s", name,
+                what, " unexpectedly (a bug)" if bug else "", exc,
+                f" ({unsaid} more such failures since the last warning)" if unsaid else "",
+                exc_info=exc if bug else None)
 
     def guard(self, tier: Tier, fn: Callable[[], T], what: str) -> T | None:
         """``fn()``, or None when it failed (a miss, to the caller)."""
         got = self.attempt(tier, fn, what)
         return None if isinstance(got, Fault) else got
+
+
+def failure(name: str, exc: Exception) -> KDNError:
+    """``exc``, raised by tier ``name``, as a kdn error: itself, or one naming it (a bug's)."""
+    if isinstance(exc, KDNError):
+        return exc
+    return KDNError(f"the {name} tier failed unexpectedly: {type(exc).__name__}: {exc}")

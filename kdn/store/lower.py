@@ -27,6 +27,9 @@ full queue falls back to a synchronous write where the tier is up; what none of 
 dropped and counted (``<tier>.write_dropped``), and a delete that can not be queued either is
 counted (``<tier>.delete_dropped``) and logged: an ERROR per tier at most every
 ``WARN_EVERY_S``, saying how many went unsaid since (one Delete of many keys was a line each).
+A tier's error that is no kdn error (a bug's, in the tier or its client library) is a refusal
+(``TierHealth.attempt``): a write-through copy it kept out is dropped, never raised after the
+first tier took the value (readers would be served a value whose store failed).
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ from functools import partial
 from kdn.errors import KDNError, TierUnavailable, TooLarge
 from kdn.store.base import Tier
 from kdn.store.framed import Framed, contiguous
-from kdn.store.health import WARN_EVERY_S, Fault, TierHealth
+from kdn.store.health import WARN_EVERY_S, Fault, TierHealth, failure
 from kdn.store.queue import PendingWrite, WriteQueue
 
 log = logging.getLogger(__name__)
@@ -192,8 +195,8 @@ def _noted(write: Callable[[], None], name: str, errors: list[tuple[str, KDNErro
         write()
     except TierUnavailable:
         raise
-    except KDNError as exc:
-        errors.append((name, exc))
+    except Exception as exc:  # one that is no kdn error (a bug's) is a refusal too (``failure``)
+        errors.append((name, failure(name, exc)))
         raise
 
 

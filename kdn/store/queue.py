@@ -252,11 +252,7 @@ class WriteQueue:
                     self._expire(key, item)  # the tier's older copy must not come back
                     continue
                 what = f"queued write of {key!r}"
-                try:
-                    got = self.health.attempt(self.tier, partial(self._land, key, item), what)
-                except Exception:  # a tier's own fault (not a kdn error): the writer lives on
-                    log.exception("tier %s: %s failed unexpectedly", name, what)
-                    got = Fault.FAILED
+                got = self.health.attempt(self.tier, partial(self._land, key, item), what)
                 if got is Fault.DOWN:
                     self.count(f"{name}.write_retried", 1)
                     continue  # stays first in line; retried once the tier is up

@@ -38,10 +38,11 @@ queued and retried by the queue's writer once the tier is back, or dropped with 
 a synchronous write (or delete) that found the key's part of the tier down (``Fault.PARTLY``: a
 Redis Cluster master that does not answer): queued and retried with a backoff until it lands
 (``<tier>.write_retried``), or dropped and counted when the queue is full. A write the tier
-refuses otherwise (too large, out of memory) is dropped and counted too; a write-through
-DEFAULT store a durable tier refuses for room (larger than its budget, or its room held by
-pinned entries) is so acknowledged without it, kept as a MEMORY store is, and the tier's
-warning names its size and says so. A tier that did not take a write keeps no older copy to
+refuses otherwise (too large, out of memory; or fails with no kdn error, a bug's: logged with
+its traceback) is dropped and counted too, never raised once the first tier took it; a
+write-through DEFAULT store a durable tier refuses for room (larger than its budget, or its room
+held by pinned entries) is so acknowledged without it, kept as a MEMORY store is, and the
+tier's warning names its size and says so. A tier that did not take a write keeps no older copy to
 serve later: it is deleted there at once, or a delete is queued in the write's place (reads
 skip the tier's copy meanwhile).
 
@@ -436,8 +437,8 @@ class TieredStore:
             head.put(key, value, ttl_s=ttl)  # type: ignore[arg-type]  # Framed: takes_framed
             first = head.name
             holders.append(head)
-        except KDNError as exc:
-            errors.append((head.name, exc))
+        except Exception as exc:  # refused (an error that is no kdn error, a bug's, logged)
+            errors.append((head.name, self._health.refusal(head.name, f"write of {key!r}", exc)))
             refused.append(head)
         sync_all = not first or (self.write_policy is WritePolicy.WRITE_THROUGH
                                  and durability is not Durability.MEMORY)
