@@ -50,6 +50,8 @@ log = logging.getLogger(__name__)
 ALIGN = 64
 INLINE_BUDGET = 48 << 20
 """Bytes of entries one inline GetMany answer carries at most (the rest: written=false)."""
+INLINE_SLACK = 1 << 20
+"""Bytes of an inline answer kept free of entries (its refs, the framing)."""
 NET_HELD_BYTES = 2 << 30
 """Bytes of entries read from below the RAM tier that one such answer may hold (those in RAM
 are sent from where they lie)."""
@@ -57,6 +59,14 @@ STREAM_MIN_FRAME_BYTES = 256 << 10
 """An entry whose frames average less than this is carried inline even past the client's
 ``inline_max_entry_bytes``: streamed, each of its frames would be a message of its own (a
 1 MiB entry of 30 one-layer frames: 31 messages instead of 2)."""
+
+
+def inline_room(message_bytes: int) -> int:
+    """Entry bytes a message of ``message_bytes`` (0: no bound) carries inline: the rest is
+    kept for the answer's other fields, a quarter of it at most (as the client keeps)."""
+    if not message_bytes:
+        return INLINE_BUDGET
+    return max(0, message_bytes - min(INLINE_SLACK, message_bytes // 4))
 
 
 def _streams_well(value: bytes | Framed) -> bool:
@@ -136,16 +146,18 @@ class BatchReads:
         self.count = count
         self.sending = sending
 
-    def get_many(self, p: Principal, request: pb.GetManyRequest, sending: int = 0
-                 ) -> pb.GetManyResponse | bytes:
+    def get_many(self, p: Principal, request: pb.GetManyRequest, sending: int = 0,
+                 message_bytes: int = 0) -> pb.GetManyResponse | bytes:
         """The answer; inline, already serialized with the entries joined in
-        (kdn.transport.wire). Its lower-tier reads count for the answer ``sending``
-        (``Sending``; one past the bound is answered present and not written, which the
-        client asks for again, or streams), which its caller closes once it is sent; 0: one
-        closed when this returns."""
+        (kdn.transport.wire), no larger than ``message_bytes`` (the gRPC server's
+        ``max_message_bytes``; 0: no bound): an entry past that is answered present and not
+        written, which the client streams. Its lower-tier reads count for the answer
+        ``sending`` (``Sending``; one past the bound is answered present and not written,
+        which the client asks for again, or streams), which its caller closes once it is
+        sent; 0: one closed when this returns."""
         if not sending:
             with self.sending.answer() as ours:
-                return self.get_many(p, request, ours)
+                return self.get_many(p, request, ours, message_bytes)
         ns = request.namespace or "default"
         skeys = [store_key(p.tenant, ns, k) for k in request.keys]
         seg = self.segments.get(p.tenant, request.segment_id) if request.segment_id else None
@@ -157,7 +169,8 @@ class BatchReads:
             cursor, end = region_span(seg, request.region) if skeys else (0, 0)  # none: a
             # report of reads only (``_read_listed``)
         else:  # inline: as much as the caller's messages may carry, within the server's budget
-            cursor, end = 0, min(INLINE_BUDGET, request.region.length or INLINE_BUDGET)
+            cursor, end = 0, min(INLINE_BUDGET, request.region.length or INLINE_BUDGET,
+                                 inline_room(message_bytes))
         out = pb.GetManyResponse()
         want = expected(request)
         sent = 0

@@ -9,6 +9,12 @@ What answers being sent hold of values read from below the RAM tier is bounded (
 a disk or Redis read is a copy of its own for each reader, kept until its answer is sent (a
 client that stops reading keeps it until ``idle_timeout_s``), where a RAM-tier hit shares the
 value the tier holds. Each answer counts its copies from the read until it ends.
+
+No message is larger than the server's ``max_message_bytes`` (``fitted``): a frame that would
+be is cut into pieces where the caller reads pieces (it asks for them: ``RetrieveRequest.
+piece_bytes``), else the read is refused (TooLarge naming the setting and the entry; a
+RetrieveMany reader counts a message a frame): an entry stored under a larger setting stays
+readable by ``fetch`` after it is lowered, down to pieces of ``MIN_PIECE_BYTES``.
 """
 
 from __future__ import annotations
@@ -22,10 +28,12 @@ from collections.abc import Iterator
 
 from kdn.codec.format import Header, entry_digest, parse_header, split_frames
 from kdn.errors import TooLarge
+from kdn.keys import split_store_key
 from kdn.layout import Expected
 from kdn.server.usage import Usage
 from kdn.server.wire_memo import WireMemo
 from kdn.store.tiered import FramedHit, Hit, TieredStore
+from kdn.transport.wire import MIN_PIECE_BYTES
 from kdn.v1 import kdn_pb2 as pb
 
 Answer = tuple[pb.RetrieveHeader, list[tuple[int, bytes | memoryview]], Iterator[list[bytes]]]
@@ -124,11 +132,13 @@ class Reader:
     memoised in ``wire_memo``; the copies the answers hold bounded by ``sending``."""
 
     def __init__(self, store: TieredStore, usage: Usage, wire_memo: WireMemo,
-                 sending: Sending) -> None:
+                 sending: Sending, message_bytes: int = 0) -> None:
         self.store = store
         self.usage = usage
         self.wire_memo = wire_memo
         self.sending = sending
+        self.message_bytes = message_bytes
+        """The largest message sent (the server's ``max_message_bytes``; 0: no bound)."""
 
     async def read(self, skey: bytes) -> tuple[Hit | FramedHit | None, float]:
         """``skey``'s value (a RAM value checked already on this thread, else through
@@ -139,13 +149,15 @@ class Reader:
         return hit, time.perf_counter() - started
 
     def answer(self, skey: bytes, hit: Hit | FramedHit, read_s: float, want: Expected,
-               first: int = 0, last: int = 0, piece_bytes: int = 0) -> Answer:
+               first: int = 0, last: int = 0, piece_bytes: int = 0, cuts: bool = True
+               ) -> Answer:
         """A Retrieve answer of ``hit``: its header, the frames of layers [first, last) (0:
         through the last) and their messages (a frame's pieces where ``piece_bytes``), which
         a stream sends one at a time: the messages a Store brought where the value is kept
-        as they came, else memoised or built as they are sent (``WireMemo``)."""
+        as they came, else memoised or built as they are sent (``WireMemo``). ``cuts``: the
+        caller reads frames in pieces (``fitted``)."""
         header = self.served(skey, hit, read_s, want)
-        return self.frames_answer(skey, hit, header, first, last, piece_bytes)
+        return self.frames_answer(skey, hit, header, first, last, piece_bytes, cuts)
 
     def served(self, skey: bytes, hit: Hit | FramedHit, read_s: float, want: Expected
                ) -> Header:
@@ -157,7 +169,7 @@ class Reader:
         return header
 
     def frames_answer(self, skey: bytes, hit: Hit | FramedHit, header: Header, first: int,
-                      last: int, piece_bytes: int) -> Answer:
+                      last: int, piece_bytes: int, cuts: bool = True) -> Answer:
         """``answer`` of a hit whose read was counted (``served``)."""
         kept = hit.value if isinstance(hit, FramedHit) else None  # as it arrived
         frames: list[bytes | memoryview] = list(
@@ -171,6 +183,8 @@ class Reader:
         head = pb.RetrieveHeader(
             container_header=header.raw, total_bytes=len(hit.value), tier=hit.tier,
             frame_count=len(frames), entry_digest=entry_digest(frames))
+        piece_bytes = self.fitted(skey, max((len(f) for _, f in sel), default=0),
+                                  piece_bytes, cuts)
         memo: Iterator[list[bytes]]
         if kept is not None and kept.messages is not None and piece_bytes <= 0:
             memo = ([kept.messages[i]] for i, _ in sel)  # as they came: nothing to build
@@ -178,3 +192,27 @@ class Reader:
             memo = self.wire_memo.messages(skey, hit.stamp if hit.tier == "ram" else 0,
                                            len(hit.value), len(frames), sel, piece_bytes)
         return head, sel, memo
+
+    def fitted(self, skey: bytes, largest: int, piece_bytes: int, cuts: bool) -> int:
+        """The pieces (``piece_bytes``, 0: whole frames) frames of up to ``largest`` bytes
+        are sent in so that no message passes ``message_bytes``: those asked for where they
+        fit, else pieces of what does fit where the caller reads pieces (``cuts``). TooLarge,
+        naming the setting and the entry, where no piece fits (below ``MIN_PIECE_BYTES``) or
+        the caller takes whole frames only (a layer stream)."""
+        room = self.message_bytes - FRAME_SLACK
+        if not self.message_bytes or \
+                (largest if piece_bytes <= 0 else min(largest, max(piece_bytes, MIN_PIECE_BYTES))
+                 ) <= room:
+            return piece_bytes
+        if cuts and room >= MIN_PIECE_BYTES:
+            return room
+        _, ns, key = split_store_key(skey)
+        way = (f"pieces of it need a max_message_bytes of at least "
+               f"{MIN_PIECE_BYTES + FRAME_SLACK}" if cuts else
+               "this read takes whole frames (fetch takes them in pieces)")
+        raise TooLarge(f"entry {key.hex()} in {ns!r} has a frame of {largest} bytes, larger "
+                       f"than this server's max_message_bytes ({self.message_bytes}); {way}: "
+                       "raise max_message_bytes, or read it over the data path")
+
+FRAME_SLACK = 64
+"""Bytes of a frame's message besides its data (its index, offset and tags)."""

@@ -12,7 +12,7 @@ import grpc
 from kdn.errors import KDNError
 from kdn.keys import store_key
 from kdn.server.auth import current_principal
-from kdn.server.batch import STREAM_MIN_FRAME_BYTES
+from kdn.server.batch import STREAM_MIN_FRAME_BYTES, inline_room
 from kdn.server.reader import Reader, expected
 from kdn.server.rpc import end_call
 from kdn.store.framed import Framed
@@ -82,7 +82,7 @@ class RetrieveMany:
                         continue
                     sending.hold(answer, hit)
                     head, sel, memo = self.reader.answer(skey, hit, read_s,
-                                                   expected(request))
+                                                         expected(request), cuts=False)
                 except KDNError as exc:
                     end_call(context, self.count, "RetrieveMany", exc)
                     return
@@ -113,7 +113,8 @@ class RetrieveMany:
         count for ``answer`` until it is sent; one past the server's bound ends the run first
         (``kdn.server.reader.Sending``)."""
         sending = self.reader.sending
-        budget = min(request.inline_budget_bytes or GROUP_INLINE_BYTES, GROUP_INLINE_BYTES)
+        budget = min(request.inline_budget_bytes or GROUP_INLINE_BYTES, GROUP_INLINE_BYTES,
+                     inline_room(self.reader.message_bytes))  # the server's messages too
         run: list[tuple[pb.RetrieveHeader, list[bytes | memoryview]]] = []
         streamed: list[tuple[list[tuple[int, bytes | memoryview]], Iterator[list[bytes]]]] = []
         inline = held_run = 0  # the run's message's bytes so far; its entries' to stream
@@ -154,7 +155,12 @@ class RetrieveMany:
                             else [value]))
                 sent[0] += n
             else:
-                head, sel, memo = self.reader.frames_answer(skey, hit, header, 0, 0, 0)
+                try:
+                    head, sel, memo = self.reader.frames_answer(skey, hit, header, 0, 0, 0,
+                                                                cuts=False)
+                except KDNError as exc:  # a frame past the server's messages
+                    end_call(context, self.count, "RetrieveMany", exc)
+                    return
                 run.append((head, []))
                 streamed.append((sel, memo))
                 held_run += n

@@ -107,7 +107,8 @@ class KDNServicer(pb_grpc.KDNServicer):
         self.sending = Sending(store, self.ingest.max_receiving)  # as writes being received
         self.reads = BatchReads(store, self.segments, self.arenas, self.usage, self.count,
                                 self.sending)
-        self.reader = Reader(store, self.usage, self.wire_memo, self.sending)
+        self.reader = Reader(store, self.usage, self.wire_memo, self.sending,
+                             config.max_message_bytes)
         self.retrieve_many = RetrieveMany(self.reader, self.count)
         policies = self.auth.config.policies
         self.blend_turn = asyncio.Lock()  # one Blend runs the model at a time
@@ -157,8 +158,9 @@ class KDNServicer(pb_grpc.KDNServicer):
                       context: grpc.aio.ServicerContext) -> pb.GetManyResponse | bytes:
         sending = self.sending.open()  # an inline answer's lower-tier reads: until it is sent
         context.add_done_callback(partial(self.sending.close, sending))
+        limit = self.reader.message_bytes  # an inline answer: one message at most this large
         answer = await self._answer("GetMany", context,
-                                    lambda p: self.reads.get_many(p, request, sending))
+                                    lambda p: self.reads.get_many(p, request, sending, limit))
         if self.egress.on and isinstance(answer, bytes):  # inline: the entries are in it
             pacer = self.pacer(context)
             if pacer is not None:
@@ -209,7 +211,7 @@ class KDNServicer(pb_grpc.KDNServicer):
                     >= request.piece_min_entry_bytes else 0
                 head, sel, memo = self.reader.answer(
                     skey, hit, read_s, expected(request), request.first_layer,
-                    request.last_layer, pieces)
+                    request.last_layer, pieces, cuts=request.piece_bytes > 0)
             except KDNError as exc:
                 end_call(context, self.count, "Retrieve", exc)
                 return
