@@ -11,7 +11,9 @@ own.
   digit. In a request ``""`` (protobuf's unset string) is ``"default"`` where one namespace is
   named and "every namespace" where a listing is filtered (``request_namespace``).
 * tenant: 1-32 characters, lowercase ASCII letters, digits, ``_``, ``-``; the first a letter or
-  digit. ``""`` in a request filter means every tenant.
+  digit. ``""`` in a request filter means every tenant. Where a request names the tenant it
+  acts on (``check_scope``), ``UNSCOPED`` (``-``, no tenant's name) is the unscoped key
+  space: entries stored while the server had no auth file, which only admins reach.
 * key: exactly ``KEY_BYTES`` (32) bytes, any values (a ``kdn.keys`` digest).
 * key prefix: at most ``KEY_BYTES`` bytes (a longer one can never match).
 
@@ -84,6 +86,18 @@ def check_tenant(tenant: object) -> str:
             f"tenant {_shown(tenant)} is malformed: 1-32 characters of lowercase ASCII letters, "
             "digits, '_', '-', starting with a letter or digit")
     return tenant
+
+
+UNSCOPED = "-"
+"""The tenant a request names for the unscoped key space (``kdn.keys.store_key`` of tenant
+""): entries stored while the server had no auth file. Admins only (``kdn.server.auth.
+acting_tenant``); an admin's export records it for those entries so that an import puts them
+back there."""
+
+
+def check_scope(tenant: object) -> str:
+    """``check_tenant``, or ``UNSCOPED``: the tenant a request acts on."""
+    return UNSCOPED if tenant == UNSCOPED else check_tenant(tenant)
 
 
 def check_key(key: object) -> bytes:

@@ -136,7 +136,7 @@ def resolve(client: Any, text: str, namespace: str, tenant: str = "") -> bytes:
     several: a UsageError naming them (exit 2). A key only other tenants hold (an admin's
     listing shows every tenant's; the command acts in its own key space without --tenant):
     NotFound naming the tenants and the --tenant to add."""
-    from kdn.names import KEY_BYTES
+    from kdn.names import KEY_BYTES, UNSCOPED
 
     if len(text) == 2 * KEY_BYTES:
         return bytes.fromhex(text)
@@ -157,9 +157,9 @@ def resolve(client: Any, text: str, namespace: str, tenant: str = "") -> bytes:
                          f"{', '.join(found[:3])}{', ...' if len(found) > 3 else ''}; "
                          "give more digits")
     key = bytes.fromhex(found[0])
-    if not tenant and owners - {""} and not client.lookup([key], namespace=namespace).infos[
-            0].present:  # listed in other tenants' key spaces only
-        named = sorted(owners)
+    if not tenant and owners and not client.lookup([key], namespace=namespace).infos[
+            0].present:  # listed in other tenants' key spaces only ("": the unscoped one)
+        named = sorted(t or UNSCOPED for t in owners)
         raise NotFound(f"no entry {found[0]} in namespace {namespace!r} of your tenant: it is "
                        f"tenant {', '.join(named)}'s; add --tenant {named[0]}")
     return key

@@ -13,7 +13,7 @@ from kdn.errors import InvalidArgument
 from kdn.names import (
     DEFAULT_NAMESPACE,
     check_namespace,
-    check_tenant,
+    check_scope,
     parse_hex_key,
     parse_hex_prefix,
 )
@@ -41,7 +41,7 @@ def name_type(check: Callable[[str], object], what: str, *, empty: str | None = 
 
 NAMESPACE = name_type(check_namespace, "namespace", empty=DEFAULT_NAMESPACE)
 NAMESPACE_FILTER = name_type(check_namespace, "namespace", empty="")
-TENANT_FILTER = name_type(check_tenant, "tenant", empty="")
+TENANT_FILTER = name_type(check_scope, "tenant", empty="")
 HEX_KEY = name_type(parse_hex_key, "key")
 HEX_PREFIX = name_type(parse_hex_prefix, "key prefix", empty="")
 

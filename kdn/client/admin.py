@@ -50,7 +50,7 @@ from kdn.names import (
     check_key,
     check_key_prefix,
     check_namespace,
-    check_tenant,
+    check_scope,
 )
 from kdn.options import MAX_TTL_S
 from kdn.status import from_grpc
@@ -88,8 +88,8 @@ def _listing(namespace: str, key_prefix: bytes) -> bytes:
 
 def _tenant(tenant: str) -> str:
     """A request's tenant filter, checked: "" (the caller's own, or in a listing all it sees),
-    or a tenant name."""
-    return check_tenant(tenant) if tenant else ""
+    a tenant name, or ``UNSCOPED``."""
+    return check_scope(tenant) if tenant else ""
 
 
 class _IdleDeadline:
@@ -197,7 +197,7 @@ class AdminClient(Client):
                 request_id: str | None = None) -> pb.EntryInfo:
         """One entry, its layout included. ``namespace`` (here and in ``evict``, ``pin``,
         ``unpin``): None for the client's; ``tenant``: admins only, that tenant's entry ("": the
-        caller's own)."""
+        caller's own; ``kdn.names.UNSCOPED``: one stored before the server had tenants)."""
         req = pb.InspectRequest(namespace=check_namespace(namespace or self.namespace),
                                 key=check_key(key), tenant=self.scoped(tenant, request_id))
         md = self.metadata(request_id)
@@ -321,7 +321,7 @@ class AdminClient(Client):
                 check_namespace(r.namespace)
                 check_key(r.key)
                 if r.tenant:
-                    check_tenant(r.tenant)
+                    check_scope(r.tenant)
                     tenanted = tenanted or r.tenant  # the first named
             except InvalidArgument as exc:
                 raise InvalidArgument(f"{path}: record {n - 1}: {exc}") from None

@@ -61,7 +61,7 @@ from kdn.errors import Closed, ConfigError, Corrupt, InvalidArgument
 from kdn.extras import model_side
 from kdn.keys import DEFAULT_NAMESPACE, check_key, check_namespace
 from kdn.layout import KVLayout
-from kdn.names import call_batches, check_tenant, request_namespace
+from kdn.names import call_batches, check_scope, request_namespace
 from kdn.options import StoreOptions
 from kdn.transport.addresses import address_problem, data_host, same_host
 from kdn.transport.buffers import tune_allocator
@@ -474,7 +474,8 @@ class Client:
     def delete(self, key: bytes | Sequence[bytes], *, namespace: str | None = None,
                tenant: str = "", request_id: str | None = None) -> int:
         """Delete entries from every tier; the count deleted. ``tenant``: admins only, that
-        tenant's entries ("": the caller's own)."""
+        tenant's entries ("": the caller's own; ``kdn.names.UNSCOPED``: those stored before the
+        server had tenants)."""
         keys = [key] if isinstance(key, (bytes, bytearray)) else list(key)
         req = pb.DeleteRequest(namespace=self._ns(namespace), keys=[check_key(k) for k in keys],
                                tenant=self.scoped(tenant, request_id))
@@ -503,7 +504,7 @@ class Client:
         instead, so InvalidArgument says so before anything is sent."""
         if not tenant:
             return ""
-        check_tenant(tenant)
+        check_scope(tenant)
         if self._features is None:
             self._features = frozenset(self.stats(request_id=request_id).features)
         if "tenant-scope" not in self._features:

@@ -40,7 +40,7 @@ from kdn.errors import (
     TooLarge,
 )
 from kdn.keys import split_store_key, store_key
-from kdn.names import check_key_prefix, check_namespace, request_namespace
+from kdn.names import UNSCOPED, check_key_prefix, check_namespace, request_namespace
 from kdn.options import MAX_TTL_S
 from kdn.server.arena import Arenas
 from kdn.server.auth import (
@@ -395,6 +395,8 @@ class AdminServicer(pb_grpc.KDNAdminServicer):
                     self.count("export.skipped_corrupt")
                 continue
             tenant, namespace, key = split_store_key(k)
+            if not tenant and self.auth.enabled:  # stored with no auth file: put back there
+                tenant = UNSCOPED
             pinned = self.store.is_pinned(k)
             for at, piece, more in cut(value, size):
                 item = pb.ExportItem(tenant=tenant, namespace=namespace, key=key, value=piece,
@@ -411,12 +413,13 @@ class AdminServicer(pb_grpc.KDNAdminServicer):
     def _import_one(self, principal: Principal, item: pb.ImportItem, value: bytes) -> bool:
         """Store one imported entry as a Store would (its checks, its tenant's quota, the
         one write path: ``Ingest``); False where the same bytes are there already. Its tenant
-        is the recorded one (another than the caller's: admins only, PermissionDenied; on a
+        is the recorded one (``UNSCOPED``: the unscoped key space; another than the caller's:
+        admins only, PermissionDenied; on a
         server without tenants, none: InvalidArgument, no caller could read it there), or the
         caller's where none is recorded (a file of an older kdn, an unscoped server's).
         ``value``: the item's, joined from its pieces."""
         assert self.ingest is not None  # the server builds the admin servicer with it
-        if item.tenant and not self.auth.enabled:
+        if item.tenant not in ("", UNSCOPED) and not self.auth.enabled:
             raise InvalidArgument(f"the entry is tenant {item.tenant!r}'s and this server has "
                                   "no tenants (no auth file): no caller could read it here; "
                                   "import it into a server whose auth file has that tenant")

@@ -43,7 +43,7 @@ from kdn.errors import (
     TooLarge,
     Unauthenticated,
 )
-from kdn.names import check_tenant
+from kdn.names import UNSCOPED, check_tenant
 from kdn.transport.metadata import API_KEY_HEADER
 
 
@@ -78,9 +78,17 @@ def require_admin() -> Principal:
 def acting_tenant(principal: Principal, tenant: str) -> str:
     """The tenant whose entries a request that names ``tenant`` acts on: the caller's own when
     it names none (or its own); another one only for an admin (PermissionDenied otherwise),
-    who sees every tenant's entries in ``ls`` and must be able to reach them by key too."""
+    who sees every tenant's entries in ``ls`` and must be able to reach them by key too:
+    the unscoped key space's (stored with no auth file) as ``UNSCOPED``."""
+    if tenant == UNSCOPED and not principal.tenant:  # no tenants: everyone's own
+        return ""
     if not tenant or tenant == principal.tenant:
         return principal.tenant
+    if tenant == UNSCOPED:
+        if not principal.is_admin:
+            raise PermissionDenied(f"tenant {principal.tenant!r} can not reach the unscoped "
+                                   "entries (stored without an auth file; only admins can)")
+        return ""
     check_tenant(tenant)
     if not principal.is_admin:
         raise PermissionDenied(f"tenant {principal.tenant!r} can not reach tenant {tenant!r}'s "

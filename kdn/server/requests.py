@@ -40,7 +40,7 @@ from kdn.names import (
     check_key,
     check_key_prefix,
     check_namespace,
-    check_tenant,
+    check_scope,
 )
 
 
@@ -50,7 +50,7 @@ def _optional(rule: Callable[[Any], object]) -> Callable[[Any], object]:
 
 NAME_RULES: dict[str, Callable[[Any], object]] = {
     "namespace": _optional(check_namespace),
-    "tenant": _optional(check_tenant),
+    "tenant": _optional(check_scope),
     "key": check_key,
     "keys": check_key,
     "chunk_key": _optional(check_key),
