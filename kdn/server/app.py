@@ -53,6 +53,7 @@ from kdn.server.netpath import NetPath
 from kdn.server.nofile import raise_nofile
 from kdn.server.observe import Metrics, RequestInterceptor
 from kdn.server.service import KDNServicer, verify_entry
+from kdn.server.tier_history import note_redis
 from kdn.store.base import Tier
 from kdn.store.lmdb import LmdbTier
 from kdn.store.ram import RamTier
@@ -168,12 +169,14 @@ def build_store(config: ServerConfig) -> TieredStore:
                 raise DiskFull(f"data_dir {config.data_dir}: {exc}; free room there, or "
                                "give kdn serve another --data-dir") from None
             raise
-    return TieredStore(
+    store = TieredStore(
         [tiers[name] for name in config.tier_order if name in tiers],
         verify=verify_entry, demote=config.demote_on_evict, write_policy=config.write_policy,
         queue_entries=config.write_queue_entries, queue_bytes=config.write_queue_bytes,
         default_ttl_s=config.default_ttl_s, flush_timeout_s=max(config.shutdown_grace_s, 1.0),
     )
+    note_redis(store, config.redis_url)  # a Redis tier back after runs without it: named
+    return store
 
 
 async def _watch_health(store: TieredStore, servicer: health.aio.HealthServicer) -> None:
