@@ -1,7 +1,8 @@
 """Room held by pinned entries: a store that pinned entries leave too little room for is
 refused before anything is removed (the key's previous value and other entries stay), a
 pinned entry whose time to live has passed holds no room (RAM and LMDB), and a pinned entry
-only Redis would hold (it evicts under its own budget, pins or not) is refused."""
+only Redis would hold (it evicts under its own budget, pins or not) is refused; under
+write-behind one the disk tier keeps is written there at once."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 
 from kdn.errors import TooLarge
 from kdn.options import Durability
+from kdn.store.hits import WritePolicy
 from kdn.store.lmdb import LmdbTier
 from kdn.store.ram import RamTier
 from kdn.store.redis import RedisTier
@@ -96,5 +98,22 @@ def test_a_pinned_entry_only_redis_would_hold_is_refused(tmp_path: Path) -> None
         try:  # a disk tier keeps pins: taken there
             assert store.put(b"k", b"3" * 1500, pin=True) == "redis"
             assert store.is_pinned(b"k") and disk.get(b"k") == b"3" * 1500
+        finally:
+            store.close()
+
+
+@pytest.mark.redis
+def test_a_pinned_shared_store_under_write_behind_is_kept_on_disk(tmp_path: Path) -> None:
+    """RAM refuses it and Redis, the SHARED tier, does not keep pins: the disk tier is written
+    at once, not queued (the queued copy was withdrawn and disk named as down)."""
+    with RedisServer(tmp_path, appendonly=False) as r:
+        disk = LmdbTier(tmp_path / "lmdb", capacity_bytes=1 << 20)
+        store = TieredStore([RamTier(1000), RedisTier(r.url), disk],
+                            write_policy=WritePolicy.WRITE_BEHIND)
+        try:
+            assert store.put(b"k", b"4" * 1500, pin=True,
+                             durability=Durability.SHARED) == "redis"
+            assert store.is_pinned(b"k") and disk.get(b"k") == b"4" * 1500
+            assert store.queue_depth()["disk"] == 0
         finally:
             store.close()

@@ -27,7 +27,8 @@ that tier's write queue. Which lower tiers are written synchronously:
 
     write-through  every lower tier, unless the request asks for MEMORY durability
     write-behind   none, except the tier the request's durability needs and those read before
-                   it (their older copies would be served first after a crash)
+                   it (their older copies would be served first after a crash), and for a
+                   pinned entry no tier that keeps pins took yet, those that do (Redis does not)
     durability     DISK: a ``durable`` tier; SHARED: a ``remote`` one (``Tier.satisfies``); the
                    call fails (nothing is acknowledged) when that tier is missing, down or
                    refuses the entry
@@ -449,8 +450,9 @@ class TieredStore:
                     continue  # written first, above
                 acked = first == head.name and durability is Durability.DEFAULT \
                     and tier.durable and self.write_policy is WritePolicy.WRITE_THROUGH
-                took = self._lower.write(tier, key, value, ttl, expiry, sync_all or i < before,
-                                         False, refused, acked, errors)
+                kept = pinned and tier.keeps_pins and not any(t.keeps_pins for t in holders)
+                took = self._lower.write(tier, key, value, ttl, expiry, sync_all or i < before
+                                         or kept, False, refused, acked, errors)
                 if took:
                     first = first or tier.name
                     holders.append(tier)
@@ -467,9 +469,11 @@ class TieredStore:
                 else:
                     self._lower.clear_stale(tier, key, keep=value)
             # Refused everywhere: withdraw what was queued for later (a tier, or the key's
-            # part of it, that does not answer now) and fail as UNAVAILABLE, naming those.
-            down = [] if first else [t.name for t in self.tiers[1:] if self._queues[
-                t.name].withdraw(key, value) or not self.is_up(t.name)]
+            # part of it, that does not answer now) and fail as UNAVAILABLE, naming those (for
+            # a pinned entry only those that keep pins: the others were never written now).
+            down = [] if first else [t.name for t in self.tiers[1:] if (self._queues[
+                t.name].withdraw(key, value) or not self.is_up(t.name))
+                and (t.keeps_pins or not evicting)]
         why = "; ".join(f"{name}: {exc}" for name, exc in errors)
         if down:
             raise TierUnavailable(f"no tier accepted the entry ({why}); the "
