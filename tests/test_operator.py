@@ -528,7 +528,8 @@ def test_pin_of_an_entry_only_redis_holds_is_refused(tmp_path: Path) -> None:
             k, big = keys.chunk_key([1], lay), keys.chunk_key([2], lay)
             c.store(k, random_kv(lay, 4), mode="raw")
             assert c.evict([k], tier="ram") == 1
-            with pytest.raises(InvalidArgument, match="only by a tier that does not keep pins"):
+            with pytest.raises(InvalidArgument, match="only by a tier that does not keep pins"
+                               ".*a read brings one that fits into RAM"):
                 c.pin([k])
             assert not c.inspect(k).pinned
             with pytest.raises(TooLarge, match="no tier that keeps pinned entries"):
@@ -536,3 +537,35 @@ def test_pin_of_an_entry_only_redis_holds_is_refused(tmp_path: Path) -> None:
                         options=StoreOptions(pin=True))
             c.store(big, random_kv(lay, 50_000), mode="raw")  # unpinned: Redis takes it
             assert c.lookup([big]).infos[0].tier == "redis"
+            with pytest.raises(InvalidArgument, match="one is larger than RAM"):
+                c.pin([big])  # no read brings it into RAM
+
+
+@pytest.mark.redis
+def test_pin_counts_a_disk_write_still_queued(tmp_path: Path) -> None:
+    """Write-behind: a SHARED entry larger than RAM is acknowledged from Redis, its disk copy
+    still queued; a pin then counts the disk tier (it keeps pins), not Redis alone."""
+    import threading
+
+    from tests.redis_servers import RedisServer
+
+    lay = uniform_layout(layers=1, heads=1, dim=8)
+    with RedisServer(tmp_path / "redis", appendonly=False) as r:
+        cfg = ServerConfig(port=0, data_dir=tmp_path / "d", disk_bytes=64 << 20,
+                           redis_url=r.url, ram_bytes=1 << 20, write_policy="write-behind",
+                           shm_arena_bytes=0, data_port=-1)
+        with ServerThread(cfg) as st, AdminClient(st.address, shm_bytes=0) as c:
+            store = st.server.servicer.store
+            disk, go = store.tiers[2], threading.Event()
+            put = disk.put
+            disk.put = lambda *a, **kw: go.wait(10) and put(*a, **kw)  # type: ignore[method-assign]
+            k = keys.chunk_key([1], lay)
+            try:
+                c.store(k, random_kv(lay, 50_000), mode="raw",
+                        options=StoreOptions(durability="shared"))
+                assert store.queue_depth()["disk"] == 1
+                assert c.pin([k]) == 1
+            finally:
+                go.set()
+            assert store.flush(10) and c.inspect(k).pinned
+            assert [t.name for t in store.where(store.keys()[0])] == ["redis", "disk"]

@@ -246,13 +246,17 @@ class AdminServicer(pb_grpc.KDNAdminServicer):
                   context: grpc.aio.ServicerContext) -> pb.CountResponse:
         skeys = self._admin_keys(request)
         present = await asyncio.to_thread(self.store.lookup, skeys)
-        held = [k for k, p in zip(skeys, present) if p.present]
-        if loose := await asyncio.to_thread(
-                lambda: [k for k in held if not any(t.keeps_pins for t in self.store.where(k))]):
+        held = [(k, p.size) for k, p in zip(skeys, present) if p.present]
+        if loose := await asyncio.to_thread(  # a queued write to a disk tier lands there
+                lambda: [n for k, n in held if not any(
+                    t.keeps_pins for t in self.store.where(k, queued=True))]):
+            room = self.store.tiers[0].stats().capacity_bytes  # the RAM tier's budget
+            hint = "a read brings one that fits into RAM" if max(loose) <= room else \
+                f"one is larger than RAM ({room} bytes): store it again with a disk tier up"
             raise InvalidArgument(f"{len(loose)} of the entries are held only by a tier that "
                                   "does not keep pins (Redis evicts as its maxmemory chooses); "
-                                  "nothing pinned: a read brings one that fits into RAM")
-        for k in held:
+                                  f"nothing pinned: {hint}")
+        for k, _ in held:
             self.store.pin(k)
         return pb.CountResponse(count=sum(p.present for p in present))
 

@@ -1,7 +1,7 @@
 """What the hierarchy (``kdn.store.tiered``) answers and is configured with: the write policy,
 a read's hit (bytes, or the frames a RAM value arrived in), a lookup's presence and how a
 lookup finds it (``lookup``: in each tier in read order, a queued value as if the tier held
-it, a pending delete hiding what the tier holds)."""
+it, a pending delete hiding what the tier holds), and which tiers hold one key (``held_by``)."""
 
 from __future__ import annotations
 
@@ -79,4 +79,23 @@ def lookup(keys: list[bytes], tiers: Sequence[Tier], queues: Mapping[str, WriteQ
             if size is not None:
                 out[i] = Presence(True, tier.name, size)
         todo = [i for i in todo if not out[i].present]
+    return out
+
+
+def held_by(key: bytes, tiers: Sequence[Tier], queues: Mapping[str, WriteQueue],
+            health: TierHealth, queued: bool = False) -> list[Tier]:
+    """The ``tiers`` holding ``key``, in read order (a tier that is down is not asked).
+    ``queued``: a live value in a tier's write queue counts as held there (it lands there),
+    a pending delete (or an expired value) as not held."""
+    out, now = [], time.monotonic()
+    for tier in tiers:
+        q = queues.get(tier.name) if queued else None
+        item = q.peek(key) if q is not None else None
+        if item is not None:
+            held = item.value is not None and not item.expired(now)
+        else:
+            held = health.is_up(tier.name) and bool(
+                health.guard(tier, partial(tier.contains, key), "contains"))
+        if held:
+            out.append(tier)
     return out

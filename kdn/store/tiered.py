@@ -82,7 +82,7 @@ from kdn.store.base import EvictHook, Tier, TierStats
 from kdn.store.checked import CheckedStamps
 from kdn.store.framed import Framed
 from kdn.store.health import Fault, TierHealth
-from kdn.store.hits import FramedHit, Hit, Presence, WritePolicy, lookup
+from kdn.store.hits import FramedHit, Hit, Presence, WritePolicy, held_by, lookup
 from kdn.store.locks import KeyLocks
 from kdn.store.lower import LowerWrites
 from kdn.store.queue import PendingWrite, WriteQueue
@@ -552,11 +552,10 @@ class TieredStore:
                 found.update(self._health.guard(t, partial(listed, t), "keys") or ())
         return sorted(found)
 
-    def where(self, key: bytes) -> list[Tier]:
-        """The reachable tiers holding ``key``, in read order (no promotion, no stats)."""
-        return [t for t in self.tiers
-                if self.is_up(t.name) and self._health.guard(t, partial(t.contains, key),
-                                                             "contains")]
+    def where(self, key: bytes, queued: bool = False) -> list[Tier]:
+        """The reachable tiers holding ``key``, in read order (no promotion, no stats);
+        ``queued``: and those whose write queue holds a live value of it (``held_by``)."""
+        return held_by(key, self.tiers, self._queues, self._health, queued)
 
     def queue_depth(self) -> dict[str, int]:
         return {name: len(q) for name, q in self._queues.items()}
