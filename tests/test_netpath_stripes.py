@@ -1,14 +1,18 @@
 """GetMany striped over several connections of the network data path (kdn.client.netpath):
 bit-identical entries from a real server, the number of connections chosen by size, and a
 stripe whose connection drops inside an entry or whose answer is wrong (against a scripted
-server), which fails the whole call with nothing returned and leaves the path usable."""
+server), which fails the whole call with nothing returned and leaves the path usable; the
+stripes of one call are one answer in the server's bound of disk reads being sent."""
 
 from __future__ import annotations
 
 import contextlib
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -19,7 +23,9 @@ from kdn.client.netpath import STRIPE_MIN_BYTES, NetPath
 from kdn.client.received import Fetched
 from kdn.errors import Corrupt, InvalidArgument, NotFound, Unavailable
 from kdn.layout import Expected
-from kdn.server import ServerThread
+from kdn.server import ServerConfig, ServerThread
+from kdn.server.reader import Sending
+from kdn.store.hits import Hit
 from kdn.transport.wire import FAST_HEAD, read_exact
 from kdn.v1 import kdn_pb2 as pb
 from tests.helpers import numbered_key, random_kv, uniform_layout
@@ -289,3 +295,44 @@ def test_a_context_read_again_lands_in_the_buffers_of_the_last_read(striped: Cli
     again = striped.retrieve_many(keys, layout=big)
     assert net.landing.reused - reused == 3
     assert all(g is not None and g.equal(kv) for g, kv in zip(again, kvs))
+
+
+def test_the_stripes_of_one_call_do_not_refuse_each_other(tmp_path: Path) -> None:
+    """Disk entries under a read bound one stripe's answer fills: every call is served on the
+    data path (its stripes were refused RESOURCE_EXHAUSTED, and the batch redone by gRPC)."""
+    cfg = ServerConfig(port=0, data_dir=tmp_path / "d", ram_bytes=1 << 16, disk_bytes=64 << 20)
+    keys = [numbered_key(i) for i in range(12)]
+    stored = [_parts(i, tokens=256) for i in range(12)]  # 128 KiB each: past RAM, on disk
+    with ServerThread(cfg) as st, Client(st.address, timeout_s=30, shm_bytes=0,
+                                         data_connections=4) as c:
+        for k, p in zip(keys, stored):
+            c.store(k, p)
+        counters = st.server.servicer.counters
+        st.server.servicer.sending.limit = 4 * stored[0].nbytes  # a stripe's 3, not two's
+        for _ in range(5):
+            got = c.fetch_many(keys)
+            assert [f is not None and f.parts.to_bytes() for f in got] == \
+                [p.to_bytes() for p in stored]
+        assert dict(counters).get("net.RESOURCE_EXHAUSTED", 0) == 0
+        assert dict(counters).get("net.GetMany", 0) == 20  # none redone by gRPC
+
+
+def test_a_call_holding_nothing_waits_for_room() -> None:
+    sending = Sending(SimpleNamespace(tiers=[]), 10)  # type: ignore[arg-type]
+    other, a, b = sending.open(), sending.open(), sending.open()
+    assert sending.took(other, Hit(b"x" * 8, "disk"))
+    sending.join(a, "call")
+    sending.join(b, "call")
+    assert not sending.took(a, Hit(b"x" * 4, "disk"), 0.05)  # waited, no room came
+    threading.Timer(0.05, sending.close, [other]).start()
+    started = time.monotonic()
+    assert sending.took(a, Hit(b"x" * 4, "disk"), 5)  # room came once the other let go
+    assert time.monotonic() - started < 2
+    assert sending.took(b, Hit(b"x" * 9, "disk"))  # its call's own: one answer, let in
+    c = sending.open()
+    assert not sending.took(c, Hit(b"x", "disk"))  # another's is refused at once
+    sending.close(a)
+    sending.close(b)
+    assert sending.took(c, Hit(b"x", "disk")) and sending.nbytes == 1
+    sending.close(c)
+    assert sending.nbytes == 0 and not sending._calls and not sending._call_of

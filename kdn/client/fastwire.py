@@ -24,6 +24,7 @@ from kdn.codec.format import (
     header_size,
 )
 from kdn.errors import Corrupt, InvalidArgument, KDNError, TooLarge
+from kdn.layout import Expected
 from kdn.status import error_of
 from kdn.transport.buffers import RECEIVED, BufferPool
 from kdn.transport.netio import recv_container
@@ -109,6 +110,15 @@ def streamed_put(namespace: str, segment_id: str,
         pieces += [parts.header, *parts.frames]
         at += parts.nbytes
     return req, pieces
+
+
+def get_request(namespace: str, keys: Sequence[bytes], want: Expected, segment_id: str,
+                call: int = 0) -> pb.GetManyRequest:
+    """A GetMany of ``keys`` on the data path (``call``: the number its stripes share, 0: not
+    striped; the server counts them as one answer in its bound of reads being sent)."""
+    return pb.GetManyRequest(namespace=namespace, keys=keys, segment_id=segment_id,
+                             expect_layout_fingerprint=want.fingerprint,
+                             expect_tokens=want.tokens, call=call)
 
 
 def put_results(answer: bytes, count: int) -> list[pb.StoreResponse]:

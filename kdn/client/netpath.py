@@ -42,6 +42,7 @@ other entry of the stripe is awaited (until then its bytes are read and dropped)
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import socket
 import ssl
@@ -58,6 +59,7 @@ from kdn.client.fastwire import (
     entry_refs,
     fast_answer,
     fast_error,
+    get_request,
     put_results,
     read_entry,
     streamed_put,
@@ -137,6 +139,7 @@ class NetPath:
         self.worked = False
         """The server answered a call on this path (a later failure may be a restart)."""
         self.closed_by: KDNError | None = None
+        self._calls = itertools.count(1)  # a striped GetMany's number (its stripes: one answer)
 
     def _open(self) -> socket.socket:
         """A new connection for a stripe (kept in ``_all`` until closed)."""
@@ -399,14 +402,14 @@ class NetPath:
             self.settle()
         bounds = [round(i * len(keys) / n) for i in range(n + 1)]
         runs = [keys[a:b] for a, b in zip(bounds, bounds[1:])]
-        pool = self._pool()
+        pool, call = self._pool(), next(self._calls)
         later: list[Future[list[tuple[memoryview, str] | None]]] = [
-            pool.submit(self._get_stripe, namespace, run, want, pinned)
+            pool.submit(self._get_stripe, namespace, run, want, pinned, call)
             for run in runs[1:]]
         got: list[tuple[memoryview, str] | None] = []
         failed: BaseException | None = None
         try:
-            got = self._get_one(namespace, runs[0], want, pinned)
+            got = self._get_one(namespace, runs[0], want, pinned, call)
         except BaseException as exc:  # the other stripes still end (or fail) first
             failed = kept(exc)  # its traceback holds this frame, which holds it
         for fut in later:
@@ -434,6 +437,7 @@ class NetPath:
         n = self.stripes(len(keys))
         bounds = [round(i * len(keys) / n) for i in range(n + 1)]
         runs = [keys[a:b] for a, b in zip(bounds, bounds[1:])]
+        call = next(self._calls) if n > 1 else 0
         conns: list[socket.socket] = []
         until = self._deadline()
         try:
@@ -443,7 +447,7 @@ class NetPath:
                 conn = self._until(raw, until)
                 conns.append(conn)
                 news.append(new)
-                body = self._get_request(namespace, run, want).SerializeToString()
+                body = get_request(namespace, run, want, self.ticket, call).SerializeToString()
                 send_pieces(conn, [FAST_HEAD.pack(len(body), NET_GET_MANY) + body])
             refs = []
             for conn, new, run in zip(conns, news, runs):
@@ -521,10 +525,10 @@ class NetPath:
         return self._open(), True
 
     def _get_one(self, namespace: str, keys: Sequence[bytes], want: Expected,
-                 pinned: bool) -> list[tuple[memoryview, str] | None]:
-        """One GetMany on this thread's connection."""
-        conn, out = self._call(NET_GET_MANY, self._get_request(namespace, keys,
-                                                                 want))
+                 pinned: bool, call: int = 0) -> list[tuple[memoryview, str] | None]:
+        """One GetMany on this thread's connection (``call``: of a striped one's, 0: none)."""
+        conn, out = self._call(NET_GET_MANY, get_request(namespace, keys, want, self.ticket,
+                                                           call))
         try:
             got = self._entries(conn, out, len(keys), pinned)
         except BaseException:
@@ -534,13 +538,13 @@ class NetPath:
         return got
 
     def _get_stripe(self, namespace: str, keys: Sequence[bytes], want: Expected,
-                    pinned: bool) -> list[tuple[memoryview, str] | None]:
+                    pinned: bool, call: int) -> list[tuple[memoryview, str] | None]:
         """One stripe's GetMany, on a spare connection of the path's (given back once its
         answer is read whole; closed when the call fails: what is left of it is unread)."""
         raw, new = self._spare_conn()
         conn = self._until(raw, self._deadline())
         try:
-            body = self._get_request(namespace, keys, want).SerializeToString()
+            body = get_request(namespace, keys, want, self.ticket, call).SerializeToString()
             send_pieces(conn, [FAST_HEAD.pack(len(body), NET_GET_MANY) + body])
             ok, out = fast_answer(conn, answer_bound(len(keys)))
             self.worked = True
@@ -561,12 +565,6 @@ class NetPath:
             if conn in self._all:
                 self._all.remove(conn)
         conn.close()
-
-    def _get_request(self, namespace: str, keys: Sequence[bytes], want: Expected
-                     ) -> pb.GetManyRequest:
-        return pb.GetManyRequest(namespace=namespace, keys=keys, segment_id=self.ticket,
-                                 expect_layout_fingerprint=want.fingerprint,
-                                 expect_tokens=want.tokens)
 
     def _entries(self, conn: socket.socket, out: bytes, count: int, pinned: bool
                  ) -> list[tuple[memoryview, str] | None]:

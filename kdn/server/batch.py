@@ -55,6 +55,10 @@ INLINE_SLACK = 1 << 20
 NET_HELD_BYTES = 2 << 30
 """Bytes of entries read from below the RAM tier that one such answer may hold (those in RAM
 are sent from where they lie)."""
+NET_WAIT_S = 1.0
+"""How long a data-path GetMany that holds no such reads yet waits for room in the bound of
+those being sent (``Sending``) before it is refused: an earlier call's answer lets go of its
+copies a moment after its last byte went."""
 STREAM_MIN_FRAME_BYTES = 256 << 10
 """An entry whose frames average less than this is carried inline even past the client's
 ``inline_max_entry_bytes``: streamed, each of its frames would be a message of its own (a
@@ -310,7 +314,7 @@ class BatchReads:
             else:
                 hit = seen[skey] = self._hit(skey, want, framed=True)
                 if hit is not None and hit.tier != memory:  # read into memory for this answer
-                    self.sending.hold(sending, hit)
+                    self.sending.hold(sending, hit, NET_WAIT_S)
                     if self.sending.holds(sending) > NET_HELD_BYTES:
                         raise TooLarge(f"GetMany answer of more than {NET_HELD_BYTES} bytes "
                                        "read from redis or disk; ask for fewer keys per call")

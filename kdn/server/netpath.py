@@ -20,8 +20,10 @@ and records, as Store checks them) the moment its last byte lands (``kdn.server.
 and stored only once every item passed, by the same code as the other PutMany forms; a
 GetMany's entries are sent from where the store keeps them (RAM values as the frames they came
 in: no copy in Python on either side), and the client checks each frame as it lands too; under
-an egress cap (``kdn.server.egress``) in slices, each when the cap allows. A
-call refused before its items arrived
+an egress cap (``kdn.server.egress``) in slices, each when the cap allows; the stripes of one
+striped GetMany (its ``call``) count as one answer in the bound of disk and Redis reads being
+sent (``kdn.server.reader.Sending``), so they never refuse each other. A call refused before
+its items arrived
 has them read and dropped, so the connection stays in step; one whose items can not be
 skipped (more than a PutMany may carry), or that names no live ticket on a connection not yet
 admitted, is answered, then the connection closes.
@@ -130,6 +132,8 @@ class NetPath(FastPath):
             principal = self._owner(req.segment_id)
             s.auth.admit(principal)
             s.count("net.GetMany")
+            if req.call:  # a stripe: the call's stripes are one answer in the read bound
+                s.reads.sending.join(self._here.sending, (req.segment_id, req.call))
             answer, pieces = s.reads.get_sent(principal, req, self._here.sending)
             pacer = s.egress.pacer(principal.tenant, f"net:{conn.getpeername()}") \
                 if s.egress.on else None

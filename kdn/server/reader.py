@@ -8,7 +8,8 @@ messages; any other is split into frames whose messages are memoised or built as
 What answers being sent hold of values read from below the RAM tier is bounded (``Sending``):
 a disk or Redis read is a copy of its own for each reader, kept until its answer is sent (a
 client that stops reading keeps it until ``idle_timeout_s``), where a RAM-tier hit shares the
-value the tier holds. Each answer counts its copies from the read until it ends.
+value the tier holds. Each answer counts its copies from the read until it ends; the stripes
+of one data-path call (``join``) count as one answer where the bound lets the only one in.
 
 No message is larger than the server's ``max_message_bytes`` (``fitted``): a frame that would
 be is cut into pieces where the caller reads pieces (it asks for them: ``RetrieveRequest.
@@ -54,7 +55,9 @@ class Sending:
 
     Each answer is a number (``open``, or ``answer``'s block) whose copies count from their
     read (``hold`` or ``took``) until ``close``; a read for one closed already (its call ended
-    while a worker thread read on) is not counted, nor let in."""
+    while a worker thread read on) is not counted, nor let in. The answers that ``join`` one
+    call (the stripes of a data-path GetMany) are one where ``fits`` lets the only one in:
+    they never refuse each other, and each still lets its copies go as it is sent."""
 
     def __init__(self, store: TieredStore, limit: int) -> None:
         first = store.tiers[0] if store.tiers else None
@@ -64,7 +67,9 @@ class Sending:
         """Bytes held now."""
         self._answers: dict[int, int] = {}  # answer -> the bytes it holds
         self._numbers = itertools.count(1)
-        self._lock = threading.Lock()
+        self._call_of: dict[int, object] = {}  # answer -> the call it joined
+        self._calls: dict[object, set[int]] = {}  # call -> its open answers
+        self._lock = threading.Condition()  # notified as answers let go of copies
 
     def cost(self, hit: Hit | FramedHit) -> int:
         """The bytes an answer holding ``hit`` counts: none for a RAM-tier value (shared)."""
@@ -81,6 +86,20 @@ class Sending:
         """``answer`` is sent (or dropped): what it holds is let go."""
         with self._lock:
             self.nbytes -= self._answers.pop(answer, 0)
+            call = self._call_of.pop(answer, None)
+            if call is not None:
+                self._calls[call].discard(answer)
+                if not self._calls[call]:
+                    del self._calls[call]
+            self._lock.notify_all()
+
+    def join(self, answer: int, call: object) -> None:
+        """``answer`` is part of ``call`` (a stripe of one striped GetMany): the call's open
+        answers count as one for ``fits``."""
+        with self._lock:
+            if answer in self._answers and answer not in self._call_of:
+                self._call_of[answer] = call
+                self._calls.setdefault(call, set()).add(answer)
 
     @contextlib.contextmanager
     def answer(self) -> Iterator[int]:
@@ -97,24 +116,36 @@ class Sending:
 
     def fits(self, answer: int, hit: Hit | FramedHit) -> bool:
         """Whether ``hit`` would be let in for ``answer`` now."""
-        own = self._answers.get(answer)
+        own = self._own(answer)
         return own is not None and (self.nbytes <= own
                                     or self.nbytes + self.cost(hit) <= self.limit)
 
-    def took(self, answer: int, hit: Hit | FramedHit) -> bool:
+    def _own(self, answer: int) -> int | None:
+        """The bytes ``answer`` holds, with the other answers of its call (``join``)."""
+        own = self._answers.get(answer)
+        if own is not None and (call := self._call_of.get(answer)) is not None:
+            own = sum(self._answers.get(a, 0) for a in self._calls.get(call, ()))
+        return own
+
+    def took(self, answer: int, hit: Hit | FramedHit, wait_s: float = 0.0) -> bool:
         """Count ``hit``'s copy (``cost``) for ``answer`` until it closes; False (nothing
-        counted) past ``limit`` where other answers hold some, or once it closed."""
+        counted) past ``limit`` where other answers hold some, or once it closed. ``wait_s``:
+        an answer (with its call's) that holds nothing yet waits up to that long for room
+        first (it holds nothing another waits for: no two wait on each other)."""
         n = self.cost(hit)
         with self._lock:
+            if wait_s > 0 and not self.fits(answer, hit) and not self._own(answer):
+                self._lock.wait_for(lambda: self.fits(answer, hit) or self._own(answer) != 0,
+                                    wait_s)
             if not self.fits(answer, hit):
                 return False
             self._answers[answer] += n
             self.nbytes += n
         return True
 
-    def hold(self, answer: int, hit: Hit | FramedHit) -> None:
-        """``took``, or TooLarge past the bound."""
-        if not self.took(answer, hit):
+    def hold(self, answer: int, hit: Hit | FramedHit, wait_s: float = 0.0) -> None:
+        """``took`` (``wait_s``: its wait for room), or TooLarge past the bound."""
+        if not self.took(answer, hit, wait_s):
             raise TooLarge(f"this read of {len(hit.value)} bytes from disk or redis: the "
                            f"server is sending {self.nbytes} bytes of such reads already "
                            f"(at most {self.limit}); try again when they are sent")
@@ -125,6 +156,7 @@ class Sending:
             if answer in self._answers:
                 self.nbytes -= self._answers[answer]
                 self._answers[answer] = 0
+                self._lock.notify_all()
 
 
 class Reader:

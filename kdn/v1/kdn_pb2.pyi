@@ -403,7 +403,7 @@ class Region(_message.Message):
     def __init__(self, offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
 
 class GetManyRequest(_message.Message):
-    __slots__ = ("namespace", "keys", "segment_id", "region", "expect_layout_fingerprint", "lease", "release", "inline_max_entry_bytes", "inline_below_bytes", "read_listed", "expect_tokens")
+    __slots__ = ("namespace", "keys", "segment_id", "region", "expect_layout_fingerprint", "lease", "release", "inline_max_entry_bytes", "inline_below_bytes", "read_listed", "expect_tokens", "call")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     SEGMENT_ID_FIELD_NUMBER: _ClassVar[int]
@@ -415,6 +415,7 @@ class GetManyRequest(_message.Message):
     INLINE_BELOW_BYTES_FIELD_NUMBER: _ClassVar[int]
     READ_LISTED_FIELD_NUMBER: _ClassVar[int]
     EXPECT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CALL_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     segment_id: str
@@ -426,7 +427,8 @@ class GetManyRequest(_message.Message):
     inline_below_bytes: int
     read_listed: _containers.RepeatedScalarFieldContainer[int]
     expect_tokens: int
-    def __init__(self, namespace: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., segment_id: _Optional[str] = ..., region: _Optional[_Union[Region, _Mapping]] = ..., expect_layout_fingerprint: _Optional[str] = ..., lease: _Optional[bool] = ..., release: _Optional[_Iterable[int]] = ..., inline_max_entry_bytes: _Optional[int] = ..., inline_below_bytes: _Optional[int] = ..., read_listed: _Optional[_Iterable[int]] = ..., expect_tokens: _Optional[int] = ...) -> None: ...
+    call: int
+    def __init__(self, namespace: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., segment_id: _Optional[str] = ..., region: _Optional[_Union[Region, _Mapping]] = ..., expect_layout_fingerprint: _Optional[str] = ..., lease: _Optional[bool] = ..., release: _Optional[_Iterable[int]] = ..., inline_max_entry_bytes: _Optional[int] = ..., inline_below_bytes: _Optional[int] = ..., read_listed: _Optional[_Iterable[int]] = ..., expect_tokens: _Optional[int] = ..., call: _Optional[int] = ...) -> None: ...
 
 class EntryRef(_message.Message):
     __slots__ = ("present", "tier", "length", "written", "offset", "data", "verified", "lease", "generation", "generation_at")
