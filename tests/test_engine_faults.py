@@ -5,6 +5,7 @@ with another shape is refused before any of it is decoded."""
 
 from __future__ import annotations
 
+import logging
 import socket
 import threading
 import time
@@ -126,6 +127,27 @@ def test_a_stopped_server_is_computed_around(tmp_path: Path) -> None:
         assert got.token_ids == first.token_ids
         assert got.store_thread is None  # nothing to store to
         assert eng.matched_tokens(IDS) == 0
+
+
+def test_a_stopped_server_is_one_warning_not_one_per_request(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Every request to a stopped server logged a WARNING (an engine at 100 requests a second:
+    100 lines a second for as long as the outage lasts); now the first, the others at DEBUG."""
+    cfg = ServerConfig(port=0, data_dir=tmp_path, disk_bytes=0, ram_bytes=64 << 20)
+    with ServerThread(cfg) as st, Client(st.address, timeout_s=30) as c:
+        eng = KDNEngine(_model(torch.float32, "cpu"), _Tok(), c,
+                        EngineConfig(chunk_tokens=32, encodings=(("raw", ""),)))
+        assert eng.matched_tokens(IDS) == 0  # answered: nothing to say
+        st.stop()
+        with caplog.at_level(logging.DEBUG, logger="kdn.engine"):
+            for _ in range(10):
+                assert eng.generate(IDS, max_new_tokens=1).timings.decision == "recompute"
+                assert eng.matched_tokens(IDS) == 0
+        ours = [r for r in caplog.records if r.name.startswith("kdn.")]
+        warned = [r for r in ours if r.levelno >= logging.WARNING]
+        assert len(warned) == 1 and "UNAVAILABLE" in warned[0].getMessage()
+        assert sum(r.levelno == logging.DEBUG and "lookup failed" in r.getMessage()
+                   for r in ours) >= 19  # the others, at DEBUG
 
 
 def test_a_server_that_never_answers_costs_a_request_the_lookup_deadline() -> None:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from kdn import ratelog
 from kdn.client import Client
 from kdn.errors import Corrupt, TooLarge
 from kdn.server import ServerConfig, ServerThread
@@ -50,7 +51,7 @@ def test_writes_redis_refuses_out_of_memory_warn_once_and_are_all_counted(
 def test_each_kind_of_failure_warns_once_a_minute_and_says_how_many_went_unsaid(
         monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     now = [1000.0]
-    monkeypatch.setattr(health.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(ratelog.time, "monotonic", lambda: now[0])
     ram = RamTier(1 << 20)
     h = TierHealth([ram], count=lambda name, n: None, on_up=lambda name: None)
 

@@ -28,14 +28,15 @@ encoding that failed are stored again, so a damaged block is mended for the next
 request counts as the recompute it became (``Timings.decision``, the controller's ``counts``). A
 server that can not be reached or does not answer the lookup within
 ``EngineConfig.lookup_timeout_s`` (2 s, not the client's whole call deadline) costs a request
-that much: its prompt is computed whole and nothing is stored back. A load has a deadline of
-its own (``LOAD_DEADLINE_X`` times its predicted TTFT, at least ``lookup_timeout_s``): a server
-that stalls after the lookup costs a request that, after which the load is cancelled, the
-prompt computed whole (``Timings.load_error``: DeadlineExceeded) and the encoding left out for
-a while, as a failed load's (``LoadingController.observe_failure``), but its blocks, only late,
-are not stored again (nor where a caller's own ``wait_for_layer`` timeout runs out). A block
-gone between the lookup and the load (evicted, deleted) leaves the blocks before it reused and
-the rest computed, and stored again.
+that much: its prompt is computed whole and nothing is stored back (a WARNING for the first such
+request, then one a minute, an INFO line once it answers: ``kdn.ratelog``). A load has a
+deadline of its own (``LOAD_DEADLINE_X`` times its predicted TTFT, at least
+``lookup_timeout_s``): a server that stalls after the lookup costs a request that, after which
+the load is cancelled, the prompt computed whole (``Timings.load_error``: DeadlineExceeded) and
+the encoding left out for a while, as a failed load's (``LoadingController.observe_failure``),
+but its blocks, only late, are not stored again (nor where a caller's own ``wait_for_layer``
+timeout runs out). A block gone between the lookup and the load (evicted, deleted) leaves the
+blocks before it reused and the rest computed, and stored again.
 
 What it stores: ``EngineConfig.encodings``, or by default what pays off on the model's device
 and the path its hits take (``kdn.delivery.default_encodings``: ``lossless`` on a CPU, ``raw``
@@ -123,6 +124,7 @@ from kdn.model.hf import (
     prompt_limits,
     stop_tokens,
 )
+from kdn.ratelog import Outage
 
 log = logging.getLogger(__name__)
 
@@ -149,6 +151,7 @@ class KDNEngine(KVConnector):
         self._vocabulary, self._context = prompt_limits(model)  # InvalidArgument: unsupported
         self.tokenizer = tokenizer
         self.client = client
+        self._outage = Outage(log, f"kdn: the server {client.address} answers again")
         self.config = config or EngineConfig()
         if not self.config.namespace:  # the client's
             self.config = dataclasses.replace(self.config, namespace=getattr(
@@ -255,10 +258,11 @@ class KDNEngine(KVConnector):
         try:
             self.client.lookup([_PING], namespace=self.namespace,
                                timeout_s=self._lookup_timeout())
-        except Exception as exc:
-            log.warning("kdn: the server %s does not answer (%s); going on without it",
-                        self.client.address, exc)
+        except Exception as exc:  # a WARNING per outage, not per request (``Outage``)
+            self._outage.failed("kdn: the server %s does not answer (%s); going on without it",
+                                self.client.address, exc)
             return False
+        self._outage.answered()
         return True
 
     def _link(self) -> tuple[str, str]:
@@ -308,6 +312,7 @@ class KDNEngine(KVConnector):
         infos = self.client.lookup([k for n in names for k in asked[n]],
                                    namespace=self.namespace,
                                    timeout_s=self._lookup_timeout()).infos
+        self._outage.answered()
         rows = {name: infos[j * len(chain) : (j + 1) * len(chain)]
                 for j, name in enumerate(names)}
         hits = {name: next((i for i, info in enumerate(row) if not info.present), len(row))
@@ -329,7 +334,7 @@ class KDNEngine(KVConnector):
         try:
             return self._present(chain)[0] * self.config.chunk_tokens
         except Exception as exc:  # nothing can be loaded from a server that does not answer
-            log.warning("kdn: lookup failed (%s); nothing matched", exc)
+            self._outage.failed("kdn: lookup failed (%s); nothing matched", exc)
             return 0
 
     def _load_failure(self, exc: BaseException, encoding: str) -> None:
@@ -375,7 +380,7 @@ class KDNEngine(KVConnector):
             hits, stored, local, asked = self._present(chain)
         except Exception as exc:  # not reached, or too slow: the prompt is computed whole
             t.lookup_s = time.perf_counter() - t0
-            log.warning("kdn: lookup failed (%s); computing the prompt", exc)
+            self._outage.failed("kdn: lookup failed (%s); computing the prompt", exc)
             t.load_error = f"{type(exc).__name__}: {exc}"
             self._unreachable = True  # nor is anything stored back
             return 0

@@ -36,12 +36,12 @@ import dataclasses
 import enum
 import logging
 import threading
-import time
 from collections.abc import Callable
 from typing import TypeVar
 
 from kdn import tracing
 from kdn.errors import KDNError, PartlyUnavailable, TierUnavailable
+from kdn.ratelog import Throttle, unsaid
 from kdn.store.base import Tier, TierStats
 
 log = logging.getLogger(__name__)
@@ -74,8 +74,7 @@ class TierHealth:
         not taken: a disk full, a Redis cluster master that does not answer)."""
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._warned: dict[tuple[str, str], tuple[float, int]] = {}  # (until, unsaid since)
-        self._warned_lock = threading.Lock()
+        self._warned = Throttle(WARN_EVERY_S)  # kinds: (tier, error type)
 
     # -- marks ----------------------------------------------------------------------------------
 
@@ -202,17 +201,14 @@ class TierHealth:
         """A failed call logged: a WARNING (an ERROR with its traceback where ``exc`` is no
         kdn error) where it is the first of its kind (tier, error type) in ``WARN_EVERY_S``,
         naming how many such went unsaid since; else at DEBUG."""
-        now, kind = time.monotonic(), (name, type(exc).__name__)
-        with self._warned_lock:
-            until, unsaid = self._warned.get(kind, (0.0, 0))
-            self._warned[kind] = (until, unsaid + 1) if now < until else (now + WARN_EVERY_S, 0)
-        if now < until:
+        n = self._warned.admit((name, type(exc).__name__))
+        if n is None:
             log.debug("tier %s: %s failed: %s", name, what, exc)
             return
         bug = not isinstance(exc, KDNError)
         log.log(logging.ERROR if bug else logging.WARNING, "tier %s: %s failed%s: %s%s", name,
                 what, " unexpectedly (a bug)" if bug else "", exc,
-                f" ({unsaid} more such failures since the last warning)" if unsaid else "",
+                unsaid(n),
                 exc_info=exc if bug else None)
 
     def guard(self, tier: Tier, fn: Callable[[], T], what: str) -> T | None:

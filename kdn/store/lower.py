@@ -35,12 +35,11 @@ first tier took the value (readers would be served a value whose store failed).
 from __future__ import annotations
 
 import logging
-import threading
-import time
 from collections.abc import Callable
 from functools import partial
 
 from kdn.errors import KDNError, TierUnavailable, TooLarge
+from kdn.ratelog import Throttle, unsaid
 from kdn.store.base import Tier
 from kdn.store.framed import Framed, contiguous
 from kdn.store.health import WARN_EVERY_S, Fault, TierHealth, failure
@@ -57,8 +56,7 @@ class LowerWrites:
         self._health = health
         self._queues = queues
         self._count = count
-        self._unsaid_lock = threading.Lock()
-        self._unsaid: dict[str, tuple[float, int]] = {}  # tier: (next ERROR's time, unsaid)
+        self._unsaid = Throttle(WARN_EVERY_S)  # kinds: (tier, what went unsaid)
 
     def write(self, tier: Tier, key: bytes, value: bytes | Framed, ttl: float | None,
               expiry: float, sync: bool, required: bool,
@@ -170,17 +168,13 @@ class LowerWrites:
 
     def _stale_kept(self, tier: Tier, key: bytes) -> None:
         self._count(f"{tier.name}.delete_dropped")
-        now = time.monotonic()
-        with self._unsaid_lock:
-            until, unsaid = self._unsaid.get(tier.name, (0.0, 0))
-            self._unsaid[tier.name] = (until, unsaid + 1) if now < until else \
-                (now + WARN_EVERY_S, 0)
-        if now < until:
+        n = self._unsaid.admit((tier.name, "delete"))
+        if n is None:
             return
         log.error("tier %s: the delete of %r could not be queued (the queue is full); the "
                   "tier may serve an older copy of it once it is back%s", tier.name, key,
-                  f" ({unsaid} more such deletes since the last such line, "
-                  f"{tier.name}.delete_dropped counts them)" if unsaid else "")
+                  unsaid(n, "such deletes", f"since the last such line, {tier.name}.delete_dropped "
+                         "counts them"))
 
 
 def _queued(q: WriteQueue, key: bytes, value: object) -> bool:
