@@ -40,12 +40,12 @@ class Throttle:
             self._kinds[kind] = (now + self.every_s, 0)
             return unsaid
 
-    def forget(self, kind: Hashable) -> int | None:
-        """End a run of ``kind`` (the failure is over: its next line is logged at once); the
-        number that went unsaid since its last line, None where none of it was logged."""
+    def clear(self) -> int | None:
+        """End every kind's run (the failures are over: the next line of each is logged at
+        once); how many went unsaid since their last lines, None where none was logged."""
         with self._lock:
-            got = self._kinds.pop(kind, None)
-        return None if got is None else got[1]
+            got, self._kinds = self._kinds, {}
+        return sum(n for _, n in got.values()) if got else None
 
 
 def unsaid(n: int, what: str = "such failures", since: str = "since the last warning") -> str:
@@ -56,22 +56,25 @@ def unsaid(n: int, what: str = "such failures", since: str = "since the last war
 class Outage:
     """Calls to a peer that does not answer (a server down): the first failure a WARNING, then
     one at most every ``every_s`` naming how many went unsaid (the others at DEBUG); the first
-    call answered after them one INFO line, ``back``. Thread-safe."""
+    call answered after them one INFO line, ``back``. Failures of several kinds (a lookup's, a
+    store's) are throttled apart. Thread-safe."""
 
     def __init__(self, log: logging.Logger, back: str, every_s: float = EVERY_S) -> None:
         self.log, self.back = log, back
         self._throttle = Throttle(every_s)
 
-    def failed(self, msg: str, *args: object) -> None:
-        """One more failed call: ``msg % args`` logged, as a WARNING where one is due."""
-        n = self._throttle.admit("down")
+    def failed(self, msg: str, *args: object, kind: Hashable = "",
+               exc_info: BaseException | bool | None = None) -> None:
+        """One more failed call of ``kind``: ``msg % args`` logged, as a WARNING (with
+        ``exc_info``) where one is due, else at DEBUG."""
+        n = self._throttle.admit(kind)
         if n is None:
             self.log.debug(msg, *args)
         else:
-            self.log.warning(msg + "%s", *args, unsaid(n, "such failures"))
+            self.log.warning(msg + "%s", *args, unsaid(n, "such failures"), exc_info=exc_info)
 
     def answered(self) -> None:
         """A call answered: where calls failed before it, ``back`` is logged at INFO."""
-        n = self._throttle.forget("down")
+        n = self._throttle.clear()
         if n is not None:
             self.log.info("%s%s", self.back, unsaid(n, "such failures"))

@@ -1,7 +1,7 @@
 """The kdn HiCache backend's host indices and its quiet paths, against a real kdn server: a page
 whose host indices do not name one whole page of the host pool is refused alone (never a short
-or wrong page stored under its key), a server that is down is a warning without a traceback,
-and reading a ``raw`` page prints no torch warning.
+or wrong page stored under its key), a server that is down is a warning without a traceback
+(one per kind of call, not one per batch), and reading a ``raw`` page prints no torch warning.
 
 Skipped when sglang is not installed (``scripts/bootstrap.sh test`` installs it).
 """
@@ -65,6 +65,26 @@ def test_a_write_with_the_server_down_is_one_warning_line(
             assert b.batch_set_v1(KEYS[:2], pool.indices([0, 1])) == [False, False]
         logged = [r for r in caplog.records if r.name == "kdn.integrations.sglang"]
         assert logged and all(r.levelno == logging.WARNING and not r.exc_info for r in logged)
+    finally:
+        b.close()
+
+
+def test_a_server_down_is_one_warning_per_kind_of_call_not_one_per_batch(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Every batch SGLang asked about logged a WARNING while the server was down (prefetch and
+    backup run all the time: lines without end); now one per kind of call, the rest at DEBUG."""
+    pool = HostPool("layer_first", 4, seed=6, **SMALL)  # type: ignore[arg-type]
+    b = kdn_backend(pool, "127.0.0.1:1", timeout_s=2.0)  # nothing listens there
+    try:
+        with caplog.at_level(logging.DEBUG, logger="kdn.integrations"):
+            for _ in range(10):
+                assert b.batch_exists(KEYS[:2]) == 0
+                assert b.batch_set_v1(KEYS[:2], pool.indices([0, 1])) == [False, False]
+        warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING
+                  and r.name.startswith("kdn.")]
+        assert len(warned) == 2 and "lookup of 2 pages failed" in warned[0], warned
+        assert "storing 2 pages failed" in warned[1]
+        assert b.stats().errors == 20  # every one counted still
     finally:
         b.close()
 

@@ -5,6 +5,8 @@ classes and the replay of ``tests.test_vllm``)."""
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import os
 import threading
 import time
@@ -67,3 +69,42 @@ def test_a_silent_server_holds_waiting_requests_one_lookup_deadline_at_most(
             gate.set()
             s.shutdown()
             w.shutdown()
+
+
+def test_a_stopped_server_is_one_warning_then_one_info_line(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A server that refuses connections (stopped: UNAVAILABLE, at once) is said once: each of
+    20 requests logged a WARNING; once it answers again (started again on its port), one INFO
+    line."""
+    cfg = ServerConfig(port=0, data_dir=tmp_path / "data", ram_bytes=64 << 20, disk_bytes=0,
+                       shutdown_grace_s=1.0)
+    with ServerThread(cfg) as st:
+        s, w = both(st.address, encodings=["raw"], lookup_threads=1, lookup_timeout_s=0.3,
+                    timeout_s=5.0)
+        port = int(st.address.rsplit(":", 1)[1])
+    try:
+        with caplog.at_level(logging.INFO, logger="kdn.integrations"):
+            t0 = time.monotonic()
+            for i in range(20):
+                r = Replay.new_request(None, f"r{i}", prompt(30 + i, 17))  # type: ignore[arg-type]
+                assert eventually(lambda r=r: s.get_num_new_matched_tokens(r, 0)[0] == 0, 10)
+            assert time.monotonic() - t0 < 5  # refused at once
+            warned = [x for x in _kdn(caplog) if x.levelno >= logging.WARNING]
+            assert len(warned) == 1 and "UNAVAILABLE" in warned[0].getMessage()
+            with ServerThread(dataclasses.replace(cfg, port=port)):
+                late = iter(range(1000))
+
+                def back() -> bool:  # a new request each time: each is looked up once
+                    r = Replay.new_request(None, f"late{next(late)}",  # type: ignore[arg-type]
+                                           prompt(60, 17))
+                    eventually(lambda: s.get_num_new_matched_tokens(r, 0)[0] is not None, 5)
+                    return any("answers lookups again" in x.getMessage() for x in _kdn(caplog))
+                assert eventually(back, 20)
+        assert [x.levelno for x in _kdn(caplog) if x.levelno > logging.INFO] == [logging.WARNING]
+    finally:
+        s.shutdown()
+        w.shutdown()
+
+
+def _kdn(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
+    return [x for x in caplog.records if x.name.startswith("kdn.")]

@@ -26,6 +26,10 @@ Lifecycle, as SGLang drives it:
 3. Backup (another thread): ``batch_set_v1(keys, host_indices)`` writes pages of the host pool.
 4. ``get_stats()`` (when SGLang's storage metrics are on), ``clear()``, ``close()``.
 
+No call raises into SGLang: a failed one is counted and logged, a WARNING for the first of its
+kind then one a minute (``kdn.ratelog.Outage``: a server down fails every batch), and one INFO
+line when the server answers a lookup again.
+
 Design: one kdn entry per page. SGLang asks about, reads and writes pages one key at a time
 and in any grouping (a later request may share only the first pages of an earlier batch, and
 eviction on either side drops single pages), so an entry holding a group of pages would need a
@@ -85,6 +89,7 @@ from kdn.integrations.sglang_config import KDNBackendConfig
 from kdn.integrations.sglang_pages import LAYOUTS, HostPages
 from kdn.layout import KVLayout
 from kdn.options import StoreOptions
+from kdn.ratelog import Outage
 
 __all__ = ["LAYOUTS", "MIN_CHUNK_PAGES", "KDNBackendConfig", "KDNHiCacheStorage", "KDNStats"]
 
@@ -161,6 +166,7 @@ class KDNHiCacheStorage(HiCacheStorage):
         self._stats = KDNStats()
         self._window = _Window()
         self._unreadable: dict[bytes, None] = {}  # kdn keys, oldest first (MAX_UNREADABLE)
+        self._outage = Outage(logger, "kdn: the server answers again")  # failures throttled
 
     # -- the host pool ----------------------------------------------------------------------------
 
@@ -244,7 +250,8 @@ class KDNHiCacheStorage(HiCacheStorage):
             try:
                 got = self.client.fetch_many([kdn[j] for j in span])
             except KDNError as err:
-                logger.warning("kdn: fetching %d pages failed: %s", len(span), err)
+                self._outage.failed("kdn: fetching %d pages failed: %s", len(span), err,
+                                    kind=("fetch", type(err).__name__))
                 self._count(errors=1)
                 return [False] * len(span)
             out = []
@@ -282,8 +289,9 @@ class KDNHiCacheStorage(HiCacheStorage):
             present = [i.present and not self._is_unreadable(k)
                        for k, i in zip(kdn, self.client.lookup(kdn).infos)]
         except Exception as err:  # a KDNError (server down...) is routine: no traceback
-            logger.warning("kdn: storing %d pages failed: %s", len(keys_), err,
-                           exc_info=not isinstance(err, KDNError))
+            self._outage.failed("kdn: storing %d pages failed: %s", len(keys_), err,
+                                kind=("store", type(err).__name__),
+                                exc_info=not isinstance(err, KDNError))
             self._count(errors=1)
             return [False] * len(keys_)
         first: dict[bytes, int] = {}  # a page named twice in one batch is stored once
@@ -297,7 +305,8 @@ class KDNHiCacheStorage(HiCacheStorage):
                 self.client.store_many([(kdn[j], e) for j, e in zip(idx, enc)],
                                        options=self.options)
             except Exception as err:  # encode or store: no page of this chunk is stored
-                logger.warning("kdn: storing %d pages failed: %s", len(idx), err)
+                self._outage.failed("kdn: storing %d pages failed: %s", len(idx), err,
+                                    kind=("store", type(err).__name__))
                 self._count(errors=1)
                 return [(j, False) for j in idx]
             self._count(stored_bytes=sum(e.nbytes for e in enc))
@@ -493,10 +502,12 @@ class KDNHiCacheStorage(HiCacheStorage):
             if not kdn:
                 return 0
             hits = self.client.lookup(kdn, prefix_chain=True).prefix_hits
+            self._outage.answered()
             return next((j for j in range(hits) if self._is_unreadable(kdn[j])), hits)
         except Exception as err:  # raised into SGLang, it would end the prefetch thread
-            logger.warning("kdn: lookup of %d pages failed: %s", len(keys), err,
-                           exc_info=not isinstance(err, KDNError))
+            self._outage.failed("kdn: lookup of %d pages failed: %s", len(keys), err,
+                                kind=("lookup", type(err).__name__),
+                                exc_info=not isinstance(err, KDNError))
             self._count(errors=1)
             return 0
 

@@ -12,7 +12,9 @@ Lifecycle of one request here:
    request's chunks are saved from chunk 0 on). Nothing here waits on the server. A lookup
    has ``lookup_timeout_s``; once one passes it, lookups answer 0 without asking for
    ``BACKOFF_TIMES`` that long (a silent server would hold each waiting request for its own
-   deadline, ``lookup_threads`` at a time).
+   deadline, ``lookup_threads`` at a time; a stopped one refuses at once). A failed lookup is
+   a WARNING for the first of its kind, then one a minute (``kdn.ratelog.Outage``), and one
+   INFO line when the server answers again.
 2. ``allocated(request, block_ids, n)``: the lookup is consumed; with ``n > 0`` a ``LoadSpec``
    is queued for the next step. The request's ``_Tracked`` state (prompt length, keys, blocks,
    the next chunk to save) starts here.
@@ -58,6 +60,7 @@ from kdn.integrations.vllm_meta import (
     PagedShape,
     SaveSpec,
 )
+from kdn.ratelog import Outage
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -138,6 +141,7 @@ class SchedulerSide:
         self._lossy: set[int] = set()
         self._epoch = b""  # reset(): drawn anew, mixed into every key
         self._down_until = 0.0  # monotonic: lookups answer misses until then (BACKOFF_TIMES)
+        self._outage = Outage(log, "kdn: the server answers lookups again")
 
     # -- lookups ------------------------------------------------------------------------------
 
@@ -154,6 +158,7 @@ class SchedulerSide:
         try:
             with deadline_within(self.config.lookup_timeout_s):
                 infos = self.client.lookup(asked, namespace=self.config.namespace).infos
+            self._outage.answered()
         except Exception as exc:  # the server unreachable or failing: a miss, never an error;
             # the chains are known, so the chunks are still saved once computed
             self._failed_lookup(request.request_id, exc)
@@ -182,17 +187,19 @@ class SchedulerSide:
         return _Found(chains, best if choice != RECOMPUTE else 0, choice, stored)
 
     def _failed_lookup(self, rid: str, exc: Exception) -> None:
+        """A lookup failed: logged (``Outage``: once, then once a minute); where the server
+        did not answer in time (stalled) lookups are not tried for a while. A refused
+        connection (UNAVAILABLE) fails at once, as does a server's blip: no back-off."""
         if not isinstance(exc, (DeadlineExceeded, TimeoutError)):  # an answer, if an error
-            log.warning("kdn: lookup of request %s failed: %s", rid, exc)
+            self._outage.failed("kdn: lookup of request %s failed: %s", rid, exc,
+                                kind=type(exc).__name__)
             return
         backoff = BACKOFF_TIMES * self.config.lookup_timeout_s
         with self._lock:
-            was_down = time.monotonic() < self._down_until
             self._down_until = time.monotonic() + backoff
-        if not was_down:
-            log.warning("kdn: the server did not answer the lookup of request %s within "
-                        "lookup_timeout_s (%.3g s): lookups answer misses for %.3g s (%s)",
-                        rid, self.config.lookup_timeout_s, backoff, exc)
+        self._outage.failed("kdn: the server did not answer the lookup of request %s within "
+                            "lookup_timeout_s (%.3g s): lookups answer misses for %.3g s at a "
+                            "time (%s)", rid, self.config.lookup_timeout_s, backoff, exc)
 
     def _path(self) -> str:
         try:
