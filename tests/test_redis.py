@@ -6,6 +6,7 @@ Redis stopped (SIGSTOP: one timeout per call, not one per retry), and Redis refu
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import signal
@@ -206,7 +207,9 @@ def test_two_servers_share_a_cluster(redis_cluster: RedisCluster3, tmp_path: Pat
 # -- Redis stopped mid-run -------------------------------------------------------------------
 
 
-def test_redis_killed_and_restarted(redis_server: RedisServer, tmp_path: Path) -> None:
+def test_redis_killed_and_restarted(redis_server: RedisServer, tmp_path: Path,
+                                    caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="kdn.server")
     cfg = ServerConfig(port=0, data_dir=tmp_path / "d", redis_url=redis_server.url,
                        redis_part_bytes=8192, redis_timeout_s=0.5, shutdown_grace_s=2)
     before, during = _entries(10), _entries(10, start=100)
@@ -236,6 +239,13 @@ def test_redis_killed_and_restarted(redis_server: RedisServer, tmp_path: Path) -
         redis_server.start()  # same port, AOF (appendfsync always) brings the data back
         assert _eventually(lambda: c.health("kdn.v1.KDN") == "SERVING")
         assert store.flush(10)  # the writes queued while Redis was down land now
+
+        def said() -> list[tuple[str, str]]:  # the recovery no WARNING (alerts fire on those)
+            return [(r.levelname, r.getMessage()) for r in caplog.records
+                    if r.getMessage().startswith("store health")]
+        assert _eventually(lambda: len(said()) == 2)
+        assert said() == [("WARNING", "store health: local tiers ok, degraded"),
+                          ("INFO", "store health: local tiers ok, all tiers up")]
 
     # A second server with only RAM + Redis sees every entry: nothing acknowledged was lost.
     cfg_b = ServerConfig(port=0, data_dir=tmp_path / "b", redis_url=redis_server.url,

@@ -13,6 +13,7 @@ Health (the standard gRPC health service): ``""`` is SERVING while the local tie
 work; ``kdn.v1.KDN`` is SERVING while every tier works and NOT_SERVING while the store is
 degraded (e.g. Redis down: the server still serves from RAM and disk). Load balancers should
 watch ``""``; ``kdn.v1.KDN`` and the Stats RPC (``healthy`` per tier, ``store.degraded``) say why.
+Each change is logged: a WARNING where it got worse, an INFO line where it got better.
 """
 
 from __future__ import annotations
@@ -189,9 +190,11 @@ async def _watch_health(store: TieredStore, servicer: health.aio.HealthServicer)
         if state != last:
             await servicer.set("", serving if state[0] else not_serving)
             await servicer.set(SERVICE_NAME, not_serving if state[1] else serving)
-            if last is not None:
-                log.warning("store health: local tiers %s, %s", "ok" if state[0] else "DOWN",
-                            "degraded" if state[1] else "all tiers up")
+            if last is not None:  # a WARNING where it got worse, a recovery at INFO
+                worse = (last[0] and not state[0]) or (state[1] and not last[1])
+                log.log(logging.WARNING if worse else logging.INFO, "store health: local "
+                        "tiers %s, %s", "ok" if state[0] else "DOWN",
+                        "degraded" if state[1] else "all tiers up")
             last = state
         await asyncio.sleep(HEALTH_POLL_S)
 
