@@ -17,7 +17,7 @@ import pytest
 
 from kdn import keys
 from kdn.client import Client
-from kdn.errors import ConfigError
+from kdn.errors import ConfigError, TierUnavailable
 from kdn.server import ServerConfig, build_store
 from kdn.server.config import _WHO_MAY_ENTER, load_config, parse_size
 from kdn.store.tiered import WritePolicy
@@ -181,7 +181,8 @@ def test_tiers_that_can_not_be_built_are_named_in_one_line(tmp_path: Path) -> No
                        redis_timeout_s=0.5, redis_retries=0)
     store = build_store(cfg)
     try:
-        assert not next(t for t in store.tiers if t.name == "redis").healthy()
+        with pytest.raises(TierUnavailable, match="does not answer: ConnectionError"):
+            next(t for t in store.tiers if t.name == "redis").healthy()
     finally:
         store.close()
     with RedisServer(tmp_path, appendonly=False, extra=("--rename-command", "CONFIG", "")) as r:

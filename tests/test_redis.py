@@ -29,6 +29,7 @@ from tests.helpers import eventually, random_kv, sigstop, uniform_layout
 from tests.redis_servers import (  # noqa: F401
     RedisCluster3,
     RedisServer,
+    free_port,
     redis_cluster_fixture,
     redis_server_fixture,
 )
@@ -255,6 +256,21 @@ def test_redis_killed_and_restarted(redis_server: RedisServer, tmp_path: Path,
             hit = c.fetch(key)
             assert hit is not None and hit.tier == "redis"
             assert c.retrieve(key).equal(kv)  # type: ignore[union-attr]
+
+
+def test_a_redis_down_at_start_is_logged_with_its_url_and_why(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The only line was "tier redis is down (health probe failed)": no address, no cause."""
+    port = free_port()  # nothing listens there
+    cfg = ServerConfig(port=0, data_dir=tmp_path / "d", disk_bytes=0, shutdown_grace_s=1,
+                       redis_url=f"redis://:secret@127.0.0.1:{port}", redis_timeout_s=0.2)
+    with caplog.at_level(logging.WARNING, logger="kdn.store"), ServerThread(cfg):
+        def down() -> list[str]:
+            return [r.getMessage() for r in caplog.records if "is down" in r.getMessage()]
+        assert _eventually(lambda: bool(down()))
+    assert len(down()) == 1, down()
+    assert f"redis at redis://***@127.0.0.1:{port} does not answer: ConnectionError" in down()[0]
+    assert "refused" in down()[0] and "secret" not in caplog.text
 
 
 def test_the_write_queue_of_a_stopped_redis_stays_within_its_byte_budget(

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from kdn.errors import ConfigError
+from kdn.errors import ConfigError, TierUnavailable
 from kdn.server.app import build_store
 from kdn.server.config import ServerConfig
 from kdn.store.redis import RedisTier
@@ -38,7 +38,8 @@ def test_a_standalone_redis_down_at_start_gets_the_budget_once_back(tmp_path: Pa
         r.kill()
         tier = RedisTier(r.url, capacity_bytes=BUDGET)
         try:
-            assert not tier.healthy()
+            with pytest.raises(TierUnavailable, match="does not answer: ConnectionError"):
+                tier.healthy()
             r.start()
             assert tier.healthy()
             assert _budget_of(r) == (BUDGET, "allkeys-lru")

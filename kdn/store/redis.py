@@ -59,13 +59,14 @@ import redis
 import xxhash
 from redis.cluster import RedisCluster
 
-from kdn.errors import KDNError, PartlyUnavailable, TooLarge
+from kdn.errors import KDNError, PartlyUnavailable, TierUnavailable, TooLarge
 from kdn.options import MAX_TTL_S
 from kdn.store.base import Tier, TierStats
 from kdn.store.redis_errors import REDIS_ERRORS, said, wrap
 from kdn.store.redis_masters import ReplicasShort
 from kdn.store.redis_stats import held
 from kdn.store.redis_transport import RedisTransport
+from kdn.store.redis_urls import shown_url
 
 __all__ = ["GRACE_S", "HEADER_BYTES", "MAX_BULK_BYTES", "MAX_TTL_S", "PENDING_TTL_S",
            "RedisTier", "ReplicasShort"]
@@ -526,20 +527,22 @@ class RedisTier(Tier):
         """Up while Redis answers; for a cluster, while any master does (``degraded`` says
         whether some do not: their slots' keys then miss, and writes there are refused). With
         a byte budget, a master that lacks it (down when the tier started, restarted, or
-        promoted) gets it here. A standalone Redis that refuses kdn's login or TLS raises
-        ``TierUnavailable`` saying so."""
+        promoted) gets it here. A standalone Redis that does not answer raises
+        ``TierUnavailable`` naming its URL (no password) and why (refused, timed out, a name
+        not found, a refused login or TLS), which the probe logs."""
         try:
             if isinstance(self.client, RedisCluster):
                 ok, known = self.transport.primaries()
                 self.degraded = 0 < ok < known
             else:
                 ok = int(bool(self.client.ping()))
-        except REDIS_ERRORS as exc:
+        except (*REDIS_ERRORS, OSError) as exc:
             if said(exc):  # a refused login or TLS: the probe's log says so
                 raise wrap(exc) from exc
-            return False
-        except OSError:
-            return False
+            if isinstance(self.client, RedisCluster):
+                return False
+            raise TierUnavailable(f"redis at {shown_url(self.urls[0])} does not answer: "
+                                  f"{type(exc).__name__}: {exc}") from exc
         if ok and self.capacity_bytes:
             self.transport.keep_budget()
         if ok:
