@@ -5,6 +5,7 @@ tests/test_tiered.py."""
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -13,6 +14,7 @@ import lmdb
 import pytest
 
 from kdn.errors import KDNError, PartlyUnavailable, TooLarge
+from kdn.store import queue
 from kdn.store.framed import Framed
 from kdn.store.lmdb import LmdbTier
 from kdn.store.ram import RamTier
@@ -60,6 +62,31 @@ def test_a_write_its_part_of_a_tier_did_not_take_is_retried(policy: WritePolicy)
     store.put(b"x2", b"v2")
     store.close()
     assert store.counters.get("part.write_dropped") == 1 and not lower.contains(b"x2")
+
+
+def test_writes_dropped_with_the_queue_full_are_logged_and_retries_count_keys(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A part of the tier refusing writes for now (a full disk) with its queue full: the
+    writes past the queue were dropped with no line saying so (only "queued, retried until they
+    land"); now a WARNING, then one at most every ``WARN_EVERY_S`` saying how many went unsaid.
+    The retry warning's count is of keys, not of tries (one key retried again and again was
+    thousands of "writes")."""
+    monkeypatch.setattr(queue, "RETRY_S", 0.001)  # retried many times within the test
+    store = TieredStore([RamTier(1 << 20), _PartlyTier()], queue_entries=4, flush_timeout_s=0.2)
+    try:
+        with caplog.at_level(logging.WARNING, logger="kdn.store"):
+            store.put(b"x0", b"v")  # retried while the part is out
+            time.sleep(0.1)
+            for i in range(1, 40):
+                store.put(b"x%d" % i, b"v")
+        dropped = [r.getMessage() for r in caplog.records if "was dropped" in r.getMessage()]
+        assert len(dropped) == 1 and "its write queue is full" in dropped[0]
+        assert store.counters["part.write_dropped"] == 40 - 4
+        retried = [r.getMessage() for r in caplog.records if "not taken" in r.getMessage()]
+        assert len(retried) == 1 and retried[0].startswith("tier part: 1 write(s) not taken")
+        assert store.counters["part.write_retried"] > 4  # the tries, counted
+    finally:
+        store.close()
 
 
 class _PartlyDeletesTier(_PartlyTier):

@@ -24,8 +24,8 @@ that does not answer, a full disk), down is queued and retried until it lands
 (``<tier>.write_retried``); one ``Fault.PARTLY`` kept out also has the tier's older copy deleted
 (``clear_stale``, the queued value kept), as a kill or shutdown drops the queue, not that copy; a
 full queue falls back to a synchronous write where the tier is up; what none of that lands is
-dropped and counted (``<tier>.write_dropped``), and a delete that can not be queued either is
-counted (``<tier>.delete_dropped``) and logged: an ERROR per tier at most every
+dropped and counted (``<tier>.write_dropped``; a WARNING), and a delete that can not be queued
+either is counted (``<tier>.delete_dropped``) and logged (an ERROR): each per tier at most every
 ``WARN_EVERY_S``, saying how many went unsaid since (one Delete of many keys was a line each).
 A tier's error that is no kdn error (a bug's, in the tier or its client library) is a refusal
 (``TierHealth.attempt``): a write-through copy it kept out is dropped, never raised after the
@@ -87,7 +87,7 @@ class LowerWrites:
             fault = self._health.attempt(tier, write, what, reraise=required)
             if fault is Fault.PARTLY:  # the key's part of the tier is down: retried later
                 if not q.retry_later(key, PendingWrite(flat, expiry), what):
-                    self._dropped(tier, key, refused)  # the queue is full
+                    self._dropped(tier, key, refused, full=True)
                 elif refused is None:  # the retry dies with the process, the older copy not
                     self.clear_stale(tier, key, keep=flat)
                 else:
@@ -111,11 +111,21 @@ class LowerWrites:
             if self._health.attempt(tier, write, what) is None:
                 q.discard(key)
                 return True
-        self._dropped(tier, key, refused)
+        self._dropped(tier, key, refused, full=True)
         return False
 
-    def _dropped(self, tier: Tier, key: bytes, refused: list[Tier] | None) -> None:
+    def _dropped(self, tier: Tier, key: bytes, refused: list[Tier] | None,
+                 full: bool = False) -> None:
+        """``key``'s write to ``tier`` dropped (counted): refused (``TierHealth`` logged
+        that), or the tier did not take it now and its queue is ``full`` (logged here, a
+        WARNING per tier at most every ``WARN_EVERY_S``)."""
         self._count(f"{tier.name}.write_dropped")
+        n = self._unsaid.admit((tier.name, "write")) if full else None
+        if n is not None:
+            log.warning("tier %s: the write of %r was dropped: the tier does not take it now "
+                        "and its write queue is full%s", tier.name, key,
+                        unsaid(n, "such writes", f"since the last such line, "
+                               f"{tier.name}.write_dropped counts them"))
         if refused is None:
             self.clear_stale(tier, key)
         else:

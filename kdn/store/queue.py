@@ -89,7 +89,7 @@ class WriteQueue:
         """Keys waiting out a retry's backoff: key -> (monotonic time due, backoff)."""
         self.bytes = 0
         self._warned_at = 0.0
-        self._unwarned = 0
+        self._unwarned: set[bytes] = set()  # keys retried since the last warning
         self.cond = threading.Condition()
         self.closing = False
         self.deadline = 0.0
@@ -149,7 +149,7 @@ class WriteQueue:
         with self.cond:
             if key in self.pending:
                 self.later[key] = (time.monotonic() + RETRY_S, RETRY_S)
-        self._retried(what)
+        self._retried(key, what)
         return True
 
     def _defer(self, key: bytes, what: str) -> None:
@@ -160,20 +160,24 @@ class WriteQueue:
                 backoff = min(RETRY_MAX_S, 2 * self.later.get(key, (0.0, RETRY_S / 2))[1])
                 self.later[key] = (time.monotonic() + backoff, backoff)
                 self.pending.move_to_end(key)
-        self._retried(what)
+        self._retried(key, what)
 
-    def _retried(self, what: str) -> None:
+    def _retried(self, key: bytes, what: str) -> None:
+        """``key``'s write was not taken: counted (each try), and a WARNING at most every
+        ``WARN_EVERY_S`` naming how many keys (not tries) went so since the last."""
         self.count(f"{self.tier.name}.write_retried", 1)
         now = time.monotonic()
         with self.cond:
-            self._unwarned += 1
+            self._unwarned.add(key)
             if now - self._warned_at < WARN_EVERY_S and self._warned_at:
                 return
-            n, self._unwarned, self._warned_at = self._unwarned, 0, now
+            n, self._warned_at = len(self._unwarned), now
+            self._unwarned = set()
         log.warning("tier %s: %d write(s) not taken by a part of the tier that does not take "
                     "writes now (the last: %s: %s); queued, retried until they land (%d queued "
-                    "now)", self.tier.name, n, what,
-                    self.health.refused.get(self.tier.name, "no answer"), len(self.pending))
+                    "now; with the queue full, further writes are dropped: %s.write_dropped)",
+                    self.tier.name, n, what, self.health.refused.get(self.tier.name, "no answer"),
+                    len(self.pending), self.tier.name)
 
     def discard(self, key: bytes) -> PendingWrite | None:
         with self.cond:
