@@ -17,7 +17,7 @@ import pytest
 from kdn import keys
 from kdn.client import Client
 from kdn.client.admin import AdminClient
-from kdn.errors import KDNError, TooLarge
+from kdn.errors import InvalidArgument, KDNError, TooLarge
 from kdn.options import Durability, StoreOptions
 from kdn.server import ServerConfig, ServerThread
 from kdn.server.auth import digest
@@ -194,8 +194,8 @@ def test_usage_is_not_recounted_down_while_a_tier_holding_entries_is_down(
 
 def test_usage_is_not_recounted_down_while_a_cluster_master_is_down(tmp_path: Path) -> None:
     """Entries only a stopped Redis Cluster master holds (the tier stays up for the others'
-    slots) stay charged through a Gc, their pins stay, and the usage is counted exactly again
-    once the master answers."""
+    slots) stay charged through a Gc, and the usage is counted exactly again once the master
+    answers. (Such an entry can not be pinned: Redis does not keep pins.)"""
     auth = tmp_path / "tenants.yaml"
     auth.write_text(TENANTS % digest("key-ops"))
     auth.chmod(0o600)
@@ -219,14 +219,15 @@ def test_usage_is_not_recounted_down_while_a_cluster_master_is_down(tmp_path: Pa
                         if tier._master_of(keys.store_key("team-b", "default", k[0]))  # noqa: SLF001
                         == f"127.0.0.1:{n.port}")
             assert lost.proc is not None
-            a.pin([k[0]], tenant="team-b")
+            with pytest.raises(InvalidArgument, match="does not keep pins"):
+                a.pin([k[0]], tenant="team-b")
             sigstop(lost.proc.pid)
             try:
                 store.probe()
                 assert store.parts_down() == {"redis": [f"127.0.0.1:{lost.port}"]}
                 assert not a.gc().usage_recounted
                 assert _usage(server, "team-b") == used
-                assert store.is_pinned(keys.store_key("team-b", "default", k[0]))
+                assert not store.is_pinned(keys.store_key("team-b", "default", k[0]))
             finally:
                 lost.proc.send_signal(signal.SIGCONT)
             assert eventually(lambda: (store.probe(), auth_.usage_whole)[1], timeout=8)
