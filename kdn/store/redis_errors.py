@@ -108,10 +108,17 @@ def said(exc: BaseException) -> bool:
     return access_refused(exc) is not None or bool(_handshake(exc))
 
 
+_UNCOVERED = "All slots are not covered"
+"""How redis-py's cluster client begins the ``RedisClusterException`` it raises when the nodes
+that answered its slots query leave slots without a master (one master dead, a call's
+timeout making it query the map again): some masters answer, as PartlyUnavailable says."""
+
+
 def wrap(exc: BaseException, cluster: bool = False) -> KDNError:
     """The kdn error for a redis-py one (see the module docstring). In a cluster, a slot with
     no master in the map is PartlyUnavailable; no node answering at all (redis-py's
-    ``RedisClusterException``) is TierUnavailable: the probe lifts it once one answers."""
+    ``RedisClusterException``) is TierUnavailable: the probe lifts it once one answers; a map
+    that left some slots without a master (``_UNCOVERED``) is PartlyUnavailable."""
     if isinstance(exc, redis.exceptions.SlotNotCoveredError):
         return PartlyUnavailable(f"redis: {exc}")
     if isinstance(exc, redis.exceptions.MovedError) and not cluster:
@@ -123,6 +130,9 @@ def wrap(exc: BaseException, cluster: bool = False) -> KDNError:
     if refused is not None:
         return TierUnavailable(f"redis: {refused} ({type(exc).__name__}: {exc})")
     if isinstance(exc, redis.exceptions.RedisClusterException):
+        if str(exc).startswith(_UNCOVERED):  # the nodes that answered lack some slots' master
+            return PartlyUnavailable(f"redis: a master of the cluster does not answer, and "
+                                     f"its slots have no other yet: {exc}")
         return TierUnavailable(f"redis: no node of the cluster answers: {exc}")
     if pool_full(exc):
         return PartlyUnavailable(
