@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from kdn.checks import MAX_WAIT_S
 from kdn.client import LayerStream
 from kdn.codec.catalog import check_codec
 from kdn.delivery import RECOMPUTE
@@ -37,9 +38,9 @@ MAX_CHUNK_TOKENS = MAX_PREFIX_CHUNK
 one this long is larger than most prompts (and tens of GiB of KV on a large model)."""
 MAX_CALIBRATION_TOKENS = 1 << 17
 """The most tokens ``EngineConfig.calibration_tokens`` may name: a 128k-token prefill."""
-MAX_LOOKUP_TIMEOUT_S = 86400.0
-"""The longest ``EngineConfig.lookup_timeout_s`` (a day): a longer one is no deadline a
-call can carry (gRPC's and the clock's arithmetic overflow)."""
+MAX_LOOKUP_TIMEOUT_S = MAX_WAIT_S
+"""The longest ``EngineConfig.lookup_timeout_s`` (a day, as every kdn wait): a longer one is
+no deadline a call can carry (gRPC's and the clock's arithmetic overflow)."""
 
 
 def default_chunk_tokens(layout: KVLayout) -> int:
